@@ -1,0 +1,31 @@
+"""`save` and `load`, shaped like torch.save and torch.load, on top of a Repository."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ckptstore.hashing import CommitId
+from ckptstore.repo import Repository
+
+RepoLike = Repository | str | os.PathLike | None
+
+
+def _with_repo(repo: RepoLike, fn):
+    if isinstance(repo, Repository):
+        return fn(repo)
+    with Repository.open(repo) as opened:
+        return fn(opened)
+
+
+def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = None,
+         metrics: Mapping[str, float] | None = None, branch: str | None = None) -> CommitId:
+    """Commit `obj` (any nesting of tensors, containers and scalars) and return the commit id."""
+    return _with_repo(repo, lambda r: r.commit(obj, message=message, step=step, metrics=metrics, branch=branch))
+
+
+def load(ref: str = "HEAD", repo: RepoLike = None, map_location: str | None = None) -> Any:
+    """The state committed at `ref`, with tensors on `map_location` (default: the CPU)."""
+    device = str(map_location) if map_location is not None else None
+    return _with_repo(repo, lambda r: r.checkout(ref, device=device))

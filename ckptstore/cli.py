@@ -1,0 +1,291 @@
+"""`ckpt`: each command parses its arguments and calls one library function."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from typing import Any
+
+import click
+
+from ckptstore.errors import CkptError
+from ckptstore.repo import Repository, fsck, gc
+
+
+class BarProgress:
+    """A click progress bar on stderr, drawn only when stderr is a terminal."""
+
+    def __init__(self) -> None:
+        self.bar = None
+
+    def start(self, label: str, total: int) -> None:
+        if sys.stderr.isatty() and total > 64 << 20:
+            self.bar = click.progressbar(length=total, label=label, file=sys.stderr)
+            self.bar.__enter__()
+
+    def advance(self, amount: int) -> None:
+        if self.bar is not None:
+            self.bar.update(amount)
+
+    def finish(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def _open(ctx: click.Context) -> Repository:
+    repo = Repository.open(ctx.obj.get("repo"))
+    ctx.call_on_close(repo.close)
+    return repo
+
+
+def _metrics(values: tuple[str, ...]) -> dict[str, float]:
+    metrics = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        try:
+            metrics[key] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=NUMBER", param_hint="--metric")
+    return metrics
+
+
+@click.group()
+@click.option("--repo", envvar="CKPT_REPO", type=click.Path(file_okay=False), help="Repository folder.")
+@click.version_option(package_name="ckptstore")
+@click.pass_context
+def cli(ctx: click.Context, repo: str | None) -> None:
+    """A git-like store for training checkpoints."""
+    ctx.obj = {"repo": repo}
+
+
+@cli.command()
+@click.argument("path", default=".", type=click.Path(file_okay=False))
+@click.option("--max-chain", type=click.IntRange(0), help="Longest delta chain before a keyframe.")
+def init(path: str, max_chain: int | None) -> None:
+    """Create a repository in PATH (default: here)."""
+    from ckptstore.policy import EncodingSettings
+
+    settings = EncodingSettings() if max_chain is None else EncodingSettings(max_chain=max_chain)
+    with Repository.init(path, encoding=settings) as repo:
+        click.echo(f"Initialized empty ckptstore repository in {repo.dir}")
+
+
+@cli.command()
+@click.argument("path", type=click.Path())
+@click.option("-m", "--message", default="", help="Commit message.")
+@click.option("--step", type=int, help="Training step of this checkpoint.")
+@click.option("--metric", "metrics", multiple=True, help="KEY=NUMBER, repeatable.")
+@click.option("--branch", help="Commit to this branch (created at HEAD if new); HEAD stays.")
+@click.option("--allow-empty", is_flag=True, help="Record a commit even if nothing changed.")
+@click.option("--trust-pickle", is_flag=True, help="Unpickle arbitrary objects in PATH (only for files you trust).")
+@click.pass_context
+def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle) -> None:
+    """Store the checkpoint at PATH (torch.save file, safetensors file or Trainer folder)."""
+    repo = _open(ctx)
+    cid = repo.commit(path, message=message, step=step, metrics=_metrics(metrics), branch=branch,
+                      allow_empty=allow_empty, trust_pickle=trust_pickle, progress=BarProgress())
+    info = repo.commit_info(cid)
+    click.echo(f"[{cid[:12]}] {message}  ({_size(info.raw_bytes)} -> {_size(info.stored_bytes)} new)")
+
+
+@cli.command()
+@click.argument("ref")
+@click.option("-o", "--output", type=click.Path(), help="Write the checkpoint here; HEAD does not move.")
+@click.option("--force", is_flag=True, help="Overwrite files whose content is not in the store.")
+@click.pass_context
+def checkout(ctx, ref, output, force) -> None:
+    """Restore the checkpoint at REF (bit-exact) and move HEAD to it."""
+    repo = _open(ctx)
+    dest = repo.checkout_to(ref, output, force=force, progress=BarProgress())
+    click.echo(f"Restored {repo.resolve(ref)[:12]} to {dest}")
+
+
+@cli.command()
+@click.option("--graph", is_flag=True, help="Draw the history as a graph.")
+@click.option("--all", "all_refs", is_flag=True, help="Every branch and tag, not only HEAD.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def log(ctx, graph, all_refs, as_json) -> None:
+    """Show the history."""
+    repo = _open(ctx)
+    if as_json:
+        return _emit_json([c.to_json() for c in repo.log(all_refs=all_refs)])
+    if graph:
+        for line in repo.log_graph(all_refs=all_refs):
+            click.echo(line)
+        return None
+    labels = repo.decorations()
+    for info in repo.log(all_refs=all_refs):
+        deco = f" ({', '.join(labels[info.id])})" if info.id in labels else ""
+        when = datetime.datetime.fromtimestamp(info.created_at).isoformat(timespec="seconds")
+        click.echo(f"commit {info.id}{deco}\nDate:   {when}\nStep:   {info.step}")
+        if info.metrics:
+            click.echo("Metrics: " + ", ".join(f"{k}={v:g}" for k, v in info.metrics.items()))
+        click.echo(f"\n    {info.message}\n")
+    return None
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.argument("start", required=False, default="HEAD")
+@click.option("-d", "delete", help="Delete branch NAME.")
+@click.pass_context
+def branch(ctx, name, start, delete) -> None:
+    """List branches, create NAME at START, or delete one with -d."""
+    repo = _open(ctx)
+    if delete:
+        cid = repo.delete_branch(delete)
+        click.echo(f"Deleted branch {delete} (was {cid[:12]})")
+    elif name:
+        cid = repo.branch(name, start)
+        click.echo(f"Created branch {name} at {cid[:12]}")
+    else:
+        current, _ = repo.head()
+        for branch_name, cid in repo.branches().items():
+            click.echo(f"{'*' if branch_name == current else ' '} {branch_name} {cid[:12]}")
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.argument("ref", required=False, default="HEAD")
+@click.pass_context
+def tag(ctx, name, ref) -> None:
+    """List tags, or tag REF (default HEAD) as NAME."""
+    repo = _open(ctx)
+    if name:
+        click.echo(f"Tagged {repo.tag(name, ref)[:12]} as {name}")
+    else:
+        for tag_name, cid in repo.tags().items():
+            click.echo(f"{tag_name} {cid[:12]}")
+
+
+@cli.command()
+@click.argument("ref", default="HEAD")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def show(ctx, ref, as_json) -> None:
+    """Show one commit: metadata, files and tensors."""
+    data = _open(ctx).show(ref)
+    if as_json:
+        return _emit_json(data)
+    click.echo(f"commit {data['id']}\nparents {' '.join(p[:12] for p in data['parents']) or '-'}")
+    click.echo(f"step {data['step']}  metrics {data['metrics']}  source {data['source_path']}")
+    click.echo(f"raw {_size(data['raw_bytes'])}  stored {_size(data['stored_bytes'])}\n\n    {data['message']}\n")
+    for f in data["files"]:
+        click.echo(f"file {f['name'] or '.'} [{f['format']}] {_size(f['size'])} {f['note']}".rstrip())
+    for t in data["tensors"]:
+        click.echo(f"  {t['path']}  {t['dtype']} {tuple(t['shape'])}  {_size(t['stored_bytes'])} depth {t['depth']}")
+    return None
+
+
+@cli.command()
+@click.pass_context
+def status(ctx) -> None:
+    """Where HEAD is, and whether the checkpoint files still match it."""
+    report = _open(ctx).status()
+    where = f"On branch {report['branch']}" if report["branch"] else "HEAD detached"
+    click.echo(where + (f" at {report['head'][:12]}" if report["head"] else " (no commits yet)"))
+    for item in report["files"]:
+        click.echo(f"  {item['state']:>10}: {item['path']}")
+
+
+@cli.command()
+@click.argument("a")
+@click.argument("b")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--all", "show_all", is_flag=True, help="Also list unchanged tensors.")
+@click.pass_context
+def diff(ctx, a, b, as_json, show_all) -> None:
+    """Per tensor: changed or not, relative L2 change, stored bytes in B."""
+    rows = _open(ctx).diff(a, b)
+    if as_json:
+        return _emit_json([r.to_json() for r in rows])
+    for row in rows:
+        if row.status == "unchanged" and not show_all:
+            continue
+        rel = "" if row.relative_l2 is None else f" rel_l2={row.relative_l2:.3e}"
+        click.echo(f"{row.status:>9} {row.path} {row.dtype} {tuple(row.shape)}{rel} stored={_size(row.stored_bytes)}")
+    unchanged = sum(r.status == "unchanged" for r in rows)
+    click.echo(f"{len(rows) - unchanged} of {len(rows)} tensors differ")
+    return None
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def stats(ctx, as_json) -> None:
+    """Per commit raw bytes, newly stored bytes and ratio; totals."""
+    data = _open(ctx).stats()
+    if as_json:
+        return _emit_json(data)
+    click.echo(f"{'commit':<12} {'step':>8} {'raw':>12} {'stored':>12} {'ratio':>8}  message")
+    for row in data["commits"]:
+        click.echo(f"{row['id'][:12]} {row['step'] if row['step'] is not None else '-':>8} "
+                   f"{_size(row['raw_bytes']):>12} {_size(row['stored_bytes']):>12} {row['ratio']:>7.2f}x  "
+                   f"{row['message']}")
+    click.echo(f"total: {len(data['commits'])} commits, {_size(data['raw_bytes'])} of checkpoints in "
+               f"{_size(data['stored_bytes'])} on disk, {data['ratio']:.2f}x")
+    return None
+
+
+@cli.command("gc")
+@click.option("--prune", is_flag=True, help="Also delete commits no branch, tag or HEAD reaches.")
+@click.pass_context
+def gc_command(ctx, prune) -> None:
+    """Remove objects no commit needs (and leftovers of interrupted commits)."""
+    report = gc(_open(ctx), prune_unreachable=prune)
+    click.echo(f"removed {report.objects_removed} objects ({_size(report.bytes_removed)}), "
+               f"{report.tensors_removed} tensor records, {report.commits_removed} commits, "
+               f"{report.temp_files_removed} temp files")
+
+
+@cli.command("fsck")
+@click.option("--full", is_flag=True, help="Also decode every tensor and check it against its id.")
+@click.pass_context
+def fsck_command(ctx, full) -> None:
+    """Verify every stored object; list damaged objects and the commits they break."""
+    report = fsck(_open(ctx), full=full)
+    click.echo(f"checked {report.objects_checked} objects"
+               + (f", verified {report.tensors_verified} tensors" if full else ""))
+    for oid, problem in report.damaged_objects.items():
+        click.echo(f"damaged object {oid}: {problem}")
+    for cid, oids in report.broken_commits.items():
+        click.echo(f"broken commit {cid[:12]} (needs {', '.join(o[:12] for o in oids)})")
+    for tid in report.missing_records:
+        click.echo(f"missing tensor record {tid}")
+    if report.unreferenced_objects:
+        click.echo(f"{report.unreferenced_objects} unreferenced objects (run `ckpt gc` to remove them)")
+    if not report.ok:
+        raise SystemExit(1)
+    click.echo("ok")
+
+
+def main() -> None:
+    """Console entry point: CkptErrors print as one line and set the exit code."""
+    try:
+        cli(standalone_mode=False)
+    except CkptError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)

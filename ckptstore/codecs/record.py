@@ -1,0 +1,40 @@
+"""How one tensor is stored: codec, params, chunk objects and the base it is a residual against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptstore.hashing import ObjectId, TensorId
+
+
+@dataclass
+class Chunk:
+    """One independently decodable slice of a tensor's bytes."""
+
+    object_id: ObjectId
+    raw_bytes: int
+
+
+@dataclass
+class TensorRecord:
+    """The stored form of a tensor id; immutable once written."""
+
+    id: TensorId
+    dtype: str
+    shape: tuple[int, ...]
+    codec: str
+    params: dict[str, Any]
+    base_id: TensorId | None
+    depth: int
+    raw_bytes: int
+    stored_bytes: int
+    chunks: list[Chunk] = field(default_factory=list)
+
+    def chunk_offsets(self) -> list[int]:
+        """Byte offset of each chunk inside the tensor."""
+        offsets, cursor = [], 0
+        for chunk in self.chunks:
+            offsets.append(cursor)
+            cursor += chunk.raw_bytes
+        return offsets

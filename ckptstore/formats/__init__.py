@@ -1,0 +1,147 @@
+"""Checkpoint inputs and outputs: torch.save files, safetensors files and Trainer-style folders.
+
+A checkpoint is read into `CheckpointFile` records (one per file, each with a JSON skeleton) and
+one flat dict of raw tensors keyed by logical path; checkout reverses it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptstore.errors import CheckpointFormatError
+from ckptstore.formats import safetensors_file, torchfile
+from ckptstore.formats.atomic import write_parts
+from ckptstore.state import RawTensor, escape, flatten, join, raw_from_bytes, unflatten
+
+TORCH, SAFETENSORS, BLOB = "torch", "safetensors", "blob"
+TORCH_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar"}
+BLOB_PATH = "%blob"
+
+
+@dataclass
+class CheckpointFile:
+    """One file of a checkpoint: its name inside the checkpoint ("" for a lone file) and skeleton."""
+
+    name: str
+    format: str
+    skeleton: Any
+    size: int = 0
+    opaque_reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        record = {"name": self.name, "format": self.format, "skeleton": self.skeleton, "size": self.size}
+        if self.opaque_reason:
+            record["opaque_reason"] = self.opaque_reason
+        return record
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> CheckpointFile:
+        return cls(record["name"], record["format"], record["skeleton"], record.get("size", 0),
+                   record.get("opaque_reason", ""))
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint split for storage: kind is "file", "folder" or "state" (an in-memory object)."""
+
+    kind: str
+    files: list[CheckpointFile]
+    tensors: dict[str, RawTensor] = field(default_factory=dict)
+
+
+def from_state(obj: Any) -> Checkpoint:
+    """An in-memory training state, stored as if it were one torch.save file."""
+    flat = flatten(obj)
+    return Checkpoint("state", [CheckpointFile("", TORCH, flat.skeleton)], flat.tensors)
+
+
+def _read_blob(path: Path, prefix: str) -> tuple[Any, dict[str, RawTensor]]:
+    size = path.stat().st_size
+    data = np.memmap(path, dtype=np.uint8, mode="r") if size else np.empty(0, dtype=np.uint8)
+    entry = join(prefix, BLOB_PATH)
+    return ["blob", entry], {entry: raw_from_bytes(data)}
+
+
+def _read_file(path: Path, name: str, trust_pickle: bool, in_folder: bool) -> tuple[CheckpointFile, dict]:
+    prefix = escape(name) if name else ""
+    size = path.stat().st_size
+    if size and safetensors_file.looks_like_safetensors(path):
+        skeleton, tensors = safetensors_file.read(path, prefix)
+        return CheckpointFile(name, SAFETENSORS, skeleton, size), tensors
+    torch_like = size and torchfile.looks_like_torch_file(path)
+    if torch_like and (not in_folder or path.suffix in TORCH_SUFFIXES):
+        try:
+            flat = flatten(torchfile.load(path, trust_pickle), prefix)
+            return CheckpointFile(name, TORCH, flat.skeleton, size), flat.tensors
+        except CheckpointFormatError as exc:
+            if not (in_folder and "weights_only" in str(exc)):
+                raise
+            skeleton, tensors = _read_blob(path, prefix)
+            return CheckpointFile(name, BLOB, skeleton, size, "pickled objects, kept as bytes"), tensors
+    if not in_folder:
+        raise CheckpointFormatError(
+            f"{path} is not a checkpoint: expected a torch.save file, a safetensors file or a "
+            "Hugging Face Trainer checkpoint folder"
+        )
+    skeleton, tensors = _read_blob(path, prefix)
+    return CheckpointFile(name, BLOB, skeleton, size), tensors
+
+
+def read_checkpoint(path: str | os.PathLike, trust_pickle: bool = False) -> Checkpoint:
+    """Read a checkpoint file or folder from disk without copying tensor data where avoidable."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointFormatError(f"{path} does not exist")
+    if path.is_file():
+        record, tensors = _read_file(path, "", trust_pickle, in_folder=False)
+        return Checkpoint("file", [record], tensors)
+    if not path.is_dir():
+        raise CheckpointFormatError(f"{path} is neither a file nor a folder")
+    names = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+    if not names:
+        raise CheckpointFormatError(f"{path} is an empty folder, not a checkpoint")
+    checkpoint = Checkpoint("folder", [])
+    for name in names:
+        record, tensors = _read_file(path / name, name, trust_pickle, in_folder=True)
+        checkpoint.files.append(record)
+        checkpoint.tensors.update(tensors)
+    return checkpoint
+
+
+def file_state(record: CheckpointFile, value_of: Callable[[str], Any]) -> Any:
+    """The in-memory form of one file: nested state, dict of tensors, or bytes."""
+    if record.format == SAFETENSORS:
+        return safetensors_file.as_state(record.skeleton, value_of)
+    if record.format == BLOB:
+        return value_of(record.skeleton[1])
+    return unflatten(record.skeleton, value_of)
+
+
+def to_state(kind: str, files: list[CheckpointFile], value_of: Callable[[str], Any]) -> Any:
+    """The whole checkpoint in memory; a folder becomes {file name: file state}."""
+    if kind == "folder":
+        return {record.name: file_state(record, value_of) for record in files}
+    return file_state(files[0], value_of)
+
+
+def write_file(record: CheckpointFile, dest: Path, value_of: Callable[[str], Any],
+               raw_of: Callable[[str], RawTensor]) -> None:
+    """Write one file back: safetensors and blobs byte for byte, torch files via torch.save."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if record.format == TORCH:
+        torchfile.save(unflatten(record.skeleton, value_of), dest)
+    elif record.format == SAFETENSORS:
+        safetensors_file.write(dest, record.skeleton, raw_of)
+    else:
+        write_parts(dest, [raw_of(record.skeleton[1]).data])
+
+
+def destination(kind: str, record: CheckpointFile, dest: Path) -> Path:
+    """Where a file of the checkpoint goes when the checkpoint is written to `dest`."""
+    return dest / record.name if kind == "folder" else dest

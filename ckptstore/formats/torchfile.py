@@ -1,0 +1,71 @@
+"""torch.save files: loaded with weights_only=True (numpy RNG state allowed), written atomically."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptstore.errors import CheckpointFormatError
+from ckptstore.formats.atomic import atomic_write
+
+ZIP_MAGIC = b"PK\x03\x04"
+PICKLE_MAGIC = b"\x80"
+
+
+def _numpy_safe_globals() -> list:
+    """What torch needs to rebuild numpy arrays (numeric dtypes only, never object arrays)."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    excluded = {"ObjectDType", "VoidDType", "StringDType"}
+    dtypes = [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType") and n not in excluded]
+    return [np.ndarray, _reconstruct, np.dtype, *dtypes]
+
+
+def looks_like_torch_file(path: str | os.PathLike) -> bool:
+    """A zip archive (torch >= 1.6) or a legacy pickle stream."""
+    with open(path, "rb") as handle:
+        head = handle.read(4)
+    return head == ZIP_MAGIC or head[:1] == PICKLE_MAGIC
+
+
+def load(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
+    """Load a torch.save file onto the CPU without running arbitrary pickled code.
+
+    `trust_pickle=True` is the user's explicit permission to unpickle any object in the file.
+    """
+    import torch
+
+    path = Path(path)
+    if not looks_like_torch_file(path):
+        raise CheckpointFormatError(f"{path} is not a torch.save file (no zip or pickle header)")
+    mmap = zipfile.is_zipfile(path)
+    try:
+        if trust_pickle:
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+        with torch.serialization.safe_globals(_numpy_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        first_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+        raise CheckpointFormatError(
+            f"{path} holds objects that are not plain training state ({first_line.strip()}); "
+            "ckptstore loads checkpoints with weights_only=True. If you trust this file, "
+            "commit it with --trust-pickle."
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as exc:
+        raise CheckpointFormatError(
+            f"{path} is not a readable torch.save file (truncated or corrupted?): {exc}"
+        ) from None
+
+
+def save(obj: Any, path: str | os.PathLike) -> None:
+    """torch.save to a temporary file beside `path`, fsync, then rename over it."""
+    import torch
+
+    atomic_write(path, lambda handle: torch.save(obj, handle))

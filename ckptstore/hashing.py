@@ -1,0 +1,51 @@
+"""Typed ids and blake3 helpers: one place decides how content becomes a name."""
+
+from __future__ import annotations
+
+from typing import NewType
+
+import blake3
+
+ObjectId = NewType("ObjectId", str)
+TensorId = NewType("TensorId", str)
+CommitId = NewType("CommitId", str)
+
+HEX_LENGTH = 64
+
+
+def _hasher(data: bytes | memoryview | None = None) -> blake3.blake3:
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    if data is not None:
+        hasher.update(data)
+    return hasher
+
+
+def object_id(data: bytes | memoryview) -> ObjectId:
+    """The id of a stored object: blake3 of exactly its bytes."""
+    return ObjectId(_hasher(data).hexdigest())
+
+
+def tensor_id(dtype: str, shape: tuple[int, ...], data: bytes | memoryview) -> TensorId:
+    """The id of a tensor: blake3 over its dtype, shape and raw bytes, so equal content is stored once."""
+    hasher = _hasher(f"tensor\0{dtype}\0{','.join(map(str, shape))}\0".encode())
+    hasher.update(data)
+    return TensorId(hasher.hexdigest())
+
+
+def commit_id(canonical_record: bytes) -> CommitId:
+    """The id of a commit: blake3 of its canonical JSON record."""
+    return CommitId(_hasher(canonical_record).hexdigest())
+
+
+def file_digest(path: str) -> str:
+    """blake3 of a file's bytes, read in blocks so memory stays flat."""
+    hasher = _hasher()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 24):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def is_hex_id(text: str) -> bool:
+    """True for a full-length lowercase hex digest."""
+    return len(text) == HEX_LENGTH and all(c in "0123456789abcdef" for c in text)

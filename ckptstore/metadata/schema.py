@@ -1,0 +1,78 @@
+"""The metadata tables, as SQLAlchemy Core. Migrations own the schema; these mirror its head."""
+
+from __future__ import annotations
+
+from sqlalchemy import BigInteger, Column, Float, Integer, MetaData, String, Table, Text
+
+metadata = MetaData()
+ID = String(64)
+
+commits = Table(
+    "commits", metadata,
+    Column("id", ID, primary_key=True),
+    Column("manifest_object", ID, nullable=False),
+    Column("message", Text, nullable=False),
+    Column("author", String(255), nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("step", BigInteger),
+    Column("metrics", Text, nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("source_path", Text),
+    Column("raw_bytes", BigInteger, nullable=False),
+    Column("stored_bytes", BigInteger, nullable=False),
+)
+
+commit_parents = Table(
+    "commit_parents", metadata,
+    Column("commit_id", ID, primary_key=True),
+    Column("position", Integer, primary_key=True),
+    Column("parent_id", ID, nullable=False, index=True),
+)
+
+refs = Table(
+    "refs", metadata,
+    Column("name", String(255), primary_key=True),
+    Column("kind", String(16), nullable=False),
+    Column("commit_id", ID),
+    Column("target", String(255)),
+)
+
+tensors = Table(
+    "tensors", metadata,
+    Column("id", ID, primary_key=True),
+    Column("dtype", String(64), nullable=False),
+    Column("shape", Text, nullable=False),
+    Column("codec", String(64), nullable=False),
+    Column("params", Text, nullable=False),
+    Column("base_id", ID, index=True),
+    Column("depth", Integer, nullable=False),
+    Column("raw_bytes", BigInteger, nullable=False),
+    Column("stored_bytes", BigInteger, nullable=False),
+)
+
+tensor_chunks = Table(
+    "tensor_chunks", metadata,
+    Column("tensor_id", ID, primary_key=True),
+    Column("position", Integer, primary_key=True),
+    Column("object_id", ID, nullable=False, index=True),
+    Column("raw_bytes", BigInteger, nullable=False),
+)
+
+objects = Table(
+    "objects", metadata,
+    Column("id", ID, primary_key=True),
+    Column("size", BigInteger, nullable=False),
+)
+
+commit_tensors = Table(
+    "commit_tensors", metadata,
+    Column("commit_id", ID, primary_key=True),
+    Column("tensor_id", ID, primary_key=True, index=True),
+)
+
+known_files = Table(
+    "known_files", metadata,
+    Column("digest", ID, primary_key=True),
+    Column("commit_id", ID, nullable=False),
+    Column("size", BigInteger, nullable=False),
+)

@@ -1,0 +1,28 @@
+"""The object store contract: five methods over immutable, content-addressed blobs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
+
+from ckptstore.hashing import ObjectId
+
+
+@runtime_checkable
+class ObjectStore(Protocol):
+    """Immutable blobs named by the blake3 of their bytes."""
+
+    def put(self, data: bytes | memoryview) -> ObjectId:
+        """Store `data` durably and return its id; storing existing content is a cheap no-op."""
+
+    def get(self, oid: ObjectId) -> bytes:
+        """Return the bytes of `oid`, verified against the id; raise CorruptObjectError otherwise."""
+
+    def has(self, oid: ObjectId) -> bool:
+        """True when `oid` is present (its content is not verified)."""
+
+    def delete(self, oid: ObjectId) -> None:
+        """Remove `oid`; removing an absent object is not an error."""
+
+    def iter_ids(self) -> Iterator[ObjectId]:
+        """Every stored id, in no particular order."""

@@ -1,0 +1,91 @@
+"""Objects as files under `objects/ab/cdef...`, written by temp file, fsync and rename."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from ckptstore.errors import CorruptObjectError
+from ckptstore.hashing import ObjectId, is_hex_id, object_id
+
+
+class LocalObjectStore:
+    """A fan-out folder of immutable objects; `tmp/` holds writes in progress."""
+
+    def __init__(self, objects_dir: str | os.PathLike, tmp_dir: str | os.PathLike) -> None:
+        self.root = Path(objects_dir)
+        self.tmp = Path(tmp_dir)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.tmp.mkdir(parents=True, exist_ok=True)
+
+    def path_of(self, oid: ObjectId) -> Path:
+        """Where `oid` lives on disk."""
+        return self.root / oid[:2] / oid[2:]
+
+    def put(self, data: bytes | memoryview) -> ObjectId:
+        oid = object_id(data)
+        final = self.path_of(oid)
+        if final.exists():
+            return oid
+        final.parent.mkdir(exist_ok=True)
+        temp = self.tmp / f"{oid}.{uuid.uuid4().hex}"
+        try:
+            with open(temp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temp, final)
+        finally:
+            if temp.exists():
+                temp.unlink()
+        return oid
+
+    def get(self, oid: ObjectId) -> bytes:
+        try:
+            data = self.path_of(oid).read_bytes()
+        except FileNotFoundError:
+            raise CorruptObjectError(oid, "missing") from None
+        if object_id(data) != oid:
+            raise CorruptObjectError(oid, f"corrupted (its {len(data)} bytes do not match its hash)")
+        return data
+
+    def has(self, oid: ObjectId) -> bool:
+        return self.path_of(oid).exists()
+
+    def delete(self, oid: ObjectId) -> None:
+        try:
+            self.path_of(oid).unlink()
+        except FileNotFoundError:
+            pass
+
+    def iter_ids(self) -> Iterator[ObjectId]:
+        for fan in self.root.iterdir():
+            if fan.is_dir() and len(fan.name) == 2:
+                for item in fan.iterdir():
+                    name = fan.name + item.name
+                    if is_hex_id(name):
+                        yield ObjectId(name)
+
+    def size(self, oid: ObjectId) -> int:
+        """Stored size in bytes of `oid`."""
+        return self.path_of(oid).stat().st_size
+
+    def sync_dirs(self) -> None:
+        """Fsync the fan-out folders so that renames survive a power cut."""
+        for fan in self.root.iterdir():
+            if fan.is_dir():
+                fd = os.open(fan, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+    def clear_tmp(self) -> int:
+        """Remove leftovers of interrupted writes; returns how many were removed."""
+        removed = 0
+        for item in self.tmp.iterdir():
+            item.unlink()
+            removed += 1
+        return removed

@@ -1,0 +1,149 @@
+"""Reading and writing tensor records and commit rows; the only place that maps rows to objects."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, select
+from sqlalchemy.dialects import postgresql, sqlite
+
+from ckptstore.codecs.record import Chunk, TensorRecord
+from ckptstore.hashing import CommitId, ObjectId, TensorId
+from ckptstore.metadata.schema import commit_parents, commit_tensors, commits, objects, tensor_chunks, tensors
+
+BATCH = 500
+
+
+@dataclass
+class CommitInfo:
+    """One commit's row, with its parents in order."""
+
+    id: CommitId
+    manifest_object: ObjectId
+    message: str
+    author: str
+    created_at: float
+    step: int | None
+    metrics: dict[str, Any]
+    kind: str
+    source_path: str | None
+    raw_bytes: int
+    stored_bytes: int
+    parents: list[CommitId] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "parents": self.parents, "message": self.message, "author": self.author,
+            "created_at": self.created_at, "step": self.step, "metrics": self.metrics, "kind": self.kind,
+            "source_path": self.source_path, "raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes,
+        }
+
+
+def _batches(items: list, size: int = BATCH) -> Iterable[list]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def insert_ignore(conn: Connection, table, rows: list[dict]) -> None:
+    """Insert rows, skipping those whose primary key exists (content-addressed rows never change)."""
+    if not rows:
+        return
+    dialect = {"sqlite": sqlite, "postgresql": postgresql}.get(conn.dialect.name)
+    for batch in _batches(rows):
+        if dialect is None:
+            existing = set(conn.execute(select(*table.primary_key.columns)).all())
+            batch = [r for r in batch if tuple(r[c.name] for c in table.primary_key.columns) not in existing]
+            if batch:
+                conn.execute(table.insert(), batch)
+        else:
+            conn.execute(dialect.insert(table).on_conflict_do_nothing(), batch)
+
+
+def load_records(conn: Connection, ids: Iterable[TensorId], with_bases: bool = True) -> dict[TensorId, TensorRecord]:
+    """Records for `ids` and, with `with_bases`, every record down their chains."""
+    found: dict[TensorId, TensorRecord] = {}
+    pending = {i for i in ids if i}
+    while pending:
+        batch_ids = list(pending)
+        pending = set()
+        for batch in _batches(batch_ids):
+            rows = conn.execute(select(tensors).where(tensors.c.id.in_(batch))).all()
+            chunk_rows = conn.execute(
+                select(tensor_chunks).where(tensor_chunks.c.tensor_id.in_(batch)).order_by(
+                    tensor_chunks.c.tensor_id, tensor_chunks.c.position)
+            ).all()
+            chunks: dict[str, list[Chunk]] = {}
+            for row in chunk_rows:
+                chunks.setdefault(row.tensor_id, []).append(Chunk(ObjectId(row.object_id), row.raw_bytes))
+            for row in rows:
+                found[TensorId(row.id)] = TensorRecord(
+                    id=TensorId(row.id), dtype=row.dtype, shape=tuple(json.loads(row.shape)), codec=row.codec,
+                    params=json.loads(row.params), base_id=TensorId(row.base_id) if row.base_id else None,
+                    depth=row.depth, raw_bytes=row.raw_bytes, stored_bytes=row.stored_bytes,
+                    chunks=chunks.get(row.id, []),
+                )
+                if with_bases and row.base_id and row.base_id not in found:
+                    pending.add(TensorId(row.base_id))
+    return found
+
+
+def existing_tensor_ids(conn: Connection, ids: Iterable[TensorId]) -> set[TensorId]:
+    present: set[TensorId] = set()
+    for batch in _batches(list(ids)):
+        present.update(conn.execute(select(tensors.c.id).where(tensors.c.id.in_(batch))).scalars())
+    return present
+
+
+def insert_records(conn: Connection, records: list[TensorRecord], object_sizes: dict[ObjectId, int]) -> None:
+    insert_ignore(conn, tensors, [{
+        "id": r.id, "dtype": r.dtype, "shape": json.dumps(list(r.shape)), "codec": r.codec,
+        "params": json.dumps(r.params, sort_keys=True), "base_id": r.base_id, "depth": r.depth,
+        "raw_bytes": r.raw_bytes, "stored_bytes": r.stored_bytes,
+    } for r in records])
+    insert_ignore(conn, tensor_chunks, [
+        {"tensor_id": r.id, "position": i, "object_id": c.object_id, "raw_bytes": c.raw_bytes}
+        for r in records for i, c in enumerate(r.chunks)
+    ])
+    insert_ignore(conn, objects, [{"id": oid, "size": size} for oid, size in object_sizes.items()])
+
+
+def _info(row, parents: list[CommitId]) -> CommitInfo:
+    return CommitInfo(
+        id=CommitId(row.id), manifest_object=ObjectId(row.manifest_object), message=row.message,
+        author=row.author, created_at=row.created_at, step=row.step, metrics=json.loads(row.metrics),
+        kind=row.kind, source_path=row.source_path, raw_bytes=row.raw_bytes, stored_bytes=row.stored_bytes,
+        parents=parents,
+    )
+
+
+def all_commits(conn: Connection) -> dict[CommitId, CommitInfo]:
+    """Every commit, with parents, in one pass (repositories hold thousands, not millions)."""
+    parents: dict[str, list[tuple[int, str]]] = {}
+    for row in conn.execute(select(commit_parents)):
+        parents.setdefault(row.commit_id, []).append((row.position, row.parent_id))
+    return {
+        CommitId(row.id): _info(row, [CommitId(p) for _, p in sorted(parents.get(row.id, []))])
+        for row in conn.execute(select(commits))
+    }
+
+
+def commit_info(conn: Connection, cid: CommitId) -> CommitInfo:
+    row = conn.execute(select(commits).where(commits.c.id == cid)).one()
+    parent_rows = conn.execute(
+        select(commit_parents.c.parent_id).where(commit_parents.c.commit_id == cid).order_by(commit_parents.c.position)
+    ).scalars().all()
+    return _info(row, [CommitId(p) for p in parent_rows])
+
+
+def insert_commit(conn: Connection, info: CommitInfo, tensor_ids: Iterable[TensorId]) -> None:
+    conn.execute(commits.insert().values(
+        id=info.id, manifest_object=info.manifest_object, message=info.message, author=info.author,
+        created_at=info.created_at, step=info.step, metrics=json.dumps(info.metrics, sort_keys=True),
+        kind=info.kind, source_path=info.source_path, raw_bytes=info.raw_bytes, stored_bytes=info.stored_bytes,
+    ))
+    for position, parent in enumerate(info.parents):
+        conn.execute(commit_parents.insert().values(commit_id=info.id, position=position, parent_id=parent))
+    insert_ignore(conn, commit_tensors, [{"commit_id": info.id, "tensor_id": t} for t in set(tensor_ids)])

@@ -1,0 +1,630 @@
+"""`Repository`: the verbs (init, open, commit, checkout, log, branch, tag, diff, status, stats)."""
+
+from __future__ import annotations
+
+import difflib
+import getpass
+import json
+import os
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zstandard
+from sqlalchemy import delete, select, update
+
+from ckptstore import formats
+from ckptstore.codecs.record import TensorRecord
+from ckptstore.errors import (
+    CheckpointFormatError,
+    CkptError,
+    ConflictError,
+    CorruptObjectError,
+    DirtyWorktreeError,
+    NothingToCommitError,
+    RefExistsError,
+    RefNotFoundError,
+    RepoExistsError,
+    RepoNotFoundError,
+)
+from ckptstore.hashing import CommitId, ObjectId, TensorId, commit_id, file_digest, tensor_id
+from ckptstore.metadata import make_engine, upgrade, write_transaction
+from ckptstore.metadata.schema import commit_tensors, commits, known_files, refs, tensor_chunks, tensors
+from ckptstore.objectstore import LocalObjectStore
+from ckptstore.policy import EncodingSettings
+from ckptstore.replay import ChainSource, replay
+from ckptstore.repo import catalog, graph
+from ckptstore.repo import refs as refnames
+from ckptstore.repo.config import RepoConfig
+from ckptstore.repo.lock import repo_lock
+from ckptstore.repo.progress import NoProgress, Progress
+from ckptstore.repo.writer import encode_tensors
+from ckptstore.state import RawTensor, materialize
+
+REPO_DIR = ".ckpt"
+DEFAULT_BRANCH = "main"
+MANIFEST_VERSION = 1
+
+
+@dataclass
+class Entry:
+    """A manifest line: a logical path and the tensor stored there."""
+
+    tensor: TensorId
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Manifest:
+    """What a commit holds: its files (with skeletons) and every tensor entry by path."""
+
+    kind: str
+    files: list[formats.CheckpointFile]
+    entries: dict[str, Entry]
+    digests: dict[str, str]
+
+    def to_bytes(self) -> bytes:
+        record = {
+            "version": MANIFEST_VERSION,
+            "kind": self.kind,
+            "files": [dict(f.to_json(), digest=self.digests.get(f.name)) for f in self.files],
+            "entries": {p: [e.tensor, e.dtype, list(e.shape)] for p, e in self.entries.items()},
+        }
+        return zstandard.ZstdCompressor(level=3).compress(
+            json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Manifest:
+        record = json.loads(zstandard.ZstdDecompressor().decompress(data))
+        files = [formats.CheckpointFile.from_json(f) for f in record["files"]]
+        entries = {p: Entry(TensorId(t), d, tuple(s)) for p, (t, d, s) in record["entries"].items()}
+        digests = {f["name"]: f["digest"] for f in record["files"] if f.get("digest")}
+        return cls(record["kind"], files, entries, digests)
+
+
+@dataclass
+class TensorDiff:
+    """How one path differs between two commits."""
+
+    path: str
+    status: str  # added, removed, changed, unchanged
+    dtype: str
+    shape: tuple[int, ...]
+    relative_l2: float | None
+    stored_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "status": self.status, "dtype": self.dtype, "shape": list(self.shape),
+                "relative_l2": self.relative_l2, "stored_bytes": self.stored_bytes}
+
+
+def find_root(start: str | os.PathLike | None = None) -> Path:
+    """The folder holding `.ckpt`: CKPT_REPO if set, else walking up from `start` (or the cwd)."""
+    if start is None and os.environ.get("CKPT_REPO"):
+        start = os.environ["CKPT_REPO"]
+        candidate = Path(start).resolve()
+        if (candidate / REPO_DIR).is_dir():
+            return candidate
+        raise RepoNotFoundError(f"CKPT_REPO={start} holds no ckptstore repository ({REPO_DIR}/)")
+    here = Path(start or os.getcwd()).resolve()
+    for folder in [here, *here.parents]:
+        if (folder / REPO_DIR).is_dir():
+            return folder
+    raise RepoNotFoundError(f"no ckptstore repository in {here} or any parent; run `ckpt init` first")
+
+
+class Repository:
+    """A checkpoint repository: objects under `.ckpt/objects`, metadata in `.ckpt/ckpt.db`."""
+
+    def __init__(self, root: Path, config: RepoConfig) -> None:
+        self.root = root
+        self.dir = root / REPO_DIR
+        self.config = config
+        self.store = LocalObjectStore(self.dir / "objects", self.dir / "tmp")
+        self.engine = make_engine(config.metadata_url or f"sqlite:///{self.dir / 'ckpt.db'}")
+        upgrade(self.engine)
+        self._pool = ThreadPoolExecutor(config.threads or os.cpu_count() or 1, thread_name_prefix="ckpt")
+
+    # ----------------------------------------------------------------- lifecycle
+    @classmethod
+    def init(cls, path: str | os.PathLike = ".", metadata_url: str = "",
+             encoding: EncodingSettings | None = None) -> Repository:
+        """Create a repository in `path` with HEAD on an unborn `main` branch."""
+        root = Path(path).resolve()
+        if (root / REPO_DIR).exists():
+            raise RepoExistsError(f"{root / REPO_DIR} already exists")
+        (root / REPO_DIR).mkdir(parents=True)
+        config = RepoConfig(encoding or EncodingSettings(), metadata_url)
+        config.save(root / REPO_DIR / "config.toml")
+        repo = cls(root, config)
+        with write_transaction(repo.engine) as conn:
+            if refnames.ref_row(conn, refnames.HEAD) is None:
+                conn.execute(refs.insert().values(name=refnames.HEAD, kind=refnames.HEAD_KIND,
+                                                  target=DEFAULT_BRANCH))
+        return repo
+
+    @classmethod
+    def open(cls, path: str | os.PathLike | None = None) -> Repository:
+        """Open the repository at or above `path` (or CKPT_REPO, or the cwd); upgrades its schema."""
+        root = find_root(path)
+        return cls(root, RepoConfig.load(root / REPO_DIR / "config.toml"))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.engine.dispose()
+
+    def __enter__(self) -> Repository:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _lock(self, exclusive: bool = False, wait: bool = True):
+        return repo_lock(self.dir / "lock", exclusive, wait)
+
+    # ----------------------------------------------------------------- refs
+    def resolve(self, ref: str = "HEAD") -> CommitId:
+        """The commit id a ref expression names."""
+        with self.engine.connect() as conn:
+            return refnames.resolve(conn, ref)
+
+    def head(self) -> tuple[str | None, CommitId | None]:
+        """(branch HEAD is on or None when detached, commit or None when unborn)."""
+        with self.engine.connect() as conn:
+            return refnames.head_branch(conn), refnames.head_commit(conn)
+
+    def branches(self) -> dict[str, CommitId]:
+        return self._refs_of_kind(refnames.BRANCH)
+
+    def tags(self) -> dict[str, CommitId]:
+        return self._refs_of_kind(refnames.TAG)
+
+    def _refs_of_kind(self, kind: str) -> dict[str, CommitId]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(refs.c.name, refs.c.commit_id).where(refs.c.kind == kind).order_by(refs.c.name))
+            return {name: CommitId(cid) for name, cid in rows}
+
+    def branch(self, name: str, start: str = "HEAD") -> CommitId:
+        """Create branch `name` at `start`; HEAD does not move."""
+        return self._create_ref(name, start, refnames.BRANCH)
+
+    def tag(self, name: str, ref: str = "HEAD") -> CommitId:
+        """Create tag `name` at `ref`; tags never move."""
+        return self._create_ref(name, ref, refnames.TAG)
+
+    def _create_ref(self, name: str, start: str, kind: str) -> CommitId:
+        refnames.check_name(name)
+        with write_transaction(self.engine) as conn:
+            if refnames.ref_row(conn, name) is not None:
+                raise RefExistsError(f"a branch or tag named {name!r} already exists")
+            cid = refnames.resolve(conn, start)
+            conn.execute(refs.insert().values(name=name, kind=kind, commit_id=cid))
+        return cid
+
+    def delete_branch(self, name: str) -> CommitId:
+        """Remove branch `name` (its commits stay until `gc --prune`); not the branch HEAD is on."""
+        with write_transaction(self.engine) as conn:
+            row = refnames.ref_row(conn, name)
+            if row is None or row.kind != refnames.BRANCH:
+                names = conn.execute(select(refs.c.name).where(refs.c.kind == refnames.BRANCH)).scalars().all()
+                raise RefNotFoundError(name, difflib.get_close_matches(name, names, n=3), detail=" (no such branch)")
+            if refnames.head_branch(conn) == name:
+                raise CkptError(f"cannot delete branch {name!r}: HEAD is on it; check out another ref first")
+            conn.execute(delete(refs).where(refs.c.name == name))
+            return CommitId(row.commit_id)
+
+    # ----------------------------------------------------------------- reading
+    def manifest(self, cid: CommitId) -> Manifest:
+        with self.engine.connect() as conn:
+            info = catalog.commit_info(conn, cid)
+        return Manifest.from_bytes(self._get(info.manifest_object))
+
+    def _get(self, oid: ObjectId) -> bytes:
+        try:
+            return self.store.get(oid)
+        except CorruptObjectError as exc:
+            raise CorruptObjectError(exc.object_id, exc.problem, self.commits_needing([oid])) from None
+
+    def commit_info(self, ref: str) -> catalog.CommitInfo:
+        with self.engine.connect() as conn:
+            return catalog.commit_info(conn, refnames.resolve(conn, ref))
+
+    def _restore(self, manifest: Manifest, progress: Progress, paths: list[str] | None = None
+                 ) -> dict[str, RawTensor]:
+        """Replay the tensors of `manifest` (or just `paths`) and return them by path."""
+        wanted_paths = list(manifest.entries) if paths is None else paths
+        ids = {manifest.entries[p].tensor for p in wanted_paths}
+        with self.engine.connect() as conn:
+            records = catalog.load_records(conn, ids)
+        missing = ids - set(records)
+        if missing:
+            raise CkptError(f"metadata has no record of tensors {sorted(missing)[:3]}; run `ckpt fsck`")
+        wanted = [records[t] for t in ids]
+        progress.start("checkout", sum(r.raw_bytes for r in wanted))
+        try:
+            buffers = replay(ChainSource(self.store, records), wanted, self._pool, on_chunk=progress.advance)
+        except CorruptObjectError as exc:
+            damaged = exc.object_id.split(",")
+            raise CorruptObjectError(exc.object_id, exc.problem, self.commits_needing(damaged)) from None
+        finally:
+            progress.finish()
+        return {p: RawTensor(manifest.entries[p].dtype, manifest.entries[p].shape,
+                             buffers[manifest.entries[p].tensor]) for p in wanted_paths}
+
+    def checkout(self, ref: str = "HEAD", device: str | None = None, progress: Progress | None = None) -> Any:
+        """The checkpoint at `ref` in memory: nested state for torch files, {name: state} for folders.
+
+        Tensors that were one tensor in the checkpoint (same storage) come back as one object.
+        """
+        cid = self.resolve(ref)
+        manifest = self.manifest(cid)
+        raws = self._restore(manifest, progress or NoProgress())
+        return formats.to_state(manifest.kind, manifest.files, lambda p: materialize(raws[p], device))
+
+    def checkout_to(self, ref: str, output: str | os.PathLike | None = None, force: bool = False,
+                    progress: Progress | None = None) -> Path:
+        """Write the checkpoint at `ref` to disk and return where.
+
+        Without `output`, writes to the path it was committed from and moves HEAD (like git
+        checkout), refusing to overwrite files whose content is not in the store unless `force`.
+        With `output`, only writes there.
+        """
+        with self.engine.connect() as conn:
+            cid = refnames.resolve(conn, ref)
+            info = catalog.commit_info(conn, cid)
+            is_branch = (row := refnames.ref_row(conn, ref)) is not None and row.kind == refnames.BRANCH
+        manifest = Manifest.from_bytes(self._get(info.manifest_object))
+        if output is not None:
+            dest = Path(output)
+        elif info.source_path is None:
+            raise CkptError(f"commit {cid[:12]} was made from an in-memory state; pass -o PATH to write it")
+        else:
+            dest = self.root / info.source_path
+        targets = [formats.destination(manifest.kind, f, dest) for f in manifest.files]
+        if not force:
+            self._refuse_unsaved(targets)
+        raws = self._restore(manifest, progress or NoProgress())
+        value_of = lambda p: materialize(raws[p])
+        for record, target in zip(manifest.files, targets):
+            formats.write_file(record, target, value_of, lambda p: raws[p])
+        self._remember_files(cid, targets)
+        if output is None:
+            self._move_head(cid, ref if is_branch else None)
+        return dest
+
+    def _refuse_unsaved(self, targets: list[Path]) -> None:
+        existing = [t for t in targets if t.is_file()]
+        digests = {t: file_digest(str(t)) for t in existing}
+        with self.engine.connect() as conn:
+            known = set(conn.execute(select(known_files.c.digest).where(
+                known_files.c.digest.in_(list(digests.values())))).scalars()) if digests else set()
+        unsaved = [str(t) for t, d in digests.items() if d not in known]
+        if unsaved:
+            raise DirtyWorktreeError(
+                f"checkout would overwrite {', '.join(unsaved)}, whose content is not in the store; "
+                "commit it first, write elsewhere with -o PATH, or pass --force"
+            )
+
+    def _remember_files(self, cid: CommitId, paths: list[Path]) -> None:
+        rows = [{"digest": file_digest(str(p)), "commit_id": cid, "size": p.stat().st_size} for p in paths]
+        with write_transaction(self.engine) as conn:
+            catalog.insert_ignore(conn, known_files, rows)
+
+    def _move_head(self, cid: CommitId, branch: str | None) -> None:
+        with write_transaction(self.engine) as conn:
+            values = {"target": branch, "commit_id": None} if branch else {"target": None, "commit_id": cid}
+            conn.execute(update(refs).where(refs.c.name == refnames.HEAD).values(**values))
+
+    # ----------------------------------------------------------------- writing
+    def commit(self, state_or_path: Any, message: str = "", step: int | None = None,
+               metrics: Mapping[str, float] | None = None, branch: str | None = None,
+               allow_empty: bool = False, trust_pickle: bool = False, author: str | None = None,
+               progress: Progress | None = None) -> CommitId:
+        """Store a checkpoint (a path to a file or folder, or an in-memory state) as a new commit.
+
+        The parent is the tip of `branch` (default: HEAD's branch, or HEAD itself when detached).
+        Raises NothingToCommitError when nothing changed, ConflictError when another writer moved
+        the branch meanwhile; in both cases no commit is recorded and earlier ones are untouched.
+        """
+        progress = progress or NoProgress()
+        with self._lock():
+            source_path, checkpoint, digests = self._read_input(state_or_path, trust_pickle)
+            ids = self._tensor_ids(checkpoint.tensors)
+            with self.engine.connect() as conn:
+                target, parent = self._commit_target(conn, branch)
+                parent_manifest = self.manifest(parent) if parent else None
+                present = catalog.existing_tensor_ids(conn, ids.values())
+                new = {ids[p]: raw for p, raw in checkpoint.tensors.items() if ids[p] not in present}
+                parent_of_new = {}
+                if parent_manifest:
+                    for path in checkpoint.tensors:
+                        old = parent_manifest.entries.get(path)
+                        if ids[path] in new and old is not None:
+                            parent_of_new[ids[path]] = old.tensor
+                records = catalog.load_records(conn, set(parent_of_new.values()))
+            progress.start("commit", sum(r.nbytes for r in new.values()))
+            try:
+                new_records = encode_tensors(
+                    new, {t: records.get(p) for t, p in parent_of_new.items()},
+                    ChainSource(self.store, records), self.config.encoding, self._pool, progress.advance,
+                )
+            finally:
+                progress.finish()
+            manifest = Manifest(checkpoint.kind, checkpoint.files, {
+                p: Entry(ids[p], raw.dtype, raw.shape) for p, raw in checkpoint.tensors.items()
+            }, digests)
+            manifest_bytes = manifest.to_bytes()
+            if parent_manifest is not None and not allow_empty and self._same_content(manifest, parent_manifest):
+                raise NothingToCommitError(
+                    f"nothing changed since {parent[:12]}: the checkpoint equals its parent "
+                    "(use --allow-empty to record it anyway)"
+                )
+            manifest_oid = self.store.put(manifest_bytes)
+            self.store.sync_dirs()
+            stored = sum(r.stored_bytes for r in new_records) + len(manifest_bytes)
+            raw_total = sum(f.size for f in checkpoint.files) if checkpoint.kind != "state" else sum(
+                r.nbytes for r in checkpoint.tensors.values())
+            info = catalog.CommitInfo(
+                id=CommitId(""), manifest_object=manifest_oid, message=message,
+                author=author or _default_author(), created_at=time.time(), step=step,
+                metrics={k: float(v) for k, v in (metrics or {}).items()}, kind=checkpoint.kind,
+                source_path=source_path, raw_bytes=raw_total, stored_bytes=stored,
+                parents=[parent] if parent else [],
+            )
+            record = info.to_json()
+            record.pop("id")
+            record["manifest"] = manifest_oid
+            info.id = commit_id(json.dumps(record, sort_keys=True, separators=(",", ":")).encode())
+            sizes = {c.object_id: c_size for r in new_records for c, c_size in _chunk_sizes(self.store, r)}
+            sizes[manifest_oid] = len(manifest_bytes)
+            with write_transaction(self.engine) as conn:
+                self._move_ref(conn, target, parent, info.id)
+                catalog.insert_records(conn, new_records, sizes)
+                catalog.insert_commit(conn, info, ids.values())
+                catalog.insert_ignore(conn, known_files, [
+                    {"digest": d, "commit_id": info.id, "size": f.size}
+                    for f in checkpoint.files if (d := digests.get(f.name))
+                ])
+            return info.id
+
+    @staticmethod
+    def _same_content(new: Manifest, old: Manifest) -> bool:
+        return (new.kind == old.kind and new.entries == old.entries
+                and [f.to_json() for f in new.files] == [f.to_json() for f in old.files])
+
+    def _read_input(self, state_or_path: Any, trust_pickle: bool
+                    ) -> tuple[str | None, formats.Checkpoint, dict[str, str]]:
+        if not isinstance(state_or_path, (str, os.PathLike)):
+            return None, formats.from_state(state_or_path), {}
+        path = Path(state_or_path).resolve()
+        if not path.exists():
+            raise CheckpointFormatError(f"{state_or_path} does not exist")
+        if self.dir in [path, *path.parents]:
+            raise CheckpointFormatError(f"{path} is inside the repository's own {REPO_DIR}/ folder")
+        checkpoint = formats.read_checkpoint(path, trust_pickle)
+        files = [formats.destination(checkpoint.kind, f, path) for f in checkpoint.files]
+        digests = dict(zip([f.name for f in checkpoint.files],
+                           self._pool.map(lambda p: file_digest(str(p)), files)))
+        try:
+            source = path.relative_to(self.root).as_posix()
+        except ValueError:
+            source = str(path)
+        return source, checkpoint, digests
+
+    def _tensor_ids(self, tensors: Mapping[str, RawTensor]) -> dict[str, TensorId]:
+        futures = {p: self._pool.submit(tensor_id, r.dtype, r.shape, r.data) for p, r in tensors.items()}
+        return {p: f.result() for p, f in futures.items()}
+
+    def _commit_target(self, conn, branch: str | None) -> tuple[str | None, CommitId | None]:
+        """(branch to advance, or None for a detached HEAD; the parent commit)."""
+        if branch is None:
+            branch = refnames.head_branch(conn)
+            if branch is None:
+                return None, refnames.head_commit(conn)
+        refnames.check_name(branch)
+        row = refnames.ref_row(conn, branch)
+        if row is not None and row.kind != refnames.BRANCH:
+            raise CkptError(f"{branch!r} is a tag; commits go on branches")
+        if row is not None:
+            return branch, CommitId(row.commit_id)
+        return branch, refnames.head_commit(conn) if branch != refnames.head_branch(conn) else None
+
+    @staticmethod
+    def _move_ref(conn, target: str | None, expected: CommitId | None, new: CommitId) -> None:
+        """Compare-and-swap the ref: it must still point where this commit started from."""
+        if target is None:
+            moved = conn.execute(update(refs).where(
+                refs.c.name == refnames.HEAD, refs.c.commit_id == expected).values(commit_id=new)).rowcount
+        elif expected is None or refnames.ref_row(conn, target) is None:
+            if refnames.ref_row(conn, target) is not None:
+                moved = 0
+            else:
+                conn.execute(refs.insert().values(name=target, kind=refnames.BRANCH, commit_id=new))
+                moved = 1
+        else:
+            moved = conn.execute(update(refs).where(
+                refs.c.name == target, refs.c.kind == refnames.BRANCH, refs.c.commit_id == expected
+            ).values(commit_id=new)).rowcount
+        if moved != 1:
+            now = refnames.ref_row(conn, target or refnames.HEAD)
+            where = (now.commit_id or "nothing")[:12] if now else "nothing"
+            raise ConflictError(
+                f"{target or 'HEAD'} moved to {where} while this commit was being written "
+                f"(it started from {(expected or 'an unborn branch')[:12]}); nothing was recorded. "
+                "Another process commits to the same branch: commit again to put this checkpoint on "
+                "top, or use --branch to keep the two runs apart."
+            )
+
+    # ----------------------------------------------------------------- history
+    def log(self, ref: str | None = None, all_refs: bool = False) -> list[catalog.CommitInfo]:
+        """Commits reachable from `ref` (default HEAD) or from every ref, newest first."""
+        with self.engine.connect() as conn:
+            history = catalog.all_commits(conn)
+            if all_refs:
+                tips = [r.commit_id for r in conn.execute(select(refs)) if r.commit_id]
+                head = refnames.head_commit(conn)
+                tips += [head] if head else []
+            else:
+                try:
+                    tips = [refnames.resolve(conn, ref or "HEAD")]
+                except RefNotFoundError:
+                    if ref:
+                        raise
+                    tips = []
+        order = graph.topo_order(tips, {c: i.parents for c, i in history.items()}, lambda c: history[c].created_at)
+        return [history[c] for c in order]
+
+    def decorations(self) -> dict[CommitId, list[str]]:
+        """Ref names by commit, with `HEAD -> branch` like git."""
+        labels: dict[CommitId, list[str]] = {}
+        branch, head = self.head()
+        for name, cid in self.branches().items():
+            labels.setdefault(cid, []).append(f"HEAD -> {name}" if name == branch else name)
+        for name, cid in self.tags().items():
+            labels.setdefault(cid, []).append(f"tag: {name}")
+        if branch is None and head:
+            labels.setdefault(head, []).insert(0, "HEAD")
+        return labels
+
+    def log_graph(self, all_refs: bool = False) -> list[str]:
+        """`log --graph` lines."""
+        history = self.log(all_refs=all_refs)
+        labels = self.decorations()
+        by_id = {c.id: c for c in history}
+
+        def describe(cid: str) -> str:
+            info = by_id[cid]
+            deco = f" ({', '.join(labels[cid])})" if cid in labels else ""
+            step = f" step={info.step}" if info.step is not None else ""
+            return f"{cid[:12]}{deco}{step} {info.message}".rstrip()
+
+        order = [c.id for c in history]
+        return graph.render(order, {c.id: c.parents for c in history}, describe)
+
+    def show(self, ref: str = "HEAD") -> dict[str, Any]:
+        """A commit's metadata and its files and tensors."""
+        info = self.commit_info(ref)
+        manifest = Manifest.from_bytes(self._get(info.manifest_object))
+        with self.engine.connect() as conn:
+            records = catalog.load_records(conn, {e.tensor for e in manifest.entries.values()}, with_bases=False)
+        return dict(info.to_json(), files=[
+            {"name": f.name, "format": f.format, "size": f.size, "note": f.opaque_reason} for f in manifest.files
+        ], tensors=[{
+            "path": p, "dtype": e.dtype, "shape": list(e.shape), "tensor": e.tensor,
+            "stored_bytes": records[e.tensor].stored_bytes, "depth": records[e.tensor].depth,
+        } for p, e in manifest.entries.items()])
+
+    def diff(self, a: str, b: str) -> list[TensorDiff]:
+        """Per tensor path: added, removed, changed or unchanged, with the relative L2 change."""
+        import torch
+
+        old, new = self.manifest(self.resolve(a)), self.manifest(self.resolve(b))
+        changed = [p for p in new.entries if p in old.entries and new.entries[p].tensor != old.entries[p].tensor]
+        old_raw = self._restore(old, NoProgress(), changed)
+        new_raw = self._restore(new, NoProgress(), changed)
+        with self.engine.connect() as conn:
+            records = catalog.load_records(conn, {e.tensor for e in new.entries.values()}, with_bases=False)
+        result = []
+        for path in sorted(set(old.entries) | set(new.entries)):
+            entry = new.entries.get(path) or old.entries[path]
+            stored = records[entry.tensor].stored_bytes if path in new.entries else 0
+            status, rel = "unchanged", 0.0
+            if path not in old.entries:
+                status, rel = "added", None
+            elif path not in new.entries:
+                status, rel = "removed", None
+            elif path in old_raw:
+                status, rel = "changed", _relative_l2(old_raw[path], new_raw[path], torch)
+            result.append(TensorDiff(path, status, entry.dtype, entry.shape, rel, stored))
+        return result
+
+    def status(self) -> dict[str, Any]:
+        """HEAD, and whether the files HEAD was committed from still hold its content."""
+        branch, head = self.head()
+        report: dict[str, Any] = {"branch": branch, "head": head, "files": []}
+        if head is None:
+            return report
+        info = self.commit_info(head)
+        if info.source_path is None:
+            return report
+        manifest = Manifest.from_bytes(self._get(info.manifest_object))
+        base = self.root / info.source_path
+        with self.engine.connect() as conn:
+            for record in manifest.files:
+                path = formats.destination(manifest.kind, record, base)
+                if not path.is_file():
+                    state = "missing"
+                else:
+                    digest = file_digest(str(path))
+                    if digest == manifest.digests.get(record.name):
+                        state = "unchanged"
+                    else:
+                        known = conn.execute(select(known_files.c.commit_id).where(
+                            known_files.c.digest == digest)).scalar()
+                        state = "unchanged" if known == head else (
+                            f"modified (content of {known[:12]})" if known else "modified")
+                report["files"].append({"path": str(path.relative_to(self.root)) if path.is_relative_to(
+                    self.root) else str(path), "state": state})
+        return report
+
+    def stats(self) -> dict[str, Any]:
+        """Per commit raw and newly stored bytes, and totals against what is on disk."""
+        reachable = self.log(all_refs=True)
+        with self.engine.connect() as conn:
+            all_ = catalog.all_commits(conn)
+        rows = [{"id": c.id, "step": c.step, "message": c.message, "raw_bytes": c.raw_bytes,
+                 "stored_bytes": c.stored_bytes, "ratio": c.raw_bytes / max(c.stored_bytes, 1)}
+                for c in sorted(all_.values(), key=lambda c: c.created_at)]
+        stored_on_disk = sum(self.store.size(o) for o in self.store.iter_ids())
+        raw = sum(r["raw_bytes"] for r in rows)
+        return {"commits": rows, "reachable_commits": len(reachable), "raw_bytes": raw,
+                "stored_bytes": stored_on_disk, "ratio": raw / max(stored_on_disk, 1)}
+
+    def commits_needing(self, object_ids: list[str]) -> list[CommitId]:
+        """Commits whose checkout reads any of `object_ids` (directly or through a delta chain)."""
+        with self.engine.connect() as conn:
+            tensors = set(conn.execute(select(tensor_chunks.c.tensor_id).where(
+                tensor_chunks.c.object_id.in_(object_ids))).scalars())
+            dependents = _dependents(conn, tensors)
+            cids = set(conn.execute(select(commit_tensors.c.commit_id).where(
+                commit_tensors.c.tensor_id.in_(list(dependents)))).scalars()) if dependents else set()
+            cids |= set(conn.execute(select(commits.c.id).where(
+                commits.c.manifest_object.in_(object_ids))).scalars())
+        return sorted(CommitId(c) for c in cids)
+
+
+def _dependents(conn, tensor_ids: set[str]) -> set[str]:
+    """`tensor_ids` and every tensor whose chain passes through one of them."""
+    found, frontier = set(tensor_ids), set(tensor_ids)
+    while frontier:
+        children = set(conn.execute(select(tensors.c.id).where(tensors.c.base_id.in_(list(frontier)))).scalars())
+        frontier = children - found
+        found |= frontier
+    return found
+
+
+def _chunk_sizes(store: LocalObjectStore, record: TensorRecord):
+    for chunk in record.chunks:
+        yield chunk, store.size(chunk.object_id)
+
+
+def _relative_l2(old: RawTensor, new: RawTensor, torch) -> float | None:
+    a, b = materialize(old), materialize(new)
+    if not (a.is_floating_point() and b.is_floating_point()) or a.shape != b.shape:
+        return None
+    a64, b64 = a.double(), b.double()
+    norm = torch.linalg.vector_norm(a64).item()
+    delta = torch.linalg.vector_norm(b64 - a64).item()
+    return delta / norm if norm else (0.0 if delta == 0 else float("inf"))
+
+
+def _default_author() -> str:
+    try:
+        return os.environ.get("CKPT_AUTHOR") or getpass.getuser()
+    except Exception:
+        return "unknown"
