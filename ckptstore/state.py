@@ -106,7 +106,8 @@ def materialize(raw: RawTensor, device: str | None = None) -> Any:
         return raw.data.view(np.dtype(raw.dtype[len(NUMPY_PREFIX) :])).reshape(raw.shape)
     torch = _torch()
     dtype = torch_dtype(raw.dtype)
-    buffer = torch.from_numpy(raw.data) if raw.data.size else torch.empty(0, dtype=torch.uint8)
+    data = raw.data if raw.data.flags.writeable else raw.data.copy()
+    buffer = torch.from_numpy(data) if data.size else torch.empty(0, dtype=torch.uint8)
     if device and device != "cpu":
         buffer = buffer.to(device)
     return buffer.view(dtype).reshape(raw.shape)

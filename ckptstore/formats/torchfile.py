@@ -17,7 +17,7 @@ ZIP_MAGIC = b"PK\x03\x04"
 PICKLE_MAGIC = b"\x80"
 
 
-def _numpy_safe_globals() -> list:
+def numpy_safe_globals() -> list:
     """What torch needs to rebuild numpy arrays (numeric dtypes only, never object arrays)."""
     try:
         from numpy._core.multiarray import _reconstruct
@@ -49,7 +49,7 @@ def load(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
     try:
         if trust_pickle:
             return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-        with torch.serialization.safe_globals(_numpy_safe_globals()):
+        with torch.serialization.safe_globals(numpy_safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         first_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""

@@ -253,8 +253,15 @@ class Repository:
             raise CorruptObjectError(exc.object_id, exc.problem, self.commits_needing(damaged)) from None
         finally:
             progress.finish()
-        return {p: RawTensor(manifest.entries[p].dtype, manifest.entries[p].shape,
-                             buffers[manifest.entries[p].tensor]) for p in wanted_paths}
+        restored, handed_out = {}, set()
+        for path in wanted_paths:
+            entry = manifest.entries[path]
+            buffer = buffers[entry.tensor]
+            if entry.tensor in handed_out:
+                buffer = buffer.copy()  # equal content at two paths must not become one tensor
+            handed_out.add(entry.tensor)
+            restored[path] = RawTensor(entry.dtype, entry.shape, buffer)
+        return restored
 
     def checkout(self, ref: str = "HEAD", device: str | None = None, progress: Progress | None = None) -> Any:
         """The checkpoint at `ref` in memory: nested state for torch files, {name: state} for folders.

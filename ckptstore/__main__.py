@@ -1,0 +1,5 @@
+"""`python -m ckptstore` runs the CLI."""
+
+from ckptstore.cli import main
+
+main()

@@ -1,0 +1,67 @@
+import numpy as np
+import pytest
+
+from ckptstore.codecs import get_codec
+from ckptstore.errors import CodecError
+
+CODEC = get_codec("bytegroup")
+
+
+def _floats(n, dtype, scale=0.02, seed=0):
+    return (np.random.default_rng(seed).standard_normal(n) * scale).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, np.int64, np.uint8, np.int32])
+def test_keyframe_round_trip_is_bit_exact(dtype):
+    values = _floats(100_003, dtype) if np.dtype(dtype).kind == "f" else np.arange(100_003).astype(dtype)
+    data = values.view(np.uint8)
+    params = {"width": values.itemsize, "level": 1}
+    payload = CODEC.encode(data, None, params)
+    assert not CODEC.needs_base(payload)
+    out = CODEC.decode(payload, None, params, data.size)
+    assert out.tobytes() == data.tobytes()
+
+
+def test_residual_round_trip_and_is_smaller_than_keyframe():
+    base = _floats(200_000, np.float32)
+    new = base + _floats(200_000, np.float32, scale=1e-6, seed=1)
+    params = {"width": 4, "level": 1}
+    residual = CODEC.encode(new.view(np.uint8), base.view(np.uint8), params)
+    keyframe = CODEC.encode(new.view(np.uint8), None, params)
+    assert CODEC.needs_base(residual)
+    assert len(residual) < 0.8 * len(keyframe)
+    out = CODEC.decode(residual, base.view(np.uint8).copy(), params, new.nbytes)
+    assert out.tobytes() == new.tobytes()
+
+
+def test_unrelated_base_falls_back_to_planes_that_need_no_base():
+    base = np.random.default_rng(0).integers(0, 256, 40_000, dtype=np.uint8)
+    new = np.zeros(40_000, dtype=np.uint8)
+    payload = CODEC.encode(new, base, {"width": 1})
+    assert not CODEC.needs_base(payload)
+    assert CODEC.decode(payload, None, {"width": 1}, new.size).tobytes() == new.tobytes()
+
+
+def test_incompressible_data_is_stored_raw_not_larger():
+    data = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
+    payload = CODEC.encode(data, None, {"width": 4})
+    assert len(payload) <= data.size + 64
+
+
+def test_truncated_or_garbled_payload_raises_codec_error():
+    data = _floats(10_000, np.float32).view(np.uint8)
+    payload = CODEC.encode(data, None, {"width": 4})
+    with pytest.raises(CodecError):
+        CODEC.decode(payload[:-10], None, {"width": 4}, data.size)
+    with pytest.raises(CodecError):
+        CODEC.decode(b"XX" + payload[2:], None, {"width": 4}, data.size)
+    with pytest.raises(CodecError, match="unknown codec"):
+        get_codec("nope")
+
+
+def test_residual_without_base_is_refused():
+    base = _floats(10_000, np.float32)
+    payload = CODEC.encode((base * 1.0001).view(np.uint8), base.view(np.uint8), {"width": 4})
+    assert CODEC.needs_base(payload)
+    with pytest.raises(CodecError, match="without its base"):
+        CODEC.decode(payload, None, {"width": 4}, base.nbytes)

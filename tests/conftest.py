@@ -1,0 +1,120 @@
+"""Shared fixtures: a fresh repository, and real (small) training runs that make checkpoints."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ckptstore import Repository
+
+
+def assert_same(a, b, where: str = "<root>") -> None:
+    """Deep equality where tensors must match in dtype, shape and every raw byte."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert a.tobytes() == b.tobytes(), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}/{i}")
+    elif isinstance(a, float) and a != a:
+        assert b != b, where
+    else:
+        assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
+
+
+class TinyNet(torch.nn.Module):
+    """Embedding, LayerNorm and an MLP head: the tensor kinds a real model has."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.fc1 = torch.nn.Linear(dim, 4 * dim)
+        self.fc2 = torch.nn.Linear(4 * dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(self.embed(tokens)))))
+
+
+def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+@dataclass
+class Trainer:
+    """A tiny next-token model trained on a fixed synthetic sequence, with full resumable state."""
+
+    optimizer_kind: str = "adamw"
+    seed: int = 0
+    model: TinyNet = field(init=False)
+    optimizer: torch.optim.Optimizer = field(init=False)
+    scheduler: torch.optim.lr_scheduler.LRScheduler = field(init=False)
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        torch.manual_seed(self.seed)
+        random.seed(self.seed)
+        np.random.seed(self.seed)
+        self.model = TinyNet()
+        self.optimizer = make_optimizer(self.optimizer_kind, self.model)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0 / (1 + 0.01 * s))
+
+    def train(self, steps: int) -> list[float]:
+        losses = []
+        for _ in range(steps):
+            tokens = torch.randint(0, 64, (16, 8))
+            noise = int(np.random.randint(0, 2)) + random.randint(0, 1)  # exercise numpy and python RNGs
+            logits = self.model(tokens)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), ((tokens + 1 + noise) % 64).reshape(-1))
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self.scheduler.step()
+            self.step += 1
+            losses.append(loss.item())
+        return losses
+
+    def state(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+        }
+
+    def load(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+
+
+@pytest.fixture
+def repo(tmp_path: Path):
+    with Repository.init(tmp_path) as repository:
+        yield repository
+
+
+@pytest.fixture
+def trainer() -> Trainer:
+    return Trainer()

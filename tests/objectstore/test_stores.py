@@ -1,0 +1,38 @@
+import pytest
+
+from ckptstore.errors import CorruptObjectError
+from ckptstore.objectstore import LocalObjectStore, MemoryObjectStore
+from ckptstore.testing.store_contract import ALL_CHECKS
+
+
+@pytest.fixture(params=["local", "memory"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return LocalObjectStore(tmp_path / "objects", tmp_path / "tmp")
+    return MemoryObjectStore()
+
+
+@pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
+def test_contract(store, check):
+    check(store)
+
+
+def test_local_store_detects_corruption_and_truncation(tmp_path):
+    store = LocalObjectStore(tmp_path / "objects", tmp_path / "tmp")
+    oid = store.put(b"x" * 1000)
+    path = store.path_of(oid)
+    assert path.parent.name == oid[:2] and path.name == oid[2:]
+    path.write_bytes(b"x" * 999)
+    with pytest.raises(CorruptObjectError, match=oid):
+        store.get(oid)
+    path.write_bytes(b"y" * 1000)
+    with pytest.raises(CorruptObjectError, match="do not match its hash"):
+        store.get(oid)
+
+
+def test_local_store_leaves_no_temp_files(tmp_path):
+    store = LocalObjectStore(tmp_path / "objects", tmp_path / "tmp")
+    for i in range(10):
+        store.put(bytes([i]) * 100)
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert len(list(store.iter_ids())) == 10
