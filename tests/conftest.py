@@ -18,7 +18,8 @@ def assert_same(a, b, where: str = "<root>") -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), where
         assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), where
+        raw = lambda t: t.contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(raw(a), raw(b)), where
     elif isinstance(a, np.ndarray):
         assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, where
         assert a.tobytes() == b.tobytes(), where

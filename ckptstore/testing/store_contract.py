@@ -12,7 +12,7 @@ from ckptstore.objectstore import ObjectStore
 
 
 def check_round_trip(store: ObjectStore) -> None:
-    """put returns the blake3 id; get returns the same bytes; put is idempotent."""
+    """Put returns the blake3 id; get returns the same bytes; put is idempotent."""
     data = os.urandom(10_000)
     oid = store.put(data)
     assert oid == object_id(data)
@@ -35,7 +35,7 @@ def check_delete_and_iter(store: ObjectStore) -> None:
 
 
 def check_missing(store: ObjectStore) -> None:
-    """get of an absent id raises CorruptObjectError naming it."""
+    """Get of an absent id raises CorruptObjectError naming it."""
     absent = ObjectId("0" * 64)
     with pytest.raises(CorruptObjectError, match="0" * 64):
         store.get(absent)

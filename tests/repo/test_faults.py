@@ -1,0 +1,206 @@
+"""Bad input and faults: each gives a clear error and loses nothing."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore import Repository
+from ckptstore.errors import (
+    CheckpointFormatError,
+    ConflictError,
+    CorruptObjectError,
+    DirtyWorktreeError,
+    NothingToCommitError,
+    RefNotFoundError,
+)
+from ckptstore.repo import fsck, gc
+from tests.conftest import Trainer, assert_same
+
+
+def _commit_run(repo, tmp_path, n=3, steps=3):
+    trainer, commits, states = Trainer(), [], []
+    for i in range(n):
+        trainer.train(steps)
+        torch.save(trainer.state(), tmp_path / "ckpt.pt")
+        states.append(repo.checkout(cid := repo.commit(tmp_path / "ckpt.pt", step=trainer.step, message=f"c{i}")))
+        commits.append(cid)
+    return commits, states
+
+
+def _an_object_of(repo, cid, min_size=1000):
+    show = repo.show(cid)
+    biggest = max(show["tensors"], key=lambda t: t["stored_bytes"])
+    with repo.engine.connect() as conn:
+        from ckptstore.repo import catalog
+
+        record = catalog.load_records(conn, [biggest["tensor"]], with_bases=False)[biggest["tensor"]]
+    return record.chunks[0].object_id
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_damaged_object_names_object_and_commits_and_spares_others(repo, tmp_path, damage):
+    commits, states = _commit_run(repo, tmp_path)
+    oid = _an_object_of(repo, commits[0])
+    path = repo.store.path_of(oid)
+    data = bytearray(path.read_bytes())
+    path.write_bytes(data[: len(data) // 2] if damage == "truncate" else bytes(data[:-1]) + bytes([data[-1] ^ 1]))
+    with pytest.raises(CorruptObjectError) as info:
+        repo.checkout(commits[0])
+    assert oid in str(info.value) and commits[0][:12] in str(info.value)
+    report = fsck(repo)
+    assert not report.ok and oid in report.damaged_objects
+    assert commits[0] in report.broken_commits
+    for cid, state in zip(commits, states):
+        if cid not in report.broken_commits:
+            assert_same(state, repo.checkout(cid))
+
+
+def test_missing_object_is_reported_by_fsck(repo, tmp_path):
+    commits, _ = _commit_run(repo, tmp_path, n=1)
+    oid = _an_object_of(repo, commits[0])
+    repo.store.delete(oid)
+    report = fsck(repo)
+    assert report.damaged_objects == {oid: "missing"} and list(report.broken_commits) == [commits[0]]
+
+
+def test_bad_inputs_give_clear_errors_and_no_commit(repo, tmp_path):
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(CheckpointFormatError, match="not a checkpoint"):
+        repo.commit(tmp_path / "notes.txt")
+    with pytest.raises(CheckpointFormatError, match="does not exist"):
+        repo.commit(tmp_path / "missing.pt")
+    torch.save({"w": torch.randn(5000)}, tmp_path / "full.pt")
+    data = (tmp_path / "full.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) - 300])
+    with pytest.raises(CheckpointFormatError):
+        repo.commit(tmp_path / "cut.pt")
+    assert repo.log() == []
+
+
+def test_unknown_ref_suggests_close_names(repo, tmp_path):
+    _commit_run(repo, tmp_path, n=1)
+    repo.branch("experiment-lr")
+    with pytest.raises(RefNotFoundError, match="experiment-lr"):
+        repo.checkout("experimnt-lr")
+    with pytest.raises(RefNotFoundError, match="shorter"):
+        repo.resolve("HEAD~5")
+
+
+def test_nothing_changed_makes_no_commit_unless_allowed(repo, tmp_path):
+    commits, _ = _commit_run(repo, tmp_path, n=1)
+    with pytest.raises(NothingToCommitError, match="nothing changed"):
+        repo.commit(tmp_path / "ckpt.pt")
+    assert [c.id for c in repo.log()] == commits
+    forced = repo.commit(tmp_path / "ckpt.pt", allow_empty=True, message="again")
+    info = repo.commit_info(forced)
+    assert info.parents == commits and info.stored_bytes < 0.05 * info.raw_bytes
+
+
+def test_checkout_refuses_to_overwrite_unsaved_work(repo, tmp_path):
+    commits, states = _commit_run(repo, tmp_path, n=2)
+    torch.save({"unsaved": torch.randn(10)}, tmp_path / "ckpt.pt")
+    with pytest.raises(DirtyWorktreeError, match="not in the store"):
+        repo.checkout_to(commits[0])
+    assert "unsaved" in torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    repo.checkout_to(commits[0], force=True)
+    repo.checkout_to(commits[1])  # the restored file's content is known, so this is allowed
+    assert repo.head() == (None, commits[1])
+
+
+def test_equal_tensors_at_two_paths_come_back_as_separate_tensors(repo):
+    state = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    back = repo.checkout(repo.commit(state))
+    back["a"] += 1
+    assert back["b"].sum() == 0
+
+
+def test_conflicting_writer_gets_clear_error_and_loses_nothing(repo, tmp_path):
+    commits, states = _commit_run(repo, tmp_path, n=1)
+    torch.save({"w": torch.randn(100)}, tmp_path / "other.pt")
+    with repo.engine.connect() as conn:
+        from ckptstore.repo.repository import refnames
+
+        target, parent = repo._commit_target(conn, None)
+    repo.commit(tmp_path / "other.pt", message="the other writer")
+    from ckptstore.metadata import write_transaction
+
+    with pytest.raises(ConflictError, match="moved"), write_transaction(repo.engine) as conn:
+        repo._move_ref(conn, target, parent, "f" * 64)
+    assert refnames.HEAD and len(repo.log()) == 2
+    assert_same(states[0], repo.checkout(commits[0]))
+
+
+COMMIT_SCRIPT = """
+import sys, torch
+from ckptstore import Repository
+from ckptstore.errors import ConflictError
+repo = Repository.open(sys.argv[1])
+torch.manual_seed(int(sys.argv[3]))
+torch.save({"w": torch.randn(int(sys.argv[4]))}, sys.argv[2])
+print("ready", flush=True)
+sys.stdin.readline()
+try:
+    print("committed", repo.commit(sys.argv[2], message=sys.argv[2]), flush=True)
+except ConflictError as exc:
+    print("conflict", exc, flush=True)
+"""
+
+
+def _python(*args, **kwargs):
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    return subprocess.Popen([sys.executable, "-c", COMMIT_SCRIPT, *args], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, **kwargs)
+
+
+def test_two_processes_committing_at_once(tmp_path):
+    Repository.init(tmp_path).close()
+    writers = [_python(str(tmp_path), str(tmp_path / f"w{i}.pt"), str(i), "200000") for i in range(2)]
+    for w in writers:
+        assert w.stdout.readline().startswith("ready")
+    for w in writers:
+        w.stdin.write("go\n")
+        w.stdin.flush()
+    outputs = [w.communicate(timeout=120)[0] for w in writers]
+    committed = [o.split()[1] for o in outputs if o.startswith("committed")]
+    assert committed and all(o.startswith(("committed", "conflict")) for o in outputs), outputs
+    with Repository.open(tmp_path) as repo:
+        log = [c.id for c in repo.log()]
+        assert sorted(log) == sorted(committed)
+        if len(committed) == 2:
+            assert repo.commit_info(log[0]).parents == [log[1]]
+        assert fsck(repo).ok
+        for cid in log:
+            repo.checkout(cid)
+
+
+def test_sigkill_mid_commit_leaves_a_consistent_repository(tmp_path):
+    with Repository.init(tmp_path) as repo:
+        torch.save({"w": torch.randn(1000)}, tmp_path / "small.pt")
+        first = repo.commit(tmp_path / "small.pt")
+        expected = repo.checkout(first)
+    victim = _python(str(tmp_path), str(tmp_path / "big.pt"), "7", "40000000")
+    assert victim.stdout.readline().startswith("ready")
+    objects = tmp_path / ".ckpt" / "objects"
+    before = sum(1 for _ in objects.rglob("*") if _.is_file())
+    victim.stdin.write("go\n")
+    victim.stdin.flush()
+    deadline = time.time() + 60
+    while sum(1 for _ in objects.rglob("*") if _.is_file()) < before + 3 and time.time() < deadline:
+        time.sleep(0.005)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    with Repository.open(tmp_path) as repo:
+        assert [c.id for c in repo.log()] == [first]
+        report = fsck(repo)
+        assert report.ok and report.unreferenced_objects > 0
+        assert_same(expected, repo.checkout(first))
+        collected = gc(repo)
+        assert collected.objects_removed == report.unreferenced_objects
+        assert fsck(repo).unreferenced_objects == 0
+        assert_same(expected, repo.checkout(first))

@@ -1,0 +1,57 @@
+"""The CLI as a user runs it: real subprocesses for exit codes and messages, CliRunner for flows."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+
+from ckptstore.cli import cli
+from tests.conftest import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ckpt(cwd, *args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("CKPT_REPO", None)
+    return subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_errors_are_one_line_with_nonzero_exit(tmp_path):
+    result = ckpt(tmp_path, "log")
+    assert result.returncode == 1 and "no ckptstore repository" in result.stderr and "Traceback" not in result.stderr
+    assert ckpt(tmp_path, "init").returncode == 0
+    (tmp_path / "x.txt").write_text("hello")
+    result = ckpt(tmp_path, "commit", "x.txt")
+    assert result.returncode == 1 and "is not a checkpoint" in result.stderr
+    result = ckpt(tmp_path, "checkout", "mian")
+    assert result.returncode == 1 and "unknown ref 'mian'" in result.stderr
+
+
+def test_json_outputs_and_diff_stats(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = lambda *args: CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    run("init")
+    trainer = Trainer()
+    for step in (2, 4):
+        trainer.train(2)
+        torch.save(trainer.state(), "ckpt.pt")
+        run("commit", "ckpt.pt", "--step", str(step), "-m", f"s{step}")
+    log = json.loads(run("log", "--json").output)
+    assert [c["step"] for c in log] == [4, 2]
+    show = json.loads(run("show", "--json").output)
+    assert show["id"] == log[0]["id"] and any(t["path"] == "model/fc1.weight" for t in show["tensors"])
+    diff = json.loads(run("diff", "HEAD~1", "HEAD", "--json").output)
+    weight = next(d for d in diff if d["path"] == "model/fc1.weight")
+    assert weight["status"] == "changed" and 0 < weight["relative_l2"] < 1
+    stats = json.loads(run("stats", "--json").output)
+    assert len(stats["commits"]) == 2 and stats["ratio"] > 1
+    assert "total: 2 commits" in run("stats").output
+    assert "ok" in run("fsck").output
+    refused = CliRunner().invoke(cli, ["branch", "-d", "main"])
+    assert refused.exit_code != 0 and "HEAD is on it" in str(refused.exception)
