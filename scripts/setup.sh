@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create or reuse the project venv and install what is missing. A usable torch is never reinstalled.
+# Usage: source-free; call as `bash scripts/setup.sh [EXTRAS]` (EXTRAS default: dev).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${CKPT_VENV:-.venv}"
+EXTRAS="${1:-dev}"
+PY="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+  # The pinned CPU build installs from local disk on our machines; elsewhere it comes from PyPI.
+  "$VPY" -m pip install -q "${CKPT_TORCH_SPEC:-torch==2.13.0}" || "$VPY" -m pip install -q torch
+fi
+stamp="$VENV/.ckptstore-installed"
+want="$(sha256sum pyproject.toml | cut -c1-16)-$EXTRAS"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VPY" -c "import ckptstore" >/dev/null 2>&1; then
+  "$VPY" -m pip install -q -e ".[$EXTRAS]" 2>&1 | grep -v "is ignored: it is neither" || true
+  "$VPY" -c "import ckptstore" # fail loudly if the install did not work
+  echo "$want" > "$stamp"
+fi
