@@ -13,8 +13,9 @@ CommitId = NewType("CommitId", str)
 HEX_LENGTH = 64
 
 
-def _hasher(data: bytes | memoryview | None = None) -> blake3.blake3:
-    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+def _hasher(data: bytes | memoryview | None = None, threads: int = 1) -> blake3.blake3:
+    # One thread by default: callers already hash many buffers at once on a thread pool.
+    hasher = blake3.blake3(max_threads=threads)
     if data is not None:
         hasher.update(data)
     return hasher
@@ -39,7 +40,7 @@ def commit_id(canonical_record: bytes) -> CommitId:
 
 def file_digest(path: str) -> str:
     """blake3 of a file's bytes, read in blocks so memory stays flat."""
-    hasher = _hasher()
+    hasher = _hasher(threads=blake3.blake3.AUTO)
     with open(path, "rb") as handle:
         while block := handle.read(1 << 24):
             hasher.update(block)

@@ -34,8 +34,14 @@ class EncodePlan:
 
 def plan_tensor(dtype: str, nbytes: int, itemsize: int, parent: TensorRecord | None,
                 settings: EncodingSettings) -> EncodePlan:
-    """Residual against the parent's tensor when it has the same layout and the chain has room."""
+    """Residual against the parent's tensor when it has the same layout and the chain has room.
+
+    Rebuilding the parent costs about as much as encoding, so a tensor whose last residual attempt
+    did not pay (Adam's first moment, typically) skips the attempt for a while: 1, 2, then 4
+    commits after each consecutive miss, then tries again.
+    """
     chunk_bytes = max(itemsize, settings.chunk_bytes // itemsize * itemsize)
+    params: dict[str, Any] = {"width": itemsize, "level": settings.zstd_level, "chunk_bytes": chunk_bytes}
     usable = (
         parent is not None
         and parent.codec == LOSSLESS_CODEC
@@ -44,10 +50,24 @@ def plan_tensor(dtype: str, nbytes: int, itemsize: int, parent: TensorRecord | N
         and parent.depth + 1 <= settings.max_chain
         and nbytes > 0
     )
-    if usable:
-        chunk_bytes = int(parent.params["chunk_bytes"])
-    params = {"width": itemsize, "level": settings.zstd_level, "chunk_bytes": chunk_bytes}
-    return EncodePlan(LOSSLESS_CODEC, params, parent if usable else None)
+    if not usable:
+        return EncodePlan(LOSSLESS_CODEC, params, None)
+    params["chunk_bytes"] = int(parent.params["chunk_bytes"])
+    misses = int(parent.params.get("residual_misses", 0))
+    wait = int(parent.params.get("residual_wait", 0))
+    if wait > 0:
+        params.update(residual_misses=misses, residual_wait=wait - 1)
+        return EncodePlan(LOSSLESS_CODEC, params, None)
+    params["residual_misses"] = misses
+    return EncodePlan(LOSSLESS_CODEC, params, parent)
+
+
+def after_attempt(params: dict[str, Any], residual_paid: bool) -> dict[str, Any]:
+    """Record whether a residual attempt paid, which sets how long the next attempts wait."""
+    if residual_paid:
+        return {k: v for k, v in params.items() if k not in ("residual_misses", "residual_wait")}
+    misses = int(params.get("residual_misses", 0)) + 1
+    return dict(params, residual_misses=misses, residual_wait=min(2 ** (misses - 1), 4))
 
 
 def chunk_sizes(nbytes: int, chunk_bytes: int) -> list[int]:

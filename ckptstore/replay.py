@@ -31,15 +31,16 @@ class ChainSource:
         levels = []
         current = record
         while True:
-            chunk = current.chunks[index]
-            payload = self.store.get(chunk.object_id)
-            codec = get_codec(current.codec)
-            levels.append((codec, current, payload))
-            if current.base_id is None or not codec.needs_base(payload):
+            payload = self.store.get(current.chunks[index].object_id)
+            levels.append((current, payload))
+            if current.base_id is None or not get_codec(current.codec).needs_base(payload):
                 break
             current = self.records[current.base_id]
-        for codec, level, payload in reversed(levels):
-            result = codec.decode(payload, out, level.params, out.size)
+        codec_ids = {level.codec for level, _ in levels}
+        if len(codec_ids) == 1:
+            return get_codec(record.codec).decode_chain([p for _, p in levels], record.params, out.size, out)
+        for level, payload in reversed(levels):  # a chain that changes codec replays level by level
+            result = get_codec(level.codec).decode(payload, out, level.params, out.size)
             if result is not out:
                 out[...] = result
         return out

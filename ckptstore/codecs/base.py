@@ -20,5 +20,9 @@ class Codec(Protocol):
     ) -> np.ndarray:
         """Rebuild the chunk. `base` (when the payload needs it) may be overwritten and returned."""
 
+    def decode_chain(self, payloads: list[bytes], params: dict[str, Any], nbytes: int,
+                     out: np.ndarray | None = None) -> np.ndarray:
+        """Decode newest-first payloads where each is a residual of the next; the last needs no base."""
+
     def needs_base(self, payload: bytes) -> bool:
         """True when `decode` of this payload reads the base chunk."""

@@ -44,12 +44,12 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return _local.decompressor
 
 
-def _sample(plane: np.ndarray) -> np.ndarray:
-    """A few blocks spread over the plane: enough to guess which mode compresses best."""
-    if plane.size <= SAMPLES * SAMPLE_BYTES:
-        return plane
-    starts = np.linspace(0, plane.size - SAMPLE_BYTES, SAMPLES).astype(np.int64)
-    return np.concatenate([plane[s : s + SAMPLE_BYTES] for s in starts])
+def _sample_slices(rows: int) -> list[slice]:
+    """A few blocks spread over a plane: enough to guess which mode compresses best."""
+    if rows <= SAMPLES * SAMPLE_BYTES:
+        return [slice(0, rows)]
+    starts = np.linspace(0, rows - SAMPLE_BYTES, SAMPLES).astype(np.int64)
+    return [slice(int(s), int(s) + SAMPLE_BYTES) for s in starts]
 
 
 def _planes(data: np.ndarray, width: int) -> np.ndarray:
@@ -66,42 +66,50 @@ class ByteGroupCodec:
         compressor = _compressor(int(params.get("level", 1)))
         if data.size % width:
             raise CodecError(f"bytegroup: {data.size} bytes is not a multiple of width {width}")
-        grid = _planes(data, width)
+        grouped = _planes(data, width).T.copy()  # one transposing pass; rows are byte planes
         base_grid = _planes(base, width) if base is not None else None
         headers, payloads = [], []
         for j in range(width):
-            plane = np.ascontiguousarray(grid[:, j])
-            candidates = [(ZSTD, plane)]
-            if base_grid is not None:
-                candidates.append((XOR_ZSTD, plane ^ base_grid[:, j]))
-            mode, chosen = self._pick(candidates, compressor)
-            payload = plane.tobytes() if mode == RAW else compressor.compress(chosen)
+            plane = grouped[j]
+            base_plane = base_grid[:, j] if base_grid is not None else None
+            mode, chosen = self._pick(plane, base_plane, compressor)
+            payload = plane.data if mode == RAW else compressor.compress(chosen)
             if mode != RAW and len(payload) >= plane.size:
-                mode, payload = RAW, plane.tobytes()
+                mode, payload = RAW, plane.data
             headers.append(_PLANE.pack(mode, len(payload)))
             payloads.append(payload)
         return b"".join([_HEAD.pack(MAGIC, width, width), *headers, *payloads])
 
     @staticmethod
-    def _pick(candidates: list[tuple[int, np.ndarray]], compressor: zstandard.ZstdCompressor):
-        """Choose the mode whose sample compresses smallest; RAW when nothing compresses."""
-        best_mode, best_plane, best_size = RAW, candidates[0][1], None
-        for mode, plane in candidates:
-            sample = _sample(plane)
+    def _pick(plane: np.ndarray, base_plane: np.ndarray | None,
+              compressor: zstandard.ZstdCompressor) -> tuple[int, np.ndarray]:
+        """Choose the mode whose sample compresses smallest (RAW when nothing compresses).
+
+        Samples are taken at the same places for each mode; the XOR plane is computed in full
+        only when it wins.
+        """
+        picks = _sample_slices(plane.size)
+        samples = {ZSTD: np.concatenate([plane[s] for s in picks])}
+        if base_plane is not None:
+            samples[XOR_ZSTD] = np.concatenate([plane[s] ^ base_plane[s] for s in picks])
+        best_mode, best_size = RAW, INCOMPRESSIBLE
+        for mode, sample in samples.items():
             size = len(compressor.compress(sample)) / max(sample.size, 1)
-            if size < INCOMPRESSIBLE and (best_size is None or size < best_size):
-                best_mode, best_plane, best_size = mode, plane, size
-        return best_mode, best_plane
+            if size < best_size:
+                best_mode, best_size = mode, size
+        return best_mode, (plane ^ base_plane if best_mode == XOR_ZSTD else plane)
 
     def _parse(self, payload: bytes) -> tuple[int, list[tuple[int, int, int]]]:
         if len(payload) < _HEAD.size:
             raise CodecError(f"bytegroup: payload of {len(payload)} bytes is truncated")
         magic, width, count = _HEAD.unpack_from(payload)
-        if magic != MAGIC or count != width:
+        if magic != MAGIC or count != width or len(payload) < _HEAD.size + count * _PLANE.size:
             raise CodecError("bytegroup: payload does not start with a valid header")
         planes, offset = [], _HEAD.size + count * _PLANE.size
         for j in range(count):
             mode, length = _PLANE.unpack_from(payload, _HEAD.size + j * _PLANE.size)
+            if mode not in (RAW, ZSTD, XOR_ZSTD):
+                raise CodecError(f"bytegroup: plane {j} has unknown mode {mode}")
             planes.append((mode, offset, length))
             offset += length
         if offset != len(payload):
@@ -111,30 +119,58 @@ class ByteGroupCodec:
     def needs_base(self, payload: bytes) -> bool:
         return any(mode == XOR_ZSTD for mode, _, _ in self._parse(payload)[1])
 
+    @staticmethod
+    def _plane(payload: bytes, plane: tuple[int, int, int], rows: int, j: int) -> np.ndarray:
+        mode, offset, length = plane
+        view = memoryview(payload)[offset : offset + length]
+        if mode == RAW:
+            data = np.frombuffer(view, dtype=np.uint8)
+        else:
+            try:
+                data = np.frombuffer(_decompressor().decompress(view, max_output_size=rows), dtype=np.uint8)
+            except zstandard.ZstdError as exc:
+                raise CodecError(f"bytegroup: plane {j} does not decompress: {exc}") from None
+        if data.size != rows:
+            raise CodecError(f"bytegroup: plane {j} has {data.size} bytes, expected {rows}")
+        return data
+
+    def decode_chain(self, payloads: list[bytes], params: dict[str, Any], nbytes: int,
+                     out: np.ndarray | None = None) -> np.ndarray:
+        """Decode a chunk from its chain, newest payload first, each a residual of the next.
+
+        Each plane is rebuilt only from the newest level that stores it whole, so mantissa planes
+        (stored raw at every level) cost one copy however long the chain is.
+        """
+        parsed = [self._parse(p) for p in payloads]
+        width = parsed[0][0]
+        if any(w != width for w, _ in parsed) or nbytes % width:
+            raise CodecError("bytegroup: chain levels disagree on the element width")
+        rows = nbytes // width
+        grouped = np.empty((width, rows), dtype=np.uint8)
+        for j in range(width):
+            whole = next((i for i, (_, planes) in enumerate(parsed) if planes[j][0] != XOR_ZSTD), None)
+            if whole is None:
+                raise CodecError("bytegroup: residual chunk decoded without its base")
+            grouped[j] = self._plane(payloads[whole], parsed[whole][1][j], rows, j)
+            for level in range(whole - 1, -1, -1):
+                grouped[j] ^= self._plane(payloads[level], parsed[level][1][j], rows, j)
+        out = np.empty(nbytes, dtype=np.uint8) if out is None else out
+        _planes(out, width)[...] = grouped.T
+        return out
+
     def decode(
         self, payload: bytes, base: np.ndarray | None, params: dict[str, Any], nbytes: int
     ) -> np.ndarray:
-        width, planes = self._parse(payload)
-        rows = nbytes // width
-        needs_base = any(mode == XOR_ZSTD for mode, _, _ in planes)
-        if needs_base and (base is None or base.size != nbytes):
+        if not self.needs_base(payload):
+            return self.decode_chain([payload], params, nbytes, base)
+        if base is None or base.size != nbytes:
             raise CodecError("bytegroup: residual chunk decoded without its base")
-        out = base if base is not None else np.empty(nbytes, dtype=np.uint8)
-        grid = _planes(out, width)
-        view = memoryview(payload)
-        for j, (mode, offset, length) in enumerate(planes):
-            if mode == RAW:
-                plane = np.frombuffer(view[offset : offset + length], dtype=np.uint8)
+        width, planes = self._parse(payload)
+        grid = _planes(base, width)
+        for j, plane in enumerate(planes):
+            data = self._plane(payload, plane, nbytes // width, j)
+            if plane[0] == XOR_ZSTD:
+                grid[:, j] ^= data
             else:
-                try:
-                    raw = _decompressor().decompress(view[offset : offset + length], max_output_size=rows)
-                except zstandard.ZstdError as exc:
-                    raise CodecError(f"bytegroup: plane {j} does not decompress: {exc}") from None
-                plane = np.frombuffer(raw, dtype=np.uint8)
-            if plane.size != rows:
-                raise CodecError(f"bytegroup: plane {j} has {plane.size} bytes, expected {rows}")
-            if mode == XOR_ZSTD:
-                grid[:, j] ^= plane
-            else:
-                grid[:, j] = plane
-        return out
+                grid[:, j] = data
+        return base

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import uuid
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ class LocalObjectStore:
         self.tmp = Path(tmp_dir)
         self.root.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(parents=True, exist_ok=True)
+        self._batched: list[Path] | None = None
 
     def path_of(self, oid: ObjectId) -> Path:
         """Where `oid` lives on disk."""
@@ -35,8 +38,11 @@ class LocalObjectStore:
             with open(temp, "wb") as handle:
                 handle.write(data)
                 handle.flush()
-                os.fsync(handle.fileno())
+                if self._batched is None:
+                    os.fsync(handle.fileno())
             os.replace(temp, final)
+            if self._batched is not None:
+                self._batched.append(final)
         finally:
             if temp.exists():
                 temp.unlink()
@@ -72,6 +78,26 @@ class LocalObjectStore:
         """Stored size in bytes of `oid`."""
         return self.path_of(oid).stat().st_size
 
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Defer durability of puts inside the block to one flush at its end (like git's batch fsync).
+
+        Nothing inside the block may be referenced by metadata until the block has exited.
+        """
+        self._batched = []
+        try:
+            yield
+        finally:
+            written, self._batched = self._batched, None
+            if written and not _syncfs(self.root):
+                for path in written:
+                    fd = os.open(path, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            self.sync_dirs()
+
     def sync_dirs(self) -> None:
         """Fsync the fan-out folders so that renames survive a power cut."""
         for fan in self.root.iterdir():
@@ -89,3 +115,17 @@ class LocalObjectStore:
             item.unlink()
             removed += 1
         return removed
+
+
+def _syncfs(folder: Path) -> bool:
+    """Flush the whole filesystem holding `folder` in one call (Linux); False where unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        syncfs = libc.syncfs
+    except (OSError, AttributeError):
+        return False
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        return syncfs(fd) == 0
+    finally:
+        os.close(fd)

@@ -355,13 +355,14 @@ class Repository:
                             parent_of_new[ids[path]] = old.tensor
                 records = catalog.load_records(conn, set(parent_of_new.values()))
             progress.start("commit", sum(r.nbytes for r in new.values()))
-            try:
-                new_records = encode_tensors(
-                    new, {t: records.get(p) for t, p in parent_of_new.items()},
-                    ChainSource(self.store, records), self.config.encoding, self._pool, progress.advance,
-                )
-            finally:
-                progress.finish()
+            with self.store.batch():
+                try:
+                    new_records = encode_tensors(
+                        new, {t: records.get(p) for t, p in parent_of_new.items()},
+                        ChainSource(self.store, records), self.config.encoding, self._pool, progress.advance,
+                    )
+                finally:
+                    progress.finish()
             manifest = Manifest(checkpoint.kind, checkpoint.files, {
                 p: Entry(ids[p], raw.dtype, raw.shape) for p, raw in checkpoint.tensors.items()
             }, digests)
@@ -372,7 +373,6 @@ class Repository:
                     "(use --allow-empty to record it anyway)"
                 )
             manifest_oid = self.store.put(manifest_bytes)
-            self.store.sync_dirs()
             stored = sum(r.stored_bytes for r in new_records) + len(manifest_bytes)
             raw_total = sum(f.size for f in checkpoint.files) if checkpoint.kind != "state" else sum(
                 r.nbytes for r in checkpoint.tensors.values())

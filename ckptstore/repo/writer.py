@@ -14,7 +14,7 @@ from ckptstore.codecs import get_codec
 from ckptstore.codecs.record import Chunk, TensorRecord
 from ckptstore.hashing import ObjectId, TensorId
 from ckptstore.objectstore import ObjectStore
-from ckptstore.policy import EncodingSettings, chunk_sizes, plan_tensor
+from ckptstore.policy import EncodingSettings, after_attempt, chunk_sizes, plan_tensor
 from ckptstore.replay import ChainSource
 from ckptstore.state import RawTensor
 
@@ -61,8 +61,9 @@ def encode_tensors(
             if on_bytes:
                 on_bytes(size)
         base = plan.base if uses_base else None
+        params = after_attempt(plan.params, uses_base) if plan.base is not None else plan.params
         records.append(TensorRecord(
-            id=tid, dtype=raw.dtype, shape=raw.shape, codec=plan.codec, params=plan.params,
+            id=tid, dtype=raw.dtype, shape=raw.shape, codec=plan.codec, params=params,
             base_id=base.id if base else None, depth=base.depth + 1 if base else 0,
             raw_bytes=raw.nbytes, stored_bytes=stored, chunks=chunks,
         ))

@@ -65,3 +65,21 @@ def test_residual_without_base_is_refused():
     assert CODEC.needs_base(payload)
     with pytest.raises(CodecError, match="without its base"):
         CODEC.decode(payload, None, {"width": 4}, base.nbytes)
+
+
+def test_chain_decode_matches_level_by_level_replay():
+    levels = [_floats(50_000, np.float32)]
+    for seed in range(1, 5):
+        levels.append(levels[-1] + _floats(50_000, np.float32, scale=1e-4, seed=seed))
+    params = {"width": 4}
+    payloads = [CODEC.encode(levels[0].view(np.uint8), None, params)]
+    payloads += [CODEC.encode(levels[i].view(np.uint8), levels[i - 1].view(np.uint8), params) for i in range(1, 5)]
+    assert all(CODEC.needs_base(p) for p in payloads[1:])
+    chained = CODEC.decode_chain(payloads[::-1], params, levels[0].nbytes)
+    assert chained.tobytes() == levels[-1].tobytes()
+    step_by_step = CODEC.decode(payloads[0], None, params, levels[0].nbytes)
+    for payload in payloads[1:]:
+        step_by_step = CODEC.decode(payload, step_by_step, params, levels[0].nbytes)
+    assert step_by_step.tobytes() == levels[-1].tobytes()
+    with pytest.raises(CodecError, match="without its base"):
+        CODEC.decode_chain(payloads[:0:-1], params, levels[0].nbytes)

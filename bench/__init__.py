@@ -1,0 +1,1 @@
+"""Benchmarks on real training runs: `python -m bench` (see bench/__main__.py)."""
