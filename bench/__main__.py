@@ -23,13 +23,15 @@ def table(run_name: str, results, files) -> list[str]:
     zipnn = by_name["ZipNN per tensor"]
     lines = [f"### {run_name}: {RUNS[run_name][0].description}",
              f"{len(files)} checkpoints, {raw / 1e6:.1f} MB as torch.save files", "",
-             "| method | stored MB | ratio vs torch.save | vs ZipNN | commit MB/s (median) | first commit MB | "
-             "later commits MB (mean) |", "|---|---|---|---|---|---|---|"]
+             "| method | stored MB | ratio vs torch.save | vs ZipNN | commit MB/s (median) | commit MB/s (slowest) | "
+             "first commit MB | later commits MB (mean) |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         speeds = sorted(f.stat().st_size / 1e6 / s for f, s in zip(files, r.seconds))
         later = r.stored[1:] or [0]
+        mean_later = sum(later) / len(later) / 1e6
+        median, slowest = speeds[len(speeds) // 2], speeds[0]
         lines.append(f"| {r.method} | {r.total / 1e6:.2f} | {raw / r.total:.2f}x | {zipnn.total / r.total:.2f}x | "
-                     f"{speeds[len(speeds) // 2]:.0f} | {r.stored[0] / 1e6:.2f} | {sum(later) / len(later) / 1e6:.3f} |")
+                     f"{median:.0f} | {slowest:.0f} | {r.stored[0] / 1e6:.2f} | {mean_later:.3f} |")
     return lines
 
 
@@ -39,7 +41,8 @@ def main() -> None:
     parser.add_argument("--only", choices=sorted(RUNS), action="append", help="run only this case (repeatable)")
     args = parser.parse_args()
     header = [f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, Python "
-              f"{platform.python_version()}, torch {torch.__version__}", f"Command: python -m bench {' '.join(sys.argv[1:])}"]
+              f"{platform.python_version()}, torch {torch.__version__}",
+              f"Command: python -m bench {' '.join(sys.argv[1:])}"]
     print("\n".join(header))
     for name in args.only or list(RUNS):
         files = checkpoint_files(name, quick=args.quick)

@@ -1,6 +1,8 @@
-"""Demo: train a tiny character-level transformer on text that ships with Python, commit a checkpoint
-every N steps with `ckpt commit`, branch from an early checkpoint with a different learning rate,
-check out, and print `ckpt log --graph` and `ckpt stats`.
+"""Demo: train a tiny transformer, commit every N steps, branch, check out, print log and stats.
+
+The model learns bytes of Python's own standard library (text always present offline); every N
+steps the checkpoint is committed with `ckpt commit`; a branch starts from an early commit with a
+lower learning rate; then main is checked out again and verified bit for bit.
 """
 
 from __future__ import annotations
