@@ -14,7 +14,7 @@ LOSSLESS_CODEC = "bytegroup"
 class EncodingSettings:
     """Repository-wide knobs that decide how tensors are encoded."""
 
-    max_chain: int = 8
+    max_chain: int = 2
     chunk_bytes: int = 4 << 20
     zstd_level: int = 1
 
