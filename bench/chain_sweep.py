@@ -7,9 +7,11 @@ commit (the one at the deepest point of its chain).
 from __future__ import annotations
 
 import shutil
+import tempfile
 import time
+from pathlib import Path
 
-from bench.methods import _warm, scratch_dir
+from bench.__main__ import _warm
 from bench.runs import checkpoint_files
 from ckptstore import Repository
 from ckptstore.policy import EncodingSettings
@@ -21,7 +23,7 @@ def main() -> None:
     print("| max_chain | stored MB | ratio | commit MB/s (median) | commit MB/s (slowest) | checkout last s |")
     print("|---|---|---|---|---|---|")
     for max_chain in (1, 2, 4, 8):
-        work = scratch_dir()
+        work = Path(tempfile.mkdtemp(prefix="ckpt-sweep-"))
         try:
             with Repository.init(work, encoding=EncodingSettings(max_chain=max_chain)) as repo:
                 speeds, stored = [], 0

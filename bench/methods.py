@@ -1,27 +1,28 @@
-"""Each storage method measured on one checkpoint sequence: stored bytes and commit time."""
+"""Storage methods a user could pick, behind one interface so the runner can interleave them.
+
+Each method takes checkpoint files one at a time (`commit`) and reports the bytes it newly stored;
+the runner times each call, alternating methods file by file so machine noise hits all of them alike.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
-import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import zstandard
 
 
-@dataclass
-class Result:
-    method: str
-    stored: list[int] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
+class Method(Protocol):
+    name: str
 
-    @property
-    def total(self) -> int:
-        return sum(self.stored)
+    def start(self, workdir: Path) -> None: ...
+
+    def commit(self, path: Path) -> int: ...
+
+    def finish(self) -> None: ...
 
 
 def _fsync_write(path: Path, parts) -> None:
@@ -32,102 +33,103 @@ def _fsync_write(path: Path, parts) -> None:
         os.fsync(handle.fileno())
 
 
-def _warm(path: Path) -> None:
-    """Read the file once so every method starts from the page cache."""
-    with open(path, "rb") as handle:
-        while handle.read(1 << 24):
-            pass
-
-
-def run_ckptstore(files: list[Path], workdir: Path) -> Result:
-    from ckptstore import Repository
-
-    result = Result("ckptstore lossless")
-    shutil.rmtree(workdir, ignore_errors=True)
-    workdir.mkdir(parents=True)
-    with Repository.init(workdir) as repo:
-        for path in files:
-            _warm(path)
-            start = time.perf_counter()
-            cid = repo.commit(path, message=path.name)
-            result.seconds.append(time.perf_counter() - start)
-            result.stored.append(repo.commit_info(cid).stored_bytes)
-        on_disk = sum(repo.store.size(o) for o in repo.store.iter_ids())
-    assert abs(on_disk - result.total) < 0.01 * on_disk + 65536, (on_disk, result.total)
-    return result
-
-
-ZIPNN_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def run_zipnn(files: list[Path], workdir: Path) -> Result:
-    """torch.load, ZipNN per float tensor (zstd-3 for the rest), write and fsync one file per checkpoint."""
-    import zipnn
-
-    result = Result("ZipNN per tensor")
-    workdir.mkdir(parents=True, exist_ok=True)
-    coders = {d: zipnn.ZipNN(input_format="byte", bytearray_dtype=n, threads=2) for d, n in ZIPNN_DTYPES.items()}
-    fallback = zstandard.ZstdCompressor(level=3)
-    for path in files:
-        _warm(path)
-        start = time.perf_counter()
-        tensors = []
-        _collect(torch.load(path, map_location="cpu", weights_only=True), tensors)
-        parts = []
-        for tensor in tensors:
-            raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()  # ZipNN mutates its input
-            coder = coders.get(tensor.dtype)
-            parts.append(coder.compress(raw) if coder and len(raw) >= 64 else fallback.compress(raw))
-        _fsync_write(workdir / path.name, parts)
-        result.seconds.append(time.perf_counter() - start)
-        result.stored.append(sum(len(p) for p in parts))
-    return result
-
-
-def _collect(obj, out: list) -> None:
+def _tensors(obj, out: list) -> list:
     if isinstance(obj, torch.Tensor):
         out.append(obj)
     elif isinstance(obj, dict):
         for value in obj.values():
-            _collect(value, out)
+            _tensors(value, out)
     elif isinstance(obj, (list, tuple)):
         for value in obj:
-            _collect(value, out)
+            _tensors(value, out)
+    return out
 
 
-def run_zstd_file(files: list[Path], workdir: Path) -> Result:
-    result = Result("zstd-3 of each file")
-    workdir.mkdir(parents=True, exist_ok=True)
-    compressor = zstandard.ZstdCompressor(level=3, threads=2)
-    for path in files:
-        _warm(path)
-        start = time.perf_counter()
-        data = compressor.compress(path.read_bytes())
-        _fsync_write(workdir / (path.name + ".zst"), [data])
-        result.seconds.append(time.perf_counter() - start)
-        result.stored.append(len(data))
-    return result
+class Ckptstore:
+    """`Repository.commit(path)`: load, hash, encode, write, fsync, one metadata transaction."""
+
+    name = "ckptstore lossless"
+
+    def start(self, workdir: Path) -> None:
+        from ckptstore import Repository
+
+        shutil.rmtree(workdir, ignore_errors=True)
+        self.repo = Repository.init(workdir)
+
+    def commit(self, path: Path) -> int:
+        cid = self.repo.commit(path, message=path.name)
+        return self.repo.commit_info(cid).stored_bytes
+
+    def finish(self) -> None:
+        self.repo.close()
 
 
-def run_torch_save(files: list[Path], workdir: Path) -> Result:
-    """The baseline: the checkpoint files themselves; time is a torch.load + torch.save copy."""
-    result = Result("torch.save")
-    workdir.mkdir(parents=True, exist_ok=True)
-    for path in files:
-        _warm(path)
-        start = time.perf_counter()
+class ZipNNPerTensor:
+    """torch.load, ZipNN per float tensor (threads=2; zstd-3 for the rest), one file written and fsynced."""
+
+    name = "ZipNN per tensor"
+    DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+    def start(self, workdir: Path) -> None:
+        import zipnn
+
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.coders = {dtype: zipnn.ZipNN(input_format="byte", bytearray_dtype=name, threads=2)
+                       for dtype, name in self.DTYPES.items()}
+        self.fallback = zstandard.ZstdCompressor(level=3)
+
+    def commit(self, path: Path) -> int:
+        parts = []
+        for tensor in _tensors(torch.load(path, map_location="cpu", weights_only=True), []):
+            raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()  # ZipNN overwrites its input
+            coder = self.coders.get(tensor.dtype)
+            parts.append(coder.compress(raw) if coder and len(raw) >= 64 else self.fallback.compress(raw))
+        _fsync_write(self.workdir / path.name, parts)
+        return sum(len(p) for p in parts)
+
+    def finish(self) -> None:
+        pass
+
+
+class ZstdFile:
+    """zstd level 3 (2 threads) of the whole checkpoint file, written and fsynced."""
+
+    name = "zstd-3 of each file"
+
+    def start(self, workdir: Path) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.compressor = zstandard.ZstdCompressor(level=3, threads=2)
+
+    def commit(self, path: Path) -> int:
+        data = self.compressor.compress(path.read_bytes())
+        _fsync_write(self.workdir / (path.name + ".zst"), [data])
+        return len(data)
+
+    def finish(self) -> None:
+        pass
+
+
+class TorchSave:
+    """The baseline: keeping the files; time is a torch.load + torch.save copy, fsynced."""
+
+    name = "torch.save"
+
+    def start(self, workdir: Path) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+
+    def commit(self, path: Path) -> int:
         state = torch.load(path, map_location="cpu", weights_only=True)
-        with open(workdir / path.name, "wb") as handle:
+        with open(self.workdir / path.name, "wb") as handle:
             torch.save(state, handle)
             handle.flush()
             os.fsync(handle.fileno())
-        result.seconds.append(time.perf_counter() - start)
-        result.stored.append(path.stat().st_size)
-    return result
+        return path.stat().st_size
+
+    def finish(self) -> None:
+        pass
 
 
-METHODS = [run_torch_save, run_zstd_file, run_zipnn, run_ckptstore]
-
-
-def scratch_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="ckpt-bench-"))
+METHODS = [TorchSave, ZstdFile, ZipNNPerTensor, Ckptstore]
