@@ -72,32 +72,38 @@ class ByteGroupCodec:
         for j in range(width):
             plane = grouped[j]
             base_plane = base_grid[:, j] if base_grid is not None else None
-            mode, chosen = self._pick(plane, base_plane, compressor)
-            payload = plane.data if mode == RAW else compressor.compress(chosen)
-            if mode != RAW and len(payload) >= plane.size:
-                mode, payload = RAW, plane.data
+            mode, payload = self._compress_plane(plane, base_plane, compressor)
             headers.append(_PLANE.pack(mode, len(payload)))
             payloads.append(payload)
         return b"".join([_HEAD.pack(MAGIC, width, width), *headers, *payloads])
 
     @staticmethod
-    def _pick(plane: np.ndarray, base_plane: np.ndarray | None,
-              compressor: zstandard.ZstdCompressor) -> tuple[int, np.ndarray]:
-        """Choose the mode whose sample compresses smallest (RAW when nothing compresses).
+    def _compress_plane(plane: np.ndarray, base_plane: np.ndarray | None,
+                        compressor: zstandard.ZstdCompressor) -> tuple[int, bytes | memoryview]:
+        """Store the plane in the mode whose sample compresses smallest (RAW when nothing compresses).
 
-        Samples are taken at the same places for each mode; the XOR plane is computed in full
-        only when it wins.
+        Samples are taken at the same places for each mode; the XOR plane is computed in full only
+        when it wins, and a sample that is the whole plane is not compressed twice.
         """
         picks = _sample_slices(plane.size)
-        samples = {ZSTD: np.concatenate([plane[s] for s in picks])}
+        whole = len(picks) == 1
+        samples = {ZSTD: plane if whole else np.concatenate([plane[s] for s in picks])}
         if base_plane is not None:
-            samples[XOR_ZSTD] = np.concatenate([plane[s] ^ base_plane[s] for s in picks])
-        best_mode, best_size = RAW, INCOMPRESSIBLE
+            samples[XOR_ZSTD] = plane ^ base_plane if whole else np.concatenate(
+                [plane[s] ^ base_plane[s] for s in picks])
+        best_mode, best_ratio, best_payload = RAW, INCOMPRESSIBLE, None
         for mode, sample in samples.items():
-            size = len(compressor.compress(sample)) / max(sample.size, 1)
-            if size < best_size:
-                best_mode, best_size = mode, size
-        return best_mode, (plane ^ base_plane if best_mode == XOR_ZSTD else plane)
+            compressed = compressor.compress(sample)
+            ratio = len(compressed) / max(sample.size, 1)
+            if ratio < best_ratio:
+                best_mode, best_ratio, best_payload = mode, ratio, compressed
+        if best_mode == RAW:
+            return RAW, plane.data
+        if not whole:
+            best_payload = compressor.compress(plane ^ base_plane if best_mode == XOR_ZSTD else plane)
+        if len(best_payload) >= plane.size:
+            return RAW, plane.data
+        return best_mode, best_payload
 
     def _parse(self, payload: bytes) -> tuple[int, list[tuple[int, int, int]]]:
         if len(payload) < _HEAD.size:
