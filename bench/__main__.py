@@ -1,17 +1,17 @@
-"""`python -m bench [--quick] [--only RUN]`: every method on every run, side by side, in one process.
+"""`python -m bench [--quick] [--only RUN] [--out DIR]`: every method on every run, side by side.
 
-Ratios are against the torch.save files. Commit speed is MB of checkpoint file per second, end to end
-from a file in the page cache to bytes fsynced on disk. Methods alternate file by file, and the
-"vs ZipNN speed" column is the median over files of the paired speed ratio, which machine noise
-affects least.
+For each run the checkpoint files are committed by every method in turn (file by file, so machine
+noise hits all methods alike), each is checked out again right away, lossless methods are verified
+bit for bit, and lossy ones are evaluated on held-out data and resumed. Results go to a Markdown
+section of DIR/benchmarks.md and PNG plots in DIR/img (DIR defaults to docs/).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -19,74 +19,97 @@ from pathlib import Path
 
 import torch
 
-from bench.methods import METHODS
-from bench.runs import RUNS, checkpoint_files
+from bench.memory import PeakMemory
+from bench.methods import all_methods
+from bench.report import write_report
+from bench.units import clear, same_unit, size_of
+from bench.workloads import WORKLOADS, Workload
 
-ZIPNN = "ZipNN per tensor"
-
-
-def _warm(path: Path) -> None:
-    """Read the file once so every method starts from the page cache."""
-    with open(path, "rb") as handle:
-        while handle.read(1 << 24):
-            pass
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(files: list[Path], workdir: Path) -> dict[str, dict[str, list[float]]]:
-    """Stored bytes and seconds per file for every method, alternating methods file by file."""
-    methods = [cls() for cls in METHODS]
-    results = {m.name: {"stored": [], "seconds": []} for m in methods}
-    for method in methods:
-        method.start(workdir / method.name.replace(" ", "_"))
+def warm(unit: Path) -> None:
+    """Read every file once so each method starts from the page cache."""
+    for path in [unit] if unit.is_file() else sorted(unit.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                while handle.read(1 << 24):
+                    pass
+
+
+def resume_loss(workload: Workload, unit: Path, steps: int) -> float:
+    state = workload.load(unit)
+    workload.train_steps(state, steps)
+    return workload.eval_loss(state.model)
+
+
+def run_workload(workload: Workload, resume_steps: int) -> dict:
+    files = workload.files()
+    methods = [cls() for cls in all_methods()]
+    scratch = Path(tempfile.mkdtemp(prefix="ckpt-bench-"))
+    sizes = [size_of(f) for f in files]
+    steps = [workload.every * (i + 1) for i in range(len(files))]
+    result = {"run": workload.name, "description": workload.description, "unit": workload.unit,
+              "sizes": sizes, "steps": steps, "methods": {}}
+    original_eval = [workload.eval_loss(workload.load(f).model) for f in files]
+    result["original_eval"] = original_eval
     try:
-        for path in files:
+        for method in methods:
+            method.start(scratch / method.name.replace(" ", "_").replace("(", "").replace(")", ""), workload)
+            result["methods"][method.name] = {"lossy": method.lossy, "stored": [], "commit_s": [], "checkout_s": [],
+                                              "commit_mem": [], "checkout_mem": [], "eval": [], "resume": None}
+        for index, unit in enumerate(files):
             for method in methods:
-                _warm(path)
-                start = time.perf_counter()
-                stored = method.commit(path)
-                results[method.name]["seconds"].append(time.perf_counter() - start)
-                results[method.name]["stored"].append(stored)
+                row = result["methods"][method.name]
+                warm(unit)
+                with PeakMemory() as peak:
+                    start = time.perf_counter()
+                    row["stored"].append(method.commit(unit))
+                    row["commit_s"].append(time.perf_counter() - start)
+                row["commit_mem"].append(peak.extra)
+                dest = scratch / ("restored" + unit.suffix)
+                with PeakMemory() as peak:
+                    start = time.perf_counter()
+                    method.checkout(index, dest)
+                    row["checkout_s"].append(time.perf_counter() - start)
+                row["checkout_mem"].append(peak.extra)
+                if method.lossy:
+                    row["eval"].append(workload.eval_loss(workload.load(dest).model))
+                    if index == len(files) - 1:
+                        row["resume"] = resume_loss(workload, dest, resume_steps)
+                elif not same_unit(unit, dest):
+                    raise AssertionError(f"{method.name} did not restore {unit} exactly")
+                clear(dest)
+        result["original_resume"] = resume_loss(workload, files[-1], resume_steps)
+        result["resume_steps"] = resume_steps
     finally:
         for method in methods:
             method.finish()
-    return results
-
-
-def table(run_name: str, results: dict, files: list[Path]) -> list[str]:
-    sizes = [f.stat().st_size / 1e6 for f in files]
-    raw = sum(sizes)
-    zipnn = results[ZIPNN]
-    lines = [f"### {run_name}: {RUNS[run_name][0].description}",
-             f"{len(files)} checkpoints, {raw:.1f} MB as torch.save files", "",
-             "| method | stored MB | ratio vs torch.save | size vs ZipNN | commit MB/s (median) | "
-             "speed vs ZipNN (median of pairs) | first commit MB | later commits MB (mean) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, r in results.items():
-        total = sum(r["stored"]) / 1e6
-        speed = statistics.median(s / t for s, t in zip(sizes, r["seconds"]))
-        paired = statistics.median(z / t for t, z in zip(r["seconds"], zipnn["seconds"]))
-        later = r["stored"][1:] or [0]
-        lines.append(f"| {name} | {total:.2f} | {raw / total:.2f}x | {sum(zipnn['stored']) / 1e6 / total:.2f}x | "
-                     f"{speed:.0f} | {paired:.2f}x | {r['stored'][0] / 1e6:.2f} | {statistics.mean(later) / 1e6:.3f} |")
-    return lines
+        shutil.rmtree(scratch, ignore_errors=True)
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="tiny runs (for the test suite)")
-    parser.add_argument("--only", choices=sorted(RUNS), action="append", help="run only this case (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="tiny runs, for the test suite")
+    parser.add_argument("--only", choices=sorted(WORKLOADS), action="append", help="only this run (repeatable)")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where benchmarks.md and img/ go")
     args = parser.parse_args()
-    print(f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, Python "
-          f"{platform.python_version()}, torch {torch.__version__}")
-    print(f"Command: python -m bench {' '.join(sys.argv[1:])}")
-    for name in args.only or list(RUNS):
-        files = checkpoint_files(name, quick=args.quick)
-        work = Path(tempfile.mkdtemp(prefix="ckpt-bench-"))
-        try:
-            results = measure(files, work)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        print("\n" + "\n".join(table(name, results, files)), flush=True)
+    torch.set_num_threads(2)
+    header = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+              "versions": f"Python {platform.python_version()}, torch {torch.__version__}",
+              "command": "python -m bench " + " ".join(sys.argv[1:])}
+    started = time.time()
+    results = []
+    for name in args.only or list(WORKLOADS):
+        run_started = time.time()
+        workload = WORKLOADS[name](quick=args.quick)
+        results.append(run_workload(workload, resume_steps=workload.resume_steps))
+        print(f"{name}: {time.time() - run_started:.0f}s", flush=True)
+    header["seconds"] = round(time.time() - started)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "benchmarks.json").write_text(json.dumps({"header": header, "results": results}, indent=1))
+    print(write_report(header, results, args.out))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ class LocalObjectStore:
             os.replace(temp, final)
             if self._batched is not None:
                 self._batched.append(final)
+            else:
+                _fsync_dir(final.parent)
         finally:
             if temp.exists():
                 temp.unlink()
@@ -91,22 +93,9 @@ class LocalObjectStore:
             written, self._batched = self._batched, None
             if written and not _syncfs(self.root):
                 for path in written:
-                    fd = os.open(path, os.O_RDONLY)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-            self.sync_dirs()
-
-    def sync_dirs(self) -> None:
-        """Fsync the fan-out folders so that renames survive a power cut."""
-        for fan in self.root.iterdir():
-            if fan.is_dir():
-                fd = os.open(fan, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                    _fsync_path(path)
+            for folder in {path.parent for path in written}:
+                _fsync_dir(folder)
 
     def clear_tmp(self) -> int:
         """Remove leftovers of interrupted writes; returns how many were removed."""
@@ -129,3 +118,16 @@ def _syncfs(folder: Path) -> bool:
         return syncfs(fd) == 0
     finally:
         os.close(fd)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename inside `folder` survive a power cut."""
+    _fsync_path(folder)

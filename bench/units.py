@@ -1,0 +1,102 @@
+"""Reading and writing a checkpoint unit (a torch.save file, or a folder of files) for the baselines."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptstore.formats.torchfile import numpy_safe_globals
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def members(unit: Path) -> list[tuple[str, Path]]:
+    """(name inside the unit, path) for each file; a lone file has the name ''."""
+    if unit.is_file():
+        return [("", unit)]
+    return sorted((p.relative_to(unit).as_posix(), p) for p in unit.rglob("*") if p.is_file())
+
+
+def kind_of(name: str, path: Path) -> str:
+    """'torch' for loadable torch.save files, 'safetensors', or 'bytes'."""
+    suffix = path.suffix if name else ".pt"
+    if suffix == ".safetensors":
+        return "safetensors"
+    if suffix in TORCH_SUFFIXES and name != "training_args.bin":
+        return "torch"
+    return "bytes"
+
+
+def load_member(kind: str, path: Path) -> Any:
+    if kind == "torch":
+        with torch.serialization.safe_globals(numpy_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    if kind == "safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return path.read_bytes()
+
+
+def write_member(kind: str, value: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "torch":
+        torch.save(value, path)
+    elif kind == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(value, path, metadata={"format": "pt"})
+    else:
+        path.write_bytes(value)
+
+
+def destination(unit_dest: Path, name: str) -> Path:
+    return unit_dest / name if name else unit_dest
+
+
+def fsync_write(path: Path, parts) -> None:
+    with open(path, "wb") as handle:
+        for part in parts:
+            handle.write(part)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def size_of(unit: Path) -> int:
+    return sum(p.stat().st_size for _, p in members(unit))
+
+
+def clear(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Deep equality with tensors compared bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    if hasattr(a, "tobytes"):
+        return a.tobytes() == b.tobytes()
+    return a == b or json.dumps(a, default=str) == json.dumps(b, default=str)
+
+
+def same_unit(original: Path, restored: Path) -> bool:
+    """True when every member of `restored` holds the same state as in `original`."""
+    mine = dict(members(original))
+    theirs = dict(members(restored))
+    if set(mine) != set(theirs):
+        return False
+    return all(same_state(load_member(kind_of(name, path), path), load_member(kind_of(name, path), theirs[name]))
+               for name, path in mine.items())
