@@ -91,11 +91,11 @@ class LocalObjectStore:
             yield
         finally:
             written, self._batched = self._batched, None
-            if written and not _syncfs(self.root):
+            if written and not _syncfs(self.root):  # syncfs covers file data and the renames
                 for path in written:
                     _fsync_path(path)
-            for folder in {path.parent for path in written}:
-                _fsync_dir(folder)
+                for folder in {path.parent for path in written}:
+                    _fsync_dir(folder)
 
     def clear_tmp(self) -> int:
         """Remove leftovers of interrupted writes; returns how many were removed."""
