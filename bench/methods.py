@@ -252,7 +252,14 @@ class Ckptstore(Method):
         self.repo.close()
 
 
+def lossy_method(level: str) -> type[Ckptstore]:
+    """ckptstore at a lossy level, as a method of its own."""
+    return type(f"Ckptstore_{level}", (Ckptstore,), {"name": f"ckptstore {level}", "lossy": True,
+                                                      "commit_options": {"lossy": level}})
+
+
 def all_methods() -> list[type[Method]]:
     from bench.excp import ExCP
 
-    return [TorchSave, ZstdFile, ZipNNPerTensor, SafetensorsFiles, Ckptstore, ExCP]
+    lossy = [lossy_method(level) for level in ("optimizer", "balanced", "extreme")]
+    return [TorchSave, ZstdFile, ZipNNPerTensor, SafetensorsFiles, Ckptstore, *lossy, ExCP]

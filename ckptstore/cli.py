@@ -10,7 +10,10 @@ from typing import Any
 import click
 
 from ckptstore.errors import CkptError
+from ckptstore.policy import LEVELS
 from ckptstore.repo import Repository, fsck, gc
+
+LEVEL_NAMES = list(LEVELS)
 
 
 class BarProgress:
@@ -52,6 +55,19 @@ def _open(ctx: click.Context) -> Repository:
     return repo
 
 
+def _knobs(values: tuple[str, ...]) -> dict[str, Any]:
+    knobs = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{item!r} is not NAME=VALUE", param_hint="--knob")
+        try:
+            knobs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            knobs[key] = value
+    return knobs
+
+
 def _metrics(values: tuple[str, ...]) -> dict[str, float]:
     metrics = {}
     for item in values:
@@ -77,13 +93,15 @@ def cli(ctx: click.Context, repo: str | None) -> None:
 @cli.command()
 @click.argument("path", default=".", type=click.Path(file_okay=False))
 @click.option("--max-chain", type=click.IntRange(0), help="Longest delta chain before a keyframe.")
-def init(path: str, max_chain: int | None) -> None:
+@click.option("--lossy", "lossy", type=click.Choice(LEVEL_NAMES), help="Default lossy level for commits.")
+def init(path: str, max_chain: int | None, lossy: str | None) -> None:
     """Create a repository in PATH (default: here)."""
     from ckptstore.policy import EncodingSettings
 
     settings = EncodingSettings() if max_chain is None else EncodingSettings(max_chain=max_chain)
-    with Repository.init(path, encoding=settings) as repo:
-        click.echo(f"Initialized empty ckptstore repository in {repo.dir}")
+    with Repository.init(path, encoding=settings, lossy=lossy or "") as repo:
+        click.echo(f"Initialized empty ckptstore repository in {repo.dir}"
+                   + (f" (commits are lossy: {lossy})" if lossy else ""))
 
 
 @cli.command()
@@ -94,14 +112,19 @@ def init(path: str, max_chain: int | None) -> None:
 @click.option("--branch", help="Commit to this branch (created at HEAD if new); HEAD stays.")
 @click.option("--allow-empty", is_flag=True, help="Record a commit even if nothing changed.")
 @click.option("--trust-pickle", is_flag=True, help="Unpickle arbitrary objects in PATH (only for files you trust).")
+@click.option("--lossy", type=click.Choice([*LEVEL_NAMES, "none"]),
+              help="Lossy level (default: the repository's, normally lossless).")
+@click.option("--knob", "knobs", multiple=True, help="Override one setting of the lossy level, NAME=VALUE.")
 @click.pass_context
-def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle) -> None:
+def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle, lossy, knobs) -> None:
     """Store the checkpoint at PATH (torch.save file, safetensors file or Trainer folder)."""
     repo = _open(ctx)
     cid = repo.commit(path, message=message, step=step, metrics=_metrics(metrics), branch=branch,
-                      allow_empty=allow_empty, trust_pickle=trust_pickle, progress=BarProgress())
+                      allow_empty=allow_empty, trust_pickle=trust_pickle, progress=BarProgress(),
+                      lossy=lossy, **_knobs(knobs))
     info = repo.commit_info(cid)
-    click.echo(f"[{cid[:12]}] {message}  ({_size(info.raw_bytes)} -> {_size(info.stored_bytes)} new)")
+    mode = f" lossy:{info.lossy}" if info.lossy else ""
+    click.echo(f"[{cid[:12]}]{mode} {message}  ({_size(info.raw_bytes)} -> {_size(info.stored_bytes)} new)")
 
 
 @cli.command()
@@ -113,7 +136,11 @@ def checkout(ctx, ref, output, force) -> None:
     """Restore the checkpoint at REF (bit-exact) and move HEAD to it."""
     repo = _open(ctx)
     dest = repo.checkout_to(ref, output, force=force, progress=BarProgress())
-    click.echo(f"Restored {repo.resolve(ref)[:12]} to {dest}")
+    info = repo.commit_info(ref)
+    click.echo(f"Restored {info.id[:12]} to {dest}")
+    if info.lossy:
+        click.echo(f"note: {info.id[:12]} is a lossy commit (level {info.lossy}): weights and optimizer "
+                   "state are close to, not equal to, the original; `ckpt show` lists each tensor's error")
 
 
 @cli.command()
@@ -134,7 +161,8 @@ def log(ctx, graph, all_refs, as_json) -> None:
     for info in repo.log(all_refs=all_refs):
         deco = f" ({', '.join(labels[info.id])})" if info.id in labels else ""
         when = datetime.datetime.fromtimestamp(info.created_at).isoformat(timespec="seconds")
-        click.echo(f"commit {info.id}{deco}\nDate:   {when}\nStep:   {info.step}")
+        lossy = f"\nLossy:  {info.lossy}" if info.lossy else ""
+        click.echo(f"commit {info.id}{deco}\nDate:   {when}\nStep:   {info.step}{lossy}")
         if info.metrics:
             click.echo("Metrics: " + ", ".join(f"{k}={v:g}" for k, v in info.metrics.items()))
         click.echo(f"\n    {info.message}\n")
@@ -186,11 +214,15 @@ def show(ctx, ref, as_json) -> None:
         return _emit_json(data)
     click.echo(f"commit {data['id']}\nparents {' '.join(p[:12] for p in data['parents']) or '-'}")
     click.echo(f"step {data['step']}  metrics {data['metrics']}  source {data['source_path']}")
+    if data.get("lossy"):
+        click.echo(f"lossy commit, level {data['lossy']}; optimizer pairing: {data.get('pairing')}")
     click.echo(f"raw {_size(data['raw_bytes'])}  stored {_size(data['stored_bytes'])}\n\n    {data['message']}\n")
     for f in data["files"]:
         click.echo(f"file {f['name'] or '.'} [{f['format']}] {_size(f['size'])} {f['note']}".rstrip())
     for t in data["tensors"]:
-        click.echo(f"  {t['path']}  {t['dtype']} {tuple(t['shape'])}  {_size(t['stored_bytes'])} depth {t['depth']}")
+        error = f"  rel.err {t['rel_error']:.2e}" if "rel_error" in t else ""
+        click.echo(f"  {t['path']}  {t['dtype']} {tuple(t['shape'])}  {_size(t['stored_bytes'])} depth {t['depth']}"
+                   f"{error}")
     return None
 
 

@@ -28,8 +28,14 @@ def object_id(data: bytes | memoryview) -> ObjectId:
 
 def tensor_id(dtype: str, shape: tuple[int, ...], data: bytes | memoryview) -> TensorId:
     """The id of a tensor: blake3 over its dtype, shape and raw bytes, so equal content is stored once."""
+    return tensor_id_of_parts(dtype, shape, [data])
+
+
+def tensor_id_of_parts(dtype: str, shape: tuple[int, ...], parts) -> TensorId:
+    """tensor_id of the concatenation of `parts`, without concatenating them."""
     hasher = _hasher(f"tensor\0{dtype}\0{','.join(map(str, shape))}\0".encode())
-    hasher.update(data)
+    for part in parts:
+        hasher.update(part)
     return TensorId(hasher.hexdigest())
 
 

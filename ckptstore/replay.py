@@ -36,10 +36,10 @@ class ChainSource:
             if current.base_id is None or not get_codec(current.codec).needs_base(payload):
                 break
             current = self.records[current.base_id]
-        codec_ids = {level.codec for level, _ in levels}
-        if len(codec_ids) == 1:
-            return get_codec(record.codec).decode_chain([p for _, p in levels], record.params, out.size, out)
-        for level, payload in reversed(levels):  # a chain that changes codec replays level by level
+        codec = get_codec(record.codec)
+        if hasattr(codec, "decode_chain") and all(level.codec == record.codec for level, _ in levels):
+            return codec.decode_chain([p for _, p in levels], record.params, out.size, out)
+        for level, payload in reversed(levels):  # level by level, each with its own params
             result = get_codec(level.codec).decode(payload, out, level.params, out.size)
             if result is not out:
                 out[...] = result

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from ckptstore.codecs.base import Codec
 from ckptstore.codecs.bytegroup import ByteGroupCodec
+from ckptstore.codecs.deadzone import DeadZoneCodec
+from ckptstore.codecs.logmoment import LogMomentCodec
+from ckptstore.codecs.normmoment import NormalizedMomentCodec
 from ckptstore.errors import CodecError
 
 REGISTRY: dict[str, Codec] = {}
@@ -24,5 +27,8 @@ def get_codec(codec_id: str) -> Codec:
 
 
 register(ByteGroupCodec())
+register(DeadZoneCodec())
+register(LogMomentCodec())
+register(NormalizedMomentCodec())
 
 __all__ = ["Codec", "get_codec", "register", "REGISTRY"]

@@ -8,7 +8,13 @@ import numpy as np
 
 
 class Codec(Protocol):
-    """Encodes one chunk of a tensor's raw bytes (uint8, 1-D) against an optional base chunk."""
+    """Encodes one chunk of a tensor's raw bytes (uint8, 1-D) against an optional base chunk.
+
+    A codec may also offer `decode_chain(payloads, params, nbytes, out)`, decoding a whole chain of
+    its own payloads (newest first) at once when every level shares the same params; lossy
+    codecs add `encode_lossy(data, base, params, hints) -> (payload, reconstruction)` and
+    `lossy = True`.
+    """
 
     codec_id: str
 
@@ -19,10 +25,6 @@ class Codec(Protocol):
         self, payload: bytes, base: np.ndarray | None, params: dict[str, Any], nbytes: int
     ) -> np.ndarray:
         """Rebuild the chunk. `base` (when the payload needs it) may be overwritten and returned."""
-
-    def decode_chain(self, payloads: list[bytes], params: dict[str, Any], nbytes: int,
-                     out: np.ndarray | None = None) -> np.ndarray:
-        """Decode newest-first payloads where each is a residual of the next; the last needs no base."""
 
     def needs_base(self, payload: bytes) -> bool:
         """True when `decode` of this payload reads the base chunk."""

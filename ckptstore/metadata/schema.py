@@ -20,6 +20,7 @@ commits = Table(
     Column("source_path", Text),
     Column("raw_bytes", BigInteger, nullable=False),
     Column("stored_bytes", BigInteger, nullable=False),
+    Column("lossy", String(32)),
 )
 
 commit_parents = Table(

@@ -33,12 +33,14 @@ class CommitInfo:
     raw_bytes: int
     stored_bytes: int
     parents: list[CommitId] = field(default_factory=list)
+    lossy: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "id": self.id, "parents": self.parents, "message": self.message, "author": self.author,
             "created_at": self.created_at, "step": self.step, "metrics": self.metrics, "kind": self.kind,
             "source_path": self.source_path, "raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes,
+            **({"lossy": self.lossy} if self.lossy else {}),
         }
 
 
@@ -115,7 +117,7 @@ def _info(row, parents: list[CommitId]) -> CommitInfo:
         id=CommitId(row.id), manifest_object=ObjectId(row.manifest_object), message=row.message,
         author=row.author, created_at=row.created_at, step=row.step, metrics=json.loads(row.metrics),
         kind=row.kind, source_path=row.source_path, raw_bytes=row.raw_bytes, stored_bytes=row.stored_bytes,
-        parents=parents,
+        parents=parents, lossy=row.lossy,
     )
 
 
@@ -143,6 +145,7 @@ def insert_commit(conn: Connection, info: CommitInfo, tensor_ids: Iterable[Tenso
         id=info.id, manifest_object=info.manifest_object, message=info.message, author=info.author,
         created_at=info.created_at, step=info.step, metrics=json.dumps(info.metrics, sort_keys=True),
         kind=info.kind, source_path=info.source_path, raw_bytes=info.raw_bytes, stored_bytes=info.stored_bytes,
+        lossy=info.lossy,
     ))
     for position, parent in enumerate(info.parents):
         conn.execute(commit_parents.insert().values(commit_id=info.id, position=position, parent_id=parent))

@@ -18,6 +18,7 @@ class RepoConfig:
     encoding: EncodingSettings = field(default_factory=EncodingSettings)
     metadata_url: str = ""
     threads: int = 0
+    lossy: str = ""
 
     @classmethod
     def load(cls, path: Path) -> RepoConfig:
@@ -27,10 +28,11 @@ class RepoConfig:
             raise CkptError(f"cannot read {path}: {exc}") from None
         encoding = EncodingSettings(**data.get("encoding", {}))
         core = data.get("core", {})
-        return cls(encoding, core.get("metadata_url", ""), int(core.get("threads", 0)))
+        return cls(encoding, core.get("metadata_url", ""), int(core.get("threads", 0)), core.get("lossy", ""))
 
     def save(self, path: Path) -> None:
-        lines = ["[core]", f'metadata_url = "{self.metadata_url}"', f"threads = {self.threads}", "",
+        lines = ["[core]", f'metadata_url = "{self.metadata_url}"', f"threads = {self.threads}",
+                 f'lossy = "{self.lossy}"', "",
                  "[encoding]"]
         lines += [f"{key} = {value}" for key, value in asdict(self.encoding).items()]
         path.write_text("\n".join(lines) + "\n")

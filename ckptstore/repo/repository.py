@@ -34,14 +34,16 @@ from ckptstore.hashing import CommitId, ObjectId, TensorId, commit_id, file_dige
 from ckptstore.metadata import make_engine, upgrade, write_transaction
 from ckptstore.metadata.schema import commit_tensors, commits, known_files, refs, tensor_chunks, tensors
 from ckptstore.objectstore import LocalObjectStore
-from ckptstore.policy import EncodingSettings
+from ckptstore.policy import EncodingSettings, LossyLevel, level_named
+from ckptstore.policy.lossy import LossyPlan, plan_lossy
+from ckptstore.policy.mapping import map_optimizer
 from ckptstore.replay import ChainSource, replay
 from ckptstore.repo import catalog, graph
 from ckptstore.repo import refs as refnames
 from ckptstore.repo.config import RepoConfig
 from ckptstore.repo.lock import repo_lock
 from ckptstore.repo.progress import NoProgress, Progress
-from ckptstore.repo.writer import encode_tensors
+from ckptstore.repo.writer import Job, encode_jobs, lossless_jobs
 from ckptstore.state import RawTensor, materialize
 
 REPO_DIR = ".ckpt"
@@ -66,11 +68,15 @@ class Manifest:
     files: list[formats.CheckpointFile]
     entries: dict[str, Entry]
     digests: dict[str, str]
+    lossy: str | None = None
+    pairing: str | None = None
 
     def to_bytes(self) -> bytes:
         record = {
             "version": MANIFEST_VERSION,
             "kind": self.kind,
+            "lossy": self.lossy,
+            "pairing": self.pairing,
             "files": [dict(f.to_json(), digest=self.digests.get(f.name)) for f in self.files],
             "entries": {p: [e.tensor, e.dtype, list(e.shape)] for p, e in self.entries.items()},
         }
@@ -84,7 +90,7 @@ class Manifest:
         files = [formats.CheckpointFile.from_json(f) for f in record["files"]]
         entries = {p: Entry(TensorId(t), d, tuple(s)) for p, (t, d, s) in record["entries"].items()}
         digests = {f["name"]: f["digest"] for f in record["files"] if f.get("digest")}
-        return cls(record["kind"], files, entries, digests)
+        return cls(record["kind"], files, entries, digests, record.get("lossy"), record.get("pairing"))
 
 
 @dataclass
@@ -133,13 +139,14 @@ class Repository:
     # ----------------------------------------------------------------- lifecycle
     @classmethod
     def init(cls, path: str | os.PathLike = ".", metadata_url: str = "",
-             encoding: EncodingSettings | None = None) -> Repository:
-        """Create a repository in `path` with HEAD on an unborn `main` branch."""
+             encoding: EncodingSettings | None = None, lossy: str = "") -> Repository:
+        """Create a repository in `path` with HEAD on an unborn `main` branch (`lossy`: default level)."""
         root = Path(path).resolve()
         if (root / REPO_DIR).exists():
             raise RepoExistsError(f"{root / REPO_DIR} already exists")
+        level_named(lossy or None)  # reject unknown names before creating anything
         (root / REPO_DIR).mkdir(parents=True)
-        config = RepoConfig(encoding or EncodingSettings(), metadata_url)
+        config = RepoConfig(encoding or EncodingSettings(), metadata_url, lossy=lossy)
         config.save(root / REPO_DIR / "config.toml")
         repo = cls(root, config)
         with write_transaction(repo.engine) as conn:
@@ -331,41 +338,45 @@ class Repository:
     def commit(self, state_or_path: Any, message: str = "", step: int | None = None,
                metrics: Mapping[str, float] | None = None, branch: str | None = None,
                allow_empty: bool = False, trust_pickle: bool = False, author: str | None = None,
-               progress: Progress | None = None) -> CommitId:
+               progress: Progress | None = None, lossy: str | LossyLevel | None = None,
+               model: Any = None, optimizer: Any = None, **knobs: Any) -> CommitId:
         """Store a checkpoint (a path to a file or folder, or an in-memory state) as a new commit.
 
         The parent is the tip of `branch` (default: HEAD's branch, or HEAD itself when detached).
-        Raises NothingToCommitError when nothing changed, ConflictError when another writer moved
-        the branch meanwhile; in both cases no commit is recorded and earlier ones are untouched.
+        `lossy` picks a lossy level (default: the repository's, normally lossless); `knobs`
+        override its settings; `model` and `optimizer` (the live objects) name which optimizer
+        state belongs to which weight. Raises NothingToCommitError when nothing changed,
+        ConflictError when another writer moved the branch meanwhile; in both cases no commit is
+        recorded and earlier ones are untouched.
         """
         progress = progress or NoProgress()
+        level = level_named(lossy if lossy is not None else (self.config.lossy or None), **knobs)
         with self._lock():
             source_path, checkpoint, digests = self._read_input(state_or_path, trust_pickle)
-            ids = self._tensor_ids(checkpoint.tensors)
+            sources = self._tensor_ids(checkpoint.tensors)
             with self.engine.connect() as conn:
                 target, parent = self._commit_target(conn, branch)
                 parent_manifest = self.manifest(parent) if parent else None
-                present = catalog.existing_tensor_ids(conn, ids.values())
-                new = {ids[p]: raw for p, raw in checkpoint.tensors.items() if ids[p] not in present}
-                parent_of_new = {}
-                if parent_manifest:
-                    for path in checkpoint.tensors:
-                        old = parent_manifest.entries.get(path)
-                        if ids[path] in new and old is not None:
-                            parent_of_new[ids[path]] = old.tensor
-                records = catalog.load_records(conn, set(parent_of_new.values()))
-            progress.start("commit", sum(r.nbytes for r in new.values()))
+                parent_ids = {p: e.tensor for p, e in (parent_manifest.entries.items() if parent_manifest else ())
+                              if p in checkpoint.tensors}
+                records = catalog.load_records(conn, set(parent_ids.values()))
+                parents = {p: records[t] for p, t in parent_ids.items() if t in records}
+                optimizer_map = map_optimizer(checkpoint.tensors, _param_names(model, optimizer))
+                plans = (plan_lossy(checkpoint.tensors, parents, level, self.config.encoding, optimizer_map)
+                         if level else {})
+                entries, jobs = self._jobs(conn, checkpoint.tensors, sources, parents, plans, level)
+            progress.start("commit", sum(j.raw.nbytes for j in jobs))
             with self.store.batch():
                 try:
-                    new_records = encode_tensors(
-                        new, {t: records.get(p) for t, p in parent_of_new.items()},
-                        ChainSource(self.store, records), self.config.encoding, self._pool, progress.advance,
-                    )
+                    encoded = encode_jobs(jobs, ChainSource(self.store, records), self._pool, progress.advance)
                 finally:
                     progress.finish()
+            for path, record in encoded.items():
+                if path in checkpoint.tensors:
+                    entries[path] = record.id
             manifest = Manifest(checkpoint.kind, checkpoint.files, {
-                p: Entry(ids[p], raw.dtype, raw.shape) for p, raw in checkpoint.tensors.items()
-            }, digests)
+                p: Entry(entries[p], raw.dtype, raw.shape) for p, raw in checkpoint.tensors.items()
+            }, digests, level.name if level else None, optimizer_map.how if level else None)
             manifest_bytes = manifest.to_bytes()
             if parent_manifest is not None and not allow_empty and self._same_content(manifest, parent_manifest):
                 raise NothingToCommitError(
@@ -373,6 +384,7 @@ class Repository:
                     "(use --allow-empty to record it anyway)"
                 )
             manifest_oid = self.store.put(manifest_bytes)
+            new_records = list({r.id: r for r in encoded.values()}.values())
             stored = sum(r.stored_bytes for r in new_records) + len(manifest_bytes)
             raw_total = sum(f.size for f in checkpoint.files) if checkpoint.kind != "state" else sum(
                 r.nbytes for r in checkpoint.tensors.values())
@@ -381,7 +393,7 @@ class Repository:
                 author=author or _default_author(), created_at=time.time(), step=step,
                 metrics={k: float(v) for k, v in (metrics or {}).items()}, kind=checkpoint.kind,
                 source_path=source_path, raw_bytes=raw_total, stored_bytes=stored,
-                parents=[parent] if parent else [],
+                parents=[parent] if parent else [], lossy=level.name if level else None,
             )
             record = info.to_json()
             record.pop("id")
@@ -392,12 +404,49 @@ class Repository:
             with write_transaction(self.engine) as conn:
                 self._move_ref(conn, target, parent, info.id)
                 catalog.insert_records(conn, new_records, sizes)
-                catalog.insert_commit(conn, info, ids.values())
+                catalog.insert_commit(conn, info, entries.values())
                 catalog.insert_ignore(conn, known_files, [
                     {"digest": d, "commit_id": info.id, "size": f.size}
                     for f in checkpoint.files if (d := digests.get(f.name))
                 ])
             return info.id
+
+    def _jobs(self, conn, tensors: Mapping[str, RawTensor], sources: Mapping[str, TensorId],
+              parents: Mapping[str, TensorRecord], plans: Mapping[str, LossyPlan], level: LossyLevel | None
+              ) -> tuple[dict[str, TensorId], list[Job]]:
+        """Manifest ids known before encoding, and the jobs that encode everything else.
+
+        Lossless tensors are named by their content; a lossy tensor whose source equals the
+        parent's keeps the parent's reconstruction; the rest are named after encoding.
+        """
+        entries: dict[str, TensorId] = {}
+        reused: dict[str, TensorRecord] = {}
+        for path in plans:
+            parent = parents.get(path)
+            if parent is not None and parent.params.get("source") == sources[path]:
+                entries[path] = parent.id
+                reused[path] = parent
+        lossless = [p for p in tensors if p not in plans]
+        present = catalog.existing_tensor_ids(conn, [sources[p] for p in lossless])
+        new: dict[TensorId, RawTensor] = {}
+        parent_of: dict[TensorId, TensorRecord | None] = {}
+        for path in lossless:
+            entries[path] = sources[path]
+            if sources[path] not in present and sources[path] not in new:
+                new[sources[path]] = tensors[path]
+                parent_of[sources[path]] = parents.get(path)
+        jobs = lossless_jobs(new, parent_of, self.config.encoding)
+        for path, plan in plans.items():
+            if path in reused:
+                continue
+            params = dict(plan.params, source=sources[path], level=level.name)
+            base, sibling = plan.base, plan.sibling
+            if sibling in reused:  # its second moment did not change: replay that one as the base
+                base, sibling = reused[sibling], None
+            mask_from = plan.mask_from if plan.mask_from in plans and plan.mask_from not in reused else None
+            jobs.append(Job(path, tensors[path], plan.codec, params, base, sibling, mask_from,
+                            tensors.get(plan.importance) if plan.importance else None, plan.prune, plan.stage))
+        return entries, jobs
 
     @staticmethod
     def _same_content(new: Manifest, old: Manifest) -> bool:
@@ -508,7 +557,8 @@ class Repository:
             info = by_id[cid]
             deco = f" ({', '.join(labels[cid])})" if cid in labels else ""
             step = f" step={info.step}" if info.step is not None else ""
-            return f"{cid[:12]}{deco}{step} {info.message}".rstrip()
+            lossy = f" [lossy:{info.lossy}]" if info.lossy else ""
+            return f"{cid[:12]}{deco}{step}{lossy} {info.message}".rstrip()
 
         order = [c.id for c in history]
         return graph.render(order, {c.id: c.parents for c in history}, describe)
@@ -519,12 +569,17 @@ class Repository:
         manifest = Manifest.from_bytes(self._get(info.manifest_object))
         with self.engine.connect() as conn:
             records = catalog.load_records(conn, {e.tensor for e in manifest.entries.values()}, with_bases=False)
-        return dict(info.to_json(), files=[
-            {"name": f.name, "format": f.format, "size": f.size, "note": f.opaque_reason} for f in manifest.files
-        ], tensors=[{
-            "path": p, "dtype": e.dtype, "shape": list(e.shape), "tensor": e.tensor,
-            "stored_bytes": records[e.tensor].stored_bytes, "depth": records[e.tensor].depth,
-        } for p, e in manifest.entries.items()])
+        tensors = []
+        for path, entry in manifest.entries.items():
+            record = records[entry.tensor]
+            row = {"path": path, "dtype": entry.dtype, "shape": list(entry.shape), "tensor": entry.tensor,
+                   "stored_bytes": record.stored_bytes, "depth": record.depth, "codec": record.codec}
+            if "rel_error" in record.params:
+                row["rel_error"] = record.params["rel_error"]
+            tensors.append(row)
+        files = [{"name": f.name, "format": f.format, "size": f.size, "note": f.opaque_reason} for f in manifest.files]
+        extra = {"pairing": manifest.pairing} if manifest.lossy else {}
+        return dict(info.to_json(), files=files, tensors=tensors, **extra)
 
     def diff(self, a: str, b: str) -> list[TensorDiff]:
         """Per tensor path: added, removed, changed or unchanged, with the relative L2 change."""
@@ -628,6 +683,15 @@ def _relative_l2(old: RawTensor, new: RawTensor, torch) -> float | None:
     norm = torch.linalg.vector_norm(a64).item()
     delta = torch.linalg.vector_norm(b64 - a64).item()
     return delta / norm if norm else (0.0 if delta == 0 else float("inf"))
+
+
+def _param_names(model: Any, optimizer: Any) -> list[str] | None:
+    """Names of the optimizer's parameters in state order, from the live model and optimizer."""
+    if model is None or optimizer is None:
+        return None
+    names = {id(p): n for n, p in model.named_parameters()}
+    ordered = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
+    return None if None in ordered else ordered
 
 
 def _default_author() -> str:

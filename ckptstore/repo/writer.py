@@ -1,70 +1,139 @@
 """The encoding half of a commit: new tensors become chunk objects, in parallel.
 
-This is step 1 of the write path in DESIGN.md: no metadata is written until it is done.
+This is step 1 of the write path in DESIGN.md: no metadata is written until it is done. Each job
+encodes one tensor chunk by chunk on the pool. A lossy job's reconstruction (what checkout will
+return) names it; a first moment is coded against its second moment's reconstruction, and the
+moments may follow the pruning mask of their weight, so jobs are submitted weights first, then
+second moments, then first moments, and a chunk waits only for chunks submitted before it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from concurrent.futures import Executor
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 
 import numpy as np
 
 from ckptstore.codecs import get_codec
+from ckptstore.codecs.floats import to_float32
 from ckptstore.codecs.record import Chunk, TensorRecord
-from ckptstore.hashing import ObjectId, TensorId
-from ckptstore.objectstore import ObjectStore
+from ckptstore.hashing import ObjectId, TensorId, tensor_id_of_parts
 from ckptstore.policy import EncodingSettings, after_attempt, chunk_sizes, plan_tensor
 from ckptstore.replay import ChainSource
 from ckptstore.state import RawTensor
 
 
-def _encode_chunk(source: ChainSource, store: ObjectStore, codec_id: str, params: dict,
-                  data: np.ndarray, base: TensorRecord | None, index: int) -> tuple[ObjectId, int, bool]:
-    codec = get_codec(codec_id)
-    base_chunk = None
-    if base is not None:
-        base_chunk = source.replay_chunk(base, index, np.empty(data.size, dtype=np.uint8))
-    payload = codec.encode(np.ascontiguousarray(data), base_chunk, params)
-    oid = store.put(payload)
-    return oid, len(payload), base is not None and codec.needs_base(payload)
+@dataclass
+class Job:
+    """One tensor to encode."""
+
+    key: str
+    raw: RawTensor
+    codec: str
+    params: dict
+    base: TensorRecord | None = None
+    sibling: str | None = None
+    mask_from: str | None = None
+    importance: RawTensor | None = None
+    prune: float = 0.0
+    stage: int = 0
+    known_id: TensorId | None = None
 
 
-def encode_tensors(
-    new: Mapping[TensorId, RawTensor],
-    parents: Mapping[TensorId, TensorRecord | None],
-    source: ChainSource,
-    settings: EncodingSettings,
-    pool: Executor,
-    on_bytes: Callable[[int], None] | None = None,
-) -> list[TensorRecord]:
-    """Encode each new tensor (keyframe, or residual against `parents[id]`) and store its chunks."""
+@dataclass
+class ChunkResult:
+    object_id: ObjectId
+    stored: int
+    needs_base: bool
+    recon: np.ndarray | None = None
+    mask: np.ndarray | None = None
+    error_sq: float = 0.0
+    norm_sq: float = 0.0
+
+
+def _prune_mask(job: Job, data: np.ndarray, base: np.ndarray | None, start: int) -> np.ndarray | None:
+    """Residual entries whose estimated loss impact |dW|^2 * sqrt(v) is in the lowest `prune` fraction."""
+    if job.prune <= 0 or base is None or job.importance is None:
+        return None
+    dtype = job.params["dtype"]
+    delta = to_float32(data, dtype) - to_float32(base, dtype)
+    count = delta.size
+    width = job.importance.itemsize
+    v = to_float32(job.importance.data[start // job.raw.itemsize * width:][: count * width], job.importance.dtype)
+    impact = delta * delta * np.sqrt(v)
+    cut = int(job.prune * count)
+    if cut <= 0:
+        return None
+    threshold = np.partition(impact, cut - 1)[cut - 1]
+    return impact <= threshold
+
+
+def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: int,
+                  waits: dict[str, list[Future]]) -> ChunkResult:
+    codec = get_codec(job.codec)
+    data = np.ascontiguousarray(job.raw.data[start : start + size])
+    base = None
+    if job.sibling is not None:
+        base = waits[job.sibling][index].result().recon
+    elif job.base is not None:
+        base = source.replay_chunk(job.base, index, np.empty(size, dtype=np.uint8))
+    if not getattr(codec, "lossy", False):
+        payload = codec.encode(data, base, job.params)
+        return ChunkResult(source.store.put(payload), len(payload), base is not None and codec.needs_base(payload))
+    mask = _prune_mask(job, data, base, start) if job.stage == 0 else None
+    if job.mask_from is not None:
+        mask = waits[job.mask_from][index].result().mask
+    payload, recon = codec.encode_lossy(data, base, job.params, {"prune": mask})
+    original = to_float32(data, job.params["dtype"]).astype(np.float64)
+    error = to_float32(recon, job.params["dtype"]).astype(np.float64) - original
+    return ChunkResult(source.store.put(payload), len(payload), codec.needs_base(payload), recon, mask,
+                       float(error @ error), float(original @ original))
+
+
+def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
+                on_bytes: Callable[[int], None] | None = None) -> dict[str, TensorRecord]:
+    """Encode every job's chunks on `pool` and return the new records by job key."""
+    futures: dict[str, list[Future]] = {}
+    sizes: dict[str, list[int]] = {}
+    for job in sorted(jobs, key=lambda j: j.stage):
+        sizes[job.key] = chunk_sizes(job.raw.nbytes, job.params["chunk_bytes"])
+        futures[job.key], start = [], 0
+        for index, size in enumerate(sizes[job.key]):
+            futures[job.key].append(pool.submit(_encode_chunk, job, source, index, start, size, futures))
+            start += size
+    records: dict[str, TensorRecord] = {}
+    for job in sorted(jobs, key=lambda j: j.stage):
+        results = [f.result() for f in futures[job.key]]
+        if on_bytes:
+            on_bytes(job.raw.nbytes)
+        uses_base = any(r.needs_base for r in results)
+        params = dict(job.params)
+        if job.known_id is not None:
+            tid = job.known_id
+            if job.base is not None:
+                params = after_attempt(params, uses_base)
+        else:
+            tid = tensor_id_of_parts(job.raw.dtype, job.raw.shape, [r.recon for r in results])
+            norm = sum(r.norm_sq for r in results)
+            params["rel_error"] = float(np.sqrt(sum(r.error_sq for r in results) / norm)) if norm else 0.0
+        base = None
+        if uses_base:
+            base = records[job.sibling] if job.sibling is not None else job.base
+        records[job.key] = TensorRecord(
+            id=tid, dtype=job.raw.dtype, shape=job.raw.shape, codec=job.codec, params=params,
+            base_id=base.id if base else None, depth=base.depth + 1 if base else 0,
+            raw_bytes=job.raw.nbytes, stored_bytes=sum(r.stored for r in results),
+            chunks=[Chunk(r.object_id, size) for r, size in zip(results, sizes[job.key])],
+        )
+    return records
+
+
+def lossless_jobs(new: dict[TensorId, RawTensor], parents: dict[TensorId, TensorRecord | None],
+                  settings: EncodingSettings) -> list[Job]:
+    """Jobs for tensors stored bit for bit: keyframe, or residual against the parent's tensor."""
     jobs = []
     for tid, raw in new.items():
         plan = plan_tensor(raw.dtype, raw.nbytes, raw.itemsize, parents.get(tid), settings)
-        sizes = chunk_sizes(raw.nbytes, plan.params["chunk_bytes"])
-        futures, offset = [], 0
-        for index, size in enumerate(sizes):
-            piece = raw.data[offset : offset + size]
-            futures.append((size, pool.submit(_encode_chunk, source, source.store, plan.codec,
-                                              plan.params, piece, plan.base, index)))
-            offset += size
-        jobs.append((tid, raw, plan, futures))
-    records = []
-    for tid, raw, plan, futures in jobs:
-        chunks, stored, uses_base = [], 0, False
-        for size, future in futures:
-            oid, length, needs_base = future.result()
-            chunks.append(Chunk(oid, size))
-            stored += length
-            uses_base |= needs_base
-            if on_bytes:
-                on_bytes(size)
-        base = plan.base if uses_base else None
-        params = after_attempt(plan.params, uses_base) if plan.base is not None else plan.params
-        records.append(TensorRecord(
-            id=tid, dtype=raw.dtype, shape=raw.shape, codec=plan.codec, params=params,
-            base_id=base.id if base else None, depth=base.depth + 1 if base else 0,
-            raw_bytes=raw.nbytes, stored_bytes=stored, chunks=chunks,
-        ))
-    return records
+        jobs.append(Job(tid, raw, plan.codec, plan.params, plan.base, known_id=tid))
+    return jobs

@@ -1,0 +1,80 @@
+"""`python -m bench.lossy_sweep RUN [LEVEL ...] [--knob NAME=VALUE ...]`: tune lossy levels on one run.
+
+Commits the run's cached checkpoints at each level into a fresh repository, then reports the total
+ratio against the torch.save files, the worst eval-loss change of a restored checkpoint, and the
+eval loss after resuming the last restored checkpoint for the run's resume steps, against the same
+from the original.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.units import size_of
+from bench.workloads import WORKLOADS
+from ckptstore import Repository
+
+
+def sweep(run: str, levels: list[str], knobs: dict, quick: bool = False) -> list[dict]:
+    workload = WORKLOADS[run](quick=quick)
+    files = workload.files()
+    raw = sum(size_of(f) for f in files)
+    original = [workload.eval_loss(workload.load(f).model) for f in files]
+    state = workload.load(files[-1])
+    workload.train_steps(state, workload.resume_steps)
+    original_resume = workload.eval_loss(state.model)
+    rows = []
+    for level in levels:
+        work = Path(tempfile.mkdtemp(prefix="ckpt-sweep-"))
+        try:
+            with Repository.init(work / "repo") as repo:
+                commits, start = [], time.perf_counter()
+                for path in files:
+                    commits.append(repo.commit(path, lossy=level, **knobs))
+                encode_s = time.perf_counter() - start
+                stored = sum(repo.commit_info(c).stored_bytes for c in commits)
+                changes, decode_s = [], 0.0
+                for index, cid in enumerate(commits):
+                    dest = work / f"restored{files[index].suffix}"
+                    start = time.perf_counter()
+                    repo.checkout_to(cid, dest, force=True)
+                    decode_s += time.perf_counter() - start
+                    restored = workload.load(dest)
+                    changes.append((workload.eval_loss(restored.model) - original[index]) / original[index] * 100)
+                    if index == len(commits) - 1:
+                        workload.train_steps(restored, workload.resume_steps)
+                        resumed = workload.eval_loss(restored.model)
+                    shutil.rmtree(dest, ignore_errors=True) if dest.is_dir() else dest.unlink()
+                pairing = repo.show(commits[-1]).get("pairing")
+            rows.append({"run": run, "level": level, "knobs": knobs, "ratio": raw / stored,
+                         "worst_eval_change_pct": max(changes, key=abs),
+                         "resume_change_pct": (resumed - original_resume) / original_resume * 100,
+                         "encode_MBps": raw / 1e6 / encode_s, "decode_MBps": raw / 1e6 / decode_s,
+                         "pairing": pairing})
+            print(json.dumps(rows[-1]), flush=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("run", choices=sorted(WORKLOADS))
+    parser.add_argument("levels", nargs="*", default=["optimizer", "balanced", "extreme"])
+    parser.add_argument("--knob", action="append", default=[], help="NAME=VALUE (JSON value)")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    knobs = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.knob)}
+    sweep(args.run, args.levels, knobs, args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Float formats numpy lacks (bfloat16) and the conversions lossy codecs need, done on bit patterns.
+
+Lossy codecs compute in float32 and hand back exactly the bytes a checkout returns; these helpers
+make that conversion identical on every machine (round to nearest even, like torch).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ckptstore.errors import CodecError
+
+LOSSY_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16")
+
+
+def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Raw little-endian bytes of a float tensor as float32 values."""
+    if dtype == "torch.float32":
+        return raw.view(np.float32)
+    if dtype == "torch.float16":
+        return raw.view(np.float16).astype(np.float32)
+    if dtype == "torch.bfloat16":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    raise CodecError(f"lossy codecs take {', '.join(LOSSY_DTYPES)}, not {dtype}")
+
+
+def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded to `dtype`, as raw bytes (uint8)."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if dtype == "torch.float32":
+        return values.view(np.uint8)
+    if dtype == "torch.float16":
+        return values.astype(np.float16).view(np.uint8)
+    if dtype == "torch.bfloat16":
+        bits = values.view(np.uint32)
+        rounding = ((bits >> 16) & 1) + 0x7FFF
+        nan = np.isnan(values)
+        out = ((bits + rounding) >> 16).astype(np.uint16)
+        out[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)  # keep NaNs quiet NaNs
+        return out.view(np.uint8)
+    raise CodecError(f"lossy codecs take {', '.join(LOSSY_DTYPES)}, not {dtype}")
+
+
+def itemsize(dtype: str) -> int:
+    return 4 if dtype == "torch.float32" else 2

@@ -1,0 +1,107 @@
+"""Lossy codec for Adam's second moment: log2(v) on a grid of 2**-k octaves.
+
+Levels are coded as differences from the base's levels (the parent's reconstruction) or, without
+a base, from the chunk's median level; exact zeros stay exact.
+
+Adam divides by sqrt(v), so a relative error in v matters, not an absolute one: the log domain
+spends bits where they count. Reconstruction is ldexp(table[level mod 2**k], level div 2**k), which
+is exact and identical on any device. Params: dtype, k (levels per octave = 2**k).
+Layout: b"LG1", has-base (u8), median level (i32), zero-mask length (u32), zstd zero mask, symbols.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from ckptstore.codecs.entropy import decode_symbols, encode_symbols
+from ckptstore.codecs.floats import from_float32, to_float32
+from ckptstore.errors import CodecError
+
+MAGIC = b"LG1"
+_HEAD = struct.Struct("<3sBiI")
+
+
+def _table(k: int) -> np.ndarray:
+    return np.exp2(np.arange(1 << k, dtype=np.float64) / (1 << k)).astype(np.float32)
+
+
+def levels_of(values: np.ndarray, k: int) -> np.ndarray:
+    """Nearest level of each positive value (zeros give an arbitrary level; mask them)."""
+    with np.errstate(divide="ignore"):
+        logs = np.log2(np.maximum(values.astype(np.float64), np.finfo(np.float64).tiny))
+    return np.rint(logs * (1 << k)).astype(np.int64)
+
+
+def values_of(levels: np.ndarray, k: int) -> np.ndarray:
+    """2 ** (level / 2**k), exactly as float32."""
+    table = _table(k)
+    return np.ldexp(table[levels & ((1 << k) - 1)], (levels >> k).astype(np.int32)).astype(np.float32)
+
+
+class LogMomentCodec:
+    """Second moments in the log domain, closed loop against the parent's reconstruction."""
+
+    codec_id = "log2moment"
+    lossy = True
+
+    def encode_lossy(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any],
+                     hints: dict[str, Any] | None = None) -> tuple[bytes, np.ndarray]:
+        k = int(params["k"])
+        values = to_float32(data, params["dtype"])
+        if not np.isfinite(values).all() or (values < 0).any():
+            raise CodecError("log2moment: values must be finite and non-negative")
+        zero = values == 0
+        levels = levels_of(values, k)
+        median = int(np.median(levels[~zero])) if (~zero).any() else 0
+        predicted, usable = self._prediction(base, params, median, zero.size)
+        residual = np.where(zero, 0, levels - predicted)
+        if hints and hints.get("prune") is not None and base is not None:
+            residual[hints["prune"] & usable] = 0  # rebuild from the parent where the weight did not move
+        mask = zstandard.ZstdCompressor(level=3).compress(np.packbits(zero).tobytes())
+        payload = (_HEAD.pack(MAGIC, base is not None, median, len(mask)) + mask
+                   + encode_symbols(residual[~zero]))
+        return payload, self._reconstruct(predicted + residual, zero, params)
+
+    def encode(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any]) -> bytes:
+        return self.encode_lossy(data, base, params)[0]
+
+    @staticmethod
+    def _prediction(base, params, median: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        if base is None:
+            return np.full(count, median, dtype=np.int64), np.zeros(count, dtype=bool)
+        previous = to_float32(base, params["dtype"])
+        usable = previous > 0
+        return np.where(usable, levels_of(previous, int(params["k"])), median), usable
+
+    @staticmethod
+    def _reconstruct(levels: np.ndarray, zero: np.ndarray, params: dict[str, Any]) -> np.ndarray:
+        values = values_of(levels, int(params["k"]))
+        values[zero] = 0
+        return from_float32(values, params["dtype"])
+
+    def _head(self, payload: bytes) -> tuple[int, int, int]:
+        if len(payload) < _HEAD.size or payload[:3] != MAGIC:
+            raise CodecError("log2moment: payload does not start with a valid header")
+        return _HEAD.unpack_from(payload)[1:]
+
+    def needs_base(self, payload: bytes) -> bool:
+        return bool(self._head(payload)[0])
+
+    def decode(self, payload: bytes, base: np.ndarray | None, params: dict[str, Any], nbytes: int) -> np.ndarray:
+        has_base, median, mask_length = self._head(payload)
+        if has_base and (base is None or base.size != nbytes):
+            raise CodecError("log2moment: residual chunk decoded without its base")
+        count = nbytes // (4 if params["dtype"] == "torch.float32" else 2)
+        try:
+            bits = zstandard.ZstdDecompressor().decompress(payload[_HEAD.size : _HEAD.size + mask_length])
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"log2moment: zero mask does not decompress: {exc}") from None
+        zero = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=count).astype(bool)
+        residual = np.zeros(count, dtype=np.int64)
+        residual[~zero] = decode_symbols(memoryview(payload)[_HEAD.size + mask_length :])
+        predicted, _ = self._prediction(base if has_base else None, params, median, count)
+        return self._reconstruct(predicted + residual, zero, params)

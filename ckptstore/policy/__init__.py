@@ -1,0 +1,14 @@
+"""Per tensor: which codec, keyframe or residual, and (in lossy modes) how many bits."""
+
+from ckptstore.policy.levels import LEVELS, LossyLevel, level_named
+from ckptstore.policy.lossless import (
+    LOSSLESS_CODEC,
+    EncodePlan,
+    EncodingSettings,
+    after_attempt,
+    chunk_sizes,
+    plan_tensor,
+)
+
+__all__ = ["LEVELS", "LOSSLESS_CODEC", "EncodePlan", "EncodingSettings", "LossyLevel", "after_attempt",
+           "chunk_sizes", "level_named", "plan_tensor"]

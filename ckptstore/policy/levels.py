@@ -1,0 +1,61 @@
+"""Lossy levels: named presets over explicit knobs that users can also set one by one."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from ckptstore.errors import CkptError
+
+
+@dataclass(frozen=True)
+class LossyLevel:
+    """What a lossy commit may change, and by how much.
+
+    Steps for weights are fractions of each tensor's RMS (keyframe and residual); the first moment
+    is quantized as m / sqrt(v) with `moment_step`; the second moment keeps `v_levels_log2` bits
+    per octave (2 means steps of a quarter octave). `prune` (0 = off) prunes weight residuals whose
+    estimated loss impact, |dW|^2 * sqrt(v), is in the lowest fraction; the moments of pruned
+    entries are then rebuilt from the parent or dropped to zero. Tensors smaller than
+    `min_elements`, one-dimensional ones (biases, norms) and integer ones are always lossless.
+    """
+
+    name: str
+    weights_lossy: bool = True
+    weight_keyframe_step: float = 1 / 64
+    weight_residual_step: float = 1 / 64
+    weight_rounding: float = 0.5
+    moment_step: float = 1 / 16
+    moment_rounding: float = 0.5
+    v_levels_log2: int = 2
+    prune: float = 0.0
+    embedding_factor: float = 0.5
+    min_elements: int = 4096
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+LEVELS: dict[str, LossyLevel] = {
+    "optimizer": LossyLevel("optimizer", weights_lossy=False, moment_step=1 / 64, v_levels_log2=3),
+    "balanced": LossyLevel("balanced", weight_keyframe_step=1 / 64, weight_residual_step=1 / 64,
+                           moment_step=1 / 16, v_levels_log2=2, prune=0.0),
+    "extreme": LossyLevel("extreme", weight_keyframe_step=1 / 24, weight_residual_step=1 / 24,
+                          weight_rounding=0.4, moment_step=1 / 6, moment_rounding=0.4, v_levels_log2=1, prune=0.5),
+}
+
+
+def level_named(name: str | LossyLevel | None, **overrides: Any) -> LossyLevel | None:
+    """The preset called `name` (None: lossless), with any knobs overridden."""
+    if name is None or name in ("", "none", "lossless"):
+        if overrides:
+            raise CkptError("lossy knobs were given without a lossy level")
+        return None
+    if isinstance(name, LossyLevel):
+        return replace(name, **overrides)
+    if name not in LEVELS:
+        raise CkptError(f"unknown lossy level {name!r}; choose one of {', '.join(LEVELS)}")
+    try:
+        return replace(LEVELS[name], **overrides)
+    except TypeError as exc:
+        raise CkptError(f"unknown lossy knob: {exc}") from None

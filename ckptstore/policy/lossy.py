@@ -1,0 +1,125 @@
+"""Lossy plans: per tensor, which lossy codec, with what step, against which base.
+
+Weights (matrices of trainable parameters) get dead-zone quantization, keyframe or closed-loop
+residual, with a step relative to the tensor's RMS (finer for embeddings); Adam's second moment is
+coded in the log domain against its parent, the first moment as m / sqrt(v) against this commit's
+reconstructed second moment; SGD momentum like a weight keyframe. Biases, norms, small tensors,
+integers, step counters and all non-tensor state stay lossless.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ckptstore.codecs.floats import LOSSY_DTYPES, to_float32
+from ckptstore.codecs.record import TensorRecord
+from ckptstore.policy.levels import LossyLevel
+from ckptstore.policy.lossless import EncodingSettings
+from ckptstore.policy.mapping import OptimizerMap
+from ckptstore.state import RawTensor
+
+_EMBEDDING = re.compile(r"embed|wte|wpe|tok_emb|pos_emb", re.IGNORECASE)
+V_EPS = 1e-30
+
+
+@dataclass
+class LossyPlan:
+    """How one tensor is encoded in a lossy commit."""
+
+    path: str
+    codec: str
+    params: dict[str, Any]
+    base: TensorRecord | None = None
+    sibling: str | None = None
+    mask_from: str | None = None
+    importance: str | None = None
+    prune: float = 0.0
+    stage: int = 0
+
+
+def _rms(raw: RawTensor) -> float:
+    values = to_float32(raw.data, raw.dtype).astype(np.float64)
+    return float(np.sqrt(np.mean(values * values))) if values.size else 0.0
+
+
+def _temporal_base(parent: TensorRecord | None, raw: RawTensor, codecs: tuple[str, ...],
+                   settings: EncodingSettings) -> TensorRecord | None:
+    """The parent's tensor as a closed-loop base, when the layout matches and the chain has room."""
+    if (parent is None or parent.dtype != raw.dtype or parent.shape != raw.shape
+            or parent.codec not in codecs or parent.depth + 1 > settings.max_chain):
+        return None
+    return parent
+
+
+def eligible(raw: RawTensor, level: LossyLevel) -> bool:
+    """Float tensors large enough to be worth quantizing."""
+    return raw.dtype in LOSSY_DTYPES and int(np.prod(raw.shape)) >= level.min_elements
+
+
+def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRecord], level: LossyLevel,
+               settings: EncodingSettings, optimizer: OptimizerMap) -> dict[str, LossyPlan]:
+    """Plans for every tensor that this level makes lossy; the others stay lossless."""
+    plans: dict[str, LossyPlan] = {}
+    chunking = {"chunk_bytes": settings.chunk_bytes}
+    roles = optimizer.roles()
+
+    def weight_plan(path: str, raw: RawTensor, importance: str | None, stage: int = 0) -> LossyPlan | None:
+        if len(raw.shape) < 2 or not eligible(raw, level):
+            return None
+        rms = _rms(raw)
+        if rms == 0.0:
+            return None
+        factor = level.embedding_factor if _EMBEDDING.search(path) else 1.0
+        base = _temporal_base(parents.get(path), raw, ("deadzone", "bytegroup"), settings)
+        step = (level.weight_residual_step if base is not None else level.weight_keyframe_step) * factor * rms
+        params = dict(chunking, dtype=raw.dtype, step=step, rounding=level.weight_rounding if base else 0.5)
+        chunk = max(raw.itemsize, settings.chunk_bytes // raw.itemsize * raw.itemsize)
+        params["chunk_bytes"] = int(base.params["chunk_bytes"]) if base is not None else chunk
+        return LossyPlan(path, "deadzone", params, base, importance=importance,
+                         prune=level.prune if importance else 0.0, stage=stage)
+
+    for path, raw in tensors.items():
+        role, slot = roles.get(path, (None, None))
+        if role is None:
+            if not optimizer.certain and level.weights_lossy and not path.endswith(("/step", "step")):
+                plan = weight_plan(path, raw, None)  # pairing unknown: per-tensor statistics only
+                if plan is not None:
+                    plans[path] = plan
+            continue
+        if role == "weight":
+            if level.weights_lossy:
+                plan = weight_plan(path, raw, slot.exp_avg_sq if optimizer.certain else None)
+                if plan is not None:
+                    plans[path] = plan
+        elif role == "momentum_buffer" and eligible(raw, level):
+            rms = _rms(raw)
+            if rms > 0:
+                plans[path] = LossyPlan(path, "deadzone", dict(chunking, dtype=raw.dtype,
+                                        step=level.weight_keyframe_step * rms, rounding=0.5,
+                                        chunk_bytes=_chunk(raw, settings)))
+        elif role == "exp_avg_sq" and eligible(raw, level) and slot.exp_avg is not None:
+            base = _temporal_base(parents.get(path), raw, ("log2moment",), settings)
+            params = dict(dtype=raw.dtype, k=level.v_levels_log2,
+                          chunk_bytes=int(base.params["chunk_bytes"]) if base else _chunk(raw, settings))
+            mask_from = slot.weight if (level.prune > 0 and slot.weight in plans and base is not None) else None
+            plans[path] = LossyPlan(path, "log2moment", params, base, mask_from=mask_from, stage=1)
+    for path, raw in tensors.items():
+        role, slot = roles.get(path, (None, None))
+        if role == "exp_avg" and slot.exp_avg_sq in plans:
+            v_plan = plans[slot.exp_avg_sq]
+            params = dict(dtype=raw.dtype, v_dtype=tensors[slot.exp_avg_sq].dtype, step=level.moment_step,
+                          rounding=level.moment_rounding, eps=V_EPS, chunk_bytes=v_plan.params["chunk_bytes"])
+            if raw.itemsize != tensors[slot.exp_avg_sq].itemsize:
+                continue  # chunks must line up with the second moment's
+            mask_from = slot.weight if (level.prune > 0 and slot.weight in plans) else None
+            plans[path] = LossyPlan(path, "normmoment", params, sibling=slot.exp_avg_sq, mask_from=mask_from, stage=2)
+    return plans
+
+
+def _chunk(raw: RawTensor, settings: EncodingSettings) -> int:
+    return max(raw.itemsize, settings.chunk_bytes // raw.itemsize * raw.itemsize)

@@ -1,0 +1,121 @@
+"""Which optimizer state belongs to which weight, for joint weight-moment compression.
+
+Moments pair with each other by optimizer index, always. Pairing them with weights needs names:
+given by the caller (`commit(model=..., optimizer=...)`), or inferred from the optimizer's order
+(torch numbers parameters in `param_groups` order) checked against shapes, first in the model's
+own order, then in the order Hugging Face Trainer groups them (decayed weights, then biases and
+norms). An inference is accepted only when it is the only one the shapes allow.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ckptstore.state import RawTensor, escape
+
+_STATE = re.compile(r"^(?:(.*)/)?state/(\d+)/(exp_avg|exp_avg_sq|momentum_buffer)$")
+_NO_DECAY = re.compile(r"bias|norm|(^|[._/])ln(_\w+)?([._/]|$)", re.IGNORECASE)
+FLOATS = ("torch.float32", "torch.float16", "torch.bfloat16", "torch.float64")
+
+
+@dataclass
+class ParamSlots:
+    """The tensors of one optimizer parameter, by logical path."""
+
+    index: int
+    weight: str | None = None
+    exp_avg: str | None = None
+    exp_avg_sq: str | None = None
+    momentum_buffer: str | None = None
+
+
+@dataclass
+class OptimizerMap:
+    """Optimizer parameters with their tensors, and how sure the weight pairing is."""
+
+    slots: list[ParamSlots] = field(default_factory=list)
+    certain: bool = False
+    how: str = "no optimizer state found"
+
+    def roles(self) -> dict[str, tuple[str, ParamSlots]]:
+        """Path -> (role, slots) for every path that belongs to some parameter."""
+        out = {}
+        for slot in self.slots:
+            for role in ("weight", "exp_avg", "exp_avg_sq", "momentum_buffer"):
+                path = getattr(slot, role)
+                if path is not None:
+                    out[path] = (role, slot)
+        return out
+
+
+def _embedding(model: Sequence[tuple[str, tuple]], shapes: Sequence[tuple]) -> list[int] | None:
+    """Indices into `model` of the only order-preserving placement of `shapes`, or None."""
+    forward, j = [], 0
+    for shape in shapes:
+        while j < len(model) and model[j][1] != shape:
+            j += 1
+        if j == len(model):
+            return None
+        forward.append(j)
+        j += 1
+    backward, j = [], len(model) - 1
+    for shape in reversed(shapes):
+        while j >= 0 and model[j][1] != shape:
+            j -= 1
+        backward.append(j)
+        j -= 1
+    return forward if forward == backward[::-1] else None
+
+
+def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str] | None = None) -> OptimizerMap:
+    """Find optimizer state among `tensors` and pair it with weights (see the module docstring)."""
+    slots: dict[tuple[str, int], ParamSlots] = {}
+    for path in tensors:
+        match = _STATE.match(path)
+        if match:
+            prefix, index, role = match.group(1) or "", int(match.group(2)), match.group(3)
+            setattr(slots.setdefault((prefix, index), ParamSlots(index)), role, path)
+    if not slots:
+        return OptimizerMap()
+    prefixes = {prefix for prefix, _ in slots}
+    if len(prefixes) > 1:
+        return OptimizerMap(list(slots.values()), False, "several optimizers; weights not paired")
+    (prefix,) = prefixes
+    ordered = [slots[key] for key in sorted(slots, key=lambda k: k[1])]
+    inside = f"{prefix}/" if prefix else ""
+    model = [(p, tuple(r.shape)) for p, r in tensors.items()
+             if r.dtype in FLOATS and not (inside and p.startswith(inside)) and not _STATE.match(p)]
+    shapes = [tuple(tensors[s.exp_avg or s.momentum_buffer].shape) if (s.exp_avg or s.momentum_buffer) else None
+              for s in ordered]
+    if names is not None:
+        found = _by_names(model, names)
+        if found is not None and len(found) == len(ordered):
+            return _pair(ordered, found, "given by the caller")
+    if None in shapes:
+        return OptimizerMap(ordered, False, "state without moments; weights not paired")
+    placement = _embedding(model, shapes)
+    if placement is not None:
+        return _pair(ordered, [model[i][0] for i in placement], "optimizer order matches the model's")
+    grouped = [m for m in model if not _NO_DECAY.search(m[0])] + [m for m in model if _NO_DECAY.search(m[0])]
+    placement = _embedding(grouped, shapes)
+    if placement is not None:
+        return _pair(ordered, [grouped[i][0] for i in placement], "Hugging Face Trainer's decay groups")
+    return OptimizerMap(ordered, False, "shapes allow more than one pairing; weights not paired")
+
+
+def _by_names(model: Sequence[tuple[str, tuple]], names: Sequence[str]) -> list[str] | None:
+    paths = []
+    for name in names:
+        hits = [p for p, _ in model if p == escape(name) or p.endswith("/" + escape(name))]
+        if len(hits) != 1:
+            return None
+        paths.append(hits[0])
+    return paths
+
+
+def _pair(ordered: list[ParamSlots], weights: list[str], how: str) -> OptimizerMap:
+    for slot, weight in zip(ordered, weights):
+        slot.weight = weight
+    return OptimizerMap(ordered, True, how)

@@ -1,0 +1,97 @@
+import numpy as np
+import pytest
+import torch
+
+from ckptstore.codecs import get_codec
+from ckptstore.codecs.entropy import RANS, ZSTD, decode_symbols, encode_symbols
+from ckptstore.codecs.floats import from_float32, to_float32
+from ckptstore.errors import CodecError
+
+RNG = np.random.default_rng(0)
+
+
+def _raw(values: np.ndarray, dtype: str) -> np.ndarray:
+    return from_float32(values.astype(np.float32), dtype).copy()
+
+
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.float16", "torch.bfloat16"])
+def test_float_conversions_match_torch_rounding(dtype):
+    values = RNG.standard_normal(10_000).astype(np.float32) * 3
+    expected = torch.from_numpy(values).to(getattr(torch, dtype.split(".")[1]))
+    raw = from_float32(values, dtype)
+    assert raw.tobytes() == expected.view(torch.uint8).numpy().tobytes()
+    assert np.array_equal(to_float32(raw, dtype), expected.float().numpy())
+
+
+@pytest.mark.parametrize("scale", [0.6, 5.0, 300.0])
+def test_entropy_round_trip(scale):
+    symbols = np.round(RNG.laplace(0, scale, 50_000)).astype(np.int32)
+    payload = encode_symbols(symbols)
+    assert np.array_equal(decode_symbols(payload), symbols)
+    with pytest.raises(CodecError):
+        decode_symbols(payload[:10])
+
+
+def test_entropy_uses_rans_only_where_it_pays():
+    skewed = (RNG.random(100_000) < 0.03).astype(np.int32) * RNG.integers(-3, 4, 100_000)
+    assert encode_symbols(skewed)[3] in (RANS, ZSTD)
+    payload = encode_symbols(skewed)
+    p = np.bincount(skewed - skewed.min()) / skewed.size
+    entropy_bytes = -(p[p > 0] * np.log2(p[p > 0])).sum() * skewed.size / 8
+    assert len(payload) < 1.25 * entropy_bytes + 200
+
+
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+def test_deadzone_keyframe_and_closed_loop_residuals(dtype):
+    codec = get_codec("deadzone")
+    weights = RNG.standard_normal(20_000).astype(np.float32) * 0.02
+    step = 0.02 / 64
+    params = {"dtype": dtype, "step": step, "rounding": 0.5}
+    payload, recon = codec.encode_lossy(_raw(weights, dtype), None, params)
+    assert not codec.needs_base(payload)
+    assert codec.decode(payload, None, params, recon.size).tobytes() == recon.tobytes()
+    ulp = 2 ** -8 if dtype == "torch.bfloat16" else 0
+    assert np.abs(to_float32(recon, dtype) - weights).max() <= step / 2 + ulp * np.abs(weights).max()
+    current, previous = weights, recon
+    for _ in range(6):  # small updates: the dead zone drops most, closed loop keeps the error bounded
+        current = current + RNG.standard_normal(current.size).astype(np.float32) * 1e-5
+        payload, previous_next = codec.encode_lossy(_raw(current, dtype), previous, dict(params, rounding=0.3))
+        assert codec.needs_base(payload)
+        decoded = codec.decode(payload, previous.copy(), dict(params, rounding=0.3), previous.size)
+        assert decoded.tobytes() == previous_next.tobytes()
+        previous = previous_next
+        error = np.abs(to_float32(previous, dtype) - current).max()
+        assert error <= 0.7 * step + ulp * np.abs(current).max()
+    with pytest.raises(CodecError, match="non-finite"):
+        codec.encode_lossy(_raw(np.array([1.0, np.nan] * 10), dtype), None, params)
+
+
+def test_log_moment_codec_relative_error_and_zeros():
+    codec = get_codec("log2moment")
+    v = np.exp(RNG.normal(-14, 3, 30_000)).astype(np.float32)
+    v[::7] = 0
+    for k in (1, 2, 4):
+        params = {"dtype": "torch.float32", "k": k}
+        payload, recon = codec.encode_lossy(v.view(np.uint8), None, params)
+        assert codec.decode(payload, None, params, recon.size).tobytes() == recon.tobytes()
+        back = recon.view(np.float32)
+        assert np.array_equal(back == 0, v == 0)
+        ratio = back[v > 0] / v[v > 0]
+        assert np.abs(np.log2(ratio)).max() <= 0.5 / 2**k + 1e-6
+        later = (v * np.exp(RNG.normal(0, 0.05, v.size))).astype(np.float32)
+        payload2, recon2 = codec.encode_lossy(later.view(np.uint8), recon, params)
+        assert codec.needs_base(payload2) and len(payload2) < len(payload)
+        assert codec.decode(payload2, recon.copy(), params, recon.size).tobytes() == recon2.tobytes()
+
+
+def test_normalized_moment_codec_is_relative_to_the_second_moment():
+    codec = get_codec("normmoment")
+    v = np.exp(RNG.normal(-14, 2, 10_000)).astype(np.float32)
+    m = (RNG.standard_normal(10_000) * np.sqrt(v) * 0.3).astype(np.float32)
+    params = {"dtype": "torch.float32", "v_dtype": "torch.float32", "step": 1 / 16, "rounding": 0.5, "eps": 1e-30}
+    payload, recon = codec.encode_lossy(m.view(np.uint8), v.view(np.uint8), params)
+    assert codec.decode(payload, v.view(np.uint8).copy(), params, recon.size).tobytes() == recon.tobytes()
+    error = np.abs(recon.view(np.float32) - m) / np.sqrt(v)
+    assert error.max() <= 1 / 32 + 1e-5
+    with pytest.raises(CodecError):
+        codec.decode(payload, None, params, recon.size)

@@ -1,0 +1,48 @@
+import numpy as np
+
+from ckptstore.policy.mapping import map_optimizer
+from ckptstore.state import RawTensor
+
+
+def _t(*shape):
+    return RawTensor("torch.float32", shape, np.zeros(int(np.prod(shape)) * 4, dtype=np.uint8))
+
+
+def _checkpoint(model: dict, order: list[str], prefix="optimizer"):
+    tensors = {f"model/{k}": _t(*s) for k, s in model.items()}
+    for i, name in enumerate(order):
+        for role in ("exp_avg", "exp_avg_sq"):
+            tensors[f"{prefix}/state/{i}/{role}"] = _t(*model[name])
+        tensors[f"{prefix}/state/{i}/step"] = RawTensor("torch.float32", (), np.zeros(4, dtype=np.uint8))
+    return tensors
+
+
+MODEL = {"embed.weight": (100, 8), "fc.weight": (8, 8), "fc.bias": (8,), "norm.weight": (8,), "head.weight": (3, 8)}
+
+
+def test_model_order_pairs_weights_with_their_moments():
+    result = map_optimizer(_checkpoint(MODEL, list(MODEL)))
+    assert result.certain and result.how.startswith("optimizer order")
+    assert [s.weight for s in result.slots] == [f"model/{k}" for k in MODEL]
+    roles = result.roles()
+    assert roles["optimizer/state/1/exp_avg_sq"][1].weight == "model/fc.weight"
+
+
+def test_hugging_face_decay_groups_are_recognised():
+    order = ["embed.weight", "fc.weight", "head.weight", "fc.bias", "norm.weight"]
+    result = map_optimizer(_checkpoint(MODEL, order))
+    assert result.certain and "Trainer" in result.how
+    assert [s.weight for s in result.slots] == [f"model/{k}" for k in order]
+
+
+def test_ambiguous_shapes_are_not_guessed_and_names_settle_them():
+    model = {"a.weight": (4, 4), "b.weight": (4, 4), "c.weight": (4, 4)}
+    tensors = _checkpoint(model, ["b.weight"])
+    result = map_optimizer(tensors)
+    assert not result.certain and all(s.weight is None for s in result.slots)
+    named = map_optimizer(tensors, names=["b.weight"])
+    assert named.certain and named.slots[0].weight == "model/b.weight"
+
+
+def test_no_optimizer_state():
+    assert not map_optimizer({"w": _t(3, 3)}).slots

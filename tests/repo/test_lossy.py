@@ -1,0 +1,102 @@
+"""Lossy commits of a real training run: what may change, by how much, and what never does."""
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptstore.cli import cli
+from ckptstore.errors import CkptError, NothingToCommitError
+from ckptstore.formats.torchfile import numpy_safe_globals
+from tests.conftest import Trainer, assert_same
+
+LOSSY_WEIGHTS = ("fc1.weight", "fc2.weight")
+
+
+def _load(path):
+    with torch.serialization.safe_globals(numpy_safe_globals()):
+        return torch.load(path, weights_only=True)
+
+
+def _run(repo, tmp_path, level, commits=4, steps=5):
+    trainer, out = Trainer(), []
+    for i in range(commits):
+        trainer.train(steps)
+        path = tmp_path / f"ckpt-{i}.pt"
+        torch.save(trainer.state(), path)
+        out.append((path, repo.commit(path, lossy=level, step=trainer.step)))
+    return out
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_balanced_level_keeps_everything_but_weights_and_moments_exact(repo, tmp_path):
+    errors = []
+    for path, cid in _run(repo, tmp_path, "balanced"):
+        original, restored = _load(path), repo.checkout(cid)
+        for name, tensor in original["model"].items():
+            if name in LOSSY_WEIGHTS:
+                errors.append(_rel(restored["model"][name], tensor))
+                assert 0 < errors[-1] < 0.01, name
+            else:
+                assert_same(tensor, restored["model"][name])
+        for index, state in original["optimizer"]["state"].items():
+            assert_same(state["step"], restored["optimizer"]["state"][index]["step"])
+            for moment in ("exp_avg", "exp_avg_sq"):
+                assert _rel(restored["optimizer"]["state"][index][moment], state[moment]) < 0.2
+        assert_same(original["optimizer"]["param_groups"], restored["optimizer"]["param_groups"])
+        assert_same(original["scheduler"], restored["scheduler"])
+        assert_same(original["rng"], restored["rng"])
+        assert original["step"] == restored["step"]
+    assert max(errors[-2:]) < 2 * max(errors[:2]), "closed loop: error must not accumulate along the chain"
+    shown = repo.show(cid)
+    assert shown["lossy"] == "balanced" and shown["pairing"].startswith("optimizer order")
+    assert {t["path"] for t in shown["tensors"] if "rel_error" in t} >= {f"model/{n}" for n in LOSSY_WEIGHTS}
+    assert "[lossy:balanced]" in "\n".join(repo.log_graph())
+    assert repo.commit_info(cid).stored_bytes < 0.5 * repo.commit_info(cid).raw_bytes
+
+
+def test_optimizer_level_keeps_weights_bit_exact(repo, tmp_path):
+    for path, cid in _run(repo, tmp_path, "optimizer", commits=3):
+        original, restored = _load(path), repo.checkout(cid)
+        assert_same(original["model"], restored["model"])
+        lossy_moments = [repo.show(cid)["tensors"][i] for i in range(len(repo.show(cid)["tensors"]))
+                         if repo.show(cid)["tensors"][i]["codec"] in ("normmoment", "log2moment")]
+        assert lossy_moments, "the moments of the larger weights are quantized"
+
+
+def test_resuming_from_a_lossy_commit_tracks_the_original(repo, tmp_path):
+    (path, cid), = _run(repo, tmp_path, "balanced", commits=1, steps=8)
+    from_file = Trainer(seed=1)
+    from_file.load(_load(path))
+    expected = from_file.train(5)  # the RNG is global: train each right after loading it
+    from_store = Trainer(seed=2)
+    from_store.load(repo.checkout(cid))
+    got = from_store.train(5)
+    assert max(abs(a - b) / a for a, b in zip(expected, got)) < 0.02
+
+
+def test_unchanged_lossy_checkpoint_is_nothing_to_commit(repo, tmp_path):
+    (path, cid), = _run(repo, tmp_path, "extreme", commits=1)
+    with pytest.raises(NothingToCommitError):
+        repo.commit(path, lossy="extreme")
+    with pytest.raises(CkptError, match="unknown lossy level"):
+        repo.commit(path, lossy="medium")
+
+
+def test_cli_marks_lossy_commits_and_checkouts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = lambda *args: CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    assert run("init", "--lossy", "balanced").exit_code == 0
+    trainer = Trainer()
+    trainer.train(3)
+    torch.save(trainer.state(), "ckpt.pt")
+    assert "lossy:balanced" in run("commit", "ckpt.pt", "-m", "first").output
+    trainer.train(3)
+    torch.save(trainer.state(), "ckpt.pt")
+    assert "lossy" not in run("commit", "ckpt.pt", "--lossy", "none").output
+    assert "Lossy:  balanced" in run("log").output
+    show = run("show", "HEAD~1").output
+    assert "lossy commit, level balanced" in show and "rel.err" in show
+    assert "is a lossy commit" in run("checkout", "HEAD~1", "-o", "old.pt").output
