@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import sys
@@ -29,7 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def warm(unit: Path) -> None:
-    """Read every file once so each method starts from the page cache."""
+    """Flush others' dirty pages, then read every file once: each method starts from the page cache
+    with nothing of another method's left to write."""
+    os.sync()
     for path in [unit] if unit.is_file() else sorted(unit.rglob("*")):
         if path.is_file():
             with open(path, "rb") as handle:
@@ -68,6 +71,7 @@ def run_workload(workload: Workload, resume_steps: int) -> dict:
                     row["commit_s"].append(time.perf_counter() - start)
                 row["commit_mem"].append(peak.extra)
                 dest = scratch / ("restored" + unit.suffix)
+                os.sync()
                 with PeakMemory() as peak:
                     start = time.perf_counter()
                     method.checkout(index, dest)

@@ -22,7 +22,7 @@ import torch
 import zstandard
 
 from bench.methods import Method
-from bench.units import clear, load_member, members
+from bench.units import clear, fsync_write, load_member, members, write_member
 from ckptstore.state import torch_dtype
 
 ALPHA, BETA, CENTROIDS = 5e-5, 2.0, 15
@@ -120,16 +120,12 @@ def assemble(rest: dict, model: dict[str, torch.Tensor], moments: dict[int, dict
     ordered = {k: model[k] for k in rest["model_keys"]}
     clear(dest)
     if rest["layout"] == "file":
-        torch.save(dict(rest["outer"], model=ordered, optimizer=optimizer), dest)
+        write_member("torch", dict(rest["outer"], model=ordered, optimizer=optimizer), dest)
         return
-    from safetensors.torch import save_file
-
-    dest.mkdir(parents=True)
-    save_file(ordered, dest / "model.safetensors", metadata={"format": "pt"})
-    torch.save(optimizer, dest / "optimizer.pt")
+    write_member("safetensors", ordered, dest / "model.safetensors")
+    write_member("torch", optimizer, dest / "optimizer.pt")
     for name, data in rest["files"].items():
-        (dest / name).parent.mkdir(parents=True, exist_ok=True)
-        (dest / name).write_bytes(data)
+        write_member("bytes", data, dest / name)
 
 
 def _frame(parts: list[bytes]) -> bytes:
@@ -196,7 +192,7 @@ class ExCP(Method):
         compressed = self.compressor.compress(b"".join(blobs))
         target = self.workdir / f"{len(self.stored):03d}.excp"
         self.stored.append(target)
-        target.write_bytes(compressed)
+        fsync_write(target, [compressed])
         return len(compressed)
 
     def checkout(self, index: int, dest: Path) -> None:

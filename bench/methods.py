@@ -17,7 +17,17 @@ import numpy as np
 import torch
 import zstandard
 
-from bench.units import clear, destination, fsync_write, kind_of, load_member, members, write_member
+from bench.units import (
+    clear,
+    copy_durably,
+    destination,
+    fsync_file,
+    fsync_write,
+    kind_of,
+    load_member,
+    members,
+    write_member,
+)
 from ckptstore.state import RawTensor, flatten, materialize, raw_from_bytes, unflatten
 
 
@@ -54,8 +64,7 @@ class TorchSave(Method):
             if kind == "torch":
                 write_member(kind, load_member(kind, path), target)
             else:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(path, target)
+                copy_durably(path, target)
         return sum(p.stat().st_size for _, p in members(dest))
 
     def commit(self, unit: Path) -> int:
@@ -98,6 +107,7 @@ class ZstdFile(Method):
             target.parent.mkdir(parents=True, exist_ok=True)
             with open(part, "rb") as src, open(target, "wb") as out:
                 decompressor.copy_stream(src, out)
+            fsync_file(target)
 
 
 class TensorArchive(Method):
@@ -190,7 +200,7 @@ class SafetensorsFiles(Method):
         for i, (name, path) in enumerate(members(unit)):
             kind = kind_of(name, path)
             if kind == "bytes":
-                shutil.copyfile(path, folder / f"{i}.bytes")
+                copy_durably(path, folder / f"{i}.bytes")
                 (folder / f"{i}.name").write_text(name)
                 continue
             flat = flatten(load_member(kind, path))
@@ -203,6 +213,7 @@ class SafetensorsFiles(Method):
                     other[key] = [raw.dtype, list(raw.shape)]
             save_file(tensors, folder / f"{i}.safetensors", metadata={
                 "name": name, "kind": kind, "skeleton": json.dumps(flat.skeleton), "other": json.dumps(other)})
+            fsync_file(folder / f"{i}.safetensors")
         return sum(p.stat().st_size for p in folder.iterdir())
 
     def checkout(self, index: int, dest: Path) -> None:
@@ -212,9 +223,7 @@ class SafetensorsFiles(Method):
         folder = self.stored[index]
         for part in sorted(folder.iterdir()):
             if part.suffix == ".bytes":
-                target = destination(dest, (folder / f"{part.stem}.name").read_text())
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(part, target)
+                copy_durably(part, destination(dest, (folder / f"{part.stem}.name").read_text()))
             elif part.suffix == ".safetensors":
                 with safe_open(part, framework="pt") as handle:
                     meta = handle.metadata()

@@ -44,6 +44,7 @@ def load_member(kind: str, path: Path) -> Any:
 
 
 def write_member(kind: str, value: Any, path: Path) -> None:
+    """Write one file of a checkpoint and fsync it: every method's writes are durable."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if kind == "torch":
         torch.save(value, path)
@@ -53,6 +54,21 @@ def write_member(kind: str, value: Any, path: Path) -> None:
         save_file(value, path, metadata={"format": "pt"})
     else:
         path.write_bytes(value)
+    fsync_file(path)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def copy_durably(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dest)
+    fsync_file(dest)
 
 
 def destination(unit_dest: Path, name: str) -> Path:

@@ -20,9 +20,15 @@ def _with_repo(repo: RepoLike, fn):
 
 
 def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = None,
-         metrics: Mapping[str, float] | None = None, branch: str | None = None) -> CommitId:
-    """Commit `obj` (any nesting of tensors, containers and scalars) and return the commit id."""
-    return _with_repo(repo, lambda r: r.commit(obj, message=message, step=step, metrics=metrics, branch=branch))
+         metrics: Mapping[str, float] | None = None, branch: str | None = None, lossy: str | None = None,
+         model: Any = None, optimizer: Any = None, **knobs: Any) -> CommitId:
+    """Commit `obj` (any nesting of tensors, containers and scalars) and return the commit id.
+
+    `lossy` picks a lossy level; passing the live `model` and `optimizer` tells it exactly which
+    optimizer state belongs to which weight.
+    """
+    return _with_repo(repo, lambda r: r.commit(obj, message=message, step=step, metrics=metrics, branch=branch,
+                                               lossy=lossy, model=model, optimizer=optimizer, **knobs))
 
 
 def load(ref: str = "HEAD", repo: RepoLike = None, map_location: str | None = None) -> Any:

@@ -2,6 +2,8 @@
 
 - `zstd`: symbols as int8 (or int16) bytes, zstd level 3; decodes at GB/s.
 - `constant`: a stream of one repeated value, stored once.
+- `sparse`: for streams that are mostly zeros: a zstd-compressed bitmap of the nonzero positions,
+  then the nonzero values coded by whichever of the other methods is smaller.
 - `rans`: an order-0 rANS coder (the `constriction` package) with the stream's own histogram as
   the model, within a few bytes of the order-0 entropy; decodes at tens of millions of symbols/s.
 rANS is used only where it saves at least `RANS_MIN_GAIN` over zstd, since it decodes slower.
@@ -19,9 +21,10 @@ import zstandard
 from ckptstore.errors import CodecError
 
 MAGIC = b"EN1"
-ZSTD, RANS, CONSTANT = 0, 1, 2
+ZSTD, RANS, CONSTANT, SPARSE = 0, 1, 2, 3
 _HEAD = struct.Struct("<3sBQ")
 RANS_MIN_GAIN = 0.10
+SPARSE_BELOW = 0.25
 MAX_ALPHABET = 1 << 12
 _local = threading.local()
 
@@ -68,6 +71,12 @@ def encode_symbols(symbols: np.ndarray) -> bytes:
         return _HEAD.pack(MAGIC, CONSTANT, symbols.size) + struct.pack("<q", int(symbols[0]))
     best_method, best = ZSTD, _zstd_payload(symbols)
     if symbols.size >= 64:
+        nonzero = symbols != 0
+        if nonzero.mean() < SPARSE_BELOW:
+            bitmap = _zstd_c().compress(np.packbits(nonzero).tobytes())
+            sparse = struct.pack("<Q", len(bitmap)) + bitmap + encode_symbols(symbols[nonzero])
+            if len(sparse) < len(best):
+                best_method, best = SPARSE, sparse
         rans = _rans_payload(symbols.astype(np.int64))
         if rans is not None and len(rans) < (1 - RANS_MIN_GAIN) * len(best):
             best_method, best = RANS, rans
@@ -89,6 +98,13 @@ def decode_symbols(payload: bytes | memoryview) -> np.ndarray:
             raw = _local.d.decompress(body[1:], max_output_size=count * width)
             dtype = {1: np.int8, 2: np.int16, 4: np.int32}[width]
             out = np.frombuffer(raw, dtype=dtype).astype(np.int32)
+        elif method == SPARSE:
+            _zstd_c()
+            (length,) = struct.unpack_from("<Q", body)
+            bits = _local.d.decompress(body[8 : 8 + length], max_output_size=(count + 7) // 8)
+            nonzero = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=count).astype(bool)
+            out = np.zeros(count, dtype=np.int32)
+            out[nonzero] = decode_symbols(body[8 + length :])
         elif method == CONSTANT:
             out = np.full(count, struct.unpack_from("<q", body)[0], dtype=np.int32)
         elif method == RANS:

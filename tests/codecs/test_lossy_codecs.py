@@ -32,6 +32,14 @@ def test_entropy_round_trip(scale):
         decode_symbols(payload[:10])
 
 
+def test_entropy_sparse_streams():
+    symbols = np.zeros(200_000, dtype=np.int32)
+    symbols[RNG.integers(0, symbols.size, 2000)] = RNG.integers(-40, 40, 2000)
+    payload = encode_symbols(symbols)
+    assert np.array_equal(decode_symbols(payload), symbols)
+    assert len(payload) < 2000 * 2 + 4000
+
+
 def test_entropy_uses_rans_only_where_it_pays():
     skewed = (RNG.random(100_000) < 0.03).astype(np.int32) * RNG.integers(-3, 4, 100_000)
     assert encode_symbols(skewed)[3] in (RANS, ZSTD)
