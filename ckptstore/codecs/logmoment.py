@@ -5,7 +5,8 @@ a base, from the chunk's median level; exact zeros stay exact.
 
 Adam divides by sqrt(v), so a relative error in v matters, not an absolute one: the log domain
 spends bits where they count. Reconstruction is ldexp(table[level mod 2**k], level div 2**k), which
-is exact and identical on any device. Params: dtype, k (levels per octave = 2**k).
+is exact and identical on any device. Params: dtype, k (levels per octave = 2**k; a negative k
+spaces levels 2**-k octaves apart).
 Layout: b"LG1", has-base (u8), median level (i32), zero-mask length (u32), zstd zero mask, symbols.
 """
 
@@ -30,14 +31,19 @@ def _table(k: int) -> np.ndarray:
 
 
 def levels_of(values: np.ndarray, k: int) -> np.ndarray:
-    """Nearest level of each positive value (zeros give an arbitrary level; mask them)."""
+    """Nearest level of each positive value on a grid of 2**k per octave (k < 0: one per 2**-k octaves).
+
+    Zeros give an arbitrary level; callers mask them.
+    """
     with np.errstate(divide="ignore"):
         logs = np.log2(np.maximum(values.astype(np.float64), np.finfo(np.float64).tiny))
-    return np.rint(logs * (1 << k)).astype(np.int64)
+    return np.rint(logs * 2.0**k).astype(np.int64)
 
 
 def values_of(levels: np.ndarray, k: int) -> np.ndarray:
     """2 ** (level / 2**k), exactly as float32."""
+    if k < 0:
+        return np.ldexp(np.float32(1), (levels << -k).astype(np.int32)).astype(np.float32)
     table = _table(k)
     return np.ldexp(table[levels & ((1 << k) - 1)], (levels >> k).astype(np.int32)).astype(np.float32)
 

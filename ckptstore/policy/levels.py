@@ -16,7 +16,10 @@ class LossyLevel:
     is quantized as m / sqrt(v) with `moment_step`; the second moment keeps `v_levels_log2` bits
     per octave (2 means steps of a quarter octave). `prune` (0 = off) prunes weight residuals whose
     estimated loss impact, |dW|^2 * sqrt(v), is in the lowest fraction; the moments of pruned
-    entries are then rebuilt from the parent or dropped to zero. Tensors smaller than
+    entries are then rebuilt from the parent or dropped to zero. `max_chain` bounds lossy residual
+    chains (each level decodes in one pass, so they may be longer than lossless ones).
+    `fisher_allocation` scales each weight's step by its estimated Fisher information (from Adam's
+    second moment), spending bits where the loss is sensitive. Tensors smaller than
     `min_elements`, one-dimensional ones (biases, norms) and integer ones are always lossless.
     """
 
@@ -31,17 +34,20 @@ class LossyLevel:
     prune: float = 0.0
     embedding_factor: float = 0.5
     min_elements: int = 4096
+    max_chain: int = 8
+    fisher_allocation: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 LEVELS: dict[str, LossyLevel] = {
-    "optimizer": LossyLevel("optimizer", weights_lossy=False, moment_step=1 / 64, v_levels_log2=3),
-    "balanced": LossyLevel("balanced", weight_keyframe_step=1 / 64, weight_residual_step=1 / 64,
-                           moment_step=1 / 16, v_levels_log2=2, prune=0.0),
-    "extreme": LossyLevel("extreme", weight_keyframe_step=1 / 24, weight_residual_step=1 / 24,
-                          weight_rounding=0.4, moment_step=1 / 6, moment_rounding=0.4, v_levels_log2=1, prune=0.5),
+    # Calibrated on the benchmark suite's runs (docs/benchmarks.md): python -m bench.lossy_sweep RUN LEVEL.
+    "optimizer": LossyLevel("optimizer", weights_lossy=False, moment_step=1 / 4, v_levels_log2=0),
+    "balanced": LossyLevel("balanced", weight_keyframe_step=0.09, weight_residual_step=0.18, moment_step=1.0,
+                           v_levels_log2=-1, prune=0.3),
+    "extreme": LossyLevel("extreme", weight_keyframe_step=0.15, weight_residual_step=0.3, weight_rounding=0.4,
+                          moment_step=1.5, moment_rounding=0.4, v_levels_log2=-1, prune=0.6),
 }
 
 

@@ -48,10 +48,10 @@ def _rms(raw: RawTensor) -> float:
 
 
 def _temporal_base(parent: TensorRecord | None, raw: RawTensor, codecs: tuple[str, ...],
-                   settings: EncodingSettings) -> TensorRecord | None:
+                   max_chain: int) -> TensorRecord | None:
     """The parent's tensor as a closed-loop base, when the layout matches and the chain has room."""
     if (parent is None or parent.dtype != raw.dtype or parent.shape != raw.shape
-            or parent.codec not in codecs or parent.depth + 1 > settings.max_chain):
+            or parent.codec not in codecs or parent.depth + 1 > max_chain):
         return None
     return parent
 
@@ -67,6 +67,7 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
     plans: dict[str, LossyPlan] = {}
     chunking = {"chunk_bytes": settings.chunk_bytes}
     roles = optimizer.roles()
+    sensitivity = _fisher_factors(tensors, optimizer, level) if level.fisher_allocation else {}
 
     def weight_plan(path: str, raw: RawTensor, importance: str | None, stage: int = 0) -> LossyPlan | None:
         if len(raw.shape) < 2 or not eligible(raw, level):
@@ -74,8 +75,8 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
         rms = _rms(raw)
         if rms == 0.0:
             return None
-        factor = level.embedding_factor if _EMBEDDING.search(path) else 1.0
-        base = _temporal_base(parents.get(path), raw, ("deadzone", "bytegroup"), settings)
+        factor = (level.embedding_factor if _EMBEDDING.search(path) else 1.0) * sensitivity.get(path, 1.0)
+        base = _temporal_base(parents.get(path), raw, ("deadzone", "bytegroup"), level.max_chain)
         step = (level.weight_residual_step if base is not None else level.weight_keyframe_step) * factor * rms
         params = dict(chunking, dtype=raw.dtype, step=step, rounding=level.weight_rounding if base else 0.5)
         chunk = max(raw.itemsize, settings.chunk_bytes // raw.itemsize * raw.itemsize)
@@ -103,7 +104,7 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
                                         step=level.weight_keyframe_step * rms, rounding=0.5,
                                         chunk_bytes=_chunk(raw, settings)))
         elif role == "exp_avg_sq" and eligible(raw, level) and slot.exp_avg is not None:
-            base = _temporal_base(parents.get(path), raw, ("log2moment",), settings)
+            base = _temporal_base(parents.get(path), raw, ("log2moment",), level.max_chain)
             params = dict(dtype=raw.dtype, k=level.v_levels_log2,
                           chunk_bytes=int(base.params["chunk_bytes"]) if base else _chunk(raw, settings))
             mask_from = slot.weight if (level.prune > 0 and slot.weight in plans and base is not None) else None
@@ -112,13 +113,40 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
         role, slot = roles.get(path, (None, None))
         if role == "exp_avg" and slot.exp_avg_sq in plans:
             v_plan = plans[slot.exp_avg_sq]
-            params = dict(dtype=raw.dtype, v_dtype=tensors[slot.exp_avg_sq].dtype, step=level.moment_step,
+            step = level.moment_step * sensitivity.get(slot.weight, 1.0)  # m's error becomes the weight's
+            params = dict(dtype=raw.dtype, v_dtype=tensors[slot.exp_avg_sq].dtype, step=step,
                           rounding=level.moment_rounding, eps=V_EPS, chunk_bytes=v_plan.params["chunk_bytes"])
             if raw.itemsize != tensors[slot.exp_avg_sq].itemsize:
                 continue  # chunks must line up with the second moment's
             mask_from = slot.weight if (level.prune > 0 and slot.weight in plans) else None
             plans[path] = LossyPlan(path, "normmoment", params, sibling=slot.exp_avg_sq, mask_from=mask_from, stage=2)
     return plans
+
+
+def _fisher_factors(tensors: Mapping[str, RawTensor], optimizer: OptimizerMap, level: LossyLevel
+                    ) -> dict[str, float]:
+    """Per weight, how much coarser (>1) or finer (<1) than the level's step it may be quantized.
+
+    Adam's second moment estimates the Fisher information F of each weight, and quantization noise
+    of step s costs about F * s^2 / 24 of loss per entry: at equal total loss, bits go furthest
+    with s proportional to 1 / sqrt(F). The factors keep the geometric mean of step / RMS at the
+    level's value, clamped to [1/8, 8].
+    """
+    scores = {}
+    for slot in optimizer.slots:
+        if not (optimizer.certain and slot.weight and slot.exp_avg_sq) or slot.weight not in tensors:
+            continue
+        weight, v = tensors[slot.weight], tensors[slot.exp_avg_sq]
+        if len(weight.shape) < 2 or not eligible(weight, level):
+            continue
+        fisher = float(np.mean(to_float32(v.data, v.dtype), dtype=np.float64))
+        rms = _rms(weight)
+        if fisher > 0 and rms > 0:
+            scores[slot.weight] = fisher * rms * rms
+    if not scores:
+        return {}
+    center = float(np.exp(np.mean(np.log(list(scores.values())))))
+    return {path: float(np.clip(np.sqrt(center / score), 1 / 8, 8)) for path, score in scores.items()}
 
 
 def _chunk(raw: RawTensor, settings: EncodingSettings) -> int:

@@ -17,18 +17,22 @@ def _load(path):
         return torch.load(path, weights_only=True)
 
 
-def _run(repo, tmp_path, level, commits=4, steps=5):
+def _run(repo, tmp_path, level, commits=4, steps=5, **knobs):
     trainer, out = Trainer(), []
     for i in range(commits):
         trainer.train(steps)
         path = tmp_path / f"ckpt-{i}.pt"
         torch.save(trainer.state(), path)
-        out.append((path, repo.commit(path, lossy=level, step=trainer.step)))
+        out.append((path, repo.commit(path, lossy=level, step=trainer.step, **knobs)))
     return out
 
 
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _steps(repo, cid):
+    return {t["path"]: t for t in repo.show(cid)["tensors"]}
 
 
 def test_balanced_level_keeps_everything_but_weights_and_moments_exact(repo, tmp_path):
@@ -38,13 +42,11 @@ def test_balanced_level_keeps_everything_but_weights_and_moments_exact(repo, tmp
         for name, tensor in original["model"].items():
             if name in LOSSY_WEIGHTS:
                 errors.append(_rel(restored["model"][name], tensor))
-                assert 0 < errors[-1] < 0.01, name
+                assert 0 < errors[-1] < 0.1, name
             else:
                 assert_same(tensor, restored["model"][name])
         for index, state in original["optimizer"]["state"].items():
             assert_same(state["step"], restored["optimizer"]["state"][index]["step"])
-            for moment in ("exp_avg", "exp_avg_sq"):
-                assert _rel(restored["optimizer"]["state"][index][moment], state[moment]) < 0.2
         assert_same(original["optimizer"]["param_groups"], restored["optimizer"]["param_groups"])
         assert_same(original["scheduler"], restored["scheduler"])
         assert_same(original["rng"], restored["rng"])
@@ -55,6 +57,36 @@ def test_balanced_level_keeps_everything_but_weights_and_moments_exact(repo, tmp
     assert {t["path"] for t in shown["tensors"] if "rel_error" in t} >= {f"model/{n}" for n in LOSSY_WEIGHTS}
     assert "[lossy:balanced]" in "\n".join(repo.log_graph())
     assert repo.commit_info(cid).stored_bytes < 0.5 * repo.commit_info(cid).raw_bytes
+
+
+def test_every_entry_is_within_its_codec_bound(repo, tmp_path):
+    """Without pruning, each weight is within half a step, each m within half a step of sqrt(v_hat),
+    each v within half a grid interval of log2: at every commit of a chain."""
+    for path, cid in _run(repo, tmp_path, "balanced", prune=0.0):
+        original, restored = _load(path), repo.checkout(cid)
+        shown = _steps(repo, cid)
+        for name in LOSSY_WEIGHTS:
+            step = repo_params(repo, shown[f"model/{name}"])["step"]
+            assert (restored["model"][name] - original["model"][name]).abs().max() <= step / 2 * 1.0001
+        for index, state in original["optimizer"]["state"].items():
+            entry = shown[f"optimizer/state/{index}/exp_avg"]
+            if entry["codec"] != "normmoment":
+                continue
+            v_hat = restored["optimizer"]["state"][index]["exp_avg_sq"]
+            m_params = repo_params(repo, entry)
+            bound = m_params["step"] / 2 * torch.sqrt(v_hat + m_params["eps"]) * 1.0001 + 1e-12
+            assert ((restored["optimizer"]["state"][index]["exp_avg"] - state["exp_avg"]).abs() <= bound).all()
+            k = repo_params(repo, shown[f"optimizer/state/{index}/exp_avg_sq"])["k"]
+            positive = state["exp_avg_sq"] > 0
+            octaves = torch.log2(v_hat[positive] / state["exp_avg_sq"][positive]).abs()
+            assert octaves.max() <= 0.5 / 2.0**k + 1e-4
+
+
+def repo_params(repo, entry):
+    from ckptstore.repo import catalog
+
+    with repo.engine.connect() as conn:
+        return catalog.load_records(conn, [entry["tensor"]], with_bases=False)[entry["tensor"]].params
 
 
 def test_optimizer_level_keeps_weights_bit_exact(repo, tmp_path):
