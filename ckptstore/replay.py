@@ -37,13 +37,23 @@ class ChainSource:
                 break
             current = self.records[current.base_id]
         codec = get_codec(record.codec)
-        if hasattr(codec, "decode_chain") and all(level.codec == record.codec for level, _ in levels):
+        coding = _coding_params(record.params)
+        if hasattr(codec, "decode_chain") and all(
+                level.codec == record.codec and _coding_params(level.params) == coding for level, _ in levels):
             return codec.decode_chain([p for _, p in levels], record.params, out.size, out)
         for level, payload in reversed(levels):  # level by level, each with its own params
             result = get_codec(level.codec).decode(payload, out, level.params, out.size)
             if result is not out:
                 out[...] = result
         return out
+
+
+BOOKKEEPING = ("source", "rel_error", "level", "residual_misses", "residual_wait")
+
+
+def _coding_params(params: dict) -> dict:
+    """The params that change how a payload decodes (not what was recorded about it)."""
+    return {k: v for k, v in params.items() if k not in BOOKKEEPING}
 
 
 def replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,

@@ -97,11 +97,9 @@ class LogMomentCodec:
     def needs_base(self, payload: bytes) -> bool:
         return bool(self._head(payload)[0])
 
-    def decode(self, payload: bytes, base: np.ndarray | None, params: dict[str, Any], nbytes: int) -> np.ndarray:
+    def _parts(self, payload: bytes, count: int) -> tuple[bool, int, np.ndarray, np.ndarray]:
+        """(has base, median level, zero mask, residual levels) of one payload."""
         has_base, median, mask_length = self._head(payload)
-        if has_base and (base is None or base.size != nbytes):
-            raise CodecError("log2moment: residual chunk decoded without its base")
-        count = nbytes // (4 if params["dtype"] == "torch.float32" else 2)
         try:
             bits = zstandard.ZstdDecompressor().decompress(payload[_HEAD.size : _HEAD.size + mask_length])
         except zstandard.ZstdError as exc:
@@ -109,5 +107,48 @@ class LogMomentCodec:
         zero = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=count).astype(bool)
         residual = np.zeros(count, dtype=np.int64)
         residual[~zero] = decode_symbols(memoryview(payload)[_HEAD.size + mask_length :])
+        return bool(has_base), median, zero, residual
+
+    def decode(self, payload: bytes, base: np.ndarray | None, params: dict[str, Any], nbytes: int) -> np.ndarray:
+        count = nbytes // (4 if params["dtype"] == "torch.float32" else 2)
+        has_base, median, zero, residual = self._parts(payload, count)
+        if has_base and (base is None or base.size != nbytes):
+            raise CodecError("log2moment: residual chunk decoded without its base")
         predicted, _ = self._prediction(base if has_base else None, params, median, count)
         return self._reconstruct(predicted + residual, zero, params)
+
+    def decode_chain(self, payloads: list[bytes], params: dict[str, Any], nbytes: int,
+                     out: np.ndarray | None = None) -> np.ndarray:
+        """A whole chain (newest payload first) summed in the level domain, converted to floats once.
+
+        Exactly what level-by-level decoding gives while every level is a normal float32; chains
+        that leave that range, or other dtypes, are decoded level by level.
+        """
+        if params["dtype"] != "torch.float32":
+            return self._level_by_level(payloads, params, nbytes, out)
+        count, scale = nbytes // 4, 2.0 ** -int(params["k"])
+        levels = zero = None
+        for payload in reversed(payloads):
+            has_base, median, now_zero, residual = self._parts(payload, count)
+            if has_base and levels is None:
+                raise CodecError("log2moment: residual chunk decoded without its base")
+            predicted = np.where(~zero, levels, median) if has_base else np.full(count, median, dtype=np.int64)
+            levels, zero = predicted + residual, now_zero
+            exponents = levels[~zero] * scale
+            if exponents.size and (exponents.min() < -126 or exponents.max() > 127):
+                return self._level_by_level(payloads, params, nbytes, out)
+        result = self._reconstruct(levels, zero, params)
+        if out is None:
+            return result
+        out[...] = result
+        return out
+
+    def _level_by_level(self, payloads: list[bytes], params: dict[str, Any], nbytes: int,
+                        out: np.ndarray | None) -> np.ndarray:
+        result = None
+        for payload in reversed(payloads):
+            result = self.decode(payload, result, params, nbytes)
+        if out is None:
+            return result
+        out[...] = result
+        return out
