@@ -11,14 +11,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.__main__ import _warm
-from bench.runs import checkpoint_files
+from bench.__main__ import warm
+from bench.workloads import MiniLMFineTune
 from ckptstore import Repository
 from ckptstore.policy import EncodingSettings
 
 
 def main() -> None:
-    files = checkpoint_files("minilm-finetune")
+    files = MiniLMFineTune().files()
     raw = sum(f.stat().st_size for f in files)
     print("| max_chain | stored MB | ratio | commit MB/s (median) | commit MB/s (slowest) | checkout last s |")
     print("|---|---|---|---|---|---|")
@@ -28,7 +28,7 @@ def main() -> None:
             with Repository.init(work, encoding=EncodingSettings(max_chain=max_chain)) as repo:
                 speeds, stored = [], 0
                 for path in files:
-                    _warm(path)
+                    warm(path)
                     start = time.perf_counter()
                     cid = repo.commit(path)
                     speeds.append(path.stat().st_size / 1e6 / (time.perf_counter() - start))

@@ -69,8 +69,38 @@ def _embedding(model: Sequence[tuple[str, tuple]], shapes: Sequence[tuple]) -> l
     return forward if forward == backward[::-1] else None
 
 
-def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str] | None = None) -> OptimizerMap:
-    """Find optimizer state among `tensors` and pair it with weights (see the module docstring)."""
+def param_ids(skeleton: object) -> list[int] | None:
+    """Parameter ids in `param_groups` order, found in a checkpoint skeleton (None if not exactly one)."""
+    found: list[list[int]] = []
+
+    def visit(node: object) -> None:
+        if isinstance(node, list) and node and node[0] in ("dict", "odict"):
+            keys = {k: v for k, v in node[1] if isinstance(k, str)}
+            groups = keys.get("param_groups")
+            if "state" in keys and isinstance(groups, list) and groups and groups[0] == "list":
+                ids = []
+                for group in groups[1]:
+                    params = {k: v for k, v in group[1] if isinstance(k, str)}.get("params") if group else None
+                    if isinstance(params, list) and params and params[0] == "list":
+                        ids += [i for i in params[1] if isinstance(i, int)]
+                found.append(ids)
+            for _, value in node[1]:
+                visit(value)
+        elif isinstance(node, list) and node and node[0] in ("list", "tuple"):
+            for value in node[1]:
+                visit(value)
+
+    visit(skeleton)
+    return found[0] if len(found) == 1 else None
+
+
+def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str] | None = None,
+                  ids: Sequence[int] | None = None) -> OptimizerMap:
+    """Find optimizer state among `tensors` and pair it with weights (see the module docstring).
+
+    `ids` (the optimizer's parameter ids in group order, see `param_ids`) lets parameters that have
+    no state yet (never received a gradient) hold their place in the order.
+    """
     slots: dict[tuple[str, int], ParamSlots] = {}
     for path in tensors:
         match = _STATE.match(path)
@@ -95,14 +125,25 @@ def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str] | None 
             return _pair(ordered, found, "given by the caller")
     if None in shapes:
         return OptimizerMap(ordered, False, "state without moments; weights not paired")
+    if ids is not None and len(ids) == len(model) and set(s.index for s in ordered) <= set(ids):
+        position = {param: i for i, param in enumerate(ids)}
+        for candidates, how in ((model, "optimizer order matches the model's"),
+                                (_decay_groups(model), "Hugging Face Trainer's decay groups")):
+            if all(candidates[position[s.index]][1] == shape for s, shape in zip(ordered, shapes)):
+                return _pair(ordered, [candidates[position[s.index]][0] for s in ordered], how)
     placement = _embedding(model, shapes)
     if placement is not None:
         return _pair(ordered, [model[i][0] for i in placement], "optimizer order matches the model's")
-    grouped = [m for m in model if not _NO_DECAY.search(m[0])] + [m for m in model if _NO_DECAY.search(m[0])]
+    grouped = _decay_groups(model)
     placement = _embedding(grouped, shapes)
     if placement is not None:
         return _pair(ordered, [grouped[i][0] for i in placement], "Hugging Face Trainer's decay groups")
     return OptimizerMap(ordered, False, "shapes allow more than one pairing; weights not paired")
+
+
+def _decay_groups(model: Sequence[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+    """Hugging Face Trainer's order: weights that decay, then biases and norm weights."""
+    return [m for m in model if not _NO_DECAY.search(m[0])] + [m for m in model if _NO_DECAY.search(m[0])]
 
 
 def _by_names(model: Sequence[tuple[str, tuple]], names: Sequence[str]) -> list[str] | None:

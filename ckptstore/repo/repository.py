@@ -36,7 +36,7 @@ from ckptstore.metadata.schema import commit_tensors, commits, known_files, refs
 from ckptstore.objectstore import LocalObjectStore
 from ckptstore.policy import EncodingSettings, LossyLevel, level_named
 from ckptstore.policy.lossy import LossyPlan, plan_lossy
-from ckptstore.policy.mapping import map_optimizer
+from ckptstore.policy.mapping import map_optimizer, param_ids
 from ckptstore.replay import ChainSource, replay
 from ckptstore.repo import catalog, graph
 from ckptstore.repo import refs as refnames
@@ -361,7 +361,10 @@ class Repository:
                               if p in checkpoint.tensors}
                 records = catalog.load_records(conn, set(parent_ids.values()))
                 parents = {p: records[t] for p, t in parent_ids.items() if t in records}
-                optimizer_map = map_optimizer(checkpoint.tensors, _param_names(model, optimizer))
+                skeleton_ids = [param_ids(f.skeleton) for f in checkpoint.files]
+                found_ids = [ids for ids in skeleton_ids if ids is not None]
+                optimizer_map = map_optimizer(checkpoint.tensors, _param_names(model, optimizer),
+                                              found_ids[0] if len(found_ids) == 1 else None)
                 plans = (plan_lossy(checkpoint.tensors, parents, level, self.config.encoding, optimizer_map)
                          if level else {})
                 entries, jobs = self._jobs(conn, checkpoint.tensors, sources, parents, plans, level)

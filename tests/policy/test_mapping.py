@@ -1,6 +1,6 @@
 import numpy as np
 
-from ckptstore.policy.mapping import map_optimizer
+from ckptstore.policy.mapping import map_optimizer, param_ids
 from ckptstore.state import RawTensor
 
 
@@ -46,3 +46,24 @@ def test_ambiguous_shapes_are_not_guessed_and_names_settle_them():
 
 def test_no_optimizer_state():
     assert not map_optimizer({"w": _t(3, 3)}).slots
+
+
+def test_parameters_without_state_keep_their_place_given_the_ids():
+    model = {"a.weight": (4, 4), "unused.weight": (4, 4), "c.weight": (4, 4)}
+    tensors = _checkpoint(model, ["a.weight", "unused.weight", "c.weight"])
+    for role in ("exp_avg", "exp_avg_sq", "step"):
+        del tensors[f"optimizer/state/1/{role}"]  # a parameter that never got a gradient
+    assert not map_optimizer(tensors).certain
+    result = map_optimizer(tensors, ids=[0, 1, 2])
+    assert result.certain and [s.weight for s in result.slots] == ["model/a.weight", "model/c.weight"]
+
+
+def test_param_ids_are_read_from_the_skeleton():
+    import torch
+
+    from ckptstore.state import flatten
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0}])
+    flat = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    assert param_ids(flat.skeleton) == [0, 1]
