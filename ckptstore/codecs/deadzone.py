@@ -6,7 +6,8 @@ It quantizes the tensor itself (keyframe) or its residual against the base's rec
 Small residuals fall in the dead zone and become exact zeros, which the entropy coder makes nearly
 free; a residual skipped now is still there against the reconstruction next time, so the error of
 any reconstruction stays below one step however long the chain. Params: dtype, step (absolute),
-rounding (0.5 rounds to nearest; less widens the dead zone). Layout: b"DZ1", has-base flag (u8),
+rounding (0.5 rounds to nearest; less widens the dead zone), relative_step (residual steps at most
+this fraction of the residual's RMS). Layout: b"DZ2", has-base flag (u8), the chunk's step (f32),
 then the entropy-coded symbols.
 """
 
@@ -21,8 +22,9 @@ from ckptstore.codecs.entropy import decode_symbols, encode_symbols
 from ckptstore.codecs.floats import from_float32, to_float32
 from ckptstore.errors import CodecError
 
-MAGIC = b"DZ1"
-_HEAD = struct.Struct("<3sB")
+MAGIC, MAGIC_V1 = b"DZ2", b"DZ1"
+_HEAD = struct.Struct("<3sBf")
+_HEAD_V1 = struct.Struct("<3sB")
 
 
 def quantize(values: np.ndarray, step: float, rounding: float) -> np.ndarray:
@@ -35,11 +37,27 @@ def dequantize(levels: np.ndarray, step: float) -> np.ndarray:
     return levels.astype(np.float32) * np.float32(step)
 
 
-def _reconstruct(levels: np.ndarray, base: np.ndarray | None, params: dict[str, Any]) -> np.ndarray:
-    values = dequantize(levels, params["step"])
+def _reconstruct(levels: np.ndarray, base: np.ndarray | None, step: float, dtype: str) -> np.ndarray:
+    values = dequantize(levels, step)
     if base is not None:
-        values = to_float32(base, params["dtype"]) + values
-    return from_float32(values, params["dtype"])
+        values = to_float32(base, dtype) + values
+    return from_float32(values, dtype)
+
+
+def chunk_step(target: np.ndarray, params: dict[str, Any], residual: bool) -> float:
+    """The step for one chunk: the planned step, or finer when a residual is small against it.
+
+    Fine-tuning moves weights by a tiny fraction of their spread; with `relative_step` a residual
+    step never exceeds that fraction of the residual's own RMS, so small updates are tracked
+    instead of vanishing in the dead zone.
+    """
+    step = float(params["step"])
+    relative = params.get("relative_step")
+    if residual and relative and target.size:
+        rms = float(np.sqrt(np.mean(target.astype(np.float64) ** 2)))
+        if rms > 0:
+            step = min(step, relative * rms)
+    return float(np.float32(step))
 
 
 class DeadZoneCodec:
@@ -54,29 +72,34 @@ class DeadZoneCodec:
         if not np.isfinite(values).all():
             raise CodecError("deadzone: non-finite values cannot be quantized")
         target = values - to_float32(base, params["dtype"]) if base is not None else values
-        levels = quantize(target, params["step"], params.get("rounding", 0.5))
+        step = chunk_step(target, params, base is not None)
+        levels = quantize(target, step, params.get("rounding", 0.5))
         if hints and hints.get("prune") is not None:
             levels[hints["prune"]] = 0
-        payload = _HEAD.pack(MAGIC, base is not None) + encode_symbols(levels)
-        return payload, _reconstruct(levels, base, params)
+        payload = _HEAD.pack(MAGIC, base is not None, step) + encode_symbols(levels)
+        return payload, _reconstruct(levels, base, step, params["dtype"])
 
     def encode(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any]) -> bytes:
         return self.encode_lossy(data, base, params)[0]
 
     def needs_base(self, payload: bytes) -> bool:
-        return bool(self._head(payload))
+        return bool(self._head(payload, {})[0])
 
-    def _head(self, payload: bytes) -> int:
-        if len(payload) < _HEAD.size or payload[:3] != MAGIC:
-            raise CodecError("deadzone: payload does not start with a valid header")
-        return _HEAD.unpack_from(payload)[1]
+    def _head(self, payload: bytes, params: dict[str, Any]) -> tuple[int, float, int]:
+        """(has base, step, header size); version 1 kept its step in the params."""
+        if len(payload) >= _HEAD.size and payload[:3] == MAGIC:
+            _, has_base, step = _HEAD.unpack_from(payload)
+            return has_base, step, _HEAD.size
+        if len(payload) >= _HEAD_V1.size and payload[:3] == MAGIC_V1:
+            return _HEAD_V1.unpack_from(payload)[1], params.get("step", 0.0), _HEAD_V1.size
+        raise CodecError("deadzone: payload does not start with a valid header")
 
     def decode(self, payload: bytes, base: np.ndarray | None, params: dict[str, Any], nbytes: int) -> np.ndarray:
-        has_base = self._head(payload)
+        has_base, step, header = self._head(payload, params)
         if has_base and (base is None or base.size != nbytes):
             raise CodecError("deadzone: residual chunk decoded without its base")
-        levels = decode_symbols(memoryview(payload)[_HEAD.size :])
-        out = _reconstruct(levels, base if has_base else None, params)
+        levels = decode_symbols(memoryview(payload)[header:])
+        out = _reconstruct(levels, base if has_base else None, step, params["dtype"])
         if out.size != nbytes:
             raise CodecError(f"deadzone: decoded {out.size} bytes, expected {nbytes}")
         return out

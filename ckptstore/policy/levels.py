@@ -18,8 +18,10 @@ class LossyLevel:
     estimated loss impact, |dW|^2 * sqrt(v), is in the lowest fraction; the moments of pruned
     entries are then rebuilt from the parent or dropped to zero. `max_chain` bounds lossy residual
     chains (each level decodes in one pass, so they may be longer than lossless ones).
-    `fisher_allocation` scales each weight's step by its estimated Fisher information (from Adam's
-    second moment), spending bits where the loss is sensitive. Tensors smaller than
+    `relative_step` caps a weight residual's step at that fraction of the residual's RMS, so the
+    small updates of a fine-tune are kept rather than rounded away. `fisher_allocation` scales each
+    weight's step by its estimated Fisher information (from Adam's second moment), spending bits
+    where the loss is sensitive. Tensors smaller than
     `min_elements`, one-dimensional ones (biases, norms) and integer ones are always lossless.
     """
 
@@ -36,6 +38,7 @@ class LossyLevel:
     min_elements: int = 4096
     max_chain: int = 8
     fisher_allocation: bool = True
+    relative_step: float = 0.5
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

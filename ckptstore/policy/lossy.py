@@ -78,7 +78,8 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
         factor = (level.embedding_factor if _EMBEDDING.search(path) else 1.0) * sensitivity.get(path, 1.0)
         base = _temporal_base(parents.get(path), raw, ("deadzone", "bytegroup"), level.max_chain)
         step = (level.weight_residual_step if base is not None else level.weight_keyframe_step) * factor * rms
-        params = dict(chunking, dtype=raw.dtype, step=step, rounding=level.weight_rounding if base else 0.5)
+        params = dict(chunking, dtype=raw.dtype, step=step, rounding=level.weight_rounding if base else 0.5,
+                      relative_step=level.relative_step)
         chunk = max(raw.itemsize, settings.chunk_bytes // raw.itemsize * raw.itemsize)
         params["chunk_bytes"] = int(base.params["chunk_bytes"]) if base is not None else chunk
         return LossyPlan(path, "deadzone", params, base, importance=importance,
