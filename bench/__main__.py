@@ -2,7 +2,8 @@
 
 For each run the checkpoint files are committed by every method in turn (file by file, so machine
 noise hits all methods alike), each is checked out again right away, lossless methods are verified
-bit for bit, and lossy ones are evaluated on held-out data and resumed. Results go to a Markdown
+bit for bit (ckptstore at every checkpoint, the baselines at the first and last), and lossy ones are
+evaluated on held-out data and resumed. Results go to a Markdown
 section of DIR/benchmarks.md and PNG plots in DIR/img (DIR defaults to docs/).
 """
 
@@ -81,8 +82,10 @@ def run_workload(workload: Workload, resume_steps: int) -> dict:
                     row["eval"].append(workload.eval_loss(workload.load(dest).model))
                     if index == len(files) - 1:
                         row["resume"] = resume_loss(workload, dest, resume_steps)
-                elif not same_unit(unit, dest):
-                    raise AssertionError(f"{method.name} did not restore {unit} exactly")
+                else:
+                    checked = index in (0, len(files) - 1) or method.name.startswith("ckptstore")
+                    if checked and not same_unit(unit, dest):
+                        raise AssertionError(f"{method.name} did not restore {unit} exactly")
                 clear(dest)
         result["original_resume"] = resume_loss(workload, files[-1], resume_steps)
         result["resume_steps"] = resume_steps

@@ -29,15 +29,16 @@ ALPHA, BETA, CENTROIDS = 5e-5, 2.0, 15
 
 
 def kmeans_1d(values: np.ndarray, k: int = CENTROIDS, iterations: int = 8) -> np.ndarray:
-    """Lloyd's algorithm in one dimension, started from quantiles; returns sorted centroids."""
+    """Lloyd's algorithm in one dimension on (a sample of at most 2**18 of) the values, started
+    from quantiles; returns sorted centroids."""
     if values.size == 0:
         return np.zeros(k, dtype=np.float32)
-    sample = values if values.size <= 1 << 20 else values[:: values.size // (1 << 20) + 1]
+    sample = values if values.size <= 1 << 18 else values[:: values.size // (1 << 18) + 1]
     centroids = np.quantile(sample, (np.arange(k) + 0.5) / k).astype(np.float64)
     for _ in range(iterations):
         edges = (centroids[1:] + centroids[:-1]) / 2
-        labels = np.searchsorted(edges, values)
-        sums = np.bincount(labels, weights=values, minlength=k)
+        labels = np.searchsorted(edges, sample)
+        sums = np.bincount(labels, weights=sample, minlength=k)
         counts = np.bincount(labels, minlength=k)
         filled = counts > 0
         centroids[filled] = sums[filled] / counts[filled]
@@ -102,7 +103,8 @@ class Unit:
 
     def rest(self) -> bytes:
         """Everything but weights and Adam moments, as torch.save bytes (never from the store's side)."""
-        optimizer = {"state": {i: {k: v for k, v in s.items() if k not in ("exp_avg", "exp_avg_sq", "momentum_buffer")}
+        # ExCP is defined for Adam: other optimizer state (SGD's momentum) is kept exactly.
+        optimizer = {"state": {i: {k: v for k, v in s.items() if k not in ("exp_avg", "exp_avg_sq")}
                                for i, s in self.optimizer["state"].items()},
                      "param_groups": self.optimizer["param_groups"]}
         if self.layout == "file":
