@@ -44,7 +44,7 @@ class CommitInfo:
         }
 
 
-def _batches(items: list, size: int = BATCH) -> Iterable[list]:
+def batches(items: list, size: int = BATCH) -> Iterable[list]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
 
@@ -54,7 +54,7 @@ def insert_ignore(conn: Connection, table, rows: list[dict]) -> None:
     if not rows:
         return
     dialect = {"sqlite": sqlite, "postgresql": postgresql}.get(conn.dialect.name)
-    for batch in _batches(rows):
+    for batch in batches(rows):
         if dialect is None:
             existing = set(conn.execute(select(*table.primary_key.columns)).all())
             batch = [r for r in batch if tuple(r[c.name] for c in table.primary_key.columns) not in existing]
@@ -71,7 +71,7 @@ def load_records(conn: Connection, ids: Iterable[TensorId], with_bases: bool = T
     while pending:
         batch_ids = list(pending)
         pending = set()
-        for batch in _batches(batch_ids):
+        for batch in batches(batch_ids):
             rows = conn.execute(select(tensors).where(tensors.c.id.in_(batch))).all()
             chunk_rows = conn.execute(
                 select(tensor_chunks).where(tensor_chunks.c.tensor_id.in_(batch)).order_by(
@@ -94,7 +94,7 @@ def load_records(conn: Connection, ids: Iterable[TensorId], with_bases: bool = T
 
 def existing_tensor_ids(conn: Connection, ids: Iterable[TensorId]) -> set[TensorId]:
     present: set[TensorId] = set()
-    for batch in _batches(list(ids)):
+    for batch in batches(list(ids)):
         present.update(conn.execute(select(tensors.c.id).where(tensors.c.id.in_(batch))).scalars())
     return present
 

@@ -92,7 +92,7 @@ def gc(repo: Repository, prune_unreachable: bool = False) -> GcReport:
         with write_transaction(repo.engine) as conn:
             if prune_unreachable:
                 doomed = set(conn.execute(select(commits.c.id)).scalars()) - _reachable_commits(conn)
-                for batch in catalog._batches(sorted(doomed)):
+                for batch in catalog.batches(sorted(doomed)):
                     conn.execute(delete(commit_tensors).where(commit_tensors.c.commit_id.in_(batch)))
                     conn.execute(delete(commit_parents).where(commit_parents.c.commit_id.in_(batch)))
                     conn.execute(delete(known_files).where(known_files.c.commit_id.in_(batch)))
@@ -100,12 +100,12 @@ def gc(repo: Repository, prune_unreachable: bool = False) -> GcReport:
                 report.commits_removed = len(doomed)
             live_tensors, live_objects = _live(conn)
             dead_tensors = set(conn.execute(select(tensors.c.id)).scalars()) - live_tensors
-            for batch in catalog._batches(sorted(dead_tensors)):
+            for batch in catalog.batches(sorted(dead_tensors)):
                 conn.execute(delete(tensor_chunks).where(tensor_chunks.c.tensor_id.in_(batch)))
                 conn.execute(delete(tensors).where(tensors.c.id.in_(batch)))
             report.tensors_removed = len(dead_tensors)
             dead_rows = set(conn.execute(select(objects.c.id)).scalars()) - live_objects
-            for batch in catalog._batches(sorted(dead_rows)):
+            for batch in catalog.batches(sorted(dead_rows)):
                 conn.execute(delete(objects).where(objects.c.id.in_(batch)))
         for oid in list(repo.store.iter_ids()):
             if oid not in live_objects:
