@@ -101,7 +101,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny runs, for the test suite")
     parser.add_argument("--only", choices=sorted(WORKLOADS), action="append", help="only this run (repeatable)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where benchmarks.md and img/ go")
+    parser.add_argument("--report-only", action="store_true", help="redraw tables and plots from OUT/benchmarks.json")
     args = parser.parse_args()
+    if args.report_only:
+        saved = json.loads((args.out / "benchmarks.json").read_text())
+        print(write_report(saved["header"], saved["results"], args.out))
+        return
     torch.set_num_threads(2)
     header = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
               "versions": f"Python {platform.python_version()}, torch {torch.__version__}",

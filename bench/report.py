@@ -87,17 +87,25 @@ def plots(results: list[dict], folder: Path) -> list[str]:
     plt.close(figure)
     names.append("stored-per-commit.png")
 
-    figure, ax = plt.subplots(figsize=(7, 5))
-    for result in results:
+    figure, ax = plt.subplots(figsize=(9, 5.5))
+    lossy = sorted({name for result in results for name, m in result["methods"].items() if m["lossy"]})
+    markers = "osD^vP*X"
+    for r, result in enumerate(results):
         for row in method_rows(result):
             if "eval_change_max" in row:
-                point = (abs(row["eval_change_max"]), row["ratio"])
-                ax.scatter(*point)
-                ax.annotate(f"{row['method'].split(' (')[0]} / {result['run']}", point, fontsize=7)
+                color = f"C{lossy.index(row['method']) % 10}"
+                ax.scatter(abs(row["eval_change_max"]), row["ratio"], color=color, marker=markers[r % len(markers)],
+                           s=45, label=None)
+    for i, name in enumerate(lossy):
+        ax.scatter([], [], color=f"C{i % 10}", label=name)
+    for r, result in enumerate(results):
+        ax.scatter([], [], color="gray", marker=markers[r % len(markers)], label=result["run"])
+    ax.set_xscale("symlog", linthresh=0.01)
     ax.set_xlabel("worst |eval-loss change| of a restored checkpoint (%)")
     ax.set_ylabel("total ratio vs torch.save")
-    ax.set_title("Lossy methods: size against accuracy")
+    ax.set_title("Lossy methods: size against accuracy (colour: method, marker: run)")
     ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     figure.tight_layout()
     figure.savefig(folder / "ratio-vs-loss.png", dpi=90)
     plt.close(figure)
