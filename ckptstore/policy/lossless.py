@@ -27,10 +27,6 @@ class EncodePlan:
     params: dict[str, Any]
     base: TensorRecord | None
 
-    @property
-    def depth(self) -> int:
-        return 0 if self.base is None else self.base.depth + 1
-
 
 def plan_tensor(dtype: str, nbytes: int, itemsize: int, parent: TensorRecord | None,
                 settings: EncodingSettings) -> EncodePlan:
