@@ -371,7 +371,8 @@ class Repository:
             progress.start("commit", sum(j.raw.nbytes for j in jobs))
             with self.store.batch():
                 try:
-                    encoded = encode_jobs(jobs, ChainSource(self.store, records), self._pool, progress.advance)
+                    encoded, sizes = encode_jobs(jobs, ChainSource(self.store, records), self._pool,
+                                                 progress.advance)
                 finally:
                     progress.finish()
             for path, record in encoded.items():
@@ -402,7 +403,6 @@ class Repository:
             record.pop("id")
             record["manifest"] = manifest_oid
             info.id = commit_id(json.dumps(record, sort_keys=True, separators=(",", ":")).encode())
-            sizes = {c.object_id: c_size for r in new_records for c, c_size in _chunk_sizes(self.store, r)}
             sizes[manifest_oid] = len(manifest_bytes)
             with write_transaction(self.engine) as conn:
                 self._move_ref(conn, target, parent, info.id)
@@ -671,11 +671,6 @@ def _dependents(conn, tensor_ids: set[str]) -> set[str]:
         frontier = children - found
         found |= frontier
     return found
-
-
-def _chunk_sizes(store: LocalObjectStore, record: TensorRecord):
-    for chunk in record.chunks:
-        yield chunk, store.size(chunk.object_id)
 
 
 def _relative_l2(old: RawTensor, new: RawTensor, torch) -> float | None:

@@ -92,8 +92,9 @@ def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: i
 
 
 def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
-                on_bytes: Callable[[int], None] | None = None) -> dict[str, TensorRecord]:
-    """Encode every job's chunks on `pool` and return the new records by job key."""
+                on_bytes: Callable[[int], None] | None = None
+                ) -> tuple[dict[str, TensorRecord], dict[ObjectId, int]]:
+    """Encode every job's chunks on `pool`; return the new records by job key and each object's size."""
     futures: dict[str, list[Future]] = {}
     sizes: dict[str, list[int]] = {}
     for job in sorted(jobs, key=lambda j: j.stage):
@@ -103,8 +104,10 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
             futures[job.key].append(pool.submit(_encode_chunk, job, source, index, start, size, futures))
             start += size
     records: dict[str, TensorRecord] = {}
+    object_sizes: dict[ObjectId, int] = {}
     for job in sorted(jobs, key=lambda j: j.stage):
         results = [f.result() for f in futures[job.key]]
+        object_sizes.update((r.object_id, r.stored) for r in results)
         if on_bytes:
             on_bytes(job.raw.nbytes)
         uses_base = any(r.needs_base for r in results)
@@ -126,7 +129,7 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
             raw_bytes=job.raw.nbytes, stored_bytes=sum(r.stored for r in results),
             chunks=[Chunk(r.object_id, size) for r, size in zip(results, sizes[job.key])],
         )
-    return records
+    return records, object_sizes
 
 
 def lossless_jobs(new: dict[TensorId, RawTensor], parents: dict[TensorId, TensorRecord | None],
