@@ -6,14 +6,15 @@ then applying each level upward in place in the output buffer, so no intermediat
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Executor
-from dataclasses import dataclass
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ckptstore.codecs import get_codec
-from ckptstore.codecs.record import TensorRecord
+from ckptstore.codecs.record import Chunk, TensorRecord
 from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import TensorId, tensor_id
 from ckptstore.objectstore import ObjectStore
@@ -21,31 +22,76 @@ from ckptstore.objectstore import ObjectStore
 
 @dataclass
 class ChainSource:
-    """Everything replay needs: the store and the records of every tensor in the chains."""
+    """Everything replay needs: the store and the records of every tensor in the chains.
+
+    Pack objects (many small payloads in one object) are read once and shared by every chunk
+    in them for the life of this source, which is one commit or one checkout.
+    """
 
     store: ObjectStore
     records: Mapping[TensorId, TensorRecord]
+    _packs: dict[str, Future] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def replay_chunk(self, record: TensorRecord, index: int, out: np.ndarray) -> np.ndarray:
-        """Decode chunk `index` of `record` into `out` (a writable uint8 slice of the right size)."""
+    def payload(self, chunk: Chunk) -> bytes | memoryview:
+        """The stored bytes of one chunk, verified with the object that holds them."""
+        if chunk.length is None:
+            return self.store.get(chunk.object_id)
+        pack = self._pack(chunk.object_id)
+        if chunk.offset + chunk.length > len(pack):
+            raise CorruptObjectError(chunk.object_id, f"pack of {len(pack)} bytes is shorter than its chunks say")
+        return memoryview(pack)[chunk.offset : chunk.offset + chunk.length]
+
+    def _pack(self, oid: str) -> bytes | memoryview:
+        with self._lock:
+            pending = self._packs.get(oid)
+            owner = pending is None
+            if owner:
+                pending = self._packs[oid] = Future()
+        if owner:
+            try:
+                pending.set_result(self.store.get(oid))
+            except BaseException as exc:
+                pending.set_exception(exc)
+        return pending.result()
+
+    def _levels(self, record: TensorRecord, index: int) -> list[tuple[TensorRecord, bytes]]:
+        """Chunk `index` down its chain, newest first, ending at the first payload that needs no base."""
         levels = []
         current = record
         while True:
-            payload = self.store.get(current.chunks[index].object_id)
+            payload = self.payload(current.chunks[index])
             levels.append((current, payload))
             if current.base_id is None or not get_codec(current.codec).needs_base(payload):
-                break
+                return levels
             current = self.records[current.base_id]
+
+    def replay_chunk(self, record: TensorRecord, index: int, out: np.ndarray) -> np.ndarray:
+        """Decode chunk `index` of `record` into `out` (a writable uint8 slice of the right size)."""
+        levels = self._levels(record, index)
         codec = get_codec(record.codec)
-        coding = _coding_params(record.params)
-        if hasattr(codec, "decode_chain") and all(
-                level.codec == record.codec and _coding_params(level.params) == coding for level, _ in levels):
+        if hasattr(codec, "decode_chain") and _one_coding(levels):
             return codec.decode_chain([p for _, p in levels], record.params, out.size, out)
         for level, payload in reversed(levels):  # level by level, each with its own params
             result = get_codec(level.codec).decode(payload, out, level.params, out.size)
             if result is not out:
                 out[...] = result
         return out
+
+    def replay_planes(self, record: TensorRecord, index: int) -> list[np.ndarray] | None:
+        """Chunk `index` of a lossless byte-grouped `record` as byte planes (None for other codecs)."""
+        levels = self._levels(record, index)
+        codec = get_codec(record.codec)
+        if not hasattr(codec, "decode_planes") or not _one_coding(levels):
+            return None
+        return codec.decode_planes([p for _, p in levels], record.chunks[index].raw_bytes)
+
+
+def _one_coding(levels: list[tuple[TensorRecord, bytes]]) -> bool:
+    """True when every level of a chain decodes with the same codec and coding params."""
+    top = levels[0][0]
+    coding = _coding_params(top.params)
+    return all(level.codec == top.codec and _coding_params(level.params) == coding for level, _ in levels)
 
 
 BOOKKEEPING = ("source", "rel_error", "level", "residual_misses", "residual_wait")

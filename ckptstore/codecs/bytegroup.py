@@ -61,17 +61,26 @@ class ByteGroupCodec:
 
     codec_id = "bytegroup"
 
-    def encode(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any]) -> bytes:
+    def encode(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any],
+               base_planes: list[np.ndarray] | None = None) -> bytes:
+        """Compress `data`, residual per plane against `base` (raw bytes) or `base_planes` (grouped).
+
+        Giving the base already grouped (as `decode_planes` returns it) saves a transpose each way.
+        """
         width = int(params["width"])
         compressor = _compressor(int(params.get("level", 1)))
         if data.size % width:
             raise CodecError(f"bytegroup: {data.size} bytes is not a multiple of width {width}")
         grouped = _planes(data, width).T.copy()  # one transposing pass; rows are byte planes
-        base_grid = _planes(base, width) if base is not None else None
+        if base_planes is None and base is not None:
+            base_planes = list(_planes(base, width).T)
+        if base_planes is not None and (len(base_planes) != width or any(b.size != grouped.shape[1]
+                                                                          for b in base_planes)):
+            raise CodecError("bytegroup: base planes do not match the chunk's layout")
         headers, payloads = [], []
         for j in range(width):
             plane = grouped[j]
-            base_plane = base_grid[:, j] if base_grid is not None else None
+            base_plane = base_planes[j] if base_planes is not None else None
             mode, payload = self._compress_plane(plane, base_plane, compressor)
             headers.append(_PLANE.pack(mode, len(payload)))
             payloads.append(payload)
@@ -140,28 +149,37 @@ class ByteGroupCodec:
             raise CodecError(f"bytegroup: plane {j} has {data.size} bytes, expected {rows}")
         return data
 
-    def decode_chain(self, payloads: list[bytes], params: dict[str, Any], nbytes: int,
-                     out: np.ndarray | None = None) -> np.ndarray:
-        """Decode a chunk from its chain, newest payload first, each a residual of the next.
+    def decode_planes(self, payloads: list[bytes], nbytes: int) -> list[np.ndarray]:
+        """The byte planes of a chunk from its chain, newest payload first, each a residual of the next.
 
         Each plane is rebuilt only from the newest level that stores it whole, so mantissa planes
-        (stored raw at every level) cost one copy however long the chain is.
+        (stored raw at every level) cost nothing: they come back as read-only views of the payload.
         """
         parsed = [self._parse(p) for p in payloads]
         width = parsed[0][0]
         if any(w != width for w, _ in parsed) or nbytes % width:
             raise CodecError("bytegroup: chain levels disagree on the element width")
         rows = nbytes // width
-        grouped = np.empty((width, rows), dtype=np.uint8)
+        planes = []
         for j in range(width):
-            whole = next((i for i, (_, planes) in enumerate(parsed) if planes[j][0] != XOR_ZSTD), None)
+            whole = next((i for i, (_, levels) in enumerate(parsed) if levels[j][0] != XOR_ZSTD), None)
             if whole is None:
                 raise CodecError("bytegroup: residual chunk decoded without its base")
-            grouped[j] = self._plane(payloads[whole], parsed[whole][1][j], rows, j)
+            plane = self._plane(payloads[whole], parsed[whole][1][j], rows, j)
             for level in range(whole - 1, -1, -1):
-                grouped[j] ^= self._plane(payloads[level], parsed[level][1][j], rows, j)
+                residual = self._plane(payloads[level], parsed[level][1][j], rows, j)
+                plane = np.bitwise_xor(plane, residual, out=plane if plane.flags.writeable else None)
+            planes.append(plane)
+        return planes
+
+    def decode_chain(self, payloads: list[bytes], params: dict[str, Any], nbytes: int,
+                     out: np.ndarray | None = None) -> np.ndarray:
+        """Decode a chunk from its chain (newest payload first) into `out`, interleaving the planes."""
+        planes = self.decode_planes(payloads, nbytes)
         out = np.empty(nbytes, dtype=np.uint8) if out is None else out
-        _planes(out, width)[...] = grouped.T
+        grid = _planes(out, len(planes))
+        for j, plane in enumerate(planes):
+            grid[:, j] = plane
         return out
 
     def decode(

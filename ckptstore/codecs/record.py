@@ -10,10 +10,12 @@ from ckptstore.hashing import ObjectId, TensorId
 
 @dataclass
 class Chunk:
-    """One independently decodable slice of a tensor's bytes."""
+    """One independently decodable slice of a tensor's bytes: a whole object, or a range of a pack."""
 
     object_id: ObjectId
     raw_bytes: int
+    offset: int = 0
+    length: int | None = None  # None: the payload is the whole object
 
 
 @dataclass

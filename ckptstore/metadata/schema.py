@@ -57,6 +57,8 @@ tensor_chunks = Table(
     Column("position", Integer, primary_key=True),
     Column("object_id", ID, nullable=False, index=True),
     Column("raw_bytes", BigInteger, nullable=False),
+    Column("offset", BigInteger, nullable=False, server_default="0"),
+    Column("length", BigInteger),  # NULL: the whole object; else a range of a pack object
 )
 
 objects = Table(

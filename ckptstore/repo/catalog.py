@@ -79,7 +79,8 @@ def load_records(conn: Connection, ids: Iterable[TensorId], with_bases: bool = T
             ).all()
             chunks: dict[str, list[Chunk]] = {}
             for row in chunk_rows:
-                chunks.setdefault(row.tensor_id, []).append(Chunk(ObjectId(row.object_id), row.raw_bytes))
+                chunks.setdefault(row.tensor_id, []).append(
+                    Chunk(ObjectId(row.object_id), row.raw_bytes, row.offset, row.length))
             for row in rows:
                 found[TensorId(row.id)] = TensorRecord(
                     id=TensorId(row.id), dtype=row.dtype, shape=tuple(json.loads(row.shape)), codec=row.codec,
@@ -106,7 +107,8 @@ def insert_records(conn: Connection, records: list[TensorRecord], object_sizes: 
         "raw_bytes": r.raw_bytes, "stored_bytes": r.stored_bytes,
     } for r in records])
     insert_ignore(conn, tensor_chunks, [
-        {"tensor_id": r.id, "position": i, "object_id": c.object_id, "raw_bytes": c.raw_bytes}
+        {"tensor_id": r.id, "position": i, "object_id": c.object_id, "raw_bytes": c.raw_bytes,
+         "offset": c.offset, "length": c.length}
         for r in records for i, c in enumerate(r.chunks)
     ])
     insert_ignore(conn, objects, [{"id": oid, "size": size} for oid, size in object_sizes.items()])

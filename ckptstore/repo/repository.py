@@ -465,10 +465,14 @@ class Repository:
             raise CheckpointFormatError(f"{state_or_path} does not exist")
         if self.dir in [path, *path.parents]:
             raise CheckpointFormatError(f"{path} is inside the repository's own {REPO_DIR}/ folder")
+        # Hash the files while they are parsed: both read the same pages, and the load is single-threaded.
+        on_disk = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        pending = {p: self._pool.submit(file_digest, str(p)) for p in on_disk}
         checkpoint = formats.read_checkpoint(path, trust_pickle)
-        files = [formats.destination(checkpoint.kind, f, path) for f in checkpoint.files]
-        digests = dict(zip([f.name for f in checkpoint.files],
-                           self._pool.map(lambda p: file_digest(str(p)), files)))
+        digests = {}
+        for record in checkpoint.files:
+            target = formats.destination(checkpoint.kind, record, path)
+            digests[record.name] = (pending[target].result() if target in pending else file_digest(str(target)))
         try:
             source = path.relative_to(self.root).as_posix()
         except ValueError:

@@ -41,15 +41,29 @@ class Job:
     known_id: TensorId | None = None
 
 
+PACK_BELOW = 1 << 20  # payloads smaller than this are written together: a file costs more than its bytes
+PACK_BYTES = 32 << 20  # a pack is closed once it holds this much
+
+
 @dataclass
 class ChunkResult:
-    object_id: ObjectId
+    object_id: ObjectId | None  # None until its pack is written
     stored: int
     needs_base: bool
     recon: np.ndarray | None = None
     mask: np.ndarray | None = None
     error_sq: float = 0.0
     norm_sq: float = 0.0
+    payload: bytes | None = None  # kept for a pack
+    packed: bool = False  # stored as bytes [offset, offset + stored) of a pack object
+    offset: int = 0
+
+
+def _stored(source: ChainSource, payload: bytes) -> tuple[ObjectId | None, bytes | None]:
+    """Write a large payload as its own object now; keep a small one for a pack."""
+    if len(payload) < PACK_BELOW:
+        return None, payload
+    return source.store.put(payload), None
 
 
 def _prune_mask(job: Job, data: np.ndarray, base: np.ndarray | None, start: int) -> np.ndarray | None:
@@ -73,22 +87,51 @@ def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: i
                   waits: dict[str, list[Future]]) -> ChunkResult:
     codec = get_codec(job.codec)
     data = np.ascontiguousarray(job.raw.data[start : start + size])
+    if not getattr(codec, "lossy", False):
+        planes = source.replay_planes(job.base, index) if job.base is not None else None
+        base = (source.replay_chunk(job.base, index, np.empty(size, dtype=np.uint8))
+                if job.base is not None and planes is None else None)
+        payload = codec.encode(data, base, job.params, base_planes=planes)
+        oid, kept = _stored(source, payload)
+        return ChunkResult(oid, len(payload), job.base is not None and codec.needs_base(payload), payload=kept)
     base = None
     if job.sibling is not None:
         base = waits[job.sibling][index].result().recon
     elif job.base is not None:
         base = source.replay_chunk(job.base, index, np.empty(size, dtype=np.uint8))
-    if not getattr(codec, "lossy", False):
-        payload = codec.encode(data, base, job.params)
-        return ChunkResult(source.store.put(payload), len(payload), base is not None and codec.needs_base(payload))
     mask = _prune_mask(job, data, base, start) if job.stage == 0 else None
     if job.mask_from is not None:
         mask = waits[job.mask_from][index].result().mask
     payload, recon = codec.encode_lossy(data, base, job.params, {"prune": mask})
     original = to_float32(data, job.params["dtype"]).astype(np.float64)
     error = to_float32(recon, job.params["dtype"]).astype(np.float64) - original
-    return ChunkResult(source.store.put(payload), len(payload), codec.needs_base(payload), recon, mask,
-                       float(error @ error), float(original @ original))
+    oid, kept = _stored(source, payload)
+    return ChunkResult(oid, len(payload), codec.needs_base(payload), recon, mask,
+                       float(error @ error), float(original @ original), payload=kept)
+
+
+def _write_packs(results: list[ChunkResult], source: ChainSource) -> None:
+    """Write the kept small payloads as pack objects and point each result at its range."""
+    group: list[ChunkResult] = []
+    filled = 0
+
+    def close() -> None:
+        if group:
+            oid = source.store.put(b"".join(r.payload for r in group))
+            for r in group:
+                r.object_id, r.payload, r.packed = oid, None, True
+        group.clear()
+
+    for result in results:
+        if result.payload is None:
+            continue
+        if filled + result.stored > PACK_BYTES:
+            close()
+            filled = 0
+        result.offset = filled
+        group.append(result)
+        filled += result.stored
+    close()
 
 
 def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
@@ -103,13 +146,20 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
         for index, size in enumerate(sizes[job.key]):
             futures[job.key].append(pool.submit(_encode_chunk, job, source, index, start, size, futures))
             start += size
-    records: dict[str, TensorRecord] = {}
-    object_sizes: dict[ObjectId, int] = {}
-    for job in sorted(jobs, key=lambda j: j.stage):
-        results = [f.result() for f in futures[job.key]]
-        object_sizes.update((r.object_id, r.stored) for r in results)
+    ordered = sorted(jobs, key=lambda j: j.stage)
+    results_of: dict[str, list[ChunkResult]] = {}
+    for job in ordered:
+        results_of[job.key] = [f.result() for f in futures[job.key]]
         if on_bytes:
             on_bytes(job.raw.nbytes)
+    _write_packs([r for job in ordered for r in results_of[job.key]], source)
+    records: dict[str, TensorRecord] = {}
+    object_sizes: dict[ObjectId, int] = {}
+    for job in ordered:
+        results = results_of[job.key]
+        for r in results:
+            end = r.offset + r.stored if r.packed else r.stored
+            object_sizes[r.object_id] = max(object_sizes.get(r.object_id, 0), end)
         uses_base = any(r.needs_base for r in results)
         params = dict(job.params)
         if job.known_id is not None:
@@ -127,7 +177,8 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
             id=tid, dtype=job.raw.dtype, shape=job.raw.shape, codec=job.codec, params=params,
             base_id=base.id if base else None, depth=base.depth + 1 if base else 0,
             raw_bytes=job.raw.nbytes, stored_bytes=sum(r.stored for r in results),
-            chunks=[Chunk(r.object_id, size) for r, size in zip(results, sizes[job.key])],
+            chunks=[Chunk(r.object_id, size, r.offset, r.stored if r.packed else None)
+                    for r, size in zip(results, sizes[job.key])],
         )
     return records, object_sizes
 

@@ -83,3 +83,17 @@ def test_chain_decode_matches_level_by_level_replay():
     assert step_by_step.tobytes() == levels[-1].tobytes()
     with pytest.raises(CodecError, match="without its base"):
         CODEC.decode_chain(payloads[:0:-1], params, levels[0].nbytes)
+
+
+def test_grouped_base_planes_encode_exactly_like_the_raw_base():
+    base = _floats(60_000, np.float32)
+    new = base + _floats(60_000, np.float32, scale=1e-5, seed=7)
+    params = {"width": 4}
+    keyframe = CODEC.encode(base.view(np.uint8), None, params)
+    planes = CODEC.decode_planes([keyframe], base.nbytes)
+    assert [p.tobytes() for p in planes] == [base.view(np.uint8).reshape(-1, 4)[:, j].tobytes() for j in range(4)]
+    from_planes = CODEC.encode(new.view(np.uint8), None, params, base_planes=planes)
+    assert from_planes == CODEC.encode(new.view(np.uint8), base.view(np.uint8), params)
+    assert CODEC.decode_chain([from_planes, keyframe], params, new.nbytes).tobytes() == new.tobytes()
+    with pytest.raises(CodecError, match="base planes"):
+        CODEC.encode(new.view(np.uint8), None, params, base_planes=planes[:3])

@@ -14,7 +14,7 @@ def test_repository_made_by_an_older_schema_opens_and_upgrades(tmp_path):
     assert not inspect(engine).has_table("known_files")
     engine.dispose()
     with Repository.open(tmp_path) as repo:
-        assert current_revision(repo.engine) == "0003"
+        assert current_revision(repo.engine) == "0004"
         assert inspect(repo.engine).has_table("known_files")
 
 
