@@ -55,7 +55,7 @@ class ChainSource:
                 pending.set_exception(exc)
         return pending.result()
 
-    def _levels(self, record: TensorRecord, index: int) -> list[tuple[TensorRecord, bytes]]:
+    def levels(self, record: TensorRecord, index: int) -> list[tuple[TensorRecord, bytes]]:
         """Chunk `index` down its chain, newest first, ending at the first payload that needs no base."""
         levels = []
         current = record
@@ -68,9 +68,9 @@ class ChainSource:
 
     def replay_chunk(self, record: TensorRecord, index: int, out: np.ndarray) -> np.ndarray:
         """Decode chunk `index` of `record` into `out` (a writable uint8 slice of the right size)."""
-        levels = self._levels(record, index)
+        levels = self.levels(record, index)
         codec = get_codec(record.codec)
-        if hasattr(codec, "decode_chain") and _one_coding(levels):
+        if hasattr(codec, "decode_chain") and one_coding(levels):
             return codec.decode_chain([p for _, p in levels], record.params, out.size, out)
         for level, payload in reversed(levels):  # level by level, each with its own params
             result = get_codec(level.codec).decode(payload, out, level.params, out.size)
@@ -80,14 +80,14 @@ class ChainSource:
 
     def replay_planes(self, record: TensorRecord, index: int) -> list[np.ndarray] | None:
         """Chunk `index` of a lossless byte-grouped `record` as byte planes (None for other codecs)."""
-        levels = self._levels(record, index)
+        levels = self.levels(record, index)
         codec = get_codec(record.codec)
-        if not hasattr(codec, "decode_planes") or not _one_coding(levels):
+        if not hasattr(codec, "decode_planes") or not one_coding(levels):
             return None
         return codec.decode_planes([p for _, p in levels], record.chunks[index].raw_bytes)
 
 
-def _one_coding(levels: list[tuple[TensorRecord, bytes]]) -> bool:
+def one_coding(levels: list[tuple[TensorRecord, bytes]]) -> bool:
     """True when every level of a chain decodes with the same codec and coding params."""
     top = levels[0][0]
     coding = _coding_params(top.params)
@@ -123,7 +123,7 @@ def replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
         if on_chunk:
             on_chunk(size)
     if verify:
-        checks = [(r, pool.submit(tensor_id, r.dtype, r.shape, outputs[r.id])) for r in _unique(wanted)]
+        checks = [(r, pool.submit(tensor_id, r.dtype, r.shape, outputs[r.id])) for r in unique(wanted)]
         for record, check in checks:
             if check.result() != record.id:
                 raise CorruptObjectError(
@@ -133,7 +133,7 @@ def replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
     return outputs
 
 
-def _unique(records: Iterable[TensorRecord]) -> list[TensorRecord]:
+def unique(records: Iterable[TensorRecord]) -> list[TensorRecord]:
     seen: dict[TensorId, TensorRecord] = {}
     for record in records:
         seen.setdefault(record.id, record)

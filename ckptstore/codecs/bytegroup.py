@@ -149,11 +149,13 @@ class ByteGroupCodec:
             raise CodecError(f"bytegroup: plane {j} has {data.size} bytes, expected {rows}")
         return data
 
-    def decode_planes(self, payloads: list[bytes], nbytes: int) -> list[np.ndarray]:
-        """The byte planes of a chunk from its chain, newest payload first, each a residual of the next.
+    def plane_levels(self, payloads: list[bytes], nbytes: int) -> list[list[np.ndarray]]:
+        """For each byte plane of a chain (newest payload first), the arrays that rebuild it.
 
-        Each plane is rebuilt only from the newest level that stores it whole, so mantissa planes
-        (stored raw at every level) cost nothing: they come back as read-only views of the payload.
+        The first array is the plane from the newest level that stores it whole; XORing the rest
+        into it, in order, gives the plane. Only this entropy-decoding step needs the CPU, so a
+        device can take the arrays and do the XOR and interleaving itself. Mantissa planes (stored
+        raw at every level) come back as one read-only view of the payload.
         """
         parsed = [self._parse(p) for p in payloads]
         width = parsed[0][0]
@@ -165,9 +167,16 @@ class ByteGroupCodec:
             whole = next((i for i, (_, levels) in enumerate(parsed) if levels[j][0] != XOR_ZSTD), None)
             if whole is None:
                 raise CodecError("bytegroup: residual chunk decoded without its base")
-            plane = self._plane(payloads[whole], parsed[whole][1][j], rows, j)
-            for level in range(whole - 1, -1, -1):
-                residual = self._plane(payloads[level], parsed[level][1][j], rows, j)
+            planes.append([self._plane(payloads[level], parsed[level][1][j], rows, j)
+                           for level in range(whole, -1, -1)])
+        return planes
+
+    def decode_planes(self, payloads: list[bytes], nbytes: int) -> list[np.ndarray]:
+        """The byte planes of a chunk from its chain, newest payload first, each a residual of the next."""
+        planes = []
+        for arrays in self.plane_levels(payloads, nbytes):
+            plane = arrays[0]
+            for residual in arrays[1:]:
                 plane = np.bitwise_xor(plane, residual, out=plane if plane.flags.writeable else None)
             planes.append(plane)
         return planes

@@ -7,7 +7,7 @@ import getpass
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,44 +241,66 @@ class Repository:
         with self.engine.connect() as conn:
             return catalog.commit_info(conn, refnames.resolve(conn, ref))
 
-    def _restore(self, manifest: Manifest, progress: Progress, paths: list[str] | None = None
-                 ) -> dict[str, RawTensor]:
-        """Replay the tensors of `manifest` (or just `paths`) and return them by path."""
-        wanted_paths = list(manifest.entries) if paths is None else paths
-        ids = {manifest.entries[p].tensor for p in wanted_paths}
+    def _replay(self, manifest: Manifest, paths: list[str], progress: Progress, label: str,
+                run: Callable[[ChainSource, list[TensorRecord], Callable[[int], None]], dict]) -> dict[str, Any]:
+        """Replay the tensors at `paths` with `run` (numpy on the CPU, or torch on a device); buffers by path."""
+        ids = {manifest.entries[p].tensor for p in paths}
         with self.engine.connect() as conn:
             records = catalog.load_records(conn, ids)
         missing = ids - set(records)
         if missing:
             raise CkptError(f"metadata has no record of tensors {sorted(missing)[:3]}; run `ckpt fsck`")
-        wanted = [records[t] for t in ids]
-        progress.start("checkout", sum(r.raw_bytes for r in wanted))
+        progress.start(label, sum(records[t].raw_bytes for t in ids))
         try:
-            buffers = replay(ChainSource(self.store, records), wanted, self._pool, on_chunk=progress.advance)
+            buffers = run(ChainSource(self.store, records), [records[t] for t in ids], progress.advance)
         except CorruptObjectError as exc:
             damaged = exc.object_id.split(",")
             raise CorruptObjectError(exc.object_id, exc.problem, self.commits_needing(damaged)) from None
         finally:
             progress.finish()
         restored, handed_out = {}, set()
-        for path in wanted_paths:
-            entry = manifest.entries[path]
-            buffer = buffers[entry.tensor]
-            if entry.tensor in handed_out:
-                buffer = buffer.copy()  # equal content at two paths must not become one tensor
-            handed_out.add(entry.tensor)
-            restored[path] = RawTensor(entry.dtype, entry.shape, buffer)
+        for path in paths:
+            tensor = manifest.entries[path].tensor
+            buffer = buffers[tensor]
+            if tensor in handed_out:  # equal content at two paths must not become one tensor
+                buffer = buffer.clone() if hasattr(buffer, "clone") else buffer.copy()
+            handed_out.add(tensor)
+            restored[path] = buffer
         return restored
+
+    def _restore(self, manifest: Manifest, progress: Progress, paths: list[str] | None = None
+                 ) -> dict[str, RawTensor]:
+        """Replay the tensors of `manifest` (or just `paths`) on the CPU and return them by path."""
+        paths = list(manifest.entries) if paths is None else paths
+        buffers = self._replay(manifest, paths, progress, "checkout",
+                               lambda source, wanted, done: replay(source, wanted, self._pool, on_chunk=done))
+        return {p: RawTensor(manifest.entries[p].dtype, manifest.entries[p].shape, b) for p, b in buffers.items()}
+
+    def _restore_on_device(self, manifest: Manifest, device: str, progress: Progress) -> dict[str, Any]:
+        """The torch tensors of `manifest` replayed on `device` (replay_torch.py), typed and shaped, by path."""
+        from ckptstore import replay_torch
+        from ckptstore.state import TORCH_PREFIX, torch_dtype
+
+        paths = [p for p, e in manifest.entries.items() if e.dtype.startswith(TORCH_PREFIX)]
+        buffers = self._replay(manifest, paths, progress, f"checkout to {device}", lambda source, wanted, done:
+                               replay_torch.replay_on(source, wanted, self._pool, device, on_chunk=done))
+        return {p: b.view(torch_dtype(manifest.entries[p].dtype)).reshape(manifest.entries[p].shape)
+                for p, b in buffers.items()}
 
     def checkout(self, ref: str = "HEAD", device: str | None = None, progress: Progress | None = None) -> Any:
         """The checkpoint at `ref` in memory: nested state for torch files, {name: state} for folders.
 
-        Tensors that were one tensor in the checkpoint (same storage) come back as one object.
+        With `device` (e.g. "cuda"), torch tensors are rebuilt on that device (replay_torch.py);
+        numpy arrays and bytes stay on the CPU. Tensors that were one tensor in the checkpoint
+        (same storage) come back as one object.
         """
         cid = self.resolve(ref)
         manifest = self.manifest(cid)
-        raws = self._restore(manifest, progress or NoProgress())
-        return formats.to_state(manifest.kind, manifest.files, lambda p: materialize(raws[p], device))
+        progress = progress or NoProgress()
+        on_device = self._restore_on_device(manifest, device, progress) if _is_accelerator(device) else {}
+        raws = self._restore(manifest, progress, [p for p in manifest.entries if p not in on_device])
+        return formats.to_state(manifest.kind, manifest.files,
+                                lambda p: on_device[p] if p in on_device else materialize(raws[p], device))
 
     def checkout_to(self, ref: str, output: str | os.PathLike | None = None, force: bool = False,
                     progress: Progress | None = None) -> Path:
@@ -694,6 +716,11 @@ def _param_names(model: Any, optimizer: Any) -> list[str] | None:
     names = {id(p): n for n, p in model.named_parameters()}
     ordered = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
     return None if None in ordered else ordered
+
+
+def _is_accelerator(device: Any) -> bool:
+    """True for a device other than the CPU (where the numpy replay is the fast path)."""
+    return device is not None and str(device) != "cpu" and not str(device).startswith("cpu:")
 
 
 def _default_author() -> str:
