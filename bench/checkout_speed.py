@@ -3,7 +3,8 @@ memory, side by side: torch.load and safetensors loading of the same tensors fro
 against ckptstore checkout of a lossless commit at the end of a `max_chain`-long chain, on the CPU
 and, where CUDA is present, straight to the GPU (torch.load + `.cuda()`, safetensors with
 device="cuda", `checkout(device="cuda")`). Prints a table (GB/s of restored state, best of the
-repeats, and peak extra anonymous memory over the restored size) and writes it to FILE too.
+repeats, and the peak memory growth of one load in a fresh process over the restored size) and
+writes it to FILE too.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import argparse
 import gc
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -19,7 +22,6 @@ from pathlib import Path
 import torch
 
 from bench.__main__ import warm
-from bench.memory import PeakMemory
 from bench.workloads import WORKLOADS
 from ckptstore import Repository
 from ckptstore.state import flatten, materialize
@@ -34,20 +36,60 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _high_water() -> int:
+    """Peak resident memory of this process so far, bytes (Linux VmHWM)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
 def _measure(name: str, load: Callable[[], object], source: Path, repeats: int, device: str) -> dict:
-    best, peak = float("inf"), 0
+    best = float("inf")
     for _ in range(repeats):
         warm(source)
         gc.collect()
-        with PeakMemory() as memory:
-            start = time.perf_counter()
-            state = load()
-            _sync(device)
-            seconds = time.perf_counter() - start
-        best, peak = min(best, seconds), max(peak, memory.extra)
+        start = time.perf_counter()
+        state = load()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
         size = _size(state)
         del state
-    return {"method": name, "device": device, "seconds": best, "gbps": size / best / 1e9, "memory": peak / size}
+    return {"method": name, "device": device, "seconds": best, "gbps": size / best / 1e9}
+
+
+def _peak_in_fresh_process(case: int, args: list[str]) -> float:
+    """Peak memory growth of one load, over the restored size, in a process of its own (allocators
+    keep freed memory, so a second measurement in the same process would read low)."""
+    command = [sys.executable, "-m", "bench.checkout_speed", "--child", str(case), *args]
+    return float(subprocess.run(command, check=True, capture_output=True, text=True).stdout.split()[-1])
+
+
+def _cases(repo, cid, source: Path, safetensors_path: Path) -> list[tuple]:
+    from safetensors.torch import load_file
+
+    cases = [
+        ("torch.load", lambda: torch.load(source, weights_only=True), source, "cpu"),
+        ("safetensors load_file", lambda: load_file(safetensors_path), safetensors_path, "cpu"),
+        ("ckptstore checkout", lambda: repo.checkout(cid), source, "cpu"),
+    ]
+    if torch.cuda.is_available():
+        cases += [
+            ("torch.load + .cuda()", lambda: _to_cuda(torch.load(source, weights_only=True)), source, "cuda"),
+            ("safetensors load_file(device='cuda')", lambda: load_file(safetensors_path, device="cuda"),
+             safetensors_path, "cuda"),
+            ("ckptstore checkout(device='cuda')", lambda: repo.checkout(cid, device="cuda"), source, "cuda"),
+        ]
+    return cases
+
+
+def _child(case: int, repo_path: Path, cid: str, source: Path, safetensors_path: Path) -> None:
+    torch.set_num_threads(2)
+    with Repository.open(repo_path) as repo:
+        name, load, path, device = _cases(repo, cid, source, safetensors_path)[case]
+        warm(path)
+        before = _high_water()
+        state = load()
+        _sync(device)
+        print((_high_water() - before) / _size(state))
 
 
 def main() -> None:
@@ -55,41 +97,40 @@ def main() -> None:
     parser.add_argument("run", nargs="?", default="minilm-finetune", choices=sorted(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--paths", nargs=4, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child is not None:
+        repo_path, cid, source, safetensors_path = args.paths
+        _child(args.child, Path(repo_path), cid, Path(source), Path(safetensors_path))
+        return
     torch.set_num_threads(2)
     files = WORKLOADS[args.run]().files()
     work = Path(tempfile.mkdtemp(prefix="ckpt-checkout-"))
     try:
-        repo = Repository.init(work / "repo")
-        depth = repo.config.encoding.max_chain
-        cids = [repo.commit(path) for path in files[: depth + 1]]
+        with Repository.init(work / "repo") as repo:
+            depth = repo.config.encoding.max_chain
+            cids = [repo.commit(path) for path in files[: depth + 1]]
         source = files[depth]
         state = torch.load(source, weights_only=True)
         tensors = {p: materialize(r) for p, r in flatten(state).tensors.items() if r.dtype.startswith("torch.")}
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import save_file
 
         safetensors_path = work / "same.safetensors"
         save_file({p: t.contiguous() for p, t in tensors.items()}, safetensors_path)
         del state, tensors
-        cases = [
-            ("torch.load", lambda: torch.load(source, weights_only=True), source, "cpu"),
-            ("safetensors load_file", lambda: load_file(safetensors_path), safetensors_path, "cpu"),
-            ("ckptstore checkout", lambda: repo.checkout(cids[-1]), source, "cpu"),
-        ]
-        if torch.cuda.is_available():
-            cases += [
-                ("torch.load + .cuda()", lambda: _to_cuda(torch.load(source, weights_only=True)), source, "cuda"),
-                ("safetensors load_file(device='cuda')", lambda: load_file(safetensors_path, device="cuda"),
-                 safetensors_path, "cuda"),
-                ("ckptstore checkout(device='cuda')", lambda: repo.checkout(cids[-1], device="cuda"), source, "cuda"),
-            ]
-        rows = [_measure(name, load, path, args.repeats, device) for name, load, path, device in cases]
-        repo.close()
+        with Repository.open(work / "repo") as repo:
+            cases = _cases(repo, cids[-1], source, safetensors_path)
+            rows = [_measure(name, load, path, args.repeats, device) for name, load, path, device in cases]
+        child_args = ["--paths", str(work / "repo"), cids[-1], str(source), str(safetensors_path)]
+        for case, row in enumerate(rows):
+            row["memory"] = _peak_in_fresh_process(case, child_args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     lines = [f"{args.run}, checkpoint {depth + 1} (chain depth {depth}), best of {args.repeats}; "
              f"CUDA: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}", "",
-             "| method | device | seconds | GB/s | peak extra memory / restored size |", "|---|---|---|---|---|"]
+             "| method | device | seconds | GB/s | peak memory growth / restored size (fresh process) |",
+             "|---|---|---|---|---|"]
     lines += [f"| {r['method']} | {r['device']} | {r['seconds']:.3f} | {r['gbps']:.2f} | {r['memory']:.2f}x |"
               for r in rows]
     text = "\n".join(lines)
