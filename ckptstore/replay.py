@@ -94,7 +94,7 @@ def one_coding(levels: list[tuple[TensorRecord, bytes]]) -> bool:
     return all(level.codec == top.codec and _coding_params(level.params) == coding for level, _ in levels)
 
 
-BOOKKEEPING = ("source", "rel_error", "level", "residual_misses", "residual_wait")
+BOOKKEEPING = ("source", "rel_error", "level", "residual_misses", "residual_wait", "plane_modes")
 
 
 def _coding_params(params: dict) -> dict:

@@ -1,7 +1,8 @@
 """Lossless codec: byte planes, each stored raw, zstd-compressed, or XORed with the base's plane.
 
 Planes are all first bytes, then all second bytes, and so on; each plane takes whichever mode a
-sample says is smallest.
+sample says is smallest. A chunk whose previous residual recorded its modes (`plane_hints`)
+reuses them without sampling; a keyframe always samples, so choices are revisited every chain.
 
 Exponent bytes of floats are highly redundant and mostly unchanged between checkpoints, while
 mantissa noise is not compressible at all; grouping bytes lets zstd see the first and lets us skip
@@ -77,14 +78,34 @@ class ByteGroupCodec:
         if base_planes is not None and (len(base_planes) != width or any(b.size != grouped.shape[1]
                                                                           for b in base_planes)):
             raise CodecError("bytegroup: base planes do not match the chunk's layout")
+        hints = params.get("plane_hints")
         headers, payloads = [], []
         for j in range(width):
             plane = grouped[j]
             base_plane = base_planes[j] if base_planes is not None else None
-            mode, payload = self._compress_plane(plane, base_plane, compressor)
+            hinted = self._hinted_plane(plane, base_plane, compressor, hints[j]) if hints else None
+            mode, payload = hinted or self._compress_plane(plane, base_plane, compressor)
             headers.append(_PLANE.pack(mode, len(payload)))
             payloads.append(payload)
         return b"".join([_HEAD.pack(MAGIC, width, width), *headers, *payloads])
+
+    @staticmethod
+    def _hinted_plane(plane: np.ndarray, base_plane: np.ndarray | None, compressor: zstandard.ZstdCompressor,
+                      hint: int) -> tuple[int, bytes | memoryview] | None:
+        """The plane in the mode this chunk's previous residual chose, without sampling.
+
+        None when that mode does not apply or no longer compresses; the caller then samples.
+        """
+        if hint == RAW:
+            return RAW, plane.data
+        if hint == XOR_ZSTD and base_plane is None:
+            return None
+        payload = compressor.compress(plane ^ base_plane if hint == XOR_ZSTD else plane)
+        return (hint, payload) if len(payload) < INCOMPRESSIBLE * plane.size else None
+
+    def plane_modes(self, payload: bytes) -> list[int]:
+        """How each plane of a chunk was stored (RAW, ZSTD or XOR_ZSTD)."""
+        return [mode for mode, _, _ in self._parse(payload)[1]]
 
     @staticmethod
     def _compress_plane(plane: np.ndarray, base_plane: np.ndarray | None,

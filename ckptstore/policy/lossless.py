@@ -55,6 +55,8 @@ def plan_tensor(dtype: str, nbytes: int, itemsize: int, parent: TensorRecord | N
         params.update(residual_misses=misses, residual_wait=wait - 1)
         return EncodePlan(LOSSLESS_CODEC, params, None)
     params["residual_misses"] = misses
+    if parent.depth >= 1 and "plane_modes" in parent.params:  # the parent chose between XOR and not
+        params["plane_hints"] = parent.params["plane_modes"]
     return EncodePlan(LOSSLESS_CODEC, params, parent)
 
 

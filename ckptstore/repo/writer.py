@@ -57,6 +57,7 @@ class ChunkResult:
     payload: bytes | None = None  # kept for a pack
     packed: bool = False  # stored as bytes [offset, offset + stored) of a pack object
     offset: int = 0
+    modes: list[int] | None = None  # lossless: how each byte plane was stored
 
 
 def _stored(source: ChainSource, payload: bytes) -> tuple[ObjectId | None, bytes | None]:
@@ -91,9 +92,12 @@ def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: i
         planes = source.replay_planes(job.base, index) if job.base is not None else None
         base = (source.replay_chunk(job.base, index, np.empty(size, dtype=np.uint8))
                 if job.base is not None and planes is None else None)
-        payload = codec.encode(data, base, job.params, base_planes=planes)
+        hints = job.params.get("plane_hints")
+        params = dict(job.params, plane_hints=hints[index]) if hints and len(hints) > index else job.params
+        payload = codec.encode(data, base, params, base_planes=planes)
         oid, kept = _stored(source, payload)
-        return ChunkResult(oid, len(payload), job.base is not None and codec.needs_base(payload), payload=kept)
+        return ChunkResult(oid, len(payload), job.base is not None and codec.needs_base(payload), payload=kept,
+                           modes=codec.plane_modes(payload))
     base = None
     if job.sibling is not None:
         base = waits[job.sibling][index].result().recon
@@ -164,8 +168,10 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
         params = dict(job.params)
         if job.known_id is not None:
             tid = job.known_id
+            params.pop("plane_hints", None)
             if job.base is not None:
                 params = after_attempt(params, uses_base)
+                params["plane_modes"] = [r.modes for r in results]
         else:
             tid = tensor_id_of_parts(job.raw.dtype, job.raw.shape, [r.recon for r in results])
             norm = sum(r.norm_sq for r in results)

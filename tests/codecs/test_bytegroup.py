@@ -97,3 +97,19 @@ def test_grouped_base_planes_encode_exactly_like_the_raw_base():
     assert CODEC.decode_chain([from_planes, keyframe], params, new.nbytes).tobytes() == new.tobytes()
     with pytest.raises(CodecError, match="base planes"):
         CODEC.encode(new.view(np.uint8), None, params, base_planes=planes[:3])
+
+
+def test_plane_hints_skip_sampling_and_fall_back_when_they_no_longer_pay():
+    base = _floats(80_000, np.float32)
+    new = base + _floats(80_000, np.float32, scale=1e-6, seed=3)
+    data, base_bytes = new.view(np.uint8), base.view(np.uint8)
+    sampled = CODEC.encode(data, base_bytes, {"width": 4})
+    modes = CODEC.plane_modes(sampled)
+    assert CODEC.encode(data, base_bytes, {"width": 4, "plane_hints": modes}) == sampled
+    forced_raw = CODEC.encode(data, base_bytes, {"width": 4, "plane_hints": [0, 0, 0, 0]})
+    assert CODEC.plane_modes(forced_raw) == [0, 0, 0, 0]
+    noise = np.random.default_rng(1).integers(0, 256, data.size, dtype=np.uint8)
+    fell_back = CODEC.encode(noise, base_bytes, {"width": 4, "plane_hints": [1, 1, 2, 2]})
+    assert CODEC.plane_modes(fell_back) == [0, 0, 0, 0]  # hinted zstd no longer compresses: sampled again
+    for payload, original in ((sampled, data), (forced_raw, data), (fell_back, noise)):
+        assert CODEC.decode(payload, base_bytes.copy(), {"width": 4}, data.size).tobytes() == original.tobytes()

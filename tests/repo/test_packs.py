@@ -60,3 +60,17 @@ def test_damaged_pack_names_the_pack_and_its_commits(repo, damage):
     assert pack in str(info.value) and cid[:12] in str(info.value)
     report = fsck(repo)
     assert pack in report.damaged_objects and cid in report.broken_commits
+
+
+def test_residual_chains_record_plane_modes_and_round_trip(repo):
+    states = [_state(seed=0)]
+    for step in range(1, 4):
+        states.append({"small": states[0]["small"], "big": states[0]["big"] + step * 1e-4})
+    cids = [repo.commit(s) for s in states]
+    with repo.engine.connect() as conn:
+        tid = repo.manifest(cids[2]).entries["big"].tensor
+        record = catalog.load_records(conn, [tid], with_bases=False)[tid]
+    assert record.depth == 2 and "plane_hints" not in record.params
+    assert len(record.params["plane_modes"]) == len(record.chunks) and 2 in record.params["plane_modes"][0]
+    for cid, state in zip(cids, states):
+        assert_same(state, repo.checkout(cid))
