@@ -7,6 +7,7 @@ then applying each level upward in place in the output buffer, so no intermediat
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -24,13 +25,15 @@ from ckptstore.objectstore import ObjectStore
 class ChainSource:
     """Everything replay needs: the store and the records of every tensor in the chains.
 
-    Pack objects (many small payloads in one object) are read once and shared by every chunk
-    in them for the life of this source, which is one commit or one checkout.
+    Pack objects (many small payloads in one object) are read once and shared by the chunks in
+    them; the most recently used packs are kept, up to `pack_cache_bytes` (chunks are replayed in
+    about the order they were packed, so a pack is rarely read twice).
     """
 
     store: ObjectStore
     records: Mapping[TensorId, TensorRecord]
-    _packs: dict[str, Future] = field(default_factory=dict, repr=False)
+    pack_cache_bytes: int = 256 << 20
+    _packs: OrderedDict[str, Future] = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def payload(self, chunk: Chunk) -> bytes | memoryview:
@@ -48,12 +51,25 @@ class ChainSource:
             owner = pending is None
             if owner:
                 pending = self._packs[oid] = Future()
+            self._packs.move_to_end(oid)
         if owner:
             try:
                 pending.set_result(self.store.get(oid))
             except BaseException as exc:
                 pending.set_exception(exc)
+            self._evict()
         return pending.result()
+
+    def _evict(self) -> None:
+        """Drop the least recently used packs beyond `pack_cache_bytes` (the newest always stays)."""
+        with self._lock:
+            held = [(oid, f) for oid, f in self._packs.items() if f.done() and f.exception() is None]
+            total = sum(len(f.result()) for _, f in held)
+            for oid, future in held[:-1]:
+                if total <= self.pack_cache_bytes:
+                    break
+                total -= len(future.result())
+                del self._packs[oid]
 
     def levels(self, record: TensorRecord, index: int) -> list[tuple[TensorRecord, bytes]]:
         """Chunk `index` down its chain, newest first, ending at the first payload that needs no base."""

@@ -114,28 +114,32 @@ def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: i
                        float(error @ error), float(original @ original), payload=kept)
 
 
-def _write_packs(results: list[ChunkResult], source: ChainSource) -> None:
-    """Write the kept small payloads as pack objects and point each result at its range."""
-    group: list[ChunkResult] = []
-    filled = 0
+class _Packer:
+    """Writes small payloads into pack objects as results arrive and points each result at its range.
 
-    def close() -> None:
-        if group:
-            oid = source.store.put(b"".join(r.payload for r in group))
-            for r in group:
-                r.object_id, r.payload, r.packed = oid, None, True
-        group.clear()
+    Packs close as they fill, so at most one pack's worth of payloads waits in memory.
+    """
 
-    for result in results:
+    def __init__(self, source: ChainSource) -> None:
+        self.source = source
+        self.group: list[ChunkResult] = []
+        self.filled = 0
+
+    def add(self, result: ChunkResult) -> None:
         if result.payload is None:
-            continue
-        if filled + result.stored > PACK_BYTES:
-            close()
-            filled = 0
-        result.offset = filled
-        group.append(result)
-        filled += result.stored
-    close()
+            return
+        if self.filled + result.stored > PACK_BYTES:
+            self.close()
+        result.offset = self.filled
+        self.group.append(result)
+        self.filled += result.stored
+
+    def close(self) -> None:
+        if self.group:
+            oid = self.source.store.put(b"".join(r.payload for r in self.group))
+            for r in self.group:
+                r.object_id, r.payload, r.packed = oid, None, True
+        self.group, self.filled = [], 0
 
 
 def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
@@ -152,11 +156,14 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
             start += size
     ordered = sorted(jobs, key=lambda j: j.stage)
     results_of: dict[str, list[ChunkResult]] = {}
+    packer = _Packer(source)
     for job in ordered:
         results_of[job.key] = [f.result() for f in futures[job.key]]
+        for result in results_of[job.key]:
+            packer.add(result)
         if on_bytes:
             on_bytes(job.raw.nbytes)
-    _write_packs([r for job in ordered for r in results_of[job.key]], source)
+    packer.close()
     records: dict[str, TensorRecord] = {}
     object_sizes: dict[ObjectId, int] = {}
     for job in ordered:
