@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import gc
 import getpass
 import json
 import os
@@ -373,7 +375,7 @@ class Repository:
         """
         progress = progress or NoProgress()
         level = level_named(lossy if lossy is not None else (self.config.lossy or None), **knobs)
-        with self._lock():
+        with self._lock(), _no_cyclic_gc():
             source_path, checkpoint, digests = self._read_input(state_or_path, trust_pickle)
             sources = self._tensor_ids(checkpoint.tensors)
             with self.engine.connect() as conn:
@@ -716,6 +718,23 @@ def _param_names(model: Any, optimizer: Any) -> list[str] | None:
     names = {id(p): n for n, p in model.named_parameters()}
     ordered = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
     return None if None in ordered else ordered
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc():
+    """Hold off Python's cyclic garbage collector while a commit runs.
+
+    A commit allocates tens of thousands of short-lived containers and creates no reference
+    cycles, so the collections it would trigger only pause it: in the benchmark process a full
+    collection took 0.2-0.3 s and landed inside a 0.5 s commit. Collections resume afterwards.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _is_accelerator(device: Any) -> bool:

@@ -204,3 +204,27 @@ def test_sigkill_mid_commit_leaves_a_consistent_repository(tmp_path):
         assert collected.objects_removed == report.unreferenced_objects
         assert fsck(repo).unreferenced_objects == 0
         assert_same(expected, repo.checkout(first))
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_commit_holds_off_cyclic_gc_and_restores_it_even_on_error(repo, monkeypatch, enabled):
+    import gc
+
+    from ckptstore.repo import repository as repository_module
+
+    seen = []
+    real_encode = repository_module.encode_jobs
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real_encode(*args, **kwargs)
+
+    monkeypatch.setattr(repository_module, "encode_jobs", spy)
+    (gc.enable if enabled else gc.disable)()
+    try:
+        repo.commit({"w": torch.ones(3)})
+        with pytest.raises(NothingToCommitError):
+            repo.commit({"w": torch.ones(3)})
+        assert seen == [False, False] and gc.isenabled() == enabled
+    finally:
+        gc.enable()
