@@ -84,7 +84,12 @@ class ChainSource:
 
     def replay_chunk(self, record: TensorRecord, index: int, out: np.ndarray) -> np.ndarray:
         """Decode chunk `index` of `record` into `out` (a writable uint8 slice of the right size)."""
-        levels = self.levels(record, index)
+        return self.decode_levels(record, self.levels(record, index), out)
+
+    @staticmethod
+    def decode_levels(record: TensorRecord, levels: list[tuple[TensorRecord, bytes]], out: np.ndarray
+                      ) -> np.ndarray:
+        """Decode a chunk from its already-read `levels` (as `levels()` returns them) into `out`."""
         codec = get_codec(record.codec)
         if hasattr(codec, "decode_chain") and one_coding(levels):
             return codec.decode_chain([p for _, p in levels], record.params, out.size, out)
@@ -96,11 +101,15 @@ class ChainSource:
 
     def replay_planes(self, record: TensorRecord, index: int) -> list[np.ndarray] | None:
         """Chunk `index` of a lossless byte-grouped `record` as byte planes (None for other codecs)."""
-        levels = self.levels(record, index)
         codec = get_codec(record.codec)
-        if not hasattr(codec, "decode_planes") or not one_coding(levels):
+        if not hasattr(codec, "decode_planes"):
             return None
-        return codec.decode_planes([p for _, p in levels], record.chunks[index].raw_bytes)
+        levels = self.levels(record, index)
+        nbytes = record.chunks[index].raw_bytes
+        if one_coding(levels):
+            return codec.decode_planes([p for _, p in levels], nbytes)
+        raw = self.decode_levels(record, levels, np.empty(nbytes, dtype=np.uint8))
+        return list(raw.reshape(-1, int(record.params["width"])).T)
 
 
 def one_coding(levels: list[tuple[TensorRecord, bytes]]) -> bool:

@@ -1,5 +1,6 @@
 """CPU replay: packs shared through a bounded cache."""
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -29,3 +30,19 @@ def test_pack_cache_bound_evicts_and_replay_stays_exact(repo, monkeypatch):
     for path, entry in manifest.entries.items():
         assert np.array_equal(bounded[entry.tensor], unbounded[entry.tensor])
         assert bounded[entry.tensor].tobytes() == states[-1][path].numpy().tobytes()
+
+
+def test_replay_planes_of_a_chain_with_mixed_params_matches_the_one_pass_decode(repo):
+    base = torch.randn(1 << 18, generator=torch.Generator().manual_seed(1))
+    cids = [repo.commit({"w": base}), repo.commit({"w": base + 1e-4})]
+    tid = repo.manifest(cids[-1]).entries["w"].tensor
+    with repo.engine.connect() as conn:
+        records = catalog.load_records(conn, [tid])
+    top = records[tid]
+    assert top.depth == 1
+    expected = ChainSource(repo.store, records).replay_planes(top, 0)
+    mixed = dict(records)
+    mixed[top.base_id] = dataclasses.replace(records[top.base_id], params=dict(records[top.base_id].params, level=9))
+    got = ChainSource(repo.store, mixed).replay_planes(top, 0)  # decoded level by level, then grouped
+    assert [p.tobytes() for p in got] == [p.tobytes() for p in expected]
+    assert np.concatenate(got).size == top.chunks[0].raw_bytes

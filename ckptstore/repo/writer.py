@@ -91,7 +91,7 @@ def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: i
     if not getattr(codec, "lossy", False):
         planes = source.replay_planes(job.base, index) if job.base is not None else None
         base = (source.replay_chunk(job.base, index, np.empty(size, dtype=np.uint8))
-                if job.base is not None and planes is None else None)
+                if job.base is not None and planes is None else None)  # a base of another codec
         hints = job.params.get("plane_hints")
         params = dict(job.params, plane_hints=hints[index]) if hints and len(hints) > index else job.params
         payload = codec.encode(data, base, params, base_planes=planes)
