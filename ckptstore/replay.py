@@ -115,15 +115,21 @@ class ChainSource:
 def one_coding(levels: list[tuple[TensorRecord, bytes]]) -> bool:
     """True when every level of a chain decodes with the same codec and coding params."""
     top = levels[0][0]
-    coding = _coding_params(top.params)
-    return all(level.codec == top.codec and _coding_params(level.params) == coding for level, _ in levels)
+    decoding = getattr(get_codec(top.codec), "chain_params", None)
+    coding = _coding_params(top.params, decoding)
+    return all(level.codec == top.codec and _coding_params(level.params, decoding) == coding for level, _ in levels)
 
 
 BOOKKEEPING = ("source", "rel_error", "level", "residual_misses", "residual_wait", "plane_modes")
 
 
-def _coding_params(params: dict) -> dict:
-    """The params that change how a payload decodes (not what was recorded about it)."""
+def _coding_params(params: dict, decoding: tuple[str, ...] | None) -> dict:
+    """The params that change how a payload decodes.
+
+    The codec's `chain_params` when it names them, else all but what was recorded about the encoding.
+    """
+    if decoding is not None:
+        return {k: params.get(k) for k in decoding}
     return {k: v for k, v in params.items() if k not in BOOKKEEPING}
 
 

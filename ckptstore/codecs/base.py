@@ -11,7 +11,8 @@ class Codec(Protocol):
     """Encodes one chunk of a tensor's raw bytes (uint8, 1-D) against an optional base chunk.
 
     A codec may also offer `decode_chain(payloads, params, nbytes, out)`, decoding a whole chain of
-    its own payloads (newest first) at once when every level shares the same params; lossy
+    its own payloads (newest first) at once when every level shares the same params (or the same
+    `chain_params`, when the codec names the only params its payloads decode by); lossy
     codecs add `encode_lossy(data, base, params, hints) -> (payload, reconstruction)` and
     `lossy = True`.
     """

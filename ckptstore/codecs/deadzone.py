@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ckptstore.codecs.entropy import decode_symbols, encode_symbols
-from ckptstore.codecs.floats import from_float32, to_float32
+from ckptstore.codecs.floats import from_float32, itemsize, to_float32
 from ckptstore.errors import CodecError
 
 MAGIC, MAGIC_V1 = b"DZ2", b"DZ1"
@@ -65,6 +65,7 @@ class DeadZoneCodec:
 
     codec_id = "deadzone"
     lossy = True
+    chain_params = ("dtype",)  # each payload carries its own step
 
     def encode_lossy(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any],
                      hints: dict[str, Any] | None = None) -> tuple[bytes, np.ndarray]:
@@ -93,6 +94,35 @@ class DeadZoneCodec:
         if len(payload) >= _HEAD_V1.size and payload[:3] == MAGIC_V1:
             return _HEAD_V1.unpack_from(payload)[1], params.get("step", 0.0), _HEAD_V1.size
         raise CodecError("deadzone: payload does not start with a valid header")
+
+    def decode_chain(self, payloads: list[bytes], params: dict[str, Any], nbytes: int,
+                     out: np.ndarray | None = None) -> np.ndarray:
+        """A whole chain (newest payload first) accumulated in one float32 buffer.
+
+        Bit for bit what level-by-level decoding gives: float32 adds in the same order, rounded
+        to the tensor's dtype after each level as the encoder did.
+        """
+        dtype = params["dtype"]
+        values = None
+        for payload in reversed(payloads):
+            has_base, step, header = self._head(payload, params)
+            if has_base != (values is not None):
+                raise CodecError("deadzone: chain does not start at a keyframe")
+            update = decode_symbols(memoryview(payload)[header:]).astype(np.float32)
+            update *= np.float32(step)
+            if values is None:
+                values = update
+            else:
+                values += update
+            if dtype != "torch.float32":
+                values = to_float32(from_float32(values, dtype), dtype)
+        if values is None or values.size * itemsize(dtype) != nbytes:
+            raise CodecError(f"deadzone: chain decoded to the wrong size, expected {nbytes} bytes")
+        result = from_float32(values, dtype)
+        if out is None:
+            return result
+        out[...] = result
+        return out
 
     def decode(self, payload: bytes, base: np.ndarray | None, params: dict[str, Any], nbytes: int) -> np.ndarray:
         has_base, step, header = self._head(payload, params)
