@@ -58,7 +58,7 @@ class Workload:
     unit = "file"  # or "folder"
     checkpoints = 8
     every = 20
-    resume_steps = 20
+    resume_steps = 100  # what the lossy levels must resume for (issue 4)
     seed = 0
 
     def __init__(self, quick: bool = False) -> None:
@@ -136,7 +136,8 @@ class Workload:
 
     def files(self) -> list[Path]:
         """The cached checkpoint sequence, training it first when the cache is empty."""
-        folder = CACHE / (self.name + ("-quick" if self.quick else ""))
+        # The schedule's horizon shapes every step, so runs trained for another horizon are not reused.
+        folder = CACHE / (f"{self.name}-quick" if self.quick else f"{self.name}-h{self.horizon}")
         done = folder / "DONE"
         if not done.exists():
             shutil.rmtree(folder, ignore_errors=True)

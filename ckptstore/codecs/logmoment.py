@@ -98,15 +98,24 @@ class LogMomentCodec:
         return bool(self._head(payload)[0])
 
     def _parts(self, payload: bytes, count: int) -> tuple[bool, int, np.ndarray, np.ndarray]:
-        """(has base, median level, zero mask, residual levels) of one payload."""
+        """(has base, median level, zero mask, residual levels as int32) of one payload."""
         has_base, median, mask_length = self._head(payload)
         try:
             bits = zstandard.ZstdDecompressor().decompress(payload[_HEAD.size : _HEAD.size + mask_length])
         except zstandard.ZstdError as exc:
             raise CodecError(f"log2moment: zero mask does not decompress: {exc}") from None
-        zero = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=count).astype(bool)
-        residual = np.zeros(count, dtype=np.int64)
-        residual[~zero] = decode_symbols(memoryview(payload)[_HEAD.size + mask_length :])
+        packed = np.frombuffer(bits, dtype=np.uint8)
+        symbols = decode_symbols(memoryview(payload)[_HEAD.size + mask_length :])
+        if not packed.any():  # no exact zeros, the usual case: no scatter needed
+            if symbols.size != count:
+                raise CodecError(f"log2moment: {symbols.size} levels for {count} values")
+            return bool(has_base), median, np.zeros(count, dtype=bool), symbols
+        zero = np.unpackbits(packed, count=count).astype(bool)
+        residual = np.zeros(count, dtype=np.int32)
+        try:
+            residual[~zero] = symbols
+        except ValueError:
+            raise CodecError("log2moment: levels do not match the zero mask") from None
         return bool(has_base), median, zero, residual
 
     def decode(self, payload: bytes, base: np.ndarray | None, params: dict[str, Any], nbytes: int) -> np.ndarray:
@@ -132,10 +141,17 @@ class LogMomentCodec:
             has_base, median, now_zero, residual = self._parts(payload, count)
             if has_base and levels is None:
                 raise CodecError("log2moment: residual chunk decoded without its base")
-            predicted = np.where(~zero, levels, median) if has_base else np.full(count, median, dtype=np.int64)
-            levels, zero = predicted + residual, now_zero
-            exponents = levels[~zero] * scale
-            if exponents.size and (exponents.min() < -126 or exponents.max() > 127):
+            if not has_base:
+                levels = residual + np.int32(median)
+            elif zero.any():
+                levels = np.where(zero, np.int32(median), levels) + residual
+            else:
+                levels += residual
+            zero = now_zero
+            kept = ~zero
+            low = levels.min(where=kept, initial=np.iinfo(np.int32).max) * scale
+            high = levels.max(where=kept, initial=np.iinfo(np.int32).min) * scale
+            if kept.any() and (low < -126 or high > 127):
                 return self._level_by_level(payloads, params, nbytes, out)
         result = self._reconstruct(levels, zero, params)
         if out is None:

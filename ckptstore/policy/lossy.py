@@ -80,6 +80,8 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
         step = (level.weight_residual_step if base is not None else level.weight_keyframe_step) * factor * rms
         params = dict(chunking, dtype=raw.dtype, step=step, rounding=level.weight_rounding if base else 0.5,
                       relative_step=level.relative_step)
+        if level.fine_drift > 0:
+            params["fine_below"] = level.fine_drift * rms
         chunk = max(raw.itemsize, settings.chunk_bytes // raw.itemsize * raw.itemsize)
         params["chunk_bytes"] = int(base.params["chunk_bytes"]) if base is not None else chunk
         return LossyPlan(path, "deadzone", params, base, importance=importance,

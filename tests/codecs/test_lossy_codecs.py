@@ -149,3 +149,35 @@ def test_deadzone_chain_decodes_like_level_by_level(dtype):
     assert codec.decode_chain(payloads, {"dtype": dtype}, base.size).tobytes() == base.tobytes()
     with pytest.raises(CodecError):
         codec.decode_chain(payloads[:-1], {"dtype": dtype}, base.size)
+
+
+def test_relative_step_caps_only_residuals_below_fine_below():
+    from ckptstore.codecs.deadzone import chunk_step
+
+    small = RNG.standard_normal(10_000).astype(np.float32) * 1e-3
+    large = small * 100
+    params = {"step": 0.05, "relative_step": 0.5}
+    assert chunk_step(small, params, residual=True) == pytest.approx(0.5e-3, rel=0.05)
+    assert chunk_step(large * 2, params, residual=True) == pytest.approx(0.05, rel=1e-6)  # cap above the step
+    params["fine_below"] = 0.01
+    assert chunk_step(small, params, residual=True) == pytest.approx(0.5e-3, rel=0.05)
+    assert chunk_step(large * 0.5, params, residual=True) == pytest.approx(0.05, rel=1e-6)  # above: planned
+    assert chunk_step(small, params, residual=False) == pytest.approx(0.05, rel=1e-6)  # keyframes: planned
+
+
+@pytest.mark.parametrize("with_zeros", [False, True])
+def test_log_moment_chain_decodes_like_level_by_level(with_zeros):
+    codec = get_codec("log2moment")
+    params = {"dtype": "torch.float32", "k": -1}
+    v = np.exp(RNG.normal(-14, 3, 20_000)).astype(np.float32)
+    payloads, recon = [], None
+    for _ in range(4):
+        if with_zeros:
+            v[RNG.integers(0, v.size, 500)] = 0  # zeros appear and disappear along the chain
+            v[RNG.integers(0, v.size, 500)] = 1e-6
+        payload, recon = codec.encode_lossy(v.view(np.uint8), recon, params)
+        payloads.insert(0, payload)
+        v = (v * np.exp(RNG.normal(0, 0.3, v.size))).astype(np.float32)
+    assert codec.decode_chain(payloads, params, recon.size).tobytes() == recon.tobytes()
+    with pytest.raises(CodecError):
+        codec.decode_chain(payloads[:-1], params, recon.size)
