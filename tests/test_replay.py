@@ -1,11 +1,13 @@
-"""CPU replay: packs shared through a bounded cache."""
+"""CPU replay: packs shared through a bounded cache, verification, mixed chains."""
 
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 import torch
 
+from ckptstore.errors import CorruptObjectError
 from ckptstore.replay import ChainSource, replay
 from ckptstore.repo import catalog, writer
 
@@ -46,3 +48,35 @@ def test_replay_planes_of_a_chain_with_mixed_params_matches_the_one_pass_decode(
     got = ChainSource(repo.store, mixed).replay_planes(top, 0)  # decoded level by level, then grouped
     assert [p.tobytes() for p in got] == [p.tobytes() for p in expected]
     assert np.concatenate(got).size == top.chunks[0].raw_bytes
+
+
+class _CountingStore:
+    """The repository's store, recording whether each read asked for verification."""
+
+    def __init__(self, store):
+        self.store, self.reads = store, []
+
+    def get(self, oid, verify=True):
+        self.reads.append(verify)
+        return self.store.get(oid, verify)
+
+
+def test_verified_replay_hashes_tensors_not_objects_and_still_names_a_damaged_object(repo):
+    generator = torch.Generator().manual_seed(2)
+    base = torch.randn(1 << 19, generator=generator)  # 2 MiB: an object of its own, not packed
+    cids = [repo.commit({"w": base}), repo.commit({"w": base + 1e-3})]
+    tid = repo.manifest(cids[-1]).entries["w"].tensor
+    with repo.engine.connect() as conn:
+        records = catalog.load_records(conn, [tid])
+    store = _CountingStore(repo.store)
+    with ThreadPoolExecutor(2) as pool:
+        out = replay(ChainSource(store, records), [records[tid]], pool)
+        assert out[tid].tobytes() == (base + 1e-3).numpy().tobytes()
+        assert store.reads and not any(store.reads)  # the tensor hash covered every byte
+        oid = records[records[tid].base_id].chunks[0].object_id
+        path = repo.store.path_of(oid)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        path.write_bytes(bytes(data))
+        with pytest.raises(CorruptObjectError, match=oid):
+            replay(ChainSource(store, records), [records[tid]], pool)

@@ -15,8 +15,11 @@ class ObjectStore(Protocol):
     def put(self, data: bytes | memoryview) -> ObjectId:
         """Store `data` durably and return its id; storing existing content is a cheap no-op."""
 
-    def get(self, oid: ObjectId) -> bytes:
-        """Return the bytes of `oid`, verified against the id; raise CorruptObjectError otherwise."""
+    def get(self, oid: ObjectId, verify: bool = True) -> bytes:
+        """Return the bytes of `oid`, verified against the id; raise CorruptObjectError otherwise.
+
+        `verify=False` skips the hash for callers that verify what they decode from the bytes.
+        """
 
     def has(self, oid: ObjectId) -> bool:
         """True when `oid` is present (its content is not verified)."""
