@@ -105,11 +105,20 @@ class ChainSource:
     @staticmethod
     def decode_levels(record: TensorRecord, levels: list[tuple[TensorRecord, bytes]], out: np.ndarray
                       ) -> np.ndarray:
-        """Decode a chunk from its already-read `levels` (as `levels()` returns them) into `out`."""
-        codec = get_codec(record.codec)
-        if hasattr(codec, "decode_chain") and one_coding(levels):
-            return codec.decode_chain([p for _, p in levels], record.params, out.size, out)
-        for level, payload in reversed(levels):  # level by level, each with its own params
+        """Decode a chunk from its already-read `levels` (as `levels()` returns them) into `out`.
+
+        The bottom run of levels sharing one coding is decoded in one pass when its codec can (a
+        first moment's chain ends in its second moment's whole chain); the levels above it are
+        applied one by one, each with its own params.
+        """
+        start = len(levels) - 1
+        while start > 0 and one_coding(levels[start - 1 :]):
+            start -= 1
+        bottom, codec = levels[start:], get_codec(levels[-1][0].codec)
+        if len(bottom) > 1 and hasattr(codec, "decode_chain"):
+            codec.decode_chain([p for _, p in bottom], bottom[0][0].params, out.size, out)
+            levels = levels[:start]
+        for level, payload in reversed(levels):
             result = get_codec(level.codec).decode(payload, out, level.params, out.size)
             if result is not out:
                 out[...] = result

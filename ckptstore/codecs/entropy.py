@@ -27,9 +27,9 @@ from ckptstore.errors import CodecError
 MAGIC = b"EN1"
 ZSTD, RANS, CONSTANT, SPARSE, PACKED = 0, 1, 2, 3, 4
 _HEAD = struct.Struct("<3sBQ")
-RANS_MIN_GAIN = 0.05
+RANS_MIN_GAIN = 0.10
 PACK_WIDTHS = (1, 2, 4, 8)
-MAX_NESTING = 2
+MAX_NESTING = 4
 ESTIMATE_SLACK = 1.1  # a width whose estimate is this close to the best one's is tried too
 PACK_MAX_RANGE = 1 << 20
 _PACKED = struct.Struct("<BiQ")
