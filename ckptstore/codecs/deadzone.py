@@ -7,9 +7,9 @@ Small residuals fall in the dead zone and become exact zeros, which the entropy 
 free; a residual skipped now is still there against the reconstruction next time, so the error of
 any reconstruction stays below one step however long the chain. Params: dtype, step (absolute),
 rounding (0.5 rounds to nearest; less widens the dead zone), relative_step (residual steps at most
-this fraction of the residual's RMS), fine_below (apply relative_step only to residuals with a
-smaller RMS). Layout: b"DZ2", has-base flag (u8), the chunk's step (f32),
-then the entropy-coded symbols.
+this fraction of the residual's RMS), fine_below and base_error (apply relative_step only where the
+weights moved less than fine_below since the parent; see chunk_step).
+Layout: b"DZ2", has-base flag (u8), the chunk's step (f32), then the entropy-coded symbols.
 """
 
 from __future__ import annotations
@@ -50,16 +50,19 @@ def chunk_step(target: np.ndarray, params: dict[str, Any], residual: bool) -> fl
 
     Fine-tuning moves weights by a tiny fraction of their spread; with `relative_step` a residual
     step never exceeds that fraction of the residual's own RMS, so small updates are tracked
-    instead of vanishing in the dead zone. With `fine_below` (an absolute RMS) that cap applies
-    only to residuals smaller than it: training from scratch moves weights far enough that the
-    closed loop tracks them at the planned step.
+    instead of vanishing in the dead zone. With `fine_below` that cap applies only where the
+    weights moved less than it (an absolute RMS) since the parent: a residual is the parent's
+    quantization error (RMS `base_error`, measured when the parent was stored) plus the movement,
+    two nearly independent parts, so the movement's RMS is sqrt(rms^2 - base_error^2). Training
+    from scratch moves weights far enough that the closed loop tracks them at the planned step.
     """
     step = float(params["step"])
     relative = params.get("relative_step")
     if residual and relative and target.size:
         rms = float(np.sqrt(np.mean(target.astype(np.float64) ** 2)))
         fine_below = params.get("fine_below")
-        if rms > 0 and (fine_below is None or rms < fine_below):
+        moved = np.sqrt(max(0.0, rms * rms - float(params.get("base_error", 0.0)) ** 2))
+        if rms > 0 and (fine_below is None or moved < fine_below):
             step = min(step, relative * rms)
     return float(np.float32(step))
 

@@ -29,7 +29,7 @@ ZSTD, RANS, CONSTANT, SPARSE, PACKED = 0, 1, 2, 3, 4
 _HEAD = struct.Struct("<3sBQ")
 RANS_MIN_GAIN = 0.10
 PACK_WIDTHS = (1, 2, 4, 8)
-MAX_NESTING = 4
+MAX_NESTING = 2
 ESTIMATE_SLACK = 1.1  # a width whose estimate is this close to the best one's is tried too
 PACK_MAX_RANGE = 1 << 20
 _PACKED = struct.Struct("<BiQ")
@@ -112,7 +112,7 @@ def _huffman_bits(probabilities: np.ndarray) -> float:
     return max(1.0, entropy + top + (0.086 if top < 0.5 else 0.0))
 
 
-def _packings(low: int, counts: np.ndarray) -> list[tuple[float, int, int]]:
+def _packings(low: int, counts: np.ndarray, widths: tuple[int, ...] = PACK_WIDTHS) -> list[tuple[float, int, int]]:
     """(estimated bytes, width, lowest coded value) of each code width, smallest estimate first.
 
     Per width, the densest window of 2**width - 1 values gets codes and the rest escape; a packed
@@ -123,7 +123,7 @@ def _packings(low: int, counts: np.ndarray) -> list[tuple[float, int, int]]:
     starts = np.arange(counts.size)
     total = float(cumulative[-1])
     options = []
-    for width in PACK_WIDTHS:
+    for width in widths:
         escape = (1 << width) - 1
         ends = np.minimum(starts + escape, counts.size)
         start = int(np.argmax(cumulative[ends] - cumulative[starts]))
@@ -194,7 +194,8 @@ def encode_symbols(symbols: np.ndarray, nested: int = 0) -> bytes:
         return _HEAD.pack(MAGIC, ZSTD, symbols.size) + _zstd_payload(symbols)
     low, counts = _histogram(symbols)
     if nested < MAX_NESTING:  # the estimate ranks the widths; the likeliest (two at the top level) are tried
-        ranked = _packings(low, counts)
+        # Escaped values are the stream's spread-out tail: narrow codes would peel them one by one.
+        ranked = _packings(low, counts, PACK_WIDTHS if nested == 0 else (4, 8))
         ranked = [r for r in ranked[:2] if r[0] <= ESTIMATE_SLACK * ranked[0][0]][: 1 if nested else 2]
         tries = [_packed_payload(symbols, width, window, nested) for _, width, window in ranked]
         best_method, best = PACKED, min(tries, key=len)

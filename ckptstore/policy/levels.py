@@ -20,8 +20,9 @@ class LossyLevel:
     chains (each level decodes in one pass, so they may be longer than lossless ones).
     `relative_step` caps a weight residual's step at that fraction of the residual's RMS, so the
     small updates of a fine-tune are kept rather than rounded away; with `fine_drift` (> 0) only
-    residuals whose RMS is below that fraction of the weight's RMS are capped (a fine-tune's
-    updates are ~0.1% of a weight's spread per checkpoint, a from-scratch run's several percent).
+    weights that moved less than that fraction of their RMS since the parent are capped (a
+    fine-tune's weights move ~0.1% of their spread per checkpoint, a from-scratch run's several
+    percent).
     `fisher_allocation` scales each weight's step by its estimated Fisher information (from Adam's
     second moment), spending bits where the loss is sensitive. Tensors smaller than
     `min_elements`, one-dimensional ones (biases, norms) and integer ones are always lossless.

@@ -3,8 +3,8 @@
 Weights (matrices of trainable parameters) get dead-zone quantization, keyframe or closed-loop
 residual, with a step relative to the tensor's RMS (finer for embeddings); Adam's second moment is
 coded in the log domain against its parent, the first moment as m / sqrt(v) against this commit's
-reconstructed second moment; SGD momentum like a weight keyframe. Biases, norms, small tensors,
-integers, step counters and all non-tensor state stay lossless.
+reconstructed second moment; SGD momentum as a keyframe with a step tied to `moment_step`.
+Biases, norms, small tensors, integers, step counters and all non-tensor state stay lossless.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ckptstore.state import RawTensor
 
 _EMBEDDING = re.compile(r"embed|wte|wpe|tok_emb|pos_emb", re.IGNORECASE)
 V_EPS = 1e-30
+SGD_MOMENTUM_STEP = 0.25  # SGD momentum's step, in its RMS, per unit of `moment_step`
 
 
 @dataclass
@@ -80,8 +81,9 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
         step = (level.weight_residual_step if base is not None else level.weight_keyframe_step) * factor * rms
         params = dict(chunking, dtype=raw.dtype, step=step, rounding=level.weight_rounding if base else 0.5,
                       relative_step=level.relative_step)
-        if level.fine_drift > 0:
+        if level.fine_drift > 0 and base is not None:
             params["fine_below"] = level.fine_drift * rms
+            params["base_error"] = float(base.params.get("rel_error", 0.0)) * rms
         chunk = max(raw.itemsize, settings.chunk_bytes // raw.itemsize * raw.itemsize)
         params["chunk_bytes"] = int(base.params["chunk_bytes"]) if base is not None else chunk
         return LossyPlan(path, "deadzone", params, base, importance=importance,
@@ -102,9 +104,9 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
                     plans[path] = plan
         elif role == "momentum_buffer" and eligible(raw, level):
             rms = _rms(raw)
-            if rms > 0:
+            if rms > 0:  # its error reaches the weights only as lr / (1 - momentum) times it, decaying
                 plans[path] = LossyPlan(path, "deadzone", dict(chunking, dtype=raw.dtype,
-                                        step=level.weight_keyframe_step * rms, rounding=0.5,
+                                        step=level.moment_step * SGD_MOMENTUM_STEP * rms, rounding=0.5,
                                         chunk_bytes=_chunk(raw, settings)))
         elif role == "exp_avg_sq" and eligible(raw, level) and slot.exp_avg is not None:
             base = _temporal_base(parents.get(path), raw, ("log2moment",), level.max_chain)

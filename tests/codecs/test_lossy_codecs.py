@@ -163,6 +163,11 @@ def test_relative_step_caps_only_residuals_below_fine_below():
     assert chunk_step(small, params, residual=True) == pytest.approx(0.5e-3, rel=0.05)
     assert chunk_step(large * 0.5, params, residual=True) == pytest.approx(0.05, rel=1e-6)  # above: planned
     assert chunk_step(small, params, residual=False) == pytest.approx(0.05, rel=1e-6)  # keyframes: planned
+    # A residual that is mostly the parent's quantization error has hardly moved: capped.
+    error = RNG.uniform(-0.04, 0.04, 10_000).astype(np.float32)
+    params["base_error"] = float(np.sqrt(np.mean(error.astype(np.float64) ** 2)))
+    assert chunk_step(error + small, params, residual=True) < 0.05 / 2
+    assert chunk_step(error + large, params, residual=True) == pytest.approx(0.05, rel=1e-6)
 
 
 @pytest.mark.parametrize("with_zeros", [False, True])
