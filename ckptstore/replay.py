@@ -100,11 +100,10 @@ class ChainSource:
 
     def replay_chunk(self, record: TensorRecord, index: int, out: np.ndarray) -> np.ndarray:
         """Decode chunk `index` of `record` into `out` (a writable uint8 slice of the right size)."""
-        return self.decode_levels(record, self.levels(record, index), out)
+        return self.decode_levels(self.levels(record, index), out)
 
     @staticmethod
-    def decode_levels(record: TensorRecord, levels: list[tuple[TensorRecord, bytes]], out: np.ndarray
-                      ) -> np.ndarray:
+    def decode_levels(levels: list[tuple[TensorRecord, bytes]], out: np.ndarray) -> np.ndarray:
         """Decode a chunk from its already-read `levels` (as `levels()` returns them) into `out`.
 
         The bottom run of levels sharing one coding is decoded in one pass when its codec can (a
@@ -133,7 +132,7 @@ class ChainSource:
         nbytes = record.chunks[index].raw_bytes
         if one_coding(levels):
             return codec.decode_planes([p for _, p in levels], nbytes)
-        raw = self.decode_levels(record, levels, np.empty(nbytes, dtype=np.uint8))
+        raw = self.decode_levels(levels, np.empty(nbytes, dtype=np.uint8))
         return list(raw.reshape(-1, int(record.params["width"])).T)
 
 

@@ -49,7 +49,7 @@ def replay_chunk_on(source: ChainSource, record: TensorRecord, index: int, out: 
     levels = source.levels(record, index)
     codec = get_codec(record.codec)
     if not hasattr(codec, "plane_levels") or not one_coding(levels):
-        host = source.decode_levels(record, levels, np.empty(nbytes, dtype=np.uint8))
+        host = source.decode_levels(levels, np.empty(nbytes, dtype=np.uint8))
         with _stream(out.device):
             out.copy_(torch.from_numpy(host))
             if out.is_cuda:

@@ -152,9 +152,8 @@ def _packed_payload(symbols: np.ndarray, width: int, low: int, nested: int) -> b
         packed = codes[:, 0].copy()
         for k in range(1, per):
             packed |= codes[:, k] << np.uint8(k * width)
-    plain = _zstd_c()
-    compressor = plain if width == 1 else _local.packer
-    body = compressor.compress(packed.tobytes())
+    _zstd_c()  # sets up this thread's compressors
+    body = (_local.c if width == 1 else _local.packer).compress(packed.tobytes())
     return _PACKED.pack(width, low, len(body)) + body + encode_symbols(symbols[outside], nested + 1)
 
 
