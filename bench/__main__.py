@@ -102,6 +102,8 @@ def main() -> None:
     parser.add_argument("--only", choices=sorted(WORKLOADS), action="append", help="only this run (repeatable)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where benchmarks.md and img/ go")
     parser.add_argument("--report-only", action="store_true", help="redraw tables and plots from OUT/benchmarks.json")
+    parser.add_argument("--resume-steps", type=int, default=None,
+                        help="steps to resume from the last restored checkpoint (default: the run's, 20)")
     args = parser.parse_args()
     if args.report_only:
         saved = json.loads((args.out / "benchmarks.json").read_text())
@@ -116,7 +118,7 @@ def main() -> None:
     for name in args.only or list(WORKLOADS):
         run_started = time.time()
         workload = WORKLOADS[name](quick=args.quick)
-        results.append(run_workload(workload, resume_steps=workload.resume_steps))
+        results.append(run_workload(workload, resume_steps=args.resume_steps or workload.resume_steps))
         print(f"{name}: {time.time() - run_started:.0f}s", flush=True)
     header["seconds"] = round(time.time() - started)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,8 @@
 
 Commits the run's cached checkpoints at each level into a fresh repository, then reports the total
 ratio against the torch.save files, the worst eval-loss change of a restored checkpoint, and the
-eval loss after resuming the last restored checkpoint for the run's resume steps, against the same
-from the original.
+eval loss after resuming the last restored checkpoint for the run's resume horizon (100 steps), against
+the same from the original.
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ from bench.workloads import WORKLOADS
 from ckptstore import Repository
 
 
-def sweep(run: str, levels: list[str], knobs: dict, quick: bool = False) -> list[dict]:
+def sweep(run: str, levels: list[str], knobs: dict, quick: bool = False, resume_steps: int | None = None
+          ) -> list[dict]:
     workload = WORKLOADS[run](quick=quick)
+    resume_steps = resume_steps or workload.resume_horizon
     files = workload.files()
     raw = sum(size_of(f) for f in files)
     original = [workload.eval_loss(workload.load(f).model) for f in files]
     state = workload.load(files[-1])
-    workload.train_steps(state, workload.resume_steps)
+    workload.train_steps(state, resume_steps)
     original_resume = workload.eval_loss(state.model)
     rows = []
     for level in levels:
@@ -49,7 +51,7 @@ def sweep(run: str, levels: list[str], knobs: dict, quick: bool = False) -> list
                     restored = workload.load(dest)
                     changes.append((workload.eval_loss(restored.model) - original[index]) / original[index] * 100)
                     if index == len(commits) - 1:
-                        workload.train_steps(restored, workload.resume_steps)
+                        workload.train_steps(restored, resume_steps)
                         resumed = workload.eval_loss(restored.model)
                     shutil.rmtree(dest, ignore_errors=True) if dest.is_dir() else dest.unlink()
                 pairing = repo.show(commits[-1]).get("pairing")
@@ -70,10 +72,11 @@ def main() -> None:
     parser.add_argument("levels", nargs="*", default=["optimizer", "balanced", "extreme"])
     parser.add_argument("--knob", action="append", default=[], help="NAME=VALUE (JSON value)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--resume-steps", type=int, default=None, help="default: the run's resume horizon, 100")
     args = parser.parse_args()
     torch.set_num_threads(2)
     knobs = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.knob)}
-    sweep(args.run, args.levels, knobs, args.quick)
+    sweep(args.run, args.levels, knobs, args.quick, args.resume_steps)
 
 
 if __name__ == "__main__":
