@@ -115,7 +115,7 @@ class DeadZoneCodec:
             has_base, step, header = self._head(payload, params)
             if has_base != (values is not None):
                 raise CodecError("deadzone: chain does not start at a keyframe")
-            update = decode_symbols(memoryview(payload)[header:]).astype(np.float32)
+            update = decode_symbols(memoryview(payload)[header:], np.float32)
             update *= np.float32(step)
             if values is None:
                 values = update

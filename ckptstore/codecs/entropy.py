@@ -157,7 +157,7 @@ def _packed_payload(symbols: np.ndarray, width: int, low: int, nested: int) -> b
     return _PACKED.pack(width, low, len(body)) + body + encode_symbols(symbols[outside], nested + 1)
 
 
-def _unpack(body: memoryview, count: int) -> np.ndarray:
+def _unpack(body: memoryview, count: int, dtype: type) -> np.ndarray:
     width, low, length = _PACKED.unpack_from(body)
     per = 8 // width
     raw = np.frombuffer(_local.d.decompress(body[_PACKED.size : _PACKED.size + length],
@@ -170,7 +170,7 @@ def _unpack(body: memoryview, count: int) -> np.ndarray:
         codes = raw[:count]
     else:
         codes = _UNPACK[width][raw].view(np.uint8)[:count]
-    out = np.add(codes, np.int32(low), dtype=np.int32)
+    out = np.add(codes, np.int32(low), dtype=dtype)
     escaped = body[_PACKED.size + length :]
     if len(escaped) >= _HEAD.size and _HEAD.unpack_from(escaped)[2]:
         out[np.flatnonzero(codes == (1 << width) - 1)] = decode_symbols(escaped)
@@ -207,8 +207,11 @@ def encode_symbols(symbols: np.ndarray, nested: int = 0) -> bytes:
     return _HEAD.pack(MAGIC, best_method, symbols.size) + best
 
 
-def decode_symbols(payload: bytes | memoryview) -> np.ndarray:
-    """The integer array `encode_symbols` was given (as int32)."""
+def decode_symbols(payload: bytes | memoryview, dtype: type = np.int32) -> np.ndarray:
+    """The integer array `encode_symbols` was given, as int32 or float32.
+
+    float32 is exact for these symbols and saves a dequantizing codec one pass over the values.
+    """
     if len(payload) < _HEAD.size:
         raise CodecError("entropy: payload is truncated")
     magic, method, count = _HEAD.unpack_from(payload)
@@ -220,20 +223,19 @@ def decode_symbols(payload: bytes | memoryview) -> np.ndarray:
             _zstd_c()
             width = body[0]
             raw = _local.d.decompress(body[1:], max_output_size=count * width)
-            dtype = {1: np.int8, 2: np.int16, 4: np.int32}[width]
-            out = np.frombuffer(raw, dtype=dtype).astype(np.int32)
+            out = np.frombuffer(raw, dtype={1: np.int8, 2: np.int16, 4: np.int32}[width]).astype(dtype)
         elif method == SPARSE:
             _zstd_c()
             (length,) = struct.unpack_from("<Q", body)
             bits = _local.d.decompress(body[8 : 8 + length], max_output_size=(count + 7) // 8)
             nonzero = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=count).astype(bool)
-            out = np.zeros(count, dtype=np.int32)
+            out = np.zeros(count, dtype=dtype)
             out[nonzero] = decode_symbols(body[8 + length :])
         elif method == PACKED:
             _zstd_c()
-            out = _unpack(body, count)
+            out = _unpack(body, count, dtype)
         elif method == CONSTANT:
-            out = np.full(count, struct.unpack_from("<q", body)[0], dtype=np.int32)
+            out = np.full(count, struct.unpack_from("<q", body)[0], dtype=dtype)
         elif method == RANS:
             import constriction
 
@@ -241,7 +243,7 @@ def decode_symbols(payload: bytes | memoryview) -> np.ndarray:
             counts = np.frombuffer(body[8 : 8 + 4 * size], dtype=np.uint32)
             words = np.frombuffer(body[8 + 4 * size :], dtype=np.uint32).copy()
             model = constriction.stream.model.Categorical(counts.astype(np.float64), perfect=False)
-            out = constriction.stream.stack.AnsCoder(words).decode(model, count).astype(np.int32) + low
+            out = (constriction.stream.stack.AnsCoder(words).decode(model, count).astype(np.int32) + low).astype(dtype)
         else:
             raise CodecError(f"entropy: unknown method {method}")
     except (zstandard.ZstdError, ValueError, KeyError, struct.error) as exc:

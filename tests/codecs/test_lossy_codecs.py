@@ -31,6 +31,8 @@ def test_entropy_round_trip(scale):
     symbols = np.round(RNG.laplace(0, scale, 50_000)).astype(np.int32)
     payload = encode_symbols(symbols)
     assert np.array_equal(decode_symbols(payload), symbols)
+    as_float = decode_symbols(payload, np.float32)
+    assert as_float.dtype == np.float32 and np.array_equal(as_float, symbols.astype(np.float32))
     with pytest.raises(CodecError):
         decode_symbols(payload[:10])
 
