@@ -6,7 +6,7 @@ import torch
 import zstandard
 
 from ckptstore.codecs import get_codec
-from ckptstore.codecs.entropy import MAGIC, PACKED, SPARSE, decode_symbols, encode_symbols
+from ckptstore.codecs.entropy import GAPS, MAGIC, PACKED, SPARSE, decode_symbols, encode_symbols
 from ckptstore.codecs.floats import from_float32, to_float32
 from ckptstore.errors import CodecError
 
@@ -66,6 +66,20 @@ def test_packed_codes_escape_values_outside_their_window():
     assert np.array_equal(decode_symbols(payload), symbols)
     with pytest.raises(CodecError):
         decode_symbols(payload[: len(payload) // 2])
+
+
+@pytest.mark.parametrize("common", [0, 7])
+def test_nearly_constant_streams_code_the_gaps_near_the_entropy(common):
+    symbols = np.full(500_000, common, dtype=np.int32)
+    where = RNG.random(symbols.size) < 0.03
+    symbols[where] = RNG.integers(-3, 4, where.sum())
+    payload = encode_symbols(symbols)
+    assert payload[3] == GAPS
+    assert np.array_equal(decode_symbols(payload), symbols)
+    assert np.array_equal(decode_symbols(payload, np.float32), symbols.astype(np.float32))
+    assert len(payload) < 1.05 * _entropy_bytes(symbols) + 300
+    with pytest.raises(CodecError):
+        decode_symbols(payload[: len(payload) - 40])
 
 
 def test_sparse_payloads_of_earlier_versions_still_decode():
