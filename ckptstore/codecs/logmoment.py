@@ -19,7 +19,7 @@ import numpy as np
 import zstandard
 
 from ckptstore.codecs.entropy import decode_symbols, encode_symbols
-from ckptstore.codecs.floats import from_float32, to_float32
+from ckptstore.codecs.floats import from_float32, itemsize, to_float32
 from ckptstore.errors import CodecError
 
 MAGIC = b"LG1"
@@ -131,11 +131,14 @@ class LogMomentCodec:
         """A whole chain (newest payload first) summed in the level domain, converted to floats once.
 
         Exactly what level-by-level decoding gives while every level is a normal float32; chains
-        that leave that range, or other dtypes, are decoded level by level.
+        that leave that range, or other dtypes, are decoded level by level. bfloat16 qualifies
+        when levels are whole octaves (k <= 0): its values are then powers of two, which bfloat16
+        holds exactly over float32's whole exponent range.
         """
-        if params["dtype"] != "torch.float32":
+        dtype, k = params["dtype"], int(params["k"])
+        if not (dtype == "torch.float32" or (dtype == "torch.bfloat16" and k <= 0)):
             return self._level_by_level(payloads, params, nbytes, out)
-        count, scale = nbytes // 4, 2.0 ** -int(params["k"])
+        count, scale = nbytes // itemsize(dtype), 2.0 ** -k
         levels = zero = None
         for payload in reversed(payloads):
             has_base, median, now_zero, residual = self._parts(payload, count)

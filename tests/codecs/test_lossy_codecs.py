@@ -187,18 +187,20 @@ def test_relative_step_caps_only_residuals_below_fine_below():
 
 
 @pytest.mark.parametrize("with_zeros", [False, True])
-def test_log_moment_chain_decodes_like_level_by_level(with_zeros):
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+def test_log_moment_chain_decodes_like_level_by_level(with_zeros, dtype):
     codec = get_codec("log2moment")
-    params = {"dtype": "torch.float32", "k": -1}
+    params = {"dtype": dtype, "k": -1}
     v = np.exp(RNG.normal(-14, 3, 20_000)).astype(np.float32)
     payloads, recon = [], None
     for _ in range(4):
         if with_zeros:
             v[RNG.integers(0, v.size, 500)] = 0  # zeros appear and disappear along the chain
             v[RNG.integers(0, v.size, 500)] = 1e-6
-        payload, recon = codec.encode_lossy(v.view(np.uint8), recon, params)
+        payload, recon = codec.encode_lossy(_raw(v, dtype), recon, params)
         payloads.insert(0, payload)
         v = (v * np.exp(RNG.normal(0, 0.3, v.size))).astype(np.float32)
     assert codec.decode_chain(payloads, params, recon.size).tobytes() == recon.tobytes()
+    assert codec._level_by_level(payloads, params, recon.size, None).tobytes() == recon.tobytes()
     with pytest.raises(CodecError):
         codec.decode_chain(payloads[:-1], params, recon.size)
