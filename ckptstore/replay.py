@@ -38,7 +38,11 @@ class ChainSource:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def payload(self, chunk: Chunk) -> bytes | memoryview:
-        """The stored bytes of one chunk, verified with the object that holds them."""
+        """The stored bytes of one chunk.
+
+        They are verified with the object that holds them, unless `verify_objects` is off because
+        the caller hashes what it decodes.
+        """
         if chunk.length is None:
             return self.store.get(chunk.object_id, self.verify_objects)
         pack = self._pack(chunk.object_id)

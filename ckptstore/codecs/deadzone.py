@@ -111,7 +111,7 @@ class DeadZoneCodec:
         """
         dtype = params["dtype"]
         values = None
-        for payload in reversed(payloads):
+        for position, payload in enumerate(reversed(payloads)):
             has_base, step, header = self._head(payload, params)
             if has_base != (values is not None):
                 raise CodecError("deadzone: chain does not start at a keyframe")
@@ -121,7 +121,7 @@ class DeadZoneCodec:
                 values = update
             else:
                 values += update
-            if dtype != "torch.float32":
+            if dtype != "torch.float32" and position < len(payloads) - 1:  # the last rounds below
                 values = to_float32(from_float32(values, dtype), dtype)
         if values is None or values.size * itemsize(dtype) != nbytes:
             raise CodecError(f"deadzone: chain decoded to the wrong size, expected {nbytes} bytes")
