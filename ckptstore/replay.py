@@ -115,7 +115,7 @@ class ChainSource:
         applied one by one, each with its own params.
         """
         start = len(levels) - 1
-        while start > 0 and one_coding(levels[start - 1 :]):
+        while start > 0 and _same_coding(levels[start - 1][0], levels[-1][0]):
             start -= 1
         bottom, codec = levels[start:], get_codec(levels[-1][0].codec)
         if len(bottom) > 1 and hasattr(codec, "decode_chain"):
@@ -143,9 +143,15 @@ class ChainSource:
 def one_coding(levels: list[tuple[TensorRecord, bytes]]) -> bool:
     """True when every level of a chain decodes with the same codec and coding params."""
     top = levels[0][0]
-    decoding = getattr(get_codec(top.codec), "chain_params", None)
-    coding = _coding_params(top.params, decoding)
-    return all(level.codec == top.codec and _coding_params(level.params, decoding) == coding for level, _ in levels)
+    return all(_same_coding(level, top) for level, _ in levels[1:])
+
+
+def _same_coding(a: TensorRecord, b: TensorRecord) -> bool:
+    """True when payloads of `a` and `b` decode with the same codec and coding params."""
+    if a.codec != b.codec:
+        return False
+    decoding = getattr(get_codec(a.codec), "chain_params", None)
+    return _coding_params(a.params, decoding) == _coding_params(b.params, decoding)
 
 
 BOOKKEEPING = ("source", "rel_error", "level", "residual_misses", "residual_wait", "plane_modes")
