@@ -57,6 +57,7 @@ def sweep(run: str, levels: list[str], knobs: dict, quick: bool = False, resume_
                 pairing = repo.show(commits[-1]).get("pairing")
             rows.append({"run": run, "level": level, "knobs": knobs, "ratio": raw / stored,
                          "worst_eval_change_pct": max(changes, key=abs),
+                         "eval_changes_pct": [round(c, 3) for c in changes],
                          "resume_change_pct": (resumed - original_resume) / original_resume * 100,
                          "encode_MBps": raw / 1e6 / encode_s, "decode_MBps": raw / 1e6 / decode_s,
                          "pairing": pairing})

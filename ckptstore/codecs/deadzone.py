@@ -93,6 +93,10 @@ class DeadZoneCodec:
     def needs_base(self, payload: bytes) -> bool:
         return bool(self._head(payload, {})[0])
 
+    def step_of(self, payload: bytes) -> float:
+        """The step a chunk was quantized with (finer than planned where `relative_step` capped it)."""
+        return self._head(payload, {})[1]
+
     def _head(self, payload: bytes, params: dict[str, Any]) -> tuple[int, float, int]:
         """(has base, step, header size); version 1 kept its step in the params."""
         if len(payload) >= _HEAD.size and payload[:3] == MAGIC:

@@ -5,11 +5,13 @@ commit (the base), then entropy coded.
 
 |u| is about 1 at most whatever the tensor's scale, so one step size fits every tensor, and error
 lands where it moves the weights least. Params: dtype, v_dtype (the base's), step, rounding, eps.
-Layout: b"MN1", then the entropy-coded symbols.
+Layout: b"MN2", the step (f32), then the entropy-coded symbols (version 1, b"MN1", kept its step in
+the params, and still decodes).
 """
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import numpy as np
@@ -19,7 +21,8 @@ from ckptstore.codecs.entropy import decode_symbols, encode_symbols
 from ckptstore.codecs.floats import from_float32, to_float32
 from ckptstore.errors import CodecError
 
-MAGIC = b"MN1"
+MAGIC, MAGIC_V1 = b"MN2", b"MN1"
+_HEAD = struct.Struct("<3sf")
 
 
 def _scale(base: np.ndarray, params: dict[str, Any]) -> np.ndarray:
@@ -39,27 +42,39 @@ class NormalizedMomentCodec:
         values = to_float32(data, params["dtype"])
         if not np.isfinite(values).all():
             raise CodecError("normmoment: non-finite values cannot be quantized")
-        scale = _scale(base, params)
-        levels = quantize(values / scale, params["step"], params.get("rounding", 0.5))
+        scale, step = _scale(base, params), float(np.float32(params["step"]))
+        levels = quantize(values / scale, step, params.get("rounding", 0.5))
         if hints and hints.get("prune") is not None:
             levels[hints["prune"]] = 0
-        return MAGIC + encode_symbols(levels), self._reconstruct(levels, scale, params)
+        return _HEAD.pack(MAGIC, step) + encode_symbols(levels), self._reconstruct(levels, scale, step, params)
 
     def encode(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any]) -> bytes:
         return self.encode_lossy(data, base, params)[0]
 
     @staticmethod
-    def _reconstruct(levels: np.ndarray, scale: np.ndarray, params: dict[str, Any]) -> np.ndarray:
-        return from_float32(dequantize(levels, params["step"]) * scale, params["dtype"])
+    def _reconstruct(levels: np.ndarray, scale: np.ndarray, step: float, params: dict[str, Any]) -> np.ndarray:
+        return from_float32(dequantize(levels, step) * scale, params["dtype"])
 
     def needs_base(self, payload: bytes) -> bool:
-        if payload[:3] != MAGIC:
-            raise CodecError("normmoment: payload does not start with a valid header")
+        self._head(payload, {})
         return True
 
+    def step_of(self, payload: bytes) -> float:
+        """The step a chunk was quantized with (a level's `fine_moment_step` where its weight barely moved)."""
+        return self._head(payload, {})[0]
+
+    @staticmethod
+    def _head(payload: bytes, params: dict[str, Any]) -> tuple[float, int]:
+        """(step, header size); version 1 kept its step in the params."""
+        if len(payload) >= _HEAD.size and payload[:3] == MAGIC:
+            return _HEAD.unpack_from(payload)[1], _HEAD.size
+        if payload[:3] == MAGIC_V1:
+            return params.get("step", 0.0), 3
+        raise CodecError("normmoment: payload does not start with a valid header")
+
     def decode(self, payload: bytes, base: np.ndarray | None, params: dict[str, Any], nbytes: int) -> np.ndarray:
-        self.needs_base(payload)
+        step, header = self._head(payload, params)
         if base is None:
             raise CodecError("normmoment: decoded without its second moment")
-        levels = decode_symbols(memoryview(payload)[3:])
-        return self._reconstruct(levels, _scale(base, params), params)
+        levels = decode_symbols(memoryview(payload)[header:])
+        return self._reconstruct(levels, _scale(base, params), step, params)

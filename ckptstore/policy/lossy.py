@@ -41,6 +41,7 @@ class LossyPlan:
     importance: str | None = None
     prune: float = 0.0
     stage: int = 0
+    paced_by: str | None = None
 
 
 def _rms(raw: RawTensor) -> float:
@@ -118,13 +119,17 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
         role, slot = roles.get(path, (None, None))
         if role == "exp_avg" and slot.exp_avg_sq in plans:
             v_plan = plans[slot.exp_avg_sq]
-            step = level.moment_step * sensitivity.get(slot.weight, 1.0)  # m's error becomes the weight's
-            params = dict(dtype=raw.dtype, v_dtype=tensors[slot.exp_avg_sq].dtype, step=step,
+            factor = sensitivity.get(slot.weight, 1.0)  # m's error becomes the weight's
+            params = dict(dtype=raw.dtype, v_dtype=tensors[slot.exp_avg_sq].dtype, step=level.moment_step * factor,
                           rounding=level.moment_rounding, eps=V_EPS, chunk_bytes=v_plan.params["chunk_bytes"])
             if raw.itemsize != tensors[slot.exp_avg_sq].itemsize:
                 continue  # chunks must line up with the second moment's
             mask_from = slot.weight if (level.prune > 0 and slot.weight in plans) else None
-            plans[path] = LossyPlan(path, "normmoment", params, sibling=slot.exp_avg_sq, mask_from=mask_from, stage=2)
+            paced_by = None
+            if level.fine_moment_step > 0 and slot.weight in plans:
+                params["fine_step"], paced_by = level.fine_moment_step * factor, slot.weight
+            plans[path] = LossyPlan(path, "normmoment", params, sibling=slot.exp_avg_sq, mask_from=mask_from,
+                                    stage=2, paced_by=paced_by)
     return plans
 
 

@@ -471,8 +471,12 @@ class Repository:
             if sibling in reused:  # its second moment did not change: replay that one as the base
                 base, sibling = reused[sibling], None
             mask_from = plan.mask_from if plan.mask_from in plans and plan.mask_from not in reused else None
+            paced_by = plan.paced_by if plan.paced_by not in reused else None
+            if plan.paced_by in reused:  # the weight did not move at all: as fine as it gets
+                params["step"] = params["fine_step"]
             jobs.append(Job(path, tensors[path], plan.codec, params, base, sibling, mask_from,
-                            tensors.get(plan.importance) if plan.importance else None, plan.prune, plan.stage))
+                            tensors.get(plan.importance) if plan.importance else None, plan.prune, plan.stage,
+                            paced_by=paced_by))
         return entries, jobs
 
     @staticmethod

@@ -39,6 +39,7 @@ class Job:
     prune: float = 0.0
     stage: int = 0
     known_id: TensorId | None = None
+    paced_by: str | None = None  # a first moment's weight: its "fine_step" applies where that weight's step was capped
 
 
 PACK_BELOW = 1 << 20  # payloads smaller than this are written together: a file costs more than its bytes
@@ -58,6 +59,7 @@ class ChunkResult:
     packed: bool = False  # stored as bytes [offset, offset + stored) of a pack object
     offset: int = 0
     modes: list[int] | None = None  # lossless: how each byte plane was stored
+    capped: bool = False  # lossy: quantized finer than planned (the tensor barely moved since its base)
 
 
 def _stored(source: ChainSource, payload: bytes) -> tuple[ObjectId | None, bytes | None]:
@@ -106,12 +108,27 @@ def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: i
     mask = _prune_mask(job, data, base, start) if job.stage == 0 else None
     if job.mask_from is not None:
         mask = waits[job.mask_from][index].result().mask
-    payload, recon = codec.encode_lossy(data, base, job.params, {"prune": mask})
-    original = to_float32(data, job.params["dtype"]).astype(np.float64)
-    error = to_float32(recon, job.params["dtype"]).astype(np.float64) - original
+    params = job.params
+    if job.paced_by is not None and _weight_capped(job, index, waits[job.paced_by]):
+        params = dict(params, step=params["fine_step"])
+    payload, recon = codec.encode_lossy(data, base, params, {"prune": mask})
+    original = to_float32(data, params["dtype"]).astype(np.float64)
+    error = to_float32(recon, params["dtype"]).astype(np.float64) - original
     oid, kept = _stored(source, payload)
+    step_of = getattr(codec, "step_of", None)
+    capped = step_of is not None and step_of(payload) < np.float32(params["step"])
     return ChunkResult(oid, len(payload), codec.needs_base(payload), recon, mask,
-                       float(error @ error), float(original @ original), payload=kept)
+                       float(error @ error), float(original @ original), payload=kept, capped=capped)
+
+
+def _weight_capped(job: Job, index: int, weight_chunks: list[Future]) -> bool:
+    """Whether the weight pacing this moment chunk was coded finer than planned.
+
+    Its own chunk when both are chunked alike, else any of its chunks.
+    """
+    if len(weight_chunks) == len(chunk_sizes(job.raw.nbytes, job.params["chunk_bytes"])):
+        return weight_chunks[index].result().capped
+    return any(chunk.result().capped for chunk in weight_chunks)
 
 
 class _Packer:

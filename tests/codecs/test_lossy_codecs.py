@@ -146,6 +146,22 @@ def test_normalized_moment_codec_is_relative_to_the_second_moment():
     assert error.max() <= 1 / 32 + 1e-5
     with pytest.raises(CodecError):
         codec.decode(payload, None, params, recon.size)
+    assert codec.step_of(payload) == np.float32(1 / 16)
+    other_params = dict(params, step=1 / 4)  # the payload's own step decides, not the params'
+    assert codec.decode(payload, v.view(np.uint8).copy(), other_params, recon.size).tobytes() == recon.tobytes()
+
+
+def test_normalized_moment_version_1_payloads_still_decode_with_the_step_in_params():
+    from ckptstore.codecs.deadzone import quantize
+    from ckptstore.codecs.entropy import encode_symbols
+
+    codec = get_codec("normmoment")
+    v = np.exp(RNG.normal(-14, 2, 5_000)).astype(np.float32)
+    m = (RNG.standard_normal(5_000) * np.sqrt(v)).astype(np.float32)
+    params = {"dtype": "torch.float32", "v_dtype": "torch.float32", "step": 0.5, "rounding": 0.5, "eps": 1e-30}
+    old = b"MN1" + encode_symbols(quantize(m / np.sqrt(v + np.float32(1e-30)), 0.5, 0.5))
+    _, recon = codec.encode_lossy(m.view(np.uint8), v.view(np.uint8), params)
+    assert codec.decode(old, v.view(np.uint8).copy(), params, recon.size).tobytes() == recon.tobytes()
 
 
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.float16", "torch.bfloat16"])

@@ -1,5 +1,8 @@
 """Lossy commits of a real training run: what may change, by how much, and what never does."""
 
+import copy
+
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -132,3 +135,45 @@ def test_cli_marks_lossy_commits_and_checkouts(tmp_path, monkeypatch):
     show = run("show", "HEAD~1").output
     assert "lossy commit, level balanced" in show and "rel.err" in show
     assert "is a lossy commit" in run("checkout", "HEAD~1", "-o", "old.pt").output
+
+
+def _moment_steps(repo, cid) -> dict[str, tuple[set[float], dict]]:
+    """Per lossy first moment of a commit: the steps its chunks were quantized with, and its params."""
+    from ckptstore.codecs import get_codec
+    from ckptstore.replay import ChainSource
+    from ckptstore.repo import catalog
+
+    found = {}
+    for path, entry in _steps(repo, cid).items():
+        if entry["codec"] == "normmoment":
+            with repo.engine.connect() as conn:
+                record = catalog.load_records(conn, [entry["tensor"]], with_bases=False)[entry["tensor"]]
+            source = ChainSource(repo.store, {record.id: record})
+            found[path] = ({get_codec("normmoment").step_of(source.payload(c)) for c in record.chunks}, record.params)
+    return found
+
+
+def test_first_moment_is_finer_where_its_weight_barely_moved(repo):
+    trainer = Trainer()
+    trainer.train(5)
+    state = trainer.state()
+    repo.commit(state, lossy="balanced")
+
+    def moved(by: float):
+        """The checkpoint with each lossy weight moved by `by` of its RMS, and new first moments."""
+        later = copy.deepcopy(state)
+        for name in LOSSY_WEIGHTS:
+            weight = later["model"][name]
+            weight += torch.randn_like(weight) * weight.pow(2).mean().sqrt() * by
+        for slot in later["optimizer"]["state"].values():
+            slot["exp_avg"] += torch.randn_like(slot["exp_avg"]) * slot["exp_avg_sq"].sqrt()
+        return later
+
+    fine, coarse = repo.commit(moved(1e-4), lossy="balanced"), repo.commit(moved(0.2), lossy="balanced")
+    fine_steps, coarse_steps = _moment_steps(repo, fine), _moment_steps(repo, coarse)
+    assert fine_steps and fine_steps.keys() == coarse_steps.keys()
+    for path, (steps, params) in fine_steps.items():
+        assert steps == {np.float32(params["fine_step"])}, path
+        assert params["fine_step"] < params["step"]
+        steps, params = coarse_steps[path]
+        assert steps == {np.float32(params["step"])}, path
