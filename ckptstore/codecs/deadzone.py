@@ -8,7 +8,8 @@ free; a residual skipped now is still there against the reconstruction next time
 any reconstruction stays below one step however long the chain. Params: dtype, step (absolute),
 rounding (0.5 rounds to nearest; less widens the dead zone), relative_step (residual steps at most
 this fraction of the residual's RMS), fine_below and base_error (apply relative_step only where the
-weights moved less than fine_below since the parent; see chunk_step).
+weights moved less than fine_below since the parent; see chunk_step), settled_step (the fraction
+once the parent's error is below the movement).
 Layout: b"DZ2", has-base flag (u8), the chunk's step (f32), then the entropy-coded symbols.
 """
 
@@ -55,15 +56,20 @@ def chunk_step(target: np.ndarray, params: dict[str, Any], residual: bool) -> fl
     quantization error (RMS `base_error`, measured when the parent was stored) plus the movement,
     two nearly independent parts, so the movement's RMS is sqrt(rms^2 - base_error^2). Training
     from scratch moves weights far enough that the closed loop tracks them at the planned step.
+    With `settled_step`, that fraction replaces relative_step once the parent's error is below the
+    movement: the reconstruction has caught up with the run (after a keyframe it first refines
+    at relative_step) and only has to follow it.
     """
     step = float(params["step"])
     relative = params.get("relative_step")
     if residual and relative and target.size:
         rms = float(np.sqrt(np.mean(target.astype(np.float64) ** 2)))
         fine_below = params.get("fine_below")
-        moved = np.sqrt(max(0.0, rms * rms - float(params.get("base_error", 0.0)) ** 2))
+        base_error = float(params.get("base_error", 0.0))
+        moved = np.sqrt(max(0.0, rms * rms - base_error * base_error))
         if rms > 0 and (fine_below is None or moved < fine_below):
-            step = min(step, relative * rms)
+            settled = params.get("settled_step")
+            step = min(step, (settled if settled and moved >= base_error else relative) * rms)
     return float(np.float32(step))
 
 

@@ -22,9 +22,11 @@ class LossyLevel:
     small updates of a fine-tune are kept rather than rounded away; with `fine_drift` (> 0) only
     weights that moved less than that fraction of their RMS since the parent are capped (a
     fine-tune's weights move ~0.1% of their spread per checkpoint, a from-scratch run's several
-    percent). `fine_moment_step` (> 0) is the first moment's step where its weight's residual step
-    was capped that way: a fine-tune's next updates move the weights by as much as its whole run
-    so far, so its moments need more precision than a from-scratch run's.
+    percent). `settled_step` (> 0) replaces relative_step once the parent's reconstruction error
+    is below the movement (a keyframe's error is refined at relative_step first).
+    `fine_moment_step` (> 0) is the first moment's step where its weight's residual step was
+    capped that way: a fine-tune's next updates move the weights by as much as its whole run so
+    far, so its moments need more precision than a from-scratch run's.
     `fisher_allocation` scales each weight's step by its estimated Fisher information (from Adam's
     second moment), spending bits where the loss is sensitive. Tensors smaller than
     `min_elements`, one-dimensional ones (biases, norms) and integer ones are always lossless.
@@ -45,6 +47,7 @@ class LossyLevel:
     fisher_allocation: bool = True
     relative_step: float = 0.5
     fine_drift: float = 0.0
+    settled_step: float = 0.0
     fine_moment_step: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -55,7 +58,7 @@ LEVELS: dict[str, LossyLevel] = {
     # Calibrated on the benchmark suite's runs (docs/benchmarks.md): python -m bench.lossy_sweep RUN LEVEL.
     "optimizer": LossyLevel("optimizer", weights_lossy=False, moment_step=1 / 4, v_levels_log2=0),
     "balanced": LossyLevel("balanced", weight_keyframe_step=0.09, weight_residual_step=0.12, moment_step=1.0,
-                           v_levels_log2=-1, prune=0.0, fine_drift=0.01, fine_moment_step=0.5),
+                           v_levels_log2=-1, prune=0.0, fine_drift=0.01, settled_step=1.0, fine_moment_step=0.5),
     "extreme": LossyLevel("extreme", weight_keyframe_step=0.15, weight_residual_step=0.3, weight_rounding=0.4,
                           moment_step=3.0, moment_rounding=0.4, v_levels_log2=-1, prune=0.6, fine_drift=0.01),
 }

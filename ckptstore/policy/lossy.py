@@ -85,6 +85,8 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
         if level.fine_drift > 0 and base is not None:
             params["fine_below"] = level.fine_drift * rms
             params["base_error"] = float(base.params.get("rel_error", 0.0)) * rms
+            if level.settled_step > 0:
+                params["settled_step"] = level.settled_step
         chunk = max(raw.itemsize, settings.chunk_bytes // raw.itemsize * raw.itemsize)
         params["chunk_bytes"] = int(base.params["chunk_bytes"]) if base is not None else chunk
         return LossyPlan(path, "deadzone", params, base, importance=importance,

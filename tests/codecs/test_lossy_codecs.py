@@ -201,6 +201,13 @@ def test_relative_step_caps_only_residuals_below_fine_below():
     assert chunk_step(error + small, params, residual=True) < 0.05 / 2
     assert chunk_step(error + large, params, residual=True) == pytest.approx(0.05, rel=1e-6)
 
+    # settled_step takes over once the parent's error is below the movement, not while it dominates.
+    params["settled_step"] = 1.0
+    refining = chunk_step(error + small, params, residual=True)
+    assert refining == pytest.approx(0.5 * np.sqrt(np.mean((error + small).astype(np.float64) ** 2)), rel=1e-3)
+    params["base_error"] = 0.2e-3
+    assert chunk_step(small, params, residual=True) == pytest.approx(1e-3, rel=0.05)
+
 
 @pytest.mark.parametrize("with_zeros", [False, True])
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
