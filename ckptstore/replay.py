@@ -91,8 +91,12 @@ class ChainSource:
             current = self.records.get(current.base_id) if current.base_id else None
         return error
 
-    def levels(self, record: TensorRecord, index: int) -> list[tuple[TensorRecord, bytes]]:
-        """Chunk `index` down its chain, newest first, ending at the first payload that needs no base."""
+    def levels(self, record: TensorRecord, index: int, stop_at: TensorId | None = None
+               ) -> list[tuple[TensorRecord, bytes]]:
+        """Chunk `index` down its chain, newest first.
+
+        It ends at the first payload that needs no base, or just above the tensor `stop_at`.
+        """
         levels = []
         current = record
         while True:
@@ -100,11 +104,31 @@ class ChainSource:
             levels.append((current, payload))
             if current.base_id is None or not get_codec(current.codec).needs_base(payload):
                 return levels
+            if current.base_id == stop_at:
+                return levels
             current = self.records[current.base_id]
 
-    def replay_chunk(self, record: TensorRecord, index: int, out: np.ndarray) -> np.ndarray:
-        """Decode chunk `index` of `record` into `out` (a writable uint8 slice of the right size)."""
-        return self.decode_levels(self.levels(record, index), out)
+    def replay_chunk(self, record: TensorRecord, index: int, out: np.ndarray,
+                     below: tuple[TensorId, Future, np.ndarray] | None = None) -> np.ndarray:
+        """Decode chunk `index` of `record` into `out` (a writable uint8 slice of the right size).
+
+        `below` is (id, future, chunk buffer) of a tensor down this chain that is being replayed
+        alongside (a first moment's second moment): the walk stops above it and starts from its
+        chunk once that is done, instead of decoding its chain a second time.
+        """
+        if below is None:
+            return self.decode_levels(self.levels(record, index), out)
+        levels = self.levels(record, index, stop_at=below[0])
+        bottom, payload = levels[-1]
+        if bottom.base_id != below[0] or not get_codec(bottom.codec).needs_base(payload):
+            return self.decode_levels(levels, out)
+        below[1].result()
+        out[...] = below[2]
+        for level, payload in reversed(levels):
+            result = get_codec(level.codec).decode(payload, out, level.params, out.size)
+            if result is not out:
+                out[...] = result
+        return out
 
     @staticmethod
     def decode_levels(levels: list[tuple[TensorRecord, bytes]], out: np.ndarray) -> np.ndarray:
@@ -177,16 +201,21 @@ def replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
     """
     if verify:
         source = replace(source, verify_objects=False)
+    records = {r.id: r for r in unique(wanted)}
     outputs: dict[TensorId, np.ndarray] = {}
+    chunk_futures: dict[TensorId, list[Future]] = {}
     futures = []
-    for record in wanted:
-        if record.id in outputs:
-            continue
-        buffer = np.empty(record.raw_bytes, dtype=np.uint8)
-        outputs[record.id] = buffer
+    for record in _bases_first(records):
+        buffer = outputs[record.id] = np.empty(record.raw_bytes, dtype=np.uint8)
+        base = records.get(record.base_id) if record.base_id else None
+        shared = base is not None and [c.raw_bytes for c in base.chunks] == [c.raw_bytes for c in record.chunks]
+        chunk_futures[record.id] = []
         for index, offset in enumerate(record.chunk_offsets()):
-            view = buffer[offset : offset + record.chunks[index].raw_bytes]
-            futures.append((record, view.size, pool.submit(source.replay_chunk, record, index, view)))
+            end = offset + record.chunks[index].raw_bytes
+            below = (base.id, chunk_futures[base.id][index], outputs[base.id][offset:end]) if shared else None
+            future = pool.submit(source.replay_chunk, record, index, buffer[offset:end], below)
+            chunk_futures[record.id].append(future)
+            futures.append((record, end - offset, future))
     for record, size, future in futures:
         try:
             future.result()
@@ -203,6 +232,21 @@ def replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
                     f"decoded to bytes that do not match tensor {record.id}",
                 ))
     return outputs
+
+
+def _bases_first(records: Mapping[TensorId, TensorRecord]) -> list[TensorRecord]:
+    """The records ordered so that one whose base is also among them comes after that base.
+
+    The pool runs tasks in the order they were submitted, so a chunk that waits for its base's
+    chunk never waits for a task that has not started.
+    """
+    def local_depth(record: TensorRecord) -> int:
+        depth = 0
+        while record.base_id in records:
+            record, depth = records[record.base_id], depth + 1
+        return depth
+
+    return sorted(records.values(), key=local_depth)
 
 
 def unique(records: Iterable[TensorRecord]) -> list[TensorRecord]:

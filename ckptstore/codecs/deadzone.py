@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.codecs.entropy import decode_symbols, encode_symbols
-from ckptstore.codecs.floats import from_float32, itemsize, to_float32
+from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols
+from ckptstore.codecs.floats import from_float32, itemsize, round_to_bfloat16, to_float32
 from ckptstore.errors import CodecError
 
 MAGIC, MAGIC_V1 = b"DZ2", b"DZ1"
@@ -125,14 +125,24 @@ class DeadZoneCodec:
             has_base, step, header = self._head(payload, params)
             if has_base != (values is not None):
                 raise CodecError("deadzone: chain does not start at a keyframe")
-            update = decode_symbols(memoryview(payload)[header:], np.float32)
-            update *= np.float32(step)
-            if values is None:
-                values = update
+            body = memoryview(payload)[header:]
+            sparse = decode_sparse(body, np.float32) if values is not None else None
+            if sparse is not None and sparse.common == 0 and sparse.count == values.size:
+                if dtype != "torch.float32":
+                    values += np.float32(0)  # a rounding's -0.0 becomes +0.0, as adding a zero level makes it
+                values[sparse.positions] += sparse.values * np.float32(step)  # other levels are zero
             else:
-                values += update
-            if dtype != "torch.float32" and position < len(payloads) - 1:  # the last rounds below
-                values = to_float32(from_float32(values, dtype), dtype)
+                update = decode_symbols(body, np.float32)
+                update *= np.float32(step)
+                if values is None:
+                    values = update
+                else:
+                    values += update
+            if position < len(payloads) - 1:  # the last rounds below
+                if dtype == "torch.bfloat16":
+                    round_to_bfloat16(values)
+                elif dtype != "torch.float32":
+                    values = to_float32(from_float32(values, dtype), dtype)
         if values is None or values.size * itemsize(dtype) != nbytes:
             raise CodecError(f"deadzone: chain decoded to the wrong size, expected {nbytes} bytes")
         result = from_float32(values, dtype)

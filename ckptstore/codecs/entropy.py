@@ -13,7 +13,9 @@
   bitmap would cost zstd about 1.5x the entropy there, gaps code it within a few percent.
 - `rans`: an order-0 rANS coder (the `constriction` package) with the stream's own histogram as
   the model, within a few bytes of the order-0 entropy; decodes at tens of millions of symbols/s
-  and holds the GIL, so it is used only where it saves at least `RANS_MIN_GAIN` over the others.
+  and holds the GIL, so it is used only for top-level streams where it saves at least
+  `RANS_MIN_GAIN` over the others. Nested streams (escapes, gaps) never use it: they are decoded
+  at every level of every chain, and holding the GIL there kept checkout to about one core.
 Layout: b"EN1", method (u8), count (u64), then the method's payload.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import zstandard
@@ -189,15 +192,58 @@ def _gaps_payload(symbols: np.ndarray, common: int, nested: int) -> bytes:
     return _GAPS.pack(common, len(gaps_stream)) + gaps_stream + encode_symbols(symbols[positions], nested + 1)
 
 
-def _ungap(body: memoryview, count: int, dtype: type) -> np.ndarray:
+def _gap_parts(body: memoryview, count: int, dtype: type) -> tuple[int, np.ndarray, np.ndarray]:
     common, length = _GAPS.unpack_from(body)
     gaps = decode_symbols(body[_GAPS.size : _GAPS.size + length]).astype(np.int64)
     positions = np.cumsum(gaps + 1) - 1
     if positions.size and (gaps.min() < 0 or positions[-1] >= count):
         raise ValueError("gaps run past the stream")
+    values = decode_symbols(body[_GAPS.size + length :], dtype)
+    if values.size != positions.size:
+        raise ValueError("gaps and values disagree")
+    return common, positions, values
+
+
+def _ungap(body: memoryview, count: int, dtype: type) -> np.ndarray:
+    common, positions, values = _gap_parts(body, count, dtype)
     out = np.full(count, common, dtype=dtype)
-    out[positions] = decode_symbols(body[_GAPS.size + length :], dtype)
+    out[positions] = values
     return out
+
+
+class Sparse(NamedTuple):
+    """A stream that is `common` everywhere but at `positions`, which hold `values`."""
+
+    count: int
+    common: int
+    positions: np.ndarray
+    values: np.ndarray
+
+
+def decode_sparse(payload: bytes | memoryview, dtype: type = np.int32) -> Sparse | None:
+    """A `gaps` or `constant` stream without expanding it, so a chain can update only what changed.
+
+    None for streams coded otherwise: decode those with decode_symbols.
+    """
+    magic, method, count = _header(payload)
+    body = memoryview(payload)[_HEAD.size :]
+    try:
+        if method == GAPS:
+            return Sparse(count, *_gap_parts(body, count, dtype))
+        if method == CONSTANT:
+            return Sparse(count, struct.unpack_from("<q", body)[0], np.empty(0, np.int64), np.empty(0, dtype))
+    except (zstandard.ZstdError, ValueError, KeyError, struct.error) as exc:
+        raise CodecError(f"entropy: stream does not decode: {exc}") from None
+    return None
+
+
+def _header(payload: bytes | memoryview) -> tuple[bytes, int, int]:
+    if len(payload) < _HEAD.size:
+        raise CodecError("entropy: payload is truncated")
+    magic, method, count = _HEAD.unpack_from(payload)
+    if magic != MAGIC:
+        raise CodecError("entropy: payload does not start with a valid header")
+    return magic, method, count
 
 
 def encode_symbols(symbols: np.ndarray, nested: int = 0) -> bytes:
@@ -228,7 +274,7 @@ def encode_symbols(symbols: np.ndarray, nested: int = 0) -> bytes:
                 best_method, best = GAPS, gaps
     else:
         best_method, best = ZSTD, _zstd_payload(symbols)
-    if counts.size <= MAX_ALPHABET and (1 - RANS_MIN_GAIN) * len(best) > _bits(counts) / 8 + 64:
+    if nested == 0 and counts.size <= MAX_ALPHABET and (1 - RANS_MIN_GAIN) * len(best) > _bits(counts) / 8 + 64:
         rans = _rans_payload(symbols.astype(np.int64))
         if rans is not None and len(rans) < (1 - RANS_MIN_GAIN) * len(best):
             best_method, best = RANS, rans
@@ -240,12 +286,8 @@ def decode_symbols(payload: bytes | memoryview, dtype: type = np.int32) -> np.nd
 
     float32 is exact for these symbols and saves a dequantizing codec one pass over the values.
     """
-    if len(payload) < _HEAD.size:
-        raise CodecError("entropy: payload is truncated")
-    magic, method, count = _HEAD.unpack_from(payload)
+    magic, method, count = _header(payload)
     body = memoryview(payload)[_HEAD.size :]
-    if magic != MAGIC:
-        raise CodecError("entropy: payload does not start with a valid header")
     try:
         if method == ZSTD:
             _zstd_c()

@@ -33,12 +33,37 @@ def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
         return values.astype(np.float16).view(np.uint8)
     if dtype == "torch.bfloat16":
         bits = values.view(np.uint32)
-        rounding = ((bits >> 16) & 1) + 0x7FFF
-        nan = np.isnan(values)
-        out = ((bits + rounding) >> 16).astype(np.uint16)
-        out[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)  # keep NaNs quiet NaNs
+        rounded = _rounded_bits(bits)
+        rounded >>= 16
+        out = rounded.astype(np.uint16)
+        if _has_nan(values):
+            nan = np.isnan(values)
+            out[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)  # keep NaNs quiet NaNs
         return out.view(np.uint8)
     raise CodecError(f"lossy codecs take {', '.join(LOSSY_DTYPES)}, not {dtype}")
+
+
+def round_to_bfloat16(values: np.ndarray) -> None:
+    """Round float32 `values` in place to the nearest bfloat16 (ties to even), as from_float32 would."""
+    if _has_nan(values):
+        values[...] = to_float32(from_float32(values, "torch.bfloat16"), "torch.bfloat16")
+        return
+    bits = values.view(np.uint32)
+    rounded = _rounded_bits(bits)
+    np.bitwise_and(rounded, np.uint32(0xFFFF0000), out=bits)
+
+
+def _rounded_bits(bits: np.ndarray) -> np.ndarray:
+    """float32 bit patterns plus the rounding that takes their top half to the nearest bfloat16."""
+    rounded = bits >> 16
+    rounded &= 1
+    rounded += np.uint32(0x7FFF)
+    rounded += bits
+    return rounded
+
+
+def _has_nan(values: np.ndarray) -> bool:
+    return bool(values.size) and bool(np.isnan(values.max()))  # max propagates NaN: one pass, no mask
 
 
 def itemsize(dtype: str) -> int:

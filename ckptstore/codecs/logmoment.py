@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from ckptstore.codecs.entropy import decode_symbols, encode_symbols
+from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols
 from ckptstore.codecs.floats import from_float32, itemsize, to_float32
 from ckptstore.errors import CodecError
 
@@ -97,15 +97,20 @@ class LogMomentCodec:
     def needs_base(self, payload: bytes) -> bool:
         return bool(self._head(payload)[0])
 
-    def _parts(self, payload: bytes, count: int) -> tuple[bool, int, np.ndarray, np.ndarray]:
-        """(has base, median level, zero mask, residual levels as int32) of one payload."""
+    def _zero_bits(self, payload: bytes) -> tuple[bool, int, np.ndarray, memoryview]:
+        """(has base, median level, packed zero mask, the symbol stream) of one payload."""
         has_base, median, mask_length = self._head(payload)
         try:
             bits = zstandard.ZstdDecompressor().decompress(payload[_HEAD.size : _HEAD.size + mask_length])
         except zstandard.ZstdError as exc:
             raise CodecError(f"log2moment: zero mask does not decompress: {exc}") from None
-        packed = np.frombuffer(bits, dtype=np.uint8)
-        symbols = decode_symbols(memoryview(payload)[_HEAD.size + mask_length :])
+        stream = memoryview(payload)[_HEAD.size + mask_length :]
+        return bool(has_base), median, np.frombuffer(bits, dtype=np.uint8), stream
+
+    def _parts(self, payload: bytes, count: int) -> tuple[bool, int, np.ndarray, np.ndarray]:
+        """(has base, median level, zero mask, residual levels as int32) of one payload."""
+        has_base, median, packed, stream = self._zero_bits(payload)
+        symbols = decode_symbols(stream)
         if not packed.any():  # no exact zeros, the usual case: no scatter needed
             if symbols.size != count:
                 raise CodecError(f"log2moment: {symbols.size} levels for {count} values")
@@ -140,7 +145,17 @@ class LogMomentCodec:
             return self._level_by_level(payloads, params, nbytes, out)
         count, scale = nbytes // itemsize(dtype), 2.0 ** -k
         levels = zero = None
+        low = high = 0  # bounds on the kept levels: exact after a dense level, safe after a sparse one
         for payload in reversed(payloads):
+            if levels is not None and not zero.any():
+                updated = self._sparse_update(payload, levels)
+                if updated is not None:
+                    low, high = low + updated[0], high + updated[1]
+                    if low * scale < -126 or high * scale > 127:  # maybe out of range: check exactly
+                        low, high = int(levels.min()), int(levels.max())
+                    if low * scale < -126 or high * scale > 127:
+                        return self._level_by_level(payloads, params, nbytes, out)
+                    continue
             has_base, median, now_zero, residual = self._parts(payload, count)
             if has_base and levels is None:
                 raise CodecError("log2moment: residual chunk decoded without its base")
@@ -152,15 +167,35 @@ class LogMomentCodec:
                 levels += residual
             zero = now_zero
             kept = ~zero
-            low = levels.min(where=kept, initial=np.iinfo(np.int32).max) * scale
-            high = levels.max(where=kept, initial=np.iinfo(np.int32).min) * scale
-            if kept.any() and (low < -126 or high > 127):
+            low = int(levels.min(where=kept, initial=np.iinfo(np.int32).max))
+            high = int(levels.max(where=kept, initial=np.iinfo(np.int32).min))
+            if kept.any() and (low * scale < -126 or high * scale > 127):
                 return self._level_by_level(payloads, params, nbytes, out)
         result = self._reconstruct(levels, zero, params)
         if out is None:
             return result
         out[...] = result
         return out
+
+    def _sparse_update(self, payload: bytes, levels: np.ndarray) -> tuple[int, int] | None:
+        """Add a residual level that is one value but at a few positions, touching only those.
+
+        Only for a residual without exact zeros over levels without them; returns how far the
+        levels' minimum and maximum may have moved, or None (nothing done) for other payloads.
+        """
+        has_base, _, packed, stream = self._zero_bits(payload)
+        if not has_base or packed.any():
+            return None
+        sparse = decode_sparse(stream)
+        if sparse is None:
+            return None
+        if sparse.count != levels.size:
+            raise CodecError(f"log2moment: {sparse.count} levels for {levels.size} values")
+        if sparse.common:
+            levels += np.int32(sparse.common)
+        levels[sparse.positions] += sparse.values - np.int32(sparse.common)
+        spread = [sparse.common, *([int(sparse.values.min()), int(sparse.values.max())] if sparse.values.size else [])]
+        return min(spread), max(spread)
 
     def _level_by_level(self, payloads: list[bytes], params: dict[str, Any], nbytes: int,
                         out: np.ndarray | None) -> np.ndarray:
