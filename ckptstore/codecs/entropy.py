@@ -178,7 +178,8 @@ def _unpack(body: memoryview, count: int, dtype: type) -> np.ndarray:
         codes = raw[:count]
     else:
         codes = _UNPACK[width][raw].view(np.uint8)[:count]
-    out = np.add(codes, np.int32(low), dtype=dtype)
+    out = codes.astype(dtype)  # then add: a ufunc that casts as it adds runs at a third of the speed
+    out += dtype(low)
     escaped = body[_PACKED.size + length :]
     if len(escaped) >= _HEAD.size and _HEAD.unpack_from(escaped)[2]:
         out[np.flatnonzero(codes == (1 << width) - 1)] = decode_symbols(escaped)
