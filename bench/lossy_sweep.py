@@ -23,16 +23,17 @@ from bench.workloads import WORKLOADS
 from ckptstore import Repository
 
 
-def sweep(run: str, levels: list[str], knobs: dict, quick: bool = False, resume_steps: int | None = None
-          ) -> list[dict]:
+def sweep(run: str, levels: list[str], knobs: dict, quick: bool = False, resume_steps: int | None = None,
+          speed_only: bool = False) -> list[dict]:
     workload = WORKLOADS[run](quick=quick)
     resume_steps = resume_steps or workload.resume_horizon
     files = workload.files()
     raw = sum(size_of(f) for f in files)
-    original = [workload.eval_loss(workload.load(f).model) for f in files]
-    state = workload.load(files[-1])
-    workload.train_steps(state, resume_steps)
-    original_resume = workload.eval_loss(state.model)
+    if not speed_only:
+        original = [workload.eval_loss(workload.load(f).model) for f in files]
+        state = workload.load(files[-1])
+        workload.train_steps(state, resume_steps)
+        original_resume = workload.eval_loss(state.model)
     rows = []
     for level in levels:
         work = Path(tempfile.mkdtemp(prefix="ckpt-sweep-"))
@@ -52,17 +53,18 @@ def sweep(run: str, levels: list[str], knobs: dict, quick: bool = False, resume_
                     start = time.perf_counter()
                     repo.checkout_to(cid, dest, force=True)
                     to_file_s += time.perf_counter() - start
-                    restored = workload.load(dest)
-                    changes.append((workload.eval_loss(restored.model) - original[index]) / original[index] * 100)
-                    if index == len(commits) - 1:
-                        workload.train_steps(restored, resume_steps)
-                        resumed = workload.eval_loss(restored.model)
+                    if not speed_only:
+                        restored = workload.load(dest)
+                        changes.append((workload.eval_loss(restored.model) - original[index]) / original[index] * 100)
+                        if index == len(commits) - 1:
+                            workload.train_steps(restored, resume_steps)
+                            resumed = workload.eval_loss(restored.model)
                     shutil.rmtree(dest, ignore_errors=True) if dest.is_dir() else dest.unlink()
                 pairing = repo.show(commits[-1]).get("pairing")
-            rows.append({"run": run, "level": level, "knobs": knobs, "ratio": raw / stored,
-                         "worst_eval_change_pct": max(changes, key=abs),
-                         "eval_changes_pct": [round(c, 3) for c in changes],
-                         "resume_change_pct": (resumed - original_resume) / original_resume * 100,
+            quality = {} if speed_only else {
+                "worst_eval_change_pct": max(changes, key=abs), "eval_changes_pct": [round(c, 3) for c in changes],
+                "resume_change_pct": (resumed - original_resume) / original_resume * 100}
+            rows.append({"run": run, "level": level, "knobs": knobs, "ratio": raw / stored, **quality,
                          "encode_MBps": raw / 1e6 / encode_s, "decode_MBps": raw / 1e6 / decode_s,
                          "restore_file_MBps": raw / 1e6 / to_file_s,
                          "pairing": pairing})
@@ -79,10 +81,11 @@ def main() -> None:
     parser.add_argument("--knob", action="append", default=[], help="NAME=VALUE (JSON value)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--resume-steps", type=int, default=None, help="default: the run's resume horizon, 100")
+    parser.add_argument("--speed-only", action="store_true", help="ratio and speeds, without eval or resume")
     args = parser.parse_args()
     torch.set_num_threads(2)
     knobs = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.knob)}
-    sweep(args.run, args.levels, knobs, args.quick, args.resume_steps)
+    sweep(args.run, args.levels, knobs, args.quick, args.resume_steps, args.speed_only)
 
 
 if __name__ == "__main__":

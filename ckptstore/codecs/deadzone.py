@@ -6,7 +6,8 @@ It quantizes the tensor itself (keyframe) or its residual against the base's rec
 Small residuals fall in the dead zone and become exact zeros, which the entropy coder makes nearly
 free; a residual skipped now is still there against the reconstruction next time, so the error of
 any reconstruction stays below one step however long the chain. Params: dtype, step (absolute),
-rounding (0.5 rounds to nearest; less widens the dead zone), relative_step (residual steps at most
+rounding (0.5 rounds to nearest; less widens the dead zone, except where relative_step caps the
+step), relative_step (residual steps at most
 this fraction of the residual's RMS), fine_below and base_error (apply relative_step only where the
 weights moved less than fine_below since the parent; see chunk_step), settled_step (the fraction
 once the parent's error is below the movement).
@@ -87,7 +88,10 @@ class DeadZoneCodec:
             raise CodecError("deadzone: non-finite values cannot be quantized")
         target = values - to_float32(base, params["dtype"]) if base is not None else values
         step = chunk_step(target, params, base is not None)
-        levels = quantize(target, step, params.get("rounding", 0.5))
+        # A capped step tracks a fine-tune's small, steady updates: a wider dead zone would hold
+        # them back every time, a lag in the direction of training, so it rounds to nearest.
+        capped = step < np.float32(params["step"])
+        levels = quantize(target, step, 0.5 if capped else params.get("rounding", 0.5))
         if hints and hints.get("prune") is not None:
             levels[hints["prune"]] = 0
         payload = _HEAD.pack(MAGIC, base is not None, step) + encode_symbols(levels)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ckptstore.codecs import get_codec
+from ckptstore.codecs.deadzone import chunk_step
 from ckptstore.codecs.floats import to_float32
 from ckptstore.codecs.record import Chunk, TensorRecord
 from ckptstore.hashing import ObjectId, TensorId, tensor_id_of_parts
@@ -70,11 +71,16 @@ def _stored(source: ChainSource, payload: bytes) -> tuple[ObjectId | None, bytes
 
 
 def _prune_mask(job: Job, data: np.ndarray, base: np.ndarray | None, start: int) -> np.ndarray | None:
-    """Residual entries whose estimated loss impact |dW|^2 * sqrt(v) is in the lowest `prune` fraction."""
+    """Residual entries whose estimated loss impact |dW|^2 * sqrt(v) is in the lowest `prune` fraction.
+
+    None where the residual step is capped (see chunk_step): a fine-tune's small updates all count.
+    """
     if job.prune <= 0 or base is None or job.importance is None:
         return None
     dtype = job.params["dtype"]
     delta = to_float32(data, dtype) - to_float32(base, dtype)
+    if chunk_step(delta, job.params, residual=True) < np.float32(job.params["step"]):
+        return None  # a fine-tune-sized move, quantized finer than planned: its updates are the signal
     count = delta.size
     width = job.importance.itemsize
     v = to_float32(job.importance.data[start // job.raw.itemsize * width:][: count * width], job.importance.dtype)

@@ -290,6 +290,21 @@ def test_deadzone_sparse_levels_turn_a_rounded_negative_zero_positive_like_the_d
     _decodes_like_level_by_level(codec, payloads, {"dtype": dtype}, recon)
 
 
+def test_capped_residuals_round_to_nearest_whatever_the_dead_zone():
+    """A wider dead zone would hold back a fine-tune's small steady updates (a lag along the
+    training direction), so residuals whose step relative_step capped round to nearest."""
+    codec = get_codec("deadzone")
+    base = RNG.standard_normal(20_000).astype(np.float32)
+    params = {"dtype": "torch.float32", "step": 0.5, "rounding": 0.3, "relative_step": 0.5}
+    for move, capped in ((1e-3, True), (2.0, False)):
+        data = base + RNG.standard_normal(base.size).astype(np.float32) * move
+        payload, recon = codec.encode_lossy(data.view(np.uint8), base.view(np.uint8), params)
+        step = codec.step_of(payload)
+        assert (step < 0.5) == capped
+        error = np.abs(recon.view(np.float32) - data).max()
+        assert (error <= step / 2 * 1.0001) == capped  # uncapped: the dead zone reaches 0.7 of a step
+
+
 @pytest.mark.parametrize("changed", [1.0, 0.05])  # 0.05: residuals are mostly zero, gaps streams
 @pytest.mark.parametrize("with_zeros", [False, True])
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])

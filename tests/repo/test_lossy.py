@@ -153,23 +153,27 @@ def _moment_steps(repo, cid) -> dict[str, tuple[set[float], dict]]:
     return found
 
 
-def test_first_moment_is_finer_where_its_weight_barely_moved(repo):
+def _moved(state: dict, by: float) -> dict:
+    """The checkpoint with each lossy weight moved by `by` of its RMS, and new first moments."""
+    later = copy.deepcopy(state)
+    for name in LOSSY_WEIGHTS:
+        weight = later["model"][name]
+        weight += torch.randn_like(weight) * weight.pow(2).mean().sqrt() * by
+    for slot in later["optimizer"]["state"].values():
+        slot["exp_avg"] += torch.randn_like(slot["exp_avg"]) * slot["exp_avg_sq"].sqrt()
+    return later
+
+
+def _trained_state() -> dict:
     trainer = Trainer()
     trainer.train(5)
-    state = trainer.state()
+    return trainer.state()
+
+
+def test_first_moment_is_finer_where_its_weight_barely_moved(repo):
+    state = _trained_state()
     repo.commit(state, lossy="balanced")
-
-    def moved(by: float):
-        """The checkpoint with each lossy weight moved by `by` of its RMS, and new first moments."""
-        later = copy.deepcopy(state)
-        for name in LOSSY_WEIGHTS:
-            weight = later["model"][name]
-            weight += torch.randn_like(weight) * weight.pow(2).mean().sqrt() * by
-        for slot in later["optimizer"]["state"].values():
-            slot["exp_avg"] += torch.randn_like(slot["exp_avg"]) * slot["exp_avg_sq"].sqrt()
-        return later
-
-    fine, coarse = repo.commit(moved(1e-4), lossy="balanced"), repo.commit(moved(0.2), lossy="balanced")
+    fine, coarse = repo.commit(_moved(state, 1e-4), lossy="balanced"), repo.commit(_moved(state, 0.2), lossy="balanced")
     fine_steps, coarse_steps = _moment_steps(repo, fine), _moment_steps(repo, coarse)
     assert fine_steps and fine_steps.keys() == coarse_steps.keys()
     for path, (steps, params) in fine_steps.items():
@@ -177,3 +181,22 @@ def test_first_moment_is_finer_where_its_weight_barely_moved(repo):
         assert params["fine_step"] < params["step"]
         steps, params = coarse_steps[path]
         assert steps == {np.float32(params["step"])}, path
+
+
+def test_pruning_spares_fine_tune_sized_moves():
+    """Weight residuals are pruned by estimated loss impact, except where the residual step is
+    capped because the weights barely moved (a fine-tune): there every update is the signal."""
+    from ckptstore.repo.writer import Job, _prune_mask
+    from ckptstore.state import RawTensor
+
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal(20_000).astype(np.float32)
+    v = RawTensor("torch.float32", (20_000,), (rng.random(20_000).astype(np.float32) * 1e-6).view(np.uint8))
+    params = {"dtype": "torch.float32", "step": 0.3, "relative_step": 0.5, "fine_below": 0.01, "base_error": 0.0}
+    for by, pruned in ((0.2, True), (1e-4, False)):
+        data = (base + rng.standard_normal(base.size).astype(np.float32) * by).view(np.uint8)
+        job = Job("w", RawTensor("torch.float32", (20_000,), data), "deadzone", params, prune=0.6, importance=v)
+        mask = _prune_mask(job, data, base.view(np.uint8), 0)
+        assert (mask is not None) == pruned, by
+        if pruned:
+            assert mask.sum() == pytest.approx(0.6 * base.size, abs=1)
