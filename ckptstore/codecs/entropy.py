@@ -226,7 +226,7 @@ def decode_sparse(payload: bytes | memoryview, dtype: type = np.int32) -> Sparse
 
     None for streams coded otherwise: decode those with decode_symbols.
     """
-    magic, method, count = _header(payload)
+    method, count = _header(payload)
     body = memoryview(payload)[_HEAD.size :]
     try:
         if method == GAPS:
@@ -238,13 +238,14 @@ def decode_sparse(payload: bytes | memoryview, dtype: type = np.int32) -> Sparse
     return None
 
 
-def _header(payload: bytes | memoryview) -> tuple[bytes, int, int]:
+def _header(payload: bytes | memoryview) -> tuple[int, int]:
+    """(method, symbol count) of a stream, checked to be one."""
     if len(payload) < _HEAD.size:
         raise CodecError("entropy: payload is truncated")
     magic, method, count = _HEAD.unpack_from(payload)
     if magic != MAGIC:
         raise CodecError("entropy: payload does not start with a valid header")
-    return magic, method, count
+    return method, count
 
 
 def encode_symbols(symbols: np.ndarray, nested: int = 0) -> bytes:
@@ -287,7 +288,7 @@ def decode_symbols(payload: bytes | memoryview, dtype: type = np.int32) -> np.nd
 
     float32 is exact for these symbols and saves a dequantizing codec one pass over the values.
     """
-    magic, method, count = _header(payload)
+    method, count = _header(payload)
     body = memoryview(payload)[_HEAD.size :]
     try:
         if method == ZSTD:
