@@ -102,9 +102,7 @@ class ChainSource:
         while True:
             payload = self.payload(current.chunks[index])
             levels.append((current, payload))
-            if current.base_id is None or not get_codec(current.codec).needs_base(payload):
-                return levels
-            if current.base_id == stop_at:
+            if current.base_id in (None, stop_at) or not get_codec(current.codec).needs_base(payload):
                 return levels
             current = self.records[current.base_id]
 
@@ -124,11 +122,7 @@ class ChainSource:
             return self.decode_levels(levels, out)
         below[1].result()
         out[...] = below[2]
-        for level, payload in reversed(levels):
-            result = get_codec(level.codec).decode(payload, out, level.params, out.size)
-            if result is not out:
-                out[...] = result
-        return out
+        return _apply(levels, out)
 
     @staticmethod
     def decode_levels(levels: list[tuple[TensorRecord, bytes]], out: np.ndarray) -> np.ndarray:
@@ -145,11 +139,7 @@ class ChainSource:
         if len(bottom) > 1 and hasattr(codec, "decode_chain"):
             codec.decode_chain([p for _, p in bottom], bottom[0][0].params, out.size, out)
             levels = levels[:start]
-        for level, payload in reversed(levels):
-            result = get_codec(level.codec).decode(payload, out, level.params, out.size)
-            if result is not out:
-                out[...] = result
-        return out
+        return _apply(levels, out)
 
     def replay_planes(self, record: TensorRecord, index: int) -> list[np.ndarray] | None:
         """Chunk `index` of a lossless byte-grouped `record` as byte planes (None for other codecs)."""
@@ -162,6 +152,15 @@ class ChainSource:
             return codec.decode_planes([p for _, p in levels], nbytes)
         raw = self.decode_levels(levels, np.empty(nbytes, dtype=np.uint8))
         return list(raw.reshape(-1, int(record.params["width"])).T)
+
+
+def _apply(levels: list[tuple[TensorRecord, bytes]], out: np.ndarray) -> np.ndarray:
+    """Apply `levels` (newest first) to `out` from the bottom up, each with its own params."""
+    for level, payload in reversed(levels):
+        result = get_codec(level.codec).decode(payload, out, level.params, out.size)
+        if result is not out:
+            out[...] = result
+    return out
 
 
 def one_coding(levels: list[tuple[TensorRecord, bytes]]) -> bool:
@@ -224,7 +223,7 @@ def replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
         if on_chunk:
             on_chunk(size)
     if verify:
-        checks = [(r, pool.submit(tensor_id, r.dtype, r.shape, outputs[r.id])) for r in unique(wanted)]
+        checks = [(r, pool.submit(tensor_id, r.dtype, r.shape, outputs[r.id])) for r in records.values()]
         for record, check in checks:
             if check.result() != record.id:
                 raise source.diagnose(record, CorruptObjectError(
