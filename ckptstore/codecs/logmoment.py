@@ -116,25 +116,26 @@ class LogMomentCodec:
         stream = memoryview(payload)[_HEAD.size + mask_length :]
         return bool(has_base), median, np.frombuffer(bits, dtype=np.uint8), stream
 
-    def _parts(self, payload: bytes, count: int) -> tuple[bool, int, np.ndarray, np.ndarray]:
-        """(has base, median level, zero mask, residual levels as int32) of one payload."""
-        has_base, median, packed, stream = self._zero_bits(payload)
+    @staticmethod
+    def _residual(packed: np.ndarray, stream: memoryview, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(zero mask, residual levels as int32) from a payload's packed zero mask and symbol stream."""
         symbols = decode_symbols(stream)
         if not packed.any():  # no exact zeros, the usual case: no scatter needed
             if symbols.size != count:
                 raise CodecError(f"log2moment: {symbols.size} levels for {count} values")
-            return bool(has_base), median, np.zeros(count, dtype=bool), symbols
+            return np.zeros(count, dtype=bool), symbols
         zero = np.unpackbits(packed, count=count).astype(bool)
         residual = np.zeros(count, dtype=np.int32)
         try:
             residual[~zero] = symbols
         except ValueError:
             raise CodecError("log2moment: levels do not match the zero mask") from None
-        return bool(has_base), median, zero, residual
+        return zero, residual
 
     def decode(self, payload: bytes, base: np.ndarray | None, params: dict[str, Any], nbytes: int) -> np.ndarray:
         count = nbytes // (4 if params["dtype"] == "torch.float32" else 2)
-        has_base, median, zero, residual = self._parts(payload, count)
+        has_base, median, packed, stream = self._zero_bits(payload)
+        zero, residual = self._residual(packed, stream, count)
         if has_base and (base is None or base.size != nbytes):
             raise CodecError("log2moment: residual chunk decoded without its base")
         predicted, _ = self._prediction(base if has_base else None, params, median, count)
@@ -156,8 +157,9 @@ class LogMomentCodec:
         levels = zero = None
         low = high = 0  # bounds on the kept levels: exact after a dense level, safe after a sparse one
         for payload in reversed(payloads):
-            if levels is not None and not zero.any():
-                updated = self._sparse_update(payload, levels)
+            has_base, median, packed, stream = self._zero_bits(payload)
+            if levels is not None and has_base and not zero.any() and not packed.any():
+                updated = self._sparse_update(stream, levels)
                 if updated is not None:
                     low, high = low + updated[0], high + updated[1]
                     if low * scale < -126 or high * scale > 127:  # maybe out of range: check exactly
@@ -165,7 +167,7 @@ class LogMomentCodec:
                     if low * scale < -126 or high * scale > 127:
                         return self._level_by_level(payloads, params, nbytes, out)
                     continue
-            has_base, median, now_zero, residual = self._parts(payload, count)
+            now_zero, residual = self._residual(packed, stream, count)
             if has_base and levels is None:
                 raise CodecError("log2moment: residual chunk decoded without its base")
             if not has_base:
@@ -186,15 +188,13 @@ class LogMomentCodec:
         out[...] = result
         return out
 
-    def _sparse_update(self, payload: bytes, levels: np.ndarray) -> tuple[int, int] | None:
+    @staticmethod
+    def _sparse_update(stream: memoryview, levels: np.ndarray) -> tuple[int, int] | None:
         """Add a residual level that is one value but at a few positions, touching only those.
 
-        Only for a residual without exact zeros over levels without them; returns how far the
-        levels' minimum and maximum may have moved, or None (nothing done) for other payloads.
+        For a residual without exact zeros over levels without them; returns how far the levels'
+        minimum and maximum may have moved, or None (nothing done) for streams coded otherwise.
         """
-        has_base, _, packed, stream = self._zero_bits(payload)
-        if not has_base or packed.any():
-            return None
         sparse = decode_sparse(stream)
         if sparse is None:
             return None
