@@ -16,6 +16,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ckpt-site .whl/*.whl
     export PYTHONPATH="$PYTHONPATH:/tmp/ckpt-site"
 fi
+python3 setup.py -q build_ext --inplace >/dev/null 2>&1 || echo "native byte-plane loops not built: numpy fallback"
 python3 - <<'PY' | tee "$out/device.txt"
 import torch
 assert torch.cuda.is_available(), "no CUDA device visible to torch"

@@ -44,11 +44,16 @@ class ChainSource:
         the caller hashes what it decodes.
         """
         if chunk.length is None:
-            return self.store.get(chunk.object_id, self.verify_objects)
+            return self._read(chunk.object_id)
         pack = self._pack(chunk.object_id)
         if chunk.offset + chunk.length > len(pack):
             raise CorruptObjectError(chunk.object_id, f"pack of {len(pack)} bytes is shorter than its chunks say")
         return memoryview(pack)[chunk.offset : chunk.offset + chunk.length]
+
+    def _read(self, oid: str) -> bytes | memoryview:
+        """An object's bytes, mapped rather than copied where the store can (LocalObjectStore.view)."""
+        read = getattr(self.store, "view", self.store.get)
+        return read(oid, self.verify_objects)
 
     def _pack(self, oid: str) -> bytes | memoryview:
         with self._lock:
@@ -59,7 +64,7 @@ class ChainSource:
             self._packs.move_to_end(oid)
         if owner:
             try:
-                pending.set_result(self.store.get(oid, self.verify_objects))
+                pending.set_result(self._read(oid))
             except BaseException as exc:
                 pending.set_exception(exc)
             self._evict()

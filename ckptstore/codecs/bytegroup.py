@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from ckptstore.codecs.planes import group, interleave
 from ckptstore.errors import CodecError
 
 MAGIC = b"BG1"
@@ -32,10 +33,18 @@ INCOMPRESSIBLE = 0.97
 _local = threading.local()
 
 
+# At the fast levels, few and long matches: byte planes are mostly literals, and zstd's short
+# matches on them cost more to code (and to decode) than the literals they replace. Measured on
+# three benchmark runs' planes: 2.5-3% smaller, encoding 1.2-1.6x and decoding 1.2-2.8x faster.
+FEW_MATCHES = {"min_match": 7, "search_log": 1, "hash_log": 6}
+
+
 def _compressor(level: int) -> zstandard.ZstdCompressor:
     cache = _local.__dict__.setdefault("compressors", {})
     if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level)
+        tuning = FEW_MATCHES if level <= 1 else {}
+        params = zstandard.ZstdCompressionParameters.from_level(level, **tuning)
+        cache[level] = zstandard.ZstdCompressor(compression_params=params)
     return cache[level]
 
 
@@ -43,6 +52,29 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     if not hasattr(_local, "decompressor"):
         _local.decompressor = zstandard.ZstdDecompressor()
     return _local.decompressor
+
+
+def _scratch(rows: int, slot: int) -> np.ndarray:
+    """A reused per-thread buffer of `rows` bytes; each slot is a separate buffer."""
+    buffers = _local.__dict__.setdefault("scratch", {})
+    if slot not in buffers or buffers[slot].size < rows:
+        buffers[slot] = np.empty(rows, np.uint8)
+    return buffers[slot][:rows]
+
+
+def _decompress_into(frame: memoryview, dst: np.ndarray) -> int:
+    """Decompress one zstd frame into the contiguous `dst`; returns how many bytes the frame held.
+
+    At most dst.size + 1 are counted, enough to notice a frame larger than `dst`.
+    """
+    reader = _decompressor().stream_reader(frame, read_size=max(len(frame), 1))
+    target, got = memoryview(dst).cast("B"), 0
+    while got < len(target):
+        count = reader.readinto(target[got:])
+        if not count:
+            return got
+        got += count
+    return got + len(reader.read(1))
 
 
 def _sample_slices(rows: int) -> list[slice]:
@@ -72,9 +104,9 @@ class ByteGroupCodec:
         compressor = _compressor(int(params.get("level", 1)))
         if data.size % width:
             raise CodecError(f"bytegroup: {data.size} bytes is not a multiple of width {width}")
-        grouped = _planes(data, width).T.copy()  # one transposing pass; rows are byte planes
+        grouped = group(data, width)  # rows are byte planes
         if base_planes is None and base is not None:
-            base_planes = list(_planes(base, width).T)
+            base_planes = list(group(base, width))
         if base_planes is not None and (len(base_planes) != width or any(b.size != grouped.shape[1]
                                                                           for b in base_planes)):
             raise CodecError("bytegroup: base planes do not match the chunk's layout")
@@ -170,6 +202,34 @@ class ByteGroupCodec:
             raise CodecError(f"bytegroup: plane {j} has {data.size} bytes, expected {rows}")
         return data
 
+    @staticmethod
+    def _plane_into(payload: bytes, plane: tuple[int, int, int], rows: int, j: int, dst: np.ndarray) -> None:
+        """Write one stored plane (raw or zstd, not yet XORed) into `dst` (`rows` bytes, maybe strided)."""
+        mode, offset, length = plane
+        view = memoryview(payload)[offset : offset + length]
+        if mode == RAW:
+            if length != rows:
+                raise CodecError(f"bytegroup: plane {j} has {length} bytes, expected {rows}")
+            dst[...] = np.frombuffer(view, dtype=np.uint8)
+            return
+        target = dst if dst.flags.c_contiguous else _scratch(rows, 1)
+        try:
+            got = _decompress_into(view, target)
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"bytegroup: plane {j} does not decompress: {exc}") from None
+        if got != rows:
+            raise CodecError(f"bytegroup: plane {j} decompresses to {got} bytes or more, expected {rows}")
+        if target is not dst:
+            dst[...] = target
+
+    def _chain_layout(self, payloads: list[bytes], nbytes: int) -> list[tuple[int, list[tuple[int, int, int]]]]:
+        """Each payload's parsed header, checked to agree on a width that divides `nbytes`."""
+        parsed = [self._parse(p) for p in payloads]
+        width = parsed[0][0]
+        if any(w != width for w, _ in parsed) or nbytes % width:
+            raise CodecError("bytegroup: chain levels disagree on the element width")
+        return parsed
+
     def plane_levels(self, payloads: list[bytes], nbytes: int) -> list[list[np.ndarray]]:
         """For each byte plane of a chain (newest payload first), the arrays that rebuild it.
 
@@ -178,10 +238,8 @@ class ByteGroupCodec:
         device can take the arrays and do the XOR and interleaving itself. Mantissa planes (stored
         raw at every level) come back as one read-only view of the payload.
         """
-        parsed = [self._parse(p) for p in payloads]
+        parsed = self._chain_layout(payloads, nbytes)
         width = parsed[0][0]
-        if any(w != width for w, _ in parsed) or nbytes % width:
-            raise CodecError("bytegroup: chain levels disagree on the element width")
         rows = nbytes // width
         planes = []
         for j in range(width):
@@ -204,12 +262,33 @@ class ByteGroupCodec:
 
     def decode_chain(self, payloads: list[bytes], params: dict[str, Any], nbytes: int,
                      out: np.ndarray | None = None) -> np.ndarray:
-        """Decode a chunk from its chain (newest payload first) into `out`, interleaving the planes."""
-        planes = self.decode_planes(payloads, nbytes)
+        """Decode a chunk from its chain (newest payload first) into `out`, interleaving the planes.
+
+        Each plane is rebuilt in a reused per-thread buffer (decompressing into fresh memory costs
+        a page fault per 4 KiB); a plane stored raw by the newest level is read from the payload in
+        place. One interleaving pass then writes `out`.
+        """
+        parsed = self._chain_layout(payloads, nbytes)
+        width = parsed[0][0]
+        rows = nbytes // width
+        planes = []
+        for j in range(width):
+            whole = next((i for i, (_, levels) in enumerate(parsed) if levels[j][0] != XOR_ZSTD), None)
+            if whole is None:
+                raise CodecError("bytegroup: residual chunk decoded without its base")
+            mode, offset, length = parsed[whole][1][j]
+            if whole == 0 and mode == RAW and length == rows:
+                planes.append(np.frombuffer(payloads[0], np.uint8, rows, offset))
+                continue
+            plane = _scratch(rows, 1 + j)
+            self._plane_into(payloads[whole], parsed[whole][1][j], rows, j, plane)
+            residual = _scratch(rows, 0)
+            for level in range(whole - 1, -1, -1):
+                self._plane_into(payloads[level], parsed[level][1][j], rows, j, residual)
+                np.bitwise_xor(plane, residual, out=plane)
+            planes.append(plane)
         out = np.empty(nbytes, dtype=np.uint8) if out is None else out
-        grid = _planes(out, len(planes))
-        for j, plane in enumerate(planes):
-            grid[:, j] = plane
+        interleave(planes, out)
         return out
 
     def decode(

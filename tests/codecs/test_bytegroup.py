@@ -113,3 +113,16 @@ def test_plane_hints_skip_sampling_and_fall_back_when_they_no_longer_pay():
     assert CODEC.plane_modes(fell_back) == [0, 0, 0, 0]  # hinted zstd no longer compresses: sampled again
     for payload, original in ((sampled, data), (forced_raw, data), (fell_back, noise)):
         assert CODEC.decode(payload, base_bytes.copy(), {"width": 4}, data.size).tobytes() == original.tobytes()
+
+
+def test_plane_that_decompresses_to_the_wrong_size_is_a_codec_error():
+    data = np.zeros(40_000, dtype=np.uint8)  # one compressible plane
+    payload = CODEC.encode(data, None, {"width": 1})
+    with pytest.raises(CodecError, match="expected 30000"):
+        CODEC.decode_chain([payload], {"width": 1}, 30_000)  # the frame holds more than the chunk
+    with pytest.raises(CodecError, match="expected 50000"):
+        CODEC.decode_chain([payload], {"width": 1}, 50_000)
+    garbled = bytearray(payload)
+    garbled[-8:] = b"\xff" * 8
+    with pytest.raises(CodecError, match="plane 0"):
+        CODEC.decode_chain([bytes(garbled)], {"width": 1}, 40_000)

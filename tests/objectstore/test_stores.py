@@ -36,3 +36,16 @@ def test_local_store_leaves_no_temp_files(tmp_path):
         store.put(bytes([i]) * 100)
     assert list((tmp_path / "tmp").iterdir()) == []
     assert len(list(store.iter_ids())) == 10
+
+
+def test_local_store_view_maps_the_object_and_verifies_it(tmp_path):
+    store = LocalObjectStore(tmp_path / "objects", tmp_path / "tmp")
+    oid, empty = store.put(b"abc" * 1000), store.put(b"")
+    assert bytes(store.view(oid)) == store.get(oid) and bytes(store.view(empty)) == b""
+    store.path_of(oid).write_bytes(b"abd" * 1000)
+    assert bytes(store.view(oid, verify=False)) == b"abd" * 1000
+    with pytest.raises(CorruptObjectError, match="do not match its hash"):
+        store.view(oid)
+    store.delete(oid)
+    with pytest.raises(CorruptObjectError, match="missing"):
+        store.view(oid)

@@ -1,0 +1,10 @@
+"""Build hook for the one native module; everything else is in pyproject.toml.
+
+`optional=True`: without a C compiler the install still succeeds and the codecs use their numpy
+fallback (slower checkout; `python -c "import ckptstore.codecs.planes as p; print(p.native)"`).
+"""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("ckptstore.codecs._planes", ["ckptstore/codecs/_planes.c"],
+                             extra_compile_args=["-O3"], optional=True)])
