@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NewType
 
 import blake3
+import xxhash
 
 ObjectId = NewType("ObjectId", str)
 TensorId = NewType("TensorId", str)
@@ -37,6 +38,17 @@ def tensor_id_of_parts(dtype: str, shape: tuple[int, ...], parts) -> TensorId:
     for part in parts:
         hasher.update(part)
     return TensorId(hasher.hexdigest())
+
+
+def chunk_checksum(data: bytes | memoryview) -> str:
+    """A fast check of one decoded chunk (xxh3-128, about 6x cheaper than blake3 here).
+
+    Recorded at commit and compared right after each chunk is replayed, while it is still in
+    cache, so checkout need not hash whole tensors with blake3; it guards against damaged storage
+    and decoding faults, not against an attacker (who could rewrite the metadata as well), which
+    is what the blake3 ids and `ckpt fsck --full` are for.
+    """
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 def commit_id(canonical_record: bytes) -> CommitId:

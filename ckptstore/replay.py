@@ -17,7 +17,7 @@ import numpy as np
 from ckptstore.codecs import get_codec
 from ckptstore.codecs.record import Chunk, TensorRecord
 from ckptstore.errors import CodecError, CorruptObjectError
-from ckptstore.hashing import TensorId, tensor_id
+from ckptstore.hashing import TensorId, chunk_checksum, tensor_id
 from ckptstore.objectstore import ObjectStore
 
 
@@ -196,12 +196,15 @@ def _coding_params(params: dict, decoding: tuple[str, ...] | None) -> dict:
 
 
 def replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
-           verify: bool = True, on_chunk: Callable[[int], None] | None = None) -> dict[TensorId, np.ndarray]:
+           verify: bool = True, on_chunk: Callable[[int], None] | None = None,
+           by_id: bool = False) -> dict[TensorId, np.ndarray]:
     """Rebuild every wanted tensor as a flat uint8 array; chunks run concurrently on `pool`.
 
-    With `verify`, each result is hashed and must equal its tensor id; that covers every byte the
-    objects contributed, so objects are then read without hashing them too, and only a failure
-    verifies the chain's objects to name the damaged one.
+    With `verify`, every byte decoded is checked: each chunk against its recorded checksum right
+    after it is replayed, and tensors whose chunks have none (written before schema 0005), or all
+    tensors with `by_id`, by hashing them whole against their tensor id (blake3). Objects are then
+    read without hashing them too; only a failure verifies the chain's objects to name the
+    damaged one.
     """
     if verify:
         source = replace(source, verify_objects=False)
@@ -217,7 +220,7 @@ def replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
         for index, offset in enumerate(record.chunk_offsets()):
             end = offset + record.chunks[index].raw_bytes
             below = (base.id, chunk_futures[base.id][index], outputs[base.id][offset:end]) if shared else None
-            future = pool.submit(source.replay_chunk, record, index, buffer[offset:end], below)
+            future = pool.submit(_replay_chunk, source, record, index, buffer[offset:end], below, verify)
             chunk_futures[record.id].append(future)
             futures.append((record, end - offset, future))
     for record, size, future in futures:
@@ -228,14 +231,27 @@ def replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
         if on_chunk:
             on_chunk(size)
     if verify:
-        checks = [(r, pool.submit(tensor_id, r.dtype, r.shape, outputs[r.id])) for r in records.values()]
+        whole = [r for r in records.values() if by_id or any(c.checksum is None for c in r.chunks)]
+        checks = [(r, pool.submit(tensor_id, r.dtype, r.shape, outputs[r.id])) for r in whole]
         for record, check in checks:
             if check.result() != record.id:
                 raise source.diagnose(record, CorruptObjectError(
-                    ",".join(c.object_id for c in record.chunks),
-                    f"decoded to bytes that do not match tensor {record.id}",
-                ))
+                    _object_ids(record), f"decoded to bytes that do not match tensor {record.id}"))
     return outputs
+
+
+def _replay_chunk(source: ChainSource, record: TensorRecord, index: int, out: np.ndarray,
+                  below: tuple[TensorId, Future, np.ndarray] | None, verify: bool) -> None:
+    """One replay task: decode the chunk, then compare its checksum while the bytes are in cache."""
+    source.replay_chunk(record, index, out, below)
+    expected = record.chunks[index].checksum
+    if verify and expected is not None and chunk_checksum(out) != expected:
+        raise CorruptObjectError(_object_ids(record), f"chunk {index} of tensor {record.id} decoded to bytes "
+                                                      "that do not match its checksum")
+
+
+def _object_ids(record: TensorRecord) -> str:
+    return ",".join(c.object_id for c in record.chunks)
 
 
 def _bases_first(records: Mapping[TensorId, TensorRecord]) -> list[TensorRecord]:

@@ -64,14 +64,16 @@ class _CountingStore:
 def test_verified_replay_hashes_tensors_not_objects_and_still_names_a_damaged_object(repo):
     generator = torch.Generator().manual_seed(2)
     base = torch.randn(1 << 19, generator=generator)  # 2 MiB: an object of its own, not packed
-    cids = [repo.commit({"w": base}), repo.commit({"w": base + 1e-3})]
+    moved = base.clone()
+    moved[:1000] += 1e-3  # every plane of the residual is an XOR against the base
+    cids = [repo.commit({"w": base}), repo.commit({"w": moved})]
     tid = repo.manifest(cids[-1]).entries["w"].tensor
     with repo.engine.connect() as conn:
         records = catalog.load_records(conn, [tid])
     store = _CountingStore(repo.store)
     with ThreadPoolExecutor(2) as pool:
         out = replay(ChainSource(store, records), [records[tid]], pool)
-        assert out[tid].tobytes() == (base + 1e-3).numpy().tobytes()
+        assert out[tid].tobytes() == moved.numpy().tobytes()
         assert store.reads and not any(store.reads)  # the tensor hash covered every byte
         oid = records[records[tid].base_id].chunks[0].object_id
         path = repo.store.path_of(oid)
@@ -80,3 +82,55 @@ def test_verified_replay_hashes_tensors_not_objects_and_still_names_a_damaged_ob
         path.write_bytes(bytes(data))
         with pytest.raises(CorruptObjectError, match=oid):
             replay(ChainSource(store, records), [records[tid]], pool)
+
+
+def _records_of(repo, states):
+    cids = [repo.commit(s) for s in states]
+    tid = repo.manifest(cids[-1]).entries["w"].tensor
+    with repo.engine.connect() as conn:
+        return tid, catalog.load_records(conn, [tid])
+
+
+def _without_checksums(records):
+    return {k: dataclasses.replace(r, chunks=[dataclasses.replace(c, checksum=None) for c in r.chunks])
+            for k, r in records.items()}
+
+
+def test_chunks_are_checked_by_checksum_and_tensors_hashed_only_without_one(repo, monkeypatch):
+    from ckptstore import replay as replay_module
+
+    base = torch.randn((1 << 20) + 1000, generator=torch.Generator().manual_seed(3))  # over 4 MiB: two chunks
+    tid, records = _records_of(repo, [{"w": base}, {"w": base + 1e-3}])
+    assert all(c.checksum and len(c.checksum) == 32 for r in records.values() for c in r.chunks)
+    hashed = []
+    real_tensor_id = replay_module.tensor_id
+    monkeypatch.setattr(replay_module, "tensor_id", lambda *a: hashed.append(1) or real_tensor_id(*a))
+    expected = (base + 1e-3).numpy().tobytes()
+    with ThreadPoolExecutor(2) as pool:
+        assert replay(ChainSource(repo.store, records), [records[tid]], pool)[tid].tobytes() == expected
+        assert hashed == []  # the checksums covered every byte
+        assert replay(ChainSource(repo.store, records), [records[tid]], pool, by_id=True)[tid].tobytes() == expected
+        assert len(hashed) == 1
+        old = _without_checksums(records)  # a repository written before schema 0005
+        assert replay(ChainSource(repo.store, old), [old[tid]], pool)[tid].tobytes() == expected
+        assert len(hashed) == 2
+        wrong = dict(records)
+        top = records[tid]
+        bad_chunk = dataclasses.replace(top.chunks[1], checksum="0" * 32)
+        wrong[tid] = dataclasses.replace(top, chunks=[top.chunks[0], bad_chunk])
+        with pytest.raises(CorruptObjectError, match="chunk 1 of tensor .* do not match its checksum"):
+            replay(ChainSource(repo.store, wrong), [wrong[tid]], pool)
+
+
+def test_damage_that_still_decodes_is_caught_with_and_without_checksums(repo):
+    base = torch.randn(1 << 19, generator=torch.Generator().manual_seed(4))
+    tid, records = _records_of(repo, [{"w": base}])
+    oid = records[tid].chunks[0].object_id
+    path = repo.store.path_of(oid)
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01  # the lowest mantissa plane is stored raw: the payload still decodes
+    path.write_bytes(bytes(data))
+    with ThreadPoolExecutor(2) as pool:
+        for source_records in (records, _without_checksums(records)):
+            with pytest.raises(CorruptObjectError, match=oid):
+                replay(ChainSource(repo.store, source_records), [source_records[tid]], pool)

@@ -16,6 +16,7 @@ class Chunk:
     raw_bytes: int
     offset: int = 0
     length: int | None = None  # None: the payload is the whole object
+    checksum: str | None = None  # hashing.chunk_checksum of the decoded bytes; None before schema 0005
 
 
 @dataclass

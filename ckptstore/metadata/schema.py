@@ -59,6 +59,7 @@ tensor_chunks = Table(
     Column("raw_bytes", BigInteger, nullable=False),
     Column("offset", BigInteger, nullable=False, server_default="0"),
     Column("length", BigInteger),  # NULL: the whole object; else a range of a pack object
+    Column("checksum", String(32)),  # xxh3-128 of the decoded chunk; NULL for chunks written before 0005
 )
 
 objects = Table(

@@ -80,7 +80,7 @@ def load_records(conn: Connection, ids: Iterable[TensorId], with_bases: bool = T
             chunks: dict[str, list[Chunk]] = {}
             for row in chunk_rows:
                 chunks.setdefault(row.tensor_id, []).append(
-                    Chunk(ObjectId(row.object_id), row.raw_bytes, row.offset, row.length))
+                    Chunk(ObjectId(row.object_id), row.raw_bytes, row.offset, row.length, row.checksum))
             for row in rows:
                 found[TensorId(row.id)] = TensorRecord(
                     id=TensorId(row.id), dtype=row.dtype, shape=tuple(json.loads(row.shape)), codec=row.codec,
@@ -108,7 +108,7 @@ def insert_records(conn: Connection, records: list[TensorRecord], object_sizes: 
     } for r in records])
     insert_ignore(conn, tensor_chunks, [
         {"tensor_id": r.id, "position": i, "object_id": c.object_id, "raw_bytes": c.raw_bytes,
-         "offset": c.offset, "length": c.length}
+         "offset": c.offset, "length": c.length, "checksum": c.checksum}
         for r in records for i, c in enumerate(r.chunks)
     ])
     insert_ignore(conn, objects, [{"id": oid, "size": size} for oid, size in object_sizes.items()])

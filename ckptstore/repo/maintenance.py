@@ -118,7 +118,8 @@ def gc(repo: Repository, prune_unreachable: bool = False) -> GcReport:
 def fsck(repo: Repository, full: bool = False) -> FsckReport:
     """Verify every object a commit needs against its hash and list the commits any damage breaks.
 
-    With `full`, also replay every tensor of every commit and check it against its tensor id.
+    With `full`, also replay every tensor of every commit and check it against its chunk checksums
+    and its tensor id.
     """
     report = FsckReport()
     with repo.engine.connect() as conn:
@@ -143,7 +144,7 @@ def fsck(repo: Repository, full: bool = False) -> FsckReport:
                 continue
             manifest = Manifest.from_bytes(repo.store.get(ObjectId(manifest_oid)))
             try:
-                repo._restore(manifest, NoProgress())
+                repo._restore(manifest, NoProgress(), by_id=True)
                 report.tensors_verified += len(manifest.entries)
             except CorruptObjectError as exc:
                 report.broken_commits.setdefault(cid, []).append(exc.object_id)

@@ -270,12 +270,15 @@ class Repository:
             restored[path] = buffer
         return restored
 
-    def _restore(self, manifest: Manifest, progress: Progress, paths: list[str] | None = None
-                 ) -> dict[str, RawTensor]:
-        """Replay the tensors of `manifest` (or just `paths`) on the CPU and return them by path."""
+    def _restore(self, manifest: Manifest, progress: Progress, paths: list[str] | None = None,
+                 by_id: bool = False) -> dict[str, RawTensor]:
+        """Replay the tensors of `manifest` (or just `paths`) on the CPU and return them by path.
+
+        `by_id` hashes every tensor against its id on top of the chunk checksums (fsck --full).
+        """
         paths = list(manifest.entries) if paths is None else paths
-        buffers = self._replay(manifest, paths, progress, "checkout",
-                               lambda source, wanted, done: replay(source, wanted, self._pool, on_chunk=done))
+        buffers = self._replay(manifest, paths, progress, "checkout", lambda source, wanted, done:
+                               replay(source, wanted, self._pool, on_chunk=done, by_id=by_id))
         return {p: RawTensor(manifest.entries[p].dtype, manifest.entries[p].shape, b) for p, b in buffers.items()}
 
     def _restore_on_device(self, manifest: Manifest, device: str, progress: Progress) -> dict[str, Any]:

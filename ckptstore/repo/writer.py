@@ -19,7 +19,7 @@ from ckptstore.codecs import get_codec
 from ckptstore.codecs.deadzone import chunk_step
 from ckptstore.codecs.floats import to_float32
 from ckptstore.codecs.record import Chunk, TensorRecord
-from ckptstore.hashing import ObjectId, TensorId, tensor_id_of_parts
+from ckptstore.hashing import ObjectId, TensorId, chunk_checksum, tensor_id_of_parts
 from ckptstore.policy import EncodingSettings, after_attempt, chunk_sizes, plan_tensor
 from ckptstore.replay import ChainSource
 from ckptstore.state import RawTensor
@@ -61,6 +61,7 @@ class ChunkResult:
     offset: int = 0
     modes: list[int] | None = None  # lossless: how each byte plane was stored
     capped: bool = False  # lossy: quantized finer than planned (the tensor barely moved since its base)
+    checksum: str | None = None  # of what checkout will decode: the data, or a lossy chunk's reconstruction
 
 
 def _stored(source: ChainSource, payload: bytes) -> tuple[ObjectId | None, bytes | None]:
@@ -105,7 +106,7 @@ def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: i
         payload = codec.encode(data, base, params, base_planes=planes)
         oid, kept = _stored(source, payload)
         return ChunkResult(oid, len(payload), job.base is not None and codec.needs_base(payload), payload=kept,
-                           modes=codec.plane_modes(payload))
+                           modes=codec.plane_modes(payload), checksum=chunk_checksum(data))
     base = None
     if job.sibling is not None:
         base = waits[job.sibling][index].result().recon
@@ -124,7 +125,8 @@ def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: i
     step_of = getattr(codec, "step_of", None)
     capped = step_of is not None and step_of(payload) < np.float32(params["step"])
     return ChunkResult(oid, len(payload), codec.needs_base(payload), recon, mask,
-                       float(error @ error), float(original @ original), payload=kept, capped=capped)
+                       float(error @ error), float(original @ original), payload=kept, capped=capped,
+                       checksum=chunk_checksum(recon))
 
 
 def _weight_capped(job: Job, index: int, weight_chunks: list[Future]) -> bool:
@@ -213,7 +215,7 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
             id=tid, dtype=job.raw.dtype, shape=job.raw.shape, codec=job.codec, params=params,
             base_id=base.id if base else None, depth=base.depth + 1 if base else 0,
             raw_bytes=job.raw.nbytes, stored_bytes=sum(r.stored for r in results),
-            chunks=[Chunk(r.object_id, size, r.offset, r.stored if r.packed else None)
+            chunks=[Chunk(r.object_id, size, r.offset, r.stored if r.packed else None, r.checksum)
                     for r, size in zip(results, sizes[job.key])],
         )
     return records, object_sizes

@@ -14,8 +14,9 @@ def test_repository_made_by_an_older_schema_opens_and_upgrades(tmp_path):
     assert not inspect(engine).has_table("known_files")
     engine.dispose()
     with Repository.open(tmp_path) as repo:
-        assert current_revision(repo.engine) == "0004"
+        assert current_revision(repo.engine) == "0005"
         assert inspect(repo.engine).has_table("known_files")
+        assert "checksum" in {c["name"] for c in inspect(repo.engine).get_columns("tensor_chunks")}
 
 
 def test_database_uses_wal(tmp_path):
