@@ -29,6 +29,11 @@ _PLANE = struct.Struct("<BQ")
 SAMPLE_BYTES = 1 << 14
 SAMPLES = 4
 INCOMPRESSIBLE = 0.97
+# An XOR plane ties checkout to the whole chain below it (each level decompressed and XORed), a
+# plane stored whole needs only its own level; XOR is taken only when it is this much smaller.
+# At 0.8, lossless checkout of a from-scratch run's chain runs about 25% faster for 1.4% (fp32)
+# to 3.6% (bf16) more bytes; fine-tunes, where XOR planes are 5x smaller, barely change.
+XOR_GAIN = 0.8
 
 _local = threading.local()
 
@@ -133,7 +138,8 @@ class ByteGroupCodec:
         if hint == XOR_ZSTD and base_plane is None:
             return None
         payload = compressor.compress(plane ^ base_plane if hint == XOR_ZSTD else plane)
-        return (hint, payload) if len(payload) < INCOMPRESSIBLE * plane.size else None
+        limit = INCOMPRESSIBLE * (XOR_GAIN if hint == XOR_ZSTD else 1.0)
+        return (hint, payload) if len(payload) < limit * plane.size else None
 
     def plane_modes(self, payload: bytes) -> list[int]:
         """How each plane of a chunk was stored (RAW, ZSTD or XOR_ZSTD)."""
@@ -143,6 +149,8 @@ class ByteGroupCodec:
     def _compress_plane(plane: np.ndarray, base_plane: np.ndarray | None,
                         compressor: zstandard.ZstdCompressor) -> tuple[int, bytes | memoryview]:
         """Store the plane in the mode whose sample compresses smallest (RAW when nothing compresses).
+
+        XOR must beat the others by XOR_GAIN, since it makes decoding the plane walk the chain.
 
         Samples are taken at the same places for each mode; the XOR plane is computed in full only
         when it wins, and a sample that is the whole plane is not compressed twice.
@@ -156,7 +164,7 @@ class ByteGroupCodec:
         best_mode, best_ratio, best_payload = RAW, INCOMPRESSIBLE, None
         for mode, sample in samples.items():
             compressed = compressor.compress(sample)
-            ratio = len(compressed) / max(sample.size, 1)
+            ratio = len(compressed) / max(sample.size, 1) / (XOR_GAIN if mode == XOR_ZSTD else 1.0)
             if ratio < best_ratio:
                 best_mode, best_ratio, best_payload = mode, ratio, compressed
         if best_mode == RAW:
