@@ -1,10 +1,14 @@
-"""`python -m bench.checkout_speed [RUN] [--repeats N] [--out FILE]`: restoring one checkpoint into
-memory, side by side: torch.load and safetensors loading of the same tensors from the page cache,
-against ckptstore checkout of a lossless commit at the end of a `max_chain`-long chain, on the CPU
-and, where CUDA is present, straight to the GPU (torch.load + `.cuda()`, safetensors with
-device="cuda", `checkout(device="cuda")`). Prints a table (GB/s of restored state, best of the
-repeats, and the peak memory growth of one load in a fresh process over the restored size) and
-writes it to FILE too.
+"""`python -m bench.checkout_speed [RUN] [--repeats N] [--fresh N] [--out FILE]`: restoring one
+checkpoint into memory, side by side: torch.load and safetensors loading of the same tensors from
+the page cache, against ckptstore checkout of a lossless commit at the end of a `max_chain`-long
+chain, on the CPU and, where CUDA is present, straight to the GPU (torch.load + `.cuda()`,
+safetensors with device="cuda", `checkout(device="cuda")`).
+
+Two measurements, the methods taking turns in each round so that the machine's drift hits them
+alike: the best of `--repeats` loads in this process (warm: allocator, threads and caches already
+set up), and the median of `--fresh` loads each in a process of its own (what a job restarting
+after a crash does), which also gives each method's peak memory growth over the restored size.
+Prints a table (seconds and GB/s of restored state) and writes it to FILE too.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,25 +47,24 @@ def _high_water() -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
-def _measure(name: str, load: Callable[[], object], source: Path, repeats: int, device: str) -> dict:
-    best = float("inf")
-    for _ in range(repeats):
-        warm(source)
-        gc.collect()
-        start = time.perf_counter()
-        state = load()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-        size = _size(state)
-        del state
-    return {"method": name, "device": device, "seconds": best, "gbps": size / best / 1e9}
+def _timed(load: Callable[[], object], source: Path, device: str) -> tuple[float, int]:
+    """Seconds of one load of `source` from the page cache, and the restored size in bytes."""
+    warm(source)
+    gc.collect()
+    start = time.perf_counter()
+    state = load()
+    _sync(device)
+    return time.perf_counter() - start, _size(state)
 
 
-def _peak_in_fresh_process(case: int, args: list[str]) -> float:
-    """Peak memory growth of one load, over the restored size, in a process of its own (allocators
-    keep freed memory, so a second measurement in the same process would read low)."""
+def _in_fresh_process(case: int, args: list[str]) -> tuple[float, float]:
+    """(seconds, peak memory growth over the restored size) of one load in a process of its own.
+
+    Allocators keep freed memory, so a second load in the same process would read low on both.
+    """
     command = [sys.executable, "-m", "bench.checkout_speed", "--child", str(case), *args]
-    return float(subprocess.run(command, check=True, capture_output=True, text=True).stdout.split()[-1])
+    seconds, growth = subprocess.run(command, check=True, capture_output=True, text=True).stdout.split()[-2:]
+    return float(seconds), float(growth)
 
 
 def _cases(repo, cid, source: Path, safetensors_path: Path) -> list[tuple]:
@@ -87,15 +91,15 @@ def _child(case: int, repo_path: Path, cid: str, source: Path, safetensors_path:
         name, load, path, device = _cases(repo, cid, source, safetensors_path)[case]
         warm(path)
         before = _high_water()
-        state = load()
-        _sync(device)
-        print((_high_water() - before) / _size(state))
+        seconds, size = _timed(load, path, device)
+        print(seconds, (_high_water() - before) / size)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("run", nargs="?", default="minilm-finetune", choices=sorted(WORKLOADS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--fresh", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--paths", nargs=4, default=None, help=argparse.SUPPRESS)
@@ -121,18 +125,29 @@ def main() -> None:
         del state, tensors
         with Repository.open(work / "repo") as repo:
             cases = _cases(repo, cids[-1], source, safetensors_path)
-            rows = [_measure(name, load, path, args.repeats, device) for name, load, path, device in cases]
+            rows = [{"method": name, "device": device, "warm": [], "fresh": [], "memory": 0.0}
+                    for name, _, _, device in cases]
+            for _ in range(args.repeats):
+                for row, (_, load, path, device) in zip(rows, cases):
+                    seconds, row["size"] = _timed(load, path, device)
+                    row["warm"].append(seconds)
         child_args = ["--paths", str(work / "repo"), cids[-1], str(source), str(safetensors_path)]
-        for case, row in enumerate(rows):
-            row["memory"] = _peak_in_fresh_process(case, child_args)
+        for _ in range(args.fresh):
+            for case, row in enumerate(rows):
+                seconds, growth = _in_fresh_process(case, child_args)
+                row["fresh"].append(seconds)
+                row["memory"] = max(row["memory"], growth)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    lines = [f"{args.run}, checkpoint {depth + 1} (chain depth {depth}), best of {args.repeats}; "
+    lines = [f"{args.run}, checkpoint {depth + 1} (chain depth {depth}); best of {args.repeats} in one process, "
+             f"median of {args.fresh} fresh processes; "
              f"CUDA: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}", "",
-             "| method | device | seconds | GB/s | peak memory growth / restored size (fresh process) |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['method']} | {r['device']} | {r['seconds']:.3f} | {r['gbps']:.2f} | {r['memory']:.2f}x |"
-              for r in rows]
+             "| method | device | warm s | warm GB/s | fresh s | fresh GB/s | peak memory growth / restored size |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        warm_s, fresh_s = min(r["warm"]), statistics.median(r["fresh"])
+        lines.append(f"| {r['method']} | {r['device']} | {warm_s:.3f} | {r['size'] / warm_s / 1e9:.2f} | "
+                     f"{fresh_s:.3f} | {r['size'] / fresh_s / 1e9:.2f} | {r['memory']:.2f}x |")
     text = "\n".join(lines)
     print(text)
     if args.out:
