@@ -27,7 +27,9 @@ class ChainSource:
 
     Pack objects (many small payloads in one object) are read once and shared by the chunks in
     them; the most recently used packs are kept, up to `pack_cache_bytes` (chunks are replayed in
-    about the order they were packed, so a pack is rarely read twice).
+    about the order they were packed, so a pack is rarely read twice). Where objects need no
+    verification here and the store can read a range, each payload is read alone instead, so
+    packs are neither cached nor counted towards the process's memory.
     """
 
     store: ObjectStore
@@ -45,6 +47,8 @@ class ChainSource:
         """
         if chunk.length is None:
             return self._read(chunk.object_id)
+        if not self.verify_objects and hasattr(self.store, "read_range"):
+            return self.store.read_range(chunk.object_id, chunk.offset, chunk.length)
         pack = self._pack(chunk.object_id)
         if chunk.offset + chunk.length > len(pack):
             raise CorruptObjectError(chunk.object_id, f"pack of {len(pack)} bytes is shorter than its chunks say")

@@ -24,11 +24,14 @@ def test_pack_cache_bound_evicts_and_replay_stays_exact(repo, monkeypatch):
     wanted = [records[e.tensor] for e in manifest.entries.values()]
     packs = {c.object_id for r in records.values() for c in r.chunks if c.length is not None}
     assert len(packs) > 10
+    store = _CountingStore(repo.store)  # no `view`: packs are read whole and cached
     with ThreadPoolExecutor(2) as pool:
-        unbounded = replay(ChainSource(repo.store, records), wanted, pool)
-        bounded_source = ChainSource(repo.store, records, pack_cache_bytes=0)
+        unbounded = replay(ChainSource(store, records), wanted, pool)
+        bounded_source = ChainSource(store, records, pack_cache_bytes=0)
         bounded = replay(bounded_source, wanted, pool)
+        mapped = replay(ChainSource(repo.store, records), wanted, pool)  # LocalObjectStore: each payload read alone
     assert len(bounded_source._packs) <= 2  # the newest pack, and one a second thread may be reading
+    assert all(np.array_equal(mapped[t], unbounded[t]) for t in unbounded)
     for path, entry in manifest.entries.items():
         assert np.array_equal(bounded[entry.tensor], unbounded[entry.tensor])
         assert bounded[entry.tensor].tobytes() == states[-1][path].numpy().tobytes()

@@ -80,6 +80,23 @@ class LocalObjectStore:
             raise CorruptObjectError(oid, f"corrupted (its {len(data)} bytes do not match its hash)")
         return data
 
+    def read_range(self, oid: ObjectId, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of `oid`, unverified: one payload of a pack.
+
+        For readers that check what they decode themselves; a short read is a CorruptObjectError.
+        """
+        try:
+            fd = os.open(self.path_of(oid), os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptObjectError(oid, "missing") from None
+        try:
+            data = os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+        if len(data) != length:
+            raise CorruptObjectError(oid, f"pack is shorter than its chunks say ({offset + len(data)} bytes)")
+        return data
+
     def has(self, oid: ObjectId) -> bool:
         return self.path_of(oid).exists()
 
