@@ -214,7 +214,7 @@ class ByteGroupCodec:
 
     @staticmethod
     def _plane_into(payload: bytes, plane: tuple[int, int, int], rows: int, j: int, dst: np.ndarray) -> None:
-        """Write one stored plane (raw or zstd, not yet XORed) into `dst` (`rows` bytes, maybe strided)."""
+        """Write one stored plane (raw or zstd, not yet XORed) into the contiguous `rows` bytes `dst`."""
         mode, offset, length = plane
         view = memoryview(payload)[offset : offset + length]
         if mode == RAW:
@@ -222,15 +222,12 @@ class ByteGroupCodec:
                 raise CodecError(f"bytegroup: plane {j} has {length} bytes, expected {rows}")
             dst[...] = np.frombuffer(view, dtype=np.uint8)
             return
-        target = dst if dst.flags.c_contiguous else _scratch(rows, 1)
         try:
-            got = _decompress_into(view, target)
+            got = _decompress_into(view, dst)
         except zstandard.ZstdError as exc:
             raise CodecError(f"bytegroup: plane {j} does not decompress: {exc}") from None
         if got != rows:
             raise CodecError(f"bytegroup: plane {j} decompresses to {got} bytes or more, expected {rows}")
-        if target is not dst:
-            dst[...] = target
 
     def _chain_layout(self, payloads: list[bytes], nbytes: int) -> list[tuple[int, list[tuple[int, int, int]]]]:
         """Each payload's parsed header, checked to agree on a width that divides `nbytes`."""
