@@ -229,13 +229,25 @@ class ByteGroupCodec:
         if got != rows:
             raise CodecError(f"bytegroup: plane {j} decompresses to {got} bytes or more, expected {rows}")
 
-    def _chain_layout(self, payloads: list[bytes], nbytes: int) -> list[tuple[int, list[tuple[int, int, int]]]]:
-        """Each payload's parsed header, checked to agree on a width that divides `nbytes`."""
+    def _chain_layout(self, payloads: list[bytes], nbytes: int
+                      ) -> tuple[list[list[tuple[int, int, int]]], int, list[int]]:
+        """A chain's layout: each payload's planes (mode, offset, length) and the rows per plane.
+
+        Also, for each plane, the index of the newest level that stores it whole (the levels above
+        it XOR into it).
+        """
         parsed = [self._parse(p) for p in payloads]
         width = parsed[0][0]
         if any(w != width for w, _ in parsed) or nbytes % width:
             raise CodecError("bytegroup: chain levels disagree on the element width")
-        return parsed
+        levels = [planes for _, planes in parsed]
+        wholes = []
+        for j in range(width):
+            whole = next((i for i, planes in enumerate(levels) if planes[j][0] != XOR_ZSTD), None)
+            if whole is None:
+                raise CodecError("bytegroup: residual chunk decoded without its base")
+            wholes.append(whole)
+        return levels, nbytes // width, wholes
 
     def plane_levels(self, payloads: list[bytes], nbytes: int) -> list[list[np.ndarray]]:
         """For each byte plane of a chain (newest payload first), the arrays that rebuild it.
@@ -245,17 +257,9 @@ class ByteGroupCodec:
         device can take the arrays and do the XOR and interleaving itself. Mantissa planes (stored
         raw at every level) come back as one read-only view of the payload.
         """
-        parsed = self._chain_layout(payloads, nbytes)
-        width = parsed[0][0]
-        rows = nbytes // width
-        planes = []
-        for j in range(width):
-            whole = next((i for i, (_, levels) in enumerate(parsed) if levels[j][0] != XOR_ZSTD), None)
-            if whole is None:
-                raise CodecError("bytegroup: residual chunk decoded without its base")
-            planes.append([self._plane(payloads[level], parsed[level][1][j], rows, j)
-                           for level in range(whole, -1, -1)])
-        return planes
+        levels, rows, wholes = self._chain_layout(payloads, nbytes)
+        return [[self._plane(payloads[level], levels[level][j], rows, j) for level in range(whole, -1, -1)]
+                for j, whole in enumerate(wholes)]
 
     def decode_planes(self, payloads: list[bytes], nbytes: int) -> list[np.ndarray]:
         """The byte planes of a chunk from its chain, newest payload first, each a residual of the next."""
@@ -275,23 +279,18 @@ class ByteGroupCodec:
         a page fault per 4 KiB); a plane stored raw by the newest level is read from the payload in
         place. One interleaving pass then writes `out`.
         """
-        parsed = self._chain_layout(payloads, nbytes)
-        width = parsed[0][0]
-        rows = nbytes // width
+        levels, rows, wholes = self._chain_layout(payloads, nbytes)
         planes = []
-        for j in range(width):
-            whole = next((i for i, (_, levels) in enumerate(parsed) if levels[j][0] != XOR_ZSTD), None)
-            if whole is None:
-                raise CodecError("bytegroup: residual chunk decoded without its base")
-            mode, offset, length = parsed[whole][1][j]
+        for j, whole in enumerate(wholes):
+            mode, offset, length = levels[whole][j]
             if whole == 0 and mode == RAW and length == rows:
                 planes.append(np.frombuffer(payloads[0], np.uint8, rows, offset))
                 continue
             plane = _scratch(rows, 1 + j)
-            self._plane_into(payloads[whole], parsed[whole][1][j], rows, j, plane)
+            self._plane_into(payloads[whole], levels[whole][j], rows, j, plane)
             residual = _scratch(rows, 0)
             for level in range(whole - 1, -1, -1):
-                self._plane_into(payloads[level], parsed[level][1][j], rows, j, residual)
+                self._plane_into(payloads[level], levels[level][j], rows, j, residual)
                 np.bitwise_xor(plane, residual, out=plane)
             planes.append(plane)
         out = np.empty(nbytes, dtype=np.uint8) if out is None else out
