@@ -1,7 +1,7 @@
 """Byte planes to elements and back: the native loops (codecs/_planes.c) when built, else numpy.
 
 Both give the same bytes; the native ones compose whole elements per iteration and release the
-GIL, which is what lets a lossless checkout keep up with torch.load (docs/benchmarks.md).
+GIL, 4x numpy's strided copies for 4-byte elements and 10x for 2-byte ones (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -736,7 +736,7 @@ def _no_cyclic_gc():
     Both allocate tens of thousands of short-lived containers and create no reference cycles, so
     the collections they would trigger only pause them: in the benchmark process a full
     collection took 0.2-0.3 s and landed inside a 0.5 s commit, and a checkout of the MiniLM
-    checkpoint in a process that had imported transformers took 0.3 s instead of 0.15 s.
+    checkpoint in a process that had imported transformers took 0.3-0.4 s instead of 0.2 s.
     Collections resume afterwards.
     """
     was_enabled = gc.isenabled()
