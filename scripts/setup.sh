@@ -15,7 +15,7 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   "$VPY" -m pip install -q "${CKPT_TORCH_SPEC:-torch==2.13.0}" || "$VPY" -m pip install -q torch
 fi
 stamp="$VENV/.ckptstore-installed"
-want="$(cat pyproject.toml setup.py ckptstore/codecs/_planes.c | sha256sum | cut -c1-16)-$EXTRAS"  # sources of the build
+want="$(cat pyproject.toml setup.py ckptstore/codecs/_*.c | sha256sum | cut -c1-16)-$EXTRAS"  # sources of the build
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VPY" -c "import ckptstore" >/dev/null 2>&1; then
   "$VPY" -m pip install -q -e ".[$EXTRAS]" 2>&1 | grep -v "is ignored: it is neither" || true
   "$VPY" -c "import ckptstore" # fail loudly if the install did not work

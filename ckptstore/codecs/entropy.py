@@ -30,6 +30,11 @@ import zstandard
 
 from ckptstore.errors import CodecError
 
+try:
+    from ckptstore.codecs import _lossy as native
+except ImportError:  # built without a C compiler: the numpy code below does the same, slower
+    native = None
+
 MAGIC = b"EN1"
 ZSTD, RANS, CONSTANT, SPARSE, PACKED, GAPS = 0, 1, 2, 3, 4, 5
 _HEAD = struct.Struct("<3sBQ")
@@ -43,6 +48,7 @@ _GAPS = struct.Struct("<qQ")
 GAPS_ABOVE = 0.8  # the most common value's share from which the gaps method is tried
 MAX_ALPHABET = 1 << 12
 _local = threading.local()
+NATIVE_KINDS = {"i": "i", "l": "q", "q": "q", "f": "f", "d": "d"}  # numpy's dtype.char -> the C loops' kind
 
 
 def _zstd_c() -> zstandard.ZstdCompressor:
@@ -165,13 +171,23 @@ def _packed_payload(symbols: np.ndarray, width: int, low: int, nested: int) -> b
     return _PACKED.pack(width, low, len(body)) + body + encode_symbols(symbols[outside], nested + 1)
 
 
-def _unpack(body: memoryview, count: int, dtype: type) -> np.ndarray:
+def _unpack(body: memoryview, count: int, dtype: type, use_native: bool = True) -> np.ndarray:
     width, low, length = _PACKED.unpack_from(body)
     per = 8 // width
     raw = np.frombuffer(_local.d.decompress(body[_PACKED.size : _PACKED.size + length],
                                             max_output_size=-(-count // per)), dtype=np.uint8)
     if raw.size * per < count:
         raise ValueError("packed codes are short")
+    escaped = body[_PACKED.size + length :]
+    escapes = _HEAD.unpack_from(escaped)[2] if len(escaped) >= _HEAD.size else 0
+    kind = np.dtype(dtype).char
+    if native is not None and use_native and kind in NATIVE_KINDS:
+        out, positions = np.empty(count, dtype), np.empty(escapes, np.int64)
+        if native.unpack_codes(raw, width, low, out, NATIVE_KINDS[kind], positions) != escapes:
+            raise ValueError("packed codes and their escapes disagree")
+        if escapes:
+            out[positions] = decode_symbols(escaped)
+        return out
     if width == 1:
         codes = np.unpackbits(raw, count=count, bitorder="little")
     elif width == 8:
@@ -180,8 +196,7 @@ def _unpack(body: memoryview, count: int, dtype: type) -> np.ndarray:
         codes = _UNPACK[width][raw].view(np.uint8)[:count]
     out = codes.astype(dtype)  # then add: a ufunc that casts as it adds runs at a third of the speed
     out += dtype(low)
-    escaped = body[_PACKED.size + length :]
-    if len(escaped) >= _HEAD.size and _HEAD.unpack_from(escaped)[2]:
+    if escapes:
         out[np.flatnonzero(codes == (1 << width) - 1)] = decode_symbols(escaped)
     return out
 

@@ -10,6 +10,11 @@ import numpy as np
 
 from ckptstore.errors import CodecError
 
+try:
+    from ckptstore.codecs import _lossy as native
+except ImportError:  # built without a C compiler: numpy below, same bits
+    native = None
+
 LOSSY_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16")
 
 
@@ -24,7 +29,7 @@ def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
     raise CodecError(f"lossy codecs take {', '.join(LOSSY_DTYPES)}, not {dtype}")
 
 
-def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+def from_float32(values: np.ndarray, dtype: str, use_native: bool = True) -> np.ndarray:
     """float32 values rounded to `dtype`, as raw bytes (uint8)."""
     values = np.ascontiguousarray(values, dtype=np.float32)
     if dtype == "torch.float32":
@@ -32,6 +37,10 @@ def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "torch.float16":
         return values.astype(np.float16).view(np.uint8)
     if dtype == "torch.bfloat16":
+        if native is not None and use_native:
+            out = np.empty(values.size, np.uint16)
+            native.to_bfloat16(values, out)
+            return out.view(np.uint8)
         bits = values.view(np.uint32)
         rounded = _rounded_bits(bits)
         rounded >>= 16
@@ -43,8 +52,11 @@ def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
     raise CodecError(f"lossy codecs take {', '.join(LOSSY_DTYPES)}, not {dtype}")
 
 
-def round_to_bfloat16(values: np.ndarray) -> None:
+def round_to_bfloat16(values: np.ndarray, use_native: bool = True) -> None:
     """Round float32 `values` in place to the nearest bfloat16 (ties to even), as from_float32 would."""
+    if native is not None and use_native and values.flags.c_contiguous:
+        native.round_bfloat16(values)
+        return
     if _has_nan(values):
         values[...] = to_float32(from_float32(values, "torch.bfloat16"), "torch.bfloat16")
         return

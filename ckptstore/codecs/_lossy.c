@@ -1,0 +1,175 @@
+/* Hot loops of the lossy decoders, without the GIL: unpacking k-bit codes and bfloat16 rounding.
+ *
+ * Each replaces several numpy passes (a table gather, a cast, an add, a compare; or four integer
+ * passes for a rounding) by one. entropy.py and floats.py keep the numpy versions as fallback and
+ * as the reference the tests compare these with, bit for bit.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* out[i] = (T)code_i + (T)low, the codes `width` bits each, little-endian within a byte. Positions
+ * of the escape code (all ones) go to `positions`, up to `room` of them; returns how many there were.
+ * (T)code + (T)low in T's arithmetic is what numpy's cast-then-add computes, to the bit. */
+/* HOLDS_ESCAPE[w][byte]: whether the byte holds an all-ones code, for widths 1, 2, 4, 8 (w 0-3). */
+static uint8_t HOLDS_ESCAPE[4][256];
+
+static void fill_escape_tables(void)
+{
+    for (int w = 0; w < 4; w++) {
+        int width = 1 << w, per = 8 / width, mask = (1 << width) - 1;
+        for (int byte = 0; byte < 256; byte++)
+            for (int k = 0; k < per; k++)
+                if (((byte >> (k * width)) & mask) == mask)
+                    HOLDS_ESCAPE[w][byte] = 1;
+    }
+}
+
+#define UNPACK(T, WIDTH)                                                                            \
+    static Py_ssize_t unpack_##T##_##WIDTH(const uint8_t *raw, Py_ssize_t count, T low, T *out,     \
+                                           int64_t *positions, Py_ssize_t room)                     \
+    {                                                                                               \
+        enum { PER = 8 / (WIDTH), MASK = (1 << (WIDTH)) - 1 };                                      \
+        Py_ssize_t whole = count / PER, escapes = 0;                                                \
+        for (Py_ssize_t j = 0; j < whole; j++) { /* PER is a constant: unrolled, vectorized */       \
+            unsigned byte = raw[j];                                                                 \
+            for (int k = 0; k < PER; k++)                                                           \
+                out[j * PER + k] = (T)((byte >> (k * (WIDTH))) & MASK) + low;                       \
+        }                                                                                           \
+        for (Py_ssize_t i = whole * PER; i < count; i++)                                            \
+            out[i] = (T)((raw[whole] >> ((i - whole * PER) * (WIDTH))) & MASK) + low;                \
+        for (Py_ssize_t j = 0; j < (count + PER - 1) / PER; j++) { /* skim: most bytes hold none */      \
+            unsigned byte = raw[j];                                                                 \
+            if (!HOLDS_ESCAPE[(WIDTH) == 8 ? 3 : (WIDTH) / 2][byte])                                \
+                continue;                                                                           \
+            for (int k = 0; k < PER; k++) {                                                         \
+                Py_ssize_t i = j * PER + k;                                                         \
+                if (((byte >> (k * (WIDTH))) & MASK) == MASK && i < count) {                       \
+                    if (escapes < room)                                                             \
+                        positions[escapes] = i;                                                     \
+                    escapes++;                                                                      \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        return escapes;                                                                             \
+    }
+
+#define UNPACK_ALL_WIDTHS(T) UNPACK(T, 1) UNPACK(T, 2) UNPACK(T, 4) UNPACK(T, 8)
+
+typedef int32_t i32;
+typedef int64_t i64;
+typedef float f32;
+typedef double f64;
+UNPACK_ALL_WIDTHS(i32)
+UNPACK_ALL_WIDTHS(i64)
+UNPACK_ALL_WIDTHS(f32)
+UNPACK_ALL_WIDTHS(f64)
+
+#define DISPATCH_WIDTH(T)                                                                           \
+    switch (width) {                                                                                \
+    case 1: found = unpack_##T##_1(raw, count, (T)low, (T *)out.buf, pos, room); break;            \
+    case 2: found = unpack_##T##_2(raw, count, (T)low, (T *)out.buf, pos, room); break;            \
+    case 4: found = unpack_##T##_4(raw, count, (T)low, (T *)out.buf, pos, room); break;            \
+    default: found = unpack_##T##_8(raw, count, (T)low, (T *)out.buf, pos, room); break;           \
+    }
+
+static PyObject *py_unpack_codes(PyObject *self, PyObject *args)
+{
+    Py_buffer packed, out, positions;
+    int width, kind;
+    long long low;
+    if (!PyArg_ParseTuple(args, "y*iLw*Cw*:unpack_codes", &packed, &width, &low, &out, &kind, &positions))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t size = kind == 'i' || kind == 'f' ? 4 : kind == 'q' || kind == 'd' ? 8 : 0;
+    if (size == 0 || (width != 1 && width != 2 && width != 4 && width != 8)) {
+        PyErr_SetString(PyExc_ValueError, "unpack_codes: kind is one of i, q, f, d and width 1, 2, 4 or 8");
+        goto done;
+    }
+    Py_ssize_t count = out.len / size, per = 8 / width;
+    if (out.len % size || packed.len < (count + per - 1) / per) {
+        PyErr_SetString(PyExc_ValueError, "unpack_codes: packed codes are short");
+        goto done;
+    }
+    const uint8_t *raw = (const uint8_t *)packed.buf;
+    int64_t *pos = (int64_t *)positions.buf;
+    Py_ssize_t room = positions.len / 8, found = 0;
+    Py_BEGIN_ALLOW_THREADS
+    switch (kind) {
+    case 'i': DISPATCH_WIDTH(i32) break;
+    case 'q': DISPATCH_WIDTH(i64) break;
+    case 'f': DISPATCH_WIDTH(f32) break;
+    default: DISPATCH_WIDTH(f64) break;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(found);
+done:
+    PyBuffer_Release(&packed);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&positions);
+    return result;
+}
+
+/* The float32 bit pattern `bits` rounded to the nearest bfloat16 (ties to even), as its top half;
+ * a NaN stays a quiet NaN. */
+static inline uint32_t bfloat16_half(uint32_t bits)
+{
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u)
+        return (bits >> 16) | 0x40u;
+    return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+}
+
+static PyObject *py_round_bfloat16(PyObject *self, PyObject *args)
+{
+    Py_buffer values;
+    if (!PyArg_ParseTuple(args, "w*:round_bfloat16", &values))
+        return NULL;
+    uint32_t *bits = (uint32_t *)values.buf;
+    Py_ssize_t count = values.len / 4;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++)
+        bits[i] = bfloat16_half(bits[i]) << 16;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&values);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_to_bfloat16(PyObject *self, PyObject *args)
+{
+    Py_buffer values, out;
+    if (!PyArg_ParseTuple(args, "y*w*:to_bfloat16", &values, &out))
+        return NULL;
+    PyObject *result = NULL;
+    if (out.len * 2 != values.len) {
+        PyErr_SetString(PyExc_ValueError, "to_bfloat16: out must hold 2 bytes per float32");
+    } else {
+        const uint32_t *bits = (const uint32_t *)values.buf;
+        uint16_t *halves = (uint16_t *)out.buf;
+        Py_ssize_t count = values.len / 4;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < count; i++)
+            halves[i] = (uint16_t)bfloat16_half(bits[i]);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"unpack_codes", py_unpack_codes, METH_VARARGS,
+     "unpack_codes(packed, width, low, out, kind, positions) -> escapes: out[i] = code_i + low."},
+    {"round_bfloat16", py_round_bfloat16, METH_VARARGS, "round_bfloat16(float32 values): in place."},
+    {"to_bfloat16", py_to_bfloat16, METH_VARARGS, "to_bfloat16(float32 values, uint16 out)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_lossy", "Hot loops of the lossy decoders.", -1, methods};
+
+PyMODINIT_FUNC PyInit__lossy(void)
+{
+    fill_escape_tables();
+    return PyModule_Create(&module);
+}
