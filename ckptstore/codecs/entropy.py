@@ -180,6 +180,8 @@ def _unpack(body: memoryview, count: int, dtype: type, use_native: bool = True) 
         raise ValueError("packed codes are short")
     escaped = body[_PACKED.size + length :]
     escapes = _HEAD.unpack_from(escaped)[2] if len(escaped) >= _HEAD.size else 0
+    if escapes > count:
+        raise ValueError("packed codes claim more escapes than codes")
     kind = np.dtype(dtype).char
     if native is not None and use_native and kind in NATIVE_KINDS:
         out, positions = np.empty(count, dtype), np.empty(escapes, np.int64)

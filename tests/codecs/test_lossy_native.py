@@ -51,3 +51,15 @@ def test_bfloat16_conversion_and_rounding_match_numpy():
     floats.round_to_bfloat16(native)
     floats.round_to_bfloat16(reference, use_native=False)
     assert native.tobytes() == reference.tobytes()
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_an_impossible_escape_count_is_refused_before_allocating(use_native):
+    symbols = np.array([0, 1, 2, 9] * 20)
+    body = bytearray(_packed_payload(symbols, 2, 0, nested=0))
+    _, _, length = entropy._PACKED.unpack_from(body)
+    escape_head = entropy._PACKED.size + length
+    magic, method, _ = _HEAD.unpack_from(body, escape_head)
+    _HEAD.pack_into(body, escape_head, magic, method, 1 << 60)
+    with pytest.raises(ValueError, match="more escapes than codes"):
+        entropy._unpack(memoryview(bytes(body)), symbols.size, np.int32, use_native=use_native)
