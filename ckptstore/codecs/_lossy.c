@@ -9,9 +9,6 @@
 #include <stdint.h>
 #include <string.h>
 
-/* out[i] = (T)code_i + (T)low, the codes `width` bits each, little-endian within a byte. Positions
- * of the escape code (all ones) go to `positions`, up to `room` of them; returns how many there were.
- * (T)code + (T)low in T's arithmetic is what numpy's cast-then-add computes, to the bit. */
 /* HOLDS_ESCAPE[w][byte]: whether the byte holds an all-ones code, for widths 1, 2, 4, 8 (w 0-3). */
 static uint8_t HOLDS_ESCAPE[4][256];
 
@@ -26,6 +23,9 @@ static void fill_escape_tables(void)
     }
 }
 
+/* out[i] = (T)code_i + (T)low, the codes `width` bits each, little-endian within a byte. Positions
+ * of the escape code (all ones) go to `positions`, up to `room` of them; returns how many there were.
+ * (T)code + (T)low in T's arithmetic is what numpy's cast-then-add computes, to the bit. */
 #define UNPACK(T, WIDTH)                                                                            \
     static Py_ssize_t unpack_##T##_##WIDTH(const uint8_t *raw, Py_ssize_t count, T low, T *out,     \
                                            int64_t *positions, Py_ssize_t room)                     \
@@ -39,7 +39,7 @@ static void fill_escape_tables(void)
         }                                                                                           \
         for (Py_ssize_t i = whole * PER; i < count; i++)                                            \
             out[i] = (T)((raw[whole] >> ((i - whole * PER) * (WIDTH))) & MASK) + low;                \
-        for (Py_ssize_t j = 0; j < (count + PER - 1) / PER; j++) { /* skim: most bytes hold none */      \
+        for (Py_ssize_t j = 0; j < (count + PER - 1) / PER; j++) { /* skim: most bytes hold none */  \
             unsigned byte = raw[j];                                                                 \
             if (!HOLDS_ESCAPE[(WIDTH) == 8 ? 3 : (WIDTH) / 2][byte])                                \
                 continue;                                                                           \
