@@ -11,7 +11,9 @@ from ckptstore.codecs.entropy import (
     GAPS,
     MAGIC,
     PACKED,
+    RANS,
     SPARSE,
+    _header,
     decode_sparse,
     decode_symbols,
     encode_symbols,
@@ -127,6 +129,21 @@ def test_sparse_payloads_of_earlier_versions_still_decode():
     payload = (struct.pack("<3sBQ", MAGIC, SPARSE, symbols.size) + struct.pack("<Q", len(bitmap)) + bitmap
                + encode_symbols(symbols[nonzero]))
     assert np.array_equal(decode_symbols(payload), symbols)
+
+
+def test_rans_payloads_of_earlier_versions_still_decode():
+    import constriction
+
+    symbols = RNG.integers(-3, 9, 5_000).astype(np.int32)
+    low, shifted = int(symbols.min()), (symbols - symbols.min()).astype(np.int32)
+    counts = np.bincount(shifted).astype(np.uint32)
+    coder = constriction.stream.stack.AnsCoder()
+    coder.encode_reverse(shifted, constriction.stream.model.Categorical(counts.astype(np.float64), perfect=False))
+    words = coder.get_compressed().astype(np.uint32)
+    payload = (struct.pack("<3sBQ", MAGIC, RANS, symbols.size) + struct.pack("<iI", low, counts.size)
+               + counts.tobytes() + words.tobytes())
+    assert np.array_equal(decode_symbols(payload), symbols)
+    assert _header(encode_symbols(symbols))[0] != RANS  # no longer written
 
 
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
