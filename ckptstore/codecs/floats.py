@@ -58,7 +58,7 @@ def round_to_bfloat16(values: np.ndarray, use_native: bool = True) -> None:
         native.round_bfloat16(values)
         return
     if _has_nan(values):
-        values[...] = to_float32(from_float32(values, "torch.bfloat16"), "torch.bfloat16")
+        values[...] = to_float32(from_float32(values, "torch.bfloat16", use_native), "torch.bfloat16")
         return
     bits = values.view(np.uint32)
     rounded = _rounded_bits(bits)
