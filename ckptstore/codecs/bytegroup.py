@@ -199,31 +199,30 @@ class ByteGroupCodec:
 
     @staticmethod
     def _plane(payload: bytes, plane: tuple[int, int, int], rows: int, j: int) -> np.ndarray:
-        mode, offset, length = plane
-        view = memoryview(payload)[offset : offset + length]
-        if mode == RAW:
-            data = np.frombuffer(view, dtype=np.uint8)
-        else:
-            try:
-                data = np.frombuffer(_decompressor().decompress(view, max_output_size=rows), dtype=np.uint8)
-            except zstandard.ZstdError as exc:
-                raise CodecError(f"bytegroup: plane {j} does not decompress: {exc}") from None
-        if data.size != rows:
-            raise CodecError(f"bytegroup: plane {j} has {data.size} bytes, expected {rows}")
+        """One stored plane, not yet XORed: a raw plane as a view of the payload, else a new array."""
+        if plane[0] == RAW:
+            return ByteGroupCodec._raw_plane(payload, plane, rows, j)
+        data = np.empty(rows, dtype=np.uint8)
+        ByteGroupCodec._plane_into(payload, plane, rows, j, data)
         return data
+
+    @staticmethod
+    def _raw_plane(payload: bytes, plane: tuple[int, int, int], rows: int, j: int) -> np.ndarray:
+        """A plane stored raw, as a read-only view of the payload."""
+        _, offset, length = plane
+        if length != rows:
+            raise CodecError(f"bytegroup: plane {j} has {length} bytes, expected {rows}")
+        return np.frombuffer(payload, np.uint8, rows, offset)
 
     @staticmethod
     def _plane_into(payload: bytes, plane: tuple[int, int, int], rows: int, j: int, dst: np.ndarray) -> None:
         """Write one stored plane (raw or zstd, not yet XORed) into the contiguous `rows` bytes `dst`."""
         mode, offset, length = plane
-        view = memoryview(payload)[offset : offset + length]
         if mode == RAW:
-            if length != rows:
-                raise CodecError(f"bytegroup: plane {j} has {length} bytes, expected {rows}")
-            dst[...] = np.frombuffer(view, dtype=np.uint8)
+            dst[...] = ByteGroupCodec._raw_plane(payload, plane, rows, j)
             return
         try:
-            got = _decompress_into(view, dst)
+            got = _decompress_into(memoryview(payload)[offset : offset + length], dst)
         except zstandard.ZstdError as exc:
             raise CodecError(f"bytegroup: plane {j} does not decompress: {exc}") from None
         if got != rows:
@@ -282,9 +281,8 @@ class ByteGroupCodec:
         levels, rows, wholes = self._chain_layout(payloads, nbytes)
         planes = []
         for j, whole in enumerate(wholes):
-            mode, offset, length = levels[whole][j]
-            if whole == 0 and mode == RAW and length == rows:
-                planes.append(np.frombuffer(payloads[0], np.uint8, rows, offset))
+            if whole == 0 and levels[0][j][0] == RAW:
+                planes.append(self._raw_plane(payloads[0], levels[0][j], rows, j))
                 continue
             plane = _scratch(rows, 1 + j)
             self._plane_into(payloads[whole], levels[whole][j], rows, j, plane)
