@@ -1,4 +1,4 @@
-"""Build hook for the two native modules; everything else is in pyproject.toml.
+"""Build hook for the native modules; everything else is in pyproject.toml.
 
 `optional=True`: without a C compiler the install still succeeds and the codecs use their numpy
 fallback (slower checkout; `python -c "import ckptstore.codecs.planes as p; print(p.native)"`).
@@ -7,4 +7,4 @@ fallback (slower checkout; `python -c "import ckptstore.codecs.planes as p; prin
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(f"ckptstore.codecs.{name}", [f"ckptstore/codecs/{name}.c"],
-                             extra_compile_args=["-O3"], optional=True) for name in ("_planes", "_lossy")])
+                             extra_compile_args=["-O3"], optional=True) for name in ("_planes", "_lossy", "_huffman")])

@@ -126,3 +126,49 @@ def test_plane_that_decompresses_to_the_wrong_size_is_a_codec_error():
     garbled[-8:] = b"\xff" * 8
     with pytest.raises(CodecError, match="plane 0"):
         CODEC.decode_chain([bytes(garbled)], {"width": 1}, 40_000)
+
+
+def _training_steps(n=60_000):
+    """Weights before and after a step that moves some exponents: dense planes Huffman codes well, XOR or whole."""
+    base = _floats(n, np.float32)
+    return base, (base * (1 + _floats(n, np.float32, scale=0.3, seed=5))).astype(np.float32)
+
+
+def test_exponent_planes_take_huffman_and_round_trip():
+    from ckptstore.codecs.bytegroup import HUF, XOR_HUF
+
+    base, new = _training_steps()
+    keyframe = CODEC.encode(base.view(np.uint8), None, {"width": 4})
+    residual = CODEC.encode(new.view(np.uint8), base.view(np.uint8), {"width": 4})
+    assert CODEC.plane_modes(keyframe)[3] == HUF and CODEC.plane_modes(residual)[3] == XOR_HUF
+    assert CODEC.decode_chain([residual, keyframe], {"width": 4}, new.nbytes).tobytes() == new.tobytes()
+    hints = {"width": 4, "plane_hints": CODEC.plane_modes(residual)}
+    assert CODEC.encode(new.view(np.uint8), base.view(np.uint8), hints) == residual
+
+
+def test_without_the_native_coder_zstd_is_written_and_huffman_planes_still_decode(monkeypatch):
+    from ckptstore.codecs import huffman
+    from ckptstore.codecs.bytegroup import HUF, HUF_MODES, XOR_ZSTD, ZSTD
+
+    base, new = _training_steps(20_000)
+    with_native = CODEC.encode(new.view(np.uint8), None, {"width": 4})
+    assert HUF in CODEC.plane_modes(with_native)
+    monkeypatch.setattr(huffman, "native", None)
+    assert CODEC.decode(with_native, None, {"width": 4}, new.nbytes).tobytes() == new.tobytes()
+    keyframe = CODEC.encode(base.view(np.uint8), None, {"width": 4})
+    residual = CODEC.encode(new.view(np.uint8), base.view(np.uint8), {"width": 4, "plane_hints": [0, 0, 4, 4]})
+    assert not set(CODEC.plane_modes(keyframe) + CODEC.plane_modes(residual)) & set(HUF_MODES)
+    assert {ZSTD, XOR_ZSTD} & set(CODEC.plane_modes(keyframe) + CODEC.plane_modes(residual))
+    assert CODEC.decode_chain([residual, keyframe], {"width": 4}, new.nbytes).tobytes() == new.tobytes()
+
+
+def test_damaged_huffman_plane_is_a_codec_error():
+    _, new = _training_steps()
+    payload = bytearray(CODEC.encode(new.view(np.uint8), None, {"width": 4}))
+    payload[-16:-8] = b"\xff" * 8  # the last plane's fourth stream
+    with pytest.raises(CodecError, match="plane 3"):
+        CODEC.decode_chain([bytes(payload)], {"width": 4}, new.nbytes)
+    exponents = np.ascontiguousarray(new.view(np.uint8)[3::4])
+    one_plane = CODEC.encode(exponents, None, {"width": 1})
+    with pytest.raises(CodecError, match="different number of bytes"):
+        CODEC.decode_chain([one_plane], {"width": 1}, exponents.size - 1)
