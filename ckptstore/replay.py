@@ -11,9 +11,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
+from ckptstore import threadlocal
 from ckptstore.codecs import get_codec
 from ckptstore.codecs.record import Chunk, TensorRecord
 from ckptstore.errors import CodecError, CorruptObjectError
@@ -29,24 +31,31 @@ class ChainSource:
     them; the most recently used packs are kept, up to `pack_cache_bytes` (chunks are replayed in
     about the order they were packed, so a pack is rarely read twice). Where objects need no
     verification here and the store can read a range, each payload is read alone instead, so
-    packs are neither cached nor counted towards the process's memory.
+    packs are neither cached nor counted towards the process's memory, through `ranges` when given
+    (the store's `open_ranges()`, which keeps each pack open for the replay).
     """
 
     store: ObjectStore
     records: Mapping[TensorId, TensorRecord]
     pack_cache_bytes: int = 256 << 20
     verify_objects: bool = True
+    ranges: Any = None
     _packs: OrderedDict[str, Future] = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def payload(self, chunk: Chunk) -> bytes | memoryview:
+    def payload(self, chunk: Chunk, slot: int = 0) -> bytes | memoryview:
         """The stored bytes of one chunk.
 
         They are verified with the object that holds them, unless `verify_objects` is off because
-        the caller hashes what it decodes.
+        the caller hashes what it decodes. A packed payload read through `ranges` lands in this
+        thread's buffer for `slot` (its level in the chain being decoded): valid until the thread
+        reads another payload for that slot.
         """
         if chunk.length is None:
             return self._read(chunk.object_id)
+        if not self.verify_objects and self.ranges is not None:
+            into = threadlocal.scratch("payload", slot, chunk.length)
+            return self.ranges.read(chunk.object_id, chunk.offset, chunk.length, into)
         if not self.verify_objects and hasattr(self.store, "read_range"):
             return self.store.read_range(chunk.object_id, chunk.offset, chunk.length)
         pack = self._pack(chunk.object_id)
@@ -109,7 +118,7 @@ class ChainSource:
         levels = []
         current = record
         while True:
-            payload = self.payload(current.chunks[index])
+            payload = self.payload(current.chunks[index], len(levels))
             levels.append((current, payload))
             if current.base_id in (None, stop_at) or not get_codec(current.codec).needs_base(payload):
                 return levels
@@ -210,8 +219,19 @@ def replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
     read without hashing them too; only a failure verifies the chain's objects to name the
     damaged one.
     """
-    if verify:
-        source = replace(source, verify_objects=False)
+    if not verify:
+        return _replay(source, wanted, pool, verify, on_chunk, by_id)
+    open_ranges = getattr(source.store, "open_ranges", None)
+    ranges = open_ranges() if open_ranges else None
+    try:
+        return _replay(replace(source, verify_objects=False, ranges=ranges), wanted, pool, verify, on_chunk, by_id)
+    finally:
+        if ranges is not None:
+            ranges.close()
+
+
+def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor, verify: bool,
+            on_chunk: Callable[[int], None] | None, by_id: bool) -> dict[TensorId, np.ndarray]:
     records = {r.id: r for r in unique(wanted)}
     outputs: dict[TensorId, np.ndarray] = {}
     chunk_futures: dict[TensorId, list[Future]] = {}

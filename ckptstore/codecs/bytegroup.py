@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from ckptstore import threadlocal
 from ckptstore.codecs import huffman
 from ckptstore.codecs.planes import group, interleave
 from ckptstore.errors import CodecError
@@ -65,26 +66,12 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return cache[level]
 
 
-def _decompressor() -> zstandard.ZstdDecompressor:
-    if not hasattr(_local, "decompressor"):
-        _local.decompressor = zstandard.ZstdDecompressor()
-    return _local.decompressor
-
-
-def _scratch(rows: int, slot: int) -> np.ndarray:
-    """A reused per-thread buffer of `rows` bytes; each slot is a separate buffer."""
-    buffers = _local.__dict__.setdefault("scratch", {})
-    if slot not in buffers or buffers[slot].size < rows:
-        buffers[slot] = np.empty(rows, np.uint8)
-    return buffers[slot][:rows]
-
-
 def _decompress_into(frame: memoryview, dst: np.ndarray) -> int:
     """Decompress one zstd frame into the contiguous `dst`; returns how many bytes the frame held.
 
     At most dst.size + 1 are counted, enough to notice a frame larger than `dst`.
     """
-    reader = _decompressor().stream_reader(frame, read_size=max(len(frame), 1))
+    reader = threadlocal.decompressor().stream_reader(frame, read_size=max(len(frame), 1))
     target, got = memoryview(dst).cast("B"), 0
     while got < len(target):
         count = reader.readinto(target[got:])
@@ -320,9 +307,9 @@ class ByteGroupCodec:
             if whole == 0 and levels[0][j][0] == RAW:
                 planes.append(self._raw_plane(payloads[0], levels[0][j], rows, j))
                 continue
-            plane = _scratch(rows, 1 + j)
+            plane = threadlocal.scratch("plane", 1 + j, rows)
             self._plane_into(payloads[whole], levels[whole][j], rows, j, plane)
-            residual = _scratch(rows, 0)
+            residual = threadlocal.scratch("plane", 0, rows)
             for level in range(whole - 1, -1, -1):
                 self._plane_into(payloads[level], levels[level][j], rows, j, residual)
                 np.bitwise_xor(plane, residual, out=plane)

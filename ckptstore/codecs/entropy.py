@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 import zstandard
 
+from ckptstore import threadlocal
 from ckptstore.errors import CodecError
 
 try:
@@ -56,7 +57,6 @@ def _zstd_c() -> zstandard.ZstdCompressor:
         # replace, so only long runs are matched and the rest goes to the Huffman stage.
         _local.packer = zstandard.ZstdCompressor(
             compression_params=zstandard.ZstdCompressionParameters.from_level(3, min_match=7))
-        _local.d = zstandard.ZstdDecompressor()
     return _local.c
 
 
@@ -157,7 +157,7 @@ def _packed_payload(symbols: np.ndarray, width: int, low: int, nested: int) -> b
 def _unpack(body: memoryview, count: int, dtype: type, use_native: bool = True) -> np.ndarray:
     width, low, length = _PACKED.unpack_from(body)
     per = 8 // width
-    raw = np.frombuffer(_local.d.decompress(body[_PACKED.size : _PACKED.size + length],
+    raw = np.frombuffer(threadlocal.decompressor().decompress(body[_PACKED.size : _PACKED.size + length],
                                             max_output_size=-(-count // per)), dtype=np.uint8)
     if raw.size * per < count:
         raise ValueError("packed codes are short")
@@ -288,14 +288,12 @@ def decode_symbols(payload: bytes | memoryview, dtype: type = np.int32) -> np.nd
     body = memoryview(payload)[_HEAD.size :]
     try:
         if method == ZSTD:
-            _zstd_c()
             width = body[0]
-            raw = _local.d.decompress(body[1:], max_output_size=count * width)
+            raw = threadlocal.decompressor().decompress(body[1:], max_output_size=count * width)
             out = np.frombuffer(raw, dtype={1: np.int8, 2: np.int16, 4: np.int32}[width]).astype(dtype)
         elif method == SPARSE:
-            _zstd_c()
             (length,) = struct.unpack_from("<Q", body)
-            bits = _local.d.decompress(body[8 : 8 + length], max_output_size=(count + 7) // 8)
+            bits = threadlocal.decompressor().decompress(body[8 : 8 + length], max_output_size=(count + 7) // 8)
             nonzero = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=count).astype(bool)
             out = np.zeros(count, dtype=dtype)
             out[nonzero] = decode_symbols(body[8 + length :])

@@ -13,26 +13,18 @@ Layout: b"LG1", has-base (u8), median level (i32), zero-mask length (u32), zstd 
 from __future__ import annotations
 
 import struct
-import threading
 from typing import Any
 
 import numpy as np
 import zstandard
 
+from ckptstore import threadlocal
 from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols
 from ckptstore.codecs.floats import from_float32, itemsize, to_float32
 from ckptstore.errors import CodecError
 
 MAGIC = b"LG1"
 _HEAD = struct.Struct("<3sBiI")
-_local = threading.local()
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    """This thread's zstd decompressor (making one per payload costs more than a small mask)."""
-    if not hasattr(_local, "d"):
-        _local.d = zstandard.ZstdDecompressor()
-    return _local.d
 
 
 def _table(k: int) -> np.ndarray:
@@ -110,7 +102,7 @@ class LogMomentCodec:
         """(has base, median level, packed zero mask, the symbol stream) of one payload."""
         has_base, median, mask_length = self._head(payload)
         try:
-            bits = _decompressor().decompress(payload[_HEAD.size : _HEAD.size + mask_length])
+            bits = threadlocal.decompressor().decompress(payload[_HEAD.size : _HEAD.size + mask_length])
         except zstandard.ZstdError as exc:
             raise CodecError(f"log2moment: zero mask does not decompress: {exc}") from None
         stream = memoryview(payload)[_HEAD.size + mask_length :]

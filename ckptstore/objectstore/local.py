@@ -6,12 +6,66 @@ import contextlib
 import ctypes
 import mmap
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import ObjectId, is_hex_id, object_id
+
+
+class RangeReader:
+    """Reads ranges of objects through file descriptors opened once each; thread-safe, close when done.
+
+    Reopening a pack for each of its payloads (path, open, close) cost as much as reading them.
+    """
+
+    def __init__(self, store: LocalObjectStore) -> None:
+        self._store = store
+        self._fds: dict[ObjectId, int] = {}
+        self._lock = threading.Lock()
+
+    def read(self, oid: ObjectId, offset: int, length: int, into: np.ndarray | None = None) -> bytes | memoryview:
+        """Bytes [offset, offset + length) of `oid`, unverified; a short read is a CorruptObjectError.
+
+        With `into` (a buffer of at least `length` bytes), they are read into it and a view is returned.
+        """
+        fd = self._fds.get(oid)
+        fd = self._open(oid) if fd is None else fd
+        if into is None:
+            data: bytes | memoryview = os.pread(fd, length, offset)
+        else:
+            view = memoryview(into)[:length]
+            data = view[: os.preadv(fd, [view], offset)]
+        if len(data) != length:
+            raise CorruptObjectError(oid, f"pack is shorter than its chunks say ({offset + len(data)} bytes)")
+        return data
+
+    def _open(self, oid: ObjectId) -> int:
+        try:
+            fd = os.open(self._store.path_of(oid), os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptObjectError(oid, "missing") from None
+        with self._lock:
+            kept = self._fds.setdefault(oid, fd)
+        if kept != fd:  # another thread opened it meanwhile
+            os.close(fd)
+        return kept
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+    def __enter__(self) -> RangeReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class LocalObjectStore:
@@ -85,17 +139,12 @@ class LocalObjectStore:
 
         For readers that check what they decode themselves; a short read is a CorruptObjectError.
         """
-        try:
-            fd = os.open(self.path_of(oid), os.O_RDONLY)
-        except FileNotFoundError:
-            raise CorruptObjectError(oid, "missing") from None
-        try:
-            data = os.pread(fd, length, offset)
-        finally:
-            os.close(fd)
-        if len(data) != length:
-            raise CorruptObjectError(oid, f"pack is shorter than its chunks say ({offset + len(data)} bytes)")
-        return data
+        with self.open_ranges() as ranges:
+            return ranges.read(oid, offset, length)
+
+    def open_ranges(self) -> RangeReader:
+        """A `read_range` that keeps each object's file open until closed: one replay's many pack reads."""
+        return RangeReader(self)
 
     def has(self, oid: ObjectId) -> bool:
         return self.path_of(oid).exists()
