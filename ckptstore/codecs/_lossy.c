@@ -1,8 +1,9 @@
-/* Hot loops of the lossy decoders, without the GIL: unpacking k-bit codes and bfloat16 rounding.
+/* Hot loops of the lossy codecs, without the GIL: packing and unpacking k-bit codes, counting
+ * symbols, and bfloat16 rounding.
  *
  * Each replaces several numpy passes (a table gather, a cast, an add, a compare; or four integer
- * passes for a rounding) by one. entropy.py and floats.py keep the numpy versions as fallback and
- * as the reference the tests compare these with, bit for bit.
+ * passes for a rounding) by one, and lets a second thread work meanwhile. entropy.py and floats.py
+ * keep the numpy versions as fallback and as the reference the tests compare these with, bit for bit.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -111,6 +112,148 @@ done:
     return result;
 }
 
+/* Codes of WIDTH bits for symbols (s - low), packed little-endian within a byte; a symbol outside
+ * [low, low + 2**WIDTH - 1) gets the all-ones escape code and its value goes to `escaped`, which
+ * has room for `count` values (written without branching). Returns how many symbols escaped. */
+#define PACK_WIDTH(T, WIDTH)                                                                        \
+    static Py_ssize_t pack_##T##_##WIDTH(const T *symbols, Py_ssize_t count, int64_t low,           \
+                                         uint8_t *packed, int64_t *escaped)                         \
+    {                                                                                               \
+        enum { PER = 8 / (WIDTH), ESCAPE = (1 << (WIDTH)) - 1 };                                    \
+        Py_ssize_t escapes = 0;                                                                     \
+        for (Py_ssize_t j = 0; j * PER < count; j++) {                                              \
+            unsigned byte = 0;                                                                      \
+            for (int k = 0; k < PER && j * PER + k < count; k++) {                                  \
+                int64_t value = (int64_t)symbols[j * PER + k];                                      \
+                uint64_t offset = (uint64_t)(value - low);                                          \
+                uint64_t code = offset < ESCAPE ? offset : ESCAPE;                                  \
+                escaped[escapes] = value;                                                           \
+                escapes += code == ESCAPE;                                                          \
+                byte |= (unsigned)code << (k * (WIDTH));                                            \
+            }                                                                                       \
+            packed[j] = (uint8_t)byte;                                                              \
+        }                                                                                           \
+        return escapes;                                                                             \
+    }
+
+#define PACK(T)                                                                                     \
+    PACK_WIDTH(T, 1) PACK_WIDTH(T, 2) PACK_WIDTH(T, 4) PACK_WIDTH(T, 8)                             \
+    static Py_ssize_t pack_##T(const T *symbols, Py_ssize_t count, int width, int64_t low,          \
+                               uint8_t *packed, int64_t *escaped)                                   \
+    {                                                                                               \
+        switch (width) {                                                                            \
+        case 1: return pack_##T##_1(symbols, count, low, packed, escaped);                          \
+        case 2: return pack_##T##_2(symbols, count, low, packed, escaped);                          \
+        case 4: return pack_##T##_4(symbols, count, low, packed, escaped);                          \
+        default: return pack_##T##_8(symbols, count, low, packed, escaped);                         \
+        }                                                                                           \
+    }                                                                                               \
+                                                                                                    \
+    /* counts[s - low] += 1 for each symbol; all must lie in [low, low + bins). Narrow streams count \
+     * into four tables, so that runs of one value do not wait on one counter. */                   \
+    static void count_##T(const T *symbols, Py_ssize_t count, int64_t low, int64_t *counts,          \
+                          Py_ssize_t bins)                                                          \
+    {                                                                                               \
+        Py_ssize_t i = 0;                                                                           \
+        if (bins <= SPLIT_COUNT_BINS) {                                                             \
+            static _Thread_local int64_t split[3][SPLIT_COUNT_BINS];                                \
+            for (int t = 0; t < 3; t++)                                                             \
+                memset(split[t], 0, sizeof(split[t][0]) * (size_t)bins);                            \
+            for (; i + 4 <= count; i += 4) {                                                        \
+                counts[(int64_t)symbols[i] - low]++;                                                \
+                split[0][(int64_t)symbols[i + 1] - low]++;                                          \
+                split[1][(int64_t)symbols[i + 2] - low]++;                                          \
+                split[2][(int64_t)symbols[i + 3] - low]++;                                          \
+            }                                                                                       \
+            for (Py_ssize_t b = 0; b < bins; b++)                                                   \
+                counts[b] += split[0][b] + split[1][b] + split[2][b];                               \
+        }                                                                                           \
+        for (; i < count; i++)                                                                      \
+            counts[(int64_t)symbols[i] - low]++;                                                    \
+    }
+
+#define SPLIT_COUNT_BINS 4096
+typedef int8_t i8;
+typedef int16_t i16;
+PACK(i8)
+PACK(i16)
+PACK(i32)
+PACK(i64)
+
+static Py_ssize_t symbol_size(int kind)
+{
+    return kind == 'b' ? 1 : kind == 'h' ? 2 : kind == 'i' ? 4 : kind == 'q' ? 8 : 0;
+}
+
+static PyObject *py_pack_codes(PyObject *self, PyObject *args)
+{
+    Py_buffer symbols, packed, escaped;
+    int width, kind;
+    long long low;
+    if (!PyArg_ParseTuple(args, "y*CiLw*w*:pack_codes", &symbols, &kind, &width, &low, &packed, &escaped))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t size = symbol_size(kind);
+    if (size == 0 || (width != 1 && width != 2 && width != 4 && width != 8)) {
+        PyErr_SetString(PyExc_ValueError, "pack_codes: kind is one of b, h, i, q and width 1, 2, 4 or 8");
+        goto done;
+    }
+    Py_ssize_t count = symbols.len / size, per = 8 / width;
+    if (symbols.len % size || packed.len != (count + per - 1) / per) {
+        PyErr_SetString(PyExc_ValueError, "pack_codes: packed must hold ceil(count * width / 8) bytes");
+        goto done;
+    }
+    if (escaped.len / 8 < count) {
+        PyErr_SetString(PyExc_ValueError, "pack_codes: escaped must have room for every symbol");
+        goto done;
+    }
+    Py_ssize_t found = 0;
+    uint8_t *out = (uint8_t *)packed.buf;
+    int64_t *values = (int64_t *)escaped.buf;
+    Py_BEGIN_ALLOW_THREADS
+    switch (kind) {
+    case 'b': found = pack_i8((const i8 *)symbols.buf, count, width, low, out, values); break;
+    case 'h': found = pack_i16((const i16 *)symbols.buf, count, width, low, out, values); break;
+    case 'i': found = pack_i32((const i32 *)symbols.buf, count, width, low, out, values); break;
+    default: found = pack_i64((const i64 *)symbols.buf, count, width, low, out, values); break;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(found);
+done:
+    PyBuffer_Release(&symbols);
+    PyBuffer_Release(&packed);
+    PyBuffer_Release(&escaped);
+    return result;
+}
+
+static PyObject *py_count_symbols(PyObject *self, PyObject *args)
+{
+    Py_buffer symbols, counts;
+    int kind;
+    long long low;
+    if (!PyArg_ParseTuple(args, "y*CLw*:count_symbols", &symbols, &kind, &low, &counts))
+        return NULL;
+    Py_ssize_t size = symbol_size(kind);
+    if (size == 0 || symbols.len % size) {
+        PyErr_SetString(PyExc_ValueError, "count_symbols: kind is one of b, h, i, q");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        memset(counts.buf, 0, (size_t)counts.len);
+        switch (kind) {
+        case 'b': count_i8((const i8 *)symbols.buf, symbols.len, low, (int64_t *)counts.buf, counts.len / 8); break;
+        case 'h': count_i16((const i16 *)symbols.buf, symbols.len / 2, low, (int64_t *)counts.buf, counts.len / 8); break;
+        case 'i': count_i32((const i32 *)symbols.buf, symbols.len / 4, low, (int64_t *)counts.buf, counts.len / 8); break;
+        default: count_i64((const i64 *)symbols.buf, symbols.len / 8, low, (int64_t *)counts.buf, counts.len / 8); break;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&symbols);
+    PyBuffer_Release(&counts);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 /* The float32 bit pattern `bits` rounded to the nearest bfloat16 (ties to even), as its top half;
  * a NaN stays a quiet NaN. */
 static inline uint32_t bfloat16_half(uint32_t bits)
@@ -159,6 +302,10 @@ static PyObject *py_to_bfloat16(PyObject *self, PyObject *args)
 }
 
 static PyMethodDef methods[] = {
+    {"pack_codes", py_pack_codes, METH_VARARGS,
+     "pack_codes(symbols, kind, width, low, packed, escaped) -> how many symbols escaped (escaped: room for all)."},
+    {"count_symbols", py_count_symbols, METH_VARARGS,
+     "count_symbols(symbols, kind, low, counts): counts[s - low] = occurrences; every s must fit."},
     {"unpack_codes", py_unpack_codes, METH_VARARGS,
      "unpack_codes(packed, width, low, out, kind, positions) -> escapes: out[i] = code_i + low."},
     {"round_bfloat16", py_round_bfloat16, METH_VARARGS, "round_bfloat16(float32 values): in place."},
@@ -166,7 +313,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_lossy", "Hot loops of the lossy decoders.", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_lossy", "Hot loops of the lossy codecs.", -1, methods};
 
 PyMODINIT_FUNC PyInit__lossy(void)
 {

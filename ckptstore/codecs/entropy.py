@@ -48,6 +48,7 @@ _GAPS = struct.Struct("<qQ")
 GAPS_ABOVE = 0.8  # the most common value's share from which the gaps method is tried
 _local = threading.local()
 NATIVE_KINDS = {"i": "i", "l": "q", "q": "q", "f": "f", "d": "d"}  # numpy's dtype.char -> the C loops' kind
+PACK_KINDS = {"b": "b", "h": "h", "i": "i", "l": "q", "q": "q"}  # the same, for streams being coded
 
 
 def _zstd_c() -> zstandard.ZstdCompressor:
@@ -86,10 +87,21 @@ def _unpack_tables() -> dict[int, np.ndarray]:
 _UNPACK = _unpack_tables()
 
 
-def _histogram(symbols: np.ndarray) -> tuple[int, np.ndarray]:
-    """(lowest value, count of each value from it up)."""
-    low = int(symbols.min())
-    return low, np.bincount(symbols.astype(np.int32, copy=False) - np.int32(low))
+def _native_kind(symbols: np.ndarray, use_native: bool) -> str | None:
+    """The C loops' name for this integer stream's type, or None to use numpy."""
+    if native is None or not use_native or not symbols.flags.c_contiguous:
+        return None
+    return PACK_KINDS.get(symbols.dtype.char)
+
+
+def _histogram(symbols: np.ndarray, low: int, high: int, use_native: bool = True) -> np.ndarray:
+    """The count of each value from `low` to `high` (the stream's extremes)."""
+    kind = _native_kind(symbols, use_native)
+    if kind is None:
+        return np.bincount(symbols.astype(np.int32, copy=False) - np.int32(low), minlength=high - low + 1)
+    counts = np.empty(high - low + 1, np.int64)
+    native.count_symbols(symbols, kind, low, counts)
+    return counts
 
 
 def _bits(counts: np.ndarray) -> float:
@@ -136,12 +148,22 @@ def _packings(low: int, counts: np.ndarray, widths: tuple[int, ...] = PACK_WIDTH
     return sorted(options)
 
 
-def _packed_payload(symbols: np.ndarray, width: int, low: int, nested: int) -> bytes:
-    escape = (1 << width) - 1
+def _packed_payload(symbols: np.ndarray, width: int, low: int, nested: int, use_native: bool = True) -> bytes:
+    packed, escaped = _pack(symbols, width, low, use_native)
+    _zstd_c()  # sets up this thread's compressors
+    body = (_local.c if width == 1 else _local.packer).compress(packed)
+    return _PACKED.pack(width, low, len(body)) + body + encode_symbols(escaped, nested + 1)
+
+
+def _pack(symbols: np.ndarray, width: int, low: int, use_native: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """The `width`-bit codes of `symbols` for the window from `low`, packed, and the escaped values in order."""
+    escape, per = (1 << width) - 1, 8 // width
+    kind = _native_kind(symbols, use_native)
+    if kind is not None:  # room for every symbol to escape: the pages never written cost no memory
+        packed, escaped = np.empty(-(-symbols.size // per), np.uint8), np.empty(symbols.size, np.int64)
+        return packed, escaped[: native.pack_codes(symbols, kind, width, low, packed, escaped)]
     offsets = (symbols.astype(np.int32, copy=False) - np.int32(low)).view(np.uint32)  # below: huge, escaped
-    outside = offsets >= escape
     codes = np.minimum(offsets, escape).astype(np.uint8)
-    per = 8 // width
     if width == 1:
         packed = np.packbits(codes, bitorder="little")
     else:
@@ -149,9 +171,7 @@ def _packed_payload(symbols: np.ndarray, width: int, low: int, nested: int) -> b
         packed = codes[:, 0].copy()
         for k in range(1, per):
             packed |= codes[:, k] << np.uint8(k * width)
-    _zstd_c()  # sets up this thread's compressors
-    body = (_local.c if width == 1 else _local.packer).compress(packed.tobytes())
-    return _PACKED.pack(width, low, len(body)) + body + encode_symbols(symbols[outside], nested + 1)
+    return packed, symbols[offsets >= escape]
 
 
 def _unpack(body: memoryview, count: int, dtype: type, use_native: bool = True) -> np.ndarray:
@@ -262,7 +282,7 @@ def encode_symbols(symbols: np.ndarray, nested: int = 0) -> bytes:
         return _HEAD.pack(MAGIC, CONSTANT, symbols.size) + struct.pack("<q", low)
     if symbols.size < 64 or high - low >= PACK_MAX_RANGE:
         return _HEAD.pack(MAGIC, ZSTD, symbols.size) + _zstd_payload(symbols)
-    low, counts = _histogram(symbols)
+    counts = _histogram(symbols, low, high)
     if nested < MAX_NESTING:  # the estimate ranks the widths; the likeliest (two at the top level) are tried
         # Escaped values are the stream's spread-out tail: narrow codes would peel them one by one.
         ranked = _packings(low, counts, PACK_WIDTHS if nested == 0 else (4, 8))
@@ -298,7 +318,6 @@ def decode_symbols(payload: bytes | memoryview, dtype: type = np.int32) -> np.nd
             out = np.zeros(count, dtype=dtype)
             out[nonzero] = decode_symbols(body[8 + length :])
         elif method == PACKED:
-            _zstd_c()
             out = _unpack(body, count, dtype)
         elif method == GAPS:
             out = _ungap(body, count, dtype)

@@ -63,3 +63,29 @@ def test_an_impossible_escape_count_is_refused_before_allocating(use_native):
     _HEAD.pack_into(body, escape_head, magic, method, 1 << 60)
     with pytest.raises(ValueError, match="more escapes than codes"):
         entropy._unpack(memoryview(bytes(body)), symbols.size, np.int32, use_native=use_native)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64])
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_codes_pack_like_numpy(dtype, width):
+    rng = np.random.default_rng(width)
+    for count in (1, 7, 10_007):
+        symbols = np.clip(np.round(rng.standard_normal(count) * 4), -100, 100).astype(dtype)
+        for low in (-200, -3, 0, 5):  # windows below, around and above most symbols
+            packed, escaped = entropy._pack(symbols, width, low)
+            reference_packed, reference_escaped = entropy._pack(symbols, width, low, use_native=False)
+            assert packed.tobytes() == reference_packed.tobytes()
+            assert escaped.tolist() == reference_escaped.tolist()
+    assert _packed_payload(symbols, width, -3, 0) == _packed_payload(symbols, width, -3, 0, use_native=False)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64])
+def test_symbol_counts_match_numpy(dtype):
+    rng = np.random.default_rng(1)
+    for spread in (2, 50, 20_000):  # narrow streams count in split tables, wide ones directly
+        symbols = np.clip(np.round(rng.standard_normal(30_001) * spread), np.iinfo(dtype).min, np.iinfo(dtype).max)
+        symbols = symbols.astype(dtype)
+        low, high = int(symbols.min()), int(symbols.max())
+        counts = entropy._histogram(symbols, low, high)
+        assert counts.tolist() == entropy._histogram(symbols, low, high, use_native=False).tolist()
+        assert counts.sum() == symbols.size
