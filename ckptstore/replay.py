@@ -11,7 +11,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 
@@ -21,6 +20,7 @@ from ckptstore.codecs.record import Chunk, TensorRecord
 from ckptstore.errors import CodecError, CorruptObjectError
 from ckptstore.hashing import TensorId, chunk_checksum, tensor_id
 from ckptstore.objectstore import ObjectStore
+from ckptstore.objectstore.base import RangeReader
 
 
 @dataclass
@@ -30,16 +30,15 @@ class ChainSource:
     Pack objects (many small payloads in one object) are read once and shared by the chunks in
     them; the most recently used packs are kept, up to `pack_cache_bytes` (chunks are replayed in
     about the order they were packed, so a pack is rarely read twice). Where objects need no
-    verification here and the store can read a range, each payload is read alone instead, so
-    packs are neither cached nor counted towards the process's memory, through `ranges` when given
-    (the store's `open_ranges()`, which keeps each pack open for the replay).
+    verification here and `ranges` is given (the store's `open_ranges()`), each payload is read
+    alone instead, so packs are neither cached nor counted towards the process's memory.
     """
 
     store: ObjectStore
     records: Mapping[TensorId, TensorRecord]
     pack_cache_bytes: int = 256 << 20
     verify_objects: bool = True
-    ranges: Any = None
+    ranges: RangeReader | None = None
     _packs: OrderedDict[str, Future] = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -56,8 +55,6 @@ class ChainSource:
         if not self.verify_objects and self.ranges is not None:
             into = threadlocal.scratch("payload", slot, chunk.length)
             return self.ranges.read(chunk.object_id, chunk.offset, chunk.length, into)
-        if not self.verify_objects and hasattr(self.store, "read_range"):
-            return self.store.read_range(chunk.object_id, chunk.offset, chunk.length)
         pack = self._pack(chunk.object_id)
         if chunk.offset + chunk.length > len(pack):
             raise CorruptObjectError(chunk.object_id, f"pack of {len(pack)} bytes is shorter than its chunks say")

@@ -1,9 +1,9 @@
-"""The object store contract: five methods over immutable, content-addressed blobs."""
+"""The object store contract: five methods over immutable, content-addressed blobs (and one optional)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ckptstore.hashing import ObjectId
 
@@ -29,3 +29,19 @@ class ObjectStore(Protocol):
 
     def iter_ids(self) -> Iterator[ObjectId]:
         """Every stored id, in no particular order."""
+
+
+class RangeReader(Protocol):
+    """What a store's optional `open_ranges()` returns: unverified reads of object byte ranges.
+
+    Handles stay open until `close()`: a replay reads many payloads from a few packs.
+    """
+
+    def read(self, oid: ObjectId, offset: int, length: int, into: Any = None) -> bytes | memoryview:
+        """Bytes [offset, offset + length) of `oid`; a missing object or short read is a CorruptObjectError.
+
+        With `into` (a writable buffer of at least `length` bytes) they are read into it and a view is returned.
+        """
+
+    def close(self) -> None:
+        """Release the handles."""

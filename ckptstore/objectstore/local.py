@@ -17,8 +17,8 @@ from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import ObjectId, is_hex_id, object_id
 
 
-class RangeReader:
-    """Reads ranges of objects through file descriptors opened once each; thread-safe, close when done.
+class FileRanges:
+    """The local store's RangeReader: each object's file opened once; thread-safe, close when done.
 
     Reopening a pack for each of its payloads (path, open, close) cost as much as reading them.
     """
@@ -60,12 +60,6 @@ class RangeReader:
             fds, self._fds = list(self._fds.values()), {}
         for fd in fds:
             os.close(fd)
-
-    def __enter__(self) -> RangeReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class LocalObjectStore:
@@ -134,17 +128,9 @@ class LocalObjectStore:
             raise CorruptObjectError(oid, f"corrupted (its {len(data)} bytes do not match its hash)")
         return data
 
-    def read_range(self, oid: ObjectId, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset + length) of `oid`, unverified: one payload of a pack.
-
-        For readers that check what they decode themselves; a short read is a CorruptObjectError.
-        """
-        with self.open_ranges() as ranges:
-            return ranges.read(oid, offset, length)
-
-    def open_ranges(self) -> RangeReader:
-        """A `read_range` that keeps each object's file open until closed: one replay's many pack reads."""
-        return RangeReader(self)
+    def open_ranges(self) -> FileRanges:
+        """Unverified reads of object ranges with each file kept open until closed (see base.RangeReader)."""
+        return FileRanges(self)
 
     def has(self, oid: ObjectId) -> bool:
         return self.path_of(oid).exists()
