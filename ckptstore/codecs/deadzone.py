@@ -74,6 +74,11 @@ def chunk_step(target: np.ndarray, params: dict[str, Any], residual: bool) -> fl
     return float(np.float32(step))
 
 
+def capped(step: float, params: dict[str, Any]) -> bool:
+    """Whether a chunk's step is finer than planned: `chunk_step` capped it for a small residual."""
+    return step < np.float32(params["step"])
+
+
 class DeadZoneCodec:
     """Dead-zone uniform quantizer for float tensors (keyframes and closed-loop residuals)."""
 
@@ -90,8 +95,7 @@ class DeadZoneCodec:
         step = chunk_step(target, params, base is not None)
         # A capped step tracks a fine-tune's small, steady updates: a wider dead zone would hold
         # them back every time, a lag in the direction of training, so it rounds to nearest.
-        capped = step < np.float32(params["step"])
-        levels = quantize(target, step, 0.5 if capped else params.get("rounding", 0.5))
+        levels = quantize(target, step, 0.5 if capped(step, params) else params.get("rounding", 0.5))
         if hints and hints.get("prune") is not None:
             levels[hints["prune"]] = 0
         payload = _HEAD.pack(MAGIC, base is not None, step) + encode_symbols(levels)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ckptstore.codecs import get_codec
-from ckptstore.codecs.deadzone import chunk_step
+from ckptstore.codecs.deadzone import capped, chunk_step
 from ckptstore.codecs.floats import to_float32
 from ckptstore.codecs.record import Chunk, TensorRecord
 from ckptstore.hashing import ObjectId, TensorId, chunk_checksum, tensor_id_of_parts
@@ -80,7 +80,7 @@ def _prune_mask(job: Job, data: np.ndarray, base: np.ndarray | None, start: int)
         return None
     dtype = job.params["dtype"]
     delta = to_float32(data, dtype) - to_float32(base, dtype)
-    if chunk_step(delta, job.params, residual=True) < np.float32(job.params["step"]):
+    if capped(chunk_step(delta, job.params, residual=True), job.params):
         return None  # a fine-tune-sized move, quantized finer than planned: its updates are the signal
     count = delta.size
     width = job.importance.itemsize
@@ -123,9 +123,9 @@ def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: i
     error = to_float32(recon, params["dtype"]).astype(np.float64) - original
     oid, kept = _stored(source, payload)
     step_of = getattr(codec, "step_of", None)
-    capped = step_of is not None and step_of(payload) < np.float32(params["step"])
     return ChunkResult(oid, len(payload), codec.needs_base(payload), recon, mask,
-                       float(error @ error), float(original @ original), payload=kept, capped=capped,
+                       float(error @ error), float(original @ original), payload=kept,
+                       capped=step_of is not None and capped(step_of(payload), params),
                        checksum=chunk_checksum(recon))
 
 
