@@ -46,7 +46,7 @@ XOR_GAIN = 0.6
 # planes it is 1-3% larger and decodes 1.7x (dense) to 4x (XOR planes) faster. Planes where zstd
 # finds long matches (fine-tunes' unchanged bytes) stay zstd, which is then both smaller and faster.
 HUF_SLACK = 1.04
-HUF_MIN_ROWS = 1 << 10  # below this, the 152-byte header and building the decoding table outweigh the gain
+HUF_MIN_ROWS = 1 << 10  # below this, the 160 bytes of header and padding and the table setup outweigh the gain
 
 _local = threading.local()
 
@@ -108,7 +108,7 @@ def _code(data: np.ndarray, mode: int, compressor: zstandard.ZstdCompressor) -> 
 
 
 class ByteGroupCodec:
-    """Byte-grouped zstd, with XOR residual planes when a base is given."""
+    """Byte planes coded with zstd or Huffman, with XOR residual planes when a base is given."""
 
     codec_id = "bytegroup"
 
@@ -181,8 +181,9 @@ class ByteGroupCodec:
         for xor, sample in samples.items():
             payload = compressor.compress(sample)
             mode, size = _mode(xor, False), len(payload)
-            if _huffman_fits(plane.size) and huffman.coded_size(sample) <= HUF_SLACK * size:
-                mode, size, payload = _mode(xor, True), huffman.coded_size(sample), None
+            huffman_size = huffman.coded_size(sample) if _huffman_fits(plane.size) else None
+            if huffman_size is not None and huffman_size <= HUF_SLACK * size:
+                mode, size, payload = _mode(xor, True), huffman_size, None
             ratio = size / max(sample.size, 1) / (XOR_GAIN if xor else 1.0)
             if ratio < best_ratio:
                 best_mode, best_ratio, best_payload = mode, ratio, payload
