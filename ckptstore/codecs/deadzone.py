@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ckptstore.codecs import codebook
 from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols
 from ckptstore.codecs.floats import from_float32, itemsize, round_to_bfloat16, to_float32
 from ckptstore.errors import CodecError
@@ -95,10 +96,21 @@ class DeadZoneCodec:
         step = chunk_step(target, params, base is not None)
         # A capped step tracks a fine-tune's small, steady updates: a wider dead zone would hold
         # them back every time, a lag in the direction of training, so it rounds to nearest.
-        levels = quantize(target, step, 0.5 if capped(step, params) else params.get("rounding", 0.5))
-        if hints and hints.get("prune") is not None:
+        rounding = 0.5 if capped(step, params) else params.get("rounding", 0.5)
+        levels = quantize(target, step, rounding)
+        pruned = hints is not None and hints.get("prune") is not None
+        if pruned:
             levels[hints["prune"]] = 0
         payload = _HEAD.pack(MAGIC, base is not None, step) + encode_symbols(levels)
+        if params.get("codebooks") and not pruned:  # the alternative of codebook.py, at no larger error
+            error_sq = float(np.sum((dequantize(levels, step) - target).astype(np.float64) ** 2))
+            bound = step * max(rounding, 1 - rounding)  # the most a dead-zone level is off by
+            alternative = codebook.try_encode(target, error_sq, bound, len(payload), base is not None, step)
+            if alternative is not None:
+                payload, update = alternative
+                if base is not None:
+                    update = to_float32(base, params["dtype"]) + update
+                return payload, from_float32(update, params["dtype"])
         return payload, _reconstruct(levels, base, step, params["dtype"])
 
     def encode(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any]) -> bytes:
@@ -112,7 +124,9 @@ class DeadZoneCodec:
         return self._head(payload, {})[1]
 
     def _head(self, payload: bytes, params: dict[str, Any]) -> tuple[int, float, int]:
-        """(has base, step, header size); version 1 kept its step in the params."""
+        """(has base, step, header size); version 1 kept its step in the params; codebook payloads: size 0."""
+        if codebook.is_codebook(payload):
+            return (*codebook.head(payload), 0)
         if len(payload) >= _HEAD.size and payload[:3] == MAGIC:
             _, has_base, step = _HEAD.unpack_from(payload)
             return has_base, step, _HEAD.size
@@ -134,8 +148,11 @@ class DeadZoneCodec:
             if has_base != (values is not None):
                 raise CodecError("deadzone: chain does not start at a keyframe")
             body = memoryview(payload)[header:]
-            sparse = decode_sparse(body, np.float32) if values is not None else None
-            if sparse is not None and sparse.common == 0 and sparse.count == values.size:
+            sparse = decode_sparse(body, np.float32) if values is not None and header else None
+            if not header:  # a codebook payload
+                update = codebook.decode_update(payload)
+                values = update if values is None else values + update
+            elif sparse is not None and sparse.common == 0 and sparse.count == values.size:
                 if dtype != "torch.float32":
                     values += np.float32(0)  # a rounding's -0.0 becomes +0.0, as adding a zero level makes it
                 values[sparse.positions] += sparse.values * np.float32(step)  # other levels are zero
@@ -163,8 +180,14 @@ class DeadZoneCodec:
         has_base, step, header = self._head(payload, params)
         if has_base and (base is None or base.size != nbytes):
             raise CodecError("deadzone: residual chunk decoded without its base")
-        levels = decode_symbols(memoryview(payload)[header:])
-        out = _reconstruct(levels, base if has_base else None, step, params["dtype"])
+        if not header:  # a codebook payload
+            update = codebook.decode_update(payload)
+            if has_base:
+                update = to_float32(base, params["dtype"]) + update
+            out = from_float32(update, params["dtype"])
+        else:
+            out = _reconstruct(decode_symbols(memoryview(payload)[header:]), base if has_base else None, step,
+                               params["dtype"])
         if out.size != nbytes:
             raise CodecError(f"deadzone: decoded {out.size} bytes, expected {nbytes}")
         return out

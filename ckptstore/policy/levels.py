@@ -28,7 +28,10 @@ class LossyLevel:
     capped that way: a fine-tune's next updates move the weights by as much as its whole run so
     far, so its moments need more precision than a from-scratch run's.
     `fisher_allocation` scales each weight's step by its estimated Fisher information (from Adam's
-    second moment), spending bits where the loss is sensitive. Tensors smaller than
+    second moment), spending bits where the loss is sensitive. `codebooks` lets each chunk of a
+    weight (or SGD momentum) take a fitted non-uniform codebook instead of the uniform levels
+    where that is smaller at no larger error (codecs/codebook.py); off in the presets, since on
+    the benchmark runs it never won a chunk and the trials slowed encoding (docs/benchmarks.md). Tensors smaller than
     `min_elements`, one-dimensional ones (biases, norms) and integer ones are always lossless.
     """
 
@@ -49,6 +52,7 @@ class LossyLevel:
     fine_drift: float = 0.0
     settled_step: float = 0.0
     fine_moment_step: float = 0.0
+    codebooks: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

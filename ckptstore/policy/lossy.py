@@ -58,6 +58,11 @@ def _temporal_base(parent: TensorRecord | None, raw: RawTensor, codecs: tuple[st
     return parent
 
 
+def _codebooks(level: LossyLevel) -> dict[str, bool]:
+    """The dead-zone param that lets chunks try a codebook (absent when off, as in older records)."""
+    return {"codebooks": True} if level.codebooks else {}
+
+
 def eligible(raw: RawTensor, level: LossyLevel) -> bool:
     """Float tensors large enough to be worth quantizing."""
     return raw.dtype in LOSSY_DTYPES and int(np.prod(raw.shape)) >= level.min_elements
@@ -81,7 +86,7 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
         base = _temporal_base(parents.get(path), raw, ("deadzone", "bytegroup"), level.max_chain)
         step = (level.weight_residual_step if base is not None else level.weight_keyframe_step) * factor * rms
         params = dict(chunking, dtype=raw.dtype, step=step, rounding=level.weight_rounding if base else 0.5,
-                      relative_step=level.relative_step)
+                      relative_step=level.relative_step, **_codebooks(level))
         if level.fine_drift > 0 and base is not None:
             params["fine_below"] = level.fine_drift * rms
             params["base_error"] = float(base.params.get("rel_error", 0.0)) * rms
@@ -110,7 +115,7 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
             if rms > 0:  # its error reaches the weights only as lr / (1 - momentum) times it, decaying
                 plans[path] = LossyPlan(path, "deadzone", dict(chunking, dtype=raw.dtype,
                                         step=level.moment_step * SGD_MOMENTUM_STEP * rms, rounding=0.5,
-                                        chunk_bytes=_chunk(raw, settings)))
+                                        chunk_bytes=_chunk(raw, settings), **_codebooks(level)))
         elif role == "exp_avg_sq" and eligible(raw, level) and slot.exp_avg is not None:
             base = _temporal_base(parents.get(path), raw, ("log2moment",), level.max_chain)
             params = dict(dtype=raw.dtype, k=level.v_levels_log2,

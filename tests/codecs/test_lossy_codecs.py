@@ -301,3 +301,55 @@ def test_log_moment_chain_decodes_like_level_by_level(with_zeros, dtype, changed
     assert codec._level_by_level(payloads, params, recon.size, None).tobytes() == recon.tobytes()
     with pytest.raises(CodecError):
         codec.decode_chain(payloads[:-1], params, recon.size)
+
+
+def _clustered(count: int, step: float, seed: int) -> np.ndarray:
+    """Values in three tight clusters that straddle the uniform grid: a codebook's best case."""
+    rng = np.random.default_rng(seed)
+    centers = np.array([-40.3, 0.2, 17.6]) * step
+    return (centers[rng.integers(0, 3, count)] + rng.uniform(-0.45, 0.45, count) * step).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.float16"])
+def test_codebook_chunks_win_only_where_smaller_at_no_larger_error(dtype):
+    codec, step = get_codec("deadzone"), 0.01
+    values = _clustered(40_000, step, 1)
+    raw = _raw(values, dtype)
+    plain = {"dtype": dtype, "step": step, "rounding": 0.5}
+    uniform, _ = codec.encode_lossy(raw, None, plain)
+    payload, recon = codec.encode_lossy(raw, None, dict(plain, codebooks=True))
+    assert payload[:3] == b"CB1" and len(payload) < 0.8 * len(uniform)
+    target = to_float32(raw, dtype)
+    # float16 rounds the reconstruction itself: bounded by half a step plus that rounding
+    slack = 0 if dtype == "torch.float32" else float(np.abs(target).max()) * 2.0**-11
+    assert float(np.abs(to_float32(recon, dtype) - target).max()) <= step / 2 + slack
+    assert codec.decode(payload, None, plain, recon.size).tobytes() == recon.tobytes()
+    gaussian = _raw(RNG.standard_normal(40_000).astype(np.float32), dtype)  # uniform levels are near optimal
+    assert codec.encode_lossy(gaussian, None, dict(plain, codebooks=True))[0][:3] == b"DZ2"
+
+
+def test_chains_mixing_codebook_and_uniform_levels_decode_like_level_by_level():
+    codec, step, dtype = get_codec("deadzone"), 0.01, "torch.float16"
+    params = {"dtype": dtype, "step": step, "rounding": 0.5, "codebooks": True}
+    payloads, base = [], None
+    for level in range(4):
+        values = _clustered(30_000, step, 2) if level == 0 else to_float32(base, dtype) + (
+            _clustered(30_000, step, 3 + level) if level % 2 else RNG.standard_normal(30_000).astype(np.float32) * 0.02)
+        payload, base = codec.encode_lossy(_raw(values, dtype), base, params)
+        payloads.insert(0, payload)
+    assert {p[:3] for p in payloads} == {b"CB1", b"DZ2"}
+    _decodes_like_level_by_level(codec, payloads, {"dtype": dtype}, base)
+
+
+def test_damaged_codebook_payloads_are_codec_errors():
+    codec, step = get_codec("deadzone"), 0.01
+    payload, recon = codec.encode_lossy(_raw(_clustered(5_000, step, 4), "torch.float32"), None,
+                                        {"dtype": "torch.float32", "step": step, "codebooks": True})
+    assert payload[:3] == b"CB1"
+    params = {"dtype": "torch.float32"}
+    with pytest.raises(CodecError, match="shorter than its table"):
+        codec.decode_chain([payload[:14]], params, recon.size)
+    table_size = struct.unpack_from("<H", payload, 8)[0]
+    shrunk = payload[:8] + struct.pack("<H", table_size - 1) + payload[10:]  # indices now point past it
+    with pytest.raises(CodecError):
+        codec.decode_chain([shrunk], params, recon.size)

@@ -62,14 +62,17 @@ def test_balanced_level_keeps_everything_but_weights_and_moments_exact(repo, tmp
     assert repo.commit_info(cid).stored_bytes < 0.5 * repo.commit_info(cid).raw_bytes
 
 
-def test_every_entry_is_within_its_codec_bound(repo, tmp_path):
+@pytest.mark.parametrize("codebooks", [False, True])
+def test_every_entry_is_within_its_codec_bound(repo, tmp_path, codebooks):
     """Without pruning, each weight is within half a step, each m within half a step of sqrt(v_hat),
-    each v within half a grid interval of log2: at every commit of a chain."""
-    for path, cid in _run(repo, tmp_path, "balanced", prune=0.0):
+    each v within half a grid interval of log2: at every commit of a chain (codebook chunks too)."""
+    for path, cid in _run(repo, tmp_path, "balanced", prune=0.0, codebooks=codebooks):
         original, restored = _load(path), repo.checkout(cid)
         shown = _steps(repo, cid)
         for name in LOSSY_WEIGHTS:
-            step = repo_params(repo, shown[f"model/{name}"])["step"]  # the planned step; chunks may use finer
+            params = repo_params(repo, shown[f"model/{name}"])
+            assert params.get("codebooks", False) == codebooks
+            step = params["step"]  # the planned step; chunks may use finer
             assert (restored["model"][name] - original["model"][name]).abs().max() <= step / 2 * 1.0001
         for index, state in original["optimizer"]["state"].items():
             entry = shown[f"optimizer/state/{index}/exp_avg"]
