@@ -46,6 +46,7 @@ PACK_MAX_RANGE = 1 << 20
 _PACKED = struct.Struct("<BiQ")
 _GAPS = struct.Struct("<qQ")
 GAPS_ABOVE = 0.8  # the most common value's share from which the gaps method is tried
+MAX_SYMBOLS = 1 << 30  # a 4 GiB chunk of float32; a damaged count above it is refused before allocating
 _local = threading.local()
 NATIVE_KINDS = {"i": "i", "l": "q", "q": "q", "f": "f", "d": "d"}  # numpy's dtype.char -> the C loops' kind
 PACK_KINDS = {"b": "b", "h": "h", "i": "i", "l": "q", "q": "q"}  # the same, for streams being coded
@@ -176,6 +177,8 @@ def _pack(symbols: np.ndarray, width: int, low: int, use_native: bool = True) ->
 
 def _unpack(body: memoryview, count: int, dtype: type, use_native: bool = True) -> np.ndarray:
     width, low, length = _PACKED.unpack_from(body)
+    if width not in PACK_WIDTHS:
+        raise ValueError(f"packed codes have width {width}, not one of {PACK_WIDTHS}")
     per = 8 // width
     raw = np.frombuffer(threadlocal.decompressor().decompress(body[_PACKED.size : _PACKED.size + length],
                                             max_output_size=-(-count // per)), dtype=np.uint8)
@@ -253,7 +256,7 @@ def decode_sparse(payload: bytes | memoryview, dtype: type = np.int32) -> Sparse
             return Sparse(count, *_gap_parts(body, count, dtype))
         if method == CONSTANT:
             return Sparse(count, struct.unpack_from("<q", body)[0], np.empty(0, np.int64), np.empty(0, dtype))
-    except (zstandard.ZstdError, ValueError, KeyError, struct.error) as exc:
+    except (zstandard.ZstdError, ValueError, KeyError, IndexError, OverflowError, MemoryError, struct.error) as exc:
         raise CodecError(f"entropy: stream does not decode: {exc}") from None
     return None
 
@@ -265,6 +268,8 @@ def _header(payload: bytes | memoryview) -> tuple[int, int]:
     magic, method, count = _HEAD.unpack_from(payload)
     if magic != MAGIC:
         raise CodecError("entropy: payload does not start with a valid header")
+    if count > MAX_SYMBOLS:
+        raise CodecError(f"entropy: stream claims {count} symbols, more than any chunk holds")
     return method, count
 
 
@@ -333,7 +338,7 @@ def decode_symbols(payload: bytes | memoryview, dtype: type = np.int32) -> np.nd
             out = (constriction.stream.stack.AnsCoder(words).decode(model, count).astype(np.int32) + low).astype(dtype)
         else:
             raise CodecError(f"entropy: unknown method {method}")
-    except (zstandard.ZstdError, ValueError, KeyError, struct.error) as exc:
+    except (zstandard.ZstdError, ValueError, KeyError, IndexError, OverflowError, MemoryError, struct.error) as exc:
         raise CodecError(f"entropy: stream does not decode: {exc}") from None
     if out.size != count:
         raise CodecError(f"entropy: decoded {out.size} symbols, expected {count}")

@@ -353,3 +353,18 @@ def test_damaged_codebook_payloads_are_codec_errors():
     shrunk = payload[:8] + struct.pack("<H", table_size - 1) + payload[10:]  # indices now point past it
     with pytest.raises(CodecError):
         codec.decode_chain([shrunk], params, recon.size)
+
+
+def test_damaged_stream_headers_are_codec_errors_before_any_allocation():
+    symbols = np.clip(np.round(RNG.standard_normal(5_000) * 3), -50, 50).astype(np.int32)
+    payload = encode_symbols(symbols)
+    method, count = _header(payload)
+    assert method == PACKED and count == symbols.size
+    huge = payload[:4] + struct.pack("<Q", 1 << 50) + payload[12:]
+    with pytest.raises(CodecError, match="more than any chunk holds"):
+        decode_symbols(huge)
+    zero_width = payload[:12] + b"\x00" + payload[13:]  # the packed codes' width
+    with pytest.raises(CodecError, match="width 0"):
+        decode_symbols(zero_width)
+    with pytest.raises(CodecError):  # a zstd stream with no body at all
+        decode_symbols(MAGIC + bytes([0]) + struct.pack("<Q", 10))
