@@ -36,8 +36,11 @@ def _records(repo, cid):
     return records, wanted
 
 
+@pytest.mark.parametrize("batch_bytes", [None, 150_000])  # small batches: both staging buffers reused
 @pytest.mark.parametrize("lossy", [None, "balanced"])
-def test_torch_replay_on_cpu_matches_numpy_replay_bit_for_bit(tmp_path, lossy):
+def test_torch_replay_on_cpu_matches_numpy_replay_bit_for_bit(tmp_path, monkeypatch, lossy, batch_bytes):
+    if batch_bytes:
+        monkeypatch.setattr(replay_torch, "BATCH_BYTES", batch_bytes)
     repo, cid = _chained_repo(tmp_path, lossy)
     records, wanted = _records(repo, cid)
     assert max(r.depth for r in wanted) >= 2 and any(len(r.chunks) > 1 for r in wanted)
