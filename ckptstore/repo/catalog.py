@@ -11,6 +11,7 @@ from sqlalchemy import Connection, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from ckptstore.codecs.record import Chunk, TensorRecord
+from ckptstore.errors import CkptError
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata.schema import commit_parents, commit_tensors, commits, objects, tensor_chunks, tensors
 
@@ -73,22 +74,21 @@ _CHUNK_SQL = ('SELECT tensor_id, object_id, raw_bytes, "offset", length, checksu
 def load_records(conn: Connection, ids: Iterable[TensorId], with_bases: bool = True) -> dict[TensorId, TensorRecord]:
     """Records for `ids` and, with `with_bases`, every record down their chains.
 
-    Every checkout starts here, so this is plain SQL through the driver: compiling the equivalent
-    SQLAlchemy statements was 60% of it in a fresh process (bf16 benchmark checkpoint, 212
-    records: 7 ms -> 2.7 ms).
+    Every checkout starts here, so this is plain SQL through the driver (`driver_sql`): compiling
+    the equivalent SQLAlchemy statements was 60% of it in a fresh process (bf16 benchmark
+    checkpoint, 212 records: 7 ms -> 2.7 ms).
     """
-    mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
     found: dict[TensorId, TensorRecord] = {}
     pending = {i for i in ids if i}
     while pending:
         batch_ids = list(pending)
         pending = set()
         for batch in batches(batch_ids):
-            marks = ", ".join([mark] * len(batch))
-            rows = conn.exec_driver_sql(_RECORD_SQL.format(marks=marks), tuple(batch)).all()
+            marks = ", ".join(["?"] * len(batch))
+            rows = driver_sql(conn, _RECORD_SQL.format(marks=marks), tuple(batch)).all()
             chunks: dict[str, list[Chunk]] = {}
-            for tensor, object_id, raw_bytes, offset, length, checksum in conn.exec_driver_sql(
-                    _CHUNK_SQL.format(marks=marks), tuple(batch)):
+            for tensor, object_id, raw_bytes, offset, length, checksum in driver_sql(
+                    conn, _CHUNK_SQL.format(marks=marks), tuple(batch)):
                 chunks.setdefault(tensor, []).append(Chunk(ObjectId(object_id), raw_bytes, offset, length, checksum))
             for tid, dtype, shape, codec, params, base_id, depth, raw_bytes, stored_bytes in rows:
                 found[TensorId(tid)] = TensorRecord(
@@ -140,6 +140,25 @@ def all_commits(conn: Connection) -> dict[CommitId, CommitInfo]:
         CommitId(row.id): _info(row, [CommitId(p) for _, p in sorted(parents.get(row.id, []))])
         for row in conn.execute(select(commits))
     }
+
+
+def driver_sql(conn: Connection, sql: str, params: tuple = ()):
+    """Run `sql` through the database driver, "?" standing for each parameter.
+
+    For the reads every checkout makes: SQLAlchemy compiles each statement the first time a process
+    runs it, which in a process restarting after a crash cost more than the reads themselves.
+    """
+    if conn.dialect.paramstyle != "qmark":
+        sql = sql.replace("?", "%s")
+    return conn.exec_driver_sql(sql, params)
+
+
+def manifest_object(conn: Connection, cid: CommitId) -> ObjectId:
+    """The object holding commit `cid`'s manifest."""
+    row = driver_sql(conn, "SELECT manifest_object FROM commits WHERE id = ?", (cid,)).first()
+    if row is None:
+        raise CkptError(f"metadata has no commit {cid}; run `ckpt fsck`")
+    return ObjectId(row[0])
 
 
 def commit_info(conn: Connection, cid: CommitId) -> CommitInfo:

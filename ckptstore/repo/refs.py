@@ -9,7 +9,8 @@ from sqlalchemy import Connection, select
 
 from ckptstore.errors import AmbiguousRefError, InvalidRefNameError, RefNotFoundError
 from ckptstore.hashing import CommitId
-from ckptstore.metadata.schema import commit_parents, commits, refs
+from ckptstore.metadata.schema import commit_parents, refs
+from ckptstore.repo.catalog import driver_sql
 
 HEAD = "HEAD"
 BRANCH, TAG, HEAD_KIND = "branch", "tag", "head"
@@ -28,7 +29,8 @@ def check_name(name: str) -> None:
 
 
 def ref_row(conn: Connection, name: str):
-    return conn.execute(select(refs).where(refs.c.name == name)).first()
+    """The row (name, kind, commit_id, target) of ref `name`, or None; read on every checkout."""
+    return driver_sql(conn, "SELECT name, kind, commit_id, target FROM refs WHERE name = ?", (name,)).first()
 
 
 def first_parent(conn: Connection, cid: CommitId) -> CommitId | None:
@@ -72,7 +74,7 @@ def _base(conn: Connection, spec: str) -> CommitId:
     if row is not None and row.kind in (BRANCH, TAG):
         return CommitId(row.commit_id)
     if re.fullmatch(r"[0-9a-f]+", spec) and len(spec) >= MIN_PREFIX:
-        matches = conn.execute(select(commits.c.id).where(commits.c.id.like(spec + "%")).limit(10)).scalars().all()
+        matches = driver_sql(conn, "SELECT id FROM commits WHERE id LIKE ? LIMIT 10", (spec + "%",)).scalars().all()
         if len(matches) == 1:
             return CommitId(matches[0])
         if len(matches) > 1:

@@ -230,8 +230,8 @@ class Repository:
     # ----------------------------------------------------------------- reading
     def manifest(self, cid: CommitId) -> Manifest:
         with self.engine.connect() as conn:
-            info = catalog.commit_info(conn, cid)
-        return Manifest.from_bytes(self._get(info.manifest_object))
+            oid = catalog.manifest_object(conn, cid)
+        return Manifest.from_bytes(self._get(oid))
 
     def _get(self, oid: ObjectId) -> bytes:
         try:
