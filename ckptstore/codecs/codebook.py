@@ -57,6 +57,11 @@ def _estimated_bytes(index: np.ndarray, levels: int, count: int) -> float:
     return float(-(p * np.log2(p)).sum()) * count / 8 + 4 * levels + _HEAD.size + 16
 
 
+def _exceeds(error: np.ndarray, max_error_sq: float, max_error: float) -> bool:
+    """Whether `error` sums to more than `max_error_sq` squared, or any entry is off by more than `max_error`."""
+    return float(np.sum(error.astype(np.float64) ** 2)) > max_error_sq or float(np.abs(error).max()) > max_error
+
+
 def try_encode(target: np.ndarray, max_error_sq: float, max_error: float, beat_bytes: int, has_base: bool,
                step: float, seed: int = 0) -> tuple[bytes, np.ndarray] | None:
     """(payload, float32 update) coding `target` with a codebook, if it beats `beat_bytes` at no more error.
@@ -75,15 +80,13 @@ def try_encode(target: np.ndarray, max_error_sq: float, max_error: float, beat_b
     for bits in range(1, MAX_BITS + 1):
         centroids = fit(sample, 1 << bits)
         index = assign(sample, centroids)
-        error = centroids[index] - sample
-        if float(np.sum(error.astype(np.float64) ** 2)) > allowed or float(np.abs(error).max()) > max_error:
+        if _exceeds(centroids[index] - sample, allowed, max_error):
             continue
         if _estimated_bytes(index, centroids.size, count) > WIN_MARGIN * beat_bytes:
             return None
         full = assign(target, centroids)
         update = centroids[full]
-        error = update - target
-        if float(np.sum(error.astype(np.float64) ** 2)) > max_error_sq or float(np.abs(error).max()) > max_error:
+        if _exceeds(update - target, max_error_sq, max_error):
             return None
         payload = _HEAD.pack(MAGIC, has_base, step, centroids.size) + centroids.tobytes() + encode_symbols(full)
         return (payload, update) if len(payload) < beat_bytes else None

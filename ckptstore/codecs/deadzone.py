@@ -42,10 +42,14 @@ def dequantize(levels: np.ndarray, step: float) -> np.ndarray:
 
 
 def _reconstruct(levels: np.ndarray, base: np.ndarray | None, step: float, dtype: str) -> np.ndarray:
-    values = dequantize(levels, step)
+    return _rebuild(dequantize(levels, step), base, dtype)
+
+
+def _rebuild(update: np.ndarray, base: np.ndarray | None, dtype: str) -> np.ndarray:
+    """The float32 `update` (a keyframe's values, or a residual added to `base`) rounded to `dtype`."""
     if base is not None:
-        values = to_float32(base, dtype) + values
-    return from_float32(values, dtype)
+        update = to_float32(base, dtype) + update
+    return from_float32(update, dtype)
 
 
 def chunk_step(target: np.ndarray, params: dict[str, Any], residual: bool) -> float:
@@ -108,9 +112,7 @@ class DeadZoneCodec:
             alternative = codebook.try_encode(target, error_sq, bound, len(payload), base is not None, step)
             if alternative is not None:
                 payload, update = alternative
-                if base is not None:
-                    update = to_float32(base, params["dtype"]) + update
-                return payload, from_float32(update, params["dtype"])
+                return payload, _rebuild(update, base, params["dtype"])
         return payload, _reconstruct(levels, base, step, params["dtype"])
 
     def encode(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any]) -> bytes:
@@ -181,10 +183,7 @@ class DeadZoneCodec:
         if has_base and (base is None or base.size != nbytes):
             raise CodecError("deadzone: residual chunk decoded without its base")
         if not header:  # a codebook payload
-            update = codebook.decode_update(payload)
-            if has_base:
-                update = to_float32(base, params["dtype"]) + update
-            out = from_float32(update, params["dtype"])
+            out = _rebuild(codebook.decode_update(payload), base if has_base else None, params["dtype"])
         else:
             out = _reconstruct(decode_symbols(memoryview(payload)[header:]), base if has_base else None, step,
                                params["dtype"])
