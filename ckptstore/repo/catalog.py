@@ -76,9 +76,12 @@ def load_records(conn: Connection, ids: Iterable[TensorId], with_bases: bool = T
 
     Every checkout starts here, so this is plain SQL through the driver (`driver_sql`): compiling
     the equivalent SQLAlchemy statements was 60% of it in a fresh process (bf16 benchmark
-    checkpoint, 212 records: 7 ms -> 2.7 ms).
+    checkpoint, 212 records: 7 ms -> 2.7 ms). A checkpoint's tensors share a few shapes and
+    coding params (that one: 12 and 9), so each distinct JSON text is parsed once (2.2 -> 1.4 ms).
     """
     found: dict[TensorId, TensorRecord] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    params: dict[str, dict[str, Any]] = {}
     pending = {i for i in ids if i}
     while pending:
         batch_ids = list(pending)
@@ -88,12 +91,16 @@ def load_records(conn: Connection, ids: Iterable[TensorId], with_bases: bool = T
             rows = driver_sql(conn, _RECORD_SQL.format(marks=marks), tuple(batch)).all()
             chunks: dict[str, list[Chunk]] = {}
             for tensor, object_id, raw_bytes, offset, length, checksum in driver_sql(
-                    conn, _CHUNK_SQL.format(marks=marks), tuple(batch)):
+                    conn, _CHUNK_SQL.format(marks=marks), tuple(batch)).all():
                 chunks.setdefault(tensor, []).append(Chunk(ObjectId(object_id), raw_bytes, offset, length, checksum))
-            for tid, dtype, shape, codec, params, base_id, depth, raw_bytes, stored_bytes in rows:
+            for tid, dtype, shape, codec, param_text, base_id, depth, raw_bytes, stored_bytes in rows:
+                if shape not in shapes:
+                    shapes[shape] = tuple(json.loads(shape))
+                if param_text not in params:
+                    params[param_text] = json.loads(param_text)
                 found[TensorId(tid)] = TensorRecord(
-                    id=TensorId(tid), dtype=dtype, shape=tuple(json.loads(shape)), codec=codec,
-                    params=json.loads(params), base_id=TensorId(base_id) if base_id else None,
+                    id=TensorId(tid), dtype=dtype, shape=shapes[shape], codec=codec,
+                    params=dict(params[param_text]), base_id=TensorId(base_id) if base_id else None,
                     depth=depth, raw_bytes=raw_bytes, stored_bytes=stored_bytes, chunks=chunks.get(tid, []),
                 )
                 if with_bases and base_id and base_id not in found:
