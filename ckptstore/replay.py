@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ckptstore import threadlocal
 from ckptstore.codecs import get_codec
 from ckptstore.codecs.record import Chunk, TensorRecord
 from ckptstore.errors import CodecError, CorruptObjectError
@@ -30,7 +31,7 @@ class ChainSource:
     them; the most recently used packs are kept, up to `pack_cache_bytes` (chunks are replayed in
     about the order they were packed, so a pack is rarely read twice). Where objects need no
     verification here and `ranges` is given (the store's `open_ranges()`), each payload is read
-    alone instead (from a memory map, for the local store), so packs are neither cached nor copied.
+    alone instead, so packs are neither cached nor counted towards the process's memory.
     """
 
     store: ObjectStore
@@ -41,16 +42,19 @@ class ChainSource:
     _packs: OrderedDict[str, Future] = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def payload(self, chunk: Chunk) -> bytes | memoryview:
+    def payload(self, chunk: Chunk, slot: int = 0) -> bytes | memoryview:
         """The stored bytes of one chunk.
 
         They are verified with the object that holds them, unless `verify_objects` is off because
-        the caller hashes what it decodes; a packed payload is then read alone through `ranges`.
+        the caller hashes what it decodes. A packed payload read through `ranges` lands in this
+        thread's buffer for `slot` (its level in the chain being decoded): valid until the thread
+        reads another payload for that slot.
         """
         if chunk.length is None:
             return self._read(chunk.object_id)
         if not self.verify_objects and self.ranges is not None:
-            return self.ranges.read(chunk.object_id, chunk.offset, chunk.length)
+            into = threadlocal.scratch("payload", slot, chunk.length)
+            return self.ranges.read(chunk.object_id, chunk.offset, chunk.length, into)
         pack = self._pack(chunk.object_id)
         if chunk.offset + chunk.length > len(pack):
             raise CorruptObjectError(chunk.object_id, f"pack of {len(pack)} bytes is shorter than its chunks say")
@@ -111,7 +115,7 @@ class ChainSource:
         levels = []
         current = record
         while True:
-            payload = self.payload(current.chunks[index])
+            payload = self.payload(current.chunks[index], len(levels))
             levels.append((current, payload))
             if current.base_id in (None, stop_at) or not get_codec(current.codec).needs_base(payload):
                 return levels

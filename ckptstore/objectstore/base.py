@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ckptstore.hashing import ObjectId
 
@@ -37,8 +37,11 @@ class RangeReader(Protocol):
     Handles stay open until `close()`: a replay reads many payloads from a few packs.
     """
 
-    def read(self, oid: ObjectId, offset: int, length: int) -> bytes | memoryview:
-        """Bytes [offset, offset + length) of `oid`; a missing object or short read is a CorruptObjectError."""
+    def read(self, oid: ObjectId, offset: int, length: int, into: Any = None) -> bytes | memoryview:
+        """Bytes [offset, offset + length) of `oid`; a missing object or short read is a CorruptObjectError.
+
+        With `into` (a writable buffer of at least `length` bytes) they are read into it and a view is returned.
+        """
 
     def close(self) -> None:
         """Release the handles."""
