@@ -6,11 +6,14 @@ then applying each level upward in place in the output buffer, so no intermediat
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 
@@ -232,7 +235,7 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
     records = {r.id: r for r in unique(wanted)}
     outputs: dict[TensorId, np.ndarray] = {}
     chunk_futures: dict[TensorId, list[Future]] = {}
-    futures = []
+    futures, jobs = [], []
     for record in _bases_first(records):
         buffer = outputs[record.id] = np.empty(record.raw_bytes, dtype=np.uint8)
         base = records.get(record.base_id) if record.base_id else None
@@ -241,9 +244,11 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
         for index, offset in enumerate(record.chunk_offsets()):
             end = offset + record.chunks[index].raw_bytes
             below = (base.id, chunk_futures[base.id][index], outputs[base.id][offset:end]) if shared else None
-            future = pool.submit(_replay_chunk, source, record, index, buffer[offset:end], below, verify)
+            future: Future = Future()
+            jobs.append((future, partial(_replay_chunk, source, record, index, buffer[offset:end], below, verify)))
             chunk_futures[record.id].append(future)
             futures.append((record, end - offset, future))
+    run_here_and_on(pool, jobs)
     for record, size, future in futures:
         try:
             future.result()
@@ -259,6 +264,36 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
                 raise source.diagnose(record, CorruptObjectError(
                     _object_ids(record), f"decoded to bytes that do not match tensor {record.id}"))
     return outputs
+
+
+def run_here_and_on(pool: Executor, jobs: list[tuple[Future, Callable[[], object]]]) -> None:
+    """Run `jobs` in order on this thread and the pool's (as many in all as the pool has), then return.
+
+    Each job's future then holds its result or exception.
+    The calling thread is running already, while the pool's threads sleep until woken: on the
+    2-core benchmark VM a bf16 checkout whose tasks all went to the pool took 32.8 ms after a
+    `gc.collect()` and 25.2 ms back to back; with the caller taking its share, 24.0 and 23.5 ms.
+    Jobs taken in order may wait for earlier ones (a first moment's chunk for its second
+    moment's), which are then already running.
+    """
+    taken = itertools.count()
+
+    def drain() -> None:
+        for index in iter(lambda: next(taken), None):
+            if index >= len(jobs):
+                return
+            future, job = jobs[index]
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(job())
+                except BaseException as exc:  # delivered to whoever waits on the future
+                    future.set_exception(exc)
+
+    threads = getattr(pool, "_max_workers", None) or os.cpu_count() or 1  # ThreadPoolExecutor's size
+    helpers = [pool.submit(drain) for _ in range(min(len(jobs), threads) - 1)]
+    drain()
+    for helper in helpers:
+        helper.result()
 
 
 def _replay_chunk(source: ChainSource, record: TensorRecord, index: int, out: np.ndarray,

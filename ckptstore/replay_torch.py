@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
+from functools import partial
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from ckptstore.codecs import get_codec
 from ckptstore.codecs.record import TensorRecord
 from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import TensorId, tensor_id
-from ckptstore.replay import ChainSource, one_coding, unique
+from ckptstore.replay import ChainSource, one_coding, run_here_and_on, unique
 
 BATCH_BYTES = 16 << 20  # restored bytes per pinned staging buffer (a larger chunk gets a batch of its own)
 
@@ -87,9 +88,10 @@ def replay_on(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executo
                 released[buffer].synchronize()  # its previous batch has reached the device
             host = staging[buffer].numpy()
             starts = np.cumsum([0] + [slot[3] for slot in batch])
-            futures = [pool.submit(stage_chunk, source, record, index, host[start : start + size])
-                       for (record, index, _, size), start in zip(batch, starts)]
-            widths = [future.result() for future in futures]
+            jobs = [(Future(), partial(stage_chunk, source, record, index, host[start : start + size]))
+                    for (record, index, _, size), start in zip(batch, starts)]
+            run_here_and_on(pool, jobs)
+            widths = [future.result() for future, _ in jobs]
             moved = staging[buffer][: starts[-1]].to(target, non_blocking=True)
             for (record, _, offset, size), start, width in zip(batch, starts, widths):
                 into, part = outputs[record.id][offset : offset + size], moved[start : start + size]

@@ -1,14 +1,15 @@
 """CPU replay: packs shared through a bounded cache, verification, mixed chains."""
 
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
 from ckptstore.errors import CorruptObjectError
-from ckptstore.replay import ChainSource, replay
+from ckptstore.replay import ChainSource, replay, run_here_and_on
 from ckptstore.repo import catalog, writer
 
 
@@ -137,3 +138,33 @@ def test_damage_that_still_decodes_is_caught_with_and_without_checksums(repo):
         for source_records in (records, _without_checksums(records)):
             with pytest.raises(CorruptObjectError, match=oid):
                 replay(ChainSource(repo.store, source_records), [source_records[tid]], pool)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_jobs_run_in_order_on_the_caller_and_the_pool_and_may_wait_on_earlier_ones(threads):
+    """Later jobs may wait for earlier ones (a first moment's chunk for its second moment's)."""
+    ran_on: list[str] = []
+    jobs: list[tuple[Future, object]] = []
+    second_started = threading.Event()
+
+    def job(index: int):
+        ran_on.append(threading.current_thread().name)
+        if index == 1:
+            second_started.set()
+        if index == 0 and threads > 1:  # holds its thread until another one, the caller or a helper, takes job 1
+            assert second_started.wait(timeout=10)
+        if index % 3 == 2:
+            assert jobs[index - 1][0].result(timeout=10) == index - 1  # taken earlier, so already running
+        if index == 9:
+            raise ValueError("job 9 failed")
+        return index
+
+    jobs.extend((Future(), lambda i=i: job(i)) for i in range(40))
+    with ThreadPoolExecutor(threads, thread_name_prefix="pool") as pool:
+        run_here_and_on(pool, jobs)
+    assert all(future.done() for future, _ in jobs)
+    assert [f.result() for f, _ in jobs if f.exception() is None] == [i for i in range(40) if i != 9]
+    assert "job 9 failed" in str(jobs[9][0].exception())
+    assert len(set(ran_on)) <= threads  # the caller and threads - 1 of the pool's
+    if threads <= 2:  # with one helper at most, job 0 could only wait out job 1 if the caller took one
+        assert threading.current_thread().name in ran_on
