@@ -18,6 +18,7 @@
 #include <Python.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAXBITS 11
@@ -338,6 +339,130 @@ static const char *decode(const uint8_t *payload, size_t size, uint8_t *out, siz
     return NULL;
 }
 
+/* Zero-run coding of a mostly-zero plane (the XOR of an exponent plane with its parent's, where
+ * 90-95% of bytes are 0): Huffman costs at least a bit per zero there, and zstd little less.
+ * The plane becomes two byte streams, each Huffman-coded as above: gap tokens (the zeros before
+ * each nonzero byte, 255 standing for 255 zeros without a byte after them) and the nonzero bytes.
+ * Trailing zeros are implied. Decoding touches only the nonzero bytes, so it can XOR them into a
+ * base plane in place.
+ *
+ * Payload: RUNS_HEAD bytes: u64 rows, u64 nonzero count, u64 token count, u64 gap payload size
+ * (little-endian); the gap tokens' Huffman payload; the nonzero bytes' Huffman payload. */
+#define RUNS_HEAD 32
+#define RUN_TOKEN 255
+
+static inline void store64le(uint8_t *p, uint64_t v)
+{
+    store32le(p, (uint32_t)v);
+    store32le(p + 4, (uint32_t)(v >> 32));
+}
+
+/* Count the nonzero bytes and gap tokens of a plane, and (when given) their histograms. */
+static void run_counts(const uint8_t *src, size_t rows, size_t *nonzero, size_t *tokens, uint64_t *gap_counts,
+                       uint64_t *value_counts)
+{
+    size_t n = 0, t = 0, last = 0; /* last: the position after the previous nonzero byte */
+    for (size_t i = 0; i < rows; i++) {
+        if (!src[i])
+            continue;
+        size_t gap = i - last;
+        t += gap / RUN_TOKEN + 1;
+        n++;
+        if (gap_counts) {
+            gap_counts[RUN_TOKEN] += gap / RUN_TOKEN;
+            gap_counts[gap % RUN_TOKEN]++;
+            value_counts[src[i]]++;
+        }
+        last = i + 1;
+    }
+    *nonzero = n;
+    *tokens = t;
+}
+
+static size_t runs_bound(size_t rows) { return RUNS_HEAD + 2 * encoded_bound(rows); }
+
+/* Encode a plane's zero runs into dst (runs_bound(rows) bytes at least); returns the size, or 0 without memory. */
+static size_t encode_runs(const uint8_t *src, size_t rows, uint8_t *dst)
+{
+    size_t n, t;
+    run_counts(src, rows, &n, &t, NULL, NULL);
+    uint8_t *gaps = malloc(t + n + 1);
+    if (!gaps)
+        return 0;
+    uint8_t *values = gaps + t;
+    size_t k = 0, j = 0, last = 0;
+    for (size_t i = 0; i < rows; i++) {
+        if (!src[i])
+            continue;
+        size_t gap = i - last;
+        for (; gap >= RUN_TOKEN; gap -= RUN_TOKEN)
+            gaps[k++] = RUN_TOKEN;
+        gaps[k++] = (uint8_t)gap;
+        values[j++] = src[i];
+        last = i + 1;
+    }
+    size_t gap_size = encode(gaps, t, dst + RUNS_HEAD);
+    size_t value_size = encode(values, n, dst + RUNS_HEAD + gap_size);
+    free(gaps);
+    store64le(dst, rows);
+    store64le(dst + 8, n);
+    store64le(dst + 16, t);
+    store64le(dst + 24, gap_size);
+    return RUNS_HEAD + gap_size + value_size;
+}
+
+/* The size encode_runs would write for a plane (within 2 * STREAMS bytes), without coding it. */
+static size_t runs_size(const uint8_t *src, size_t rows)
+{
+    uint64_t gap_counts[256] = {0}, value_counts[256] = {0};
+    uint8_t lengths[256];
+    size_t n, t, size = RUNS_HEAD;
+    run_counts(src, rows, &n, &t, gap_counts, value_counts);
+    code_lengths(gap_counts, lengths);
+    size += coded_size(gap_counts, lengths);
+    code_lengths(value_counts, lengths);
+    return size + coded_size(value_counts, lengths);
+}
+
+/* Decode a zero-run payload into rows bytes at out, or XOR it into them; NULL or what is wrong. */
+static const char *decode_runs(const uint8_t *payload, size_t size, uint8_t *out, size_t rows, int xor)
+{
+    if (size < RUNS_HEAD)
+        return "zero-run payload is shorter than its header";
+    uint64_t stated = load64le(payload), n = load64le(payload + 8), t = load64le(payload + 16);
+    uint64_t gap_size = load64le(payload + 24);
+    if (stated != (uint64_t)rows)
+        return "zero-run payload holds a different number of bytes than its destination";
+    if (n > rows || t > rows || n > t || gap_size > size - RUNS_HEAD)
+        return "zero-run counts do not fit the plane";
+    uint8_t *gaps = malloc((size_t)(t + n + 1));
+    if (!gaps)
+        return "out of memory";
+    uint8_t *values = gaps + t;
+    const char *problem = decode(payload + RUNS_HEAD, (size_t)gap_size, gaps, (size_t)t);
+    if (!problem)
+        problem = decode(payload + RUNS_HEAD + gap_size, size - RUNS_HEAD - (size_t)gap_size, values, (size_t)n);
+    if (!problem) {
+        if (!xor)
+            memset(out, 0, rows);
+        size_t pos = 0, j = 0;
+        for (size_t k = 0; k < t; k++) {
+            pos += gaps[k];
+            if (gaps[k] == RUN_TOKEN)
+                continue;
+            if (pos >= rows || j >= n) {
+                problem = "zero-run gaps run past the plane";
+                break;
+            }
+            out[pos++] ^= values[j++];
+        }
+        if (!problem && (j != n || pos > rows))
+            problem = "zero-run tokens and bytes do not match";
+    }
+    free(gaps);
+    return problem;
+}
+
 static PyObject *py_encode(PyObject *self, PyObject *args)
 {
     Py_buffer src;
@@ -392,10 +517,70 @@ static PyObject *py_decode(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *py_encode_runs(PyObject *self, PyObject *args)
+{
+    Py_buffer src;
+    if (!PyArg_ParseTuple(args, "y*:encode_runs", &src))
+        return NULL;
+    PyObject *result = NULL;
+    if ((size_t)src.len / STREAMS >= UINT32_MAX / MAXBITS) {
+        PyErr_SetString(PyExc_ValueError, "encode_runs: plane too large for 32-bit stream lengths");
+    } else if ((result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)runs_bound((size_t)src.len)))) {
+        size_t written;
+        Py_BEGIN_ALLOW_THREADS
+        written = encode_runs((const uint8_t *)src.buf, (size_t)src.len, (uint8_t *)PyBytes_AS_STRING(result));
+        Py_END_ALLOW_THREADS
+        if (written) {
+            _PyBytes_Resize(&result, (Py_ssize_t)written);
+        } else {
+            Py_CLEAR(result);
+            PyErr_NoMemory();
+        }
+    }
+    PyBuffer_Release(&src);
+    return result;
+}
+
+static PyObject *py_runs_size(PyObject *self, PyObject *args)
+{
+    Py_buffer src;
+    if (!PyArg_ParseTuple(args, "y*:runs_size", &src))
+        return NULL;
+    size_t size;
+    Py_BEGIN_ALLOW_THREADS
+    size = runs_size((const uint8_t *)src.buf, (size_t)src.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    return PyLong_FromSize_t(size);
+}
+
+static PyObject *py_decode_runs(PyObject *self, PyObject *args)
+{
+    Py_buffer payload, out;
+    int xor;
+    if (!PyArg_ParseTuple(args, "y*w*p:decode_runs", &payload, &out, &xor))
+        return NULL;
+    const char *problem;
+    Py_BEGIN_ALLOW_THREADS
+    problem = decode_runs((const uint8_t *)payload.buf, (size_t)payload.len, (uint8_t *)out.buf, (size_t)out.len, xor);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&payload);
+    PyBuffer_Release(&out);
+    if (problem) {
+        PyErr_Format(PyExc_ValueError, "huffman: %s", problem);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS, "encode(plane) -> payload bytes."},
     {"coded_size", py_coded_size, METH_VARARGS, "coded_size(plane) -> bytes encode would write, at most."},
     {"decode", py_decode, METH_VARARGS, "decode(payload, out): fill out (its size = the plane's) or raise ValueError."},
+    {"encode_runs", py_encode_runs, METH_VARARGS, "encode_runs(plane) -> zero-run payload bytes."},
+    {"runs_size", py_runs_size, METH_VARARGS, "runs_size(plane) -> bytes encode_runs would write, at most."},
+    {"decode_runs", py_decode_runs, METH_VARARGS,
+     "decode_runs(payload, out, xor): fill out, or XOR the plane into it, or raise ValueError."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -405,7 +590,7 @@ PyMODINIT_FUNC PyInit__huffman(void)
 {
     PyObject *m = PyModule_Create(&module);
     if (m && (PyModule_AddIntConstant(m, "MAXBITS", MAXBITS) < 0 || PyModule_AddIntConstant(m, "STREAMS", STREAMS) < 0 ||
-              PyModule_AddIntConstant(m, "PAD", PAD) < 0)) {
+              PyModule_AddIntConstant(m, "PAD", PAD) < 0 || PyModule_AddIntConstant(m, "RUNS_HEAD", RUNS_HEAD) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,10 +1,12 @@
-"""Lossless codec: byte planes, each stored raw, or coded (zstd or Huffman) whole or XORed with the base's plane.
+"""Lossless codec: byte planes, each stored raw, or coded whole or XORed with the base's plane.
 
-Planes are all first bytes, then all second bytes, and so on; each plane takes whichever mode a
-sample says is smallest, preferring Huffman (codecs/huffman.py, about 2x zstd's decoding speed on
-exponent planes, 4x on dense XOR planes) unless zstd is clearly smaller. A chunk whose previous
-residual recorded its modes (`plane_hints`) reuses them without sampling; a keyframe always
-samples, so choices are revisited every chain.
+Planes are all first bytes, then all second bytes, and so on; each plane takes whichever coding a
+sample says is smallest, weighed by how fast it decodes (`PREFERENCE`): zstd, Huffman
+(codecs/huffman.py, about 2x zstd's decoding speed on exponent planes, 4x on dense XOR planes), or
+zero runs (codecs/zeroruns.py, for mostly-zero XOR planes: about 0.6 of Huffman's or zstd's size
+there, XORed into the base in place). A chunk whose previous residual recorded its modes
+(`plane_hints`) reuses them without sampling; a keyframe always samples, so choices are revisited
+every chain.
 
 Exponent bytes of floats are highly redundant and mostly unchanged between checkpoints, while
 mantissa noise is not compressible at all; grouping bytes lets the coders see the first and lets
@@ -22,14 +24,19 @@ import numpy as np
 import zstandard
 
 from ckptstore import threadlocal
-from ckptstore.codecs import huffman
+from ckptstore.codecs import huffman, zeroruns
 from ckptstore.codecs.planes import group, interleave
 from ckptstore.errors import CodecError
 
 MAGIC = b"BG1"
-RAW, ZSTD, XOR_ZSTD, HUF, XOR_HUF = 0, 1, 2, 3, 4
-XOR_MODES = (XOR_ZSTD, XOR_HUF)
+RAW, ZSTD, XOR_ZSTD, HUF, XOR_HUF, RUNS, XOR_RUNS = 0, 1, 2, 3, 4, 5, 6
+# (XORed with the base's plane?, coder) of each coded mode
+_MODES = {(False, "zstd"): ZSTD, (True, "zstd"): XOR_ZSTD, (False, "huffman"): HUF, (True, "huffman"): XOR_HUF,
+          (False, "runs"): RUNS, (True, "runs"): XOR_RUNS}
+_CODER = {mode: coder for (_, coder), mode in _MODES.items()}
+XOR_MODES = tuple(mode for (xor, _), mode in _MODES.items() if xor)
 HUF_MODES = (HUF, XOR_HUF)
+RUNS_MODES = (RUNS, XOR_RUNS)
 _HEAD = struct.Struct("<3sBH")
 _PLANE = struct.Struct("<BQ")
 SAMPLE_BYTES = 1 << 14
@@ -42,11 +49,14 @@ INCOMPRESSIBLE = 0.97
 # always taking the smaller: stored 2.1% (fp32) and 5.7% (bf16) more, checkout of a depth-2
 # commit 25-40% faster; the fine-tune, whose XOR planes are 5x smaller, is unchanged.
 XOR_GAIN = 0.6
-# Huffman is taken unless zstd is more than this much smaller: on the benchmark runs' exponent
-# planes it is 1-3% larger and decodes 1.7x (dense) to 4x (XOR planes) faster. Planes where zstd
-# finds long matches (fine-tunes' unchanged bytes) stay zstd, which is then both smaller and faster.
-HUF_SLACK = 1.04
+# A coder's sample size is divided by its preference before the sizes are compared.
+# Huffman is taken unless zstd is more than 4% smaller: on the benchmark runs' exponent planes it
+# is 1-3% larger and decodes 1.7x (dense) to 4x (XOR planes) faster. Zero runs must be 10% smaller
+# than zstd: on the from-scratch runs' XOR planes they are 40% smaller and decode 4x faster, on the
+# fine-tune's (nonzero bytes clustered, which zstd's matches exploit) 6% smaller but 1.7x slower.
+PREFERENCE = {"zstd": 1.0, "huffman": 1.04, "runs": 0.9}
 HUF_MIN_ROWS = 1 << 10  # below this, the 160 bytes of header and padding and the table setup outweigh the gain
+RUNS_DENSITY = 0.5  # zero runs are not tried on samples with more nonzero bytes than this (each costs two symbols)
 
 _local = threading.local()
 
@@ -93,18 +103,29 @@ def _planes(data: np.ndarray, width: int) -> np.ndarray:
     return data.reshape(-1, width)
 
 
-def _huffman_fits(rows: int) -> bool:
-    """Whether a plane of `rows` bytes may be Huffman-coded here (needs the native coder)."""
+def _native_fits(rows: int) -> bool:
+    """Whether a plane of `rows` bytes may be Huffman- or zero-run-coded here (needs the native coder)."""
     return huffman.native is not None and rows >= HUF_MIN_ROWS
-
-
-def _mode(xor: bool, huffman_coded: bool) -> int:
-    return (XOR_HUF if huffman_coded else XOR_ZSTD) if xor else (HUF if huffman_coded else ZSTD)
 
 
 def _code(data: np.ndarray, mode: int, compressor: zstandard.ZstdCompressor) -> bytes:
     """`data` (a plane, or its XOR with the base's) coded as `mode` says."""
-    return huffman.encode(data) if mode in HUF_MODES else compressor.compress(data)
+    coder = _CODER[mode]
+    if coder == "huffman":
+        return huffman.encode(data)
+    return zeroruns.encode(data) if coder == "runs" else compressor.compress(data)
+
+
+def _sample_sizes(sample: np.ndarray, rows: int, compressor: zstandard.ZstdCompressor
+                  ) -> dict[str, tuple[int, bytes | None]]:
+    """Each coder that may code a plane of `rows` bytes: its size on `sample` (and zstd's payload)."""
+    payload = compressor.compress(sample)
+    sizes: dict[str, tuple[int, bytes | None]] = {"zstd": (len(payload), payload)}
+    if _native_fits(rows):
+        sizes["huffman"] = (huffman.coded_size(sample), None)
+        if np.count_nonzero(sample) <= RUNS_DENSITY * sample.size:
+            sizes["runs"] = (zeroruns.coded_size(sample), None)
+    return sizes
 
 
 class ByteGroupCodec:
@@ -151,13 +172,14 @@ class ByteGroupCodec:
         xor = hint in XOR_MODES
         if xor and base_plane is None:
             return None
-        mode = _mode(xor, hint in HUF_MODES and _huffman_fits(plane.size))
+        coder = _CODER[hint] if _native_fits(plane.size) else "zstd"
+        mode = _MODES[(xor, coder)]
         payload = _code(plane ^ base_plane if xor else plane, mode, compressor)
         limit = INCOMPRESSIBLE * (XOR_GAIN if xor else 1.0)
         return (mode, payload) if len(payload) < limit * plane.size else None
 
     def plane_modes(self, payload: bytes) -> list[int]:
-        """How each plane of a chunk was stored (RAW, ZSTD, XOR_ZSTD, HUF or XOR_HUF)."""
+        """How each plane of a chunk was stored (RAW, or a coded mode of `_MODES`)."""
         return [mode for mode, _, _ in self._parse(payload)[1]]
 
     @staticmethod
@@ -166,7 +188,7 @@ class ByteGroupCodec:
         """Store the plane in the mode whose sample codes smallest (RAW when nothing compresses).
 
         XOR must beat the others by XOR_GAIN, since it makes decoding the plane walk the chain;
-        Huffman is taken over zstd unless zstd is smaller by more than HUF_SLACK.
+        each coder's size counts divided by its PREFERENCE.
 
         Samples are taken at the same places for each mode; the XOR plane is computed in full only
         when it wins, and a sample that is the whole plane is not compressed twice.
@@ -177,16 +199,12 @@ class ByteGroupCodec:
         if base_plane is not None:
             samples[True] = plane ^ base_plane if whole else np.concatenate(
                 [plane[s] ^ base_plane[s] for s in picks])
-        best_mode, best_ratio, best_payload = RAW, INCOMPRESSIBLE, None
+        best_mode, best_score, best_payload = RAW, float("inf"), None
         for xor, sample in samples.items():
-            payload = compressor.compress(sample)
-            mode, size = _mode(xor, False), len(payload)
-            huffman_size = huffman.coded_size(sample) if _huffman_fits(plane.size) else None
-            if huffman_size is not None and huffman_size <= HUF_SLACK * size:
-                mode, size, payload = _mode(xor, True), huffman_size, None
-            ratio = size / max(sample.size, 1) / (XOR_GAIN if xor else 1.0)
-            if ratio < best_ratio:
-                best_mode, best_ratio, best_payload = mode, ratio, payload
+            for coder, (size, payload) in _sample_sizes(sample, plane.size, compressor).items():
+                ratio = size / max(sample.size, 1) / (XOR_GAIN if xor else 1.0)
+                if ratio < INCOMPRESSIBLE and ratio / PREFERENCE[coder] < best_score:
+                    best_mode, best_score, best_payload = _MODES[(xor, coder)], ratio / PREFERENCE[coder], payload
         if best_mode == RAW:
             return RAW, plane.data
         if best_payload is None or not whole:
@@ -204,7 +222,7 @@ class ByteGroupCodec:
         planes, offset = [], _HEAD.size + count * _PLANE.size
         for j in range(count):
             mode, length = _PLANE.unpack_from(payload, _HEAD.size + j * _PLANE.size)
-            if mode not in (RAW, ZSTD, XOR_ZSTD, HUF, XOR_HUF):
+            if mode != RAW and mode not in _CODER:
                 raise CodecError(f"bytegroup: plane {j} has unknown mode {mode}")
             planes.append((mode, offset, length))
             offset += length
@@ -233,17 +251,27 @@ class ByteGroupCodec:
         return np.frombuffer(payload, np.uint8, rows, offset)
 
     @staticmethod
+    def _native_into(payload: bytes, plane: tuple[int, int, int], j: int, dst: np.ndarray, xor: bool) -> None:
+        """Decode a Huffman or zero-run plane into `dst`, or (zero runs only) XOR it into `dst`."""
+        mode, offset, length = plane
+        data = memoryview(payload)[offset : offset + length]
+        try:
+            if mode in RUNS_MODES:
+                zeroruns.decode_into(data, dst, xor=xor)
+            else:
+                huffman.decode_into(data, dst)
+        except ValueError as exc:
+            raise CodecError(f"bytegroup: plane {j} does not decode: {exc}") from None
+
+    @staticmethod
     def _plane_into(payload: bytes, plane: tuple[int, int, int], rows: int, j: int, dst: np.ndarray) -> None:
         """Write one stored plane (raw or coded, not yet XORed) into the contiguous `rows` bytes `dst`."""
         mode, offset, length = plane
         if mode == RAW:
             dst[...] = ByteGroupCodec._raw_plane(payload, plane, rows, j)
             return
-        if mode in HUF_MODES:
-            try:
-                huffman.decode_into(memoryview(payload)[offset : offset + length], dst)
-            except ValueError as exc:
-                raise CodecError(f"bytegroup: plane {j} does not decode: {exc}") from None
+        if mode in HUF_MODES or mode in RUNS_MODES:
+            ByteGroupCodec._native_into(payload, plane, j, dst, xor=False)
             return
         try:
             got = _decompress_into(memoryview(payload)[offset : offset + length], dst)
@@ -310,8 +338,11 @@ class ByteGroupCodec:
                 continue
             plane = threadlocal.scratch("plane", 1 + j, rows)
             self._plane_into(payloads[whole], levels[whole][j], rows, j, plane)
-            residual = threadlocal.scratch("plane", 0, rows)
             for level in range(whole - 1, -1, -1):
+                if levels[level][j][0] == XOR_RUNS:  # only its nonzero bytes are XORed in
+                    self._native_into(payloads[level], levels[level][j], j, plane, xor=True)
+                    continue
+                residual = threadlocal.scratch("plane", 0, rows)
                 self._plane_into(payloads[level], levels[level][j], rows, j, residual)
                 np.bitwise_xor(plane, residual, out=plane)
             planes.append(plane)

@@ -134,13 +134,13 @@ def _training_steps(n=60_000):
     return base, (base * (1 + _floats(n, np.float32, scale=0.3, seed=5))).astype(np.float32)
 
 
-def test_exponent_planes_take_huffman_and_round_trip():
-    from ckptstore.codecs.bytegroup import HUF, XOR_HUF
+def test_exponent_planes_take_huffman_their_sparse_xor_zero_runs_and_round_trip():
+    from ckptstore.codecs.bytegroup import HUF, XOR_RUNS
 
-    base, new = _training_steps()
+    base, new = _training_steps()  # 82% of the exponent bytes unchanged
     keyframe = CODEC.encode(base.view(np.uint8), None, {"width": 4})
     residual = CODEC.encode(new.view(np.uint8), base.view(np.uint8), {"width": 4})
-    assert CODEC.plane_modes(keyframe)[3] == HUF and CODEC.plane_modes(residual)[3] == XOR_HUF
+    assert CODEC.plane_modes(keyframe)[3] == HUF and CODEC.plane_modes(residual)[3] == XOR_RUNS
     assert CODEC.decode_chain([residual, keyframe], {"width": 4}, new.nbytes).tobytes() == new.tobytes()
     hints = {"width": 4, "plane_hints": CODEC.plane_modes(residual)}
     assert CODEC.encode(new.view(np.uint8), base.view(np.uint8), hints) == residual
@@ -148,7 +148,7 @@ def test_exponent_planes_take_huffman_and_round_trip():
 
 def test_without_the_native_coder_zstd_is_written_and_huffman_planes_still_decode(monkeypatch):
     from ckptstore.codecs import huffman
-    from ckptstore.codecs.bytegroup import HUF, HUF_MODES, XOR_ZSTD, ZSTD
+    from ckptstore.codecs.bytegroup import HUF, HUF_MODES, RUNS_MODES, XOR_ZSTD, ZSTD
 
     base, new = _training_steps(20_000)
     with_native = CODEC.encode(new.view(np.uint8), None, {"width": 4})
@@ -156,10 +156,33 @@ def test_without_the_native_coder_zstd_is_written_and_huffman_planes_still_decod
     monkeypatch.setattr(huffman, "native", None)
     assert CODEC.decode(with_native, None, {"width": 4}, new.nbytes).tobytes() == new.tobytes()
     keyframe = CODEC.encode(base.view(np.uint8), None, {"width": 4})
-    residual = CODEC.encode(new.view(np.uint8), base.view(np.uint8), {"width": 4, "plane_hints": [0, 0, 4, 4]})
-    assert not set(CODEC.plane_modes(keyframe) + CODEC.plane_modes(residual)) & set(HUF_MODES)
+    residual = CODEC.encode(new.view(np.uint8), base.view(np.uint8), {"width": 4, "plane_hints": [0, 0, 4, 6]})
+    assert not set(CODEC.plane_modes(keyframe) + CODEC.plane_modes(residual)) & set(HUF_MODES + RUNS_MODES)
     assert {ZSTD, XOR_ZSTD} & set(CODEC.plane_modes(keyframe) + CODEC.plane_modes(residual))
     assert CODEC.decode_chain([residual, keyframe], {"width": 4}, new.nbytes).tobytes() == new.tobytes()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_chain_of_zero_run_residuals_replays_exactly_with_and_without_the_native_coder(monkeypatch, native):
+    from ckptstore.codecs import huffman
+    from ckptstore.codecs.bytegroup import XOR_RUNS
+
+    steps = [_floats(50_000, np.float32)]
+    for seed in (7, 8):
+        steps.append((steps[-1] * (1 + _floats(50_000, np.float32, scale=0.2, seed=seed))).astype(np.float32))
+    payloads = [CODEC.encode(steps[0].view(np.uint8), None, {"width": 4})]
+    for before, after in zip(steps, steps[1:]):
+        payloads.insert(0, CODEC.encode(after.view(np.uint8), before.view(np.uint8), {"width": 4}))
+    assert [CODEC.plane_modes(p)[3] for p in payloads[:2]] == [XOR_RUNS, XOR_RUNS]
+    if not native:
+        monkeypatch.setattr(huffman, "native", None)
+    assert CODEC.decode_chain(payloads, {"width": 4}, steps[-1].nbytes).tobytes() == steps[-1].tobytes()
+    planes = CODEC.decode_planes(payloads, steps[-1].nbytes)  # the GPU path's per-level planes
+    assert planes[3].tobytes() == steps[-1].view(np.uint8)[3::4].tobytes()
+    damaged = bytearray(payloads[0])
+    damaged[-40:-32] = b"\xff" * 8
+    with pytest.raises(CodecError, match="plane 3"):
+        CODEC.decode_chain([bytes(damaged), *payloads[1:]], {"width": 4}, steps[-1].nbytes)
 
 
 def test_damaged_huffman_plane_is_a_codec_error():
