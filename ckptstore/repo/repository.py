@@ -299,14 +299,17 @@ class Repository:
         numpy arrays and bytes stay on the CPU. Tensors that were one tensor in the checkpoint
         (same storage) come back as one object.
         """
-        cid = self.resolve(ref)
-        manifest = self.manifest(cid)
-        progress = progress or NoProgress()
         with _no_cyclic_gc():
-            on_device = self._restore_on_device(manifest, device, progress) if _is_accelerator(device) else {}
-            raws = self._restore(manifest, progress, [p for p in manifest.entries if p not in on_device])
-            return formats.to_state(manifest.kind, manifest.files,
-                                    lambda p: on_device[p] if p in on_device else materialize(raws[p], device))
+            return self._checkout(ref, device, progress or NoProgress())
+
+    def _checkout(self, ref: str, device: str | None, progress: Progress) -> Any:
+        """checkout's work, in a frame of its own: its manifest, records and buffers are freed on
+        return, before collections resume, so the first one sees only the returned state."""
+        manifest = self.manifest(self.resolve(ref))
+        on_device = self._restore_on_device(manifest, device, progress) if _is_accelerator(device) else {}
+        raws = self._restore(manifest, progress, [p for p in manifest.entries if p not in on_device])
+        return formats.to_state(manifest.kind, manifest.files,
+                                lambda p: on_device[p] if p in on_device else materialize(raws[p], device))
 
     def checkout_to(self, ref: str, output: str | os.PathLike | None = None, force: bool = False,
                     progress: Progress | None = None) -> Path:
