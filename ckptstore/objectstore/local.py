@@ -116,14 +116,14 @@ class LocalObjectStore:
         which leaves a live map intact), so the mapped bytes cannot change under the reader.
         """
         try:
-            with open(self.path_of(oid), "rb") as handle:
-                size = os.fstat(handle.fileno()).st_size
-                if size == 0:
-                    data: bytes | memoryview = b""
-                else:
-                    data = memoryview(mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_READ))
+            fd = os.open(self.path_of(oid), os.O_RDONLY)  # a file object would cost as much again
         except FileNotFoundError:
             raise CorruptObjectError(oid, "missing") from None
+        try:
+            size = os.fstat(fd).st_size
+            data: bytes | memoryview = memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_READ)) if size else b""
+        finally:
+            os.close(fd)
         if verify and object_id(data) != oid:
             raise CorruptObjectError(oid, f"corrupted (its {len(data)} bytes do not match its hash)")
         return data
