@@ -303,8 +303,11 @@ class Repository:
             return self._checkout(ref, device, progress or NoProgress())
 
     def _checkout(self, ref: str, device: str | None, progress: Progress) -> Any:
-        """checkout's work, in a frame of its own: its manifest, records and buffers are freed on
-        return, before collections resume, so the first one sees only the returned state."""
+        """The state at `ref`, built in a frame of its own.
+
+        Its manifest, records and buffers are freed on return, before collections resume, so the
+        first collection sees only the returned state.
+        """
         manifest = self.manifest(self.resolve(ref))
         on_device = self._restore_on_device(manifest, device, progress) if _is_accelerator(device) else {}
         raws = self._restore(manifest, progress, [p for p in manifest.entries if p not in on_device])
