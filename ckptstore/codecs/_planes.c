@@ -10,53 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-#define WORDS_LITTLE_ENDIAN 1
-#else
-#define WORDS_LITTLE_ENDIAN 0
-#endif
-
-/* out[i * width + j] = planes[j][i] for every element i and byte j. */
-static void interleave(uint8_t *out, const uint8_t *const *planes, Py_ssize_t width, Py_ssize_t rows)
-{
-    if (width == 1) {
-        memcpy(out, planes[0], (size_t)rows);
-        return;
-    }
-#if WORDS_LITTLE_ENDIAN
-    if (width == 2) {
-        const uint8_t *a = planes[0], *b = planes[1];
-        for (Py_ssize_t i = 0; i < rows; i++) {
-            uint16_t word = (uint16_t)(a[i] | (b[i] << 8));
-            memcpy(out + 2 * i, &word, 2);
-        }
-        return;
-    }
-    if (width == 4) {
-        const uint8_t *a = planes[0], *b = planes[1], *c = planes[2], *d = planes[3];
-        for (Py_ssize_t i = 0; i < rows; i++) {
-            uint32_t word = (uint32_t)a[i] | ((uint32_t)b[i] << 8) | ((uint32_t)c[i] << 16) | ((uint32_t)d[i] << 24);
-            memcpy(out + 4 * i, &word, 4);
-        }
-        return;
-    }
-    if (width == 8) {
-        for (Py_ssize_t i = 0; i < rows; i++) {
-            uint64_t word = 0;
-            for (int j = 0; j < 8; j++)
-                word |= (uint64_t)planes[j][i] << (8 * j);
-            memcpy(out + 8 * i, &word, 8);
-        }
-        return;
-    }
-#endif
-    for (Py_ssize_t j = 0; j < width; j++) {
-        const uint8_t *plane = planes[j];
-        uint8_t *column = out + j;
-        for (Py_ssize_t i = 0; i < rows; i++)
-            column[i * width] = plane[i];
-    }
-}
+#include "_interleave.h"
 
 /* planes[j * rows + i] = data[i * width + j]: the inverse of interleave, planes one after another. */
 static void deinterleave(uint8_t *planes, const uint8_t *data, Py_ssize_t width, Py_ssize_t rows)
@@ -139,7 +93,7 @@ static PyObject *py_interleave(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "interleave: output size is not planes x plane length");
     } else {
         Py_BEGIN_ALLOW_THREADS
-        interleave((uint8_t *)out.buf, pointers, width, rows);
+        interleave_planes((uint8_t *)out.buf, pointers, width, rows);
         Py_END_ALLOW_THREADS
         result = Py_NewRef(Py_None);
     }

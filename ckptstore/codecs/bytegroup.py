@@ -217,7 +217,7 @@ class ByteGroupCodec:
         if len(payload) < _HEAD.size:
             raise CodecError(f"bytegroup: payload of {len(payload)} bytes is truncated")
         magic, width, count = _HEAD.unpack_from(payload)
-        if magic != MAGIC or count != width or len(payload) < _HEAD.size + count * _PLANE.size:
+        if magic != MAGIC or not width or count != width or len(payload) < _HEAD.size + count * _PLANE.size:
             raise CodecError("bytegroup: payload does not start with a valid header")
         planes, offset = [], _HEAD.size + count * _PLANE.size
         for j in range(count):
@@ -328,25 +328,34 @@ class ByteGroupCodec:
 
         Each plane is rebuilt in a reused per-thread buffer (decompressing into fresh memory costs
         a page fault per 4 KiB); a plane stored raw by the newest level is read from the payload in
-        place. One interleaving pass then writes `out`.
+        place. One interleaving pass then writes `out`. With the native coder, chains without zstd
+        planes are decoded in one call (`_huffman.decode_chain`, the same steps in C).
         """
+        out = np.empty(nbytes, dtype=np.uint8) if out is None else out
+        width = payloads[0][3] if len(payloads[0]) > 3 else 0
+        scratch = threadlocal.scratch("chain", 0, (width + 1) * (nbytes // width) if width else 0)
+        if huffman.native is not None:
+            try:
+                if huffman.native.decode_chain(payloads, out, scratch):
+                    return out
+            except ValueError as exc:
+                raise CodecError(f"bytegroup: {exc}") from None
         levels, rows, wholes = self._chain_layout(payloads, nbytes)
         planes = []
         for j, whole in enumerate(wholes):
             if whole == 0 and levels[0][j][0] == RAW:
                 planes.append(self._raw_plane(payloads[0], levels[0][j], rows, j))
                 continue
-            plane = threadlocal.scratch("plane", 1 + j, rows)
+            plane = scratch[j * rows : (j + 1) * rows]
             self._plane_into(payloads[whole], levels[whole][j], rows, j, plane)
             for level in range(whole - 1, -1, -1):
                 if levels[level][j][0] == XOR_RUNS:  # only its nonzero bytes are XORed in
                     self._native_into(payloads[level], levels[level][j], j, plane, xor=True)
                     continue
-                residual = threadlocal.scratch("plane", 0, rows)
+                residual = scratch[width * rows :]
                 self._plane_into(payloads[level], levels[level][j], rows, j, residual)
                 np.bitwise_xor(plane, residual, out=plane)
             planes.append(plane)
-        out = np.empty(nbytes, dtype=np.uint8) if out is None else out
         interleave(planes, out)
         return out
 

@@ -195,3 +195,96 @@ def test_damaged_huffman_plane_is_a_codec_error():
     one_plane = CODEC.encode(exponents, None, {"width": 1})
     with pytest.raises(CodecError, match="different number of bytes"):
         CODEC.decode_chain([one_plane], {"width": 1}, exponents.size - 1)
+
+
+class _WithoutChainDecoder:
+    """The native coder with its one-call chain decoder declining every chunk: the Python path runs."""
+
+    def __init__(self, native):
+        self._native = native
+
+    def __getattr__(self, name):
+        return getattr(self._native, name)
+
+    @staticmethod
+    def decode_chain(payloads, out, scratch):
+        return False
+
+
+def _chains() -> dict[str, tuple[list[bytes], np.ndarray]]:
+    """Chains (newest payload first) and what they decode to: every plane mode the native decoder takes, and zstd."""
+    steps = [_floats(30_000, np.float32)]
+    for seed in (7, 8):
+        steps.append((steps[-1] * (1 + _floats(30_000, np.float32, scale=0.2, seed=seed))).astype(np.float32))
+    chains = {}
+    for name, hints in {"zero runs": None, "xor huffman": [0, 0, 0, 4], "xor zstd": [0, 0, 0, 2]}.items():
+        payloads = [CODEC.encode(steps[0].view(np.uint8), None, {"width": 4})]
+        for before, after in zip(steps, steps[1:]):
+            params = {"width": 4, **({"plane_hints": hints} if hints else {})}
+            payloads.insert(0, CODEC.encode(after.view(np.uint8), before.view(np.uint8), params))
+        chains[name] = (payloads, steps[-1].view(np.uint8))
+    for dtype in (np.float16, np.float64, np.uint8):
+        values = _floats(20_001, dtype) if np.dtype(dtype).kind == "f" else np.arange(20_001).astype(dtype)
+        chains[f"keyframe {np.dtype(dtype).name}"] = ([CODEC.encode(values.view(np.uint8), None, {
+            "width": values.itemsize})], values.view(np.uint8))
+    return chains
+
+
+def test_native_chain_decoder_matches_the_python_path(monkeypatch):
+    from ckptstore.codecs import huffman
+    from ckptstore.codecs.bytegroup import XOR_HUF, XOR_ZSTD
+
+    chains = _chains()
+    assert CODEC.plane_modes(chains["xor huffman"][0][0])[3] == XOR_HUF
+    assert CODEC.plane_modes(chains["xor zstd"][0][0])[3] == XOR_ZSTD  # the native decoder declines these
+    native = {name: CODEC.decode_chain(p, {}, expected.size).tobytes() for name, (p, expected) in chains.items()}
+    monkeypatch.setattr(huffman, "native", _WithoutChainDecoder(huffman.native))
+    for name, (payloads, expected) in chains.items():
+        assert native[name] == expected.tobytes(), name
+        assert CODEC.decode_chain(payloads, {}, expected.size).tobytes() == native[name], name
+
+
+def test_native_chain_decoder_refuses_damage_like_the_python_path(monkeypatch):
+    from ckptstore.codecs import huffman
+
+    payloads, expected = _chains()["zero runs"]
+    cases = {
+        "truncated": [payloads[0][:4], *payloads[1:]],
+        "valid header": [b"BG2" + payloads[0][3:], *payloads[1:]],
+        "header says": [payloads[0][:-1], *payloads[1:]],
+        "unknown mode": [payloads[0][:6] + b"\x09" + payloads[0][7:], *payloads[1:]],
+        "without its base": payloads[:1],
+        "disagree on the element width": [payloads[0], CODEC.encode(expected[:60_000], None, {"width": 2})],
+        "plane 3 does not decode": [payloads[0][:-12] + b"\xff" * 4 + payloads[0][-8:], *payloads[1:]],
+    }
+    for use_native in (True, False):
+        if not use_native:
+            monkeypatch.setattr(huffman, "native", _WithoutChainDecoder(huffman.native))
+        for problem, chain in cases.items():
+            with pytest.raises(CodecError, match=problem):
+                CODEC.decode_chain(chain, {}, expected.size)
+
+
+def test_mutated_chains_decode_as_the_python_path_does_or_are_refused(monkeypatch):
+    from ckptstore.codecs import huffman
+
+    payloads, expected = _chains()["zero runs"]
+    native, python = huffman.native, _WithoutChainDecoder(huffman.native)
+    refused = 0
+    for seed in range(600):
+        rng = np.random.default_rng(seed)
+        level = int(rng.integers(0, len(payloads)))
+        mutated = bytearray(payloads[level])
+        for at in rng.integers(0, len(mutated), rng.integers(1, 4)):
+            mutated[at] = int(rng.integers(0, 256))
+        chain = [bytes(mutated) if i == level else p for i, p in enumerate(payloads)]
+        results = []
+        for coder in (native, python):
+            monkeypatch.setattr(huffman, "native", coder)
+            try:
+                results.append(CODEC.decode_chain(chain, {}, expected.size).tobytes())
+            except CodecError:
+                results.append(None)
+        refused += results[0] is None
+        assert results[0] == results[1] or None in results, seed  # never two different decodings
+    assert refused > 0
