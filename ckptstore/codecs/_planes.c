@@ -13,7 +13,7 @@
 #include "_interleave.h"
 
 /* planes[j * rows + i] = data[i * width + j]: the inverse of interleave, planes one after another. */
-static void deinterleave(uint8_t *planes, const uint8_t *data, Py_ssize_t width, Py_ssize_t rows)
+static CKPT_AVX2_CLONE void deinterleave(uint8_t *planes, const uint8_t *data, Py_ssize_t width, Py_ssize_t rows)
 {
     if (width == 1) {
         memcpy(planes, data, (size_t)rows);
