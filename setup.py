@@ -7,5 +7,5 @@ fallback (slower checkout; `python -c "import ckptstore.codecs.planes as p; prin
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(f"ckptstore.codecs.{name}", [f"ckptstore/codecs/{name}.c"],
-                             depends=["ckptstore/codecs/_interleave.h"],
+                             depends=["ckptstore/codecs/_interleave.h", "ckptstore/codecs/_simd.h"],
                              extra_compile_args=["-O3"], optional=True) for name in ("_planes", "_lossy", "_huffman")])

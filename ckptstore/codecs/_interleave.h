@@ -7,19 +7,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_simd.h"
+
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 #define WORDS_LITTLE_ENDIAN 1
 #else
 #define WORDS_LITTLE_ENDIAN 0
-#endif
-
-/* Where the compiler can pick a function's build at load time (GCC on x86-64 Linux), an AVX2
- * build of the loops runs where the CPU has it: width 4 (fp32) 30% faster here (deinterleaving 2x),
- * widths 1, 2 and 8 alike. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define CKPT_AVX2_CLONE __attribute__((target_clones("avx2", "default")))
-#else
-#define CKPT_AVX2_CLONE
 #endif
 
 /* out[i * width + j] = planes[j][i] for every element i and byte j. */

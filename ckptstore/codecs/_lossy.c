@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_simd.h"
+
 /* HOLDS_ESCAPE[w][byte]: whether the byte holds an all-ones code, for widths 1, 2, 4, 8 (w 0-3). */
 static uint8_t HOLDS_ESCAPE[4][256];
 
@@ -75,7 +77,7 @@ UNPACK_ALL_WIDTHS(f64)
     default: found = unpack_##T##_8(raw, count, (T)low, (T *)out.buf, pos, room); break;           \
     }
 
-static PyObject *py_unpack_codes(PyObject *self, PyObject *args)
+static CKPT_AVX2_CLONE PyObject *py_unpack_codes(PyObject *self, PyObject *args)
 {
     Py_buffer packed, out, positions;
     int width, kind;
@@ -185,7 +187,7 @@ static Py_ssize_t symbol_size(int kind)
     return kind == 'b' ? 1 : kind == 'h' ? 2 : kind == 'i' ? 4 : kind == 'q' ? 8 : 0;
 }
 
-static PyObject *py_pack_codes(PyObject *self, PyObject *args)
+static CKPT_AVX2_CLONE PyObject *py_pack_codes(PyObject *self, PyObject *args)
 {
     Py_buffer symbols, packed, escaped;
     int width, kind;
@@ -226,7 +228,7 @@ done:
     return result;
 }
 
-static PyObject *py_count_symbols(PyObject *self, PyObject *args)
+static CKPT_AVX2_CLONE PyObject *py_count_symbols(PyObject *self, PyObject *args)
 {
     Py_buffer symbols, counts;
     int kind;
@@ -263,7 +265,7 @@ static inline uint32_t bfloat16_half(uint32_t bits)
     return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
 }
 
-static PyObject *py_round_bfloat16(PyObject *self, PyObject *args)
+static CKPT_AVX2_CLONE PyObject *py_round_bfloat16(PyObject *self, PyObject *args)
 {
     Py_buffer values;
     if (!PyArg_ParseTuple(args, "w*:round_bfloat16", &values))
@@ -278,7 +280,7 @@ static PyObject *py_round_bfloat16(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-static PyObject *py_to_bfloat16(PyObject *self, PyObject *args)
+static CKPT_AVX2_CLONE PyObject *py_to_bfloat16(PyObject *self, PyObject *args)
 {
     Py_buffer values, out;
     if (!PyArg_ParseTuple(args, "y*w*:to_bfloat16", &values, &out))
