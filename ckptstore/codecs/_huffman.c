@@ -466,76 +466,24 @@ static const char *decode_runs(const uint8_t *payload, size_t size, uint8_t *out
     return problem;
 }
 
-static PyObject *py_encode(PyObject *self, PyObject *args)
+/* A plane coded by `coder` into a new bytes object (bound(rows) bytes, trimmed); `name` for errors. */
+static PyObject *encode_plane(PyObject *args, const char *format, const char *name, size_t (*bound)(size_t),
+                              size_t (*coder)(const uint8_t *, size_t, uint8_t *))
 {
     Py_buffer src;
-    if (!PyArg_ParseTuple(args, "y*:encode", &src))
+    if (!PyArg_ParseTuple(args, format, &src))
         return NULL;
     PyObject *result = NULL;
     if ((size_t)src.len / STREAMS >= UINT32_MAX / MAXBITS) {
-        PyErr_SetString(PyExc_ValueError, "encode: plane too large for 32-bit stream lengths");
-    } else if ((result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)encoded_bound((size_t)src.len)))) {
+        PyErr_Format(PyExc_ValueError, "%s: plane too large for 32-bit stream lengths", name);
+    } else if ((result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)bound((size_t)src.len)))) {
         size_t written;
         Py_BEGIN_ALLOW_THREADS
-        written = encode((const uint8_t *)src.buf, (size_t)src.len, (uint8_t *)PyBytes_AS_STRING(result));
-        Py_END_ALLOW_THREADS
-        _PyBytes_Resize(&result, (Py_ssize_t)written);
-    }
-    PyBuffer_Release(&src);
-    return result;
-}
-
-static PyObject *py_coded_size(PyObject *self, PyObject *args)
-{
-    Py_buffer src;
-    if (!PyArg_ParseTuple(args, "y*:coded_size", &src))
-        return NULL;
-    uint64_t counts[256];
-    uint8_t lengths[256];
-    size_t size;
-    Py_BEGIN_ALLOW_THREADS
-    histogram((const uint8_t *)src.buf, (size_t)src.len, counts);
-    code_lengths(counts, lengths);
-    size = coded_size(counts, lengths);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&src);
-    return PyLong_FromSize_t(size);
-}
-
-static PyObject *py_decode(PyObject *self, PyObject *args)
-{
-    Py_buffer payload, out;
-    if (!PyArg_ParseTuple(args, "y*w*:decode", &payload, &out))
-        return NULL;
-    const char *problem;
-    Py_BEGIN_ALLOW_THREADS
-    problem = decode((const uint8_t *)payload.buf, (size_t)payload.len, (uint8_t *)out.buf, (size_t)out.len);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&payload);
-    PyBuffer_Release(&out);
-    if (problem) {
-        PyErr_Format(PyExc_ValueError, "huffman: %s", problem);
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_encode_runs(PyObject *self, PyObject *args)
-{
-    Py_buffer src;
-    if (!PyArg_ParseTuple(args, "y*:encode_runs", &src))
-        return NULL;
-    PyObject *result = NULL;
-    if ((size_t)src.len / STREAMS >= UINT32_MAX / MAXBITS) {
-        PyErr_SetString(PyExc_ValueError, "encode_runs: plane too large for 32-bit stream lengths");
-    } else if ((result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)runs_bound((size_t)src.len)))) {
-        size_t written;
-        Py_BEGIN_ALLOW_THREADS
-        written = encode_runs((const uint8_t *)src.buf, (size_t)src.len, (uint8_t *)PyBytes_AS_STRING(result));
+        written = coder((const uint8_t *)src.buf, (size_t)src.len, (uint8_t *)PyBytes_AS_STRING(result));
         Py_END_ALLOW_THREADS
         if (written) {
             _PyBytes_Resize(&result, (Py_ssize_t)written);
-        } else {
+        } else { /* encode_runs could not allocate its streams */
             Py_CLEAR(result);
             PyErr_NoMemory();
         }
@@ -544,28 +492,49 @@ static PyObject *py_encode_runs(PyObject *self, PyObject *args)
     return result;
 }
 
-static PyObject *py_runs_size(PyObject *self, PyObject *args)
+static PyObject *py_encode(PyObject *self, PyObject *args)
+{
+    return encode_plane(args, "y*:encode", "encode", encoded_bound, encode);
+}
+
+/* The size encode would write for a plane (within STREAMS bytes), without coding it. */
+static size_t huffman_size(const uint8_t *src, size_t rows)
+{
+    uint64_t counts[256];
+    uint8_t lengths[256];
+    histogram(src, rows, counts);
+    code_lengths(counts, lengths);
+    return coded_size(counts, lengths);
+}
+
+/* sizer(plane) without the GIL, as a Python int. */
+static PyObject *plane_size(PyObject *args, const char *format, size_t (*sizer)(const uint8_t *, size_t))
 {
     Py_buffer src;
-    if (!PyArg_ParseTuple(args, "y*:runs_size", &src))
+    if (!PyArg_ParseTuple(args, format, &src))
         return NULL;
     size_t size;
     Py_BEGIN_ALLOW_THREADS
-    size = runs_size((const uint8_t *)src.buf, (size_t)src.len);
+    size = sizer((const uint8_t *)src.buf, (size_t)src.len);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src);
     return PyLong_FromSize_t(size);
 }
 
-static PyObject *py_decode_runs(PyObject *self, PyObject *args)
+static PyObject *py_coded_size(PyObject *self, PyObject *args) { return plane_size(args, "y*:coded_size", huffman_size); }
+
+/* decode(payload, out), or with `runs` decode_runs(payload, out, xor): None, or ValueError saying what is wrong. */
+static PyObject *decode_plane(PyObject *args, int runs)
 {
     Py_buffer payload, out;
-    int xor;
-    if (!PyArg_ParseTuple(args, "y*w*p:decode_runs", &payload, &out, &xor))
+    int xor = 0;
+    if (runs ? !PyArg_ParseTuple(args, "y*w*p:decode_runs", &payload, &out, &xor)
+             : !PyArg_ParseTuple(args, "y*w*:decode", &payload, &out))
         return NULL;
     const char *problem;
     Py_BEGIN_ALLOW_THREADS
-    problem = decode_runs((const uint8_t *)payload.buf, (size_t)payload.len, (uint8_t *)out.buf, (size_t)out.len, xor);
+    problem = runs ? decode_runs((const uint8_t *)payload.buf, (size_t)payload.len, (uint8_t *)out.buf, (size_t)out.len, xor)
+                   : decode((const uint8_t *)payload.buf, (size_t)payload.len, (uint8_t *)out.buf, (size_t)out.len);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&payload);
     PyBuffer_Release(&out);
@@ -575,6 +544,17 @@ static PyObject *py_decode_runs(PyObject *self, PyObject *args)
     }
     Py_RETURN_NONE;
 }
+
+static PyObject *py_decode(PyObject *self, PyObject *args) { return decode_plane(args, 0); }
+
+static PyObject *py_encode_runs(PyObject *self, PyObject *args)
+{
+    return encode_plane(args, "y*:encode_runs", "encode_runs", runs_bound, encode_runs);
+}
+
+static PyObject *py_runs_size(PyObject *self, PyObject *args) { return plane_size(args, "y*:runs_size", runs_size); }
+
+static PyObject *py_decode_runs(PyObject *self, PyObject *args) { return decode_plane(args, 1); }
 
 /* A bytegroup chunk rebuilt from its chain in one call (codecs/bytegroup.py has the layout and the
  * Python path it mirrors): per byte plane, the newest level storing it whole is decoded, the XOR
