@@ -49,12 +49,17 @@ INCOMPRESSIBLE = 0.97
 # always taking the smaller: stored 2.1% (fp32) and 5.7% (bf16) more, checkout of a depth-2
 # commit 25-40% faster; the fine-tune, whose XOR planes are 5x smaller, is unchanged.
 XOR_GAIN = 0.6
-# A coder's sample size is divided by its preference before the sizes are compared.
-# Huffman is taken unless zstd is more than 4% smaller: on the benchmark runs' exponent planes it
-# is 1-3% larger and decodes 1.7x (dense) to 4x (XOR planes) faster. Zero runs must be 10% smaller
-# than zstd: on the from-scratch runs' XOR planes they are 40% smaller and decode 4x faster, on the
-# fine-tune's (nonzero bytes clustered, which zstd's matches exploit) 6% smaller but 1.7x slower.
-PREFERENCE = {"zstd": 1.0, "huffman": 1.04, "runs": 0.9}
+# A coder's estimated size is divided by its preference before the sizes are compared.
+# Huffman and zero runs are taken unless zstd is more than 4% smaller: on the benchmark runs'
+# exponent planes Huffman is 1-3% larger and decodes 1.7x (dense) to 4x (XOR planes) faster; on
+# the from-scratch runs' XOR planes zero runs are 40% smaller than zstd and decode 4x faster, on the
+# fine-tune's (1.5% nonzero) as small as zstd and 2.7x faster, counting zstd's XOR pass.
+PREFERENCE = {"zstd": 1.0, "huffman": 1.04, "runs": 1.04}
+# Bytes a payload costs whatever its plane's size (headers, tables, padding): counted once per
+# plane, not once per sample, or a 64 KiB sample makes zero runs' 352 look like a quarter of a
+# sparse plane's payload.
+FIXED_BYTES = {"zstd": 0, "huffman": huffman.HEAD_BYTES + huffman.PAD,
+               "runs": zeroruns.RUNS_HEAD + 2 * (huffman.HEAD_BYTES + huffman.PAD)}
 HUF_MIN_ROWS = 1 << 10  # below this, the 160 bytes of header and padding and the table setup outweigh the gain
 RUNS_DENSITY = 0.5  # zero runs are not tried on samples with more nonzero bytes than this (each costs two symbols)
 
@@ -202,7 +207,8 @@ class ByteGroupCodec:
         best_mode, best_score, best_payload = RAW, float("inf"), None
         for xor, sample in samples.items():
             for coder, (size, payload) in _sample_sizes(sample, plane.size, compressor).items():
-                ratio = size / max(sample.size, 1) / (XOR_GAIN if xor else 1.0)
+                fixed = min(FIXED_BYTES[coder], size)
+                ratio = ((size - fixed) / max(sample.size, 1) + fixed / plane.size) / (XOR_GAIN if xor else 1.0)
                 if ratio < INCOMPRESSIBLE and ratio / PREFERENCE[coder] < best_score:
                     best_mode, best_score, best_payload = _MODES[(xor, coder)], ratio / PREFERENCE[coder], payload
         if best_mode == RAW:

@@ -288,3 +288,16 @@ def test_mutated_chains_decode_as_the_python_path_does_or_are_refused(monkeypatc
         refused += results[0] is None
         assert results[0] == results[1] or None in results, seed  # never two different decodings
     assert refused > 0
+
+
+def test_a_large_sparse_xor_plane_takes_zero_runs_though_each_sample_is_small():
+    """Headers count once per plane: four 16 KiB samples must not weigh zero runs' 352 bytes as if each were a plane."""
+    from ckptstore.codecs.bytegroup import XOR_RUNS, _compressor
+
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 256, 1 << 21).astype(np.uint8)
+    residual = np.where(rng.random(base.size) < 0.005, rng.integers(1, 4, base.size), 0).astype(np.uint8)
+    payload = CODEC.encode(base ^ residual, base, {"width": 1})
+    assert CODEC.plane_modes(payload) == [XOR_RUNS]
+    assert len(payload) < 0.6 * len(_compressor(1).compress(residual))  # what zstd would have stored
+    assert CODEC.decode(payload, base.copy(), {"width": 1}, base.size).tobytes() == (base ^ residual).tobytes()
