@@ -269,17 +269,16 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
 def run_here_and_on(pool: Executor, jobs: list[tuple[Future, Callable[[], object]]]) -> None:
     """Run `jobs` in order on this thread and the pool's (as many in all as the pool has), then return.
 
-    Each job's future then holds its result or exception.
-    The calling thread is running already, while the pool's threads sleep until woken: on the
-    2-core benchmark VM a bf16 checkout whose tasks all went to the pool took 32.8 ms after a
-    `gc.collect()` and 25.2 ms back to back; with the caller taking its share, 24.0 and 23.5 ms.
-    Jobs taken in order may wait for earlier ones (a first moment's chunk for its second
-    moment's), which are then already running.
+    Each job's future then holds its result or exception. The calling thread is running already,
+    while the pool's threads sleep until woken: on the 2-core benchmark VM a bf16 checkout whose
+    tasks all went to the pool took 32.8 ms after a `gc.collect()` and 25.2 ms back to back; with
+    the caller taking its share, 24.0 and 23.5 ms. Jobs taken in order may wait for earlier ones
+    (a first moment's chunk for its second moment's), which are then already running.
     """
     taken = itertools.count()
 
     def drain() -> None:
-        for index in iter(lambda: next(taken), None):
+        for index in taken:  # a shared counter: each index goes to one thread
             if index >= len(jobs):
                 return
             future, job = jobs[index]
