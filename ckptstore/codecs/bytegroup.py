@@ -209,8 +209,9 @@ class ByteGroupCodec:
             for coder, (size, payload) in _sample_sizes(sample, plane.size, compressor).items():
                 fixed = min(FIXED_BYTES[coder], size)
                 ratio = ((size - fixed) / max(sample.size, 1) + fixed / plane.size) / (XOR_GAIN if xor else 1.0)
-                if ratio < INCOMPRESSIBLE and ratio / PREFERENCE[coder] < best_score:
-                    best_mode, best_score, best_payload = _MODES[(xor, coder)], ratio / PREFERENCE[coder], payload
+                score = ratio / PREFERENCE[coder]
+                if ratio < INCOMPRESSIBLE and score < best_score:
+                    best_mode, best_score, best_payload = _MODES[(xor, coder)], score, payload
         if best_mode == RAW:
             return RAW, plane.data
         if best_payload is None or not whole:
@@ -347,6 +348,7 @@ class ByteGroupCodec:
             except ValueError as exc:
                 raise CodecError(f"bytegroup: {exc}") from None
         levels, rows, wholes = self._chain_layout(payloads, nbytes)
+        residual = scratch[width * rows :]
         planes = []
         for j, whole in enumerate(wholes):
             if whole == 0 and levels[0][j][0] == RAW:
@@ -358,7 +360,6 @@ class ByteGroupCodec:
                 if levels[level][j][0] == XOR_RUNS:  # only its nonzero bytes are XORed in
                     self._native_into(payloads[level], levels[level][j], j, plane, xor=True)
                     continue
-                residual = scratch[width * rows :]
                 self._plane_into(payloads[level], levels[level][j], rows, j, residual)
                 np.bitwise_xor(plane, residual, out=plane)
             planes.append(plane)
