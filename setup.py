@@ -6,6 +6,7 @@ fallback (slower checkout; `python -c "import ckptstore.codecs.planes as p; prin
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension(f"ckptstore.codecs.{name}", [f"ckptstore/codecs/{name}.c"],
-                             depends=["ckptstore/codecs/_interleave.h", "ckptstore/codecs/_simd.h"],
+HEADERS = [f"ckptstore/codecs/{name}.h" for name in ("_interleave", "_simd", "_zstd")]
+
+setup(ext_modules=[Extension(f"ckptstore.codecs.{name}", [f"ckptstore/codecs/{name}.c"], depends=HEADERS,
                              extra_compile_args=["-O3"], optional=True) for name in ("_planes", "_lossy", "_huffman")])

@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "_interleave.h"
+#include "_zstd.h"
 
 #define MAXBITS 11
 #define TABLE_SIZE (1u << MAXBITS)
@@ -558,10 +559,10 @@ static PyObject *py_decode_runs(PyObject *self, PyObject *args) { return decode_
 
 /* A bytegroup chunk rebuilt from its chain in one call (codecs/bytegroup.py has the layout and the
  * Python path it mirrors): per byte plane, the newest level storing it whole is decoded, the XOR
- * levels above it are applied, and the planes are interleaved into the output. It handles chains
- * whose needed planes are raw, Huffman or zero-run coded; a zstd plane makes it decline, and the
- * Python path (which has zstd) runs instead. One call per chunk, without the GIL: the Python path
- * made 5-10 calls per chunk and handed the GIL over at each. */
+ * levels above it are applied, and the planes are interleaved into the output. zstd planes go
+ * through libzstd (_zstd.h); where it was not found, a chain with a needed zstd plane is declined
+ * and the Python path (python-zstandard) runs instead. One call per chunk, without the GIL: the
+ * Python path made 5-10 calls per chunk and handed the GIL over at each. */
 #define BG_HEAD 6
 #define BG_PLANE 9
 #define BG_MAX_LEVELS 64
@@ -610,29 +611,49 @@ static const char *bg_parse(const uint8_t *payload, size_t size, size_t width, b
     return NULL;
 }
 
-/* Decode level `plane` (raw, Huffman or zero runs) into dst, or XOR it into dst. */
+static int bg_is_zstd(int mode) { return mode == BG_ZSTD || mode == BG_XOR_ZSTD; }
+
+/* Decode level `plane` into dst, or XOR it into dst; NULL, or what is wrong, written to `why`. */
 static const char *bg_plane_into(const uint8_t *payload, bg_plane_t plane, uint8_t *dst, uint8_t *residual,
-                                 size_t rows, int xor)
+                                 size_t rows, int xor, char *why, size_t why_size)
 {
     const uint8_t *data = payload + plane.offset;
+    char detail[96];
+    const char *problem;
     if (plane.mode == BG_RAW) {
-        if (plane.length != rows)
-            return "raw plane has the wrong size";
+        if (plane.length != rows) {
+            snprintf(why, why_size, "has %zu bytes, expected %zu", plane.length, rows);
+            return why;
+        }
         memcpy(dst, data, rows);
         return NULL;
     }
-    if (plane.mode == BG_RUNS || plane.mode == BG_XOR_RUNS)
-        return decode_runs(data, plane.length, dst, rows, xor);
-    if (!xor)
-        return decode(data, plane.length, dst, rows);
-    const char *problem = decode(data, plane.length, residual, rows);
-    if (!problem)
+    if (bg_is_zstd(plane.mode)) {
+        problem = ckpt_zstd_frame(data, plane.length, xor ? residual : dst, rows, detail, sizeof detail);
+        if (problem) {
+            snprintf(why, why_size, "does not decompress: %s", problem);
+            return why;
+        }
+    } else {
+        if (plane.mode == BG_RUNS || plane.mode == BG_XOR_RUNS)
+            problem = decode_runs(data, plane.length, dst, rows, xor);
+        else
+            problem = decode(data, plane.length, xor ? residual : dst, rows);
+        if (problem) {
+            snprintf(why, why_size, "does not decode: huffman: %s", problem);
+            return why;
+        }
+        if (plane.mode == BG_RUNS || plane.mode == BG_XOR_RUNS)
+            return NULL; /* zero runs XOR in place */
+    }
+    if (xor)
         for (size_t i = 0; i < rows; i++)
             dst[i] ^= residual[i];
-    return problem;
+    return NULL;
 }
 
-/* 1: decoded into out; 0: a needed plane is zstd-coded (nothing written); -1: damaged, `why` says so. */
+/* 1: decoded into out; 0: a needed plane is zstd-coded and libzstd was not found (nothing written);
+ * -1: damaged, `why` says so. */
 static int bg_decode_chain(const uint8_t *const *payloads, const size_t *sizes, size_t levels, uint8_t *out,
                            size_t nbytes, uint8_t *scratch, size_t scratch_size, char *why, size_t why_size)
 {
@@ -663,8 +684,8 @@ static int bg_decode_chain(const uint8_t *const *payloads, const size_t *sizes, 
             return -1;
         }
         whole[j] = level;
-        for (size_t k = 0; k <= level; k++)
-            if (layout[k][j].mode == BG_ZSTD || layout[k][j].mode == BG_XOR_ZSTD)
+        for (size_t k = 0; k <= level && !ckpt_zstd_ready(); k++)
+            if (bg_is_zstd(layout[k][j].mode))
                 return 0;
     }
     uint8_t *residual = scratch + width * rows;
@@ -675,11 +696,12 @@ static int bg_decode_chain(const uint8_t *const *payloads, const size_t *sizes, 
             continue;
         }
         uint8_t *plane = scratch + j * rows;
-        const char *problem = bg_plane_into(payloads[whole[j]], top, plane, residual, rows, 0);
+        char detail[128];
+        const char *problem = bg_plane_into(payloads[whole[j]], top, plane, residual, rows, 0, detail, sizeof detail);
         for (size_t level = whole[j]; !problem && level-- > 0;)
-            problem = bg_plane_into(payloads[level], layout[level][j], plane, residual, rows, 1);
+            problem = bg_plane_into(payloads[level], layout[level][j], plane, residual, rows, 1, detail, sizeof detail);
         if (problem) {
-            snprintf(why, why_size, "plane %zu does not decode: huffman: %s", j, problem);
+            snprintf(why, why_size, "plane %zu %s", j, problem);
             return -1;
         }
         sources[j] = plane;
@@ -751,7 +773,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_huffman", "Multi-sy
 PyMODINIT_FUNC PyInit__huffman(void)
 {
     PyObject *m = PyModule_Create(&module);
-    if (m && (PyModule_AddIntConstant(m, "MAXBITS", MAXBITS) < 0 || PyModule_AddIntConstant(m, "STREAMS", STREAMS) < 0 ||
+    if (m && (PyModule_AddIntConstant(m, "ZSTD", ckpt_zstd_load()) < 0 || PyModule_AddIntConstant(m, "MAXBITS", MAXBITS) < 0 || PyModule_AddIntConstant(m, "STREAMS", STREAMS) < 0 ||
               PyModule_AddIntConstant(m, "PAD", PAD) < 0 || PyModule_AddIntConstant(m, "RUNS_HEAD", RUNS_HEAD) < 0)) {
         Py_DECREF(m);
         return NULL;

@@ -35,6 +35,7 @@ _MODES = {(False, "zstd"): ZSTD, (True, "zstd"): XOR_ZSTD, (False, "huffman"): H
           (False, "runs"): RUNS, (True, "runs"): XOR_RUNS}
 _CODER = {mode: coder for (_, coder), mode in _MODES.items()}
 XOR_MODES = tuple(mode for (xor, _), mode in _MODES.items() if xor)
+_XOR_MODE_SET = frozenset(XOR_MODES)
 HUF_MODES = (HUF, XOR_HUF)
 RUNS_MODES = (RUNS, XOR_RUNS)
 _HEAD = struct.Struct("<3sBH")
@@ -238,6 +239,15 @@ class ByteGroupCodec:
         return width, planes
 
     def needs_base(self, payload: bytes) -> bool:
+        """True when a plane is XOR-coded; read off the plane modes, every chunk's first question.
+
+        A header that does not add up is left to `_parse` to name.
+        """
+        if len(payload) >= _HEAD.size:
+            magic, width, count = _HEAD.unpack_from(payload)
+            end = _HEAD.size + count * _PLANE.size
+            if magic == MAGIC and width and count == width and len(payload) >= end:
+                return not _XOR_MODE_SET.isdisjoint(payload[_HEAD.size : end : _PLANE.size])
         return any(mode in XOR_MODES for mode, _, _ in self._parse(payload)[1])
 
     @staticmethod
@@ -335,8 +345,9 @@ class ByteGroupCodec:
 
         Each plane is rebuilt in a reused per-thread buffer (decompressing into fresh memory costs
         a page fault per 4 KiB); a plane stored raw by the newest level is read from the payload in
-        place. One interleaving pass then writes `out`. With the native coder, chains without zstd
-        planes are decoded in one call (`_huffman.decode_chain`, the same steps in C).
+        place. One interleaving pass then writes `out`. With the native coder, chains are decoded in
+        one call (`_huffman.decode_chain`, the same steps in C; chains with zstd planes only where
+        it found the system's libzstd, `_huffman.ZSTD`).
         """
         out = np.empty(nbytes, dtype=np.uint8) if out is None else out
         width = payloads[0][3] if len(payloads[0]) > 3 else 0

@@ -1,5 +1,8 @@
+import sys
+
 import numpy as np
 import pytest
+import zstandard
 
 from ckptstore.codecs import get_codec
 from ckptstore.errors import CodecError
@@ -236,7 +239,13 @@ def test_native_chain_decoder_matches_the_python_path(monkeypatch):
 
     chains = _chains()
     assert CODEC.plane_modes(chains["xor huffman"][0][0])[3] == XOR_HUF
-    assert CODEC.plane_modes(chains["xor zstd"][0][0])[3] == XOR_ZSTD  # the native decoder declines these
+    assert CODEC.plane_modes(chains["xor zstd"][0][0])[3] == XOR_ZSTD
+    if sys.platform == "linux":  # libzstd.so.1 is part of every Linux distribution's base system
+        assert huffman.native.ZSTD
+    for name, (payloads, expected) in chains.items():  # one native call takes every chain, zstd too
+        scratch = np.empty(expected.size * 2 + 64, dtype=np.uint8)
+        taken = huffman.native.decode_chain(payloads, np.empty_like(expected), scratch)
+        assert taken or not huffman.native.ZSTD, name
     native = {name: CODEC.decode_chain(p, {}, expected.size).tobytes() for name, (p, expected) in chains.items()}
     monkeypatch.setattr(huffman, "native", _WithoutChainDecoder(huffman.native))
     for name, (payloads, expected) in chains.items():
@@ -265,10 +274,43 @@ def test_native_chain_decoder_refuses_damage_like_the_python_path(monkeypatch):
                 CODEC.decode_chain(chain, {}, expected.size)
 
 
-def test_mutated_chains_decode_as_the_python_path_does_or_are_refused(monkeypatch):
+def test_native_chain_decoder_refuses_damaged_zstd_planes_like_the_python_path(monkeypatch):
+    from ckptstore.codecs import huffman
+    from ckptstore.codecs.bytegroup import _HEAD, _PLANE
+
+    payloads, expected = _chains()["xor zstd"]
+    top = payloads[0]
+    offset = _HEAD.size + 4 * _PLANE.size + sum(_PLANE.unpack_from(top, _HEAD.size + j * _PLANE.size)[1]
+                                               for j in range(3))
+    frame = top[offset:]  # plane 3, the XOR zstd one, is last
+    assert frame[:4] == b"\x28\xb5\x2f\xfd"  # a zstd frame's magic
+
+    def with_frame(new: bytes) -> list[bytes]:
+        header = bytearray(top[:offset])
+        _PLANE.pack_into(header, _HEAD.size + 3 * _PLANE.size, _PLANE.unpack_from(top, _HEAD.size + 3 * _PLANE.size)[0],
+                         len(new))
+        return [bytes(header) + new, *payloads[1:]]
+
+    cases = {
+        "not a frame": with_frame(b"\x00" * len(frame)),
+        "frame cut short": with_frame(frame[:-5]),
+        "bytes after the frame": with_frame(frame + b"\x00\x01"),
+        "frame of another size": with_frame(zstandard.ZstdCompressor().compress(b"\x01" * 100)),
+    }
+    for use_native in (True, False):
+        if not use_native:
+            monkeypatch.setattr(huffman, "native", _WithoutChainDecoder(huffman.native))
+        for chain in cases.values():
+            with pytest.raises(CodecError, match="plane 3"):
+                CODEC.decode_chain(chain, {}, expected.size)
+    assert CODEC.decode_chain(with_frame(frame), {}, expected.size).tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("name", ["zero runs", "xor zstd"])
+def test_mutated_chains_decode_as_the_python_path_does_or_are_refused(monkeypatch, name):
     from ckptstore.codecs import huffman
 
-    payloads, expected = _chains()["zero runs"]
+    payloads, expected = _chains()[name]
     native, python = huffman.native, _WithoutChainDecoder(huffman.native)
     refused = 0
     for seed in range(600):
