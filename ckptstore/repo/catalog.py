@@ -92,13 +92,7 @@ def load_records(conn: Connection, ids: Iterable[TensorId], with_bases: bool = T
         while pending:
             batch_ids, pending = list(pending), set()
             for batch in batches(batch_ids):
-                marks = ", ".join([mark] * len(batch))
-                cursor.execute(_RECORD_SQL.format(marks=marks), batch)
-                rows = cursor.fetchall()
-                cursor.execute(_CHUNK_SQL.format(marks=marks), batch)
-                chunks: dict[str, list[Chunk]] = {}
-                for tensor, object_id, raw_bytes, offset, length, checksum in cursor.fetchall():
-                    chunks.setdefault(tensor, []).append(Chunk(ObjectId(object_id), raw_bytes, offset, length, checksum))
+                rows, chunks = _read_rows(cursor, ", ".join([mark] * len(batch)), batch)
                 for tid, dtype, shape, codec, param_text, base_id, depth, raw_bytes, stored_bytes in rows:
                     if shape not in shapes:
                         shapes[shape] = tuple(json.loads(shape))
@@ -114,6 +108,17 @@ def load_records(conn: Connection, ids: Iterable[TensorId], with_bases: bool = T
     finally:
         cursor.close()
     return found
+
+
+def _read_rows(cursor, marks: str, batch: list[TensorId]) -> tuple[list[tuple], dict[str, list[Chunk]]]:
+    """The tensor rows of `batch` and their chunks in order, by tensor id."""
+    cursor.execute(_RECORD_SQL.format(marks=marks), batch)
+    rows = cursor.fetchall()
+    cursor.execute(_CHUNK_SQL.format(marks=marks), batch)
+    chunks: dict[str, list[Chunk]] = {}
+    for tensor, object_id, raw_bytes, offset, length, checksum in cursor.fetchall():
+        chunks.setdefault(tensor, []).append(Chunk(ObjectId(object_id), raw_bytes, offset, length, checksum))
+    return rows, chunks
 
 
 def existing_tensor_ids(conn: Connection, ids: Iterable[TensorId]) -> set[TensorId]:
