@@ -5,9 +5,10 @@ chain, on the CPU and, where CUDA is present, straight to the GPU (torch.load + 
 safetensors with device="cuda", `checkout(device="cuda")`).
 
 Two measurements, the methods taking turns in each round so that the machine's drift hits them
-alike: the best of `--repeats` loads in this process (warm: allocator, threads and caches already
-set up), and the median of `--fresh` loads each in a process of its own (what a job restarting
-after a crash does), which also gives each method's peak memory growth over the restored size.
+alike: the best and the median of `--repeats` loads in this process (warm: allocator, threads
+and caches already set up; the best is a load whose memory the allocator had at hand), and the
+median of `--fresh` loads each in a process of its own (what a job restarting after a crash
+does), which also gives each method's peak memory growth over the restored size.
 Prints a table (seconds and GB/s of restored state) and writes it to FILE too.
 """
 
@@ -142,12 +143,14 @@ def main() -> None:
     lines = [f"{args.run}, checkpoint {depth + 1} (chain depth {depth}); best of {args.repeats} in one process, "
              f"median of {args.fresh} fresh processes; "
              f"CUDA: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}", "",
-             "| method | device | warm s | warm GB/s | fresh s | fresh GB/s | peak memory growth / restored size |",
+             "| method | device | warm s, best / median | warm GB/s, best | fresh s | fresh GB/s "
+             "| peak memory growth / restored size |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        warm_s, fresh_s = min(r["warm"]), statistics.median(r["fresh"])
-        lines.append(f"| {r['method']} | {r['device']} | {warm_s:.3f} | {r['size'] / warm_s / 1e9:.2f} | "
-                     f"{fresh_s:.3f} | {r['size'] / fresh_s / 1e9:.2f} | {r['memory']:.2f}x |")
+        warm_s, warm_median, fresh_s = min(r["warm"]), statistics.median(r["warm"]), statistics.median(r["fresh"])
+        lines.append(f"| {r['method']} | {r['device']} | {warm_s:.3f} / {warm_median:.3f} | "
+                     f"{r['size'] / warm_s / 1e9:.2f} | {fresh_s:.3f} | {r['size'] / fresh_s / 1e9:.2f} | "
+                     f"{r['memory']:.2f}x |")
     text = "\n".join(lines)
     print(text)
     if args.out:
