@@ -4,11 +4,13 @@ the page cache, against ckptstore checkout of a lossless commit at the end of a 
 chain, on the CPU and, where CUDA is present, straight to the GPU (torch.load + `.cuda()`,
 safetensors with device="cuda", `checkout(device="cuda")`).
 
-Two measurements, the methods taking turns in each round so that the machine's drift hits them
-alike: the best and the median of `--repeats` loads in this process (warm: allocator, threads
-and caches already set up; the best is a load whose memory the allocator had at hand), and the
-median of `--fresh` loads each in a process of its own (what a job restarting after a crash
-does), which also gives each method's peak memory growth over the restored size.
+Three measurements. Warm, in this process (allocator, threads and caches set up): the best and
+the median of `--repeats` loads with the methods taking turns, so that the machine's drift hits
+them alike, each load finding the memory the previous method freed; and the median of
+`--repeats` loads of each method back to back, each finding what its own previous load freed (a
+process that loads checkpoints again and again). Fresh: the median of `--fresh` loads each in a
+process of its own, the methods taking turns (what a job restarting after a crash does), which
+also gives each method's peak memory growth over the restored size.
 Prints a table (seconds and GB/s of restored state) and writes it to FILE too.
 """
 
@@ -126,12 +128,14 @@ def main() -> None:
         del state, tensors
         with Repository.open(work / "repo") as repo:
             cases = _cases(repo, cids[-1], source, safetensors_path)
-            rows = [{"method": name, "device": device, "warm": [], "fresh": [], "memory": 0.0}
+            rows = [{"method": name, "device": device, "warm": [], "steady": [], "fresh": [], "memory": 0.0}
                     for name, _, _, device in cases]
             for _ in range(args.repeats):
                 for row, (_, load, path, device) in zip(rows, cases):
                     seconds, row["size"] = _timed(load, path, device)
                     row["warm"].append(seconds)
+            for row, (_, load, path, device) in zip(rows, cases):
+                row["steady"] = [_timed(load, path, device)[0] for _ in range(args.repeats)]
         child_args = ["--paths", str(work / "repo"), cids[-1], str(source), str(safetensors_path)]
         for _ in range(args.fresh):
             for case, row in enumerate(rows):
@@ -143,14 +147,14 @@ def main() -> None:
     lines = [f"{args.run}, checkpoint {depth + 1} (chain depth {depth}); best of {args.repeats} in one process, "
              f"median of {args.fresh} fresh processes; "
              f"CUDA: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}", "",
-             "| method | device | warm s, best / median | warm GB/s, best | fresh s | fresh GB/s "
-             "| peak memory growth / restored size |",
-             "|---|---|---|---|---|---|---|"]
+             "| method | device | warm s, taking turns: best / median | warm GB/s, best "
+             "| warm s, back to back: median | fresh s | fresh GB/s | peak memory growth / restored size |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         warm_s, warm_median, fresh_s = min(r["warm"]), statistics.median(r["warm"]), statistics.median(r["fresh"])
         lines.append(f"| {r['method']} | {r['device']} | {warm_s:.3f} / {warm_median:.3f} | "
-                     f"{r['size'] / warm_s / 1e9:.2f} | {fresh_s:.3f} | {r['size'] / fresh_s / 1e9:.2f} | "
-                     f"{r['memory']:.2f}x |")
+                     f"{r['size'] / warm_s / 1e9:.2f} | {statistics.median(r['steady']):.3f} | {fresh_s:.3f} | "
+                     f"{r['size'] / fresh_s / 1e9:.2f} | {r['memory']:.2f}x |")
     text = "\n".join(lines)
     print(text)
     if args.out:
