@@ -773,7 +773,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_huffman", "Multi-sy
 PyMODINIT_FUNC PyInit__huffman(void)
 {
     PyObject *m = PyModule_Create(&module);
-    if (m && (PyModule_AddIntConstant(m, "ZSTD", ckpt_zstd_load()) < 0 || PyModule_AddIntConstant(m, "MAXBITS", MAXBITS) < 0 || PyModule_AddIntConstant(m, "STREAMS", STREAMS) < 0 ||
+    if (m && (PyModule_AddIntConstant(m, "ZSTD", ckpt_zstd_load()) < 0 ||
+              PyModule_AddIntConstant(m, "MAXBITS", MAXBITS) < 0 || PyModule_AddIntConstant(m, "STREAMS", STREAMS) < 0 ||
               PyModule_AddIntConstant(m, "PAD", PAD) < 0 || PyModule_AddIntConstant(m, "RUNS_HEAD", RUNS_HEAD) < 0)) {
         Py_DECREF(m);
         return NULL;

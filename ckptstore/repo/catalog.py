@@ -76,7 +76,7 @@ def load_records(conn: Connection, ids: Iterable[TensorId], with_bases: bool = T
 
     Every checkout starts here, so this is plain SQL on the driver's own cursor: through
     SQLAlchemy's statements, compiling them was 60% of it in a fresh process (bf16 benchmark
-    checkpoint, 212 records: 7 ms -> 2.7 ms), and its result rows a quarter of the rest. A
+    checkpoint, 212 records: 7 ms -> 2.7 ms), and its result rows 15% of the rest. A
     checkpoint's tensors share a few shapes and coding params (that one: 12 and 9), so each
     distinct JSON text is parsed once.
     """
@@ -86,13 +86,12 @@ def load_records(conn: Connection, ids: Iterable[TensorId], with_bases: bool = T
     if not conn.in_transaction():
         conn.begin()  # what SQLAlchemy's own first statement would do: one snapshot for every read
     cursor = conn.connection.driver_connection.cursor()
-    mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
     pending = {i for i in ids if i}
     try:
         while pending:
             batch_ids, pending = list(pending), set()
             for batch in batches(batch_ids):
-                rows, chunks = _read_rows(cursor, ", ".join([mark] * len(batch)), batch)
+                rows, chunks = _read_rows(conn, cursor, batch)
                 for tid, dtype, shape, codec, param_text, base_id, depth, raw_bytes, stored_bytes in rows:
                     if shape not in shapes:
                         shapes[shape] = tuple(json.loads(shape))
@@ -110,11 +109,12 @@ def load_records(conn: Connection, ids: Iterable[TensorId], with_bases: bool = T
     return found
 
 
-def _read_rows(cursor, marks: str, batch: list[TensorId]) -> tuple[list[tuple], dict[str, list[Chunk]]]:
+def _read_rows(conn: Connection, cursor, batch: list[TensorId]) -> tuple[list[tuple], dict[str, list[Chunk]]]:
     """The tensor rows of `batch` and their chunks in order, by tensor id."""
-    cursor.execute(_RECORD_SQL.format(marks=marks), batch)
+    marks = ", ".join(["?"] * len(batch))
+    cursor.execute(_in_driver_style(conn, _RECORD_SQL.format(marks=marks)), batch)
     rows = cursor.fetchall()
-    cursor.execute(_CHUNK_SQL.format(marks=marks), batch)
+    cursor.execute(_in_driver_style(conn, _CHUNK_SQL.format(marks=marks)), batch)
     chunks: dict[str, list[Chunk]] = {}
     for tensor, object_id, raw_bytes, offset, length, checksum in cursor.fetchall():
         chunks.setdefault(tensor, []).append(Chunk(ObjectId(object_id), raw_bytes, offset, length, checksum))
@@ -168,9 +168,12 @@ def driver_sql(conn: Connection, sql: str, params: tuple = ()):
     For the reads every checkout makes: SQLAlchemy compiles each statement the first time a process
     runs it, which in a process restarting after a crash cost more than the reads themselves.
     """
-    if conn.dialect.paramstyle != "qmark":
-        sql = sql.replace("?", "%s")
-    return conn.exec_driver_sql(sql, params)
+    return conn.exec_driver_sql(_in_driver_style(conn, sql), params)
+
+
+def _in_driver_style(conn: Connection, sql: str) -> str:
+    """`sql` with each "?" in the driver's own parameter style."""
+    return sql if conn.dialect.paramstyle == "qmark" else sql.replace("?", "%s")
 
 
 def manifest_object(conn: Connection, cid: CommitId) -> ObjectId:
