@@ -109,11 +109,10 @@ def materialize(raw: RawTensor, device: str | None = None) -> Any:
     same = _NUMPY_OF_TORCH.get(raw.dtype)
     if same is not None and data.size:  # typed and shaped in numpy, one torch call: 5 -> 1.5 us a tensor
         tensor = torch.from_numpy(data.view(same).reshape(raw.shape))
-        return tensor.to(device) if device and device != "cpu" else tensor
-    buffer = torch.from_numpy(data) if data.size else torch.empty(0, dtype=torch.uint8)
-    if device and device != "cpu":
-        buffer = buffer.to(device)
-    return buffer.view(torch_dtype(raw.dtype)).reshape(raw.shape)
+    else:
+        buffer = torch.from_numpy(data) if data.size else torch.empty(0, dtype=torch.uint8)
+        tensor = buffer.view(torch_dtype(raw.dtype)).reshape(raw.shape)
+    return tensor.to(device) if device and device != "cpu" else tensor
 
 
 # torch dtypes whose numpy namesake has the same bytes (bfloat16 and the float8s have none)

@@ -628,23 +628,21 @@ static const char *bg_plane_into(const uint8_t *payload, bg_plane_t plane, uint8
         memcpy(dst, data, rows);
         return NULL;
     }
+    if (plane.mode == BG_RUNS || plane.mode == BG_XOR_RUNS) { /* zero runs XOR in place */
+        problem = decode_runs(data, plane.length, dst, rows, xor);
+        if (problem)
+            snprintf(why, why_size, "does not decode: huffman: %s", problem);
+        return problem ? why : NULL;
+    }
     if (bg_is_zstd(plane.mode)) {
         problem = ckpt_zstd_frame(data, plane.length, xor ? residual : dst, rows, detail, sizeof detail);
         if (problem) {
             snprintf(why, why_size, "does not decompress: %s", problem);
             return why;
         }
-    } else {
-        if (plane.mode == BG_RUNS || plane.mode == BG_XOR_RUNS)
-            problem = decode_runs(data, plane.length, dst, rows, xor);
-        else
-            problem = decode(data, plane.length, xor ? residual : dst, rows);
-        if (problem) {
-            snprintf(why, why_size, "does not decode: huffman: %s", problem);
-            return why;
-        }
-        if (plane.mode == BG_RUNS || plane.mode == BG_XOR_RUNS)
-            return NULL; /* zero runs XOR in place */
+    } else if ((problem = decode(data, plane.length, xor ? residual : dst, rows))) {
+        snprintf(why, why_size, "does not decode: huffman: %s", problem);
+        return why;
     }
     if (xor)
         for (size_t i = 0; i < rows; i++)
@@ -761,7 +759,7 @@ static PyMethodDef methods[] = {
     {"runs_size", py_runs_size, METH_VARARGS, "runs_size(plane) -> bytes encode_runs would write, at most."},
     {"decode_chain", py_decode_chain, METH_VARARGS,
      "decode_chain(payloads, out, scratch) -> True when out holds the chunk; False (nothing written) where the "
-     "Python path must decode it (a zstd plane, a width over 16, scratch under (width + 1) planes); "
+     "Python path must decode it (a zstd plane without libzstd, a width over 16, scratch under (width + 1) planes); "
      "ValueError for a damaged chain."},
     {"decode_runs", py_decode_runs, METH_VARARGS,
      "decode_runs(payload, out, xor): fill out, or XOR the plane into it, or raise ValueError."},

@@ -34,8 +34,7 @@ RAW, ZSTD, XOR_ZSTD, HUF, XOR_HUF, RUNS, XOR_RUNS = 0, 1, 2, 3, 4, 5, 6
 _MODES = {(False, "zstd"): ZSTD, (True, "zstd"): XOR_ZSTD, (False, "huffman"): HUF, (True, "huffman"): XOR_HUF,
           (False, "runs"): RUNS, (True, "runs"): XOR_RUNS}
 _CODER = {mode: coder for (_, coder), mode in _MODES.items()}
-XOR_MODES = tuple(mode for (xor, _), mode in _MODES.items() if xor)
-_XOR_MODE_SET = frozenset(XOR_MODES)
+XOR_MODES = frozenset(mode for (xor, _), mode in _MODES.items() if xor)
 HUF_MODES = (HUF, XOR_HUF)
 RUNS_MODES = (RUNS, XOR_RUNS)
 _HEAD = struct.Struct("<3sBH")
@@ -247,7 +246,7 @@ class ByteGroupCodec:
             magic, width, count = _HEAD.unpack_from(payload)
             end = _HEAD.size + count * _PLANE.size
             if magic == MAGIC and width and count == width and len(payload) >= end:
-                return not _XOR_MODE_SET.isdisjoint(payload[_HEAD.size : end : _PLANE.size])
+                return not XOR_MODES.isdisjoint(payload[_HEAD.size : end : _PLANE.size])
         return any(mode in XOR_MODES for mode, _, _ in self._parse(payload)[1])
 
     @staticmethod
