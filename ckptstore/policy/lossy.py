@@ -25,7 +25,7 @@ from ckptstore.state import RawTensor
 
 _EMBEDDING = re.compile(r"embed|wte|wpe|tok_emb|pos_emb", re.IGNORECASE)
 V_EPS = 1e-30
-SGD_MOMENTUM_STEP = 0.5  # SGD momentum's step, in its RMS, per unit of `moment_step`
+SGD_MOMENTUM_STEP = 1.0  # SGD momentum's step, in its RMS, per unit of `moment_step` (balanced: 4 RMS)
 
 
 @dataclass
