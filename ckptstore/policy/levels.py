@@ -62,8 +62,8 @@ LEVELS: dict[str, LossyLevel] = {
     # Calibrated on the benchmark suite's runs (docs/benchmarks.md): python -m bench.lossy_sweep RUN LEVEL.
     "optimizer": LossyLevel("optimizer", weights_lossy=False, moment_step=1 / 4, v_levels_log2=0),
     "balanced": LossyLevel("balanced", weight_keyframe_step=0.09, weight_residual_step=0.12, moment_step=4.0,
-                           v_levels_log2=-2, prune=0.0, fine_drift=0.01, settled_step=1.0, fine_moment_step=0.6),
-    "extreme": LossyLevel("extreme", weight_keyframe_step=0.15, weight_residual_step=0.3, weight_rounding=0.45,
+                           v_levels_log2=-2, prune=0.0, fine_drift=0.01, settled_step=1.0, fine_moment_step=0.8),
+    "extreme": LossyLevel("extreme", weight_keyframe_step=0.2, weight_residual_step=0.3, weight_rounding=0.45,
                           moment_step=8.0, moment_rounding=0.4, v_levels_log2=-3, prune=0.6, fine_drift=0.03,
                           settled_step=1.5, fine_moment_step=1.0),
 }
