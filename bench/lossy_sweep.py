@@ -24,7 +24,7 @@ from ckptstore import Repository
 
 
 def sweep(run: str, levels: list[str], knobs: dict, quick: bool = False, resume_steps: int | None = None,
-          speed_only: bool = False) -> list[dict]:
+          speed_only: bool = False, calibrate: bool = False) -> list[dict]:
     workload = WORKLOADS[run](quick=quick)
     resume_steps = resume_steps or workload.resume_horizon
     files = workload.files()
@@ -41,7 +41,10 @@ def sweep(run: str, levels: list[str], knobs: dict, quick: bool = False, resume_
             with Repository.init(work / "repo") as repo:
                 commits, start = [], time.perf_counter()
                 for path in files:
-                    commits.append(repo.commit(path, lossy=level, **knobs))
+                    steer = {}
+                    if calibrate:  # the live model at this checkpoint, and the loss on a fixed batch
+                        steer = {"model": workload.load(path).model, "calibration": workload.calibration()}
+                    commits.append(repo.commit(path, lossy=level, **steer, **knobs))
                 encode_s = time.perf_counter() - start
                 stored = sum(repo.commit_info(c).stored_bytes for c in commits)
                 changes, decode_s, to_file_s = [], 0.0, 0.0
@@ -64,7 +67,8 @@ def sweep(run: str, levels: list[str], knobs: dict, quick: bool = False, resume_
             quality = {} if speed_only else {
                 "worst_eval_change_pct": max(changes, key=abs), "eval_changes_pct": [round(c, 3) for c in changes],
                 "resume_change_pct": (resumed - original_resume) / original_resume * 100}
-            rows.append({"run": run, "level": level, "knobs": knobs, "ratio": raw / stored, **quality,
+            rows.append({"run": run, "level": level, "knobs": knobs, "calibrated": calibrate, "ratio": raw / stored,
+                         **quality,
                          "encode_MBps": raw / 1e6 / encode_s, "decode_MBps": raw / 1e6 / decode_s,
                          "restore_file_MBps": raw / 1e6 / to_file_s,
                          "pairing": pairing})
@@ -82,10 +86,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--resume-steps", type=int, default=None, help="default: the run's resume horizon, 100")
     parser.add_argument("--speed-only", action="store_true", help="ratio and speeds, without eval or resume")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="commit with the live model and a calibration batch (measured sensitivity); "
+                             "encoding speed then includes loading the model and measuring")
     args = parser.parse_args()
     torch.set_num_threads(2)
     knobs = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.knob)}
-    sweep(args.run, args.levels, knobs, args.quick, args.resume_steps, args.speed_only)
+    sweep(args.run, args.levels, knobs, args.quick, args.resume_steps, args.speed_only, args.calibrate)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import math
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 EVAL_BATCHES = 4
+CALIBRATION_STEP = 1_000_000  # far past every run's horizon: a training batch no run trains on
 
 
 def stdlib_lines(package: str, limit: int = 4000) -> list[str]:
@@ -97,6 +99,11 @@ class Workload:
             state.optimizer.zero_grad(set_to_none=True)
             state.scheduler.step()
             state.step += 1
+
+    def calibration(self) -> Callable[[torch.nn.Module], torch.Tensor]:
+        """The loss on one fixed training batch that the run never reaches: a lossy commit's calibration."""
+        batch = self.batch(CALIBRATION_STEP)
+        return lambda model: self.loss(model, batch)
 
     @torch.no_grad()
     def eval_loss(self, model: torch.nn.Module) -> float:

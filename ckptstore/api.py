@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckptstore.hashing import CommitId
@@ -21,14 +21,17 @@ def _with_repo(repo: RepoLike, fn):
 
 def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = None,
          metrics: Mapping[str, float] | None = None, branch: str | None = None, lossy: str | None = None,
-         model: Any = None, optimizer: Any = None, **knobs: Any) -> CommitId:
+         model: Any = None, optimizer: Any = None, calibration: Callable[[Any], Any] | None = None,
+         **knobs: Any) -> CommitId:
     """Commit `obj` (any nesting of tensors, containers and scalars) and return the commit id.
 
     `lossy` picks a lossy level; passing the live `model` and `optimizer` tells it exactly which
-    optimizer state belongs to which weight.
+    optimizer state belongs to which weight, and `calibration(model)` (its loss on a fixed batch)
+    lets it measure which weights the loss is sensitive to.
     """
     return _with_repo(repo, lambda r: r.commit(obj, message=message, step=step, metrics=metrics, branch=branch,
-                                               lossy=lossy, model=model, optimizer=optimizer, **knobs))
+                                               lossy=lossy, model=model, optimizer=optimizer,
+                                               calibration=calibration, **knobs))
 
 
 def load(ref: str = "HEAD", repo: RepoLike = None, map_location: str | None = None) -> Any:

@@ -215,7 +215,8 @@ def show(ctx, ref, as_json) -> None:
     click.echo(f"commit {data['id']}\nparents {' '.join(p[:12] for p in data['parents']) or '-'}")
     click.echo(f"step {data['step']}  metrics {data['metrics']}  source {data['source_path']}")
     if data.get("lossy"):
-        click.echo(f"lossy commit, level {data['lossy']}; optimizer pairing: {data.get('pairing')}")
+        click.echo(f"lossy commit, level {data['lossy']}; optimizer pairing: {data.get('pairing')}; "
+                   f"importance: {data.get('importance') or 'estimated from the optimizer state'}")
     click.echo(f"raw {_size(data['raw_bytes'])}  stored {_size(data['stored_bytes'])}\n\n    {data['message']}\n")
     for f in data["files"]:
         click.echo(f"file {f['name'] or '.'} [{f['format']}] {_size(f['size'])} {f['note']}".rstrip())

@@ -21,6 +21,7 @@ from ckptstore.codecs.record import TensorRecord
 from ckptstore.policy.levels import LossyLevel
 from ckptstore.policy.lossless import EncodingSettings
 from ckptstore.policy.mapping import OptimizerMap
+from ckptstore.policy.sensitivity import step_factors
 from ckptstore.state import RawTensor
 
 _EMBEDDING = re.compile(r"embed|wte|wpe|tok_emb|pos_emb", re.IGNORECASE)
@@ -69,12 +70,21 @@ def eligible(raw: RawTensor, level: LossyLevel) -> bool:
 
 
 def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRecord], level: LossyLevel,
-               settings: EncodingSettings, optimizer: OptimizerMap) -> dict[str, LossyPlan]:
-    """Plans for every tensor that this level makes lossy; the others stay lossless."""
+               settings: EncodingSettings, optimizer: OptimizerMap,
+               fisher: Mapping[str, float] | None = None) -> dict[str, LossyPlan]:
+    """Plans for every tensor that this level makes lossy; the others stay lossless.
+
+    `fisher` (per weight path, from sensitivity.measure_fisher) replaces Adam's second moment
+    as the estimate of each weight's loss sensitivity.
+    """
     plans: dict[str, LossyPlan] = {}
     chunking = {"chunk_bytes": settings.chunk_bytes}
     roles = optimizer.roles()
-    sensitivity = _fisher_factors(tensors, optimizer, level) if level.fisher_allocation else {}
+    sensitivity = {}
+    if fisher:
+        sensitivity = _measured_factors(tensors, fisher, level)
+    elif level.fisher_allocation:
+        sensitivity = _fisher_factors(tensors, optimizer, level)
 
     def weight_plan(path: str, raw: RawTensor, importance: str | None, stage: int = 0) -> LossyPlan | None:
         if len(raw.shape) < 2 or not eligible(raw, level):
@@ -160,10 +170,18 @@ def _fisher_factors(tensors: Mapping[str, RawTensor], optimizer: OptimizerMap, l
         rms = _rms(weight)
         if fisher > 0 and rms > 0:
             scores[slot.weight] = fisher * rms * rms
-    if not scores:
-        return {}
-    center = float(np.exp(np.mean(np.log(list(scores.values())))))
-    return {path: float(np.clip(np.sqrt(center / score), 1 / 8, 8)) for path, score in scores.items()}
+    return step_factors(scores)
+
+
+def _measured_factors(tensors: Mapping[str, RawTensor], fisher: Mapping[str, float], level: LossyLevel
+                      ) -> dict[str, float]:
+    """Per weight, its step factor from the Fisher information measured on a calibration batch."""
+    scores = {}
+    for path, value in fisher.items():
+        weight = tensors.get(path)
+        if weight is not None and len(weight.shape) >= 2 and eligible(weight, level):
+            scores[path] = value * _rms(weight) ** 2
+    return step_factors(scores)
 
 
 def _chunk(raw: RawTensor, settings: EncodingSettings) -> int:

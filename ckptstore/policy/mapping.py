@@ -146,6 +146,17 @@ def _decay_groups(model: Sequence[tuple[str, tuple]]) -> list[tuple[str, tuple]]
     return [m for m in model if not _NO_DECAY.search(m[0])] + [m for m in model if _NO_DECAY.search(m[0])]
 
 
+def paths_of_names(tensors: Mapping[str, RawTensor], names: Sequence[str]) -> dict[str, str]:
+    """The checkpoint path of each live parameter name that matches exactly one float tensor."""
+    model = [(p, tuple(r.shape)) for p, r in tensors.items() if r.dtype in FLOATS and not _STATE.match(p)]
+    found = {}
+    for name in names:
+        paths = _by_names(model, [name])
+        if paths is not None:
+            found[name] = paths[0]
+    return found
+
+
 def _by_names(model: Sequence[tuple[str, tuple]], names: Sequence[str]) -> list[str] | None:
     paths = []
     for name in names:

@@ -38,7 +38,8 @@ from ckptstore.metadata.schema import commit_tensors, commits, known_files, refs
 from ckptstore.objectstore import LocalObjectStore
 from ckptstore.policy import EncodingSettings, LossyLevel, level_named
 from ckptstore.policy.lossy import LossyPlan, plan_lossy
-from ckptstore.policy.mapping import map_optimizer, param_ids
+from ckptstore.policy.mapping import map_optimizer, param_ids, paths_of_names
+from ckptstore.policy.sensitivity import measure_fisher
 from ckptstore.replay import ChainSource, replay
 from ckptstore.repo import catalog, graph
 from ckptstore.repo import refs as refnames
@@ -72,6 +73,7 @@ class Manifest:
     digests: dict[str, str]
     lossy: str | None = None
     pairing: str | None = None
+    importance: str | None = None  # how a lossy commit judged its weights' sensitivity, when measured
 
     def to_bytes(self) -> bytes:
         record = {
@@ -82,6 +84,8 @@ class Manifest:
             "files": [dict(f.to_json(), digest=self.digests.get(f.name)) for f in self.files],
             "entries": {p: [e.tensor, e.dtype, list(e.shape)] for p, e in self.entries.items()},
         }
+        if self.importance:
+            record["importance"] = self.importance
         return zstandard.ZstdCompressor(level=3).compress(
             json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
         )
@@ -92,7 +96,8 @@ class Manifest:
         files = [formats.CheckpointFile.from_json(f) for f in record["files"]]
         entries = {p: Entry(TensorId(t), d, tuple(s)) for p, (t, d, s) in record["entries"].items()}
         digests = {f["name"]: f["digest"] for f in record["files"] if f.get("digest")}
-        return cls(record["kind"], files, entries, digests, record.get("lossy"), record.get("pairing"))
+        return cls(record["kind"], files, entries, digests, record.get("lossy"), record.get("pairing"),
+                   record.get("importance"))
 
 
 @dataclass
@@ -374,18 +379,22 @@ class Repository:
                metrics: Mapping[str, float] | None = None, branch: str | None = None,
                allow_empty: bool = False, trust_pickle: bool = False, author: str | None = None,
                progress: Progress | None = None, lossy: str | LossyLevel | None = None,
-               model: Any = None, optimizer: Any = None, **knobs: Any) -> CommitId:
+               model: Any = None, optimizer: Any = None, calibration: Callable[[Any], Any] | None = None,
+               **knobs: Any) -> CommitId:
         """Store a checkpoint (a path to a file or folder, or an in-memory state) as a new commit.
 
         The parent is the tip of `branch` (default: HEAD's branch, or HEAD itself when detached).
         `lossy` picks a lossy level (default: the repository's, normally lossless); `knobs`
         override its settings; `model` and `optimizer` (the live objects) name which optimizer
-        state belongs to which weight. Raises NothingToCommitError when nothing changed,
+        state belongs to which weight; `calibration(model)`, the model's loss on a fixed batch,
+        lets a lossy commit measure each weight's sensitivity instead of estimating it from Adam's
+        second moment (see policy/sensitivity.py). Raises NothingToCommitError when nothing changed,
         ConflictError when another writer moved the branch meanwhile; in both cases no commit is
         recorded and earlier ones are untouched.
         """
         progress = progress or NoProgress()
         level = level_named(lossy if lossy is not None else (self.config.lossy or None), **knobs)
+        fisher = _measured_fisher(model, calibration, level)
         with self._lock(), _no_cyclic_gc():
             source_path, checkpoint, digests = self._read_input(state_or_path, trust_pickle)
             sources = self._tensor_ids(checkpoint.tensors)
@@ -400,8 +409,11 @@ class Repository:
                 found_ids = [ids for ids in skeleton_ids if ids is not None]
                 optimizer_map = map_optimizer(checkpoint.tensors, _param_names(model, optimizer),
                                               found_ids[0] if len(found_ids) == 1 else None)
-                plans = (plan_lossy(checkpoint.tensors, parents, level, self.config.encoding, optimizer_map)
-                         if level else {})
+                if fisher is not None:
+                    fisher = {path: fisher[name]
+                                 for name, path in paths_of_names(checkpoint.tensors, list(fisher)).items()}
+                plans = (plan_lossy(checkpoint.tensors, parents, level, self.config.encoding, optimizer_map,
+                                    fisher) if level else {})
                 entries, jobs = self._jobs(conn, checkpoint.tensors, sources, parents, plans, level)
             progress.start("commit", sum(j.raw.nbytes for j in jobs))
             with self.store.batch():
@@ -415,7 +427,8 @@ class Repository:
                     entries[path] = record.id
             manifest = Manifest(checkpoint.kind, checkpoint.files, {
                 p: Entry(entries[p], raw.dtype, raw.shape) for p, raw in checkpoint.tensors.items()
-            }, digests, level.name if level else None, optimizer_map.how if level else None)
+            }, digests, level.name if level else None, optimizer_map.how if level else None,
+                _importance_note(fisher, plans))
             manifest_bytes = manifest.to_bytes()
             if parent_manifest is not None and not allow_empty and self._same_content(manifest, parent_manifest):
                 raise NothingToCommitError(
@@ -624,7 +637,7 @@ class Repository:
                 row["rel_error"] = record.params["rel_error"]
             tensors.append(row)
         files = [{"name": f.name, "format": f.format, "size": f.size, "note": f.opaque_reason} for f in manifest.files]
-        extra = {"pairing": manifest.pairing} if manifest.lossy else {}
+        extra = {"pairing": manifest.pairing, "importance": manifest.importance} if manifest.lossy else {}
         return dict(info.to_json(), files=files, tensors=tensors, **extra)
 
     def diff(self, a: str, b: str) -> list[TensorDiff]:
@@ -724,6 +737,26 @@ def _relative_l2(old: RawTensor, new: RawTensor, torch) -> float | None:
     norm = torch.linalg.vector_norm(a64).item()
     delta = torch.linalg.vector_norm(b64 - a64).item()
     return delta / norm if norm else (0.0 if delta == 0 else float("inf"))
+
+
+def _measured_fisher(model: Any, calibration: Callable[[Any], Any] | None, level: LossyLevel | None
+                     ) -> dict[str, float] | None:
+    """Per parameter name, the empirical Fisher measured with `calibration` (None when not asked)."""
+    if calibration is None:
+        return None
+    if model is None:
+        raise CkptError("a calibration loss needs the live model too (commit(..., model=model))")
+    if level is None or not level.weights_lossy:
+        raise CkptError("a calibration loss only steers lossy weights: pass lossy='balanced' or 'extreme'")
+    return measure_fisher(model, calibration)
+
+
+def _importance_note(fisher: Mapping[str, float] | None, plans: Mapping[str, Any]) -> str | None:
+    """What the manifest says of a measured sensitivity: how many lossy weights it steered."""
+    if fisher is None:
+        return None
+    steered = sum(1 for path in fisher if path in plans)
+    return f"measured on a calibration batch ({steered} weights)"
 
 
 def _param_names(model: Any, optimizer: Any) -> list[str] | None:

@@ -203,3 +203,41 @@ def test_pruning_spares_fine_tune_sized_moves():
         assert (mask is not None) == pruned, by
         if pruned:
             assert mask.sum() == pytest.approx(0.6 * base.size, abs=1)
+
+
+def test_a_calibration_batch_steers_the_weight_steps_and_is_recorded(repo, tmp_path):
+    from ckptstore.policy import EncodingSettings, level_named
+    from ckptstore.policy.lossy import plan_lossy
+    from ckptstore.policy.mapping import map_optimizer
+    from ckptstore.state import flatten
+
+    trainer = Trainer()
+    trainer.train(5)
+    path = tmp_path / "ckpt.pt"
+    torch.save(trainer.state(), path)
+    tokens = torch.arange(16 * 8).reshape(16, 8) % 64
+
+    def calibration(model):
+        return torch.nn.functional.cross_entropy(model(tokens).reshape(-1, 64), ((tokens + 1) % 64).reshape(-1))
+
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    cid = repo.commit(path, lossy="balanced", model=trainer.model, calibration=calibration)
+    assert repo.show(cid)["importance"] == "measured on a calibration batch (2 weights)"
+    assert all(torch.equal(p.detach(), weights[n]) for n, p in trainer.model.named_parameters())
+    restored = repo.checkout(cid)
+    for name in LOSSY_WEIGHTS:
+        assert 0 < _rel(restored["model"][name], trainer.state()["model"][name]) < 0.1
+    with pytest.raises(CkptError, match="live model"):
+        repo.commit(path, lossy="balanced", calibration=calibration, allow_empty=True)
+    with pytest.raises(CkptError, match="lossy"):
+        repo.commit(path, model=trainer.model, calibration=calibration, allow_empty=True)
+
+    tensors = flatten(trainer.state()).tensors
+    level, settings, pairing = level_named("balanced"), EncodingSettings(), map_optimizer(tensors)
+    estimated = plan_lossy(tensors, {}, level, settings, pairing)
+    fc1, fc2 = "model/fc1.weight", "model/fc2.weight"
+    measured = plan_lossy(tensors, {}, level, settings, pairing, {fc1: 400.0, fc2: 1.0})
+    assert measured[fc1].params["step"] < estimated[fc1].params["step"]  # far more sensitive: finer
+    assert measured[fc2].params["step"] > estimated[fc2].params["step"]
+    # Steps go as 1 / sqrt(Fisher): the loss cost of their noise is then the same for both.
+    assert measured[fc2].params["step"] / measured[fc1].params["step"] == pytest.approx(20, rel=1e-6)
