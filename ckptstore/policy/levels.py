@@ -27,6 +27,9 @@ class LossyLevel:
     `fine_moment_step` (> 0) is the first moment's step where its weight's residual step was
     capped that way: a fine-tune's next updates move the weights by as much as its whole run so
     far, so its moments need more precision than a from-scratch run's.
+    `frozen_step` (< 1; off in the presets) scales the keyframe step of a weight whose shape no
+    optimizer state has: the optimizer does not train it (a frozen backbone), so it is stored once
+    for the whole run and its error is never corrected; a finer step is paid for once.
     `fisher_allocation` scales each weight's step by its estimated Fisher information (from Adam's
     second moment), spending bits where the loss is sensitive. `codebooks` lets each chunk of a
     weight (or SGD momentum) take a fitted non-uniform codebook instead of the uniform levels
@@ -53,6 +56,7 @@ class LossyLevel:
     settled_step: float = 0.0
     fine_moment_step: float = 0.0
     codebooks: bool = False
+    frozen_step: float = 1.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -86,6 +86,9 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
     elif level.fisher_allocation:
         sensitivity = _fisher_factors(tensors, optimizer, level)
 
+    trained_shapes = {tensors[p].shape for slot in optimizer.slots
+                      for p in (slot.exp_avg, slot.exp_avg_sq, slot.momentum_buffer) if p in tensors}
+
     def weight_plan(path: str, raw: RawTensor, importance: str | None, stage: int = 0) -> LossyPlan | None:
         if len(raw.shape) < 2 or not eligible(raw, level):
             return None
@@ -95,6 +98,8 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
         factor = (level.embedding_factor if _EMBEDDING.search(path) else 1.0) * sensitivity.get(path, 1.0)
         base = _temporal_base(parents.get(path), raw, ("deadzone", "bytegroup"), level.max_chain)
         step = (level.weight_residual_step if base is not None else level.weight_keyframe_step) * factor * rms
+        if base is None and level.frozen_step < 1 and trained_shapes and raw.shape not in trained_shapes:
+            step *= level.frozen_step  # no optimizer state has its shape: untrained, stored once
         params = dict(chunking, dtype=raw.dtype, step=step, rounding=level.weight_rounding if base else 0.5,
                       relative_step=level.relative_step, **_codebooks(level))
         if level.fine_drift > 0 and base is not None:

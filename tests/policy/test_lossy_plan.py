@@ -1,0 +1,33 @@
+"""Lossy plans: which weights a level treats as frozen, and the finer step it gives them."""
+
+import numpy as np
+import pytest
+
+from ckptstore.policy import EncodingSettings, level_named
+from ckptstore.policy.lossy import plan_lossy
+from ckptstore.policy.mapping import map_optimizer
+from ckptstore.state import RawTensor
+
+
+def _t(*shape, seed=0):
+    values = np.random.default_rng(seed).standard_normal(int(np.prod(shape))).astype(np.float32)
+    return RawTensor("torch.float32", shape, values.view(np.uint8))
+
+
+def test_weights_no_optimizer_state_matches_get_the_frozen_step():
+    # Three 64x64 matrices, two of them trained (which two, the shapes cannot tell), and a 128x64
+    # matrix that no optimizer state has the shape of: frozen.
+    tensors = {f"model/{name}.weight": _t(64, 64, seed=seed) for seed, name in enumerate("abc")}
+    tensors["model/frozen.weight"] = _t(128, 64)
+    for i in range(2):
+        tensors[f"optimizer/state/{i}/exp_avg"] = _t(64, 64, seed=2 + i)
+        tensors[f"optimizer/state/{i}/exp_avg_sq"] = RawTensor("torch.float32", (64, 64),
+                                                               np.ones(64 * 64, np.float32).view(np.uint8))
+    pairing = map_optimizer(tensors)
+    assert not pairing.certain
+    plain = plan_lossy(tensors, {}, level_named("balanced"), EncodingSettings(), pairing)
+    finer = plan_lossy(tensors, {}, level_named("balanced", frozen_step=1 / 16), EncodingSettings(), pairing)
+    frozen = "model/frozen.weight"
+    assert finer[frozen].params["step"] == pytest.approx(plain[frozen].params["step"] / 16)
+    for trained in ("model/a.weight", "model/b.weight", "model/c.weight"):
+        assert finer[trained].params["step"] == plain[trained].params["step"]
