@@ -409,9 +409,9 @@ class Repository:
                 found_ids = [ids for ids in skeleton_ids if ids is not None]
                 optimizer_map = map_optimizer(checkpoint.tensors, _param_names(model, optimizer),
                                               found_ids[0] if len(found_ids) == 1 else None)
-                if fisher is not None:
-                    fisher = {path: fisher[name]
-                                 for name, path in paths_of_names(checkpoint.tensors, list(fisher)).items()}
+                if fisher is not None:  # live parameter names -> checkpoint paths
+                    named = paths_of_names(checkpoint.tensors, list(fisher))
+                    fisher = {path: fisher[name] for name, path in named.items()}
                 plans = (plan_lossy(checkpoint.tensors, parents, level, self.config.encoding, optimizer_map,
                                     fisher) if level else {})
                 entries, jobs = self._jobs(conn, checkpoint.tensors, sources, parents, plans, level)

@@ -1,4 +1,4 @@
-"""Lossy plans: which weights a level treats as frozen, and the finer step it gives them."""
+"""Lossy plans: the steps a level gives weights by their measured sensitivity, or when they are frozen."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,8 @@ import pytest
 from ckptstore.policy import EncodingSettings, level_named
 from ckptstore.policy.lossy import plan_lossy
 from ckptstore.policy.mapping import map_optimizer
-from ckptstore.state import RawTensor
+from ckptstore.state import RawTensor, flatten
+from tests.conftest import Trainer
 
 
 def _t(*shape, seed=0):
@@ -31,3 +32,15 @@ def test_weights_no_optimizer_state_matches_get_the_frozen_step():
     assert finer[frozen].params["step"] == pytest.approx(plain[frozen].params["step"] / 16)
     for trained in ("model/a.weight", "model/b.weight", "model/c.weight"):
         assert finer[trained].params["step"] == plain[trained].params["step"]
+
+
+def test_a_measured_fisher_sets_the_weight_steps():
+    tensors = flatten(Trainer().state()).tensors
+    level, settings, pairing = level_named("balanced"), EncodingSettings(), map_optimizer(tensors)
+    estimated = plan_lossy(tensors, {}, level, settings, pairing)
+    fc1, fc2 = "model/fc1.weight", "model/fc2.weight"
+    measured = plan_lossy(tensors, {}, level, settings, pairing, {fc1: 400.0, fc2: 1.0})
+    assert measured[fc1].params["step"] < estimated[fc1].params["step"]  # far more sensitive: finer
+    assert measured[fc2].params["step"] > estimated[fc2].params["step"]
+    # Steps go as 1 / sqrt(Fisher): the loss cost of their noise is then the same for both.
+    assert measured[fc2].params["step"] / measured[fc1].params["step"] == pytest.approx(20, rel=1e-6)

@@ -205,12 +205,7 @@ def test_pruning_spares_fine_tune_sized_moves():
             assert mask.sum() == pytest.approx(0.6 * base.size, abs=1)
 
 
-def test_a_calibration_batch_steers_the_weight_steps_and_is_recorded(repo, tmp_path):
-    from ckptstore.policy import EncodingSettings, level_named
-    from ckptstore.policy.lossy import plan_lossy
-    from ckptstore.policy.mapping import map_optimizer
-    from ckptstore.state import flatten
-
+def test_a_calibration_batch_is_measured_on_the_live_model_and_recorded(repo, tmp_path):
     trainer = Trainer()
     trainer.train(5)
     path = tmp_path / "ckpt.pt"
@@ -231,13 +226,3 @@ def test_a_calibration_batch_steers_the_weight_steps_and_is_recorded(repo, tmp_p
         repo.commit(path, lossy="balanced", calibration=calibration, allow_empty=True)
     with pytest.raises(CkptError, match="lossy"):
         repo.commit(path, model=trainer.model, calibration=calibration, allow_empty=True)
-
-    tensors = flatten(trainer.state()).tensors
-    level, settings, pairing = level_named("balanced"), EncodingSettings(), map_optimizer(tensors)
-    estimated = plan_lossy(tensors, {}, level, settings, pairing)
-    fc1, fc2 = "model/fc1.weight", "model/fc2.weight"
-    measured = plan_lossy(tensors, {}, level, settings, pairing, {fc1: 400.0, fc2: 1.0})
-    assert measured[fc1].params["step"] < estimated[fc1].params["step"]  # far more sensitive: finer
-    assert measured[fc2].params["step"] > estimated[fc2].params["step"]
-    # Steps go as 1 / sqrt(Fisher): the loss cost of their noise is then the same for both.
-    assert measured[fc2].params["step"] / measured[fc1].params["step"] == pytest.approx(20, rel=1e-6)
