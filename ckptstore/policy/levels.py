@@ -30,6 +30,12 @@ class LossyLevel:
     `frozen_step` (< 1; off in the presets) scales the keyframe step of a weight whose shape no
     optimizer state has: the optimizer does not train it (a frozen backbone), so it is stored once
     for the whole run and its error is never corrected; a finer step is paid for once.
+    `fast_move` (> 0) marks a weight as fast-moving where its learning rate is at least that
+    fraction of its RMS (an Adam step moves each entry by up to about lr: a from-scratch run moves
+    ~3% of the RMS per step, a fine-tune ~0.1%); such weights take `fast_keyframe_step` and
+    `fast_residual_step` (when > 0) instead: their error is overtaken within a few steps of
+    training, while a fine-tune keeps a keyframe's error for hundreds. Adam-family optimizers
+    only (SGD's step is lr times its momentum, not lr).
     `fisher_allocation` scales each weight's step by its estimated Fisher information (from Adam's
     second moment), spending bits where the loss is sensitive. `codebooks` lets each chunk of a
     weight (or SGD momentum) take a fitted non-uniform codebook instead of the uniform levels
@@ -57,6 +63,9 @@ class LossyLevel:
     fine_moment_step: float = 0.0
     codebooks: bool = False
     frozen_step: float = 1.0
+    fast_move: float = 0.0
+    fast_keyframe_step: float = 0.0
+    fast_residual_step: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,7 +75,8 @@ LEVELS: dict[str, LossyLevel] = {
     # Calibrated on the benchmark suite's runs (docs/benchmarks.md): python -m bench.lossy_sweep RUN LEVEL.
     "optimizer": LossyLevel("optimizer", weights_lossy=False, moment_step=1 / 4, v_levels_log2=0),
     "balanced": LossyLevel("balanced", weight_keyframe_step=0.09, weight_residual_step=0.12, moment_step=4.0,
-                           v_levels_log2=-2, prune=0.0, fine_drift=0.01, settled_step=1.0, fine_moment_step=0.8),
+                           v_levels_log2=-2, prune=0.0, fine_drift=0.01, settled_step=1.0, fine_moment_step=0.8,
+                           fast_move=0.005, fast_keyframe_step=0.4, fast_residual_step=0.2),
     "extreme": LossyLevel("extreme", weight_keyframe_step=0.2, weight_residual_step=0.3, weight_rounding=0.45,
                           moment_step=8.0, moment_rounding=0.4, v_levels_log2=-3, prune=0.6, fine_drift=0.03,
                           settled_step=1.5, fine_moment_step=1.0),

@@ -20,7 +20,7 @@ from ckptstore.codecs.floats import LOSSY_DTYPES, to_float32
 from ckptstore.codecs.record import TensorRecord
 from ckptstore.policy.levels import LossyLevel
 from ckptstore.policy.lossless import EncodingSettings
-from ckptstore.policy.mapping import OptimizerMap
+from ckptstore.policy.mapping import OptimizerMap, ParamSlots
 from ckptstore.policy.sensitivity import step_factors
 from ckptstore.state import RawTensor
 
@@ -88,6 +88,9 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
 
     trained_shapes = {tensors[p].shape for slot in optimizer.slots
                       for p in (slot.exp_avg, slot.exp_avg_sq, slot.momentum_buffer) if p in tensors}
+    # Unpaired weights (pairing uncertain) take the learning rate when every parameter shares one.
+    lrs = {_adam_lr(slot) for slot in optimizer.slots}
+    shared_lr = lrs.pop() if len(lrs) == 1 else None
 
     def weight_plan(path: str, raw: RawTensor, importance: str | None, stage: int = 0) -> LossyPlan | None:
         if len(raw.shape) < 2 or not eligible(raw, level):
@@ -97,7 +100,12 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
             return None
         factor = (level.embedding_factor if _EMBEDDING.search(path) else 1.0) * sensitivity.get(path, 1.0)
         base = _temporal_base(parents.get(path), raw, ("deadzone", "bytegroup"), level.max_chain)
-        step = (level.weight_residual_step if base is not None else level.weight_keyframe_step) * factor * rms
+        keyframe_step, residual_step = level.weight_keyframe_step, level.weight_residual_step
+        if level.fast_move > 0 and (_adam_lr(roles.get(path, (None, None))[1])
+                                    or (raw.shape in trained_shapes and shared_lr) or 0) >= level.fast_move * rms:
+            keyframe_step = level.fast_keyframe_step or keyframe_step
+            residual_step = level.fast_residual_step or residual_step
+        step = (residual_step if base is not None else keyframe_step) * factor * rms
         if base is None and level.frozen_step < 1 and trained_shapes and raw.shape not in trained_shapes:
             step *= level.frozen_step  # no optimizer state has its shape: untrained, stored once
         params = dict(chunking, dtype=raw.dtype, step=step, rounding=level.weight_rounding if base else 0.5,
@@ -187,6 +195,11 @@ def _measured_factors(tensors: Mapping[str, RawTensor], fisher: Mapping[str, flo
         if weight is not None and len(weight.shape) >= 2 and eligible(weight, level):
             scores[path] = value * _rms(weight) ** 2
     return step_factors(scores)
+
+
+def _adam_lr(slot: ParamSlots | None) -> float | None:
+    """The learning rate of an Adam-family parameter (whose step moves each entry by up to about lr)."""
+    return slot.lr if slot is not None and slot.exp_avg_sq is not None else None
 
 
 def _chunk(raw: RawTensor, settings: EncodingSettings) -> int:

@@ -29,6 +29,7 @@ class ParamSlots:
     exp_avg: str | None = None
     exp_avg_sq: str | None = None
     momentum_buffer: str | None = None
+    lr: float | None = None  # its param group's learning rate, when the checkpoint has it
 
 
 @dataclass
@@ -69,21 +70,22 @@ def _embedding(model: Sequence[tuple[str, tuple]], shapes: Sequence[tuple]) -> l
     return forward if forward == backward[::-1] else None
 
 
-def param_ids(skeleton: object) -> list[int] | None:
-    """Parameter ids in `param_groups` order, found in a checkpoint skeleton (None if not exactly one)."""
-    found: list[list[int]] = []
+def _optimizer_groups(skeleton: object) -> list[list[tuple[list[int], object]]]:
+    """Per optimizer state dict found in a checkpoint skeleton, its param_groups as (ids, lr)."""
+    found: list[list[tuple[list[int], object]]] = []
 
     def visit(node: object) -> None:
         if isinstance(node, list) and node and node[0] in ("dict", "odict"):
             keys = {k: v for k, v in node[1] if isinstance(k, str)}
             groups = keys.get("param_groups")
             if "state" in keys and isinstance(groups, list) and groups and groups[0] == "list":
-                ids = []
+                parsed = []
                 for group in groups[1]:
-                    params = {k: v for k, v in group[1] if isinstance(k, str)}.get("params") if group else None
+                    fields = {k: v for k, v in group[1] if isinstance(k, str)} if group else {}
+                    params = fields.get("params")
                     if isinstance(params, list) and params and params[0] == "list":
-                        ids += [i for i in params[1] if isinstance(i, int)]
-                found.append(ids)
+                        parsed.append(([i for i in params[1] if isinstance(i, int)], fields.get("lr")))
+                found.append(parsed)
             for _, value in node[1]:
                 visit(value)
         elif isinstance(node, list) and node and node[0] in ("list", "tuple"):
@@ -91,22 +93,39 @@ def param_ids(skeleton: object) -> list[int] | None:
                 visit(value)
 
     visit(skeleton)
-    return found[0] if len(found) == 1 else None
+    return found
+
+
+def param_ids(skeleton: object) -> list[int] | None:
+    """Parameter ids in `param_groups` order, found in a checkpoint skeleton (None if not exactly one)."""
+    found = _optimizer_groups(skeleton)
+    return [i for ids, _ in found[0] for i in ids] if len(found) == 1 else None
+
+
+def param_lrs(skeleton: object) -> dict[int, float]:
+    """Parameter id -> its group's learning rate, where a checkpoint skeleton holds exactly one optimizer."""
+    found = _optimizer_groups(skeleton)
+    if len(found) != 1:
+        return {}
+    return {i: float(lr) for ids, lr in found[0] if isinstance(lr, (int, float)) and not isinstance(lr, bool)
+            for i in ids}
 
 
 def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str] | None = None,
-                  ids: Sequence[int] | None = None) -> OptimizerMap:
+                  ids: Sequence[int] | None = None, lrs: Mapping[int, float] | None = None) -> OptimizerMap:
     """Find optimizer state among `tensors` and pair it with weights (see the module docstring).
 
     `ids` (the optimizer's parameter ids in group order, see `param_ids`) lets parameters that have
-    no state yet (never received a gradient) hold their place in the order.
+    no state yet (never received a gradient) hold their place in the order; `lrs` (see
+    `param_lrs`) gives each its learning rate.
     """
     slots: dict[tuple[str, int], ParamSlots] = {}
     for path in tensors:
         match = _STATE.match(path)
         if match:
             prefix, index, role = match.group(1) or "", int(match.group(2)), match.group(3)
-            setattr(slots.setdefault((prefix, index), ParamSlots(index)), role, path)
+            slot = slots.setdefault((prefix, index), ParamSlots(index, lr=(lrs or {}).get(index)))
+            setattr(slot, role, path)
     if not slots:
         return OptimizerMap()
     prefixes = {prefix for prefix, _ in slots}

@@ -38,7 +38,7 @@ from ckptstore.metadata.schema import commit_tensors, commits, known_files, refs
 from ckptstore.objectstore import LocalObjectStore
 from ckptstore.policy import EncodingSettings, LossyLevel, level_named
 from ckptstore.policy.lossy import LossyPlan, plan_lossy
-from ckptstore.policy.mapping import map_optimizer, param_ids, paths_of_names
+from ckptstore.policy.mapping import map_optimizer, param_ids, param_lrs, paths_of_names
 from ckptstore.policy.sensitivity import measure_fisher
 from ckptstore.replay import ChainSource, replay
 from ckptstore.repo import catalog, graph
@@ -407,8 +407,10 @@ class Repository:
                 parents = {p: records[t] for p, t in parent_ids.items() if t in records}
                 skeleton_ids = [param_ids(f.skeleton) for f in checkpoint.files]
                 found_ids = [ids for ids in skeleton_ids if ids is not None]
+                found_lrs = [lrs for lrs in (param_lrs(f.skeleton) for f in checkpoint.files) if lrs]
                 optimizer_map = map_optimizer(checkpoint.tensors, _param_names(model, optimizer),
-                                              found_ids[0] if len(found_ids) == 1 else None)
+                                              found_ids[0] if len(found_ids) == 1 else None,
+                                              found_lrs[0] if len(found_lrs) == 1 else None)
                 if fisher is not None:  # live parameter names -> checkpoint paths
                     named = paths_of_names(checkpoint.tensors, list(fisher))
                     fisher = {path: fisher[name] for name, path in named.items()}

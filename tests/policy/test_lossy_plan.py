@@ -44,3 +44,18 @@ def test_a_measured_fisher_sets_the_weight_steps():
     assert measured[fc2].params["step"] > estimated[fc2].params["step"]
     # Steps go as 1 / sqrt(Fisher): the loss cost of their noise is then the same for both.
     assert measured[fc2].params["step"] / measured[fc1].params["step"] == pytest.approx(20, rel=1e-6)
+
+
+@pytest.mark.parametrize("lr, fast", [(1e-3, True), (1e-5, False)])
+def test_fast_moving_adam_weights_take_the_fast_steps(lr, fast):
+    # One 64x64 weight (RMS about 1) with Adam state: fast when lr >= fast_move x RMS.
+    tensors = {"model/w.weight": _t(64, 64), "optimizer/state/0/exp_avg": _t(64, 64, seed=1),
+               "optimizer/state/0/exp_avg_sq": _t(64, 64, seed=2)}
+    level = level_named("balanced", fast_move=1e-4, fast_keyframe_step=0.5, fast_residual_step=0.25)
+    plan = plan_lossy(tensors, {}, level, EncodingSettings(), map_optimizer(tensors, None, [0], {0: lr}))
+    rms = float(np.sqrt(np.mean(np.frombuffer(tensors["model/w.weight"].data, np.float32).astype(np.float64) ** 2)))
+    expected = (0.5 if fast else level.weight_keyframe_step) * rms
+    assert plan["model/w.weight"].params["step"] == pytest.approx(expected, rel=1e-6)
+    sgd = {"model/w.weight": tensors["model/w.weight"], "optimizer/state/0/momentum_buffer": _t(64, 64, seed=1)}
+    plan = plan_lossy(sgd, {}, level, EncodingSettings(), map_optimizer(sgd, None, [0], {0: lr}))
+    assert plan["model/w.weight"].params["step"] == pytest.approx(level.weight_keyframe_step * rms, rel=1e-6)

@@ -1,6 +1,6 @@
 import numpy as np
 
-from ckptstore.policy.mapping import map_optimizer, param_ids
+from ckptstore.policy.mapping import map_optimizer, param_ids, param_lrs
 from ckptstore.state import RawTensor
 
 
@@ -67,3 +67,21 @@ def test_param_ids_are_read_from_the_skeleton():
     optimizer = torch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0}])
     flat = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
     assert param_ids(flat.skeleton) == [0, 1]
+
+
+def test_learning_rates_come_from_the_param_groups_of_the_one_optimizer():
+    import torch
+
+    from ckptstore.state import flatten
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 1e-3},
+                                   {"params": model[1].parameters(), "lr": 5e-5}])
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    flat = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    assert param_lrs(flat.skeleton) == {0: 1e-3, 1: 1e-3, 2: 5e-5, 3: 5e-5}
+    pairing = map_optimizer(flat.tensors, None, param_ids(flat.skeleton), param_lrs(flat.skeleton))
+    assert [slot.lr for slot in pairing.slots] == [1e-3, 1e-3, 5e-5, 5e-5]
+    two = flatten({"a": optimizer.state_dict(), "b": optimizer.state_dict()})
+    assert param_lrs(two.skeleton) == {}  # which optimizer's? neither

