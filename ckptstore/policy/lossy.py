@@ -101,8 +101,8 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
         factor = (level.embedding_factor if _EMBEDDING.search(path) else 1.0) * sensitivity.get(path, 1.0)
         base = _temporal_base(parents.get(path), raw, ("deadzone", "bytegroup"), level.max_chain)
         keyframe_step, residual_step = level.weight_keyframe_step, level.weight_residual_step
-        if level.fast_move > 0 and (_adam_lr(roles.get(path, (None, None))[1])
-                                    or (raw.shape in trained_shapes and shared_lr) or 0) >= level.fast_move * rms:
+        lr = _adam_lr(roles.get(path, (None, None))[1]) or (shared_lr if raw.shape in trained_shapes else None)
+        if level.fast_move > 0 and lr is not None and lr >= level.fast_move * rms:  # a from-scratch pace
             keyframe_step = level.fast_keyframe_step or keyframe_step
             residual_step = level.fast_residual_step or residual_step
         step = (residual_step if base is not None else keyframe_step) * factor * rms
