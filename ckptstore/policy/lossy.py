@@ -10,7 +10,7 @@ Biases, norms, small tensors, integers, step counters and all non-tensor state s
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,11 +80,18 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
     plans: dict[str, LossyPlan] = {}
     chunking = {"chunk_bytes": settings.chunk_bytes}
     roles = optimizer.roles()
+    rms_by_path: dict[str, float] = {}
+
+    def rms_of(path: str) -> float:  # one pass over each weight, shared by the factors and its plan
+        if path not in rms_by_path:
+            rms_by_path[path] = _rms(tensors[path])
+        return rms_by_path[path]
+
     sensitivity = {}
     if fisher:
-        sensitivity = _measured_factors(tensors, fisher, level)
+        sensitivity = _measured_factors(tensors, fisher, level, rms_of)
     elif level.fisher_allocation:
-        sensitivity = _fisher_factors(tensors, optimizer, level)
+        sensitivity = _fisher_factors(tensors, optimizer, level, rms_of)
 
     trained_shapes = {tensors[p].shape for slot in optimizer.slots
                       for p in (slot.exp_avg, slot.exp_avg_sq, slot.momentum_buffer) if p in tensors}
@@ -95,7 +102,7 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
     def weight_plan(path: str, raw: RawTensor, importance: str | None, stage: int = 0) -> LossyPlan | None:
         if len(raw.shape) < 2 or not eligible(raw, level):
             return None
-        rms = _rms(raw)
+        rms = rms_of(path)
         if rms == 0.0:
             return None
         factor = (level.embedding_factor if _EMBEDDING.search(path) else 1.0) * sensitivity.get(path, 1.0)
@@ -115,8 +122,7 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
             params["base_error"] = float(base.params.get("rel_error", 0.0)) * rms
             if level.settled_step > 0:
                 params["settled_step"] = level.settled_step
-        chunk = max(raw.itemsize, settings.chunk_bytes // raw.itemsize * raw.itemsize)
-        params["chunk_bytes"] = int(base.params["chunk_bytes"]) if base is not None else chunk
+        params["chunk_bytes"] = int(base.params["chunk_bytes"]) if base is not None else _chunk(raw, settings)
         return LossyPlan(path, "deadzone", params, base, importance=importance,
                          prune=level.prune if importance else 0.0, stage=stage)
 
@@ -163,8 +169,8 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
     return plans
 
 
-def _fisher_factors(tensors: Mapping[str, RawTensor], optimizer: OptimizerMap, level: LossyLevel
-                    ) -> dict[str, float]:
+def _fisher_factors(tensors: Mapping[str, RawTensor], optimizer: OptimizerMap, level: LossyLevel,
+                    rms_of: Callable[[str], float]) -> dict[str, float]:
     """Per weight, how much coarser (>1) or finer (<1) than the level's step it may be quantized.
 
     Adam's second moment estimates the Fisher information F of each weight, and quantization noise
@@ -180,20 +186,20 @@ def _fisher_factors(tensors: Mapping[str, RawTensor], optimizer: OptimizerMap, l
         if len(weight.shape) < 2 or not eligible(weight, level):
             continue
         fisher = float(np.mean(to_float32(v.data, v.dtype), dtype=np.float64))
-        rms = _rms(weight)
+        rms = rms_of(slot.weight)
         if fisher > 0 and rms > 0:
             scores[slot.weight] = fisher * rms * rms
     return step_factors(scores)
 
 
-def _measured_factors(tensors: Mapping[str, RawTensor], fisher: Mapping[str, float], level: LossyLevel
-                      ) -> dict[str, float]:
+def _measured_factors(tensors: Mapping[str, RawTensor], fisher: Mapping[str, float], level: LossyLevel,
+                      rms_of: Callable[[str], float]) -> dict[str, float]:
     """Per weight, its step factor from the Fisher information measured on a calibration batch."""
     scores = {}
     for path, value in fisher.items():
         weight = tensors.get(path)
         if weight is not None and len(weight.shape) >= 2 and eligible(weight, level):
-            scores[path] = value * _rms(weight) ** 2
+            scores[path] = value * rms_of(path) ** 2
     return step_factors(scores)
 
 

@@ -48,7 +48,7 @@ def measure_fisher(model: Any, loss_fn: Callable[[Any], Any]) -> dict[str, float
 def step_factors(scores: dict[str, float]) -> dict[str, float]:
     """Per tensor, how much coarser (>1) or finer (<1) than the level's step to quantize it.
 
-    `scores` is each tensor's loss per unit of relative squared error (curvature times RMS^2):
+    `scores` is each tensor's loss per unit of relative squared error (Fisher times RMS^2):
     at equal total loss, bits go furthest with steps proportional to 1 / sqrt(score). The factors
     keep the geometric mean at 1 and are clamped to [1/8, 8].
     """
