@@ -34,14 +34,20 @@ class LossyLevel:
     fraction of its RMS (an Adam step moves each entry by up to about lr: a from-scratch run moves
     ~3% of the RMS per step, a fine-tune ~0.1%); such weights take `fast_keyframe_step` and
     `fast_residual_step` (when > 0) instead: their error is overtaken within a few steps of
-    training, while a fine-tune keeps a keyframe's error for hundreds. Adam-family optimizers
-    only (SGD's step is lr times its momentum, not lr).
+    training, while a fine-tune keeps a keyframe's error for hundreds. With a fast residual step
+    they also round to nearest (a dead zone would make them lag behind training) and skip the
+    fine-tune cap (relative_step) however little they moved. Adam-family optimizers only (SGD's
+    step is lr times its momentum, not lr).
+    `moment_min_elements` is the smallest optimizer moment quantized (`min_elements` for weights):
+    the moments of biases and norms then follow the level too, unless tensors that small hold over
+    5% of the optimizer state (a probe on a frozen backbone, adapters), where they stay lossless.
     `fisher_allocation` scales each weight's step by its estimated Fisher information (from Adam's
     second moment), spending bits where the loss is sensitive. `codebooks` lets each chunk of a
     weight (or SGD momentum) take a fitted non-uniform codebook instead of the uniform levels
     where that is smaller at no larger error (codecs/codebook.py); off in the presets, since on
-    the benchmark runs it never won a chunk and the trials slowed encoding (docs/benchmarks.md). Tensors smaller than
-    `min_elements`, one-dimensional ones (biases, norms) and integer ones are always lossless.
+    the benchmark runs it never won a chunk and the trials slowed encoding (docs/benchmarks.md).
+    Weights smaller than `min_elements`, one-dimensional weights (biases, norms) and integer
+    tensors are always lossless.
     """
 
     name: str
@@ -55,6 +61,7 @@ class LossyLevel:
     prune: float = 0.0
     embedding_factor: float = 0.5
     min_elements: int = 4096
+    moment_min_elements: int = 4096
     max_chain: int = 8
     fisher_allocation: bool = True
     relative_step: float = 0.5
@@ -76,10 +83,11 @@ LEVELS: dict[str, LossyLevel] = {
     "optimizer": LossyLevel("optimizer", weights_lossy=False, moment_step=1 / 4, v_levels_log2=0),
     "balanced": LossyLevel("balanced", weight_keyframe_step=0.09, weight_residual_step=0.12, moment_step=4.0,
                            v_levels_log2=-2, prune=0.0, fine_drift=0.01, settled_step=1.0, fine_moment_step=0.8,
-                           fast_move=0.005, fast_keyframe_step=0.4, fast_residual_step=0.2),
-    "extreme": LossyLevel("extreme", weight_keyframe_step=0.2, weight_residual_step=0.3, weight_rounding=0.45,
-                          moment_step=8.0, moment_rounding=0.4, v_levels_log2=-3, prune=0.6, fine_drift=0.03,
-                          settled_step=1.5, fine_moment_step=1.0),
+                           fast_move=0.005, fast_keyframe_step=0.4, fast_residual_step=0.2, moment_min_elements=1),
+    "extreme": LossyLevel("extreme", weight_keyframe_step=0.2, weight_residual_step=0.25,
+                          moment_step=12.0, moment_rounding=0.4, v_levels_log2=-3, prune=0.6, fine_drift=0.01,
+                          settled_step=2.0, fine_moment_step=1.0, fast_move=0.005, fast_keyframe_step=1.0,
+                          fast_residual_step=0.6, moment_min_elements=1),
 }
 
 

@@ -26,6 +26,7 @@ from ckptstore.state import RawTensor
 
 _EMBEDDING = re.compile(r"embed|wte|wpe|tok_emb|pos_emb", re.IGNORECASE)
 V_EPS = 1e-30
+SMALL_STATE_SHARE = 0.05  # see _moment_min_elements
 SGD_MOMENTUM_STEP = 1.0  # SGD momentum's step, in its RMS, per unit of `moment_step` (balanced: 4 RMS)
 
 
@@ -64,9 +65,10 @@ def _codebooks(level: LossyLevel) -> dict[str, bool]:
     return {"codebooks": True} if level.codebooks else {}
 
 
-def eligible(raw: RawTensor, level: LossyLevel) -> bool:
-    """Float tensors large enough to be worth quantizing."""
-    return raw.dtype in LOSSY_DTYPES and int(np.prod(raw.shape)) >= level.min_elements
+def eligible(raw: RawTensor, level: LossyLevel, min_elements: int | None = None) -> bool:
+    """Float tensors large enough to be worth quantizing (`min_elements`: the level's, by default)."""
+    least = level.min_elements if min_elements is None else min_elements
+    return raw.dtype in LOSSY_DTYPES and int(np.prod(raw.shape)) >= max(1, least)
 
 
 def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRecord], level: LossyLevel,
@@ -93,8 +95,10 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
     elif level.fisher_allocation:
         sensitivity = _fisher_factors(tensors, optimizer, level, rms_of)
 
-    trained_shapes = {tensors[p].shape for slot in optimizer.slots
-                      for p in (slot.exp_avg, slot.exp_avg_sq, slot.momentum_buffer) if p in tensors}
+    states = [tensors[p] for slot in optimizer.slots
+              for p in (slot.exp_avg, slot.exp_avg_sq, slot.momentum_buffer) if p in tensors]
+    trained_shapes = {state.shape for state in states}
+    moment_min = _moment_min_elements(states, level)
     # Unpaired weights (pairing uncertain) take the learning rate when every parameter shares one.
     lrs = {_adam_lr(slot) for slot in optimizer.slots}
     shared_lr = lrs.pop() if len(lrs) == 1 else None
@@ -109,14 +113,21 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
         base = _temporal_base(parents.get(path), raw, ("deadzone", "bytegroup"), level.max_chain)
         keyframe_step, residual_step = level.weight_keyframe_step, level.weight_residual_step
         lr = _adam_lr(roles.get(path, (None, None))[1]) or (shared_lr if raw.shape in trained_shapes else None)
-        if level.fast_move > 0 and lr is not None and lr >= level.fast_move * rms:  # a from-scratch pace
+        fast = level.fast_move > 0 and lr is not None and lr >= level.fast_move * rms  # a from-scratch pace
+        if fast:
             keyframe_step = level.fast_keyframe_step or keyframe_step
             residual_step = level.fast_residual_step or residual_step
         step = (residual_step if base is not None else keyframe_step) * factor * rms
         if base is None and level.frozen_step < 1 and trained_shapes and raw.shape not in trained_shapes:
             step *= level.frozen_step  # no optimizer state has its shape: untrained, stored once
-        params = dict(chunking, dtype=raw.dtype, step=step, rounding=level.weight_rounding if base else 0.5,
-                      relative_step=level.relative_step, **_codebooks(level))
+        # A fast weight moves steadily: a dead zone wider than rounding's would hold it back, a lag in
+        # the direction of training that costs loss to first order, so it rounds to nearest; and a
+        # small move late in a decaying schedule is still overtaken within steps, so the fine-tune
+        # cap (relative_step) does not apply to it.
+        rounding = level.weight_rounding if base is not None and not fast else 0.5
+        relative_step = 0.0 if fast and level.fast_residual_step else level.relative_step
+        params = dict(chunking, dtype=raw.dtype, step=step, rounding=rounding, relative_step=relative_step,
+                      **_codebooks(level))
         if level.fine_drift > 0 and base is not None:
             params["fine_below"] = level.fine_drift * rms
             params["base_error"] = float(base.params.get("rel_error", 0.0)) * rms
@@ -139,13 +150,13 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
                 plan = weight_plan(path, raw, slot.exp_avg_sq if optimizer.certain else None)
                 if plan is not None:
                     plans[path] = plan
-        elif role == "momentum_buffer" and eligible(raw, level):
+        elif role == "momentum_buffer" and eligible(raw, level, moment_min):
             rms = _rms(raw)
             if rms > 0:  # its error reaches the weights only as lr / (1 - momentum) times it, decaying
                 plans[path] = LossyPlan(path, "deadzone", dict(chunking, dtype=raw.dtype,
                                         step=level.moment_step * SGD_MOMENTUM_STEP * rms, rounding=0.5,
                                         chunk_bytes=_chunk(raw, settings), **_codebooks(level)))
-        elif role == "exp_avg_sq" and eligible(raw, level) and slot.exp_avg is not None:
+        elif role == "exp_avg_sq" and eligible(raw, level, moment_min) and slot.exp_avg is not None:
             base = _temporal_base(parents.get(path), raw, ("log2moment",), level.max_chain)
             params = dict(dtype=raw.dtype, k=level.v_levels_log2,
                           chunk_bytes=int(base.params["chunk_bytes"]) if base else _chunk(raw, settings))
@@ -201,6 +212,21 @@ def _measured_factors(tensors: Mapping[str, RawTensor], fisher: Mapping[str, flo
         if weight is not None and len(weight.shape) >= 2 and eligible(weight, level):
             scores[path] = value * rms_of(path) ** 2
     return step_factors(scores)
+
+
+def _moment_min_elements(states: list[RawTensor], level: LossyLevel) -> int:
+    """The smallest optimizer state quantized: the level's `moment_min_elements`, or `min_elements`.
+
+    The first holds unless the tensors below `min_elements` hold more than SMALL_STATE_SHARE of the
+    state's entries. Small tensors (biases, norms) are a sliver of a whole model's training, and
+    their moments then follow the level; where they are what is trained (a linear probe on a frozen
+    backbone, low-rank adapters) their moments decide the resume, and stay lossless.
+    """
+    sizes = [int(np.prod(state.shape)) for state in states]
+    small = sum(size for size in sizes if size < level.min_elements)
+    if small > SMALL_STATE_SHARE * sum(sizes):
+        return level.min_elements
+    return level.moment_min_elements
 
 
 def _adam_lr(slot: ParamSlots | None) -> float | None:

@@ -59,3 +59,26 @@ def test_fast_moving_adam_weights_take_the_fast_steps(lr, fast):
     sgd = {"model/w.weight": tensors["model/w.weight"], "optimizer/state/0/momentum_buffer": _t(64, 64, seed=1)}
     plan = plan_lossy(sgd, {}, level, EncodingSettings(), map_optimizer(sgd, None, [0], {0: lr}))
     assert plan["model/w.weight"].params["step"] == pytest.approx(level.weight_keyframe_step * rms, rel=1e-6)
+
+
+def _adam(tensors: dict, index: int, shape: tuple, weight: str) -> None:
+    tensors[weight] = _t(*shape, seed=index)
+    tensors[f"optimizer/state/{index}/exp_avg"] = _t(*shape, seed=10 + index)
+    tensors[f"optimizer/state/{index}/exp_avg_sq"] = RawTensor(
+        "torch.float32", shape, np.ones(int(np.prod(shape)), np.float32).view(np.uint8))
+
+
+@pytest.mark.parametrize("big", [True, False])
+def test_small_moments_follow_the_level_only_while_they_are_a_sliver_of_the_state(big):
+    # A bias's moments (256 entries) beside a 256x256 matrix's are quantized; a probe's head alone
+    # (a frozen backbone: only small tensors trained) keeps them lossless, since they decide its resume.
+    tensors: dict = {}
+    _adam(tensors, 0, (256,), "model/head.bias")
+    if big:
+        _adam(tensors, 1, (256, 256), "model/body.weight")
+    level = level_named("extreme")
+    assert level.moment_min_elements < 256 < level.min_elements
+    plan = plan_lossy(tensors, {}, level, EncodingSettings(), map_optimizer(tensors, None, [0, 1][: 1 + big]))
+    small = {"optimizer/state/0/exp_avg", "optimizer/state/0/exp_avg_sq"}
+    assert (small <= plan.keys()) is big
+    assert "model/head.bias" not in plan  # one-dimensional weights themselves are always lossless

@@ -177,8 +177,9 @@ def _trained_state() -> dict:
 
 def test_first_moment_is_finer_where_its_weight_barely_moved(repo):
     state = _trained_state()
-    repo.commit(state, lossy="balanced")
-    fine, coarse = repo.commit(_moved(state, 1e-4), lossy="balanced"), repo.commit(_moved(state, 0.2), lossy="balanced")
+    slow = {"lossy": "balanced", "fast_move": 0.0}  # the tiny net's learning rate is a from-scratch pace
+    repo.commit(state, **slow)
+    fine, coarse = repo.commit(_moved(state, 1e-4), **slow), repo.commit(_moved(state, 0.2), **slow)
     fine_steps, coarse_steps = _moment_steps(repo, fine), _moment_steps(repo, coarse)
     assert fine_steps and fine_steps.keys() == coarse_steps.keys()
     for path, (steps, params) in fine_steps.items():
@@ -186,6 +187,22 @@ def test_first_moment_is_finer_where_its_weight_barely_moved(repo):
         assert params["fine_step"] < params["step"]
         steps, params = coarse_steps[path]
         assert steps == {np.float32(params["step"])}, path
+
+
+def test_fast_moving_weights_keep_their_planned_steps_however_little_they_moved(repo):
+    """A from-scratch pace overtakes quantization error within steps, so a small move since the
+    parent (late in a decaying schedule) is not coded at a fine-tune's capped step."""
+    state = _trained_state()
+    repo.commit(state, lossy="balanced")
+    barely = repo.commit(_moved(state, 1e-4), lossy="balanced")
+    steps = _moment_steps(repo, barely)
+    assert steps
+    for path, (found, params) in steps.items():
+        assert found == {np.float32(params["step"])}, path
+    for path, entry in _steps(repo, barely).items():
+        if entry["codec"] == "deadzone":
+            params = repo_params(repo, entry)
+            assert params["relative_step"] == 0.0 and params["rounding"] == 0.5, path
 
 
 def test_pruning_spares_fine_tune_sized_moves():
