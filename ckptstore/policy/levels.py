@@ -34,8 +34,8 @@ class LossyLevel:
     fraction of its RMS (an Adam step moves each entry by up to about lr: a from-scratch run moves
     ~3% of the RMS per step, a fine-tune ~0.1%); such weights take `fast_keyframe_step` and
     `fast_residual_step` (when > 0) instead: their error is overtaken within a few steps of
-    training, while a fine-tune keeps a keyframe's error for hundreds. With a fast residual step
-    they also round to nearest (a dead zone would make them lag behind training) and skip the
+    training, while a fine-tune keeps a keyframe's error for hundreds. They also round to nearest
+    (a dead zone would make them lag behind training) and, with a fast residual step, skip the
     fine-tune cap (relative_step) however little they moved. Adam-family optimizers only (SGD's
     step is lr times its momentum, not lr).
     `moment_min_elements` is the smallest optimizer moment quantized (`min_elements` for weights):
