@@ -10,7 +10,7 @@ rounding (0.5 rounds to nearest; less widens the dead zone, except where relativ
 step), relative_step (residual steps at most
 this fraction of the residual's RMS), fine_below and base_error (apply relative_step only where the
 weights moved less than fine_below since the parent; see chunk_step), settled_step (the fraction
-once the parent's error is below the movement).
+once the parent's error is below the movement), grid_step (the base chunk's step, kept).
 Layout: b"DZ2", has-base flag (u8), the chunk's step (f32), then the entropy-coded symbols.
 """
 
@@ -64,7 +64,10 @@ def chunk_step(target: np.ndarray, params: dict[str, Any], residual: bool) -> fl
     from scratch moves weights far enough that the closed loop tracks them at the planned step.
     With `settled_step`, that fraction replaces relative_step once the parent's error is below the
     movement: the reconstruction has caught up with the run (after a keyframe it first refines
-    at relative_step) and only has to follow it.
+    at relative_step) and only has to follow it. With `grid_step` (the base chunk's own capped
+    step, see writer._lattice_step) the chunk keeps that step instead: the reconstruction stays on
+    the base's lattice, so entries that did not move quantize to exact zeros, the error stays
+    below half a step however long the chain, and a move is coded as the lattice lines it crossed.
     """
     step = float(params["step"])
     relative = params.get("relative_step")
@@ -74,7 +77,9 @@ def chunk_step(target: np.ndarray, params: dict[str, Any], residual: bool) -> fl
         base_error = float(params.get("base_error", 0.0))
         moved = np.sqrt(max(0.0, rms * rms - base_error * base_error))
         if rms > 0 and (fine_below is None or moved < fine_below):
-            settled = params.get("settled_step")
+            settled, lattice = params.get("settled_step"), params.get("grid_step")
+            if lattice:  # the base chunk's refined step: stay on its lattice
+                return float(np.float32(min(step, lattice)))
             step = min(step, (settled if settled and moved >= base_error else relative) * rms)
     return float(np.float32(step))
 

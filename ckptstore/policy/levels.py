@@ -24,6 +24,11 @@ class LossyLevel:
     fine-tune's weights move ~0.1% of their spread per checkpoint, a from-scratch run's several
     percent). `settled_step` (> 0) replaces relative_step once the parent's reconstruction error
     is below the movement (a keyframe's error is refined at relative_step first).
+    `fine_grid` keeps that refined step for the rest of the chain: once a fine-tune's residual has
+    refined the keyframe's error, later residuals quantize on the same lattice, so entries that did
+    not move (embedding rows of unseen tokens, most of a fine-tune) cost nothing and the error
+    stays below half that step; without it each residual refines the error again at
+    settled_step or relative_step, paying bits for entries that never moved.
     `fine_moment_step` (> 0) is the first moment's step where its weight's residual step was
     capped that way: a fine-tune's next updates move the weights by as much as its whole run so
     far, so its moments need more precision than a from-scratch run's.
@@ -73,6 +78,7 @@ class LossyLevel:
     fast_move: float = 0.0
     fast_keyframe_step: float = 0.0
     fast_residual_step: float = 0.0
+    fine_grid: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -133,6 +133,8 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
             params["base_error"] = float(base.params.get("rel_error", 0.0)) * rms
             if level.settled_step > 0:
                 params["settled_step"] = level.settled_step
+            if level.fine_grid:
+                params["fine_grid"] = True
         params["chunk_bytes"] = int(base.params["chunk_bytes"]) if base is not None else _chunk(raw, settings)
         return LossyPlan(path, "deadzone", params, base, importance=importance,
                          prune=level.prune if importance else 0.0, stage=stage)

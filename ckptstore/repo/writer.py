@@ -61,6 +61,7 @@ class ChunkResult:
     offset: int = 0
     modes: list[int] | None = None  # lossless: how each byte plane was stored
     capped: bool = False  # lossy: quantized finer than planned (the tensor barely moved since its base)
+    step: float | None = None  # lossy: the step the chunk was quantized with, where its codec has one
     checksum: str | None = None  # of what checkout will decode: the data, or a lossy chunk's reconstruction
 
 
@@ -71,16 +72,17 @@ def _stored(source: ChainSource, payload: bytes) -> tuple[ObjectId | None, bytes
     return source.store.put(payload), None
 
 
-def _prune_mask(job: Job, data: np.ndarray, base: np.ndarray | None, start: int) -> np.ndarray | None:
+def _prune_mask(job: Job, params: dict, data: np.ndarray, base: np.ndarray | None,
+                start: int) -> np.ndarray | None:
     """Residual entries whose estimated loss impact |dW|^2 * sqrt(v) is in the lowest `prune` fraction.
 
     None where the residual step is capped (see chunk_step): a fine-tune's small updates all count.
     """
     if job.prune <= 0 or base is None or job.importance is None:
         return None
-    dtype = job.params["dtype"]
+    dtype = params["dtype"]
     delta = to_float32(data, dtype) - to_float32(base, dtype)
-    if capped(chunk_step(delta, job.params, residual=True), job.params):
+    if capped(chunk_step(delta, params, residual=True), params):
         return None  # a fine-tune-sized move, quantized finer than planned: its updates are the signal
     count = delta.size
     width = job.importance.itemsize
@@ -112,10 +114,13 @@ def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: i
         base = waits[job.sibling][index].result().recon
     elif job.base is not None:
         base = source.replay_chunk(job.base, index, np.empty(size, dtype=np.uint8))
-    mask = _prune_mask(job, data, base, start) if job.stage == 0 else None
+    params = job.params
+    lattice = _lattice_step(job, index)
+    if lattice is not None:
+        params = dict(params, grid_step=lattice)
+    mask = _prune_mask(job, params, data, base, start) if job.stage == 0 else None
     if job.mask_from is not None:
         mask = waits[job.mask_from][index].result().mask
-    params = job.params
     if job.paced_by is not None and _weight_capped(job, index, waits[job.paced_by]):
         params = dict(params, step=params["fine_step"])
     payload, recon = codec.encode_lossy(data, base, params, {"prune": mask})
@@ -123,10 +128,24 @@ def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: i
     error = to_float32(recon, params["dtype"]).astype(np.float64) - original
     oid, kept = _stored(source, payload)
     step_of = getattr(codec, "step_of", None)
+    step = step_of(payload) if step_of is not None else None
     return ChunkResult(oid, len(payload), codec.needs_base(payload), recon, mask,
                        float(error @ error), float(original @ original), payload=kept,
-                       capped=step_of is not None and capped(step_of(payload), params),
-                       checksum=chunk_checksum(recon))
+                       capped=step is not None and capped(step, params), checksum=chunk_checksum(recon), step=step)
+
+
+def _lattice_step(job: Job, index: int) -> float | None:
+    """With `fine_grid`, the step of the base's chunk where that chunk was capped (refined), else None.
+
+    A keyframe's chunks and uncapped residuals keep their planned steps, so the first fine-tune
+    residual after them refines at relative_step; later ones reuse its step (see chunk_step).
+    """
+    if not job.params.get("fine_grid") or job.base is None:
+        return None
+    steps = job.base.params.get("chunk_steps")
+    if not steps or len(steps) <= index or "step" not in job.base.params:
+        return None
+    return steps[index] if capped(steps[index], job.base.params) else None
 
 
 def _weight_capped(job: Job, index: int, weight_chunks: list[Future]) -> bool:
@@ -208,6 +227,8 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
             tid = tensor_id_of_parts(job.raw.dtype, job.raw.shape, [r.recon for r in results])
             norm = sum(r.norm_sq for r in results)
             params["rel_error"] = float(np.sqrt(sum(r.error_sq for r in results) / norm)) if norm else 0.0
+            if params.get("fine_grid") and any(r.capped for r in results):  # a lattice to keep (_lattice_step)
+                params["chunk_steps"] = [r.step for r in results]
         base = None
         if uses_base:
             base = records[job.sibling] if job.sibling is not None else job.base

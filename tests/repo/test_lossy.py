@@ -142,19 +142,25 @@ def test_cli_marks_lossy_commits_and_checkouts(tmp_path, monkeypatch):
     assert "is a lossy commit" in run("checkout", "HEAD~1", "-o", "old.pt").output
 
 
-def _moment_steps(repo, cid) -> dict[str, tuple[set[float], dict]]:
-    """Per lossy first moment of a commit: the steps its chunks were quantized with, and its params."""
+def _chunk_steps(repo, entry) -> tuple[list[float], dict]:
+    """The steps a lossy tensor's chunks were quantized with, read from their payloads, and its params."""
     from ckptstore.codecs import get_codec
     from ckptstore.replay import ChainSource
     from ckptstore.repo import catalog
 
+    with repo.engine.connect() as conn:
+        record = catalog.load_records(conn, [entry["tensor"]], with_bases=False)[entry["tensor"]]
+    source = ChainSource(repo.store, {record.id: record})
+    return [get_codec(record.codec).step_of(source.payload(c)) for c in record.chunks], record.params
+
+
+def _moment_steps(repo, cid) -> dict[str, tuple[set[float], dict]]:
+    """Per lossy first moment of a commit: the steps its chunks were quantized with, and its params."""
     found = {}
     for path, entry in _steps(repo, cid).items():
         if entry["codec"] == "normmoment":
-            with repo.engine.connect() as conn:
-                record = catalog.load_records(conn, [entry["tensor"]], with_bases=False)[entry["tensor"]]
-            source = ChainSource(repo.store, {record.id: record})
-            found[path] = ({get_codec("normmoment").step_of(source.payload(c)) for c in record.chunks}, record.params)
+            steps, params = _chunk_steps(repo, entry)
+            found[path] = (set(steps), params)
     return found
 
 
@@ -218,7 +224,7 @@ def test_pruning_spares_fine_tune_sized_moves():
     for by, pruned in ((0.2, True), (1e-4, False)):
         data = (base + rng.standard_normal(base.size).astype(np.float32) * by).view(np.uint8)
         job = Job("w", RawTensor("torch.float32", (20_000,), data), "deadzone", params, prune=0.6, importance=v)
-        mask = _prune_mask(job, data, base.view(np.uint8), 0)
+        mask = _prune_mask(job, params, data, base.view(np.uint8), 0)
         assert (mask is not None) == pruned, by
         if pruned:
             assert mask.sum() == pytest.approx(0.6 * base.size, abs=1)
@@ -245,3 +251,48 @@ def test_a_calibration_batch_is_measured_on_the_live_model_and_recorded(repo, tm
         repo.commit(path, lossy="balanced", calibration=calibration, allow_empty=True)
     with pytest.raises(CkptError, match="lossy"):
         repo.commit(path, model=trainer.model, calibration=calibration, allow_empty=True)
+
+
+def _half_moved(state: dict, by: float) -> dict:
+    """The checkpoint with the first half of each lossy weight's entries moved by `by` of its RMS."""
+    later = copy.deepcopy(state)
+    for name in LOSSY_WEIGHTS:
+        flat = later["model"][name].view(-1)
+        half = flat[: flat.numel() // 2]
+        half += torch.randn_like(half) * flat.pow(2).mean().sqrt() * by
+    return later
+
+
+def test_fine_tune_residuals_keep_the_refined_lattice(tmp_path):
+    """With fine_grid, a residual after the refining one reuses its steps: entries that did not
+    move come back bit for bit as before, every entry stays within half a step, and it is smaller
+    than refining the unmoved entries' error once more."""
+    from ckptstore import Repository
+
+    state = _trained_state()
+    refined = _moved(state, 1e-4)
+    later = _half_moved(refined, 1e-4)
+    stored = {}
+    for lattice in (True, False):
+        slow = {"lossy": "balanced", "fast_move": 0.0, "fine_grid": lattice}  # the tiny net's lr: a from-scratch pace
+        with Repository.init(tmp_path / f"lattice-{lattice}") as repo:
+            repo.commit(state, **slow)
+            first, second = repo.commit(refined, **slow), repo.commit(later, **slow)
+            before, after = repo.checkout(first)["model"], repo.checkout(second)["model"]
+            stored[lattice] = 0
+            for name in LOSSY_WEIGHTS:
+                entry = _steps(repo, second)[f"model/{name}"]
+                steps, params = _chunk_steps(repo, entry)
+                (lattice_step,), parent = _chunk_steps(repo, _steps(repo, first)[f"model/{name}"])
+                assert entry["codec"] == "deadzone" and lattice_step < parent["step"]  # the refinement was capped
+                stored[lattice] += entry["stored_bytes"]
+                unmoved = slice(later["model"][name].numel() // 2, None)
+                kept = torch.equal(after[name].view(-1)[unmoved], before[name].view(-1)[unmoved])
+                error = (after[name] - later["model"][name]).abs().max().item()
+                if lattice:
+                    assert steps == [lattice_step] and params["chunk_steps"] == parent["chunk_steps"] == steps
+                    assert kept
+                    assert error <= lattice_step / 2 * (1 + 1e-5)
+                else:
+                    assert steps != [lattice_step] and not kept
+    assert stored[True] < stored[False]
