@@ -13,6 +13,7 @@ from ckptstore.codecs.entropy import (
     PACKED,
     RANS,
     SPARSE,
+    SPLIT,
     _header,
     decode_sparse,
     decode_symbols,
@@ -98,6 +99,28 @@ def test_packed_codes_escape_values_outside_their_window():
     assert np.array_equal(decode_symbols(payload), symbols)
     with pytest.raises(CodecError):
         decode_symbols(payload[: len(payload) // 2])
+
+
+@pytest.mark.parametrize("spread", [40.0, 180.0, 3000.0])
+def test_wide_streams_split_off_their_low_bits_and_land_on_the_entropy(spread):
+    symbols = np.round(RNG.normal(-25, spread, 300_000)).astype(np.int32)  # a weight at a fine step
+    payload = encode_symbols(symbols)
+    assert payload[3] == SPLIT
+    assert np.array_equal(decode_symbols(payload), symbols)
+    assert np.array_equal(decode_symbols(payload, np.float32), symbols.astype(np.float32))
+    assert np.array_equal(decode_symbols(encode_symbols(symbols.astype(np.int64))), symbols)
+    assert len(payload) < 1.02 * _entropy_bytes(symbols) + 300
+    with pytest.raises(CodecError):
+        decode_symbols(payload[: len(payload) - 40])
+    corrupt = bytearray(payload)
+    corrupt[struct.calcsize("<3sBQ")] = 0  # the low-bit count, right after the stream's header
+    with pytest.raises(CodecError):
+        decode_symbols(bytes(corrupt))
+
+
+def test_narrow_streams_do_not_split():
+    symbols = np.round(RNG.normal(0, 6, 100_000)).astype(np.int32)
+    assert encode_symbols(symbols)[3] == PACKED
 
 
 @pytest.mark.parametrize("common", [0, 7])
