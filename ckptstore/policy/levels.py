@@ -32,9 +32,11 @@ class LossyLevel:
     `fine_moment_step` (> 0) is the first moment's step where its weight's residual step was
     capped that way: a fine-tune's next updates move the weights by as much as its whole run so
     far, so its moments need more precision than a from-scratch run's.
-    `frozen_step` (< 1; off in the presets) scales the keyframe step of a weight whose shape no
-    optimizer state has: the optimizer does not train it (a frozen backbone), so it is stored once
-    for the whole run and its error is never corrected; a finer step is paid for once.
+    `frozen_step` (< 1) scales the keyframe step of a weight whose shape no optimizer state has:
+    the optimizer does not train it (a frozen backbone), so it is stored once for the whole run
+    (later commits reuse it while it is unchanged) and its error is never corrected; a finer step
+    is paid for once. The loss moves to first order in that error (the backbone is not at an
+    optimum of the new task's loss), so `balanced` takes 1/16.
     `fast_move` (> 0) marks a weight as fast-moving where its learning rate is at least that
     fraction of its RMS (an Adam step moves each entry by up to about lr: a from-scratch run moves
     ~3% of the RMS per step, a fine-tune ~0.1%); such weights take `fast_keyframe_step` and
@@ -90,7 +92,7 @@ LEVELS: dict[str, LossyLevel] = {
     "balanced": LossyLevel("balanced", weight_keyframe_step=0.09, weight_residual_step=0.12, moment_step=4.0,
                            v_levels_log2=-2, prune=0.0, relative_step=0.2, fine_drift=0.01, settled_step=1.0,
                            fine_grid=True, fine_moment_step=0.8, fast_move=0.005, fast_keyframe_step=0.4,
-                           fast_residual_step=0.2, moment_min_elements=1),
+                           fast_residual_step=0.2, moment_min_elements=1, frozen_step=1 / 16),
     "extreme": LossyLevel("extreme", weight_keyframe_step=0.2, weight_residual_step=0.25,
                           moment_step=12.0, moment_rounding=0.4, v_levels_log2=-3, prune=0.6, fine_drift=0.01,
                           settled_step=2.0, fine_grid=True, fine_moment_step=4.0, fast_move=0.005,

@@ -26,10 +26,12 @@ def test_weights_no_optimizer_state_matches_get_the_frozen_step():
                                                                np.ones(64 * 64, np.float32).view(np.uint8))
     pairing = map_optimizer(tensors)
     assert not pairing.certain
-    plain = plan_lossy(tensors, {}, level_named("balanced"), EncodingSettings(), pairing)
-    finer = plan_lossy(tensors, {}, level_named("balanced", frozen_step=1 / 16), EncodingSettings(), pairing)
+    preset = level_named("balanced")
+    assert preset.frozen_step < 1
+    plain = plan_lossy(tensors, {}, level_named("balanced", frozen_step=1.0), EncodingSettings(), pairing)
+    finer = plan_lossy(tensors, {}, preset, EncodingSettings(), pairing)
     frozen = "model/frozen.weight"
-    assert finer[frozen].params["step"] == pytest.approx(plain[frozen].params["step"] / 16)
+    assert finer[frozen].params["step"] == pytest.approx(plain[frozen].params["step"] * preset.frozen_step)
     for trained in ("model/a.weight", "model/b.weight", "model/c.weight"):
         assert finer[trained].params["step"] == plain[trained].params["step"]
 
