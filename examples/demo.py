@@ -2,7 +2,8 @@
 
 The model learns bytes of Python's own standard library (text always present offline); every N
 steps the checkpoint is committed with `ckpt commit`; a branch starts from an early commit with a
-lower learning rate; then main is checked out again and verified bit for bit.
+lower learning rate and commits lossily (`--lossy balanced`, checked against the in-memory model);
+then main is checked out again and verified bit for bit.
 """
 
 from __future__ import annotations
@@ -78,6 +79,14 @@ class Run:
             self.step += 1
         return loss.item()
 
+    def fixed_batch_loss(self) -> float:
+        """The loss on one fixed batch (its own generator), so two copies of a model compare."""
+        starts = torch.randint(0, len(self.data) - 65, (64,), generator=torch.Generator().manual_seed(1))
+        batch = torch.stack([self.data[s : s + 65] for s in starts.tolist()])
+        with torch.no_grad():
+            logits = self.model(batch[:, :-1])
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1)).item()
+
     def state(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "step": self.step, "rng": torch.get_rng_state()}
@@ -119,7 +128,8 @@ def main() -> None:
     print(f"trained {args.steps} steps in {time.time() - started:.0f}s")
 
     fork_step = 3 * args.every
-    print(f"\nbranching 'low-lr' from step {fork_step} (HEAD~{args.steps // args.every - 3}) and continuing there")
+    print(f"\nbranching 'low-lr' from step {fork_step} (HEAD~{args.steps // args.every - 3}) and continuing there,"
+          " committing lossily (--lossy balanced)")
     print(ckpt(args.workdir, "branch", "low-lr", f"main~{args.steps // args.every - 3}"))
     print(ckpt(args.workdir, "checkout", "low-lr"))
     with torch.serialization.safe_globals(numpy_safe_globals()):
@@ -134,7 +144,15 @@ def main() -> None:
         torch.save(branch.state(), args.workdir / "checkpoint.pt")
         print(f"low-lr step {branch.step:4d} loss {loss:.3f}  " + ckpt(
             args.workdir, "commit", "checkpoint.pt", "-m", f"low-lr step {branch.step}", "--step", str(branch.step),
-            "--metric", f"loss={loss:.4f}"))
+            "--metric", f"loss={loss:.4f}", "--lossy", "balanced"))
+    print(ckpt(args.workdir, "checkout", "low-lr"))
+    with torch.serialization.safe_globals(numpy_safe_globals()):
+        lossy = torch.load(args.workdir / "checkpoint.pt", weights_only=True)
+    check = Run(data, lr=1e-3, total_steps=args.steps)
+    check.load(lossy)
+    exact, restored_loss = branch.fixed_batch_loss(), check.fixed_batch_loss()
+    print(f"low-lr restored from its lossy commit: fixed-batch loss {restored_loss:.4f} against {exact:.4f} "
+          f"in memory ({(restored_loss - exact) / exact * 100:+.3f}%), step {check.step}")
 
     print("\nchecking out main again and verifying it bit for bit")
     print(ckpt(args.workdir, "checkout", "main"))
