@@ -329,12 +329,11 @@ def encode_symbols(symbols: np.ndarray, nested: int = 0) -> bytes:
         # Escaped values are the stream's spread-out tail: narrow codes would peel them one by one.
         ranked = _packings(low, counts, PACK_WIDTHS if nested == 0 else (4, 8))
         ranked = [r for r in ranked[:2] if r[0] <= ESTIMATE_SLACK * ranked[0][0]][: 1 if nested else 2]
-        low_bits = _split_bits(counts)
-        best_method, best = (SPLIT, _split_payload(symbols, low_bits, nested)) if low_bits else (ZSTD, None)
-        tries = [_packed_payload(symbols, width, window, nested) for estimate, width, window in ranked
-                 if best is None or estimate < len(best)]  # a wide stream's split usually wins outright
-        if tries and (best is None or min(map(len, tries)) < len(best)):
-            best_method, best = PACKED, min(tries, key=len)
+        low_bits = _split_bits(counts) if -(1 << 31) <= low and high < (1 << 31) else 0  # parts decode as int32
+        tries = [(SPLIT, _split_payload(symbols, low_bits, nested))] if low_bits else []
+        tries += [(PACKED, _packed_payload(symbols, width, window, nested)) for estimate, width, window in ranked
+                  if not tries or estimate < len(tries[0][1])]  # a wide stream's split usually wins outright
+        best_method, best = min(tries, key=lambda method_payload: len(method_payload[1]))
         common = int(np.argmax(counts))
         if counts[common] >= GAPS_ABOVE * symbols.size:
             gaps = _gaps_payload(symbols, low + common, nested)
