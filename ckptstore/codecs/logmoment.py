@@ -169,10 +169,10 @@ class LogMomentCodec:
             else:
                 levels += residual
             zero = now_zero
-            kept = ~zero
+            kept = ~zero if zero.any() else True  # a masked reduction is several times slower
             low = int(levels.min(where=kept, initial=np.iinfo(np.int32).max))
             high = int(levels.max(where=kept, initial=np.iinfo(np.int32).min))
-            if kept.any() and (low * scale < -126 or high * scale > 127):
+            if np.any(kept) and (low * scale < -126 or high * scale > 127):
                 return self._level_by_level(payloads, params, nbytes, out)
         result = self._reconstruct(levels, zero, params)
         if out is None:
