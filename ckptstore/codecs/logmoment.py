@@ -49,6 +49,21 @@ def values_of(levels: np.ndarray, k: int) -> np.ndarray:
     return np.ldexp(table[levels & ((1 << k) - 1)], (levels >> k).astype(np.int32)).astype(np.float32)
 
 
+def _octave_bits(levels: np.ndarray, zero: np.ndarray, k: int, dtype: str) -> np.ndarray:
+    """What values_of then from_float32 give for whole-octave levels (k <= 0) in the normal range.
+
+    Those values are powers of two, so their bits are the biased exponent alone: no float math.
+    """
+    exponent = (levels << -k) + np.int32(127)
+    if dtype == "torch.bfloat16":
+        bits = (exponent << 7).astype(np.uint16)
+    else:
+        bits = (exponent << 23).astype(np.uint32)
+    if zero.any():
+        bits[zero] = 0
+    return bits.view(np.uint8)
+
+
 class LogMomentCodec:
     """Second moments in the log domain, closed loop against the parent's reconstruction."""
 
@@ -174,7 +189,7 @@ class LogMomentCodec:
             high = int(levels.max(where=kept, initial=np.iinfo(np.int32).min))
             if np.any(kept) and (low * scale < -126 or high * scale > 127):
                 return self._level_by_level(payloads, params, nbytes, out)
-        result = self._reconstruct(levels, zero, params)
+        result = _octave_bits(levels, zero, k, dtype) if k <= 0 else self._reconstruct(levels, zero, params)
         if out is None:
             return result
         out[...] = result

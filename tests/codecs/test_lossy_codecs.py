@@ -307,10 +307,11 @@ def test_capped_residuals_round_to_nearest_whatever_the_dead_zone():
 
 @pytest.mark.parametrize("changed", [1.0, 0.05])  # 0.05: residuals are mostly zero, gaps streams
 @pytest.mark.parametrize("with_zeros", [False, True])
-@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
-def test_log_moment_chain_decodes_like_level_by_level(with_zeros, dtype, changed):
+@pytest.mark.parametrize(("dtype", "k"), [("torch.float32", -1), ("torch.bfloat16", -1), ("torch.float32", 1),
+                                          ("torch.bfloat16", 0), ("torch.float32", -2)])
+def test_log_moment_chain_decodes_like_level_by_level(with_zeros, dtype, k, changed):
     codec = get_codec("log2moment")
-    params = {"dtype": dtype, "k": -1}
+    params = {"dtype": dtype, "k": k}
     v = np.exp(RNG.normal(-14, 3, 20_000)).astype(np.float32)
     payloads, recon = [], None
     for _ in range(4):
