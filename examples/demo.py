@@ -68,8 +68,7 @@ class Run:
     def train(self, steps: int) -> float:
         loss = torch.tensor(0.0)
         for _ in range(steps):
-            starts = torch.randint(0, len(self.data) - 65, (16,))
-            batch = torch.stack([self.data[s : s + 65] for s in starts.tolist()])
+            batch = self.batch(16)
             logits = self.model(batch[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
             loss.backward()
@@ -79,10 +78,14 @@ class Run:
             self.step += 1
         return loss.item()
 
+    def batch(self, size: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """`size` random 65-byte windows of the corpus (64 inputs and their next bytes)."""
+        starts = torch.randint(0, len(self.data) - 65, (size,), generator=generator)
+        return torch.stack([self.data[s : s + 65] for s in starts.tolist()])
+
     def fixed_batch_loss(self) -> float:
         """The loss on one fixed batch (its own generator), so two copies of a model compare."""
-        starts = torch.randint(0, len(self.data) - 65, (64,), generator=torch.Generator().manual_seed(1))
-        batch = torch.stack([self.data[s : s + 65] for s in starts.tolist()])
+        batch = self.batch(64, torch.Generator().manual_seed(1))
         with torch.no_grad():
             logits = self.model(batch[:, :-1])
             return torch.nn.functional.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1)).item()
@@ -97,6 +100,12 @@ class Run:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         torch.set_rng_state(state["rng"])
+
+
+def load_checkpoint(path: Path) -> dict:
+    """A checkpoint file as `ckpt checkout` wrote it, loaded without unpickling code."""
+    with torch.serialization.safe_globals(numpy_safe_globals()):
+        return torch.load(path, weights_only=True)
 
 
 def ckpt(workdir: Path, *args: str) -> str:
@@ -132,8 +141,7 @@ def main() -> None:
           " committing lossily (--lossy balanced)")
     print(ckpt(args.workdir, "branch", "low-lr", f"main~{args.steps // args.every - 3}"))
     print(ckpt(args.workdir, "checkout", "low-lr"))
-    with torch.serialization.safe_globals(numpy_safe_globals()):
-        restored = torch.load(args.workdir / "checkpoint.pt", weights_only=True)
+    restored = load_checkpoint(args.workdir / "checkpoint.pt")
     branch = Run(data, lr=1e-3, total_steps=args.steps)
     branch.load(restored)
     for group in branch.optimizer.param_groups:
@@ -146,8 +154,7 @@ def main() -> None:
             args.workdir, "commit", "checkpoint.pt", "-m", f"low-lr step {branch.step}", "--step", str(branch.step),
             "--metric", f"loss={loss:.4f}", "--lossy", "balanced"))
     print(ckpt(args.workdir, "checkout", "low-lr"))
-    with torch.serialization.safe_globals(numpy_safe_globals()):
-        lossy = torch.load(args.workdir / "checkpoint.pt", weights_only=True)
+    lossy = load_checkpoint(args.workdir / "checkpoint.pt")
     check = Run(data, lr=1e-3, total_steps=args.steps)
     check.load(lossy)
     exact, restored_loss = branch.fixed_batch_loss(), check.fixed_batch_loss()
@@ -157,8 +164,7 @@ def main() -> None:
     print("\nchecking out main again and verifying it bit for bit")
     print(ckpt(args.workdir, "checkout", "main"))
     original = run.state()
-    with torch.serialization.safe_globals(numpy_safe_globals()):
-        back = torch.load(args.workdir / "checkpoint.pt", weights_only=True)
+    back = load_checkpoint(args.workdir / "checkpoint.pt")
     same = all(torch.equal(original["model"][k], back["model"][k]) for k in original["model"])
     print(f"main's weights restored bit-exact: {same}")
     print("\n$ ckpt log --graph --all\n" + ckpt(args.workdir, "log", "--graph", "--all"))
