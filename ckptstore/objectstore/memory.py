@@ -35,3 +35,8 @@ class MemoryObjectStore:
 
     def iter_ids(self) -> Iterator[ObjectId]:
         return iter(list(self.objects))
+
+    def size(self, oid: ObjectId) -> int:
+        if oid not in self.objects:
+            raise CorruptObjectError(oid, "missing")
+        return len(self.objects[oid])
