@@ -1,8 +1,24 @@
-"""ckptstore: a git-like, content-addressed store for training checkpoints."""
+"""ckptstore: a git-like, content-addressed store for training checkpoints.
 
-from ckptstore.api import load, save
-from ckptstore.errors import CkptError
-from ckptstore.repo import Repository
+Imports are lazy: `import ckptstore` loads nothing heavy; `ckptstore.Repository`, `save` and
+`load` load the repository layer on first use, and importing a codec never loads SQLAlchemy,
+torch or the repository layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["CkptError", "Repository", "load", "save"]
 __version__ = "0.1.0"
+
+_WHERE = {"CkptError": "ckptstore.errors", "Repository": "ckptstore.repo", "load": "ckptstore.api",
+          "save": "ckptstore.api"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_WHERE[name]), name)

@@ -10,10 +10,9 @@ from typing import Any
 import click
 
 from ckptstore.errors import CkptError
-from ckptstore.policy import LEVELS
-from ckptstore.repo import Repository, fsck, gc
+from ckptstore.repo import LOSSY_LEVELS, EncodingSettings, Repository, fsck, gc
 
-LEVEL_NAMES = list(LEVELS)
+LEVEL_NAMES = list(LOSSY_LEVELS)
 
 
 class BarProgress:
@@ -96,8 +95,6 @@ def cli(ctx: click.Context, repo: str | None) -> None:
 @click.option("--lossy", "lossy", type=click.Choice(LEVEL_NAMES), help="Default lossy level for commits.")
 def init(path: str, max_chain: int | None, lossy: str | None) -> None:
     """Create a repository in PATH (default: here)."""
-    from ckptstore.policy import EncodingSettings
-
     settings = EncodingSettings() if max_chain is None else EncodingSettings(max_chain=max_chain)
     with Repository.init(path, encoding=settings, lossy=lossy or "") as repo:
         click.echo(f"Initialized empty ckptstore repository in {repo.dir}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class CkptError(Exception):
     """Base class of all ckptstore errors; the CLI prints these without a traceback."""
@@ -18,17 +20,28 @@ class RepoExistsError(CkptError):
 
 
 class CorruptObjectError(CkptError):
-    """A stored object is missing, truncated or does not match its hash."""
+    """Stored objects that are missing, truncated or do not match their hash.
 
-    def __init__(self, object_id: str, problem: str, commits: list[str] | None = None) -> None:
-        self.object_id = object_id
+    `object_ids` names every object that may hold the damage (a tensor's chunks, when only
+    its decoded bytes showed it); `object_id` is the first of them.
+    """
+
+    def __init__(self, object_ids: str | Sequence[str], problem: str, commits: Sequence[str] | None = None) -> None:
+        self.object_ids = [object_ids] if isinstance(object_ids, str) else list(object_ids)
         self.problem = problem
         self.commits = list(commits or [])
         needed = f"; needed by commits {', '.join(c[:12] for c in self.commits)}" if self.commits else ""
-        super().__init__(
-            f"object {object_id} is {problem}{needed}. Run `ckpt fsck` to list all damage; "
-            "other commits are unaffected."
-        )
+        what = (f"object {self.object_ids[0]} is" if len(self.object_ids) == 1
+                else f"one of objects {', '.join(self.object_ids)} is")
+        super().__init__(f"{what} {problem}{needed}. Run `ckpt fsck` to list all damage; other commits are unaffected.")
+
+    @property
+    def object_id(self) -> str:
+        return self.object_ids[0] if self.object_ids else ""
+
+    def needed_by(self, commits: Sequence[str]) -> CorruptObjectError:
+        """The same damage, naming the commits it breaks."""
+        return CorruptObjectError(self.object_ids, self.problem, commits)
 
 
 class RefNotFoundError(CkptError):

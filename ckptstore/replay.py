@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
@@ -18,23 +16,21 @@ from functools import partial
 import numpy as np
 
 from ckptstore import threadlocal
-from ckptstore.codecs import get_codec
-from ckptstore.codecs.record import Chunk, TensorRecord
+from ckptstore.codecs import capabilities, get_codec
 from ckptstore.errors import CodecError, CorruptObjectError
-from ckptstore.hashing import TensorId, chunk_checksum, tensor_id
-from ckptstore.objectstore import ObjectStore
-from ckptstore.objectstore.base import RangeReader
+from ckptstore.hashing import ObjectId, TensorId, chunk_checksum, tensor_id
+from ckptstore.objectstore.base import ObjectStore, RangeReader, read_whole
+from ckptstore.objectstore.pack import PackReader
+from ckptstore.records import Chunk, TensorRecord
 
 
 @dataclass
 class ChainSource:
     """Everything replay needs: the store and the records of every tensor in the chains.
 
-    Pack objects (many small payloads in one object) are read once and shared by the chunks in
-    them; the most recently used packs are kept, up to `pack_cache_bytes` (chunks are replayed in
-    about the order they were packed, so a pack is rarely read twice). Where objects need no
-    verification here and `ranges` is given (the store's `open_ranges()`), each payload is read
-    alone instead, so packs are neither cached nor counted towards the process's memory.
+    Payloads in packs are read through a PackReader (pack.py): whole packs verified and cached,
+    or, where objects need no verification here and `ranges` is given (the store's
+    `open_ranges()`), each payload read alone.
     """
 
     store: ObjectStore
@@ -42,57 +38,24 @@ class ChainSource:
     pack_cache_bytes: int = 256 << 20
     verify_objects: bool = True
     ranges: RangeReader | None = None
-    _packs: OrderedDict[str, Future] = field(default_factory=OrderedDict, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    packs: PackReader = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        ranges = self.ranges if not self.verify_objects else None
+        self.packs = PackReader(self.store, self.verify_objects, ranges, self.pack_cache_bytes)
 
     def payload(self, chunk: Chunk, slot: int = 0) -> bytes | memoryview:
         """The stored bytes of one chunk.
 
         They are verified with the object that holds them, unless `verify_objects` is off because
-        the caller hashes what it decodes. A packed payload read through `ranges` lands in this
-        thread's buffer for `slot` (its level in the chain being decoded): valid until the thread
-        reads another payload for that slot.
+        the caller hashes what it decodes. A packed payload read alone lands in this thread's
+        buffer for `slot` (its level in the chain being decoded): valid until the thread reads
+        another payload for that slot.
         """
         if chunk.length is None:
-            return self._read(chunk.object_id)
-        if not self.verify_objects and self.ranges is not None:
-            into = threadlocal.scratch("payload", slot, chunk.length)
-            return self.ranges.read(chunk.object_id, chunk.offset, chunk.length, into)
-        pack = self._pack(chunk.object_id)
-        if chunk.offset + chunk.length > len(pack):
-            raise CorruptObjectError(chunk.object_id, f"pack of {len(pack)} bytes is shorter than its chunks say")
-        return memoryview(pack)[chunk.offset : chunk.offset + chunk.length]
-
-    def _read(self, oid: str) -> bytes | memoryview:
-        """An object's bytes, mapped rather than copied where the store can (LocalObjectStore.view)."""
-        read = getattr(self.store, "view", self.store.get)
-        return read(oid, self.verify_objects)
-
-    def _pack(self, oid: str) -> bytes | memoryview:
-        with self._lock:
-            pending = self._packs.get(oid)
-            owner = pending is None
-            if owner:
-                pending = self._packs[oid] = Future()
-            self._packs.move_to_end(oid)
-        if owner:
-            try:
-                pending.set_result(self._read(oid))
-            except BaseException as exc:
-                pending.set_exception(exc)
-            self._evict()
-        return pending.result()
-
-    def _evict(self) -> None:
-        """Drop the least recently used packs beyond `pack_cache_bytes` (the newest always stays)."""
-        with self._lock:
-            held = [(oid, f) for oid, f in self._packs.items() if f.done() and f.exception() is None]
-            total = sum(len(f.result()) for _, f in held)
-            for oid, future in held[:-1]:
-                if total <= self.pack_cache_bytes:
-                    break
-                total -= len(future.result())
-                del self._packs[oid]
+            return read_whole(self.store, chunk.object_id, self.verify_objects)
+        into = threadlocal.scratch("payload", slot, chunk.length) if self.packs.ranges is not None else None
+        return self.packs.read(chunk.object_id, chunk.offset, chunk.length, into)
 
     def diagnose(self, record: TensorRecord, error: Exception) -> Exception:
         """The damaged object behind a failed replay of `record`, raised as CorruptObjectError.
@@ -153,21 +116,21 @@ class ChainSource:
         start = len(levels) - 1
         while start > 0 and _same_coding(levels[start - 1][0], levels[-1][0]):
             start -= 1
-        bottom, codec = levels[start:], get_codec(levels[-1][0].codec)
-        if len(bottom) > 1 and hasattr(codec, "decode_chain"):
-            codec.decode_chain([p for _, p in bottom], bottom[0][0].params, out.size, out)
+        bottom, chain = levels[start:], capabilities(levels[-1][0].codec).chain
+        if len(bottom) > 1 and chain is not None:
+            chain.decode_chain([p for _, p in bottom], bottom[0][0].params, out.size, out)
             levels = levels[:start]
         return _apply(levels, out)
 
     def replay_planes(self, record: TensorRecord, index: int) -> list[np.ndarray] | None:
         """Chunk `index` of a lossless byte-grouped `record` as byte planes (None for other codecs)."""
-        codec = get_codec(record.codec)
-        if not hasattr(codec, "decode_planes"):
+        planes = capabilities(record.codec).planes
+        if planes is None:
             return None
         levels = self.levels(record, index)
         nbytes = record.chunks[index].raw_bytes
         if one_coding(levels):
-            return codec.decode_planes([p for _, p in levels], nbytes)
+            return planes.decode_planes([p for _, p in levels], nbytes)
         raw = self.decode_levels(levels, np.empty(nbytes, dtype=np.uint8))
         return list(raw.reshape(-1, int(record.params["width"])).T)
 
@@ -191,7 +154,7 @@ def _same_coding(a: TensorRecord, b: TensorRecord) -> bool:
     """True when payloads of `a` and `b` decode with the same codec and coding params."""
     if a.codec != b.codec:
         return False
-    decoding = getattr(get_codec(a.codec), "chain_params", None)
+    decoding = capabilities(a.codec).chain_params
     return _coding_params(a.params, decoding) == _coding_params(b.params, decoding)
 
 
@@ -221,13 +184,11 @@ def replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
     """
     if not verify:
         return _replay(source, wanted, pool, verify, on_chunk, by_id)
-    open_ranges = getattr(source.store, "open_ranges", None)
-    ranges = open_ranges() if open_ranges else None
+    ranges = source.store.open_ranges()
     try:
         return _replay(replace(source, verify_objects=False, ranges=ranges), wanted, pool, verify, on_chunk, by_id)
     finally:
-        if ranges is not None:
-            ranges.close()
+        ranges.close()
 
 
 def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor, verify: bool,
@@ -262,7 +223,7 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
         for record, check in checks:
             if check.result() != record.id:
                 raise source.diagnose(record, CorruptObjectError(
-                    _object_ids(record), f"decoded to bytes that do not match tensor {record.id}"))
+                    object_ids_of(record), f"decoded to bytes that do not match tensor {record.id}"))
     return outputs
 
 
@@ -301,12 +262,13 @@ def _replay_chunk(source: ChainSource, record: TensorRecord, index: int, out: np
     source.replay_chunk(record, index, out, below)
     expected = record.chunks[index].checksum
     if verify and expected is not None and chunk_checksum(out) != expected:
-        raise CorruptObjectError(_object_ids(record), f"chunk {index} of tensor {record.id} decoded to bytes "
+        raise CorruptObjectError(object_ids_of(record), f"chunk {index} of tensor {record.id} decoded to bytes "
                                                       "that do not match its checksum")
 
 
-def _object_ids(record: TensorRecord) -> str:
-    return ",".join(c.object_id for c in record.chunks)
+def object_ids_of(record: TensorRecord) -> list[ObjectId]:
+    """The objects holding `record`'s chunks, each once, in chunk order."""
+    return list(dict.fromkeys(c.object_id for c in record.chunks))
 
 
 def _bases_first(records: Mapping[TensorId, TensorRecord]) -> list[TensorRecord]:

@@ -25,11 +25,11 @@ from functools import partial
 import numpy as np
 import torch
 
-from ckptstore.codecs import get_codec
-from ckptstore.codecs.record import TensorRecord
+from ckptstore.codecs import capabilities
 from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import TensorId, tensor_id
-from ckptstore.replay import ChainSource, one_coding, run_here_and_on, unique
+from ckptstore.records import TensorRecord
+from ckptstore.replay import ChainSource, object_ids_of, one_coding, run_here_and_on, unique
 
 BATCH_BYTES = 16 << 20  # restored bytes per pinned staging buffer (a larger chunk gets a batch of its own)
 
@@ -43,8 +43,8 @@ def stage_chunk(source: ChainSource, record: TensorRecord, index: int, host: np.
     device interleaves them. Anything else lands as the chunk's bytes.
     """
     levels = source.levels(record, index)
-    codec = get_codec(record.codec)
-    if hasattr(codec, "decode_planes") and one_coding(levels):
+    codec = capabilities(record.codec).planes
+    if codec is not None and one_coding(levels):
         planes = codec.decode_planes([payload for _, payload in levels], host.size)
         grid = host.reshape(len(planes), -1)
         for j, plane in enumerate(planes):
@@ -110,6 +110,6 @@ def replay_on(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executo
     if verify:
         for record in records:
             if tensor_id(record.dtype, record.shape, outputs[record.id].cpu().numpy()) != record.id:
-                raise CorruptObjectError(",".join(c.object_id for c in record.chunks),
+                raise CorruptObjectError(object_ids_of(record),
                                          f"decoded on {target} to bytes that do not match tensor {record.id}")
     return outputs

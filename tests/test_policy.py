@@ -1,5 +1,5 @@
-from ckptstore.codecs.record import TensorRecord
 from ckptstore.policy import EncodingSettings, after_attempt, plan_tensor
+from ckptstore.records import TensorRecord
 
 SETTINGS = EncodingSettings(max_chain=3, chunk_bytes=1 << 20)
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from ckptstore.errors import CorruptObjectError
+from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.replay import ChainSource, replay, run_here_and_on
-from ckptstore.repo import catalog, writer
+from ckptstore.repo import writer
 
 
 def test_pack_cache_bound_evicts_and_replay_stays_exact(repo, monkeypatch):
@@ -20,8 +21,8 @@ def test_pack_cache_bound_evicts_and_replay_stays_exact(repo, monkeypatch):
     states.append({k: v + 1e-3 for k, v in states[0].items()})
     cids = [repo.commit(s) for s in states]
     manifest = repo.manifest(cids[-1])
-    with repo.engine.connect() as conn:
-        records = catalog.load_records(conn, {e.tensor for e in manifest.entries.values()})
+    with repo.db.read() as tx:
+        records = tensor_rows.load_records(tx, {e.tensor for e in manifest.entries.values()})
     wanted = [records[e.tensor] for e in manifest.entries.values()]
     packs = {c.object_id for r in records.values() for c in r.chunks if c.length is not None}
     assert len(packs) > 10
@@ -42,8 +43,8 @@ def test_replay_planes_of_a_chain_with_mixed_params_matches_the_one_pass_decode(
     base = torch.randn(1 << 18, generator=torch.Generator().manual_seed(1))
     cids = [repo.commit({"w": base}), repo.commit({"w": base + 1e-4})]
     tid = repo.manifest(cids[-1]).entries["w"].tensor
-    with repo.engine.connect() as conn:
-        records = catalog.load_records(conn, [tid])
+    with repo.db.read() as tx:
+        records = tensor_rows.load_records(tx, [tid])
     top = records[tid]
     assert top.depth == 1
     expected = ChainSource(repo.store, records).replay_planes(top, 0)
@@ -72,8 +73,8 @@ def test_verified_replay_hashes_tensors_not_objects_and_still_names_a_damaged_ob
     moved[:1000] += 1e-3  # every plane of the residual is an XOR against the base
     cids = [repo.commit({"w": base}), repo.commit({"w": moved})]
     tid = repo.manifest(cids[-1]).entries["w"].tensor
-    with repo.engine.connect() as conn:
-        records = catalog.load_records(conn, [tid])
+    with repo.db.read() as tx:
+        records = tensor_rows.load_records(tx, [tid])
     store = _CountingStore(repo.store)
     with ThreadPoolExecutor(2) as pool:
         out = replay(ChainSource(store, records), [records[tid]], pool)
@@ -91,8 +92,8 @@ def test_verified_replay_hashes_tensors_not_objects_and_still_names_a_damaged_ob
 def _records_of(repo, states):
     cids = [repo.commit(s) for s in states]
     tid = repo.manifest(cids[-1]).entries["w"].tensor
-    with repo.engine.connect() as conn:
-        return tid, catalog.load_records(conn, [tid])
+    with repo.db.read() as tx:
+        return tid, tensor_rows.load_records(tx, [tid])
 
 
 def _without_checksums(records):

@@ -8,10 +8,10 @@ import torch
 
 from ckptstore import Repository, replay_torch
 from ckptstore.errors import CorruptObjectError
+from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.policy import EncodingSettings
 from ckptstore.replay import ChainSource, replay
-from ckptstore.repo import catalog
-from ckptstore.repo import repository as repository_module
+from ckptstore.repo import checkout as checkout_module
 from tests.conftest import Trainer, assert_same
 
 
@@ -30,8 +30,8 @@ def _chained_repo(tmp_path, lossy=None):
 
 def _records(repo, cid):
     manifest = repo.manifest(cid)
-    with repo.engine.connect() as conn:
-        records = catalog.load_records(conn, {e.tensor for e in manifest.entries.values()})
+    with repo.db.read() as tx:
+        records = tensor_rows.load_records(tx, {e.tensor for e in manifest.entries.values()})
     wanted = [records[e.tensor] for e in manifest.entries.values() if e.dtype.startswith("torch.")]
     return records, wanted
 
@@ -56,7 +56,7 @@ def test_torch_replay_on_cpu_matches_numpy_replay_bit_for_bit(tmp_path, monkeypa
 def test_checkout_through_the_device_path_equals_cpu_checkout(tmp_path, monkeypatch):
     repo, cid = _chained_repo(tmp_path)
     expected = repo.checkout(cid)
-    monkeypatch.setattr(repository_module, "_is_accelerator", lambda device: device is not None)
+    monkeypatch.setattr(checkout_module, "is_accelerator", lambda device: device is not None)
     assert_same(expected, repo.checkout(cid, device="cpu"))
     repo.close()
 
@@ -67,7 +67,7 @@ def test_damaged_object_on_the_device_path_names_object_and_commit(tmp_path, mon
     oid = max(wanted, key=lambda r: r.raw_bytes).chunks[-1].object_id  # a pack: chunks are small here
     path = repo.store.path_of(oid)
     path.write_bytes(path.read_bytes()[:-1])
-    monkeypatch.setattr(repository_module, "_is_accelerator", lambda device: device is not None)
+    monkeypatch.setattr(checkout_module, "is_accelerator", lambda device: device is not None)
     with pytest.raises(CorruptObjectError) as info:
         repo.checkout(cid, device="cpu")
     assert oid in str(info.value) and cid[:12] in str(info.value)

@@ -1,20 +1,49 @@
-"""Codec registry: one codec per file, registered here by its `codec_id`."""
+"""Codec registry: one codec per file, registered here by its `codec_id`.
+
+Each codec's optional capabilities (base.py) are checked once, at registration, and looked up
+by id afterwards, so no other module probes codecs with hasattr.
+"""
 
 from __future__ import annotations
 
-from ckptstore.codecs.base import Codec
+from dataclasses import dataclass
+
+from ckptstore.codecs.base import ChainDecoder, Codec, LossyCodec, PlaneCodec, SteppedCodec
 from ckptstore.codecs.bytegroup import ByteGroupCodec
-from ckptstore.codecs.deadzone import DeadZoneCodec
+from ckptstore.codecs.deadzone import DeadZoneCodec, capped, chunk_step
+from ckptstore.codecs.floats import to_float32
 from ckptstore.codecs.logmoment import LogMomentCodec
 from ckptstore.codecs.normmoment import NormalizedMomentCodec
 from ckptstore.errors import CodecError
 
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a registered codec can do beyond the base contract."""
+
+    chain: ChainDecoder | None
+    chain_params: tuple[str, ...] | None
+    planes: PlaneCodec | None
+    lossy: LossyCodec | None
+    stepped: SteppedCodec | None
+
+
 REGISTRY: dict[str, Codec] = {}
+CAPABILITIES: dict[str, Capabilities] = {}
 
 
 def register(codec: Codec) -> Codec:
     """Make `codec` available under its id; ids are permanent once objects use them."""
+    if not isinstance(codec, Codec):
+        raise TypeError(f"{codec!r} does not implement the codec contract (codecs/base.py)")
     REGISTRY[codec.codec_id] = codec
+    CAPABILITIES[codec.codec_id] = Capabilities(
+        chain=codec if isinstance(codec, ChainDecoder) else None,
+        chain_params=getattr(codec, "chain_params", None),
+        planes=codec if isinstance(codec, PlaneCodec) else None,
+        lossy=codec if isinstance(codec, LossyCodec) else None,
+        stepped=codec if isinstance(codec, SteppedCodec) else None,
+    )
     return codec
 
 
@@ -26,9 +55,17 @@ def get_codec(codec_id: str) -> Codec:
         raise CodecError(f"unknown codec {codec_id!r}; known: {', '.join(sorted(REGISTRY))}") from None
 
 
+def capabilities(codec_id: str) -> Capabilities:
+    """The optional capabilities of the codec registered as `codec_id`."""
+    get_codec(codec_id)
+    return CAPABILITIES[codec_id]
+
+
 register(ByteGroupCodec())
 register(DeadZoneCodec())
 register(LogMomentCodec())
 register(NormalizedMomentCodec())
 
-__all__ = ["Codec", "get_codec", "register", "REGISTRY"]
+# The lossy step rules and float view that a commit's pruning and error measurement share with the codecs.
+__all__ = ["CAPABILITIES", "REGISTRY", "Capabilities", "Codec", "capabilities", "capped", "chunk_step", "get_codec",
+           "register", "to_float32"]

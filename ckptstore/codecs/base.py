@@ -1,21 +1,19 @@
-"""The codec contract: bytes of one chunk in, bytes out, optionally relative to a base chunk."""
+"""The codec contract: bytes of one chunk in, bytes out, optionally relative to a base chunk.
+
+Optional capabilities are protocols of their own; the registry (codecs/__init__.py) checks each
+codec against them once, when it is registered.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 
+@runtime_checkable
 class Codec(Protocol):
-    """Encodes one chunk of a tensor's raw bytes (uint8, 1-D) against an optional base chunk.
-
-    A codec may also offer `decode_chain(payloads, params, nbytes, out)`, decoding a whole chain of
-    its own payloads (newest first) at once when every level shares the same params (or the same
-    `chain_params`, when the codec names the only params its payloads decode by); lossy
-    codecs add `encode_lossy(data, base, params, hints) -> (payload, reconstruction)` and
-    `lossy = True`.
-    """
+    """Encodes one chunk of a tensor's raw bytes (uint8, 1-D) against an optional base chunk."""
 
     codec_id: str
 
@@ -29,3 +27,43 @@ class Codec(Protocol):
 
     def needs_base(self, payload: bytes) -> bool:
         """True when `decode` of this payload reads the base chunk."""
+
+
+@runtime_checkable
+class ChainDecoder(Protocol):
+    """Decodes a whole chain of its own payloads (newest first) in one pass.
+
+    Valid when every level shares the same params, or the same `chain_params` where the codec
+    names the only params its payloads decode by (an attribute, optional).
+    """
+
+    def decode_chain(self, payloads: list[bytes], params: dict[str, Any], nbytes: int, out: np.ndarray) -> np.ndarray:
+        """Decode the chain into `out` and return it."""
+
+
+@runtime_checkable
+class PlaneCodec(Protocol):
+    """A lossless codec that stores byte planes and can hand them out without interleaving."""
+
+    def decode_planes(self, payloads: list[bytes], nbytes: int) -> list[np.ndarray]:
+        """The byte planes of a chain of payloads (newest first)."""
+
+    def plane_modes(self, payload: bytes) -> list[int]:
+        """How each byte plane of `payload` was stored (kept as a hint for the next residual)."""
+
+
+@runtime_checkable
+class LossyCodec(Protocol):
+    """A codec whose encoding is approximate; the reconstruction it returns is what decode gives."""
+
+    def encode_lossy(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any],
+                     hints: dict[str, Any]) -> tuple[bytes, np.ndarray]:
+        """(payload, reconstruction); `base` is the parent's reconstruction (closed loop)."""
+
+
+@runtime_checkable
+class SteppedCodec(Protocol):
+    """A lossy codec whose payloads record the quantization step they were coded with."""
+
+    def step_of(self, payload: bytes) -> float:
+        """The step `payload` was quantized with."""

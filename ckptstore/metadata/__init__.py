@@ -1,6 +1,5 @@
-"""The metadata database: commits, parents, refs, tensors and their chains."""
+"""The metadata database: commits, parents, refs, tensors and their chains; every SQL statement."""
 
-from ckptstore.metadata import schema
-from ckptstore.metadata.db import current_revision, make_engine, upgrade, write_transaction
+from ckptstore.metadata.db import Database, Tx
 
-__all__ = ["current_revision", "make_engine", "schema", "upgrade", "write_transaction"]
+__all__ = ["Database", "Tx"]

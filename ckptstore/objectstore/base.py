@@ -1,19 +1,45 @@
-"""The object store contract: five methods over immutable, content-addressed blobs (and one optional)."""
+"""The object store contract: immutable, content-addressed blobs, and the optional capabilities.
+
+Every method the code calls is named here. A capability only some stores have (the local
+store's memory maps) is a protocol of its own, tested in one place: `read_whole`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 from ckptstore.hashing import ObjectId
+
+
+class RangeReader(Protocol):
+    """Unverified reads of object byte ranges, handles kept open until `close()`.
+
+    A replay reads many payloads from a few packs.
+    """
+
+    def read(self, oid: ObjectId, offset: int, length: int, into: Any = None) -> bytes | memoryview:
+        """Bytes [offset, offset + length) of `oid`; a missing object or short read is a CorruptObjectError.
+
+        With `into` (a writable buffer of at least `length` bytes) they are read into it and a view is returned.
+        """
+
+    def close(self) -> None:
+        """Release the handles."""
 
 
 @runtime_checkable
 class ObjectStore(Protocol):
     """Immutable blobs named by the blake3 of their bytes."""
 
+    url: str
+
     def put(self, data: bytes | memoryview) -> ObjectId:
-        """Store `data` durably and return its id; storing existing content is a cheap no-op."""
+        """Store `data` durably (or, inside `batch()`, by the block's end) and return its id.
+
+        Storing existing content is a cheap no-op.
+        """
 
     def get(self, oid: ObjectId, verify: bool = True) -> bytes:
         """Return the bytes of `oid`, verified against the id; raise CorruptObjectError otherwise.
@@ -30,18 +56,32 @@ class ObjectStore(Protocol):
     def iter_ids(self) -> Iterator[ObjectId]:
         """Every stored id, in no particular order."""
 
+    def size(self, oid: ObjectId) -> int:
+        """Stored size in bytes of `oid`; CorruptObjectError when it is missing."""
 
-class RangeReader(Protocol):
-    """What a store's optional `open_ranges()` returns: unverified reads of object byte ranges.
+    def open_ranges(self) -> RangeReader:
+        """A reader of byte ranges of objects (see RangeReader); close it when done."""
 
-    Handles stay open until `close()`: a replay reads many payloads from a few packs.
-    """
+    def batch(self) -> AbstractContextManager[None]:
+        """Puts inside the block become durable together at its end.
 
-    def read(self, oid: ObjectId, offset: int, length: int, into: Any = None) -> bytes | memoryview:
-        """Bytes [offset, offset + length) of `oid`; a missing object or short read is a CorruptObjectError.
-
-        With `into` (a writable buffer of at least `length` bytes) they are read into it and a view is returned.
+        Nothing put inside the block may be referenced by metadata until the block has exited.
         """
 
-    def close(self) -> None:
-        """Release the handles."""
+    def clear_tmp(self) -> int:
+        """Remove leftovers of interrupted writes; returns how many were removed."""
+
+
+@runtime_checkable
+class MappedObjects(Protocol):
+    """A store that can hand out an object's bytes as a memory map instead of a copy."""
+
+    def view(self, oid: ObjectId, verify: bool = True) -> bytes | memoryview:
+        """The bytes of `oid`, read-only, valid while referenced."""
+
+
+def read_whole(store: ObjectStore, oid: ObjectId, verify: bool = True) -> bytes | memoryview:
+    """An object's bytes: mapped where the store can, else read."""
+    if isinstance(store, MappedObjects):
+        return store.view(oid, verify)
+    return store.get(oid, verify)

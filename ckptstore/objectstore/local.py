@@ -10,8 +10,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-
-import numpy as np
+from typing import Any
 
 from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import ObjectId, is_hex_id, object_id
@@ -28,7 +27,7 @@ class FileRanges:
         self._fds: dict[ObjectId, int] = {}
         self._lock = threading.Lock()
 
-    def read(self, oid: ObjectId, offset: int, length: int, into: np.ndarray | None = None) -> bytes | memoryview:
+    def read(self, oid: ObjectId, offset: int, length: int, into: Any = None) -> bytes | memoryview:
         """Bytes [offset, offset + length) of `oid`, unverified; a short read is a CorruptObjectError.
 
         With `into` (a buffer of at least `length` bytes), they are read into it and a view is returned.
@@ -68,6 +67,7 @@ class LocalObjectStore:
     def __init__(self, objects_dir: str | os.PathLike, tmp_dir: str | os.PathLike) -> None:
         self.root = Path(objects_dir)
         self.tmp = Path(tmp_dir)
+        self.url = self.root.resolve().as_uri()
         self.root.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(parents=True, exist_ok=True)
         self._batched: list[Path] | None = None
@@ -150,8 +150,10 @@ class LocalObjectStore:
                         yield ObjectId(name)
 
     def size(self, oid: ObjectId) -> int:
-        """Stored size in bytes of `oid`."""
-        return self.path_of(oid).stat().st_size
+        try:
+            return self.path_of(oid).stat().st_size
+        except FileNotFoundError:
+            raise CorruptObjectError(oid, "missing") from None
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:

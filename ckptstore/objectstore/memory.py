@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import ObjectId, object_id
 
 
+class MemoryRanges:
+    """The memory store's RangeReader: slices of the stored bytes."""
+
+    def __init__(self, store: MemoryObjectStore) -> None:
+        self._store = store
+
+    def read(self, oid: ObjectId, offset: int, length: int, into: Any = None) -> bytes | memoryview:
+        data = self._store.get(oid, verify=False)[offset : offset + length]
+        if len(data) != length:
+            raise CorruptObjectError(oid, f"shorter than its chunks say ({offset + len(data)} bytes)")
+        if into is None:
+            return data
+        view = memoryview(into)[:length]
+        view[:] = data
+        return view
+
+    def close(self) -> None:
+        pass
+
+
 class MemoryObjectStore:
     """Objects in a dict; verifies hashes on read like the real stores."""
 
-    def __init__(self) -> None:
+    def __init__(self, url: str = "memory://") -> None:
+        self.url = url
         self.objects: dict[ObjectId, bytes] = {}
 
     def put(self, data: bytes | memoryview) -> ObjectId:
@@ -40,3 +63,13 @@ class MemoryObjectStore:
         if oid not in self.objects:
             raise CorruptObjectError(oid, "missing")
         return len(self.objects[oid])
+
+    def open_ranges(self) -> MemoryRanges:
+        return MemoryRanges(self)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        yield  # puts are complete at once; nothing to flush
+
+    def clear_tmp(self) -> int:
+        return 0

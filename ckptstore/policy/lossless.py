@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckptstore.codecs.record import TensorRecord
+from ckptstore.records import TensorRecord
 
 LOSSLESS_CODEC = "bytegroup"
 

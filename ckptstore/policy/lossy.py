@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 
 from ckptstore.codecs.floats import LOSSY_DTYPES, to_float32
-from ckptstore.codecs.record import TensorRecord
 from ckptstore.policy.levels import LossyLevel
 from ckptstore.policy.lossless import EncodingSettings
 from ckptstore.policy.mapping import OptimizerMap, ParamSlots
 from ckptstore.policy.sensitivity import step_factors
+from ckptstore.records import TensorRecord
 from ckptstore.state import RawTensor
 
 _EMBEDDING = re.compile(r"embed|wte|wpe|tok_emb|pos_emb", re.IGNORECASE)

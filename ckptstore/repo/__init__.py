@@ -1,6 +1,23 @@
-"""The repository: the verbs users call, built on the store, codecs, formats and metadata."""
+"""The repository layer: `Repository` and the verbs, one module each."""
 
-from ckptstore.repo.maintenance import FsckReport, GcReport, fsck, gc
-from ckptstore.repo.repository import Manifest, Repository, TensorDiff, find_root
+from __future__ import annotations
 
-__all__ = ["FsckReport", "GcReport", "Manifest", "Repository", "TensorDiff", "find_root", "fsck", "gc"]
+from typing import Any
+
+__all__ = ["LOSSY_LEVELS", "CommitOptions", "EncodingSettings", "FsckReport", "GcReport", "LossyOptions", "Manifest",
+           "Repository", "TensorDiff", "find_root", "fsck", "gc"]
+
+_WHERE = {
+    "Repository": "repository", "find_root": "repository", "Manifest": "manifest", "TensorDiff": "diff",
+    "CommitOptions": "commit", "LossyOptions": "commit", "FsckReport": "maintenance", "GcReport": "maintenance",
+    "fsck": "maintenance", "gc": "maintenance", "LOSSY_LEVELS": "config", "EncodingSettings": "config",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Public names load their module on first use, so `import ckptstore.repo` costs nothing."""
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -1,38 +1,48 @@
-"""`.ckpt/config.toml`: encoding defaults and where the metadata lives."""
+"""`.ckpt/config.toml`: where objects and metadata live (URLs), encoding defaults, the default lossy level."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import tomllib
 
 from ckptstore.errors import CkptError
-from ckptstore.policy import EncodingSettings
+from ckptstore.policy import LEVELS, EncodingSettings
+
+LOSSY_LEVELS = tuple(LEVELS)  # names `--lossy` accepts
 
 
 @dataclass
 class RepoConfig:
-    """Settings read from config.toml; missing keys take these defaults."""
+    """Settings read from config.toml; missing keys take these defaults.
+
+    `objects_url` and `metadata_url` empty mean the repository's own `.ckpt/objects` and
+    `.ckpt/ckpt.db`.
+    """
 
     encoding: EncodingSettings = field(default_factory=EncodingSettings)
     metadata_url: str = ""
     threads: int = 0
     lossy: str = ""
+    objects_url: str = ""
 
     @classmethod
     def load(cls, path: Path) -> RepoConfig:
         try:
             data = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+            encoding = EncodingSettings(**data.get("encoding", {}))
+        except (OSError, tomllib.TOMLDecodeError, TypeError) as exc:
             raise CkptError(f"cannot read {path}: {exc}") from None
-        encoding = EncodingSettings(**data.get("encoding", {}))
         core = data.get("core", {})
-        return cls(encoding, core.get("metadata_url", ""), int(core.get("threads", 0)), core.get("lossy", ""))
+        return cls(encoding, core.get("metadata_url", ""), int(core.get("threads", 0)), core.get("lossy", ""),
+                   core.get("objects_url", ""))
 
     def save(self, path: Path) -> None:
-        lines = ["[core]", f'metadata_url = "{self.metadata_url}"', f"threads = {self.threads}",
-                 f'lossy = "{self.lossy}"', "",
-                 "[encoding]"]
+        # json.dumps writes a TOML basic string: same quoting and escapes.
+        lines = ["[core]", f"objects_url = {json.dumps(self.objects_url)}",
+                 f"metadata_url = {json.dumps(self.metadata_url)}", f"threads = {self.threads}",
+                 f"lossy = {json.dumps(self.lossy)}", "", "[encoding]"]
         lines += [f"{key} = {value}" for key, value in asdict(self.encoding).items()]
         path.write_text("\n".join(lines) + "\n")

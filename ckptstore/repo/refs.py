@@ -1,19 +1,30 @@
-"""Ref names and resolution: branches, tags, HEAD, full or unique-prefix commit ids, `REF~N`."""
+"""Ref names and resolution (branches, tags, HEAD, commit ids or prefixes, `REF~N`, `REF^N`), and the ref verbs."""
 
 from __future__ import annotations
 
 import difflib
 import re
+from typing import TYPE_CHECKING
 
-from sqlalchemy import Connection, select
-
-from ckptstore.errors import AmbiguousRefError, InvalidRefNameError, RefNotFoundError
+from ckptstore.errors import (
+    AmbiguousRefError,
+    CkptError,
+    InvalidRefNameError,
+    RefExistsError,
+    RefNotFoundError,
+)
 from ckptstore.hashing import CommitId
-from ckptstore.metadata.schema import commit_parents, refs
-from ckptstore.repo.catalog import driver_sql
+from ckptstore.metadata import Tx
+from ckptstore.metadata import commits as commit_rows
+from ckptstore.metadata import refs as ref_rows
+from ckptstore.metadata.refs import BRANCH, HEAD, HEAD_KIND, TAG
 
-HEAD = "HEAD"
-BRANCH, TAG, HEAD_KIND = "branch", "tag", "head"
+if TYPE_CHECKING:
+    from ckptstore.repo.repository import Repository
+
+__all__ = ["BRANCH", "HEAD", "HEAD_KIND", "TAG", "branch", "check_name", "delete_branch", "head", "head_branch",
+           "head_commit", "resolve", "tag"]
+
 _NAME = re.compile(r"^[A-Za-z0-9._/-]+$")
 _ANCESTRY = re.compile(r"^(.*?)((?:[~^]\d*)+)$")
 MIN_PREFIX = 4
@@ -28,79 +39,105 @@ def check_name(name: str) -> None:
         )
 
 
-def ref_row(conn: Connection, name: str):
-    """The row (name, kind, commit_id, target) of ref `name`, or None; read on every checkout."""
-    return driver_sql(conn, "SELECT name, kind, commit_id, target FROM refs WHERE name = ?", (name,)).first()
-
-
-def first_parent(conn: Connection, cid: CommitId) -> CommitId | None:
-    row = conn.execute(
-        select(commit_parents.c.parent_id).where(commit_parents.c.commit_id == cid, commit_parents.c.position == 0)
-    ).first()
-    return CommitId(row[0]) if row else None
-
-
-def nth_parent(conn: Connection, cid: CommitId, n: int) -> CommitId | None:
-    row = conn.execute(
-        select(commit_parents.c.parent_id).where(commit_parents.c.commit_id == cid, commit_parents.c.position == n)
-    ).first()
-    return CommitId(row[0]) if row else None
-
-
-def head_commit(conn: Connection) -> CommitId | None:
+def head_commit(tx: Tx) -> CommitId | None:
     """The commit HEAD points at (through its branch), or None on an unborn branch."""
-    head = ref_row(conn, HEAD)
-    if head is None:
+    head_row = ref_rows.ref_row(tx, HEAD)
+    if head_row is None:
         return None
-    if head.commit_id:
-        return CommitId(head.commit_id)
-    branch = ref_row(conn, head.target)
-    return CommitId(branch.commit_id) if branch else None
+    if head_row.commit_id:
+        return CommitId(head_row.commit_id)
+    branch_row = ref_rows.ref_row(tx, head_row.target)
+    return CommitId(branch_row.commit_id) if branch_row else None
 
 
-def head_branch(conn: Connection) -> str | None:
+def head_branch(tx: Tx) -> str | None:
     """The branch HEAD is on, or None when HEAD is detached."""
-    head = ref_row(conn, HEAD)
-    return head.target if head is not None and not head.commit_id else None
+    head_row = ref_rows.ref_row(tx, HEAD)
+    return head_row.target if head_row is not None and not head_row.commit_id else None
 
 
-def _base(conn: Connection, spec: str) -> CommitId:
+def _base(tx: Tx, spec: str) -> CommitId:
     if spec == HEAD:
-        cid = head_commit(conn)
+        cid = head_commit(tx)
         if cid is None:
             raise RefNotFoundError(spec, detail=" (no commits yet)")
         return cid
-    row = ref_row(conn, spec)
+    row = ref_rows.ref_row(tx, spec)
     if row is not None and row.kind in (BRANCH, TAG):
         return CommitId(row.commit_id)
     if re.fullmatch(r"[0-9a-f]+", spec) and len(spec) >= MIN_PREFIX:
-        matches = driver_sql(conn, "SELECT id FROM commits WHERE id LIKE ? LIMIT 10", (spec + "%",)).scalars().all()
+        matches = commit_rows.with_prefix(tx, spec)
         if len(matches) == 1:
-            return CommitId(matches[0])
+            return matches[0]
         if len(matches) > 1:
             raise AmbiguousRefError(f"commit prefix {spec!r} matches {len(matches)} commits; give more digits")
-    names = conn.execute(select(refs.c.name).where(refs.c.kind.in_([BRANCH, TAG]))).scalars().all()
-    raise RefNotFoundError(spec, difflib.get_close_matches(spec, [*names, HEAD], n=3, cutoff=0.5))
+    raise RefNotFoundError(spec, difflib.get_close_matches(spec, [*ref_rows.names(tx), HEAD], n=3, cutoff=0.5))
 
 
-def resolve(conn: Connection, spec: str) -> CommitId:
+def resolve(tx: Tx, spec: str) -> CommitId:
     """The commit a ref expression names; `~N` follows first parents, `^N` picks the Nth parent."""
     spec = spec.strip()
     match = _ANCESTRY.match(spec)
     if not match or not match.group(1):
-        return _base(conn, spec)
-    cid = _base(conn, match.group(1))
+        return _base(tx, spec)
+    cid = _base(tx, match.group(1))
     for op, count in re.findall(r"([~^])(\d*)", match.group(2)):
         n = int(count) if count else 1
         if op == "~":
             for _ in range(n):
-                parent = first_parent(conn, cid)
+                parent = commit_rows.nth_parent(tx, cid, 0)
                 if parent is None:
                     raise RefNotFoundError(spec, detail=f" (history of {match.group(1)} is shorter)")
                 cid = parent
         else:
-            parent = nth_parent(conn, cid, n - 1) if n else cid
+            parent = commit_rows.nth_parent(tx, cid, n - 1) if n else cid
             if parent is None:
                 raise RefNotFoundError(spec, detail=f" ({cid[:12]} has no parent {n})")
             cid = parent
     return cid
+
+
+def head(repo: Repository) -> tuple[str | None, CommitId | None]:
+    """(branch HEAD is on or None when detached, commit or None when unborn)."""
+    with repo.db.read() as tx:
+        return head_branch(tx), head_commit(tx)
+
+
+def create(repo: Repository, name: str, start: str, kind: str) -> CommitId:
+    """Create a branch or tag `name` at the commit `start` names."""
+    check_name(name)
+    with repo.db.write() as tx:
+        if ref_rows.ref_row(tx, name) is not None:
+            raise RefExistsError(f"a branch or tag named {name!r} already exists")
+        cid = resolve(tx, start)
+        ref_rows.insert_ref(tx, name, kind, cid)
+    return cid
+
+
+def branch(repo: Repository, name: str, start: str = HEAD) -> CommitId:
+    """Create branch `name` at `start`; HEAD does not move."""
+    return create(repo, name, start, BRANCH)
+
+
+def tag(repo: Repository, name: str, ref: str = HEAD) -> CommitId:
+    """Create tag `name` at `ref`; tags never move."""
+    return create(repo, name, ref, TAG)
+
+
+def delete_branch(repo: Repository, name: str) -> CommitId:
+    """Remove branch `name` (its commits stay until `gc --prune`); not the branch HEAD is on."""
+    with repo.db.write() as tx:
+        row = ref_rows.ref_row(tx, name)
+        if row is None or row.kind != BRANCH:
+            suggestions = difflib.get_close_matches(name, ref_rows.names(tx, (BRANCH,)), n=3)
+            raise RefNotFoundError(name, suggestions, detail=" (no such branch)")
+        if head_branch(tx) == name:
+            raise CkptError(f"cannot delete branch {name!r}: HEAD is on it; check out another ref first")
+        ref_rows.delete_ref(tx, name)
+        return CommitId(row.commit_id)
+
+
+def move_head(repo: Repository, cid: CommitId, branch_name: str | None) -> None:
+    """HEAD onto `branch_name`, or detached at `cid` when it is None."""
+    with repo.db.write() as tx:
+        ref_rows.point_head(tx, branch_name, None if branch_name else cid)

@@ -16,12 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ckptstore.codecs import get_codec
-from ckptstore.codecs.deadzone import capped, chunk_step
-from ckptstore.codecs.floats import to_float32
-from ckptstore.codecs.record import Chunk, TensorRecord
+from ckptstore.codecs import capabilities, capped, chunk_step, get_codec, to_float32
 from ckptstore.hashing import ObjectId, TensorId, chunk_checksum, tensor_id_of_parts
+from ckptstore.objectstore.pack import PACK_BELOW, PackSlot, PackWriter
 from ckptstore.policy import EncodingSettings, after_attempt, chunk_sizes, plan_tensor
+from ckptstore.records import Chunk, TensorRecord
 from ckptstore.replay import ChainSource
 from ckptstore.state import RawTensor
 
@@ -44,10 +43,6 @@ class Job:
     paced_by: str | None = None  # a first moment's weight: its "fine_step" applies where that weight's step was capped
 
 
-PACK_BELOW = 1 << 20  # payloads smaller than this are written together: a file costs more than its bytes
-PACK_BYTES = 32 << 20  # a pack is closed once it holds this much
-
-
 @dataclass
 class ChunkResult:
     object_id: ObjectId | None  # None until its pack is written
@@ -58,8 +53,7 @@ class ChunkResult:
     error_sq: float = 0.0
     norm_sq: float = 0.0
     payload: bytes | None = None  # kept for a pack
-    packed: bool = False  # stored as bytes [offset, offset + stored) of a pack object
-    offset: int = 0
+    slot: PackSlot | None = None  # where in a pack it went (object_id is the pack's once written)
     modes: list[int] | None = None  # lossless: how each byte plane was stored
     capped: bool = False  # lossy: quantized finer than planned (the tensor barely moved since its base)
     step: float | None = None  # lossy: the step the chunk was quantized with, where its codec has one
@@ -98,9 +92,9 @@ def _prune_mask(job: Job, params: dict, data: np.ndarray, base: np.ndarray | Non
 
 def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: int,
                   waits: dict[str, list[Future]]) -> ChunkResult:
-    codec = get_codec(job.codec)
+    codec, able = get_codec(job.codec), capabilities(job.codec)
     data = np.ascontiguousarray(job.raw.data[start : start + size])
-    if not getattr(codec, "lossy", False):
+    if able.lossy is None:
         planes = source.replay_planes(job.base, index) if job.base is not None else None
         base = (source.replay_chunk(job.base, index, np.empty(size, dtype=np.uint8))
                 if job.base is not None and planes is None else None)  # a base of another codec
@@ -108,8 +102,9 @@ def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: i
         params = dict(job.params, plane_hints=hints[index]) if hints and len(hints) > index else job.params
         payload = codec.encode(data, base, params, base_planes=planes)
         oid, kept = _stored(source, payload)
+        modes = able.planes.plane_modes(payload) if able.planes is not None else None
         return ChunkResult(oid, len(payload), job.base is not None and codec.needs_base(payload), payload=kept,
-                           modes=codec.plane_modes(payload), checksum=chunk_checksum(data))
+                           modes=modes, checksum=chunk_checksum(data))
     base = None
     if job.sibling is not None:
         base = waits[job.sibling][index].result().recon
@@ -124,12 +119,11 @@ def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: i
         mask = waits[job.mask_from][index].result().mask
     if job.paced_by is not None and _weight_capped(job, index, waits[job.paced_by]):
         params = dict(params, step=params["fine_step"])
-    payload, recon = codec.encode_lossy(data, base, params, {"prune": mask})
+    payload, recon = able.lossy.encode_lossy(data, base, params, {"prune": mask})
     original = to_float32(data, params["dtype"])
     error = to_float32(recon, params["dtype"]) - original
     oid, kept = _stored(source, payload)
-    step_of = getattr(codec, "step_of", None)
-    step = step_of(payload) if step_of is not None else None
+    step = able.stepped.step_of(payload) if able.stepped is not None else None
     return ChunkResult(oid, len(payload), codec.needs_base(payload), recon, mask,
                        _sum_of_squares(error), _sum_of_squares(original), payload=kept,
                        capped=step is not None and capped(step, params), checksum=chunk_checksum(recon), step=step)
@@ -170,34 +164,6 @@ def _weight_capped(job: Job, index: int, weight_chunks: list[Future]) -> bool:
     return any(chunk.result().capped for chunk in weight_chunks)
 
 
-class _Packer:
-    """Writes small payloads into pack objects as results arrive and points each result at its range.
-
-    Packs close as they fill, so at most one pack's worth of payloads waits in memory.
-    """
-
-    def __init__(self, source: ChainSource) -> None:
-        self.source = source
-        self.group: list[ChunkResult] = []
-        self.filled = 0
-
-    def add(self, result: ChunkResult) -> None:
-        if result.payload is None:
-            return
-        if self.filled + result.stored > PACK_BYTES:
-            self.close()
-        result.offset = self.filled
-        self.group.append(result)
-        self.filled += result.stored
-
-    def close(self) -> None:
-        if self.group:
-            oid = self.source.store.put(b"".join(r.payload for r in self.group))
-            for r in self.group:
-                r.object_id, r.payload, r.packed = oid, None, True
-        self.group, self.filled = [], 0
-
-
 def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
                 on_bytes: Callable[[int], None] | None = None
                 ) -> tuple[dict[str, TensorRecord], dict[ObjectId, int]]:
@@ -212,11 +178,12 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
             start += size
     ordered = sorted(jobs, key=lambda j: j.stage)
     results_of: dict[str, list[ChunkResult]] = {}
-    packer = _Packer(source)
+    packer = PackWriter(source.store)
     for job in ordered:
         results_of[job.key] = [f.result() for f in futures[job.key]]
         for result in results_of[job.key]:
-            packer.add(result)
+            if result.payload is not None:
+                result.slot, result.payload = packer.add(result.payload), None
         if on_bytes:
             on_bytes(job.raw.nbytes)
     packer.close()
@@ -225,8 +192,8 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
     for job in ordered:
         results = results_of[job.key]
         for r in results:
-            end = r.offset + r.stored if r.packed else r.stored
-            object_sizes[r.object_id] = max(object_sizes.get(r.object_id, 0), end)
+            oid, end = (r.slot.object_id, r.slot.offset + r.stored) if r.slot else (r.object_id, r.stored)
+            object_sizes[oid] = max(object_sizes.get(oid, 0), end)
         uses_base = any(r.needs_base for r in results)
         params = dict(job.params)
         if job.known_id is not None:
@@ -248,10 +215,16 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
             id=tid, dtype=job.raw.dtype, shape=job.raw.shape, codec=job.codec, params=params,
             base_id=base.id if base else None, depth=base.depth + 1 if base else 0,
             raw_bytes=job.raw.nbytes, stored_bytes=sum(r.stored for r in results),
-            chunks=[Chunk(r.object_id, size, r.offset, r.stored if r.packed else None, r.checksum)
-                    for r, size in zip(results, sizes[job.key])],
+            chunks=[_chunk(r, size) for r, size in zip(results, sizes[job.key])],
         )
     return records, object_sizes
+
+
+def _chunk(result: ChunkResult, raw_bytes: int) -> Chunk:
+    """Where a chunk's payload went: its own object, or a range of a pack."""
+    if result.slot is None:
+        return Chunk(result.object_id, raw_bytes, 0, None, result.checksum)
+    return Chunk(result.slot.object_id, raw_bytes, result.slot.offset, result.stored, result.checksum)
 
 
 def lossless_jobs(new: dict[TensorId, RawTensor], parents: dict[TensorId, TensorRecord | None],

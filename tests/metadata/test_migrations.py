@@ -1,24 +1,57 @@
-from sqlalchemy import inspect
+import sqlite3
+
+import pytest
 
 from ckptstore import Repository
-from ckptstore.metadata import current_revision, make_engine, upgrade
+from ckptstore.errors import CkptError
+from ckptstore.metadata import Database
+from ckptstore.metadata.db import HEAD_REVISION, KNOWN_REVISIONS
+from ckptstore.metadata.migrate import head_revision, upgrade
 from ckptstore.repo.config import RepoConfig
+
+
+def _columns(path, table):
+    with sqlite3.connect(path) as conn:
+        return {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
 
 
 def test_repository_made_by_an_older_schema_opens_and_upgrades(tmp_path):
     (tmp_path / ".ckpt").mkdir()
     RepoConfig().save(tmp_path / ".ckpt" / "config.toml")
-    engine = make_engine(f"sqlite:///{tmp_path / '.ckpt' / 'ckpt.db'}")
-    upgrade(engine, "0001")
-    assert current_revision(engine) == "0001"
-    assert not inspect(engine).has_table("known_files")
-    engine.dispose()
+    db_path = tmp_path / ".ckpt" / "ckpt.db"
+    upgrade(f"sqlite:///{db_path}", "0001")
+    assert not _columns(db_path, "known_files")
     with Repository.open(tmp_path) as repo:
-        assert current_revision(repo.engine) == "0005"
-        assert inspect(repo.engine).has_table("known_files")
-        assert "checksum" in {c["name"] for c in inspect(repo.engine).get_columns("tensor_chunks")}
+        assert repo.db.revision() == HEAD_REVISION
+    assert _columns(db_path, "known_files") == {"digest", "commit_id", "size"}
+    assert "checksum" in _columns(db_path, "tensor_chunks")
+
+
+def test_the_schema_check_knows_the_newest_migration():
+    assert HEAD_REVISION == head_revision()
+    assert KNOWN_REVISIONS[-1] == HEAD_REVISION
+
+
+def test_a_database_from_a_newer_ckptstore_is_refused(tmp_path):
+    with Repository.init(tmp_path):
+        pass
+    with sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db") as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '9999'")
+    with pytest.raises(CkptError, match="newer ckptstore"):
+        Repository.open(tmp_path)
 
 
 def test_database_uses_wal(tmp_path):
-    with Repository.init(tmp_path) as repo, repo.engine.connect() as conn:
-        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+    with Repository.init(tmp_path) as repo, repo.db.read() as tx:
+        assert tx.scalar("PRAGMA journal_mode") == "wal"
+        assert tx.scalar("PRAGMA synchronous") == 2  # FULL
+
+
+def test_a_write_that_fails_leaves_nothing(tmp_path):
+    db = Database(f"sqlite:///{tmp_path / 'x.db'}")
+    with pytest.raises(RuntimeError), db.write() as tx:
+        tx.execute("INSERT INTO refs (name, kind, target) VALUES ('HEAD', 'head', 'main')")
+        raise RuntimeError("boom")
+    with db.read() as tx:
+        assert tx.rows("SELECT * FROM refs") == []
+    db.close()

@@ -36,10 +36,10 @@ def _commit_run(repo, tmp_path, n=3, steps=3):
 def _an_object_of(repo, cid, min_size=1000):
     show = repo.show(cid)
     biggest = max(show["tensors"], key=lambda t: t["stored_bytes"])
-    with repo.engine.connect() as conn:
-        from ckptstore.repo import catalog
+    with repo.db.read() as tx:
+        from ckptstore.metadata import tensors as tensor_rows
 
-        record = catalog.load_records(conn, [biggest["tensor"]], with_bases=False)[biggest["tensor"]]
+        record = tensor_rows.load_records(tx, [biggest["tensor"]], with_bases=False)[biggest["tensor"]]
     return record.chunks[0].object_id
 
 
@@ -123,16 +123,14 @@ def test_equal_tensors_at_two_paths_come_back_as_separate_tensors(repo):
 def test_conflicting_writer_gets_clear_error_and_loses_nothing(repo, tmp_path):
     commits, states = _commit_run(repo, tmp_path, n=1)
     torch.save({"w": torch.randn(100)}, tmp_path / "other.pt")
-    with repo.engine.connect() as conn:
-        from ckptstore.repo.repository import refnames
+    from ckptstore.repo import commit as commit_module
 
-        target, parent = repo._commit_target(conn, None)
+    with repo.db.read() as tx:
+        started = commit_module._commit_target(tx, None)
     repo.commit(tmp_path / "other.pt", message="the other writer")
-    from ckptstore.metadata import write_transaction
-
-    with pytest.raises(ConflictError, match="moved"), write_transaction(repo.engine) as conn:
-        repo._move_ref(conn, target, parent, "f" * 64)
-    assert refnames.HEAD and len(repo.log()) == 2
+    with pytest.raises(ConflictError, match="moved"), repo.db.write() as tx:
+        commit_module._move_ref(tx, started.target, started.commit, "f" * 64)
+    assert len(repo.log()) == 2
     assert_same(states[0], repo.checkout(commits[0]))
 
 
@@ -210,16 +208,16 @@ def test_sigkill_mid_commit_leaves_a_consistent_repository(tmp_path):
 def test_commit_holds_off_cyclic_gc_and_restores_it_even_on_error(repo, monkeypatch, enabled):
     import gc
 
-    from ckptstore.repo import repository as repository_module
+    from ckptstore.repo import commit as commit_module
 
     seen = []
-    real_encode = repository_module.encode_jobs
+    real_encode = commit_module.encode_jobs
 
     def spy(*args, **kwargs):
         seen.append(gc.isenabled())
         return real_encode(*args, **kwargs)
 
-    monkeypatch.setattr(repository_module, "encode_jobs", spy)
+    monkeypatch.setattr(commit_module, "encode_jobs", spy)
     (gc.enable if enabled else gc.disable)()
     try:
         repo.commit({"w": torch.ones(3)})

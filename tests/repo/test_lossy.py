@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from ckptstore.cli import cli
 from ckptstore.errors import CkptError, NothingToCommitError
 from ckptstore.formats.torchfile import numpy_safe_globals
+from ckptstore.metadata import tensors as tensor_rows
 from tests.conftest import Trainer, assert_same
 
 LOSSY_WEIGHTS = ("fc1.weight", "fc2.weight")
@@ -91,10 +92,8 @@ def test_every_entry_is_within_its_codec_bound(repo, tmp_path, codebooks):
 
 
 def repo_params(repo, entry):
-    from ckptstore.repo import catalog
-
-    with repo.engine.connect() as conn:
-        return catalog.load_records(conn, [entry["tensor"]], with_bases=False)[entry["tensor"]].params
+    with repo.db.read() as tx:
+        return tensor_rows.load_records(tx, [entry["tensor"]], with_bases=False)[entry["tensor"]].params
 
 
 def test_optimizer_level_keeps_weights_bit_exact(repo, tmp_path):
@@ -146,10 +145,9 @@ def _chunk_steps(repo, entry) -> tuple[list[float], dict]:
     """The steps a lossy tensor's chunks were quantized with, read from their payloads, and its params."""
     from ckptstore.codecs import get_codec
     from ckptstore.replay import ChainSource
-    from ckptstore.repo import catalog
 
-    with repo.engine.connect() as conn:
-        record = catalog.load_records(conn, [entry["tensor"]], with_bases=False)[entry["tensor"]]
+    with repo.db.read() as tx:
+        record = tensor_rows.load_records(tx, [entry["tensor"]], with_bases=False)[entry["tensor"]]
     source = ChainSource(repo.store, {record.id: record})
     return [get_codec(record.codec).step_of(source.payload(c)) for c in record.chunks], record.params
 

@@ -5,7 +5,8 @@ import torch
 
 from ckptstore.codecs.bytegroup import XOR_MODES
 from ckptstore.errors import CorruptObjectError
-from ckptstore.repo import catalog, fsck, writer
+from ckptstore.metadata import tensors as tensor_rows
+from ckptstore.repo import fsck, writer
 from tests.conftest import assert_same
 
 
@@ -18,8 +19,8 @@ def _state(seed: int = 0) -> dict:
 
 def _chunks_by_path(repo, cid):
     manifest = repo.manifest(cid)
-    with repo.engine.connect() as conn:
-        records = catalog.load_records(conn, {e.tensor for e in manifest.entries.values()}, with_bases=False)
+    with repo.db.read() as tx:
+        records = tensor_rows.load_records(tx, {e.tensor for e in manifest.entries.values()}, with_bases=False)
     return {path: records[entry.tensor].chunks for path, entry in manifest.entries.items()}
 
 
@@ -68,9 +69,9 @@ def test_residual_chains_record_plane_modes_and_round_trip(repo):
     for step in range(1, 4):
         states.append({"small": states[0]["small"], "big": states[0]["big"] + step * 1e-4})
     cids = [repo.commit(s) for s in states]
-    with repo.engine.connect() as conn:
+    with repo.db.read() as tx:
         tid = repo.manifest(cids[2]).entries["big"].tensor
-        record = catalog.load_records(conn, [tid], with_bases=False)[tid]
+        record = tensor_rows.load_records(tx, [tid], with_bases=False)[tid]
     assert record.depth == 2 and "plane_hints" not in record.params
     assert len(record.params["plane_modes"]) == len(record.chunks)
     assert set(record.params["plane_modes"][0]) & set(XOR_MODES)  # planes stored as residuals

@@ -1,4 +1,4 @@
-"""How one tensor is stored: codec, params, chunk objects and the base it is a residual against."""
+"""How one tensor is stored: codec, params, chunk objects and the base it is a residual against (plain data)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,114 @@
+"""Named queries on commits and their parents."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptstore.errors import CkptError
+from ckptstore.hashing import CommitId, ObjectId, TensorId
+from ckptstore.metadata.db import Tx
+from ckptstore.metadata.tensors import dependents, insert_ignore, tensors_in_objects
+
+_COLUMNS = ("id, manifest_object, message, author, created_at, step, metrics, kind, source_path, raw_bytes, "
+            "stored_bytes, lossy")
+
+
+@dataclass
+class CommitInfo:
+    """One commit's row, with its parents in order."""
+
+    id: CommitId
+    manifest_object: ObjectId
+    message: str
+    author: str
+    created_at: float
+    step: int | None
+    metrics: dict[str, Any]
+    kind: str
+    source_path: str | None
+    raw_bytes: int
+    stored_bytes: int
+    parents: list[CommitId] = field(default_factory=list)
+    lossy: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "parents": self.parents, "message": self.message, "author": self.author,
+            "created_at": self.created_at, "step": self.step, "metrics": self.metrics, "kind": self.kind,
+            "source_path": self.source_path, "raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes,
+            **({"lossy": self.lossy} if self.lossy else {}),
+        }
+
+
+def _info(row: tuple, parents: list[CommitId]) -> CommitInfo:
+    cid, manifest, message, author, created, step, metrics, kind, source, raw, stored, lossy = row
+    return CommitInfo(CommitId(cid), ObjectId(manifest), message, author, created, step, json.loads(metrics), kind,
+                      source, raw, stored, parents, lossy)
+
+
+def all_parents(tx: Tx) -> dict[CommitId, list[CommitId]]:
+    """Every commit's parents in order, in one pass (repositories hold thousands, not millions)."""
+    parents: dict[CommitId, list[CommitId]] = {}
+    for cid, parent in tx.rows("SELECT commit_id, parent_id FROM commit_parents ORDER BY commit_id, position"):
+        parents.setdefault(CommitId(cid), []).append(CommitId(parent))
+    return parents
+
+
+def all_commits(tx: Tx) -> dict[CommitId, CommitInfo]:
+    """Every commit with its parents."""
+    parents = all_parents(tx)
+    return {CommitId(row[0]): _info(row, parents.get(row[0], [])) for row in tx.rows(f"SELECT {_COLUMNS} FROM commits")}
+
+
+def commit_info(tx: Tx, cid: CommitId) -> CommitInfo:
+    row = tx.first(f"SELECT {_COLUMNS} FROM commits WHERE id = ?", (cid,))
+    if row is None:
+        raise CkptError(f"metadata has no commit {cid}; run `ckpt fsck`")
+    return _info(row, parents_of(tx, cid))
+
+
+def parents_of(tx: Tx, cid: CommitId) -> list[CommitId]:
+    return [CommitId(p) for p in tx.column(
+        "SELECT parent_id FROM commit_parents WHERE commit_id = ? ORDER BY position", (cid,))]
+
+
+def nth_parent(tx: Tx, cid: CommitId, n: int) -> CommitId | None:
+    """Parent number `n` (0: the first) of `cid`, or None."""
+    found = tx.scalar("SELECT parent_id FROM commit_parents WHERE commit_id = ? AND position = ?", (cid, n))
+    return CommitId(found) if found else None
+
+
+def with_prefix(tx: Tx, prefix: str, limit: int = 10) -> list[CommitId]:
+    """Commits whose id starts with `prefix` (a lowercase hex string), at most `limit`."""
+    return [CommitId(c) for c in tx.column("SELECT id FROM commits WHERE id LIKE ? LIMIT ?", (prefix + "%", limit))]
+
+
+def manifest_object(tx: Tx, cid: CommitId) -> ObjectId:
+    """The object holding commit `cid`'s manifest."""
+    found = tx.scalar("SELECT manifest_object FROM commits WHERE id = ?", (cid,))
+    if found is None:
+        raise CkptError(f"metadata has no commit {cid}; run `ckpt fsck`")
+    return ObjectId(found)
+
+
+def insert_commit(tx: Tx, info: CommitInfo, tensor_ids: Iterable[TensorId]) -> None:
+    tx.execute(f"INSERT INTO commits ({_COLUMNS}) VALUES ({', '.join('?' * 12)})", (
+        info.id, info.manifest_object, info.message, info.author, info.created_at, info.step,
+        json.dumps(info.metrics, sort_keys=True), info.kind, info.source_path, info.raw_bytes, info.stored_bytes,
+        info.lossy))
+    tx.executemany("INSERT INTO commit_parents (commit_id, position, parent_id) VALUES (?, ?, ?)",
+                   [(info.id, position, parent) for position, parent in enumerate(info.parents)])
+    insert_ignore(tx, "commit_tensors", ("commit_id", "tensor_id"), [(info.id, t) for t in set(tensor_ids)])
+
+
+def commits_needing(tx: Tx, object_ids: Iterable[ObjectId]) -> list[CommitId]:
+    """Commits whose checkout reads any of `object_ids` (directly or through a delta chain)."""
+    object_ids = list(object_ids)
+    needed = dependents(tx, tensors_in_objects(tx, object_ids))
+    cids = {r[0] for r in tx.rows_in("SELECT DISTINCT commit_id FROM commit_tensors WHERE tensor_id IN ({ids})",
+                                     needed)}
+    cids |= {r[0] for r in tx.rows_in("SELECT id FROM commits WHERE manifest_object IN ({ids})", object_ids)}
+    return sorted(CommitId(c) for c in cids)

@@ -1,0 +1,73 @@
+"""Named queries for gc and fsck: what the refs reach, what commits need, and removing the rest."""
+
+from __future__ import annotations
+
+from ckptstore.hashing import CommitId, ObjectId, TensorId
+from ckptstore.metadata.commits import all_parents
+from ckptstore.metadata.db import Tx
+from ckptstore.metadata.refs import tip_commits
+
+
+def reachable_commits(tx: Tx) -> set[CommitId]:
+    """Commits some branch, tag or detached HEAD reaches through parents."""
+    parents = all_parents(tx)
+    stack, seen = tip_commits(tx), set()
+    while stack:
+        cid = stack.pop()
+        if cid not in seen:
+            seen.add(cid)
+            stack.extend(parents.get(cid, []))
+    return seen
+
+
+def commit_ids(tx: Tx) -> set[CommitId]:
+    return {CommitId(c) for c in tx.column("SELECT id FROM commits")}
+
+
+def commit_manifests(tx: Tx) -> list[tuple[CommitId, ObjectId]]:
+    """(commit, manifest object) of every commit."""
+    return [(CommitId(c), ObjectId(m)) for c, m in tx.rows("SELECT id, manifest_object FROM commits")]
+
+
+def delete_commits(tx: Tx, doomed: set[CommitId]) -> None:
+    """Remove commits and everything that names them (their tensors' records stay until gc)."""
+    ordered = sorted(doomed)
+    for table, column in (("commit_tensors", "commit_id"), ("commit_parents", "commit_id"),
+                          ("known_files", "commit_id"), ("commits", "id")):
+        tx.execute_in(f"DELETE FROM {table} WHERE {column} IN ({{ids}})", ordered)
+
+
+def live(tx: Tx) -> tuple[set[TensorId], set[ObjectId]]:
+    """Tensor ids and object ids that some commit in the database needs."""
+    live_tensors = {TensorId(t) for t in tx.column("SELECT tensor_id FROM commit_tensors")}
+    bases = dict(tx.rows("SELECT id, base_id FROM tensors"))
+    frontier = set(live_tensors)
+    while frontier:
+        frontier = {bases[t] for t in frontier if bases.get(t)} - live_tensors
+        live_tensors |= frontier
+    live_objects = {ObjectId(o) for o in tx.column("SELECT manifest_object FROM commits")}
+    for tid, oid in tx.rows("SELECT tensor_id, object_id FROM tensor_chunks"):
+        if tid in live_tensors:
+            live_objects.add(oid)
+    return live_tensors, live_objects
+
+
+def recorded_tensors(tx: Tx) -> set[TensorId]:
+    return {TensorId(t) for t in tx.column("SELECT id FROM tensors")}
+
+
+def referenced_tensors(tx: Tx) -> set[TensorId]:
+    """Tensors some commit lists."""
+    return {TensorId(t) for t in tx.column("SELECT DISTINCT tensor_id FROM commit_tensors")}
+
+
+def delete_tensors(tx: Tx, doomed: set[TensorId]) -> None:
+    ordered = sorted(doomed)
+    tx.execute_in("DELETE FROM tensor_chunks WHERE tensor_id IN ({ids})", ordered)
+    tx.execute_in("DELETE FROM tensors WHERE id IN ({ids})", ordered)
+
+
+def forget_objects_except(tx: Tx, keep: set[ObjectId]) -> None:
+    """Drop the size rows of objects not in `keep`."""
+    dead = sorted(set(tx.column("SELECT id FROM objects")) - keep)
+    tx.execute_in("DELETE FROM objects WHERE id IN ({ids})", dead)

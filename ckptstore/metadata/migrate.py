@@ -1,0 +1,79 @@
+"""Schema creation and upgrades through Alembic: the only place SQLAlchemy is imported at run time.
+
+A repository's database is upgraded when it is opened by a newer ckptstore; the upgrade runs in
+one write transaction, so a crash leaves the old schema whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+
+from sqlalchemy import Connection, Engine, create_engine, event
+
+from ckptstore.metadata.db import BUSY_TIMEOUT_MS
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    dbapi_connection.isolation_level = None  # we issue BEGIN ourselves, below
+    cursor = dbapi_connection.cursor()
+    cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=FULL")
+    cursor.close()
+
+
+def _sqlite_begin(conn: Connection) -> None:
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def make_engine(url: str) -> Engine:
+    """A SQLAlchemy engine for `url`; SQLite gets WAL, a busy timeout and immediate transactions."""
+    engine = create_engine(url)
+    if engine.dialect.name == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "begin", _sqlite_begin)
+    return engine
+
+
+@contextlib.contextmanager
+def _engine(url: str) -> Iterator[Engine]:
+    engine = make_engine(url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def migrations_dir() -> Path:
+    """The Alembic scripts: packaged as ckptstore.migrations, or the source tree's migrations/."""
+    try:
+        return Path(str(resources.files("ckptstore.migrations")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "migrations"
+
+
+def _alembic_config(conn: Connection):
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(migrations_dir()))
+    config.attributes["connection"] = conn
+    return config
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Bring the schema at `url` to `revision` (default: the newest), inside one write transaction."""
+    from alembic import command
+
+    with _engine(url) as engine, engine.connect() as conn, conn.begin():
+        command.upgrade(_alembic_config(conn), revision)
+
+
+def head_revision() -> str:
+    """The newest revision among the migration scripts."""
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory(str(migrations_dir())).get_current_head()

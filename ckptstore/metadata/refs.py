@@ -1,0 +1,62 @@
+"""Named queries on refs: branches, tags and HEAD (a branch name, or a commit when detached)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ckptstore.hashing import CommitId
+from ckptstore.metadata.db import Tx
+
+HEAD = "HEAD"
+BRANCH, TAG, HEAD_KIND = "branch", "tag", "head"
+
+
+class RefRow(NamedTuple):
+    """One ref: a branch or tag points at a commit; HEAD at a branch (`target`) or a commit."""
+
+    name: str
+    kind: str
+    commit_id: CommitId | None
+    target: str | None
+
+
+def ref_row(tx: Tx, name: str) -> RefRow | None:
+    """The ref called `name`, or None."""
+    row = tx.first("SELECT name, kind, commit_id, target FROM refs WHERE name = ?", (name,))
+    return RefRow(*row) if row else None
+
+
+def refs_of_kind(tx: Tx, kind: str) -> dict[str, CommitId]:
+    """Branches or tags by name, sorted."""
+    return {name: CommitId(cid) for name, cid in
+            tx.rows("SELECT name, commit_id FROM refs WHERE kind = ? ORDER BY name", (kind,))}
+
+
+def names(tx: Tx, kinds: tuple[str, ...] = (BRANCH, TAG)) -> list[str]:
+    """Every ref name of the given kinds (for "did you mean" hints)."""
+    return tx.column(f"SELECT name FROM refs WHERE kind IN ({', '.join('?' * len(kinds))})", kinds)
+
+
+def tip_commits(tx: Tx) -> list[CommitId]:
+    """Every commit a ref points at directly (branches, tags, a detached HEAD)."""
+    return [CommitId(c) for c in tx.column("SELECT commit_id FROM refs WHERE commit_id IS NOT NULL")]
+
+
+def insert_ref(tx: Tx, name: str, kind: str, commit_id: CommitId | None = None, target: str | None = None) -> None:
+    tx.execute("INSERT INTO refs (name, kind, commit_id, target) VALUES (?, ?, ?, ?)", (name, kind, commit_id, target))
+
+
+def delete_ref(tx: Tx, name: str) -> None:
+    tx.execute("DELETE FROM refs WHERE name = ?", (name,))
+
+
+def point_head(tx: Tx, branch: str | None, commit_id: CommitId | None) -> None:
+    """HEAD onto `branch`, or detached at `commit_id`."""
+    tx.execute("UPDATE refs SET target = ?, commit_id = ? WHERE name = ?", (branch, commit_id, HEAD))
+
+
+def swap(tx: Tx, name: str, kind: str, expected: CommitId, new: CommitId) -> bool:
+    """Compare-and-swap: move ref `name` to `new` only if it still points at `expected`."""
+    cursor = tx.execute("UPDATE refs SET commit_id = ? WHERE name = ? AND kind = ? AND commit_id = ?",
+                        (new, name, kind, expected))
+    return cursor.rowcount == 1

@@ -1,0 +1,116 @@
+"""Pack objects: many small payloads written as one object and read back by byte range.
+
+A pack is the plain concatenation of its payloads, with no header; the metadata records each
+payload as (pack object id, offset, length). A file per small payload cost more than its bytes,
+so payloads under PACK_BELOW are packed, and a pack closes once it holds PACK_BYTES.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from ckptstore.errors import CorruptObjectError
+from ckptstore.hashing import ObjectId
+from ckptstore.objectstore.base import ObjectStore, RangeReader, read_whole
+
+PACK_BELOW = 1 << 20
+PACK_BYTES = 32 << 20
+
+
+@dataclass
+class PackSlot:
+    """Where a payload given to a PackWriter lands; `object_id` is set when its pack is written."""
+
+    length: int
+    offset: int = 0
+    object_id: ObjectId | None = None
+
+
+class PackWriter:
+    """Collects payloads and writes a pack whenever the next one would overflow it.
+
+    At most one pack's worth of payloads waits in memory.
+    """
+
+    def __init__(self, store: ObjectStore, limit: int = PACK_BYTES) -> None:
+        self.store = store
+        self.limit = limit
+        self._payloads: list[bytes] = []
+        self._slots: list[PackSlot] = []
+        self._filled = 0
+
+    def add(self, payload: bytes) -> PackSlot:
+        """Queue `payload` for a pack; its slot is complete once the pack is written."""
+        if self._filled + len(payload) > self.limit:
+            self.close()
+        slot = PackSlot(len(payload), self._filled)
+        self._payloads.append(payload)
+        self._slots.append(slot)
+        self._filled += len(payload)
+        return slot
+
+    def close(self) -> None:
+        """Write the pending payloads as one pack (nothing when none are pending)."""
+        if self._payloads:
+            oid = self.store.put(b"".join(self._payloads))
+            for slot in self._slots:
+                slot.object_id = oid
+        self._payloads, self._slots, self._filled = [], [], 0
+
+
+class PackReader:
+    """Reads payloads out of packs.
+
+    With `ranges` (a store's open_ranges(), for callers that verify what they decode), each
+    payload is read alone and nothing is cached. Otherwise a pack is read whole and verified
+    once, and the most recently used packs are kept up to `cache_bytes`: chunks are replayed in
+    about the order they were packed, so a pack is rarely read twice.
+    """
+
+    def __init__(self, store: ObjectStore, verify: bool = True, ranges: RangeReader | None = None,
+                 cache_bytes: int = 256 << 20) -> None:
+        self.store = store
+        self.verify = verify
+        self.ranges = ranges
+        self.cache_bytes = cache_bytes
+        self._packs: OrderedDict[ObjectId, Future] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def read(self, oid: ObjectId, offset: int, length: int, into: Any = None) -> bytes | memoryview:
+        """Bytes [offset, offset + length) of pack `oid` (into `into` when reading a range alone)."""
+        if self.ranges is not None:
+            return self.ranges.read(oid, offset, length, into)
+        pack = self._pack(oid)
+        if offset + length > len(pack):
+            raise CorruptObjectError(oid, f"pack of {len(pack)} bytes is shorter than its chunks say")
+        return memoryview(pack)[offset : offset + length]
+
+    def _pack(self, oid: ObjectId) -> bytes | memoryview:
+        with self._lock:
+            pending = self._packs.get(oid)
+            owner = pending is None
+            if owner:
+                pending = self._packs[oid] = Future()
+            self._packs.move_to_end(oid)
+        if owner:
+            try:
+                pending.set_result(read_whole(self.store, oid, self.verify))
+            except BaseException as exc:
+                pending.set_exception(exc)
+            self._evict()
+        return pending.result()
+
+    def _evict(self) -> None:
+        """Drop the least recently used packs beyond `cache_bytes` (the newest always stays)."""
+        with self._lock:
+            held = [(oid, f) for oid, f in self._packs.items() if f.done() and f.exception() is None]
+            total = sum(len(f.result()) for _, f in held)
+            for oid, future in held[:-1]:
+                if total <= self.cache_bytes:
+                    break
+                total -= len(future.result())
+                del self._packs[oid]

@@ -1,0 +1,138 @@
+"""`checkout`: rebuild a commit's checkpoint in memory (on the CPU or a device) or write it to disk."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptstore import formats
+from ckptstore.errors import CkptError, CorruptObjectError
+from ckptstore.metadata import commits as commit_rows
+from ckptstore.metadata import refs as ref_rows
+from ckptstore.metadata import tensors as tensor_rows
+from ckptstore.records import TensorRecord
+from ckptstore.replay import ChainSource, replay
+from ckptstore.repo import refs, worktree
+from ckptstore.repo.gcpause import no_cyclic_gc
+from ckptstore.repo.manifest import Manifest
+from ckptstore.repo.progress import NoProgress, Progress
+from ckptstore.state import RawTensor, materialize
+
+if TYPE_CHECKING:
+    from ckptstore.repo.repository import Repository
+
+Replayer = Callable[[ChainSource, list[TensorRecord], Callable[[int], None]], dict]
+
+
+def restore(repo: Repository, manifest: Manifest, progress: Progress | None = None, paths: list[str] | None = None,
+            by_id: bool = False) -> dict[str, RawTensor]:
+    """Replay the tensors of `manifest` (or just `paths`) on the CPU and return them by path.
+
+    `by_id` hashes every tensor against its id on top of the chunk checksums (fsck --full).
+    """
+    paths = list(manifest.entries) if paths is None else paths
+    buffers = _replay(repo, manifest, paths, progress or NoProgress(), "checkout", lambda source, wanted, done:
+                      replay(source, wanted, repo.pool, on_chunk=done, by_id=by_id))
+    return {p: RawTensor(manifest.entries[p].dtype, manifest.entries[p].shape, b) for p, b in buffers.items()}
+
+
+def checkout(repo: Repository, ref: str = "HEAD", device: str | None = None, progress: Progress | None = None) -> Any:
+    """The checkpoint at `ref` in memory: nested state for torch files, {name: state} for folders.
+
+    With `device` (e.g. "cuda"), torch tensors are rebuilt on that device (replay_torch.py);
+    numpy arrays and bytes stay on the CPU. Tensors that were one tensor in the checkpoint
+    (same storage) come back as one object.
+    """
+    with no_cyclic_gc():
+        return _checkout(repo, ref, device, progress or NoProgress())
+
+
+def _checkout(repo: Repository, ref: str, device: str | None, progress: Progress) -> Any:
+    """The state at `ref`, built in a frame of its own.
+
+    Its manifest, records and buffers are freed on return, before collections resume, so the
+    first collection sees only the returned state.
+    """
+    manifest = repo.manifest(repo.resolve(ref))
+    on_device = _restore_on_device(repo, manifest, device, progress) if is_accelerator(device) else {}
+    raws = restore(repo, manifest, progress, [p for p in manifest.entries if p not in on_device])
+    return formats.to_state(manifest.kind, manifest.files,
+                            lambda p: on_device[p] if p in on_device else materialize(raws[p], device))
+
+
+def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = None, force: bool = False,
+                progress: Progress | None = None) -> Path:
+    """Write the checkpoint at `ref` to disk and return where.
+
+    Without `output`, writes to the path it was committed from and moves HEAD (like git
+    checkout), refusing to overwrite files whose content is not in the store unless `force`.
+    With `output`, only writes there.
+    """
+    with repo.db.read() as tx:
+        cid = refs.resolve(tx, ref)
+        info = commit_rows.commit_info(tx, cid)
+        is_branch = (row := ref_rows.ref_row(tx, ref)) is not None and row.kind == refs.BRANCH
+    manifest = Manifest.from_bytes(repo.read_object(info.manifest_object), info.manifest_object)
+    if output is not None:
+        dest = Path(output)
+    elif info.source_path is None:
+        raise CkptError(f"commit {cid[:12]} was made from an in-memory state; pass -o PATH to write it")
+    else:
+        dest = repo.root / info.source_path
+    targets = [formats.destination(manifest.kind, f, dest) for f in manifest.files]
+    if not force:
+        worktree.refuse_unsaved(repo, targets)
+    with no_cyclic_gc():
+        raws = restore(repo, manifest, progress)
+    for record, target in zip(manifest.files, targets):
+        formats.write_file(record, target, lambda p: materialize(raws[p]), lambda p: raws[p])
+    worktree.remember_files(repo, cid, targets)
+    if output is None:
+        refs.move_head(repo, cid, ref if is_branch else None)
+    return dest
+
+
+def _replay(repo: Repository, manifest: Manifest, paths: list[str], progress: Progress, label: str,
+            run: Replayer) -> dict[str, Any]:
+    """Replay the tensors at `paths` with `run` (numpy on the CPU, or torch on a device); buffers by path."""
+    ids = {manifest.entries[p].tensor for p in paths}
+    with repo.db.read() as tx:
+        records = tensor_rows.load_records(tx, ids)
+    missing = ids - set(records)
+    if missing:
+        raise CkptError(f"metadata has no record of tensors {sorted(missing)[:3]}; run `ckpt fsck`")
+    progress.start(label, sum(records[t].raw_bytes for t in ids))
+    try:
+        buffers = run(ChainSource(repo.store, records), [records[t] for t in ids], progress.advance)
+    except CorruptObjectError as exc:
+        raise exc.needed_by(repo.commits_needing(exc.object_ids)) from None
+    finally:
+        progress.finish()
+    restored, handed_out = {}, set()
+    for path in paths:
+        tensor = manifest.entries[path].tensor
+        buffer = buffers[tensor]
+        if tensor in handed_out:  # equal content at two paths must not become one tensor
+            buffer = buffer.clone() if hasattr(buffer, "clone") else buffer.copy()
+        handed_out.add(tensor)
+        restored[path] = buffer
+    return restored
+
+
+def _restore_on_device(repo: Repository, manifest: Manifest, device: str, progress: Progress) -> dict[str, Any]:
+    """The torch tensors of `manifest` replayed on `device` (replay_torch.py), typed and shaped, by path."""
+    from ckptstore import replay_torch
+    from ckptstore.state import TORCH_PREFIX, torch_dtype
+
+    paths = [p for p, e in manifest.entries.items() if e.dtype.startswith(TORCH_PREFIX)]
+    buffers = _replay(repo, manifest, paths, progress, f"checkout to {device}", lambda source, wanted, done:
+                      replay_torch.replay_on(source, wanted, repo.pool, device, on_chunk=done))
+    return {p: b.view(torch_dtype(manifest.entries[p].dtype)).reshape(manifest.entries[p].shape)
+            for p, b in buffers.items()}
+
+
+def is_accelerator(device: Any) -> bool:
+    """True for a device other than the CPU (where the numpy replay is the fast path)."""
+    return device is not None and str(device) != "cpu" and not str(device).startswith("cpu:")

@@ -1,0 +1,323 @@
+"""`commit`: store a checkpoint as a new commit (DESIGN.md's write path, steps 1-3).
+
+The checkpoint is read and its tensors named by content; a lossless tensor already stored is
+reused, the others are encoded (lossy ones per their plan) and written as objects; then one
+metadata transaction records everything and moves the branch with compare-and-swap.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptstore import formats
+from ckptstore.errors import CheckpointFormatError, CkptError, ConflictError, NothingToCommitError
+from ckptstore.hashing import CommitId, ObjectId, TensorId, commit_id, file_digest, tensor_id
+from ckptstore.metadata import Tx
+from ckptstore.metadata import files as file_rows
+from ckptstore.metadata import refs as ref_rows
+from ckptstore.metadata import tensors as tensor_rows
+from ckptstore.metadata.commits import CommitInfo, insert_commit
+from ckptstore.policy import LossyLevel, level_named
+from ckptstore.policy.lossy import LossyPlan, plan_lossy
+from ckptstore.policy.mapping import OptimizerMap, map_optimizer, param_ids, param_lrs, paths_of_names
+from ckptstore.records import TensorRecord
+from ckptstore.replay import ChainSource
+from ckptstore.repo import refs
+from ckptstore.repo.gcpause import no_cyclic_gc
+from ckptstore.repo.manifest import Entry, Manifest
+from ckptstore.repo.progress import NoProgress, Progress
+from ckptstore.repo.writer import Job, encode_jobs, lossless_jobs
+from ckptstore.state import RawTensor
+
+if TYPE_CHECKING:
+    from ckptstore.repo.repository import Repository
+
+
+@dataclass
+class CommitOptions:
+    """What a commit records and where it goes.
+
+    The parent is the tip of `branch` (default: HEAD's branch, or HEAD itself when detached).
+    `allow_empty` records a commit even when the checkpoint equals its parent; `trust_pickle` lets
+    the checkpoint file unpickle arbitrary objects (only for files the user trusts).
+    """
+
+    message: str = ""
+    step: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    branch: str | None = None
+    allow_empty: bool = False
+    trust_pickle: bool = False
+    author: str | None = None
+
+
+@dataclass
+class LossyOptions:
+    """How lossy a commit is and what steers it.
+
+    `level` picks a lossy level (default: the repository's, normally lossless) and `knobs`
+    override its settings; `model` and `optimizer` (the live objects) name which optimizer state
+    belongs to which weight; `calibration(model)`, the model's loss on a fixed batch, lets the
+    commit measure each weight's sensitivity instead of estimating it from Adam's second moment.
+    """
+
+    level: str | LossyLevel | None = None
+    knobs: dict[str, Any] = field(default_factory=dict)
+    model: Any = None
+    optimizer: Any = None
+    calibration: Callable[[Any], Any] | None = None
+
+
+@dataclass
+class _Parent:
+    """Where a commit goes: the branch to advance (None: a detached HEAD) and the commit it starts from."""
+
+    target: str | None
+    commit: CommitId | None
+    manifest: Manifest | None = None
+    records: dict[TensorId, TensorRecord] = field(default_factory=dict)  # the parent's tensors and their chains
+    by_path: dict[str, TensorRecord] = field(default_factory=dict)
+
+
+def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOptions | None = None,
+           progress: Progress | None = None) -> CommitId:
+    """Store `source` (a checkpoint file or folder path, or an in-memory state) as a new commit.
+
+    Raises NothingToCommitError when nothing changed, ConflictError when another writer moved
+    the branch meanwhile; in both cases no commit is recorded and earlier ones are untouched.
+    """
+    lossy = lossy or LossyOptions()
+    progress = progress or NoProgress()
+    level = level_named(lossy.level if lossy.level is not None else (repo.config.lossy or None), **lossy.knobs)
+    fisher = _measured_fisher(lossy, level)
+    with repo.lock(), no_cyclic_gc():
+        source_path, checkpoint, digests = _read_source(repo, source, options.trust_pickle)
+        sources = _tensor_ids(repo, checkpoint.tensors)
+        with repo.db.read() as tx:
+            parent = _parent(repo, tx, options.branch, checkpoint.tensors)
+            optimizer_map = _optimizer_map(checkpoint, lossy)
+            fisher = {path: fisher[name] for name, path in paths_of_names(checkpoint.tensors, list(fisher)).items()
+                      } if fisher is not None else None  # live parameter names -> checkpoint paths
+            plans = (plan_lossy(checkpoint.tensors, parent.by_path, level, repo.config.encoding, optimizer_map,
+                                fisher) if level else {})
+            entries, jobs = _jobs(repo, tx, checkpoint.tensors, sources, parent.by_path, plans, level)
+        progress.start("commit", sum(j.raw.nbytes for j in jobs))
+        with repo.store.batch():
+            try:
+                encoded, sizes = encode_jobs(jobs, ChainSource(repo.store, parent.records), repo.pool,
+                                             progress.advance)
+            finally:
+                progress.finish()
+        entries.update({path: record.id for path, record in encoded.items() if path in checkpoint.tensors})
+        manifest = Manifest(checkpoint.kind, checkpoint.files, {
+            p: Entry(entries[p], raw.dtype, raw.shape) for p, raw in checkpoint.tensors.items()
+        }, digests, level.name if level else None, optimizer_map.how if level else None,
+            _importance_note(fisher, plans))
+        if parent.manifest is not None and not options.allow_empty and manifest.same_content(parent.manifest):
+            raise NothingToCommitError(f"nothing changed since {parent.commit[:12]}: the checkpoint equals its "
+                                       "parent (use --allow-empty to record it anyway)")
+        manifest_bytes = manifest.to_bytes()
+        manifest_oid = repo.store.put(manifest_bytes)
+        sizes[manifest_oid] = len(manifest_bytes)
+        new_records = list({r.id: r for r in encoded.values()}.values())
+        stored = sum(r.stored_bytes for r in new_records) + len(manifest_bytes)
+        info = _commit_info(checkpoint, options, manifest_oid, stored, source_path, parent, level)
+        with repo.db.write() as tx:
+            _move_ref(tx, parent.target, parent.commit, info.id)
+            tensor_rows.insert_records(tx, new_records, sizes)
+            insert_commit(tx, info, entries.values())
+            file_rows.remember(tx, [(d, info.id, f.size) for f in checkpoint.files if (d := digests.get(f.name))])
+        return info.id
+
+
+def _read_source(repo: Repository, source: Any, trust_pickle: bool
+                 ) -> tuple[str | None, formats.Checkpoint, dict[str, str]]:
+    """(path relative to the repository or absolute, or None for a state; the checkpoint; file digests)."""
+    if not isinstance(source, (str, os.PathLike)):
+        return None, formats.from_state(source), {}
+    path = Path(source).resolve()
+    if not path.exists():
+        raise CheckpointFormatError(f"{source} does not exist")
+    if repo.dir in [path, *path.parents]:
+        raise CheckpointFormatError(f"{path} is inside the repository's own {repo.dir.name}/ folder")
+    # Hash the files while they are parsed: both read the same pages, and the load is single-threaded.
+    on_disk = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    pending = {p: repo.pool.submit(file_digest, str(p)) for p in on_disk}
+    checkpoint = formats.read_checkpoint(path, trust_pickle)
+    digests = {}
+    for record in checkpoint.files:
+        target = formats.destination(checkpoint.kind, record, path)
+        digests[record.name] = pending[target].result() if target in pending else file_digest(str(target))
+    try:
+        relative = path.relative_to(repo.root).as_posix()
+    except ValueError:
+        relative = str(path)
+    return relative, checkpoint, digests
+
+
+def _tensor_ids(repo: Repository, tensors: Mapping[str, RawTensor]) -> dict[str, TensorId]:
+    futures = {p: repo.pool.submit(tensor_id, r.dtype, r.shape, r.data) for p, r in tensors.items()}
+    return {p: f.result() for p, f in futures.items()}
+
+
+def _parent(repo: Repository, tx: Tx, branch: str | None, tensors: Mapping[str, RawTensor]) -> _Parent:
+    """Where the commit goes, with the parent's manifest and the records of its tensors at our paths."""
+    parent = _commit_target(tx, branch)
+    if parent.commit is None:
+        return parent
+    parent.manifest = repo.manifest(parent.commit)
+    ids = {p: e.tensor for p, e in parent.manifest.entries.items() if p in tensors}
+    parent.records = tensor_rows.load_records(tx, set(ids.values()))
+    parent.by_path = {p: parent.records[t] for p, t in ids.items() if t in parent.records}
+    return parent
+
+
+def _commit_target(tx: Tx, branch: str | None) -> _Parent:
+    if branch is None:
+        branch = refs.head_branch(tx)
+        if branch is None:
+            return _Parent(None, refs.head_commit(tx))
+    refs.check_name(branch)
+    row = ref_rows.ref_row(tx, branch)
+    if row is not None and row.kind != refs.BRANCH:
+        raise CkptError(f"{branch!r} is a tag; commits go on branches")
+    if row is not None:
+        return _Parent(branch, CommitId(row.commit_id))
+    return _Parent(branch, refs.head_commit(tx) if branch != refs.head_branch(tx) else None)
+
+
+def _move_ref(tx: Tx, target: str | None, expected: CommitId | None, new: CommitId) -> None:
+    """Compare-and-swap the ref: it must still point where this commit started from."""
+    if target is None:
+        moved = expected is not None and ref_rows.swap(tx, refs.HEAD, refs.HEAD_KIND, expected, new)
+    elif expected is None or ref_rows.ref_row(tx, target) is None:
+        moved = ref_rows.ref_row(tx, target) is None
+        if moved:
+            ref_rows.insert_ref(tx, target, refs.BRANCH, new)
+    else:
+        moved = ref_rows.swap(tx, target, refs.BRANCH, expected, new)
+    if not moved:
+        now = ref_rows.ref_row(tx, target or refs.HEAD)
+        where = (now.commit_id or "nothing")[:12] if now else "nothing"
+        raise ConflictError(
+            f"{target or 'HEAD'} moved to {where} while this commit was being written "
+            f"(it started from {(expected or 'an unborn branch')[:12]}); nothing was recorded. "
+            "Another process commits to the same branch: commit again to put this checkpoint on "
+            "top, or use --branch to keep the two runs apart."
+        )
+
+
+def _optimizer_map(checkpoint: formats.Checkpoint, lossy: LossyOptions) -> OptimizerMap:
+    """Which optimizer state belongs to which weight: from the live objects, else the skeletons."""
+    found_ids = [ids for ids in (param_ids(f.skeleton) for f in checkpoint.files) if ids is not None]
+    found_lrs = [lrs for lrs in (param_lrs(f.skeleton) for f in checkpoint.files) if lrs]
+    return map_optimizer(checkpoint.tensors, _param_names(lossy.model, lossy.optimizer),
+                         found_ids[0] if len(found_ids) == 1 else None, found_lrs[0] if len(found_lrs) == 1 else None)
+
+
+def _jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], sources: Mapping[str, TensorId],
+          parents: Mapping[str, TensorRecord], plans: Mapping[str, LossyPlan], level: LossyLevel | None
+          ) -> tuple[dict[str, TensorId], list[Job]]:
+    """Manifest ids known before encoding, and the jobs that encode everything else.
+
+    Lossless tensors are named by their content; a lossy tensor whose source equals the
+    parent's keeps the parent's reconstruction; the rest are named after encoding.
+    """
+    entries: dict[str, TensorId] = {}
+    reused: dict[str, TensorRecord] = {}
+    for path in plans:
+        parent = parents.get(path)
+        if parent is not None and parent.params.get("source") == sources[path]:
+            entries[path] = parent.id
+            reused[path] = parent
+    lossless = [p for p in tensors if p not in plans]
+    present = tensor_rows.existing_tensor_ids(tx, [sources[p] for p in lossless])
+    new: dict[TensorId, RawTensor] = {}
+    parent_of: dict[TensorId, TensorRecord | None] = {}
+    for path in lossless:
+        entries[path] = sources[path]
+        if sources[path] not in present and sources[path] not in new:
+            new[sources[path]] = tensors[path]
+            parent_of[sources[path]] = parents.get(path)
+    jobs = lossless_jobs(new, parent_of, repo.config.encoding)
+    jobs += [_lossy_job(plan, tensors, sources[path], level, plans, reused)
+             for path, plan in plans.items() if path not in reused]
+    return entries, jobs
+
+
+def _lossy_job(plan: LossyPlan, tensors: Mapping[str, RawTensor], source: TensorId, level: LossyLevel,
+               plans: Mapping[str, LossyPlan], reused: Mapping[str, TensorRecord]) -> Job:
+    """The encoding job of one planned lossy tensor, given which tensors keep their parent's reconstruction."""
+    params = dict(plan.params, source=source, level=level.name)
+    base, sibling = plan.base, plan.sibling
+    if sibling in reused:  # its second moment did not change: replay that one as the base
+        base, sibling = reused[sibling], None
+    mask_from = plan.mask_from if plan.mask_from in plans and plan.mask_from not in reused else None
+    paced_by = plan.paced_by if plan.paced_by not in reused else None
+    if plan.paced_by in reused:  # the weight did not move at all: as fine as it gets
+        params["step"] = params["fine_step"]
+    return Job(plan.path, tensors[plan.path], plan.codec, params, base, sibling, mask_from,
+               tensors.get(plan.importance) if plan.importance else None, plan.prune, plan.stage, paced_by=paced_by)
+
+
+def _commit_info(checkpoint: formats.Checkpoint, options: CommitOptions, manifest_oid: ObjectId, stored: int,
+                 source_path: str | None, parent: _Parent, level: LossyLevel | None) -> CommitInfo:
+    """The commit's row, named by the blake3 of its canonical record."""
+    raw_total = (sum(f.size for f in checkpoint.files) if checkpoint.kind != "state"
+                 else sum(r.nbytes for r in checkpoint.tensors.values()))
+    info = CommitInfo(
+        id=CommitId(""), manifest_object=manifest_oid, message=options.message,
+        author=options.author or _default_author(), created_at=time.time(), step=options.step,
+        metrics={k: float(v) for k, v in options.metrics.items()}, kind=checkpoint.kind,
+        source_path=source_path, raw_bytes=raw_total, stored_bytes=stored,
+        parents=[parent.commit] if parent.commit else [], lossy=level.name if level else None,
+    )
+    record = info.to_json()
+    record.pop("id")
+    record["manifest"] = manifest_oid
+    info.id = commit_id(json.dumps(record, sort_keys=True, separators=(",", ":")).encode())
+    return info
+
+
+def _measured_fisher(lossy: LossyOptions, level: LossyLevel | None) -> dict[str, float] | None:
+    """Per parameter name, the empirical Fisher measured with the calibration loss (None when not asked)."""
+    if lossy.calibration is None:
+        return None
+    if lossy.model is None:
+        raise CkptError("a calibration loss needs the live model too (commit(..., model=model))")
+    if level is None or not level.weights_lossy:
+        raise CkptError("a calibration loss only steers lossy weights: pass lossy='balanced' or 'extreme'")
+    from ckptstore.policy.sensitivity import measure_fisher
+
+    return measure_fisher(lossy.model, lossy.calibration)
+
+
+def _importance_note(fisher: Mapping[str, float] | None, plans: Mapping[str, Any]) -> str | None:
+    """What the manifest says of a measured sensitivity: how many lossy weights it steered."""
+    if fisher is None:
+        return None
+    steered = sum(1 for path in fisher if path in plans)
+    return f"measured on a calibration batch ({steered} weights)"
+
+
+def _param_names(model: Any, optimizer: Any) -> list[str] | None:
+    """Names of the optimizer's parameters in state order, from the live model and optimizer."""
+    if model is None or optimizer is None:
+        return None
+    names = {id(p): n for n, p in model.named_parameters()}
+    ordered = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
+    return None if None in ordered else ordered
+
+
+def _default_author() -> str:
+    try:
+        return os.environ.get("CKPT_AUTHOR") or getpass.getuser()
+    except Exception:
+        return "unknown"

@@ -1,0 +1,78 @@
+"""`diff`: how each tensor path differs between two commits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ckptstore.codecs import to_float32
+from ckptstore.metadata import tensors as tensor_rows
+from ckptstore.repo.checkout import restore
+from ckptstore.state import NUMPY_PREFIX, RawTensor
+
+if TYPE_CHECKING:
+    from ckptstore.repo.repository import Repository
+
+
+@dataclass
+class TensorDiff:
+    """How one path differs between two commits."""
+
+    path: str
+    status: str  # added, removed, changed, unchanged
+    dtype: str
+    shape: tuple[int, ...]
+    relative_l2: float | None
+    stored_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "status": self.status, "dtype": self.dtype, "shape": list(self.shape),
+                "relative_l2": self.relative_l2, "stored_bytes": self.stored_bytes}
+
+
+def diff(repo: Repository, a: str, b: str) -> list[TensorDiff]:
+    """Per tensor path: added, removed, changed or unchanged, with the relative L2 change."""
+    old, new = repo.manifest(repo.resolve(a)), repo.manifest(repo.resolve(b))
+    changed = [p for p in new.entries if p in old.entries and new.entries[p].tensor != old.entries[p].tensor]
+    old_raw, new_raw = restore(repo, old, paths=changed), restore(repo, new, paths=changed)
+    with repo.db.read() as tx:
+        records = tensor_rows.load_records(tx, {e.tensor for e in new.entries.values()}, with_bases=False)
+    result = []
+    for path in sorted(set(old.entries) | set(new.entries)):
+        entry = new.entries.get(path) or old.entries[path]
+        stored = records[entry.tensor].stored_bytes if path in new.entries else 0
+        status, rel = "unchanged", 0.0
+        if path not in old.entries:
+            status, rel = "added", None
+        elif path not in new.entries:
+            status, rel = "removed", None
+        elif path in old_raw:
+            status, rel = "changed", relative_l2(old_raw[path], new_raw[path])
+        result.append(TensorDiff(path, status, entry.dtype, entry.shape, rel, stored))
+    return result
+
+
+def relative_l2(old: RawTensor, new: RawTensor) -> float | None:
+    """||new - old|| / ||old|| in float64; None unless both are floating-point tensors of one shape."""
+    a, b = _float64(old), _float64(new)
+    if a is None or b is None or old.shape != new.shape:
+        return None
+    norm = float(np.linalg.norm(a))
+    delta = float(np.linalg.norm(b - a))
+    return delta / norm if norm else (0.0 if delta == 0 else float("inf"))
+
+
+_FLOATS = {"torch.float64": np.float64, "torch.float32": np.float32, "torch.float16": np.float16}
+
+
+def _float64(raw: RawTensor) -> np.ndarray | None:
+    """The values of a float tensor (torch or numpy) in float64, or None for other dtypes."""
+    if raw.dtype == "torch.bfloat16":
+        return to_float32(raw.data, raw.dtype).astype(np.float64)
+    kind = _FLOATS.get(raw.dtype)
+    if kind is None and raw.dtype.startswith(NUMPY_PREFIX):
+        numpy_dtype = np.dtype(raw.dtype[len(NUMPY_PREFIX) :])
+        kind = numpy_dtype if numpy_dtype.kind == "f" else None
+    return raw.data.view(kind).astype(np.float64) if kind is not None else None

@@ -1,0 +1,99 @@
+"""History verbs: `log` (and `--graph`), ref decorations, `show` and `stats`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ckptstore.errors import RefNotFoundError
+from ckptstore.hashing import CommitId
+from ckptstore.metadata import commits as commit_rows
+from ckptstore.metadata import refs as ref_rows
+from ckptstore.metadata.commits import CommitInfo
+from ckptstore.repo import graph, refs
+
+if TYPE_CHECKING:
+    from ckptstore.repo.repository import Repository
+
+
+def log(repo: Repository, ref: str | None = None, all_refs: bool = False) -> list[CommitInfo]:
+    """Commits reachable from `ref` (default HEAD) or from every ref, newest first."""
+    with repo.db.read() as tx:
+        history = commit_rows.all_commits(tx)
+        if all_refs:
+            head = refs.head_commit(tx)
+            tips = ref_rows.tip_commits(tx) + ([head] if head else [])
+        else:
+            try:
+                tips = [refs.resolve(tx, ref or refs.HEAD)]
+            except RefNotFoundError:
+                if ref:
+                    raise
+                tips = []
+    order = graph.topo_order(tips, {c: i.parents for c, i in history.items()}, lambda c: history[c].created_at)
+    return [history[c] for c in order]
+
+
+def decorations(repo: Repository) -> dict[CommitId, list[str]]:
+    """Ref names by commit, with `HEAD -> branch` like git."""
+    labels: dict[CommitId, list[str]] = {}
+    with repo.db.read() as tx:
+        branch, head = refs.head_branch(tx), refs.head_commit(tx)
+        branches, tags = ref_rows.refs_of_kind(tx, refs.BRANCH), ref_rows.refs_of_kind(tx, refs.TAG)
+    for name, cid in branches.items():
+        labels.setdefault(cid, []).append(f"HEAD -> {name}" if name == branch else name)
+    for name, cid in tags.items():
+        labels.setdefault(cid, []).append(f"tag: {name}")
+    if branch is None and head:
+        labels.setdefault(head, []).insert(0, "HEAD")
+    return labels
+
+
+def log_graph(repo: Repository, all_refs: bool = False) -> list[str]:
+    """`log --graph` lines."""
+    history = log(repo, all_refs=all_refs)
+    labels = decorations(repo)
+    by_id = {c.id: c for c in history}
+
+    def describe(cid: str) -> str:
+        info = by_id[cid]
+        deco = f" ({', '.join(labels[cid])})" if cid in labels else ""
+        step = f" step={info.step}" if info.step is not None else ""
+        lossy = f" [lossy:{info.lossy}]" if info.lossy else ""
+        return f"{cid[:12]}{deco}{step}{lossy} {info.message}".rstrip()
+
+    return graph.render([c.id for c in history], {c.id: c.parents for c in history}, describe)
+
+
+def show(repo: Repository, ref: str = "HEAD") -> dict[str, Any]:
+    """A commit's metadata and its files and tensors."""
+    from ckptstore.metadata import tensors as tensor_rows
+
+    info = repo.commit_info(ref)
+    manifest = repo.manifest(info.id)
+    with repo.db.read() as tx:
+        records = tensor_rows.load_records(tx, {e.tensor for e in manifest.entries.values()}, with_bases=False)
+    tensors = []
+    for path, entry in manifest.entries.items():
+        record = records[entry.tensor]
+        row = {"path": path, "dtype": entry.dtype, "shape": list(entry.shape), "tensor": entry.tensor,
+               "stored_bytes": record.stored_bytes, "depth": record.depth, "codec": record.codec}
+        if "rel_error" in record.params:
+            row["rel_error"] = record.params["rel_error"]
+        tensors.append(row)
+    files = [{"name": f.name, "format": f.format, "size": f.size, "note": f.opaque_reason} for f in manifest.files]
+    extra = {"pairing": manifest.pairing, "importance": manifest.importance} if manifest.lossy else {}
+    return dict(info.to_json(), files=files, tensors=tensors, **extra)
+
+
+def stats(repo: Repository) -> dict[str, Any]:
+    """Per commit raw and newly stored bytes, and totals against what the store holds."""
+    reachable = log(repo, all_refs=True)
+    with repo.db.read() as tx:
+        every = commit_rows.all_commits(tx)
+    rows = [{"id": c.id, "step": c.step, "message": c.message, "raw_bytes": c.raw_bytes,
+             "stored_bytes": c.stored_bytes, "ratio": c.raw_bytes / max(c.stored_bytes, 1)}
+            for c in sorted(every.values(), key=lambda c: c.created_at)]
+    stored = sum(repo.store.size(o) for o in repo.store.iter_ids())
+    raw = sum(r["raw_bytes"] for r in rows)
+    return {"commits": rows, "reachable_commits": len(reachable), "raw_bytes": raw,
+            "stored_bytes": stored, "ratio": raw / max(stored, 1)}

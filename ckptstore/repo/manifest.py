@@ -1,0 +1,96 @@
+"""The manifest: what a commit holds (its files with skeletons, and every tensor entry by path).
+
+Plain, versioned data, stored as zstd-compressed canonical JSON in an object of its own. A
+reader refuses a version it does not know instead of guessing at fields it has never seen.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ckptstore.errors import CkptError, CorruptObjectError
+from ckptstore.formats import CheckpointFile
+from ckptstore.hashing import ObjectId, TensorId
+
+MANIFEST_VERSION = 1
+KNOWN_VERSIONS = (1,)
+
+
+class ManifestVersionError(CkptError):
+    """A manifest of a version this ckptstore does not know: written by a newer one."""
+
+
+@dataclass
+class Entry:
+    """A manifest line: a logical path and the tensor stored there."""
+
+    tensor: TensorId
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Manifest:
+    """What a commit holds: its files (with skeletons) and every tensor entry by path."""
+
+    kind: str
+    files: list[CheckpointFile]
+    entries: dict[str, Entry]
+    digests: dict[str, str]
+    lossy: str | None = None
+    pairing: str | None = None
+    importance: str | None = None  # how a lossy commit judged its weights' sensitivity, when measured
+
+    def to_record(self) -> dict[str, Any]:
+        """The manifest as the JSON record that is stored."""
+        record = {
+            "version": MANIFEST_VERSION,
+            "kind": self.kind,
+            "lossy": self.lossy,
+            "pairing": self.pairing,
+            "files": [dict(f.to_json(), digest=self.digests.get(f.name)) for f in self.files],
+            "entries": {p: [e.tensor, e.dtype, list(e.shape)] for p, e in self.entries.items()},
+        }
+        if self.importance:
+            record["importance"] = self.importance
+        return record
+
+    def to_bytes(self) -> bytes:
+        import zstandard
+
+        text = json.dumps(self.to_record(), sort_keys=True, separators=(",", ":")).encode()
+        return zstandard.ZstdCompressor(level=3).compress(text)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Manifest:
+        files = [CheckpointFile.from_json(f) for f in record["files"]]
+        entries = {p: Entry(TensorId(t), d, tuple(s)) for p, (t, d, s) in record["entries"].items()}
+        digests = {f["name"]: f["digest"] for f in record["files"] if f.get("digest")}
+        return cls(record["kind"], files, entries, digests, record.get("lossy"), record.get("pairing"),
+                   record.get("importance"))
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview, oid: ObjectId | str = "manifest") -> Manifest:
+        """Parse a stored manifest; `oid` names it in errors."""
+        import zstandard
+
+        try:
+            record = json.loads(zstandard.ZstdDecompressor().decompress(data))
+        except (zstandard.ZstdError, ValueError) as exc:
+            raise CorruptObjectError(oid, f"not a readable manifest ({exc})") from None
+        version = record.get("version") if isinstance(record, dict) else None
+        if version not in KNOWN_VERSIONS:
+            raise ManifestVersionError(f"manifest {oid} has version {version!r}, which this ckptstore cannot read "
+                                       f"(it reads {', '.join(map(str, KNOWN_VERSIONS))}): it was written by a "
+                                       "newer ckptstore; upgrade ckptstore to read this commit")
+        try:
+            return cls.from_record(record)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptObjectError(oid, f"a manifest missing or mangling a field ({exc!r})") from None
+
+    def same_content(self, other: Manifest) -> bool:
+        """True when both hold the same files and tensors (what "nothing changed" means)."""
+        return (self.kind == other.kind and self.entries == other.entries
+                and [f.to_json() for f in self.files] == [f.to_json() for f in other.files])
