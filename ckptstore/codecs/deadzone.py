@@ -29,6 +29,10 @@ from ckptstore.errors import CodecError
 MAGIC, MAGIC_V1 = b"DZ2", b"DZ1"
 _HEAD = struct.Struct("<3sBf")
 _HEAD_V1 = struct.Struct("<3sB")
+# Every payload layout `decode`/`decode_chain` accept (magic: keyframe or residual); tests/fixtures
+# holds one of each, forever.
+DECODES = ("DZ1:keyframe", "DZ1:residual", "DZ2:keyframe", "DZ2:residual", "CB1:keyframe", "CB1:residual",
+           "chain")
 
 
 def quantize(values: np.ndarray, step: float, rounding: float) -> np.ndarray:

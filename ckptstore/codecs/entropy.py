@@ -44,6 +44,10 @@ except ImportError:  # built without a C compiler: the numpy code below does the
 MAGIC = b"EN1"
 ZSTD, RANS, CONSTANT, SPARSE, PACKED, GAPS, SPLIT = 0, 1, 2, 3, 4, 5, 6
 _HEAD = struct.Struct("<3sBQ")
+METHOD_NAMES = {ZSTD: "zstd", RANS: "rans", CONSTANT: "constant", SPARSE: "sparse", PACKED: "packed",
+                GAPS: "gaps", SPLIT: "split"}
+# Every stream method `decode_symbols` accepts; tests/fixtures holds one of each, forever.
+DECODES = tuple(f"method:{name}" for name in METHOD_NAMES.values())
 PACK_WIDTHS = (1, 2, 4, 8)
 MAX_NESTING = 3
 ESTIMATE_SLACK = 1.1  # a width whose estimate is this close to the best one's is tried too

@@ -25,6 +25,8 @@ from ckptstore.errors import CodecError
 
 MAGIC = b"LG1"
 _HEAD = struct.Struct("<3sBiI")
+# Every payload layout `decode`/`decode_chain` accept; tests/fixtures holds one of each, forever.
+DECODES = ("LG1:keyframe", "LG1:residual", "chain")
 
 
 def _table(k: int) -> np.ndarray:

@@ -23,6 +23,8 @@ from ckptstore.errors import CodecError
 
 MAGIC, MAGIC_V1 = b"MN2", b"MN1"
 _HEAD = struct.Struct("<3sf")
+# Every payload layout `decode` accepts (always against the second moment); tests/fixtures holds one of each.
+DECODES = ("MN1", "MN2")
 
 
 def _scale(base: np.ndarray, params: dict[str, Any]) -> np.ndarray:
