@@ -153,22 +153,22 @@ class DeadZoneCodec:
         to the tensor's dtype after each level as the encoder did.
         """
         dtype = params["dtype"]
-        values = None
+        values, count = None, nbytes // itemsize(dtype)
         for position, payload in enumerate(reversed(payloads)):
             has_base, step, header = self._head(payload, params)
             if has_base != (values is not None):
                 raise CodecError("deadzone: chain does not start at a keyframe")
             body = memoryview(payload)[header:]
-            sparse = decode_sparse(body, np.float32) if values is not None and header else None
+            sparse = decode_sparse(body, np.float32, count) if values is not None and header else None
             if not header:  # a codebook payload
-                update = codebook.decode_update(payload)
+                update = self._sized(codebook.decode_update(payload, count), count)
                 values = update if values is None else values + update
             elif sparse is not None and sparse.common == 0 and sparse.count == values.size:
                 if dtype != "torch.float32":
                     values += np.float32(0)  # a rounding's -0.0 becomes +0.0, as adding a zero level makes it
                 values[sparse.positions] += sparse.values * np.float32(step)  # other levels are zero
             else:
-                update = decode_symbols(body, np.float32)
+                update = self._sized(decode_symbols(body, np.float32, count), count)
                 update *= np.float32(step)
                 if values is None:
                     values = update
@@ -187,15 +187,22 @@ class DeadZoneCodec:
         out[...] = result
         return out
 
+    @staticmethod
+    def _sized(update: np.ndarray, count: int) -> np.ndarray:
+        if update.size != count:  # before it meets the other levels, whose size is the chunk's
+            raise CodecError(f"deadzone: payload holds {update.size} values, expected {count}")
+        return update
+
     def decode(self, payload: bytes, base: np.ndarray | None, params: dict[str, Any], nbytes: int) -> np.ndarray:
         has_base, step, header = self._head(payload, params)
         if has_base and (base is None or base.size != nbytes):
             raise CodecError("deadzone: residual chunk decoded without its base")
+        count = nbytes // itemsize(params["dtype"])
         if not header:  # a codebook payload
-            out = _rebuild(codebook.decode_update(payload), base if has_base else None, params["dtype"])
+            update = codebook.decode_update(payload, count)
         else:
-            out = _reconstruct(decode_symbols(memoryview(payload)[header:]), base if has_base else None, step,
-                               params["dtype"])
+            update = dequantize(decode_symbols(memoryview(payload)[header:], limit=count), step)
+        out = _rebuild(self._sized(update, count), base if has_base else None, params["dtype"])
         if out.size != nbytes:
             raise CodecError(f"deadzone: decoded {out.size} bytes, expected {nbytes}")
         return out

@@ -128,7 +128,7 @@ class LogMomentCodec:
     @staticmethod
     def _residual(packed: np.ndarray, stream: memoryview, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(zero mask, residual levels as int32) from a payload's packed zero mask and symbol stream."""
-        symbols = decode_symbols(stream)
+        symbols = decode_symbols(stream, limit=count)
         if not packed.any():  # no exact zeros, the usual case: no scatter needed
             if symbols.size != count:
                 raise CodecError(f"log2moment: {symbols.size} levels for {count} values")
@@ -204,7 +204,7 @@ class LogMomentCodec:
         For a residual without exact zeros over levels without them; returns how far the levels'
         minimum and maximum may have moved, or None (nothing done) for streams coded otherwise.
         """
-        sparse = decode_sparse(stream)
+        sparse = decode_sparse(stream, limit=levels.size)
         if sparse is None:
             return None
         if sparse.count != levels.size:

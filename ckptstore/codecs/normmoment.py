@@ -18,7 +18,7 @@ import numpy as np
 
 from ckptstore.codecs.deadzone import dequantize, quantize
 from ckptstore.codecs.entropy import decode_symbols, encode_symbols
-from ckptstore.codecs.floats import from_float32, to_float32
+from ckptstore.codecs.floats import from_float32, itemsize, to_float32
 from ckptstore.errors import CodecError
 
 MAGIC, MAGIC_V1 = b"MN2", b"MN1"
@@ -78,5 +78,10 @@ class NormalizedMomentCodec:
         step, header = self._head(payload, params)
         if base is None:
             raise CodecError("normmoment: decoded without its second moment")
-        levels = decode_symbols(memoryview(payload)[header:])
+        count = nbytes // itemsize(params["dtype"])
+        if base.size != count * itemsize(params["v_dtype"]):
+            raise CodecError("normmoment: the second moment does not match the chunk's size")
+        levels = decode_symbols(memoryview(payload)[header:], limit=count)
+        if levels.size != count:
+            raise CodecError(f"normmoment: payload holds {levels.size} values, expected {count}")
         return self._reconstruct(levels, _scale(base, params), step, params)
