@@ -23,7 +23,7 @@ import numpy as np
 
 from ckptstore.codecs import codebook
 from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols
-from ckptstore.codecs.floats import from_float32, itemsize, round_to_bfloat16, to_float32
+from ckptstore.codecs.floats import from_float32, itemsize, round_to_bfloat16, rounding_error, to_float32
 from ckptstore.errors import CodecError
 
 MAGIC, MAGIC_V1 = b"DZ2", b"DZ1"
@@ -126,6 +126,22 @@ class DeadZoneCodec:
 
     def encode(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any]) -> bytes:
         return self.encode_lossy(data, base, params)[0]
+
+    @staticmethod
+    def error_bound(data: np.ndarray, base: np.ndarray | None, rebuilt: np.ndarray,
+                    params: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """(|reconstruction - value|, the bound it keeps) per entry, for chunks encoded without prune hints.
+
+        The bound: step * max(rounding, 1 - rounding) (a dead-zone level, or the codebook that
+        replaced it, is never off by more; a capped step is finer and rounds to nearest), plus the
+        rounding to the dtype and float32's in the residual's subtraction.
+        """
+        dtype = params["dtype"]
+        values, got = to_float32(data, dtype).astype(np.float64), to_float32(rebuilt, dtype).astype(np.float64)
+        rounding = float(params.get("rounding", 0.5))
+        quantized = float(np.float32(params["step"])) * max(rounding, 1 - rounding)
+        arithmetic = rounding_error(values, "torch.float32") * 4  # target = values - base, update + base
+        return np.abs(got - values), quantized * (1 + 2.0**-20) + rounding_error(got, dtype) + arithmetic
 
     def needs_base(self, payload: bytes) -> bool:
         return bool(self._head(payload, {})[0])

@@ -20,7 +20,7 @@ import zstandard
 
 from ckptstore import threadlocal
 from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols
-from ckptstore.codecs.floats import from_float32, itemsize, to_float32
+from ckptstore.codecs.floats import from_float32, itemsize, rounding_error, to_float32
 from ckptstore.errors import CodecError
 
 MAGIC = b"LG1"
@@ -92,6 +92,24 @@ class LogMomentCodec:
 
     def encode(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any]) -> bytes:
         return self.encode_lossy(data, base, params)[0]
+
+    @staticmethod
+    def error_bound(data: np.ndarray, base: np.ndarray | None, rebuilt: np.ndarray,
+                    params: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """(|log2(reconstruction / value)|, the bound it keeps) per entry, in octaves; zeros stay exact.
+
+        The bound: half a level, 2**-(k + 1) octaves (the nearest level is kept; a residual only
+        re-expresses the level against the parent's), plus the rounding to the dtype. It holds
+        for values whose reconstruction is a normal number of the dtype, without prune hints.
+        """
+        dtype = params["dtype"]
+        values, got = to_float32(data, dtype).astype(np.float64), to_float32(rebuilt, dtype).astype(np.float64)
+        zero = values == 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            error = np.where(zero, np.where(got == 0, 0.0, np.inf), np.abs(np.log2(got / np.where(zero, 1, values))))
+        relative = rounding_error(np.ones(1, np.float32), dtype)[0]
+        bound = 2.0 ** -(int(params["k"]) + 1) + 2 * relative + 2.0**-20
+        return error, np.where(zero, 0.0, bound)
 
     @staticmethod
     def _prediction(base, params, median: int, count: int) -> tuple[np.ndarray, np.ndarray]:
