@@ -38,6 +38,10 @@ XOR_MODES = frozenset(mode for (xor, _), mode in _MODES.items() if xor)
 HUF_MODES = (HUF, XOR_HUF)
 RUNS_MODES = (RUNS, XOR_RUNS)
 _HEAD = struct.Struct("<3sBH")
+MODE_NAMES = {RAW: "raw", ZSTD: "zstd", XOR_ZSTD: "xor-zstd", HUF: "huffman", XOR_HUF: "xor-huffman",
+              RUNS: "runs", XOR_RUNS: "xor-runs"}
+# Every payload layout `decode`/`decode_chain` accept; tests/fixtures holds one of each, forever.
+DECODES = (*(f"plane:{name}" for name in MODE_NAMES.values()), "chain")
 _PLANE = struct.Struct("<BQ")
 SAMPLE_BYTES = 1 << 14
 SAMPLES = 4

@@ -105,15 +105,15 @@ def head(payload: bytes | memoryview) -> tuple[int, float]:
     return has_base, step
 
 
-def decode_update(payload: bytes | memoryview) -> np.ndarray:
-    """The float32 values (keyframe) or update (residual) a codebook payload holds."""
+def decode_update(payload: bytes | memoryview, limit: int | None = None) -> np.ndarray:
+    """The float32 values (keyframe) or update (residual) a codebook payload holds (at most `limit`)."""
     head(payload)
     levels = _HEAD.unpack_from(payload)[3]
     end = _HEAD.size + 4 * levels
     if levels == 0 or len(payload) < end:
         raise CodecError("codebook: payload is shorter than its table")
     centroids = np.frombuffer(payload, np.float32, levels, _HEAD.size)
-    index = decode_symbols(memoryview(payload)[end:])
+    index = decode_symbols(memoryview(payload)[end:], limit=limit)
     if index.size and (index.min() < 0 or index.max() >= levels):
         raise CodecError("codebook: an index points outside the table")
     return centroids[index]

@@ -23,12 +23,16 @@ import numpy as np
 
 from ckptstore.codecs import codebook
 from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols
-from ckptstore.codecs.floats import from_float32, itemsize, round_to_bfloat16, to_float32
+from ckptstore.codecs.floats import from_float32, itemsize, round_to_bfloat16, rounding_error, to_float32
 from ckptstore.errors import CodecError
 
 MAGIC, MAGIC_V1 = b"DZ2", b"DZ1"
 _HEAD = struct.Struct("<3sBf")
 _HEAD_V1 = struct.Struct("<3sB")
+# Every payload layout `decode`/`decode_chain` accept (magic: keyframe or residual); tests/fixtures
+# holds one of each, forever.
+DECODES = ("DZ1:keyframe", "DZ1:residual", "DZ2:keyframe", "DZ2:residual", "CB1:keyframe", "CB1:residual",
+           "chain")
 
 
 def quantize(values: np.ndarray, step: float, rounding: float) -> np.ndarray:
@@ -123,6 +127,22 @@ class DeadZoneCodec:
     def encode(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any]) -> bytes:
         return self.encode_lossy(data, base, params)[0]
 
+    @staticmethod
+    def error_bound(data: np.ndarray, base: np.ndarray | None, rebuilt: np.ndarray,
+                    params: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """(|reconstruction - value|, the bound it keeps) per entry, for chunks encoded without prune hints.
+
+        The bound: step * max(rounding, 1 - rounding) (a dead-zone level, or the codebook that
+        replaced it, is never off by more; a capped step is finer and rounds to nearest), plus the
+        rounding to the dtype and float32's in the residual's subtraction.
+        """
+        dtype = params["dtype"]
+        values, got = to_float32(data, dtype).astype(np.float64), to_float32(rebuilt, dtype).astype(np.float64)
+        rounding = float(params.get("rounding", 0.5))
+        quantized = float(np.float32(params["step"])) * max(rounding, 1 - rounding)
+        arithmetic = rounding_error(values, "torch.float32") * 4  # target = values - base, update + base
+        return np.abs(got - values), quantized * (1 + 2.0**-20) + rounding_error(got, dtype) + arithmetic
+
     def needs_base(self, payload: bytes) -> bool:
         return bool(self._head(payload, {})[0])
 
@@ -149,22 +169,22 @@ class DeadZoneCodec:
         to the tensor's dtype after each level as the encoder did.
         """
         dtype = params["dtype"]
-        values = None
+        values, count = None, nbytes // itemsize(dtype)
         for position, payload in enumerate(reversed(payloads)):
             has_base, step, header = self._head(payload, params)
             if has_base != (values is not None):
                 raise CodecError("deadzone: chain does not start at a keyframe")
             body = memoryview(payload)[header:]
-            sparse = decode_sparse(body, np.float32) if values is not None and header else None
+            sparse = decode_sparse(body, np.float32, count) if values is not None and header else None
             if not header:  # a codebook payload
-                update = codebook.decode_update(payload)
+                update = self._sized(codebook.decode_update(payload, count), count)
                 values = update if values is None else values + update
             elif sparse is not None and sparse.common == 0 and sparse.count == values.size:
                 if dtype != "torch.float32":
                     values += np.float32(0)  # a rounding's -0.0 becomes +0.0, as adding a zero level makes it
                 values[sparse.positions] += sparse.values * np.float32(step)  # other levels are zero
             else:
-                update = decode_symbols(body, np.float32)
+                update = self._sized(decode_symbols(body, np.float32, count), count)
                 update *= np.float32(step)
                 if values is None:
                     values = update
@@ -183,15 +203,22 @@ class DeadZoneCodec:
         out[...] = result
         return out
 
+    @staticmethod
+    def _sized(update: np.ndarray, count: int) -> np.ndarray:
+        if update.size != count:  # before it meets the other levels, whose size is the chunk's
+            raise CodecError(f"deadzone: payload holds {update.size} values, expected {count}")
+        return update
+
     def decode(self, payload: bytes, base: np.ndarray | None, params: dict[str, Any], nbytes: int) -> np.ndarray:
         has_base, step, header = self._head(payload, params)
         if has_base and (base is None or base.size != nbytes):
             raise CodecError("deadzone: residual chunk decoded without its base")
+        count = nbytes // itemsize(params["dtype"])
         if not header:  # a codebook payload
-            out = _rebuild(codebook.decode_update(payload), base if has_base else None, params["dtype"])
+            update = codebook.decode_update(payload, count)
         else:
-            out = _reconstruct(decode_symbols(memoryview(payload)[header:]), base if has_base else None, step,
-                               params["dtype"])
+            update = dequantize(decode_symbols(memoryview(payload)[header:], limit=count), step)
+        out = _rebuild(self._sized(update, count), base if has_base else None, params["dtype"])
         if out.size != nbytes:
             raise CodecError(f"deadzone: decoded {out.size} bytes, expected {nbytes}")
         return out

@@ -44,6 +44,10 @@ except ImportError:  # built without a C compiler: the numpy code below does the
 MAGIC = b"EN1"
 ZSTD, RANS, CONSTANT, SPARSE, PACKED, GAPS, SPLIT = 0, 1, 2, 3, 4, 5, 6
 _HEAD = struct.Struct("<3sBQ")
+METHOD_NAMES = {ZSTD: "zstd", RANS: "rans", CONSTANT: "constant", SPARSE: "sparse", PACKED: "packed",
+                GAPS: "gaps", SPLIT: "split"}
+# Every stream method `decode_symbols` accepts; tests/fixtures holds one of each, forever.
+DECODES = tuple(f"method:{name}" for name in METHOD_NAMES.values())
 PACK_WIDTHS = (1, 2, 4, 8)
 MAX_NESTING = 3
 ESTIMATE_SLACK = 1.1  # a width whose estimate is this close to the best one's is tried too
@@ -202,7 +206,7 @@ def _unpack(body: memoryview, count: int, dtype: type, use_native: bool = True) 
         if native.unpack_codes(raw, width, low, out, NATIVE_KINDS[kind], positions) != escapes:
             raise ValueError("packed codes and their escapes disagree")
         if escapes:
-            out[positions] = decode_symbols(escaped)
+            out[positions] = decode_symbols(escaped, limit=count)
         return out
     if width == 1:
         codes = np.unpackbits(raw, count=count, bitorder="little")
@@ -213,7 +217,7 @@ def _unpack(body: memoryview, count: int, dtype: type, use_native: bool = True) 
     out = codes.astype(dtype)  # then add: a ufunc that casts as it adds runs at a third of the speed
     out += dtype(low)
     if escapes:
-        out[np.flatnonzero(codes == (1 << width) - 1)] = decode_symbols(escaped)
+        out[np.flatnonzero(codes == (1 << width) - 1)] = decode_symbols(escaped, limit=count)
     return out
 
 
@@ -237,8 +241,8 @@ def _unsplit(body: memoryview, count: int, dtype: type) -> np.ndarray:
     low_bits, length = _SPLIT.unpack_from(body)
     if not 0 < low_bits <= SPLIT_MAX_BITS:
         raise ValueError(f"split stream has {low_bits} low bits")
-    high = decode_symbols(body[_SPLIT.size : _SPLIT.size + length])
-    low = decode_symbols(body[_SPLIT.size + length :])
+    high = decode_symbols(body[_SPLIT.size : _SPLIT.size + length], limit=count)
+    low = decode_symbols(body[_SPLIT.size + length :], limit=count)
     if high.size != count or low.size != count:
         raise ValueError("split parts disagree with the stream's count")
     high <<= low_bits
@@ -255,11 +259,11 @@ def _gaps_payload(symbols: np.ndarray, common: int, nested: int) -> bytes:
 
 def _gap_parts(body: memoryview, count: int, dtype: type) -> tuple[int, np.ndarray, np.ndarray]:
     common, length = _GAPS.unpack_from(body)
-    gaps = decode_symbols(body[_GAPS.size : _GAPS.size + length]).astype(np.int64)
+    gaps = decode_symbols(body[_GAPS.size : _GAPS.size + length], limit=count).astype(np.int64)
     positions = np.cumsum(gaps + 1) - 1
     if positions.size and (gaps.min() < 0 or positions[-1] >= count):
         raise ValueError("gaps run past the stream")
-    values = decode_symbols(body[_GAPS.size + length :], dtype)
+    values = decode_symbols(body[_GAPS.size + length :], dtype, limit=count)
     if values.size != positions.size:
         raise ValueError("gaps and values disagree")
     return common, positions, values
@@ -281,12 +285,12 @@ class Sparse(NamedTuple):
     values: np.ndarray
 
 
-def decode_sparse(payload: bytes | memoryview, dtype: type = np.int32) -> Sparse | None:
+def decode_sparse(payload: bytes | memoryview, dtype: type = np.int32, limit: int | None = None) -> Sparse | None:
     """A `gaps` or `constant` stream without expanding it, so a chain can update only what changed.
 
     None for streams coded otherwise: decode those with decode_symbols.
     """
-    method, count = _header(payload)
+    method, count = _header(payload, limit)
     body = memoryview(payload)[_HEAD.size :]
     try:
         if method == GAPS:
@@ -298,8 +302,8 @@ def decode_sparse(payload: bytes | memoryview, dtype: type = np.int32) -> Sparse
     return None
 
 
-def _header(payload: bytes | memoryview) -> tuple[int, int]:
-    """(method, symbol count) of a stream, checked to be one."""
+def _header(payload: bytes | memoryview, limit: int | None = None) -> tuple[int, int]:
+    """(method, symbol count) of a stream, checked to be one (of at most `limit` symbols, when given)."""
     if len(payload) < _HEAD.size:
         raise CodecError("entropy: payload is truncated")
     magic, method, count = _HEAD.unpack_from(payload)
@@ -307,6 +311,8 @@ def _header(payload: bytes | memoryview) -> tuple[int, int]:
         raise CodecError("entropy: payload does not start with a valid header")
     if count > MAX_SYMBOLS:
         raise CodecError(f"entropy: stream claims {count} symbols, more than any chunk holds")
+    if limit is not None and count > limit:  # refused before allocating: a damaged count can be huge
+        raise CodecError(f"entropy: stream claims {count} symbols where at most {limit} fit")
     return method, count
 
 
@@ -344,12 +350,13 @@ def encode_symbols(symbols: np.ndarray, nested: int = 0) -> bytes:
     return _HEAD.pack(MAGIC, best_method, symbols.size) + best
 
 
-def decode_symbols(payload: bytes | memoryview, dtype: type = np.int32) -> np.ndarray:
+def decode_symbols(payload: bytes | memoryview, dtype: type = np.int32, limit: int | None = None) -> np.ndarray:
     """The integer array `encode_symbols` was given, as int32 or float32.
 
     float32 is exact for these symbols and saves a dequantizing codec one pass over the values.
+    A stream of more than `limit` symbols (when given) is refused before anything is allocated.
     """
-    method, count = _header(payload)
+    method, count = _header(payload, limit)
     body = memoryview(payload)[_HEAD.size :]
     try:
         if method == ZSTD:
@@ -361,7 +368,7 @@ def decode_symbols(payload: bytes | memoryview, dtype: type = np.int32) -> np.nd
             bits = threadlocal.decompressor().decompress(body[8 : 8 + length], max_output_size=(count + 7) // 8)
             nonzero = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=count).astype(bool)
             out = np.zeros(count, dtype=dtype)
-            out[nonzero] = decode_symbols(body[8 + length :])
+            out[nonzero] = decode_symbols(body[8 + length :], limit=count)
         elif method == PACKED:
             out = _unpack(body, count, dtype)
         elif method == GAPS:

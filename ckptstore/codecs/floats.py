@@ -78,5 +78,16 @@ def _has_nan(values: np.ndarray) -> bool:
     return bool(values.size) and bool(np.isnan(values.max()))  # max propagates NaN: one pass, no mask
 
 
+# Per dtype: a rounding's relative error (half a unit in the last place) and the smallest step (subnormals).
+_HALF_ULP = {"torch.float32": (2.0**-24, 2.0**-150), "torch.float16": (2.0**-11, 2.0**-25),
+             "torch.bfloat16": (2.0**-8, 2.0**-134)}
+
+
+def rounding_error(values: np.ndarray, dtype: str) -> np.ndarray:
+    """The most rounding float32 `values` to `dtype` can change each (float64), in its finite range."""
+    relative, smallest = _HALF_ULP[dtype]
+    return np.abs(values.astype(np.float64)) * relative + smallest
+
+
 def itemsize(dtype: str) -> int:
     return 4 if dtype == "torch.float32" else 2

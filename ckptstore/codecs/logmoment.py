@@ -20,11 +20,13 @@ import zstandard
 
 from ckptstore import threadlocal
 from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols
-from ckptstore.codecs.floats import from_float32, itemsize, to_float32
+from ckptstore.codecs.floats import from_float32, itemsize, rounding_error, to_float32
 from ckptstore.errors import CodecError
 
 MAGIC = b"LG1"
 _HEAD = struct.Struct("<3sBiI")
+# Every payload layout `decode`/`decode_chain` accept; tests/fixtures holds one of each, forever.
+DECODES = ("LG1:keyframe", "LG1:residual", "chain")
 
 
 def _table(k: int) -> np.ndarray:
@@ -92,6 +94,24 @@ class LogMomentCodec:
         return self.encode_lossy(data, base, params)[0]
 
     @staticmethod
+    def error_bound(data: np.ndarray, base: np.ndarray | None, rebuilt: np.ndarray,
+                    params: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """(|log2(reconstruction / value)|, the bound it keeps) per entry, in octaves; zeros stay exact.
+
+        The bound: half a level, 2**-(k + 1) octaves (the nearest level is kept; a residual only
+        re-expresses the level against the parent's), plus the rounding to the dtype. It holds
+        for values whose reconstruction is a normal number of the dtype, without prune hints.
+        """
+        dtype = params["dtype"]
+        values, got = to_float32(data, dtype).astype(np.float64), to_float32(rebuilt, dtype).astype(np.float64)
+        zero = values == 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            error = np.where(zero, np.where(got == 0, 0.0, np.inf), np.abs(np.log2(got / np.where(zero, 1, values))))
+        relative = rounding_error(np.ones(1, np.float32), dtype)[0]
+        bound = 2.0 ** -(int(params["k"]) + 1) + 2 * relative + 2.0**-20
+        return error, np.where(zero, 0.0, bound)
+
+    @staticmethod
     def _prediction(base, params, median: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         if base is None:
             return np.full(count, median, dtype=np.int64), np.zeros(count, dtype=bool)
@@ -126,7 +146,7 @@ class LogMomentCodec:
     @staticmethod
     def _residual(packed: np.ndarray, stream: memoryview, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(zero mask, residual levels as int32) from a payload's packed zero mask and symbol stream."""
-        symbols = decode_symbols(stream)
+        symbols = decode_symbols(stream, limit=count)
         if not packed.any():  # no exact zeros, the usual case: no scatter needed
             if symbols.size != count:
                 raise CodecError(f"log2moment: {symbols.size} levels for {count} values")
@@ -202,7 +222,7 @@ class LogMomentCodec:
         For a residual without exact zeros over levels without them; returns how far the levels'
         minimum and maximum may have moved, or None (nothing done) for streams coded otherwise.
         """
-        sparse = decode_sparse(stream)
+        sparse = decode_sparse(stream, limit=levels.size)
         if sparse is None:
             return None
         if sparse.count != levels.size:

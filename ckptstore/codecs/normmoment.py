@@ -18,11 +18,13 @@ import numpy as np
 
 from ckptstore.codecs.deadzone import dequantize, quantize
 from ckptstore.codecs.entropy import decode_symbols, encode_symbols
-from ckptstore.codecs.floats import from_float32, to_float32
+from ckptstore.codecs.floats import from_float32, itemsize, rounding_error, to_float32
 from ckptstore.errors import CodecError
 
 MAGIC, MAGIC_V1 = b"MN2", b"MN1"
 _HEAD = struct.Struct("<3sf")
+# Every payload layout `decode` accepts (always against the second moment); tests/fixtures holds one of each.
+DECODES = ("MN1", "MN2")
 
 
 def _scale(base: np.ndarray, params: dict[str, Any]) -> np.ndarray:
@@ -52,6 +54,22 @@ class NormalizedMomentCodec:
         return self.encode_lossy(data, base, params)[0]
 
     @staticmethod
+    def error_bound(data: np.ndarray, base: np.ndarray, rebuilt: np.ndarray,
+                    params: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """(|reconstruction - value|, the bound it keeps) per entry, without prune hints.
+
+        The bound: step * max(rounding, 1 - rounding) in Adam's step u = m / sqrt(v + eps), so
+        that times sqrt(v + eps) in m, plus the rounding to the dtype and float32's in the division.
+        """
+        values = to_float32(data, params["dtype"]).astype(np.float64)
+        got = to_float32(rebuilt, params["dtype"]).astype(np.float64)
+        rounding = float(params.get("rounding", 0.5))
+        scale = _scale(base, params).astype(np.float64)
+        quantized = float(np.float32(params["step"])) * max(rounding, 1 - rounding) * scale
+        arithmetic = rounding_error(values, "torch.float32") * 4 + rounding_error(got, "torch.float32") * 2
+        return np.abs(got - values), quantized * (1 + 2.0**-20) + rounding_error(got, params["dtype"]) + arithmetic
+
+    @staticmethod
     def _reconstruct(levels: np.ndarray, scale: np.ndarray, step: float, params: dict[str, Any]) -> np.ndarray:
         return from_float32(dequantize(levels, step) * scale, params["dtype"])
 
@@ -76,5 +94,10 @@ class NormalizedMomentCodec:
         step, header = self._head(payload, params)
         if base is None:
             raise CodecError("normmoment: decoded without its second moment")
-        levels = decode_symbols(memoryview(payload)[header:])
+        count = nbytes // itemsize(params["dtype"])
+        if base.size != count * itemsize(params["v_dtype"]):
+            raise CodecError("normmoment: the second moment does not match the chunk's size")
+        levels = decode_symbols(memoryview(payload)[header:], limit=count)
+        if levels.size != count:
+            raise CodecError(f"normmoment: payload holds {levels.size} values, expected {count}")
         return self._reconstruct(levels, _scale(base, params), step, params)
