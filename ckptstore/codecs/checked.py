@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from ckptstore.codecs import get_codec
+from ckptstore.codecs import capabilities, get_codec
 from ckptstore.errors import CkptError, CorruptObjectError
 from ckptstore.hashing import chunk_checksum
 
@@ -76,7 +76,7 @@ def decode_chain_checked(codec_id: str, payloads: list[bytes], params: dict[str,
     should name the newest level's object; the checksum is the newest level's.
     """
     codec, name = get_codec(codec_id), object_id or "payload"
-    chain = getattr(codec, "decode_chain", None)  # an optional capability of the Codec protocol
+    chain = capabilities(codec_id).chain
 
     def level_by_level() -> np.ndarray:
         result = None
@@ -89,5 +89,5 @@ def decode_chain_checked(codec_id: str, payloads: list[bytes], params: dict[str,
 
     if not payloads:
         raise CorruptObjectError(name, "an empty chain")
-    decode = (lambda: chain(payloads, params, nbytes, out)) if chain is not None else level_by_level
+    decode = (lambda: chain.decode_chain(payloads, params, nbytes, out)) if chain is not None else level_by_level
     return _verified(name, _guarded(name, codec_id, decode), nbytes, checksum)

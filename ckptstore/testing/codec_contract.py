@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.codecs import get_codec
+from ckptstore.codecs import capabilities, get_codec
 from ckptstore.codecs.checked import decode_checked
 from ckptstore.codecs.floats import from_float32, to_float32
 from ckptstore.errors import CkptError, CorruptObjectError
@@ -36,7 +36,7 @@ def check_lossless_round_trip(codec_id: str, data: np.ndarray, base: np.ndarray 
     assert codec.needs_base(payload) in ((False,) if base is None else (False, True))
     decoded = codec.decode(payload, None if base is None else base.copy(), params, data.size)
     assert decoded.tobytes() == data.tobytes()
-    if base is None and hasattr(codec, "decode_chain"):
+    if base is None and capabilities(codec_id).chain is not None:
         assert codec.decode_chain([payload], params, data.size).tobytes() == data.tobytes()
     return payload
 

@@ -10,15 +10,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptstore.codecs import REGISTRY, get_codec
+from ckptstore.codecs import REGISTRY, capabilities, get_codec
 from ckptstore.codecs.checked import decode_checked
 from ckptstore.codecs.floats import LOSSY_DTYPES, from_float32, to_float32
 from ckptstore.errors import CodecError, CorruptObjectError
 from ckptstore.hashing import chunk_checksum
 from ckptstore.testing.codec_contract import check_lossless_round_trip, check_lossy_round_trip
 
-LOSSLESS = sorted(cid for cid, codec in REGISTRY.items() if not getattr(codec, "lossy", False))
-LOSSY = sorted(cid for cid, codec in REGISTRY.items() if getattr(codec, "lossy", False))
+LOSSLESS = sorted(cid for cid in REGISTRY if capabilities(cid).lossy is None)
+LOSSY = sorted(cid for cid in REGISTRY if capabilities(cid).lossy is not None)
 EXAMPLES = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SPECIAL = np.array([0.0, -0.0, 1e-40, -1e-40, 65504.0, 1e-7, 3.0, -2.5], np.float32)  # zeros, subnormals, edges
 
