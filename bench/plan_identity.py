@@ -11,7 +11,7 @@ sets mean byte-identical stores. Run it once per code version and compare the tw
 
     PYTHONPATH=/work/baseline python bench/plan_identity.py /tmp/before.json
     PYTHONPATH=. python bench/plan_identity.py /tmp/after.json
-    cmp /tmp/before.json /tmp/after.json
+    python bench/plan_identity.py --compare /tmp/before.json /tmp/after.json
 
 It is run as a file (not `-m`) so that PYTHONPATH alone picks the code version under test; it
 imports nothing from bench/ or tests/ for the same reason.
@@ -294,5 +294,24 @@ def main(out: Path, quick: bool) -> None:
     out.write_text(json.dumps(report, indent=1, sort_keys=False) + "\n")
 
 
+def compare(before: Path, after: Path) -> int:
+    """Print which runs and levels differ in their inputs, plans or objects; 0 when none does."""
+    old, new = json.loads(before.read_text()), json.loads(after.read_text())
+    differ = sorted(set(old) ^ set(new))
+    for key in sorted(set(old) & set(new)):
+        fields = [name for name in ("inputs", "plans", "objects") if old[key][name] != new[key][name]]
+        if fields:
+            differ.append(f"{key}: {', '.join(fields)}")
+    for line in differ:
+        print(f"differs: {line}")
+    plans = sum(len(commit) for run in old.values() for commit in run["plans"])
+    objects = sum(len(run["objects"]) for run in old.values())
+    print(f"{len(old)} repositories, {plans} plans, {objects} objects: "
+          + ("identical" if not differ else f"{len(differ)} differ"))
+    return 1 if differ else 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--compare":
+        sys.exit(compare(Path(sys.argv[2]), Path(sys.argv[3])))
     main(Path(sys.argv[1]), "--quick" in sys.argv[2:])
