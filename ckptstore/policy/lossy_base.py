@@ -1,0 +1,80 @@
+"""The lossy plan every planner returns, and the per-tensor measurements the planners share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ckptstore.codecs.floats import LOSSY_DTYPES, to_float32
+from ckptstore.policy.levels import LossyLevel
+from ckptstore.policy.lossless import EncodingSettings
+from ckptstore.policy.mapping import ParamSlots
+from ckptstore.records import TensorRecord
+from ckptstore.state import RawTensor
+
+
+@dataclass
+class LossyPlan:
+    """How one tensor is encoded in a lossy commit."""
+
+    path: str
+    codec: str
+    params: dict[str, Any]
+    base: TensorRecord | None = None
+    sibling: str | None = None
+    mask_from: str | None = None
+    importance: str | None = None
+    prune: float = 0.0
+    stage: int = 0
+    paced_by: str | None = None
+
+
+@dataclass(frozen=True)
+class Subject:
+    """One tensor as its role's planner sees it, with what its classification already measured.
+
+    `rms` is set for weights and SGD momentum (whose steps are relative to it), `base` for weights
+    coded as a residual of their parent, `importance` for paired weights (their second moment).
+    """
+
+    path: str
+    raw: RawTensor
+    slot: ParamSlots | None = None
+    rms: float = 0.0
+    base: TensorRecord | None = None
+    importance: str | None = None
+
+
+def eligible(raw: RawTensor, level: LossyLevel, min_elements: int | None = None) -> bool:
+    """Float tensors large enough to be worth quantizing (`min_elements`: the level's, by default)."""
+    least = level.min_elements if min_elements is None else min_elements
+    return raw.dtype in LOSSY_DTYPES and int(np.prod(raw.shape)) >= max(1, least)
+
+
+def rms(raw: RawTensor) -> float:
+    """Root mean square of a float tensor's entries (0 for an empty one), accumulated in float64."""
+    values = to_float32(raw.data, raw.dtype).astype(np.float64)
+    return float(np.sqrt(np.mean(values * values))) if values.size else 0.0
+
+
+def temporal_base(parent: TensorRecord | None, raw: RawTensor, codecs: tuple[str, ...],
+                  max_chain: int) -> TensorRecord | None:
+    """The parent's tensor as a closed-loop base, when the layout matches and the chain has room."""
+    if (parent is None or parent.dtype != raw.dtype or parent.shape != raw.shape
+            or parent.codec not in codecs or parent.depth + 1 > max_chain):
+        return None
+    return parent
+
+
+def chunk_bytes(raw: RawTensor, base: TensorRecord | None, settings: EncodingSettings) -> int:
+    """A residual's chunks line up with its base's; a keyframe's are the settings' size in whole items."""
+    if base is not None:
+        return int(base.params["chunk_bytes"])
+    return max(raw.itemsize, settings.chunk_bytes // raw.itemsize * raw.itemsize)
+
+
+def codebooks(level: LossyLevel) -> dict[str, bool]:
+    """The dead-zone param that lets chunks try a codebook (absent when off, as in older records)."""
+    return {"codebooks": True} if level.codebooks else {}

@@ -1,0 +1,58 @@
+"""Planners for optimizer state, one per role: Adam's two moments and SGD's momentum.
+
+Adam's second moment v is coded in the log domain against its parent; the first moment m as
+m / sqrt(v) against this commit's reconstructed v, so its chunks follow v's plan and it is
+planned after it; SGD momentum as a keyframe with a step tied to `moment_step`.
+"""
+
+from __future__ import annotations
+
+from ckptstore.policy.lossy_base import LossyPlan, Subject, chunk_bytes, codebooks, temporal_base
+from ckptstore.policy.lossy_context import PlanContext
+from ckptstore.policy.mapping import ParamSlots
+
+V_EPS = 1e-30
+SGD_MOMENTUM_STEP = 1.0  # SGD momentum's step, in its RMS, per unit of `moment_step` (balanced: 4 RMS)
+
+
+def plan_sgd_momentum(ctx: PlanContext, momentum: Subject) -> LossyPlan:
+    """A keyframe with a step in its RMS: its error reaches the weights only as lr / (1 - momentum) times it."""
+    level = ctx.level
+    params = {"chunk_bytes": chunk_bytes(momentum.raw, None, ctx.settings), "dtype": momentum.raw.dtype,
+              "step": level.moment_step * SGD_MOMENTUM_STEP * momentum.rms, "rounding": 0.5, **codebooks(level)}
+    return LossyPlan(momentum.path, "deadzone", params)
+
+
+def plan_adam_second_moment(ctx: PlanContext, v: Subject) -> LossyPlan:
+    """`v_levels_log2` bits per octave, against the parent's v; pruned where its weight's residual is."""
+    level = ctx.level
+    base = temporal_base(ctx.parents.get(v.path), v.raw, ("log2moment",), level.max_chain)
+    params = {"dtype": v.raw.dtype, "k": level.v_levels_log2, "chunk_bytes": chunk_bytes(v.raw, base, ctx.settings)}
+    weight = _slots(v).weight
+    mask_from = weight if (level.prune > 0 and weight in ctx.plans and base is not None) else None
+    return LossyPlan(v.path, "log2moment", params, base, mask_from=mask_from, stage=1)
+
+
+def plan_adam_first_moment(ctx: PlanContext, m: Subject) -> LossyPlan:
+    """Quantized as m / sqrt(v) with `moment_step` (its weight's step factor: m's error becomes the weight's).
+
+    Where its weight is lossy, a fine-tune's moment takes `fine_moment_step` when the weight's
+    residual was capped (the codec learns that from the weight: `paced_by`).
+    """
+    level, slot = ctx.level, _slots(m)
+    second = slot.exp_avg_sq
+    factor = ctx.sensitivity.get(slot.weight, 1.0)  # no weight (pairing uncertain): 1.0
+    params = {"dtype": m.raw.dtype, "v_dtype": ctx.tensors[second].dtype, "step": level.moment_step * factor,
+              "rounding": level.moment_rounding, "eps": V_EPS, "chunk_bytes": ctx.plans[second].params["chunk_bytes"]}
+    mask_from = slot.weight if (level.prune > 0 and slot.weight in ctx.plans) else None
+    paced_by = None
+    if level.fine_moment_step > 0 and slot.weight in ctx.plans:
+        params["fine_step"], paced_by = level.fine_moment_step * factor, slot.weight
+    return LossyPlan(m.path, "normmoment", params, sibling=second, mask_from=mask_from, stage=2, paced_by=paced_by)
+
+
+def _slots(moment: Subject) -> ParamSlots:
+    """A moment's optimizer parameter (classification only gives moments roles with one)."""
+    if moment.slot is None:
+        raise ValueError(f"{moment.path} has no optimizer parameter")
+    return moment.slot

@@ -1,0 +1,108 @@
+"""What each tensor is to the lossy planner: its role, which picks the planner that codes it.
+
+A tensor's role follows from its place in the optimizer (weight, Adam's first or second moment,
+SGD momentum, or none), its size and dtype, its parent (a residual needs one with the same layout
+and room in the chain) and the level: a weight is fast-moving where its learning rate is a large
+share of its RMS, frozen where no optimizer state has its shape. Whether it is an embedding only
+scales its step (PlanContext.step_factor), in whichever role.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from ckptstore.policy.lossy_base import Subject, eligible, temporal_base
+from ckptstore.policy.lossy_context import PlanContext
+from ckptstore.policy.mapping import ParamSlots
+from ckptstore.state import RawTensor
+
+WEIGHT_BASE_CODECS = ("deadzone", "bytegroup")  # a weight's residual may build on a lossy or lossless parent
+
+
+class Role(Enum):
+    """A tensor's role in a lossy commit; every role but LOSSLESS has its own planner."""
+
+    LOSSLESS = "lossless"  # ineligible (small, 1-D, integer, all zero) or left lossless by the level
+    WEIGHT_KEYFRAME = "weight_keyframe"  # a trained weight without a usable parent
+    WEIGHT_RESIDUAL = "weight_residual"  # a trained weight against its parent's reconstruction
+    FROZEN_WEIGHT = "frozen_weight"  # a keyframe of a weight no optimizer state has the shape of
+    FAST_WEIGHT_KEYFRAME = "fast_weight_keyframe"  # moving at a from-scratch pace, no usable parent
+    FAST_WEIGHT_RESIDUAL = "fast_weight_residual"  # moving at a from-scratch pace, against its parent
+    SGD_MOMENTUM = "sgd_momentum"
+    ADAM_SECOND_MOMENT = "adam_second_moment"
+    ADAM_FIRST_MOMENT = "adam_first_moment"  # coded against its second moment's plan, so planned after
+
+
+def is_first_moment(ctx: PlanContext, path: str) -> bool:
+    """Adam's first moment: planned in a second pass, once every second moment has its plan."""
+    return ctx.optimizer_role(path)[0] == "exp_avg"
+
+
+def classify(ctx: PlanContext, path: str, raw: RawTensor) -> tuple[Role, Subject]:
+    """The tensor's role, with what the classification measured for its planner."""
+    role, slot = ctx.optimizer_role(path)
+    if role is None:
+        return _unowned(ctx, path, raw)
+    if role == "weight":
+        if not ctx.level.weights_lossy:
+            return Role.LOSSLESS, Subject(path, raw, slot)
+        return _weight(ctx, Subject(path, raw, slot, importance=slot.exp_avg_sq if ctx.optimizer.certain else None))
+    if role == "momentum_buffer":
+        return _sgd_momentum(ctx, Subject(path, raw, slot))
+    if role == "exp_avg_sq":
+        return _second_moment(ctx, Subject(path, raw, slot))
+    return _first_moment(ctx, Subject(path, raw, slot))
+
+
+def _unowned(ctx: PlanContext, path: str, raw: RawTensor) -> tuple[Role, Subject]:
+    """A tensor no optimizer parameter claims: a weight when the pairing is uncertain, else lossless.
+
+    With the pairing uncertain, any tensor may be a trained weight; it is planned from its own
+    statistics alone (no second moment to judge its importance). Step counters never are.
+    """
+    subject = Subject(path, raw)
+    if ctx.optimizer.certain or not ctx.level.weights_lossy or path.endswith(("/step", "step")):
+        return Role.LOSSLESS, subject
+    return _weight(ctx, subject)
+
+
+def _weight(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
+    """Which weight role: lossless below the level's size or at zero RMS, else by pace and parent."""
+    path, raw = subject.path, subject.raw
+    if len(raw.shape) < 2 or not eligible(raw, ctx.level):
+        return Role.LOSSLESS, subject
+    weight_rms = ctx.rms_of(path)
+    if weight_rms == 0.0:
+        return Role.LOSSLESS, subject
+    base = temporal_base(ctx.parents.get(path), raw, WEIGHT_BASE_CODECS, ctx.level.max_chain)
+    subject = Subject(path, raw, subject.slot, weight_rms, base, subject.importance)
+    if ctx.fast(path, raw, weight_rms):
+        return (Role.FAST_WEIGHT_KEYFRAME if base is None else Role.FAST_WEIGHT_RESIDUAL), subject
+    if base is not None:
+        return Role.WEIGHT_RESIDUAL, subject
+    return (Role.FROZEN_WEIGHT if ctx.untrained(raw) else Role.WEIGHT_KEYFRAME), subject
+
+
+def _sgd_momentum(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
+    """Lossy from the smallest moment size on, unless all zero (no scale to set a step by)."""
+    if eligible(subject.raw, ctx.level, ctx.moment_min):
+        momentum_rms = ctx.rms_of(subject.path)
+        if momentum_rms > 0:
+            return Role.SGD_MOMENTUM, Subject(subject.path, subject.raw, subject.slot, momentum_rms)
+    return Role.LOSSLESS, subject
+
+
+def _second_moment(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
+    """Lossy from the smallest moment size on, where a first moment is there to be coded against it."""
+    slot: ParamSlots | None = subject.slot
+    if eligible(subject.raw, ctx.level, ctx.moment_min) and slot is not None and slot.exp_avg is not None:
+        return Role.ADAM_SECOND_MOMENT, subject
+    return Role.LOSSLESS, subject
+
+
+def _first_moment(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
+    """Lossy where its second moment is, and when their items are the same size (their chunks line up)."""
+    second = subject.slot.exp_avg_sq if subject.slot is not None else None
+    if second in ctx.plans and subject.raw.itemsize == ctx.tensors[second].itemsize:
+        return Role.ADAM_FIRST_MOMENT, subject
+    return Role.LOSSLESS, subject

@@ -1,0 +1,201 @@
+"""Lossy roles: which role's planner each tensor gets, and that each planner codes it as its role says.
+
+Expected steps are derived from the level's knobs and the tensor's own RMS (computed here), with
+Fisher allocation off so that a weight's step factor is 1 (or the embedding factor).
+"""
+
+import numpy as np
+import pytest
+
+from ckptstore.policy import EncodingSettings, level_named
+from ckptstore.policy.lossy import ROLE_PLANNERS, Role, plan_lossy, plan_roles
+from ckptstore.policy.mapping import map_optimizer
+from ckptstore.records import TensorRecord
+from ckptstore.state import RawTensor
+
+SETTINGS = EncodingSettings()
+
+
+def _t(*shape, seed=0, dtype=np.float32, torch_dtype="torch.float32", scale=1.0):
+    values = (np.random.default_rng(seed).standard_normal(int(np.prod(shape))) * scale).astype(dtype)
+    return RawTensor(torch_dtype, shape, values.view(np.uint8))
+
+
+def _rms(raw):
+    values = np.frombuffer(raw.data, np.float32).astype(np.float64)
+    return float(np.sqrt(np.mean(values * values)))
+
+
+def _adam(tensors, index, weight, *shape):
+    tensors[weight] = _t(*shape, seed=index)
+    tensors[f"optimizer/state/{index}/exp_avg"] = _t(*shape, seed=100 + index, scale=1e-3)
+    tensors[f"optimizer/state/{index}/exp_avg_sq"] = _t(*shape, seed=200 + index, scale=1e-6)
+
+
+def _adam_model():
+    """An embedding, two matrices and a bias, all trained by Adam, beside an integer buffer."""
+    tensors = {}
+    _adam(tensors, 0, "model/embed.weight", 128, 64)
+    _adam(tensors, 1, "model/fc.weight", 64, 128)
+    _adam(tensors, 2, "model/fc.bias", 64)
+    _adam(tensors, 3, "model/out.weight", 96, 64)
+    tensors["model/positions"] = RawTensor("torch.int64", (128, 64), np.zeros(128 * 64, np.int64).view(np.uint8))
+    return tensors
+
+
+def _pairing(tensors, lr):
+    pairing = map_optimizer(tensors, None, [0, 1, 2, 3], {i: lr for i in range(4)})
+    assert pairing.certain
+    return pairing
+
+
+def _parent_of(raw, codec="deadzone", depth=0, rel_error=0.01):
+    return TensorRecord("t" * 64, raw.dtype, raw.shape, codec, {"chunk_bytes": 1 << 20, "rel_error": rel_error},
+                        None, depth, raw.nbytes, raw.nbytes // 4)
+
+
+def _roles_and_plans(tensors, parents, level, pairing):
+    roles = plan_roles(tensors, parents, level, SETTINGS, pairing)
+    plans = plan_lossy(tensors, parents, level, SETTINGS, pairing)
+    assert list(roles) == list(tensors)  # every tensor has a role, in order
+    assert set(plans) == {path for path, role in roles.items() if role is not Role.LOSSLESS}
+    return roles, plans
+
+
+def test_every_role_but_lossless_has_a_planner():
+    assert set(ROLE_PLANNERS) == set(Role) - {Role.LOSSLESS}
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_adam_weights_by_pace_and_parent(fast):
+    level = level_named("balanced", fisher_allocation=False)
+    tensors = _adam_model()
+    # A weight is fast where Adam's lr (its step per entry) is at least fast_move of its RMS.
+    least_rms = min(_rms(tensors[p]) for p in ("model/embed.weight", "model/fc.weight", "model/out.weight"))
+    lr = 2 * level.fast_move * least_rms if fast else level.fast_move * least_rms / 4
+    pairing = _pairing(tensors, lr)
+    parents = {"model/fc.weight": _parent_of(tensors["model/fc.weight"], "bytegroup"),
+               "model/embed.weight": _parent_of(tensors["model/embed.weight"])}
+    roles, plans = _roles_and_plans(tensors, parents, level, pairing)
+
+    keyframe = Role.FAST_WEIGHT_KEYFRAME if fast else Role.WEIGHT_KEYFRAME
+    residual = Role.FAST_WEIGHT_RESIDUAL if fast else Role.WEIGHT_RESIDUAL
+    assert roles["model/out.weight"] is keyframe
+    assert roles["model/fc.weight"] is residual and roles["model/embed.weight"] is residual
+    assert roles["model/fc.bias"] is Role.LOSSLESS  # one-dimensional
+    assert roles["model/positions"] is Role.LOSSLESS  # integers
+    for i in range(4):  # balanced quantizes even the bias's moments (they are a sliver of the state)
+        assert roles[f"optimizer/state/{i}/exp_avg_sq"] is Role.ADAM_SECOND_MOMENT
+        assert roles[f"optimizer/state/{i}/exp_avg"] is Role.ADAM_FIRST_MOMENT
+
+    keyframe_step = level.fast_keyframe_step if fast else level.weight_keyframe_step
+    residual_step = level.fast_residual_step if fast else level.weight_residual_step
+    out, fc, embed = plans["model/out.weight"], plans["model/fc.weight"], plans["model/embed.weight"]
+    assert out.params["step"] == pytest.approx(keyframe_step * _rms(tensors["model/out.weight"]), rel=1e-12)
+    assert fc.params["step"] == pytest.approx(residual_step * _rms(tensors["model/fc.weight"]), rel=1e-12)
+    assert embed.params["step"] == pytest.approx(
+        residual_step * level.embedding_factor * _rms(tensors["model/embed.weight"]), rel=1e-12)
+    assert out.base is None and fc.base is parents["model/fc.weight"]
+    # Fast weights round to nearest and skip the fine-tune cap; slow residuals keep the level's dead zone.
+    assert fc.params["rounding"] == (0.5 if fast else level.weight_rounding)
+    assert fc.params["relative_step"] == (0.0 if fast else level.relative_step)
+    assert out.params["rounding"] == 0.5
+    assert fc.params["fine_below"] == pytest.approx(level.fine_drift * _rms(tensors["model/fc.weight"]))
+    assert "fine_below" not in out.params  # a keyframe has no movement to measure
+    assert fc.importance == "optimizer/state/1/exp_avg_sq"
+
+
+def test_residual_roles_need_a_parent_of_the_same_layout_with_room_in_the_chain():
+    level = level_named("balanced", fisher_allocation=False)
+    tensors = _adam_model()
+    pairing = _pairing(tensors, 1e-7)
+    w = tensors["model/out.weight"]
+    for parent, role in [(_parent_of(w, depth=level.max_chain - 1), Role.WEIGHT_RESIDUAL),
+                         (_parent_of(w, depth=level.max_chain), Role.WEIGHT_KEYFRAME),
+                         (_parent_of(w, codec="log2moment"), Role.WEIGHT_KEYFRAME),
+                         (_parent_of(_t(64, 96)), Role.WEIGHT_KEYFRAME)]:
+        assert plan_roles(tensors, {"model/out.weight": parent}, level, SETTINGS, pairing)["model/out.weight"] is role
+
+
+@pytest.mark.parametrize("frozen_step", [1 / 16, 1.0])
+def test_a_weight_no_optimizer_state_has_the_shape_of_is_frozen(frozen_step):
+    # Two of three 64x64 matrices are trained (which two, the shapes cannot tell): pairing uncertain.
+    level = level_named("balanced", fisher_allocation=False, frozen_step=frozen_step)
+    tensors = {"model/a.weight": _t(64, 64), "model/b.weight": _t(64, 64, seed=1), "model/c.weight": _t(64, 64, seed=2),
+               "model/backbone.weight": _t(64, 80, seed=9)}  # no optimizer state is 64x80
+    for i in range(2):
+        tensors[f"optimizer/state/{i}/exp_avg"] = _t(64, 64, seed=10 + i)
+        tensors[f"optimizer/state/{i}/exp_avg_sq"] = _t(64, 64, seed=20 + i, scale=1e-3)
+    pairing = map_optimizer(tensors)
+    assert not pairing.certain
+    roles, plans = _roles_and_plans(tensors, {}, level, pairing)
+    frozen = "model/backbone.weight"
+    assert roles[frozen] is (Role.FROZEN_WEIGHT if frozen_step < 1 else Role.WEIGHT_KEYFRAME)
+    assert {roles[f"model/{name}.weight"] for name in "abc"} == {Role.WEIGHT_KEYFRAME}
+    expected = level.weight_keyframe_step * _rms(tensors[frozen]) * min(frozen_step, 1.0)
+    assert plans[frozen].params["step"] == pytest.approx(expected, rel=1e-12)
+    assert plans[frozen].importance is None and plans[frozen].prune == 0.0  # unpaired: nothing to judge by
+    # Once stored, a frozen weight is a residual like any other (frozen_step scales keyframes only).
+    parents = {frozen: _parent_of(tensors[frozen])}
+    assert plan_roles(tensors, parents, level, SETTINGS, pairing)[frozen] is Role.WEIGHT_RESIDUAL
+
+
+def test_with_a_certain_pairing_a_weight_no_optimizer_parameter_claims_stays_lossless():
+    level = level_named("balanced")
+    tensors = _adam_model()
+    tensors["model/backbone.weight"] = _t(64, 80, seed=9)
+    roles, _ = _roles_and_plans(tensors, {}, level, _pairing(tensors, 1e-3))
+    assert roles["model/backbone.weight"] is Role.LOSSLESS
+    assert roles["model/out.weight"] is not Role.LOSSLESS
+
+
+def test_sgd_momentum_and_its_weights_which_are_never_fast():
+    level = level_named("balanced", fisher_allocation=False)
+    tensors = {"model/w.weight": _t(64, 64), "optimizer/state/0/momentum_buffer": _t(64, 64, seed=1, scale=0.1),
+               "model/z.weight": _t(64, 64, seed=2), "optimizer/state/1/momentum_buffer": _t(64, 64, scale=0.0)}
+    pairing = map_optimizer(tensors, ["w.weight", "z.weight"], [0, 1], {0: 10.0, 1: 10.0})
+    roles, plans = _roles_and_plans(tensors, {}, level, pairing)
+    assert roles["model/w.weight"] is Role.WEIGHT_KEYFRAME  # SGD's step is lr times momentum, not lr
+    assert roles["optimizer/state/0/momentum_buffer"] is Role.SGD_MOMENTUM
+    assert roles["optimizer/state/1/momentum_buffer"] is Role.LOSSLESS  # all zero: no scale for a step
+    momentum = tensors["optimizer/state/0/momentum_buffer"]
+    assert plans["optimizer/state/0/momentum_buffer"].params["step"] == pytest.approx(
+        level.moment_step * _rms(momentum), rel=1e-12)
+    assert plans["model/w.weight"].importance is None  # no second moment to judge pruning by
+
+
+def test_the_optimizer_level_keeps_weights_lossless_and_moments_follow_their_size():
+    level = level_named("optimizer")
+    assert not level.weights_lossy and level.moment_min_elements > 64
+    tensors = _adam_model()
+    roles, _ = _roles_and_plans(tensors, {}, level, _pairing(tensors, 1e-3))
+    assert {roles[p] for p in tensors if p.startswith("model/")} == {Role.LOSSLESS}
+    assert roles["optimizer/state/1/exp_avg_sq"] is Role.ADAM_SECOND_MOMENT
+    assert roles["optimizer/state/1/exp_avg"] is Role.ADAM_FIRST_MOMENT
+    assert roles["optimizer/state/2/exp_avg_sq"] is Role.LOSSLESS  # the bias's: below moment_min_elements
+    assert roles["optimizer/state/2/exp_avg"] is Role.LOSSLESS  # no lossy second moment to code against
+
+
+def test_a_first_moment_of_another_item_size_than_its_second_stays_lossless():
+    level = level_named("balanced")
+    tensors = _adam_model()
+    tensors["optimizer/state/1/exp_avg"] = _t(64, 128, dtype=np.float16, torch_dtype="torch.float16")
+    roles, _ = _roles_and_plans(tensors, {}, level, _pairing(tensors, 1e-3))
+    assert roles["optimizer/state/1/exp_avg_sq"] is Role.ADAM_SECOND_MOMENT
+    assert roles["optimizer/state/1/exp_avg"] is Role.LOSSLESS  # its chunks could not line up with v's
+    assert roles["optimizer/state/0/exp_avg"] is Role.ADAM_FIRST_MOMENT
+
+
+def test_with_an_uncertain_pairing_every_large_float_matrix_is_a_weight_but_step_counters():
+    level = level_named("balanced", fisher_allocation=False)
+    tensors = {"model/a.weight": _t(64, 64), "model/b.weight": _t(64, 64, seed=1), "model/step": _t(64, 64, seed=2),
+               "model/zero.weight": _t(64, 64, scale=0.0), "model/small.weight": _t(8, 8, seed=3)}
+    _adam(tensors, 0, "model/a.weight", 64, 64)
+    pairing = map_optimizer(tensors)  # b could be the trained one as well as a
+    assert not pairing.certain
+    roles, plans = _roles_and_plans(tensors, {}, level, pairing)
+    for weight in ("model/a.weight", "model/b.weight"):
+        assert roles[weight] is Role.WEIGHT_KEYFRAME and plans[weight].importance is None
+    for lossless in ("model/step", "model/zero.weight", "model/small.weight"):
+        assert roles[lossless] is Role.LOSSLESS
+    assert roles["optimizer/state/0/exp_avg"] is Role.ADAM_FIRST_MOMENT
