@@ -136,3 +136,26 @@ def test_the_generator_never_overwrites_a_fixture(tmp_path):
     with pytest.raises(FileExistsError):
         module._write_case(tmp_path / "other", {}, {"payload-0.bin": b"new"})
     assert (tmp_path / "case" / "payload-0.bin").read_bytes() == b"old"
+
+
+def test_pack_v1_reads_back_its_payloads_and_is_written_the_same_today():
+    from ckptstore.hashing import object_id
+    from ckptstore.objectstore import MemoryObjectStore
+    from ckptstore.objectstore.pack import PackReader, PackWriter
+
+    folder = ROOT / "pack" / "v1"
+    meta = json.loads((folder / "case.json").read_text())
+    pack = (folder / meta["bytes"]).read_bytes()
+    payloads = [(folder / name).read_bytes() for _, _, name in meta["slots"]]
+    assert object_id(pack) == meta["object_id"]
+    store = MemoryObjectStore()
+    assert store.put(pack) == meta["object_id"]
+    whole, ranged = PackReader(store), PackReader(store, verify=False, ranges=store.open_ranges())
+    for (offset, length, _), payload in zip(meta["slots"], payloads):
+        assert bytes(whole.read(meta["object_id"], offset, length)) == payload
+        assert bytes(ranged.read(meta["object_id"], offset, length, bytearray(length))) == payload
+    writer, again = PackWriter(MemoryObjectStore()), []
+    again = [writer.add(p) for p in payloads]
+    writer.close()
+    assert {s.object_id for s in again} == {meta["object_id"]}
+    assert [[s.offset, s.length] for s in again] == [slot[:2] for slot in meta["slots"]]
