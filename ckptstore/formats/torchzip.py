@@ -399,7 +399,9 @@ def _tensor_bytes(base: np.ndarray, value: Tensor) -> np.ndarray:
     elements = span[: len(span) // itemsize * itemsize].view(unit)
     view = np.lib.stride_tricks.as_strided(
         elements, value.shape, tuple(s * itemsize for s in value.stride), writeable=False)
-    return np.ascontiguousarray(view).reshape(-1).view(np.uint8)
+    copied = np.ascontiguousarray(view).reshape(-1).view(np.uint8)
+    # torch copies bool elements as booleans: any nonzero byte becomes 1 (a contiguous tensor keeps its bytes)
+    return (copied != 0).view(np.uint8) if value.dtype == TORCH_PREFIX + "bool" else copied
 
 
 class _StandInFlattener(_Flattener):
