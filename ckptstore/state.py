@@ -22,6 +22,17 @@ NUMPY_PREFIX = "numpy:"
 TORCH_PREFIX = "torch."
 
 
+# bytes per element of every torch dtype a checkpoint holds; names missing here ask torch itself
+TORCH_ITEMSIZE: dict[str, int] = {TORCH_PREFIX + name: size for name, size in (
+    ("float64", 8), ("float32", 4), ("float16", 2), ("bfloat16", 2),
+    ("float8_e5m2", 1), ("float8_e4m3fn", 1), ("float8_e5m2fnuz", 1), ("float8_e4m3fnuz", 1),
+    ("float8_e8m0fnu", 1), ("float4_e2m1fn_x2", 1),
+    ("int64", 8), ("int32", 4), ("int16", 2), ("int8", 1),
+    ("uint64", 8), ("uint32", 4), ("uint16", 2), ("uint8", 1), ("bool", 1),
+    ("complex128", 16), ("complex64", 8), ("complex32", 4),
+)}
+
+
 @dataclass
 class RawTensor:
     """A tensor as the store sees it: dtype name, shape, and its bytes (flat, C order)."""
@@ -41,6 +52,9 @@ class RawTensor:
             return 1
         if self.dtype.startswith(NUMPY_PREFIX):
             return np.dtype(self.dtype[len(NUMPY_PREFIX) :]).itemsize
+        size = TORCH_ITEMSIZE.get(self.dtype)
+        if size is not None:  # the table keeps torch out of processes that only read and encode
+            return size
         return _torch().empty((), dtype=torch_dtype(self.dtype)).element_size()
 
 
@@ -152,34 +166,48 @@ class _Flattener:
         return node
 
     def encode(self, value: Any, path: str) -> Any:
-        if value is None or isinstance(value, (bool, str)):
-            return value
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float):
-            return _float(value)
-        if isinstance(value, np.generic):
-            if value.dtype.hasobject:
-                raise UnsupportedStateError(f"{path or '<root>'}: numpy object scalar")
-            return ["npscalar", value.dtype.str, _float(v) if isinstance(v := value.item(), float) else v]
-        if isinstance(value, (bytes, bytearray)):
-            self.tensors[path] = raw_from_bytes(bytes(value))
-            return ["bytes", path]
-        if isinstance(value, np.ndarray):
-            self.tensors[path] = raw_from_numpy(value)
-            return ["ndarray", path]
-        if isinstance(value, dict):
-            items = []
-            for key, item in value.items():
-                if not isinstance(key, (str, int, float, bool, type(None))):
-                    raise UnsupportedStateError(f"{path or '<root>'}: dict key of type {type(key).__name__}")
-                items.append([self.encode(key, path), self.encode(item, join(path, str(key)))])
-            return ["odict" if isinstance(value, OrderedDict) else "dict", items]
-        if isinstance(value, (list, tuple)):
-            tag = "list" if isinstance(value, list) else "tuple"
-            return [tag, [self.encode(item, join(path, str(i))) for i, item in enumerate(value)]]
-        if isinstance(value, (set, frozenset)):
-            return ["set", [self.encode(item, join(path, str(i))) for i, item in enumerate(sorted(value))]]
+        """The skeleton node of `value`; tensors it holds are added to `self.tensors` under `path`."""
+        for types, method in _ENCODERS:  # first match wins, so the order of _ENCODERS matters
+            if isinstance(value, types):
+                return method(self, value, path)
+        return self.encode_other(value, path)
+
+    def _plain(self, value: Any, path: str) -> Any:
+        return value
+
+    def _float_value(self, value: float, path: str) -> Any:
+        return _float(value)
+
+    def _npscalar(self, value: np.generic, path: str) -> Any:
+        if value.dtype.hasobject:
+            raise UnsupportedStateError(f"{path or '<root>'}: numpy object scalar")
+        return ["npscalar", value.dtype.str, _float(v) if isinstance(v := value.item(), float) else v]
+
+    def _bytes(self, value: bytes | bytearray, path: str) -> Any:
+        self.tensors[path] = raw_from_bytes(bytes(value))
+        return ["bytes", path]
+
+    def _ndarray(self, value: np.ndarray, path: str) -> Any:
+        self.tensors[path] = raw_from_numpy(value)
+        return ["ndarray", path]
+
+    def _mapping(self, value: dict, path: str) -> Any:
+        items = []
+        for key, item in value.items():
+            if not isinstance(key, (str, int, float, bool, type(None))):
+                raise UnsupportedStateError(f"{path or '<root>'}: dict key of type {type(key).__name__}")
+            items.append([self.encode(key, path), self.encode(item, join(path, str(key)))])
+        return ["odict" if isinstance(value, OrderedDict) else "dict", items]
+
+    def _sequence(self, value: list | tuple, path: str) -> Any:
+        tag = "list" if isinstance(value, list) else "tuple"
+        return [tag, [self.encode(item, join(path, str(i))) for i, item in enumerate(value)]]
+
+    def _set(self, value: set | frozenset, path: str) -> Any:
+        return ["set", [self.encode(item, join(path, str(i))) for i, item in enumerate(sorted(value))]]
+
+    def encode_other(self, value: Any, path: str) -> Any:
+        """Leaves only torch can recognise; a flattener of stand-in objects overrides this."""
         torch = _torch()
         if isinstance(value, torch.Tensor):
             return self.tensor(value, path)
@@ -189,12 +217,30 @@ class _Flattener:
             return ["dtype", str(value)]
         if isinstance(value, torch.device):
             return ["device", str(value)]
+        return self.encode_last(value, path)
+
+    def encode_last(self, value: Any, path: str) -> Any:
+        """A numpy dtype, or the error every value nothing else claimed ends in."""
         if isinstance(value, np.dtype):
             return ["npdtype", value.str]
         raise UnsupportedStateError(
             f"{path or '<root>'}: values of type {type(value).__module__}.{type(value).__qualname__} "
             "cannot be stored without pickle; convert them to tensors, numbers, strings or containers"
         )
+
+
+# (types, encoder) in the order the checks must run: bool and numpy's float64 are subclasses of
+# int and float, OrderedDict of dict, so an earlier entry decides those
+_ENCODERS: list[tuple[type | tuple[type, ...], Callable[[_Flattener, Any, str], Any]]] = [
+    ((type(None), bool, str, int), _Flattener._plain),
+    (float, _Flattener._float_value),
+    (np.generic, _Flattener._npscalar),
+    ((bytes, bytearray), _Flattener._bytes),
+    (np.ndarray, _Flattener._ndarray),
+    (dict, _Flattener._mapping),
+    ((list, tuple), _Flattener._sequence),
+    ((set, frozenset), _Flattener._set),
+]
 
 
 def flatten(obj: Any, prefix: str = "") -> FlatState:
@@ -209,46 +255,53 @@ def unflatten(skeleton: Any, lookup: Callable[[str], Any]) -> Any:
 
     Paths that occur twice (tensors that shared storage) resolve to the same object.
     """
-    cache: dict[str, Any] = {}
+    return _Unflattener(lookup).decode(skeleton)
 
-    def get(path: str) -> Any:
-        if path not in cache:
-            cache[path] = lookup(path)
-        return cache[path]
 
-    def decode(node: Any) -> Any:
+class _Unflattener:
+    """One skeleton's decoding: the lookup, and a cache so shared paths give one object."""
+
+    def __init__(self, lookup: Callable[[str], Any]) -> None:
+        self.lookup = lookup
+        self.cache: dict[str, Any] = {}
+
+    def get(self, path: str) -> Any:
+        if path not in self.cache:
+            self.cache[path] = self.lookup(path)
+        return self.cache[path]
+
+    def decode(self, node: Any) -> Any:
         if not isinstance(node, list):
             return node
-        tag = node[0]
-        if tag == "tensor":
-            value = get(node[1])
-            if len(node) > 2 and node[2].get("parameter"):
-                value = _torch().nn.Parameter(value, requires_grad=node[2]["requires_grad"])
-            return value
-        if tag in ("bytes", "ndarray"):
-            return get(node[1])
-        if tag in ("dict", "odict"):
-            pairs = [(decode(k), decode(v)) for k, v in node[1]]
-            return OrderedDict(pairs) if tag == "odict" else dict(pairs)
-        if tag == "list":
-            return [decode(item) for item in node[1]]
-        if tag == "tuple":
-            return tuple(decode(item) for item in node[1])
-        if tag == "set":
-            return {decode(item) for item in node[1]}
-        if tag == "float":
-            return float(node[1])
-        if tag == "npscalar":
-            return np.dtype(node[1]).type(decode(node[2]))
-        torch = _torch()
-        if tag == "size":
-            return torch.Size(node[1])
-        if tag == "dtype":
-            return torch_dtype(node[1])
-        if tag == "device":
-            return torch.device(node[1])
-        if tag == "npdtype":
-            return np.dtype(node[1])
-        raise UnsupportedStateError(f"unknown skeleton tag {tag!r}: written by a newer ckptstore?")
+        decoder = _DECODERS.get(node[0])
+        if decoder is None:
+            raise UnsupportedStateError(f"unknown skeleton tag {node[0]!r}: written by a newer ckptstore?")
+        return decoder(self, node)
 
-    return decode(skeleton)
+    def tensor(self, node: list) -> Any:
+        value = self.get(node[1])
+        if len(node) > 2 and node[2].get("parameter"):
+            value = _torch().nn.Parameter(value, requires_grad=node[2]["requires_grad"])
+        return value
+
+    def mapping(self, node: list) -> Any:
+        pairs = [(self.decode(k), self.decode(v)) for k, v in node[1]]
+        return OrderedDict(pairs) if node[0] == "odict" else dict(pairs)
+
+
+_DECODERS: dict[str, Callable[[_Unflattener, list], Any]] = {
+    "tensor": _Unflattener.tensor,
+    "bytes": lambda u, node: u.get(node[1]),
+    "ndarray": lambda u, node: u.get(node[1]),
+    "dict": _Unflattener.mapping,
+    "odict": _Unflattener.mapping,
+    "list": lambda u, node: [u.decode(item) for item in node[1]],
+    "tuple": lambda u, node: tuple(u.decode(item) for item in node[1]),
+    "set": lambda u, node: {u.decode(item) for item in node[1]},
+    "float": lambda u, node: float(node[1]),
+    "npscalar": lambda u, node: np.dtype(node[1]).type(u.decode(node[2])),
+    "size": lambda u, node: _torch().Size(node[1]),
+    "dtype": lambda u, node: torch_dtype(node[1]),
+    "device": lambda u, node: _torch().device(node[1]),
+    "npdtype": lambda u, node: np.dtype(node[1]),
+}

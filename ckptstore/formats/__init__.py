@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ckptstore.errors import CheckpointFormatError
-from ckptstore.formats import safetensors_file, torchfile
+from ckptstore.formats import safetensors_file, torchfile, torchzip
 from ckptstore.formats.atomic import write_parts
 from ckptstore.state import RawTensor, escape, flatten, join, raw_from_bytes, unflatten
 
@@ -77,7 +77,10 @@ def _read_file(path: Path, name: str, trust_pickle: bool, in_folder: bool) -> tu
     torch_like = size and torchfile.looks_like_torch_file(path)
     if torch_like and (not in_folder or path.suffix in TORCH_SUFFIXES):
         try:
-            flat = flatten(torchfile.load(path, trust_pickle), prefix)
+            # torch-free where the file is plain training state; torch's loader for everything else
+            flat = None if trust_pickle else torchzip.read(path, prefix)
+            if flat is None:
+                flat = flatten(torchfile.load(path, trust_pickle), prefix)
             return CheckpointFile(name, TORCH, flat.skeleton, size), flat.tensors
         except CheckpointFormatError as exc:
             if not (in_folder and "weights_only" in str(exc)):

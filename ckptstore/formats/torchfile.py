@@ -35,6 +35,16 @@ def looks_like_torch_file(path: str | os.PathLike) -> bool:
     return head == ZIP_MAGIC or head[:1] == PICKLE_MAGIC
 
 
+def refused(path: str | os.PathLike, reason: str) -> CheckpointFormatError:
+    """The error for a file whose pickle holds more than plain training state; `reason` is torch's."""
+    last_line = reason.strip().splitlines()[-1] if reason.strip() else ""
+    return CheckpointFormatError(
+        f"{path} holds objects that are not plain training state ({last_line.strip()}); "
+        "ckptstore loads checkpoints with weights_only=True. If you trust this file, "
+        "commit it with --trust-pickle."
+    )
+
+
 def load(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
     """Load a torch.save file onto the CPU without running arbitrary pickled code.
 
@@ -52,12 +62,7 @@ def load(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
         with torch.serialization.safe_globals(numpy_safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
-        first_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
-        raise CheckpointFormatError(
-            f"{path} holds objects that are not plain training state ({first_line.strip()}); "
-            "ckptstore loads checkpoints with weights_only=True. If you trust this file, "
-            "commit it with --trust-pickle."
-        ) from None
+        raise refused(path, str(exc)) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as exc:
         raise CheckpointFormatError(
             f"{path} is not a readable torch.save file (truncated or corrupted?): {exc}"

@@ -1,0 +1,487 @@
+"""torch.save zip files read without importing torch: a restricted unpickler and a memory map.
+
+A torch.save file (torch >= 1.6) is a zip archive: `<archive>/data.pkl`, a small pickle of the
+nested state in which every tensor is a call to a torch rebuild function over a persistent id naming
+a storage, and `<archive>/data/<key>`, that storage's raw bytes, stored uncompressed. This module
+unpickles data.pkl with an explicit allow-list of globals that resolve to plain stand-ins (nothing
+from the file is ever executed), then flattens the result into the same `FlatState` that
+`state.flatten(torchfile.load(path))` gives, with tensor bytes sliced from a memory map of the file.
+
+It models exactly what torch's `weights_only=True` loader accepts and no more. Whenever it meets
+something it does not model (an unknown global in torch's namespace, an unusual opcode, a
+big-endian file, a stride it cannot prove in bounds) `read` returns None and the caller falls back
+to torch, so results and error messages are the same on both paths. The one verdict it gives
+itself is a refusal: a global that torch's loader refuses too, with the same error.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import pickle
+import pickletools
+import struct
+import sys
+import zipfile
+from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
+from collections import OrderedDict
+from collections.abc import Callable
+from functools import cache
+from io import BytesIO
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from ckptstore.errors import UnsupportedStateError
+from ckptstore.formats.torchfile import numpy_safe_globals, refused
+from ckptstore.state import TORCH_ITEMSIZE, TORCH_PREFIX, FlatState, RawTensor, _Flattener
+
+# The last line of every refusal of torch's weights_only loader; torchfile.refused keeps only it
+TORCH_REFUSAL = (
+    "Check the documentation of torch.load to learn more about types accepted by default with "
+    "weights_only https://pytorch.org/docs/stable/generated/torch.load.html."
+)
+
+# The opcodes torch's weights_only unpickler implements (protocol 2); any other makes it refuse
+_OPCODES = frozenset({
+    "PROTO", "STOP", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS", "SETITEM", "SETITEMS",
+    "MARK", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NONE", "NEWFALSE", "NEWTRUE", "EMPTY_TUPLE",
+    "EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET", "BININT", "BININT1", "BININT2", "BINFLOAT", "BINUNICODE",
+    "SHORT_BINSTRING", "BINPERSID", "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT", "LONG1",
+})
+
+# Legacy typed storage classes torch.save names, and the dtype each holds
+_STORAGE_DTYPES = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
+    "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "ComplexDoubleStorage": "complex128", "ComplexFloatStorage": "complex64",
+}
+# dtypes torch lets require grad without question; anything else asking for grad goes to torch
+_GRAD_DTYPES = frozenset(TORCH_PREFIX + n for n in ("float64", "float32", "float16", "bfloat16", "complex64",
+                                                    "complex128"))
+_DEVICE_TYPES = frozenset({"cpu", "cuda", "mps", "meta", "xpu"})
+# Parameter attributes known to be bookkeeping only (transformers marks initialised weights)
+_HARMLESS_PARAMETER_STATE = frozenset({"_is_hf_initialized"})
+# Non-torch globals torch's loader accepts besides the numpy ones
+_TORCH_ALSO_ALLOWS = frozenset({
+    "collections.OrderedDict", "collections.Counter", "_codecs.encode",
+    "builtins.bytearray", "builtins.set", "builtins.complex",
+})
+_LOCAL_HEADER = struct.Struct("<4s5H3L2H")
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class _Fallback(Exception):
+    """A case this reader does not model; torch's own loader decides instead."""
+
+
+class _Refused(Exception):
+    """A global that torch's weights_only loader refuses as well."""
+
+
+def _need(condition: bool, what: str) -> None:
+    if not condition:
+        raise _Fallback(what)
+
+
+# Stand-ins. Named and placed like torch's classes, so that flatten's errors about a value or a
+# dict key of these types read the same on both paths.
+
+
+class TypedStorage:
+    """A storage record: where its bytes start in the file, how many, and their dtype."""
+
+    __module__ = "torch.storage"
+    __slots__ = ("key", "dtype", "start", "nbytes")
+
+    def __init__(self, key: str, dtype: str, start: int, nbytes: int) -> None:
+        self.key, self.dtype, self.start, self.nbytes = key, dtype, start, nbytes
+
+    def __setstate__(self, state: Any) -> None:
+        raise _Fallback("BUILD on a storage")
+
+
+class Tensor:
+    """A strided view of a storage, as torch's rebuild functions would make it."""
+
+    __module__ = "torch"
+    __slots__ = ("storage", "offset", "shape", "stride", "dtype", "requires_grad")
+
+    def __init__(self, storage: TypedStorage, offset: int, shape: tuple[int, ...], stride: tuple[int, ...],
+                 dtype: str, requires_grad: bool) -> None:
+        self.storage, self.offset, self.shape, self.stride = storage, offset, shape, stride
+        self.dtype, self.requires_grad = dtype, requires_grad
+
+    def __setstate__(self, state: Any) -> None:
+        raise _Fallback("BUILD on a tensor")
+
+
+class Parameter(Tensor):
+    """An nn.Parameter: a tensor whose requires_grad the skeleton records."""
+
+    __module__ = "torch.nn.parameter"
+    __slots__ = ()
+
+
+class Size(tuple):
+    """torch.Size: a tuple of ints (flatten stores it as a tuple, as it does a real one)."""
+
+    __module__ = "torch"
+    __slots__ = ()
+
+    def __new__(cls, items: Any = ()) -> Size:
+        items = tuple(items)
+        _need(all(type(i) is int for i in items), "torch.Size of non-ints")
+        return super().__new__(cls, items)
+
+
+class dtype:  # noqa: N801 - the name torch's errors use
+    """A torch dtype, by its full name ("torch.float32")."""
+
+    __module__ = "torch"
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class device:  # noqa: N801 - the name torch's errors use
+    """A torch device, by the text str(torch.device) gives ("cpu", "cuda:1")."""
+
+    __module__ = "torch"
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+class _StorageType:
+    """The storage class a persistent id names; untyped storages hold bytes."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype_name: str) -> None:
+        self.dtype = dtype_name
+
+
+class _NdarrayClass:
+    """numpy.ndarray as _reconstruct's first argument; never called."""
+
+
+def _make_device(kind: Any, index: Any = None) -> device:
+    _need(type(kind) is str, "device type")
+    if ":" in kind and index is None:
+        kind, _, digits = kind.partition(":")
+        _need(digits.isdigit() and digits.isascii() and str(int(digits)) == digits, "device index")
+        index = int(digits)
+    _need(kind in _DEVICE_TYPES, f"device type {kind}")
+    _need(index is None or (type(index) is int and index >= 0), "device index")
+    return device(kind if index is None else f"{kind}:{index}")
+
+
+def _latin1(text: Any, encoding: Any = "utf-8") -> bytes:
+    # protocol 2 writes bytes as _codecs.encode(str, "latin1"); nothing else is modelled
+    _need(type(text) is str and encoding in ("latin1", "latin-1"), "_codecs.encode")
+    return text.encode("latin1")
+
+
+def _plain_set(items: Any = ()) -> set:
+    # sets of anything but plain values sort differently (or fail differently) on the torch path
+    _need(type(items) in (list, tuple), "set argument")
+    _need(all(type(i) in (str, int, float, bool, bytes, type(None)) for i in items), "set of non-scalars")
+    return set(items)
+
+
+def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
+    _need(type(real) in (int, float) and type(imag) in (int, float), "complex arguments")
+    return complex(real, imag)
+
+
+def _np_reconstruct(subtype: Any, shape: Any, typecode: Any) -> np.ndarray:
+    # numpy pickles an array as _reconstruct(ndarray, (0,), b"b") and then BUILD, which is numpy's own
+    # ndarray.__setstate__ on the empty array made here, with a dtype from _np_dtype below
+    _need(subtype is _NdarrayClass and shape == (0,) and typecode == b"b", "numpy _reconstruct")
+    return np.empty(0, dtype=np.int8)
+
+
+def _np_dtype(spec: Any, align: Any = False, copy: Any = False) -> np.dtype:
+    """Numeric dtypes only: never objects, strings, records or datetimes."""
+    _need(type(spec) is str and type(align) is bool, "numpy dtype arguments")
+    # always a fresh copy: BUILD then sets its byte order, which must not touch numpy's shared one
+    result = np.dtype(spec, align=align, copy=True)
+    _need(result.kind in "biufc" and result.fields is None and result.subdtype is None, f"numpy dtype {spec}")
+    return result
+
+
+def _check_view(storage: Any, dtype_name: str, offset: Any, size: Any, stride: Any) -> None:
+    """The checks torch's Tensor.set_ makes, and that every number is a plain int."""
+    _need(isinstance(storage, TypedStorage) and dtype_name in TORCH_ITEMSIZE, "tensor storage or dtype")
+    _need(type(offset) is int and offset >= 0, "storage offset")
+    _need(type(size) is tuple and type(stride) is tuple and len(size) == len(stride), "size and stride")
+    _need(all(type(n) is int and n >= 0 for n in size + stride), "size and stride values")
+    if math.prod(size):
+        extent = offset + 1 + sum((n - 1) * s for n, s in zip(size, stride))
+        _need(extent * TORCH_ITEMSIZE[dtype_name] <= storage.nbytes, "tensor beyond its storage")
+
+
+def _empty_hooks(hooks: Any) -> bool:
+    return type(hooks) is OrderedDict and not hooks
+
+
+def _tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any,
+            dtype_name: str, metadata: Any) -> Tensor:
+    _check_view(storage, dtype_name, offset, size, stride)
+    _need(type(requires_grad) is bool and (not requires_grad or dtype_name in _GRAD_DTYPES), "requires_grad")
+    _need(_empty_hooks(hooks), "backward hooks")
+    # metadata carries conj/neg bits; a file that sets them is left to torch
+    _need(metadata is None or (type(metadata) is dict and not metadata), "tensor metadata")
+    return Tensor(storage, offset, size, stride, dtype_name, requires_grad)
+
+
+def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any,
+                       metadata: Any = None) -> Tensor:
+    dtype_name = storage.dtype if isinstance(storage, TypedStorage) else ""
+    return _tensor(storage, offset, size, stride, requires_grad, hooks, dtype_name, metadata)
+
+
+def _rebuild_tensor_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any,
+                       dtype_: Any, metadata: Any = None) -> Tensor:
+    _need(isinstance(dtype_, dtype), "rebuild_tensor_v3 dtype")
+    return _tensor(storage, offset, size, stride, requires_grad, hooks, dtype_.name, metadata)
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any) -> Parameter:
+    _need(type(data) is Tensor and type(requires_grad) is bool and _empty_hooks(hooks), "parameter")
+    _need(not requires_grad or data.dtype in _GRAD_DTYPES, "parameter requires_grad")
+    return Parameter(data.storage, data.offset, data.shape, data.stride, data.dtype, requires_grad)
+
+
+def _harmless(state: Any) -> bool:
+    if state is None:
+        return True
+    return type(state) is dict and all(
+        k in _HARMLESS_PARAMETER_STATE and type(v) in (bool, int, str, type(None)) for k, v in state.items())
+
+
+def _rebuild_parameter_with_state(data: Any, requires_grad: Any, hooks: Any, state: Any) -> Parameter:
+    # torch sets each item of state as an attribute: only known bookkeeping flags are let through
+    parts = state if type(state) is tuple and len(state) == 2 else (state,)
+    _need(all(_harmless(part) for part in parts), "parameter state")
+    return _rebuild_parameter(data, requires_grad, hooks)
+
+
+@cache
+def _numpy_names() -> frozenset[str]:
+    """The numpy globals torchfile.load lets torch accept, by the dotted name torch matches."""
+    return frozenset(f"{g.__module__}.{g.__qualname__}" for g in numpy_safe_globals())
+
+
+@cache
+def _globals() -> dict[tuple[str, str], Any]:
+    """The allow-list: (module, name) as the pickle names it -> what this reader builds for it."""
+    table: dict[tuple[str, str], Any] = {
+        ("collections", "OrderedDict"): OrderedDict,
+        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+        ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
+        ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+        ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter_with_state,
+        ("torch", "Size"): Size,
+        ("torch", "device"): _make_device,
+        ("torch.storage", "UntypedStorage"): _StorageType(TORCH_PREFIX + "uint8"),
+        ("_codecs", "encode"): _latin1,
+        ("builtins", "set"): _plain_set,
+        ("builtins", "complex"): _complex,
+        ("numpy", "ndarray"): _NdarrayClass,
+        ("numpy", "dtype"): _np_dtype,
+    }
+    reconstruct = next(g for g in numpy_safe_globals() if getattr(g, "__name__", "") == "_reconstruct")
+    table[(reconstruct.__module__, "_reconstruct")] = _np_reconstruct
+    for name, dtype_name in _STORAGE_DTYPES.items():
+        table[("torch", name)] = _StorageType(TORCH_PREFIX + dtype_name)
+    for full in TORCH_ITEMSIZE:
+        table[("torch", full[len(TORCH_PREFIX):])] = dtype(full)
+    return table
+
+
+def _torch_might_allow(full_name: str) -> bool:
+    """Whether torch's loader (with torchfile's numpy globals) may accept a global this reader lacks."""
+    return full_name.startswith("torch.") or full_name in _TORCH_ALSO_ALLOWS or full_name in _numpy_names()
+
+
+class _Archive:
+    """The records of one torch.save zip, by name below its top folder, and where their bytes lie."""
+
+    def __init__(self, zf: zipfile.ZipFile, handle: BinaryIO, size: int) -> None:
+        names = zf.namelist()
+        _need(bool(names) and "/" in names[0], "archive layout")
+        top = names[0].split("/", 1)[0] + "/"  # torch's reader takes the folder of the first entry
+        self.zf, self.handle, self.size = zf, handle, size
+        self.records = {i.filename[len(top):]: i for i in zf.infolist() if i.filename.startswith(top)}
+
+    def read(self, name: str) -> bytes | None:
+        info = self.records.get(name)
+        return None if info is None else self.zf.read(info)
+
+    def data_start(self, name: str, nbytes: int) -> int:
+        """Offset in the file of a stored (uncompressed) record of exactly `nbytes` bytes."""
+        info = self.records.get(name)
+        _need(info is not None, f"record {name}")
+        _need(info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 1, f"{name} is compressed")
+        _need(info.file_size == nbytes, f"{name} size")
+        self.handle.seek(info.header_offset)
+        head = self.handle.read(_LOCAL_HEADER.size)
+        _need(len(head) == _LOCAL_HEADER.size, "local header")
+        fields = _LOCAL_HEADER.unpack(head)
+        _need(fields[0] == b"PK\x03\x04", "local header signature")
+        start = info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
+        _need(start + nbytes <= self.size, f"{name} beyond the end of the file")
+        return start
+
+
+class _Unpickler(pickle.Unpickler):
+    """Globals only from the allow-list; persistent ids only torch's storage records."""
+
+    def __init__(self, data: bytes, archive: _Archive) -> None:
+        super().__init__(BytesIO(data), encoding="utf-8")  # torch.load's encoding for py2 strings
+        self.archive = archive
+        self.storages: dict[str, TypedStorage] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        # the same python 2 renames torch applies before matching its allow-list
+        if (module, name) in NAME_MAPPING:
+            module, name = NAME_MAPPING[(module, name)]
+        elif module in IMPORT_MAPPING:
+            module = IMPORT_MAPPING[module]
+        found = _globals().get((module, name))
+        if found is not None:
+            return found
+        full_name = f"{module}.{name}"
+        if _torch_might_allow(full_name) or _added_to_torch(full_name):
+            raise _Fallback(f"global {full_name}")
+        raise _Refused(full_name)
+
+    def persistent_load(self, pid: Any) -> TypedStorage:
+        _need(type(pid) is tuple and len(pid) == 5 and pid[0] == "storage", "persistent id")
+        _, storage_type, key, _location, numel = pid  # everything loads onto the CPU, as torchfile asks
+        _need(isinstance(storage_type, _StorageType) and type(key) is str, "storage type or key")
+        _need(type(numel) is int and numel >= 0, "storage size")
+        if key not in self.storages:  # torch keeps the first storage loaded under a key, as here
+            nbytes = numel * TORCH_ITEMSIZE[storage_type.dtype]
+            start = self.archive.data_start(f"data/{key}", nbytes)
+            self.storages[key] = TypedStorage(key, storage_type.dtype, start, nbytes)
+        return self.storages[key]
+
+
+def _check_opcodes(data: bytes) -> None:
+    """Refuse streams torch's unpickler would not run the same way: other opcodes or protocols."""
+    for opcode, arg, _pos in pickletools.genops(data):
+        _need(opcode.name in _OPCODES, f"opcode {opcode.name}")
+        _need(opcode.name != "PROTO" or arg == 2, "pickle protocol")
+
+
+def _tensor_bytes(base: np.ndarray, value: Tensor) -> np.ndarray:
+    """The tensor's elements in C order as flat bytes: a slice of the map when contiguous, else a copy."""
+    numel = math.prod(value.shape)
+    if not numel:
+        return np.empty(0, dtype=np.uint8)
+    itemsize = TORCH_ITEMSIZE[value.dtype]
+    first = value.storage.start + value.offset * itemsize
+    expected, contiguous = 1, True
+    for n, s in zip(reversed(value.shape), reversed(value.stride)):
+        contiguous = contiguous and (n == 1 or s == expected)
+        expected *= n
+    if contiguous:
+        return base[first : first + numel * itemsize]
+    unit = np.dtype(_UNSIGNED[itemsize]) if itemsize in _UNSIGNED else np.dtype((np.void, itemsize))
+    span = base[first : value.storage.start + value.storage.nbytes]
+    elements = span[: len(span) // itemsize * itemsize].view(unit)
+    view = np.lib.stride_tricks.as_strided(
+        elements, value.shape, tuple(s * itemsize for s in value.stride), writeable=False)
+    copied = np.ascontiguousarray(view).reshape(-1).view(np.uint8)
+    # torch copies bool elements as booleans: any nonzero byte becomes 1 (a contiguous tensor keeps its bytes)
+    return (copied != 0).view(np.uint8) if value.dtype == TORCH_PREFIX + "bool" else copied
+
+
+class _StandInFlattener(_Flattener):
+    """state.flatten over stand-ins: same skeleton, same paths, same aliasing as over torch objects."""
+
+    def __init__(self, base: np.ndarray) -> None:
+        super().__init__()
+        self.base = base
+
+    def encode_other(self, value: Any, path: str) -> Any:
+        if isinstance(value, Tensor):
+            return self.stand_in_tensor(value, path)
+        if isinstance(value, dtype):
+            return ["dtype", value.name]
+        if isinstance(value, device):
+            return ["device", value.text]
+        return self.encode_last(value, path)
+
+    def stand_in_tensor(self, value: Tensor, path: str) -> list:
+        # _Flattener.tensor keys on the storage's address; distinct records have distinct file offsets
+        key = None
+        if math.prod(value.shape):
+            key = (value.storage.start, value.offset, value.shape, value.stride, value.dtype)
+        if key is not None and key in self.aliases:
+            node = ["tensor", self.aliases[key]]
+        else:
+            self.tensors[path] = RawTensor(value.dtype, value.shape, _tensor_bytes(self.base, value))
+            if key is not None:
+                self.aliases[key] = path
+            node = ["tensor", path]
+        if isinstance(value, Parameter):
+            node.append({"parameter": True, "requires_grad": value.requires_grad})
+        return node
+
+
+def _added_to_torch(full_name: str) -> bool:
+    """Whether this process added `full_name` to torch's allow-list (torch registers a few itself)."""
+    torch = sys.modules.get("torch")
+    if torch is None:  # not imported, so nothing was added
+        return False
+    get = getattr(getattr(torch, "serialization", None), "get_safe_globals", None)
+    if get is None:
+        return True
+    names = {g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}" for g in get()}
+    return full_name in names
+
+
+def _load(path: Path, prefix: str) -> FlatState:
+    size = path.stat().st_size
+    with zipfile.ZipFile(path) as zf, open(path, "rb") as handle:
+        archive = _Archive(zf, handle, size)
+        version = archive.read(".data/version") or archive.read("version")
+        _need(version is not None and version.strip() == b"3", "archive version")
+        _need(archive.read("byteorder") == b"little", "byte order")
+        data = archive.read("data.pkl")
+        _need(data is not None, "data.pkl")
+        _check_opcodes(data)
+        obj = _Unpickler(data, archive).load()
+        # a private (copy-on-write) map: writable arrays like torch's mmap gives, the file untouched
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    flattener = _StandInFlattener(np.frombuffer(mapped, dtype=np.uint8))
+    skeleton = flattener.encode(obj, prefix)
+    return FlatState(skeleton, flattener.tensors)
+
+
+def read(path: str | Path, prefix: str = "", on_fallback: Callable[[str], None] | None = None) -> FlatState | None:
+    """The flat state of a torch.save zip file read without torch, or None where torch must decide.
+
+    Raises the CheckpointFormatError torchfile.load raises for a global torch refuses, and the
+    UnsupportedStateError flatten raises for values it cannot store; both are the torch path's.
+    `on_fallback` hears why a file was left to torch (for tests and diagnostics).
+    """
+    path = Path(path)
+    try:
+        return _load(path, prefix)
+    except _Refused:
+        raise refused(path, TORCH_REFUSAL) from None
+    except UnsupportedStateError:
+        raise
+    except Exception as exc:  # anything not modelled, malformed or truncated: torch's loader decides
+        if on_fallback is not None:
+            on_fallback(f"{type(exc).__name__}: {exc}")
+        return None

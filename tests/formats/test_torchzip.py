@@ -1,0 +1,334 @@
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckptstore import formats
+from ckptstore.errors import CheckpointFormatError, UnsupportedStateError
+from ckptstore.formats import torchfile, torchzip
+from ckptstore.state import TORCH_ITEMSIZE, RawTensor, flatten
+from tests.conftest import Trainer
+
+DTYPES = [torch.float32, torch.float16, torch.float64, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
+          torch.bool, torch.complex64, torch.complex128]
+
+
+def both(path, prefix=""):
+    """(torch path, torch-free path) for one file; the torch-free one must not fall back."""
+    reasons = []
+    fast = torchzip.read(path, prefix, on_fallback=reasons.append)
+    assert fast is not None, reasons
+    return flatten(torchfile.load(path), prefix), fast
+
+
+def assert_same_flat(a, b):
+    assert a.skeleton == b.skeleton or repr(a.skeleton) == repr(b.skeleton)  # repr: nan inside npscalars
+    assert list(a.tensors) == list(b.tensors)
+    for path, x in a.tensors.items():
+        y = b.tensors[path]
+        assert isinstance(y, RawTensor) and (x.dtype, x.shape) == (y.dtype, y.shape), path
+        assert x.data.dtype == y.data.dtype == np.uint8 and x.data.tobytes() == y.data.tobytes(), path
+        assert x.data.flags.writeable == y.data.flags.writeable, path
+
+
+def save_and_compare(tmp_path, obj, name="a.pt"):
+    torch.save(obj, tmp_path / name)
+    try:
+        torchfile.load(tmp_path / name)
+    except CheckpointFormatError as exc:  # torch refuses it (b"" pickles as builtins.bytes): so must we
+        with pytest.raises(CheckpointFormatError) as info:
+            torchzip.read(tmp_path / name, "pre/fix")
+        assert str(info.value) == str(exc)
+        return None
+    a, b = both(tmp_path / name, "pre/fix")
+    assert_same_flat(a, b)
+    return b
+
+
+def random_tensor(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
+    raw = torch.from_numpy(np.frombuffer(draw(st.binary(min_size=64 * 16, max_size=64 * 16)), dtype=np.uint8).copy())
+    numel = int(np.prod(shape)) if shape else 1
+    base = raw[: numel * dtype.itemsize].view(dtype).reshape(shape)
+    view = draw(st.sampled_from(["plain", "transpose", "slice", "expand", "param"]))
+    if view == "transpose" and base.dim() >= 2:
+        return base.transpose(0, -1)
+    if view == "slice" and base.dim() >= 1 and base.shape[0] > 1:
+        return base[1:][:: draw(st.integers(1, 2))]
+    if view == "expand" and base.dim() >= 1 and base.shape[-1] == 1:
+        return base.expand(*base.shape[:-1], 3)
+    if view == "param":
+        return torch.nn.Parameter(base, requires_grad=base.is_floating_point() and draw(st.booleans())
+                                  and dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64))
+    return base
+
+
+leaves = st.one_of(
+    st.none(), st.booleans(), st.integers(-2**70, 2**70), st.text(max_size=8), st.binary(max_size=8),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([torch.Size([2, 3]), torch.Size([]), torch.float32, torch.bfloat16, torch.uint16,
+                     torch.device("cpu"), torch.device("cuda", 1), torch.device("cuda:0"), torch.device("meta"),
+                     np.dtype("<f4"), np.dtype(">i8"), np.dtype("?")]),
+    st.builds(lambda d, n: np.arange(n).astype(d),
+              st.sampled_from(["<f4", ">f8", "<i2", "|u1", "?", "<c8", "<u8"]), st.integers(0, 6)),
+    st.composite(lambda draw: random_tensor(draw))(),
+)
+states = st.recursive(leaves, lambda children: st.one_of(
+    st.lists(children, max_size=4),
+    st.lists(children, max_size=4).map(tuple),
+    st.dictionaries(st.text(max_size=5), children, max_size=4),
+    st.dictionaries(st.text(max_size=5), children, max_size=4).map(OrderedDict),
+    st.sets(st.integers(0, 9) | st.text(max_size=2), max_size=3).filter(
+        lambda s: len({type(x) for x in s}) <= 1),
+), max_leaves=12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(state=states, share=st.booleans())
+def test_hypothesis_states_flatten_like_torch(tmp_path, state, share):
+    obj = {"state": state}
+    if share:  # the same tensors again, and views of them: aliasing must match
+        tensors = [v for v in _leaves(state) if isinstance(v, torch.Tensor)]
+        obj["again"] = tensors
+        obj["views"] = [t.reshape(-1)[1:] for t in tensors if t.is_contiguous() and t.numel() > 1]
+    save_and_compare(tmp_path, obj)
+
+
+def _leaves(value):
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
+    elif isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield value
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.complex32, torch.float8_e5m2fnuz, torch.float8_e4m3fnuz])
+def test_every_storage_dtype_views_and_shapes(tmp_path, dtype):
+    base = torch.from_numpy(np.random.default_rng(0).integers(0, 256, 60 * 16, dtype=np.uint8)).view(dtype)[:60]
+    obj = {"full": base.reshape(3, 4, 5), "t": base.reshape(3, 4, 5).permute(2, 0, 1), "s": base[7:19:3],
+           "zero_d": base[5], "empty": base[:0].reshape(0, 4), "same": base.reshape(3, 4, 5), "tail": base[40:]}
+    flat = save_and_compare(tmp_path, obj)
+    assert flat.skeleton[1][5][1] == ["tensor", "pre/fix/full"]  # same storage, offset, shape, stride: alias
+    assert flat.tensors["pre/fix/zero_d"].shape == () and flat.tensors["pre/fix/empty"].data.size == 0
+    assert all(TORCH_ITEMSIZE[r.dtype] * int(np.prod(r.shape)) == r.nbytes for r in flat.tensors.values())
+
+
+def test_contiguous_tensors_are_slices_of_the_file(tmp_path):
+    torch.save({"w": torch.arange(1000.0), "t": torch.arange(1000.0).reshape(10, 100).T}, tmp_path / "a.pt")
+    flat = torchzip.read(tmp_path / "a.pt")
+    assert flat.tensors["w"].data.base is not None and not flat.tensors["w"].data.flags.owndata
+    assert flat.tensors["t"].data.flags.owndata or flat.tensors["t"].data.base.flags.owndata  # a copy
+    assert flat.tensors["w"].data.flags.writeable
+    before = (tmp_path / "a.pt").read_bytes()
+    flat.tensors["w"].data[:4] = 0  # a private map: the file is never written
+    assert (tmp_path / "a.pt").read_bytes() == before
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_real_training_state_flattens_like_torch(tmp_path, kind):
+    trainer = Trainer(optimizer_kind=kind)
+    trainer.train(3)
+    for name, part in [("model.pt", trainer.model.state_dict()), ("optimizer.pt", trainer.optimizer.state_dict()),
+                       ("scheduler.pt", trainer.scheduler.state_dict()), ("all.pt", trainer.state()),
+                       ("params.pt", {"params": list(trainer.model.parameters())})]:
+        save_and_compare(tmp_path, part, name)
+
+
+def test_trainer_rng_state_flattens_like_torch(tmp_path):
+    random.seed(3)
+    np.random.seed(3)
+    np.random.standard_normal()  # has_gauss=1 and a cached gaussian in the numpy state
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+    flat = save_and_compare(tmp_path, rng, "rng_state.pth")
+    assert flat.tensors["pre/fix/numpy/1"].dtype == "numpy:<u4" and flat.tensors["pre/fix/cpu"].dtype == "torch.uint8"
+
+
+def test_parameter_with_hf_flag_is_read_and_other_state_left_to_torch(tmp_path):
+    param = torch.nn.Parameter(torch.randn(3))
+    param._is_hf_initialized = True
+    save_and_compare(tmp_path, {"p": param})
+    param.custom = 3
+    torch.save({"p": param}, tmp_path / "b.pt")
+    assert torchzip.read(tmp_path / "b.pt") is None
+
+
+def test_formats_reads_without_torch_in_a_fresh_process(tmp_path):
+    trainer = Trainer()
+    trainer.train(2)
+    torch.save(trainer.state(), tmp_path / "a.pt")
+    expected = formats.read_checkpoint(tmp_path / "a.pt")
+    script = textwrap.dedent(f"""
+        import hashlib, json, sys
+        from ckptstore import formats
+        cp = formats.read_checkpoint({str(tmp_path / 'a.pt')!r})
+        digest = {{p: hashlib.sha256(r.data.tobytes()).hexdigest() for p, r in cp.tensors.items()}}
+        print(json.dumps({{"torch": "torch" in sys.modules, "skeleton": cp.files[0].skeleton, "digest": digest}}))
+    """)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    result = json.loads(out.stdout)
+    assert result["torch"] is False
+    assert result["skeleton"] == json.loads(json.dumps(expected.files[0].skeleton))
+    assert result["digest"] == {p: hashlib.sha256(r.data.tobytes()).hexdigest() for p, r in expected.tensors.items()}
+
+
+class Custom:
+    def __init__(self):
+        self.x = 1
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def _torch_error(path):
+    with pytest.raises(CheckpointFormatError) as info:
+        torchfile.load(path)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("payload", [Custom(), Evil(), {"args": Custom()}])
+def test_disallowed_globals_refused_like_torch_without_running_anything(tmp_path, monkeypatch, payload):
+    monkeypatch.chdir(tmp_path)
+    torch.save({"w": torch.ones(2), "x": payload}, tmp_path / "bad.pt")
+    with pytest.raises(CheckpointFormatError) as info:
+        torchzip.read(tmp_path / "bad.pt")
+    assert str(info.value) == _torch_error(tmp_path / "bad.pt")
+    assert "--trust-pickle" in str(info.value) and not (tmp_path / "pwned").exists()
+
+
+def _replace_pickle(src, dest, data):
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dest, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info, data if info.filename.endswith("/data.pkl") else zin.read(info))
+
+
+def test_crafted_os_system_pickle_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
+    crafted = b"\x80\x02cposix\nsystem\nq\x00X\x09\x00\x00\x00touch pwnq\x01\x85q\x02Rq\x03."
+    _replace_pickle(tmp_path / "a.pt", tmp_path / "evil.pt", crafted)
+    with pytest.raises(CheckpointFormatError) as info:
+        torchzip.read(tmp_path / "evil.pt")
+    assert str(info.value) == _torch_error(tmp_path / "evil.pt")
+    assert not (tmp_path / "pwn").exists()
+
+
+def test_training_args_bin_in_a_folder_stays_a_blob(tmp_path):
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    torch.save({"w": torch.ones(3)}, folder / "optimizer.pt")
+    torch.save(Custom(), folder / "training_args.bin")
+    checkpoint = formats.read_checkpoint(folder)
+    kinds = {f.name: (f.format, f.opaque_reason) for f in checkpoint.files}
+    assert kinds["training_args.bin"] == ("blob", "pickled objects, kept as bytes")
+    assert kinds["optimizer.pt"] == ("torch", "")
+
+
+def test_numpy_scalars_are_refused_as_torch_refuses_them(tmp_path):
+    # torchfile allows numpy arrays and dtypes but not numpy._core.multiarray.scalar: neither do we
+    torch.save({"x": np.float32(1.5)}, tmp_path / "a.pt")
+    with pytest.raises(CheckpointFormatError) as info:
+        torchzip.read(tmp_path / "a.pt")
+    assert str(info.value) == _torch_error(tmp_path / "a.pt")
+
+
+@pytest.mark.parametrize("make", ["legacy", "protocol4", "bigendian", "compressed", "sparse", "user_global"])
+def test_cases_it_does_not_model_fall_back_to_torch(tmp_path, monkeypatch, make):
+    path = tmp_path / "a.pt"
+    state = {"w": torch.arange(6.0).reshape(2, 3)}
+    if make == "legacy":
+        torch.save(state, path, _use_new_zipfile_serialization=False)
+    elif make == "protocol4":
+        torch.save(state, path, pickle_protocol=4)
+    elif make == "user_global":  # a global this process added to torch's allow-list: torch decides
+        torch.save({"x": Custom()}, path)
+        monkeypatch.setattr(torchzip, "_added_to_torch", lambda name: name.endswith(".Custom"))
+    elif make == "sparse":
+        torch.save({"s": torch.eye(3).to_sparse()}, path)
+    else:
+        torch.save(state, tmp_path / "src.pt")
+        with zipfile.ZipFile(tmp_path / "src.pt") as zin, zipfile.ZipFile(path, "w") as zout:
+            for info in zin.infolist():
+                data = zin.read(info)
+                if make == "bigendian" and info.filename.endswith("/byteorder"):
+                    data = b"big"
+                kind = zipfile.ZIP_DEFLATED if make == "compressed" else zipfile.ZIP_STORED
+                zout.writestr(info.filename, data, compress_type=kind)
+    reasons = []
+    assert torchzip.read(path, on_fallback=reasons.append) is None and reasons
+    # and read_checkpoint gives exactly what torch's path gives
+    try:
+        expected = flatten(torchfile.load(path))
+    except (CheckpointFormatError, UnsupportedStateError) as exc:
+        with pytest.raises(type(exc)) as info:
+            formats.read_checkpoint(path)
+        assert str(info.value) == str(exc)
+    else:
+        checkpoint = formats.read_checkpoint(path)
+        assert checkpoint.files[0].skeleton == expected.skeleton
+
+
+def test_trust_pickle_goes_to_torch(tmp_path):
+    torch.save({"x": Custom()}, tmp_path / "a.pt")
+    with pytest.raises(UnsupportedStateError, match="Custom"):
+        formats.read_checkpoint(tmp_path / "a.pt", trust_pickle=True)
+
+
+@pytest.mark.parametrize("cut", [0.3, 0.6, 0.95])
+def test_truncated_or_corrupted_zip_is_a_format_error(tmp_path, cut):
+    torch.save({"w": torch.randn(1000)}, tmp_path / "a.pt")
+    data = (tmp_path / "a.pt").read_bytes()
+    (tmp_path / "t.pt").write_bytes(data[: int(len(data) * cut)])
+    assert torchzip.read(tmp_path / "t.pt") is None
+    with pytest.raises(CheckpointFormatError, match="truncated"):
+        formats.read_checkpoint(tmp_path / "t.pt")
+    corrupted = bytearray(data)
+    start = data.index(b"data.pkl") + 40
+    corrupted[start : start + 20] = b"\xff" * 20
+    (tmp_path / "c.pt").write_bytes(bytes(corrupted))
+    assert torchzip.read(tmp_path / "c.pt") is None
+    with pytest.raises(CheckpointFormatError):
+        formats.read_checkpoint(tmp_path / "c.pt")
+
+
+def test_tensor_past_its_storage_falls_back(tmp_path):
+    torch.save({"w": torch.arange(4.0)}, tmp_path / "a.pt")
+    with zipfile.ZipFile(tmp_path / "a.pt") as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    bigger = data.replace(b"K\x04\x85", b"K\x09\x85", 1)  # size (4,) -> (9,) over a 4-element storage
+    assert bigger != data
+    _replace_pickle(tmp_path / "a.pt", tmp_path / "b.pt", bigger)
+    assert torchzip.read(tmp_path / "b.pt") is None
+    with pytest.raises(CheckpointFormatError):
+        formats.read_checkpoint(tmp_path / "b.pt")
+
+
+def test_sets_bytes_and_complex_like_torch(tmp_path):
+    flat = save_and_compare(tmp_path, {"s": {3, 1, 2}, "b": b"\x00\xff", "e": set(), "n": [None, True, 2**80]})
+    assert flat.skeleton[1][0][1] == ["set", [1, 2, 3]]
+    torch.save({"c": 1 + 2j}, tmp_path / "c.pt")
+    with pytest.raises(UnsupportedStateError) as fast:
+        torchzip.read(tmp_path / "c.pt")
+    with pytest.raises(UnsupportedStateError) as slow:
+        flatten(torchfile.load(tmp_path / "c.pt"))
+    assert str(fast.value) == str(slow.value)
