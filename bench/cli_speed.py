@@ -60,7 +60,7 @@ def main() -> None:
         baseline_argv = [sys.executable, "-c", "import sqlalchemy"]
         times: dict[str, list[float]] = {"import sqlalchemy": [], **{name: [] for name in COMMANDS}}
         timed(baseline_argv, root)  # warm the page cache for both
-        for name, words in COMMANDS.items():
+        for words in COMMANDS.values():
             timed([*ckpt, *words], root)
         for _ in range(args.rounds):
             times["import sqlalchemy"].append(timed(baseline_argv, root))
