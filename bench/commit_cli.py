@@ -1,0 +1,77 @@
+"""`python -m bench.commit_cli [RUN] [--files 8]`: `ckpt commit` after each save, against in-process commits.
+
+The mission's users run `ckpt commit` from their training script or shell after each save, so each
+commit pays for a fresh process. This commits the first N cached checkpoints of a run (default:
+the MiniLM fine-tune's 271 MB torch.save files) into a fresh repository twice over: once through
+the installed `ckpt` console script, one process per commit, and once as the same `repo.commit`
+calls in this process (its imports already paid). Blocks run in the order in-process, CLI, CLI,
+in-process, so drift in the machine's speed hits both alike; it prints each block's throughput in
+MB of checkpoint per second and the CLI's ratio to the in-process figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.workloads import WORKLOADS
+
+
+def in_process(files: list[Path], root: Path) -> float:
+    """Seconds for `repo.commit` of each file in turn, in this process."""
+    from ckptstore import Repository
+
+    shutil.rmtree(root, ignore_errors=True)
+    with Repository.init(root) as repo:
+        start = time.perf_counter()
+        for path in files:
+            repo.commit(path, message=path.name)
+        return time.perf_counter() - start
+
+
+def through_cli(files: list[Path], root: Path, ckpt: str) -> float:
+    """Seconds for one `ckpt commit` process per file."""
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir()
+    subprocess.run([ckpt, "init"], cwd=root, check=True, stdout=subprocess.DEVNULL)
+    start = time.perf_counter()
+    for path in files:
+        subprocess.run([ckpt, "commit", str(path), "-m", path.name], cwd=root, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", nargs="?", default="minilm-finetune")
+    parser.add_argument("--files", type=int, default=8)
+    args = parser.parse_args()
+    ckpt = shutil.which("ckpt", path=os.path.dirname(sys.executable)) or "ckpt"
+    files = WORKLOADS[args.run]().files()[: args.files]
+    megabytes = sum(p.stat().st_size for p in files) / 1e6
+    for path in files:  # the page cache holds them for every block
+        path.read_bytes()
+    scratch = Path(tempfile.mkdtemp(prefix="ckpt-commit-cli-"))
+    seconds: dict[str, list[float]] = {"in-process": [], "cli": []}
+    try:
+        for label in ("in-process", "cli", "cli", "in-process"):
+            run = (lambda: in_process(files, scratch / "repo")) if label == "in-process" else (
+                lambda: through_cli(files, scratch / "repo", ckpt))
+            seconds[label].append(run())
+            print(f"{label:<11} {len(files)} commits, {megabytes:.0f} MB: {seconds[label][-1]:.2f} s, "
+                  f"{megabytes / seconds[label][-1]:.0f} MB/s", flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    cli, inproc = statistics.mean(seconds["cli"]), statistics.mean(seconds["in-process"])
+    print(f"throughput: in-process {megabytes / inproc:.0f} MB/s, ckpt commit {megabytes / cli:.0f} MB/s, "
+          f"ratio {inproc / cli:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
