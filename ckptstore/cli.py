@@ -132,8 +132,8 @@ def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle,
 def checkout(ctx, ref, output, force) -> None:
     """Restore the checkpoint at REF (bit-exact) and move HEAD to it."""
     repo = _open(ctx)
+    info = repo.commit_info(ref)  # before HEAD moves: a ref like HEAD~1 names another commit afterwards
     dest = repo.checkout_to(ref, output, force=force, progress=BarProgress())
-    info = repo.commit_info(ref)
     click.echo(f"Restored {info.id[:12]} to {dest}")
     if info.lossy:
         click.echo(f"note: {info.id[:12]} is a lossy commit (level {info.lossy}): weights and optimizer "

@@ -55,3 +55,15 @@ def test_json_outputs_and_diff_stats(tmp_path, monkeypatch):
     assert "ok" in run("fsck").output
     refused = CliRunner().invoke(cli, ["branch", "-d", "main"])
     assert refused.exit_code != 0 and "HEAD is on it" in str(refused.exception)
+
+
+def test_checkout_of_a_relative_ref_reports_the_commit_it_restored(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = lambda *args: CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    run("init")
+    for value in (1.0, 2.0):
+        torch.save({"w": torch.full((4,), value)}, "ckpt.pt")
+        run("commit", "ckpt.pt")
+    first = json.loads(run("log", "--json").output)[1]["id"]
+    assert f"Restored {first[:12]}" in run("checkout", "HEAD~1").output
+    assert torch.load("ckpt.pt")["w"][0] == 1.0
