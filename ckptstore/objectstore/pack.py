@@ -36,9 +36,9 @@ class PackWriter:
     At most one pack's worth of payloads waits in memory.
     """
 
-    def __init__(self, store: ObjectStore, limit: int = PACK_BYTES) -> None:
+    def __init__(self, store: ObjectStore, limit: int | None = None) -> None:
         self.store = store
-        self.limit = limit
+        self.limit = PACK_BYTES if limit is None else limit
         self._payloads: list[bytes] = []
         self._slots: list[PackSlot] = []
         self._filled = 0

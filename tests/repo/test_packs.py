@@ -6,7 +6,8 @@ import torch
 from ckptstore.codecs.bytegroup import XOR_MODES
 from ckptstore.errors import CorruptObjectError
 from ckptstore.metadata import tensors as tensor_rows
-from ckptstore.repo import fsck, writer
+from ckptstore.objectstore import pack
+from ckptstore.repo import fsck
 from tests.conftest import assert_same
 
 
@@ -40,7 +41,7 @@ def test_small_tensors_share_one_pack_and_round_trip(repo):
 
 
 def test_packs_split_at_their_size_limit(repo, monkeypatch):
-    monkeypatch.setattr(writer, "PACK_BYTES", 1024)
+    monkeypatch.setattr(pack, "PACK_BYTES", 1024)
     state = _state()
     cid = repo.commit(state)
     packs = {c.object_id for path, cs in _chunks_by_path(repo, cid).items() if "small" in path for c in cs}
