@@ -10,8 +10,8 @@ import torch
 
 from ckptstore.errors import CorruptObjectError
 from ckptstore.metadata import tensors as tensor_rows
-from ckptstore.replay import ChainSource, replay, run_here_and_on
 from ckptstore.objectstore import pack
+from ckptstore.replay import ChainSource, replay, run_here_and_on
 
 
 def test_pack_cache_bound_evicts_and_replay_stays_exact(repo, monkeypatch):
