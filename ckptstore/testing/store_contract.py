@@ -61,7 +61,7 @@ def check_missing(store: ObjectStore) -> None:
 
 
 def check_size(store: ObjectStore) -> None:
-    """size is the stored length."""
+    """Size is the stored length."""
     for length in (0, 1, 4097):
         assert store.size(store.put(os.urandom(length))) == length
 
