@@ -202,6 +202,8 @@ class ByteGroupCodec:
         Samples are taken at the same places for each mode; the XOR plane is computed in full only
         when it wins, and a sample that is the whole plane is not compressed twice.
         """
+        if plane.size == 0:  # an empty tensor: nothing to code
+            return RAW, plane.data
         picks = _sample_slices(plane.size)
         whole = len(picks) == 1
         samples = {False: plane if whole else np.concatenate([plane[s] for s in picks])}

@@ -98,3 +98,11 @@ def test_cli_training_flow_with_branch_checkout_and_fork(tmp_path, monkeypatch):
     assert "best" in run("tag").output
     assert run("checkout", "best", "-o", "restored.pt").exit_code == 0
     assert_same(torch.load(__import__("io").BytesIO(saved[6]), weights_only=False), _load_file("restored.pt"))
+
+
+def test_empty_tensors_round_trip_alone_and_as_residuals(repo):
+    states = [{"a": torch.zeros(0), "b": torch.full((3,), float(i)), "c": torch.zeros(0, 4, dtype=torch.bfloat16),
+               "d": torch.empty(2, 0, dtype=torch.int64)} for i in range(3)]
+    cids = [repo.commit(state) for state in states]
+    for cid, state in zip(cids, states):
+        assert_same(state, repo.checkout(cid))
