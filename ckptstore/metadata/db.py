@@ -18,8 +18,8 @@ from typing import Any
 from ckptstore.errors import CkptError
 
 BUSY_TIMEOUT_MS = 120_000
-HEAD_REVISION = "0005"  # the newest migration in migrations/versions; a test keeps the two in step
-KNOWN_REVISIONS = ("0001", "0002", "0003", "0004", "0005")
+HEAD_REVISION = "0006"  # the newest migration in migrations/versions; a test keeps the two in step
+KNOWN_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006")
 BATCH = 500  # ids per IN (...) list: SQLite allows 32766 parameters, PostgreSQL 65535
 
 

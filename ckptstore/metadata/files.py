@@ -14,12 +14,12 @@ def known_digests(tx: Tx, digests: Iterable[str]) -> set[str]:
     return {row[0] for row in tx.rows_in("SELECT digest FROM known_files WHERE digest IN ({ids})", digests)}
 
 
-def commit_of_digest(tx: Tx, digest: str) -> CommitId | None:
-    """A commit whose checkpoint had a file with this content, or None."""
-    found = tx.scalar("SELECT commit_id FROM known_files WHERE digest = ?", (digest,))
-    return CommitId(found) if found else None
+def commits_of_digest(tx: Tx, digest: str) -> list[CommitId]:
+    """The commits whose checkpoint had a file with this content, sorted."""
+    return [CommitId(c) for c in tx.column("SELECT commit_id FROM known_files WHERE digest = ? ORDER BY commit_id",
+                                           (digest,))]
 
 
 def remember(tx: Tx, rows: Iterable[tuple[str, CommitId, int]]) -> None:
-    """Record (digest, commit, size) of files whose content `commit` holds; known digests stay."""
+    """Record (digest, commit, size) of files whose content `commit` holds (each pair once)."""
     insert_ignore(tx, "known_files", ("digest", "commit_id", "size"), rows)

@@ -77,6 +77,6 @@ commit_tensors = Table(
 known_files = Table(
     "known_files", metadata,
     Column("digest", ID, primary_key=True),
-    Column("commit_id", ID, nullable=False),
+    Column("commit_id", ID, primary_key=True, index=True),
     Column("size", BigInteger, nullable=False),
 )

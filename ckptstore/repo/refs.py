@@ -47,7 +47,7 @@ def head_commit(tx: Tx) -> CommitId | None:
     if head_row.commit_id:
         return CommitId(head_row.commit_id)
     branch_row = ref_rows.ref_row(tx, head_row.target)
-    return CommitId(branch_row.commit_id) if branch_row else None
+    return CommitId(branch_row.commit_id) if branch_row and branch_row.kind == BRANCH else None
 
 
 def head_branch(tx: Tx) -> str | None:
@@ -109,6 +109,9 @@ def create(repo: Repository, name: str, start: str, kind: str) -> CommitId:
     with repo.db.write() as tx:
         if ref_rows.ref_row(tx, name) is not None:
             raise RefExistsError(f"a branch or tag named {name!r} already exists")
+        if kind == TAG and head_branch(tx) == name:
+            raise RefExistsError(f"HEAD is on branch {name!r}, which has no commits yet; a tag of that name would "
+                                 "stand in its way: choose another name")
         cid = resolve(tx, start)
         ref_rows.insert_ref(tx, name, kind, cid)
     return cid

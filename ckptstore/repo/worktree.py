@@ -65,7 +65,7 @@ def _file_state(repo: Repository, path: Path, committed: str | None, head: Commi
     if digest == committed:
         return "unchanged"
     with repo.db.read() as tx:
-        known = file_rows.commit_of_digest(tx, digest)
-    if known == head:
+        known = file_rows.commits_of_digest(tx, digest)
+    if head in known:
         return "unchanged"
-    return f"modified (content of {known[:12]})" if known else "modified"
+    return f"modified (content of {known[0][:12]})" if known else "modified"

@@ -55,3 +55,37 @@ def test_a_write_that_fails_leaves_nothing(tmp_path):
     with db.read() as tx:
         assert tx.rows("SELECT * FROM refs") == []
     db.close()
+
+
+def test_migrations_build_the_schema_that_schema_py_mirrors(tmp_path):
+    from sqlalchemy import create_engine, inspect
+
+    from ckptstore.metadata.schema import metadata
+
+    with Repository.init(tmp_path):
+        pass
+    engine = create_engine(f"sqlite:///{tmp_path / '.ckpt' / 'ckpt.db'}")
+    try:
+        found = inspect(engine)
+        for table in metadata.sorted_tables:
+            assert {c["name"] for c in found.get_columns(table.name)} == {c.name for c in table.columns}, table.name
+            assert set(found.get_pk_constraint(table.name)["constrained_columns"]) == {
+                c.name for c in table.primary_key.columns}, table.name
+    finally:
+        engine.dispose()
+
+
+def test_files_known_to_a_pruned_commit_stay_known_through_later_commits(tmp_path):
+    import torch
+
+    from ckptstore.repo import gc
+
+    with Repository.init(tmp_path) as repo:
+        torch.save({"w": torch.ones(3)}, tmp_path / "a.pt")
+        repo.branch("side", repo.commit({"w": torch.zeros(3)}))
+        repo.commit(tmp_path / "a.pt", branch="side")  # the first commit of this file's content
+        repo.commit(tmp_path / "a.pt", message="the same file on main", allow_empty=True)
+        repo.delete_branch("side")
+        assert gc(repo, prune_unreachable=True).commits_removed == 1
+        assert [f["state"] for f in repo.status()["files"]] == ["unchanged"]
+        repo.checkout_to("HEAD")  # would refuse to overwrite a file whose content no commit holds

@@ -8,3 +8,4 @@ def test_fork_is_drawn_with_two_lanes_joining():
     assert order.index("b") > max(order.index("c"), order.index("x"))
     lines = render(order, parents, lambda c: c)
     assert lines == ["* y", "* x", "| * d", "| * c", "|/", "* b", "* a"]
+
