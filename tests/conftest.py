@@ -131,9 +131,9 @@ def trainer() -> Trainer:
 #         layer:  CKPT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/repo/test_state_machine.py \
 #                 tests/objectstore/test_store_machine.py      (about N minutes on 2 cores)
 HYPOTHESIS_PROFILE_ENV = "CKPT_HYPOTHESIS_PROFILE"
-settings.register_profile("ci", max_examples=25, stateful_step_count=30, deadline=None,
+settings.register_profile("ci", max_examples=25, stateful_step_count=30, deadline=None, database=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("long", max_examples=400, stateful_step_count=100, deadline=None,
+settings.register_profile("long", max_examples=400, stateful_step_count=100, deadline=None, database=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
