@@ -133,7 +133,7 @@ def trainer() -> Trainer:
 HYPOTHESIS_PROFILE_ENV = "CKPT_HYPOTHESIS_PROFILE"
 settings.register_profile("ci", max_examples=25, stateful_step_count=30, deadline=None, database=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("long", max_examples=400, stateful_step_count=100, deadline=None, database=None,
+settings.register_profile("long", max_examples=200, stateful_step_count=80, deadline=None, database=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 

@@ -25,6 +25,7 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
+from hypothesis import event
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ckptstore import Repository
@@ -227,7 +228,15 @@ class RepositoryMachine(RuleBasedStateMachine):
         return path
 
     # ------------------------------------------------------------ rules: commits
-    @rule(data=st.data(), as_file=st.booleans(), branch=st.sampled_from([None, None, *REF_NAMES]))
+    @rule(data=st.data(), as_file=st.booleans())
+    def commit_to_head(self, data: st.DataObject, as_file: bool) -> None:
+        self.commit(data, as_file, None)
+
+    @rule(data=st.data(), as_file=st.booleans(), branch=st.sampled_from(REF_NAMES))
+    def commit_to_branch(self, data: st.DataObject, as_file: bool, branch: str) -> None:
+        """To an existing branch, a new one (parent: HEAD's commit), HEAD's unborn one, or a tag (refused)."""
+        self.commit(data, as_file, branch)
+
     def commit(self, data: st.DataObject, as_file: bool, branch: str | None) -> None:
         """Commit a state derived from any known one; allow_empty only where it equals the parent."""
         base = data.draw(st.sampled_from([None, *self.commits]), label="base")
@@ -241,6 +250,7 @@ class RepositoryMachine(RuleBasedStateMachine):
         target, parent = self.target_of(branch)
         unchanged = (parent is not None and (self.commits[parent].source is None) == (source is None)
                      and same_state(state, self.commits[parent].state))
+        event(f"commit: {'file' if source else 'state'}{', equal to its parent' if unchanged else ''}")
         cid = self.repo.commit(what, message="machine", step=state["step"], branch=branch, allow_empty=unchanged)
         self.record(cid, Expected(state, parent, source), target)
 
@@ -256,9 +266,16 @@ class RepositoryMachine(RuleBasedStateMachine):
         what = self.write_file(state, expected.source) if expected.source else state
         with pytest.raises(NothingToCommitError):
             self.repo.commit(what)
+        event(f"commit: unchanged {'file' if expected.source else 'state'} refused")
         if allow_empty:
             cid = self.repo.commit(what, allow_empty=True)
             self.record(cid, Expected(state, parent, expected.source), self.head_branch)
+
+    @rule(data=st.data(), relative=st.sampled_from(FILE_PATHS))
+    def training_writes_file(self, data: st.DataObject, relative: str) -> None:
+        """Training saves a checkpoint that is not committed (yet): checkout must not overwrite it."""
+        base = data.draw(st.sampled_from([None, *self.commits]), label="base")
+        self.write_file(draw_state(data, self.commits[base].state if base else None), relative)
 
     # ------------------------------------------------------------ rules: refs
     @precondition(lambda self: self.commits)
@@ -313,10 +330,12 @@ class RepositoryMachine(RuleBasedStateMachine):
             return
         dest = self.repo.root / source
         if dest.exists() and not force and not self.known.get(file_digest(dest)):
+            event("checkout moving HEAD: refused, unsaved file")
             with pytest.raises(DirtyWorktreeError):
                 self.repo.checkout_to(spec)
             return
         assert self.repo.checkout_to(spec, force=force) == dest
+        event(f"checkout moving HEAD: {'attached' if spec in self.branches else 'detached'}")
         assert_restored(self.commits[cid].state, torch.load(dest, weights_only=True), f"checkout {spec}")
         self.remember(dest, cid)
         if spec in self.branches:
@@ -337,6 +356,7 @@ class RepositoryMachine(RuleBasedStateMachine):
         doomed = set(self.commits) - self.reachable()
         report = gc(self.repo, prune_unreachable=True)
         assert report.commits_removed == len(doomed)
+        event(f"prune: {'some' if doomed else 'no'} commits removed")
         for cid in doomed:
             del self.commits[cid]
             with pytest.raises(RefNotFoundError):
