@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from ckptstore import Repository
 
@@ -119,3 +121,28 @@ def repo(tmp_path: Path):
 @pytest.fixture
 def trainer() -> Trainer:
     return Trainer()
+
+
+# Hypothesis profiles for the state machines (tests/repo/test_state_machine.py,
+# tests/objectstore/test_store_machine.py). They are registered here but applied only to those
+# machines (`machine_settings()`), so other property tests keep their own explicit settings.
+#   ci   (default): bounded for every test run; both machines together in well under a minute.
+#   long: many more and longer runs, for a soak before a release or after changing the repository
+#         layer:  CKPT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/repo/test_state_machine.py \
+#                 tests/objectstore/test_store_machine.py      (about 5 minutes on 2 cores; ci: about 20 s)
+# database=None: no .hypothesis/ folder in the work tree; a failure prints its steps and seed instead.
+HYPOTHESIS_PROFILE_ENV = "CKPT_HYPOTHESIS_PROFILE"
+settings.register_profile("ci", max_examples=25, stateful_step_count=30, deadline=None, database=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("long", max_examples=200, stateful_step_count=80, deadline=None, database=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def machine_settings(scale: float = 1.0) -> settings:
+    """The profile named by CKPT_HYPOTHESIS_PROFILE (default "ci"), with examples scaled by `scale`.
+
+    A machine whose steps are costly (a real repository per example) passes `scale` < 1 so that
+    each profile stays within its time budget.
+    """
+    profile = settings.get_profile(os.environ.get(HYPOTHESIS_PROFILE_ENV, "ci"))
+    return settings(profile, max_examples=max(1, round(profile.max_examples * scale)))
