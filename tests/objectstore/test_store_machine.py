@@ -40,11 +40,7 @@ MemoryStoreMachine.TestCase.settings = machine_settings()
 TestMemoryStoreMachine = MemoryStoreMachine.TestCase
 
 
-@pytest.mark.parametrize("kind", [
-    pytest.param("local", marks=pytest.mark.xfail(strict=True, raises=FileNotFoundError,
-                                                  reason="LocalObjectStore.size stats the file unguarded")),
-    "memory",
-])
+@pytest.mark.parametrize("kind", ["local", "memory"])
 def test_size_of_a_missing_object_is_a_corrupt_object_error(kind, tmp_path):
     """Like get(): gc asks size() of ids it listed, which a concurrent delete may have removed."""
     store = LocalObjectStore(tmp_path / "objects", tmp_path / "tmp") if kind == "local" else MemoryObjectStore()
