@@ -36,10 +36,12 @@ def digest_level(files: list[Path], level: str | None, scratch: Path) -> dict:
             start = time.perf_counter()
             cids.append(repo.commit(path, message=path.name, lossy=level))
             commit_s += time.perf_counter() - start
-        for cid in cids:
+        for index, cid in enumerate(cids):
             start = time.perf_counter()
-            repo.checkout_to(cid, scratch / "out", force=True)
+            repo.checkout_to(cid, scratch / f"out-{index}", force=True)
             checkout_s += time.perf_counter() - start
+            shutil.rmtree(scratch / f"out-{index}", ignore_errors=True)
+            (scratch / f"out-{index}").unlink(missing_ok=True)
         objects = sorted((oid, repo.store.size(oid)) for oid in repo.store.iter_ids())
     shutil.rmtree(root, ignore_errors=True)
     listing = "".join(f"{oid} {size}\n" for oid, size in objects).encode()
