@@ -36,14 +36,15 @@ def in_process(files: list[Path], root: Path) -> float:
         return time.perf_counter() - start
 
 
-def through_cli(files: list[Path], root: Path, ckpt: str) -> float:
+def through_cli(files: list[Path], root: Path, ckpt: list[str]) -> float:
     """Seconds for one `ckpt commit` process per file."""
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir()
-    subprocess.run([ckpt, "init"], cwd=root, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([*ckpt, "init"], cwd=root, check=True, stdout=subprocess.DEVNULL)
     start = time.perf_counter()
     for path in files:
-        subprocess.run([ckpt, "commit", str(path), "-m", path.name], cwd=root, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([*ckpt, "commit", str(path), "-m", path.name], cwd=root, check=True,
+                       stdout=subprocess.DEVNULL)
     return time.perf_counter() - start
 
 
@@ -51,8 +52,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", nargs="?", default="minilm-finetune")
     parser.add_argument("--files", type=int, default=8)
+    parser.add_argument("--module", action="store_true",
+                        help="run `python -m ckptstore` (whatever PYTHONPATH selects) instead of the console script")
     args = parser.parse_args()
-    ckpt = shutil.which("ckpt", path=os.path.dirname(sys.executable)) or "ckpt"
+    ckpt = [sys.executable, "-m", "ckptstore"] if args.module else [
+        shutil.which("ckpt", path=os.path.dirname(sys.executable)) or "ckpt"]
     files = WORKLOADS[args.run]().files()[: args.files]
     megabytes = sum(p.stat().st_size for p in files) / 1e6
     for path in files:  # the page cache holds them for every block
