@@ -2,7 +2,8 @@
 
 Compares two source trees of ckptstore (say, main before and after a refactor) on the same cached
 checkpoints: each trial is a fresh process with PYTHONPATH set to one tree that commits every
-checkpoint of the run into a new repository and checks each one out again. Trials alternate
+checkpoint of the run into a new repository and checks each one out again (torch is imported
+before the clock starts, as it is in a training process). Trials alternate
 A, B, B, A, ... so the machine's drift hits both alike; it prints each tree's median commit and
 checkout seconds and B's time as a ratio of A's.
 """
@@ -23,10 +24,12 @@ from bench.workloads import WORKLOADS
 TRIAL = """
 import json, shutil, sys, time
 from pathlib import Path
+import torch  # loaded before timing, as in a training process: versions differ in when they first need it
 from ckptstore import Repository
 files, level, scratch = [Path(p) for p in sys.argv[1].split(",")], sys.argv[2] or None, Path(sys.argv[3])
 for path in files:
-    path.read_bytes()
+    for member in [path] if path.is_file() else sorted(path.rglob("*")):
+        member.is_file() and member.read_bytes()
 with Repository.init(scratch / "repo") as repo:
     start = time.perf_counter()
     cids = [repo.commit(path, message=path.name, lossy=level) for path in files]
