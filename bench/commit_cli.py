@@ -4,9 +4,9 @@ The mission's users run `ckpt commit` from their training script or shell after 
 commit pays for a fresh process. This commits the first N cached checkpoints of a run (default:
 the MiniLM fine-tune's 271 MB torch.save files) into a fresh repository twice over: once through
 the installed `ckpt` console script, one process per commit, and once as the same `repo.commit`
-calls in this process (its imports already paid). Blocks run in the order in-process, CLI, CLI,
+calls in this process (its imports already paid). Blocks run in rounds of in-process, CLI, CLI,
 in-process, so drift in the machine's speed hits both alike; it prints each block's throughput in
-MB of checkpoint per second and the CLI's ratio to the in-process figure.
+MB of checkpoint per second and the CLI's throughput as a ratio of the in-process one, per round.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", nargs="?", default="minilm-finetune")
     parser.add_argument("--files", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="ABBA rounds; the ratio is their median")
     parser.add_argument("--module", action="store_true",
                         help="run `python -m ckptstore` (whatever PYTHONPATH selects) instead of the console script")
     args = parser.parse_args()
@@ -64,7 +65,7 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="ckpt-commit-cli-"))
     seconds: dict[str, list[float]] = {"in-process": [], "cli": []}
     try:
-        for label in ("in-process", "cli", "cli", "in-process"):
+        for label in ("in-process", "cli", "cli", "in-process") * args.rounds:
             run = (lambda: in_process(files, scratch / "repo")) if label == "in-process" else (
                 lambda: through_cli(files, scratch / "repo", ckpt))
             seconds[label].append(run())
@@ -72,9 +73,11 @@ def main() -> None:
                   f"{megabytes / seconds[label][-1]:.0f} MB/s", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    cli, inproc = statistics.mean(seconds["cli"]), statistics.mean(seconds["in-process"])
-    print(f"throughput: in-process {megabytes / inproc:.0f} MB/s, ckpt commit {megabytes / cli:.0f} MB/s, "
-          f"ratio {inproc / cli:.2f}x")
+    cli, inproc = statistics.median(seconds["cli"]), statistics.median(seconds["in-process"])
+    ratios = [(a + b) / (c + d) for a, b, c, d in zip(seconds["in-process"][::2], seconds["in-process"][1::2],
+                                                     seconds["cli"][::2], seconds["cli"][1::2])]
+    print(f"throughput (medians): in-process {megabytes / inproc:.0f} MB/s, ckpt commit {megabytes / cli:.0f} MB/s; "
+          f"ratio per ABBA round {', '.join(f'{r:.2f}' for r in ratios)}, median {statistics.median(ratios):.2f}x")
 
 
 if __name__ == "__main__":
