@@ -4,9 +4,10 @@ The mission's users run `ckpt commit` from their training script or shell after 
 commit pays for a fresh process. This commits the first N cached checkpoints of a run (default:
 the MiniLM fine-tune's 271 MB torch.save files) into a fresh repository twice over: once through
 the installed `ckpt` console script, one process per commit, and once as the same `repo.commit`
-calls in this process (its imports already paid). Blocks run in rounds of in-process, CLI, CLI,
-in-process, so drift in the machine's speed hits both alike; it prints each block's throughput in
-MB of checkpoint per second and the CLI's throughput as a ratio of the in-process one, per round.
+calls in this process (its imports already paid), and as one Python script that imports
+ckptstore and makes them all (start-up paid once). Blocks run in rounds of in-process, CLI,
+script, script, CLI, in-process, so drift in the machine's speed hits all alike; it prints each
+block's throughput in MB of checkpoint per second and the CLI's as a ratio of the others, per round.
 """
 
 from __future__ import annotations
@@ -36,6 +37,23 @@ def in_process(files: list[Path], root: Path) -> float:
         return time.perf_counter() - start
 
 
+SCRIPT = """
+import sys
+from ckptstore import Repository
+with Repository.init(sys.argv[1]) as repo:
+    for path in sys.argv[2:]:
+        repo.commit(path, message=path.rsplit("/", 1)[-1])
+"""
+
+
+def one_script(files: list[Path], root: Path) -> float:
+    """Seconds for one Python process that imports ckptstore and makes every commit (a training script's view)."""
+    shutil.rmtree(root, ignore_errors=True)
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", SCRIPT, str(root), *map(str, files)], check=True)
+    return time.perf_counter() - start
+
+
 def through_cli(files: list[Path], root: Path, ckpt: list[str]) -> float:
     """Seconds for one `ckpt commit` process per file."""
     shutil.rmtree(root, ignore_errors=True)
@@ -63,12 +81,13 @@ def main() -> None:
     for path in files:  # the page cache holds them for every block
         path.read_bytes()
     scratch = Path(tempfile.mkdtemp(prefix="ckpt-commit-cli-"))
-    seconds: dict[str, list[float]] = {"in-process": [], "cli": []}
+    seconds: dict[str, list[float]] = {"in-process": [], "cli": [], "script": []}
+    runners = {"in-process": lambda: in_process(files, scratch / "repo"),
+               "cli": lambda: through_cli(files, scratch / "repo", ckpt),
+               "script": lambda: one_script(files, scratch / "repo")}
     try:
-        for label in ("in-process", "cli", "cli", "in-process") * args.rounds:
-            run = (lambda: in_process(files, scratch / "repo")) if label == "in-process" else (
-                lambda: through_cli(files, scratch / "repo", ckpt))
-            seconds[label].append(run())
+        for label in ("in-process", "cli", "script", "script", "cli", "in-process") * args.rounds:
+            seconds[label].append(runners[label]())
             print(f"{label:<11} {len(files)} commits, {megabytes:.0f} MB: {seconds[label][-1]:.2f} s, "
                   f"{megabytes / seconds[label][-1]:.0f} MB/s", flush=True)
     finally:
@@ -76,8 +95,14 @@ def main() -> None:
     cli, inproc = statistics.median(seconds["cli"]), statistics.median(seconds["in-process"])
     ratios = [(a + b) / (c + d) for a, b, c, d in zip(seconds["in-process"][::2], seconds["in-process"][1::2],
                                                      seconds["cli"][::2], seconds["cli"][1::2])]
-    print(f"throughput (medians): in-process {megabytes / inproc:.0f} MB/s, ckpt commit {megabytes / cli:.0f} MB/s; "
-          f"ratio per ABBA round {', '.join(f'{r:.2f}' for r in ratios)}, median {statistics.median(ratios):.2f}x")
+    script = [(a + b) / (c + d) for a, b, c, d in zip(seconds["script"][::2], seconds["script"][1::2],
+                                                      seconds["cli"][::2], seconds["cli"][1::2])]
+    print(f"throughput (medians): in-process {megabytes / inproc:.0f} MB/s, ckpt commit {megabytes / cli:.0f} MB/s, "
+          f"one script {megabytes / statistics.median(seconds['script']):.0f} MB/s")
+    print(f"ckpt commit / in-process per round: {', '.join(f'{r:.2f}' for r in ratios)}, "
+          f"median {statistics.median(ratios):.2f}x")
+    print(f"ckpt commit / one script per round: {', '.join(f'{r:.2f}' for r in script)}, "
+          f"median {statistics.median(script):.2f}x")
 
 
 if __name__ == "__main__":
