@@ -25,8 +25,6 @@ from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.metadata.commits import CommitInfo, insert_commit
 from ckptstore.policy import LossyLevel, level_named
-from ckptstore.policy.lossy import LossyPlan, plan_lossy
-from ckptstore.policy.mapping import OptimizerMap, map_optimizer, param_ids, param_lrs, paths_of_names
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource
 from ckptstore.repo import refs
@@ -37,6 +35,8 @@ from ckptstore.repo.writer import Job, encode_jobs, lossless_jobs
 from ckptstore.state import RawTensor
 
 if TYPE_CHECKING:
+    from ckptstore.policy.lossy import LossyPlan
+    from ckptstore.policy.mapping import OptimizerMap
     from ckptstore.repo.repository import Repository
 
 
@@ -102,11 +102,8 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         sources = _tensor_ids(repo, checkpoint.tensors)
         with repo.db.read() as tx:
             parent = _parent(repo, tx, options.branch, checkpoint.tensors)
-            optimizer_map = _optimizer_map(checkpoint, lossy)
-            fisher = {path: fisher[name] for name, path in paths_of_names(checkpoint.tensors, list(fisher)).items()
-                      } if fisher is not None else None  # live parameter names -> checkpoint paths
-            plans = (plan_lossy(checkpoint.tensors, parent.by_path, level, repo.config.encoding, optimizer_map,
-                                fisher) if level else {})
+            plans, pairing, fisher = (_plan(repo, checkpoint, parent, level, lossy, fisher) if level
+                                      else ({}, None, None))
             entries, jobs = _jobs(repo, tx, checkpoint.tensors, sources, parent.by_path, plans, level)
         progress.start("commit", sum(j.raw.nbytes for j in jobs))
         with repo.store.batch():
@@ -118,8 +115,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         entries.update({path: record.id for path, record in encoded.items() if path in checkpoint.tensors})
         manifest = Manifest(checkpoint.kind, checkpoint.files, {
             p: Entry(entries[p], raw.dtype, raw.shape) for p, raw in checkpoint.tensors.items()
-        }, digests, level.name if level else None, optimizer_map.how if level else None,
-            _importance_note(fisher, plans))
+        }, digests, level.name if level else None, pairing, _importance_note(fisher, plans))
         if parent.manifest is not None and not options.allow_empty and manifest.same_content(parent.manifest):
             raise NothingToCommitError(f"nothing changed since {parent.commit[:12]}: the checkpoint equals its "
                                        "parent (use --allow-empty to record it anyway)")
@@ -214,8 +210,27 @@ def _move_ref(tx: Tx, target: str | None, expected: CommitId | None, new: Commit
         )
 
 
+def _plan(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, level: LossyLevel,
+          lossy: LossyOptions, fisher: dict[str, float] | None
+          ) -> tuple[dict[str, LossyPlan], str, dict[str, float] | None]:
+    """A lossy commit's plans, how it paired optimizer state with weights, and the measured Fisher by path.
+
+    Imported here, not at the top: a lossless commit (most `ckpt commit` processes) never loads the planners.
+    """
+    from ckptstore.policy.lossy import plan_lossy
+    from ckptstore.policy.mapping import paths_of_names
+
+    optimizer_map = _optimizer_map(checkpoint, lossy)
+    if fisher is not None:  # live parameter names -> checkpoint paths
+        fisher = {path: fisher[name] for name, path in paths_of_names(checkpoint.tensors, list(fisher)).items()}
+    plans = plan_lossy(checkpoint.tensors, parent.by_path, level, repo.config.encoding, optimizer_map, fisher)
+    return plans, optimizer_map.how, fisher
+
+
 def _optimizer_map(checkpoint: formats.Checkpoint, lossy: LossyOptions) -> OptimizerMap:
     """Which optimizer state belongs to which weight: from the live objects, else the skeletons."""
+    from ckptstore.policy.mapping import map_optimizer, param_ids, param_lrs
+
     found_ids = [ids for ids in (param_ids(f.skeleton) for f in checkpoint.files) if ids is not None]
     found_lrs = [lrs for lrs in (param_lrs(f.skeleton) for f in checkpoint.files) if lrs]
     return map_optimizer(checkpoint.tensors, _param_names(lossy.model, lossy.optimizer),
