@@ -7,7 +7,9 @@ unpickles data.pkl with an explicit allow-list of globals that resolve to plain 
 from the file is ever executed), then flattens the result into the same `FlatState` that
 `state.flatten(torchfile.load(path))` gives, with tensor bytes sliced from a memory map of the file.
 
-It models exactly what torch's `weights_only=True` loader accepts and no more. Whenever it meets
+It models what torch's `weights_only=True` loader accepts and no more: globals from an
+allow-list, and BUILD only on fresh objects (never on the shared stand-ins the allow-list hands
+out, which a malicious file could otherwise rewrite for every later file in the process). Whenever it meets
 something it does not model (an unknown global in torch's namespace, an unusual opcode, a
 big-endian file, a stride it cannot prove in bounds) `read` returns None and the caller falls back
 to torch, so results and error messages are the same on both paths. The one verdict it gives
@@ -340,8 +342,29 @@ class _Archive:
         return start
 
 
-class _Unpickler(pickle.Unpickler):
-    """Globals only from the allow-list; persistent ids only torch's storage records."""
+def _buildable(inst: Any) -> bool:
+    """Whether BUILD may set state on `inst`: only fresh objects of the types torch's loader lets it touch.
+
+    The allow-list hands out shared objects (storage types, dtypes, functions, classes); a BUILD
+    on one of those would change how every later file in the process is read.
+    """
+    return type(inst) in (OrderedDict, np.ndarray) or isinstance(inst, np.dtype)
+
+
+class _Unpickler(pickle._Unpickler):
+    """Globals only from the allow-list; persistent ids only torch's storage records; BUILD only on fresh objects.
+
+    The pure-Python unpickler, because its BUILD can be checked before it runs (data.pkl is small).
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def load_build(self) -> None:
+        if not _buildable(self.stack[-2]):
+            raise _Fallback(f"BUILD on {type(self.stack[-2]).__name__}")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
 
     def __init__(self, data: bytes, archive: _Archive) -> None:
         super().__init__(BytesIO(data), encoding="utf-8")  # torch.load's encoding for py2 strings

@@ -1,6 +1,7 @@
 import hashlib
 import json
 import os
+import pickle
 import random
 import subprocess
 import sys
@@ -332,3 +333,37 @@ def test_sets_bytes_and_complex_like_torch(tmp_path):
     with pytest.raises(UnsupportedStateError) as slow:
         flatten(torchfile.load(tmp_path / "c.pt"))
     assert str(fast.value) == str(slow.value)
+
+
+def _build_on_shared_globals(path):
+    """A pickle that BUILDs new attributes onto the storage type and dtype the allow-list hands out."""
+    def text(value):
+        raw = value.encode()
+        return pickle.BINUNICODE + len(raw).to_bytes(4, "little") + raw
+
+    def poison(global_line, attribute):
+        return (pickle.GLOBAL + global_line + pickle.NONE + pickle.EMPTY_DICT + text(attribute)
+                + text("torch.int32") + pickle.SETITEM + pickle.TUPLE2 + pickle.BUILD + pickle.SETITEM)
+
+    body = (pickle.PROTO + b"\x02" + pickle.GLOBAL + b"collections\nOrderedDict\n" + pickle.EMPTY_TUPLE
+            + pickle.REDUCE + pickle.EMPTY_DICT + text("a") + poison(b"torch\nFloatStorage\n", "dtype")
+            + text("b") + poison(b"torch\nfloat32\n", "name") + pickle.BUILD + pickle.STOP)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/data.pkl", body)
+        archive.writestr("archive/byteorder", "little")
+        archive.writestr("archive/.data/version", "3\n")
+
+
+def test_a_file_cannot_change_how_later_files_are_read(tmp_path):
+    torch.save({"w": torch.arange(4, dtype=torch.float32)}, tmp_path / "good.pt")
+    before = torchzip.read(tmp_path / "good.pt")
+    _build_on_shared_globals(tmp_path / "evil.pt")
+    reasons = []
+    assert torchzip.read(tmp_path / "evil.pt", on_fallback=reasons.append) is None
+    assert reasons and "BUILD on" in reasons[0]
+    with pytest.raises(CheckpointFormatError):
+        formats.read_checkpoint(tmp_path / "evil.pt")
+    after = torchzip.read(tmp_path / "good.pt")
+    assert after.skeleton == before.skeleton
+    assert {k: (v.dtype, v.data.tobytes()) for k, v in after.tensors.items()} == {
+        k: (v.dtype, v.data.tobytes()) for k, v in before.tensors.items()}
