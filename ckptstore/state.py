@@ -129,6 +129,26 @@ def materialize(raw: RawTensor, device: str | None = None) -> Any:
     return tensor.to(device) if device and device != "cpu" else tensor
 
 
+def float64_values(raw: RawTensor) -> np.ndarray | None:
+    """The values of a floating-point tensor (torch or numpy) as float64; None for other dtypes.
+
+    numpy views the common formats directly; torch (imported only then) converts the rest, such
+    as the float8 formats.
+    """
+    if raw.dtype.startswith(NUMPY_PREFIX):
+        kind = np.dtype(raw.dtype[len(NUMPY_PREFIX) :])
+        return raw.data.view(kind).astype(np.float64) if kind.kind == "f" else None
+    if raw.dtype == TORCH_PREFIX + "bfloat16":
+        return (raw.data.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    same = _NUMPY_OF_TORCH.get(raw.dtype)
+    if same is not None:
+        return raw.data.view(same).astype(np.float64) if same.kind == "f" else None
+    if not raw.dtype.startswith(TORCH_PREFIX):
+        return None
+    tensor = materialize(raw)
+    return tensor.double().numpy().reshape(-1) if tensor.is_floating_point() else None
+
+
 # torch dtypes whose numpy namesake has the same bytes (bfloat16 and the float8s have none)
 _NUMPY_OF_TORCH = {TORCH_PREFIX + name: np.dtype(name) for name in (
     "float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool", "complex64", "complex128")}

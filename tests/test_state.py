@@ -62,3 +62,19 @@ def test_keys_with_slashes_do_not_collide():
 def test_unpicklable_objects_are_refused_with_their_path():
     with pytest.raises(UnsupportedStateError, match="model/thing"):
         flatten({"model": {"thing": object()}})
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+                                   torch.float8_e5m2, torch.int64, torch.bool, torch.complex64])
+def test_float64_values_match_torch_and_skip_what_is_not_a_float(dtype):
+    from ckptstore.state import float64_values
+
+    source = torch.randn(2, 3, generator=torch.Generator().manual_seed(0)) * 3
+    tensor = source.to(dtype)
+    values = float64_values(flatten({"t": tensor}).tensors["t"])
+    if tensor.is_floating_point():
+        assert values is not None and values.tobytes() == tensor.double().reshape(-1).numpy().tobytes()
+    else:
+        assert values is None
+    assert float64_values(flatten({"a": np.arange(3, dtype=np.float16)}).tensors["a"]).tolist() == [0.0, 1.0, 2.0]
+    assert float64_values(flatten({"a": np.arange(3)}).tensors["a"]) is None

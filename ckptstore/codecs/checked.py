@@ -2,8 +2,10 @@
 
 A codec alone cannot always tell a flipped bit in stored data (a flipped mantissa byte of a raw
 plane decodes fine), so after decoding, the chunk's xxh3 checksum recorded at commit is compared
-too. Replay calls this instead of `codec.decode`, so a damaged object never becomes a crash or a
-silently wrong tensor.
+too. It is the entry point for code that decodes single payloads (the codec contract, tools);
+replay does the same checks on whole chains itself (`replay._replay_chunk` compares the checksum
+after the chain is decoded, and names the damaged object), so a damaged object never becomes a
+crash or a silently wrong tensor there either.
 """
 
 from __future__ import annotations

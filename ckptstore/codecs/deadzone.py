@@ -97,7 +97,6 @@ class DeadZoneCodec:
     """Dead-zone uniform quantizer for float tensors (keyframes and closed-loop residuals)."""
 
     codec_id = "deadzone"
-    lossy = True
     chain_params = ("dtype",)  # each payload carries its own step
 
     def encode_lossy(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any],

@@ -70,7 +70,6 @@ class LogMomentCodec:
     """Second moments in the log domain, closed loop against the parent's reconstruction."""
 
     codec_id = "log2moment"
-    lossy = True
 
     def encode_lossy(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any],
                      hints: dict[str, Any] | None = None) -> tuple[bytes, np.ndarray]:

@@ -35,7 +35,6 @@ class NormalizedMomentCodec:
     """First moments relative to the square root of the (reconstructed) second moment."""
 
     codec_id = "normmoment"
-    lossy = True
 
     def encode_lossy(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any],
                      hints: dict[str, Any] | None = None) -> tuple[bytes, np.ndarray]:

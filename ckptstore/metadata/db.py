@@ -3,7 +3,7 @@
 SQLite is reached through the standard library's driver: every command a user runs opens the
 database, and importing SQLAlchemy alone took longer than `ckpt log`'s whole work. SQLAlchemy and
 Alembic are imported only when the schema has to be created or upgraded (metadata/migrate.py).
-Statements are written with "?" placeholders; `Tx` translates them for drivers of another style.
+Statements are written with "?" placeholders (a driver of another style will need them translated).
 """
 
 from __future__ import annotations
@@ -66,44 +66,65 @@ class Tx:
 
 
 class Database:
-    """The metadata of one repository, at a SQLite path; connections are kept per thread.
+    """The metadata of one repository, at a SQLite path.
 
     `read()` gives a consistent snapshot; `write()` takes the write lock up front, so two
-    committers queue instead of failing halfway.
+    committers queue instead of failing halfway. Connections are pooled: a transaction takes an
+    idle one (or opens one) and gives it back when it ends, so any number of threads share as
+    many connections as run transactions at once.
     """
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.path = sqlite_path(url)
-        self._local = threading.local()
-        self._connections: list[sqlite3.Connection] = []
+        self._idle: list[sqlite3.Connection] = []
         self._guard = threading.Lock()
+        self._writing = threading.local()
+        self._closed = False
         self.check_schema()
 
-    def _connection(self) -> sqlite3.Connection:
-        """An idle connection of this thread's: a transaction opened inside another gets one of its own."""
-        mine = getattr(self._local, "connections", None)
-        if mine is None:
-            mine = self._local.connections = []
-        for connection in mine:
-            if not connection.in_transaction:
-                return connection
-        connection = connect_sqlite(self.path)
-        mine.append(connection)
+    def _acquire(self) -> sqlite3.Connection:
         with self._guard:
-            self._connections.append(connection)
-        return connection
+            if self._closed:
+                raise CkptError(f"the metadata database {self.url} was closed")
+            if self._idle:
+                return self._idle.pop()
+        return connect_sqlite(self.path)
+
+    def _release(self, connection: sqlite3.Connection) -> None:
+        with self._guard:
+            if not self._closed:
+                self._idle.append(connection)
+                return
+        connection.close()
 
     @contextlib.contextmanager
     def _transaction(self, begin: str) -> Iterator[Tx]:
-        connection = self._connection()
-        connection.execute(begin)
+        connection = self._acquire()
         try:
-            yield Tx(connection)
-        except BaseException:
-            connection.rollback()
-            raise
-        connection.commit()
+            connection.execute(begin)
+            try:
+                yield Tx(connection)
+            except BaseException:
+                connection.rollback()
+                raise
+            connection.commit()
+        finally:
+            if connection.in_transaction:  # the commit itself failed (disk full, I/O error)
+                connection.rollback()
+            self._release(connection)
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[Tx]:
+        if getattr(self._writing, "active", False):
+            raise CkptError("a metadata write transaction was opened inside another in the same thread; "
+                            "it would wait for itself (a bug in ckptstore: please report it)")
+        self._writing.active = True
+        try:
+            with self._transaction("BEGIN IMMEDIATE") as tx:
+                yield tx
+        finally:
+            self._writing.active = False
 
     def read(self) -> contextlib.AbstractContextManager[Tx]:
         """A read-only snapshot of the metadata, for the length of the block."""
@@ -111,7 +132,7 @@ class Database:
 
     def write(self) -> contextlib.AbstractContextManager[Tx]:
         """One serialized read-write transaction; commits on success, rolls back on any error."""
-        return self._transaction("BEGIN IMMEDIATE")
+        return self._write()
 
     def revision(self) -> str | None:
         """The schema revision the database is at, or None for an empty database."""
@@ -133,11 +154,12 @@ class Database:
         upgrade(self.url)
 
     def close(self) -> None:
+        """Close the idle connections; one still in a transaction closes when it ends."""
         with self._guard:
-            connections, self._connections = self._connections, []
-        for connection in connections:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for connection in idle:
             connection.close()
-        self._local = threading.local()
 
 
 def sqlite_path(url: str) -> Path:

@@ -13,17 +13,21 @@ __all__ = ["LocalObjectStore", "MappedObjects", "MemoryObjectStore", "ObjectStor
            "read_whole"]
 
 
-def open_store(url: str, scratch: Path) -> ObjectStore:
-    """The store a URL names: a local folder (a path or file:// URL) or memory://.
+def open_store(url: str, scratch: Path, base: Path) -> ObjectStore:
+    """The store a URL names: a local folder (a path, relative to `base`, or an absolute file:// URL).
 
-    `scratch` is a local folder for writes in progress (the local store's temp files).
+    `scratch` is a local folder for writes in progress (the local store's temp files). An
+    in-memory store is made directly (MemoryObjectStore), never from a configured URL: it would
+    forget every object when the process exits while the metadata remembers them.
     """
-    if url.startswith("memory://"):
-        return MemoryObjectStore(url)
     if url.startswith("file://"):
         from urllib.parse import unquote, urlparse
 
-        return LocalObjectStore(Path(unquote(urlparse(url).path)), scratch)
+        parsed = urlparse(url)
+        path = Path(unquote(parsed.path))
+        if parsed.netloc not in ("", "localhost") or not path.is_absolute():
+            raise CkptError(f"object store URL {url!r} must name an absolute local folder, e.g. file:///data/objects")
+        return LocalObjectStore(path, scratch)
     if "://" in url:
-        raise CkptError(f"object store URL {url!r} is not supported; use a local path or file:// URL")
-    return LocalObjectStore(Path(url), scratch)
+        raise CkptError(f"object store URL {url!r} is not supported; use a local folder or a file:// URL")
+    return LocalObjectStore(base / url, scratch)

@@ -74,7 +74,7 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
         cid = refs.resolve(tx, ref)
         info = commit_rows.commit_info(tx, cid)
         is_branch = (row := ref_rows.ref_row(tx, ref)) is not None and row.kind == refs.BRANCH
-    manifest = Manifest.from_bytes(repo.read_object(info.manifest_object), info.manifest_object)
+    manifest = repo.read_manifest(info.manifest_object)
     if output is not None:
         dest = Path(output)
     elif info.source_path is None:

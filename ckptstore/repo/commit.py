@@ -20,10 +20,11 @@ from ckptstore import formats
 from ckptstore.errors import CheckpointFormatError, CkptError, ConflictError, NothingToCommitError
 from ckptstore.hashing import CommitId, ObjectId, TensorId, commit_id, file_digest, tensor_id
 from ckptstore.metadata import Tx
+from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import files as file_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata import tensors as tensor_rows
-from ckptstore.metadata.commits import CommitInfo, insert_commit
+from ckptstore.metadata.commits import CommitInfo
 from ckptstore.policy import LossyLevel, level_named
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource
@@ -128,7 +129,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         with repo.db.write() as tx:
             _move_ref(tx, parent.target, parent.commit, info.id)
             tensor_rows.insert_records(tx, new_records, sizes)
-            insert_commit(tx, info, entries.values())
+            commit_rows.insert_commit(tx, info, entries.values())
             file_rows.remember(tx, [(d, info.id, f.size) for f in checkpoint.files if (d := digests.get(f.name))])
         return info.id
 
@@ -168,7 +169,7 @@ def _parent(repo: Repository, tx: Tx, branch: str | None, tensors: Mapping[str, 
     parent = _commit_target(tx, branch)
     if parent.commit is None:
         return parent
-    parent.manifest = repo.manifest(parent.commit)
+    parent.manifest = repo.read_manifest(commit_rows.manifest_object(tx, parent.commit))
     ids = {p: e.tensor for p, e in parent.manifest.entries.items() if p in tensors}
     parent.records = tensor_rows.load_records(tx, set(ids.values()))
     parent.by_path = {p: parent.records[t] for p, t in ids.items() if t in parent.records}

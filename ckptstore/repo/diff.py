@@ -7,10 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ckptstore.codecs import to_float32
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.repo.checkout import restore
-from ckptstore.state import NUMPY_PREFIX, RawTensor
+from ckptstore.state import RawTensor, float64_values
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
@@ -56,23 +55,9 @@ def diff(repo: Repository, a: str, b: str) -> list[TensorDiff]:
 
 def relative_l2(old: RawTensor, new: RawTensor) -> float | None:
     """||new - old|| / ||old|| in float64; None unless both are floating-point tensors of one shape."""
-    a, b = _float64(old), _float64(new)
+    a, b = float64_values(old), float64_values(new)
     if a is None or b is None or old.shape != new.shape:
         return None
     norm = float(np.linalg.norm(a))
     delta = float(np.linalg.norm(b - a))
     return delta / norm if norm else (0.0 if delta == 0 else float("inf"))
-
-
-_FLOATS = {"torch.float64": np.float64, "torch.float32": np.float32, "torch.float16": np.float16}
-
-
-def _float64(raw: RawTensor) -> np.ndarray | None:
-    """The values of a float tensor (torch or numpy) in float64, or None for other dtypes."""
-    if raw.dtype == "torch.bfloat16":
-        return to_float32(raw.data, raw.dtype).astype(np.float64)
-    kind = _FLOATS.get(raw.dtype)
-    if kind is None and raw.dtype.startswith(NUMPY_PREFIX):
-        numpy_dtype = np.dtype(raw.dtype[len(NUMPY_PREFIX) :])
-        kind = numpy_dtype if numpy_dtype.kind == "f" else None
-    return raw.data.view(kind).astype(np.float64) if kind is not None else None

@@ -69,7 +69,7 @@ def show(repo: Repository, ref: str = "HEAD") -> dict[str, Any]:
     from ckptstore.metadata import tensors as tensor_rows
 
     info = repo.commit_info(ref)
-    manifest = repo.manifest(info.id)
+    manifest = repo.read_manifest(info.manifest_object)
     with repo.db.read() as tx:
         records = tensor_rows.load_records(tx, {e.tensor for e in manifest.entries.values()}, with_bases=False)
     tensors = []

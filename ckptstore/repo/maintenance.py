@@ -95,12 +95,11 @@ def fsck(repo: Repository, full: bool = False) -> FsckReport:
 def _replay_all(repo: Repository, manifests: list, report: FsckReport) -> None:
     """Fsck --full: replay every commit's tensors, checking each against its id."""
     from ckptstore.repo.checkout import restore
-    from ckptstore.repo.manifest import Manifest
 
     for cid, manifest_oid in manifests:
         if manifest_oid in report.damaged_objects:
             continue
-        manifest = Manifest.from_bytes(repo.store.get(manifest_oid), manifest_oid)
+        manifest = repo.read_manifest(manifest_oid)
         try:
             restore(repo, manifest, by_id=True)
             report.tensors_verified += len(manifest.entries)

@@ -58,8 +58,8 @@ class Repository:
         self.root = root
         self.dir = root / REPO_DIR
         self.config = config
-        objects = config.objects_url or str(self.dir / "objects")
-        self.store = store if store is not None else open_store(objects, self.dir / "tmp")
+        objects = config.objects_url or "objects"  # a relative path is relative to .ckpt/
+        self.store = store if store is not None else open_store(objects, self.dir / "tmp", self.dir)
         self.db = Database(config.metadata_url or f"sqlite:///{self.dir / 'ckpt.db'}")
         self._pool: ThreadPoolExecutor | None = None
 
@@ -122,10 +122,14 @@ class Repository:
 
     def manifest(self, cid: CommitId) -> Manifest:
         """The manifest of commit `cid`."""
-        from ckptstore.repo.manifest import Manifest
-
         with self.db.read() as tx:
             oid = commit_rows.manifest_object(tx, cid)
+        return self.read_manifest(oid)
+
+    def read_manifest(self, oid: ObjectId) -> Manifest:
+        """The manifest stored as object `oid`."""
+        from ckptstore.repo.manifest import Manifest
+
         return Manifest.from_bytes(self.read_object(oid), oid)
 
     def commit_info(self, ref: str) -> CommitInfo:

@@ -48,7 +48,7 @@ def status(repo: Repository) -> dict[str, Any]:
     info = repo.commit_info(head)
     if info.source_path is None:
         return report
-    manifest = repo.manifest(head)
+    manifest = repo.read_manifest(info.manifest_object)
     base = repo.root / info.source_path
     for record in manifest.files:
         path = formats.destination(manifest.kind, record, base)

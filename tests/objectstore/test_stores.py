@@ -71,3 +71,27 @@ def test_local_store_ranges_read_with_files_kept_open(tmp_path):
     with pytest.raises(CorruptObjectError, match="shorter than its chunks say"):
         ranges.read(short, 1, 10)
     ranges.close()
+
+
+def test_store_urls_open_local_folders_and_refuse_the_rest(tmp_path):
+    from ckptstore.errors import CkptError
+    from ckptstore.objectstore import open_store
+
+    base = tmp_path / ".ckpt"
+    assert open_store("objects", tmp_path / "tmp", base).root == base / "objects"
+    assert open_store((tmp_path / "elsewhere").as_uri(), tmp_path / "tmp", base).root == tmp_path / "elsewhere"
+    for url in ("file://objects", "file://host/data", "s3://bucket/x", "memory://"):
+        with pytest.raises(CkptError, match="object store URL"):
+            open_store(url, tmp_path / "tmp", base)
+
+
+def test_a_repository_keeps_objects_where_its_config_says(tmp_path):
+    import torch
+
+    from ckptstore import Repository
+
+    with Repository.init(tmp_path / "r", objects_url="shelf") as repo:
+        cid = repo.commit({"w": torch.ones(3)})
+    with Repository.open(tmp_path / "r" / ".ckpt") as repo:  # opened from another folder
+        assert repo.store.root == tmp_path / "r" / ".ckpt" / "shelf"
+        assert torch.equal(repo.checkout(cid)["w"], torch.ones(3))

@@ -1,0 +1,51 @@
+import threading
+
+import pytest
+
+from ckptstore.errors import CkptError
+from ckptstore.metadata import Database
+
+
+@pytest.fixture
+def db(tmp_path):
+    database = Database(f"sqlite:///{tmp_path / 'ckpt.db'}")
+    yield database
+    database.close()
+
+
+def test_threads_share_pooled_connections(db):
+    def read():
+        with db.read() as tx:
+            assert tx.scalar("SELECT count(*) FROM refs") == 0
+
+    for _ in range(5):
+        threads = [threading.Thread(target=read) for _ in range(20)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert len(db._idle) <= 20  # bounded by transactions at once, not by threads ever seen
+
+
+def test_a_write_inside_a_write_of_the_same_thread_fails_at_once(db):
+    with db.write() as tx:
+        tx.execute("INSERT INTO refs (name, kind, target) VALUES ('HEAD', 'head', 'main')")
+        with pytest.raises(CkptError, match="inside another"), db.write():
+            pass
+    with db.read() as tx:
+        assert tx.column("SELECT name FROM refs") == ["HEAD"]
+
+
+def test_a_read_inside_a_write_gets_its_own_snapshot(db):
+    with db.write() as tx:
+        tx.execute("INSERT INTO refs (name, kind, target) VALUES ('HEAD', 'head', 'main')")
+        with db.read() as inner:
+            assert inner.rows("SELECT * FROM refs") == []  # not committed yet
+    with db.read() as tx:
+        assert len(tx.rows("SELECT * FROM refs")) == 1
+
+
+def test_a_closed_database_refuses_new_transactions(db):
+    db.close()
+    with pytest.raises(CkptError, match="closed"), db.read():
+        pass
