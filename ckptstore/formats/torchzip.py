@@ -71,6 +71,7 @@ _TORCH_ALSO_ALLOWS = frozenset({
     "collections.OrderedDict", "collections.Counter", "_codecs.encode",
     "builtins.bytearray", "builtins.set", "builtins.complex",
 })
+_OPCODE_NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -352,18 +353,27 @@ def _buildable(inst: Any) -> bool:
 
 
 class _Unpickler(pickle._Unpickler):
-    """Globals only from the allow-list; persistent ids only torch's storage records; BUILD only on fresh objects.
+    """An unpickler that runs only what torch's weights_only loader would.
 
-    The pure-Python unpickler, because its BUILD can be checked before it runs (data.pkl is small).
+    Only torch's opcodes and protocol 2; globals from the allow-list; persistent ids only torch's
+    storage records; BUILD only on fresh objects. It is the pure-Python unpickler, because each
+    opcode can be checked before it runs (data.pkl is small): an opcode outside torch's set has no
+    handler here, so the file goes to torch.
     """
 
-    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch = {code: handler for code, handler in pickle._Unpickler.dispatch.items()
+                if _OPCODE_NAMES.get(code) in _OPCODES}
+
+    def load_proto(self) -> None:
+        _need(self.read(1)[0] == 2, "pickle protocol")
+        self.proto = 2
 
     def load_build(self) -> None:
         if not _buildable(self.stack[-2]):
             raise _Fallback(f"BUILD on {type(self.stack[-2]).__name__}")
         super().load_build()
 
+    dispatch[pickle.PROTO[0]] = load_proto
     dispatch[pickle.BUILD[0]] = load_build
 
     def __init__(self, data: bytes, archive: _Archive) -> None:
@@ -395,13 +405,6 @@ class _Unpickler(pickle._Unpickler):
             start = self.archive.data_start(f"data/{key}", nbytes)
             self.storages[key] = TypedStorage(key, storage_type.dtype, start, nbytes)
         return self.storages[key]
-
-
-def _check_opcodes(data: bytes) -> None:
-    """Refuse streams torch's unpickler would not run the same way: other opcodes or protocols."""
-    for opcode, arg, _pos in pickletools.genops(data):
-        _need(opcode.name in _OPCODES, f"opcode {opcode.name}")
-        _need(opcode.name != "PROTO" or arg == 2, "pickle protocol")
 
 
 def _tensor_bytes(base: np.ndarray, value: Tensor) -> np.ndarray:
@@ -481,7 +484,6 @@ def _load(path: Path, prefix: str) -> FlatState:
         _need(archive.read("byteorder") == b"little", "byte order")
         data = archive.read("data.pkl")
         _need(data is not None, "data.pkl")
-        _check_opcodes(data)
         obj = _Unpickler(data, archive).load()
         # a private (copy-on-write) map: writable arrays like torch's mmap gives, the file untouched
         mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)

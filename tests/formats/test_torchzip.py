@@ -367,3 +367,17 @@ def test_a_file_cannot_change_how_later_files_are_read(tmp_path):
     assert after.skeleton == before.skeleton
     assert {k: (v.dtype, v.data.tobytes()) for k, v in after.tensors.items()} == {
         k: (v.dtype, v.data.tobytes()) for k, v in before.tensors.items()}
+
+
+@pytest.mark.parametrize("body", [
+    pickle.PROTO + b"\x02" + pickle.MARK + pickle.DICT + pickle.STOP,  # protocol-0 DICT: not among torch's opcodes
+    pickle.PROTO + b"\x03" + pickle.EMPTY_DICT + pickle.STOP,  # another protocol
+    pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + pickle.DUP + pickle.POP + pickle.STOP,
+])
+def test_opcodes_and_protocols_torch_does_not_run_go_to_torch(tmp_path, body):
+    with zipfile.ZipFile(tmp_path / "odd.pt", "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/data.pkl", body)
+        archive.writestr("archive/byteorder", "little")
+        archive.writestr("archive/.data/version", "3\n")
+    reasons = []
+    assert torchzip.read(tmp_path / "odd.pt", on_fallback=reasons.append) is None and reasons
