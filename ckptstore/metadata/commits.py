@@ -10,7 +10,7 @@ from typing import Any
 from ckptstore.errors import CkptError
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata.db import Tx
-from ckptstore.metadata.tensors import dependents, insert_ignore, tensors_in_objects
+from ckptstore.metadata.tensors import dependents, tensors_in_objects
 
 _COLUMNS = ("id, manifest_object, message, author, created_at, step, metrics, kind, source_path, raw_bytes, "
             "stored_bytes, lossy")
@@ -101,7 +101,7 @@ def insert_commit(tx: Tx, info: CommitInfo, tensor_ids: Iterable[TensorId]) -> N
         info.lossy))
     tx.executemany("INSERT INTO commit_parents (commit_id, position, parent_id) VALUES (?, ?, ?)",
                    [(info.id, position, parent) for position, parent in enumerate(info.parents)])
-    insert_ignore(tx, "commit_tensors", ("commit_id", "tensor_id"), [(info.id, t) for t in set(tensor_ids)])
+    tx.insert_ignore("commit_tensors", ("commit_id", "tensor_id"), [(info.id, t) for t in set(tensor_ids)])
 
 
 def commits_needing(tx: Tx, object_ids: Iterable[ObjectId]) -> list[CommitId]:

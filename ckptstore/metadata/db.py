@@ -59,10 +59,13 @@ class Tx:
 
     def execute_in(self, sql: str, ids: Iterable[str]) -> None:
         """Run a statement with `{ids}` in it over `ids` in batches (deletes by id)."""
-        ids = list(ids)
-        for start in range(0, len(ids), BATCH):
-            batch = ids[start : start + BATCH]
-            self.execute(sql.format(ids=", ".join("?" * len(batch))), batch)
+        self.rows_in(sql, ids)
+
+    def insert_ignore(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+        """Insert rows, skipping those whose primary key exists (content-addressed rows never change)."""
+        names = ", ".join(f'"{c}"' for c in columns)
+        self.executemany(f"INSERT INTO {table} ({names}) VALUES ({', '.join('?' * len(columns))}) "
+                         "ON CONFLICT DO NOTHING", rows)
 
 
 class Database:

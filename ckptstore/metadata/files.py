@@ -6,7 +6,6 @@ from collections.abc import Iterable
 
 from ckptstore.hashing import CommitId
 from ckptstore.metadata.db import Tx
-from ckptstore.metadata.tensors import insert_ignore
 
 
 def known_digests(tx: Tx, digests: Iterable[str]) -> set[str]:
@@ -22,4 +21,4 @@ def commits_of_digest(tx: Tx, digest: str) -> list[CommitId]:
 
 def remember(tx: Tx, rows: Iterable[tuple[str, CommitId, int]]) -> None:
     """Record (digest, commit, size) of files whose content `commit` holds (each pair once)."""
-    insert_ignore(tx, "known_files", ("digest", "commit_id", "size"), rows)
+    tx.insert_ignore("known_files", ("digest", "commit_id", "size"), rows)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from ckptstore.hashing import ObjectId, TensorId
@@ -14,13 +14,6 @@ _RECORDS = ("SELECT id, dtype, shape, codec, params, base_id, depth, raw_bytes, 
             "FROM tensors WHERE id IN ({ids})")
 _CHUNKS = ('SELECT tensor_id, object_id, raw_bytes, "offset", length, checksum FROM tensor_chunks '
            "WHERE tensor_id IN ({ids}) ORDER BY tensor_id, position")
-
-
-def insert_ignore(tx: Tx, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-    """Insert rows, skipping those whose primary key exists (content-addressed rows never change)."""
-    names = ", ".join(f'"{c}"' for c in columns)
-    marks = ", ".join("?" * len(columns))
-    tx.executemany(f"INSERT INTO {table} ({names}) VALUES ({marks}) ON CONFLICT DO NOTHING", rows)
 
 
 def load_records(tx: Tx, ids: Iterable[TensorId], with_bases: bool = True) -> dict[TensorId, TensorRecord]:
@@ -61,15 +54,15 @@ def existing_tensor_ids(tx: Tx, ids: Iterable[TensorId]) -> set[TensorId]:
 
 def insert_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[ObjectId, int]) -> None:
     """Record new tensors, their chunks and the objects those chunks live in."""
-    insert_ignore(tx, "tensors", ("id", "dtype", "shape", "codec", "params", "base_id", "depth", "raw_bytes",
+    tx.insert_ignore("tensors", ("id", "dtype", "shape", "codec", "params", "base_id", "depth", "raw_bytes",
                                   "stored_bytes"),
                   [(r.id, r.dtype, json.dumps(list(r.shape)), r.codec, json.dumps(r.params, sort_keys=True),
                     r.base_id, r.depth, r.raw_bytes, r.stored_bytes) for r in records])
-    insert_ignore(tx, "tensor_chunks", ("tensor_id", "position", "object_id", "raw_bytes", "offset", "length",
+    tx.insert_ignore("tensor_chunks", ("tensor_id", "position", "object_id", "raw_bytes", "offset", "length",
                                         "checksum"),
                   [(r.id, i, c.object_id, c.raw_bytes, c.offset, c.length, c.checksum)
                    for r in records for i, c in enumerate(r.chunks)])
-    insert_ignore(tx, "objects", ("id", "size"), list(object_sizes.items()))
+    tx.insert_ignore("objects", ("id", "size"), list(object_sizes.items()))
 
 
 def dependents(tx: Tx, tensor_ids: set[TensorId]) -> set[TensorId]:
