@@ -1,29 +1,68 @@
-"""Atomic file replacement: write beside the target, fsync, rename over it."""
+"""Atomic file replacement: write beside the target under a name of its own, fsync, rename over it.
+
+Every writer gets a fresh temporary name, so concurrent writers of one path never share a
+half-written file: the path always holds one writer's complete bytes (the last rename wins).
+"""
 
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+TEMP_SUFFIX = ".ckpt-tmp"
 
-def atomic_write(path: str | os.PathLike, fill: Callable[[BinaryIO], None]) -> None:
-    """Call `fill(handle)` on a temporary file, then atomically move it to `path`.
 
-    A crash or error leaves `path` as it was, never half-written.
+def temp_beside(path: str | os.PathLike, tag: str = "") -> tuple[Path, BinaryIO]:
+    """A new file beside `path` that no other writer can be using, opened for writing.
+
+    Created with O_EXCL and mode 0o666 so the umask applies as to any new file.
     """
     path = Path(path)
-    temp = path.with_name(f".{path.name}.ckpt-tmp")
+    while True:
+        # the name is cut so that a long file name still leaves room within NAME_MAX
+        temp = path.with_name(f".{path.name[:120]}.{tag}{secrets.token_hex(8)}{TEMP_SUFFIX}")
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except FileExistsError:  # 64 random bits: practically never, but never share a file
+            continue
+        return temp, os.fdopen(fd, "wb")
+
+
+def atomic_write(path: str | os.PathLike, fill: Callable[[BinaryIO], None], mode: int | None = None) -> None:
+    """Call `fill(handle)` on a temporary file, then atomically move it to `path`.
+
+    A crash or error leaves `path` as it was, never half-written; `mode` sets its permission bits.
+    """
+    path = Path(path)
+    temp, handle = temp_beside(path)
     try:
-        with open(temp, "wb") as handle:
+        with handle:
             fill(handle)
             handle.flush()
             os.fsync(handle.fileno())
+        if mode is not None:
+            os.chmod(temp, mode)
         os.replace(temp, path)
+        sync_dir(path.parent)
     finally:
-        if temp.exists():
-            temp.unlink()
+        temp.unlink(missing_ok=True)
+
+
+def sync_dir(folder: str | os.PathLike) -> None:
+    """Fsync a directory so that a rename in it survives a crash (where the platform allows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_parts(path: str | os.PathLike, parts) -> None:
