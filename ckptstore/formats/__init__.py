@@ -7,7 +7,8 @@ one flat dict of raw tensors keyed by logical path; checkout reverses it.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import stat
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 from ckptstore.errors import CheckpointFormatError
 from ckptstore.formats import safetensors_file, torchfile, torchzip
 from ckptstore.formats.atomic import write_parts
+from ckptstore.formats.folder import MODE_BITS, folder_files
 from ckptstore.state import RawTensor, escape, flatten, join, raw_from_bytes, unflatten
 
 TORCH, SAFETENSORS, BLOB = "torch", "safetensors", "blob"
@@ -33,17 +35,21 @@ class CheckpointFile:
     skeleton: Any
     size: int = 0
     opaque_reason: str = ""
+    mode: int | None = None  # permission bits on disk (folder.MODE_BITS); None for a state or an older manifest
 
     def to_json(self) -> dict[str, Any]:
         record = {"name": self.name, "format": self.format, "skeleton": self.skeleton, "size": self.size}
         if self.opaque_reason:
             record["opaque_reason"] = self.opaque_reason
+        if self.mode is not None:
+            record["mode"] = self.mode
         return record
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> CheckpointFile:
+        mode = record.get("mode")
         return cls(record["name"], record["format"], record["skeleton"], record.get("size", 0),
-                   record.get("opaque_reason", ""))
+                   record.get("opaque_reason", ""), None if mode is None else int(mode))
 
 
 @dataclass
@@ -96,22 +102,29 @@ def _read_file(path: Path, name: str, trust_pickle: bool, in_folder: bool) -> tu
     return CheckpointFile(name, BLOB, skeleton, size), tensors
 
 
-def read_checkpoint(path: str | os.PathLike, trust_pickle: bool = False) -> Checkpoint:
-    """Read a checkpoint file or folder from disk without copying tensor data where avoidable."""
+def read_checkpoint(path: str | os.PathLike, trust_pickle: bool = False,
+                    exclude: Iterable[str | os.PathLike] = ()) -> Checkpoint:
+    """Read a checkpoint file or folder from disk without copying tensor data where avoidable.
+
+    A folder's files are those `folder.folder_files` finds (its links policy), less the folders in
+    `exclude` (the repository's own directory); every file's permission bits are recorded.
+    """
     path = Path(path)
     if not path.exists():
         raise CheckpointFormatError(f"{path} does not exist")
     if path.is_file():
         record, tensors = _read_file(path, "", trust_pickle, in_folder=False)
+        record.mode = stat.S_IMODE(path.stat().st_mode) & MODE_BITS
         return Checkpoint("file", [record], tensors)
     if not path.is_dir():
         raise CheckpointFormatError(f"{path} is neither a file nor a folder")
-    names = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
-    if not names:
+    found = folder_files(path, exclude)
+    if not found:
         raise CheckpointFormatError(f"{path} is an empty folder, not a checkpoint")
     checkpoint = Checkpoint("folder", [])
-    for name in names:
-        record, tensors = _read_file(path / name, name, trust_pickle, in_folder=True)
+    for item in found:
+        record, tensors = _read_file(item.path, item.name, trust_pickle, in_folder=True)
+        record.mode = item.mode
         checkpoint.files.append(record)
         checkpoint.tensors.update(tensors)
     return checkpoint

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore import formats
 from ckptstore.errors import CheckpointFormatError, CkptError, ConflictError, NothingToCommitError
+from ckptstore.formats.folder import folder_files
 from ckptstore.hashing import CommitId, ObjectId, TensorId, commit_id, file_digest, tensor_id
 from ckptstore.metadata import Tx
 from ckptstore.metadata import commits as commit_rows
@@ -145,9 +146,10 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
     if repo.dir in [path, *path.parents]:
         raise CheckpointFormatError(f"{path} is inside the repository's own {repo.dir.name}/ folder")
     # Hash the files while they are parsed: both read the same pages, and the load is single-threaded.
-    on_disk = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    # A commit never holds the repository's own directory (`ckpt commit .` at the root).
+    on_disk = [path] if path.is_file() else [f.path for f in folder_files(path, [repo.dir])]
     pending = {p: repo.pool.submit(file_digest, str(p)) for p in on_disk}
-    checkpoint = formats.read_checkpoint(path, trust_pickle)
+    checkpoint = formats.read_checkpoint(path, trust_pickle, exclude=[repo.dir])
     digests = {}
     for record in checkpoint.files:
         target = formats.destination(checkpoint.kind, record, path)

@@ -1,0 +1,98 @@
+"""Which files a checkpoint folder holds: the walk that commits use, and its policy for links.
+
+A symlink whose target stays inside the folder is followed: a link to a file is stored as that
+file's content, a link to a folder as the files under it (checkout writes plain files and folders).
+A link leading out of the folder, a dangling link, a link loop, and a FIFO, socket or device are
+refused with a CheckpointFormatError naming the path: none of them can be stored faithfully, and
+skipping them would make a commit that silently lacks part of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptstore.errors import CheckpointFormatError
+from ckptstore.formats.atomic import TEMP_SUFFIX
+
+# the temporary files of formats.atomic: a writer's leftovers after a crash, never checkpoint content
+_TEMP_NAME = re.compile(r"^\..+\.[0-9a-z-]*[0-9a-f]{16}" + re.escape(TEMP_SUFFIX) + "$")
+MODE_BITS = 0o777  # what is recorded and restored: read, write, execute for user, group and others
+
+
+@dataclass(frozen=True)
+class FolderFile:
+    """A file of a checkpoint folder: its name inside it, where it is, its permission bits."""
+
+    name: str
+    path: Path
+    mode: int
+
+
+def is_temp_name(name: str) -> bool:
+    """True for the name of an atomic writer's temporary file."""
+    return _TEMP_NAME.match(name) is not None
+
+
+def folder_files(root: str | os.PathLike, exclude: Iterable[str | os.PathLike] = ()) -> list[FolderFile]:
+    """The files under `root`, sorted by name, links followed per the module's policy.
+
+    Folders in `exclude` (a repository's own `.ckpt/`) are left out, and a link into one is refused.
+    """
+    root = Path(root)
+    real_root = Path(os.path.realpath(root))
+    skipped = {Path(os.path.realpath(p)) for p in exclude}
+    found: list[FolderFile] = []
+    _walk(root, "", real_root, [real_root], real_root, skipped, found)
+    return sorted(found, key=lambda f: f.name)
+
+
+def _walk(folder: Path, prefix: str, real: Path, stack: list[Path], real_root: Path, skipped: set[Path],
+          found: list[FolderFile]) -> None:
+    """Add the files under `folder` (whose resolved path is `real`; `stack`: resolved folders walked into)."""
+    with os.scandir(folder) as entries:
+        listed = sorted(entries, key=lambda e: e.name)
+    for entry in listed:
+        path, name = Path(entry.path), prefix + entry.name
+        if entry.is_symlink():
+            target = _link_target(path, real_root, skipped)
+            info = os.stat(target)
+        else:
+            target, info = real / entry.name, entry.stat(follow_symlinks=False)
+            if target in skipped:
+                continue
+        if stat.S_ISDIR(info.st_mode):
+            if target in stack:
+                raise CheckpointFormatError(f"{path} is a symlink to {target}, a folder that holds the link: "
+                                            "following it would never end; remove the link")
+            _walk(path, name + "/", target, [*stack, target], real_root, skipped, found)
+        elif stat.S_ISREG(info.st_mode):
+            if not is_temp_name(entry.name):
+                found.append(FolderFile(name, path, stat.S_IMODE(info.st_mode) & MODE_BITS))
+        else:
+            raise CheckpointFormatError(f"{path} is a {_kind(info.st_mode)}, not a regular file: a checkpoint "
+                                        "folder holds files and folders only; move it out of the folder")
+
+
+def _link_target(path: Path, real_root: Path, skipped: set[Path]) -> Path:
+    """Where the symlink at `path` leads, when that is an existing place inside the folder."""
+    target = Path(os.path.realpath(path))
+    if not target.exists():
+        raise CheckpointFormatError(f"{path} is a symlink to {os.readlink(path)}, which does not exist: "
+                                    "remove the dangling link or point it at a file inside the folder")
+    if not target.is_relative_to(real_root) or any(target.is_relative_to(s) for s in skipped):
+        raise CheckpointFormatError(f"{path} is a symlink to {target}, outside the checkpoint folder {real_root}: "
+                                    "ckptstore follows only links that stay inside; copy the file in instead")
+    return target
+
+
+def _kind(mode: int) -> str:
+    for test, word in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return word
+    return "special file"

@@ -1,0 +1,90 @@
+"""The folder walk: in-folder links followed, everything else that cannot be stored refused by name; modes kept."""
+
+import os
+import stat
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptstore import formats
+from ckptstore.errors import CheckpointFormatError
+from ckptstore.formats import CheckpointFile
+from ckptstore.repo.manifest import Manifest
+
+
+def _folder(tmp_path):
+    run = tmp_path / "run"
+    (run / "sub").mkdir(parents=True)
+    torch.save({"w": torch.arange(4.0)}, run / "model.pt")
+    (run / "sub" / "config.json").write_text('{"a": 1}')
+    return run
+
+
+def test_links_inside_the_folder_are_stored_as_their_targets_content(tmp_path):
+    run = _folder(tmp_path)
+    os.symlink("model.pt", run / "latest.pt")
+    os.symlink("sub", run / "alias")
+    checkpoint = formats.read_checkpoint(run)
+    names = [f.name for f in checkpoint.files]
+    assert names == ["alias/config.json", "latest.pt", "model.pt", "sub/config.json"]
+    assert checkpoint.tensors["latest.pt/w"].data.tobytes() == checkpoint.tensors["model.pt/w"].data.tobytes()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda run, out: os.symlink(out / "secret", run / "shadow"), "outside the checkpoint folder"),
+    (lambda run, out: os.symlink(out, run / "outdir"), "outside the checkpoint folder"),
+    (lambda run, out: os.symlink("gone.pt", run / "dangling"), "does not exist"),
+    (lambda run, out: os.symlink("..", run / "sub" / "loop"), "never end"),
+    (lambda run, out: os.mkfifo(run / "pipe"), "is a FIFO"),
+])
+def test_what_cannot_be_stored_is_refused_naming_the_path(tmp_path, make, message):
+    run = _folder(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_text("root:x:0")
+    make(run, outside)
+    with pytest.raises(CheckpointFormatError, match=message) as info:
+        formats.read_checkpoint(run)
+    assert str(run) in str(info.value)
+
+
+def test_excluded_folders_and_leftover_temporaries_are_not_part_of_the_checkpoint(tmp_path):
+    run = _folder(tmp_path)
+    (run / ".ckpt").mkdir()
+    (run / ".ckpt" / "ckpt.db").write_bytes(b"SQLite format 3\0")
+    (run / ".model.pt.new-0123456789abcdef.ckpt-tmp").write_bytes(b"half a write")
+    names = [f.name for f in formats.read_checkpoint(run, exclude=[run / ".ckpt"]).files]
+    assert names == ["model.pt", "sub/config.json"]
+    os.symlink(".ckpt/ckpt.db", run / "db")
+    with pytest.raises(CheckpointFormatError, match="outside the checkpoint folder"):
+        formats.read_checkpoint(run, exclude=[run / ".ckpt"])
+
+
+def test_permission_bits_are_recorded_per_file(tmp_path):
+    run = _folder(tmp_path)
+    os.chmod(run / "model.pt", 0o600)
+    os.chmod(run / "sub" / "config.json", 0o754)
+    modes = {f.name: f.mode for f in formats.read_checkpoint(run).files}
+    assert modes == {"model.pt": 0o600, "sub/config.json": 0o754}
+    assert formats.read_checkpoint(run / "model.pt").files[0].mode == 0o600
+
+
+@settings(max_examples=30, deadline=None)
+@given(mode=st.one_of(st.none(), st.integers(0, 0o777)), reason=st.sampled_from(["", "pickled objects"]))
+def test_file_records_round_trip_and_older_records_read(mode, reason):
+    record = CheckpointFile("a/b.pt", "torch", ["dict", []], 12, reason, mode)
+    assert CheckpointFile.from_json(record.to_json()) == record
+    assert ("mode" in record.to_json()) == (mode is not None)  # no new field where there is nothing to say
+    older = {"name": "a/b.pt", "format": "torch", "skeleton": ["dict", []], "size": 12}  # before modes
+    assert CheckpointFile.from_json(older).mode is None
+    manifest = Manifest("folder", [record], {}, {})
+    assert Manifest.from_bytes(manifest.to_bytes()).files == [record]
+
+
+def test_a_lone_file_keeps_what_stat_says(tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
+    os.chmod(tmp_path / "a.pt", 0o640)
+    record = formats.read_checkpoint(tmp_path / "a.pt").files[0]
+    assert record.mode == stat.S_IMODE((tmp_path / "a.pt").stat().st_mode) == 0o640
