@@ -68,7 +68,8 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
 
     Without `output`, writes to the path it was committed from and moves HEAD (like git
     checkout), refusing to overwrite files whose content is not in the store unless `force`.
-    With `output`, only writes there.
+    With `output` (whose parent folder must exist), only writes there. A folder ends up holding
+    exactly the commit's files (worktree.plan_checkout says what is removed and what is refused).
     """
     with repo.db.read() as tx:
         cid = refs.resolve(tx, ref)
@@ -81,14 +82,10 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
         raise CkptError(f"commit {cid[:12]} was made from an in-memory state; pass -o PATH to write it")
     else:
         dest = repo.root / info.source_path
-    targets = [formats.destination(manifest.kind, f, dest) for f in manifest.files]
-    if not force:
-        worktree.refuse_unsaved(repo, targets)
+    plan = worktree.plan_checkout(repo, manifest, dest, force, output=output is not None)
     with no_cyclic_gc():
         raws = restore(repo, manifest, progress)
-    for record, target in zip(manifest.files, targets):
-        formats.write_file(record, target, lambda p: materialize(raws[p]), lambda p: raws[p])
-    worktree.remember_files(repo, cid, targets)
+    worktree.write_checkout(repo, cid, plan, lambda p: materialize(raws[p]), lambda p: raws[p])
     if output is None:
         refs.move_head(repo, cid, ref if is_branch else None)
     return dest

@@ -45,4 +45,8 @@ class RepoConfig:
                  f"metadata_url = {json.dumps(self.metadata_url)}", f"threads = {self.threads}",
                  f"lossy = {json.dumps(self.lossy)}", "", "[encoding]"]
         lines += [f"{key} = {value}" for key, value in asdict(self.encoding).items()]
-        path.write_text("\n".join(lines) + "\n")
+        text = ("\n".join(lines) + "\n").encode()
+        # Imported here: opening a repository (every command) reads the config but never writes it.
+        from ckptstore.formats.atomic import atomic_write
+
+        atomic_write(path, lambda handle: handle.write(text))  # a crash never leaves a half-written config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +28,12 @@ class TensorDiff:
     stored_bytes: int
 
     def to_json(self) -> dict[str, Any]:
+        """Strict JSON: a relative L2 that is not finite (an all-zero old tensor) is the string "inf" or "nan"."""
+        rel = self.relative_l2
+        if rel is not None and not math.isfinite(rel):
+            rel = str(rel)
         return {"path": self.path, "status": self.status, "dtype": self.dtype, "shape": list(self.shape),
-                "relative_l2": self.relative_l2, "stored_bytes": self.stored_bytes}
+                "relative_l2": rel, "stored_bytes": self.stored_bytes}
 
 
 def diff(repo: Repository, a: str, b: str) -> list[TensorDiff]:

@@ -1,33 +1,193 @@
 """The work tree: checkpoint files on disk that commits came from and checkouts write to.
 
 A file's content is known when some commit holds it (its blake3 digest is recorded), so a
-checkout can refuse to overwrite a file whose content would be lost.
+checkout can refuse to overwrite or delete a file whose content would be lost. A folder
+checkout leaves exactly the commit's files, never writes through a symlink that leads out of
+the destination, and restores each file's permission bits.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from ckptstore.errors import DirtyWorktreeError
+from ckptstore.errors import CkptError, DirtyWorktreeError
 from ckptstore.hashing import CommitId, file_digest
 from ckptstore.metadata import files as file_rows
 
 if TYPE_CHECKING:
+    from ckptstore.formats import CheckpointFile
+    from ckptstore.repo.manifest import Manifest
     from ckptstore.repo.repository import Repository
+    from ckptstore.state import RawTensor
+
+SHOWN = 5  # paths an error lists before "and N more": the CLI prints one line
+
+
+@dataclass
+class CheckoutPlan:
+    """What writing a commit to `dest` does: the files it writes, and what it removes first."""
+
+    dest: Path
+    files: list[tuple[CheckpointFile, Path]]
+    extras: list[Path] = field(default_factory=list)  # files and links the commit does not have
+    folders: list[Path] = field(default_factory=list)  # folders it does not have, deepest first
+
+
+def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool, output: bool) -> CheckoutPlan:
+    """Check that writing `manifest` to `dest` is safe, and say what it will write and remove.
+
+    `output`: `dest` was named with -o, so its parent folder must exist. Raises
+    DirtyWorktreeError for files whose content is not in the store (unless `force`), CkptError
+    for a destination the checkout cannot or must not write.
+    """
+    if output and not dest.parent.is_dir():
+        raise CkptError(f"directory {dest.parent} does not exist; create it first or pass another -o path")
+    if manifest.kind != "folder":
+        if dest.is_dir():
+            raise CkptError(f"{dest} is a folder; this commit is one file: pass a file path")
+        plan = CheckoutPlan(dest, [(manifest.files[0], dest)])
+    else:
+        plan = _plan_folder(repo, manifest, dest)
+    if not force:
+        unsaved = _unsaved(repo, [t for _, t in plan.files], plan.extras)
+        if unsaved:
+            raise DirtyWorktreeError(f"checkout would {_listed(unsaved)}, whose content is not in the store; "
+                                     "commit it first, write elsewhere with -o PATH, or pass --force")
+    return plan
+
+
+def _plan_folder(repo: Repository, manifest: Manifest, dest: Path) -> CheckoutPlan:
+    if dest.exists() and not dest.is_dir():
+        raise CkptError(f"{dest} is not a folder; this commit is a folder: pass a folder path")
+    real_dest = Path(os.path.realpath(dest))
+    plan = CheckoutPlan(dest, [])
+    needed = {dest}
+    for record in manifest.files:
+        parts = PurePosixPath(record.name).parts
+        if not parts or record.name.startswith("/") or ".." in parts:
+            raise CkptError(f"the commit names a file {record.name!r} outside its folder; refusing to write it")
+        target = dest.joinpath(*parts)
+        _refuse_links_out(target, dest, real_dest)
+        plan.files.append((record, target))
+        needed.update(target.parents)
+    if dest.is_dir():
+        names = {t for _, t in plan.files}
+        _scan(dest, names, needed, Path(os.path.realpath(repo.dir)), plan)
+    return plan
+
+
+def _refuse_links_out(target: Path, dest: Path, real_dest: Path) -> None:
+    """Refuse a target reached through a symlinked folder that leads out of `dest`."""
+    for folder in reversed(target.parents):
+        if folder.is_relative_to(dest) and folder != dest and folder.is_symlink():
+            real = Path(os.path.realpath(folder))
+            if not real.is_relative_to(real_dest):
+                raise CkptError(f"refusing to write {target}: {folder} is a symlink to {real}, outside {dest}; "
+                                "remove the link or check out elsewhere with -o PATH")
+
+
+def _scan(folder: Path, names: set[Path], needed: set[Path], repo_dir: Path, plan: CheckoutPlan) -> None:
+    """Collect what under `folder` the commit does not have; never follows a symlink."""
+    with os.scandir(folder) as entries:
+        listed = sorted(entries, key=lambda e: e.name)
+    for entry in listed:
+        path = Path(entry.path)
+        if entry.is_dir(follow_symlinks=False):
+            if Path(os.path.realpath(path)) == repo_dir:
+                continue  # the repository itself is never part of a checkout
+            _scan(path, names, needed, repo_dir, plan)
+            if path not in needed and not repo_dir.is_relative_to(os.path.realpath(path)):
+                plan.folders.append(path)
+        elif path not in names:
+            plan.extras.append(path)
+
+
+def _unsaved(repo: Repository, targets: list[Path], extras: list[Path]) -> list[tuple[str, Path]]:
+    """("overwrite" or "delete", path) for each file whose content the store cannot give back.
+
+    A symlink is replaced or removed without loss (its target is untouched); so is a leftover
+    temporary file of an interrupted write. FIFOs, sockets and devices count as unsaved.
+    """
+    from ckptstore.formats.folder import is_temp_name
+
+    digests, unsaved = {}, []
+    for verb, paths in (("overwrite", targets), ("delete", extras)):
+        for path in paths:
+            try:
+                info = path.lstat()
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if stat.S_ISREG(info.st_mode) and not is_temp_name(path.name):
+                digests[path] = (verb, file_digest(str(path)))
+            elif not stat.S_ISREG(info.st_mode) and not stat.S_ISLNK(info.st_mode) and not stat.S_ISDIR(info.st_mode):
+                unsaved.append((verb, path))
+    with repo.db.read() as tx:
+        known = file_rows.known_digests(tx, [d for _, d in digests.values()])
+    return unsaved + [(verb, path) for path, (verb, d) in digests.items() if d not in known]
+
+
+def _listed(unsaved: list[tuple[str, Path]]) -> str:
+    words = []
+    for verb in ("overwrite", "delete"):
+        paths = [str(p) for v, p in unsaved if v == verb]
+        if paths:
+            more = f" and {len(paths) - SHOWN} more" if len(paths) > SHOWN else ""
+            extra = " (not in the commit)" if verb == "delete" else ""
+            words.append(f"{verb} {', '.join(paths[:SHOWN])}{more}{extra}")
+    return " and ".join(words)
+
+
+def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of: Callable[[str], Any],
+                   raw_of: Callable[[str], RawTensor]) -> None:
+    """Remove what the commit does not have, then write each of its files atomically.
+
+    Each file is written under a temporary name, given its recorded mode, and its digest is
+    recorded before it is renamed into place: another checkout that finds it there knows it.
+    """
+    for path in plan.extras:
+        path.unlink(missing_ok=True)
+    for folder in plan.folders:
+        try:
+            folder.rmdir()
+        except OSError:  # something new appeared in it meanwhile: leave it rather than lose it
+            pass
+    for record, target in plan.files:
+        if target.is_dir() and not target.is_symlink():
+            raise CkptError(f"{target} is a folder where the commit has a file; move it away and check out again")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _place(repo, cid, record, target, value_of, raw_of)
+
+
+def _place(repo: Repository, cid: CommitId, record: CheckpointFile, target: Path, value_of: Callable[[str], Any],
+           raw_of: Callable[[str], RawTensor]) -> None:
+    from ckptstore import formats
+    from ckptstore.formats.atomic import sync_dir, temp_beside
+
+    staging, handle = temp_beside(target, "new-")
+    handle.close()
+    try:
+        formats.write_file(record, staging, value_of, raw_of)
+        if record.mode is not None:
+            os.chmod(staging, record.mode)
+        with repo.db.write() as tx:
+            file_rows.remember(tx, [(file_digest(str(staging)), cid, staging.stat().st_size)])
+        os.replace(staging, target)
+        sync_dir(target.parent)
+    finally:
+        staging.unlink(missing_ok=True)
 
 
 def refuse_unsaved(repo: Repository, targets: list[Path]) -> None:
     """Raise DirtyWorktreeError when any existing file in `targets` holds content no commit has."""
-    digests = {t: file_digest(str(t)) for t in targets if t.is_file()}
-    with repo.db.read() as tx:
-        known = file_rows.known_digests(tx, digests.values())
-    unsaved = [str(t) for t, d in digests.items() if d not in known]
+    unsaved = _unsaved(repo, targets, [])
     if unsaved:
-        raise DirtyWorktreeError(
-            f"checkout would overwrite {', '.join(unsaved)}, whose content is not in the store; "
-            "commit it first, write elsewhere with -o PATH, or pass --force"
-        )
+        raise DirtyWorktreeError(f"checkout would {_listed(unsaved)}, whose content is not in the store; "
+                                 "commit it first, write elsewhere with -o PATH, or pass --force")
 
 
 def remember_files(repo: Repository, cid: CommitId, paths: list[Path]) -> None:

@@ -316,6 +316,7 @@ class RepositoryMachine(RuleBasedStateMachine):
         """`checkout -o`: any commit, file or in-memory, written elsewhere; HEAD stays."""
         spec, cid = data.draw(st.sampled_from(self.ref_specs()), label="ref")
         output = self.folder / "out" / f"{self.steps}.pt"
+        output.parent.mkdir(exist_ok=True)  # -o needs an existing folder
         assert self.repo.checkout_to(spec, output=output) == output
         assert_restored(self.commits[cid].state, torch.load(output, weights_only=True), f"checkout {spec} -o")
         self.remember(output, cid)

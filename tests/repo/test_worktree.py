@@ -1,0 +1,192 @@
+"""Checkouts to disk: exactly the commit's files, nothing written outside the destination, modes kept,
+concurrent writers never tear a file, and a commit never takes in the repository itself."""
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptstore.cli import cli
+from ckptstore.errors import CheckpointFormatError, CkptError, DirtyWorktreeError
+from ckptstore.repo.config import RepoConfig
+from tests.conftest import assert_same
+from tests.formats.test_formats import make_trainer_folder
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _files(folder):
+    """{name: bytes} of every file under `folder` (links followed), and nothing else."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _ckpt(cwd, *args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("CKPT_REPO", None)
+    return subprocess.Popen([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_a_folder_checkout_holds_exactly_the_commits_files(repo):
+    run = make_trainer_folder(repo.root / "run")
+    first = repo.commit(run, message="first")
+    old = _files(run)
+    (run / "extra.json").write_text("{}")
+    (run / "tokenizer" / "merges.txt").write_text("a b\n")
+    (run / "deeper" / "still").mkdir(parents=True)
+    torch.save({"w": torch.ones(3)}, run / "deeper" / "still" / "ema.pt")
+    repo.commit(run, message="second")
+    repo.checkout_to(first)
+    now = _files(run)
+    assert sorted(now) == sorted(old)
+    assert all(now[name] == old[name] for name in old if not name.endswith((".pt", ".pth")))  # torch files: re-saved
+    assert not (run / "deeper").exists() and repo.head() == (None, first)
+    again = repo.commit(run, allow_empty=True)  # the next commit does not pick up the newer commit's files
+    assert [f.name for f in repo.manifest(again).files] == [f.name for f in repo.manifest(first).files]
+    assert repo.manifest(again).entries == repo.manifest(first).entries
+
+
+def test_deleting_a_file_the_store_cannot_give_back_is_refused_unless_forced(repo):
+    run = make_trainer_folder(repo.root / "run")
+    first = repo.commit(run)
+    (run / "notes.txt").write_text("my only copy")
+    with pytest.raises(DirtyWorktreeError, match=r"delete .*notes.txt \(not in the commit\).*not in the store"):
+        repo.checkout_to(first)
+    assert (run / "notes.txt").read_text() == "my only copy"
+    repo.checkout_to(first, force=True)
+    assert not (run / "notes.txt").exists()
+
+
+def test_checkout_never_writes_through_a_symlink_leading_out_of_the_destination(repo, tmp_path):
+    run = make_trainer_folder(repo.root / "run")
+    first = repo.commit(run)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "vocab.txt").write_text("theirs")
+    shutil.rmtree(run / "tokenizer")
+    os.symlink(outside, run / "tokenizer")
+    for output in (None, run):
+        with pytest.raises(CkptError, match="is a symlink to .*outside"):
+            repo.checkout_to(first, output=output, force=True)
+    assert (outside / "vocab.txt").read_text() == "theirs" and list(outside.iterdir()) == [outside / "vocab.txt"]
+
+
+def test_links_in_the_destination_are_replaced_not_written_through(repo, tmp_path):
+    run = make_trainer_folder(repo.root / "run")
+    first = repo.commit(run)
+    victim = tmp_path / "victim.json"
+    victim.write_text("untouched")
+    (run / "config.json").unlink()
+    os.symlink(victim, run / "config.json")  # a file link: the checkout replaces the link itself
+    os.symlink(tmp_path, run / "stray")  # a link the commit does not have: removed, its target kept
+    repo.checkout_to(first)
+    assert victim.read_text() == "untouched" and tmp_path.is_dir()
+    assert not (run / "config.json").is_symlink() and not os.path.lexists(run / "stray")
+
+
+def test_permission_bits_come_back_at_checkout(repo, tmp_path):
+    run = make_trainer_folder(repo.root / "run")
+    os.chmod(run / "optimizer.pt", 0o600)
+    os.chmod(run / "tokenizer" / "vocab.txt", 0o750)
+    torch.save({"w": torch.ones(2)}, repo.root / "lone.pt")
+    os.chmod(repo.root / "lone.pt", 0o640)
+    folder, lone = repo.commit(run), repo.commit(repo.root / "lone.pt")
+    repo.checkout_to(folder, output=tmp_path / "out")
+    repo.checkout_to(lone, output=tmp_path / "lone.pt")
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)
+    assert mode(tmp_path / "out" / "optimizer.pt") == 0o600
+    assert mode(tmp_path / "out" / "tokenizer" / "vocab.txt") == 0o750
+    assert mode(tmp_path / "out" / "config.json") == mode(run / "config.json") and mode(tmp_path / "lone.pt") == 0o640
+
+
+def test_a_commit_of_the_repository_root_leaves_out_the_repository(repo):
+    torch.save({"w": torch.arange(5.0)}, repo.root / "model.pt")
+    (repo.root / "notes.json").write_text("{}")
+    cid = repo.commit(repo.root)
+    assert sorted(f.name for f in repo.manifest(cid).files) == ["model.pt", "notes.json"]
+    (repo.root / "notes.json").unlink()
+    assert repo.checkout_to(cid) == repo.root
+    assert (repo.root / "notes.json").read_text() == "{}" and repo.log()[0].id == cid  # .ckpt/ untouched
+    os.symlink(".ckpt/config.toml", repo.root / "cfg")
+    with pytest.raises(CheckpointFormatError, match="outside the checkpoint folder"):
+        repo.commit(repo.root)
+
+
+def test_output_into_a_missing_directory_is_a_one_line_error(repo, tmp_path):
+    torch.save({"w": torch.ones(2)}, repo.root / "a.pt")
+    repo.commit(repo.root / "a.pt")
+    proc = _ckpt(repo.root, "checkout", "HEAD", "-o", str(tmp_path / "missing" / "x.pt"))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and err.strip().count("\n") == 0
+    assert err.startswith(f"error: directory {tmp_path / 'missing'} does not exist"), err
+    assert not (tmp_path / "missing").exists()
+
+
+def test_concurrent_cli_checkouts_to_one_path_each_leave_one_whole_commit(repo, tmp_path):
+    states = [{"w": torch.full((1 << 20,), float(i)), "b": torch.full((1 << 18,), -float(i))} for i in (1, 2)]
+    ids = []
+    for state in states:
+        torch.save(state, repo.root / "ckpt.pt")
+        ids.append(repo.commit(repo.root / "ckpt.pt"))
+    target = tmp_path / "out" / "x.pt"
+    target.parent.mkdir()
+    procs = [_ckpt(repo.root, "checkout", ids[i % 2], "-o", str(target)) for i in range(2)]
+    errors = [p.communicate(timeout=180)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 2, errors
+    back = torch.load(target, weights_only=True)
+    assert any(back["w"].equal(s["w"]) and back["b"].equal(s["b"]) for s in states)
+    assert [p.name for p in target.parent.iterdir()] == ["x.pt"]  # no temporaries left behind
+
+
+def test_config_is_replaced_atomically(repo):
+    path = repo.dir / "config.toml"
+    before = path.stat().st_ino
+    config = RepoConfig.load(path)
+    config.threads = 3
+    config.save(path)
+    assert path.stat().st_ino != before  # a new file renamed into place, never truncated and rewritten
+    assert RepoConfig.load(path).threads == 3 and sorted(p.name for p in repo.dir.glob("*config*")) == ["config.toml"]
+
+
+def _no_constants(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def test_diff_of_trainer_folders_reports_every_kind_of_entry(repo, monkeypatch):
+    run = make_trainer_folder(repo.root / "run")
+    torch.save({"zero": torch.zeros(4), "steps": torch.tensor([1, 2])}, run / "extra.pt")
+    repo.commit(run)
+    shutil.rmtree(run)
+    make_trainer_folder(run, seed=1)
+    torch.save({"zero": torch.ones(4), "steps": torch.tensor([3, 4])}, run / "extra.pt")
+    (run / "trainer_state.json").write_text(json.dumps({"global_step": 123456, "log_history": [1, 2]}))
+    repo.commit(run)
+    monkeypatch.chdir(repo.root)
+    result = CliRunner().invoke(cli, ["diff", "HEAD~1", "HEAD", "--json"], catch_exceptions=False)
+    rows = {r["path"]: r for r in json.loads(result.output, parse_constant=_no_constants)}
+    assert rows["extra.pt/zero"]["relative_l2"] == "inf" and rows["extra.pt/steps"]["relative_l2"] is None
+    assert rows["trainer_state.json/%25blob"]["status"] == "changed"
+    assert rows["model.safetensors/%25header"]["status"] == "unchanged"
+    assert 0 < rows["model.safetensors/bert.weight"]["relative_l2"] < 10
+    text = CliRunner().invoke(cli, ["diff", "HEAD~1", "HEAD"], catch_exceptions=False).output
+    assert "rel_l2=inf" in text and "trainer_state.json" in text
+
+
+def test_diff_of_safetensors_whose_metadata_changed(repo):
+    from safetensors.torch import save_file
+
+    path = repo.root / "m.safetensors"
+    for meta in ({"format": "pt"}, {"format": "pt", "note": "a much longer metadata value" * 3}):
+        save_file({"w": torch.ones(3)}, path, metadata=meta)
+        repo.commit(path)
+    rows = {r.path: r for r in repo.diff("HEAD~1", "HEAD")}
+    assert rows["%25header"].status == "changed" and rows["%25header"].relative_l2 is None
+    assert rows["w"].status == "unchanged"
+    assert_same(repo.checkout("HEAD")["w"], torch.ones(3))
