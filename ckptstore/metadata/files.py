@@ -22,3 +22,8 @@ def commits_of_digest(tx: Tx, digest: str) -> list[CommitId]:
 def remember(tx: Tx, rows: Iterable[tuple[str, CommitId, int]]) -> None:
     """Record (digest, commit, size) of files whose content `commit` holds (each pair once)."""
     tx.insert_ignore("known_files", ("digest", "commit_id", "size"), rows)
+
+
+def known_sizes(tx: Tx) -> set[int]:
+    """The sizes of all known files: a file of any other size cannot be one (no need to hash it)."""
+    return {int(s) for s in tx.column("SELECT DISTINCT size FROM known_files")}

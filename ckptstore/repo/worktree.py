@@ -115,6 +115,8 @@ def _unsaved(repo: Repository, targets: list[Path], extras: list[Path]) -> list[
     """
     from ckptstore.formats.folder import is_temp_name
 
+    with repo.db.read() as tx:
+        sizes = file_rows.known_sizes(tx)
     digests, unsaved = {}, []
     for verb, paths in (("overwrite", targets), ("delete", extras)):
         for path in paths:
@@ -123,7 +125,10 @@ def _unsaved(repo: Repository, targets: list[Path], extras: list[Path]) -> list[
             except (FileNotFoundError, NotADirectoryError):
                 continue
             if stat.S_ISREG(info.st_mode) and not is_temp_name(path.name):
-                digests[path] = (verb, file_digest(str(path)))
+                if info.st_size in sizes:  # hash only what could be known: `-o` into a big folder stays quick
+                    digests[path] = (verb, file_digest(str(path)))
+                else:
+                    unsaved.append((verb, path))
             elif not stat.S_ISREG(info.st_mode) and not stat.S_ISLNK(info.st_mode) and not stat.S_ISDIR(info.st_mode):
                 unsaved.append((verb, path))
     with repo.db.read() as tx:

@@ -20,6 +20,8 @@ from tests.conftest import assert_same
 from tests.formats.test_formats import make_trainer_folder
 
 ROOT = Path(__file__).resolve().parents[2]
+# pairs of concurrent `ckpt checkout -o` runs: one in the default run, 22 (the count) in the long mode
+TRIALS = 22 if os.environ.get("CKPT_HYPOTHESIS_PROFILE") == "long" else 1
 
 
 def _files(folder):
@@ -57,11 +59,17 @@ def test_deleting_a_file_the_store_cannot_give_back_is_refused_unless_forced(rep
     run = make_trainer_folder(repo.root / "run")
     first = repo.commit(run)
     (run / "notes.txt").write_text("my only copy")
-    with pytest.raises(DirtyWorktreeError, match=r"delete .*notes.txt \(not in the commit\).*not in the store"):
+    same_size = bytes(b ^ 1 for b in (run / "config.json").read_bytes())  # a known size, unknown content
+    (run / "copy.json").write_bytes(same_size)
+    with pytest.raises(DirtyWorktreeError, match=r"delete .*copy.json, .*notes.txt \(not in the commit\)"):
         repo.checkout_to(first)
-    assert (run / "notes.txt").read_text() == "my only copy"
+    assert (run / "notes.txt").read_text() == "my only copy" and (run / "copy.json").read_bytes() == same_size
+    shutil.copy(run / "config.json", run / "copy.json")  # now the store can give it back: deleted
+    with pytest.raises(DirtyWorktreeError, match="not in the store") as info:
+        repo.checkout_to(first)
+    assert "copy.json" not in str(info.value)
     repo.checkout_to(first, force=True)
-    assert not (run / "notes.txt").exists()
+    assert not (run / "notes.txt").exists() and not (run / "copy.json").exists()
 
 
 def test_checkout_never_writes_through_a_symlink_leading_out_of_the_destination(repo, tmp_path):
@@ -137,12 +145,13 @@ def test_concurrent_cli_checkouts_to_one_path_each_leave_one_whole_commit(repo, 
         ids.append(repo.commit(repo.root / "ckpt.pt"))
     target = tmp_path / "out" / "x.pt"
     target.parent.mkdir()
-    procs = [_ckpt(repo.root, "checkout", ids[i % 2], "-o", str(target)) for i in range(2)]
-    errors = [p.communicate(timeout=180)[1] for p in procs]
-    assert [p.returncode for p in procs] == [0] * 2, errors
-    back = torch.load(target, weights_only=True)
-    assert any(back["w"].equal(s["w"]) and back["b"].equal(s["b"]) for s in states)
-    assert [p.name for p in target.parent.iterdir()] == ["x.pt"]  # no temporaries left behind
+    for trial in range(TRIALS):
+        procs = [_ckpt(repo.root, "checkout", ids[(i + trial) % 2], "-o", str(target)) for i in range(2)]
+        errors = [p.communicate(timeout=180)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0] * 2, (trial, errors)
+        back = torch.load(target, weights_only=True)
+        assert any(back["w"].equal(s["w"]) and back["b"].equal(s["b"]) for s in states), f"trial {trial}: torn"
+        assert [p.name for p in target.parent.iterdir()] == ["x.pt"]  # no temporaries left behind
 
 
 def test_config_is_replaced_atomically(repo):
