@@ -133,7 +133,8 @@ def _unsaved(repo: Repository, targets: list[Path], extras: list[Path]) -> list[
                 unsaved.append((verb, path))
     with repo.db.read() as tx:
         known = file_rows.known_digests(tx, [d for _, d in digests.values()])
-    return unsaved + [(verb, path) for path, (verb, d) in digests.items() if d not in known]
+    unsaved += [(verb, path) for path, (verb, d) in digests.items() if d not in known]
+    return sorted(unsaved, key=lambda item: str(item[1]))
 
 
 def _listed(unsaved: list[tuple[str, Path]]) -> str:
