@@ -64,7 +64,7 @@ def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool,
 def _plan_folder(repo: Repository, manifest: Manifest, dest: Path) -> CheckoutPlan:
     if dest.exists() and not dest.is_dir():
         raise CkptError(f"{dest} is not a folder; this commit is a folder: pass a folder path")
-    real_dest = Path(os.path.realpath(dest))
+    real_dest, repo_dir = Path(os.path.realpath(dest)), Path(os.path.realpath(repo.dir))
     plan = CheckoutPlan(dest, [])
     needed = {dest}
     for record in manifest.files:
@@ -73,11 +73,14 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path) -> CheckoutPl
             raise CkptError(f"the commit names a file {record.name!r} outside its folder; refusing to write it")
         target = dest.joinpath(*parts)
         _refuse_links_out(target, dest, real_dest)
+        if real_dest.joinpath(*parts).is_relative_to(repo_dir):  # committed before commits left it out
+            raise CkptError(f"the commit holds {record.name}, inside the repository's own {repo.dir.name}/: "
+                            "check it out elsewhere with -o PATH")
         plan.files.append((record, target))
         needed.update(target.parents)
     if dest.is_dir():
         names = {t for _, t in plan.files}
-        _scan(dest, names, needed, Path(os.path.realpath(repo.dir)), plan)
+        _scan(dest, names, needed, repo_dir, plan)
     return plan
 
 
@@ -178,10 +181,10 @@ def _place(repo: Repository, cid: CommitId, record: CheckpointFile, target: Path
     handle.close()
     try:
         formats.write_file(record, staging, value_of, raw_of)
-        if record.mode is not None:
-            os.chmod(staging, record.mode)
         with repo.db.write() as tx:
             file_rows.remember(tx, [(file_digest(str(staging)), cid, staging.stat().st_size)])
+        if record.mode is not None:  # after hashing: a mode may deny reading
+            os.chmod(staging, record.mode)
         os.replace(staging, target)
         sync_dir(target.parent)
     finally:

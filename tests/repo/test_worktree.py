@@ -199,3 +199,17 @@ def test_diff_of_safetensors_whose_metadata_changed(repo):
     assert rows["%25header"].status == "changed" and rows["%25header"].relative_l2 is None
     assert rows["w"].status == "unchanged"
     assert_same(repo.checkout("HEAD")["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize("name, message", [("../escape.json", "outside its folder"), ("/etc/x", "outside its folder"),
+                                           (".ckpt/ckpt.db", "repository's own .ckpt/")])
+def test_file_names_a_commit_may_not_write(repo, name, message):
+    """A manifest from elsewhere (or from before commits left out .ckpt/) never writes outside its folder."""
+    from ckptstore.formats import CheckpointFile
+    from ckptstore.repo.manifest import Manifest
+    from ckptstore.repo.worktree import plan_checkout
+
+    manifest = Manifest("folder", [CheckpointFile("ok.json", "blob", ["blob", "a"]),
+                                   CheckpointFile(name, "blob", ["blob", "b"])], {}, {})
+    with pytest.raises(CkptError, match=message):
+        plan_checkout(repo, manifest, repo.root, force=True, output=False)
