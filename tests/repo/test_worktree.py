@@ -7,16 +7,19 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ckptstore.cli import cli
 from ckptstore.errors import CheckpointFormatError, CkptError, DirtyWorktreeError
 from ckptstore.repo.config import RepoConfig
-from tests.conftest import assert_same
+from tests.conftest import assert_same, machine_settings
 from tests.formats.test_formats import make_trainer_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -213,3 +216,42 @@ def test_file_names_a_commit_may_not_write(repo, name, message):
                                    CheckpointFile(name, "blob", ["blob", "b"])], {}, {})
     with pytest.raises(CkptError, match=message):
         plan_checkout(repo, manifest, repo.root, force=True, output=False)
+
+
+_NAMES = st.lists(st.sampled_from("abc"), min_size=1, max_size=3).map("/".join)
+
+
+def _layouts():
+    """{name: (bytes, mode)} with no name both a file and a folder."""
+    files = st.dictionaries(_NAMES, st.tuples(st.binary(max_size=40), st.sampled_from([0o600, 0o644, 0o755])),
+                            min_size=1, max_size=6)
+    return files.filter(lambda d: not any(b.startswith(a + "/") for a in d for b in d))
+
+
+def _write_layout(folder, layout):
+    if folder.exists():
+        shutil.rmtree(folder)
+    for name, (data, mode) in layout.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+        os.chmod(folder / name, mode)
+
+
+@machine_settings(scale=0.4)
+@given(first=_layouts(), second=_layouts())
+def test_checkouts_between_any_two_layouts_give_exactly_each(first, second):
+    from ckptstore import Repository
+
+    with tempfile.TemporaryDirectory() as tmp, Repository.init(tmp) as repo:
+        run = repo.root / "run"
+        ids = []
+        for layout in (first, second):
+            _write_layout(run, layout)
+            ids.append(repo.commit(run, allow_empty=True))
+        for cid, layout in [(ids[0], first), (ids[1], second), (ids[0], first)]:
+            repo.checkout_to(cid)
+            on_disk = {p.relative_to(run).as_posix(): (p.read_bytes(), stat.S_IMODE(p.stat().st_mode))
+                       for p in run.rglob("*") if p.is_file()}
+            assert on_disk == layout
+            assert all(any(f.startswith(p.relative_to(run).as_posix() + "/") for f in layout)
+                       for p in run.rglob("*") if p.is_dir())  # no folder left that the commit lacks
