@@ -174,10 +174,10 @@ def log(ctx, graph, all_refs, as_json) -> None:
 def branch(ctx, name, start, delete) -> None:
     """List branches, create NAME at START, or delete one with -d."""
     repo = _open(ctx)
-    if delete:
+    if delete is not None:
         cid = repo.delete_branch(delete)
         click.echo(f"Deleted branch {delete} (was {cid[:12]})")
-    elif name:
+    elif name is not None:  # "" is a (bad) name, not a request for the listing
         cid = repo.branch(name, start)
         click.echo(f"Created branch {name} at {cid[:12]}")
     else:
@@ -189,11 +189,14 @@ def branch(ctx, name, start, delete) -> None:
 @cli.command()
 @click.argument("name", required=False)
 @click.argument("ref", required=False, default="HEAD")
+@click.option("-d", "delete", help="Delete tag NAME.")
 @click.pass_context
-def tag(ctx, name, ref) -> None:
-    """List tags, or tag REF (default HEAD) as NAME."""
+def tag(ctx, name, ref, delete) -> None:
+    """List tags, tag REF (default HEAD) as NAME, or delete one with -d."""
     repo = _open(ctx)
-    if name:
+    if delete is not None:
+        click.echo(f"Deleted tag {delete} (was {repo.delete_tag(delete)[:12]})")
+    elif name is not None:
         click.echo(f"Tagged {repo.tag(name, ref)[:12]} as {name}")
     else:
         for tag_name, cid in repo.tags().items():

@@ -22,17 +22,21 @@ from ckptstore.metadata.refs import BRANCH, HEAD, HEAD_KIND, TAG
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
 
-__all__ = ["BRANCH", "HEAD", "HEAD_KIND", "TAG", "branch", "check_name", "delete_branch", "head", "head_branch",
-           "head_commit", "resolve", "tag"]
+__all__ = ["BRANCH", "HEAD", "HEAD_KIND", "TAG", "branch", "check_name", "delete_branch", "delete_tag", "head",
+           "head_branch", "head_commit", "resolve", "tag"]
 
-_NAME = re.compile(r"^[A-Za-z0-9._/-]+$")
+_NAME = re.compile(r"[A-Za-z0-9._/-]+")  # used with fullmatch: `$` would let a trailing newline through
+_HEX = re.compile(r"[0-9a-f]+")
 _ANCESTRY = re.compile(r"^(.*?)((?:[~^]\d*)+)$")
 MIN_PREFIX = 4
 
 
 def check_name(name: str) -> None:
-    """Reject names git would reject, and names that read as something else."""
-    if (not _NAME.match(name) or name == HEAD or name.startswith(("-", "/", ".")) or name.endswith(("/", ".lock"))
+    """Reject names git would reject, and names that read as something else (HEAD, a commit id prefix)."""
+    if _HEX.fullmatch(name) and len(name) >= MIN_PREFIX:
+        raise InvalidRefNameError(f"{name!r} reads as a commit id (hex digits) and would hide the commit it "
+                                  "abbreviates; choose a name with a letter beyond a-f")
+    if (not _NAME.fullmatch(name) or name == HEAD or name.startswith(("-", "/", ".")) or name.endswith(("/", ".lock"))
             or ".." in name or "//" in name):
         raise InvalidRefNameError(
             f"{name!r} is not a valid branch or tag name (letters, digits, . _ / -; not HEAD)"
@@ -63,14 +67,20 @@ def _base(tx: Tx, spec: str) -> CommitId:
             raise RefNotFoundError(spec, detail=" (no commits yet)")
         return cid
     row = ref_rows.ref_row(tx, spec)
-    if row is not None and row.kind in (BRANCH, TAG):
-        return CommitId(row.commit_id)
-    if re.fullmatch(r"[0-9a-f]+", spec) and len(spec) >= MIN_PREFIX:
+    if row is not None and row.kind not in (BRANCH, TAG):
+        row = None
+    if _HEX.fullmatch(spec) and len(spec) >= MIN_PREFIX:
         matches = commit_rows.with_prefix(tx, spec)
-        if len(matches) == 1:
+        if row is not None and matches and matches != [row.commit_id]:
+            # a ref an older ckptstore accepted: neither reading may win silently
+            raise AmbiguousRefError(f"{spec!r} names both the {row.kind} {spec!r} and commit {matches[0][:12]}; "
+                                    f"give the full commit id, or rename the {row.kind}")
+        if row is None and len(matches) == 1:
             return matches[0]
         if len(matches) > 1:
             raise AmbiguousRefError(f"commit prefix {spec!r} matches {len(matches)} commits; give more digits")
+    if row is not None:
+        return CommitId(row.commit_id)
     raise RefNotFoundError(spec, difflib.get_close_matches(spec, [*ref_rows.names(tx), HEAD], n=3, cutoff=0.5))
 
 
@@ -127,13 +137,26 @@ def tag(repo: Repository, name: str, ref: str = HEAD) -> CommitId:
     return create(repo, name, ref, TAG)
 
 
+def _existing(tx: Tx, name: str, kind: str) -> ref_rows.RefRow:
+    row = ref_rows.ref_row(tx, name)
+    if row is None or row.kind != kind:
+        suggestions = difflib.get_close_matches(name, ref_rows.names(tx, (kind,)), n=3)
+        raise RefNotFoundError(name, suggestions, detail=f" (no such {kind})")
+    return row
+
+
+def delete_tag(repo: Repository, name: str) -> CommitId:
+    """Remove tag `name` (its commit stays until `gc --prune` if nothing else reaches it)."""
+    with repo.db.write() as tx:
+        row = _existing(tx, name, TAG)
+        ref_rows.delete_ref(tx, name)
+        return CommitId(row.commit_id)
+
+
 def delete_branch(repo: Repository, name: str) -> CommitId:
     """Remove branch `name` (its commits stay until `gc --prune`); not the branch HEAD is on."""
     with repo.db.write() as tx:
-        row = ref_rows.ref_row(tx, name)
-        if row is None or row.kind != BRANCH:
-            suggestions = difflib.get_close_matches(name, ref_rows.names(tx, (BRANCH,)), n=3)
-            raise RefNotFoundError(name, suggestions, detail=" (no such branch)")
+        row = _existing(tx, name, BRANCH)
         if head_branch(tx) == name:
             raise CkptError(f"cannot delete branch {name!r}: HEAD is on it; check out another ref first")
         ref_rows.delete_ref(tx, name)

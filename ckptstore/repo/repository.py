@@ -171,6 +171,10 @@ class Repository:
         """Remove branch `name` (its commits stay until `gc --prune`); not the branch HEAD is on."""
         return refs.delete_branch(self, name)
 
+    def delete_tag(self, name: str) -> CommitId:
+        """Remove tag `name` (its commit stays until `gc --prune` if nothing else reaches it)."""
+        return refs.delete_tag(self, name)
+
     # ----------------------------------------------------------------- verbs
     def commit(self, state_or_path: Any, message: str = "", *, step: int | None = None,
                metrics: Mapping[str, float] | None = None, branch: str | None = None, allow_empty: bool = False,

@@ -1,0 +1,96 @@
+"""Ref names: what a branch or tag may be called, that every accepted name resolves, and tag deletion."""
+
+import string
+
+import pytest
+import torch
+from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ckptstore import Repository
+from ckptstore.cli import cli
+from ckptstore.errors import InvalidRefNameError, RefNotFoundError
+from ckptstore.repo.refs import check_name
+from tests.conftest import machine_settings
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    with Repository.init(tmp_path_factory.mktemp("refs")) as repo:
+        repo.commit({"w": torch.ones(2)}, step=1)
+        yield repo
+
+
+@pytest.mark.parametrize("name", ["v1\n", "v1\r", "v1 ", "\tv1", ""])
+def test_names_with_whitespace_or_empty_are_refused(repo, name):
+    with pytest.raises(InvalidRefNameError):
+        repo.branch(name)
+    with pytest.raises(InvalidRefNameError):
+        repo.tag(name)
+    assert name not in repo.branches() and name not in repo.tags()
+
+
+@given(st.text(string.ascii_letters + string.digits + "._/-\n \t~^", min_size=1, max_size=12))
+@machine_settings(scale=4)
+def test_every_name_that_is_accepted_resolves_to_its_commit(repo, name):
+    try:
+        check_name(name)
+    except InvalidRefNameError:
+        return
+    with repo.db.write() as tx:  # create and drop again, so examples do not collide
+        from ckptstore.metadata import refs as ref_rows
+
+        ref_rows.insert_ref(tx, name, "tag", repo.resolve())
+    try:
+        assert repo.resolve(name) == repo.resolve()
+    finally:
+        with repo.db.write() as tx:
+            ref_rows.delete_ref(tx, name)
+
+
+def test_a_name_that_reads_as_a_commit_prefix_is_refused(repo):
+    head = repo.resolve()
+    for name in (head[:7], head[:4], "deadbeef", "abc1234"):
+        with pytest.raises(InvalidRefNameError, match="commit id"):
+            repo.branch(name, "HEAD")
+    assert repo.resolve(head[:7]) == head
+    repo.branch("cafe-ok")  # not all hex: fine
+
+
+def test_a_ref_that_shadows_a_commit_prefix_is_ambiguous(repo):
+    """A ref that an older ckptstore let through must not silently win over the commit it reads as."""
+    head = repo.resolve()
+    other = repo.commit({"w": torch.zeros(2)}, branch="side")
+    from ckptstore.errors import AmbiguousRefError
+    from ckptstore.metadata import refs as ref_rows
+
+    with repo.db.write() as tx:
+        ref_rows.insert_ref(tx, head[:8], "branch", other)
+    try:
+        with pytest.raises(AmbiguousRefError, match="both"):
+            repo.resolve(head[:8])
+        assert repo.resolve(head) == head
+    finally:
+        with repo.db.write() as tx:
+            ref_rows.delete_ref(tx, head[:8])
+
+
+def test_cli_branch_with_empty_name_is_an_error_not_a_listing(repo):
+    result = CliRunner().invoke(cli, ["--repo", str(repo.root), "branch", ""])
+    assert result.exit_code != 0 and "not a valid" in str(result.exception)
+
+
+def test_tags_can_be_deleted(repo):
+    head = repo.resolve()
+    repo.tag("doomed")
+    assert repo.delete_tag("doomed") == head
+    assert "doomed" not in repo.tags()
+    with pytest.raises(RefNotFoundError, match="no such tag"):
+        repo.delete_tag("doomed")
+    with pytest.raises(RefNotFoundError, match="no such tag"):
+        repo.delete_tag("main")  # a branch is not deleted by tag -d
+    repo.tag("gone")
+    result = CliRunner().invoke(cli, ["--repo", str(repo.root), "tag", "-d", "gone"])
+    assert result.exit_code == 0 and f"Deleted tag gone (was {head[:12]})" in result.output
+    assert "gone" not in repo.tags()
