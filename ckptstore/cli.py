@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import sys
+import traceback
 from typing import Any
 
 import click
 
-from ckptstore.errors import CkptError
+from ckptstore.errors import explain
 from ckptstore.repo import LOSSY_LEVELS, EncodingSettings, Repository, fsck, gc
 
 LEVEL_NAMES = list(LOSSY_LEVELS)
@@ -44,8 +46,19 @@ def _size(n: float) -> str:
     return str(n)
 
 
+def _finite(data: Any) -> Any:
+    """`data` with NaN and infinities as null: JSON has no spelling for them (strict parsers refuse `NaN`)."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [_finite(v) for v in data]
+    return data
+
+
 def _emit_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, default=str))
+    click.echo(json.dumps(_finite(data), indent=2, default=str, allow_nan=False))
 
 
 def _open(ctx: click.Context) -> Repository:
@@ -82,9 +95,10 @@ def _metrics(values: tuple[str, ...]) -> dict[str, float]:
 
 @click.group()
 @click.option("--repo", envvar="CKPT_REPO", type=click.Path(file_okay=False), help="Repository folder.")
+@click.option("--debug", is_flag=True, help="Print the traceback of an error.")
 @click.version_option(package_name="ckptstore")
 @click.pass_context
-def cli(ctx: click.Context, repo: str | None) -> None:
+def cli(ctx: click.Context, repo: str | None, debug: bool) -> None:
     """A git-like store for training checkpoints."""
     ctx.obj = {"repo": repo}
 
@@ -309,16 +323,26 @@ def fsck_command(ctx, full) -> None:
     click.echo("ok")
 
 
+def _fail(message: str, code: int) -> None:
+    click.echo("error: " + " ".join(message.split()), err=True)  # one line, whatever the message held
+    sys.exit(code)
+
+
 def main() -> None:
-    """Console entry point: CkptErrors print as one line and set the exit code."""
+    """Console entry point: every failure prints one `error:` line (a traceback too with --debug)."""
+    debug = "--debug" in sys.argv[1 : sys.argv.index("--")] if "--" in sys.argv else "--debug" in sys.argv[1:]
     try:
         cli(standalone_mode=False)
-    except CkptError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        _fail("interrupted; an unfinished commit leaves earlier commits intact (`ckpt gc` removes its leftovers)", 130)
     except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
+        hint = " (see `ckpt --help`)" if isinstance(exc, click.UsageError) else ""
+        _fail(exc.format_message() + hint, exc.exit_code)
+    except Exception as exc:  # every failure reaches the user as one line; --debug shows where it came from
+        if debug:
+            traceback.print_exc()
+        known = explain(exc)
+        if known is None:
+            _fail(f"unexpected {type(exc).__name__}: {exc}. Run again with --debug for the traceback and "
+                  "please report it", 1)
+        _fail(str(known), known.exit_code)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 
 
@@ -94,3 +95,46 @@ class CodecError(CkptError):
 
 class RepoLockedError(CkptError):
     """Another process holds a lock this operation needs."""
+
+
+class DiskFullError(CkptError):
+    """A write ran out of disk space (or quota, or the file size limit); what was stored before is intact."""
+
+
+class ReadOnlyRepoError(CkptError):
+    """A write to a repository opened read-only (a read-only mount, or files this user may not write)."""
+
+
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_DISK_FULL_WORDS = ("database or disk is full", "no space left on device", "file write failed")
+_NOTHING_LOST = ("nothing was lost: the interrupted write is undone and earlier commits are intact. Free some space "
+                 "(`ckpt gc` also removes leftovers of interrupted commits) and run the command again")
+
+
+def disk_full(detail: str) -> DiskFullError:
+    """The error for a write that found the disk full, saying that nothing was lost and what to do."""
+    return DiskFullError(f"the disk is full ({detail}); {_NOTHING_LOST}")
+
+
+def explain(exc: BaseException) -> CkptError | None:
+    """The CkptError for a failure from below ckptstore (the OS, SQLite, torch) with a known cause, else None.
+
+    Follows `__cause__`/`__context__`, since a library may wrap the OS error it hit.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, CkptError):
+            return current
+        text = str(current).lower()
+        if isinstance(current, OSError) and current.errno in DISK_FULL_ERRNOS:
+            where = f" writing {current.filename}" if current.filename else ""
+            return disk_full(f"{current.strerror or current}{where}")
+        if any(words in text for words in _DISK_FULL_WORDS):
+            return disk_full(str(current).splitlines()[0].strip()[:200])
+        if "readonly database" in text or isinstance(current, OSError) and current.errno == errno.EROFS:
+            return ReadOnlyRepoError(f"this repository is read-only here ({current}); reading commands work, "
+                                     "writing ones need write access to its .ckpt folder")
+        current = current.__cause__ or current.__context__
+    return None

@@ -9,17 +9,19 @@ Statements are written with "?" placeholders (a driver of another style will nee
 from __future__ import annotations
 
 import contextlib
+import shutil
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptstore.errors import CkptError
+from ckptstore.errors import CkptError, disk_full, explain
 
 BUSY_TIMEOUT_MS = 120_000
 HEAD_REVISION = "0006"  # the newest migration in migrations/versions; a test keeps the two in step
 KNOWN_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006")
+LOW_SPACE = 1 << 20  # free bytes under which an I/O error writing the database means "disk full"
 BATCH = 500  # ids per IN (...) list: SQLite allows 32766 parameters, PostgreSQL 65535
 
 
@@ -101,8 +103,30 @@ class Database:
                 return
         connection.close()
 
+    def _explained(self, exc: sqlite3.Error) -> CkptError | None:
+        """SQLite's error as the user's problem (a full disk, a read-only file), or None.
+
+        SQLite reports a full disk as "disk I/O error" when the WAL's shared memory cannot grow.
+        """
+        if isinstance(exc, sqlite3.OperationalError) and "disk i/o error" in str(exc).lower():
+            with contextlib.suppress(OSError):
+                if shutil.disk_usage(self.path.parent).free < LOW_SPACE:
+                    return disk_full(f"SQLite: {exc} writing {self.path}")
+        return explain(exc)
+
     @contextlib.contextmanager
     def _transaction(self, begin: str) -> Iterator[Tx]:
+        try:
+            with self._raw_transaction(begin) as tx:
+                yield tx
+        except sqlite3.Error as exc:
+            known = self._explained(exc)
+            if known is None:
+                raise
+            raise known from exc
+
+    @contextlib.contextmanager
+    def _raw_transaction(self, begin: str) -> Iterator[Tx]:
         connection = self._acquire()
         try:
             connection.execute(begin)

@@ -1,0 +1,140 @@
+"""The CLI's error surface: one `error:` line saying what to do, strict JSON, and a full disk handled for real."""
+
+import contextlib
+import json
+import os
+import resource
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ckptstore import Repository
+from ckptstore.repo import fsck
+from tests.test_cli import ROOT
+
+
+def strict_json(text: str):
+    """json.loads that refuses NaN and Infinity, as every strict parser does."""
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def run(cwd, *args, fsize: int | None = None):
+    """`ckpt ARGS` in a subprocess; `fsize` caps the size of any file it writes (RLIMIT_FSIZE)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("CKPT_REPO", None)
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the cap fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
+    return subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120, preexec_fn=limit if fsize else None)
+
+
+def one_error_line(result, *words):
+    assert result.returncode != 0, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_json_outputs_are_strict_json_with_nan_and_inf_metrics(tmp_path):
+    assert run(tmp_path, "init").returncode == 0
+    torch.save({"w": torch.arange(6.0)}, tmp_path / "c.pt")
+    assert run(tmp_path, "commit", "c.pt", "--metric", "loss=nan", "--metric", "gain=inf").returncode == 0
+    torch.save({"w": torch.arange(6.0) * 2}, tmp_path / "c.pt")
+    assert run(tmp_path, "commit", "c.pt", "--metric", "loss=-inf").returncode == 0
+    log = strict_json(run(tmp_path, "log", "--json").stdout)
+    assert log[0]["metrics"] == {"loss": None} and log[1]["metrics"] == {"gain": None, "loss": None}
+    for args in (["show", "--json"], ["stats", "--json"], ["diff", "HEAD~1", "HEAD", "--json"]):
+        strict_json(run(tmp_path, *args).stdout)
+    assert "loss=nan" in run(tmp_path, "log", "HEAD~1").stdout or "loss=nan" in run(tmp_path, "log").stdout
+
+
+def test_usage_errors_and_unknown_failures_are_one_line(tmp_path):
+    one_error_line(run(tmp_path, "log", "--bogus"), "--bogus", "--help")
+    one_error_line(run(tmp_path, "frobnicate"), "frobnicate")
+    assert run(tmp_path, "init").returncode == 0
+    one_error_line(run(tmp_path, "commit", "missing.pt"), "missing.pt")
+
+
+def test_a_newer_schema_is_refused_in_one_line_saying_what_to_do(tmp_path):
+    assert run(tmp_path, "init").returncode == 0
+    with contextlib.closing(sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db")) as db, db:
+        db.execute("UPDATE alembic_version SET version_num = '0099'")
+    one_error_line(run(tmp_path, "log"), "newer ckptstore", "upgrade ckptstore")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = run(tmp_path, "--debug", "log")
+    assert result.returncode == 1 and "Traceback" in result.stderr and "error: " in result.stderr
+
+
+@contextlib.contextmanager
+def small_disk(where: Path, size: str):
+    """A tmpfs of `size` at `where` (root only); yields False where it cannot be mounted."""
+    where.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                                                    str(where)], capture_output=True).returncode == 0
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def fill(path: Path) -> None:
+    """Write to `path` until its file system refuses (tmpfs: ENOSPC)."""
+    with open(path, "wb", buffering=0) as handle:
+        for block in (1 << 16, 512, 1):
+            with contextlib.suppress(OSError):
+                while handle.write(b"\xff" * block):
+                    pass
+
+
+def checkpoint(path: Path, numel: int, seed: int) -> dict:
+    state = {"w": torch.randn(numel, generator=torch.Generator().manual_seed(seed)), "step": seed}
+    torch.save(state, path)
+    return state
+
+
+def assert_intact(root: Path, states: dict) -> None:
+    with Repository.open(root) as repo:
+        assert fsck(repo, full=True).ok
+        for ref, state in states.items():
+            back = repo.checkout(ref)
+            assert back["step"] == state["step"] and back["w"].view(torch.int32).equal(state["w"].view(torch.int32))
+
+
+def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path):
+    """Commit onto a full disk (objects, then the database), and checkout -o onto one."""
+    with small_disk(tmp_path / "disk", "3m") as mounted:
+        repo = tmp_path / "disk" / "repo"
+        repo.mkdir()
+        states = {"main~1": checkpoint(tmp_path / "a.pt", 20_000, 1), "main": checkpoint(tmp_path / "b.pt", 20_000, 2)}
+        with Repository.init(repo) as store:
+            store.commit(tmp_path / "a.pt")
+            store.commit(tmp_path / "b.pt")
+        big = tmp_path / "big.pt"
+        checkpoint(big, 1_000_000, 3)  # 4 MB of random floats: more than the disk holds
+        cap = None if mounted else 1 << 20  # without a tmpfs: files may not grow past 1 MiB
+        one_error_line(run(repo, "commit", str(big), fsize=cap), "disk is full", "nothing was lost")
+        assert_intact(repo, states)
+        if mounted:  # the database's own write hits the full disk: SQLite's "database or disk is full"
+            fill(tmp_path / "disk" / "filler")
+            one_error_line(run(repo, "tag", "t1"), "disk is full", "nothing was lost")
+            one_error_line(run(repo, "checkout", "main", "-o", str(tmp_path / "disk" / "out.pt")),
+                           "disk is full", "nothing was lost")
+            (tmp_path / "disk" / "filler").unlink()
+        else:
+            one_error_line(run(repo, "checkout", "main", "-o", str(tmp_path / "out.pt"), fsize=40_000),
+                           "disk is full", "nothing was lost")
+        assert_intact(repo, states)
