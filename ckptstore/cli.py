@@ -62,7 +62,7 @@ def _emit_json(data: Any) -> None:
 
 
 def _open(ctx: click.Context) -> Repository:
-    repo = Repository.open(ctx.obj.get("repo"))
+    repo = Repository.open(ctx.obj.get("repo"), read_only=True if ctx.obj.get("read_only") else None)
     ctx.call_on_close(repo.close)
     return repo
 
@@ -95,12 +95,13 @@ def _metrics(values: tuple[str, ...]) -> dict[str, float]:
 
 @click.group()
 @click.option("--repo", envvar="CKPT_REPO", type=click.Path(file_okay=False), help="Repository folder.")
+@click.option("--read-only", is_flag=True, help="Open the repository without writing to it.")
 @click.option("--debug", is_flag=True, help="Print the traceback of an error.")
 @click.version_option(package_name="ckptstore")
 @click.pass_context
-def cli(ctx: click.Context, repo: str | None, debug: bool) -> None:
-    """A git-like store for training checkpoints."""
-    ctx.obj = {"repo": repo}
+def cli(ctx: click.Context, repo: str | None, read_only: bool, debug: bool) -> None:
+    """A git-like store for training checkpoints (read-only where its folder cannot be written)."""
+    ctx.obj = {"repo": repo, "read_only": read_only}
 
 
 @cli.command()

@@ -9,6 +9,7 @@ Statements are written with "?" placeholders (a driver of another style will nee
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import sqlite3
 import threading
@@ -16,7 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptstore.errors import CkptError, disk_full, explain
+from ckptstore.errors import CkptError, ReadOnlyRepoError, disk_full, explain
 
 BUSY_TIMEOUT_MS = 120_000
 HEAD_REVISION = "0006"  # the newest migration in migrations/versions; a test keeps the two in step
@@ -76,12 +77,16 @@ class Database:
     `read()` gives a consistent snapshot; `write()` takes the write lock up front, so two
     committers queue instead of failing halfway. Connections are pooled: a transaction takes an
     idle one (or opens one) and gives it back when it ends, so any number of threads share as
-    many connections as run transactions at once.
+    many connections as run transactions at once. `read_only` (`why` says for what reason)
+    opens without writing anything, not even the WAL setting or a schema upgrade; `write()` then
+    refuses.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, read_only: bool = False, why: str = "") -> None:
         self.url = url
         self.path = sqlite_path(url)
+        self.read_only = read_only
+        self.why = why or "opened read-only"
         self._idle: list[sqlite3.Connection] = []
         self._guard = threading.Lock()
         self._writing = threading.local()
@@ -94,7 +99,7 @@ class Database:
                 raise CkptError(f"the metadata database {self.url} was closed")
             if self._idle:
                 return self._idle.pop()
-        return connect_sqlite(self.path)
+        return connect_sqlite(self.path, self.read_only)
 
     def _release(self, connection: sqlite3.Connection) -> None:
         with self._guard:
@@ -141,8 +146,17 @@ class Database:
                 connection.rollback()
             self._release(connection)
 
+    def refuse_writes(self, what: str = "this command") -> None:
+        """Raise ReadOnlyRepoError when the database was opened read-only."""
+        if self.read_only:
+            raise ReadOnlyRepoError(
+                f"{what} would write to the repository at {self.path.parent.parent}, which is read-only here "
+                f"({self.why}); reading commands (log, show, status, diff, stats, fsck, checkout -o) still work"
+            )
+
     @contextlib.contextmanager
     def _write(self) -> Iterator[Tx]:
+        self.refuse_writes()
         if getattr(self._writing, "active", False):
             raise CkptError("a metadata write transaction was opened inside another in the same thread; "
                             "it would wait for itself (a bug in ckptstore: please report it)")
@@ -176,6 +190,10 @@ class Database:
         if current is not None and current not in KNOWN_REVISIONS:
             raise CkptError(f"{self.url} has metadata schema {current!r}, written by a newer ckptstore; "
                             "upgrade ckptstore to open it")
+        if self.read_only:
+            raise ReadOnlyRepoError(f"{self.url} has metadata schema {current!r}, older than this ckptstore's "
+                                    f"{HEAD_REVISION!r}, and is read-only here ({self.why}); open it once where it "
+                                    "can be written to upgrade it, or use the ckptstore that wrote it")
         from ckptstore.metadata.migrate import upgrade
 
         upgrade(self.url)
@@ -197,11 +215,30 @@ def sqlite_path(url: str) -> Path:
     return Path(url[len(prefix) :])
 
 
-def connect_sqlite(path: Path) -> sqlite3.Connection:
-    """A connection in WAL mode with full sync, a long busy timeout and explicit transactions."""
-    connection = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
-                                 check_same_thread=False)
+def read_only_uri(path: Path) -> str:
+    """The URI that opens `path` without writing to it.
+
+    `mode=ro` where SQLite can share the WAL with writers (its -wal file exists, or the folder
+    is writable, where SQLite creates the -wal and -shm files it reads through); otherwise no
+    writer can be connected (it would have created the -wal file), so the file is read as
+    immutable: SQLite cannot open a WAL database read-only in a folder it cannot write.
+    """
+    wal = path.with_name(path.name + "-wal")
+    shared = wal.exists() or os.access(path.parent, os.W_OK)
+    return f"{path.resolve().as_uri()}?{'mode=ro' if shared else 'immutable=1'}"
+
+
+def connect_sqlite(path: Path, read_only: bool = False) -> sqlite3.Connection:
+    """A connection in WAL mode with full sync, a long busy timeout and explicit transactions.
+
+    Read-only, it sets nothing that writes: the database is in WAL mode since it was created.
+    """
+    target = read_only_uri(path) if read_only else path
+    connection = sqlite3.connect(target, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                                 check_same_thread=False, uri=read_only)
     connection.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    if read_only:
+        return connection
     connection.execute("PRAGMA journal_mode=WAL")
     connection.execute("PRAGMA synchronous=FULL")
     return connection

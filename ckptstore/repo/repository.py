@@ -51,16 +51,26 @@ def find_root(start: str | os.PathLike | None = None) -> Path:
     raise RepoNotFoundError(f"no ckptstore repository in {here} or any parent; run `ckpt init` first")
 
 
+def _unwritable(folder: Path) -> str:
+    """Why this process cannot write the repository folder `folder` (its database included), or ""."""
+    for path in (folder, folder / "ckpt.db"):
+        if path.exists() and not os.access(path, os.W_OK):
+            return f"{path} is not writable"
+    return ""
+
+
 class Repository:
     """A checkpoint repository: its objects in a store, its metadata in a database, both named by its config."""
 
-    def __init__(self, root: Path, config: RepoConfig, store: ObjectStore | None = None) -> None:
+    def __init__(self, root: Path, config: RepoConfig, store: ObjectStore | None = None, read_only: bool = False,
+                 why: str = "") -> None:
         self.root = root
         self.dir = root / REPO_DIR
         self.config = config
+        self.read_only = read_only
         objects = config.objects_url or "objects"  # a relative path is relative to .ckpt/
         self.store = store if store is not None else open_store(objects, self.dir / "tmp", self.dir)
-        self.db = Database(config.metadata_url or f"sqlite:///{self.dir / 'ckpt.db'}")
+        self.db = Database(config.metadata_url or f"sqlite:///{self.dir / 'ckpt.db'}", read_only, why)
         self._pool: ThreadPoolExecutor | None = None
 
     # ----------------------------------------------------------------- lifecycle
@@ -84,10 +94,17 @@ class Repository:
         return repo
 
     @classmethod
-    def open(cls, path: str | os.PathLike | None = None) -> Repository:
-        """Open the repository at or above `path` (or CKPT_REPO, or the cwd); upgrades its schema."""
+    def open(cls, path: str | os.PathLike | None = None, read_only: bool | None = None) -> Repository:
+        """Open the repository at or above `path` (or CKPT_REPO, or the cwd); upgrades its schema.
+
+        `read_only` None: read-only exactly when this process may not write its `.ckpt` folder
+        (a read-only mount, another user's files). Read-only, opening writes nothing and every
+        writing verb raises ReadOnlyRepoError before it starts.
+        """
         root = find_root(path)
-        return cls(root, RepoConfig.load(root / REPO_DIR / "config.toml"))
+        why = "opened with --read-only" if read_only else _unwritable(root / REPO_DIR)
+        return cls(root, RepoConfig.load(root / REPO_DIR / "config.toml"),
+                   read_only=bool(why) if read_only is None else read_only, why=why)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -109,7 +126,8 @@ class Repository:
         return self._pool
 
     def lock(self, exclusive: bool = False, wait: bool = True) -> AbstractContextManager[None]:
-        """The repository lock: commits hold it shared, gc alone."""
+        """The repository lock: commits hold it shared, gc alone (only writers take it)."""
+        self.db.refuse_writes()
         return repo_lock(self.dir / "lock", exclusive, wait)
 
     # ----------------------------------------------------------------- reading objects and metadata
@@ -203,6 +221,8 @@ class Repository:
         """Write the checkpoint at `ref` to disk and return where (see `repo.checkout.checkout_to`)."""
         from ckptstore.repo.checkout import checkout_to
 
+        if output is None:
+            self.db.refuse_writes("checkout without -o (it moves HEAD)")
         return checkout_to(self, ref, output, force, progress)
 
     def log(self, ref: str | None = None, all_refs: bool = False) -> list[CommitInfo]:

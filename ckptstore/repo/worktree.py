@@ -200,7 +200,9 @@ def refuse_unsaved(repo: Repository, targets: list[Path]) -> None:
 
 
 def remember_files(repo: Repository, cid: CommitId, paths: list[Path]) -> None:
-    """Record that the files at `paths` hold content of commit `cid`."""
+    """Record that the files at `paths` hold content of commit `cid` (not in a read-only repository)."""
+    if repo.read_only:
+        return  # nothing is lost: a later checkout over such a file asks for --force
     rows = [(file_digest(str(p)), cid, p.stat().st_size) for p in paths]
     with repo.db.write() as tx:
         file_rows.remember(tx, rows)

@@ -1,0 +1,110 @@
+"""A read-only repository: reading commands work and write nothing; writing ones fail in one clear line."""
+
+import contextlib
+import os
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptstore import Repository
+from ckptstore.cli import cli
+from ckptstore.errors import ReadOnlyRepoError
+from tests.test_cli_errors import one_error_line, run, strict_json
+
+READS = [["log"], ["log", "--graph", "--all"], ["log", "--json"], ["show"], ["show", "--json", "HEAD~1"], ["status"],
+         ["diff", "HEAD~1", "HEAD"], ["stats", "--json"], ["branch"], ["tag"], ["fsck"]]
+WRITES = [["commit", "c.pt", "--allow-empty"], ["branch", "b2"], ["tag", "t2"], ["tag", "-d", "t1"],
+          ["branch", "-d", "side"], ["checkout", "HEAD~1"], ["gc"]]
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file below `folder`: size, mtime in ns and bytes."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes()) for p in files}
+
+
+@pytest.fixture(scope="module")
+def repo_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ro")
+    with Repository.init(root) as repo:
+        for step in (1, 2):
+            torch.save({"w": torch.arange(8.0) * step, "step": step}, root / "c.pt")
+            repo.commit(root / "c.pt", step=step, metrics={"loss": 1.0 / step})
+        repo.branch("side", "HEAD~1")
+        repo.tag("t1")
+    return root
+
+
+@contextlib.contextmanager
+def unwritable(folder: Path):
+    """`folder` made unwritable for this process: a read-only bind mount as root, chmod -R a-w otherwise."""
+    if os.geteuid() != 0:
+        subprocess.run(["chmod", "-R", "a-w", str(folder)], check=True)
+        try:
+            yield folder
+        finally:
+            subprocess.run(["chmod", "-R", "u+w", str(folder)], check=True)
+        return
+    view = folder.parent / (folder.name + "-ro")
+    view.mkdir(exist_ok=True)
+    subprocess.run(["mount", "--bind", str(folder), str(view)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
+        yield view
+    finally:
+        subprocess.run(["umount", "-l", str(view)], check=True)
+
+
+def exercise(root: Path, *flags: str, out: Path) -> None:
+    """Every reading command succeeds; every writing one fails saying read-only (one line: a real process)."""
+    def ckpt(*args):
+        return CliRunner().invoke(cli, ["--repo", str(root), *flags, *args])
+
+    for args in READS:
+        result = ckpt(*args)
+        assert result.exit_code == 0, (args, result.output, result.exception)
+        if "--json" in args:
+            strict_json(result.output)
+    assert "t1" in ckpt("tag").output and "side" in ckpt("branch").output
+    result = ckpt("checkout", "HEAD~1", "-o", str(out))
+    assert result.exit_code == 0, result.exception
+    assert torch.load(out, weights_only=True)["w"].equal(torch.arange(8.0))
+    for args in WRITES:
+        result = ckpt(*args)
+        assert isinstance(result.exception, ReadOnlyRepoError) and "read-only" in str(result.exception), args
+    one_error_line(run(root, *flags, "commit", "c.pt"), "read-only")
+
+
+def test_a_read_only_repository_is_read_and_not_written(repo_dir, tmp_path):
+    before = snapshot(repo_dir)
+    with unwritable(repo_dir) as view:
+        exercise(view, out=tmp_path / "out.pt")
+        with Repository.open(view) as repo:
+            assert repo.read_only and len(repo.log()) == 2
+            with pytest.raises(ReadOnlyRepoError, match="read-only"):
+                repo.branch("b3")
+    assert snapshot(repo_dir) == before
+
+
+def test_explicit_read_only_writes_nothing(repo_dir, tmp_path):
+    """--read-only on a writable repository (and as root): files as they were, SQLite's shared files aside."""
+    before = snapshot(repo_dir)
+    exercise(repo_dir, "--read-only", out=tmp_path / "out.pt")
+    after = snapshot(repo_dir)
+    for path, was in before.items():
+        assert after[path] == was, path
+    for path in set(after) - set(before):  # SQLite's -shm and an empty -wal: a reader's, holding no data
+        assert path.name in ("ckpt.db-shm", "ckpt.db-wal") and (path.name == "ckpt.db-shm" or not after[path][0])
+    with Repository.open(repo_dir) as repo:
+        assert not repo.read_only and len(repo.log()) == 2
+
+
+def test_an_older_schema_read_only_says_how_to_upgrade(tmp_path):
+    Repository.init(tmp_path).close()
+    with contextlib.closing(sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db")) as db, db:
+        db.execute("UPDATE alembic_version SET version_num = '0005'")
+    one_error_line(run(tmp_path, "--read-only", "log"), "older", "read-only", "upgrade")
