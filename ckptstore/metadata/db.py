@@ -20,8 +20,8 @@ from typing import Any
 from ckptstore.errors import CkptError, ReadOnlyRepoError, disk_full, explain
 
 BUSY_TIMEOUT_MS = 120_000
-HEAD_REVISION = "0006"  # the newest migration in migrations/versions; a test keeps the two in step
-KNOWN_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006")
+HEAD_REVISION = "0007"  # the newest migration in migrations/versions; a test keeps the two in step
+KNOWN_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007")
 LOW_SPACE = 1 << 20  # free bytes under which an I/O error writing the database means "disk full"
 BATCH = 500  # ids per IN (...) list: SQLite allows 32766 parameters, PostgreSQL 65535
 
@@ -65,10 +65,14 @@ class Tx:
         self.rows_in(sql, ids)
 
     def insert_ignore(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-        """Insert rows, skipping those whose primary key exists (content-addressed rows never change)."""
+        """Insert rows, skipping those whose primary key exists (content-addressed rows never change).
+
+        Rows go in sorted by their leading columns (where every table's key starts), so a batch
+        appends to B-tree pages in order instead of splitting pages at random.
+        """
         names = ", ".join(f'"{c}"' for c in columns)
         self.executemany(f"INSERT INTO {table} ({names}) VALUES ({', '.join('?' * len(columns))}) "
-                         "ON CONFLICT DO NOTHING", rows)
+                         "ON CONFLICT DO NOTHING", sorted(rows, key=lambda row: tuple(row[:2])))
 
 
 class Database:

@@ -48,11 +48,15 @@ def _engine(url: str) -> Iterator[Engine]:
 
 
 def migrations_dir() -> Path:
-    """The Alembic scripts: packaged as ckptstore.migrations, or the source tree's migrations/."""
-    try:
-        return Path(str(resources.files("ckptstore.migrations")))
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[2] / "migrations"
+    """The Alembic scripts: the source tree's migrations/ beside this package, else the packaged copy.
+
+    The source tree comes first: an editable install maps ckptstore.migrations to the checkout it
+    was made from, which another checkout of the code must not migrate with.
+    """
+    tree = Path(__file__).resolve().parents[2] / "migrations"
+    if (tree / "env.py").is_file():
+        return tree
+    return Path(str(resources.files("ckptstore.migrations")))
 
 
 def _alembic_config(conn: Connection):
@@ -70,6 +74,14 @@ def upgrade(url: str, revision: str = "head") -> None:
 
     with _engine(url) as engine, engine.connect() as conn, conn.begin():
         command.upgrade(_alembic_config(conn), revision)
+
+
+def downgrade(url: str, revision: str) -> None:
+    """Take the schema at `url` back to `revision`, inside one write transaction (tests, and undoing an upgrade)."""
+    from alembic import command
+
+    with _engine(url) as engine, engine.connect() as conn, conn.begin():
+        command.downgrade(_alembic_config(conn), revision)
 
 
 def head_revision() -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, Float, Integer, MetaData, String, Table, Text
+from sqlalchemy import BigInteger, Column, Float, Index, Integer, MetaData, String, Table, Text, text
 
 metadata = MetaData()
 ID = String(64)
@@ -45,33 +45,39 @@ tensors = Table(
     Column("shape", Text, nullable=False),
     Column("codec", String(64), nullable=False),
     Column("params", Text, nullable=False),
-    Column("base_id", ID, index=True),
+    Column("base_id", ID),
     Column("depth", Integer, nullable=False),
     Column("raw_bytes", BigInteger, nullable=False),
     Column("stored_bytes", BigInteger, nullable=False),
+    Index("ix_tensors_base_id", "base_id", sqlite_where=text("base_id IS NOT NULL"),
+          postgresql_where=text("base_id IS NOT NULL")),
+    sqlite_with_rowid=False,
 )
 
 tensor_chunks = Table(
     "tensor_chunks", metadata,
     Column("tensor_id", ID, primary_key=True),
     Column("position", Integer, primary_key=True),
-    Column("object_id", ID, nullable=False, index=True),
+    Column("object_id", ID, nullable=False),
     Column("raw_bytes", BigInteger, nullable=False),
     Column("offset", BigInteger, nullable=False, server_default="0"),
     Column("length", BigInteger),  # NULL: the whole object; else a range of a pack object
     Column("checksum", String(32)),  # xxh3-128 of the decoded chunk; NULL for chunks written before 0005
+    sqlite_with_rowid=False,
 )
 
 objects = Table(
     "objects", metadata,
     Column("id", ID, primary_key=True),
     Column("size", BigInteger, nullable=False),
+    sqlite_with_rowid=False,
 )
 
 commit_tensors = Table(
     "commit_tensors", metadata,
     Column("commit_id", ID, primary_key=True),
-    Column("tensor_id", ID, primary_key=True, index=True),
+    Column("tensor_id", ID, primary_key=True),
+    sqlite_with_rowid=False,
 )
 
 known_files = Table(
