@@ -288,7 +288,8 @@ def stats(ctx, as_json) -> None:
                    f"{_size(row['raw_bytes']):>12} {_size(row['stored_bytes']):>12} {row['ratio']:>7.2f}x  "
                    f"{row['message']}")
     click.echo(f"total: {len(data['commits'])} commits, {_size(data['raw_bytes'])} of checkpoints in "
-               f"{_size(data['stored_bytes'])} on disk, {data['ratio']:.2f}x")
+               f"{_size(data['stored_bytes'])} on disk ({_size(data['objects_bytes'])} objects, "
+               f"{_size(data['metadata_bytes'])} metadata), {data['ratio']:.2f}x")
     return None
 
 

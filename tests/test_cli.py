@@ -50,7 +50,7 @@ def test_json_outputs_and_diff_stats(tmp_path, monkeypatch):
     weight = next(d for d in diff if d["path"] == "model/fc1.weight")
     assert weight["status"] == "changed" and 0 < weight["relative_l2"] < 1
     stats = json.loads(run("stats", "--json").output)
-    assert len(stats["commits"]) == 2 and stats["ratio"] > 1
+    assert len(stats["commits"]) == 2 and stats["raw_bytes"] > stats["objects_bytes"]
     assert "total: 2 commits" in run("stats").output
     assert "ok" in run("fsck").output
     refused = CliRunner().invoke(cli, ["branch", "-d", "main"])
@@ -67,3 +67,17 @@ def test_checkout_of_a_relative_ref_reports_the_commit_it_restored(tmp_path, mon
     first = json.loads(run("log", "--json").output)[1]["id"]
     assert f"Restored {first[:12]}" in run("checkout", "HEAD~1").output
     assert torch.load("ckpt.pt")["w"][0] == 1.0
+
+
+def test_stats_counts_the_database_on_disk(tmp_path):
+    torch.save({"w": torch.arange(64.0)}, tmp_path / "c.pt")
+    assert CliRunner().invoke(cli, ["init", str(tmp_path)]).exit_code == 0
+    assert CliRunner().invoke(cli, ["--repo", str(tmp_path), "commit", str(tmp_path / "c.pt")]).exit_code == 0
+    ckpt_dir = tmp_path / ".ckpt"
+    stats = json.loads(CliRunner().invoke(cli, ["--repo", str(tmp_path), "stats", "--json"]).output)
+    objects = sum(p.stat().st_size for p in (ckpt_dir / "objects").rglob("*") if p.is_file())
+    database = sum(p.stat().st_size for p in ckpt_dir.glob("ckpt.db*") if not p.name.endswith("-shm"))
+    assert stats["objects_bytes"] == objects and stats["metadata_bytes"] == database > 0
+    assert stats["stored_bytes"] == objects + database
+    assert f"{stats['raw_bytes'] / stats['stored_bytes']:.2f}x" in CliRunner().invoke(
+        cli, ["--repo", str(tmp_path), "stats"]).output

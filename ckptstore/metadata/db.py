@@ -202,6 +202,11 @@ class Database:
 
         upgrade(self.url)
 
+    def size_on_disk(self) -> int:
+        """Bytes the database takes on disk: its file and the write-ahead log beside it."""
+        files = (self.path, self.path.with_name(self.path.name + "-wal"))
+        return sum(f.stat().st_size for f in files if f.exists())
+
     def close(self) -> None:
         """Close the idle connections; one still in a transaction closes when it ends."""
         with self._guard:
