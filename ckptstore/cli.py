@@ -332,7 +332,7 @@ def _fail(message: str, code: int) -> None:
 
 def main() -> None:
     """Console entry point: every failure prints one `error:` line (a traceback too with --debug)."""
-    debug = "--debug" in sys.argv[1 : sys.argv.index("--")] if "--" in sys.argv else "--debug" in sys.argv[1:]
+    debug = "--debug" in sys.argv[1:]  # the group's flag; read here, where the traceback is printed
     try:
         cli(standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):
