@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=30)
     parser.add_argument("--workdir", type=Path, default=Path("demo-run"))
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # a model this small trains 7-10x faster on one thread than on two busy cores
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
     print(ckpt(args.workdir, "init"))
