@@ -6,7 +6,6 @@ import datetime
 import json
 import math
 import sys
-import traceback
 from typing import Any
 
 import click
@@ -342,6 +341,8 @@ def main() -> None:
         _fail(exc.format_message() + hint, exc.exit_code)
     except Exception as exc:  # every failure reaches the user as one line; --debug shows where it came from
         if debug:
+            import traceback
+
             traceback.print_exc()
         known = explain(exc)
         if known is None:

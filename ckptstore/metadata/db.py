@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -118,6 +117,8 @@ class Database:
         SQLite reports a full disk as "disk I/O error" when the WAL's shared memory cannot grow.
         """
         if isinstance(exc, sqlite3.OperationalError) and "disk i/o error" in str(exc).lower():
+            import shutil  # only here: it imports the compression modules
+
             with contextlib.suppress(OSError):
                 if shutil.disk_usage(self.path.parent).free < LOW_SPACE:
                     return disk_full(f"SQLite: {exc} writing {self.path}")
