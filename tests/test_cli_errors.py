@@ -138,3 +138,33 @@ def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path):
             one_error_line(run(repo, "checkout", "main", "-o", str(tmp_path / "out.pt"), fsize=40_000),
                            "disk is full", "nothing was lost")
         assert_intact(repo, states)
+
+
+def test_commits_that_run_out_of_disk_at_any_point_lose_nothing(tmp_path):
+    """With the disk filled to leave a little less room each time, a commit either completes or fails
+    in one disk-full line; either way every earlier commit reads back bit for bit."""
+    long = os.environ.get("CKPT_HYPOTHESIS_PROFILE") == "long"
+    with small_disk(tmp_path / "disk", "4m") as mounted:
+        if not mounted:  # RLIMIT_FSIZE cannot leave "a little room"; the test above covers that case
+            return
+        repo = tmp_path / "disk" / "repo"
+        states = {"main": checkpoint(tmp_path / "a.pt", 20_000, 1)}
+        with Repository.init(repo) as store:
+            store.commit(tmp_path / "a.pt")
+        outcomes = set()
+        for n, room in enumerate(range(0, 400_000, 20_000 if long else 100_000)):
+            filler = tmp_path / "disk" / "filler"
+            fill(filler)
+            os.truncate(filler, max(filler.stat().st_size - room, 0))  # frees `room` bytes
+            checkpoint(tmp_path / "next.pt", 40_000, 10 + n)
+            result = run(repo, "commit", str(tmp_path / "next.pt"), "--step", str(n))
+            if result.returncode == 0:
+                outcomes.add("committed")
+                states = {f"{ref}~1" if ref.startswith("main") else ref: s for ref, s in states.items()}
+                states["main"] = torch.load(tmp_path / "next.pt", weights_only=True)
+            else:
+                outcomes.add("disk full")
+                one_error_line(result, "disk is full", "nothing was lost")
+            filler.unlink()  # reading needs room too: SQLite's shared-memory file
+            assert_intact(repo, states)
+        assert outcomes == {"disk full", "committed"}, outcomes
