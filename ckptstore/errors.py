@@ -136,5 +136,8 @@ def explain(exc: BaseException) -> CkptError | None:
         if "readonly database" in text or isinstance(current, OSError) and current.errno == errno.EROFS:
             return ReadOnlyRepoError(f"this repository is read-only here ({current}); reading commands work, "
                                      "writing ones need write access to its .ckpt folder")
+        if isinstance(current, PermissionError):
+            return CkptError(f"permission denied on {current.filename or current}; ask for access to it "
+                             "(a repository you may only read opens with --read-only)")
         current = current.__cause__ or current.__context__
     return None

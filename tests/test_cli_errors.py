@@ -1,6 +1,7 @@
 """The CLI's error surface: one `error:` line saying what to do, strict JSON, and a full disk handled for real."""
 
 import contextlib
+import errno
 import json
 import os
 import resource
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ckptstore import Repository
+from ckptstore.errors import CkptError, DiskFullError, ReadOnlyRepoError, explain
 from ckptstore.repo import fsck
 from tests.test_cli import ROOT
 
@@ -168,3 +170,19 @@ def test_commits_that_run_out_of_disk_at_any_point_lose_nothing(tmp_path):
             filler.unlink()  # reading needs room too: SQLite's shared-memory file
             assert_intact(repo, states)
         assert outcomes == {"disk full", "committed"}, outcomes
+
+
+
+def test_os_failures_below_ckptstore_are_explained():
+    """The classification main() prints: the cause is found through wrapping exceptions too."""
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/data/x")
+        except OSError as inner:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from inner
+    except RuntimeError as exc:
+        assert isinstance(explain(exc), DiskFullError) and "/data/x" in str(explain(exc))
+    denied = explain(PermissionError(errno.EACCES, "Permission denied", "/shared/.ckpt/lock"))
+    assert isinstance(denied, CkptError) and "permission denied on /shared/.ckpt/lock" in str(denied)
+    assert isinstance(explain(OSError(errno.EROFS, "Read-only file system")), ReadOnlyRepoError)
+    assert explain(ValueError("something else")) is None
