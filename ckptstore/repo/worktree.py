@@ -181,8 +181,9 @@ def _place(repo: Repository, cid: CommitId, record: CheckpointFile, target: Path
     handle.close()
     try:
         formats.write_file(record, staging, value_of, raw_of)
-        with repo.db.write() as tx:
-            file_rows.remember(tx, [(file_digest(str(staging)), cid, staging.stat().st_size)])
+        if not repo.read_only:  # a read-only repository records nothing (checkout -o still works)
+            with repo.db.write() as tx:
+                file_rows.remember(tx, [(file_digest(str(staging)), cid, staging.stat().st_size)])
         if record.mode is not None:  # after hashing: a mode may deny reading
             os.chmod(staging, record.mode)
         os.replace(staging, target)
@@ -200,9 +201,7 @@ def refuse_unsaved(repo: Repository, targets: list[Path]) -> None:
 
 
 def remember_files(repo: Repository, cid: CommitId, paths: list[Path]) -> None:
-    """Record that the files at `paths` hold content of commit `cid` (not in a read-only repository)."""
-    if repo.read_only:
-        return  # nothing is lost: a later checkout over such a file asks for --force
+    """Record that the files at `paths` hold content of commit `cid`."""
     rows = [(file_digest(str(p)), cid, p.stat().st_size) for p in paths]
     with repo.db.write() as tx:
         file_rows.remember(tx, rows)
