@@ -144,11 +144,18 @@ def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle,
 @click.option("--force", is_flag=True, help="Overwrite files whose content is not in the store.")
 @click.pass_context
 def checkout(ctx, ref, output, force) -> None:
-    """Restore the checkpoint at REF (bit-exact) and move HEAD to it."""
+    """Restore the checkpoint at REF and move HEAD to it (a lossless commit: files byte for byte, except below)."""
     repo = _open(ctx)
     info = repo.commit_info(ref)  # before HEAD moves: a ref like HEAD~1 names another commit afterwards
     dest = repo.checkout_to(ref, output, force=force, progress=BarProgress())
     click.echo(f"Restored {info.id[:12]} to {dest}")
+    rewritten = repo.manifest(info.id).rewritten_files()
+    if info.source_path is not None and not info.lossy:
+        click.echo("Files are byte for byte as committed" + (", except below." if rewritten else "."))
+    if info.source_path is not None and rewritten:
+        names = ", ".join(name or str(dest) for name in rewritten)
+        click.echo(f"note: {names} written with torch.save (a legacy-format file, or a commit by an older ckptstore): "
+                   "state exact, bytes not byte for byte the committed file's")
     if info.lossy:
         click.echo(f"note: {info.id[:12]} is a lossy commit (level {info.lossy}): weights and optimizer "
                    "state are close to, not equal to, the original; `ckpt show` lists each tensor's error")

@@ -162,6 +162,22 @@ class _Flattener:
     def __init__(self) -> None:
         self.tensors: dict[str, RawTensor] = {}
         self.aliases: dict[tuple, str] = {}
+        # storage -> [(node, storage bytes, offset, stride)] of each distinct view stored
+        self.views: dict[Any, list[tuple[list, int, int, tuple[int, ...]]]] = {}
+
+    def flatten(self, obj: Any, prefix: str) -> FlatState:
+        """The skeleton and tensors of `obj`, views of one storage marked as such."""
+        skeleton = self.encode(obj, prefix)
+        mark_shared_views(self.views)
+        return FlatState(skeleton, self.tensors)
+
+    def tensor_extras(self, node: list, requires_grad: bool, parameter: bool) -> list:
+        """Add what torch.load gives back besides the values: Parameter, requires_grad."""
+        if parameter:
+            node.append({"parameter": True, "requires_grad": requires_grad})
+        elif requires_grad:
+            node.append({"requires_grad": True})
+        return node
 
     def tensor(self, value, path: str) -> list:
         torch = _torch()
@@ -178,12 +194,12 @@ class _Flattener:
             node = ["tensor", self.aliases[key]]
         else:
             self.tensors[path] = raw_from_torch(value)
+            node = ["tensor", path]
             if key is not None:
                 self.aliases[key] = path
-            node = ["tensor", path]
-        if isinstance(value, torch.nn.Parameter):
-            node.append({"parameter": True, "requires_grad": value.requires_grad})
-        return node
+                storage = value.untyped_storage()
+                self.views.setdefault(key[0], []).append((node, storage.nbytes(), key[1], key[3]))
+        return self.tensor_extras(node, value.requires_grad, isinstance(value, torch.nn.Parameter))
 
     def encode(self, value: Any, path: str) -> Any:
         """The skeleton node of `value`; tensors it holds are added to `self.tensors` under `path`."""
@@ -219,7 +235,21 @@ class _Flattener:
             items.append([self.encode(key, path), self.encode(item, join(path, str(key)))])
         return ["odict" if isinstance(value, OrderedDict) else "dict", items]
 
+    def _dict(self, value: dict, path: str) -> Any:
+        """A dict, and the attributes an OrderedDict carries (state_dict()._metadata: module versions)."""
+        node = self._mapping(value, path)
+        attrs = vars(value) if isinstance(value, OrderedDict) and hasattr(value, "__dict__") else {}
+        if attrs:
+            if not all(type(name) is str for name in attrs):
+                raise UnsupportedStateError(f"{path or '<root>'}: an OrderedDict attribute not named by a string")
+            # "%attrs" is no escaped key (escape turns every "%" into "%25"), so no path collides
+            where = f"{path}/%attrs" if path else "%attrs"
+            node.append({"attrs": [[name, self.encode(item, join(where, name))] for name, item in attrs.items()]})
+        return node
+
     def _sequence(self, value: list | tuple, path: str) -> Any:
+        if type(value).__name__ == "Size" and type(value).__module__ == "torch":  # torch.Size is a tuple
+            return ["size", list(value)]
         tag = "list" if isinstance(value, list) else "tuple"
         return [tag, [self.encode(item, join(path, str(i))) for i, item in enumerate(value)]]
 
@@ -257,7 +287,7 @@ _ENCODERS: list[tuple[type | tuple[type, ...], Callable[[_Flattener, Any, str], 
     (np.generic, _Flattener._npscalar),
     ((bytes, bytearray), _Flattener._bytes),
     (np.ndarray, _Flattener._ndarray),
-    (dict, _Flattener._mapping),
+    (dict, _Flattener._dict),
     ((list, tuple), _Flattener._sequence),
     ((set, frozenset), _Flattener._set),
 ]
@@ -265,9 +295,23 @@ _ENCODERS: list[tuple[type | tuple[type, ...], Callable[[_Flattener, Any, str], 
 
 def flatten(obj: Any, prefix: str = "") -> FlatState:
     """Split `obj` into a JSON skeleton and raw tensors named by their path in the structure."""
-    flattener = _Flattener()
-    skeleton = flattener.encode(obj, prefix)
-    return FlatState(skeleton, flattener.tensors)
+    return _Flattener().flatten(obj, prefix)
+
+
+def mark_shared_views(views: dict[Any, list[tuple[list, int, int, tuple[int, ...]]]]) -> None:
+    """Tensor nodes that view one storage in different ways say so, so checkout shares it again.
+
+    The storage is named by the first such node's path; each node gets
+    `"view": [storage, storage bytes, offset, stride]` (offset and stride in its own elements).
+    """
+    for seen in views.values():
+        if len(seen) < 2:
+            continue
+        name = seen[0][0][1]
+        for node, nbytes, offset, stride in seen:
+            if len(node) == 2:
+                node.append({})
+            node[2]["view"] = [name, nbytes, offset, list(stride)]
 
 
 def unflatten(skeleton: Any, lookup: Callable[[str], Any]) -> Any:
@@ -284,6 +328,8 @@ class _Unflattener:
     def __init__(self, lookup: Callable[[str], Any]) -> None:
         self.lookup = lookup
         self.cache: dict[str, Any] = {}
+        self.parameters: dict[str, Any] = {}
+        self.storages: dict[str, Any] = {}
 
     def get(self, path: str) -> Any:
         if path not in self.cache:
@@ -299,14 +345,38 @@ class _Unflattener:
         return decoder(self, node)
 
     def tensor(self, node: list) -> Any:
+        extras = node[2] if len(node) > 2 else {}
         value = self.get(node[1])
-        if len(node) > 2 and node[2].get("parameter"):
-            value = _torch().nn.Parameter(value, requires_grad=node[2]["requires_grad"])
+        if "view" in extras:
+            value = self.cache[node[1]] = self.view(value, *extras["view"])
+        if extras.get("parameter"):
+            if node[1] not in self.parameters:  # one Parameter saved twice comes back as one object
+                self.parameters[node[1]] = _torch().nn.Parameter(value, requires_grad=extras["requires_grad"])
+            return self.parameters[node[1]]
+        if extras.get("requires_grad") and not value.requires_grad:
+            value.requires_grad_(True)
         return value
+
+    def view(self, value: Any, storage: str, nbytes: int, offset: int, stride: list[int]) -> Any:
+        """`value` placed as a view of the storage named `storage`, which other views share."""
+        torch = _torch()
+        if storage not in self.storages:
+            self.storages[storage] = torch.empty(nbytes, dtype=torch.uint8, device=value.device).untyped_storage()
+        shared = torch.empty(0, dtype=value.dtype, device=value.device)
+        shared.set_(self.storages[storage], offset, value.shape, stride)
+        with torch.no_grad():
+            shared.copy_(value)
+        return shared
 
     def mapping(self, node: list) -> Any:
         pairs = [(self.decode(k), self.decode(v)) for k, v in node[1]]
-        return OrderedDict(pairs) if node[0] == "odict" else dict(pairs)
+        if node[0] != "odict":
+            return dict(pairs)
+        result = OrderedDict(pairs)
+        for name, value in (node[2].get("attrs", []) if len(node) > 2 else []):
+            setattr(result, name, self.decode(value))  # state_dict._metadata, for load_state_dict
+        return result
+
 
 
 _DECODERS: dict[str, Callable[[_Unflattener, list], Any]] = {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ckptstore.errors import CheckpointFormatError
-from ckptstore.formats import safetensors_file, torchfile, torchzip
+from ckptstore.formats import safetensors_file, torchcontainer, torchfile, torchzip
 from ckptstore.formats.atomic import write_parts
 from ckptstore.formats.folder import MODE_BITS, folder_files
 from ckptstore.state import RawTensor, escape, flatten, join, raw_from_bytes, unflatten
@@ -36,11 +37,15 @@ class CheckpointFile:
     size: int = 0
     opaque_reason: str = ""
     mode: int | None = None  # permission bits on disk (folder.MODE_BITS); None for a state or an older manifest
+    # a torch.save zip's bytes that are not tensors, and where its tensors go (torchcontainer.py)
+    container: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         record = {"name": self.name, "format": self.format, "skeleton": self.skeleton, "size": self.size}
         if self.opaque_reason:
             record["opaque_reason"] = self.opaque_reason
+        if self.container is not None:
+            record["container"] = self.container
         if self.mode is not None:
             record["mode"] = self.mode
         return record
@@ -49,7 +54,7 @@ class CheckpointFile:
     def from_json(cls, record: dict[str, Any]) -> CheckpointFile:
         mode = record.get("mode")
         return cls(record["name"], record["format"], record["skeleton"], record.get("size", 0),
-                   record.get("opaque_reason", ""), None if mode is None else int(mode))
+                   record.get("opaque_reason", ""), None if mode is None else int(mode), record.get("container"))
 
 
 @dataclass
@@ -83,11 +88,7 @@ def _read_file(path: Path, name: str, trust_pickle: bool, in_folder: bool) -> tu
     torch_like = size and torchfile.looks_like_torch_file(path)
     if torch_like and (not in_folder or path.suffix in TORCH_SUFFIXES):
         try:
-            # torch-free where the file is plain training state; torch's loader for everything else
-            flat = None if trust_pickle else torchzip.read(path, prefix)
-            if flat is None:
-                flat = flatten(torchfile.load(path, trust_pickle), prefix)
-            return CheckpointFile(name, TORCH, flat.skeleton, size), flat.tensors
+            return _read_torch_file(path, name, prefix, size, trust_pickle)
         except CheckpointFormatError as exc:
             if not (in_folder and "weights_only" in str(exc)):
                 raise
@@ -100,6 +101,19 @@ def _read_file(path: Path, name: str, trust_pickle: bool, in_folder: bool) -> tu
         )
     skeleton, tensors = _read_blob(path, prefix)
     return CheckpointFile(name, BLOB, skeleton, size), tensors
+
+
+def _read_torch_file(path: Path, name: str, prefix: str, size: int, trust_pickle: bool
+                     ) -> tuple[CheckpointFile, dict[str, RawTensor]]:
+    """A torch.save file: its state, and for a zip its container (so checkout can give its bytes back)."""
+    # torch-free where the file is plain training state; torch's loader for everything else
+    found = None if trust_pickle else torchzip.read_with_covers(path, prefix)
+    flat, covers = found if found is not None else (flatten(torchfile.load(path, trust_pickle), prefix), None)
+    record = CheckpointFile(name, TORCH, flat.skeleton, size)
+    split = torchcontainer.split(path, prefix, flat.tensors, covers) if zipfile.is_zipfile(path) else None
+    if split is not None:
+        record.container, flat.tensors[record.container["entry"]] = split
+    return record, flat.tensors
 
 
 def read_checkpoint(path: str | os.PathLike, trust_pickle: bool = False,
@@ -147,10 +161,15 @@ def to_state(kind: str, files: list[CheckpointFile], value_of: Callable[[str], A
 
 
 def write_file(record: CheckpointFile, dest: Path, value_of: Callable[[str], Any],
-               raw_of: Callable[[str], RawTensor]) -> None:
-    """Write one file back: safetensors and blobs byte for byte, torch files via torch.save."""
+               raw_of: Callable[[str], RawTensor], exact: bool = False) -> None:
+    """Write one file back: safetensors, blobs and torch zips byte for byte, other torch files via torch.save.
+
+    `exact`: the tensors are the committed ones (a lossless commit); a torch zip's CRCs then stand as stored.
+    """
     dest.parent.mkdir(parents=True, exist_ok=True)
-    if record.format == TORCH:
+    if record.format == TORCH and record.container is not None:
+        torchcontainer.write(dest, record.container, raw_of, exact)
+    elif record.format == TORCH:
         torchfile.save(unflatten(record.skeleton, value_of), dest)
     elif record.format == SAFETENSORS:
         safetensors_file.write(dest, record.skeleton, raw_of)

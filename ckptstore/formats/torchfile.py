@@ -55,7 +55,7 @@ def load(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
     path = Path(path)
     if not looks_like_torch_file(path):
         raise CheckpointFormatError(f"{path} is not a torch.save file (no zip or pickle header)")
-    mmap = zipfile.is_zipfile(path)
+    mmap = _mappable(path)
     try:
         if trust_pickle:
             return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
@@ -67,6 +67,17 @@ def load(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
         raise CheckpointFormatError(
             f"{path} is not a readable torch.save file (truncated or corrupted?): {exc}"
         ) from None
+
+
+def _mappable(path: Path) -> bool:
+    """A zip whose records are all stored: torch.load(mmap=True) fails on deflated ones, which it reads without."""
+    if not zipfile.is_zipfile(path):
+        return False
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return all(info.compress_type == zipfile.ZIP_STORED for info in zf.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return True  # torch's own reader says what is wrong with it
 
 
 def save(obj: Any, path: str | os.PathLike) -> None:

@@ -94,13 +94,18 @@ def _need(condition: bool, what: str) -> None:
 
 
 class TypedStorage:
-    """A storage record: where its bytes start in the file, how many, and their dtype."""
+    """A storage record: its dtype, and its bytes: `nbytes` from `start` in `base`.
+
+    `base` is the map of the whole file for a stored record, or the record's inflated bytes
+    (start 0) for a deflated one; `member` names the record for a stored one, "" otherwise.
+    """
 
     __module__ = "torch.storage"
-    __slots__ = ("key", "dtype", "start", "nbytes")
+    __slots__ = ("key", "dtype", "start", "nbytes", "base", "member")
 
-    def __init__(self, key: str, dtype: str, start: int, nbytes: int) -> None:
+    def __init__(self, key: str, dtype: str, start: int, nbytes: int, base: np.ndarray, member: str) -> None:
         self.key, self.dtype, self.start, self.nbytes = key, dtype, start, nbytes
+        self.base, self.member = base, member
 
     def __setstate__(self, state: Any) -> None:
         raise _Fallback("BUILD on a storage")
@@ -321,18 +326,28 @@ class _Archive:
         _need(bool(names) and "/" in names[0], "archive layout")
         top = names[0].split("/", 1)[0] + "/"  # torch's reader takes the folder of the first entry
         self.zf, self.handle, self.size = zf, handle, size
+        # a private (copy-on-write) map: writable arrays like torch's mmap gives, the file untouched
+        self.base = np.frombuffer(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY), dtype=np.uint8)
         self.records = {i.filename[len(top):]: i for i in zf.infolist() if i.filename.startswith(top)}
 
     def read(self, name: str) -> bytes | None:
         info = self.records.get(name)
         return None if info is None else self.zf.read(info)
 
-    def data_start(self, name: str, nbytes: int) -> int:
-        """Offset in the file of a stored (uncompressed) record of exactly `nbytes` bytes."""
+    def storage(self, key: str, dtype_name: str, nbytes: int) -> TypedStorage:
+        """The storage record `data/<key>` of exactly `nbytes` bytes: mapped if stored, inflated if deflated."""
+        name = f"data/{key}"
         info = self.records.get(name)
         _need(info is not None, f"record {name}")
-        _need(info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 1, f"{name} is compressed")
-        _need(info.file_size == nbytes, f"{name} size")
+        _need(info.file_size == nbytes and not info.flag_bits & 1, f"{name} size or encryption")
+        if info.compress_type != zipfile.ZIP_STORED:
+            # zipfile inflates and checks the CRC; torch.load reads such files too
+            return TypedStorage(key, dtype_name, 0, nbytes, np.frombuffer(self.zf.read(info), np.uint8), "")
+        return TypedStorage(key, dtype_name, self.data_start(info, nbytes), nbytes, self.base, info.filename)
+
+    def data_start(self, info: zipfile.ZipInfo, nbytes: int) -> int:
+        """Offset in the file of the stored (uncompressed) record `info` of `nbytes` bytes."""
+        name = info.filename
         self.handle.seek(info.header_offset)
         head = self.handle.read(_LOCAL_HEADER.size)
         _need(len(head) == _LOCAL_HEADER.size, "local header")
@@ -402,23 +417,27 @@ class _Unpickler(pickle._Unpickler):
         _need(type(numel) is int and numel >= 0, "storage size")
         if key not in self.storages:  # torch keeps the first storage loaded under a key, as here
             nbytes = numel * TORCH_ITEMSIZE[storage_type.dtype]
-            start = self.archive.data_start(f"data/{key}", nbytes)
-            self.storages[key] = TypedStorage(key, storage_type.dtype, start, nbytes)
+            self.storages[key] = self.archive.storage(key, storage_type.dtype, nbytes)
         return self.storages[key]
 
 
-def _tensor_bytes(base: np.ndarray, value: Tensor) -> np.ndarray:
+def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    expected, contiguous = 1, True
+    for n, s in zip(reversed(shape), reversed(stride)):
+        contiguous = contiguous and (n == 1 or s == expected)
+        expected *= n
+    return contiguous
+
+
+def _tensor_bytes(value: Tensor) -> np.ndarray:
     """The tensor's elements in C order as flat bytes: a slice of the map when contiguous, else a copy."""
     numel = math.prod(value.shape)
     if not numel:
         return np.empty(0, dtype=np.uint8)
     itemsize = TORCH_ITEMSIZE[value.dtype]
+    base = value.storage.base
     first = value.storage.start + value.offset * itemsize
-    expected, contiguous = 1, True
-    for n, s in zip(reversed(value.shape), reversed(value.stride)):
-        contiguous = contiguous and (n == 1 or s == expected)
-        expected *= n
-    if contiguous:
+    if _contiguous(value.shape, value.stride):
         return base[first : first + numel * itemsize]
     unit = np.dtype(_UNSIGNED[itemsize]) if itemsize in _UNSIGNED else np.dtype((np.void, itemsize))
     span = base[first : value.storage.start + value.storage.nbytes]
@@ -431,11 +450,15 @@ def _tensor_bytes(base: np.ndarray, value: Tensor) -> np.ndarray:
 
 
 class _StandInFlattener(_Flattener):
-    """state.flatten over stand-ins: same skeleton, same paths, same aliasing as over torch objects."""
+    """state.flatten over stand-ins: same skeleton, same paths, same aliasing as over torch objects.
 
-    def __init__(self, base: np.ndarray) -> None:
+    It also notes, for each stored record, a tensor path whose bytes are exactly the record's
+    (`covers`), which lets the file be rebuilt from its container and its tensors.
+    """
+
+    def __init__(self) -> None:
         super().__init__()
-        self.base = base
+        self.covers: dict[str, str] = {}
 
     def encode_other(self, value: Any, path: str) -> Any:
         if isinstance(value, Tensor):
@@ -447,20 +470,22 @@ class _StandInFlattener(_Flattener):
         return self.encode_last(value, path)
 
     def stand_in_tensor(self, value: Tensor, path: str) -> list:
-        # _Flattener.tensor keys on the storage's address; distinct records have distinct file offsets
-        key = None
+        # _Flattener.tensor keys on the storage's address; a storage key names one record
+        storage, key = value.storage, None
         if math.prod(value.shape):
-            key = (value.storage.start, value.offset, value.shape, value.stride, value.dtype)
+            key = (storage.key, value.offset, value.shape, value.stride, value.dtype)
         if key is not None and key in self.aliases:
             node = ["tensor", self.aliases[key]]
         else:
-            self.tensors[path] = RawTensor(value.dtype, value.shape, _tensor_bytes(self.base, value))
+            self.tensors[path] = RawTensor(value.dtype, value.shape, _tensor_bytes(value))
+            node = ["tensor", path]
             if key is not None:
                 self.aliases[key] = path
-            node = ["tensor", path]
-        if isinstance(value, Parameter):
-            node.append({"parameter": True, "requires_grad": value.requires_grad})
-        return node
+                self.views.setdefault(storage.key, []).append((node, storage.nbytes, value.offset, value.stride))
+                if (storage.member and not value.offset and _contiguous(value.shape, value.stride)
+                        and self.tensors[path].nbytes == storage.nbytes):
+                    self.covers.setdefault(storage.member, path)
+        return self.tensor_extras(node, value.requires_grad, isinstance(value, Parameter))
 
 
 def _added_to_torch(full_name: str) -> bool:
@@ -475,7 +500,7 @@ def _added_to_torch(full_name: str) -> bool:
     return full_name in names
 
 
-def _load(path: Path, prefix: str) -> FlatState:
+def _load(path: Path, prefix: str) -> tuple[FlatState, dict[str, str]]:
     size = path.stat().st_size
     with zipfile.ZipFile(path) as zf, open(path, "rb") as handle:
         archive = _Archive(zf, handle, size)
@@ -485,11 +510,8 @@ def _load(path: Path, prefix: str) -> FlatState:
         data = archive.read("data.pkl")
         _need(data is not None, "data.pkl")
         obj = _Unpickler(data, archive).load()
-        # a private (copy-on-write) map: writable arrays like torch's mmap gives, the file untouched
-        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-    flattener = _StandInFlattener(np.frombuffer(mapped, dtype=np.uint8))
-    skeleton = flattener.encode(obj, prefix)
-    return FlatState(skeleton, flattener.tensors)
+    flattener = _StandInFlattener()
+    return flattener.flatten(obj, prefix), flattener.covers
 
 
 def read(path: str | Path, prefix: str = "", on_fallback: Callable[[str], None] | None = None) -> FlatState | None:
@@ -499,6 +521,13 @@ def read(path: str | Path, prefix: str = "", on_fallback: Callable[[str], None] 
     UnsupportedStateError flatten raises for values it cannot store; both are the torch path's.
     `on_fallback` hears why a file was left to torch (for tests and diagnostics).
     """
+    found = read_with_covers(path, prefix, on_fallback)
+    return None if found is None else found[0]
+
+
+def read_with_covers(path: str | Path, prefix: str = "", on_fallback: Callable[[str], None] | None = None
+                     ) -> tuple[FlatState, dict[str, str]] | None:
+    """`read`, and for each stored storage record (by its name in the zip) a tensor path holding exactly its bytes."""
     path = Path(path)
     try:
         return _load(path, prefix)

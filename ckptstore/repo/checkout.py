@@ -85,7 +85,8 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
     plan = worktree.plan_checkout(repo, manifest, dest, force, output=output is not None)
     with no_cyclic_gc():
         raws = restore(repo, manifest, progress)
-    worktree.write_checkout(repo, cid, plan, lambda p: materialize(raws[p]), lambda p: raws[p])
+    worktree.write_checkout(repo, cid, plan, lambda p: materialize(raws[p]), lambda p: raws[p],
+                            exact=not manifest.lossy)
     if output is None:
         refs.move_head(repo, cid, ref if is_branch else None)
     return dest

@@ -90,6 +90,10 @@ class Manifest:
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptObjectError(oid, f"a manifest missing or mangling a field ({exc!r})") from None
 
+    def rewritten_files(self) -> list[str]:
+        """Files a checkout writes with torch.save (no container; "" names a lone file): state exact, bytes not."""
+        return [f.name for f in self.files if f.format == "torch" and f.container is None]
+
     def same_content(self, other: Manifest) -> bool:
         """True when both hold the same files and tensors (what "nothing changed" means)."""
         return (self.kind == other.kind and self.entries == other.entries

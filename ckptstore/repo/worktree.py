@@ -152,8 +152,10 @@ def _listed(unsaved: list[tuple[str, Path]]) -> str:
 
 
 def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of: Callable[[str], Any],
-                   raw_of: Callable[[str], RawTensor]) -> None:
+                   raw_of: Callable[[str], RawTensor], exact: bool = False) -> None:
     """Remove what the commit does not have, then write each of its files atomically.
+
+    `exact`: the tensors are the committed ones (a lossless commit; formats.write_file).
 
     Each file is written under a temporary name, given its recorded mode, and its digest is
     recorded before it is renamed into place: another checkout that finds it there knows it.
@@ -169,18 +171,18 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
         if target.is_dir() and not target.is_symlink():
             raise CkptError(f"{target} is a folder where the commit has a file; move it away and check out again")
         target.parent.mkdir(parents=True, exist_ok=True)
-        _place(repo, cid, record, target, value_of, raw_of)
+        _place(repo, cid, record, target, value_of, raw_of, exact)
 
 
 def _place(repo: Repository, cid: CommitId, record: CheckpointFile, target: Path, value_of: Callable[[str], Any],
-           raw_of: Callable[[str], RawTensor]) -> None:
+           raw_of: Callable[[str], RawTensor], exact: bool = False) -> None:
     from ckptstore import formats
     from ckptstore.formats.atomic import sync_dir, temp_beside
 
     staging, handle = temp_beside(target, "new-")
     handle.close()
     try:
-        formats.write_file(record, staging, value_of, raw_of)
+        formats.write_file(record, staging, value_of, raw_of, exact)
         if not repo.read_only:  # a read-only repository records nothing (checkout -o still works)
             with repo.db.write() as tx:
                 file_rows.remember(tx, [(file_digest(str(staging)), cid, staging.stat().st_size)])

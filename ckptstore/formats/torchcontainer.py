@@ -1,0 +1,150 @@
+"""A torch.save zip split into its container and its storages, and put back together.
+
+The container is every byte of the file that is not a storage record some stored tensor holds
+exactly: zip headers, data.pkl, version records, alignment padding, and any storage no tensor
+covers (a deflated record, or one only partly viewed). It is stored as one bytes entry, so it
+dedups across commits; the covered records are spliced back from their tensors at checkout,
+which gives the committed file byte for byte when the tensors are exact. When they are not (a
+lossy commit) the record's CRC-32 is recomputed in every place the zip keeps it, so the file is
+a valid zip of the same layout holding the lossy values.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zipfile
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptstore.errors import CkptError
+from ckptstore.formats.atomic import write_parts
+from ckptstore.state import RawTensor, raw_from_bytes
+
+_LOCAL = struct.Struct("<4s5H3L2H")
+_CENTRAL = struct.Struct("<4s6H3L5H2L")
+_CRC = struct.Struct("<L")
+CONTAINER_PATH = "%container"  # no escaped key starts with a bare "%" (escape writes "%25"), so no collision
+
+
+def container_path(prefix: str) -> str:
+    """The entry that holds a file's container."""
+    return f"{prefix}/{CONTAINER_PATH}" if prefix else CONTAINER_PATH
+
+
+def _central_offsets(data: np.ndarray, zf: zipfile.ZipFile) -> list[int]:
+    """Where each central directory record starts, in the order of zf.infolist()."""
+    offsets, at = [], zf.start_dir
+    for _ in zf.infolist():
+        head = _CENTRAL.unpack(data[at : at + _CENTRAL.size].tobytes())
+        if head[0] != b"PK\x01\x02":
+            raise ValueError("central directory record signature")
+        offsets.append(at)
+        at += _CENTRAL.size + head[10] + head[11] + head[12]
+    return offsets
+
+
+def _record(data: np.ndarray, info: zipfile.ZipInfo, central: int) -> tuple[int, int, int, list[int]]:
+    """(start, end, CRC-32) of a stored record's bytes, and every offset in the file that holds the CRC."""
+    head = _LOCAL.unpack(data[info.header_offset : info.header_offset + _LOCAL.size].tobytes())
+    if head[0] != b"PK\x03\x04":
+        raise ValueError(f"local header of {info.filename}")
+    start = info.header_offset + _LOCAL.size + head[-2] + head[-1]
+    end = start + info.file_size
+    crc = _CRC.pack(info.CRC)
+    places = [p for p in (info.header_offset + 14, central + 16) if data[p : p + 4].tobytes() == crc]
+    if info.flag_bits & 8:  # a data descriptor after the bytes, with or without its signature
+        after = end + 4 if data[end : end + 4].tobytes() == b"PK\x07\x08" else end
+        places += [after] if data[after : after + 4].tobytes() == crc else []
+    return start, end, info.CRC, places
+
+
+def _match_by_content(data: np.ndarray, records: dict[str, tuple[int, int]], tensors: dict[str, RawTensor]
+                      ) -> dict[str, str]:
+    """For files torch.load read: a tensor of the record's size first, and its bytes compared only then."""
+    by_size: dict[int, list[str]] = {}
+    for path, raw in tensors.items():
+        if raw.nbytes:
+            by_size.setdefault(raw.nbytes, []).append(path)
+    covers = {}
+    for name, (start, end) in records.items():
+        found = next((p for p in by_size.get(end - start, []) if np.array_equal(tensors[p].data, data[start:end])),
+                     None)
+        if found is not None:
+            covers[name] = found
+    return covers
+
+
+def split(path: Path, prefix: str, tensors: dict[str, RawTensor], covers: dict[str, str] | None
+          ) -> tuple[dict[str, Any], RawTensor] | None:
+    """The container record and bytes of a torch.save zip; None where the zip cannot be split.
+
+    `covers` maps a stored record's name to a tensor path holding exactly its bytes (the
+    torch-free reader knows it from the tensors' views); without it, records are matched to the
+    tensors by size and then content.
+    """
+    size = path.stat().st_size
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    try:
+        with zipfile.ZipFile(path) as zf:
+            infos = zf.infolist()
+            spans = {i.filename: _record(data, i, c) for i, c in zip(infos, _central_offsets(data, zf))
+                     if i.compress_type == zipfile.ZIP_STORED and i.file_size and not i.flag_bits & 1}
+    except (ValueError, struct.error, zipfile.BadZipFile):
+        return None
+    if covers is None:
+        storages = {n: s[:2] for n, s in spans.items() if "/data/" in n and "/" not in n.split("/data/", 1)[0]}
+        covers = _match_by_content(data, storages, tensors)
+    cut = sorted((spans[name], tensor_path) for name, tensor_path in covers.items() if name in spans)
+    ends, at = [], 0
+    for (start, end, _, _), _ in cut:
+        if start < at or end > size:
+            return None  # overlapping or out-of-file records: the file stays whole
+        ends.append(end)
+        at = end
+    lengths = np.cumsum([0] + [end - start for (start, end, _, _), _ in cut])
+
+    def inside(offset: int) -> int:  # an offset of the file, in the container (no CRC lies in a cut record)
+        return offset - int(lengths[np.searchsorted(ends, offset, side="right")])
+
+    splices = [[inside(start), end - start, tensor_path, crc, [inside(p) for p in places]]
+               for (start, end, crc, places), tensor_path in cut]
+    bounds = [0, *[x for (start, end, _, _), _ in cut for x in (start, end)], size]
+    blob = np.concatenate([data[bounds[i] : bounds[i + 1]] for i in range(0, len(bounds), 2)])
+    return {"entry": container_path(prefix), "size": size, "splices": splices}, raw_from_bytes(blob)
+
+
+def write(dest: str | os.PathLike, record: dict[str, Any], raw_of: Callable[[str], RawTensor],
+          exact: bool = False) -> None:
+    """Write the file back: the container with each storage record's tensor spliced in.
+
+    `exact` says the tensors are the committed ones (a lossless commit), so the CRCs stand;
+    otherwise each spliced record's CRC is computed and, where it changed, rewritten.
+    """
+    container = raw_of(record["entry"]).data
+    records = [(offset, raw_of(tensor_path).data) for offset, _, tensor_path, _, _ in record["splices"]]
+    patches = []
+    for (_, data), (_, nbytes, tensor_path, crc, places) in zip(records, record["splices"]):
+        if data.size != nbytes:
+            raise CkptError(f"tensor {tensor_path} holds {data.size} bytes where the committed file's record held "
+                            f"{nbytes}: the manifest does not match its tensors; run `ckpt fsck`")
+        if not exact and (now := zlib.crc32(data)) != crc:
+            patches += [(place, _CRC.pack(now)) for place in places]
+    if container.size + sum(data.size for _, data in records) != record["size"]:
+        raise CkptError(f"container {record['entry']} and its tensors do not make a file of the committed "
+                        f"{record['size']} bytes: the manifest does not match its tensors; run `ckpt fsck`")
+    if patches:
+        patched = bytearray(container)
+        for place, value in patches:
+            patched[place : place + 4] = value
+        container = np.frombuffer(patched, np.uint8)
+    parts, at = [], 0
+    for offset, data in records:
+        parts += [container[at:offset], data]
+        at = offset
+    parts.append(container[at:])
+    write_parts(dest, parts)

@@ -1,0 +1,247 @@
+"""torch.save files come back byte for byte, and their state exactly (issue 21, items 12 and 15).
+
+Real files through a real repository: torch.save -> commit -> checkout -o, then the bytes and
+torch.load's state are compared (types, requires_grad, _metadata, torch.Size, storage sharing).
+"""
+
+import os
+import random
+import stat
+import tempfile
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ckptstore import Repository, formats
+from ckptstore.cli import cli
+from ckptstore.formats.torchfile import numpy_safe_globals
+from ckptstore.state import materialize
+from tests.conftest import TinyNet, machine_settings
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
+          torch.uint8, torch.bool, torch.complex64]
+
+
+def load(path, trusted=False):
+    """torch.load as a user would: weights_only, unless the test made the (pickle protocol 4) file itself."""
+    with torch.serialization.safe_globals(numpy_safe_globals()):
+        return torch.load(path, weights_only=not trusted)
+
+
+def _tensors(value, out):
+    """Every tensor of a nested state, in traversal order."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tensors(item, out)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _tensors(item, out)
+    return out
+
+
+def assert_identical(a, b, where="<root>"):
+    """Same types all the way down (Parameter, torch.Size, OrderedDict with its attributes), same bytes."""
+    assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.requires_grad == b.requires_grad, where
+        raw = lambda t: t.detach().contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(raw(a), raw(b)), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        assert vars(a) == vars(b) if isinstance(a, OrderedDict) else True, f"{where}: attributes differ"
+        for key in a:
+            assert_identical(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}/{i}")
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), where
+    else:
+        assert a == b or (a != a and b != b), f"{where}: {a!r} != {b!r}"
+
+
+def assert_same_sharing(a, b):
+    """Tensors that share a storage in `a` share one in `b`, and no others."""
+    ta, tb = _tensors(a, []), _tensors(b, [])
+    assert len(ta) == len(tb)
+    ptr = lambda t: t.untyped_storage().data_ptr() if t.numel() else None
+    for i in range(len(ta)):
+        for j in range(i):
+            if ptr(ta[i]) is not None and ptr(ta[j]) is not None:
+                assert (ptr(ta[i]) == ptr(ta[j])) == (ptr(tb[i]) == ptr(tb[j])), (i, j)
+
+
+def assert_round_trip(repo, src, out, **options):
+    """commit src, checkout -o out: same bytes, and torch.load and checkout give src's state."""
+    cid = repo.commit(src, "c", **options)
+    repo.checkout_to(cid, out)
+    assert out.read_bytes() == src.read_bytes()
+    original = load(src, options.get("trust_pickle", False))
+    for back in (load(out, options.get("trust_pickle", False)), repo.checkout(cid)):
+        assert_identical(original, back)
+        assert_same_sharing(original, back)
+
+
+@st.composite
+def states(draw):
+    """Random training states: dtypes, shapes (empty too), views, tied weights, Parameters, nested optimizer state."""
+    bases = []
+    for _ in range(draw(st.integers(1, 4))):
+        dtype = draw(st.sampled_from(DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 5), min_size=0, max_size=3)))
+        base = torch.from_numpy(np.random.default_rng(draw(st.integers(0, 99))).integers(
+            0, 256, size=max(1, int(np.prod(shape))) * torch.empty((), dtype=dtype).element_size(), dtype=np.uint8))
+        base = base.view(dtype)[: int(np.prod(shape))].reshape(shape)
+        bases.append(base.view(torch.uint8).remainder_(2).view(torch.bool) if dtype == torch.bool else base)
+    floats = [b for b in bases if b.is_floating_point() or b.is_complex()]
+    items = {}
+    for i, base in enumerate(bases):
+        kind = draw(st.sampled_from(["plain", "tied", "views", "transpose", "grad", "param"]))
+        name = f"t{i}"
+        if kind == "param" and (base.is_floating_point() or base.is_complex()):
+            items[name] = torch.nn.Parameter(base, requires_grad=draw(st.booleans()))
+        elif kind == "grad" and (base.is_floating_point() or base.is_complex()):
+            items[name] = base.clone().requires_grad_()
+        elif kind == "tied":
+            items[name], items[name + "_tied"] = base, base
+        elif kind == "views" and base.dim() and base.shape[0] > 1:
+            items[name], items[name + "_head"], items[name + "_tail"] = base, base[:1], base[1:]
+        elif kind == "transpose" and base.dim() == 2:
+            items[name + "_t"] = base.t()
+        else:
+            items[name] = base
+    model = OrderedDict((k, v.detach() if isinstance(v, torch.nn.Parameter) and draw(st.booleans()) else v)
+                        for k, v in items.items())
+    model._metadata = OrderedDict([("", {"version": 1}), ("bn", {"version": draw(st.integers(1, 3))})])
+    state = {"model": model, "size": torch.Size(draw(st.lists(st.integers(0, 9), max_size=3)))}
+    if floats and draw(st.booleans()):
+        moment = floats[0].detach().clone()
+        state["optimizer"] = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": moment, "exp_avg_sq": moment * 0}},
+                              "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0]}]}
+    return state
+
+
+@given(states())
+@machine_settings(0.6)
+def test_random_states_come_back_byte_for_byte_and_exactly(state):
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        torch.save(state, tmp / "a.pt")
+        with Repository.init(tmp / "repo") as repo:
+            assert_round_trip(repo, tmp / "a.pt", tmp / "out.pt")
+
+
+def _trainer_folder(folder: Path) -> None:
+    """The files transformers.Trainer writes in a checkpoint folder, written the way it writes them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(TinyNet(), torch.nn.BatchNorm1d(64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+    for _ in range(3):
+        out = model[0](torch.randint(0, 64, (4, 8)))
+        model[1](out.reshape(-1, 64)).pow(2).mean().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    folder.mkdir()
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+    torch.save(scheduler.state_dict(), folder / "scheduler.pt")
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()},
+               folder / "rng_state.pth")
+
+
+def test_trainer_checkpoint_files_come_back_byte_for_byte(repo, tmp_path):
+    _trainer_folder(tmp_path / "checkpoint-3")
+    cid = repo.commit(tmp_path / "checkpoint-3", "trainer")
+    repo.checkout_to(cid, tmp_path / "out")
+    for name in ("pytorch_model.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "checkpoint-3" / name).read_bytes(), name
+        assert_identical(load(tmp_path / "checkpoint-3" / name), load(tmp_path / "out" / name))
+    model = repo.checkout(cid)["pytorch_model.bin"]
+    assert model._metadata["1"]["version"] == torch.nn.BatchNorm1d._version  # what load_state_dict hands BatchNorm
+
+
+def test_file_modes_are_kept(repo, tmp_path):
+    src = tmp_path / "a.pt"
+    torch.save({"w": torch.randn(3)}, src)
+    os.chmod(src, 0o640)
+    cid = repo.commit(src, "c")
+    repo.checkout_to(cid, tmp_path / "out.pt")
+    assert stat.S_IMODE((tmp_path / "out.pt").stat().st_mode) == 0o640
+
+
+def _deflated(src: Path, dest: Path) -> None:
+    """The same archive with every record deflated, as `zip -r` or a repacking tool writes it."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info))
+
+
+def test_deflated_torch_zip_is_read_and_comes_back_byte_for_byte(repo, tmp_path):
+    state = {"w": torch.randn(300, 100), "i": torch.arange(10), "tied": None}
+    state["tied"] = state["w"][:5]
+    torch.save(state, tmp_path / "src.pt")
+    _deflated(tmp_path / "src.pt", tmp_path / "a.pt")
+    assert_round_trip(repo, tmp_path / "a.pt", tmp_path / "out.pt")
+
+
+def test_lossy_commit_writes_a_valid_zip_of_the_same_layout(repo, tmp_path):
+    torch.manual_seed(1)
+    state = {"model": TinyNet().state_dict(), "step": 7}
+    torch.save(state, tmp_path / "a.pt")
+    cid = repo.commit(tmp_path / "a.pt", lossy="balanced")
+    repo.checkout_to(cid, tmp_path / "out.pt")
+    with zipfile.ZipFile(tmp_path / "out.pt") as zf, zipfile.ZipFile(tmp_path / "a.pt") as original:
+        assert zf.testzip() is None  # every CRC matches the (lossy) bytes it covers
+        assert [i.filename for i in zf.infolist()] == [i.filename for i in original.infolist()]
+    back = load(tmp_path / "out.pt")
+    assert back["step"] == 7 and back["model"]._metadata == state["model"]._metadata
+    for key, value in state["model"].items():
+        assert back["model"][key].dtype == value.dtype and torch.allclose(back["model"][key], value, atol=0.1)
+
+
+def test_records_without_a_container_are_written_with_torch_save(tmp_path):
+    """Manifests written before containers existed hold no container: torch.save writes the state."""
+    state = {"w": torch.randn(4, 4), "s": torch.Size([2])}
+    torch.save(state, tmp_path / "a.pt")
+    checkpoint = formats.read_checkpoint(tmp_path / "a.pt")
+    record = formats.CheckpointFile.from_json({k: v for k, v in checkpoint.files[0].to_json().items()
+                                               if k != "container"})
+    formats.write_file(record, tmp_path / "b.pt", lambda p: materialize(checkpoint.tensors[p]),
+                       lambda p: checkpoint.tensors[p])
+    assert_identical(load(tmp_path / "a.pt"), load(tmp_path / "b.pt"))
+
+
+def test_checkout_message_says_what_is_exact(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = lambda *args: CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    torch.save({"w": torch.randn(3)}, "a.pt")
+    torch.save({"w": torch.randn(3)}, "legacy.pt", _use_new_zipfile_serialization=False)
+    run("init")
+    for name in ("a.pt", "legacy.pt"):
+        assert run("commit", name, "-m", name).exit_code == 0
+    zipped, legacy = run("checkout", "HEAD~1", "-o", "x.pt"), run("checkout", "HEAD", "-o", "y.pt")
+    assert zipped.exit_code == 0 and "byte for byte as committed." in zipped.stdout
+    assert "torch.save" not in zipped.stdout
+    assert legacy.exit_code == 0 and "note: y.pt written with torch.save" in legacy.stdout
+    assert "not byte for byte" in legacy.stdout
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_fallback_reader_keeps_bytes_too(repo, tmp_path, protocol):
+    """Files read by torch.load (here: trusted pickles) are split by matching records to tensors by content."""
+    w = torch.randn(8, 8)
+    torch.save({"w": w, "head": w[:2], "p": torch.nn.Parameter(torch.randn(2))}, tmp_path / "a.pt",
+               pickle_protocol=protocol)
+    assert_round_trip(repo, tmp_path / "a.pt", tmp_path / "out.pt", trust_pickle=True)
