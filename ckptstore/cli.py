@@ -154,8 +154,8 @@ def checkout(ctx, ref, output, force) -> None:
         click.echo("Files are byte for byte as committed" + (", except below." if rewritten else "."))
     if info.source_path is not None and rewritten:
         names = ", ".join(name or str(dest) for name in rewritten)
-        click.echo(f"note: {names} written with torch.save (a legacy-format file, or a commit by an older ckptstore): "
-                   "state exact, bytes not byte for byte the committed file's")
+        click.echo(f"note: {names} written with torch.save (a legacy-format or unusual file, or a commit by an "
+                   "older ckptstore): state exact, bytes not byte for byte the committed file's")
     if info.lossy:
         click.echo(f"note: {info.id[:12]} is a lossy commit (level {info.lossy}): weights and optimizer "
                    "state are close to, not equal to, the original; `ckpt show` lists each tensor's error")

@@ -11,6 +11,9 @@ a valid zip of the same layout holding the lossy values.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import mmap
 import os
 import struct
 import zipfile
@@ -36,11 +39,11 @@ def container_path(prefix: str) -> str:
     return f"{prefix}/{CONTAINER_PATH}" if prefix else CONTAINER_PATH
 
 
-def _central_offsets(data: np.ndarray, zf: zipfile.ZipFile) -> list[int]:
+def _central_offsets(data: mmap.mmap, zf: zipfile.ZipFile) -> list[int]:
     """Where each central directory record starts, in the order of zf.infolist()."""
     offsets, at = [], zf.start_dir
     for _ in zf.infolist():
-        head = _CENTRAL.unpack(data[at : at + _CENTRAL.size].tobytes())
+        head = _CENTRAL.unpack_from(data, at)
         if head[0] != b"PK\x01\x02":
             raise ValueError("central directory record signature")
         offsets.append(at)
@@ -48,22 +51,22 @@ def _central_offsets(data: np.ndarray, zf: zipfile.ZipFile) -> list[int]:
     return offsets
 
 
-def _record(data: np.ndarray, info: zipfile.ZipInfo, central: int) -> tuple[int, int, int, list[int]]:
+def _record(data: mmap.mmap, info: zipfile.ZipInfo, central: int) -> tuple[int, int, int, list[int]]:
     """(start, end, CRC-32) of a stored record's bytes, and every offset in the file that holds the CRC."""
-    head = _LOCAL.unpack(data[info.header_offset : info.header_offset + _LOCAL.size].tobytes())
+    head = _LOCAL.unpack_from(data, info.header_offset)
     if head[0] != b"PK\x03\x04":
         raise ValueError(f"local header of {info.filename}")
     start = info.header_offset + _LOCAL.size + head[-2] + head[-1]
     end = start + info.file_size
     crc = _CRC.pack(info.CRC)
-    places = [p for p in (info.header_offset + 14, central + 16) if data[p : p + 4].tobytes() == crc]
+    places = [p for p in (info.header_offset + 14, central + 16) if data[p : p + 4] == crc]
     if info.flag_bits & 8:  # a data descriptor after the bytes, with or without its signature
-        after = end + 4 if data[end : end + 4].tobytes() == b"PK\x07\x08" else end
-        places += [after] if data[after : after + 4].tobytes() == crc else []
+        after = end + 4 if data[end : end + 4] == b"PK\x07\x08" else end
+        places += [after] if data[after : after + 4] == crc else []
     return start, end, info.CRC, places
 
 
-def _match_by_content(data: np.ndarray, records: dict[str, tuple[int, int]], tensors: dict[str, RawTensor]
+def _match_by_content(data: mmap.mmap, records: dict[str, tuple[int, int]], tensors: dict[str, RawTensor]
                       ) -> dict[str, str]:
     """For files torch.load read: a tensor of the record's size first, and its bytes compared only then."""
     by_size: dict[int, list[str]] = {}
@@ -72,8 +75,9 @@ def _match_by_content(data: np.ndarray, records: dict[str, tuple[int, int]], ten
             by_size.setdefault(raw.nbytes, []).append(path)
     covers = {}
     for name, (start, end) in records.items():
-        found = next((p for p in by_size.get(end - start, []) if np.array_equal(tensors[p].data, data[start:end])),
-                     None)
+        candidates = by_size.get(end - start, [])
+        record = np.frombuffer(data, np.uint8, end - start, start) if candidates else None
+        found = next((p for p in candidates if np.array_equal(tensors[p].data, record)), None)
         if found is not None:
             covers[name] = found
     return covers
@@ -87,15 +91,21 @@ def split(path: Path, prefix: str, tensors: dict[str, RawTensor], covers: dict[s
     torch-free reader knows it from the tensors' views); without it, records are matched to the
     tensors by size and then content.
     """
-    size = path.stat().st_size
-    data = np.memmap(path, dtype=np.uint8, mode="r")
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        with zipfile.ZipFile(path) as zf:
-            infos = zf.infolist()
-            spans = {i.filename: _record(data, i, c) for i, c in zip(infos, _central_offsets(data, zf))
-                     if i.compress_type == zipfile.ZIP_STORED and i.file_size and not i.flag_bits & 1}
+        return _split(data, size, zipfile.ZipFile(path), prefix, tensors, covers)
     except (ValueError, struct.error, zipfile.BadZipFile):
         return None
+
+
+def _split(data: mmap.mmap, size: int, zf: zipfile.ZipFile, prefix: str, tensors: dict[str, RawTensor],
+           covers: dict[str, str] | None) -> tuple[dict[str, Any], RawTensor] | None:
+    with zf:
+        infos = zf.infolist()
+        spans = {i.filename: _record(data, i, c) for i, c in zip(infos, _central_offsets(data, zf))
+                 if i.compress_type == zipfile.ZIP_STORED and i.file_size and not i.flag_bits & 1}
     if covers is None:
         storages = {n: s[:2] for n, s in spans.items() if "/data/" in n and "/" not in n.split("/data/", 1)[0]}
         covers = _match_by_content(data, storages, tensors)
@@ -106,15 +116,15 @@ def split(path: Path, prefix: str, tensors: dict[str, RawTensor], covers: dict[s
             return None  # overlapping or out-of-file records: the file stays whole
         ends.append(end)
         at = end
-    lengths = np.cumsum([0] + [end - start for (start, end, _, _), _ in cut])
+    lengths = list(itertools.accumulate((end - start for (start, end, _, _), _ in cut), initial=0))
 
     def inside(offset: int) -> int:  # an offset of the file, in the container (no CRC lies in a cut record)
-        return offset - int(lengths[np.searchsorted(ends, offset, side="right")])
+        return offset - lengths[bisect.bisect_right(ends, offset)]
 
     splices = [[inside(start), end - start, tensor_path, crc, [inside(p) for p in places]]
                for (start, end, crc, places), tensor_path in cut]
     bounds = [0, *[x for (start, end, _, _), _ in cut for x in (start, end)], size]
-    blob = np.concatenate([data[bounds[i] : bounds[i + 1]] for i in range(0, len(bounds), 2)])
+    blob = b"".join(data[bounds[i] : bounds[i + 1]] for i in range(0, len(bounds), 2))
     return {"entry": container_path(prefix), "size": size, "splices": splices}, raw_from_bytes(blob)
 
 

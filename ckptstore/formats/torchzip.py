@@ -482,8 +482,8 @@ class _StandInFlattener(_Flattener):
             if key is not None:
                 self.aliases[key] = path
                 self.views.setdefault(storage.key, []).append((node, storage.nbytes, value.offset, value.stride))
-                if (storage.member and not value.offset and _contiguous(value.shape, value.stride)
-                        and self.tensors[path].nbytes == storage.nbytes):
+                if (storage.member and not value.offset and self.tensors[path].nbytes == storage.nbytes
+                        and _contiguous(value.shape, value.stride)):
                     self.covers.setdefault(storage.member, path)
         return self.tensor_extras(node, value.requires_grad, isinstance(value, Parameter))
 
