@@ -131,14 +131,18 @@ def states(draw):
     return state
 
 
-@given(states())
+@given(states(), st.booleans())
 @machine_settings(0.6)
-def test_random_states_come_back_byte_for_byte_and_exactly(state):
+def test_random_states_come_back_byte_for_byte_and_exactly(state, through_torch_load):
+    """Both readers: the torch-free one (records matched by their views), torch.load's (by content)."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         torch.save(state, tmp / "a.pt")
         with Repository.init(tmp / "repo") as repo:
-            assert_round_trip(repo, tmp / "a.pt", tmp / "out.pt")
+            assert_round_trip(repo, tmp / "a.pt", tmp / "out.pt", trust_pickle=through_torch_load)
+        spliced = lambda trust: {s[0] for s in formats.read_checkpoint(tmp / "a.pt", trust).files[0].container[
+            "splices"]}
+        assert spliced(False) <= spliced(True)  # content matching finds every record the views prove
 
 
 def _trainer_folder(folder: Path) -> None:
@@ -168,6 +172,10 @@ def test_trainer_checkpoint_files_come_back_byte_for_byte(repo, tmp_path):
     for name in ("pytorch_model.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth"):
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "checkpoint-3" / name).read_bytes(), name
         assert_identical(load(tmp_path / "checkpoint-3" / name), load(tmp_path / "out" / name))
+        record = formats.read_checkpoint(tmp_path / "checkpoint-3" / name).files[0]
+        with zipfile.ZipFile(tmp_path / "checkpoint-3" / name) as zf:
+            storages = [i for i in zf.infolist() if "/data/" in i.filename and i.file_size]
+        assert len(record.container["splices"]) == len(storages), name  # every record comes from its tensor
     model = repo.checkout(cid)["pytorch_model.bin"]
     assert model._metadata["1"]["version"] == torch.nn.BatchNorm1d._version  # what load_state_dict hands BatchNorm
 
@@ -242,6 +250,9 @@ def test_checkout_message_says_what_is_exact(tmp_path, monkeypatch):
 def test_fallback_reader_keeps_bytes_too(repo, tmp_path, protocol):
     """Files read by torch.load (here: trusted pickles) are split by matching records to tensors by content."""
     w = torch.randn(8, 8)
-    torch.save({"w": w, "head": w[:2], "p": torch.nn.Parameter(torch.randn(2))}, tmp_path / "a.pt",
-               pickle_protocol=protocol)
+    same_size = [torch.randn(16) for _ in range(6)] + [torch.zeros(16) for _ in range(3)]  # equal bytes too
+    torch.save({"w": w, "head": w[:2], "p": torch.nn.Parameter(torch.randn(2)), "same": same_size},
+               tmp_path / "a.pt", pickle_protocol=protocol)
     assert_round_trip(repo, tmp_path / "a.pt", tmp_path / "out.pt", trust_pickle=True)
+    record = formats.read_checkpoint(tmp_path / "a.pt", trust_pickle=True).files[0]
+    assert len(record.container["splices"]) == 11  # w, p and the nine same-sized: each record found its tensor
