@@ -256,3 +256,24 @@ def test_fallback_reader_keeps_bytes_too(repo, tmp_path, protocol):
     assert_round_trip(repo, tmp_path / "a.pt", tmp_path / "out.pt", trust_pickle=True)
     record = formats.read_checkpoint(tmp_path / "a.pt", trust_pickle=True).files[0]
     assert len(record.container["splices"]) == 11  # w, p and the nine same-sized: each record found its tensor
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_views_of_one_storage_share_it_on_cuda(repo):
+    w = torch.randn(4, 4)
+    cid = repo.commit({"w": w, "t": w.t(), "row": w[1]})
+    state = repo.checkout(cid, device="cuda")
+    assert all(state[k].is_cuda for k in state)
+    assert len({state[k].untyped_storage().data_ptr() for k in state}) == 1
+    assert torch.equal(state["t"].cpu(), w.t()) and torch.equal(state["row"].cpu(), w[1])
+
+
+def test_in_memory_states_keep_metadata_size_grad_and_sharing(repo):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    w = torch.randn(6, 2)
+    state = {"model": model.state_dict(), "views": [w, w[2:], w.t()], "size": torch.Size([3, 1]),
+             "param": torch.nn.Parameter(torch.randn(2), requires_grad=False), "grad": torch.ones(2).requires_grad_()}
+    back = repo.checkout(repo.commit(state))
+    assert_identical(state, back)
+    assert_same_sharing(state, back)
