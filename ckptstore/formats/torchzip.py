@@ -2,10 +2,12 @@
 
 A torch.save file (torch >= 1.6) is a zip archive: `<archive>/data.pkl`, a small pickle of the
 nested state in which every tensor is a call to a torch rebuild function over a persistent id naming
-a storage, and `<archive>/data/<key>`, that storage's raw bytes, stored uncompressed. This module
-unpickles data.pkl with an explicit allow-list of globals that resolve to plain stand-ins (nothing
-from the file is ever executed), then flattens the result into the same `FlatState` that
-`state.flatten(torchfile.load(path))` gives, with tensor bytes sliced from a memory map of the file.
+a storage, and `<archive>/data/<key>`, that storage's raw bytes, stored uncompressed (a repacked
+zip may deflate them; those are inflated). This module unpickles data.pkl with an explicit
+allow-list of globals that resolve to plain stand-ins (nothing from the file is ever executed),
+then flattens the result into the same `FlatState` that `state.flatten(torchfile.load(path))`
+gives, with tensor bytes sliced from a memory map of the file. It also tells which storage records
+a stored tensor holds exactly, so torchcontainer.py can give the file back byte for byte.
 
 It models what torch's `weights_only=True` loader accepts and no more: globals from an
 allow-list, and BUILD only on fresh objects (never on the shared stand-ins the allow-list hands
