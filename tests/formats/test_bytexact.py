@@ -280,3 +280,18 @@ def test_in_memory_states_keep_metadata_size_grad_and_sharing(repo):
     back = repo.checkout(repo.commit(state))
     assert_identical(state, back)
     assert_same_sharing(state, back)
+
+
+def test_legacy_format_files_come_back_with_the_same_state(repo, tmp_path):
+    """A pre-zip torch.save file is rewritten by torch.save (other bytes), with exactly the same state."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    w = torch.randn(6, 2)
+    state = {"model": model.state_dict(), "views": [w, w[2:], w.t()], "size": torch.Size([3, 1]),
+             "param": torch.nn.Parameter(torch.randn(2))}
+    torch.save(state, tmp_path / "a.pt", _use_new_zipfile_serialization=False)
+    cid = repo.commit(tmp_path / "a.pt")
+    assert repo.manifest(cid).rewritten_files() == [""]
+    repo.checkout_to(cid, tmp_path / "out.pt")
+    for back in (load(tmp_path / "out.pt"), repo.checkout(cid)):
+        assert_identical(load(tmp_path / "a.pt"), back)
+        assert_same_sharing(load(tmp_path / "a.pt"), back)
