@@ -2,11 +2,12 @@
 
 The container is every byte of the file that is not a storage record some stored tensor holds
 exactly: zip headers, data.pkl, version records, alignment padding, and any storage no tensor
-covers (a deflated record, or one only partly viewed). It is stored as one bytes entry, so it
-dedups across commits; the covered records are spliced back from their tensors at checkout,
-which gives the committed file byte for byte when the tensors are exact. When they are not (a
-lossy commit) the record's CRC-32 is recomputed in every place the zip keeps it, so the file is
-a valid zip of the same layout holding the lossy values.
+covers (a deflated record, or one only partly viewed). It is stored as one bytes entry with the
+covered records' CRC-32s zeroed (they are kept in the record instead), so checkpoints of one layout
+share one container; the covered records are spliced back from their tensors at checkout, and the
+CRCs filled in, which gives the committed file byte for byte when the tensors are exact. When they
+are not (a lossy commit) each CRC is computed from the bytes written, so the file is a valid zip
+of the same layout holding the lossy values.
 """
 
 from __future__ import annotations
@@ -131,34 +132,33 @@ def _split(data: mmap.mmap, size: int, zf: zipfile.ZipFile, prefix: str, tensors
     splices = [[inside(start), end - start, tensor_path, crc, [inside(p) for p in places]]
                for (start, end, crc, places), tensor_path in cut]
     bounds = [0, *[x for (start, end, _, _), _ in cut for x in (start, end)], size]
-    blob = b"".join(data[bounds[i] : bounds[i + 1]] for i in range(0, len(bounds), 2))
+    blob = bytearray().join(data[bounds[i] : bounds[i + 1]] for i in range(0, len(bounds), 2))
+    for _, _, _, _, places in splices:
+        for place in places:  # CRCs live in the record; zeros here keep containers of one layout identical
+            blob[place : place + 4] = bytes(4)
     return {"entry": container_path(prefix), "size": size, "splices": splices}, raw_from_bytes(blob)
 
 
 def write(dest: str | os.PathLike, record: dict[str, Any], raw_of: Callable[[str], RawTensor],
           exact: bool = False) -> None:
-    """Write the file back: the container with each storage record's tensor spliced in.
+    """Write the file back: the container with each storage record's tensor spliced in and its CRC-32 filled in.
 
-    `exact` says the tensors are the committed ones (a lossless commit), so the CRCs stand;
-    otherwise each spliced record's CRC is computed and, where it changed, rewritten.
+    `exact` says the tensors are the committed ones (a lossless commit), so the committed CRCs
+    stand; otherwise each spliced record's CRC is computed from the bytes written.
     """
-    container = raw_of(record["entry"]).data
+    container = bytearray(raw_of(record["entry"]).data)
     records = [(offset, raw_of(tensor_path).data) for offset, _, tensor_path, _, _ in record["splices"]]
-    patches = []
     for (_, data), (_, nbytes, tensor_path, crc, places) in zip(records, record["splices"]):
         if data.size != nbytes:
             raise CkptError(f"tensor {tensor_path} holds {data.size} bytes where the committed file's record held "
                             f"{nbytes}: the manifest does not match its tensors; run `ckpt fsck`")
-        if not exact and (now := zlib.crc32(data)) != crc:
-            patches += [(place, _CRC.pack(now)) for place in places]
-    if container.size + sum(data.size for _, data in records) != record["size"]:
+        value = _CRC.pack(crc if exact else zlib.crc32(data))
+        for place in places:
+            container[place : place + 4] = value
+    if len(container) + sum(data.size for _, data in records) != record["size"]:
         raise CkptError(f"container {record['entry']} and its tensors do not make a file of the committed "
                         f"{record['size']} bytes: the manifest does not match its tensors; run `ckpt fsck`")
-    if patches:
-        patched = bytearray(container)
-        for place, value in patches:
-            patched[place : place + 4] = value
-        container = np.frombuffer(patched, np.uint8)
+    container = np.frombuffer(container, np.uint8)
     parts, at = [], 0
     for offset, data in records:
         parts += [container[at:offset], data]
