@@ -8,6 +8,7 @@ bytes as a flat uint8 array, which is all the codecs and the store ever see.
 from __future__ import annotations
 
 import math
+import re
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,12 +91,54 @@ def join(prefix: str, key: str) -> str:
     return f"{prefix}/{escape(key)}" if prefix else escape(key)
 
 
-def raw_from_torch(tensor) -> RawTensor:
-    """The raw bytes of a dense torch tensor (moved to the CPU, made contiguous)."""
+# str keys that read as an int key's digits; only these (and "") are marked, so ordinary paths stay
+_INT_LIKE = re.compile(r"-?(?:0|[1-9][0-9]*)")
+
+
+def key_component(key: Any) -> str:
+    """The path component of a dict key, distinct for every key of a different type or value.
+
+    int keys are their digits and str keys are `escape(key)`, as they always were, except a str
+    that reads as an int (or is empty): its first character is percent-encoded ("1" -> "%31",
+    "" -> "%22%22"). None, bools and floats get markers. `escape` only ever writes "%25" and
+    "%2F", so no escaped str can look like any of these.
+    """
+    if key is None:
+        return "%none"
+    if isinstance(key, bool):
+        return "%true" if key else "%false"
+    if isinstance(key, int):
+        return str(int(key))
+    if isinstance(key, float):
+        return "%float:" + repr(float(key))
+    if not key:
+        return "%22%22"
+    text = escape(str.__str__(key))
+    return f"%{ord(text[0]):02X}{text[1:]}" if _INT_LIKE.fullmatch(text) else text
+
+
+def join_key(prefix: str, key: Any) -> str:
+    """The path of a dict item below `prefix` (see `key_component`)."""
+    component = key_component(key)
+    return f"{prefix}/{component}" if prefix else component
+
+
+def raw_from_torch(tensor, path: str = "") -> RawTensor:
+    """The raw bytes of a dense torch tensor (moved to the CPU, made contiguous).
+
+    A conjugate or negative view is stored with its bits resolved, as the values it reads as.
+    """
     torch = _torch()
-    if tensor.layout != torch.strided or tensor.is_quantized:
-        raise UnsupportedStateError(f"tensor layout {tensor.layout} is not supported")
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    where = path or "<root>"
+    if tensor.is_quantized:
+        raise UnsupportedStateError(
+            f"{where}: quantized tensors ({tensor.dtype}) are not supported; store tensor.dequantize(), "
+            "or its int_repr() with its scales and zero points")
+    if tensor.layout != torch.strided:
+        raise UnsupportedStateError(f"{where}: tensor layout {tensor.layout} is not supported; store .to_dense()")
+    if tensor.device.type == "meta":
+        raise UnsupportedStateError(f"{where}: a tensor on the meta device has no data to store")
+    flat = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
     data = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, dtype=np.uint8)
     return RawTensor(f"torch.{str(tensor.dtype).removeprefix('torch.')}", tuple(tensor.shape), data)
 
@@ -158,12 +201,48 @@ def _float(value: float) -> Any:
     return value if math.isfinite(value) else ["float", repr(value)]
 
 
+# Bounds of one flatten, far above any real checkpoint (a 70B model's state has ~10^4 nodes and a
+# depth under 20). A small pickle of shared containers can name 10^30 nodes ("billion laughs"), and
+# deep nesting would exhaust the stack, so both are counted as the state is walked.
+MAX_NODES = 10_000_000
+MAX_SHARED = 1_000_000  # items met again through containers met before: only sharing can multiply them
+MAX_DEPTH = 200
+MAX_TEXT = 256 << 20  # characters of strings (values and keys) in one skeleton
+MAX_INT_BITS = 8192  # JSON writes ints as decimal text; Python refuses to print ints of >4300 digits
+# bytes that views of one storage may add up to, beyond the storage itself: x and x.t() both stored
+# are fine, a million overlapping views of one storage (or a huge expand of a scalar) are not
+MAX_VIEW_RATIO = 8
+MAX_VIEW_SLACK = 256 << 20
+
+
+class _TensorTable(dict):
+    """Tensors by path; a second tensor at a taken path is refused, never merged."""
+
+    def __setitem__(self, path: str, raw: RawTensor) -> None:
+        if path in self:
+            raise UnsupportedStateError(
+                f"two values of the state would be stored at the same path {path!r}; "
+                "rename the dict keys that collide")
+        super().__setitem__(path, raw)
+
+
+def _limit(path: str, what: str) -> UnsupportedStateError:
+    where = path if len(path) <= 80 else path[:80] + "..."  # a path 200 levels deep is no help in full
+    return UnsupportedStateError(
+        f"{where or '<root>'}: the state {what}; ckptstore refuses it (a checkpoint this large or "
+        "deep is almost certainly a malformed or malicious file)")
+
+
 class _Flattener:
     def __init__(self) -> None:
-        self.tensors: dict[str, RawTensor] = {}
+        self.tensors: dict[str, RawTensor] = _TensorTable()
         self.aliases: dict[tuple, str] = {}
         # storage -> [(node, storage bytes, offset, stride)] of each distinct view stored
         self.views: dict[Any, list[tuple[list, int, int, tuple[int, ...]]]] = {}
+        self.shared: dict[int, str] = {}  # id of a bytes or ndarray leaf -> its path, so repeats alias
+        self.view_bytes: dict[int, int] = {}  # storage address -> bytes its views have taken so far
+        self.seen: set[int] = set()  # ids of the containers walked so far
+        self.nodes = self.repeats = self.depth = self.text = 0
 
     def flatten(self, obj: Any, prefix: str) -> FlatState:
         """The skeleton and tensors of `obj`, views of one storage marked as such."""
@@ -179,36 +258,82 @@ class _Flattener:
             node.append({"requires_grad": True})
         return node
 
+    def enter(self, container: Any, path: str, items: int) -> None:
+        """Charge a container's items against the bounds, one level deeper; raise past a bound.
+
+        Counted per container, not per value, to keep flatten's cost per value as it was.
+        """
+        self.nodes += items
+        self.depth += 1
+        if id(container) in self.seen:
+            self.repeats += items
+        else:
+            self.seen.add(id(container))
+        if self.repeats > MAX_SHARED:
+            raise _limit(path, f"reaches more than {MAX_SHARED:,} values through containers it shares "
+                               "(a small pickle that expands without bound?)")
+        if self.nodes > MAX_NODES:
+            raise _limit(path, f"has more than {MAX_NODES:,} values")
+        if self.depth > MAX_DEPTH:
+            raise _limit(path, f"nests containers more than {MAX_DEPTH} deep")
+
+    def count_view(self, storage: int, storage_nbytes: int, nbytes: int, path: str) -> None:
+        """Charge a tensor's bytes to its storage; refuse views that add up far beyond it."""
+        taken = self.view_bytes.get(storage, 0) + nbytes
+        self.view_bytes[storage] = taken
+        if taken > MAX_VIEW_RATIO * storage_nbytes + MAX_VIEW_SLACK:
+            raise _limit(path, f"views one {storage_nbytes:,}-byte storage as {taken:,} bytes of tensors "
+                               f"(more than {MAX_VIEW_RATIO}x it plus {MAX_VIEW_SLACK >> 20} MiB)")
+
     def tensor(self, value, path: str) -> list:
         torch = _torch()
         key = None
         if value.layout == torch.strided and value.device.type != "meta" and value.numel():
+            storage = value.untyped_storage()
             key = (
-                value.untyped_storage().data_ptr(),
+                storage.data_ptr(),
                 value.storage_offset(),
                 tuple(value.shape),
                 tuple(value.stride()),
                 value.dtype,
+                value.is_conj(),  # x and x.conj() share all of the above but read differently
+                value.is_neg(),
             )
         if key is not None and key in self.aliases:
             node = ["tensor", self.aliases[key]]
         else:
-            self.tensors[path] = raw_from_torch(value)
+            if key is not None:  # before the copy: an expand() of a scalar could ask for terabytes
+                self.count_view(key[0], storage.nbytes(), value.numel() * value.element_size(), path)
+            self.tensors[path] = raw_from_torch(value, path)
             node = ["tensor", path]
             if key is not None:
                 self.aliases[key] = path
-                storage = value.untyped_storage()
+            if key is not None and not (key[5] or key[6]):  # stored resolved: its bytes are not the storage's
                 self.views.setdefault(key[0], []).append((node, storage.nbytes(), key[1], key[3]))
         return self.tensor_extras(node, value.requires_grad, isinstance(value, torch.nn.Parameter))
 
     def encode(self, value: Any, path: str) -> Any:
         """The skeleton node of `value`; tensors it holds are added to `self.tensors` under `path`."""
+        method = _EXACT.get(type(value))  # the common types in one lookup; subclasses take the loop
+        if method is not None:
+            return method(self, value, path)
         for types, method in _ENCODERS:  # first match wins, so the order of _ENCODERS matters
             if isinstance(value, types):
                 return method(self, value, path)
         return self.encode_other(value, path)
 
     def _plain(self, value: Any, path: str) -> Any:
+        return value
+
+    def _str(self, value: str, path: str) -> Any:
+        self.text += len(value)
+        if self.text > MAX_TEXT:
+            raise _limit(path, f"holds more than {MAX_TEXT:,} characters of strings")
+        return value
+
+    def _int(self, value: int, path: str) -> Any:
+        if value.bit_length() > MAX_INT_BITS:
+            raise _limit(path, f"holds an integer of more than {MAX_INT_BITS} bits")
         return value
 
     def _float_value(self, value: float, path: str) -> Any:
@@ -220,19 +345,33 @@ class _Flattener:
         return ["npscalar", value.dtype.str, _float(v) if isinstance(v := value.item(), float) else v]
 
     def _bytes(self, value: bytes | bytearray, path: str) -> Any:
-        self.tensors[path] = raw_from_bytes(bytes(value))
-        return ["bytes", path]
+        return ["bytes", self.leaf(value, path, lambda: raw_from_bytes(bytes(value)))]
 
     def _ndarray(self, value: np.ndarray, path: str) -> Any:
-        self.tensors[path] = raw_from_numpy(value)
-        return ["ndarray", path]
+        return ["ndarray", self.leaf(value, path, lambda: raw_from_numpy(value))]
+
+    def leaf(self, value: Any, path: str, make: Callable[[], RawTensor]) -> str:
+        """The path of a bytes or array leaf; the same object met again is a reference to it.
+
+        Without this, one shared array would be stored once per place it occurs: a small pickle
+        could name it a million times.
+        """
+        first = self.shared.get(id(value))  # `value` lives in the state until flatten returns
+        if first is not None:
+            return first
+        self.tensors[path] = make()
+        if len(value):  # b"" is one object everywhere; empty leaves cost nothing, so keep their paths
+            self.shared[id(value)] = path
+        return path
 
     def _mapping(self, value: dict, path: str) -> Any:
+        self.enter(value, path, 2 * len(value))
         items = []
         for key, item in value.items():
             if not isinstance(key, (str, int, float, bool, type(None))):
                 raise UnsupportedStateError(f"{path or '<root>'}: dict key of type {type(key).__name__}")
-            items.append([self.encode(key, path), self.encode(item, join(path, str(key)))])
+            items.append([self.encode(key, path), self.encode(item, join_key(path, key))])
+        self.depth -= 1
         return ["odict" if isinstance(value, OrderedDict) else "dict", items]
 
     def _dict(self, value: dict, path: str) -> Any:
@@ -250,11 +389,17 @@ class _Flattener:
     def _sequence(self, value: list | tuple, path: str) -> Any:
         if type(value).__name__ == "Size" and type(value).__module__ == "torch":  # torch.Size is a tuple
             return ["size", list(value)]
+        self.enter(value, path, len(value))
         tag = "list" if isinstance(value, list) else "tuple"
-        return [tag, [self.encode(item, join(path, str(i))) for i, item in enumerate(value)]]
+        node = [tag, [self.encode(item, join(path, str(i))) for i, item in enumerate(value)]]
+        self.depth -= 1
+        return node
 
     def _set(self, value: set | frozenset, path: str) -> Any:
-        return ["set", [self.encode(item, join(path, str(i))) for i, item in enumerate(sorted(value))]]
+        self.enter(value, path, len(value))
+        node = ["set", [self.encode(item, join(path, str(i))) for i, item in enumerate(sorted(value))]]
+        self.depth -= 1
+        return node
 
     def encode_other(self, value: Any, path: str) -> Any:
         """Leaves only torch can recognise; a flattener of stand-in objects overrides this."""
@@ -282,7 +427,9 @@ class _Flattener:
 # (types, encoder) in the order the checks must run: bool and numpy's float64 are subclasses of
 # int and float, OrderedDict of dict, so an earlier entry decides those
 _ENCODERS: list[tuple[type | tuple[type, ...], Callable[[_Flattener, Any, str], Any]]] = [
-    ((type(None), bool, str, int), _Flattener._plain),
+    ((type(None), bool), _Flattener._plain),
+    (str, _Flattener._str),
+    (int, _Flattener._int),
     (float, _Flattener._float_value),
     (np.generic, _Flattener._npscalar),
     ((bytes, bytearray), _Flattener._bytes),
@@ -291,6 +438,10 @@ _ENCODERS: list[tuple[type | tuple[type, ...], Callable[[_Flattener, Any, str], 
     ((list, tuple), _Flattener._sequence),
     ((set, frozenset), _Flattener._set),
 ]
+
+_EXACT = {kind: method for types, method in _ENCODERS
+          for kind in (types if isinstance(types, tuple) else (types,)) if kind in (
+              type(None), bool, str, int, float, bytes, dict, OrderedDict, list, tuple, set)}
 
 
 def flatten(obj: Any, prefix: str = "") -> FlatState:

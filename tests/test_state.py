@@ -5,10 +5,12 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ckptstore.errors import UnsupportedStateError
 from ckptstore.state import flatten, materialize, unflatten
-from tests.conftest import assert_same
+from tests.conftest import assert_same, machine_settings
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.complex64]
@@ -78,3 +80,163 @@ def test_float64_values_match_torch_and_skip_what_is_not_a_float(dtype):
         assert values is None
     assert float64_values(flatten({"a": np.arange(3, dtype=np.float16)}).tensors["a"]).tolist() == [0.0, 1.0, 2.0]
     assert float64_values(flatten({"a": np.arange(3)}).tensors["a"]) is None
+
+
+# --- keys that print the same (issue 21, item 2) ---------------------------------------------------------
+
+@pytest.mark.parametrize("text, other", [("1", 1), ("-3", -3), ("None", None), ("True", True), ("False", False),
+                                         ("1.5", 1.5), ("inf", math.inf), ("", 0)])
+def test_keys_that_print_the_same_keep_their_own_tensors(text, other):
+    deep = {text: torch.full((2,), 2.0), other: torch.full((2,), 3.0)}
+    state = {text: torch.zeros(2), other: torch.ones(2), "deep": deep}
+    flat = flatten(state)
+    assert len(flat.tensors) == 4
+    assert_same(state, _round_trip(state))
+
+
+def test_key_collisions_survive_a_repository_round_trip(tmp_path):
+    from ckptstore import Repository
+    from ckptstore.repo.maintenance import fsck
+
+    state = {"1": torch.zeros(3), 1: torch.ones(3), None: torch.full((3,), 2.0), "None": torch.full((3,), 4.0)}
+    with Repository.init(tmp_path) as repo:
+        back = repo.checkout(repo.commit(state, message="keys"))
+        assert fsck(repo, full=True).ok
+    assert_same(state, back)
+
+
+def test_ordinary_paths_are_unchanged():
+    """Lossy policies pair moments with weights by path and stored chains continue by path."""
+    state = {"model": {"layer.0.weight": torch.zeros(2), "None": torch.zeros(2), "1.5": torch.zeros(2)},
+             "optimizer": {"state": {0: {"exp_avg": torch.zeros(2)}, 12: {"exp_avg": torch.zeros(2)}}},
+             "list": [torch.zeros(2)], "a/b%": torch.zeros(2)}
+    assert list(flatten(state).tensors) == [
+        "model/layer.0.weight", "model/None", "model/1.5", "optimizer/state/0/exp_avg",
+        "optimizer/state/12/exp_avg", "list/0", "a%2Fb%25"]
+    marked = {"7": torch.zeros(1), None: torch.zeros(1), True: torch.zeros(1), 2.5: torch.zeros(1), "": torch.zeros(1)}
+    assert list(flatten(marked).tensors) == ["%37", "%none", "%true", "%float:2.5", "%22%22"]
+
+
+def test_a_root_empty_key_no_longer_merges_with_its_sibling():
+    state = {"": {"x": torch.zeros(1)}, "x": torch.ones(1)}
+    assert_same(state, _round_trip(state))
+
+
+def test_keys_that_cannot_be_told_apart_are_refused_not_merged():
+    # two NaN keys are two dict keys, but no path can tell them apart
+    with pytest.raises(UnsupportedStateError, match="same path"):
+        flatten({float("nan"): torch.zeros(1), float("nan"): torch.ones(1)})
+
+
+_KEYS = st.one_of(
+    st.sampled_from(["1", "-1", "0", "01", "None", "True", "False", "1.5", "inf", "", "%31", "%none", "%22%22",
+                     "%float:1.5", "a/b", "%", "%2F", "/"]),
+    st.text(max_size=4), st.integers(-3, 12), st.none(), st.booleans(),
+    st.floats(allow_nan=False, width=32),
+)
+
+
+@given(data=st.data())
+@machine_settings(scale=2)
+def test_mixed_key_types_round_trip_every_key_and_tensor(data):
+    counter = iter(range(10**6))
+    leaves = st.builds(lambda: torch.full((2,), float(next(counter))))
+    tree = st.recursive(leaves | st.integers(0, 3), lambda inner: st.dictionaries(_KEYS, inner, max_size=5),
+                        max_leaves=30)
+    state = data.draw(st.dictionaries(_KEYS, tree, max_size=6))
+    flat = flatten(state)
+    count = lambda node: (sum(count(v) for v in node.values()) if isinstance(node, dict)
+                          else int(isinstance(node, torch.Tensor)))
+    assert len(flat.tensors) == count(state)
+    assert_same(state, _round_trip(state))
+
+
+# --- bounds (issue 21, item 9) and tensors without plain data (item 15) ---------------------------------
+
+def _nest(depth: int, leaf):
+    for i in range(depth):
+        leaf = {"k": leaf} if i % 2 else [leaf]
+    return leaf
+
+
+def test_nesting_up_to_the_bound_round_trips_and_deeper_is_refused():
+    from ckptstore.state import MAX_DEPTH
+
+    state = _nest(MAX_DEPTH, torch.arange(3))
+    assert_same(state, _round_trip(state))
+    with pytest.raises(UnsupportedStateError, match=f"more than {MAX_DEPTH} deep"):
+        flatten(_nest(MAX_DEPTH + 1, torch.arange(3)))
+    with pytest.raises(UnsupportedStateError, match="deep"):
+        flatten(_nest(5000, 1))  # was a RecursionError
+
+
+def test_billion_laughs_file_is_refused_quickly(tmp_path):
+    """A 2 KB torch.save of shared nested lists names 10^30 values; it is refused within seconds."""
+    import time
+
+    from ckptstore import formats
+    from ckptstore.state import MAX_SHARED
+
+    laughs = ["lol"]
+    for _ in range(30):
+        laughs = [laughs] * 10
+    torch.save({"a": laughs}, tmp_path / "laughs.pt")
+    assert (tmp_path / "laughs.pt").stat().st_size < 4096
+    start = time.monotonic()
+    with pytest.raises(UnsupportedStateError, match=f"more than {MAX_SHARED:,} values through containers"):
+        formats.read_checkpoint(tmp_path / "laughs.pt")
+    assert time.monotonic() - start < 60  # was unbounded (90 s and 780 MB, still growing)
+
+
+def test_a_container_shared_a_few_times_is_fine():
+    shared = {"lr": 0.1, "betas": [0.9, 0.999]}
+    state = {"groups": [shared] * 100, "w": torch.ones(2)}
+    assert_same(state, _round_trip(state))
+
+
+def test_strings_repeated_past_the_text_bound_are_refused_without_the_memory():
+    from ckptstore.state import MAX_TEXT
+
+    big = "x" * (1 << 20)
+    with pytest.raises(UnsupportedStateError, match=f"more than {MAX_TEXT:,} characters"):
+        flatten({"s": [big] * (MAX_TEXT // len(big) + 1)})
+
+
+def test_integers_json_cannot_print_are_refused():
+    for state in ({"n": 10**5000}, {10**5000: 1}):
+        with pytest.raises(UnsupportedStateError, match="integer of more than"):
+            flatten(state)
+
+
+def test_a_huge_expand_of_a_small_storage_is_refused_before_any_copy():
+    with pytest.raises(UnsupportedStateError, match="views one 4-byte storage"):
+        flatten({"e": torch.zeros(1).expand(10**6, 10**6)})  # 4 TB if copied
+    ordinary = torch.randn(4, 4)
+    assert_same({"a": ordinary, "t": ordinary.t().contiguous()}, _round_trip({"a": ordinary, "t": ordinary.t()}))
+
+
+def test_a_shared_array_is_stored_once_and_comes_back_shared():
+    array, blob = np.arange(10**4), b"raw" * 100
+    state = {"a": [array] * 1000, "b": [blob] * 1000}
+    flat = flatten(state)
+    assert list(flat.tensors) == ["a/0", "b/0"]
+    back = _round_trip(state)
+    assert_same(state, back)
+    assert back["a"][0] is back["a"][999]
+
+
+def test_conjugate_and_negative_views_are_stored_resolved():
+    x = torch.randn(3, 2, dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
+    state = {"x": x, "conj": x.conj(), "neg": x.conj().imag}
+    back = _round_trip(state)
+    assert back["conj"].is_conj() is False and back["neg"].is_neg() is False
+    assert torch.equal(back["conj"], x.conj().resolve_conj()) and torch.equal(back["x"], x)
+    assert torch.equal(back["neg"], x.conj().imag.resolve_neg())
+
+
+def test_meta_and_quantized_tensors_are_refused_clearly():
+    with pytest.raises(UnsupportedStateError, match="m/w: a tensor on the meta device has no data"):
+        flatten({"m": {"w": torch.empty(3, device="meta")}})
+    quantized = torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8)
+    with pytest.raises(UnsupportedStateError, match=r"q: quantized tensors \(torch.qint8\) are not supported"):
+        flatten({"q": quantized})
