@@ -7,6 +7,7 @@ tensors' data) becomes an entry, in file order.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -16,7 +17,7 @@ import numpy as np
 
 from ckptstore.errors import CheckpointFormatError
 from ckptstore.formats.atomic import write_parts
-from ckptstore.state import BYTES_DTYPE, RawTensor, join, raw_from_bytes
+from ckptstore.state import BYTES_DTYPE, TORCH_ITEMSIZE, RawTensor, join, raw_from_bytes
 
 DTYPES = {
     "F64": "torch.float64", "F32": "torch.float32", "F16": "torch.float16", "BF16": "torch.bfloat16",
@@ -39,46 +40,86 @@ def looks_like_safetensors(path: str | os.PathLike) -> bool:
 
 
 def read(path: str | os.PathLike, prefix: str) -> tuple[Any, dict[str, RawTensor]]:
-    """Split a safetensors file into its verbatim header and its tensors, in data order."""
+    """Split a safetensors file into its verbatim header and its tensors, in data order.
+
+    Every entry is checked against the file before any byte is used: offsets in order and inside
+    the data, no two tensors sharing bytes, and a shape that fills exactly its bytes.
+    """
     path = Path(path)
     size = path.stat().st_size
     data = np.memmap(path, dtype=np.uint8, mode="r") if size else np.empty(0, dtype=np.uint8)
+    header, start = _header(path, data, size)
+    tensors = {join(prefix, HEADER_PATH): raw_from_bytes(np.array(data[:start]))}
+    spans = sorted(_span(path, name, info, size - start) for name, info in header.items() if name != "__metadata__")
+    order, cursor, last = [], 0, None
+    for begin, end, name, dtype, shape in spans:
+        if begin < cursor:
+            raise CheckpointFormatError(f"{path}: tensors {last!r} and {name!r} overlap in the file's data")
+        if begin > cursor:
+            order.append(_gap(tensors, prefix, data[start + cursor : start + begin], len(order)))
+        entry = join(prefix, name)
+        kind = DTYPES.get(dtype, BYTES_DTYPE)  # dtypes this torch lacks are kept as their bytes
+        tensors[entry] = RawTensor(kind, shape if kind != BYTES_DTYPE else (end - begin,),
+                                   data[start + begin : start + end])
+        order.append([name, entry])
+        cursor, last = end, name
+    if start + cursor < size:
+        order.append(_gap(tensors, prefix, data[start + cursor :], len(order)))
+    return ["safetensors", join(prefix, HEADER_PATH), order], tensors
+
+
+def _header(path: Path, data: np.ndarray, size: int) -> tuple[dict, int]:
+    """The parsed JSON header and where the data begins."""
     if size < 8:
         raise CheckpointFormatError(f"{path} is too short to be a safetensors file")
     header_len = struct.unpack("<Q", data[:8].tobytes())[0]
+    if header_len > MAX_HEADER:
+        raise CheckpointFormatError(f"{path}: header claims {header_len} bytes, more than the "
+                                    f"{MAX_HEADER >> 20} MiB safetensors allows: not a safetensors file?")
     start = 8 + header_len
     if start > size:
         raise CheckpointFormatError(f"{path}: header claims {header_len} bytes, file has {size}: truncated")
     try:
-        header = json.loads(data[8:start].tobytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = json.loads(data[8:start].tobytes(), object_pairs_hook=_unique)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
         raise CheckpointFormatError(f"{path}: safetensors header is not valid JSON: {exc}") from None
-    tensors = {join(prefix, HEADER_PATH): raw_from_bytes(np.array(data[:start]))}
-    spans = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = (int(x) for x in info["data_offsets"])
-            spans.append((begin, end, name, info["dtype"], tuple(int(d) for d in info["shape"])))
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointFormatError(f"{path}: malformed header entry for {name!r}") from None
-    spans.sort()
-    order, cursor = [], 0
-    for begin, end, name, dtype, shape in spans:
-        if begin < cursor or start + end > size:
-            raise CheckpointFormatError(f"{path}: tensor {name!r} lies outside the file: truncated?")
-        if begin > cursor:
-            order.append(_gap(tensors, prefix, data[start + cursor : start + begin], len(order)))
-        entry = join(prefix, name)
-        tensors[entry] = RawTensor(DTYPES.get(dtype, BYTES_DTYPE), shape, data[start + begin : start + end])
-        if tensors[entry].dtype == BYTES_DTYPE:
-            tensors[entry].shape = (end - begin,)
-        order.append([name, entry])
-        cursor = end
-    if start + cursor < size:
-        order.append(_gap(tensors, prefix, data[start + cursor :], len(order)))
-    return ["safetensors", join(prefix, HEADER_PATH), order], tensors
+    if not isinstance(header, dict):
+        raise CheckpointFormatError(f"{path}: safetensors header is not a JSON object")
+    return header, start
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):  # json keeps the last silently; which tensor is meant is unknowable
+        raise ValueError(f"names {sorted({k for k in keys if keys.count(k) > 1})!r} more than once")
+    return dict(pairs)
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _span(path: Path, name: str, info: Any, data_size: int) -> tuple[int, int, str, str, tuple[int, ...]]:
+    """(begin, end, name, dtype, shape) of one header entry, checked against the data's size."""
+    try:
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    except (KeyError, TypeError):
+        raise CheckpointFormatError(f"{path}: malformed header entry for {name!r}") from None
+    if (type(dtype) is not str or type(shape) is not list or not all(map(_is_count, shape))
+            or type(offsets) is not list or len(offsets) != 2 or not all(map(_is_count, offsets))):
+        raise CheckpointFormatError(f"{path}: malformed header entry for {name!r}: dtype, shape or data_offsets "
+                                    "is not what safetensors writes")
+    begin, end = offsets
+    if begin > end:
+        raise CheckpointFormatError(f"{path}: tensor {name!r} has reversed data_offsets [{begin}, {end}]")
+    if end > data_size:
+        raise CheckpointFormatError(f"{path}: tensor {name!r} ends at byte {end} of the data, which has "
+                                    f"{data_size}: truncated?")
+    if dtype in DTYPES and math.prod(shape) * TORCH_ITEMSIZE[DTYPES[dtype]] != end - begin:
+        raise CheckpointFormatError(f"{path}: tensor {name!r} of shape {shape} and dtype {dtype} needs "
+                                    f"{math.prod(shape) * TORCH_ITEMSIZE[DTYPES[dtype]]} bytes, its "
+                                    f"data_offsets give {end - begin}")
+    return begin, end, name, dtype, tuple(shape)
 
 
 def _gap(tensors: dict[str, RawTensor], prefix: str, span: np.ndarray, index: int) -> list:

@@ -1,0 +1,73 @@
+"""safetensors headers that lie about their data are refused with the reason, never read wrongly."""
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ckptstore import formats
+from ckptstore.errors import CheckpointFormatError
+from ckptstore.formats import safetensors_file
+
+
+def write_raw(path, header: dict | bytes, data: bytes) -> None:
+    """A safetensors file with exactly this header and data, whatever they claim."""
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def entry(begin, end, shape, dtype="F32"):
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+@pytest.mark.parametrize("header, data, reason", [
+    ({"a": entry(8, 0, [2])}, bytes(8), "reversed data_offsets"),
+    ({"a": entry(0, 8, [2]), "b": entry(4, 12, [2])}, bytes(12), "'a' and 'b' overlap"),
+    ({"a": entry(0, 16, [2])}, bytes(16), r"needs 8 bytes, its data_offsets give 16"),
+    ({"a": entry(0, 8, [3])}, bytes(8), r"needs 12 bytes"),
+    ({"a": entry(0, 4, [])}, bytes(4), None),  # a scalar: fine
+    ({"a": entry(0, 800, [200])}, bytes(8), "ends at byte 800 of the data, which has 8: truncated"),
+    ({"a": entry(0, 8, [-2])}, bytes(8), "malformed header entry"),
+    ({"a": entry(0, 8, [2.0])}, bytes(8), "malformed header entry"),
+    ({"a": entry(0.0, 8, [2])}, bytes(8), "malformed header entry"),
+    ({"a": entry(False, 8, [2])}, bytes(8), "malformed header entry"),
+    ({"a": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}}, bytes(8), "malformed header entry"),
+    ({"a": [1, 2]}, bytes(8), "malformed header entry"),
+    ({"a": entry(0, 2**70, [2**60, 2**10])}, bytes(8), "truncated"),
+    (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "a": {"dtype": "F32", "shape": [2], '
+     b'"data_offsets": [0, 8]}}', bytes(8), "more than once"),
+    (b'{"a": ' + b"[" * 100000, b"", "not valid JSON"),
+    (b"[1, 2]", b"", "is not a checkpoint"),
+])
+def test_lying_headers_are_refused_with_their_reason(tmp_path, header, data, reason):
+    write_raw(tmp_path / "m.safetensors", header, data)
+    if reason is None:
+        assert formats.read_checkpoint(tmp_path / "m.safetensors").tensors
+        return
+    with pytest.raises(CheckpointFormatError, match=reason):
+        formats.read_checkpoint(tmp_path / "m.safetensors")
+
+
+def test_a_header_length_past_the_limit_is_refused_without_reading(tmp_path):
+    (tmp_path / "m.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    with pytest.raises(CheckpointFormatError, match="more than the 100 MiB"):
+        safetensors_file.read(tmp_path / "m.safetensors", "")
+
+
+def test_gaps_and_unknown_dtypes_still_round_trip_byte_for_byte(tmp_path):
+    header = {"__metadata__": {"k": "v"}, "a": entry(4, 12, [2]), "q": entry(12, 15, [3, 2], "I4")}
+    write_raw(tmp_path / "m.safetensors", header, b"gap!" + bytes(range(8)) + b"xyz" + b"tail")
+    checkpoint = formats.read_checkpoint(tmp_path / "m.safetensors")
+    by_path = {p: t for p, t in checkpoint.tensors.items()}
+    formats.write_file(checkpoint.files[0], tmp_path / "back.safetensors", None, lambda p: by_path[p])
+    assert (tmp_path / "back.safetensors").read_bytes() == (tmp_path / "m.safetensors").read_bytes()
+    save_file({"w": torch.randn(3, 4), "b": torch.zeros(0)}, tmp_path / "real.safetensors")
+    assert formats.read_checkpoint(tmp_path / "real.safetensors").tensors["w"].shape == (3, 4)
+
+
+def test_a_header_that_is_not_an_object_is_refused_by_the_reader(tmp_path):
+    write_raw(tmp_path / "m.safetensors", b"[1, 2]", b"")
+    with pytest.raises(CheckpointFormatError, match="not a JSON object"):
+        safetensors_file.read(tmp_path / "m.safetensors", "")
