@@ -81,6 +81,10 @@ class CheckpointFormatError(CkptError):
     """An input that is not a readable checkpoint (truncated, wrong type, unsafe pickle)."""
 
 
+class PickledObjectsError(CheckpointFormatError):
+    """A torch.save file whose pickle holds objects that will not (or, trusted, cannot) be rebuilt here."""
+
+
 class UnsupportedStateError(CkptError):
     """A value inside a checkpoint that ckptstore cannot store without pickle."""
 

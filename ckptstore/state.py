@@ -420,8 +420,20 @@ class _Flattener:
             return ["npdtype", value.str]
         raise UnsupportedStateError(
             f"{path or '<root>'}: values of type {type(value).__module__}.{type(value).__qualname__} "
-            "cannot be stored without pickle; convert them to tensors, numbers, strings or containers"
+            f"cannot be stored without pickle; {_hint(value)}"
         )
+
+
+def _hint(value: Any) -> str:
+    """What to store instead of a value that needs pickle (the common ones by name)."""
+    names = {f"{k.__module__}.{k.__qualname__}" for k in type(value).__mro__}
+    if "torch.nn.modules.module.Module" in names:
+        return "store model.state_dict() instead of the module"
+    if "argparse.Namespace" in names:
+        return "store vars(args), a dict, instead of the Namespace"
+    if "pathlib.PurePath" in names:
+        return "store str(path) instead of the Path"
+    return "convert them to tensors, numbers, strings or containers"
 
 
 # (types, encoder) in the order the checks must run: bool and numpy's float64 are subclasses of

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.errors import CheckpointFormatError
+from ckptstore.errors import CheckpointFormatError, PickledObjectsError, UnsupportedStateError
 from ckptstore.formats import safetensors_file, torchcontainer, torchfile, torchzip
 from ckptstore.formats.atomic import write_parts
 from ckptstore.formats.folder import MODE_BITS, folder_files
@@ -89,8 +89,11 @@ def _read_file(path: Path, name: str, trust_pickle: bool, in_folder: bool) -> tu
     if torch_like and (not in_folder or path.suffix in TORCH_SUFFIXES):
         try:
             return _read_torch_file(path, name, prefix, size, trust_pickle)
-        except CheckpointFormatError as exc:
-            if not (in_folder and "weights_only" in str(exc)):
+        except (CheckpointFormatError, UnsupportedStateError) as exc:
+            # in a folder, a file of objects (training_args.bin) is kept as its bytes; with
+            # --trust-pickle that includes objects flatten cannot store or whose class is missing here
+            pickled = isinstance(exc, PickledObjectsError) or (trust_pickle and isinstance(exc, UnsupportedStateError))
+            if not (in_folder and pickled):
                 raise
             skeleton, tensors = _read_blob(path, prefix)
             return CheckpointFile(name, BLOB, skeleton, size, "pickled objects, kept as bytes"), tensors

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.errors import CheckpointFormatError
+from ckptstore.errors import CheckpointFormatError, PickledObjectsError
 from ckptstore.formats.atomic import atomic_write
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -35,13 +35,14 @@ def looks_like_torch_file(path: str | os.PathLike) -> bool:
     return head == ZIP_MAGIC or head[:1] == PICKLE_MAGIC
 
 
-def refused(path: str | os.PathLike, reason: str) -> CheckpointFormatError:
+def refused(path: str | os.PathLike, reason: str) -> PickledObjectsError:
     """The error for a file whose pickle holds more than plain training state; `reason` is torch's."""
     last_line = reason.strip().splitlines()[-1] if reason.strip() else ""
-    return CheckpointFormatError(
+    return PickledObjectsError(
         f"{path} holds objects that are not plain training state ({last_line.strip()}); "
-        "ckptstore loads checkpoints with weights_only=True. If you trust this file, "
-        "commit it with --trust-pickle."
+        "ckptstore loads checkpoints with weights_only=True. If you trust this file, commit it with "
+        "--trust-pickle (its values must still be tensors, numbers, strings, bytes, numpy arrays or "
+        "containers of them)."
     )
 
 
@@ -56,9 +57,9 @@ def load(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
     if not looks_like_torch_file(path):
         raise CheckpointFormatError(f"{path} is not a torch.save file (no zip or pickle header)")
     mmap = _mappable(path)
+    if trust_pickle:
+        return _load_trusted(torch, path, mmap)
     try:
-        if trust_pickle:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
         with torch.serialization.safe_globals(numpy_safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
@@ -78,6 +79,20 @@ def _mappable(path: Path) -> bool:
             return all(info.compress_type == zipfile.ZIP_STORED for info in zf.infolist())
     except (zipfile.BadZipFile, OSError, ValueError):
         return True  # torch's own reader says what is wrong with it
+
+
+def _load_trusted(torch, path: Path, mmap: bool) -> Any:
+    """torch.load with full unpickling: the file's own code runs, so any exception may come out of it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    except (ImportError, AttributeError) as exc:  # a class the pickle names is not importable here
+        raise PickledObjectsError(
+            f"{path} names a class that cannot be imported here ({type(exc).__name__}: {exc}); "
+            "install the code that defines it to unpickle the file") from None
+    except Exception as exc:  # noqa: BLE001 - trusted unpickling runs the file's code: anything can fail
+        raise CheckpointFormatError(
+            f"{path} could not be unpickled (truncated, corrupted, or its objects failed to rebuild): "
+            f"{type(exc).__name__}: {exc}") from None
 
 
 def save(obj: Any, path: str | os.PathLike) -> None:

@@ -1,0 +1,71 @@
+"""--trust-pickle: classes missing here, and values it cannot store, give clear errors or bytes kept."""
+
+import argparse
+import importlib
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ckptstore import formats
+from ckptstore.errors import PickledObjectsError, UnsupportedStateError
+from tests.formats.test_formats import make_trainer_folder
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def save_object_of_a_missing_class(tmp_path, dest):
+    """torch.save an object whose class lives in a module that this process then cannot import."""
+    (tmp_path / "gone_args.py").write_text("class TrainingArguments:\n    def __init__(self):\n        self.lr = 0.1\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        module = importlib.import_module("gone_args")
+        torch.save(module.TrainingArguments(), dest)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("gone_args", None)
+        os.remove(tmp_path / "gone_args.py")
+
+
+def test_a_trusted_folder_keeps_a_file_of_a_missing_class_as_bytes(tmp_path):
+    folder = make_trainer_folder(tmp_path / "checkpoint-10")
+    save_object_of_a_missing_class(tmp_path, folder / "training_args.bin")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run = lambda *args: subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=tmp_path, env=env,
+                                       capture_output=True, text=True, timeout=120)
+    assert run("init").returncode == 0
+    result = run("commit", "checkpoint-10", "--trust-pickle", "-m", "trusted")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr  # was ModuleNotFoundError
+    result = run("checkout", "HEAD", "-o", "out")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out" / "training_args.bin").read_bytes() == (folder / "training_args.bin").read_bytes()
+
+
+def test_a_trusted_lone_file_of_a_missing_class_names_it(tmp_path):
+    save_object_of_a_missing_class(tmp_path, tmp_path / "args.bin")
+    with pytest.raises(PickledObjectsError, match="cannot be imported here.*gone_args"):
+        formats.read_checkpoint(tmp_path / "args.bin", trust_pickle=True)
+
+
+@pytest.mark.parametrize("value, hint", [
+    (argparse.Namespace(lr=0.1), r"argparse.Namespace cannot be stored without pickle; store vars\(args\)"),
+    (torch.nn.Linear(2, 2), r"Linear cannot be stored without pickle; store model.state_dict\(\)"),
+    (pathlib.PurePosixPath("/data"), r"PurePosixPath cannot be stored without pickle; store str\(path\)"),
+])
+def test_trusted_values_it_cannot_store_say_what_to_store_instead(tmp_path, value, hint):
+    torch.save({"v": value}, tmp_path / "x.pt")
+    with pytest.raises(PickledObjectsError, match="values must still be tensors"):
+        formats.read_checkpoint(tmp_path / "x.pt")
+    with pytest.raises(UnsupportedStateError, match="v: values of type .*" + hint):
+        formats.read_checkpoint(tmp_path / "x.pt", trust_pickle=True)
+
+
+def test_a_trusted_folder_keeps_objects_it_cannot_store_as_bytes(tmp_path):
+    folder = make_trainer_folder(tmp_path / "checkpoint-10")
+    torch.save(argparse.Namespace(lr=0.1), folder / "training_args.bin")
+    checkpoint = formats.read_checkpoint(folder, trust_pickle=True)  # was: refused, though untrusted it is kept
+    kinds = {f.name: f.format for f in checkpoint.files}
+    assert kinds["training_args.bin"] == "blob" and kinds["optimizer.pt"] == "torch"
