@@ -89,6 +89,10 @@ class UnsupportedStateError(CkptError):
     """A value inside a checkpoint that ckptstore cannot store without pickle."""
 
 
+class DeviceUnavailableError(CkptError):
+    """A checkout to a device (map_location) this machine or this torch build cannot use."""
+
+
 class DirtyWorktreeError(CkptError):
     """Checkout would overwrite a file whose content is not in the store."""
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.errors import UnsupportedStateError
+from ckptstore.errors import DeviceUnavailableError, UnsupportedStateError
 
 BYTES_DTYPE = "bytes"
 NUMPY_PREFIX = "numpy:"
@@ -153,6 +153,29 @@ def raw_from_numpy(array: np.ndarray) -> RawTensor:
 def raw_from_bytes(blob: bytes | memoryview | np.ndarray) -> RawTensor:
     data = blob if isinstance(blob, np.ndarray) else np.frombuffer(blob, dtype=np.uint8)
     return RawTensor(BYTES_DTYPE, (int(data.size),), data)
+
+
+def check_device(device: str | None) -> None:
+    """Refuse, before any work, a device torch cannot use here (no CUDA build or GPU, no such index)."""
+    if device is None:
+        return
+    torch = _torch()
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise DeviceUnavailableError(f"map_location {device!r} is not a device torch knows: {exc}") from None
+    backend = torch.backends.mps if target.type == "mps" else getattr(torch, target.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if target.type == "cpu" or is_available is None:
+        return
+    if not is_available():
+        raise DeviceUnavailableError(
+            f"cannot load onto {device!r}: this machine has no usable {target.type} device for torch "
+            f"{torch.__version__} (torch.{target.type}.is_available() is False); use map_location='cpu'")
+    count = getattr(backend, "device_count", None)
+    if target.index is not None and count is not None and target.index >= count():
+        raise DeviceUnavailableError(f"cannot load onto {device!r}: this machine has {count()} {target.type} "
+                                     f"device(s), numbered from 0")
 
 
 def materialize(raw: RawTensor, device: str | None = None) -> Any:

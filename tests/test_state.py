@@ -240,3 +240,19 @@ def test_meta_and_quantized_tensors_are_refused_clearly():
     quantized = torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8)
     with pytest.raises(UnsupportedStateError, match=r"q: quantized tensors \(torch.qint8\) are not supported"):
         flatten({"q": quantized})
+
+
+def test_loading_onto_a_missing_device_is_a_clear_error(tmp_path):
+    import ckptstore
+    from ckptstore import Repository
+    from ckptstore.errors import DeviceUnavailableError
+
+    # no CUDA here: "cuda"; on a GPU machine: an index past the last GPU
+    missing = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    with Repository.init(tmp_path) as repo:
+        ckptstore.save({"w": torch.ones(3)}, repo=repo)
+        with pytest.raises(DeviceUnavailableError, match=f"cannot load onto '{missing}'"):
+            ckptstore.load("HEAD", repo=repo, map_location=missing)  # was AssertionError
+        with pytest.raises(DeviceUnavailableError, match="not a device torch knows"):
+            ckptstore.load("HEAD", repo=repo, map_location="gpu0")
+        assert torch.equal(ckptstore.load("HEAD", repo=repo, map_location="cpu")["w"], torch.ones(3))

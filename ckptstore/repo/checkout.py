@@ -18,7 +18,7 @@ from ckptstore.repo import refs, worktree
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Manifest
 from ckptstore.repo.progress import NoProgress, Progress
-from ckptstore.state import RawTensor, materialize
+from ckptstore.state import RawTensor, check_device, materialize
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
@@ -45,6 +45,7 @@ def checkout(repo: Repository, ref: str = "HEAD", device: str | None = None, pro
     numpy arrays and bytes stay on the CPU. Tensors that were one tensor in the checkpoint
     (same storage) come back as one object.
     """
+    check_device(device)  # a missing CUDA is our clear error, not torch's AssertionError mid-replay
     with no_cyclic_gc():
         return _checkout(repo, ref, device, progress or NoProgress())
 
