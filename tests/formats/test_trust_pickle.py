@@ -69,3 +69,12 @@ def test_a_trusted_folder_keeps_objects_it_cannot_store_as_bytes(tmp_path):
     checkpoint = formats.read_checkpoint(folder, trust_pickle=True)  # was: refused, though untrusted it is kept
     kinds = {f.name: f.format for f in checkpoint.files}
     assert kinds["training_args.bin"] == "blob" and kinds["optimizer.pt"] == "torch"
+
+
+@pytest.mark.parametrize("content", [b"\x80", b"\x80\x02", b"\x80\x02}q\x00(X"])
+def test_a_damaged_pickle_is_a_format_error_not_a_traceback(tmp_path, content):
+    from ckptstore.errors import CheckpointFormatError
+
+    (tmp_path / "x.pt").write_bytes(content)
+    with pytest.raises(CheckpointFormatError, match="not a readable torch.save file"):
+        formats.read_checkpoint(tmp_path / "x.pt")  # b"\x80" was an IndexError from torch's unpickler
