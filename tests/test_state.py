@@ -256,3 +256,19 @@ def test_loading_onto_a_missing_device_is_a_clear_error(tmp_path):
         with pytest.raises(DeviceUnavailableError, match="not a device torch knows"):
             ckptstore.load("HEAD", repo=repo, map_location="gpu0")
         assert torch.equal(ckptstore.load("HEAD", repo=repo, map_location="cpu")["w"], torch.ones(3))
+
+
+def test_the_cli_reports_a_too_deep_file_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torch.save(_nest(300, torch.arange(3)), tmp_path / "deep.pt")
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = lambda *args: subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=tmp_path, env=env,
+                                       capture_output=True, text=True, timeout=120)
+    assert run("init").returncode == 0
+    result = run("commit", "deep.pt")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("error: ") and "more than 200 deep" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
