@@ -272,3 +272,11 @@ def test_the_cli_reports_a_too_deep_file_in_one_line(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.startswith("error: ") and "more than 200 deep" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_live_parameter_names_find_their_paths_when_they_read_as_ints():
+    from ckptstore.policy.mapping import paths_of_names
+
+    weights = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))])
+    flat = flatten({"model": weights.state_dict()})
+    assert paths_of_names(flat.tensors, ["0", "1"]) == {"0": "model/%30", "1": "model/%31"}

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ckptstore.state import RawTensor, escape
+from ckptstore.state import RawTensor, key_component
 
 _STATE = re.compile(r"^(?:(.*)/)?state/(\d+)/(exp_avg|exp_avg_sq|momentum_buffer)$")
 _NO_DECAY = re.compile(r"bias|norm|(^|[._/])ln(_\w+)?([._/]|$)", re.IGNORECASE)
@@ -179,7 +179,7 @@ def paths_of_names(tensors: Mapping[str, RawTensor], names: Sequence[str]) -> di
 def _by_names(model: Sequence[tuple[str, tuple]], names: Sequence[str]) -> list[str] | None:
     paths = []
     for name in names:
-        hits = [p for p, _ in model if p == escape(name) or p.endswith("/" + escape(name))]
+        hits = [p for p, _ in model if p == key_component(name) or p.endswith("/" + key_component(name))]
         if len(hits) != 1:
             return None
         paths.append(hits[0])
