@@ -236,16 +236,20 @@ def test_fuzz_trainer_folders(files, trust):
             _tally("folders", "refused")
             return
         _written_back(checkpoint, Path(tmp) / "back")
+        outcome = "read"
         for record in checkpoint.files:
             original = (folder / record.name).read_bytes()
             back = Path(tmp) / "back" / record.name
-            if record.format == formats.TORCH:  # rewritten by torch.save: equal state, not equal bytes
-                with torch.serialization.safe_globals(torchfile.numpy_safe_globals()):
-                    assert_same(torch.load(io.BytesIO(original), weights_only=not trust),
-                                torch.load(back, weights_only=not trust))
-            else:
-                assert back.read_bytes() == original, record.name
-        _tally("folders", "read")
+            if back.read_bytes() == original:
+                continue
+            assert record.format == formats.TORCH, record.name  # only torch files may be rewritten
+            expected = _torch_oracle(original)
+            if expected is None:  # torchzip reads past damage torch refuses (see _check_torch_file)
+                outcome = "read, torch.load refuses"
+                continue
+            with torch.serialization.safe_globals(torchfile.numpy_safe_globals()):
+                assert_same(expected, torch.load(back, weights_only=True))
+        _tally("folders", outcome)
 
 
 def teardown_module() -> None:
