@@ -479,6 +479,8 @@ class _StandInFlattener(_Flattener):
         if key is not None and key in self.aliases:
             node = ["tensor", self.aliases[key]]
         else:
+            if key is not None:  # before the copy: an expand() of one element could ask for terabytes
+                self.count_view(storage.key, storage.nbytes, math.prod(value.shape) * TORCH_ITEMSIZE[value.dtype], path)
             self.tensors[path] = RawTensor(value.dtype, value.shape, _tensor_bytes(value))
             node = ["tensor", path]
             if key is not None:

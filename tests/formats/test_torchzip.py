@@ -62,7 +62,8 @@ def save_and_compare(tmp_path, obj, name="a.pt"):
 def random_tensor(draw):
     dtype = draw(st.sampled_from(DTYPES))
     shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
-    raw = torch.from_numpy(np.frombuffer(draw(st.binary(min_size=64 * 16, max_size=64 * 16)), dtype=np.uint8).copy())
+    size = 5**3 * 16  # the largest shape, (5, 5, 5), of the widest dtype, complex128
+    raw = torch.from_numpy(np.frombuffer(draw(st.binary(min_size=size, max_size=size)), dtype=np.uint8).copy())
     numel = int(np.prod(shape)) if shape else 1
     base = raw[: numel * dtype.itemsize].view(dtype).reshape(shape)
     view = draw(st.sampled_from(["plain", "transpose", "slice", "expand", "param"]))
@@ -380,3 +381,11 @@ def test_opcodes_and_protocols_torch_does_not_run_go_to_torch(tmp_path, body):
         archive.writestr("archive/.data/version", "3\n")
     reasons = []
     assert torchzip.read(tmp_path / "odd.pt", on_fallback=reasons.append) is None and reasons
+
+
+def test_an_expanded_view_is_refused_before_it_is_copied(tmp_path):
+    # 1.5 KB on disk, 37 GiB as a dense tensor: refused by the view bound, never allocated
+    path = tmp_path / "expand.pt"
+    torch.save({"e": torch.zeros(1).expand(10**5, 10**5)}, path)
+    with pytest.raises(UnsupportedStateError, match="views one 4-byte storage"):
+        torchzip.read(path)
