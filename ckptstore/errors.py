@@ -149,3 +149,25 @@ def explain(exc: BaseException) -> CkptError | None:
                              "(a repository you may only read opens with --read-only)")
         current = current.__cause__ or current.__context__
     return None
+
+
+class CorruptRecordError(CkptError):
+    """Metadata records that are lost, damaged or rewritten: they disagree with each other or with their ids.
+
+    `what` names the record (a tensor or commit id, with its path where known); `commits` the
+    commits that need it.
+    """
+
+    def __init__(self, what: str, problem: str, commits: Sequence[str] | None = None, tensors: Sequence[str] = ()
+                 ) -> None:
+        self.what = what
+        self.problem = problem
+        self.commits = list(commits or [])
+        self.tensors = list(tensors)
+        needed = f"; needed by commits {', '.join(c[:12] for c in self.commits)}" if self.commits else ""
+        super().__init__(f"the metadata of {what} is damaged: {problem}{needed}. Nothing was restored from it; "
+                         "run `ckpt fsck` to list all damage")
+
+    def needed_by(self, commits: Sequence[str]) -> CorruptRecordError:
+        """The same damage, naming the commits it breaks."""
+        return CorruptRecordError(self.what, self.problem, commits, self.tensors)

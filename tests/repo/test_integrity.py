@@ -1,0 +1,196 @@
+"""Damaged or rewritten metadata: restores account for every byte, fsck names it, gc deletes nothing it names."""
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore import Repository
+from ckptstore.errors import CkptError, CorruptRecordError
+from ckptstore.hashing import commit_id
+from ckptstore.repo import fsck, gc
+from tests.conftest import assert_same
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _sql(repo, *statements):
+    with sqlite3.connect(repo.db.path) as conn:
+        for statement in statements:
+            conn.execute(statement)
+
+
+def _checkpoint(path, seed=0, step=1):
+    torch.manual_seed(seed)
+    state = {"w": torch.randn(300, 100), "b": torch.randn(100), "step": step}
+    torch.save(state, path)
+    return state
+
+
+def _objects(repo):
+    return {oid: repo.store.path_of(oid).read_bytes() for oid in repo.store.iter_ids()}
+
+
+def test_lost_chunk_records_are_an_error_naming_tensor_and_commit_and_gc_keeps_the_objects(repo, tmp_path):
+    _checkpoint(tmp_path / "c.pt")
+    cid = repo.commit(tmp_path / "c.pt")
+    tensor = repo.manifest(cid).entries["w"].tensor
+    before = _objects(repo)
+    _sql(repo, "DELETE FROM tensor_chunks")
+    with pytest.raises(CorruptRecordError) as info:
+        repo.checkout_to(cid, tmp_path / "out.pt")
+    assert tensor[:12] in str(info.value) and cid[:12] in str(info.value)
+    assert not (tmp_path / "out.pt").exists()
+    with pytest.raises(CorruptRecordError):
+        repo.checkout(cid)
+    report = fsck(repo)
+    assert not report.ok and any(tensor in what for what in report.damaged_records)
+    full = fsck(repo, full=True)
+    assert not full.ok and "" not in full.damaged_objects
+    with pytest.raises(CkptError, match="refus"):
+        gc(repo)
+    with pytest.raises(CkptError, match="refus"):
+        gc(repo, prune_unreachable=True)
+    assert _objects(repo) == before
+
+
+def test_one_lost_chunk_of_a_chunked_tensor_is_an_error(tmp_path):
+    with Repository.init(tmp_path) as repo:
+        repo.config.encoding.chunk_bytes = 64 << 10
+        state = {"w": torch.randn(100_000)}
+        cid = repo.commit(state)
+        tensor = repo.manifest(cid).entries["w"].tensor
+        _sql(repo, f"DELETE FROM tensor_chunks WHERE tensor_id = '{tensor}' AND position = 2")
+        with pytest.raises(CorruptRecordError, match=f"{tensor[:12]}.*cover"):
+            repo.checkout(cid)
+        assert any(tensor in what for what in fsck(repo).damaged_records)
+
+
+def test_lost_tensor_rows_and_a_lost_base_stop_gc(repo, tmp_path):
+    _checkpoint(tmp_path / "c.pt")
+    first = repo.commit(tmp_path / "c.pt")
+    state = torch.load(tmp_path / "c.pt", weights_only=True)
+    state["w"] += 1e-3
+    torch.save(state, tmp_path / "c.pt")
+    second = repo.commit(tmp_path / "c.pt")
+    base = repo.manifest(first).entries["w"].tensor
+    before = _objects(repo)
+    _sql(repo, f"DELETE FROM commit_tensors WHERE commit_id = '{first}'", f"DELETE FROM tensors WHERE id = '{base}'")
+    with pytest.raises(CkptError, match="refus"):
+        gc(repo)
+    assert _objects(repo) == before
+    assert not fsck(repo).ok
+    with pytest.raises(CkptError):
+        repo.checkout(second)
+
+
+def test_a_commit_pointed_at_another_manifest_is_caught(repo, tmp_path):
+    _checkpoint(tmp_path / "c.pt", seed=0, step=1)
+    first = repo.commit(tmp_path / "c.pt", step=1)
+    _checkpoint(tmp_path / "c.pt", seed=1, step=2)
+    second = repo.commit(tmp_path / "c.pt", step=2)
+    assert fsck(repo).ok and fsck(repo, full=True).ok
+    _sql(repo, f"UPDATE commits SET manifest_object = (SELECT manifest_object FROM commits WHERE id = '{second}') "
+               f"WHERE id = '{first}'")
+    with pytest.raises(CorruptRecordError, match=first[:12]):
+        repo.checkout(first)
+    for full in (False, True):
+        report = fsck(repo, full=full)
+        assert not report.ok and any(first in what for what in report.damaged_records), report
+    with pytest.raises(CkptError, match="refus"):
+        gc(repo)
+    assert repo.checkout(second)["step"] == 2
+
+
+@pytest.mark.parametrize("statement", ["UPDATE commits SET step = 6 WHERE id = '{cid}'",
+                                       "UPDATE commits SET message = 'n' WHERE id = '{cid}'",
+                                       "DELETE FROM commit_tensors WHERE commit_id = '{cid}'",
+                                       "DELETE FROM commit_parents WHERE commit_id = '{cid}'"])
+def test_fsck_catches_rewritten_commit_fields_and_manifest_disagreements(repo, tmp_path, statement):
+    _checkpoint(tmp_path / "c.pt")
+    repo.commit(tmp_path / "c.pt", step=4)
+    _checkpoint(tmp_path / "c.pt", seed=1)
+    cid = repo.commit(tmp_path / "c.pt", step=5, message="m")
+    _sql(repo, statement.format(cid=cid))
+    report = fsck(repo)
+    assert not report.ok and any(cid in what for what in report.damaged_records), report
+
+
+def test_commit_ids_recompute_for_every_kind_of_commit(repo, tmp_path):
+    _checkpoint(tmp_path / "c.pt")
+    repo.commit(tmp_path / "c.pt", step=3, metrics={"loss": float("nan"), "acc": 0.5}, message="é\n")
+    repo.commit({"w": torch.randn(50)}, step=2.0)  # a float step is stored as an integer
+    repo.commit({"w": torch.randn(50)})
+    trainer_state = {"w": torch.randn(64, 64), "exp_avg": torch.zeros(64, 64)}
+    repo.commit(trainer_state, lossy="balanced")
+    report = fsck(repo)
+    assert report.ok and not report.damaged_records, report
+
+
+def test_a_commit_written_before_the_lossy_column_still_verifies(tmp_path):
+    from ckptstore.metadata.migrate import upgrade
+    from ckptstore.repo.config import RepoConfig
+    from ckptstore.repo.manifest import Manifest
+
+    (tmp_path / ".ckpt").mkdir()
+    RepoConfig().save(tmp_path / ".ckpt" / "config.toml")
+    db_path = tmp_path / ".ckpt" / "ckpt.db"
+    upgrade(f"sqlite:///{db_path}", "0002")
+    from ckptstore.objectstore import LocalObjectStore
+
+    store = LocalObjectStore(tmp_path / ".ckpt" / "objects", tmp_path / ".ckpt" / "tmp")
+    manifest_oid = store.put(Manifest("state", [], {}, {}).to_bytes())
+    # the record exactly as the first ckptstore wrote it (ab2668d, repository.py): no lossy field
+    record = {"parents": [], "message": "old", "author": "a", "created_at": 1764490000.25, "step": 7,
+              "metrics": {"loss": 1.5}, "kind": "state", "source_path": None, "raw_bytes": 0, "stored_bytes": 10,
+              "manifest": manifest_oid}
+    cid = commit_id(json.dumps(record, sort_keys=True, separators=(",", ":")).encode())
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("INSERT INTO commits (id, manifest_object, message, author, created_at, step, metrics, kind, "
+                     "source_path, raw_bytes, stored_bytes) VALUES (?, ?, 'old', 'a', 1764490000.25, 7, ?, 'state', "
+                     "NULL, 0, 10)", (cid, manifest_oid, json.dumps({"loss": 1.5})))
+        conn.execute("INSERT INTO refs (name, kind, commit_id) VALUES ('main', 'branch', ?)", (cid,))
+        conn.execute("INSERT INTO refs (name, kind, target) VALUES ('HEAD', 'head', 'main')")
+    with Repository.open(tmp_path) as repo:
+        report = fsck(repo, full=True)
+        assert report.ok and not report.damaged_records, report
+        assert repo.commit_info("main").step == 7 and repo.checkout("main") == {}
+
+
+def test_the_cli_names_the_tensor_and_fails(tmp_path):
+    _checkpoint(tmp_path / "c.pt")
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit(tmp_path / "c.pt")
+        _sql(repo, "DELETE FROM tensor_chunks")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("CKPT_REPO", None)
+    run = lambda *args: subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=tmp_path, env=env,
+                                       capture_output=True, text=True, timeout=120)
+    out = run("checkout", "HEAD", "-o", "out.pt")
+    assert out.returncode != 0 and out.stderr.startswith("error:") and cid[:12] in out.stderr, out
+    assert "Traceback" not in out.stderr and not (tmp_path / "out.pt").exists()
+    out = run("fsck", "--full")
+    assert out.returncode != 0 and "damaged record" in out.stdout and "damaged object :" not in out.stdout, out
+    out = run("gc")
+    assert out.returncode != 0 and "refus" in out.stderr and "Traceback" not in out.stderr, out
+
+
+def test_a_truncated_object_left_by_a_crash_is_rewritten_by_the_next_commit(tmp_path):
+    """The objects of a commit that crashed before its metadata, cut short, then the same commit again."""
+    state = _checkpoint(tmp_path / "c.pt")
+    with Repository.init(tmp_path / "crashed") as crashed:
+        crashed.commit(tmp_path / "c.pt")
+        leftovers = _objects(crashed)
+    with Repository.init(tmp_path / "repo") as repo:
+        for oid, data in leftovers.items():
+            path = repo.store.path_of(oid)
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(data[: len(data) // 2])
+        cid = repo.commit(tmp_path / "c.pt")
+        assert_same(state, repo.checkout(cid))
+        assert fsck(repo, full=True).ok
