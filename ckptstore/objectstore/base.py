@@ -38,7 +38,8 @@ class ObjectStore(Protocol):
     def put(self, data: bytes | memoryview) -> ObjectId:
         """Store `data` durably (or, inside `batch()`, by the block's end) and return its id.
 
-        Storing existing content is a cheap no-op.
+        An object already stored under that id is kept only when it holds exactly `data` (a
+        crash or a bad disk can leave a damaged file under the right name); otherwise it is replaced.
         """
 
     def get(self, oid: ObjectId, verify: bool = True) -> bytes:
@@ -85,3 +86,11 @@ def read_whole(store: ObjectStore, oid: ObjectId, verify: bool = True) -> bytes 
     if isinstance(store, MappedObjects):
         return store.view(oid, verify)
     return store.get(oid, verify)
+
+
+def as_bytes(data: bytes | memoryview) -> bytes | memoryview:
+    """`data` as flat unsigned bytes, so that `==` compares bytes (a typed view compares its items)."""
+    if isinstance(data, bytes):
+        return data
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

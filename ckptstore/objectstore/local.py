@@ -14,6 +14,7 @@ from typing import Any
 
 from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import ObjectId, is_hex_id, object_id
+from ckptstore.objectstore.base import as_bytes
 
 
 class FileRanges:
@@ -77,9 +78,15 @@ class LocalObjectStore:
         return self.root / oid[:2] / oid[2:]
 
     def put(self, data: bytes | memoryview) -> ObjectId:
+        """Store `data`; an existing file of that name is kept only when it holds exactly these bytes.
+
+        A crash can leave a file cut short (or a disk a damaged one) under the right name: trusting
+        the name would record a commit that cannot be read. The size is compared always (one stat);
+        equal sizes are compared byte for byte, which costs a read only when the object exists.
+        """
         oid = object_id(data)
         final = self.path_of(oid)
-        if final.exists():
+        if self._holds(final, data):
             return oid
         final.parent.mkdir(exist_ok=True)
         temp = self.tmp / f"{oid}.{uuid.uuid4().hex}"
@@ -98,6 +105,17 @@ class LocalObjectStore:
             if temp.exists():
                 temp.unlink()
         return oid
+
+    @staticmethod
+    def _holds(path: Path, data: bytes | memoryview) -> bool:
+        """True when the file at `path` exists and holds exactly `data` (else put writes it over)."""
+        try:
+            with open(path, "rb") as handle:
+                if os.fstat(handle.fileno()).st_size != len(data):
+                    return False
+                return handle.read() == as_bytes(data)
+        except FileNotFoundError:
+            return False
 
     def get(self, oid: ObjectId, verify: bool = True) -> bytes:
         try:

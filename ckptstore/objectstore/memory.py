@@ -8,6 +8,7 @@ from typing import Any
 
 from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import ObjectId, object_id
+from ckptstore.objectstore.base import as_bytes
 
 
 class MemoryRanges:
@@ -39,7 +40,8 @@ class MemoryObjectStore:
 
     def put(self, data: bytes | memoryview) -> ObjectId:
         oid = object_id(data)
-        self.objects.setdefault(oid, bytes(data))
+        if self.objects.get(oid) != as_bytes(data):  # absent, or damaged in place: store these bytes
+            self.objects[oid] = bytes(data)
         return oid
 
     def get(self, oid: ObjectId, verify: bool = True) -> bytes:

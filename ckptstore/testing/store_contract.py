@@ -2,12 +2,15 @@
 
 Each check takes a fresh, empty store and exercises one part of `objectstore.base.ObjectStore`;
 `ALL_CHECKS` lists them all, so a new store (S3, say) passes the same list as the local one.
+`DAMAGE_CHECKS` also take `overwrite(oid, data)`, which puts raw bytes under a name behind the
+store's back (what a crash or a bad disk does), so each store shows it does not trust such a name.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -104,3 +107,22 @@ def check_clear_tmp(store: ObjectStore) -> None:
 
 ALL_CHECKS = [check_protocol, check_round_trip, check_delete_and_iter, check_missing, check_size, check_ranges,
               check_batch, check_clear_tmp]
+
+
+def check_put_replaces_a_damaged_object(store: ObjectStore, overwrite: Callable[[ObjectId, bytes], None]) -> None:
+    """Putting bytes whose id is stored damaged (cut short, or flipped at the same size) stores them whole."""
+    data = os.urandom(20_000)
+    oid = store.put(data)
+    for damaged in (data[: len(data) // 2], b"", data[:-1] + bytes([data[-1] ^ 1])):
+        overwrite(oid, damaged)
+        with pytest.raises(CorruptObjectError):
+            store.get(oid)
+        assert store.put(memoryview(data)) == oid
+        assert store.get(oid) == data and store.size(oid) == len(data)
+    overwrite(oid, data[:100])
+    with store.batch():
+        store.put(data)
+    assert store.get(oid) == data
+
+
+DAMAGE_CHECKS = [check_put_replaces_a_damaged_object]

@@ -2,7 +2,7 @@ import pytest
 
 from ckptstore.errors import CorruptObjectError
 from ckptstore.objectstore import LocalObjectStore, MemoryObjectStore
-from ckptstore.testing.store_contract import ALL_CHECKS
+from ckptstore.testing.store_contract import ALL_CHECKS, DAMAGE_CHECKS
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -15,6 +15,18 @@ def store(request, tmp_path):
 @pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
 def test_contract(store, check):
     check(store)
+
+
+def _overwrite(store):
+    """Raw bytes under a name, behind the store's back (a crash or a bad disk)."""
+    if isinstance(store, MemoryObjectStore):
+        return lambda oid, data: store.objects.__setitem__(oid, data)
+    return lambda oid, data: store.path_of(oid).write_bytes(data)
+
+
+@pytest.mark.parametrize("check", DAMAGE_CHECKS, ids=lambda c: c.__name__)
+def test_damage_contract(store, check):
+    check(store, _overwrite(store))
 
 
 def test_local_store_detects_corruption_and_truncation(tmp_path):
