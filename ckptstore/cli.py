@@ -320,11 +320,17 @@ def fsck_command(ctx, full) -> None:
                + (f", verified {report.tensors_verified} tensors" if full else ""))
     for oid, problem in report.damaged_objects.items():
         click.echo(f"damaged object {oid}: {problem}")
+    for what, problem in report.damaged_records.items():
+        click.echo(f"damaged record {what}: {problem}")
     for cid, oids in report.broken_commits.items():
-        click.echo(f"broken commit {cid[:12]} (needs {', '.join(o[:12] for o in oids)})")
+        needs = f"needs {', '.join(o[:12] for o in oids)}" if oids else "its records are damaged"
+        click.echo(f"broken commit {cid[:12]} ({needs})")
     for tid in report.missing_records:
         click.echo(f"missing tensor record {tid}")
-    if report.unreferenced_objects:
+    if report.unreferenced_objects and report.damaged_records:
+        click.echo(f"{report.unreferenced_objects} objects no intact record names (gc keeps them while records are "
+                   "damaged: they may be what the damaged records lost track of)")
+    elif report.unreferenced_objects:
         click.echo(f"{report.unreferenced_objects} unreferenced objects (run `ckpt gc` to remove them)")
     if not report.ok:
         raise SystemExit(1)

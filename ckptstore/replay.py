@@ -17,8 +17,8 @@ import numpy as np
 
 from ckptstore import threadlocal
 from ckptstore.codecs import capabilities, get_codec
-from ckptstore.errors import CodecError, CorruptObjectError
-from ckptstore.hashing import ObjectId, TensorId, chunk_checksum, tensor_id
+from ckptstore.errors import CodecError, CorruptObjectError, CorruptRecordError
+from ckptstore.hashing import ObjectId, TensorId, chunk_checksum, is_hex_id, tensor_id
 from ckptstore.objectstore.base import ObjectStore, RangeReader, read_whole
 from ckptstore.objectstore.pack import PackReader
 from ckptstore.records import Chunk, TensorRecord
@@ -81,10 +81,16 @@ class ChainSource:
         levels = []
         current = record
         while True:
+            if index >= len(current.chunks) or len(levels) > record.depth:  # checked before replay; never loop
+                raise CorruptRecordError(f"tensor {record.id}", f"chunk {index} of its chain has no record",
+                                         tensors=[record.id])
             payload = self.payload(current.chunks[index], len(levels))
             levels.append((current, payload))
             if current.base_id in (None, stop_at) or not get_codec(current.codec).needs_base(payload):
                 return levels
+            if current.base_id not in self.records:
+                raise CorruptRecordError(f"tensor {current.id}", f"its base tensor {current.base_id} has no record",
+                                         tensors=[current.id])
             current = self.records[current.base_id]
 
     def replay_chunk(self, record: TensorRecord, index: int, out: np.ndarray,
@@ -225,6 +231,51 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
                 raise source.diagnose(record, CorruptObjectError(
                     object_ids_of(record), f"decoded to bytes that do not match tensor {record.id}"))
     return outputs
+
+
+def chain_problem(record: TensorRecord, records: Mapping[TensorId, TensorRecord]) -> str | None:
+    """Why `record` or a record down its chain cannot be replayed exactly, or None when every byte is accounted for.
+
+    Each record's chunks must cover its bytes exactly, and each base must be recorded, one level
+    shallower (so a chain always ends). Replaying over records that fail this would hand out
+    whatever memory the buffer held where a chunk is missing.
+    """
+    seen: set[TensorId] = set()
+    current: TensorRecord | None = record
+    while current is not None and current.id not in seen:
+        seen.add(current.id)
+        problem = _record_problem(current)
+        if problem is None and current.base_id is not None:
+            base = records.get(current.base_id)
+            if base is None:
+                problem = f"its base tensor {current.base_id} has no record"
+            elif base.depth != current.depth - 1:
+                problem = f"its base tensor {base.id} is at depth {base.depth}, not {current.depth - 1}"
+            current = base
+        else:
+            current = None
+        if problem is not None:
+            return problem if len(seen) == 1 else f"tensor {list(seen)[-1]} down its chain: {problem}"
+    return None
+
+
+def _record_problem(record: TensorRecord) -> str | None:
+    """Why one record's own fields and chunks do not add up, or None."""
+    if not all(isinstance(n, int) and n >= 0 for n in (record.raw_bytes, record.depth)):
+        return f"its size {record.raw_bytes!r} or depth {record.depth!r} is not a count"
+    if (record.base_id is None) != (record.depth == 0):
+        return f"it is at depth {record.depth} with {'no base' if record.base_id is None else 'a base'}"
+    covered = 0
+    for chunk in record.chunks:
+        sizes = (chunk.raw_bytes, chunk.offset) + ((chunk.length,) if chunk.length is not None else ())
+        if not all(isinstance(n, int) and n >= 0 for n in sizes):
+            return f"a chunk record has a size or offset that is not a count ({sizes!r})"
+        if not isinstance(chunk.object_id, str) or not is_hex_id(chunk.object_id):
+            return f"a chunk record names {chunk.object_id!r}, which is not an object id"
+        covered += chunk.raw_bytes
+    if covered != record.raw_bytes:
+        return f"its {len(record.chunks)} chunk records cover {covered} of its {record.raw_bytes} bytes"
+    return None
 
 
 def run_here_and_on(pool: Executor, jobs: list[tuple[Future, Callable[[], object]]]) -> None:

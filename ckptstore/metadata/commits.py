@@ -7,8 +7,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.errors import CkptError
-from ckptstore.hashing import CommitId, ObjectId, TensorId
+from ckptstore.errors import CkptError, CorruptRecordError
+from ckptstore.hashing import CommitId, ObjectId, TensorId, commit_id
 from ckptstore.metadata.db import Tx
 from ckptstore.metadata.tensors import dependents, tensors_in_objects
 
@@ -42,6 +42,40 @@ class CommitInfo:
             **({"lossy": self.lossy} if self.lossy else {}),
         }
 
+    def computed_id(self, step: Any = None) -> CommitId:
+        """The id this commit's record hashes to: blake3 of its canonical JSON (docs/format.md).
+
+        `step`, when given, stands in for the recorded step (see `verify`).
+        """
+        record = self.to_json()
+        record.pop("id")
+        record["manifest"] = self.manifest_object
+        if step is not None:
+            record["step"] = step
+        return commit_id(json.dumps(record, sort_keys=True, separators=(",", ":")).encode())
+
+    def id_problem(self, expected: CommitId | None = None) -> str | None:
+        """Why this row is not the record of commit `expected` (default: its own id), or None when it is.
+
+        A whole-number step given as a float was hashed as one (`2.0`) and comes back from the
+        database as an integer, so both spellings are tried.
+        """
+        if expected is not None and self.id != expected:
+            return f"asked for commit {expected}, the database returned the row of {self.id}"
+        if self.id == self.computed_id():
+            return None
+        if isinstance(self.step, int) and self.id == self.computed_id(float(self.step)):
+            return None
+        return ("its record (manifest, parents, message, author, time, step, metrics, sizes) does not hash to its id: "
+                "the row was damaged or rewritten")
+
+    def verified(self, expected: CommitId | None = None) -> CommitInfo:
+        """This row, after checking that it is the record of `expected` (default: its own id)."""
+        problem = self.id_problem(expected)
+        if problem is not None:
+            raise CorruptRecordError(f"commit {expected or self.id}", problem, [expected or self.id])
+        return self
+
 
 def _info(row: tuple, parents: list[CommitId]) -> CommitInfo:
     cid, manifest, message, author, created, step, metrics, kind, source, raw, stored, lossy = row
@@ -64,10 +98,11 @@ def all_commits(tx: Tx) -> dict[CommitId, CommitInfo]:
 
 
 def commit_info(tx: Tx, cid: CommitId) -> CommitInfo:
+    """Commit `cid`'s row, checked against its id, so damaged or rewritten metadata is an error, not another commit."""
     row = tx.first(f"SELECT {_COLUMNS} FROM commits WHERE id = ?", (cid,))
     if row is None:
         raise CkptError(f"metadata has no commit {cid}; run `ckpt fsck`")
-    return _info(row, parents_of(tx, cid))
+    return _info(row, parents_of(tx, cid)).verified(cid)
 
 
 def parents_of(tx: Tx, cid: CommitId) -> list[CommitId]:
@@ -87,11 +122,8 @@ def with_prefix(tx: Tx, prefix: str, limit: int = 10) -> list[CommitId]:
 
 
 def manifest_object(tx: Tx, cid: CommitId) -> ObjectId:
-    """The object holding commit `cid`'s manifest."""
-    found = tx.scalar("SELECT manifest_object FROM commits WHERE id = ?", (cid,))
-    if found is None:
-        raise CkptError(f"metadata has no commit {cid}; run `ckpt fsck`")
-    return ObjectId(found)
+    """The object holding commit `cid`'s manifest (the row checked against its id, as in `commit_info`)."""
+    return commit_info(tx, cid).manifest_object
 
 
 def insert_commit(tx: Tx, info: CommitInfo, tensor_ids: Iterable[TensorId]) -> None:

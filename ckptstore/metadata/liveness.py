@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata.commits import all_parents
 from ckptstore.metadata.db import Tx
 from ckptstore.metadata.refs import tip_commits
+from ckptstore.metadata.tensors import dependents
 
 
 def reachable_commits(tx: Tx) -> set[CommitId]:
@@ -37,9 +40,13 @@ def delete_commits(tx: Tx, doomed: set[CommitId]) -> None:
         tx.execute_in(f"DELETE FROM {table} WHERE {column} IN ({{ids}})", ordered)
 
 
-def live(tx: Tx) -> tuple[set[TensorId], set[ObjectId]]:
-    """Tensor ids and object ids that some commit in the database needs."""
-    live_tensors = {TensorId(t) for t in tx.column("SELECT tensor_id FROM commit_tensors")}
+def live(tx: Tx, named: Iterable[TensorId] = ()) -> tuple[set[TensorId], set[ObjectId]]:
+    """Tensor ids and object ids that some commit in the database needs.
+
+    `named` adds tensors known to be needed otherwise (those the manifests list, in case rows of
+    commit_tensors were lost).
+    """
+    live_tensors = {TensorId(t) for t in tx.column("SELECT tensor_id FROM commit_tensors")} | set(named)
     bases = dict(tx.rows("SELECT id, base_id FROM tensors"))
     frontier = set(live_tensors)
     while frontier:
@@ -71,3 +78,24 @@ def forget_objects_except(tx: Tx, keep: set[ObjectId]) -> None:
     """Drop the size rows of objects not in `keep`."""
     dead = sorted(set(tx.column("SELECT id FROM objects")) - keep)
     tx.execute_in("DELETE FROM objects WHERE id IN ({ids})", dead)
+
+
+def commit_tensor_lists(tx: Tx) -> dict[CommitId, set[TensorId]]:
+    """The tensors each commit's rows (commit_tensors) list."""
+    listed: dict[CommitId, set[TensorId]] = {}
+    for cid, tid in tx.rows("SELECT commit_id, tensor_id FROM commit_tensors"):
+        listed.setdefault(CommitId(cid), set()).add(TensorId(tid))
+    return listed
+
+
+def ref_targets(tx: Tx) -> dict[str, CommitId]:
+    """Every ref that names a commit directly (branches, tags, a detached HEAD), by name."""
+    rows = tx.rows("SELECT name, commit_id FROM refs WHERE commit_id IS NOT NULL")
+    return {name: CommitId(cid) for name, cid in rows}
+
+
+def commits_with_tensors(tx: Tx, tensor_ids: set[TensorId]) -> list[CommitId]:
+    """Commits that list any of `tensor_ids` or a tensor whose chain passes through one of them."""
+    needed = dependents(tx, tensor_ids)
+    return sorted(CommitId(r[0]) for r in tx.rows_in(
+        "SELECT DISTINCT commit_id FROM commit_tensors WHERE tensor_id IN ({ids})", needed))

@@ -6,45 +6,72 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+from ckptstore.errors import CorruptRecordError
 from ckptstore.hashing import ObjectId, TensorId
 from ckptstore.metadata.db import Tx
 from ckptstore.records import Chunk, TensorRecord
 
 _RECORDS = ("SELECT id, dtype, shape, codec, params, base_id, depth, raw_bytes, stored_bytes "
             "FROM tensors WHERE id IN ({ids})")
-_CHUNKS = ('SELECT tensor_id, object_id, raw_bytes, "offset", length, checksum FROM tensor_chunks '
+_CHUNKS = ('SELECT tensor_id, position, object_id, raw_bytes, "offset", length, checksum FROM tensor_chunks '
            "WHERE tensor_id IN ({ids}) ORDER BY tensor_id, position")
 
 
-def load_records(tx: Tx, ids: Iterable[TensorId], with_bases: bool = True) -> dict[TensorId, TensorRecord]:
+def load_records(tx: Tx, ids: Iterable[TensorId], with_bases: bool = True,
+                 problems: dict[TensorId, str] | None = None) -> dict[TensorId, TensorRecord]:
     """Records for `ids` and, with `with_bases`, every record down their chains.
 
-    A checkpoint's tensors share a few shapes and coding params, so each distinct JSON text is
-    parsed once.
+    A record whose rows cannot be read as written (chunk positions not 0, 1, 2..., JSON that does
+    not parse) is damaged: it goes into `problems` when given, else raises CorruptRecordError.
     """
     found: dict[TensorId, TensorRecord] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    params: dict[str, dict[str, Any]] = {}
+    damaged: dict[TensorId, str] = {} if problems is None else problems
+    parsed: dict[str, Any] = {}  # a checkpoint's tensors share a few shapes and params: parse each text once
     pending = {i for i in ids if i}
     while pending:
         batch, pending = sorted(pending), set()
-        chunks: dict[str, list[Chunk]] = {}
-        for tensor, object_id, raw_bytes, offset, length, checksum in tx.rows_in(_CHUNKS, batch):
-            chunks.setdefault(tensor, []).append(Chunk(ObjectId(object_id), raw_bytes, offset, length, checksum))
+        chunks = _chunks(tx, batch, damaged)
         for row in tx.rows_in(_RECORDS, batch):
-            tid, dtype, shape, codec, param_text, base_id, depth, raw_bytes, stored_bytes = row
-            if shape not in shapes:
-                shapes[shape] = tuple(json.loads(shape))
-            if param_text not in params:
-                params[param_text] = json.loads(param_text)
-            found[TensorId(tid)] = TensorRecord(
-                id=TensorId(tid), dtype=dtype, shape=shapes[shape], codec=codec,
-                params=dict(params[param_text]), base_id=TensorId(base_id) if base_id else None,
-                depth=depth, raw_bytes=raw_bytes, stored_bytes=stored_bytes, chunks=chunks.get(tid, []),
-            )
-            if with_bases and base_id and base_id not in found:
-                pending.add(TensorId(base_id))
+            record = _record(row, chunks, parsed, damaged)
+            if record is not None and record.id not in damaged:
+                found[record.id] = record
+                if with_bases and record.base_id and record.base_id not in found:
+                    pending.add(record.base_id)
+    if problems is None and damaged:
+        tid, problem = next(iter(damaged.items()))
+        raise CorruptRecordError(f"tensor {tid}", problem, tensors=[tid])
     return found
+
+
+def _chunks(tx: Tx, batch: list[TensorId], problems: dict[TensorId, str]) -> dict[str, list[Chunk]]:
+    """The chunks of the tensors in `batch` in order; a tensor whose positions skip or repeat goes to `problems`."""
+    chunks: dict[str, list[Chunk]] = {}
+    for tensor, position, object_id, raw_bytes, offset, length, checksum in tx.rows_in(_CHUNKS, batch):
+        listed = chunks.setdefault(tensor, [])
+        if position != len(listed):
+            problems.setdefault(TensorId(tensor), f"its chunk records jump to position {position!r} after "
+                                                  f"{len(listed)} chunks (chunk rows were lost or damaged)")
+        listed.append(Chunk(ObjectId(object_id), raw_bytes, offset, length, checksum))
+    return chunks
+
+
+def _record(row: tuple, chunks: dict[str, list[Chunk]], parsed: dict[str, Any], problems: dict[TensorId, str]
+            ) -> TensorRecord | None:
+    """One tensor record from its row and chunks; None (and a problem) when its JSON does not parse."""
+    tid, dtype, shape, codec, param_text, base_id, depth, raw_bytes, stored_bytes = row
+    try:
+        for text in (shape, param_text):
+            if text not in parsed:
+                parsed[text] = json.loads(text)
+        shape_value, params = tuple(parsed[shape]), parsed[param_text]
+        if not isinstance(params, dict) or not all(isinstance(n, int) and n >= 0 for n in shape_value):
+            raise ValueError(f"shape {shape!r}")
+    except (TypeError, ValueError) as exc:
+        problems[TensorId(tid)] = f"its shape or params do not parse ({exc})"
+        return None
+    return TensorRecord(id=TensorId(tid), dtype=dtype, shape=shape_value, codec=codec, params=dict(params),
+                        base_id=TensorId(base_id) if base_id else None, depth=depth, raw_bytes=raw_bytes,
+                        stored_bytes=stored_bytes, chunks=chunks.get(tid, []))
 
 
 def existing_tensor_ids(tx: Tx, ids: Iterable[TensorId]) -> set[TensorId]:

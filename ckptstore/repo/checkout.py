@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import formats
-from ckptstore.errors import CkptError, CorruptObjectError
+from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource, replay
-from ckptstore.repo import refs, worktree
+from ckptstore.repo import integrity, refs, worktree
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Manifest
 from ckptstore.repo.progress import NoProgress, Progress
@@ -97,16 +97,19 @@ def _replay(repo: Repository, manifest: Manifest, paths: list[str], progress: Pr
             run: Replayer) -> dict[str, Any]:
     """Replay the tensors at `paths` with `run` (numpy on the CPU, or torch on a device); buffers by path."""
     ids = {manifest.entries[p].tensor for p in paths}
-    with repo.db.read() as tx:
-        records = tensor_rows.load_records(tx, ids)
-    missing = ids - set(records)
-    if missing:
-        raise CkptError(f"metadata has no record of tensors {sorted(missing)[:3]}; run `ckpt fsck`")
+    try:
+        with repo.db.read() as tx:
+            records = tensor_rows.load_records(tx, ids)
+        integrity.check_restore(manifest, paths, records)  # every byte accounted for, or an error
+    except CorruptRecordError as exc:
+        raise integrity.naming_commits(repo, exc) from None
     progress.start(label, sum(records[t].raw_bytes for t in ids))
     try:
         buffers = run(ChainSource(repo.store, records), [records[t] for t in ids], progress.advance)
     except CorruptObjectError as exc:
         raise exc.needed_by(repo.commits_needing(exc.object_ids)) from None
+    except CorruptRecordError as exc:
+        raise integrity.naming_commits(repo, exc) from None
     finally:
         progress.finish()
     restored, handed_out = {}, set()

@@ -8,7 +8,6 @@ metadata transaction records everything and moves the branch with compare-and-sw
 from __future__ import annotations
 
 import getpass
-import json
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ckptstore import formats
 from ckptstore.errors import CheckpointFormatError, CkptError, ConflictError, NothingToCommitError
 from ckptstore.formats.folder import folder_files
-from ckptstore.hashing import CommitId, ObjectId, TensorId, commit_id, file_digest, tensor_id
+from ckptstore.hashing import CommitId, ObjectId, TensorId, file_digest, tensor_id
 from ckptstore.metadata import Tx
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import files as file_rows
@@ -297,10 +296,7 @@ def _commit_info(checkpoint: formats.Checkpoint, options: CommitOptions, manifes
         source_path=source_path, raw_bytes=raw_total, stored_bytes=stored,
         parents=[parent.commit] if parent.commit else [], lossy=level.name if level else None,
     )
-    record = info.to_json()
-    record.pop("id")
-    record["manifest"] = manifest_oid
-    info.id = commit_id(json.dumps(record, sort_keys=True, separators=(",", ":")).encode())
+    info.id = info.computed_id()
     return info
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ckptstore.errors import CorruptObjectError
+from ckptstore.errors import CkptError, CorruptObjectError
 from ckptstore.metadata import liveness
+from ckptstore.repo import integrity
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
@@ -33,50 +34,69 @@ class FsckReport:
     unreferenced_objects: int = 0
     objects_checked: int = 0
     tensors_verified: int = 0
+    damaged_records: dict[str, str] = field(default_factory=dict)  # "commit ID", "tensor ID", "ref NAME": problem
 
     @property
     def ok(self) -> bool:
-        return not (self.damaged_objects or self.missing_records)
+        return not (self.damaged_objects or self.missing_records or self.damaged_records)
 
 
 def gc(repo: Repository, prune_unreachable: bool = False) -> GcReport:
     """Delete objects and tensor records no commit needs, and leftovers of interrupted writes.
 
     With `prune_unreachable`, commits no branch, tag or HEAD reaches are deleted first. Holds the
-    repository lock alone, so no commit can be in flight.
+    repository lock alone, so no commit can be in flight. Refuses, deleting nothing, while the
+    records that say what the remaining commits need are damaged: what they lost track of may
+    be the only copy.
     """
     report = GcReport()
     with repo.lock(exclusive=True, wait=False):
-        report.temp_files_removed = repo.store.clear_tmp()
         with repo.db.write() as tx:
             if prune_unreachable:
                 doomed = liveness.commit_ids(tx) - liveness.reachable_commits(tx)
                 liveness.delete_commits(tx, doomed)
                 report.commits_removed = len(doomed)
-            live_tensors, live_objects = liveness.live(tx)
+            findings = integrity.check_metadata(tx, repo.store)
+            if findings.problems:
+                raise _refusal(findings.problems)
+            live_tensors, live_objects = liveness.live(tx, findings.named_tensors)
             dead_tensors = liveness.recorded_tensors(tx) - live_tensors
             liveness.delete_tensors(tx, dead_tensors)
             report.tensors_removed = len(dead_tensors)
             liveness.forget_objects_except(tx, live_objects)
+        report.temp_files_removed = repo.store.clear_tmp()
         for oid in list(repo.store.iter_ids()):
-            if oid not in live_objects:
+            if oid not in live_objects and oid not in findings.unreadable_manifests:
                 report.bytes_removed += repo.store.size(oid)
                 repo.store.delete(oid)
                 report.objects_removed += 1
     return report
 
 
-def fsck(repo: Repository, full: bool = False) -> FsckReport:
-    """Verify every object a commit needs against its hash and list the commits any damage breaks.
+def _refusal(problems: dict[str, str]) -> CkptError:
+    """Why gc deletes nothing: the first damaged records, and how many more."""
+    shown = "; ".join(f"{what}: {problem}" for what, problem in list(problems.items())[:2])
+    more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+    return CkptError(f"gc refused to delete anything: the metadata is damaged ({shown}{more}), so it cannot tell "
+                     "which objects are still needed and could delete the only copy. Run `ckpt fsck` for the full "
+                     "list; repair or restore the metadata (.ckpt/ckpt.db) from a backup before collecting garbage")
 
-    With `full`, also replay every tensor of every commit and check it against its chunk checksums
-    and its tensor id.
+
+def fsck(repo: Repository, full: bool = False) -> FsckReport:
+    """Verify every object a commit needs against its hash, and the records against their ids and each other.
+
+    Commit ids are recomputed from their rows, manifests checked against their commits, and every
+    tensor's chunk records must cover its bytes; the commits any damage breaks are listed. With
+    `full`, also replay every tensor of every commit and check it against its chunk checksums and
+    its tensor id.
     """
     report = FsckReport()
     with repo.db.read() as tx:
-        _, live_objects = liveness.live(tx)
+        findings = integrity.check_metadata(tx, repo.store)
+        _, live_objects = liveness.live(tx, findings.named_tensors)
         manifests = liveness.commit_manifests(tx)
         report.missing_records = sorted(liveness.referenced_tensors(tx) - liveness.recorded_tensors(tx))
+    report.damaged_records = findings.problems
     for oid in sorted(live_objects):
         report.objects_checked += 1
         try:
@@ -87,9 +107,20 @@ def fsck(repo: Repository, full: bool = False) -> FsckReport:
     for oid in report.damaged_objects:
         for cid in repo.commits_needing([oid]):
             report.broken_commits.setdefault(cid, []).append(oid)
+    _commits_broken_by_records(repo, report)
     if full:
         _replay_all(repo, manifests, report)
     return report
+
+
+def _commits_broken_by_records(repo: Repository, report: FsckReport) -> None:
+    """List the commits whose records are damaged, or that need a damaged tensor record, as broken."""
+    tensors = {what.split()[1] for what in report.damaged_records if what.startswith("tensor ")}
+    with repo.db.read() as tx:
+        needing = liveness.commits_with_tensors(tx, tensors) if tensors else []
+    commits = [what.split()[1] for what in report.damaged_records if what.startswith("commit ")]
+    for cid in sorted(set(needing) | set(commits)):
+        report.broken_commits.setdefault(cid, [])
 
 
 def _replay_all(repo: Repository, manifests: list, report: FsckReport) -> None:
@@ -97,13 +128,19 @@ def _replay_all(repo: Repository, manifests: list, report: FsckReport) -> None:
     from ckptstore.repo.checkout import restore
 
     for cid, manifest_oid in manifests:
-        if manifest_oid in report.damaged_objects:
+        if manifest_oid in report.damaged_objects or cid in report.broken_commits:
             continue
-        manifest = repo.read_manifest(manifest_oid)
         try:
+            manifest = repo.read_manifest(manifest_oid)
             restore(repo, manifest, by_id=True)
             report.tensors_verified += len(manifest.entries)
         except CorruptObjectError as exc:
+            report.broken_commits.setdefault(cid, [])
             for oid in exc.object_ids:
-                report.broken_commits.setdefault(cid, []).append(oid)
+                report.broken_commits[cid].append(oid)
                 report.damaged_objects.setdefault(oid, exc.problem)
+            if not exc.object_ids:
+                report.damaged_records.setdefault(f"commit {cid}", exc.problem)
+        except CkptError as exc:
+            report.broken_commits.setdefault(cid, [])
+            report.damaged_records.setdefault(f"commit {cid}", str(exc))

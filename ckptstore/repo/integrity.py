@@ -1,0 +1,142 @@
+"""Do the metadata records agree with each other, with their ids and with the manifests?
+
+Checkout asks it of the tensors it restores (so a lost chunk row is an error, not uninitialised
+memory); fsck and gc ask it of the whole repository (gc refuses to delete anything while the
+records that say what is needed are damaged).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError
+from ckptstore.hashing import CommitId, ObjectId, TensorId
+from ckptstore.metadata import commits as commit_rows
+from ckptstore.metadata import liveness
+from ckptstore.metadata import tensors as tensor_rows
+from ckptstore.records import TensorRecord
+from ckptstore.replay import chain_problem
+from ckptstore.state import RawTensor
+
+if TYPE_CHECKING:
+    from ckptstore.metadata import Tx
+    from ckptstore.objectstore import ObjectStore
+    from ckptstore.repo.manifest import Entry, Manifest
+    from ckptstore.repo.repository import Repository
+
+_NO_DATA = np.empty(0, dtype=np.uint8)
+
+
+def entry_problem(entry: Entry, records: dict[TensorId, TensorRecord]) -> str | None:
+    """Why the record of a manifest entry cannot restore it byte for byte, or None."""
+    record = records.get(entry.tensor)
+    if record is None:
+        return "it has no record"
+    return _fields_problem(entry, record) or chain_problem(record, records)
+
+
+def _fields_problem(entry: Entry, record: TensorRecord) -> str | None:
+    """Why a record is not the tensor its manifest entry describes (dtype, shape, size), or None."""
+    if record.dtype != entry.dtype or tuple(record.shape) != tuple(entry.shape):
+        return (f"its record is a {record.dtype} {list(record.shape)}, the manifest says {entry.dtype} "
+                f"{list(entry.shape)}")
+    try:
+        expected = RawTensor(entry.dtype, tuple(entry.shape), _NO_DATA).itemsize * math.prod(entry.shape)
+    except CkptError:  # a dtype this torch does not know: the replay will say so
+        expected = record.raw_bytes
+    if record.raw_bytes != expected:
+        return f"its record holds {record.raw_bytes!r} bytes where a {entry.dtype} {list(entry.shape)} has {expected}"
+    return None
+
+
+def check_restore(manifest: Manifest, paths: list[str], records: dict[TensorId, TensorRecord]) -> None:
+    """Raise CorruptRecordError unless the records account for every byte of every tensor at `paths`."""
+    for path in paths:
+        entry = manifest.entries[path]
+        problem = entry_problem(entry, records)
+        if problem is not None:
+            raise CorruptRecordError(f"tensor {entry.tensor} (at {path!r})", problem, tensors=[entry.tensor])
+
+
+def naming_commits(repo: Repository, error: CorruptRecordError) -> CorruptRecordError:
+    """`error`, naming the commits that need the damaged tensors (where the rows that say so survive)."""
+    with repo.db.read() as tx:
+        return error.needed_by(liveness.commits_with_tensors(tx, set(error.tensors)) or error.commits)
+
+
+@dataclass
+class Findings:
+    """What the metadata check found: problems by what they are about, and every tensor a commit names."""
+
+    problems: dict[str, str] = field(default_factory=dict)
+    named_tensors: set[TensorId] = field(default_factory=set)
+    unreadable_manifests: set[ObjectId] = field(default_factory=set)
+
+
+def check_metadata(tx: Tx, store: ObjectStore) -> Findings:
+    """Every disagreement among commits, refs, tensor records and manifests.
+
+    Commit ids are recomputed from their rows; each readable manifest (its id is its hash, checked
+    on read) must list the tensors its commit's rows list, and every tensor either names must
+    have a record whose chunks and chain account for all its bytes. An unreadable manifest is
+    object damage (fsck reports it as such), not a record problem.
+    """
+    found = Findings()
+    commits = commit_rows.all_commits(tx)
+    _commit_problems(tx, commits, found)
+    listed = liveness.commit_tensor_lists(tx)
+    entries = _manifest_entries(store, commits, found)
+    for cid, by_path in sorted(entries.items()):
+        if {e.tensor for e in by_path.values()} != listed.get(cid, set()):
+            found.problems.setdefault(f"commit {cid}", "its manifest and its rows (commit_tensors) list different "
+                                                       "tensors")
+    found.named_tensors = set().union(*listed.values(), *({e.tensor for e in es.values()} for es in entries.values()))
+    damaged: dict[TensorId, str] = {}
+    records = tensor_rows.load_records(tx, found.named_tensors, problems=damaged)
+    for tid in sorted(found.named_tensors | set(damaged)):
+        problem = damaged.get(tid) or (chain_problem(records[tid], records) if tid in records else "it has no record")
+        if problem is not None:
+            found.problems[f"tensor {tid}"] = problem
+    for cid, by_path in sorted(entries.items()):
+        for path, entry in sorted(by_path.items()):
+            problem = _fields_problem(entry, records[entry.tensor]) if entry.tensor in records else None
+            if problem is not None:
+                found.problems.setdefault(f"tensor {entry.tensor}", f"{problem} (at {path!r} in commit {cid[:12]})")
+    return found
+
+
+def _commit_problems(tx: Tx, commits: dict[CommitId, commit_rows.CommitInfo], found: Findings) -> None:
+    """Commits whose rows do not hash to their ids or name parents that have no record; refs to no commit."""
+    for cid, info in sorted(commits.items()):
+        problem = info.id_problem()
+        if problem is not None:
+            found.problems[f"commit {cid}"] = problem
+        for parent in info.parents:
+            if parent not in commits:
+                found.problems.setdefault(f"commit {cid}", f"its parent {parent} has no record")
+    for name, cid in liveness.ref_targets(tx).items():
+        if cid not in commits:
+            found.problems[f"ref {name}"] = f"it points at commit {cid}, which has no record"
+
+
+def _manifest_entries(store: ObjectStore, commits: dict[CommitId, commit_rows.CommitInfo], found: Findings
+                      ) -> dict[CommitId, dict[str, Entry]]:
+    """Each commit's manifest entries, from the manifests that read; what a manifest says of its commit is checked."""
+    from ckptstore.repo.manifest import Manifest
+
+    entries: dict[CommitId, dict[str, Entry]] = {}
+    for cid, info in sorted(commits.items()):
+        try:
+            manifest = Manifest.from_bytes(store.get(info.manifest_object), info.manifest_object)
+        except (CorruptObjectError, CkptError):
+            found.unreadable_manifests.add(info.manifest_object)
+            continue
+        entries[cid] = manifest.entries
+        if manifest.kind != info.kind or (manifest.lossy or None) != (info.lossy or None):
+            found.problems.setdefault(f"commit {cid}", f"its row says a {info.kind} commit (lossy {info.lossy}), its "
+                                                       f"manifest a {manifest.kind} one (lossy {manifest.lossy})")
+    return entries
