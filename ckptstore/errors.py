@@ -171,3 +171,7 @@ class CorruptRecordError(CkptError):
     def needed_by(self, commits: Sequence[str]) -> CorruptRecordError:
         """The same damage, naming the commits it breaks."""
         return CorruptRecordError(self.what, self.problem, commits, self.tensors)
+
+
+class CorruptDatabaseError(CkptError):
+    """The metadata database file itself is damaged: SQLite cannot read its pages or their text."""

@@ -64,13 +64,18 @@ class ChainSource:
         """
         seen: set[str] = set()
         current: TensorRecord | None = record
-        while current is not None:
+        while current is not None and current.id not in seen:
+            seen.add(current.id)
             for chunk in current.chunks:
                 if chunk.object_id not in seen:
                     seen.add(chunk.object_id)
                     self.store.get(chunk.object_id)
             current = self.records.get(current.base_id) if current.base_id else None
-        return error
+        if isinstance(error, (CodecError, CorruptObjectError, CorruptRecordError)):
+            return error
+        # sound objects that do not decode with the recorded codec and params: the record is damaged
+        return CorruptRecordError(f"tensor {record.id}", f"its chunks do not decode with its recorded codec and "
+                                  f"params ({error!r})", tensors=[record.id])
 
     def levels(self, record: TensorRecord, index: int, stop_at: TensorId | None = None
                ) -> list[tuple[TensorRecord, bytes]]:
@@ -219,7 +224,7 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
     for record, size, future in futures:
         try:
             future.result()
-        except (CodecError, CorruptObjectError, ValueError) as exc:
+        except (CodecError, CorruptObjectError, CorruptRecordError, ValueError, KeyError, TypeError, IndexError) as exc:
             raise source.diagnose(record, exc) from None
         if on_chunk:
             on_chunk(size)

@@ -45,7 +45,7 @@ class CommitInfo:
     def computed_id(self, step: Any = None) -> CommitId:
         """The id this commit's record hashes to: blake3 of its canonical JSON (docs/format.md).
 
-        `step`, when given, stands in for the recorded step (see `verify`).
+        `step`, when given, stands in for the recorded step (see `id_problem`).
         """
         record = self.to_json()
         record.pop("id")
@@ -62,10 +62,13 @@ class CommitInfo:
         """
         if expected is not None and self.id != expected:
             return f"asked for commit {expected}, the database returned the row of {self.id}"
-        if self.id == self.computed_id():
-            return None
-        if isinstance(self.step, int) and self.id == self.computed_id(float(self.step)):
-            return None
+        try:
+            if self.id == self.computed_id():
+                return None
+            if isinstance(self.step, int) and self.id == self.computed_id(float(self.step)):
+                return None
+        except (TypeError, ValueError, OverflowError) as exc:  # a damaged row: values no record has
+            return f"its row holds values no commit record has ({exc})"
         return ("its record (manifest, parents, message, author, time, step, metrics, sizes) does not hash to its id: "
                 "the row was damaged or rewritten")
 
@@ -79,7 +82,11 @@ class CommitInfo:
 
 def _info(row: tuple, parents: list[CommitId]) -> CommitInfo:
     cid, manifest, message, author, created, step, metrics, kind, source, raw, stored, lossy = row
-    return CommitInfo(CommitId(cid), ObjectId(manifest), message, author, created, step, json.loads(metrics), kind,
+    try:
+        metrics = json.loads(metrics)
+    except (TypeError, ValueError):
+        raise CorruptRecordError(f"commit {cid}", f"its metrics {metrics!r} do not parse", [cid]) from None
+    return CommitInfo(CommitId(cid), ObjectId(manifest), message, author, created, step, metrics, kind,
                       source, raw, stored, parents, lossy)
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptstore.errors import CkptError, ReadOnlyRepoError, disk_full, explain
+from ckptstore.errors import CkptError, CorruptDatabaseError, ReadOnlyRepoError, disk_full, explain
 
 BUSY_TIMEOUT_MS = 120_000
 HEAD_REVISION = "0007"  # the newest migration in migrations/versions; a test keeps the two in step
@@ -174,11 +174,24 @@ class Database:
 
     def read(self) -> contextlib.AbstractContextManager[Tx]:
         """A read-only snapshot of the metadata, for the length of the block."""
-        return self._transaction("BEGIN")
+        return self._damage_named(self._transaction("BEGIN"))
 
     def write(self) -> contextlib.AbstractContextManager[Tx]:
         """One serialized read-write transaction; commits on success, rolls back on any error."""
-        return self._write()
+        return self._damage_named(self._write())
+
+    @contextlib.contextmanager
+    def _damage_named(self, transaction: contextlib.AbstractContextManager[Tx]) -> Iterator[Tx]:
+        """`transaction`, with SQLite's reports of a damaged file raised as CorruptDatabaseError."""
+        try:
+            with transaction as tx:
+                yield tx
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:
+            if not is_damage(exc):
+                raise
+            raise CorruptDatabaseError(f"the metadata database {self.path} is damaged (SQLite: {exc}); nothing was "
+                                       "changed. Restore .ckpt/ckpt.db from a backup; `ckpt fsck` lists what the "
+                                       "objects still hold once it opens") from None
 
     def revision(self) -> str | None:
         """The schema revision the database is at, or None for an empty database."""
@@ -252,3 +265,13 @@ def connect_sqlite(path: Path, read_only: bool = False) -> sqlite3.Connection:
     connection.execute("PRAGMA journal_mode=WAL")
     connection.execute("PRAGMA synchronous=FULL")
     return connection
+
+
+_DAMAGE_WORDS = ("malformed", "not a database", "could not decode", "disk i/o error", "corrupt")
+
+
+def is_damage(exc: BaseException) -> bool:
+    """True for SQLite's (or its text decoding's) report of a damaged database file."""
+    if isinstance(exc, UnicodeDecodeError):
+        return True
+    return not isinstance(exc, sqlite3.IntegrityError) and any(w in str(exc).lower() for w in _DAMAGE_WORDS)

@@ -34,7 +34,7 @@ def commit_manifests(tx: Tx) -> list[tuple[CommitId, ObjectId]]:
 
 def delete_commits(tx: Tx, doomed: set[CommitId]) -> None:
     """Remove commits and everything that names them (their tensors' records stay until gc)."""
-    ordered = sorted(doomed)
+    ordered = sorted(doomed, key=str)
     for table, column in (("commit_tensors", "commit_id"), ("commit_parents", "commit_id"),
                           ("known_files", "commit_id"), ("commits", "id")):
         tx.execute_in(f"DELETE FROM {table} WHERE {column} IN ({{ids}})", ordered)
@@ -69,14 +69,14 @@ def referenced_tensors(tx: Tx) -> set[TensorId]:
 
 
 def delete_tensors(tx: Tx, doomed: set[TensorId]) -> None:
-    ordered = sorted(doomed)
+    ordered = sorted(doomed, key=str)
     tx.execute_in("DELETE FROM tensor_chunks WHERE tensor_id IN ({ids})", ordered)
     tx.execute_in("DELETE FROM tensors WHERE id IN ({ids})", ordered)
 
 
 def forget_objects_except(tx: Tx, keep: set[ObjectId]) -> None:
     """Drop the size rows of objects not in `keep`."""
-    dead = sorted(set(tx.column("SELECT id FROM objects")) - keep)
+    dead = sorted(set(tx.column("SELECT id FROM objects")) - keep, key=str)
     tx.execute_in("DELETE FROM objects WHERE id IN ({ids})", dead)
 
 
@@ -88,14 +88,24 @@ def commit_tensor_lists(tx: Tx) -> dict[CommitId, set[TensorId]]:
     return listed
 
 
-def ref_targets(tx: Tx) -> dict[str, CommitId]:
-    """Every ref that names a commit directly (branches, tags, a detached HEAD), by name."""
-    rows = tx.rows("SELECT name, commit_id FROM refs WHERE commit_id IS NOT NULL")
-    return {name: CommitId(cid) for name, cid in rows}
+def all_refs(tx: Tx) -> list[tuple[str, str, CommitId | None, str | None]]:
+    """Every ref as (name, kind, commit it names or None, branch HEAD is on or None)."""
+    return [(name, kind, CommitId(cid) if cid is not None else None, target)
+            for name, kind, cid, target in tx.rows("SELECT name, kind, commit_id, target FROM refs")]
+
+
+def storage_problems(tx: Tx, limit: int = 10) -> list[str]:
+    """What SQLite's own integrity check finds wrong with the database file (pages, indexes), if anything.
+
+    Checkout finds rows through indexes and gc reads some from them: an index that disagrees with
+    its table can hide rows from one and not the other.
+    """
+    found = [str(row[0]) for row in tx.rows(f"PRAGMA integrity_check({int(limit)})")]
+    return [] if found == ["ok"] else found
 
 
 def commits_with_tensors(tx: Tx, tensor_ids: set[TensorId]) -> list[CommitId]:
     """Commits that list any of `tensor_ids` or a tensor whose chain passes through one of them."""
     needed = dependents(tx, tensor_ids)
-    return sorted(CommitId(r[0]) for r in tx.rows_in(
-        "SELECT DISTINCT commit_id FROM commit_tensors WHERE tensor_id IN ({ids})", needed))
+    rows = tx.rows_in("SELECT DISTINCT commit_id FROM commit_tensors WHERE tensor_id IN ({ids})", needed)
+    return sorted((CommitId(r[0]) for r in rows), key=str)

@@ -29,7 +29,7 @@ def load_records(tx: Tx, ids: Iterable[TensorId], with_bases: bool = True,
     parsed: dict[str, Any] = {}  # a checkpoint's tensors share a few shapes and params: parse each text once
     pending = {i for i in ids if i}
     while pending:
-        batch, pending = sorted(pending), set()
+        batch, pending = sorted(pending, key=str), set()
         chunks = _chunks(tx, batch, damaged)
         for row in tx.rows_in(_RECORDS, batch):
             record = _record(row, chunks, parsed, damaged)

@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 _NO_DATA = np.empty(0, dtype=np.uint8)
 
 
+def _by_key(item: tuple) -> str:
+    """Sort key of a (key, value) pair: its key as text (a damaged row's id may not be text at all)."""
+    return str(item[0])
+
+
 def entry_problem(entry: Entry, records: dict[TensorId, TensorRecord]) -> str | None:
     """Why the record of a manifest entry cannot restore it byte for byte, or None."""
     record = records.get(entry.tensor)
@@ -86,23 +91,26 @@ def check_metadata(tx: Tx, store: ObjectStore) -> Findings:
     object damage (fsck reports it as such), not a record problem.
     """
     found = Findings()
+    storage = liveness.storage_problems(tx)
+    if storage:
+        found.problems["database file"] = "SQLite's integrity check: " + "; ".join(storage)
     commits = commit_rows.all_commits(tx)
     _commit_problems(tx, commits, found)
     listed = liveness.commit_tensor_lists(tx)
     entries = _manifest_entries(store, commits, found)
-    for cid, by_path in sorted(entries.items()):
+    for cid, by_path in sorted(entries.items(), key=_by_key):
         if {e.tensor for e in by_path.values()} != listed.get(cid, set()):
             found.problems.setdefault(f"commit {cid}", "its manifest and its rows (commit_tensors) list different "
                                                        "tensors")
     found.named_tensors = set().union(*listed.values(), *({e.tensor for e in es.values()} for es in entries.values()))
     damaged: dict[TensorId, str] = {}
     records = tensor_rows.load_records(tx, found.named_tensors, problems=damaged)
-    for tid in sorted(found.named_tensors | set(damaged)):
+    for tid in sorted(found.named_tensors | set(damaged), key=str):
         problem = damaged.get(tid) or (chain_problem(records[tid], records) if tid in records else "it has no record")
         if problem is not None:
             found.problems[f"tensor {tid}"] = problem
-    for cid, by_path in sorted(entries.items()):
-        for path, entry in sorted(by_path.items()):
+    for cid, by_path in sorted(entries.items(), key=_by_key):
+        for path, entry in sorted(by_path.items(), key=_by_key):
             problem = _fields_problem(entry, records[entry.tensor]) if entry.tensor in records else None
             if problem is not None:
                 found.problems.setdefault(f"tensor {entry.tensor}", f"{problem} (at {path!r} in commit {cid[:12]})")
@@ -111,16 +119,21 @@ def check_metadata(tx: Tx, store: ObjectStore) -> Findings:
 
 def _commit_problems(tx: Tx, commits: dict[CommitId, commit_rows.CommitInfo], found: Findings) -> None:
     """Commits whose rows do not hash to their ids or name parents that have no record; refs to no commit."""
-    for cid, info in sorted(commits.items()):
+    for cid, info in sorted(commits.items(), key=_by_key):
         problem = info.id_problem()
         if problem is not None:
             found.problems[f"commit {cid}"] = problem
         for parent in info.parents:
             if parent not in commits:
                 found.problems.setdefault(f"commit {cid}", f"its parent {parent} has no record")
-    for name, cid in liveness.ref_targets(tx).items():
-        if cid not in commits:
+    refs = liveness.all_refs(tx)
+    for name, kind, cid, _ in refs:
+        if kind not in ("branch", "tag", "head") or (kind == "head") != (name == "HEAD"):
+            found.problems[f"ref {name}"] = f"it is of kind {kind!r}"
+        elif cid is not None and cid not in commits:
             found.problems[f"ref {name}"] = f"it points at commit {cid}, which has no record"
+        elif kind != "head" and cid is None:
+            found.problems[f"ref {name}"] = "it points at no commit"
 
 
 def _manifest_entries(store: ObjectStore, commits: dict[CommitId, commit_rows.CommitInfo], found: Findings
@@ -129,7 +142,7 @@ def _manifest_entries(store: ObjectStore, commits: dict[CommitId, commit_rows.Co
     from ckptstore.repo.manifest import Manifest
 
     entries: dict[CommitId, dict[str, Entry]] = {}
-    for cid, info in sorted(commits.items()):
+    for cid, info in sorted(commits.items(), key=_by_key):
         try:
             manifest = Manifest.from_bytes(store.get(info.manifest_object), info.manifest_object)
         except (CorruptObjectError, CkptError):

@@ -95,9 +95,9 @@ def fsck(repo: Repository, full: bool = False) -> FsckReport:
         findings = integrity.check_metadata(tx, repo.store)
         _, live_objects = liveness.live(tx, findings.named_tensors)
         manifests = liveness.commit_manifests(tx)
-        report.missing_records = sorted(liveness.referenced_tensors(tx) - liveness.recorded_tensors(tx))
+        report.missing_records = sorted(liveness.referenced_tensors(tx) - liveness.recorded_tensors(tx), key=str)
     report.damaged_records = findings.problems
-    for oid in sorted(live_objects):
+    for oid in sorted(live_objects, key=str):
         report.objects_checked += 1
         try:
             repo.store.get(oid)
@@ -119,7 +119,7 @@ def _commits_broken_by_records(repo: Repository, report: FsckReport) -> None:
     with repo.db.read() as tx:
         needing = liveness.commits_with_tensors(tx, tensors) if tensors else []
     commits = [what.split()[1] for what in report.damaged_records if what.startswith("commit ")]
-    for cid in sorted(set(needing) | set(commits)):
+    for cid in sorted(set(needing) | set(commits), key=str):
         report.broken_commits.setdefault(cid, [])
 
 

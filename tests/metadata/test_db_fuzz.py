@@ -1,0 +1,136 @@
+"""Random byte and page damage to the metadata database: a clear error or a bit-exact restore, never a wrong tensor.
+
+One small repository (a short training run: a residual chain, a branch, a tag) is made once; each
+trial copies it, damages its ckpt.db and then opens it, checks out every commit and HEAD, and
+runs fsck. Every outcome must be a ckptstore error (CkptError) or a restore equal to the original
+bit for bit; fsck must return a report or a CkptError, never crash.
+
+    60 trials by default; CKPT_HYPOTHESIS_PROFILE=long (or CKPT_DB_FUZZ_TRIALS=N) runs more:
+    CKPT_DB_FUZZ_TRIALS=1000 python -m pytest -q -s tests/metadata/test_db_fuzz.py
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sqlite3
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckptstore import Repository
+from ckptstore.errors import CkptError
+from ckptstore.repo import fsck
+from tests.conftest import HYPOTHESIS_PROFILE_ENV, Trainer, assert_same
+
+PAGE = 4096
+TRIALS = int(os.environ.get("CKPT_DB_FUZZ_TRIALS") or (1000 if os.environ.get(HYPOTHESIS_PROFILE_ENV) == "long"
+                                                      else 60))
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    """A repository with a few commits, its database checkpointed into one file; expected states by ref."""
+    root = tmp_path_factory.mktemp("fuzz-template")
+    trainer, expected = Trainer(), {}
+    with Repository.init(root) as repo:
+        for i in range(3):
+            trainer.train(2)
+            expected[repo.commit(trainer.state(), message=f"c{i}", step=trainer.step)] = trainer.state()
+        repo.tag("first", next(iter(expected)))
+        repo.branch("side", "HEAD~1")
+        trainer.train(1)
+        state = trainer.state()
+        state["model"]["fc2.bias"] = state["model"]["fc2.bias"] + 1
+        expected[repo.commit(state, branch="side", message="side")] = state
+        expected["HEAD"] = expected[repo.resolve("HEAD")]
+        expected["first"] = expected[repo.resolve("first")]
+        expected = {ref: repo.checkout(ref) for ref in expected}  # as restored: what must come back
+        db_path = repo.db.path
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    assert not Path(f"{db_path}-wal").exists() or Path(f"{db_path}-wal").stat().st_size == 0
+    return root, expected
+
+
+def _damage(db: Path, kind: str, rng: random.Random) -> None:
+    """Flip a few bytes, or overwrite one page with noise or zeros."""
+    data = bytearray(db.read_bytes())
+    if kind == "bytes":
+        for _ in range(rng.randint(1, 8)):
+            data[rng.randrange(len(data))] ^= rng.randint(1, 255)
+    else:
+        start = rng.randrange(len(data) // PAGE) * PAGE
+        fill = bytes(PAGE) if kind == "zero page" else rng.randbytes(PAGE)
+        data[start : start + PAGE] = fill
+    db.write_bytes(bytes(data))
+
+
+def _same(a, b) -> bool:
+    try:
+        assert_same(a, b)
+    except AssertionError:
+        return False
+    return True
+
+
+def _attempt(counts: Counter, action, check=None) -> None:
+    """Run one operation and count its outcome: clear error, correct, wrong, or raw (any other exception)."""
+    try:
+        result = action()
+    except CkptError:
+        counts["clear error"] += 1
+        return
+    except Exception as exc:  # noqa: BLE001 - the outcome this test exists to catch
+        counts["raw"] += 1
+        counts[f"raw {type(exc).__name__}: {str(exc)[:80]}"] += 1
+        return
+    if check is None or check(result):
+        counts["correct"] += 1
+    else:
+        counts["wrong"] += 1
+
+
+def _trial(template, kind: str, seed: int, counts: Counter) -> None:
+    root, expected = template
+    with tempfile.TemporaryDirectory(dir=root.parent) as scratch:
+        copy = Path(scratch)
+        shutil.copytree(root / ".ckpt", copy / ".ckpt")
+        _damage(copy / ".ckpt" / "ckpt.db", kind, random.Random(seed))
+        try:
+            repo = Repository.open(copy)
+        except CkptError:
+            counts["clear error"] += 1
+            return
+        except Exception as exc:  # noqa: BLE001
+            counts["raw"] += 1
+            counts[f"raw on open {type(exc).__name__}: {str(exc)[:80]}"] += 1
+            return
+        with repo:
+            for ref, state in expected.items():
+                _attempt(counts, lambda ref=ref: repo.checkout(ref), lambda got, state=state: _same(got, state))
+            _attempt(counts, lambda: fsck(repo))
+
+
+def test_damaged_database_never_restores_a_wrong_tensor(template):
+    counts: Counter = Counter()
+
+    @settings(max_examples=TRIALS, deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(kind=st.sampled_from(["bytes", "page", "zero page"]), seed=st.integers(0, 2**32 - 1))
+    def trial(kind: str, seed: int) -> None:
+        counts["trials"] += 1
+        before = counts["wrong"] + counts["raw"]
+        _trial(template, kind, seed, counts)
+        assert counts["wrong"] + counts["raw"] == before, (kind, seed, counts)
+
+    torch.set_num_threads(1)
+    trial()
+    print(f"\ndatabase fuzz: {dict(sorted(counts.items()))}")
+    assert counts["trials"] >= TRIALS and counts["wrong"] == 0 and counts["raw"] == 0
