@@ -249,18 +249,16 @@ def chain_problem(record: TensorRecord, records: Mapping[TensorId, TensorRecord]
     current: TensorRecord | None = record
     while current is not None and current.id not in seen:
         seen.add(current.id)
-        problem = _record_problem(current)
+        problem, base = _record_problem(current), None
         if problem is None and current.base_id is not None:
             base = records.get(current.base_id)
             if base is None:
                 problem = f"its base tensor {current.base_id} has no record"
             elif base.depth != current.depth - 1:
                 problem = f"its base tensor {base.id} is at depth {base.depth}, not {current.depth - 1}"
-            current = base
-        else:
-            current = None
         if problem is not None:
-            return problem if len(seen) == 1 else f"tensor {list(seen)[-1]} down its chain: {problem}"
+            return problem if current is record else f"tensor {current.id} down its chain: {problem}"
+        current = base
     return None
 
 
@@ -277,10 +275,17 @@ def _record_problem(record: TensorRecord) -> str | None:
             return f"a chunk record has a size or offset that is not a count ({sizes!r})"
         if not isinstance(chunk.object_id, str) or not is_hex_id(chunk.object_id):
             return f"a chunk record names {chunk.object_id!r}, which is not an object id"
+        if chunk.checksum is not None and not _is_checksum(chunk.checksum):
+            return f"a chunk record's checksum {chunk.checksum!r} is not one"
         covered += chunk.raw_bytes
     if covered != record.raw_bytes:
         return f"its {len(record.chunks)} chunk records cover {covered} of its {record.raw_bytes} bytes"
     return None
+
+
+def _is_checksum(text: object) -> bool:
+    """True for what hashing.chunk_checksum returns: 32 lowercase hex digits."""
+    return isinstance(text, str) and len(text) == 32 and all(c in "0123456789abcdef" for c in text)
 
 
 def run_here_and_on(pool: Executor, jobs: list[tuple[Future, Callable[[], object]]]) -> None:

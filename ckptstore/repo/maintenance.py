@@ -136,11 +136,12 @@ def _replay_all(repo: Repository, manifests: list, report: FsckReport) -> None:
             report.tensors_verified += len(manifest.entries)
         except CorruptObjectError as exc:
             report.broken_commits.setdefault(cid, [])
-            for oid in exc.object_ids:
-                report.broken_commits[cid].append(oid)
-                report.damaged_objects.setdefault(oid, exc.problem)
-            if not exc.object_ids:
-                report.damaged_records.setdefault(f"commit {cid}", exc.problem)
+            if not set(exc.object_ids) - set(report.damaged_objects):
+                for oid in exc.object_ids:
+                    report.broken_commits[cid].append(oid)
+            else:  # its objects hashed sound above: what decodes wrong is the record (codec, params, checksum)
+                report.damaged_records.setdefault(f"commit {cid}", f"a tensor's objects are sound but {exc.problem}; "
+                                                                    "its record is damaged")
         except CkptError as exc:
             report.broken_commits.setdefault(cid, [])
             report.damaged_records.setdefault(f"commit {cid}", str(exc))

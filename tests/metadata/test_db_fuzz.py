@@ -2,8 +2,9 @@
 
 One small repository (a short training run: a residual chain, a branch, a tag) is made once; each
 trial copies it, damages its ckpt.db and then opens it, checks out every commit and HEAD, and
-runs fsck. Every outcome must be a ckptstore error (CkptError) or a restore equal to the original
-bit for bit; fsck must return a report or a CkptError, never crash.
+runs fsck and fsck --full. Every outcome must be a ckptstore error (CkptError) or a restore equal
+to the original bit for bit; fsck must return a report or a CkptError, never crash, and fsck --full
+must not say ok where a restore failed.
 
     60 trials by default; CKPT_HYPOTHESIS_PROFILE=long (or CKPT_DB_FUZZ_TRIALS=N) runs more:
     CKPT_DB_FUZZ_TRIALS=1000 python -m pytest -q -s tests/metadata/test_db_fuzz.py
@@ -30,6 +31,7 @@ from ckptstore.repo import fsck
 from tests.conftest import HYPOTHESIS_PROFILE_ENV, Trainer, assert_same
 
 PAGE = 4096
+KINDS = ["bytes", "noise page", "zero page", "copied page"]
 TRIALS = int(os.environ.get("CKPT_DB_FUZZ_TRIALS") or (1000 if os.environ.get(HYPOTHESIS_PROFILE_ENV) == "long"
                                                       else 60))
 
@@ -60,14 +62,16 @@ def template(tmp_path_factory):
 
 
 def _damage(db: Path, kind: str, rng: random.Random) -> None:
-    """Flip a few bytes, or overwrite one page with noise or zeros."""
+    """Flip a few bytes, or overwrite one page with noise, zeros or another page (a misdirected write)."""
     data = bytearray(db.read_bytes())
     if kind == "bytes":
         for _ in range(rng.randint(1, 8)):
             data[rng.randrange(len(data))] ^= rng.randint(1, 255)
     else:
-        start = rng.randrange(len(data) // PAGE) * PAGE
-        fill = bytes(PAGE) if kind == "zero page" else rng.randbytes(PAGE)
+        pages = len(data) // PAGE
+        start, other = rng.randrange(pages) * PAGE, rng.randrange(pages) * PAGE
+        fill = {"zero page": bytes(PAGE), "noise page": rng.randbytes(PAGE),
+                "copied page": bytes(data[other : other + PAGE])}[kind]
         data[start : start + PAGE] = fill
     db.write_bytes(bytes(data))
 
@@ -113,9 +117,14 @@ def _trial(template, kind: str, seed: int, counts: Counter) -> None:
             counts[f"raw on open {type(exc).__name__}: {str(exc)[:80]}"] += 1
             return
         with repo:
+            failed = counts["clear error"]
             for ref, state in expected.items():
                 _attempt(counts, lambda ref=ref: repo.checkout(ref), lambda got, state=state: _same(got, state))
-            _attempt(counts, lambda: fsck(repo))
+            failed = counts["clear error"] > failed
+            # fsck names what is broken: a report that is not ok (or a clear error) wherever a restore failed
+            # (--full: a damaged chunk checksum shows only when the chunk is decoded)
+            _attempt(counts, lambda: fsck(repo), lambda report: True)
+            _attempt(counts, lambda: fsck(repo, full=True), lambda report: not (failed and report.ok))
 
 
 def test_damaged_database_never_restores_a_wrong_tensor(template):
@@ -123,7 +132,7 @@ def test_damaged_database_never_restores_a_wrong_tensor(template):
 
     @settings(max_examples=TRIALS, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-    @given(kind=st.sampled_from(["bytes", "page", "zero page"]), seed=st.integers(0, 2**32 - 1))
+    @given(kind=st.sampled_from(KINDS), seed=st.integers(0, 2**32 - 1))
     def trial(kind: str, seed: int) -> None:
         counts["trials"] += 1
         before = counts["wrong"] + counts["raw"]
