@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 from ckptstore.errors import CkptError, CorruptObjectError
 from ckptstore.metadata import liveness
-from ckptstore.repo import integrity
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
@@ -49,6 +48,8 @@ def gc(repo: Repository, prune_unreachable: bool = False) -> GcReport:
     records that say what the remaining commits need are damaged: what they lost track of may
     be the only copy.
     """
+    from ckptstore.repo import integrity  # numpy and the replay layer: not for every CLI start
+
     report = GcReport()
     with repo.lock(exclusive=True, wait=False):
         with repo.db.write() as tx:
@@ -90,6 +91,8 @@ def fsck(repo: Repository, full: bool = False) -> FsckReport:
     `full`, also replay every tensor of every commit and check it against its chunk checksums and
     its tensor id.
     """
+    from ckptstore.repo import integrity
+
     report = FsckReport()
     with repo.db.read() as tx:
         findings = integrity.check_metadata(tx, repo.store)
