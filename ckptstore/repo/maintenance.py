@@ -139,7 +139,7 @@ def _replay_all(repo: Repository, manifests: list, report: FsckReport) -> None:
             report.tensors_verified += len(manifest.entries)
         except CorruptObjectError as exc:
             report.broken_commits.setdefault(cid, [])
-            if not set(exc.object_ids) - set(report.damaged_objects):
+            if exc.object_ids and not set(exc.object_ids) - set(report.damaged_objects):
                 for oid in exc.object_ids:
                     report.broken_commits[cid].append(oid)
             else:  # its objects hashed sound above: what decodes wrong is the record (codec, params, checksum)

@@ -164,6 +164,18 @@ def test_a_commit_written_before_the_lossy_column_still_verifies(tmp_path):
         assert repo.commit_info("main").step == 7 and repo.manifest(cid).entries == {}
 
 
+def test_a_damaged_checksum_row_is_a_damaged_record_not_a_damaged_object(repo, tmp_path):
+    _checkpoint(tmp_path / "c.pt")
+    cid = repo.commit(tmp_path / "c.pt")
+    _sql(repo, f"UPDATE tensor_chunks SET checksum = '{'0' * 32}'")
+    with pytest.raises(CkptError, match="checksum"):
+        repo.checkout(cid)
+    report = fsck(repo, full=True)
+    assert not report.ok and report.damaged_objects == {} and f"commit {cid}" in report.damaged_records
+    _sql(repo, "UPDATE tensor_chunks SET checksum = 'not hex'")
+    assert any("checksum" in problem for problem in fsck(repo).damaged_records.values())
+
+
 def test_the_cli_names_the_tensor_and_fails(tmp_path):
     _checkpoint(tmp_path / "c.pt")
     with Repository.init(tmp_path) as repo:
