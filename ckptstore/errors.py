@@ -164,7 +164,7 @@ class CorruptRecordError(CkptError):
         self.problem = problem
         self.commits = list(commits or [])
         self.tensors = list(tensors)
-        needed = f"; needed by commits {', '.join(c[:12] for c in self.commits)}" if self.commits else ""
+        needed = f"; needed by commits {', '.join(str(c)[:12] for c in self.commits)}" if self.commits else ""
         super().__init__(f"the metadata of {what} is damaged: {problem}{needed}. Nothing was restored from it; "
                          "run `ckpt fsck` to list all damage")
 

@@ -113,7 +113,8 @@ def check_metadata(tx: Tx, store: ObjectStore) -> Findings:
         for path, entry in sorted(by_path.items(), key=_by_key):
             problem = _fields_problem(entry, records[entry.tensor]) if entry.tensor in records else None
             if problem is not None:
-                found.problems.setdefault(f"tensor {entry.tensor}", f"{problem} (at {path!r} in commit {cid[:12]})")
+                where = f"at {path!r} in commit {str(cid)[:12]}"
+                found.problems.setdefault(f"tensor {entry.tensor}", f"{problem} ({where})")
     return found
 
 

@@ -111,6 +111,7 @@ def _trial(template, kind: str, seed: int, counts: Counter) -> None:
             repo = Repository.open(copy)
         except CkptError:
             counts["clear error"] += 1
+            counts["trials refused at open"] += 1
             return
         except Exception as exc:  # noqa: BLE001
             counts["raw"] += 1
@@ -121,6 +122,7 @@ def _trial(template, kind: str, seed: int, counts: Counter) -> None:
             for ref, state in expected.items():
                 _attempt(counts, lambda ref=ref: repo.checkout(ref), lambda got, state=state: _same(got, state))
             failed = counts["clear error"] > failed
+            counts["trials with a restore refused" if failed else "trials restoring every ref bit-exact"] += 1
             # fsck names what is broken: a report that is not ok (or a clear error) wherever a restore failed
             # (--full: a damaged chunk checksum shows only when the chunk is decoded)
             _attempt(counts, lambda: fsck(repo), lambda report: True)
