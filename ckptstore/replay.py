@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
@@ -18,7 +19,7 @@ import numpy as np
 from ckptstore import threadlocal
 from ckptstore.codecs import capabilities, get_codec
 from ckptstore.errors import CodecError, CorruptObjectError, CorruptRecordError
-from ckptstore.hashing import ObjectId, TensorId, chunk_checksum, is_hex_id, tensor_id
+from ckptstore.hashing import HEX_LENGTH, ObjectId, TensorId, chunk_checksum, tensor_id
 from ckptstore.objectstore.base import ObjectStore, RangeReader, read_whole
 from ckptstore.objectstore.pack import PackReader
 from ckptstore.records import Chunk, TensorRecord
@@ -169,6 +170,9 @@ def _same_coding(a: TensorRecord, b: TensorRecord) -> bool:
     return _coding_params(a.params, decoding) == _coding_params(b.params, decoding)
 
 
+_OBJECT_ID = re.compile(f"[0-9a-f]{{{HEX_LENGTH}}}")  # what hashing.object_id returns
+_CHECKSUM = re.compile("[0-9a-f]{32}")  # what hashing.chunk_checksum returns
+
 BOOKKEEPING = ("source", "rel_error", "level", "residual_misses", "residual_wait", "plane_modes")
 
 
@@ -264,28 +268,23 @@ def chain_problem(record: TensorRecord, records: Mapping[TensorId, TensorRecord]
 
 def _record_problem(record: TensorRecord) -> str | None:
     """Why one record's own fields and chunks do not add up, or None."""
-    if not all(isinstance(n, int) and n >= 0 for n in (record.raw_bytes, record.depth)):
+    if not (type(record.raw_bytes) is type(record.depth) is int and record.raw_bytes >= 0 and record.depth >= 0):
         return f"its size {record.raw_bytes!r} or depth {record.depth!r} is not a count"
     if (record.base_id is None) != (record.depth == 0):
         return f"it is at depth {record.depth} with {'no base' if record.base_id is None else 'a base'}"
     covered = 0
     for chunk in record.chunks:
-        sizes = (chunk.raw_bytes, chunk.offset) + ((chunk.length,) if chunk.length is not None else ())
-        if not all(isinstance(n, int) and n >= 0 for n in sizes):
+        sizes = (chunk.raw_bytes, chunk.offset, 0 if chunk.length is None else chunk.length)
+        if not (type(sizes[0]) is type(sizes[1]) is type(sizes[2]) is int and min(sizes) >= 0):
             return f"a chunk record has a size or offset that is not a count ({sizes!r})"
-        if not isinstance(chunk.object_id, str) or not is_hex_id(chunk.object_id):
+        if not isinstance(chunk.object_id, str) or not _OBJECT_ID.fullmatch(chunk.object_id):
             return f"a chunk record names {chunk.object_id!r}, which is not an object id"
-        if chunk.checksum is not None and not _is_checksum(chunk.checksum):
+        if chunk.checksum is not None and not (isinstance(chunk.checksum, str) and _CHECKSUM.fullmatch(chunk.checksum)):
             return f"a chunk record's checksum {chunk.checksum!r} is not one"
         covered += chunk.raw_bytes
     if covered != record.raw_bytes:
         return f"its {len(record.chunks)} chunk records cover {covered} of its {record.raw_bytes} bytes"
     return None
-
-
-def _is_checksum(text: object) -> bool:
-    """True for what hashing.chunk_checksum returns: 32 lowercase hex digits."""
-    return isinstance(text, str) and len(text) == 32 and all(c in "0123456789abcdef" for c in text)
 
 
 def run_here_and_on(pool: Executor, jobs: list[tuple[Future, Callable[[], object]]]) -> None:

@@ -7,6 +7,7 @@ records that say what is needed are damaged).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -50,12 +51,18 @@ def _fields_problem(entry: Entry, record: TensorRecord) -> str | None:
         return (f"its record is a {record.dtype} {list(record.shape)}, the manifest says {entry.dtype} "
                 f"{list(entry.shape)}")
     try:
-        expected = RawTensor(entry.dtype, tuple(entry.shape), _NO_DATA).itemsize * math.prod(entry.shape)
+        expected = _itemsize(entry.dtype) * math.prod(entry.shape)
     except CkptError:  # a dtype this torch does not know: the replay will say so
         expected = record.raw_bytes
     if record.raw_bytes != expected:
         return f"its record holds {record.raw_bytes!r} bytes where a {entry.dtype} {list(entry.shape)} has {expected}"
     return None
+
+
+@functools.lru_cache(maxsize=256)
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a stored dtype name (a checkpoint holds a handful)."""
+    return RawTensor(dtype, (), _NO_DATA).itemsize
 
 
 def check_restore(manifest: Manifest, paths: list[str], records: dict[TensorId, TensorRecord]) -> None:
