@@ -87,7 +87,7 @@ class ChainSource:
         levels = []
         current = record
         while True:
-            if index >= len(current.chunks) or len(levels) > record.depth:  # checked before replay; never loop
+            if index >= len(current.chunks) or len(levels) > len(self.records):  # checked before replay; never loop
                 raise CorruptRecordError(f"tensor {record.id}", f"chunk {index} of its chain has no record",
                                          tensors=[record.id])
             payload = self.payload(current.chunks[index], len(levels))
@@ -245,21 +245,23 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
 def chain_problem(record: TensorRecord, records: Mapping[TensorId, TensorRecord]) -> str | None:
     """Why `record` or a record down its chain cannot be replayed exactly, or None when every byte is accounted for.
 
-    Each record's chunks must cover its bytes exactly, and each base must be recorded, one level
-    shallower (so a chain always ends). Replaying over records that fail this would hand out
-    whatever memory the buffer held where a chunk is missing.
+    Each record's chunks must cover its bytes exactly, and each base must be recorded, the chain
+    ending without looping. Replaying over records that fail this would hand out whatever memory
+    the buffer held where a chunk is missing. (A base's depth need not be one less: a tensor
+    recorded earlier keeps its first record, while a residual against it counted the depth of
+    the record this commit would have written.)
     """
     seen: set[TensorId] = set()
     current: TensorRecord | None = record
-    while current is not None and current.id not in seen:
+    while current is not None:
         seen.add(current.id)
         problem, base = _record_problem(current), None
         if problem is None and current.base_id is not None:
             base = records.get(current.base_id)
             if base is None:
                 problem = f"its base tensor {current.base_id} has no record"
-            elif base.depth != current.depth - 1:
-                problem = f"its base tensor {base.id} is at depth {base.depth}, not {current.depth - 1}"
+            elif base.id in seen:
+                problem = f"its chain loops back to tensor {base.id}"
         if problem is not None:
             return problem if current is record else f"tensor {current.id} down its chain: {problem}"
         current = base

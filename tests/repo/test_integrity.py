@@ -208,3 +208,21 @@ def test_a_truncated_object_left_by_a_crash_is_rewritten_by_the_next_commit(tmp_
         cid = repo.commit(tmp_path / "c.pt")
         assert_same(state, repo.checkout(cid))
         assert fsck(repo, full=True).ok
+
+
+def test_chain_checks_accept_a_base_recorded_at_another_depth_and_refuse_loops_and_gaps():
+    """A tensor recorded earlier keeps its first record, so a residual's base may sit at any depth."""
+    from ckptstore.records import Chunk, TensorRecord
+    from ckptstore.replay import chain_problem
+
+    def record(tid, base, depth, chunks=((4, "a"), (4, "b"))):
+        return TensorRecord(tid, "torch.float32", (2,), "bytegroup", {}, base, depth, 8, 8,
+                            [Chunk(oid * 64, size, 0, None, "0" * 32) for size, oid in chunks])
+
+    base, top = record("b" * 64, None, 0), record("t" * 64, "b" * 64, 2)
+    assert chain_problem(top, {base.id: base, top.id: top}) is None
+    assert "has no record" in chain_problem(top, {top.id: top})
+    loop = record("b" * 64, "t" * 64, 1)
+    assert "loops" in chain_problem(top, {loop.id: loop, top.id: top})
+    short = record("b" * 64, None, 0, chunks=((4, "a"),))
+    assert "cover 4 of its 8 bytes" in chain_problem(top, {short.id: short, top.id: top})
