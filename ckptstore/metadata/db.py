@@ -196,9 +196,14 @@ class Database:
     def revision(self) -> str | None:
         """The schema revision the database is at, or None for an empty database."""
         with self.read() as tx:
-            if not tx.first("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'alembic_version'"):
-                return None
-            return tx.scalar("SELECT version_num FROM alembic_version")
+            found = None
+            if tx.first("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'alembic_version'"):
+                found = tx.scalar("SELECT version_num FROM alembic_version")
+            if found is None and tx.first("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'commits'"):
+                # tables without a revision: damage, not an empty database to create the schema in
+                raise CorruptDatabaseError(f"the metadata database {self.path} is damaged: it has tables but no "
+                                           "schema revision. Restore .ckpt/ckpt.db from a backup")
+            return found
 
     def check_schema(self) -> None:
         """Bring an empty or older database to HEAD_REVISION; refuse one a newer ckptstore wrote."""
@@ -267,7 +272,9 @@ def connect_sqlite(path: Path, read_only: bool = False) -> sqlite3.Connection:
     return connection
 
 
-_DAMAGE_WORDS = ("malformed", "not a database", "could not decode", "disk i/o error", "corrupt")
+# "no such column/table": the schema was checked on open, so a table or column it lacks now is damage
+_DAMAGE_WORDS = ("malformed", "not a database", "could not decode", "disk i/o error", "corrupt", "no such column",
+                 "no such table")
 
 
 def is_damage(exc: BaseException) -> bool:
