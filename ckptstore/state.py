@@ -139,6 +139,8 @@ def raw_from_torch(tensor, path: str = "") -> RawTensor:
     if tensor.device.type == "meta":
         raise UnsupportedStateError(f"{where}: a tensor on the meta device has no data to store")
     flat = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:  # one element counts as contiguous at any stride
+        flat = flat.as_strided((1,), (1,))
     data = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, dtype=np.uint8)
     return RawTensor(f"torch.{str(tensor.dtype).removeprefix('torch.')}", tuple(tensor.shape), data)
 

@@ -234,6 +234,13 @@ def test_conjugate_and_negative_views_are_stored_resolved():
     assert torch.equal(back["neg"], x.conj().imag.resolve_neg())
 
 
+def test_a_one_element_view_at_any_stride_round_trips():
+    base = torch.arange(6, dtype=torch.float32)
+    state = {"stepped": base[::4][1:], "column": base.reshape(3, 2)[1:2, 1:]}
+    back = _round_trip(state)
+    assert torch.equal(back["stepped"], torch.tensor([4.0])) and torch.equal(back["column"], torch.tensor([[3.0]]))
+
+
 def test_meta_and_quantized_tensors_are_refused_clearly():
     with pytest.raises(UnsupportedStateError, match="m/w: a tensor on the meta device has no data"):
         flatten({"m": {"w": torch.empty(3, device="meta")}})
