@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptstore import formats
+from ckptstore import faults, formats
 from ckptstore.errors import CheckpointFormatError, CkptError, ConflictError, NothingToCommitError
 from ckptstore.formats.folder import folder_files
 from ckptstore.hashing import CommitId, ObjectId, TensorId, file_digest, tensor_id
@@ -113,6 +113,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
                                              progress.advance)
             finally:
                 progress.finish()
+        faults.point("commit:objects-written")
         entries.update({path: record.id for path, record in encoded.items() if path in checkpoint.tensors})
         manifest = Manifest(checkpoint.kind, checkpoint.files, {
             p: Entry(entries[p], raw.dtype, raw.shape) for p, raw in checkpoint.tensors.items()
@@ -123,6 +124,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         manifest_bytes = manifest.to_bytes()
         manifest_oid = repo.store.put(manifest_bytes)
         sizes[manifest_oid] = len(manifest_bytes)
+        faults.point("commit:manifest-written")
         new_records = list({r.id: r for r in encoded.values()}.values())
         stored = sum(r.stored_bytes for r in new_records) + len(manifest_bytes)
         info = _commit_info(checkpoint, options, manifest_oid, stored, source_path, parent, level)
@@ -131,6 +133,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
             tensor_rows.insert_records(tx, new_records, sizes)
             commit_rows.insert_commit(tx, info, entries.values())
             file_rows.remember(tx, [(d, info.id, f.size) for f in checkpoint.files if (d := digests.get(f.name))])
+        faults.point("commit:ref-moved")
         return info.id
 
 

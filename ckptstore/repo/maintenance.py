@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ckptstore import faults
 from ckptstore.errors import CkptError, CorruptObjectError
 from ckptstore.metadata import liveness
 
@@ -65,11 +66,14 @@ def gc(repo: Repository, prune_unreachable: bool = False) -> GcReport:
             liveness.delete_tensors(tx, dead_tensors)
             report.tensors_removed = len(dead_tensors)
             liveness.forget_objects_except(tx, live_objects)
+        faults.point("gc:db-committed")
         report.temp_files_removed = repo.store.clear_tmp()
+        faults.point("gc:tmp-cleared")
         for oid in list(repo.store.iter_ids()):
             if oid not in live_objects and oid not in findings.unreadable_manifests:
                 report.bytes_removed += repo.store.size(oid)
                 repo.store.delete(oid)
+                faults.point("gc:object-deleted")
                 report.objects_removed += 1
     return report
 
