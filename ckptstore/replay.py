@@ -18,10 +18,11 @@ import numpy as np
 
 from ckptstore import threadlocal
 from ckptstore.codecs import capabilities, get_codec
+from ckptstore.codecs.checked import MALFORMED
 from ckptstore.errors import CodecError, CorruptObjectError, CorruptRecordError
 from ckptstore.hashing import HEX_LENGTH, ObjectId, TensorId, chunk_checksum, tensor_id
 from ckptstore.objectstore.base import ObjectStore, RangeReader, read_whole
-from ckptstore.objectstore.pack import PackReader
+from ckptstore.objectstore.pack import PackReader, check_range
 from ckptstore.records import Chunk, TensorRecord
 
 
@@ -55,6 +56,7 @@ class ChainSource:
         """
         if chunk.length is None:
             return read_whole(self.store, chunk.object_id, self.verify_objects)
+        check_range(chunk.object_id, chunk.offset, chunk.length)  # before a buffer of that length is taken
         into = threadlocal.scratch("payload", slot, chunk.length) if self.packs.ranges is not None else None
         return self.packs.read(chunk.object_id, chunk.offset, chunk.length, into)
 
@@ -213,6 +215,7 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
     chunk_futures: dict[TensorId, list[Future]] = {}
     futures, jobs = [], []
     for record in _bases_first(records):
+        _check_sizes(record)
         buffer = outputs[record.id] = np.empty(record.raw_bytes, dtype=np.uint8)
         base = records.get(record.base_id) if record.base_id else None
         shared = base is not None and [c.raw_bytes for c in base.chunks] == [c.raw_bytes for c in record.chunks]
@@ -228,7 +231,7 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
     for record, size, future in futures:
         try:
             future.result()
-        except (CodecError, CorruptObjectError, CorruptRecordError, ValueError, KeyError, TypeError, IndexError) as exc:
+        except (*MALFORMED, TypeError) as exc:  # damage in the chain or its records: a ckptstore error, never a crash
             raise source.diagnose(record, exc) from None
         if on_chunk:
             on_chunk(size)
@@ -333,6 +336,18 @@ def object_ids_of(record: TensorRecord) -> list[ObjectId]:
     return list(dict.fromkeys(c.object_id for c in record.chunks))
 
 
+def _check_sizes(record: TensorRecord) -> None:
+    """Refuse a record whose chunk sizes do not add up to its size, before its buffer is allocated."""
+    sizes = [c.raw_bytes for c in record.chunks]
+    if any(n < 0 for n in sizes) or sum(sizes) != record.raw_bytes:
+        raise CorruptRecordError(f"tensor {record.id}", f"its chunk sizes do not add up to its {record.raw_bytes} "
+                                 "bytes", tensors=[record.id])
+
+
+def _base_cycle(record: TensorRecord) -> CorruptRecordError:
+    return CorruptRecordError(f"tensor {record.id}", "its chain of bases loops back on itself", tensors=[record.id])
+
+
 def _bases_first(records: Mapping[TensorId, TensorRecord]) -> list[TensorRecord]:
     """The records ordered so that one whose base is also among them comes after that base.
 
@@ -343,6 +358,8 @@ def _bases_first(records: Mapping[TensorId, TensorRecord]) -> list[TensorRecord]
         depth = 0
         while record.base_id in records:
             record, depth = records[record.base_id], depth + 1
+            if depth > len(records):  # damaged records whose bases loop: refuse instead of walking forever
+                raise _base_cycle(record)
         return depth
 
     return sorted(records.values(), key=local_depth)

@@ -13,12 +13,25 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from ckptstore import faults
 from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import ObjectId
 from ckptstore.objectstore.base import ObjectStore, RangeReader, read_whole
 
 PACK_BELOW = 1 << 20
 PACK_BYTES = 32 << 20
+# Bounds on what a chunk record may ask of a pack. Packed payloads are under PACK_BELOW, so a
+# longer range is damage, refused before a buffer that size is allocated; offsets stay far below
+# what the OS's pread takes.
+MAX_PACKED_LENGTH = PACK_BYTES
+MAX_PACK_END = 1 << 40
+
+
+def check_range(oid: ObjectId, offset: int, length: int) -> None:
+    """CorruptObjectError for a range no pack can hold (negative, too long, too far), before anything is allocated."""
+    if not (0 <= offset and 0 <= length <= MAX_PACKED_LENGTH and offset + length <= MAX_PACK_END):
+        raise CorruptObjectError(oid, f"named as holding bytes {offset}..{offset + length} of a pack, which no pack "
+                                      "holds (the chunk record is damaged)")
 
 
 @dataclass
@@ -57,6 +70,7 @@ class PackWriter:
         """Write the pending payloads as one pack (nothing when none are pending)."""
         if self._payloads:
             oid = self.store.put(b"".join(self._payloads))
+            faults.point("pack-written")
             for slot in self._slots:
                 slot.object_id = oid
         self._payloads, self._slots, self._filled = [], [], 0
@@ -81,7 +95,12 @@ class PackReader:
         self._lock = threading.Lock()
 
     def read(self, oid: ObjectId, offset: int, length: int, into: Any = None) -> bytes | memoryview:
-        """Bytes [offset, offset + length) of pack `oid` (into `into` when reading a range alone)."""
+        """Bytes [offset, offset + length) of pack `oid` (into `into` when reading a range alone).
+
+        A range no pack can hold (negative, too long, past the pack's end) is a CorruptObjectError:
+        the chunk record naming it is damaged.
+        """
+        check_range(oid, offset, length)
         if self.ranges is not None:
             return self.ranges.read(oid, offset, length, into)
         pack = self._pack(oid)

@@ -65,6 +65,8 @@ class Manifest:
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Manifest:
+        """The manifest a stored record describes; TypeError or ValueError for a field of the wrong shape."""
+        _check_record(record)
         files = [CheckpointFile.from_json(f) for f in record["files"]]
         entries = {p: Entry(TensorId(t), d, tuple(s)) for p, (t, d, s) in record["entries"].items()}
         digests = {f["name"]: f["digest"] for f in record["files"] if f.get("digest")}
@@ -87,7 +89,7 @@ class Manifest:
                                        "newer ckptstore; upgrade ckptstore to read this commit")
         try:
             return cls.from_record(record)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptObjectError(oid, f"a manifest missing or mangling a field ({exc!r})") from None
 
     def rewritten_files(self) -> list[str]:
@@ -98,3 +100,39 @@ class Manifest:
         """True when both hold the same files and tensors (what "nothing changed" means)."""
         return (self.kind == other.kind and self.entries == other.entries
                 and [f.to_json() for f in self.files] == [f.to_json() for f in other.files])
+
+
+def _optional_str(value: Any, what: str) -> None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{what} is {value!r}, not a string")
+
+
+def _check_record(record: dict[str, Any]) -> None:
+    """Every field a reader uses has the type it expects, so a mangled manifest is refused, not half-read.
+
+    Checked here once rather than where each field is used: a wrong type (a shape holding None, a
+    file that is a number) would otherwise surface far away as a crash or a wrong tensor.
+    """
+    if not isinstance(record.get("kind"), str):
+        raise TypeError(f"kind is {record.get('kind')!r}")
+    for key in ("lossy", "pairing", "importance"):
+        _optional_str(record.get(key), key)
+    files, entries = record["files"], record["entries"]
+    if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
+        raise TypeError("files is not a list of records")
+    for f in files:
+        for key in ("name", "format"):
+            if not isinstance(f[key], str):
+                raise TypeError(f"file {key} is {f[key]!r}")
+        _optional_str(f.get("digest"), "file digest")
+        _optional_str(f.get("opaque_reason"), "file opaque_reason")
+        if type(f.get("size", 0)) is not int or f.get("size", 0) < 0:
+            raise ValueError(f"file size is {f.get('size')!r}")
+    if not isinstance(entries, dict):
+        raise TypeError("entries is not a mapping")
+    for path, entry in entries.items():
+        tensor, dtype, shape = entry
+        if not (isinstance(tensor, str) and isinstance(dtype, str) and isinstance(shape, list)):
+            raise TypeError(f"entry {path!r} is {entry!r}")
+        if not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError(f"entry {path!r} has shape {shape!r}")
