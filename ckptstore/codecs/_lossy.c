@@ -26,6 +26,13 @@ static void fill_escape_tables(void)
     }
 }
 
+/* code + low in T's arithmetic, wrapping for integers as numpy's add does: a damaged `low` near the
+ * type's limit must not overflow a signed int (undefined behaviour; found by scripts/fuzz_asan.sh). */
+static inline int32_t add_i32(int32_t code, int32_t low) { return (int32_t)((uint32_t)code + (uint32_t)low); }
+static inline int64_t add_i64(int64_t code, int64_t low) { return (int64_t)((uint64_t)code + (uint64_t)low); }
+static inline float add_f32(float code, float low) { return code + low; }
+static inline double add_f64(double code, double low) { return code + low; }
+
 /* out[i] = (T)code_i + (T)low, the codes `width` bits each, little-endian within a byte. Positions
  * of the escape code (all ones) go to `positions`, up to `room` of them; returns how many there were.
  * (T)code + (T)low in T's arithmetic is what numpy's cast-then-add computes, to the bit. */
@@ -38,10 +45,10 @@ static void fill_escape_tables(void)
         for (Py_ssize_t j = 0; j < whole; j++) { /* PER is a constant: unrolled, vectorized */       \
             unsigned byte = raw[j];                                                                 \
             for (int k = 0; k < PER; k++)                                                           \
-                out[j * PER + k] = (T)((byte >> (k * (WIDTH))) & MASK) + low;                       \
+                out[j * PER + k] = add_##T((T)((byte >> (k * (WIDTH))) & MASK), low);               \
         }                                                                                           \
         for (Py_ssize_t i = whole * PER; i < count; i++)                                            \
-            out[i] = (T)((raw[whole] >> ((i - whole * PER) * (WIDTH))) & MASK) + low;                \
+            out[i] = add_##T((T)((raw[whole] >> ((i - whole * PER) * (WIDTH))) & MASK), low);        \
         for (Py_ssize_t j = 0; j < (count + PER - 1) / PER; j++) { /* skim: most bytes hold none */  \
             unsigned byte = raw[j];                                                                 \
             if (!HOLDS_ESCAPE[(WIDTH) == 8 ? 3 : (WIDTH) / 2][byte])                                \
