@@ -1,0 +1,191 @@
+"""Crash points: `ckpt commit`, `checkout`, `gc` and `gc --prune` killed with SIGKILL lose nothing.
+
+Each trial copies a prepared repository (two commits on main, one unreachable commit, one
+orphan object), runs one command and kills it, either after a random delay within the
+command's measured run time or at a named durable step (ckptstore/faults.py, CKPT_CRASH_AT).
+Then: fsck finds no damage (only unreferenced garbage), every earlier commit still checks out
+bit-exact, the checked-out file is the old or the new checkpoint (never a mix), and the same
+command run again succeeds and leaves the repository clean. "Lost" counts trials where any of
+that failed; it must be 0. Default run: each injected point once and RANDOM_KILLS random kills
+on a small checkpoint; CKPT_HYPOTHESIS_PROFILE=long: 50 random kills per command on about
+32 MB (CKPT_CRASH_TRIALS, CKPT_CRASH_MB override); CKPT_CRASH_REPORT=FILE collects the counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore import Repository
+from ckptstore.errors import CkptError
+from ckptstore.repo import fsck
+from tests.conftest import assert_same
+
+ROOT = Path(__file__).resolve().parents[2]
+LONG = os.environ.get("CKPT_HYPOTHESIS_PROFILE") == "long"
+MEGABYTES = float(os.environ.get("CKPT_CRASH_MB") or (32 if LONG else 2))
+RANDOM_KILLS = int(os.environ.get("CKPT_CRASH_TRIALS") or (50 if LONG else 1))  # per command
+COMMANDS = {"commit": ["commit", "new.pt", "-m", "new", "--allow-empty"], "checkout": ["checkout", "main~1"],
+            "gc": ["gc"], "gc --prune": ["gc", "--prune"]}
+# (command, CKPT_CRASH_AT): every durable step of the commit and gc paths
+INJECTED = [("commit", "pack-written"), ("commit", "commit:objects-written"), ("commit", "commit:manifest-written"),
+            ("commit", "commit:ref-moved"), ("gc", "gc:tmp-cleared"), ("gc", "gc:db-committed"),
+            ("gc", "gc:object-deleted"), ("gc --prune", "gc:db-committed"), ("gc --prune", "gc:object-deleted@2")]
+
+
+def _state(seed: int, base: dict | None = None) -> dict:
+    """A training-like state of about MEGABYTES: big weights, small ones (packed), moments, a step."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(MEGABYTES * (1 << 20) / 4 / 3)
+    if base is not None:  # the next step: a small update, so commits chain as residuals
+        model = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in base["model"].items()}
+    else:
+        model = {"big": torch.randn(n, generator=g), "other": torch.randn(n // 2, 2, generator=g),
+                 **{f"small{i}": torch.randn(200 + i, generator=g) for i in range(8)}}
+    moments = {k: v * 0.1 for k, v in model.items() if k.startswith("big")}
+    return {"model": model, "optimizer": {"state": {0: {"exp_avg": moments["big"], "step": torch.tensor(seed)}},
+                                          "param_groups": [{"params": [0], "lr": 1e-3}]}}
+
+
+def _ckpt(cwd: Path, args: list[str], env: dict | None = None) -> subprocess.Popen:
+    full = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    full.pop("CKPT_REPO", None)
+    return subprocess.Popen([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=full,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _run(cwd: Path, args: list[str], env: dict | None = None) -> tuple[int, str, float]:
+    start = time.perf_counter()
+    proc = _ckpt(cwd, args, env)
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out + err, time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    """The prepared repository, the states of its commits, and each command's run time on a copy."""
+    root = tmp_path_factory.mktemp("crash")
+    work = root / "template"
+    work.mkdir()
+    states = [_state(1)]
+    states += [_state(2, states[0]), _state(3, states[0]), _state(4, states[0])]
+    with Repository.init(work) as repo:
+        cids = []
+        for i in range(2):
+            torch.save(states[i], work / "ckpt.pt")
+            cids.append(repo.commit(work / "ckpt.pt", message=f"c{i}"))
+        torch.save(states[2], work / "ckpt.pt")
+        doomed = repo.commit(work / "ckpt.pt", branch="doomed", message="doomed")
+        repo.delete_branch("doomed")
+        repo.store.put(os.urandom(5000))  # an orphan, as a crashed commit leaves behind
+    torch.save(states[1], work / "ckpt.pt")  # the worktree as main's head left it
+    torch.save(states[3], work / "new.pt")
+    durations = dict.fromkeys(COMMANDS, 1.0)  # the default run's few kills land within a second
+    for name, args in COMMANDS.items() if LONG else ():  # time each phase, so kills spread over all of it
+        copy = root / f"timing-{name.replace(' ', '')}"
+        shutil.copytree(work, copy)
+        rc, out, durations[name] = _run(copy, args)
+        assert rc == 0, out
+        shutil.rmtree(copy)
+    return work, {"c0": (cids[0], states[0]), "c1": (cids[1], states[1]), "doomed": (doomed, states[2]),
+                  "new": (None, states[3])}, durations
+
+
+def _check(trial: Path, command: str, commits: dict) -> list[str]:
+    """What the killed run lost or broke (empty: nothing)."""
+    problems = []
+    with Repository.open(trial) as repo:
+        report = fsck(repo)
+        if not report.ok:
+            problems.append(f"fsck: {report.damaged_objects} {report.missing_records}")
+        for name in ("c0", "c1", "doomed"):
+            cid, state = commits[name]
+            try:
+                assert_same(state, repo.checkout(cid))
+            except CkptError as exc:  # only a pruned unreachable commit may be gone, and then wholly
+                if not (name == "doomed" and command == "gc --prune" and "unknown" in str(exc)):
+                    problems.append(f"{name}: {exc}")
+            except AssertionError as exc:
+                problems.append(f"{name} checks out changed: {exc}")
+    if command == "checkout":  # the file is the old or the new checkpoint, never a mix
+        on_disk = torch.load(trial / "ckpt.pt", weights_only=True)
+        if not any(_same(on_disk, commits[n][1]) for n in ("c0", "c1")):
+            problems.append("ckpt.pt is neither checkpoint")
+    return problems
+
+
+def _same(a, b) -> bool:
+    try:
+        assert_same(a, b)
+    except AssertionError:
+        return False
+    return True
+
+
+def _after_rerun(trial: Path, command: str, commits: dict) -> list[str]:
+    rc, out, _ = _run(trial, COMMANDS[command])
+    if rc != 0:
+        return [f"rerun failed ({rc}): {out.strip()}"]
+    problems = _check(trial, command, commits)
+    with Repository.open(trial) as repo:
+        if command == "commit" and not _same(commits["new"][1], repo.checkout("HEAD")):
+            problems.append("the rerun commit does not check out as committed")
+        if command.startswith("gc") and fsck(repo).unreferenced_objects:
+            problems.append("gc left unreferenced objects")
+    return problems
+
+
+def _trial(template, tmp_path: Path, number: int, command: str, delay: float | None = None,
+           point: str | None = None) -> dict:
+    work, commits, _ = template
+    trial = tmp_path / f"trial{number}"
+    shutil.copytree(work, trial)
+    proc = _ckpt(trial, COMMANDS[command], {"CKPT_CRASH_AT": point} if point else None)
+    if delay is not None:
+        try:
+            proc.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=300)
+    killed = proc.returncode == -signal.SIGKILL
+    problems = _check(trial, command, commits) + _after_rerun(trial, command, commits)
+    shutil.rmtree(trial)
+    return {"command": command, "point": point, "delay": delay, "killed": killed, "problems": problems}
+
+
+def _report(name: str, results: list[dict]) -> None:
+    target = os.environ.get("CKPT_CRASH_REPORT")
+    if target:
+        with Path(target).open("a") as handle:
+            for command in COMMANDS:
+                mine = [r for r in results if r["command"] == command]
+                if mine:
+                    handle.write(json.dumps({"test": name, "command": command, "trials": len(mine),
+                                             "killed": sum(r["killed"] for r in mine),
+                                             "lost": sum(bool(r["problems"]) for r in mine)}) + "\n")
+
+
+def test_kill_at_each_durable_step_loses_nothing(template, tmp_path):
+    results = [_trial(template, tmp_path, i, command, point=point) for i, (command, point) in enumerate(INJECTED)]
+    _report("injected", results)
+    assert all(r["killed"] for r in results), [r["point"] for r in results if not r["killed"]]
+    assert not [r for r in results if r["problems"]]
+
+
+def test_kill_at_random_moments_loses_nothing(template, tmp_path):
+    _, _, durations = template
+    rng = random.Random(int(os.environ.get("CKPT_CRASH_SEED", "21")))
+    results = [_trial(template, tmp_path, i * 10 + k, command, delay=rng.uniform(0.05, 1.1) * durations[command])
+               for i, command in enumerate(COMMANDS) for k in range(RANDOM_KILLS)]
+    _report("random", results)
+    assert not [r for r in results if r["problems"]]
