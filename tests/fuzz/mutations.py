@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 # Inputs per decoder: a bounded number in the default run, 100,000 in the long mode.
 LONG = os.environ.get("CKPT_HYPOTHESIS_PROFILE") == "long"
-EXAMPLES = int(os.environ.get("CKPT_FUZZ_EXAMPLES") or (100_000 if LONG else 40))
+EXAMPLES = int(os.environ.get("CKPT_FUZZ_EXAMPLES") or (100_000 if LONG else 25))
 # A decode slower than this (seconds) counts as a hang; generous, since ASan builds run 3-10x slower.
 HANG_SECONDS = float(os.environ.get("CKPT_FUZZ_HANG_S", "5"))
 # Memory the Python and numpy allocations of one decode may take beyond 32x the output's size.
@@ -40,7 +40,7 @@ def _apply(data: bytes, op: tuple) -> bytes:
     if kind == "append":
         return data + args[0]
     if not size:
-        return data + bytes(args[-1:]) if kind == "insert" else data
+        return args[-1] if kind == "insert" else data
     at = args[0] % size
     if kind == "flip":
         return data[:at] + bytes([data[at] ^ (1 << args[1])]) + data[at + 1 :]
