@@ -64,6 +64,18 @@ NATIVE_KINDS = {"i": "i", "l": "q", "q": "q", "f": "f", "d": "d"}  # numpy's dty
 PACK_KINDS = {"b": "b", "h": "h", "i": "i", "l": "q", "q": "q"}  # the same, for streams being coded
 
 
+def decompress_at_most(frame: bytes | memoryview, limit: int) -> bytes:
+    """A zstd frame's content, of at most `limit` bytes; ValueError before allocating when its header declares more.
+
+    zstd sizes its output by the content size a frame header declares (max_output_size bounds
+    only frames that declare none), so a damaged header could make it allocate gigabytes.
+    """
+    declared = zstandard.frame_content_size(frame)  # -1: not declared
+    if declared > limit:
+        raise ValueError(f"a zstd frame declares {declared} bytes where at most {limit} fit")
+    return threadlocal.decompressor().decompress(frame, max_output_size=max(limit, 1))
+
+
 def _zstd_c() -> zstandard.ZstdCompressor:
     if not hasattr(_local, "c"):
         _local.c = zstandard.ZstdCompressor(level=3)
@@ -192,8 +204,8 @@ def _unpack(body: memoryview, count: int, dtype: type, use_native: bool = True) 
     if width not in PACK_WIDTHS:
         raise ValueError(f"packed codes have width {width}, not one of {PACK_WIDTHS}")
     per = 8 // width
-    raw = np.frombuffer(threadlocal.decompressor().decompress(body[_PACKED.size : _PACKED.size + length],
-                                            max_output_size=-(-count // per)), dtype=np.uint8)
+    raw = np.frombuffer(decompress_at_most(body[_PACKED.size : _PACKED.size + length], -(-count // per)),
+                        dtype=np.uint8)
     if raw.size * per < count:
         raise ValueError("packed codes are short")
     escaped = body[_PACKED.size + length :]
@@ -361,11 +373,11 @@ def decode_symbols(payload: bytes | memoryview, dtype: type = np.int32, limit: i
     try:
         if method == ZSTD:
             width = body[0]
-            raw = threadlocal.decompressor().decompress(body[1:], max_output_size=count * width)
+            raw = decompress_at_most(body[1:], count * width)
             out = np.frombuffer(raw, dtype={1: np.int8, 2: np.int16, 4: np.int32}[width]).astype(dtype)
         elif method == SPARSE:
             (length,) = struct.unpack_from("<Q", body)
-            bits = threadlocal.decompressor().decompress(body[8 : 8 + length], max_output_size=(count + 7) // 8)
+            bits = decompress_at_most(body[8 : 8 + length], (count + 7) // 8)
             nonzero = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=count).astype(bool)
             out = np.zeros(count, dtype=dtype)
             out[nonzero] = decode_symbols(body[8 + length :], limit=count)

@@ -18,8 +18,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from ckptstore import threadlocal
-from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols
+from ckptstore.codecs.entropy import decode_sparse, decode_symbols, decompress_at_most, encode_symbols
 from ckptstore.codecs.floats import from_float32, itemsize, rounding_error, to_float32
 from ckptstore.errors import CodecError
 
@@ -132,12 +131,12 @@ class LogMomentCodec:
     def needs_base(self, payload: bytes) -> bool:
         return bool(self._head(payload)[0])
 
-    def _zero_bits(self, payload: bytes) -> tuple[bool, int, np.ndarray, memoryview]:
-        """(has base, median level, packed zero mask, the symbol stream) of one payload."""
+    def _zero_bits(self, payload: bytes, count: int) -> tuple[bool, int, np.ndarray, memoryview]:
+        """(has base, median level, packed zero mask, the symbol stream) of one payload of `count` values."""
         has_base, median, mask_length = self._head(payload)
         try:
-            bits = threadlocal.decompressor().decompress(payload[_HEAD.size : _HEAD.size + mask_length])
-        except zstandard.ZstdError as exc:
+            bits = decompress_at_most(payload[_HEAD.size : _HEAD.size + mask_length], (count + 7) // 8)
+        except (zstandard.ZstdError, ValueError) as exc:
             raise CodecError(f"log2moment: zero mask does not decompress: {exc}") from None
         stream = memoryview(payload)[_HEAD.size + mask_length :]
         return bool(has_base), median, np.frombuffer(bits, dtype=np.uint8), stream
@@ -160,7 +159,7 @@ class LogMomentCodec:
 
     def decode(self, payload: bytes, base: np.ndarray | None, params: dict[str, Any], nbytes: int) -> np.ndarray:
         count = nbytes // (4 if params["dtype"] == "torch.float32" else 2)
-        has_base, median, packed, stream = self._zero_bits(payload)
+        has_base, median, packed, stream = self._zero_bits(payload, count)
         zero, residual = self._residual(packed, stream, count)
         if has_base and (base is None or base.size != nbytes):
             raise CodecError("log2moment: residual chunk decoded without its base")
@@ -183,7 +182,7 @@ class LogMomentCodec:
         levels = zero = None
         low = high = 0  # bounds on the kept levels: exact after a dense level, safe after a sparse one
         for payload in reversed(payloads):
-            has_base, median, packed, stream = self._zero_bits(payload)
+            has_base, median, packed, stream = self._zero_bits(payload, count)
             if levels is not None and has_base and not zero.any() and not packed.any():
                 updated = self._sparse_update(stream, levels)
                 if updated is not None:
