@@ -185,8 +185,9 @@ def _commit_target(tx: Tx, branch: str | None) -> _Parent:
         branch = refs.head_branch(tx)
         if branch is None:
             return _Parent(None, refs.head_commit(tx))
-    refs.check_name(branch)
     row = ref_rows.ref_row(tx, branch)
+    if row is None and branch != refs.head_branch(tx):  # only a name being created must pass today's rules
+        refs.check_name(branch)
     if row is not None and row.kind != refs.BRANCH:
         raise CkptError(f"{branch!r} is a tag; commits go on branches")
     if row is not None:

@@ -76,6 +76,20 @@ def test_a_ref_that_shadows_a_commit_prefix_is_ambiguous(repo):
             ref_rows.delete_ref(tx, head[:8])
 
 
+def test_a_branch_an_older_ckptstore_named_in_hex_digits_still_takes_commits(tmp_path):
+    """Today's rules stop new names; a branch that already exists keeps working."""
+    from ckptstore.metadata import refs as ref_rows
+
+    with Repository.init(tmp_path) as repo:
+        first = repo.commit({"w": torch.ones(2)}, step=1)
+        with repo.db.write() as tx:  # as an older version let `ckpt branch 2024` through
+            ref_rows.insert_ref(tx, "2024", "branch", first)
+        second = repo.commit({"w": torch.zeros(2)}, step=2, branch="2024")
+        assert repo.commit_info(second).parents == [first]
+        with pytest.raises(InvalidRefNameError, match="commit id"):
+            repo.commit({"w": torch.full((2,), 3.0)}, step=3, branch="2025")
+
+
 def test_cli_branch_with_empty_name_is_an_error_not_a_listing(repo):
     result = CliRunner().invoke(cli, ["--repo", str(repo.root), "branch", ""])
     assert result.exit_code != 0 and "not a valid" in str(result.exception)
