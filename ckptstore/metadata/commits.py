@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,7 @@ from ckptstore.hashing import CommitId, ObjectId, TensorId, commit_id
 from ckptstore.metadata.db import Tx
 from ckptstore.metadata.tensors import dependents, tensors_in_objects
 
+_INT_KEY = re.compile(r"-?(0|[1-9][0-9]*)")  # the str form of an int key, as JSON writes it
 _COLUMNS = ("id, manifest_object, message, author, created_at, step, metrics, kind, source_path, raw_bytes, "
             "stored_bytes, lossy")
 
@@ -42,30 +44,42 @@ class CommitInfo:
             **({"lossy": self.lossy} if self.lossy else {}),
         }
 
-    def computed_id(self, step: Any = None) -> CommitId:
+    def computed_id(self, step: Any = None, metrics: dict | None = None) -> CommitId:
         """The id this commit's record hashes to: blake3 of its canonical JSON (docs/format.md).
 
-        `step`, when given, stands in for the recorded step (see `id_problem`).
+        `step` and `metrics`, when given, stand in for the recorded ones (see `id_problem`).
         """
         record = self.to_json()
         record.pop("id")
         record["manifest"] = self.manifest_object
         if step is not None:
             record["step"] = step
+        if metrics is not None:
+            record["metrics"] = metrics
         return commit_id(json.dumps(record, sort_keys=True, separators=(",", ":")).encode())
+
+    def _spellings(self) -> list[tuple[Any, dict | None]]:
+        """(step, metrics) as older commits may have hashed them, beside the recorded values.
+
+        A whole-number step given as a float was hashed as one (`2.0`) and comes back from the
+        database as an integer; metrics given with int keys were hashed in numeric key order and
+        come back with str keys. Commits made now hash str keys and the step as recorded.
+        """
+        steps = [None] + ([float(self.step)] if isinstance(self.step, int) and not isinstance(self.step, bool) else [])
+        metrics: list[dict | None] = [None]
+        if self.metrics and all(isinstance(k, str) and _INT_KEY.fullmatch(k) for k in self.metrics):
+            metrics.append({int(k): v for k, v in self.metrics.items()})
+        return [(step, m) for step in steps for m in metrics]
 
     def id_problem(self, expected: CommitId | None = None) -> str | None:
         """Why this row is not the record of commit `expected` (default: its own id), or None when it is.
 
-        A whole-number step given as a float was hashed as one (`2.0`) and comes back from the
-        database as an integer, so both spellings are tried.
+        Every spelling an older commit may have hashed is tried (`_spellings`).
         """
         if expected is not None and self.id != expected:
             return f"asked for commit {expected}, the database returned the row of {self.id}"
         try:
-            if self.id == self.computed_id():
-                return None
-            if isinstance(self.step, int) and self.id == self.computed_id(float(self.step)):
+            if any(self.id == self.computed_id(step, metrics) for step, metrics in self._spellings()):
                 return None
         except (TypeError, ValueError, OverflowError) as exc:  # a damaged row: values no record has
             return f"its row holds values no commit record has ({exc})"

@@ -296,7 +296,7 @@ def _commit_info(checkpoint: formats.Checkpoint, options: CommitOptions, manifes
     info = CommitInfo(
         id=CommitId(""), manifest_object=manifest_oid, message=options.message,
         author=options.author or _default_author(), created_at=time.time(), step=options.step,
-        metrics={k: float(v) for k, v in options.metrics.items()}, kind=checkpoint.kind,
+        metrics={str(k): float(v) for k, v in options.metrics.items()}, kind=checkpoint.kind,
         source_path=source_path, raw_bytes=raw_total, stored_bytes=stored,
         parents=[parent.commit] if parent.commit else [], lossy=level.name if level else None,
     )

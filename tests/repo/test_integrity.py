@@ -134,6 +134,21 @@ def test_commit_ids_recompute_for_every_kind_of_commit(repo, tmp_path):
     assert report.ok and not report.damaged_records, report
 
 
+def test_metrics_with_int_keys_verify_now_and_as_older_commits_hashed_them(repo):
+    from ckptstore.metadata.commits import CommitInfo
+
+    cid = repo.commit({"w": torch.randn(50)}, metrics={9: 0.5, 10: 0.25})
+    info = repo.commit_info(cid)
+    assert info.metrics == {"9": 0.5, "10": 0.25} and info.id_problem() is None
+    assert fsck(repo).ok
+    # an older commit hashed its int keys in numeric order; its row comes back with str keys
+    old = dict(info.to_json(), metrics={9: 0.5, 10: 0.25}, manifest=info.manifest_object)
+    old.pop("id")
+    row = CommitInfo(**{**vars(info), "id": commit_id(json.dumps(old, sort_keys=True, separators=(",", ":")).encode())})
+    assert row.id_problem() is None
+    assert CommitInfo(**{**vars(row), "metrics": {"9": 0.5, "10": 0.75}}).id_problem() is not None
+
+
 def test_a_commit_written_before_the_lossy_column_still_verifies(tmp_path):
     from ckptstore.metadata.migrate import upgrade
     from ckptstore.repo.config import RepoConfig
