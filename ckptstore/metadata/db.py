@@ -189,6 +189,11 @@ class Database:
         except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:
             if not is_damage(exc):
                 raise
+            if "disk i/o error" in str(exc).lower():  # a failing disk or file system, or a damaged file: not known
+                raise CorruptDatabaseError(
+                    f"the metadata database {self.path} could not be read or written (SQLite: {exc}); nothing was "
+                    "changed. Check the disk and file system (space, mount, permissions) and run it again; if it "
+                    "persists, `ckpt fsck` says whether the file is damaged") from None
             raise CorruptDatabaseError(f"the metadata database {self.path} is damaged (SQLite: {exc}); nothing was "
                                        "changed. Restore .ckpt/ckpt.db from a backup; `ckpt fsck` lists what the "
                                        "objects still hold once it opens") from None
