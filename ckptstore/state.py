@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.errors import DeviceUnavailableError, UnsupportedStateError
+from ckptstore.errors import CorruptRecordError, DeviceUnavailableError, UnsupportedStateError
 
 BYTES_DTYPE = "bytes"
 NUMPY_PREFIX = "numpy:"
@@ -548,6 +548,11 @@ class _Unflattener:
     def view(self, value: Any, storage: str, nbytes: int, offset: int, stride: list[int]) -> Any:
         """`value` placed as a view of the storage named `storage`, which other views share."""
         torch = _torch()
+        # elements up to the view's last one; a damaged record must not place it outside its storage
+        end = offset + 1 + sum((n - 1) * s for n, s in zip(value.shape, stride)) if value.numel() else offset
+        if not (offset >= 0 and min(stride, default=0) >= 0 and end * value.element_size() <= nbytes):
+            raise CorruptRecordError(f"the view at {storage}", f"it does not fit its storage of {nbytes} bytes "
+                                     f"(offset {offset}, shape {tuple(value.shape)}, strides {stride})")
         if storage not in self.storages:
             self.storages[storage] = torch.empty(nbytes, dtype=torch.uint8, device=value.device).untyped_storage()
         shared = torch.empty(0, dtype=value.dtype, device=value.device)

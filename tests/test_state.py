@@ -287,3 +287,16 @@ def test_live_parameter_names_find_their_paths_when_they_read_as_ints():
     weights = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))])
     flat = flatten({"model": weights.state_dict()})
     assert paths_of_names(flat.tensors, ["0", "1"]) == {"0": "model/%30", "1": "model/%31"}
+
+
+def test_a_view_record_outside_its_storage_is_a_damaged_record():
+    from ckptstore.errors import CorruptRecordError
+
+    base = torch.arange(8, dtype=torch.float32)
+    flat = flatten({"a": base[:4], "b": base[4:]})
+    node = flat.skeleton[1][1][1]  # the second view: ["tensor", path, {"view": [storage, nbytes, offset, stride]}]
+    view = node[2]["view"]
+    for damage in ([view[0], view[1], 6, view[3]], [view[0], view[1], -1, view[3]], [view[0], 8, view[2], view[3]]):
+        node[2]["view"] = damage
+        with pytest.raises(CorruptRecordError, match="does not fit its storage"):
+            unflatten(flat.skeleton, lambda path: materialize(flat.tensors[path]))
