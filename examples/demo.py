@@ -153,7 +153,8 @@ def main() -> None:
         print(f"low-lr step {branch.step:4d} loss {loss:.3f}  " + ckpt(
             args.workdir, "commit", "checkpoint.pt", "-m", f"low-lr step {branch.step}", "--step", str(branch.step),
             "--metric", f"loss={loss:.4f}", "--lossy", "balanced"))
-    print(ckpt(args.workdir, "checkout", "low-lr"))
+    # checkpoint.pt holds full precision that the lossy commit did not keep: overwrite it on purpose
+    print(ckpt(args.workdir, "checkout", "low-lr", "--force"))
     lossy = load_checkpoint(args.workdir / "checkpoint.pt")
     check = Run(data, lr=1e-3, total_steps=args.steps)
     check.load(lossy)

@@ -132,7 +132,8 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
             _move_ref(tx, parent.target, parent.commit, info.id)
             tensor_rows.insert_records(tx, new_records, sizes)
             commit_rows.insert_commit(tx, info, entries.values())
-            file_rows.remember(tx, [(d, info.id, f.size) for f in checkpoint.files if (d := digests.get(f.name))])
+            if level is None:  # a lossy commit cannot give its source's bytes back: they stay unsaved
+                file_rows.remember(tx, [(d, info.id, f.size) for f in checkpoint.files if (d := digests.get(f.name))])
         faults.point("commit:ref-moved")
         return info.id
 
@@ -148,10 +149,12 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
     if repo.dir in [path, *path.parents]:
         raise CheckpointFormatError(f"{path} is inside the repository's own {repo.dir.name}/ folder")
     # Hash the files while they are parsed: both read the same pages, and the load is single-threaded.
-    # A commit never holds the repository's own directory (`ckpt commit .` at the root).
-    on_disk = [path] if path.is_file() else [f.path for f in folder_files(path, [repo.dir])]
+    # A commit never holds the repository's own directory (`ckpt commit .` at the root), nor its object
+    # store where config objects_url puts it outside .ckpt/.
+    excluded = [repo.dir, *([store] if (store := getattr(repo.store, "root", None)) else [])]
+    on_disk = [path] if path.is_file() else [f.path for f in folder_files(path, excluded)]
     pending = {p: repo.pool.submit(file_digest, str(p)) for p in on_disk}
-    checkpoint = formats.read_checkpoint(path, trust_pickle, exclude=[repo.dir])
+    checkpoint = formats.read_checkpoint(path, trust_pickle, exclude=excluded)
     digests = {}
     for record in checkpoint.files:
         target = formats.destination(checkpoint.kind, record, path)

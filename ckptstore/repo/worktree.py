@@ -1,9 +1,10 @@
 """The work tree: checkpoint files on disk that commits came from and checkouts write to.
 
 A file's content is known when some commit holds it (its blake3 digest is recorded), so a
-checkout can refuse to overwrite or delete a file whose content would be lost. A folder
-checkout leaves exactly the commit's files, never writes through a symlink that leads out of
-the destination, and restores each file's permission bits.
+checkout can refuse to overwrite or delete a file whose content would be lost. An in-place
+folder checkout leaves exactly the commit's files (never touching the repository's .ckpt/ or
+object store); one with -o only writes the commit's files and deletes nothing. No checkout
+writes through a symlink that leads out of the destination; each file gets its permission bits.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class CheckoutPlan:
 def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool, output: bool) -> CheckoutPlan:
     """Check that writing `manifest` to `dest` is safe, and say what it will write and remove.
 
-    `output`: `dest` was named with -o, so its parent folder must exist. Raises
+    `output`: `dest` was named with -o, so its parent folder must exist and nothing in it is
+    deleted (only an in-place checkout makes a folder exact). Raises
     DirtyWorktreeError for files whose content is not in the store (unless `force`), CkptError
     for a destination the checkout cannot or must not write.
     """
@@ -52,7 +54,7 @@ def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool,
             raise CkptError(f"{dest} is a folder; this commit is one file: pass a file path")
         plan = CheckoutPlan(dest, [(manifest.files[0], dest)])
     else:
-        plan = _plan_folder(repo, manifest, dest)
+        plan = _plan_folder(repo, manifest, dest, exact=not output)
     if not force:
         unsaved = _unsaved(repo, [t for _, t in plan.files], plan.extras)
         if unsaved:
@@ -61,7 +63,8 @@ def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool,
     return plan
 
 
-def _plan_folder(repo: Repository, manifest: Manifest, dest: Path) -> CheckoutPlan:
+def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) -> CheckoutPlan:
+    """Check each of the commit's names; with `exact`, also list what to remove (the rest of `dest`)."""
     if dest.exists() and not dest.is_dir():
         raise CkptError(f"{dest} is not a folder; this commit is a folder: pass a folder path")
     real_dest, repo_dir = Path(os.path.realpath(dest)), Path(os.path.realpath(repo.dir))
@@ -78,10 +81,26 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path) -> CheckoutPl
                             "check it out elsewhere with -o PATH")
         plan.files.append((record, target))
         needed.update(target.parents)
-    if dest.is_dir():
-        names = {t for _, t in plan.files}
-        _scan(dest, names, needed, repo_dir, plan)
+    if exact and dest.is_dir():
+        _scan(dest, {t for _, t in plan.files}, needed, _kept(repo, repo_dir), plan)
+    elif not exact:
+        _refuse_files_in_the_way(plan, dest)
     return plan
+
+
+def _kept(repo: Repository, repo_dir: Path) -> list[Path]:
+    """Folders a checkout never removes anything from: .ckpt/, and the object store wherever it is."""
+    store = getattr(repo.store, "root", None)  # config objects_url may put it outside .ckpt/
+    return [repo_dir, *([Path(os.path.realpath(store))] if store is not None else [])]
+
+
+def _refuse_files_in_the_way(plan: CheckoutPlan, dest: Path) -> None:
+    """With -o nothing is deleted: a file where the commit needs a folder is an error, not a loss."""
+    for _, target in plan.files:
+        for folder in target.parents:
+            if folder.is_relative_to(dest) and folder != dest and os.path.lexists(folder) and not folder.is_dir():
+                raise CkptError(f"{folder} is a file where the commit has a folder; move it away or check out "
+                                "elsewhere with -o PATH")
 
 
 def _refuse_links_out(target: Path, dest: Path, real_dest: Path) -> None:
@@ -94,17 +113,18 @@ def _refuse_links_out(target: Path, dest: Path, real_dest: Path) -> None:
                                 "remove the link or check out elsewhere with -o PATH")
 
 
-def _scan(folder: Path, names: set[Path], needed: set[Path], repo_dir: Path, plan: CheckoutPlan) -> None:
-    """Collect what under `folder` the commit does not have; never follows a symlink."""
+def _scan(folder: Path, names: set[Path], needed: set[Path], kept: list[Path], plan: CheckoutPlan) -> None:
+    """Collect what under `folder` the commit does not have, leaving out `kept`; never follows a symlink."""
     with os.scandir(folder) as entries:
         listed = sorted(entries, key=lambda e: e.name)
     for entry in listed:
         path = Path(entry.path)
         if entry.is_dir(follow_symlinks=False):
-            if Path(os.path.realpath(path)) == repo_dir:
+            real = Path(os.path.realpath(path))
+            if real in kept:
                 continue  # the repository itself is never part of a checkout
-            _scan(path, names, needed, repo_dir, plan)
-            if path not in needed and not repo_dir.is_relative_to(os.path.realpath(path)):
+            _scan(path, names, needed, kept, plan)
+            if path not in needed and not any(k.is_relative_to(real) for k in kept):
                 plan.folders.append(path)
         elif path not in names:
             plan.extras.append(path)

@@ -255,3 +255,64 @@ def test_checkouts_between_any_two_layouts_give_exactly_each(first, second):
             assert on_disk == layout
             assert all(any(f.startswith(p.relative_to(run).as_posix() + "/") for f in layout)
                        for p in run.rglob("*") if p.is_dir())  # no folder left that the commit lacks
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_checkout_with_output_writes_the_commits_files_and_deletes_nothing(repo, tmp_path, force):
+    run = make_trainer_folder(repo.root / "run")
+    cid = repo.commit(run)
+    wanted = _files(run)
+    out = tmp_path / "out"
+    (out / "tokenizer").mkdir(parents=True)
+    (out / "mine.txt").write_text("my only copy")
+    (out / "tokenizer" / "extra.txt").write_text("also mine")
+    args = ["checkout", cid, "-o", str(out)] + (["--force"] if force else [])
+    proc = _ckpt(repo.root, *args)
+    assert proc.communicate(timeout=120)[1] == "" and proc.returncode == 0
+    got = _files(out)
+    assert got.pop("mine.txt") == b"my only copy" and got.pop("tokenizer/extra.txt") == b"also mine"
+    assert got == wanted  # bit-exact: a lossless commit writes its files back byte for byte
+
+
+def test_an_in_place_checkout_never_deletes_an_object_store_kept_outside_the_repository(tmp_path):
+    from ckptstore import Repository
+
+    with Repository.init(tmp_path / "r", objects_url="../objects") as repo:  # <root>/objects, beside .ckpt/
+        torch.save({"w": torch.arange(1000.0)}, repo.root / "model.pt")
+        first = repo.commit(repo.root)
+        torch.save({"w": torch.arange(2000.0)}, repo.root / "model.pt")
+        repo.commit(repo.root)
+        assert [f.name for f in repo.manifest(first).files] == ["model.pt"]  # the store is never committed
+        stored = sorted(p for p in (repo.root / "objects").rglob("*") if p.is_file())
+        repo.checkout_to(first, force=True)
+        assert sorted(p for p in (repo.root / "objects").rglob("*") if p.is_file()) == stored
+        assert torch.load(repo.root / "model.pt", weights_only=True)["w"].equal(torch.arange(1000.0))
+        assert repo.checkout("main")["model.pt"]["w"].equal(torch.arange(2000.0))  # every object still readable
+
+
+def test_a_lossy_commit_does_not_make_its_full_precision_source_count_as_saved(repo):
+    path = repo.root / "model.pt"
+    weight = lambda seed: {"model": {"fc.weight": torch.randn(300, 100, generator=torch.Generator().manual_seed(seed))}}
+    torch.save(weight(0), path)
+    first = repo.commit(path)
+    torch.save(weight(1), path)
+    original = path.read_bytes()
+    lossy = repo.commit(path, lossy="balanced")
+    assert not repo.checkout(lossy)["model"]["fc.weight"].equal(weight(1)["model"]["fc.weight"])  # stored lossily
+    with pytest.raises(DirtyWorktreeError, match="overwrite .*model.pt, whose content is not in the store"):
+        repo.checkout_to(first)
+    assert path.read_bytes() == original
+    repo.checkout_to(first, force=True)
+    assert path.read_bytes() != original and torch.load(path, weights_only=True)["model"]["fc.weight"].equal(
+        weight(0)["model"]["fc.weight"])
+    repo.checkout_to(lossy)  # c1's bytes are known: no refusal; the lossy file written is recorded
+    repo.checkout_to(first)
+
+
+def test_checkout_with_output_refuses_a_file_where_the_commit_has_a_folder(repo, tmp_path):
+    cid = repo.commit(make_trainer_folder(repo.root / "run"))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tokenizer").write_text("mine")  # -o deletes nothing: an error, not a loss
+    with pytest.raises(CkptError, match="tokenizer is a file where the commit has a folder"):
+        repo.checkout_to(cid, output=tmp_path / "out", force=True)
+    assert (tmp_path / "out" / "tokenizer").read_text() == "mine"
