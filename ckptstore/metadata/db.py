@@ -105,8 +105,10 @@ class Database:
         return connect_sqlite(self.path, self.read_only)
 
     def _release(self, connection: sqlite3.Connection) -> None:
+        # an immutable connection never sees a writer's later commits: read-only, open anew each time
+        reusable = not (self.read_only and "immutable=1" in read_only_uri(self.path))
         with self._guard:
-            if not self._closed:
+            if not self._closed and reusable:
                 self._idle.append(connection)
                 return
         connection.close()

@@ -108,3 +108,17 @@ def test_an_older_schema_read_only_says_how_to_upgrade(tmp_path):
     with contextlib.closing(sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db")) as db, db:
         db.execute("UPDATE alembic_version SET version_num = '0005'")
     one_error_line(run(tmp_path, "--read-only", "log"), "older", "read-only", "upgrade")
+
+
+def test_a_long_lived_reader_of_an_unwritable_repository_sees_later_commits(tmp_path):
+    """An owner commits through a writable path while a reader holds the repository open read-only."""
+    if os.geteuid() != 0:
+        pytest.skip("needs a read-only bind mount (root): chmod would stop the owner's writes too")
+    with Repository.init(tmp_path / "r") as owner:
+        first = owner.commit({"w": torch.ones(4)}, step=1)
+    with unwritable(tmp_path / "r") as view, Repository.open(view) as reader:
+        assert reader.resolve("HEAD") == first
+        with Repository.open(tmp_path / "r") as owner:
+            second = owner.commit({"w": torch.zeros(4)}, step=2)
+        assert reader.resolve("HEAD") == second
+        assert torch.equal(reader.checkout("HEAD")["w"], torch.zeros(4))
