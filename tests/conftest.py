@@ -39,6 +39,15 @@ def assert_same(a, b, where: str = "<root>") -> None:
         assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
 
 
+def same(a, b) -> bool:
+    """`assert_same` as a yes or no, for tests that count outcomes instead of stopping at the first."""
+    try:
+        assert_same(a, b)
+    except AssertionError:
+        return False
+    return True
+
+
 class TinyNet(torch.nn.Module):
     """Embedding, LayerNorm and an MLP head: the tensor kinds a real model has."""
 

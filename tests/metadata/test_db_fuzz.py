@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from ckptstore import Repository
 from ckptstore.errors import CkptError
 from ckptstore.repo import fsck
-from tests.conftest import HYPOTHESIS_PROFILE_ENV, Trainer, assert_same
+from tests.conftest import HYPOTHESIS_PROFILE_ENV, Trainer, same
 
 PAGE = 4096
 KINDS = ["bytes", "noise page", "zero page", "copied page"]
@@ -76,14 +76,6 @@ def _damage(db: Path, kind: str, rng: random.Random) -> None:
     db.write_bytes(bytes(data))
 
 
-def _same(a, b) -> bool:
-    try:
-        assert_same(a, b)
-    except AssertionError:
-        return False
-    return True
-
-
 def _attempt(counts: Counter, action, check=None) -> None:
     """Run one operation and count its outcome: clear error, correct, wrong, or raw (any other exception)."""
     try:
@@ -120,7 +112,7 @@ def _trial(template, kind: str, seed: int, counts: Counter) -> None:
         with repo:
             failed = counts["clear error"]
             for ref, state in expected.items():
-                _attempt(counts, lambda ref=ref: repo.checkout(ref), lambda got, state=state: _same(got, state))
+                _attempt(counts, lambda ref=ref: repo.checkout(ref), lambda got, state=state: same(got, state))
             failed = counts["clear error"] > failed
             counts["trials with a restore refused" if failed else "trials restoring every ref bit-exact"] += 1
             # fsck names what is broken: a report that is not ok (or a clear error) wherever a restore failed

@@ -29,7 +29,7 @@ import torch
 from ckptstore import Repository
 from ckptstore.errors import CkptError
 from ckptstore.repo import fsck
-from tests.conftest import assert_same
+from tests.conftest import assert_same, same
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG = os.environ.get("CKPT_HYPOTHESIS_PROFILE") == "long"
@@ -122,17 +122,9 @@ def _check(trial: Path, command: str, commits: dict) -> list[str]:
                 problems.append(f"{name} checks out changed: {exc}")
     if command == "checkout":  # the file is the old or the new checkpoint, never a mix
         on_disk = torch.load(trial / "ckpt.pt", weights_only=True)
-        if not any(_same(on_disk, commits[n][1]) for n in ("c0", "c1")):
+        if not any(same(on_disk, commits[n][1]) for n in ("c0", "c1")):
             problems.append("ckpt.pt is neither checkpoint")
     return problems
-
-
-def _same(a, b) -> bool:
-    try:
-        assert_same(a, b)
-    except AssertionError:
-        return False
-    return True
 
 
 def _after_rerun(trial: Path, command: str, commits: dict) -> list[str]:
@@ -141,7 +133,7 @@ def _after_rerun(trial: Path, command: str, commits: dict) -> list[str]:
         return [f"rerun failed ({rc}): {out.strip()}"]
     problems = _check(trial, command, commits)
     with Repository.open(trial) as repo:
-        if command == "commit" and not _same(commits["new"][1], repo.checkout("HEAD")):
+        if command == "commit" and not same(commits["new"][1], repo.checkout("HEAD")):
             problems.append("the rerun commit does not check out as committed")
         if command.startswith("gc") and fsck(repo).unreferenced_objects:
             problems.append("gc left unreferenced objects")
