@@ -215,7 +215,9 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
     chunk_futures: dict[TensorId, list[Future]] = {}
     futures, jobs = [], []
     for record in _bases_first(records):
-        _check_sizes(record)
+        problem = _record_problem(record)  # before its buffer is allocated: the sizes must add up
+        if problem is not None:
+            raise CorruptRecordError(f"tensor {record.id}", problem, tensors=[record.id])
         buffer = outputs[record.id] = np.empty(record.raw_bytes, dtype=np.uint8)
         base = records.get(record.base_id) if record.base_id else None
         shared = base is not None and [c.raw_bytes for c in base.chunks] == [c.raw_bytes for c in record.chunks]
@@ -334,14 +336,6 @@ def _replay_chunk(source: ChainSource, record: TensorRecord, index: int, out: np
 def object_ids_of(record: TensorRecord) -> list[ObjectId]:
     """The objects holding `record`'s chunks, each once, in chunk order."""
     return list(dict.fromkeys(c.object_id for c in record.chunks))
-
-
-def _check_sizes(record: TensorRecord) -> None:
-    """Refuse a record whose chunk sizes do not add up to its size, before its buffer is allocated."""
-    sizes = [c.raw_bytes for c in record.chunks]
-    if any(n < 0 for n in sizes) or sum(sizes) != record.raw_bytes:
-        raise CorruptRecordError(f"tensor {record.id}", f"its chunk sizes do not add up to its {record.raw_bytes} "
-                                 "bytes", tensors=[record.id])
 
 
 def _base_cycle(record: TensorRecord) -> CorruptRecordError:
