@@ -22,16 +22,18 @@ def _with_repo(repo: RepoLike, fn):
 def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = None,
          metrics: Mapping[str, float] | None = None, branch: str | None = None, lossy: str | None = None,
          model: Any = None, optimizer: Any = None, calibration: Callable[[Any], Any] | None = None,
-         **knobs: Any) -> CommitId:
+         max_loss_change: float | None = None, **knobs: Any) -> CommitId:
     """Commit `obj` (any nesting of tensors, containers and scalars) and return the commit id.
 
     `lossy` picks a lossy level; passing the live `model` and `optimizer` tells it exactly which
     optimizer state belongs to which weight, and `calibration(model)` (its loss on a fixed batch)
-    lets it measure which weights the loss is sensitive to.
+    lets it measure which weights the loss is sensitive to, and holds the restored checkpoint's
+    loss within `max_loss_change` (relative; default: the level's promise) of the original's.
     """
     return _with_repo(repo, lambda r: r.commit(obj, message=message, step=step, metrics=metrics, branch=branch,
                                                lossy=lossy, model=model, optimizer=optimizer,
-                                               calibration=calibration, **knobs))
+                                               calibration=calibration, max_loss_change=max_loss_change,
+                                               **knobs))
 
 
 def load(ref: str = "HEAD", repo: RepoLike = None, map_location: str | None = None) -> Any:

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from ckptstore.errors import explain
+from ckptstore.errors import CkptError, explain
 from ckptstore.repo import LOSSY_LEVELS, EncodingSettings, Repository, fsck, gc
 
 LEVEL_NAMES = list(LOSSY_LEVELS)
@@ -79,6 +79,19 @@ def _knobs(values: tuple[str, ...]) -> dict[str, Any]:
     return knobs
 
 
+def _fraction(text: str | None) -> float | None:
+    """"0.1%" or "0.001" as 0.001."""
+    if text is None:
+        return None
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise CkptError(f"--max-loss-change {text!r}: expected a number or a percentage such as 0.1%") from None
+    if not value >= 0:
+        raise CkptError(f"--max-loss-change {text!r}: must be zero or more")
+    return value
+
+
 def _metrics(values: tuple[str, ...]) -> dict[str, float]:
     metrics = {}
     for item in values:
@@ -126,13 +139,21 @@ def init(path: str, max_chain: int | None, lossy: str | None) -> None:
 @click.option("--lossy", type=click.Choice([*LEVEL_NAMES, "none"]),
               help="Lossy level (default: the repository's, normally lossless).")
 @click.option("--knob", "knobs", multiple=True, help="Override one setting of the lossy level, NAME=VALUE.")
+@click.option("--calibration", help="MODULE:FUNCTION (or file.py:FUNCTION) returning the loss of a restored "
+                                    "checkpoint's state; the lossy commit keeps its change within --max-loss-change.")
+@click.option("--max-loss-change", help="Largest relative loss change on the calibration data, e.g. 0.1% "
+                                        "(default: the level's promise).")
 @click.pass_context
-def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle, lossy, knobs) -> None:
+def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle, lossy, knobs, calibration,
+           max_loss_change) -> None:
     """Store the checkpoint at PATH (torch.save file, safetensors file or Trainer folder)."""
+    from ckptstore.repo import function_named  # only here: it loads the encoding layers
+
     repo = _open(ctx)
     cid = repo.commit(path, message=message, step=step, metrics=_metrics(metrics), branch=branch,
                       allow_empty=allow_empty, trust_pickle=trust_pickle, progress=BarProgress(),
-                      lossy=lossy, **_knobs(knobs))
+                      lossy=lossy, calibration=function_named(calibration) if calibration else None,
+                      max_loss_change=_fraction(max_loss_change), **_knobs(knobs))
     info = repo.commit_info(cid)
     mode = f" lossy:{info.lossy}" if info.lossy else ""
     click.echo(f"[{cid[:12]}]{mode} {message}  ({_size(info.raw_bytes)} -> {_size(info.stored_bytes)} new)")
@@ -241,8 +262,13 @@ def show(ctx, ref, as_json) -> None:
     click.echo(f"raw {_size(data['raw_bytes'])}  stored {_size(data['stored_bytes'])}\n\n    {data['message']}\n")
     for f in data["files"]:
         click.echo(f"file {f['name'] or '.'} [{f['format']}] {_size(f['size'])} {f['note']}".rstrip())
+    for row in data.get("fidelity", []):
+        bound = (f", {row['worst_of_bound']:.0%} of its bound at most" if row["worst_of_bound"] is not None
+                 else " (no bound)")
+        click.echo(f"measured {row['quantity']}: worst {row['worst']:.2e} over {row['tensors']} tensors{bound}")
     for t in data["tensors"]:
         error = f"  rel.err {t['rel_error']:.2e}" if "rel_error" in t else ""
+        error += f" (bound {t['max_error']:.2e})" if "max_error" in t else ""
         click.echo(f"  {t['path']}  {t['dtype']} {tuple(t['shape'])}  {_size(t['stored_bytes'])} depth {t['depth']}"
                    f"{error}")
     return None

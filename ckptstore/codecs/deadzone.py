@@ -10,7 +10,8 @@ rounding (0.5 rounds to nearest; less widens the dead zone, except where relativ
 step), relative_step (residual steps at most
 this fraction of the residual's RMS), fine_below and base_error (apply relative_step only where the
 weights moved less than fine_below since the parent; see chunk_step), settled_step (the fraction
-once the parent's error is below the movement), grid_step (the base chunk's step, kept).
+once the parent's error is below the movement), grid_step (the base chunk's step, kept), tighten
+(< 1: the writer's retry at a finer step, rounding to nearest, to meet a level's error bound).
 Layout: b"DZ2", has-base flag (u8), the chunk's step (f32), then the entropy-coded symbols.
 """
 
@@ -109,6 +110,8 @@ class DeadZoneCodec:
         # A capped step tracks a fine-tune's small, steady updates: a wider dead zone would hold
         # them back every time, a lag in the direction of training, so it rounds to nearest.
         rounding = 0.5 if capped(step, params) else params.get("rounding", 0.5)
+        if params.get("tighten", 1.0) < 1.0:  # the writer's retry to meet the level's error bound
+            step, rounding = float(np.float32(step * params["tighten"])), 0.5
         levels = quantize(target, step, rounding)
         pruned = hints is not None and hints.get("prune") is not None
         if pruned:

@@ -1,10 +1,13 @@
 """Lossy codec for Adam's first moment, coded as the step Adam takes: u = m / sqrt(v + eps).
 
 u is quantized uniformly with a dead zone against the reconstructed second moment of the same
-commit (the base), then entropy coded.
+commit (the base), then entropy coded. Given the original second moment (hint "v"), the encoder
+quantizes the original update m / sqrt(v) instead, so the restored update is the original's up to
+one step even where v was stored coarsely; decoding is the same either way.
 
 |u| is about 1 at most whatever the tensor's scale, so one step size fits every tensor, and error
-lands where it moves the weights least. Params: dtype, v_dtype (the base's), step, rounding, eps.
+lands where it moves the weights least. Params: dtype, v_dtype (the base's), step, rounding, eps, tighten (< 1: the
+writer's retry at a finer step, rounding to nearest, to meet a level's error bound).
 Layout: b"MN2", the step (f32), then the entropy-coded symbols (version 1, b"MN1", kept its step in
 the params, and still decodes).
 """
@@ -43,8 +46,13 @@ class NormalizedMomentCodec:
         values = to_float32(data, params["dtype"])
         if not np.isfinite(values).all():
             raise CodecError("normmoment: non-finite values cannot be quantized")
-        scale, step = _scale(base, params), float(np.float32(params["step"]))
-        levels = quantize(values / scale, step, params.get("rounding", 0.5))
+        scale, step = _scale(base, params), float(np.float32(params["step"] * params.get("tighten", 1.0)))
+        # The step Adam would take is m / sqrt(v) with the original v: quantize that (when the writer
+        # has it), so a coarse reconstructed v changes the first moment, not the restored update.
+        original_v = hints.get("v") if hints else None
+        direction = values / (_scale(original_v, params) if original_v is not None else scale)
+        rounding = params.get("rounding", 0.5) if params.get("tighten", 1.0) >= 1.0 else 0.5
+        levels = quantize(direction, step, rounding)
         if hints and hints.get("prune") is not None:
             levels[hints["prune"]] = 0
         return _HEAD.pack(MAGIC, step) + encode_symbols(levels), self._reconstruct(levels, scale, step, params)

@@ -55,6 +55,15 @@ class LossyLevel:
     the benchmark runs it never won a chunk and the trials slowed encoding (docs/benchmarks.md).
     Weights smaller than `min_elements`, one-dimensional weights (biases, norms) and integer
     tensors are always lossless.
+    `max_weight_error` (> 0) is the bound the encoder enforces on every quantized weight matrix,
+    whatever the rules above chose: its relative error ||W' - W|| / ||W|| times the weight's
+    allowance (its step factor, clamped to [1/2, 2]: coarser where the loss is less sensitive).
+    `max_update_error` (> 0) bounds Adam's restored update m / sqrt(v) the same way, and SGD's
+    momentum. The writer measures each chunk it wrote and encodes it again at a finer step until
+    it holds (policy/fidelity.py); `ckpt show` prints the measured figures against the bounds.
+    `promised_loss_change` is the relative change of a restored checkpoint's loss the level is
+    meant to keep (measured on the benchmark zoo); a commit with a calibration function enforces
+    it on the user's data (repo/calibrate.py).
     """
 
     name: str
@@ -81,6 +90,9 @@ class LossyLevel:
     fast_keyframe_step: float = 0.0
     fast_residual_step: float = 0.0
     fine_grid: bool = False
+    max_weight_error: float = 0.0
+    max_update_error: float = 0.0
+    promised_loss_change: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,15 +100,18 @@ class LossyLevel:
 
 LEVELS: dict[str, LossyLevel] = {
     # Calibrated on the benchmark suite's runs (docs/benchmarks.md): python -m bench.lossy_sweep RUN LEVEL.
-    "optimizer": LossyLevel("optimizer", weights_lossy=False, moment_step=1 / 4, v_levels_log2=0),
+    "optimizer": LossyLevel("optimizer", weights_lossy=False, moment_step=1 / 4, v_levels_log2=0,
+                            promised_loss_change=0.0),
     "balanced": LossyLevel("balanced", weight_keyframe_step=0.09, weight_residual_step=0.12, moment_step=4.0,
                            v_levels_log2=-2, prune=0.0, relative_step=0.2, fine_drift=0.01, settled_step=1.0,
                            fine_grid=True, fine_moment_step=0.8, fast_move=0.005, fast_keyframe_step=0.4,
-                           fast_residual_step=0.2, moment_min_elements=1, frozen_step=1 / 16),
+                           fast_residual_step=0.2, moment_min_elements=1, frozen_step=1 / 16,
+                           promised_loss_change=0.0025),
     "extreme": LossyLevel("extreme", weight_keyframe_step=0.2, weight_residual_step=0.25,
                           moment_step=12.0, moment_rounding=0.4, v_levels_log2=-3, prune=0.6, fine_drift=0.01,
                           settled_step=2.0, fine_grid=True, fine_moment_step=4.0, fast_move=0.005,
-                          fast_keyframe_step=1.0, fast_residual_step=0.6, moment_min_elements=1),
+                          fast_keyframe_step=1.0, fast_residual_step=0.6, moment_min_elements=1,
+                          promised_loss_change=0.01),
 }
 
 

@@ -25,6 +25,7 @@ from ckptstore.state import RawTensor
 
 _EMBEDDING = re.compile(r"embed|wte|wpe|tok_emb|pos_emb", re.IGNORECASE)
 SMALL_STATE_SHARE = 0.05  # see moment_min_elements
+MAX_ALLOWANCE = 2.0  # a weight's error bound is the level's times its step factor, within [1/2, 2]
 
 
 class RmsCache:
@@ -70,6 +71,13 @@ class PlanContext:
     def step_factor(self, path: str) -> float:
         """How much coarser than the level's step a weight is quantized: finer for embeddings, by Fisher."""
         return (self.level.embedding_factor if _EMBEDDING.search(path) else 1.0) * self.sensitivity.get(path, 1.0)
+
+    def weight_bound(self, path: str) -> dict[str, float]:
+        """The weight's enforced error bound (`max_weight_error` times its allowance), if the level sets one."""
+        if self.level.max_weight_error <= 0:
+            return {}
+        allowance = min(MAX_ALLOWANCE, max(1 / MAX_ALLOWANCE, self.step_factor(path)))
+        return {"max_error": self.level.max_weight_error * allowance}
 
     def fast(self, path: str, raw: RawTensor, weight_rms: float) -> bool:
         """Whether an Adam step (up to about lr per entry) moves the weight at a from-scratch pace."""

@@ -7,6 +7,7 @@ planned after it; SGD momentum as a keyframe with a step tied to `moment_step`.
 
 from __future__ import annotations
 
+from ckptstore.policy.levels import LossyLevel
 from ckptstore.policy.lossy_base import LossyPlan, Subject, chunk_bytes, codebooks, temporal_base
 from ckptstore.policy.lossy_context import PlanContext
 from ckptstore.policy.mapping import ParamSlots
@@ -19,7 +20,8 @@ def plan_sgd_momentum(ctx: PlanContext, momentum: Subject) -> LossyPlan:
     """A keyframe with a step in its RMS: its error reaches the weights only as lr / (1 - momentum) times it."""
     level = ctx.level
     params = {"chunk_bytes": chunk_bytes(momentum.raw, None, ctx.settings), "dtype": momentum.raw.dtype,
-              "step": level.moment_step * SGD_MOMENTUM_STEP * momentum.rms, "rounding": 0.5, **codebooks(level)}
+              "step": level.moment_step * SGD_MOMENTUM_STEP * momentum.rms, "rounding": 0.5, **codebooks(level),
+              **update_bound(level)}
     return LossyPlan(momentum.path, "deadzone", params)
 
 
@@ -43,12 +45,18 @@ def plan_adam_first_moment(ctx: PlanContext, m: Subject) -> LossyPlan:
     second = slot.exp_avg_sq
     factor = ctx.sensitivity.get(slot.weight, 1.0)  # no weight (pairing uncertain): 1.0
     params = {"dtype": m.raw.dtype, "v_dtype": ctx.tensors[second].dtype, "step": level.moment_step * factor,
-              "rounding": level.moment_rounding, "eps": V_EPS, "chunk_bytes": ctx.plans[second].params["chunk_bytes"]}
+              "rounding": level.moment_rounding, "eps": V_EPS, "chunk_bytes": ctx.plans[second].params["chunk_bytes"],
+              **update_bound(level)}
     mask_from = slot.weight if (level.prune > 0 and slot.weight in ctx.plans) else None
     paced_by = None
     if level.fine_moment_step > 0 and slot.weight in ctx.plans:
         params["fine_step"], paced_by = level.fine_moment_step * factor, slot.weight
     return LossyPlan(m.path, "normmoment", params, sibling=second, mask_from=mask_from, stage=2, paced_by=paced_by)
+
+
+def update_bound(level: LossyLevel) -> dict[str, float]:
+    """The bound on a restored update (Adam's m / sqrt(v), SGD's momentum) the writer enforces, if any."""
+    return {"max_error": level.max_update_error} if level.max_update_error > 0 else {}
 
 
 def _slots(moment: Subject) -> ParamSlots:

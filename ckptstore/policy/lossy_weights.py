@@ -89,6 +89,6 @@ def _deadzone(ctx: PlanContext, weight: Subject, step: float, rounding: float, r
     """The dead-zone plan of a weight; a paired weight's second moment judges which residuals to prune."""
     params = {"chunk_bytes": chunk_bytes(weight.raw, weight.base, ctx.settings), "dtype": weight.raw.dtype,
               "step": step, "rounding": rounding, "relative_step": relative_step, **codebooks(ctx.level),
-              **(extra or {})}
+              **(extra or {}), **ctx.weight_bound(weight.path)}
     return LossyPlan(weight.path, "deadzone", params, weight.base, importance=weight.importance,
                      prune=ctx.level.prune if weight.importance else 0.0)

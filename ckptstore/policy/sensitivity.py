@@ -57,3 +57,39 @@ def step_factors(scores: dict[str, float]) -> dict[str, float]:
         return {}
     center = math.exp(sum(math.log(s) for s in scores.values()) / len(scores))
     return {path: min(8.0, max(1 / 8, math.sqrt(center / s))) for path, s in scores.items()}
+
+
+def loss_with_weights(model: Any, loss_fn: Callable[[Any], Any], weights: dict[str, Any]) -> float:
+    """`loss_fn(model)` with some parameters replaced by `weights` (name -> torch tensor), then put back.
+
+    How a lossy commit measures what its reconstruction costs on the calibration batch without
+    touching the caller's model: the values are swapped in place and restored, even on error.
+    """
+    import torch
+
+    named = dict(model.named_parameters())
+    saved = {name: named[name].detach().clone() for name in weights if name in named}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for name in saved:
+                named[name].copy_(weights[name].reshape(named[name].shape))
+            return finite_loss(loss_fn(model))
+    finally:
+        with torch.no_grad():
+            for name, value in saved.items():
+                named[name].copy_(value)
+        model.train(was_training)
+
+
+def finite_loss(loss: Any) -> float:
+    """A calibration function's result as a float: a number or a one-element tensor, and finite."""
+    try:
+        value = float(loss.detach() if hasattr(loss, "detach") else loss)
+    except (TypeError, ValueError, RuntimeError):
+        raise CkptError(f"the calibration function must return a loss (a number or a one-element tensor), "
+                        f"not {type(loss).__name__}") from None
+    if not math.isfinite(value):
+        raise CkptError(f"the calibration loss is not finite ({value})")
+    return value

@@ -11,7 +11,7 @@ import getpass
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +28,7 @@ from ckptstore.metadata.commits import CommitInfo
 from ckptstore.policy import LossyLevel, level_named
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource
-from ckptstore.repo import refs
+from ckptstore.repo import calibrate, refs
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.progress import NoProgress, Progress
@@ -67,6 +67,9 @@ class LossyOptions:
     override its settings; `model` and `optimizer` (the live objects) name which optimizer state
     belongs to which weight; `calibration(model)`, the model's loss on a fixed batch, lets the
     commit measure each weight's sensitivity instead of estimating it from Adam's second moment.
+    A calibration function (of the model, or without `model` of the restored state) also makes
+    the commit measure the restored checkpoint's loss and tighten until its relative change is
+    within `max_loss_change` (default: the level's promise; repo/calibrate.py).
     """
 
     level: str | LossyLevel | None = None
@@ -74,6 +77,7 @@ class LossyOptions:
     model: Any = None
     optimizer: Any = None
     calibration: Callable[[Any], Any] | None = None
+    max_loss_change: float | None = None
 
 
 @dataclass
@@ -97,27 +101,21 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
     lossy = lossy or LossyOptions()
     progress = progress or NoProgress()
     level = level_named(lossy.level if lossy.level is not None else (repo.config.lossy or None), **lossy.knobs)
-    fisher = _measured_fisher(lossy, level)
+    measured = _measured_fisher(lossy, level)
     with repo.lock(), no_cyclic_gc():
         source_path, checkpoint, digests = _read_source(repo, source, options.trust_pickle)
         sources = _tensor_ids(repo, checkpoint.tensors)
+        guard = calibrate.loss_guard(lossy.calibration, lossy.model, lossy.max_loss_change, level, checkpoint)
         with repo.db.read() as tx:
             parent = _parent(repo, tx, options.branch, checkpoint.tensors)
-            plans, pairing, fisher = (_plan(repo, checkpoint, parent, level, lossy, fisher) if level
-                                      else ({}, None, None))
-            entries, jobs = _jobs(repo, tx, checkpoint.tensors, sources, parent.by_path, plans, level)
-        progress.start("commit", sum(j.raw.nbytes for j in jobs))
-        with repo.store.batch():
-            try:
-                encoded, sizes = encode_jobs(jobs, ChainSource(repo.store, parent.records), repo.pool,
-                                             progress.advance)
-            finally:
-                progress.finish()
-        faults.point("commit:objects-written")
+        done, change = _encode_checked(repo, checkpoint, parent, sources, level, lossy, measured, progress, guard)
+        entries, encoded, sizes = done.entries, done.records, done.sizes
+        if change is not None:
+            options = replace(options, metrics={**options.metrics, calibrate.CALIBRATION_METRIC: change * 100})
         entries.update({path: record.id for path, record in encoded.items() if path in checkpoint.tensors})
         manifest = Manifest(checkpoint.kind, checkpoint.files, {
             p: Entry(entries[p], raw.dtype, raw.shape) for p, raw in checkpoint.tensors.items()
-        }, digests, level.name if level else None, pairing, _importance_note(fisher, plans))
+        }, digests, level.name if level else None, done.pairing, _importance_note(done.fisher, done.plans))
         if parent.manifest is not None and not options.allow_empty and manifest.same_content(parent.manifest):
             raise NothingToCommitError(f"nothing changed since {parent.commit[:12]}: the checkpoint equals its "
                                        "parent (use --allow-empty to record it anyway)")
@@ -136,6 +134,57 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
                 file_rows.remember(tx, [(d, info.id, f.size) for f in checkpoint.files if (d := digests.get(f.name))])
         faults.point("commit:ref-moved")
         return info.id
+
+
+def _encode_checked(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent,
+                    sources: Mapping[str, TensorId], level: LossyLevel | None, lossy: LossyOptions,
+                    measured: dict[str, float] | None, progress: Progress,
+                    guard: calibrate.LossGuard | None) -> tuple[_Encoded, float | None]:
+    """`_encode`, again at tighter levels while the calibration loss changes more than the guard allows.
+
+    Returns `_encode`'s result and the measured relative change (None without a guard).
+    """
+    for attempt in range(calibrate.ATTEMPTS if guard else 1):
+        result = _encode(repo, checkpoint, parent, sources, calibrate.tighter(level, attempt) if attempt else level,
+                         lossy, measured, progress)
+        if guard is None:
+            return result, None
+        restored = {p: result.records.get(p) or parent.by_path[p] for p in result.plans}
+        change = guard.change(calibrate.restored_tensors(repo, restored, parent.records))
+        if guard.holds(change):
+            return result, change
+    raise CkptError(f"the calibration loss changed {change:+.3%} (limit {guard.max_change:.3%}) even with "
+                    "lossless weights: is the calibration function deterministic, and of the weights?")
+
+
+@dataclass
+class _Encoded:
+    """A checkpoint planned and encoded at one level: what the commit records."""
+
+    entries: dict[str, TensorId]  # manifest ids known before encoding (lossless, or kept from the parent)
+    records: dict[str, TensorRecord]  # the new records, by job key
+    sizes: dict[ObjectId, int]
+    plans: dict[str, LossyPlan]
+    pairing: str | None
+    fisher: dict[str, float] | None  # measured, by path
+
+
+def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, sources: Mapping[str, TensorId],
+            level: LossyLevel | None, lossy: LossyOptions, measured: dict[str, float] | None,
+            progress: Progress) -> _Encoded:
+    """Plan and encode the checkpoint's new tensors at `level`; no metadata is written."""
+    with repo.db.read() as tx:
+        plans, pairing, fisher = (_plan(repo, checkpoint, parent, level, lossy, measured) if level
+                                  else ({}, None, None))
+        entries, jobs = _jobs(repo, tx, checkpoint.tensors, sources, parent.by_path, plans, level)
+    progress.start("commit", sum(j.raw.nbytes for j in jobs))
+    with repo.store.batch():
+        try:
+            records, sizes = encode_jobs(jobs, ChainSource(repo.store, parent.records), repo.pool, progress.advance)
+        finally:
+            progress.finish()
+    faults.point("commit:objects-written")
+    return _Encoded(entries, records, sizes, plans, pairing, fisher)
 
 
 def _read_source(repo: Repository, source: Any, trust_pickle: bool
@@ -287,8 +336,10 @@ def _lossy_job(plan: LossyPlan, tensors: Mapping[str, RawTensor], source: Tensor
     paced_by = plan.paced_by if plan.paced_by not in reused else None
     if plan.paced_by in reused:  # the weight did not move at all: as fine as it gets
         params["step"] = params["fine_step"]
+    reference = tensors.get(plan.sibling) if plan.sibling else None  # a first moment's original second moment
     return Job(plan.path, tensors[plan.path], plan.codec, params, base, sibling, mask_from,
-               tensors.get(plan.importance) if plan.importance else None, plan.prune, plan.stage, paced_by=paced_by)
+               tensors.get(plan.importance) if plan.importance else None, plan.prune, plan.stage, paced_by=paced_by,
+               reference=reference)
 
 
 def _commit_info(checkpoint: formats.Checkpoint, options: CommitOptions, manifest_oid: ObjectId, stored: int,
@@ -311,10 +362,10 @@ def _measured_fisher(lossy: LossyOptions, level: LossyLevel | None) -> dict[str,
     """Per parameter name, the empirical Fisher measured with the calibration loss (None when not asked)."""
     if lossy.calibration is None:
         return None
-    if lossy.model is None:
-        raise CkptError("a calibration loss needs the live model too (commit(..., model=model))")
-    if level is None or not level.weights_lossy:
-        raise CkptError("a calibration loss only steers lossy weights: pass lossy='balanced' or 'extreme'")
+    if level is None:
+        raise CkptError("a calibration loss steers lossy commits: pass lossy='balanced' or 'extreme'")
+    if lossy.model is None or not level.weights_lossy:
+        return None  # without the live model, or with lossless weights, it only checks the restored loss
     from ckptstore.policy.sensitivity import measure_fisher
 
     return measure_fisher(lossy.model, lossy.calibration)

@@ -79,10 +79,33 @@ def show(repo: Repository, ref: str = "HEAD") -> dict[str, Any]:
                "stored_bytes": record.stored_bytes, "depth": record.depth, "codec": record.codec}
         if "rel_error" in record.params:
             row["rel_error"] = record.params["rel_error"]
+        if "max_error" in record.params:
+            row["max_error"] = record.params["max_error"]
         tensors.append(row)
     files = [{"name": f.name, "format": f.format, "size": f.size, "note": f.opaque_reason} for f in manifest.files]
-    extra = {"pairing": manifest.pairing, "importance": manifest.importance} if manifest.lossy else {}
+    extra = ({"pairing": manifest.pairing, "importance": manifest.importance, "fidelity": fidelity(tensors)}
+             if manifest.lossy else {})
     return dict(info.to_json(), files=files, tensors=tensors, **extra)
+
+
+# What each lossy codec's measured error is of (policy/fidelity.py), as `show` names it.
+MEASURED = {"deadzone": "weights (and SGD momentum): ||W'-W||/||W||",
+            "normmoment": "Adam updates: ||u'-u||/||u||, u = m/sqrt(v)",
+            "log2moment": "Adam second moments: ||sqrt(v')-sqrt(v)||/||sqrt(v)||"}
+
+
+def fidelity(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per kind of quantized tensor: how many, the worst measured relative error, and the worst share of its bound."""
+    rows = []
+    for codec, quantity in MEASURED.items():
+        measured = [t for t in tensors if t["codec"] == codec and "rel_error" in t]
+        if not measured:
+            continue
+        bounded = [t["rel_error"] / t["max_error"] for t in measured if t.get("max_error")]
+        rows.append({"quantity": quantity, "tensors": len(measured),
+                     "worst": max(t["rel_error"] for t in measured),
+                     "worst_of_bound": max(bounded) if bounded else None})
+    return rows
 
 
 def stats(repo: Repository) -> dict[str, Any]:

@@ -198,7 +198,8 @@ class Repository:
                metrics: Mapping[str, float] | None = None, branch: str | None = None, allow_empty: bool = False,
                trust_pickle: bool = False, author: str | None = None, progress: Progress | None = None,
                lossy: str | LossyLevel | None = None, model: Any = None, optimizer: Any = None,
-               calibration: Callable[[Any], Any] | None = None, **knobs: Any) -> CommitId:
+               calibration: Callable[[Any], Any] | None = None, max_loss_change: float | None = None,
+               **knobs: Any) -> CommitId:
         """Store a checkpoint (a path to a file or folder, or an in-memory state) as a new commit.
 
         See `repo.commit.CommitOptions` (what the commit records and where it goes) and
@@ -207,7 +208,7 @@ class Repository:
         from ckptstore.repo.commit import CommitOptions, LossyOptions, commit
 
         options = CommitOptions(message, step, dict(metrics or {}), branch, allow_empty, trust_pickle, author)
-        lossy_options = LossyOptions(lossy, knobs, model, optimizer, calibration)
+        lossy_options = LossyOptions(lossy, knobs, model, optimizer, calibration, max_loss_change)
         return commit(self, state_or_path, options, lossy_options, progress)
 
     def checkout(self, ref: str = "HEAD", device: str | None = None, progress: Progress | None = None) -> Any:

@@ -1,0 +1,69 @@
+"""What a lossy level promises, measured on the reconstruction the encoder actually wrote.
+
+Each quantized tensor is judged in the quantity that decides what a restore gives back:
+- a weight matrix (and SGD's momentum): the relative error of the tensor, ||W' - W|| / ||W||;
+- Adam's first moment: the relative error of the update a resume takes first, u = m / sqrt(v + eps)
+  with each commit's own v, ||u' - u|| / ||u||;
+- Adam's second moment: the relative error of sqrt(v), the scale of each entry's step
+  (its bound comes from the grid: `v_levels_log2`, so it is measured and shown, not enforced).
+The writer measures each chunk and, where a chunk is over its bound, encodes it again at a finer
+step (`tighten`), so every chunk, and hence every tensor, keeps its bound.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ckptstore.codecs.floats import to_float32
+
+# Retries per chunk before a bound counts as unreachable (see `finer`).
+MAX_TIGHTEN = 8
+
+
+def sum_of_squares(values: np.ndarray, block: int = 1 << 16) -> float:
+    """Sum of squares of float32 values: float32 dot products per block, added in float64.
+
+    Within about 1e-7 of a float64 pass (measured: 1e-9 to 3e-8 on a million values) without
+    copying the chunk to float64 first: those copies and float64 dot products took a third of a
+    bf16 commit's time.
+    """
+    parts = (values[start : start + block] for start in range(0, values.size, block))
+    return math.fsum(float(np.dot(part, part)) for part in parts)
+
+
+def chunk_error(codec: str, data: np.ndarray, recon: np.ndarray, params: dict,
+                v: np.ndarray | None = None, v_recon: np.ndarray | None = None) -> tuple[float, float]:
+    """(squared error, squared norm) of one chunk in its promise's quantity (module docstring).
+
+    `v` and `v_recon` are a first moment's original and reconstructed second moment (bytes).
+    """
+    original = to_float32(data, params["dtype"])
+    rebuilt = to_float32(recon, params["dtype"])
+    if codec == "normmoment" and v is not None and v_recon is not None:
+        eps = np.float32(params["eps"])
+        original = original / np.sqrt(to_float32(v, params["v_dtype"]) + eps)
+        rebuilt = rebuilt / np.sqrt(to_float32(v_recon, params["v_dtype"]) + eps)
+    elif codec == "log2moment":
+        original, rebuilt = np.sqrt(original), np.sqrt(rebuilt)
+    return sum_of_squares(rebuilt - original), sum_of_squares(original)
+
+
+def within(error_sq: float, norm_sq: float, bound: float | None) -> bool:
+    """Whether a chunk's relative error keeps `bound` (no bound, or an all-zero chunk kept exactly: yes)."""
+    if not bound:
+        return True
+    return error_sq <= bound * bound * norm_sq
+
+
+def finer(tighten: float, error_sq: float, norm_sq: float, bound: float) -> float:
+    """The next retry's step factor: error scales with the step, so aim 10% under the bound.
+
+    Each retry at least halves the step and at most divides it by 16 (levels are int32: a step
+    far below the values would overflow them, which the measurement after would catch anyway).
+    """
+    if norm_sq <= 0:
+        return tighten * 0.5
+    measured = math.sqrt(error_sq / norm_sq)
+    return tighten * min(0.5, max(1 / 16, 0.9 * bound / measured))

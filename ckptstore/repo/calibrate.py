@@ -1,0 +1,141 @@
+"""A lossy commit's measured guarantee: the restored checkpoint's loss on the user's calibration data.
+
+After encoding, the commit rebuilds what checkout will return, evaluates the calibration function
+on it and on the original, and while the relative change exceeds `max_loss_change` encodes again
+with the weights' steps and error bound halved; the last attempt keeps the weights lossless (as
+the `optimizer` level does). The change is recorded in the commit's metrics (CALIBRATION_METRIC,
+in percent), so `ckpt log` and `ckpt show` display it. Objects of a discarded attempt are
+garbage for gc.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from ckptstore.errors import CkptError
+from ckptstore.policy import LossyLevel
+from ckptstore.records import TensorRecord
+from ckptstore.replay import ChainSource, replay
+from ckptstore.state import RawTensor
+
+if TYPE_CHECKING:
+    from ckptstore import formats
+    from ckptstore.repo.repository import Repository
+
+CALIBRATION_METRIC = "ckpt.calibration_loss_change_pct"
+ATTEMPTS = 5  # four halvings of the weights' steps, then lossless weights
+
+
+@dataclass
+class LossGuard:
+    """The calibration loss of the original checkpoint, and how to measure it with restored tensors."""
+
+    loss_with: Callable[[Mapping[str, RawTensor]], float]  # restored tensors by checkpoint path
+    original: float
+    max_change: float
+
+    def change(self, restored: Mapping[str, RawTensor]) -> float:
+        """The relative change of the loss with `restored` in place of the original tensors."""
+        return (self.loss_with(restored) - self.original) / max(abs(self.original), 1e-12)
+
+    def holds(self, change: float) -> bool:
+        return abs(change) <= self.max_change
+
+
+def loss_guard(calibration: Callable[[Any], Any] | None, model: Any, max_change: float | None,
+               level: LossyLevel | None, checkpoint: formats.Checkpoint) -> LossGuard | None:
+    """The guard of a lossy commit given a calibration function (None without one).
+
+    With the live `model`, `calibration(model)` is evaluated with the restored weights swapped in;
+    without it, `calibration(state)` receives the whole restored checkpoint as `ckptstore.load` gives it.
+    """
+    if calibration is None or level is None:
+        if max_change is not None:
+            raise CkptError("--max-loss-change needs a lossy level and a calibration function")
+        return None
+    limit = level.promised_loss_change if max_change is None else max_change
+    if limit is None or limit < 0:
+        raise CkptError(f"level {level.name} promises no loss change: pass max_loss_change")
+    loss_with = _model_loss(calibration, model, checkpoint) if model is not None else _state_loss(
+        calibration, checkpoint)
+    return LossGuard(loss_with, loss_with({}), limit)
+
+
+def _model_loss(calibration: Callable[[Any], Any], model: Any,
+                checkpoint: formats.Checkpoint) -> Callable[[Mapping[str, RawTensor]], float]:
+    from ckptstore.policy.mapping import paths_of_names
+    from ckptstore.policy.sensitivity import loss_with_weights
+    from ckptstore.state import materialize
+
+    names = [name for name, _ in model.named_parameters()]
+    path_of = paths_of_names(checkpoint.tensors, names)
+
+    def loss_with(restored: Mapping[str, RawTensor]) -> float:
+        weights = {name: materialize(restored[path]) for name, path in path_of.items() if path in restored}
+        return loss_with_weights(model, calibration, weights)
+
+    return loss_with
+
+
+def _state_loss(calibration: Callable[[Any], Any],
+                checkpoint: formats.Checkpoint) -> Callable[[Mapping[str, RawTensor]], float]:
+    from ckptstore import formats
+    from ckptstore.policy.sensitivity import finite_loss
+    from ckptstore.state import materialize
+
+    def loss_with(restored: Mapping[str, RawTensor]) -> float:
+        value_of = lambda path: materialize(restored[path] if path in restored else checkpoint.tensors[path])  # noqa: E731
+        state = formats.to_state(checkpoint.kind, checkpoint.files, value_of)
+        return finite_loss(calibration(state))
+
+    return loss_with
+
+
+def restored_tensors(repo: Repository, records: Mapping[str, TensorRecord],
+                     known: Mapping[str, TensorRecord]) -> dict[str, RawTensor]:
+    """What checkout will return for each path of `records` (their chains' records in `known`, by id)."""
+    source = ChainSource(repo.store, {**known, **{r.id: r for r in records.values()}})
+    arrays = replay(source, list(records.values()), repo.pool)
+    return {path: RawTensor(r.dtype, tuple(r.shape), arrays[r.id]) for path, r in records.items()}
+
+
+def tighter(level: LossyLevel, attempt: int) -> LossyLevel:
+    """The level for retry `attempt` (1, 2, ...): weight steps and bound halved each time, then lossless weights."""
+    if attempt >= ATTEMPTS - 1:
+        return replace(level, weights_lossy=False)
+    scale = 0.5**attempt
+    return replace(level, weight_keyframe_step=level.weight_keyframe_step * scale,
+                   weight_residual_step=level.weight_residual_step * scale,
+                   fast_keyframe_step=level.fast_keyframe_step * scale,
+                   fast_residual_step=level.fast_residual_step * scale,
+                   max_weight_error=(level.max_weight_error or 0.04) * scale)
+
+
+def function_named(spec: str) -> Callable[[Any], Any]:
+    """The function `MODULE:NAME` (MODULE a module importable from the current folder, or a .py file)."""
+    import importlib
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    module_name, _, name = spec.rpartition(":")
+    if not module_name or not name:
+        raise CkptError(f"--calibration {spec!r}: expected MODULE:FUNCTION (or path/to/file.py:FUNCTION)")
+    try:
+        if module_name.endswith(".py"):
+            found = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            if found is None or found.loader is None or not Path(module_name).is_file():
+                raise ImportError(f"no file {module_name}")
+            module = importlib.util.module_from_spec(found)
+            found.loader.exec_module(module)
+        else:
+            sys.path.insert(0, "")  # the user's folder, as `python -m` does
+            module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CkptError(f"--calibration {spec!r}: cannot import {module_name}: {exc}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise CkptError(f"--calibration {spec!r}: {module_name} has no function {name!r}")
+    return function

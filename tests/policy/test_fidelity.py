@@ -1,0 +1,43 @@
+"""The promise's quantities and the writer's retry rule, on known arrays."""
+
+import numpy as np
+import pytest
+
+from ckptstore.policy import fidelity
+
+
+def _bytes(values):
+    return np.asarray(values, np.float32).view(np.uint8)
+
+
+def test_weights_are_judged_by_their_relative_error():
+    original, rebuilt = np.array([3.0, 4.0]), np.array([3.0, 4.5])
+    error_sq, norm_sq = fidelity.chunk_error("deadzone", _bytes(original), _bytes(rebuilt), {"dtype": "torch.float32"})
+    assert (error_sq, norm_sq) == pytest.approx((0.25, 25.0))
+    assert fidelity.within(error_sq, norm_sq, 0.1) and not fidelity.within(error_sq, norm_sq, 0.099)
+
+
+def test_first_moments_are_judged_by_the_update_each_commit_takes():
+    """u = m / sqrt(v + eps) with the original's v and the restored v: a coarse v with an exact m is an error."""
+    params = {"dtype": "torch.float32", "v_dtype": "torch.float32", "eps": 0.0}
+    m, v, v_restored = [1.0, 2.0], [4.0, 16.0], [16.0, 16.0]
+    error_sq, norm_sq = fidelity.chunk_error("normmoment", _bytes(m), _bytes(m), params, _bytes(v), _bytes(v_restored))
+    assert norm_sq == pytest.approx(0.5) and error_sq == pytest.approx(0.25 ** 2)
+
+
+def test_second_moments_are_judged_by_their_square_root():
+    error_sq, norm_sq = fidelity.chunk_error("log2moment", _bytes([4.0]), _bytes([16.0]), {"dtype": "torch.float32"})
+    assert (error_sq, norm_sq) == pytest.approx((4.0, 4.0))
+
+
+def test_no_bound_or_an_exact_zero_chunk_keeps_it():
+    assert fidelity.within(1.0, 1.0, None) and fidelity.within(1.0, 1.0, 0.0)
+    assert fidelity.within(0.0, 0.0, 0.01) and not fidelity.within(1e-9, 0.0, 0.01)
+
+
+@pytest.mark.parametrize("measured", [0.011, 0.05, 1.0, 1e6])
+def test_each_retry_at_least_halves_the_step_and_at_most_sixteenths_it(measured):
+    factor = fidelity.finer(1.0, measured**2, 1.0, 0.01)
+    assert 1 / 16 <= factor <= 0.5
+    assert factor == pytest.approx(min(0.5, max(1 / 16, 0.009 / measured)))
+    assert fidelity.finer(0.25, 1.0, 0.0, 0.01) == 0.125  # an all-zero chunk kept inexactly: halve

@@ -1,0 +1,99 @@
+"""A calibration function turns a lossy level's promise into a measured guarantee on the user's data."""
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptstore.cli import cli
+from ckptstore.errors import CkptError
+from ckptstore.formats.torchfile import numpy_safe_globals
+from ckptstore.repo.calibrate import CALIBRATION_METRIC
+from tests.conftest import Trainer
+
+TOKENS = torch.arange(16 * 8).reshape(16, 8) % 64
+COARSE = {"weight_keyframe_step": 2.0, "fast_keyframe_step": 2.0}  # a restored loss far off, unless tightened
+
+
+def state_loss(state) -> float:
+    """The loss of the checkpoint's model weights on a fixed batch, as a user's calibration function."""
+    trainer = Trainer()
+    trainer.model.load_state_dict(state["model"])
+    with torch.no_grad():
+        logits = trainer.model(TOKENS)
+    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, 64), ((TOKENS + 1) % 64).reshape(-1)))
+
+
+def _load(path):
+    with torch.serialization.safe_globals(numpy_safe_globals()):
+        return torch.load(path, weights_only=True)
+
+
+def _saved(tmp_path):
+    trainer = Trainer()
+    trainer.train(20)
+    path = tmp_path / "ckpt.pt"
+    torch.save(trainer.state(), path)
+    return trainer, path
+
+
+@pytest.mark.parametrize("limit", [0.005, 0.0005])
+def test_the_restored_loss_is_measured_and_kept_within_the_limit(repo, tmp_path, limit):
+    _, path = _saved(tmp_path)
+    original = state_loss(_load(path))
+    unguarded = repo.commit(path, lossy="balanced", branch="plain", **COARSE)
+    assert abs(state_loss(repo.checkout(unguarded)) - original) / original > 0.01  # the coarse steps alone
+    cid = repo.commit(path, lossy="balanced", calibration=state_loss, max_loss_change=limit, **COARSE)
+    change = (state_loss(repo.checkout(cid)) - original) / original
+    assert abs(change) <= limit
+    assert repo.commit_info(cid).metrics[CALIBRATION_METRIC] == pytest.approx(change * 100, rel=1e-6, abs=1e-9)
+    assert repo.commit_info(cid).stored_bytes < repo.commit_info(cid).raw_bytes
+
+
+def test_with_the_live_model_its_weights_are_swapped_in_and_put_back(repo, tmp_path):
+    trainer, path = _saved(tmp_path)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+    def model_loss(model):
+        return torch.nn.functional.cross_entropy(model(TOKENS).reshape(-1, 64), ((TOKENS + 1) % 64).reshape(-1))
+
+    cid = repo.commit(path, lossy="balanced", model=trainer.model, calibration=model_loss, max_loss_change=0.001,
+                      **COARSE)
+    assert all(torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
+    assert abs(repo.commit_info(cid).metrics[CALIBRATION_METRIC]) <= 0.1
+    original = state_loss(_load(path))
+    assert abs(state_loss(repo.checkout(cid)) - original) / original <= 0.001
+
+
+def test_a_loss_that_no_reconstruction_can_hold_commits_nothing(repo, tmp_path):
+    _, path = _saved(tmp_path)
+    calls = []
+
+    def drifting(state):  # not a function of the weights: every call is further off
+        calls.append(1)
+        return 1.0 + len(calls)
+
+    with pytest.raises(CkptError, match="deterministic"):
+        repo.commit(path, lossy="balanced", calibration=drifting, max_loss_change=0.001)
+    assert repo.head()[1] is None and len(calls) == 1 + 5
+    with pytest.raises(CkptError, match="loss"):
+        repo.commit(path, lossy="balanced", calibration=lambda state: "low")
+    with pytest.raises(CkptError, match="max-loss-change"):
+        repo.commit(path, max_loss_change=0.01)
+
+
+def test_the_cli_takes_a_function_by_name_and_log_shows_the_change(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _, path = _saved(tmp_path)
+    (tmp_path / "calib.py").write_text("from tests.repo.test_calibrate import state_loss as loss\n")
+    run = lambda *args: CliRunner().invoke(cli, list(args), catch_exceptions=False)  # noqa: E731
+    assert run("init").exit_code == 0
+    done = run("commit", str(path), "--lossy", "balanced", "--calibration", "calib.py:loss",
+               "--max-loss-change", "0.05%")
+    assert done.exit_code == 0, done.output
+    assert CALIBRATION_METRIC in run("log").output
+    for bad, says in (("calib.py:nope", "no function"), ("nowhere:loss", "cannot import"), ("calib", "MODULE:")):
+        result = CliRunner().invoke(cli, ["commit", str(path), "--lossy", "balanced", "--calibration", bad])
+        assert isinstance(result.exception, CkptError) and says in str(result.exception)
+    result = CliRunner().invoke(cli, ["commit", str(path), "--lossy", "balanced", "--calibration", "calib.py:loss",
+                                      "--max-loss-change", "lots"])
+    assert isinstance(result.exception, CkptError) and "percentage" in str(result.exception)
