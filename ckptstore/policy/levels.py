@@ -100,18 +100,27 @@ class LossyLevel:
 
 LEVELS: dict[str, LossyLevel] = {
     # Calibrated on the benchmark suite's runs (docs/benchmarks.md): python -m bench.lossy_sweep RUN LEVEL.
+    # The bounds (max_weight_error, max_update_error) cap whatever the rules chose; checked on the
+    # zoo's held-back runs, which played no part in choosing them (python -m bench.zoo).
     "optimizer": LossyLevel("optimizer", weights_lossy=False, moment_step=1 / 4, v_levels_log2=0,
                             promised_loss_change=0.0),
     "balanced": LossyLevel("balanced", weight_keyframe_step=0.09, weight_residual_step=0.12, moment_step=4.0,
                            v_levels_log2=-2, prune=0.0, relative_step=0.2, fine_drift=0.01, settled_step=1.0,
                            fine_grid=True, fine_moment_step=0.8, fast_move=0.005, fast_keyframe_step=0.4,
                            fast_residual_step=0.2, moment_min_elements=1, frozen_step=1 / 16,
-                           promised_loss_change=0.0025),
+                           max_weight_error=0.02, max_update_error=1.0, promised_loss_change=0.0025),
+    # Stores fast-moving weights coarsely on the assumption that training continues and overtakes
+    # the error: a restored checkpoint resumes well but may evaluate worse than the original, so it
+    # promises nothing about the restored loss and enforces no bound (balanced's rules, unbounded).
+    "resume-only": LossyLevel("resume-only", weight_keyframe_step=0.09, weight_residual_step=0.12, moment_step=4.0,
+                              v_levels_log2=-2, prune=0.0, relative_step=0.2, fine_drift=0.01, settled_step=1.0,
+                              fine_grid=True, fine_moment_step=0.8, fast_move=0.005, fast_keyframe_step=0.4,
+                              fast_residual_step=0.2, moment_min_elements=1, frozen_step=1 / 16),
     "extreme": LossyLevel("extreme", weight_keyframe_step=0.2, weight_residual_step=0.25,
                           moment_step=12.0, moment_rounding=0.4, v_levels_log2=-3, prune=0.6, fine_drift=0.01,
                           settled_step=2.0, fine_grid=True, fine_moment_step=4.0, fast_move=0.005,
                           fast_keyframe_step=1.0, fast_residual_step=0.6, moment_min_elements=1,
-                          promised_loss_change=0.01),
+                          max_weight_error=0.04, max_update_error=1.0, promised_loss_change=0.01),
 }
 
 

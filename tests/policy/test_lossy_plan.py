@@ -26,9 +26,9 @@ def test_weights_no_optimizer_state_matches_get_the_frozen_step():
                                                                np.ones(64 * 64, np.float32).view(np.uint8))
     pairing = map_optimizer(tensors)
     assert not pairing.certain
-    preset = level_named("balanced")
+    preset = level_named("resume-only")
     assert preset.frozen_step < 1
-    plain = plan_lossy(tensors, {}, level_named("balanced", frozen_step=1.0), EncodingSettings(), pairing)
+    plain = plan_lossy(tensors, {}, level_named("resume-only", frozen_step=1.0), EncodingSettings(), pairing)
     finer = plan_lossy(tensors, {}, preset, EncodingSettings(), pairing)
     frozen = "model/frozen.weight"
     assert finer[frozen].params["step"] == pytest.approx(plain[frozen].params["step"] * preset.frozen_step)
@@ -38,7 +38,7 @@ def test_weights_no_optimizer_state_matches_get_the_frozen_step():
 
 def test_a_measured_fisher_sets_the_weight_steps():
     tensors = flatten(Trainer().state()).tensors
-    level, settings, pairing = level_named("balanced"), EncodingSettings(), map_optimizer(tensors)
+    level, settings, pairing = level_named("resume-only"), EncodingSettings(), map_optimizer(tensors)
     estimated = plan_lossy(tensors, {}, level, settings, pairing)
     fc1, fc2 = "model/fc1.weight", "model/fc2.weight"
     measured = plan_lossy(tensors, {}, level, settings, pairing, {fc1: 400.0, fc2: 1.0})
@@ -53,7 +53,7 @@ def test_fast_moving_adam_weights_take_the_fast_steps(lr, fast):
     # One 64x64 weight (RMS about 1) with Adam state: fast when lr >= fast_move x RMS.
     tensors = {"model/w.weight": _t(64, 64), "optimizer/state/0/exp_avg": _t(64, 64, seed=1),
                "optimizer/state/0/exp_avg_sq": _t(64, 64, seed=2)}
-    level = level_named("balanced", fast_move=1e-4, fast_keyframe_step=0.5, fast_residual_step=0.25)
+    level = level_named("resume-only", fast_move=1e-4, fast_keyframe_step=0.5, fast_residual_step=0.25)
     plan = plan_lossy(tensors, {}, level, EncodingSettings(), map_optimizer(tensors, None, [0], {0: lr}))
     rms = float(np.sqrt(np.mean(np.frombuffer(tensors["model/w.weight"].data, np.float32).astype(np.float64) ** 2)))
     expected = (0.5 if fast else level.weight_keyframe_step) * rms
@@ -84,3 +84,21 @@ def test_small_moments_follow_the_level_only_while_they_are_a_sliver_of_the_stat
     small = {"optimizer/state/0/exp_avg", "optimizer/state/0/exp_avg_sq"}
     assert (small <= plan.keys()) is big
     assert "model/head.bias" not in plan  # one-dimensional weights themselves are always lossless
+
+
+def test_a_bound_caps_the_planned_step_where_the_rules_chose_coarser():
+    """balanced's rules unbounded (resume-only) against balanced: its bound starts each weight at the
+    step whose uniform-quantization error is 90% of the bound times the allowance, never coarser."""
+    tensors = flatten(Trainer().state()).tensors
+    pairing = map_optimizer(tensors)
+    settings = EncodingSettings()
+    rules = plan_lossy(tensors, {}, level_named("resume-only", fast_keyframe_step=1.0), settings, pairing)
+    bounded = plan_lossy(tensors, {}, level_named("balanced", fast_keyframe_step=1.0), settings, pairing)
+    for path in ("model/fc1.weight", "model/fc2.weight"):
+        params = bounded[path].params
+        assert 0.01 <= params["max_error"] <= 0.04  # balanced's 2%, times an allowance within [1/2, 2]
+        rms = float(np.sqrt(np.mean(np.frombuffer(tensors[path].data, np.float32).astype(np.float64) ** 2)))
+        predicted = 0.9 * 12**0.5 * params["max_error"] * rms
+        assert params["step"] == pytest.approx(min(rules[path].params["step"], predicted))
+        assert params["step"] < rules[path].params["step"]
+        assert "max_error" not in rules[path].params

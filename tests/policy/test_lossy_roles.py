@@ -68,7 +68,7 @@ def test_every_role_but_lossless_has_a_planner():
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_adam_weights_by_pace_and_parent(fast):
-    level = level_named("balanced", fisher_allocation=False)
+    level = level_named("resume-only", fisher_allocation=False)
     tensors = _adam_model()
     # A weight is fast where Adam's lr (its step per entry) is at least fast_move of its RMS.
     least_rms = min(_rms(tensors[p]) for p in ("model/embed.weight", "model/fc.weight", "model/out.weight"))
@@ -84,7 +84,7 @@ def test_adam_weights_by_pace_and_parent(fast):
     assert roles["model/fc.weight"] is residual and roles["model/embed.weight"] is residual
     assert roles["model/fc.bias"] is Role.LOSSLESS  # one-dimensional
     assert roles["model/positions"] is Role.LOSSLESS  # integers
-    for i in range(4):  # balanced quantizes even the bias's moments (they are a sliver of the state)
+    for i in range(4):  # balanced's rules quantize even the bias's moments (they are a sliver of the state)
         assert roles[f"optimizer/state/{i}/exp_avg_sq"] is Role.ADAM_SECOND_MOMENT
         assert roles[f"optimizer/state/{i}/exp_avg"] is Role.ADAM_FIRST_MOMENT
 
@@ -106,7 +106,7 @@ def test_adam_weights_by_pace_and_parent(fast):
 
 
 def test_residual_roles_need_a_parent_of_the_same_layout_with_room_in_the_chain():
-    level = level_named("balanced", fisher_allocation=False)
+    level = level_named("resume-only", fisher_allocation=False)
     tensors = _adam_model()
     pairing = _pairing(tensors, 1e-7)
     w = tensors["model/out.weight"]
@@ -120,7 +120,7 @@ def test_residual_roles_need_a_parent_of_the_same_layout_with_room_in_the_chain(
 @pytest.mark.parametrize("frozen_step", [1 / 16, 1.0])
 def test_a_weight_no_optimizer_state_has_the_shape_of_is_frozen(frozen_step):
     # Two of three 64x64 matrices are trained (which two, the shapes cannot tell): pairing uncertain.
-    level = level_named("balanced", fisher_allocation=False, frozen_step=frozen_step)
+    level = level_named("resume-only", fisher_allocation=False, frozen_step=frozen_step)
     tensors = {"model/a.weight": _t(64, 64), "model/b.weight": _t(64, 64, seed=1), "model/c.weight": _t(64, 64, seed=2),
                "model/backbone.weight": _t(64, 80, seed=9)}  # no optimizer state is 64x80
     for i in range(2):
@@ -141,7 +141,7 @@ def test_a_weight_no_optimizer_state_has_the_shape_of_is_frozen(frozen_step):
 
 
 def test_with_a_certain_pairing_a_weight_no_optimizer_parameter_claims_stays_lossless():
-    level = level_named("balanced")
+    level = level_named("resume-only")
     tensors = _adam_model()
     tensors["model/backbone.weight"] = _t(64, 80, seed=9)
     roles, _ = _roles_and_plans(tensors, {}, level, _pairing(tensors, 1e-3))
@@ -150,7 +150,7 @@ def test_with_a_certain_pairing_a_weight_no_optimizer_parameter_claims_stays_los
 
 
 def test_sgd_momentum_and_its_weights_which_are_never_fast():
-    level = level_named("balanced", fisher_allocation=False)
+    level = level_named("resume-only", fisher_allocation=False)
     tensors = {"model/w.weight": _t(64, 64), "optimizer/state/0/momentum_buffer": _t(64, 64, seed=1, scale=0.1),
                "model/z.weight": _t(64, 64, seed=2), "optimizer/state/1/momentum_buffer": _t(64, 64, scale=0.0)}
     pairing = map_optimizer(tensors, ["w.weight", "z.weight"], [0, 1], {0: 10.0, 1: 10.0})
@@ -177,7 +177,7 @@ def test_the_optimizer_level_keeps_weights_lossless_and_moments_follow_their_siz
 
 
 def test_a_first_moment_of_another_item_size_than_its_second_stays_lossless():
-    level = level_named("balanced")
+    level = level_named("resume-only")
     tensors = _adam_model()
     tensors["optimizer/state/1/exp_avg"] = _t(64, 128, dtype=np.float16, torch_dtype="torch.float16")
     roles, _ = _roles_and_plans(tensors, {}, level, _pairing(tensors, 1e-3))
@@ -187,7 +187,7 @@ def test_a_first_moment_of_another_item_size_than_its_second_stays_lossless():
 
 
 def test_with_an_uncertain_pairing_every_large_float_matrix_is_a_weight_but_step_counters():
-    level = level_named("balanced", fisher_allocation=False)
+    level = level_named("resume-only", fisher_allocation=False)
     tensors = {"model/a.weight": _t(64, 64), "model/b.weight": _t(64, 64, seed=1), "model/step": _t(64, 64, seed=2),
                "model/zero.weight": _t(64, 64, scale=0.0), "model/small.weight": _t(8, 8, seed=3)}
     _adam(tensors, 0, "model/a.weight", 64, 64)

@@ -11,7 +11,8 @@ from ckptstore.repo.calibrate import CALIBRATION_METRIC
 from tests.conftest import Trainer
 
 TOKENS = torch.arange(16 * 8).reshape(16, 8) % 64
-COARSE = {"weight_keyframe_step": 2.0, "fast_keyframe_step": 2.0}  # a restored loss far off, unless tightened
+# resume-only enforces no bound: with these steps its restored loss is far off, unless the guard tightens
+COARSE = {"lossy": "resume-only", "weight_keyframe_step": 2.0, "fast_keyframe_step": 2.0}
 
 
 def state_loss(state) -> float:
@@ -40,9 +41,9 @@ def _saved(tmp_path):
 def test_the_restored_loss_is_measured_and_kept_within_the_limit(repo, tmp_path, limit):
     _, path = _saved(tmp_path)
     original = state_loss(_load(path))
-    unguarded = repo.commit(path, lossy="balanced", branch="plain", **COARSE)
+    unguarded = repo.commit(path, branch="plain", **COARSE)
     assert abs(state_loss(repo.checkout(unguarded)) - original) / original > 0.01  # the coarse steps alone
-    cid = repo.commit(path, lossy="balanced", calibration=state_loss, max_loss_change=limit, **COARSE)
+    cid = repo.commit(path, calibration=state_loss, max_loss_change=limit, **COARSE)
     change = (state_loss(repo.checkout(cid)) - original) / original
     assert abs(change) <= limit
     assert repo.commit_info(cid).metrics[CALIBRATION_METRIC] == pytest.approx(change * 100, rel=1e-6, abs=1e-9)
@@ -56,8 +57,7 @@ def test_with_the_live_model_its_weights_are_swapped_in_and_put_back(repo, tmp_p
     def model_loss(model):
         return torch.nn.functional.cross_entropy(model(TOKENS).reshape(-1, 64), ((TOKENS + 1) % 64).reshape(-1))
 
-    cid = repo.commit(path, lossy="balanced", model=trainer.model, calibration=model_loss, max_loss_change=0.001,
-                      **COARSE)
+    cid = repo.commit(path, model=trainer.model, calibration=model_loss, max_loss_change=0.001, **COARSE)
     assert all(torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
     assert abs(repo.commit_info(cid).metrics[CALIBRATION_METRIC]) <= 0.1
     original = state_loss(_load(path))
@@ -79,6 +79,8 @@ def test_a_loss_that_no_reconstruction_can_hold_commits_nothing(repo, tmp_path):
         repo.commit(path, lossy="balanced", calibration=lambda state: "low")
     with pytest.raises(CkptError, match="max-loss-change"):
         repo.commit(path, max_loss_change=0.01)
+    with pytest.raises(CkptError, match="promises no loss change"):
+        repo.commit(path, lossy="resume-only", calibration=state_loss)
 
 
 def test_the_cli_takes_a_function_by_name_and_log_shows_the_change(tmp_path, monkeypatch):
