@@ -263,7 +263,7 @@ def show(ctx, ref, as_json) -> None:
     for f in data["files"]:
         click.echo(f"file {f['name'] or '.'} [{f['format']}] {_size(f['size'])} {f['note']}".rstrip())
     for row in data.get("fidelity", []):
-        bound = (f", {row['worst_of_bound']:.0%} of its bound at most" if row["worst_of_bound"] is not None
+        bound = (f", at most {row['worst_of_bound']:.0%} of its bound" if row["worst_of_bound"] is not None
                  else " (no bound)")
         click.echo(f"measured {row['quantity']}: worst {row['worst']:.2e} over {row['tensors']} tensors{bound}")
     for t in data["tensors"]:
