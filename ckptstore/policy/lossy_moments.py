@@ -10,7 +10,6 @@ from __future__ import annotations
 from ckptstore.policy.levels import LossyLevel
 from ckptstore.policy.lossy_base import LossyPlan, Subject, chunk_bytes, codebooks, temporal_base
 from ckptstore.policy.lossy_context import PlanContext
-from ckptstore.policy.lossy_weights import predicted_step
 from ckptstore.policy.mapping import ParamSlots
 
 V_EPS = 1e-30
@@ -20,11 +19,11 @@ SGD_MOMENTUM_STEP = 1.0  # SGD momentum's step, in its RMS, per unit of `moment_
 def plan_sgd_momentum(ctx: PlanContext, momentum: Subject) -> LossyPlan:
     """A keyframe with a step in its RMS: its error reaches the weights only as lr / (1 - momentum) times it."""
     level = ctx.level
-    step = level.moment_step * SGD_MOMENTUM_STEP * momentum.rms
-    if level.max_update_error > 0:
-        step = min(step, predicted_step(level.max_update_error, momentum.rms))
+    # No planned-step cap from the bound (as weights have): rounding to nearest never puts an
+    # entry further off than zero would, so a bound of 1 holds at any step, and a cap only cost bytes.
     params = {"chunk_bytes": chunk_bytes(momentum.raw, None, ctx.settings), "dtype": momentum.raw.dtype,
-              "step": step, "rounding": 0.5, **codebooks(level), **update_bound(level)}
+              "step": level.moment_step * SGD_MOMENTUM_STEP * momentum.rms, "rounding": 0.5, **codebooks(level),
+              **update_bound(level)}
     return LossyPlan(momentum.path, "deadzone", params)
 
 
