@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import stat
-import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,7 +112,7 @@ def _read_torch_file(path: Path, name: str, prefix: str, size: int, trust_pickle
     found = None if trust_pickle else torchzip.read_with_covers(path, prefix)
     flat, covers = found if found is not None else (flatten(torchfile.load(path, trust_pickle), prefix), None)
     record = CheckpointFile(name, TORCH, flat.skeleton, size)
-    split = torchcontainer.split(path, prefix, flat.tensors, covers) if zipfile.is_zipfile(path) else None
+    split = torchcontainer.split(path, prefix, flat.tensors, covers) if torchfile.is_zip(path) else None
     if split is not None:
         record.container, flat.tensors[record.container["entry"]] = split
     return record, flat.tensors

@@ -27,6 +27,7 @@ import numpy as np
 
 from ckptstore.errors import CkptError
 from ckptstore.formats.atomic import write_parts
+from ckptstore.formats.torchfile import ZIP_ERRORS
 from ckptstore.state import RawTensor, raw_from_bytes
 
 _LOCAL = struct.Struct("<4s5H3L2H")
@@ -104,7 +105,7 @@ def split(path: Path, prefix: str, tensors: dict[str, RawTensor], covers: dict[s
         data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         return _split(data, size, zipfile.ZipFile(path), prefix, tensors, covers)
-    except (ValueError, struct.error, zipfile.BadZipFile):
+    except ZIP_ERRORS:
         return None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import struct
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -70,14 +71,28 @@ def load(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
         ) from None
 
 
+# What Python's zipfile raises on damaged archives (a multi-disk or version field gone wrong
+# gives BadZipFile even from is_zipfile, an unknown version NotImplementedError): found by fuzzing.
+ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, OSError, ValueError, EOFError,
+              struct.error)
+
+
+def is_zip(path: Path) -> bool:
+    """Whether the file ends like a zip; a damaged end record counts as not one (its reader says why)."""
+    try:
+        return zipfile.is_zipfile(path)
+    except ZIP_ERRORS:
+        return False
+
+
 def _mappable(path: Path) -> bool:
     """A zip whose records are all stored: torch.load(mmap=True) fails on deflated ones, which it reads without."""
-    if not zipfile.is_zipfile(path):
+    if not is_zip(path):
         return False
     try:
         with zipfile.ZipFile(path) as zf:
             return all(info.compress_type == zipfile.ZIP_STORED for info in zf.infolist())
-    except (zipfile.BadZipFile, OSError, ValueError):
+    except ZIP_ERRORS:
         return True  # torch's own reader says what is wrong with it
 
 
