@@ -9,7 +9,6 @@ fast residual step, skips that cap: its error is overtaken within a few steps of
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from ckptstore.policy.levels import LossyLevel
@@ -62,11 +61,6 @@ def plan_fast_weight_residual(ctx: PlanContext, weight: Subject) -> LossyPlan:
     return _deadzone(ctx, weight, step, 0.5, _fast_relative_step(level), _drift_params(ctx, weight))
 
 
-def predicted_step(max_error: float, rms: float) -> float:
-    """The step whose uniform-quantization error, step / sqrt(12), is 90% of `max_error` times `rms`."""
-    return 0.9 * math.sqrt(12) * max_error * rms
-
-
 def _fast_relative_step(level: LossyLevel) -> float:
     """No fine-tune cap with a fast residual step: a small move late in a decaying schedule is overtaken."""
     return 0.0 if level.fast_residual_step else level.relative_step
@@ -94,12 +88,12 @@ def _deadzone(ctx: PlanContext, weight: Subject, step: float, rounding: float, r
               extra: dict[str, Any] | None = None) -> LossyPlan:
     """The dead-zone plan of a weight; a paired weight's second moment judges which residuals to prune.
 
-    With an error bound, the step starts where uniform quantization's error (step / sqrt(12) of
-    RMS) would meet 90% of it, so the writer's measurement rarely has to encode a chunk twice.
+    The planned step stays the rules' own even under an error bound, which the writer enforces by
+    encoding a chunk again: the fine-tune rules compare each chunk's step with the planned one
+    (chunk_step, capped), and starting keyframes at the bound's predicted step broke their
+    refinement (minilm-finetune's eval drifted to +3.5% along the chain; docs/design-notes.md).
     """
     bound = ctx.weight_bound(weight.path)
-    if bound:
-        step = min(step, predicted_step(bound["max_error"], weight.rms))
     params = {"chunk_bytes": chunk_bytes(weight.raw, weight.base, ctx.settings), "dtype": weight.raw.dtype,
               "step": step, "rounding": rounding, "relative_step": relative_step, **codebooks(ctx.level),
               **(extra or {}), **bound}
