@@ -146,7 +146,7 @@ class TinyViT(torch.nn.Module):
 
 class ViTTiny(Images):
     name = "vit-tiny"
-    description = "ViT (4x4 patches, 3 blocks, dim 64, class token; 102K parameters), AdamW lr 1e-3, cosine, fp32"
+    description = "ViT (4x4 patches, 3 blocks, dim 64, class token; 103K parameters), AdamW lr 1e-3, cosine, fp32"
     dim, depth = 64, 3
 
     def model(self) -> torch.nn.Module:
@@ -190,8 +190,8 @@ class GRUModel(torch.nn.Module):
 
 class GPTHot(ScratchLM):
     name = "gpt-hot"
-    description = "byte-level GPT (dim 192, 3 layers; 1.4M parameters), AdamW lr 3e-3, warmup then constant, fp32"
-    dim, layers = 192, 3
+    description = "byte-level GPT (dim 192, 2 layers; 1.0M parameters), AdamW lr 3e-3, warmup then constant, fp32"
+    dim, layers = 192, 2
     lr = 3e-3
     schedule_kind = "constant"  # the last checkpoints are still at the peak learning rate
 
@@ -203,7 +203,7 @@ class GPTHot(ScratchLM):
 
 class GPTLinear(GPTHot):
     name = "gpt-linear"
-    description = "byte-level GPT (dim 192, 3 layers; 1.4M parameters), AdamW lr 5e-4, warmup + linear decay, fp32"
+    description = "byte-level GPT (dim 192, 2 layers; 1.0M parameters), AdamW lr 5e-4, warmup + linear decay, fp32"
     lr = 5e-4
     schedule_kind = "linear"
 
