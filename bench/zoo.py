@@ -1,5 +1,7 @@
 """`python -m bench.zoo [--levels L ...] [--runs NAME ...] [--half tuned|held-back|all] [--json FILE] [--quick]`.
 
+`python -m bench.zoo --report FILE` prints the tables again from the JSON lines of earlier runs.
+
 Do the lossy levels keep their promise on runs nobody tuned them on (issue 22)? For each run of the zoo
 (bench/zoo_runs.py: the six TUNED runs that chose the presets, and the seven HELD_BACK ones) and each
 level: every checkpoint is committed at the level into a fresh repository; the ratio is the torch.save
@@ -139,6 +141,11 @@ def table(rows: list[dict], half: str) -> str:
 
 
 def report(rows: list[dict]) -> str:
+    """One table per half, tuned first; rows in zoo order, levels from lossless-weights to smallest."""
+    order = [*TUNED, *HELD_BACK]
+    levels = [*ACCEPTANCE]
+    rows = sorted(rows, key=lambda r: (order.index(r["run"]) if r["run"] in order else len(order), r["run"],
+                                       levels.index(r["level"]) if r["level"] in levels else len(levels)))
     halves = [h for h in (*HALVES, "other") if any(r["half"] == h for r in rows)]
     return "\n".join(table([r for r in rows if r["half"] == half], half) for half in halves)
 
@@ -151,7 +158,13 @@ def main() -> None:
     parser.add_argument("--half", choices=["tuned", "held-back", "all"], default="all")
     parser.add_argument("--json", type=Path, help="append one JSON line per run and level here")
     parser.add_argument("--quick", action="store_true", help="the tiny versions of the runs")
+    parser.add_argument("--report", type=Path, metavar="JSONL",
+                        help="only print the tables of rows saved by --json (the last row per run and level)")
     args = parser.parse_args()
+    if args.report:
+        saved = [json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]
+        print(report(list({(r["run"], r["level"]): r for r in saved}.values())))
+        return
     try:
         for level in args.levels:  # ckptstore's own error, before any run trains or commits
             level_named(level)
