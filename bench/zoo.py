@@ -158,6 +158,9 @@ def main() -> None:
     parser.add_argument("--half", choices=["tuned", "held-back", "all"], default="all")
     parser.add_argument("--json", type=Path, help="append one JSON line per run and level here")
     parser.add_argument("--quick", action="store_true", help="the tiny versions of the runs")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads (1 is many times faster on a machine busy with other work: two threads "
+                             "then wait on each other at every parallel step)")
     parser.add_argument("--report", type=Path, metavar="JSONL",
                         help="only print the tables of rows saved by --json (the last row per run and level)")
     args = parser.parse_args()
@@ -170,10 +173,11 @@ def main() -> None:
             level_named(level)
     except CkptError as error:
         sys.exit(f"bench.zoo: {error}")
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     runs = args.runs or [n for half, names in HALVES.items() if args.half in (half, "all") for n in names]
 
     def emit(row: dict) -> None:
+        row["threads"] = args.threads
         print(json.dumps(row), file=sys.stderr, flush=True)
         if args.json:
             with args.json.open("a") as out:
