@@ -12,9 +12,17 @@ from bench.workloads import WORKLOADS, Workload
 from bench.zoo_runs import HELD_BACK, TUNED
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny models: a second thread only adds waiting, many times over on a busy machine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def rows():
-    torch.set_num_threads(2)
     return zoo.run_zoo(["mlp-tour", "cnn-bn"], ["optimizer", "balanced"], quick=True)
 
 
