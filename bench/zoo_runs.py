@@ -215,7 +215,7 @@ class LoRAMiniLM(MiniLMFineTune):
 
     name = "lora-minilm"
     batch_size, seq = 8, 32  # a quarter of the fine-tunes' tokens a step: 100 steps in seconds, not minutes
-    description = ("all-MiniLM-L6-v2 classifier with LoRA r=8 on query/value (22.7M parameters, 74K trained: "
+    description = ("all-MiniLM-L6-v2 classifier with LoRA r=8 on query/value (22.8M parameters, 74K trained: "
                    "adapters + head), AdamW lr 5e-4, warmup + linear decay, fp32")
 
     def build(self) -> State:
