@@ -25,7 +25,7 @@ from bench.memory import PeakMemory
 from bench.methods import all_methods
 from bench.report import write_report
 from bench.units import clear, same_unit, size_of
-from bench.workloads import WORKLOADS, Workload
+from bench.workloads import SUITE_RUNS, WORKLOADS, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,7 +115,7 @@ def main() -> None:
               "command": "python -m bench " + " ".join(sys.argv[1:])}
     started = time.time()
     results = []
-    for name in args.only or list(WORKLOADS):
+    for name in args.only or list(SUITE_RUNS):
         run_started = time.time()
         workload = WORKLOADS[name](quick=args.quick)
         results.append(run_workload(workload, resume_steps=args.resume_steps or workload.resume_steps))

@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
-import time
-from pathlib import Path
 
 import torch
 
+from bench.lossy_store import change_pct, lossy_store, original_losses, resumed_loss
 from bench.units import size_of
 from bench.workloads import WORKLOADS
-from ckptstore import Repository
 
 
 def sweep(run: str, levels: list[str], knobs: dict, quick: bool = False, resume_steps: int | None = None,
@@ -30,51 +26,28 @@ def sweep(run: str, levels: list[str], knobs: dict, quick: bool = False, resume_
     files = workload.files()
     raw = sum(size_of(f) for f in files)
     if not speed_only:
-        original = [workload.eval_loss(workload.load(f).model) for f in files]
-        state = workload.load(files[-1])
-        workload.train_steps(state, resume_steps)
-        original_resume = workload.eval_loss(state.model)
+        original, original_resume = original_losses(workload, files, len(files) - 1, resume_steps)
     rows = []
     for level in levels:
-        work = Path(tempfile.mkdtemp(prefix="ckpt-sweep-"))
-        try:
-            with Repository.init(work / "repo") as repo:
-                commits, start = [], time.perf_counter()
-                for path in files:
-                    steer = {}
-                    if calibrate:  # the live model at this checkpoint, and the loss on a fixed batch
-                        steer = {"model": workload.load(path).model, "calibration": workload.calibration()}
-                    commits.append(repo.commit(path, lossy=level, **steer, **knobs))
-                encode_s = time.perf_counter() - start
-                stored = sum(repo.commit_info(c).stored_bytes for c in commits)
-                changes, decode_s, to_file_s = [], 0.0, 0.0
-                for index, cid in enumerate(commits):
-                    start = time.perf_counter()
-                    repo.checkout(cid)
-                    decode_s += time.perf_counter() - start
-                    dest = work / f"restored{files[index].suffix}"
-                    start = time.perf_counter()
-                    repo.checkout_to(cid, dest, force=True)
-                    to_file_s += time.perf_counter() - start
-                    if not speed_only:
-                        restored = workload.load(dest)
-                        changes.append((workload.eval_loss(restored.model) - original[index]) / original[index] * 100)
-                        if index == len(commits) - 1:
-                            workload.train_steps(restored, resume_steps)
-                            resumed = workload.eval_loss(restored.model)
-                    shutil.rmtree(dest, ignore_errors=True) if dest.is_dir() else dest.unlink()
-                pairing = repo.show(commits[-1]).get("pairing")
-            quality = {} if speed_only else {
-                "worst_eval_change_pct": max(changes, key=abs), "eval_changes_pct": [round(c, 3) for c in changes],
-                "resume_change_pct": (resumed - original_resume) / original_resume * 100}
-            rows.append({"run": run, "level": level, "knobs": knobs, "calibrated": calibrate, "ratio": raw / stored,
-                         **quality,
-                         "encode_MBps": raw / 1e6 / encode_s, "decode_MBps": raw / 1e6 / decode_s,
-                         "restore_file_MBps": raw / 1e6 / to_file_s,
-                         "pairing": pairing})
-            print(json.dumps(rows[-1]), flush=True)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        with lossy_store(workload, files, level, knobs, calibrate) as store:
+            changes = []
+            for index, dest in store.restored(decode=True):
+                if not speed_only:
+                    restored = workload.load(dest)
+                    changes.append(change_pct(workload.eval_loss(restored.model), original[index]))
+                    if index == len(files) - 1:
+                        resumed = resumed_loss(workload, restored, resume_steps)
+            pairing = store.repo.show(store.commits[-1]).get("pairing")
+            stored, timings = store.stored_bytes, store.timings
+        quality = {} if speed_only else {
+            "worst_eval_change_pct": max(changes, key=abs), "eval_changes_pct": [round(c, 3) for c in changes],
+            "resume_change_pct": change_pct(resumed, original_resume)}
+        rows.append({"run": run, "level": level, "knobs": knobs, "calibrated": calibrate, "ratio": raw / stored,
+                     **quality,
+                     "encode_MBps": raw / 1e6 / timings.encode_s, "decode_MBps": raw / 1e6 / timings.decode_s,
+                     "restore_file_MBps": raw / 1e6 / timings.to_file_s,
+                     "pairing": pairing})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 

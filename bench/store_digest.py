@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.workloads import WORKLOADS
+from bench.workloads import SUITE_RUNS, WORKLOADS
 
 LEVELS = (None, "optimizer", "balanced", "extreme")
 
@@ -52,7 +52,7 @@ def digest_level(files: list[Path], level: str | None, scratch: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="*", default=list(WORKLOADS))
+    parser.add_argument("runs", nargs="*", default=list(SUITE_RUNS))
     parser.add_argument("--quick", action="store_true", help="the tiny runs of `python -m bench --quick`")
     parser.add_argument("--json", type=Path, help="also write the table here")
     args = parser.parse_args()

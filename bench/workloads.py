@@ -132,6 +132,26 @@ class Workload:
         names = {id(p): n for n, p in state.model.named_parameters()}
         return [names[id(p)] for group in state.optimizer.param_groups for p in group["params"]]
 
+    def learning_rate(self, path: Path) -> tuple[float, float]:
+        """The learning rate a checkpoint resumes at (its optimizer's first group's lr), and that group's
+        base lr (`initial_lr`, the peak of every schedule here; the lr itself when there is none)."""
+        if path.is_dir():  # a Trainer folder keeps the optimizer beside the weights
+            optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+        else:  # mmap: only the small optimizer header is read, not every tensor
+            optimizer = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["optimizer"]
+        group = optimizer["param_groups"][0]
+        return float(group["lr"]), float(group.get("initial_lr", group["lr"]))
+
+    def resume_point(self, files: list[Path]) -> tuple[int, float, float]:
+        """The checkpoint a resume test starts from, its lr and the run's peak lr: the last checkpoint whose
+        lr is still at least half the peak (a resume that still trains hard), else the one with the highest."""
+        rates = [self.learning_rate(f) for f in files]
+        lrs = [lr for lr, _ in rates]
+        peak = max(max(lrs), *(base for _, base in rates))
+        hot = [i for i, lr in enumerate(lrs) if lr >= peak / 2]
+        index = hot[-1] if hot else max(range(len(lrs)), key=lrs.__getitem__)
+        return index, lrs[index], peak
+
     def checkpoint_name(self, index: int) -> str:
         return f"ckpt-{index:03d}.pt"
 
@@ -395,3 +415,6 @@ class TrainerFolders(ScratchLM):
 
 WORKLOADS: dict[str, type[Workload]] = {w.name: w for w in (
     ScratchLM, ScratchLMBf16, MiniLMFineTune, MiniLMFrozen, SGDMomentumLM, TrainerFolders)}
+SUITE_RUNS = tuple(WORKLOADS)  # the six runs of `python -m bench`; the zoo's own runs register below
+
+import bench.zoo_runs  # noqa: E402, F401  (it subclasses the runs above and adds itself to WORKLOADS)
