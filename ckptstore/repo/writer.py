@@ -209,6 +209,7 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
             on_bytes(job.raw.nbytes)
     packer.close()
     records: dict[str, TensorRecord] = {}
+    by_id: dict[TensorId, TensorRecord] = {}
     object_sizes: dict[ObjectId, int] = {}
     for job in ordered:
         results = results_of[job.key]
@@ -232,7 +233,11 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
         base = None
         if uses_base:
             base = records[job.sibling] if job.sibling is not None else job.base
-        records[job.key] = TensorRecord(
+        same = by_id.get(tid) or (base if base is not None and base.id == tid else None)
+        if same is not None:  # the same reconstruction as a record made before (all-zero m and v): that one
+            records[job.key] = same  # names it; a second record of the id could be based on the first: a loop
+            continue
+        records[job.key] = by_id[tid] = TensorRecord(
             id=tid, dtype=job.raw.dtype, shape=job.raw.shape, codec=job.codec, params=params,
             base_id=base.id if base else None, depth=base.depth + 1 if base else 0,
             raw_bytes=job.raw.nbytes, stored_bytes=sum(r.stored for r in results),

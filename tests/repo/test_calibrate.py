@@ -99,3 +99,18 @@ def test_the_cli_takes_a_function_by_name_and_log_shows_the_change(tmp_path, mon
     result = CliRunner().invoke(cli, ["commit", str(path), "--lossy", "balanced", "--calibration", "calib.py:loss",
                                       "--max-loss-change", "lots"])
     assert isinstance(result.exception, CkptError) and "percentage" in str(result.exception)
+
+
+def test_a_moment_whose_reconstruction_equals_its_base_is_measured(repo):
+    """All-zero Adam moments (a parameter no gradient reached) reconstruct to their second moment's
+    bytes, so the first moment's id is its own base's: measured as stored, not as a loop."""
+    torch.manual_seed(0)
+    weight = torch.randn(64, 64)
+    state = {"model": {"w": weight}, "optimizer": {
+        "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(64, 64), "exp_avg_sq": torch.zeros(64, 64)}},
+        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": [0]}]}}
+    cid = repo.commit(state, lossy="balanced", calibration=lambda s: float(s["model"]["w"].square().mean()),
+                      max_loss_change=0.001)
+    restored = repo.checkout(cid)
+    assert torch.equal(restored["optimizer"]["state"][0]["exp_avg"], torch.zeros(64, 64))
+    assert abs(repo.commit_info(cid).metrics[CALIBRATION_METRIC]) <= 0.1

@@ -333,3 +333,19 @@ def test_without_bounds_the_coarse_rules_are_what_they_are(repo, tmp_path):
     original, restored = _load(path), repo.checkout(cid)
     assert max(_rel(restored["model"][n], original["model"][n]) for n in LOSSY_WEIGHTS) > 0.05
     assert all(row["worst_of_bound"] is None for row in repo.show(cid)["fidelity"])
+
+
+@pytest.mark.parametrize("level", ["optimizer", "balanced", "extreme"])
+def test_moments_that_reconstruct_to_the_same_bytes_restore(repo, level):
+    """All-zero Adam moments (a parameter no gradient reached) reconstruct to identical bytes, so the
+    first moment's tensor id is its second moment's, its own base: once recorded as a loop, the commit
+    could not be checked out. Bit-exact zeros come back, twice along a chain."""
+    torch.manual_seed(0)
+    for step in (3, 4):
+        state = {"model": {"w": torch.randn(64, 64)}, "optimizer": {
+            "state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.zeros(64, 64),
+                          "exp_avg_sq": torch.zeros(64, 64)}},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": [0]}]}}
+        restored = repo.checkout(repo.commit(state, lossy=level))
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert_same(restored["optimizer"]["state"][0][moment], torch.zeros(64, 64))
