@@ -88,6 +88,38 @@ def measure(workload: Workload, base: Baseline, level: str) -> dict:
             "seconds": round(time.perf_counter() - started, 1)}
 
 
+def calibration_loss(workload: Workload, model: torch.nn.Module) -> float:
+    """The loss on the run's calibration batch (a training batch it never reaches), in eval mode."""
+    model.eval()
+    with torch.no_grad():
+        return float(workload.calibration()(model))
+
+
+def measure_calibrated(workload: Workload, base: Baseline, level: str, limit: float) -> dict:
+    """One run at one level committed with its calibration batch and `max_loss_change=limit`: every
+    restored checkpoint's change on that batch (measured here again) and on the held-out eval data."""
+    started = time.perf_counter()
+    calibrated, changes = [], []
+    with lossy_store(workload, base.files, level, {"max_loss_change": limit}, calibrate=True) as store:
+        for index, dest in store.restored():
+            restored, original = workload.load(dest), workload.load(base.files[index])
+            calibrated.append(change_pct(calibration_loss(workload, restored.model),
+                                         calibration_loss(workload, original.model)))
+            changes.append(change_pct(workload.eval_loss(restored.model), base.losses[index]))
+        stored = store.stored_bytes
+    return {"level": level, "max_loss_change_pct": limit * 100, "ratio": base.raw_bytes / stored,
+            "raw_bytes": base.raw_bytes, "stored_bytes": stored,
+            "worst_calibration_change_pct": max(calibrated, key=abs), "worst_eval_change_pct": max(changes, key=abs),
+            "eval_changes_pct": [round(c, 4) for c in changes], "seconds": round(time.perf_counter() - started, 1)}
+
+
+def calibrated_verdict(row: dict) -> str:
+    """With a calibration function: its batch's change within the limit, held-out eval within twice it."""
+    limit = row["max_loss_change_pct"]
+    ok = abs(row["worst_calibration_change_pct"]) <= limit and abs(row["worst_eval_change_pct"]) <= 2 * limit
+    return "pass" if ok else "FAIL"
+
+
 def verdict(row: dict) -> str:
     """pass / fail against the level's acceptance; '-' for a level without one."""
     if row["level"] not in ACCEPTANCE:
@@ -100,8 +132,12 @@ def verdict(row: dict) -> str:
 
 
 def run_zoo(runs: list[str], levels: list[str], quick: bool = False,
-            emit: Callable[[dict], None] = lambda row: None) -> list[dict]:
-    """Every run at every level; `emit` sees each row as soon as it is measured."""
+            emit: Callable[[dict], None] = lambda row: None, calibrate: float | None = None) -> list[dict]:
+    """Every run at every level; `emit` sees each row as soon as it is measured.
+
+    With `calibrate` (a relative limit), each level is committed with the run's calibration batch
+    and that `max_loss_change` instead, and judged by `calibrated_verdict`.
+    """
     rows = []
     for name in runs:
         started = time.perf_counter()
@@ -109,13 +145,27 @@ def run_zoo(runs: list[str], levels: list[str], quick: bool = False,
         base = baseline(workload)
         setup_s = round(time.perf_counter() - started, 1)
         for level in levels:
-            row = {"run": name, "half": half_of(name), **measure(workload, base, level),
-                   "resume_index": base.resume_index, "checkpoints": len(base.files), "resume_lr": base.resume_lr,
-                   "peak_lr": base.peak_lr, "baseline_seconds": setup_s}
-            row["pass"] = verdict(row)
+            if calibrate is not None:
+                row = {"run": name, "half": half_of(name), **measure_calibrated(workload, base, level, calibrate)}
+                row["pass"] = calibrated_verdict(row)
+            else:
+                row = {"run": name, "half": half_of(name), **measure(workload, base, level),
+                       "resume_index": base.resume_index, "checkpoints": len(base.files),
+                       "resume_lr": base.resume_lr, "peak_lr": base.peak_lr, "baseline_seconds": setup_s}
+                row["pass"] = verdict(row)
             rows.append(row)
             emit(row)
     return rows
+
+
+def calibrated_table(rows: list[dict]) -> str:
+    """A Markdown table of calibrated rows: the change on the calibration batch and on held-out data."""
+    lines = ["| run | half | level | limit | ratio | worst calibration change | worst eval change | result |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['run']} | {r['half']} | {r['level']} | {r['max_loss_change_pct']:.2f}% | {r['ratio']:.2f}x "
+              f"| {r['worst_calibration_change_pct']:+.3f}% | {r['worst_eval_change_pct']:+.3f}% | {r['pass']} |"
+              for r in rows]
+    return "\n".join(lines) + "\n"
 
 
 def half_of(name: str) -> str:
@@ -141,7 +191,14 @@ def table(rows: list[dict], half: str) -> str:
 
 
 def report(rows: list[dict]) -> str:
-    """One table per half, tuned first; rows in zoo order, levels from lossless-weights to smallest."""
+    """One table per half, tuned first; rows in zoo order, levels from lossless-weights to smallest.
+
+    Calibrated rows (`--calibrate`) get a table of their own, after.
+    """
+    calibrated = [r for r in rows if "max_loss_change_pct" in r]
+    if calibrated:
+        plain = [r for r in rows if "max_loss_change_pct" not in r]
+        return (report(plain) + "\n" if plain else "") + calibrated_table(calibrated)
     order = [*TUNED, *HELD_BACK]
     levels = [*ACCEPTANCE]
     rows = sorted(rows, key=lambda r: (order.index(r["run"]) if r["run"] in order else len(order), r["run"],
@@ -161,12 +218,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2,
                         help="torch threads (1 is many times faster on a machine busy with other work: two threads "
                              "then wait on each other at every parallel step)")
+    parser.add_argument("--calibrate", type=float, metavar="PERCENT",
+                        help="commit with each run's calibration batch and --max-loss-change PERCENT; judge the "
+                             "change on that batch (within it) and on held-out eval data (within twice it)")
     parser.add_argument("--report", type=Path, metavar="JSONL",
                         help="only print the tables of rows saved by --json (the last row per run and level)")
     args = parser.parse_args()
     if args.report:
         saved = [json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]
-        print(report(list({(r["run"], r["level"]): r for r in saved}.values())))
+        print(report(list({(r["run"], r["level"], r.get("max_loss_change_pct")): r for r in saved}.values())))
         return
     try:
         for level in args.levels:  # ckptstore's own error, before any run trains or commits
@@ -183,7 +243,8 @@ def main() -> None:
             with args.json.open("a") as out:
                 out.write(json.dumps(row) + "\n")
 
-    print(report(run_zoo(runs, args.levels, args.quick, emit)))
+    limit = None if args.calibrate is None else args.calibrate / 100
+    print(report(run_zoo(runs, args.levels, args.quick, emit, limit)))
 
 
 if __name__ == "__main__":
