@@ -98,3 +98,17 @@ def test_a_bound_is_planned_beside_the_rules_step_which_stays_their_own():
         assert 0.01 <= bounded[path].params["max_error"] <= 0.04  # balanced's 2%, times an allowance in [1/2, 2]
         assert bounded[path].params["step"] == rules[path].params["step"]
         assert "max_error" not in rules[path].params
+
+
+def test_a_fast_weight_starts_at_the_step_its_bound_predicts():
+    """Fast-moving weights (no fine-tune rules) start where uniform quantization's error, step / sqrt(12)
+    of RMS, is 90% of the bound, so the writer rarely encodes them twice."""
+    tensors = {"model/w.weight": _t(64, 64), "optimizer/state/0/exp_avg": _t(64, 64, seed=1),
+               "optimizer/state/0/exp_avg_sq": _t(64, 64, seed=2)}
+    pairing = map_optimizer(tensors, None, [0], {0: 1e-3})
+    knobs = {"fast_move": 1e-4, "fast_keyframe_step": 0.5, "fisher_allocation": False}
+    rules = plan_lossy(tensors, {}, level_named("resume-only", **knobs), EncodingSettings(), pairing)
+    bounded = plan_lossy(tensors, {}, level_named("balanced", **knobs), EncodingSettings(), pairing)
+    rms = float(np.sqrt(np.mean(np.frombuffer(tensors["model/w.weight"].data, np.float32).astype(np.float64) ** 2)))
+    assert rules["model/w.weight"].params["step"] == pytest.approx(0.5 * rms, rel=1e-6)
+    assert bounded["model/w.weight"].params["step"] == pytest.approx(0.9 * 12**0.5 * 0.02 * rms, rel=1e-6)
