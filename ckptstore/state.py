@@ -510,6 +510,22 @@ def unflatten(skeleton: Any, lookup: Callable[[str], Any]) -> Any:
     return _Unflattener(lookup).decode(skeleton)
 
 
+def _scatter(torch: Any, storage: Any, value: Any, offset: int, stride: list[int]) -> None:
+    """Write `value` into `storage` at a self-overlapping view's places, element by element.
+
+    torch refuses to copy into such a view; its elements that share a place hold equal values in
+    any file torch.save wrote, so which of them lands last does not matter.
+    """
+    places = torch.full(tuple(value.shape), offset, dtype=torch.int64)
+    for dim, (size, step) in enumerate(zip(value.shape, stride)):
+        shape = [1] * value.dim()
+        shape[dim] = size
+        places = places + (torch.arange(size, dtype=torch.int64) * step).reshape(shape)
+    flat = torch.empty(0, dtype=value.dtype, device=value.device)
+    flat.set_(storage, 0, (storage.nbytes() // value.element_size(),), (1,))
+    flat[places.reshape(-1).to(value.device)] = value.reshape(-1)
+
+
 class _Unflattener:
     """One skeleton's decoding: the lookup, and a cache so shared paths give one object."""
 
@@ -558,7 +574,10 @@ class _Unflattener:
         shared = torch.empty(0, dtype=value.dtype, device=value.device)
         shared.set_(self.storages[storage], offset, value.shape, stride)
         with torch.no_grad():
-            shared.copy_(value)
+            try:
+                shared.copy_(value)
+            except RuntimeError:  # a view whose elements share memory (an expand()ed tensor: stride 0)
+                _scatter(torch, self.storages[storage], value, offset, stride)
         return shared
 
     def mapping(self, node: list) -> Any:

@@ -300,3 +300,16 @@ def test_a_view_record_outside_its_storage_is_a_damaged_record():
         node[2]["view"] = damage
         with pytest.raises(CorruptRecordError, match="does not fit its storage"):
             unflatten(flat.skeleton, lambda path: materialize(flat.tensors[path]))
+
+
+def test_an_expanded_view_of_a_shared_storage_round_trips(repo, tmp_path):
+    """Its elements share memory (stride 0) beside another view of the storage: found by fuzzing."""
+    base = torch.randn(4)
+    state = {"w": base, "t": base.expand(3, 4), "u": base[1:].expand(2, 3)}
+    flat = flatten(state)
+    back = unflatten(flat.skeleton, lambda path: materialize(flat.tensors[path]))
+    assert_same(back, state)
+    assert back["t"].untyped_storage().data_ptr() == back["w"].untyped_storage().data_ptr()
+    torch.save(state, tmp_path / "c.pt")
+    restored = repo.checkout(repo.commit(tmp_path / "c.pt"))
+    assert_same(restored, state)
