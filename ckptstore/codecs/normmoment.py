@@ -3,7 +3,8 @@
 u is quantized uniformly with a dead zone against the reconstructed second moment of the same
 commit (the base), then entropy coded. Given the original second moment (hint "v"), the encoder
 quantizes the original update m / sqrt(v) instead, so the restored update is the original's up to
-one step even where v was stored coarsely; decoding is the same either way.
+one step even where v was stored coarsely; decoding is the same either way. It then also leaves
+the restored update's squared error and norm in hints["update_error"], saving the writer a pass.
 
 |u| is about 1 at most whatever the tensor's scale, so one step size fits every tensor, and error
 lands where it moves the weights least. Params: dtype, v_dtype (the base's), step, rounding, eps, tighten (< 1: the
@@ -21,7 +22,7 @@ import numpy as np
 
 from ckptstore.codecs.deadzone import dequantize, quantize
 from ckptstore.codecs.entropy import decode_symbols, encode_symbols
-from ckptstore.codecs.floats import from_float32, itemsize, rounding_error, to_float32
+from ckptstore.codecs.floats import from_float32, itemsize, rounding_error, sum_of_squares, to_float32
 from ckptstore.errors import CodecError
 
 MAGIC, MAGIC_V1 = b"MN2", b"MN1"
@@ -55,7 +56,11 @@ class NormalizedMomentCodec:
         levels = quantize(direction, step, rounding)
         if hints and hints.get("prune") is not None:
             levels[hints["prune"]] = 0
-        return _HEAD.pack(MAGIC, step) + encode_symbols(levels), self._reconstruct(levels, scale, step, params)
+        recon = self._reconstruct(levels, scale, step, params)
+        if original_v is not None and hints is not None:  # the writer's bound is on this (policy/fidelity.py)
+            restored = to_float32(recon, params["dtype"]) / scale
+            hints["update_error"] = (sum_of_squares(restored - direction), sum_of_squares(direction))
+        return _HEAD.pack(MAGIC, step) + encode_symbols(levels), recon
 
     def encode(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any]) -> bytes:
         return self.encode_lossy(data, base, params)[0]

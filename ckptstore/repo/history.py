@@ -91,7 +91,7 @@ def show(repo: Repository, ref: str = "HEAD") -> dict[str, Any]:
 # What each lossy codec's measured error is of (policy/fidelity.py), as `show` names it.
 MEASURED = {"deadzone": "weights (and SGD momentum): ||W'-W||/||W||",
             "normmoment": "Adam updates: ||u'-u||/||u||, u = m/sqrt(v)",
-            "log2moment": "Adam second moments: ||sqrt(v')-sqrt(v)||/||sqrt(v)||"}
+            "log2moment": "Adam second moments: ||v'-v||/||v||"}
 
 
 def fidelity(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -131,9 +131,10 @@ def _encode_lossy_chunk(job: Job, source: ChainSource, index: int, start: int, d
     v = _reference_chunk(job, start, data.size)
     bound, tighten, attempt = params.get("max_error"), 1.0, 0
     while True:
+        hints = {"prune": mask, "v": v}
         payload, recon = able.lossy.encode_lossy(data, base, dict(params, tighten=tighten) if attempt else params,
-                                                 {"prune": mask, "v": v})
-        error_sq, norm_sq = fidelity.chunk_error(job.codec, data, recon, params, v, base)
+                                                 hints)
+        error_sq, norm_sq = hints.get("update_error") or fidelity.chunk_error(job.codec, data, recon, params, v, base)
         step = able.stepped.step_of(payload) if able.stepped is not None else None
         if attempt == 0:  # the plan's own step: whether it was capped for a barely moving tensor
             was_capped = step is not None and capped(step, params)
