@@ -42,3 +42,19 @@ def test_a_damaged_zip_end_is_a_ckptstore_error_or_reads_exactly(tmp_path, damag
     state = formats.to_state(checkpoint.kind, checkpoint.files, lambda p: materialize(checkpoint.tensors[p]))
     assert state["step"] == 7
     assert torch.equal(state["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
+
+
+def test_a_record_flagged_as_a_directory_is_refused_on_the_torch_load_path(tmp_path):
+    """torch.load reads such a record as uninitialised memory, silently: the torch.load path refuses it."""
+    from ckptstore.formats import torchfile
+
+    data = bytearray(_saved())
+    entry = data.index(b"PK\x01\x02", data.index(b"PK\x01\x02") + 4)  # a record after data.pkl's
+    data[entry + 38 : entry + 42] = struct.pack("<I", 0x10)
+    path = tmp_path / "c.pt"
+    path.write_bytes(bytes(data))
+    with pytest.raises(CkptError, match="as a directory"):
+        torchfile.load(path)
+    checkpoint = formats.read_checkpoint(path)  # the torch-free reader reads the record's own bytes
+    state = formats.to_state(checkpoint.kind, checkpoint.files, lambda p: materialize(checkpoint.tensors[p]))
+    assert torch.equal(state["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4))

@@ -30,7 +30,7 @@ from ckptstore import formats
 from ckptstore.errors import CkptError
 from ckptstore.formats import torchfile
 from ckptstore.state import materialize
-from tests.conftest import HYPOTHESIS_PROFILE_ENV, assert_same
+from tests.conftest import HYPOTHESIS_PROFILE_ENV, assert_same, same
 
 LONG = os.environ.get(HYPOTHESIS_PROFILE_ENV) == "long"
 EXAMPLES = int(os.environ.get("CKPT_FUZZ_EXAMPLES", 100_000 if LONG else 40))
@@ -180,6 +180,15 @@ def _torch_oracle(data: bytes):
         return None
 
 
+def _without_directory_flags(data: bytes) -> bytes:
+    """The zip with every central directory entry's external attributes cleared."""
+    out, at = bytearray(data), data.find(b"PK\x01\x02")
+    while at != -1 and at + 42 <= len(out):
+        out[at + 38 : at + 42] = bytes(4)
+        at = data.find(b"PK\x01\x02", at + 4)
+    return bytes(out)
+
+
 def _check_torch_file(data: bytes, folder: Path) -> str:
     path = folder / "c.pt"
     path.write_bytes(data)
@@ -198,6 +207,11 @@ def _check_torch_file(data: bytes, folder: Path) -> str:
     expected = _torch_oracle(data)
     if torch_path is not None:
         assert_same(torch_path, ours)
+    if expected is not None and not same(expected, _torch_oracle(data)):
+        # torch.load read uninitialised memory: a record flagged as a directory (ours refuses that
+        # file on the torch.load path); the oracle is then torch.load of the bytes without the flags
+        assert_same(_torch_oracle(_without_directory_flags(data)), ours)
+        return "read, torch.load reads garbage"
     if expected is None:
         # torchzip (not this suite's to change) skips records it does not need, such as
         # .storage_alignment, so damage there that torch refuses goes unseen; counted, not failed
