@@ -95,8 +95,13 @@ def _state_loss(calibration: Callable[[Any], Any],
 
 def restored_tensors(repo: Repository, records: Mapping[str, TensorRecord],
                      known: Mapping[str, TensorRecord]) -> dict[str, RawTensor]:
-    """What checkout will return for each path of `records` (their chains' records in `known`, by id)."""
-    source = ChainSource(repo.store, {**known, **{r.id: r for r in records.values()}})
+    """What checkout will return for each path of `records` (their chains' records in `known`, by id).
+
+    A new record whose id is already stored gives way to the stored one, as the commit's insert
+    does: ids name content, and the new one's chain may run through records that are based on it.
+    """
+    records = {path: known.get(r.id, r) for path, r in records.items()}
+    source = ChainSource(repo.store, {**{r.id: r for r in records.values()}, **known})
     arrays = replay(source, list(records.values()), repo.pool)
     return {path: RawTensor(r.dtype, tuple(r.shape), arrays[r.id]) for path, r in records.items()}
 
