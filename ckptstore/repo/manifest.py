@@ -18,6 +18,9 @@ MANIFEST_VERSION = 1
 KNOWN_VERSIONS = (1,)
 
 
+MAX_EXPANSION = 1024  # decompressed bytes per stored byte a manifest may claim (JSON compresses 5-20x)
+
+
 class ManifestVersionError(CkptError):
     """A manifest of a version this ckptstore does not know: written by a newer one."""
 
@@ -78,8 +81,10 @@ class Manifest:
         """Parse a stored manifest; `oid` names it in errors."""
         import zstandard
 
-        try:
-            record = json.loads(zstandard.ZstdDecompressor().decompress(data))
+        from ckptstore.codecs.entropy import decompress_at_most
+
+        try:  # a damaged frame header can declare gigabytes: no manifest compresses 1024x
+            record = json.loads(decompress_at_most(data, MAX_EXPANSION * len(data) + (1 << 20)))
         except (zstandard.ZstdError, ValueError) as exc:
             raise CorruptObjectError(oid, f"not a readable manifest ({exc})") from None
         version = record.get("version") if isinstance(record, dict) else None

@@ -33,3 +33,24 @@ def test_a_manifest_of_an_unknown_version_is_refused_with_a_clear_error(version)
 def test_a_damaged_manifest_is_a_corrupt_object(data):
     with pytest.raises((CorruptObjectError, ManifestVersionError)):
         Manifest.from_bytes(data, "e" * 64)
+
+
+def test_a_frame_that_declares_gigabytes_is_refused_before_they_are_allocated():
+    """A damaged zstd header declaring ~1 GB made the decoder allocate it (found by the long fuzz run)."""
+    import tracemalloc
+
+    data = bytearray(Manifest("state", [], {"w": Entry("a" * 64, "torch.float32", (2,))}, {}).to_bytes())
+    params = zstandard.get_frame_parameters(bytes(data))
+    assert params.content_size > 0  # declared in the header: 4 bytes after magic and descriptor
+    descriptor = data[4]
+    size_bytes = {0: 1 if descriptor & 0x20 else 0, 1: 2, 2: 4, 3: 8}[descriptor >> 6]
+    at = 5 + (0 if descriptor & 0x20 else 1) + (0, 1, 2, 4)[descriptor & 3]
+    data[4] = (descriptor & 0x3F) | (2 << 6)  # a 4-byte content size field, claiming 970 MB
+    data[at : at + size_bytes] = (970_000_000).to_bytes(4, "little")
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptObjectError):
+            Manifest.from_bytes(bytes(data), "d" * 64)
+        assert tracemalloc.get_traced_memory()[1] < 64 << 20
+    finally:
+        tracemalloc.stop()
