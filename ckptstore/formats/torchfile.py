@@ -58,7 +58,6 @@ def load(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
     if not looks_like_torch_file(path):
         raise CheckpointFormatError(f"{path} is not a torch.save file (no zip or pickle header)")
     mmap = _mappable(path)
-    _refuse_directory_records(path)
     if trust_pickle:
         return _load_trusted(torch, path, mmap)
     try:
@@ -86,33 +85,25 @@ def is_zip(path: Path) -> bool:
         return False
 
 
-def _refuse_directory_records(path: Path) -> None:
-    """A record flagged as a directory (DOS attribute 0x10) that torch.load would read as uninitialised memory.
-
-    torch's reader returns such a record's tensor with whatever its buffer held, and no error
-    (found by fuzzing: one flipped attribute bit, every value garbage).
-    """
-    if not is_zip(path):
-        return
-    try:
-        with zipfile.ZipFile(path) as zf:
-            flagged = [i.filename for i in zf.infolist() if i.external_attr & 0x10 and not i.filename.endswith("/")]
-    except ZIP_ERRORS:
-        return  # torch's own reader says what is wrong with it
-    if flagged:
-        raise CheckpointFormatError(f"{path} is damaged: its zip marks {flagged[0]} as a directory, which "
-                                    "torch.load would read as uninitialised memory")
-
-
 def _mappable(path: Path) -> bool:
-    """A zip whose records are all stored: torch.load(mmap=True) fails on deflated ones, which it reads without."""
+    """A zip whose records are all stored: torch.load(mmap=True) fails on deflated ones, which it reads without.
+
+    It also refuses a record flagged as a directory (DOS attribute 0x10): torch's reader returns
+    such a record's tensor as uninitialised memory, with no error (found by fuzzing: one flipped
+    attribute bit, every value garbage). One look at the zip's records serves both.
+    """
     if not is_zip(path):
         return False
     try:
         with zipfile.ZipFile(path) as zf:
-            return all(info.compress_type == zipfile.ZIP_STORED for info in zf.infolist())
+            infos = zf.infolist()
     except ZIP_ERRORS:
         return True  # torch's own reader says what is wrong with it
+    flagged = [i.filename for i in infos if i.external_attr & 0x10 and not i.filename.endswith("/")]
+    if flagged:
+        raise CheckpointFormatError(f"{path} is damaged: its zip marks {flagged[0]} as a directory, which "
+                                    "torch.load would read as uninitialised memory")
+    return all(info.compress_type == zipfile.ZIP_STORED for info in infos)
 
 
 def _load_trusted(torch, path: Path, mmap: bool) -> Any:
