@@ -101,8 +101,8 @@ def _deadzone(ctx: PlanContext, weight: Subject, step: float, rounding: float, r
               extra: dict[str, Any] | None = None) -> LossyPlan:
     """The dead-zone plan of a weight; a paired weight's second moment judges which residuals to prune.
 
-    The planned step stays the rules' own even under an error bound, which the writer enforces by
-    encoding a chunk again: the fine-tune rules compare each chunk's step with the planned one
+    Under an error bound the planned step stays the rules' own (fast weights aside, `_within_bound`);
+    the writer enforces it by encoding a chunk again: the fine-tune rules compare each chunk's step with the planned one
     (chunk_step, capped), and starting keyframes at the bound's predicted step broke their
     refinement (minilm-finetune's eval drifted to +3.5% along the chain; docs/design-notes.md).
     """
