@@ -105,6 +105,10 @@ class RepoLockedError(CkptError):
     """Another process holds a lock this operation needs."""
 
 
+class StoreUnavailableError(CkptError):
+    """An object store (a bucket, a remote) could not be reached or refused the request; nothing was lost."""
+
+
 class DiskFullError(CkptError):
     """A write ran out of disk space (or quota, or the file size limit); what was stored before is intact."""
 

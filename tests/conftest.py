@@ -127,6 +127,23 @@ def repo(tmp_path: Path):
         yield repository
 
 
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 for the whole session, with the standard AWS variables pointing at it."""
+    from ckptstore.testing.s3_server import S3Server
+
+    with S3Server() as server, pytest.MonkeyPatch.context() as env:
+        for name, value in server.environment().items():
+            env.setenv(name, value)
+        yield server
+
+
+@pytest.fixture
+def s3_url(s3_server) -> str:
+    """An s3:// URL of a fresh, empty bucket on the test server."""
+    return f"s3://{s3_server.new_bucket()}/repo"
+
+
 @pytest.fixture
 def trainer() -> Trainer:
     return Trainer()

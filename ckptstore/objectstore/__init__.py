@@ -14,7 +14,9 @@ __all__ = ["LocalObjectStore", "MappedObjects", "MemoryObjectStore", "ObjectStor
 
 
 def open_store(url: str, scratch: Path, base: Path) -> ObjectStore:
-    """The store a URL names: a local folder (a path, relative to `base`, or an absolute file:// URL).
+    """The store a URL names: a local folder (a path, relative to `base`, or an absolute file:// URL) or a bucket.
+
+    `s3://BUCKET/PREFIX` keeps the objects on S3-compatible storage (objectstore/s3.py).
 
     `scratch` is a local folder for writes in progress (the local store's temp files). An
     in-memory store is made directly (MemoryObjectStore), never from a configured URL: it would
@@ -28,6 +30,11 @@ def open_store(url: str, scratch: Path, base: Path) -> ObjectStore:
         if parsed.netloc not in ("", "localhost") or not path.is_absolute():
             raise CkptError(f"object store URL {url!r} must name an absolute local folder, e.g. file:///data/objects")
         return LocalObjectStore(path, scratch)
+    if url.startswith("s3://"):
+        from ckptstore.objectstore.s3 import S3ObjectStore  # the S3 client only for repositories on a bucket
+
+        return S3ObjectStore(url)
     if "://" in url:
-        raise CkptError(f"object store URL {url!r} is not supported; use a local folder or a file:// URL")
+        raise CkptError(f"object store URL {url!r} is not supported; use a local folder, a file:// URL or "
+                        "s3://BUCKET/PREFIX")
     return LocalObjectStore(base / url, scratch)

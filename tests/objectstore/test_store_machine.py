@@ -1,4 +1,4 @@
-"""The object store state machine (ckptstore/testing/store_machine.py) against the local and memory stores.
+"""The object store state machine (ckptstore/testing/store_machine.py) against the local, memory and S3 stores.
 
 Bounded by the hypothesis profiles of tests/conftest.py: `CKPT_HYPOTHESIS_PROFILE=long` for a long run.
 """
@@ -12,6 +12,7 @@ import pytest
 from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import ObjectId, object_id
 from ckptstore.objectstore import LocalObjectStore, MemoryObjectStore
+from ckptstore.objectstore.s3 import S3ObjectStore
 from ckptstore.testing.store_machine import store_machine
 from tests.conftest import machine_settings
 
@@ -38,6 +39,20 @@ TestLocalStoreMachine = LocalStoreMachine.TestCase
 MemoryStoreMachine = store_machine(MemoryObjectStore)
 MemoryStoreMachine.TestCase.settings = machine_settings()
 TestMemoryStoreMachine = MemoryStoreMachine.TestCase
+
+_servers = {}
+
+
+@pytest.fixture(autouse=True)
+def _s3_server(s3_server):
+    """Hypothesis builds the machines itself, so they reach the session's S3 server through this module."""
+    _servers["s3"] = s3_server
+
+
+# A bucket per example. No damage rule: the S3 store verifies every read, even get(verify=False).
+S3StoreMachine = store_machine(lambda: S3ObjectStore(f"s3://{_servers['s3'].new_bucket('machine')}/m"))
+S3StoreMachine.TestCase.settings = machine_settings(0.25)  # HTTP round trips: a quarter of the examples
+TestS3StoreMachine = S3StoreMachine.TestCase
 
 
 @pytest.mark.parametrize("kind", ["local", "memory"])

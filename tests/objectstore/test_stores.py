@@ -2,13 +2,16 @@ import pytest
 
 from ckptstore.errors import CorruptObjectError
 from ckptstore.objectstore import LocalObjectStore, MemoryObjectStore
+from ckptstore.objectstore.s3 import S3ObjectStore
 from ckptstore.testing.store_contract import ALL_CHECKS, DAMAGE_CHECKS
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "memory", "s3"])
 def store(request, tmp_path):
     if request.param == "local":
         return LocalObjectStore(tmp_path / "objects", tmp_path / "tmp")
+    if request.param == "s3":
+        return S3ObjectStore(request.getfixturevalue("s3_url"))
     return MemoryObjectStore()
 
 
@@ -21,6 +24,10 @@ def _overwrite(store):
     """Raw bytes under a name, behind the store's back (a crash or a bad disk)."""
     if isinstance(store, MemoryObjectStore):
         return lambda oid, data: store.objects.__setitem__(oid, data)
+    if isinstance(store, S3ObjectStore):
+        import obstore
+
+        return lambda oid, data: obstore.put(store._client, store.key(oid), data)
     return lambda oid, data: store.path_of(oid).write_bytes(data)
 
 

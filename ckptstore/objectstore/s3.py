@@ -1,0 +1,284 @@
+"""Objects on S3-compatible storage (AWS S3, MinIO, Ceph, R2, ...), at `s3://bucket/prefix/objects/ab/cdef...`.
+
+The client is obstore (Rust's object_store): it measured fastest here for both directions
+(docs/benchmarks.md, "S3 clients"), signs requests itself and imports in milliseconds. Endpoint,
+region and credentials are read the standard way: AWS_ENDPOINT_URL, AWS_REGION or
+AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN), or a
+profile of ~/.aws through boto3 when AWS_PROFILE is set.
+
+A PUT is complete or absent, but a name can still hold other bytes (another writer's bug, a
+tool that rewrote it): put() keeps an existing object only when the server's ETag (the MD5 of
+its content, per part for a multipart upload) matches `data`, else uploads over it. Every whole
+object read is verified against its id; range reads of packs are verified by the chunk
+checksums of what they decode to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+from ckptstore.errors import CorruptObjectError, StoreUnavailableError
+from ckptstore.hashing import ObjectId, is_hex_id, object_id
+from ckptstore.objectstore.base import as_bytes
+
+PART = 8 << 20  # multipart part size: objects above it upload in parts, several at once
+PARTS_IN_FLIGHT = 8
+UPLOADS_IN_FLIGHT = 8  # objects uploading at once inside batch()
+BYTES_IN_FLIGHT = 512 << 20  # encoders wait when this much is queued for upload, so memory stays bounded
+RETRY_SECONDS = 60.0  # how long a request is retried before the error reaches the user; CKPT_S3_RETRY_SECONDS
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """(bucket, prefix) of `s3://bucket[/prefix]`; the prefix has no leading or trailing slash."""
+    parsed = urlparse(url)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise StoreUnavailableError(f"{url!r} is not an S3 URL; write s3://BUCKET/PREFIX")
+    return parsed.netloc, parsed.path.strip("/")
+
+
+def _client(bucket: str) -> Any:
+    """An obstore S3Store for `bucket`, configured from the environment (see the module docstring)."""
+    from obstore.store import S3Store
+
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    options: dict[str, Any] = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=300)}
+    if endpoint.startswith("http://"):
+        options["allow_http"] = True
+    config: dict[str, Any] = {}
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        config["region"] = region
+    provider = None
+    if os.environ.get("AWS_PROFILE") and not os.environ.get("AWS_ACCESS_KEY_ID"):
+        from obstore.auth.boto3 import Boto3CredentialProvider  # needs boto3: only for profiles
+
+        provider = Boto3CredentialProvider()
+    seconds = float(os.environ.get("CKPT_S3_RETRY_SECONDS") or RETRY_SECONDS)
+    retry = {"max_retries": 10, "retry_timeout": timedelta(seconds=seconds),
+             "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5),
+                         "base": 2}}
+    return S3Store(bucket, config=config, client_options=options, retry_config=retry,
+                   credential_provider=provider)
+
+
+class S3Ranges:
+    """The S3 store's RangeReader: one ranged GET per read."""
+
+    def __init__(self, store: S3ObjectStore) -> None:
+        self._store = store
+
+    def read(self, oid: ObjectId, offset: int, length: int, into: Any = None) -> bytes | memoryview:
+        import obstore
+
+        data = memoryview(self._store.call(obstore.get_range, oid, start=offset, length=length))
+        if len(data) != length:
+            raise CorruptObjectError(oid, f"pack is shorter than its chunks say ({offset + len(data)} bytes)")
+        if into is None:
+            return data
+        view = memoryview(into)[:length]
+        view[:] = data
+        return view
+
+    def close(self) -> None:
+        pass
+
+
+class S3ObjectStore:
+    """Immutable objects in a bucket; puts inside batch() upload in the background, several at once."""
+
+    def __init__(self, url: str) -> None:
+        self.bucket, self.prefix = parse_url(url)
+        self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+        self._objects = f"{self.prefix}/objects/" if self.prefix else "objects/"
+        self._client = _client(self.bucket)
+        self._batch: _Uploads | None = None
+
+    def key(self, oid: ObjectId) -> str:
+        """The object's key in the bucket."""
+        return f"{self._objects}{oid[:2]}/{oid[2:]}"
+
+    def call(self, operation: Any, oid: ObjectId | None, *args: Any, key: str | None = None, **kwargs: Any) -> Any:
+        """`operation(client, key, ...)` with obstore's errors as ckptstore's: missing, or unavailable and why."""
+        from obstore.exceptions import NotFoundError
+
+        target = key if key is not None else self.key(oid) if oid is not None else self._objects
+        try:
+            return operation(self._client, target, *args, **kwargs)
+        except (NotFoundError, FileNotFoundError):  # obstore raises either, by operation
+            if oid is None:
+                raise
+            raise CorruptObjectError(oid, "missing") from None
+        except Exception as exc:
+            if type(exc).__module__.startswith("obstore"):
+                raise unavailable(self.url, exc) from None
+            raise
+
+    # ----------------------------------------------------------------- writing
+    def put(self, data: bytes | memoryview) -> ObjectId:
+        """Store `data` (in the background inside batch()); an object already there of this size is kept."""
+        oid = object_id(data)
+        if self._batch is not None:
+            self._batch.submit(oid, data)
+        else:
+            self._upload(oid, data)
+        return oid
+
+    def _upload(self, oid: ObjectId, data: bytes | memoryview) -> None:
+        import obstore
+
+        data = as_bytes(data)
+        with contextlib.suppress(CorruptObjectError):
+            found = self.call(obstore.head, oid)
+            if found["size"] == len(data) and (found.get("e_tag") or "").strip('"') == etag(data):
+                return
+        self.call(obstore.put, oid, data, use_multipart=len(data) > PART, chunk_size=PART,
+                  max_concurrency=PARTS_IN_FLIGHT)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Upload the block's puts in the background; the block's end waits for all and raises the first error."""
+        if self._batch is not None:  # nested: the outer block waits
+            yield
+            return
+        self._batch = _Uploads(self)
+        try:
+            yield
+        except BaseException:
+            self._batch.wait(raise_errors=False)
+            raise
+        else:
+            self._batch.wait(raise_errors=True)
+        finally:
+            self._batch = None
+
+    def delete(self, oid: ObjectId) -> None:
+        import obstore
+
+        with contextlib.suppress(CorruptObjectError):
+            self.call(obstore.delete, oid)
+
+    def clear_tmp(self) -> int:
+        """Nothing to clear: a PUT that did not complete left no object.
+
+        An unfinished multipart upload is invisible; the bucket's lifecycle rule reclaims it (docs/guide.md).
+        """
+        return 0
+
+    # ----------------------------------------------------------------- reading
+    def get(self, oid: ObjectId, verify: bool = True) -> bytes:
+        """The bytes of `oid`, always verified: they crossed a network (`verify` is accepted and ignored)."""
+        return bytes(self.view(oid))
+
+    def view(self, oid: ObjectId, verify: bool = True) -> memoryview:
+        """The bytes of `oid` without a copy, verified against the id."""
+        import obstore
+
+        data = memoryview(self.call(obstore.get, oid).bytes())
+        if object_id(data) != oid:
+            raise CorruptObjectError(oid, f"corrupted (the {len(data)} bytes {self.url} returned do not match "
+                                          "its hash)")
+        return data
+
+    def open_ranges(self) -> S3Ranges:
+        return S3Ranges(self)
+
+    def has(self, oid: ObjectId) -> bool:
+        try:
+            self.size(oid)
+        except CorruptObjectError:
+            return False
+        return True
+
+    def size(self, oid: ObjectId) -> int:
+        import obstore
+
+        return int(self.call(obstore.head, oid)["size"])
+
+    def iter_ids(self) -> Iterator[ObjectId]:
+        import obstore
+
+        try:
+            for page in obstore.list(self._client, prefix=self._objects, chunk_size=1000):
+                for item in page:
+                    name = item["path"][len(self._objects):].replace("/", "")
+                    if is_hex_id(name):
+                        yield ObjectId(name)
+        except Exception as exc:
+            if type(exc).__module__.startswith("obstore"):
+                raise unavailable(self.url, exc) from None
+            raise
+
+
+class _Uploads:
+    """Uploads in flight inside one batch(): bounded in count and bytes, errors kept for the block's end."""
+
+    def __init__(self, store: S3ObjectStore) -> None:
+        self._store = store
+        self._pool = ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="ckpt-s3")
+        self._futures: list[Future] = []
+        self._room = threading.Condition()
+        self._queued = 0
+        self._submitted: set[ObjectId] = set()
+
+    def submit(self, oid: ObjectId, data: bytes | memoryview) -> None:
+        if oid in self._submitted:
+            return
+        self._submitted.add(oid)
+        data = data if isinstance(data, bytes) else bytes(data)  # the caller may reuse its buffer
+        with self._room:
+            self._room.wait_for(lambda: self._queued == 0 or self._queued + len(data) <= BYTES_IN_FLIGHT)
+            self._queued += len(data)
+        self._futures.append(self._pool.submit(self._run, oid, data))
+
+    def _run(self, oid: ObjectId, data: bytes) -> None:
+        try:
+            self._store._upload(oid, data)
+        finally:
+            with self._room:
+                self._queued -= len(data)
+                self._room.notify_all()
+
+    def wait(self, raise_errors: bool) -> None:
+        self._pool.shutdown(wait=True)
+        if raise_errors:
+            for future in self._futures:
+                future.result()
+
+
+def etag(data: bytes | memoryview) -> str:
+    """The ETag S3 gives `data` as this store uploads it: its MD5, or for parts the MD5 of their MD5s and a count."""
+    import hashlib
+
+    if len(data) <= PART:
+        return hashlib.md5(data, usedforsecurity=False).hexdigest()
+    view = memoryview(data)
+    parts = [hashlib.md5(view[at:at + PART], usedforsecurity=False).digest() for at in range(0, len(view), PART)]
+    return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
+
+
+def unavailable(url: str, exc: BaseException) -> StoreUnavailableError:
+    """The client's error as one line naming the store, what happened and what to do."""
+    from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
+
+    text = " ".join(str(exc).split())
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the default AWS endpoint"
+    if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)) or any(
+            word in text for word in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403")):
+        advice = ("the credentials were refused: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) "
+                  "and the bucket's permissions")
+    elif "NoSuchBucket" in text:
+        advice = "the bucket does not exist: create it, or check the URL"
+    elif any(word in text.lower() for word in ("connection refused", "error sending request", "connect", "timed out")):
+        advice = f"cannot reach {endpoint}: check that it is up and that AWS_ENDPOINT_URL names it"
+    else:
+        advice = f"the server at {endpoint} failed"
+    short = text if len(text) <= 300 else text[:297] + "..."
+    return StoreUnavailableError(f"S3 store {url}: {advice}. Nothing was lost: run the command again once it is "
+                                 f"fixed; it resumes where it stopped ({short})")

@@ -1,0 +1,74 @@
+"""What only the S3 store does: multipart uploads, ETag checks of existing names, one-line errors when unreachable."""
+
+import os
+
+import obstore
+import pytest
+import torch
+
+from ckptstore.errors import CorruptObjectError, StoreUnavailableError
+from ckptstore.hashing import object_id
+from ckptstore.objectstore import s3
+from ckptstore.objectstore.s3 import S3ObjectStore, parse_url
+from ckptstore.testing.net import free_port
+from tests.test_cli import ckpt
+
+
+def test_urls_name_a_bucket_and_a_prefix():
+    assert parse_url("s3://bucket") == ("bucket", "")
+    assert parse_url("s3://bucket/a/b/") == ("bucket", "a/b")
+    with pytest.raises(StoreUnavailableError, match="not an S3 URL"):
+        parse_url("s3:///no-bucket")
+
+
+def test_large_objects_upload_in_parts_and_read_back_whole(s3_url, monkeypatch):
+    monkeypatch.setattr(s3, "PART", 5 << 20)  # S3's smallest part: three parts
+    store = S3ObjectStore(s3_url)
+    data = os.urandom(12 << 20)
+    oid = store.put(data)
+    head = obstore.head(store._client, store.key(oid))
+    assert head["e_tag"].strip('"') == s3.etag(data) and s3.etag(data).endswith("-3")
+    assert store.get(oid) == data
+    ranges = store.open_ranges()
+    assert bytes(ranges.read(oid, (5 << 20) - 10, 20)) == data[(5 << 20) - 10:(5 << 20) + 10]
+
+
+def test_an_existing_name_is_kept_only_when_its_etag_matches(s3_url):
+    store = S3ObjectStore(s3_url)
+    data = os.urandom(1000)
+    oid = store.put(data)
+    modified = obstore.head(store._client, store.key(oid))["last_modified"]
+    assert store.put(data) == oid and obstore.head(store._client, store.key(oid))["last_modified"] == modified
+    obstore.put(store._client, store.key(oid), bytes(reversed(data)))  # same size, other bytes
+    with pytest.raises(CorruptObjectError, match=oid):
+        store.get(oid)
+    store.put(data)
+    assert store.get(oid) == data
+
+
+def test_batched_uploads_all_land_and_report_the_first_failure(s3_url, monkeypatch):
+    store = S3ObjectStore(s3_url)
+    payloads = [os.urandom(100_000 + i) for i in range(20)]
+    with store.batch():
+        ids = [store.put(p) for p in payloads]
+    assert [store.get(oid) for oid in ids] == payloads
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("CKPT_S3_RETRY_SECONDS", "1")
+    broken = S3ObjectStore(s3_url)
+    with pytest.raises(StoreUnavailableError, match="cannot reach"), broken.batch():
+        broken.put(b"never stored")
+    assert not store.has(object_id(b"never stored"))
+
+
+def test_an_unreachable_bucket_is_one_line_at_the_cli(tmp_path, s3_url, monkeypatch):
+    torch.save({"w": torch.ones(4)}, tmp_path / "c.pt")
+    assert ckpt(tmp_path, "init", "--objects", s3_url).returncode == 0
+    assert ckpt(tmp_path, "commit", "c.pt").returncode == 0
+    with monkeypatch.context() as env:
+        env.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+        env.setenv("CKPT_S3_RETRY_SECONDS", "1")
+        failed = ckpt(tmp_path, "checkout", "HEAD", "-o", "back.pt")
+    assert failed.returncode != 0 and "Traceback" not in failed.stderr
+    assert len(failed.stderr.strip().splitlines()) == 1 and s3_url in failed.stderr and "cannot reach" in failed.stderr
+    assert not (tmp_path / "back.pt").exists()
+    assert ckpt(tmp_path, "checkout", "HEAD", "-o", "back.pt").returncode == 0  # the same command, server reachable
