@@ -12,6 +12,7 @@ import click
 
 from ckptstore.errors import CkptError, explain
 from ckptstore.repo import LOSSY_LEVELS, EncodingSettings, Repository, fsck, gc
+from ckptstore.repo import remote as remotes
 
 LEVEL_NAMES = list(LOSSY_LEVELS)
 
@@ -365,6 +366,85 @@ def fsck_command(ctx, full) -> None:
     if not report.ok:
         raise SystemExit(1)
     click.echo("ok")
+
+
+@cli.group()
+def remote() -> None:
+    """Name other repositories to push to and fetch from."""
+
+
+@remote.command("add")
+@click.argument("name")
+@click.argument("url")
+@click.option("--metadata", "metadata_url", default="", help="The remote's database, for an s3:// URL.")
+@click.pass_context
+def remote_add(ctx, name: str, url: str, metadata_url: str) -> None:
+    """Add remote NAME at URL (a repository folder, or s3://BUCKET/PREFIX with --metadata)."""
+    added = remotes.add(_open(ctx), name, url, metadata_url)
+    click.echo(f"remote {name}: {added.url}")
+
+
+@remote.command("remove")
+@click.argument("name")
+@click.pass_context
+def remote_remove(ctx, name: str) -> None:
+    """Forget remote NAME and its remote-tracking refs."""
+    remotes.remove(_open(ctx), name)
+
+
+@remote.command("list")
+@click.pass_context
+def remote_list(ctx) -> None:
+    """List remotes and their URLs."""
+    for name, where in sorted(_open(ctx).config.remotes.items()):
+        click.echo(f"{name}\t{where.url}" + (f" (metadata {where.metadata_url})" if where.metadata_url else ""))
+
+
+def _moved(report: Any) -> None:
+    click.echo(f"{report.commits} commits, {report.objects} objects ({_size(report.object_bytes)}) sent")
+    for ref, old, new in report.refs_moved or []:
+        click.echo(f"  {ref}: {old[:12] + '..' if old else '(new) '}{new[:12]}")
+
+
+@cli.command()
+@click.argument("name", default="origin")
+@click.argument("branch", required=False)
+@click.option("--force", is_flag=True, help="Move the remote's branch even when it drops commits there.")
+@click.pass_context
+def push(ctx, name: str, branch: str | None, force: bool) -> None:
+    """Send BRANCH (default: HEAD's) to remote NAME (default: origin); only what it lacks travels."""
+    _moved(remotes.push(_open(ctx), name, branch, force))
+
+
+@cli.command()
+@click.argument("name", default="origin")
+@click.pass_context
+def fetch(ctx, name: str) -> None:
+    """Bring remote NAME's branches here as NAME/BRANCH."""
+    _moved(remotes.fetch(_open(ctx), name))
+
+
+@cli.command()
+@click.argument("name", default="origin")
+@click.argument("branch", required=False)
+@click.pass_context
+def pull(ctx, name: str, branch: str | None) -> None:
+    """Fetch from NAME, then fast-forward BRANCH (default: HEAD's) to NAME/BRANCH."""
+    report, moved = remotes.pull(_open(ctx), name, branch)
+    _moved(report)
+    click.echo(f"fast-forwarded to {moved[:12]}" if moved else "already up to date")
+
+
+@cli.command()
+@click.argument("url")
+@click.argument("path", required=False)
+@click.option("--metadata", "metadata_url", default="", help="The remote's database, for an s3:// URL.")
+@click.option("--lazy", is_flag=True, help="Fetch commit records now and objects when a checkout needs them.")
+def clone(url: str, path: str | None, metadata_url: str, lazy: bool) -> None:
+    """Make a repository in PATH with remote origin at URL and its branches."""
+    target = path or (url.rstrip("/").rsplit("/", 1)[-1] or "clone")
+    with remotes.clone(url, target, metadata_url, lazy) as repo:
+        click.echo(f"Cloned {url} into {repo.root}" + (" (lazily: objects come on first checkout)" if lazy else ""))
 
 
 def _fail(message: str, code: int) -> None:

@@ -9,6 +9,7 @@ from ckptstore.metadata.db import Tx
 
 HEAD = "HEAD"
 BRANCH, TAG, HEAD_KIND = "branch", "tag", "head"
+REMOTE = "remote"  # a remote-tracking ref, named remotes/REMOTE/BRANCH
 
 
 class RefRow(NamedTuple):
@@ -53,6 +54,11 @@ def delete_ref(tx: Tx, name: str) -> None:
 def point_head(tx: Tx, branch: str | None, commit_id: CommitId | None) -> None:
     """HEAD onto `branch`, or detached at `commit_id`."""
     tx.execute("UPDATE refs SET target = ?, commit_id = ? WHERE name = ?", (branch, commit_id, HEAD))
+
+
+def set_commit(tx: Tx, name: str, commit_id: CommitId) -> None:
+    """Point ref `name` at `commit_id` unconditionally (remote-tracking refs mirror the remote)."""
+    tx.execute("UPDATE refs SET commit_id = ? WHERE name = ?", (commit_id, name))
 
 
 def swap(tx: Tx, name: str, kind: str, expected: CommitId, new: CommitId) -> bool:

@@ -15,6 +15,18 @@ LOSSY_LEVELS = tuple(LEVELS)  # names `--lossy` accepts
 
 
 @dataclass
+class RemoteConfig:
+    """Where a remote lives: a repository folder, or objects at `url` (s3://...) with records at `metadata_url`.
+
+    `lazy`: this repository was cloned lazily, so objects it lacks are read from this remote on demand.
+    """
+
+    url: str
+    metadata_url: str = ""
+    lazy: bool = False
+
+
+@dataclass
 class RepoConfig:
     """Settings read from config.toml; missing keys take these defaults.
 
@@ -27,6 +39,7 @@ class RepoConfig:
     threads: int = 0
     lossy: str = ""
     objects_url: str = ""
+    remotes: dict[str, RemoteConfig] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: Path) -> RepoConfig:
@@ -36,8 +49,13 @@ class RepoConfig:
         except (OSError, tomllib.TOMLDecodeError, TypeError) as exc:
             raise CkptError(f"cannot read {path}: {exc}") from None
         core = data.get("core", {})
+        try:
+            remotes = {name: RemoteConfig(str(r["url"]), str(r.get("metadata_url", "")), bool(r.get("lazy", False)))
+                       for name, r in data.get("remotes", {}).items()}
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise CkptError(f"cannot read {path}: a [remotes.NAME] section lacks a url ({exc})") from None
         return cls(encoding, core.get("metadata_url", ""), int(core.get("threads", 0)), core.get("lossy", ""),
-                   core.get("objects_url", ""))
+                   core.get("objects_url", ""), remotes)
 
     def save(self, path: Path) -> None:
         # json.dumps writes a TOML basic string: same quoting and escapes.
@@ -45,6 +63,9 @@ class RepoConfig:
                  f"metadata_url = {json.dumps(self.metadata_url)}", f"threads = {self.threads}",
                  f"lossy = {json.dumps(self.lossy)}", "", "[encoding]"]
         lines += [f"{key} = {value}" for key, value in asdict(self.encoding).items()]
+        for name, remote in sorted(self.remotes.items()):
+            lines += ["", f"[remotes.{json.dumps(name)}]", f"url = {json.dumps(remote.url)}",
+                      f"metadata_url = {json.dumps(remote.metadata_url)}", f"lazy = {str(remote.lazy).lower()}"]
         text = ("\n".join(lines) + "\n").encode()
         # Imported here: opening a repository (every command) reads the config but never writes it.
         from ckptstore.formats.atomic import atomic_write

@@ -39,8 +39,11 @@ def decorations(repo: Repository) -> dict[CommitId, list[str]]:
     with repo.db.read() as tx:
         branch, head = refs.head_branch(tx), refs.head_commit(tx)
         branches, tags = ref_rows.refs_of_kind(tx, refs.BRANCH), ref_rows.refs_of_kind(tx, refs.TAG)
+        tracking = ref_rows.refs_of_kind(tx, ref_rows.REMOTE)
     for name, cid in branches.items():
         labels.setdefault(cid, []).append(f"HEAD -> {name}" if name == branch else name)
+    for name, cid in tracking.items():
+        labels.setdefault(cid, []).append(name.removeprefix("remotes/"))
     for name, cid in tags.items():
         labels.setdefault(cid, []).append(f"tag: {name}")
     if branch is None and head:

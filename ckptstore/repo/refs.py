@@ -69,6 +69,8 @@ def _base(tx: Tx, spec: str) -> CommitId:
     row = ref_rows.ref_row(tx, spec)
     if row is not None and row.kind not in (BRANCH, TAG):
         row = None
+    if row is None and "/" in spec:  # ORIGIN/BRANCH: a remote-tracking ref
+        row = ref_rows.ref_row(tx, f"remotes/{spec}")
     if _HEX.fullmatch(spec) and len(spec) >= MIN_PREFIX:
         matches = commit_rows.with_prefix(tx, spec)
         if row is not None and matches and matches != [row.commit_id]:

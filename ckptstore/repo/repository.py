@@ -70,6 +70,12 @@ class Repository:
         self.read_only = read_only
         objects = config.objects_url or "objects"  # a relative path is relative to .ckpt/
         self.store = store if store is not None else open_store(objects, self.dir / "tmp", self.dir)
+        lazy = [remote for remote in config.remotes.values() if remote.lazy]
+        if lazy and store is None:  # a lazy clone: objects not here yet come from the remote on first read
+            from ckptstore.objectstore.fallback import FallbackStore
+            from ckptstore.repo.remote import remote_store
+
+            self.store = FallbackStore(self.store, lambda: remote_store(lazy[0]))
         self.db = Database(config.metadata_url or f"sqlite:///{self.dir / 'ckpt.db'}", read_only, why)
         self._pool: ThreadPoolExecutor | None = None
 

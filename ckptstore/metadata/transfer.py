@@ -1,0 +1,106 @@
+"""Copying commit and tensor records between two repositories' databases (push, fetch, clone).
+
+Rows are copied as they are: every table's key is a content id, so a row the other side has
+already is the same row, and inserting is `ON CONFLICT DO NOTHING`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ckptstore.hashing import CommitId, ObjectId, TensorId
+from ckptstore.metadata.commits import all_parents
+from ckptstore.metadata.db import Tx
+
+# (table, the column its rows are selected by), in an order that inserts parents before children
+COMMIT_TABLES = (("commits", "id"), ("commit_parents", "commit_id"), ("commit_tensors", "commit_id"))
+TENSOR_TABLES = (("tensors", "id"), ("tensor_chunks", "tensor_id"))
+
+
+@dataclass
+class RecordSet:
+    """Rows of some commits and tensors, and the objects they name."""
+
+    rows: dict[str, tuple[list[str], list[tuple]]] = field(default_factory=dict)
+    objects: dict[ObjectId, int] = field(default_factory=dict)  # id -> stored size (0 where unknown)
+
+    def count(self, table: str) -> int:
+        return len(self.rows.get(table, ((), []))[1])
+
+
+def present_commits(tx: Tx, cids: Iterable[CommitId]) -> set[CommitId]:
+    """Those of `cids` this database records."""
+    return {CommitId(r[0]) for r in tx.rows_in("SELECT id FROM commits WHERE id IN ({ids})", cids)}
+
+
+def present_tensors(tx: Tx, tids: Iterable[TensorId]) -> set[TensorId]:
+    """Those of `tids` this database records."""
+    return {TensorId(r[0]) for r in tx.rows_in("SELECT id FROM tensors WHERE id IN ({ids})", tids)}
+
+
+def ancestors(tx: Tx, tips: Iterable[CommitId], stop: set[CommitId] = frozenset()) -> list[CommitId]:
+    """Commits reachable from `tips` through parents, not walking past those in `stop`; oldest first."""
+    parents = all_parents(tx)
+    order: list[CommitId] = []
+    seen: set[CommitId] = set()
+    stack = [c for c in tips if c not in stop]
+    while stack:
+        cid = stack.pop()
+        if cid in seen:
+            continue
+        seen.add(cid)
+        order.append(cid)
+        stack += [p for p in parents.get(cid, []) if p not in stop and p not in seen]
+    return order[::-1]
+
+
+def tensors_of(tx: Tx, cids: Iterable[CommitId]) -> set[TensorId]:
+    """The tensors the commits name, with every base down their delta chains."""
+    found = {TensorId(r[0]) for r in tx.rows_in("SELECT tensor_id FROM commit_tensors WHERE commit_id IN ({ids})",
+                                                cids)}
+    frontier = set(found)
+    while frontier:
+        bases = {TensorId(r[0]) for r in tx.rows_in("SELECT base_id FROM tensors WHERE id IN ({ids}) AND base_id "
+                                                    "IS NOT NULL", frontier)}
+        frontier = bases - found
+        found |= frontier
+    return found
+
+
+def _select(tx: Tx, table: str, column: str, ids: list[str]) -> tuple[list[str], list[tuple]]:
+    columns = [r[0] for r in _columns(tx, table)]
+    names = ", ".join(f'"{c}"' for c in columns)
+    return columns, tx.rows_in(f'SELECT {names} FROM {table} WHERE "{column}" IN ({{ids}})', ids)
+
+
+def _columns(tx: Tx, table: str) -> list[tuple]:
+    """The table's column names, in order (from the schema both sides share)."""
+    from ckptstore.metadata import schema
+
+    return [(c.name,) for c in schema.metadata.tables[table].columns]
+
+
+def records(tx: Tx, cids: list[CommitId], tids: set[TensorId]) -> RecordSet:
+    """The rows of commits `cids` and tensors `tids`, and the objects they need (manifests and chunks)."""
+    found = RecordSet()
+    for table, column in COMMIT_TABLES:
+        found.rows[table] = _select(tx, table, column, list(cids))
+    for table, column in TENSOR_TABLES:
+        found.rows[table] = _select(tx, table, column, sorted(tids))
+    manifests = {ObjectId(r[0]) for r in tx.rows_in("SELECT manifest_object FROM commits WHERE id IN ({ids})", cids)}
+    chunks = {ObjectId(r[0]) for r in tx.rows_in("SELECT object_id FROM tensor_chunks WHERE tensor_id IN ({ids})",
+                                                 sorted(tids))}
+    sizes = dict(tx.rows_in("SELECT id, size FROM objects WHERE id IN ({ids})", sorted(manifests | chunks)))
+    found.objects = {oid: int(sizes.get(oid, 0)) for oid in manifests | chunks}
+    return found
+
+
+def insert(tx: Tx, found: RecordSet) -> None:
+    """Insert every row of `found` that this database lacks, and the objects' size rows."""
+    for table, (columns, rows) in found.rows.items():
+        if rows:
+            tx.insert_ignore(table, columns, rows)
+    sized = [(oid, size) for oid, size in found.objects.items() if size]
+    if sized:
+        tx.insert_ignore("objects", ("id", "size"), sized)

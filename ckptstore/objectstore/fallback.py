@@ -1,0 +1,86 @@
+"""A local store that fills in the objects it lacks from another store on first read (lazy clones)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+from ckptstore.errors import CorruptObjectError
+from ckptstore.hashing import ObjectId
+from ckptstore.objectstore.base import ObjectStore, RangeReader, read_whole
+
+
+class FallbackStore:
+    """`local`, except that reading an object it lacks first copies it from `source()` (verified on the way).
+
+    Writes, listings and deletes see only `local`: gc and commits work on what is here. The
+    source is opened on the first miss, so a checkout of objects already here never connects.
+    """
+
+    def __init__(self, local: ObjectStore, source: Callable[[], ObjectStore]) -> None:
+        self.local = local
+        self.url = local.url
+        self._open_source = source
+        self._source: ObjectStore | None = None
+        self._lock = threading.Lock()
+
+    def _fill(self, oid: ObjectId) -> None:
+        with self._lock:
+            if self._source is None:
+                self._source = self._open_source()
+        self.local.put(self._source.get(oid))  # get verifies the bytes against the id
+
+    def _filled(self, read: Callable[[], Any], oid: ObjectId) -> Any:
+        try:
+            return read()
+        except CorruptObjectError as exc:
+            if exc.problem != "missing":
+                raise
+        self._fill(oid)
+        return read()
+
+    def get(self, oid: ObjectId, verify: bool = True) -> bytes:
+        return self._filled(lambda: self.local.get(oid, verify), oid)
+
+    def view(self, oid: ObjectId, verify: bool = True) -> bytes | memoryview:
+        return self._filled(lambda: read_whole(self.local, oid, verify), oid)
+
+    def size(self, oid: ObjectId) -> int:
+        return self._filled(lambda: self.local.size(oid), oid)
+
+    def open_ranges(self) -> RangeReader:
+        return FillingRanges(self, self.local.open_ranges())
+
+    def put(self, data: bytes | memoryview) -> ObjectId:
+        return self.local.put(data)
+
+    def has(self, oid: ObjectId) -> bool:
+        return self.local.has(oid)
+
+    def delete(self, oid: ObjectId) -> None:
+        self.local.delete(oid)
+
+    def iter_ids(self) -> Iterator[ObjectId]:
+        return self.local.iter_ids()
+
+    def batch(self) -> AbstractContextManager[None]:
+        return self.local.batch()
+
+    def clear_tmp(self) -> int:
+        return self.local.clear_tmp()
+
+
+class FillingRanges:
+    """Range reads of the local store; a pack it lacks is copied whole first."""
+
+    def __init__(self, store: FallbackStore, ranges: RangeReader) -> None:
+        self._store = store
+        self._ranges = ranges
+
+    def read(self, oid: ObjectId, offset: int, length: int, into: Any = None) -> bytes | memoryview:
+        return self._store._filled(lambda: self._ranges.read(oid, offset, length, into), oid)
+
+    def close(self) -> None:
+        self._ranges.close()

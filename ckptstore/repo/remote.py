@@ -1,0 +1,295 @@
+"""Remotes, as in git: `remote add`, `push`, `fetch`, `pull` and `clone`.
+
+A remote is another repository: a folder holding `.ckpt/` (on this disk or a shared mount), or a
+shared repository named by its objects URL (`s3://BUCKET/PREFIX`) and its metadata URL (a
+PostgreSQL database). Whatever moves, moves in the same order as a commit: objects first (only
+those the other side lacks, each verified against its id as it is read), then the records in
+one transaction, then the ref with a compare-and-swap. An interruption at any point leaves the
+other side's refs where they were and only unreferenced objects behind; running the command
+again sends only what is still missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ckptstore import faults
+from ckptstore.errors import CkptError, ConflictError, RefNotFoundError
+from ckptstore.hashing import CommitId, ObjectId
+from ckptstore.metadata import refs as ref_rows
+from ckptstore.metadata import transfer
+from ckptstore.objectstore import ObjectStore, open_store
+from ckptstore.repo import refs
+from ckptstore.repo.config import RemoteConfig
+
+if TYPE_CHECKING:
+    from ckptstore.repo.repository import Repository
+
+REMOTE_KIND = ref_rows.REMOTE
+
+
+@dataclass
+class TransferReport:
+    """What a push or fetch moved."""
+
+    commits: int = 0
+    tensors: int = 0
+    objects: int = 0
+    object_bytes: int = 0
+    refs_moved: list[tuple[str, CommitId | None, CommitId]] | None = None  # (ref, from, to)
+
+
+# ----------------------------------------------------------------- naming and opening remotes
+def add(repo: Repository, name: str, url: str, metadata_url: str = "") -> RemoteConfig:
+    """Record remote `name` at `url` (a repository folder, or s3://... with `metadata_url`) in the config."""
+    refs.check_name(name)
+    if "/" in name:
+        raise CkptError(f"remote name {name!r} may not contain '/'")
+    if name in repo.config.remotes:
+        raise CkptError(f"remote {name!r} already exists ({repo.config.remotes[name].url}); remove it first")
+    remote = RemoteConfig(_normal_url(url), metadata_url)
+    with open_remote(remote, name):  # refuse a URL that does not name a repository, now rather than at push
+        pass
+    repo.config.remotes[name] = remote
+    repo.config.save(repo.dir / "config.toml")
+    return remote
+
+
+def remove(repo: Repository, name: str) -> None:
+    """Forget remote `name` and its remote-tracking refs."""
+    named(repo, name)
+    with repo.db.write() as tx:
+        for ref in ref_rows.names(tx, (REMOTE_KIND,)):
+            if ref.startswith(f"remotes/{name}/"):
+                ref_rows.delete_ref(tx, ref)
+    del repo.config.remotes[name]
+    repo.config.save(repo.dir / "config.toml")
+
+
+def named(repo: Repository, name: str) -> RemoteConfig:
+    """The remote called `name`, or a clear error listing those there are."""
+    try:
+        return repo.config.remotes[name]
+    except KeyError:
+        known = ", ".join(sorted(repo.config.remotes)) or "none"
+        raise CkptError(f"no remote named {name!r} (remotes: {known}); add one with `ckpt remote add {name} URL`"
+                        ) from None
+
+
+def _normal_url(url: str) -> str:
+    return url if "://" in url else str(Path(url).expanduser().resolve())
+
+
+def open_remote(remote: RemoteConfig, name: str = "") -> Repository:
+    """The remote as a Repository: a folder's own config, or a shared one made from its two URLs."""
+    from ckptstore.repo.config import RepoConfig
+    from ckptstore.repo.repository import REPO_DIR, Repository
+
+    where = f"remote {name!r} ({remote.url})" if name else remote.url
+    if "://" not in remote.url:
+        if not (Path(remote.url) / REPO_DIR).is_dir():
+            raise CkptError(f"{where} is not a ckptstore repository (no {REPO_DIR}/ folder there)")
+        return Repository.open(remote.url)
+    if not remote.metadata_url:
+        raise CkptError(f"{where} names objects but no metadata: give --metadata postgresql://... (a bucket's "
+                        "commit records and refs live in its database)")
+    # Its lock file and scratch folder live in a per-user cache: nothing of the repository is kept there.
+    key = hashlib.sha256(f"{remote.url}\n{remote.metadata_url}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ckptstore" / "remotes" / key
+    (root / REPO_DIR).mkdir(parents=True, exist_ok=True)
+    return Repository(root, RepoConfig(objects_url=remote.url, metadata_url=remote.metadata_url))
+
+
+def remote_store(remote: RemoteConfig) -> ObjectStore:
+    """Only the object store of a remote (what a lazy clone reads from)."""
+    from ckptstore.repo.config import RepoConfig
+    from ckptstore.repo.repository import REPO_DIR
+
+    if "://" in remote.url:
+        return open_store(remote.url, Path(remote.url), Path(remote.url))  # a bucket: no local folders used
+    folder = Path(remote.url) / REPO_DIR
+    config = RepoConfig.load(folder / "config.toml")
+    return open_store(config.objects_url or "objects", folder / "tmp", folder)
+
+
+# ----------------------------------------------------------------- moving commits
+def _copy(source: Repository, target: Repository, tips: list[CommitId], lazy: bool = False) -> TransferReport:
+    """Make every commit reachable from `tips` present in `target`: objects, then records. Refs are not touched.
+
+    `lazy` copies the records and manifests only: the chunk objects come when a checkout reads them.
+    """
+    report = TransferReport()
+    with source.db.read() as tx:
+        candidates = transfer.ancestors(tx, tips)
+    with target.db.read() as ttx:
+        have = transfer.present_commits(ttx, candidates)
+    missing = [c for c in candidates if c not in have]
+    if not missing:
+        return report
+    with source.db.read() as tx:
+        tensors = transfer.tensors_of(tx, missing)
+        with target.db.read() as ttx:
+            tensors -= transfer.present_tensors(ttx, tensors)
+        found = transfer.records(tx, missing, tensors)
+        manifests = {ObjectId(m) for m, in tx.rows_in("SELECT manifest_object FROM commits WHERE id IN ({ids})",
+                                                      missing)} if lazy else set()
+    wanted = manifests if lazy else set(found.objects)
+    report.objects, report.object_bytes = _send_objects(source, target, sorted(wanted))
+    faults.point("transfer:objects-sent")
+    with target.db.write() as ttx:
+        transfer.insert(ttx, found)
+    faults.point("transfer:records-sent")
+    report.commits, report.tensors = len(missing), len(tensors)
+    return report
+
+
+def _send_objects(source: Repository, target: Repository, oids: list[ObjectId]) -> tuple[int, int]:
+    """Copy the objects `target` lacks, each verified on reading; returns (objects, bytes) sent."""
+    absent = [oid for oid, present in zip(oids, source.pool.map(target.store.has, oids)) if not present]
+
+    def send(oid: ObjectId) -> int:
+        data = source.read_object(oid)  # verified against its id
+        target.store.put(data)
+        faults.point("transfer:object-sent")
+        return len(data)
+
+    with target.store.batch():
+        sent = sum(source.pool.map(send, absent))
+    return len(absent), sent
+
+
+def _is_ancestor(repo: Repository, old: CommitId, new: CommitId) -> bool:
+    with repo.db.read() as tx:
+        return old in transfer.ancestors(tx, [new])
+
+
+def push(repo: Repository, name: str, branch: str | None = None, force: bool = False) -> TransferReport:
+    """Send `branch` (default: HEAD's) and what it needs to remote `name`, then move the remote's branch.
+
+    A push that would drop the remote's commits (not a fast-forward) is refused unless `force`.
+    """
+    remote_config = named(repo, name)
+    branch = branch or refs.head(repo)[0]
+    if branch is None:
+        raise CkptError("HEAD is detached: say which branch to push (`ckpt push REMOTE BRANCH`)")
+    with repo.db.read() as tx:
+        row = ref_rows.ref_row(tx, branch)
+    if row is None or row.kind != ref_rows.BRANCH or row.commit_id is None:
+        raise RefNotFoundError(branch, detail=" (no such branch with commits here)")
+    tip = CommitId(row.commit_id)
+    with open_remote(remote_config, name) as remote, remote.lock():
+        with remote.db.read() as rtx:
+            theirs = ref_rows.ref_row(rtx, branch)
+        old = CommitId(theirs.commit_id) if theirs is not None and theirs.commit_id else None
+        if old is not None and old != tip and not force and not _is_ancestor(repo, old, tip):
+            raise ConflictError(f"push to {name} refused: its branch {branch!r} has commits yours lacks "
+                                f"({old[:12]}); `ckpt pull {name} {branch}` first, or push with --force to drop them")
+        report = _copy(repo, remote, [tip])
+        _move_remote_ref(remote, name, branch, old, tip)
+    _track(repo, name, {branch: tip})
+    report.refs_moved = [(branch, old, tip)] if old != tip else []
+    return report
+
+
+def _move_remote_ref(remote: Repository, name: str, branch: str, old: CommitId | None, new: CommitId) -> None:
+    """Move the remote's `branch` from `old` to `new` with a compare-and-swap (create it when `old` is None)."""
+    if old == new:
+        return
+    with remote.db.write() as rtx:
+        row = ref_rows.ref_row(rtx, branch)
+        if old is None and row is None:
+            ref_rows.insert_ref(rtx, branch, ref_rows.BRANCH, new)  # a HEAD waiting on it now sees it
+            return
+        if old is not None and ref_rows.swap(rtx, branch, ref_rows.BRANCH, old, new):
+            return
+    raise ConflictError(f"push to {name} lost a race: its branch {branch!r} moved while the objects were sent; "
+                        "nothing changed there. Run the push again (what was sent is not sent twice)")
+
+
+def _track(repo: Repository, name: str, tips: dict[str, CommitId]) -> None:
+    """Set the remote-tracking refs `remotes/NAME/BRANCH` (shown and resolved as NAME/BRANCH)."""
+    with repo.db.write() as tx:
+        for branch, cid in tips.items():
+            ref = f"remotes/{name}/{branch}"
+            if ref_rows.ref_row(tx, ref) is None:
+                ref_rows.insert_ref(tx, ref, REMOTE_KIND, cid)
+            else:
+                ref_rows.set_commit(tx, ref, cid)
+
+
+def fetch(repo: Repository, name: str, lazy: bool | None = None) -> TransferReport:
+    """Bring every branch of remote `name` here as `NAME/BRANCH`, with what the commits need.
+
+    `lazy` (default: as the repository was cloned) brings records and manifests only.
+    """
+    remote_config = named(repo, name)
+    lazy = remote_config.lazy if lazy is None else lazy
+    with open_remote(remote_config, name) as remote:
+        with remote.db.read() as rtx:
+            branches = ref_rows.refs_of_kind(rtx, ref_rows.BRANCH)
+        with repo.lock():
+            report = _copy(remote, repo, list(branches.values()), lazy=lazy)
+    with repo.db.read() as tx:
+        before = {b: ref_rows.ref_row(tx, f"remotes/{name}/{b}") for b in branches}
+    _track(repo, name, branches)
+    report.refs_moved = [(f"{name}/{b}", CommitId(row.commit_id) if row else None, cid)
+                         for b, cid in branches.items() for row in [before[b]] if row is None or row.commit_id != cid]
+    return report
+
+
+def pull(repo: Repository, name: str, branch: str | None = None) -> tuple[TransferReport, CommitId | None]:
+    """Fetch, then fast-forward `branch` (default: HEAD's) to `NAME/BRANCH`; refuses anything but a fast-forward."""
+    branch = branch or refs.head(repo)[0]
+    if branch is None:
+        raise CkptError("HEAD is detached: say which branch to pull into (`ckpt pull REMOTE BRANCH`)")
+    report = fetch(repo, name)
+    with repo.db.read() as tx:
+        theirs = ref_rows.ref_row(tx, f"remotes/{name}/{branch}")
+        ours = ref_rows.ref_row(tx, branch)
+    if theirs is None:
+        raise RefNotFoundError(f"{name}/{branch}", detail=f" (remote {name!r} has no branch {branch!r})")
+    new = CommitId(theirs.commit_id)
+    old = CommitId(ours.commit_id) if ours is not None and ours.commit_id else None
+    if old == new or (old is not None and _is_ancestor(repo, new, old)):
+        return report, None  # up to date, or ours is ahead
+    if old is not None and not _is_ancestor(repo, old, new):
+        raise ConflictError(f"{branch!r} and {name}/{branch} have diverged; pull only fast-forwards: branch from "
+                            f"{name}/{branch} and compare, or move {branch!r} yourself")
+    with repo.db.write() as tx:
+        if old is None:
+            ref_rows.insert_ref(tx, branch, ref_rows.BRANCH, new)
+        elif not ref_rows.swap(tx, branch, ref_rows.BRANCH, old, new):
+            raise ConflictError(f"{branch!r} moved while pulling; run the pull again")
+    return report, new
+
+
+def clone(url: str, path: str | os.PathLike, metadata_url: str = "", lazy: bool = False) -> Repository:
+    """A new repository at `path` with remote `origin` at `url`, its branches fetched and HEAD's checked out as refs.
+
+    `lazy` fetches commit records and manifests only; each object comes from origin when a checkout first reads it.
+    """
+    from ckptstore.repo.repository import Repository
+
+    remote = RemoteConfig(_normal_url(url), metadata_url, lazy)
+    with open_remote(remote, "origin") as source:
+        head_branch = refs.head(source)[0] or "main"
+    repo = Repository.init(path)
+    try:
+        repo.config.remotes["origin"] = remote
+        repo.config.save(repo.dir / "config.toml")
+        repo.close()
+        repo = Repository.open(path)
+        fetch(repo, "origin")
+        with repo.db.write() as tx:
+            for ref in ref_rows.names(tx, (REMOTE_KIND,)):
+                branch = ref[len("remotes/origin/"):]
+                ref_rows.insert_ref(tx, branch, ref_rows.BRANCH, ref_rows.ref_row(tx, ref).commit_id)
+            ref_rows.point_head(tx, head_branch, None)
+    except BaseException:
+        repo.close()
+        raise
+    return repo

@@ -1,0 +1,150 @@
+"""Remotes between repositories on this disk: push, fetch, pull, clone (lazy too), races and interruptions."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ckptstore import Repository
+from ckptstore.errors import ConflictError, CorruptObjectError
+from ckptstore.repo import fsck, remote
+from tests.conftest import assert_same
+from tests.test_cli import ROOT, ckpt
+
+
+def _state(seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(200_000, generator=generator), "b": torch.randn(64, generator=generator), "step": seed}
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """A working repository with two commits on main and an empty hub as its remote origin."""
+    Repository.init(tmp_path / "hub").close()
+    with Repository.init(tmp_path / "work") as work:
+        remote.add(work, "origin", str(tmp_path / "hub"))
+        cids = [work.commit(_state(seed), message=f"c{seed}") for seed in range(2)]
+        yield work, tmp_path / "hub", cids
+
+
+def _object_files(root):
+    return sorted(p.name for p in (root / ".ckpt" / "objects").rglob("*") if p.is_file())
+
+
+def test_push_sends_what_the_remote_lacks_and_nothing_twice(pair):
+    work, hub_path, cids = pair
+    first = remote.push(work, "origin")
+    assert first.commits == 2 and first.refs_moved == [("main", None, cids[1])]
+    assert _object_files(hub_path) == _object_files(work.root)
+    assert first.object_bytes == sum(p.stat().st_size for p in (hub_path / ".ckpt" / "objects").rglob("*")
+                                     if p.is_file())
+    again = remote.push(work, "origin")
+    assert (again.commits, again.objects, again.object_bytes) == (0, 0, 0)
+    third = work.commit(_state(2))
+    assert remote.push(work, "origin").commits == 1
+    with Repository.open(hub_path) as hub:
+        assert hub.resolve("main") == third and fsck(hub).ok
+        for seed, cid in enumerate([*cids, third]):
+            assert_same(_state(seed), hub.checkout(cid))
+    assert work.resolve("origin/main") == third
+
+
+def test_a_push_that_drops_remote_commits_is_refused_unless_forced(pair, tmp_path):
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    with remote.clone(str(hub_path), tmp_path / "other") as other:
+        other.commit(_state(7), message="theirs")
+        remote.push(other, "origin")
+    work.commit(_state(8), message="ours")
+    with pytest.raises(ConflictError, match="pull"):
+        remote.push(work, "origin")
+    with Repository.open(hub_path) as hub:
+        theirs = hub.resolve("main")
+    ours = work.resolve("main")
+    with pytest.raises(ConflictError, match="diverged"):
+        remote.pull(work, "origin")
+    assert work.resolve("main") == ours and work.resolve("origin/main") == theirs
+    remote.push(work, "origin", force=True)
+    with Repository.open(hub_path) as hub:
+        assert hub.resolve("main") == ours
+
+
+def test_pull_fast_forwards_and_clone_checks_out_bit_exact(pair, tmp_path):
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    with remote.clone(str(hub_path), tmp_path / "copy") as copy:
+        assert copy.resolve("main") == cids[1] and copy.head()[0] == "main"
+        assert_same(_state(0), copy.checkout(cids[0]))
+        newer = work.commit(_state(5))
+        remote.push(work, "origin")
+        report, moved = remote.pull(copy, "origin")
+        assert moved == newer and report.commits == 1 and copy.resolve("main") == newer
+        assert remote.pull(copy, "origin")[1] is None  # up to date
+        assert_same(_state(5), copy.checkout("main"))
+
+
+def test_a_lazy_clone_reads_only_the_chains_a_checkout_needs(tmp_path):
+    with Repository.init(tmp_path / "hub") as hub:
+        first = hub.commit(_state(0))
+        for seed in range(1, 6):
+            hub.commit(_state(seed))
+        total = len(_object_files(tmp_path / "hub"))
+    with remote.clone(str(tmp_path / "hub"), tmp_path / "lazy", lazy=True) as lazy:
+        manifests_only = len(_object_files(tmp_path / "lazy"))
+        assert manifests_only == 6
+        assert_same(_state(0), lazy.checkout(first))
+        fetched = len(_object_files(tmp_path / "lazy")) - manifests_only
+        assert 0 < fetched < (total - 6) / 3  # the first commit's keyframe chunks, not the run
+    with Repository.open(tmp_path / "lazy") as reopened:  # lazy survives reopening: the config says so
+        assert_same(_state(5), reopened.checkout("main"))
+
+
+def test_wrong_bytes_from_a_remote_are_refused_with_the_object_named(pair, tmp_path):
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    victim = next(p for p in (hub_path / ".ckpt" / "objects").rglob("*") if p.is_file() and p.stat().st_size > 1000)
+    data = victim.read_bytes()
+    victim.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(CorruptObjectError, match=victim.parent.name + victim.name):
+        remote.clone(str(hub_path), tmp_path / "copy")
+
+
+@pytest.mark.parametrize("point", ["transfer:object-sent@2", "transfer:objects-sent", "transfer:records-sent"])
+def test_an_interrupted_push_leaves_the_remote_consistent_and_resumes(pair, point):
+    work, hub_path, cids = pair
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_CRASH_AT=point)
+    work.close()
+    killed = subprocess.run([sys.executable, "-m", "ckptstore", "push"], cwd=work.root, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert killed.returncode == -9
+    with Repository.open(hub_path) as hub:
+        assert hub.branches() == {} and fsck(hub).ok
+        before = set(_object_files(hub_path))
+    resumed = ckpt(work.root, "push")
+    assert resumed.returncode == 0, resumed.stderr
+    sent = int(resumed.stdout.split(" objects")[0].rsplit(", ", 1)[1])
+    assert sent == len(set(_object_files(hub_path)) - before)  # only what was still missing travelled
+    with Repository.open(hub_path) as hub:
+        assert hub.resolve("main") == cids[1]
+        assert_same(_state(1), hub.checkout(cids[1]))
+
+
+def test_remote_commands_at_the_cli(tmp_path):
+    torch.save(_state(0), tmp_path / "c.pt")
+    assert ckpt(tmp_path, "init", "hub").returncode == 0
+    work = tmp_path / "work"
+    work.mkdir()
+    assert ckpt(work, "init").returncode == 0
+    assert ckpt(work, "commit", "../c.pt").returncode == 0
+    missing = ckpt(work, "push")
+    assert missing.returncode != 0 and "no remote named 'origin'" in missing.stderr
+    assert ckpt(work, "remote", "add", "origin", "../nowhere").returncode != 0
+    assert ckpt(work, "remote", "add", "origin", "../hub").returncode == 0
+    assert "origin" in ckpt(work, "remote", "list").stdout
+    assert ckpt(work, "push").returncode == 0
+    assert ckpt(tmp_path, "clone", "hub", "copy").returncode == 0
+    assert ckpt(tmp_path / "copy", "checkout", "HEAD", "-o", "back.pt").returncode == 0
+    assert_same(_state(0), torch.load(tmp_path / "copy" / "back.pt", weights_only=True))
+    assert "origin/main" in ckpt(tmp_path / "copy", "log").stdout
