@@ -270,15 +270,15 @@ def unavailable(url: str, exc: BaseException) -> StoreUnavailableError:
     text = " ".join(str(exc).split())
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the default AWS endpoint"
     if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)) or any(
-            word in text for word in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403")):
+            word in text for word in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403 Forbidden")):
         advice = ("the credentials were refused: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) "
                   "and the bucket's permissions")
     elif "NoSuchBucket" in text:
         advice = "the bucket does not exist: create it, or check the URL"
-    elif any(word in text.lower() for word in ("connection refused", "error sending request", "connect", "timed out")):
+    elif "error sending request" in text or "connection refused" in text.lower():
         advice = f"cannot reach {endpoint}: check that it is up and that AWS_ENDPOINT_URL names it"
     else:
-        advice = f"the server at {endpoint} failed"
+        advice = f"the server at {endpoint} failed, also when asked again"
     short = text if len(text) <= 300 else text[:297] + "..."
     return StoreUnavailableError(f"S3 store {url}: {advice}. Nothing was lost: run the command again once it is "
                                  f"fixed; it resumes where it stopped ({short})")

@@ -277,19 +277,36 @@ def clone(url: str, path: str | os.PathLike, metadata_url: str = "", lazy: bool 
     remote = RemoteConfig(_normal_url(url), metadata_url, lazy)
     with open_remote(remote, "origin") as source:
         head_branch = refs.head(source)[0] or "main"
-    repo = Repository.init(path)
-    try:
+    if not _interrupted_clone_of(path, remote):
+        repo = Repository.init(path)
         repo.config.remotes["origin"] = remote
         repo.config.save(repo.dir / "config.toml")
         repo.close()
-        repo = Repository.open(path)
+    repo = Repository.open(path)
+    try:
         fetch(repo, "origin")
         with repo.db.write() as tx:
             for ref in ref_rows.names(tx, (REMOTE_KIND,)):
                 branch = ref[len("remotes/origin/"):]
-                ref_rows.insert_ref(tx, branch, ref_rows.BRANCH, ref_rows.ref_row(tx, ref).commit_id)
+                if ref_rows.ref_row(tx, branch) is None:
+                    ref_rows.insert_ref(tx, branch, ref_rows.BRANCH, ref_rows.ref_row(tx, ref).commit_id)
             ref_rows.point_head(tx, head_branch, None)
     except BaseException:
         repo.close()
         raise
     return repo
+
+
+def _interrupted_clone_of(path: str | os.PathLike, remote: RemoteConfig) -> bool:
+    """True when an interrupted clone of `remote` left a repository at `path` (the clone resumes it)."""
+    from ckptstore.errors import RepoExistsError
+    from ckptstore.repo.repository import REPO_DIR, Repository
+
+    if not (Path(path) / REPO_DIR).exists():
+        return False
+    with Repository.open(path) as existing:
+        origin = existing.config.remotes.get("origin")
+        if origin is None or (origin.url, origin.metadata_url) != (remote.url, remote.metadata_url) or \
+                existing.branches():
+            raise RepoExistsError(f"{Path(path).resolve() / REPO_DIR} already exists; clone into a new folder")
+    return True
