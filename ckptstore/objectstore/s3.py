@@ -8,9 +8,8 @@ profile of ~/.aws through boto3 when AWS_PROFILE is set.
 
 A PUT is complete or absent, but a name can still hold other bytes (another writer's bug, a
 tool that rewrote it): put() keeps an existing object only when the server's ETag (the MD5 of
-its content, per part for a multipart upload) matches `data`, else uploads over it. Every whole
-object read is verified against its id; range reads of packs are verified by the chunk
-checksums of what they decode to.
+its content, per part for a multipart upload) matches `data`, else uploads over it. Every object
+read is verified against its id, packs too: they are read whole.
 """
 
 from __future__ import annotations
@@ -69,17 +68,19 @@ def _client(bucket: str) -> Any:
 
 
 class S3Ranges:
-    """The S3 store's RangeReader: one ranged GET per read."""
+    """The S3 store's RangeReader: a pack is fetched whole once, verified, and kept while in use.
+
+    A GET per payload cost a round trip for each of a pack's hundreds of small tensors; a
+    whole pack (at most pack.PACK_BYTES) costs one, and is verified against its id on the way.
+    """
 
     def __init__(self, store: S3ObjectStore) -> None:
-        self._store = store
+        from ckptstore.objectstore.pack import PackReader
+
+        self._packs = PackReader(store, verify=True)
 
     def read(self, oid: ObjectId, offset: int, length: int, into: Any = None) -> bytes | memoryview:
-        import obstore
-
-        data = memoryview(self._store.call(obstore.get_range, oid, start=offset, length=length))
-        if len(data) != length:
-            raise CorruptObjectError(oid, f"pack is shorter than its chunks say ({offset + len(data)} bytes)")
+        data = self._packs.read(oid, offset, length)
         if into is None:
             return data
         view = memoryview(into)[:length]
@@ -87,7 +88,7 @@ class S3Ranges:
         return view
 
     def close(self) -> None:
-        pass
+        self._packs = None
 
 
 class S3ObjectStore:

@@ -92,14 +92,15 @@ def test_local_store_ranges_read_with_files_kept_open(tmp_path):
     ranges.close()
 
 
-def test_store_urls_open_local_folders_and_refuse_the_rest(tmp_path):
+def test_store_urls_open_local_folders_and_buckets_and_refuse_the_rest(tmp_path):
     from ckptstore.errors import CkptError
     from ckptstore.objectstore import open_store
 
     base = tmp_path / ".ckpt"
     assert open_store("objects", tmp_path / "tmp", base).root == base / "objects"
     assert open_store((tmp_path / "elsewhere").as_uri(), tmp_path / "tmp", base).root == tmp_path / "elsewhere"
-    for url in ("file://objects", "file://host/data", "s3://bucket/x", "memory://"):
+    assert open_store("s3://bucket/x", tmp_path / "tmp", base).url == "s3://bucket/x"  # connects on first use
+    for url in ("file://objects", "file://host/data", "gs://bucket/x", "memory://"):
         with pytest.raises(CkptError, match="object store URL"):
             open_store(url, tmp_path / "tmp", base)
 

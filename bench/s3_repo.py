@@ -1,0 +1,120 @@
+"""`python -m bench.s3_repo [RUN]`: a run's checkpoints on S3-compatible storage, against plain uploads of its files.
+
+Against one local S3 server (moto's, 127.0.0.1) in one run, on the run's eight torch.save files
+(default: the MiniLM fine-tune, 271 MB each):
+- plain: each file uploaded with obstore's multipart upload (8 MiB parts, 8 in flight), and the
+  latest downloaded and `torch.load`ed from memory;
+- push: the files committed into a local repository (lossless, and `balanced` in a second one),
+  then `push`ed to a remote whose objects are on the bucket: bytes sent and wall time; a second
+  push with nothing new;
+- shared: the same files committed straight into a repository on the bucket, against commits
+  into a local repository (the upload overlaps the encoding); and checkout of its latest commit
+  into memory against the plain download and load.
+`--metadata postgresql` keeps the remote's and the shared repository's records in a throwaway
+PostgreSQL server instead of SQLite beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import shutil
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from bench.workloads import WORKLOADS
+from ckptstore.testing.s3_server import S3Server
+
+MiB = 1 << 20
+
+
+def _timed(action):
+    start = time.perf_counter()
+    result = action()
+    return time.perf_counter() - start, result
+
+
+def plain(files: list[Path], endpoint: str, bucket: str) -> tuple[float, float]:
+    """(seconds to upload every file, seconds to download the last one and torch.load it)."""
+    import obstore
+    import torch
+    from obstore.store import S3Store
+
+    store = S3Store(bucket, endpoint=endpoint, region="us-east-1", client_options={"allow_http": True})
+    upload, _ = _timed(lambda: [obstore.put(store, f.name, f, chunk_size=8 * MiB, max_concurrency=8) for f in files])
+
+    def load():
+        data = obstore.get(store, files[-1].name).bytes()
+        return torch.load(io.BytesIO(memoryview(data)), weights_only=True, map_location="cpu")
+
+    download, _ = _timed(load)
+    return upload, download
+
+
+def commit_all(repo, files: list[Path], lossy: str | None = None) -> float:
+    return _timed(lambda: [repo.commit(f, message=f.name, lossy=lossy) for f in files])[0]
+
+
+def stored_bytes(repo) -> int:
+    return sum(repo.store.size(oid) for oid in repo.store.iter_ids())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", nargs="?", default="minilm-finetune")
+    parser.add_argument("--metadata", choices=("sqlite", "postgresql"), default="sqlite")
+    args = parser.parse_args()
+    from ckptstore import Repository
+    from ckptstore.repo import remote
+
+    files = WORKLOADS[args.run]().files()
+    raw = sum(f.stat().st_size for f in files)
+    scratch = Path(tempfile.mkdtemp(prefix="ckpt-s3-bench-"))
+    with ExitStack() as stack:
+        server = stack.enter_context(S3Server())
+        os.environ.update(server.environment())
+        database = (lambda: "")
+        if args.metadata == "postgresql":
+            from ckptstore.testing.postgres_server import PostgresServer
+
+            database = stack.enter_context(PostgresServer()).new_database
+        rows = []
+        up, down = plain(files, server.endpoint, server.new_bucket("plain"))
+        rows.append(("plain upload of the files (obstore multipart)", up, raw, 1.0))
+        for level in (None, "balanced"):
+            with Repository.init(scratch / f"local-{level}") as local:
+                commit_all(local, files, level)
+                Repository.init(scratch / f"hub-{level}", objects_url=f"s3://{server.new_bucket('hub')}/hub",
+                                metadata_url=database()).close()
+                remote.add(local, "origin", str(scratch / f"hub-{level}"))
+                took, report = _timed(lambda: remote.push(local, "origin"))
+                again, second = _timed(lambda: remote.push(local, "origin"))
+                name = level or "lossless"
+                rows.append((f"push, {name} ({report.commits} commits)", took, report.object_bytes, took / up))
+                rows.append((f"second push, {name} ({second.objects} objects)", again, second.object_bytes,
+                             again / up))
+                if level is None:
+                    assert report.object_bytes == stored_bytes(local), "push sent other than what is stored"
+        with Repository.init(scratch / "shared", objects_url=f"s3://{server.new_bucket('shared')}/run",
+                             metadata_url=database()) as shared, Repository.init(scratch / "local2") as local:
+            order = [("local", local), ("shared", shared)]
+            commits = {name: commit_all(repo, files) for name, repo in order}
+            checkout, _ = _timed(lambda: shared.checkout("HEAD"))
+        rows.append(("commit into a local repository", commits["local"], raw, commits["local"] / up))
+        rows.append(("commit into the shared S3 repository", commits["shared"], raw, commits["shared"] / up))
+        print(f"{args.run}: {len(files)} files, {raw / 1e6:.0f} MB; metadata in {args.metadata}\n")
+        print("| what | seconds | bytes | seconds vs plain upload |\n|---|---|---|---|")
+        for what, seconds, size, ratio in rows:
+            print(f"| {what} | {seconds:.2f} | {size / 1e6:.1f} MB | {ratio:.2f} |")
+        print(f"\nfiles / bytes pushed: lossless {raw / rows[1][2]:.2f}x, balanced {raw / rows[3][2]:.1f}x")
+        print(f"commit speed, shared S3 vs local: {commits['local'] / commits['shared']:.2f}x")
+        print(f"checkout of the latest commit from the shared repository {checkout:.2f} s vs plain download and "
+              f"torch.load {down:.2f} s: {checkout / down:.2f}x the time")
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
