@@ -45,14 +45,15 @@ def gc(repo: Repository, prune_unreachable: bool = False) -> GcReport:
     """Delete objects and tensor records no commit needs, and leftovers of interrupted writes.
 
     With `prune_unreachable`, commits no branch, tag or HEAD reaches are deleted first. Holds the
-    repository lock alone, so no commit can be in flight. Refuses, deleting nothing, while the
+    repository lock alone, so no commit can be in flight: it waits for those in flight to end,
+    and commits that start meanwhile wait for it. Refuses, deleting nothing, while the
     records that say what the remaining commits need are damaged: what they lost track of may
     be the only copy.
     """
     from ckptstore.repo import integrity  # numpy and the replay layer: not for every CLI start
 
     report = GcReport()
-    with repo.lock(exclusive=True, wait=False):
+    with repo.lock(exclusive=True):
         with repo.db.write() as tx:
             if prune_unreachable:
                 doomed = liveness.commit_ids(tx) - liveness.reachable_commits(tx)
