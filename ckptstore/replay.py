@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -21,7 +21,7 @@ from ckptstore.codecs import capabilities, get_codec
 from ckptstore.codecs.checked import MALFORMED
 from ckptstore.errors import CodecError, CorruptObjectError, CorruptRecordError
 from ckptstore.hashing import HEX_LENGTH, ObjectId, TensorId, chunk_checksum, tensor_id
-from ckptstore.objectstore.base import ObjectStore, RangeReader, read_whole
+from ckptstore.objectstore.base import ObjectStore, RangeReader, read_whole, reading_ahead
 from ckptstore.objectstore.pack import PackReader, check_range
 from ckptstore.records import Chunk, TensorRecord
 
@@ -229,14 +229,9 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
             jobs.append((future, partial(_replay_chunk, source, record, index, buffer[offset:end], below, verify)))
             chunk_futures[record.id].append(future)
             futures.append((record, end - offset, future))
-    run_here_and_on(pool, jobs)
-    for record, size, future in futures:
-        try:
-            future.result()
-        except (*MALFORMED, TypeError) as exc:  # damage in the chain or its records: a ckptstore error, never a crash
-            raise source.diagnose(record, exc) from None
-        if on_chunk:
-            on_chunk(size)
+    with reading_ahead(source.store, _objects_in_order(source, records)):
+        run_here_and_on(pool, jobs)
+        _collect(source, futures, on_chunk)
     if verify:
         whole = [r for r in records.values() if by_id or any(c.checksum is None for c in r.chunks)]
         checks = [(r, pool.submit(tensor_id, r.dtype, r.shape, outputs[r.id])) for r in whole]
@@ -245,6 +240,28 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
                 raise source.diagnose(record, CorruptObjectError(
                     object_ids_of(record), f"decoded to bytes that do not match tensor {record.id}"))
     return outputs
+
+
+def _objects_in_order(source: ChainSource, records: Mapping[TensorId, TensorRecord]) -> Iterator[ObjectId]:
+    """The objects the replay reads, about in the order it reads them: each tensor's chunks down its chain."""
+    for record in _bases_first(records):
+        current: TensorRecord | None = record
+        for _ in range(min(record.depth, 64) + 1):  # a damaged depth or a looping chain is found elsewhere
+            if current is None:
+                break
+            yield from (chunk.object_id for chunk in current.chunks)
+            current = source.records.get(current.base_id) if current.base_id else None
+
+
+def _collect(source: ChainSource, futures: list, on_chunk: Callable[[int], None] | None) -> None:
+    """Wait for every chunk in order, reporting progress; damage becomes a ckptstore error naming the object."""
+    for record, size, future in futures:
+        try:
+            future.result()
+        except (*MALFORMED, TypeError) as exc:  # damage in the chain or its records: a ckptstore error, never a crash
+            raise source.diagnose(record, exc) from None
+        if on_chunk:
+            on_chunk(size)
 
 
 def chain_problem(record: TensorRecord, records: Mapping[TensorId, TensorRecord]) -> str | None:

@@ -6,8 +6,8 @@ store's memory maps) is a protocol of its own, tested in one place: `read_whole`
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol, runtime_checkable
 
 from ckptstore.hashing import ObjectId
@@ -79,6 +79,21 @@ class MappedObjects(Protocol):
 
     def view(self, oid: ObjectId, verify: bool = True) -> bytes | memoryview:
         """The bytes of `oid`, read-only, valid while referenced."""
+
+
+@runtime_checkable
+class ReadsAhead(Protocol):
+    """A store across a network: reading objects ahead of use hides each request's round trip."""
+
+    def read_ahead(self, oids: Iterable[ObjectId]) -> AbstractContextManager[None]:
+        """Fetch `oids` in the background, in this order, while the block runs; `view`/`get` take them from there."""
+
+
+def reading_ahead(store: ObjectStore, oids: Iterable[ObjectId]) -> AbstractContextManager[None]:
+    """`store.read_ahead(oids)` where the store can, else nothing."""
+    if isinstance(store, ReadsAhead):
+        return store.read_ahead(oids)
+    return nullcontext()
 
 
 def read_whole(store: ObjectStore, oid: ObjectId, verify: bool = True) -> bytes | memoryview:

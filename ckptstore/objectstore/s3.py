@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -30,6 +30,8 @@ from ckptstore.objectstore.base import as_bytes
 PART = 8 << 20  # multipart part size: objects above it upload in parts, several at once
 PARTS_IN_FLIGHT = 8
 UPLOADS_IN_FLIGHT = 8  # objects uploading at once inside batch()
+DOWNLOADS_IN_FLIGHT = 16  # objects downloading at once inside read_ahead()
+READ_AHEAD = 64  # objects read ahead and not yet used, at most (64 chunks of 4 MiB: 256 MiB)
 BYTES_IN_FLIGHT = 512 << 20  # encoders wait when this much is queued for upload, so memory stays bounded
 RETRY_SECONDS = 60.0  # how long a request is retried before the error reaches the user; CKPT_S3_RETRY_SECONDS
 
@@ -100,6 +102,7 @@ class S3ObjectStore:
         self._objects = f"{self.prefix}/objects/" if self.prefix else "objects/"
         self._client = _client(self.bucket)
         self._batch: _Uploads | None = None
+        self._ahead: _ReadAhead | None = None
 
     def key(self, oid: ObjectId) -> str:
         """The object's key in the bucket."""
@@ -178,7 +181,28 @@ class S3ObjectStore:
         return bytes(self.view(oid))
 
     def view(self, oid: ObjectId, verify: bool = True) -> memoryview:
-        """The bytes of `oid` without a copy, verified against the id."""
+        """The bytes of `oid` without a copy, verified against the id (read ahead, where it was)."""
+        ahead = self._ahead
+        if ahead is not None:
+            data = ahead.take(oid)
+            if data is not None:
+                return data
+        return self._fetch(oid)
+
+    @contextlib.contextmanager
+    def read_ahead(self, oids: Iterable[ObjectId]) -> Iterator[None]:
+        """Fetch `oids` in order, several at once and at most READ_AHEAD ahead of their use, during the block."""
+        if self._ahead is not None:  # nested: the outer block reads ahead already
+            yield
+            return
+        self._ahead = _ReadAhead(self, list(dict.fromkeys(oids)))
+        try:
+            yield
+        finally:
+            ahead, self._ahead = self._ahead, None
+            ahead.close()
+
+    def _fetch(self, oid: ObjectId) -> memoryview:
         import obstore
 
         data = memoryview(self.call(obstore.get, oid).bytes())
@@ -215,6 +239,46 @@ class S3ObjectStore:
             if type(exc).__module__.startswith("obstore"):
                 raise unavailable(self.url, exc) from None
             raise
+
+
+class _ReadAhead:
+    """Objects fetched ahead of use: a feeder starts downloads in order while fewer than READ_AHEAD wait unused."""
+
+    def __init__(self, store: S3ObjectStore, oids: list[ObjectId]) -> None:
+        self._store = store
+        self._pool = ThreadPoolExecutor(DOWNLOADS_IN_FLIGHT, thread_name_prefix="ckpt-s3-get")
+        self._room = threading.Semaphore(READ_AHEAD)
+        self._fetched: dict[ObjectId, Future] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._feeder = threading.Thread(target=self._feed, args=(oids,), daemon=True, name="ckpt-s3-ahead")
+        self._feeder.start()
+
+    def _feed(self, oids: list[ObjectId]) -> None:
+        for oid in oids:
+            self._room.acquire()
+            with self._lock:
+                if self._closed:
+                    return
+                self._fetched[oid] = self._pool.submit(self._store._fetch, oid)
+
+    def take(self, oid: ObjectId) -> memoryview | None:
+        """The object's bytes if it was read ahead (waiting for its download), else None; errors re-raised."""
+        with self._lock:
+            future = self._fetched.pop(oid, None)
+        if future is None:
+            return None
+        self._room.release()
+        return future.result()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            dropped, self._fetched = list(self._fetched.values()), {}
+        for future in dropped:
+            future.cancel()
+        self._room.release()  # a feeder waiting for room wakes up and sees the block has ended
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _Uploads:

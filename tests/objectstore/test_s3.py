@@ -72,3 +72,22 @@ def test_an_unreachable_bucket_is_one_line_at_the_cli(tmp_path, s3_url, monkeypa
     assert len(failed.stderr.strip().splitlines()) == 1 and s3_url in failed.stderr and "cannot reach" in failed.stderr
     assert not (tmp_path / "back.pt").exists()
     assert ckpt(tmp_path, "checkout", "HEAD", "-o", "back.pt").returncode == 0  # the same command, server reachable
+
+
+def test_read_ahead_hands_out_verified_objects_and_refuses_wrong_ones(s3_url):
+    store = S3ObjectStore(s3_url)
+    payloads = [os.urandom(50_000 + i) for i in range(30)]
+    ids = [store.put(p) for p in payloads]
+    bad = ids[7]
+    obstore.put(store._client, store.key(bad), payloads[7][::-1])
+    with store.read_ahead(ids + ids[:3]):  # repeats are fetched once
+        assert store._ahead is not None
+        for oid, data in zip(ids, payloads):
+            if oid == bad:
+                with pytest.raises(CorruptObjectError, match=bad):
+                    store.view(oid)
+            else:
+                assert bytes(store.view(oid)) == data
+    assert store._ahead is None and store.get(ids[0]) == payloads[0]
+    with store.read_ahead(ids):  # a block left early drops what it read ahead
+        assert bytes(store.view(ids[1])) == payloads[1]
