@@ -343,10 +343,11 @@ def gc_command(ctx, prune) -> None:
 
 @cli.command("fsck")
 @click.option("--full", is_flag=True, help="Also decode every tensor and check it against its id.")
+@click.option("--remote", "remote_name", help="Check remote NAME instead of this repository.")
 @click.pass_context
-def fsck_command(ctx, full) -> None:
+def fsck_command(ctx, full, remote_name) -> None:
     """Verify every stored object; list damaged objects and the commits they break."""
-    report = fsck(_open(ctx), full=full)
+    report = remotes.fsck_remote(_open(ctx), remote_name, full) if remote_name else fsck(_open(ctx), full=full)
     click.echo(f"checked {report.objects_checked} objects"
                + (f", verified {report.tensors_verified} tensors" if full else ""))
     for oid, problem in report.damaged_objects.items():

@@ -57,6 +57,9 @@ class ObjectStore(Protocol):
     def iter_ids(self) -> Iterator[ObjectId]:
         """Every stored id, in no particular order."""
 
+    def iter_sizes(self) -> Iterator[tuple[ObjectId, int]]:
+        """Every stored id with its size, in one listing (a bucket lists sizes with names)."""
+
     def size(self, oid: ObjectId) -> int:
         """Stored size in bytes of `oid`; CorruptObjectError when it is missing."""
 

@@ -59,6 +59,9 @@ class FallbackStore:
     def has(self, oid: ObjectId) -> bool:
         return self.local.has(oid)
 
+    def iter_sizes(self) -> Iterator[tuple[ObjectId, int]]:
+        return self.local.iter_sizes()
+
     def delete(self, oid: ObjectId) -> None:
         self.local.delete(oid)
 

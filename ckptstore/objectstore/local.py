@@ -167,6 +167,13 @@ class LocalObjectStore:
                     if is_hex_id(name):
                         yield ObjectId(name)
 
+    def iter_sizes(self) -> Iterator[tuple[ObjectId, int]]:
+        for oid in self.iter_ids():
+            try:
+                yield oid, self.path_of(oid).stat().st_size
+            except FileNotFoundError:  # deleted since it was listed
+                continue
+
     def size(self, oid: ObjectId) -> int:
         try:
             return self.path_of(oid).stat().st_size

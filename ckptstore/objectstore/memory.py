@@ -61,6 +61,9 @@ class MemoryObjectStore:
     def iter_ids(self) -> Iterator[ObjectId]:
         return iter(list(self.objects))
 
+    def iter_sizes(self) -> Iterator[tuple[ObjectId, int]]:
+        return iter([(oid, len(data)) for oid, data in self.objects.items()])
+
     def size(self, oid: ObjectId) -> int:
         if oid not in self.objects:
             raise CorruptObjectError(oid, "missing")

@@ -227,6 +227,9 @@ class S3ObjectStore:
         return int(self.call(obstore.head, oid)["size"])
 
     def iter_ids(self) -> Iterator[ObjectId]:
+        return (oid for oid, _ in self.iter_sizes())
+
+    def iter_sizes(self) -> Iterator[tuple[ObjectId, int]]:
         import obstore
 
         try:
@@ -234,7 +237,7 @@ class S3ObjectStore:
                 for item in page:
                     name = item["path"][len(self._objects):].replace("/", "")
                     if is_hex_id(name):
-                        yield ObjectId(name)
+                        yield ObjectId(name), int(item["size"])
         except Exception as exc:
             if type(exc).__module__.startswith("obstore"):
                 raise unavailable(self.url, exc) from None

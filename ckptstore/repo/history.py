@@ -119,7 +119,7 @@ def stats(repo: Repository) -> dict[str, Any]:
     rows = [{"id": c.id, "step": c.step, "message": c.message, "raw_bytes": c.raw_bytes,
              "stored_bytes": c.stored_bytes, "ratio": c.raw_bytes / max(c.stored_bytes, 1)}
             for c in sorted(every.values(), key=lambda c: c.created_at)]
-    objects = sum(repo.store.size(o) for o in repo.store.iter_ids())
+    objects = sum(size for _, size in repo.store.iter_sizes())
     metadata = repo.db.size_on_disk()
     raw, stored = sum(r["raw_bytes"] for r in rows), objects + metadata
     return {"commits": rows, "reachable_commits": len(reachable), "raw_bytes": raw, "stored_bytes": stored,

@@ -136,7 +136,7 @@ def _commit_problems(tx: Tx, commits: dict[CommitId, commit_rows.CommitInfo], fo
                 found.problems.setdefault(f"commit {cid}", f"its parent {parent} has no record")
     refs = liveness.all_refs(tx)
     for name, kind, cid, _ in refs:
-        if kind not in ("branch", "tag", "head") or (kind == "head") != (name == "HEAD"):
+        if kind not in ("branch", "tag", "head", "remote") or (kind == "head") != (name == "HEAD"):
             found.problems[f"ref {name}"] = f"it is of kind {kind!r}"
         elif cid is not None and cid not in commits:
             found.problems[f"ref {name}"] = f"it points at commit {cid}, which has no record"

@@ -70,9 +70,9 @@ def gc(repo: Repository, prune_unreachable: bool = False) -> GcReport:
         faults.point("gc:db-committed")
         report.temp_files_removed = repo.store.clear_tmp()
         faults.point("gc:tmp-cleared")
-        for oid in list(repo.store.iter_ids()):
+        for oid, size in list(repo.store.iter_sizes()):
             if oid not in live_objects and oid not in findings.unreadable_manifests:
-                report.bytes_removed += repo.store.size(oid)
+                report.bytes_removed += size
                 repo.store.delete(oid)
                 faults.point("gc:object-deleted")
                 report.objects_removed += 1

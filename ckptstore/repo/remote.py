@@ -27,6 +27,7 @@ from ckptstore.repo import refs
 from ckptstore.repo.config import RemoteConfig
 
 if TYPE_CHECKING:
+    from ckptstore.repo.maintenance import FsckReport
     from ckptstore.repo.repository import Repository
 
 REMOTE_KIND = ref_rows.REMOTE
@@ -114,6 +115,14 @@ def remote_store(remote: RemoteConfig) -> ObjectStore:
     folder = Path(remote.url) / REPO_DIR
     config = RepoConfig.load(folder / "config.toml")
     return open_store(config.objects_url or "objects", folder / "tmp", folder)
+
+
+def fsck_remote(repo: Repository, name: str, full: bool = False) -> FsckReport:
+    """`fsck` of remote `name`, read from here (every object it holds is fetched and verified)."""
+    from ckptstore.repo.maintenance import fsck
+
+    with open_remote(named(repo, name), name) as remote:
+        return fsck(remote, full)
 
 
 # ----------------------------------------------------------------- moving commits

@@ -40,6 +40,7 @@ def check_delete_and_iter(store: ObjectStore) -> None:
     """iter_ids lists exactly what was put and not deleted; delete of a missing id is fine."""
     ids = {store.put(os.urandom(100 + i)) for i in range(5)}
     assert ids == set(store.iter_ids())
+    assert dict(store.iter_sizes()) == {oid: store.size(oid) for oid in ids}
     victim = sorted(ids)[0]
     store.delete(victim)
     store.delete(victim)

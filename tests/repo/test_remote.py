@@ -148,3 +148,9 @@ def test_remote_commands_at_the_cli(tmp_path):
     assert ckpt(tmp_path / "copy", "checkout", "HEAD", "-o", "back.pt").returncode == 0
     assert_same(_state(0), torch.load(tmp_path / "copy" / "back.pt", weights_only=True))
     assert "origin/main" in ckpt(tmp_path / "copy", "log").stdout
+    assert ckpt(tmp_path / "copy", "fsck", "--remote", "origin").stdout.strip().endswith("ok")
+    victim = next(p for p in (tmp_path / "hub" / ".ckpt" / "objects").rglob("*") if p.is_file())
+    victim.write_bytes(victim.read_bytes()[:-1])
+    damaged = ckpt(tmp_path / "copy", "fsck", "--remote", "origin")
+    assert damaged.returncode == 1 and victim.parent.name + victim.name in damaged.stdout
+    assert ckpt(tmp_path / "copy", "fsck").returncode == 0  # the clone's own copy is sound
