@@ -12,7 +12,6 @@ import click
 
 from ckptstore.errors import CkptError, explain
 from ckptstore.repo import LOSSY_LEVELS, EncodingSettings, Repository, fsck, gc
-from ckptstore.repo import remote as remotes
 
 LEVEL_NAMES = list(LOSSY_LEVELS)
 
@@ -59,6 +58,13 @@ def _finite(data: Any) -> Any:
 
 def _emit_json(data: Any) -> None:
     click.echo(json.dumps(_finite(data), indent=2, default=str, allow_nan=False))
+
+
+def _remotes() -> Any:
+    """The remote verbs, imported by the commands that use them (every other command starts faster)."""
+    from ckptstore.repo import remote
+
+    return remote
 
 
 def _open(ctx: click.Context) -> Repository:
@@ -347,7 +353,7 @@ def gc_command(ctx, prune) -> None:
 @click.pass_context
 def fsck_command(ctx, full, remote_name) -> None:
     """Verify every stored object; list damaged objects and the commits they break."""
-    report = remotes.fsck_remote(_open(ctx), remote_name, full) if remote_name else fsck(_open(ctx), full=full)
+    report = _remotes().fsck_remote(_open(ctx), remote_name, full) if remote_name else fsck(_open(ctx), full=full)
     click.echo(f"checked {report.objects_checked} objects"
                + (f", verified {report.tensors_verified} tensors" if full else ""))
     for oid, problem in report.damaged_objects.items():
@@ -381,7 +387,7 @@ def remote() -> None:
 @click.pass_context
 def remote_add(ctx, name: str, url: str, metadata_url: str) -> None:
     """Add remote NAME at URL (a repository folder, or s3://BUCKET/PREFIX with --metadata)."""
-    added = remotes.add(_open(ctx), name, url, metadata_url)
+    added = _remotes().add(_open(ctx), name, url, metadata_url)
     click.echo(f"remote {name}: {added.url}")
 
 
@@ -390,7 +396,7 @@ def remote_add(ctx, name: str, url: str, metadata_url: str) -> None:
 @click.pass_context
 def remote_remove(ctx, name: str) -> None:
     """Forget remote NAME and its remote-tracking refs."""
-    remotes.remove(_open(ctx), name)
+    _remotes().remove(_open(ctx), name)
 
 
 @remote.command("list")
@@ -414,7 +420,7 @@ def _moved(report: Any) -> None:
 @click.pass_context
 def push(ctx, name: str, branch: str | None, force: bool) -> None:
     """Send BRANCH (default: HEAD's) to remote NAME (default: origin); only what it lacks travels."""
-    _moved(remotes.push(_open(ctx), name, branch, force))
+    _moved(_remotes().push(_open(ctx), name, branch, force))
 
 
 @cli.command()
@@ -422,7 +428,7 @@ def push(ctx, name: str, branch: str | None, force: bool) -> None:
 @click.pass_context
 def fetch(ctx, name: str) -> None:
     """Bring remote NAME's branches here as NAME/BRANCH."""
-    _moved(remotes.fetch(_open(ctx), name))
+    _moved(_remotes().fetch(_open(ctx), name))
 
 
 @cli.command()
@@ -431,7 +437,7 @@ def fetch(ctx, name: str) -> None:
 @click.pass_context
 def pull(ctx, name: str, branch: str | None) -> None:
     """Fetch from NAME, then fast-forward BRANCH (default: HEAD's) to NAME/BRANCH."""
-    report, moved = remotes.pull(_open(ctx), name, branch)
+    report, moved = _remotes().pull(_open(ctx), name, branch)
     _moved(report)
     click.echo(f"fast-forwarded to {moved[:12]}" if moved else "already up to date")
 
@@ -444,7 +450,7 @@ def pull(ctx, name: str, branch: str | None) -> None:
 def clone(url: str, path: str | None, metadata_url: str, lazy: bool) -> None:
     """Make a repository in PATH with remote origin at URL and its branches."""
     target = path or (url.rstrip("/").rsplit("/", 1)[-1] or "clone")
-    with remotes.clone(url, target, metadata_url, lazy) as repo:
+    with _remotes().clone(url, target, metadata_url, lazy) as repo:
         click.echo(f"Cloned {url} into {repo.root}" + (" (lazily: objects come on first checkout)" if lazy else ""))
 
 
