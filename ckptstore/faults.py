@@ -3,7 +3,9 @@
 Called at each durable step of commit and gc (objects written, pack written, manifest written,
 metadata transaction committed, an object deleted), so a test can stop the process exactly there
 and check that nothing is lost. CKPT_CRASH_AT=NAME kills at the first time NAME is reached,
-NAME@N at the N-th. Unset (always, outside tests), a point costs one dictionary lookup.
+NAME@N at the N-th. CKPT_WAIT_AT=NAME=PATH instead holds the process at NAME until the file
+PATH exists, having created PATH.reached, so a test can run another process in between.
+Unset (always, outside tests), a point costs two dictionary lookups.
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ import os
 import signal
 
 ENV = "CKPT_CRASH_AT"
+WAIT_ENV = "CKPT_WAIT_AT"
 _hits: dict[str, int] = {}
 
 
 def point(name: str) -> None:
-    """Die by SIGKILL here if CKPT_CRASH_AT names this point (and this is its N-th visit)."""
+    """Die by SIGKILL here if CKPT_CRASH_AT names this point (and this is its N-th visit); wait if CKPT_WAIT_AT does."""
+    waiting = os.environ.get(WAIT_ENV)
+    if waiting and waiting.startswith(name + "="):
+        _wait(waiting[len(name) + 1:])
     wanted = os.environ.get(ENV)
     if not wanted or not wanted.startswith(name):
         return
@@ -26,3 +32,12 @@ def point(name: str) -> None:
     _hits[name] = _hits.get(name, 0) + 1
     if _hits[name] >= int(nth or 1):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _wait(path: str) -> None:
+    import time
+    from pathlib import Path
+
+    Path(path + ".reached").touch()
+    while not Path(path).exists():
+        time.sleep(0.02)

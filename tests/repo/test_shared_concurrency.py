@@ -89,3 +89,43 @@ def test_four_writers_a_reader_and_gc_on_one_shared_repository(tmp_path, s3_url)
             writer, index = map(int, info.message.split())
             assert_same(namespace["state"](writer, index), repo.checkout(info.id))
         assert fsck(repo).ok
+
+
+_ONE_COMMIT = _STATE + """
+import sys
+from ckptstore import Repository
+from ckptstore.errors import ConflictError
+with Repository.open(sys.argv[1]) as repo:
+    try:
+        print(repo.commit(state(int(sys.argv[2]), 0), message=sys.argv[2], branch="same"))
+    except ConflictError as exc:
+        print("conflict", exc)
+"""
+
+
+def test_two_writers_on_one_branch_of_a_shared_repository_one_conflict_nothing_lost(tmp_path, s3_url):
+    import os
+    import time
+
+    Repository.init(tmp_path, objects_url=s3_url).close()
+    go = tmp_path / "go"
+    # the first writer stops once its objects are uploaded, before its metadata transaction
+    first = subprocess.Popen([sys.executable, "-c", _ONE_COMMIT, str(tmp_path), "1"], cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=dict(os.environ, CKPT_WAIT_AT=f"commit:objects-written={go}"))
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "go.reached").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    second = subprocess.run([sys.executable, "-c", _ONE_COMMIT, str(tmp_path), "2"], cwd=ROOT, text=True,
+                            capture_output=True, timeout=300)
+    go.touch()
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == second.returncode == 0, err + second.stderr
+    assert out.startswith("conflict") and "same" in out, out
+    exec(_STATE, namespace := {})
+    from tests.conftest import assert_same
+
+    with Repository.open(tmp_path) as repo:
+        assert [info.message for info in repo.log("same")] == ["2"]
+        assert_same(namespace["state"](2, 0), repo.checkout("same"))
+        assert fsck(repo).ok
