@@ -25,6 +25,15 @@ class RemoteConfig:
     metadata_url: str = ""
     lazy: bool = False
 
+    def resolved(self, root: Path) -> RemoteConfig:
+        """This remote, a relative folder taken relative to the repository at `root`.
+
+        The config keeps it relative, so a repository and its remotes can move together.
+        """
+        if "://" in self.url or Path(self.url).is_absolute():
+            return self
+        return RemoteConfig(str((root / self.url).resolve()), self.metadata_url, self.lazy)
+
 
 @dataclass
 class RepoConfig:

@@ -52,8 +52,8 @@ def add(repo: Repository, name: str, url: str, metadata_url: str = "") -> Remote
         raise CkptError(f"remote name {name!r} may not contain '/'")
     if name in repo.config.remotes:
         raise CkptError(f"remote {name!r} already exists ({repo.config.remotes[name].url}); remove it first")
-    remote = RemoteConfig(_normal_url(url), metadata_url)
-    with open_remote(remote, name):  # refuse a URL that does not name a repository, now rather than at push
+    remote = RemoteConfig(url if "://" in url else os.path.expanduser(url), metadata_url)
+    with open_remote(remote.resolved(repo.root), name):  # refuse a URL that names no repository, now, not at push
         pass
     repo.config.remotes[name] = remote
     repo.config.save(repo.dir / "config.toml")
@@ -74,7 +74,7 @@ def remove(repo: Repository, name: str) -> None:
 def named(repo: Repository, name: str) -> RemoteConfig:
     """The remote called `name`, or a clear error listing those there are."""
     try:
-        return repo.config.remotes[name]
+        return repo.config.remotes[name].resolved(repo.root)
     except KeyError:
         known = ", ".join(sorted(repo.config.remotes)) or "none"
         raise CkptError(f"no remote named {name!r} (remotes: {known}); add one with `ckpt remote add {name} URL`"

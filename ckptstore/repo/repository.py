@@ -75,7 +75,7 @@ class Repository:
             from ckptstore.objectstore.fallback import FallbackStore
             from ckptstore.repo.remote import remote_store
 
-            self.store = FallbackStore(self.store, lambda: remote_store(lazy[0]))
+            self.store = FallbackStore(self.store, lambda: remote_store(lazy[0].resolved(root)))
         self.db = Database(config.metadata_url or f"sqlite:///{self.dir / 'ckpt.db'}", read_only, why)
         self._pool: ThreadPoolExecutor | None = None
 

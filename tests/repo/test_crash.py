@@ -1,4 +1,4 @@
-"""Crash points: `ckpt commit`, `checkout`, `gc` and `gc --prune` killed with SIGKILL lose nothing.
+"""Crash points: `ckpt commit`, `checkout`, `gc`, `gc --prune` and `push` killed with SIGKILL lose nothing.
 
 Each trial copies a prepared repository (two commits on main, one unreachable commit, one
 orphan object), runs one command and kills it, either after a random delay within the
@@ -8,7 +8,9 @@ bit-exact, the checked-out file is the old or the new checkpoint (never a mix), 
 command run again succeeds and leaves the repository clean. "Lost" counts trials where any of
 that failed; it must be 0. Default run: each injected point once and RANDOM_KILLS random kills
 on a small checkpoint; CKPT_HYPOTHESIS_PROFILE=long: 50 random kills per command on about
-32 MB (CKPT_CRASH_TRIALS, CKPT_CRASH_MB override); CKPT_CRASH_REPORT=FILE collects the counts.
+32 MB (CKPT_CRASH_TRIALS, CKPT_CRASH_MB override; CKPT_CRASH_ONLY=push,gc picks commands);
+CKPT_CRASH_REPORT=FILE collects the counts. A push's remote (`hub/` inside the repository's
+folder) must have its branch unmoved or complete, never at a commit it cannot restore.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 from ckptstore import Repository
 from ckptstore.errors import CkptError
-from ckptstore.repo import fsck
+from ckptstore.repo import fsck, remote
 from tests.conftest import assert_same, same
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,11 +38,12 @@ LONG = os.environ.get("CKPT_HYPOTHESIS_PROFILE") == "long"
 MEGABYTES = float(os.environ.get("CKPT_CRASH_MB") or (32 if LONG else 2))
 RANDOM_KILLS = int(os.environ.get("CKPT_CRASH_TRIALS") or (50 if LONG else 1))  # per command
 COMMANDS = {"commit": ["commit", "new.pt", "-m", "new", "--allow-empty"], "checkout": ["checkout", "main~1"],
-            "gc": ["gc"], "gc --prune": ["gc", "--prune"]}
+            "gc": ["gc"], "gc --prune": ["gc", "--prune"], "push": ["push"]}
 # (command, CKPT_CRASH_AT): every durable step of the commit and gc paths
 INJECTED = [("commit", "pack-written"), ("commit", "commit:objects-written"), ("commit", "commit:manifest-written"),
             ("commit", "commit:ref-moved"), ("gc", "gc:tmp-cleared"), ("gc", "gc:db-committed"),
-            ("gc", "gc:object-deleted"), ("gc --prune", "gc:db-committed"), ("gc --prune", "gc:object-deleted@2")]
+            ("gc", "gc:object-deleted"), ("gc --prune", "gc:db-committed"), ("gc --prune", "gc:object-deleted@2"),
+            ("push", "transfer:object-sent@2"), ("push", "transfer:objects-sent"), ("push", "transfer:records-sent")]
 
 
 def _state(seed: int, base: dict | None = None) -> dict:
@@ -88,6 +91,9 @@ def template(tmp_path_factory):
         doomed = repo.commit(work / "ckpt.pt", branch="doomed", message="doomed")
         repo.delete_branch("doomed")
         repo.store.put(os.urandom(5000))  # an orphan, as a crashed commit leaves behind
+    Repository.init(work / "hub").close()  # the remote `push` sends main to, inside the folder so copies take it
+    with Repository.open(work) as repo:
+        remote.add(repo, "origin", "hub")
     torch.save(states[1], work / "ckpt.pt")  # the worktree as main's head left it
     torch.save(states[3], work / "new.pt")
     durations = dict.fromkeys(COMMANDS, 1.0)  # the default run's few kills land within a second
@@ -120,10 +126,27 @@ def _check(trial: Path, command: str, commits: dict) -> list[str]:
                     problems.append(f"{name}: {exc}")
             except AssertionError as exc:
                 problems.append(f"{name} checks out changed: {exc}")
+    if command == "push":
+        problems += _check_hub(trial / "hub", commits)
     if command == "checkout":  # the file is the old or the new checkpoint, never a mix
         on_disk = torch.load(trial / "ckpt.pt", weights_only=True)
         if not any(same(on_disk, commits[n][1]) for n in ("c0", "c1")):
             problems.append("ckpt.pt is neither checkpoint")
+    return problems
+
+
+def _check_hub(hub: Path, commits: dict, pushed: bool = False) -> list[str]:
+    """The remote after a killed (or, `pushed`, a completed) push: its branch unmoved or at main, never broken."""
+    problems = []
+    with Repository.open(hub) as repo:
+        if not fsck(repo).ok:
+            problems.append("the remote's fsck failed")
+        tip = repo.branches().get("main")
+        if tip not in ((commits["c1"][0],) if pushed else (None, commits["c1"][0])):
+            problems.append(f"the remote's main is at {tip}")
+        for name in ("c0", "c1") if tip else ():
+            if not same(commits[name][1], repo.checkout(commits[name][0])):
+                problems.append(f"the remote's {name} checks out changed")
     return problems
 
 
@@ -137,6 +160,8 @@ def _after_rerun(trial: Path, command: str, commits: dict) -> list[str]:
             problems.append("the rerun commit does not check out as committed")
         if command.startswith("gc") and fsck(repo).unreferenced_objects:
             problems.append("gc left unreferenced objects")
+    if command == "push":
+        problems += _check_hub(trial / "hub", commits, pushed=True)
     return problems
 
 
@@ -181,7 +206,8 @@ def test_kill_at_each_durable_step_loses_nothing(template, tmp_path):
 def test_kill_at_random_moments_loses_nothing(template, tmp_path):
     _, _, durations = template
     rng = random.Random(int(os.environ.get("CKPT_CRASH_SEED", "21")))
-    results = [_trial(template, tmp_path, i * 10 + k, command, delay=rng.uniform(0.02, 0.95) * durations[command])
-               for i, command in enumerate(COMMANDS) for k in range(RANDOM_KILLS)]
+    only = os.environ.get("CKPT_CRASH_ONLY", "").split(",") if os.environ.get("CKPT_CRASH_ONLY") else COMMANDS
+    results = [_trial(template, tmp_path, i * 100 + k, command, delay=rng.uniform(0.02, 0.95) * durations[command])
+               for i, command in enumerate(COMMANDS) if command in only for k in range(RANDOM_KILLS)]
     _report("random", results, durations)
     assert not [r for r in results if r["problems"]]
