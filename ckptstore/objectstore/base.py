@@ -99,6 +99,15 @@ def reading_ahead(store: ObjectStore, oids: Iterable[ObjectId]) -> AbstractConte
     return nullcontext()
 
 
+def delivered(data: bytes | memoryview, into: Any = None) -> bytes | memoryview:
+    """`data` itself, or copied to the front of the buffer `into` and viewed there (RangeReader.read's `into`)."""
+    if into is None:
+        return data
+    view = memoryview(into)[: len(data)]
+    view[:] = data
+    return view
+
+
 def read_whole(store: ObjectStore, oid: ObjectId, verify: bool = True) -> bytes | memoryview:
     """An object's bytes: mapped where the store can, else read."""
     if isinstance(store, MappedObjects):

@@ -8,7 +8,7 @@ from typing import Any
 
 from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import ObjectId, object_id
-from ckptstore.objectstore.base import as_bytes
+from ckptstore.objectstore.base import as_bytes, delivered
 
 
 class MemoryRanges:
@@ -21,11 +21,7 @@ class MemoryRanges:
         data = self._store.get(oid, verify=False)[offset : offset + length]
         if len(data) != length:
             raise CorruptObjectError(oid, f"shorter than its chunks say ({offset + len(data)} bytes)")
-        if into is None:
-            return data
-        view = memoryview(into)[:length]
-        view[:] = data
-        return view
+        return delivered(data, into)
 
     def close(self) -> None:
         pass

@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 
 from ckptstore.errors import CorruptObjectError, StoreUnavailableError
 from ckptstore.hashing import ObjectId, is_hex_id, object_id
-from ckptstore.objectstore.base import as_bytes
+from ckptstore.objectstore.base import as_bytes, delivered
 
 PART = 8 << 20  # multipart part size: objects above it upload in parts, several at once
 PARTS_IN_FLIGHT = 8
@@ -82,12 +82,7 @@ class S3Ranges:
         self._packs = PackReader(store, verify=True)
 
     def read(self, oid: ObjectId, offset: int, length: int, into: Any = None) -> bytes | memoryview:
-        data = self._packs.read(oid, offset, length)
-        if into is None:
-            return data
-        view = memoryview(into)[:length]
-        view[:] = data
-        return view
+        return delivered(self._packs.read(oid, offset, length), into)
 
     def close(self) -> None:
         self._packs = None
