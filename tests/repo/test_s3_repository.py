@@ -38,6 +38,9 @@ def test_commits_round_trip_through_the_bucket(s3_repo, trainer):
     assert not (s3_repo.dir / "objects").exists()
     assert len(list(s3_repo.store.iter_ids())) > 3
     assert fsck(s3_repo).ok
+    stats = s3_repo.stats()
+    listed = obstore.list(s3_repo.store._client, prefix="repo/objects/").collect()
+    assert stats["objects_bytes"] == sum(item["size"] for item in listed) > 0 and len(stats["commits"]) == 3
 
 
 def test_packs_are_read_by_range_from_the_bucket(s3_repo):
