@@ -128,14 +128,18 @@ def cli(ctx: click.Context, repo: str | None, read_only: bool, debug: bool) -> N
 @click.option("--max-chain", type=click.IntRange(0), help="Longest delta chain before a keyframe.")
 @click.option("--lossy", "lossy", type=click.Choice(LEVEL_NAMES), help="Default lossy level for commits.")
 @click.option("--objects", "objects_url", default="", help="Where objects live: s3://BUCKET/PREFIX (default: local).")
-@click.option("--metadata", "metadata_url", default="", help="Where the DAG lives: postgresql://... (default: SQLite).")
+@click.option("--metadata", "metadata_url", default="", metavar="URL",
+              help="Where the DAG lives: postgresql://USER@HOST:PORT/DB (default: SQLite); one that holds a "
+                   "repository already is joined.")
 def init(path: str, max_chain: int | None, lossy: str | None, objects_url: str, metadata_url: str) -> None:
     """Create a repository in PATH (default: here), or join a shared one named by --objects and --metadata."""
     settings = EncodingSettings() if max_chain is None else EncodingSettings(max_chain=max_chain)
     with Repository.init(path, encoding=settings, lossy=lossy or "", objects_url=objects_url,
                          metadata_url=metadata_url) as repo:
-        click.echo(f"Initialized empty ckptstore repository in {repo.dir}"
+        joined = bool(metadata_url) and bool(repo.branches())
+        click.echo(f"{'Joined the' if joined else 'Initialized empty'} ckptstore repository in {repo.dir}"
                    + (f" (objects in {repo.store.url})" if objects_url else "")
+                   + (f" (metadata in {repo.db.where})" if metadata_url else "")
                    + (f" (commits are lossy: {lossy})" if lossy else ""))
 
 

@@ -1,54 +1,103 @@
 """The metadata database: connections, transactions and the schema check on open.
 
-SQLite is reached through the standard library's driver: every command a user runs opens the
-database, and importing SQLAlchemy alone took longer than `ckpt log`'s whole work. SQLAlchemy and
-Alembic are imported only when the schema has to be created or upgraded (metadata/migrate.py).
-Statements are written with "?" placeholders (a driver of another style will need them translated).
+`Database` is the same for every engine; a backend (metadata/sqlite.py, metadata/postgres.py)
+says how to connect, begin, and read the engine's errors. SQLite is reached through the standard
+library's driver: every command a user runs opens the database, and importing SQLAlchemy alone
+took longer than `ckpt log`'s whole work. PostgreSQL goes through psycopg, imported only when a
+`postgresql://` URL is opened. SQLAlchemy and Alembic are imported only when the schema has to be
+created or upgraded (metadata/migrate.py). Statements are written with "?" placeholders; the
+PostgreSQL backend translates them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import sqlite3
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from ckptstore.errors import CkptError, CorruptDatabaseError, ReadOnlyRepoError, disk_full, explain
+from ckptstore.errors import CkptError, CorruptDatabaseError, ReadOnlyRepoError
+from ckptstore.metadata.sqlite import (
+    BUSY_TIMEOUT_MS,
+    SqliteBackend,
+    connect_sqlite,
+    is_damage,
+    read_only_uri,
+    sqlite_path,
+)
 
-BUSY_TIMEOUT_MS = 120_000
+__all__ = ["BATCH", "BUSY_TIMEOUT_MS", "HEAD_REVISION", "KNOWN_REVISIONS", "Backend", "Database", "Tx",
+           "connect_sqlite", "is_damage", "open_backend", "read_only_uri", "sqlite_path"]
+
 HEAD_REVISION = "0007"  # the newest migration in migrations/versions; a test keeps the two in step
 KNOWN_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007")
-LOW_SPACE = 1 << 20  # free bytes under which an I/O error writing the database means "disk full"
 BATCH = 500  # ids per IN (...) list: SQLite allows 32766 parameters, PostgreSQL 65535
+RETRY_DELAYS = (0.1, 0.2, 0.4, 0.8, 1.5, 2.5)  # seconds between tries to begin a transaction (a server restarting)
+POSTGRES_SCHEMES = ("postgresql://", "postgresql+psycopg://", "postgres://")
+
+
+class Backend(Protocol):
+    """What `Database` needs of an engine: connections, transaction control, and its errors explained."""
+
+    name: str  # "sqlite" or "postgresql"
+    where: str  # the database as messages name it (a path, or a server and database; never a password)
+    errors: tuple[type[BaseException], ...]  # the driver's errors
+    damage_errors: tuple[type[BaseException], ...]  # errors that may report a damaged database
+
+    def connect(self) -> Any: ...
+    def reusable(self, connection: Any) -> bool: ...
+    def begin(self, connection: Any, write: bool) -> None: ...
+    def commit(self, connection: Any) -> None: ...
+    def rollback(self, connection: Any) -> None: ...
+    def in_transaction(self, connection: Any) -> bool: ...
+    def transient(self, exc: BaseException) -> bool: ...
+    def prepare(self, sql: str) -> str: ...
+    def explain(self, exc: BaseException) -> CkptError | None: ...
+    def damage(self, exc: BaseException) -> CkptError | None: ...
+    def has_table(self, tx: Tx, name: str) -> bool: ...
+    def storage_problems(self, tx: Tx, limit: int) -> list[str]: ...
+    def size_on_disk(self, db: Database) -> int: ...
+    def executemany(self, connection: Any, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
+    def no_revision(self) -> str: ...
+    def repository(self) -> str: ...
+
+
+def open_backend(url: str, read_only: bool = False) -> Backend:
+    """The backend for a metadata URL: `sqlite:///PATH` or `postgresql://USER@HOST:PORT/DB` (psycopg)."""
+    if url.startswith(POSTGRES_SCHEMES):
+        from ckptstore.metadata.postgres import PostgresBackend  # psycopg only for a server's URL
+
+        return PostgresBackend(url, read_only)
+    return SqliteBackend(url, read_only)
 
 
 class Tx:
     """One open transaction: run statements, read rows."""
 
-    def __init__(self, connection: sqlite3.Connection) -> None:
+    def __init__(self, connection: Any, backend: Backend) -> None:
         self._connection = connection
+        self.backend = backend
 
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
-        return self._connection.execute(sql, params)
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        return self._connection.execute(self.backend.prepare(sql), params)
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
-        self._connection.executemany(sql, rows)
+        self.backend.executemany(self._connection, self.backend.prepare(sql), rows)
 
     def rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
-        return self._connection.execute(sql, params).fetchall()
+        return self.execute(sql, params).fetchall()
 
     def first(self, sql: str, params: Sequence[Any] = ()) -> tuple | None:
-        return self._connection.execute(sql, params).fetchone()
+        return self.execute(sql, params).fetchone()
 
     def scalar(self, sql: str, params: Sequence[Any] = ()) -> Any:
         row = self.first(sql, params)
         return row[0] if row else None
 
     def column(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
-        return [row[0] for row in self._connection.execute(sql, params)]
+        return [row[0] for row in self.execute(sql, params)]
 
     def rows_in(self, sql: str, ids: Iterable[str], params: Sequence[Any] = ()) -> list[tuple]:
         """`sql` with `{ids}` standing for a list of placeholders, run over `ids` in batches."""
@@ -61,7 +110,10 @@ class Tx:
 
     def execute_in(self, sql: str, ids: Iterable[str]) -> None:
         """Run a statement with `{ids}` in it over `ids` in batches (deletes by id)."""
-        self.rows_in(sql, ids)
+        ids = list(ids)
+        for start in range(0, len(ids), BATCH):
+            batch = ids[start : start + BATCH]
+            self.execute(sql.format(ids=", ".join("?" * len(batch))), batch)
 
     def insert_ignore(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
         """Insert rows, skipping those whose primary key exists (content-addressed rows never change).
@@ -75,89 +127,107 @@ class Tx:
 
 
 class Database:
-    """The metadata of one repository, at a SQLite path.
+    """The metadata of one repository: a SQLite file, or a database on a PostgreSQL server.
 
     `read()` gives a consistent snapshot; `write()` takes the write lock up front, so two
     committers queue instead of failing halfway. Connections are pooled: a transaction takes an
     idle one (or opens one) and gives it back when it ends, so any number of threads share as
     many connections as run transactions at once. `read_only` (`why` says for what reason)
     opens without writing anything, not even the WAL setting or a schema upgrade; `write()` then
-    refuses.
+    refuses. Beginning a transaction is retried while the engine says the failure is transient
+    (a server restarting, a connection dropped while idle): nothing has run in it yet.
     """
 
     def __init__(self, url: str, read_only: bool = False, why: str = "") -> None:
         self.url = url
-        self.path = sqlite_path(url)
+        self.backend = open_backend(url, read_only)
+        self.path: Path | None = getattr(self.backend, "path", None)  # the SQLite file; None on a server
+        self.where = self.backend.where
         self.read_only = read_only
         self.why = why or "opened read-only"
-        self._idle: list[sqlite3.Connection] = []
+        self._idle: list[Any] = []
         self._guard = threading.Lock()
         self._writing = threading.local()
         self._closed = False
         self.check_schema()
 
-    def _acquire(self) -> sqlite3.Connection:
+    def _acquire(self) -> Any:
         with self._guard:
             if self._closed:
-                raise CkptError(f"the metadata database {self.url} was closed")
+                raise CkptError(f"the metadata database {self.where} was closed")
             if self._idle:
                 return self._idle.pop()
-        return connect_sqlite(self.path, self.read_only)
+        return self.backend.connect()
 
-    def _release(self, connection: sqlite3.Connection) -> None:
-        # an immutable connection never sees a writer's later commits: read-only, open anew each time
-        reusable = not (self.read_only and "immutable=1" in read_only_uri(self.path))
+    def _release(self, connection: Any) -> None:
+        reusable = self.backend.reusable(connection)
         with self._guard:
             if not self._closed and reusable:
                 self._idle.append(connection)
                 return
-        connection.close()
+        with contextlib.suppress(*self.backend.errors):
+            connection.close()
 
-    def _explained(self, exc: sqlite3.Error) -> CkptError | None:
-        """SQLite's error as the user's problem (a full disk, a read-only file), or None.
-
-        SQLite reports a full disk as "disk I/O error" when the WAL's shared memory cannot grow.
-        """
-        if isinstance(exc, sqlite3.OperationalError) and "disk i/o error" in str(exc).lower():
-            import shutil  # only here: it imports the compression modules
-
-            with contextlib.suppress(OSError):
-                if shutil.disk_usage(self.path.parent).free < LOW_SPACE:
-                    return disk_full(f"SQLite: {exc} writing {self.path}")
-        return explain(exc)
-
-    @contextlib.contextmanager
-    def _transaction(self, begin: str) -> Iterator[Tx]:
-        try:
-            with self._raw_transaction(begin) as tx:
-                yield tx
-        except sqlite3.Error as exc:
-            known = self._explained(exc)
-            if known is None:
-                raise
-            raise known from exc
-
-    @contextlib.contextmanager
-    def _raw_transaction(self, begin: str) -> Iterator[Tx]:
-        connection = self._acquire()
-        try:
-            connection.execute(begin)
+    def _begin(self, write: bool) -> Any:
+        """A connection with a transaction begun on it; transient failures are retried with backoff."""
+        for delay in (*RETRY_DELAYS, None):
+            connection = None
             try:
-                yield Tx(connection)
-            except BaseException:
-                connection.rollback()
+                connection = self._acquire()
+                self.backend.begin(connection, write)
+                return connection
+            except self.backend.errors as exc:
+                if connection is not None:
+                    if self.backend.in_transaction(connection):
+                        with contextlib.suppress(*self.backend.errors):
+                            self.backend.rollback(connection)
+                    self._release(connection)
+                if delay is None or not self.backend.transient(exc):
+                    raise
+                with self._guard:  # the server restarted: every idle connection is as dead as this one
+                    stale, self._idle = self._idle, []
+                for old in stale:
+                    with contextlib.suppress(*self.backend.errors):
+                        old.close()
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    @contextlib.contextmanager
+    def _transaction(self, write: bool) -> Iterator[Tx]:
+        """A transaction; the engine's errors come out as CkptError where their cause is known."""
+        try:
+            with self._raw_transaction(write) as tx:
+                yield tx
+        except self.backend.damage_errors as exc:
+            known = self.backend.explain(exc) if isinstance(exc, self.backend.errors) else None
+            if known is not None:
+                raise known from exc
+            damage = self.backend.damage(exc)
+            if damage is None:
                 raise
-            connection.commit()
+            raise damage from None
+
+    @contextlib.contextmanager
+    def _raw_transaction(self, write: bool) -> Iterator[Tx]:
+        connection = self._begin(write)
+        try:
+            try:
+                yield Tx(connection, self.backend)
+            except BaseException:
+                self.backend.rollback(connection)
+                raise
+            self.backend.commit(connection)
         finally:
-            if connection.in_transaction:  # the commit itself failed (disk full, I/O error)
-                connection.rollback()
+            if self.backend.in_transaction(connection):  # the commit itself failed (disk full, I/O error)
+                with contextlib.suppress(*self.backend.errors):
+                    self.backend.rollback(connection)
             self._release(connection)
 
     def refuse_writes(self, what: str = "this command") -> None:
         """Raise ReadOnlyRepoError when the database was opened read-only."""
         if self.read_only:
             raise ReadOnlyRepoError(
-                f"{what} would write to the repository at {self.path.parent.parent}, which is read-only here "
+                f"{what} would write to {self.backend.repository()}, which is read-only here "
                 f"({self.why}); reading commands (log, show, status, diff, stats, fsck, checkout -o) still work"
             )
 
@@ -169,47 +239,29 @@ class Database:
                             "it would wait for itself (a bug in ckptstore: please report it)")
         self._writing.active = True
         try:
-            with self._transaction("BEGIN IMMEDIATE") as tx:
+            with self._transaction(write=True) as tx:
                 yield tx
         finally:
             self._writing.active = False
 
     def read(self) -> contextlib.AbstractContextManager[Tx]:
         """A read-only snapshot of the metadata, for the length of the block."""
-        return self._damage_named(self._transaction("BEGIN"))
+        return self._transaction(write=False)
 
     def write(self) -> contextlib.AbstractContextManager[Tx]:
         """One serialized read-write transaction; commits on success, rolls back on any error."""
-        return self._damage_named(self._write())
-
-    @contextlib.contextmanager
-    def _damage_named(self, transaction: contextlib.AbstractContextManager[Tx]) -> Iterator[Tx]:
-        """`transaction`, with SQLite's reports of a damaged file raised as CorruptDatabaseError."""
-        try:
-            with transaction as tx:
-                yield tx
-        except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:
-            if not is_damage(exc):
-                raise
-            if "disk i/o error" in str(exc).lower():  # a failing disk or file system, or a damaged file: not known
-                raise CorruptDatabaseError(
-                    f"the metadata database {self.path} could not be read or written (SQLite: {exc}); nothing was "
-                    "changed. Check the disk and file system (space, mount, permissions) and run it again; if it "
-                    "persists, `ckpt fsck` says whether the file is damaged") from None
-            raise CorruptDatabaseError(f"the metadata database {self.path} is damaged (SQLite: {exc}); nothing was "
-                                       "changed. Restore .ckpt/ckpt.db from a backup; `ckpt fsck` lists what the "
-                                       "objects still hold once it opens") from None
+        return self._write()
 
     def revision(self) -> str | None:
         """The schema revision the database is at, or None for an empty database."""
         with self.read() as tx:
             found = None
-            if tx.first("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'alembic_version'"):
+            if self.backend.has_table(tx, "alembic_version"):
                 found = tx.scalar("SELECT version_num FROM alembic_version")
-            if found is None and tx.first("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'commits'"):
+            if found is None and self.backend.has_table(tx, "commits"):
                 # tables without a revision: damage, not an empty database to create the schema in
-                raise CorruptDatabaseError(f"the metadata database {self.path} is damaged: it has tables but no "
-                                           "schema revision. Restore .ckpt/ckpt.db from a backup")
+                raise CorruptDatabaseError(f"the metadata database {self.where} is damaged: it has tables but no "
+                                           f"schema revision. {self.backend.no_revision()}")
             return found
 
     def check_schema(self) -> None:
@@ -218,20 +270,25 @@ class Database:
         if current == HEAD_REVISION:
             return
         if current is not None and current not in KNOWN_REVISIONS:
-            raise CkptError(f"{self.url} has metadata schema {current!r}, written by a newer ckptstore; "
+            raise CkptError(f"{self.where} has metadata schema {current!r}, written by a newer ckptstore; "
                             "upgrade ckptstore to open it")
         if self.read_only:
-            raise ReadOnlyRepoError(f"{self.url} has metadata schema {current!r}, older than this ckptstore's "
+            raise ReadOnlyRepoError(f"{self.where} has metadata schema {current!r}, older than this ckptstore's "
                                     f"{HEAD_REVISION!r}, and is read-only here ({self.why}); open it once where it "
                                     "can be written to upgrade it, or use the ckptstore that wrote it")
         from ckptstore.metadata.migrate import upgrade
 
-        upgrade(self.url)
+        try:
+            upgrade(self.url)
+        except Exception as exc:  # SQLAlchemy's wrapping of the driver's error (a server gone away meanwhile)
+            known = self.backend.explain(exc)
+            if known is None:
+                raise
+            raise known from exc
 
     def size_on_disk(self) -> int:
-        """Bytes the database takes on disk: its file and the write-ahead log beside it."""
-        files = (self.path, self.path.with_name(self.path.name + "-wal"))
-        return sum(f.stat().st_size for f in files if f.exists())
+        """Bytes the metadata takes on disk: the SQLite file and its log, or our tables on the server."""
+        return self.backend.size_on_disk(self)
 
     def close(self) -> None:
         """Close the idle connections; one still in a transaction closes when it ends."""
@@ -239,53 +296,5 @@ class Database:
             self._closed = True
             idle, self._idle = self._idle, []
         for connection in idle:
-            connection.close()
-
-
-def sqlite_path(url: str) -> Path:
-    """The file a `sqlite:///PATH` URL names; other databases are refused with a clear error."""
-    prefix = "sqlite:///"
-    if not url.startswith(prefix):
-        raise CkptError(f"metadata URL {url!r} is not supported yet; use sqlite:///PATH (PostgreSQL comes next)")
-    return Path(url[len(prefix) :])
-
-
-def read_only_uri(path: Path) -> str:
-    """The URI that opens `path` without writing to it.
-
-    `mode=ro` where SQLite can share the WAL with writers (its -wal file exists, or the folder
-    is writable, where SQLite creates the -wal and -shm files it reads through); otherwise no
-    writer can be connected (it would have created the -wal file), so the file is read as
-    immutable: SQLite cannot open a WAL database read-only in a folder it cannot write.
-    """
-    wal = path.with_name(path.name + "-wal")
-    shared = wal.exists() or os.access(path.parent, os.W_OK)
-    return f"{path.resolve().as_uri()}?{'mode=ro' if shared else 'immutable=1'}"
-
-
-def connect_sqlite(path: Path, read_only: bool = False) -> sqlite3.Connection:
-    """A connection in WAL mode with full sync, a long busy timeout and explicit transactions.
-
-    Read-only, it sets nothing that writes: the database is in WAL mode since it was created.
-    """
-    target = read_only_uri(path) if read_only else path
-    connection = sqlite3.connect(target, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
-                                 check_same_thread=False, uri=read_only)
-    connection.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-    if read_only:
-        return connection
-    connection.execute("PRAGMA journal_mode=WAL")
-    connection.execute("PRAGMA synchronous=FULL")
-    return connection
-
-
-# "no such column/table": the schema was checked on open, so a table or column it lacks now is damage
-_DAMAGE_WORDS = ("malformed", "not a database", "could not decode", "disk i/o error", "corrupt", "no such column",
-                 "no such table")
-
-
-def is_damage(exc: BaseException) -> bool:
-    """True for SQLite's (or its text decoding's) report of a damaged database file."""
-    if isinstance(exc, UnicodeDecodeError):
-        return True
-    return not isinstance(exc, sqlite3.IntegrityError) and any(w in str(exc).lower() for w in _DAMAGE_WORDS)
+            with contextlib.suppress(*self.backend.errors):
+                connection.close()

@@ -95,13 +95,13 @@ def all_refs(tx: Tx) -> list[tuple[str, str, CommitId | None, str | None]]:
 
 
 def storage_problems(tx: Tx, limit: int = 10) -> list[str]:
-    """What SQLite's own integrity check finds wrong with the database file (pages, indexes), if anything.
+    """What the engine's own integrity check finds wrong with the database's pages and indexes, if anything.
 
     Checkout finds rows through indexes and gc reads some from them: an index that disagrees with
-    its table can hide rows from one and not the other.
+    its table can hide rows from one and not the other. SQLite checks its file; a PostgreSQL
+    server checks its own pages, so there this finds nothing.
     """
-    found = [str(row[0]) for row in tx.rows(f"PRAGMA integrity_check({int(limit)})")]
-    return [] if found == ["ok"] else found
+    return tx.backend.storage_problems(tx, limit)
 
 
 def commits_with_tensors(tx: Tx, tensor_ids: set[TensorId]) -> list[CommitId]:

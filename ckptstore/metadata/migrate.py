@@ -1,7 +1,9 @@
 """Schema creation and upgrades through Alembic: the only place SQLAlchemy is imported at run time.
 
 A repository's database is upgraded when it is opened by a newer ckptstore; the upgrade runs in
-one write transaction, so a crash leaves the old schema whole.
+one write transaction, so a crash leaves the old schema whole. On PostgreSQL that transaction
+first takes the writers' advisory lock: processes opening an empty database at once queue, and
+each after the first finds the schema made (DDL is transactional there).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from importlib import resources
 from pathlib import Path
 
 from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.pool import NullPool
 
-from ckptstore.metadata.db import BUSY_TIMEOUT_MS
+from ckptstore.metadata.db import BUSY_TIMEOUT_MS, POSTGRES_SCHEMES
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
@@ -29,8 +32,24 @@ def _sqlite_begin(conn: Connection) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+def _postgres_begin(conn: Connection) -> None:
+    from ckptstore.metadata.postgres import WRITE_LOCK
+
+    conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({WRITE_LOCK})")
+
+
 def make_engine(url: str) -> Engine:
-    """A SQLAlchemy engine for `url`; SQLite gets WAL, a busy timeout and immediate transactions."""
+    """A SQLAlchemy engine for `url`.
+
+    SQLite gets WAL, a busy timeout and immediate transactions; PostgreSQL (driven by psycopg 3,
+    whatever driver the URL names) takes the writers' advisory lock first in every transaction.
+    """
+    if url.startswith(POSTGRES_SCHEMES):
+        from ckptstore.metadata.postgres import sqlalchemy_url
+
+        engine = create_engine(sqlalchemy_url(url), poolclass=NullPool)
+        event.listen(engine, "begin", _postgres_begin)
+        return engine
     engine = create_engine(url)
     if engine.dialect.name == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)

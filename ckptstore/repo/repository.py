@@ -83,7 +83,12 @@ class Repository:
     @classmethod
     def init(cls, path: str | os.PathLike = ".", metadata_url: str = "", encoding: EncodingSettings | None = None,
              lossy: str = "", objects_url: str = "") -> Repository:
-        """Create a repository in `path` with HEAD on an unborn `main` branch (`lossy`: default level)."""
+        """Create a repository in `path` with HEAD on an unborn `main` branch (`lossy`: default level).
+
+        A `metadata_url` naming a server database that already holds a repository joins it: its
+        refs and commits stay as they are (how a second machine opens a shared repository). If
+        the metadata cannot be opened, nothing is left behind, so the same command can run again.
+        """
         from ckptstore.policy import EncodingSettings, level_named
 
         root = Path(path).resolve()
@@ -91,12 +96,21 @@ class Repository:
             raise RepoExistsError(f"{root / REPO_DIR} already exists")
         level_named(lossy or None)  # reject unknown names before creating anything
         (root / REPO_DIR).mkdir(parents=True)
-        config = RepoConfig(encoding or EncodingSettings(), metadata_url, lossy=lossy, objects_url=objects_url)
-        config.save(root / REPO_DIR / "config.toml")
-        repo = cls(root, config)
-        with repo.db.write() as tx:
-            if ref_rows.ref_row(tx, refs.HEAD) is None:
-                ref_rows.insert_ref(tx, refs.HEAD, refs.HEAD_KIND, target=DEFAULT_BRANCH)
+        repo = None
+        try:
+            config = RepoConfig(encoding or EncodingSettings(), metadata_url, lossy=lossy, objects_url=objects_url)
+            config.save(root / REPO_DIR / "config.toml")
+            repo = cls(root, config)
+            with repo.db.write() as tx:
+                if ref_rows.ref_row(tx, refs.HEAD) is None:
+                    ref_rows.insert_ref(tx, refs.HEAD, refs.HEAD_KIND, target=DEFAULT_BRANCH)
+        except BaseException:
+            import shutil  # only here: it imports the compression modules
+
+            if repo is not None:
+                repo.close()
+            shutil.rmtree(root / REPO_DIR, ignore_errors=True)
+            raise
         return repo
 
     @classmethod

@@ -26,11 +26,21 @@ def _table(name: str, *key: str) -> None:
     )
 
 
+def _rename_key(old: str) -> None:
+    """PostgreSQL: the primary key keeps its name (`OLD_pkey`) through a table rename; give it the table's.
+
+    SQLite has no such name: nothing to do there.
+    """
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute(f"ALTER TABLE known_files RENAME CONSTRAINT {old}_pkey TO known_files_pkey")
+
+
 def upgrade() -> None:
     _table("known_files_new", "digest", "commit_id")
     op.execute("INSERT INTO known_files_new (digest, commit_id, size) SELECT digest, commit_id, size FROM known_files")
     op.drop_table("known_files")
     op.rename_table("known_files_new", "known_files")
+    _rename_key("known_files_new")
     op.create_index("ix_known_files_commit_id", "known_files", ["commit_id"])
 
 
@@ -40,3 +50,4 @@ def downgrade() -> None:
                "SELECT digest, MIN(commit_id), MIN(size) FROM known_files GROUP BY digest")
     op.drop_table("known_files")
     op.rename_table("known_files_old", "known_files")
+    _rename_key("known_files_old")

@@ -55,9 +55,19 @@ def _rebuild(table: str, with_rowid: bool, indexes: dict) -> None:
     op.execute(f"INSERT INTO {table}_new ({names}) SELECT {names} FROM {table} ORDER BY {keys}")
     op.drop_table(table)
     op.rename_table(f"{table}_new", table)
+    _rename_key(f"{table}_new", table)
     for name, column, where in indexes.get(table, []):
         op.create_index(name, table, [column], sqlite_where=sa.text(where) if where else None,
                         postgresql_where=sa.text(where) if where else None)
+
+
+def _rename_key(old: str, table: str) -> None:
+    """PostgreSQL: the primary key keeps its name (`OLD_pkey`) through a table rename; the next rebuild needs it free.
+
+    SQLite has no such name: nothing to do there.
+    """
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute(f"ALTER TABLE {table} RENAME CONSTRAINT {old}_pkey TO {table}_pkey")
 
 
 def upgrade() -> None:

@@ -1,0 +1,223 @@
+"""The PostgreSQL backend of `Database`: many machines share one repository's metadata on a server.
+
+Writers serialize on one advisory lock taken first in their transaction (SQLite's BEGIN IMMEDIATE):
+two committers queue instead of failing halfway, and each sees the other's rows once it holds the
+lock (READ COMMITTED). Readers get a REPEATABLE READ, READ ONLY snapshot. psycopg is imported
+here only, when a `postgresql://` URL is opened.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.conninfo import conninfo_to_dict
+from psycopg.pq import TransactionStatus
+
+from ckptstore.errors import CkptError, CorruptDatabaseError, ReadOnlyRepoError, disk_full
+
+if TYPE_CHECKING:
+    from ckptstore.metadata.db import Database, Tx
+
+WRITE_LOCK = 0x636B_7074  # "ckpt": the advisory lock every writer (and every schema upgrade) takes first
+LOCK_WAIT = "120s"  # as long as SQLite's busy timeout: a writer gives up after waiting this long
+CONNECT_TIMEOUT_S = 10
+# every table the migrations create: what `size_on_disk` adds up (a test keeps it in step with schema.py)
+TABLES = ("alembic_version", "commits", "commit_parents", "refs", "tensors", "tensor_chunks", "objects",
+          "commit_tensors", "known_files")
+# SQLSTATEs worth another try before any statement of ours ran: serialization failure, deadlock,
+# too many connections, the server starting up or shutting down, a connection dropped
+_TRANSIENT_STATES = {"40001", "40P01", "53300", "57P01", "57P02", "57P03", "08000", "08001", "08003", "08004",
+                     "08006"}
+# connection failures that another try will not cure
+_PERMANENT_WORDS = ("password", "authentication", "does not exist", "pg_hba.conf", "permission denied",
+                    "invalid")
+
+
+def libpq_url(url: str) -> str:
+    """`url` as libpq reads it: SQLAlchemy's `postgresql+psycopg://` spelling becomes `postgresql://`."""
+    scheme, sep, rest = url.partition("://")
+    return f"postgresql://{rest}" if sep and scheme.split("+")[0] in ("postgresql", "postgres") else url
+
+
+def sqlalchemy_url(url: str) -> str:
+    """`url` as SQLAlchemy reads it, with psycopg (3) as the driver whatever the URL named."""
+    return "postgresql+psycopg://" + libpq_url(url).partition("://")[2]
+
+
+def describe(url: str) -> str:
+    """The server and database a URL names, for messages: `postgresql://user@host:port/db`, never a password."""
+    try:
+        parts = conninfo_to_dict(libpq_url(url))
+    except psycopg.Error:
+        raise CkptError("the metadata URL is not a valid PostgreSQL URL; expected "
+                        "postgresql://USER@HOST:PORT/DATABASE (a unix socket: ...?host=/socket/dir)") from None
+    host = str(parts.get("host") or parts.get("hostaddr") or "localhost")
+    port = str(parts.get("port") or "5432")
+    user = f"{parts['user']}@" if parts.get("user") else ""
+    return f"postgresql://{user}{host}:{port}/{parts.get('dbname') or ''}"
+
+
+@functools.lru_cache(maxsize=512)
+def to_psycopg(sql: str) -> str:
+    """A statement with "?" placeholders in psycopg's style: "?" outside quotes becomes %s, every % doubles."""
+    out, quote = [], ""
+    for char in sql:
+        if char == "%":
+            out.append("%%")  # psycopg reads % everywhere, inside quotes too
+        elif quote:
+            quote = "" if char == quote else quote
+            out.append(char)
+        elif char in "'\"":
+            quote = char
+            out.append(char)
+        else:
+            out.append("%s" if char == "?" else char)
+    return "".join(out)
+
+
+class PostgresBackend:
+    """One database on a PostgreSQL server, through psycopg with autocommit off by our own BEGIN."""
+
+    name = "postgresql"
+    errors: tuple[type[BaseException], ...] = (psycopg.Error,)
+    damage_errors: tuple[type[BaseException], ...] = (psycopg.Error,)
+
+    def __init__(self, url: str, read_only: bool) -> None:
+        self.where = describe(url)
+        self.conninfo = libpq_url(url)
+        self.read_only = read_only
+        parts = conninfo_to_dict(self.conninfo)
+        self.server = f"{parts.get('host') or parts.get('hostaddr') or 'localhost'}:{parts.get('port') or 5432}"
+        self.user = str(parts.get("user") or "")
+        self.dbname = str(parts.get("dbname") or "")
+
+    def connect(self) -> psycopg.Connection:
+        # read-only: the server itself refuses a write, whatever a bug in ckptstore might try
+        options = {"options": "-c default_transaction_read_only=on"} if self.read_only else {}
+        return psycopg.connect(self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
+                               application_name="ckptstore", **options)
+
+    def reusable(self, connection: psycopg.Connection) -> bool:
+        return not (connection.closed or connection.broken)
+
+    def begin(self, connection: psycopg.Connection, write: bool) -> None:
+        if write:  # one round trip: begin, bound the wait, queue behind any other writer
+            connection.execute(f"BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{LOCK_WAIT}'; "
+                               f"SELECT pg_advisory_xact_lock({WRITE_LOCK})")
+        else:
+            connection.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+
+    def commit(self, connection: psycopg.Connection) -> None:
+        connection.execute("COMMIT")
+
+    def rollback(self, connection: psycopg.Connection) -> None:
+        if not connection.broken:
+            connection.execute("ROLLBACK")
+
+    def in_transaction(self, connection: psycopg.Connection) -> bool:
+        return not connection.broken and connection.info.transaction_status != TransactionStatus.IDLE
+
+    def transient(self, exc: BaseException) -> bool:
+        """Whether trying again may succeed: the server restarting or busy, a connection dropped, a lost race."""
+        if getattr(exc, "sqlstate", None) in _TRANSIENT_STATES:
+            return True
+        text = str(exc).lower()
+        return (isinstance(exc, psycopg.OperationalError) and getattr(exc, "sqlstate", None) is None
+                and not any(word in text for word in _PERMANENT_WORDS))
+
+    def prepare(self, sql: str) -> str:
+        return to_psycopg(sql)
+
+    def executemany(self, connection: psycopg.Connection, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        with connection.cursor() as cursor:
+            cursor.executemany(sql, list(rows))
+
+    def explain(self, exc: BaseException) -> CkptError | None:
+        """Psycopg's error (or one wrapping it, as SQLAlchemy's do) as a CkptError naming the server, or None."""
+        current: BaseException | None = exc
+        while current is not None and not isinstance(current, psycopg.Error):
+            current = current.__cause__ or current.__context__
+        if current is None:
+            return None
+        return self._explained(current)
+
+    def _explained(self, exc: psycopg.Error) -> CkptError | None:
+        text = " ".join(str(exc).split())
+        lowered = text.lower()
+        at = f"PostgreSQL at {self.server}"
+        if isinstance(exc, pg_errors.ReadOnlySqlTransaction):
+            return ReadOnlyRepoError(f"{self.where} is read-only here ({text}); reading commands work")
+        if isinstance(exc, pg_errors.DiskFull):
+            return disk_full(f"{at}: {text}")
+        if isinstance(exc, (pg_errors.SerializationFailure, pg_errors.DeadlockDetected)):
+            return CkptError(f"another process changed the metadata on {self.where} at the same time ({text}); "
+                             "nothing was changed: run the command again")
+        if isinstance(exc, pg_errors.LockNotAvailable):
+            return CkptError(f"another process has held the metadata write lock on {self.where} for {LOCK_WAIT}; "
+                             "nothing was changed: run the command again once it is done")
+        if isinstance(exc, pg_errors.InsufficientPrivilege):
+            return CkptError(f"{at} refused user {self.user or '(default)'!r} ({text}); ask for access to "
+                             f"database {self.dbname!r}")
+        if isinstance(exc, psycopg.OperationalError):
+            return self._connection_problem(exc, lowered, at)
+        return None
+
+    def _connection_problem(self, exc: psycopg.OperationalError, text: str, at: str) -> CkptError:
+        """Why a connection failed or broke, and what to do about it."""
+        who = repr(self.user) if self.user else "(the default user)"
+        if "password" in text or "authentication failed" in text:
+            return CkptError(f"{at} refused the login of user {who}: wrong or missing password. Check the "
+                             "password in the metadata URL, PGPASSWORD or ~/.pgpass")
+        if "role" in text and "does not exist" in text:
+            return CkptError(f"{at} has no user {who}; check the user in the metadata URL")
+        if "database" in text and "does not exist" in text:
+            return CkptError(f"{at} has no database {self.dbname!r}; create it (createdb {self.dbname}) or fix "
+                             "the metadata URL")
+        if "pg_hba.conf" in text:
+            return CkptError(f"{at} does not let user {who} connect from this machine (pg_hba.conf); ask its "
+                             "administrator for access")
+        if "too many" in text:
+            return CkptError(f"{at} has too many connections open; run fewer processes at once or raise its "
+                             "max_connections")
+        if "starting up" in text or "shutting down" in text or "recovery" in text:
+            return CkptError(f"{at} is starting up or shutting down; run the command again in a moment")
+        for words, why in (("refused", "connection refused"), ("no such file", "no server socket there"),
+                           ("timeout expired", "timed out"), ("could not translate host name", "unknown host")):
+            if words in text:
+                return CkptError(f"cannot reach {at} ({why}); is the server running, and is the metadata URL "
+                                 "right?")
+        return CkptError(f"lost the connection to {at} ({' '.join(str(exc).split())[:200]}); nothing was changed "
+                         "by the interrupted transaction: run the command again once the server is up")
+
+    def damage(self, exc: BaseException) -> CkptError | None:
+        """A table or column missing after the schema check on open: the database was altered underneath us."""
+        if isinstance(exc, (pg_errors.UndefinedTable, pg_errors.UndefinedColumn)):
+            return CorruptDatabaseError(f"the metadata database {self.where} is damaged: "
+                                        f"{' '.join(str(exc).split())}. Restore it from a backup (pg_dump)")
+        return None
+
+    def has_table(self, tx: Tx, name: str) -> bool:
+        return tx.first("SELECT 1 FROM pg_catalog.pg_tables WHERE schemaname = current_schema() AND tablename = ?",
+                        (name,)) is not None
+
+    def storage_problems(self, tx: Tx, limit: int) -> list[str]:
+        return []  # the server checks its own pages; amcheck would need superuser rights we do not ask for
+
+    def size_on_disk(self, db: Database) -> int:
+        """Bytes our tables take on the server, with their indexes and TOAST."""
+        marks = ", ".join("?" * len(TABLES))
+        with db.read() as tx:
+            return int(tx.scalar("SELECT COALESCE(SUM(pg_total_relation_size(c.oid)), 0) FROM pg_catalog.pg_class c "
+                                 "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+                                 f"WHERE n.nspname = current_schema() AND c.relkind = 'r' AND c.relname IN ({marks})",
+                                 TABLES))
+
+    def no_revision(self) -> str:
+        return "Restore it from a backup (pg_dump), or point the metadata URL at the right database"
+
+    def repository(self) -> str:
+        return f"the metadata at {self.where}"

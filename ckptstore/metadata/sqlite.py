@@ -1,0 +1,154 @@
+"""The SQLite backend of `Database`: a file beside the repository, in WAL mode, through the stdlib driver.
+
+Everything SQLite-specific lives here: how a connection is opened (read-only or not), how a
+transaction starts, which errors mean a full disk or a damaged file, and what the file weighs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptstore.errors import CkptError, CorruptDatabaseError, disk_full, explain
+
+if TYPE_CHECKING:
+    from ckptstore.metadata.db import Database, Tx
+
+BUSY_TIMEOUT_MS = 120_000
+LOW_SPACE = 1 << 20  # free bytes under which an I/O error writing the database means "disk full"
+PREFIX = "sqlite:///"
+# "no such column/table": the schema was checked on open, so a table or column it lacks now is damage
+_DAMAGE_WORDS = ("malformed", "not a database", "could not decode", "disk i/o error", "corrupt", "no such column",
+                 "no such table")
+
+
+def sqlite_path(url: str) -> Path:
+    """The file a `sqlite:///PATH` URL names; a URL of another kind is refused with a clear error."""
+    if not url.startswith(PREFIX):
+        raise CkptError(f"metadata URL {url!r} is not supported; use sqlite:///PATH or postgresql://USER@HOST/DB")
+    return Path(url[len(PREFIX) :])
+
+
+def read_only_uri(path: Path) -> str:
+    """The URI that opens `path` without writing to it.
+
+    `mode=ro` where SQLite can share the WAL with writers (its -wal file exists, or the folder
+    is writable, where SQLite creates the -wal and -shm files it reads through); otherwise no
+    writer can be connected (it would have created the -wal file), so the file is read as
+    immutable: SQLite cannot open a WAL database read-only in a folder it cannot write.
+    """
+    wal = path.with_name(path.name + "-wal")
+    shared = wal.exists() or os.access(path.parent, os.W_OK)
+    return f"{path.resolve().as_uri()}?{'mode=ro' if shared else 'immutable=1'}"
+
+
+def connect_sqlite(path: Path, read_only: bool = False) -> sqlite3.Connection:
+    """A connection in WAL mode with full sync, a long busy timeout and explicit transactions.
+
+    Read-only, it sets nothing that writes: the database is in WAL mode since it was created.
+    """
+    target = read_only_uri(path) if read_only else path
+    connection = sqlite3.connect(target, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                                 check_same_thread=False, uri=read_only)
+    connection.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    if read_only:
+        return connection
+    connection.execute("PRAGMA journal_mode=WAL")
+    connection.execute("PRAGMA synchronous=FULL")
+    return connection
+
+
+def is_damage(exc: BaseException) -> bool:
+    """True for SQLite's (or its text decoding's) report of a damaged database file."""
+    if isinstance(exc, UnicodeDecodeError):
+        return True
+    return not isinstance(exc, sqlite3.IntegrityError) and any(w in str(exc).lower() for w in _DAMAGE_WORDS)
+
+
+class SqliteBackend:
+    """One SQLite file: WAL, synchronous=FULL, `BEGIN IMMEDIATE` for writers (they queue on the busy timeout)."""
+
+    name = "sqlite"
+    errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
+    damage_errors: tuple[type[BaseException], ...] = (sqlite3.DatabaseError, UnicodeDecodeError)
+
+    def __init__(self, url: str, read_only: bool) -> None:
+        self.path = sqlite_path(url)
+        self.where = str(self.path)
+        self.read_only = read_only
+
+    def connect(self) -> sqlite3.Connection:
+        return connect_sqlite(self.path, self.read_only)
+
+    def reusable(self, connection: sqlite3.Connection) -> bool:
+        # an immutable connection never sees a writer's later commits: read-only, open anew each time
+        return not (self.read_only and "immutable=1" in read_only_uri(self.path))
+
+    def begin(self, connection: sqlite3.Connection, write: bool) -> None:
+        connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+
+    def commit(self, connection: sqlite3.Connection) -> None:
+        connection.commit()
+
+    def rollback(self, connection: sqlite3.Connection) -> None:
+        connection.rollback()
+
+    def in_transaction(self, connection: sqlite3.Connection) -> bool:
+        return connection.in_transaction
+
+    def transient(self, exc: BaseException) -> bool:
+        return False  # SQLite waits out a busy database itself (busy_timeout)
+
+    def prepare(self, sql: str) -> str:
+        return sql
+
+    def executemany(self, connection: sqlite3.Connection, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        connection.executemany(sql, rows)
+
+    def explain(self, exc: BaseException) -> CkptError | None:
+        """SQLite's error as the user's problem (a full disk, a read-only file), or None.
+
+        SQLite reports a full disk as "disk I/O error" when the WAL's shared memory cannot grow.
+        """
+        if isinstance(exc, sqlite3.OperationalError) and "disk i/o error" in str(exc).lower():
+            import shutil  # only here: it imports the compression modules
+
+            with contextlib.suppress(OSError):
+                if shutil.disk_usage(self.path.parent).free < LOW_SPACE:
+                    return disk_full(f"SQLite: {exc} writing {self.path}")
+        return explain(exc)
+
+    def damage(self, exc: BaseException) -> CkptError | None:
+        """SQLite's report of a damaged (or unreadable) file as CorruptDatabaseError, or None."""
+        if not is_damage(exc):
+            return None
+        if "disk i/o error" in str(exc).lower():  # a failing disk or file system, or a damaged file: not known
+            return CorruptDatabaseError(
+                f"the metadata database {self.path} could not be read or written (SQLite: {exc}); nothing was "
+                "changed. Check the disk and file system (space, mount, permissions) and run it again; if it "
+                "persists, `ckpt fsck` says whether the file is damaged")
+        return CorruptDatabaseError(f"the metadata database {self.path} is damaged (SQLite: {exc}); nothing was "
+                                    "changed. Restore .ckpt/ckpt.db from a backup; `ckpt fsck` lists what the "
+                                    "objects still hold once it opens")
+
+    def has_table(self, tx: Tx, name: str) -> bool:
+        return tx.first("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)) is not None
+
+    def storage_problems(self, tx: Tx, limit: int) -> list[str]:
+        found = [str(row[0]) for row in tx.rows(f"PRAGMA integrity_check({int(limit)})")]
+        return [] if found == ["ok"] else found
+
+    def size_on_disk(self, db: Database) -> int:
+        """Bytes of the file and the write-ahead log beside it."""
+        files = (self.path, self.path.with_name(self.path.name + "-wal"))
+        return sum(f.stat().st_size for f in files if f.exists())
+
+    def no_revision(self) -> str:
+        return "Restore .ckpt/ckpt.db from a backup"
+
+    def repository(self) -> str:
+        return f"the repository at {self.path.parent.parent}"
