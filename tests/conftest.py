@@ -121,9 +121,59 @@ class Trainer:
         random.setstate(state["rng"]["python"])
 
 
+# ---------------------------------------------------------------------- metadata backends
+# A module marked `pytestmark = pytest.mark.both_backends` runs each test that asks for `repo`,
+# `metadata_url` or `metadata_backend` twice: on SQLite (the repository's own ckpt.db) and on a
+# fresh database of the session's PostgreSQL server. Unmarked tests get SQLite only.
+BACKENDS = ("sqlite", "postgresql")
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "both_backends: run on SQLite and on PostgreSQL metadata")
+
+
+def pytest_generate_tests(metafunc) -> None:
+    if "metadata_backend" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_backends"):
+        metafunc.parametrize("metadata_backend", BACKENDS, indirect=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """One throwaway PostgreSQL server for the whole run (ckptstore/testing/postgres_server.py)."""
+    from ckptstore.errors import CkptError
+    from ckptstore.testing.postgres_server import PostgresServer
+
+    try:
+        server = PostgresServer()
+    except CkptError as exc:
+        pytest.fail(f"these tests need a PostgreSQL server: {exc}", pytrace=False)
+    with server:
+        yield server
+
+
 @pytest.fixture
-def repo(tmp_path: Path):
-    with Repository.init(tmp_path) as repository:
+def postgres_url(postgres_server):
+    """A fresh, empty database on the session's server, dropped after the test."""
+    url = postgres_server.new_database()
+    yield url
+    if postgres_server.running:
+        postgres_server.drop_database(url)
+
+
+@pytest.fixture
+def metadata_backend(request) -> str:
+    return getattr(request, "param", "sqlite")
+
+
+@pytest.fixture
+def metadata_url(request, metadata_backend) -> str:
+    """"" (the repository's own SQLite file) or the URL of a fresh PostgreSQL database."""
+    return "" if metadata_backend == "sqlite" else request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+def repo(tmp_path: Path, metadata_url: str):
+    with Repository.init(tmp_path, metadata_url=metadata_url) as repository:
         yield repository
 
 

@@ -108,12 +108,16 @@ class PostgresServer:
             for statement in statements:
                 conn.execute(statement)
 
-    def new_database(self) -> str:
-        """A fresh empty database, by URL."""
+    def new_database(self, template: str = "") -> str:
+        """A fresh database, by URL: empty, or a copy of the database at URL `template` (nobody may be connected to it)."""
         self._databases += 1
         name = f"ckpt_{self._databases}"
-        self.execute(f"CREATE DATABASE {name}")
+        self.execute(f"CREATE DATABASE {name}" + (f" TEMPLATE {template.rsplit('/', 1)[1]}" if template else ""))
         return self.url(name)
+
+    def drop_database(self, url: str) -> None:
+        """Remove a database `new_database` made, cutting any connection still open to it."""
+        self.execute(f"DROP DATABASE IF EXISTS {url.rsplit('/', 1)[1]} WITH (FORCE)")
 
     # ------------------------------------------------------------ lifetime
     def __enter__(self) -> PostgresServer:

@@ -5,10 +5,12 @@ import pytest
 from ckptstore.errors import CkptError
 from ckptstore.metadata import Database
 
+pytestmark = pytest.mark.both_backends
+
 
 @pytest.fixture
-def db(tmp_path):
-    database = Database(f"sqlite:///{tmp_path / 'ckpt.db'}")
+def db(tmp_path, metadata_url):
+    database = Database(metadata_url or f"sqlite:///{tmp_path / 'ckpt.db'}")
     yield database
     database.close()
 

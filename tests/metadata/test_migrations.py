@@ -9,13 +9,15 @@ from ckptstore.metadata.db import HEAD_REVISION, KNOWN_REVISIONS
 from ckptstore.metadata.migrate import head_revision, upgrade
 from ckptstore.repo.config import RepoConfig
 
+pytestmark = pytest.mark.both_backends
+
 
 def _columns(path, table):
     with sqlite3.connect(path) as conn:
         return {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
 
 
-def test_repository_made_by_an_older_schema_opens_and_upgrades(tmp_path):
+def test_repository_made_by_an_older_schema_opens_and_upgrades(tmp_path):  # SQLite; PostgreSQL: test_postgres.py
     (tmp_path / ".ckpt").mkdir()
     RepoConfig().save(tmp_path / ".ckpt" / "config.toml")
     db_path = tmp_path / ".ckpt" / "ckpt.db"
@@ -32,23 +34,21 @@ def test_the_schema_check_knows_the_newest_migration():
     assert KNOWN_REVISIONS[-1] == HEAD_REVISION
 
 
-def test_a_database_from_a_newer_ckptstore_is_refused(tmp_path):
-    with Repository.init(tmp_path):
-        pass
-    with sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db") as conn:
-        conn.execute("UPDATE alembic_version SET version_num = '9999'")
+def test_a_database_from_a_newer_ckptstore_is_refused(tmp_path, metadata_url):
+    with Repository.init(tmp_path, metadata_url=metadata_url) as repo, repo.db.write() as tx:
+        tx.execute("UPDATE alembic_version SET version_num = '9999'")
     with pytest.raises(CkptError, match="newer ckptstore"):
         Repository.open(tmp_path)
 
 
-def test_database_uses_wal(tmp_path):
+def test_database_uses_wal(tmp_path):  # SQLite only: the file's journal
     with Repository.init(tmp_path) as repo, repo.db.read() as tx:
         assert tx.scalar("PRAGMA journal_mode") == "wal"
         assert tx.scalar("PRAGMA synchronous") == 2  # FULL
 
 
-def test_a_write_that_fails_leaves_nothing(tmp_path):
-    db = Database(f"sqlite:///{tmp_path / 'x.db'}")
+def test_a_write_that_fails_leaves_nothing(tmp_path, metadata_url):
+    db = Database(metadata_url or f"sqlite:///{tmp_path / 'x.db'}")
     with pytest.raises(RuntimeError), db.write() as tx:
         tx.execute("INSERT INTO refs (name, kind, target) VALUES ('HEAD', 'head', 'main')")
         raise RuntimeError("boom")
@@ -57,14 +57,15 @@ def test_a_write_that_fails_leaves_nothing(tmp_path):
     db.close()
 
 
-def test_migrations_build_the_schema_that_schema_py_mirrors(tmp_path):
-    from sqlalchemy import create_engine, inspect
+def test_migrations_build_the_schema_that_schema_py_mirrors(tmp_path, metadata_url):
+    from sqlalchemy import inspect
 
+    from ckptstore.metadata.migrate import make_engine
     from ckptstore.metadata.schema import metadata
 
-    with Repository.init(tmp_path):
+    with Repository.init(tmp_path, metadata_url=metadata_url):
         pass
-    engine = create_engine(f"sqlite:///{tmp_path / '.ckpt' / 'ckpt.db'}")
+    engine = make_engine(metadata_url or f"sqlite:///{tmp_path / '.ckpt' / 'ckpt.db'}")
     try:
         found = inspect(engine)
         for table in metadata.sorted_tables:
@@ -75,12 +76,12 @@ def test_migrations_build_the_schema_that_schema_py_mirrors(tmp_path):
         engine.dispose()
 
 
-def test_files_known_to_a_pruned_commit_stay_known_through_later_commits(tmp_path):
+def test_files_known_to_a_pruned_commit_stay_known_through_later_commits(tmp_path, metadata_url):
     import torch
 
     from ckptstore.repo import gc
 
-    with Repository.init(tmp_path) as repo:
+    with Repository.init(tmp_path, metadata_url=metadata_url) as repo:
         torch.save({"w": torch.ones(3)}, tmp_path / "a.pt")
         repo.branch("side", repo.commit({"w": torch.zeros(3)}))
         repo.commit(tmp_path / "a.pt", branch="side")  # the first commit of this file's content

@@ -11,6 +11,8 @@ on a small checkpoint; CKPT_HYPOTHESIS_PROFILE=long: 50 random kills per command
 32 MB (CKPT_CRASH_TRIALS, CKPT_CRASH_MB override; CKPT_CRASH_ONLY=push,gc picks commands);
 CKPT_CRASH_REPORT=FILE collects the counts. A push's remote (`hub/` inside the repository's
 folder) must have its branch unmoved or complete, never at a commit it cannot restore.
+Every trial runs on SQLite metadata and on PostgreSQL, where each trial's copy of the prepared
+repository gets a copy of its database (CREATE DATABASE ... TEMPLATE); the remote stays SQLite.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch
 from ckptstore import Repository
 from ckptstore.errors import CkptError
 from ckptstore.repo import fsck, remote
-from tests.conftest import assert_same, same
+from ckptstore.repo.config import RepoConfig
+from tests.conftest import BACKENDS, assert_same, same
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG = os.environ.get("CKPT_HYPOTHESIS_PROFILE") == "long"
@@ -74,15 +77,37 @@ def _run(cwd: Path, args: list[str], env: dict | None = None) -> tuple[int, str,
     return proc.returncode, out + err, time.perf_counter() - start
 
 
+@pytest.fixture(scope="module", params=BACKENDS)
+def server(request):
+    """None for SQLite metadata, else the session's PostgreSQL server."""
+    return request.getfixturevalue("postgres_server") if request.param == "postgresql" else None
+
+
+def _copy(work: Path, to: Path, server) -> None:
+    """A copy of the repository at `work`; on PostgreSQL with a copy of its database, named in its config."""
+    shutil.copytree(work, to)
+    if server is not None:
+        config_path = to / ".ckpt" / "config.toml"
+        config = RepoConfig.load(config_path)
+        config.metadata_url = server.new_database(template=config.metadata_url)
+        config.save(config_path)
+
+
+def _remove(trial: Path, server) -> None:
+    if server is not None:
+        server.drop_database(RepoConfig.load(trial / ".ckpt" / "config.toml").metadata_url)
+    shutil.rmtree(trial)
+
+
 @pytest.fixture(scope="module")
-def template(tmp_path_factory):
+def template(tmp_path_factory, server):
     """The prepared repository, the states of its commits, and each command's run time on a copy."""
     root = tmp_path_factory.mktemp("crash")
     work = root / "template"
     work.mkdir()
     states = [_state(1)]
     states += [_state(2, states[0]), _state(3, states[0]), _state(4, states[0])]
-    with Repository.init(work) as repo:
+    with Repository.init(work, metadata_url=server.new_database() if server else "") as repo:
         cids = []
         for i in range(2):
             torch.save(states[i], work / "ckpt.pt")
@@ -99,13 +124,13 @@ def template(tmp_path_factory):
     durations = dict.fromkeys(COMMANDS, 1.0)  # the default run's few kills land within a second
     for name, args in COMMANDS.items() if LONG else ():  # time each phase, so kills spread over all of it
         copy = root / f"timing-{name.replace(' ', '')}"
-        shutil.copytree(work, copy)
+        _copy(work, copy, server)
         rc, out, durations[name] = _run(copy, args)
         assert rc == 0, out
-        shutil.rmtree(copy)
-        shutil.copytree(work, copy)  # timed again warm: the first run pays for cold caches
+        _remove(copy, server)
+        _copy(work, copy, server)  # timed again warm: the first run pays for cold caches
         durations[name] = min(durations[name], _run(copy, args)[2])
-        shutil.rmtree(copy)
+        _remove(copy, server)
     return work, {"c0": (cids[0], states[0]), "c1": (cids[1], states[1]), "doomed": (doomed, states[2]),
                   "new": (None, states[3])}, durations
 
@@ -165,11 +190,11 @@ def _after_rerun(trial: Path, command: str, commits: dict) -> list[str]:
     return problems
 
 
-def _trial(template, tmp_path: Path, number: int, command: str, delay: float | None = None,
+def _trial(template, server, tmp_path: Path, number: int, command: str, delay: float | None = None,
            point: str | None = None) -> dict:
     work, commits, _ = template
     trial = tmp_path / f"trial{number}"
-    shutil.copytree(work, trial)
+    _copy(work, trial, server)
     proc = _ckpt(trial, COMMANDS[command], {"CKPT_CRASH_AT": point} if point else None)
     if delay is not None:
         try:
@@ -179,7 +204,7 @@ def _trial(template, tmp_path: Path, number: int, command: str, delay: float | N
     proc.communicate(timeout=300)
     killed = proc.returncode == -signal.SIGKILL
     problems = _check(trial, command, commits) + _after_rerun(trial, command, commits)
-    shutil.rmtree(trial)
+    _remove(trial, server)
     return {"command": command, "point": point, "delay": delay, "killed": killed, "problems": problems}
 
 
@@ -196,18 +221,19 @@ def _report(name: str, results: list[dict], durations: dict | None = None) -> No
                                              "run_s": round((durations or {}).get(command, 0), 2)}) + "\n")
 
 
-def test_kill_at_each_durable_step_loses_nothing(template, tmp_path):
-    results = [_trial(template, tmp_path, i, command, point=point) for i, (command, point) in enumerate(INJECTED)]
+def test_kill_at_each_durable_step_loses_nothing(template, server, tmp_path):
+    results = [_trial(template, server, tmp_path, i, command, point=point) for i, (command, point) in enumerate(INJECTED)]
     _report("injected", results)
     assert all(r["killed"] for r in results), [r["point"] for r in results if not r["killed"]]
     assert not [r for r in results if r["problems"]]
 
 
-def test_kill_at_random_moments_loses_nothing(template, tmp_path):
+def test_kill_at_random_moments_loses_nothing(template, server, tmp_path):
     _, _, durations = template
     rng = random.Random(int(os.environ.get("CKPT_CRASH_SEED", "21")))
     only = os.environ.get("CKPT_CRASH_ONLY", "").split(",") if os.environ.get("CKPT_CRASH_ONLY") else COMMANDS
-    results = [_trial(template, tmp_path, i * 100 + k, command, delay=rng.uniform(0.02, 0.95) * durations[command])
+    results = [_trial(template, server, tmp_path, i * 100 + k, command,
+                      delay=rng.uniform(0.02, 0.95) * durations[command])
                for i, command in enumerate(COMMANDS) if command in only for k in range(RANDOM_KILLS)]
     _report("random", results, durations)
     assert not [r for r in results if r["problems"]]

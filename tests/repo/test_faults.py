@@ -22,6 +22,8 @@ from ckptstore.errors import (
 from ckptstore.repo import fsck, gc
 from tests.conftest import Trainer, assert_same
 
+pytestmark = pytest.mark.both_backends
+
 
 def _commit_run(repo, tmp_path, n=3, steps=3):
     trainer, commits, states = Trainer(), [], []
@@ -156,8 +158,8 @@ def _python(*args, **kwargs):
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, **kwargs)
 
 
-def test_two_processes_committing_at_once(tmp_path):
-    Repository.init(tmp_path).close()
+def test_two_processes_committing_at_once(tmp_path, metadata_url):
+    Repository.init(tmp_path, metadata_url=metadata_url).close()
     writers = [_python(str(tmp_path), str(tmp_path / f"w{i}.pt"), str(i), "200000") for i in range(2)]
     for w in writers:
         assert w.stdout.readline().startswith("ready")
@@ -177,8 +179,8 @@ def test_two_processes_committing_at_once(tmp_path):
             repo.checkout(cid)
 
 
-def test_sigkill_mid_commit_leaves_a_consistent_repository(tmp_path):
-    with Repository.init(tmp_path) as repo:
+def test_sigkill_mid_commit_leaves_a_consistent_repository(tmp_path, metadata_url):
+    with Repository.init(tmp_path, metadata_url=metadata_url) as repo:
         torch.save({"w": torch.randn(1000)}, tmp_path / "small.pt")
         first = repo.commit(tmp_path / "small.pt")
         expected = repo.checkout(first)

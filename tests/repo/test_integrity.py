@@ -18,12 +18,14 @@ from ckptstore.repo import fsck, gc
 from tests.conftest import assert_same
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.both_backends
 
 
 def _sql(repo, *statements):
-    with sqlite3.connect(repo.db.path) as conn:
+    """Damage the metadata as a bad tool or a bad hand would: raw statements, in one transaction."""
+    with repo.db.write() as tx:
         for statement in statements:
-            conn.execute(statement)
+            tx.execute(statement)
 
 
 def _checkpoint(path, seed=0, step=1):
@@ -61,8 +63,8 @@ def test_lost_chunk_records_are_an_error_naming_tensor_and_commit_and_gc_keeps_t
     assert _objects(repo) == before
 
 
-def test_one_lost_chunk_of_a_chunked_tensor_is_an_error(tmp_path):
-    with Repository.init(tmp_path) as repo:
+def test_one_lost_chunk_of_a_chunked_tensor_is_an_error(tmp_path, metadata_url):
+    with Repository.init(tmp_path, metadata_url=metadata_url) as repo:
         repo.config.encoding = dataclasses.replace(repo.config.encoding, chunk_bytes=64 << 10)
         state = {"w": torch.randn(100_000)}
         cid = repo.commit(state)
@@ -149,7 +151,7 @@ def test_metrics_with_int_keys_verify_now_and_as_older_commits_hashed_them(repo)
     assert CommitInfo(**{**vars(row), "metrics": {"9": 0.5, "10": 0.75}}).id_problem() is not None
 
 
-def test_a_commit_written_before_the_lossy_column_still_verifies(tmp_path):
+def test_a_commit_written_before_the_lossy_column_still_verifies(tmp_path):  # SQLite only: an old ckpt.db by hand
     from ckptstore.metadata.migrate import upgrade
     from ckptstore.repo.config import RepoConfig
     from ckptstore.repo.manifest import Manifest
@@ -191,9 +193,9 @@ def test_a_damaged_checksum_row_is_a_damaged_record_not_a_damaged_object(repo, t
     assert any("checksum" in problem for problem in fsck(repo).damaged_records.values())
 
 
-def test_the_cli_names_the_tensor_and_fails(tmp_path):
+def test_the_cli_names_the_tensor_and_fails(tmp_path, metadata_url):
     _checkpoint(tmp_path / "c.pt")
-    with Repository.init(tmp_path) as repo:
+    with Repository.init(tmp_path, metadata_url=metadata_url) as repo:
         cid = repo.commit(tmp_path / "c.pt")
         _sql(repo, "DELETE FROM tensor_chunks")
     env = dict(os.environ, PYTHONPATH=str(ROOT))

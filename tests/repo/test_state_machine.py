@@ -9,6 +9,8 @@ bit-exact; fsck must pass every few steps and at the end.
 
 Bounded by the hypothesis profiles of tests/conftest.py; the long run:
     CKPT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/repo/test_state_machine.py
+The machine runs twice: on SQLite metadata (TestRepositoryMachine) and on a fresh PostgreSQL
+database per example (test_the_machine_on_postgresql).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import event
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from ckptstore import Repository
 from ckptstore.errors import (
@@ -155,10 +157,10 @@ class Expected:
 class RepositoryMachine(RuleBasedStateMachine):
     """A real repository and the model it must agree with."""
 
-    def __init__(self) -> None:
+    def __init__(self, metadata_url: str = "") -> None:
         super().__init__()
         self.folder = Path(tempfile.mkdtemp(prefix="ckpt-repo-machine-"))
-        self.repo = Repository.init(self.folder / "work")
+        self.repo = Repository.init(self.folder / "work", metadata_url=metadata_url)
         self.commits: dict[str, Expected] = {}
         self.branches: dict[str, str] = {}
         self.tags: dict[str, str] = {}
@@ -433,3 +435,21 @@ def test_tag_named_like_the_unborn_branch(repo):
 
 RepositoryMachine.TestCase.settings = machine_settings(scale=1.0)
 TestRepositoryMachine = RepositoryMachine.TestCase
+
+
+def test_the_machine_on_postgresql(postgres_server):
+    """The same machine with the metadata in PostgreSQL: a fresh database per example."""
+    from ckptstore.metadata import Database
+
+    made = [postgres_server.new_database()]
+    Database(made[0]).close()  # the schema, made once: each example's database is a copy
+
+    def machine() -> RepositoryMachine:
+        made.append(postgres_server.new_database(template=made[0]))
+        return RepositoryMachine(made[-1])
+
+    try:
+        run_state_machine_as_test(machine, settings=machine_settings(scale=1.0))
+    finally:
+        for url in made:
+            postgres_server.drop_database(url)
