@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
+bash scripts/services.sh  # PostgreSQL for the metadata tests, installed only where missing
 VENV="${CKPT_VENV:-.venv}"
 "$VENV/bin/ruff" check .
 "$VENV/bin/python" -m pytest -q "$@"

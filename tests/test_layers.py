@@ -48,6 +48,7 @@ OWNED = {
     "torch": ("state", "formats", "replay_torch", "policy.sensitivity", "integrations", "dcp"),
     "boto3": ("objectstore.s3",),
     "obstore": ("objectstore.s3",),
+    "psycopg": ("metadata.postgres", "testing.postgres_server"),
 }
 
 
@@ -129,9 +130,9 @@ def test_the_checker_sees_a_violation(tmp_path):
 
 @pytest.mark.parametrize("module, absent", [
     ("ckptstore.codecs", ("sqlalchemy", "torch", "ckptstore.repo", "ckptstore.metadata", "click")),
-    ("ckptstore", ("sqlalchemy", "torch", "numpy", "ckptstore.repo")),
-    ("ckptstore.cli", ("sqlalchemy", "alembic", "torch", "numpy", "zstandard")),
-    ("ckptstore.repo.repository", ("sqlalchemy", "torch", "numpy")),
+    ("ckptstore", ("sqlalchemy", "torch", "numpy", "ckptstore.repo", "psycopg")),
+    ("ckptstore.cli", ("sqlalchemy", "alembic", "torch", "numpy", "zstandard", "psycopg")),
+    ("ckptstore.repo.repository", ("sqlalchemy", "torch", "numpy", "psycopg")),
 ])
 def test_importing_a_module_loads_only_what_it_needs(module, absent):
     code = f"import sys, {module}; print(' '.join(sorted(m for m in sys.modules)))"
@@ -139,3 +140,10 @@ def test_importing_a_module_loads_only_what_it_needs(module, absent):
                  .stdout.split())
     assert module in loaded
     assert sorted(m for m in absent if m in loaded) == []
+
+
+def test_a_sqlite_repository_never_loads_psycopg(tmp_path):
+    code = (f"import sys; from ckptstore import Repository; r = Repository.init({str(tmp_path)!r}); r.log(); "
+            f"r.close(); r = Repository.open({str(tmp_path)!r}); r.branches(); print('psycopg' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False"]

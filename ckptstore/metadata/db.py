@@ -34,7 +34,7 @@ __all__ = ["BATCH", "BUSY_TIMEOUT_MS", "HEAD_REVISION", "KNOWN_REVISIONS", "Back
 HEAD_REVISION = "0007"  # the newest migration in migrations/versions; a test keeps the two in step
 KNOWN_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007")
 BATCH = 500  # ids per IN (...) list: SQLite allows 32766 parameters, PostgreSQL 65535
-RETRY_DELAYS = (0.1, 0.2, 0.4, 0.8, 1.5, 2.5)  # seconds between tries to begin a transaction (a server restarting)
+RETRY_DELAYS = (0.1, 0.2, 0.4, 0.8, 1.6)  # seconds between tries to begin a transaction (a server restarting)
 POSTGRES_SCHEMES = ("postgresql://", "postgresql+psycopg://", "postgres://")
 
 

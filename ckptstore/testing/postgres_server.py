@@ -109,7 +109,7 @@ class PostgresServer:
                 conn.execute(statement)
 
     def new_database(self, template: str = "") -> str:
-        """A fresh database, by URL: empty, or a copy of the database at URL `template` (nobody may be connected to it)."""
+        """A fresh database, by URL: empty, or a copy of the database at URL `template` (with nobody connected)."""
         self._databases += 1
         name = f"ckpt_{self._databases}"
         self.execute(f"CREATE DATABASE {name}" + (f" TEMPLATE {template.rsplit('/', 1)[1]}" if template else ""))

@@ -222,8 +222,9 @@ def _report(name: str, results: list[dict], durations: dict | None = None) -> No
 
 
 def test_kill_at_each_durable_step_loses_nothing(template, server, tmp_path):
-    results = [_trial(template, server, tmp_path, i, command, point=point) for i, (command, point) in enumerate(INJECTED)]
-    _report("injected", results)
+    results = [_trial(template, server, tmp_path, i, command, point=point)
+               for i, (command, point) in enumerate(INJECTED)]
+    _report("injected" + (" postgresql" if server else ""), results)
     assert all(r["killed"] for r in results), [r["point"] for r in results if not r["killed"]]
     assert not [r for r in results if r["problems"]]
 
@@ -235,5 +236,5 @@ def test_kill_at_random_moments_loses_nothing(template, server, tmp_path):
     results = [_trial(template, server, tmp_path, i * 100 + k, command,
                       delay=rng.uniform(0.02, 0.95) * durations[command])
                for i, command in enumerate(COMMANDS) if command in only for k in range(RANDOM_KILLS)]
-    _report("random", results, durations)
+    _report("random" + (" postgresql" if server else ""), results, durations)
     assert not [r for r in results if r["problems"]]

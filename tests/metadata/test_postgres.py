@@ -1,0 +1,189 @@
+"""The metadata on a real PostgreSQL server: migrations, write serialization, snapshots, retries, errors."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore import Repository
+from ckptstore.errors import CkptError, ReadOnlyRepoError
+from ckptstore.metadata import Database
+from ckptstore.metadata.db import HEAD_REVISION
+from ckptstore.metadata.migrate import downgrade, make_engine, upgrade
+from ckptstore.metadata.postgres import TABLES, describe, to_psycopg
+from ckptstore.repo import fsck
+from ckptstore.testing.postgres_server import PASSWORD, PASSWORD_USER
+from tests.conftest import assert_same
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tables(url: str) -> dict[str, set[str]]:
+    from sqlalchemy import inspect
+
+    engine = make_engine(url)
+    try:
+        found = inspect(engine)
+        return {t: {c["name"] for c in found.get_columns(t)} for t in found.get_table_names()}
+    finally:
+        engine.dispose()
+
+
+def test_migrations_from_empty_to_head_and_back_and_up_again(postgres_url, tmp_path):
+    from ckptstore.metadata.schema import metadata
+
+    upgrade(postgres_url, "0001")
+    assert "lossy" not in _tables(postgres_url)["commits"]
+    Database(postgres_url).close()  # opening upgrades
+    head = {"alembic_version": {"version_num"}, **{t.name: {c.name for c in t.columns} for t in metadata.sorted_tables}}
+    assert _tables(postgres_url) == head
+    assert set(TABLES) == set(head)  # size_on_disk counts every table
+    with Repository.init(tmp_path, metadata_url=postgres_url) as repo:
+        states = [{"w": torch.randn(300, generator=torch.Generator().manual_seed(s))} for s in range(2)]
+        cids = [repo.commit(state, step=n) for n, state in enumerate(states)]
+        repo.tag("first", cids[0])
+    for _ in range(2):  # twice: each rebuild must leave the names the next one reuses free
+        downgrade(postgres_url, "0005")
+        upgrade(postgres_url)
+    with Repository.open(tmp_path) as repo:
+        assert repo.db.revision() == HEAD_REVISION and fsck(repo).ok
+        assert [c.id for c in repo.log()] == cids[::-1] and repo.tags() == {"first": cids[0]}
+        for cid, state in zip(cids, states):
+            assert_same(state, repo.checkout(cid))
+    downgrade(postgres_url, "base")
+    assert _tables(postgres_url) == {"alembic_version": set()} or set(_tables(postgres_url)) == {"alembic_version"}
+    upgrade(postgres_url)
+    assert _tables(postgres_url) == head
+
+
+OPEN_SCRIPT = """
+import sys
+from ckptstore.metadata import Database
+sys.stdin.readline()
+db = Database(sys.argv[1])
+print(db.revision(), flush=True)
+"""
+
+
+def test_processes_opening_an_empty_database_at_once_create_the_schema_once(postgres_url):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    openers = [subprocess.Popen([sys.executable, "-c", OPEN_SCRIPT, postgres_url], env=env, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for _ in range(4)]
+    for p in openers:  # all imported and waiting: they open together
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    results = [p.communicate(timeout=120) for p in openers]
+    assert all(p.returncode == 0 for p in openers), results
+    assert [out.strip() for out, _ in results] == [HEAD_REVISION] * 4
+
+
+def test_writers_queue_and_see_each_other(postgres_url):
+    """A second writer waits for the first to commit, then reads its rows (no lost update, no failure)."""
+    db = Database(postgres_url)
+    entered, seen = threading.Event(), {}
+
+    def second() -> None:
+        entered.wait()
+        start = time.perf_counter()
+        with db.write() as tx:
+            seen["waited"] = time.perf_counter() - start
+            seen["refs"] = tx.column("SELECT name FROM refs ORDER BY name")
+            tx.execute("INSERT INTO refs (name, kind, commit_id) VALUES ('b', 'branch', ?)", ("2" * 64,))
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    with db.write() as tx:
+        tx.execute("INSERT INTO refs (name, kind, commit_id) VALUES ('a', 'branch', ?)", ("1" * 64,))
+        entered.set()
+        time.sleep(0.6)
+    thread.join(timeout=60)
+    assert seen["refs"] == ["a"] and seen["waited"] >= 0.4, seen
+    with db.read() as tx:
+        assert tx.column("SELECT name FROM refs ORDER BY name") == ["a", "b"]
+    db.close()
+
+
+def test_a_read_is_one_snapshot(postgres_url):
+    db = Database(postgres_url)
+    with db.read() as tx:
+        assert tx.scalar("SELECT count(*) FROM refs") == 0
+        with db.write() as writer:
+            writer.execute("INSERT INTO refs (name, kind, target) VALUES ('HEAD', 'head', 'main')")
+        assert tx.scalar("SELECT count(*) FROM refs") == 0  # committed meanwhile, not in this snapshot
+    with db.read() as tx:
+        assert tx.scalar("SELECT count(*) FROM refs") == 1
+    db.close()
+
+
+def test_placeholders_percent_signs_and_bytea(postgres_url):
+    assert to_psycopg("SELECT '?', \"a?\", ? || '%' WHERE x LIKE 'a%'") == \
+        "SELECT '?', \"a?\", %s || '%%' WHERE x LIKE 'a%%'"
+    db = Database(postgres_url)
+    with db.read() as tx:
+        assert tx.first("SELECT '?', ? || '%'", ("a",)) == ("?", "a%")
+        assert tx.scalar("SELECT '50%'") == "50%"
+        value = tx.scalar("SELECT CAST(? AS bytea)", (b"\x00\xff raw",))
+        assert type(value) is bytes and value == b"\x00\xff raw"
+    db.close()
+
+
+def test_size_on_disk_counts_our_tables(postgres_url, tmp_path):
+    with Repository.init(tmp_path, metadata_url=postgres_url) as repo:
+        empty = repo.db.size_on_disk()
+        repo.commit({f"t{i}": torch.randn(8) for i in range(300)})
+        assert 0 < empty < repo.db.size_on_disk()
+        assert repo.stats()["metadata_bytes"] == repo.db.size_on_disk()
+
+
+def test_read_only_refuses_writes_and_the_server_enforces_it(postgres_url, tmp_path):
+    with Repository.init(tmp_path, metadata_url=postgres_url) as repo:
+        cid = repo.commit({"w": torch.ones(3)})
+    with Repository.open(tmp_path, read_only=True) as repo:
+        assert repo.resolve("HEAD") == cid and torch.equal(repo.checkout("HEAD")["w"], torch.ones(3))
+        with pytest.raises(ReadOnlyRepoError, match="read-only"):
+            repo.branch("b")
+        with repo.db.read() as tx:
+            assert tx.scalar("SHOW default_transaction_read_only") == "on"
+        assert repo.branches() == {"main": cid}
+
+
+def test_connections_cut_while_idle_are_replaced(postgres_server, postgres_url):
+    """The server dropped our pooled connections (a restart, an admin): the next transaction reconnects."""
+    db = Database(postgres_url)
+    with db.read() as tx:
+        tx.scalar("SELECT 1")
+    name = postgres_url.rsplit("/", 1)[1]
+    postgres_server.execute(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'")
+    with db.write() as tx:
+        tx.execute("INSERT INTO refs (name, kind, target) VALUES ('HEAD', 'head', 'main')")
+    with db.read() as tx:
+        assert tx.scalar("SELECT count(*) FROM refs") == 1
+    db.close()
+
+
+def test_a_unix_socket_url_and_sqlalchemys_spelling_open_the_same_database(postgres_server, postgres_url):
+    name = postgres_url.rsplit("/", 1)[1]
+    Database(postgres_url).close()
+    for url in (postgres_server.socket_url(name), postgres_url.replace("postgresql://", "postgresql+psycopg://")):
+        db = Database(url)
+        assert db.revision() == HEAD_REVISION
+        db.close()
+
+
+def test_wrong_credentials_and_unknown_databases_are_clear_errors(postgres_server):
+    wrong = postgres_server.url(user=PASSWORD_USER, password="not-the-" + PASSWORD)
+    with pytest.raises(CkptError, match=f"refused the login of user '{PASSWORD_USER}'") as info:
+        Database(wrong)
+    assert "not-the-" not in str(info.value) and str(postgres_server.port) in str(info.value)
+    Database(postgres_server.url(user=PASSWORD_USER, password=PASSWORD)).close()  # the right one works
+    with pytest.raises(CkptError, match="has no database 'nowhere'"):
+        Database(postgres_server.url("nowhere"))
+    with pytest.raises(CkptError, match="has no user 'nobody'"):
+        Database(postgres_server.url(user="nobody"))
+    assert describe("postgresql+psycopg://u:secret@h:5/d") == "postgresql://u@h:5/d"

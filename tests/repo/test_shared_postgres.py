@@ -1,0 +1,146 @@
+"""One repository shared by several "machines": folders whose config names the same PostgreSQL database and objects.
+
+Every command here is a real `ckpt` process, as on separate machines.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+import torch
+
+from ckptstore import Repository
+from ckptstore.metadata.postgres import WRITE_LOCK
+from ckptstore.repo import fsck
+from ckptstore.testing.postgres_server import PASSWORD_USER, PostgresServer
+from tests.conftest import assert_same
+from tests.test_cli_errors import one_error_line
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def ckpt(cwd: Path, *args: str, wait: bool = True):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("CKPT_REPO", None)
+    command = [sys.executable, "-m", "ckptstore", *args]
+    if not wait:
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+
+
+def machines(tmp_path: Path, url: str, count: int = 2) -> list[Path]:
+    """`count` folders joined to one repository: the metadata at `url`, the objects in one shared folder."""
+    objects = f"file://{tmp_path / 'shared-objects'}"
+    folders = []
+    for i in range(count):
+        folder = tmp_path / f"machine{i}"
+        folder.mkdir()
+        result = ckpt(folder, "init", "--objects", objects, "--metadata", url)
+        assert result.returncode == 0, result.stderr
+        assert "postgresql://postgres@127.0.0.1" in result.stdout
+        folders.append(folder)
+    return folders
+
+
+def save(folder: Path, name: str, seed: int) -> dict:
+    state = {"w": torch.randn(20_000, generator=torch.Generator().manual_seed(seed)), "seed": seed}
+    torch.save(state, folder / name)
+    return state
+
+
+def test_two_machines_commit_to_two_branches_at_once_and_every_commit_is_there(postgres_url, tmp_path):
+    first, second = machines(tmp_path, postgres_url)
+    states = {}
+    for folder, branch in ((first, "run-a"), (second, "run-b")):
+        for i in range(3):
+            states[(branch, i)] = save(folder, f"{branch}-{i}.pt", hash((branch, i)) % 1000)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    script = " && ".join(f"{sys.executable} -m ckptstore commit {{b}}-{i}.pt --branch {{b}} -m {{b}}-{i}"
+                         for i in range(3))
+    runs = [subprocess.Popen(["bash", "-c", script.format(b=branch)], cwd=folder, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # each machine commits three times in a row
+            for folder, branch in ((first, "run-a"), (second, "run-b"))]
+    outputs = [run.communicate(timeout=300) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    log = json.loads(ckpt(first, "log", "--all", "--json").stdout)
+    assert sorted(c["message"] for c in log) == sorted(f"{b}-{i}" for b in ("run-a", "run-b") for i in range(3))
+    with Repository.open(second) as repo:  # each machine reads what the other committed
+        assert fsck(repo).ok
+        for branch in ("run-a", "run-b"):
+            for i in range(3):
+                assert_same(states[(branch, i)], repo.checkout(f"{branch}~{2 - i}"))
+
+
+def _waiting_writers(url: str) -> int:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted").fetchone()[0]
+
+
+def test_two_machines_moving_one_branch_get_exactly_one_conflict_and_lose_nothing(postgres_url, tmp_path):
+    first, second = machines(tmp_path, postgres_url)
+    base = save(first, "base.pt", 1)
+    assert ckpt(first, "commit", "base.pt", "-m", "base").returncode == 0
+    states = [save(folder, "next.pt", seed) for folder, seed in ((first, 2), (second, 3))]
+    with psycopg.connect(postgres_url, autocommit=True) as holder:
+        holder.execute(f"SELECT pg_advisory_lock({WRITE_LOCK})")  # both read main, then queue to move it
+        runs = [ckpt(folder, "commit", "next.pt", "-m", folder.name, wait=False) for folder in (first, second)]
+        deadline = time.time() + 120
+        while _waiting_writers(postgres_url) < 2 and time.time() < deadline and all(r.poll() is None for r in runs):
+            time.sleep(0.05)
+        assert _waiting_writers(postgres_url) == 2
+        holder.execute(f"SELECT pg_advisory_unlock({WRITE_LOCK})")
+    results = [(run.wait(timeout=120), *run.communicate()) for run in runs]
+    assert sorted(code for code, _, _ in results) == [0, 3], results  # 3: ConflictError
+    loser = next(i for i, (code, _, _) in enumerate(results) if code == 3)
+    lines = results[loser][2].strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: main moved to") and "Traceback" not in results[loser][2]
+    assert ckpt((first, second)[loser], "commit", "next.pt", "-m", "again").returncode == 0  # commit again: on top
+    with Repository.open(first) as repo:
+        log = repo.log()
+        assert [c.message for c in log][-1] == "base" and len(log) == 3 and fsck(repo).ok
+        assert_same(base, repo.checkout("main~2"))
+        assert_same(states[1 - loser], repo.checkout("main~1"))
+        assert_same(states[loser], repo.checkout("main"))
+
+
+def test_joining_keeps_the_repository_as_it_is(postgres_url, tmp_path):
+    with Repository.init(tmp_path / "a", metadata_url=postgres_url) as repo:
+        cid = repo.commit({"w": torch.ones(2)})
+        repo.branch("side")
+        repo.checkout_to("side", tmp_path / "out.pt")
+    result = ckpt(tmp_path, "init", "b", "--metadata", postgres_url)
+    assert result.returncode == 0 and result.stdout.startswith("Joined the ckptstore repository"), result
+    with Repository.open(tmp_path / "b") as repo:
+        assert repo.branches() == {"main": cid, "side": cid} and repo.head() == ("main", cid)
+
+
+def test_a_stopped_server_is_one_clear_line_and_the_command_works_once_it_is_back(tmp_path):
+    with PostgresServer() as server:
+        url = server.new_database()
+        folder = tmp_path / "m"
+        folder.mkdir()
+        save(folder, "c.pt", 5)
+        server.stop()
+        where = f"cannot reach PostgreSQL at 127.0.0.1:{server.port} (connection refused)"
+        one_error_line(ckpt(folder, "init", "--metadata", url), where, "is the server running")
+        assert not (folder / ".ckpt").exists()  # nothing half-made: the same command can run again
+        server.start()
+        assert ckpt(folder, "init", "--metadata", url).returncode == 0
+        server.stop()
+        one_error_line(ckpt(folder, "commit", "c.pt"), where)
+        server.start()
+        result = ckpt(folder, "commit", "c.pt")
+        assert result.returncode == 0, result.stderr
+        assert len(json.loads(ckpt(folder, "log", "--json").stdout)) == 1
+
+
+def test_wrong_credentials_are_one_clear_line(postgres_server, tmp_path):
+    url = postgres_server.url(user=PASSWORD_USER, password="wrong-secret")
+    result = ckpt(tmp_path, "init", "--metadata", url)
+    one_error_line(result, f"PostgreSQL at 127.0.0.1:{postgres_server.port} refused the login of user "
+                           f"'{PASSWORD_USER}'", "password")
+    assert "wrong-secret" not in result.stderr and not (tmp_path / ".ckpt").exists()
