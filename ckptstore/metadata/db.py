@@ -14,11 +14,11 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from ckptstore.errors import CkptError, CorruptDatabaseError, ReadOnlyRepoError
+from ckptstore.errors import CkptError, CorruptDatabaseError, ReadOnlyRepoError, RepoLockedError
 from ckptstore.metadata.sqlite import (
     BUSY_TIMEOUT_MS,
     SqliteBackend,
@@ -36,6 +36,7 @@ KNOWN_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007")
 BATCH = 500  # ids per IN (...) list: SQLite allows 32766 parameters, PostgreSQL 65535
 RETRY_DELAYS = (0.1, 0.2, 0.4, 0.8, 1.6)  # seconds between tries to begin a transaction (a server restarting)
 POSTGRES_SCHEMES = ("postgresql://", "postgresql+psycopg://", "postgres://")
+T = TypeVar("T")
 
 
 class Backend(Protocol):
@@ -60,6 +61,7 @@ class Backend(Protocol):
     def storage_problems(self, tx: Tx, limit: int) -> list[str]: ...
     def size_on_disk(self, db: Database) -> int: ...
     def executemany(self, connection: Any, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
+    def lock_statement(self, exclusive: bool, wait: bool) -> str | None: ...
     def no_revision(self) -> str: ...
     def repository(self) -> str: ...
 
@@ -168,23 +170,15 @@ class Database:
         with contextlib.suppress(*self.backend.errors):
             connection.close()
 
-    def _begin(self, write: bool) -> Any:
-        """A connection with a transaction begun on it; transient failures are retried with backoff."""
+    def _retrying(self, attempt: Callable[[], T]) -> T:
+        """`attempt()`, tried again with backoff while the engine calls its failure transient."""
         for delay in (*RETRY_DELAYS, None):
-            connection = None
             try:
-                connection = self._acquire()
-                self.backend.begin(connection, write)
-                return connection
+                return attempt()
             except self.backend.errors as exc:
-                if connection is not None:
-                    if self.backend.in_transaction(connection):
-                        with contextlib.suppress(*self.backend.errors):
-                            self.backend.rollback(connection)
-                    self._release(connection)
                 if delay is None or not self.backend.transient(exc):
                     raise
-                with self._guard:  # the server restarted: every idle connection is as dead as this one
+                with self._guard:  # the server restarted: every idle connection is as dead as the one that failed
                     stale, self._idle = self._idle, []
                 for old in stale:
                     with contextlib.suppress(*self.backend.errors):
@@ -192,17 +186,62 @@ class Database:
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
+    def _begin(self, write: bool) -> Any:
+        """A connection with a transaction begun on it; transient failures are retried (nothing ran in it yet)."""
+        def attempt() -> Any:
+            connection = self._acquire()
+            try:
+                self.backend.begin(connection, write)
+            except BaseException:
+                if self.backend.in_transaction(connection):
+                    with contextlib.suppress(*self.backend.errors):
+                        self.backend.rollback(connection)
+                self._release(connection)
+                raise
+            return connection
+
+        return self._retrying(attempt)
+
+    @contextlib.contextmanager
+    def repository_lock(self, exclusive: bool = False, wait: bool = True) -> Iterator[None]:
+        """The repository lock on the database itself, for every machine that shares it: commits shared, gc alone.
+
+        A SQLite repository has its file lock (repo/lock.py) and needs nothing more. On a server
+        the lock lives in a session of its own, so it goes when the process does, as a flock would.
+        """
+        statement = self.backend.lock_statement(exclusive, wait)
+        if statement is None:
+            yield
+            return
+        connection = None
+        try:
+            connection = self._retrying(self.backend.connect)
+            held = connection.execute(statement).fetchone()[0]
+        except self.backend.errors as exc:
+            if connection is not None:
+                connection.close()
+            raise (self.backend.explain(exc) or CkptError(f"cannot take the repository lock on {self.where}: "
+                                                          f"{exc}")) from exc
+        try:
+            if held is False:
+                raise RepoLockedError(f"{self.where} is busy: a ckpt process (here or on another machine sharing it) "
+                                      "is committing or collecting garbage; try again when it finishes")
+            yield
+        finally:
+            with contextlib.suppress(*self.backend.errors):
+                connection.close()  # ending the session releases the lock
+
     @contextlib.contextmanager
     def _transaction(self, write: bool) -> Iterator[Tx]:
         """A transaction; the engine's errors come out as CkptError where their cause is known."""
         try:
             with self._raw_transaction(write) as tx:
                 yield tx
-        except self.backend.damage_errors as exc:
+        except (*self.backend.errors, *self.backend.damage_errors) as exc:
             known = self.backend.explain(exc) if isinstance(exc, self.backend.errors) else None
             if known is not None:
                 raise known from exc
-            damage = self.backend.damage(exc)
+            damage = self.backend.damage(exc) if isinstance(exc, self.backend.damage_errors) else None
             if damage is None:
                 raise
             raise damage from None

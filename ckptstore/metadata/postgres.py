@@ -8,6 +8,7 @@ here only, when a `postgresql://` URL is opened.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from ckptstore.metadata.db import Database, Tx
 
 WRITE_LOCK = 0x636B_7074  # "ckpt": the advisory lock every writer (and every schema upgrade) takes first
+REPO_LOCK = 0x636B_7067  # "ckpg": commits hold it shared from first object to ref moved, gc alone
 LOCK_WAIT = "120s"  # as long as SQLite's busy timeout: a writer gives up after waiting this long
 CONNECT_TIMEOUT_S = 10
 # every table the migrations create: what `size_on_disk` adds up (a test keeps it in step with schema.py)
@@ -112,11 +114,17 @@ class PostgresBackend:
             connection.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
 
     def commit(self, connection: psycopg.Connection) -> None:
-        connection.execute("COMMIT")
+        try:
+            connection.execute("COMMIT")
+        except psycopg.OperationalError as exc:  # the server may have committed before the link broke
+            raise CkptError(f"lost the connection to PostgreSQL at {self.server} while committing "
+                            f"({' '.join(str(exc).split())[:200]}); the change may or may not have been recorded: "
+                            "check with `ckpt log` (and `ckpt fsck`) before running the command again") from exc
 
     def rollback(self, connection: psycopg.Connection) -> None:
         if not connection.broken:
-            connection.execute("ROLLBACK")
+            with contextlib.suppress(psycopg.OperationalError):  # a dead link: the server rolled back itself
+                connection.execute("ROLLBACK")
 
     def in_transaction(self, connection: psycopg.Connection) -> bool:
         return not connection.broken and connection.info.transaction_status != TransactionStatus.IDLE
@@ -199,6 +207,10 @@ class PostgresBackend:
             return CorruptDatabaseError(f"the metadata database {self.where} is damaged: "
                                         f"{' '.join(str(exc).split())}. Restore it from a backup (pg_dump)")
         return None
+
+    def lock_statement(self, exclusive: bool, wait: bool) -> str | None:
+        name = f"pg_{'' if wait else 'try_'}advisory_lock{'' if exclusive else '_shared'}"
+        return f"SELECT {name}({REPO_LOCK})"  # pg_advisory_lock returns void (None); the try_ forms a boolean
 
     def has_table(self, tx: Tx, name: str) -> bool:
         return tx.first("SELECT 1 FROM pg_catalog.pg_tables WHERE schemaname = current_schema() AND tablename = ?",

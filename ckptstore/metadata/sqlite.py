@@ -135,6 +135,9 @@ class SqliteBackend:
                                     "changed. Restore .ckpt/ckpt.db from a backup; `ckpt fsck` lists what the "
                                     "objects still hold once it opens")
 
+    def lock_statement(self, exclusive: bool, wait: bool) -> str | None:
+        return None  # the repository's file lock (repo/lock.py) covers every process that can open the file
+
     def has_table(self, tx: Tx, name: str) -> bool:
         return tx.first("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)) is not None
 

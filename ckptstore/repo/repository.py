@@ -8,8 +8,9 @@ never loads numpy, the codecs or the checkpoint formats.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -146,9 +147,18 @@ class Repository:
         return self._pool
 
     def lock(self, exclusive: bool = False, wait: bool = True) -> AbstractContextManager[None]:
-        """The repository lock: commits hold it shared, gc alone (only writers take it)."""
+        """The repository lock: commits hold it shared, gc alone (only writers take it).
+
+        The folder's file lock, and on a shared database its lock there too, so a gc on one machine
+        never removes the objects a commit on another has written but not yet recorded.
+        """
         self.db.refuse_writes()
-        return repo_lock(self.dir / "lock", exclusive, wait)
+        return self._locked(exclusive, wait)
+
+    @contextlib.contextmanager
+    def _locked(self, exclusive: bool, wait: bool) -> Iterator[None]:
+        with repo_lock(self.dir / "lock", exclusive, wait), self.db.repository_lock(exclusive, wait):
+            yield
 
     # ----------------------------------------------------------------- reading objects and metadata
     def read_object(self, oid: ObjectId) -> bytes:

@@ -23,13 +23,13 @@ from tests.test_cli_errors import one_error_line
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def ckpt(cwd: Path, *args: str, wait: bool = True):
+def ckpt(cwd: Path, *args: str, wait: bool = True, timeout: float = 180):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("CKPT_REPO", None)
     command = [sys.executable, "-m", "ckptstore", *args]
     if not wait:
         return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def machines(tmp_path: Path, url: str, count: int = 2) -> list[Path]:
@@ -105,6 +105,27 @@ def test_two_machines_moving_one_branch_get_exactly_one_conflict_and_lose_nothin
         assert_same(base, repo.checkout("main~2"))
         assert_same(states[1 - loser], repo.checkout("main~1"))
         assert_same(states[loser], repo.checkout("main"))
+
+
+def test_gc_on_one_machine_leaves_the_objects_of_a_commit_in_flight_on_another(postgres_url, tmp_path):
+    first, second = machines(tmp_path, postgres_url)
+    save(first, "old.pt", 1)
+    assert ckpt(first, "commit", "old.pt").returncode == 0
+    state = save(second, "new.pt", 2)
+    with psycopg.connect(postgres_url, autocommit=True) as holder:
+        holder.execute(f"SELECT pg_advisory_lock({WRITE_LOCK})")  # the commit writes its objects, then waits
+        run = ckpt(second, "commit", "new.pt", "-m", "in flight", wait=False)
+        deadline = time.time() + 120
+        while _waiting_writers(postgres_url) < 1 and time.time() < deadline and run.poll() is None:
+            time.sleep(0.05)
+        assert _waiting_writers(postgres_url) == 1, run.communicate()
+        one_error_line(ckpt(first, "gc", timeout=30), "is busy", "another machine")  # not waiting, not deleting
+        holder.execute(f"SELECT pg_advisory_unlock({WRITE_LOCK})")
+    assert run.wait(timeout=120) == 0, run.communicate()
+    assert ckpt(first, "gc").returncode == 0
+    with Repository.open(first) as repo:
+        assert fsck(repo, full=True).ok
+        assert_same(state, repo.checkout("HEAD"))
 
 
 def test_joining_keeps_the_repository_as_it_is(postgres_url, tmp_path):
