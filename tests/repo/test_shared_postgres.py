@@ -14,7 +14,7 @@ import psycopg
 import torch
 
 from ckptstore import Repository
-from ckptstore.metadata.postgres import WRITE_LOCK
+from ckptstore.metadata.postgres import REPO_LOCK, WRITE_LOCK
 from ckptstore.repo import fsck
 from ckptstore.testing.postgres_server import PASSWORD_USER, PostgresServer
 from tests.conftest import assert_same
@@ -107,24 +107,37 @@ def test_two_machines_moving_one_branch_get_exactly_one_conflict_and_lose_nothin
         assert_same(states[loser], repo.checkout("main"))
 
 
-def test_gc_on_one_machine_leaves_the_objects_of_a_commit_in_flight_on_another(postgres_url, tmp_path):
+def _waiting_for(url: str, key: int) -> int:
+    """How many sessions wait for advisory lock `key` (pg_locks shows its low 32 bits as objid)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                            "AND objid = %s", (key & 0xFFFF_FFFF,)).fetchone()[0]
+
+
+def _until(condition, processes, seconds: float = 120) -> None:
+    deadline = time.time() + seconds
+    while not condition() and time.time() < deadline and all(p.poll() is None for p in processes):
+        time.sleep(0.05)
+
+
+def test_gc_on_one_machine_waits_for_a_commit_in_flight_on_another(postgres_url, tmp_path):
     first, second = machines(tmp_path, postgres_url)
     save(first, "old.pt", 1)
     assert ckpt(first, "commit", "old.pt").returncode == 0
     state = save(second, "new.pt", 2)
     with psycopg.connect(postgres_url, autocommit=True) as holder:
-        holder.execute(f"SELECT pg_advisory_lock({WRITE_LOCK})")  # the commit writes its objects, then waits
-        run = ckpt(second, "commit", "new.pt", "-m", "in flight", wait=False)
-        deadline = time.time() + 120
-        while _waiting_writers(postgres_url) < 1 and time.time() < deadline and run.poll() is None:
-            time.sleep(0.05)
-        assert _waiting_writers(postgres_url) == 1, run.communicate()
-        one_error_line(ckpt(first, "gc", timeout=30), "is busy", "another machine")  # not waiting, not deleting
+        holder.execute(f"SELECT pg_advisory_lock({WRITE_LOCK})")  # the commit writes its objects, then waits here
+        commit = ckpt(second, "commit", "new.pt", "-m", "in flight", wait=False)
+        _until(lambda: _waiting_for(postgres_url, WRITE_LOCK) == 1, [commit])
+        assert _waiting_for(postgres_url, WRITE_LOCK) == 1, commit.communicate()
+        gc = ckpt(first, "gc", wait=False)  # must not read what is live before that commit is recorded
+        _until(lambda: _waiting_for(postgres_url, REPO_LOCK) == 1, [gc])
+        assert _waiting_for(postgres_url, REPO_LOCK) == 1 and gc.poll() is None, gc.communicate()
         holder.execute(f"SELECT pg_advisory_unlock({WRITE_LOCK})")
-    assert run.wait(timeout=120) == 0, run.communicate()
-    assert ckpt(first, "gc").returncode == 0
+    assert commit.wait(timeout=120) == 0, commit.communicate()
+    assert gc.wait(timeout=120) == 0, gc.communicate()
     with Repository.open(first) as repo:
-        assert fsck(repo, full=True).ok
+        assert fsck(repo, full=True).ok and fsck(repo).unreferenced_objects == 0
         assert_same(state, repo.checkout("HEAD"))
 
 
