@@ -178,3 +178,23 @@ def test_wrong_credentials_are_one_clear_line(postgres_server, tmp_path):
     one_error_line(result, f"PostgreSQL at 127.0.0.1:{postgres_server.port} refused the login of user "
                            f"'{PASSWORD_USER}'", "password")
     assert "wrong-secret" not in result.stderr and not (tmp_path / ".ckpt").exists()
+
+
+def test_a_bucket_remote_keeps_its_records_in_postgresql_and_a_machine_joins_it(tmp_path, s3_url, postgres_url):
+    """Push from a local repository to a remote on a bucket and a database; another machine joins that remote."""
+    from ckptstore.repo import remote
+
+    states = [{"w": torch.randn(50_000, generator=torch.Generator().manual_seed(s))} for s in range(2)]
+    with Repository.init(tmp_path / "work") as work:
+        remote.add(work, "origin", s3_url, metadata_url=postgres_url)
+        cids = [work.commit(state, message=f"c{i}") for i, state in enumerate(states)]
+        assert remote.push(work, "origin").commits == 2
+        assert remote.push(work, "origin").commits == 0  # nothing twice
+    folder = tmp_path / "machine"
+    folder.mkdir()
+    result = ckpt(folder, "init", "--objects", s3_url, "--metadata", postgres_url)
+    assert result.returncode == 0 and result.stdout.startswith("Joined the"), result
+    with Repository.open(folder) as repo:
+        assert repo.branches() == {"main": cids[1]} and fsck(repo).ok
+        for cid, state in zip(cids, states):
+            assert_same(state, repo.checkout(cid))
