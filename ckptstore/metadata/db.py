@@ -151,7 +151,11 @@ class Database:
         self._guard = threading.Lock()
         self._writing = threading.local()
         self._closed = False
-        self.check_schema()
+        try:
+            self.check_schema()
+        except BaseException:
+            self.close()  # no connection outlives a database that failed to open
+            raise
 
     def _acquire(self) -> Any:
         with self._guard:

@@ -34,9 +34,10 @@ TABLES = ("alembic_version", "commits", "commit_parents", "refs", "tensors", "te
 # too many connections, the server starting up or shutting down, a connection dropped
 _TRANSIENT_STATES = {"40001", "40P01", "53300", "57P01", "57P02", "57P03", "08000", "08001", "08003", "08004",
                      "08006"}
-# connection failures that another try will not cure
+# connection failures that another try will not cure (a restarting server refuses at once: a timeout or an
+# unknown host name is the network or the URL, and each try would wait CONNECT_TIMEOUT_S again)
 _PERMANENT_WORDS = ("password", "authentication", "does not exist", "pg_hba.conf", "permission denied",
-                    "invalid")
+                    "invalid", "timeout expired", "could not translate host name", "failed to resolve host")
 
 
 def libpq_url(url: str) -> str:
@@ -194,7 +195,8 @@ class PostgresBackend:
         if "starting up" in text or "shutting down" in text or "recovery" in text:
             return CkptError(f"{at} is starting up or shutting down; run the command again in a moment")
         for words, why in (("refused", "connection refused"), ("no such file", "no server socket there"),
-                           ("timeout expired", "timed out"), ("could not translate host name", "unknown host")):
+                           ("timeout expired", "timed out"), ("could not translate host name", "unknown host"),
+                           ("failed to resolve host", "unknown host")):
             if words in text:
                 return CkptError(f"cannot reach {at} ({why}); is the server running, and is the metadata URL "
                                  "right?")
