@@ -449,8 +449,8 @@ def test_the_machine_on_postgresql(postgres_server):
         return RepositoryMachine(made[-1])
 
     try:
-        # 0.6 of the examples: each step costs about twice SQLite's (a server round trip per statement)
-        run_state_machine_as_test(machine, settings=machine_settings(scale=0.6))
+        # half the examples: each step costs two to three times SQLite's (a server round trip per statement)
+        run_state_machine_as_test(machine, settings=machine_settings(scale=0.5))
     finally:
         for url in made:
             postgres_server.drop_database(url)
