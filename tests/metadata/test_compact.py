@@ -1,5 +1,6 @@
 """Revision 0007: the same rows in far fewer bytes, and a repository written before it reads the same after."""
 
+# SQLite only: WITHOUT ROWID and the file's bytes are SQLite's (PostgreSQL's round trip: test_postgres.py)
 import contextlib
 import sqlite3
 

@@ -10,6 +10,7 @@ must not say ok where a restore failed.
     CKPT_DB_FUZZ_TRIALS=1000 python -m pytest -q -s tests/metadata/test_db_fuzz.py
 """
 
+# SQLite only: it damages the bytes and pages of the ckpt.db file
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """A read-only repository: reading commands work and write nothing; writing ones fail in one clear line."""
 
+# SQLite only: read-only file mounts and modes (PostgreSQL's read-only: test_postgres.py)
 import contextlib
 import os
 import sqlite3
