@@ -20,9 +20,12 @@ def _state(seed: int) -> dict:
     return {"small": small, "big": torch.randn(1 << 19, generator=generator), "step": seed}
 
 
+pytestmark = pytest.mark.both_backends  # objects on the bucket, records in SQLite or PostgreSQL
+
+
 @pytest.fixture
-def s3_repo(tmp_path, s3_url):
-    with Repository.init(tmp_path / "work", objects_url=s3_url) as repository:
+def s3_repo(tmp_path, s3_url, metadata_url):
+    with Repository.init(tmp_path / "work", objects_url=s3_url, metadata_url=metadata_url) as repository:
         yield repository
 
 

@@ -1,4 +1,4 @@
-"""Many processes on one shared repository (objects on the S3 server): committers, a reader and gc at once."""
+"""Many processes on one shared repository (objects on the S3 server, records in SQLite or PostgreSQL) at once."""
 
 import json
 import subprocess
@@ -10,6 +10,8 @@ import pytest
 from ckptstore import Repository
 from ckptstore.repo import fsck
 from tests.test_cli import ROOT
+
+pytestmark = pytest.mark.both_backends
 
 WRITERS, COMMITS = 4, 25
 
@@ -66,8 +68,8 @@ def _spawn(code: str, *args: str) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-def test_four_writers_a_reader_and_gc_on_one_shared_repository(tmp_path, s3_url):
-    Repository.init(tmp_path, objects_url=s3_url).close()
+def test_four_writers_a_reader_and_gc_on_one_shared_repository(tmp_path, s3_url, metadata_url):
+    Repository.init(tmp_path, objects_url=s3_url, metadata_url=metadata_url).close()
     writers = [_spawn(_WRITER, str(tmp_path), str(w), str(COMMITS)) for w in range(WRITERS)]
     reader = _spawn(_READER, str(tmp_path))
     collector = _spawn(_COLLECTOR, str(tmp_path), str(WRITERS * COMMITS))
@@ -103,11 +105,11 @@ with Repository.open(sys.argv[1]) as repo:
 """
 
 
-def test_two_writers_on_one_branch_of_a_shared_repository_one_conflict_nothing_lost(tmp_path, s3_url):
+def test_two_writers_on_one_branch_of_a_shared_repository_one_conflict_nothing_lost(tmp_path, s3_url, metadata_url):
     import os
     import time
 
-    Repository.init(tmp_path, objects_url=s3_url).close()
+    Repository.init(tmp_path, objects_url=s3_url, metadata_url=metadata_url).close()
     go = tmp_path / "go"
     # the first writer stops once its objects are uploaded, before its metadata transaction
     first = subprocess.Popen([sys.executable, "-c", _ONE_COMMIT, str(tmp_path), "1"], cwd=ROOT, text=True,
