@@ -61,7 +61,7 @@ def gc(repo: Repository, prune_unreachable: bool = False) -> GcReport:
                 report.commits_removed = len(doomed)
             findings = integrity.check_metadata(tx, repo.store)
             if findings.problems:
-                raise _refusal(findings.problems)
+                raise _refusal(findings.problems, repo.db.where)
             live_tensors, live_objects = liveness.live(tx, findings.named_tensors)
             dead_tensors = liveness.recorded_tensors(tx) - live_tensors
             liveness.delete_tensors(tx, dead_tensors)
@@ -79,13 +79,13 @@ def gc(repo: Repository, prune_unreachable: bool = False) -> GcReport:
     return report
 
 
-def _refusal(problems: dict[str, str]) -> CkptError:
+def _refusal(problems: dict[str, str], where: str) -> CkptError:
     """Why gc deletes nothing: the first damaged records, and how many more."""
     shown = "; ".join(f"{what}: {problem}" for what, problem in list(problems.items())[:2])
     more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
     return CkptError(f"gc refused to delete anything: the metadata is damaged ({shown}{more}), so it cannot tell "
                      "which objects are still needed and could delete the only copy. Run `ckpt fsck` for the full "
-                     "list; repair or restore the metadata (.ckpt/ckpt.db) from a backup before collecting garbage")
+                     f"list; repair or restore the metadata ({where}) from a backup before collecting garbage")
 
 
 def fsck(repo: Repository, full: bool = False) -> FsckReport:
