@@ -281,6 +281,12 @@ def show(ctx, ref, as_json) -> None:
         bound = (f", at most {row['worst_of_bound']:.0%} of its bound" if row["worst_of_bound"] is not None
                  else " (no bound)")
         click.echo(f"measured {row['quantity']}: worst {row['worst']:.2e} over {row['tensors']} tensors{bound}")
+    if "sharded" in data:  # a DCP commit: its logical tensors, not every shard
+        for t in data["sharded"]:
+            click.echo(f"  {t['fqn']}  {t['dtype']} {tuple(t['shape'])}  {t['shards']} shard"
+                       f"{'s' if t['shards'] != 1 else ''}")
+        click.echo(f"({len(data['tensors'])} stored shards; --json lists them)")
+        return None
     for t in data["tensors"]:
         error = f"  rel.err {t['rel_error']:.2e}" if "rel_error" in t else ""
         error += f" (bound {t['max_error']:.2e})" if "max_error" in t else ""

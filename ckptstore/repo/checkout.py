@@ -56,7 +56,9 @@ def _checkout(repo: Repository, ref: str, device: str | None, progress: Progress
     Its manifest, records and buffers are freed on return, before collections resume, so the
     first collection sees only the returned state.
     """
-    manifest = repo.manifest(repo.resolve(ref))
+    cid = repo.resolve(ref)
+    manifest = repo.manifest(cid)
+    _refuse_sharded(cid, manifest)
     on_device = _restore_on_device(repo, manifest, device, progress) if is_accelerator(device) else {}
     raws = restore(repo, manifest, progress, [p for p in manifest.entries if p not in on_device])
     return formats.to_state(manifest.kind, manifest.files,
@@ -77,6 +79,7 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
         info = commit_rows.commit_info(tx, cid)
         is_branch = (row := ref_rows.ref_row(tx, ref)) is not None and row.kind == refs.BRANCH
     manifest = repo.read_manifest(info.manifest_object)
+    _refuse_sharded(cid, manifest)
     if output is not None:
         dest = Path(output)
     elif info.source_path is None:
@@ -91,6 +94,13 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
     if output is None:
         refs.move_head(repo, cid, ref if is_branch else None)
     return dest
+
+
+def _refuse_sharded(cid: str, manifest: Manifest) -> None:
+    """A sharded (DCP) commit has no single state to rebuild here: say how to load it instead."""
+    if manifest.dcp is not None:
+        raise CkptError(f"commit {cid[:12]} is a sharded (torch.distributed.checkpoint) commit; load it with "
+                        f"dcp.load(state_dict, storage_reader=ckptstore.dcp.CkptStorageReader(repo, {cid[:12]!r}))")
 
 
 def _replay(repo: Repository, manifest: Manifest, paths: list[str], progress: Progress, label: str,

@@ -88,6 +88,10 @@ def show(repo: Repository, ref: str = "HEAD") -> dict[str, Any]:
     files = [{"name": f.name, "format": f.format, "size": f.size, "note": f.opaque_reason} for f in manifest.files]
     extra = ({"pairing": manifest.pairing, "importance": manifest.importance, "fidelity": fidelity(tensors)}
              if manifest.lossy else {})
+    if manifest.dcp is not None:  # its entries are shards: also list the logical tensors they make up
+        from ckptstore.repo.sharded import logical_tensors
+
+        extra["sharded"] = logical_tensors(manifest.dcp)
     return dict(info.to_json(), files=files, tensors=tensors, **extra)
 
 

@@ -15,7 +15,8 @@ from ckptstore.formats import CheckpointFile
 from ckptstore.hashing import ObjectId, TensorId
 
 MANIFEST_VERSION = 1
-KNOWN_VERSIONS = (1,)
+SHARDED_VERSION = 2  # a sharded (DCP) commit's manifest: version 1's fields plus `dcp`
+KNOWN_VERSIONS = (1, 2)
 
 
 MAX_EXPANSION = 1024  # decompressed bytes per stored byte a manifest may claim (JSON compresses 5-20x)
@@ -45,11 +46,12 @@ class Manifest:
     lossy: str | None = None
     pairing: str | None = None
     importance: str | None = None  # how a lossy commit judged its weights' sensitivity, when measured
+    dcp: dict[str, Any] | None = None  # a sharded commit's DCP metadata as plain JSON (repo/sharded.py)
 
     def to_record(self) -> dict[str, Any]:
         """The manifest as the JSON record that is stored."""
         record = {
-            "version": MANIFEST_VERSION,
+            "version": MANIFEST_VERSION if self.dcp is None else SHARDED_VERSION,
             "kind": self.kind,
             "lossy": self.lossy,
             "pairing": self.pairing,
@@ -58,6 +60,8 @@ class Manifest:
         }
         if self.importance:
             record["importance"] = self.importance
+        if self.dcp is not None:  # only sharded commits carry it: ordinary manifests keep their bytes
+            record["dcp"] = self.dcp
         return record
 
     def to_bytes(self) -> bytes:
@@ -73,8 +77,9 @@ class Manifest:
         files = [CheckpointFile.from_json(f) for f in record["files"]]
         entries = {p: Entry(TensorId(t), d, tuple(s)) for p, (t, d, s) in record["entries"].items()}
         digests = {f["name"]: f["digest"] for f in record["files"] if f.get("digest")}
+        dcp = record.get("dcp") if record.get("version") == SHARDED_VERSION else None
         return cls(record["kind"], files, entries, digests, record.get("lossy"), record.get("pairing"),
-                   record.get("importance"))
+                   record.get("importance"), dcp)
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview, oid: ObjectId | str = "manifest") -> Manifest:
@@ -103,7 +108,7 @@ class Manifest:
 
     def same_content(self, other: Manifest) -> bool:
         """True when both hold the same files and tensors (what "nothing changed" means)."""
-        return (self.kind == other.kind and self.entries == other.entries
+        return (self.kind == other.kind and self.entries == other.entries and self.dcp == other.dcp
                 and [f.to_json() for f in self.files] == [f.to_json() for f in other.files])
 
 
@@ -120,6 +125,8 @@ def _check_record(record: dict[str, Any]) -> None:
     """
     if not isinstance(record.get("kind"), str):
         raise TypeError(f"kind is {record.get('kind')!r}")
+    if record.get("version") == SHARDED_VERSION and not isinstance(record.get("dcp"), dict):
+        raise TypeError(f"a sharded manifest's dcp is {record.get('dcp')!r}")
     for key in ("lossy", "pairing", "importance"):
         _optional_str(record.get(key), key)
     files, entries = record["files"], record["entries"]

@@ -1,0 +1,150 @@
+"""`CkptStorageReader`: `dcp.load` from a sharded commit, at any world size.
+
+DCP's planner reshards from the metadata stored in the commit's manifest; each rank then replays
+only the stored shards its plan names (their chains, via ckptstore/replay.py) and copies the
+requested regions into its tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ckptstore.dcp import meta
+from ckptstore.dcp.repos import open_repo
+from ckptstore.errors import CkptError, PickledObjectsError
+from ckptstore.hashing import CommitId
+from ckptstore.repo import sharded
+from ckptstore.repo.manifest import Manifest
+from ckptstore.state import RawTensor, materialize
+
+
+class CkptStorageReader(StorageReader):
+    """Read the sharded commit at `ref` (default HEAD) of the repository at `repo_or_path`.
+
+    DCP's default planner unpickles bytes items (non-tensor state) in full; unless `trust_pickle`,
+    each is first loaded with torch's restricted unpickler (`weights_only=True`) and refused when
+    it holds anything beyond plain data and tensors.
+    """
+
+    def __init__(self, repo_or_path: Any, ref: str = "HEAD", trust_pickle: bool = False) -> None:
+        super().__init__()
+        self.trust_pickle = trust_pickle
+        self._where = repo_or_path
+        self.ref = ref
+        self._repo = None
+        self.commit_id: CommitId | None = None
+        self._manifest: Manifest | None = None
+        self._storage: dict[Any, str] = {}
+        self.bytes_replayed = 0  # raw bytes of the stored shards this rank replayed (the last read_data)
+
+    @property
+    def repo(self) -> Any:
+        if self._repo is None:
+            self._repo = open_repo(self._where, read_only=True)
+        return self._repo
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """A new load begins; a `checkpoint_id` names the repository (its folder)."""
+        self.commit_id, self._manifest, self._storage = None, None, {}
+        if checkpoint_id is not None and checkpoint_id != self._where:
+            self._where, self._repo = checkpoint_id, None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's metadata of the commit at `ref`, from the JSON in its manifest."""
+        cid = self.repo.resolve(self.ref)
+        oid = self.repo.commit_info(cid).manifest_object
+        manifest = self.repo.read_manifest(oid)
+        if not sharded.is_sharded(manifest):
+            raise CkptError(f"commit {cid[:12]} ({self.ref}) is not a sharded (DCP) commit; "
+                            "read it with repo.checkout or `ckpt checkout`")
+        self.commit_id, self._manifest = cid, manifest
+        return meta.from_json(manifest.dcp, f"manifest {oid}")
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._storage = dict(metadata.storage_data)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Name the commit this rank resolved, so the coordinator can check that every rank reads the same one."""
+        return dataclasses.replace(plan, storage_data={"commit": self.commit_id})
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Refuse a load whose ranks resolved `ref` to different commits (it moved while they started)."""
+        commits = {p.storage_data.get("commit") if isinstance(p.storage_data, dict) else None for p in plans}
+        if len(commits) != 1:
+            raise CkptError(f"the ranks resolved {self.ref!r} to different commits "
+                            f"({', '.join(sorted(str(c)[:12] for c in commits))}): it moved during the load; "
+                            "load a commit id or a tag")
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Replay the stored items this rank's plan names and hand each requested region to the planner."""
+        if self._manifest is None:
+            raise CkptError("read_data came before read_metadata")
+        keys = sorted({self._key(item) for item in plan.items})
+        from ckptstore.repo.checkout import restore
+
+        raws = restore(self.repo, self._manifest, paths=keys)
+        self.bytes_replayed = sum(raw.nbytes for raw in raws.values())
+        for item in plan.items:
+            _deliver(item, raws[self._key(item)], planner, self.trust_pickle)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _key(self, item: ReadItem) -> str:
+        key = self._storage.get(item.storage_index)
+        if key is None or key not in self._manifest.entries:
+            raise CkptError(f"commit {self.commit_id[:12]} holds no stored item for {item.storage_index.fqn} at "
+                            f"{list(item.storage_index.offset or [])}")
+        return key
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """True for a folder holding a ckptstore repository."""
+        return os.path.isdir(os.path.join(os.fspath(checkpoint_id), ".ckpt"))
+
+    def close(self) -> None:
+        """Close the repository this reader opened."""
+        if self._repo is not None and self._repo is not self._where:
+            self._repo.close()
+        self._repo = None
+
+
+def _deliver(item: ReadItem, raw: RawTensor, planner: LoadPlanner, trust_pickle: bool) -> None:
+    """Copy one read item's region of a replayed shard into the planner's tensor (or hand it its bytes)."""
+    if item.type == LoadItemType.BYTE_IO:
+        data = raw.data.tobytes()
+        if not trust_pickle:
+            _check_plain(item.dest_index.fqn, data)
+        planner.load_bytes(item, io.BytesIO(data))
+        return
+    tensor = materialize(raw)
+    for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+        tensor = tensor.narrow(dim, offset, length)
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != tensor.size():
+        raise CkptError(f"{item.dest_index.fqn}: the stored region is {list(tensor.size())}, the state dict's "
+                        f"{list(target.size())}")
+    target.copy_(tensor)
+    planner.commit_tensor(item, target)
+
+
+def _check_plain(fqn: str, data: bytes) -> None:
+    """Refuse a bytes item that torch's restricted unpickler will not load: a full unpickle could run code."""
+    import pickle
+
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+        raise PickledObjectsError(f"{fqn}: this non-tensor item holds objects beyond plain data and tensors "
+                                  f"({str(exc).splitlines()[0][:200]}); DCP would unpickle them in full. Pass "
+                                  "CkptStorageReader(..., trust_pickle=True) only for repositories you trust") from None

@@ -1,0 +1,166 @@
+"""`CkptStorageWriter`: `dcp.save` from N ranks makes one commit.
+
+The coordinator picks the parent (the branch tip) while planning and holds the repository lock
+shared until the commit is recorded, so gc cannot remove objects a rank has written but not yet
+reported. Each rank encodes its own items against the parent's same shard (repo/sharded.py)
+and sends its records back in WriteResult.storage_data; the coordinator records everything in
+one metadata transaction in `finish`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckptstore.dcp import meta
+from ckptstore.dcp.repos import open_repo
+from ckptstore.errors import CkptError
+from ckptstore.hashing import CommitId, ObjectId, TensorId
+from ckptstore.repo import sharded
+from ckptstore.repo.commit import CommitOptions
+from ckptstore.repo.manifest import Entry
+from ckptstore.state import RawTensor, raw_from_bytes, raw_from_torch
+
+
+class CkptStorageWriter(StorageWriter):
+    """Write a DCP checkpoint as one commit on `branch` (default: HEAD's) of the repository at `repo_or_path`.
+
+    After `dcp.save`, the coordinator's `commit_id` names the commit (None on other ranks).
+    """
+
+    def __init__(self, repo_or_path: Any, branch: str | None = None, message: str = "", step: int | None = None,
+                 metrics: dict[str, float] | None = None, author: str | None = None) -> None:
+        super().__init__()
+        self._where = repo_or_path
+        self._repo = None
+        self.options = CommitOptions(message=message, step=step, metrics=dict(metrics or {}), branch=branch,
+                                     allow_empty=True, author=author)
+        self.is_coordinator = False
+        self.commit_id: CommitId | None = None
+        self._held = contextlib.ExitStack()
+        self._start: tuple[str | None, CommitId | None] | None = None
+
+    @property
+    def repo(self) -> Any:
+        if self._repo is None:
+            self._repo = open_repo(self._where, read_only=False)
+        return self._repo
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """A new save begins; a `checkpoint_id` names the repository (its folder)."""
+        self._held.close()
+        self._start, self.commit_id = None, None
+        if checkpoint_id is not None and checkpoint_id != self._where:
+            self._where, self._repo = checkpoint_id, None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def storage_meta(self) -> StorageMeta | None:
+        """Nothing storage-specific: the commit records who saved it, when, and where it went."""
+        return None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: take the lock before any rank writes, and tell every rank the parent commit."""
+        self._held.close()
+        self._held.enter_context(self.repo.lock())
+        self._start = sharded.where_to(self.repo, self.options.branch)
+        return [dataclasses.replace(p, storage_data={"parent": self._start[1]}) for p in plans]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Encode this rank's items and write their objects durably (the commit comes in `finish`)."""
+        if not isinstance(plan.storage_data, dict) or "parent" not in plan.storage_data:
+            raise CkptError("the save plan did not pass through CkptStorageWriter.prepare_global_plan: "
+                            "every rank must save with a CkptStorageWriter")
+        items = {_key(item): item for item in plan.items}
+        shards = {key: _raw(item, planner.resolve_data(item)) for key, item in items.items()}
+        written = sharded.write_shards(self.repo, plan.storage_data["parent"], shards)
+        results = [WriteResult(index=items[w.key].index, size_in_bytes=w.raw_bytes, storage_data=_report(w))
+                   for w in written]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: record every rank's shards and DCP's metadata as one commit, then release the lock."""
+        try:
+            if self._start is None:
+                raise CkptError("finish came before prepare_global_plan: this writer was not the coordinator")
+            shards = [_written(r.storage_data) for rank in results for r in rank]
+            described = meta.to_json(metadata)
+            planned = {c[2] for i in described["items"] if i["type"] == "tensor" for c in i["chunks"]}
+            planned |= {i["key"] for i in described["items"] if i["type"] == "bytes"}
+            if planned != {s.key for s in shards}:
+                raise CkptError(f"the ranks wrote {len(shards)} items, DCP's metadata describes {len(planned)}: "
+                                "nothing was recorded")
+            metadata.storage_data = {r.index: r.storage_data["key"] for rank in results for r in rank}
+            target, parent = self._start
+            self.commit_id = sharded.record_sharded(self.repo, target, parent, shards, described, self.options)
+        finally:
+            self._held.close()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """True for a folder holding a ckptstore repository."""
+        return os.path.isdir(os.path.join(os.fspath(checkpoint_id), ".ckpt"))
+
+    def close(self) -> None:
+        """Release the lock and the repository this writer opened."""
+        self._held.close()
+        if self._repo is not None and self._repo is not self._where:
+            self._repo.close()
+        self._repo = None
+
+
+def _key(item: WriteItem) -> str:
+    if item.type == WriteItemType.BYTE_IO:
+        return sharded.bytes_key(item.index.fqn)
+    chunk = item.tensor_data.chunk
+    return sharded.shard_key(item.index.fqn, list(chunk.offsets), list(chunk.sizes))
+
+
+def _raw(item: WriteItem, data: Any) -> RawTensor:
+    """The bytes to store for one write item: a bytes item's buffer, or a tensor shard's elements."""
+    if item.type == WriteItemType.BYTE_IO:
+        if not isinstance(data, io.BytesIO):
+            raise CkptError(f"{item.index.fqn}: DCP handed a {type(data).__name__} for a bytes item")
+        return raw_from_bytes(bytes(data.getbuffer()))
+    if hasattr(data, "to_local"):  # a DTensor: this rank's shard
+        data = data.to_local()
+    if not isinstance(data, torch.Tensor):
+        raise CkptError(f"{item.index.fqn}: DCP handed a {type(data).__name__} for a tensor item")
+    raw = raw_from_torch(data, item.index.fqn)
+    if list(raw.shape) != list(item.tensor_data.chunk.sizes):
+        raise CkptError(f"{item.index.fqn}: the shard has shape {list(raw.shape)}, the plan says "
+                        f"{list(item.tensor_data.chunk.sizes)}")
+    return raw
+
+
+def _report(written: sharded.WrittenShard) -> dict[str, Any]:
+    """What a rank tells the coordinator of one shard (plain data; DCP gathers it in-process)."""
+    entry = written.entry
+    return {"key": written.key, "tensor": entry.tensor, "dtype": entry.dtype, "shape": list(entry.shape),
+            "record": None if written.record is None else sharded.record_to_json(written.record),
+            "objects": dict(written.objects), "raw_bytes": written.raw_bytes}
+
+
+def _written(report: Any) -> sharded.WrittenShard:
+    """The shard a rank's report describes."""
+    if not isinstance(report, dict) or "key" not in report:
+        raise CkptError("a rank's write result was not made by CkptStorageWriter: every rank must save with one")
+    record = None if report["record"] is None else sharded.record_from_json(report["record"])
+    return sharded.WrittenShard(report["key"], Entry(TensorId(report["tensor"]), report["dtype"],
+                                                     tuple(report["shape"])), record,
+                                {ObjectId(k): int(v) for k, v in report["objects"].items()}, int(report["raw_bytes"]))

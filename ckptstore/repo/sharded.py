@@ -1,0 +1,185 @@
+"""Sharded commits: many processes encode their own shards, one records them all (DESIGN.md section 6).
+
+Torch-free: the DCP storage plugins (ckptstore/dcp/) turn DCP's write items into raw shards and
+call these. Each rank runs `write_shards` for its shards (residuals against the same shard of
+the parent commit); the coordinator runs `record_sharded` once, after every rank's objects are
+durable, in one metadata transaction that moves the branch with compare-and-swap.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ckptstore import faults
+from ckptstore.errors import CkptError
+from ckptstore.hashing import CommitId, ObjectId, TensorId, tensor_id
+from ckptstore.metadata import commits as commit_rows
+from ckptstore.metadata import tensors as tensor_rows
+from ckptstore.metadata.commits import CommitInfo
+from ckptstore.records import Chunk, TensorRecord
+from ckptstore.replay import ChainSource
+from ckptstore.repo.commit import CommitOptions, _commit_target, _default_author, _move_ref
+from ckptstore.repo.gcpause import no_cyclic_gc
+from ckptstore.repo.manifest import Entry, Manifest
+from ckptstore.repo.writer import encode_jobs, lossless_jobs
+from ckptstore.state import RawTensor, escape
+
+if TYPE_CHECKING:
+    from ckptstore.repo.repository import Repository
+
+KIND = "dcp"  # a sharded commit's kind (commit row and manifest)
+DCP_FORMAT_VERSION = 1  # of the manifest's `dcp` section; a reader refuses others
+
+
+def shard_key(fqn: str, offsets: list[int], sizes: list[int]) -> str:
+    """The manifest path of one tensor shard: the same key in the next commit is its base."""
+    return f"{escape(fqn)}/%shard/{','.join(map(str, offsets))}/{','.join(map(str, sizes))}"
+
+
+def bytes_key(fqn: str) -> str:
+    """The manifest path of a bytes item (non-tensor state DCP serialized itself)."""
+    return f"{escape(fqn)}/%bytes"
+
+
+def is_sharded(manifest: Manifest) -> bool:
+    return manifest.dcp is not None
+
+
+def where_to(repo: Repository, branch: str | None) -> tuple[str | None, CommitId | None]:
+    """The coordinator's start: (branch to advance or None for a detached HEAD, its commit now)."""
+    with repo.db.read() as tx:
+        parent = _commit_target(tx, branch)
+    return parent.target, parent.commit
+
+
+@dataclass
+class WrittenShard:
+    """One shard as a rank wrote it: its manifest entry, its new record (None: already stored) and objects."""
+
+    key: str
+    entry: Entry
+    record: TensorRecord | None
+    objects: dict[ObjectId, int]
+    raw_bytes: int
+
+
+def write_shards(repo: Repository, parent: CommitId | None, shards: Mapping[str, RawTensor]) -> list[WrittenShard]:
+    """Encode this rank's shards and write their objects durably; nothing is recorded.
+
+    A shard whose content is stored already is reused; the others become residuals against the
+    parent commit's shard at the same key (same name, offsets and sizes) or keyframes.
+    """
+    with no_cyclic_gc():
+        futures = {k: repo.pool.submit(tensor_id, r.dtype, r.shape, r.data) for k, r in shards.items()}
+        ids = {k: f.result() for k, f in futures.items()}
+        base_of, chains = _parent_records(repo, parent, list(shards))
+        with repo.db.read() as tx:
+            present = tensor_rows.existing_tensor_ids(tx, set(ids.values()))
+        new = {ids[k]: raw for k, raw in shards.items() if ids[k] not in present}
+        parents = {ids[k]: base_of.get(k) for k in shards if ids[k] in new}
+        jobs = lossless_jobs(new, parents, repo.config.encoding)
+        with repo.store.batch():
+            records, sizes = encode_jobs(jobs, ChainSource(repo.store, chains), repo.pool)
+    faults.point("dcp:rank-written")
+    written = []
+    for key, raw in shards.items():
+        record = records.get(ids[key])
+        objects = {c.object_id: sizes[c.object_id] for c in record.chunks} if record else {}
+        written.append(WrittenShard(key, Entry(ids[key], raw.dtype, raw.shape), record, objects, raw.nbytes))
+    return written
+
+
+def _parent_records(repo: Repository, parent: CommitId | None, keys: list[str]
+                    ) -> tuple[dict[str, TensorRecord], dict[TensorId, TensorRecord]]:
+    """(the parent's record at each of `keys` it has, every record down their chains)."""
+    if parent is None:
+        return {}, {}
+    manifest = repo.manifest(parent)
+    ids = {k: manifest.entries[k].tensor for k in keys if k in manifest.entries}
+    with repo.db.read() as tx:
+        chains = tensor_rows.load_records(tx, set(ids.values()))
+    return {k: chains[t] for k, t in ids.items() if t in chains}, chains
+
+
+def record_sharded(repo: Repository, target: str | None, parent: CommitId | None, shards: list[WrittenShard],
+                   dcp: dict[str, Any], options: CommitOptions) -> CommitId:
+    """Record every rank's shards as one commit on `target`, moving it from `parent` by compare-and-swap.
+
+    Called once, by the coordinator, after every rank's objects are durable. Raises ConflictError
+    when the branch moved meanwhile (nothing is recorded).
+    """
+    entries = {s.key: s.entry for s in shards}
+    if len(entries) != len(shards):
+        raise CkptError("two ranks wrote the same shard; the save plan gave one item to two ranks")
+    records = list({s.record.id: s.record for s in shards if s.record is not None}.values())
+    sizes: dict[ObjectId, int] = {}
+    for shard in shards:
+        for oid, size in shard.objects.items():
+            sizes[oid] = max(sizes.get(oid, 0), size)
+    manifest = Manifest(KIND, [], entries, {}, dcp=dcp)
+    manifest_bytes = manifest.to_bytes()
+    manifest_oid = repo.store.put(manifest_bytes)
+    sizes[manifest_oid] = len(manifest_bytes)
+    faults.point("dcp:manifest-written")
+    info = CommitInfo(
+        id=CommitId(""), manifest_object=manifest_oid, message=options.message,
+        author=options.author or _default_author(), created_at=time.time(), step=options.step,
+        metrics={str(k): float(v) for k, v in options.metrics.items()}, kind=KIND, source_path=None,
+        raw_bytes=sum(s.raw_bytes for s in shards),
+        stored_bytes=sum(r.stored_bytes for r in records) + len(manifest_bytes),
+        parents=[parent] if parent else [])
+    info.id = info.computed_id()
+    with repo.db.write() as tx:
+        _move_ref(tx, target, parent, info.id)
+        missing = ({e.tensor for e in entries.values()} - {r.id for r in records}
+                   - tensor_rows.existing_tensor_ids(tx, {e.tensor for e in entries.values()}))
+        if missing:  # a shard reused a tensor no record holds: recording it would make a commit that does not read
+            raise CkptError(f"{len(missing)} shards name tensors that have no record (e.g. {sorted(missing)[0]}); "
+                            "nothing was recorded: save again")
+        tensor_rows.insert_records(tx, records, sizes)
+        commit_rows.insert_commit(tx, info, [e.tensor for e in entries.values()])
+    faults.point("dcp:ref-moved")
+    return info.id
+
+
+def record_to_json(record: TensorRecord) -> dict[str, Any]:
+    """A record as plain data, to travel from a rank to the coordinator."""
+    return {"id": record.id, "dtype": record.dtype, "shape": list(record.shape), "codec": record.codec,
+            "params": record.params, "base_id": record.base_id, "depth": record.depth,
+            "raw_bytes": record.raw_bytes, "stored_bytes": record.stored_bytes,
+            "chunks": [[c.object_id, c.raw_bytes, c.offset, c.length, c.checksum] for c in record.chunks]}
+
+
+def record_from_json(data: dict[str, Any]) -> TensorRecord:
+    """The record `record_to_json` made."""
+    return TensorRecord(
+        id=TensorId(data["id"]), dtype=data["dtype"], shape=tuple(data["shape"]), codec=data["codec"],
+        params=dict(data["params"]), base_id=TensorId(data["base_id"]) if data["base_id"] else None,
+        depth=int(data["depth"]), raw_bytes=int(data["raw_bytes"]), stored_bytes=int(data["stored_bytes"]),
+        chunks=[Chunk(ObjectId(o), r, off, length, checksum) for o, r, off, length, checksum in data["chunks"]])
+
+
+def logical_tensors(dcp: dict[str, Any]) -> list[dict[str, Any]]:
+    """What `show` lists of a sharded commit: each logical tensor's dtype, global shape and shard count."""
+    rows = []
+    for item in dcp.get("items", []):
+        if item.get("type") == "tensor":
+            rows.append({"fqn": item["fqn"], "dtype": item["dtype"], "shape": list(item["size"]),
+                         "shards": len(item["chunks"])})
+        else:
+            rows.append({"fqn": item["fqn"], "dtype": "bytes", "shape": [], "shards": 1})
+    return rows
+
+
+def check_format(dcp: dict[str, Any], where: str) -> None:
+    """Refuse a `dcp` section of a version this ckptstore does not know."""
+    version = dcp.get("version")
+    if version != DCP_FORMAT_VERSION:
+        from ckptstore.repo.manifest import ManifestVersionError
+
+        raise ManifestVersionError(f"{where} holds DCP metadata of version {version!r}, which this ckptstore "
+                                   f"cannot read (it reads {DCP_FORMAT_VERSION}): upgrade ckptstore to load it")
+
