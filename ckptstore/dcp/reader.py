@@ -142,8 +142,9 @@ def _check_plain(fqn: str, data: bytes) -> None:
     """Refuse a bytes item that torch's restricted unpickler will not load: a full unpickle could run code."""
     import pickle
 
-    try:
-        torch.load(io.BytesIO(data), weights_only=True)
+    try:  # DCP saves a BytesIO value by pickling the BytesIO: rebuilding one runs no code of the file's choosing
+        with torch.serialization.safe_globals([io.BytesIO]):
+            torch.load(io.BytesIO(data), weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
         raise PickledObjectsError(f"{fqn}: this non-tensor item holds objects beyond plain data and tensors "
                                   f"({str(exc).splitlines()[0][:200]}); DCP would unpickle them in full. Pass "

@@ -1,0 +1,123 @@
+"""The DCP plugins in one process (no process group): metadata as JSON, refusals, the pickle guard."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ckptstore import Repository
+from ckptstore.dcp import CkptStorageReader, CkptStorageWriter, meta
+from ckptstore.errors import CkptError, PickledObjectsError, UnsupportedStateError
+from ckptstore.repo.manifest import Manifest, ManifestVersionError
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+class Opaque:
+    """A class torch's restricted unpickler refuses: loading it would import and run this module's code."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def _metadata() -> Metadata:
+    props = TensorProperties(dtype=torch.bfloat16, requires_grad=True)
+    chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([3, 4])),
+              ChunkStorageMetadata(torch.Size([3, 0]), torch.Size([2, 4]))]
+    return Metadata(
+        state_dict_metadata={"w": TensorStorageMetadata(props, torch.Size([5, 4]), chunks),
+                             "opt.lr": BytesStorageMetadata()},
+        planner_data={"w": ("w",), "opt.lr": ("opt", "param_groups", 0, "lr")},
+        storage_meta=StorageMeta(checkpoint_id="x", save_id="s1", modules=["m"]), version="1.0.0")
+
+
+def test_metadata_round_trips_through_json_without_pickle():
+    original = _metadata()
+    data = meta.to_json(original)
+    back = meta.from_json(data, "manifest test")
+    assert back.state_dict_metadata == original.state_dict_metadata
+    assert back.planner_data == original.planner_data  # tuples stay tuples, ints stay ints
+    assert back.storage_meta == original.storage_meta and back.version == "1.0.0"
+    assert back.storage_data == {MetadataIndex("w", [0, 0]): "w/%shard/0,0/3,4",
+                                 MetadataIndex("w", [3, 0]): "w/%shard/3,0/2,4",
+                                 MetadataIndex("opt.lr"): "opt.lr/%bytes"}
+
+
+def test_unknown_dcp_metadata_versions_and_unstorable_planner_data_are_refused():
+    data = dict(meta.to_json(_metadata()), version=99)
+    with pytest.raises(ManifestVersionError, match="version 99"):
+        meta.from_json(data, "manifest test")
+    odd = _metadata()
+    odd.planner_data = {"w": object()}
+    with pytest.raises(UnsupportedStateError, match="JSON"):
+        meta.to_json(odd)
+
+
+def test_sharded_manifests_are_version_2_and_ordinary_ones_keep_version_1():
+    sharded = Manifest("dcp", [], {}, {}, dcp=meta.to_json(_metadata()))
+    plain = Manifest("state", [], {}, {})
+    assert sharded.to_record()["version"] == 2 and "dcp" not in plain.to_record()
+    assert plain.to_record()["version"] == 1
+    assert Manifest.from_bytes(sharded.to_bytes()).dcp == sharded.dcp
+    assert Manifest.from_bytes(plain.to_bytes()).dcp is None
+
+
+def test_single_process_save_load_and_the_plain_checkout_refusal(tmp_path):
+    repo = Repository.init(tmp_path)
+    state = {"w": torch.randn(6, 3), "n": torch.arange(4), "note": {"text": "hi", "k": 3}}
+    writer = CkptStorageWriter(tmp_path, message="single", step=1)
+    dcp.save(state, storage_writer=writer)
+    assert repo.resolve("main") == writer.commit_id
+    loaded = {"w": torch.zeros(6, 3), "n": torch.zeros(4, dtype=torch.int64), "note": {"text": "", "k": 0}}
+    dcp.load(loaded, storage_reader=CkptStorageReader(tmp_path, "main"))
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["n"], state["n"])
+    assert loaded["note"] == {"text": "hi", "k": 3}
+    with pytest.raises(CkptError, match="CkptStorageReader"):
+        repo.checkout("main")
+    with pytest.raises(CkptError, match="CkptStorageReader"):
+        repo.checkout_to("main", tmp_path / "out.pt")
+    repo.commit({"plain": torch.ones(2)}, "ordinary")
+    with pytest.raises(CheckpointException, match="not a sharded"):  # DCP wraps every rank's error in one
+        dcp.load({"plain": torch.zeros(2)}, storage_reader=CkptStorageReader(tmp_path, "main"))
+    repo.close()
+
+
+def test_bytes_items_that_need_full_unpickling_are_refused_unless_trusted(tmp_path):
+    Repository.init(tmp_path).close()
+    dcp.save({"obj": Opaque(5), "w": torch.ones(2)}, storage_writer=CkptStorageWriter(tmp_path))
+    target = {"obj": None, "w": torch.zeros(2)}
+    with pytest.raises(CheckpointException, match="beyond plain data") as raised:
+        dcp.load(target, storage_reader=CkptStorageReader(tmp_path))
+    assert target["obj"] is None
+    assert isinstance(raised.value.failures[0][0], PickledObjectsError)
+    dcp.load(target, storage_reader=CkptStorageReader(tmp_path, trust_pickle=True))
+    assert isinstance(target["obj"], Opaque) and target["obj"].value == 5
+
+
+def test_a_second_save_of_the_same_state_reuses_every_tensor(tmp_path):
+    repo = Repository.init(tmp_path)
+    state = {"w": torch.randn(64, 64), "b": io.BytesIO(b"raw bytes item")}
+    first, second = CkptStorageWriter(tmp_path, message="a"), CkptStorageWriter(tmp_path, message="b")
+    dcp.save(state, storage_writer=first)
+    dcp.save(state, storage_writer=second)
+    info = repo.commit_info("main")
+    assert info.parents == [first.commit_id]
+    assert repo.manifest(first.commit_id).entries == repo.manifest(second.commit_id).entries
+    assert info.stored_bytes < 2000  # only the manifest is new
+    loaded = {"w": torch.zeros(64, 64), "b": io.BytesIO()}
+    dcp.load(loaded, storage_reader=CkptStorageReader(tmp_path))
+    assert torch.equal(loaded["w"], state["w"]) and loaded["b"].getvalue() == b"raw bytes item"
+    repo.close()
