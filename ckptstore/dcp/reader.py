@@ -12,6 +12,7 @@ import io
 import os
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -23,8 +24,9 @@ from ckptstore.dcp.repos import open_repo
 from ckptstore.errors import CkptError, PickledObjectsError
 from ckptstore.hashing import CommitId
 from ckptstore.repo import sharded
-from ckptstore.repo.manifest import Manifest
-from ckptstore.state import RawTensor, materialize
+from ckptstore.repo.manifest import Entry, Manifest
+from ckptstore.repo.partial import restore_ranges
+from ckptstore.state import torch_dtype
 
 
 class CkptStorageReader(StorageReader):
@@ -86,16 +88,24 @@ class CkptStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Replay the stored items this rank's plan names and hand each requested region to the planner."""
+        """Replay the parts of stored items this rank's plan names and hand each requested region to the planner.
+
+        Only the chunks covering the requested regions are read, down their chains, so a rank
+        loading at another world size reads about its share (repo/partial.py).
+        """
         if self._manifest is None:
             raise CkptError("read_data came before read_metadata")
-        keys = sorted({self._key(item) for item in plan.items})
-        from ckptstore.repo.checkout import restore
-
-        raws = restore(self.repo, self._manifest, paths=keys)
-        self.bytes_replayed = sum(raw.nbytes for raw in raws.values())
+        ranges: dict[str, tuple[int, int]] = {}
         for item in plan.items:
-            _deliver(item, raws[self._key(item)], planner, self.trust_pickle)
+            key = self._key(item)
+            start, end = _byte_range(item, self._manifest.entries[key])
+            have = ranges.get(key, (start, end))
+            ranges[key] = (min(have[0], start), max(have[1], end))
+        parts = restore_ranges(self.repo, self._manifest, ranges)
+        self.bytes_replayed = sum(int(buffer.size) for _, buffer in parts.values())
+        for item in plan.items:
+            key = self._key(item)
+            _deliver(item, self._manifest.entries[key], parts[key], planner, self.trust_pickle)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -119,17 +129,42 @@ class CkptStorageReader(StorageReader):
         self._repo = None
 
 
-def _deliver(item: ReadItem, raw: RawTensor, planner: LoadPlanner, trust_pickle: bool) -> None:
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    """Element strides of a C-order tensor of `shape`."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.insert(0, step)
+        step *= max(n, 1)
+    return strides
+
+
+def _byte_range(item: ReadItem, entry: Entry) -> tuple[int, int]:
+    """Bytes [start, end) of the stored item that hold the region `item` asks for (all of a bytes item)."""
+    if item.type == LoadItemType.BYTE_IO or 0 in item.lengths:
+        return (0, int(entry.shape[0])) if item.type == LoadItemType.BYTE_IO else (0, 0)
+    itemsize = torch.empty((), dtype=torch_dtype(entry.dtype)).element_size()
+    strides = _strides(entry.shape)
+    first = sum(o * s for o, s in zip(item.storage_offsets, strides))
+    last = sum((o + n - 1) * s for o, n, s in zip(item.storage_offsets, item.lengths, strides))
+    return first * itemsize, (last + 1) * itemsize
+
+
+def _deliver(item: ReadItem, entry: Entry, part: tuple[int, np.ndarray], planner: LoadPlanner,
+             trust_pickle: bool) -> None:
     """Copy one read item's region of a replayed shard into the planner's tensor (or hand it its bytes)."""
+    first_byte, buffer = part
     if item.type == LoadItemType.BYTE_IO:
-        data = raw.data.tobytes()
+        data = buffer.tobytes()
         if not trust_pickle:
             _check_plain(item.dest_index.fqn, data)
         planner.load_bytes(item, io.BytesIO(data))
         return
-    tensor = materialize(raw)
-    for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-        tensor = tensor.narrow(dim, offset, length)
+    dtype = torch_dtype(entry.dtype)
+    flat = torch.from_numpy(buffer).view(dtype) if buffer.size else torch.empty(0, dtype=dtype)
+    strides = _strides(entry.shape)
+    start = sum(o * s for o, s in zip(item.storage_offsets, strides)) - first_byte // flat.element_size()
+    tensor = flat.as_strided(tuple(item.lengths), strides, start) if 0 not in item.lengths else \
+        torch.empty(tuple(item.lengths), dtype=dtype)
     target = planner.resolve_tensor(item).detach()
     if target.size() != tensor.size():
         raise CkptError(f"{item.dest_index.fqn}: the stored region is {list(tensor.size())}, the state dict's "

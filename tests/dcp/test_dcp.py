@@ -20,11 +20,14 @@ from click.testing import CliRunner
 
 from ckptstore import Repository
 from ckptstore.cli import cli
-from ckptstore.dcp import CkptStorageReader
+from ckptstore.dcp import CkptStorageReader, CkptStorageWriter
 from ckptstore.metadata import tensors as tensor_rows
+from ckptstore.policy import EncodingSettings
 from ckptstore.repo import fsck, gc
 from tests.dcp.launch import ROOT, run_ranks
-from tests.dcp.worker import differences
+from tests.dcp.worker import differences, full_state
+
+CHUNK = 4096  # small chunks, so shards span several and a rank can read part of a stored item
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -33,7 +36,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 def trained(tmp_path_factory):
     """The 2-rank `train` run: (repository folder, output folder, rank 0's report, rank 1's report)."""
     base = tmp_path_factory.mktemp("dcp")
-    Repository.init(base / "repo").close()
+    with Repository.init(base / "repo", encoding=EncodingSettings(chunk_bytes=CHUNK)) as repo:
+        for step in (1, 2):  # branch `full`: whole tensors from one process, the second commit residual
+            dcp.save(full_state(step), storage_writer=CkptStorageWriter(repo, branch="full", message=f"full {step}"))
     results = run_ranks("train", base / "repo", base / "out", world=2)
     for result in results:
         assert result.returncode == 0, result.stdout[-4000:]
@@ -83,6 +88,19 @@ def test_load_at_one_rank_equals_dcp_filesystem_writer_output(trained, label):
     assert differences(ours, theirs) == []
     assert ours["extra.step"] == (2 if label == "first" else 4)
     assert ours["model.0.weight"].shape == (129, 64) and ours["model.0.weight"].abs().sum() > 0
+
+
+def test_one_process_save_loads_at_two_ranks_each_reading_about_its_half(trained):
+    repo_dir, _, *reports = trained
+    whole = sum(v.numel() * v.element_size() for v in full_state(0).values())
+    for report in reports:
+        assert report["differences_full"] == []
+        assert whole / 2 <= report["replayed_full"] <= whole / 2 + 2 * CHUNK * 2  # at most a chunk more per end
+    with Repository.open(repo_dir) as repo:
+        top = repo.manifest(repo.resolve("full"))
+        with repo.db.read() as tx:
+            records = tensor_rows.load_records(tx, {e.tensor for e in top.entries.values()}, with_bases=False)
+    assert all(r.base_id is not None and len(r.chunks) == 16 for r in records.values())  # chains cut to half
 
 
 def test_uneven_shards_saved_at_two_ranks_load_at_one(trained):

@@ -4,7 +4,8 @@
 
 `train`: an FSDP2 model with AdamW, trained between two commits, each also saved with DCP's own
 FileSystemWriter; then both commits loaded back at this world size and compared bit for bit with
-what was saved; then an unevenly sharded DTensor state on branch `uneven`. `crash`: one save of a
+what was saved; then an unevenly sharded DTensor state on branch `uneven`. First it loads
+branch `full` (saved from one process by the test) into row shards. `crash`: one save of a
 DTensor state (the launcher sets CKPT_CRASH_AT for one rank). `measure`: load HEAD of `main` and
 report the bytes this rank read. Each rank writes OUT/rank<N>.json.
 """
@@ -88,9 +89,25 @@ def uneven_state(mesh) -> dict:
             "bias": torch.linspace(0, 1, 6, dtype=torch.bfloat16), "meta": {"name": "uneven", "sizes": [7, 3]}}
 
 
+def full_state(step: int) -> dict:
+    """Whole tensors saved from one process (branch `full`), several 4 KiB chunks each; they move a little per step."""
+    generator = torch.Generator().manual_seed(5)
+    big, wide = torch.randn(256, 64, generator=generator), torch.randn(64, 256, generator=generator)
+    return {"big": big + step * 1e-6, "wide": wide + step * 1e-6}
+
+
+def load_full_resharded(repo: str, mesh) -> dict:
+    """Branch `full` loaded into row shards at this world size: differences and bytes replayed."""
+    template = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in full_state(0).items()}
+    reader = CkptStorageReader(repo, "full")
+    dcp.load(template, storage_reader=reader)
+    expected = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full_state(2).items()}
+    return {"differences_full": differences(flat(template), flat(expected)), "replayed_full": reader.bytes_replayed}
+
+
 def run_train(repo: str, out: Path, rank: int, mesh) -> dict:
     model, optimizer = model_and_optimizer(mesh)
-    saved, report = {}, {}
+    saved, report = {}, load_full_resharded(repo, mesh)
     for step, label in ((2, "first"), (4, "second")):
         train(model, optimizer, 2, seed=step + rank)
         sd = state(model, optimizer, step)
