@@ -6,8 +6,9 @@
 FileSystemWriter; then both commits loaded back at this world size and compared bit for bit with
 what was saved; then an unevenly sharded DTensor state on branch `uneven`. First it loads
 branch `full` (saved from one process by the test) into row shards. `crash`: one save of a
-DTensor state (the launcher sets CKPT_CRASH_AT for one rank). `measure`: load HEAD of `main` and
-report the bytes this rank read. Each rank writes OUT/rank<N>.json.
+DTensor state (the launcher sets CKPT_CRASH_AT for one rank). `measure-save`, `measure-load`:
+save 64 MiB of row-sharded tensors, load them at another world size and report the bytes read.
+Each rank writes OUT/rank<N>.json.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from ckptstore import Repository
 from ckptstore.dcp import CkptStorageReader, CkptStorageWriter
 
 
@@ -129,14 +131,37 @@ def run_train(repo: str, out: Path, rank: int, mesh) -> dict:
     return report
 
 
-def run_measure(repo: str, rank: int, mesh) -> dict:
-    """Load HEAD into an FSDP2 model's state at this world size; the bytes this rank read from the store."""
-    model, optimizer = model_and_optimizer(mesh)
-    target = state(model, optimizer, 0)
-    reader = CkptStorageReader(repo, "main")
+def measured_state(mesh) -> dict:
+    """Four 16 MiB float32 tensors split by rows (the `measure` scenarios: bytes read when resharding)."""
+    return {f"layer{i}": distribute_tensor(torch.randn(4096, 1024, generator=torch.Generator().manual_seed(i)),
+                                           mesh, [Shard(0)]) for i in range(4)}
+
+
+def run_measure(repo: str, rank: int, mesh, save: bool) -> dict:
+    """`measure-save`: save `measured_state` on branch `measure`; `measure-load`: load it into row shards.
+
+    Loading reports the bytes this rank read (rchar) and the bytes it replayed, and whether it matched.
+    """
+    if save:
+        dcp.save(measured_state(mesh), storage_writer=CkptStorageWriter(repo, branch="measure"))
+        return {}
+    opened = Repository.open(repo, read_only=True)
+    mapped = [0]  # whole objects are memory-mapped, which rchar does not see: count the mapped sizes
+    view = opened.store.view
+
+    def counted_view(oid, verify=True):
+        data = view(oid, verify)
+        mapped[0] += len(data)
+        return data
+
+    opened.store.view = counted_view
+    reader = CkptStorageReader(opened, "measure")
+    template = {k: distribute_tensor(torch.zeros(4096, 1024), mesh, [Shard(0)]) for k in measured_state(mesh)}
     before = _read_bytes()
-    dcp.load(target, storage_reader=reader)
-    return {"read_bytes": _read_bytes() - before, "replayed_bytes": reader.bytes_replayed}
+    dcp.load(template, storage_reader=reader)
+    read = _read_bytes() - before + mapped[0]
+    return {"read_bytes": read, "replayed_bytes": reader.bytes_replayed,
+            "differences": differences(flat(template), flat(measured_state(mesh)))}
 
 
 def _read_bytes() -> int:
@@ -155,8 +180,8 @@ def main() -> None:
     started = time.monotonic()
     if scenario == "train":
         report = run_train(repo, out, rank, mesh)
-    elif scenario == "measure":
-        report = run_measure(repo, rank, mesh)
+    elif scenario.startswith("measure"):
+        report = run_measure(repo, rank, mesh, save=scenario == "measure-save")
     else:
         model, optimizer = model_and_optimizer(mesh)
         train(model, optimizer, 1, seed=99)
