@@ -157,6 +157,12 @@ def _manifest_entries(store: ObjectStore, commits: dict[CommitId, commit_rows.Co
             found.unreadable_manifests.add(info.manifest_object)
             continue
         entries[cid] = manifest.entries
+        if manifest.dcp is not None:
+            from ckptstore.repo.sharded import dcp_problem
+
+            problem = dcp_problem(manifest)
+            if problem is not None:
+                found.problems.setdefault(f"commit {cid}", problem)
         if manifest.kind != info.kind or (manifest.lossy or None) != (info.lossy or None):
             found.problems.setdefault(f"commit {cid}", f"its row says a {info.kind} commit (lossy {info.lossy}), its "
                                                        f"manifest a {manifest.kind} one (lossy {manifest.lossy})")

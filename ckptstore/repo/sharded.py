@@ -174,6 +174,34 @@ def logical_tensors(dcp: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def dcp_problem(manifest: Manifest) -> str | None:
+    """Why a sharded manifest's DCP metadata disagrees with its entries (fsck), or None.
+
+    Every stored item the metadata names must be an entry, a tensor chunk's entry of its dtype and
+    the chunk's sizes, and every entry must be named: otherwise a load would miss or misplace bytes.
+    """
+    dcp = manifest.dcp or {}
+    if dcp.get("version") != DCP_FORMAT_VERSION:
+        return f"its DCP metadata has version {dcp.get('version')!r}, which this ckptstore does not know"
+    named: set[str] = set()
+    try:
+        for item in dcp["items"]:
+            chunks = ([(item["key"], "bytes", None)] if item["type"] == "bytes"
+                      else [(key, item["dtype"], sizes) for _, sizes, key in item["chunks"]])
+            for key, dtype, sizes in chunks:
+                entry = manifest.entries.get(key)
+                if entry is None:
+                    return f"its DCP metadata names {key!r}, which is not among its entries"
+                if entry.dtype != dtype or (sizes is not None and list(entry.shape) != list(sizes)):
+                    return (f"entry {key!r} is a {entry.dtype} {list(entry.shape)}, its DCP metadata says "
+                            f"{dtype} {sizes}")
+                named.add(key)
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"its DCP metadata is missing or mangling a field ({exc!r})"
+    extra = set(manifest.entries) - named
+    return f"entry {sorted(extra)[0]!r} is not named by its DCP metadata" if extra else None
+
+
 def check_format(dcp: dict[str, Any], where: str) -> None:
     """Refuse a `dcp` section of a version this ckptstore does not know."""
     version = dcp.get("version")

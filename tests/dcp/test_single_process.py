@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -20,8 +22,10 @@ from torch.distributed.checkpoint.metadata import (
 
 from ckptstore import Repository
 from ckptstore.dcp import CkptStorageReader, CkptStorageWriter, meta
-from ckptstore.errors import CkptError, PickledObjectsError, UnsupportedStateError
+from ckptstore.errors import CkptError, ConflictError, PickledObjectsError, UnsupportedStateError
+from ckptstore.repo import fsck
 from ckptstore.repo.manifest import Manifest, ManifestVersionError
+from ckptstore.repo.sharded import dcp_problem
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -120,4 +124,40 @@ def test_a_second_save_of_the_same_state_reuses_every_tensor(tmp_path):
     loaded = {"w": torch.zeros(64, 64), "b": io.BytesIO()}
     dcp.load(loaded, storage_reader=CkptStorageReader(tmp_path))
     assert torch.equal(loaded["w"], state["w"]) and loaded["b"].getvalue() == b"raw bytes item"
+    repo.close()
+
+
+def test_fsck_checks_a_sharded_manifest_against_its_dcp_metadata(tmp_path):
+    repo = Repository.init(tmp_path)
+    dcp.save({"w": torch.randn(4, 4), "note": "x"}, storage_writer=CkptStorageWriter(tmp_path))
+    manifest = repo.manifest(repo.resolve("main"))
+    assert dcp_problem(manifest) is None and fsck(repo).ok
+    key = next(k for k in manifest.entries if k.startswith("w/"))
+    wrong_shape = replace(manifest, entries={**manifest.entries, key: replace(manifest.entries[key], shape=(2, 8))})
+    assert "its DCP metadata says torch.float32 [4, 4]" in dcp_problem(wrong_shape)
+    missing = replace(manifest, entries={k: e for k, e in manifest.entries.items() if k != key})
+    assert "not among its entries" in dcp_problem(missing)
+    unnamed = replace(manifest, entries={**manifest.entries, "x/%bytes": manifest.entries["note/%bytes"]})
+    assert "not named by its DCP metadata" in dcp_problem(unnamed)
+    assert "version 7" in dcp_problem(replace(manifest, dcp={**manifest.dcp, "version": 7}))
+    repo.close()
+
+
+def test_a_branch_moved_during_the_save_records_nothing(tmp_path):
+    repo = Repository.init(tmp_path)
+    repo.commit({"first": torch.ones(3)}, "before")
+
+    class MovesTheBranch(DefaultSavePlanner):
+        """Another writer commits to the branch after the coordinator chose the parent, before finish."""
+
+        def finish_plan(self, new_plan):
+            repo.commit({"other": torch.zeros(3)}, "meanwhile")
+            return super().finish_plan(new_plan)
+
+    with pytest.raises(CheckpointException, match="moved to") as raised:
+        dcp.save({"w": torch.randn(4)}, storage_writer=CkptStorageWriter(tmp_path, message="lost race"),
+                 planner=MovesTheBranch())
+    assert isinstance(raised.value.failures[0][0], ConflictError)
+    assert [c.message for c in repo.log()] == ["meanwhile", "before"]
+    assert fsck(repo).ok
     repo.close()
