@@ -197,6 +197,24 @@ def checkout(ctx, ref, output, force) -> None:
                    "state are close to, not equal to, the original; `ckpt show` lists each tensor's error")
 
 
+@cli.command("export")
+@click.argument("ref")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]), default="safetensors",
+              show_default=True)
+@click.option("-o", "--output", type=click.Path(), required=True, help="The file to write.")
+@click.pass_context
+def export_command(ctx, ref, fmt, output) -> None:
+    """Write the commit at REF as one full state dict file (a sharded commit's shards gathered)."""
+    from ckptstore.repo import export  # numpy and the formats: only for this command
+
+    report = export(_open(ctx), ref, fmt, output)
+    click.echo(f"Wrote {report.commit[:12]} to {output}: {report.tensors} tensors ({fmt})")
+    if report.skipped:
+        shown = ", ".join(report.skipped[:5]) + (f" and {len(report.skipped) - 5} more" if len(report.skipped) > 5
+                                                 else "")
+        click.echo(f"note: left out {len(report.skipped)} items ({shown}): {report.why_skipped}")
+
+
 @cli.command()
 @click.option("--graph", is_flag=True, help="Draw the history as a graph.")
 @click.option("--all", "all_refs", is_flag=True, help="Every branch and tag, not only HEAD.")

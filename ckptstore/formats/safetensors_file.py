@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.errors import CheckpointFormatError
+from ckptstore.errors import CheckpointFormatError, UnsupportedStateError
 from ckptstore.formats.atomic import write_parts
 from ckptstore.state import BYTES_DTYPE, TORCH_ITEMSIZE, RawTensor, join, raw_from_bytes
 
@@ -137,3 +137,20 @@ def write(path: str | os.PathLike, skeleton: Any, raw_of) -> None:
 def as_state(skeleton: Any, value_of) -> dict[str, Any]:
     """The tensors by name, as safetensors.torch.load_file returns them."""
     return {name: value_of(entry) for name, entry in skeleton[2] if name is not None}
+
+
+SAFETENSORS_DTYPES = {name: code for code, name in DTYPES.items()}  # torch dtype name -> safetensors code
+
+
+def write_tensors(path: str | os.PathLike, tensors: dict[str, RawTensor]) -> None:
+    """Write `tensors` (torch dtypes) as a new safetensors file, atomically; names in the given order."""
+    header, offset = {}, 0
+    for name, raw in tensors.items():
+        code = SAFETENSORS_DTYPES.get(raw.dtype)
+        if code is None:
+            raise UnsupportedStateError(f"{name}: safetensors has no type for {raw.dtype}; export with --format torch")
+        header[name] = {"dtype": code, "shape": list(raw.shape), "data_offsets": [offset, offset + raw.nbytes]}
+        offset += raw.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors' own writer pads it
+    write_parts(path, [len(text).to_bytes(8, "little"), text, *(raw.data for raw in tensors.values())])

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["LOSSY_LEVELS", "CommitOptions", "EncodingSettings", "FsckReport", "GcReport", "LossyOptions", "Manifest",
-           "Repository", "TensorDiff", "find_root", "fsck", "function_named", "gc"]
+           "Repository", "TensorDiff", "export", "find_root", "fsck", "function_named", "gc"]
 
 _WHERE = {
     "Repository": "repository", "find_root": "repository", "Manifest": "manifest", "TensorDiff": "diff",
     "CommitOptions": "commit", "LossyOptions": "commit", "FsckReport": "maintenance", "GcReport": "maintenance",
     "fsck": "maintenance", "gc": "maintenance", "LOSSY_LEVELS": "config", "EncodingSettings": "config",
-    "function_named": "calibrate",
+    "function_named": "calibrate", "export": "exporter",
 }
 
 

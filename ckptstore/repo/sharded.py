@@ -25,7 +25,7 @@ from ckptstore.repo.commit import CommitOptions, _commit_target, _default_author
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.writer import encode_jobs, lossless_jobs
-from ckptstore.state import RawTensor, escape
+from ckptstore.state import BYTES_DTYPE, RawTensor, escape
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
@@ -211,3 +211,32 @@ def check_format(dcp: dict[str, Any], where: str) -> None:
         raise ManifestVersionError(f"{where} holds DCP metadata of version {version!r}, which this ckptstore "
                                    f"cannot read (it reads {DCP_FORMAT_VERSION}): upgrade ckptstore to load it")
 
+
+
+def gather(repo: Repository, manifest: Manifest) -> tuple[dict[str, RawTensor], list[str]]:
+    """A sharded commit's logical tensors, whole, by fully qualified name; and the bytes items left out.
+
+    Bytes items hold what DCP's planner serialized (pickles): ckptstore never unpickles them, so
+    they are named, not returned.
+    """
+    import numpy as np
+
+    from ckptstore.repo.checkout import restore
+
+    problem = dcp_problem(manifest)
+    if problem is not None:
+        raise CkptError(f"a sharded commit's manifest cannot be gathered: {problem}; run `ckpt fsck`")
+    raws = restore(repo, manifest, paths=[k for k, e in manifest.entries.items() if e.dtype != BYTES_DTYPE])
+    tensors, skipped = {}, []
+    for item in manifest.dcp["items"]:
+        if item["type"] != "tensor":
+            skipped.append(item["fqn"])
+            continue
+        size = tuple(item["size"])
+        width = RawTensor(item["dtype"], (), np.empty(0, dtype=np.uint8)).itemsize
+        whole = np.zeros((*size, width), dtype=np.uint8)  # elements as rows of bytes: any dtype, no torch
+        for offsets, sizes, key in item["chunks"]:
+            where = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+            whole[where] = raws[key].data.reshape(*sizes, width)
+        tensors[item["fqn"]] = RawTensor(item["dtype"], size, whole.reshape(-1))
+    return tensors, skipped

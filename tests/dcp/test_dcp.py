@@ -159,3 +159,20 @@ def test_a_rank_killed_in_write_data_leaves_no_commit(trained, tmp_path):
         assert gc(repo).objects_removed == checked.unreferenced_objects
         assert fsck(repo).ok and fsck(repo).unreferenced_objects == 0
     assert differences(load_one_rank(copy, "main"), before) == []
+
+
+def test_export_gathers_a_sharded_commit_into_one_full_state_dict(trained, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    repo_dir, _, _, _ = trained
+    expected = {k: v for k, v in load_one_rank(repo_dir, "main").items() if isinstance(v, torch.Tensor)}
+    monkeypatch.chdir(repo_dir)
+    written = CliRunner().invoke(cli, ["export", "main", "-o", str(tmp_path / "main.safetensors")])
+    assert written.exit_code == 0, written.output
+    assert f"{len(expected)} tensors" in written.output and "left out" in written.output  # the pickled items
+    assert differences(load_file(str(tmp_path / "main.safetensors")), expected) == []
+    written = CliRunner().invoke(cli, ["export", "uneven", "--format", "torch", "-o", str(tmp_path / "u.pt")])
+    assert written.exit_code == 0, written.output
+    gathered = torch.load(tmp_path / "u.pt", weights_only=True)
+    assert differences(gathered, {k: v for k, v in load_one_rank(repo_dir, "uneven").items()
+                                  if isinstance(v, torch.Tensor)}) == []

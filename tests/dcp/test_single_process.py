@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 from ckptstore import Repository
 from ckptstore.dcp import CkptStorageReader, CkptStorageWriter, meta
 from ckptstore.errors import CkptError, ConflictError, PickledObjectsError, UnsupportedStateError
-from ckptstore.repo import fsck
+from ckptstore.repo import export, fsck
 from ckptstore.repo.manifest import Manifest, ManifestVersionError
 from ckptstore.repo.sharded import dcp_problem
 
@@ -160,4 +160,23 @@ def test_a_branch_moved_during_the_save_records_nothing(tmp_path):
     assert isinstance(raised.value.failures[0][0], ConflictError)
     assert [c.message for c in repo.log()] == ["meanwhile", "before"]
     assert fsck(repo).ok
+    repo.close()
+
+
+def test_export_writes_an_ordinary_commit_too(tmp_path):
+    from safetensors.torch import load_file
+
+    repo = Repository.init(tmp_path / "repo")
+    state = {"w": torch.randn(3, 5), "step": 7, "nested": {"b": torch.arange(4, dtype=torch.int16)}}
+    cid = repo.commit(state, "plain")
+    report = export(repo, "main", "safetensors", tmp_path / "plain.safetensors")
+    assert report.commit == cid and report.tensors == 2 and report.skipped == []
+    loaded = load_file(str(tmp_path / "plain.safetensors"))
+    assert sorted(loaded) == sorted(repo.manifest(cid).entries)
+    assert {tuple(t.shape) for t in loaded.values()} == {(3, 5), (4,)}
+    assert any(torch.equal(t, state["w"]) for t in loaded.values())
+    export(repo, "main", "torch", tmp_path / "plain.pt")
+    back = torch.load(tmp_path / "plain.pt", weights_only=True)
+    assert torch.equal(back["w"], state["w"]) and back["step"] == 7 and torch.equal(back["nested"]["b"],
+                                                                                  state["nested"]["b"])
     repo.close()
