@@ -34,7 +34,10 @@ from ckptstore.state import RawTensor, raw_from_bytes, raw_from_torch
 class CkptStorageWriter(StorageWriter):
     """Write a DCP checkpoint as one commit on `branch` (default: HEAD's) of the repository at `repo_or_path`.
 
-    After `dcp.save`, the coordinator's `commit_id` names the commit (None on other ranks).
+    After `dcp.save`, the coordinator's `commit_id` names the commit (None on other ranks). The
+    coordinator holds the repository lock shared from planning until `finish` (gc waits); when
+    another rank fails, DCP never calls `finish`, and the lock is held until this writer is reset
+    (the next save), closed or collected.
     """
 
     def __init__(self, repo_or_path: Any, branch: str | None = None, message: str = "", step: int | None = None,
@@ -85,8 +88,12 @@ class CkptStorageWriter(StorageWriter):
             raise CkptError("the save plan did not pass through CkptStorageWriter.prepare_global_plan: "
                             "every rank must save with a CkptStorageWriter")
         items = {_key(item): item for item in plan.items}
-        shards = {key: _raw(item, planner.resolve_data(item)) for key, item in items.items()}
-        written = sharded.write_shards(self.repo, plan.storage_data["parent"], shards)
+        try:
+            shards = {key: _raw(item, planner.resolve_data(item)) for key, item in items.items()}
+            written = sharded.write_shards(self.repo, plan.storage_data["parent"], shards)
+        except BaseException:
+            self._held.close()  # the save is over: `finish` will not come to release the lock
+            raise
         results = [WriteResult(index=items[w.key].index, size_in_bytes=w.raw_bytes, storage_data=_report(w))
                    for w in written]
         future: Future[list[WriteResult]] = Future()

@@ -114,9 +114,13 @@ def record_sharded(repo: Repository, target: str | None, parent: CommitId | None
     entries = {s.key: s.entry for s in shards}
     if len(entries) != len(shards):
         raise CkptError("two ranks wrote the same shard; the save plan gave one item to two ranks")
-    records = list({s.record.id: s.record for s in shards if s.record is not None}.values())
-    sizes: dict[ObjectId, int] = {}
+    chosen: dict[TensorId, WrittenShard] = {}  # two ranks may both have written one content: keep one record
     for shard in shards:
+        if shard.record is not None:
+            chosen.setdefault(shard.record.id, shard)
+    records = [s.record for s in chosen.values()]
+    sizes: dict[ObjectId, int] = {}
+    for shard in chosen.values():  # a pack holds several shards' payloads: its size is the furthest end
         for oid, size in shard.objects.items():
             sizes[oid] = max(sizes.get(oid, 0), size)
     manifest = Manifest(KIND, [], entries, {}, dcp=dcp)
