@@ -140,15 +140,16 @@ def test_cli_log_show_fsck_gc_on_a_repository_with_sharded_commits(trained, tmp_
     assert refused.stderr.startswith("error: ") and "CkptStorageReader" in refused.stderr
 
 
-def test_a_rank_killed_in_write_data_leaves_no_commit(trained, tmp_path):
+@pytest.mark.parametrize("killed, point", [(1, "dcp:rank-written"), (0, "dcp:manifest-written")])
+def test_a_rank_killed_before_the_commit_is_recorded_leaves_no_commit(trained, tmp_path, killed, point):
     repo_dir, _, report, _ = trained
     copy = tmp_path / "repo"
     shutil.copytree(repo_dir, copy)
     before = load_one_rank(copy, "main")
-    results = run_ranks("crash", copy, tmp_path / "out", world=2,
-                        env_of_rank={1: {"CKPT_CRASH_AT": "dcp:rank-written"}}, timeout=60)
-    assert results[1].returncode == -9  # SIGKILL at the fault point, after its objects were written
-    assert results[0].returncode != 0  # the coordinator's save fails: it never hears from rank 1
+    results = run_ranks("crash", copy, tmp_path / "out", world=2, env_of_rank={killed: {"CKPT_CRASH_AT": point}},
+                        timeout=60)
+    assert results[killed].returncode == -9  # SIGKILL at the fault point, after its objects were written
+    assert results[1 - killed].returncode != 0  # the other rank's save fails with it
     with Repository.open(copy) as repo:
         assert repo.resolve("main") == report["commit_second"]
         assert [c.message for c in repo.log("main")] == ["second save", "first save"]
