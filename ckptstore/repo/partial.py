@@ -53,38 +53,43 @@ def restore_ranges(repo: Repository, manifest: Manifest, ranges: dict[str, tuple
     for path in paths:
         tid = manifest.entries[path].tensor
         offsets = records[tid].chunk_offsets()
-        first = spans[tid][0]
+        first = spans.get(tid, (0, 0))[0]
         out[path] = (offsets[first] if first < len(offsets) else records[tid].raw_bytes, buffers[tid])
     return out
 
 
 def _spans(records: dict[TensorId, TensorRecord], ids: dict[str, TensorId], ranges: dict[str, tuple[int, int]]
            ) -> dict[TensorId, Span]:
-    """The run of chunks to replay for every record involved; records that must be replayed whole are left out.
+    """The run of chunks to replay for every record to cut; records left out are replayed whole.
 
-    Every record of a chain gets the same run (the union of what the tensors through it need);
-    a chain with a record that is not plainly lossless, or chunked unlike the others, is replayed whole.
+    A residual's chunk i decodes against its base's chunk i, so every record of a chain gets the
+    same run: the union of what the tensors through it need, widened across chains that share a
+    base. A chain with a record that is not plainly lossless or chunked like the others, or a
+    tensor with a chunk lacking a checksum, is replayed whole, and so is every chain touching it.
     """
+    chains = {tid: _chain(records, tid) for tid in set(ids.values())}
     spans: dict[TensorId, Span] = {}
+    whole: set[TensorId] = set()
     for path, tid in ids.items():
         need = _chunk_span(records[tid], *ranges[path])
-        chain = _chain(records, tid)
-        if need is None or not _cuttable(records, chain):
-            need = (0, len(records[tid].chunks))
-        for member in chain:  # a base shared by two tensors: the union of their runs
+        if need is None or not _cuttable(records, chains[tid]):
+            whole.update(chains[tid])
+            continue
+        for member in chains[tid]:
             have = spans.get(member, need)
             spans[member] = (min(have[0], need[0]), max(have[1], need[1]))
-    for _ in range(len(spans)):  # runs widened through a shared base reach every chain through it
+    changed = True
+    while changed:  # each pass only widens runs or grows `whole`: it ends
         changed = False
-        for tid in ids.values():
-            chain = _chain(records, tid)
+        for chain in chains.values():
+            if any(member in whole for member in chain):
+                changed |= not whole.issuperset(chain)
+                whole.update(chain)
+                continue
             union = (min(spans[m][0] for m in chain), max(spans[m][1] for m in chain))
-            for member in chain:
-                if spans[member] != union:
-                    spans[member], changed = union, True
-        if not changed:
-            break
-    return spans
+            changed |= any(spans[m] != union for m in chain)
+            spans.update(dict.fromkeys(chain, union))
+    return {tid: span for tid, span in spans.items() if tid not in whole}
 
 
 def _chain(records: dict[TensorId, TensorRecord], tid: TensorId) -> list[TensorId]:
