@@ -60,8 +60,12 @@ class CkptStorageReader(StorageReader):
         if checkpoint_id is not None and checkpoint_id != self._where:
             self._where, self._repo = checkpoint_id, None
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """DCP's metadata of the commit at `ref`, from the JSON in its manifest."""
+    def read_metadata(self, *args: Any) -> Metadata:
+        """DCP's metadata of the commit at `ref`, from the JSON in its manifest.
+
+        No `**kwargs`: DCP would then retry a failed read as "rank-local metadata", which a commit
+        does not have, and report the same error twice.
+        """
         cid = self.repo.resolve(self.ref)
         oid = self.repo.commit_info(cid).manifest_object
         manifest = self.repo.read_manifest(oid)
