@@ -100,7 +100,8 @@ def _refuse_sharded(cid: str, manifest: Manifest) -> None:
     """A sharded (DCP) commit has no single state to rebuild here: say how to load it instead."""
     if manifest.dcp is not None:
         raise CkptError(f"commit {cid[:12]} is a sharded (torch.distributed.checkpoint) commit; load it with "
-                        f"dcp.load(state_dict, storage_reader=ckptstore.dcp.CkptStorageReader(repo, {cid[:12]!r}))")
+                        f"dcp.load(state_dict, storage_reader=ckptstore.dcp.CkptStorageReader(repo, {cid[:12]!r})), "
+                        f"or write it as one file with `ckpt export {cid[:12]} -o FILE`")
 
 
 def _replay(repo: Repository, manifest: Manifest, paths: list[str], progress: Progress, label: str,
