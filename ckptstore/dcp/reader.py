@@ -103,6 +103,8 @@ class CkptStorageReader(StorageReader):
         for item in plan.items:
             key = self._key(item)
             start, end = _byte_range(item, self._manifest.entries[key])
+            if start == end and key in ranges:  # an empty region needs no bytes: it must not widen the others
+                continue
             have = ranges.get(key, (start, end))
             ranges[key] = (min(have[0], start), max(have[1], end))
         parts = restore_ranges(self.repo, self._manifest, ranges)

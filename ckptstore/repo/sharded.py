@@ -45,6 +45,7 @@ def bytes_key(fqn: str) -> str:
 
 
 def is_sharded(manifest: Manifest) -> bool:
+    """True for the manifest of a sharded (DCP) commit."""
     return manifest.dcp is not None
 
 
