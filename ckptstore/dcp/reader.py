@@ -103,10 +103,11 @@ class CkptStorageReader(StorageReader):
         for item in plan.items:
             key = self._key(item)
             start, end = _byte_range(item, self._manifest.entries[key])
-            if start == end and key in ranges:  # an empty region needs no bytes: it must not widen the others
-                continue
-            have = ranges.get(key, (start, end))
-            ranges[key] = (min(have[0], start), max(have[1], end))
+            have = ranges.get(key)
+            if have is None or have[0] == have[1]:  # an empty region needs no bytes: it must not widen others
+                ranges[key] = (start, end)
+            elif start != end:
+                ranges[key] = (min(have[0], start), max(have[1], end))
         parts = restore_ranges(self.repo, self._manifest, ranges)
         self.bytes_replayed = sum(int(buffer.size) for _, buffer in parts.values())
         for item in plan.items:
