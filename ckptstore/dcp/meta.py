@@ -48,9 +48,9 @@ def to_json(metadata: Metadata) -> dict[str, Any]:
                 "save_id": meta.save_id, "load_id": meta.load_id, "modules": list(meta.modules)}}
 
 
-def from_json(data: dict[str, Any], where: str) -> Metadata:
+def from_json(data: dict[str, Any], manifest_oid: str) -> Metadata:
     """The `Metadata` that `to_json` described; storage_data maps each item's index to its manifest path."""
-    check_format(data, where)
+    check_format(data, f"manifest {manifest_oid}")
     try:
         state: dict[str, Any] = {}
         storage: dict[MetadataIndex, str] = {}
@@ -74,7 +74,8 @@ def from_json(data: dict[str, Any], where: str) -> Metadata:
         return Metadata(state, _untagged(data["planner_data"]), storage,
                         None if meta is None else StorageMeta(**meta), data["dcp_version"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptObjectError(where, f"its DCP metadata is missing or mangling a field ({exc!r})") from None
+        raise CorruptObjectError(manifest_oid, f"a manifest whose DCP metadata is missing or mangling a field "
+                                               f"({exc!r})") from None
 
 
 def _torch_attr(name: str, kind: type) -> Any:

@@ -73,7 +73,7 @@ class CkptStorageReader(StorageReader):
             raise CkptError(f"commit {cid[:12]} ({self.ref}) is not a sharded (DCP) commit; "
                             "read it with repo.checkout or `ckpt checkout`")
         self.commit_id, self._manifest = cid, manifest
-        return meta.from_json(manifest.dcp, f"manifest {oid}")
+        return meta.from_json(manifest.dcp, oid)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._storage = dict(metadata.storage_data)

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ckptstore import Repository
 from ckptstore.dcp import CkptStorageReader, CkptStorageWriter, meta
-from ckptstore.errors import CkptError, ConflictError, PickledObjectsError, UnsupportedStateError
+from ckptstore.errors import CkptError, ConflictError, CorruptObjectError, PickledObjectsError, UnsupportedStateError
 from ckptstore.repo import export, fsck
 from ckptstore.repo.manifest import Manifest, ManifestVersionError
 from ckptstore.repo.sharded import dcp_problem
@@ -51,7 +51,7 @@ def _metadata() -> Metadata:
 def test_metadata_round_trips_through_json_without_pickle():
     original = _metadata()
     data = meta.to_json(original)
-    back = meta.from_json(data, "manifest test")
+    back = meta.from_json(data, "0" * 64)
     assert back.state_dict_metadata == original.state_dict_metadata
     assert back.planner_data == original.planner_data  # tuples stay tuples, ints stay ints
     assert back.storage_meta == original.storage_meta and back.version == "1.0.0"
@@ -63,7 +63,10 @@ def test_metadata_round_trips_through_json_without_pickle():
 def test_unknown_dcp_metadata_versions_and_unstorable_planner_data_are_refused():
     data = dict(meta.to_json(_metadata()), version=99)
     with pytest.raises(ManifestVersionError, match="version 99"):
-        meta.from_json(data, "manifest test")
+        meta.from_json(data, "0" * 64)
+    mangled = dict(meta.to_json(_metadata()), items=[{"fqn": "w", "type": "tensor"}])
+    with pytest.raises(CorruptObjectError, match="DCP metadata is missing or mangling a field"):
+        meta.from_json(mangled, "0" * 64)
     odd = _metadata()
     odd.planner_data = {"w": object()}
     with pytest.raises(UnsupportedStateError, match="JSON"):
