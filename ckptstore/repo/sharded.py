@@ -169,13 +169,18 @@ def record_from_json(data: dict[str, Any]) -> TensorRecord:
 
 def logical_tensors(dcp: dict[str, Any]) -> list[dict[str, Any]]:
     """What `show` lists of a sharded commit: each logical tensor's dtype, global shape and shard count."""
+    check_format(dcp, "this commit's manifest")
     rows = []
-    for item in dcp.get("items", []):
-        if item.get("type") == "tensor":
-            rows.append({"fqn": item["fqn"], "dtype": item["dtype"], "shape": list(item["size"]),
-                         "shards": len(item["chunks"])})
-        else:
-            rows.append({"fqn": item["fqn"], "dtype": "bytes", "shape": [], "shards": 1})
+    try:
+        for item in dcp["items"]:
+            if item["type"] == "tensor":
+                rows.append({"fqn": item["fqn"], "dtype": item["dtype"], "shape": list(item["size"]),
+                             "shards": len(item["chunks"])})
+            else:
+                rows.append({"fqn": item["fqn"], "dtype": "bytes", "shape": [], "shards": 1})
+    except (KeyError, TypeError) as exc:
+        raise CkptError(f"this commit's DCP metadata is missing or mangling a field ({exc!r}); run `ckpt fsck`"
+                        ) from None
     return rows
 
 
