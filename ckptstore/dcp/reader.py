@@ -108,7 +108,10 @@ class CkptStorageReader(StorageReader):
                 ranges[key] = (start, end)
             elif start != end:
                 ranges[key] = (min(have[0], start), max(have[1], end))
-        parts = restore_ranges(self.repo, self._manifest, ranges)
+        try:
+            parts = restore_ranges(self.repo, self._manifest, ranges)
+        finally:
+            self.close()  # what this rank reads is in memory now; the repository reopens if used again
         self.bytes_replayed = sum(int(buffer.size) for _, buffer in parts.values())
         for item in plan.items:
             key = self._key(item)

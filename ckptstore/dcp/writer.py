@@ -92,8 +92,10 @@ class CkptStorageWriter(StorageWriter):
             shards = {key: _raw(item, planner.resolve_data(item)) for key, item in items.items()}
             written = sharded.write_shards(self.repo, plan.storage_data["parent"], shards)
         except BaseException:
-            self._held.close()  # the save is over: `finish` will not come to release the lock
+            self.close()  # the save is over: `finish` will not come to release the lock
             raise
+        if not self.is_coordinator:
+            self.close()  # its part is durable; a repository opened here keeps threads and connections
         results = [WriteResult(index=items[w.key].index, size_in_bytes=w.raw_bytes, storage_data=_report(w))
                    for w in written]
         future: Future[list[WriteResult]] = Future()
@@ -116,7 +118,7 @@ class CkptStorageWriter(StorageWriter):
             target, parent = self._start
             self.commit_id = sharded.record_sharded(self.repo, target, parent, shards, described, self.options)
         finally:
-            self._held.close()
+            self.close()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
