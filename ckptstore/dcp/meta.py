@@ -50,6 +50,9 @@ def to_json(metadata: Metadata) -> dict[str, Any]:
 
 def from_json(data: dict[str, Any], manifest_oid: str) -> Metadata:
     """The `Metadata` that `to_json` described; storage_data maps each item's index to its manifest path."""
+    if not isinstance(data, dict):
+        raise CorruptObjectError(manifest_oid, f"a manifest whose DCP metadata is not an object "
+                                               f"({type(data).__name__})")
     check_format(data, f"manifest {manifest_oid}")
     try:
         state: dict[str, Any] = {}

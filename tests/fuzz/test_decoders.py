@@ -330,3 +330,58 @@ def test_damaged_chunk_records_replay_exactly_or_raise(committed):
         fuzz()
 
     run_tallied("chunk-records", body)
+
+
+def _dcp_sample() -> dict:
+    """The JSON of a small DCP Metadata: two sharded tensors, a bytes item, planner data, storage meta."""
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from ckptstore.dcp.meta import to_json
+
+    def tensor(size, chunks):
+        return TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size),
+                                     [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
+
+    state = {"model.w": tensor([8, 4], [([0, 0], [4, 4]), ([4, 0], [4, 4])]),
+             "optim.state.model.w.exp_avg": tensor([8, 4], [([0, 0], [8, 4])]), "optim.step": BytesStorageMetadata()}
+    planner = {"model.w": ("model", "w"), "optim.step": ["optim", "step"]}
+    return to_json(Metadata(state, planner, None, StorageMeta(save_id="s", modules=["m"]), "1.0.0"))
+
+
+def test_dcp_metadata_decoder_gives_metadata_or_an_error():
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    from ckptstore.dcp.meta import from_json
+
+    record = _dcp_sample()
+    assert from_json(json.loads(json.dumps(record)), "fuzzed").state_dict_metadata.keys() == {
+        "model.w", "optim.state.model.w.exp_avg", "optim.step"}
+
+    def body(tally):
+        @FUZZ
+        @given(st.lists(st.integers(0, 50), max_size=7), JSON)
+        def fuzz(path, value):
+            bad = json.loads(json.dumps(_replace_somewhere(record, path, value)))
+            with watched("dcp metadata"):
+                try:
+                    metadata = from_json(bad, "fuzzed")
+                except CkptError as exc:
+                    assert "fuzzed" in str(exc)
+                    tally.add("refused")
+                    return
+            assert isinstance(metadata, Metadata)
+            for fqn, stored in metadata.state_dict_metadata.items():  # every chunk can be found where it is stored
+                if isinstance(stored, TensorStorageMetadata):
+                    assert all(any(key.fqn == fqn for key in metadata.storage_data) for _ in stored.chunks)
+            tally.add("parsed")
+
+        fuzz()
+
+    run_tallied("dcp-metadata", body)
