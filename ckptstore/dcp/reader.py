@@ -32,9 +32,10 @@ from ckptstore.state import torch_dtype
 class CkptStorageReader(StorageReader):
     """Read the sharded commit at `ref` (default HEAD) of the repository at `repo_or_path`.
 
-    DCP's default planner unpickles bytes items (non-tensor state) in full; unless `trust_pickle`,
-    each is first loaded with torch's restricted unpickler (`weights_only=True`) and refused when
-    it holds anything beyond plain data and tensors.
+    DCP's default planner unpickles bytes items (non-tensor state) in full. Unless `trust_pickle`,
+    it never sees the stored bytes: each item is loaded with torch's restricted unpickler
+    (`weights_only=True`, as user files are read), refused when it holds anything beyond plain data
+    and tensors, and handed to DCP as a pickle freshly written from what that loaded.
     """
 
     def __init__(self, repo_or_path: Any, ref: str = "HEAD", trust_pickle: bool = False) -> None:
@@ -165,9 +166,7 @@ def _deliver(item: ReadItem, entry: Entry, part: tuple[int, np.ndarray], planner
     first_byte, buffer = part
     if item.type == LoadItemType.BYTE_IO:
         data = buffer.tobytes()
-        if not trust_pickle:
-            _check_plain(item.dest_index.fqn, data)
-        planner.load_bytes(item, io.BytesIO(data))
+        planner.load_bytes(item, io.BytesIO(data) if trust_pickle else _rewritten(item.dest_index.fqn, data))
         return
     dtype = torch_dtype(entry.dtype)
     flat = torch.from_numpy(buffer).view(dtype) if buffer.size else torch.empty(0, dtype=dtype)
@@ -183,14 +182,21 @@ def _deliver(item: ReadItem, entry: Entry, part: tuple[int, np.ndarray], planner
     planner.commit_tensor(item, target)
 
 
-def _check_plain(fqn: str, data: bytes) -> None:
-    """Refuse a bytes item that torch's restricted unpickler will not load: a full unpickle could run code."""
+def _rewritten(fqn: str, data: bytes) -> io.BytesIO:
+    """A bytes item loaded by torch's restricted unpickler and saved again: DCP's full unpickle sees only our pickle.
+
+    What the restricted unpickler refuses (objects beyond plain data and tensors) is refused here.
+    """
     import pickle
 
     try:  # DCP saves a BytesIO value by pickling the BytesIO: rebuilding one runs no code of the file's choosing
         with torch.serialization.safe_globals([io.BytesIO]):
-            torch.load(io.BytesIO(data), weights_only=True)
+            value = torch.load(io.BytesIO(data), weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
         raise PickledObjectsError(f"{fqn}: this non-tensor item holds objects beyond plain data and tensors "
                                   f"({str(exc).splitlines()[0][:200]}); DCP would unpickle them in full. Pass "
                                   "CkptStorageReader(..., trust_pickle=True) only for repositories you trust") from None
+    fresh = io.BytesIO()
+    torch.save(value, fresh)
+    fresh.seek(0)
+    return fresh

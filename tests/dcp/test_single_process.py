@@ -183,3 +183,15 @@ def test_export_writes_an_ordinary_commit_too(tmp_path):
     assert torch.equal(back["w"], state["w"]) and back["step"] == 7 and torch.equal(back["nested"]["b"],
                                                                                   state["nested"]["b"])
     repo.close()
+
+
+def test_dcp_unpickles_a_fresh_pickle_of_what_the_restricted_loader_read_never_the_stored_bytes():
+    import io
+
+    from ckptstore.dcp.reader import _rewritten
+
+    stored = io.BytesIO()
+    torch.save({"step": 7, "lr": [1e-3, 2e-3]}, stored, pickle_protocol=4)  # not what torch.save writes by default
+    handed = _rewritten("optim.extra", stored.getvalue())
+    assert handed.getvalue() != stored.getvalue()
+    assert torch.load(handed, weights_only=True) == {"step": 7, "lr": [1e-3, 2e-3]}
