@@ -191,7 +191,7 @@ def test_dcp_unpickles_a_fresh_pickle_of_what_the_restricted_loader_read_never_t
     from ckptstore.dcp.reader import _rewritten
 
     stored = io.BytesIO()
-    torch.save({"step": 7, "lr": [1e-3, 2e-3]}, stored, pickle_protocol=4)  # not what torch.save writes by default
+    torch.save({"step": 7, "lr": [1e-3, 2e-3]}, stored, _use_new_zipfile_serialization=False)  # not what DCP writes
     handed = _rewritten("optim.extra", stored.getvalue())
     assert handed.getvalue() != stored.getvalue()
     assert torch.load(handed, weights_only=True) == {"step": 7, "lr": [1e-3, 2e-3]}
