@@ -21,7 +21,7 @@ from torch.futures import Future
 
 from ckptstore.dcp import meta
 from ckptstore.dcp.repos import open_repo
-from ckptstore.errors import CkptError, PickledObjectsError
+from ckptstore.errors import CkptError, CorruptRecordError, PickledObjectsError
 from ckptstore.hashing import CommitId
 from ckptstore.repo import sharded
 from ckptstore.repo.manifest import Entry, Manifest
@@ -183,12 +183,15 @@ def _deliver(item: ReadItem, entry: Entry, part: tuple[int, np.ndarray], planner
 
 
 def _rewritten(fqn: str, data: bytes) -> io.BytesIO:
-    """A bytes item loaded by torch's restricted unpickler and saved again: DCP's full unpickle sees only our pickle.
+    """A pickle for DCP written afresh: from the item's JSON skeleton, or from what torch's restricted unpickler read.
 
-    What the restricted unpickler refuses (objects beyond plain data and tensors) is refused here.
+    An item stored as DCP's own pickle (one the skeleton could not hold) is loaded restricted, and
+    what that refuses (objects beyond plain data and tensors) is refused here.
     """
     import pickle
 
+    if data.startswith(sharded.SKELETON_MAGIC):
+        return _pickled(_from_skeleton(fqn, data[len(sharded.SKELETON_MAGIC):]))
     try:  # DCP saves a BytesIO value by pickling the BytesIO: rebuilding one runs no code of the file's choosing
         with torch.serialization.safe_globals([io.BytesIO]):
             value = torch.load(io.BytesIO(data), weights_only=True)
@@ -196,6 +199,24 @@ def _rewritten(fqn: str, data: bytes) -> io.BytesIO:
         raise PickledObjectsError(f"{fqn}: this non-tensor item holds objects beyond plain data and tensors "
                                   f"({str(exc).splitlines()[0][:200]}); DCP would unpickle them in full. Pass "
                                   "CkptStorageReader(..., trust_pickle=True) only for repositories you trust") from None
+    return _pickled(value)
+
+
+def _from_skeleton(fqn: str, text: bytes) -> Any:
+    import json
+
+    from ckptstore.state import unflatten
+
+    def no_tensors(path: str) -> Any:
+        raise CorruptRecordError(f"bytes item {fqn}", f"its skeleton names a tensor ({path}) it does not hold")
+
+    try:
+        return unflatten(json.loads(text), no_tensors)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptRecordError(f"bytes item {fqn}", f"its stored skeleton does not parse ({exc})") from None
+
+
+def _pickled(value: Any) -> io.BytesIO:
     fresh = io.BytesIO()
     torch.save(value, fresh)
     fresh.seek(0)

@@ -89,7 +89,7 @@ class CkptStorageWriter(StorageWriter):
                             "every rank must save with a CkptStorageWriter")
         items = {_key(item): item for item in plan.items}
         try:
-            shards = {key: _raw(item, planner.resolve_data(item)) for key, item in items.items()}
+            shards = {key: _raw(item, planner) for key, item in items.items()}
             written = sharded.write_shards(self.repo, plan.storage_data["parent"], shards)
         except BaseException:
             self.close()  # the save is over: `finish` will not come to release the lock
@@ -140,12 +140,21 @@ def _key(item: WriteItem) -> str:
     return sharded.shard_key(item.index.fqn, list(chunk.offsets), list(chunk.sizes))
 
 
-def _raw(item: WriteItem, data: Any) -> RawTensor:
-    """The bytes to store for one write item: a bytes item's buffer, or a tensor shard's elements."""
+def _raw(item: WriteItem, planner: SavePlanner) -> RawTensor:
+    """The bytes to store for one write item: a bytes item's skeleton (or DCP's pickle), or a tensor shard's elements.
+
+    A bytes item of plain data (numbers, strings, containers) is stored as ckptstore's JSON
+    skeleton, never as a pickle; only one the skeleton cannot hold keeps DCP's own pickle.
+    """
     if item.type == WriteItemType.BYTE_IO:
+        skeleton = _skeleton(item, planner)
+        if skeleton is not None:
+            return raw_from_bytes(skeleton)
+        data = planner.resolve_data(item)
         if not isinstance(data, io.BytesIO):
             raise CkptError(f"{item.index.fqn}: DCP handed a {type(data).__name__} for a bytes item")
         return raw_from_bytes(bytes(data.getbuffer()))
+    data = planner.resolve_data(item)
     if hasattr(data, "to_local"):  # a DTensor: this rank's shard
         data = data.to_local()
     if not isinstance(data, torch.Tensor):
@@ -155,6 +164,25 @@ def _raw(item: WriteItem, data: Any) -> RawTensor:
         raise CkptError(f"{item.index.fqn}: the shard has shape {list(raw.shape)}, the plan says "
                         f"{list(item.tensor_data.chunk.sizes)}")
     return raw
+
+
+def _skeleton(item: WriteItem, planner: SavePlanner) -> bytes | None:
+    """The bytes item's value as SKELETON_MAGIC + its JSON skeleton, or None when the skeleton cannot hold it."""
+    import json
+
+    from ckptstore.errors import UnsupportedStateError
+    from ckptstore.state import flatten
+
+    lookup = getattr(planner, "lookup_object", None)  # DefaultSavePlanner's: the value before DCP pickles it
+    if lookup is None:
+        return None
+    try:
+        flat = flatten(lookup(item.index))
+    except UnsupportedStateError:
+        return None
+    if flat.tensors:  # tensors inside a bytes item: DCP's pickle keeps them
+        return None
+    return sharded.SKELETON_MAGIC + json.dumps(flat.skeleton, allow_nan=False).encode()
 
 
 def _report(written: sharded.WrittenShard) -> dict[str, Any]:

@@ -39,6 +39,10 @@ def shard_key(fqn: str, offsets: list[int], sizes: list[int]) -> str:
     return f"{escape(fqn)}/%shard/{','.join(map(str, offsets))}/{','.join(map(str, sizes))}"
 
 
+# A bytes item stored as ckptstore's JSON skeleton starts with this (a pickle starts with 0x80, a zip with "PK").
+SKELETON_MAGIC = b"\x00ckpt-skeleton-v1\n"
+
+
 def bytes_key(fqn: str) -> str:
     """The manifest path of a bytes item (non-tensor state DCP serialized itself)."""
     return f"{escape(fqn)}/%bytes"

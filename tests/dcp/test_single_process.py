@@ -195,3 +195,22 @@ def test_dcp_unpickles_a_fresh_pickle_of_what_the_restricted_loader_read_never_t
     handed = _rewritten("optim.extra", stored.getvalue())
     assert handed.getvalue() != stored.getvalue()
     assert torch.load(handed, weights_only=True) == {"step": 7, "lr": [1e-3, 2e-3]}
+
+
+def test_plain_bytes_items_are_stored_as_skeletons_never_as_pickles(tmp_path):
+    from ckptstore.repo.checkout import restore
+    from ckptstore.repo.sharded import SKELETON_MAGIC, bytes_key
+
+    repo = Repository.init(tmp_path)
+    note = {"text": "hi", "k": 3, "lr": [1e-3, 2.5], "nested": {"none": None, "flag": True}}
+    dcp.save({"w": torch.ones(3), "note": note, "obj": Opaque(2)}, storage_writer=CkptStorageWriter(tmp_path))
+    manifest = repo.manifest(repo.resolve("main"))
+    items = [path for path in manifest.entries if path.endswith("/%bytes")]  # DCP flattens `note` into leaves
+    stored = restore(repo, manifest, paths=items)
+    assert len(items) >= 5 and bytes_key("obj") in items
+    for path in items:  # plain data as a skeleton; an object beyond it keeps DCP's pickle
+        assert bytes(stored[path].data).startswith(SKELETON_MAGIC) == (path != bytes_key("obj")), path
+    loaded = {"w": torch.zeros(3), "note": {"text": "", "k": 0, "lr": [0.0, 0.0], "nested": {"none": 1, "flag": False}}}
+    dcp.load(loaded, storage_reader=CkptStorageReader(tmp_path))
+    assert loaded["note"] == note and torch.equal(loaded["w"], torch.ones(3))
+    repo.close()
