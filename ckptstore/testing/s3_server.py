@@ -12,7 +12,6 @@ import subprocess
 import sys
 import urllib.request
 import uuid
-from collections.abc import Mapping
 
 from ckptstore.testing.net import free_port, wait_for_http
 
@@ -69,9 +68,3 @@ class S3Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def environment_with(extra: Mapping[str, str]) -> dict[str, str]:
-    """This process's environment with `extra` on top (for subprocesses of the CLI)."""
-    return {**os.environ, **extra}
-
