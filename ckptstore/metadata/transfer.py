@@ -24,9 +24,13 @@ class RecordSet:
 
     rows: dict[str, tuple[list[str], list[tuple]]] = field(default_factory=dict)
     objects: dict[ObjectId, int] = field(default_factory=dict)  # id -> stored size (0 where unknown)
+    manifests: set[ObjectId] = field(default_factory=set)  # those of `objects` that are the commits' manifests
 
-    def count(self, table: str) -> int:
-        return len(self.rows.get(table, ((), []))[1])
+    def column(self, table: str, name: str) -> set[str]:
+        """Every value of column `name` in the rows of `table`."""
+        columns, rows = self.rows[table]
+        at = columns.index(name)
+        return {row[at] for row in rows}
 
 
 def present_commits(tx: Tx, cids: Iterable[CommitId]) -> set[CommitId]:
@@ -69,16 +73,12 @@ def tensors_of(tx: Tx, cids: Iterable[CommitId]) -> set[TensorId]:
 
 
 def _select(tx: Tx, table: str, column: str, ids: list[str]) -> tuple[list[str], list[tuple]]:
-    columns = [r[0] for r in _columns(tx, table)]
-    names = ", ".join(f'"{c}"' for c in columns)
-    return columns, tx.rows_in(f'SELECT {names} FROM {table} WHERE "{column}" IN ({{ids}})', ids)
-
-
-def _columns(tx: Tx, table: str) -> list[tuple]:
-    """The table's column names, in order (from the schema both sides share)."""
+    """Every column of the rows of `table` whose `column` is in `ids` (the schema both sides share names them)."""
     from ckptstore.metadata import schema
 
-    return [(c.name,) for c in schema.metadata.tables[table].columns]
+    columns = [c.name for c in schema.metadata.tables[table].columns]
+    names = ", ".join(f'"{c}"' for c in columns)
+    return columns, tx.rows_in(f'SELECT {names} FROM {table} WHERE "{column}" IN ({{ids}})', ids)
 
 
 def records(tx: Tx, cids: list[CommitId], tids: set[TensorId]) -> RecordSet:
@@ -88,11 +88,10 @@ def records(tx: Tx, cids: list[CommitId], tids: set[TensorId]) -> RecordSet:
         found.rows[table] = _select(tx, table, column, list(cids))
     for table, column in TENSOR_TABLES:
         found.rows[table] = _select(tx, table, column, sorted(tids))
-    manifests = {ObjectId(r[0]) for r in tx.rows_in("SELECT manifest_object FROM commits WHERE id IN ({ids})", cids)}
-    chunks = {ObjectId(r[0]) for r in tx.rows_in("SELECT object_id FROM tensor_chunks WHERE tensor_id IN ({ids})",
-                                                 sorted(tids))}
-    sizes = dict(tx.rows_in("SELECT id, size FROM objects WHERE id IN ({ids})", sorted(manifests | chunks)))
-    found.objects = {oid: int(sizes.get(oid, 0)) for oid in manifests | chunks}
+    found.manifests = {ObjectId(m) for m in found.column("commits", "manifest_object")}
+    needed = found.manifests | {ObjectId(o) for o in found.column("tensor_chunks", "object_id")}
+    sizes = dict(tx.rows_in("SELECT id, size FROM objects WHERE id IN ({ids})", sorted(needed)))
+    found.objects = {oid: int(sizes.get(oid, 0)) for oid in needed}
     return found
 
 

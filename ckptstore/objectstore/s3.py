@@ -44,13 +44,17 @@ def parse_url(url: str) -> tuple[str, str]:
     return parsed.netloc, parsed.path.strip("/")
 
 
+def _endpoint() -> str:
+    """The S3 endpoint the environment names, or "" for AWS's own."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+
+
 def _client(bucket: str) -> Any:
     """An obstore S3Store for `bucket`, configured from the environment (see the module docstring)."""
     from obstore.store import S3Store
 
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
     options: dict[str, Any] = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=300)}
-    if endpoint.startswith("http://"):
+    if _endpoint().startswith("http://"):
         options["allow_http"] = True
     config: dict[str, Any] = {}
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
@@ -103,13 +107,18 @@ class S3ObjectStore:
         """The object's key in the bucket."""
         return f"{self._objects}{oid[:2]}/{oid[2:]}"
 
-    def call(self, operation: Any, oid: ObjectId | None, *args: Any, key: str | None = None, **kwargs: Any) -> Any:
-        """`operation(client, key, ...)` with obstore's errors as ckptstore's: missing, or unavailable and why."""
+    def call(self, operation: Any, oid: ObjectId, *args: Any, **kwargs: Any) -> Any:
+        """`operation(client, key of oid, ...)`, with obstore's errors as ckptstore's (see `_errors`)."""
+        with self._errors(oid):
+            return operation(self._client, self.key(oid), *args, **kwargs)
+
+    @contextlib.contextmanager
+    def _errors(self, oid: ObjectId | None = None) -> Iterator[None]:
+        """The client's errors in the block as ckptstore's: `oid` missing, or the store unavailable and why."""
         from obstore.exceptions import NotFoundError
 
-        target = key if key is not None else self.key(oid) if oid is not None else self._objects
         try:
-            return operation(self._client, target, *args, **kwargs)
+            yield
         except (NotFoundError, FileNotFoundError):  # obstore raises either, by operation
             if oid is None:
                 raise
@@ -121,7 +130,7 @@ class S3ObjectStore:
 
     # ----------------------------------------------------------------- writing
     def put(self, data: bytes | memoryview) -> ObjectId:
-        """Store `data` (in the background inside batch()); an object already there of this size is kept."""
+        """Store `data` (in the background inside batch()); an object already there is kept when its ETag matches."""
         oid = object_id(data)
         if self._batch is not None:
             self._batch.submit(oid, data)
@@ -227,16 +236,12 @@ class S3ObjectStore:
     def iter_sizes(self) -> Iterator[tuple[ObjectId, int]]:
         import obstore
 
-        try:
+        with self._errors():
             for page in obstore.list(self._client, prefix=self._objects, chunk_size=1000):
                 for item in page:
                     name = item["path"][len(self._objects):].replace("/", "")
                     if is_hex_id(name):
                         yield ObjectId(name), int(item["size"])
-        except Exception as exc:
-            if type(exc).__module__.startswith("obstore"):
-                raise unavailable(self.url, exc) from None
-            raise
 
 
 class _ReadAhead:
@@ -331,7 +336,7 @@ def unavailable(url: str, exc: BaseException) -> StoreUnavailableError:
     from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
 
     text = " ".join(str(exc).split())
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the default AWS endpoint"
+    endpoint = _endpoint() or "the default AWS endpoint"
     if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)) or any(
             word in text for word in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403 Forbidden")):
         advice = ("the credentials were refused: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) "

@@ -132,21 +132,16 @@ def _copy(source: Repository, target: Repository, tips: list[CommitId], lazy: bo
     `lazy` copies the records and manifests only: the chunk objects come when a checkout reads them.
     """
     report = TransferReport()
-    with source.db.read() as tx:
+    with source.db.read() as tx, target.db.read() as ttx:
         candidates = transfer.ancestors(tx, tips)
-    with target.db.read() as ttx:
         have = transfer.present_commits(ttx, candidates)
-    missing = [c for c in candidates if c not in have]
-    if not missing:
-        return report
-    with source.db.read() as tx:
+        missing = [c for c in candidates if c not in have]
+        if not missing:
+            return report
         tensors = transfer.tensors_of(tx, missing)
-        with target.db.read() as ttx:
-            tensors -= transfer.present_tensors(ttx, tensors)
+        tensors -= transfer.present_tensors(ttx, tensors)
         found = transfer.records(tx, missing, tensors)
-        manifests = {ObjectId(m) for m, in tx.rows_in("SELECT manifest_object FROM commits WHERE id IN ({ids})",
-                                                      missing)} if lazy else set()
-    wanted = manifests if lazy else set(found.objects)
+    wanted = found.manifests if lazy else set(found.objects)
     report.objects, report.object_bytes = _send_objects(source, target, sorted(wanted))
     faults.point("transfer:objects-sent")
     with target.db.write() as ttx:
@@ -192,8 +187,7 @@ def push(repo: Repository, name: str, branch: str | None = None, force: bool = F
     tip = CommitId(row.commit_id)
     with open_remote(remote_config, name) as remote, remote.lock():
         with remote.db.read() as rtx:
-            theirs = ref_rows.ref_row(rtx, branch)
-        old = CommitId(theirs.commit_id) if theirs is not None and theirs.commit_id else None
+            old = _tip(ref_rows.ref_row(rtx, branch))
         if old is not None and old != tip and not force and not _is_ancestor(repo, old, tip):
             raise ConflictError(f"push to {name} refused: its branch {branch!r} has commits yours lacks "
                                 f"({old[:12]}); `ckpt pull {name} {branch}` first, or push with --force to drop them")
@@ -243,11 +237,15 @@ def fetch(repo: Repository, name: str, lazy: bool | None = None) -> TransferRepo
         with repo.lock():
             report = _copy(remote, repo, list(branches.values()), lazy=lazy)
     with repo.db.read() as tx:
-        before = {b: ref_rows.ref_row(tx, f"remotes/{name}/{b}") for b in branches}
+        before = {b: _tip(ref_rows.ref_row(tx, f"remotes/{name}/{b}")) for b in branches}
     _track(repo, name, branches)
-    report.refs_moved = [(f"{name}/{b}", CommitId(row.commit_id) if row else None, cid)
-                         for b, cid in branches.items() for row in [before[b]] if row is None or row.commit_id != cid]
+    report.refs_moved = [(f"{name}/{b}", before[b], cid) for b, cid in branches.items() if before[b] != cid]
     return report
+
+
+def _tip(row: ref_rows.RefRow | None) -> CommitId | None:
+    """The commit a ref row points at; None for no row (or an unborn branch)."""
+    return CommitId(row.commit_id) if row is not None and row.commit_id else None
 
 
 def pull(repo: Repository, name: str, branch: str | None = None) -> tuple[TransferReport, CommitId | None]:
@@ -262,7 +260,7 @@ def pull(repo: Repository, name: str, branch: str | None = None) -> tuple[Transf
     if theirs is None:
         raise RefNotFoundError(f"{name}/{branch}", detail=f" (remote {name!r} has no branch {branch!r})")
     new = CommitId(theirs.commit_id)
-    old = CommitId(ours.commit_id) if ours is not None and ours.commit_id else None
+    old = _tip(ours)
     if old == new or (old is not None and _is_ancestor(repo, new, old)):
         return report, None  # up to date, or ours is ahead
     if old is not None and not _is_ancestor(repo, old, new):
