@@ -12,12 +12,12 @@ import contextlib
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
 
 from ckptstore.errors import CkptError
+from ckptstore.testing.net import free_port
 
 PASSWORD_USER = "ckpt_password"
 PASSWORD = "right-password"
@@ -38,12 +38,6 @@ def find_bin() -> Path:
     if versions:
         return Path(versions[-1]).parent
     raise CkptError(f"no PostgreSQL server programs (initdb, pg_ctl) on this machine: {INSTALL_HINT}")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class PostgresServer:

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from ckptstore.testing.net import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(scenario: str, repo: Path, out: Path, world: int, env_of_rank: dict[int, dict[str, str]] | None = None,
