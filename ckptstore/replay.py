@@ -214,7 +214,8 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
     outputs: dict[TensorId, np.ndarray] = {}
     chunk_futures: dict[TensorId, list[Future]] = {}
     futures, jobs = [], []
-    for record in _bases_first(records):
+    ordered = _bases_first(records)
+    for record in ordered:
         problem = _record_problem(record)  # before its buffer is allocated: the sizes must add up
         if problem is not None:
             raise CorruptRecordError(f"tensor {record.id}", problem, tensors=[record.id])
@@ -229,7 +230,7 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
             jobs.append((future, partial(_replay_chunk, source, record, index, buffer[offset:end], below, verify)))
             chunk_futures[record.id].append(future)
             futures.append((record, end - offset, future))
-    with reading_ahead(source.store, _objects_in_order(source, records)):
+    with reading_ahead(source.store, _objects_in_order(source, ordered)):
         run_here_and_on(pool, jobs)
         _collect(source, futures, on_chunk)
     if verify:
@@ -242,9 +243,9 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
     return outputs
 
 
-def _objects_in_order(source: ChainSource, records: Mapping[TensorId, TensorRecord]) -> Iterator[ObjectId]:
-    """The objects the replay reads, about in the order it reads them: each tensor's chunks down its chain."""
-    for record in _bases_first(records):
+def _objects_in_order(source: ChainSource, ordered: list[TensorRecord]) -> Iterator[ObjectId]:
+    """The objects the replay of `ordered` reads, about in the order it reads them: each chunk down its chain."""
+    for record in ordered:
         current: TensorRecord | None = record
         for _ in range(min(record.depth, 64) + 1):  # a damaged depth or a looping chain is found elsewhere
             if current is None:
