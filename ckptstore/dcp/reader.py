@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ckptstore.dcp import meta
-from ckptstore.dcp.repos import open_repo
+from ckptstore.dcp.repos import RepoHandle
 from ckptstore.errors import CkptError, CorruptRecordError, PickledObjectsError
 from ckptstore.hashing import CommitId
 from ckptstore.repo import sharded
@@ -41,9 +41,8 @@ class CkptStorageReader(StorageReader):
     def __init__(self, repo_or_path: Any, ref: str = "HEAD", trust_pickle: bool = False) -> None:
         super().__init__()
         self.trust_pickle = trust_pickle
-        self._where = repo_or_path
+        self._handle = RepoHandle(repo_or_path, read_only=True)
         self.ref = ref
-        self._repo = None
         self.commit_id: CommitId | None = None
         self._manifest: Manifest | None = None
         self._storage: dict[Any, str] = {}
@@ -51,15 +50,12 @@ class CkptStorageReader(StorageReader):
 
     @property
     def repo(self) -> Any:
-        if self._repo is None:
-            self._repo = open_repo(self._where, read_only=True)
-        return self._repo
+        return self._handle.repo
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """A new load begins; a `checkpoint_id` names the repository (its folder)."""
         self.commit_id, self._manifest, self._storage = None, None, {}
-        if checkpoint_id is not None and checkpoint_id != self._where:
-            self._where, self._repo = checkpoint_id, None
+        self._handle.switch(checkpoint_id)
 
     def read_metadata(self, *args: Any) -> Metadata:
         """DCP's metadata of the commit at `ref`, from the JSON in its manifest.
@@ -135,9 +131,7 @@ class CkptStorageReader(StorageReader):
 
     def close(self) -> None:
         """Close the repository this reader opened."""
-        if self._repo is not None and self._repo is not self._where:
-            self._repo.close()
-        self._repo = None
+        self._handle.close()
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:

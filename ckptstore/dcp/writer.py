@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptstore.dcp import meta
-from ckptstore.dcp.repos import open_repo
+from ckptstore.dcp.repos import RepoHandle
 from ckptstore.errors import CkptError
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.repo import sharded
@@ -43,8 +43,7 @@ class CkptStorageWriter(StorageWriter):
     def __init__(self, repo_or_path: Any, branch: str | None = None, message: str = "", step: int | None = None,
                  metrics: dict[str, float] | None = None, author: str | None = None) -> None:
         super().__init__()
-        self._where = repo_or_path
-        self._repo = None
+        self._handle = RepoHandle(repo_or_path, read_only=False)
         self.options = CommitOptions(message=message, step=step, metrics=dict(metrics or {}), branch=branch,
                                      allow_empty=True, author=author)
         self.is_coordinator = False
@@ -54,16 +53,13 @@ class CkptStorageWriter(StorageWriter):
 
     @property
     def repo(self) -> Any:
-        if self._repo is None:
-            self._repo = open_repo(self._where, read_only=False)
-        return self._repo
+        return self._handle.repo
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """A new save begins; a `checkpoint_id` names the repository (its folder)."""
         self._held.close()
         self._start, self.commit_id = None, None
-        if checkpoint_id is not None and checkpoint_id != self._where:
-            self._where, self._repo = checkpoint_id, None
+        self._handle.switch(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -128,9 +124,7 @@ class CkptStorageWriter(StorageWriter):
     def close(self) -> None:
         """Release the lock and the repository this writer opened."""
         self._held.close()
-        if self._repo is not None and self._repo is not self._where:
-            self._repo.close()
-        self._repo = None
+        self._handle.close()
 
 
 def _key(item: WriteItem) -> str:
