@@ -1,0 +1,1 @@
+"""Where ckptstore plugs into training loops: background commits, Hugging Face Trainer, PyTorch Lightning."""
