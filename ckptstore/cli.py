@@ -202,12 +202,18 @@ def checkout(ctx, ref, output, force) -> None:
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]), default="safetensors",
               show_default=True)
 @click.option("-o", "--output", type=click.Path(), required=True, help="The file to write.")
+@click.option("--all", "everything", is_flag=True,
+              help="Every tensor by path, not only a Hugging Face checkpoint folder's weights.")
 @click.pass_context
-def export_command(ctx, ref, fmt, output) -> None:
-    """Write the commit at REF as one full state dict file (a sharded commit's shards gathered)."""
+def export_command(ctx, ref, fmt, output, everything) -> None:
+    """Write the commit at REF as one full state dict file (a sharded commit's shards gathered).
+
+    A Hugging Face checkpoint folder gives its model weights under their own names, so
+    `from_pretrained` of a folder with that file and the run's config.json loads it.
+    """
     from ckptstore.repo import export  # numpy and the formats: only for this command
 
-    report = export(_open(ctx), ref, fmt, output)
+    report = export(_open(ctx), ref, fmt, output, everything)
     click.echo(f"Wrote {report.commit[:12]} to {output}: {report.tensors} tensors ({fmt})")
     if report.skipped:
         shown = ", ".join(report.skipped[:5]) + (f" and {len(report.skipped) - 5} more" if len(report.skipped) > 5

@@ -142,9 +142,14 @@ def as_state(skeleton: Any, value_of) -> dict[str, Any]:
 SAFETENSORS_DTYPES = {name: code for code, name in DTYPES.items()}  # torch dtype name -> safetensors code
 
 
-def write_tensors(path: str | os.PathLike, tensors: dict[str, RawTensor]) -> None:
-    """Write `tensors` (torch dtypes) as a new safetensors file, atomically; names in the given order."""
-    header, offset = {}, 0
+def write_tensors(path: str | os.PathLike, tensors: dict[str, RawTensor], metadata: dict[str, str] | None = None
+                  ) -> None:
+    """Write `tensors` (torch dtypes) as a new safetensors file, atomically; names in the given order.
+
+    `metadata` becomes the header's `__metadata__` (string to string, as safetensors requires).
+    """
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
     for name, raw in tensors.items():
         code = SAFETENSORS_DTYPES.get(raw.dtype)
         if code is None:

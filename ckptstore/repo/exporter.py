@@ -2,8 +2,10 @@
 
 For a sharded (DCP) commit the shards of each logical tensor are put back together under its
 fully qualified name; its non-tensor items are DCP's pickles, which ckptstore never unpickles, so
-they are left out and named. An ordinary commit exports its tensors by path (safetensors) or its
-whole state as checkout rebuilds it (torch).
+they are left out and named. A Hugging Face checkpoint folder exports its model weights only, under
+their own names (formats/hfweights.py), so `from_pretrained` reads the file; `everything` (--all)
+exports it like any other commit: its tensors by path (safetensors) or its whole state as checkout
+rebuilds it (torch).
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ckptstore.errors import CkptError
-from ckptstore.formats import safetensors_file, torchfile
+from ckptstore.formats import hfweights, safetensors_file, torchfile
 from ckptstore.repo import sharded
-from ckptstore.state import TORCH_PREFIX, RawTensor, materialize
+from ckptstore.state import TORCH_PREFIX, RawTensor, escape, materialize
 
 if TYPE_CHECKING:
+    from ckptstore.formats import CheckpointFile
+    from ckptstore.repo.manifest import Manifest
     from ckptstore.repo.repository import Repository
 
 FORMATS = ("safetensors", "torch")
+WEIGHTS_ONLY = "a Hugging Face folder exports its model weights only, under their own names; --all exports every tensor"
 
 
 @dataclass
@@ -33,15 +38,23 @@ class ExportReport:
     why_skipped: str = ""
 
 
-def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike) -> ExportReport:
-    """Write the commit at `ref` to `output` as one file in `fmt` (safetensors or torch)."""
+def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, everything: bool = False
+           ) -> ExportReport:
+    """Write the commit at `ref` to `output` as one file in `fmt` (safetensors or torch).
+
+    A Hugging Face checkpoint folder gives its model weights only, unless `everything`.
+    """
     if fmt not in FORMATS:
         raise CkptError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
     cid = repo.resolve(ref)
     manifest = repo.manifest(cid)
+    weight_files = [] if everything or manifest.kind != "folder" else hfweights.weight_files(manifest.files)
     if sharded.is_sharded(manifest):
         tensors, skipped = sharded.gather(repo, manifest)
         why = "DCP stores non-tensor state as pickles, which ckptstore never unpickles"
+    elif weight_files:
+        tensors, skipped = _weights(repo, manifest, weight_files)
+        why = WEIGHTS_ONLY
     elif fmt == "torch":
         torchfile.save(repo.checkout(cid), output)
         return ExportReport(cid, len(manifest.entries))
@@ -52,11 +65,27 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike) -> E
         tensors = {p: r for p, r in raws.items() if r.dtype in safetensors_file.SAFETENSORS_DTYPES}
         skipped = [p for p in raws if p not in tensors]
         why = "safetensors holds tensors only (these are file bytes, numpy arrays or unsupported dtypes)"
-    if fmt == "safetensors":
-        safetensors_file.write_tensors(output, tensors)
+    if fmt == "safetensors":  # transformers before 4.40 refuses a weights file without format "pt"
+        safetensors_file.write_tensors(output, tensors, {"format": "pt"} if weight_files else None)
     else:
         torchfile.save({name: _torch(raw) for name, raw in tensors.items()}, output)
     return ExportReport(cid, len(tensors), skipped, why if skipped else "")
+
+
+def _weights(repo: Repository, manifest: Manifest, files: list[CheckpointFile]
+             ) -> tuple[dict[str, RawTensor], list[str]]:
+    """The weights in `files` by name (only their entries are decoded), and the folder's other files."""
+    from ckptstore.repo.checkout import restore
+
+    prefixes = tuple(escape(record.name) + "/" for record in files)
+    raws = restore(repo, manifest, paths=[p for p in manifest.entries if p.startswith(prefixes)])
+    tensors: dict[str, RawTensor] = {}
+    for record in files:
+        tensors.update(hfweights.weights(record, raws.__getitem__))
+    odd = [name for name, raw in tensors.items() if raw.dtype not in safetensors_file.SAFETENSORS_DTYPES]
+    kept = {name: raw for name, raw in tensors.items() if name not in odd}
+    chosen = {record.name for record in files}
+    return kept, odd + [record.name for record in manifest.files if record.name not in chosen]
 
 
 def _torch(raw: RawTensor) -> object:

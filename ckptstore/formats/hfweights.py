@@ -1,0 +1,46 @@
+"""The model weights of a Hugging Face checkpoint folder, under the names `from_pretrained` expects.
+
+A Trainer folder holds the model as `model.safetensors` (or `model-00001-of-0000N.safetensors`
+shards beside an index), as `pytorch_model.bin` (and its shards) when safetensors is off, or as
+`adapter_model.*` for a PEFT adapter. Every other file (optimizer, scheduler, RNG, trainer state,
+config) is training state or text, not weights.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from ckptstore.formats import SAFETENSORS, TORCH, CheckpointFile, file_state, safetensors_file
+from ckptstore.state import RawTensor, materialize, raw_from_torch
+
+_WEIGHTS = re.compile(r"^(?P<stem>model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(?P<ext>safetensors|bin)$")
+# one set of weights per folder: a folder holding two (safetensors and .bin) names each tensor twice
+_PREFERENCE = (("model", "safetensors"), ("pytorch_model", "bin"), ("adapter_model", "safetensors"),
+               ("adapter_model", "bin"))
+
+
+def weight_files(files: list[CheckpointFile]) -> list[CheckpointFile]:
+    """The files holding the model's weights (shards in name order), or [] when the folder has none."""
+    groups: dict[tuple[str, str], list[CheckpointFile]] = {}
+    for record in files:
+        found = _WEIGHTS.match(record.name)
+        if found and record.format in (SAFETENSORS, TORCH):
+            groups.setdefault((found["stem"], found["ext"]), []).append(record)
+    for group in _PREFERENCE:
+        if group in groups:
+            return sorted(groups[group], key=lambda r: r.name)
+    return []
+
+
+def weights(record: CheckpointFile, raw_of: Callable[[str], RawTensor]) -> dict[str, RawTensor]:
+    """The tensors of weight file `record` by name; `raw_of(path)` gives each stored entry."""
+    if record.format == SAFETENSORS:
+        return safetensors_file.as_state(record.skeleton, raw_of)
+    import torch
+
+    state = file_state(record, lambda path: materialize(raw_of(path)))  # views and shared storages resolved
+    if not isinstance(state, dict):
+        return {}
+    return {name: raw_from_torch(value, name) for name, value in state.items()
+            if isinstance(name, str) and torch.is_tensor(value)}

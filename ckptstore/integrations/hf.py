@@ -1,0 +1,141 @@
+"""Hugging Face Trainer: commit each `checkpoint-N` folder as the Trainer saves it, and restore one to resume.
+
+`CkptCallback` commits on `on_save`, on the main process only, byte for byte (or lossy), with the
+step, the latest logged metrics and the run name; with `keep_folders=K` it then deletes the older
+folders it has committed, keeping the newest K on disk for the Trainer's own resume. `restore`
+writes a committed folder back as `output_dir/checkpoint-N` for `trainer.train(resume_from_checkpoint=...)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ckptstore.errors import CkptError
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from ckptstore.hashing import CommitId
+    from ckptstore.repo import Repository
+
+_FOLDER = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
+
+
+@contextlib.contextmanager
+def _opened(repo: str | os.PathLike | Repository) -> Iterator[Repository]:
+    """`repo` itself when it is an open Repository (left open), else the repository at that path (closed after)."""
+    from ckptstore.repo import Repository
+
+    if isinstance(repo, Repository):
+        yield repo
+    else:
+        with Repository.open(repo) as opened:
+            yield opened
+
+
+def latest_metrics(log_history: list[dict[str, Any]]) -> dict[str, float]:
+    """The latest logged value of every numeric key in the Trainer's `state.log_history` (its step aside)."""
+    metrics: dict[str, float] = {}
+    for entry in log_history:
+        for key, value in entry.items():
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                metrics[key] = float(value)
+    return metrics
+
+
+class CkptCallback(TrainerCallback):
+    """Commit each `checkpoint-N` folder right after the Trainer writes it.
+
+    Args:
+        repo: the repository (a path, default the current folder's, or an open `Repository`).
+        lossy: lossy level for the commits (None: the repository's default).
+        branch: commit to this branch (created at HEAD if new) instead of HEAD's.
+        keep_folders: after each commit, delete the committed `checkpoint-*` folders except the
+            newest K on disk (None: delete nothing). Never deletes a folder this callback did not
+            commit, nor the Trainer's best model checkpoint.
+        **knobs: lossy knobs, as for `Repository.commit`.
+    """
+
+    def __init__(self, repo: str | os.PathLike | Repository = ".", *, lossy: str | None = None,
+                 branch: str | None = None, keep_folders: int | None = None, **knobs: Any) -> None:
+        if keep_folders is not None and (type(keep_folders) is not int or keep_folders < 0):
+            raise CkptError(f"keep_folders={keep_folders!r}: pass a whole number of folders to keep, 0 or more, "
+                            "or None to delete none")
+        self.repo, self.lossy, self.branch, self.keep_folders, self.knobs = repo, lossy, branch, keep_folders, knobs
+        self.committed: dict[Path, CommitId] = {}  # folders this callback committed (resolved), and their commits
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """Commit `args.output_dir/checkpoint-{global_step}` (main process only), then prune old folders."""
+        if not state.is_world_process_zero:
+            return
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if not folder.is_dir():
+            raise CkptError(f"the Trainer saved step {state.global_step} but {folder} is not a folder: CkptCallback "
+                            "commits the checkpoint-N folders of args.output_dir (no hyperparameter search runs)")
+        run = args.run_name or Path(args.output_dir).name
+        # blocking: the folder may be deleted below only once its commit is recorded (with
+        # repo.commit(blocking=False) the pruning would wait for the commit's result instead)
+        with _opened(self.repo) as repo:
+            cid = repo.commit(folder, message=f"{run}: {folder.name}", step=state.global_step,
+                              metrics=latest_metrics(state.log_history), branch=self.branch, lossy=self.lossy,
+                              **self.knobs)
+        self.committed[folder.resolve()] = cid
+        if self.keep_folders is not None:
+            remove_committed_folders(folder.parent, self.committed, self.keep_folders, state.best_model_checkpoint)
+
+
+def remove_committed_folders(output_dir: Path, committed: dict[Path, Any], keep: int,
+                             protected: str | None = None) -> list[Path]:
+    """Delete the `checkpoint-N` folders in `output_dir` that are in `committed`, except the newest `keep`.
+
+    Newest by step among all checkpoint folders on disk, committed or not; `protected` (the best
+    model's folder) is never deleted. Returns the folders deleted, which leave `committed`.
+    """
+    on_disk = sorted((int(found[1]), path) for path in output_dir.iterdir()
+                     if path.is_dir() and (found := _FOLDER.match(path.name)))
+    newest = {path for _, path in on_disk[max(0, len(on_disk) - keep):]}
+    spared = {Path(protected).resolve()} if protected else set()
+    removed = []
+    for _, path in on_disk:
+        real = path.resolve()
+        if path in newest or real in spared or real not in committed:
+            continue
+        shutil.rmtree(path)
+        del committed[real]
+        removed.append(path)
+    return removed
+
+
+def restore(repo: str | os.PathLike | Repository, ref: str, output_dir: str | os.PathLike,
+            force: bool = False) -> Path:
+    """Write the Trainer folder committed at `ref` to `output_dir/checkpoint-N`, byte for byte; return it.
+
+    N is the commit's step. Pass the path to `trainer.train(resume_from_checkpoint=...)`. An
+    existing folder of that name is written over only where its files are in the store, unless
+    `force` (as `ckpt checkout -o`); files the commit does not hold are left in it.
+    """
+    with _opened(repo) as opened:
+        info = opened.commit_info(ref)
+        if info.kind != "folder":
+            raise CkptError(f"commit {info.id[:12]} ({ref}) is a {info.kind} commit, not a Trainer checkpoint folder: "
+                            f"write it with `ckpt checkout {info.id[:12]} -o PATH` instead")
+        step = info.step if info.step is not None else _step_of(info.source_path)
+        if step is None:
+            raise CkptError(f"commit {info.id[:12]} ({ref}) records no step and was not committed from a "
+                            f"{PREFIX_CHECKPOINT_DIR}-N folder: write it with `ckpt checkout {info.id[:12]} -o PATH`")
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        return opened.checkout_to(info.id, Path(output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}", force=force)
+
+
+def _step_of(source_path: str | None) -> int | None:
+    found = _FOLDER.match(Path(source_path).name) if source_path else None
+    return int(found[1]) if found else None

@@ -1,0 +1,172 @@
+"""The Trainer callback, restore and export, on one real transformers.Trainer run of a tiny GPT-2."""
+
+import hashlib
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+transformers = pytest.importorskip("transformers")
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainerState,
+    TrainingArguments,
+)
+
+from ckptstore import Repository  # noqa: E402
+from ckptstore.cli import cli  # noqa: E402
+from ckptstore.errors import CkptError  # noqa: E402
+from ckptstore.integrations.hf import CkptCallback, restore  # noqa: E402
+
+VOCAB, LENGTH, STEPS = 64, 16, 8
+
+
+def _tokens() -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, VOCAB, (32, LENGTH), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def _trainer(output_dir: Path, callbacks=()) -> Trainer:
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=LENGTH, bos_token_id=0,
+                        eos_token_id=0)
+    args = TrainingArguments(output_dir=str(output_dir), run_name="tiny-gpt2", max_steps=STEPS, save_steps=2,
+                             logging_steps=1, per_device_train_batch_size=4, learning_rate=1e-3, seed=0,
+                             use_cpu=True, report_to=[], dataloader_num_workers=0, disable_tqdm=True)
+    return Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=_tokens(), callbacks=list(callbacks))
+
+
+class FolderBytes(TrainerCallback):
+    """Each saved folder's file digests, taken before CkptCallback may delete the folder."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, dict[str, str]] = {}
+
+    def on_save(self, args, state, control, **kwargs):
+        self.saved[state.global_step] = _digests(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def _losses_after(trainer: Trainer, step: int) -> list[float]:
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e and e["step"] > step]
+
+
+@dataclass
+class Run:
+    repo: Path
+    out: Path
+    history: list[dict]
+    saved: dict[int, dict[str, str]]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Run:
+    root = tmp_path_factory.mktemp("hf")
+    Repository.init(root / "repo").close()
+    out = root / "out"
+    (out / "checkpoint-1").mkdir(parents=True)  # not committed by the callback: keep_folders must leave it
+    (out / "checkpoint-1" / "notes.txt").write_text("from an earlier run")
+    recorder = FolderBytes()
+    trainer = _trainer(out, [recorder, CkptCallback(root / "repo", keep_folders=3),
+                             CkptCallback(root / "repo", branch="lossy", lossy="balanced", min_elements=1)])
+    trainer.train()
+    return Run(root / "repo", out, trainer.state.log_history, recorder.saved)
+
+
+def test_each_saved_folder_is_committed_with_its_step_metrics_and_run_name(run):
+    with Repository.open(run.repo) as repo:
+        commits = repo.log("main")
+    assert [c.step for c in commits] == [8, 6, 4, 2]
+    for commit in commits:
+        logged = next(e for e in run.history if e["step"] == commit.step and "loss" in e)
+        assert commit.message == f"tiny-gpt2: checkpoint-{commit.step}" and commit.kind == "folder"
+        assert commit.metrics["loss"] == logged["loss"] and commit.metrics["learning_rate"] == logged["learning_rate"]
+        assert not commit.lossy
+
+
+def test_keep_folders_deletes_only_older_folders_it_committed(run):
+    assert sorted(p.name for p in run.out.iterdir()) == ["checkpoint-1", "checkpoint-4", "checkpoint-6",
+                                                         "checkpoint-8"]
+    assert (run.out / "checkpoint-1" / "notes.txt").read_text() == "from an earlier run"
+
+
+def test_restore_is_byte_exact_and_resumes_with_the_same_losses_as_the_original_folder(run, tmp_path):
+    with Repository.open(run.repo) as repo:
+        at = {c.step: c.id for c in repo.log("main")}
+        deleted = restore(repo, at[2], tmp_path / "back")  # its folder is gone from disk: only the store has it
+        restored = restore(repo, at[4], tmp_path / "back")
+    assert deleted == tmp_path / "back" / "checkpoint-2" and _digests(deleted) == run.saved[2]
+    assert restored == tmp_path / "back" / "checkpoint-4" and _digests(restored) == run.saved[4]
+    from_original = _trainer(tmp_path / "a")
+    from_original.train(resume_from_checkpoint=str(run.out / "checkpoint-4"))
+    from_restored = _trainer(tmp_path / "b")
+    from_restored.train(resume_from_checkpoint=str(restored))
+    expected = _losses_after(from_original, 4)
+    assert len(expected) == STEPS - 4 and _losses_after(from_restored, 4) == expected
+
+
+def test_lossy_commits_go_to_their_branch_and_differ_from_the_folder(run, tmp_path):
+    with Repository.open(run.repo) as repo:
+        commits = repo.log("lossy")[:4]
+        assert [(c.step, c.lossy) for c in commits] == [(8, "balanced"), (6, "balanced"), (4, "balanced"),
+                                                        (2, "balanced")]
+        folder = restore(repo, "lossy", tmp_path)
+    original = load_file(run.out / "checkpoint-8" / "model.safetensors")
+    lossy = load_file(folder / "model.safetensors")
+    assert sorted(lossy) == sorted(original)
+    weight = "transformer.h.0.mlp.c_fc.weight"
+    error = (lossy[weight] - original[weight]).norm() / original[weight].norm()
+    assert 0 < error < 0.1
+
+
+def test_export_of_a_trainer_commit_loads_with_from_pretrained_bit_for_bit(run, tmp_path, monkeypatch):
+    monkeypatch.chdir(run.repo)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    written = CliRunner().invoke(cli, ["export", "main", "--format", "safetensors", "-o",
+                                       str(model_dir / "model.safetensors")])
+    assert written.exit_code == 0, written.output
+    assert "optimizer.pt" in written.output and "--all" in written.output  # says what it left out
+    shutil.copy(run.out / "checkpoint-8" / "config.json", model_dir)
+    original = load_file(run.out / "checkpoint-8" / "model.safetensors")
+    loaded = GPT2LMHeadModel.from_pretrained(model_dir).state_dict()
+    for name, tensor in original.items():
+        assert torch.equal(loaded[name], tensor), name
+    assert torch.equal(loaded["lm_head.weight"], original["transformer.wte.weight"])  # tied, as trained
+    written = CliRunner().invoke(cli, ["export", "main", "--format", "torch", "-o", str(tmp_path / "w.pt")])
+    assert written.exit_code == 0, written.output
+    as_torch = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert list(as_torch) == list(original) and all(torch.equal(as_torch[k], v) for k, v in original.items())
+
+
+def test_the_callback_commits_nothing_off_the_main_process_and_refuses_bad_arguments(run, tmp_path):
+    with Repository.open(run.repo) as repo:
+        before = repo.resolve("main")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    state = TrainerState(global_step=3, is_world_process_zero=False)  # rank 1: no folder, no commit
+    CkptCallback(run.repo).on_save(args, state, None)
+    with Repository.open(run.repo) as repo:
+        assert repo.resolve("main") == before
+    with pytest.raises(CkptError, match="keep_folders"):
+        CkptCallback(run.repo, keep_folders=-1)
+    state.is_world_process_zero = True
+    with pytest.raises(CkptError, match="checkpoint-3 is not a folder"):
+        CkptCallback(run.repo).on_save(args, state, None)
+
+
+def test_restore_refuses_a_commit_that_is_not_a_folder(tmp_path):
+    torch.save({"w": torch.ones(3)}, tmp_path / "w.pt")
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(tmp_path / "w.pt", step=5)
+        with pytest.raises(CkptError, match="not a Trainer checkpoint folder"):
+            restore(repo, "main", tmp_path / "out")
