@@ -1,0 +1,81 @@
+"""`export` of Hugging Face checkpoint folders: the weights under their own names, or everything with --all."""
+
+import json
+
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from ckptstore import Repository
+from ckptstore.cli import cli
+from ckptstore.repo import export
+
+
+def _training_files(folder):
+    torch.save({"state": {0: {"exp_avg": torch.randn(4, 3)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+               folder / "optimizer.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "tiny"}))
+
+
+def test_a_pytorch_model_bin_folder_exports_its_state_dict_names_and_bits(tmp_path):
+    folder = tmp_path / "checkpoint-3"
+    folder.mkdir()
+    embed = torch.randn(8, 3)
+    weights = {"embed.weight": embed, "head.weight": embed, "norm.bias": torch.randn(3).to(torch.bfloat16),
+               "steps": torch.arange(5)}  # head tied to embed: one storage in the file
+    torch.save(weights, folder / "pytorch_model.bin")
+    _training_files(folder)
+    with Repository.init(tmp_path / "repo") as repo:
+        cid = repo.commit(folder, step=3)
+        report = export(repo, "main", "safetensors", tmp_path / "w.safetensors")
+        assert report.commit == cid and report.tensors == 4
+        assert report.skipped == ["config.json", "optimizer.pt", "trainer_state.json"] and "--all" in report.why_skipped
+        export(repo, "main", "torch", tmp_path / "w.pt")
+        everything = export(repo, "main", "safetensors", tmp_path / "all.safetensors", everything=True)
+    for loaded in (load_file(tmp_path / "w.safetensors"), torch.load(tmp_path / "w.pt", weights_only=True)):
+        assert list(loaded) == list(weights)
+        assert all(loaded[k].dtype == v.dtype and torch.equal(loaded[k], v) for k, v in weights.items())
+    with safe_open(tmp_path / "w.safetensors", "pt") as handle:
+        assert handle.metadata() == {"format": "pt"}  # what transformers before 4.40 requires
+    every = load_file(tmp_path / "all.safetensors")  # by path; the tied pair is one entry
+    assert sorted(every) == ["optimizer.pt/state/0/exp_avg", "pytorch_model.bin/embed.weight",
+                             "pytorch_model.bin/norm.bias", "pytorch_model.bin/steps"] and everything.tensors == 4
+
+
+def test_sharded_safetensors_weights_are_exported_as_one_file(tmp_path):
+    folder = tmp_path / "checkpoint-7"
+    folder.mkdir()
+    first, second = {"a.weight": torch.randn(4, 4)}, {"b.weight": torch.randn(2), "c.bias": torch.zeros(3)}
+    save_file(first, folder / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    save_file(second, folder / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    index = {"weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002."
+                            "safetensors", "c.bias": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    _training_files(folder)
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(folder)
+    written = CliRunner().invoke(cli, ["--repo", str(tmp_path / "repo"), "export", "main", "-o",
+                                       str(tmp_path / "w.safetensors")])
+    assert written.exit_code == 0, written.output
+    assert "3 tensors" in written.output and "model.safetensors.index.json" in written.output
+    loaded = load_file(tmp_path / "w.safetensors")
+    assert list(loaded) == ["a.weight", "b.weight", "c.bias"]
+    assert all(torch.equal(loaded[k], v) for k, v in {**first, **second}.items())
+    written = CliRunner().invoke(cli, ["--repo", str(tmp_path / "repo"), "export", "main", "--all", "-o",
+                                       str(tmp_path / "all.safetensors")])
+    assert written.exit_code == 0, written.output
+    assert "model-00001-of-00002.safetensors/a.weight" in load_file(tmp_path / "all.safetensors")
+
+
+def test_a_folder_without_model_weights_exports_every_tensor_by_path(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    torch.save({"w": torch.randn(3)}, folder / "state.pt")
+    _training_files(folder)
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(folder)
+        report = export(repo, "main", "safetensors", tmp_path / "w.safetensors")
+    loaded = load_file(tmp_path / "w.safetensors")
+    assert sorted(loaded) == ["optimizer.pt/state/0/exp_avg", "state.pt/w"] and report.tensors == 2
