@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ckptstore.errors import CkptError
+from ckptstore.errors import CkptError, NothingToCommitError
 
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -85,9 +85,12 @@ class CkptCallback(TrainerCallback):
         # blocking: the folder may be deleted below only once its commit is recorded (with
         # repo.commit(blocking=False) the pruning would wait for the commit's result instead)
         with _opened(self.repo) as repo:
-            cid = repo.commit(folder, message=f"{run}: {folder.name}", step=state.global_step,
-                              metrics=latest_metrics(state.log_history), branch=self.branch, lossy=self.lossy,
-                              **self.knobs)
+            try:
+                cid = repo.commit(folder, message=f"{run}: {folder.name}", step=state.global_step,
+                                  metrics=latest_metrics(state.log_history), branch=self.branch, lossy=self.lossy,
+                                  **self.knobs)
+            except NothingToCommitError:  # the branch's head already holds this folder (a rerun): stored all the same
+                cid = repo.resolve(self.branch or "HEAD")
         self.committed[folder.resolve()] = cid
         if self.keep_folders is not None:
             remove_committed_folders(folder.parent, self.committed, self.keep_folders, state.best_model_checkpoint)

@@ -162,6 +162,11 @@ def test_the_callback_commits_nothing_off_the_main_process_and_refuses_bad_argum
     state.is_world_process_zero = True
     with pytest.raises(CkptError, match="checkpoint-3 is not a folder"):
         CkptCallback(run.repo).on_save(args, state, None)
+    again = CkptCallback(run.repo)  # a folder main's head already holds: recorded as committed, no new commit
+    again.on_save(TrainingArguments(output_dir=str(run.out), use_cpu=True, report_to=[]), TrainerState(global_step=8),
+                  None)
+    with Repository.open(run.repo) as repo:
+        assert repo.resolve("main") == before and again.committed == {(run.out / "checkpoint-8").resolve(): before}
 
 
 def test_restore_refuses_a_commit_that_is_not_a_folder(tmp_path):
