@@ -49,6 +49,8 @@ OWNED = {
     "boto3": ("objectstore.s3",),
     "obstore": ("objectstore.s3",),
     "psycopg": ("metadata.postgres", "testing.postgres_server"),
+    "pytorch_lightning": ("integrations.lightning",),
+    "lightning_fabric": ("integrations.lightning",),
 }
 
 

@@ -1,0 +1,224 @@
+"""PyTorch Lightning: a `CheckpointIO` plugin that commits each checkpoint Lightning saves.
+
+`Trainer(plugins=[CkptstoreCheckpointIO(repo)])` turns every `trainer.save_checkpoint(path)` (so
+every `ModelCheckpoint` save) into a commit on a branch, tagged with a name derived from the path
+(`ref_for_path`), and leaves a small JSON marker file at the path instead of a pickle. Removing a
+checkpoint deletes its tag and marker; its commit stays until retention or `gc --prune` takes it.
+Loading takes a marker path, a path whose marker is gone (its tag), or any ref or commit id.
+
+Written for the `pytorch_lightning` package (with `lightning_fabric`), not the unified `lightning` one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from lightning_fabric.plugins import CheckpointIO
+
+from ckptstore.errors import CkptError, NothingToCommitError, RefNotFoundError
+from ckptstore.hashing import CommitId
+from ckptstore.repo import Repository
+from ckptstore.repo import refs as ref_names
+
+MARKER_FORMAT = "ckptstore-lightning-marker/1"
+MARKER_MAX_BYTES = 4096  # a marker is ~300 bytes; anything larger is a real checkpoint file
+DEFAULT_PREFIX = "lightning"
+
+
+def ref_for_path(path: str | os.PathLike, prefix: str = DEFAULT_PREFIX) -> str:
+    """The tag a checkpoint path maps to: `PREFIX/` + the file name without `.ckpt`, made ref-safe.
+
+    Runs of characters a ref may not hold become `_`, so `dir/epoch=1-step=20.ckpt` is
+    `lightning/epoch_1-step_20` and `last.ckpt` is `lightning/last`; the folder is not part of it.
+    """
+    name = Path(os.fspath(path)).name
+    stem = name[: -len(".ckpt")] if name.endswith(".ckpt") else name
+    stem = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "_", stem)).lstrip(".") or "_"
+    if stem.endswith(".lock"):
+        stem += "_"
+    return f"{prefix}/{stem}"
+
+
+def read_marker(path: str | os.PathLike) -> dict[str, str] | None:
+    """The marker at `path` (ref, commit, repository), or None when `path` is no marker file.
+
+    Only JSON text is parsed: a real checkpoint file at the path is never unpickled here.
+    """
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(MARKER_MAX_BYTES + 1)
+    except OSError:
+        return None
+    if len(head) > MARKER_MAX_BYTES or not head.startswith(b"{"):
+        return None
+    try:
+        marker = json.loads(head)
+    except ValueError:
+        return None
+    return marker if isinstance(marker, dict) and marker.get("format") == MARKER_FORMAT else None
+
+
+def write_marker(path: str | os.PathLike, repo_root: Path, ref: str, cid: CommitId) -> None:
+    """Write the marker for `ref` at `path` atomically (Lightning's `fs.exists`, `last` search, links need it)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    body = {"format": MARKER_FORMAT, "repository": str(repo_root), "ref": ref, "commit": cid}
+    temp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    temp.write_text(json.dumps(body, indent=1) + "\n")
+    if target.is_symlink():  # save_last="link" left a link here: replace the link, not the file it names
+        target.unlink()
+    os.replace(temp, target)
+
+
+def monitored_metrics(checkpoint: dict[str, Any]) -> dict[str, float]:
+    """The score each `ModelCheckpoint` in the checkpoint's callback states monitors (finite ones only)."""
+    metrics = {}
+    for key, state in (checkpoint.get("callbacks") or {}).items():
+        if not (str(key).startswith("ModelCheckpoint") and isinstance(state, dict)):
+            continue
+        monitor, score = state.get("monitor"), state.get("current_score")
+        if isinstance(monitor, str) and score is not None and math.isfinite(value := float(score)):
+            metrics[monitor] = value
+    return metrics
+
+
+def _device(map_location: Any) -> str | None:
+    """A device name from Lightning's map_location (a name or torch.device); anything else loads on the CPU."""
+    import torch
+
+    return str(map_location) if isinstance(map_location, (str, torch.device)) else None
+
+
+class CkptstoreCheckpointIO(CheckpointIO):
+    """Save, load and remove Lightning checkpoints as commits of a ckptstore repository.
+
+    Args:
+        repo: an open Repository (left open), or the folder of one (opened on first use and
+            closed at teardown); None: CKPT_REPO or the working directory.
+        branch: the branch commits go on (default: HEAD's branch); each save's parent is its tip.
+        prefix: the first part of every tag name (see `ref_for_path`).
+        markers: write a marker file at each checkpoint path (Lightning's `ckpt_path="last"`,
+            `save_last="link"` and its file-name versioning look for files there).
+        lossy: a lossy level for the commits (default: the repository's); resuming from a lossy
+            commit is not bit-exact.
+        trust_pickle: let `load_checkpoint` unpickle arbitrary objects from a plain (non-marker)
+            checkpoint file; never applies to what the store holds.
+    """
+
+    def __init__(self, repo: Repository | str | os.PathLike | None = None, branch: str | None = None,
+                 prefix: str = DEFAULT_PREFIX, markers: bool = True, lossy: str | None = None,
+                 trust_pickle: bool = False) -> None:
+        ref_names.check_name(prefix)
+        self._given = repo if isinstance(repo, Repository) else None
+        self._location = None if isinstance(repo, Repository) else repo
+        self._opened: Repository | None = None
+        self.branch, self.prefix, self.markers, self.lossy = branch, prefix, markers, lossy
+        self.trust_pickle = trust_pickle
+        self._paths: dict[str, str] = {}  # ref -> the path that claimed it in this process
+
+    @property
+    def repo(self) -> Repository:
+        """The repository, opened on first use when a folder was given."""
+        if self._given is not None:
+            return self._given
+        if self._opened is None:
+            self._opened = Repository.open(self._location)
+        return self._opened
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
+                        storage_options: Any | None = None) -> None:
+        """Commit `checkpoint` (blocking), tag it with `ref_for_path(path)` and write the marker at `path`."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options (got {storage_options!r}); "
+                            "leave them unset")
+        ref = self._claim(path)
+        cid = self._commit(checkpoint, Path(path).name)
+        repo = self.repo
+        if ref in repo.tags():  # the path was saved before (last.ckpt): its tag moves to the new commit
+            repo.delete_tag(ref)
+        elif ref in repo.branches():
+            raise CkptError(f"checkpoint {os.fspath(path)!r} maps to {ref!r}, which is a branch of {repo.root}; "
+                            "pass CkptstoreCheckpointIO(prefix=...) so checkpoint tags do not meet your branches")
+        repo.tag(ref, cid)
+        if self.markers:
+            write_marker(path, repo.root, ref, cid)
+
+    def _claim(self, path: str | os.PathLike) -> str:
+        """The tag for `path`, refusing a second path that maps to the same tag in this run."""
+        ref = ref_for_path(path, self.prefix)
+        where = os.path.abspath(os.fspath(path))
+        claimed = self._paths.setdefault(ref, where)
+        if claimed != where:
+            raise CkptError(f"checkpoints {claimed!r} and {where!r} both map to tag {ref!r}; give the two "
+                            "ModelCheckpoint callbacks different file names, or use two plugins with different "
+                            "prefixes")
+        return ref
+
+    def _commit(self, checkpoint: dict[str, Any], name: str) -> CommitId:
+        step = checkpoint.get("global_step")
+        message = f"Lightning checkpoint {name} (epoch {checkpoint.get('epoch')}, step {step})"
+        # the switch to background commits (blocking=False) would go here: the tag and marker
+        # would then be written when the commit completes, and load/remove would wait for it
+        try:
+            return self.repo.commit(checkpoint, message, step=step if isinstance(step, int) else None,
+                                    metrics=monitored_metrics(checkpoint), branch=self.branch, lossy=self.lossy)
+        except NothingToCommitError:  # last.ckpt right after the top-k save of the same state
+            return self.repo.resolve(self.branch or ref_names.HEAD)
+
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint a marker path, a checkpoint path's tag, a ref or a commit id names.
+
+        A plain checkpoint file at `path` (not a marker) is read with torch.load, with
+        weights_only unless this plugin trusts pickles.
+        """
+        device = _device(map_location)
+        spec = os.fspath(path)
+        if os.path.isfile(spec):
+            marker = read_marker(spec)
+            if marker is None:
+                return self._load_file(spec, map_location)
+            self._check_marker(spec, marker)
+            return self.repo.checkout(marker["commit"], device=device)
+        if spec.endswith(".ckpt"):
+            spec = ref_for_path(spec, self.prefix)
+        try:
+            return self.repo.checkout(spec, device=device)
+        except RefNotFoundError as exc:
+            raise CkptError(f"no checkpoint at {os.fspath(path)!r}: no file there, and {spec!r} names no ref or "
+                            f"commit of {self.repo.root} ({exc}); pass a checkpoint path, a tag such as "
+                            f"{self.prefix}/last, or a commit id (`ckpt log --all` lists them)") from None
+
+    def _load_file(self, path: str, map_location: Any | None) -> dict[str, Any]:
+        import torch
+
+        return torch.load(path, map_location=map_location, weights_only=not self.trust_pickle)
+
+    def _check_marker(self, path: str, marker: dict[str, str]) -> None:
+        here = self.repo.root
+        if Path(marker.get("repository", "")) != here:
+            raise CkptError(f"{path} marks a checkpoint of the repository at {marker.get('repository')!r}, not "
+                            f"{here}; open that repository (CkptstoreCheckpointIO(repo=...)) to load it")
+
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
+        """Delete the tag of `path` and its marker (or link); the commit stays for retention or gc."""
+        ref = ref_for_path(path, self.prefix)
+        try:
+            self.repo.delete_tag(ref)
+        except RefNotFoundError:
+            pass  # never saved here, or already removed: as with a file that is gone
+        self._paths.pop(ref, None)
+        target = Path(path)
+        if target.is_symlink() or read_marker(target) is not None:
+            target.unlink()  # a plain checkpoint file here is not ours: it stays
+
+    def teardown(self) -> None:
+        """Close the repository if this plugin opened it (the next use opens it again)."""
+        if self._opened is not None:
+            self._opened.close()
+            self._opened = None

@@ -1,0 +1,215 @@
+"""The Lightning CheckpointIO plugin with a real pytorch_lightning Trainer on the CPU."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+
+pl = pytest.importorskip("pytorch_lightning")
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from ckptstore.errors import CkptError  # noqa: E402
+from ckptstore.integrations.lightning import CkptstoreCheckpointIO, read_marker, ref_for_path  # noqa: E402
+from ckptstore.repo import Repository, gc  # noqa: E402
+from ckptstore.repo.refs import check_name  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+BATCHES = 4  # training batches per epoch, so global_step = 4 * epochs
+
+
+class Tiny(pl.LightningModule):
+    """An MLP on random data, Adam with a step schedule; keeps its losses and what it handed to each save."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 1))
+        self.losses: list[torch.Tensor] = []
+        self.saved: dict[int, list[dict]] = {}  # global_step -> deep copies of the checkpoints, in save order
+
+    def training_step(self, batch, _):
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def validation_step(self, batch, _):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 3, gamma=0.5)}
+
+    def on_save_checkpoint(self, checkpoint):  # Lightning's last hook before the plugin's save
+        self.saved.setdefault(checkpoint["global_step"], []).append(copy.deepcopy(checkpoint))
+
+
+class Restored(pl.Callback):
+    """Records the step and optimizer state a resumed fit starts from."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.step = trainer.global_step
+        self.optimizer = copy.deepcopy(trainer.optimizers[0].state_dict())
+
+
+def _loader() -> DataLoader:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8 * BATCHES, 8, generator=gen)
+    y = x[:, :1] * 2 - x[:, 1:2] + 0.1 * torch.randn(8 * BATCHES, 1, generator=gen)
+    return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False, num_workers=0)
+
+
+def _fit(model: Tiny, dirpath: Path, epochs: int, plugin=None, ckpt_path=None, callbacks=(), save_last=True
+         ) -> pl.callbacks.ModelCheckpoint:
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=2, save_last=save_last)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, limit_train_batches=BATCHES,
+                         limit_val_batches=2, enable_progress_bar=False, logger=False, enable_model_summary=False,
+                         log_every_n_steps=1, callbacks=[checkpoints, *callbacks],
+                         plugins=[plugin] if plugin else None)
+    trainer.fit(model, _loader(), _loader(), ckpt_path=ckpt_path)
+    return checkpoints
+
+
+def assert_same(restored, saved, where: str = "") -> None:
+    """Bit-exact: torch.equal (and dtype) on every tensor, == and the same type on everything else."""
+    if isinstance(saved, torch.Tensor):
+        assert isinstance(restored, torch.Tensor) and restored.dtype == saved.dtype, where
+        assert torch.equal(restored, saved), where
+    elif isinstance(saved, dict):
+        assert isinstance(restored, dict) and list(restored) == list(saved), where
+        for key in saved:
+            assert_same(restored[key], saved[key], f"{where}/{key}")
+    elif isinstance(saved, (list, tuple)):
+        assert type(restored) is type(saved) and len(restored) == len(saved), where
+        for i, (a, b) in enumerate(zip(restored, saved, strict=True)):
+            assert_same(a, b, f"{where}/{i}")
+    else:
+        assert type(restored) is type(saved) and restored == saved, where
+
+
+def test_ref_for_path_is_a_valid_tag_name():
+    assert ref_for_path("out/epoch=1-step=20.ckpt") == "lightning/epoch_1-step_20"
+    assert ref_for_path("last.ckpt", "run7") == "run7/last"
+    for name in ("epoch=1-val_loss=0.35.ckpt", "last-v1.ckpt", "..x..ckpt", "a b.lock.ckpt", "%%.ckpt", ".ckpt"):
+        check_name(ref_for_path(name))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One run of 4 epochs with top-2 + last committed through the plugin."""
+    tmp = tmp_path_factory.mktemp("lightning")
+    repo = Repository.init(tmp / "store")
+    torch.manual_seed(0)
+    model = Tiny()
+    checkpoints = _fit(model, tmp / "ckpts", 4, CkptstoreCheckpointIO(repo))
+    yield tmp, repo, model, checkpoints
+    repo.close()
+
+
+def test_top_k_and_last_are_exactly_the_tags(trained):
+    tmp, repo, model, checkpoints = trained
+    kept = {ref_for_path(p) for p in checkpoints.best_k_models} | {"lightning/last"}
+    assert len(kept) == 3 and set(repo.tags()) == kept
+    assert sorted(os.listdir(tmp / "ckpts")) == sorted([*(Path(p).name for p in checkpoints.best_k_models),
+                                                        "last.ckpt"])
+    marker = read_marker(tmp / "ckpts" / "last.ckpt")
+    assert marker["ref"] == "lightning/last" and repo.resolve("lightning/last") == marker["commit"]
+    for path in checkpoints.best_k_models:  # each tag holds exactly what Lightning handed over
+        step = repo.commit_info(ref_for_path(path)).step
+        assert_same(repo.checkout(ref_for_path(path)), model.saved[step][0])
+    last_step = max(model.saved)
+    assert_same(repo.checkout("lightning/last"), model.saved[last_step][-1])
+    assert repo.commit_info("lightning/last").metrics["val_loss"] == pytest.approx(
+        float(checkpoints.current_score))
+
+
+def test_removed_checkpoints_lose_tag_and_marker_but_still_restore(trained):
+    tmp, repo, model, checkpoints = trained
+    tagged = set(repo.tags().values())
+    removed = [(info, info.message.split()[2]) for info in repo.log() if info.id not in tagged]
+    removed = [(info, model.saved[info.step][-1 if name == "last.ckpt" else 0], name) for info, name in removed]
+    assert {name for _, _, name in removed} - {"last.ckpt"}, "val_loss should have left epochs out of the top 2"
+    plugin = CkptstoreCheckpointIO(repo)
+    for info, saved, name in removed:
+        if name != "last.ckpt":  # an older last.ckpt was replaced by the newer one
+            assert not (tmp / "ckpts" / name).exists()
+            with pytest.raises(CkptError, match="no checkpoint at"):
+                plugin.load_checkpoint(tmp / "ckpts" / name)
+        assert_same(plugin.load_checkpoint(info.id), saved)
+    gc(repo, prune_unreachable=True)  # ancestors of the kept commits: retention (`ckpt prune`) reclaims them
+    for info, saved, _ in removed:
+        assert_same(repo.checkout(info.id), saved)
+
+
+def test_resume_from_a_ref_matches_resume_from_a_torch_file(trained):
+    tmp, repo, model, checkpoints = trained
+    ref = ref_for_path(checkpoints.best_model_path)
+    step = repo.commit_info(ref).step
+    saved = model.saved[step][0]
+    torch.save(saved, tmp / "copy.ckpt")
+    runs = []
+    for ckpt_path, plugin in ((ref, CkptstoreCheckpointIO(repo, prefix="resumed")), (tmp / "copy.ckpt", None)):
+        torch.manual_seed(1)  # a different init: everything must come from the checkpoint
+        resumed, restored = Tiny(), Restored()
+        _fit(resumed, tmp / f"resume-{len(runs)}", 6, plugin, ckpt_path=ckpt_path, callbacks=[restored])
+        assert restored.step == step
+        assert_same(restored.optimizer, saved["optimizer_states"][0])
+        runs.append(torch.stack(resumed.losses))
+    assert len(runs[0]) == 6 * BATCHES - step and torch.equal(runs[0], runs[1])
+    assert {ref.split("/")[0] for ref in repo.tags()} == {"lightning", "resumed"}
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_resume_from_last_finds_the_marker(tmp_path, save_last):
+    repo = Repository.init(tmp_path / "store")
+    torch.manual_seed(0)
+    first = Tiny()
+    _fit(first, tmp_path / "ckpts", 3, CkptstoreCheckpointIO(repo), save_last=save_last)
+    assert (tmp_path / "ckpts" / "last.ckpt").is_symlink() == (save_last == "link")
+    restored = Restored()
+    checkpoints = _fit(Tiny(), tmp_path / "ckpts", 4, CkptstoreCheckpointIO(repo), ckpt_path="last",
+                       callbacks=[restored], save_last=save_last)
+    assert restored.step == max(first.saved)
+    assert_same(restored.optimizer, first.saved[restored.step][0]["optimizer_states"][0])
+    names = {ref_for_path(p) for p in checkpoints.best_k_models}
+    assert set(repo.tags()) == (names | {"lightning/last"} if save_last is True else names)
+    assert {Path(p).name for p in checkpoints.best_k_models} | {"last.ckpt"} == set(os.listdir(tmp_path / "ckpts"))
+    repo.close()
+
+
+def test_plugin_calls_directly(tmp_path):
+    repo = Repository.init(tmp_path / "store")
+    plugin = CkptstoreCheckpointIO(repo, prefix="run")
+    state = {"state_dict": {"w": torch.arange(6.0).reshape(2, 3)}, "global_step": 3, "epoch": 0,
+             "loops": {"fit": {"x": [1, 2.5, None, "s", (4, 5)]}}}
+    path = tmp_path / "out" / "epoch=0-step=3.ckpt"
+    plugin.save_checkpoint(state, path)
+    cid = repo.resolve("run/epoch_0-step_3")
+    assert read_marker(path)["commit"] == cid and repo.commit_info(cid).step == 3
+    for spec in (path, "run/epoch_0-step_3", cid[:12], tmp_path / "elsewhere" / "epoch=0-step=3.ckpt"):
+        assert_same(plugin.load_checkpoint(spec), state)
+    with pytest.raises(CkptError, match="both map to tag"):
+        plugin.save_checkpoint(state, tmp_path / "other" / "epoch_0-step_3.ckpt")
+    with pytest.raises(TypeError):
+        plugin.save_checkpoint(state, path, storage_options={"x": 1})
+    torch.save(state, tmp_path / "plain.ckpt")
+    assert_same(plugin.load_checkpoint(tmp_path / "plain.ckpt"), state)  # a plain file, weights_only
+    other = Repository.init(tmp_path / "other-store")
+    with pytest.raises(CkptError, match="marks a checkpoint of the repository"):
+        CkptstoreCheckpointIO(other, prefix="run").load_checkpoint(path)
+    other.close()
+    plugin.remove_checkpoint(path)
+    plugin.remove_checkpoint(path)  # gone already: no error, as with a file
+    assert not path.exists() and "run/epoch_0-step_3" not in repo.tags()
+    assert_same(repo.checkout(cid), state)
+    (tmp_path / "plain.ckpt").rename(path)
+    plugin.remove_checkpoint(path)
+    assert path.exists()  # not a marker: a file this plugin did not write stays
+    repo.close()
