@@ -136,6 +136,9 @@ class CkptstoreCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options (got {storage_options!r}); "
                             "leave them unset")
+        if self.markers and "://" in os.fspath(path):
+            raise CkptError(f"cannot write a marker file at {os.fspath(path)!r}: markers are local files; give "
+                            "ModelCheckpoint a local dirpath, or CkptstoreCheckpointIO(markers=False)")
         ref = self._claim(path)
         cid = self._commit(checkpoint, Path(path).name)
         repo = self.repo

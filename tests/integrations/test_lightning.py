@@ -197,6 +197,8 @@ def test_plugin_calls_directly(tmp_path):
         assert_same(plugin.load_checkpoint(spec), state)
     with pytest.raises(CkptError, match="both map to tag"):
         plugin.save_checkpoint(state, tmp_path / "other" / "epoch_0-step_3.ckpt")
+    with pytest.raises(CkptError, match="markers are local files"):
+        plugin.save_checkpoint(state, "s3://bucket/ckpts/last.ckpt")
     with pytest.raises(TypeError):
         plugin.save_checkpoint(state, path, storage_options={"x": 1})
     torch.save(state, tmp_path / "plain.ckpt")
