@@ -139,14 +139,13 @@ class CkptstoreCheckpointIO(CheckpointIO):
         if self.markers and "://" in os.fspath(path):
             raise CkptError(f"cannot write a marker file at {os.fspath(path)!r}: markers are local files; give "
                             "ModelCheckpoint a local dirpath, or CkptstoreCheckpointIO(markers=False)")
-        ref = self._claim(path)
-        cid = self._commit(checkpoint, Path(path).name)
-        repo = self.repo
-        if ref in repo.tags():  # the path was saved before (last.ckpt): its tag moves to the new commit
-            repo.delete_tag(ref)
-        elif ref in repo.branches():
+        ref, repo = self._claim(path), self.repo
+        if ref in repo.branches():
             raise CkptError(f"checkpoint {os.fspath(path)!r} maps to {ref!r}, which is a branch of {repo.root}; "
                             "pass CkptstoreCheckpointIO(prefix=...) so checkpoint tags do not meet your branches")
+        cid = self._commit(checkpoint, Path(path).name)
+        if ref in repo.tags():  # the path was saved before (last.ckpt): its tag moves to the new commit
+            repo.delete_tag(ref)
         repo.tag(ref, cid)
         if self.markers:
             write_marker(path, repo.root, ref, cid)
@@ -186,8 +185,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
             marker = read_marker(spec)
             if marker is None:
                 return self._load_file(spec, map_location)
-            self._check_marker(spec, marker)
-            return self.repo.checkout(marker["commit"], device=device)
+            return self._load_marked(spec, marker, device)
         if spec.endswith(".ckpt"):
             spec = ref_for_path(spec, self.prefix)
         try:
@@ -202,11 +200,14 @@ class CkptstoreCheckpointIO(CheckpointIO):
 
         return torch.load(path, map_location=map_location, weights_only=not self.trust_pickle)
 
-    def _check_marker(self, path: str, marker: dict[str, str]) -> None:
-        here = self.repo.root
-        if Path(marker.get("repository", "")) != here:
-            raise CkptError(f"{path} marks a checkpoint of the repository at {marker.get('repository')!r}, not "
-                            f"{here}; open that repository (CkptstoreCheckpointIO(repo=...)) to load it")
+    def _load_marked(self, path: str, marker: dict[str, str], device: str | None) -> dict[str, Any]:
+        """The commit a marker names: its id names the same content in any repository that holds it."""
+        try:
+            return self.repo.checkout(str(marker.get("commit")), device=device)
+        except RefNotFoundError:
+            raise CkptError(f"{path} marks commit {str(marker.get('commit'))[:12]} of the repository at "
+                            f"{marker.get('repository')!r}, which {self.repo.root} does not hold; open that "
+                            "repository (CkptstoreCheckpointIO(repo=...)) or fetch from it") from None
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """Delete the tag of `path` and its marker (or link); the commit stays for retention or gc."""
