@@ -3,7 +3,8 @@
 `Trainer(plugins=[CkptstoreCheckpointIO(repo)])` turns every `trainer.save_checkpoint(path)` (so
 every `ModelCheckpoint` save) into a commit on a branch, tagged with a name derived from the path
 (`ref_for_path`), and leaves a small JSON marker file at the path instead of a pickle. Removing a
-checkpoint deletes its tag and marker; its commit stays until retention or `gc --prune` takes it.
+checkpoint deletes its tag and marker; its commit stays in the branch's history, where later saves
+are deltas on it, until retention (`ckpt prune --keep-tagged`) removes it.
 Loading takes a marker path, a path whose marker is gone (its tag), or any ref or commit id.
 
 Written for the `pytorch_lightning` package (with `lightning_fabric`), not the unified `lightning` one.
@@ -121,6 +122,13 @@ class CkptstoreCheckpointIO(CheckpointIO):
         self.trust_pickle = trust_pickle
         self._paths: dict[str, str] = {}  # ref -> the path that claimed it in this process
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (ddp_spawn sends the plugin to each process) as the repository's folder, reopened there."""
+        state = dict(self.__dict__, _given=None, _opened=None)
+        if self._given is not None or self._opened is not None:
+            state["_location"] = (self._given or self._opened).root
+        return state
+
     @property
     def repo(self) -> Repository:
         """The repository, opened on first use when a folder was given."""
@@ -210,7 +218,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
                             "repository (CkptstoreCheckpointIO(repo=...)) or fetch from it") from None
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
-        """Delete the tag of `path` and its marker (or link); the commit stays for retention or gc."""
+        """Delete the tag of `path` and its marker (or link); the commit stays for retention to remove."""
         ref = ref_for_path(path, self.prefix)
         try:
             self.repo.delete_tag(ref)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -200,6 +201,9 @@ def test_plugin_calls_directly(tmp_path):
     assert read_marker(path)["commit"] == cid and repo.commit_info(cid).step == 3
     for spec in (path, "run/epoch_0-step_3", cid[:12], tmp_path / "elsewhere" / "epoch=0-step=3.ckpt"):
         assert_same(plugin.load_checkpoint(spec), state)
+    spawned = pickle.loads(pickle.dumps(plugin))  # as ddp_spawn hands it to a process: reopens by folder
+    assert_same(spawned.load_checkpoint(path), state)
+    spawned.teardown()
     with pytest.raises(CkptError, match="both map to tag"):
         plugin.save_checkpoint(state, tmp_path / "other" / "epoch_0-step_3.ckpt")
     with pytest.raises(CkptError, match="markers are local files"):
