@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ckptstore.hashing import CommitId
@@ -36,7 +36,12 @@ def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = 
                                                **knobs))
 
 
-def load(ref: str = "HEAD", repo: RepoLike = None, map_location: str | None = None) -> Any:
-    """The state committed at `ref`, with tensors on `map_location` (default: the CPU)."""
+def load(ref: str = "HEAD", repo: RepoLike = None, map_location: str | None = None,
+         keys: Iterable[str] | None = None) -> Any:
+    """The state committed at `ref`, with tensors on `map_location` (default: the CPU).
+
+    `keys`: glob patterns such as ["model.*"]; only the matching values come back, and only their
+    stored chains are read (see ckptstore.repo.select).
+    """
     device = str(map_location) if map_location is not None else None
-    return _with_repo(repo, lambda r: r.checkout(ref, device=device))
+    return _with_repo(repo, lambda r: r.checkout(ref, device=device, keys=keys))

@@ -178,11 +178,17 @@ def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle,
 @click.argument("ref")
 @click.option("-o", "--output", type=click.Path(), help="Write the checkpoint here; HEAD does not move.")
 @click.option("--force", is_flag=True, help="Overwrite files whose content is not in the store.")
+@click.option("--only", "only", multiple=True, metavar="PATTERN",
+              help="Write only the values whose paths match (glob, e.g. 'model.*'; repeatable; needs -o).")
 @click.pass_context
-def checkout(ctx, ref, output, force) -> None:
+def checkout(ctx, ref, output, force, only) -> None:
     """Restore the checkpoint at REF and move HEAD to it (a lossless commit: files byte for byte, except below)."""
     repo = _open(ctx)
     info = repo.commit_info(ref)  # before HEAD moves: a ref like HEAD~1 names another commit afterwards
+    if only:
+        dest = repo.checkout_to(ref, output, force=force, progress=BarProgress(), keys=list(only))
+        click.echo(f"Wrote the part of {info.id[:12]} matching {', '.join(only)} to {dest}; HEAD did not move")
+        return
     dest = repo.checkout_to(ref, output, force=force, progress=BarProgress())
     click.echo(f"Restored {info.id[:12]} to {dest}")
     rewritten = repo.manifest(info.id).rewritten_files()

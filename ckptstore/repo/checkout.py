@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import formats
 from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError
+from ckptstore.hashing import CommitId
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata import tensors as tensor_rows
@@ -18,6 +19,7 @@ from ckptstore.repo import integrity, refs, worktree
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Manifest
 from ckptstore.repo.progress import NoProgress, Progress
+from ckptstore.repo.select import select, write_selection
 from ckptstore.state import RawTensor, check_device, materialize
 
 if TYPE_CHECKING:
@@ -38,8 +40,11 @@ def restore(repo: Repository, manifest: Manifest, progress: Progress | None = No
     return {p: RawTensor(manifest.entries[p].dtype, manifest.entries[p].shape, b) for p, b in buffers.items()}
 
 
-def checkout(repo: Repository, ref: str = "HEAD", device: str | None = None, progress: Progress | None = None) -> Any:
+def checkout(repo: Repository, ref: str = "HEAD", device: str | None = None, progress: Progress | None = None,
+             keys: Iterable[str] | None = None) -> Any:
     """The checkpoint at `ref` in memory: nested state for torch files, {name: state} for folders.
+
+    With `keys` (glob patterns, see repo/select.py), only the matching values, reading only their chains.
 
     With `device` (e.g. "cuda"), torch tensors are rebuilt on that device (replay_torch.py);
     numpy arrays and bytes stay on the CPU. Tensors that were one tensor in the checkpoint
@@ -47,10 +52,11 @@ def checkout(repo: Repository, ref: str = "HEAD", device: str | None = None, pro
     """
     check_device(device)  # a missing CUDA is our clear error, not torch's AssertionError mid-replay
     with no_cyclic_gc():
-        return _checkout(repo, ref, device, progress or NoProgress())
+        return _checkout(repo, ref, device, progress or NoProgress(), keys)
 
 
-def _checkout(repo: Repository, ref: str, device: str | None, progress: Progress) -> Any:
+def _checkout(repo: Repository, ref: str, device: str | None, progress: Progress, keys: Iterable[str] | None
+              ) -> Any:
     """The state at `ref`, built in a frame of its own.
 
     Its manifest, records and buffers are freed on return, before collections resume, so the
@@ -59,6 +65,8 @@ def _checkout(repo: Repository, ref: str, device: str | None, progress: Progress
     cid = repo.resolve(ref)
     manifest = repo.manifest(cid)
     _refuse_sharded(cid, manifest)
+    if keys is not None:
+        manifest = select(manifest, keys, cid).manifest
     on_device = _restore_on_device(repo, manifest, device, progress) if is_accelerator(device) else {}
     raws = restore(repo, manifest, progress, [p for p in manifest.entries if p not in on_device])
     return formats.to_state(manifest.kind, manifest.files,
@@ -66,13 +74,14 @@ def _checkout(repo: Repository, ref: str, device: str | None, progress: Progress
 
 
 def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = None, force: bool = False,
-                progress: Progress | None = None) -> Path:
+                progress: Progress | None = None, keys: Iterable[str] | None = None) -> Path:
     """Write the checkpoint at `ref` to disk and return where.
 
     Without `output`, writes to the path it was committed from and moves HEAD (like git
     checkout), refusing to overwrite files whose content is not in the store unless `force`.
     With `output` (whose parent folder must exist), only writes there. A folder ends up holding
     exactly the commit's files (worktree.plan_checkout says what is removed and what is refused).
+    With `keys`, only the matching part is written, to `output` (required); see `_write_selected`.
     """
     with repo.db.read() as tx:
         cid = refs.resolve(tx, ref)
@@ -80,6 +89,8 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
         is_branch = (row := ref_rows.ref_row(tx, ref)) is not None and row.kind == refs.BRANCH
     manifest = repo.read_manifest(info.manifest_object)
     _refuse_sharded(cid, manifest)
+    if keys is not None:
+        return _write_selected(repo, cid, manifest, keys, output, force, progress)
     if output is not None:
         dest = Path(output)
     elif info.source_path is None:
@@ -94,6 +105,26 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
     if output is None:
         refs.move_head(repo, cid, ref if is_branch else None)
     return dest
+
+
+def _write_selected(repo: Repository, cid: CommitId, manifest: Manifest, keys: Iterable[str],
+                    output: str | os.PathLike | None, force: bool, progress: Progress | None) -> Path:
+    """Write the part of `manifest` that `keys` select to `output`; HEAD stays, nothing is recorded.
+
+    Files selected whole come out as a full checkout writes them; a file that lost values is
+    written anew (select.write_selection): its content is no commit's, so it is not remembered
+    as known content, and the next checkout over it asks for --force.
+    """
+    if output is None:
+        raise CkptError(f"a partial checkout of {cid[:12]} writes only part of the checkpoint: pass -o PATH "
+                        "(it never overwrites the files the commit came from)")
+    selection = select(manifest, keys, cid)
+    plan = worktree.plan_checkout(repo, selection.manifest, Path(output), force, output=True)
+    with no_cyclic_gc():
+        raws = restore(repo, selection.manifest, progress)
+    write_selection(selection, plan.files, lambda p: materialize(raws[p]), lambda p: raws[p],
+                    exact=not manifest.lossy)
+    return plan.dest
 
 
 def _refuse_sharded(cid: str, manifest: Manifest) -> None:

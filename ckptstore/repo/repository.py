@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -241,20 +241,20 @@ class Repository:
         lossy_options = LossyOptions(lossy, knobs, model, optimizer, calibration, max_loss_change)
         return commit(self, state_or_path, options, lossy_options, progress)
 
-    def checkout(self, ref: str = "HEAD", device: str | None = None, progress: Progress | None = None) -> Any:
-        """The checkpoint at `ref` in memory (see `repo.checkout.checkout`)."""
+    def checkout(self, ref: str = "HEAD", device: str | None = None, progress: Progress | None = None,
+                 keys: Iterable[str] | None = None) -> Any:
+        """The checkpoint at `ref` in memory, or its part matching `keys` (see `repo.checkout.checkout`)."""
         from ckptstore.repo.checkout import checkout
-
-        return checkout(self, ref, device, progress)
+        return checkout(self, ref, device, progress, keys)
 
     def checkout_to(self, ref: str, output: str | os.PathLike | None = None, force: bool = False,
-                    progress: Progress | None = None) -> Path:
-        """Write the checkpoint at `ref` to disk and return where (see `repo.checkout.checkout_to`)."""
+                    progress: Progress | None = None, keys: Iterable[str] | None = None) -> Path:
+        """Write the checkpoint at `ref` (or its part matching `keys`) to disk and return where."""
         from ckptstore.repo.checkout import checkout_to
 
-        if output is None:
+        if output is None and keys is None:
             self.db.refuse_writes("checkout without -o (it moves HEAD)")
-        return checkout_to(self, ref, output, force, progress)
+        return checkout_to(self, ref, output, force, progress, keys)
 
     def log(self, ref: str | None = None, all_refs: bool = False) -> list[CommitInfo]:
         """Commits reachable from `ref` (default HEAD) or from every ref, newest first."""

@@ -1,0 +1,175 @@
+"""Partial loads: the part of a commit whose logical paths match glob patterns (`keys=`, `--only`).
+
+A pattern is a shell glob (`fnmatch`, case-sensitive) over the logical paths `ckpt show` lists,
+in which "/" and "." both separate levels, so "model.*", "model/*" and "model" all select
+everything under the state's "model" key, and "optimizer.state.*" every optimizer moment. A
+pattern that names a container selects all of it; `*` also matches across levels. In a folder
+commit the first level is the file's name: "model.safetensors", "optimizer.pt.state.*".
+
+Selecting prunes the manifest: each file's skeleton keeps only the matched values (and the
+containers leading to them; a list keeps its matched items, in order), and the entries are only
+those the kept values read, so checkout replays only their chains. A tensor that shares storage
+with one left out still reads its own entry.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+from ckptstore import formats
+from ckptstore.errors import CkptError
+from ckptstore.formats import CheckpointFile
+from ckptstore.repo.manifest import Manifest
+from ckptstore.state import RawTensor, escape, join, join_key, unflatten
+
+_CONTAINERS = ("dict", "odict", "list", "tuple", "set")
+_LEAVES_WITH_ENTRY = ("tensor", "bytes", "ndarray")
+
+
+class NothingSelectedError(CkptError):
+    """No logical path of the commit matches the patterns given."""
+
+
+def _level(text: str) -> str:
+    return text.replace("/", ".")
+
+
+@dataclass(frozen=True)
+class KeyPatterns:
+    """Glob patterns over logical paths; a path matches one itself or lies below what it names."""
+
+    patterns: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.patterns or not all(isinstance(p, str) and p for p in self.patterns):
+            raise CkptError(f"keys {list(self.patterns)!r}: give one or more non-empty patterns such as 'model.*'")
+
+    def match(self, path: str) -> bool:
+        """True when `path` (a logical path, or a container's path) is selected."""
+        if not path:
+            return False
+        dotted = _level(path)
+        return any(fnmatchcase(dotted, p) or fnmatchcase(dotted, p + ".*") for p in map(_level, self.patterns))
+
+
+@dataclass
+class Selection:
+    """A commit pruned to the matched values: the manifest to restore, and which files are partial."""
+
+    manifest: Manifest
+    partial: set[str]  # names of the files that lost something: written anew, never byte for byte
+
+
+def select(manifest: Manifest, keys: Iterable[str], commit: str = "") -> Selection:
+    """`manifest` pruned to the values whose logical paths match `keys` (see the module docstring).
+
+    Raises NothingSelectedError when nothing matches.
+    """
+    wanted = KeyPatterns(tuple(keys) if not isinstance(keys, str) else (keys,))
+    files, entries, partial = [], set(), set()
+    for record in manifest.files:
+        root = escape(record.name) if manifest.kind == "folder" else ""
+        if wanted.match(root):
+            kept, used = record, _entries_of_file(manifest, root)
+        else:
+            kept, used = _prune_file(record, root, wanted)
+            if kept is None:
+                continue
+            partial.add(record.name)
+        files.append(kept)
+        entries |= used
+    if not files:
+        raise NothingSelectedError(f"no path of commit {commit[:12] or '(this commit)'} matches "
+                                   f"{', '.join(wanted.patterns)}; `ckpt show {commit[:12] or 'REF'}` lists its "
+                                   "paths (match them with '.' or '/' between levels, e.g. 'model.*')")
+    pruned = replace(manifest, files=files, entries={p: e for p, e in manifest.entries.items() if p in entries},
+                     digests={n: d for n, d in manifest.digests.items() if n not in partial})
+    return Selection(pruned, partial)
+
+
+def _entries_of_file(manifest: Manifest, root: str) -> set[str]:
+    """Every entry of the file whose paths start at `root` (all of them for a lone file)."""
+    return {p for p in manifest.entries if not root or p.startswith(root + "/")}
+
+
+def _prune_file(record: CheckpointFile, root: str, wanted: KeyPatterns) -> tuple[CheckpointFile | None, set[str]]:
+    """The file with only its matched values (None when nothing matched), and the entries they read."""
+    if record.format == formats.SAFETENSORS:
+        order = [[name, entry] for name, entry in record.skeleton[2] if name is not None and wanted.match(entry)]
+        skeleton = [record.skeleton[0], record.skeleton[1], order] if order else None
+        used = {entry for _, entry in order}
+    elif record.format == formats.TORCH:
+        skeleton = _Pruner(wanted).prune(record.skeleton, root)
+        used = _entries_in(skeleton)
+    else:  # a blob is one entry: selected whole through its name (or its %blob path), or not at all
+        skeleton = record.skeleton if wanted.match(record.skeleton[1]) else None
+        used = {record.skeleton[1]} if skeleton is not None else set()
+    if skeleton is None:
+        return None, set()
+    return replace(record, skeleton=skeleton, container=None), used
+
+
+class _Pruner:
+    """Walks a torch skeleton with the paths flatten gave its values, keeping what matches."""
+
+    def __init__(self, wanted: KeyPatterns) -> None:
+        self.wanted = wanted
+
+    def prune(self, node: Any, path: str) -> Any:
+        """`node` with only matched values, or None when nothing under it matched."""
+        if self.wanted.match(path):
+            return node
+        if not isinstance(node, list) or node[0] not in _CONTAINERS:
+            return None
+        if node[0] in ("dict", "odict"):
+            items = [[k, kept] for k, v in node[1]
+                     if (kept := self.prune(v, join_key(path, unflatten(k, _no_lookup)))) is not None]
+            return [node[0], items, *node[2:]] if items else None  # an odict keeps its attrs (module versions)
+        items = [v for i, item in enumerate(node[1]) if (v := self.prune(item, join(path, str(i)))) is not None]
+        return [node[0], items] if items else None
+
+
+def _no_lookup(path: str) -> Any:
+    raise CkptError(f"a dict key in the skeleton refers to stored data at {path!r}: the manifest is damaged")
+
+
+def _entries_in(node: Any) -> set[str]:
+    """The entries a pruned skeleton reads (attrs included)."""
+    found: set[str] = set()
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list) and item and isinstance(item[0], str):
+            if item[0] in _LEAVES_WITH_ENTRY:
+                found.add(item[1])
+            elif item[0] in _CONTAINERS:
+                stack.extend(item[1] if item[0] not in ("dict", "odict") else [v for _, v in item[1]])
+                if item[0] == "odict" and len(item) > 2:
+                    stack.extend(v for _, v in item[2].get("attrs", []))
+    return found
+
+
+def write_selection(selection: Selection, targets: list[tuple[CheckpointFile, Path]],
+                    value_of: Callable[[str], Any], raw_of: Callable[[str], RawTensor], exact: bool) -> None:
+    """Write each selected file: whole ones as checkout writes them, partial ones anew.
+
+    A partial torch file becomes a torch.save of its selected state; a partial safetensors file a
+    safetensors file of its selected tensors, in their committed order.
+    """
+    for record, target in targets:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if record.name not in selection.partial:
+            formats.write_file(record, target, value_of, raw_of, exact)
+        elif record.format == formats.SAFETENSORS:
+            from ckptstore.formats.safetensors_file import write_tensors
+
+            write_tensors(target, {name: raw_of(entry) for name, entry in record.skeleton[2]})
+        else:
+            formats.write_file(record, target, value_of, raw_of)
+        if record.mode is not None:
+            os.chmod(target, record.mode)

@@ -1,0 +1,158 @@
+"""Partial loads: `keys=` / `--only` restore the matching values and read only their chains."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+import ckptstore
+from ckptstore.cli import cli
+from ckptstore.metadata import tensors as tensor_rows
+from ckptstore.repo.select import NothingSelectedError
+from tests.conftest import Trainer, assert_same
+
+
+class CountingStore:
+    """The repository's store, recording every byte range read from it: (object, offset, length)."""
+
+    def __init__(self, inner):
+        self.inner, self.reads = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def get(self, oid, verify=True):
+        data = self.inner.get(oid, verify)
+        self.reads.append((oid, 0, len(data)))
+        return data
+
+    def view(self, oid, verify=True):
+        data = self.inner.view(oid, verify)
+        self.reads.append((oid, 0, len(data)))
+        return data
+
+    def open_ranges(self):
+        store, ranges = self, self.inner.open_ranges()
+
+        class Ranges:
+            def read(self, oid, offset, length, into=None):
+                store.reads.append((oid, offset, length))
+                return ranges.read(oid, offset, length, into)
+
+            def close(self):
+                ranges.close()
+
+        return Ranges()
+
+
+def _chain_ranges(repo, manifest, paths):
+    """(object, offset, length) of every stored chunk down the chains of the tensors at `paths`."""
+    with repo.db.read() as tx:
+        records = tensor_rows.load_records(tx, {manifest.entries[p].tensor for p in paths})
+    return {(c.object_id, c.offset, c.length if c.length is not None else repo.store.size(c.object_id))
+            for r in records.values() for c in r.chunks}
+
+
+def _commits(repo, tmp_path, lossy=None, n=3):
+    trainer, cid = Trainer(), None
+    for i in range(n):
+        trainer.train(3)
+        path = tmp_path / f"c{i}.pt"
+        torch.save(trainer.state(), path)
+        cid = repo.commit(path, step=trainer.step, lossy=lossy)
+    return cid, trainer.state()
+
+
+def _reads_of(repo, fn):
+    counting = CountingStore(repo.store)
+    repo.store = counting
+    try:
+        result = fn()
+    finally:
+        repo.store = counting.inner
+    manifest_oid = repo.commit_info("HEAD").manifest_object
+    return result, {r for r in counting.reads if r[0] != manifest_oid}
+
+
+@pytest.mark.parametrize("lossy", [None, "balanced"])
+def test_weights_only_load_reads_only_the_weights_chains(repo, tmp_path, lossy):
+    cid, state = _commits(repo, tmp_path, lossy)
+    manifest = repo.manifest(cid)
+    model = [p for p in manifest.entries if p.startswith("model/")]
+    others = [p for p in manifest.entries if not p.startswith("model/")]
+    wanted, unwanted = _chain_ranges(repo, manifest, model), _chain_ranges(repo, manifest, others)
+    assert wanted and unwanted and not wanted & unwanted  # weights and optimizer state share no chunk
+
+    loaded, data_reads = _reads_of(repo, lambda: ckptstore.load(cid, repo=repo, keys=["model.*"]))
+    assert list(loaded) == ["model"] and list(loaded["model"]) == list(state["model"])
+    if lossy is None:
+        assert_same(loaded["model"], state["model"])
+    else:  # the weights as a full checkout of the lossy commit gives them
+        assert_same(loaded["model"], repo.checkout(cid)["model"])
+    assert data_reads == wanted  # every chunk of the weights' chains, and nothing else
+    assert not data_reads & unwanted
+    read_bytes = sum(n for _, _, n in data_reads)
+    _, full = _reads_of(repo, lambda: repo.checkout(cid))
+    assert full & unwanted and read_bytes < sum(n for _, _, n in full)
+
+
+def test_patterns_select_nested_keys_scalars_and_a_tied_tensor(repo):
+    embed = torch.randn(8, 4)
+    state = {"model": {"embed.weight": embed, "head.weight": embed, "fc": torch.ones(3)},
+             "optimizer": {"state": {0: {"exp_avg": torch.zeros(3)}, 1: {"exp_avg": torch.ones(2)}},
+                           "param_groups": [{"lr": 0.1, "params": [0, 1]}]},
+             "step": 7, "losses": [torch.tensor(1.0), torch.tensor(2.0)]}
+    cid = repo.commit(state)
+    assert_same(repo.checkout(cid, keys=["optimizer.state.1"]),
+                {"optimizer": {"state": {1: {"exp_avg": torch.ones(2)}}}})
+    assert repo.checkout(cid, keys=["step", "optimizer.param_groups.*.lr"]) == {
+        "step": 7, "optimizer": {"param_groups": [{"lr": 0.1}]}}
+    assert_same(repo.checkout(cid, keys=["model/head.weight"]), {"model": {"head.weight": embed}})
+    assert_same(repo.checkout(cid, keys=["losses.1", "model.f*"]),
+                {"model": {"fc": torch.ones(3)}, "losses": [torch.tensor(2.0)]})
+    with pytest.raises(NothingSelectedError, match="no path of commit .* matches nothing.*"):
+        repo.checkout(cid, keys=["nothing.*"])
+
+
+def _trainer_folder(folder, trainer):
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, folder / "model.safetensors")
+    torch.save(trainer.optimizer.state_dict(), folder / "optimizer.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": trainer.step}))
+
+
+def test_folder_commit_partial_load_and_checkout(repo, tmp_path):
+    trainer = Trainer()
+    trainer.train(2)
+    _trainer_folder(tmp_path / "checkpoint-2", trainer)
+    cid = repo.commit(tmp_path / "checkpoint-2")
+    loaded = repo.checkout(cid, keys=["model.safetensors.fc1.*", "trainer_state.json"])
+    assert list(loaded) == ["model.safetensors", "trainer_state.json"]
+    committed = load_file(tmp_path / "checkpoint-2/model.safetensors")
+    assert_same(loaded["model.safetensors"], {k: v for k, v in committed.items() if "fc1" in k})
+
+    out = tmp_path / "out"
+    repo.checkout_to(cid, out, keys=["optimizer.pt.state.*", "model.safetensors.fc1.*", "trainer_state.json"])
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "optimizer.pt", "trainer_state.json"]
+    assert (out / "trainer_state.json").read_bytes() == (tmp_path / "checkpoint-2/trainer_state.json").read_bytes()
+    assert_same(load_file(out / "model.safetensors"), loaded["model.safetensors"])
+    assert_same(torch.load(out / "optimizer.pt", weights_only=True),
+                {"state": trainer.optimizer.state_dict()["state"]})
+    repo.checkout_to(cid, tmp_path / "whole", keys=["model.safetensors"])  # a file selected whole: its bytes
+    assert ((tmp_path / "whole/model.safetensors").read_bytes()
+            == (tmp_path / "checkpoint-2/model.safetensors").read_bytes())
+
+
+def test_cli_checkout_only_writes_the_selected_sub_state(repo, tmp_path, monkeypatch):
+    cid, state = _commits(repo, tmp_path, n=1)
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    result = runner.invoke(cli, ["checkout", cid, "--only", "model.fc*", "--only", "step", "-o", "part.pt"])
+    assert result.exit_code == 0, result.output
+    part = torch.load(tmp_path / "part.pt", weights_only=True)
+    assert_same(part, {"model": {k: v for k, v in state["model"].items() if k.startswith("fc")}, "step": 3})
+    refused = runner.invoke(cli, ["checkout", cid, "--only", "model.*"])
+    assert refused.exit_code != 0 and "pass -o PATH" in str(refused.exception or refused.output)
+    assert repo.head()[1] == cid
