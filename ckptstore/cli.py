@@ -203,6 +203,38 @@ def checkout(ctx, ref, output, force, only) -> None:
                    "state are close to, not equal to, the original; `ckpt show` lists each tensor's error")
 
 
+@cli.command()
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.option("--interval", type=click.FloatRange(0.0), default=10.0, show_default=True,
+              help="Seconds between scans; a checkpoint is committed once unchanged across two.")
+@click.option("--branch", help="Commit to this branch (created at HEAD if new); HEAD stays.")
+@click.option("--lossy", type=click.Choice([*LEVEL_NAMES, "none"]), help="Lossy level of the commits.")
+@click.option("--once", is_flag=True, help="Scan twice, --interval apart, commit what is complete, and exit.")
+@click.pass_context
+def watch(ctx, folder, interval, branch, lossy, once) -> None:
+    """Commit checkpoint files and checkpoint-N folders appearing in FOLDER, each once complete (Ctrl-C stops)."""
+    import signal
+    import threading
+
+    from ckptstore.repo import WatchOptions, watch_folder
+
+    stop = threading.Event()
+
+    def on_interrupt(signum, frame) -> None:  # finish the commit in progress; a second Ctrl-C interrupts it
+        stop.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        report = watch_folder(_open(ctx), folder, WatchOptions(interval, branch, lossy, once), stop, click.echo)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    for name, why in sorted(report.waiting.items()):
+        click.echo(f"waiting: {name}: {why}")
+    how = "stopped on Ctrl-C" if report.stopped else "done"
+    click.echo(f"{how}: {len(report.committed)} checkpoint(s) committed")
+
+
 @cli.command("export")
 @click.argument("ref")
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]), default="safetensors",

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["LOSSY_LEVELS", "CommitOptions", "EncodingSettings", "FsckReport", "GcReport", "LossyOptions", "Manifest",
-           "Repository", "TensorDiff", "export", "find_root", "fsck", "function_named", "gc"]
+           "Repository", "TensorDiff", "WatchOptions", "export", "find_root", "fsck", "function_named", "gc",
+           "watch_folder"]
 
 _WHERE = {
     "Repository": "repository", "find_root": "repository", "Manifest": "manifest", "TensorDiff": "diff",
     "CommitOptions": "commit", "LossyOptions": "commit", "FsckReport": "maintenance", "GcReport": "maintenance",
     "fsck": "maintenance", "gc": "maintenance", "LOSSY_LEVELS": "config", "EncodingSettings": "config",
-    "function_named": "calibrate", "export": "exporter",
+    "function_named": "calibrate", "export": "exporter", "WatchOptions": "watch", "watch_folder": "watch",
 }
 
 

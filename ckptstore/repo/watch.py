@@ -1,0 +1,295 @@
+"""`watch_folder` (`ckpt watch`): commit the checkpoints a training job writes into a folder, each once it is complete.
+
+What is watched: the folder's direct children that are checkpoint files (.pt .pth .bin .ckpt .tar
+.safetensors) or Hugging Face Trainer folders named `checkpoint-N`. Hidden names, temporary
+files of atomic writers and symlinks are never sources.
+
+When a source counts as complete (torch.save, safetensors and Trainer all write in place, in steps):
+- every file of it is unchanged (names, sizes, modification times) between two scans `interval`
+  seconds apart, and no atomic writer's temporary file sits in it;
+- a zip (torch.save's format) has a readable central directory, which torch writes last; a
+  safetensors file is exactly as long as its header says; a legacy (non-zip) torch file has no
+  end marker, so for it stability alone decides;
+- a Trainer folder holds a `trainer_state.json` that parses: Trainer._save_checkpoint writes it
+  after the model, optimizer, scheduler and RNG files.
+
+The step comes from trainer_state.json's `global_step`, else from the name (`checkpoint-500`,
+`step=1200`, `model_300.pt`: the number after "step", else the last number in the name).
+
+Nothing is committed twice, across restarts too: after each commit the source's signature and
+commit id go into `.ckpt/watch/<id>.json` (written atomically). A source missing from that file
+(a kill between the commit and the write) is first compared with the branch's commits from the
+same path: one whose files have the same blake3 digests means it is already committed. A source
+rewritten in place (Lightning's last.ckpt) is a new checkpoint once it is complete again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptstore.errors import CheckpointFormatError, CkptError, ConflictError, NothingToCommitError, RefNotFoundError
+from ckptstore.formats.atomic import atomic_write
+from ckptstore.formats.folder import is_temp_name
+from ckptstore.hashing import file_digest, object_id
+
+if TYPE_CHECKING:
+    from ckptstore.repo.repository import Repository
+
+SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".safetensors"}
+TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")
+TRAINER_STATE = "trainer_state.json"
+_STEP = re.compile(r"step[=_-]?(\d+)", re.IGNORECASE)
+_NUMBER = re.compile(r"(\d+)")
+Signature = list[list[Any]]  # [name inside the source, size, mtime_ns] for each of its files
+
+
+@dataclass
+class WatchOptions:
+    """How to watch: seconds between scans, the branch and lossy level of the commits, one pass only."""
+
+    interval: float = 10.0
+    branch: str | None = None
+    lossy: str | None = None
+    once: bool = False
+
+
+@dataclass
+class Source:
+    """A checkpoint file or folder as one scan found it."""
+
+    name: str
+    path: Path
+    signature: Signature
+    incomplete: str = ""  # why it is not complete yet ("" when it may be)
+    step: int | None = None
+
+
+@dataclass
+class WatchReport:
+    """What a watch did: the commits it made (name, commit id, step), and sources still incomplete."""
+
+    committed: list[tuple[str, str, int | None]] = field(default_factory=list)
+    waiting: dict[str, str] = field(default_factory=dict)
+    stopped: bool = False
+
+
+def watch_folder(repo: Repository, folder: str | os.PathLike, options: WatchOptions | None = None,
+          stop: threading.Event | None = None, say: Callable[[str], None] = lambda line: None) -> WatchReport:
+    """Commit each complete checkpoint appearing in `folder` until `stop` is set (or after one pass).
+
+    `say` gets a line per commit. `stop` is checked between commits, so setting it (on Ctrl-C)
+    ends the watch after the commit in progress.
+    """
+    options, stop = options or WatchOptions(), stop or threading.Event()
+    folder = Path(folder).resolve()
+    if not folder.is_dir():
+        raise CkptError(f"{folder} is not a folder; `ckpt watch` takes the folder a training job saves into")
+    repo.db.refuse_writes("watch (it commits)")
+    state = WatchState.load(repo, folder, options.branch)
+    report, before = WatchReport(), scan(folder)
+    while not stop.wait(options.interval):
+        now = scan(folder)
+        ready = [s for s in now.values() if _ready(s, before.get(s.name), state)]
+        for source in sorted(ready, key=lambda s: (s.step is None, s.step or 0, s.name)):
+            if stop.is_set():
+                break
+            _commit_source(repo, source, options, state, report, say)
+        report.waiting = {s.name: s.incomplete or "changed since the last scan" for s in now.values()
+                          if not state.done(s) and s not in ready}
+        before = now
+        if options.once:
+            break
+    report.stopped = stop.is_set()
+    return report
+
+
+def _ready(source: Source, before: Source | None, state: WatchState) -> bool:
+    return (not source.incomplete and before is not None and before.signature == source.signature
+            and not state.done(source))
+
+
+def _commit_source(repo: Repository, source: Source, options: WatchOptions, state: WatchState,
+                   report: WatchReport, say: Callable[[str], None]) -> None:
+    """Commit one complete source unless a commit of the branch already holds it; remember it either way."""
+    found = already_committed(repo, source, options.branch)
+    if found is not None:
+        state.record(source, found)
+        return
+    try:
+        cid = repo.commit(source.path, f"watch: {source.name}", step=source.step, branch=options.branch,
+                          lossy=options.lossy)
+    except NothingToCommitError:
+        state.record(source, None)
+        say(f"{source.name}: unchanged since the last commit, not committed")
+        return
+    except ConflictError as exc:  # another writer moved the branch: the next scan tries again
+        say(f"{source.name}: {exc}")
+        return
+    except (CheckpointFormatError, FileNotFoundError) as exc:  # not a checkpoint, or deleted meanwhile (rotation)
+        if source.path.exists():
+            state.record(source, None)
+        say(f"{source.name}: not committed: {exc}")
+        return
+    state.record(source, cid)
+    report.committed.append((source.name, cid, source.step))
+    say(f"[{cid[:12]}] {source.name}" + (f" (step {source.step})" if source.step is not None else ""))
+
+
+def scan(folder: Path) -> dict[str, Source]:
+    """The candidate sources in `folder` now, each with its signature and completeness."""
+    found = {}
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.startswith(".") or is_temp_name(entry.name) or entry.is_symlink():
+                continue
+            try:
+                if entry.is_dir() and TRAINER_FOLDER.match(entry.name):
+                    found[entry.name] = _folder_source(Path(entry.path))
+                elif entry.is_file() and Path(entry.name).suffix in SUFFIXES:
+                    found[entry.name] = _file_source(Path(entry.path))
+            except FileNotFoundError:  # removed while being looked at (checkpoint rotation)
+                continue
+    return found
+
+
+def _file_source(path: Path) -> Source:
+    info = path.stat()
+    return Source(path.name, path, [["", info.st_size, info.st_mtime_ns]], file_incomplete(path), step_of(path.name))
+
+
+def _folder_source(path: Path) -> Source:
+    signature, temps = [], []
+    for root, folders, files in os.walk(path):
+        folders.sort()
+        for name in sorted(files):
+            full = Path(root, name)
+            info = full.lstat()
+            signature.append([full.relative_to(path).as_posix(), info.st_size, info.st_mtime_ns])
+            if is_temp_name(name):
+                temps.append(name)
+    trainer = _trainer_state(path / TRAINER_STATE)
+    if trainer is None:
+        why = f"no readable {TRAINER_STATE} yet (Trainer writes it last)"
+    else:
+        why = f"a file is still being written ({temps[0]})" if temps else ""
+    step = trainer.get("global_step") if isinstance(trainer, dict) else None
+    return Source(path.name, path, signature, why, step if type(step) is int else step_of(path.name))
+
+
+def _trainer_state(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def file_incomplete(path: Path) -> str:
+    """Why the checkpoint file at `path` is not complete yet, or "" when its own structure says it is."""
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+    if path.suffix == ".safetensors":
+        return _safetensors_incomplete(path, head)
+    if head.startswith(b"PK"):  # a torch.save zip: its central directory is written last
+        try:
+            with zipfile.ZipFile(path) as archive:
+                archive.infolist()
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+            return "its zip central directory is not written yet"
+    return ""
+
+
+def _safetensors_incomplete(path: Path, head: bytes) -> str:
+    size = path.stat().st_size
+    if len(head) < 8:
+        return "shorter than a safetensors header"
+    length = int.from_bytes(head, "little")
+    if 8 + length > size:
+        return "its header is not written yet"
+    with open(path, "rb") as handle:
+        handle.seek(8)
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError:
+            return "its header is not written yet"
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
+            and isinstance(v.get("data_offsets"), list) and len(v["data_offsets"]) == 2]
+    return "" if 8 + length + max(ends, default=0) <= size else "its tensor data is not all written yet"
+
+
+def step_of(name: str) -> int | None:
+    """The training step a checkpoint's name gives: after "step" or "checkpoint-", else its last number."""
+    stem = name.removesuffix(Path(name).suffix) if Path(name).suffix in SUFFIXES else name
+    found = _STEP.search(stem) or TRAINER_FOLDER.match(stem)
+    if found:
+        return int(found.group(1))
+    numbers = _NUMBER.findall(stem)
+    return int(numbers[-1]) if numbers else None
+
+
+def already_committed(repo: Repository, source: Source, branch: str | None) -> str | None:
+    """A commit of the branch made from the source's path with exactly its files, if there is one."""
+    where = _source_path(repo, source.path)
+    try:
+        candidates = [c for c in repo.log(branch) if c.source_path == where]
+    except RefNotFoundError:  # a branch the watch has not created yet
+        return None
+    if not candidates:
+        return None
+    files = {name: source.path / name if name else source.path for name, _, _ in source.signature}
+    digests = None
+    for info in candidates:
+        manifest = repo.read_manifest(info.manifest_object)
+        if sorted(f.name for f in manifest.files) != sorted(files):
+            continue
+        digests = digests or {n: file_digest(str(p)) for n, p in files.items()}
+        if all(digests[f.name] == manifest.digests.get(f.name) for f in manifest.files):
+            return info.id
+    return None
+
+
+def _source_path(repo: Repository, path: Path) -> str:
+    """The path a commit of `path` records (as repo.commit computes it)."""
+    try:
+        return path.resolve().relative_to(repo.root).as_posix()
+    except ValueError:
+        return str(path.resolve())
+
+
+class WatchState:
+    """What a watcher of one folder and branch has committed: `.ckpt/watch/<id>.json`, rewritten atomically."""
+
+    def __init__(self, path: Path, header: dict[str, Any], sources: dict[str, dict[str, Any]]) -> None:
+        self.path, self.header, self.sources = path, header, sources
+
+    @classmethod
+    def load(cls, repo: Repository, folder: Path, branch: str | None) -> WatchState:
+        header = {"folder": str(folder), "branch": branch}
+        name = object_id(json.dumps(header, sort_keys=True).encode())[:16]
+        path = repo.dir / "watch" / f"{name}.json"
+        try:
+            record = json.loads(path.read_text())
+            sources = record["sources"] if isinstance(record.get("sources"), dict) else {}
+        except FileNotFoundError:
+            sources = {}
+        except (OSError, ValueError, AttributeError):  # damaged: the commits themselves still say what was done
+            sources = {}
+        return cls(path, header, sources)
+
+    def done(self, source: Source) -> bool:
+        """True when this very version of `source` (same files, sizes, times) was handled."""
+        known = self.sources.get(source.name)
+        return isinstance(known, dict) and known.get("signature") == source.signature
+
+    def record(self, source: Source, commit: str | None) -> None:
+        self.sources[source.name] = {"signature": source.signature, "commit": commit}
+        self.path.parent.mkdir(exist_ok=True)
+        text = json.dumps({**self.header, "sources": self.sources}, indent=1).encode()
+        atomic_write(self.path, lambda handle: handle.write(text))

@@ -1,0 +1,139 @@
+"""`ckpt watch`: commit what a training job writes, each checkpoint once it is complete, never twice."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from ckptstore.cli import cli
+from ckptstore.errors import CkptError
+from ckptstore.repo.watch import WatchOptions, file_incomplete, step_of
+from ckptstore.repo.watch import watch_folder as watch
+from tests.conftest import Trainer, assert_same
+
+ONCE = WatchOptions(interval=0.05, once=True)
+
+
+def _trainer_folder(folder: Path, trainer: Trainer, with_state: bool = True) -> None:
+    """A checkpoint-N folder in the order Trainer._save_checkpoint writes it (trainer_state.json last)."""
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, folder / "model.safetensors")
+    torch.save(trainer.optimizer.state_dict(), folder / "optimizer.pt")
+    if with_state:
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": trainer.step}))
+
+
+def test_half_written_checkpoints_wait_and_are_committed_once_complete(repo, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    trainer = Trainer()
+    trainer.train(2)
+    torch.save(trainer.state(), tmp_path / "full.pt")
+    whole = (tmp_path / "full.pt").read_bytes()
+    (run / "model_step20.pt").write_bytes(whole[: len(whole) // 2])  # torch.save still writing
+    _trainer_folder(run / "checkpoint-30", trainer, with_state=False)  # Trainer still writing
+
+    report = watch(repo, run, ONCE)
+    assert report.committed == [] and repo.head()[1] is None
+    assert "central directory" in report.waiting["model_step20.pt"]
+    assert "trainer_state.json" in report.waiting["checkpoint-30"]
+
+    (run / "model_step20.pt").write_bytes(whole)
+    (run / "checkpoint-30" / "trainer_state.json").write_text(json.dumps({"global_step": 31}))
+    report = watch(repo, run, ONCE)
+    assert [(name, step) for name, _, step in report.committed] == [("model_step20.pt", 20), ("checkpoint-30", 31)]
+    assert report.waiting == {}
+    file_commit, folder_commit = (cid for _, cid, _ in report.committed)
+    assert_same(repo.checkout(file_commit), torch.load(run / "model_step20.pt", weights_only=False))
+    out = tmp_path / "out"
+    repo.checkout_to(folder_commit, out)
+    for name in ("model.safetensors", "optimizer.pt", "trainer_state.json"):
+        assert (out / name).read_bytes() == (run / "checkpoint-30" / name).read_bytes()
+    assert [c.step for c in repo.log()] == [31, 20]
+
+
+def _cli_env(repo, **extra):
+    return dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), CKPT_REPO=str(repo.root), **extra)
+
+
+def test_restart_commits_nothing_twice_even_after_a_kill_between_commit_and_record(repo, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    trainer = Trainer()
+    for step in (1, 2):
+        trainer.train(1)
+        torch.save(trainer.state(), run / f"step={step}.ckpt")
+    killed = subprocess.run([sys.executable, "-m", "ckptstore", "watch", str(run), "--once", "--interval", "0.05"],
+                            env=_cli_env(repo, CKPT_CRASH_AT="commit:ref-moved"), capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL  # killed once step=1 was committed, before the watch recorded it
+    assert [c.step for c in repo.log()] == [1] and not list((repo.dir / "watch").glob("*.json"))
+    assert [name for name, _, _ in watch(repo, run, ONCE).committed] == ["step=2.ckpt"]  # step=1: found committed
+    assert watch(repo, run, ONCE).committed == []  # restarted again: the state file says both are done
+    assert [c.step for c in repo.log()] == [2, 1]
+
+    trainer.train(1)
+    torch.save(trainer.state(), run / "step=2.ckpt")  # rewritten in place (like last.ckpt): a new checkpoint
+    (committed,) = watch(repo, run, ONCE).committed
+    assert committed[0] == "step=2.ckpt" and len(repo.log()) == 3
+    assert_same(repo.checkout(committed[1]), torch.load(run / "step=2.ckpt", weights_only=False))
+
+
+def test_legacy_and_safetensors_files_a_branch_and_steps_from_names(repo, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    legacy = run / "legacy.pt"  # no zip end marker: only stability across two scans can tell
+    torch.save({"w": torch.ones(4)}, legacy, _use_new_zipfile_serialization=False)
+    assert file_incomplete(legacy) == ""
+    before = watch(repo, run, WatchOptions(interval=0.05, once=True, branch="side"))
+    assert len(before.committed) == 1 and repo.head()[1] is None  # --branch: HEAD's branch stays unborn
+    save_file({"w": torch.ones(8)}, run / "w.safetensors")
+    data = (run / "w.safetensors").read_bytes()
+    (run / "w.safetensors").write_bytes(data[:-4])
+    assert "not all written" in file_incomplete(run / "w.safetensors")
+    assert [step_of(n) for n in ("checkpoint-500", "epoch=3-step=1200.ckpt", "model_7.pt", "last.ckpt")] == [
+        500, 1200, 7, None]
+
+
+def test_ctrl_c_ends_the_watch_after_the_current_commit_with_exit_code_0(repo, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"w": torch.arange(10.0)}, run / "ckpt-1.pt")
+    process = subprocess.Popen([sys.executable, "-m", "ckptstore", "watch", str(run), "--interval", "0.1"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_cli_env(repo))
+    try:
+        lines = []
+        deadline = time.monotonic() + 60
+        while not any("ckpt-1.pt" in line for line in lines) and time.monotonic() < deadline:
+            lines.append(process.stdout.readline())
+        process.send_signal(signal.SIGINT)
+        out, _ = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 0, "".join(lines) + out
+    assert "stopped on Ctrl-C: 1 checkpoint(s) committed" in out
+    assert "Traceback" not in "".join(lines) + out
+    assert len(repo.log()) == 1
+
+
+def test_cli_watch_once(repo, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"w": torch.ones(3)}, run / "a.pt")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["watch", str(run), "--once", "--interval", "0.05"])
+    assert result.exit_code == 0, result.output
+    assert "a.pt" in result.output and "done: 1 checkpoint(s) committed" in result.output
+
+
+def test_watch_refuses_a_file(repo, tmp_path):
+    (tmp_path / "a.pt").write_bytes(b"x")
+    with pytest.raises(CkptError, match="not a folder"):
+        watch(repo, tmp_path / "a.pt", ONCE)
