@@ -35,7 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptstore.errors import CheckpointFormatError, CkptError, ConflictError, NothingToCommitError, RefNotFoundError
+from ckptstore.errors import (
+    CheckpointFormatError,
+    CkptError,
+    ConflictError,
+    NothingToCommitError,
+    RefNotFoundError,
+    UnsupportedStateError,
+)
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.formats.folder import is_temp_name
 from ckptstore.hashing import file_digest, object_id
@@ -133,7 +140,8 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, stat
     except ConflictError as exc:  # another writer moved the branch: the next scan tries again
         say(f"{source.name}: {exc}")
         return
-    except (CheckpointFormatError, FileNotFoundError) as exc:  # not a checkpoint, or deleted meanwhile (rotation)
+    except (CheckpointFormatError, UnsupportedStateError, FileNotFoundError) as exc:
+        # not a checkpoint ckptstore can store (tried again once it changes), or removed meanwhile (rotation)
         if source.path.exists():
             state.record(source, None)
         say(f"{source.name}: not committed: {exc}")

@@ -92,8 +92,14 @@ def test_legacy_and_safetensors_files_a_branch_and_steps_from_names(repo, tmp_pa
     legacy = run / "legacy.pt"  # no zip end marker: only stability across two scans can tell
     torch.save({"w": torch.ones(4)}, legacy, _use_new_zipfile_serialization=False)
     assert file_incomplete(legacy) == ""
-    before = watch(repo, run, WatchOptions(interval=0.05, once=True, branch="side"))
+    (run / "notes.bin").write_bytes(b"not a checkpoint")  # refused, said, and not tried again until it changes
+    said = []
+    before = watch(repo, run, WatchOptions(interval=0.05, once=True, branch="side"), say=said.append)
     assert len(before.committed) == 1 and repo.head()[1] is None  # --branch: HEAD's branch stays unborn
+    assert any(line.startswith("notes.bin: not committed") for line in said)
+    said.clear()
+    assert watch(repo, run, WatchOptions(interval=0.05, once=True, branch="side"), say=said.append).committed == []
+    assert said == []
     save_file({"w": torch.ones(8)}, run / "w.safetensors")
     data = (run / "w.safetensors").read_bytes()
     (run / "w.safetensors").write_bytes(data[:-4])
