@@ -15,11 +15,17 @@ from safetensors.torch import save_file
 
 from ckptstore.cli import cli
 from ckptstore.errors import CkptError
+from ckptstore.formats.torchfile import numpy_safe_globals
 from ckptstore.repo.watch import WatchOptions, file_incomplete, step_of
 from ckptstore.repo.watch import watch_folder as watch
 from tests.conftest import Trainer, assert_same
 
 ONCE = WatchOptions(interval=0.05, once=True)
+
+
+def _load(path):
+    with torch.serialization.safe_globals(numpy_safe_globals()):
+        return torch.load(path, weights_only=True)
 
 
 def _trainer_folder(folder: Path, trainer: Trainer, with_state: bool = True) -> None:
@@ -52,7 +58,7 @@ def test_half_written_checkpoints_wait_and_are_committed_once_complete(repo, tmp
     assert [(name, step) for name, _, step in report.committed] == [("model_step20.pt", 20), ("checkpoint-30", 31)]
     assert report.waiting == {}
     file_commit, folder_commit = (cid for _, cid, _ in report.committed)
-    assert_same(repo.checkout(file_commit), torch.load(run / "model_step20.pt", weights_only=False))
+    assert_same(repo.checkout(file_commit), _load(run / "model_step20.pt"))
     out = tmp_path / "out"
     repo.checkout_to(folder_commit, out)
     for name in ("model.safetensors", "optimizer.pt", "trainer_state.json"):
@@ -83,7 +89,7 @@ def test_restart_commits_nothing_twice_even_after_a_kill_between_commit_and_reco
     torch.save(trainer.state(), run / "step=2.ckpt")  # rewritten in place (like last.ckpt): a new checkpoint
     (committed,) = watch(repo, run, ONCE).committed
     assert committed[0] == "step=2.ckpt" and len(repo.log()) == 3
-    assert_same(repo.checkout(committed[1]), torch.load(run / "step=2.ckpt", weights_only=False))
+    assert_same(repo.checkout(committed[1]), _load(run / "step=2.ckpt"))
 
 
 def test_legacy_and_safetensors_files_a_branch_and_steps_from_names(repo, tmp_path):
