@@ -36,7 +36,8 @@ class NothingSelectedError(CkptError):
 
 
 def _level(text: str) -> str:
-    return text.replace("/", ".")
+    """`text` with "." between levels; an escaped "/" (a folder's sub/file.pt) reads as one too."""
+    return text.replace("%2F", "/").replace("/", ".")
 
 
 @dataclass(frozen=True)
