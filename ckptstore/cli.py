@@ -185,14 +185,13 @@ def checkout(ctx, ref, output, force, only) -> None:
     """Restore the checkpoint at REF and move HEAD to it (a lossless commit: files byte for byte, except below)."""
     repo = _open(ctx)
     info = repo.commit_info(ref)  # before HEAD moves: a ref like HEAD~1 names another commit afterwards
+    dest = repo.checkout_to(ref, output, force=force, progress=BarProgress(), keys=list(only) or None)
     if only:
-        dest = repo.checkout_to(ref, output, force=force, progress=BarProgress(), keys=list(only))
         click.echo(f"Wrote the part of {info.id[:12]} matching {', '.join(only)} to {dest}; HEAD did not move")
-        return
-    dest = repo.checkout_to(ref, output, force=force, progress=BarProgress())
-    click.echo(f"Restored {info.id[:12]} to {dest}")
-    rewritten = repo.manifest(info.id).rewritten_files()
-    if info.source_path is not None and not info.lossy:
+    else:
+        click.echo(f"Restored {info.id[:12]} to {dest}")
+    rewritten = [] if only else repo.manifest(info.id).rewritten_files()
+    if info.source_path is not None and not info.lossy and not only:
         click.echo("Files are byte for byte as committed" + (", except below." if rewritten else "."))
     if info.source_path is not None and rewritten:
         names = ", ".join(name or str(dest) for name in rewritten)
