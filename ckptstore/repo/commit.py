@@ -7,7 +7,6 @@ metadata transaction records everything and moves the branch with compare-and-sw
 
 from __future__ import annotations
 
-import getpass
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -16,22 +15,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults, formats
-from ckptstore.errors import CheckpointFormatError, CkptError, ConflictError, NothingToCommitError
+from ckptstore.errors import CheckpointFormatError, CkptError, NothingToCommitError
 from ckptstore.formats.folder import folder_files
 from ckptstore.hashing import CommitId, ObjectId, TensorId, file_digest, tensor_id
 from ckptstore.metadata import Tx
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import files as file_rows
-from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.metadata.commits import CommitInfo
 from ckptstore.policy import LossyLevel, level_named
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource
-from ckptstore.repo import calibrate, refs
+from ckptstore.repo import calibrate
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.progress import NoProgress, Progress
+from ckptstore.repo.target import commit_target, default_author, move_ref
 from ckptstore.repo.writer import Job, encode_jobs, lossless_jobs
 from ckptstore.state import RawTensor
 
@@ -127,7 +126,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         stored = sum(r.stored_bytes for r in new_records) + len(manifest_bytes)
         info = _commit_info(checkpoint, options, manifest_oid, stored, source_path, parent, level)
         with repo.db.write() as tx:
-            _move_ref(tx, parent.target, parent.commit, info.id)
+            move_ref(tx, parent.target, parent.commit, info.id)
             tensor_rows.insert_records(tx, new_records, sizes)
             commit_rows.insert_commit(tx, info, entries.values())
             if level is None:  # a lossy commit cannot give its source's bytes back: they stay unsaved
@@ -222,7 +221,8 @@ def _tensor_ids(repo: Repository, tensors: Mapping[str, RawTensor]) -> dict[str,
 
 def _parent(repo: Repository, tx: Tx, branch: str | None, tensors: Mapping[str, RawTensor]) -> _Parent:
     """Where the commit goes, with the parent's manifest and the records of its tensors at our paths."""
-    parent = _commit_target(tx, branch)
+    start = commit_target(tx, branch)
+    parent = _Parent(start.target, start.commit)
     if parent.commit is None:
         return parent
     parent.manifest = repo.read_manifest(commit_rows.manifest_object(tx, parent.commit))
@@ -230,42 +230,6 @@ def _parent(repo: Repository, tx: Tx, branch: str | None, tensors: Mapping[str, 
     parent.records = tensor_rows.load_records(tx, set(ids.values()))
     parent.by_path = {p: parent.records[t] for p, t in ids.items() if t in parent.records}
     return parent
-
-
-def _commit_target(tx: Tx, branch: str | None) -> _Parent:
-    if branch is None:
-        branch = refs.head_branch(tx)
-        if branch is None:
-            return _Parent(None, refs.head_commit(tx))
-    row = ref_rows.ref_row(tx, branch)
-    if row is None and branch != refs.head_branch(tx):  # only a name being created must pass today's rules
-        refs.check_name(branch)
-    if row is not None and row.kind != refs.BRANCH:
-        raise CkptError(f"{branch!r} is a tag; commits go on branches")
-    if row is not None:
-        return _Parent(branch, CommitId(row.commit_id))
-    return _Parent(branch, refs.head_commit(tx) if branch != refs.head_branch(tx) else None)
-
-
-def _move_ref(tx: Tx, target: str | None, expected: CommitId | None, new: CommitId) -> None:
-    """Compare-and-swap the ref: it must still point where this commit started from."""
-    if target is None:
-        moved = expected is not None and ref_rows.swap(tx, refs.HEAD, refs.HEAD_KIND, expected, new)
-    elif expected is None or ref_rows.ref_row(tx, target) is None:
-        moved = ref_rows.ref_row(tx, target) is None
-        if moved:
-            ref_rows.insert_ref(tx, target, refs.BRANCH, new)
-    else:
-        moved = ref_rows.swap(tx, target, refs.BRANCH, expected, new)
-    if not moved:
-        now = ref_rows.ref_row(tx, target or refs.HEAD)
-        where = (now.commit_id or "nothing")[:12] if now else "nothing"
-        raise ConflictError(
-            f"{target or 'HEAD'} moved to {where} while this commit was being written "
-            f"(it started from {(expected or 'an unborn branch')[:12]}); nothing was recorded. "
-            "Another process commits to the same branch: commit again to put this checkpoint on "
-            "top, or use --branch to keep the two runs apart."
-        )
 
 
 def _plan(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, level: LossyLevel,
@@ -349,7 +313,7 @@ def _commit_info(checkpoint: formats.Checkpoint, options: CommitOptions, manifes
                  else sum(r.nbytes for r in checkpoint.tensors.values()))
     info = CommitInfo(
         id=CommitId(""), manifest_object=manifest_oid, message=options.message,
-        author=options.author or _default_author(), created_at=time.time(), step=options.step,
+        author=options.author or default_author(), created_at=time.time(), step=options.step,
         metrics={str(k): float(v) for k, v in options.metrics.items()}, kind=checkpoint.kind,
         source_path=source_path, raw_bytes=raw_total, stored_bytes=stored,
         parents=[parent.commit] if parent.commit else [], lossy=level.name if level else None,
@@ -386,10 +350,3 @@ def _param_names(model: Any, optimizer: Any) -> list[str] | None:
     names = {id(p): n for n, p in model.named_parameters()}
     ordered = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
     return None if None in ordered else ordered
-
-
-def _default_author() -> str:
-    try:
-        return os.environ.get("CKPT_AUTHOR") or getpass.getuser()
-    except Exception:
-        return "unknown"

@@ -21,9 +21,10 @@ from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.metadata.commits import CommitInfo
 from ckptstore.records import Chunk, TensorRecord
 from ckptstore.replay import ChainSource
-from ckptstore.repo.commit import CommitOptions, _commit_target, _default_author, _move_ref
+from ckptstore.repo.commit import CommitOptions
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
+from ckptstore.repo.target import commit_target, default_author, move_ref
 from ckptstore.repo.writer import encode_jobs, lossless_jobs
 from ckptstore.state import BYTES_DTYPE, RawTensor, escape
 
@@ -56,7 +57,7 @@ def is_sharded(manifest: Manifest) -> bool:
 def where_to(repo: Repository, branch: str | None) -> tuple[str | None, CommitId | None]:
     """The coordinator's start: (branch to advance or None for a detached HEAD, its commit now)."""
     with repo.db.read() as tx:
-        parent = _commit_target(tx, branch)
+        parent = commit_target(tx, branch)
     return parent.target, parent.commit
 
 
@@ -135,14 +136,14 @@ def record_sharded(repo: Repository, target: str | None, parent: CommitId | None
     faults.point("dcp:manifest-written")
     info = CommitInfo(
         id=CommitId(""), manifest_object=manifest_oid, message=options.message,
-        author=options.author or _default_author(), created_at=time.time(), step=options.step,
+        author=options.author or default_author(), created_at=time.time(), step=options.step,
         metrics={str(k): float(v) for k, v in options.metrics.items()}, kind=KIND, source_path=None,
         raw_bytes=sum(s.raw_bytes for s in shards),
         stored_bytes=sum(r.stored_bytes for r in records) + len(manifest_bytes),
         parents=[parent] if parent else [])
     info.id = info.computed_id()
     with repo.db.write() as tx:
-        _move_ref(tx, target, parent, info.id)
+        move_ref(tx, target, parent, info.id)
         missing = ({e.tensor for e in entries.values()} - {r.id for r in records}
                    - tensor_rows.existing_tensor_ids(tx, {e.tensor for e in entries.values()}))
         if missing:  # a shard reused a tensor no record holds: recording it would make a commit that does not read

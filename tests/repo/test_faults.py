@@ -125,13 +125,13 @@ def test_equal_tensors_at_two_paths_come_back_as_separate_tensors(repo):
 def test_conflicting_writer_gets_clear_error_and_loses_nothing(repo, tmp_path):
     commits, states = _commit_run(repo, tmp_path, n=1)
     torch.save({"w": torch.randn(100)}, tmp_path / "other.pt")
-    from ckptstore.repo import commit as commit_module
+    from ckptstore.repo import target
 
     with repo.db.read() as tx:
-        started = commit_module._commit_target(tx, None)
+        started = target.commit_target(tx, None)
     repo.commit(tmp_path / "other.pt", message="the other writer")
     with pytest.raises(ConflictError, match="moved"), repo.db.write() as tx:
-        commit_module._move_ref(tx, started.target, started.commit, "f" * 64)
+        target.move_ref(tx, started.target, started.commit, "f" * 64)
     assert len(repo.log()) == 2
     assert_same(states[0], repo.checkout(commits[0]))
 

@@ -1,0 +1,70 @@
+"""Where a new commit goes and how its ref moves: shared by every path that records commits.
+
+An ordinary commit (repo/commit.py) and a sharded one (repo/sharded.py) both start from the tip
+of a branch (or a detached HEAD) and move it with compare-and-swap in their one transaction.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+from dataclasses import dataclass
+
+from ckptstore.errors import CkptError, ConflictError
+from ckptstore.hashing import CommitId
+from ckptstore.metadata import Tx
+from ckptstore.metadata import refs as ref_rows
+from ckptstore.repo import refs
+
+
+@dataclass
+class Start:
+    """Where a commit goes: the branch to advance (None: a detached HEAD) and the commit it starts from."""
+
+    target: str | None
+    commit: CommitId | None
+
+
+def commit_target(tx: Tx, branch: str | None) -> Start:
+    """The start of a commit on `branch` (default: HEAD's branch, or HEAD itself when detached)."""
+    if branch is None:
+        branch = refs.head_branch(tx)
+        if branch is None:
+            return Start(None, refs.head_commit(tx))
+    row = ref_rows.ref_row(tx, branch)
+    if row is None and branch != refs.head_branch(tx):  # only a name being created must pass today's rules
+        refs.check_name(branch)
+    if row is not None and row.kind != refs.BRANCH:
+        raise CkptError(f"{branch!r} is a tag; commits go on branches")
+    if row is not None:
+        return Start(branch, CommitId(row.commit_id))
+    return Start(branch, refs.head_commit(tx) if branch != refs.head_branch(tx) else None)
+
+
+def move_ref(tx: Tx, target: str | None, expected: CommitId | None, new: CommitId) -> None:
+    """Compare-and-swap the ref: it must still point where this commit started from."""
+    if target is None:
+        moved = expected is not None and ref_rows.swap(tx, refs.HEAD, refs.HEAD_KIND, expected, new)
+    elif expected is None or ref_rows.ref_row(tx, target) is None:
+        moved = ref_rows.ref_row(tx, target) is None
+        if moved:
+            ref_rows.insert_ref(tx, target, refs.BRANCH, new)
+    else:
+        moved = ref_rows.swap(tx, target, refs.BRANCH, expected, new)
+    if not moved:
+        now = ref_rows.ref_row(tx, target or refs.HEAD)
+        where = (now.commit_id or "nothing")[:12] if now else "nothing"
+        raise ConflictError(
+            f"{target or 'HEAD'} moved to {where} while this commit was being written "
+            f"(it started from {(expected or 'an unborn branch')[:12]}); nothing was recorded. "
+            "Another process commits to the same branch: commit again to put this checkpoint on "
+            "top, or use --branch to keep the two runs apart."
+        )
+
+
+def default_author() -> str:
+    """The author of a commit that names none: $CKPT_AUTHOR, else the login name."""
+    try:
+        return os.environ.get("CKPT_AUTHOR") or getpass.getuser()
+    except Exception:
+        return "unknown"
