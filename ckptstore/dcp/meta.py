@@ -1,117 +1,24 @@
-"""DCP's `Metadata` as plain JSON and back, so a sharded commit's manifest never holds a pickle.
-
-The JSON (the manifest's `dcp` section, docs/format.md) keeps DCP's state_dict_metadata in order,
-each tensor chunk together with the manifest path holding it (DCP's storage_data), and the
-planner's data in a tagged form that tells tuples from lists. A reader refuses a version it
-does not know.
-"""
+"""DCP's `Metadata` as the JSON of a sharded commit's manifest (ckptstore/formats/dcpmeta.py), version-checked."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata
 
-from ckptstore.errors import CorruptObjectError, UnsupportedStateError
-from ckptstore.repo.sharded import DCP_FORMAT_VERSION, bytes_key, check_format, shard_key
+from ckptstore.errors import CorruptObjectError
+from ckptstore.formats.dcpmeta import to_json
+from ckptstore.repo.sharded import check_format
 
-
-def to_json(metadata: Metadata) -> dict[str, Any]:
-    """The JSON form of `metadata`; its storage_data is rebuilt from the items on load, not stored."""
-    items = []
-    for fqn, stored in metadata.state_dict_metadata.items():
-        if isinstance(stored, BytesStorageMetadata):
-            items.append({"fqn": fqn, "type": "bytes", "key": bytes_key(fqn)})
-            continue
-        props = stored.properties
-        items.append({
-            "fqn": fqn, "type": "tensor", "dtype": str(props.dtype), "size": list(stored.size),
-            "layout": str(props.layout), "requires_grad": bool(props.requires_grad),
-            "memory_format": str(props.memory_format), "pin_memory": bool(props.pin_memory),
-            "chunks": [[list(c.offsets), list(c.sizes), shard_key(fqn, list(c.offsets), list(c.sizes))]
-                       for c in stored.chunks],
-        })
-    meta = metadata.storage_meta
-    return {"version": DCP_FORMAT_VERSION, "dcp_version": metadata.version, "items": items,
-            "planner_data": _tagged(metadata.planner_data, "planner_data"),
-            "storage_meta": None if meta is None else {
-                "checkpoint_id": None if meta.checkpoint_id is None else str(meta.checkpoint_id),
-                "save_id": meta.save_id, "load_id": meta.load_id, "modules": list(meta.modules)}}
+__all__ = ["from_json", "to_json"]
 
 
 def from_json(data: dict[str, Any], manifest_oid: str) -> Metadata:
-    """The `Metadata` that `to_json` described; storage_data maps each item's index to its manifest path."""
+    """The `Metadata` that `to_json` described, from a `dcp` section of a version this ckptstore reads."""
+    from ckptstore.formats import dcpmeta
+
     if not isinstance(data, dict):
         raise CorruptObjectError(manifest_oid, f"a manifest whose DCP metadata is not an object "
                                                f"({type(data).__name__})")
     check_format(data, f"manifest {manifest_oid}")
-    try:
-        state: dict[str, Any] = {}
-        storage: dict[MetadataIndex, str] = {}
-        for item in data["items"]:
-            fqn = item["fqn"]
-            if item["type"] == "bytes":
-                state[fqn] = BytesStorageMetadata()
-                storage[MetadataIndex(fqn)] = item["key"]
-                continue
-            props = TensorProperties(dtype=_torch_attr(item["dtype"], torch.dtype),
-                                     layout=_torch_attr(item["layout"], torch.layout),
-                                     requires_grad=bool(item["requires_grad"]),
-                                     memory_format=_torch_attr(item["memory_format"], torch.memory_format),
-                                     pin_memory=bool(item["pin_memory"]))
-            chunks = []
-            for offsets, sizes, key in item["chunks"]:
-                chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-                storage[MetadataIndex(fqn, offsets)] = key
-            state[fqn] = TensorStorageMetadata(props, torch.Size(item["size"]), chunks)
-        meta = data["storage_meta"]
-        return Metadata(state, _untagged(data["planner_data"]), storage,
-                        None if meta is None else StorageMeta(**meta), data["dcp_version"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptObjectError(manifest_oid, f"a manifest whose DCP metadata is missing or mangling a field "
-                                               f"({exc!r})") from None
-
-
-def _torch_attr(name: str, kind: type) -> Any:
-    """`torch.float32` -> torch.float32, only for attributes of the expected kind."""
-    value = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(value, kind):
-        raise ValueError(f"{name!r} is not a {kind.__name__} this torch {torch.__version__} knows")
-    return value
-
-
-def _tagged(value: Any, where: str) -> Any:
-    """JSON that keeps tuples, lists and dict keys apart: scalars as themselves, containers tagged."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, tuple):
-        return ["tuple", [_tagged(v, where) for v in value]]
-    if isinstance(value, list):
-        return ["list", [_tagged(v, where) for v in value]]
-    if isinstance(value, dict):
-        return ["dict", [[_tagged(k, where), _tagged(v, where)] for k, v in value.items()]]
-    raise UnsupportedStateError(f"DCP {where} holds a {type(value).__name__}; ckptstore stores DCP metadata as "
-                                "JSON (never pickle): use a planner whose planner_data is plain data")
-
-
-def _untagged(value: Any) -> Any:
-    """The value `_tagged` wrote."""
-    if not isinstance(value, list):
-        return value
-    tag, items = value
-    if tag == "tuple":
-        return tuple(_untagged(v) for v in items)
-    if tag == "list":
-        return [_untagged(v) for v in items]
-    if tag == "dict":
-        return {_untagged(k): _untagged(v) for k, v in items}
-    raise ValueError(f"unknown tag {tag!r} in planner_data")
+    return dcpmeta.from_json(data, manifest_oid)

@@ -88,7 +88,11 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
         info = commit_rows.commit_info(tx, cid)
         is_branch = (row := ref_rows.ref_row(tx, ref)) is not None and row.kind == refs.BRANCH
     manifest = repo.read_manifest(info.manifest_object)
-    _refuse_sharded(cid, manifest)
+    if manifest.dcp is not None:  # a sharded commit: a DCP directory that plain dcp.load reads
+        if keys is not None:
+            raise CkptError(f"commit {cid[:12]} is a sharded (torch.distributed.checkpoint) commit: check it out "
+                            "whole with -o DIR, or load part of it with dcp.load and CkptStorageReader")
+        return _checkout_sharded(repo, cid, info.manifest_object, manifest, output, progress)
     if keys is not None:
         return _write_selected(repo, cid, manifest, keys, output, force, progress)
     if output is not None:
@@ -127,12 +131,23 @@ def _write_selected(repo: Repository, cid: CommitId, manifest: Manifest, keys: I
     return plan.dest
 
 
+def _checkout_sharded(repo: Repository, cid: CommitId, manifest_oid: str, manifest: Manifest,
+                      output: str | os.PathLike | None, progress: Progress | None) -> Path:
+    if output is None:
+        raise CkptError(f"commit {cid[:12]} is a sharded (torch.distributed.checkpoint) commit; pass -o DIR to "
+                        "write it as a DCP directory (a new or empty folder)")
+    from ckptstore.repo.dcpfiles import checkout_dir
+
+    return checkout_dir(repo, cid, manifest_oid, manifest, output, progress)
+
+
 def _refuse_sharded(cid: str, manifest: Manifest) -> None:
     """A sharded (DCP) commit has no single state to rebuild here: say how to load it instead."""
     if manifest.dcp is not None:
         raise CkptError(f"commit {cid[:12]} is a sharded (torch.distributed.checkpoint) commit; load it with "
                         f"dcp.load(state_dict, storage_reader=ckptstore.dcp.CkptStorageReader(repo, {cid[:12]!r})), "
-                        f"or write it as one file with `ckpt export {cid[:12]} -o FILE`")
+                        f"write it as a DCP directory with `ckpt checkout {cid[:12]} -o DIR`, or as one file with "
+                        f"`ckpt export {cid[:12]} -o FILE`")
 
 
 def _replay(repo: Repository, manifest: Manifest, paths: list[str], progress: Progress, label: str,

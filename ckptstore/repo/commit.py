@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults, formats
 from ckptstore.errors import CheckpointFormatError, CkptError, NothingToCommitError
+from ckptstore.formats.dcpmeta import is_dcp_dir
 from ckptstore.formats.folder import folder_files
 from ckptstore.hashing import CommitId, ObjectId, TensorId, file_digest, tensor_id
 from ckptstore.metadata import Tx
@@ -98,6 +99,10 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
     the branch meanwhile; in both cases no commit is recorded and earlier ones are untouched.
     """
     lossy = lossy or LossyOptions()
+    if isinstance(source, (str, os.PathLike)) and is_dcp_dir(source):  # torch.distributed.checkpoint's folder
+        from ckptstore.repo.dcpfiles import commit_dir
+
+        return commit_dir(repo, source, options, lossy.level)
     progress = progress or NoProgress()
     level = level_named(lossy.level if lossy.level is not None else (repo.config.lossy or None), **lossy.knobs)
     measured = _measured_fisher(lossy, level)

@@ -15,6 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults
 from ckptstore.errors import CkptError
+from ckptstore.formats.dcpmeta import DCP_FORMAT_VERSION
+from ckptstore.formats.dcpmeta import SKELETON_MAGIC as SKELETON_MAGIC  # the DCP plugins' names for them
+from ckptstore.formats.dcpmeta import bytes_key as bytes_key
+from ckptstore.formats.dcpmeta import shard_key as shard_key
 from ckptstore.hashing import CommitId, ObjectId, TensorId, tensor_id
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import tensors as tensor_rows
@@ -26,27 +30,12 @@ from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.target import commit_target, default_author, move_ref
 from ckptstore.repo.writer import encode_jobs, lossless_jobs
-from ckptstore.state import BYTES_DTYPE, RawTensor, escape
+from ckptstore.state import BYTES_DTYPE, RawTensor
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
 
 KIND = "dcp"  # a sharded commit's kind (commit row and manifest)
-DCP_FORMAT_VERSION = 1  # of the manifest's `dcp` section; a reader refuses others
-
-
-def shard_key(fqn: str, offsets: list[int], sizes: list[int]) -> str:
-    """The manifest path of one tensor shard: the same key in the next commit is its base."""
-    return f"{escape(fqn)}/%shard/{','.join(map(str, offsets))}/{','.join(map(str, sizes))}"
-
-
-# A bytes item stored as ckptstore's JSON skeleton starts with this (a pickle starts with 0x80, a zip with "PK").
-SKELETON_MAGIC = b"\x00ckpt-skeleton-v1\n"
-
-
-def bytes_key(fqn: str) -> str:
-    """The manifest path of a bytes item (non-tensor state DCP serialized itself)."""
-    return f"{escape(fqn)}/%bytes"
 
 
 def is_sharded(manifest: Manifest) -> bool:

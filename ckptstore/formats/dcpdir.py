@@ -1,0 +1,176 @@
+"""DCP directories on disk: what `torch.distributed.checkpoint.FileSystemWriter` writes (torchtitan and others).
+
+A DCP directory holds `.metadata`, a pickle of DCP's `Metadata` whose storage_data says where
+each item lies (file, offset, length), and the `__<rank>_<n>.distcp` files: each tensor item a
+`torch.save` of the shard, each bytes item the bytes DCP's planner wrote (its own pickle).
+
+Reading never runs code of the file's choosing: `.metadata` is unpickled allowing only DCP's
+metadata classes and torch's dtypes, sizes and layouts (`trust_pickle` lifts that), tensors are
+read with `torch.load(weights_only=True)`, and bytes items are kept as the bytes stored. Writing
+builds `Metadata` from a sharded commit's JSON (dcpmeta.py) and pickles it: that pickle is the
+format plain `dcp.load` reads.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from ckptstore.errors import CheckpointFormatError, PickledObjectsError
+from ckptstore.formats import dcpmeta
+from ckptstore.formats.atomic import write_parts
+from ckptstore.state import RawTensor, materialize, raw_from_bytes, raw_from_torch, unflatten
+
+METADATA = dcpmeta.METADATA_FILE
+DATA_FILE = "__0_0.distcp"  # checkout writes every item into one file (FileSystemWriter's name for rank 0)
+
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
+                                              "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # a layout by name: a lookup, nothing more
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata`: its classes, torch's dtypes, sizes and layouts, and nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not one of DCP's metadata classes")
+
+
+def read_metadata(path: str | os.PathLike, trust_pickle: bool = False) -> Metadata:
+    """DCP's `Metadata` from the `.metadata` file of the DCP directory at `path`."""
+    where = Path(path) / METADATA
+    with open(where, "rb") as handle:
+        try:
+            metadata = pickle.load(handle) if trust_pickle else _MetadataUnpickler(handle).load()
+        except pickle.UnpicklingError as exc:
+            raise PickledObjectsError(f"{where} holds objects beyond DCP's metadata ({exc}); commit it with "
+                                      "--trust-pickle only if you trust who wrote it") from None
+        except (EOFError, AttributeError, ValueError, TypeError, ImportError) as exc:
+            raise CheckpointFormatError(f"{where} is not DCP metadata this torch {torch.__version__} reads "
+                                        f"({exc!r})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointFormatError(f"{where} holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
+
+def read(path: str | os.PathLike, trust_pickle: bool = False) -> tuple[dict[str, Any], dict[str, RawTensor]]:
+    """A DCP directory as a sharded commit's parts: (its metadata as JSON, every stored item by manifest path)."""
+    path = Path(path)
+    metadata = read_metadata(path, trust_pickle)
+    described = dcpmeta.to_json(metadata)
+    files: dict[str, np.ndarray] = {}
+    items: dict[str, RawTensor] = {}
+    for item in described["items"]:
+        if item["type"] == "bytes":
+            items[item["key"]] = raw_from_bytes(_slice(path, files, metadata, MetadataIndex(item["fqn"])))
+            continue
+        for offsets, sizes, key in item["chunks"]:
+            blob = _slice(path, files, metadata, MetadataIndex(item["fqn"], offsets))
+            items[key] = _tensor(blob, item, sizes, f"{path}: {item['fqn']} at {offsets}")
+    return described, items
+
+
+def _slice(root: Path, files: dict[str, np.ndarray], metadata: Metadata, index: MetadataIndex) -> np.ndarray:
+    """The stored bytes of one item (a view of its memory-mapped file)."""
+    info = (metadata.storage_data or {}).get(index)
+    if not isinstance(info, _StorageInfo):
+        raise CheckpointFormatError(f"{root / METADATA} does not say where {index.fqn} "
+                                    f"{list(index.offset or [])} is stored")
+    if info.transform_descriptors:
+        raise CheckpointFormatError(f"{root}: {index.fqn} is stored through DCP extensions "
+                                    f"({', '.join(info.transform_descriptors)}); ckptstore reads plain DCP "
+                                    "directories: save without extensions, or load it and save it with dcp.save")
+    name = Path(info.relative_path)
+    if name.is_absolute() or ".." in name.parts:
+        raise CheckpointFormatError(f"{root / METADATA} points outside its folder ({info.relative_path})")
+    if info.relative_path not in files:
+        file = root / name
+        if not file.is_file():
+            raise CheckpointFormatError(f"{file} is missing: the DCP directory is incomplete")
+        files[info.relative_path] = np.memmap(file, dtype=np.uint8, mode="r") if file.stat().st_size else \
+            np.empty(0, dtype=np.uint8)
+    data = files[info.relative_path]
+    if info.offset < 0 or info.length < 0 or info.offset + info.length > data.size:
+        raise CheckpointFormatError(f"{root / info.relative_path} is shorter than its metadata says "
+                                    f"({index.fqn} ends at byte {info.offset + info.length})")
+    return data[info.offset:info.offset + info.length]
+
+
+def _tensor(blob: np.ndarray, item: dict[str, Any], sizes: list[int], where: str) -> RawTensor:
+    """One tensor shard from its `torch.save` bytes, checked against the metadata."""
+    try:
+        tensor = torch.load(io.BytesIO(blob.tobytes()), map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many kinds for damaged or non-tensor data
+        raise CheckpointFormatError(f"{where}: not a tensor torch reads with weights_only=True "
+                                    f"({str(exc).splitlines()[0][:200]})") from None
+    if not isinstance(tensor, torch.Tensor) or str(tensor.dtype) != item["dtype"] or list(tensor.shape) != sizes:
+        found = f"a {tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else \
+            f"a {type(tensor).__name__}"
+        raise CheckpointFormatError(f"{where}: holds {found}, the metadata says a {item['dtype']} {sizes}")
+    return raw_from_torch(tensor.contiguous(), item["fqn"])
+
+
+def write(dest: str | os.PathLike, dcp: dict[str, Any], raw_of: Any, where: str) -> Path:
+    """Write a sharded commit (its `dcp` JSON, its items by manifest path) as a DCP directory at `dest`.
+
+    `dest` must not exist or be an empty folder. The data file is written first and `.metadata`
+    last, both atomically, so a crash never leaves a directory that `dcp.load` would take as whole.
+    """
+    dest = Path(dest)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise CheckpointFormatError(f"{dest} exists and is not an empty folder; a DCP checkpoint is written into a "
+                                    "new folder: pass another -o")
+    metadata = dcpmeta.from_json(dcp, where)
+    dest.mkdir(parents=False, exist_ok=True)
+    parts, storage, offset = [], {}, 0
+    for index, key in metadata.storage_data.items():
+        blob = _stored_bytes(raw_of(key), index.fqn) if index.offset is None else _saved(raw_of(key))
+        storage[index] = _StorageInfo(DATA_FILE, offset, len(blob))
+        parts.append(blob)
+        offset += len(blob)
+    write_parts(dest / DATA_FILE, parts)
+    metadata.storage_data = storage
+    write_parts(dest / METADATA, [pickle.dumps(metadata)])
+    return dest
+
+
+def _saved(raw: RawTensor) -> bytes:
+    """A tensor shard as FileSystemWriter stores it: `torch.save` of the tensor."""
+    out = io.BytesIO()
+    torch.save(materialize(raw), out)
+    return out.getvalue()
+
+
+def _stored_bytes(raw: RawTensor, fqn: str) -> bytes:
+    """A bytes item as DCP's planner reads it: the pickle stored, or one written from its JSON skeleton."""
+    data = bytes(raw.data)
+    if not data.startswith(dcpmeta.SKELETON_MAGIC):
+        return data
+
+    def no_tensors(path: str) -> Any:
+        raise CheckpointFormatError(f"bytes item {fqn}: its skeleton names a tensor ({path}) it does not hold")
+
+    value = unflatten(json.loads(data[len(dcpmeta.SKELETON_MAGIC):]), no_tensors)
+    out = io.BytesIO()
+    torch.save(value, out)
+    return out.getvalue()

@@ -1,0 +1,145 @@
+"""DCP's `Metadata` as plain JSON and back, so a sharded commit's manifest never holds a pickle.
+
+The JSON (the manifest's `dcp` section, docs/format.md) keeps DCP's state_dict_metadata in order,
+each tensor chunk together with the manifest path holding it (DCP's storage_data), and the
+planner's data in a tagged form that tells tuples from lists. The keys and constants here are
+torch-free (repo/sharded.py uses them); torch is imported by the functions that convert.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ckptstore.errors import CorruptObjectError, UnsupportedStateError
+from ckptstore.state import escape
+
+DCP_FORMAT_VERSION = 1  # of the manifest's `dcp` section; a reader refuses others
+
+# A bytes item stored as ckptstore's JSON skeleton starts with this (a pickle starts with 0x80, a zip with "PK").
+SKELETON_MAGIC = b"\x00ckpt-skeleton-v1\n"
+
+
+METADATA_FILE = ".metadata"  # of a DCP directory (dcpdir.py)
+
+
+def is_dcp_dir(path: str | os.PathLike) -> bool:
+    """True for a folder holding DCP's `.metadata`: a checkpoint `dcp.save` wrote with its file system writer."""
+    return Path(path).is_dir() and (Path(path) / METADATA_FILE).is_file()
+
+
+def shard_key(fqn: str, offsets: list[int], sizes: list[int]) -> str:
+    """The manifest path of one tensor shard: the same key in the next commit is its base."""
+    return f"{escape(fqn)}/%shard/{','.join(map(str, offsets))}/{','.join(map(str, sizes))}"
+
+
+def bytes_key(fqn: str) -> str:
+    """The manifest path of a bytes item (non-tensor state DCP serialized itself)."""
+    return f"{escape(fqn)}/%bytes"
+
+
+def to_json(metadata: Any) -> dict[str, Any]:
+    """The JSON form of DCP's `metadata`; its storage_data is rebuilt from the items on load, not stored."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    items = []
+    for fqn, stored in metadata.state_dict_metadata.items():
+        if isinstance(stored, BytesStorageMetadata):
+            items.append({"fqn": fqn, "type": "bytes", "key": bytes_key(fqn)})
+            continue
+        props = stored.properties
+        items.append({
+            "fqn": fqn, "type": "tensor", "dtype": str(props.dtype), "size": list(stored.size),
+            "layout": str(props.layout), "requires_grad": bool(props.requires_grad),
+            "memory_format": str(props.memory_format), "pin_memory": bool(props.pin_memory),
+            "chunks": [[list(c.offsets), list(c.sizes), shard_key(fqn, list(c.offsets), list(c.sizes))]
+                       for c in stored.chunks],
+        })
+    meta = metadata.storage_meta
+    return {"version": DCP_FORMAT_VERSION, "dcp_version": metadata.version, "items": items,
+            "planner_data": _tagged(metadata.planner_data, "planner_data"),
+            "storage_meta": None if meta is None else {
+                "checkpoint_id": None if meta.checkpoint_id is None else str(meta.checkpoint_id),
+                "save_id": meta.save_id, "load_id": meta.load_id, "modules": list(meta.modules)}}
+
+
+def from_json(data: dict[str, Any], manifest_oid: str) -> Any:
+    """The `Metadata` that `to_json` described; storage_data maps each item's index to its manifest path.
+
+    The caller has checked the section's version (repo/sharded.py's check_format).
+    """
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    try:
+        state: dict[str, Any] = {}
+        storage: dict[Any, str] = {}
+        for item in data["items"]:
+            fqn = item["fqn"]
+            if item["type"] == "bytes":
+                state[fqn] = BytesStorageMetadata()
+                storage[MetadataIndex(fqn)] = item["key"]
+                continue
+            props = TensorProperties(dtype=_torch_attr(item["dtype"], torch.dtype),
+                                     layout=_torch_attr(item["layout"], torch.layout),
+                                     requires_grad=bool(item["requires_grad"]),
+                                     memory_format=_torch_attr(item["memory_format"], torch.memory_format),
+                                     pin_memory=bool(item["pin_memory"]))
+            chunks = []
+            for offsets, sizes, key in item["chunks"]:
+                chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+                storage[MetadataIndex(fqn, offsets)] = key
+            state[fqn] = TensorStorageMetadata(props, torch.Size(item["size"]), chunks)
+        meta = data["storage_meta"]
+        return Metadata(state, _untagged(data["planner_data"]), storage,
+                        None if meta is None else StorageMeta(**meta), data["dcp_version"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptObjectError(manifest_oid, f"a manifest whose DCP metadata is missing or mangling a field "
+                                               f"({exc!r})") from None
+
+
+def _torch_attr(name: str, kind: type) -> Any:
+    """`torch.float32` -> torch.float32, only for attributes of the expected kind."""
+    import torch
+
+    value = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(value, kind):
+        raise ValueError(f"{name!r} is not a {kind.__name__} this torch {torch.__version__} knows")
+    return value
+
+
+def _tagged(value: Any, where: str) -> Any:
+    """JSON that keeps tuples, lists and dict keys apart: scalars as themselves, containers tagged."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple):
+        return ["tuple", [_tagged(v, where) for v in value]]
+    if isinstance(value, list):
+        return ["list", [_tagged(v, where) for v in value]]
+    if isinstance(value, dict):
+        return ["dict", [[_tagged(k, where), _tagged(v, where)] for k, v in value.items()]]
+    raise UnsupportedStateError(f"DCP {where} holds a {type(value).__name__}; ckptstore stores DCP metadata as "
+                                "JSON (never pickle): use a planner whose planner_data is plain data")
+
+
+def _untagged(value: Any) -> Any:
+    """The value `_tagged` wrote."""
+    if not isinstance(value, list):
+        return value
+    tag, items = value
+    if tag == "tuple":
+        return tuple(_untagged(v) for v in items)
+    if tag == "list":
+        return [_untagged(v) for v in items]
+    if tag == "dict":
+        return {_untagged(k): _untagged(v) for k, v in items}
+    raise ValueError(f"unknown tag {tag!r} in planner_data")

@@ -1,0 +1,63 @@
+"""DCP directories in and out: `ckpt commit DIR` of one makes a sharded commit, `ckpt checkout -o DIR` writes one.
+
+A DCP directory on disk (what `FileSystemWriter` writes for torchtitan, torchtune and others)
+goes in as if its ranks had saved through `CkptStorageWriter`: the same manifest paths, so a
+later step's shards are residuals against this one's. Checkout writes a standard directory that
+plain `dcp.load` reads with its default reader, at any world size.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ckptstore.errors import CkptError, NothingToCommitError
+from ckptstore.hashing import CommitId
+from ckptstore.repo import sharded
+from ckptstore.repo.commit import CommitOptions
+from ckptstore.repo.gcpause import no_cyclic_gc
+from ckptstore.repo.manifest import Manifest
+from ckptstore.repo.progress import Progress
+
+if TYPE_CHECKING:
+    from ckptstore.repo.repository import Repository
+
+
+def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions, level: object = None) -> CommitId:
+    """Commit the DCP directory at `path` as one sharded commit (lossless) on `options.branch`.
+
+    A lossy `level` is refused: lossy levels on shards come through the DCP writer.
+
+    Raises NothingToCommitError when it equals its parent (unless `options.allow_empty`) and
+    ConflictError when the branch moved meanwhile; nothing is recorded then.
+    """
+    from ckptstore.formats import dcpdir
+
+    if level not in (None, "lossless") and getattr(level, "name", None) != "lossless":
+        raise CkptError(f"{path} is a DCP directory, which ckptstore commits lossless; commit it without a lossy "
+                        "level, or save with dcp.save(..., storage_writer=CkptStorageWriter(...)) to choose one")
+    with repo.lock(), no_cyclic_gc():
+        described, items = dcpdir.read(path, options.trust_pickle)
+        target, parent = sharded.where_to(repo, options.branch)
+        written = sharded.write_shards(repo, parent, items)
+        if parent is not None and not options.allow_empty:
+            before = repo.manifest(parent)
+            if before.dcp is not None and before.entries == {w.key: w.entry for w in written}:
+                raise NothingToCommitError(f"nothing changed since {parent[:12]}: {path} holds the same shards "
+                                           "(use --allow-empty to record it anyway)")
+        return sharded.record_sharded(repo, target, parent, written, described, options)
+
+
+def checkout_dir(repo: Repository, cid: CommitId, manifest_oid: str, manifest: Manifest, dest: str | os.PathLike,
+                 progress: Progress | None = None) -> Path:
+    """Write the sharded commit `cid` (its manifest, stored as `manifest_oid`) as a DCP directory at `dest`."""
+    from ckptstore.formats import dcpdir
+    from ckptstore.repo.checkout import restore
+
+    problem = sharded.dcp_problem(manifest)
+    if problem is not None:
+        raise CkptError(f"commit {cid[:12]} cannot be written as a DCP directory: {problem}; run `ckpt fsck`")
+    with no_cyclic_gc():
+        raws = restore(repo, manifest, progress)
+    return dcpdir.write(dest, manifest.dcp, raws.__getitem__, manifest_oid)
