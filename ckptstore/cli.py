@@ -161,7 +161,7 @@ def init(path: str, max_chain: int | None, lossy: str | None, objects_url: str, 
 @click.pass_context
 def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle, lossy, knobs, calibration,
            max_loss_change) -> None:
-    """Store the checkpoint at PATH (torch.save file, safetensors file or Trainer folder)."""
+    """Store the checkpoint at PATH (torch.save file, safetensors file, Trainer folder or DCP directory)."""
     from ckptstore.repo import function_named  # only here: it loads the encoding layers
 
     repo = _open(ctx)

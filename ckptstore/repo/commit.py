@@ -99,12 +99,12 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
     the branch meanwhile; in both cases no commit is recorded and earlier ones are untouched.
     """
     lossy = lossy or LossyOptions()
+    progress = progress or NoProgress()
+    level = level_named(lossy.level if lossy.level is not None else (repo.config.lossy or None), **lossy.knobs)
     if isinstance(source, (str, os.PathLike)) and is_dcp_dir(source):  # torch.distributed.checkpoint's folder
         from ckptstore.repo.dcpfiles import commit_dir
 
-        return commit_dir(repo, source, options, lossy.level)
-    progress = progress or NoProgress()
-    level = level_named(lossy.level if lossy.level is not None else (repo.config.lossy or None), **lossy.knobs)
+        return commit_dir(repo, source, options, level if lossy.level is not None else None)
     measured = _measured_fisher(lossy, level)
     with repo.lock(), no_cyclic_gc():
         source_path, checkpoint, digests = _read_source(repo, source, options.trust_pickle)

@@ -21,22 +21,24 @@ from ckptstore.repo.manifest import Manifest
 from ckptstore.repo.progress import Progress
 
 if TYPE_CHECKING:
+    from ckptstore.policy import LossyLevel
     from ckptstore.repo.repository import Repository
 
 
-def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions, level: object = None) -> CommitId:
+def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions, level: LossyLevel | None = None
+               ) -> CommitId:
     """Commit the DCP directory at `path` as one sharded commit (lossless) on `options.branch`.
 
-    A lossy `level` is refused: lossy levels on shards come through the DCP writer.
+    A lossy `level` asked for is refused: lossy levels on shards come through the DCP writer.
 
     Raises NothingToCommitError when it equals its parent (unless `options.allow_empty`) and
     ConflictError when the branch moved meanwhile; nothing is recorded then.
     """
     from ckptstore.formats import dcpdir
 
-    if level not in (None, "lossless") and getattr(level, "name", None) != "lossless":
-        raise CkptError(f"{path} is a DCP directory, which ckptstore commits lossless; commit it without a lossy "
-                        "level, or save with dcp.save(..., storage_writer=CkptStorageWriter(...)) to choose one")
+    if level is not None:
+        raise CkptError(f"{path} is a DCP directory, which ckptstore commits lossless; commit it without --lossy "
+                        "(a repository's default lossy level does not apply to DCP directories)")
     with repo.lock(), no_cyclic_gc():
         described, items = dcpdir.read(path, options.trust_pickle)
         target, parent = sharded.where_to(repo, options.branch)

@@ -82,7 +82,7 @@ def test_sharded_manifests_are_version_2_and_ordinary_ones_keep_version_1():
     assert Manifest.from_bytes(plain.to_bytes()).dcp is None
 
 
-def test_single_process_save_load_and_the_plain_checkout_refusal(tmp_path):
+def test_single_process_save_load_and_the_in_memory_checkout_refusal(tmp_path):
     repo = Repository.init(tmp_path)
     state = {"w": torch.randn(6, 3), "n": torch.arange(4), "note": {"text": "hi", "k": 3}}
     writer = CkptStorageWriter(tmp_path, message="single", step=1)
@@ -94,8 +94,17 @@ def test_single_process_save_load_and_the_plain_checkout_refusal(tmp_path):
     assert loaded["note"] == {"text": "hi", "k": 3}
     with pytest.raises(CkptError, match="CkptStorageReader"):
         repo.checkout("main")
-    with pytest.raises(CkptError, match="CkptStorageReader"):
-        repo.checkout_to("main", tmp_path / "out.pt")
+    with pytest.raises(CkptError, match="pass -o DIR"):
+        repo.checkout_to("main")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "f").write_text("x")
+    with pytest.raises(CkptError, match="not an empty folder"):
+        repo.checkout_to("main", tmp_path / "busy")
+    repo.checkout_to("main", tmp_path / "out")  # a DCP directory: plain dcp.load reads it
+    again = {"w": torch.zeros(6, 3), "n": torch.zeros(4, dtype=torch.int64), "note": {"text": "", "k": 0}}
+    dcp.load(again, storage_reader=dcp.FileSystemReader(tmp_path / "out"))
+    assert torch.equal(again["w"], state["w"]) and torch.equal(again["n"], state["n"])
+    assert again["note"] == state["note"]
     repo.commit({"plain": torch.ones(2)}, "ordinary")
     with pytest.raises(CheckpointException, match="not a sharded"):  # DCP wraps every rank's error in one
         dcp.load({"plain": torch.zeros(2)}, storage_reader=CkptStorageReader(tmp_path, "main"))
