@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import io
 import os
+import threading
 from typing import Any
 
 import torch
@@ -28,7 +29,10 @@ from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.repo import sharded
 from ckptstore.repo.commit import CommitOptions
 from ckptstore.repo.manifest import Entry
+from ckptstore.repo.repository import Repository
 from ckptstore.state import RawTensor, raw_from_bytes, raw_from_torch
+
+_OVERLAP_GRACE_S = 2.0  # how long a new save waits for the previous save's thread to end
 
 
 class CkptStorageWriter(StorageWriter):
@@ -36,8 +40,12 @@ class CkptStorageWriter(StorageWriter):
 
     After `dcp.save`, the coordinator's `commit_id` names the commit (None on other ranks). The
     coordinator holds the repository lock shared from planning until `finish` (gc waits); when
-    another rank fails, DCP never calls `finish`, and the lock is held until this writer is reset
-    (the next save), closed or collected.
+    another rank fails, DCP never calls `finish`, and the lock is held until this writer's next
+    save starts, or it is closed or collected.
+
+    `dcp.async_save(state, storage_writer=writer)` works as `dcp.save` does: DCP's default stager
+    copies the state first, and the commit is recorded on the save's own thread; one writer makes
+    one save at a time (wait for the future before reusing it).
     """
 
     def __init__(self, repo_or_path: Any, branch: str | None = None, message: str = "", step: int | None = None,
@@ -50,19 +58,44 @@ class CkptStorageWriter(StorageWriter):
         self.commit_id: CommitId | None = None
         self._held = contextlib.ExitStack()
         self._start: tuple[str | None, CommitId | None] | None = None
+        self._saving: threading.Thread | None = None  # the thread of the save in progress or last made
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What travels to async_save's checkpoint process: the repository by path, no lock, no thread."""
+        state = dict(self.__dict__)
+        where = self._handle.where
+        state["_handle"] = RepoHandle(where.root if isinstance(where, Repository) else where, read_only=False)
+        state.update(_held=contextlib.ExitStack(), _start=None, _saving=None, commit_id=None)
+        return state
 
     @property
     def repo(self) -> Any:
         return self._handle.repo
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """A new save begins; a `checkpoint_id` names the repository (its folder)."""
-        self._held.close()
-        self._start, self.commit_id = None, None
+        """A new save names a repository (its folder) as `checkpoint_id`; DCP calls this only when one is given."""
+        self._begin()
         self._handle.switch(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Every save starts here, with or without a checkpoint_id: forget the last save's commit and lock."""
+        self._begin()
         self.is_coordinator = is_coordinator
+
+    def _begin(self) -> None:
+        """Start a save on this thread; refuse one that overlaps a save still running on another (dcp.async_save).
+
+        `async_save` runs each save on a thread of its own; two at once through one writer would
+        share its lock and its parent commit. A failed save's thread has ended: its lock is released here.
+        """
+        running = self._saving
+        if running is not None and running is not threading.current_thread():
+            running.join(timeout=_OVERLAP_GRACE_S)  # the previous save's thread may be just winding down
+            if running.is_alive():
+                raise CkptError("this CkptStorageWriter is still saving the previous checkpoint (dcp.async_save): "
+                                "wait for that save's future before the next save, or give each save its own writer")
+        self._held.close()
+        self._start, self.commit_id, self._saving = None, None, threading.current_thread()
 
     def storage_meta(self) -> StorageMeta | None:
         """Nothing storage-specific: the commit records who saved it, when, and where it went."""

@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_ranks(scenario: str, repo: Path, out: Path, world: int, env_of_rank: dict[int, dict[str, str]] | None = None,
-              timeout: float = 90) -> list[subprocess.CompletedProcess]:
-    """Run `tests.dcp.worker SCENARIO` on `world` ranks; every rank's exit status and output."""
+              timeout: float = 90, worker: str = "tests.dcp.worker") -> list[subprocess.CompletedProcess]:
+    """Run `python -m WORKER SCENARIO` on `world` ranks; every rank's exit status and output."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
@@ -22,7 +22,7 @@ def run_ranks(scenario: str, repo: Path, out: Path, world: int, env_of_rank: dic
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CKPT_AUTHOR="tester",
                    **(env_of_rank or {}).get(rank, {}))
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.dcp.worker", scenario, str(repo), str(out)],
+        procs.append(subprocess.Popen([sys.executable, "-m", worker, scenario, str(repo), str(out)],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     results = []
     for proc in procs:
