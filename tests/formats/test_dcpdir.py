@@ -1,0 +1,89 @@
+"""DCP directories (FileSystemWriter's output) read and written in one process: refusals and round trips."""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner
+
+from ckptstore import Repository
+from ckptstore.cli import cli
+from ckptstore.dcp import CkptStorageReader
+from ckptstore.errors import CheckpointFormatError, NothingToCommitError, PickledObjectsError
+from ckptstore.formats import dcpdir
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+class Planted:
+    """What a hostile `.metadata` could carry: unpickling it would import and call this module's code."""
+
+    def __reduce__(self):
+        return (print, ("code ran",))
+
+
+def _state() -> dict:
+    return {"w": torch.randn(40, 8, dtype=torch.bfloat16), "ids": torch.arange(7), "scalar": torch.tensor(2.5),
+            "note": {"lr": 1e-3, "names": ["a", "b"]}, "blob": io.BytesIO(b"raw bytes")}
+
+
+def _empty() -> dict:
+    return {"w": torch.zeros(40, 8, dtype=torch.bfloat16), "ids": torch.zeros(7, dtype=torch.int64),
+            "scalar": torch.tensor(0.0), "note": {"lr": 0.0, "names": ["", ""]}, "blob": io.BytesIO()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    raw = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
+    tensors = all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(raw(a[k]), raw(b[k]))
+                  for k in ("w", "ids", "scalar"))
+    return tensors and a["note"] == b["note"] and a["blob"].getvalue() == b["blob"].getvalue()
+
+
+def test_a_directory_committed_checked_out_and_committed_again_is_the_same_commit(tmp_path):
+    state = _state()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "saved")))
+    with Repository.init(tmp_path / "repo") as repo:
+        cid = repo.commit(tmp_path / "saved", "from disk")
+        assert repo.commit_info(cid).kind == "dcp"
+        loaded = _empty()
+        dcp.load(loaded, storage_reader=CkptStorageReader(repo, cid))
+        assert _same(loaded, state)
+        repo.checkout_to(cid, tmp_path / "out")
+        again = _empty()
+        dcp.load(again, storage_reader=dcp.FileSystemReader(str(tmp_path / "out")))
+        assert _same(again, state)
+        with pytest.raises(NothingToCommitError, match="holds the same shards"):
+            repo.commit(tmp_path / "out", "round trip")  # every shard, and the bytes items, came back as stored
+
+
+def test_a_metadata_file_with_objects_beyond_dcps_classes_is_refused_without_running_them(tmp_path, capsys):
+    dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "saved")))
+    metadata = dcpdir.read_metadata(tmp_path / "saved")
+    metadata.planner_data = {"w": Planted()}
+    (tmp_path / "saved" / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(PickledObjectsError, match="builtins.print is not one of DCP's metadata classes"):
+        dcpdir.read(tmp_path / "saved")
+    Repository.init(tmp_path / "repo").close()
+    result = CliRunner().invoke(cli, ["--repo", str(tmp_path / "repo"), "commit", str(tmp_path / "saved")])
+    assert result.exit_code != 0 and "--trust-pickle" in str(result.exception)
+    assert "code ran" not in capsys.readouterr().out
+
+
+def test_a_directory_missing_a_data_file_or_with_a_wrong_shard_is_refused(tmp_path):
+    dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "saved")))
+    metadata = dcpdir.read_metadata(tmp_path / "saved")
+    data = next(p for p in (tmp_path / "saved").iterdir() if p.suffix == ".distcp")
+    blob = data.read_bytes()
+    data.unlink()
+    with pytest.raises(CheckpointFormatError, match="is missing"):
+        dcpdir.read(tmp_path / "saved")
+    data.write_bytes(blob)
+    metadata.state_dict_metadata["ids"].chunks[0].sizes = torch.Size([8])  # the metadata now disagrees
+    metadata.state_dict_metadata["ids"].size = torch.Size([8])
+    (tmp_path / "saved" / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointFormatError, match=r"ids at \[0\]: holds a torch.int64 \[7\], the metadata says"):
+        dcpdir.read(tmp_path / "saved")
