@@ -58,7 +58,7 @@ class CkptStorageWriter(StorageWriter):
         self.commit_id: CommitId | None = None
         self._held = contextlib.ExitStack()
         self._start: tuple[str | None, CommitId | None] | None = None
-        self._saving: threading.Thread | None = None  # the thread of the save in progress or last made
+        self._saving: threading.Thread | None = None  # the thread of the save in progress
 
     def __getstate__(self) -> dict[str, Any]:
         """What travels to async_save's checkpoint process: the repository by path, no lock, no thread."""
@@ -86,10 +86,12 @@ class CkptStorageWriter(StorageWriter):
         """Start a save on this thread; refuse one that overlaps a save still running on another (dcp.async_save).
 
         `async_save` runs each save on a thread of its own; two at once through one writer would
-        share its lock and its parent commit. A failed save's thread has ended: its lock is released here.
+        share its lock and its parent commit. A save that failed elsewhere (another rank, the
+        planner) never reached `close`: its thread has ended (async_save) or is this one (dcp.save),
+        and its lock is released here.
         """
-        running = self._saving
-        if running is not None and running is not threading.current_thread():
+        running = self._saving  # set while a save runs; `close` (its end, or its failure here) clears it
+        if running is not None and running is not threading.current_thread() and running.is_alive():
             running.join(timeout=_OVERLAP_GRACE_S)  # the previous save's thread may be just winding down
             if running.is_alive():
                 raise CkptError("this CkptStorageWriter is still saving the previous checkpoint (dcp.async_save): "
@@ -155,9 +157,10 @@ class CkptStorageWriter(StorageWriter):
         return os.path.isdir(os.path.join(os.fspath(checkpoint_id), ".ckpt"))
 
     def close(self) -> None:
-        """Release the lock and the repository this writer opened."""
+        """Release the lock and the repository this writer opened; this rank's part of the save is over."""
         self._held.close()
         self._handle.close()
+        self._saving = None
 
 
 def _key(item: WriteItem) -> str:
