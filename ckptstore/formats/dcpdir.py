@@ -17,8 +17,9 @@ import io
 import json
 import os
 import pickle
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -27,7 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ckptstore.errors import CheckpointFormatError, PickledObjectsError
 from ckptstore.formats import dcpmeta
-from ckptstore.formats.atomic import write_parts
+from ckptstore.formats.atomic import atomic_write
 from ckptstore.state import RawTensor, materialize, raw_from_bytes, raw_from_torch, unflatten
 
 METADATA = dcpmeta.METADATA_FILE
@@ -73,21 +74,31 @@ def read_metadata(path: str | os.PathLike, trust_pickle: bool = False) -> Metada
     return metadata
 
 
-def read(path: str | os.PathLike, trust_pickle: bool = False) -> tuple[dict[str, Any], dict[str, RawTensor]]:
-    """A DCP directory as a sharded commit's parts: (its metadata as JSON, every stored item by manifest path)."""
+def read(path: str | os.PathLike, trust_pickle: bool = False
+         ) -> tuple[dict[str, Any], Iterator[tuple[str, RawTensor]]]:
+    """A DCP directory as a sharded commit's parts: its metadata as JSON, and its stored items by manifest path.
+
+    Where every item lies is checked first (files present, long enough); the items are then
+    read one at a time as the iterator is consumed, so a commit holds a batch in memory, not all.
+    """
     path = Path(path)
     metadata = read_metadata(path, trust_pickle)
     described = dcpmeta.to_json(metadata)
     files: dict[str, np.ndarray] = {}
-    items: dict[str, RawTensor] = {}
+    where: list[tuple[str, np.ndarray, dict[str, Any] | None, list[int] | None]] = []
     for item in described["items"]:
         if item["type"] == "bytes":
-            items[item["key"]] = raw_from_bytes(_slice(path, files, metadata, MetadataIndex(item["fqn"])))
+            where.append((item["key"], _slice(path, files, metadata, MetadataIndex(item["fqn"])), None, None))
             continue
         for offsets, sizes, key in item["chunks"]:
-            blob = _slice(path, files, metadata, MetadataIndex(item["fqn"], offsets))
-            items[key] = _tensor(blob, item, sizes, f"{path}: {item['fqn']} at {offsets}")
-    return described, items
+            where.append((key, _slice(path, files, metadata, MetadataIndex(item["fqn"], offsets)), item, sizes))
+
+    def items() -> Iterator[tuple[str, RawTensor]]:
+        for key, blob, item, sizes in where:
+            yield key, (raw_from_bytes(blob) if item is None else
+                        _tensor(blob, item, sizes, f"{path}: {item['fqn']} at {key.rsplit('/', 2)[-2]}"))
+
+    return described, items()
 
 
 def _slice(root: Path, files: dict[str, np.ndarray], metadata: Metadata, index: MetadataIndex) -> np.ndarray:
@@ -130,27 +141,36 @@ def _tensor(blob: np.ndarray, item: dict[str, Any], sizes: list[int], where: str
     return raw_from_torch(tensor.contiguous(), item["fqn"])
 
 
-def write(dest: str | os.PathLike, dcp: dict[str, Any], raw_of: Any, where: str) -> Path:
-    """Write a sharded commit (its `dcp` JSON, its items by manifest path) as a DCP directory at `dest`.
+def write(dest: str | os.PathLike, dcp: dict[str, Any], items: Iterable[tuple[str, RawTensor]], where: str) -> Path:
+    """Write a sharded commit (its `dcp` JSON, its stored items by manifest path) as a DCP directory at `dest`.
 
-    `dest` must not exist or be an empty folder. The data file is written first and `.metadata`
-    last, both atomically, so a crash never leaves a directory that `dcp.load` would take as whole.
+    `dest` must not exist or be an empty folder; `items` may come in any order, a batch at a time.
+    The data file is written first and `.metadata` last, both atomically, so a crash never
+    leaves a directory that `dcp.load` would take as whole.
     """
     dest = Path(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise CheckpointFormatError(f"{dest} exists and is not an empty folder; a DCP checkpoint is written into a "
                                     "new folder: pass another -o")
     metadata = dcpmeta.from_json(dcp, where)
+    index_of = {key: index for index, key in metadata.storage_data.items()}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+
+    def fill(handle: BinaryIO) -> None:
+        offset = 0
+        for key, raw in items:
+            index = index_of[key]
+            blob = _stored_bytes(raw, index.fqn) if index.offset is None else _saved(raw)
+            handle.write(blob)
+            storage[index] = _StorageInfo(DATA_FILE, offset, len(blob))
+            offset += len(blob)
+
     dest.mkdir(parents=False, exist_ok=True)
-    parts, storage, offset = [], {}, 0
-    for index, key in metadata.storage_data.items():
-        blob = _stored_bytes(raw_of(key), index.fqn) if index.offset is None else _saved(raw_of(key))
-        storage[index] = _StorageInfo(DATA_FILE, offset, len(blob))
-        parts.append(blob)
-        offset += len(blob)
-    write_parts(dest / DATA_FILE, parts)
+    atomic_write(dest / DATA_FILE, fill)
+    if len(storage) != len(index_of):
+        raise CheckpointFormatError(f"{dest}: {len(index_of) - len(storage)} of the commit's items were not written")
     metadata.storage_data = storage
-    write_parts(dest / METADATA, [pickle.dumps(metadata)])
+    atomic_write(dest / METADATA, lambda handle: pickle.dump(metadata, handle))
     return dest
 
 

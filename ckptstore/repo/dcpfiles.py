@@ -8,9 +8,13 @@ plain `dcp.load` reads with its default reader, at any world size.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from ckptstore.errors import CkptError, NothingToCommitError
 from ckptstore.hashing import CommitId
@@ -19,6 +23,9 @@ from ckptstore.repo.commit import CommitOptions
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Manifest
 from ckptstore.repo.progress import Progress
+from ckptstore.state import RawTensor
+
+BATCH_BYTES = 256 << 20  # items read or replayed at a time: memory stays near this, not the checkpoint's size
 
 if TYPE_CHECKING:
     from ckptstore.policy import LossyLevel
@@ -42,7 +49,9 @@ def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions
     with repo.lock(), no_cyclic_gc():
         described, items = dcpdir.read(path, options.trust_pickle)
         target, parent = sharded.where_to(repo, options.branch)
-        written = sharded.write_shards(repo, parent, items)
+        written: list[sharded.WrittenShard] = []
+        for batch in _batches(items):
+            written += sharded.write_shards(repo, parent, batch)
         if parent is not None and not options.allow_empty:
             before = repo.manifest(parent)
             if before.dcp is not None and before.entries == {w.key: w.entry for w in written}:
@@ -51,15 +60,44 @@ def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions
         return sharded.record_sharded(repo, target, parent, written, described, options)
 
 
+def _batches(items: Iterable[tuple[str, RawTensor]]) -> Iterator[dict[str, RawTensor]]:
+    """The items in groups of about BATCH_BYTES, so that only one group is in memory at a time."""
+    batch: dict[str, RawTensor] = {}
+    size = 0
+    for key, raw in items:
+        batch[key] = raw
+        size += raw.nbytes
+        if size >= BATCH_BYTES:
+            yield batch
+            batch, size = {}, 0
+    if batch:
+        yield batch
+
+
 def checkout_dir(repo: Repository, cid: CommitId, manifest_oid: str, manifest: Manifest, dest: str | os.PathLike,
                  progress: Progress | None = None) -> Path:
     """Write the sharded commit `cid` (its manifest, stored as `manifest_oid`) as a DCP directory at `dest`."""
     from ckptstore.formats import dcpdir
-    from ckptstore.repo.checkout import restore
 
     problem = sharded.dcp_problem(manifest)
     if problem is not None:
         raise CkptError(f"commit {cid[:12]} cannot be written as a DCP directory: {problem}; run `ckpt fsck`")
-    with no_cyclic_gc():
-        raws = restore(repo, manifest, progress)
-    return dcpdir.write(dest, manifest.dcp, raws.__getitem__, manifest_oid)
+    return dcpdir.write(dest, manifest.dcp, _restored(repo, manifest, progress), manifest_oid)
+
+
+def _restored(repo: Repository, manifest: Manifest, progress: Progress | None) -> Iterator[tuple[str, RawTensor]]:
+    """Every entry of `manifest` replayed, about BATCH_BYTES at a time."""
+    from ckptstore.repo.checkout import restore
+
+    batch: list[str] = []
+    size = 0
+    paths = list(manifest.entries)
+    for n, path in enumerate(paths):
+        entry = manifest.entries[path]
+        batch.append(path)
+        size += RawTensor(entry.dtype, entry.shape, np.empty(0, dtype=np.uint8)).itemsize * math.prod(entry.shape)
+        if size >= BATCH_BYTES or n == len(paths) - 1:
+            with no_cyclic_gc():
+                raws = restore(repo, manifest, progress, paths=batch)
+            yield from raws.items()
+            batch, size = [], 0

@@ -43,7 +43,11 @@ def _same(a: dict, b: dict) -> bool:
     return tensors and a["note"] == b["note"] and a["blob"].getvalue() == b["blob"].getvalue()
 
 
-def test_a_directory_committed_checked_out_and_committed_again_is_the_same_commit(tmp_path):
+@pytest.mark.parametrize("batch", [256 << 20, 100])  # one batch, and an item or two at a time
+def test_a_directory_committed_checked_out_and_committed_again_is_the_same_commit(tmp_path, monkeypatch, batch):
+    from ckptstore.repo import dcpfiles
+
+    monkeypatch.setattr(dcpfiles, "BATCH_BYTES", batch)
     state = _state()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "saved")))
     with Repository.init(tmp_path / "repo") as repo:
@@ -85,5 +89,6 @@ def test_a_directory_missing_a_data_file_or_with_a_wrong_shard_is_refused(tmp_pa
     metadata.state_dict_metadata["ids"].chunks[0].sizes = torch.Size([8])  # the metadata now disagrees
     metadata.state_dict_metadata["ids"].size = torch.Size([8])
     (tmp_path / "saved" / ".metadata").write_bytes(pickle.dumps(metadata))
-    with pytest.raises(CheckpointFormatError, match=r"ids at \[0\]: holds a torch.int64 \[7\], the metadata says"):
-        dcpdir.read(tmp_path / "saved")
+    _, items = dcpdir.read(tmp_path / "saved")
+    with pytest.raises(CheckpointFormatError, match=r"ids at 0: holds a torch.int64 \[7\], the metadata says"):
+        dict(items)
