@@ -75,6 +75,8 @@ def test_a_metadata_file_with_objects_beyond_dcps_classes_is_refused_without_run
     result = CliRunner().invoke(cli, ["--repo", str(tmp_path / "repo"), "commit", str(tmp_path / "saved")])
     assert result.exit_code != 0 and "--trust-pickle" in str(result.exception)
     assert "code ran" not in capsys.readouterr().out
+    described, _ = dcpdir.read(tmp_path / "saved", trust_pickle=True)  # the user vouches for the file
+    assert "code ran" in capsys.readouterr().out and described["planner_data"] == ["dict", [["w", None]]]
 
 
 def test_a_directory_missing_a_data_file_or_with_a_wrong_shard_is_refused(tmp_path):
