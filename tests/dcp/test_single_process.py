@@ -96,6 +96,8 @@ def test_single_process_save_load_and_the_in_memory_checkout_refusal(tmp_path):
         repo.checkout("main")
     with pytest.raises(CkptError, match="pass -o DIR"):
         repo.checkout_to("main")
+    with pytest.raises(CkptError, match="check it out whole"):  # a partial checkout: dcp.load reads parts
+        repo.checkout_to("main", tmp_path / "part", keys=["w"])
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "f").write_text("x")
     with pytest.raises(CkptError, match="not an empty folder"):
