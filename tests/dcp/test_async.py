@@ -33,6 +33,9 @@ def test_async_save_commits_the_state_as_it_was_when_the_call_returned(tmp_path)
         assert torch.equal(loaded["w"], before) and loaded["step"] == 3
         dcp.async_save(state, storage_writer=writer).result()  # the same writer again, once the first is done
         assert repo.log()[0].id == writer.commit_id and repo.log()[0].parents == [repo.log()[1].id]
+    with Repository.init(tmp_path / "other") as other:  # DCP's checkpoint_id names the repository
+        dcp.async_save(state, checkpoint_id=tmp_path / "other", storage_writer=writer).result()
+        assert [c.id for c in other.log()] == [writer.commit_id]
 
 
 def test_a_save_overlapping_one_still_running_on_the_same_writer_is_refused(tmp_path):
