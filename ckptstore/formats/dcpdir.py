@@ -46,6 +46,10 @@ _METADATA_CLASSES = {
 }
 
 
+class _Refused(pickle.UnpicklingError):
+    """A global outside the allow-list (told apart from a damaged pickle)."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's `.metadata`: its classes, torch's dtypes, sizes and layouts, and nothing else."""
 
@@ -54,7 +58,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not one of DCP's metadata classes")
+        raise _Refused(f"{module}.{name} is not one of DCP's metadata classes")
 
 
 def read_metadata(path: str | os.PathLike, trust_pickle: bool = False) -> Metadata:
@@ -63,10 +67,10 @@ def read_metadata(path: str | os.PathLike, trust_pickle: bool = False) -> Metada
     with open(where, "rb") as handle:
         try:
             metadata = pickle.load(handle) if trust_pickle else _MetadataUnpickler(handle).load()
-        except pickle.UnpicklingError as exc:
+        except _Refused as exc:
             raise PickledObjectsError(f"{where} holds objects beyond DCP's metadata ({exc}); commit it with "
                                       "--trust-pickle only if you trust who wrote it") from None
-        except (EOFError, AttributeError, ValueError, TypeError, ImportError) as exc:
+        except Exception as exc:  # truncated, mangled or from another torch: many kinds, one answer
             raise CheckpointFormatError(f"{where} is not DCP metadata this torch {torch.__version__} reads "
                                         f"({exc!r})") from None
     if not isinstance(metadata, Metadata):

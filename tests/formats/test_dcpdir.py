@@ -79,9 +79,13 @@ def test_a_metadata_file_with_objects_beyond_dcps_classes_is_refused_without_run
     assert "code ran" in capsys.readouterr().out and described["planner_data"] == ["dict", [["w", None]]]
 
 
-def test_a_directory_missing_a_data_file_or_with_a_wrong_shard_is_refused(tmp_path):
+def test_a_truncated_metadata_a_missing_data_file_or_a_wrong_shard_is_refused(tmp_path):
     dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "saved")))
     metadata = dcpdir.read_metadata(tmp_path / "saved")
+    whole = (tmp_path / "saved" / ".metadata").read_bytes()
+    (tmp_path / "saved" / ".metadata").write_bytes(whole[:60])
+    with pytest.raises(CheckpointFormatError, match="is not DCP metadata"):  # damaged, not hostile
+        dcpdir.read(tmp_path / "saved")
     data = next(p for p in (tmp_path / "saved").iterdir() if p.suffix == ".distcp")
     blob = data.read_bytes()
     data.unlink()
