@@ -86,6 +86,7 @@ def test_a_truncated_metadata_a_missing_data_file_or_a_wrong_shard_is_refused(tm
     (tmp_path / "saved" / ".metadata").write_bytes(whole[:60])
     with pytest.raises(CheckpointFormatError, match="is not DCP metadata"):  # damaged, not hostile
         dcpdir.read(tmp_path / "saved")
+    (tmp_path / "saved" / ".metadata").write_bytes(whole)
     data = next(p for p in (tmp_path / "saved").iterdir() if p.suffix == ".distcp")
     blob = data.read_bytes()
     data.unlink()
