@@ -87,11 +87,11 @@ class CkptStorageWriter(StorageWriter):
 
         `async_save` runs each save on a thread of its own; two at once through one writer would
         share its lock and its parent commit. A save that failed elsewhere (another rank, the
-        planner) never reached `close`: its thread has ended (async_save) or is this one (dcp.save),
-        and its lock is released here.
+        planner) never reached `close`: its thread has ended (async_save), or it ran on the main
+        thread (dcp.save), which is starting this one; its lock is released here.
         """
         running = self._saving  # set while a save runs; `close` (its end, or its failure here) clears it
-        if running is not None and running is not threading.current_thread() and running.is_alive():
+        if running not in (None, threading.current_thread(), threading.main_thread()) and running.is_alive():
             running.join(timeout=_OVERLAP_GRACE_S)  # the previous save's thread may be just winding down
             if running.is_alive():
                 raise CkptError("this CkptStorageWriter is still saving the previous checkpoint (dcp.async_save): "

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ckptstore import Repository
 from ckptstore.dcp import CkptStorageReader, CkptStorageWriter
-from ckptstore.errors import CkptError
+from ckptstore.errors import CkptError, RepoLockedError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -69,3 +69,23 @@ def test_a_writer_travels_to_async_saves_checkpoint_process_by_path(tmp_path):
         dcp.save({"w": torch.arange(6.0)}, storage_writer=copy)
         copy.close()
         assert repo.resolve("bg") == copy.commit_id and repo.commit_info("bg").message == "from a copy"
+
+
+def test_after_a_failed_save_on_the_main_thread_an_async_save_releases_its_lock_and_commits(tmp_path):
+    class Fails(DefaultSavePlanner):
+        """Fails after the coordinator took the lock, as a save does when another rank dies."""
+
+        def finish_plan(self, new_plan):
+            raise RuntimeError("another rank died")
+
+    with Repository.init(tmp_path) as repo:
+        writer = CkptStorageWriter(repo, message="after a failure")
+        with pytest.raises(CheckpointException, match="another rank died"):
+            dcp.save({"w": torch.ones(4)}, storage_writer=writer, planner=Fails())
+        with pytest.raises(RepoLockedError):  # the failed save still holds the lock: gc would wait
+            with repo.lock(exclusive=True, wait=False):
+                pass
+        dcp.async_save({"w": torch.ones(4)}, storage_writer=writer).result()
+        assert [c.message for c in repo.log()] == ["after a failure"] and repo.log()[0].id == writer.commit_id
+        with repo.lock(exclusive=True, wait=False):  # released
+            pass
