@@ -7,16 +7,14 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptstore.errors import CorruptObjectError
-from ckptstore.formats.dcpmeta import to_json
+from ckptstore.formats import dcpmeta
 from ckptstore.repo.sharded import check_format
 
-__all__ = ["from_json", "to_json"]
+to_json = dcpmeta.to_json
 
 
 def from_json(data: dict[str, Any], manifest_oid: str) -> Metadata:
     """The `Metadata` that `to_json` described, from a `dcp` section of a version this ckptstore reads."""
-    from ckptstore.formats import dcpmeta
-
     if not isinstance(data, dict):
         raise CorruptObjectError(manifest_oid, f"a manifest whose DCP metadata is not an object "
                                                f"({type(data).__name__})")

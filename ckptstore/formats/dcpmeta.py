@@ -20,7 +20,6 @@ DCP_FORMAT_VERSION = 1  # of the manifest's `dcp` section; a reader refuses othe
 # A bytes item stored as ckptstore's JSON skeleton starts with this (a pickle starts with 0x80, a zip with "PK").
 SKELETON_MAGIC = b"\x00ckpt-skeleton-v1\n"
 
-
 METADATA_FILE = ".metadata"  # of a DCP directory (dcpdir.py)
 
 
