@@ -23,9 +23,12 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptstore.dcp import meta
+from ckptstore.dcp.planner import STATS_KEY
 from ckptstore.dcp.repos import RepoHandle
 from ckptstore.errors import CkptError
 from ckptstore.hashing import CommitId, ObjectId, TensorId
+from ckptstore.policy import LossyLevel, level_named, lossy_shards
+from ckptstore.policy.lossy_shards import Shard, ShardFacts, ShardStats
 from ckptstore.repo import sharded
 from ckptstore.repo.commit import CommitOptions
 from ckptstore.repo.manifest import Entry
@@ -49,8 +52,10 @@ class CkptStorageWriter(StorageWriter):
     """
 
     def __init__(self, repo_or_path: Any, branch: str | None = None, message: str = "", step: int | None = None,
-                 metrics: dict[str, float] | None = None, author: str | None = None) -> None:
+                 metrics: dict[str, float] | None = None, author: str | None = None,
+                 lossy: str | LossyLevel | None = None) -> None:
         super().__init__()
+        self.level = level_named(lossy)  # a lossy level needs dcp.save(..., planner=CkptSavePlanner())
         self._handle = RepoHandle(repo_or_path, read_only=False)
         self.options = CommitOptions(message=message, step=step, metrics=dict(metrics or {}), branch=branch,
                                      allow_empty=True, author=author)
@@ -111,7 +116,8 @@ class CkptStorageWriter(StorageWriter):
         self._held.close()
         self._held.enter_context(self.repo.lock())
         self._start = sharded.where_to(self.repo, self.options.branch)
-        return [dataclasses.replace(p, storage_data={"parent": self._start[1]}) for p in plans]
+        facts = None if self.level is None else _facts(plans, self.level).to_json()
+        return [dataclasses.replace(p, storage_data={"parent": self._start[1], "facts": facts}) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Encode this rank's items and write their objects durably (the commit comes in `finish`)."""
@@ -121,7 +127,12 @@ class CkptStorageWriter(StorageWriter):
         items = {_key(item): item for item in plan.items}
         try:
             shards = {key: _raw(item, planner) for key, item in items.items()}
-            written = sharded.write_shards(self.repo, plan.storage_data["parent"], shards)
+            lossy = None
+            if self.level is not None and plan.storage_data.get("facts") is not None:
+                lossy = sharded.LossyShards(self.level, ShardFacts.from_json(plan.storage_data["facts"]),
+                                            {key: _shard(item) for key, item in items.items()
+                                             if item.type != WriteItemType.BYTE_IO})
+            written = sharded.write_shards(self.repo, plan.storage_data["parent"], shards, lossy)
         except BaseException:
             self.close()  # the save is over: `finish` will not come to release the lock
             raise
@@ -147,7 +158,8 @@ class CkptStorageWriter(StorageWriter):
                                 "nothing was recorded")
             metadata.storage_data = {r.index: r.storage_data["key"] for rank in results for r in rank}
             target, parent = self._start
-            self.commit_id = sharded.record_sharded(self.repo, target, parent, shards, described, self.options)
+            self.commit_id = sharded.record_sharded(self.repo, target, parent, shards, described, self.options,
+                                                    self.level.name if self.level else None)
         finally:
             self.close()
 
@@ -161,6 +173,33 @@ class CkptStorageWriter(StorageWriter):
         self._held.close()
         self._handle.close()
         self._saving = None
+
+
+def _facts(plans: list[SavePlan], level: LossyLevel) -> ShardFacts:
+    """The coordinator's whole-tensor facts from every rank's shard sums (which CkptSavePlanner put in its plan)."""
+    stats: dict[Shard, ShardStats] = {}
+    dtypes: dict[str, str] = {}
+    sizes: dict[str, tuple[int, ...]] = {}
+    lrs: dict[str, float] = {}
+    for plan in plans:
+        data = plan.storage_data
+        if not isinstance(data, dict) or STATS_KEY not in data:
+            raise CkptError("a lossy CkptStorageWriter plans each tensor from the whole tensor's statistics, which "
+                            "only its planner gathers: call dcp.save(..., planner=ckptstore.dcp.CkptSavePlanner()) "
+                            "on every rank")
+        for fqn, offsets, shard_sizes, sum_sq, total, count in data[STATS_KEY]:
+            stats[Shard(fqn, tuple(offsets), tuple(shard_sizes))] = ShardStats(sum_sq, total, count)
+        lrs = lrs or dict(data.get("lrs") or {})
+        for item in plan.items:
+            if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None:
+                dtypes[item.index.fqn] = str(item.tensor_data.properties.dtype)
+                sizes[item.index.fqn] = tuple(item.tensor_data.size)
+    return lossy_shards.combine(stats, dtypes, sizes, lrs, level)
+
+
+def _shard(item: WriteItem) -> Shard:
+    chunk = item.tensor_data.chunk
+    return Shard(item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes))
 
 
 def _key(item: WriteItem) -> str:

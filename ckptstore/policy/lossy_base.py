@@ -47,10 +47,14 @@ class Subject:
     importance: str | None = None
 
 
-def eligible(raw: RawTensor, level: LossyLevel, min_elements: int | None = None) -> bool:
-    """Float tensors large enough to be worth quantizing (`min_elements`: the level's, by default)."""
+def eligible(raw: RawTensor, level: LossyLevel, min_elements: int | None = None, elements: int | None = None) -> bool:
+    """Float tensors large enough to be worth quantizing (`min_elements`: the level's, by default).
+
+    `elements` is the size that counts, where it is not the raw's own (a shard: its whole tensor's).
+    """
     least = level.min_elements if min_elements is None else min_elements
-    return raw.dtype in LOSSY_DTYPES and int(np.prod(raw.shape)) >= max(1, least)
+    count = int(np.prod(raw.shape)) if elements is None else elements
+    return raw.dtype in LOSSY_DTYPES and count >= max(1, least)
 
 
 def rms(raw: RawTensor) -> float:

@@ -63,6 +63,7 @@ class PlanContext:
     moment_min: int
     shared_lr: float | None
     plans: dict[str, LossyPlan] = field(default_factory=dict)
+    elements: Mapping[str, int] = field(default_factory=dict)  # a shard's whole tensor's count (lossy_shards)
 
     def optimizer_role(self, path: str) -> tuple[str | None, ParamSlots | None]:
         """The path's role in the optimizer ("weight", "exp_avg", ...) and its slots, or (None, None)."""

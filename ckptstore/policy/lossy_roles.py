@@ -69,7 +69,7 @@ def _unowned(ctx: PlanContext, path: str, raw: RawTensor) -> tuple[Role, Subject
 def _weight(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
     """Which weight role: lossless below the level's size or at zero RMS, else by pace and parent."""
     path, raw = subject.path, subject.raw
-    if len(raw.shape) < 2 or not eligible(raw, ctx.level):
+    if len(raw.shape) < 2 or not eligible(raw, ctx.level, elements=ctx.elements.get(path)):
         return Role.LOSSLESS, subject
     weight_rms = ctx.rms_of(path)
     if weight_rms == 0.0:
@@ -85,7 +85,7 @@ def _weight(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
 
 def _sgd_momentum(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
     """Lossy from the smallest moment size on, unless all zero (no scale to set a step by)."""
-    if eligible(subject.raw, ctx.level, ctx.moment_min):
+    if eligible(subject.raw, ctx.level, ctx.moment_min, ctx.elements.get(subject.path)):
         momentum_rms = ctx.rms_of(subject.path)
         if momentum_rms > 0:
             return Role.SGD_MOMENTUM, Subject(subject.path, subject.raw, subject.slot, momentum_rms)
@@ -95,7 +95,8 @@ def _sgd_momentum(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
 def _second_moment(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
     """Lossy from the smallest moment size on, where a first moment is there to be coded against it."""
     slot: ParamSlots | None = subject.slot
-    if eligible(subject.raw, ctx.level, ctx.moment_min) and slot is not None and slot.exp_avg is not None:
+    big = eligible(subject.raw, ctx.level, ctx.moment_min, ctx.elements.get(subject.path))
+    if big and slot is not None and slot.exp_avg is not None:
         return Role.ADAM_SECOND_MOMENT, subject
     return Role.LOSSLESS, subject
 

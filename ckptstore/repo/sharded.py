@@ -23,9 +23,11 @@ from ckptstore.hashing import CommitId, ObjectId, TensorId, tensor_id
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.metadata.commits import CommitInfo
+from ckptstore.policy import LossyLevel
+from ckptstore.policy.lossy_shards import PAIRING, Shard, ShardFacts, plan_shards
 from ckptstore.records import Chunk, TensorRecord
 from ckptstore.replay import ChainSource
-from ckptstore.repo.commit import CommitOptions
+from ckptstore.repo.commit import CommitOptions, _lossy_job
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.target import commit_target, default_author, move_ref
@@ -61,29 +63,51 @@ class WrittenShard:
     raw_bytes: int
 
 
-def write_shards(repo: Repository, parent: CommitId | None, shards: Mapping[str, RawTensor]) -> list[WrittenShard]:
+@dataclass
+class LossyShards:
+    """What a rank needs to encode its shards lossily: the level, the coordinator's facts, each shard's place."""
+
+    level: LossyLevel
+    facts: ShardFacts
+    shards: dict[str, Shard]  # by shard key
+
+
+def write_shards(repo: Repository, parent: CommitId | None, shards: Mapping[str, RawTensor],
+                 lossy: LossyShards | None = None) -> list[WrittenShard]:
     """Encode this rank's shards and write their objects durably; nothing is recorded.
 
     A shard whose content is stored already is reused; the others become residuals against the
-    parent commit's shard at the same key (same name, offsets and sizes) or keyframes.
+    parent commit's shard at the same key (same name, offsets and sizes) or keyframes. With
+    `lossy`, the shards its level quantizes are planned as their whole tensors would be
+    (policy/lossy_shards.py) and coded against the parent's reconstruction (closed loop); one
+    whose original equals the parent's source keeps the parent's reconstruction.
     """
     with no_cyclic_gc():
         futures = {k: repo.pool.submit(tensor_id, r.dtype, r.shape, r.data) for k, r in shards.items()}
         ids = {k: f.result() for k, f in futures.items()}
         base_of, chains = _parent_records(repo, parent, list(shards))
+        plans = {} if lossy is None else plan_shards(shards, lossy.shards, lossy.facts, base_of, lossy.level,
+                                                     repo.config.encoding)[0]
+        reused = {k: base_of[k] for k in plans if k in base_of and base_of[k].params.get("source") == ids[k]}
         with repo.db.read() as tx:
-            present = tensor_rows.existing_tensor_ids(tx, set(ids.values()))
-        new = {ids[k]: raw for k, raw in shards.items() if ids[k] not in present}
-        parents = {ids[k]: base_of.get(k) for k in shards if ids[k] in new}
+            present = tensor_rows.existing_tensor_ids(tx, {ids[k] for k in shards if k not in plans})
+        new = {ids[k]: raw for k, raw in shards.items() if k not in plans and ids[k] not in present}
+        parents = {ids[k]: base_of.get(k) for k in shards if k not in plans and ids[k] in new}
         jobs = lossless_jobs(new, parents, repo.config.encoding)
+        jobs += [_lossy_job(plan, shards, ids[k], lossy.level, plans, reused)
+                 for k, plan in plans.items() if k not in reused]
         with repo.store.batch():
             records, sizes = encode_jobs(jobs, ChainSource(repo.store, chains), repo.pool)
     faults.point("dcp:rank-written")
     written = []
     for key, raw in shards.items():
-        record = records.get(ids[key])
-        objects = {c.object_id: sizes[c.object_id] for c in record.chunks} if record else {}
-        written.append(WrittenShard(key, Entry(ids[key], raw.dtype, raw.shape), record, objects, raw.nbytes))
+        if key in plans:
+            record = records.get(key)
+            tid = reused[key].id if record is None else record.id
+        else:
+            record, tid = records.get(ids[key]), ids[key]
+        objects = {c.object_id: sizes[c.object_id] for c in record.chunks if c.object_id in sizes} if record else {}
+        written.append(WrittenShard(key, Entry(tid, raw.dtype, raw.shape), record, objects, raw.nbytes))
     return written
 
 
@@ -100,8 +124,10 @@ def _parent_records(repo: Repository, parent: CommitId | None, keys: list[str]
 
 
 def record_sharded(repo: Repository, target: str | None, parent: CommitId | None, shards: list[WrittenShard],
-                   dcp: dict[str, Any], options: CommitOptions) -> CommitId:
+                   dcp: dict[str, Any], options: CommitOptions, lossy: str | None = None) -> CommitId:
     """Record every rank's shards as one commit on `target`, moving it from `parent` by compare-and-swap.
+
+    `lossy` names the level the shards were planned at (None: lossless).
 
     Called once, by the coordinator, after every rank's objects are durable. Raises ConflictError
     when the branch moved meanwhile (nothing is recorded).
@@ -118,7 +144,7 @@ def record_sharded(repo: Repository, target: str | None, parent: CommitId | None
     for shard in chosen.values():  # a pack holds several shards' payloads: its size is the furthest end
         for oid, size in shard.objects.items():
             sizes[oid] = max(sizes.get(oid, 0), size)
-    manifest = Manifest(KIND, [], entries, {}, dcp=dcp)
+    manifest = Manifest(KIND, [], entries, {}, lossy, PAIRING if lossy else None, dcp=dcp)
     manifest_bytes = manifest.to_bytes()
     manifest_oid = repo.store.put(manifest_bytes)
     sizes[manifest_oid] = len(manifest_bytes)
@@ -129,7 +155,7 @@ def record_sharded(repo: Repository, target: str | None, parent: CommitId | None
         metrics={str(k): float(v) for k, v in options.metrics.items()}, kind=KIND, source_path=None,
         raw_bytes=sum(s.raw_bytes for s in shards),
         stored_bytes=sum(r.stored_bytes for r in records) + len(manifest_bytes),
-        parents=[parent] if parent else [])
+        parents=[parent] if parent else [], lossy=lossy)
     info.id = info.computed_id()
     with repo.db.write() as tx:
         move_ref(tx, target, parent, info.id)

@@ -1,0 +1,210 @@
+"""Lossy plans for a sharded (DCP) commit: every rank plans its shards with the whole tensors' facts.
+
+A rank holds only shards, but a tensor's plan depends on statistics of the whole tensor (its RMS
+sets the step, the mean of its second moment its Fisher factor, its element count whether it is
+quantized at all) and on facts across tensors (Fisher factors are relative to all weights, the
+smallest moment quantized to the whole optimizer state). Each rank sums its shards
+(`ShardStats`, sent in its local save plan); the coordinator combines every rank's sums into
+`ShardFacts` (sent back in the global plan), and each rank then runs the ordinary role planners
+over its own shards with those facts. The plan of a shard is thus the plan its whole tensor would
+get, at any world size. RMS and mean are rounded to float32 so that the sums' different order at
+different world sizes (float64 rounding, ~1e-16) does not change a step.
+
+Weights pair with their optimizer state by fully qualified name, as `get_state_dict` flattens it:
+`PREFIX.state.PARAM.exp_avg` belongs to the weight whose name is or ends with `.PARAM`, and
+`PREFIX.param_groups` gives each PARAM its learning rate. A moment's shard pairs with the weight's
+shard of the same offsets and sizes (FSDP2 shards a parameter and its moments alike).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ckptstore.codecs.floats import LOSSY_DTYPES
+from ckptstore.policy.levels import LossyLevel
+from ckptstore.policy.lossless import EncodingSettings
+from ckptstore.policy.lossy import LossyPlan, Role, _plan
+from ckptstore.policy.lossy_context import PlanContext, RmsCache
+from ckptstore.policy.mapping import OptimizerMap, ParamSlots
+from ckptstore.policy.sensitivity import step_factors
+from ckptstore.records import TensorRecord
+from ckptstore.state import RawTensor
+
+MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+PAIRING = "by fully qualified name (DCP's flattened optimizer state)"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Where one stored shard sits in its logical tensor."""
+
+    fqn: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass
+class ShardStats:
+    """One shard's sums, a rank's contribution to its tensor's statistics (plain data, JSON-able)."""
+
+    sum_sq: float
+    total: float
+    count: int
+
+
+def shard_stats(values: np.ndarray) -> ShardStats:
+    """Sums of a float shard's entries (as float32 values, accumulated in float64)."""
+    x = values.astype(np.float64, copy=False).reshape(-1)
+    return ShardStats(float(np.dot(x, x)), float(x.sum()), int(x.size))
+
+
+@dataclass
+class ShardFacts:
+    """What every rank needs to plan its shards as whole tensors, computed once by the coordinator.
+
+    `rms` and `mean` are per float tensor (by FQN), `elements` its global element count, `slots`
+    each weight's optimizer state by role, `lrs` each weight's learning rate, `sensitivity` its
+    Fisher step factor; `moment_min` and `shared_lr` as in PlanContext.
+    """
+
+    rms: dict[str, float] = field(default_factory=dict)
+    mean: dict[str, float] = field(default_factory=dict)
+    elements: dict[str, int] = field(default_factory=dict)
+    slots: dict[str, dict[str, str]] = field(default_factory=dict)
+    lrs: dict[str, float] = field(default_factory=dict)
+    sensitivity: dict[str, float] = field(default_factory=dict)
+    moment_min: int = 0
+    shared_lr: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ShardFacts:
+        return cls(**data)
+
+
+def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float]) -> tuple[dict[str, dict[str, str]],
+                                                                                dict[str, float]]:
+    """(weight FQN -> {role: state FQN}, weight FQN -> lr) for the optimizer state among `fqns`.
+
+    `param_lrs` maps PREFIX.state's PARAM names to their group's learning rate (from param_groups).
+    A state whose weight is not exactly one other name stays unpaired (and lossless).
+    """
+    names = sorted(set(fqns))
+    states = {n for n in names if n.rsplit(".", 1)[-1] in MOMENTS and ".state." in f".{n}"}
+    weights = [n for n in names if n not in states]
+    slots: dict[str, dict[str, str]] = {}
+    lrs: dict[str, float] = {}
+    for name in sorted(states):
+        head, role = name.rsplit(".", 1)
+        for param in _params_of(head):
+            hits = [w for w in weights if w == param or w.endswith("." + param)]
+            if len(hits) == 1:
+                slots.setdefault(hits[0], {})[role] = name
+                if param in param_lrs:
+                    lrs[hits[0]] = float(param_lrs[param])
+                break
+    return slots, lrs
+
+
+def _params_of(head: str) -> list[str]:
+    """The PARAM names `head` (`PREFIX.state.PARAM`) may end with, one per `state.` in it, longest first."""
+    dotted = f".{head}"
+    found, start = [], dotted.find(".state.")
+    while start >= 0:
+        found.append(dotted[start + len(".state."):])
+        start = dotted.find(".state.", start + 1)
+    return found
+
+
+def combine(stats: Mapping[Shard, ShardStats], dtypes: Mapping[str, str], sizes: Mapping[str, tuple[int, ...]],
+            param_lrs: Mapping[str, float], level: LossyLevel) -> ShardFacts:
+    """The coordinator's facts from every rank's shard sums (a shard reported twice counts once)."""
+    sums: dict[str, list[float]] = {}
+    for shard in sorted(stats, key=lambda s: (s.fqn, s.offsets)):  # one order at every world size
+        s = stats[shard]
+        acc = sums.setdefault(shard.fqn, [0.0, 0.0, 0])
+        acc[0], acc[1], acc[2] = acc[0] + s.sum_sq, acc[1] + s.total, acc[2] + s.count
+    floats = {f: v for f, v in sums.items() if v[2] and dtypes.get(f) in LOSSY_DTYPES}
+    facts = ShardFacts(rms={f: _f32(math.sqrt(v[0] / v[2])) for f, v in floats.items()},
+                       mean={f: _f32(v[1] / v[2]) for f, v in floats.items()},
+                       elements={f: math.prod(sizes[f]) for f in sizes})
+    facts.slots, facts.lrs = pair_by_fqn(dtypes, param_lrs)
+    states = [state for slot in facts.slots.values() for state in slot.values()]
+    lrs = set(facts.lrs.values())
+    facts.shared_lr = lrs.pop() if len(lrs) == 1 else None
+    facts.moment_min = _moment_min([facts.elements[s] for s in states if s in facts.elements], level)
+    if level.fisher_allocation:
+        facts.sensitivity = _fisher(facts, sizes, dtypes, level)
+    return facts
+
+
+def _f32(value: float) -> float:
+    return float(np.float32(value))
+
+
+def _moment_min(sizes: list[int], level: LossyLevel) -> int:
+    """lossy_context.moment_min_elements on the whole tensors' sizes."""
+    small = sum(size for size in sizes if size < level.min_elements)
+    return level.min_elements if small > 0.05 * sum(sizes) else level.moment_min_elements
+
+
+def _fisher(facts: ShardFacts, sizes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str],
+            level: LossyLevel) -> dict[str, float]:
+    """lossy_context.fisher_factors from the whole tensors' mean second moment and RMS."""
+    scores = {}
+    for weight, slot in facts.slots.items():
+        v = slot.get("exp_avg_sq")
+        if (v is None or len(sizes.get(weight, ())) < 2 or dtypes.get(weight) not in LOSSY_DTYPES
+                or facts.elements.get(weight, 0) < max(1, level.min_elements)):
+            continue
+        fisher, weight_rms = facts.mean.get(v, 0.0), facts.rms.get(weight, 0.0)
+        if fisher > 0 and weight_rms > 0:
+            scores[weight] = fisher * weight_rms * weight_rms
+    return step_factors(scores)
+
+
+class _WholeRms(RmsCache):
+    """A shard's RMS is its whole tensor's (from the coordinator's facts)."""
+
+    def __init__(self, tensors: Mapping[str, RawTensor], shards: Mapping[str, Shard], rms: Mapping[str, float]):
+        super().__init__(tensors)
+        self._values = {key: rms.get(shard.fqn, 0.0) for key, shard in shards.items()}
+
+
+def plan_shards(tensors: Mapping[str, RawTensor], shards: Mapping[str, Shard], facts: ShardFacts,
+                parents: Mapping[str, TensorRecord], level: LossyLevel, settings: EncodingSettings
+                ) -> tuple[dict[str, LossyPlan], dict[str, Role]]:
+    """Plans (and roles) for this rank's shards (by shard key) that the level makes lossy."""
+    tensors = {k: r for k, r in tensors.items() if k in shards and r.nbytes > 0}
+    optimizer = _shard_slots(tensors, shards, facts)
+    roles = optimizer.roles()
+    states = [tensors[p] for p, (role, _) in roles.items() if role != "weight"]
+    ctx = PlanContext(tensors, parents, level, settings, optimizer, _WholeRms(tensors, shards, facts.rms), roles,
+                      {k: facts.sensitivity[s.fqn] for k, s in shards.items() if s.fqn in facts.sensitivity},
+                      {state.shape for state in states}, facts.moment_min, facts.shared_lr,
+                      elements={k: facts.elements.get(s.fqn, 0) for k, s in shards.items()})
+    return _plan(ctx)
+
+
+def _shard_slots(tensors: Mapping[str, RawTensor], shards: Mapping[str, Shard], facts: ShardFacts) -> OptimizerMap:
+    """One optimizer slot per (weight, shard layout) this rank holds: the weight's and moments' shard keys."""
+    key_of = {(s.fqn, s.offsets, s.sizes): k for k, s in shards.items() if k in tensors}
+    layouts = {(s.offsets, s.sizes) for k, s in shards.items() if k in tensors}
+    slots = []
+    for weight, states in sorted(facts.slots.items()):
+        for offsets, sizes in sorted(layouts):
+            found = {role: key_of.get((fqn, offsets, sizes)) for role, fqn in states.items()}
+            if not any(found.values()):
+                continue
+            slot = ParamSlots(len(slots), weight=key_of.get((weight, offsets, sizes)), lr=facts.lrs.get(weight))
+            for role, key in found.items():
+                setattr(slot, role, key)
+            slots.append(slot)
+    return OptimizerMap(slots, True, PAIRING)

@@ -1,0 +1,65 @@
+"""One rank of the lossy sharded test (launched like torchrun by tests/dcp/launch.py).
+
+    python -m tests.dcp.lossy_worker lossy REPO OUT
+
+An FSDP2 model with AdamW (a weight of 129 rows, split 65/64, and one whose shards are each below
+the level's smallest quantized size while the whole is above it), trained between two `balanced`
+commits on branch `ws2`; each state is also saved with DCP's FileSystemWriter (OUT/orig-LABEL), the
+originals the test measures the restored commits against. Each rank writes OUT/rank<N>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from ckptstore.dcp import CkptSavePlanner, CkptStorageWriter
+
+LABELS = ((2, "first"), (4, "second"))
+
+
+def model_and_optimizer(mesh):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 129), torch.nn.ReLU(), torch.nn.Linear(129, 32))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def main() -> None:
+    repo, out = sys.argv[2], Path(sys.argv[3])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    model, optimizer = model_and_optimizer(init_device_mesh("cpu", (world,)))
+    generator = torch.Generator().manual_seed(rank)
+    report = {}
+    for step, label in LABELS:
+        for _ in range(2):
+            model(torch.randn(8, 64, generator=generator)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        writer = CkptStorageWriter(repo, branch="ws2", message=f"{label} lossy", step=step, lossy="balanced")
+        dcp.save(state, storage_writer=writer, planner=CkptSavePlanner())
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out / f"orig-{label}")))
+        report[label] = writer.commit_id
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

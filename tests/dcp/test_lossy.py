@@ -1,0 +1,133 @@
+"""Lossy levels on sharded commits: 2 real ranks (gloo, FSDP2 + AdamW) against the same states at 1 rank.
+
+The 2-rank run (tests/dcp/lossy_worker.py) commits two `balanced` states on branch `ws2` and saves
+their originals with DCP's FileSystemWriter; this process commits the same originals from one
+process on branch `ws1`. Every tensor must be planned alike at both world sizes, restore within the
+level's bounds, and `ckpt show` must print the measured figures.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from ckptstore import Repository
+from ckptstore.cli import cli
+from ckptstore.dcp import CkptSavePlanner, CkptStorageReader, CkptStorageWriter
+from ckptstore.errors import CkptError
+from ckptstore.metadata import tensors as tensor_rows
+from ckptstore.policy import LEVELS, EncodingSettings
+from tests.dcp.launch import run_ranks
+from tests.dcp.lossy_worker import LABELS
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+MEASURED = {"rel_error", "chunk_steps", "source", "base_error"}  # measured per shard, not planned
+
+
+@pytest.fixture(scope="module")
+def lossy_run(tmp_path_factory):
+    """(repository, {label: original flat state}, {label: (2-rank commit, 1-rank commit)})."""
+    base = tmp_path_factory.mktemp("dcp-lossy")
+    Repository.init(base / "repo", encoding=EncodingSettings(chunk_bytes=4096)).close()
+    results = run_ranks("lossy", base / "repo", base / "out", world=2, worker="tests.dcp.lossy_worker")
+    for result in results:
+        assert result.returncode == 0, result.stdout[-4000:]
+    report = json.loads((base / "out" / "rank0.json").read_text())
+    originals, commits = {}, {}
+    with Repository.open(base / "repo") as repo:
+        for _, label in LABELS:
+            dcp_to_torch_save(base / "out" / f"orig-{label}", base / f"{label}.pt")
+            state = torch.load(base / f"{label}.pt", weights_only=False)  # written by this test just now
+            writer = CkptStorageWriter(repo, branch="ws1", message=f"{label} at 1 rank", lossy="balanced")
+            dcp.save(state, storage_writer=writer, planner=CkptSavePlanner())
+            originals[label] = {**{f"model.{k}": v for k, v in state["model"].items()},
+                                **{f"optim.state.{p}.{k}": v for p, s in state["optim"]["state"].items()
+                                   for k, v in s.items()}}
+            commits[label] = (report[label], writer.commit_id)
+    return base / "repo", originals, commits
+
+
+def plans_by_fqn(repo: Repository, ref: str) -> dict[str, tuple]:
+    """Each logical tensor's plan: its shards' codec and planned params (one distinct plan per tensor)."""
+    manifest = repo.manifest(repo.resolve(ref))
+    with repo.db.read() as tx:
+        records = tensor_rows.load_records(tx, {e.tensor for e in manifest.entries.values()}, with_bases=False)
+    plans = {}
+    for item in manifest.dcp["items"]:
+        if item["type"] == "tensor":
+            found = set()
+            for _, _, key in item["chunks"]:
+                record = records[manifest.entries[key].tensor]
+                params = {k: v for k, v in record.params.items() if k not in MEASURED and "plane" not in k}
+                found.add((record.codec, json.dumps(params, sort_keys=True)))
+            assert len(found) == 1, (item["fqn"], found)  # every shard of a tensor planned alike
+            plans[item["fqn"]] = found.pop()
+    return plans
+
+
+def restored(repo_dir, ref: str, like: dict) -> dict:
+    state = {k: torch.zeros_like(v) for k, v in like.items()}
+    dcp.load(state, storage_reader=CkptStorageReader(repo_dir, ref))
+    return state
+
+
+def test_every_tensor_is_planned_alike_at_one_and_two_ranks(lossy_run):
+    repo_dir, _, commits = lossy_run
+    with Repository.open(repo_dir) as repo:
+        for two, one in commits.values():
+            at_two, at_one = plans_by_fqn(repo, two), plans_by_fqn(repo, one)
+            assert at_two == at_one
+            lossy = {fqn for fqn, (codec, _) in at_two.items() if codec in ("deadzone", "normmoment", "log2moment")}
+            # 2.weight (32 x 129) is quantized though each rank's shard (16 x 129) is below min_elements
+            assert {"model.0.weight", "model.2.weight", "optim.state.2.weight.exp_avg"} <= lossy
+
+
+def test_lossy_sharded_commits_restore_within_the_levels_bounds(lossy_run):
+    repo_dir, originals, commits = lossy_run
+    level = LEVELS["balanced"]
+    with Repository.open(repo_dir) as repo:
+        second = repo.manifest(repo.resolve(commits["second"][0]))
+        first = repo.manifest(repo.resolve(commits["first"][0]))
+        key = next(k for k in second.entries if k.startswith("model.0.weight/%shard/"))
+        with repo.db.read() as tx:
+            record = tensor_rows.load_records(tx, {second.entries[key].tensor}, with_bases=False)
+        assert record[second.entries[key].tensor].base_id == first.entries[key].tensor  # closed-loop residual
+    for label, (two, _) in commits.items():
+        original = originals[label]
+        state = restored(repo_dir, two, original)
+        for fqn in ("model.0.bias", "model.2.bias", "optim.state.0.weight.step"):
+            assert torch.equal(state[fqn], original[fqn]), fqn  # lossless where the level is
+        for fqn in ("model.0.weight", "model.2.weight"):
+            error = float((state[fqn] - original[fqn]).norm() / original[fqn].norm())
+            assert 0 < error <= 2 * level.max_weight_error, (fqn, error)  # allowance at most 2x
+        for param in ("0.weight", "2.weight"):
+            m, v = (original[f"optim.state.{param}.{k}"] for k in ("exp_avg", "exp_avg_sq"))
+            m2, v2 = (state[f"optim.state.{param}.{k}"] for k in ("exp_avg", "exp_avg_sq"))
+            u, u2 = m / (v + 1e-30).sqrt(), m2 / (v2 + 1e-30).sqrt()
+            assert float((u2 - u).norm() / u.norm()) <= level.max_update_error
+
+
+def test_ckpt_show_prints_the_measured_figures_of_a_sharded_lossy_commit(lossy_run, monkeypatch):
+    repo_dir, _, commits = lossy_run
+    monkeypatch.chdir(repo_dir)
+    shown = CliRunner().invoke(cli, ["show", commits["second"][0]], catch_exceptions=False)
+    assert shown.exit_code == 0, shown.output
+    assert "lossy commit, level balanced; optimizer pairing: by fully qualified name" in shown.output
+    assert "measured weights (and SGD momentum): ||W'-W||/||W||: worst" in shown.output
+    assert "of its bound" in shown.output and "model.0.weight  torch.float32 (129, 64)  2 shards" in shown.output
+
+
+def test_a_lossy_writer_without_its_planner_says_what_to_pass(tmp_path):
+    with Repository.init(tmp_path / "repo") as repo:
+        writer = CkptStorageWriter(repo, lossy="balanced")
+        with pytest.raises(CheckpointException) as caught:
+            dcp.save({"w": torch.ones(64, 64)}, storage_writer=writer)
+        ((error, _),) = caught.value.failures.values()  # (exception, traceback) per failed rank
+        assert isinstance(error, CkptError) and "planner=ckptstore.dcp.CkptSavePlanner()" in str(error)
+        assert repo.log() == []
