@@ -41,10 +41,11 @@ _OVERLAP_GRACE_S = 2.0  # how long a new save waits for the previous save's thre
 class CkptStorageWriter(StorageWriter):
     """Write a DCP checkpoint as one commit on `branch` (default: HEAD's) of the repository at `repo_or_path`.
 
-    After `dcp.save`, the coordinator's `commit_id` names the commit (None on other ranks). The
-    coordinator holds the repository lock shared from planning until `finish` (gc waits); when
-    another rank fails, DCP never calls `finish`, and the lock is held until this writer's next
-    save starts, or it is closed or collected.
+    After `dcp.save`, the coordinator's `commit_id` names the commit (None on other ranks) and each
+    rank's `bytes_written` counts the bytes it stored. The coordinator holds the repository lock
+    shared from planning until `finish` (gc waits); when another rank fails, DCP never calls
+    `finish`, and the lock is held until this writer's next save starts, or it is closed or collected.
+    With `lossy` (a level), pass `planner=CkptSavePlanner()` to `dcp.save` on every rank.
 
     `dcp.async_save(state, storage_writer=writer)` works as `dcp.save` does: DCP's default stager
     copies the state first, and the commit is recorded on the save's own thread; one writer makes
@@ -61,6 +62,7 @@ class CkptStorageWriter(StorageWriter):
                                      allow_empty=True, author=author)
         self.is_coordinator = False
         self.commit_id: CommitId | None = None
+        self.bytes_written = 0  # by this rank in the last save: the stored bytes of the shards it encoded
         self._held = contextlib.ExitStack()
         self._start: tuple[str | None, CommitId | None] | None = None
         self._saving: threading.Thread | None = None  # the thread of the save in progress
@@ -138,6 +140,7 @@ class CkptStorageWriter(StorageWriter):
             raise
         if not self.is_coordinator:
             self.close()  # its part is durable; a repository opened here keeps threads and connections
+        self.bytes_written = sum({w.record.id: w.record.stored_bytes for w in written if w.record}.values())
         results = [WriteResult(index=items[w.key].index, size_in_bytes=w.raw_bytes, storage_data=_report(w))
                    for w in written]
         future: Future[list[WriteResult]] = Future()
