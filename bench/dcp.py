@@ -38,7 +38,7 @@ SCALING = (4, 2, 1)
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.dcp", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoints", type=int, default=8)
-    parser.add_argument("--every", type=int, default=3, help="training steps between checkpoints")
+    parser.add_argument("--every", type=int, default=2, help="training steps between checkpoints")
     parser.add_argument("--lossy", default=None, help="also commit every state at this lossy level")
     parser.add_argument("--json", default=None, help="write every figure to this file")
     parser.add_argument("--work", default=None, help="working folder (default: a temporary one, removed)")
@@ -143,10 +143,12 @@ def _run(work: Path, run: str, mesh: Any, pg: Any, args: argparse.Namespace) -> 
     sizes: dict[str, int] = {"fsw": 0, "fsw+zstd": 0}
     blocking: dict[str, list[list[float]]] = {"ckptstore": [], "fsw": []}
     for i in range(args.checkpoints):
-        _train(model, optimizer, RUNS[run], args.every, i * args.every)
+        trained = _timed(_train, model, optimizer, RUNS[run], args.every, i * args.every)
         state = _state(model, optimizer)
         for method, make, planner in _writers(work, run, i, args.lossy):
             times.setdefault(method, []).append(_timed(_save, state, make(), planner))
+        _progress(work, f"{run} {i}: train {trained:.1f} s, " + ", ".join(f"{m} {t[-1]:.1f} s"
+                                                                          for m, t in times.items()))
         if dist.get_rank() == 0:  # FSW's folders, measured and then dropped but for the last two (disk)
             for method, folder in (("fsw", "fsw"), ("fsw+zstd", "zstd")):
                 sizes[method] += _dir_bytes(work / run / folder / str(i))
@@ -159,6 +161,15 @@ def _run(work: Path, run: str, mesh: Any, pg: Any, args: argparse.Namespace) -> 
             blocking["fsw"].append(_async_blocking(state, dcp.FileSystemWriter(work / run / "async-fsw"), pg))
     return {"save_seconds": times, "fsw_bytes": sizes, "async": blocking,
             "load": _loads(work, run, mesh, args.checkpoints - 1)}
+
+
+def _progress(work: Path, line: str) -> None:
+    """One line of rank 0's progress in WORK/progress.log (the launcher shows output only at the end)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        with open(work / "progress.log", "a") as log:
+            log.write(f"{time.strftime('%H:%M:%S')} {line}\n")
 
 
 def _save(state: dict, writer: Any, planner: Any) -> None:
@@ -188,6 +199,7 @@ def _loads(work: Path, run: str, mesh: Any, last: int) -> dict[str, Any]:
                for k, v in loaded["fsw"].items())
     flag = torch.tensor([0 if same else 1])
     dist.all_reduce(flag)
+    _progress(work, f"{run} loads at {dist.get_world_size()}: {seconds}")
     return {"seconds": seconds, "exact": int(flag) == 0}
 
 
@@ -219,12 +231,47 @@ def _scaling(work: Path, mesh: Any, last: int) -> list[dict[str, Any]]:
     rows = []
     for i in (last - 1, last):
         dcp.load(template, storage_reader=dcp.FileSystemReader(work / "finetune" / "fsw" / str(i)))
-        writer = CkptStorageWriter(repo, message=f"ckpt {i}")
+        writer = _timed_writer(CkptStorageWriter)(repo, message=f"ckpt {i}")
         seconds = _timed(dcp.save, template, storage_writer=writer)
         per_rank: list[int] = [0] * world
         dist.all_gather_object(per_rank, writer.bytes_written)
-        rows.append({"checkpoint": i, "seconds": seconds, "bytes_per_rank": per_rank})
+        finish = [0.0] * world
+        dist.all_gather_object(finish, writer.finish_seconds)
+        rows.append({"checkpoint": i, "seconds": seconds, "bytes_per_rank": per_rank, "finish_seconds": max(finish)})
+        _progress(work, f"scaling at {world}: {rows[-1]}")
     return rows
+
+
+def _timed_writer(base: type) -> type:
+    """`base` with the coordinator's `finish` (manifest and the one metadata transaction) timed."""
+
+    class Timed(base):
+        finish_seconds = 0.0
+
+        def finish(self, metadata: Any, results: Any) -> None:
+            start = time.perf_counter()
+            super().finish(metadata, results)
+            self.finish_seconds = time.perf_counter() - start
+
+    return Timed
+
+
+def _commit_shape(path: Path) -> dict[str, int]:
+    """What the last commit of a repository holds: entries, new records, chunk rows, objects, manifest bytes."""
+    from ckptstore import Repository
+    from ckptstore.metadata import tensors as tensor_rows
+
+    with Repository.open(path, read_only=True) as repo:
+        head = repo.commit_info("HEAD")
+        manifest = repo.manifest(head.id)
+        parent = set() if not head.parents else {e.tensor for e in repo.manifest(head.parents[0]).entries.values()}
+        with repo.db.read() as tx:
+            records = tensor_rows.load_records(tx, {e.tensor for e in manifest.entries.values()}, with_bases=False)
+        new = [r for tid, r in records.items() if tid not in parent]
+        return {"entries": len(manifest.entries), "new_records": len(new),
+                "new_chunk_rows": sum(len(r.chunks) for r in new),
+                "new_objects": len({c.object_id for r in new for c in r.chunks}) + 1,
+                "manifest_bytes": len(repo.store.get(head.manifest_object)), "raw_bytes": head.raw_bytes}
 
 
 def _rank_main(args: argparse.Namespace) -> None:
@@ -302,6 +349,7 @@ def main(argv: list[str] | None = None) -> None:
                                              **result["runs"][run].pop("fsw_bytes")}
             if args.lossy:
                 result["runs"][run]["stored"][f"ckptstore {args.lossy}"] = _stored(work, run, "lossy")
+        result["shape"] = {w: _commit_shape(work / f"scale-{w}") for w in SCALING}
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -51,14 +51,24 @@ def _async_table(result: dict[str, Any]) -> list[str]:
 def _scaling_table(result: dict[str, Any]) -> list[str]:
     rows = {4: result["runs"]["scaling"]}
     rows.update({int(w): r["scaling"] for w, r in result["reshard"].items()})
-    lines = ["| ranks | first commit s | second commit s | first: MB per rank | second: MB per rank "
-             "| second: total MB |", "|---|---|---|---|---|---|"]
+    lines = ["| ranks | first commit s | second commit s | of which coordinator's finish s | first: MB per rank "
+             "| second: MB per rank | second: total MB |", "|---|---|---|---|---|---|---|"]
     for world in sorted(rows):
         first, second = rows[world]
         lines.append(f"| {world} | {first['seconds']:.2f} | {second['seconds']:.2f} | "
+                     f"{first.get('finish_seconds', 0):.2f}, {second.get('finish_seconds', 0):.2f} | "
                      f"{', '.join(f'{b / MB:.0f}' for b in first['bytes_per_rank'])} | "
                      f"{', '.join(f'{b / MB:.1f}' for b in second['bytes_per_rank'])} | "
                      f"{sum(second['bytes_per_rank']) / MB:.1f} |")
+    return lines
+
+
+def _shape_table(result: dict[str, Any]) -> list[str]:
+    lines = ["| ranks | entries | new records | new chunk rows | new objects | manifest KB |",
+             "|---|---|---|---|---|---|"]
+    for world, shape in sorted(result.get("shape", {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| {world} | {shape['entries']} | {shape['new_records']} | {shape['new_chunk_rows']} | "
+                     f"{shape['new_objects']} | {shape['manifest_bytes'] / 1e3:.0f} |")
     return lines
 
 
@@ -67,6 +77,6 @@ def tables(result: dict[str, Any]) -> str:
     out = []
     for run in ("finetune", "scratch"):
         out += _run_table(result, run) + [""]
-    out += _async_table(result) + [""] + _scaling_table(result)
+    out += _async_table(result) + [""] + _scaling_table(result) + [""] + _shape_table(result)
     out.append(f"\n(whole run: {result['seconds']:.0f} s; {result['args']})")
     return "\n".join(out)
