@@ -57,12 +57,6 @@ class ShardStats:
     count: int
 
 
-def shard_stats(values: np.ndarray) -> ShardStats:
-    """Sums of a float shard's entries (as float32 values, accumulated in float64)."""
-    x = values.astype(np.float64, copy=False).reshape(-1)
-    return ShardStats(float(np.dot(x, x)), float(x.sum()), int(x.size))
-
-
 @dataclass
 class ShardFacts:
     """What every rank needs to plan its shards as whole tensors, computed once by the coordinator.

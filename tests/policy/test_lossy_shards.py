@@ -1,0 +1,63 @@
+"""Lossy plans for shards: pairing by fully qualified name, and whole-tensor facts from shard sums."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ckptstore.policy import LEVELS, EncodingSettings
+from ckptstore.policy.lossy import plan_lossy
+from ckptstore.policy.lossy_shards import Shard, ShardStats, combine, pair_by_fqn, plan_shards
+from ckptstore.policy.mapping import map_optimizer
+from ckptstore.state import RawTensor
+
+F32 = "torch.float32"
+
+
+def test_moments_pair_with_the_weight_whose_name_ends_with_their_parameter():
+    names = ["model.0.weight", "model.10.weight", "model.state.proj.weight", "optim.state.0.weight.exp_avg",
+             "optim.state.0.weight.exp_avg_sq", "optim.state.0.weight.step", "optim.state.state.proj.weight.exp_avg",
+             "optim.state.10.weight.exp_avg_sq", "optim.state.missing.weight.exp_avg"]
+    slots, lrs = pair_by_fqn(names, {"0.weight": 1e-4, "state.proj.weight": 2e-4})
+    assert slots == {"model.0.weight": {"exp_avg": "optim.state.0.weight.exp_avg",
+                                        "exp_avg_sq": "optim.state.0.weight.exp_avg_sq"},
+                     "model.10.weight": {"exp_avg_sq": "optim.state.10.weight.exp_avg_sq"},
+                     "model.state.proj.weight": {"exp_avg": "optim.state.state.proj.weight.exp_avg"}}
+    assert lrs == {"model.0.weight": 1e-4, "model.state.proj.weight": 2e-4}
+
+
+def _raw(values: np.ndarray) -> RawTensor:
+    return RawTensor(F32, values.shape, values.astype(np.float32).view(np.uint8).reshape(-1))
+
+
+def test_two_half_shards_are_planned_as_their_whole_tensor_is():
+    rng = np.random.default_rng(0)
+    whole = {"model.w": rng.normal(0, 0.02, (96, 64)), "optim.state.w.exp_avg": rng.normal(0, 1e-3, (96, 64)),
+             "optim.state.w.exp_avg_sq": rng.uniform(1e-8, 1e-6, (96, 64)),
+             "model.u": rng.normal(0, 0.5, (64, 96)), "optim.state.u.exp_avg": rng.normal(0, 1e-3, (64, 96)),
+             "optim.state.u.exp_avg_sq": rng.uniform(1e-8, 1e-6, (64, 96))}
+    level = LEVELS["balanced"]
+    # the ordinary planner on whole tensors (its path form: model/w, optim/state/0/exp_avg, ...)
+    paths = {"model.w": "model/w", "model.u": "model/u"}
+    for i, p in enumerate("wu"):
+        paths.update({f"optim.state.{p}.{k}": f"optim/state/{i}/{k}" for k in ("exp_avg", "exp_avg_sq")})
+    tensors = {paths[k]: _raw(v) for k, v in whole.items()}
+    optimizer = map_optimizer(tensors, ["w", "u"], lrs={0: 1e-3, 1: 1e-3})
+    ordinary = plan_lossy(tensors, {}, level, EncodingSettings(), optimizer)
+    stats, halves, places = {}, {}, {}
+    for fqn, values in whole.items():
+        for start in (0, values.shape[0] // 2):
+            piece = values[start:start + values.shape[0] // 2]
+            shard = Shard(fqn, (start, 0), piece.shape)
+            x = piece.astype(np.float32).astype(np.float64).reshape(-1)
+            stats[shard] = ShardStats(float(x @ x), float(x.sum()), x.size)
+            halves[f"{fqn}@{start}"], places[f"{fqn}@{start}"] = _raw(piece), shard
+    facts = combine(stats, dict.fromkeys(whole, F32), {k: v.shape for k, v in whole.items()},
+                    {"w": 1e-3, "u": 1e-3}, level)
+    plans, _ = plan_shards(halves, places, facts, {}, level, EncodingSettings())
+    for key, plan in plans.items():
+        fqn = key.split("@")[0]
+        expected = ordinary[paths[fqn]].params
+        for name in ("step", "max_error", "rounding", "k"):
+            if name in expected:
+                assert np.isclose(plan.params[name], expected[name], rtol=1e-6), (key, name)
+    assert len(plans) == 12  # every half of every tensor quantized (each half of 3072 is below min_elements)
