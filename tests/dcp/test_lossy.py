@@ -113,7 +113,7 @@ def test_lossy_sharded_commits_restore_within_the_levels_bounds(lossy_run):
             assert float((u2 - u).norm() / u.norm()) <= level.max_update_error
 
 
-def test_ckpt_show_prints_the_measured_figures_of_a_sharded_lossy_commit(lossy_run, monkeypatch):
+def test_ckpt_show_prints_the_measured_figures_and_fsck_full_passes(lossy_run, monkeypatch):
     repo_dir, _, commits = lossy_run
     monkeypatch.chdir(repo_dir)
     shown = CliRunner().invoke(cli, ["show", commits["second"][0]], catch_exceptions=False)
@@ -121,6 +121,8 @@ def test_ckpt_show_prints_the_measured_figures_of_a_sharded_lossy_commit(lossy_r
     assert "lossy commit, level balanced; optimizer pairing: by fully qualified name" in shown.output
     assert "measured weights (and SGD momentum): ||W'-W||/||W||: worst" in shown.output
     assert "of its bound" in shown.output and "model.0.weight  torch.float32 (129, 64)  2 shards" in shown.output
+    checked = CliRunner().invoke(cli, ["fsck", "--full"], catch_exceptions=False)  # decodes every lossy shard
+    assert checked.exit_code == 0, checked.output
 
 
 def test_a_lossy_writer_without_its_planner_says_what_to_pass(tmp_path):
