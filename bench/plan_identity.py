@@ -235,17 +235,21 @@ def commit_all(states: list[tuple[dict[str, Any], dict[str, Any]]], level: str, 
                scratch: Path) -> dict[str, Any]:
     """Commit `states` in order into a fresh repository; every plan made, and the objects stored."""
     from ckptstore import Repository
+    from ckptstore.policy import lossy
     from ckptstore.repo import repository
 
     made: list[Any] = []
-    original = repository.plan_lossy
+    original = lossy.plan_lossy
+    # today commit imports plan_lossy from policy.lossy when it runs; older code bound it in repository.py
+    holders = [module for module in (lossy, repository) if getattr(module, "plan_lossy", None) is original]
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         plans = original(*args, **kwargs)
         made.append(_plan_json(plans))
         return plans
 
-    repository.plan_lossy = recording
+    for module in holders:
+        module.plan_lossy = recording
     try:
         with Repository.init(scratch) as repo:
             for state, args in states:
@@ -254,7 +258,8 @@ def commit_all(states: list[tuple[dict[str, Any], dict[str, Any]]], level: str, 
                 repo.commit(state, lossy=level, **knobs, **args)
             objects = sorted(repo.store.iter_ids())
     finally:
-        repository.plan_lossy = original
+        for module in holders:
+            module.plan_lossy = original
     return {"plans": made, "objects": objects}
 
 
