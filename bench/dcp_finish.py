@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from ckptstore import Repository
+from ckptstore.formats import dcpmeta
 from ckptstore.hashing import ObjectId, TensorId
 from ckptstore.records import Chunk, TensorRecord
 from ckptstore.repo import sharded
@@ -31,7 +32,7 @@ def _shards(count: int, salt: int) -> tuple[list[sharded.WrittenShard], dict]:
     for t in range(count // per_tensor):
         chunks = []
         for r in range(per_tensor):
-            key = sharded.shard_key(f"model.layers.{t}.weight", [r * 96, 0], [96, 4096])
+            key = dcpmeta.shard_key(f"model.layers.{t}.weight", [r * 96, 0], [96, 4096])
             tid = TensorId(f"{salt:08x}{t:08x}{r:08x}".ljust(64, "0"))
             oid = ObjectId(f"{salt:08x}{t:08x}{r:08x}".ljust(64, "1"))
             record = TensorRecord(tid, "torch.float32", (96, 4096), "bytegroup", {"chunk_bytes": 4194304}, None, 0,

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from ckptstore.formats.dcpmeta import shard_key
 from ckptstore.policy import EncodingSettings, level_named
 from ckptstore.policy.lossy_shards import Shard, ShardStats, combine, plan_shards
-from ckptstore.repo.sharded import shard_key
 from ckptstore.state import RawTensor, raw_from_torch
 
 MEASURED = {"rel_error", "chunk_steps", "source", "base_error"}

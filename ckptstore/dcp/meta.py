@@ -10,8 +10,6 @@ from ckptstore.errors import CorruptObjectError
 from ckptstore.formats import dcpmeta
 from ckptstore.repo.sharded import check_format
 
-to_json = dcpmeta.to_json
-
 
 def from_json(data: dict[str, Any], manifest_oid: str) -> Metadata:
     """The `Metadata` that `to_json` described, from a `dcp` section of a version this ckptstore reads."""

@@ -22,6 +22,7 @@ from torch.futures import Future
 from ckptstore.dcp import meta
 from ckptstore.dcp.repos import RepoHandle
 from ckptstore.errors import CkptError, CorruptRecordError, PickledObjectsError
+from ckptstore.formats import dcpmeta
 from ckptstore.hashing import CommitId
 from ckptstore.repo import sharded
 from ckptstore.repo.manifest import Entry, Manifest
@@ -184,8 +185,8 @@ def _rewritten(fqn: str, data: bytes) -> io.BytesIO:
     """
     import pickle
 
-    if data.startswith(sharded.SKELETON_MAGIC):
-        return _pickled(_from_skeleton(fqn, data[len(sharded.SKELETON_MAGIC):]))
+    if data.startswith(dcpmeta.SKELETON_MAGIC):
+        return _pickled(_from_skeleton(fqn, data[len(dcpmeta.SKELETON_MAGIC):]))
     try:  # DCP saves a BytesIO value by pickling the BytesIO: rebuilding one runs no code of the file's choosing
         with torch.serialization.safe_globals([io.BytesIO]):
             value = torch.load(io.BytesIO(data), weights_only=True)

@@ -22,10 +22,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckptstore.dcp import meta
 from ckptstore.dcp.planner import STATS_KEY
 from ckptstore.dcp.repos import RepoHandle
 from ckptstore.errors import CkptError
+from ckptstore.formats import dcpmeta
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.policy import LossyLevel, level_named, lossy_shards
 from ckptstore.policy.lossy_shards import Shard, ShardFacts, ShardStats
@@ -153,7 +153,7 @@ class CkptStorageWriter(StorageWriter):
             if self._start is None:
                 raise CkptError("finish came before prepare_global_plan: this writer was not the coordinator")
             shards = [_written(r.storage_data) for rank in results for r in rank]
-            described = meta.to_json(metadata)
+            described = dcpmeta.to_json(metadata)
             planned = {c[2] for i in described["items"] if i["type"] == "tensor" for c in i["chunks"]}
             planned |= {i["key"] for i in described["items"] if i["type"] == "bytes"}
             if planned != {s.key for s in shards}:
@@ -207,9 +207,9 @@ def _shard(item: WriteItem) -> Shard:
 
 def _key(item: WriteItem) -> str:
     if item.type == WriteItemType.BYTE_IO:
-        return sharded.bytes_key(item.index.fqn)
+        return dcpmeta.bytes_key(item.index.fqn)
     chunk = item.tensor_data.chunk
-    return sharded.shard_key(item.index.fqn, list(chunk.offsets), list(chunk.sizes))
+    return dcpmeta.shard_key(item.index.fqn, list(chunk.offsets), list(chunk.sizes))
 
 
 def _raw(item: WriteItem, planner: SavePlanner) -> RawTensor:
@@ -254,7 +254,7 @@ def _skeleton(item: WriteItem, planner: SavePlanner) -> bytes | None:
         return None
     if flat.tensors:  # tensors inside a bytes item: DCP's pickle keeps them
         return None
-    return sharded.SKELETON_MAGIC + json.dumps(flat.skeleton, allow_nan=False).encode()
+    return dcpmeta.SKELETON_MAGIC + json.dumps(flat.skeleton, allow_nan=False).encode()
 
 
 def _report(written: sharded.WrittenShard) -> dict[str, Any]:

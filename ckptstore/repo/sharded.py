@@ -16,9 +16,6 @@ from typing import TYPE_CHECKING, Any
 from ckptstore import faults
 from ckptstore.errors import CkptError
 from ckptstore.formats.dcpmeta import DCP_FORMAT_VERSION
-from ckptstore.formats.dcpmeta import SKELETON_MAGIC as SKELETON_MAGIC  # the DCP plugins' names for them
-from ckptstore.formats.dcpmeta import bytes_key as bytes_key
-from ckptstore.formats.dcpmeta import shard_key as shard_key
 from ckptstore.hashing import CommitId, ObjectId, TensorId, tensor_id
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import tensors as tensor_rows

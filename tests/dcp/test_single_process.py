@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 from ckptstore import Repository
 from ckptstore.dcp import CkptStorageReader, CkptStorageWriter, meta
 from ckptstore.errors import CkptError, ConflictError, CorruptObjectError, PickledObjectsError, UnsupportedStateError
+from ckptstore.formats import dcpmeta
 from ckptstore.repo import export, fsck
 from ckptstore.repo.manifest import Manifest, ManifestVersionError
 from ckptstore.repo.sharded import dcp_problem
@@ -50,7 +51,7 @@ def _metadata() -> Metadata:
 
 def test_metadata_round_trips_through_json_without_pickle():
     original = _metadata()
-    data = meta.to_json(original)
+    data = dcpmeta.to_json(original)
     back = meta.from_json(data, "0" * 64)
     assert back.state_dict_metadata == original.state_dict_metadata
     assert back.planner_data == original.planner_data  # tuples stay tuples, ints stay ints
@@ -61,20 +62,20 @@ def test_metadata_round_trips_through_json_without_pickle():
 
 
 def test_unknown_dcp_metadata_versions_and_unstorable_planner_data_are_refused():
-    data = dict(meta.to_json(_metadata()), version=99)
+    data = dict(dcpmeta.to_json(_metadata()), version=99)
     with pytest.raises(ManifestVersionError, match="version 99"):
         meta.from_json(data, "0" * 64)
-    mangled = dict(meta.to_json(_metadata()), items=[{"fqn": "w", "type": "tensor"}])
+    mangled = dict(dcpmeta.to_json(_metadata()), items=[{"fqn": "w", "type": "tensor"}])
     with pytest.raises(CorruptObjectError, match="DCP metadata is missing or mangling a field"):
         meta.from_json(mangled, "0" * 64)
     odd = _metadata()
     odd.planner_data = {"w": object()}
     with pytest.raises(UnsupportedStateError, match="JSON"):
-        meta.to_json(odd)
+        dcpmeta.to_json(odd)
 
 
 def test_sharded_manifests_are_version_2_and_ordinary_ones_keep_version_1():
-    sharded = Manifest("dcp", [], {}, {}, dcp=meta.to_json(_metadata()))
+    sharded = Manifest("dcp", [], {}, {}, dcp=dcpmeta.to_json(_metadata()))
     plain = Manifest("state", [], {}, {})
     assert sharded.to_record()["version"] == 2 and "dcp" not in plain.to_record()
     assert plain.to_record()["version"] == 1
@@ -209,8 +210,8 @@ def test_dcp_unpickles_a_fresh_pickle_of_what_the_restricted_loader_read_never_t
 
 
 def test_plain_bytes_items_are_stored_as_skeletons_never_as_pickles(tmp_path):
+    from ckptstore.formats.dcpmeta import SKELETON_MAGIC, bytes_key
     from ckptstore.repo.checkout import restore
-    from ckptstore.repo.sharded import SKELETON_MAGIC, bytes_key
 
     repo = Repository.init(tmp_path)
     note = {"text": "hi", "k": 3, "lr": [1e-3, 2.5], "nested": {"none": None, "flag": True}}

@@ -343,7 +343,7 @@ def _dcp_sample() -> dict:
         TensorStorageMetadata,
     )
 
-    from ckptstore.dcp.meta import to_json
+    from ckptstore.formats.dcpmeta import to_json
 
     def tensor(size, chunks):
         return TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size),
