@@ -267,7 +267,8 @@ def log(ctx, graph, all_refs, as_json) -> None:
     """Show the history."""
     repo = _open(ctx)
     if as_json:
-        return _emit_json([c.to_json() for c in repo.log(all_refs=all_refs)])
+        return _emit_json([dict(c.to_json(), **({"pruned": True} if c.pruned else {}))
+                           for c in repo.log(all_refs=all_refs)])
     if graph:
         for line in repo.log_graph(all_refs=all_refs):
             click.echo(line)
@@ -277,6 +278,7 @@ def log(ctx, graph, all_refs, as_json) -> None:
         deco = f" ({', '.join(labels[info.id])})" if info.id in labels else ""
         when = datetime.datetime.fromtimestamp(info.created_at).isoformat(timespec="seconds")
         lossy = f"\nLossy:  {info.lossy}" if info.lossy else ""
+        lossy += "\nPruned: its tensors were removed by `ckpt prune`" if info.pruned else ""
         click.echo(f"commit {info.id}{deco}\nDate:   {when}\nStep:   {info.step}{lossy}")
         if info.metrics:
             click.echo("Metrics: " + ", ".join(f"{k}={v:g}" for k, v in info.metrics.items()))
@@ -416,6 +418,34 @@ def gc_command(ctx, prune) -> None:
     click.echo(f"removed {report.objects_removed} objects ({_size(report.bytes_removed)}), "
                f"{report.tensors_removed} tensor records, {report.commits_removed} commits, "
                f"{report.temp_files_removed} temp files")
+
+
+@cli.command("prune")
+@click.option("--keep-last", type=click.IntRange(min=0), default=0, help="Keep each branch's N newest commits.")
+@click.option("--keep-every", type=click.IntRange(min=0), default=0,
+              help="Keep every K-th commit of each branch, counted from its first commit.")
+@click.option("--keep-best", default="", metavar="METRIC[:min|max]", help="Keep each branch's best commit by METRIC.")
+@click.option("--keep-tagged", is_flag=True, help="Keep tagged commits.")
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; change nothing.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def prune_command(ctx, keep_last, keep_every, keep_best, keep_tagged, dry_run, as_json) -> None:
+    """Remove the commits a retention policy does not keep (default: [retention] in config.toml); free their space."""
+    from ckptstore.repo import RetentionPolicy, prune
+
+    given = RetentionPolicy(keep_last, keep_every, keep_best, keep_tagged)
+    report = prune(_open(ctx), given if given.active else None, dry_run=dry_run)
+    if as_json:
+        return _emit_json(vars(report))
+    verb = "would remove" if dry_run else "removed"
+    click.echo(f"{verb} {len(report.pruned)} commits, re-encoding {report.tensors_reencoded} tensors they were "
+               "bases of")
+    for cid in report.pruned:
+        click.echo(f"  {cid[:12]}")
+    if report.bytes_after is not None:
+        click.echo(f"objects: {_size(report.bytes_before)} before, {_size(report.bytes_after)} after "
+                   f"({_size(report.bytes_before - report.bytes_after)} freed)")
+    return None
 
 
 @cli.command("fsck")

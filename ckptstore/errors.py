@@ -101,6 +101,10 @@ class CodecError(CkptError):
     """An unknown codec id or malformed encoded payload."""
 
 
+class PrunedCommitError(CkptError):
+    """A commit `ckpt prune` removed: its row and place in the history stay, its tensors are gone."""
+
+
 class RepoLockedError(CkptError):
     """Another process holds a lock this operation needs."""
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.errors import CkptError, CorruptRecordError
+from ckptstore.errors import CkptError, CorruptRecordError, PrunedCommitError
 from ckptstore.hashing import CommitId, ObjectId, TensorId, commit_id
 from ckptstore.metadata.db import Tx
 from ckptstore.metadata.tensors import dependents, tensors_in_objects
@@ -35,6 +35,7 @@ class CommitInfo:
     stored_bytes: int
     parents: list[CommitId] = field(default_factory=list)
     lossy: str | None = None
+    pruned: bool = False  # removed by `ckpt prune`: the row stays (ids hash their parents), the data went; not hashed
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -114,8 +115,26 @@ def all_parents(tx: Tx) -> dict[CommitId, list[CommitId]]:
 
 def all_commits(tx: Tx) -> dict[CommitId, CommitInfo]:
     """Every commit with its parents."""
-    parents = all_parents(tx)
-    return {CommitId(row[0]): _info(row, parents.get(row[0], [])) for row in tx.rows(f"SELECT {_COLUMNS} FROM commits")}
+    parents, pruned = all_parents(tx), pruned_ids(tx)
+    found = {CommitId(row[0]): _info(row, parents.get(row[0], []))
+             for row in tx.rows(f"SELECT {_COLUMNS} FROM commits")}
+    for cid in pruned & found.keys():
+        found[cid].pruned = True
+    return found
+
+
+def pruned_ids(tx: Tx) -> set[CommitId]:
+    """Commits `ckpt prune` removed (their rows stay)."""
+    return {CommitId(c) for c in tx.column("SELECT commit_id FROM pruned_commits")}
+
+
+def readable_manifest(info: CommitInfo) -> ObjectId:
+    """The manifest object of commit `info`; PrunedCommitError when `ckpt prune` removed it."""
+    if info.pruned:
+        raise PrunedCommitError(f"commit {info.id[:12]} was removed by `ckpt prune`: its place in the history, "
+                                "message and metrics stay, its tensors are gone. Check out a kept commit "
+                                "(`ckpt log` marks the pruned ones)")
+    return info.manifest_object
 
 
 def commit_info(tx: Tx, cid: CommitId) -> CommitInfo:
@@ -123,7 +142,9 @@ def commit_info(tx: Tx, cid: CommitId) -> CommitInfo:
     row = tx.first(f"SELECT {_COLUMNS} FROM commits WHERE id = ?", (cid,))
     if row is None:
         raise CkptError(f"metadata has no commit {cid}; run `ckpt fsck`")
-    return _info(row, parents_of(tx, cid)).verified(cid)
+    info = _info(row, parents_of(tx, cid)).verified(cid)
+    info.pruned = tx.first("SELECT 1 FROM pruned_commits WHERE commit_id = ?", (cid,)) is not None
+    return info
 
 
 def parents_of(tx: Tx, cid: CommitId) -> list[CommitId]:
@@ -143,8 +164,11 @@ def with_prefix(tx: Tx, prefix: str, limit: int = 10) -> list[CommitId]:
 
 
 def manifest_object(tx: Tx, cid: CommitId) -> ObjectId:
-    """The object holding commit `cid`'s manifest (the row checked against its id, as in `commit_info`)."""
-    return commit_info(tx, cid).manifest_object
+    """The object holding commit `cid`'s manifest (the row checked against its id, as in `commit_info`).
+
+    Raises PrunedCommitError for a commit `ckpt prune` removed.
+    """
+    return readable_manifest(commit_info(tx, cid))
 
 
 def insert_commit(tx: Tx, info: CommitInfo, tensor_ids: Iterable[TensorId]) -> None:

@@ -10,6 +10,8 @@ from ckptstore.metadata.db import Tx
 from ckptstore.metadata.refs import tip_commits
 from ckptstore.metadata.tensors import dependents
 
+_KEPT = "WHERE id NOT IN (SELECT commit_id FROM pruned_commits)"  # a pruned commit's manifest is gone
+
 
 def reachable_commits(tx: Tx) -> set[CommitId]:
     """Commits some branch, tag or detached HEAD reaches through parents."""
@@ -29,14 +31,14 @@ def commit_ids(tx: Tx) -> set[CommitId]:
 
 def commit_manifests(tx: Tx) -> list[tuple[CommitId, ObjectId]]:
     """(commit, manifest object) of every commit."""
-    return [(CommitId(c), ObjectId(m)) for c, m in tx.rows("SELECT id, manifest_object FROM commits")]
+    return [(CommitId(c), ObjectId(m)) for c, m in tx.rows(f"SELECT id, manifest_object FROM commits {_KEPT}")]
 
 
 def delete_commits(tx: Tx, doomed: set[CommitId]) -> None:
     """Remove commits and everything that names them (their tensors' records stay until gc)."""
     ordered = sorted(doomed, key=str)
     for table, column in (("commit_tensors", "commit_id"), ("commit_parents", "commit_id"),
-                          ("known_files", "commit_id"), ("commits", "id")):
+                          ("known_files", "commit_id"), ("pruned_commits", "commit_id"), ("commits", "id")):
         tx.execute_in(f"DELETE FROM {table} WHERE {column} IN ({{ids}})", ordered)
 
 
@@ -52,7 +54,7 @@ def live(tx: Tx, named: Iterable[TensorId] = ()) -> tuple[set[TensorId], set[Obj
     while frontier:
         frontier = {bases[t] for t in frontier if bases.get(t)} - live_tensors
         live_tensors |= frontier
-    live_objects = {ObjectId(o) for o in tx.column("SELECT manifest_object FROM commits")}
+    live_objects = {ObjectId(o) for o in tx.column(f"SELECT manifest_object FROM commits {_KEPT}")}
     for tid, oid in tx.rows("SELECT tensor_id, object_id FROM tensor_chunks"):
         if tid in live_tensors:
             live_objects.add(oid)

@@ -86,3 +86,10 @@ known_files = Table(
     Column("commit_id", ID, primary_key=True, index=True),
     Column("size", BigInteger, nullable=False),
 )
+
+pruned_commits = Table(
+    "pruned_commits", metadata,
+    Column("commit_id", ID, primary_key=True),  # a commit `ckpt prune` removed: its row stays, its data went
+    Column("pruned_at", Float, nullable=False),
+    sqlite_with_rowid=False,
+)

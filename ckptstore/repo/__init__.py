@@ -5,14 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["LOSSY_LEVELS", "CommitOptions", "EncodingSettings", "FsckReport", "GcReport", "LossyOptions", "Manifest",
-           "Repository", "TensorDiff", "WatchOptions", "export", "find_root", "fsck", "function_named", "gc",
-           "watch_folder"]
+           "PruneReport", "Repository", "RetentionPolicy", "TensorDiff", "WatchOptions", "export", "find_root",
+           "fsck", "function_named", "gc", "prune", "watch_folder"]
 
 _WHERE = {
     "Repository": "repository", "find_root": "repository", "Manifest": "manifest", "TensorDiff": "diff",
     "CommitOptions": "commit", "LossyOptions": "commit", "FsckReport": "maintenance", "GcReport": "maintenance",
     "fsck": "maintenance", "gc": "maintenance", "LOSSY_LEVELS": "config", "EncodingSettings": "config",
     "function_named": "calibrate", "export": "exporter", "WatchOptions": "watch", "watch_folder": "watch",
+    "prune": "pruning", "PruneReport": "pruning", "RetentionPolicy": "config",
 }
 
 

@@ -87,7 +87,7 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
         cid = refs.resolve(tx, ref)
         info = commit_rows.commit_info(tx, cid)
         is_branch = (row := ref_rows.ref_row(tx, ref)) is not None and row.kind == refs.BRANCH
-    manifest = repo.read_manifest(info.manifest_object)
+    manifest = repo.read_manifest(commit_rows.readable_manifest(info))
     if manifest.dcp is not None:  # a sharded commit: a DCP directory that plain dcp.load reads
         if keys is not None:
             raise CkptError(f"commit {cid[:12]} is a sharded (torch.distributed.checkpoint) commit: check it out "

@@ -31,6 +31,7 @@ from ckptstore.repo import calibrate
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.progress import NoProgress, Progress
+from ckptstore.repo.pruning import after_commit
 from ckptstore.repo.target import commit_target, default_author, move_ref
 from ckptstore.repo.writer import Job, encode_jobs, lossless_jobs
 from ckptstore.state import RawTensor
@@ -137,7 +138,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
             if level is None:  # a lossy commit cannot give its source's bytes back: they stay unsaved
                 file_rows.remember(tx, [(d, info.id, f.size) for f in checkpoint.files if (d := digests.get(f.name))])
         faults.point("commit:ref-moved")
-        return info.id
+    return after_commit(repo, info.id)  # [retention] in config.toml: prunes once the commit is recorded
 
 
 def _encode_checked(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent,

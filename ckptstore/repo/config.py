@@ -36,6 +36,43 @@ class RemoteConfig:
 
 
 @dataclass
+class RetentionPolicy:
+    """Which commits `ckpt prune` keeps (docs/guide.md); as `[retention]` in config.toml, applied after each commit.
+
+    Per branch, along its first-parent history: the `keep_last` newest commits, every commit whose
+    position counted from the branch's first commit (0) is a multiple of `keep_every`, and the
+    commit(s) with the best value of metric `keep_best` ("NAME", "NAME:min" or "NAME:max"; min by
+    default). `keep_tagged` keeps tagged commits. Zero and empty rules are off.
+    """
+
+    keep_last: int = 0
+    keep_every: int = 0
+    keep_best: str = ""
+    keep_tagged: bool = False
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 0 or self.keep_every < 0:
+            raise CkptError(f"retention counts must be >= 0 (keep_last {self.keep_last}, keep_every "
+                            f"{self.keep_every})")
+        self.best()
+
+    @property
+    def active(self) -> bool:
+        """True when some rule is set (`[retention]` in config.toml then prunes after each commit)."""
+        return bool(self.keep_last or self.keep_every or self.keep_best or self.keep_tagged)
+
+    def best(self) -> tuple[str, str] | None:
+        """(metric, "min" or "max") of `keep_best`, or None."""
+        if not self.keep_best:
+            return None
+        name, _, way = self.keep_best.rpartition(":") if self.keep_best.endswith((":min", ":max")) else (
+            self.keep_best, "", "min")
+        if not name:
+            raise CkptError(f"keep_best {self.keep_best!r} names no metric; write METRIC, METRIC:min or METRIC:max")
+        return name, way
+
+
+@dataclass
 class RepoConfig:
     """Settings read from config.toml; missing keys take these defaults.
 
@@ -49,6 +86,7 @@ class RepoConfig:
     lossy: str = ""
     objects_url: str = ""
     remotes: dict[str, RemoteConfig] = field(default_factory=dict)
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
 
     @classmethod
     def load(cls, path: Path) -> RepoConfig:
@@ -63,8 +101,12 @@ class RepoConfig:
                        for name, r in data.get("remotes", {}).items()}
         except (KeyError, TypeError, AttributeError) as exc:
             raise CkptError(f"cannot read {path}: a [remotes.NAME] section lacks a url ({exc})") from None
+        try:
+            retention = RetentionPolicy(**data.get("retention", {}))
+        except (TypeError, CkptError) as exc:
+            raise CkptError(f"cannot read {path}: [retention] {exc}") from None
         return cls(encoding, core.get("metadata_url", ""), int(core.get("threads", 0)), core.get("lossy", ""),
-                   core.get("objects_url", ""), remotes)
+                   core.get("objects_url", ""), remotes, retention)
 
     def save(self, path: Path) -> None:
         # json.dumps writes a TOML basic string: same quoting and escapes.
@@ -75,6 +117,9 @@ class RepoConfig:
         for name, remote in sorted(self.remotes.items()):
             lines += ["", f"[remotes.{json.dumps(name)}]", f"url = {json.dumps(remote.url)}",
                       f"metadata_url = {json.dumps(remote.metadata_url)}", f"lazy = {str(remote.lazy).lower()}"]
+        if self.retention.active:  # absent when off, so a config without a policy reads as before
+            lines += ["", "[retention]"] + [f"{key} = {json.dumps(value)}"
+                                             for key, value in asdict(self.retention).items()]
         text = ("\n".join(lines) + "\n").encode()
         # Imported here: opening a repository (every command) reads the config but never writes it.
         from ckptstore.formats.atomic import atomic_write

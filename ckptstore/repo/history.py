@@ -62,7 +62,8 @@ def log_graph(repo: Repository, all_refs: bool = False) -> list[str]:
         deco = f" ({', '.join(labels[cid])})" if cid in labels else ""
         step = f" step={info.step}" if info.step is not None else ""
         lossy = f" [lossy:{info.lossy}]" if info.lossy else ""
-        return f"{cid[:12]}{deco}{step}{lossy} {info.message}".rstrip()
+        pruned = " [pruned]" if info.pruned else ""
+        return f"{cid[:12]}{deco}{step}{lossy}{pruned} {info.message}".rstrip()
 
     return graph.render([c.id for c in history], {c.id: c.parents for c in history}, describe)
 
@@ -72,6 +73,8 @@ def show(repo: Repository, ref: str = "HEAD") -> dict[str, Any]:
     from ckptstore.metadata import tensors as tensor_rows
 
     info = repo.commit_info(ref)
+    if info.pruned:  # its record stays, its files and tensors are gone
+        return dict(info.to_json(), pruned=True, files=[], tensors=[])
     manifest = repo.read_manifest(info.manifest_object)
     with repo.db.read() as tx:
         records = tensor_rows.load_records(tx, {e.tensor for e in manifest.entries.values()}, with_bases=False)

@@ -151,6 +151,8 @@ def _manifest_entries(store: ObjectStore, commits: dict[CommitId, commit_rows.Co
 
     entries: dict[CommitId, dict[str, Entry]] = {}
     for cid, info in sorted(commits.items(), key=_by_key):
+        if info.pruned:  # `ckpt prune` removed its manifest with its tensors on purpose
+            continue
         try:
             manifest = Manifest.from_bytes(store.get(info.manifest_object), info.manifest_object)
         except (CorruptObjectError, CkptError):

@@ -50,40 +50,45 @@ def gc(repo: Repository, prune_unreachable: bool = False) -> GcReport:
     records that say what the remaining commits need are damaged: what they lost track of may
     be the only copy.
     """
+    with repo.lock(exclusive=True):
+        return collect(repo, prune_unreachable)
+
+
+def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
+    """`gc`'s work, for a caller that holds the repository lock exclusively (gc itself, `prune`)."""
     from ckptstore.repo import integrity  # numpy and the replay layer: not for every CLI start
 
     report = GcReport()
-    with repo.lock(exclusive=True):
-        with repo.db.write() as tx:
-            if prune_unreachable:
-                doomed = liveness.commit_ids(tx) - liveness.reachable_commits(tx)
-                liveness.delete_commits(tx, doomed)
-                report.commits_removed = len(doomed)
-            findings = integrity.check_metadata(tx, repo.store)
-            if findings.problems:
-                raise _refusal(findings.problems, repo.db.where)
-            live_tensors, live_objects = liveness.live(tx, findings.named_tensors)
-            dead_tensors = liveness.recorded_tensors(tx) - live_tensors
-            liveness.delete_tensors(tx, dead_tensors)
-            report.tensors_removed = len(dead_tensors)
-            liveness.forget_objects_except(tx, live_objects)
-        faults.point("gc:db-committed")
-        report.temp_files_removed = repo.store.clear_tmp()
-        faults.point("gc:tmp-cleared")
-        for oid, size in list(repo.store.iter_sizes()):
-            if oid not in live_objects and oid not in findings.unreadable_manifests:
-                report.bytes_removed += size
-                repo.store.delete(oid)
-                faults.point("gc:object-deleted")
-                report.objects_removed += 1
+    with repo.db.write() as tx:
+        if prune_unreachable:
+            doomed = liveness.commit_ids(tx) - liveness.reachable_commits(tx)
+            liveness.delete_commits(tx, doomed)
+            report.commits_removed = len(doomed)
+        findings = integrity.check_metadata(tx, repo.store)
+        if findings.problems:
+            raise refusal(findings.problems, repo.db.where)
+        live_tensors, live_objects = liveness.live(tx, findings.named_tensors)
+        dead_tensors = liveness.recorded_tensors(tx) - live_tensors
+        liveness.delete_tensors(tx, dead_tensors)
+        report.tensors_removed = len(dead_tensors)
+        liveness.forget_objects_except(tx, live_objects)
+    faults.point("gc:db-committed")
+    report.temp_files_removed = repo.store.clear_tmp()
+    faults.point("gc:tmp-cleared")
+    for oid, size in list(repo.store.iter_sizes()):
+        if oid not in live_objects and oid not in findings.unreadable_manifests:
+            report.bytes_removed += size
+            repo.store.delete(oid)
+            faults.point("gc:object-deleted")
+            report.objects_removed += 1
     return report
 
 
-def _refusal(problems: dict[str, str], where: str) -> CkptError:
-    """Why gc deletes nothing: the first damaged records, and how many more."""
+def refusal(problems: dict[str, str], where: str, verb: str = "gc") -> CkptError:
+    """Why gc (or prune) deletes nothing: the first damaged records, and how many more."""
     shown = "; ".join(f"{what}: {problem}" for what, problem in list(problems.items())[:2])
     more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
-    return CkptError(f"gc refused to delete anything: the metadata is damaged ({shown}{more}), so it cannot tell "
+    return CkptError(f"{verb} refused to delete anything: the metadata is damaged ({shown}{more}), so it cannot tell "
                      "which objects are still needed and could delete the only copy. Run `ckpt fsck` for the full "
                      f"list; repair or restore the metadata ({where}) from a backup before collecting garbage")
 

@@ -1,0 +1,39 @@
+"""Named queries for `ckpt prune`: mark commits pruned, and switch a tensor to a new encoding of the same bytes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+from ckptstore.hashing import CommitId, ObjectId, TensorId
+from ckptstore.metadata.db import Tx
+from ckptstore.metadata.tensors import insert_records
+from ckptstore.records import TensorRecord
+
+
+def listed_tensors(tx: Tx, except_commits: Iterable[CommitId] = ()) -> set[TensorId]:
+    """Tensors some commit lists (commit_tensors), leaving out the commits in `except_commits`."""
+    left_out = set(except_commits)
+    return {TensorId(t) for c, t in tx.rows("SELECT commit_id, tensor_id FROM commit_tensors") if c not in left_out}
+
+
+def all_bases(tx: Tx) -> dict[TensorId, TensorId | None]:
+    """Every tensor record's base (None for a keyframe)."""
+    return {TensorId(t): TensorId(b) if b else None for t, b in tx.rows("SELECT id, base_id FROM tensors")}
+
+
+def mark_pruned(tx: Tx, commits: Iterable[CommitId], when: float) -> None:
+    """Mark `commits` pruned: their rows and parents stay, the rows that say what data they need go."""
+    ordered = sorted(set(commits), key=str)
+    tx.insert_ignore("pruned_commits", ("commit_id", "pruned_at"), [(c, when) for c in ordered])
+    for table in ("commit_tensors", "known_files"):
+        tx.execute_in(f"DELETE FROM {table} WHERE commit_id IN ({{ids}})", ordered)
+
+
+def replace_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[ObjectId, int]) -> None:
+    """Give existing tensor ids new records (the same bytes, encoded anew): codec, params, base and chunks."""
+    tx.executemany("UPDATE tensors SET codec = ?, params = ?, base_id = ?, depth = ?, stored_bytes = ? WHERE id = ?",
+                   [(r.codec, json.dumps(r.params, sort_keys=True), r.base_id, r.depth, r.stored_bytes, r.id)
+                    for r in records])
+    tx.execute_in("DELETE FROM tensor_chunks WHERE tensor_id IN ({ids})", sorted(r.id for r in records))
+    insert_records(tx, records, object_sizes)  # the tensor rows exist (kept); chunks and objects go in

@@ -1,0 +1,223 @@
+"""`prune`: remove the commits a retention policy does not keep and give their space back.
+
+A pruned commit keeps its row (id, parents, message, metrics: commit ids hash their parents, so
+the ids of the commits after it stay valid) and loses its manifest and the tensors only it
+needed; `log` marks it, checkout refuses it. Kept tensors whose delta chains ran through removed
+tensors are encoded again first, as a residual on the nearest kept tensor down their chain or
+as a keyframe, always losslessly from the bytes they restore to (a lossy tensor's
+reconstruction), so every kept commit restores the same bits. In order, each step durable
+before the next: (1) the new encodings are written as objects; (2) one metadata transaction
+marks the commits pruned and switches the tensors to their new records; (3) what no commit
+needs any more is deleted, as gc does. A crash before (2) leaves only unreferenced objects;
+after it, only garbage; running prune again completes the work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ckptstore import faults
+from ckptstore.errors import CkptError, ConflictError, RepoLockedError
+from ckptstore.hashing import CommitId, ObjectId, TensorId
+from ckptstore.metadata import Tx, liveness
+from ckptstore.metadata import commits as commit_rows
+from ckptstore.metadata import refs as ref_rows
+from ckptstore.metadata import retention as retention_rows
+from ckptstore.metadata import tensors as tensor_rows
+from ckptstore.policy import EncodingSettings, chunk_sizes
+from ckptstore.policy.lossless import LOSSLESS_CODEC
+from ckptstore.records import TensorRecord
+from ckptstore.replay import ChainSource, replay
+from ckptstore.repo.config import RetentionPolicy
+from ckptstore.repo.retention import History, doomed
+from ckptstore.repo.writer import Job, encode_jobs
+from ckptstore.state import RawTensor
+
+if TYPE_CHECKING:
+    from ckptstore.repo.repository import Repository
+
+BATCH_BYTES = 256 << 20  # raw bytes re-encoded at once: their restored bytes are held in memory
+KEPT_PARAMS = ("source", "rel_error")  # a lossy tensor's bookkeeping that stays true of its bytes
+
+
+@dataclass
+class PruneReport:
+    """What `prune` removed (or, with `dry_run`, would remove) and the object bytes before and after."""
+
+    pruned: list[CommitId] = field(default_factory=list)
+    tensors_reencoded: int = 0
+    bytes_before: int = 0
+    bytes_after: int | None = None  # None for a dry run
+    objects_removed: int = 0
+    tensors_removed: int = 0
+    dry_run: bool = False
+
+
+def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool = False, wait: bool = True,
+          only_if_doomed: bool = False) -> PruneReport:
+    """Prune the commits `policy` (default: the config's `[retention]`) does not keep; see the module docstring.
+
+    Holds the repository lock alone, as gc does (`wait` False: RepoLockedError when it is busy).
+    `dry_run` changes nothing and takes no lock. `only_if_doomed` returns without collecting
+    garbage when no commit is to be removed (the policy applied after each commit).
+    """
+    policy = policy if policy is not None else repo.config.retention
+    if not policy.active:
+        raise CkptError("prune needs a rule saying what to keep: --keep-last N, --keep-every K, --keep-best "
+                        "METRIC[:min|max] or --keep-tagged (or a [retention] section in .ckpt/config.toml)")
+    report = PruneReport(bytes_before=_store_bytes(repo), dry_run=dry_run)
+    if dry_run:
+        with repo.db.read() as tx:
+            gone = _doomed(tx, policy)
+            report.pruned, report.tensors_reencoded = sorted(gone), len(_relinks(tx, gone))
+        return report
+    with repo.lock(exclusive=True, wait=wait):
+        with repo.db.read() as tx:
+            gone = _doomed(tx, policy)
+            if only_if_doomed and not gone:
+                return report
+            _refuse_damage(repo, tx)
+            relinks = _relinks(tx, gone)
+            records = tensor_rows.load_records(tx, set(relinks) | {b for b in relinks.values() if b})
+        new_records, sizes = _reencode(repo, relinks, records)
+        faults.point("prune:objects-written")
+        with repo.db.write() as tx:
+            if _doomed(tx, policy) != gone:
+                raise ConflictError("refs moved while prune ran (a branch or tag was created, moved or deleted); "
+                                    "nothing was removed: run prune again")
+            retention_rows.mark_pruned(tx, gone, time.time())
+            retention_rows.replace_records(tx, new_records, sizes)
+        faults.point("prune:db-committed")
+        from ckptstore.repo.maintenance import collect
+
+        collected = collect(repo)
+    report.pruned, report.tensors_reencoded = sorted(gone), len(new_records)
+    report.objects_removed, report.tensors_removed = collected.objects_removed, collected.tensors_removed
+    report.bytes_after = _store_bytes(repo)
+    return report
+
+
+def after_commit(repo: Repository, cid: CommitId) -> CommitId:
+    """Apply the config's `[retention]` policy, if any, once commit `cid` is recorded; return `cid`.
+
+    It does not wait for the lock: another writer holding it is committing, and its own policy
+    run (or the next commit's) prunes instead.
+    """
+    if not repo.config.retention.active:
+        return cid
+    try:
+        prune(repo, only_if_doomed=True, wait=False)
+    except RepoLockedError:
+        pass
+    except CkptError as exc:
+        raise CkptError(f"commit {cid[:12]} was recorded, but the [retention] policy's prune failed: {exc}") from exc
+    return cid
+
+
+def _store_bytes(repo: Repository) -> int:
+    return sum(size for _, size in repo.store.iter_sizes())
+
+
+def _doomed(tx: Tx, policy: RetentionPolicy) -> set[CommitId]:
+    """The commits `policy` removes, from the refs and commit rows in `tx`."""
+    commits = commit_rows.all_commits(tx)
+    protected = {cid for _, kind, cid, _ in liveness.all_refs(tx)
+                 if cid is not None and (kind != ref_rows.TAG or policy.keep_tagged)}
+    history = History(ref_rows.refs_of_kind(tx, ref_rows.BRANCH), {c: i.parents for c, i in commits.items()},
+                      {c: i.metrics for c, i in commits.items()}, protected,
+                      {c for c, i in commits.items() if i.pruned})
+    return doomed(history, policy)
+
+
+def _refuse_damage(repo: Repository, tx: Tx) -> None:
+    """Re-encode and delete nothing while the records that say what kept commits need are damaged (as gc)."""
+    from ckptstore.repo import integrity
+    from ckptstore.repo.maintenance import refusal
+
+    findings = integrity.check_metadata(tx, repo.store)
+    if findings.problems:
+        raise refusal(findings.problems, repo.db.where, "prune")
+
+
+def _relinks(tx: Tx, gone: set[CommitId]) -> dict[TensorId, TensorId | None]:
+    """Tensors the kept commits need whose base no kept commit lists: each with its new base (None: keyframe).
+
+    The new base is the first tensor down the old chain that a kept commit lists, so it stays.
+    """
+    kept = retention_rows.listed_tensors(tx, gone)
+    bases = retention_rows.all_bases(tx)
+    relinks: dict[TensorId, TensorId | None] = {}
+    for tid in kept:
+        below = bases.get(tid)
+        if below is None or below in kept:
+            continue
+        seen = {tid}
+        while below is not None and below not in kept and below not in seen:  # a loop is fsck's to report
+            seen.add(below)
+            below = bases.get(below)
+        relinks[tid] = below if below in kept else None
+    return relinks
+
+
+def _reencode(repo: Repository, relinks: Mapping[TensorId, TensorId | None],
+              records: Mapping[TensorId, TensorRecord]) -> tuple[list[TensorRecord], dict[ObjectId, int]]:
+    """New records for the `relinks` tensors, bases first, their objects written durably; nothing recorded yet."""
+    new: dict[TensorId, TensorRecord] = {}
+    sizes: dict[ObjectId, int] = {}
+    pending = dict(relinks)
+    while pending:
+        ready = sorted((t for t, base in pending.items() if base not in pending), key=str)
+        if not ready:
+            raise CkptError("tensor chains loop; run `ckpt fsck`")
+        for batch in _batches(ready, records):
+            restored = replay(ChainSource(repo.store, records), [records[t] for t in batch], repo.pool)
+            merged = {**records, **new}
+            jobs = [_job(records[t], restored[t], merged.get(relinks[t]), repo.config.encoding)
+                    for t in batch]
+            with repo.store.batch():  # durable before the transaction that names them
+                encoded, written = encode_jobs(jobs, ChainSource(repo.store, merged), repo.pool)
+            new.update({TensorId(key): record for key, record in encoded.items()})
+            sizes.update(written)
+        for tid in ready:
+            del pending[tid]
+    return list(new.values()), sizes
+
+
+def _batches(ready: list[TensorId], records: Mapping[TensorId, TensorRecord]) -> list[list[TensorId]]:
+    """`ready` cut into runs of at most BATCH_BYTES raw bytes (a larger tensor alone)."""
+    batches: list[list[TensorId]] = [[]]
+    total = 0
+    for tid in ready:
+        if batches[-1] and total + records[tid].raw_bytes > BATCH_BYTES:
+            batches.append([])
+            total = 0
+        batches[-1].append(tid)
+        total += records[tid].raw_bytes
+    return [b for b in batches if b]
+
+
+def _job(record: TensorRecord, data: np.ndarray, base: TensorRecord | None, settings: EncodingSettings) -> Job:
+    """The lossless encoding job of `record`'s restored bytes: a residual on `base` where its layout allows."""
+    raw = RawTensor(record.dtype, tuple(record.shape), data)
+    width = raw.itemsize
+    params = {"width": width, "level": settings.zstd_level,
+              "chunk_bytes": max(width, settings.chunk_bytes // width * width)}
+    params.update({k: record.params[k] for k in KEPT_PARAMS if k in record.params})
+    if base is not None and _usable(record, base, width, settings):
+        params["chunk_bytes"] = int(base.params["chunk_bytes"])
+    else:
+        base = None
+    return Job(record.id, raw, LOSSLESS_CODEC, params, base, known_id=record.id)
+
+
+def _usable(record: TensorRecord, base: TensorRecord, width: int, settings: EncodingSettings) -> bool:
+    """Whether `record` can be a residual on `base`: same dtype and size, chunks that line up, room in the chain."""
+    chunk = base.params.get("chunk_bytes")
+    return (base.dtype == record.dtype and base.raw_bytes == record.raw_bytes > 0
+            and base.depth + 1 <= settings.max_chain and isinstance(chunk, int) and chunk > 0 and chunk % width == 0
+            and chunk_sizes(record.raw_bytes, chunk) == [c.raw_bytes for c in base.chunks])

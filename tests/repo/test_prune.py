@@ -1,0 +1,313 @@
+"""`ckpt prune`: which commits it keeps, that they restore bit for bit afterwards, and that a kill loses nothing.
+
+The selection rules are checked against a reference written differently (counting positions
+instead of slicing one chain) over random small histories. The round trips run a real training
+run's commits (tests/conftest.py's Trainer), lossless and lossy: every kept commit must check
+out exactly as it did before the prune, fsck --full must pass, and the store must shrink. The
+kill campaign stops `ckpt prune` with SIGKILL at each durable step and at random moments
+(CKPT_PRUNE_KILLS of them, default 2; docs/reliability.md has a longer run) and checks that
+every kept commit still restores bit-exact, fsck is clean, and running prune again completes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptstore import Repository
+from ckptstore.cli import cli
+from ckptstore.errors import CkptError, NothingToCommitError, PrunedCommitError
+from ckptstore.policy import EncodingSettings
+from ckptstore.repo import fsck
+from ckptstore.repo.config import RepoConfig, RetentionPolicy
+from ckptstore.repo.pruning import prune
+from ckptstore.repo.retention import History, doomed
+from tests.conftest import Trainer, assert_same
+
+ROOT = Path(__file__).resolve().parents[2]
+KILLS = int(os.environ.get("CKPT_PRUNE_KILLS") or 2)
+POLICY = RetentionPolicy(keep_last=3, keep_every=4)
+KEPT_POSITIONS = {0, 4, 8, 9, 10, 11}  # of 12 commits on main, under POLICY
+LONG_CHAINS = EncodingSettings(max_chain=6)  # kept commits are residuals on removed ones more often
+
+
+# ---------------------------------------------------------------------- selection rules
+@st.composite
+def histories(draw):
+    """A random small DAG: commits added one at a time to existing or new branches, some merges, tags, metrics."""
+    parents: dict[str, list[str]] = {}
+    branches: dict[str, str] = {}
+    metrics: dict[str, dict[str, float]] = {}
+    for n in range(draw(st.integers(1, 24))):
+        cid = f"c{n:02d}"
+        if not branches or draw(st.integers(0, 5)) == 0:
+            name = f"b{len(branches)}"
+            start = draw(st.sampled_from(sorted(parents))) if parents and draw(st.booleans()) else None
+        else:
+            name = draw(st.sampled_from(sorted(branches)))
+            start = branches[name]
+        parents[cid] = [start] if start else []
+        if start and len(parents) > 2 and draw(st.integers(0, 4)) == 0:
+            parents[cid].append(draw(st.sampled_from(sorted(set(parents) - {cid, start}))))
+        branches[name] = cid
+        if draw(st.booleans()):
+            metrics[cid] = {"loss": draw(st.sampled_from([0.5, 1.0, 2.0, float("nan")]))}
+    tags = set(draw(st.lists(st.sampled_from(sorted(parents)), max_size=3)))
+    pruned = set(draw(st.lists(st.sampled_from(sorted(parents)), max_size=3))) - set(branches.values()) - tags
+    return branches, parents, metrics, tags, pruned
+
+
+def _reference(branches, parents, metrics, tags, pruned, policy: RetentionPolicy) -> set[str]:
+    """What must go, by counting: a commit's age is how many first-parent steps separate it from its branch's tip."""
+    def age(tip, cid):
+        steps, current = 0, tip
+        while current != cid:
+            current, steps = (parents[current] or [None])[0], steps + 1
+            if current is None:
+                return None
+        return steps
+
+    def height(cid):  # first-parent ancestors below it
+        return 0 if not parents[cid] else 1 + height(parents[cid][0])
+
+    keep = set(branches.values()) | (tags if policy.keep_tagged else set())
+    on_chains = set()
+    for tip in branches.values():
+        chain = [c for c in parents if age(tip, c) is not None]
+        on_chains |= set(chain)
+        keep |= {c for c in chain if age(tip, c) < policy.keep_last}
+        keep |= {c for c in chain if policy.keep_every and height(c) % policy.keep_every == 0}
+        scored = [metrics[c]["loss"] for c in chain if c in metrics and c not in pruned
+                  and metrics[c]["loss"] == metrics[c]["loss"]]
+        if policy.keep_best and scored:
+            best = max(scored) if policy.keep_best.endswith(":max") else min(scored)
+            keep |= {c for c in chain if c in metrics and c not in pruned and metrics[c]["loss"] == best}
+    return on_chains - keep - pruned
+
+
+@settings(max_examples=200, deadline=None)
+@given(histories(), st.integers(0, 4), st.integers(0, 5), st.sampled_from(["", "loss", "loss:max"]), st.booleans())
+def test_selection_matches_an_independent_reference(history, keep_last, keep_every, keep_best, keep_tagged):
+    branches, parents, metrics, tags, pruned = history
+    policy = RetentionPolicy(keep_last, keep_every, keep_best, keep_tagged)
+    protected = set(branches.values()) | (tags if keep_tagged else set())
+    got = doomed(History(branches, parents, metrics, protected, pruned), policy)
+    assert got == _reference(branches, parents, metrics, tags, pruned, policy)
+
+
+def test_positions_count_from_the_first_commit_so_a_second_prune_keeps_what_the_first_kept():
+    parents = {f"c{i}": [f"c{i - 1}"] if i else [] for i in range(10)}
+    first = doomed(History({"main": "c9"}, parents, {}, {"c9"}), POLICY)
+    assert first == {"c1", "c2", "c3", "c5", "c6"}
+    parents.update({"c10": ["c9"], "c11": ["c10"]})  # two more commits, then the policy again
+    again = doomed(History({"main": "c11"}, parents, {}, {"c11"}, pruned=first), POLICY)
+    assert again == {"c7"}  # c8 is a multiple of 4; c9-c11 are the last three
+
+
+# ---------------------------------------------------------------------- round trips on a real run
+def _train(repo: Repository, commits: int = 12, lossy: str | None = None, **knobs) -> list[str]:
+    trainer, cids = Trainer(), []
+    for _ in range(commits):
+        losses = trainer.train(2)
+        cids.append(repo.commit(trainer.state(), step=trainer.step, metrics={"loss": losses[-1]}, lossy=lossy,
+                                **knobs))
+    return cids
+
+
+def _snapshot(repo: Repository, cids: list[str]) -> dict:
+    return {cid: repo.checkout(cid) for cid in cids}
+
+
+def _check_kept(repo: Repository, cids: list[str], before: dict, kept: set[str]) -> None:
+    for cid in cids:
+        if cid in kept:
+            assert_same(before[cid], repo.checkout(cid))
+        else:
+            with pytest.raises(PrunedCommitError, match="ckpt prune"):
+                repo.checkout(cid)
+    report = fsck(repo, full=True)
+    assert report.ok and not report.broken_commits and report.unreferenced_objects == 0, report
+
+
+@pytest.mark.both_backends
+def test_prune_frees_space_and_every_kept_commit_restores_bit_exact(repo):
+    cids = _train(repo)
+    before = _snapshot(repo, cids)
+    report = prune(repo, POLICY)
+    kept = {cids[i] for i in KEPT_POSITIONS}
+    assert set(report.pruned) == set(cids) - kept
+    assert report.tensors_reencoded > 0  # kept commits 4 and 8 were residuals on removed ones
+    assert report.bytes_after < report.bytes_before
+    assert report.bytes_after == sum(size for _, size in repo.store.iter_sizes())
+    _check_kept(repo, cids, before, kept)
+    assert [c.pruned for c in repo.log()] == [cids[i] not in kept for i in reversed(range(12))]
+    again = prune(repo, POLICY)  # nothing left to do
+    assert again.pruned == [] and again.tensors_reencoded == 0 and again.bytes_after == report.bytes_after
+
+
+@pytest.mark.parametrize("level", ["balanced"])
+def test_lossy_commits_keep_their_exact_reconstruction(tmp_path, level):
+    with Repository.init(tmp_path, encoding=LONG_CHAINS) as repo:
+        cids = _train(repo, lossy=level)
+        before = _snapshot(repo, cids)
+        report = prune(repo, POLICY)
+        assert report.tensors_reencoded > 0 and report.bytes_after < report.bytes_before
+        kept = {cids[i] for i in KEPT_POSITIONS}
+        _check_kept(repo, cids, before, kept)
+        trainer = Trainer()
+        trainer.train(30)
+        after = repo.commit(trainer.state(), lossy=level)  # a lossy commit on top of re-encoded parents
+        assert repo.checkout(after)["step"] == 30
+
+
+def _files(root: Path) -> dict[str, str]:
+    """Every file under .ckpt by path, with its content hash (the database by its rows, not its pages)."""
+    found = {}
+    for path in sorted((root / ".ckpt").rglob("*")):
+        if path.is_file() and path.name not in ("ckpt.db-wal", "ckpt.db-shm", "lock", "lock.gate"):
+            found[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    with sqlite3.connect(root / ".ckpt" / "ckpt.db") as db:
+        found["rows"] = hashlib.sha256("\n".join(db.iterdump()).encode()).hexdigest()
+    return found
+
+
+def test_dry_run_changes_nothing_and_says_what_would_go(tmp_path):
+    with Repository.init(tmp_path) as repo:
+        cids = _train(repo, commits=4)
+        state = _files(tmp_path)
+        report = prune(repo, RetentionPolicy(keep_last=2), dry_run=True)
+        assert report.pruned == sorted(cids[:2]) and report.bytes_after is None
+        assert _files(tmp_path) == state
+        assert not any(c.pruned for c in repo.log())
+
+
+def test_cli_prune_log_show_and_refusals(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with Repository.init(tmp_path) as repo:
+        cids = _train(repo, commits=5)
+        repo.tag("best", cids[1])
+    run = CliRunner().invoke
+    result = run(cli, ["prune"])
+    assert result.exit_code != 0 and "needs a rule" in str(result.exception)
+    result = run(cli, ["prune", "--keep-last", "1", "--keep-tagged", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert sorted(data["pruned"]) == sorted([cids[0], cids[2], cids[3]]) and data["bytes_after"] < data["bytes_before"]
+    assert "Pruned: " in run(cli, ["log"]).output
+    assert "[pruned]" in run(cli, ["log", "--graph"]).output
+    shown = json.loads(run(cli, ["show", cids[0], "--json"]).output)
+    assert shown["pruned"] is True and shown["tensors"] == []
+    result = run(cli, ["checkout", cids[2][:12], "-o", str(tmp_path / "x.pt")])
+    assert result.exit_code != 0 and isinstance(result.exception, PrunedCommitError)
+
+
+def test_config_policy_prunes_only_after_a_commit_succeeds(tmp_path):
+    with Repository.init(tmp_path) as repo:
+        trainer = Trainer()
+        for _ in range(4):
+            trainer.train(1)
+            repo.commit(trainer.state())
+    config_path = tmp_path / ".ckpt" / "config.toml"
+    config = RepoConfig.load(config_path)
+    config.retention = RetentionPolicy(keep_last=2)
+    config.save(config_path)
+    assert RepoConfig.load(config_path).retention == RetentionPolicy(keep_last=2)
+    with Repository.open(tmp_path) as repo:
+        with pytest.raises(NothingToCommitError):
+            repo.commit(trainer.state())
+        assert not any(c.pruned for c in repo.log())  # a failed commit prunes nothing
+        trainer.train(1)
+        repo.commit(trainer.state())
+        assert [c.pruned for c in repo.log()] == [False, False, True, True, True]
+        assert fsck(repo).ok
+
+
+# ---------------------------------------------------------------------- SIGKILL campaign
+def _prune_process(trial: Path, env: dict | None = None) -> subprocess.Popen:
+    full = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    full.pop("CKPT_REPO", None)
+    return subprocess.Popen([sys.executable, "-m", "ckptstore", "prune", "--keep-last", "3", "--keep-every", "4"],
+                            cwd=trial, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def killed_template(tmp_path_factory):
+    """A repository of 12 commits with long chains (so prune re-encodes), and what each commit restores to."""
+    work = tmp_path_factory.mktemp("prune-kill") / "template"
+    with Repository.init(work, encoding=LONG_CHAINS) as repo:
+        cids = _train(repo)
+        before = _snapshot(repo, cids)
+    return work, cids, before
+
+
+def _lost(trial: Path, cids: list[str], before: dict) -> list[str]:
+    """What a killed prune lost: a kept commit not restoring bit-exact, damage fsck finds (garbage is not loss)."""
+    problems = []
+    with Repository.open(trial) as repo:
+        report = fsck(repo, full=True)
+        if not report.ok or report.broken_commits:
+            problems.append(f"fsck: {report}")
+        for i, cid in enumerate(cids):
+            try:
+                assert_same(before[cid], repo.checkout(cid))
+            except PrunedCommitError:
+                if i in KEPT_POSITIONS:
+                    problems.append(f"kept commit {i} was pruned")
+            except (CkptError, AssertionError) as exc:
+                problems.append(f"commit {i}: {exc}")
+    return problems
+
+
+def _trial(template, tmp_path: Path, name: str, point: str | None = None, delay: float | None = None) -> dict:
+    work, cids, before = template
+    trial = tmp_path / name
+    shutil.copytree(work, trial)
+    proc = _prune_process(trial, {"CKPT_CRASH_AT": point} if point else None)
+    if delay is not None:
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=120)
+    killed = proc.returncode == -signal.SIGKILL
+    problems = _lost(trial, cids, before)
+    rerun = _prune_process(trial)
+    out, err = rerun.communicate(timeout=120)
+    if rerun.returncode != 0:
+        problems.append(f"rerun failed: {out}{err}")
+    problems += _lost(trial, cids, before)
+    with Repository.open(trial) as repo:
+        if fsck(repo).unreferenced_objects or {c for c in cids if repo.commit_info(c).pruned} != {
+                cids[i] for i in range(12) if i not in KEPT_POSITIONS}:
+            problems.append("the rerun did not finish the prune")
+    shutil.rmtree(trial)
+    report = os.environ.get("CKPT_PRUNE_REPORT")
+    if report:
+        with open(report, "a") as out_file:
+            out_file.write(json.dumps({"point": point, "delay": delay, "killed": killed, "lost": problems}) + "\n")
+    return {"killed": killed, "problems": problems}
+
+
+@pytest.mark.parametrize("point", ["prune:objects-written", "prune:db-committed", "gc:object-deleted@2"])
+def test_kill_at_each_durable_step_loses_nothing(killed_template, tmp_path, point):
+    result = _trial(killed_template, tmp_path, "trial", point=point)
+    assert result["killed"] and result["problems"] == []
+
+
+def test_kill_at_random_moments_loses_nothing(killed_template, tmp_path):
+    rng = random.Random(int(os.environ.get("CKPT_PRUNE_SEED") or 2026))
+    lost = [r["problems"] for n in range(KILLS)
+            if (r := _trial(killed_template, tmp_path, f"trial{n}", delay=rng.uniform(0.3, 2.5)))["problems"]]
+    assert lost == []
