@@ -37,3 +37,16 @@ def replace_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[Obje
                     for r in records])
     tx.execute_in("DELETE FROM tensor_chunks WHERE tensor_id IN ({ids})", sorted(r.id for r in records))
     insert_records(tx, records, object_sizes)  # the tensor rows exist (kept); chunks and objects go in
+
+
+def chunk_objects(tx: Tx) -> dict[TensorId, list[tuple[ObjectId, int | None]]]:
+    """Each tensor record's chunks as (object, payload length; None where the chunk is the whole object)."""
+    found: dict[TensorId, list[tuple[ObjectId, int | None]]] = {}
+    for tid, oid, length in tx.rows("SELECT tensor_id, object_id, length FROM tensor_chunks"):
+        found.setdefault(TensorId(tid), []).append((ObjectId(oid), length))
+    return found
+
+
+def object_sizes(tx: Tx) -> dict[ObjectId, int]:
+    """Recorded object sizes."""
+    return {ObjectId(o): int(size) for o, size in tx.rows("SELECT id, size FROM objects")}

@@ -29,16 +29,20 @@ from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata import retention as retention_rows
 from ckptstore.metadata import tensors as tensor_rows
+from ckptstore.objectstore.fallback import FallbackStore
+from ckptstore.objectstore.memory import MemoryObjectStore
 from ckptstore.policy import EncodingSettings, chunk_sizes
 from ckptstore.policy.lossless import LOSSLESS_CODEC
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource, replay
+from ckptstore.repo.compaction import compact
 from ckptstore.repo.config import RetentionPolicy
 from ckptstore.repo.retention import History, doomed
 from ckptstore.repo.writer import Job, encode_jobs
 from ckptstore.state import RawTensor
 
 if TYPE_CHECKING:
+    from ckptstore.objectstore import ObjectStore
     from ckptstore.repo.repository import Repository
 
 BATCH_BYTES = 256 << 20  # raw bytes re-encoded at once: their restored bytes are held in memory
@@ -82,16 +86,18 @@ def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool
             if only_if_doomed and not gone:
                 return report
             _refuse_damage(repo, tx)
-            relinks = _relinks(tx, gone)
+            relinks, layout = _relinks(tx, gone), _layout(tx, gone)
             records = tensor_rows.load_records(tx, set(relinks) | {b for b in relinks.values() if b})
-        new_records, sizes = _reencode(repo, relinks, records)
+        new_records, sizes = _reencode(repo, relinks, records, layout)
+        staying = _live(layout, {r.id: r.base_id for r in new_records}) - {r.id for r in new_records}
+        moved, moved_sizes = compact(repo, layout.chunks, staying)
         faults.point("prune:objects-written")
         with repo.db.write() as tx:
             if _doomed(tx, policy) != gone:
                 raise ConflictError("refs moved while prune ran (a branch or tag was created, moved or deleted); "
                                     "nothing was removed: run prune again")
             retention_rows.mark_pruned(tx, gone, time.time())
-            retention_rows.replace_records(tx, new_records, sizes)
+            retention_rows.replace_records(tx, new_records + moved, {**sizes, **moved_sizes})
         faults.point("prune:db-committed")
         from ckptstore.repo.maintenance import collect
 
@@ -164,9 +170,80 @@ def _relinks(tx: Tx, gone: set[CommitId]) -> dict[TensorId, TensorId | None]:
     return relinks
 
 
-def _reencode(repo: Repository, relinks: Mapping[TensorId, TensorId | None],
-              records: Mapping[TensorId, TensorRecord]) -> tuple[list[TensorRecord], dict[ObjectId, int]]:
-    """New records for the `relinks` tensors, bases first, their objects written durably; nothing recorded yet."""
+@dataclass
+class _Layout:
+    """What decides which relinks pay: the kept tensors, every record's base and objects, and object sizes."""
+
+    kept: set[TensorId]
+    bases: dict[TensorId, TensorId | None]
+    chunks: dict[TensorId, list[tuple[ObjectId, int | None]]]  # (object, payload length or None: all of it)
+    sizes: dict[ObjectId, int]
+
+
+def _layout(tx: Tx, gone: set[CommitId]) -> _Layout:
+    return _Layout(retention_rows.listed_tensors(tx, gone), retention_rows.all_bases(tx),
+                   retention_rows.chunk_objects(tx), retention_rows.object_sizes(tx))
+
+
+def _reencode(repo: Repository, relinks: Mapping[TensorId, TensorId | None], records: Mapping[TensorId, TensorRecord],
+              layout: _Layout) -> tuple[list[TensorRecord], dict[ObjectId, int]]:
+    """New records for the relinks that give space back, their objects written durably; nothing recorded yet.
+
+    A first pass encodes every relink into memory to learn its size; a relink is kept where the
+    objects it frees (whole objects: a pack lives while any of its payloads does) outweigh its new
+    bytes (a lossy residual stored again losslessly often does not). The second pass writes those.
+    """
+    trial = FallbackStore(MemoryObjectStore(), lambda: repo.store)  # reads fall through to the repository's objects
+    measured, _ = _encode_relinks(repo, trial, relinks, records)
+    worth = _paying(relinks, measured, layout)
+    if not worth:
+        return [], {}
+    new, sizes = _encode_relinks(repo, repo.store, {t: relinks[t] for t in worth}, records)
+    return list(new.values()), sizes
+
+
+def _paying(relinks: Mapping[TensorId, TensorId | None], measured: Mapping[TensorId, TensorRecord],
+            layout: _Layout) -> set[TensorId]:
+    """The relinks whose freed bytes outweigh their new bytes, to a fixpoint (dropping one frees less for others).
+
+    A dead payload in a pack counts as freed: the pack is compacted (`_compact`) if it stays.
+    """
+    chosen = set(measured)
+    while chosen:
+        live = _live(layout, {t: relinks[t] for t in chosen}) - chosen
+        whole = {o for t in live for o, n in layout.chunks.get(t, []) if n is None}
+        dropped = {t for t in chosen if measured[t].stored_bytes >= sum(
+            layout.sizes.get(o, 0) if n is None else n
+            for link in _skipped(t, relinks[t], layout) if link not in live
+            for o, n in layout.chunks.get(link, []) if n is not None or o not in whole)}
+        if not dropped:
+            break
+        chosen -= dropped
+    return chosen
+
+
+def _live(layout: _Layout, relinked: Mapping[TensorId, TensorId | None]) -> set[TensorId]:
+    """The tensors the kept commits need once `relinked` tensors have their new bases."""
+    live, frontier = set(layout.kept), set(layout.kept)
+    while frontier:
+        frontier = {b for t in frontier if (b := relinked[t] if t in relinked else layout.bases.get(t))} - live
+        live |= frontier
+    return live
+
+
+def _skipped(tid: TensorId, new_base: TensorId | None, layout: _Layout) -> list[TensorId]:
+    """`tid` and the links of its old chain above `new_base`."""
+    found: list[TensorId] = []
+    current: TensorId | None = tid
+    while current is not None and current != new_base and current not in found:
+        found.append(current)
+        current = layout.bases.get(current)
+    return found
+
+
+def _encode_relinks(repo: Repository, store: ObjectStore, relinks: Mapping[TensorId, TensorId | None],
+                    records: Mapping[TensorId, TensorRecord]) -> tuple[dict[TensorId, TensorRecord], dict]:
+    """Encode the `relinks` tensors bases first into `store`; their new records and object sizes."""
     new: dict[TensorId, TensorRecord] = {}
     sizes: dict[ObjectId, int] = {}
     pending = dict(relinks)
@@ -175,17 +252,16 @@ def _reencode(repo: Repository, relinks: Mapping[TensorId, TensorId | None],
         if not ready:
             raise CkptError("tensor chains loop; run `ckpt fsck`")
         for batch in _batches(ready, records):
-            restored = replay(ChainSource(repo.store, records), [records[t] for t in batch], repo.pool)
+            restored = replay(ChainSource(store, records), [records[t] for t in batch], repo.pool)
             merged = {**records, **new}
-            jobs = [_job(records[t], restored[t], merged.get(relinks[t]), repo.config.encoding)
-                    for t in batch]
-            with repo.store.batch():  # durable before the transaction that names them
-                encoded, written = encode_jobs(jobs, ChainSource(repo.store, merged), repo.pool)
+            jobs = [_job(records[t], restored[t], merged.get(relinks[t]), repo.config.encoding) for t in batch]
+            with store.batch():  # durable before the transaction that names them
+                encoded, written = encode_jobs(jobs, ChainSource(store, merged), repo.pool)
             new.update({TensorId(key): record for key, record in encoded.items()})
             sizes.update(written)
         for tid in ready:
             del pending[tid]
-    return list(new.values()), sizes
+    return new, sizes
 
 
 def _batches(ready: list[TensorId], records: Mapping[TensorId, TensorRecord]) -> list[list[TensorId]]:
