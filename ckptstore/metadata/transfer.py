@@ -14,7 +14,8 @@ from ckptstore.metadata.commits import all_parents
 from ckptstore.metadata.db import Tx
 
 # (table, the column its rows are selected by), in an order that inserts parents before children
-COMMIT_TABLES = (("commits", "id"), ("commit_parents", "commit_id"), ("commit_tensors", "commit_id"))
+COMMIT_TABLES = (("commits", "id"), ("commit_parents", "commit_id"), ("commit_tensors", "commit_id"),
+                 ("pruned_commits", "commit_id"))  # a pruned commit travels as one: its row, no manifest
 TENSOR_TABLES = (("tensors", "id"), ("tensor_chunks", "tensor_id"))
 
 
@@ -88,7 +89,10 @@ def records(tx: Tx, cids: list[CommitId], tids: set[TensorId]) -> RecordSet:
         found.rows[table] = _select(tx, table, column, list(cids))
     for table, column in TENSOR_TABLES:
         found.rows[table] = _select(tx, table, column, sorted(tids))
-    found.manifests = {ObjectId(m) for m in found.column("commits", "manifest_object")}
+    pruned = found.column("pruned_commits", "commit_id")
+    columns, rows = found.rows["commits"]
+    found.manifests = {ObjectId(row[columns.index("manifest_object")]) for row in rows
+                       if row[columns.index("id")] not in pruned}
     needed = found.manifests | {ObjectId(o) for o in found.column("tensor_chunks", "object_id")}
     sizes = dict(tx.rows_in("SELECT id, size FROM objects WHERE id IN ({ids})", sorted(needed)))
     found.objects = {oid: int(sizes.get(oid, 0)) for oid in needed}
