@@ -40,8 +40,9 @@ from tests.conftest import Trainer, assert_same
 
 ROOT = Path(__file__).resolve().parents[2]
 KILLS = int(os.environ.get("CKPT_PRUNE_KILLS") or 2)
-POLICY = RetentionPolicy(keep_last=3, keep_every=4)
-KEPT_POSITIONS = {0, 4, 8, 9, 10, 11}  # of 12 commits on main, under POLICY
+COMMITS = 8
+POLICY = RetentionPolicy(keep_last=2, keep_every=3)
+KEPT_POSITIONS = {0, 3, 6, 7}  # of COMMITS commits on main, under POLICY
 LONG_CHAINS = EncodingSettings(max_chain=6)  # kept commits are residuals on removed ones more often
 
 
@@ -111,15 +112,16 @@ def test_selection_matches_an_independent_reference(history, keep_last, keep_eve
 
 def test_positions_count_from_the_first_commit_so_a_second_prune_keeps_what_the_first_kept():
     parents = {f"c{i}": [f"c{i - 1}"] if i else [] for i in range(10)}
-    first = doomed(History({"main": "c9"}, parents, {}, {"c9"}), POLICY)
+    policy = RetentionPolicy(keep_last=3, keep_every=4)
+    first = doomed(History({"main": "c9"}, parents, {}, {"c9"}), policy)
     assert first == {"c1", "c2", "c3", "c5", "c6"}
     parents.update({"c10": ["c9"], "c11": ["c10"]})  # two more commits, then the policy again
-    again = doomed(History({"main": "c11"}, parents, {}, {"c11"}, pruned=first), POLICY)
+    again = doomed(History({"main": "c11"}, parents, {}, {"c11"}, pruned=first), policy)
     assert again == {"c7"}  # c8 is a multiple of 4; c9-c11 are the last three
 
 
 # ---------------------------------------------------------------------- round trips on a real run
-def _train(repo: Repository, commits: int = 12, lossy: str | None = None, **knobs) -> list[str]:
+def _train(repo: Repository, commits: int = COMMITS, lossy: str | None = None, **knobs) -> list[str]:
     trainer, cids = Trainer(), []
     for _ in range(commits):
         losses = trainer.train(2)
@@ -154,7 +156,7 @@ def test_prune_frees_space_and_every_kept_commit_restores_bit_exact(repo):
     assert report.bytes_after < report.bytes_before
     assert report.bytes_after == sum(size for _, size in repo.store.iter_sizes())
     _check_kept(repo, cids, before, kept)
-    assert [c.pruned for c in repo.log()] == [cids[i] not in kept for i in reversed(range(12))]
+    assert [c.pruned for c in repo.log()] == [cids[i] not in kept for i in reversed(range(COMMITS))]
     again = prune(repo, POLICY)  # nothing left to do
     assert again.pruned == [] and again.tensors_reencoded == 0 and again.bytes_after == report.bytes_after
 
@@ -252,13 +254,13 @@ def test_a_pruned_history_pushes_and_clones(tmp_path):
 def _prune_process(trial: Path, env: dict | None = None) -> subprocess.Popen:
     full = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     full.pop("CKPT_REPO", None)
-    return subprocess.Popen([sys.executable, "-m", "ckptstore", "prune", "--keep-last", "3", "--keep-every", "4"],
+    return subprocess.Popen([sys.executable, "-m", "ckptstore", "prune", "--keep-last", "2", "--keep-every", "3"],
                             cwd=trial, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture(scope="module")
 def killed_template(tmp_path_factory):
-    """A repository of 12 commits with long chains (so prune re-encodes), and what each commit restores to."""
+    """A repository of COMMITS commits with long chains (so prune re-encodes), and what each commit restores to."""
     work = tmp_path_factory.mktemp("prune-kill") / "template"
     with Repository.init(work, encoding=LONG_CHAINS) as repo:
         cids = _train(repo)
@@ -308,7 +310,7 @@ def _trial(template, tmp_path: Path, name: str, point: str | None = None, delay:
     problems += _lost(trial, cids, before)
     with Repository.open(trial) as repo:
         if fsck(repo).unreferenced_objects or {c for c in cids if repo.commit_info(c).pruned} != {
-                cids[i] for i in range(12) if i not in KEPT_POSITIONS}:
+                cids[i] for i in range(COMMITS) if i not in KEPT_POSITIONS}:
             problems.append("the rerun did not finish the prune")
     shutil.rmtree(trial)
     report = os.environ.get("CKPT_PRUNE_REPORT")
