@@ -437,9 +437,12 @@ def prune_command(ctx, keep_last, keep_every, keep_best, keep_tagged, dry_run, a
     report = prune(_open(ctx), given if given.active else None, dry_run=dry_run)
     if as_json:
         return _emit_json(vars(report))
-    verb = "would remove" if dry_run else "removed"
-    click.echo(f"{verb} {len(report.pruned)} commits, re-encoding {report.tensors_reencoded} tensors they were "
-               "bases of")
+    if dry_run:
+        click.echo(f"would remove {len(report.pruned)} commits, re-encoding up to {report.tensors_reencoded} "
+                   "tensors they were bases of")
+    else:
+        click.echo(f"removed {len(report.pruned)} commits, re-encoded {report.tensors_reencoded} tensors they were "
+                   "bases of")
     for cid in report.pruned:
         click.echo(f"  {cid[:12]}")
     if report.bytes_after is not None:

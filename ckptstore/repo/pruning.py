@@ -15,7 +15,7 @@ after it, only garbage; running prune again completes the work.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -54,7 +54,7 @@ class PruneReport:
     """What `prune` removed (or, with `dry_run`, would remove) and the object bytes before and after."""
 
     pruned: list[CommitId] = field(default_factory=list)
-    tensors_reencoded: int = 0
+    tensors_reencoded: int = 0  # a dry run: the candidates (a prune re-encodes those it pays to)
     bytes_before: int = 0
     bytes_after: int | None = None  # None for a dry run
     objects_removed: int = 0
@@ -193,8 +193,13 @@ def _reencode(repo: Repository, relinks: Mapping[TensorId, TensorId | None], rec
     objects it frees (whole objects: a pack lives while any of its payloads does) outweigh its new
     bytes (a lossy residual stored again losslessly often does not). The second pass writes those.
     """
-    trial = FallbackStore(MemoryObjectStore(), lambda: repo.store)  # reads fall through to the repository's objects
-    measured, _ = _encode_relinks(repo, trial, relinks, records)
+    memory = MemoryObjectStore()
+    trial = FallbackStore(memory, lambda: repo.store)  # reads fall through to the repository's objects
+
+    def forget_copies(written: set[ObjectId]) -> None:  # objects copied in for reading: memory is bounded by a batch
+        memory.objects = {oid: data for oid, data in memory.objects.items() if oid in written}
+
+    measured, _ = _encode_relinks(repo, trial, relinks, records, forget_copies)
     worth = _paying(relinks, measured, layout)
     if not worth:
         return [], {}
@@ -242,8 +247,13 @@ def _skipped(tid: TensorId, new_base: TensorId | None, layout: _Layout) -> list[
 
 
 def _encode_relinks(repo: Repository, store: ObjectStore, relinks: Mapping[TensorId, TensorId | None],
-                    records: Mapping[TensorId, TensorRecord]) -> tuple[dict[TensorId, TensorRecord], dict]:
-    """Encode the `relinks` tensors bases first into `store`; their new records and object sizes."""
+                    records: Mapping[TensorId, TensorRecord],
+                    after_batch: Callable[[set[ObjectId]], None] | None = None
+                    ) -> tuple[dict[TensorId, TensorRecord], dict]:
+    """Encode the `relinks` tensors bases first into `store`; their new records and object sizes.
+
+    `after_batch` is told, after each batch, every object written so far.
+    """
     new: dict[TensorId, TensorRecord] = {}
     sizes: dict[ObjectId, int] = {}
     pending = dict(relinks)
@@ -259,6 +269,8 @@ def _encode_relinks(repo: Repository, store: ObjectStore, relinks: Mapping[Tenso
                 encoded, written = encode_jobs(jobs, ChainSource(store, merged), repo.pool)
             new.update({TensorId(key): record for key, record in encoded.items()})
             sizes.update(written)
+            if after_batch is not None:
+                after_batch(set(sizes))
         for tid in ready:
             del pending[tid]
     return new, sizes
