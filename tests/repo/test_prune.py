@@ -195,6 +195,9 @@ def test_dry_run_changes_nothing_and_says_what_would_go(tmp_path):
         assert report.pruned == sorted(cids[:2]) and report.bytes_after is None
         assert _files(tmp_path) == state
         assert not any(c.pruned for c in repo.log())
+        losses = {cid: repo.commit_info(cid).metrics["loss"] for cid in cids}
+        best = prune(repo, RetentionPolicy(keep_best="loss:max"), dry_run=True)  # the tip and the worst loss stay
+        assert set(best.pruned) == set(cids) - {cids[-1], max(losses, key=losses.get)}
 
 
 def test_cli_prune_log_show_and_refusals(tmp_path, monkeypatch):
