@@ -334,3 +334,23 @@ def test_kill_at_random_moments_loses_nothing(killed_template, tmp_path):
     delays = [rng.uniform(0.2, 1.0) * killed_template[3] for _ in range(KILLS)]
     results = [_trial(killed_template, tmp_path, f"trial{n}", delay=delay) for n, delay in enumerate(delays)]
     assert [r["problems"] for r in results if r["problems"]] == []
+
+
+@pytest.mark.parametrize("point", ["prune:objects-written", "prune:db-committed"])
+def test_kill_on_postgresql_metadata_loses_nothing(tmp_path, postgres_url, point):
+    """The same on a shared database: its transaction and its advisory lock, held by a process that dies."""
+    with Repository.init(tmp_path, metadata_url=postgres_url, encoding=LONG_CHAINS) as repo:
+        cids = _train(repo)
+        before = _snapshot(repo, cids)
+    proc = _prune_process(tmp_path, {"CKPT_CRASH_AT": point})
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    assert _lost(tmp_path, cids, before) == []
+    rerun = _prune_process(tmp_path)
+    out, err = rerun.communicate(timeout=120)
+    assert rerun.returncode == 0, out + err
+    assert _lost(tmp_path, cids, before) == []
+    with Repository.open(tmp_path) as repo:
+        assert fsck(repo).unreferenced_objects == 0
+        assert {c for c in cids if repo.commit_info(c).pruned} == {cids[i] for i in range(COMMITS)
+                                                                   if i not in KEPT_POSITIONS}
