@@ -29,7 +29,7 @@ LOCK_WAIT = "120s"  # as long as SQLite's busy timeout: a writer gives up after 
 CONNECT_TIMEOUT_S = 10
 # every table the migrations create: what `size_on_disk` adds up (a test keeps it in step with schema.py)
 TABLES = ("alembic_version", "commits", "commit_parents", "refs", "tensors", "tensor_chunks", "objects",
-          "commit_tensors", "known_files")
+          "commit_tensors", "known_files", "pruned_commits")
 # SQLSTATEs worth another try before any statement of ours ran: serialization failure, deadlock,
 # too many connections, the server starting up or shutting down, a connection dropped
 _TRANSIENT_STATES = {"40001", "40P01", "53300", "57P01", "57P02", "57P03", "08000", "08001", "08003", "08004",
