@@ -51,6 +51,10 @@ class PlaneCodec(Protocol):
     def plane_modes(self, payload: bytes) -> list[int]:
         """How each byte plane of `payload` was stored (kept as a hint for the next residual)."""
 
+    def encode_grouped(self, grouped: np.ndarray, base_planes: list[np.ndarray] | None,
+                       params: dict[str, Any]) -> bytes:
+        """`encode` of a chunk already split into byte planes (rows of `grouped`), against the base's planes."""
+
 
 @runtime_checkable
 class LossyCodec(Protocol):

@@ -16,6 +16,7 @@ mode (u8) and payload length (u64), then the payloads in order.
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 from typing import Any
@@ -100,12 +101,16 @@ def _decompress_into(frame: memoryview, dst: np.ndarray) -> int:
     return got + len(reader.read(1))
 
 
-def _sample_slices(rows: int) -> list[slice]:
-    """A few blocks spread over a plane: enough to guess which mode compresses best."""
+@functools.lru_cache(maxsize=256)
+def _sample_slices(rows: int) -> tuple[slice, ...]:
+    """A few blocks spread over a plane: enough to guess which mode compresses best.
+
+    Cached: a checkpoint has few distinct plane sizes, and linspace costs more than the slicing.
+    """
     if rows <= SAMPLES * SAMPLE_BYTES:
-        return [slice(0, rows)]
+        return (slice(0, rows),)
     starts = np.linspace(0, rows - SAMPLE_BYTES, SAMPLES).astype(np.int64)
-    return [slice(int(s), int(s) + SAMPLE_BYTES) for s in starts]
+    return tuple(slice(int(s), int(s) + SAMPLE_BYTES) for s in starts)
 
 
 def _planes(data: np.ndarray, width: int) -> np.ndarray:
@@ -149,12 +154,22 @@ class ByteGroupCodec:
         Giving the base already grouped (as `decode_planes` returns it) saves a transpose each way.
         """
         width = int(params["width"])
-        compressor = _compressor(int(params.get("level", 1)))
         if data.size % width:
             raise CodecError(f"bytegroup: {data.size} bytes is not a multiple of width {width}")
-        grouped = group(data, width)  # rows are byte planes
         if base_planes is None and base is not None:
             base_planes = list(group(base, width))
+        return self.encode_grouped(group(data, width), base_planes, params)
+
+    def encode_grouped(self, grouped: np.ndarray, base_planes: list[np.ndarray] | None,
+                       params: dict[str, Any]) -> bytes:
+        """`encode` of data already grouped into byte planes (a (width, rows) array, as `group` gives).
+
+        The writer groups a chunk itself to keep its planes as the next commit's base (repo/planecache.py).
+        """
+        width = int(params["width"])
+        compressor = _compressor(int(params.get("level", 1)))
+        if grouped.shape[0] != width:
+            raise CodecError(f"bytegroup: {grouped.shape[0]} planes given for width {width}")
         if base_planes is not None and (len(base_planes) != width or any(b.size != grouped.shape[1]
                                                                           for b in base_planes)):
             raise CodecError("bytegroup: base planes do not match the chunk's layout")

@@ -185,7 +185,8 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
     progress.start("commit", sum(j.raw.nbytes for j in jobs))
     with repo.store.batch():
         try:
-            records, sizes = encode_jobs(jobs, ChainSource(repo.store, parent.records), repo.pool, progress.advance)
+            records, sizes = encode_jobs(jobs, ChainSource(repo.store, parent.records), repo.pool, progress.advance,
+                                         cache=repo.plane_cache)
         finally:
             progress.finish()
     faults.point("commit:objects-written")

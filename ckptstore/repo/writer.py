@@ -17,12 +17,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ckptstore.codecs import capabilities, capped, chunk_step, get_codec, to_float32
+from ckptstore.codecs.planes import group
 from ckptstore.errors import CodecError
 from ckptstore.hashing import ObjectId, TensorId, chunk_checksum, tensor_id_of_parts
 from ckptstore.objectstore.pack import PACK_BELOW, PackSlot, PackWriter
 from ckptstore.policy import EncodingSettings, after_attempt, chunk_sizes, fidelity, plan_tensor
 from ckptstore.records import Chunk, TensorRecord
 from ckptstore.replay import ChainSource
+from ckptstore.repo.planecache import PlaneCache
 from ckptstore.state import RawTensor
 
 
@@ -43,6 +45,7 @@ class Job:
     known_id: TensorId | None = None
     paced_by: str | None = None  # a first moment's weight: its "fine_step" applies where that weight's step was capped
     reference: RawTensor | None = None  # a first moment's original second moment: its update's scale
+    keep_planes: bool = False  # lossless: the next commit may code against this tensor (repo/planecache.py)
 
 
 @dataclass
@@ -92,17 +95,32 @@ def _prune_mask(job: Job, params: dict, data: np.ndarray, base: np.ndarray | Non
     return impact <= threshold
 
 
+def _base_planes(job: Job, source: ChainSource, index: int, start: int, size: int,
+                 cache: PlaneCache | None) -> list[np.ndarray] | None:
+    """The base's planes of chunk `index`: kept by the commit that encoded them, else replayed from the store."""
+    if job.base is None:
+        return None
+    planes = cache.take(job.base.id, start, int(job.params["width"]), size) if cache is not None else None
+    return planes if planes is not None else source.replay_planes(job.base, index)
+
+
 def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: int,
-                  waits: dict[str, list[Future]]) -> ChunkResult:
+                  waits: dict[str, list[Future]], cache: PlaneCache | None = None) -> ChunkResult:
     codec, able = get_codec(job.codec), capabilities(job.codec)
     data = np.ascontiguousarray(job.raw.data[start : start + size])
     if able.lossy is None:
-        planes = source.replay_planes(job.base, index) if job.base is not None else None
+        planes = _base_planes(job, source, index, start, size, cache) if able.planes is not None else None
         base = (source.replay_chunk(job.base, index, np.empty(size, dtype=np.uint8))
                 if job.base is not None and planes is None else None)  # a base of another codec
         hints = job.params.get("plane_hints")
         params = dict(job.params, plane_hints=hints[index]) if hints and len(hints) > index else job.params
-        payload = codec.encode(data, base, params, base_planes=planes)
+        if able.planes is not None and base is None:
+            grouped = group(data, int(params["width"]))
+            payload = able.planes.encode_grouped(grouped, planes, params)
+            if cache is not None and job.keep_planes:
+                cache.put(job.known_id, start, grouped)
+        else:
+            payload = codec.encode(data, base, params, base_planes=planes)
         oid, kept = _stored(source, payload)
         modes = able.planes.plane_modes(payload) if able.planes is not None else None
         return ChunkResult(oid, len(payload), job.base is not None and codec.needs_base(payload), payload=kept,
@@ -187,16 +205,19 @@ def _weight_capped(job: Job, index: int, weight_chunks: list[Future]) -> bool:
 
 
 def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
-                on_bytes: Callable[[int], None] | None = None
+                on_bytes: Callable[[int], None] | None = None, cache: PlaneCache | None = None
                 ) -> tuple[dict[str, TensorRecord], dict[ObjectId, int]]:
-    """Encode every job's chunks on `pool`; return the new records by job key and each object's size."""
+    """Encode every job's chunks on `pool`; return the new records by job key and each object's size.
+
+    With `cache`, lossless chunks take their base's planes from it and leave their own for the next commit.
+    """
     futures: dict[str, list[Future]] = {}
     sizes: dict[str, list[int]] = {}
     for job in sorted(jobs, key=lambda j: j.stage):
         sizes[job.key] = chunk_sizes(job.raw.nbytes, job.params["chunk_bytes"])
         futures[job.key], start = [], 0
         for index, size in enumerate(sizes[job.key]):
-            futures[job.key].append(pool.submit(_encode_chunk, job, source, index, start, size, futures))
+            futures[job.key].append(pool.submit(_encode_chunk, job, source, index, start, size, futures, cache))
             start += size
     ordered = sorted(jobs, key=lambda j: j.stage)
     results_of: dict[str, list[ChunkResult]] = {}
@@ -209,6 +230,8 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
         if on_bytes:
             on_bytes(job.raw.nbytes)
     packer.close()
+    if cache is not None:
+        cache.next_commit()
     records: dict[str, TensorRecord] = {}
     by_id: dict[TensorId, TensorRecord] = {}
     object_sizes: dict[ObjectId, int] = {}
@@ -260,5 +283,7 @@ def lossless_jobs(new: dict[TensorId, RawTensor], parents: dict[TensorId, Tensor
     jobs = []
     for tid, raw in new.items():
         plan = plan_tensor(raw.dtype, raw.nbytes, raw.itemsize, parents.get(tid), settings)
-        jobs.append(Job(tid, raw, plan.codec, plan.params, plan.base, known_id=tid))
+        depth = plan.base.depth + 1 if plan.base is not None else 0
+        jobs.append(Job(tid, raw, plan.codec, plan.params, plan.base, known_id=tid,
+                        keep_planes=depth < settings.max_chain))
     return jobs

@@ -1,0 +1,90 @@
+"""The byte planes of the tensors a commit just encoded, kept for the next commit's residuals.
+
+A lossless residual XORs each byte plane with its base's, and the base is the same path in the
+parent commit: in a training loop, the tensor this process encoded one commit ago. Rebuilding
+it from the store (read its packs, verify them, entropy-decode its chain) cost about a third of
+a residual commit's encoding work; the planes were in memory a moment before. The cache keeps
+them, by tensor id and chunk, within a byte budget, and hands each out once (a base is needed by
+one commit), so it holds about one checkpoint's planes between commits and no more. A miss (a
+new process, an evicted entry, a base from an older commit) replays from the store as before;
+the payloads are the same either way, since a tensor id names exactly these bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from ckptstore.hashing import TensorId
+
+DEFAULT_BYTES = 512 << 20
+
+
+class PlaneCache:
+    """Grouped byte planes ((width, rows) uint8, read-only) by tensor id and the chunk's first byte.
+
+    The chunk is named by where it starts, not by its index, so records of one tensor chunked at
+    two sizes never mistake each other's chunks; `take` also checks the width and size.
+
+    Entries put during one commit are the ones the next commit may take; `next_commit()`, called
+    when a commit's encoding ends, drops what the commit before left untaken (a tensor that did
+    not change, or that keyframes next) and makes this commit's entries the ones to take. Past
+    the budget, the oldest entries go first.
+    """
+
+    def __init__(self, budget_bytes: int = DEFAULT_BYTES) -> None:
+        self.budget_bytes = budget_bytes
+        self._previous: OrderedDict[tuple[TensorId, int], np.ndarray] = OrderedDict()
+        self._current: OrderedDict[tuple[TensorId, int], np.ndarray] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def put(self, tensor: TensorId, start: int, planes: np.ndarray) -> None:
+        """Keep `tensor`'s chunk at byte `start` as grouped planes (not copied: the caller must not change them)."""
+        if planes.nbytes > self.budget_bytes:
+            return
+        planes.flags.writeable = False
+        with self._lock:
+            self._drop((tensor, start))
+            self._current[(tensor, start)] = planes
+            self._held += planes.nbytes
+            while self._held > self.budget_bytes:
+                _, evicted = (self._previous or self._current).popitem(last=False)
+                self._held -= evicted.nbytes
+
+    def take(self, tensor: TensorId, start: int, width: int, nbytes: int) -> list[np.ndarray] | None:
+        """The planes of `tensor`'s chunk at byte `start`, removed from the cache; None unless held with this layout."""
+        with self._lock:
+            planes = self._drop((tensor, start))
+        if planes is None or planes.shape[0] != width or planes.nbytes != nbytes:
+            return None
+        return list(planes)
+
+    def next_commit(self) -> None:
+        """Drop the entries no commit took; the ones put since the last call become the ones to take."""
+        with self._lock:
+            self._held -= sum(p.nbytes for p in self._previous.values())
+            self._previous, self._current = self._current, OrderedDict()
+
+    def clear(self) -> None:
+        """Drop everything held."""
+        with self._lock:
+            self._previous.clear()
+            self._current.clear()
+            self._held = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of planes held now."""
+        return self._held
+
+    def _drop(self, key: tuple[TensorId, int]) -> np.ndarray | None:
+        """Remove `key` from either generation (lock held); return its planes."""
+        planes = self._previous.pop(key, None)
+        if planes is None:
+            planes = self._current.pop(key, None)
+        if planes is not None:
+            self._held -= planes.nbytes
+        return planes
