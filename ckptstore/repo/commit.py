@@ -221,9 +221,24 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
     return relative, checkpoint, digests
 
 
+_SMALL_TENSOR = 64 << 10  # tensors up to this size are hashed in batches: a task each cost more than the hash
+_BATCH = 256
+
+
 def _tensor_ids(repo: Repository, tensors: Mapping[str, RawTensor]) -> dict[str, TensorId]:
-    futures = {p: repo.pool.submit(tensor_id, r.dtype, r.shape, r.data) for p, r in tensors.items()}
-    return {p: f.result() for p, f in futures.items()}
+    small = [p for p, r in tensors.items() if r.nbytes <= _SMALL_TENSOR]
+    futures = {p: repo.pool.submit(tensor_id, r.dtype, r.shape, r.data)
+               for p, r in tensors.items() if r.nbytes > _SMALL_TENSOR}
+    batches = [(paths, repo.pool.submit(_ids_of, [tensors[p] for p in paths]))
+               for paths in (small[i : i + _BATCH] for i in range(0, len(small), _BATCH))]
+    ids = {p: f.result() for p, f in futures.items()}
+    for paths, batch in batches:
+        ids.update(zip(paths, batch.result()))
+    return {p: ids[p] for p in tensors}
+
+
+def _ids_of(raws: list[RawTensor]) -> list[TensorId]:
+    return [tensor_id(r.dtype, r.shape, r.data) for r in raws]
 
 
 def _parent(repo: Repository, tx: Tx, branch: str | None, tensors: Mapping[str, RawTensor]) -> _Parent:

@@ -27,6 +27,9 @@ from ckptstore.replay import ChainSource
 from ckptstore.repo.planecache import PlaneCache
 from ckptstore.state import RawTensor
 
+SMALL_CHUNK = 64 << 10  # lossless tensors up to this size are encoded in batches (see _submit)
+BATCH_BYTES = 1 << 20
+
 
 @dataclass
 class Job:
@@ -204,6 +207,55 @@ def _weight_capped(job: Job, index: int, weight_chunks: list[Future]) -> bool:
     return any(chunk.result().capped for chunk in weight_chunks)
 
 
+class _Part:
+    """One chunk's result out of a batch task's list, read like a Future."""
+
+    def __init__(self, batch: Future, index: int) -> None:
+        self.batch, self.index = batch, index
+
+    def result(self) -> ChunkResult:
+        return self.batch.result()[self.index]
+
+
+def _encode_batch(batch: list[tuple[Job, int]], source: ChainSource, waits: dict[str, list[Future]],
+                  cache: PlaneCache | None) -> list[ChunkResult]:
+    """Several small single-chunk lossless jobs in one task, in order."""
+    return [_encode_chunk(job, source, 0, 0, size, waits, cache) for job, size in batch]
+
+
+def _submit(ordered: list[Job], sizes: dict[str, list[int]], source: ChainSource, pool: Executor,
+            cache: PlaneCache | None) -> dict[str, list[Future | _Part]]:
+    """Submit every chunk; small lossless tensors go in batches of about BATCH_BYTES, one task each.
+
+    A task per bias or norm cost more in futures and thread hand-offs than its encoding. Lossy
+    chunks, which may wait on each other, each keep a task of their own; payloads are the same
+    either way, and `encode_jobs` packs them in job order.
+    """
+    futures: dict[str, list[Future | _Part]] = {}
+    batch: list[tuple[Job, int]] = []
+
+    def flush() -> None:
+        if batch:
+            done = pool.submit(_encode_batch, list(batch), source, futures, cache)
+            for index, (job, _) in enumerate(batch):
+                futures[job.key] = [_Part(done, index)]
+            batch.clear()
+
+    for job in ordered:
+        chunks = sizes[job.key]
+        if job.known_id is not None and len(chunks) == 1 and chunks[0] <= SMALL_CHUNK:
+            batch.append((job, chunks[0]))
+            if sum(size for _, size in batch) >= BATCH_BYTES:
+                flush()
+            continue
+        futures[job.key], start = [], 0
+        for index, size in enumerate(chunks):
+            futures[job.key].append(pool.submit(_encode_chunk, job, source, index, start, size, futures, cache))
+            start += size
+    flush()
+    return futures
+
+
 def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
                 on_bytes: Callable[[int], None] | None = None, cache: PlaneCache | None = None
                 ) -> tuple[dict[str, TensorRecord], dict[ObjectId, int]]:
@@ -211,15 +263,9 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
 
     With `cache`, lossless chunks take their base's planes from it and leave their own for the next commit.
     """
-    futures: dict[str, list[Future]] = {}
-    sizes: dict[str, list[int]] = {}
-    for job in sorted(jobs, key=lambda j: j.stage):
-        sizes[job.key] = chunk_sizes(job.raw.nbytes, job.params["chunk_bytes"])
-        futures[job.key], start = [], 0
-        for index, size in enumerate(sizes[job.key]):
-            futures[job.key].append(pool.submit(_encode_chunk, job, source, index, start, size, futures, cache))
-            start += size
     ordered = sorted(jobs, key=lambda j: j.stage)
+    sizes = {job.key: chunk_sizes(job.raw.nbytes, job.params["chunk_bytes"]) for job in ordered}
+    futures = _submit(ordered, sizes, source, pool, cache)
     results_of: dict[str, list[ChunkResult]] = {}
     packer = PackWriter(source.store)
     for job in ordered:
