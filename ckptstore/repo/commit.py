@@ -30,6 +30,7 @@ from ckptstore.replay import ChainSource
 from ckptstore.repo import calibrate
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
+from ckptstore.repo.planecache import cache_of
 from ckptstore.repo.progress import NoProgress, Progress
 from ckptstore.repo.pruning import after_commit
 from ckptstore.repo.target import commit_target, default_author, move_ref
@@ -186,7 +187,7 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
     with repo.store.batch():
         try:
             records, sizes = encode_jobs(jobs, ChainSource(repo.store, parent.records), repo.pool, progress.advance,
-                                         cache=repo.plane_cache)
+                                         cache=cache_of(repo))
         finally:
             progress.finish()
     faults.point("commit:objects-written")

@@ -13,13 +13,36 @@ the payloads are the same either way, since a tensor id names exactly these byte
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from ckptstore.hashing import TensorId
 
+if TYPE_CHECKING:  # only attributes of the arrays are used: repository.py imports this without numpy
+    import numpy as np
+
 DEFAULT_BYTES = 512 << 20
+
+# One cache per open Repository, kept beside it rather than on it (repository.py stays a thin
+# holder); it goes when the Repository object does.
+_CACHES: weakref.WeakKeyDictionary[Any, PlaneCache] = weakref.WeakKeyDictionary()
+_CACHES_LOCK = threading.Lock()
+
+
+def cache_of(repo: Any) -> PlaneCache:
+    """The plane cache of `repo` (a Repository), made on first use."""
+    with _CACHES_LOCK:
+        cache = _CACHES.get(repo)
+        if cache is None:
+            cache = _CACHES[repo] = PlaneCache()
+        return cache
+
+
+def set_cache(repo: Any, cache: PlaneCache) -> None:
+    """Give `repo` this cache (a smaller budget, or 0 to keep nothing)."""
+    with _CACHES_LOCK:
+        _CACHES[repo] = cache
 
 
 class PlaneCache:

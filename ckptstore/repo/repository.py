@@ -25,7 +25,6 @@ from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.repo import refs
 from ckptstore.repo.config import RepoConfig
 from ckptstore.repo.lock import repo_lock
-from ckptstore.repo.planecache import PlaneCache
 
 if TYPE_CHECKING:
     from ckptstore.metadata.commits import CommitInfo
@@ -80,7 +79,6 @@ class Repository:
             self.store = FallbackStore(self.store, lambda: remote_store(lazy[0].resolved(root)))
         self.db = Database(config.metadata_url or f"sqlite:///{self.dir / 'ckpt.db'}", read_only, why)
         self._pool: ThreadPoolExecutor | None = None
-        self.plane_cache = PlaneCache()  # the last commit's planes: the next one's residual bases
 
     # ----------------------------------------------------------------- lifecycle
     @classmethod
@@ -133,7 +131,6 @@ class Repository:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        self.plane_cache.clear()
         self.db.close()
 
     def __enter__(self) -> Repository:

@@ -7,7 +7,7 @@ import numpy as np
 
 from ckptstore import Repository
 from ckptstore.hashing import TensorId
-from ckptstore.repo.planecache import PlaneCache
+from ckptstore.repo.planecache import PlaneCache, cache_of, set_cache
 
 
 def _states(steps: int) -> list[dict[str, np.ndarray]]:
@@ -29,7 +29,7 @@ def _store(root, states, cached: bool) -> tuple[list[str], list[dict]]:
     """Commit `states` in order; returns the sorted object ids and every checked-out state."""
     with Repository.init(root) as repo:
         if not cached:
-            repo.plane_cache = PlaneCache(budget_bytes=0)  # keeps nothing: every base is replayed
+            set_cache(repo, PlaneCache(budget_bytes=0))  # keeps nothing: every base is replayed
         cids = [repo.commit(state, message=str(i)) for i, state in enumerate(states)]
         ids = sorted(repo.store.iter_ids())
         restored = [repo.checkout(cid) for cid in cids]
@@ -50,18 +50,19 @@ def test_commits_take_the_planes_the_last_commit_kept(tmp_path):
     states = _states(3)
     with Repository.init(tmp_path / "repo") as repo:
         taken = []
-        original = repo.plane_cache.take
+        cache = cache_of(repo)
+        original = cache.take
 
         def counting(*args):
             planes = original(*args)
             taken.append(planes is not None)
             return planes
 
-        repo.plane_cache.take = counting
+        cache.take = counting
         for state in states:
             repo.commit(state)
         assert taken and all(taken)  # every residual chunk found its base in memory
-        assert repo.plane_cache.held_bytes == 0  # max_chain 2: the third commit's tensors keyframe next
+        assert cache.held_bytes == 0  # max_chain 2: the third commit's tensors keyframe next
 
 
 def test_the_cache_keeps_within_its_budget_and_hands_each_entry_out_once():
