@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptstore.hashing import CommitId
 from ckptstore.repo import Repository
+
+if TYPE_CHECKING:
+    from ckptstore.repo.background import BackgroundCommit
 
 RepoLike = Repository | str | os.PathLike | None
 
@@ -22,18 +25,33 @@ def _with_repo(repo: RepoLike, fn):
 def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = None,
          metrics: Mapping[str, float] | None = None, branch: str | None = None, lossy: str | None = None,
          model: Any = None, optimizer: Any = None, calibration: Callable[[Any], Any] | None = None,
-         max_loss_change: float | None = None, **knobs: Any) -> CommitId:
+         max_loss_change: float | None = None, blocking: bool = True, buffer_budget: int | None = None,
+         **knobs: Any) -> CommitId | BackgroundCommit:
     """Commit `obj` (any nesting of tensors, containers and scalars) and return the commit id.
 
     `lossy` picks a lossy level; passing the live `model` and `optimizer` tells it exactly which
     optimizer state belongs to which weight, and `calibration(model)` (its loss on a fixed batch)
     lets it measure which weights the loss is sensitive to, and holds the restored checkpoint's
     loss within `max_loss_change` (relative; default: the level's promise) of the original's.
+    `blocking=False` returns a handle as soon as `obj` is copied (`Repository.commit`); a
+    repository given by path (or None) then stays open until that commit is done.
     """
-    return _with_repo(repo, lambda r: r.commit(obj, message=message, step=step, metrics=metrics, branch=branch,
-                                               lossy=lossy, model=model, optimizer=optimizer,
-                                               calibration=calibration, max_loss_change=max_loss_change,
-                                               **knobs))
+    def run(r: Repository) -> CommitId | BackgroundCommit:
+        return r.commit(obj, message=message, step=step, metrics=metrics, branch=branch, lossy=lossy, model=model,
+                        optimizer=optimizer, calibration=calibration, max_loss_change=max_loss_change,
+                        blocking=blocking, buffer_budget=buffer_budget, **knobs)
+
+    if blocking or isinstance(repo, Repository):
+        return _with_repo(repo, run)
+    from ckptstore.repo.background import close_when_done
+
+    opened = Repository.open(repo)
+    try:
+        handle = run(opened)
+    except BaseException:
+        opened.close()
+        raise
+    return close_when_done(handle, opened)
 
 
 def load(ref: str = "HEAD", repo: RepoLike = None, map_location: str | None = None,

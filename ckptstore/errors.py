@@ -117,6 +117,10 @@ class DiskFullError(CkptError):
     """A write ran out of disk space (or quota, or the file size limit); what was stored before is intact."""
 
 
+class BackgroundCommitError(CkptError):
+    """A background commit failed and nobody asked its handle; the repository is as it was before it."""
+
+
 class ReadOnlyRepoError(CkptError):
     """A write to a repository opened read-only (a read-only mount, or files this user may not write)."""
 

@@ -5,7 +5,9 @@ metadata transaction committed, an object deleted), so a test can stop the proce
 and check that nothing is lost. CKPT_CRASH_AT=NAME kills at the first time NAME is reached,
 NAME@N at the N-th. CKPT_WAIT_AT=NAME=PATH instead holds the process at NAME until the file
 PATH exists, having created PATH.reached, so a test can run another process in between.
-Unset (always, outside tests), a point costs two dictionary lookups.
+CKPT_FAIL_AT=NAME raises DiskFullError there instead: a full disk, for tests of what a failed
+write leaves behind in a process that lives on (a background commit).
+Unset (always, outside tests), a point costs three dictionary lookups.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import signal
 
 ENV = "CKPT_CRASH_AT"
 WAIT_ENV = "CKPT_WAIT_AT"
+FAIL_ENV = "CKPT_FAIL_AT"
 _hits: dict[str, int] = {}
 
 
@@ -23,6 +26,10 @@ def point(name: str) -> None:
     waiting = os.environ.get(WAIT_ENV)
     if waiting and waiting.startswith(name + "="):
         _wait(waiting[len(name) + 1:])
+    if os.environ.get(FAIL_ENV) == name:
+        from ckptstore.errors import disk_full
+
+        raise disk_full(f"injected at {name} by {FAIL_ENV}")
     wanted = os.environ.get(ENV)
     if not wanted or not wanted.startswith(name):
         return

@@ -259,7 +259,8 @@ def _limit(path: str, what: str) -> UnsupportedStateError:
 
 
 class _Flattener:
-    def __init__(self) -> None:
+    def __init__(self, to_raw: Callable[[Any, str], RawTensor] | None = None) -> None:
+        self.to_raw = to_raw or raw_from_torch  # a background commit's snapshot copies instead (formats/snapshot.py)
         self.tensors: dict[str, RawTensor] = _TensorTable()
         self.aliases: dict[tuple, str] = {}
         # storage -> [(node, storage bytes, offset, stride)] of each distinct view stored
@@ -329,7 +330,7 @@ class _Flattener:
         else:
             if key is not None:  # before the copy: an expand() of a scalar could ask for terabytes
                 self.count_view(key[0], storage.nbytes(), value.numel() * value.element_size(), path)
-            self.tensors[path] = raw_from_torch(value, path)
+            self.tensors[path] = self.to_raw(value, path)
             node = ["tensor", path]
             if key is not None:
                 self.aliases[key] = path
@@ -481,9 +482,12 @@ _EXACT = {kind: method for types, method in _ENCODERS
               type(None), bool, str, int, float, bytes, dict, OrderedDict, list, tuple, set)}
 
 
-def flatten(obj: Any, prefix: str = "") -> FlatState:
-    """Split `obj` into a JSON skeleton and raw tensors named by their path in the structure."""
-    return _Flattener().flatten(obj, prefix)
+def flatten(obj: Any, prefix: str = "", to_raw: Callable[[Any, str], RawTensor] | None = None) -> FlatState:
+    """Split `obj` into a JSON skeleton and raw tensors named by their path in the structure.
+
+    `to_raw(tensor, path)` makes each torch tensor's RawTensor (default `raw_from_torch`).
+    """
+    return _Flattener(to_raw).flatten(obj, prefix)
 
 
 def mark_shared_views(views: dict[Any, list[tuple[list, int, int, tuple[int, ...]]]]) -> None:

@@ -80,6 +80,7 @@ class LossyOptions:
     optimizer: Any = None
     calibration: Callable[[Any], Any] | None = None
     max_loss_change: float | None = None
+    param_names: list[str] | None = None  # the optimizer's parameter names, read from model and optimizer before
 
 
 @dataclass
@@ -197,6 +198,8 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
 def _read_source(repo: Repository, source: Any, trust_pickle: bool
                  ) -> tuple[str | None, formats.Checkpoint, dict[str, str]]:
     """(path relative to the repository or absolute, or None for a state; the checkpoint; file digests)."""
+    if isinstance(source, formats.Checkpoint):  # a state flattened already (a background commit's snapshot)
+        return None, source, {}
     if not isinstance(source, (str, os.PathLike)):
         return None, formats.from_state(source), {}
     path = Path(source).resolve()
@@ -278,7 +281,8 @@ def _optimizer_map(checkpoint: formats.Checkpoint, lossy: LossyOptions) -> Optim
 
     found_ids = [ids for ids in (param_ids(f.skeleton) for f in checkpoint.files) if ids is not None]
     found_lrs = [lrs for lrs in (param_lrs(f.skeleton) for f in checkpoint.files) if lrs]
-    return map_optimizer(checkpoint.tensors, _param_names(lossy.model, lossy.optimizer),
+    names = lossy.param_names if lossy.param_names is not None else param_names_of(lossy.model, lossy.optimizer)
+    return map_optimizer(checkpoint.tensors, names,
                          found_ids[0] if len(found_ids) == 1 else None, found_lrs[0] if len(found_lrs) == 1 else None)
 
 
@@ -366,7 +370,7 @@ def _importance_note(fisher: Mapping[str, float] | None, plans: Mapping[str, Any
     return f"measured on a calibration batch ({steered} weights)"
 
 
-def _param_names(model: Any, optimizer: Any) -> list[str] | None:
+def param_names_of(model: Any, optimizer: Any) -> list[str] | None:
     """Names of the optimizer's parameters in state order, from the live model and optimizer."""
     if model is None or optimizer is None:
         return None

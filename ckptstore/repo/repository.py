@@ -29,6 +29,7 @@ from ckptstore.repo.lock import repo_lock
 if TYPE_CHECKING:
     from ckptstore.metadata.commits import CommitInfo
     from ckptstore.policy import EncodingSettings, LossyLevel
+    from ckptstore.repo.background import BackgroundCommit, Lane
     from ckptstore.repo.diff import TensorDiff
     from ckptstore.repo.manifest import Manifest
     from ckptstore.repo.progress import Progress
@@ -79,6 +80,7 @@ class Repository:
             self.store = FallbackStore(self.store, lambda: remote_store(lazy[0].resolved(root)))
         self.db = Database(config.metadata_url or f"sqlite:///{self.dir / 'ckpt.db'}", read_only, why)
         self._pool: ThreadPoolExecutor | None = None
+        self._background: Lane | None = None  # commits in the background (repo/background.py)
 
     # ----------------------------------------------------------------- lifecycle
     @classmethod
@@ -128,10 +130,15 @@ class Repository:
                    read_only=bool(why) if read_only is None else read_only, why=why)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        self.db.close()
+        """Wait for a background commit in flight (raising its unseen failure), then release everything."""
+        try:
+            if self._background is not None:
+                self._background.settle()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+            self.db.close()
 
     def __enter__(self) -> Repository:
         return self
@@ -229,16 +236,23 @@ class Repository:
                trust_pickle: bool = False, author: str | None = None, progress: Progress | None = None,
                lossy: str | LossyLevel | None = None, model: Any = None, optimizer: Any = None,
                calibration: Callable[[Any], Any] | None = None, max_loss_change: float | None = None,
-               **knobs: Any) -> CommitId:
+               blocking: bool = True, buffer_budget: int | None = None, **knobs: Any) -> CommitId | BackgroundCommit:
         """Store a checkpoint (a path to a file or folder, or an in-memory state) as a new commit.
 
         See `repo.commit.CommitOptions` (what the commit records and where it goes) and
-        `repo.commit.LossyOptions` (how lossy it is and what steers it) for every argument.
+        `repo.commit.LossyOptions` (how lossy it is and what steers it) for every argument;
+        `blocking=False` returns a handle once the state is copied (`repo.background`).
         """
         from ckptstore.repo.commit import CommitOptions, LossyOptions, commit
 
         options = CommitOptions(message, step, dict(metrics or {}), branch, allow_empty, trust_pickle, author)
         lossy_options = LossyOptions(lossy, knobs, model, optimizer, calibration, max_loss_change)
+        if not blocking:
+            from ckptstore.repo.background import commit_in_background
+
+            return commit_in_background(self, state_or_path, options, lossy_options, progress, buffer_budget)
+        if self._background is not None:  # after the commit in flight, and raising its failure if unseen
+            self._background.settle()
         return commit(self, state_or_path, options, lossy_options, progress)
 
     def checkout(self, ref: str = "HEAD", device: str | None = None, progress: Progress | None = None,

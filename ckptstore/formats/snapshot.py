@@ -1,0 +1,130 @@
+"""A snapshot of a live training state: what a background commit encodes while training goes on.
+
+`snapshot(state, buffers)` flattens the state like `from_state`, but every tensor's bytes are a
+copy in host memory that the training step cannot reach: CUDA tensors land in pinned buffers
+(one synchronisation for all of them), CPU tensors in plain ones. The buffers are kept in
+`HostBuffers` and lent again to the next snapshot of the same shapes, within a byte budget, so a
+commit every few steps neither pins nor page-faults fresh memory each time. The skeleton, the
+non-tensor state, is plain JSON built during the walk: a deep copy by construction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ckptstore.formats import TORCH, Checkpoint, CheckpointFile
+from ckptstore.state import RawTensor, flatten, raw_from_torch
+
+DEFAULT_BUFFER_BUDGET = 4 << 30  # bytes of host buffers kept between snapshots
+
+
+class HostBuffers:
+    """Host buffers lent to snapshots and kept for the next one, up to `budget` bytes in all.
+
+    A buffer past the budget is allocated for one snapshot and freed with it. Pinned buffers
+    (for CUDA tensors) and plain ones are kept apart; both are uint8 torch tensors.
+    """
+
+    def __init__(self, budget: int = DEFAULT_BUFFER_BUDGET) -> None:
+        self.budget = budget
+        self.kept = 0  # bytes of the buffers this pool owns, lent or free
+        self._free: dict[tuple[int, bool], list[Any]] = {}
+        # each buffer counted in `kept`, by id: its (bytes, pinned) and itself (held, so no other buffer takes its id)
+        self._owned: dict[int, tuple[tuple[int, bool], Any]] = {}
+
+    def take(self, nbytes: int, pinned: bool) -> Any:
+        """A buffer of `nbytes`: a kept one of that size, a new kept one within the budget, or a one-off.
+
+        A one-off is never pinned: pinning costs more than the copy it would speed up.
+        """
+        import torch
+
+        free = self._free.get((nbytes, pinned))
+        if free:
+            return free.pop()
+        if self.kept + nbytes > self.budget:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self.kept += nbytes
+        self._owned[id(buffer)] = ((nbytes, pinned), buffer)
+        return buffer
+
+    def give_back(self, buffers: list[Any]) -> None:
+        """Buffers a finished commit no longer reads: kept ones wait for the next snapshot."""
+        for buffer in buffers:
+            owned = self._owned.get(id(buffer))
+            if owned is not None:
+                self._free.setdefault(owned[0], []).append(buffer)
+
+    def drop_free(self) -> None:
+        """Free the kept buffers no snapshot holds now (a snapshot took what it could use: the rest is stale)."""
+        for (nbytes, _), stack in self._free.items():
+            for buffer in stack:
+                del self._owned[id(buffer)]
+                self.kept -= nbytes
+        self._free.clear()
+
+    def set_budget(self, budget: int) -> None:
+        """Keep at most `budget` bytes from now on (buffers already kept above it go at the next snapshot)."""
+        self.budget = budget
+
+
+class _Copier:
+    """`to_raw` for flatten: each tensor copied into a lent host buffer."""
+
+    def __init__(self, buffers: HostBuffers) -> None:
+        self.buffers = buffers
+        self.lent: list[Any] = []
+        self.devices: set[Any] = set()  # CUDA devices with copies in flight
+        self.copied: set[str] = set()  # paths whose bytes are such copies
+
+    def __call__(self, tensor: Any, path: str) -> RawTensor:
+        import torch
+
+        if tensor.is_quantized or tensor.layout != torch.strided or tensor.device.type == "meta" or not tensor.numel():
+            return raw_from_torch(tensor, path)  # its error, or an empty tensor (no bytes to share)
+        source = tensor.detach().resolve_conj().resolve_neg()
+        pinned = source.device.type == "cuda"
+        buffer = self.buffers.take(source.numel() * source.element_size(), pinned)
+        self.lent.append(buffer)
+        try:
+            target = buffer.view(source.dtype).view(source.shape)
+        except RuntimeError:  # a dtype uint8 cannot be viewed as: copy its bytes as flatten reads them
+            raw = raw_from_torch(source, path)
+            buffer.numpy()[:] = raw.data
+        else:
+            target.copy_(source, non_blocking=pinned)
+            if pinned:
+                self.devices.add(source.device)
+        self.copied.add(path)
+        return RawTensor(f"torch.{str(tensor.dtype).removeprefix('torch.')}", tuple(tensor.shape), buffer.numpy())
+
+    def wait(self) -> None:
+        """Wait for the device-to-host copies: after this the training step may change the tensors."""
+        import torch
+
+        for device in self.devices:
+            torch.cuda.synchronize(device)
+
+
+def snapshot(state: Any, buffers: HostBuffers) -> tuple[Checkpoint, list[Any]]:
+    """`state` as a checkpoint that owns all its bytes, and the buffers lent to it (give them back when done).
+
+    Tensors not copied into buffers (numpy arrays, bytes, empty tensors) are copied here: a
+    numpy array in the state would otherwise still be the live one.
+    """
+    copier = _Copier(buffers)
+    try:
+        flat = flatten(state, to_raw=copier)
+        copier.wait()
+    except BaseException:
+        buffers.give_back(copier.lent)
+        raise
+    buffers.drop_free()
+    for path, raw in flat.tensors.items():
+        if path not in copier.copied:
+            raw.data = np.array(raw.data, copy=True)
+    return Checkpoint("state", [CheckpointFile("", TORCH, flat.skeleton)], flat.tensors), copier.lent
+

@@ -1,0 +1,202 @@
+"""Commits in the background: the caller waits for a snapshot of the state; a thread encodes and writes it.
+
+DESIGN.md puts background commits with the integrations, but `Repository.commit(blocking=False)`
+is a repo-layer verb and the repo layer may not import the integrations: the mechanism lives here
+and the torch side of the snapshot in formats/snapshot.py.
+
+One commit per repository is in flight: the next commit call (blocking or not) waits for it first,
+and its handle's `timing["waited_s"]` says how long. A failure is re-raised by the handle's
+`result()`; when nobody is waiting on it as it happens, it is reported at once as a
+`BackgroundCommitWarning`, and the next commit call on that repository (or closing it) raises it as
+a `BackgroundCommitError`, unless `result()` was asked first. A failed commit recorded nothing (the
+write path's metadata step never ran), so the repository is as it was. Closing the repository and
+the end of the process wait for the commit in flight; a SIGKILL leaves only garbage for gc.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures.thread  # noqa: F401 (its exit hook must be registered before ours: see _at_exit)
+import os
+import threading
+import time
+import warnings
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from ckptstore.errors import BackgroundCommitError, CkptError
+from ckptstore.formats.snapshot import HostBuffers, snapshot
+from ckptstore.hashing import CommitId
+from ckptstore.repo.commit import CommitOptions, LossyOptions, commit, param_names_of
+
+if TYPE_CHECKING:
+    from ckptstore.repo.progress import Progress
+    from ckptstore.repo.repository import Repository
+
+
+class BackgroundCommitWarning(RuntimeWarning):
+    """A background commit failed while nobody waited on its handle (the next commit call raises it)."""
+
+
+@dataclass(eq=False)
+class BackgroundCommit:
+    """The handle of a commit running in the background.
+
+    `timing` holds `waited_s` (for the commit in flight before this one), `snapshot_s` (copying
+    the state: what the caller was blocked for besides the wait) and, once done, `commit_s`
+    (encoding and writing, in the background).
+    """
+
+    description: str
+    timing: dict[str, float]
+    _future: Future = field(default_factory=Future)
+    _observed: bool = False
+    _thread: threading.Thread | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _finished: bool = False
+    _close: Repository | None = None  # a repository to close once the commit is done (api.save's own)
+
+    def done(self) -> bool:
+        """Whether the commit has finished (written, or failed)."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> CommitId:
+        """The new commit's id, once it is written; re-raises the exception that made the commit fail."""
+        self._observed = True
+        return self._future.result(timeout)
+
+    def wait(self) -> None:
+        """Block until the commit has finished, without raising its failure."""
+        if self._thread is not threading.current_thread():
+            wait_for([self._future])
+
+
+class Lane:
+    """A repository's background commits: the one in flight, an unobserved failure, the snapshot buffers."""
+
+    def __init__(self) -> None:
+        self.mutex = threading.Lock()  # callers of one repository start their commits one at a time
+        self.current: BackgroundCommit | None = None
+        self.failed: BackgroundCommit | None = None
+        self.buffers = HostBuffers()
+
+    def settle(self) -> float:
+        """Wait for the commit in flight and raise its failure if nobody saw it; return the seconds waited."""
+        start = time.perf_counter()
+        if self.current is not None:
+            self.current.wait()
+        waited = time.perf_counter() - start
+        failed, self.failed = self.failed, None
+        if failed is not None and not failed._observed:
+            failed._observed = True
+            error = failed._future.exception()
+            raise BackgroundCommitError(
+                f"the background commit {failed.description} failed: {error}. Nothing of it was recorded "
+                "and the repository is as it was before it; commit that state again "
+                "(handle.result() reports such a failure where it happens)") from error
+        return waited
+
+
+_LIVE: set[BackgroundCommit] = set()  # in flight in this process: the exit waits for them
+_registered = threading.Lock()
+_hooked: list[bool] = []
+
+
+def _at_exit() -> None:
+    """Let the commits in flight finish before the interpreter stops its thread pools.
+
+    Registered with threading's exit hooks, which run newest first and before the thread pools
+    refuse new work (concurrent.futures registers its own there when imported, above).
+    """
+    for handle in list(_LIVE):
+        handle.wait()
+
+
+def _hook_exit() -> None:
+    with _registered:
+        if not _hooked:
+            threading._register_atexit(_at_exit)  # atexit.register would run after the pools stopped
+            _hooked.append(True)
+
+
+def lane_of(repo: Repository) -> Lane:
+    """The repository's lane, made on first use."""
+    if repo._background is None:
+        repo._background = Lane()
+    return repo._background
+
+
+def commit_in_background(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOptions,
+                         progress: Progress | None = None, buffer_budget: int | None = None) -> BackgroundCommit:
+    """Snapshot `source` and commit it on a thread; return the handle once the snapshot is taken.
+
+    A path is committed as it is on disk when the thread reads it: keep the file until `done()`.
+    `buffer_budget` sets how many bytes of host buffers the repository keeps for the next snapshots.
+    """
+    if lossy.calibration is not None:
+        raise CkptError("a calibration function runs the live model, which training changes meanwhile: "
+                        "commit with blocking=True to calibrate, or without calibration= in the background")
+    repo.db.refuse_writes()  # a read-only repository says so here, not in a warning later
+    _hook_exit()
+    lane = lane_of(repo)
+    with lane.mutex:
+        waited = lane.settle()
+        start = time.perf_counter()
+        if buffer_budget is not None:
+            lane.buffers.budget = buffer_budget
+        # the live objects stay with the caller: the thread gets the parameter names they give
+        names = lossy.param_names if lossy.param_names is not None else param_names_of(lossy.model, lossy.optimizer)
+        lossy = replace(lossy, model=None, optimizer=None, param_names=names)
+        checkpoint, lent = (source, []) if isinstance(source, (str, os.PathLike)) else snapshot(source, lane.buffers)
+        handle = BackgroundCommit(_describe(options), {"waited_s": waited, "snapshot_s": time.perf_counter() - start})
+        handle._thread = threading.Thread(target=_work, args=(repo, lane, handle, checkpoint, lent, options, lossy,
+                                                              progress), name="ckpt-background-commit")
+        lane.current = handle
+        _LIVE.add(handle)
+        handle._thread.start()
+    return handle
+
+
+def close_when_done(handle: BackgroundCommit, repo: Repository) -> BackgroundCommit:
+    """Close `repo` once `handle`'s commit is done (now, if it is); return the handle."""
+    with handle._lock:
+        if not handle._finished:
+            handle._close = repo
+            return handle
+    repo.close()
+    return handle
+
+
+def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: Any, lent: list[Any],
+          options: CommitOptions, lossy: LossyOptions, progress: Progress | None) -> None:
+    """The thread: commit, give the buffers back, close what asked to be closed, then resolve the handle."""
+    start = time.perf_counter()
+    error: BaseException | None = None
+    try:
+        cid = commit(repo, checkpoint, options, lossy, progress)
+    except BaseException as exc:  # every failure goes to the handle, none is lost with the thread
+        error = exc
+    finally:
+        lane.buffers.give_back(lent)
+        handle.timing["commit_s"] = time.perf_counter() - start
+    with handle._lock:
+        handle._finished, closing = True, handle._close
+    if closing is not None:
+        closing.close()  # its lane waits for no one: this thread is the one in flight
+    if error is None:
+        handle._future.set_result(cid)
+    else:
+        if not handle._observed:
+            lane.failed = handle
+            warnings.warn(f"the background commit {handle.description} failed: {error}; nothing of it was "
+                          "recorded (the next commit call raises it)", BackgroundCommitWarning, stacklevel=1)
+        handle._future.set_exception(error)
+    _LIVE.discard(handle)
+
+
+def _describe(options: CommitOptions) -> str:
+    """How a failure names the commit: its step and message where it has them."""
+    parts = ([f"at step {options.step}"] if options.step is not None else []) + (
+        [repr(options.message)] if options.message else [])
+    return " ".join(parts) or "(no step, no message)"
