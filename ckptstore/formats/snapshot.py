@@ -44,6 +44,8 @@ class HostBuffers:
         free = self._free.get((nbytes, pinned))
         if free:
             return free.pop()
+        while self.kept + nbytes > self.budget and self._free:  # free ones of other sizes: the state changed
+            self._drop(next(iter(self._free)))
         if self.kept + nbytes > self.budget:
             return torch.empty(nbytes, dtype=torch.uint8)
         buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
@@ -60,11 +62,13 @@ class HostBuffers:
 
     def drop_free(self) -> None:
         """Free the kept buffers no snapshot holds now (a snapshot took what it could use: the rest is stale)."""
-        for (nbytes, _), stack in self._free.items():
-            for buffer in stack:
-                del self._owned[id(buffer)]
-                self.kept -= nbytes
-        self._free.clear()
+        while self._free:
+            self._drop(next(iter(self._free)))
+
+    def _drop(self, key: tuple[int, bool]) -> None:
+        for buffer in self._free.pop(key):
+            del self._owned[id(buffer)]
+            self.kept -= key[0]
 
     def set_budget(self, budget: int) -> None:
         """Keep at most `budget` bytes from now on (buffers already kept above it go at the next snapshot)."""

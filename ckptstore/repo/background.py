@@ -25,6 +25,7 @@ from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from ckptstore import faults
 from ckptstore.errors import BackgroundCommitError, CkptError
 from ckptstore.formats.snapshot import HostBuffers, snapshot
 from ckptstore.hashing import CommitId
@@ -174,6 +175,7 @@ def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: An
     start = time.perf_counter()
     error: BaseException | None = None
     try:
+        faults.point("background:start")  # tests hold the thread here to change the state meanwhile
         cid = commit(repo, checkpoint, options, lossy, progress)
     except BaseException as exc:  # every failure goes to the handle, none is lost with the thread
         error = exc

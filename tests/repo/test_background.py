@@ -1,0 +1,187 @@
+"""Background commits (repo/background.py): the snapshot is a copy, one commit in flight, failures never silent.
+
+The background thread is held at the `background:start` fault point (CKPT_WAIT_AT) while the test
+trains on, so the state has really changed in place before anything is encoded.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore import Repository
+from ckptstore.errors import BackgroundCommitError, CkptError, DiskFullError
+from ckptstore.repo import fsck
+from ckptstore.repo.background import BackgroundCommitWarning
+from tests.conftest import Trainer, assert_same
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _hold(monkeypatch, tmp_path: Path, point: str = "background:start") -> Path:
+    """Hold background commits at `point` until the returned file exists."""
+    release = tmp_path / "release"
+    monkeypatch.setenv("CKPT_WAIT_AT", f"{point}={release}")
+    return release
+
+
+def _wait_reached(release: Path) -> None:
+    reached = Path(str(release) + ".reached")
+    for _ in range(1000):
+        if reached.exists():
+            return
+        time.sleep(0.01)
+    raise AssertionError("the background commit never reached its hold point")
+
+
+@pytest.mark.both_backends
+def test_commit_holds_the_state_at_call_time(repo, trainer, monkeypatch, tmp_path):
+    trainer.train(2)
+    state = trainer.state()
+    state["notes"] = {"history": [1.0, 2.0], "tag": "before"}
+    expected = copy.deepcopy(state)
+    release = _hold(monkeypatch, tmp_path)
+    handle = repo.commit(state, "bg", step=trainer.step, blocking=False)
+    _wait_reached(release)
+    trainer.train(1)  # AdamW changes weights and moments in place
+    state["notes"]["history"].append(3.0)
+    state["notes"]["tag"] = "after"
+    assert not torch.equal(state["model"]["fc1.weight"], expected["model"]["fc1.weight"])
+    release.touch()
+    cid = handle.result()
+    assert set(handle.timing) == {"waited_s", "snapshot_s", "commit_s"}
+    assert_same(repo.checkout(cid), expected)
+    assert repo.log()[0].step == 2
+
+
+def test_second_commit_waits_for_the_first(repo, trainer, monkeypatch, tmp_path):
+    release = _hold(monkeypatch, tmp_path)
+    first = repo.commit(trainer.state(), "one", blocking=False)
+    _wait_reached(release)
+    threading.Timer(0.2, release.touch).start()
+    trainer.train(1)
+    second = repo.commit(trainer.state(), "two", blocking=False)
+    assert first.done()  # the call returned only once the first commit was written
+    assert second.timing["waited_s"] > 0
+    written = [second.result(), first.result()]
+    assert [c.id for c in repo.log()] == written
+    trainer.train(1)
+    third = repo.commit(trainer.state(), "three")  # a blocking commit after a background one: on top
+    assert repo.log()[0].id == third and repo.log()[0].parents == [second.result()]
+
+
+def test_failure_is_raised_by_result_and_leaves_the_repository_as_it_was(repo, trainer, monkeypatch):
+    first = repo.commit(trainer.state(), "kept")
+    before = (repo.branches(), [c.id for c in repo.log()])
+    trainer.train(1)
+    monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")  # the disk fills up mid-commit
+    handle = repo.commit(trainer.state(), "lost", blocking=False)
+    with pytest.raises(DiskFullError):
+        handle.result()
+    monkeypatch.delenv("CKPT_FAIL_AT")
+    assert (repo.branches(), [c.id for c in repo.log()]) == before
+    assert fsck(repo).ok
+    again = repo.commit(trainer.state(), "again")  # seen by result(): the next commit goes on
+    assert [c.id for c in repo.log()] == [again, first]
+
+
+def test_unobserved_failure_warns_and_the_next_commit_raises_it(repo, trainer, monkeypatch):
+    repo.commit(trainer.state(), "kept")
+    trainer.train(1)
+    monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")
+    with pytest.warns(BackgroundCommitWarning, match="step 1"):
+        handle = repo.commit(trainer.state(), step=1, blocking=False)
+        handle.wait()
+    monkeypatch.delenv("CKPT_FAIL_AT")
+    with pytest.raises(BackgroundCommitError, match="disk is full") as raised:
+        repo.commit(trainer.state(), "next")
+    assert isinstance(raised.value.__cause__, DiskFullError)
+    assert len(repo.log()) == 1
+    repo.commit(trainer.state(), "next")  # raised once: the repository works on
+    assert len(repo.log()) == 2
+
+
+def test_closing_waits_and_raises_an_unseen_failure(tmp_path, trainer, monkeypatch):
+    repo = Repository.init(tmp_path)
+    monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")
+    with pytest.warns(BackgroundCommitWarning):
+        repo.commit(trainer.state(), blocking=False)
+        with pytest.raises(BackgroundCommitError):
+            repo.close()
+    assert repo._pool is None
+
+
+def test_lossy_commit_in_background_equals_the_blocking_one(tmp_path, trainer):
+    trainer.train(3)
+    state = copy.deepcopy(trainer.state())
+    with Repository.init(tmp_path / "a") as a, Repository.init(tmp_path / "b") as b:
+        here = a.commit(state, lossy="balanced", model=trainer.model, optimizer=trainer.optimizer)
+        there = b.commit(state, lossy="balanced", model=trainer.model, optimizer=trainer.optimizer, blocking=False)
+        assert a.manifest(here).to_bytes() == b.manifest(there.result()).to_bytes()
+        with pytest.raises(CkptError, match="blocking=True"):
+            b.commit(state, lossy="balanced", model=trainer.model, calibration=lambda m: 0.0, blocking=False)
+
+
+def test_save_by_path_keeps_the_repository_open_until_done(tmp_path, trainer):
+    Repository.init(tmp_path).close()
+    expected = copy.deepcopy(trainer.state())
+    handle = ckptstore.save(trainer.state(), tmp_path, message="saved", blocking=False)
+    cid = handle.result()
+    assert handle._close is not None and handle._close._pool is None  # closed once done
+    assert_same(ckptstore.load(cid, tmp_path), expected)
+
+
+CHILD = """
+import sys, time, torch
+from ckptstore import Repository
+from tests.conftest import Trainer
+repo = Repository.open(sys.argv[1])
+trainer = Trainer()
+trainer.train(int(sys.argv[2]))
+handle = repo.commit(trainer.state(), "background", blocking=False)
+print("started", flush=True)
+if sys.argv[3] == "hang":
+    time.sleep(60)
+"""
+
+
+def _child(root: Path, steps: int, mode: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(root), str(steps), mode], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, stdout=subprocess.PIPE)
+
+
+def test_process_exit_waits_for_the_commit_in_flight(tmp_path):
+    Repository.init(tmp_path).close()
+    child = _child(tmp_path, 2, "exit")
+    assert child.wait(timeout=60) == 0
+    trainer = Trainer()
+    trainer.train(2)
+    with Repository.open(tmp_path) as repo:
+        assert [c.message for c in repo.log()] == ["background"]
+        assert_same(repo.checkout("HEAD"), trainer.state())
+
+
+def test_sigkill_mid_commit_leaves_earlier_commits_and_garbage_only(tmp_path):
+    trainer = Trainer()
+    with Repository.init(tmp_path) as repo:
+        kept = repo.commit(trainer.state(), "kept")
+    release = tmp_path / "never"
+    child = _child(tmp_path, 1, "hang", {"CKPT_WAIT_AT": f"commit:objects-written={release}"})
+    _wait_reached(release)
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)
+    with Repository.open(tmp_path) as repo:
+        assert [c.id for c in repo.log()] == [kept]
+        assert_same(repo.checkout(kept), trainer.state())
+        report = fsck(repo)
+        assert report.ok and report.unreferenced_objects > 0  # the killed commit's objects: garbage for gc
