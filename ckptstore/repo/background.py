@@ -82,11 +82,15 @@ class Lane:
         self.failed: BackgroundCommit | None = None
         self.buffers = HostBuffers()
 
+    def wait(self) -> None:
+        """Block until the commit in flight (if any) has finished; its failure stays for the next commit call."""
+        if self.current is not None:
+            self.current.wait()
+
     def settle(self) -> float:
         """Wait for the commit in flight and raise its failure if nobody saw it; return the seconds waited."""
         start = time.perf_counter()
-        if self.current is not None:
-            self.current.wait()
+        self.wait()
         waited = time.perf_counter() - start
         failed, self.failed = self.failed, None
         if failed is not None and not failed._observed:
@@ -157,6 +161,16 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
         _LIVE.add(handle)
         handle._thread.start()
     return handle
+
+
+def commit_call(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOptions,
+                progress: Progress | None, blocking: bool, buffer_budget: int | None) -> CommitId | BackgroundCommit:
+    """`Repository.commit`: in the background, or now once the commit in flight is done (raising its unseen failure)."""
+    if not blocking:
+        return commit_in_background(repo, source, options, lossy, progress, buffer_budget)
+    if repo._background is not None:
+        repo._background.settle()
+    return commit(repo, source, options, lossy, progress)
 
 
 def close_when_done(handle: BackgroundCommit, repo: Repository) -> BackgroundCommit:

@@ -1,10 +1,4 @@
-"""`Repository`: opens a repository (config, object store, metadata, threads) and delegates the verbs.
-
-Each verb lives in a module of its own (commit, checkout, history, diff, refs, worktree).
-
-Verb modules are imported when first called, so a command pays only for what it runs: `ckpt log`
-never loads numpy, the codecs or the checkpoint formats.
-"""
+"""`Repository`: opens a repository (config, store, metadata, threads) and delegates each verb to its module."""
 
 from __future__ import annotations
 
@@ -130,15 +124,12 @@ class Repository:
                    read_only=bool(why) if read_only is None else read_only, why=why)
 
     def close(self) -> None:
-        """Wait for a background commit in flight (raising its unseen failure), then release everything."""
-        try:
-            if self._background is not None:
-                self._background.settle()
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
-            self.db.close()
+        if self._background is not None:  # the background commit in flight ends first
+            self._background.wait()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.db.close()
 
     def __enter__(self) -> Repository:
         return self
@@ -239,21 +230,15 @@ class Repository:
                blocking: bool = True, buffer_budget: int | None = None, **knobs: Any) -> CommitId | BackgroundCommit:
         """Store a checkpoint (a path to a file or folder, or an in-memory state) as a new commit.
 
-        See `repo.commit.CommitOptions` (what the commit records and where it goes) and
-        `repo.commit.LossyOptions` (how lossy it is and what steers it) for every argument;
-        `blocking=False` returns a handle once the state is copied (`repo.background`).
+        See `repo.commit.CommitOptions` (what it records, where it goes), `repo.commit.LossyOptions`
+        (how lossy it is) and `repo.background` (`blocking=False`, `buffer_budget`) for every argument.
         """
-        from ckptstore.repo.commit import CommitOptions, LossyOptions, commit
+        from ckptstore.repo.background import commit_call
+        from ckptstore.repo.commit import CommitOptions, LossyOptions
 
         options = CommitOptions(message, step, dict(metrics or {}), branch, allow_empty, trust_pickle, author)
         lossy_options = LossyOptions(lossy, knobs, model, optimizer, calibration, max_loss_change)
-        if not blocking:
-            from ckptstore.repo.background import commit_in_background
-
-            return commit_in_background(self, state_or_path, options, lossy_options, progress, buffer_budget)
-        if self._background is not None:  # after the commit in flight, and raising its failure if unseen
-            self._background.settle()
-        return commit(self, state_or_path, options, lossy_options, progress)
+        return commit_call(self, state_or_path, options, lossy_options, progress, blocking, buffer_budget)
 
     def checkout(self, ref: str = "HEAD", device: str | None = None, progress: Progress | None = None,
                  keys: Iterable[str] | None = None) -> Any:
