@@ -83,6 +83,7 @@ def throughput(workload: MiniLMFineTune, state: State, work: Path, steps: int, e
     with Repository.init(work / "loop") as repo:
         handles = []
         for r in range(rounds):
+            print(f"round {r + 1}/{rounds}", flush=True)
             rates["none"].append(loop(workload, state, steps, every, None))
             saves = work / f"saves-{r}"
             saves.mkdir()
@@ -115,6 +116,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ckpt-bg-"))
     try:
         times = blocked(workload, state, work, args.commits)
+        print("blocked:", {k: [round(x, 3) for x in v] for k, v in times.items()}, flush=True)
         rates = throughput(workload, state, work, args.steps, args.every, args.rounds)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -7,14 +7,15 @@ and the torch side of the snapshot in formats/snapshot.py.
 One commit per repository is in flight: the next commit call (blocking or not) waits for it first,
 and its handle's `timing["waited_s"]` says how long. A failure is re-raised by the handle's
 `result()`; when nobody is waiting on it as it happens, it is reported at once as a
-`BackgroundCommitWarning`, and the next commit call on that repository (or closing it) raises it as
-a `BackgroundCommitError`, unless `result()` was asked first. A failed commit recorded nothing (the
+`BackgroundCommitWarning`, and the next commit call on that repository raises it as a
+`BackgroundCommitError`, unless `result()` was asked first. A failed commit recorded nothing (the
 write path's metadata step never ran), so the repository is as it was. Closing the repository and
 the end of the process wait for the commit in flight; a SIGKILL leaves only garbage for gc.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures.thread  # noqa: F401 (its exit hook must be registered before ours: see _at_exit)
 import os
 import threading
@@ -121,7 +122,8 @@ def _at_exit() -> None:
 def _hook_exit() -> None:
     with _registered:
         if not _hooked:
-            threading._register_atexit(_at_exit)  # atexit.register would run after the pools stopped
+            # atexit.register runs after the pools stopped: only a fallback for a Python without this hook
+            getattr(threading, "_register_atexit", atexit.register)(_at_exit)
             _hooked.append(True)
 
 
