@@ -117,7 +117,7 @@ def main() -> None:
     try:
         times = blocked(workload, state, work, args.commits)
         print("blocked:", {k: [round(x, 3) for x in v] for k, v in times.items()}, flush=True)
-        rates = throughput(workload, state, work, args.steps, args.every, args.rounds)
+        rates = throughput(workload, state, work, args.steps, args.every, args.rounds) if args.rounds else {}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -125,14 +125,15 @@ def main() -> None:
     print("|---|---|---|")
     for name in ("deepcopy", "blocking", "background"):
         print(f"| {name} | {med[name]:.3f} | {med['background'] / med[name]:.2f} |")
+    if not rates:
+        return
     rate = {k: statistics.median(v) for k, v in rates.items()}
     print(f"\n| steps/s, checkpoint every {args.every} (median of {args.rounds} x {args.steps} steps) "
           "| steps/s | background / this |")
     print("|---|---|---|")
     for name in ("none", "torch.save", "background"):
         print(f"| {name} | {rate[name]:.3f} | {rate['background'] / rate[name]:.2f} |")
-    print("\nraw blocked s:", {k: [round(x, 3) for x in v] for k, v in times.items()})
-    print("raw steps/s:", {k: [round(x, 3) for x in v] for k, v in rates.items()})
+    print("\nraw steps/s:", {k: [round(x, 3) for x in v] for k, v in rates.items()})
 
 
 if __name__ == "__main__":
