@@ -10,7 +10,8 @@ ratio against baselines measured in the same run, interleaved so the machine's l
    step between commits, so each commit has new content.
 2. Steps per second of the fine-tune checkpointing every `--every` steps: with background
    commits (the last one waited for at the end of the loop), with no checkpointing, and with
-   `torch.save` to a new file each time. Each round runs the three loops in turn.
+   `torch.save` to a new file each time. Each round runs the three loops in turn (rotated), and
+   the ratios are taken within a round.
 """
 
 from __future__ import annotations
@@ -78,22 +79,27 @@ def loop(workload: MiniLMFineTune, state: State, steps: int, every: int,
 
 def throughput(workload: MiniLMFineTune, state: State, work: Path, steps: int, every: int,
                rounds: int) -> dict[str, list[float]]:
-    """Steps per second by method, one loop of each per round."""
+    """Steps per second by method, one loop of each per round, the order rotated each round (the load drifts)."""
     rates: dict[str, list[float]] = {"none": [], "torch.save": [], "background": []}
     with Repository.init(work / "loop") as repo:
         handles = []
+        saves = work / "saves"
+
+        def torch_save(s: dict, i: int) -> None:
+            torch.save(s, saves / f"step-{i}.pt")
+
+        runs = {"none": lambda: loop(workload, state, steps, every, None),
+                "torch.save": lambda: loop(workload, state, steps, every, torch_save),
+                "background": lambda: loop(workload, state, steps, every,
+                                           lambda s, i: handles.append(repo.commit(s, step=i, blocking=False)),
+                                           lambda: handles[-1].result())}
         for r in range(rounds):
             print(f"round {r + 1}/{rounds}", flush=True)
-            rates["none"].append(loop(workload, state, steps, every, None))
-            saves = work / f"saves-{r}"
-            saves.mkdir()
-            rates["torch.save"].append(loop(workload, state, steps, every,
-                                            lambda s, i, saves=saves: torch.save(s, saves / f"step-{i}.pt")))
-            shutil.rmtree(saves)
-            rates["background"].append(loop(
-                workload, state, steps, every,
-                lambda s, i: handles.append(repo.commit(s, step=i, blocking=False)),
-                lambda: handles[-1].result()))
+            names = list(runs)[r % 3:] + list(runs)[:r % 3]
+            for name in names:
+                saves.mkdir(exist_ok=True)
+                rates[name].append(runs[name]())
+                shutil.rmtree(saves)
         waited = [h.timing["waited_s"] for h in handles]
         print(f"background commits: {len(handles)}, waited for the one before: max {max(waited):.3f} s; "
               f"median commit_s {statistics.median(h.timing['commit_s'] for h in handles):.2f} s")
@@ -128,11 +134,13 @@ def main() -> None:
     if not rates:
         return
     rate = {k: statistics.median(v) for k, v in rates.items()}
-    print(f"\n| steps/s, checkpoint every {args.every} (median of {args.rounds} x {args.steps} steps) "
-          "| steps/s | background / this |")
-    print("|---|---|---|")
+    print(f"\n| steps/s, checkpoint every {args.every} ({args.rounds} rounds x {args.steps} steps) "
+          "| median steps/s | background / this, per round | median |")
+    print("|---|---|---|---|")
     for name in ("none", "torch.save", "background"):
-        print(f"| {name} | {rate[name]:.3f} | {rate['background'] / rate[name]:.2f} |")
+        ratios = [b / x for b, x in zip(rates["background"], rates[name])]
+        print(f"| {name} | {rate[name]:.3f} | {', '.join(f'{x:.2f}' for x in ratios)} | "
+              f"{statistics.median(ratios):.2f} |")
     print("\nraw steps/s:", {k: [round(x, 3) for x in v] for k, v in rates.items()})
 
 

@@ -31,6 +31,7 @@ from ckptstore.errors import BackgroundCommitError, CkptError
 from ckptstore.formats.snapshot import HostBuffers, snapshot
 from ckptstore.hashing import CommitId
 from ckptstore.repo.commit import CommitOptions, LossyOptions, commit, param_names_of
+from ckptstore.repo.gcpause import no_cyclic_gc
 
 if TYPE_CHECKING:
     from ckptstore.repo.progress import Progress
@@ -155,7 +156,10 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
         # the live objects stay with the caller: the thread gets the parameter names they give
         names = lossy.param_names if lossy.param_names is not None else param_names_of(lossy.model, lossy.optimizer)
         lossy = replace(lossy, model=None, optimizer=None, param_names=names)
-        checkpoint, lent = (source, []) if isinstance(source, (str, os.PathLike)) else snapshot(source, lane.buffers)
+        checkpoint, lent = source, []
+        if not isinstance(source, (str, os.PathLike)):
+            with no_cyclic_gc():  # as in a commit: a full collection landing in the snapshot would stall the caller
+                checkpoint, lent = snapshot(source, lane.buffers)
         handle = BackgroundCommit(_describe(options), {"waited_s": waited, "snapshot_s": time.perf_counter() - start})
         handle._thread = threading.Thread(target=_work, args=(repo, lane, handle, checkpoint, lent, options, lossy,
                                                               progress), name="ckpt-background-commit")
