@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401 (its exit hook must be registered before ours: see _at_exit)
+import copy
 import os
 import threading
 import time
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -105,6 +106,7 @@ class Lane:
         return waited
 
 
+BACKGROUND_NICE = 10  # how much lower a background commit's threads run than the caller's
 _LIVE: set[BackgroundCommit] = set()  # in flight in this process: the exit waits for them
 _registered = threading.Lock()
 _hooked: list[bool] = []
@@ -194,12 +196,18 @@ def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: An
     """The thread: commit, give the buffers back, close what asked to be closed, then resolve the handle."""
     start = time.perf_counter()
     error: BaseException | None = None
+    _lower_priority()
+    # the repository as it is, but with threads of its own at a lower priority: training keeps the cores
+    background = copy.copy(repo)
+    threads = repo.config.threads or os.cpu_count() or 1
+    background._pool = ThreadPoolExecutor(threads, "ckpt-background", _lower_priority)
     try:
         faults.point("background:start")  # tests hold the thread here to change the state meanwhile
-        cid = commit(repo, checkpoint, options, lossy, progress)
+        cid = commit(background, checkpoint, options, lossy, progress)
     except BaseException as exc:  # every failure goes to the handle, none is lost with the thread
         error = exc
     finally:
+        background._pool.shutdown()
         lane.buffers.give_back(lent)
         handle.timing["commit_s"] = time.perf_counter() - start
     with handle._lock:
@@ -215,6 +223,14 @@ def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: An
                           "recorded (the next commit call raises it)", BackgroundCommitWarning, stacklevel=1)
         handle._future.set_exception(error)
     _LIVE.discard(handle)
+
+
+def _lower_priority() -> None:
+    """Run this thread at nice +BACKGROUND_NICE (Linux sets it per thread), so a busy CPU serves training first."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):  # not on this platform, or not allowed: the same priority, only slower training
+        pass
 
 
 def _describe(options: CommitOptions) -> str:
