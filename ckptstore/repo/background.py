@@ -32,6 +32,7 @@ from ckptstore.errors import BackgroundCommitError, CkptError
 from ckptstore.formats.snapshot import HostBuffers, snapshot
 from ckptstore.hashing import CommitId
 from ckptstore.repo.commit import CommitOptions, LossyOptions, commit, param_names_of
+from ckptstore.repo import planecache
 from ckptstore.repo.gcpause import no_cyclic_gc
 
 if TYPE_CHECKING:
@@ -201,6 +202,7 @@ def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: An
     background = copy.copy(repo)
     threads = repo.config.threads or os.cpu_count() or 1
     background._pool = ThreadPoolExecutor(threads, "ckpt-background", _lower_priority)
+    planecache.set_cache(background, planecache.cache_of(repo))  # one set of residual bases, whoever commits
     try:
         faults.point("background:start")  # tests hold the thread here to change the state meanwhile
         cid = commit(background, checkpoint, options, lossy, progress)

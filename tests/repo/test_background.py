@@ -189,3 +189,14 @@ def test_sigkill_mid_commit_leaves_earlier_commits_and_garbage_only(tmp_path):
         assert_same(repo.checkout(kept), trainer.state())
         report = fsck(repo)
         assert report.ok and report.unreferenced_objects > 0  # the killed commit's objects: garbage for gc
+
+
+def test_background_commits_leave_their_planes_for_the_next_commit(repo, trainer):
+    from ckptstore.repo import planecache
+
+    trainer.train(1)
+    repo.commit(trainer.state(), "first", blocking=False).result()
+    assert planecache.cache_of(repo).held_bytes > 0  # kept where the repository's next commit looks
+    trainer.train(1)
+    cid = repo.commit(trainer.state(), "second", blocking=False).result()
+    assert_same(repo.checkout(cid), trainer.state())
