@@ -31,8 +31,8 @@ from ckptstore import faults
 from ckptstore.errors import BackgroundCommitError, CkptError
 from ckptstore.formats.snapshot import HostBuffers, snapshot
 from ckptstore.hashing import CommitId
-from ckptstore.repo.commit import CommitOptions, LossyOptions, commit, param_names_of
 from ckptstore.repo import planecache
+from ckptstore.repo.commit import CommitOptions, LossyOptions, commit, param_names_of
 from ckptstore.repo.gcpause import no_cyclic_gc
 
 if TYPE_CHECKING:
