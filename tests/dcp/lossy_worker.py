@@ -21,28 +21,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from ckptstore.dcp import CkptSavePlanner, CkptStorageWriter
+from tests.dcp import worker
 
 LABELS = ((2, "first"), (4, "second"))
-
-
-def model_and_optimizer(mesh):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 129), torch.nn.ReLU(), torch.nn.Linear(129, 32))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def main() -> None:
     repo, out = sys.argv[2], Path(sys.argv[3])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    model, optimizer = model_and_optimizer(init_device_mesh("cpu", (world,)))
+    model, optimizer = worker.model_and_optimizer(init_device_mesh("cpu", (world,)), lr=1e-3)
     generator = torch.Generator().manual_seed(rank)
     report = {}
     for step, label in LABELS:

@@ -60,14 +60,16 @@ def differences(a: dict, b: dict) -> list[str]:
     return bad
 
 
-def model_and_optimizer(mesh):
+def model_and_optimizer(mesh, widths: tuple[int, int, int] = (64, 129, 32), lr: float = 1e-4):
+    """A two-layer MLP (odd hidden width: uneven row shards) under FSDP2, seeded, with AdamW."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 129), torch.nn.ReLU(), torch.nn.Linear(129, 32))
+    model = torch.nn.Sequential(torch.nn.Linear(widths[0], widths[1]), torch.nn.ReLU(),
+                                torch.nn.Linear(widths[1], widths[2]))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
 
 
 def train(model, optimizer, steps: int, seed: int) -> None:

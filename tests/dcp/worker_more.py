@@ -26,22 +26,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from ckptstore.dcp import CkptStorageReader, CkptStorageWriter
-from tests.dcp.worker import differences
+from tests.dcp.worker import differences, model_and_optimizer
 
 
 def tiny(mesh):
     """833 parameters: 33 rows split unevenly over 4 ranks (9, 9, 9, 6), AdamW over FSDP2."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 8))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)  # fine-tune-like steps: residuals pay
+    return model_and_optimizer(mesh, (16, 33, 8), lr=1e-4)  # fine-tune-like steps: residuals pay
 
 
 def train(model, optimizer, steps: int, seed: int) -> list[float]:
