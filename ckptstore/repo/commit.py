@@ -311,12 +311,12 @@ def _jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], sources: M
             new[sources[path]] = tensors[path]
             parent_of[sources[path]] = parents.get(path)
     jobs = lossless_jobs(new, parent_of, repo.config.encoding)
-    jobs += [_lossy_job(plan, tensors, sources[path], level, plans, reused)
+    jobs += [lossy_job(plan, tensors, sources[path], level, plans, reused)
              for path, plan in plans.items() if path not in reused]
     return entries, jobs
 
 
-def _lossy_job(plan: LossyPlan, tensors: Mapping[str, RawTensor], source: TensorId, level: LossyLevel,
+def lossy_job(plan: LossyPlan, tensors: Mapping[str, RawTensor], source: TensorId, level: LossyLevel,
                plans: Mapping[str, LossyPlan], reused: Mapping[str, TensorRecord]) -> Job:
     """The encoding job of one planned lossy tensor, given which tensors keep their parent's reconstruction."""
     params = dict(plan.params, source=source, level=level.name)

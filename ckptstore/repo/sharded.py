@@ -24,7 +24,7 @@ from ckptstore.policy import LossyLevel
 from ckptstore.policy.lossy_shards import PAIRING, Shard, ShardFacts, plan_shards
 from ckptstore.records import Chunk, TensorRecord
 from ckptstore.replay import ChainSource
-from ckptstore.repo.commit import CommitOptions, _lossy_job
+from ckptstore.repo.commit import CommitOptions, lossy_job
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.target import commit_target, default_author, move_ref
@@ -91,7 +91,7 @@ def write_shards(repo: Repository, parent: CommitId | None, shards: Mapping[str,
         new = {ids[k]: raw for k, raw in shards.items() if k not in plans and ids[k] not in present}
         parents = {ids[k]: base_of.get(k) for k in shards if k not in plans and ids[k] in new}
         jobs = lossless_jobs(new, parents, repo.config.encoding)
-        jobs += [_lossy_job(plan, shards, ids[k], lossy.level, plans, reused)
+        jobs += [lossy_job(plan, shards, ids[k], lossy.level, plans, reused)
                  for k, plan in plans.items() if k not in reused]
         with repo.store.batch():
             records, sizes = encode_jobs(jobs, ChainSource(repo.store, chains), repo.pool)
