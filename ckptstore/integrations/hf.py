@@ -2,7 +2,17 @@
 
 `CkptCallback` commits on `on_save`, on the main process only, byte for byte (or lossy), with the
 step, the latest logged metrics and the run name; with `keep_folders=K` it then deletes the older
-folders it has committed, keeping the newest K on disk for the Trainer's own resume. `restore`
+folders it has committed, keeping the newest K on disk for the Trainer's own resume.
+
+By default the commit runs in the background (`blocking=False`): on_save returns at once and the
+thread reads the folder later, so the folder must stay until the commit is done. The Trainer
+deletes folders only in its own rotation (`save_total_limit`, inside its next save, before that
+save's on_save) and, with `save_total_limit=1` and a best model, right before on_train_end. So
+the callback waits for the commit in flight at `on_step_end` / `on_epoch_end` whenever the
+Trainer is about to save or evaluate (a save follows only those), and commits the last save of a
+run blocking when `save_total_limit=1`. A folder is deleted by `keep_folders` only once its
+commit's result is in; a failed commit raises at the next on_save, step or on_train_end, and its
+folder stays. `restore`
 writes a committed folder back as `output_dir/checkpoint-N` for `trainer.train(resume_from_checkpoint=...)`.
 """
 
@@ -19,13 +29,14 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ckptstore.errors import CkptError, NothingToCommitError
+from ckptstore.errors import BackgroundCommitError, CkptError, NothingToCommitError
 
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     from ckptstore.hashing import CommitId
     from ckptstore.repo import Repository
+    from ckptstore.repo.background import BackgroundCommit
 
 _FOLDER = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
 
@@ -59,41 +70,104 @@ class CkptCallback(TrainerCallback):
         repo: the repository (a path, default the current folder's, or an open `Repository`).
         lossy: lossy level for the commits (None: the repository's default).
         branch: commit to this branch (created at HEAD if new) instead of HEAD's.
-        keep_folders: after each commit, delete the committed `checkpoint-*` folders except the
-            newest K on disk (None: delete nothing). Never deletes a folder this callback did not
-            commit, nor the Trainer's best model checkpoint.
+        keep_folders: once a folder's commit is recorded, delete the committed `checkpoint-*`
+            folders except the newest K on disk (None: delete nothing). Never deletes a folder
+            this callback did not commit, nor the Trainer's best model checkpoint.
+        blocking: commit inside on_save (True), or in the background while training goes on
+            (False, the default; see the module's docstring for when it waits). `calibration=`
+            runs the live model, so it always commits blocking.
         **knobs: lossy knobs, as for `Repository.commit`.
     """
 
     def __init__(self, repo: str | os.PathLike | Repository = ".", *, lossy: str | None = None,
-                 branch: str | None = None, keep_folders: int | None = None, **knobs: Any) -> None:
+                 branch: str | None = None, keep_folders: int | None = None, blocking: bool = False,
+                 **knobs: Any) -> None:
         if keep_folders is not None and (type(keep_folders) is not int or keep_folders < 0):
             raise CkptError(f"keep_folders={keep_folders!r}: pass a whole number of folders to keep, 0 or more, "
                             "or None to delete none")
         self.repo, self.lossy, self.branch, self.keep_folders, self.knobs = repo, lossy, branch, keep_folders, knobs
+        self.blocking = blocking or knobs.get("calibration") is not None
         self.committed: dict[Path, CommitId] = {}  # folders this callback committed (resolved), and their commits
+        self._pending: tuple[Path, CommitId | BackgroundCommit] | None = None  # the latest commit, not yet settled
+        self._opened: Repository | None = None  # the repository opened from a path, kept open for commits in flight
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Commit `args.output_dir/checkpoint-{global_step}` (main process only), then prune old folders."""
         if not state.is_world_process_zero:
             return
+        self._settle(state)
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if not folder.is_dir():
             raise CkptError(f"the Trainer saved step {state.global_step} but {folder} is not a folder: CkptCallback "
                             "commits the checkpoint-N folders of args.output_dir (no hyperparameter search runs)")
         run = args.run_name or Path(args.output_dir).name
-        # blocking: the folder may be deleted below only once its commit is recorded (with
-        # repo.commit(blocking=False) the pruning would wait for the commit's result instead)
-        with _opened(self.repo) as repo:
-            try:
-                cid = repo.commit(folder, message=f"{run}: {folder.name}", step=state.global_step,
-                                  metrics=latest_metrics(state.log_history), branch=self.branch, lossy=self.lossy,
-                                  **self.knobs)
-            except NothingToCommitError:  # the branch's head already holds this folder (a rerun): stored all the same
-                cid = repo.resolve(self.branch or "HEAD")
-        self.committed[folder.resolve()] = cid
+        # with save_total_limit=1 the Trainer deletes the last folder before on_train_end (when it is
+        # not the best one) and no hook runs in between: that last commit must read the folder now
+        blocking = self.blocking or (args.save_total_limit == 1 and state.global_step >= state.max_steps)
+        repo = self._repository()
+        try:
+            result = repo.commit(folder, message=f"{run}: {folder.name}", step=state.global_step,
+                                 metrics=latest_metrics(state.log_history), branch=self.branch, lossy=self.lossy,
+                                 blocking=blocking, **self.knobs)
+        except NothingToCommitError:  # the branch's head already holds this folder (a rerun): stored all the same
+            result = repo.resolve(self.branch or "HEAD")
+        self._pending = (folder, result)
+        if blocking:
+            self._settle(state)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        """Wait for the commit in flight before the Trainer saves again: its rotation may delete that folder."""
+        if control.should_save or control.should_evaluate:  # a save follows only these (save_strategy="best")
+            self._settle(state)
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        """As on_step_end, for the saves at the end of an epoch."""
+        self.on_step_end(args, state, control)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        """Wait for the last commit (raising its failure), prune, and close the repository opened here."""
+        try:
+            self._settle(state)
+        finally:
+            if self._opened is not None:
+                self._opened.close()
+                self._opened = None
+
+    def _repository(self) -> Repository:
+        from ckptstore.repo import Repository
+
+        if isinstance(self.repo, Repository):
+            return self.repo
+        if self._opened is None:
+            self._opened = Repository.open(self.repo)
+        return self._opened
+
+    def _settle(self, state: TrainerState) -> None:
+        """Take the latest commit's result, record its folder as committed, then prune; raise its failure."""
+        if self._pending is None:
+            return
+        (folder, result), self._pending = self._pending, None
+        if not isinstance(result, str):
+            result = _result_of(result, folder, self._repository(), self.branch)
+        self.committed[folder.resolve()] = result
         if self.keep_folders is not None:
             remove_committed_folders(folder.parent, self.committed, self.keep_folders, state.best_model_checkpoint)
+
+
+def _result_of(handle: BackgroundCommit, folder: Path, repo: Repository, branch: str | None) -> CommitId:
+    """The commit id of a background commit of `folder`; its failure as a BackgroundCommitError."""
+    try:
+        return handle.result()
+    except NothingToCommitError:  # the branch's head already held this folder
+        return repo.resolve(branch or "HEAD")
+    except Exception as exc:
+        raise BackgroundCommitError(
+            f"the background commit of {folder} ({handle.description}) failed: {exc}. Nothing of it was recorded "
+            f"and CkptCallback keeps the folder on disk: commit it with `ckpt commit {folder}`, or resume "
+            "training from it") from exc
 
 
 def remove_committed_folders(output_dir: Path, committed: dict[Path, Any], keep: int,

@@ -22,7 +22,7 @@ from transformers import (  # noqa: E402
 
 from ckptstore import Repository  # noqa: E402
 from ckptstore.cli import cli  # noqa: E402
-from ckptstore.errors import CkptError  # noqa: E402
+from ckptstore.errors import BackgroundCommitError, CkptError  # noqa: E402
 from ckptstore.integrations.hf import CkptCallback, restore  # noqa: E402
 
 VOCAB, LENGTH, STEPS = 64, 16, 8
@@ -33,13 +33,13 @@ def _tokens() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def _trainer(output_dir: Path, callbacks=()) -> Trainer:
+def _trainer(output_dir: Path, callbacks=(), steps: int = STEPS, **extra) -> Trainer:
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=LENGTH, bos_token_id=0,
                         eos_token_id=0)
-    args = TrainingArguments(output_dir=str(output_dir), run_name="tiny-gpt2", max_steps=STEPS, save_steps=2,
+    args = TrainingArguments(output_dir=str(output_dir), run_name="tiny-gpt2", max_steps=steps, save_steps=2,
                              logging_steps=1, per_device_train_batch_size=4, learning_rate=1e-3, seed=0,
-                             use_cpu=True, report_to=[], dataloader_num_workers=0, disable_tqdm=True)
+                             use_cpu=True, report_to=[], dataloader_num_workers=0, disable_tqdm=True, **extra)
     return Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=_tokens(), callbacks=list(callbacks))
 
 
@@ -149,6 +149,7 @@ def test_export_of_a_trainer_commit_loads_with_from_pretrained_bit_for_bit(run, 
     assert list(as_torch) == list(original) and all(torch.equal(as_torch[k], v) for k, v in original.items())
 
 
+@pytest.mark.filterwarnings("ignore::ckptstore.repo.background.BackgroundCommitWarning")
 def test_the_callback_commits_nothing_off_the_main_process_and_refuses_bad_arguments(run, tmp_path):
     with Repository.open(run.repo) as repo:
         before = repo.resolve("main")
@@ -163,8 +164,9 @@ def test_the_callback_commits_nothing_off_the_main_process_and_refuses_bad_argum
     with pytest.raises(CkptError, match="checkpoint-3 is not a folder"):
         CkptCallback(run.repo).on_save(args, state, None)
     again = CkptCallback(run.repo)  # a folder main's head already holds: recorded as committed, no new commit
-    again.on_save(TrainingArguments(output_dir=str(run.out), use_cpu=True, report_to=[]), TrainerState(global_step=8),
-                  None)
+    args, state = TrainingArguments(output_dir=str(run.out), use_cpu=True, report_to=[]), TrainerState(global_step=8)
+    again.on_save(args, state, None)  # in the background: "nothing changed" arrives later, and is no error
+    again.on_train_end(args, state, None)
     with Repository.open(run.repo) as repo:
         assert repo.resolve("main") == before and again.committed == {(run.out / "checkpoint-8").resolve(): before}
 
@@ -175,3 +177,71 @@ def test_restore_refuses_a_commit_that_is_not_a_folder(tmp_path):
         repo.commit(tmp_path / "w.pt", step=5)
         with pytest.raises(CkptError, match="not a Trainer checkpoint folder"):
             restore(repo, "main", tmp_path / "out")
+
+
+class HoldAndCheck(TrainerCallback):
+    """Holds each background commit until the Trainer is about to save again, checking what is on disk then.
+
+    Placed before CkptCallback: on_save arms a fresh hold for the commit CkptCallback starts next,
+    and releases it only when CkptCallback must wait for it. At each save and at the end, every
+    saved folder gone from disk (rotated by the Trainer, or pruned) must already be in the store.
+    """
+
+    def __init__(self, repo: Path, tmp: Path, monkeypatch) -> None:
+        self.repo, self.tmp, self.monkeypatch, self.release = repo, tmp, monkeypatch, None
+        self.saved: dict[int, dict[str, str]] = {}
+        self.checks = 0
+
+    def on_save(self, args, state, control, **kwargs):
+        self._check(args)
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        self.saved[state.global_step] = _digests(folder)
+        self.release = self.tmp / f"release-{state.global_step}"
+        self.monkeypatch.setenv("CKPT_WAIT_AT", f"background:start={self.release}")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_save and self.release is not None:
+            self.release.touch()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.release is not None:
+            self.release.touch()
+
+    def _check(self, args):
+        with Repository.open(self.repo) as repo:
+            in_store = {c.step for c in repo.log("main")} if repo.head()[1] else set()
+        for step in self.saved:
+            if not (Path(args.output_dir) / f"checkpoint-{step}").exists():
+                assert step in in_store, f"checkpoint-{step} was deleted before its commit was recorded"
+                self.checks += 1
+
+
+def test_background_commits_outlive_save_total_limit_rotation(tmp_path, monkeypatch):
+    Repository.init(tmp_path / "repo").close()
+    checker = HoldAndCheck(tmp_path / "repo", tmp_path, monkeypatch)
+    callback = CkptCallback(tmp_path / "repo", keep_folders=1)
+    trainer = _trainer(tmp_path / "out", [checker, callback], steps=6, save_total_limit=1)
+    trainer.train()
+    checker.release.touch()
+    checker._check(trainer.args)
+    assert checker.checks >= 3  # the Trainer rotated each folder out while the next training ran
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["checkpoint-6"]
+    with Repository.open(tmp_path / "repo") as repo:
+        commits = {c.step: c.id for c in repo.log("main")}
+        assert sorted(commits) == [2, 4, 6]
+        for step, cid in commits.items():  # each folder as the Trainer wrote it, though read after the next steps
+            assert _digests(restore(repo, cid, tmp_path / "back")) == checker.saved[step]
+
+
+@pytest.mark.filterwarnings("ignore::ckptstore.repo.background.BackgroundCommitWarning")
+def test_a_failed_background_commit_stops_training_and_keeps_its_folder(tmp_path, monkeypatch):
+    Repository.init(tmp_path / "repo").close()
+    monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")  # the disk fills up in the first commit
+    trainer = _trainer(tmp_path / "out", [CkptCallback(tmp_path / "repo", keep_folders=0)], steps=4)
+    with pytest.raises(BackgroundCommitError, match="checkpoint-2") as raised:
+        trainer.train()
+    assert "disk is full" in str(raised.value) and "ckpt commit" in str(raised.value)
+    assert trainer.state.global_step == 4 and not (tmp_path / "out" / "checkpoint-4").exists()  # before the save
+    assert (tmp_path / "out" / "checkpoint-2" / "model.safetensors").is_file()
+    with Repository.open(tmp_path / "repo") as repo:
+        assert repo.head()[1] is None  # nothing of it recorded
