@@ -7,6 +7,13 @@ checkpoint deletes its tag and marker; its commit stays in the branch's history,
 are deltas on it, until retention (`ckpt prune --keep-tagged`) removes it.
 Loading takes a marker path, a path whose marker is gone (its tag), or any ref or commit id.
 
+By default (`blocking=False`) a save returns once the state is snapshotted and the commit runs in
+the background; its tag and marker are written when it is settled: at the next save, load,
+remove or teardown, which first wait for it and raise its failure as a BackgroundCommitError.
+One commit per repository is in flight, so a second save in a row (`last.ckpt` right after a
+top-k save) waits for the first. Lightning's `AsyncCheckpointIO` wrapping this plugin also runs
+saves on a thread, but its removes and loads do not wait for them; prefer `blocking=False`.
+
 Written for the `pytorch_lightning` package (with `lightning_fabric`), not the unified `lightning` one.
 """
 
@@ -21,10 +28,11 @@ from typing import Any
 
 from lightning_fabric.plugins import CheckpointIO
 
-from ckptstore.errors import CkptError, NothingToCommitError, RefNotFoundError
+from ckptstore.errors import BackgroundCommitError, CkptError, NothingToCommitError, RefNotFoundError
 from ckptstore.hashing import CommitId
 from ckptstore.repo import Repository
 from ckptstore.repo import refs as ref_names
+from ckptstore.repo.background import BackgroundCommit
 
 MARKER_FORMAT = "ckptstore-lightning-marker/1"
 MARKER_MAX_BYTES = 4096  # a marker is ~300 bytes; anything larger is a real checkpoint file
@@ -109,22 +117,25 @@ class CkptstoreCheckpointIO(CheckpointIO):
             commit is not bit-exact.
         trust_pickle: let `load_checkpoint` unpickle arbitrary objects from a plain (non-marker)
             checkpoint file; never applies to what the store holds.
+        blocking: commit inside `save_checkpoint` (True), or in the background (False, the
+            default): the tag and marker then follow when the commit is settled (module docstring).
     """
 
     def __init__(self, repo: Repository | str | os.PathLike | None = None, branch: str | None = None,
                  prefix: str = DEFAULT_PREFIX, markers: bool = True, lossy: str | None = None,
-                 trust_pickle: bool = False) -> None:
+                 trust_pickle: bool = False, blocking: bool = False) -> None:
         ref_names.check_name(prefix)
         self._given = repo if isinstance(repo, Repository) else None
         self._location = None if isinstance(repo, Repository) else repo
         self._opened: Repository | None = None
         self.branch, self.prefix, self.markers, self.lossy = branch, prefix, markers, lossy
-        self.trust_pickle = trust_pickle
+        self.trust_pickle, self.blocking = trust_pickle, blocking
         self._paths: dict[str, str] = {}  # ref -> the path that claimed it in this process
+        self._pending: tuple[str, str | os.PathLike, BackgroundCommit] | None = None  # (ref, path, handle) in flight
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (ddp_spawn sends the plugin to each process) as the repository's folder, reopened there."""
-        state = dict(self.__dict__, _given=None, _opened=None)
+        state = dict(self.__dict__, _given=None, _opened=None, _pending=None)
         if self._given is not None or self._opened is not None:
             state["_location"] = (self._given or self._opened).root
         return state
@@ -140,18 +151,45 @@ class CkptstoreCheckpointIO(CheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
                         storage_options: Any | None = None) -> None:
-        """Commit `checkpoint` (blocking), tag it with `ref_for_path(path)` and write the marker at `path`."""
+        """Commit `checkpoint`, tag it with `ref_for_path(path)` and write the marker at `path` (once committed)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options (got {storage_options!r}); "
                             "leave them unset")
         if self.markers and "://" in os.fspath(path):
             raise CkptError(f"cannot write a marker file at {os.fspath(path)!r}: markers are local files; give "
                             "ModelCheckpoint a local dirpath, or CkptstoreCheckpointIO(markers=False)")
+        self.settle()
         ref, repo = self._claim(path), self.repo
         if ref in repo.branches():
             raise CkptError(f"checkpoint {os.fspath(path)!r} maps to {ref!r}, which is a branch of {repo.root}; "
                             "pass CkptstoreCheckpointIO(prefix=...) so checkpoint tags do not meet your branches")
-        cid = self._commit(checkpoint, Path(path).name)
+        result = self._commit(checkpoint, Path(path).name)
+        if isinstance(result, str):
+            self._record(ref, path, result)
+            return
+        self._pending = (ref, path, result)
+        if self.markers:  # save_last="link" links last.ckpt to this path right away: its folder must exist
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+    def settle(self) -> None:
+        """Wait for the commit in flight, then write its tag and marker; raise its failure."""
+        if self._pending is None:
+            return
+        (ref, path, handle), self._pending = self._pending, None
+        try:
+            cid = handle.result()
+        except NothingToCommitError:  # last.ckpt right after the top-k save of the same state
+            cid = self.repo.resolve(self.branch or ref_names.HEAD)
+        except Exception as exc:
+            raise BackgroundCommitError(
+                f"the background commit of checkpoint {os.fspath(path)!r} ({handle.description}) failed: {exc}. "
+                f"Nothing of it was recorded and no tag {ref!r} or marker was written: save it again "
+                "(trainer.save_checkpoint), or resume from an earlier checkpoint") from exc
+        self._record(ref, path, cid)
+
+    def _record(self, ref: str, path: str | os.PathLike, cid: CommitId) -> None:
+        """Tag `cid` as `ref` (moving the tag if the path was saved before) and write the marker."""
+        repo = self.repo
         if ref in repo.tags():  # the path was saved before (last.ckpt): its tag moves to the new commit
             repo.delete_tag(ref)
         repo.tag(ref, cid)
@@ -169,14 +207,13 @@ class CkptstoreCheckpointIO(CheckpointIO):
                             "prefixes")
         return ref
 
-    def _commit(self, checkpoint: dict[str, Any], name: str) -> CommitId:
+    def _commit(self, checkpoint: dict[str, Any], name: str) -> CommitId | BackgroundCommit:
         step = checkpoint.get("global_step")
         message = f"Lightning checkpoint {name} (epoch {checkpoint.get('epoch')}, step {step})"
-        # the switch to background commits (blocking=False) would go here: the tag and marker
-        # would then be written when the commit completes, and load/remove would wait for it
         try:
             return self.repo.commit(checkpoint, message, step=step if isinstance(step, int) else None,
-                                    metrics=monitored_metrics(checkpoint), branch=self.branch, lossy=self.lossy)
+                                    metrics=monitored_metrics(checkpoint), branch=self.branch, lossy=self.lossy,
+                                    blocking=self.blocking)
         except NothingToCommitError:  # last.ckpt right after the top-k save of the same state
             return self.repo.resolve(self.branch or ref_names.HEAD)
 
@@ -187,6 +224,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
         A plain checkpoint file at `path` (not a marker) is read with torch.load, with
         weights_only unless this plugin trusts pickles.
         """
+        self.settle()
         device = _device(map_location)
         spec = os.fspath(path)
         if os.path.isfile(spec):
@@ -219,6 +257,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """Delete the tag of `path` and its marker (or link); the commit stays for retention to remove."""
+        self.settle()
         ref = ref_for_path(path, self.prefix)
         try:
             self.repo.delete_tag(ref)
@@ -230,7 +269,10 @@ class CkptstoreCheckpointIO(CheckpointIO):
             target.unlink()  # a plain checkpoint file here is not ours: it stays
 
     def teardown(self) -> None:
-        """Close the repository if this plugin opened it (the next use opens it again)."""
-        if self._opened is not None:
-            self._opened.close()
-            self._opened = None
+        """Settle the commit in flight, then close the repository if this plugin opened it (reopened on next use)."""
+        try:
+            self.settle()
+        finally:
+            if self._opened is not None:
+                self._opened.close()
+                self._opened = None

@@ -15,7 +15,7 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from ckptstore.errors import CkptError  # noqa: E402
+from ckptstore.errors import BackgroundCommitError, CkptError  # noqa: E402
 from ckptstore.integrations.lightning import CkptstoreCheckpointIO, read_marker, ref_for_path  # noqa: E402
 from ckptstore.repo import Repository, gc  # noqa: E402
 from ckptstore.repo.refs import check_name  # noqa: E402
@@ -197,6 +197,8 @@ def test_plugin_calls_directly(tmp_path):
         plugin.save_checkpoint(state, tmp_path / "mine.ckpt")
     assert read_marker(tmp_path / "mine.ckpt") is None and len(repo.log(all_refs=True)) == 1
     plugin.save_checkpoint(state, path)
+    assert not path.exists()  # in the background: tag and marker come once the commit is settled
+    plugin.settle()
     cid = repo.resolve("run/epoch_0-step_3")
     assert read_marker(path)["commit"] == cid and repo.commit_info(cid).step == 3
     for spec in (path, "run/epoch_0-step_3", cid[:12], tmp_path / "elsewhere" / "epoch=0-step=3.ckpt"):
@@ -223,4 +225,24 @@ def test_plugin_calls_directly(tmp_path):
     (tmp_path / "plain.ckpt").rename(path)
     plugin.remove_checkpoint(path)
     assert path.exists()  # not a marker: a file this plugin did not write stays
+    repo.close()
+
+
+@pytest.mark.filterwarnings("ignore::ckptstore.repo.background.BackgroundCommitWarning")
+def test_a_failed_background_commit_surfaces_at_the_next_save(tmp_path, monkeypatch):
+    repo = Repository.init(tmp_path / "store")
+    monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")  # the disk fills up in the first commit
+    torch.manual_seed(0)
+    with pytest.raises(BackgroundCommitError, match=r"epoch=0-step=4\.ckpt.*disk is full") as raised:
+        _fit(Tiny(), tmp_path / "ckpts", 2, CkptstoreCheckpointIO(repo))
+    assert "no tag 'lightning/epoch_0-step_4'" in str(raised.value)
+    assert repo.tags() == {} and repo.head()[1] is None and not (tmp_path / "ckpts" / "epoch=0-step=4.ckpt").exists()
+    monkeypatch.delenv("CKPT_FAIL_AT")
+    plugin = CkptstoreCheckpointIO(repo)  # load and remove wait for the commit in flight, and see its tag
+    state = {"state_dict": {"w": torch.arange(4.0)}, "global_step": 1}
+    plugin.save_checkpoint(state, tmp_path / "a.ckpt")
+    assert_same(plugin.load_checkpoint(tmp_path / "a.ckpt"), state)
+    plugin.save_checkpoint({**state, "global_step": 2}, tmp_path / "b.ckpt")
+    plugin.remove_checkpoint(tmp_path / "b.ckpt")
+    assert set(repo.tags()) == {"lightning/a"} and not (tmp_path / "b.ckpt").exists() and len(repo.log()) == 2
     repo.close()
