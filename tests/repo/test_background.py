@@ -200,3 +200,20 @@ def test_background_commits_leave_their_planes_for_the_next_commit(repo, trainer
     trainer.train(1)
     cid = repo.commit(trainer.state(), "second", blocking=False).result()
     assert_same(repo.checkout(cid), trainer.state())
+
+
+def test_an_unchanged_state_is_no_failure_nobody_is_warned_and_the_next_commit_goes_on(repo, trainer):
+    import warnings
+
+    from ckptstore.errors import NothingToCommitError
+
+    first = repo.commit(trainer.state(), "first")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a BackgroundCommitWarning would fail the test
+        handle = repo.commit(trainer.state(), "same again", blocking=False)
+        handle.wait()
+        trainer.train(1)
+        second = repo.commit(trainer.state(), "changed", blocking=False).result()
+    with pytest.raises(NothingToCommitError):
+        handle.result()
+    assert [c.id for c in repo.log()] == [second, first]
