@@ -125,13 +125,15 @@ def cli(ctx: click.Context, repo: str | None, read_only: bool, debug: bool) -> N
 
 @cli.command()
 @click.argument("path", default=".", type=click.Path(file_okay=False))
-@click.option("--max-chain", type=click.IntRange(0), help="Longest delta chain before a keyframe.")
+@click.option("--max-chain", metavar="N|auto",
+              help="Longest delta chain before a keyframe (default auto: as long as checkout stays faster "
+                   "than torch.load, by measured decode costs).")
 @click.option("--lossy", "lossy", type=click.Choice(LEVEL_NAMES), help="Default lossy level for commits.")
 @click.option("--objects", "objects_url", default="", help="Where objects live: s3://BUCKET/PREFIX (default: local).")
 @click.option("--metadata", "metadata_url", default="", metavar="URL",
               help="Where the DAG lives: postgresql://USER@HOST:PORT/DB (default: SQLite); one that holds a "
                    "repository already is joined.")
-def init(path: str, max_chain: int | None, lossy: str | None, objects_url: str, metadata_url: str) -> None:
+def init(path: str, max_chain: str | None, lossy: str | None, objects_url: str, metadata_url: str) -> None:
     """Create a repository in PATH (default: here), or join a shared one named by --objects and --metadata."""
     settings = EncodingSettings() if max_chain is None else EncodingSettings(max_chain=max_chain)
     with Repository.init(path, encoding=settings, lossy=lossy or "", objects_url=objects_url,

@@ -1,5 +1,6 @@
 """Per tensor: which codec, keyframe or residual, and (in lossy modes) how many bits."""
 
+from ckptstore.policy.chaincost import AUTO, ChainCosts, chain_limit
 from ckptstore.policy.levels import LEVELS, LossyLevel, level_named
 from ckptstore.policy.lossless import (
     LOSSLESS_CODEC,
@@ -10,5 +11,5 @@ from ckptstore.policy.lossless import (
     plan_tensor,
 )
 
-__all__ = ["LEVELS", "LOSSLESS_CODEC", "EncodePlan", "EncodingSettings", "LossyLevel", "after_attempt",
-           "chunk_sizes", "level_named", "plan_tensor"]
+__all__ = ["AUTO", "LEVELS", "LOSSLESS_CODEC", "ChainCosts", "EncodePlan", "EncodingSettings", "LossyLevel",
+           "after_attempt", "chain_limit", "chunk_sizes", "level_named", "plan_tensor"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ckptstore.errors import CkptError
+from ckptstore.policy.chaincost import AUTO, ChainCosts, chain_limit
 from ckptstore.records import TensorRecord
 
 LOSSLESS_CODEC = "bytegroup"
@@ -12,11 +14,23 @@ LOSSLESS_CODEC = "bytegroup"
 
 @dataclass(frozen=True)
 class EncodingSettings:
-    """Repository-wide knobs that decide how tensors are encoded."""
+    """Repository-wide knobs that decide how tensors are encoded.
 
-    max_chain: int = 2
+    `max_chain` is "auto" (the chain grows while checkout stays faster than torch.load, by measured
+    decode costs: policy/chaincost.py) or a number, a hard cap on the chain's length.
+    """
+
+    max_chain: int | str = AUTO
     chunk_bytes: int = 4 << 20
     zstd_level: int = 1
+
+    def __post_init__(self) -> None:
+        value = self.max_chain
+        if isinstance(value, str) and value.isdigit():
+            object.__setattr__(self, "max_chain", int(value))
+        elif value != AUTO and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise CkptError(f"max_chain must be {AUTO!r} or a count of levels (0 or more), not {value!r}; "
+                            f"set [encoding] max_chain in .ckpt/config.toml or `ckpt init --max-chain`")
 
 
 @dataclass
@@ -26,11 +40,15 @@ class EncodePlan:
     codec: str
     params: dict[str, Any]
     base: TensorRecord | None
+    limit: int = 0  # the longest chain this tensor may have: the next commit chains on it while depth < limit
 
 
 def plan_tensor(dtype: str, nbytes: int, itemsize: int, parent: TensorRecord | None,
-                settings: EncodingSettings) -> EncodePlan:
+                settings: EncodingSettings, costs: dict[int, ChainCosts] | None = None) -> EncodePlan:
     """Residual against the parent's tensor when it has the same layout and the chain has room.
+
+    The room is `chain_limit`: the user's `max_chain`, or with "auto" what `costs` (measured decode
+    and torch.load times per element width) allow.
 
     Rebuilding the parent costs about as much as encoding, so a tensor whose last residual attempt
     did not pay (Adam's first moment, typically) skips the attempt for a while: 1, 2, then 4
@@ -38,26 +56,27 @@ def plan_tensor(dtype: str, nbytes: int, itemsize: int, parent: TensorRecord | N
     """
     chunk_bytes = max(itemsize, settings.chunk_bytes // itemsize * itemsize)
     params: dict[str, Any] = {"width": itemsize, "level": settings.zstd_level, "chunk_bytes": chunk_bytes}
+    limit = chain_limit(settings.max_chain, itemsize, costs)
     usable = (
         parent is not None
         and parent.codec == LOSSLESS_CODEC
         and parent.dtype == dtype
         and parent.raw_bytes == nbytes
-        and parent.depth + 1 <= settings.max_chain
+        and parent.depth + 1 <= limit
         and nbytes > 0
     )
     if not usable:
-        return EncodePlan(LOSSLESS_CODEC, params, None)
+        return EncodePlan(LOSSLESS_CODEC, params, None, limit)
     params["chunk_bytes"] = int(parent.params["chunk_bytes"])
     misses = int(parent.params.get("residual_misses", 0))
     wait = int(parent.params.get("residual_wait", 0))
     if wait > 0:
         params.update(residual_misses=misses, residual_wait=wait - 1)
-        return EncodePlan(LOSSLESS_CODEC, params, None)
+        return EncodePlan(LOSSLESS_CODEC, params, None, limit)
     params["residual_misses"] = misses
     if parent.depth >= 1 and "plane_modes" in parent.params:  # the parent chose between XOR and not
         params["plane_hints"] = parent.params["plane_modes"]
-    return EncodePlan(LOSSLESS_CODEC, params, parent)
+    return EncodePlan(LOSSLESS_CODEC, params, parent, limit)
 
 
 def after_attempt(params: dict[str, Any], residual_paid: bool) -> dict[str, Any]:

@@ -93,7 +93,7 @@ class RepoConfig:
         try:
             data = tomllib.loads(path.read_text())
             encoding = EncodingSettings(**data.get("encoding", {}))
-        except (OSError, tomllib.TOMLDecodeError, TypeError) as exc:
+        except (OSError, tomllib.TOMLDecodeError, TypeError, CkptError) as exc:
             raise CkptError(f"cannot read {path}: {exc}") from None
         core = data.get("core", {})
         try:
@@ -113,7 +113,7 @@ class RepoConfig:
         lines = ["[core]", f"objects_url = {json.dumps(self.objects_url)}",
                  f"metadata_url = {json.dumps(self.metadata_url)}", f"threads = {self.threads}",
                  f"lossy = {json.dumps(self.lossy)}", "", "[encoding]"]
-        lines += [f"{key} = {value}" for key, value in asdict(self.encoding).items()]
+        lines += [f"{key} = {json.dumps(value)}" for key, value in asdict(self.encoding).items()]
         for name, remote in sorted(self.remotes.items()):
             lines += ["", f"[remotes.{json.dumps(name)}]", f"url = {json.dumps(remote.url)}",
                       f"metadata_url = {json.dumps(remote.metadata_url)}", f"lazy = {str(remote.lazy).lower()}"]

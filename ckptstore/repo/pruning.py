@@ -31,10 +31,11 @@ from ckptstore.metadata import retention as retention_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.objectstore.fallback import FallbackStore
 from ckptstore.objectstore.memory import MemoryObjectStore
-from ckptstore.policy import EncodingSettings, chunk_sizes
+from ckptstore.policy import AUTO, EncodingSettings, chain_limit, chunk_sizes
 from ckptstore.policy.lossless import LOSSLESS_CODEC
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource, replay
+from ckptstore.repo.chaincost import chain_costs
 from ckptstore.repo.compaction import compact
 from ckptstore.repo.config import RetentionPolicy
 from ckptstore.repo.retention import History, doomed
@@ -307,5 +308,11 @@ def _usable(record: TensorRecord, base: TensorRecord, width: int, settings: Enco
     """Whether `record` can be a residual on `base`: same dtype and size, chunks that line up, room in the chain."""
     chunk = base.params.get("chunk_bytes")
     return (base.dtype == record.dtype and base.raw_bytes == record.raw_bytes > 0
-            and base.depth + 1 <= settings.max_chain and isinstance(chunk, int) and chunk > 0 and chunk % width == 0
+            and base.depth + 1 <= _limit(settings, width) and isinstance(chunk, int) and chunk > 0
+            and chunk % width == 0
             and chunk_sizes(record.raw_bytes, chunk) == [c.raw_bytes for c in base.chunks])
+
+
+def _limit(settings: EncodingSettings, width: int) -> int:
+    """The longest chain a re-encoded tensor may join: the user's max_chain, or the measured rule's."""
+    return chain_limit(settings.max_chain, width, chain_costs() if settings.max_chain == AUTO else None)

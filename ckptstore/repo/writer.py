@@ -21,9 +21,10 @@ from ckptstore.codecs.planes import group
 from ckptstore.errors import CodecError
 from ckptstore.hashing import ObjectId, TensorId, chunk_checksum, tensor_id_of_parts
 from ckptstore.objectstore.pack import PACK_BELOW, PackSlot, PackWriter
-from ckptstore.policy import EncodingSettings, after_attempt, chunk_sizes, fidelity, plan_tensor
+from ckptstore.policy import AUTO, EncodingSettings, after_attempt, chunk_sizes, fidelity, plan_tensor
 from ckptstore.records import Chunk, TensorRecord
 from ckptstore.replay import ChainSource
+from ckptstore.repo.chaincost import chain_costs
 from ckptstore.repo.planecache import PlaneCache
 from ckptstore.state import RawTensor
 
@@ -325,11 +326,15 @@ def _chunk(result: ChunkResult, raw_bytes: int) -> Chunk:
 
 def lossless_jobs(new: dict[TensorId, RawTensor], parents: dict[TensorId, TensorRecord | None],
                   settings: EncodingSettings) -> list[Job]:
-    """Jobs for tensors stored bit for bit: keyframe, or residual against the parent's tensor."""
+    """Jobs for tensors stored bit for bit: keyframe, or residual against the parent's tensor.
+
+    With `max_chain = "auto"` the chain's length comes from this process's measured decode costs.
+    """
+    costs = chain_costs() if settings.max_chain == AUTO else None
     jobs = []
     for tid, raw in new.items():
-        plan = plan_tensor(raw.dtype, raw.nbytes, raw.itemsize, parents.get(tid), settings)
+        plan = plan_tensor(raw.dtype, raw.nbytes, raw.itemsize, parents.get(tid), settings, costs)
         depth = plan.base.depth + 1 if plan.base is not None else 0
         jobs.append(Job(tid, raw, plan.codec, plan.params, plan.base, known_id=tid,
-                        keep_planes=depth < settings.max_chain))
+                        keep_planes=depth < plan.limit))
     return jobs

@@ -1,0 +1,29 @@
+"""torch.load's time to read a tensor's raw bytes: the yardstick a lossless chain's checkout must beat."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def torch_load_seconds(data: np.ndarray, repeats: int = 3) -> float:
+    """Best of `repeats` torch.load calls (weights_only) of a torch.save file of `data`, from the page cache.
+
+    The file holds `data` as 16 tensors, as a checkpoint holds many; the page cache is where a
+    checkpoint just written, or read before, sits.
+    """
+    import torch
+
+    parts = np.array_split(np.ascontiguousarray(data).reshape(-1), 16)
+    with tempfile.TemporaryDirectory(prefix="ckpt-loadspeed-") as folder:
+        path = Path(folder) / "sample.pt"
+        torch.save({f"t{i}": torch.from_numpy(part.copy()) for i, part in enumerate(parts)}, path)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.load(path, map_location="cpu", weights_only=True)
+            best = min(best, time.perf_counter() - start)
+    return best

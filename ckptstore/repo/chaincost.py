@@ -1,0 +1,91 @@
+"""Measure, once per process, what a lossless residual level costs at checkout (for `max_chain = "auto"`).
+
+A synthetic chunk shaped like a fine-tune's weights (normal values, each commit a small update) is
+encoded as a keyframe and a chain of residuals with the real codec, and its decode is timed at depth 0
+and at `LEVELS`, beside torch.load of the same bytes. Per element width (fp32, and bf16-like 2-byte
+values), that gives policy/chaincost.py's `ChainCosts`. About 0.2 s, paid by the first commit of a
+process that asks. Checkout decodes chunks on one thread per CPU, so the rule divides decode time by
+the CPU count. `CKPTSTORE_CHAIN_COSTS` (JSON {width: [keyframe, level, load, workers]}, s/byte) pins them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import numpy as np
+
+from ckptstore.codecs import get_codec
+from ckptstore.errors import CkptError
+from ckptstore.formats.loadspeed import torch_load_seconds
+from ckptstore.policy import LOSSLESS_CODEC, ChainCosts
+
+SAMPLE_BYTES = 4 << 20  # one default chunk: per-call overheads stay small beside the bytes
+LEVELS = 6
+REPEATS = 3
+ENV = "CKPTSTORE_CHAIN_COSTS"
+_lock = threading.Lock()
+_measured: dict[int, ChainCosts] | None = None
+
+
+def chain_costs() -> dict[int, ChainCosts]:
+    """This process's measured costs per element width (measured on first use, then kept)."""
+    global _measured
+    with _lock:
+        if _measured is None:
+            _measured = _pinned() or {width: measure(width) for width in (2, 4)}
+        return _measured
+
+
+def _pinned() -> dict[int, ChainCosts] | None:
+    text = os.environ.get(ENV)
+    if not text:
+        return None
+    try:
+        return {int(w): ChainCosts(*map(float, v)) for w, v in json.loads(text).items()}
+    except (ValueError, TypeError) as exc:
+        raise CkptError(f"{ENV}={text!r} is not JSON {{width: [keyframe, level, load, workers]}} (s/byte) "
+                        f"({exc}); unset it to measure") from None
+
+
+def _versions(width: int) -> list[np.ndarray]:
+    """Raw bytes of LEVELS + 1 successive versions of a weight chunk, oldest first."""
+    rng = np.random.default_rng(0)
+    values = (rng.standard_normal(SAMPLE_BYTES // 4) * 0.02).astype(np.float32)
+    versions = []
+    for _ in range(LEVELS + 1):
+        bits = values.view(np.uint32)
+        # bf16 is the top half of an fp32: the same values at width 2
+        versions.append((bits >> 16).astype(np.uint16).view(np.uint8) if width == 2 else bits.view(np.uint8).copy())
+        values = values + (rng.standard_normal(values.size) * 1e-4).astype(np.float32)
+    return versions
+
+
+def measure(width: int) -> ChainCosts:
+    """Time decoding a keyframe chunk and a LEVELS-deep chain of element `width`, and torch.load of it."""
+    codec = get_codec(LOSSLESS_CODEC)
+    params = {"width": width, "level": 1, "chunk_bytes": SAMPLE_BYTES}
+    versions = _versions(width)
+    payloads = [codec.encode(versions[0], None, params)]
+    for older, newer in zip(versions, versions[1:]):
+        payloads.insert(0, codec.encode(newer, older, params))  # newest first, as replay hands them
+    nbytes = versions[0].size
+    # into fresh memory each time, as checkout decodes into new tensors (torch.load's page faults too)
+    key = _best(lambda: codec.decode_chain(payloads[-1:], params, nbytes, np.empty(nbytes, dtype=np.uint8)))
+    deep = _best(lambda: codec.decode_chain(payloads, params, nbytes, np.empty(nbytes, dtype=np.uint8)))
+    if not np.array_equal(codec.decode_chain(payloads, params, nbytes), versions[-1]):
+        raise CkptError("the chain-cost measurement decoded wrong bytes: the bytegroup codec is broken here; "
+                        f"set {ENV} or max_chain to a number to commit without it")
+    load = torch_load_seconds(versions[-1])
+    return ChainCosts(key / nbytes, max(0.0, deep - key) / LEVELS / nbytes, load / nbytes, os.cpu_count() or 1)
+
+
+def _best(call) -> float:
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best

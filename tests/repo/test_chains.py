@@ -1,0 +1,69 @@
+"""Long lossless chains under `max_chain = "auto"`: lengths from measured costs, a user cap, bit-exact replay."""
+
+import numpy as np
+import torch
+
+from ckptstore import Repository
+from ckptstore.policy import AUTO, ChainCosts, EncodingSettings
+from ckptstore.repo import chaincost, fsck
+from ckptstore.repo.config import RepoConfig
+from tests.conftest import assert_same
+
+# per byte: keyframe 1 ns, each level 0.5 ns, torch.load 4.4 ns: 1 + 0.5 d <= 4.4 / 1.25 allows 5 levels
+FIVE_LEVELS = {w: ChainCosts(keyframe=1e-9, level=0.5e-9, load=4.4e-9) for w in (2, 4)}
+
+
+def _states(count: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(300, 200, generator=generator) * 0.02
+    states = []
+    for step in range(count):
+        weight = weight + torch.randn(weight.shape, generator=generator) * 1e-4
+        states.append({"w": weight.clone(), "bf16": weight.to(torch.bfloat16), "step": torch.tensor(step)})
+    return states
+
+
+def _depths(repo: Repository, cid: str, path: str = "w") -> int:
+    return next(t["depth"] for t in repo.show(cid)["tensors"] if t["path"] == path)
+
+
+def test_auto_chains_as_deep_as_the_costs_allow_and_replays_bit_exact(tmp_path, monkeypatch):
+    monkeypatch.setattr(chaincost, "_measured", FIVE_LEVELS)
+    states = _states(9)
+    with Repository.init(tmp_path / "auto", encoding=EncodingSettings(max_chain=AUTO,
+                                                                      chunk_bytes=64 << 10)) as repo:
+        cids = [repo.commit(s) for s in states]
+        assert [_depths(repo, c) for c in cids] == [0, 1, 2, 3, 4, 5, 0, 1, 2]
+        assert max(_depths(repo, c, "bf16") for c in cids) == 5
+        report = fsck(repo, full=True)
+        assert report.ok and report.tensors_verified > 0
+    with Repository.open(tmp_path / "auto") as reopened:  # a new process's view: records, not the cache
+        for cid, state in zip(cids, states):
+            assert_same(state, reopened.checkout(cid))
+
+
+def test_a_user_max_chain_caps_the_measured_rule(tmp_path, monkeypatch):
+    monkeypatch.setattr(chaincost, "_measured", FIVE_LEVELS)
+    states = _states(5)
+    with Repository.init(tmp_path, encoding=EncodingSettings(max_chain=2)) as repo:
+        cids = [repo.commit(s) for s in states]
+        assert [_depths(repo, c) for c in cids] == [0, 1, 2, 0, 1]
+        for cid, state in zip(cids, states):
+            assert_same(state, repo.checkout(cid))
+
+
+def test_the_measurement_times_a_real_decode(monkeypatch):
+    monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 20)  # the codec and torch.load as committed, smaller
+    costs = chaincost.measure(4)  # raises when the chain it decodes is not bit-exact
+    assert costs.keyframe > 0 and costs.level > 0 and costs.load > 0 and costs.workers >= 1
+    assert 0 <= costs.deepest() <= 16
+    versions = chaincost._versions(2)
+    assert all(v.size == (1 << 20) // 2 for v in versions) and not np.array_equal(versions[0], versions[-1])
+
+
+def test_auto_is_written_to_the_config_and_old_numbers_still_read(tmp_path):
+    path = tmp_path / "config.toml"
+    RepoConfig().save(path)
+    assert 'max_chain = "auto"' in path.read_text() and RepoConfig.load(path).encoding.max_chain == AUTO
+    path.write_text(path.read_text().replace('max_chain = "auto"', "max_chain = 2"))
+    assert RepoConfig.load(path).encoding.max_chain == 2
