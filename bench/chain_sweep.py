@@ -41,13 +41,15 @@ class MiniLMUnseen(MiniLMFineTune):
         self.examples = {"train": examples[:cut], "eval": examples[cut:]}
 
 
-def _timed(call, repeats: int) -> float:
-    best = float("inf")
+def _turns(first, second, repeats: int) -> tuple[float, float]:
+    """Best times of two calls over `repeats` rounds, taking turns (the machine's load hits both alike)."""
+    best = [float("inf"), float("inf")]
     for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
+        for i, call in enumerate((first, second)):
+            start = time.perf_counter()
+            call()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
 
 
 def zipnn_bytes(files: list[Path]) -> int:
@@ -78,8 +80,8 @@ def sweep(files: list[Path], max_chain: int | str, repeats: int) -> dict:
             ratios, depths = [], []
             for path, cid in zip(files, commits):
                 depths.append(max(t["depth"] for t in repo.show(cid)["tensors"]))
-                load = _timed(lambda p=path: torch.load(p, map_location="cpu", weights_only=True), repeats)
-                checkout = _timed(lambda c=cid: repo.checkout(c), repeats)
+                load, checkout = _turns(lambda p=path: torch.load(p, map_location="cpu", weights_only=True),
+                                        lambda c=cid: repo.checkout(c), repeats)
                 ratios.append(load / checkout)
         return {"stored": stored, "ratios": ratios, "depths": depths}
     finally:
