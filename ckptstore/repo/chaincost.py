@@ -1,11 +1,14 @@
-"""Measure, once per process, what a lossless residual level costs at checkout (for `max_chain = "auto"`).
+"""Measure what a lossless residual level costs at checkout (for `max_chain = "auto"`).
 
 A synthetic chunk shaped like a fine-tune's weights (normal values, each commit a small update) is
 encoded as a keyframe and a chain of residuals with the real codec, and its decode is timed at depth 0
 and at `LEVELS`, beside torch.load of the same bytes. Per element width (fp32, and bf16-like 2-byte
-values), that gives policy/chaincost.py's `ChainCosts`. About 0.2 s, paid by the first commit of a
-process that asks. Checkout decodes chunks on one thread per CPU, so the rule divides decode time by
-the CPU count. `CKPTSTORE_CHAIN_COSTS` (JSON {width: [keyframe, level, load, workers]}, s/byte) pins them.
+values), that gives policy/chaincost.py's `ChainCosts`, timed on one thread (checkout decodes chunks
+on one per CPU, which the rule divides by). About 1-2 s with torch's import, so a repository measures
+once, at its first "auto" commit, and keeps the figures in `.ckpt/chaincost.json` (measured again
+on a machine with another CPU count, or when the file is deleted or unreadable); a process without a
+repository measures once. `CKPTSTORE_CHAIN_COSTS` (JSON {width: [keyframe, level, load, workers]},
+s/byte) pins them.
 """
 
 from __future__ import annotations
@@ -14,18 +17,21 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
 from ckptstore.codecs import get_codec
 from ckptstore.errors import CkptError
+from ckptstore.formats.atomic import atomic_write
 from ckptstore.formats.loadspeed import torch_load_seconds
 from ckptstore.policy import LOSSLESS_CODEC, ChainCosts
 
 SAMPLE_BYTES = 4 << 20  # one default chunk: per-call overheads stay small beside the bytes
 LEVELS = 6
-REPEATS = 3
+REPEATS = 7
 ENV = "CKPTSTORE_CHAIN_COSTS"
+FILE = "chaincost.json"
 _lock = threading.Lock()
 _measured: dict[int, ChainCosts] | None = None
 
@@ -37,6 +43,30 @@ def chain_costs() -> dict[int, ChainCosts]:
         if _measured is None:
             _measured = _pinned() or {width: measure(width) for width in (2, 4)}
         return _measured
+
+
+def repository_costs(folder: Path) -> dict[int, ChainCosts]:
+    """The costs of the repository whose `.ckpt` folder is `folder`: its file, else measured and kept there."""
+    pinned = _pinned()
+    if pinned:
+        return pinned
+    path = folder / FILE
+    try:
+        data = json.loads(path.read_text())
+        if data["cpus"] == (os.cpu_count() or 1):
+            return {int(w): ChainCosts(*map(float, v)) for w, v in data["costs"].items()}
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, TypeError, KeyError):
+        pass  # unreadable or damaged: measured again and rewritten
+    costs = chain_costs()
+    text = json.dumps({"cpus": os.cpu_count() or 1, "measured_at": time.time(),
+                       "costs": {w: [c.keyframe, c.level, c.load, c.workers] for w, c in costs.items()}})
+    try:
+        atomic_write(path, lambda handle: handle.write(text.encode()))
+    except OSError:
+        pass  # a read-only repository measures in each process instead
+    return costs
 
 
 def _pinned() -> dict[int, ChainCosts] | None:
@@ -72,7 +102,9 @@ def measure(width: int) -> ChainCosts:
     for older, newer in zip(versions, versions[1:]):
         payloads.insert(0, codec.encode(newer, older, params))  # newest first, as replay hands them
     nbytes = versions[0].size
-    # into fresh memory each time, as checkout decodes into new tensors (torch.load's page faults too)
+    # One thread, best of REPEATS: the machine's capability rather than its load at this moment, which
+    # the repository would keep (timing all CPUs at once chose no chains at all under load).
+    # Into fresh memory each time, as checkout decodes into new tensors (torch.load's page faults too).
     key = _best(lambda: codec.decode_chain(payloads[-1:], params, nbytes, np.empty(nbytes, dtype=np.uint8)))
     deep = _best(lambda: codec.decode_chain(payloads, params, nbytes, np.empty(nbytes, dtype=np.uint8)))
     if not np.array_equal(codec.decode_chain(payloads, params, nbytes), versions[-1]):

@@ -24,10 +24,10 @@ from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import files as file_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.metadata.commits import CommitInfo
-from ckptstore.policy import LossyLevel, level_named
+from ckptstore.policy import AUTO, ChainCosts, LossyLevel, level_named
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource
-from ckptstore.repo import calibrate
+from ckptstore.repo import calibrate, chaincost
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.planecache import cache_of
@@ -310,10 +310,17 @@ def _jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], sources: M
         if sources[path] not in present and sources[path] not in new:
             new[sources[path]] = tensors[path]
             parent_of[sources[path]] = parents.get(path)
-    jobs = lossless_jobs(new, parent_of, repo.config.encoding)
+    jobs = lossless_jobs(new, parent_of, repo.config.encoding, _chain_costs(repo) if any(parent_of.values()) else None)
     jobs += [lossy_job(plan, tensors, sources[path], level, plans, reused)
              for path, plan in plans.items() if path not in reused]
     return entries, jobs
+
+
+def _chain_costs(repo: Repository) -> dict[int, ChainCosts] | None:
+    """The measured decode costs `max_chain = "auto"` chains by (None when a number caps chains)."""
+    if repo.config.encoding.max_chain != AUTO:
+        return None
+    return chaincost.repository_costs(repo.dir)
 
 
 def lossy_job(plan: LossyPlan, tensors: Mapping[str, RawTensor], source: TensorId, level: LossyLevel,

@@ -21,7 +21,7 @@ from ckptstore.codecs.planes import group
 from ckptstore.errors import CodecError
 from ckptstore.hashing import ObjectId, TensorId, chunk_checksum, tensor_id_of_parts
 from ckptstore.objectstore.pack import PACK_BELOW, PackSlot, PackWriter
-from ckptstore.policy import AUTO, EncodingSettings, after_attempt, chunk_sizes, fidelity, plan_tensor
+from ckptstore.policy import AUTO, ChainCosts, EncodingSettings, after_attempt, chunk_sizes, fidelity, plan_tensor
 from ckptstore.records import Chunk, TensorRecord
 from ckptstore.replay import ChainSource
 from ckptstore.repo.chaincost import chain_costs
@@ -325,12 +325,15 @@ def _chunk(result: ChunkResult, raw_bytes: int) -> Chunk:
 
 
 def lossless_jobs(new: dict[TensorId, RawTensor], parents: dict[TensorId, TensorRecord | None],
-                  settings: EncodingSettings) -> list[Job]:
+                  settings: EncodingSettings, costs: dict[int, ChainCosts] | None = None) -> list[Job]:
     """Jobs for tensors stored bit for bit: keyframe, or residual against the parent's tensor.
 
-    With `max_chain = "auto"` the chain's length comes from this process's measured decode costs.
+    With `max_chain = "auto"` the chain's length comes from measured decode `costs` (the repository's,
+    repo/chaincost.py); without them, from this process's measurement, taken only when some tensor
+    has a parent to chain on (a first commit keyframes anyway).
     """
-    costs = chain_costs() if settings.max_chain == AUTO else None
+    if settings.max_chain == AUTO and costs is None and any(parents.values()):
+        costs = chain_costs()
     jobs = []
     for tid, raw in new.items():
         plan = plan_tensor(raw.dtype, raw.nbytes, raw.itemsize, parents.get(tid), settings, costs)

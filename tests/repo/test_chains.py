@@ -1,5 +1,8 @@
 """Long lossless chains under `max_chain = "auto"`: lengths from measured costs, a user cap, bit-exact replay."""
 
+import json
+import os
+
 import numpy as np
 import torch
 
@@ -10,7 +13,7 @@ from ckptstore.repo.config import RepoConfig
 from tests.conftest import assert_same
 
 # per byte: keyframe 1 ns, each level 0.5 ns, torch.load 4.4 ns: 1 + 0.5 d <= 4.4 / 1.25 allows 5 levels
-FIVE_LEVELS = {w: ChainCosts(keyframe=1e-9, level=0.5e-9, load=4.4e-9) for w in (2, 4)}
+FIVE_LEVELS = json.dumps({w: [1e-9, 0.5e-9, 4.4e-9, 1] for w in (2, 4)})
 
 
 def _states(count: int) -> list[dict]:
@@ -28,7 +31,7 @@ def _depths(repo: Repository, cid: str, path: str = "w") -> int:
 
 
 def test_auto_chains_as_deep_as_the_costs_allow_and_replays_bit_exact(tmp_path, monkeypatch):
-    monkeypatch.setattr(chaincost, "_measured", FIVE_LEVELS)
+    monkeypatch.setenv(chaincost.ENV, FIVE_LEVELS)
     states = _states(9)
     with Repository.init(tmp_path / "auto", encoding=EncodingSettings(max_chain=AUTO,
                                                                       chunk_bytes=64 << 10)) as repo:
@@ -43,7 +46,7 @@ def test_auto_chains_as_deep_as_the_costs_allow_and_replays_bit_exact(tmp_path, 
 
 
 def test_a_user_max_chain_caps_the_measured_rule(tmp_path, monkeypatch):
-    monkeypatch.setattr(chaincost, "_measured", FIVE_LEVELS)
+    monkeypatch.setenv(chaincost.ENV, FIVE_LEVELS)
     states = _states(5)
     with Repository.init(tmp_path, encoding=EncodingSettings(max_chain=2)) as repo:
         cids = [repo.commit(s) for s in states]
@@ -59,6 +62,21 @@ def test_the_measurement_times_a_real_decode(monkeypatch):
     assert 0 <= costs.deepest() <= 16
     versions = chaincost._versions(2)
     assert all(v.size == (1 << 20) // 2 for v in versions) and not np.array_equal(versions[0], versions[-1])
+
+
+def test_a_repository_measures_once_and_keeps_its_costs(tmp_path, monkeypatch):
+    monkeypatch.delenv(chaincost.ENV)
+    monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 20)
+    monkeypatch.setattr(chaincost, "_measured", None)
+    measured = chaincost.repository_costs(tmp_path)
+    kept = json.loads((tmp_path / chaincost.FILE).read_text())
+    assert kept["cpus"] == (os.cpu_count() or 1) and set(measured) == {2, 4}
+    kept["costs"]["4"] = [1e-9, 0.5e-9, 4.4e-9, 1]  # what the next process reads, not measures
+    (tmp_path / chaincost.FILE).write_text(json.dumps(kept))
+    assert chaincost.repository_costs(tmp_path)[4] == ChainCosts(1e-9, 0.5e-9, 4.4e-9, 1)
+    (tmp_path / chaincost.FILE).write_text("{damaged")
+    assert chaincost.repository_costs(tmp_path) == measured  # measured again (this process's figures)
+    assert json.loads((tmp_path / chaincost.FILE).read_text())["cpus"] == kept["cpus"]
 
 
 def test_auto_is_written_to_the_config_and_old_numbers_still_read(tmp_path):
