@@ -186,3 +186,13 @@ def test_os_failures_below_ckptstore_are_explained():
     assert isinstance(denied, CkptError) and "permission denied on /shared/.ckpt/lock" in str(denied)
     assert isinstance(explain(OSError(errno.EROFS, "Read-only file system")), ReadOnlyRepoError)
     assert explain(ValueError("something else")) is None
+
+
+def test_init_takes_a_max_chain_count_or_auto_and_refuses_anything_else(tmp_path):
+    bad = run(tmp_path, "init", "bad", "--max-chain", "often")
+    assert bad.returncode == 1 and bad.stderr.count("error:") == 1 and "max_chain" in bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "bad" / ".ckpt").exists()
+    assert run(tmp_path, "init", "capped", "--max-chain", "3").returncode == 0
+    assert run(tmp_path, "init", "auto").returncode == 0
+    with Repository.open(tmp_path / "capped") as capped, Repository.open(tmp_path / "auto") as auto:
+        assert capped.config.encoding.max_chain == 3 and auto.config.encoding.max_chain == "auto"
