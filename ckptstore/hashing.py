@@ -27,6 +27,14 @@ def object_id(data: bytes | memoryview) -> ObjectId:
     return ObjectId(_hasher(data).hexdigest())
 
 
+def object_id_of_parts(parts) -> ObjectId:
+    """object_id of the concatenation of `parts`, without concatenating them."""
+    hasher = _hasher()
+    for part in parts:
+        hasher.update(part)
+    return ObjectId(hasher.hexdigest())
+
+
 def tensor_id(dtype: str, shape: tuple[int, ...], data: bytes | memoryview) -> TensorId:
     """The id of a tensor: blake3 over its dtype, shape and raw bytes, so equal content is stored once."""
     return tensor_id_of_parts(dtype, shape, [data])

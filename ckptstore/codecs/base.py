@@ -55,6 +55,10 @@ class PlaneCodec(Protocol):
                        params: dict[str, Any]) -> bytes:
         """`encode` of a chunk already split into byte planes (rows of `grouped`), against the base's planes."""
 
+    def encode_grouped_parts(self, grouped: np.ndarray, base_planes: list[np.ndarray] | None,
+                             params: dict[str, Any]) -> tuple[list[bytes | memoryview], list[int]]:
+        """`encode_grouped`'s payload as consecutive parts, unjoined, and each plane's mode."""
+
 
 @runtime_checkable
 class LossyCodec(Protocol):

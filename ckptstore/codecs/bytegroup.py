@@ -166,6 +166,14 @@ class ByteGroupCodec:
 
         The writer groups a chunk itself to keep its planes as the next commit's base (repo/planecache.py).
         """
+        return b"".join(self.encode_grouped_parts(grouped, base_planes, params)[0])
+
+    def encode_grouped_parts(self, grouped: np.ndarray, base_planes: list[np.ndarray] | None,
+                             params: dict[str, Any]) -> tuple[list[bytes | memoryview], list[int]]:
+        """`encode_grouped` as consecutive parts (the header, then each plane's payload), and each plane's mode.
+
+        The writer hands the parts to the store as they are: joining them copied every stored byte.
+        """
         width = int(params["width"])
         compressor = _compressor(int(params.get("level", 1)))
         if grouped.shape[0] != width:
@@ -174,7 +182,7 @@ class ByteGroupCodec:
                                                                           for b in base_planes)):
             raise CodecError("bytegroup: base planes do not match the chunk's layout")
         hints = params.get("plane_hints")
-        headers, payloads = [], []
+        headers, payloads, modes = [_HEAD.pack(MAGIC, width, width)], [], []
         for j in range(width):
             plane = grouped[j]
             base_plane = base_planes[j] if base_planes is not None else None
@@ -182,7 +190,8 @@ class ByteGroupCodec:
             mode, payload = hinted or self._compress_plane(plane, base_plane, compressor)
             headers.append(_PLANE.pack(mode, len(payload)))
             payloads.append(payload)
-        return b"".join([_HEAD.pack(MAGIC, width, width), *headers, *payloads])
+            modes.append(mode)
+        return [b"".join(headers), *payloads], modes
 
     @staticmethod
     def _hinted_plane(plane: np.ndarray, base_plane: np.ndarray | None, compressor: zstandard.ZstdCompressor,

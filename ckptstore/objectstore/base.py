@@ -6,7 +6,7 @@ store's memory maps) is a protocol of its own, tested in one place: `read_whole`
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol, runtime_checkable
 
@@ -90,6 +90,25 @@ class ReadsAhead(Protocol):
 
     def read_ahead(self, oids: Iterable[ObjectId]) -> AbstractContextManager[None]:
         """Fetch `oids` in the background, in this order, while the block runs; `view`/`get` take them from there."""
+
+
+@runtime_checkable
+class WritesParts(Protocol):
+    """A store that writes an object given as consecutive parts without joining them first."""
+
+    def put_parts(self, parts: Sequence[bytes | memoryview]) -> ObjectId:
+        """`put(b"".join(parts))`, without the join's copy."""
+
+
+def put_parts(store: ObjectStore, parts: Sequence[bytes | memoryview]) -> ObjectId:
+    """Store the concatenation of `parts`: written part by part where the store can, else joined first.
+
+    A commit's chunk payloads are a header and one part per byte plane, and a pack many payloads;
+    joining them copied every stored byte once or twice before the write copied it again.
+    """
+    if isinstance(store, WritesParts):
+        return store.put_parts(parts)
+    return store.put(parts[0] if len(parts) == 1 else b"".join(parts))
 
 
 def reading_ahead(store: ObjectStore, oids: Iterable[ObjectId]) -> AbstractContextManager[None]:

@@ -8,12 +8,12 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from ckptstore.errors import CorruptObjectError
-from ckptstore.hashing import ObjectId, is_hex_id, object_id
+from ckptstore.hashing import ObjectId, is_hex_id, object_id, object_id_of_parts
 from ckptstore.objectstore.base import as_bytes
 
 
@@ -84,16 +84,22 @@ class LocalObjectStore:
         the name would record a commit that cannot be read. The size is compared always (one stat);
         equal sizes are compared byte for byte, which costs a read only when the object exists.
         """
-        oid = object_id(data)
+        return self._put([data], object_id(data))
+
+    def put_parts(self, parts: Sequence[bytes | memoryview]) -> ObjectId:
+        """`put` of the concatenation of `parts`, hashed and written part by part (no joined copy)."""
+        return self._put(parts, object_id_of_parts(parts))
+
+    def _put(self, parts: Sequence[bytes | memoryview], oid: ObjectId) -> ObjectId:
         final = self.path_of(oid)
-        if self._holds(final, data):
+        if self._holds(final, parts):
             return oid
         final.parent.mkdir(exist_ok=True)
         temp = self.tmp / f"{oid}.{uuid.uuid4().hex}"
         try:
-            with open(temp, "wb") as handle:
-                handle.write(data)
-                handle.flush()
+            with open(temp, "wb", buffering=0) as handle:  # unbuffered: each part goes straight to the file
+                for part in parts:
+                    _write_all(handle, part)
                 if self._batched is None:
                     os.fsync(handle.fileno())
             os.replace(temp, final)
@@ -107,13 +113,14 @@ class LocalObjectStore:
         return oid
 
     @staticmethod
-    def _holds(path: Path, data: bytes | memoryview) -> bool:
-        """True when the file at `path` exists and holds exactly `data` (else put writes it over)."""
+    def _holds(path: Path, parts: Sequence[bytes | memoryview]) -> bool:
+        """True when the file at `path` exists and holds exactly the parts' bytes (else put writes it over)."""
         try:
             with open(path, "rb") as handle:
-                if os.fstat(handle.fileno()).st_size != len(data):
+                if os.fstat(handle.fileno()).st_size != sum(len(as_bytes(p)) for p in parts):
                     return False
-                return handle.read() == as_bytes(data)
+                whole = as_bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+                return handle.read() == whole
         except FileNotFoundError:
             return False
 
@@ -204,6 +211,14 @@ class LocalObjectStore:
             item.unlink()
             removed += 1
         return removed
+
+
+def _write_all(handle: Any, data: bytes | memoryview) -> None:
+    """Write all of `data` to the unbuffered file `handle` (a raw write may take less than asked)."""
+    view = as_bytes(data)
+    view = view if isinstance(view, memoryview) else memoryview(view)
+    while view:
+        view = view[handle.write(view):]
 
 
 def _syncfs(folder: Path) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 from ckptstore import faults
 from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import ObjectId
-from ckptstore.objectstore.base import ObjectStore, RangeReader, read_whole
+from ckptstore.objectstore.base import ObjectStore, RangeReader, as_bytes, put_parts, read_whole
 
 PACK_BELOW = 1 << 20
 PACK_BYTES = 32 << 20
@@ -52,24 +53,27 @@ class PackWriter:
     def __init__(self, store: ObjectStore, limit: int | None = None) -> None:
         self.store = store
         self.limit = PACK_BYTES if limit is None else limit
-        self._payloads: list[bytes] = []
+        self._payloads: list[bytes | memoryview] = []
         self._slots: list[PackSlot] = []
         self._filled = 0
 
-    def add(self, payload: bytes) -> PackSlot:
-        """Queue `payload` for a pack; its slot is complete once the pack is written."""
-        if self._filled + len(payload) > self.limit:
+    def add(self, payload: bytes | Sequence[bytes | memoryview]) -> PackSlot:
+        """Queue `payload` (bytes, or consecutive parts) for a pack; its slot is complete once the pack is written."""
+        single = isinstance(payload, (bytes, bytearray, memoryview))
+        parts = [as_bytes(payload)] if single else [as_bytes(p) for p in payload]
+        length = sum(len(p) for p in parts)
+        if self._filled + length > self.limit:
             self.close()
-        slot = PackSlot(len(payload), self._filled)
-        self._payloads.append(payload)
+        slot = PackSlot(length, self._filled)
+        self._payloads.extend(parts)
         self._slots.append(slot)
-        self._filled += len(payload)
+        self._filled += length
         return slot
 
     def close(self) -> None:
-        """Write the pending payloads as one pack (nothing when none are pending)."""
+        """Write the pending payloads as one pack (nothing when none are pending), part by part where the store can."""
         if self._payloads:
-            oid = self.store.put(b"".join(self._payloads))
+            oid = put_parts(self.store, self._payloads)
             faults.point("pack-written")
             for slot in self._slots:
                 slot.object_id = oid

@@ -20,6 +20,7 @@ from ckptstore.codecs import capabilities, capped, chunk_step, get_codec, to_flo
 from ckptstore.codecs.planes import group
 from ckptstore.errors import CodecError
 from ckptstore.hashing import ObjectId, TensorId, chunk_checksum, tensor_id_of_parts
+from ckptstore.objectstore.base import put_parts
 from ckptstore.objectstore.pack import PACK_BELOW, PackSlot, PackWriter
 from ckptstore.policy import AUTO, ChainCosts, EncodingSettings, after_attempt, chunk_sizes, fidelity, plan_tensor
 from ckptstore.records import Chunk, TensorRecord
@@ -61,7 +62,7 @@ class ChunkResult:
     mask: np.ndarray | None = None
     error_sq: float = 0.0  # lossy: in the quantity of the level's promise (policy/fidelity.py)
     norm_sq: float = 0.0
-    payload: bytes | None = None  # kept for a pack
+    payload: list[bytes | memoryview] | None = None  # kept for a pack, as consecutive parts
     slot: PackSlot | None = None  # where in a pack it went (object_id is the pack's once written)
     modes: list[int] | None = None  # lossless: how each byte plane was stored
     capped: bool = False  # lossy: quantized finer than planned (the tensor barely moved since its base)
@@ -69,11 +70,11 @@ class ChunkResult:
     checksum: str | None = None  # of what checkout will decode: the data, or a lossy chunk's reconstruction
 
 
-def _stored(source: ChainSource, payload: bytes) -> tuple[ObjectId | None, bytes | None]:
-    """Write a large payload as its own object now; keep a small one for a pack."""
-    if len(payload) < PACK_BELOW:
-        return None, payload
-    return source.store.put(payload), None
+def _stored(source: ChainSource, parts: list[bytes | memoryview]) -> tuple[ObjectId | None, list | None]:
+    """Write a large payload (given as consecutive parts) as its own object now; keep a small one for a pack."""
+    if sum(len(part) for part in parts) < PACK_BELOW:
+        return None, parts
+    return put_parts(source.store, parts), None
 
 
 def _prune_mask(job: Job, params: dict, data: np.ndarray, base: np.ndarray | None,
@@ -120,15 +121,16 @@ def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: i
         params = dict(job.params, plane_hints=hints[index]) if hints and len(hints) > index else job.params
         if able.planes is not None and base is None:
             grouped = group(data, int(params["width"]))
-            payload = able.planes.encode_grouped(grouped, planes, params)
+            parts, modes = able.planes.encode_grouped_parts(grouped, planes, params)
             if cache is not None and job.keep_planes:
                 cache.put(job.known_id, start, grouped)
         else:
             payload = codec.encode(data, base, params, base_planes=planes)
-        oid, kept = _stored(source, payload)
-        modes = able.planes.plane_modes(payload) if able.planes is not None else None
-        return ChunkResult(oid, len(payload), job.base is not None and codec.needs_base(payload), payload=kept,
-                           modes=modes, checksum=chunk_checksum(data))
+            parts, modes = [payload], able.planes.plane_modes(payload) if able.planes is not None else None
+        oid, kept = _stored(source, parts)
+        # parts[0] holds every plane header (all that needs_base reads) or is the whole payload
+        return ChunkResult(oid, sum(len(part) for part in parts), job.base is not None and codec.needs_base(parts[0]),
+                           payload=kept, modes=modes, checksum=chunk_checksum(data))
     return _encode_lossy_chunk(job, source, index, start, data, waits)
 
 
@@ -170,7 +172,7 @@ def _encode_lossy_chunk(job: Job, source: ChainSource, index: int, start: int, d
         else:
             tighten = fidelity.finer(tighten, error_sq, norm_sq, bound)
         attempt += 1
-    oid, kept = _stored(source, payload)
+    oid, kept = _stored(source, [payload])
     return ChunkResult(oid, len(payload), get_codec(job.codec).needs_base(payload), recon, mask, error_sq, norm_sq,
                        payload=kept, capped=was_capped, checksum=chunk_checksum(recon), step=step)
 
