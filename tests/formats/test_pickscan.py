@@ -1,0 +1,109 @@
+"""The C unpickler fast path of torchzip: what `_pickscan.plain` lets through, and that it never changes a verdict."""
+
+import pickle
+import random
+import zipfile
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from ckptstore.formats import torchzip
+
+pytestmark = pytest.mark.skipif(torchzip._pickscan is None, reason="built without the C opcode walk")
+
+HEAD = pickle.PROTO + b"\x02"
+
+
+def plain(data):
+    return torchzip._pickscan.plain(data, torchzip._ALLOWED_OPCODES)
+
+
+def _archive(tmp_path, data=b"", state=None):
+    path = tmp_path / "a.pt"
+    torch.save(state if state is not None else {"w": torch.arange(6.0), "b": torch.ones(2, dtype=torch.bfloat16)}, path)
+    if data:
+        with zipfile.ZipFile(path) as zin, zipfile.ZipFile(tmp_path / "b.pt", "w", zipfile.ZIP_STORED) as zout:
+            for info in zin.infolist():
+                zout.writestr(info, data if info.filename.endswith("/data.pkl") else zin.read(info))
+        path = tmp_path / "b.pt"
+    handle = open(path, "rb")  # noqa: SIM115 - closed by the fixture's caller through the archive's zip
+    archive = torchzip._Archive(zipfile.ZipFile(path), handle, path.stat().st_size)
+    return archive, archive.read("data.pkl")
+
+
+def test_torch_save_pickles_are_plain_and_read_alike(tmp_path):
+    archive, data = _archive(tmp_path, state={"m": torch.nn.Linear(3, 2).state_dict(), "s": torch.Size([2]),
+                                              "d": torch.device("cpu"), "t": torch.float16, "n": [1, 2.5, "x", None]})
+    assert plain(data)
+    fast = torchzip._StandInFlattener().flatten(torchzip._FastUnpickler(data, archive).load(), "")
+    slow = torchzip._StandInFlattener().flatten(torchzip._Unpickler(data, archive).load(), "")
+    assert fast.skeleton == slow.skeleton
+    assert {k: v.data.tobytes() for k, v in fast.tensors.items()} == {
+        k: v.data.tobytes() for k, v in slow.tensors.items()}
+
+
+@pytest.mark.parametrize("data", [
+    b"", HEAD, HEAD + pickle.EMPTY_DICT,  # no STOP
+    pickle.PROTO + b"\x03" + pickle.EMPTY_DICT + pickle.STOP,  # another protocol
+    HEAD + pickle.EMPTY_DICT + pickle.PROTO + b"\x04" + pickle.STOP,
+    HEAD + pickle.MARK + pickle.DICT + pickle.STOP,  # an opcode torch does not run
+    HEAD + pickle.EMPTY_DICT + pickle.DUP + pickle.POP + pickle.STOP,
+    HEAD + pickle.STACK_GLOBAL + pickle.STOP, HEAD + pickle.EXT1 + b"\x01" + pickle.STOP,
+    HEAD + pickle.EMPTY_DICT + pickle.LONG_BINPUT + (2**32 - 1).to_bytes(4, "little") + pickle.STOP,  # memo bomb
+    HEAD + pickle.BINUNICODE + (2**32 - 1).to_bytes(4, "little") + b"ab" + pickle.STOP,  # length past the end
+    HEAD + pickle.SHORT_BINSTRING + b"\x09abc" + pickle.STOP, HEAD + pickle.BININT + b"\x01\x02",
+    HEAD + pickle.GLOBAL + b"torch\nfloat32" + pickle.STOP,  # unterminated line
+])
+def test_pickles_the_c_unpickler_must_not_see_are_not_plain(data):
+    assert not plain(data)
+
+
+def test_a_memo_bomb_is_read_by_the_python_unpickler_without_allocating(tmp_path):
+    bomb = HEAD + pickle.EMPTY_DICT + pickle.LONG_BINPUT + (2**32 - 2).to_bytes(4, "little") + pickle.STOP
+    archive, data = _archive(tmp_path, bomb)
+    assert not plain(data)
+    assert torchzip._unpickle(data, archive) == {}  # the pure-Python memo is a dict: one entry
+
+
+def _build_on(global_line, state):
+    return HEAD + pickle.GLOBAL + global_line + state + pickle.BUILD + pickle.STOP
+
+
+@pytest.mark.parametrize("module, name", sorted(torchzip._globals()))
+@pytest.mark.parametrize("slots", [False, True])
+def test_build_on_any_allow_listed_global_is_refused_by_the_c_unpickler(tmp_path, module, name, slots):
+    attr = pickle.BINUNICODE + (4).to_bytes(4, "little") + b"evil" + pickle.NEWTRUE
+    state = (pickle.NONE + pickle.EMPTY_DICT + attr + pickle.SETITEM + pickle.TUPLE2 if slots
+             else pickle.EMPTY_DICT + attr + pickle.SETITEM)
+    data = _build_on(f"{module}\n{name}\n".encode(), state)
+    archive, data = _archive(tmp_path, data)
+    assert plain(data)
+    shared = torchzip._globals()[(module, name)]
+    with pytest.raises(Exception):  # noqa: B017,PT011 - any refusal will do; the Python unpickler names it
+        torchzip._FastUnpickler(data, archive).load()
+    assert not hasattr(shared, "evil") and not hasattr(getattr(shared, "target", None), "evil")
+    assert not hasattr(OrderedDict, "evil")
+
+
+def test_damaged_pickles_get_the_verdict_of_the_python_unpickler(tmp_path):
+    archive, data = _archive(tmp_path, state={"m": torch.nn.Linear(3, 2).state_dict(), "x": {1, 2}, "c": 1 + 2j})
+    rng = random.Random(0)
+
+    def outcome(read, data):
+        try:
+            flat = torchzip._StandInFlattener().flatten(read(data), "")
+        except Exception as exc:  # noqa: BLE001 - the kind of failure is the verdict compared
+            return type(exc).__name__
+        return flat.skeleton, {k: v.data.tobytes() for k, v in flat.tensors.items()}
+
+    checked = 0
+    for _ in range(400):
+        damaged = bytearray(data)
+        for _ in range(rng.randint(1, 3)):
+            damaged[rng.randrange(2, len(damaged))] = rng.randrange(256)
+        damaged = bytes(damaged)
+        checked += plain(damaged)
+        assert outcome(lambda d: torchzip._unpickle(d, archive), damaged) == outcome(
+            lambda d: torchzip._Unpickler(d, archive).load(), damaged)
+    assert checked > 50  # the fast path was exercised, not only refused
