@@ -129,25 +129,56 @@ static void build_table(const uint8_t *lengths, entry_t *table)
     }
 }
 
+static inline void put64le(uint8_t *p, uint64_t v)
+{
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
+    memcpy(p, &v, 8);
+}
+
+/* Code `n` bytes as one LSB-first stream at dst; returns its size (the last byte padded with zeros).
+ * Four codes (at most 4 * MAXBITS = 44 bits, on top of at most 7 pending) are added between
+ * flushes, and each flush stores 8 bytes and keeps the unfinished byte: no branch on how full
+ * the buffer is, which the CPU mispredicted every few symbols. A flush may write up to 7 bytes
+ * past the stream's end; whatever is coded next (the next stream, or encode's padding) overwrites them. */
 static size_t encode_stream(const uint8_t *src, size_t n, const uint16_t *codes, const uint8_t *lengths, uint8_t *dst)
 {
+    uint32_t table[256]; /* code in the low 16 bits, length above: one lookup per symbol */
+    for (int s = 0; s < 256; s++)
+        table[s] = (uint32_t)codes[s] | (uint32_t)lengths[s] << 16;
     uint64_t acc = 0;
     unsigned fill = 0;
     uint8_t *p = dst;
-    for (size_t i = 0; i < n; i++) {
-        acc |= (uint64_t)codes[src[i]] << fill;
-        fill += lengths[src[i]];
-        if (fill >= 32) {
-            store32le(p, (uint32_t)acc);
-            p += 4;
-            acc >>= 32;
-            fill -= 32;
-        }
+    size_t i = 0;
+#define ADD_SYMBOL(symbol)                                  \
+    do {                                                    \
+        uint32_t e = table[(symbol)];                       \
+        acc |= (uint64_t)(e & 0xffff) << fill;              \
+        fill += e >> 16;                                    \
+    } while (0)
+#define FLUSH()                                             \
+    do {                                                    \
+        put64le(p, acc);                                    \
+        p += fill >> 3;                                     \
+        acc >>= fill & 56;                                  \
+        fill &= 7;                                          \
+    } while (0)
+    for (; i + 4 <= n; i += 4) {
+        ADD_SYMBOL(src[i]);
+        ADD_SYMBOL(src[i + 1]);
+        ADD_SYMBOL(src[i + 2]);
+        ADD_SYMBOL(src[i + 3]);
+        FLUSH();
     }
-    for (; fill > 0; fill = fill > 8 ? fill - 8 : 0) {
+    for (; i < n; i++) {
+        ADD_SYMBOL(src[i]);
+        FLUSH();
+    }
+#undef ADD_SYMBOL
+#undef FLUSH
+    if (fill)
         *p++ = (uint8_t)acc;
-        acc >>= 8;
-    }
     return (size_t)(p - dst);
 }
 
