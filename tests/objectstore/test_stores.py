@@ -115,3 +115,29 @@ def test_a_repository_keeps_objects_where_its_config_says(tmp_path):
     with Repository.open(tmp_path / "r" / ".ckpt") as repo:  # opened from another folder
         assert repo.store.root == tmp_path / "r" / ".ckpt" / "shelf"
         assert torch.equal(repo.checkout(cid)["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_put_parts_stores_the_joined_bytes_under_their_id(tmp_path, kind):
+    import numpy as np
+
+    from ckptstore.hashing import object_id
+    from ckptstore.objectstore.base import put_parts
+    from ckptstore.objectstore.pack import PackWriter
+
+    store = LocalObjectStore(tmp_path / "objects", tmp_path / "tmp") if kind == "local" else MemoryObjectStore()
+    plane = np.arange(1000, dtype=np.uint16).view(np.uint8)
+    parts = [b"head", memoryview(plane), plane[::2].copy().data, b""]
+    joined = b"".join(bytes(p) for p in parts)
+    assert put_parts(store, parts) == object_id(joined) and store.get(object_id(joined)) == joined
+    if kind == "local":  # a damaged file under the right name is written over; an intact one kept
+        store.path_of(object_id(joined)).write_bytes(joined[:-1] + b"x")
+        assert put_parts(store, parts) == object_id(joined)
+        assert store.path_of(object_id(joined)).read_bytes() == joined
+        assert not list((tmp_path / "tmp").iterdir())
+    packer = PackWriter(store)
+    slots = [packer.add(parts), packer.add(b"tail"), packer.add(memoryview(b"view"))]
+    packer.close()
+    pack = store.get(slots[0].object_id)
+    assert pack == joined + b"tailview" and [(s.offset, s.length) for s in slots] == [
+        (0, len(joined)), (len(joined), 4), (len(joined) + 4, 4)]
