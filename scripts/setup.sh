@@ -11,12 +11,13 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 VPY="$VENV/bin/python"
 stamp="$VENV/.ckptstore-installed"
-want="$(cat pyproject.toml setup.py ckptstore/codecs/_*.c | sha256sum | cut -c1-16)-$EXTRAS"  # sources of the build
+want="$(cat pyproject.toml setup.py ckptstore/codecs/_*.[ch] ckptstore/formats/_*.c | sha256sum | cut -c1-16)-$EXTRAS"  # sources of the build
 # Installed by this script from these sources (torch was importable then): done, without importing
 # torch again to prove it (that import alone took 12 s of the demo's set-up on a busy machine).
 # The C extensions are checked too: they are built into the checkout, which may be a new clone.
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && "$VPY" -c \
     "import importlib.util, ckptstore, ckptstore.codecs._huffman, ckptstore.codecs._lossy, ckptstore.codecs._planes
+import ckptstore.formats._pickscan
 assert importlib.util.find_spec('torch')" >/dev/null 2>&1; then
   exit 0
 fi
