@@ -116,6 +116,17 @@ def test_uneven_shards_saved_at_two_ranks_load_at_one(trained):
     assert shown["rows"]["shards"] == 2 and shown["cols"]["shards"] == 2 and shown["bias"]["shards"] == 1
 
 
+def test_uneven_shards_saved_at_two_ranks_load_at_three_bit_exact(trained, tmp_path):
+    repo_dir = trained[0]
+    results = run_ranks("load-uneven", repo_dir, tmp_path / "out", world=3)
+    assert [r.returncode for r in results] == [0, 0, 0], [r.stdout[-2000:] for r in results]
+    reports = [json.loads((tmp_path / "out" / f"rank{rank}.json").read_text()) for rank in range(3)]
+    assert all(r["differences"] == [] for r in reports)
+    # saved as 4+3 rows and 5+4 columns; loaded as 3+3+1 rows and 3+3+3 columns: every cut crosses a shard
+    assert [r["local_sizes"] for r in reports] == [{"rows": 3, "cols": 3}, {"rows": 3, "cols": 3},
+                                                  {"rows": 1, "cols": 3}]
+
+
 def test_cli_log_show_fsck_gc_on_a_repository_with_sharded_commits(trained, tmp_path, monkeypatch):
     repo_dir, _, report, _ = trained
     copy = tmp_path / "repo"

@@ -5,7 +5,8 @@
 `train`: an FSDP2 model with AdamW, trained between two commits, each also saved with DCP's own
 FileSystemWriter; then both commits loaded back at this world size and compared bit for bit with
 what was saved; then an unevenly sharded DTensor state on branch `uneven`. First it loads
-branch `full` (saved from one process by the test) into row shards. `crash`: one save of a
+branch `full` (saved from one process by the test) into row shards. `load-uneven`: branch `uneven`
+loaded at another world size. `crash`: one save of a
 DTensor state (the launcher sets CKPT_CRASH_AT for one rank). `measure-save`, `measure-load`:
 save 64 MiB of row-sharded tensors, load them at another world size and report the bytes read.
 Each rank writes OUT/rank<N>.json.
@@ -133,6 +134,17 @@ def run_train(repo: str, out: Path, rank: int, mesh) -> dict:
     return report
 
 
+def load_uneven(repo: str, mesh) -> dict:
+    """Branch `uneven` (saved at two ranks) loaded into this world size's shards: the differences."""
+    template = {k: distribute_tensor(torch.zeros_like(v.full_tensor()), mesh, v.placements) if isinstance(v, DTensor)
+                else v for k, v in uneven_state(mesh).items()}
+    template["bias"], template["meta"] = torch.zeros(6, dtype=torch.bfloat16), {"name": "", "sizes": [0, 0]}
+    dcp.load(template, storage_reader=CkptStorageReader(repo, "uneven"))
+    local = {k: v.to_local().shape[0] if k == "rows" else v.to_local().shape[1] for k, v in template.items()
+             if isinstance(v, DTensor)}
+    return {"differences": differences(flat(template), flat(uneven_state(mesh))), "local_sizes": local}
+
+
 def measured_state(mesh) -> dict:
     """Four 16 MiB float32 tensors split by rows (the `measure` scenarios: bytes read when resharding)."""
     return {f"layer{i}": distribute_tensor(torch.randn(4096, 1024, generator=torch.Generator().manual_seed(i)),
@@ -182,6 +194,8 @@ def main() -> None:
     started = time.monotonic()
     if scenario == "train":
         report = run_train(repo, out, rank, mesh)
+    elif scenario == "load-uneven":
+        report = load_uneven(repo, mesh)
     elif scenario.startswith("measure"):
         report = run_measure(repo, rank, mesh, save=scenario == "measure-save")
     else:
