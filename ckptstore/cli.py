@@ -257,7 +257,8 @@ def export_command(ctx, ref, fmt, output, everything) -> None:
     if report.skipped:
         shown = ", ".join(report.skipped[:5]) + (f" and {len(report.skipped) - 5} more" if len(report.skipped) > 5
                                                  else "")
-        click.echo(f"note: left out {len(report.skipped)} items ({shown}): {report.why_skipped}")
+        count = len(report.skipped)
+        click.echo(f"note: left out {count} item{'s' if count != 1 else ''} ({shown}): {report.why_skipped}")
 
 
 @cli.command()
