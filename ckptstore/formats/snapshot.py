@@ -70,10 +70,6 @@ class HostBuffers:
             del self._owned[id(buffer)]
             self.kept -= key[0]
 
-    def set_budget(self, budget: int) -> None:
-        """Keep at most `budget` bytes from now on (buffers already kept above it go at the next snapshot)."""
-        self.budget = budget
-
 
 class _Copier:
     """`to_raw` for flatten: each tensor copied into a lent host buffer."""
