@@ -409,6 +409,12 @@ class _Resolver:
     archive: _Archive
     storages: dict[str, TypedStorage]
 
+    def __init__(self, data: bytes, archive: _Archive) -> None:
+        # the next class in the MRO is the pickle.Unpickler (pure Python or C) this resolver is mixed into
+        super().__init__(BytesIO(data), encoding="utf-8")  # torch.load's encoding for py2 strings
+        self.archive = archive
+        self.storages = {}
+
     def find_class(self, module: str, name: str) -> Any:
         # the same python 2 renames torch applies before matching its allow-list
         if (module, name) in NAME_MAPPING:
@@ -458,11 +464,6 @@ class _Unpickler(_Resolver, pickle._Unpickler):
     dispatch[pickle.PROTO[0]] = load_proto
     dispatch[pickle.BUILD[0]] = load_build
 
-    def __init__(self, data: bytes, archive: _Archive) -> None:
-        super().__init__(BytesIO(data), encoding="utf-8")  # torch.load's encoding for py2 strings
-        self.archive = archive
-        self.storages: dict[str, TypedStorage] = {}
-
 
 class _FastUnpickler(_Resolver, pickle.Unpickler):
     """The C unpickler with the same hooks, for pickles `_pickscan.plain` found plain (see `_unpickle`).
@@ -471,11 +472,6 @@ class _FastUnpickler(_Resolver, pickle.Unpickler):
     memo indices bounded; BUILD on a shared object is refused by the object itself (`_Global`,
     the stand-ins' __setstate__). On the benchmark runs' data.pkl files it parses in about a third of the time.
     """
-
-    def __init__(self, data: bytes, archive: _Archive) -> None:
-        super().__init__(BytesIO(data), encoding="utf-8")
-        self.archive = archive
-        self.storages = {}
 
 
 # _pickscan's table of the opcodes torch runs: byte value -> 1 when allowed

@@ -54,11 +54,9 @@ def repository_costs(folder: Path) -> dict[int, ChainCosts]:
     try:
         data = json.loads(path.read_text())
         if data["cpus"] == (os.cpu_count() or 1):
-            return {int(w): ChainCosts(*map(float, v)) for w, v in data["costs"].items()}
-    except FileNotFoundError:
-        pass
+            return _costs_from(data["costs"])
     except (OSError, ValueError, TypeError, KeyError):
-        pass  # unreadable or damaged: measured again and rewritten
+        pass  # missing, unreadable or damaged: measured again and rewritten
     costs = chain_costs()
     text = json.dumps({"cpus": os.cpu_count() or 1, "measured_at": time.time(),
                        "costs": {w: [c.keyframe, c.level, c.load, c.workers] for w, c in costs.items()}})
@@ -69,12 +67,17 @@ def repository_costs(folder: Path) -> dict[int, ChainCosts]:
     return costs
 
 
+def _costs_from(data: dict[str, list[float]]) -> dict[int, ChainCosts]:
+    """{width: ChainCosts} from their JSON form {width: [keyframe, level, load, workers]}."""
+    return {int(w): ChainCosts(*map(float, v)) for w, v in data.items()}
+
+
 def _pinned() -> dict[int, ChainCosts] | None:
     text = os.environ.get(ENV)
     if not text:
         return None
     try:
-        return {int(w): ChainCosts(*map(float, v)) for w, v in json.loads(text).items()}
+        return _costs_from(json.loads(text))
     except (ValueError, TypeError) as exc:
         raise CkptError(f"{ENV}={text!r} is not JSON {{width: [keyframe, level, load, workers]}} (s/byte) "
                         f"({exc}); unset it to measure") from None
