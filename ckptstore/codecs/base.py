@@ -51,13 +51,9 @@ class PlaneCodec(Protocol):
     def plane_modes(self, payload: bytes) -> list[int]:
         """How each byte plane of `payload` was stored (kept as a hint for the next residual)."""
 
-    def encode_grouped(self, grouped: np.ndarray, base_planes: list[np.ndarray] | None,
-                       params: dict[str, Any]) -> bytes:
-        """`encode` of a chunk already split into byte planes (rows of `grouped`), against the base's planes."""
-
     def encode_grouped_parts(self, grouped: np.ndarray, base_planes: list[np.ndarray] | None,
                              params: dict[str, Any]) -> tuple[list[bytes | memoryview], list[int]]:
-        """`encode_grouped`'s payload as consecutive parts, unjoined, and each plane's mode."""
+        """`encode` of a chunk split into byte planes (rows of `grouped`): payload parts, unjoined, and plane modes."""
 
 
 @runtime_checkable

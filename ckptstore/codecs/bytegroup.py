@@ -158,21 +158,16 @@ class ByteGroupCodec:
             raise CodecError(f"bytegroup: {data.size} bytes is not a multiple of width {width}")
         if base_planes is None and base is not None:
             base_planes = list(group(base, width))
-        return self.encode_grouped(group(data, width), base_planes, params)
-
-    def encode_grouped(self, grouped: np.ndarray, base_planes: list[np.ndarray] | None,
-                       params: dict[str, Any]) -> bytes:
-        """`encode` of data already grouped into byte planes (a (width, rows) array, as `group` gives).
-
-        The writer groups a chunk itself to keep its planes as the next commit's base (repo/planecache.py).
-        """
-        return b"".join(self.encode_grouped_parts(grouped, base_planes, params)[0])
+        return b"".join(self.encode_grouped_parts(group(data, width), base_planes, params)[0])
 
     def encode_grouped_parts(self, grouped: np.ndarray, base_planes: list[np.ndarray] | None,
                              params: dict[str, Any]) -> tuple[list[bytes | memoryview], list[int]]:
-        """`encode_grouped` as consecutive parts (the header, then each plane's payload), and each plane's mode.
+        """`encode` of data grouped into byte planes ((width, rows), as `group` gives), in parts, with plane modes.
 
-        The writer hands the parts to the store as they are: joining them copied every stored byte.
+        The parts are consecutive: the header, then each plane's payload.
+
+        The writer groups a chunk itself to keep its planes as the next commit's base (repo/planecache.py),
+        and hands the parts to the store as they are: joining them copied every stored byte.
         """
         width = int(params["width"])
         compressor = _compressor(int(params.get("level", 1)))

@@ -91,13 +91,6 @@ class PlaneCache:
             self._held -= sum(p.nbytes for p in self._previous.values())
             self._previous, self._current = self._current, OrderedDict()
 
-    def clear(self) -> None:
-        """Drop everything held."""
-        with self._lock:
-            self._previous.clear()
-            self._current.clear()
-            self._held = 0
-
     @property
     def held_bytes(self) -> int:
         """Bytes of planes held now."""

@@ -70,9 +70,10 @@ class ChunkResult:
     checksum: str | None = None  # of what checkout will decode: the data, or a lossy chunk's reconstruction
 
 
-def _stored(source: ChainSource, parts: list[bytes | memoryview]) -> tuple[ObjectId | None, list | None]:
-    """Write a large payload (given as consecutive parts) as its own object now; keep a small one for a pack."""
-    if sum(len(part) for part in parts) < PACK_BELOW:
+def _stored(source: ChainSource, parts: list[bytes | memoryview], length: int
+            ) -> tuple[ObjectId | None, list | None]:
+    """Write a large payload (consecutive parts, `length` bytes) as its own object now; keep a small one for a pack."""
+    if length < PACK_BELOW:
         return None, parts
     return put_parts(source.store, parts), None
 
@@ -127,9 +128,10 @@ def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: i
         else:
             payload = codec.encode(data, base, params, base_planes=planes)
             parts, modes = [payload], able.planes.plane_modes(payload) if able.planes is not None else None
-        oid, kept = _stored(source, parts)
+        length = sum(len(part) for part in parts)
+        oid, kept = _stored(source, parts, length)
         # parts[0] holds every plane header (all that needs_base reads) or is the whole payload
-        return ChunkResult(oid, sum(len(part) for part in parts), job.base is not None and codec.needs_base(parts[0]),
+        return ChunkResult(oid, length, job.base is not None and codec.needs_base(parts[0]),
                            payload=kept, modes=modes, checksum=chunk_checksum(data))
     return _encode_lossy_chunk(job, source, index, start, data, waits)
 
@@ -172,7 +174,7 @@ def _encode_lossy_chunk(job: Job, source: ChainSource, index: int, start: int, d
         else:
             tighten = fidelity.finer(tighten, error_sq, norm_sq, bound)
         attempt += 1
-    oid, kept = _stored(source, [payload])
+    oid, kept = _stored(source, [payload], len(payload))
     return ChunkResult(oid, len(payload), get_codec(job.codec).needs_base(payload), recon, mask, error_sq, norm_sq,
                        payload=kept, capped=was_capped, checksum=chunk_checksum(recon), step=step)
 
@@ -237,18 +239,23 @@ def _submit(ordered: list[Job], sizes: dict[str, list[int]], source: ChainSource
     futures: dict[str, list[Future | _Part]] = {}
     batch: list[tuple[Job, int]] = []
 
+    filled = 0  # bytes in `batch`
+
     def flush() -> None:
+        nonlocal filled
         if batch:
             done = pool.submit(_encode_batch, list(batch), source, futures, cache)
             for index, (job, _) in enumerate(batch):
                 futures[job.key] = [_Part(done, index)]
             batch.clear()
+            filled = 0
 
     for job in ordered:
         chunks = sizes[job.key]
         if job.known_id is not None and len(chunks) == 1 and chunks[0] <= SMALL_CHUNK:
             batch.append((job, chunks[0]))
-            if sum(size for _, size in batch) >= BATCH_BYTES:
+            filled += chunks[0]
+            if filled >= BATCH_BYTES:
                 flush()
             continue
         futures[job.key], start = [], 0
