@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 RepoLike = Repository | str | os.PathLike | None
 
 
-def _with_repo(repo: RepoLike, fn):
+def with_repo(repo: RepoLike, fn: Callable[[Repository], Any]) -> Any:
+    """`fn(repo)` for an open Repository as it is, or for the one at that path (or here), opened and closed."""
     if isinstance(repo, Repository):
         return fn(repo)
     with Repository.open(repo) as opened:
@@ -42,7 +43,7 @@ def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = 
                         blocking=blocking, buffer_budget=buffer_budget, **knobs)
 
     if blocking or isinstance(repo, Repository):
-        return _with_repo(repo, run)
+        return with_repo(repo, run)
     from ckptstore.repo.background import close_when_done
 
     opened = Repository.open(repo)
@@ -62,4 +63,4 @@ def load(ref: str = "HEAD", repo: RepoLike = None, map_location: str | None = No
     stored chains are read (see ckptstore.repo.select).
     """
     device = str(map_location) if map_location is not None else None
-    return _with_repo(repo, lambda r: r.checkout(ref, device=device, keys=keys))
+    return with_repo(repo, lambda r: r.checkout(ref, device=device, keys=keys))

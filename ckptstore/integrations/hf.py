@@ -18,18 +18,18 @@ writes a committed folder back as `output_dir/checkpoint-N` for `trainer.train(r
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ckptstore.errors import BackgroundCommitError, CkptError, NothingToCommitError
+from ckptstore.api import with_repo
+from ckptstore.errors import BackgroundCommitError, CkptError
+from ckptstore.integrations.unchanged import head_if_unchanged
 
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -39,18 +39,6 @@ if TYPE_CHECKING:
     from ckptstore.repo.background import BackgroundCommit
 
 _FOLDER = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
-
-
-@contextlib.contextmanager
-def _opened(repo: str | os.PathLike | Repository) -> Iterator[Repository]:
-    """`repo` itself when it is an open Repository (left open), else the repository at that path (closed after)."""
-    from ckptstore.repo import Repository
-
-    if isinstance(repo, Repository):
-        yield repo
-    else:
-        with Repository.open(repo) as opened:
-            yield opened
 
 
 def latest_metrics(log_history: list[dict[str, Any]]) -> dict[str, float]:
@@ -105,12 +93,9 @@ class CkptCallback(TrainerCallback):
         # not the best one) and no hook runs in between: that last commit must read the folder now
         blocking = self.blocking or (args.save_total_limit == 1 and state.global_step >= state.max_steps)
         repo = self._repository()
-        try:
-            result = repo.commit(folder, message=f"{run}: {folder.name}", step=state.global_step,
-                                 metrics=latest_metrics(state.log_history), branch=self.branch, lossy=self.lossy,
-                                 blocking=blocking, **self.knobs)
-        except NothingToCommitError:  # the branch's head already holds this folder (a rerun): stored all the same
-            result = repo.resolve(self.branch or "HEAD")
+        result = head_if_unchanged(repo, self.branch, lambda: repo.commit(
+            folder, message=f"{run}: {folder.name}", step=state.global_step, metrics=latest_metrics(state.log_history),
+            branch=self.branch, lossy=self.lossy, blocking=blocking, **self.knobs))
         self._pending = (folder, result)
         if blocking:
             self._settle(state)
@@ -160,9 +145,7 @@ class CkptCallback(TrainerCallback):
 def _result_of(handle: BackgroundCommit, folder: Path, repo: Repository, branch: str | None) -> CommitId:
     """The commit id of a background commit of `folder`; its failure as a BackgroundCommitError."""
     try:
-        return handle.result()
-    except NothingToCommitError:  # the branch's head already held this folder
-        return repo.resolve(branch or "HEAD")
+        return head_if_unchanged(repo, branch, handle.result)
     except Exception as exc:
         raise BackgroundCommitError(
             f"the background commit of {folder} ({handle.description}) failed: {exc}. Nothing of it was recorded "
@@ -200,17 +183,20 @@ def restore(repo: str | os.PathLike | Repository, ref: str, output_dir: str | os
     existing folder of that name is written over only where its files are in the store, unless
     `force` (as `ckpt checkout -o`); files the commit does not hold are left in it.
     """
-    with _opened(repo) as opened:
-        info = opened.commit_info(ref)
-        if info.kind != "folder":
-            raise CkptError(f"commit {info.id[:12]} ({ref}) is a {info.kind} commit, not a Trainer checkpoint folder: "
-                            f"write it with `ckpt checkout {info.id[:12]} -o PATH` instead")
-        step = info.step if info.step is not None else _step_of(info.source_path)
-        if step is None:
-            raise CkptError(f"commit {info.id[:12]} ({ref}) records no step and was not committed from a "
-                            f"{PREFIX_CHECKPOINT_DIR}-N folder: write it with `ckpt checkout {info.id[:12]} -o PATH`")
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        return opened.checkout_to(info.id, Path(output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}", force=force)
+    return with_repo(repo, lambda opened: _restore(opened, ref, Path(output_dir), force))
+
+
+def _restore(opened: Repository, ref: str, output_dir: Path, force: bool) -> Path:
+    info = opened.commit_info(ref)
+    if info.kind != "folder":
+        raise CkptError(f"commit {info.id[:12]} ({ref}) is a {info.kind} commit, not a Trainer checkpoint folder: "
+                        f"write it with `ckpt checkout {info.id[:12]} -o PATH` instead")
+    step = info.step if info.step is not None else _step_of(info.source_path)
+    if step is None:
+        raise CkptError(f"commit {info.id[:12]} ({ref}) records no step and was not committed from a "
+                        f"{PREFIX_CHECKPOINT_DIR}-N folder: write it with `ckpt checkout {info.id[:12]} -o PATH`")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    return opened.checkout_to(info.id, output_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}", force=force)
 
 
 def _step_of(source_path: str | None) -> int | None:

@@ -28,8 +28,9 @@ from typing import Any
 
 from lightning_fabric.plugins import CheckpointIO
 
-from ckptstore.errors import BackgroundCommitError, CkptError, NothingToCommitError, RefNotFoundError
+from ckptstore.errors import BackgroundCommitError, CkptError, RefNotFoundError
 from ckptstore.hashing import CommitId
+from ckptstore.integrations.unchanged import head_if_unchanged
 from ckptstore.repo import Repository
 from ckptstore.repo import refs as ref_names
 from ckptstore.repo.background import BackgroundCommit
@@ -177,9 +178,7 @@ class CkptstoreCheckpointIO(CheckpointIO):
             return
         (ref, path, handle), self._pending = self._pending, None
         try:
-            cid = handle.result()
-        except NothingToCommitError:  # last.ckpt right after the top-k save of the same state
-            cid = self.repo.resolve(self.branch or ref_names.HEAD)
+            cid = head_if_unchanged(self.repo, self.branch, handle.result)
         except Exception as exc:
             raise BackgroundCommitError(
                 f"the background commit of checkpoint {os.fspath(path)!r} ({handle.description}) failed: {exc}. "
@@ -210,12 +209,10 @@ class CkptstoreCheckpointIO(CheckpointIO):
     def _commit(self, checkpoint: dict[str, Any], name: str) -> CommitId | BackgroundCommit:
         step = checkpoint.get("global_step")
         message = f"Lightning checkpoint {name} (epoch {checkpoint.get('epoch')}, step {step})"
-        try:
-            return self.repo.commit(checkpoint, message, step=step if isinstance(step, int) else None,
-                                    metrics=monitored_metrics(checkpoint), branch=self.branch, lossy=self.lossy,
-                                    blocking=self.blocking)
-        except NothingToCommitError:  # last.ckpt right after the top-k save of the same state
-            return self.repo.resolve(self.branch or ref_names.HEAD)
+        # last.ckpt right after the top-k save of the same state: nothing changed, the head holds it
+        return head_if_unchanged(self.repo, self.branch, lambda: self.repo.commit(
+            checkpoint, message, step=step if isinstance(step, int) else None, metrics=monitored_metrics(checkpoint),
+            branch=self.branch, lossy=self.lossy, blocking=self.blocking))
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
