@@ -75,8 +75,9 @@ def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool
     if not policy.active:
         raise CkptError("prune needs a rule saying what to keep: --keep-last N, --keep-every K, --keep-best "
                         "METRIC[:min|max] or --keep-tagged (or a [retention] section in .ckpt/config.toml)")
-    report = PruneReport(bytes_before=_store_bytes(repo), dry_run=dry_run)
+    report = PruneReport(dry_run=dry_run)
     if dry_run:
+        report.bytes_before = _store_bytes(repo)
         with repo.db.read() as tx:
             gone = _doomed(tx, policy)
             report.pruned, report.tensors_reencoded = sorted(gone), len(_relinks(tx, gone))
@@ -84,8 +85,9 @@ def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool
     with repo.lock(exclusive=True, wait=wait):
         with repo.db.read() as tx:
             gone = _doomed(tx, policy)
-            if only_if_doomed and not gone:
+            if only_if_doomed and not gone:  # the policy after a commit: no store listing when nothing goes
                 return report
+            report.bytes_before = _store_bytes(repo)
             _refuse_damage(repo, tx)
             relinks, layout = _relinks(tx, gone), _layout(tx, gone)
             records = tensor_rows.load_records(tx, set(relinks) | {b for b in relinks.values() if b})
