@@ -18,7 +18,8 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
-LOSSY_TORCH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from ckptstore.codecs.floats import LOSSY_DTYPES
+
 STATS_KEY = "ckptstore-shard-stats"
 _GROUP_FIELD = re.compile(r"^((?:.*\.)?param_groups\.\d+)\.(lr|params)$")
 _GROUPS = re.compile(r"^(?:.*\.)?param_groups$")
@@ -41,7 +42,7 @@ class CkptSavePlanner(DefaultSavePlanner):
             tensor = self.lookup_object(item.index)
             if hasattr(tensor, "to_local"):
                 tensor = tensor.to_local()
-            if tensor.dtype not in LOSSY_TORCH_DTYPES or tensor.numel() == 0:
+            if str(tensor.dtype) not in LOSSY_DTYPES or tensor.numel() == 0:
                 continue
             values = tensor.detach().reshape(-1).to(torch.float64)
             chunk = item.tensor_data.chunk

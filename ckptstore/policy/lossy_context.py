@@ -151,7 +151,11 @@ def moment_min_elements(states: list[RawTensor], level: LossyLevel) -> int:
     their moments then follow the level; where they are what is trained (a linear probe on a frozen
     backbone, low-rank adapters) their moments decide the resume, and stay lossless.
     """
-    sizes = [int(np.prod(state.shape)) for state in states]
+    return moment_min_of_sizes([int(np.prod(state.shape)) for state in states], level)
+
+
+def moment_min_of_sizes(sizes: list[int], level: LossyLevel) -> int:
+    """`moment_min_elements` given the states' element counts (a sharded commit's whole tensors)."""
     small = sum(size for size in sizes if size < level.min_elements)
     if small > SMALL_STATE_SHARE * sum(sizes):
         return level.min_elements

@@ -29,7 +29,7 @@ from ckptstore.codecs.floats import LOSSY_DTYPES
 from ckptstore.policy.levels import LossyLevel
 from ckptstore.policy.lossless import EncodingSettings
 from ckptstore.policy.lossy import LossyPlan, Role, _plan
-from ckptstore.policy.lossy_context import PlanContext, RmsCache
+from ckptstore.policy.lossy_context import PlanContext, RmsCache, moment_min_of_sizes
 from ckptstore.policy.mapping import OptimizerMap, ParamSlots
 from ckptstore.policy.sensitivity import step_factors
 from ckptstore.records import TensorRecord
@@ -133,7 +133,7 @@ def combine(stats: Mapping[Shard, ShardStats], dtypes: Mapping[str, str], sizes:
     states = [state for slot in facts.slots.values() for state in slot.values()]
     lrs = set(facts.lrs.values())
     facts.shared_lr = lrs.pop() if len(lrs) == 1 else None
-    facts.moment_min = _moment_min([facts.elements[s] for s in states if s in facts.elements], level)
+    facts.moment_min = moment_min_of_sizes([facts.elements[s] for s in states if s in facts.elements], level)
     if level.fisher_allocation:
         facts.sensitivity = _fisher(facts, sizes, dtypes, level)
     return facts
@@ -141,12 +141,6 @@ def combine(stats: Mapping[Shard, ShardStats], dtypes: Mapping[str, str], sizes:
 
 def _f32(value: float) -> float:
     return float(np.float32(value))
-
-
-def _moment_min(sizes: list[int], level: LossyLevel) -> int:
-    """lossy_context.moment_min_elements on the whole tensors' sizes."""
-    small = sum(size for size in sizes if size < level.min_elements)
-    return level.min_elements if small > 0.05 * sum(sizes) else level.moment_min_elements
 
 
 def _fisher(facts: ShardFacts, sizes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str],
