@@ -157,8 +157,7 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
         if buffer_budget is not None:
             lane.buffers.budget = buffer_budget
         # the live objects stay with the caller: the thread gets the parameter names they give
-        names = lossy.param_names if lossy.param_names is not None else param_names_of(lossy.model, lossy.optimizer)
-        lossy = replace(lossy, model=None, optimizer=None, param_names=names)
+        lossy = replace(lossy, model=None, optimizer=None, param_names=param_names_of(lossy.model, lossy.optimizer))
         checkpoint, lent = source, []
         if not isinstance(source, (str, os.PathLike)):
             with no_cyclic_gc():  # as in a commit: a full collection landing in the snapshot would stall the caller

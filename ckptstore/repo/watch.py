@@ -285,9 +285,7 @@ class WatchState:
         try:
             record = json.loads(path.read_text())
             sources = record["sources"] if isinstance(record.get("sources"), dict) else {}
-        except FileNotFoundError:
-            sources = {}
-        except (OSError, ValueError, AttributeError):  # damaged: the commits themselves still say what was done
+        except (OSError, ValueError, AttributeError):  # missing or damaged: the commits themselves say what was done
             sources = {}
         return cls(path, header, sources)
 
