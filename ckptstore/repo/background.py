@@ -85,6 +85,14 @@ class Lane:
         self.current: BackgroundCommit | None = None
         self.failed: BackgroundCommit | None = None
         self.buffers = HostBuffers()
+        self.pool: ThreadPoolExecutor | None = None  # the commits' encoding threads, at a lower priority
+
+    def close(self) -> None:
+        """Wait for the commit in flight, then stop the encoding threads."""
+        self.wait()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
 
     def wait(self) -> None:
         """Block until the commit in flight (if any) has finished; its failure stays for the next commit call."""
@@ -199,8 +207,9 @@ def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: An
     _lower_priority()
     # the repository as it is, but with threads of its own at a lower priority: training keeps the cores
     background = copy.copy(repo)
-    threads = repo.config.threads or os.cpu_count() or 1
-    background._pool = ThreadPoolExecutor(threads, "ckpt-background", _lower_priority)
+    if lane.pool is None:  # kept for the repository's next background commits: one runs at a time
+        lane.pool = ThreadPoolExecutor(repo.config.threads or os.cpu_count() or 1, "ckpt-background", _lower_priority)
+    background._pool = lane.pool
     planecache.set_cache(background, planecache.cache_of(repo))  # one set of residual bases, whoever commits
     try:
         faults.point("background:start")  # tests hold the thread here to change the state meanwhile
@@ -208,7 +217,6 @@ def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: An
     except BaseException as exc:  # every failure goes to the handle, none is lost with the thread
         error = exc
     finally:
-        background._pool.shutdown()
         lane.buffers.give_back(lent)
         handle.timing["commit_s"] = time.perf_counter() - start
     with handle._lock:

@@ -125,7 +125,7 @@ class Repository:
 
     def close(self) -> None:
         if self._background is not None:  # the background commit in flight ends first
-            self._background.wait()
+            self._background.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
