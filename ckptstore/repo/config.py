@@ -37,7 +37,7 @@ class RemoteConfig:
 
 @dataclass
 class RetentionPolicy:
-    """Which commits `ckpt prune` keeps (docs/guide.md); as `[retention]` in config.toml, applied after each commit.
+    """Which commits `ckpt prune` keeps (docs/reference.md); as `[retention]` in config.toml, applied after each commit.
 
     Per branch, along its first-parent history: the `keep_last` newest commits, every commit whose
     position counted from the branch's first commit (0) is a multiple of `keep_every`, and the
