@@ -21,6 +21,7 @@ commit id go into `.ckpt/watch/<id>.json` (written atomically). A source missing
 (a kill between the commit and the write) is first compared with the branch's commits from the
 same path: one whose files have the same blake3 digests means it is already committed. A source
 rewritten in place (Lightning's last.ckpt) is a new checkpoint once it is complete again.
+A scan opens only the sources not handled yet: a handled one is told by its signature (stat alone).
 """
 
 from __future__ import annotations
@@ -101,9 +102,9 @@ def watch_folder(repo: Repository, folder: str | os.PathLike, options: WatchOpti
         raise CkptError(f"{folder} is not a folder; `ckpt watch` takes the folder a training job saves into")
     repo.db.refuse_writes("watch (it commits)")
     state = WatchState.load(repo, folder, options.branch)
-    report, before = WatchReport(), scan(folder)
+    report, before = WatchReport(), scan(folder, state)
     while not stop.wait(options.interval):
-        now = scan(folder)
+        now = scan(folder, state)
         ready = [s for s in now.values() if _ready(s, before.get(s.name), state)]
         for source in sorted(ready, key=lambda s: (s.step is None, s.step or 0, s.name)):
             if stop.is_set():
@@ -151,8 +152,12 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, stat
     say(f"[{cid[:12]}] {source.name}" + (f" (step {source.step})" if source.step is not None else ""))
 
 
-def scan(folder: Path) -> dict[str, Source]:
-    """The candidate sources in `folder` now, each with its signature and completeness."""
+def scan(folder: Path, state: WatchState | None = None) -> dict[str, Source]:
+    """The candidate sources in `folder` now, each with its signature and completeness.
+
+    A source `state` has already handled in this very version (same signature, from stat alone) is
+    left out without being read: it is neither ready nor waiting, and once it changes it is read again.
+    """
     found = {}
     with os.scandir(folder) as entries:
         for entry in entries:
@@ -160,36 +165,49 @@ def scan(folder: Path) -> dict[str, Source]:
                 continue
             try:
                 if entry.is_dir() and TRAINER_FOLDER.match(entry.name):
-                    found[entry.name] = _folder_source(Path(entry.path))
+                    source = Source(entry.name, Path(entry.path), _folder_signature(Path(entry.path)))
+                    judge = _judge_folder
                 elif entry.is_file() and Path(entry.name).suffix in SUFFIXES:
-                    found[entry.name] = _file_source(Path(entry.path))
+                    info = entry.stat()
+                    source = Source(entry.name, Path(entry.path), [["", info.st_size, info.st_mtime_ns]])
+                    judge = _judge_file
+                else:
+                    continue
+                if state is None or not state.done(source):
+                    found[entry.name] = judge(source)
             except FileNotFoundError:  # removed while being looked at (checkpoint rotation)
                 continue
     return found
 
 
-def _file_source(path: Path) -> Source:
-    info = path.stat()
-    return Source(path.name, path, [["", info.st_size, info.st_mtime_ns]], file_incomplete(path), step_of(path.name))
+def _judge_file(source: Source) -> Source:
+    """`source` (a file) with its completeness and step filled in: reads the file."""
+    source.incomplete, source.step = file_incomplete(source.path), step_of(source.name)
+    return source
 
 
-def _folder_source(path: Path) -> Source:
-    signature, temps = [], []
+def _folder_signature(path: Path) -> Signature:
+    signature = []
     for root, folders, files in os.walk(path):
         folders.sort()
         for name in sorted(files):
             full = Path(root, name)
             info = full.lstat()
             signature.append([full.relative_to(path).as_posix(), info.st_size, info.st_mtime_ns])
-            if is_temp_name(name):
-                temps.append(name)
-    trainer = _trainer_state(path / TRAINER_STATE)
+    return signature
+
+
+def _judge_folder(source: Source) -> Source:
+    """`source` (a Trainer folder) with its completeness and step filled in: reads its trainer_state.json."""
+    temps = [Path(name).name for name, _, _ in source.signature if is_temp_name(Path(name).name)]
+    trainer = _trainer_state(source.path / TRAINER_STATE)
     if trainer is None:
-        why = f"no readable {TRAINER_STATE} yet (Trainer writes it last)"
+        source.incomplete = f"no readable {TRAINER_STATE} yet (Trainer writes it last)"
     else:
-        why = f"a file is still being written ({temps[0]})" if temps else ""
+        source.incomplete = f"a file is still being written ({temps[0]})" if temps else ""
     step = trainer.get("global_step") if isinstance(trainer, dict) else None
-    return Source(path.name, path, signature, why, step if type(step) is int else step_of(path.name))
+    source.step = step if type(step) is int else step_of(source.name)
+    return source
 
 
 def _trainer_state(path: Path) -> Any:

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from ckptstore.cli import cli
 from ckptstore.errors import CkptError
 from ckptstore.formats.torchfile import numpy_safe_globals
+from ckptstore.repo import watch as watch_module
 from ckptstore.repo.watch import WatchOptions, file_incomplete, step_of
 from ckptstore.repo.watch import watch_folder as watch
 from tests.conftest import Trainer, assert_same
@@ -90,6 +91,28 @@ def test_restart_commits_nothing_twice_even_after_a_kill_between_commit_and_reco
     (committed,) = watch(repo, run, ONCE).committed
     assert committed[0] == "step=2.ckpt" and len(repo.log()) == 3
     assert_same(repo.checkout(committed[1]), _load(run / "step=2.ckpt"))
+
+
+def test_a_scan_does_not_read_what_is_already_committed(repo, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    trainer = Trainer()
+    trainer.train(1)
+    torch.save(trainer.state(), run / "model_1.pt")
+    _trainer_folder(run / "checkpoint-1", trainer)
+    assert len(watch(repo, run, ONCE).committed) == 2
+    read = []
+
+    def counted(real):
+        return lambda path: read.append(Path(path).relative_to(run).as_posix()) or real(path)
+
+    monkeypatch.setattr(watch_module, "file_incomplete", counted(watch_module.file_incomplete))
+    monkeypatch.setattr(watch_module, "_trainer_state", counted(watch_module._trainer_state))
+    assert watch(repo, run, ONCE).committed == []  # restarted: the state file says both are done
+    assert read == []
+    torch.save(trainer.state(), run / "model_2.pt")  # a new one is read (twice: two scans), the old ones still not
+    assert [name for name, _, _ in watch(repo, run, ONCE).committed] == ["model_2.pt"]
+    assert read == ["model_2.pt", "model_2.pt"]
 
 
 def test_legacy_and_safetensors_files_a_branch_and_steps_from_names(repo, tmp_path):
