@@ -28,7 +28,7 @@ import numpy as np
 from ckptstore.codecs.floats import LOSSY_DTYPES
 from ckptstore.policy.levels import LossyLevel
 from ckptstore.policy.lossless import EncodingSettings
-from ckptstore.policy.lossy import LossyPlan, Role, _plan
+from ckptstore.policy.lossy import LossyPlan, Role, _plan, eligible
 from ckptstore.policy.lossy_context import PlanContext, RmsCache, moment_min_of_sizes
 from ckptstore.policy.mapping import OptimizerMap, ParamSlots
 from ckptstore.policy.sensitivity import step_factors
@@ -37,6 +37,7 @@ from ckptstore.state import RawTensor
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 PAIRING = "by fully qualified name (DCP's flattened optimizer state)"
+_NO_DATA = np.empty(0, dtype=np.uint8)
 
 
 @dataclass(frozen=True)
@@ -148,9 +149,9 @@ def _fisher(facts: ShardFacts, sizes: Mapping[str, tuple[int, ...]], dtypes: Map
     """lossy_context.fisher_factors from the whole tensors' mean second moment and RMS."""
     scores = {}
     for weight, slot in facts.slots.items():
-        v = slot.get("exp_avg_sq")
-        if (v is None or len(sizes.get(weight, ())) < 2 or dtypes.get(weight) not in LOSSY_DTYPES
-                or facts.elements.get(weight, 0) < max(1, level.min_elements)):
+        v, shape = slot.get("exp_avg_sq"), tuple(sizes.get(weight, ()))
+        whole = RawTensor(dtypes.get(weight, ""), shape, _NO_DATA)  # the whole tensor's dtype and shape, no data
+        if v is None or len(shape) < 2 or not eligible(whole, level, elements=facts.elements.get(weight, 0)):
             continue
         fisher, weight_rms = facts.mean.get(v, 0.0), facts.rms.get(weight, 0.0)
         if fisher > 0 and weight_rms > 0:
