@@ -32,7 +32,7 @@ from ckptstore.policy.mapping import OptimizerMap
 from ckptstore.records import TensorRecord
 from ckptstore.state import RawTensor
 
-__all__ = ["ROLE_PLANNERS", "LossyPlan", "Planner", "Role", "eligible", "plan_lossy", "plan_roles"]
+__all__ = ["ROLE_PLANNERS", "LossyPlan", "Planner", "Role", "eligible", "plan_context", "plan_lossy", "plan_roles"]
 
 Planner = Callable[[PlanContext, Subject], LossyPlan]
 
@@ -56,18 +56,21 @@ def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRec
     `fisher` (per weight path, from sensitivity.measure_fisher) replaces Adam's second moment
     as the estimate of each weight's loss sensitivity.
     """
-    return _plan(build_context(tensors, parents, level, settings, optimizer, fisher))[0]
+    return plan_context(build_context(tensors, parents, level, settings, optimizer, fisher))[0]
 
 
 def plan_roles(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRecord], level: LossyLevel,
                settings: EncodingSettings, optimizer: OptimizerMap,
                fisher: Mapping[str, float] | None = None) -> dict[str, Role]:
     """Every tensor's role, in the tensors' order, as `plan_lossy` (same arguments) classifies it."""
-    return _plan(build_context(tensors, parents, level, settings, optimizer, fisher))[1]
+    return plan_context(build_context(tensors, parents, level, settings, optimizer, fisher))[1]
 
 
-def _plan(ctx: PlanContext) -> tuple[dict[str, LossyPlan], dict[str, Role]]:
-    """Classify and plan every tensor, first moments last; the plans in the order they were made."""
+def plan_context(ctx: PlanContext) -> tuple[dict[str, LossyPlan], dict[str, Role]]:
+    """(plans, roles) for every tensor of a prepared context (build_context's, or lossy_shards' for shards).
+
+    Classifies and plans every tensor, first moments last; the plans in the order they were made.
+    """
     roles: dict[str, Role] = {}
     # A first moment follows its second moment's plan (chunking, and whether it is lossy at all).
     # Second moments take their weight's pruning mask only where that weight was planned before them.

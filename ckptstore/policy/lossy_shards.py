@@ -28,7 +28,7 @@ import numpy as np
 from ckptstore.codecs.floats import LOSSY_DTYPES
 from ckptstore.policy.levels import LossyLevel
 from ckptstore.policy.lossless import EncodingSettings
-from ckptstore.policy.lossy import LossyPlan, Role, _plan, eligible
+from ckptstore.policy.lossy import LossyPlan, Role, eligible, plan_context
 from ckptstore.policy.lossy_context import PlanContext, RmsCache, moment_min_of_sizes
 from ckptstore.policy.mapping import OptimizerMap, ParamSlots
 from ckptstore.policy.sensitivity import step_factors
@@ -179,7 +179,7 @@ def plan_shards(tensors: Mapping[str, RawTensor], shards: Mapping[str, Shard], f
                       {k: facts.sensitivity[s.fqn] for k, s in shards.items() if s.fqn in facts.sensitivity},
                       {state.shape for state in states}, facts.moment_min, facts.shared_lr,
                       elements={k: facts.elements.get(s.fqn, 0) for k, s in shards.items()})
-    return _plan(ctx)
+    return plan_context(ctx)
 
 
 def _shard_slots(tensors: Mapping[str, RawTensor], shards: Mapping[str, Shard], facts: ShardFacts) -> OptimizerMap:
