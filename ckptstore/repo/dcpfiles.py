@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -21,10 +21,11 @@ from ckptstore.hashing import CommitId
 from ckptstore.repo import sharded
 from ckptstore.repo.commit import CommitOptions
 from ckptstore.repo.gcpause import no_cyclic_gc
-from ckptstore.repo.manifest import Manifest
+from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.progress import Progress
 from ckptstore.state import RawTensor
 
+T = TypeVar("T")
 BATCH_BYTES = 256 << 20  # items read or replayed at a time: memory stays near this, not the checkpoint's size
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions
         described, items = dcpdir.read(path, options.trust_pickle)
         target, parent = sharded.where_to(repo, options.branch)
         written: list[sharded.WrittenShard] = []
-        for batch in _batches(items):
+        for batch in _batches(items, lambda raw: raw.nbytes):
             written += sharded.write_shards(repo, parent, batch)
         if parent is not None and not options.allow_empty:
             before = repo.manifest(parent)
@@ -60,13 +61,13 @@ def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions
         return sharded.record_sharded(repo, target, parent, written, described, options)
 
 
-def _batches(items: Iterable[tuple[str, RawTensor]]) -> Iterator[dict[str, RawTensor]]:
-    """The items in groups of about BATCH_BYTES, so that only one group is in memory at a time."""
-    batch: dict[str, RawTensor] = {}
+def _batches(items: Iterable[tuple[str, T]], size_of: Callable[[T], int]) -> Iterator[dict[str, T]]:
+    """The items in groups of about BATCH_BYTES (by `size_of`), so that only one group is in memory at a time."""
+    batch: dict[str, T] = {}
     size = 0
-    for key, raw in items:
-        batch[key] = raw
-        size += raw.nbytes
+    for key, item in items:
+        batch[key] = item
+        size += size_of(item)
         if size >= BATCH_BYTES:
             yield batch
             batch, size = {}, 0
@@ -89,15 +90,11 @@ def _restored(repo: Repository, manifest: Manifest, progress: Progress | None) -
     """Every entry of `manifest` replayed, about BATCH_BYTES at a time."""
     from ckptstore.repo.checkout import restore
 
-    batch: list[str] = []
-    size = 0
-    paths = list(manifest.entries)
-    for n, path in enumerate(paths):
-        entry = manifest.entries[path]
-        batch.append(path)
-        size += RawTensor(entry.dtype, entry.shape, np.empty(0, dtype=np.uint8)).itemsize * math.prod(entry.shape)
-        if size >= BATCH_BYTES or n == len(paths) - 1:
-            with no_cyclic_gc():
-                raws = restore(repo, manifest, progress, paths=batch)
-            yield from raws.items()
-            batch, size = [], 0
+    for batch in _batches(manifest.entries.items(), _restored_bytes):
+        with no_cyclic_gc():
+            raws = restore(repo, manifest, progress, paths=list(batch))
+        yield from raws.items()
+
+
+def _restored_bytes(entry: Entry) -> int:
+    return RawTensor(entry.dtype, entry.shape, np.empty(0, dtype=np.uint8)).itemsize * math.prod(entry.shape)
