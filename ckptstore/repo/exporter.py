@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from ckptstore.errors import CkptError
 from ckptstore.formats import hfweights, safetensors_file, torchfile
 from ckptstore.repo import sharded
+from ckptstore.repo.select import entries_of_file
 from ckptstore.state import TORCH_PREFIX, RawTensor, escape, materialize
 
 if TYPE_CHECKING:
@@ -77,8 +78,8 @@ def _weights(repo: Repository, manifest: Manifest, files: list[CheckpointFile]
     """The weights in `files` by name (only their entries are decoded), and the folder's other files."""
     from ckptstore.repo.checkout import restore
 
-    prefixes = tuple(escape(record.name) + "/" for record in files)
-    raws = restore(repo, manifest, paths=[p for p in manifest.entries if p.startswith(prefixes)])
+    wanted = set().union(*(entries_of_file(manifest, escape(record.name)) for record in files))
+    raws = restore(repo, manifest, paths=[p for p in manifest.entries if p in wanted])
     tensors: dict[str, RawTensor] = {}
     for record in files:
         tensors.update(hfweights.weights(record, raws.__getitem__))

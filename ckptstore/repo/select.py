@@ -76,7 +76,7 @@ def select(manifest: Manifest, keys: Iterable[str], commit: str = "") -> Selecti
     for record in manifest.files:
         root = escape(record.name) if manifest.kind == "folder" else ""
         if wanted.match(root):
-            kept, used = record, _entries_of_file(manifest, root)
+            kept, used = record, entries_of_file(manifest, root)
         else:
             kept, used = _prune_file(record, root, wanted)
             if kept is None:
@@ -93,7 +93,7 @@ def select(manifest: Manifest, keys: Iterable[str], commit: str = "") -> Selecti
     return Selection(pruned, partial)
 
 
-def _entries_of_file(manifest: Manifest, root: str) -> set[str]:
+def entries_of_file(manifest: Manifest, root: str) -> set[str]:
     """Every entry of the file whose paths start at `root` (all of them for a lone file)."""
     return {p for p in manifest.entries if not root or p.startswith(root + "/")}
 
