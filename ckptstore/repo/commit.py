@@ -33,7 +33,7 @@ from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.planecache import cache_of
 from ckptstore.repo.progress import NoProgress, Progress
 from ckptstore.repo.pruning import after_commit
-from ckptstore.repo.target import commit_target, default_author, move_ref
+from ckptstore.repo.target import Start, commit_target, default_author, move_ref
 from ckptstore.repo.writer import Job, encode_jobs, lossless_jobs
 from ckptstore.state import RawTensor
 
@@ -84,11 +84,9 @@ class LossyOptions:
 
 
 @dataclass
-class _Parent:
-    """Where a commit goes: the branch to advance (None: a detached HEAD) and the commit it starts from."""
+class _Parent(Start):
+    """Where a commit goes (target.Start), with what it needs of the commit it starts from."""
 
-    target: str | None
-    commit: CommitId | None
     manifest: Manifest | None = None
     records: dict[TensorId, TensorRecord] = field(default_factory=dict)  # the parent's tensors and their chains
     by_path: dict[str, TensorRecord] = field(default_factory=dict)
