@@ -26,9 +26,15 @@ from bench.workloads import WORKLOADS
 
 
 def in_process(files: list[Path], root: Path) -> float:
-    """Seconds for `repo.commit` of each file in turn, in this process."""
-    from ckptstore import Repository
+    """Seconds for `repo.commit` of each file in turn, in this process.
 
+    The chain-cost figures this process measured for an earlier block are forgotten: each fresh
+    repository measures them once (`max_chain = "auto"`), as a new process and the CLI do.
+    """
+    from ckptstore import Repository
+    from ckptstore.repo import chaincost
+
+    chaincost._measured = None
     shutil.rmtree(root, ignore_errors=True)
     with Repository.init(root) as repo:
         start = time.perf_counter()
