@@ -14,7 +14,10 @@ One commit per repository is in flight, so a second save in a row (`last.ckpt` r
 top-k save) waits for the first. Lightning's `AsyncCheckpointIO` wrapping this plugin also runs
 saves on a thread, but its removes and loads do not wait for them; prefer `blocking=False`.
 
-Written for the `pytorch_lightning` package (with `lightning_fabric`), not the unified `lightning` one.
+One class serves both Lightning packages: `pytorch_lightning` (whose Trainer takes a
+`lightning_fabric` CheckpointIO) and the unified `lightning` (`lightning.pytorch.Trainer`, which
+takes a `lightning.fabric` one). Lightning accepts a plugin by `isinstance` alone, so the class
+derives from the CheckpointIO of each package installed; either may be missing.
 """
 
 from __future__ import annotations
@@ -26,8 +29,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lightning_fabric.plugins import CheckpointIO
-
 from ckptstore.errors import BackgroundCommitError, CkptError, RefNotFoundError
 from ckptstore.hashing import CommitId
 from ckptstore.integrations.unchanged import head_if_unchanged
@@ -35,9 +36,23 @@ from ckptstore.repo import Repository
 from ckptstore.repo import refs as ref_names
 from ckptstore.repo.background import BackgroundCommit
 
+try:  # pytorch_lightning's Trainer (and lightning_fabric's Fabric) accept this base
+    from lightning_fabric.plugins import CheckpointIO as _StandaloneCheckpointIO
+except ImportError:
+    _StandaloneCheckpointIO = None
+try:  # the unified package's: lightning.pytorch.Trainer checks for this one, a different class
+    from lightning.fabric.plugins import CheckpointIO as _UnifiedCheckpointIO
+except ImportError:
+    _UnifiedCheckpointIO = None
+
 MARKER_FORMAT = "ckptstore-lightning-marker/1"
 MARKER_MAX_BYTES = 4096  # a marker is ~300 bytes; anything larger is a real checkpoint file
 DEFAULT_PREFIX = "lightning"
+# each installed package's CheckpointIO, once (dict.fromkeys: should both names ever be one class)
+_CHECKPOINT_IO_BASES = tuple(dict.fromkeys(b for b in (_StandaloneCheckpointIO, _UnifiedCheckpointIO) if b))
+if not _CHECKPOINT_IO_BASES:
+    raise ImportError("ckptstore.integrations.lightning needs Lightning 2.x: pip install lightning "
+                      "(for `import lightning`) or pytorch-lightning (for `import pytorch_lightning`)")
 
 
 def ref_for_path(path: str | os.PathLike, prefix: str = DEFAULT_PREFIX) -> str:
@@ -104,8 +119,10 @@ def _device(map_location: Any) -> str | None:
     return str(map_location) if isinstance(map_location, (str, torch.device)) else None
 
 
-class CkptstoreCheckpointIO(CheckpointIO):
+class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
     """Save, load and remove Lightning checkpoints as commits of a ckptstore repository.
+
+    A plugin for `pytorch_lightning.Trainer` and `lightning.pytorch.Trainer` alike (module docstring).
 
     Args:
         repo: an open Repository (left open), or the folder of one (opened on first use and
