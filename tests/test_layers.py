@@ -51,6 +51,7 @@ OWNED = {
     "psycopg": ("metadata.postgres", "testing.postgres_server"),
     "pytorch_lightning": ("integrations.lightning",),
     "lightning_fabric": ("integrations.lightning",),
+    "lightning": ("integrations.lightning",),
 }
 
 

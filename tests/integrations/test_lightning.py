@@ -1,20 +1,24 @@
-"""The Lightning CheckpointIO plugin with a real pytorch_lightning Trainer on the CPU."""
+"""The Lightning CheckpointIO plugin with a real Trainer on the CPU, from each Lightning package installed."""
 
 from __future__ import annotations
 
 import copy
+import functools
+import importlib
+import importlib.util
 import os
 import pickle
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
-pl = pytest.importorskip("pytorch_lightning")
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
+plugin_module = pytest.importorskip("ckptstore.integrations.lightning")  # ImportError: no Lightning package
 from ckptstore.errors import BackgroundCommitError, CkptError  # noqa: E402
 from ckptstore.integrations.lightning import CkptstoreCheckpointIO, read_marker, ref_for_path  # noqa: E402
 from ckptstore.repo import Repository, gc  # noqa: E402
@@ -22,42 +26,56 @@ from ckptstore.repo.refs import check_name  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 BATCHES = 4  # training batches per epoch, so global_step = 4 * epochs
+PACKAGES = ["pytorch_lightning", "lightning.pytorch"]  # the standalone package and the unified one
 
 
-class Tiny(pl.LightningModule):
-    """An MLP on random data, Adam with a step schedule; keeps its losses and what it handed to each save."""
+@functools.cache
+def _classes(package: str) -> SimpleNamespace:
+    """The test model and callback on `package`'s LightningModule and Callback (a Trainer takes only its own)."""
+    pl = importlib.import_module(package)
 
-    def __init__(self, width: int = 16) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 1))
-        self.losses: list[torch.Tensor] = []
-        self.saved: dict[int, list[dict]] = {}  # global_step -> deep copies of the checkpoints, in save order
+    class Tiny(pl.LightningModule):
+        """An MLP on random data, Adam with a step schedule; keeps its losses and what it handed to each save."""
 
-    def training_step(self, batch, _):
-        x, y = batch
-        loss = F.mse_loss(self.net(x), y)
-        self.losses.append(loss.detach().clone())
-        return loss
+        def __init__(self, width: int = 16) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 1))
+            self.losses: list[torch.Tensor] = []
+            self.saved: dict[int, list[dict]] = {}  # global_step -> deep copies of the checkpoints, in save order
 
-    def validation_step(self, batch, _):
-        x, y = batch
-        self.log("val_loss", F.mse_loss(self.net(x), y))
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = F.mse_loss(self.net(x), y)
+            self.losses.append(loss.detach().clone())
+            return loss
 
-    def configure_optimizers(self):
-        optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
-        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 3, gamma=0.5)}
+        def validation_step(self, batch, _):
+            x, y = batch
+            self.log("val_loss", F.mse_loss(self.net(x), y))
 
-    def on_save_checkpoint(self, checkpoint):  # Lightning's last hook before the plugin's save
-        self.saved.setdefault(checkpoint["global_step"], []).append(copy.deepcopy(checkpoint))
+        def configure_optimizers(self):
+            optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+            return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 3, gamma=0.5)}
+
+        def on_save_checkpoint(self, checkpoint):  # Lightning's last hook before the plugin's save
+            self.saved.setdefault(checkpoint["global_step"], []).append(copy.deepcopy(checkpoint))
+
+    class Restored(pl.Callback):
+        """Records the step and optimizer state a resumed fit starts from."""
+
+        def on_train_start(self, trainer, pl_module):
+            self.step = trainer.global_step
+            self.optimizer = copy.deepcopy(trainer.optimizers[0].state_dict())
+
+    return SimpleNamespace(pl=pl, Tiny=Tiny, Restored=Restored)
 
 
-class Restored(pl.Callback):
-    """Records the step and optimizer state a resumed fit starts from."""
-
-    def on_train_start(self, trainer, pl_module):
-        self.step = trainer.global_step
-        self.optimizer = copy.deepcopy(trainer.optimizers[0].state_dict())
+@pytest.fixture(scope="module", params=PACKAGES)
+def lit(request) -> SimpleNamespace:
+    """One Lightning package (`pl`) with the test's `Tiny` model and `Restored` callback on it."""
+    pytest.importorskip(request.param)
+    return _classes(request.param)
 
 
 def _loader() -> DataLoader:
@@ -67,13 +85,16 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False, num_workers=0)
 
 
-def _fit(model: Tiny, dirpath: Path, epochs: int, plugin=None, ckpt_path=None, callbacks=(), save_last=True
-         ) -> pl.callbacks.ModelCheckpoint:
-    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=2, save_last=save_last)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, limit_train_batches=BATCHES,
-                         limit_val_batches=2, enable_progress_bar=False, logger=False, enable_model_summary=False,
-                         log_every_n_steps=1, callbacks=[checkpoints, *callbacks],
-                         plugins=[plugin] if plugin else None)
+def _fit(lit: SimpleNamespace, model, dirpath: Path, epochs: int, plugin=None, ckpt_path=None, callbacks=(),
+         save_last=True):
+    """Fit `model` on `lit`'s Trainer with top-2 + last checkpoints; returns the ModelCheckpoint."""
+    checkpoints = lit.pl.callbacks.ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=2,
+                                                   save_last=save_last)
+    trainer = lit.pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, limit_train_batches=BATCHES,
+                             limit_val_batches=2, enable_progress_bar=False, logger=False, enable_model_summary=False,
+                             log_every_n_steps=1, callbacks=[checkpoints, *callbacks],
+                             plugins=[plugin] if plugin else None)
+    assert plugin is None or trainer.strategy.checkpoint_io is plugin  # this package's Trainer took it as is
     trainer.fit(model, _loader(), _loader(), ckpt_path=ckpt_path)
     return checkpoints
 
@@ -103,14 +124,44 @@ def test_ref_for_path_is_a_valid_tag_name():
         check_name(ref_for_path(name))
 
 
+def _import_plugin_without(monkeypatch, *missing: str):
+    """A fresh copy of the plugin module, imported as if the modules `missing` were not installed."""
+    for name in missing:
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` now raises ModuleNotFoundError
+    spec = importlib.util.spec_from_file_location("_lightning_plugin_copy", plugin_module.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.undo()
+    return module
+
+
+@pytest.mark.parametrize("missing, present", [("lightning.fabric.plugins", "pytorch_lightning"),
+                                              ("lightning_fabric.plugins", "lightning")])
+def test_either_package_alone_is_enough(monkeypatch, tmp_path, missing, present):
+    trainers = {"pytorch_lightning": pytest.importorskip("pytorch_lightning").Trainer,
+                "lightning": pytest.importorskip("lightning.pytorch").Trainer}
+    alone = _import_plugin_without(monkeypatch, missing)
+    plugin = alone.CkptstoreCheckpointIO(tmp_path / "store")
+    options = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_progress_bar": False}
+    assert trainers[present](plugins=[plugin], **options).strategy.checkpoint_io is plugin
+    other = "lightning" if present == "pytorch_lightning" else "pytorch_lightning"
+    with pytest.raises(Exception, match="Found invalid type for plugin"):  # what the package without its base says
+        trainers[other](plugins=[plugin], **options)
+
+
+def test_with_no_lightning_package_the_import_says_what_to_install(monkeypatch):
+    with pytest.raises(ImportError, match=r"pip install lightning .*or pytorch-lightning"):
+        _import_plugin_without(monkeypatch, "lightning_fabric.plugins", "lightning.fabric.plugins")
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """One run of 4 epochs with top-2 + last committed through the plugin."""
+def trained(lit, tmp_path_factory):
+    """One run of 4 epochs with top-2 + last committed through the plugin, on each Lightning package."""
     tmp = tmp_path_factory.mktemp("lightning")
     repo = Repository.init(tmp / "store")
     torch.manual_seed(0)
-    model = Tiny()
-    checkpoints = _fit(model, tmp / "ckpts", 4, CkptstoreCheckpointIO(repo))
+    model = lit.Tiny()
+    checkpoints = _fit(lit, model, tmp / "ckpts", 4, CkptstoreCheckpointIO(repo))
     yield tmp, repo, model, checkpoints
     repo.close()
 
@@ -150,7 +201,7 @@ def test_removed_checkpoints_lose_tag_and_marker_but_still_restore(trained):
         assert_same(repo.checkout(info.id), saved)
 
 
-def test_resume_from_a_ref_matches_resume_from_a_torch_file(trained):
+def test_resume_from_a_ref_matches_resume_from_a_torch_file(lit, trained):
     tmp, repo, model, checkpoints = trained
     ref = ref_for_path(checkpoints.best_model_path)
     step = repo.commit_info(ref).step
@@ -159,8 +210,8 @@ def test_resume_from_a_ref_matches_resume_from_a_torch_file(trained):
     runs = []
     for ckpt_path, plugin in ((ref, CkptstoreCheckpointIO(repo, prefix="resumed")), (tmp / "copy.ckpt", None)):
         torch.manual_seed(1)  # a different init: everything must come from the checkpoint
-        resumed, restored = Tiny(), Restored()
-        _fit(resumed, tmp / f"resume-{len(runs)}", 6, plugin, ckpt_path=ckpt_path, callbacks=[restored])
+        resumed, restored = lit.Tiny(), lit.Restored()
+        _fit(lit, resumed, tmp / f"resume-{len(runs)}", 6, plugin, ckpt_path=ckpt_path, callbacks=[restored])
         assert restored.step == step
         assert_same(restored.optimizer, saved["optimizer_states"][0])
         runs.append(torch.stack(resumed.losses))
@@ -169,14 +220,14 @@ def test_resume_from_a_ref_matches_resume_from_a_torch_file(trained):
 
 
 @pytest.mark.parametrize("save_last", [True, "link"])
-def test_resume_from_last_finds_the_marker(tmp_path, save_last):
+def test_resume_from_last_finds_the_marker(lit, tmp_path, save_last):
     repo = Repository.init(tmp_path / "store")
     torch.manual_seed(0)
-    first = Tiny()
-    _fit(first, tmp_path / "ckpts", 3, CkptstoreCheckpointIO(repo), save_last=save_last)
+    first = lit.Tiny()
+    _fit(lit, first, tmp_path / "ckpts", 3, CkptstoreCheckpointIO(repo), save_last=save_last)
     assert (tmp_path / "ckpts" / "last.ckpt").is_symlink() == (save_last == "link")
-    restored = Restored()
-    checkpoints = _fit(Tiny(), tmp_path / "ckpts", 4, CkptstoreCheckpointIO(repo), ckpt_path="last",
+    restored = lit.Restored()
+    checkpoints = _fit(lit, lit.Tiny(), tmp_path / "ckpts", 4, CkptstoreCheckpointIO(repo), ckpt_path="last",
                        callbacks=[restored], save_last=save_last)
     assert restored.step == max(first.saved)
     assert_same(restored.optimizer, first.saved[restored.step][0]["optimizer_states"][0])
@@ -229,12 +280,12 @@ def test_plugin_calls_directly(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::ckptstore.repo.background.BackgroundCommitWarning")
-def test_a_failed_background_commit_surfaces_at_the_next_save(tmp_path, monkeypatch):
+def test_a_failed_background_commit_surfaces_at_the_next_save(lit, tmp_path, monkeypatch):
     repo = Repository.init(tmp_path / "store")
     monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")  # the disk fills up in the first commit
     torch.manual_seed(0)
     with pytest.raises(BackgroundCommitError, match=r"epoch=0-step=4\.ckpt.*disk is full") as raised:
-        _fit(Tiny(), tmp_path / "ckpts", 2, CkptstoreCheckpointIO(repo))
+        _fit(lit, lit.Tiny(), tmp_path / "ckpts", 2, CkptstoreCheckpointIO(repo))
     assert "no tag 'lightning/epoch_0-step_4'" in str(raised.value)
     assert repo.tags() == {} and repo.head()[1] is None and not (tmp_path / "ckpts" / "epoch=0-step=4.ckpt").exists()
     monkeypatch.delenv("CKPT_FAIL_AT")
