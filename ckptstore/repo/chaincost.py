@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,7 +26,10 @@ from ckptstore.codecs import get_codec
 from ckptstore.errors import CkptError
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.formats.loadspeed import torch_load_seconds
-from ckptstore.policy import LOSSLESS_CODEC, ChainCosts
+from ckptstore.policy import AUTO, LOSSLESS_CODEC, ChainCosts
+
+if TYPE_CHECKING:
+    from ckptstore.repo.repository import Repository
 
 SAMPLE_BYTES = 4 << 20  # one default chunk: per-call overheads stay small beside the bytes
 LEVELS = 6
@@ -43,6 +47,13 @@ def chain_costs() -> dict[int, ChainCosts]:
         if _measured is None:
             _measured = _pinned() or {width: measure(width) for width in (2, 4)}
         return _measured
+
+
+def auto_costs(repo: Repository) -> dict[int, ChainCosts] | None:
+    """The decode costs `max_chain = "auto"` chains `repo`'s tensors by (None when a number caps chains)."""
+    if repo.config.encoding.max_chain != AUTO:
+        return None
+    return repository_costs(repo.dir)
 
 
 def repository_costs(folder: Path) -> dict[int, ChainCosts]:

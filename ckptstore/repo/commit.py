@@ -24,7 +24,7 @@ from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import files as file_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.metadata.commits import CommitInfo
-from ckptstore.policy import AUTO, ChainCosts, LossyLevel, level_named
+from ckptstore.policy import LossyLevel, level_named
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource
 from ckptstore.repo import calibrate, chaincost
@@ -181,7 +181,7 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
     with repo.db.read() as tx:
         plans, pairing, fisher = (_plan(repo, checkpoint, parent, level, lossy, measured) if level
                                   else ({}, None, None))
-        entries, jobs = _jobs(repo, tx, checkpoint.tensors, sources, parent.by_path, plans, level)
+        entries, jobs = encoding_jobs(repo, tx, checkpoint.tensors, sources, parent.by_path, plans, level)
     progress.start("commit", sum(j.raw.nbytes for j in jobs))
     with repo.store.batch():
         try:
@@ -284,13 +284,16 @@ def _optimizer_map(checkpoint: formats.Checkpoint, lossy: LossyOptions) -> Optim
                          found_ids[0] if len(found_ids) == 1 else None, found_lrs[0] if len(found_lrs) == 1 else None)
 
 
-def _jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], sources: Mapping[str, TensorId],
-          parents: Mapping[str, TensorRecord], plans: Mapping[str, LossyPlan], level: LossyLevel | None
-          ) -> tuple[dict[str, TensorId], list[Job]]:
+def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], sources: Mapping[str, TensorId],
+                  parents: Mapping[str, TensorRecord], plans: Mapping[str, LossyPlan], level: LossyLevel | None
+                  ) -> tuple[dict[str, TensorId], list[Job]]:
     """Manifest ids known before encoding, and the jobs that encode everything else.
 
-    Lossless tensors are named by their content; a lossy tensor whose source equals the
-    parent's keeps the parent's reconstruction; the rest are named after encoding.
+    `tensors`, their content ids `sources` and the `parents` they chain on are by path (a
+    sharded commit's: by shard key). Lossless tensors are named by their content and chain as
+    the repository's costs allow (`max_chain = "auto"`: repo/chaincost.py); a lossy tensor
+    whose source equals the parent's keeps the parent's reconstruction; the rest are named
+    after encoding. Commits and sharded commits (repo/sharded.py) both build their jobs here.
     """
     entries: dict[str, TensorId] = {}
     reused: dict[str, TensorRecord] = {}
@@ -308,17 +311,11 @@ def _jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], sources: M
         if sources[path] not in present and sources[path] not in new:
             new[sources[path]] = tensors[path]
             parent_of[sources[path]] = parents.get(path)
-    jobs = lossless_jobs(new, parent_of, repo.config.encoding, _chain_costs(repo) if any(parent_of.values()) else None)
+    jobs = lossless_jobs(new, parent_of, repo.config.encoding,
+                         chaincost.auto_costs(repo) if any(parent_of.values()) else None)
     jobs += [lossy_job(plan, tensors, sources[path], level, plans, reused)
              for path, plan in plans.items() if path not in reused]
     return entries, jobs
-
-
-def _chain_costs(repo: Repository) -> dict[int, ChainCosts] | None:
-    """The measured decode costs `max_chain = "auto"` chains by (None when a number caps chains)."""
-    if repo.config.encoding.max_chain != AUTO:
-        return None
-    return chaincost.repository_costs(repo.dir)
 
 
 def lossy_job(plan: LossyPlan, tensors: Mapping[str, RawTensor], source: TensorId, level: LossyLevel,
