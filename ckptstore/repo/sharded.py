@@ -24,11 +24,11 @@ from ckptstore.policy import LossyLevel
 from ckptstore.policy.lossy_shards import PAIRING, Shard, ShardFacts, plan_shards
 from ckptstore.records import Chunk, TensorRecord
 from ckptstore.replay import ChainSource
-from ckptstore.repo.commit import CommitOptions, lossy_job
+from ckptstore.repo.commit import CommitOptions, encoding_jobs
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.target import commit_target, default_author, move_ref
-from ckptstore.repo.writer import encode_jobs, lossless_jobs
+from ckptstore.repo.writer import encode_jobs
 from ckptstore.state import BYTES_DTYPE, RawTensor
 
 if TYPE_CHECKING:
@@ -85,24 +85,15 @@ def write_shards(repo: Repository, parent: CommitId | None, shards: Mapping[str,
         base_of, chains = _parent_records(repo, parent, list(shards))
         plans = {} if lossy is None else plan_shards(shards, lossy.shards, lossy.facts, base_of, lossy.level,
                                                      repo.config.encoding)[0]
-        reused = {k: base_of[k] for k in plans if k in base_of and base_of[k].params.get("source") == ids[k]}
         with repo.db.read() as tx:
-            present = tensor_rows.existing_tensor_ids(tx, {ids[k] for k in shards if k not in plans})
-        new = {ids[k]: raw for k, raw in shards.items() if k not in plans and ids[k] not in present}
-        parents = {ids[k]: base_of.get(k) for k in shards if k not in plans and ids[k] in new}
-        jobs = lossless_jobs(new, parents, repo.config.encoding)
-        jobs += [lossy_job(plan, shards, ids[k], lossy.level, plans, reused)
-                 for k, plan in plans.items() if k not in reused]
+            entries, jobs = encoding_jobs(repo, tx, shards, ids, base_of, plans, lossy.level if lossy else None)
         with repo.store.batch():
             records, sizes = encode_jobs(jobs, ChainSource(repo.store, chains), repo.pool)
     faults.point("dcp:rank-written")
     written = []
-    for key, raw in shards.items():
-        if key in plans:
-            record = records.get(key)
-            tid = reused[key].id if record is None else record.id
-        else:
-            record, tid = records.get(ids[key]), ids[key]
+    for key, raw in shards.items():  # a lossy shard's job is by key, a lossless one's by content id
+        record = records.get(key if key in plans else ids[key])
+        tid = entries[key] if key in entries else record.id  # not in entries: a new lossy reconstruction
         objects = {c.object_id: sizes[c.object_id] for c in record.chunks if c.object_id in sizes} if record else {}
         written.append(WrittenShard(key, Entry(tid, raw.dtype, raw.shape), record, objects, raw.nbytes))
     return written
