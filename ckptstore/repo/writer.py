@@ -22,10 +22,9 @@ from ckptstore.errors import CodecError
 from ckptstore.hashing import ObjectId, TensorId, chunk_checksum, tensor_id_of_parts
 from ckptstore.objectstore.base import put_parts
 from ckptstore.objectstore.pack import PACK_BELOW, PackSlot, PackWriter
-from ckptstore.policy import AUTO, ChainCosts, EncodingSettings, after_attempt, chunk_sizes, fidelity, plan_tensor
+from ckptstore.policy import ChainCosts, EncodingSettings, after_attempt, chunk_sizes, fidelity, plan_tensor
 from ckptstore.records import Chunk, TensorRecord
 from ckptstore.replay import ChainSource
-from ckptstore.repo.chaincost import chain_costs
 from ckptstore.repo.planecache import PlaneCache
 from ckptstore.state import RawTensor
 
@@ -334,15 +333,13 @@ def _chunk(result: ChunkResult, raw_bytes: int) -> Chunk:
 
 
 def lossless_jobs(new: dict[TensorId, RawTensor], parents: dict[TensorId, TensorRecord | None],
-                  settings: EncodingSettings, costs: dict[int, ChainCosts] | None = None) -> list[Job]:
+                  settings: EncodingSettings, costs: dict[int, ChainCosts] | None) -> list[Job]:
     """Jobs for tensors stored bit for bit: keyframe, or residual against the parent's tensor.
 
-    With `max_chain = "auto"` the chain's length comes from measured decode `costs` (the repository's,
-    repo/chaincost.py); without them, from this process's measurement, taken only when some tensor
-    has a parent to chain on (a first commit keyframes anyway).
+    With `max_chain = "auto"` the chain's length comes from measured decode `costs`: the repository's
+    (repo/chaincost.py's auto_costs; commit.encoding_jobs passes them). None where no tensor has a
+    parent (a first commit keyframes anyway): the fallback limit then only decides `keep_planes`.
     """
-    if settings.max_chain == AUTO and costs is None and any(parents.values()):
-        costs = chain_costs()
     jobs = []
     for tid, raw in new.items():
         plan = plan_tensor(raw.dtype, raw.nbytes, raw.itemsize, parents.get(tid), settings, costs)
