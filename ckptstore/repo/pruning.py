@@ -31,11 +31,11 @@ from ckptstore.metadata import retention as retention_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.objectstore.fallback import FallbackStore
 from ckptstore.objectstore.memory import MemoryObjectStore
-from ckptstore.policy import AUTO, EncodingSettings, chain_limit, chunk_sizes
+from ckptstore.policy import ChainCosts, EncodingSettings, chain_limit, chunk_sizes
 from ckptstore.policy.lossless import LOSSLESS_CODEC
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource, replay
-from ckptstore.repo.chaincost import chain_costs
+from ckptstore.repo.chaincost import auto_costs
 from ckptstore.repo.compaction import compact
 from ckptstore.repo.config import RetentionPolicy
 from ckptstore.repo.retention import History, doomed
@@ -195,18 +195,20 @@ def _reencode(repo: Repository, relinks: Mapping[TensorId, TensorId | None], rec
     A first pass encodes every relink into memory to learn its size; a relink is kept where the
     objects it frees (whole objects: a pack lives while any of its payloads does) outweigh its new
     bytes (a lossy residual stored again losslessly often does not). The second pass writes those.
+    Both chain as the repository's costs allow (`max_chain = "auto"`), read once here.
     """
+    costs = auto_costs(repo) if any(relinks.values()) else None  # keyframes only: no chain to limit
     memory = MemoryObjectStore()
     trial = FallbackStore(memory, lambda: repo.store)  # reads fall through to the repository's objects
 
     def forget_copies(written: set[ObjectId]) -> None:  # objects copied in for reading: memory is bounded by a batch
         memory.objects = {oid: data for oid, data in memory.objects.items() if oid in written}
 
-    measured, _ = _encode_relinks(repo, trial, relinks, records, forget_copies)
+    measured, _ = _encode_relinks(repo, trial, relinks, records, costs, forget_copies)
     worth = _paying(relinks, measured, layout)
     if not worth:
         return [], {}
-    new, sizes = _encode_relinks(repo, repo.store, {t: relinks[t] for t in worth}, records)
+    new, sizes = _encode_relinks(repo, repo.store, {t: relinks[t] for t in worth}, records, costs)
     return list(new.values()), sizes
 
 
@@ -250,12 +252,13 @@ def _skipped(tid: TensorId, new_base: TensorId | None, layout: _Layout) -> list[
 
 
 def _encode_relinks(repo: Repository, store: ObjectStore, relinks: Mapping[TensorId, TensorId | None],
-                    records: Mapping[TensorId, TensorRecord],
+                    records: Mapping[TensorId, TensorRecord], costs: dict[int, ChainCosts] | None,
                     after_batch: Callable[[set[ObjectId]], None] | None = None
                     ) -> tuple[dict[TensorId, TensorRecord], dict]:
     """Encode the `relinks` tensors bases first into `store`; their new records and object sizes.
 
-    `after_batch` is told, after each batch, every object written so far.
+    `costs` are the repository's decode costs (`max_chain = "auto"`, else None). `after_batch` is
+    told, after each batch, every object written so far.
     """
     new: dict[TensorId, TensorRecord] = {}
     sizes: dict[ObjectId, int] = {}
@@ -267,7 +270,8 @@ def _encode_relinks(repo: Repository, store: ObjectStore, relinks: Mapping[Tenso
         for batch in _batches(ready, records):
             restored = replay(ChainSource(store, records), [records[t] for t in batch], repo.pool)
             merged = {**records, **new}
-            jobs = [_job(records[t], restored[t], merged.get(relinks[t]), repo.config.encoding) for t in batch]
+            jobs = [_job(records[t], restored[t], merged.get(relinks[t]), repo.config.encoding, costs)
+                    for t in batch]
             with store.batch():  # durable before the transaction that names them
                 encoded, written = encode_jobs(jobs, ChainSource(store, merged), repo.pool)
             new.update({TensorId(key): record for key, record in encoded.items()})
@@ -292,29 +296,28 @@ def _batches(ready: list[TensorId], records: Mapping[TensorId, TensorRecord]) ->
     return [b for b in batches if b]
 
 
-def _job(record: TensorRecord, data: np.ndarray, base: TensorRecord | None, settings: EncodingSettings) -> Job:
+def _job(record: TensorRecord, data: np.ndarray, base: TensorRecord | None, settings: EncodingSettings,
+         costs: dict[int, ChainCosts] | None) -> Job:
     """The lossless encoding job of `record`'s restored bytes: a residual on `base` where its layout allows."""
     raw = RawTensor(record.dtype, tuple(record.shape), data)
     width = raw.itemsize
     params = {"width": width, "level": settings.zstd_level,
               "chunk_bytes": max(width, settings.chunk_bytes // width * width)}
     params.update({k: record.params[k] for k in KEPT_PARAMS if k in record.params})
-    if base is not None and _usable(record, base, width, settings):
+    if base is not None and _usable(record, base, width, chain_limit(settings.max_chain, width, costs)):
         params["chunk_bytes"] = int(base.params["chunk_bytes"])
     else:
         base = None
     return Job(record.id, raw, LOSSLESS_CODEC, params, base, known_id=record.id)
 
 
-def _usable(record: TensorRecord, base: TensorRecord, width: int, settings: EncodingSettings) -> bool:
-    """Whether `record` can be a residual on `base`: same dtype and size, chunks that line up, room in the chain."""
+def _usable(record: TensorRecord, base: TensorRecord, width: int, limit: int) -> bool:
+    """Whether `record` can be a residual on `base`: same dtype and size, chunks that line up, room in the chain.
+
+    `limit` is the longest chain the re-encoded tensor may join: the user's max_chain, or the measured rule's.
+    """
     chunk = base.params.get("chunk_bytes")
     return (base.dtype == record.dtype and base.raw_bytes == record.raw_bytes > 0
-            and base.depth + 1 <= _limit(settings, width) and isinstance(chunk, int) and chunk > 0
+            and base.depth + 1 <= limit and isinstance(chunk, int) and chunk > 0
             and chunk % width == 0
             and chunk_sizes(record.raw_bytes, chunk) == [c.raw_bytes for c in base.chunks])
-
-
-def _limit(settings: EncodingSettings, width: int) -> int:
-    """The longest chain a re-encoded tensor may join: the user's max_chain, or the measured rule's."""
-    return chain_limit(settings.max_chain, width, chain_costs() if settings.max_chain == AUTO else None)
