@@ -2,14 +2,17 @@
 
 import json
 import os
+import warnings
 
 import numpy as np
 import torch
 
 from ckptstore import Repository
+from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.policy import AUTO, ChainCosts, EncodingSettings
 from ckptstore.repo import chaincost, fsck
-from ckptstore.repo.config import RepoConfig
+from ckptstore.repo.config import RepoConfig, RetentionPolicy
+from ckptstore.repo.pruning import prune
 from tests.conftest import assert_same
 
 # per byte: keyframe 1 ns, each level 0.5 ns, torch.load 4.4 ns: 1 + 0.5 d <= 4.4 / 1.25 allows 5 levels
@@ -85,3 +88,40 @@ def test_auto_is_written_to_the_config_and_old_numbers_still_read(tmp_path):
     assert 'max_chain = "auto"' in path.read_text() and RepoConfig.load(path).encoding.max_chain == AUTO
     path.write_text(path.read_text().replace('max_chain = "auto"', "max_chain = 2"))
     assert RepoConfig.load(path).encoding.max_chain == 2
+
+
+def _keep_costs(repo: Repository, monkeypatch) -> None:
+    """The repository keeps FIVE_LEVELS; this process's own measurement would allow no chain at all."""
+    monkeypatch.delenv(chaincost.ENV)
+    monkeypatch.setattr(chaincost, "_measured", {w: ChainCosts(1e-9, 10e-9, 4.4e-9, 1) for w in (2, 4)})
+    kept = {"cpus": os.cpu_count() or 1, "measured_at": 0.0, "costs": json.loads(FIVE_LEVELS)}
+    (repo.dir / chaincost.FILE).write_text(json.dumps(kept))
+
+
+def test_sharded_commits_chain_by_the_repositorys_costs(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore.dcp import CkptStorageWriter
+
+    with Repository.init(tmp_path) as repo:
+        _keep_costs(repo, monkeypatch)
+        depths = []
+        for state in _states(4):
+            writer = CkptStorageWriter(repo)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                dcp.save(state, storage_writer=writer)
+            tid = next(e.tensor for k, e in repo.manifest(writer.commit_id).entries.items() if k.startswith("w"))
+            with repo.db.read() as tx:
+                depths.append(tensor_rows.load_records(tx, {tid})[tid].depth)
+        assert depths == [0, 1, 2, 3]
+
+
+def test_prune_relinks_by_the_repositorys_costs(tmp_path, monkeypatch):
+    with Repository.init(tmp_path) as repo:
+        _keep_costs(repo, monkeypatch)
+        cids = [repo.commit(s) for s in _states(6)]
+        assert [_depths(repo, c) for c in cids] == [0, 1, 2, 3, 4, 5]
+        report = prune(repo, RetentionPolicy(keep_last=1, keep_every=5))
+        assert sorted(report.pruned) == sorted(cids[1:5])
+        assert _depths(repo, cids[5]) == 1  # a residual on commit 0's tensor: the process's figures keyframe it
