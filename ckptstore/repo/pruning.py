@@ -80,7 +80,8 @@ def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool
         report.bytes_before = _store_bytes(repo)
         with repo.db.read() as tx:
             gone = _doomed(tx, policy)
-            report.pruned, report.tensors_reencoded = sorted(gone), len(_relinks(tx, gone))
+            kept, bases = retention_rows.listed_tensors(tx, gone), retention_rows.all_bases(tx)
+            report.pruned, report.tensors_reencoded = sorted(gone), len(_relinks(kept, bases))
         return report
     with repo.lock(exclusive=True, wait=wait):
         with repo.db.read() as tx:
@@ -89,7 +90,8 @@ def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool
                 return report
             report.bytes_before = _store_bytes(repo)
             _refuse_damage(repo, tx)
-            relinks, layout = _relinks(tx, gone), _layout(tx, gone)
+            layout = _layout(tx, gone)
+            relinks = _relinks(layout.kept, layout.bases)
             records = tensor_rows.load_records(tx, set(relinks) | {b for b in relinks.values() if b})
         new_records, sizes = _reencode(repo, relinks, records, layout)
         staying = _live(layout, {r.id: r.base_id for r in new_records}) - {r.id for r in new_records}
@@ -153,13 +155,12 @@ def _refuse_damage(repo: Repository, tx: Tx) -> None:
         raise refusal(findings.problems, repo.db.where, "prune")
 
 
-def _relinks(tx: Tx, gone: set[CommitId]) -> dict[TensorId, TensorId | None]:
+def _relinks(kept: set[TensorId], bases: Mapping[TensorId, TensorId | None]) -> dict[TensorId, TensorId | None]:
     """Tensors the kept commits need whose base no kept commit lists: each with its new base (None: keyframe).
 
-    The new base is the first tensor down the old chain that a kept commit lists, so it stays.
+    `kept` are the tensors the kept commits list, `bases` every record's base. The new base is the
+    first tensor down the old chain that a kept commit lists, so it stays.
     """
-    kept = retention_rows.listed_tensors(tx, gone)
-    bases = retention_rows.all_bases(tx)
     relinks: dict[TensorId, TensorId | None] = {}
     for tid in kept:
         below = bases.get(tid)
