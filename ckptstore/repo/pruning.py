@@ -220,12 +220,13 @@ def _paying(relinks: Mapping[TensorId, TensorId | None], measured: Mapping[Tenso
     A dead payload in a pack counts as freed: the pack is compacted (`_compact`) if it stays.
     """
     chosen = set(measured)
+    skipped = {t: _skipped(t, relinks[t], layout) for t in chosen}  # old chains: the same on every pass
     while chosen:
         live = _live(layout, {t: relinks[t] for t in chosen}) - chosen
         whole = {o for t in live for o, n in layout.chunks.get(t, []) if n is None}
         dropped = {t for t in chosen if measured[t].stored_bytes >= sum(
             layout.sizes.get(o, 0) if n is None else n
-            for link in _skipped(t, relinks[t], layout) if link not in live
+            for link in skipped[t] if link not in live
             for o, n in layout.chunks.get(link, []) if n is not None or o not in whole)}
         if not dropped:
             break
