@@ -6,9 +6,10 @@ and at `LEVELS`, beside torch.load of the same bytes. Per element width (fp32, a
 values), that gives policy/chaincost.py's `ChainCosts`, timed on one thread (checkout decodes chunks
 on one per CPU, which the rule divides by). About 1-2 s with torch's import, so a repository measures
 once, at its first "auto" commit, and keeps the figures in `.ckpt/chaincost.json` (measured again
-on a machine with another CPU count, or when the file is deleted or unreadable); a process without a
-repository measures once. `CKPTSTORE_CHAIN_COSTS` (JSON {width: [keyframe, level, load, workers]},
-s/byte) pins them.
+on a machine with another CPU count, or when the file is deleted or unreadable). Commits, every rank
+of a sharded commit and prune all chain by those figures (`auto_costs`); `chain_costs` alone is a
+process's own measurement, taken once (to fill the file, or where there is no repository).
+`CKPTSTORE_CHAIN_COSTS` (JSON {width: [keyframe, level, load, workers]}, s/byte) pins them.
 """
 
 from __future__ import annotations
