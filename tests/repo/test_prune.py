@@ -21,6 +21,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -277,8 +278,15 @@ def killed_template(tmp_path_factory):
     return work, cids, before, duration
 
 
-def _lost(trial: Path, cids: list[str], before: dict) -> list[str]:
-    """What a killed prune lost: a kept commit not restoring bit-exact, damage fsck finds (garbage is not loss)."""
+def _checkout(repo: Repository, cid: str):
+    return repo.checkout(cid)
+
+
+def _lost(trial: Path, cids: list[str], before: dict, restore: Callable = _checkout) -> list[str]:
+    """What a killed prune lost: a kept commit not restoring bit-exact, damage fsck finds (garbage is not loss).
+
+    `restore(repo, cid)` is what `before` holds of each commit (default: its in-memory checkout).
+    """
     problems = []
     with Repository.open(trial) as repo:
         report = fsck(repo, full=True)
@@ -286,7 +294,7 @@ def _lost(trial: Path, cids: list[str], before: dict) -> list[str]:
             problems.append(f"fsck: {report}")
         for i, cid in enumerate(cids):
             try:
-                assert_same(before[cid], repo.checkout(cid))
+                assert_same(before[cid], restore(repo, cid))
             except PrunedCommitError:
                 if i in KEPT_POSITIONS:
                     problems.append(f"kept commit {i} was pruned")
@@ -295,7 +303,9 @@ def _lost(trial: Path, cids: list[str], before: dict) -> list[str]:
     return problems
 
 
-def _trial(template, tmp_path: Path, name: str, point: str | None = None, delay: float | None = None) -> dict:
+def _trial(template, tmp_path: Path, name: str, point: str | None = None, delay: float | None = None,
+           restore: Callable = _checkout) -> dict:
+    """Kill a prune of a copy of `template` (at fault `point`, or after `delay` s), check it, rerun it, check again."""
     work, cids, before, _ = template
     trial = tmp_path / name
     shutil.copytree(work, trial)
@@ -305,12 +315,12 @@ def _trial(template, tmp_path: Path, name: str, point: str | None = None, delay:
         proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=120)
     killed = proc.returncode == -signal.SIGKILL
-    problems = _lost(trial, cids, before)
+    problems = _lost(trial, cids, before, restore)
     rerun = _prune_process(trial)
     out, err = rerun.communicate(timeout=120)
     if rerun.returncode != 0:
         problems.append(f"rerun failed: {out}{err}")
-    problems += _lost(trial, cids, before)
+    problems += _lost(trial, cids, before, restore)
     with Repository.open(trial) as repo:
         if fsck(repo).unreferenced_objects or {c for c in cids if repo.commit_info(c).pruned} != {
                 cids[i] for i in range(COMMITS) if i not in KEPT_POSITIONS}:
