@@ -24,6 +24,7 @@ from ckptstore.dcp.repos import RepoHandle
 from ckptstore.errors import CkptError, CorruptRecordError, PickledObjectsError
 from ckptstore.formats import dcpmeta
 from ckptstore.hashing import CommitId
+from ckptstore.metadata import commits as commit_rows
 from ckptstore.repo import sharded
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.partial import restore_ranges
@@ -65,7 +66,7 @@ class CkptStorageReader(StorageReader):
         does not have, and report the same error twice.
         """
         cid = self.repo.resolve(self.ref)
-        oid = self.repo.commit_info(cid).manifest_object
+        oid = commit_rows.readable_manifest(self.repo.commit_info(cid))  # a pruned commit: PrunedCommitError
         manifest = self.repo.read_manifest(oid)
         if not sharded.is_sharded(manifest):
             raise CkptError(f"commit {cid[:12]} ({self.ref}) is not a sharded (DCP) commit; "
