@@ -32,6 +32,7 @@ from ckptstore.policy.lossy_shards import Shard, ShardFacts, ShardStats
 from ckptstore.repo import sharded
 from ckptstore.repo.commit import CommitOptions
 from ckptstore.repo.manifest import Entry
+from ckptstore.repo.pruning import after_commit
 from ckptstore.repo.repository import Repository
 from ckptstore.state import RawTensor, raw_from_bytes, raw_from_torch
 
@@ -148,7 +149,11 @@ class CkptStorageWriter(StorageWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: record every rank's shards and DCP's metadata as one commit, then release the lock."""
+        """Coordinator: record every rank's shards and DCP's metadata as one commit, then release the lock.
+
+        Then the config's `[retention]` policy prunes, as after an ordinary commit: only the
+        coordinator runs `finish`, once per save, so it prunes once, never on every rank.
+        """
         try:
             if self._start is None:
                 raise CkptError("finish came before prepare_global_plan: this writer was not the coordinator")
@@ -163,6 +168,8 @@ class CkptStorageWriter(StorageWriter):
             target, parent = self._start
             self.commit_id = sharded.record_sharded(self.repo, target, parent, shards, described, self.options,
                                                     self.level.name if self.level else None)
+            self._held.close()  # the lock: [retention]'s prune takes it alone
+            after_commit(self.repo, self.commit_id)  # its failure says the commit was recorded
         finally:
             self.close()
 

@@ -23,6 +23,7 @@ from ckptstore.repo.commit import CommitOptions
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.progress import Progress
+from ckptstore.repo.pruning import after_commit
 from ckptstore.state import RawTensor
 
 T = TypeVar("T")
@@ -40,7 +41,8 @@ def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions
     A lossy `level` asked for is refused: lossy levels on shards come through the DCP writer.
 
     Raises NothingToCommitError when it equals its parent (unless `options.allow_empty`) and
-    ConflictError when the branch moved meanwhile; nothing is recorded then.
+    ConflictError when the branch moved meanwhile; nothing is recorded then. Once it is recorded,
+    the config's `[retention]` policy prunes, as after any commit.
     """
     from ckptstore.formats import dcpdir
 
@@ -58,7 +60,8 @@ def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions
             if before.dcp is not None and before.entries == {w.key: w.entry for w in written}:
                 raise NothingToCommitError(f"nothing changed since {parent[:12]}: {path} holds the same shards "
                                            "(use --allow-empty to record it anyway)")
-        return sharded.record_sharded(repo, target, parent, written, described, options)
+        cid = sharded.record_sharded(repo, target, parent, written, described, options)
+    return after_commit(repo, cid)  # [retention] in config.toml, once the lock is released
 
 
 def _batches(items: Iterable[tuple[str, T]], size_of: Callable[[T], int]) -> Iterator[dict[str, T]]:
