@@ -24,6 +24,8 @@ from ckptstore.dcp import CkptStorageReader, CkptStorageWriter
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.policy import EncodingSettings
 from ckptstore.repo import fsck, gc
+from ckptstore.repo.config import RetentionPolicy
+from ckptstore.repo.pruning import prune
 from tests.dcp.launch import ROOT, run_ranks
 from tests.dcp.worker import differences, full_state
 
@@ -188,3 +190,29 @@ def test_export_gathers_a_sharded_commit_into_one_full_state_dict(trained, tmp_p
     gathered = torch.load(tmp_path / "u.pt", weights_only=True)
     assert differences(gathered, {k: v for k, v in load_one_rank(repo_dir, "uneven").items()
                                   if isinstance(v, torch.Tensor)}) == []
+
+
+def test_prune_of_the_two_rank_history_keeps_its_tip_bit_exact(trained, tmp_path):
+    """The second save's shards (two ranks') were residuals on the first's: prune re-encodes them when it goes."""
+    repo_dir, _, report, _ = trained
+    copy = tmp_path / "repo"
+    shutil.copytree(repo_dir, copy)
+    with Repository.open(copy) as repo:
+        first = {e.tensor for e in repo.manifest(report["commit_first"]).entries.values()}
+        second = {e.tensor for e in repo.manifest(report["commit_second"]).entries.values()}
+
+        def on_first() -> int:  # the second save's shards whose base is one of the first's
+            with repo.db.read() as tx:
+                return sum(r.base_id in first for r in tensor_rows.load_records(tx, second, with_bases=False).values())
+
+        before = on_first()
+        pruned = prune(repo, RetentionPolicy(keep_last=1))
+        assert report["commit_first"] in pruned.pruned and pruned.bytes_after < pruned.bytes_before
+        assert on_first() < before
+        checked = fsck(repo, full=True)
+        assert checked.ok and not checked.broken_commits and checked.unreferenced_objects == 0, checked
+        repo.checkout_to("main", tmp_path / "main")
+    theirs = load_one_rank(repo_dir, report["commit_second"])
+    written = {k: (torch.full_like(v, 7) if isinstance(v, torch.Tensor) else v) for k, v in theirs.items()}
+    dcp.load(written, storage_reader=dcp.FileSystemReader(str(tmp_path / "main")))
+    assert differences(load_one_rank(copy, "main"), theirs) == [] and differences(written, theirs) == []
