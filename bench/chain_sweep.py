@@ -1,7 +1,8 @@
 """`python -m bench.chain_sweep`: how the lossless chain length trades stored bytes against checkout speed.
 
 Commits a MiniLM fine-tune the suite never saw (`minilm-unseen`: another seed, other stdlib packages,
-9 checkpoints) under `max_chain` "auto" and fixed 1/2/4/8, against ZipNN per tensor. Every commit is
+9 checkpoints; `--run NAME`: another run of bench/workloads.py) under `max_chain` "auto" and fixed
+1/2/4/8, against ZipNN per tensor. Every commit is
 then checked out into memory and timed against torch.load of the same file (both from the page cache,
 best of `--repeats`, taking turns), so the table shows the slowest commit of each chain.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench.workloads import MiniLMFineTune, stdlib_lines
+from bench.workloads import WORKLOADS, MiniLMFineTune, stdlib_lines
 from ckptstore import Repository
 from ckptstore.policy import EncodingSettings, chain_limit
 from ckptstore.repo.chaincost import chain_costs
@@ -93,8 +94,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the tiny model (a smoke test)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chains", default="auto,1,2,4,8")
+    parser.add_argument("--run", help="a bench/workloads.py run instead (e.g. minilm-finetune)")
+    parser.add_argument("--files", type=int, default=0, help="only the first N checkpoints (0: all)")
     args = parser.parse_args()
-    files = MiniLMUnseen(quick=args.quick).files()
+    files = (WORKLOADS[args.run] if args.run else MiniLMUnseen)(quick=args.quick).files()[: args.files or None]
     raw = sum(f.stat().st_size for f in files)
     costs = chain_costs()
     print("measured costs (ns/byte, keyframe / level / torch.load): "
