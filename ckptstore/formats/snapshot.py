@@ -97,12 +97,13 @@ class _Copier:
             raw = raw_from_torch(source, path)
             buffer.numpy()[:] = raw.data
         else:
-            if pinned:
-                target.copy_(source, non_blocking=True)
-                self.devices.add(source.device)
-            else:
+            if source.device.type == "cpu" and type(source) is torch.Tensor:  # batched: wait() copies them
                 self.targets.append(target)
                 self.sources.append(source)
+            else:  # CUDA into pinned memory, other devices and tensor subclasses: one copy each, now
+                target.copy_(source, non_blocking=pinned)
+                if pinned:
+                    self.devices.add(source.device)
         self.copied.add(path)
         return RawTensor(f"torch.{str(tensor.dtype).removeprefix('torch.')}", tuple(tensor.shape), buffer.numpy())
 
@@ -120,6 +121,16 @@ class _Copier:
             torch.cuda.synchronize(device)
 
 
+def _synchronize(device: Any) -> None:
+    """Wait for `device`'s copies, as far as it can still say (it may be what failed)."""
+    import torch
+
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:  # the original failure is the one to report
+        pass
+
+
 def snapshot(state: Any, buffers: HostBuffers) -> tuple[Checkpoint, list[Any]]:
     """`state` as a checkpoint that owns all its bytes, and the buffers lent to it (give them back when done).
 
@@ -131,6 +142,8 @@ def snapshot(state: Any, buffers: HostBuffers) -> tuple[Checkpoint, list[Any]]:
         flat = flatten(state, to_raw=copier)
         copier.wait()
     except BaseException:
+        for device in copier.devices:  # no copy may still be landing in a buffer given back
+            _synchronize(device)
         buffers.give_back(copier.lent)
         raise
     buffers.drop_free()

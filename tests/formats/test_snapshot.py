@@ -84,3 +84,16 @@ def test_a_failed_snapshot_gives_its_buffers_back():
         snapshot(state, buffers)
     _, lent = snapshot({"a": torch.randn(100)}, buffers)
     assert buffers.kept == 400 and len(lent) == 1
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass, as libraries wrap parameters: copied one by one, not in the batched call."""
+
+
+def test_tensor_subclasses_are_copied_byte_for_byte_and_owned():
+    state = {"tagged": torch.arange(6, dtype=torch.float32).as_subclass(_Tagged), "plain": torch.ones(3)}
+    got, _ = snapshot(state, HostBuffers())
+    expected = {path: raw.data.tobytes() for path, raw in formats.from_state(state).tensors.items()}
+    with torch.no_grad():
+        state["tagged"].add_(1)  # after the snapshot: its copy keeps the bytes it had
+    assert {path: raw.data.tobytes() for path, raw in got.tensors.items()} == expected
