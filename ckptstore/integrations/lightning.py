@@ -44,6 +44,12 @@ try:  # the unified package's: lightning.pytorch.Trainer checks for this one, a 
     from lightning.fabric.plugins import CheckpointIO as _UnifiedCheckpointIO
 except ImportError:
     _UnifiedCheckpointIO = None
+except Exception:
+    # importing `lightning` loads all of lightning.pytorch: a broken or mismatched install of it
+    # must not take the plugin away from pytorch_lightning users, who never asked for it
+    if _StandaloneCheckpointIO is None:
+        raise
+    _UnifiedCheckpointIO = None
 
 MARKER_FORMAT = "ckptstore-lightning-marker/1"
 MARKER_MAX_BYTES = 4096  # a marker is ~300 bytes; anything larger is a real checkpoint file
