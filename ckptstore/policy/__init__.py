@@ -8,8 +8,9 @@ from ckptstore.policy.lossless import (
     EncodingSettings,
     after_attempt,
     chunk_sizes,
+    cycle_after,
     plan_tensor,
 )
 
 __all__ = ["AUTO", "LEVELS", "LOSSLESS_CODEC", "ChainCosts", "EncodePlan", "EncodingSettings", "LossyLevel",
-           "after_attempt", "chain_limit", "chunk_sizes", "level_named", "plan_tensor"]
+           "after_attempt", "cycle_after", "chain_limit", "chunk_sizes", "level_named", "plan_tensor"]

@@ -44,11 +44,15 @@ class EncodePlan:
 
 
 def plan_tensor(dtype: str, nbytes: int, itemsize: int, parent: TensorRecord | None,
-                settings: EncodingSettings, costs: dict[int, ChainCosts] | None = None) -> EncodePlan:
+                settings: EncodingSettings, costs: dict[int, ChainCosts] | None = None,
+                anchor: TensorRecord | None = None) -> EncodePlan:
     """Residual against the parent's tensor when it has the same layout and the chain has room.
 
     The room is `chain_limit`: the user's `max_chain`, or with "auto" what `costs` (measured decode
-    and torch.load times per element width) allow.
+    and torch.load times per element width) allow. A parent already at the limit is not the end of
+    the chain: the residual goes against the parent's own base (`anchor`, one level down), so
+    every later commit restores at the same depth, until the cycle's bytes say a keyframe pays
+    again (`_rekey`).
 
     Rebuilding the parent costs about as much as encoding, so a tensor whose last residual attempt
     did not pay (Adam's first moment, typically) skips the attempt for a while: 1, 2, then 4
@@ -57,26 +61,51 @@ def plan_tensor(dtype: str, nbytes: int, itemsize: int, parent: TensorRecord | N
     chunk_bytes = max(itemsize, settings.chunk_bytes // itemsize * itemsize)
     params: dict[str, Any] = {"width": itemsize, "level": settings.zstd_level, "chunk_bytes": chunk_bytes}
     limit = chain_limit(settings.max_chain, itemsize, costs)
-    usable = (
-        parent is not None
-        and parent.codec == LOSSLESS_CODEC
-        and parent.dtype == dtype
-        and parent.raw_bytes == nbytes
-        and parent.depth + 1 <= limit
-        and nbytes > 0
-    )
-    if not usable:
+    base = parent if parent is not None and limit >= 1 and nbytes > 0 and _same_layout(parent, dtype, nbytes) else None
+    if base is not None and base.depth + 1 > limit:
+        base = anchor if (anchor is not None and anchor.id == base.base_id and anchor.depth == limit - 1
+                          and _same_layout(anchor, dtype, nbytes) and not _rekey(base)) else None
+    if base is None:
         return EncodePlan(LOSSLESS_CODEC, params, None, limit)
-    params["chunk_bytes"] = int(parent.params["chunk_bytes"])
+    params["chunk_bytes"] = int(base.params["chunk_bytes"])
     misses = int(parent.params.get("residual_misses", 0))
     wait = int(parent.params.get("residual_wait", 0))
     if wait > 0:
         params.update(residual_misses=misses, residual_wait=wait - 1)
         return EncodePlan(LOSSLESS_CODEC, params, None, limit)
     params["residual_misses"] = misses
+    params["cycle"] = list(parent.params.get("cycle") or [parent.stored_bytes, 1])
     if parent.depth >= 1 and "plane_modes" in parent.params:  # the parent chose between XOR and not
         params["plane_hints"] = parent.params["plane_modes"]
-    return EncodePlan(LOSSLESS_CODEC, params, parent, limit)
+    return EncodePlan(LOSSLESS_CODEC, params, base, limit)
+
+
+def _same_layout(record: TensorRecord, dtype: str, nbytes: int) -> bool:
+    """Whether a new tensor of `dtype` and `nbytes` may be coded against `record` bit for bit."""
+    return record.codec == LOSSLESS_CODEC and record.dtype == dtype and record.raw_bytes == nbytes
+
+
+def _rekey(parent: TensorRecord) -> bool:
+    """Whether the tensor should start a new keyframe instead of another residual on `parent`'s base.
+
+    A cycle (a keyframe and the residuals since) costs its bytes over its commits. Residuals on an
+    aging base grow as training drifts, so once the last one is larger than the cycle's average,
+    a new cycle lowers the average. Records without the cycle's figures (written before them)
+    keyframe at the limit, as chains used to.
+    """
+    cycle = parent.params.get("cycle")
+    if not cycle:
+        return True
+    total, commits = cycle
+    return parent.stored_bytes * commits > total
+
+
+def cycle_after(params: dict[str, Any], stored: int, residual: bool) -> list[int]:
+    """The cycle figures of a new lossless record: its bytes added to the parent's, or a new cycle."""
+    if not residual or "cycle" not in params:
+        return [stored, 1]
+    total, commits = params["cycle"]
+    return [int(total) + stored, int(commits) + 1]
 
 
 def after_attempt(params: dict[str, Any], residual_paid: bool) -> dict[str, Any]:

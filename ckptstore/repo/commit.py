@@ -311,8 +311,10 @@ def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], so
         if sources[path] not in present and sources[path] not in new:
             new[sources[path]] = tensors[path]
             parent_of[sources[path]] = parents.get(path)
+    bases = {p.base_id for p in parent_of.values() if p is not None and p.base_id}
+    anchors = tensor_rows.load_records(tx, bases, with_bases=False) if bases else {}
     jobs = lossless_jobs(new, parent_of, repo.config.encoding,
-                         chaincost.auto_costs(repo) if any(parent_of.values()) else None)
+                         chaincost.auto_costs(repo) if any(parent_of.values()) else None, anchors)
     jobs += [lossy_job(plan, tensors, sources[path], level, plans, reused)
              for path, plan in plans.items() if path not in reused]
     return entries, jobs

@@ -77,10 +77,17 @@ class PlaneCache:
                 _, evicted = (self._previous or self._current).popitem(last=False)
                 self._held -= evicted.nbytes
 
-    def take(self, tensor: TensorId, start: int, width: int, nbytes: int) -> list[np.ndarray] | None:
-        """The planes of `tensor`'s chunk at byte `start`, removed from the cache; None unless held with this layout."""
+    def take(self, tensor: TensorId, start: int, width: int, nbytes: int, keep: bool = False
+             ) -> list[np.ndarray] | None:
+        """The planes of `tensor`'s chunk at byte `start`, removed from the cache; None unless held with this layout.
+
+        With `keep` they stay, for the next commit to take again (a base several commits code against).
+        """
         with self._lock:
             planes = self._drop((tensor, start))
+            if keep and planes is not None:
+                self._current[(tensor, start)] = planes
+                self._held += planes.nbytes
         if planes is None or planes.shape[0] != width or planes.nbytes != nbytes:
             return None
         return list(planes)

@@ -10,7 +10,7 @@ second moments, then first moments, and a chunk waits only for chunks submitted 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
@@ -22,7 +22,15 @@ from ckptstore.errors import CodecError
 from ckptstore.hashing import ObjectId, TensorId, chunk_checksum, tensor_id_of_parts
 from ckptstore.objectstore.base import put_parts
 from ckptstore.objectstore.pack import PACK_BELOW, PackSlot, PackWriter
-from ckptstore.policy import ChainCosts, EncodingSettings, after_attempt, chunk_sizes, fidelity, plan_tensor
+from ckptstore.policy import (
+    ChainCosts,
+    EncodingSettings,
+    after_attempt,
+    chunk_sizes,
+    cycle_after,
+    fidelity,
+    plan_tensor,
+)
 from ckptstore.records import Chunk, TensorRecord
 from ckptstore.replay import ChainSource
 from ckptstore.repo.planecache import PlaneCache
@@ -50,6 +58,7 @@ class Job:
     paced_by: str | None = None  # a first moment's weight: its "fine_step" applies where that weight's step was capped
     reference: RawTensor | None = None  # a first moment's original second moment: its update's scale
     keep_planes: bool = False  # lossless: the next commit may code against this tensor (repo/planecache.py)
+    keep_base: bool = False  # lossless at its chain's limit: the next commit codes against the same base again
 
 
 @dataclass
@@ -105,8 +114,13 @@ def _base_planes(job: Job, source: ChainSource, index: int, start: int, size: in
     """The base's planes of chunk `index`: kept by the commit that encoded them, else replayed from the store."""
     if job.base is None:
         return None
-    planes = cache.take(job.base.id, start, int(job.params["width"]), size) if cache is not None else None
-    return planes if planes is not None else source.replay_planes(job.base, index)
+    keep = cache is not None and job.keep_base
+    planes = cache.take(job.base.id, start, int(job.params["width"]), size, keep) if cache is not None else None
+    if planes is None:
+        planes = source.replay_planes(job.base, index)
+        if keep and planes is not None:
+            cache.put(job.base.id, start, np.stack(planes))
+    return planes
 
 
 def _encode_chunk(job: Job, source: ChainSource, index: int, start: int, size: int,
@@ -303,6 +317,7 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
             if job.base is not None:
                 params = after_attempt(params, uses_base)
                 params["plane_modes"] = [r.modes for r in results]
+            params["cycle"] = cycle_after(params, sum(r.stored for r in results), uses_base)
         else:
             tid = tensor_id_of_parts(job.raw.dtype, job.raw.shape, [r.recon for r in results])
             norm = sum(r.norm_sq for r in results)
@@ -333,8 +348,12 @@ def _chunk(result: ChunkResult, raw_bytes: int) -> Chunk:
 
 
 def lossless_jobs(new: dict[TensorId, RawTensor], parents: dict[TensorId, TensorRecord | None],
-                  settings: EncodingSettings, costs: dict[int, ChainCosts] | None) -> list[Job]:
+                  settings: EncodingSettings, costs: dict[int, ChainCosts] | None,
+                  anchors: Mapping[TensorId, TensorRecord] | None = None) -> list[Job]:
     """Jobs for tensors stored bit for bit: keyframe, or residual against the parent's tensor.
+
+    `anchors` holds the parents' bases by id: a parent at the chain's limit is coded against its
+    base instead (policy/lossless.py's plan_tensor).
 
     With `max_chain = "auto"` the chain's length comes from measured decode `costs`: the repository's
     (repo/chaincost.py's auto_costs; commit.encoding_jobs passes them). None where no tensor has a
@@ -342,8 +361,10 @@ def lossless_jobs(new: dict[TensorId, RawTensor], parents: dict[TensorId, Tensor
     """
     jobs = []
     for tid, raw in new.items():
-        plan = plan_tensor(raw.dtype, raw.nbytes, raw.itemsize, parents.get(tid), settings, costs)
+        parent = parents.get(tid)
+        anchor = (anchors or {}).get(parent.base_id) if parent is not None and parent.base_id else None
+        plan = plan_tensor(raw.dtype, raw.nbytes, raw.itemsize, parent, settings, costs, anchor)
         depth = plan.base.depth + 1 if plan.base is not None else 0
         jobs.append(Job(tid, raw, plan.codec, plan.params, plan.base, known_id=tid,
-                        keep_planes=depth < plan.limit))
+                        keep_planes=depth < plan.limit, keep_base=0 < depth == plan.limit))
     return jobs

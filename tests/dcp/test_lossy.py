@@ -27,7 +27,7 @@ from tests.dcp.launch import run_ranks
 from tests.dcp.lossy_worker import LABELS
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-MEASURED = {"rel_error", "chunk_steps", "source", "base_error"}  # measured per shard, not planned
+MEASURED = {"rel_error", "chunk_steps", "source", "base_error", "cycle"}  # measured per shard, not planned
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 import pytest
 
 from ckptstore.errors import CkptError
-from ckptstore.policy import AUTO, ChainCosts, EncodingSettings, chain_limit, plan_tensor
+from ckptstore.policy import AUTO, ChainCosts, EncodingSettings, chain_limit, cycle_after, plan_tensor
 from ckptstore.policy.chaincost import AUTO_CAP, FALLBACK, MARGIN
 from ckptstore.records import TensorRecord
 
@@ -11,9 +11,11 @@ from ckptstore.records import TensorRecord
 COSTS = {4: ChainCosts(keyframe=1e-9, level=1e-9, load=5e-9)}
 
 
-def _record(depth: int) -> TensorRecord:
-    return TensorRecord("t", "torch.float32", (256,), "bytegroup", {"chunk_bytes": 1024}, "b" if depth else None,
-                        depth, 1024, 100)
+def _record(depth: int, tid: str = "t", base: str = "b", stored: int = 100, cycle: list | None = None
+            ) -> TensorRecord:
+    params = {"chunk_bytes": 1024} | ({"cycle": cycle} if cycle else {})
+    return TensorRecord(tid, "torch.float32", (256,), "bytegroup", params, base if depth else None, depth, 1024,
+                        stored)
 
 
 def test_a_chain_stops_where_the_modelled_checkout_crosses_torch_loads_time():
@@ -26,7 +28,7 @@ def test_a_chain_stops_where_the_modelled_checkout_crosses_torch_loads_time():
     assert settings.max_chain == AUTO
     for depth in range(deepest):
         assert plan_tensor("torch.float32", 1024, 4, _record(depth), settings, COSTS).base is not None
-    stopped = plan_tensor("torch.float32", 1024, 4, _record(deepest), settings, COSTS)
+    stopped = plan_tensor("torch.float32", 1024, 4, _record(deepest), settings, COSTS)  # no anchor given
     assert stopped.base is None and stopped.limit == deepest
 
 
@@ -46,3 +48,29 @@ def test_a_user_max_chain_is_a_hard_cap_and_auto_without_costs_falls_back():
     assert EncodingSettings(max_chain="5").max_chain == 5  # as the CLI hands it
     with pytest.raises(CkptError, match="max_chain"):
         EncodingSettings(max_chain="often")
+
+
+def test_at_the_limit_the_residual_goes_against_the_parents_base_until_a_keyframe_pays():
+    settings = EncodingSettings(max_chain=2)
+    anchor = _record(1, tid="b", base="k", stored=300)
+    # a keyframe of 1000 bytes, then residuals of 300 and 320: the cycle averages 540 a commit
+    parent = _record(2, tid="t", base="b", stored=320, cycle=[1620, 3])
+    plan = plan_tensor("torch.float32", 1024, 4, parent, settings, anchor=anchor)
+    assert plan.base is anchor and plan.params["cycle"] == [1620, 3]
+    # the last residual grew past the cycle's average: a new keyframe lowers it
+    grown = _record(2, tid="t", base="b", stored=600, cycle=[1620 + 600, 4])
+    assert plan_tensor("torch.float32", 1024, 4, grown, settings, anchor=anchor).base is None
+    # records written before cycles were kept keyframe at the limit, as chains used to
+    assert plan_tensor("torch.float32", 1024, 4, _record(2, base="b"), settings, anchor=anchor).base is None
+    # only the parent's own base, one level down, with the same layout, may be the anchor
+    assert plan_tensor("torch.float32", 1024, 4, parent, settings, anchor=_record(1, tid="x", base="k")).base is None
+    assert plan_tensor("torch.float32", 1024, 4, parent, settings, anchor=_record(0, tid="b")).base is None
+    assert plan_tensor("torch.float32", 2048, 4, parent, settings, anchor=anchor).base is None
+
+
+def test_a_cycle_adds_each_residuals_bytes_and_a_keyframe_starts_a_new_one():
+    assert cycle_after({"cycle": [1000, 1]}, 300, residual=True) == [1300, 2]
+    assert cycle_after({"cycle": [1300, 2]}, 900, residual=False) == [900, 1]  # the residual did not pay
+    assert cycle_after({}, 1000, residual=False) == [1000, 1]
+    first = plan_tensor("torch.float32", 1024, 4, _record(0, stored=1000), EncodingSettings(max_chain=2))
+    assert first.params["cycle"] == [1000, 1]  # a keyframe written before cycles: its own bytes start one
