@@ -1,14 +1,15 @@
 """Measure what a lossless residual level costs at checkout (for `max_chain = "auto"`).
 
-A synthetic chunk shaped like a fine-tune's weights (normal values, each commit a small update) is
-encoded as a keyframe and a chain of residuals with the real codec, and its decode is timed at depth 0
-and at `LEVELS`, beside torch.load of the same bytes. Per element width (fp32, and bf16-like 2-byte
-values), that gives policy/chaincost.py's `ChainCosts`, timed on one thread (checkout decodes chunks
-on one per CPU, which the rule divides by). About 1-2 s with torch's import, so a repository measures
-once, at its first "auto" commit, and keeps the figures in `.ckpt/chaincost.json` (measured again
-on a machine with another CPU count, or when the file is deleted or unreadable). Commits, every rank
-of a sharded commit and prune all chain by those figures (`auto_costs`); `chain_costs` alone is a
-process's own measurement, taken once (to fill the file, or where there is no repository).
+A synthetic chunk shaped like a fine-tune's AdamW state (weights and both moments, a few optimizer
+steps between commits) is encoded as a keyframe and a chain of residuals with the real codec, and its
+decode is timed at depth 0 and at `LEVELS`, beside torch.load of the same bytes. Per element width
+(fp32, and bf16-like 2-byte values), that gives policy/chaincost.py's `ChainCosts`, timed on one
+thread (checkout decodes chunks on one per CPU, which the rule divides by). About a second with
+torch's import, so a repository measures once, at its first "auto" commit, and keeps the figures in
+`.ckpt/chaincost.json` (measured again on a machine with another CPU count, or when the file is
+deleted or unreadable). Commits, every rank of a sharded commit and prune all chain by those figures
+(`auto_costs`); `chain_costs` alone is a process's own measurement, taken once (to fill the file, or
+where there is no repository).
 `CKPTSTORE_CHAIN_COSTS` (JSON {width: [keyframe, level, load, workers]}, s/byte) pins them.
 """
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 SAMPLE_BYTES = 4 << 20  # one default chunk: per-call overheads stay small beside the bytes
 LEVELS = 6
+STEPS = 10  # optimizer steps between two versions of the sample
 REPEATS = 7
 ENV = "CKPTSTORE_CHAIN_COSTS"
 FILE = "chaincost.json"
@@ -96,15 +98,28 @@ def _pinned() -> dict[int, ChainCosts] | None:
 
 
 def _versions(width: int) -> list[np.ndarray]:
-    """Raw bytes of LEVELS + 1 successive versions of a weight chunk, oldest first."""
+    """Raw bytes of LEVELS + 1 successive versions of an AdamW state chunk, oldest first.
+
+    A third each of weights and their two moments, STEPS optimizer steps apart: the moments change
+    far more between commits than the weights, and their residual planes cost most of a level's
+    decode (a chunk of weights alone predicted a third of what levels cost on a real fine-tune).
+    """
     rng = np.random.default_rng(0)
-    values = (rng.standard_normal(SAMPLE_BYTES // 4) * 0.02).astype(np.float32)
+    elements = SAMPLE_BYTES // 4
+    n = -(-elements // 3)
+    weights = (rng.standard_normal(n) * 0.02).astype(np.float32)
+    first, second = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    scale = (0.5 + rng.random(n)).astype(np.float32) * 1e-3  # each parameter's gradient size
+    keep_first, keep_second = 0.9**STEPS, 0.999**STEPS  # AdamW's betas over STEPS steps, taken as one
     versions = []
     for _ in range(LEVELS + 1):
-        bits = values.view(np.uint32)
+        grad = rng.standard_normal(n).astype(np.float32) * scale
+        first = keep_first * first + (1 - keep_first) * grad
+        second = keep_second * second + (1 - keep_second) * grad * grad
+        weights = weights - STEPS * 5e-5 * first / (np.sqrt(second) + 1e-8)
+        bits = np.concatenate([weights, first, second])[:elements].view(np.uint32)
         # bf16 is the top half of an fp32: the same values at width 2
         versions.append((bits >> 16).astype(np.uint16).view(np.uint8) if width == 2 else bits.view(np.uint8).copy())
-        values = values + (rng.standard_normal(values.size) * 1e-4).astype(np.float32)
     return versions
 
 
