@@ -159,18 +159,28 @@ def _relinks(kept: set[TensorId], bases: Mapping[TensorId, TensorId | None]) -> 
     """Tensors the kept commits need whose base no kept commit lists: each with its new base (None: keyframe).
 
     `kept` are the tensors the kept commits list, `bases` every record's base. The new base is the
-    first tensor down the old chain that a kept commit lists, so it stays.
+    first tensor down the old chain that a kept commit lists, so it stays. Where none is, tensors
+    whose old chains end on the same removed tensor (residuals on one anchor, policy/lossless.py)
+    keep sharing one: the first of them becomes a keyframe and the others residuals on it.
     """
     relinks: dict[TensorId, TensorId | None] = {}
+    orphans: dict[TensorId, list[TensorId]] = {}  # by the removed tensor their old chains end on
     for tid in kept:
         below = bases.get(tid)
         if below is None or below in kept:
             continue
-        seen = {tid}
+        seen, bottom = {tid}, below
         while below is not None and below not in kept and below not in seen:  # a loop is fsck's to report
             seen.add(below)
-            below = bases.get(below)
-        relinks[tid] = below if below in kept else None
+            bottom, below = below, bases.get(below)
+        if below in kept:
+            relinks[tid] = below
+        else:
+            orphans.setdefault(bottom, []).append(tid)
+    for group in orphans.values():
+        first, *rest = sorted(group, key=str)
+        relinks[first] = None
+        relinks.update(dict.fromkeys(rest, first))
     return relinks
 
 

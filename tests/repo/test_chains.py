@@ -12,7 +12,7 @@ from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.policy import AUTO, ChainCosts, EncodingSettings
 from ckptstore.repo import chaincost, fsck
 from ckptstore.repo.config import RepoConfig, RetentionPolicy
-from ckptstore.repo.pruning import prune
+from ckptstore.repo.pruning import _relinks, prune
 from tests.conftest import assert_same
 
 # per byte: keyframe 1 ns, each level 0.5 ns, torch.load 4.4 ns: 1 + 0.5 d <= 4.4 / 1.25 allows 5 levels
@@ -139,3 +139,27 @@ def test_prune_relinks_by_the_repositorys_costs(tmp_path, monkeypatch):
         report = prune(repo, RetentionPolicy(keep_last=1, keep_every=5))
         assert sorted(report.pruned) == sorted(cids[1:5])
         assert _depths(repo, cids[5]) == 1  # a residual on commit 0's tensor: the process's figures keyframe it
+
+
+def test_prune_keeps_residuals_of_a_removed_anchor_sharing_one_new_keyframe(tmp_path):
+    states = _states(5)
+    with Repository.init(tmp_path, encoding=EncodingSettings(max_chain=1)) as repo:
+        cids = [repo.commit(s) for s in states]
+        assert [_depths(repo, c) for c in cids[:4]] == [0, 1, 1, 1]  # residuals on commit 0's tensor
+        report = prune(repo, RetentionPolicy(keep_last=3))
+        assert sorted(report.pruned) == sorted(cids[:2])
+        # of the two survivors on the removed anchor, one became the keyframe and the other a residual
+        # on it, not two keyframes
+        by_depth = sorted(cids[2:4], key=lambda c: _depths(repo, c))
+        assert [_depths(repo, c) for c in by_depth] == [0, 1]
+        assert _base(repo, by_depth[1]) == _tensor(repo, by_depth[0])
+        for cid, state in zip(cids[2:], states[2:]):
+            assert_same(state, repo.checkout(cid))
+        assert fsck(repo, full=True).ok
+
+
+def test_relinks_of_orphaned_siblings_share_the_first_as_their_keyframe():
+    bases = {"k": None, "a": "k", "b": "k", "c": "k", "x": "a", "d": "e", "e": None}
+    assert _relinks({"a", "b", "c", "x"}, bases) == {"a": None, "b": "a", "c": "a"}  # x keeps its kept base
+    assert _relinks({"k", "a", "b"}, bases) == {}
+    assert _relinks({"b", "d"}, bases) == {"b": None, "d": None}  # different removed bottoms
