@@ -181,7 +181,8 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
     with repo.db.read() as tx:
         plans, pairing, fisher = (_plan(repo, checkpoint, parent, level, lossy, measured) if level
                                   else ({}, None, None))
-        entries, jobs = encoding_jobs(repo, tx, checkpoint.tensors, sources, parent.by_path, plans, level)
+        entries, jobs = encoding_jobs(repo, tx, checkpoint.tensors, sources, parent.by_path, parent.records,
+                                     plans, level)
     progress.start("commit", sum(j.raw.nbytes for j in jobs))
     with repo.store.batch():
         try:
@@ -285,15 +286,17 @@ def _optimizer_map(checkpoint: formats.Checkpoint, lossy: LossyOptions) -> Optim
 
 
 def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], sources: Mapping[str, TensorId],
-                  parents: Mapping[str, TensorRecord], plans: Mapping[str, LossyPlan], level: LossyLevel | None
-                  ) -> tuple[dict[str, TensorId], list[Job]]:
+                  parents: Mapping[str, TensorRecord], chains: Mapping[TensorId, TensorRecord],
+                  plans: Mapping[str, LossyPlan], level: LossyLevel | None) -> tuple[dict[str, TensorId], list[Job]]:
     """Manifest ids known before encoding, and the jobs that encode everything else.
 
     `tensors`, their content ids `sources` and the `parents` they chain on are by path (a
-    sharded commit's: by shard key). Lossless tensors are named by their content and chain as
-    the repository's costs allow (`max_chain = "auto"`: repo/chaincost.py); a lossy tensor
-    whose source equals the parent's keeps the parent's reconstruction; the rest are named
-    after encoding. Commits and sharded commits (repo/sharded.py) both build their jobs here.
+    sharded commit's: by shard key); `chains` holds every record down the parents' chains (where a
+    parent at the chain's limit finds its base, the next residual's anchor). Lossless tensors are
+    named by their content and chain as the repository's costs allow (`max_chain = "auto"`:
+    repo/chaincost.py); a lossy tensor whose source equals the parent's keeps the parent's
+    reconstruction; the rest are named after encoding. Commits and sharded commits
+    (repo/sharded.py) both build their jobs here.
     """
     entries: dict[str, TensorId] = {}
     reused: dict[str, TensorRecord] = {}
@@ -311,10 +314,8 @@ def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], so
         if sources[path] not in present and sources[path] not in new:
             new[sources[path]] = tensors[path]
             parent_of[sources[path]] = parents.get(path)
-    bases = {p.base_id for p in parent_of.values() if p is not None and p.base_id}
-    anchors = tensor_rows.load_records(tx, bases, with_bases=False) if bases else {}
     jobs = lossless_jobs(new, parent_of, repo.config.encoding,
-                         chaincost.auto_costs(repo) if any(parent_of.values()) else None, anchors)
+                         chaincost.auto_costs(repo) if any(parent_of.values()) else None, chains)
     jobs += [lossy_job(plan, tensors, sources[path], level, plans, reused)
              for path, plan in plans.items() if path not in reused]
     return entries, jobs

@@ -86,7 +86,8 @@ def write_shards(repo: Repository, parent: CommitId | None, shards: Mapping[str,
         plans = {} if lossy is None else plan_shards(shards, lossy.shards, lossy.facts, base_of, lossy.level,
                                                      repo.config.encoding)[0]
         with repo.db.read() as tx:
-            entries, jobs = encoding_jobs(repo, tx, shards, ids, base_of, plans, lossy.level if lossy else None)
+            entries, jobs = encoding_jobs(repo, tx, shards, ids, base_of, chains, plans,
+                                         lossy.level if lossy else None)
         with repo.store.batch():
             records, sizes = encode_jobs(jobs, ChainSource(repo.store, chains), repo.pool)
     faults.point("dcp:rank-written")

@@ -352,8 +352,8 @@ def lossless_jobs(new: dict[TensorId, RawTensor], parents: dict[TensorId, Tensor
                   anchors: Mapping[TensorId, TensorRecord] | None = None) -> list[Job]:
     """Jobs for tensors stored bit for bit: keyframe, or residual against the parent's tensor.
 
-    `anchors` holds the parents' bases by id: a parent at the chain's limit is coded against its
-    base instead (policy/lossless.py's plan_tensor).
+    `anchors` holds the parents' bases by id (every record down their chains will do): a parent at
+    the chain's limit is coded against its base instead (policy/lossless.py's plan_tensor).
 
     With `max_chain = "auto"` the chain's length comes from measured decode `costs`: the repository's
     (repo/chaincost.py's auto_costs; commit.encoding_jobs passes them). None where no tensor has a
