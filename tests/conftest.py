@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +20,10 @@ from ckptstore import Repository
 # `max_chain = "auto"` measures decode costs per process (repo/chaincost.py); the suite pins costs that
 # give the old default of 2 levels, so chains (and every test that counts depths) do not depend on load.
 os.environ.setdefault("CKPTSTORE_CHAIN_COSTS", '{"2": [1e-10, 1e-10, 4e-10, 1], "4": [1e-10, 1e-10, 4e-10, 1]}')
+# The per-user cache (a machine's chain costs, remotes' scratch) goes to a folder of the run's own,
+# for this process and every one it starts: tests never read or leave anything in ~/.cache.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="ckpt-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
 
 def assert_same(a, b, where: str = "<root>") -> None:

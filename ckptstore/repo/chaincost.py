@@ -5,11 +5,12 @@ steps between commits) is encoded as a keyframe and a chain of residuals with th
 decode is timed at depth 0 and at `LEVELS`, beside torch.load of the same bytes. Per element width
 (fp32, and bf16-like 2-byte values), that gives policy/chaincost.py's `ChainCosts`, timed on one
 thread (checkout decodes chunks on one per CPU, which the rule divides by). About a second with
-torch's import, so a repository measures once, at its first "auto" commit, and keeps the figures in
-`.ckpt/chaincost.json` (measured again on a machine with another CPU count, or when the file is
-deleted or unreadable). Commits, every rank of a sharded commit and prune all chain by those figures
-(`auto_costs`); `chain_costs` alone is a process's own measurement, taken once (to fill the file, or
-where there is no repository).
+torch's import, so a repository keeps the figures in `.ckpt/chaincost.json` at its first "auto"
+commit (taken again on a machine with another CPU count, or when the file is deleted or
+unreadable). Commits, every rank of a sharded commit and prune all chain by those figures
+(`auto_costs`). The measurement itself is the machine's: kept per user in
+`$XDG_CACHE_HOME/ckptstore/chaincost.json` under the CPU's name and count and this version, so a
+machine measures once, not once per repository (each run's new repository, each fresh `ckpt commit`).
 `CKPTSTORE_CHAIN_COSTS` (JSON {width: [keyframe, level, load, workers]}, s/byte) pins them.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import threading
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ckptstore import __version__
 from ckptstore.codecs import get_codec
 from ckptstore.errors import CkptError
 from ckptstore.formats.atomic import atomic_write
@@ -44,12 +47,50 @@ _measured: dict[int, ChainCosts] | None = None
 
 
 def chain_costs() -> dict[int, ChainCosts]:
-    """This process's measured costs per element width (measured on first use, then kept)."""
+    """This machine's costs per element width: pinned, kept by this process or the user's cache, else measured."""
     global _measured
     with _lock:
         if _measured is None:
-            _measured = _pinned() or {width: measure(width) for width in (2, 4)}
+            _measured = _pinned() or _machine_costs()
         return _measured
+
+
+def machine_file() -> Path:
+    """The per-user file that keeps each machine's measurement (beside remotes' scratch, repo/remote.py)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ckptstore" / FILE
+
+
+def machine_key() -> str:
+    """What the costs depend on: the CPU (its name and count) and the codec, i.e. this version."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:  # Linux's processor() is empty or only the architecture
+            name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} x{os.cpu_count() or 1}, ckptstore {__version__}"
+
+
+def _machine_costs() -> dict[int, ChainCosts]:
+    """The user's cache for this machine, else a new measurement added to it."""
+    path, key = machine_file(), machine_key()
+    try:
+        kept = json.loads(path.read_text())
+        kept = kept if isinstance(kept, dict) else {}
+    except (OSError, ValueError):
+        kept = {}  # none yet, or damaged: rewritten
+    try:
+        return _costs_from(kept[key]["costs"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        pass  # another machine's (or version's) figures only: measured and added
+    costs = {width: measure(width) for width in (2, 4)}
+    kept[key] = {"measured_at": time.time(), "costs": _costs_json(costs)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda handle: handle.write(json.dumps(kept, indent=1).encode()))
+    except OSError:
+        pass  # a read-only home measures in each process instead
+    return costs
 
 
 def auto_costs(repo: Repository) -> dict[int, ChainCosts] | None:
@@ -72,13 +113,16 @@ def repository_costs(folder: Path) -> dict[int, ChainCosts]:
     except (OSError, ValueError, TypeError, KeyError):
         pass  # missing, unreadable or damaged: measured again and rewritten
     costs = chain_costs()
-    text = json.dumps({"cpus": os.cpu_count() or 1, "measured_at": time.time(),
-                       "costs": {w: [c.keyframe, c.level, c.load, c.workers] for w, c in costs.items()}})
+    text = json.dumps({"cpus": os.cpu_count() or 1, "measured_at": time.time(), "costs": _costs_json(costs)})
     try:
         atomic_write(path, lambda handle: handle.write(text.encode()))
     except OSError:
         pass  # a read-only repository measures in each process instead
     return costs
+
+
+def _costs_json(costs: dict[int, ChainCosts]) -> dict[int, list[float]]:
+    return {w: [c.keyframe, c.level, c.load, c.workers] for w, c in costs.items()}
 
 
 def _costs_from(data: dict[str, list[float]]) -> dict[int, ChainCosts]:

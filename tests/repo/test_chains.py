@@ -96,6 +96,34 @@ def test_a_repository_measures_once_and_keeps_its_costs(tmp_path, monkeypatch):
     assert json.loads((tmp_path / chaincost.FILE).read_text())["cpus"] == kept["cpus"]
 
 
+def test_a_machine_measures_once_for_all_its_repositories(tmp_path, monkeypatch):
+    monkeypatch.delenv(chaincost.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 20)
+    monkeypatch.setattr(chaincost, "_measured", None)
+    measured = chaincost.chain_costs()
+    kept = json.loads(chaincost.machine_file().read_text())
+    assert list(kept) == [chaincost.machine_key()] and set(measured) == {2, 4}
+    # a new process (nothing kept in memory) reads the machine's figures for a new repository
+    kept[chaincost.machine_key()]["costs"]["4"] = [1e-9, 0.5e-9, 4.4e-9, 1]
+    kept["another CPU x64, ckptstore 0.0.1"] = {"costs": {"4": [1, 1, 1, 1]}}
+    chaincost.machine_file().write_text(json.dumps(kept))
+    monkeypatch.setattr(chaincost, "_measured", None)
+    (tmp_path / "repo").mkdir()
+    assert chaincost.repository_costs(tmp_path / "repo")[4] == ChainCosts(1e-9, 0.5e-9, 4.4e-9, 1)
+    assert json.loads((tmp_path / "repo" / chaincost.FILE).read_text())["costs"]["4"] == [1e-9, 0.5e-9, 4.4e-9, 1]
+    # another machine's entry is never used, and a damaged file is measured again and rewritten
+    del kept[chaincost.machine_key()]
+    chaincost.machine_file().write_text(json.dumps(kept))
+    monkeypatch.setattr(chaincost, "_measured", None)
+    assert chaincost.chain_costs()[4] != ChainCosts(1, 1, 1, 1)
+    assert set(json.loads(chaincost.machine_file().read_text())) == {chaincost.machine_key(), *kept}
+    chaincost.machine_file().write_text("{damaged")
+    monkeypatch.setattr(chaincost, "_measured", None)
+    assert set(chaincost.chain_costs()) == {2, 4}
+    assert list(json.loads(chaincost.machine_file().read_text())) == [chaincost.machine_key()]
+
+
 def test_auto_is_written_to_the_config_and_old_numbers_still_read(tmp_path):
     path = tmp_path / "config.toml"
     RepoConfig().save(path)
