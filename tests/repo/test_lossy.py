@@ -349,3 +349,31 @@ def test_moments_that_reconstruct_to_the_same_bytes_restore(repo, level):
         restored = repo.checkout(repo.commit(state, lossy=level))
         for moment in ("exp_avg", "exp_avg_sq"):
             assert_same(restored["optimizer"]["state"][0][moment], torch.zeros(64, 64))
+
+
+def test_each_chunk_tells_movement_from_its_own_base_error(tmp_path):
+    """Chunks of one tensor hold values of different sizes (an embedding's rows of rare and frequent
+    tokens), so a keyframe's error differs from chunk to chunk. A residual chunk judges whether the
+    weights moved against its own base chunk's error, not the tensor's average: a fine-tune-sized
+    move is then refined in every chunk. Against the average, a chunk whose keyframe error was
+    above it read that error as movement and kept the coarse planned step, which held the fine-tune's
+    updates back in its dead zone for the rest of the chain."""
+    from ckptstore import Repository
+    from ckptstore.policy import EncodingSettings
+
+    state = _trained_state()
+    for name in LOSSY_WEIGHTS:
+        flat = state["model"][name].view(-1)
+        for start in range(0, flat.numel(), 1024):  # 4096-byte chunks at these scales
+            flat[start : start + 1024] *= (0.01, 0.3, 1.0, 1.6)[start // 1024 % 4]
+    slow = {"lossy": "balanced", "fast_move": 0.0}  # the tiny net's lr: a from-scratch pace
+    with Repository.init(tmp_path, encoding=EncodingSettings(chunk_bytes=4096)) as repo:
+        keyframe = repo.commit(state, **slow)
+        residual = repo.commit(_moved(state, 1e-4), **slow)
+        for name in LOSSY_WEIGHTS:
+            _, base = _chunk_steps(repo, _steps(repo, keyframe)[f"model/{name}"])
+            steps, params = _chunk_steps(repo, _steps(repo, residual)[f"model/{name}"])
+            before, after = base["chunk_errors"], params["chunk_errors"]
+            assert len(before) == len(after) == len(steps) > 1 and max(before) > 3 * min(before[1:])
+            assert all(step < params["step"] / 10 for step in steps), (name, steps, params["step"])
+            assert all(a <= b / 4 for a, b in zip(after, before)), (name, before, after)  # every chunk refined
