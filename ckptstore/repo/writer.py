@@ -335,14 +335,7 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
             params["cycle"] = cycle_after(params, sum(r.stored for r in results), uses_base)
         else:
             tid = tensor_id_of_parts(job.raw.dtype, job.raw.shape, [r.recon for r in results])
-            norm = sum(r.norm_sq for r in results)
-            params["rel_error"] = float(np.sqrt(sum(r.error_sq for r in results) / norm)) if norm else 0.0
-            if params.get("fine_grid") and any(r.capped for r in results):  # a lattice to keep (_lattice_step)
-                params["chunk_steps"] = [r.step for r in results]
-            if job.codec == "deadzone" and len(results) > 1:  # what the next residual's chunks start from
-                spans = chunk_sizes(job.raw.nbytes, params["chunk_bytes"])
-                params["chunk_errors"] = [float(np.sqrt(r.error_sq / max(1, n // job.raw.itemsize)))
-                                          for r, n in zip(results, spans)]
+            params.update(_lossy_measured(job, results, sizes[job.key]))
         base = None
         if uses_base:
             base = records[job.sibling] if job.sibling is not None else job.base
@@ -357,6 +350,18 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
             chunks=[_chunk(r, size) for r, size in zip(results, sizes[job.key])],
         )
     return records, object_sizes
+
+
+def _lossy_measured(job: Job, results: list[ChunkResult], spans: list[int]) -> dict:
+    """What a lossy record keeps of its encoding: its error, and per chunk what its next residual starts from."""
+    norm = sum(r.norm_sq for r in results)
+    measured: dict = {"rel_error": float(np.sqrt(sum(r.error_sq for r in results) / norm)) if norm else 0.0}
+    if job.params.get("fine_grid") and any(r.capped for r in results):  # a lattice to keep (_lattice_step)
+        measured["chunk_steps"] = [r.step for r in results]
+    if job.codec == "deadzone" and len(results) > 1:  # each chunk's own error (_chunk_base_error)
+        measured["chunk_errors"] = [float(np.sqrt(r.error_sq / max(1, n // job.raw.itemsize)))
+                                    for r, n in zip(results, spans)]
+    return measured
 
 
 def _chunk(result: ChunkResult, raw_bytes: int) -> Chunk:
