@@ -120,7 +120,7 @@ LEVELS: dict[str, LossyLevel] = {
                           moment_step=12.0, moment_rounding=0.4, v_levels_log2=-3, prune=0.6, fine_drift=0.01,
                           settled_step=2.0, fine_grid=True, fine_moment_step=4.0, fast_move=0.005,
                           fast_keyframe_step=1.0, fast_residual_step=0.6, moment_min_elements=1,
-                          max_weight_error=0.04, max_update_error=1.0, promised_loss_change=0.01),
+                          max_weight_error=0.035, max_update_error=1.0, promised_loss_change=0.01),
 }
 
 
