@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 
 from ckptstore import Repository
 
-# `max_chain = "auto"` measures decode costs per process (repo/chaincost.py); the suite pins costs that
+# `max_chain = "auto"` measures decode costs per machine (repo/chaincost.py); the suite pins costs that
 # give the old default of 2 levels, so chains (and every test that counts depths) do not depend on load.
 os.environ.setdefault("CKPTSTORE_CHAIN_COSTS", '{"2": [1e-10, 1e-10, 4e-10, 1], "4": [1e-10, 1e-10, 4e-10, 1]}')
 # The per-user cache (a machine's chain costs, remotes' scratch) goes to a folder of the run's own,

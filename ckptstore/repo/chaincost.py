@@ -4,13 +4,12 @@ A synthetic chunk shaped like a fine-tune's AdamW state (weights and both moment
 steps between commits) is encoded as a keyframe and a chain of residuals with the real codec, and its
 decode is timed at depth 0 and at `LEVELS`, beside torch.load of the same bytes. Per element width
 (fp32, and bf16-like 2-byte values), that gives policy/chaincost.py's `ChainCosts`, timed on one
-thread (checkout decodes chunks on one per CPU, which the rule divides by). About a second with
-torch's import, so a repository keeps the figures in `.ckpt/chaincost.json` at its first "auto"
-commit (taken again on a machine with another CPU count, or when the file is deleted or
-unreadable). Commits, every rank of a sharded commit and prune all chain by those figures
-(`auto_costs`). The measurement itself is the machine's: kept per user in
-`$XDG_CACHE_HOME/ckptstore/chaincost.json` under the CPU's name and count and this version, so a
-machine measures once, not once per repository (each run's new repository, each fresh `ckpt commit`).
+thread (checkout decodes chunks on one per CPU, which the rule divides by). It takes 0.4 s, 2-3 s
+in a process that must import torch for it, so a machine measures once and keeps the figures per
+user in `$XDG_CACHE_HOME/ckptstore/chaincost.json`, under the CPU's name and count and this
+version; each repository copies them into `.ckpt/chaincost.json` at its first "auto" commit (again
+on a machine with another CPU count, or when the file is deleted or unreadable). Commits, every
+rank of a sharded commit and prune all chain by the repository's figures (`auto_costs`).
 `CKPTSTORE_CHAIN_COSTS` (JSON {width: [keyframe, level, load, workers]}, s/byte) pins them.
 """
 
