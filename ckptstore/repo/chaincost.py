@@ -31,6 +31,7 @@ from ckptstore.errors import CkptError
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.formats.loadspeed import torch_load_seconds
 from ckptstore.policy import AUTO, LOSSLESS_CODEC, ChainCosts
+from ckptstore.repo.config import user_cache
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
@@ -55,8 +56,8 @@ def chain_costs() -> dict[int, ChainCosts]:
 
 
 def machine_file() -> Path:
-    """The per-user file that keeps each machine's measurement (beside remotes' scratch, repo/remote.py)."""
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ckptstore" / FILE
+    """The per-user file that keeps each machine's measurement."""
+    return user_cache() / FILE
 
 
 def machine_key() -> str:

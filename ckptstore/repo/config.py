@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -12,6 +13,11 @@ from ckptstore.errors import CkptError
 from ckptstore.policy import LEVELS, EncodingSettings
 
 LOSSY_LEVELS = tuple(LEVELS)  # names `--lossy` accepts
+
+
+def user_cache() -> Path:
+    """The per-user folder for what is the machine's, not a repository's (chain costs, remotes' scratch)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ckptstore"
 
 
 @dataclass

@@ -24,7 +24,7 @@ from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata import transfer
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.repo import refs
-from ckptstore.repo.config import RemoteConfig
+from ckptstore.repo.config import RemoteConfig, user_cache
 
 if TYPE_CHECKING:
     from ckptstore.repo.maintenance import FsckReport
@@ -100,7 +100,7 @@ def open_remote(remote: RemoteConfig, name: str = "") -> Repository:
                         "commit records and refs live in its database)")
     # Its lock file and scratch folder live in a per-user cache: nothing of the repository is kept there.
     key = hashlib.sha256(f"{remote.url}\n{remote.metadata_url}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ckptstore" / "remotes" / key
+    root = user_cache() / "remotes" / key
     (root / REPO_DIR).mkdir(parents=True, exist_ok=True)
     return Repository(root, RepoConfig(objects_url=remote.url, metadata_url=remote.metadata_url))
 
