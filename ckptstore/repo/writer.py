@@ -211,9 +211,7 @@ def _chunk_base_error(job: Job, index: int, params: dict) -> dict:
     embeddings at `extreme`: its eval loss off by up to 6%).
     """
     errors = job.base.params.get("chunk_errors") if job.base is not None and "base_error" in params else None
-    if not errors or len(errors) != len(chunk_sizes(job.raw.nbytes, params["chunk_bytes"])):
-        return params
-    return dict(params, base_error=errors[index])
+    return dict(params, base_error=errors[index]) if errors and index < len(errors) else params
 
 
 def _lattice_step(job: Job, index: int) -> float | None:
