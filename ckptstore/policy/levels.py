@@ -31,7 +31,9 @@ class LossyLevel:
     settled_step or relative_step, paying bits for entries that never moved.
     `fine_moment_step` (> 0) is the first moment's step where its weight's residual step was
     capped that way: a fine-tune's next updates move the weights by as much as its whole run so
-    far, so its moments need more precision than a from-scratch run's.
+    far, so its moments need more precision than a from-scratch run's. `fine_v_levels_log2`
+    (not None) is, for the same reason, the second moment's grid for weights that are not fast-moving
+    (a whole tensor's choice, where `fine_moment_step` is a chunk's).
     `frozen_step` (< 1) scales the keyframe step of a weight whose shape no optimizer state has:
     the optimizer does not train it (a frozen backbone), so it is stored once for the whole run
     (later commits reuse it while it is unchanged) and its error is never corrected; a finer step
@@ -84,6 +86,7 @@ class LossyLevel:
     fine_drift: float = 0.0
     settled_step: float = 0.0
     fine_moment_step: float = 0.0
+    fine_v_levels_log2: int | None = None
     codebooks: bool = False
     frozen_step: float = 1.0
     fast_move: float = 0.0
@@ -118,8 +121,8 @@ LEVELS: dict[str, LossyLevel] = {
                               fast_residual_step=0.2, moment_min_elements=1, frozen_step=1 / 16),
     "extreme": LossyLevel("extreme", weight_keyframe_step=0.2, weight_residual_step=0.25,
                           moment_step=12.0, moment_rounding=0.4, v_levels_log2=-3, prune=0.6, fine_drift=0.01,
-                          settled_step=2.0, fine_grid=True, fine_moment_step=4.0, fast_move=0.005,
-                          fast_keyframe_step=1.0, fast_residual_step=0.6, moment_min_elements=1,
+                          settled_step=2.0, fine_grid=True, fine_moment_step=4.0, fine_v_levels_log2=-2,
+                          fast_move=0.005, fast_keyframe_step=1.0, fast_residual_step=0.6, moment_min_elements=1,
                           max_weight_error=0.035, max_update_error=1.0, promised_loss_change=0.01),
 }
 

@@ -28,11 +28,19 @@ def plan_sgd_momentum(ctx: PlanContext, momentum: Subject) -> LossyPlan:
 
 
 def plan_adam_second_moment(ctx: PlanContext, v: Subject) -> LossyPlan:
-    """`v_levels_log2` bits per octave, against the parent's v; pruned where its weight's residual is."""
+    """`v_levels_log2` bits per octave, against the parent's v; pruned where its weight's residual is.
+
+    The second moment of a lossy weight moving at a fine-tune's pace (not fast, see
+    `PlanContext.fast`) takes `fine_v_levels_log2` where set: per tensor, since a record has one grid.
+    """
     level = ctx.level
     base = temporal_base(ctx.parents.get(v.path), v.raw, ("log2moment",), level.max_chain)
-    params = {"dtype": v.raw.dtype, "k": level.v_levels_log2, "chunk_bytes": chunk_bytes(v.raw, base, ctx.settings)}
     weight = _slots(v).weight
+    k = level.v_levels_log2
+    if (level.fine_v_levels_log2 is not None and weight in ctx.plans
+            and not ctx.fast(weight, ctx.tensors[weight], ctx.rms_of(weight))):
+        k = level.fine_v_levels_log2
+    params = {"dtype": v.raw.dtype, "k": k, "chunk_bytes": chunk_bytes(v.raw, base, ctx.settings)}
     mask_from = weight if (level.prune > 0 and weight in ctx.plans and base is not None) else None
     return LossyPlan(v.path, "log2moment", params, base, mask_from=mask_from, stage=1)
 

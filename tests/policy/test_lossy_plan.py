@@ -63,6 +63,23 @@ def test_fast_moving_adam_weights_take_the_fast_steps(lr, fast):
     assert plan["model/w.weight"].params["step"] == pytest.approx(level.weight_keyframe_step * rms, rel=1e-6)
 
 
+@pytest.mark.parametrize("lr, fast", [(1e-3, True), (1e-5, False)])
+def test_second_moments_of_weights_at_a_fine_tunes_pace_take_the_fine_grid(lr, fast):
+    tensors = {"model/w.weight": _t(64, 64), "optimizer/state/0/exp_avg": _t(64, 64, seed=1),
+               "optimizer/state/0/exp_avg_sq": _t(64, 64, seed=2)}
+    pairing = map_optimizer(tensors, None, [0], {0: lr})
+    level = level_named("extreme", fast_move=1e-4)
+    assert level.fine_v_levels_log2 is not None and level.fine_v_levels_log2 != level.v_levels_log2
+    plan = plan_lossy(tensors, {}, level, EncodingSettings(), pairing)
+    expected = level.v_levels_log2 if fast else level.fine_v_levels_log2
+    assert plan["optimizer/state/0/exp_avg_sq"].params["k"] == expected
+    unset = plan_lossy(tensors, {}, level_named("extreme", fast_move=1e-4, fine_v_levels_log2=None),
+                       EncodingSettings(), pairing)
+    assert unset["optimizer/state/0/exp_avg_sq"].params["k"] == level.v_levels_log2
+    kept = plan_lossy(tensors, {}, level_named("optimizer"), EncodingSettings(), pairing)  # weights lossless
+    assert kept["optimizer/state/0/exp_avg_sq"].params["k"] == level_named("optimizer").v_levels_log2
+
+
 def _adam(tensors: dict, index: int, shape: tuple, weight: str) -> None:
     tensors[weight] = _t(*shape, seed=index)
     tensors[f"optimizer/state/{index}/exp_avg"] = _t(*shape, seed=10 + index)
