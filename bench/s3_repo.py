@@ -8,8 +8,9 @@ Against one local S3 server (moto's, 127.0.0.1) in one run, on the run's eight t
   then `push`ed to a remote whose objects are on the bucket: bytes sent and wall time; a second
   push with nothing new;
 - shared: the same files committed straight into a repository on the bucket, against commits
-  into a local repository (the upload overlaps the encoding); and checkout of its latest commit
-  into memory against the plain download and load (alternately, best of three each).
+  into a local repository (the upload overlaps the encoding), with the CPU time each took here
+  and in the S3 server; and checkout of its latest commit into memory against the plain
+  download and load (alternately, best of three each).
 `--metadata postgresql` keeps the remote's and the shared repository's records in a throwaway
 PostgreSQL server instead of SQLite beside them.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -55,6 +57,18 @@ def plain(files: list[Path], endpoint: str, bucket: str) -> tuple[float, object]
 
 def commit_all(repo, files: list[Path], lossy: str | None = None) -> float:
     return _timed(lambda: [repo.commit(f, message=f.name, lossy=lossy) for f in files])[0]
+
+
+def own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return usage.ru_utime + usage.ru_stime
+
+
+def commit_cpu(repo, files: list[Path], server: S3Server) -> tuple[float, float, float]:
+    """(wall seconds, this process's CPU seconds, the S3 server's CPU seconds) of committing every file."""
+    own, served = own_cpu_seconds(), server.cpu_seconds()
+    wall = commit_all(repo, files)
+    return wall, own_cpu_seconds() - own, server.cpu_seconds() - served
 
 
 def stored_bytes(repo) -> int:
@@ -100,7 +114,8 @@ def main() -> None:
         with Repository.init(scratch / "shared", objects_url=f"s3://{server.new_bucket('shared')}/run",
                              metadata_url=database()) as shared, Repository.init(scratch / "local2") as local:
             order = [("local", local), ("shared", shared)]
-            commits = {name: commit_all(repo, files) for name, repo in order}
+            costs = {name: commit_cpu(repo, files, server) for name, repo in order}
+            commits = {name: cost[0] for name, cost in costs.items()}
             # alternately, three times each: the server's first read of a fresh upload is slower
             downloads, checkouts = [], []
             for _ in range(3):
@@ -115,6 +130,9 @@ def main() -> None:
             print(f"| {what} | {seconds:.2f} | {size / 1e6:.1f} MB | {ratio:.2f} |")
         print(f"\nfiles / bytes pushed: lossless {raw / rows[1][2]:.2f}x, balanced {raw / rows[3][2]:.1f}x")
         print(f"commit speed, shared S3 vs local: {commits['local'] / commits['shared']:.2f}x")
+        print("CPU seconds while committing (this machine's cores are shared with the servers): "
+              + "; ".join(f"{name}: ours {cost[1]:.1f}, S3 server's {cost[2]:.1f}" for name, cost in costs.items())
+              + f"; our own CPU, shared / local: {costs['shared'][1] / costs['local'][1]:.2f}x")
         print(f"checkout of the latest commit from the shared repository {checkout:.2f} s vs plain download and "
               f"torch.load {down:.2f} s: {checkout / down:.2f}x the time (best of 3 each, alternating; first "
               f"{checkouts[0]:.2f} s vs {downloads[0]:.2f} s)")

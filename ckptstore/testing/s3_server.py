@@ -12,6 +12,7 @@ import subprocess
 import sys
 import urllib.request
 import uuid
+from pathlib import Path
 
 from ckptstore.testing.net import free_port, wait_for_http
 
@@ -52,6 +53,13 @@ class S3Server:
             if response.status != 200:
                 raise RuntimeError(f"creating bucket {name} on {self.endpoint}: HTTP {response.status}")
         return name
+
+    def cpu_seconds(self) -> float:
+        """CPU time the server has used so far (user + system, Linux): what a benchmark on the same cores shares."""
+        if self._process is None:
+            return 0.0
+        fields = Path(f"/proc/{self._process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         if self._process is not None:

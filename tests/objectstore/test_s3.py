@@ -91,3 +91,12 @@ def test_read_ahead_hands_out_verified_objects_and_refuses_wrong_ones(s3_url):
     assert store._ahead is None and store.get(ids[0]) == payloads[0]
     with store.read_ahead(ids):  # a block left early drops what it read ahead
         assert bytes(store.view(ids[1])) == payloads[1]
+
+
+def test_the_test_server_counts_the_cpu_its_requests_cost(s3_server):
+    before = s3_server.cpu_seconds()
+    for _ in range(200):  # the kernel counts in clock ticks (10 ms); a bucket costs the server about 2 ms
+        s3_server.new_bucket()
+        if s3_server.cpu_seconds() > before:
+            break
+    assert s3_server.cpu_seconds() > before
