@@ -37,7 +37,8 @@ LEVELS: list[tuple[str, dict[str, Any]]] = [
     ("balanced", {"fisher_allocation": False}), ("balanced", {"settled_step": 0.0}),
     ("balanced", {"fast_move": 0.0}), ("balanced", {"fine_drift": 0.0}), ("balanced", {"prune": 0.3}),
     ("extreme", {"max_chain": 2}), ("extreme", {"fast_residual_step": 0.0, "fast_keyframe_step": 0.0}),
-    ("extreme", {"fine_moment_step": 0.0}), ("optimizer", {"min_elements": 64, "moment_min_elements": 64}),
+    ("extreme", {"fine_moment_step": 0.0}), ("extreme", {"fine_v_levels_log2": None}),
+    ("optimizer", {"min_elements": 64, "moment_min_elements": 64}),
 ]
 
 
