@@ -1,0 +1,20 @@
+"""bench/units.py: a restored unit counts as the original only when its state is the same, bit for bit."""
+
+import torch
+
+from bench.units import same_bytes, same_unit
+
+
+def test_same_bytes_pass_without_loading_and_other_bytes_are_compared_by_state(tmp_path):
+    state = {"w": torch.arange(1000, dtype=torch.float32), "step": 3}
+    original, copy, legacy, changed = (tmp_path / f"{name}.pt" for name in ("original", "copy", "legacy", "changed"))
+    torch.save(state, original)
+    copy.write_bytes(original.read_bytes())
+    torch.save(state, legacy, _use_new_zipfile_serialization=False)  # other bytes, the same state
+    data = bytearray(original.read_bytes())
+    values = state["w"].numpy().tobytes()
+    data[data.index(values) + len(values) - 4] ^= 1  # one bit of the last value: same size, another state
+    changed.write_bytes(bytes(data))
+    assert same_bytes(original, copy) and same_unit(original, copy)
+    assert not same_bytes(original, legacy) and same_unit(original, legacy)
+    assert not same_bytes(original, changed) and not same_unit(original, changed)
