@@ -11,7 +11,6 @@ while the CPU time of the same work barely moves.
 from __future__ import annotations
 
 import argparse
-import resource
 import shutil
 import statistics
 import tempfile
@@ -21,14 +20,9 @@ from pathlib import Path
 import torch
 
 from bench.__main__ import warm
+from bench.memory import cpu_seconds
 from bench.methods import Ckptstore, ZipNNPerTensor
 from bench.workloads import WORKLOADS
-
-
-def cpu_seconds() -> float:
-    """User and system CPU time of this process so far, all threads."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def timed(commit, path: Path) -> tuple[float, float]:

@@ -1,4 +1,4 @@
-"""Peak anonymous memory (RssAnon) of this process while a block runs, sampled by a thread.
+"""What a block of this process uses: its peak anonymous memory (RssAnon, sampled by a thread), its CPU time.
 
 Anonymous memory is what a method allocates; file pages it maps (a checkpoint read with mmap) are
 page cache the kernel can drop, so they are not counted.
@@ -6,8 +6,15 @@ page cache the kernel can drop, so they are not counted.
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
+
+
+def cpu_seconds() -> float:
+    """User and system CPU time of this process so far, all threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def rss_anon() -> int:

@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import resource
 import shutil
 import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from bench.memory import cpu_seconds
 from bench.workloads import WORKLOADS
 from ckptstore.testing.s3_server import S3Server
 
@@ -59,16 +59,11 @@ def commit_all(repo, files: list[Path], lossy: str | None = None) -> float:
     return _timed(lambda: [repo.commit(f, message=f.name, lossy=lossy) for f in files])[0]
 
 
-def own_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
-    return usage.ru_utime + usage.ru_stime
-
-
 def commit_cpu(repo, files: list[Path], server: S3Server) -> tuple[float, float, float]:
     """(wall seconds, this process's CPU seconds, the S3 server's CPU seconds) of committing every file."""
-    own, served = own_cpu_seconds(), server.cpu_seconds()
+    own, served = cpu_seconds(), server.cpu_seconds()
     wall = commit_all(repo, files)
-    return wall, own_cpu_seconds() - own, server.cpu_seconds() - served
+    return wall, cpu_seconds() - own, server.cpu_seconds() - served
 
 
 def stored_bytes(repo) -> int:
