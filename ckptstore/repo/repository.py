@@ -10,7 +10,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptstore.errors import CorruptObjectError, RepoExistsError, RepoNotFoundError
+from ckptstore.errors import CorruptObjectError, RepoExistsError
 from ckptstore.hashing import CommitId, ObjectId
 from ckptstore.metadata import Database
 from ckptstore.metadata import commits as commit_rows
@@ -18,6 +18,7 @@ from ckptstore.metadata import refs as ref_rows
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.repo import refs
 from ckptstore.repo.config import RepoConfig
+from ckptstore.repo.location import REPO_DIR, find_root
 from ckptstore.repo.lock import repo_lock
 
 if TYPE_CHECKING:
@@ -28,23 +29,7 @@ if TYPE_CHECKING:
     from ckptstore.repo.manifest import Manifest
     from ckptstore.repo.progress import Progress
 
-REPO_DIR = ".ckpt"
 DEFAULT_BRANCH = "main"
-
-
-def find_root(start: str | os.PathLike | None = None) -> Path:
-    """The folder holding `.ckpt`: CKPT_REPO if set, else walking up from `start` (or the cwd)."""
-    if start is None and os.environ.get("CKPT_REPO"):
-        start = os.environ["CKPT_REPO"]
-        candidate = Path(start).resolve()
-        if (candidate / REPO_DIR).is_dir():
-            return candidate
-        raise RepoNotFoundError(f"CKPT_REPO={start} holds no ckptstore repository ({REPO_DIR}/)")
-    here = Path(start or os.getcwd()).resolve()
-    for folder in [here, *here.parents]:
-        if (folder / REPO_DIR).is_dir():
-            return folder
-    raise RepoNotFoundError(f"no ckptstore repository in {here} or any parent; run `ckpt init` first")
 
 
 def _unwritable(folder: Path) -> str:
