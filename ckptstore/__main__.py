@@ -1,5 +1,5 @@
-"""`python -m ckptstore` runs the CLI."""
+"""`python -m ckptstore` runs the CLI (through the launcher, as the `ckpt` command does)."""
 
-from ckptstore.cli import main
+from ckptstore.launch import main
 
 main()

@@ -561,16 +561,67 @@ def clone(url: str, path: str | None, metadata_url: str, lazy: bool) -> None:
         click.echo(f"Cloned {url} into {repo.root}" + (" (lazily: objects come on first checkout)" if lazy else ""))
 
 
+@cli.group()
+def daemon() -> None:
+    """A warm process that runs this repository's `ckpt commit`s (no start-up per commit)."""
+
+
+def _daemon_root(ctx: click.Context) -> Any:
+    from ckptstore.repo import find_root
+
+    return find_root(ctx.obj.get("repo"))
+
+
+def _daemon_line(state: dict[str, Any]) -> str:
+    since = datetime.datetime.fromtimestamp(state["started"]).isoformat(sep=" ", timespec="seconds")
+    return (f"ckpt daemon {state['pid']} serves {state['root']} since {since} "
+            f"({state['served']} commands; stops after {state['idle']:g} s idle)")
+
+
+@daemon.command("start")
+@click.option("--idle", type=float, default=900.0, show_default=True, help="Stop after this many seconds idle.")
+@click.pass_context
+def daemon_start(ctx, idle: float) -> None:
+    """Start the daemon (or report the running one); `ckpt commit` uses it while it runs."""
+    import ckptstore.daemon as warm
+
+    click.echo(_daemon_line(warm.start(_daemon_root(ctx), idle)))
+
+
+@daemon.command("stop")
+@click.pass_context
+def daemon_stop(ctx) -> None:
+    """Stop the daemon once its current command is done."""
+    import ckptstore.daemon as warm
+
+    state = warm.stop(_daemon_root(ctx))
+    click.echo(f"stopped ckpt daemon {state['pid']}" if state else "no ckpt daemon was running")
+
+
+@daemon.command("status")
+@click.pass_context
+def daemon_status(ctx) -> None:
+    """Say whether a daemon serves this repository."""
+    import ckptstore.daemon as warm
+
+    state = warm.status(_daemon_root(ctx))
+    click.echo(_daemon_line(state) if state else "no ckpt daemon is running")
+
+
 def _fail(message: str, code: int) -> None:
     click.echo("error: " + " ".join(message.split()), err=True)  # one line, whatever the message held
     sys.exit(code)
 
 
-def main() -> None:
-    """Console entry point: every failure prints one `error:` line (a traceback too with --debug)."""
-    debug = "--debug" in sys.argv[1:]  # the group's flag; read here, where the traceback is printed
+def main(argv: list[str] | None = None) -> None:
+    """Run `ckpt` with `argv` (default: this process's arguments).
+
+    Every failure prints one `error:` line (a traceback too with --debug) and exits with its code.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv  # the group's flag; read here, where the traceback is printed
     try:
-        cli(standalone_mode=False)
+        cli(args=argv, prog_name="ckpt", standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):
         _fail("interrupted; an unfinished commit leaves earlier commits intact (`ckpt gc` removes its leftovers)", 130)
     except click.ClickException as exc:

@@ -24,7 +24,7 @@ LAYERS = {
     "replay": ("replay", "replay_torch"),
     "repo": ("repo",),
     "integrations": ("api", "integrations", "dcp"),
-    "cli": ("cli", "__main__"),
+    "cli": ("cli", "__main__", "daemon", "daemon_server", "launch"),
     "testing": ("testing",),
 }
 BELOW = {
@@ -117,10 +117,11 @@ def test_imports_point_down_the_layers_and_heavy_packages_stay_home():
     assert _violations() == []
 
 
-def test_the_cli_uses_only_the_repository_layers_public_names():
-    imported = _imports("cli", PACKAGE / "cli.py")
+@pytest.mark.parametrize("module", ["cli", "daemon", "daemon_server", "launch"])
+def test_the_cli_uses_only_the_repository_layers_public_names(module):
+    imported = _imports(module, PACKAGE / f"{module}.py")
     ours = {m for m in imported if m.startswith("ckptstore")}
-    assert ours <= {"ckptstore.errors", "ckptstore.repo"}
+    assert ours <= {"ckptstore.errors", "ckptstore.repo", "ckptstore.cli", "ckptstore.daemon"}
 
 
 def test_the_checker_sees_a_violation(tmp_path):

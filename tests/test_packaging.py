@@ -18,3 +18,5 @@ def test_wheel_contains_every_package_and_migration(tmp_path):
     migrations = {f"ckptstore/migrations/versions/{p.name}" for p in (ROOT / "migrations" / "versions").glob("0*.py")}
     assert migrations and migrations <= names
     assert {"ckptstore/migrations/env.py", "ckptstore/migrations/script.py.mako"} <= names
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    assert "ckpt = ckptstore.launch:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -28,6 +28,9 @@ DEFAULT_BYTES = 512 << 20
 # holder); it goes when the Repository object does.
 _CACHES: weakref.WeakKeyDictionary[Any, PlaneCache] = weakref.WeakKeyDictionary()
 _CACHES_LOCK = threading.Lock()
+# Repositories opened at these roots share one cache, whichever object opened them: a process that
+# opens the repository for each command (the ckpt daemon) keeps the planes of its last commit.
+_SHARED: dict[str, PlaneCache] = {}
 
 
 def cache_of(repo: Any) -> PlaneCache:
@@ -35,8 +38,15 @@ def cache_of(repo: Any) -> PlaneCache:
     with _CACHES_LOCK:
         cache = _CACHES.get(repo)
         if cache is None:
-            cache = _CACHES[repo] = PlaneCache()
+            shared = _SHARED.get(str(repo.root))
+            cache = _CACHES[repo] = shared if shared is not None else PlaneCache()
         return cache
+
+
+def share_plane_cache(root: Any) -> None:
+    """From now on, every Repository opened at `root` (a resolved path) in this process shares one cache."""
+    with _CACHES_LOCK:
+        _SHARED.setdefault(str(root), PlaneCache())
 
 
 def set_cache(repo: Any, cache: PlaneCache) -> None:

@@ -1,0 +1,205 @@
+"""A warm `ckpt` process for one repository, so that `ckpt commit` after each save skips the start-up.
+
+A fresh `ckpt commit` process pays, before and around its real work, for importing the package
+and numpy, for decoding the parent's chains from the store (a long-lived process keeps the
+parent's planes from its last commit: repo/planecache.py) and for faulting in fresh memory: on
+the MiniLM fine-tune's 271 MB checkpoints that was half its time (docs/benchmarks.md). `ckpt
+daemon start` leaves one process serving the repository on a Unix socket that only this user can
+reach; while it runs, `ckpt commit` (ckptstore/launch.py) sends its arguments, working directory
+and environment there and prints what comes back. The daemon runs the same CLI code, one request
+at a time, opening the repository afresh for each (so config changes and other writers are seen)
+and keeping only the plane cache between them. It stops after `idle` seconds without a request,
+on `ckpt daemon stop`, or when the installed code changes under it (every request carries the
+code's fingerprint, and a stale daemon steps aside).
+
+This module is the client's side and the wire format; the launcher imports it in every `ckpt
+commit` process, so it imports only what a client needs. The serving process is daemon_server.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ckptstore.errors import CkptError
+
+DEFAULT_IDLE_SECONDS = 900.0
+START_TIMEOUT_SECONDS = 60.0
+LOG_NAME = "daemon.log"  # in the repository's .ckpt/ folder
+_HEADER = struct.Struct("!cI")  # one frame: a channel byte and the payload's length
+# Channels: a request (client to daemon, JSON), output to stdout or stderr, an interrupt (the
+# user pressed Ctrl-C at the client), and the end of a reply (JSON: the exit code, or `stale`).
+REQUEST, STDOUT, STDERR, INTERRUPT, END = b"q", b"o", b"e", b"i", b"x"
+
+
+class DaemonGone(CkptError):
+    """The daemon's connection broke in the middle of a command."""
+
+
+def socket_path(root: Path) -> Path:
+    """Where the daemon of the repository at `root` listens: a folder of this user's, mode 0700.
+
+    Not inside .ckpt/: a Unix socket's path is limited to 107 bytes, and a repository's is not.
+    """
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"ckptstore-{os.getuid()}"
+    base.mkdir(mode=0o700, exist_ok=True)
+    info = base.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise CkptError(f"{base} is not a private folder of this user's (owner uid {info.st_uid}, "
+                        f"mode {info.st_mode & 0o777:o}); the ckpt daemon will not listen there")
+    name = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:24]
+    return base / f"{name}.sock"
+
+
+def code_fingerprint() -> str:
+    """What the running code is: this interpreter, ckptstore's sources and the installed packages' folders.
+
+    The interpreter by its real path and prefix: `ckpt` and `python -m ckptstore` of one venv name
+    it differently (python3.11, python) but run the same code.
+    """
+    digest = hashlib.sha256(f"{os.path.realpath(sys.executable)}\0{sys.prefix}\0".encode())
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        info = path.stat()
+        digest.update(f"{path}\0{info.st_mtime_ns}\0{info.st_size}\0".encode())
+    for folder in sorted({p for p in sys.path if p.endswith("-packages")}):
+        with contextlib.suppress(OSError):  # a package installed or removed changes its folder's mtime
+            digest.update(f"{folder}\0{os.stat(folder).st_mtime_ns}\0".encode())
+    return digest.hexdigest()[:32]
+
+
+def send_frame(conn: socket.socket, channel: bytes, payload: bytes) -> None:
+    """Send one frame: `channel`, then the payload's length and the payload."""
+    conn.sendall(_HEADER.pack(channel, len(payload)) + payload)
+
+
+def receive_frame(conn: socket.socket) -> tuple[bytes, bytes]:
+    """The next frame; (b"", b"") when the other side closed the connection."""
+    header = _exactly(conn, _HEADER.size)
+    if not header:
+        return b"", b""
+    channel, length = _HEADER.unpack(header)
+    payload = _exactly(conn, length)
+    if len(payload) != length:
+        return b"", b""
+    return channel, payload
+
+
+def _exactly(conn: socket.socket, n: int) -> bytes:
+    parts, have = [], 0
+    while have < n:
+        part = conn.recv(n - have)
+        if not part:
+            break
+        parts.append(part)
+        have += len(part)
+    return b"".join(parts)
+
+
+def _connect(root: Path) -> socket.socket | None:
+    """A connection to `root`'s daemon, or None when none listens."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(str(socket_path(root)))
+    except (OSError, CkptError):  # none listens, or the socket's folder is not private: run here
+        conn.close()
+        return None
+    return conn
+
+
+def forward(root: Path, argv: list[str]) -> int | None:
+    """Run the `ckpt` command `argv` in `root`'s daemon, echoing its output; its exit code.
+
+    None when no daemon is running or the running one is stale (it then stops): run it here.
+    Raises DaemonGone when the daemon disappears mid-command.
+    """
+    conn = _connect(root)
+    if conn is None:
+        return None
+    with conn:
+        request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "code": code_fingerprint()}
+        try:
+            send_frame(conn, REQUEST, json.dumps(request).encode())
+        except OSError:
+            return None
+        try:
+            return _echo_reply(conn)
+        except KeyboardInterrupt:  # the daemon stops the command as Ctrl-C would here, and says so
+            with contextlib.suppress(OSError):
+                send_frame(conn, INTERRUPT, b"")
+            return _echo_reply(conn)
+
+
+def _echo_reply(conn: socket.socket) -> int | None:
+    while True:
+        channel, payload = receive_frame(conn)
+        if channel == STDOUT:
+            sys.stdout.write(payload.decode())
+            sys.stdout.flush()
+        elif channel == STDERR:
+            sys.stderr.write(payload.decode())
+            sys.stderr.flush()
+        elif channel == END:
+            reply = json.loads(payload)
+            return None if reply.get("stale") else int(reply["code"])
+        else:
+            raise DaemonGone("the ckpt daemon stopped in the middle of the command; earlier commits are "
+                             "intact (`ckpt log` shows whether this one was recorded)")
+
+
+def _ask(root: Path, op: str) -> dict[str, Any] | None:
+    """A control request's reply (`status`, `stop`), or None when no daemon listens."""
+    conn = _connect(root)
+    if conn is None:
+        return None
+    with conn:
+        try:
+            send_frame(conn, REQUEST, json.dumps({"op": op}).encode())
+            channel, payload = receive_frame(conn)
+        except OSError:
+            return None
+    return json.loads(payload) if channel == END else None
+
+
+def status(root: Path) -> dict[str, Any] | None:
+    """The running daemon's pid, start time, idle limit and commands served; None when none runs."""
+    return _ask(root, "status")
+
+
+def stop(root: Path) -> dict[str, Any] | None:
+    """Stop `root`'s daemon once its current command is done; its last status, or None when none ran."""
+    return _ask(root, "stop")
+
+
+def start(root: Path, idle: float = DEFAULT_IDLE_SECONDS) -> dict[str, Any]:
+    """Start a daemon for the repository at `root` (or find the one running); its status."""
+    import subprocess
+
+    running = status(root)
+    if running is not None:
+        return running
+    log_path = root / ".ckpt" / LOG_NAME
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen([sys.executable, "-m", "ckptstore.daemon_server", str(root), "--idle", str(idle)],
+                                   cwd=root, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                   start_new_session=True)  # the terminal's Ctrl-C is for the client only
+    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+    while time.monotonic() < deadline:
+        running = status(root)
+        if running is not None:
+            return running
+        if process.poll() is not None and status(root) is None:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+            raise CkptError(f"the ckpt daemon exited at start ({' / '.join(tail) or 'no output'}; "
+                            f"see {log_path})")
+        time.sleep(0.02)
+    process.kill()
+    raise CkptError(f"the ckpt daemon did not answer within {START_TIMEOUT_SECONDS:.0f} s; see {log_path}")

@@ -1,0 +1,141 @@
+"""`ckpt daemon`: commits handed to a warm process give what the same commands give without it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore import daemon
+from ckptstore.repo import find_root
+from tests.test_cli import ROOT
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **extra)
+    env.pop("CKPT_REPO", None)
+    return env
+
+
+def ckpt(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=_env(**env),
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    """A repository in tmp_path/repo with a daemon serving it (stopped afterwards)."""
+    root = tmp_path / "repo"
+    root.mkdir()
+    assert ckpt(root, "init").returncode == 0
+    started = ckpt(root, "daemon", "start", "--idle", "120")
+    assert started.returncode == 0 and "serves" in started.stdout, started.stderr
+    yield root
+    ckpt(root, "daemon", "stop")
+
+
+def _served_count(root: Path) -> int:
+    state = daemon.status(root.resolve())
+    assert state is not None, "the daemon is not running"
+    return state["served"]
+
+
+def _save(path: Path, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    torch.save({"model": {"w": torch.randn(64, 64, generator=generator), "b": torch.zeros(64)}, "step": seed},
+               path)
+
+
+def test_commits_run_in_the_daemon_with_the_clients_folder_and_environment(served):
+    (served / "run").mkdir()
+    for seed in (1, 2):
+        _save(served / "run" / f"ckpt-{seed}.pt", seed)
+        result = ckpt(served / "run", "commit", f"ckpt-{seed}.pt", "-m", f"step {seed}", "--step", str(seed),
+                      CKPT_AUTHOR="someone-else")
+        assert result.returncode == 0 and f"step {seed}" in result.stdout, result.stderr
+    assert _served_count(served) == 2
+    log = json.loads(ckpt(served, "log", "--json").stdout)
+    assert [(c["message"], c["author"], c["source_path"]) for c in log] == [
+        (f"step {seed}", "someone-else", f"run/ckpt-{seed}.pt") for seed in (2, 1)]
+    out = served / "restored"
+    assert ckpt(served, "checkout", "HEAD~1", "-o", str(out)).returncode == 0
+    assert out.read_bytes() == (served / "run" / "ckpt-1.pt").read_bytes()  # byte for byte, as without a daemon
+    assert "ok" in ckpt(served, "fsck").stdout
+
+
+def test_the_console_script_hands_its_commit_to_a_daemon_started_with_python_m(served):
+    """`ckpt` (its shebang names the venv's python3) and `python -m ckptstore` run the same code."""
+    _save(served / "c.pt", 6)
+    script = Path(sys.executable).with_name("ckpt")
+    result = subprocess.run([str(script), "commit", "c.pt"], cwd=served, env=_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert _served_count(served) == 1
+
+
+def test_a_failing_commit_prints_the_same_one_line_error_and_exit_code_as_without_a_daemon(served, tmp_path):
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    assert ckpt(alone, "init").returncode == 0
+    here, there = ckpt(alone, "commit", "missing.pt"), ckpt(served, "commit", "missing.pt")
+    assert _served_count(served) == 1
+    assert there.returncode == here.returncode != 0
+    assert there.stderr.replace(str(served), "") == here.stderr.replace(str(alone), "")
+    assert there.stderr.startswith("error: ") and "Traceback" not in there.stderr
+
+
+def test_ctrl_c_at_the_client_stops_the_commit_in_the_daemon_and_records_nothing(served, tmp_path):
+    _save(served / "c.pt", 3)
+    gate = tmp_path / "gate"
+    client = subprocess.Popen([sys.executable, "-m", "ckptstore", "commit", "c.pt"], cwd=served,
+                              env=_env(CKPT_WAIT_AT=f"commit:objects-written={gate}"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(Path(f"{gate}.reached"))
+    client.send_signal(signal.SIGINT)
+    _, stderr = client.communicate(timeout=60)
+    assert client.returncode == 130 and stderr.strip().startswith("error: interrupted"), stderr
+    assert ckpt(served, "log").stdout.strip() == ""
+    assert _served_count(served) == 1  # and the daemon serves on
+    assert ckpt(served, "commit", "c.pt").returncode == 0
+
+
+def test_a_daemon_killed_mid_commit_is_reported_and_loses_nothing(served):
+    _save(served / "a.pt", 4)
+    assert ckpt(served, "commit", "a.pt", "-m", "kept").returncode == 0
+    _save(served / "b.pt", 5)
+    result = ckpt(served, "commit", "b.pt", CKPT_CRASH_AT="commit:manifest-written")
+    assert result.returncode == 1 and result.stderr.startswith("error: the ckpt daemon stopped"), result.stderr
+    assert daemon.status(served.resolve()) is None
+    assert ckpt(served, "log").stdout.count("commit ") == 1 and "ok" in ckpt(served, "fsck").stdout
+    assert ckpt(served, "commit", "b.pt").returncode == 0  # here, in a process of its own
+
+
+def test_a_stale_daemon_steps_aside_and_the_command_runs_here(served, monkeypatch):
+    monkeypatch.setattr(daemon, "code_fingerprint", lambda: "code that changed since the daemon started")
+    assert daemon.forward(find_root(served), ["status"]) is None
+    _wait_until(lambda: daemon.status(served.resolve()) is None)
+
+
+def test_start_finds_the_running_daemon_and_an_idle_one_stops(served, tmp_path):
+    first = daemon.status(served.resolve())
+    assert ckpt(served, "daemon", "start").stdout.startswith(f"ckpt daemon {first['pid']} ")
+    assert ckpt(served, "daemon", "stop").stdout == f"stopped ckpt daemon {first['pid']}\n"
+    assert ckpt(served, "daemon", "start", "--idle", "0.5").returncode == 0
+    _wait_until(lambda: daemon.status(served.resolve()) is None)
+    assert ckpt(served, "daemon", "status").stdout == "no ckpt daemon is running\n"
+
+
+def _wait_for(path: Path) -> None:
+    _wait_until(path.exists)
+
+
+def _wait_until(condition, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
