@@ -4,10 +4,12 @@ The mission's users run `ckpt commit` from their training script or shell after 
 commit pays for a fresh process. This commits the first N cached checkpoints of a run (default:
 the MiniLM fine-tune's 271 MB torch.save files) into a fresh repository twice over: once through
 the installed `ckpt` console script, one process per commit, and once as the same `repo.commit`
-calls in this process (its imports already paid), and as one Python script that imports
-ckptstore and makes them all (start-up paid once). Blocks run in rounds of in-process, CLI,
-script, script, CLI, in-process, so drift in the machine's speed hits all alike; it prints each
-block's throughput in MB of checkpoint per second and the CLI's as a ratio of the others, per round.
+calls in this process (its imports already paid), as the same `ckpt commit` calls handed to a
+`ckpt daemon` (ckptstore/daemon.py; its start timed apart), and as one Python script that
+imports ckptstore and makes them all (start-up paid once). Blocks run in rounds of in-process,
+CLI, daemon, script, script, daemon, CLI, in-process, so drift in the machine's speed hits all
+alike; it prints each block's throughput in MB of checkpoint per second and the CLI's as a ratio
+of the others, per round.
 Every block chains by this machine's decode costs, measured once per machine and kept in the
 user's cache (repo/chaincost.py); that one-off measurement is timed and printed first.
 """
@@ -62,16 +64,37 @@ def one_script(files: list[Path], root: Path) -> float:
     return time.perf_counter() - start
 
 
-def through_cli(files: list[Path], root: Path, ckpt: list[str]) -> float:
-    """Seconds for one `ckpt commit` process per file."""
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir()
-    subprocess.run([*ckpt, "init"], cwd=root, check=True, stdout=subprocess.DEVNULL)
+def through_cli(files: list[Path], root: Path, ckpt: list[str], init: bool = True) -> float:
+    """Seconds for one `ckpt commit` process per file (in a new repository unless `init` is False)."""
+    if init:
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir()
+        subprocess.run([*ckpt, "init"], cwd=root, check=True, stdout=subprocess.DEVNULL)
     start = time.perf_counter()
     for path in files:
         subprocess.run([*ckpt, "commit", str(path), "-m", path.name], cwd=root, check=True,
                        stdout=subprocess.DEVNULL)
     return time.perf_counter() - start
+
+
+def through_daemon(files: list[Path], root: Path, ckpt: list[str]) -> float:
+    """Seconds for one `ckpt commit` process per file, each handing its work to `ckpt daemon`.
+
+    The daemon's start (once per session of commits) is timed apart, in `daemon_starts`.
+    """
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir()
+    subprocess.run([*ckpt, "init"], cwd=root, check=True, stdout=subprocess.DEVNULL)
+    started = time.perf_counter()
+    subprocess.run([*ckpt, "daemon", "start"], cwd=root, check=True, stdout=subprocess.DEVNULL)
+    daemon_starts.append(time.perf_counter() - started)
+    try:
+        return through_cli(files, root, ckpt, init=False)
+    finally:
+        subprocess.run([*ckpt, "daemon", "stop"], cwd=root, check=True, stdout=subprocess.DEVNULL)
+
+
+daemon_starts: list[float] = []
 
 
 def machine_costs() -> None:
@@ -102,28 +125,34 @@ def main() -> None:
         path.read_bytes()
     machine_costs()
     scratch = Path(tempfile.mkdtemp(prefix="ckpt-commit-cli-"))
-    seconds: dict[str, list[float]] = {"in-process": [], "cli": [], "script": []}
+    seconds: dict[str, list[float]] = {"in-process": [], "cli": [], "daemon": [], "script": []}
     runners = {"in-process": lambda: in_process(files, scratch / "repo"),
                "cli": lambda: through_cli(files, scratch / "repo", ckpt),
+               "daemon": lambda: through_daemon(files, scratch / "repo", ckpt),
                "script": lambda: one_script(files, scratch / "repo")}
     try:
-        for label in ("in-process", "cli", "script", "script", "cli", "in-process") * args.rounds:
+        for label in ("in-process", "cli", "daemon", "script", "script", "daemon", "cli", "in-process") * args.rounds:
             seconds[label].append(runners[label]())
             print(f"{label:<11} {len(files)} commits, {megabytes:.0f} MB: {seconds[label][-1]:.2f} s, "
                   f"{megabytes / seconds[label][-1]:.0f} MB/s", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     cli, inproc = statistics.median(seconds["cli"]), statistics.median(seconds["in-process"])
-    ratios = [(a + b) / (c + d) for a, b, c, d in zip(seconds["in-process"][::2], seconds["in-process"][1::2],
-                                                     seconds["cli"][::2], seconds["cli"][1::2])]
-    script = [(a + b) / (c + d) for a, b, c, d in zip(seconds["script"][::2], seconds["script"][1::2],
-                                                      seconds["cli"][::2], seconds["cli"][1::2])]
     print(f"throughput (medians): in-process {megabytes / inproc:.0f} MB/s, ckpt commit {megabytes / cli:.0f} MB/s, "
-          f"one script {megabytes / statistics.median(seconds['script']):.0f} MB/s")
-    print(f"ckpt commit / in-process per round: {', '.join(f'{r:.2f}' for r in ratios)}, "
-          f"median {statistics.median(ratios):.2f}x")
-    print(f"ckpt commit / one script per round: {', '.join(f'{r:.2f}' for r in script)}, "
-          f"median {statistics.median(script):.2f}x")
+          f"ckpt commit with the daemon {megabytes / statistics.median(seconds['daemon']):.0f} MB/s, "
+          f"one script {megabytes / statistics.median(seconds['script']):.0f} MB/s; "
+          f"ckpt daemon start {statistics.median(daemon_starts):.2f} s")
+    _ratio("ckpt commit / in-process", seconds["in-process"], seconds["cli"])
+    _ratio("ckpt commit / one script", seconds["script"], seconds["cli"])
+    _ratio("ckpt commit with the daemon / in-process", seconds["in-process"], seconds["daemon"])
+    _ratio("the same, its start counted", seconds["in-process"], [d + s for d, s in
+                                                                  zip(seconds["daemon"], daemon_starts)])
+
+
+def _ratio(label: str, baseline: list[float], ours: list[float]) -> None:
+    """Throughput of `ours` over `baseline`, per round (each round's two blocks of each summed)."""
+    ratios = [(a + b) / (c + d) for a, b, c, d in zip(baseline[::2], baseline[1::2], ours[::2], ours[1::2])]
+    print(f"{label} per round: {', '.join(f'{r:.2f}' for r in ratios)}, median {statistics.median(ratios):.2f}x")
 
 
 if __name__ == "__main__":
