@@ -8,9 +8,9 @@ daemon start` leaves one process serving the repository on a Unix socket that on
 reach; while it runs, `ckpt commit` (ckptstore/launch.py) sends its arguments, working directory
 and environment there and prints what comes back. The daemon runs the same CLI code, one request
 at a time, opening the repository afresh for each (so config changes and other writers are seen)
-and keeping only the plane cache between them. It stops after `idle` seconds without a request,
-on `ckpt daemon stop`, or when the installed code changes under it (every request carries the
-code's fingerprint, and a stale daemon steps aside).
+and keeping only the parent's planes and the encoding threads between them (repo/warm.py). It
+stops after `idle` seconds without a command, on `ckpt daemon stop`, or when the installed code
+changes under it (every request carries the code's fingerprint, and a stale daemon steps aside).
 
 This module is the client's side and the wire format; the launcher imports it in every `ckpt
 commit` process, so it imports only what a client needs. The serving process is daemon_server.py.

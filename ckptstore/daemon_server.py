@@ -2,7 +2,8 @@
 
 Each command runs as the client's own process would run it: in its working directory, with its
 environment and an empty stdin, its output and exit code going back over the socket, and the
-client's Ctrl-C raised here as KeyboardInterrupt. Only the plane cache outlives a command.
+client's Ctrl-C raised here as KeyboardInterrupt. Only the parent's planes and the encoding
+threads outlive a command (repo/warm.py).
 """
 
 from __future__ import annotations
@@ -131,9 +132,9 @@ class _Daemon:
     def _run(self, conn: socket.socket, request: dict[str, Any]) -> int:
         """Run one `ckpt` command as the client's process would, its output going back on `conn`."""
         import ckptstore.cli as cli
-        from ckptstore.repo import share_plane_cache
+        from ckptstore.repo import keep_warm
 
-        share_plane_cache(self.root)
+        keep_warm(self.root)
         with _client_context(request), _interrupt_on_request(conn):
             stdout, stderr = _Output(conn, STDOUT), _Output(conn, STDERR)
             with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):

@@ -6,14 +6,14 @@ from typing import Any
 
 __all__ = ["LOSSY_LEVELS", "CommitOptions", "EncodingSettings", "FsckReport", "GcReport", "LossyOptions", "Manifest",
            "PruneReport", "Repository", "RetentionPolicy", "TensorDiff", "WatchOptions", "export", "find_root",
-           "fsck", "function_named", "gc", "prune", "share_plane_cache", "watch_folder"]
+           "fsck", "function_named", "gc", "prune", "keep_warm", "watch_folder"]
 
 _WHERE = {
     "Repository": "repository", "find_root": "location", "Manifest": "manifest", "TensorDiff": "diff",
     "CommitOptions": "commit", "LossyOptions": "commit", "FsckReport": "maintenance", "GcReport": "maintenance",
     "fsck": "maintenance", "gc": "maintenance", "LOSSY_LEVELS": "config", "EncodingSettings": "config",
     "function_named": "calibrate", "export": "exporter", "WatchOptions": "watch", "watch_folder": "watch",
-    "prune": "pruning", "share_plane_cache": "planecache", "PruneReport": "pruning", "RetentionPolicy": "config",
+    "prune": "pruning", "keep_warm": "warm", "PruneReport": "pruning", "RetentionPolicy": "config",
 }
 
 

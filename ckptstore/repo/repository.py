@@ -16,7 +16,7 @@ from ckptstore.metadata import Database
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.objectstore import ObjectStore, open_store
-from ckptstore.repo import refs
+from ckptstore.repo import refs, warm
 from ckptstore.repo.config import RepoConfig
 from ckptstore.repo.location import REPO_DIR, find_root
 from ckptstore.repo.lock import repo_lock
@@ -59,6 +59,7 @@ class Repository:
             self.store = FallbackStore(self.store, lambda: remote_store(lazy[0].resolved(root)))
         self.db = Database(config.metadata_url or f"sqlite:///{self.dir / 'ckpt.db'}", read_only, why)
         self._pool: ThreadPoolExecutor | None = None
+        self._shared_pool = False  # the pool is a warm process's (repo/warm.py): closing leaves it running
         self._background: Lane | None = None  # commits in the background (repo/background.py)
 
     # ----------------------------------------------------------------- lifecycle
@@ -111,9 +112,9 @@ class Repository:
     def close(self) -> None:
         if self._background is not None:  # the background commit in flight ends first
             self._background.close()
-        if self._pool is not None:
+        if self._pool is not None and not self._shared_pool:
             self._pool.shutdown(wait=True)
-            self._pool = None
+        self._pool = None
         self.db.close()
 
     def __enter__(self) -> Repository:
@@ -126,7 +127,10 @@ class Repository:
     def pool(self) -> ThreadPoolExecutor:
         """The threads that hash, encode and decode; started on first use."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.config.threads or os.cpu_count() or 1, thread_name_prefix="ckpt")
+            threads = self.config.threads or os.cpu_count() or 1
+            shared = warm.shared_pool(self.root, threads)  # a long-lived process's threads, kept across opens
+            self._shared_pool = shared is not None
+            self._pool = shared or ThreadPoolExecutor(threads, thread_name_prefix="ckpt")
         return self._pool
 
     def lock(self, exclusive: bool = False, wait: bool = True) -> AbstractContextManager[None]:

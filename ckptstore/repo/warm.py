@@ -1,0 +1,38 @@
+"""What a long-lived process keeps between the repositories it opens at one root: planes and threads.
+
+The ckpt daemon opens the repository afresh for every command (so it sees config changes and other
+writers), but a commit runs faster on what the last one left: the parent's byte planes
+(planecache.py) and the encoding threads, whose per-thread decompressors and scratch buffers
+(threadlocal.py) are already faulted in. `keep_warm(root)` makes every Repository opened at
+`root` in this process share one plane cache and one thread pool, which outlive it.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ckptstore.repo.planecache import share_plane_cache
+
+_ROOTS: set[str] = set()
+_POOLS: dict[tuple[str, int], ThreadPoolExecutor] = {}
+_LOCK = threading.Lock()
+
+
+def keep_warm(root: Path) -> None:
+    """From now on, repositories opened at `root` (a resolved path) share a plane cache and threads."""
+    share_plane_cache(root)
+    with _LOCK:
+        _ROOTS.add(str(root))
+
+
+def shared_pool(root: Path, threads: int) -> ThreadPoolExecutor | None:
+    """The pool of `threads` threads that repositories at `root` share; None unless `root` is kept warm."""
+    if str(root) not in _ROOTS:
+        return None
+    with _LOCK:
+        key = (str(root), threads)
+        if key not in _POOLS:
+            _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-warm")
+        return _POOLS[key]

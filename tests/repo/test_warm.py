@@ -1,0 +1,29 @@
+"""repo/warm.py: repositories reopened at a root kept warm share one plane cache and one thread pool."""
+
+import torch
+
+from ckptstore import Repository
+from ckptstore.repo import keep_warm
+from ckptstore.repo.planecache import cache_of
+
+
+def test_reopened_repositories_share_threads_and_planes_only_where_kept_warm(tmp_path):
+    warm, cold = tmp_path / "warm", tmp_path / "cold"
+    for root in (warm, cold):
+        Repository.init(root).close()
+    keep_warm(warm.resolve())
+    torch.save({"w": torch.randn(256, 256)}, tmp_path / "a.pt")
+    with Repository.open(warm) as first:
+        first.commit(tmp_path / "a.pt")
+        pool, cache = first.pool, cache_of(first)
+    assert cache.held_bytes > 0  # the commit's planes, left for the next one
+    torch.save({"w": torch.randn(256, 256)}, tmp_path / "a.pt")
+    with Repository.open(warm) as second:
+        assert second.pool is pool and cache_of(second) is cache
+        second.commit(tmp_path / "a.pt")  # on the threads the first repository's close left running
+        assert len(second.log()) == 2
+    with Repository.open(cold) as third:
+        own = third.pool
+        assert own is not pool and cache_of(third) is not cache
+    assert own._shutdown  # a repository that is not kept warm stops its threads on close
+    assert not pool._shutdown
