@@ -566,6 +566,13 @@ def daemon() -> None:
     """A warm process that runs this repository's `ckpt commit`s (no start-up per commit)."""
 
 
+def _daemons() -> Any:
+    """The daemon's client side, imported by the commands that use it."""
+    import ckptstore.daemon as client
+
+    return client
+
+
 def _daemon_root(ctx: click.Context) -> Any:
     from ckptstore.repo import find_root
 
@@ -579,22 +586,18 @@ def _daemon_line(state: dict[str, Any]) -> str:
 
 
 @daemon.command("start")
-@click.option("--idle", type=float, default=900.0, show_default=True, help="Stop after this many seconds idle.")
+@click.option("--idle", type=float, help="Stop after this many seconds without a command (default 900).")
 @click.pass_context
-def daemon_start(ctx, idle: float) -> None:
+def daemon_start(ctx, idle: float | None) -> None:
     """Start the daemon (or report the running one); `ckpt commit` uses it while it runs."""
-    import ckptstore.daemon as warm
-
-    click.echo(_daemon_line(warm.start(_daemon_root(ctx), idle)))
+    click.echo(_daemon_line(_daemons().start(_daemon_root(ctx), idle)))
 
 
 @daemon.command("stop")
 @click.pass_context
 def daemon_stop(ctx) -> None:
     """Stop the daemon once its current command is done."""
-    import ckptstore.daemon as warm
-
-    state = warm.stop(_daemon_root(ctx))
+    state = _daemons().stop(_daemon_root(ctx))
     click.echo(f"stopped ckpt daemon {state['pid']}" if state else "no ckpt daemon was running")
 
 
@@ -602,9 +605,7 @@ def daemon_stop(ctx) -> None:
 @click.pass_context
 def daemon_status(ctx) -> None:
     """Say whether a daemon serves this repository."""
-    import ckptstore.daemon as warm
-
-    state = warm.status(_daemon_root(ctx))
+    state = _daemons().status(_daemon_root(ctx))
     click.echo(_daemon_line(state) if state else "no ckpt daemon is running")
 
 

@@ -33,7 +33,6 @@ from ckptstore.errors import CkptError
 
 DEFAULT_IDLE_SECONDS = 900.0
 START_TIMEOUT_SECONDS = 60.0
-LOG_NAME = "daemon.log"  # in the repository's .ckpt/ folder
 _HEADER = struct.Struct("!cI")  # one frame: a channel byte and the payload's length
 # Channels: a request (client to daemon, JSON), output to stdout or stderr, an interrupt (the
 # user pressed Ctrl-C at the client), and the end of a reply (JSON: the exit code, or `stale`).
@@ -42,6 +41,11 @@ REQUEST, STDOUT, STDERR, INTERRUPT, END = b"q", b"o", b"e", b"i", b"x"
 
 class DaemonGone(CkptError):
     """The daemon's connection broke in the middle of a command."""
+
+
+def log_path(root: Path) -> Path:
+    """The daemon's output (its own faults' tracebacks): `.ckpt/daemon.log`."""
+    return root / ".ckpt" / "daemon.log"
 
 
 def socket_path(root: Path) -> Path:
@@ -149,7 +153,11 @@ def _echo_reply(conn: socket.socket) -> int | None:
             sys.stderr.flush()
         elif channel == END:
             reply = json.loads(payload)
-            return None if reply.get("stale") else int(reply["code"])
+            if reply.get("stale"):
+                print("note: the ckpt daemon ran other code than this ckpt (an upgrade?) and has stopped; "
+                      "this command runs here (`ckpt daemon start` starts a current one)", file=sys.stderr)
+                return None
+            return int(reply["code"])
         else:
             raise DaemonGone("the ckpt daemon stopped in the middle of the command; earlier commits are "
                              "intact (`ckpt log` shows whether this one was recorded)")
@@ -179,17 +187,21 @@ def stop(root: Path) -> dict[str, Any] | None:
     return _ask(root, "stop")
 
 
-def start(root: Path, idle: float = DEFAULT_IDLE_SECONDS) -> dict[str, Any]:
-    """Start a daemon for the repository at `root` (or find the one running); its status."""
+def start(root: Path, idle: float | None = None) -> dict[str, Any]:
+    """Start a daemon for the repository at `root` (or find the one running); its status.
+
+    It stops after `idle` seconds without a command (default DEFAULT_IDLE_SECONDS).
+    """
     import subprocess
 
     running = status(root)
     if running is not None:
         return running
-    log_path = root / ".ckpt" / LOG_NAME
-    with open(log_path, "ab") as log:
+    log = log_path(root)
+    idle = DEFAULT_IDLE_SECONDS if idle is None else idle
+    with open(log, "ab") as output:
         process = subprocess.Popen([sys.executable, "-m", "ckptstore.daemon_server", str(root), "--idle", str(idle)],
-                                   cwd=root, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                   cwd=root, stdin=subprocess.DEVNULL, stdout=output, stderr=output,
                                    start_new_session=True)  # the terminal's Ctrl-C is for the client only
     deadline = time.monotonic() + START_TIMEOUT_SECONDS
     while time.monotonic() < deadline:
@@ -197,9 +209,8 @@ def start(root: Path, idle: float = DEFAULT_IDLE_SECONDS) -> dict[str, Any]:
         if running is not None:
             return running
         if process.poll() is not None and status(root) is None:
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-            raise CkptError(f"the ckpt daemon exited at start ({' / '.join(tail) or 'no output'}; "
-                            f"see {log_path})")
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+            raise CkptError(f"the ckpt daemon exited at start ({' / '.join(tail) or 'no output'}; see {log})")
         time.sleep(0.02)
     process.kill()
-    raise CkptError(f"the ckpt daemon did not answer within {START_TIMEOUT_SECONDS:.0f} s; see {log_path}")
+    raise CkptError(f"the ckpt daemon did not answer within {START_TIMEOUT_SECONDS:.0f} s; see {log}")

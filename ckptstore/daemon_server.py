@@ -28,11 +28,11 @@ from typing import Any
 from ckptstore.daemon import (
     DEFAULT_IDLE_SECONDS,
     END,
-    LOG_NAME,
     REQUEST,
     STDERR,
     STDOUT,
     code_fingerprint,
+    log_path,
     receive_frame,
     send_frame,
     socket_path,
@@ -126,7 +126,7 @@ class _Daemon:
             traceback.print_exc()
             with contextlib.suppress(OSError):
                 send_frame(conn, STDERR, f"error: the ckpt daemon failed ({type(exc).__name__}: {exc}); "
-                                    f"see {self.root / '.ckpt' / LOG_NAME}\n".encode())
+                                    f"see {log_path(self.root)}\n".encode())
                 send_frame(conn, END, json.dumps({"code": 1}).encode())
 
     def _run(self, conn: socket.socket, request: dict[str, Any]) -> int:

@@ -115,9 +115,10 @@ def test_a_daemon_killed_mid_commit_is_reported_and_loses_nothing(served):
     assert ckpt(served, "commit", "b.pt").returncode == 0  # here, in a process of its own
 
 
-def test_a_stale_daemon_steps_aside_and_the_command_runs_here(served, monkeypatch):
+def test_a_stale_daemon_steps_aside_and_the_command_runs_here(served, monkeypatch, capsys):
     monkeypatch.setattr(daemon, "code_fingerprint", lambda: "code that changed since the daemon started")
     assert daemon.forward(find_root(served), ["status"]) is None
+    assert capsys.readouterr().err.startswith("note: the ckpt daemon ran other code")
     _wait_until(lambda: daemon.status(served.resolve()) is None)
 
 
