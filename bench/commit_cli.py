@@ -77,24 +77,21 @@ def through_cli(files: list[Path], root: Path, ckpt: list[str], init: bool = Tru
     return time.perf_counter() - start
 
 
-def through_daemon(files: list[Path], root: Path, ckpt: list[str]) -> float:
+def through_daemon(files: list[Path], root: Path, ckpt: list[str], starts: list[float]) -> float:
     """Seconds for one `ckpt commit` process per file, each handing its work to `ckpt daemon`.
 
-    The daemon's start (once per session of commits) is timed apart, in `daemon_starts`.
+    The daemon's start (once per session of commits) is timed apart and appended to `starts`.
     """
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir()
     subprocess.run([*ckpt, "init"], cwd=root, check=True, stdout=subprocess.DEVNULL)
     started = time.perf_counter()
     subprocess.run([*ckpt, "daemon", "start"], cwd=root, check=True, stdout=subprocess.DEVNULL)
-    daemon_starts.append(time.perf_counter() - started)
+    starts.append(time.perf_counter() - started)
     try:
         return through_cli(files, root, ckpt, init=False)
     finally:
         subprocess.run([*ckpt, "daemon", "stop"], cwd=root, check=True, stdout=subprocess.DEVNULL)
-
-
-daemon_starts: list[float] = []
 
 
 def machine_costs() -> None:
@@ -125,10 +122,11 @@ def main() -> None:
         path.read_bytes()
     machine_costs()
     scratch = Path(tempfile.mkdtemp(prefix="ckpt-commit-cli-"))
+    daemon_starts: list[float] = []
     seconds: dict[str, list[float]] = {"in-process": [], "cli": [], "daemon": [], "script": []}
     runners = {"in-process": lambda: in_process(files, scratch / "repo"),
                "cli": lambda: through_cli(files, scratch / "repo", ckpt),
-               "daemon": lambda: through_daemon(files, scratch / "repo", ckpt),
+               "daemon": lambda: through_daemon(files, scratch / "repo", ckpt, daemon_starts),
                "script": lambda: one_script(files, scratch / "repo")}
     try:
         for label in ("in-process", "cli", "daemon", "script", "script", "daemon", "cli", "in-process") * args.rounds:

@@ -72,6 +72,11 @@ class _Daemon:
                 "served": self.served}
 
     def serve(self) -> None:
+        """Warm up, then listen: `ckpt daemon start` returns once the first command will find it warm."""
+        import ckptstore.cli  # noqa: F401 (the CLI and the repository layer, loaded before the first command)
+        from ckptstore.repo import keep_warm
+
+        keep_warm(self.root)
         path = socket_path(self.root)
         with open(f"{path}.lock", "w") as lock:
             try:
@@ -132,9 +137,7 @@ class _Daemon:
     def _run(self, conn: socket.socket, request: dict[str, Any]) -> int:
         """Run one `ckpt` command as the client's process would, its output going back on `conn`."""
         import ckptstore.cli as cli
-        from ckptstore.repo import keep_warm
 
-        keep_warm(self.root)
         with _client_context(request), _interrupt_on_request(conn):
             stdout, stderr = _Output(conn, STDOUT), _Output(conn, STDERR)
             with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):

@@ -4,7 +4,8 @@ The ckpt daemon opens the repository afresh for every command (so it sees config
 writers), but a commit runs faster on what the last one left: the parent's byte planes
 (planecache.py) and the encoding threads, whose per-thread decompressors and scratch buffers
 (threadlocal.py) are already faulted in. `keep_warm(root)` makes every Repository opened at
-`root` in this process share one plane cache and one thread pool, which outlive it.
+`root` in this process share one plane cache and one thread pool, which outlive it, and loads
+the modules a commit runs (0.2-0.3 s of imports the first command would otherwise pay).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ _LOCK = threading.Lock()
 
 
 def keep_warm(root: Path) -> None:
-    """From now on, repositories opened at `root` (a resolved path) share a plane cache and threads."""
+    """Repositories opened at `root` (resolved) from now on share planes and threads; load a commit's code."""
+    from ckptstore import replay  # noqa: F401 (loaded now: see the module's docstring)
+    from ckptstore.repo import background, calibrate, pruning  # noqa: F401
+
     share_plane_cache(root)
     with _LOCK:
         _ROOTS.add(str(root))
