@@ -77,6 +77,7 @@ class _Daemon:
         from ckptstore.repo import keep_warm
 
         keep_warm(self.root)
+        self.last_command = time.monotonic()  # idle time counts from here, not from before the warm-up
         path = socket_path(self.root)
         with open(f"{path}.lock", "w") as lock:
             try:
