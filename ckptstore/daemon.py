@@ -12,6 +12,11 @@ and keeping only the parent's planes and the encoding threads between them (repo
 stops after `idle` seconds without a command, on `ckpt daemon stop`, or when the installed code
 changes under it (every request carries the code's fingerprint, and a stale daemon steps aside).
 
+The daemon takes `.ckpt/daemon.lock` (one daemon per repository) and writes where it listens to
+`.ckpt/daemon.json`; its socket lives in a private folder of the user's (a Unix socket's path is
+limited to 107 bytes, and a repository's is not). Clients check both ends: the folder is the
+user's own with mode 0700, and the process listening runs as the same user.
+
 This module is the client's side and the wire format; the launcher imports it in every `ckpt
 commit` process, so it imports only what a client needs. The serving process is daemon_server.py.
 """
@@ -20,9 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.machinery
 import json
 import os
 import socket
+import stat
 import struct
 import sys
 import time
@@ -35,8 +42,10 @@ DEFAULT_IDLE_SECONDS = 900.0
 START_TIMEOUT_SECONDS = 60.0
 _HEADER = struct.Struct("!cI")  # one frame: a channel byte and the payload's length
 # Channels: a request (client to daemon, JSON), output to stdout or stderr, an interrupt (the
-# user pressed Ctrl-C at the client), and the end of a reply (JSON: the exit code, or `stale`).
+# user pressed Ctrl-C at the client), and the end of a reply (JSON: the exit code, or `here`:
+# run the command in the client, the daemon is stopping or runs other code).
 REQUEST, STDOUT, STDERR, INTERRUPT, END = b"q", b"o", b"e", b"i", b"x"
+_SOURCES = (".py", *importlib.machinery.EXTENSION_SUFFIXES)
 
 
 class DaemonGone(CkptError):
@@ -48,30 +57,39 @@ def log_path(root: Path) -> Path:
     return root / ".ckpt" / "daemon.log"
 
 
-def socket_path(root: Path) -> Path:
-    """Where the daemon of the repository at `root` listens: a folder of this user's, mode 0700.
+def lock_path(root: Path) -> Path:
+    """Held by the daemon serving `root` for as long as it runs."""
+    return root / ".ckpt" / "daemon.lock"
 
-    Not inside .ckpt/: a Unix socket's path is limited to 107 bytes, and a repository's is not.
-    """
-    # TMPDIR read as tempfile.gettempdir would, without importing it (8 ms of each `ckpt commit`)
+
+def address_path(root: Path) -> Path:
+    """Where the running daemon says it listens (JSON: socket, pid)."""
+    return root / ".ckpt" / "daemon.json"
+
+
+def private_folder() -> Path:
+    """This user's folder for daemon sockets, mode 0700 (made if missing); refused if anyone else could enter it."""
     base = Path(os.environ.get("XDG_RUNTIME_DIR") or os.environ.get("TMPDIR") or "/tmp") / f"ckptstore-{os.getuid()}"
     base.mkdir(mode=0o700, exist_ok=True)
-    info = base.stat()
-    if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise CkptError(f"{base} is not a private folder of this user's (owner uid {info.st_uid}, "
-                        f"mode {info.st_mode & 0o777:o}); the ckpt daemon will not listen there")
-    name = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:24]
-    return base / f"{name}.sock"
+    _check_private(base)
+    return base
+
+
+def _check_private(folder: Path) -> None:
+    info = folder.lstat()  # not a symlink to someone else's folder
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise CkptError(f"{folder} is not a private folder of this user's (owner uid {info.st_uid}, "
+                        f"mode {info.st_mode & 0o777:o}); the ckpt daemon will not use it")
 
 
 def code_fingerprint() -> str:
-    """What the running code is: this interpreter, ckptstore's sources and the installed packages' folders.
+    """What the running code is: this interpreter, ckptstore's sources and extensions, the installed packages.
 
     The interpreter by its real path and prefix: `ckpt` and `python -m ckptstore` of one venv name
     it differently (python3.11, python) but run the same code.
     """
     digest = hashlib.sha256(f"{os.path.realpath(sys.executable)}\0{sys.prefix}\0".encode())
-    for path in sorted(Path(__file__).parent.rglob("*.py")):
+    for path in sorted(p for p in Path(__file__).parent.rglob("*") if p.name.endswith(_SOURCES)):
         info = path.stat()
         digest.update(f"{path}\0{info.st_mtime_ns}\0{info.st_size}\0".encode())
     for folder in sorted({p for p in sys.path if p.endswith("-packages")}):
@@ -88,7 +106,7 @@ def send_frame(conn: socket.socket, channel: bytes, payload: bytes) -> None:
 def receive_frame(conn: socket.socket) -> tuple[bytes, bytes]:
     """The next frame; (b"", b"") when the other side closed the connection."""
     header = _exactly(conn, _HEADER.size)
-    if not header:
+    if len(header) != _HEADER.size:
         return b"", b""
     channel, length = _HEADER.unpack(header)
     payload = _exactly(conn, length)
@@ -108,28 +126,51 @@ def _exactly(conn: socket.socket, n: int) -> bytes:
     return b"".join(parts)
 
 
+def peer_uid(conn: socket.socket) -> int | None:
+    """The uid of the process at the other end of a Unix socket (Linux), None where the system cannot say."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return None
+    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
+
+
 def _connect(root: Path) -> socket.socket | None:
-    """A connection to `root`'s daemon, or None when none listens."""
+    """A connection to `root`'s daemon, or None when none listens (or its socket is not safely this user's)."""
+    try:
+        where = json.loads(address_path(root).read_text())
+        path = Path(where["socket"])
+        _check_private(path.parent)
+    except (OSError, ValueError, KeyError, TypeError, CkptError):
+        return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn.connect(str(socket_path(root)))
-    except (OSError, CkptError):  # none listens, or the socket's folder is not private: run here
+        conn.connect(str(path))
+        if peer_uid(conn) not in (None, os.getuid()):
+            raise OSError("the process listening there is another user's")
+    except OSError:
         conn.close()
         return None
     return conn
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def forward(root: Path, argv: list[str]) -> int | None:
     """Run the `ckpt` command `argv` in `root`'s daemon, echoing its output; its exit code.
 
-    None when no daemon is running or the running one is stale (it then stops): run it here.
-    Raises DaemonGone when the daemon disappears mid-command.
+    None when no daemon is running, or the daemon did not take the command (it is stopping, or
+    runs other code): run it here. Raises DaemonGone when the daemon disappears mid-command.
     """
     conn = _connect(root)
     if conn is None:
         return None
     with conn:
-        request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "code": code_fingerprint()}
+        request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": _umask(),
+                   "code": code_fingerprint()}
         try:
             send_frame(conn, REQUEST, json.dumps(request).encode())
         except OSError:
@@ -144,7 +185,10 @@ def forward(root: Path, argv: list[str]) -> int | None:
 
 def _echo_reply(conn: socket.socket) -> int | None:
     while True:
-        channel, payload = receive_frame(conn)
+        try:
+            channel, payload = receive_frame(conn)
+        except OSError:
+            channel, payload = b"", b""
         if channel == STDOUT:
             sys.stdout.write(payload.decode())
             sys.stdout.flush()
@@ -154,10 +198,9 @@ def _echo_reply(conn: socket.socket) -> int | None:
         elif channel == END:
             reply = json.loads(payload)
             if reply.get("stale"):
-                print("note: the ckpt daemon ran other code than this ckpt (an upgrade?) and has stopped; "
+                print("note: the ckpt daemon ran older code than this ckpt (an upgrade?) and has stopped; "
                       "this command runs here (`ckpt daemon start` starts a current one)", file=sys.stderr)
-                return None
-            return int(reply["code"])
+            return None if "code" not in reply else int(reply["code"])
         else:
             raise DaemonGone("the ckpt daemon stopped in the middle of the command; earlier commits are "
                              "intact (`ckpt log` shows whether this one was recorded)")
@@ -174,7 +217,8 @@ def _ask(root: Path, op: str) -> dict[str, Any] | None:
             channel, payload = receive_frame(conn)
         except OSError:
             return None
-    return json.loads(payload) if channel == END else None
+    reply = json.loads(payload) if channel == END else {}
+    return reply if "pid" in reply else None  # a stopping daemon answers without one
 
 
 def status(root: Path) -> dict[str, Any] | None:
@@ -197,6 +241,7 @@ def start(root: Path, idle: float | None = None) -> dict[str, Any]:
     running = status(root)
     if running is not None:
         return running
+    private_folder()  # refused here, with its reason, rather than in the daemon's log
     log = log_path(root)
     idle = DEFAULT_IDLE_SECONDS if idle is None else idle
     with open(log, "ab") as output:

@@ -2,8 +2,10 @@
 
 Each command runs as the client's own process would run it: in its working directory, with its
 environment and an empty stdin, its output and exit code going back over the socket, and the
-client's Ctrl-C raised here as KeyboardInterrupt. Only the parent's planes and the encoding
-threads outlive a command (repo/warm.py).
+client's Ctrl-C raised here as KeyboardInterrupt, only while the command runs. Only the parent's
+planes and the encoding threads outlive a command (repo/warm.py), and the threads are idle again
+before its reply ends. When the daemon stops, the commands already queued on its socket are told
+to run in their clients.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import json
 import os
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
@@ -31,11 +32,14 @@ from ckptstore.daemon import (
     REQUEST,
     STDERR,
     STDOUT,
+    address_path,
     code_fingerprint,
+    lock_path,
     log_path,
+    peer_uid,
+    private_folder,
     receive_frame,
     send_frame,
-    socket_path,
 )
 from ckptstore.errors import CkptError
 
@@ -58,6 +62,10 @@ class _Output(io.TextIOBase):
         return False
 
 
+REQUEST_TIMEOUT_SECONDS = 5.0  # a connection that sends no request in this long is dropped
+LOCK_WAIT_SECONDS = 10.0  # a daemon that is stopping still holds the lock while it answers its queue
+
+
 class _Daemon:
     """The serving loop of one repository's daemon (see the module's docstring)."""
 
@@ -66,6 +74,7 @@ class _Daemon:
         self.code = code_fingerprint()
         self.started, self.served, self.last_command = time.time(), 0, time.monotonic()
         self.running = True
+        self.interruptible = False  # a client's Ctrl-C raises KeyboardInterrupt only while a command runs
 
     def status(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "root": str(self.root), "started": self.started, "idle": self.idle,
@@ -77,40 +86,50 @@ class _Daemon:
         from ckptstore.repo import keep_warm
 
         keep_warm(self.root)
-        self.last_command = time.monotonic()  # idle time counts from here, not from before the warm-up
-        path = socket_path(self.root)
-        with open(f"{path}.lock", "w") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise CkptError(f"another ckpt daemon serves {self.root}") from None
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()  # left by a daemon that was killed: the lock says none listens now
+        signal.signal(signal.SIGINT, self._on_interrupt)
+        with open(lock_path(self.root), "w") as lock:
+            _lock_or_refuse(lock, self.root)
+            folder = private_folder()
+            _sweep(folder)
+            path = folder / f"{os.getpid()}.sock"
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 listener.bind(str(path))
-                listener.listen(8)
-                while self.running and (left := self.last_command + self.idle - time.monotonic()) > 0:
-                    listener.settimeout(left)  # status requests do not count: only commands keep it alive
-                    try:
-                        conn, _ = listener.accept()
-                    except TimeoutError:
-                        break
-                    with conn:
-                        conn.settimeout(None)
-                        self._handle(conn)
-                        with contextlib.suppress(OSError):
-                            conn.shutdown(socket.SHUT_RDWR)  # wakes the request's interrupt watcher
+                listener.listen(16)
+                _write_address(self.root, path)
+                self.last_command = time.monotonic()  # idle time counts from here, not from before the warm-up
+                self._accept_until_done(listener)
             finally:
-                listener.close()
+                with contextlib.suppress(FileNotFoundError):
+                    address_path(self.root).unlink()  # new clients run their commands themselves from now on
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
+                _turn_away(listener)
+                listener.close()
+
+    def _accept_until_done(self, listener: socket.socket) -> None:
+        while self.running and (left := self.last_command + self.idle - time.monotonic()) > 0:
+            listener.settimeout(left)  # status requests do not count: only commands keep it alive
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                return
+            with conn:
+                self._handle(conn)
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)  # wakes the request's interrupt watcher
+
+    def _on_interrupt(self, signum: int, frame: Any) -> None:
+        if self.interruptible:
+            raise KeyboardInterrupt
 
     def _handle(self, conn: socket.socket) -> None:
-        if not _same_user(conn):
+        if peer_uid(conn) not in (None, os.getuid()):
             return
         try:
+            conn.settimeout(REQUEST_TIMEOUT_SECONDS)
             channel, payload = receive_frame(conn)
+            conn.settimeout(None)
             if channel != REQUEST:
                 return
             request = json.loads(payload)
@@ -118,42 +137,98 @@ class _Daemon:
                 self.running = request["op"] != "stop"
                 send_frame(conn, END, json.dumps(self.status()).encode())
             elif request.get("code") != self.code:
-                self.running = False  # the code changed: this process is stale, the client runs the command
-                send_frame(conn, END, json.dumps({"stale": True}).encode())
+                # Other code than this process runs: the client's (another venv: serve on) or ours, changed on disk
+                stale = code_fingerprint() != self.code
+                self.running = not stale
+                send_frame(conn, END, json.dumps({"here": True, "stale": stale}).encode())
             else:
                 code = self._run(conn, request)
                 self.served, self.last_command = self.served + 1, time.monotonic()
                 send_frame(conn, END, json.dumps({"code": code}).encode())
         except (OSError, ValueError):  # the client left, or sent what no client sends: serve the next one
             pass
-        except KeyboardInterrupt:  # a client's Ctrl-C that came as its command was ending
-            pass
         except Exception as exc:  # a fault of the daemon's own: the client hears of it, the daemon goes on
             traceback.print_exc()
             with contextlib.suppress(OSError):
                 send_frame(conn, STDERR, f"error: the ckpt daemon failed ({type(exc).__name__}: {exc}); "
-                                    f"see {log_path(self.root)}\n".encode())
+                                         f"see {log_path(self.root)}\n".encode())
                 send_frame(conn, END, json.dumps({"code": 1}).encode())
 
     def _run(self, conn: socket.socket, request: dict[str, Any]) -> int:
         """Run one `ckpt` command as the client's process would, its output going back on `conn`."""
         import ckptstore.cli as cli
+        from ckptstore.repo import warm
 
-        with _client_context(request), _interrupt_on_request(conn):
-            stdout, stderr = _Output(conn, STDOUT), _Output(conn, STDERR)
-            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-                try:
-                    cli.main(request["argv"])
-                except SystemExit as exc:
-                    return exc.code if isinstance(exc.code, int) else 1
-            return 0
+        try:
+            with _client_context(request), _interrupt_on_request(conn):
+                stdout, stderr = _Output(conn, STDOUT), _Output(conn, STDERR)
+                with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                    try:
+                        self.interruptible = True
+                        cli.main(request["argv"])
+                    except SystemExit as exc:
+                        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                    except KeyboardInterrupt:  # in the instant before cli.main's own handler: as it would say
+                        print("error: interrupted; an unfinished commit leaves earlier commits intact", file=sys.stderr)
+                        return 130
+                    finally:
+                        self.interruptible = False
+                return 0
+        finally:
+            warm.settle(self.root)  # what a failed command left on the threads ends before the reply does
+
+
+def _lock_or_refuse(lock: Any, root: Path) -> None:
+    """Hold `root`'s daemon lock, waiting a little for a daemon that is stopping; refuse if one serves."""
+    deadline = time.monotonic() + LOCK_WAIT_SECONDS
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise CkptError(f"another ckpt daemon serves {root}") from None
+            time.sleep(0.05)
+
+
+def _sweep(folder: Path) -> None:
+    """Remove the sockets of daemons that died without cleaning up (SIGKILL): their pid names no process."""
+    for socket_file in folder.glob("*.sock"):
+        with contextlib.suppress(ValueError, OSError):
+            try:
+                os.kill(int(socket_file.stem), 0)
+            except ProcessLookupError:
+                socket_file.unlink()
+
+
+def _write_address(root: Path, path: Path) -> None:
+    """Say where this daemon listens, all at once (a client never reads half of it)."""
+    target = address_path(root)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps({"socket": str(path), "pid": os.getpid()}))
+    os.replace(partial, target)
+
+
+def _turn_away(listener: socket.socket) -> None:
+    """Answer the connections still queued on a daemon that stops: their clients run the commands themselves."""
+    listener.setblocking(False)
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn, contextlib.suppress(OSError, ValueError):
+            conn.settimeout(REQUEST_TIMEOUT_SECONDS)
+            receive_frame(conn)
+            send_frame(conn, END, json.dumps({"here": True}).encode())
 
 
 @contextlib.contextmanager
 def _client_context(request: dict[str, Any]) -> Iterator[None]:
-    """The client's working directory, environment and an empty stdin, for one command."""
+    """The client's working directory, environment, umask and an empty stdin, for one command."""
     cwd, env, stdin = os.getcwd(), dict(os.environ), sys.stdin
     os.chdir(request["cwd"])
+    umask = os.umask(int(request.get("umask", 0o022)))
     os.environ.clear()
     os.environ.update(request["env"])
     sys.stdin = io.StringIO()  # a prompt reads end-of-file: the command fails instead of waiting
@@ -163,12 +238,13 @@ def _client_context(request: dict[str, Any]) -> Iterator[None]:
         sys.stdin = stdin
         os.environ.clear()
         os.environ.update(env)
+        os.umask(umask)
         os.chdir(cwd)
 
 
 @contextlib.contextmanager
 def _interrupt_on_request(conn: socket.socket) -> Iterator[None]:
-    """Raise KeyboardInterrupt in this (the main) thread when the client sends Ctrl-C or goes away."""
+    """Signal SIGINT to this (the main) thread when the client sends Ctrl-C or goes away mid-command."""
     done = threading.Event()
     lock = threading.Lock()
     main = threading.main_thread().ident
@@ -189,22 +265,12 @@ def _interrupt_on_request(conn: socket.socket) -> Iterator[None]:
             done.set()
 
 
-def _same_user(conn: socket.socket) -> bool:
-    """Whether the process at the other end runs as this user (the folder's mode already says so; Linux checks)."""
-    if not hasattr(socket, "SO_PEERCRED"):
-        return True
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _, uid, _ = struct.unpack("3i", creds)
-    return uid == os.getuid()
-
-
 def main() -> None:
     """`python -m ckptstore.daemon_server ROOT [--idle SECONDS]`: serve until idle, stopped or stale."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("root", type=Path)
     parser.add_argument("--idle", type=float, default=DEFAULT_IDLE_SECONDS)
     args = parser.parse_args()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         _Daemon(args.root, args.idle).serve()
     except CkptError as exc:

@@ -12,7 +12,8 @@ import sys
 def main() -> None:
     """Console entry point of `ckpt` and `python -m ckptstore`."""
     argv = sys.argv[1:]
-    if argv[:1] == ["commit"]:
+    # A calibration function is the user's code: it runs here, freshly imported, never a daemon's old copy
+    if argv[:1] == ["commit"] and not any(arg.startswith("--calibration") for arg in argv):
         code = _in_daemon(argv)
         if code is not None:
             sys.exit(code)
@@ -29,10 +30,13 @@ def _in_daemon(argv: list[str]) -> int | None:
 
     try:
         root = find_root()
-    except CkptError:
-        return None  # run here: the CLI says what is missing
+    except (CkptError, OSError):
+        return None  # run here: the CLI says what is missing (no repository, the folder gone)
     try:
         return daemon.forward(root, argv)
     except CkptError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C: the daemon is already stopping the command
+        print("error: interrupted; an unfinished commit leaves earlier commits intact", file=sys.stderr)
+        return 130

@@ -108,25 +108,63 @@ def test_a_daemon_killed_mid_commit_is_reported_and_loses_nothing(served):
     _save(served / "a.pt", 4)
     assert ckpt(served, "commit", "a.pt", "-m", "kept").returncode == 0
     _save(served / "b.pt", 5)
+    dead_socket = Path(json.loads(daemon.address_path(served).read_text())["socket"])
     result = ckpt(served, "commit", "b.pt", CKPT_CRASH_AT="commit:manifest-written")
     assert result.returncode == 1 and result.stderr.startswith("error: the ckpt daemon stopped"), result.stderr
     assert daemon.status(served.resolve()) is None
     assert ckpt(served, "log").stdout.count("commit ") == 1 and "ok" in ckpt(served, "fsck").stdout
     assert ckpt(served, "commit", "b.pt").returncode == 0  # here, in a process of its own
+    assert dead_socket.exists() and ckpt(served, "daemon", "start").returncode == 0
+    assert not dead_socket.exists()  # a new daemon sweeps the sockets of dead ones
 
 
-def test_a_stale_daemon_steps_aside_and_the_command_runs_here(served, monkeypatch, capsys):
-    monkeypatch.setattr(daemon, "code_fingerprint", lambda: "code that changed since the daemon started")
-    assert daemon.forward(find_root(served), ["status"]) is None
-    assert capsys.readouterr().err.startswith("note: the ckpt daemon ran other code")
+def test_a_client_running_other_code_runs_its_command_itself_and_the_daemon_serves_on(served, monkeypatch, capsys):
+    """Another venv's `ckpt` on the same repository: its command runs in its own process."""
+    monkeypatch.setattr(daemon, "code_fingerprint", lambda: "another installation's code")
+    assert daemon.forward(find_root(served), ["commit", "x.pt"]) is None
+    assert capsys.readouterr().err == ""
+    assert _served_count(served) == 0
+
+
+def test_a_daemon_whose_code_changed_on_disk_steps_aside(served, capsys):
+    source = Path(daemon.__file__).with_name("daemon_server.py")
+    before = source.stat()
+    try:
+        os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))  # as an upgrade would
+        assert daemon.forward(find_root(served), ["commit", "x.pt"]) is None
+    finally:
+        os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert capsys.readouterr().err.startswith("note: the ckpt daemon ran older code")
     _wait_until(lambda: daemon.status(served.resolve()) is None)
+
+
+def test_commands_queued_behind_a_stop_run_in_their_clients(served, tmp_path):
+    _save(served / "a.pt", 7)
+    _save(served / "b.pt", 8)
+    gate = tmp_path / "gate"
+    held = subprocess.Popen([sys.executable, "-m", "ckptstore", "commit", "a.pt", "--branch", "a"], cwd=served,
+                            env=_env(CKPT_WAIT_AT=f"commit:objects-written={gate}"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for(Path(f"{gate}.reached"))
+    stopping = subprocess.Popen([sys.executable, "-m", "ckptstore", "daemon", "stop"], cwd=served, env=_env(),
+                                stdout=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # the stop is queued first, then the commit behind it
+    queued = subprocess.Popen([sys.executable, "-m", "ckptstore", "commit", "b.pt", "--branch", "b"], cwd=served,
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    gate.touch()
+    for process in (held, stopping, queued):
+        assert process.wait(timeout=120) == 0, process.communicate()
+    log = json.loads(ckpt(served, "log", "--all", "--json").stdout)
+    assert sorted(c["source_path"] for c in log) == ["a.pt", "b.pt"]
+    assert daemon.status(served.resolve()) is None
 
 
 def test_start_finds_the_running_daemon_and_an_idle_one_stops(served, tmp_path):
     first = daemon.status(served.resolve())
     assert ckpt(served, "daemon", "start").stdout.startswith(f"ckpt daemon {first['pid']} ")
     assert ckpt(served, "daemon", "stop").stdout == f"stopped ckpt daemon {first['pid']}\n"
-    assert ckpt(served, "daemon", "start", "--idle", "0.5").returncode == 0
+    assert ckpt(served, "daemon", "start", "--idle", "3").returncode == 0
     _wait_until(lambda: daemon.status(served.resolve()) is None)
     assert ckpt(served, "daemon", "status").stdout == "no ckpt daemon is running\n"
 

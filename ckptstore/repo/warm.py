@@ -40,3 +40,17 @@ def shared_pool(root: Path, threads: int) -> ThreadPoolExecutor | None:
         if key not in _POOLS:
             _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-warm")
         return _POOLS[key]
+
+
+def settle(root: Path) -> None:
+    """Wait until every task given to `root`'s shared pools has finished (a command that failed may leave some).
+
+    One barrier task per thread: all of them run at once only when every earlier task is done.
+    """
+    with _LOCK:
+        pools = [(pool, threads) for (where, threads), pool in _POOLS.items() if where == str(root)]
+    for pool, threads in pools:
+        barrier = threading.Barrier(threads + 1)
+        for _ in range(threads):
+            pool.submit(barrier.wait)
+        barrier.wait()

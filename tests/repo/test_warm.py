@@ -1,10 +1,13 @@
 """repo/warm.py: repositories reopened at a root kept warm share one plane cache and one thread pool."""
 
+import time
+
 import torch
 
 from ckptstore import Repository
 from ckptstore.repo import keep_warm
 from ckptstore.repo.planecache import cache_of
+from ckptstore.repo.warm import settle
 
 
 def test_reopened_repositories_share_threads_and_planes_only_where_kept_warm(tmp_path):
@@ -27,3 +30,14 @@ def test_reopened_repositories_share_threads_and_planes_only_where_kept_warm(tmp
         assert own is not pool and cache_of(third) is not cache
     assert own._shutdown  # a repository that is not kept warm stops its threads on close
     assert not pool._shutdown
+
+
+def test_settle_returns_only_when_every_task_on_the_shared_threads_is_done(tmp_path):
+    Repository.init(tmp_path).close()
+    keep_warm(tmp_path.resolve())
+    finished = []
+    with Repository.open(tmp_path) as repo:
+        for delay in (0.3, 0.0, 0.2):  # more tasks than threads, the longest first
+            repo.pool.submit(lambda d=delay: (time.sleep(d), finished.append(d)))
+    settle(tmp_path.resolve())
+    assert sorted(finished) == [0.0, 0.2, 0.3]
