@@ -192,13 +192,21 @@ def _lock_or_refuse(lock: Any, root: Path) -> None:
 
 
 def _sweep(folder: Path) -> None:
-    """Remove the sockets of daemons that died without cleaning up (SIGKILL): their pid names no process."""
+    """Remove the sockets of daemons that died without cleaning up (SIGKILL): nothing listens on them.
+
+    Asked by connecting, not by pid: a killed daemon's pid can live on as a zombie, or be reused.
+    """
     for socket_file in folder.glob("*.sock"):
-        with contextlib.suppress(ValueError, OSError):
-            try:
-                os.kill(int(socket_file.stem), 0)
-            except ProcessLookupError:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(socket_file))
+        except ConnectionRefusedError:
+            with contextlib.suppress(OSError):
                 socket_file.unlink()
+        except OSError:
+            pass
+        finally:
+            probe.close()
 
 
 def _write_address(root: Path, path: Path) -> None:
