@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from ckptstore.errors import CkptError, explain
+from ckptstore.errors import INTERRUPTED, CkptError, explain
 from ckptstore.repo import LOSSY_LEVELS, EncodingSettings, Repository, fsck, gc
 
 LEVEL_NAMES = list(LOSSY_LEVELS)
@@ -624,7 +624,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cli(args=argv, prog_name="ckpt", standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):
-        _fail("interrupted; an unfinished commit leaves earlier commits intact (`ckpt gc` removes its leftovers)", 130)
+        _fail(INTERRUPTED, 130)
     except click.ClickException as exc:
         hint = " (see `ckpt --help`)" if isinstance(exc, click.UsageError) else ""
         _fail(exc.format_message() + hint, exc.exit_code)

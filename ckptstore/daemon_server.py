@@ -41,7 +41,7 @@ from ckptstore.daemon import (
     receive_frame,
     send_frame,
 )
-from ckptstore.errors import CkptError
+from ckptstore.errors import INTERRUPTED, CkptError
 
 
 class _Output(io.TextIOBase):
@@ -169,7 +169,7 @@ class _Daemon:
                     except SystemExit as exc:
                         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
                     except KeyboardInterrupt:  # in the instant before cli.main's own handler: as it would say
-                        print("error: interrupted; an unfinished commit leaves earlier commits intact", file=sys.stderr)
+                        print(f"error: {INTERRUPTED}", file=sys.stderr)
                         return 130
                     finally:
                         self.interruptible = False

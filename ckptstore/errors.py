@@ -5,6 +5,9 @@ from __future__ import annotations
 import errno
 from collections.abc import Sequence
 
+# What `ckpt` says on Ctrl-C, wherever the command ran (here, or in the repository's daemon)
+INTERRUPTED = "interrupted; an unfinished commit leaves earlier commits intact (`ckpt gc` removes its leftovers)"
+
 
 class CkptError(Exception):
     """Base class of all ckptstore errors; the CLI prints these without a traceback."""

@@ -25,7 +25,7 @@ def main() -> None:
 def _in_daemon(argv: list[str]) -> int | None:
     """The exit code of `argv` run by the repository's daemon; None when none runs (or it is stale)."""
     import ckptstore.daemon as daemon
-    from ckptstore.errors import CkptError
+    from ckptstore.errors import INTERRUPTED, CkptError
     from ckptstore.repo import find_root
 
     try:
@@ -38,5 +38,5 @@ def _in_daemon(argv: list[str]) -> int | None:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C: the daemon is already stopping the command
-        print("error: interrupted; an unfinished commit leaves earlier commits intact", file=sys.stderr)
+        print(f"error: {INTERRUPTED}", file=sys.stderr)
         return 130
