@@ -64,12 +64,14 @@ def one_script(files: list[Path], root: Path) -> float:
     return time.perf_counter() - start
 
 
-def through_cli(files: list[Path], root: Path, ckpt: list[str], init: bool = True) -> float:
-    """Seconds for one `ckpt commit` process per file (in a new repository unless `init` is False)."""
-    if init:
-        shutil.rmtree(root, ignore_errors=True)
-        root.mkdir()
-        subprocess.run([*ckpt, "init"], cwd=root, check=True, stdout=subprocess.DEVNULL)
+def _new_repository(root: Path, ckpt: list[str]) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir()
+    subprocess.run([*ckpt, "init"], cwd=root, check=True, stdout=subprocess.DEVNULL)
+
+
+def _commit_each(files: list[Path], root: Path, ckpt: list[str]) -> float:
+    """Seconds for one `ckpt commit` process per file into the repository at `root`."""
     start = time.perf_counter()
     for path in files:
         subprocess.run([*ckpt, "commit", str(path), "-m", path.name], cwd=root, check=True,
@@ -77,19 +79,23 @@ def through_cli(files: list[Path], root: Path, ckpt: list[str], init: bool = Tru
     return time.perf_counter() - start
 
 
+def through_cli(files: list[Path], root: Path, ckpt: list[str]) -> float:
+    """Seconds for one `ckpt commit` process per file, in a new repository."""
+    _new_repository(root, ckpt)
+    return _commit_each(files, root, ckpt)
+
+
 def through_daemon(files: list[Path], root: Path, ckpt: list[str], starts: list[float]) -> float:
     """Seconds for one `ckpt commit` process per file, each handing its work to `ckpt daemon`.
 
     The daemon's start (once per session of commits) is timed apart and appended to `starts`.
     """
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir()
-    subprocess.run([*ckpt, "init"], cwd=root, check=True, stdout=subprocess.DEVNULL)
+    _new_repository(root, ckpt)
     started = time.perf_counter()
     subprocess.run([*ckpt, "daemon", "start"], cwd=root, check=True, stdout=subprocess.DEVNULL)
     starts.append(time.perf_counter() - started)
     try:
-        return through_cli(files, root, ckpt, init=False)
+        return _commit_each(files, root, ckpt)
     finally:
         subprocess.run([*ckpt, "daemon", "stop"], cwd=root, check=True, stdout=subprocess.DEVNULL)
 
