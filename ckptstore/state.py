@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -121,6 +122,22 @@ def join_key(prefix: str, key: Any) -> str:
     """The path of a dict item below `prefix` (see `key_component`)."""
     component = key_component(key)
     return f"{prefix}/{component}" if prefix else component
+
+
+class _Components(dict):
+    """`key_component` of the keys met, by (type, key): every snapshot of a run repeats them.
+
+    1, 1.0 and True are one dict key, hence the type. Emptied when large: a cache, not a record.
+    """
+
+    def __missing__(self, typed_key: tuple[type, Any]) -> str:
+        if len(self) > 1 << 16:
+            self.clear()
+        component = self[typed_key] = key_component(typed_key[1])
+        return component
+
+
+_COMPONENTS = _Components()
 
 
 def raw_from_torch(tensor, path: str = "") -> RawTensor:
@@ -269,6 +286,9 @@ class _Flattener:
         self.view_bytes: dict[int, int] = {}  # storage address -> bytes its views have taken so far
         self.seen: set[int] = set()  # ids of the containers walked so far
         self.nodes = self.repeats = self.depth = self.text = 0
+        self.exact = _EXACT  # where torch is in use, its tensors skip the isinstance chain too
+        if "torch" in sys.modules:
+            self.exact = {**_EXACT, _torch().Tensor: _Flattener.tensor, _torch().nn.Parameter: _Flattener.tensor}
 
     def flatten(self, obj: Any, prefix: str) -> FlatState:
         """The skeleton and tensors of `obj`, views of one storage marked as such."""
@@ -314,13 +334,14 @@ class _Flattener:
     def tensor(self, value, path: str) -> list:
         torch = _torch()
         key = None
-        if value.layout == torch.strided and value.device.type != "meta" and value.numel():
+        if value.layout == torch.strided and not value.is_meta and value.numel():
             storage = value.untyped_storage()
+            storage_nbytes = storage.nbytes()
             key = (
                 storage.data_ptr(),
                 value.storage_offset(),
-                tuple(value.shape),
-                tuple(value.stride()),
+                value.shape,  # a torch.Size hashes and compares as the tuple it is
+                value.stride(),
                 value.dtype,
                 value.is_conj(),  # x and x.conj() share all of the above but read differently
                 value.is_neg(),
@@ -329,18 +350,19 @@ class _Flattener:
             node = ["tensor", self.aliases[key]]
         else:
             if key is not None:  # before the copy: an expand() of a scalar could ask for terabytes
-                self.count_view(key[0], storage.nbytes(), value.numel() * value.element_size(), path)
+                self.count_view(key[0], storage_nbytes, value.numel() * value.element_size(), path)
             self.tensors[path] = self.to_raw(value, path)
             node = ["tensor", path]
             if key is not None:
                 self.aliases[key] = path
             if key is not None and not (key[5] or key[6]):  # stored resolved: its bytes are not the storage's
-                self.views.setdefault(key[0], []).append((node, storage.nbytes(), key[1], key[3]))
-        return self.tensor_extras(node, value.requires_grad, isinstance(value, torch.nn.Parameter))
+                self.views.setdefault(key[0], []).append((node, storage_nbytes, key[1], key[3]))
+        parameter = type(value) is not torch.Tensor and isinstance(value, torch.nn.Parameter)  # a slow isinstance
+        return self.tensor_extras(node, value.requires_grad, parameter)
 
     def encode(self, value: Any, path: str) -> Any:
         """The skeleton node of `value`; tensors it holds are added to `self.tensors` under `path`."""
-        method = _EXACT.get(type(value))  # the common types in one lookup; subclasses take the loop
+        method = self.exact.get(type(value))  # the common types in one lookup; subclasses take the loop
         if method is not None:
             return method(self, value, path)
         for types, method in _ENCODERS:  # first match wins, so the order of _ENCODERS matters
@@ -396,7 +418,9 @@ class _Flattener:
         for key, item in value.items():
             if not isinstance(key, (str, int, float, bool, type(None))):
                 raise UnsupportedStateError(f"{path or '<root>'}: dict key of type {type(key).__name__}")
-            items.append([self.encode(key, path), self.encode(item, join_key(path, key))])
+            encoded = self.encode(key, path)  # first: it refuses keys no path could be made of
+            component = _COMPONENTS[type(key), key]
+            items.append([encoded, self.encode(item, f"{path}/{component}" if path else component)])
         self.depth -= 1
         return ["odict" if isinstance(value, OrderedDict) else "dict", items]
 

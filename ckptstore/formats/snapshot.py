@@ -33,6 +33,18 @@ class HostBuffers:
         self._free: dict[tuple[int, bool], list[Any]] = {}
         # each buffer counted in `kept`, by id: its (bytes, pinned) and itself (held, so no other buffer takes its id)
         self._owned: dict[int, tuple[tuple[int, bool], Any]] = {}
+        # a kept buffer's typed view and numpy array, by (id, dtype, shape): making them costs 11 us a tensor
+        self._views: dict[tuple[int, Any, tuple[int, ...]], tuple[Any, np.ndarray]] = {}
+
+    def view(self, buffer: Any, dtype: Any, shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
+        """`buffer` as a tensor of `dtype` and `shape`, and its bytes as numpy (RuntimeError where torch cannot)."""
+        key = (id(buffer), dtype, shape)
+        views = self._views.get(key)
+        if views is None:
+            views = (buffer.view(dtype).view(shape), buffer.numpy())
+            if id(buffer) in self._owned:  # a one-off's id may be reused once it is freed
+                self._views[key] = views
+        return views
 
     def take(self, nbytes: int, pinned: bool) -> Any:
         """A buffer of `nbytes`: a kept one of that size, a new kept one within the budget, or a one-off.
@@ -66,9 +78,12 @@ class HostBuffers:
             self._drop(next(iter(self._free)))
 
     def _drop(self, key: tuple[int, bool]) -> None:
+        dropped = set()
         for buffer in self._free.pop(key):
             del self._owned[id(buffer)]
+            dropped.add(id(buffer))
             self.kept -= key[0]
+        self._views = {k: v for k, v in self._views.items() if k[0] not in dropped}
 
 
 class _Copier:
@@ -85,17 +100,19 @@ class _Copier:
     def __call__(self, tensor: Any, path: str) -> RawTensor:
         import torch
 
-        if tensor.is_quantized or tensor.layout != torch.strided or tensor.device.type == "meta" or not tensor.numel():
+        if tensor.is_quantized or tensor.layout != torch.strided or tensor.is_meta or not tensor.numel():
             return raw_from_torch(tensor, path)  # its error, or an empty tensor (no bytes to share)
-        source = tensor.detach().resolve_conj().resolve_neg()
-        pinned = source.device.type == "cuda"
+        source = tensor.detach() if tensor.requires_grad else tensor
+        if source.is_conj() or source.is_neg():
+            source = source.resolve_conj().resolve_neg()
+        pinned = source.is_cuda
         buffer = self.buffers.take(source.numel() * source.element_size(), pinned)
         self.lent.append(buffer)
         try:
-            target = buffer.view(source.dtype).view(source.shape)
+            target, data = self.buffers.view(buffer, source.dtype, source.shape)
         except RuntimeError:  # a dtype uint8 cannot be viewed as: copy its bytes as flatten reads them
-            raw = raw_from_torch(source, path)
-            buffer.numpy()[:] = raw.data
+            data = buffer.numpy()
+            data[:] = raw_from_torch(source, path).data
         else:
             if source.device.type == "cpu" and type(source) is torch.Tensor:  # batched: wait() copies them
                 self.targets.append(target)
@@ -105,7 +122,7 @@ class _Copier:
                 if pinned:
                     self.devices.add(source.device)
         self.copied.add(path)
-        return RawTensor(f"torch.{str(tensor.dtype).removeprefix('torch.')}", tuple(tensor.shape), buffer.numpy())
+        return RawTensor(f"torch.{str(tensor.dtype).removeprefix('torch.')}", tuple(tensor.shape), data)
 
     def wait(self) -> None:
         """Make the CPU copies and wait for the device-to-host ones: then the training step may change the tensors.

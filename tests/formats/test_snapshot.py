@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -97,3 +99,22 @@ def test_tensor_subclasses_are_copied_byte_for_byte_and_owned():
     with torch.no_grad():
         state["tagged"].add_(1)  # after the snapshot: its copy keeps the bytes it had
     assert {path: raw.data.tobytes() for path, raw in got.tensors.items()} == expected
+
+
+def test_a_kept_buffer_lent_again_as_other_dtypes_and_shapes_holds_each_new_tensors_bytes():
+    buffers = HostBuffers()
+    states = [{"a": torch.randn(10)}, {"a": torch.arange(10, dtype=torch.int32)}, {"a": torch.randn(2, 5)},
+              {"a": torch.randn(10)}, {"a": torch.randn(20, dtype=torch.bfloat16)}]
+    first = None
+    for state in states:  # each 40 bytes: one kept buffer serves them all, seen through a view per dtype and shape
+        got, lent = snapshot(state, buffers)
+        first = first or lent[0].data_ptr()
+        assert lent[0].data_ptr() == first
+        expected = formats.from_state(state).tensors["a"]
+        assert (got.tensors["a"].dtype, got.tensors["a"].shape) == (expected.dtype, expected.shape)
+        assert got.tensors["a"].data.tobytes() == expected.data.tobytes()
+        buffers.give_back(lent)
+    kept = weakref.ref(got.tensors["a"].data)  # the cached numpy view of the buffer
+    del got, lent
+    snapshot({"b": torch.randn(3)}, buffers)  # the 40-byte buffer is dropped: its cached views must not hold it
+    assert buffers.kept == 12 and kept() is None
