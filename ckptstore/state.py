@@ -127,13 +127,16 @@ def join_key(prefix: str, key: Any) -> str:
 class _Components(dict):
     """`key_component` of the keys met, by (type, key): every snapshot of a run repeats them.
 
-    1, 1.0 and True are one dict key, hence the type. Emptied when large: a cache, not a record.
+    1, 1.0 and True are one dict key, hence the type. Long keys are not kept, and it is emptied when
+    large: a cache, not a record, that holds no user data worth speaking of.
     """
 
     def __missing__(self, typed_key: tuple[type, Any]) -> str:
-        if len(self) > 1 << 16:
-            self.clear()
-        component = self[typed_key] = key_component(typed_key[1])
+        component = key_component(typed_key[1])
+        if len(component) <= 256:
+            if len(self) >= 1 << 16:
+                self.clear()
+            self[typed_key] = component
         return component
 
 

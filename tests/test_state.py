@@ -117,6 +117,12 @@ def test_ordinary_paths_are_unchanged():
     assert list(flatten(marked).tensors) == ["%37", "%none", "%true", "%float:2.5", "%22%22"]
 
 
+def test_equal_keys_of_other_types_keep_their_own_paths_in_flattens_one_after_another():
+    """1, 1.0 and True are one dict key; flatten caches path parts across calls, and must not mix them up."""
+    paths = [list(flatten({key: torch.zeros(1)}).tensors) for key in (1, True, 1.0, 1, "1", True)]
+    assert paths == [["1"], ["%true"], ["%float:1.0"], ["1"], ["%31"], ["%true"]]
+
+
 def test_a_root_empty_key_no_longer_merges_with_its_sibling():
     state = {"": {"x": torch.zeros(1)}, "x": torch.ones(1)}
     assert_same(state, _round_trip(state))
