@@ -118,12 +118,6 @@ def key_component(key: Any) -> str:
     return f"%{ord(text[0]):02X}{text[1:]}" if _INT_LIKE.fullmatch(text) else text
 
 
-def join_key(prefix: str, key: Any) -> str:
-    """The path of a dict item below `prefix` (see `key_component`)."""
-    component = key_component(key)
-    return f"{prefix}/{component}" if prefix else component
-
-
 class _Components(dict):
     """`key_component` of the keys met, by (type, key): every snapshot of a run repeats them.
 
@@ -141,6 +135,12 @@ class _Components(dict):
 
 
 _COMPONENTS = _Components()
+
+
+def join_key(prefix: str, key: Any) -> str:
+    """The path of a dict item below `prefix` (see `key_component`)."""
+    component = _COMPONENTS[type(key), key]
+    return f"{prefix}/{component}" if prefix else component
 
 
 def raw_from_torch(tensor, path: str = "") -> RawTensor:
@@ -422,8 +422,7 @@ class _Flattener:
             if not isinstance(key, (str, int, float, bool, type(None))):
                 raise UnsupportedStateError(f"{path or '<root>'}: dict key of type {type(key).__name__}")
             encoded = self.encode(key, path)  # first: it refuses keys no path could be made of
-            component = _COMPONENTS[type(key), key]
-            items.append([encoded, self.encode(item, f"{path}/{component}" if path else component)])
+            items.append([encoded, self.encode(item, join_key(path, key))])
         self.depth -= 1
         return ["odict" if isinstance(value, OrderedDict) else "dict", items]
 
