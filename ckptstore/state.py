@@ -7,6 +7,7 @@ bytes as a flat uint8 array, which is all the codecs and the store ever see.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import sys
@@ -119,10 +120,11 @@ def key_component(key: Any) -> str:
 
 
 class _Components(dict):
-    """`key_component` of the keys met, by (type, key): every snapshot of a run repeats them.
+    """`key_component` of plain str and int keys met, by (type, key): every snapshot of a run repeats them.
 
-    1, 1.0 and True are one dict key, hence the type. Long keys are not kept, and it is emptied when
-    large: a cache, not a record, that holds no user data worth speaking of.
+    Only those two types: equal keys of them always print alike (1 and True are one dict key, hence
+    the type; 0.0 and -0.0 are too, but print apart). Long keys are not kept, and it is emptied when
+    large: a cache, not a record.
     """
 
     def __missing__(self, typed_key: tuple[type, Any]) -> str:
@@ -139,7 +141,8 @@ _COMPONENTS = _Components()
 
 def join_key(prefix: str, key: Any) -> str:
     """The path of a dict item below `prefix` (see `key_component`)."""
-    component = _COMPONENTS[type(key), key]
+    kind = type(key)
+    component = _COMPONENTS[kind, key] if kind is str or kind is int else key_component(key)
     return f"{prefix}/{component}" if prefix else component
 
 
@@ -289,9 +292,7 @@ class _Flattener:
         self.view_bytes: dict[int, int] = {}  # storage address -> bytes its views have taken so far
         self.seen: set[int] = set()  # ids of the containers walked so far
         self.nodes = self.repeats = self.depth = self.text = 0
-        self.exact = _EXACT  # where torch is in use, its tensors skip the isinstance chain too
-        if "torch" in sys.modules:
-            self.exact = {**_EXACT, _torch().Tensor: _Flattener.tensor, _torch().nn.Parameter: _Flattener.tensor}
+        self.exact = _exact_with_torch() if "torch" in sys.modules else _EXACT  # never imports torch itself
 
     def flatten(self, obj: Any, prefix: str) -> FlatState:
         """The skeleton and tensors of `obj`, views of one storage marked as such."""
@@ -506,6 +507,13 @@ _ENCODERS: list[tuple[type | tuple[type, ...], Callable[[_Flattener, Any, str], 
 _EXACT = {kind: method for types, method in _ENCODERS
           for kind in (types if isinstance(types, tuple) else (types,)) if kind in (
               type(None), bool, str, int, float, bytes, dict, OrderedDict, list, tuple, set)}
+
+
+@functools.cache
+def _exact_with_torch() -> dict:
+    """`_EXACT` and torch's tensor types: where torch is in use, its tensors skip the isinstance chain too."""
+    torch = _torch()
+    return {**_EXACT, torch.Tensor: _Flattener.tensor, torch.nn.Parameter: _Flattener.tensor}
 
 
 def flatten(obj: Any, prefix: str = "", to_raw: Callable[[Any, str], RawTensor] | None = None) -> FlatState:

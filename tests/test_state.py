@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ckptstore.errors import UnsupportedStateError
-from ckptstore.state import flatten, materialize, unflatten
+from ckptstore.state import flatten, join_key, materialize, unflatten
 from tests.conftest import assert_same, machine_settings
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -119,8 +119,20 @@ def test_ordinary_paths_are_unchanged():
 
 def test_equal_keys_of_other_types_keep_their_own_paths_in_flattens_one_after_another():
     """1, 1.0 and True are one dict key; flatten caches path parts across calls, and must not mix them up."""
-    paths = [list(flatten({key: torch.zeros(1)}).tensors) for key in (1, True, 1.0, 1, "1", True)]
-    assert paths == [["1"], ["%true"], ["%float:1.0"], ["1"], ["%31"], ["%true"]]
+    paths = [list(flatten({key: torch.zeros(1)}).tensors) for key in (1, True, 1.0, 1, "1", True, 0.0, -0.0, 0.0)]
+    assert paths == [["1"], ["%true"], ["%float:1.0"], ["1"], ["%31"], ["%true"],
+                     ["%float:0.0"], ["%float:-0.0"], ["%float:0.0"]]
+
+    class Folded(str):  # equal to its other-case spellings, as a case-insensitive key type would be
+        def __eq__(self, other):
+            return str(self).lower() == str(other).lower()
+
+        def __hash__(self):
+            return hash(str(self).lower())
+
+    both = {"x": {Folded("A"): torch.zeros(1)}, "y": {Folded("a"): torch.zeros(1)}}
+    assert list(flatten(both).tensors) == ["x/A", "y/a"]
+    assert join_key("m", []) == "m/%22%22"  # a damaged skeleton's unhashable key gets a path, not a TypeError
 
 
 def test_a_root_empty_key_no_longer_merges_with_its_sibling():
