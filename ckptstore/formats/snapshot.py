@@ -102,7 +102,8 @@ class _Copier:
 
         if tensor.is_quantized or tensor.layout != torch.strided or tensor.is_meta or not tensor.numel():
             return raw_from_torch(tensor, path)  # its error, or an empty tensor (no bytes to share)
-        source = tensor.detach() if tensor.requires_grad else tensor
+        # a plain tensor without grad is its own detach; a Parameter's detach is a plain tensor, copied batched
+        source = tensor if type(tensor) is torch.Tensor and not tensor.requires_grad else tensor.detach()
         if source.is_conj() or source.is_neg():
             source = source.resolve_conj().resolve_neg()
         pinned = source.is_cuda

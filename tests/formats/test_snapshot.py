@@ -10,7 +10,8 @@ import torch
 
 from ckptstore import formats
 from ckptstore.errors import UnsupportedStateError
-from ckptstore.formats.snapshot import HostBuffers, snapshot
+from ckptstore.formats.snapshot import HostBuffers, _Copier, snapshot
+from ckptstore.state import flatten
 
 
 def _awkward_state() -> dict:
@@ -118,3 +119,13 @@ def test_a_kept_buffer_lent_again_as_other_dtypes_and_shapes_holds_each_new_tens
     del got, lent
     snapshot({"b": torch.randn(3)}, buffers)  # the 40-byte buffer is dropped: its cached views must not hold it
     assert buffers.kept == 12 and kept() is None
+
+
+def test_parameters_with_and_without_grad_go_in_the_batched_copy_as_plain_tensors():
+    """A frozen model's Parameters (requires_grad False) copy in the one batched call, as trained ones do."""
+    copier = _Copier(HostBuffers())
+    state = {"frozen": torch.nn.Parameter(torch.ones(3), requires_grad=False),
+             "trained": torch.nn.Parameter(torch.ones(3)), "plain": torch.ones(3)}
+    flatten(state, to_raw=copier)
+    assert len(copier.sources) == 3 and all(type(source) is torch.Tensor for source in copier.sources)
+    copier.wait()
