@@ -146,9 +146,8 @@ class S3ObjectStore:
 
         data = as_bytes(data)
         with contextlib.suppress(CorruptObjectError):
-            found = self.call(obstore.head, oid)
-            if found["size"] == len(data) and (found.get("e_tag") or "").strip('"') in (etag(data), parts_etag(data)):
-                return  # as this version uploads it, or in parts of PART as earlier versions did
+            if _holds(self.call(obstore.head, oid), data):
+                return
         self.call(obstore.put, oid, data, use_multipart=len(data) > SINGLE_PUT, chunk_size=PART,
                   max_concurrency=PARTS_IN_FLIGHT)
 
@@ -321,6 +320,14 @@ class _Uploads:
         if raise_errors:
             for future in self._futures:
                 future.result()
+
+
+def _holds(found: dict[str, Any], data: bytes | memoryview) -> bool:
+    """Whether the object `found` (a HEAD's answer) holds `data`: as uploaded now, or in parts as before 64 MiB PUTs."""
+    if found["size"] != len(data):
+        return False
+    tag = (found.get("e_tag") or "").strip('"')
+    return tag == etag(data) or (PART < len(data) <= SINGLE_PUT and tag == parts_etag(data))
 
 
 def etag(data: bytes | memoryview) -> str:
