@@ -422,8 +422,7 @@ class _Flattener:
         for key, item in value.items():
             if not isinstance(key, (str, int, float, bool, type(None))):
                 raise UnsupportedStateError(f"{path or '<root>'}: dict key of type {type(key).__name__}")
-            encoded = self.encode(key, path)  # first: it refuses keys no path could be made of
-            items.append([encoded, self.encode(item, join_key(path, key))])
+            items.append([self.encode(key, path), self.encode(item, join_key(path, key))])
         self.depth -= 1
         return ["odict" if isinstance(value, OrderedDict) else "dict", items]
 
