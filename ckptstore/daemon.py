@@ -126,12 +126,12 @@ def _exactly(conn: socket.socket, n: int) -> bytes:
     return b"".join(parts)
 
 
-def peer_uid(conn: socket.socket) -> int | None:
-    """The uid of the process at the other end of a Unix socket (Linux), None where the system cannot say."""
+def same_user(conn: socket.socket) -> bool:
+    """Whether the other end of a Unix socket runs as this user (Linux says; elsewhere the folder's mode vouches)."""
     if not hasattr(socket, "SO_PEERCRED"):
-        return None
+        return True
     _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return uid
+    return uid == os.getuid()
 
 
 def _connect(root: Path) -> socket.socket | None:
@@ -145,7 +145,7 @@ def _connect(root: Path) -> socket.socket | None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(str(path))
-        if peer_uid(conn) not in (None, os.getuid()):
+        if not same_user(conn):
             raise OSError("the process listening there is another user's")
     except OSError:
         conn.close()

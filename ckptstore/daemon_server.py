@@ -36,9 +36,9 @@ from ckptstore.daemon import (
     code_fingerprint,
     lock_path,
     log_path,
-    peer_uid,
     private_folder,
     receive_frame,
+    same_user,
     send_frame,
 )
 from ckptstore.errors import INTERRUPTED, CkptError
@@ -124,7 +124,7 @@ class _Daemon:
             raise KeyboardInterrupt
 
     def _handle(self, conn: socket.socket) -> None:
-        if peer_uid(conn) not in (None, os.getuid()):
+        if not same_user(conn):
             return
         try:
             conn.settimeout(REQUEST_TIMEOUT_SECONDS)
