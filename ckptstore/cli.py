@@ -517,7 +517,7 @@ def remote_list(ctx) -> None:
 def _moved(report: Any) -> None:
     click.echo(f"{report.commits} commits, {report.objects} objects ({_size(report.object_bytes)}) sent")
     for ref, old, new in report.refs_moved or []:
-        click.echo(f"  {ref}: {old[:12] + '..' if old else '(new) '}{new[:12]}")
+        click.echo(f"  {ref}: {old[:12] + '..' if old else '(new) '}{new[:12] if new else '(deleted: gone there)'}")
 
 
 @cli.command()

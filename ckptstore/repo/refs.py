@@ -41,6 +41,9 @@ def check_name(name: str) -> None:
         raise InvalidRefNameError(
             f"{name!r} is not a valid branch or tag name (letters, digits, . _ / -; not HEAD)"
         )
+    if name.startswith("remotes/"):
+        raise InvalidRefNameError(f"{name!r} starts with 'remotes/', which holds remote-tracking refs "
+                                  "(NAME/BRANCH); choose another name")
 
 
 def head_commit(tx: Tx) -> CommitId | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, ConflictError, RefNotFoundError
+from ckptstore.errors import CkptError, ConflictError, CorruptObjectError, RefNotFoundError
 from ckptstore.hashing import CommitId, ObjectId
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata import transfer
@@ -41,7 +41,7 @@ class TransferReport:
     tensors: int = 0
     objects: int = 0
     object_bytes: int = 0
-    refs_moved: list[tuple[str, CommitId | None, CommitId]] | None = None  # (ref, from, to)
+    refs_moved: list[tuple[str, CommitId | None, CommitId | None]] | None = None  # (ref, from, to: None deleted)
 
 
 # ----------------------------------------------------------------- naming and opening remotes
@@ -126,34 +126,57 @@ def fsck_remote(repo: Repository, name: str, full: bool = False) -> FsckReport:
 
 
 # ----------------------------------------------------------------- moving commits
-def _copy(source: Repository, target: Repository, tips: list[CommitId], lazy: bool = False) -> TransferReport:
+def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | None, lazy: bool = False
+          ) -> tuple[TransferReport, dict[str, CommitId]]:
     """Make every commit reachable from `tips` present in `target`: objects, then records. Refs are not touched.
 
+    `tips` None: every branch of `source`, read in the same snapshot as the records, so a branch
+    moved and collected there meanwhile is never half-copied. Returns the report and the tips.
     `lazy` copies the records and manifests only: the chunk objects come when a checkout reads them.
     """
     report = TransferReport()
     with source.db.read() as tx, target.db.read() as ttx:
-        candidates = transfer.ancestors(tx, tips)
+        tips = ref_rows.refs_of_kind(tx, ref_rows.BRANCH) if tips is None else tips
+        candidates = transfer.ancestors(tx, list(tips.values()))
         have = transfer.present_commits(ttx, candidates)
         missing = [c for c in candidates if c not in have]
         if not missing:
-            return report
+            return report, tips
         tensors = transfer.tensors_of(tx, missing)
         tensors -= transfer.present_tensors(ttx, tensors)
         found = transfer.records(tx, missing, tensors)
-    wanted = found.manifests if lazy else set(found.objects)
-    report.objects, report.object_bytes = _send_objects(source, target, sorted(wanted))
+    unrecorded = sorted(set(missing) - found.column("commits", "id"))
+    if unrecorded:
+        raise CkptError(f"the sending repository has no record of commit {unrecorded[0][:12]}, which its refs "
+                        "reach; nothing was sent. Run `ckpt fsck` there")
+    wanted = {oid: size for oid, size in found.objects.items() if not lazy or oid in found.manifests}
+    report.objects, report.object_bytes = _send_objects(source, target, wanted)
     faults.point("transfer:objects-sent")
     with target.db.write() as ttx:
         transfer.insert(ttx, found)
     faults.point("transfer:records-sent")
     report.commits, report.tensors = len(missing), len(tensors)
-    return report
+    return report, tips
 
 
-def _send_objects(source: Repository, target: Repository, oids: list[ObjectId]) -> tuple[int, int]:
-    """Copy the objects `target` lacks, each verified on reading; returns (objects, bytes) sent."""
-    absent = [oid for oid, present in zip(oids, source.pool.map(target.store.has, oids)) if not present]
+def _whole_on(store: ObjectStore, oid: ObjectId, size: int) -> bool:
+    """Whether `store` holds `oid` at its recorded `size` (0: unknown, then only whether it is there).
+
+    A crash can leave an object cut short under its right name; a rerun must send it again, not trust it.
+    """
+    if not size:
+        return store.has(oid)
+    try:
+        return store.size(oid) == size
+    except CorruptObjectError:  # not there
+        return False
+
+
+def _send_objects(source: Repository, target: Repository, wanted: dict[ObjectId, int]) -> tuple[int, int]:
+    """Copy the objects (id: stored size) `target` lacks whole, each verified on reading; returns (objects, bytes)."""
+    oids = sorted(wanted)
+    held = source.pool.map(lambda oid: _whole_on(target.store, oid, wanted[oid]), oids)
+    absent = [oid for oid, whole in zip(oids, held) if not whole]
 
     def send(oid: ObjectId) -> int:
         data = source.read_object(oid)  # verified against its id
@@ -182,20 +205,30 @@ def push(repo: Repository, name: str, branch: str | None = None, force: bool = F
         raise CkptError("HEAD is detached: say which branch to push (`ckpt push REMOTE BRANCH`)")
     with repo.db.read() as tx:
         row = ref_rows.ref_row(tx, branch)
+    if row is not None and row.kind == ref_rows.TAG:
+        raise CkptError(f"{branch!r} is a tag here: push sends branches (make a branch at it to send its commits)")
     if row is None or row.kind != ref_rows.BRANCH or row.commit_id is None:
         raise RefNotFoundError(branch, detail=" (no such branch with commits here)")
     tip = CommitId(row.commit_id)
     with open_remote(remote_config, name) as remote, remote.lock():
         with remote.db.read() as rtx:
-            old = _tip(ref_rows.ref_row(rtx, branch))
+            old = _tip(_branch_row(rtx, branch, f"remote {name!r}"))
         if old is not None and old != tip and not force and not _is_ancestor(repo, old, tip):
             raise ConflictError(f"push to {name} refused: its branch {branch!r} has commits yours lacks "
                                 f"({old[:12]}); `ckpt pull {name} {branch}` first, or push with --force to drop them")
-        report = _copy(repo, remote, [tip])
+        report = _copy(repo, remote, {branch: tip})[0]
         _move_remote_ref(remote, name, branch, old, tip)
     _track(repo, name, {branch: tip})
     report.refs_moved = [(branch, old, tip)] if old != tip else []
     return report
+
+
+def _branch_row(tx, name: str, where: str) -> ref_rows.RefRow | None:
+    """Branch `name`'s row, None where there is none; a clear error where the name is another kind of ref."""
+    row = ref_rows.ref_row(tx, name)
+    if row is not None and row.kind != ref_rows.BRANCH:
+        raise CkptError(f"{where} has a {row.kind} named {name!r}, not a branch: nothing was moved")
+    return row
 
 
 def _move_remote_ref(remote: Repository, name: str, branch: str, old: CommitId | None, new: CommitId) -> None:
@@ -213,33 +246,47 @@ def _move_remote_ref(remote: Repository, name: str, branch: str, old: CommitId |
                         "nothing changed there. Run the push again (what was sent is not sent twice)")
 
 
-def _track(repo: Repository, name: str, tips: dict[str, CommitId]) -> None:
-    """Set the remote-tracking refs `remotes/NAME/BRANCH` (shown and resolved as NAME/BRANCH)."""
+def _track(repo: Repository, name: str, tips: dict[str, CommitId], every: bool = False
+           ) -> list[tuple[str, CommitId | None, CommitId | None]]:
+    """Set the remote-tracking refs `remotes/NAME/BRANCH` (shown and resolved as NAME/BRANCH); returns what moved.
+
+    `every`: `tips` are all of the remote's branches, so tracking refs of branches gone there are deleted.
+    """
+    moved = []
+    prefix = f"remotes/{name}/"
     with repo.db.write() as tx:
+        tracked = {ref[len(prefix):]: cid for ref, cid in ref_rows.refs_of_kind(tx, REMOTE_KIND).items()
+                   if ref.startswith(prefix)}
         for branch, cid in tips.items():
-            ref = f"remotes/{name}/{branch}"
-            if ref_rows.ref_row(tx, ref) is None:
+            ref = prefix + branch
+            if branch not in tracked:
+                if ref_rows.ref_row(tx, ref) is not None:  # a branch or tag here took the name: never move it
+                    raise CkptError(f"{ref!r} is a branch or tag here, so the remote-tracking ref of {name}/"
+                                    f"{branch} cannot be set; rename it (`remotes/` is for remote-tracking refs)")
                 ref_rows.insert_ref(tx, ref, REMOTE_KIND, cid)
-            else:
+            elif tracked[branch] != cid:
                 ref_rows.set_commit(tx, ref, cid)
+            if tracked.get(branch) != cid:
+                moved.append((f"{name}/{branch}", tracked.get(branch), cid))
+        for branch in sorted(set(tracked) - set(tips)) if every else []:
+            ref_rows.delete_ref(tx, prefix + branch)
+            moved.append((f"{name}/{branch}", tracked[branch], None))
+    return moved
 
 
 def fetch(repo: Repository, name: str, lazy: bool | None = None) -> TransferReport:
     """Bring every branch of remote `name` here as `NAME/BRANCH`, with what the commits need.
 
-    `lazy` (default: as the repository was cloned) brings records and manifests only.
+    Tracking refs of branches deleted there go. The refs are set under the repository's lock, with
+    the copy, so a gc here never collects what was just fetched. `lazy` (default: as the repository
+    was cloned) brings records and manifests only.
     """
     remote_config = named(repo, name)
     lazy = remote_config.lazy if lazy is None else lazy
-    with open_remote(remote_config, name) as remote:
-        with remote.db.read() as rtx:
-            branches = ref_rows.refs_of_kind(rtx, ref_rows.BRANCH)
-        with repo.lock():
-            report = _copy(remote, repo, list(branches.values()), lazy=lazy)
-    with repo.db.read() as tx:
-        before = {b: _tip(ref_rows.ref_row(tx, f"remotes/{name}/{b}")) for b in branches}
-    _track(repo, name, branches)
-    report.refs_moved = [(f"{name}/{b}", before[b], cid) for b, cid in branches.items() if before[b] != cid]
+    with open_remote(remote_config, name) as remote, repo.lock():
+        report, branches = _copy(remote, repo, None, lazy=lazy)
+        faults.point("fetch:tracking")  # tests run a gc here: it must wait for the lock
+        report.refs_moved = _track(repo, name, branches, every=True)
     return report
 
 
@@ -256,8 +303,8 @@ def pull(repo: Repository, name: str, branch: str | None = None) -> tuple[Transf
     report = fetch(repo, name)
     with repo.db.read() as tx:
         theirs = ref_rows.ref_row(tx, f"remotes/{name}/{branch}")
-        ours = ref_rows.ref_row(tx, branch)
-    if theirs is None:
+        ours = _branch_row(tx, branch, "this repository")
+    if theirs is None or theirs.kind != REMOTE_KIND:
         raise RefNotFoundError(f"{name}/{branch}", detail=f" (remote {name!r} has no branch {branch!r})")
     new = CommitId(theirs.commit_id)
     old = _tip(ours)
@@ -281,6 +328,8 @@ def clone(url: str, path: str | os.PathLike, metadata_url: str = "", lazy: bool 
     """
     from ckptstore.repo.repository import Repository
 
+    if Path(path).exists() and not Path(path).is_dir():
+        raise CkptError(f"{path} is a file, not a folder to clone into")
     remote = RemoteConfig(_normal_url(url), metadata_url, lazy)
     with open_remote(remote, "origin") as source:
         head_branch = refs.head(source)[0] or "main"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ckptstore import Repository
-from ckptstore.errors import ConflictError, CorruptObjectError
+from ckptstore.errors import CkptError, ConflictError, CorruptObjectError, InvalidRefNameError, RefNotFoundError
 from ckptstore.repo import fsck, remote
 from tests.conftest import assert_same
 from tests.test_cli import ROOT, ckpt
@@ -154,3 +154,76 @@ def test_remote_commands_at_the_cli(tmp_path):
     damaged = ckpt(tmp_path / "copy", "fsck", "--remote", "origin")
     assert damaged.returncode == 1 and victim.parent.name + victim.name in damaged.stdout
     assert ckpt(tmp_path / "copy", "fsck").returncode == 0  # the clone's own copy is sound
+
+
+def test_an_object_cut_short_on_the_remote_is_sent_again(pair):
+    work, hub_path, cids = pair
+    # what a power cut inside an earlier push's batch can leave: the right name, half the bytes, no records
+    with work.db.read() as tx:
+        chunk = tx.scalar("SELECT object_id FROM tensor_chunks ORDER BY object_id LIMIT 1")
+    source = work.store.path_of(chunk)
+    leftover = hub_path / ".ckpt" / "objects" / source.parent.name / source.name
+    leftover.parent.mkdir(parents=True, exist_ok=True)
+    leftover.write_bytes(source.read_bytes()[: source.stat().st_size // 2])
+    remote.push(work, "origin")
+    assert leftover.read_bytes() == source.read_bytes()
+    with Repository.open(hub_path) as hub:
+        assert fsck(hub).ok
+        assert_same(_state(1), hub.checkout(cids[1]))
+
+
+def test_a_gc_while_a_fetch_runs_keeps_what_was_fetched(pair, tmp_path):
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    remote.clone(str(hub_path), tmp_path / "copy").close()
+    with Repository.open(hub_path) as hub:
+        newer = hub.commit(_state(5), message="newer")
+    release = tmp_path / "release"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_WAIT_AT=f"fetch:tracking={release}")
+    fetching = subprocess.Popen([sys.executable, "-m", "ckptstore", "fetch"], cwd=tmp_path / "copy", env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (tmp_path / "release.reached").exists():
+            assert fetching.poll() is None, fetching.communicate()
+        collecting = subprocess.Popen([sys.executable, "-m", "ckptstore", "gc", "--prune"], cwd=tmp_path / "copy",
+                                      env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+        with pytest.raises(subprocess.TimeoutExpired):  # the fetched commit is not yet tracked: gc must wait
+            collecting.wait(timeout=3)
+    finally:
+        release.touch()
+    assert fetching.wait(timeout=120) == 0, fetching.communicate()
+    assert collecting.wait(timeout=120) == 0, collecting.communicate()
+    with Repository.open(tmp_path / "copy") as copy:
+        assert copy.resolve("origin/main") == newer and fsck(copy).ok
+        assert_same(_state(5), copy.checkout("origin/main"))
+
+
+def test_tracking_refs_follow_the_remote_and_never_move_a_branch_or_tag(pair, tmp_path):
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    with Repository.open(hub_path) as hub:
+        hub.branch("dev", "main")
+        hub.tag("rel", "main")
+    with remote.clone(str(hub_path), tmp_path / "copy") as copy:
+        assert copy.resolve("origin/dev") == cids[1]
+        with Repository.open(hub_path) as hub:
+            hub.delete_branch("dev")
+        assert remote.fetch(copy, "origin").refs_moved == [("origin/dev", cids[1], None)]
+        with pytest.raises(RefNotFoundError, match="has no branch 'dev'"):
+            remote.pull(copy, "origin", "dev")
+        assert copy.branches()["dev"] == cids[1]  # the clone's own branch stays; only the tracking ref went
+        with pytest.raises(InvalidRefNameError, match="remotes/"):
+            copy.branch("remotes/origin/main", "main")
+        copy.tag("mine", "main")
+        with pytest.raises(CkptError, match="this repository has a tag named 'mine', not a branch"):
+            remote.pull(copy, "origin", "mine")
+    work.tag("v1", "main")
+    with pytest.raises(CkptError, match="'v1' is a tag here"):
+        remote.push(work, "origin", "v1")
+    work.branch("rel", "main")
+    with pytest.raises(CkptError, match="remote 'origin' has a tag named 'rel', not a branch"):
+        remote.push(work, "origin", "rel", force=True)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(CkptError, match="is a file, not a folder"):
+        remote.clone(str(hub_path), tmp_path / "afile")
