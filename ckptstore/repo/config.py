@@ -57,9 +57,15 @@ class RetentionPolicy:
     keep_tagged: bool = False
 
     def __post_init__(self) -> None:
-        if self.keep_last < 0 or self.keep_every < 0:
-            raise CkptError(f"retention counts must be >= 0 (keep_last {self.keep_last}, keep_every "
-                            f"{self.keep_every})")
+        # config.toml can hold any type here: a wrong one must be a clear error, never a policy that prunes
+        for name in ("keep_last", "keep_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise CkptError(f"retention {name} must be a count (0 or more), not {value!r}")
+        if not isinstance(self.keep_best, str):
+            raise CkptError(f"retention keep_best must be METRIC, METRIC:min or METRIC:max, not {self.keep_best!r}")
+        if not isinstance(self.keep_tagged, bool):
+            raise CkptError(f"retention keep_tagged must be true or false, not {self.keep_tagged!r}")
         self.best()
 
     @property

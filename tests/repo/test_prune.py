@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -38,6 +39,7 @@ from ckptstore.repo.config import RepoConfig, RetentionPolicy
 from ckptstore.repo.pruning import prune
 from ckptstore.repo.retention import History, doomed
 from tests.conftest import Trainer, assert_same
+from tests.test_cli import ckpt
 
 ROOT = Path(__file__).resolve().parents[2]
 KILLS = int(os.environ.get("CKPT_PRUNE_KILLS") or 2)
@@ -73,8 +75,9 @@ def histories(draw):
     return branches, parents, metrics, tags, pruned
 
 
-def _reference(branches, parents, metrics, tags, pruned, policy: RetentionPolicy) -> set[str]:
-    """What must go, by counting: a commit's age is how many first-parent steps separate it from its branch's tip."""
+def _reference(branches, parents, metrics, tags, pruned, policy: RetentionPolicy) -> tuple[set[str], bool]:
+    """What must go, by counting (a commit's age is how many first-parent steps separate it from its branch's
+    tip), and whether keep_best must refuse: a branch with no finite value of the metric would lose commits."""
     def age(tip, cid):
         steps, current = 0, tip
         while current != cid:
@@ -87,7 +90,7 @@ def _reference(branches, parents, metrics, tags, pruned, policy: RetentionPolicy
         return 0 if not parents[cid] else 1 + height(parents[cid][0])
 
     keep = set(branches.values()) | (tags if policy.keep_tagged else set())
-    on_chains = set()
+    on_chains, unscored = set(), []
     for tip in branches.values():
         chain = [c for c in parents if age(tip, c) is not None]
         on_chains |= set(chain)
@@ -98,7 +101,10 @@ def _reference(branches, parents, metrics, tags, pruned, policy: RetentionPolicy
         if policy.keep_best and scored:
             best = max(scored) if policy.keep_best.endswith(":max") else min(scored)
             keep |= {c for c in chain if c in metrics and c not in pruned and metrics[c]["loss"] == best}
-    return on_chains - keep - pruned
+        elif policy.keep_best:
+            unscored.append(set(chain))
+    gone = on_chains - keep - pruned
+    return gone, any(chain & gone for chain in unscored)
 
 
 @settings(max_examples=200, deadline=None)
@@ -107,8 +113,12 @@ def test_selection_matches_an_independent_reference(history, keep_last, keep_eve
     branches, parents, metrics, tags, pruned = history
     policy = RetentionPolicy(keep_last, keep_every, keep_best, keep_tagged)
     protected = set(branches.values()) | (tags if keep_tagged else set())
-    got = doomed(History(branches, parents, metrics, protected, pruned), policy)
-    assert got == _reference(branches, parents, metrics, tags, pruned, policy)
+    expected, refused = _reference(branches, parents, metrics, tags, pruned, policy)
+    if refused:
+        with pytest.raises(CkptError, match="keep_best: no commit on the branch"):
+            doomed(History(branches, parents, metrics, protected, pruned), policy)
+    else:
+        assert doomed(History(branches, parents, metrics, protected, pruned), policy) == expected
 
 
 def test_positions_count_from_the_first_commit_so_a_second_prune_keeps_what_the_first_kept():
@@ -240,6 +250,30 @@ def test_config_policy_prunes_only_after_a_commit_succeeds(tmp_path):
         repo.commit(trainer.state())
         assert [c.pruned for c in repo.log()] == [False, False, True, True, True]
         assert fsck(repo).ok
+
+
+@pytest.mark.parametrize("line", ["keep_last = 2.5", "keep_every = true", "keep_best = 1", 'keep_tagged = "false"'])
+def test_retention_settings_of_the_wrong_type_are_one_clear_line_and_prune_nothing(tmp_path, line):
+    with Repository.init(tmp_path) as repo:
+        for seed in range(3):
+            repo.commit({"w": torch.full((8,), float(seed))}, metrics={"loss": float(seed)})
+    config = tmp_path / ".ckpt" / "config.toml"
+    config.write_text(config.read_text() + f"\n[retention]\n{line}\n")
+    result = ckpt(tmp_path, "prune", "--keep-last", "1", "--dry-run")
+    assert result.returncode == 1 and "retention" in result.stderr and "unexpected" not in result.stderr
+    config.write_text(config.read_text().replace(line, ""))
+    with Repository.open(tmp_path) as repo:
+        assert not any(c.pruned for c in repo.log())
+
+
+def test_keep_best_on_a_metric_no_commit_has_refuses_and_prunes_nothing(tmp_path):
+    with Repository.init(tmp_path) as repo:
+        for seed in range(3):
+            repo.commit({"w": torch.full((8,), float(seed))}, metrics={"loss": float(seed)})
+        with pytest.raises(CkptError, match="no commit on the branch .* metric 'los'"):
+            prune(repo, RetentionPolicy(keep_best="los"))
+        assert len(prune(repo, RetentionPolicy(keep_best="loss")).pruned) == 1  # the tip and the best stay
+        assert [c.pruned for c in repo.log()] == [False, True, False]
 
 
 def test_a_pruned_history_pushes_and_clones(tmp_path):
