@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptstore import formats
+from ckptstore import faults, formats
 from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import commits as commit_rows
@@ -154,15 +154,21 @@ def _replay(repo: Repository, manifest: Manifest, paths: list[str], progress: Pr
             run: Replayer) -> dict[str, Any]:
     """Replay the tensors at `paths` with `run` (numpy on the CPU, or torch on a device); buffers by path."""
     ids = {manifest.entries[p].tensor for p in paths}
+    records = _records(repo, manifest, paths, ids)
+    faults.point("checkout:records-read")  # tests run a prune here
     try:
-        with repo.db.read() as tx:
-            records = tensor_rows.load_records(tx, ids)
-        integrity.check_restore(manifest, paths, records)  # every byte accounted for, or an error
-    except CorruptRecordError as exc:
-        raise integrity.naming_commits(repo, exc) from None
-    progress.start(label, sum(records[t].raw_bytes for t in ids))
-    try:
-        buffers = run(ChainSource(repo.store, records), [records[t] for t in ids], progress.advance)
+        try:
+            progress.start(label, sum(records[t].raw_bytes for t in ids))
+            buffers = run(ChainSource(repo.store, records), [records[t] for t in ids], progress.advance)
+        except CorruptObjectError:
+            # readers take no lock: a prune may have re-encoded or repacked these tensors and deleted the
+            # objects read here meanwhile. Records that moved are read again; unchanged ones are damage.
+            fresh = _records(repo, manifest, paths, ids)
+            if fresh == records:
+                raise
+            records = fresh
+            progress.start(label, sum(records[t].raw_bytes for t in ids))
+            buffers = run(ChainSource(repo.store, records), [records[t] for t in ids], progress.advance)
     except CorruptObjectError as exc:
         raise exc.needed_by(repo.commits_needing(exc.object_ids)) from None
     except CorruptRecordError as exc:
@@ -178,6 +184,17 @@ def _replay(repo: Repository, manifest: Manifest, paths: list[str], progress: Pr
         handed_out.add(tensor)
         restored[path] = buffer
     return restored
+
+
+def _records(repo: Repository, manifest: Manifest, paths: list[str], ids: set) -> dict:
+    """The tensors' records as the metadata has them now, each byte accounted for (or an error naming the commits)."""
+    try:
+        with repo.db.read() as tx:
+            records = tensor_rows.load_records(tx, ids)
+        integrity.check_restore(manifest, paths, records)
+    except CorruptRecordError as exc:
+        raise integrity.naming_commits(repo, exc) from None
+    return records
 
 
 def _restore_on_device(repo: Repository, manifest: Manifest, device: str, progress: Progress) -> dict[str, Any]:

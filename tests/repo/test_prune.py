@@ -276,6 +276,25 @@ def test_keep_best_on_a_metric_no_commit_has_refuses_and_prunes_nothing(tmp_path
         assert [c.pruned for c in repo.log()] == [False, True, False]
 
 
+def test_a_checkout_that_read_its_records_before_a_prune_still_restores_bit_exact(tmp_path):
+    with Repository.init(tmp_path, encoding=EncodingSettings(max_chain=6)) as repo:
+        cids = _train(repo, commits=4)
+        want = repo.checkout(cids[-1])
+    release = tmp_path / "release"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_WAIT_AT=f"checkout:records-read={release}")
+    reading = subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", cids[-1], "-o", "tip.pt"],
+                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (tmp_path / "release.reached").exists():
+            assert reading.poll() is None, reading.communicate()
+        pruned = ckpt(tmp_path, "prune", "--keep-last", "1")  # re-encodes the tip's chains, deletes their objects
+        assert pruned.returncode == 0 and "re-encoded" in pruned.stdout, pruned.stdout + pruned.stderr
+    finally:
+        release.touch()
+    assert reading.wait(timeout=120) == 0, reading.communicate()
+    assert_same(want, torch.load(tmp_path / "tip.pt", weights_only=False))  # written by this test just now (RNG state)
+
+
 def test_a_pruned_history_pushes_and_clones(tmp_path):
     with Repository.init(tmp_path / "work") as repo:
         cids = _train(repo, commits=4)
