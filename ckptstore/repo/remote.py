@@ -61,8 +61,11 @@ def add(repo: Repository, name: str, url: str, metadata_url: str = "") -> Remote
 
 
 def remove(repo: Repository, name: str) -> None:
-    """Forget remote `name` and its remote-tracking refs."""
-    named(repo, name)
+    """Forget remote `name` and its remote-tracking refs (not the remote a lazy clone reads its objects from)."""
+    if named(repo, name).lazy:
+        raise CkptError(f"remote {name!r} is where this lazy clone reads the objects it does not hold yet: removing "
+                        "it would leave commits unreadable. `ckpt fsck --full` reads (so fetches) every object; "
+                        f"then set lazy = false under [remotes.{name}] in .ckpt/config.toml to remove it")
     with repo.db.write() as tx:
         for ref in ref_rows.names(tx, (REMOTE_KIND,)):
             if ref.startswith(f"remotes/{name}/"):
@@ -106,7 +109,8 @@ def open_remote(remote: RemoteConfig, name: str = "") -> Repository:
 
 
 def remote_store(remote: RemoteConfig) -> ObjectStore:
-    """Only the object store of a remote (what a lazy clone reads from)."""
+    """Only the object store of a remote (what a lazy clone reads from); a lazy clone's own reads fall through too."""
+    from ckptstore.objectstore.fallback import FallbackStore
     from ckptstore.repo.config import RepoConfig
     from ckptstore.repo.repository import REPO_DIR
 
@@ -114,7 +118,11 @@ def remote_store(remote: RemoteConfig) -> ObjectStore:
         return open_store(remote.url, Path(remote.url), Path(remote.url))  # a bucket: no local folders used
     folder = Path(remote.url) / REPO_DIR
     config = RepoConfig.load(folder / "config.toml")
-    return open_store(config.objects_url or "objects", folder / "tmp", folder)
+    store = open_store(config.objects_url or "objects", folder / "tmp", folder)
+    lazy = [r for r in config.remotes.values() if r.lazy]
+    if lazy:  # that folder is a lazy clone itself: what it lacks comes from its origin, as for its own reads
+        return FallbackStore(store, lambda: remote_store(lazy[0].resolved(Path(remote.url))))
+    return store
 
 
 def fsck_remote(repo: Repository, name: str, full: bool = False) -> FsckReport:

@@ -227,3 +227,14 @@ def test_tracking_refs_follow_the_remote_and_never_move_a_branch_or_tag(pair, tm
     (tmp_path / "afile").write_text("x")
     with pytest.raises(CkptError, match="is a file, not a folder"):
         remote.clone(str(hub_path), tmp_path / "afile")
+
+
+def test_a_lazy_clone_of_a_lazy_clone_reads_through_both_and_keeps_its_remote(pair, tmp_path):
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    remote.clone(str(hub_path), tmp_path / "lazy", lazy=True).close()
+    with remote.clone(str(tmp_path / "lazy"), tmp_path / "lazier", lazy=True) as lazier:
+        assert_same(_state(1), lazier.checkout(cids[1]))  # objects neither clone held: from the hub, through both
+        with pytest.raises(CkptError, match="lazy clone reads the objects"):
+            remote.remove(lazier, "origin")
+        assert "origin" in lazier.config.remotes
