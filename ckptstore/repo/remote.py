@@ -27,6 +27,7 @@ from ckptstore.repo import refs
 from ckptstore.repo.config import RemoteConfig, user_cache
 
 if TYPE_CHECKING:
+    from ckptstore.metadata.db import Tx
     from ckptstore.repo.maintenance import FsckReport
     from ckptstore.repo.repository import Repository
 
@@ -231,7 +232,7 @@ def push(repo: Repository, name: str, branch: str | None = None, force: bool = F
     return report
 
 
-def _branch_row(tx, name: str, where: str) -> ref_rows.RefRow | None:
+def _branch_row(tx: Tx, name: str, where: str) -> ref_rows.RefRow | None:
     """Branch `name`'s row, None where there is none; a clear error where the name is another kind of ref."""
     row = ref_rows.ref_row(tx, name)
     if row is not None and row.kind != ref_rows.BRANCH:
