@@ -245,6 +245,14 @@ _NUMPY_OF_TORCH = {TORCH_PREFIX + name: np.dtype(name) for name in (
     "float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool", "complex64", "complex128")}
 
 
+def _ordered(items: set | frozenset) -> list:
+    """A set's items in a fixed order: sorted, or by type and repr where they do not compare (``{1, "a"}``)."""
+    try:
+        return sorted(items)
+    except TypeError:
+        return sorted(items, key=lambda item: (type(item).__name__, repr(item)))
+
+
 def _float(value: float) -> Any:
     return value if math.isfinite(value) else ["float", repr(value)]
 
@@ -392,8 +400,8 @@ class _Flattener:
         return _float(value)
 
     def _npscalar(self, value: np.generic, path: str) -> Any:
-        if value.dtype.hasobject:
-            raise UnsupportedStateError(f"{path or '<root>'}: numpy object scalar")
+        if value.dtype.kind not in "biuf" or value.dtype.itemsize > 8:  # .item() of these is no JSON value
+            raise UnsupportedStateError(f"{path or '<root>'}: numpy {value.dtype} scalar")
         return ["npscalar", value.dtype.str, _float(v) if isinstance(v := value.item(), float) else v]
 
     def _bytes(self, value: bytes | bytearray, path: str) -> Any:
@@ -449,7 +457,7 @@ class _Flattener:
 
     def _set(self, value: set | frozenset, path: str) -> Any:
         self.enter(value, path, len(value))
-        node = ["set", [self.encode(item, join(path, str(i))) for i, item in enumerate(sorted(value))]]
+        node = ["set", [self.encode(item, join(path, str(i))) for i, item in enumerate(_ordered(value))]]
         self.depth -= 1
         return node
 
@@ -607,7 +615,8 @@ class _Unflattener:
             raise CorruptRecordError(f"the view at {storage}", f"it does not fit its storage of {nbytes} bytes "
                                      f"(offset {offset}, shape {tuple(value.shape)}, strides {stride})")
         if storage not in self.storages:
-            self.storages[storage] = torch.empty(nbytes, dtype=torch.uint8, device=value.device).untyped_storage()
+            # zeros, not empty: bytes no view covers are written out by torch.save and must not be stale memory
+            self.storages[storage] = torch.zeros(nbytes, dtype=torch.uint8, device=value.device).untyped_storage()
         shared = torch.empty(0, dtype=value.dtype, device=value.device)
         shared.set_(self.storages[storage], offset, value.shape, stride)
         with torch.no_grad():

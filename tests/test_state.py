@@ -331,3 +331,21 @@ def test_an_expanded_view_of_a_shared_storage_round_trips(repo, tmp_path):
     torch.save(state, tmp_path / "c.pt")
     restored = repo.checkout(repo.commit(tmp_path / "c.pt"))
     assert_same(restored, state)
+
+
+def test_bytes_of_a_shared_storage_no_view_covers_come_back_zero_not_stale_memory():
+    storage = torch.zeros(4096)
+    torch.empty(1 << 16).fill_(7.0)  # leave non-zero bytes behind in the allocator
+    flat = flatten({"a": storage[:2], "b": storage[4000:4002]})
+    back = unflatten(flat.skeleton, lambda p: materialize(flat.tensors[p]))
+    whole = torch.empty(0).set_(back["a"].untyped_storage())
+    assert whole.numel() == 4096 and not whole.any()  # torch.save writes the whole storage
+
+
+def test_a_set_of_mixed_types_round_trips_and_numpy_scalars_json_cannot_hold_are_refused():
+    state = {"tags": {1, "a", None}, "one_type": {3, 1, 2}}
+    back = unflatten(flatten(state).skeleton, lambda p: None)
+    assert back == state
+    for scalar in (np.complex64(1 + 2j), np.longdouble(1.5), np.datetime64("2026-12-03"), np.bytes_(b"x")):
+        with pytest.raises(UnsupportedStateError, match="numpy .* scalar"):
+            flatten({"x": scalar})

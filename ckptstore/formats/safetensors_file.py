@@ -26,7 +26,7 @@ DTYPES = {
     "BOOL": "torch.bool", "F8_E4M3": "torch.float8_e4m3fn", "F8_E5M2": "torch.float8_e5m2",
     "C64": "torch.complex64",
 }
-HEADER_PATH = "%header"
+HEADER_PATH = "%header"  # kept unescaped: escaped keys write "%25", so no tensor name can take it
 MAX_HEADER = 100 << 20
 
 
@@ -49,7 +49,7 @@ def read(path: str | os.PathLike, prefix: str) -> tuple[Any, dict[str, RawTensor
     size = path.stat().st_size
     data = np.memmap(path, dtype=np.uint8, mode="r") if size else np.empty(0, dtype=np.uint8)
     header, start = _header(path, data, size)
-    tensors = {join(prefix, HEADER_PATH): raw_from_bytes(np.array(data[:start]))}
+    tensors = {_reserved(prefix, HEADER_PATH): raw_from_bytes(np.array(data[:start]))}
     spans = sorted(_span(path, name, info, size - start) for name, info in header.items() if name != "__metadata__")
     order, cursor, last = [], 0, None
     for begin, end, name, dtype, shape in spans:
@@ -65,7 +65,16 @@ def read(path: str | os.PathLike, prefix: str) -> tuple[Any, dict[str, RawTensor
         cursor, last = end, name
     if start + cursor < size:
         order.append(_gap(tensors, prefix, data[start + cursor :], len(order)))
-    return ["safetensors", join(prefix, HEADER_PATH), order], tensors
+    return ["safetensors", _reserved(prefix, HEADER_PATH), order], tensors
+
+
+def _reserved(prefix: str, name: str) -> str:
+    """The entry of the header or a gap: a bare "%" part, which no escaped tensor name is.
+
+    Before 3 December 2026 these were escaped like names, so a tensor named "%header" took the
+    header's place; older skeletons name their own entries, so they still read as written.
+    """
+    return f"{prefix}/{name}" if prefix else name
 
 
 def _header(path: Path, data: np.ndarray, size: int) -> tuple[dict, int]:
@@ -96,7 +105,7 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict:
 
 
 def _is_count(value: Any) -> bool:
-    return type(value) is int and value >= 0
+    return type(value) is int and 0 <= value < 1 << 63  # safetensors and torch hold them as 64-bit
 
 
 def _span(path: Path, name: str, info: Any, data_size: int) -> tuple[int, int, str, str, tuple[int, ...]]:
@@ -106,6 +115,7 @@ def _span(path: Path, name: str, info: Any, data_size: int) -> tuple[int, int, s
     except (KeyError, TypeError):
         raise CheckpointFormatError(f"{path}: malformed header entry for {name!r}") from None
     if (type(dtype) is not str or type(shape) is not list or not all(map(_is_count, shape))
+            or not _is_count(math.prod(shape))
             or type(offsets) is not list or len(offsets) != 2 or not all(map(_is_count, offsets))):
         raise CheckpointFormatError(f"{path}: malformed header entry for {name!r}: dtype, shape or data_offsets "
                                     "is not what safetensors writes")
@@ -123,7 +133,7 @@ def _span(path: Path, name: str, info: Any, data_size: int) -> tuple[int, int, s
 
 
 def _gap(tensors: dict[str, RawTensor], prefix: str, span: np.ndarray, index: int) -> list:
-    path = join(prefix, f"%gap{index}")
+    path = _reserved(prefix, f"%gap{index}")
     tensors[path] = raw_from_bytes(span)
     return [None, path]
 
@@ -151,6 +161,9 @@ def write_tensors(path: str | os.PathLike, tensors: dict[str, RawTensor], metada
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, raw in tensors.items():
+        if name == "__metadata__":
+            raise UnsupportedStateError("a tensor named '__metadata__' cannot be a safetensors entry (the name is "
+                                        "the format's own); export with --format torch")
         code = SAFETENSORS_DTYPES.get(raw.dtype)
         if code is None:
             raise UnsupportedStateError(f"{name}: safetensors has no type for {raw.dtype}; export with --format torch")

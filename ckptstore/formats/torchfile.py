@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import struct
 import zipfile
 from pathlib import Path
@@ -66,8 +67,9 @@ def load(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
     except pickle.UnpicklingError as exc:
         raise refused(path, str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - torch's loader raises IndexError, KeyError, struct.error... on damage
+        reason = re.split(r"\s+Exception raised from ", str(exc))[0]  # torch's C++ errors append their stack
         raise CheckpointFormatError(
-            f"{path} is not a readable torch.save file (truncated or corrupted?): {exc}"
+            f"{path} is not a readable torch.save file (truncated or corrupted?): {reason}"
         ) from None
 
 

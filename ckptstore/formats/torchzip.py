@@ -258,12 +258,17 @@ def _np_dtype(spec: Any, align: Any = False, copy: Any = False) -> np.dtype:
     return result
 
 
+INT64 = 1 << 63
+
+
 def _check_view(storage: Any, dtype_name: str, offset: Any, size: Any, stride: Any) -> None:
     """The checks torch's Tensor.set_ makes, and that every number is a plain int."""
     _need(isinstance(storage, TypedStorage) and dtype_name in TORCH_ITEMSIZE, "tensor storage or dtype")
-    _need(type(offset) is int and offset >= 0, "storage offset")
+    _need(type(offset) is int and 0 <= offset < INT64, "storage offset")
     _need(type(size) is tuple and type(stride) is tuple and len(size) == len(stride), "size and stride")
-    _need(all(type(n) is int and n >= 0 for n in size + stride), "size and stride values")
+    # torch keeps them as int64: a larger one (with a zero-size dimension, never checked below) loads nowhere
+    _need(all(type(n) is int and 0 <= n < INT64 for n in size + stride) and math.prod(size) < INT64,
+          "size and stride values")
     if math.prod(size):
         extent = offset + 1 + sum((n - 1) * s for n, s in zip(size, stride))
         _need(extent * TORCH_ITEMSIZE[dtype_name] <= storage.nbytes, "tensor beyond its storage")

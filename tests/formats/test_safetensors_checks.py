@@ -3,13 +3,15 @@
 import json
 import struct
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from ckptstore import formats
-from ckptstore.errors import CheckpointFormatError
+from ckptstore.errors import CheckpointFormatError, UnsupportedStateError
 from ckptstore.formats import safetensors_file
+from ckptstore.state import RawTensor
 
 
 def write_raw(path, header: dict | bytes, data: bytes) -> None:
@@ -35,7 +37,9 @@ def entry(begin, end, shape, dtype="F32"):
     ({"a": entry(False, 8, [2])}, bytes(8), "malformed header entry"),
     ({"a": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}}, bytes(8), "malformed header entry"),
     ({"a": [1, 2]}, bytes(8), "malformed header entry"),
-    ({"a": entry(0, 2**70, [2**60, 2**10])}, bytes(8), "truncated"),
+    ({"a": entry(0, 2**62, [2**30, 2**30])}, bytes(8), "truncated"),
+    ({"a": entry(0, 2**70, [2**60, 2**10])}, bytes(8), "malformed header entry"),  # past 64 bits
+    ({"a": entry(0, 0, [0, 2**70])}, b"", "malformed header entry"),  # no 64-bit reader could load it
     (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "a": {"dtype": "F32", "shape": [2], '
      b'"data_offsets": [0, 8]}}', bytes(8), "more than once"),
     (b'{"a": ' + b"[" * 100000, b"", "not valid JSON"),
@@ -71,3 +75,19 @@ def test_a_header_that_is_not_an_object_is_refused_by_the_reader(tmp_path):
     write_raw(tmp_path / "m.safetensors", b"[1, 2]", b"")
     with pytest.raises(CheckpointFormatError, match="not a JSON object"):
         safetensors_file.read(tmp_path / "m.safetensors", "")
+
+
+def test_tensors_named_like_the_header_or_a_gap_keep_the_file_byte_for_byte(tmp_path):
+    header = {"%header": entry(4, 12, [2]), "%gap0": entry(12, 20, [2]), "%25header": entry(20, 28, [2])}
+    write_raw(tmp_path / "m.safetensors", header, b"gap!" + bytes(range(24)))
+    checkpoint = formats.read_checkpoint(tmp_path / "m.safetensors")
+    assert len(checkpoint.tensors) == 5  # the header, the gap and three tensors, none taking another's place
+    formats.write_file(checkpoint.files[0], tmp_path / "back.safetensors", None, lambda p: checkpoint.tensors[p])
+    assert (tmp_path / "back.safetensors").read_bytes() == (tmp_path / "m.safetensors").read_bytes()
+
+
+def test_an_export_refuses_a_tensor_named_like_the_formats_metadata(tmp_path):
+    with pytest.raises(UnsupportedStateError, match="__metadata__"):
+        safetensors_file.write_tensors(tmp_path / "out.safetensors",
+                                       {"__metadata__": RawTensor("torch.float32", (1,), np.zeros(4, np.uint8))})
+    assert not (tmp_path / "out.safetensors").exists()
