@@ -90,8 +90,10 @@ class CkptCallback(TrainerCallback):
                             "commits the checkpoint-N folders of args.output_dir (no hyperparameter search runs)")
         run = args.run_name or Path(args.output_dir).name
         # with save_total_limit=1 the Trainer deletes the last folder before on_train_end (when it is
-        # not the best one) and no hook runs in between: that last commit must read the folder now
-        blocking = self.blocking or (args.save_total_limit == 1 and state.global_step >= state.max_steps)
+        # not the best one) and no hook runs in between: that last commit (at max_steps, or where a
+        # callback such as early stopping ends training) must read the folder now
+        last = state.global_step >= state.max_steps or control.should_training_stop
+        blocking = self.blocking or (args.save_total_limit == 1 and last)
         repo = self._repository()
         result = head_if_unchanged(repo, self.branch, lambda: repo.commit(
             folder, message=f"{run}: {folder.name}", step=state.global_step, metrics=latest_metrics(state.log_history),
@@ -148,9 +150,9 @@ def _result_of(handle: BackgroundCommit, folder: Path, repo: Repository, branch:
         return head_if_unchanged(repo, branch, handle.result)
     except Exception as exc:
         raise BackgroundCommitError(
-            f"the background commit of {folder} ({handle.description}) failed: {exc}. Nothing of it was recorded "
-            f"and CkptCallback keeps the folder on disk: commit it with `ckpt commit {folder}`, or resume "
-            "training from it") from exc
+            f"the background commit of {folder} ({handle.description}) failed: {exc}. Nothing of it was recorded, "
+            f"and CkptCallback never deletes a folder it has not committed: where it is still there, commit it "
+            f"with `ckpt commit {folder}` or resume training from it") from exc
 
 
 def remove_committed_folders(output_dir: Path, committed: dict[Path, Any], keep: int,

@@ -30,7 +30,6 @@ import json
 import os
 import re
 import threading
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +45,7 @@ from ckptstore.errors import (
 )
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.formats.folder import is_temp_name
+from ckptstore.formats.torchfile import zip_not_whole
 from ckptstore.hashing import file_digest, object_id
 
 if TYPE_CHECKING:
@@ -223,12 +223,8 @@ def file_incomplete(path: Path) -> str:
         head = handle.read(8)
     if path.suffix == ".safetensors":
         return _safetensors_incomplete(path, head)
-    if head.startswith(b"PK"):  # a torch.save zip: its central directory is written last
-        try:
-            with zipfile.ZipFile(path) as archive:
-                archive.infolist()
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError):
-            return "its zip central directory is not written yet"
+    if head.startswith(b"PK"):  # a torch.save zip: its central directory and end record are written last
+        return zip_not_whole(path)
     return ""
 
 
@@ -245,8 +241,11 @@ def _safetensors_incomplete(path: Path, head: bytes) -> str:
             header = json.loads(handle.read(length))
         except ValueError:
             return "its header is not written yet"
+    if not isinstance(header, dict):
+        return ""  # whole, but no safetensors file: the commit refuses it and says why
     ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
-            and isinstance(v.get("data_offsets"), list) and len(v["data_offsets"]) == 2]
+            and isinstance(v.get("data_offsets"), list) and len(v["data_offsets"]) == 2
+            and type(v["data_offsets"][1]) is int]
     return "" if 8 + length + max(ends, default=0) <= size else "its tensor data is not all written yet"
 
 
@@ -270,15 +269,14 @@ def already_committed(repo: Repository, source: Source, branch: str | None) -> s
     if not candidates:
         return None
     files = {name: source.path / name if name else source.path for name, _, _ in source.signature}
-    digests = None
-    for info in candidates:
-        manifest = repo.read_manifest(info.manifest_object)
-        if sorted(f.name for f in manifest.files) != sorted(files):
-            continue
-        digests = digests or {n: file_digest(str(p)) for n, p in files.items()}
-        if all(digests[f.name] == manifest.digests.get(f.name) for f in manifest.files):
-            return info.id
-    return None
+    # only the newest: a kill between commit and record leaves that one, and a file rewritten back to an
+    # older content (A, B, A) is a new checkpoint, not the first A again
+    newest = candidates[0]
+    manifest = repo.read_manifest(newest.manifest_object)
+    if sorted(f.name for f in manifest.files) != sorted(files):
+        return None
+    digests = {n: file_digest(str(p)) for n, p in files.items()}
+    return newest.id if all(digests[f.name] == manifest.digests.get(f.name) for f in manifest.files) else None
 
 
 def _source_path(repo: Repository, path: Path) -> str:

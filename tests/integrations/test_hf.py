@@ -33,14 +33,15 @@ def _tokens() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def _trainer(output_dir: Path, callbacks=(), steps: int = STEPS, **extra) -> Trainer:
+def _trainer(output_dir: Path, callbacks=(), steps: int = STEPS, eval_dataset=None, **extra) -> Trainer:
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=LENGTH, bos_token_id=0,
                         eos_token_id=0)
     args = TrainingArguments(output_dir=str(output_dir), run_name="tiny-gpt2", max_steps=steps, save_steps=2,
                              logging_steps=1, per_device_train_batch_size=4, learning_rate=1e-3, seed=0,
                              use_cpu=True, report_to=[], dataloader_num_workers=0, disable_tqdm=True, **extra)
-    return Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=_tokens(), callbacks=list(callbacks))
+    return Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=_tokens(), eval_dataset=eval_dataset,
+                   callbacks=list(callbacks))
 
 
 class FolderBytes(TrainerCallback):
@@ -245,3 +246,38 @@ def test_a_failed_background_commit_stops_training_and_keeps_its_folder(tmp_path
     assert (tmp_path / "out" / "checkpoint-2" / "model.safetensors").is_file()
     with Repository.open(tmp_path / "repo") as repo:
         assert repo.head()[1] is None  # nothing of it recorded
+
+
+class StopAtFour(TrainerCallback):
+    """Early stopping made deterministic: training ends after the evaluation at step 4."""
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if state.global_step == 4:
+            control.should_training_stop = True
+
+
+class HoldFromStepFour(TrainerCallback):
+    """Holds a background commit started at step 4 until on_train_end, as a real-sized commit would still run."""
+
+    def __init__(self, release: Path, monkeypatch) -> None:
+        self.release, self.monkeypatch = release, monkeypatch
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == 4:
+            self.monkeypatch.setenv("CKPT_WAIT_AT", f"background:start={self.release}")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.release.touch()
+
+
+def test_an_early_stopped_runs_last_folder_is_committed_before_the_trainer_deletes_it(tmp_path, monkeypatch):
+    Repository.init(tmp_path / "repo").close()
+    callbacks = [StopAtFour(), HoldFromStepFour(tmp_path / "release", monkeypatch), CkptCallback(tmp_path / "repo")]
+    # the best model stays step 2's (greater is better), so _finalize_training deletes checkpoint-4
+    trainer = _trainer(tmp_path / "out", callbacks, steps=10, eval_dataset=_tokens()[:4], save_total_limit=1,
+                       eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
+                       metric_for_best_model="eval_loss", greater_is_better=True)
+    trainer.train()
+    assert not (tmp_path / "out" / "checkpoint-4").exists()
+    with Repository.open(tmp_path / "repo") as repo:
+        assert sorted(c.step for c in repo.log("main")) == [2, 4]

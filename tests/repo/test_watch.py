@@ -1,5 +1,6 @@
 """`ckpt watch`: commit what a training job writes, each checkpoint once it is complete, never twice."""
 
+import io
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from ckptstore.cli import cli
-from ckptstore.errors import CkptError
+from ckptstore.errors import CheckpointFormatError, CkptError
 from ckptstore.formats.torchfile import numpy_safe_globals
 from ckptstore.repo import watch as watch_module
 from ckptstore.repo.watch import WatchOptions, file_incomplete, step_of
@@ -172,3 +173,43 @@ def test_watch_refuses_a_file(repo, tmp_path):
     (tmp_path / "a.pt").write_bytes(b"x")
     with pytest.raises(CkptError, match="not a folder"):
         watch(repo, tmp_path / "a.pt", ONCE)
+
+
+def test_a_file_cut_off_after_an_inner_zip_waits_and_a_commit_of_it_is_refused(repo, tmp_path):
+    inner = io.BytesIO()
+    torch.save({"fp8_meta": torch.ones(3)}, inner)  # a torch.save'd blob kept as a uint8 tensor (TransformerEngine)
+    state = {"extra_state": torch.frombuffer(bytearray(inner.getvalue()), dtype=torch.uint8), "w": torch.randn(64, 64)}
+    torch.save(state, tmp_path / "full.pt")
+    whole = (tmp_path / "full.pt").read_bytes()
+    run = tmp_path / "run"
+    run.mkdir()
+    cut = whole[: whole.find(inner.getvalue()) + len(inner.getvalue())]  # zipfile alone reads this as the inner zip
+    (run / "model_step5.pt").write_bytes(cut)
+    assert file_incomplete(run / "model_step5.pt")
+    report = watch(repo, run, ONCE)
+    assert report.committed == [] and "model_step5.pt" in report.waiting
+    with pytest.raises(CheckpointFormatError, match="not a whole torch.save file"):
+        repo.commit(run / "model_step5.pt")
+    (run / "model_step5.pt").write_bytes(whole)
+    assert [name for name, _, _ in watch(repo, run, ONCE).committed] == ["model_step5.pt"]
+
+
+def test_a_safetensors_file_with_a_malformed_header_is_reported_and_the_rest_committed(repo, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    header = b"[]"
+    (run / "odd.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    torch.save({"w": torch.ones(4)}, run / "model_step3.pt")
+    said = []
+    report = watch(repo, run, ONCE, say=said.append)
+    assert [name for name, _, _ in report.committed] == ["model_step3.pt"]
+    assert any(line.startswith("odd.safetensors: not committed") for line in said)
+
+
+def test_a_file_rewritten_back_to_an_earlier_content_is_committed_again(repo, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    for value in (1.0, 2.0, 1.0):
+        torch.save({"w": torch.full((4,), value)}, run / "last.pt")
+        assert len(watch(repo, run, ONCE).committed) == 1
+        assert_same(repo.checkout("HEAD"), {"w": torch.full((4,), value)})
