@@ -7,12 +7,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptstore import faults, formats
-from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError
+from ckptstore import formats
+from ckptstore.errors import CkptError, CorruptRecordError
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
-from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource, replay
 from ckptstore.repo import integrity, refs, worktree
@@ -154,23 +153,13 @@ def _replay(repo: Repository, manifest: Manifest, paths: list[str], progress: Pr
             run: Replayer) -> dict[str, Any]:
     """Replay the tensors at `paths` with `run` (numpy on the CPU, or torch on a device); buffers by path."""
     ids = {manifest.entries[p].tensor for p in paths}
-    records = _records(repo, manifest, paths, ids)
-    faults.point("checkout:records-read")  # tests run a prune here
+
+    def attempt(records: dict) -> dict:
+        progress.start(label, sum(records[t].raw_bytes for t in ids))
+        return run(ChainSource(repo.store, records), [records[t] for t in ids], progress.advance)
+
     try:
-        try:
-            progress.start(label, sum(records[t].raw_bytes for t in ids))
-            buffers = run(ChainSource(repo.store, records), [records[t] for t in ids], progress.advance)
-        except CorruptObjectError:
-            # readers take no lock: a prune may have re-encoded or repacked these tensors and deleted the
-            # objects read here meanwhile. Records that moved are read again; unchanged ones are damage.
-            fresh = _records(repo, manifest, paths, ids)
-            if fresh == records:
-                raise
-            records = fresh
-            progress.start(label, sum(records[t].raw_bytes for t in ids))
-            buffers = run(ChainSource(repo.store, records), [records[t] for t in ids], progress.advance)
-    except CorruptObjectError as exc:
-        raise exc.needed_by(repo.commits_needing(exc.object_ids)) from None
+        buffers = integrity.replay_current(repo, manifest, paths, attempt)
     except CorruptRecordError as exc:
         raise integrity.naming_commits(repo, exc) from None
     finally:
@@ -184,17 +173,6 @@ def _replay(repo: Repository, manifest: Manifest, paths: list[str], progress: Pr
         handed_out.add(tensor)
         restored[path] = buffer
     return restored
-
-
-def _records(repo: Repository, manifest: Manifest, paths: list[str], ids: set) -> dict:
-    """The tensors' records as the metadata has them now, each byte accounted for (or an error naming the commits)."""
-    try:
-        with repo.db.read() as tx:
-            records = tensor_rows.load_records(tx, ids)
-        integrity.check_restore(manifest, paths, records)
-    except CorruptRecordError as exc:
-        raise integrity.naming_commits(repo, exc) from None
-    return records
 
 
 def _restore_on_device(repo: Repository, manifest: Manifest, device: str, progress: Progress) -> dict[str, Any]:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
+from ckptstore import faults
 from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata import commits as commit_rows
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from ckptstore.repo.manifest import Entry, Manifest
     from ckptstore.repo.repository import Repository
 
+T = TypeVar("T")
 _NO_DATA = np.empty(0, dtype=np.uint8)
 
 
@@ -72,6 +75,39 @@ def check_restore(manifest: Manifest, paths: list[str], records: dict[TensorId, 
         problem = entry_problem(entry, records)
         if problem is not None:
             raise CorruptRecordError(f"tensor {entry.tensor} (at {path!r})", problem, tensors=[entry.tensor])
+
+
+def checked_records(repo: Repository, manifest: Manifest, paths: list[str]) -> dict[TensorId, TensorRecord]:
+    """The records of the tensors at `paths` as the metadata has them now, every byte accounted for."""
+    try:
+        with repo.db.read() as tx:
+            records = tensor_rows.load_records(tx, {manifest.entries[p].tensor for p in paths})
+        check_restore(manifest, paths, records)
+    except CorruptRecordError as exc:
+        raise naming_commits(repo, exc) from None
+    return records
+
+
+def replay_current(repo: Repository, manifest: Manifest, paths: list[str],
+                   attempt: Callable[[dict[TensorId, TensorRecord]], T]) -> T:
+    """`attempt(records)` of the tensors at `paths`; a missing object means damage only where the records stand.
+
+    Readers take no lock: a prune may re-encode or repack these tensors and delete the objects read
+    here meanwhile. Records that moved are read again and replayed once more.
+    """
+    records = checked_records(repo, manifest, paths)
+    faults.point("checkout:records-read")  # tests run a prune here
+    try:
+        return attempt(records)
+    except CorruptObjectError as exc:
+        error = exc
+    fresh = checked_records(repo, manifest, paths)
+    if fresh == records:
+        raise error.needed_by(repo.commits_needing(error.object_ids)) from None
+    try:
+        return attempt(fresh)
+    except CorruptObjectError as exc:
+        raise exc.needed_by(repo.commits_needing(exc.object_ids)) from None
 
 
 def naming_commits(repo: Repository, error: CorruptRecordError) -> CorruptRecordError:

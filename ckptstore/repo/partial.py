@@ -13,9 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ckptstore.errors import CorruptObjectError, CorruptRecordError
 from ckptstore.hashing import TensorId
-from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.policy.lossless import LOSSLESS_CODEC
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource, replay
@@ -36,19 +34,14 @@ def restore_ranges(repo: Repository, manifest: Manifest, ranges: dict[str, tuple
     `end`. Records are checked as checkout checks them before anything is read.
     """
     paths = list(ranges)
-    try:
-        with repo.db.read() as tx:
-            records = tensor_rows.load_records(tx, {manifest.entries[p].tensor for p in paths})
-        integrity.check_restore(manifest, paths, records)
-    except CorruptRecordError as exc:
-        raise integrity.naming_commits(repo, exc) from None
-    spans = _spans(records, {p: manifest.entries[p].tensor for p in paths}, ranges)
-    cut = {tid: _cut(record, spans.get(tid)) for tid, record in records.items()}
     wanted = {manifest.entries[p].tensor for p in paths}
-    try:
-        buffers = replay(ChainSource(repo.store, cut), [cut[t] for t in wanted], repo.pool)
-    except CorruptObjectError as exc:
-        raise exc.needed_by(repo.commits_needing(exc.object_ids)) from None
+
+    def attempt(current: dict) -> tuple[dict, dict, dict]:
+        spans = _spans(current, {p: manifest.entries[p].tensor for p in paths}, ranges)
+        cut = {tid: _cut(record, spans.get(tid)) for tid, record in current.items()}
+        return current, spans, replay(ChainSource(repo.store, cut), [cut[t] for t in wanted], repo.pool)
+
+    records, spans, buffers = integrity.replay_current(repo, manifest, paths, attempt)
     out = {}
     for path in paths:
         tid = manifest.entries[path].tensor
