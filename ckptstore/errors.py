@@ -108,6 +108,10 @@ class PrunedCommitError(CkptError):
     """A commit `ckpt prune` removed: its row and place in the history stay, its tensors are gone."""
 
 
+class UnknownMetricError(CkptError):
+    """A retention rule names a metric no commit has: a misspelt name, or one not logged yet."""
+
+
 class RepoLockedError(CkptError):
     """Another process holds a lock this operation needs."""
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, ConflictError, RepoLockedError
+from ckptstore.errors import CkptError, ConflictError, RepoLockedError, UnknownMetricError
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata import Tx, liveness
 from ckptstore.metadata import commits as commit_rows
@@ -123,7 +123,7 @@ def after_commit(repo: Repository, cid: CommitId) -> CommitId:
         return cid
     try:
         prune(repo, only_if_doomed=True, wait=False)
-    except RepoLockedError:
+    except (RepoLockedError, UnknownMetricError):  # a metric not logged yet (eval every 500 steps): prune later
         pass
     except CkptError as exc:
         raise CkptError(f"commit {cid[:12]} was recorded, but the [retention] policy's prune failed: {exc}") from exc

@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ckptstore.errors import CkptError
+from ckptstore.errors import UnknownMetricError
 from ckptstore.hashing import CommitId
 from ckptstore.repo.config import RetentionPolicy
 
@@ -51,18 +51,14 @@ def kept_on_branch(chain: list[CommitId], policy: RetentionPolicy, metrics: Mapp
     if policy.keep_every:
         kept |= {cid for i, cid in enumerate(chain) if (len(chain) - 1 - i) % policy.keep_every == 0}
     best = policy.best()
-    scored = _scores(chain, best[0], metrics, pruned) if best is not None else {}
-    if scored:
-        target = (min if best[1] == "min" else max)(scored.values())
-        kept |= {cid for cid, value in scored.items() if value == target}
+    if best is not None:
+        name, way = best
+        scored = {cid: float(metrics[cid][name]) for cid in chain
+                  if cid not in pruned and _finite(metrics.get(cid, {}).get(name))}
+        if scored:
+            target = (min if way == "min" else max)(scored.values())
+            kept |= {cid for cid, value in scored.items() if value == target}
     return kept
-
-
-def _scores(chain: list[CommitId], name: str, metrics: Mapping[CommitId, Mapping[str, float]],
-            pruned: set[CommitId]) -> dict[CommitId, float]:
-    """The finite values of metric `name` on the chain's commits not yet pruned."""
-    return {cid: float(metrics[cid][name]) for cid in chain
-            if cid not in pruned and _finite(metrics.get(cid, {}).get(name))}
 
 
 def _finite(value: object) -> bool:
@@ -73,16 +69,14 @@ def doomed(history: History, policy: RetentionPolicy) -> set[CommitId]:
     """The commits the policy removes (none pruned already, none protected, none off every branch's chain)."""
     candidates: set[CommitId] = set()
     kept: set[CommitId] = set(history.protected)
-    best, unscored = policy.best(), []
     for tip in history.branches.values():
         chain = first_parent_chain(tip, history.parents)
         candidates.update(chain)
         kept |= kept_on_branch(chain, policy, history.metrics, history.pruned)
-        if best is not None and not _scores(chain, best[0], history.metrics, history.pruned):
-            unscored.append(chain)
     gone = candidates - kept - history.pruned
-    for chain in unscored:  # a misspelt or unlogged metric must not quietly keep nothing
-        if gone & set(chain):
-            raise CkptError(f"keep_best: no commit on the branch at {chain[0][:12]} has a finite value of metric "
-                            f"{best[0]!r}, so nothing was pruned; check the name against `ckpt show`'s metrics")
+    best = policy.best()
+    # a metric no commit has is a misspelt name or one not logged yet: keep_best must not quietly keep nothing
+    if best is not None and gone and not any(_finite(m.get(best[0])) for m in history.metrics.values()):
+        raise UnknownMetricError(f"keep_best: no commit has a finite value of metric {best[0]!r}, so nothing was "
+                                 "pruned; check the name against `ckpt show`'s metrics")
     return gone

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 from ckptstore import Repository
 from ckptstore.cli import cli
-from ckptstore.errors import CkptError, NothingToCommitError, PrunedCommitError
+from ckptstore.errors import CkptError, NothingToCommitError, PrunedCommitError, UnknownMetricError
 from ckptstore.policy import EncodingSettings
 from ckptstore.repo import fsck, remote
 from ckptstore.repo.config import RepoConfig, RetentionPolicy
@@ -77,7 +77,7 @@ def histories(draw):
 
 def _reference(branches, parents, metrics, tags, pruned, policy: RetentionPolicy) -> tuple[set[str], bool]:
     """What must go, by counting (a commit's age is how many first-parent steps separate it from its branch's
-    tip), and whether keep_best must refuse: a branch with no finite value of the metric would lose commits."""
+    tip), and whether keep_best must refuse: commits would go and no commit has a finite value of the metric."""
     def age(tip, cid):
         steps, current = 0, tip
         while current != cid:
@@ -90,7 +90,7 @@ def _reference(branches, parents, metrics, tags, pruned, policy: RetentionPolicy
         return 0 if not parents[cid] else 1 + height(parents[cid][0])
 
     keep = set(branches.values()) | (tags if policy.keep_tagged else set())
-    on_chains, unscored = set(), []
+    on_chains = set()
     for tip in branches.values():
         chain = [c for c in parents if age(tip, c) is not None]
         on_chains |= set(chain)
@@ -101,10 +101,9 @@ def _reference(branches, parents, metrics, tags, pruned, policy: RetentionPolicy
         if policy.keep_best and scored:
             best = max(scored) if policy.keep_best.endswith(":max") else min(scored)
             keep |= {c for c in chain if c in metrics and c not in pruned and metrics[c]["loss"] == best}
-        elif policy.keep_best:
-            unscored.append(set(chain))
     gone = on_chains - keep - pruned
-    return gone, any(chain & gone for chain in unscored)
+    logged = any(m["loss"] == m["loss"] for m in metrics.values())  # NaN is not a value
+    return gone, bool(policy.keep_best and gone and not logged)
 
 
 @settings(max_examples=200, deadline=None)
@@ -115,7 +114,7 @@ def test_selection_matches_an_independent_reference(history, keep_last, keep_eve
     protected = set(branches.values()) | (tags if keep_tagged else set())
     expected, refused = _reference(branches, parents, metrics, tags, pruned, policy)
     if refused:
-        with pytest.raises(CkptError, match="keep_best: no commit on the branch"):
+        with pytest.raises(UnknownMetricError, match="keep_best: no commit has"):
             doomed(History(branches, parents, metrics, protected, pruned), policy)
     else:
         assert doomed(History(branches, parents, metrics, protected, pruned), policy) == expected
@@ -270,10 +269,20 @@ def test_keep_best_on_a_metric_no_commit_has_refuses_and_prunes_nothing(tmp_path
     with Repository.init(tmp_path) as repo:
         for seed in range(3):
             repo.commit({"w": torch.full((8,), float(seed))}, metrics={"loss": float(seed)})
-        with pytest.raises(CkptError, match="no commit on the branch .* metric 'los'"):
+        with pytest.raises(UnknownMetricError, match="no commit has .* metric 'los'"):
             prune(repo, RetentionPolicy(keep_best="los"))
         assert len(prune(repo, RetentionPolicy(keep_best="loss")).pruned) == 1  # the tip and the best stay
         assert [c.pruned for c in repo.log()] == [False, True, False]
+
+
+def test_a_retention_policy_on_a_metric_not_logged_yet_lets_commits_succeed_and_prunes_once_it_is(tmp_path):
+    with Repository.init(tmp_path) as repo:
+        repo.config.retention = RetentionPolicy(keep_last=1, keep_best="eval_loss")
+        for seed in range(3):  # saves before the first evaluation: the metric is not there yet
+            repo.commit({"w": torch.full((8,), float(seed))}, metrics={"loss": float(seed)})
+        assert not any(c.pruned for c in repo.log())
+        repo.commit({"w": torch.full((8,), 9.0)}, metrics={"eval_loss": 0.5})
+        assert [c.pruned for c in repo.log()] == [False, True, True, True]
 
 
 def test_a_checkout_that_read_its_records_before_a_prune_still_restores_bit_exact(tmp_path):
