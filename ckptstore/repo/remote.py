@@ -110,8 +110,7 @@ def open_remote(remote: RemoteConfig, name: str = "") -> Repository:
 
 
 def remote_store(remote: RemoteConfig) -> ObjectStore:
-    """Only the object store of a remote (what a lazy clone reads from); a lazy clone's own reads fall through too."""
-    from ckptstore.objectstore.fallback import FallbackStore
+    """Only the object store of a remote (what a lazy clone reads from)."""
     from ckptstore.repo.config import RepoConfig
     from ckptstore.repo.repository import REPO_DIR
 
@@ -119,11 +118,9 @@ def remote_store(remote: RemoteConfig) -> ObjectStore:
         return open_store(remote.url, Path(remote.url), Path(remote.url))  # a bucket: no local folders used
     folder = Path(remote.url) / REPO_DIR
     config = RepoConfig.load(folder / "config.toml")
-    store = open_store(config.objects_url or "objects", folder / "tmp", folder)
-    lazy = [r for r in config.remotes.values() if r.lazy]
-    if lazy:  # that folder is a lazy clone itself: what it lacks comes from its origin, as for its own reads
-        return FallbackStore(store, lambda: remote_store(lazy[0].resolved(Path(remote.url))))
-    return store
+    if any(r.lazy for r in config.remotes.values()):  # it holds only what its checkouts read
+        raise CkptError(f"{remote.url} is itself a lazy clone: clone it without --lazy, or clone its origin lazily")
+    return open_store(config.objects_url or "objects", folder / "tmp", folder)
 
 
 def fsck_remote(repo: Repository, name: str, full: bool = False) -> FsckReport:
@@ -172,7 +169,11 @@ def _whole_on(store: ObjectStore, oid: ObjectId, size: int) -> bool:
     """Whether `store` holds `oid` at its recorded `size` (0: unknown, then only whether it is there).
 
     A crash can leave an object cut short under its right name; a rerun must send it again, not trust it.
+    A lazy clone is asked about what it holds, not what its origin could fill in.
     """
+    from ckptstore.objectstore.fallback import FallbackStore
+
+    store = store.local if isinstance(store, FallbackStore) else store
     if not size:
         return store.has(oid)
     try:
@@ -342,6 +343,8 @@ def clone(url: str, path: str | os.PathLike, metadata_url: str = "", lazy: bool 
     remote = RemoteConfig(_normal_url(url), metadata_url, lazy)
     with open_remote(remote, "origin") as source:
         head_branch = refs.head(source)[0] or "main"
+        if lazy and any(r.lazy for r in source.config.remotes.values()):  # it holds only what its checkouts read
+            raise CkptError(f"{url} is itself a lazy clone: clone it without --lazy, or clone its origin lazily")
     if not _interrupted_clone_of(path, remote):
         repo = Repository.init(path)
         repo.config.remotes["origin"] = remote

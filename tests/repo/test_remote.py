@@ -229,12 +229,20 @@ def test_tracking_refs_follow_the_remote_and_never_move_a_branch_or_tag(pair, tm
         remote.clone(str(hub_path), tmp_path / "afile")
 
 
-def test_a_lazy_clone_of_a_lazy_clone_reads_through_both_and_keeps_its_remote(pair, tmp_path):
+def test_a_lazy_clone_keeps_its_origin_and_is_no_origin_for_another(pair, tmp_path):
     work, hub_path, cids = pair
     remote.push(work, "origin")
-    remote.clone(str(hub_path), tmp_path / "lazy", lazy=True).close()
-    with remote.clone(str(tmp_path / "lazy"), tmp_path / "lazier", lazy=True) as lazier:
-        assert_same(_state(1), lazier.checkout(cids[1]))  # objects neither clone held: from the hub, through both
+    with remote.clone(str(hub_path), tmp_path / "lazy", lazy=True) as lazy:
         with pytest.raises(CkptError, match="lazy clone reads the objects"):
-            remote.remove(lazier, "origin")
-        assert "origin" in lazier.config.remotes
+            remote.remove(lazy, "origin")
+        assert "origin" in lazy.config.remotes
+        with Repository.open(hub_path) as hub:
+            hub.commit(_state(3), message="newer")
+        before = set(_object_files(lazy.root))
+        fetched = remote.fetch(lazy, "origin", lazy=False)  # sent and counted, not filled in behind the report
+        assert fetched.commits == 1 and fetched.objects == len(set(_object_files(lazy.root)) - before) > 0
+    with pytest.raises(CkptError, match="is itself a lazy clone"):  # it holds only what its checkouts read
+        remote.clone(str(tmp_path / "lazy"), tmp_path / "lazier", lazy=True)
+    assert not (tmp_path / "lazier").exists()
+    with remote.clone(str(tmp_path / "lazy"), tmp_path / "eager") as eager:  # read through the lazy clone
+        assert_same(_state(1), eager.checkout(cids[1]))

@@ -192,6 +192,9 @@ def test_a_file_cut_off_after_an_inner_zip_waits_and_a_commit_of_it_is_refused(r
         repo.commit(run / "model_step5.pt")
     (run / "model_step5.pt").write_bytes(whole)
     assert [name for name, _, _ in watch(repo, run, ONCE).committed] == ["model_step5.pt"]
+    (tmp_path / "padded.pt").write_bytes(whole + bytes(16))  # bytes after the end record: torch.load reads it
+    assert file_incomplete(tmp_path / "padded.pt") == ""
+    assert_same(repo.checkout(repo.commit(tmp_path / "padded.pt")), _load(tmp_path / "full.pt"))
 
 
 def test_a_safetensors_file_with_a_malformed_header_is_reported_and_the_rest_committed(repo, tmp_path):
