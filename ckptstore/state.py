@@ -93,6 +93,14 @@ def join(prefix: str, key: str) -> str:
     return f"{prefix}/{escape(key)}" if prefix else escape(key)
 
 
+def reserved_path(prefix: str, name: str) -> str:
+    """The path of a format's own entry ("%header", "%container"): a bare "%" part, which no escaped key has."""
+    return f"{prefix}/{name}" if prefix else name
+
+
+INT64_END = 1 << 63  # sizes, strides and offsets at or past this fit no reader's 64-bit integers
+
+
 # str keys that read as an int key's digits; only these (and "") are marked, so ordinary paths stay
 _INT_LIKE = re.compile(r"-?(?:0|[1-9][0-9]*)")
 

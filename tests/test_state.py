@@ -335,11 +335,12 @@ def test_an_expanded_view_of_a_shared_storage_round_trips(repo, tmp_path):
 
 def test_bytes_of_a_shared_storage_no_view_covers_come_back_zero_not_stale_memory():
     storage = torch.zeros(4096)
-    torch.empty(1 << 16).fill_(7.0)  # leave non-zero bytes behind in the allocator
     flat = flatten({"a": storage[:2], "b": storage[4000:4002]})
-    back = unflatten(flat.skeleton, lambda p: materialize(flat.tensors[p]))
-    whole = torch.empty(0).set_(back["a"].untyped_storage())
-    assert whole.numel() == 4096 and not whole.any()  # torch.save writes the whole storage
+    for _ in range(5):
+        torch.full((4096,), 7.0).untyped_storage()  # freed at once: a block of the same size, left non-zero
+        back = unflatten(flat.skeleton, lambda p: materialize(flat.tensors[p]))
+        whole = torch.empty(0).set_(back["a"].untyped_storage())
+        assert whole.numel() == 4096 and not whole.any()  # torch.save writes the whole storage
 
 
 def test_a_set_of_mixed_types_round_trips_and_numpy_scalars_json_cannot_hold_are_refused():

@@ -17,7 +17,7 @@ import numpy as np
 
 from ckptstore.errors import CheckpointFormatError, UnsupportedStateError
 from ckptstore.formats.atomic import write_parts
-from ckptstore.state import BYTES_DTYPE, TORCH_ITEMSIZE, RawTensor, join, raw_from_bytes
+from ckptstore.state import BYTES_DTYPE, INT64_END, TORCH_ITEMSIZE, RawTensor, join, raw_from_bytes, reserved_path
 
 DTYPES = {
     "F64": "torch.float64", "F32": "torch.float32", "F16": "torch.float16", "BF16": "torch.bfloat16",
@@ -26,7 +26,9 @@ DTYPES = {
     "BOOL": "torch.bool", "F8_E4M3": "torch.float8_e4m3fn", "F8_E5M2": "torch.float8_e5m2",
     "C64": "torch.complex64",
 }
-HEADER_PATH = "%header"  # kept unescaped: escaped keys write "%25", so no tensor name can take it
+# unescaped (state.reserved_path), so no tensor name can take it; before 3 December 2026 it was escaped
+# ("%25header", which a tensor named "%header" took), and older skeletons still name their own entries
+HEADER_PATH = "%header"
 MAX_HEADER = 100 << 20
 
 
@@ -49,7 +51,7 @@ def read(path: str | os.PathLike, prefix: str) -> tuple[Any, dict[str, RawTensor
     size = path.stat().st_size
     data = np.memmap(path, dtype=np.uint8, mode="r") if size else np.empty(0, dtype=np.uint8)
     header, start = _header(path, data, size)
-    tensors = {_reserved(prefix, HEADER_PATH): raw_from_bytes(np.array(data[:start]))}
+    tensors = {reserved_path(prefix, HEADER_PATH): raw_from_bytes(np.array(data[:start]))}
     spans = sorted(_span(path, name, info, size - start) for name, info in header.items() if name != "__metadata__")
     order, cursor, last = [], 0, None
     for begin, end, name, dtype, shape in spans:
@@ -65,16 +67,8 @@ def read(path: str | os.PathLike, prefix: str) -> tuple[Any, dict[str, RawTensor
         cursor, last = end, name
     if start + cursor < size:
         order.append(_gap(tensors, prefix, data[start + cursor :], len(order)))
-    return ["safetensors", _reserved(prefix, HEADER_PATH), order], tensors
+    return ["safetensors", reserved_path(prefix, HEADER_PATH), order], tensors
 
-
-def _reserved(prefix: str, name: str) -> str:
-    """The entry of the header or a gap: a bare "%" part, which no escaped tensor name is.
-
-    Before 3 December 2026 these were escaped like names, so a tensor named "%header" took the
-    header's place; older skeletons name their own entries, so they still read as written.
-    """
-    return f"{prefix}/{name}" if prefix else name
 
 
 def _header(path: Path, data: np.ndarray, size: int) -> tuple[dict, int]:
@@ -105,7 +99,7 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict:
 
 
 def _is_count(value: Any) -> bool:
-    return type(value) is int and 0 <= value < 1 << 63  # safetensors and torch hold them as 64-bit
+    return type(value) is int and 0 <= value < INT64_END
 
 
 def _span(path: Path, name: str, info: Any, data_size: int) -> tuple[int, int, str, str, tuple[int, ...]]:
@@ -133,7 +127,7 @@ def _span(path: Path, name: str, info: Any, data_size: int) -> tuple[int, int, s
 
 
 def _gap(tensors: dict[str, RawTensor], prefix: str, span: np.ndarray, index: int) -> list:
-    path = _reserved(prefix, f"%gap{index}")
+    path = reserved_path(prefix, f"%gap{index}")
     tensors[path] = raw_from_bytes(span)
     return [None, path]
 

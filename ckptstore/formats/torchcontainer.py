@@ -28,7 +28,7 @@ import numpy as np
 from ckptstore.errors import CkptError
 from ckptstore.formats.atomic import write_parts
 from ckptstore.formats.torchfile import ZIP_ERRORS
-from ckptstore.state import RawTensor, raw_from_bytes
+from ckptstore.state import RawTensor, raw_from_bytes, reserved_path
 
 _LOCAL = struct.Struct("<4s5H3L2H")
 _CENTRAL = struct.Struct("<4s6H3L5H2L")
@@ -38,7 +38,7 @@ CONTAINER_PATH = "%container"  # no escaped key starts with a bare "%" (escape w
 
 def container_path(prefix: str) -> str:
     """The entry that holds a file's container."""
-    return f"{prefix}/{CONTAINER_PATH}" if prefix else CONTAINER_PATH
+    return reserved_path(prefix, CONTAINER_PATH)
 
 
 def _central_offsets(data: mmap.mmap, zf: zipfile.ZipFile) -> list[int]:

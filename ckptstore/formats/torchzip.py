@@ -39,7 +39,7 @@ import numpy as np
 
 from ckptstore.errors import UnsupportedStateError
 from ckptstore.formats.torchfile import numpy_safe_globals, refused
-from ckptstore.state import TORCH_ITEMSIZE, TORCH_PREFIX, FlatState, RawTensor, _Flattener
+from ckptstore.state import INT64_END, TORCH_ITEMSIZE, TORCH_PREFIX, FlatState, RawTensor, _Flattener
 
 # The last line of every refusal of torch's weights_only loader; torchfile.refused keeps only it
 TORCH_REFUSAL = (
@@ -258,16 +258,13 @@ def _np_dtype(spec: Any, align: Any = False, copy: Any = False) -> np.dtype:
     return result
 
 
-INT64 = 1 << 63
-
-
 def _check_view(storage: Any, dtype_name: str, offset: Any, size: Any, stride: Any) -> None:
     """The checks torch's Tensor.set_ makes, and that every number is a plain int."""
     _need(isinstance(storage, TypedStorage) and dtype_name in TORCH_ITEMSIZE, "tensor storage or dtype")
-    _need(type(offset) is int and 0 <= offset < INT64, "storage offset")
+    _need(type(offset) is int and 0 <= offset < INT64_END, "storage offset")
     _need(type(size) is tuple and type(stride) is tuple and len(size) == len(stride), "size and stride")
     # torch keeps them as int64: a larger one (with a zero-size dimension, never checked below) loads nowhere
-    _need(all(type(n) is int and 0 <= n < INT64 for n in size + stride) and math.prod(size) < INT64,
+    _need(all(type(n) is int and 0 <= n < INT64_END for n in size + stride) and math.prod(size) < INT64_END,
           "size and stride values")
     if math.prod(size):
         extent = offset + 1 + sum((n - 1) * s for n, s in zip(size, stride))
