@@ -65,7 +65,7 @@ def remove(repo: Repository, name: str) -> None:
     """Forget remote `name` and its remote-tracking refs (not the remote a lazy clone reads its objects from)."""
     if named(repo, name).lazy:
         raise CkptError(f"remote {name!r} is where this lazy clone reads the objects it does not hold yet: removing "
-                        "it would leave commits unreadable. `ckpt fsck --full` reads (so fetches) every object; "
+                        "it would leave commits unreadable. `ckpt fsck` reads (so fetches) every object; "
                         f"then set lazy = false under [remotes.{name}] in .ckpt/config.toml to remove it")
     with repo.db.write() as tx:
         for ref in ref_rows.names(tx, (REMOTE_KIND,)):
@@ -272,7 +272,8 @@ def _track(repo: Repository, name: str, tips: dict[str, CommitId], every: bool =
             if branch not in tracked:
                 if ref_rows.ref_row(tx, ref) is not None:  # a branch or tag here took the name: never move it
                     raise CkptError(f"{ref!r} is a branch or tag here, so the remote-tracking ref of {name}/"
-                                    f"{branch} cannot be set; rename it (`remotes/` is for remote-tracking refs)")
+                                    f"{branch} cannot be set; branch or tag its commit under another name and "
+                                    f"delete it (`ckpt branch -d {ref}` or `ckpt tag -d {ref}`), then fetch again")
                 ref_rows.insert_ref(tx, ref, REMOTE_KIND, cid)
             elif tracked[branch] != cid:
                 ref_rows.set_commit(tx, ref, cid)
