@@ -24,7 +24,7 @@ from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata import transfer
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.repo import refs
-from ckptstore.repo.config import RemoteConfig, user_cache
+from ckptstore.repo.config import RemoteConfig, RepoConfig, user_cache
 
 if TYPE_CHECKING:
     from ckptstore.metadata.db import Tx
@@ -91,7 +91,6 @@ def _normal_url(url: str) -> str:
 
 def open_remote(remote: RemoteConfig, name: str = "") -> Repository:
     """The remote as a Repository: a folder's own config, or a shared one made from its two URLs."""
-    from ckptstore.repo.config import RepoConfig
     from ckptstore.repo.repository import REPO_DIR, Repository
 
     where = f"remote {name!r} ({remote.url})" if name else remote.url
@@ -111,16 +110,20 @@ def open_remote(remote: RemoteConfig, name: str = "") -> Repository:
 
 def remote_store(remote: RemoteConfig) -> ObjectStore:
     """Only the object store of a remote (what a lazy clone reads from)."""
-    from ckptstore.repo.config import RepoConfig
     from ckptstore.repo.repository import REPO_DIR
 
     if "://" in remote.url:
         return open_store(remote.url, Path(remote.url), Path(remote.url))  # a bucket: no local folders used
     folder = Path(remote.url) / REPO_DIR
     config = RepoConfig.load(folder / "config.toml")
-    if any(r.lazy for r in config.remotes.values()):  # it holds only what its checkouts read
-        raise CkptError(f"{remote.url} is itself a lazy clone: clone it without --lazy, or clone its origin lazily")
+    _refuse_lazy_origin(config, remote.url)
     return open_store(config.objects_url or "objects", folder / "tmp", folder)
+
+
+def _refuse_lazy_origin(config: RepoConfig, url: str) -> None:
+    """A lazy clone holds only what its checkouts read, so it can be no lazy clone's origin."""
+    if any(r.lazy for r in config.remotes.values()):
+        raise CkptError(f"{url} is itself a lazy clone: clone it without --lazy, or clone its origin lazily")
 
 
 def fsck_remote(repo: Repository, name: str, full: bool = False) -> FsckReport:
@@ -344,8 +347,8 @@ def clone(url: str, path: str | os.PathLike, metadata_url: str = "", lazy: bool 
     remote = RemoteConfig(_normal_url(url), metadata_url, lazy)
     with open_remote(remote, "origin") as source:
         head_branch = refs.head(source)[0] or "main"
-        if lazy and any(r.lazy for r in source.config.remotes.values()):  # it holds only what its checkouts read
-            raise CkptError(f"{url} is itself a lazy clone: clone it without --lazy, or clone its origin lazily")
+        if lazy:
+            _refuse_lazy_origin(source.config, url)
     if not _interrupted_clone_of(path, remote):
         repo = Repository.init(path)
         repo.config.remotes["origin"] = remote
