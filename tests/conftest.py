@@ -6,7 +6,9 @@ import atexit
 import os
 import random
 import shutil
+import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +73,15 @@ class TinyNet(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(self.embed(tokens)))))
+
+
+def wait_until_held(release: Path, process: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Return once `process` waits at its CKPT_WAIT_AT point (faults.py creates RELEASE.reached there)."""
+    deadline = time.monotonic() + timeout
+    while not Path(f"{release}.reached").exists():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, f"the process did not reach its wait point within {timeout:.0f} s"
+        time.sleep(0.02)
 
 
 def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -38,7 +38,7 @@ from ckptstore.repo import fsck, remote
 from ckptstore.repo.config import RepoConfig, RetentionPolicy
 from ckptstore.repo.pruning import prune
 from ckptstore.repo.retention import History, doomed
-from tests.conftest import Trainer, assert_same
+from tests.conftest import Trainer, assert_same, wait_until_held
 from tests.test_cli import ckpt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -294,8 +294,7 @@ def test_a_checkout_that_read_its_records_before_a_prune_still_restores_bit_exac
     reading = subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", cids[-1], "-o", "tip.pt"],
                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        while not (tmp_path / "release.reached").exists():
-            assert reading.poll() is None, reading.communicate()
+        wait_until_held(release, reading)
         pruned = ckpt(tmp_path, "prune", "--keep-last", "1")  # re-encodes the tip's chains, deletes their objects
         assert pruned.returncode == 0 and "re-encoded" in pruned.stdout, pruned.stdout + pruned.stderr
     finally:

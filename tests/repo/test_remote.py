@@ -10,7 +10,7 @@ import torch
 from ckptstore import Repository
 from ckptstore.errors import CkptError, ConflictError, CorruptObjectError, InvalidRefNameError, RefNotFoundError
 from ckptstore.repo import fsck, remote
-from tests.conftest import assert_same
+from tests.conftest import assert_same, wait_until_held
 from tests.test_cli import ROOT, ckpt
 
 
@@ -183,8 +183,7 @@ def test_a_gc_while_a_fetch_runs_keeps_what_was_fetched(pair, tmp_path):
     fetching = subprocess.Popen([sys.executable, "-m", "ckptstore", "fetch"], cwd=tmp_path / "copy", env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        while not (tmp_path / "release.reached").exists():
-            assert fetching.poll() is None, fetching.communicate()
+        wait_until_held(release, fetching)
         collecting = subprocess.Popen([sys.executable, "-m", "ckptstore", "gc", "--prune"], cwd=tmp_path / "copy",
                                       env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True)
