@@ -108,13 +108,14 @@ def _read_file(path: Path, name: str, trust_pickle: bool, in_folder: bool) -> tu
 def _read_torch_file(path: Path, name: str, prefix: str, size: int, trust_pickle: bool
                      ) -> tuple[CheckpointFile, dict[str, RawTensor]]:
     """A torch.save file: its state, and for a zip its container (so checkout can give its bytes back)."""
-    if torchfile.is_zip(path) and (why := torchfile.zip_not_whole(path)):
+    is_zip = torchfile.is_zip(path)
+    if is_zip and (why := torchfile.zip_not_whole(path)):
         raise CheckpointFormatError(f"{path} is not a whole torch.save file: {why} (cut off or damaged?)")
     # torch-free where the file is plain training state; torch's loader for everything else
     found = None if trust_pickle else torchzip.read_with_covers(path, prefix)
     flat, covers = found if found is not None else (flatten(torchfile.load(path, trust_pickle), prefix), None)
     record = CheckpointFile(name, TORCH, flat.skeleton, size)
-    split = torchcontainer.split(path, prefix, flat.tensors, covers) if torchfile.is_zip(path) else None
+    split = torchcontainer.split(path, prefix, flat.tensors, covers) if is_zip else None
     if split is not None:
         record.container, flat.tensors[record.container["entry"]] = split
     return record, flat.tensors

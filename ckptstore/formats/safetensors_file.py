@@ -70,7 +70,6 @@ def read(path: str | os.PathLike, prefix: str) -> tuple[Any, dict[str, RawTensor
     return ["safetensors", reserved_path(prefix, HEADER_PATH), order], tensors
 
 
-
 def _header(path: Path, data: np.ndarray, size: int) -> tuple[dict, int]:
     """The parsed JSON header and where the data begins."""
     if size < 8:
