@@ -87,3 +87,8 @@ class FillingRanges:
 
     def close(self) -> None:
         self._ranges.close()
+
+
+def held_here(store: ObjectStore) -> ObjectStore:
+    """`store` as what it holds now: a FallbackStore's local store, which fills nothing in from its source."""
+    return store.local if isinstance(store, FallbackStore) else store

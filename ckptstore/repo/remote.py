@@ -23,6 +23,7 @@ from ckptstore.hashing import CommitId, ObjectId
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata import transfer
 from ckptstore.objectstore import ObjectStore, open_store
+from ckptstore.objectstore.fallback import held_here
 from ckptstore.repo import refs
 from ckptstore.repo.config import RemoteConfig, RepoConfig, user_cache
 
@@ -172,11 +173,7 @@ def _whole_on(store: ObjectStore, oid: ObjectId, size: int) -> bool:
     """Whether `store` holds `oid` at its recorded `size` (0: unknown, then only whether it is there).
 
     A crash can leave an object cut short under its right name; a rerun must send it again, not trust it.
-    A lazy clone is asked about what it holds, not what its origin could fill in.
     """
-    from ckptstore.objectstore.fallback import FallbackStore
-
-    store = store.local if isinstance(store, FallbackStore) else store
     if not size:
         return store.has(oid)
     try:
@@ -188,7 +185,8 @@ def _whole_on(store: ObjectStore, oid: ObjectId, size: int) -> bool:
 def _send_objects(source: Repository, target: Repository, wanted: dict[ObjectId, int]) -> tuple[int, int]:
     """Copy the objects (id: stored size) `target` lacks whole, each verified on reading; returns (objects, bytes)."""
     oids = sorted(wanted)
-    held = source.pool.map(lambda oid: _whole_on(target.store, oid, wanted[oid]), oids)
+    here = held_here(target.store)  # a lazy clone: what it holds, not what its origin could fill in
+    held = source.pool.map(lambda oid: _whole_on(here, oid, wanted[oid]), oids)
     absent = [oid for oid, whole in zip(oids, held) if not whole]
 
     def send(oid: ObjectId) -> int:
