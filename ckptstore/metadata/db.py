@@ -140,7 +140,7 @@ class Database:
     (a server restarting, a connection dropped while idle): nothing has run in it yet.
     """
 
-    def __init__(self, url: str, read_only: bool = False, why: str = "") -> None:
+    def __init__(self, url: str, read_only: bool = False, why: str = "", create: bool = True) -> None:
         self.url = url
         self.backend = open_backend(url, read_only)
         self.path: Path | None = getattr(self.backend, "path", None)  # the SQLite file; None on a server
@@ -151,7 +151,10 @@ class Database:
         self._guard = threading.Lock()
         self._writing = threading.local()
         self._closed = False
+        self._create = create
         try:
+            if not create and self.path is not None and not self.path.exists():
+                raise self._missing("is missing")
             self.check_schema()
         except BaseException:
             self.close()  # no connection outlives a database that failed to open
@@ -312,6 +315,8 @@ class Database:
         current = self.revision()
         if current == HEAD_REVISION:
             return
+        if current is None and not self._create:
+            raise self._missing("holds no schema (it is empty)")
         if current is not None and current not in KNOWN_REVISIONS:
             raise CkptError(f"{self.where} has metadata schema {current!r}, written by a newer ckptstore; "
                             "upgrade ckptstore to open it")
@@ -328,6 +333,13 @@ class Database:
             if known is None:
                 raise
             raise known from exc
+
+    def _missing(self, what: str) -> CorruptDatabaseError:
+        # A repository's history lives only here: starting an empty one over its objects would let
+        # gc delete them all, so opening (unlike init) never creates the schema.
+        return CorruptDatabaseError(f"the metadata database {self.where} {what}, but a repository's commits and refs "
+                                    "live in it; restore it from a backup (nothing was written, and gc will not run "
+                                    "until then), or remove the repository's .ckpt folder to start over")
 
     def size_on_disk(self) -> int:
         """Bytes the metadata takes on disk: the SQLite file and its log, or our tables on the server."""

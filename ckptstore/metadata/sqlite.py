@@ -33,6 +33,17 @@ def sqlite_path(url: str) -> Path:
     return Path(url[len(PREFIX) :])
 
 
+def absolute_url(url: str, base: Path) -> str:
+    """`url` with a relative SQLite path made absolute against `base`; any other URL (or "") as it is.
+
+    A relative path read from wherever a command happens to run would open (and create) another,
+    empty database: the repository would seem to have no commits, and gc would delete its objects.
+    """
+    if not url.startswith(PREFIX) or Path(url[len(PREFIX) :]).is_absolute():
+        return url
+    return PREFIX + str((base / url[len(PREFIX) :]).resolve())
+
+
 def read_only_uri(path: Path) -> str:
     """The URI that opens `path` without writing to it.
 

@@ -106,7 +106,8 @@ def open_remote(remote: RemoteConfig, name: str = "") -> Repository:
     key = hashlib.sha256(f"{remote.url}\n{remote.metadata_url}".encode()).hexdigest()[:16]
     root = user_cache() / "remotes" / key
     (root / REPO_DIR).mkdir(parents=True, exist_ok=True)
-    return Repository(root, RepoConfig(objects_url=remote.url, metadata_url=remote.metadata_url))
+    # pushing to a bucket whose database is new starts its schema there, as init would
+    return Repository(root, RepoConfig(objects_url=remote.url, metadata_url=remote.metadata_url), create=True)
 
 
 def remote_store(remote: RemoteConfig) -> ObjectStore:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import CorruptObjectError, RepoExistsError
 from ckptstore.hashing import CommitId, ObjectId
-from ckptstore.metadata import Database
+from ckptstore.metadata import Database, absolute_url
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.objectstore import ObjectStore, open_store
@@ -44,7 +44,7 @@ class Repository:
     """A checkpoint repository: its objects in a store, its metadata in a database, both named by its config."""
 
     def __init__(self, root: Path, config: RepoConfig, store: ObjectStore | None = None, read_only: bool = False,
-                 why: str = "") -> None:
+                 why: str = "", create: bool = False) -> None:
         self.root = root
         self.dir = root / REPO_DIR
         self.config = config
@@ -57,7 +57,9 @@ class Repository:
             from ckptstore.repo.remote import remote_store
 
             self.store = FallbackStore(self.store, lambda: remote_store(lazy[0].resolved(root)))
-        self.db = Database(config.metadata_url or f"sqlite:///{self.dir / 'ckpt.db'}", read_only, why)
+        # only init (create) may start a schema: an open that finds none must not start a new history
+        self.db = Database(absolute_url(config.metadata_url, root) or f"sqlite:///{self.dir / 'ckpt.db'}", read_only,
+                           why, create=create)
         self._pool: ThreadPoolExecutor | None = None
         self._shared_pool = False  # the pool is a warm process's (repo/warm.py): closing leaves it running
         self._background: Lane | None = None  # commits in the background (repo/background.py)
@@ -81,9 +83,11 @@ class Repository:
         (root / REPO_DIR).mkdir(parents=True)
         repo = None
         try:
-            config = RepoConfig(encoding or EncodingSettings(), metadata_url, lossy=lossy, objects_url=objects_url)
+            # a relative SQLite path is taken from the current folder, as a shell user means it, and kept absolute
+            config = RepoConfig(encoding or EncodingSettings(), absolute_url(metadata_url, Path.cwd()), lossy=lossy,
+                                objects_url=objects_url)
             config.save(root / REPO_DIR / "config.toml")
-            repo = cls(root, config)
+            repo = cls(root, config, create=True)
             with repo.db.write() as tx:
                 if ref_rows.ref_row(tx, refs.HEAD) is None:
                     ref_rows.insert_ref(tx, refs.HEAD, refs.HEAD_KIND, target=DEFAULT_BRANCH)

@@ -243,3 +243,37 @@ def test_chain_checks_accept_a_base_recorded_at_another_depth_and_refuse_loops_a
     assert "loops" in chain_problem(top, {loop.id: loop, top.id: top})
     short = record("b" * 64, None, 0, chunks=((4, "a"),))
     assert "cover 4 of its 8 bytes" in chain_problem(top, {short.id: short, top.id: top})
+
+
+@pytest.mark.parametrize("damage", ["emptied", "deleted"])
+def test_a_lost_database_is_refused_and_never_starts_a_new_history_over_the_objects(tmp_path, damage):
+    """Only init starts a schema: an open that found none would see no commits, and gc would delete every object."""
+    _checkpoint(tmp_path / "c.pt")
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(tmp_path / "c.pt")
+        before = _objects(repo)
+    db = tmp_path / "repo" / ".ckpt" / "ckpt.db"
+    for leftover in db.parent.glob("ckpt.db-*"):
+        leftover.unlink()
+    db.write_bytes(b"") if damage == "emptied" else db.unlink()
+    for attempt in range(2):  # the refusal creates no schema, so it says the same again
+        with pytest.raises(CkptError, match="restore it from a backup") as refused:
+            Repository.open(tmp_path / "repo")
+        assert str(db) in str(refused.value)
+    objects = tmp_path / "repo" / ".ckpt" / "objects"
+    assert {p.relative_to(objects).as_posix().replace("/", "") for p in objects.rglob("*") if p.is_file()} == set(before)
+
+
+def test_a_relative_sqlite_path_names_one_database_from_any_folder(tmp_path, monkeypatch):
+    """`init --metadata sqlite:///meta.db` is kept absolute; a command run from a subfolder sees the same commits."""
+    state = _checkpoint(tmp_path / "c.pt")
+    (tmp_path / "run" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "run")
+    with Repository.init(".", metadata_url="sqlite:///meta.db") as repo:
+        cid = repo.commit(tmp_path / "c.pt")
+    assert (tmp_path / "run" / "meta.db").exists()
+    monkeypatch.chdir(tmp_path / "run" / "sub")
+    with Repository.open() as repo:
+        assert [c.id for c in repo.log()] == [cid]
+        assert_same(state, repo.checkout(cid))
+    assert not (tmp_path / "run" / "sub" / "meta.db").exists()
