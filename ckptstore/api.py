@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptstore.hashing import CommitId
 from ckptstore.repo import Repository
+from ckptstore.repo.location import find_root
 
 if TYPE_CHECKING:
     from ckptstore.repo.background import BackgroundCommit
@@ -15,10 +19,40 @@ if TYPE_CHECKING:
 RepoLike = Repository | str | os.PathLike | None
 
 
+# Repositories a background save opened by path, kept open for the rest of the process: one
+# repository object per folder means one lane, so each later call waits for the commit in flight
+# (and raises its failure) instead of racing it on the branch.
+_KEPT: dict[Path, Repository] = {}
+_KEPT_LOCK = threading.Lock()
+
+
+def _close_kept() -> None:
+    for kept in list(_KEPT.values()):
+        kept.close()
+
+
+def _kept_open(repo: str | os.PathLike | None) -> Repository:
+    """The process's open repository at that path (or here), opened on first use."""
+    root = find_root(repo)
+    with _KEPT_LOCK:
+        if root not in _KEPT:
+            if not _KEPT:
+                atexit.register(_close_kept)
+            _KEPT[root] = Repository.open(root)
+        return _KEPT[root]
+
+
 def with_repo(repo: RepoLike, fn: Callable[[Repository], Any]) -> Any:
-    """`fn(repo)` for an open Repository as it is, or for the one at that path (or here), opened and closed."""
+    """`fn(repo)` for an open Repository as it is, or for the one at that path (or here), opened and closed.
+
+    Where a background save keeps that folder's repository open, the call goes through it.
+    """
     if isinstance(repo, Repository):
         return fn(repo)
+    if _KEPT:
+        kept = _KEPT.get(find_root(repo))
+        if kept is not None:
+            return fn(kept)
     with Repository.open(repo) as opened:
         return fn(opened)
 
@@ -35,7 +69,8 @@ def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = 
     lets it measure which weights the loss is sensitive to, and holds the restored checkpoint's
     loss within `max_loss_change` (relative; default: the level's promise) of the original's.
     `blocking=False` returns a handle as soon as `obj` is copied (`Repository.commit`); a
-    repository given by path (or None) then stays open until that commit is done.
+    repository given by path (or None) then stays open for the rest of the process, so each later
+    save or load there waits for the commit in flight, as calls on one Repository do.
     """
     def run(r: Repository) -> CommitId | BackgroundCommit:
         return r.commit(obj, message=message, step=step, metrics=metrics, branch=branch, lossy=lossy, model=model,
@@ -44,15 +79,7 @@ def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = 
 
     if blocking or isinstance(repo, Repository):
         return with_repo(repo, run)
-    from ckptstore.repo.background import close_when_done
-
-    opened = Repository.open(repo)
-    try:
-        handle = run(opened)
-    except BaseException:
-        opened.close()
-        raise
-    return close_when_done(handle, opened)
+    return run(_kept_open(repo))
 
 
 def load(ref: str = "HEAD", repo: RepoLike = None, map_location: str | None = None,

@@ -58,9 +58,6 @@ class BackgroundCommit:
     _future: Future = field(default_factory=Future)
     _observed: bool = False
     _thread: threading.Thread | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _finished: bool = False
-    _close: Repository | None = None  # a repository to close once the commit is done (api.save's own)
 
     def done(self) -> bool:
         """Whether the commit has finished (written, or failed)."""
@@ -189,19 +186,9 @@ def commit_call(repo: Repository, source: Any, options: CommitOptions, lossy: Lo
     return commit(repo, source, options, lossy, progress)
 
 
-def close_when_done(handle: BackgroundCommit, repo: Repository) -> BackgroundCommit:
-    """Close `repo` once `handle`'s commit is done (now, if it is); return the handle."""
-    with handle._lock:
-        if not handle._finished:
-            handle._close = repo
-            return handle
-    repo.close()
-    return handle
-
-
 def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: Any, lent: list[Any],
           options: CommitOptions, lossy: LossyOptions, progress: Progress | None) -> None:
-    """The thread: commit, give the buffers back, close what asked to be closed, then resolve the handle."""
+    """The thread: commit, give the buffers back, then resolve the handle."""
     start = time.perf_counter()
     error: BaseException | None = None
     _lower_priority()
@@ -219,10 +206,6 @@ def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: An
     finally:
         lane.buffers.give_back(lent)
         handle.timing["commit_s"] = time.perf_counter() - start
-    with handle._lock:
-        handle._finished, closing = True, handle._close
-    if closing is not None:
-        closing.close()  # its lane waits for no one: this thread is the one in flight
     if error is None:
         handle._future.set_result(cid)
     else:

@@ -56,9 +56,10 @@ def move_ref(tx: Tx, target: str | None, expected: CommitId | None, new: CommitI
         where = (now.commit_id or "nothing")[:12] if now else "nothing"
         raise ConflictError(
             f"{target or 'HEAD'} moved to {where} while this commit was being written "
-            f"(it started from {(expected or 'an unborn branch')[:12]}); nothing was recorded. "
-            "Another process commits to the same branch: commit again to put this checkpoint on "
-            "top, or use --branch to keep the two runs apart."
+            f"(it started from {expected[:12] if expected else 'an unborn branch'}); nothing was recorded. "
+            "Another commit went to the same branch meanwhile (another process, or another Repository "
+            "object of the same folder): commit again to put this checkpoint on top, or use --branch to "
+            "keep the two runs apart."
         )
 
 

@@ -136,13 +136,23 @@ def test_lossy_commit_in_background_equals_the_blocking_one(tmp_path, trainer):
             b.commit(state, lossy="balanced", model=trainer.model, calibration=lambda m: 0.0, blocking=False)
 
 
-def test_save_by_path_keeps_the_repository_open_until_done(tmp_path, trainer):
-    Repository.init(tmp_path).close()
-    expected = copy.deepcopy(trainer.state())
-    handle = ckptstore.save(trainer.state(), tmp_path, message="saved", blocking=False)
-    cid = handle.result()
-    assert handle._close is not None and handle._close._pool is None  # closed once done
-    assert_same(ckptstore.load(cid, tmp_path), expected)
+def test_saves_by_path_in_the_background_wait_for_each_other_and_all_land(tmp_path, trainer, hold):
+    """Each call on the same folder shares one repository: none races the one in flight on the branch."""
+    Repository.init(tmp_path / "repo").close()
+    expected, handles = [], []
+    threading.Timer(0.3, hold.touch).start()  # the first commit is still held when the next calls come
+    for step in range(4):
+        trainer.train(1)
+        expected.append(copy.deepcopy(trainer.state()))
+        handles.append(ckptstore.save(trainer.state(), tmp_path / "repo", message=f"s{step}", step=step,
+                                      blocking=False))
+    trainer.train(1)
+    last = ckptstore.save(trainer.state(), tmp_path / "repo", message="blocking", step=4)  # waits too
+    cids = [handle.result() for handle in handles]
+    with Repository.open(tmp_path / "repo") as repo:
+        assert [c.id for c in repo.log()] == [last, *reversed(cids)]
+    for cid, state in zip(cids, expected, strict=True):
+        assert_same(ckptstore.load(cid, tmp_path / "repo"), state)
 
 
 CHILD = """

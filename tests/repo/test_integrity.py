@@ -256,12 +256,13 @@ def test_a_lost_database_is_refused_and_never_starts_a_new_history_over_the_obje
     for leftover in db.parent.glob("ckpt.db-*"):
         leftover.unlink()
     db.write_bytes(b"") if damage == "emptied" else db.unlink()
-    for attempt in range(2):  # the refusal creates no schema, so it says the same again
+    for _ in range(2):  # the refusal creates no schema, so it says the same again
         with pytest.raises(CkptError, match="restore it from a backup") as refused:
             Repository.open(tmp_path / "repo")
         assert str(db) in str(refused.value)
     objects = tmp_path / "repo" / ".ckpt" / "objects"
-    assert {p.relative_to(objects).as_posix().replace("/", "") for p in objects.rglob("*") if p.is_file()} == set(before)
+    kept = {p.relative_to(objects).as_posix().replace("/", "") for p in objects.rglob("*") if p.is_file()}
+    assert kept == set(before)
 
 
 def test_a_relative_sqlite_path_names_one_database_from_any_folder(tmp_path, monkeypatch):
