@@ -21,8 +21,8 @@ from torch.futures import Future
 
 from ckptstore.dcp import meta
 from ckptstore.dcp.repos import RepoHandle
-from ckptstore.errors import CkptError, CorruptRecordError, PickledObjectsError
-from ckptstore.formats import dcpmeta
+from ckptstore.errors import CkptError
+from ckptstore.formats.dcpdir import item_pickle
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.repo import sharded
@@ -162,7 +162,7 @@ def _deliver(item: ReadItem, entry: Entry, part: tuple[int, np.ndarray], planner
     first_byte, buffer = part
     if item.type == LoadItemType.BYTE_IO:
         data = buffer.tobytes()
-        planner.load_bytes(item, io.BytesIO(data) if trust_pickle else _rewritten(item.dest_index.fqn, data))
+        planner.load_bytes(item, io.BytesIO(item_pickle(item.dest_index.fqn, data, trust_pickle)))
         return
     dtype = torch_dtype(entry.dtype)
     flat = torch.from_numpy(buffer).view(dtype) if buffer.size else torch.empty(0, dtype=dtype)
@@ -178,42 +178,3 @@ def _deliver(item: ReadItem, entry: Entry, part: tuple[int, np.ndarray], planner
     planner.commit_tensor(item, target)
 
 
-def _rewritten(fqn: str, data: bytes) -> io.BytesIO:
-    """A pickle for DCP written afresh: from the item's JSON skeleton, or from what torch's restricted unpickler read.
-
-    An item stored as DCP's own pickle (one the skeleton could not hold) is loaded restricted, and
-    what that refuses (objects beyond plain data and tensors) is refused here.
-    """
-    import pickle
-
-    if data.startswith(dcpmeta.SKELETON_MAGIC):
-        return _pickled(_from_skeleton(fqn, data[len(dcpmeta.SKELETON_MAGIC):]))
-    try:  # DCP saves a BytesIO value by pickling the BytesIO: rebuilding one runs no code of the file's choosing
-        with torch.serialization.safe_globals([io.BytesIO]):
-            value = torch.load(io.BytesIO(data), weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
-        raise PickledObjectsError(f"{fqn}: this non-tensor item holds objects beyond plain data and tensors "
-                                  f"({str(exc).splitlines()[0][:200]}); DCP would unpickle them in full. Pass "
-                                  "CkptStorageReader(..., trust_pickle=True) only for repositories you trust") from None
-    return _pickled(value)
-
-
-def _from_skeleton(fqn: str, text: bytes) -> Any:
-    import json
-
-    from ckptstore.state import unflatten
-
-    def no_tensors(path: str) -> Any:
-        raise CorruptRecordError(f"bytes item {fqn}", f"its skeleton names a tensor ({path}) it does not hold")
-
-    try:
-        return unflatten(json.loads(text), no_tensors)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise CorruptRecordError(f"bytes item {fqn}", f"its stored skeleton does not parse ({exc})") from None
-
-
-def _pickled(value: Any) -> io.BytesIO:
-    fresh = io.BytesIO()
-    torch.save(value, fresh)
-    fresh.seek(0)
-    return fresh

@@ -26,7 +26,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from ckptstore.errors import CheckpointFormatError, PickledObjectsError
+from ckptstore.errors import CheckpointFormatError, CorruptRecordError, PickledObjectsError
 from ckptstore.formats import dcpmeta
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.state import RawTensor, materialize, raw_from_bytes, raw_from_torch, unflatten
@@ -164,13 +164,21 @@ def write(dest: str | os.PathLike, dcp: dict[str, Any], items: Iterable[tuple[st
         offset = 0
         for key, raw in items:
             index = index_of[key]
-            blob = _stored_bytes(raw, index.fqn) if index.offset is None else _saved(raw)
+            blob = item_pickle(index.fqn, bytes(raw.data)) if index.offset is None else _saved(raw)
             handle.write(blob)
             storage[index] = _StorageInfo(DATA_FILE, offset, len(blob))
             offset += len(blob)
 
-    dest.mkdir(parents=False, exist_ok=True)
-    atomic_write(dest / DATA_FILE, fill)
+    if not dest.parent.is_dir():
+        raise CheckpointFormatError(f"directory {dest.parent} does not exist; create it first or pass another -o path")
+    made = not dest.exists()
+    dest.mkdir(exist_ok=True)
+    try:
+        atomic_write(dest / DATA_FILE, fill)
+    except BaseException:
+        if made:  # a refused item (or any failure) leaves no empty folder of ours behind
+            dest.rmdir()
+        raise
     if len(storage) != len(index_of):
         raise CheckpointFormatError(f"{dest}: {len(index_of) - len(storage)} of the commit's items were not written")
     metadata.storage_data = storage
@@ -185,16 +193,37 @@ def _saved(raw: RawTensor) -> bytes:
     return out.getvalue()
 
 
-def _stored_bytes(raw: RawTensor, fqn: str) -> bytes:
-    """A bytes item as DCP's planner reads it: the pickle stored, or one written from its JSON skeleton."""
-    data = bytes(raw.data)
-    if not data.startswith(dcpmeta.SKELETON_MAGIC):
+def item_pickle(fqn: str, data: bytes, trust_pickle: bool = False) -> bytes:
+    """A stored bytes item as the pickle DCP's planner unpickles: written afresh, never the stored one as it is.
+
+    Plain values are stored as a JSON skeleton and pickled here. An item kept as DCP's own pickle
+    (one the skeleton could not hold) is loaded with torch's restricted unpickler and pickled
+    again, so whatever later unpickles it in full runs no code of the stored bytes' choosing; what
+    that refuses is refused here, unless `trust_pickle` hands the stored pickle over as it is.
+    """
+    if data.startswith(dcpmeta.SKELETON_MAGIC):
+        value = _from_skeleton(fqn, data[len(dcpmeta.SKELETON_MAGIC):])
+    elif trust_pickle:
         return data
-
-    def no_tensors(path: str) -> Any:
-        raise CheckpointFormatError(f"bytes item {fqn}: its skeleton names a tensor ({path}) it does not hold")
-
-    value = unflatten(json.loads(data[len(dcpmeta.SKELETON_MAGIC):]), no_tensors)
+    else:
+        try:  # DCP saves a BytesIO value by pickling the BytesIO: rebuilding one runs no code of the file's choosing
+            with torch.serialization.safe_globals([io.BytesIO]):
+                value = torch.load(io.BytesIO(data), weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+            raise PickledObjectsError(f"{fqn}: this non-tensor item holds objects beyond plain data and tensors "
+                                      f"({str(exc).splitlines()[0][:200]}); DCP would unpickle them in full. Load "
+                                      "it with CkptStorageReader(..., trust_pickle=True), and only from repositories "
+                                      "you trust") from None
     out = io.BytesIO()
     torch.save(value, out)
     return out.getvalue()
+
+
+def _from_skeleton(fqn: str, text: bytes) -> Any:
+    def no_tensors(path: str) -> Any:
+        raise CorruptRecordError(f"bytes item {fqn}", f"its skeleton names a tensor ({path}) it does not hold")
+
+    try:
+        return unflatten(json.loads(text), no_tensors)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptRecordError(f"bytes item {fqn}", f"its stored skeleton does not parse ({exc})") from None

@@ -124,6 +124,23 @@ def test_bytes_items_that_need_full_unpickling_are_refused_unless_trusted(tmp_pa
     assert isinstance(raised.value.failures[0][0], PickledObjectsError)
     dcp.load(target, storage_reader=CkptStorageReader(tmp_path, trust_pickle=True))
     assert isinstance(target["obj"], Opaque) and target["obj"].value == 5
+    # a checkout -o writes what a plain dcp.load unpickles in full: never the stored pickle as it is
+    with pytest.raises(PickledObjectsError, match="obj: this non-tensor item"):
+        Repository.open(tmp_path).checkout_to("main", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_trusted_reads_and_checkouts_of_plain_non_tensor_items(tmp_path):
+    """Plain values are JSON skeletons: trust_pickle=True reads them too; -o into a missing folder is refused."""
+    with Repository.init(tmp_path / "repo") as repo:
+        dcp.save({"w": torch.arange(4.0), "step": 100, "name": "run-1"},
+                 storage_writer=CkptStorageWriter(tmp_path / "repo"))
+        loaded = {"w": torch.zeros(4), "step": 0, "name": ""}
+        dcp.load(loaded, storage_reader=CkptStorageReader(tmp_path / "repo", trust_pickle=True))
+        assert loaded["step"] == 100 and loaded["name"] == "run-1" and torch.equal(loaded["w"], torch.arange(4.0))
+        with pytest.raises(CkptError, match="does not exist; create it first"):
+            repo.checkout_to("main", tmp_path / "missing" / "out")
+        assert not (tmp_path / "missing").exists()
 
 
 def test_a_second_save_of_the_same_state_reuses_every_tensor(tmp_path):
@@ -200,13 +217,13 @@ def test_export_writes_an_ordinary_commit_too(tmp_path):
 def test_dcp_unpickles_a_fresh_pickle_of_what_the_restricted_loader_read_never_the_stored_bytes():
     import io
 
-    from ckptstore.dcp.reader import _rewritten
+    from ckptstore.formats.dcpdir import item_pickle
 
     stored = io.BytesIO()
     torch.save({"step": 7, "lr": [1e-3, 2e-3]}, stored, _use_new_zipfile_serialization=False)  # not what DCP writes
-    handed = _rewritten("optim.extra", stored.getvalue())
-    assert handed.getvalue() != stored.getvalue()
-    assert torch.load(handed, weights_only=True) == {"step": 7, "lr": [1e-3, 2e-3]}
+    handed = item_pickle("optim.extra", stored.getvalue())
+    assert handed != stored.getvalue()
+    assert torch.load(io.BytesIO(handed), weights_only=True) == {"step": 7, "lr": [1e-3, 2e-3]}
 
 
 def test_plain_bytes_items_are_stored_as_skeletons_never_as_pickles(tmp_path):
