@@ -112,6 +112,15 @@ class UnknownMetricError(CkptError):
     """A retention rule names a metric no commit has: a misspelt name, or one not logged yet."""
 
 
+class RetentionError(CkptError):
+    """A commit was recorded, but the [retention] policy's prune after it failed (the next commit's tries again)."""
+
+    def __init__(self, commit_id: str, problem: object) -> None:
+        self.commit_id = commit_id
+        super().__init__(f"commit {commit_id[:12]} was recorded, but the [retention] policy's prune after it "
+                         f"failed: {problem}")
+
+
 class RepoLockedError(CkptError):
     """Another process holds a lock this operation needs."""
 

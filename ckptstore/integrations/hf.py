@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,13 +29,13 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ckptstore.api import with_repo
-from ckptstore.errors import BackgroundCommitError, CkptError
+from ckptstore.errors import BackgroundCommitError, CkptError, RetentionError
+from ckptstore.hashing import CommitId
 from ckptstore.integrations.unchanged import head_if_unchanged
 
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
-    from ckptstore.hashing import CommitId
     from ckptstore.repo import Repository
     from ckptstore.repo.background import BackgroundCommit
 
@@ -95,17 +96,26 @@ class CkptCallback(TrainerCallback):
         last = state.global_step >= state.max_steps or control.should_training_stop
         blocking = self.blocking or (args.save_total_limit == 1 and last)
         repo = self._repository()
-        result = head_if_unchanged(repo, self.branch, lambda: repo.commit(
-            folder, message=f"{run}: {folder.name}", step=state.global_step, metrics=latest_metrics(state.log_history),
-            branch=self.branch, lossy=self.lossy, blocking=blocking, **self.knobs))
+        try:
+            result = head_if_unchanged(repo, self.branch, lambda: repo.commit(
+                folder, message=f"{run}: {folder.name}", step=state.global_step,
+                metrics=latest_metrics(state.log_history), branch=self.branch, lossy=self.lossy, blocking=blocking,
+                **self.knobs))
+        except RetentionError as exc:
+            result = _recorded_despite(exc, folder)
         self._pending = (folder, result)
         if blocking:
             self._settle(state)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        """Wait for the commit in flight before the Trainer saves again: its rotation may delete that folder."""
-        if control.should_save or control.should_evaluate:  # a save follows only these (save_strategy="best")
+        """Wait for the commit in flight before the Trainer saves again or ends: either may delete that folder.
+
+        A save follows only should_save or should_evaluate (save_strategy="best"); once training
+        stops, the Trainer's end-of-training rotation runs before on_train_end. on_epoch_end runs
+        after the loop breaks, so a stop set by a callback after this one is seen there.
+        """
+        if control.should_save or control.should_evaluate or control.should_training_stop:
             self._settle(state)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -148,11 +158,19 @@ def _result_of(handle: BackgroundCommit, folder: Path, repo: Repository, branch:
     """The commit id of a background commit of `folder`; its failure as a BackgroundCommitError."""
     try:
         return head_if_unchanged(repo, branch, handle.result)
+    except RetentionError as exc:
+        return _recorded_despite(exc, folder)
     except Exception as exc:
         raise BackgroundCommitError(
             f"the background commit of {folder} ({handle.description}) failed: {exc}. Nothing of it was recorded, "
             f"and CkptCallback never deletes a folder it has not committed: where it is still there, commit it "
             f"with `ckpt commit {folder}` or resume training from it") from exc
+
+
+def _recorded_despite(exc: RetentionError, folder: Path) -> CommitId:
+    """The id of a commit whose [retention] prune failed, said as a warning: training goes on."""
+    warnings.warn(f"{folder}: {exc}; the next commit's policy prunes again", RuntimeWarning, stacklevel=3)
+    return CommitId(exc.commit_id)
 
 
 def remove_committed_folders(output_dir: Path, committed: dict[Path, Any], keep: int,

@@ -26,10 +26,11 @@ import json
 import math
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
-from ckptstore.errors import BackgroundCommitError, CkptError, RefNotFoundError
+from ckptstore.errors import BackgroundCommitError, CkptError, RefNotFoundError, RetentionError
 from ckptstore.hashing import CommitId
 from ckptstore.integrations.unchanged import head_if_unchanged
 from ckptstore.repo import Repository
@@ -187,7 +188,11 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         if ref in repo.branches():
             raise CkptError(f"checkpoint {os.fspath(path)!r} maps to {ref!r}, which is a branch of {repo.root}; "
                             "pass CkptstoreCheckpointIO(prefix=...) so checkpoint tags do not meet your branches")
-        result = self._commit(checkpoint, Path(path).name)
+        try:
+            result = self._commit(checkpoint, Path(path).name)
+        except RetentionError as exc:  # recorded: tag it and go on, the next commit's policy prunes again
+            self._record_despite(ref, path, exc)
+            return
         if isinstance(result, str):
             self._record(ref, path, result)
             return
@@ -202,12 +207,21 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         (ref, path, handle), self._pending = self._pending, None
         try:
             cid = head_if_unchanged(self.repo, self.branch, handle.result)
+        except RetentionError as exc:
+            self._record_despite(ref, path, exc)
+            return
         except Exception as exc:
             raise BackgroundCommitError(
                 f"the background commit of checkpoint {os.fspath(path)!r} ({handle.description}) failed: {exc}. "
                 f"Nothing of it was recorded and no tag {ref!r} or marker was written: save it again "
                 "(trainer.save_checkpoint), or resume from an earlier checkpoint") from exc
         self._record(ref, path, cid)
+
+    def _record_despite(self, ref: str, path: str | os.PathLike, exc: RetentionError) -> None:
+        """Tag and mark a commit whose [retention] prune failed, and say so: training goes on."""
+        self._record(ref, path, CommitId(exc.commit_id))
+        warnings.warn(f"checkpoint {os.fspath(path)!r}: {exc}; it is tagged {ref!r}, and the next commit's policy "
+                      "prunes again", RuntimeWarning, stacklevel=2)
 
     def _record(self, ref: str, path: str | os.PathLike, cid: CommitId) -> None:
         """Tag `cid` as `ref` (moving the tag if the path was saved before) and write the marker."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults
-from ckptstore.errors import BackgroundCommitError, CkptError, NothingToCommitError
+from ckptstore.errors import BackgroundCommitError, CkptError, NothingToCommitError, RetentionError
 from ckptstore.formats.snapshot import HostBuffers, snapshot
 from ckptstore.hashing import CommitId
 from ckptstore.repo import planecache
@@ -210,7 +210,11 @@ def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: An
         handle._future.set_result(cid)
     else:
         # nothing changed is no failure: the state is already the branch's head (result() still says so)
-        if not handle._observed and not isinstance(error, NothingToCommitError):
+        if isinstance(error, RetentionError):  # recorded: only the prune after it failed, and the next one retries
+            if not handle._observed:
+                warnings.warn(f"the background commit {handle.description}: {error}; the next commit's policy "
+                              "prunes again", BackgroundCommitWarning, stacklevel=1)
+        elif not handle._observed and not isinstance(error, NothingToCommitError):
             lane.failed = handle
             warnings.warn(f"the background commit {handle.description} failed: {error}; nothing of it was "
                           "recorded (the next commit call raises it)", BackgroundCommitWarning, stacklevel=1)

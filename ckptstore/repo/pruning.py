@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, ConflictError, RepoLockedError, UnknownMetricError
+from ckptstore.errors import CkptError, ConflictError, RepoLockedError, RetentionError, UnknownMetricError
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata import Tx, liveness
 from ckptstore.metadata import commits as commit_rows
@@ -126,7 +126,7 @@ def after_commit(repo: Repository, cid: CommitId) -> CommitId:
     except (RepoLockedError, UnknownMetricError):  # a metric not logged yet (eval every 500 steps): prune later
         pass
     except CkptError as exc:
-        raise CkptError(f"commit {cid[:12]} was recorded, but the [retention] policy's prune failed: {exc}") from exc
+        raise RetentionError(cid, exc) from exc
     return cid
 
 

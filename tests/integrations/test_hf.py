@@ -2,6 +2,7 @@
 
 import hashlib
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,6 +257,14 @@ class StopAtFour(TrainerCallback):
             control.should_training_stop = True
 
 
+class StopAtFive(TrainerCallback):
+    """A time budget: training ends at step 5, between saves, after CkptCallback's own step-end hook ran."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 5:
+            control.should_training_stop = True
+
+
 class HoldFromStepFour(TrainerCallback):
     """Holds a background commit started at step 4 until on_train_end, as a real-sized commit would still run."""
 
@@ -265,14 +274,16 @@ class HoldFromStepFour(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == 4:
             self.monkeypatch.setenv("CKPT_WAIT_AT", f"background:start={self.release}")
+            threading.Timer(1.0, self.release.touch).start()  # a commit that waits must end (as a real one does)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.release.touch()
 
 
-def test_an_early_stopped_runs_last_folder_is_committed_before_the_trainer_deletes_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stop", [StopAtFour, StopAtFive])
+def test_an_early_stopped_runs_last_folder_is_committed_before_the_trainer_deletes_it(tmp_path, monkeypatch, stop):
     Repository.init(tmp_path / "repo").close()
-    callbacks = [StopAtFour(), HoldFromStepFour(tmp_path / "release", monkeypatch), CkptCallback(tmp_path / "repo")]
+    callbacks = [HoldFromStepFour(tmp_path / "release", monkeypatch), CkptCallback(tmp_path / "repo"), stop()]
     # the best model stays step 2's (greater is better), so _finalize_training deletes checkpoint-4
     trainer = _trainer(tmp_path / "out", callbacks, steps=10, eval_dataset=_tokens()[:4], save_total_limit=1,
                        eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,

@@ -297,3 +297,20 @@ def test_a_failed_background_commit_surfaces_at_the_next_save(lit, tmp_path, mon
     plugin.remove_checkpoint(tmp_path / "b.ckpt")
     assert set(repo.tags()) == {"lightning/a"} and not (tmp_path / "b.ckpt").exists() and len(repo.log()) == 2
     repo.close()
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_failed_retention_prune_still_tags_and_marks_the_recorded_commit_and_training_goes_on(
+        lit, tmp_path, monkeypatch, blocking):
+    """A commit is recorded before the [retention] prune runs: its tag and marker are written, the failure warned."""
+    Repository.init(tmp_path / "store").close()
+    with open(tmp_path / "store" / ".ckpt" / "config.toml", "a") as config:
+        config.write("\n[retention]\nkeep_last = 1\n")
+    monkeypatch.setenv("CKPT_FAIL_AT", "prune:objects-written")  # the disk fills up in every prune
+    torch.manual_seed(0)
+    with Repository.open(tmp_path / "store") as repo, pytest.warns(RuntimeWarning, match="policy prunes again"):
+        checkpoints = _fit(lit, lit.Tiny(), tmp_path / "ckpts", 2, CkptstoreCheckpointIO(repo, blocking=blocking))
+        assert len(repo.log()) >= 3  # nothing was pruned
+        for path in [checkpoints.last_model_path, *checkpoints.best_k_models]:
+            marker = read_marker(path)
+            assert marker is not None and repo.resolve(marker["ref"]) == marker["commit"]
