@@ -144,7 +144,8 @@ class ReadOnlyRepoError(CkptError):
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _DISK_FULL_WORDS = ("database or disk is full", "no space left on device", "file write failed")
 _NOTHING_LOST = ("nothing was lost: the interrupted write is undone and earlier commits are intact. Free some space "
-                 "(`ckpt gc` also removes leftovers of interrupted commits) and run the command again")
+                 "and run the command again (once there is room for its database write, `ckpt gc` also removes "
+                 "what interrupted commits left)")
 
 
 def disk_full(detail: str) -> DiskFullError:

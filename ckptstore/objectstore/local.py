@@ -63,7 +63,12 @@ class FileRanges:
 
 
 class LocalObjectStore:
-    """A fan-out folder of immutable objects; `tmp/` holds writes in progress."""
+    """A fan-out folder of immutable objects; `tmp/` holds writes in progress.
+
+    Objects are renamed from the temp folder into place, and a rename cannot cross filesystems:
+    where the objects folder is on another one (a bigger disk, or a symlink to it), its own `tmp/`
+    (a name no object folder has) holds the writes instead.
+    """
 
     def __init__(self, objects_dir: str | os.PathLike, tmp_dir: str | os.PathLike) -> None:
         self.root = Path(objects_dir)
@@ -71,6 +76,9 @@ class LocalObjectStore:
         self.url = self.root.resolve().as_uri()
         self.root.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(parents=True, exist_ok=True)
+        if self.tmp.stat().st_dev != self.root.stat().st_dev:
+            self.tmp = self.root / "tmp"
+            self.tmp.mkdir(exist_ok=True)
         self._batched: list[Path] | None = None
 
     def path_of(self, oid: ObjectId) -> Path:
@@ -208,7 +216,12 @@ class LocalObjectStore:
         """Remove leftovers of interrupted writes; returns how many were removed."""
         removed = 0
         for item in self.tmp.iterdir():
-            item.unlink()
+            if item.is_dir() and not item.is_symlink():  # nothing of ours, but left there it stopped every gc
+                import shutil  # only here: it imports the compression modules
+
+                shutil.rmtree(item)
+            else:
+                item.unlink()
             removed += 1
         return removed
 

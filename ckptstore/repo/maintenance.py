@@ -59,6 +59,10 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
     from ckptstore.repo import integrity  # numpy and the replay layer: not for every CLI start
 
     report = GcReport()
+    # under the exclusive lock no write is in progress: the leftovers go first, freeing room on a
+    # full disk for the database write below
+    report.temp_files_removed = repo.store.clear_tmp()
+    faults.point("gc:tmp-cleared")
     with repo.db.write() as tx:
         if prune_unreachable:
             doomed = liveness.commit_ids(tx) - liveness.reachable_commits(tx)
@@ -73,8 +77,6 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
         report.tensors_removed = len(dead_tensors)
         liveness.forget_objects_except(tx, live_objects)
     faults.point("gc:db-committed")
-    report.temp_files_removed = repo.store.clear_tmp()
-    faults.point("gc:tmp-cleared")
     for oid, size in list(repo.store.iter_sizes()):
         if oid not in live_objects and oid not in findings.unreadable_manifests:
             report.bytes_removed += size

@@ -141,3 +141,48 @@ def test_put_parts_stores_the_joined_bytes_under_their_id(tmp_path, kind):
     pack = store.get(slots[0].object_id)
     assert pack == joined + b"tailview" and [(s.offset, s.length) for s in slots] == [
         (0, len(joined)), (len(joined), 4), (len(joined) + 4, 4)]
+
+
+@pytest.fixture
+def other_filesystem(tmp_path):
+    """A folder on another filesystem than tmp_path (/dev/shm is a tmpfs here), removed afterwards."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    assert folder.stat().st_dev != tmp_path.stat().st_dev, "/dev/shm shares tmp_path's filesystem here"
+    yield folder
+    shutil.rmtree(folder)
+
+
+def test_objects_on_another_filesystem_take_commits_and_gc(tmp_path, other_filesystem):
+    """Temp files are renamed into place, which cannot cross filesystems: they go to the objects' own tmp/."""
+    import torch
+
+    from ckptstore import Repository
+    from ckptstore.repo import fsck, gc
+
+    with Repository.init(tmp_path / "r", objects_url=(other_filesystem / "objects").as_uri()) as repo:
+        first = repo.commit({"w": torch.arange(1000.0)})
+        repo.commit({"w": torch.arange(1000.0) + 1})
+        assert torch.equal(repo.checkout(first)["w"], torch.arange(1000.0))
+        (repo.store.tmp / "leftover").write_bytes(b"x")
+        assert repo.store.tmp == other_filesystem / "objects" / "tmp"
+        assert gc(repo).temp_files_removed == 1 and fsck(repo, full=True).ok
+
+
+def test_gc_clears_whatever_it_finds_in_tmp_first(tmp_path):
+    """A folder in tmp/ (nothing of ours) stopped every gc after its database step; leftovers go before it."""
+    import torch
+
+    from ckptstore import Repository
+    from ckptstore.repo import gc
+
+    with Repository.init(tmp_path / "r") as repo:
+        repo.commit({"w": torch.ones(3)})
+        (repo.store.tmp / "leftover" / "inner").mkdir(parents=True)
+        (repo.store.tmp / "leftover" / "inner" / "f").write_bytes(b"x")
+        (repo.store.tmp / "partial").write_bytes(b"y")
+        assert gc(repo).temp_files_removed == 2
+        assert list(repo.store.tmp.iterdir()) == []
