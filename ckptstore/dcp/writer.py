@@ -124,6 +124,12 @@ class CkptStorageWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Encode this rank's items and write their objects durably (the commit comes in `finish`)."""
+        if getattr(planner, "_enable_plan_caching", False):
+            self.close()
+            # a cached plan is the first save's, storage_data and all: later saves would encode
+            # against the commit that first save started from
+            raise CkptError("CkptStorageWriter cannot save with a planner made with enable_plan_caching=True: each "
+                            "save's plan names the commit it starts from; leave plan caching off")
         if not isinstance(plan.storage_data, dict) or "parent" not in plan.storage_data:
             raise CkptError("the save plan did not pass through CkptStorageWriter.prepare_global_plan: "
                             "every rank must save with a CkptStorageWriter")

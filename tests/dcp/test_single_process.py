@@ -243,3 +243,14 @@ def test_plain_bytes_items_are_stored_as_skeletons_never_as_pickles(tmp_path):
     dcp.load(loaded, storage_reader=CkptStorageReader(tmp_path))
     assert loaded["note"] == note and torch.equal(loaded["w"], torch.ones(3))
     repo.close()
+
+
+def test_dcp_plan_caching_is_refused_before_anything_is_written(tmp_path):
+    """A cached plan is the first save's, parent commit and all: later saves would encode against a stale parent."""
+    with Repository.init(tmp_path) as repo:
+        with pytest.raises(CheckpointException, match="enable_plan_caching"):
+            dcp.save({"w": torch.ones(4)}, storage_writer=CkptStorageWriter(tmp_path),
+                     planner=DefaultSavePlanner(enable_plan_caching=True))
+        assert repo.head()[1] is None and list(repo.store.iter_ids()) == []
+        dcp.save({"w": torch.ones(4)}, storage_writer=CkptStorageWriter(tmp_path))  # the lock was released
+        assert repo.head()[1] is not None
