@@ -94,6 +94,9 @@ def read(path: str | os.PathLike, trust_pickle: bool = False
         if item["type"] == "bytes":
             where.append((item["key"], _slice(path, files, metadata, MetadataIndex(item["fqn"])), None, None))
             continue
+        problem = dcpmeta.chunk_problem(item)
+        if problem is not None:
+            raise CheckpointFormatError(f"{path}: the DCP metadata of {item['fqn']!r} is impossible: {problem}")
         for offsets, sizes, key in item["chunks"]:
             where.append((key, _slice(path, files, metadata, MetadataIndex(item["fqn"], offsets)), item, sizes))
 

@@ -38,6 +38,35 @@ def bytes_key(fqn: str) -> str:
     return f"{escape(fqn)}/%bytes"
 
 
+def chunk_problem(item: dict[str, Any]) -> str | None:
+    """Why a tensor item's chunks cannot tile its size exactly (out of bounds, overlapping, leaving gaps), or None.
+
+    A load writes each chunk at its offsets and reads nothing else: a chunk outside the tensor
+    cannot be placed, and a gap would come back as whatever the reader's buffer held.
+    """
+    size = item["size"]
+    boxes = []
+    for offsets, sizes, _ in item["chunks"]:
+        if len(offsets) != len(size) or len(sizes) != len(size):
+            return f"a chunk at {offsets} of sizes {sizes} has another rank than the tensor's {size}"
+        if any(o < 0 or n < 0 or o + n > whole for o, n, whole in zip(offsets, sizes, size)):
+            return f"the chunk at {offsets} of sizes {sizes} lies outside the tensor's {size}"
+        boxes.append((offsets, sizes))
+    volume = 1
+    for whole in size:
+        volume *= whole
+    covered = 0
+    for i, (offsets, sizes) in enumerate(boxes):
+        part = 1
+        for n in sizes:
+            part *= n
+        covered += part
+        for other, other_sizes in boxes[:i]:
+            if part and all(o < p + m and p < o + n for o, n, p, m in zip(offsets, sizes, other, other_sizes)):
+                return f"the chunks at {other} and {offsets} overlap"
+    return None if covered == volume else f"its chunks cover {covered} of its {volume} elements"
+
+
 def to_json(metadata: Any) -> dict[str, Any]:
     """The JSON form of DCP's `metadata`; its storage_data is rebuilt from the items on load, not stored."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata

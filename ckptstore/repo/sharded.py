@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults
 from ckptstore.errors import CkptError
-from ckptstore.formats.dcpmeta import DCP_FORMAT_VERSION
+from ckptstore.formats.dcpmeta import DCP_FORMAT_VERSION, chunk_problem
 from ckptstore.hashing import CommitId, ObjectId, TensorId, tensor_id
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import tensors as tensor_rows
@@ -205,6 +205,8 @@ def dcp_problem(manifest: Manifest) -> str | None:
     named: set[str] = set()
     try:
         for item in dcp["items"]:
+            if item["type"] != "bytes" and (problem := chunk_problem(item)) is not None:
+                return f"its DCP metadata of {item['fqn']!r} is impossible: {problem}"
             chunks = ([(item["key"], "bytes", None)] if item["type"] == "bytes"
                       else [(key, item["dtype"], sizes) for _, sizes, key in item["chunks"]])
             for key, dtype, sizes in chunks:

@@ -99,3 +99,40 @@ def test_a_truncated_metadata_a_missing_data_file_or_a_wrong_shard_is_refused(tm
     _, items = dcpdir.read(tmp_path / "saved")
     with pytest.raises(CheckpointFormatError, match=r"ids at 0: holds a torch.int64 \[7\], the metadata says"):
         dict(items)
+
+
+@pytest.mark.parametrize("size, chunks, problem", [
+    ([4, 2], [([0, 0], [2, 2]), ([2, 0], [2, 2])], None),
+    ([0, 3], [([0, 0], [0, 3])], None),
+    ([], [([], [])], None),
+    ([4, 2], [([0, 0], [2, 2]), ([2, 0], [4, 2])], "lies outside"),
+    ([4, 2], [([0, 0], [2, 2]), ([-1, 0], [2, 2])], "lies outside"),
+    ([4, 2], [([0, 0], [8])], "another rank"),
+    ([6, 2], [([0, 0], [2, 2]), ([2, 0], [2, 2])], "cover 8 of its 12"),
+    ([4, 2], [([0, 0], [3, 2]), ([2, 0], [2, 2]), ([0, 0], [0, 2])], "overlap"),
+])
+def test_chunks_must_tile_their_tensor_exactly(size, chunks, problem):
+    from ckptstore.formats.dcpmeta import chunk_problem
+
+    found = chunk_problem({"size": size, "chunks": [[o, s, "k"] for o, s in chunks]})
+    assert found is None if problem is None else problem in found
+
+
+def test_a_directory_whose_metadata_leaves_a_gap_is_refused_and_fsck_catches_a_stored_one(tmp_path):
+    """Chunks that do not cover the tensor would export the gap as zeros; the commit is refused instead."""
+    from dataclasses import replace
+
+    from ckptstore.repo.sharded import dcp_problem
+
+    dcp.save({"w": torch.arange(8.0).reshape(4, 2)}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "saved")))
+    metadata = dcpdir.read_metadata(tmp_path / "saved")
+    metadata.state_dict_metadata["w"].size = torch.Size([6, 2])
+    (tmp_path / "saved" / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointFormatError, match="cover 8 of its 12 elements"):
+        dcpdir.read(tmp_path / "saved")
+    with Repository.init(tmp_path / "repo") as repo:
+        dcp.save({"w": torch.arange(8.0).reshape(4, 2)}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ok")))
+        manifest = repo.manifest(repo.commit(tmp_path / "ok"))
+        assert dcp_problem(manifest) is None
+        items = [{**item, "size": [6, 2]} if item["fqn"] == "w" else item for item in manifest.dcp["items"]]
+        assert "cover 8 of its 12" in dcp_problem(replace(manifest, dcp={**manifest.dcp, "items": items}))
