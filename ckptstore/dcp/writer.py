@@ -261,13 +261,32 @@ def _skeleton(item: WriteItem, planner: SavePlanner) -> bytes | None:
     lookup = getattr(planner, "lookup_object", None)  # DefaultSavePlanner's: the value before DCP pickles it
     if lookup is None:
         return None
+    value = lookup(item.index)
+    if _subclassed(value):  # an IntEnum or a namedtuple would come back as its base type: DCP's pickle keeps it
+        return None
     try:
-        flat = flatten(lookup(item.index))
+        flat = flatten(value)
     except UnsupportedStateError:
         return None
     if flat.tensors:  # tensors inside a bytes item: DCP's pickle keeps them
         return None
     return dcpmeta.SKELETON_MAGIC + json.dumps(flat.skeleton, allow_nan=False).encode()
+
+
+_PLAIN = (bool, int, float, str, bytes, list, tuple, dict, set, frozenset)
+
+
+def _subclassed(value: Any, depth: int = 0) -> bool:
+    """Whether `value` holds an instance of a subclass of a plain type (which the skeleton stores as the base)."""
+    if depth > 64:  # deeper than any real state: let flatten's own bounds refuse it
+        return False
+    if isinstance(value, _PLAIN) and type(value) not in _PLAIN:
+        return True
+    if isinstance(value, dict):
+        return any(_subclassed(k, depth + 1) or _subclassed(v, depth + 1) for k, v in value.items())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_subclassed(v, depth + 1) for v in value)
+    return False
 
 
 def _report(written: sharded.WrittenShard) -> dict[str, Any]:

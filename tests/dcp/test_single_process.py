@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import enum
 import io
 from dataclasses import replace
 
@@ -254,3 +256,24 @@ def test_dcp_plan_caching_is_refused_before_anything_is_written(tmp_path):
         assert repo.head()[1] is None and list(repo.store.iter_ids()) == []
         dcp.save({"w": torch.ones(4)}, storage_writer=CkptStorageWriter(tmp_path))  # the lock was released
         assert repo.head()[1] is not None
+
+
+class Mode(enum.IntEnum):
+    TRAIN = 1
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+def test_subclasses_of_plain_types_keep_their_type_or_are_refused_never_converted(tmp_path):
+    """The JSON skeleton would turn an IntEnum into an int and a namedtuple into a tuple: DCP's pickle keeps them."""
+    with Repository.init(tmp_path):
+        dcp.save({"w": torch.ones(2), "mode": Mode.TRAIN, "pt": Point(1, 2), "plain": (1, 2)},
+                 storage_writer=CkptStorageWriter(tmp_path))
+    with pytest.raises(CheckpointException, match="beyond plain data"):
+        dcp.load({"w": torch.zeros(2), "mode": None, "pt": None, "plain": None},
+                 storage_reader=CkptStorageReader(tmp_path))
+    loaded = {"w": torch.zeros(2), "mode": None, "pt": None, "plain": None}
+    dcp.load(loaded, storage_reader=CkptStorageReader(tmp_path, trust_pickle=True))
+    assert type(loaded["mode"]) is Mode and type(loaded["pt"]) is Point and loaded["pt"] == Point(1, 2)
+    assert loaded["plain"] == (1, 2) and type(loaded["plain"]) is tuple
