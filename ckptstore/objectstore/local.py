@@ -41,7 +41,9 @@ class FileRanges:
             view = memoryview(into)[:length]
             data = view[: os.preadv(fd, [view], offset)]
         if len(data) != length:
-            raise CorruptObjectError(oid, f"pack is shorter than its chunks say ({offset + len(data)} bytes)")
+            raise CorruptObjectError(oid, f"shorter than a chunk record says: it ends at byte {offset + len(data)}, "
+                                          f"the record reads to {offset + length} (the object cut short, or the "
+                                          "record damaged)")
         return data
 
     def _open(self, oid: ObjectId) -> int:

@@ -148,8 +148,10 @@ def check_metadata(tx: Tx, store: ObjectStore) -> Findings:
     found.named_tensors = set().union(*listed.values(), *({e.tensor for e in es.values()} for es in entries.values()))
     damaged: dict[TensorId, str] = {}
     records = tensor_rows.load_records(tx, found.named_tensors, problems=damaged)
+    sizes = liveness.object_sizes(tx)
     for tid in sorted(found.named_tensors | set(damaged), key=str):
-        problem = damaged.get(tid) or (chain_problem(records[tid], records) if tid in records else "it has no record")
+        problem = damaged.get(tid) or (chain_problem(records[tid], records) or _range_problem(records[tid], sizes)
+                                       if tid in records else "it has no record")
         if problem is not None:
             found.problems[f"tensor {tid}"] = problem
     for cid, by_path in sorted(entries.items(), key=_by_key):
@@ -159,6 +161,16 @@ def check_metadata(tx: Tx, store: ObjectStore) -> Findings:
                 where = f"at {path!r} in commit {str(cid)[:12]}"
                 found.problems.setdefault(f"tensor {entry.tensor}", f"{problem} ({where})")
     return found
+
+
+def _range_problem(record: TensorRecord, sizes: dict[ObjectId, int]) -> str | None:
+    """A chunk record that reads past the end of its object (by the size recorded when it was written)."""
+    for position, chunk in enumerate(record.chunks):
+        size = sizes.get(chunk.object_id)
+        if chunk.length is not None and size is not None and chunk.offset + chunk.length > size:
+            return (f"its chunk {position} reads bytes {chunk.offset}-{chunk.offset + chunk.length} of object "
+                    f"{chunk.object_id}, which holds {size}")
+    return None
 
 
 def _commit_problems(tx: Tx, commits: dict[CommitId, commit_rows.CommitInfo], found: Findings) -> None:

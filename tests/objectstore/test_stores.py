@@ -87,7 +87,7 @@ def test_local_store_ranges_read_with_files_kept_open(tmp_path):
     ranges, short = store.open_ranges(), store.put(b"abc")
     with pytest.raises(CorruptObjectError, match="missing"):
         ranges.read(oid, 0, 4)
-    with pytest.raises(CorruptObjectError, match="shorter than its chunks say"):
+    with pytest.raises(CorruptObjectError, match="shorter than a chunk record says"):
         ranges.read(short, 1, 10)
     ranges.close()
 

@@ -278,3 +278,19 @@ def test_a_relative_sqlite_path_names_one_database_from_any_folder(tmp_path, mon
         assert [c.id for c in repo.log()] == [cid]
         assert_same(state, repo.checkout(cid))
     assert not (tmp_path / "run" / "sub" / "meta.db").exists()
+
+
+def test_a_chunk_record_reading_past_its_packs_end_is_found_by_plain_fsck(repo, tmp_path):
+    """The sizes recorded at commit bound every packed chunk: no object read is needed to see the damage."""
+    repo.commit({"small": torch.arange(10.0), "also": torch.arange(20.0), "big": torch.randn(300, 100)})
+    with repo.db.read() as tx:
+        tid, oid, offset, length = tx.rows('SELECT tensor_id, object_id, "offset", length FROM tensor_chunks '
+                                           "WHERE length IS NOT NULL")[0]
+    size = repo.store.size(oid)
+    _sql(repo, f"UPDATE tensor_chunks SET \"offset\" = {size + 100} WHERE tensor_id = '{tid}'")
+    report = fsck(repo)
+    assert not report.ok
+    assert any(f"reads bytes {size + 100}-{size + 100 + length} of object {oid}, which holds {size}" in problem
+               for problem in report.damaged_records.values())
+    with pytest.raises(CkptError, match="shorter than a chunk record says"):
+        repo.checkout("HEAD")
