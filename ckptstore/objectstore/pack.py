@@ -109,7 +109,8 @@ class PackReader:
             return self.ranges.read(oid, offset, length, into)
         pack = self._pack(oid)
         if offset + length > len(pack):
-            raise CorruptObjectError(oid, f"pack of {len(pack)} bytes is shorter than its chunks say")
+            raise CorruptObjectError(oid, f"{len(pack)} bytes long, shorter than a chunk record says (it reads to "
+                                          f"{offset + length}: the object cut short, or the record damaged)")
         return memoryview(pack)[offset : offset + length]
 
     def _pack(self, oid: ObjectId) -> bytes | memoryview:
