@@ -76,11 +76,6 @@ def delete_tensors(tx: Tx, doomed: set[TensorId]) -> None:
     tx.execute_in("DELETE FROM tensors WHERE id IN ({ids})", ordered)
 
 
-def object_sizes(tx: Tx) -> dict[ObjectId, int]:
-    """The size of every object recorded when a commit wrote it."""
-    return {ObjectId(oid): int(size) for oid, size in tx.rows("SELECT id, size FROM objects")}
-
-
 def forget_objects_except(tx: Tx, keep: set[ObjectId]) -> None:
     """Drop the size rows of objects not in `keep`."""
     dead = sorted(set(tx.column("SELECT id FROM objects")) - keep, key=str)
