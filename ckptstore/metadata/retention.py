@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata.db import Tx
-from ckptstore.metadata.tensors import insert_records
-from ckptstore.records import TensorRecord
 
 
 def listed_tensors(tx: Tx, except_commits: Iterable[CommitId] = ()) -> set[TensorId]:
@@ -28,15 +25,6 @@ def mark_pruned(tx: Tx, commits: Iterable[CommitId], when: float) -> None:
     tx.insert_ignore("pruned_commits", ("commit_id", "pruned_at"), [(c, when) for c in ordered])
     for table in ("commit_tensors", "known_files"):
         tx.execute_in(f"DELETE FROM {table} WHERE commit_id IN ({{ids}})", ordered)
-
-
-def replace_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[ObjectId, int]) -> None:
-    """Give existing tensor ids new records (the same bytes, encoded anew): codec, params, base and chunks."""
-    tx.executemany("UPDATE tensors SET codec = ?, params = ?, base_id = ?, depth = ?, stored_bytes = ? WHERE id = ?",
-                   [(r.codec, json.dumps(r.params, sort_keys=True), r.base_id, r.depth, r.stored_bytes, r.id)
-                    for r in records])
-    tx.execute_in("DELETE FROM tensor_chunks WHERE tensor_id IN ({ids})", sorted(r.id for r in records))
-    insert_records(tx, records, object_sizes)  # the tensor rows exist (kept); chunks and objects go in
 
 
 def chunk_objects(tx: Tx) -> dict[TensorId, list[tuple[ObjectId, int | None]]]:

@@ -92,6 +92,26 @@ def insert_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[Objec
     tx.insert_ignore("objects", ("id", "size"), list(object_sizes.items()))
 
 
+def replace_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[ObjectId, int]) -> None:
+    """Give existing tensor ids new records (the same bytes, encoded anew): codec, params, base and chunks."""
+    tx.executemany("UPDATE tensors SET codec = ?, params = ?, base_id = ?, depth = ?, stored_bytes = ? WHERE id = ?",
+                   [(r.codec, json.dumps(r.params, sort_keys=True), r.base_id, r.depth, r.stored_bytes, r.id)
+                    for r in records])
+    tx.execute_in("DELETE FROM tensor_chunks WHERE tensor_id IN ({ids})", sorted(r.id for r in records))
+    insert_records(tx, records, object_sizes)  # the tensor rows exist (kept); chunks and objects go in
+
+
+def save_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[ObjectId, int]) -> None:
+    """Record a commit's new tensors; an id recorded meanwhile (or one encoded again for lost objects) is replaced.
+
+    Either way the id names the same bytes, so every record chained on it still decodes.
+    """
+    existing = existing_tensor_ids(tx, [r.id for r in records])
+    if existing:
+        replace_records(tx, [r for r in records if r.id in existing], object_sizes)
+    insert_records(tx, [r for r in records if r.id not in existing], object_sizes)
+
+
 def dependents(tx: Tx, tensor_ids: set[TensorId]) -> set[TensorId]:
     """`tensor_ids` and every tensor whose chain passes through one of them."""
     found, frontier = set(tensor_ids), set(tensor_ids)

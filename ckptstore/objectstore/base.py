@@ -100,6 +100,21 @@ class WritesParts(Protocol):
         """`put(b"".join(parts))`, without the join's copy."""
 
 
+@runtime_checkable
+class KnowsItsObjects(Protocol):
+    """A store that tells which objects it lacks without a request per object (a local folder, memory)."""
+
+    def lacking(self, oids: Iterable[ObjectId]) -> set[ObjectId]:
+        """The `oids` this store does not hold."""
+
+
+def lacking(store: ObjectStore, oids: Iterable[ObjectId]) -> set[ObjectId]:
+    """The `oids` the store lacks where it can tell cheaply; else none (a bucket is not asked per object)."""
+    if isinstance(store, KnowsItsObjects):
+        return store.lacking(oids)
+    return set()
+
+
 def put_parts(store: ObjectStore, parts: Sequence[bytes | memoryview]) -> ObjectId:
     """Store the concatenation of `parts`: written part by part where the store can, else joined first.
 

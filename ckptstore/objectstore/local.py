@@ -8,7 +8,7 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +169,9 @@ class LocalObjectStore:
 
     def has(self, oid: ObjectId) -> bool:
         return self.path_of(oid).exists()
+
+    def lacking(self, oids: Iterable[ObjectId]) -> set[ObjectId]:
+        return {oid for oid in oids if not self.path_of(oid).exists()}
 
     def delete(self, oid: ObjectId) -> None:
         try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ckptstore.errors import CorruptObjectError
@@ -50,6 +50,9 @@ class MemoryObjectStore:
 
     def has(self, oid: ObjectId) -> bool:
         return oid in self.objects
+
+    def lacking(self, oids: Iterable[ObjectId]) -> set[ObjectId]:
+        return {oid for oid in oids if oid not in self.objects}
 
     def delete(self, oid: ObjectId) -> None:
         self.objects.pop(oid, None)

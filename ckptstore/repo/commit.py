@@ -24,6 +24,7 @@ from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import files as file_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.metadata.commits import CommitInfo
+from ckptstore.objectstore.base import lacking
 from ckptstore.policy import LossyLevel, level_named
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource
@@ -133,7 +134,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         info = _commit_info(checkpoint, options, manifest_oid, stored, source_path, parent, level)
         with repo.db.write() as tx:
             move_ref(tx, parent.target, parent.commit, info.id)
-            tensor_rows.insert_records(tx, new_records, sizes)
+            tensor_rows.save_records(tx, new_records, sizes)
             commit_rows.insert_commit(tx, info, entries.values())
             if level is None:  # a lossy commit cannot give its source's bytes back: they stay unsaved
                 file_rows.remember(tx, [(d, info.id, f.size) for f in checkpoint.files if (d := digests.get(f.name))])
@@ -307,18 +308,42 @@ def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], so
             reused[path] = parent
     lossless = [p for p in tensors if p not in plans]
     present = tensor_rows.existing_tensor_ids(tx, [sources[p] for p in lossless])
+    lost = lost_records(repo, tx, present | {r.id for r in reused.values()})
+    for path in [p for p, record in reused.items() if record.id in lost]:  # encoded afresh below
+        del reused[path], entries[path]
     new: dict[TensorId, RawTensor] = {}
     parent_of: dict[TensorId, TensorRecord | None] = {}
     for path in lossless:
         entries[path] = sources[path]
-        if sources[path] not in present and sources[path] not in new:
+        if (sources[path] not in present or sources[path] in lost) and sources[path] not in new:
             new[sources[path]] = tensors[path]
-            parent_of[sources[path]] = parents.get(path)
+            # a record encoded again replaces its lost one: whole, since its parent may chain on it
+            parent_of[sources[path]] = None if sources[path] in lost else parents.get(path)
     jobs = lossless_jobs(new, parent_of, repo.config.encoding,
                          chaincost.auto_costs(repo) if any(parent_of.values()) else None, chains)
     jobs += [lossy_job(plan, tensors, sources[path], level, plans, reused)
              for path, plan in plans.items() if path not in reused]
     return entries, jobs
+
+
+def lost_records(repo: Repository, tx: Tx, ids: set[TensorId]) -> set[TensorId]:
+    """The `ids` whose records (down their chains) need an object the store lacks, where it can tell cheaply.
+
+    A commit reusing such a record would be recorded broken; encoding the tensor again (the
+    commit has its bytes) gives the record objects again, and every commit that names it is whole.
+    """
+    if not ids:
+        return set()
+    records = tensor_rows.load_records(tx, ids, problems={})
+    missing = lacking(repo.store, {chunk.object_id for record in records.values() for chunk in record.chunks})
+    if not missing:
+        return set()
+
+    def broken(tid: TensorId | None) -> bool:
+        record = records.get(tid) if tid else None
+        return record is not None and (any(c.object_id in missing for c in record.chunks) or broken(record.base_id))
+
+    return {tid for tid in ids if broken(tid)}
 
 
 def lossy_job(plan: LossyPlan, tensors: Mapping[str, RawTensor], source: TensorId, level: LossyLevel,

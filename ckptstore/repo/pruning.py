@@ -102,7 +102,7 @@ def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool
                 raise ConflictError("refs moved while prune ran (a branch or tag was created, moved or deleted); "
                                     "nothing was removed: run prune again")
             retention_rows.mark_pruned(tx, gone, time.time())
-            retention_rows.replace_records(tx, new_records + moved, {**sizes, **moved_sizes})
+            tensor_rows.replace_records(tx, new_records + moved, {**sizes, **moved_sizes})
         faults.point("prune:db-committed")
         from ckptstore.repo.maintenance import collect
 

@@ -17,6 +17,7 @@ import pytest
 from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import ObjectId, object_id
 from ckptstore.objectstore import ObjectStore, read_whole
+from ckptstore.objectstore.base import KnowsItsObjects, lacking
 
 
 def check_protocol(store: ObjectStore) -> None:
@@ -46,6 +47,8 @@ def check_delete_and_iter(store: ObjectStore) -> None:
     store.delete(victim)
     assert not store.has(victim)
     assert set(store.iter_ids()) == ids - {victim}
+    assert lacking(store, ids) in (set(), {victim})  # a store that tells cheaply tells exactly
+    assert not isinstance(store, KnowsItsObjects) or lacking(store, ids) == {victim}
 
 
 def check_missing(store: ObjectStore) -> None:

@@ -294,3 +294,24 @@ def test_a_chunk_record_reading_past_its_packs_end_is_found_by_plain_fsck(repo, 
                for problem in report.damaged_records.values())
     with pytest.raises(CkptError, match="shorter than a chunk record says"):
         repo.checkout("HEAD")
+
+
+def test_committing_the_same_tensors_again_repairs_records_whose_objects_were_lost(repo, tmp_path):
+    """A reused record whose objects are gone would record the new commit broken: it is encoded again instead."""
+    first = _checkpoint(tmp_path / "a.pt", seed=0)
+    second = {**first, "w": first["w"] + 0.01, "step": 2}
+    torch.save(second, tmp_path / "b.pt")
+    c1 = repo.commit(tmp_path / "a.pt")
+    c2 = repo.commit(tmp_path / "b.pt")  # its "w" is a residual on c1's
+    w = repo.manifest(c1).entries["w"].tensor
+    with repo.db.read() as tx:
+        lost = {row[0] for row in tx.rows("SELECT object_id FROM tensor_chunks WHERE tensor_id = ?", (w,))}
+    for oid in lost:
+        repo.store.path_of(oid).unlink()
+    assert set(fsck(repo).broken_commits) == {c1, c2}
+    c3 = repo.commit(tmp_path / "a.pt")
+    report = fsck(repo, full=True)
+    assert report.ok, report
+    for cid, state in ((c1, first), (c2, second), (c3, first)):
+        assert_same(state, repo.checkout(cid))
+
