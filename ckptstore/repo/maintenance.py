@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -102,7 +103,15 @@ def fsck(repo: Repository, full: bool = False) -> FsckReport:
     tensor's chunk records must cover its bytes; the commits any damage breaks are listed. With
     `full`, also replay every tensor of every commit and check it against its chunk checksums and
     its tensor id.
+
+    It holds the repository lock shared, as a commit does (where it may write the lock file), so
+    a gc or prune waits: one that removed commits meanwhile made sound ones look damaged.
     """
+    with contextlib.nullcontext() if repo.read_only else repo.lock():
+        return _fsck(repo, full)
+
+
+def _fsck(repo: Repository, full: bool) -> FsckReport:
     from ckptstore.repo import integrity
 
     report = FsckReport()

@@ -6,6 +6,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -315,3 +316,31 @@ def test_committing_the_same_tensors_again_repairs_records_whose_objects_were_lo
     for cid, state in ((c1, first), (c2, second), (c3, first)):
         assert_same(state, repo.checkout(cid))
 
+
+def test_a_gc_waits_for_a_running_fsck_which_reports_no_damage_that_is_not_there(tmp_path):
+    """fsck holds the lock shared: a gc --prune run meanwhile made sound commits look damaged; now it waits."""
+    from tests.conftest import wait_until_held
+
+    _checkpoint(tmp_path / "c.pt")
+    _checkpoint(tmp_path / "side.pt", seed=7)
+    with Repository.init(tmp_path) as repo:
+        repo.commit(tmp_path / "c.pt")
+        repo.commit(tmp_path / "side.pt", branch="side")
+    gate = tmp_path / "gate"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("CKPT_REPO", None)
+    cli = lambda *args, **extra: subprocess.Popen([sys.executable, "-m", "ckptstore", *args], cwd=tmp_path,
+                                                  env={**env, **extra}, stdout=subprocess.PIPE, text=True)
+    checking = cli("fsck", "--full", CKPT_WAIT_AT=f"checkout:records-read={gate}")
+    wait_until_held(gate, checking)
+    with Repository.open(tmp_path) as repo:
+        repo.delete_branch("side")
+    collecting = cli("gc", "--prune")
+    time.sleep(1.0)
+    assert collecting.poll() is None  # waiting for the lock fsck holds
+    gate.touch()
+    out, _ = checking.communicate(timeout=120)
+    assert checking.returncode == 0 and "ok" in out, out
+    assert collecting.wait(timeout=120) == 0
+    with Repository.open(tmp_path) as repo:
+        assert fsck(repo, full=True).ok and "side" not in repo.branches()
