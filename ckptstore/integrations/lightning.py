@@ -9,7 +9,8 @@ Loading takes a marker path, a path whose marker is gone (its tag), or any ref o
 
 By default (`blocking=False`) a save returns once the state is snapshotted and the commit runs in
 the background; its tag and marker are written when it is settled: at the next save, load,
-remove or teardown, which first wait for it and raise its failure as a BackgroundCommitError.
+remove or teardown, which first wait for it and raise its failure as a BackgroundCommitError,
+or at the process's exit for a save made outside `fit` (a failure there is a warning).
 One commit per repository is in flight, so a second save in a row (`last.ckpt` right after a
 top-k save) waits for the first. Lightning's `AsyncCheckpointIO` wrapping this plugin also runs
 saves on a thread, but its removes and loads do not wait for them; prefer `blocking=False`.
@@ -22,11 +23,13 @@ derives from the CheckpointIO of each package installed; either may be missing.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
 import re
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +63,26 @@ _CHECKPOINT_IO_BASES = tuple(dict.fromkeys(b for b in (_StandaloneCheckpointIO, 
 if not _CHECKPOINT_IO_BASES:
     raise ImportError("ckptstore.integrations.lightning needs Lightning 2.x: pip install lightning "
                       "(for `import lightning`) or pytorch-lightning (for `import pytorch_lightning`)")
+
+
+_UNSETTLED: weakref.WeakSet[CkptstoreCheckpointIO] = weakref.WeakSet()  # plugins with a commit not yet settled
+
+
+def _settle_at_exit() -> None:
+    """Write the tags and markers of commits still unsettled when the process ends.
+
+    A save outside `fit` (`trainer.save_checkpoint` after it) has no teardown to settle it. This
+    runs after the interpreter waited for the background commits (threading's exit hooks come
+    before atexit's), so only the tag and marker are left to write.
+    """
+    for plugin in list(_UNSETTLED):
+        try:
+            plugin.settle()
+        except Exception as exc:  # the process is ending: say it, there is no caller left to raise to
+            warnings.warn(f"ckptstore: at exit, {exc}", RuntimeWarning, stacklevel=1)
+
+
+atexit.register(_settle_at_exit)
 
 
 def ref_for_path(path: str | os.PathLike, prefix: str = DEFAULT_PREFIX) -> str:
@@ -197,6 +220,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
             self._record(ref, path, result)
             return
         self._pending = (ref, path, result)
+        _UNSETTLED.add(self)
         if self.markers:  # save_last="link" links last.ckpt to this path right away: its folder must exist
             Path(path).parent.mkdir(parents=True, exist_ok=True)
 
@@ -205,6 +229,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         if self._pending is None:
             return
         (ref, path, handle), self._pending = self._pending, None
+        _UNSETTLED.discard(self)
         try:
             cid = head_if_unchanged(self.repo, self.branch, handle.result)
         except RetentionError as exc:
@@ -238,9 +263,13 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         where = os.path.abspath(os.fspath(path))
         claimed = self._paths.setdefault(ref, where)
         if claimed != where:
-            raise CkptError(f"checkpoints {claimed!r} and {where!r} both map to tag {ref!r}; give the two "
-                            "ModelCheckpoint callbacks different file names, or use two plugins with different "
-                            "prefixes")
+            # a tag names the file, not its folders: metric names with "/" (val/loss) put Lightning's files in
+            # subfolders, where two saves with the same rounded value share a file name
+            raise CkptError(f"checkpoints {claimed!r} and {where!r} both map to tag {ref!r} (a tag keeps only the "
+                            "file name); give each checkpoint its own file name: a filename template without '/' "
+                            "(a metric named val/loss makes a subfolder: ModelCheckpoint(filename=..., "
+                            "auto_insert_metric_name=False)), different file names for two ModelCheckpoint "
+                            "callbacks, or two plugins with different prefixes")
         return ref
 
     def _commit(self, checkpoint: dict[str, Any], name: str) -> CommitId | BackgroundCommit:

@@ -314,3 +314,26 @@ def test_a_failed_retention_prune_still_tags_and_marks_the_recorded_commit_and_t
         for path in [checkpoints.last_model_path, *checkpoints.best_k_models]:
             marker = read_marker(path)
             assert marker is not None and repo.resolve(marker["ref"]) == marker["commit"]
+
+
+SAVE_AND_EXIT = """
+import sys, torch
+from ckptstore.integrations.lightning import CkptstoreCheckpointIO
+plugin = CkptstoreCheckpointIO(sys.argv[1])  # blocking=False: the commit runs in the background
+plugin.save_checkpoint({"state_dict": {"w": torch.arange(4.0)}, "global_step": 7}, sys.argv[2])
+"""  # as trainer.save_checkpoint after fit: no teardown comes, the script just ends
+
+
+def test_a_save_outside_fit_gets_its_tag_and_marker_when_the_process_ends(tmp_path):
+    import subprocess
+
+    Repository.init(tmp_path / "store").close()
+    root = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", SAVE_AND_EXIT, str(tmp_path / "store"), str(tmp_path / "final.ckpt")],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr
+    marker = read_marker(tmp_path / "final.ckpt")
+    assert marker is not None and marker["ref"] == "lightning/final"
+    with Repository.open(tmp_path / "store") as repo:
+        assert repo.resolve("lightning/final") == marker["commit"]
+        assert torch.equal(repo.checkout("lightning/final")["state_dict"]["w"], torch.arange(4.0))
