@@ -10,7 +10,8 @@ and its handle's `timing["waited_s"]` says how long. A failure is re-raised by t
 `BackgroundCommitWarning`, and the next commit call on that repository raises it as a
 `BackgroundCommitError`, unless `result()` was asked first. A failed commit recorded nothing (the
 write path's metadata step never ran), so the repository is as it was. Closing the repository and
-the end of the process wait for the commit in flight; a SIGKILL leaves only garbage for gc.
+the end of the process wait for the commit in flight, and so does SIGTERM where no handler was set
+(it exits with status 143 once the commit is written); a SIGKILL leaves only garbage for gc.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import atexit
 import concurrent.futures.thread  # noqa: F401 (its exit hook must be registered before ours: see _at_exit)
 import copy
 import os
+import signal
 import threading
 import time
 import warnings
@@ -133,7 +135,26 @@ def _hook_exit() -> None:
         if not _hooked:
             # atexit.register runs after the pools stopped: only a fallback for a Python without this hook
             getattr(threading, "_register_atexit", atexit.register)(_at_exit)
+            _hook_sigterm()
             _hooked.append(True)
+
+
+def _hook_sigterm() -> None:
+    """Make SIGTERM (what SLURM and Kubernetes send before SIGKILL) end the process as an exit does.
+
+    Its default kills the process at once, commit in flight and all. Only where nobody set a
+    handler (Lightning sets its own), and only from the main thread (Python's rule).
+    """
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    if not _LIVE:  # nothing in flight: end as the default handler would
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    raise SystemExit(128 + signum)  # the interpreter's exit waits for the commits in flight (_at_exit)
 
 
 def lane_of(repo: Repository) -> Lane:

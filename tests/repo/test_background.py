@@ -186,6 +186,22 @@ def test_process_exit_waits_for_the_commit_in_flight(tmp_path):
         assert_same(dict(repo.checkout("HEAD")["model"]), dict(expected))
 
 
+def test_sigterm_mid_commit_ends_the_process_once_the_commit_is_written(tmp_path):
+    """SIGTERM comes before SIGKILL from a scheduler: the commit in flight is written, then the process exits."""
+    Repository.init(tmp_path).close()
+    release = tmp_path / "release"
+    child = _child(tmp_path, 1, "hang", {"CKPT_WAIT_AT": f"background:start={release}"})
+    _wait_reached(release)
+    child.send_signal(signal.SIGTERM)
+    time.sleep(0.3)  # the handler runs while the commit is still held
+    release.touch()
+    assert child.wait(timeout=60) == 128 + signal.SIGTERM
+    expected = torch.load(tmp_path / "expected-model.pt", weights_only=True)
+    with Repository.open(tmp_path) as repo:
+        assert [c.message for c in repo.log()] == ["background"]
+        assert_same(dict(repo.checkout("HEAD")["model"]), dict(expected))
+
+
 def test_sigkill_mid_commit_leaves_earlier_commits_and_garbage_only(tmp_path):
     trainer = Trainer()
     with Repository.init(tmp_path) as repo:
