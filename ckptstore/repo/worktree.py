@@ -173,33 +173,49 @@ def _listed(unsaved: list[tuple[str, Path]]) -> str:
 
 def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of: Callable[[str], Any],
                    raw_of: Callable[[str], RawTensor], exact: bool = False) -> None:
-    """Remove what the commit does not have, then write each of its files atomically.
+    """Write every file of the commit beside its target first, then remove what the commit lacks and rename.
 
     `exact`: the tensors are the committed ones (a lossless commit; formats.write_file).
 
-    Each file is written under a temporary name, given its recorded mode, and its digest is
-    recorded before it is renamed into place: another checkout that finds it there knows it.
+    A failure while writing (a full disk) leaves the folder as it was, never one file of each
+    commit. Each file's digest is recorded before it is renamed into place: another checkout
+    that finds it there knows it.
     """
-    for path in plan.extras:
-        path.unlink(missing_ok=True)
-    for folder in plan.folders:
-        try:
-            folder.rmdir()
-        except OSError:  # something new appeared in it meanwhile: leave it rather than lose it
-            pass
-    for record, target in plan.files:
-        if target.is_dir() and not target.is_symlink():
-            raise CkptError(f"{target} is a folder where the commit has a file; move it away and check out again")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _place(repo, cid, record, target, value_of, raw_of, exact)
+    from ckptstore.formats.atomic import sync_dir
+
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for record, target in plan.files:
+            if target.is_dir() and not target.is_symlink() and target not in plan.folders:
+                raise CkptError(f"{target} is a folder where the commit has a file; move it away and check out again")
+            staged.append((_stage(repo, cid, record, target, value_of, raw_of, exact), target))
+        for path in plan.extras:
+            path.unlink(missing_ok=True)
+        for folder in plan.folders:
+            try:
+                folder.rmdir()
+            except OSError:  # something new appeared in it meanwhile: leave it rather than lose it
+                pass
+        for staging, target in staged:
+            target.parent.mkdir(parents=True, exist_ok=True)  # where a file the commit lacks stood, maybe
+            os.replace(staging, target)
+        for folder in {target.parent for _, target in staged}:
+            sync_dir(folder)
+    finally:
+        for staging, _ in staged:
+            staging.unlink(missing_ok=True)
 
 
-def _place(repo: Repository, cid: CommitId, record: CheckpointFile, target: Path, value_of: Callable[[str], Any],
-           raw_of: Callable[[str], RawTensor], exact: bool = False) -> None:
+def _stage(repo: Repository, cid: CommitId, record: CheckpointFile, target: Path, value_of: Callable[[str], Any],
+           raw_of: Callable[[str], RawTensor], exact: bool = False) -> Path:
+    """Write `record` under a temporary name beside `target`, with its digest recorded and its mode set."""
     from ckptstore import formats
-    from ckptstore.formats.atomic import sync_dir, temp_beside
+    from ckptstore.formats.atomic import temp_beside
 
-    staging, handle = temp_beside(target, "new-")
+    home = target.parent  # beside the target, or in the nearest folder above it that exists already
+    while not home.is_dir():
+        home = home.parent
+    staging, handle = temp_beside(home / target.name, "new-")
     handle.close()
     try:
         formats.write_file(record, staging, value_of, raw_of, exact)
@@ -208,10 +224,10 @@ def _place(repo: Repository, cid: CommitId, record: CheckpointFile, target: Path
                 file_rows.remember(tx, [(file_digest(str(staging)), cid, staging.stat().st_size)])
         if record.mode is not None:  # after hashing: a mode may deny reading
             os.chmod(staging, record.mode)
-        os.replace(staging, target)
-        sync_dir(target.parent)
-    finally:
+    except BaseException:
         staging.unlink(missing_ok=True)
+        raise
+    return staging
 
 
 def refuse_unsaved(repo: Repository, targets: list[Path]) -> None:

@@ -316,3 +316,37 @@ def test_checkout_with_output_refuses_a_file_where_the_commit_has_a_folder(repo,
     with pytest.raises(CkptError, match="tokenizer is a file where the commit has a folder"):
         repo.checkout_to(cid, output=tmp_path / "out", force=True)
     assert (tmp_path / "out" / "tokenizer").read_text() == "mine"
+
+
+
+def test_a_folder_checkout_that_fails_part_way_leaves_the_folder_as_it_was(repo, monkeypatch):
+    """Every file is written beside its target before any is replaced or deleted: never one file of each commit."""
+    from ckptstore import formats
+
+    run = repo.root / "run"
+    run.mkdir()
+    torch.save({"w": torch.zeros(4)}, run / "a_model.pt")
+    torch.save({"m": torch.zeros(4)}, run / "b_optimizer.pt")
+    first = repo.commit(run, message="first")
+    torch.save({"w": torch.ones(4)}, run / "a_model.pt")
+    torch.save({"m": torch.ones(4)}, run / "b_optimizer.pt")
+    (run / "c_extra.json").write_text("{}")
+    repo.commit(run, message="second")
+    before = _files(run)
+    written = []
+    write_file = formats.write_file
+
+    def fills_the_disk_at_the_second_file(record, path, *args):  # a unit's fault: the disk fills mid-checkout
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(path)
+        return write_file(record, path, *args)
+
+    monkeypatch.setattr(formats, "write_file", fills_the_disk_at_the_second_file)
+    with pytest.raises(OSError, match="No space left"):
+        repo.checkout_to(first)
+    assert _files(run) == before  # both files of the second commit, its extra file, no temporary file
+    monkeypatch.setattr(formats, "write_file", write_file)
+    repo.checkout_to(first)
+    assert torch.equal(torch.load(run / "a_model.pt", weights_only=True)["w"], torch.zeros(4))
+    assert sorted(p.name for p in run.iterdir()) == ["a_model.pt", "b_optimizer.pt"]
