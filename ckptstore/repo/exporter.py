@@ -52,7 +52,7 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
     weight_files = [] if everything or manifest.kind != "folder" else hfweights.weight_files(manifest.files)
     if sharded.is_sharded(manifest):
         tensors, skipped = sharded.gather(repo, manifest)
-        why = "DCP stores non-tensor state as pickles, which ckptstore never unpickles"
+        why = "DCP keeps non-tensor state as separate items: load them with dcp.load and CkptStorageReader"
     elif weight_files:
         tensors, skipped = _weights(repo, manifest, weight_files)
         why = WEIGHTS_ONLY
