@@ -37,6 +37,7 @@ class CheckoutPlan:
     files: list[tuple[CheckpointFile, Path]]
     extras: list[Path] = field(default_factory=list)  # files and links the commit does not have
     folders: list[Path] = field(default_factory=list)  # folders it does not have, deepest first
+    seen: dict[Path, tuple[int, ...] | None] = field(default_factory=dict)  # targets and extras as checked
 
 
 def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool, output: bool) -> CheckoutPlan:
@@ -55,7 +56,8 @@ def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool,
         plan = CheckoutPlan(dest, [(manifest.files[0], dest)])
     else:
         plan = _plan_folder(repo, manifest, dest, exact=not output)
-    if not force:
+    if not force:  # as they are before they are checked: write_checkout refuses if they change meanwhile
+        plan.seen = {path: _signature(path) for path in [*(t for _, t in plan.files), *plan.extras]}
         unsaved = _unsaved(repo, [t for _, t in plan.files], plan.extras)
         if unsaved:
             raise DirtyWorktreeError(f"checkout would {_listed(unsaved)}, whose content is not in the store; "
@@ -189,6 +191,11 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
             if target.is_dir() and not target.is_symlink() and target not in plan.folders:
                 raise CkptError(f"{target} is a folder where the commit has a file; move it away and check out again")
             staged.append((_stage(repo, cid, record, target, value_of, raw_of, exact), target))
+        changed = [path for path, seen in plan.seen.items() if _signature(path) != seen]
+        if changed:  # written meanwhile (a training job saving): its content may be in no commit
+            raise DirtyWorktreeError(f"{', '.join(map(str, changed[:SHOWN]))} changed while the checkout read the "
+                                     "commit; nothing was replaced or deleted: check out again (commit it first to "
+                                     "keep it)")
         for path in plan.extras:
             path.unlink(missing_ok=True)
         for folder in plan.folders:
@@ -204,6 +211,15 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
     finally:
         for staging, _ in staged:
             staging.unlink(missing_ok=True)
+
+
+def _signature(path: Path) -> tuple[int, ...] | None:
+    """What tells a file changed: its size, mtime, inode and mode; None where nothing is."""
+    try:
+        info = path.lstat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return info.st_size, info.st_mtime_ns, info.st_ino, info.st_mode
 
 
 def _stage(repo: Repository, cid: CommitId, record: CheckpointFile, target: Path, value_of: Callable[[str], Any],

@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -350,3 +351,35 @@ def test_a_folder_checkout_that_fails_part_way_leaves_the_folder_as_it_was(repo,
     repo.checkout_to(first)
     assert torch.equal(torch.load(run / "a_model.pt", weights_only=True)["w"], torch.zeros(4))
     assert sorted(p.name for p in run.iterdir()) == ["a_model.pt", "b_optimizer.pt"]
+
+
+def test_a_file_written_while_the_checkout_reads_the_commit_is_never_overwritten(repo, monkeypatch):
+    """The unsaved-file check comes before decoding (seconds on a large checkpoint): each target is checked again."""
+    import threading
+
+    path = repo.root / "ckpt.pt"
+    torch.save({"w": torch.zeros(4)}, path)
+    first = repo.commit(path)
+    torch.save({"w": torch.ones(4)}, path)
+    repo.commit(path)
+    gate = repo.root / "gate"
+    monkeypatch.setenv("CKPT_WAIT_AT", f"checkout:records-read={gate}")
+    failures = []
+    checking_out = threading.Thread(target=lambda: _record_failure(failures, repo.checkout_to, first))
+    checking_out.start()
+    while not Path(f"{gate}.reached").exists():
+        assert checking_out.is_alive()
+        time.sleep(0.02)
+    torch.save({"w": torch.full((4,), 7.0)}, path)  # the training job saves meanwhile: in no commit yet
+    gate.touch()
+    checking_out.join(timeout=60)
+    assert len(failures) == 1 and isinstance(failures[0], DirtyWorktreeError), failures
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.full((4,), 7.0))
+    assert [p.name for p in repo.root.iterdir() if p.name.startswith(".ckpt.pt")] == []  # no staging file left
+
+
+def _record_failure(failures, fn, *args):
+    try:
+        fn(*args)
+    except Exception as exc:
+        failures.append(exc)
