@@ -132,7 +132,7 @@ def test_a_failed_retention_after_a_dcp_save_keeps_the_recorded_commit(tmp_path,
     monkeypatch.setattr(pruning, "prune", failing)
     writer = CkptStorageWriter(tmp_path / "repo", step=5)
     state = _state(torch.full((128, 64), 2.0), 5)
-    with pytest.raises(CheckpointException, match="was recorded, but the \\[retention\\] policy's prune after it failed"):
+    with pytest.raises(CheckpointException, match="was recorded, but the \\[retention\\] policy's prune after"):
         dcp.save(state, storage_writer=writer)
     with Repository.open(tmp_path / "repo") as repo:
         assert writer.commit_id is not None and repo.resolve("main") == writer.commit_id
