@@ -104,6 +104,10 @@ class CodecError(CkptError):
     """An unknown codec id or malformed encoded payload."""
 
 
+class NonFiniteError(CodecError):
+    """A lossy codec was given NaN or infinite values (a diverged run): they have no step to quantize by."""
+
+
 class PrunedCommitError(CkptError):
     """A commit `ckpt prune` removed: its row and place in the history stay, its tensors are gone."""
 

@@ -25,7 +25,7 @@ import numpy as np
 from ckptstore.codecs import codebook
 from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols
 from ckptstore.codecs.floats import from_float32, itemsize, round_to_bfloat16, rounding_error, to_float32
-from ckptstore.errors import CodecError
+from ckptstore.errors import CodecError, NonFiniteError
 
 MAGIC, MAGIC_V1 = b"DZ2", b"DZ1"
 _HEAD = struct.Struct("<3sBf")
@@ -104,7 +104,7 @@ class DeadZoneCodec:
                      hints: dict[str, Any] | None = None) -> tuple[bytes, np.ndarray]:
         values = to_float32(data, params["dtype"])
         if not np.isfinite(values).all():
-            raise CodecError("deadzone: non-finite values cannot be quantized")
+            raise NonFiniteError("deadzone: non-finite values cannot be quantized")
         target = values - to_float32(base, params["dtype"]) if base is not None else values
         step = chunk_step(target, params, base is not None)
         # A capped step tracks a fine-tune's small, steady updates: a wider dead zone would hold

@@ -20,7 +20,7 @@ import zstandard
 
 from ckptstore.codecs.entropy import decode_sparse, decode_symbols, decompress_at_most, encode_symbols
 from ckptstore.codecs.floats import from_float32, itemsize, rounding_error, to_float32
-from ckptstore.errors import CodecError
+from ckptstore.errors import CodecError, NonFiniteError
 
 MAGIC = b"LG1"
 _HEAD = struct.Struct("<3sBiI")
@@ -74,8 +74,10 @@ class LogMomentCodec:
                      hints: dict[str, Any] | None = None) -> tuple[bytes, np.ndarray]:
         k = int(params["k"])
         values = to_float32(data, params["dtype"])
-        if not np.isfinite(values).all() or (values < 0).any():
-            raise CodecError("log2moment: values must be finite and non-negative")
+        if not np.isfinite(values).all():
+            raise NonFiniteError("log2moment: non-finite values cannot be quantized")
+        if (values < 0).any():
+            raise CodecError("log2moment: values must be non-negative")
         zero = values == 0
         levels = levels_of(values, k)
         median = int(np.median(levels[~zero])) if (~zero).any() else 0

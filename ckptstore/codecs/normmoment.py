@@ -23,7 +23,7 @@ import numpy as np
 from ckptstore.codecs.deadzone import dequantize, quantize
 from ckptstore.codecs.entropy import decode_symbols, encode_symbols
 from ckptstore.codecs.floats import from_float32, itemsize, rounding_error, sum_of_squares, to_float32
-from ckptstore.errors import CodecError
+from ckptstore.errors import CodecError, NonFiniteError
 
 MAGIC, MAGIC_V1 = b"MN2", b"MN1"
 _HEAD = struct.Struct("<3sf")
@@ -46,7 +46,7 @@ class NormalizedMomentCodec:
             raise CodecError("normmoment: needs the reconstructed second moment as its base")
         values = to_float32(data, params["dtype"])
         if not np.isfinite(values).all():
-            raise CodecError("normmoment: non-finite values cannot be quantized")
+            raise NonFiniteError("normmoment: non-finite values cannot be quantized")
         scale, step = _scale(base, params), float(np.float32(params["step"] * params.get("tighten", 1.0)))
         # The step Adam would take is m / sqrt(v) with the original v: quantize that (when the writer
         # has it), so a coarse reconstructed v changes the first moment, not the restored update.

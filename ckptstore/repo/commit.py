@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults, formats
-from ckptstore.errors import CheckpointFormatError, CkptError, NothingToCommitError
+from ckptstore.errors import CheckpointFormatError, CkptError, NonFiniteError, NothingToCommitError
 from ckptstore.formats.dcpmeta import is_dcp_dir
 from ckptstore.formats.folder import folder_files
 from ckptstore.hashing import CommitId, ObjectId, TensorId, file_digest, tensor_id
@@ -114,7 +115,14 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         guard = calibrate.loss_guard(lossy.calibration, lossy.model, lossy.max_loss_change, level, checkpoint)
         with repo.db.read() as tx:
             parent = _parent(repo, tx, options.branch, checkpoint.tensors)
-        done, change = _encode_checked(repo, checkpoint, parent, sources, level, lossy, measured, progress, guard)
+        try:
+            done, change = _encode_checked(repo, checkpoint, parent, sources, level, lossy, measured, progress,
+                                           guard)
+        except NonFiniteError as exc:  # a diverged run's checkpoint is still worth keeping: whole, for debugging
+            warnings.warn(f"the checkpoint holds NaN or infinite values ({exc}): committed lossless instead of at "
+                          f"level {level.name if level else ''!r}", RuntimeWarning, stacklevel=2)
+            level = None
+            done, change = _encode_checked(repo, checkpoint, parent, sources, None, lossy, measured, progress, None)
         entries, encoded, sizes = done.entries, done.records, done.sizes
         if change is not None:
             options = replace(options, metrics={**options.metrics, calibrate.CALIBRATION_METRIC: change * 100})

@@ -7,6 +7,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from ckptstore import Repository
 from ckptstore.cli import cli
 from ckptstore.errors import CkptError, NothingToCommitError
 from ckptstore.formats.torchfile import numpy_safe_globals
@@ -377,3 +378,15 @@ def test_each_chunk_tells_movement_from_its_own_base_error(tmp_path):
             assert len(before) == len(after) == len(steps) > 1 and max(before) > 3 * min(before[1:])
             assert all(step < params["step"] / 10 for step in steps), (name, steps, params["step"])
             assert all(a <= b / 4 for a, b in zip(after, before)), (name, before, after)  # every chunk refined
+
+
+def test_a_checkpoint_with_nan_or_inf_weights_is_committed_lossless_with_a_warning(tmp_path):
+    """A diverged run's checkpoint is worth keeping whole: no quantization step exists for NaN or inf."""
+    weight = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+    weight[3, 5], weight[7, 1] = float("nan"), float("inf")
+    state = {"model": {"l.weight": weight}}
+    with Repository.init(tmp_path) as repo, pytest.warns(RuntimeWarning, match="NaN or infinite.*committed lossless"):
+        cid = repo.commit(state, lossy="balanced")
+    with Repository.open(tmp_path) as repo:
+        assert repo.commit_info(cid).lossy is None
+        assert_same(repo.checkout(cid), state)
