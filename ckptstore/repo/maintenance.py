@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -104,14 +103,10 @@ def fsck(repo: Repository, full: bool = False) -> FsckReport:
     `full`, also replay every tensor of every commit and check it against its chunk checksums and
     its tensor id.
 
-    It holds the repository lock shared, as a commit does (where it may write the lock file), so
-    a gc or prune waits: one that removed commits meanwhile made sound ones look damaged.
+    It takes no lock (a long `--full` would hold back a gc, and the commits queued behind it):
+    damage found is confirmed against the metadata as it is at the end, so what a gc or prune
+    removed meanwhile is not reported.
     """
-    with contextlib.nullcontext() if repo.read_only else repo.lock():
-        return _fsck(repo, full)
-
-
-def _fsck(repo: Repository, full: bool) -> FsckReport:
     from ckptstore.repo import integrity
 
     report = FsckReport()
@@ -134,7 +129,23 @@ def _fsck(repo: Repository, full: bool) -> FsckReport:
     _commits_broken_by_records(repo, report)
     if full:
         _replay_all(repo, manifests, report)
+    if not report.ok:
+        _forget_what_was_removed(repo, report)
     return report
+
+
+def _forget_what_was_removed(repo: Repository, report: FsckReport) -> None:
+    """Drop findings about commits, tensors and objects that a gc or prune removed while fsck ran."""
+    with repo.db.read() as tx:
+        commits = {cid for cid, _ in liveness.commit_manifests(tx)}  # neither removed nor pruned
+        _, needed = liveness.live(tx)
+        tensors = liveness.recorded_tensors(tx) | liveness.referenced_tensors(tx)
+    report.damaged_objects = {oid: why for oid, why in report.damaged_objects.items() if oid in needed}
+    report.broken_commits = {cid: oids for cid, oids in report.broken_commits.items() if cid in commits}
+    report.missing_records = [tid for tid in report.missing_records if tid in tensors]
+    kept = {"commit": commits, "tensor": tensors}
+    report.damaged_records = {what: why for what, why in report.damaged_records.items()
+                              if what.split()[0] not in kept or what.split()[1] in kept[what.split()[0]]}
 
 
 def _commits_broken_by_records(repo: Repository, report: FsckReport) -> None:
