@@ -19,40 +19,58 @@ if TYPE_CHECKING:
 RepoLike = Repository | str | os.PathLike | None
 
 
-# Repositories a background save opened by path, kept open for the rest of the process: one
-# repository object per folder means one lane, so each later call waits for the commit in flight
-# (and raises its failure) instead of racing it on the branch.
+# Repositories a background save opened by path, kept while one of their commits is in flight (or
+# failed unseen): one repository object per folder means one lane, so the next call waits for that
+# commit (and raises its failure) instead of racing it on the branch. Once idle, a kept repository
+# is closed and the next call opens the folder afresh (it may have been made anew meanwhile).
 _KEPT: dict[Path, Repository] = {}
 _KEPT_LOCK = threading.Lock()
 
 
 def _close_kept() -> None:
-    for kept in list(_KEPT.values()):
-        kept.close()
-
-
-def _kept_open(repo: str | os.PathLike | None) -> Repository:
-    """The process's open repository at that path (or here), opened on first use."""
-    root = find_root(repo)
     with _KEPT_LOCK:
-        if root not in _KEPT:
-            if not _KEPT:
-                atexit.register(_close_kept)
-            _KEPT[root] = Repository.open(root)
-        return _KEPT[root]
+        kept = list(_KEPT.values())
+        _KEPT.clear()
+    for repository in kept:
+        repository.close()
+
+
+def _kept(root: Path) -> Repository | None:
+    """The kept repository of the folder at `root` while it is busy; an idle one is closed and forgotten."""
+    from ckptstore.repo.background import busy  # the snapshot machinery: only once a background save ran
+
+    with _KEPT_LOCK:
+        kept = _KEPT.get(root)
+        if kept is None or busy(kept):
+            return kept
+        del _KEPT[root]
+    kept.close()
+    return None
+
+
+def _keep(root: Path) -> Repository:
+    """The folder's busy repository, or one opened now and kept for the background save about to start."""
+    kept = _kept(root)
+    if kept is not None:
+        return kept
+    opened = Repository.open(root)
+    with _KEPT_LOCK:
+        if not _KEPT:
+            atexit.register(_close_kept)
+        _KEPT[root] = opened
+    return opened
 
 
 def with_repo(repo: RepoLike, fn: Callable[[Repository], Any]) -> Any:
     """`fn(repo)` for an open Repository as it is, or for the one at that path (or here), opened and closed.
 
-    Where a background save keeps that folder's repository open, the call goes through it.
+    Where a background save's commit on that folder is still in flight, the call goes through its repository.
     """
     if isinstance(repo, Repository):
         return fn(repo)
-    if _KEPT:
-        kept = _KEPT.get(find_root(repo))
-        if kept is not None:
-            return fn(kept)
+    kept = _kept(find_root(repo)) if _KEPT else None
+    if kept is not None:
+        return fn(kept)
     with Repository.open(repo) as opened:
         return fn(opened)
 
@@ -69,8 +87,8 @@ def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = 
     lets it measure which weights the loss is sensitive to, and holds the restored checkpoint's
     loss within `max_loss_change` (relative; default: the level's promise) of the original's.
     `blocking=False` returns a handle as soon as `obj` is copied (`Repository.commit`); a
-    repository given by path (or None) then stays open for the rest of the process, so each later
-    save or load there waits for the commit in flight, as calls on one Repository do.
+    repository given by path (or None) then stays open while that commit runs, so each later save
+    or load there waits for it (and raises its failure), as calls on one Repository do.
     """
     def run(r: Repository) -> CommitId | BackgroundCommit:
         return r.commit(obj, message=message, step=step, metrics=metrics, branch=branch, lossy=lossy, model=model,
@@ -79,7 +97,7 @@ def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = 
 
     if blocking or isinstance(repo, Repository):
         return with_repo(repo, run)
-    return run(_kept_open(repo))
+    return run(_keep(find_root(repo)))
 
 
 def load(ref: str = "HEAD", repo: RepoLike = None, map_location: str | None = None,

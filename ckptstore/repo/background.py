@@ -157,6 +157,12 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # the interpreter's exit waits for the commits in flight (_at_exit)
 
 
+def busy(repo: Repository) -> bool:
+    """Whether `repo` has a background commit in flight, or a failure of one its next commit call must raise."""
+    lane = repo._background
+    return lane is not None and (lane.failed is not None or (lane.current is not None and not lane.current.done()))
+
+
 def lane_of(repo: Repository) -> Lane:
     """The repository's lane, made on first use."""
     if repo._background is None:

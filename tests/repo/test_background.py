@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,6 +154,18 @@ def test_saves_by_path_in_the_background_wait_for_each_other_and_all_land(tmp_pa
         assert [c.id for c in repo.log()] == [last, *reversed(cids)]
     for cid, state in zip(cids, expected, strict=True):
         assert_same(ckptstore.load(cid, tmp_path / "repo"), state)
+
+
+def test_a_folder_made_anew_after_a_background_save_by_path_is_opened_afresh(tmp_path):
+    """An idle kept repository is not reused: it would still hold the deleted repository's database."""
+    Repository.init(tmp_path / "repo").close()
+    ckptstore.save({"w": torch.zeros(4)}, tmp_path / "repo", blocking=False).result()
+    shutil.rmtree(tmp_path / "repo")
+    Repository.init(tmp_path / "repo").close()
+    cid = ckptstore.save({"w": torch.ones(4)}, tmp_path / "repo", blocking=False).result()
+    assert torch.equal(ckptstore.load(cid, tmp_path / "repo")["w"], torch.ones(4))
+    with Repository.open(tmp_path / "repo") as repo:
+        assert [c.id for c in repo.log()] == [cid]
 
 
 CHILD = """
