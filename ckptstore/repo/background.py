@@ -135,15 +135,17 @@ def _hook_exit() -> None:
         if not _hooked:
             # atexit.register runs after the pools stopped: only a fallback for a Python without this hook
             getattr(threading, "_register_atexit", atexit.register)(_at_exit)
-            _hook_sigterm()
             _hooked.append(True)
+    _hook_sigterm()
 
 
 def _hook_sigterm() -> None:
     """Make SIGTERM (what SLURM and Kubernetes send before SIGKILL) end the process as an exit does.
 
     Its default kills the process at once, commit in flight and all. Only where nobody set a
-    handler (Lightning sets its own), and only from the main thread (Python's rule).
+    handler (Lightning sets its own), and only from the main thread (Python's rule), so each
+    background commit tries again. Once set it stays: a Python handler runs when the main thread
+    is back in Python, so a SIGTERM reaches a main thread blocked in native code when that returns.
     """
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)
@@ -154,6 +156,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
         return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the exit's wait short
     raise SystemExit(128 + signum)  # the interpreter's exit waits for the commits in flight (_at_exit)
 
 
