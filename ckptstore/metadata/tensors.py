@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from typing import Any
 
 from ckptstore.errors import CorruptRecordError
@@ -101,15 +101,17 @@ def replace_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[Obje
     insert_records(tx, records, object_sizes)  # the tensor rows exist (kept); chunks and objects go in
 
 
-def save_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[ObjectId, int]) -> None:
-    """Record a commit's new tensors; an id recorded meanwhile (or one encoded again for lost objects) is replaced.
+def save_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[ObjectId, int],
+                 replace: Set[TensorId] = frozenset()) -> None:
+    """Record a commit's new tensors; those in `replace` (encoded again for lost objects) take their ids' rows.
 
-    Either way the id names the same bytes, so every record chained on it still decodes.
+    The id names the same bytes, so every record chained on it decodes again. Any other id
+    recorded meanwhile (by another writer) keeps its row.
     """
-    existing = existing_tensor_ids(tx, [r.id for r in records])
-    if existing:
-        replace_records(tx, [r for r in records if r.id in existing], object_sizes)
-    insert_records(tx, [r for r in records if r.id not in existing], object_sizes)
+    again = [r for r in records if r.id in replace]
+    if again:
+        replace_records(tx, again, object_sizes)
+    insert_records(tx, [r for r in records if r.id not in replace], object_sizes)
 
 
 def dependents(tx: Tx, tensor_ids: set[TensorId]) -> set[TensorId]:

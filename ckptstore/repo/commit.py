@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,7 +91,8 @@ class _Parent(Start):
 
     manifest: Manifest | None = None
     records: dict[TensorId, TensorRecord] = field(default_factory=dict)  # the parent's tensors and their chains
-    by_path: dict[str, TensorRecord] = field(default_factory=dict)
+    by_path: dict[str, TensorRecord] = field(default_factory=dict)  # without the lost ones
+    lost: set[TensorId] = field(default_factory=set)  # recorded, but an object down their chain is gone
 
 
 def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOptions | None = None,
@@ -114,7 +115,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         sources = _tensor_ids(repo, checkpoint.tensors)
         guard = calibrate.loss_guard(lossy.calibration, lossy.model, lossy.max_loss_change, level, checkpoint)
         with repo.db.read() as tx:
-            parent = _parent(repo, tx, options.branch, checkpoint.tensors)
+            parent = _parent(repo, tx, options.branch, checkpoint.tensors, sources)
         try:
             done, change = _encode_checked(repo, checkpoint, parent, sources, level, lossy, measured, progress,
                                            guard)
@@ -142,7 +143,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         info = _commit_info(checkpoint, options, manifest_oid, stored, source_path, parent, level)
         with repo.db.write() as tx:
             move_ref(tx, parent.target, parent.commit, info.id)
-            tensor_rows.save_records(tx, new_records, sizes)
+            tensor_rows.save_records(tx, new_records, sizes, replace=parent.lost)
             commit_rows.insert_commit(tx, info, entries.values())
             if level is None:  # a lossy commit cannot give its source's bytes back: they stay unsaved
                 file_rows.remember(tx, [(d, info.id, f.size) for f in checkpoint.files if (d := digests.get(f.name))])
@@ -191,7 +192,7 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
         plans, pairing, fisher = (_plan(repo, checkpoint, parent, level, lossy, measured) if level
                                   else ({}, None, None))
         entries, jobs = encoding_jobs(repo, tx, checkpoint.tensors, sources, parent.by_path, parent.records,
-                                     plans, level)
+                                     plans, level, parent.lost)
     progress.start("commit", sum(j.raw.nbytes for j in jobs))
     with repo.store.batch():
         try:
@@ -253,16 +254,23 @@ def _ids_of(raws: list[RawTensor]) -> list[TensorId]:
     return [tensor_id(r.dtype, r.shape, r.data) for r in raws]
 
 
-def _parent(repo: Repository, tx: Tx, branch: str | None, tensors: Mapping[str, RawTensor]) -> _Parent:
-    """Where the commit goes, with the parent's manifest and the records of its tensors at our paths."""
+def _parent(repo: Repository, tx: Tx, branch: str | None, tensors: Mapping[str, RawTensor],
+            sources: Mapping[str, TensorId]) -> _Parent:
+    """Where the commit goes, with the parent's manifest and the records of its tensors at our paths.
+
+    Records whose objects were lost (ours by content, or the parent's) are set apart: the commit
+    encodes those tensors afresh rather than chaining on or reusing them.
+    """
     start = commit_target(tx, branch)
     parent = _Parent(start.target, start.commit)
-    if parent.commit is None:
-        return parent
-    parent.manifest = repo.read_manifest(commit_rows.manifest_object(tx, parent.commit))
-    ids = {p: e.tensor for p, e in parent.manifest.entries.items() if p in tensors}
-    parent.records = tensor_rows.load_records(tx, set(ids.values()))
-    parent.by_path = {p: parent.records[t] for p, t in ids.items() if t in parent.records}
+    if parent.commit is not None:
+        parent.manifest = repo.read_manifest(commit_rows.manifest_object(tx, parent.commit))
+        ids = {p: e.tensor for p, e in parent.manifest.entries.items() if p in tensors}
+        parent.records = tensor_rows.load_records(tx, set(ids.values()))
+        parent.by_path = {p: parent.records[t] for p, t in ids.items() if t in parent.records}
+    parent.lost = lost_records(repo, tx, {r.id for r in parent.by_path.values()} | set(sources.values()),
+                               parent.records)
+    parent.by_path = {p: r for p, r in parent.by_path.items() if r.id not in parent.lost}
     return parent
 
 
@@ -296,7 +304,8 @@ def _optimizer_map(checkpoint: formats.Checkpoint, lossy: LossyOptions) -> Optim
 
 def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], sources: Mapping[str, TensorId],
                   parents: Mapping[str, TensorRecord], chains: Mapping[TensorId, TensorRecord],
-                  plans: Mapping[str, LossyPlan], level: LossyLevel | None) -> tuple[dict[str, TensorId], list[Job]]:
+                  plans: Mapping[str, LossyPlan], level: LossyLevel | None,
+                  lost: Set[TensorId] = frozenset()) -> tuple[dict[str, TensorId], list[Job]]:
     """Manifest ids known before encoding, and the jobs that encode everything else.
 
     `tensors`, their content ids `sources` and the `parents` they chain on are by path (a
@@ -316,9 +325,6 @@ def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], so
             reused[path] = parent
     lossless = [p for p in tensors if p not in plans]
     present = tensor_rows.existing_tensor_ids(tx, [sources[p] for p in lossless])
-    lost = lost_records(repo, tx, present | {r.id for r in reused.values()})
-    for path in [p for p, record in reused.items() if record.id in lost]:  # encoded afresh below
-        del reused[path], entries[path]
     new: dict[TensorId, RawTensor] = {}
     parent_of: dict[TensorId, TensorRecord | None] = {}
     for path in lossless:
@@ -334,15 +340,18 @@ def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], so
     return entries, jobs
 
 
-def lost_records(repo: Repository, tx: Tx, ids: set[TensorId]) -> set[TensorId]:
-    """The `ids` whose records (down their chains) need an object the store lacks, where it can tell cheaply.
+def lost_records(repo: Repository, tx: Tx, ids: set[TensorId], known: Mapping[TensorId, TensorRecord]
+                 ) -> set[TensorId]:
+    """The recorded `ids` whose chains need an object the store lacks, where it can tell cheaply.
 
-    A commit reusing such a record would be recorded broken; encoding the tensor again (the
-    commit has its bytes) gives the record objects again, and every commit that names it is whole.
+    A commit reusing or chaining on such a record would be recorded broken; encoding the tensor
+    again (the commit has its bytes) gives the record objects again, and every commit that names
+    it is whole. `known`: records loaded already (with their chains).
     """
-    if not ids:
-        return set()
-    records = tensor_rows.load_records(tx, ids, problems={})
+    records = dict(known)
+    unknown = ids - set(known)
+    if unknown:
+        records.update(tensor_rows.load_records(tx, unknown, problems={}))
     missing = lacking(repo.store, {chunk.object_id for record in records.values() for chunk in record.chunks})
     if not missing:
         return set()

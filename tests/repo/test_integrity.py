@@ -1,5 +1,6 @@
 """Damaged or rewritten metadata: restores account for every byte, fsck names it, gc deletes nothing it names."""
 
+import copy
 import dataclasses
 import json
 import os
@@ -338,3 +339,34 @@ def test_fsck_reports_no_damage_a_gc_made_by_removing_commits_while_it_ran(tmp_p
     assert checking.returncode == 0 and "ok" in out, out
     with Repository.open(tmp_path) as repo:
         assert fsck(repo, full=True).ok and "side" not in repo.branches()
+
+
+def _lose_objects_of(repo, cid, path):
+    """Delete the objects of the record at `path` in commit `cid` (a bad disk, a hand in the objects folder)."""
+    tensor = repo.manifest(cid).entries[path].tensor
+    with repo.db.read() as tx:
+        for (oid,) in tx.rows("SELECT object_id FROM tensor_chunks WHERE tensor_id = ?", (tensor,)):
+            repo.store.path_of(oid).unlink(missing_ok=True)
+
+
+def test_the_next_step_after_a_lost_record_is_encoded_whole_at_every_level(repo):
+    """A changed tensor whose parent record lost an object is a keyframe, lossless or lossy, never a residual on it."""
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 64, generator=torch.Generator().manual_seed(0))).sum().backward()
+    optimizer.step()
+    state = lambda: {"model": copy.deepcopy(model.state_dict()), "optim": copy.deepcopy(optimizer.state_dict())}
+    lossless = repo.commit({"w": torch.arange(4096.0).reshape(64, 64)})
+    _lose_objects_of(repo, lossless, "w")
+    after = repo.commit({"w": torch.arange(4096.0).reshape(64, 64) + 1})
+    assert torch.equal(repo.checkout(after)["w"], torch.arange(4096.0).reshape(64, 64) + 1)
+    lossy = repo.commit(state(), lossy="balanced", model=model, optimizer=optimizer)
+    weight = next(p for p in repo.manifest(lossy).entries if p.startswith("model") and p.endswith("weight"))
+    _lose_objects_of(repo, lossy, weight)
+    with torch.no_grad():
+        model.bias.add_(0.5)
+    kept = state()
+    step = repo.commit(kept, lossy="balanced", model=model, optimizer=optimizer)
+    report = fsck(repo, full=True)
+    assert after not in report.broken_commits and step not in report.broken_commits, report
+    assert torch.equal(repo.checkout(step)["model"]["bias"], kept["model"]["bias"])
