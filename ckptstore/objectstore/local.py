@@ -79,8 +79,7 @@ class LocalObjectStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(parents=True, exist_ok=True)
         if self.tmp.stat().st_dev != self.root.stat().st_dev:
-            self.tmp = self.root / "tmp"
-            self.tmp.mkdir(exist_ok=True)
+            self.tmp = self.root / "tmp"  # made by the first write: a read-only mount is still readable
         self._batched: list[Path] | None = None
 
     def path_of(self, oid: ObjectId) -> Path:
@@ -105,6 +104,7 @@ class LocalObjectStore:
         if self._holds(final, parts):
             return oid
         final.parent.mkdir(exist_ok=True)
+        self.tmp.mkdir(exist_ok=True)
         temp = self.tmp / f"{oid}.{uuid.uuid4().hex}"
         try:
             with open(temp, "wb", buffering=0) as handle:  # unbuffered: each part goes straight to the file
@@ -220,6 +220,8 @@ class LocalObjectStore:
     def clear_tmp(self) -> int:
         """Remove leftovers of interrupted writes; returns how many were removed."""
         removed = 0
+        if not self.tmp.is_dir():
+            return removed
         for item in self.tmp.iterdir():
             if item.is_dir() and not item.is_symlink():  # nothing of ours, but left there it stopped every gc
                 import shutil  # only here: it imports the compression modules

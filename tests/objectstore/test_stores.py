@@ -186,3 +186,19 @@ def test_gc_clears_whatever_it_finds_in_tmp_first(tmp_path):
         (repo.store.tmp / "partial").write_bytes(b"y")
         assert gc(repo).temp_files_removed == 2
         assert list(repo.store.tmp.iterdir()) == []
+
+
+def test_objects_on_another_filesystem_open_without_writing_there(tmp_path, other_filesystem):
+    """Their temp folder comes with the first write: an archive disk mounted read-only still reads."""
+    import shutil
+
+    import torch
+
+    from ckptstore import Repository
+
+    with Repository.init(tmp_path / "r", objects_url=(other_filesystem / "objects").as_uri()) as repo:
+        cid = repo.commit({"w": torch.arange(4.0)})
+    shutil.rmtree(other_filesystem / "objects" / "tmp")
+    with Repository.open(tmp_path / "r", read_only=True) as repo:
+        assert torch.equal(repo.checkout(cid)["w"], torch.arange(4.0))
+    assert not (other_filesystem / "objects" / "tmp").exists()
