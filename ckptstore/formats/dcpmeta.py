@@ -8,6 +8,7 @@ torch-free (repo/sharded.py uses them); torch is imported by the functions that 
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -52,18 +53,20 @@ def chunk_problem(item: dict[str, Any]) -> str | None:
         if any(o < 0 or n < 0 or o + n > whole for o, n, whole in zip(offsets, sizes, size)):
             return f"the chunk at {offsets} of sizes {sizes} lies outside the tensor's {size}"
         boxes.append((offsets, sizes))
-    volume = 1
-    for whole in size:
-        volume *= whole
-    covered = 0
-    for i, (offsets, sizes) in enumerate(boxes):
-        part = 1
-        for n in sizes:
-            part *= n
-        covered += part
-        for other, other_sizes in boxes[:i]:
-            if part and all(o < p + m and p < o + n for o, n, p, m in zip(offsets, sizes, other, other_sizes)):
+    volume, covered = math.prod(size), sum(math.prod(sizes) for _, sizes in boxes)
+    # a sweep along the dimension the chunks split most: each chunk is compared only with those it
+    # could overlap there (a few, for shards along any one dimension), not with every other chunk
+    axis = max(range(len(size)), key=lambda d: len({o[d] for o, _ in boxes}), default=None)
+    boxes.sort(key=lambda box: box[0][axis] if axis is not None else 0)
+    open_boxes: list[tuple[list[int], list[int]]] = []
+    for offsets, sizes in boxes:
+        if not math.prod(sizes):
+            continue
+        open_boxes = [(o, n) for o, n in open_boxes if axis is None or o[axis] + n[axis] > offsets[axis]]
+        for other, other_sizes in open_boxes:
+            if all(o < p + m and p < o + n for o, n, p, m in zip(offsets, sizes, other, other_sizes)):
                 return f"the chunks at {other} and {offsets} overlap"
+        open_boxes.append((offsets, sizes))
     return None if covered == volume else f"its chunks cover {covered} of its {volume} elements"
 
 

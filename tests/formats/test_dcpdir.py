@@ -110,6 +110,8 @@ def test_a_truncated_metadata_a_missing_data_file_or_a_wrong_shard_is_refused(tm
     ([4, 2], [([0, 0], [8])], "another rank"),
     ([6, 2], [([0, 0], [2, 2]), ([2, 0], [2, 2])], "cover 8 of its 12"),
     ([4, 2], [([0, 0], [3, 2]), ([2, 0], [2, 2]), ([0, 0], [0, 2])], "overlap"),
+    ([2, 4096], [([0, k], [2, 1]) for k in range(4096)], None),  # column shards: a sweep along dimension 1
+    ([2, 4096], [([0, k], [2, 1]) for k in range(4095)] + [([0, 17], [2, 1])], "overlap"),
 ])
 def test_chunks_must_tile_their_tensor_exactly(size, chunks, problem):
     from ckptstore.formats.dcpmeta import chunk_problem
