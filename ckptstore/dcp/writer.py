@@ -281,7 +281,7 @@ def _subclassed(value: Any, depth: int = 0) -> bool:
     if depth > 64:  # deeper than any real state: let flatten's own bounds refuse it
         return False
     if isinstance(value, _PLAIN) and type(value) not in _PLAIN:
-        return True
+        return type(value).__module__ != "numpy"  # np.float64, np.str_: their values convert exactly, as before
     if isinstance(value, dict):
         return any(_subclassed(k, depth + 1) or _subclassed(v, depth + 1) for k, v in value.items())
     if isinstance(value, (list, tuple, set, frozenset)):

@@ -277,3 +277,15 @@ def test_subclasses_of_plain_types_keep_their_type_or_are_refused_never_converte
     dcp.load(loaded, storage_reader=CkptStorageReader(tmp_path, trust_pickle=True))
     assert type(loaded["mode"]) is Mode and type(loaded["pt"]) is Point and loaded["pt"] == Point(1, 2)
     assert loaded["plain"] == (1, 2) and type(loaded["plain"]) is tuple
+
+
+def test_numpy_scalars_among_non_tensor_items_load_without_trust_as_their_values(tmp_path):
+    """np.float64 subclasses float, np.str_ str: stored by value as before (a metric logged from numpy is common)."""
+    import numpy as np
+
+    with Repository.init(tmp_path):
+        dcp.save({"w": torch.ones(2), "loss": np.float64(0.5), "name": np.str_("run")},
+                 storage_writer=CkptStorageWriter(tmp_path))
+    loaded = {"w": torch.zeros(2), "loss": None, "name": None}
+    dcp.load(loaded, storage_reader=CkptStorageReader(tmp_path))
+    assert loaded["loss"] == 0.5 and loaded["name"] == "run"
