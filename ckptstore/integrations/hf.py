@@ -159,7 +159,7 @@ def _result_of(handle: BackgroundCommit, folder: Path, repo: Repository, branch:
     try:
         return head_if_unchanged(repo, branch, handle.result)
     except RetentionError as exc:
-        return _recorded_despite(exc, folder)
+        return _recorded_despite(exc, folder, warn=not handle.warned)
     except Exception as exc:
         raise BackgroundCommitError(
             f"the background commit of {folder} ({handle.description}) failed: {exc}. Nothing of it was recorded, "
@@ -167,9 +167,10 @@ def _result_of(handle: BackgroundCommit, folder: Path, repo: Repository, branch:
             f"with `ckpt commit {folder}` or resume training from it") from exc
 
 
-def _recorded_despite(exc: RetentionError, folder: Path) -> CommitId:
-    """The id of a commit whose [retention] prune failed, said as a warning: training goes on."""
-    warnings.warn(f"{folder}: {exc}; the next commit's policy prunes again", RuntimeWarning, stacklevel=3)
+def _recorded_despite(exc: RetentionError, folder: Path, warn: bool = True) -> CommitId:
+    """The id of a commit whose [retention] prune failed, said (once) as a warning: training goes on."""
+    if warn:
+        warnings.warn(f"{folder}: {exc}; the next commit's policy prunes again", RuntimeWarning, stacklevel=3)
     return CommitId(exc.commit_id)
 
 

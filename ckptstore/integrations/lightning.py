@@ -233,7 +233,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         try:
             cid = head_if_unchanged(self.repo, self.branch, handle.result)
         except RetentionError as exc:
-            self._record_despite(ref, path, exc)
+            self._record_despite(ref, path, exc, warn=not handle.warned)
             return
         except Exception as exc:
             raise BackgroundCommitError(
@@ -242,11 +242,12 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
                 "(trainer.save_checkpoint), or resume from an earlier checkpoint") from exc
         self._record(ref, path, cid)
 
-    def _record_despite(self, ref: str, path: str | os.PathLike, exc: RetentionError) -> None:
-        """Tag and mark a commit whose [retention] prune failed, and say so: training goes on."""
+    def _record_despite(self, ref: str, path: str | os.PathLike, exc: RetentionError, warn: bool = True) -> None:
+        """Tag and mark a commit whose [retention] prune failed, and say so (once): training goes on."""
         self._record(ref, path, CommitId(exc.commit_id))
-        warnings.warn(f"checkpoint {os.fspath(path)!r}: {exc}; it is tagged {ref!r}, and the next commit's policy "
-                      "prunes again", RuntimeWarning, stacklevel=2)
+        if warn:
+            warnings.warn(f"checkpoint {os.fspath(path)!r}: {exc}; it is tagged {ref!r}, and the next commit's "
+                          "policy prunes again", RuntimeWarning, stacklevel=2)
 
     def _record(self, ref: str, path: str | os.PathLike, cid: CommitId) -> None:
         """Tag `cid` as `ref` (moving the tag if the path was saved before) and write the marker."""

@@ -59,6 +59,7 @@ class BackgroundCommit:
     timing: dict[str, float]
     _future: Future = field(default_factory=Future)
     _observed: bool = False
+    warned: bool = False  # its failure was already said as a warning (nobody waited on it then)
     _thread: threading.Thread | None = None
 
     def done(self) -> bool:
@@ -242,10 +243,11 @@ def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: An
         # nothing changed is no failure: the state is already the branch's head (result() still says so)
         if isinstance(error, RetentionError):  # recorded: only the prune after it failed, and the next one retries
             if not handle._observed:
+                handle.warned = True
                 warnings.warn(f"the background commit {handle.description}: {error}; the next commit's policy "
                               "prunes again", BackgroundCommitWarning, stacklevel=1)
         elif not handle._observed and not isinstance(error, NothingToCommitError):
-            lane.failed = handle
+            lane.failed, handle.warned = handle, True
             warnings.warn(f"the background commit {handle.description} failed: {error}; nothing of it was "
                           "recorded (the next commit call raises it)", BackgroundCommitWarning, stacklevel=1)
         handle._future.set_exception(error)
