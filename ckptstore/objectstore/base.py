@@ -108,9 +108,14 @@ class KnowsItsObjects(Protocol):
         """The `oids` this store does not hold."""
 
 
+def tells_lacking(store: ObjectStore) -> bool:
+    """Whether `store` says cheaply which objects it lacks (`lacking` answers "none" for the others)."""
+    return isinstance(store, KnowsItsObjects)
+
+
 def lacking(store: ObjectStore, oids: Iterable[ObjectId]) -> set[ObjectId]:
     """The `oids` the store lacks where it can tell cheaply; else none (a bucket is not asked per object)."""
-    if isinstance(store, KnowsItsObjects):
+    if tells_lacking(store):
         return store.lacking(oids)
     return set()
 

@@ -25,7 +25,7 @@ from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import files as file_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.metadata.commits import CommitInfo
-from ckptstore.objectstore.base import lacking
+from ckptstore.objectstore.base import lacking, tells_lacking
 from ckptstore.policy import LossyLevel, level_named
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource
@@ -121,7 +121,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
                                            guard)
         except NonFiniteError as exc:  # a diverged run's checkpoint is still worth keeping: whole, for debugging
             warnings.warn(f"the checkpoint holds NaN or infinite values ({exc}): committed lossless instead of at "
-                          f"level {level.name if level else ''!r}", RuntimeWarning, stacklevel=2)
+                          f"level {level.name!r}", RuntimeWarning, stacklevel=2)
             level = None
             done, change = _encode_checked(repo, checkpoint, parent, sources, None, lossy, measured, progress, None)
         entries, encoded, sizes = done.entries, done.records, done.sizes
@@ -348,6 +348,8 @@ def lost_records(repo: Repository, tx: Tx, ids: set[TensorId], known: Mapping[Te
     again (the commit has its bytes) gives the record objects again, and every commit that names
     it is whole. `known`: records loaded already (with their chains).
     """
+    if not tells_lacking(repo.store):  # a bucket: no request per object on every commit
+        return set()
     records = dict(known)
     unknown = ids - set(known)
     if unknown:
