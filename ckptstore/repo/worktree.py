@@ -191,11 +191,15 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
             if target.is_dir() and not target.is_symlink() and target not in plan.folders:
                 raise CkptError(f"{target} is a folder where the commit has a file; move it away and check out again")
             staged.append((_stage(repo, cid, record, target, value_of, raw_of, exact), target))
-        changed = [path for path, seen in plan.seen.items() if _signature(path) != seen]
-        if changed:  # written meanwhile (a training job saving): its content may be in no commit
-            raise DirtyWorktreeError(f"{', '.join(map(str, changed[:SHOWN]))} changed while the checkout read the "
-                                     "commit; nothing was replaced or deleted: check out again (commit it first to "
-                                     "keep it)")
+        changed = {path for path, seen in plan.seen.items() if _signature(path) != seen}
+        # written meanwhile: a training job saving (content in no commit) is refused; another checkout's
+        # file (content the store holds) is not
+        unsaved = changed and _unsaved(repo, [t for _, t in plan.files if t in changed],
+                                       [e for e in plan.extras if e in changed])
+        if unsaved:
+            raise DirtyWorktreeError(f"{', '.join(str(path) for _, path in unsaved[:SHOWN])} changed while the "
+                                     "checkout read the commit, to content that is not in the store; nothing was "
+                                     "replaced or deleted: commit it first to keep it, then check out again")
         for path in plan.extras:
             path.unlink(missing_ok=True)
         for folder in plan.folders:
