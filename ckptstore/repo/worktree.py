@@ -197,9 +197,9 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
         unsaved = changed and _unsaved(repo, [t for _, t in plan.files if t in changed],
                                        [e for e in plan.extras if e in changed])
         if unsaved:
-            raise DirtyWorktreeError(f"{', '.join(str(path) for _, path in unsaved[:SHOWN])} changed while the "
-                                     "checkout read the commit, to content that is not in the store; nothing was "
-                                     "replaced or deleted: commit it first to keep it, then check out again")
+            raise DirtyWorktreeError(f"checkout would {_listed(unsaved)}, which changed while the checkout read the "
+                                     "commit, to content that is not in the store; nothing was replaced or deleted: "
+                                     "commit it first to keep it, then check out again")
         for path in plan.extras:
             path.unlink(missing_ok=True)
         for folder in plan.folders:
