@@ -171,7 +171,7 @@ class LocalObjectStore:
         return self.path_of(oid).exists()
 
     def lacking(self, oids: Iterable[ObjectId]) -> set[ObjectId]:
-        return {oid for oid in oids if not self.path_of(oid).exists()}
+        return {oid for oid in oids if not self.has(oid)}
 
     def delete(self, oid: ObjectId) -> None:
         try:

@@ -52,7 +52,7 @@ class MemoryObjectStore:
         return oid in self.objects
 
     def lacking(self, oids: Iterable[ObjectId]) -> set[ObjectId]:
-        return {oid for oid in oids if oid not in self.objects}
+        return {oid for oid in oids if not self.has(oid)}
 
     def delete(self, oid: ObjectId) -> None:
         self.objects.pop(oid, None)
