@@ -33,8 +33,3 @@ def chunk_objects(tx: Tx) -> dict[TensorId, list[tuple[ObjectId, int | None]]]:
     for tid, oid, length in tx.rows("SELECT tensor_id, object_id, length FROM tensor_chunks"):
         found.setdefault(TensorId(tid), []).append((ObjectId(oid), length))
     return found
-
-
-def object_sizes(tx: Tx) -> dict[ObjectId, int]:
-    """Recorded object sizes."""
-    return {ObjectId(o): int(size) for o, size in tx.rows("SELECT id, size FROM objects")}

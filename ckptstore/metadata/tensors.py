@@ -92,6 +92,11 @@ def insert_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[Objec
     tx.insert_ignore("objects", ("id", "size"), list(object_sizes.items()))
 
 
+def object_sizes(tx: Tx) -> dict[ObjectId, int]:
+    """The size of every object, as recorded when a commit wrote it."""
+    return {ObjectId(o): int(size) for o, size in tx.rows("SELECT id, size FROM objects")}
+
+
 def replace_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[ObjectId, int]) -> None:
     """Give existing tensor ids new records (the same bytes, encoded anew): codec, params, base and chunks."""
     tx.executemany("UPDATE tensors SET codec = ?, params = ?, base_id = ?, depth = ?, stored_bytes = ? WHERE id = ?",

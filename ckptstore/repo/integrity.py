@@ -20,7 +20,6 @@ from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import liveness
-from ckptstore.metadata import retention as retention_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.records import TensorRecord
 from ckptstore.replay import chain_problem
@@ -149,7 +148,7 @@ def check_metadata(tx: Tx, store: ObjectStore) -> Findings:
     found.named_tensors = set().union(*listed.values(), *({e.tensor for e in es.values()} for es in entries.values()))
     damaged: dict[TensorId, str] = {}
     records = tensor_rows.load_records(tx, found.named_tensors, problems=damaged)
-    sizes = retention_rows.object_sizes(tx)
+    sizes = tensor_rows.object_sizes(tx)
     for tid in sorted(found.named_tensors | set(damaged), key=str):
         problem = damaged.get(tid) or (chain_problem(records[tid], records) or _range_problem(records[tid], sizes)
                                        if tid in records else "it has no record")

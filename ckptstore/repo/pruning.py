@@ -196,7 +196,7 @@ class _Layout:
 
 def _layout(tx: Tx, gone: set[CommitId]) -> _Layout:
     return _Layout(retention_rows.listed_tensors(tx, gone), retention_rows.all_bases(tx),
-                   retention_rows.chunk_objects(tx), retention_rows.object_sizes(tx))
+                   retention_rows.chunk_objects(tx), tensor_rows.object_sizes(tx))
 
 
 def _reencode(repo: Repository, relinks: Mapping[TensorId, TensorId | None], records: Mapping[TensorId, TensorRecord],
