@@ -40,6 +40,13 @@ def _unwritable(folder: Path) -> str:
     return ""
 
 
+def _refuse_others_objects(repo: Repository, tx: Any, objects_url: str) -> None:
+    """Records without a commit over a prefix that holds objects would call them all garbage: gc would delete them."""
+    if objects_url and not commit_rows.with_prefix(tx, "", 1) and next(iter(repo.store.iter_ids()), None):
+        raise RepoExistsError(f"{objects_url} already holds objects that no commit in this metadata names: join "
+                              "their repository with the --metadata URL it was made with, or choose another prefix")
+
+
 class Repository:
     """A checkpoint repository: its objects in a store, its metadata in a database, both named by its config."""
 
@@ -89,6 +96,7 @@ class Repository:
             config.save(root / REPO_DIR / "config.toml")
             repo = cls(root, config, create=True)
             with repo.db.write() as tx:
+                _refuse_others_objects(repo, tx, objects_url)
                 if ref_rows.ref_row(tx, refs.HEAD) is None:
                     ref_rows.insert_ref(tx, refs.HEAD, refs.HEAD_KIND, target=DEFAULT_BRANCH)
         except BaseException:

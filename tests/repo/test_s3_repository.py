@@ -92,3 +92,12 @@ def test_cli_init_on_a_bucket_then_commit_and_checkout(tmp_path, s3_url):
     assert ckpt(tmp_path, "checkout", "HEAD", "-o", "back.pt").returncode == 0
     assert_same(torch.load(tmp_path / "ckpt.pt", weights_only=True), torch.load(tmp_path / "back.pt",
                                                                                  weights_only=True))
+
+    # A teammate's init over the same prefix without its metadata would call every object garbage
+    # (their first gc deleted the team's): refused, with nothing left behind, the bucket untouched.
+    other = tmp_path / "other"
+    other.mkdir()
+    refused = ckpt(other, "init", "--objects", s3_url)
+    assert refused.returncode != 0 and "already holds objects that no commit" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (other / ".ckpt").exists()
+    assert ckpt(tmp_path, "fsck").returncode == 0
