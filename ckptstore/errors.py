@@ -208,3 +208,7 @@ class CorruptRecordError(CkptError):
 
 class CorruptDatabaseError(CkptError):
     """The metadata database file itself is damaged: SQLite cannot read its pages or their text."""
+
+
+class MissingDatabaseError(CorruptDatabaseError):
+    """A repository's metadata database is missing or holds no schema (opening never creates one)."""

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from ckptstore.errors import CkptError, CorruptDatabaseError, ReadOnlyRepoError, RepoLockedError
+from ckptstore.errors import CkptError, CorruptDatabaseError, MissingDatabaseError, ReadOnlyRepoError, RepoLockedError
 from ckptstore.metadata.sqlite import (
     BUSY_TIMEOUT_MS,
     SqliteBackend,
@@ -334,10 +334,10 @@ class Database:
                 raise
             raise known from exc
 
-    def _missing(self, what: str) -> CorruptDatabaseError:
+    def _missing(self, what: str) -> MissingDatabaseError:
         # A repository's history lives only here: starting an empty one over its objects would let
         # gc delete them all, so opening (unlike init) never creates the schema.
-        return CorruptDatabaseError(f"the metadata database {self.where} {what}, but a repository's commits and refs "
+        return MissingDatabaseError(f"the metadata database {self.where} {what}, but a repository's commits and refs "
                                     "live in it; restore it from a backup (nothing was written, and gc will not run "
                                     "until then), or remove the repository's .ckpt folder to start over")
 

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, ConflictError, CorruptObjectError, RefNotFoundError
+from ckptstore.errors import CkptError, ConflictError, CorruptObjectError, MissingDatabaseError, RefNotFoundError
 from ckptstore.hashing import CommitId, ObjectId
+from ckptstore.metadata import absolute_url, transfer
 from ckptstore.metadata import refs as ref_rows
-from ckptstore.metadata import transfer
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.objectstore.fallback import held_here
 from ckptstore.repo import refs
@@ -54,8 +54,9 @@ def add(repo: Repository, name: str, url: str, metadata_url: str = "") -> Remote
         raise CkptError(f"remote name {name!r} may not contain '/'")
     if name in repo.config.remotes:
         raise CkptError(f"remote {name!r} already exists ({repo.config.remotes[name].url}); remove it first")
-    remote = RemoteConfig(url if "://" in url else os.path.expanduser(url), metadata_url)
-    with open_remote(remote.resolved(repo.root), name):  # refuse a URL that names no repository, now, not at push
+    # a relative SQLite path is taken from the current folder, as init takes it, and kept absolute
+    remote = RemoteConfig(url if "://" in url else os.path.expanduser(url), absolute_url(metadata_url, Path.cwd()))
+    with open_remote(remote.resolved(repo.root), name, create=True):  # a folder that is no repository: refused now
         pass
     repo.config.remotes[name] = remote
     repo.config.save(repo.dir / "config.toml")
@@ -90,9 +91,13 @@ def _normal_url(url: str) -> str:
     return url if "://" in url else str(Path(url).expanduser().resolve())
 
 
-def open_remote(remote: RemoteConfig, name: str = "") -> Repository:
-    """The remote as a Repository: a folder's own config, or a shared one made from its two URLs."""
-    from ckptstore.repo.repository import REPO_DIR, Repository
+def open_remote(remote: RemoteConfig, name: str = "", create: bool = False) -> Repository:
+    """The remote as a Repository: a folder's own config, or a shared one made from its two URLs.
+
+    `create` (remote add, push) starts the schema in a bucket remote's empty database, as init would;
+    otherwise a database that holds no repository is refused: a mistyped URL names no remote.
+    """
+    from ckptstore.repo.repository import REPO_DIR, Repository, refuse_foreign_objects
 
     where = f"remote {name!r} ({remote.url})" if name else remote.url
     if "://" not in remote.url:
@@ -106,8 +111,19 @@ def open_remote(remote: RemoteConfig, name: str = "") -> Repository:
     key = hashlib.sha256(f"{remote.url}\n{remote.metadata_url}".encode()).hexdigest()[:16]
     root = user_cache() / "remotes" / key
     (root / REPO_DIR).mkdir(parents=True, exist_ok=True)
-    # pushing to a bucket whose database is new starts its schema there, as init would
-    return Repository(root, RepoConfig(objects_url=remote.url, metadata_url=remote.metadata_url), create=True)
+    try:
+        repo = Repository(root, RepoConfig(objects_url=remote.url, metadata_url=remote.metadata_url), create=create)
+    except MissingDatabaseError:
+        raise CkptError(f"{where}: its metadata {remote.metadata_url} holds no repository; check the URL "
+                        "(`ckpt push` to a new remote starts one there)") from None
+    if create:
+        try:
+            with repo.db.read() as tx:
+                refuse_foreign_objects(repo, tx, remote.url)
+        except BaseException:
+            repo.close()
+            raise
+    return repo
 
 
 def remote_store(remote: RemoteConfig) -> ObjectStore:
@@ -222,7 +238,7 @@ def push(repo: Repository, name: str, branch: str | None = None, force: bool = F
     if row is None or row.kind != ref_rows.BRANCH or row.commit_id is None:
         raise RefNotFoundError(branch, detail=" (no such branch with commits here)")
     tip = CommitId(row.commit_id)
-    with open_remote(remote_config, name) as remote, remote.lock():
+    with open_remote(remote_config, name, create=True) as remote, remote.lock():
         with remote.db.read() as rtx:
             old = _tip(_branch_row(rtx, branch, f"remote {name!r}"))
         if old is not None and old != tip and not force and not _is_ancestor(repo, old, tip):
@@ -343,7 +359,7 @@ def clone(url: str, path: str | os.PathLike, metadata_url: str = "", lazy: bool 
 
     if Path(path).exists() and not Path(path).is_dir():
         raise CkptError(f"{path} is a file, not a folder to clone into")
-    remote = RemoteConfig(_normal_url(url), metadata_url, lazy)
+    remote = RemoteConfig(_normal_url(url), absolute_url(metadata_url, Path.cwd()), lazy)
     with open_remote(remote, "origin") as source:
         head_branch = refs.head(source)[0] or "main"
         if lazy:

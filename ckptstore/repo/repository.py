@@ -40,7 +40,7 @@ def _unwritable(folder: Path) -> str:
     return ""
 
 
-def _refuse_others_objects(repo: Repository, tx: Any, objects_url: str) -> None:
+def refuse_foreign_objects(repo: Repository, tx: Any, objects_url: str) -> None:
     """Records without a commit over a prefix that holds objects would call them all garbage: gc would delete them."""
     if objects_url and not commit_rows.with_prefix(tx, "", 1) and next(iter(repo.store.iter_ids()), None):
         raise RepoExistsError(f"{objects_url} already holds objects that no commit in this metadata names: join "
@@ -96,7 +96,7 @@ class Repository:
             config.save(root / REPO_DIR / "config.toml")
             repo = cls(root, config, create=True)
             with repo.db.write() as tx:
-                _refuse_others_objects(repo, tx, objects_url)
+                refuse_foreign_objects(repo, tx, objects_url)
                 if ref_rows.ref_row(tx, refs.HEAD) is None:
                     ref_rows.insert_ref(tx, refs.HEAD, refs.HEAD_KIND, target=DEFAULT_BRANCH)
         except BaseException:

@@ -245,3 +245,25 @@ def test_a_lazy_clone_keeps_its_origin_and_is_no_origin_for_another(pair, tmp_pa
     assert not (tmp_path / "lazier").exists()
     with remote.clone(str(tmp_path / "lazy"), tmp_path / "eager") as eager:  # read through the lazy clone
         assert_same(_state(1), eager.checkout(cids[1]))
+
+
+def test_a_bucket_remote_names_its_metadata_as_the_shell_means_it(tmp_path, s3_url):
+    """A relative SQLite URL is the current folder's; a metadata URL that holds no repository is refused, not made."""
+    torch.save(_state(0), tmp_path / "c.pt")
+    work = tmp_path / "work"
+    work.mkdir()
+    assert ckpt(work, "init").returncode == 0 and ckpt(work, "commit", "../c.pt").returncode == 0
+    added = ckpt(tmp_path, "--repo", str(work), "remote", "add", "hub", s3_url, "--metadata", "sqlite:///hub.db")
+    assert added.returncode == 0, added.stderr
+    assert ckpt(work, "push", "hub").returncode == 0
+    assert (tmp_path / "hub.db").is_file()  # where the user ran the command, not in a cache folder
+    copy = ckpt(tmp_path, "clone", s3_url, "copy", "--metadata", "sqlite:///hub.db")
+    assert copy.returncode == 0, copy.stderr
+    assert ckpt(tmp_path / "copy", "checkout", "HEAD", "-o", "back.pt").returncode == 0
+    assert_same(_state(0), torch.load(tmp_path / "copy" / "back.pt", weights_only=True))
+    typo = ckpt(tmp_path, "clone", s3_url, "typo", "--metadata", "sqlite:///hbu.db")
+    assert typo.returncode != 0 and "holds no repository" in typo.stderr and "Traceback" not in typo.stderr
+    assert not (tmp_path / "hbu.db").exists() and not (tmp_path / "typo").exists()
+    # a new database over a prefix that holds the hub's objects would call them garbage
+    other = ckpt(work, "remote", "add", "other", s3_url, "--metadata", f"sqlite:///{tmp_path / 'other.db'}")
+    assert other.returncode != 0 and "already holds objects that no commit" in other.stderr
