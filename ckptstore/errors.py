@@ -104,7 +104,11 @@ class CodecError(CkptError):
     """An unknown codec id or malformed encoded payload."""
 
 
-class NonFiniteError(CodecError):
+class UnquantizableError(CodecError):
+    """A lossy codec cannot store these values within its level: the commit stores them lossless instead."""
+
+
+class NonFiniteError(UnquantizableError):
     """A lossy codec was given NaN or infinite values (a diverged run): they have no step to quantize by."""
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from ckptstore.codecs import codebook
 from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols
 from ckptstore.codecs.floats import from_float32, itemsize, round_to_bfloat16, rounding_error, to_float32
-from ckptstore.errors import CodecError, NonFiniteError
+from ckptstore.errors import CodecError, NonFiniteError, UnquantizableError
 
 MAGIC, MAGIC_V1 = b"DZ2", b"DZ1"
 _HEAD = struct.Struct("<3sBf")
@@ -37,24 +37,42 @@ DECODES = ("DZ1:keyframe", "DZ1:residual", "DZ2:keyframe", "DZ2:residual", "CB1:
 
 
 def quantize(values: np.ndarray, step: float, rounding: float) -> np.ndarray:
-    """Signed integer levels with a dead zone: |v| < (1 - rounding) * step maps to 0."""
+    """Signed integer levels with a dead zone: |v| < (1 - rounding) * step maps to 0.
+
+    Values 2^31 steps or more from zero have no int32 level (a step far finer than the values,
+    such as a first moment over a second moment that underflowed to zero): refused, not wrapped.
+    """
     levels = np.floor(np.abs(values) / np.float32(step) + np.float32(rounding))
+    if levels.size and not levels.max() < 2.0**31:
+        raise UnquantizableError(f"values up to {float(np.abs(values).max()):.3g} are 2^31 or more steps of "
+                                 f"{step:.3g}: no integer level holds them")
     return (np.sign(values) * levels).astype(np.int32)
 
 
+def finite(rebuilt: np.ndarray) -> np.ndarray:
+    """`rebuilt` (a reconstruction of finite values, float32), refused if it overflowed to infinity."""
+    if not np.isfinite(rebuilt).all():
+        raise UnquantizableError("the reconstruction overflows float32 (values near its largest)")
+    return rebuilt
+
+
 def dequantize(levels: np.ndarray, step: float) -> np.ndarray:
-    return levels.astype(np.float32) * np.float32(step)
+    with np.errstate(over="ignore"):  # encoders refuse what overflows (finite()); nothing stored does
+        return levels.astype(np.float32) * np.float32(step)
 
 
 def _reconstruct(levels: np.ndarray, base: np.ndarray | None, step: float, dtype: str) -> np.ndarray:
-    return _rebuild(dequantize(levels, step), base, dtype)
+    return _rebuild(dequantize(levels, step), base, dtype, encoding=True)
 
 
-def _rebuild(update: np.ndarray, base: np.ndarray | None, dtype: str) -> np.ndarray:
-    """The float32 `update` (a keyframe's values, or a residual added to `base`) rounded to `dtype`."""
+def _rebuild(update: np.ndarray, base: np.ndarray | None, dtype: str, encoding: bool = False) -> np.ndarray:
+    """The float32 `update` (a keyframe's values, or a residual added to `base`) rounded to `dtype`.
+
+    `encoding`: refuse a reconstruction that overflowed, so that none is ever stored.
+    """
     if base is not None:
         update = to_float32(base, dtype) + update
-    return from_float32(update, dtype)
+    return from_float32(finite(update) if encoding else update, dtype)
 
 
 def chunk_step(target: np.ndarray, params: dict[str, Any], residual: bool) -> float:
@@ -123,7 +141,7 @@ class DeadZoneCodec:
             alternative = codebook.try_encode(target, error_sq, bound, len(payload), base is not None, step)
             if alternative is not None:
                 payload, update = alternative
-                return payload, _rebuild(update, base, params["dtype"])
+                return payload, _rebuild(update, base, params["dtype"], encoding=True)
         return payload, _reconstruct(levels, base, step, params["dtype"])
 
     def encode(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any]) -> bytes:

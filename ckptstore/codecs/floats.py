@@ -103,4 +103,9 @@ def sum_of_squares(values: np.ndarray, block: int = 1 << 16) -> float:
     bf16 commit's time.
     """
     parts = (values[start : start + block] for start in range(0, values.size, block))
-    return math.fsum(float(np.dot(part, part)) for part in parts)
+    with np.errstate(over="ignore"):  # an overflow is redone below
+        total = math.fsum(float(np.dot(part, part)) for part in parts)
+    if not math.isfinite(total) and np.isfinite(values).all():  # squares past float32's range (|x| > 1e17 or so)
+        wide = values.astype(np.float64)
+        total = float(np.dot(wide, wide))
+    return total

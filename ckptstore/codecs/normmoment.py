@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.codecs.deadzone import dequantize, quantize
+from ckptstore.codecs.deadzone import dequantize, finite, quantize
 from ckptstore.codecs.entropy import decode_symbols, encode_symbols
 from ckptstore.codecs.floats import from_float32, itemsize, rounding_error, sum_of_squares, to_float32
 from ckptstore.errors import CodecError, NonFiniteError
@@ -56,7 +56,7 @@ class NormalizedMomentCodec:
         levels = quantize(direction, step, rounding)
         if hints and hints.get("prune") is not None:
             levels[hints["prune"]] = 0
-        recon = self._reconstruct(levels, scale, step, params)
+        recon = self._reconstruct(levels, scale, step, params, encoding=True)
         if original_v is not None and hints is not None:  # the writer's bound is on this (policy/fidelity.py)
             restored = to_float32(recon, params["dtype"]) / scale
             hints["update_error"] = (sum_of_squares(restored - direction), sum_of_squares(direction))
@@ -82,8 +82,10 @@ class NormalizedMomentCodec:
         return np.abs(got - values), quantized * (1 + 2.0**-20) + rounding_error(got, params["dtype"]) + arithmetic
 
     @staticmethod
-    def _reconstruct(levels: np.ndarray, scale: np.ndarray, step: float, params: dict[str, Any]) -> np.ndarray:
-        return from_float32(dequantize(levels, step) * scale, params["dtype"])
+    def _reconstruct(levels: np.ndarray, scale: np.ndarray, step: float, params: dict[str, Any],
+                     encoding: bool = False) -> np.ndarray:
+        update = dequantize(levels, step) * scale
+        return from_float32(finite(update) if encoding else update, params["dtype"])
 
     def needs_base(self, payload: bytes) -> bool:
         self._head(payload, {})

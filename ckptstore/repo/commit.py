@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults, formats
-from ckptstore.errors import CheckpointFormatError, CkptError, NonFiniteError, NothingToCommitError
+from ckptstore.errors import CheckpointFormatError, CkptError, NonFiniteError, NothingToCommitError, UnquantizableError
 from ckptstore.formats.dcpmeta import is_dcp_dir
 from ckptstore.formats.folder import folder_files
 from ckptstore.hashing import CommitId, ObjectId, TensorId, file_digest, tensor_id
@@ -119,9 +119,10 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         try:
             done, change = _encode_checked(repo, checkpoint, parent, sources, level, lossy, measured, progress,
                                            guard)
-        except NonFiniteError as exc:  # a diverged run's checkpoint is still worth keeping: whole, for debugging
-            warnings.warn(f"the checkpoint holds NaN or infinite values ({exc}): committed lossless instead of at "
-                          f"level {level.name!r}", RuntimeWarning, stacklevel=2)
+        except UnquantizableError as exc:  # a diverged run's checkpoint, say, is still worth keeping: whole
+            what = "holds NaN or infinite values" if isinstance(exc, NonFiniteError) else "cannot be quantized"
+            warnings.warn(f"the checkpoint {what} ({exc}): committed lossless instead of at level {level.name!r}",
+                          RuntimeWarning, stacklevel=2)
             level = None
             done, change = _encode_checked(repo, checkpoint, parent, sources, None, lossy, measured, progress, None)
         entries, encoded, sizes = done.entries, done.records, done.sizes

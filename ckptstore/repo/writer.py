@@ -18,7 +18,7 @@ import numpy as np
 
 from ckptstore.codecs import capabilities, capped, chunk_step, get_codec, to_float32
 from ckptstore.codecs.planes import group
-from ckptstore.errors import CodecError
+from ckptstore.errors import UnquantizableError
 from ckptstore.hashing import ObjectId, TensorId, chunk_checksum, tensor_id_of_parts
 from ckptstore.objectstore.base import put_parts
 from ckptstore.objectstore.pack import PACK_BELOW, PackSlot, PackWriter
@@ -180,7 +180,7 @@ def _encode_lossy_chunk(job: Job, source: ChainSource, index: int, start: int, d
         if fidelity.within(error_sq, norm_sq, bound):
             break
         if attempt == fidelity.MAX_TIGHTEN:
-            raise CodecError(f"{job.key}: chunk {index} cannot keep its level's error bound {bound:.3g} "
+            raise UnquantizableError(f"{job.key}: chunk {index} cannot keep its level's error bound {bound:.3g} "
                              f"(relative error {math.sqrt(error_sq / norm_sq) if norm_sq else math.inf:.3g})")
         if mask is not None:  # pruning is what a finer step cannot undo
             mask = None

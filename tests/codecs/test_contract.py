@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from ckptstore.codecs import REGISTRY, capabilities, get_codec
 from ckptstore.codecs.checked import decode_checked
 from ckptstore.codecs.floats import LOSSY_DTYPES, from_float32, to_float32
-from ckptstore.errors import CodecError, CorruptObjectError
+from ckptstore.errors import CodecError, CorruptObjectError, UnquantizableError
 from ckptstore.hashing import chunk_checksum
 from ckptstore.testing.codec_contract import check_lossless_round_trip, check_lossy_round_trip
 
@@ -115,6 +115,21 @@ def test_lossy_codecs_refuse_non_finite_values(codec_id):
     base = np.ones(4, np.float32).view(np.uint8) if codec_id == "normmoment" else None
     with pytest.raises(CodecError):
         get_codec(codec_id).encode_lossy(values, base, params)
+
+
+@pytest.mark.parametrize("codec_id", ["deadzone", "normmoment"])
+def test_values_no_int32_level_or_float32_holds_are_refused_not_wrapped(codec_id):
+    """m over a second moment that underflowed to zero, or weights near float32's largest: no silent garbage."""
+    base = np.zeros(4, np.float32).view(np.uint8) if codec_id == "normmoment" else None  # v = 0
+    params = {"dtype": "torch.float32", "step": 0.25, "v_dtype": "torch.float32", "eps": 1e-30}
+    far = np.array([1e-3, -2e-3, 5.0, -1.0], np.float32)  # / sqrt(1e-30) or / 0.25: past 2^31 steps for m
+    with pytest.raises(UnquantizableError, match="2\\^31"):
+        get_codec(codec_id).encode_lossy(far.view(np.uint8) if codec_id == "normmoment" else
+                                         np.full(4, 1e9, np.float32).view(np.uint8), base, params)
+    if codec_id == "deadzone":  # levels fit, but level x step rounds past float32's largest
+        huge = np.array([3.4e38, -3.4e38, 3.39e38, 1.0], np.float32)
+        with pytest.raises(UnquantizableError, match="overflows"):
+            get_codec(codec_id).encode_lossy(huge.view(np.uint8), None, {**params, "step": 2e38})
 
 
 @pytest.mark.slow

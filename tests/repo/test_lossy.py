@@ -390,3 +390,20 @@ def test_a_checkpoint_with_nan_or_inf_weights_is_committed_lossless_with_a_warni
     with Repository.open(tmp_path) as repo:
         assert repo.commit_info(cid).lossy is None
         assert_same(repo.checkout(cid), state)
+
+
+def test_a_float16_adam_state_whose_second_moment_underflowed_is_committed_lossless(tmp_path):
+    """v underflows to 0 in float16 while m does not: m / sqrt(v) has no int32 level. Its signs used to wrap."""
+    model = torch.nn.Linear(256, 128).half()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for seed in range(3):
+        (model(torch.randn(8, 256, generator=torch.Generator().manual_seed(seed)).half()).mean() * 1e-2).backward()
+        optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    assert (state["optimizer"]["state"][0]["exp_avg_sq"] == 0).float().mean() > 0.5  # the case itself
+    for level in ("optimizer", "balanced"):
+        with Repository.init(tmp_path / level) as repo, pytest.warns(RuntimeWarning, match="cannot be quantized"):
+            cid = repo.commit(state, lossy=level)
+        with Repository.open(tmp_path / level) as repo:
+            assert repo.commit_info(cid).lossy is None
+            assert_same(repo.checkout(cid), state)
