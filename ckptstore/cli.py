@@ -148,7 +148,7 @@ def init(path: str, max_chain: str | None, lossy: str | None, objects_url: str, 
 @cli.command()
 @click.argument("path", type=click.Path())
 @click.option("-m", "--message", default="", help="Commit message.")
-@click.option("--step", type=int, help="Training step of this checkpoint.")
+@click.option("--step", type=click.IntRange(-(1 << 63), (1 << 63) - 1), help="Training step of this checkpoint.")
 @click.option("--metric", "metrics", multiple=True, help="KEY=NUMBER, repeatable.")
 @click.option("--branch", help="Commit to this branch (created at HEAD if new); HEAD stays.")
 @click.option("--allow-empty", is_flag=True, help="Record a commit even if nothing changed.")
@@ -586,10 +586,13 @@ def _daemon_line(state: dict[str, Any]) -> str:
 
 
 @daemon.command("start")
-@click.option("--idle", type=float, help="Stop after this many seconds without a command (default 900).")
+@click.option("--idle", type=click.FloatRange(0, 1e9, min_open=True),
+              help="Stop after this many seconds without a command (default 900).")
 @click.pass_context
 def daemon_start(ctx, idle: float | None) -> None:
     """Start the daemon (or report the running one); `ckpt commit` uses it while it runs."""
+    if idle is not None and idle != idle:  # NaN slips through every range
+        raise click.BadParameter("nan is not a number of seconds", param_hint="'--idle'")
     click.echo(_daemon_line(_daemons().start(_daemon_root(ctx), idle)))
 
 

@@ -11,7 +11,14 @@ import sys
 
 def main() -> None:
     """Console entry point of `ckpt` and `python -m ckptstore`."""
-    argv = sys.argv[1:]
+    try:
+        _launch(sys.argv[1:])
+    except KeyboardInterrupt:  # Ctrl-C while modules load, before the CLI's own handler is in place
+        print("error: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def _launch(argv: list[str]) -> None:
     # A calibration function is the user's code: it runs here, freshly imported, never a daemon's old copy
     if argv[:1] == ["commit"] and not any(arg.startswith("--calibration") for arg in argv):
         code = _in_daemon(argv)

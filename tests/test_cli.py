@@ -67,6 +67,12 @@ def test_checkout_of_a_relative_ref_reports_the_commit_it_restored(tmp_path, mon
     first = json.loads(run("log", "--json").output)[1]["id"]
     assert f"Restored {first[:12]}" in run("checkout", "HEAD~1").output
     assert torch.load("ckpt.pt")["w"][0] == 1.0
+    run("checkout", "main")
+    for ref in ("HEAD", " main "):  # restoring the current checkpoint leaves HEAD on its branch, as in git
+        run("checkout", ref)
+        assert "On branch main" in run("status").output
+    overflow = CliRunner().invoke(cli, ["show", "HEAD^99999999999999999999999"])
+    assert overflow.exit_code == 1 and "unknown ref" in str(overflow.exception)
 
 
 def test_stats_counts_the_database_on_disk(tmp_path):
@@ -81,3 +87,15 @@ def test_stats_counts_the_database_on_disk(tmp_path):
     assert stats["stored_bytes"] == objects + database
     assert f"{stats['raw_bytes'] / stats['stored_bytes']:.2f}x" in CliRunner().invoke(
         cli, ["--repo", str(tmp_path), "stats"]).output
+
+
+def test_numbers_outside_what_is_stored_are_usage_errors(tmp_path):
+    """A step past SQLite's integers, or a NaN idle time, is refused at parsing, before anything runs."""
+    assert CliRunner().invoke(cli, ["init", str(tmp_path)]).exit_code == 0
+    torch.save({"w": torch.arange(8.0)}, tmp_path / "c.pt")
+    step = CliRunner().invoke(cli, ["--repo", str(tmp_path), "commit", str(tmp_path / "c.pt"), "--step", "9" * 20])
+    assert step.exit_code == 2 and "--step" in step.output
+    for idle in ("nan", "-5", "inf"):
+        refused = CliRunner().invoke(cli, ["--repo", str(tmp_path), "daemon", "start", "--idle", idle])
+        assert refused.exit_code == 2 and "--idle" in refused.output, refused.output
+    assert not [p for p in (tmp_path / ".ckpt" / "objects").rglob("*") if p.is_file()]  # the commit stored nothing

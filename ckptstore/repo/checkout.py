@@ -85,7 +85,10 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
     with repo.db.read() as tx:
         cid = refs.resolve(tx, ref)
         info = commit_rows.commit_info(tx, cid)
-        is_branch = (row := ref_rows.ref_row(tx, ref)) is not None and row.kind == refs.BRANCH
+        # HEAD (and a branch) keeps HEAD on its branch, as in git; anything else detaches it
+        name = ref.strip()
+        row = ref_rows.ref_row(tx, name)
+        branch = refs.head_branch(tx) if name == refs.HEAD else name if row and row.kind == refs.BRANCH else None
     manifest = repo.read_manifest(commit_rows.readable_manifest(info))
     if manifest.dcp is not None:  # a sharded commit: a DCP directory that plain dcp.load reads
         if keys is not None:
@@ -106,7 +109,7 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
     worktree.write_checkout(repo, cid, plan, lambda p: materialize(raws[p]), lambda p: raws[p],
                             exact=not manifest.lossy)
     if output is None:
-        refs.move_head(repo, cid, ref if is_branch else None)
+        refs.move_head(repo, cid, branch)
     return dest
 
 

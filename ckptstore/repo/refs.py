@@ -105,7 +105,8 @@ def resolve(tx: Tx, spec: str) -> CommitId:
                     raise RefNotFoundError(spec, detail=f" (history of {match.group(1)} is shorter)")
                 cid = parent
         else:
-            parent = commit_rows.nth_parent(tx, cid, n - 1) if n else cid
+            # a commit has a handful of parents; a huge N (past SQLite's integers) names none of them
+            parent = cid if n == 0 else commit_rows.nth_parent(tx, cid, n - 1) if n <= 1 << 16 else None
             if parent is None:
                 raise RefNotFoundError(spec, detail=f" ({cid[:12]} has no parent {n})")
             cid = parent
