@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptstore.errors import CkptError
 from ckptstore.formats import hfweights, safetensors_file, torchfile
-from ckptstore.repo import sharded
+from ckptstore.repo import sharded, worktree
 from ckptstore.repo.select import entries_of_file
 from ckptstore.state import TORCH_PREFIX, RawTensor, escape, materialize
 
@@ -41,13 +42,14 @@ class ExportReport:
 
 def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, everything: bool = False
            ) -> ExportReport:
-    """Write the commit at `ref` to `output` as one file in `fmt` (safetensors or torch).
+    """Write the commit at `ref` to `output` (replaced if it exists) as one file in `fmt` (safetensors or torch).
 
     A Hugging Face checkpoint folder gives its model weights only, unless `everything`.
     """
     if fmt not in FORMATS:
         raise CkptError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
     cid = repo.resolve(ref)
+    worktree.check_output_file(Path(output))
     manifest = repo.manifest(cid)
     weight_files = [] if everything or manifest.kind != "folder" else hfweights.weight_files(manifest.files)
     if sharded.is_sharded(manifest):

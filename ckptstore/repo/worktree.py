@@ -48,8 +48,8 @@ def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool,
     DirtyWorktreeError for files whose content is not in the store (unless `force`), CkptError
     for a destination the checkout cannot or must not write.
     """
-    if output and not dest.parent.is_dir():
-        raise CkptError(f"directory {dest.parent} does not exist; create it first or pass another -o path")
+    if output:
+        _refuse_missing_parent(dest)
     if manifest.kind != "folder":
         if dest.is_dir():
             raise CkptError(f"{dest} is a folder; this commit is one file: pass a file path")
@@ -63,6 +63,18 @@ def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool,
             raise DirtyWorktreeError(f"checkout would {_listed(unsaved)}, whose content is not in the store; "
                                      "commit it first, write elsewhere with -o PATH, or pass --force")
     return plan
+
+
+def _refuse_missing_parent(dest: Path) -> None:
+    if not dest.parent.is_dir():
+        raise CkptError(f"directory {dest.parent} does not exist; create it first or pass another -o path")
+
+
+def check_output_file(dest: Path) -> None:
+    """Refuse a one-file output path (-o) whose folder is missing or that is a folder, before any work."""
+    _refuse_missing_parent(dest)
+    if dest.is_dir():
+        raise CkptError(f"{dest} is a folder: pass a file path")
 
 
 def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) -> CheckoutPlan:

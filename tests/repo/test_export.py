@@ -79,3 +79,11 @@ def test_a_folder_without_model_weights_exports_every_tensor_by_path(tmp_path):
         report = export(repo, "main", "safetensors", tmp_path / "w.safetensors")
     loaded = load_file(tmp_path / "w.safetensors")
     assert sorted(loaded) == ["optimizer.pt/state/0/exp_avg", "state.pt/w"] and report.tensors == 2
+
+
+def test_an_export_path_without_its_folder_or_naming_a_folder_is_one_line(tmp_path):
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"w": torch.arange(12.0)})
+    for output, words in ((tmp_path / "nowhere" / "x.pt", "does not exist"), (tmp_path / ".ckpt", "is a folder")):
+        result = CliRunner().invoke(cli, ["--repo", str(tmp_path), "export", "HEAD", "-o", str(output)])
+        assert result.exit_code == 1 and words in str(result.exception), result.output
