@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Sequence
 
 # What `ckpt` says on Ctrl-C, wherever the command ran (here, or in the repository's daemon)
@@ -182,10 +183,22 @@ def explain(exc: BaseException) -> CkptError | None:
             return ReadOnlyRepoError(f"this repository is read-only here ({current}); reading commands work, "
                                      "writing ones need write access to its .ckpt folder")
         if isinstance(current, PermissionError):
-            return CkptError(f"permission denied on {current.filename or current}; ask for access to it "
-                             "(a repository you may only read opens with --read-only)")
+            return _permission_denied(current)
+        if isinstance(current, UnicodeEncodeError) and "surrogates" in text:
+            return CkptError(f"{current.object[:80]!r} holds bytes that are not UTF-8; ckptstore records names, "
+                             "paths and messages as UTF-8: rename the file, or pass the text in UTF-8")
         current = current.__cause__ or current.__context__
     return None
+
+
+def _permission_denied(exc: PermissionError) -> CkptError:
+    """Name what the user can act on: the folder of a temporary file beside a target, the repository's own files."""
+    name = str(exc.filename or exc)
+    if name.endswith(".ckpt-tmp"):  # an atomic write's temporary file: the folder is what is not writable
+        name = os.path.dirname(name) or "."
+        return CkptError(f"permission denied writing into {name}; ask for access to it or write elsewhere")
+    hint = " (a repository you may only read opens with --read-only)" if f"{os.sep}.ckpt" in name else ""
+    return CkptError(f"permission denied on {name}; ask for access to it{hint}")
 
 
 class CorruptRecordError(CkptError):

@@ -184,6 +184,13 @@ def test_os_failures_below_ckptstore_are_explained():
         assert isinstance(explain(exc), DiskFullError) and "/data/x" in str(explain(exc))
     denied = explain(PermissionError(errno.EACCES, "Permission denied", "/shared/.ckpt/lock"))
     assert isinstance(denied, CkptError) and "permission denied on /shared/.ckpt/lock" in str(denied)
+    assert "--read-only" in str(denied)  # the repository's own file: reading commands still work
+    beside = explain(PermissionError(errno.EACCES, "Permission denied", "/data/out/.c.pt.new-89768e.ckpt-tmp"))
+    assert str(beside) == "permission denied writing into /data/out; ask for access to it or write elsewhere"
+    try:
+        "\udcff.pt".encode()  # a file name with a byte that is not UTF-8, as Python's os functions give it
+    except UnicodeEncodeError as exc:
+        assert "not UTF-8" in str(explain(exc))
     assert isinstance(explain(OSError(errno.EROFS, "Read-only file system")), ReadOnlyRepoError)
     assert explain(ValueError("something else")) is None
 
