@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 
 import torch
+from click.testing import CliRunner
 
 from ckptstore import Repository
+from ckptstore.cli import cli
 from ckptstore.errors import CkptError, DiskFullError, ReadOnlyRepoError, explain
 from ckptstore.repo import fsck
 from tests.test_cli import ROOT
@@ -203,3 +205,12 @@ def test_init_takes_a_max_chain_count_or_auto_and_refuses_anything_else(tmp_path
     assert run(tmp_path, "init", "auto").returncode == 0
     with Repository.open(tmp_path / "capped") as capped, Repository.open(tmp_path / "auto") as auto:
         assert capped.config.encoding.max_chain == 3 and auto.config.encoding.max_chain == "auto"
+
+
+def test_init_where_nothing_can_be_made_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for args, words in ((["init", "/proc/ckpt-nope"], "cannot create /proc/ckpt-nope/.ckpt"),
+                        (["init", "--metadata", f"sqlite:///{tmp_path / 'nope' / 'x.db'}", "fresh"], "does not exist")):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 1 and words in str(result.exception), (args, result.exception)
+    assert not (tmp_path / "fresh").exists()  # the folder it had made is gone too

@@ -62,6 +62,9 @@ def connect_sqlite(path: Path, read_only: bool = False) -> sqlite3.Connection:
 
     Read-only, it sets nothing that writes: the database is in WAL mode since it was created.
     """
+    if not path.parent.is_dir():  # SQLite would say only "unable to open database file"
+        raise CkptError(f"the metadata database's folder {path.parent} does not exist; create it or choose "
+                        "another path")
     target = read_only_uri(path) if read_only else path
     connection = sqlite3.connect(target, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
                                  check_same_thread=False, uri=read_only)

@@ -1,4 +1,4 @@
-"""Where a repository is: the `.ckpt` folder found from a path, CKPT_REPO or the working directory.
+"""Where a repository is (the `.ckpt` folder found from a path, CKPT_REPO or the cwd), and whether it is writable.
 
 Its own module, importing nothing heavy, so the `ckpt` launcher can find the repository of a
 command before deciding where to run it.
@@ -27,3 +27,11 @@ def find_root(start: str | os.PathLike | None = None) -> Path:
         if (folder / REPO_DIR).is_dir():
             return folder
     raise RepoNotFoundError(f"no ckptstore repository in {here} or any parent; run `ckpt init` first")
+
+
+def unwritable(folder: Path) -> str:
+    """Why this process cannot write the repository folder `folder` (its database included), or ""."""
+    for path in (folder, folder / "ckpt.db"):
+        if path.exists() and not os.access(path, os.W_OK):
+            return f"{path} is not writable"
+    return ""

@@ -10,7 +10,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptstore.errors import CorruptObjectError, RepoExistsError
+from ckptstore.errors import CkptError, CorruptObjectError, RepoExistsError
 from ckptstore.hashing import CommitId, ObjectId
 from ckptstore.metadata import Database, absolute_url
 from ckptstore.metadata import commits as commit_rows
@@ -18,7 +18,7 @@ from ckptstore.metadata import refs as ref_rows
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.repo import refs, warm
 from ckptstore.repo.config import RepoConfig
-from ckptstore.repo.location import REPO_DIR, find_root
+from ckptstore.repo.location import REPO_DIR, find_root, unwritable
 from ckptstore.repo.lock import repo_lock
 
 if TYPE_CHECKING:
@@ -30,14 +30,6 @@ if TYPE_CHECKING:
     from ckptstore.repo.progress import Progress
 
 DEFAULT_BRANCH = "main"
-
-
-def _unwritable(folder: Path) -> str:
-    """Why this process cannot write the repository folder `folder` (its database included), or ""."""
-    for path in (folder, folder / "ckpt.db"):
-        if path.exists() and not os.access(path, os.W_OK):
-            return f"{path} is not writable"
-    return ""
 
 
 def refuse_foreign_objects(repo: Repository, tx: Any, objects_url: str) -> None:
@@ -87,7 +79,11 @@ class Repository:
         if (root / REPO_DIR).exists():
             raise RepoExistsError(f"{root / REPO_DIR} already exists")
         level_named(lossy or None)  # reject unknown names before creating anything
-        (root / REPO_DIR).mkdir(parents=True)
+        made_root = not root.exists()
+        try:
+            (root / REPO_DIR).mkdir(parents=True)
+        except OSError as exc:
+            raise CkptError(f"cannot create {root / REPO_DIR}: {exc.strerror or exc}") from None
         repo = None
         try:
             # a relative SQLite path is taken from the current folder, as a shell user means it, and kept absolute
@@ -105,6 +101,9 @@ class Repository:
             if repo is not None:
                 repo.close()
             shutil.rmtree(root / REPO_DIR, ignore_errors=True)
+            if made_root:
+                with contextlib.suppress(OSError):  # only if nothing else arrived there meanwhile
+                    root.rmdir()
             raise
         return repo
 
@@ -117,7 +116,7 @@ class Repository:
         writing verb raises ReadOnlyRepoError before it starts.
         """
         root = find_root(path)
-        why = "opened with --read-only" if read_only else _unwritable(root / REPO_DIR)
+        why = "opened with --read-only" if read_only else unwritable(root / REPO_DIR)
         return cls(root, RepoConfig.load(root / REPO_DIR / "config.toml"),
                    read_only=bool(why) if read_only is None else read_only, why=why)
 
