@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+import math
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from ckptstore.errors import CkptError
@@ -97,8 +98,34 @@ class LossyLevel:
     max_update_error: float = 0.0
     promised_loss_change: float | None = None
 
+    def __post_init__(self) -> None:
+        for knob in fields(self):
+            value = getattr(self, knob.name)
+            expected = _knob_problem(knob.name, str(knob.type), value)
+            if expected:
+                raise CkptError(f"lossy knob {knob.name}={value!r}: expected {expected}")
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+_FRACTIONS = ("weight_rounding", "moment_rounding", "prune")
+
+
+def _knob_problem(name: str, kind: str, value: Any) -> str:
+    """What `value` should have been for knob `name` of annotated type `kind`, or "" when it is fine."""
+    if value is None and "None" in kind or name == "name":
+        return ""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind.startswith("bool"):
+        return "" if isinstance(value, bool) else "true or false"
+    if kind.startswith("int"):
+        if name.endswith("log2"):  # octaves: negative is coarser
+            return "" if number and isinstance(value, int) else "an integer"
+        return "" if number and isinstance(value, int) and value >= 0 else "an integer >= 0"
+    if name in _FRACTIONS:
+        return "" if number and 0 <= value <= 1 else "a number in [0, 1]"
+    return "" if number and value >= 0 else "a finite number >= 0"
 
 
 LEVELS: dict[str, LossyLevel] = {

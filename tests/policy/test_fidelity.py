@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from ckptstore.policy import fidelity
+from ckptstore.errors import CkptError
+from ckptstore.policy import fidelity, level_named
 
 
 def _bytes(values):
@@ -41,3 +42,13 @@ def test_each_retry_at_least_halves_the_step_and_at_most_sixteenths_it(measured)
     assert 1 / 16 <= factor <= 0.5
     assert factor == pytest.approx(min(0.5, max(1 / 16, 0.009 / measured)))
     assert fidelity.finer(0.25, 1.0, 0.0, 0.01) == 0.125  # an all-zero chunk kept inexactly: halve
+
+
+@pytest.mark.parametrize("knob, value", [("max_weight_error", "abc"), ("max_weight_error", -1.0), ("prune", 5),
+                                         ("weights_lossy", "maybe"), ("max_chain", -3), ("min_elements", 1.5),
+                                         ("moment_step", float("nan"))])
+def test_a_knob_of_the_wrong_kind_or_range_is_refused_before_anything_is_encoded(knob, value):
+    """A negative bound used to switch the level's promise off silently ('no bound' in ckpt show)."""
+    with pytest.raises(CkptError, match=f"lossy knob {knob}="):
+        level_named("balanced", **{knob: value})
+    assert level_named("extreme", v_levels_log2=-3, prune=0.6, max_weight_error=0.0).prune == 0.6  # the presets' ranges
