@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import tomllib
 
@@ -84,6 +85,19 @@ class RetentionPolicy:
         return name, way
 
 
+def _core_problem(core: Any) -> str:
+    """What is wrong with config.toml's [core] table (a hand edit), or ""."""
+    if not isinstance(core, dict):
+        return f"must be a table of settings, not {core!r}"
+    for name in ("metadata_url", "lossy", "objects_url"):
+        if not isinstance(core.get(name, ""), str):
+            return f"{name} must be a string, not {core[name]!r}"
+    threads = core.get("threads", 0)
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
+        return f"threads must be a count (0: one per CPU), not {threads!r}"
+    return ""
+
+
 @dataclass
 class RepoConfig:
     """Settings read from config.toml; missing keys take these defaults.
@@ -108,6 +122,9 @@ class RepoConfig:
         except (OSError, tomllib.TOMLDecodeError, TypeError, CkptError) as exc:
             raise CkptError(f"cannot read {path}: {exc}") from None
         core = data.get("core", {})
+        problem = _core_problem(core)
+        if problem:
+            raise CkptError(f"cannot read {path}: [core] {problem}")
         try:
             remotes = {name: RemoteConfig(str(r["url"]), str(r.get("metadata_url", "")), bool(r.get("lazy", False)))
                        for name, r in data.get("remotes", {}).items()}
@@ -117,7 +134,7 @@ class RepoConfig:
             retention = RetentionPolicy(**data.get("retention", {}))
         except (TypeError, CkptError) as exc:
             raise CkptError(f"cannot read {path}: [retention] {exc}") from None
-        return cls(encoding, core.get("metadata_url", ""), int(core.get("threads", 0)), core.get("lossy", ""),
+        return cls(encoding, core.get("metadata_url", ""), core.get("threads", 0), core.get("lossy", ""),
                    core.get("objects_url", ""), remotes, retention)
 
     def save(self, path: Path) -> None:

@@ -168,6 +168,22 @@ def test_config_is_replaced_atomically(repo):
     assert RepoConfig.load(path).threads == 3 and sorted(p.name for p in repo.dir.glob("*config*")) == ["config.toml"]
 
 
+@pytest.mark.parametrize("edit, words", [
+    (("threads = 0", 'threads = "x"'), "threads must be a count"), (("threads = 0", "threads = -3"), "threads must"),
+    (('metadata_url = ""', "metadata_url = 5"), "metadata_url must be a string"),
+    (("[core]", "core = 1\n[corex]"), "[core] must be a table"),
+    (("chunk_bytes = 4194304", "chunk_bytes = 0"), "chunk_bytes must be an integer of at least 1024"),
+])
+def test_a_hand_edited_config_of_the_wrong_type_is_one_clear_error(repo, edit, words):
+    path = repo.dir / "config.toml"
+    text = path.read_text()
+    assert edit[0] in text
+    path.write_text(text.replace(edit[0], edit[1], 1))
+    with pytest.raises(CkptError, match="cannot read .*config.toml") as caught:
+        RepoConfig.load(path)
+    assert words in str(caught.value)
+
+
 def _no_constants(name):
     raise ValueError(f"{name} is not JSON")
 
