@@ -136,7 +136,7 @@ def _pinned() -> dict[int, ChainCosts] | None:
         return None
     try:
         return _costs_from(json.loads(text))
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, AttributeError) as exc:  # AttributeError: JSON that is no object
         raise CkptError(f"{ENV}={text!r} is not JSON {{width: [keyframe, level, load, workers]}} (s/byte) "
                         f"({exc}); unset it to measure") from None
 

@@ -5,9 +5,11 @@ import os
 import warnings
 
 import numpy as np
+import pytest
 import torch
 
 from ckptstore import Repository
+from ckptstore.errors import CkptError
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.policy import AUTO, ChainCosts, EncodingSettings
 from ckptstore.repo import chaincost, fsck
@@ -191,3 +193,10 @@ def test_relinks_of_orphaned_siblings_share_the_first_as_their_keyframe():
     assert _relinks({"a", "b", "c", "x"}, bases) == {"a": None, "b": "a", "c": "a"}  # x keeps its kept base
     assert _relinks({"k", "a", "b"}, bases) == {}
     assert _relinks({"b", "d"}, bases) == {"b": None, "d": None}  # different removed bottoms
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "null", "5", '{"4": 1}', "not json"])
+def test_pinned_chain_costs_that_are_not_an_object_of_widths_are_one_clear_error(tmp_path, monkeypatch, text):
+    monkeypatch.setenv(chaincost.ENV, text)
+    with pytest.raises(CkptError, match="is not JSON"):
+        chaincost.repository_costs(tmp_path)
