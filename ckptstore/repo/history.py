@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ckptstore.errors import RefNotFoundError
+from ckptstore.errors import CorruptRecordError, RefNotFoundError
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
@@ -29,7 +29,11 @@ def log(repo: Repository, ref: str | None = None, all_refs: bool = False) -> lis
                 if ref:
                     raise
                 tips = []
-    order = graph.topo_order(tips, {c: i.parents for c, i in history.items()}, lambda c: history[c].created_at)
+    order = graph.topo_order(tips, {c: i.parents for c, i in history.items()},
+                             lambda c: history[c].created_at if c in history else 0.0)
+    lost = next((c for c in order if c not in history), None)
+    if lost is not None:  # a ref or a parent names it: damage for fsck to list, not a KeyError
+        raise CorruptRecordError(f"commit {lost}", "a ref or a commit names it, but it has no record")
     return [history[c] for c in order]
 
 

@@ -183,6 +183,12 @@ def _commit_problems(tx: Tx, commits: dict[CommitId, commit_rows.CommitInfo], fo
             if parent not in commits:
                 found.problems.setdefault(f"commit {cid}", f"its parent {parent} has no record")
     refs = liveness.all_refs(tx)
+    kinds = {name: kind for name, kind, _, _ in refs}
+    head = next((target for name, _, _, target in refs if name == "HEAD"), None)
+    if "HEAD" not in kinds:
+        found.problems["ref HEAD"] = "its record is missing"
+    elif head is not None and kinds.get(head, "branch") != "branch":  # on a branch, or on a branch not yet born
+        found.problems["ref HEAD"] = f"it is on {head!r}, which is a {kinds[head]}, not a branch"
     for name, kind, cid, _ in refs:
         if kind not in ("branch", "tag", "head", "remote") or (kind == "head") != (name == "HEAD"):
             found.problems[f"ref {name}"] = f"it is of kind {kind!r}"

@@ -10,7 +10,7 @@ import getpass
 import os
 from dataclasses import dataclass
 
-from ckptstore.errors import CkptError, ConflictError
+from ckptstore.errors import CkptError, ConflictError, CorruptRecordError
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import Tx
 from ckptstore.metadata import refs as ref_rows
@@ -28,6 +28,8 @@ class Start:
 def commit_target(tx: Tx, branch: str | None) -> Start:
     """The start of a commit on `branch` (default: HEAD's branch, or HEAD itself when detached)."""
     if branch is None:
+        if ref_rows.ref_row(tx, refs.HEAD) is None:
+            raise CorruptRecordError("ref HEAD", "its record is missing")
         branch = refs.head_branch(tx)
         if branch is None:
             return Start(None, refs.head_commit(tx))
@@ -35,7 +37,7 @@ def commit_target(tx: Tx, branch: str | None) -> Start:
     if row is None and branch != refs.head_branch(tx):  # only a name being created must pass today's rules
         refs.check_name(branch)
     if row is not None and row.kind != refs.BRANCH:
-        raise CkptError(f"{branch!r} is a tag; commits go on branches")
+        raise CkptError(f"{branch!r} is {'a tag' if row.kind == refs.TAG else 'not a branch'}; commits go on branches")
     if row is not None:
         return Start(branch, CommitId(row.commit_id))
     return Start(branch, refs.head_commit(tx) if branch != refs.head_branch(tx) else None)

@@ -1,5 +1,6 @@
 """Damaged or rewritten metadata: restores account for every byte, fsck names it, gc deletes nothing it names."""
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -370,3 +371,29 @@ def test_the_next_step_after_a_lost_record_is_encoded_whole_at_every_level(repo)
     report = fsck(repo, full=True)
     assert after not in report.broken_commits and step not in report.broken_commits, report
     assert torch.equal(repo.checkout(step)["model"]["bias"], kept["model"]["bias"])
+
+
+def test_damaged_head_and_branch_rows_are_found_by_fsck_and_named_by_every_verb(tmp_path):
+    """HEAD gone or on a tag, a branch at a commit with no record: fsck lists it, commit and log say it."""
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"w": torch.arange(6.0)})
+        repo.tag("v1", "HEAD")
+    database = tmp_path / ".ckpt" / "ckpt.db"
+
+    def damaged(statement):
+        with contextlib.closing(sqlite3.connect(database)) as db, db:
+            db.execute(statement)
+        return Repository.open(tmp_path)
+
+    with damaged("UPDATE refs SET target = 'v1' WHERE name = 'HEAD'") as repo:
+        assert "it is on 'v1', which is a tag" in fsck(repo).damaged_records["ref HEAD"]
+        with pytest.raises(CkptError, match="'v1' is a tag; commits go on branches"):
+            repo.commit({"w": torch.ones(6)})
+    with damaged("DELETE FROM refs WHERE name = 'HEAD'") as repo:
+        assert fsck(repo).damaged_records["ref HEAD"] == "its record is missing"
+        with pytest.raises(CorruptRecordError, match="ref HEAD is damaged: its record is missing"):
+            repo.commit({"w": torch.ones(6)})
+    with damaged(f"UPDATE refs SET commit_id = '{'a' * 64}' WHERE name = 'main'") as repo:
+        with pytest.raises(CorruptRecordError, match=f"commit {'a' * 64} is damaged"):
+            repo.log("main")
+        assert "ref main" in fsck(repo).damaged_records

@@ -340,13 +340,12 @@ class RepositoryMachine(RuleBasedStateMachine):
                 self.repo.checkout_to(spec)
             return
         assert self.repo.checkout_to(spec, force=force) == dest
-        event(f"checkout moving HEAD: {'attached' if spec in self.branches else 'detached'}")
+        # a branch attaches HEAD; HEAD itself keeps it where it is (on its branch, or detached); the rest detach
+        branch = self.head_branch if spec == "HEAD" else spec if spec in self.branches else None
+        event(f"checkout moving HEAD: {'attached' if branch else 'detached'}")
         assert_restored(self.commits[cid].state, torch.load(dest, weights_only=True), f"checkout {spec}")
         self.remember(dest, cid)
-        if spec in self.branches:
-            self.head_branch, self.detached = spec, None
-        else:
-            self.head_branch, self.detached = None, cid
+        self.head_branch, self.detached = branch, None if branch else cid
 
     # ------------------------------------------------------------ rules: maintenance
     @rule()
