@@ -28,10 +28,12 @@ def plan_sgd_momentum(ctx: PlanContext, momentum: Subject) -> LossyPlan:
 
 
 def plan_adam_second_moment(ctx: PlanContext, v: Subject) -> LossyPlan:
-    """`v_levels_log2` bits per octave, against the parent's v; pruned where its weight's residual is.
+    """`v_levels_log2` bits per octave, against the parent's v; never pruned.
 
     The second moment of a lossy weight moving at a fine-tune's pace (not fast, see
     `PlanContext.fast`) takes `fine_v_levels_log2` where set: per tensor, since a record has one grid.
+    Pruning it where its weight did not move kept the parent's v as the true one drifted, commit
+    after commit, past the level's factor on sqrt(v) (7.2 where 4 is promised, after two commits).
     """
     level = ctx.level
     base = temporal_base(ctx.parents.get(v.path), v.raw, ("log2moment",), level.max_chain)
@@ -41,8 +43,7 @@ def plan_adam_second_moment(ctx: PlanContext, v: Subject) -> LossyPlan:
             and not ctx.fast(weight, ctx.tensors[weight], ctx.rms_of(weight))):
         k = level.fine_v_levels_log2
     params = {"dtype": v.raw.dtype, "k": k, "chunk_bytes": chunk_bytes(v.raw, base, ctx.settings)}
-    mask_from = weight if (level.prune > 0 and weight in ctx.plans and base is not None) else None
-    return LossyPlan(v.path, "log2moment", params, base, mask_from=mask_from, stage=1)
+    return LossyPlan(v.path, "log2moment", params, base, stage=1)
 
 
 def plan_adam_first_moment(ctx: PlanContext, m: Subject) -> LossyPlan:

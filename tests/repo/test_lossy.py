@@ -407,3 +407,28 @@ def test_a_float16_adam_state_whose_second_moment_underflowed_is_committed_lossl
         with Repository.open(tmp_path / level) as repo:
             assert repo.commit_info(cid).lossy is None
             assert_same(repo.checkout(cid), state)
+
+
+def test_extreme_keeps_sqrt_v_within_its_factor_on_a_chained_commit(tmp_path):
+    """The level's promise per entry, on a residual commit too: v is never pruned to its parent's value."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 192), torch.nn.ReLU(), torch.nn.Linear(192, 96))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    inputs = torch.Generator().manual_seed(1)
+    states = []
+    for _ in range(2):
+        for _ in range(5):
+            x = torch.randn(32, 96, generator=inputs)
+            optimizer.zero_grad()
+            (model(x) - x).pow(2).mean().backward()
+            optimizer.step()
+        states.append(copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()}))
+    with Repository.init(tmp_path) as repo:
+        repo.commit(states[0], lossy="extreme")
+        restored = repo.checkout(repo.commit(states[1], lossy="extreme"))
+    for index in (0, 2):  # the two weight matrices' second moments
+        v = states[1]["optimizer"]["state"][index]["exp_avg_sq"].double().sqrt()
+        back = restored["optimizer"]["state"][index]["exp_avg_sq"].double().sqrt()
+        assert torch.equal(v == 0, back == 0)
+        factor = torch.maximum(back / v, v / back)[v > 0]
+        assert factor.max() <= 4.0001, factor.max()
