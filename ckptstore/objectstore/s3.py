@@ -122,7 +122,9 @@ class S3ObjectStore:
 
         try:
             yield
-        except (NotFoundError, FileNotFoundError):  # obstore raises either, by operation
+        except (NotFoundError, FileNotFoundError) as exc:  # obstore raises either, by operation
+            if "NoSuchBucket" in str(exc):  # the bucket, not the object: a PUT says so too
+                raise unavailable(self.url, exc) from None
             if oid is None:
                 raise
             raise CorruptObjectError(oid, "missing") from None

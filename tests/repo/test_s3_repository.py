@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ckptstore import Repository
-from ckptstore.errors import CorruptObjectError
+from ckptstore.errors import CkptError, CorruptObjectError
 from ckptstore.objectstore.s3 import S3ObjectStore
 from ckptstore.repo import fsck, gc
 from tests.conftest import assert_same
@@ -101,3 +101,14 @@ def test_cli_init_on_a_bucket_then_commit_and_checkout(tmp_path, s3_url):
     assert refused.returncode != 0 and "already holds objects that no commit" in refused.stderr
     assert "Traceback" not in refused.stderr and not (other / ".ckpt").exists()
     assert ckpt(tmp_path, "fsck").returncode == 0
+
+
+def test_a_bucket_gone_is_named_as_such_on_upload(tmp_path, s3_server, metadata_url):
+    """A PUT into a bucket that no longer exists used to read as 'object ... is missing'."""
+    import urllib.request
+
+    bucket = s3_server.new_bucket()
+    with Repository.init(tmp_path, objects_url=f"s3://{bucket}/repo", metadata_url=metadata_url) as repo:
+        urllib.request.urlopen(urllib.request.Request(f"{s3_server.endpoint}/{bucket}", method="DELETE"), timeout=30)
+        with pytest.raises(CkptError, match="the bucket does not exist"):
+            repo.commit(_state(0))
