@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, ConflictError, CorruptObjectError, MissingDatabaseError, RefNotFoundError
+from ckptstore.errors import (
+    CkptError,
+    ConflictError,
+    CorruptObjectError,
+    CorruptRecordError,
+    MissingDatabaseError,
+    RefNotFoundError,
+)
 from ckptstore.hashing import CommitId, ObjectId
 from ckptstore.metadata import absolute_url, transfer
 from ckptstore.metadata import refs as ref_rows
@@ -169,6 +176,7 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
         missing = [c for c in candidates if c not in have]
         if not missing:
             return report, tips
+        _refuse_damaged(tx, missing)
         tensors = transfer.tensors_of(tx, missing)
         tensors -= transfer.present_tensors(ttx, tensors)
         found = transfer.records(tx, missing, tensors)
@@ -184,6 +192,18 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
     faults.point("transfer:records-sent")
     report.commits, report.tensors = len(missing), len(tensors)
     return report, tips
+
+
+def _refuse_damaged(tx: Tx, cids: list[CommitId]) -> None:
+    """Every commit record that would move must hash to its id, as every object must: damage stays where it is."""
+    from ckptstore.metadata import commits as commit_rows
+
+    for cid in cids:
+        try:
+            commit_rows.commit_info(tx, cid)
+        except CorruptRecordError as exc:
+            raise CkptError(f"the sending repository's record of commit {cid[:12]} is damaged ({exc.problem}); "
+                            "nothing was sent. Run `ckpt fsck` there") from None
 
 
 def _whole_on(store: ObjectStore, oid: ObjectId, size: int) -> bool:

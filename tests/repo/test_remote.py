@@ -1,6 +1,8 @@
 """Remotes between repositories on this disk: push, fetch, pull, clone (lazy too), races and interruptions."""
 
+import contextlib
 import os
+import sqlite3
 import subprocess
 import sys
 
@@ -267,3 +269,16 @@ def test_a_bucket_remote_names_its_metadata_as_the_shell_means_it(tmp_path, s3_u
     # a new database over a prefix that holds the hub's objects would call them garbage
     other = ckpt(work, "remote", "add", "other", s3_url, "--metadata", f"sqlite:///{tmp_path / 'other.db'}")
     assert other.returncode != 0 and "already holds objects that no commit" in other.stderr
+
+
+def test_a_damaged_commit_record_does_not_travel(pair, tmp_path):
+    """Records are verified as objects are: a rewritten row stays where it is, the other side is untouched."""
+    work, hub, cids = pair
+    with contextlib.closing(sqlite3.connect(work.dir / "ckpt.db")) as db, db:
+        db.execute("UPDATE commits SET step = 777, message = 'tampered' WHERE id = ?", (cids[1],))
+    with pytest.raises(CkptError, match=f"record of commit {cids[1][:12]} is damaged.*nothing was sent"):
+        remote.push(work, "origin")
+    with Repository.open(hub) as other:
+        assert other.log() == [] and fsck(other).ok
+    with pytest.raises(CkptError, match="is damaged"):
+        remote.clone(str(work.root), tmp_path / "copy")
