@@ -416,4 +416,8 @@ def _interrupted_clone_of(path: str | os.PathLike, remote: RemoteConfig) -> bool
         if origin is None or (origin.url, origin.metadata_url) != (remote.url, remote.metadata_url) or \
                 existing.branches():
             raise RepoExistsError(f"{Path(path).resolve() / REPO_DIR} already exists; clone into a new folder")
+        if origin.lazy != remote.lazy:  # resuming it the other way would silently keep its first kind
+            kind, flag = ("a lazy", "with") if origin.lazy else ("a full", "without")
+            raise RepoExistsError(f"{Path(path).resolve()} holds {kind} clone of {remote.url} that was interrupted: "
+                                  f"rerun the clone {flag} --lazy to finish it, or clone into a new folder")
     return True

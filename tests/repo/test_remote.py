@@ -282,3 +282,18 @@ def test_a_damaged_commit_record_does_not_travel(pair, tmp_path):
         assert other.log() == [] and fsck(other).ok
     with pytest.raises(CkptError, match="is damaged"):
         remote.clone(str(work.root), tmp_path / "copy")
+
+
+def test_an_interrupted_clone_resumes_only_as_the_kind_it_began(pair, tmp_path):
+    """A lazy clone killed midway, rerun without --lazy, said 'Cloned' and stayed lazy (and the reverse)."""
+    work, _, cids = pair
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_CRASH_AT="transfer:records-sent")
+    killed = subprocess.run([sys.executable, "-m", "ckptstore", "clone", "--lazy", str(work.root), "copy"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9
+    other_kind = ckpt(tmp_path, "clone", str(work.root), "copy")
+    assert other_kind.returncode == 1 and "a lazy clone" in other_kind.stderr and "with --lazy" in other_kind.stderr
+    assert ckpt(tmp_path, "clone", "--lazy", str(work.root), "copy").returncode == 0
+    with Repository.open(tmp_path / "copy") as copy:
+        assert copy.config.remotes["origin"].lazy and copy.resolve("main") == cids[1]
+        assert_same(_state(1), copy.checkout(cids[1]))
