@@ -367,7 +367,30 @@ def pull(repo: Repository, name: str, branch: str | None = None) -> tuple[Transf
             ref_rows.insert_ref(tx, branch, ref_rows.BRANCH, new)
         elif not ref_rows.swap(tx, branch, ref_rows.BRANCH, old, new):
             raise ConflictError(f"{branch!r} moved while pulling; run the pull again")
+    if branch == refs.head(repo)[0]:
+        _update_worktree(repo, branch, old, new)
     return report, new
+
+
+def _update_worktree(repo: Repository, branch: str, old: CommitId | None, new: CommitId) -> None:
+    """Write HEAD's pulled commit in place, as git does; unsaved files refuse it and the branch moves back.
+
+    Left as they were, the old files read as changes, and the next commit of them undid the pull.
+    """
+    from ckptstore.errors import DirtyWorktreeError
+    from ckptstore.repo.checkout import checkout_to
+
+    if repo.commit_info(new).source_path is None:  # an in-memory state: no files to write
+        return
+    try:
+        checkout_to(repo, branch)
+    except DirtyWorktreeError as exc:
+        with repo.db.write() as tx:
+            if old is None:
+                ref_rows.delete_ref(tx, branch)
+            else:
+                ref_rows.swap(tx, branch, ref_rows.BRANCH, new, old)
+        raise DirtyWorktreeError(f"pull stopped, {branch!r} left where it was: {exc}") from None
 
 
 def clone(url: str, path: str | os.PathLike, metadata_url: str = "", lazy: bool = False) -> Repository:

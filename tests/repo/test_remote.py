@@ -297,3 +297,26 @@ def test_an_interrupted_clone_resumes_only_as_the_kind_it_began(pair, tmp_path):
     with Repository.open(tmp_path / "copy") as copy:
         assert copy.config.remotes["origin"].lazy and copy.resolve("main") == cids[1]
         assert_same(_state(1), copy.checkout(cids[1]))
+
+
+def test_pull_writes_heads_files_as_git_does_and_unsaved_ones_stop_it(tmp_path):
+    """Files left at the old commit read as changes, and committing them undid the pull."""
+    assert ckpt(tmp_path, "init", "work").returncode == 0
+    work, copy = tmp_path / "work", tmp_path / "copy"
+    torch.save(_state(0), work / "c.pt")
+    assert ckpt(work, "commit", "c.pt").returncode == 0
+    assert ckpt(tmp_path, "clone", "work", "copy").returncode == 0
+    assert ckpt(copy, "checkout", "main").returncode == 0
+    torch.save(_state(1), work / "c.pt")
+    assert ckpt(work, "commit", "c.pt").returncode == 0
+    assert ckpt(copy, "pull").returncode == 0
+    assert_same(_state(1), torch.load(copy / "c.pt", weights_only=True))
+    assert "unchanged: c.pt" in ckpt(copy, "status").stdout
+    torch.save(_state(2), work / "c.pt")
+    assert ckpt(work, "commit", "c.pt").returncode == 0
+    torch.save(_state(3), copy / "c.pt")  # training wrote it meanwhile: not in the store
+    before = ckpt(copy, "log", "--json").stdout
+    refused = ckpt(copy, "pull")
+    assert refused.returncode == 1 and "pull stopped" in refused.stderr and "c.pt" in refused.stderr
+    assert ckpt(copy, "log", "--json").stdout == before  # main stayed where it was
+    assert_same(_state(3), torch.load(copy / "c.pt", weights_only=True))
