@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from ckptstore.errors import CorruptObjectError
+from ckptstore.errors import CkptError, CorruptObjectError
 from ckptstore.hashing import ObjectId
 from ckptstore.objectstore.base import ObjectStore, RangeReader, read_whole
 
@@ -29,7 +29,11 @@ class FallbackStore:
     def _fill(self, oid: ObjectId) -> None:
         with self._lock:
             if self._source is None:
-                self._source = self._open_source()
+                try:
+                    self._source = self._open_source()
+                except (CkptError, OSError) as exc:  # the origin's folder gone or moved: this object is lacking
+                    raise CorruptObjectError(oid, f"not read yet, and the origin it comes from cannot be opened "
+                                                  f"({exc})") from None
         self.local.put(self._source.get(oid))  # get verifies the bytes against the id
 
     def _filled(self, read: Callable[[], Any], oid: ObjectId) -> Any:

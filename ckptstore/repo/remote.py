@@ -140,6 +140,8 @@ def remote_store(remote: RemoteConfig) -> ObjectStore:
     if "://" in remote.url:
         return open_store(remote.url, Path(remote.url), Path(remote.url))  # a bucket: no local folders used
     folder = Path(remote.url) / REPO_DIR
+    if not folder.is_dir():
+        raise CkptError(f"{remote.url} holds no repository any more (no {REPO_DIR}/ folder there)")
     config = RepoConfig.load(folder / "config.toml")
     _refuse_lazy_origin(config, remote.url)
     return open_store(config.objects_url or "objects", folder / "tmp", folder)

@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -320,3 +321,20 @@ def test_pull_writes_heads_files_as_git_does_and_unsaved_ones_stop_it(tmp_path):
     assert refused.returncode == 1 and "pull stopped" in refused.stderr and "c.pt" in refused.stderr
     assert ckpt(copy, "log", "--json").stdout == before  # main stayed where it was
     assert_same(_state(3), torch.load(copy / "c.pt", weights_only=True))
+
+
+def test_a_lazy_clone_whose_origin_is_gone_names_what_it_lacks(pair, tmp_path):
+    """Checkout says where the objects it lacks were to come from; fsck lists them instead of stopping."""
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    with remote.clone(str(hub_path), tmp_path / "lazy", lazy=True) as lazy:
+        assert_same(_state(1), lazy.checkout(cids[1]))  # read once: now held here
+    shutil.rmtree(hub_path)
+    with Repository.open(tmp_path / "lazy") as lazy:
+        assert_same(_state(1), lazy.checkout(cids[1]))
+        with pytest.raises(CorruptObjectError, match="origin it comes from cannot be opened.*holds no repository"):
+            lazy.checkout(cids[0])
+        report = fsck(lazy)
+        assert not report.ok and report.damaged_objects
+        assert all("cannot be opened" in problem for problem in report.damaged_objects.values())
+        assert set(report.broken_commits) == {cids[0]}
