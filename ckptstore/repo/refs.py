@@ -122,6 +122,10 @@ def head(repo: Repository) -> tuple[str | None, CommitId | None]:
 def create(repo: Repository, name: str, start: str, kind: str) -> CommitId:
     """Create a branch or tag `name` at the commit `start` names."""
     check_name(name)
+    remote = name.split("/", 1)[0]
+    if "/" in name and remote in repo.config.remotes:  # NAME/BRANCH is how remote-tracking refs are written
+        raise InvalidRefNameError(f"{name!r} would hide remote {remote!r}'s tracking ref of that name; choose "
+                                  "another name")
     with repo.db.write() as tx:
         if ref_rows.ref_row(tx, name) is not None:
             raise RefExistsError(f"a branch or tag named {name!r} already exists")

@@ -217,6 +217,9 @@ def test_tracking_refs_follow_the_remote_and_never_move_a_branch_or_tag(pair, tm
         assert copy.branches()["dev"] == cids[1]  # the clone's own branch stays; only the tracking ref went
         with pytest.raises(InvalidRefNameError, match="remotes/"):
             copy.branch("remotes/origin/main", "main")
+        with pytest.raises(InvalidRefNameError, match="would hide remote 'origin'"):  # origin/main resolves to it
+            copy.branch("origin/main", "main~1")
+        copy.branch("originals/main", "main")  # only a remote's own name is taken
         copy.tag("mine", "main")
         with pytest.raises(CkptError, match="this repository has a tag named 'mine', not a branch"):
             remote.pull(copy, "origin", "mine")
