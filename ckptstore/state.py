@@ -179,6 +179,8 @@ def raw_from_torch(tensor, path: str = "") -> RawTensor:
 def raw_from_numpy(array: np.ndarray) -> RawTensor:
     if array.dtype.hasobject:
         raise UnsupportedStateError("numpy arrays of Python objects cannot be stored without pickle")
+    if array.dtype.fields is not None or array.dtype.subdtype is not None:  # its str would lose the field names
+        raise UnsupportedStateError(f"numpy arrays of structured dtype {array.dtype} are not supported")
     flat = np.ascontiguousarray(array).reshape(-1)
     return RawTensor(NUMPY_PREFIX + array.dtype.str, tuple(array.shape), flat.view(np.uint8))
 
@@ -353,6 +355,8 @@ class _Flattener:
 
     def tensor(self, value, path: str) -> list:
         torch = _torch()
+        if value.is_nested:  # a strided nested tensor has no sizes to read
+            raise UnsupportedStateError(f"{path or '<root>'}: nested tensors are not supported")
         key = None
         if value.layout == torch.strided and not value.is_meta and value.numel():
             storage = value.untyped_storage()
@@ -413,7 +417,7 @@ class _Flattener:
         return ["npscalar", value.dtype.str, _float(v) if isinstance(v := value.item(), float) else v]
 
     def _bytes(self, value: bytes | bytearray, path: str) -> Any:
-        return ["bytes", self.leaf(value, path, lambda: raw_from_bytes(bytes(value)))]
+        return [type(value).__name__, self.leaf(value, path, lambda: raw_from_bytes(bytes(value)))]
 
     def _ndarray(self, value: np.ndarray, path: str) -> Any:
         return ["ndarray", self.leaf(value, path, lambda: raw_from_numpy(value))]
@@ -428,7 +432,8 @@ class _Flattener:
         if first is not None:
             return first
         self.tensors[path] = make()
-        if len(value):  # b"" is one object everywhere; empty leaves cost nothing, so keep their paths
+        # b"" is one object everywhere; empty leaves cost nothing, so keep their paths (a 0-d array has no len)
+        if value.size if isinstance(value, np.ndarray) else len(value):
             self.shared[id(value)] = path
         return path
 
@@ -465,7 +470,8 @@ class _Flattener:
 
     def _set(self, value: set | frozenset, path: str) -> Any:
         self.enter(value, path, len(value))
-        node = ["set", [self.encode(item, join(path, str(i))) for i, item in enumerate(_ordered(value))]]
+        node = ["frozenset" if isinstance(value, frozenset) else "set",
+                [self.encode(item, join(path, str(i))) for i, item in enumerate(_ordered(value))]]
         self.depth -= 1
         return node
 
@@ -509,9 +515,9 @@ def _hint(value: Any) -> str:
 _ENCODERS: list[tuple[type | tuple[type, ...], Callable[[_Flattener, Any, str], Any]]] = [
     ((type(None), bool), _Flattener._plain),
     (str, _Flattener._str),
+    (np.generic, _Flattener._npscalar),  # before float: np.float64 is one, and would come back a float
     (int, _Flattener._int),
     (float, _Flattener._float_value),
-    (np.generic, _Flattener._npscalar),
     ((bytes, bytearray), _Flattener._bytes),
     (np.ndarray, _Flattener._ndarray),
     (dict, _Flattener._dict),
@@ -648,12 +654,14 @@ class _Unflattener:
 _DECODERS: dict[str, Callable[[_Unflattener, list], Any]] = {
     "tensor": _Unflattener.tensor,
     "bytes": lambda u, node: u.get(node[1]),
+    "bytearray": lambda u, node: bytearray(u.get(node[1])),
     "ndarray": lambda u, node: u.get(node[1]),
     "dict": _Unflattener.mapping,
     "odict": _Unflattener.mapping,
     "list": lambda u, node: [u.decode(item) for item in node[1]],
     "tuple": lambda u, node: tuple(u.decode(item) for item in node[1]),
     "set": lambda u, node: {u.decode(item) for item in node[1]},
+    "frozenset": lambda u, node: frozenset(u.decode(item) for item in node[1]),
     "float": lambda u, node: float(node[1]),
     "npscalar": lambda u, node: np.dtype(node[1]).type(u.decode(node[2])),
     "size": lambda u, node: _torch().Size(node[1]),

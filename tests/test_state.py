@@ -267,6 +267,20 @@ def test_meta_and_quantized_tensors_are_refused_clearly():
         flatten({"q": quantized})
 
 
+def test_types_torch_save_keeps_come_back_as_themselves():
+    """np.float64 came back a float, frozenset a set, bytearray bytes; a 0-d array crashed the commit."""
+    state = {"f64": np.float64(2.5), "frozen": frozenset([1, 2]), "buffer": bytearray(b"ab"), "zero_d": np.array(3.0),
+             "empty": bytearray()}
+    back = _round_trip(state)
+    assert {k: type(v) for k, v in back.items()} == {k: type(v) for k, v in state.items()}
+    assert back["f64"] == 2.5 and back["frozen"] == {1, 2} and back["buffer"] == b"ab" and back["empty"] == b""
+    assert back["zero_d"].shape == () and back["zero_d"] == 3.0
+    with pytest.raises(UnsupportedStateError, match="nested tensors are not supported"):
+        flatten({"n": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])})
+    with pytest.raises(UnsupportedStateError, match="structured dtype"):
+        flatten({"x": np.zeros(2, dtype=[("a", "<i4"), ("b", "<f8")])})
+
+
 def test_loading_onto_a_missing_device_is_a_clear_error(tmp_path):
     import ckptstore
     from ckptstore import Repository

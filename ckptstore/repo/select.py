@@ -27,8 +27,8 @@ from ckptstore.formats import CheckpointFile
 from ckptstore.repo.manifest import Manifest
 from ckptstore.state import RawTensor, escape, join, join_key, unflatten
 
-_CONTAINERS = ("dict", "odict", "list", "tuple", "set")
-_LEAVES_WITH_ENTRY = ("tensor", "bytes", "ndarray")
+_CONTAINERS = ("dict", "odict", "list", "tuple", "set", "frozenset")
+_LEAVES_WITH_ENTRY = ("tensor", "bytes", "bytearray", "ndarray")
 
 
 class NothingSelectedError(CkptError):
