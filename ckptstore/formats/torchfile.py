@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.errors import CheckpointFormatError, PickledObjectsError
+from ckptstore.errors import CheckpointFormatError, CkptError, PickledObjectsError
 from ckptstore.formats.atomic import atomic_write
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -144,4 +144,12 @@ def save(obj: Any, path: str | os.PathLike) -> None:
     """torch.save to a temporary file beside `path`, fsync, then rename over it."""
     import torch
 
-    atomic_write(path, lambda handle: torch.save(obj, handle))
+    try:
+        atomic_write(path, lambda handle: torch.save(obj, handle))
+    except RuntimeError as exc:
+        if "as different types" not in str(exc):
+            raise
+        # torch.save refuses a storage shared by tensors of two dtypes (x and x.view(torch.int32))
+        raise CkptError("torch.save cannot write this state to a file: two of its tensors of different dtypes "
+                        "share one storage; load it into memory instead (ckptstore.load), which keeps them shared"
+                        ) from None

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from ckptstore import formats
-from ckptstore.errors import CheckpointFormatError
+from ckptstore.errors import CheckpointFormatError, CkptError
 from ckptstore.formats.torchfile import numpy_safe_globals
 from ckptstore.state import materialize
 from tests.conftest import assert_same
@@ -116,3 +116,18 @@ def test_trainer_folder_round_trip(tmp_path):
     rng_out = torch.load(tmp_path / "out" / "rng_state.pth", weights_only=False)
     assert_same(list(rng_src["numpy"]), list(rng_out["numpy"]))
     assert rng_src["python"] == rng_out["python"]
+
+
+def test_a_state_torch_save_cannot_write_is_a_clear_error_and_leaves_nothing(tmp_path):
+    """Two dtypes viewing one storage: kept shared in memory; to a file, one line instead of torch's RuntimeError."""
+    from ckptstore import Repository
+
+    weights = torch.randn(64, 32)
+    state = {"f": weights, "i": weights.view(torch.int32)}
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit(state)
+        back = repo.checkout(cid)
+        assert back["i"].untyped_storage().data_ptr() == back["f"].untyped_storage().data_ptr()
+        with pytest.raises(CkptError, match="different dtypes share one storage"):
+            repo.checkout_to(cid, output=tmp_path / "o.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt"]
