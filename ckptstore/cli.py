@@ -103,6 +103,7 @@ def _metrics(values: tuple[str, ...]) -> dict[str, float]:
     metrics = {}
     for item in values:
         key, sep, value = item.partition("=")
+        key = key.strip()  # ' loss = 1' names the metric `--keep-best loss` looks for
         try:
             metrics[key] = float(value)
         except ValueError:
@@ -297,6 +298,8 @@ def log(ctx, graph, all_refs, as_json) -> None:
 def branch(ctx, name, start, delete) -> None:
     """List branches, create NAME at START, or delete one with -d."""
     repo = _open(ctx)
+    if delete is not None and name is not None:
+        raise click.UsageError(f"give either NAME to create or -d NAME to delete, not both ({name!r} and {delete!r})")
     if delete is not None:
         cid = repo.delete_branch(delete)
         click.echo(f"Deleted branch {delete} (was {cid[:12]})")
@@ -317,6 +320,8 @@ def branch(ctx, name, start, delete) -> None:
 def tag(ctx, name, ref, delete) -> None:
     """List tags, tag REF (default HEAD) as NAME, or delete one with -d."""
     repo = _open(ctx)
+    if delete is not None and name is not None:
+        raise click.UsageError(f"give either NAME to create or -d NAME to delete, not both ({name!r} and {delete!r})")
     if delete is not None:
         click.echo(f"Deleted tag {delete} (was {repo.delete_tag(delete)[:12]})")
     elif name is not None:

@@ -99,3 +99,19 @@ def test_numbers_outside_what_is_stored_are_usage_errors(tmp_path):
         refused = CliRunner().invoke(cli, ["--repo", str(tmp_path), "daemon", "start", "--idle", idle])
         assert refused.exit_code == 2 and "--idle" in refused.output, refused.output
     assert not [p for p in (tmp_path / ".ckpt" / "objects").rglob("*") if p.is_file()]  # the commit stored nothing
+
+
+def test_messages_name_what_the_user_gave(tmp_path):
+    run = lambda *args: CliRunner().invoke(cli, ["--repo", str(tmp_path), *args])
+    assert CliRunner().invoke(cli, ["init", str(tmp_path)]).exit_code == 0
+    torch.save({"w": torch.arange(8.0)}, tmp_path / "c.pt")
+    assert run("commit", str(tmp_path / "c.pt"), "--metric", " loss = 1 ").exit_code == 0
+    assert json.loads(run("log", "--json").output)[0]["metrics"] == {"loss": 1.0}  # what --keep-best loss finds
+    assert run("tag", "v1").exit_code == 0 and run("branch", "dev").exit_code == 0
+    wrong_kind = run("branch", "-d", "v1")
+    assert wrong_kind.exit_code == 1 and "'v1' is a tag, not a branch: delete it with `ckpt tag -d v1`" in str(
+        wrong_kind.exception)
+    both = run("branch", "foo", "-d", "dev")
+    assert both.exit_code == 2 and "not both" in both.output and "dev" in run("branch").output
+    bad = run("remote", "add", "bad name", str(tmp_path))
+    assert bad.exit_code == 1 and "not a valid remote name" in str(bad.exception)

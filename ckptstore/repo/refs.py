@@ -149,6 +149,8 @@ def tag(repo: Repository, name: str, ref: str = HEAD) -> CommitId:
 
 def _existing(tx: Tx, name: str, kind: str) -> ref_rows.RefRow:
     row = ref_rows.ref_row(tx, name)
+    if row is not None and row.kind in (BRANCH, TAG) and row.kind != kind:
+        raise CkptError(f"{name!r} is a {row.kind}, not a {kind}: delete it with `ckpt {row.kind} -d {name}`")
     if row is None or row.kind != kind:
         suggestions = difflib.get_close_matches(name, ref_rows.names(tx, (kind,)), n=3)
         raise RefNotFoundError(name, suggestions, detail=f" (no such {kind})")

@@ -56,9 +56,12 @@ class TransferReport:
 # ----------------------------------------------------------------- naming and opening remotes
 def add(repo: Repository, name: str, url: str, metadata_url: str = "") -> RemoteConfig:
     """Record remote `name` at `url` (a repository folder, or s3://... with `metadata_url`) in the config."""
-    refs.check_name(name)
     if "/" in name:
         raise CkptError(f"remote name {name!r} may not contain '/'")
+    try:
+        refs.check_name(name)
+    except CkptError:
+        raise CkptError(f"{name!r} is not a valid remote name (letters, digits, . _ -)") from None
     if name in repo.config.remotes:
         raise CkptError(f"remote {name!r} already exists ({repo.config.remotes[name].url}); remove it first")
     # a relative SQLite path is taken from the current folder, as init takes it, and kept absolute

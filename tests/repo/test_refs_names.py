@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ckptstore import Repository
 from ckptstore.cli import cli
-from ckptstore.errors import InvalidRefNameError, RefNotFoundError
+from ckptstore.errors import CkptError, InvalidRefNameError, RefNotFoundError
 from ckptstore.repo.refs import check_name
 from tests.conftest import machine_settings
 
@@ -102,8 +102,9 @@ def test_tags_can_be_deleted(repo):
     assert "doomed" not in repo.tags()
     with pytest.raises(RefNotFoundError, match="no such tag"):
         repo.delete_tag("doomed")
-    with pytest.raises(RefNotFoundError, match="no such tag"):
+    with pytest.raises(CkptError, match="'main' is a branch, not a tag: delete it with `ckpt branch -d main`"):
         repo.delete_tag("main")  # a branch is not deleted by tag -d
+    assert "main" in repo.branches()
     repo.tag("gone")
     result = CliRunner().invoke(cli, ["--repo", str(repo.root), "tag", "-d", "gone"])
     assert result.exit_code == 0 and f"Deleted tag gone (was {head[:12]})" in result.output
