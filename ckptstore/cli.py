@@ -345,6 +345,8 @@ def show(ctx, ref, as_json) -> None:
     if data.get("lossy"):
         click.echo(f"lossy commit, level {data['lossy']}; optimizer pairing: {data.get('pairing')}; "
                    f"importance: {data.get('importance') or 'estimated from the optimizer state'}")
+    if data.get("pruned"):  # its row stays for the history; its tensors and their bytes are gone
+        click.echo("pruned by `ckpt prune`: its tensors are gone")
     click.echo(f"raw {_size(data['raw_bytes'])}  stored {_size(data['stored_bytes'])}\n\n    {data['message']}\n")
     for f in data["files"]:
         click.echo(f"file {f['name'] or '.'} [{f['format']}] {_size(f['size'])} {f['note']}".rstrip())

@@ -226,6 +226,8 @@ def test_cli_prune_log_show_and_refusals(tmp_path, monkeypatch):
     assert "[pruned]" in run(cli, ["log", "--graph"]).output
     shown = json.loads(run(cli, ["show", cids[0], "--json"]).output)
     assert shown["pruned"] is True and shown["tensors"] == []
+    assert "pruned by `ckpt prune`" in run(cli, ["show", cids[0]]).output
+    assert "pruned" not in run(cli, ["show", cids[1]]).output
     result = run(cli, ["checkout", cids[2][:12], "-o", str(tmp_path / "x.pt")])
     assert result.exit_code != 0 and isinstance(result.exception, PrunedCommitError)
 
