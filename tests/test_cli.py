@@ -67,6 +67,12 @@ def test_checkout_of_a_relative_ref_reports_the_commit_it_restored(tmp_path, mon
     first = json.loads(run("log", "--json").output)[1]["id"]
     assert f"Restored {first[:12]}" in run("checkout", "HEAD~1").output
     assert torch.load("ckpt.pt")["w"][0] == 1.0
+    Path("ckpt.pt").unlink()
+    Path("ckpt.pt").mkdir()  # where the file was committed from is a folder now
+    in_place = CliRunner().invoke(cli, ["checkout", "main"])
+    assert in_place.exit_code == 1 and "made from the file" in str(in_place.exception) and "-o PATH" in str(
+        in_place.exception)
+    Path("ckpt.pt").rmdir()
     run("checkout", "main")
     for ref in ("HEAD", " main "):  # restoring the current checkpoint leaves HEAD on its branch, as in git
         run("checkout", ref)

@@ -52,7 +52,9 @@ def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool,
         _refuse_missing_parent(dest)
     if manifest.kind != "folder":
         if dest.is_dir():
-            raise CkptError(f"{dest} is a folder; this commit is one file: pass a file path")
+            raise CkptError(f"{dest} is a folder; this commit is one file: pass a file path" if output else
+                            f"this commit was made from the file {dest}, which is now a folder: move the folder, "
+                            "or write the commit elsewhere with -o PATH")
         plan = CheckoutPlan(dest, [(manifest.files[0], dest)])
     else:
         plan = _plan_folder(repo, manifest, dest, exact=not output)
