@@ -155,6 +155,8 @@ class Database:
         try:
             if not create and self.path is not None and not self.path.exists():
                 raise self._missing("is missing")
+            if not create and self.path is not None and self.path.stat().st_size == 0:  # before SQLite writes a header
+                raise self._missing("holds no schema (it is empty)")
             self.check_schema()
         except BaseException:
             self.close()  # no connection outlives a database that failed to open

@@ -262,6 +262,7 @@ def test_a_lost_database_is_refused_and_never_starts_a_new_history_over_the_obje
         with pytest.raises(CkptError, match="restore it from a backup") as refused:
             Repository.open(tmp_path / "repo")
         assert str(db) in str(refused.value)
+        assert not db.exists() if damage == "deleted" else db.stat().st_size == 0  # "nothing was written": true
     objects = tmp_path / "repo" / ".ckpt" / "objects"
     kept = {p.relative_to(objects).as_posix().replace("/", "") for p in objects.rglob("*") if p.is_file()}
     assert kept == set(before)
