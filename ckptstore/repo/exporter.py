@@ -59,9 +59,9 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
         tensors, skipped = _weights(repo, manifest, weight_files)
         why = WEIGHTS_ONLY
     elif fmt == "torch":
-        state = repo.checkout(cid)
-        torchfile.save(state, output)
-        return ExportReport(cid, _tensors_in(state))
+        torchfile.save(repo.checkout(cid), output)
+        # a torch.save file's entries also hold its other records (bytes), and states numpy arrays
+        return ExportReport(cid, sum(entry.dtype.startswith(TORCH_PREFIX) for entry in manifest.entries.values()))
     else:
         from ckptstore.repo.checkout import restore
 
@@ -90,19 +90,6 @@ def _weights(repo: Repository, manifest: Manifest, files: list[CheckpointFile]
     kept = {name: raw for name, raw in tensors.items() if name not in odd}
     chosen = {record.name for record in files}
     return kept, odd + [record.name for record in manifest.files if record.name not in chosen]
-
-
-def _tensors_in(value: object) -> int:
-    """How many tensors a restored state holds (its entries also count file bytes and arrays)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return 1
-    if isinstance(value, dict):
-        return sum(_tensors_in(item) for item in value.values())
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return sum(_tensors_in(item) for item in value)
-    return 0
 
 
 def _torch(raw: RawTensor) -> object:
