@@ -108,4 +108,11 @@ def load(ref: str = "HEAD", repo: RepoLike = None, map_location: str | None = No
     stored chains are read (see ckptstore.repo.select).
     """
     device = str(map_location) if map_location is not None else None
-    return with_repo(repo, lambda r: r.checkout(ref, device=device, keys=keys))
+
+    def run(r: Repository) -> Any:
+        from ckptstore.repo.background import settle
+
+        settle(r)  # a save(blocking=False) still writing there: load reads what it writes
+        return r.checkout(ref, device=device, keys=keys)
+
+    return with_repo(repo, run)

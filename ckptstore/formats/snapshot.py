@@ -53,6 +53,8 @@ class HostBuffers:
         """
         import torch
 
+        if self.kept > self.budget:  # the budget was lowered: what no snapshot holds goes now
+            self.drop_free()
         free = self._free.get((nbytes, pinned))
         if free:
             return free.pop()

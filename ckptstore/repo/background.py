@@ -24,9 +24,11 @@ import signal
 import threading
 import time
 import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults
@@ -58,7 +60,8 @@ class BackgroundCommit:
     description: str
     timing: dict[str, float]
     _future: Future = field(default_factory=Future)
-    _observed: bool = False
+    _observed: bool = False  # its result or failure reached a caller
+    _waiting: int = 0  # callers in result() now: a failure reaches them, so it is not also warned
     warned: bool = False  # its failure was already said as a warning (nobody waited on it then)
     _thread: threading.Thread | None = None
 
@@ -67,9 +70,27 @@ class BackgroundCommit:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> CommitId:
-        """The new commit's id, once it is written; re-raises the exception that made the commit fail."""
+        """The new commit's id, once it is written; re-raises the exception that made the commit fail.
+
+        A `timeout` that passes first raises TimeoutError and leaves a later failure to be reported.
+        """
+        self._waiting += 1
+        try:
+            value = self._future.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self._observed = True
+            raise
+        finally:
+            self._waiting -= 1
         self._observed = True
-        return self._future.result(timeout)
+        return value
+
+    @property
+    def seen(self) -> bool:
+        """Whether a caller has, or is waiting for, its outcome (then a failure needs no warning)."""
+        return self._observed or self._waiting > 0
 
     def wait(self) -> None:
         """Block until the commit has finished, without raising its failure."""
@@ -117,6 +138,7 @@ class Lane:
 
 BACKGROUND_NICE = 10  # how much lower a background commit's threads run than the caller's
 _LIVE: set[BackgroundCommit] = set()  # in flight in this process: the exit waits for them
+_LANES: weakref.WeakSet[Lane] = weakref.WeakSet()  # every lane of this process, for a forked child to reset
 _registered = threading.Lock()
 _hooked: list[bool] = []
 
@@ -136,6 +158,7 @@ def _hook_exit() -> None:
         if not _hooked:
             # atexit.register runs after the pools stopped: only a fallback for a Python without this hook
             getattr(threading, "_register_atexit", atexit.register)(_at_exit)
+            os.register_at_fork(after_in_child=_forget_in_child)
             _hooked.append(True)
     _hook_sigterm()
 
@@ -171,7 +194,21 @@ def lane_of(repo: Repository) -> Lane:
     """The repository's lane, made on first use."""
     if repo._background is None:
         repo._background = Lane()
+        _LANES.add(repo._background)
     return repo._background
+
+
+def settle(repo: Repository) -> None:
+    """Wait for `repo`'s background commit in flight, raising its failure if nobody saw it (then reads see it)."""
+    if repo._background is not None:
+        repo._background.settle()
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) has none of the parent's commit threads: nothing to wait for at its exit."""
+    _LIVE.clear()
+    for lane in list(_LANES):
+        lane.current, lane.pool, lane.mutex = None, None, threading.Lock()
 
 
 def commit_in_background(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOptions,
@@ -190,12 +227,14 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
     with lane.mutex:
         waited = lane.settle()
         start = time.perf_counter()
-        if buffer_budget is not None:
+        if buffer_budget is not None:  # a lower one frees kept buffers at the next take
             lane.buffers.budget = buffer_budget
         # the live objects stay with the caller: the thread gets the parameter names they give
         lossy = replace(lossy, model=None, optimizer=None, param_names=param_names_of(lossy.model, lossy.optimizer))
         checkpoint, lent = source, []
-        if not isinstance(source, (str, os.PathLike)):
+        if isinstance(source, (str, os.PathLike)):  # the caller's folder now, not the thread's later
+            checkpoint = Path(source).absolute()
+        else:
             with no_cyclic_gc():  # as in a commit: a full collection landing in the snapshot would stall the caller
                 checkpoint, lent = snapshot(source, lane.buffers)
         handle = BackgroundCommit(_describe(options), {"waited_s": waited, "snapshot_s": time.perf_counter() - start})
@@ -242,11 +281,11 @@ def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: An
     else:
         # nothing changed is no failure: the state is already the branch's head (result() still says so)
         if isinstance(error, RetentionError):  # recorded: only the prune after it failed, and the next one retries
-            if not handle._observed:
+            if not handle.seen:
                 handle.warned = True
                 warnings.warn(f"the background commit {handle.description}: {error}; the next commit's policy "
                               "prunes again", BackgroundCommitWarning, stacklevel=1)
-        elif not handle._observed and not isinstance(error, NothingToCommitError):
+        elif not handle.seen and not isinstance(error, NothingToCommitError):
             lane.failed, handle.warned = handle, True
             warnings.warn(f"the background commit {handle.description} failed: {error}; nothing of it was "
                           "recorded (the next commit call raises it)", BackgroundCommitWarning, stacklevel=1)

@@ -129,3 +129,13 @@ def test_parameters_with_and_without_grad_go_in_the_batched_copy_as_plain_tensor
     flatten(state, to_raw=copier)
     assert len(copier.sources) == 3 and all(type(source) is torch.Tensor for source in copier.sources)
     copier.wait()
+
+
+def test_a_lowered_budget_frees_the_kept_buffers_no_snapshot_holds():
+    buffers = HostBuffers(budget=1 << 20)
+    lent = [buffers.take(1000, False), buffers.take(2000, False)]
+    buffers.give_back(lent)
+    assert buffers.kept == 3000
+    buffers.budget = 0
+    one_off = buffers.take(1000, False)  # the next take frees the rest and keeps nothing new
+    assert buffers.kept == 0 and one_off.numel() == 1000

@@ -259,3 +259,54 @@ def test_an_unchanged_state_is_no_failure_nobody_is_warned_and_the_next_commit_g
     with pytest.raises(NothingToCommitError):
         handle.result()
     assert [c.id for c in repo.log()] == [second, first]
+
+
+def test_a_result_that_timed_out_leaves_the_failure_to_be_reported(repo, trainer, hold, monkeypatch):
+    """result(timeout) that gave up saw nothing: the failure after it is warned and raised by the next commit."""
+    repo.commit(trainer.state(), "kept")
+    monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")
+    handle = repo.commit(trainer.state(), step=3, blocking=False)
+    with pytest.raises(TimeoutError):
+        handle.result(timeout=0.05)
+    with pytest.warns(BackgroundCommitWarning, match="step 3"):
+        hold.touch()
+        handle.wait()
+    monkeypatch.delenv("CKPT_FAIL_AT")
+    with pytest.raises(BackgroundCommitError, match="disk is full"):
+        repo.commit(trainer.state(), "next")
+
+
+def test_load_after_a_background_save_reads_what_it_writes_and_a_relative_path_is_the_callers(
+        tmp_path, hold, monkeypatch):
+    Repository.init(tmp_path / "repo").close()
+    ckptstore.save({"w": torch.zeros(4)}, tmp_path / "repo")
+    threading.Timer(0.3, hold.touch).start()
+    ckptstore.save({"w": torch.ones(4)}, tmp_path / "repo", blocking=False)
+    assert torch.equal(ckptstore.load("HEAD", tmp_path / "repo")["w"], torch.ones(4))  # not the one before
+    monkeypatch.chdir(tmp_path / "repo")
+    torch.save({"w": torch.full((4,), 2.0)}, "c.pt")
+    (tmp_path / "repo" / "other").mkdir()
+    torch.save({"w": torch.full((4,), 3.0)}, tmp_path / "repo" / "other" / "c.pt")
+    with Repository.open(tmp_path / "repo") as repo:
+        handle = repo.commit("c.pt", blocking=False)
+        monkeypatch.chdir(tmp_path / "repo" / "other")  # before the thread reads the file
+        assert repo.commit_info(handle.result()).source_path == "c.pt"
+        assert torch.equal(repo.checkout("HEAD")["w"], torch.full((4,), 2.0))
+
+
+def test_a_process_forked_while_a_commit_is_in_flight_exits(tmp_path, hold):
+    """A DataLoader worker forked mid-commit has no commit thread: its exit must not wait for one."""
+    import multiprocessing
+
+    with Repository.init(tmp_path / "repo") as repo:
+        handle = repo.commit({"w": torch.ones(64)}, blocking=False)
+        _wait_reached(hold)
+        child = multiprocessing.get_context("fork").Process(target=int)
+        child.start()
+        child.join(timeout=20)
+        alive = child.is_alive()
+        hold.touch()
+        handle.result()
+    if alive:
+        child.kill()
+    assert not alive and child.exitcode == 0
