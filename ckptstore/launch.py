@@ -19,8 +19,9 @@ def main() -> None:
 
 
 def _launch(argv: list[str]) -> None:
-    # A calibration function is the user's code: it runs here, freshly imported, never a daemon's old copy
-    if argv[:1] == ["commit"] and not any(arg.startswith("--calibration") for arg in argv):
+    # A calibration function, and the classes --trust-pickle unpickles, are the user's code: they are
+    # imported here, with the caller's sys.path and fresh, never a daemon's old copy
+    if argv[:1] == ["commit"] and not any(arg.startswith(("--calibration", "--trust-pickle")) for arg in argv):
         code = _in_daemon(argv)
         if code is not None:
             sys.exit(code)

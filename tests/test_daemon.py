@@ -178,3 +178,17 @@ def _wait_until(condition, seconds: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
+
+
+def test_a_trust_pickle_commit_runs_in_its_client_with_the_clients_sys_path(served, tmp_path):
+    """The classes it unpickles are the user's code: the daemon has neither their PYTHONPATH nor a fresh copy."""
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "mymod.py").write_text("class Box(dict):\n    pass\n")
+    env = dict(_env(), PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path / 'mods'}")
+    save = "import torch, mymod; torch.save({'w': torch.ones(3), 'box': mymod.Box(a=5)}, 'boxed.pt')"
+    subprocess.run([sys.executable, "-c", save], cwd=served, env=env, check=True, timeout=120)
+    before = _served_count(served)
+    result = subprocess.run([sys.executable, "-m", "ckptstore", "commit", "boxed.pt", "--trust-pickle"], cwd=served,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert _served_count(served) == before  # not forwarded

@@ -7,6 +7,7 @@ metadata transaction records everything and moves the branch with compare-and-sw
 
 from __future__ import annotations
 
+import numbers
 import os
 import time
 import warnings
@@ -61,6 +62,10 @@ class CommitOptions:
     allow_empty: bool = False
     trust_pickle: bool = False
     author: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.step, numbers.Integral) and not -(1 << 63) <= self.step < 1 << 63:
+            raise CkptError(f"step {self.step} is past what the metadata holds (a 64-bit integer)")
 
 
 @dataclass

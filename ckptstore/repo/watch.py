@@ -253,10 +253,9 @@ def step_of(name: str) -> int | None:
     """The training step a checkpoint's name gives: after "step" or "checkpoint-", else its last number."""
     stem = name.removesuffix(Path(name).suffix) if Path(name).suffix in SUFFIXES else name
     found = _STEP.search(stem) or TRAINER_FOLDER.match(stem)
-    if found:
-        return int(found.group(1))
-    numbers = _NUMBER.findall(stem)
-    return int(numbers[-1]) if numbers else None
+    numbers = [found.group(1)] if found else _NUMBER.findall(stem)
+    step = int(numbers[-1]) if numbers else None
+    return step if step is not None and step < 1 << 63 else None  # a run id, say: no step the metadata holds
 
 
 def already_committed(repo: Repository, source: Source, branch: str | None) -> str | None:

@@ -134,8 +134,10 @@ def test_legacy_and_safetensors_files_a_branch_and_steps_from_names(repo, tmp_pa
     data = (run / "w.safetensors").read_bytes()
     (run / "w.safetensors").write_bytes(data[:-4])
     assert "not all written" in file_incomplete(run / "w.safetensors")
-    assert [step_of(n) for n in ("checkpoint-500", "epoch=3-step=1200.ckpt", "model_7.pt", "last.ckpt")] == [
-        500, 1200, 7, None]
+    assert [step_of(n) for n in ("checkpoint-500", "epoch=3-step=1200.ckpt", "model_7.pt", "last.ckpt",
+                                 "run_123456789012345678901.pt")] == [500, 1200, 7, None, None]  # past int64: no step
+    with pytest.raises(CkptError, match="past what the metadata holds"):
+        repo.commit({"w": torch.ones(4)}, step=1 << 70)
 
 
 def test_ctrl_c_ends_the_watch_after_the_current_commit_with_exit_code_0(repo, tmp_path):
