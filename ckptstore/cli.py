@@ -6,6 +6,7 @@ import datetime
 import json
 import math
 import sys
+import warnings
 from typing import Any
 
 import click
@@ -619,6 +620,10 @@ def daemon_status(ctx) -> None:
     click.echo(_daemon_line(state) if state else "no ckpt daemon is running")
 
 
+def _warning_line(message: Warning | str, *_: Any, **__: Any) -> None:
+    click.echo("warning: " + " ".join(str(message).split()), err=True)
+
+
 def _fail(message: str, code: int) -> None:
     click.echo("error: " + " ".join(message.split()), err=True)  # one line, whatever the message held
     sys.exit(code)
@@ -632,7 +637,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv  # the group's flag; read here, where the traceback is printed
     try:
-        cli(args=argv, prog_name="ckpt", standalone_mode=False)
+        # per command: a warning is one line, and a daemon's earlier commands leave no "shown once" behind
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning_line
+            cli(args=argv, prog_name="ckpt", standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):
         _fail(INTERRUPTED, 130)
     except click.ClickException as exc:

@@ -189,12 +189,8 @@ def _echo_reply(conn: socket.socket) -> int | None:
             channel, payload = receive_frame(conn)
         except OSError:
             channel, payload = b"", b""
-        if channel == STDOUT:
-            sys.stdout.write(payload.decode())
-            sys.stdout.flush()
-        elif channel == STDERR:
-            sys.stderr.write(payload.decode())
-            sys.stderr.flush()
+        if channel in (STDOUT, STDERR):
+            _echo(sys.stdout if channel == STDOUT else sys.stderr, payload)
         elif channel == END:
             reply = json.loads(payload)
             if reply.get("stale"):
@@ -204,6 +200,15 @@ def _echo_reply(conn: socket.socket) -> int | None:
         else:
             raise DaemonGone("the ckpt daemon stopped in the middle of the command; earlier commits are "
                              "intact (`ckpt log` shows whether this one was recorded)")
+
+
+def _echo(stream: Any, payload: bytes) -> None:
+    """Write the command's output here; a reader gone (`ckpt commit | head`) drops it, the command runs on."""
+    try:
+        stream.write(payload.decode(errors="replace"))
+        stream.flush()
+    except OSError:  # and no BrokenPipeError at exit either: what is left goes nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
 
 def _ask(root: Path, op: str) -> dict[str, Any] | None:

@@ -192,3 +192,30 @@ def test_a_trust_pickle_commit_runs_in_its_client_with_the_clients_sys_path(serv
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert _served_count(served) == before  # not forwarded
+
+
+def test_a_warning_is_one_line_each_time_through_the_daemon_as_without_it(served):
+    """Python shows a warning once per place per process: a daemon's second command used to print none."""
+    before = _served_count(served)
+    for seed in (1, 2):
+        state = {"w": torch.randn(64, 128, generator=torch.Generator().manual_seed(seed))}
+        state["w"][0, 0] = float("nan")
+        torch.save(state, served / "nan.pt")
+        result = ckpt(served, "commit", "nan.pt", "--lossy", "balanced")
+        assert result.returncode == 0, result.stderr
+        assert result.stderr.startswith("warning: the checkpoint holds NaN") and result.stderr.count("\n") == 1
+    assert _served_count(served) == before + 2
+
+
+def test_output_to_a_reader_that_went_away_is_dropped_and_the_commit_lands(served):
+    """`ckpt commit x.pt | head` with head gone: no traceback from the client, the commit recorded."""
+    _save(served / "piped.pt", 7)
+    before = _served_count(served)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    with os.fdopen(write, "w") as closed:
+        result = subprocess.run([sys.executable, "-m", "ckptstore", "commit", "piped.pt", "-m", "piped"], cwd=served,
+                                env=_env(), stdout=closed, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert _served_count(served) == before + 1
+    assert json.loads(ckpt(served, "log", "--json").stdout)[0]["message"] == "piped"
