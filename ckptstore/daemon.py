@@ -170,7 +170,7 @@ def forward(root: Path, argv: list[str]) -> int | None:
         return None
     with conn:
         request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": _umask(),
-                   "code": code_fingerprint()}
+                   "code": code_fingerprint(), "root": str(root.resolve())}
         try:
             send_frame(conn, REQUEST, json.dumps(request).encode())
         except OSError:
@@ -218,7 +218,7 @@ def _ask(root: Path, op: str) -> dict[str, Any] | None:
         return None
     with conn:
         try:
-            send_frame(conn, REQUEST, json.dumps({"op": op}).encode())
+            send_frame(conn, REQUEST, json.dumps({"op": op, "root": str(root.resolve())}).encode())
             channel, payload = receive_frame(conn)
         except OSError:
             return None

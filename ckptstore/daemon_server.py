@@ -133,7 +133,10 @@ class _Daemon:
             if channel != REQUEST:
                 return
             request = json.loads(payload)
-            if request.get("op") in ("status", "stop"):
+            if request.get("root", str(self.root)) != str(self.root):
+                # a stale address file led another repository's client here (a reused pid): not its daemon
+                send_frame(conn, END, json.dumps({"here": True}).encode())
+            elif request.get("op") in ("status", "stop"):
                 self.running = request["op"] != "stop"
                 send_frame(conn, END, json.dumps(self.status()).encode())
             elif request.get("code") != self.code:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -219,3 +220,17 @@ def test_output_to_a_reader_that_went_away_is_dropped_and_the_commit_lands(serve
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     assert _served_count(served) == before + 1
     assert json.loads(ckpt(served, "log", "--json").stdout)[0]["message"] == "piped"
+
+
+def test_another_repositorys_daemon_found_through_a_stale_address_is_not_used(served, tmp_path):
+    """A daemon.json left by a killed daemon whose pid another repository's daemon now has (pid reuse)."""
+    other = tmp_path / "other"
+    other.mkdir()
+    assert ckpt(other, "init").returncode == 0
+    shutil.copy(served / ".ckpt" / "daemon.json", other / ".ckpt" / "daemon.json")
+    assert ckpt(other, "daemon", "status").stdout.strip() == "no ckpt daemon is running"
+    assert ckpt(other, "daemon", "stop").stdout.strip() == "no ckpt daemon was running"  # not served's
+    _save(other / "c.pt", 3)
+    before = _served_count(served)
+    assert ckpt(other, "commit", "c.pt").returncode == 0
+    assert _served_count(served) == before and len(json.loads(ckpt(other, "log", "--json").stdout)) == 1
