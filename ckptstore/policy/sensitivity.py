@@ -30,18 +30,24 @@ def measure_fisher(model: Any, loss_fn: Callable[[Any], Any]) -> dict[str, float
     named = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2 and p.is_floating_point() and p.requires_grad]
     if not named:
         return {}
+    saved = {name: value.detach().clone() for name, value in model.named_parameters()}  # loss_fn may change any
     was_training = model.training
     model.eval()
     try:
-        loss = loss_fn(model)
+        loss = calling(loss_fn, model)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise CkptError("the calibration function must return the loss as a one-element tensor")
         if not torch.isfinite(loss.detach()).all():
             raise CkptError(f"the calibration loss is not finite ({float(loss.detach())}); "
                             "sensitivity cannot be measured")
-        grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+        try:
+            grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+        except RuntimeError as exc:  # the loss was computed without a graph (torch.no_grad, a detached copy)
+            raise CkptError(f"sensitivity needs the calibration loss's gradients, and torch found none ({exc}); "
+                            "compute the loss with gradients enabled") from None
     finally:
         model.train(was_training)
+        _put_back(model, saved)
     return {name: float(g.double().pow(2).mean()) for (name, _), g in zip(named, grads) if g is not None}
 
 
@@ -68,19 +74,36 @@ def loss_with_weights(model: Any, loss_fn: Callable[[Any], Any], weights: dict[s
     import torch
 
     named = dict(model.named_parameters())
-    saved = {name: named[name].detach().clone() for name in weights if name in named}
+    saved = {name: value.detach().clone() for name, value in named.items()}  # all: loss_fn may change any
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for name in saved:
+            for name in weights.keys() & named.keys():
                 named[name].copy_(weights[name].reshape(named[name].shape))
-            return finite_loss(loss_fn(model))
+            return finite_loss(calling(loss_fn, model))
     finally:
-        with torch.no_grad():
-            for name, value in saved.items():
-                named[name].copy_(value)
+        _put_back(model, saved)
         model.train(was_training)
+
+
+def _put_back(model: Any, saved: dict[str, Any]) -> None:
+    """The parameters' values as they were before the calibration function ran."""
+    import torch
+
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in saved.items():
+            named[name].copy_(value)
+
+
+def calling(calibration: Callable[[Any], Any], argument: Any) -> Any:
+    """`calibration(argument)`; a failure in the user's code says so (it is no ckptstore bug)."""
+    try:
+        return calibration(argument)
+    except Exception as exc:
+        name = getattr(calibration, "__qualname__", repr(calibration))
+        raise CkptError(f"the calibration function {name} raised {type(exc).__name__}: {exc}") from exc
 
 
 def finite_loss(loss: Any) -> float:

@@ -71,6 +71,9 @@ def _model_loss(calibration: Callable[[Any], Any], model: Any,
 
     names = [name for name, _ in model.named_parameters()]
     path_of = paths_of_names(checkpoint.tensors, names)
+    if names and not path_of:  # else every measurement would be the original's: a change of 0, whatever was stored
+        raise CkptError(f"model=: none of its parameters ({names[0]!r}, ...) names a tensor of the checkpoint; "
+                        "pass the model the checkpoint was saved from (unwrapped, without DDP's 'module.')")
 
     def loss_with(restored: Mapping[str, RawTensor]) -> float:
         weights = {name: materialize(restored[path]) for name, path in path_of.items() if path in restored}
@@ -82,13 +85,17 @@ def _model_loss(calibration: Callable[[Any], Any], model: Any,
 def _state_loss(calibration: Callable[[Any], Any],
                 checkpoint: formats.Checkpoint) -> Callable[[Mapping[str, RawTensor]], float]:
     from ckptstore import formats
-    from ckptstore.policy.sensitivity import finite_loss
+    from ckptstore.policy.sensitivity import calling, finite_loss
     from ckptstore.state import materialize
 
     def loss_with(restored: Mapping[str, RawTensor]) -> float:
-        value_of = lambda path: materialize(restored[path] if path in restored else checkpoint.tensors[path])  # noqa: E731
-        state = formats.to_state(checkpoint.kind, checkpoint.files, value_of)
-        return finite_loss(calibration(state))
+        def value_of(path: str) -> Any:
+            if path in restored:
+                return materialize(restored[path])
+            raw = checkpoint.tensors[path]  # the bytes being committed: the function gets a copy it may change
+            return materialize(RawTensor(raw.dtype, raw.shape, raw.data.copy()))
+
+        return finite_loss(calling(calibration, formats.to_state(checkpoint.kind, checkpoint.files, value_of)))
 
     return loss_with
 
@@ -140,6 +147,9 @@ def function_named(spec: str) -> Callable[[Any], Any]:
             module = importlib.import_module(module_name)
     except ImportError as exc:
         raise CkptError(f"--calibration {spec!r}: cannot import {module_name}: {exc}") from None
+    except Exception as exc:  # the module's own code failed as it loaded (a SyntaxError is one too)
+        raise CkptError(f"--calibration {spec!r}: importing {module_name} raised {type(exc).__name__}: {exc}"
+                        ) from exc
     function = getattr(module, name, None)
     if not callable(function):
         raise CkptError(f"--calibration {spec!r}: {module_name} has no function {name!r}")

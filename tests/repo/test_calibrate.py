@@ -114,3 +114,42 @@ def test_a_moment_whose_reconstruction_equals_its_base_is_measured(repo):
     restored = repo.checkout(cid)
     assert torch.equal(restored["optimizer"]["state"][0]["exp_avg"], torch.zeros(64, 64))
     assert abs(repo.commit_info(cid).metrics[CALIBRATION_METRIC]) <= 0.1
+
+
+def test_a_calibration_function_that_changes_its_input_or_fails_leaves_the_commit_whole(repo, tmp_path):
+    """It gets copies: a function that changes what it is given (the state, or the live model) cannot reach the
+    bytes being committed; its own errors are named as its own; a model that names none of the tensors is refused."""
+    trainer, path = _saved(tmp_path)
+    original = _load(path)
+
+    def vandal(state):
+        loss = state_loss(state)
+        for value in state["model"].values():
+            value.fill_(7.0)
+        return loss
+
+    cid = repo.commit(path, lossy="balanced", calibration=vandal, max_loss_change=0.01)
+    assert torch.allclose(repo.checkout(cid)["model"]["fc1.weight"], original["model"]["fc1.weight"], atol=0.1)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+    def model_vandal(model):
+        loss = torch.nn.functional.cross_entropy(model(TOKENS).reshape(-1, 64), ((TOKENS + 1) % 64).reshape(-1))
+        with torch.no_grad():
+            next(model.parameters()).fill_(7.0)
+        return loss
+
+    repo.commit(trainer.state(), branch="live", lossy="balanced", model=trainer.model, calibration=model_vandal,
+                max_loss_change=0.01)
+    assert all(torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
+    from ckptstore.repo import fsck
+
+    assert fsck(repo, full=True).ok
+
+    def broken(state):
+        raise ValueError("my data file is missing")
+
+    with pytest.raises(CkptError, match="calibration function .*broken raised ValueError: my data file is missing"):
+        repo.commit(path, lossy="balanced", calibration=broken, allow_empty=True)
+    wrapped = torch.nn.Sequential(trainer.model)  # parameter names '0.fc1.weight', ...: none is the checkpoint's
+    with pytest.raises(CkptError, match="none of its parameters"):
+        repo.commit(path, lossy="balanced", model=wrapped, calibration=lambda m: m(TOKENS).mean(), allow_empty=True)
