@@ -55,9 +55,12 @@ def loss_guard(calibration: Callable[[Any], Any] | None, model: Any, max_change:
         if max_change is not None:
             raise CkptError("--max-loss-change needs a lossy level and a calibration function")
         return None
+    if max_change is not None and not (isinstance(max_change, (int, float)) and not isinstance(max_change, bool)
+                                       and max_change >= 0):  # NaN fails >= too
+        raise CkptError(f"max_loss_change={max_change!r}: give a fraction of the loss, 0 or more (0.001 = 0.1%)")
     limit = level.promised_loss_change if max_change is None else max_change
-    if limit is None or limit < 0:
-        raise CkptError(f"level {level.name} promises no loss change: pass max_loss_change")
+    if limit is None:
+        raise CkptError(f"level {level.name} promises no loss change: give one (--max-loss-change, max_loss_change=)")
     loss_with = _model_loss(calibration, model, checkpoint) if model is not None else _state_loss(
         calibration, checkpoint)
     return LossGuard(loss_with, loss_with({}), limit)

@@ -409,7 +409,7 @@ def _measured_fisher(lossy: LossyOptions, level: LossyLevel | None) -> dict[str,
     if lossy.calibration is None:
         return None
     if level is None:
-        raise CkptError("a calibration loss steers lossy commits: pass lossy='balanced' or 'extreme'")
+        raise CkptError("a calibration loss steers lossy commits: give a lossy level (--lossy LEVEL, lossy=)")
     if lossy.model is None or not level.weights_lossy:
         return None  # without the live model, or with lossless weights, it only checks the restored loss
     from ckptstore.policy.sensitivity import measure_fisher

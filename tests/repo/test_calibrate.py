@@ -79,8 +79,12 @@ def test_a_loss_that_no_reconstruction_can_hold_commits_nothing(repo, tmp_path):
         repo.commit(path, lossy="balanced", calibration=lambda state: "low")
     with pytest.raises(CkptError, match="max-loss-change"):
         repo.commit(path, max_loss_change=0.01)
-    with pytest.raises(CkptError, match="promises no loss change"):
+    with pytest.raises(CkptError, match="promises no loss change: give one"):
         repo.commit(path, lossy="resume-only", calibration=state_loss)
+    for bad in (-0.01, float("nan"), "0.1%"):  # each was misread: 'pass max_loss_change', five encodes, a TypeError
+        with pytest.raises(CkptError, match="give a fraction of the loss"):
+            repo.commit(path, lossy="balanced", calibration=state_loss, max_loss_change=bad)
+    assert repo.head()[1] is None
 
 
 def test_the_cli_takes_a_function_by_name_and_log_shows_the_change(tmp_path, monkeypatch):
