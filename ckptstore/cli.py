@@ -343,12 +343,13 @@ def show(ctx, ref, as_json) -> None:
         return _emit_json(data)
     click.echo(f"commit {data['id']}\nparents {' '.join(p[:12] for p in data['parents']) or '-'}")
     click.echo(f"step {data['step']}  metrics {data['metrics']}  source {data['source_path']}")
-    if data.get("lossy"):
+    if data.get("pruned"):  # its row stays for the history; its tensors and their bytes are gone
+        click.echo(f"pruned by `ckpt prune`: its tensors are gone{' (it was lossy)' if data.get('lossy') else ''}")
+    elif data.get("lossy"):
         click.echo(f"lossy commit, level {data['lossy']}; optimizer pairing: {data.get('pairing')}; "
                    f"importance: {data.get('importance') or 'estimated from the optimizer state'}")
-    if data.get("pruned"):  # its row stays for the history; its tensors and their bytes are gone
-        click.echo("pruned by `ckpt prune`: its tensors are gone")
-    click.echo(f"raw {_size(data['raw_bytes'])}  stored {_size(data['stored_bytes'])}\n\n    {data['message']}\n")
+    stored = "- (pruned)" if data.get("pruned") else _size(data["stored_bytes"])
+    click.echo(f"raw {_size(data['raw_bytes'])}  stored {stored}\n\n    {data['message']}\n")
     for f in data["files"]:
         click.echo(f"file {f['name'] or '.'} [{f['format']}] {_size(f['size'])} {f['note']}".rstrip())
     for row in data.get("fidelity", []):
@@ -411,10 +412,12 @@ def stats(ctx, as_json) -> None:
         return _emit_json(data)
     click.echo(f"{'commit':<12} {'step':>8} {'raw':>12} {'stored':>12} {'ratio':>8}  message")
     for row in data["commits"]:
+        stored, ratio = ("pruned", "-") if row["pruned"] else (_size(row["stored_bytes"]), f"{row['ratio']:.2f}x")
         click.echo(f"{row['id'][:12]} {row['step'] if row['step'] is not None else '-':>8} "
-                   f"{_size(row['raw_bytes']):>12} {_size(row['stored_bytes']):>12} {row['ratio']:>7.2f}x  "
-                   f"{row['message']}")
-    click.echo(f"total: {len(data['commits'])} commits, {_size(data['raw_bytes'])} of checkpoints in "
+                   f"{_size(row['raw_bytes']):>12} {stored:>12} {ratio:>8}  {row['message']}")
+    kept = sum(not row["pruned"] for row in data["commits"])
+    pruned = f" ({len(data['commits']) - kept} more pruned)" if kept < len(data["commits"]) else ""
+    click.echo(f"total: {kept} commits{pruned}, {_size(data['raw_bytes'])} of checkpoints in "
                f"{_size(data['stored_bytes'])} on disk ({_size(data['objects_bytes'])} objects, "
                f"{_size(data['metadata_bytes'])} metadata), {data['ratio']:.2f}x")
     return None

@@ -127,11 +127,12 @@ def stats(repo: Repository) -> dict[str, Any]:
     reachable = log(repo, all_refs=True)
     with repo.db.read() as tx:
         every = commit_rows.all_commits(tx)
+    # a pruned commit's row stays for the history; its checkpoint is gone, so the totals leave it out
     rows = [{"id": c.id, "step": c.step, "message": c.message, "raw_bytes": c.raw_bytes,
-             "stored_bytes": c.stored_bytes, "ratio": c.raw_bytes / max(c.stored_bytes, 1)}
+             "stored_bytes": c.stored_bytes, "ratio": c.raw_bytes / max(c.stored_bytes, 1), "pruned": c.pruned}
             for c in sorted(every.values(), key=lambda c: c.created_at)]
     objects = sum(size for _, size in repo.store.iter_sizes())
     metadata = repo.db.size_on_disk()
-    raw, stored = sum(r["raw_bytes"] for r in rows), objects + metadata
-    return {"commits": rows, "reachable_commits": len(reachable), "raw_bytes": raw, "stored_bytes": stored,
-            "objects_bytes": objects, "metadata_bytes": metadata, "ratio": raw / max(stored, 1)}
+    raw, stored = sum(r["raw_bytes"] for r in rows if not r["pruned"]), objects + metadata
+    return {"commits": rows, "reachable_commits": sum(not c.pruned for c in reachable), "raw_bytes": raw,
+            "stored_bytes": stored, "objects_bytes": objects, "metadata_bytes": metadata, "ratio": raw / max(stored, 1)}

@@ -227,7 +227,12 @@ def test_cli_prune_log_show_and_refusals(tmp_path, monkeypatch):
     shown = json.loads(run(cli, ["show", cids[0], "--json"]).output)
     assert shown["pruned"] is True and shown["tensors"] == []
     assert "pruned by `ckpt prune`" in run(cli, ["show", cids[0]]).output
+    assert "stored - (pruned)" in run(cli, ["show", cids[0]]).output
     assert "pruned" not in run(cli, ["show", cids[1]]).output
+    stats = json.loads(run(cli, ["stats", "--json"]).output)  # pruned rows stay, marked; the totals leave them out
+    assert [row["pruned"] for row in stats["commits"]] == [c in data["pruned"] for c in cids]
+    assert stats["raw_bytes"] == sum(row["raw_bytes"] for row in stats["commits"] if not row["pruned"])
+    assert stats["reachable_commits"] == 2 and "total: 2 commits (3 more pruned)" in run(cli, ["stats"]).output
     result = run(cli, ["checkout", cids[2][:12], "-o", str(tmp_path / "x.pt")])
     assert result.exit_code != 0 and isinstance(result.exception, PrunedCommitError)
 
