@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +80,9 @@ class RetentionPolicy:
             return None
         name, _, way = self.keep_best.rpartition(":") if self.keep_best.endswith((":min", ":max")) else (
             self.keep_best, "", "min")
-        if not name:
-            raise CkptError(f"keep_best {self.keep_best!r} names no metric; write METRIC, METRIC:min or METRIC:max")
+        suffix = name.rpartition(":")[2] if ":" in name else None
+        if not name or suffix is not None and suffix.lower() in ("", "min", "max"):  # "loss:" or "loss:MAX"
+            raise CkptError(f"keep_best {self.keep_best!r}: write METRIC, METRIC:min or METRIC:max")
         return name, way
 
 
@@ -130,10 +131,16 @@ class RepoConfig:
                        for name, r in data.get("remotes", {}).items()}
         except (KeyError, TypeError, AttributeError) as exc:
             raise CkptError(f"cannot read {path}: a [remotes.NAME] section lacks a url ({exc})") from None
+        section = data.get("retention", {})
+        known = {f.name for f in fields(RetentionPolicy)}
+        if not isinstance(section, dict) or section.keys() - known:
+            what = (f"unknown key {sorted(section.keys() - known)[0]!r}" if isinstance(section, dict)
+                    else f"must be a table, not {section!r}")
+            raise CkptError(f"cannot read {path}: [retention] {what}; its keys are {', '.join(sorted(known))}")
         try:
-            retention = RetentionPolicy(**data.get("retention", {}))
-        except (TypeError, CkptError) as exc:
-            raise CkptError(f"cannot read {path}: [retention] {exc}") from None
+            retention = RetentionPolicy(**section)
+        except CkptError as exc:
+            raise CkptError(f"cannot read {path}: {exc}") from None  # it names the retention key
         return cls(encoding, core.get("metadata_url", ""), core.get("threads", 0), core.get("lossy", ""),
                    core.get("objects_url", ""), remotes, retention)
 

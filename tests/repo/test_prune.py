@@ -258,7 +258,8 @@ def test_config_policy_prunes_only_after_a_commit_succeeds(tmp_path):
         assert fsck(repo).ok
 
 
-@pytest.mark.parametrize("line", ["keep_last = 2.5", "keep_every = true", "keep_best = 1", 'keep_tagged = "false"'])
+@pytest.mark.parametrize("line", ["keep_last = 2.5", "keep_every = true", "keep_best = 1", 'keep_tagged = "false"',
+                                  "keep_lst = 2", 'keep_best = "loss:MAX"'])
 def test_retention_settings_of_the_wrong_type_are_one_clear_line_and_prune_nothing(tmp_path, line):
     with Repository.init(tmp_path) as repo:
         for seed in range(3):
@@ -267,6 +268,7 @@ def test_retention_settings_of_the_wrong_type_are_one_clear_line_and_prune_nothi
     config.write_text(config.read_text() + f"\n[retention]\n{line}\n")
     result = ckpt(tmp_path, "prune", "--keep-last", "1", "--dry-run")
     assert result.returncode == 1 and "retention" in result.stderr and "unexpected" not in result.stderr
+    assert "RetentionPolicy" not in result.stderr and line.split(" =")[0] in result.stderr  # names the key
     config.write_text(config.read_text().replace(line, ""))
     with Repository.open(tmp_path) as repo:
         assert not any(c.pruned for c in repo.log())
