@@ -235,6 +235,9 @@ def test_cli_prune_log_show_and_refusals(tmp_path, monkeypatch):
     assert stats["reachable_commits"] == 2 and "total: 2 commits (3 more pruned)" in run(cli, ["stats"]).output
     result = run(cli, ["checkout", cids[2][:12], "-o", str(tmp_path / "x.pt")])
     assert result.exit_code != 0 and isinstance(result.exception, PrunedCommitError)
+    result = run(cli, ["branch", "retry", cids[2][:12]])  # a dead end: no commit could go on it
+    assert result.exit_code == 1 and "branch from a kept commit" in str(result.exception)
+    assert "retry" not in run(cli, ["branch"]).output
 
 
 def test_config_policy_prunes_only_after_a_commit_succeeds(tmp_path):
