@@ -437,3 +437,12 @@ def test_kill_on_postgresql_metadata_loses_nothing(tmp_path, postgres_url, point
         assert fsck(repo).unreferenced_objects == 0
         assert {c for c in cids if repo.commit_info(c).pruned} == {cids[i] for i in range(COMMITS)
                                                                    if i not in KEPT_POSITIONS}
+
+
+def test_a_failed_policy_prune_says_to_run_prune_not_the_command_again():
+    """Running the commit again finds nothing changed and prunes nothing: the advice is `ckpt prune`."""
+    from ckptstore.errors import RetentionError, disk_full
+
+    error = str(RetentionError("a" * 64, disk_full("writing x")))
+    assert error.startswith("commit aaaaaaaaaaaa was recorded") and "the disk is full" in error
+    assert "run `ckpt prune` to finish it" in error and "run the command again" not in error
