@@ -87,10 +87,9 @@ def show(repo: Repository, ref: str = "HEAD") -> dict[str, Any]:
         record = records[entry.tensor]
         row = {"path": path, "dtype": entry.dtype, "shape": list(entry.shape), "tensor": entry.tensor,
                "stored_bytes": record.stored_bytes, "depth": record.depth, "codec": record.codec}
-        if "rel_error" in record.params:
-            row["rel_error"] = record.params["rel_error"]
-        if "max_error" in record.params:
-            row["max_error"] = record.params["max_error"]
+        for key in ("rel_error", "max_error", "measured_as"):  # measured_as: its lossy codec, before a prune
+            if key in record.params:
+                row[key] = record.params[key]
         tensors.append(row)
     files = [{"name": f.name, "format": f.format, "size": f.size, "note": f.opaque_reason} for f in manifest.files]
     extra = ({"pairing": manifest.pairing, "importance": manifest.importance, "fidelity": fidelity(tensors)}
@@ -112,7 +111,7 @@ def fidelity(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per kind of quantized tensor: how many, the worst measured relative error, and the worst share of its bound."""
     rows = []
     for codec, quantity in MEASURED.items():
-        measured = [t for t in tensors if t["codec"] == codec and "rel_error" in t]
+        measured = [t for t in tensors if t.get("measured_as", t["codec"]) == codec and "rel_error" in t]
         if not measured:
             continue
         bounded = [t["rel_error"] / t["max_error"] for t in measured if t.get("max_error")]

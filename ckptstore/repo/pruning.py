@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
 
 BATCH_BYTES = 256 << 20  # raw bytes re-encoded at once: their restored bytes are held in memory
-KEPT_PARAMS = ("source", "rel_error")  # a lossy tensor's bookkeeping that stays true of its bytes
+# a lossy tensor's bookkeeping that stays true of its bytes, and the codec that measured them (show's figures)
+KEPT_PARAMS = ("source", "rel_error", "max_error", "measured_as")
 
 
 @dataclass
@@ -316,6 +317,8 @@ def _job(record: TensorRecord, data: np.ndarray, base: TensorRecord | None, sett
     params = {"width": width, "level": settings.zstd_level,
               "chunk_bytes": max(width, settings.chunk_bytes // width * width)}
     params.update({k: record.params[k] for k in KEPT_PARAMS if k in record.params})
+    if "rel_error" in params:
+        params.setdefault("measured_as", record.codec)
     if base is not None and _usable(record, base, width, chain_limit(settings.max_chain, width, costs)):
         params["chunk_bytes"] = int(base.params["chunk_bytes"])
     else:

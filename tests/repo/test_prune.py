@@ -176,10 +176,12 @@ def test_lossy_commits_keep_their_exact_reconstruction(tmp_path, level):
     with Repository.init(tmp_path, encoding=LONG_CHAINS) as repo:
         cids = _train(repo, lossy=level)
         before = _snapshot(repo, cids)
+        kept = {cids[i] for i in KEPT_POSITIONS}
+        shown = {cid: repo.show(cid)["fidelity"] for cid in kept}
         report = prune(repo, POLICY)
         assert report.tensors_reencoded > 0 and report.bytes_after < report.bytes_before
-        kept = {cids[i] for i in KEPT_POSITIONS}
         _check_kept(repo, cids, before, kept)
+        assert {cid: repo.show(cid)["fidelity"] for cid in kept} == shown  # same bits: the same measured figures
         trainer = Trainer()
         trainer.train(30)
         after = repo.commit(trainer.state(), lossy=level)  # a lossy commit on top of re-encoded parents
