@@ -175,7 +175,8 @@ def _encode_checked(repo: Repository, checkpoint: formats.Checkpoint, parent: _P
         if guard.holds(change):
             return result, change
     raise CkptError(f"the calibration loss changed {change:+.3%} (limit {guard.max_change:.3%}) even with "
-                    "lossless weights: is the calibration function deterministic, and of the weights?")
+                    "lossless weights: is the calibration function deterministic, and of the weights? Nothing "
+                    "was committed; `ckpt gc` removes the attempts' objects")
 
 
 @dataclass
