@@ -150,6 +150,11 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, stat
     state.record(source, cid)
     report.committed.append((source.name, cid, source.step))
     say(f"[{cid[:12]}] {source.name}" + (f" (step {source.step})" if source.step is not None else ""))
+    judged = {name for name, _, _ in source.signature if name}
+    gone = sorted(judged - {record.name for record in repo.manifest(cid).files}) if judged else []
+    if gone:  # a rotation removed files while the commit read the folder: say so, the commit is only part of it
+        say(f"{source.name}: {', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''} went away while it was "
+            f"committed: commit {cid[:12]} holds only the rest of the folder")
 
 
 def scan(folder: Path, state: WatchState | None = None) -> dict[str, Source]:

@@ -218,3 +218,23 @@ def test_a_file_rewritten_back_to_an_earlier_content_is_committed_again(repo, tm
         torch.save({"w": torch.full((4,), value)}, run / "last.pt")
         assert len(watch(repo, run, ONCE).committed) == 1
         assert_same(repo.checkout("HEAD"), {"w": torch.full((4,), value)})
+
+
+def test_a_folder_rotated_away_while_it_is_committed_is_said_to_be_partial(repo, tmp_path, monkeypatch):
+    """Trainer's rotation removing files as the commit reads the folder: the watch says what the commit lacks."""
+    run = tmp_path / "run"
+    run.mkdir()
+    trainer = Trainer()
+    trainer.train(1)
+    _trainer_folder(run / "checkpoint-10", trainer)
+    commit = repo.commit
+
+    def rotated(path, *args, **kwargs):  # rmtree got through one file when the commit lists the folder
+        (run / "checkpoint-10" / "optimizer.pt").unlink()
+        return commit(path, *args, **kwargs)
+
+    monkeypatch.setattr(repo, "commit", rotated)
+    said = []
+    report = watch(repo, run, ONCE, say=said.append)
+    assert len(report.committed) == 1
+    assert any("optimizer.pt went away while it was committed" in line for line in said), said
