@@ -179,8 +179,6 @@ def raw_from_torch(tensor, path: str = "") -> RawTensor:
 def raw_from_numpy(array: np.ndarray) -> RawTensor:
     if array.dtype.hasobject:
         raise UnsupportedStateError("numpy arrays of Python objects cannot be stored without pickle")
-    if array.dtype.fields is not None or array.dtype.subdtype is not None:  # its str would lose the field names
-        raise UnsupportedStateError(f"numpy arrays of structured dtype {array.dtype} are not supported")
     flat = np.ascontiguousarray(array).reshape(-1)
     return RawTensor(NUMPY_PREFIX + array.dtype.str, tuple(array.shape), flat.view(np.uint8))
 
@@ -417,7 +415,8 @@ class _Flattener:
         return ["npscalar", value.dtype.str, _float(v) if isinstance(v := value.item(), float) else v]
 
     def _bytes(self, value: bytes | bytearray, path: str) -> Any:
-        return [type(value).__name__, self.leaf(value, path, lambda: raw_from_bytes(bytes(value)))]
+        tag = "bytearray" if isinstance(value, bytearray) else "bytes"  # a subclass of bytes reads back as bytes
+        return [tag, self.leaf(value, path, lambda: raw_from_bytes(bytes(value)))]
 
     def _ndarray(self, value: np.ndarray, path: str) -> Any:
         return ["ndarray", self.leaf(value, path, lambda: raw_from_numpy(value))]

@@ -126,13 +126,11 @@ def open_remote(remote: RemoteConfig, name: str = "", create: bool = False) -> R
     except MissingDatabaseError:
         raise CkptError(f"{where}: its metadata {remote.metadata_url} holds no repository; check the URL "
                         "(`ckpt push` to a new remote starts one there)") from None
-    if create:
-        try:
-            with repo.db.read() as tx:
-                refuse_foreign_objects(repo, tx, remote.url)
-        except BaseException:
-            repo.close()
-            raise
+    try:
+        refuse_foreign_objects(repo, remote.url)  # only where this open made the database's schema
+    except BaseException:
+        repo.close()
+        raise
     return repo
 
 

@@ -32,9 +32,9 @@ if TYPE_CHECKING:
 DEFAULT_BRANCH = "main"
 
 
-def refuse_foreign_objects(repo: Repository, tx: Any, objects_url: str) -> None:
-    """Records without a commit over a prefix that holds objects would call them all garbage: gc would delete them."""
-    if objects_url and not commit_rows.with_prefix(tx, "", 1) and next(iter(repo.store.iter_ids()), None):
+def refuse_foreign_objects(repo: Repository, objects_url: str) -> None:
+    """New metadata over a prefix that holds objects would call them all garbage: gc would delete them."""
+    if objects_url and repo.db.created and next(iter(repo.store.iter_ids()), None):
         raise RepoExistsError(f"{objects_url} already holds objects that no commit in this metadata names: join "
                               "their repository with the --metadata URL it was made with, or choose another prefix")
 
@@ -91,8 +91,8 @@ class Repository:
                                 objects_url=objects_url)
             config.save(root / REPO_DIR / "config.toml")
             repo = cls(root, config, create=True)
+            refuse_foreign_objects(repo, objects_url)
             with repo.db.write() as tx:
-                refuse_foreign_objects(repo, tx, objects_url)
                 if ref_rows.ref_row(tx, refs.HEAD) is None:
                     ref_rows.insert_ref(tx, refs.HEAD, refs.HEAD_KIND, target=DEFAULT_BRANCH)
         except BaseException:

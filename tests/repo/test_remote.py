@@ -261,7 +261,11 @@ def test_a_bucket_remote_names_its_metadata_as_the_shell_means_it(tmp_path, s3_u
     assert ckpt(work, "init").returncode == 0 and ckpt(work, "commit", "../c.pt").returncode == 0
     added = ckpt(tmp_path, "--repo", str(work), "remote", "add", "hub", s3_url, "--metadata", "sqlite:///hub.db")
     assert added.returncode == 0, added.stderr
-    assert ckpt(work, "push", "hub").returncode == 0
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_CRASH_AT="transfer:objects-sent")
+    killed = subprocess.run([sys.executable, "-m", "ckptstore", "push", "hub"], cwd=work, env=env, timeout=120)
+    assert killed.returncode == -9  # its objects are up, no commit recorded: the next push must still go
+    again = ckpt(work, "push", "hub")
+    assert again.returncode == 0, again.stderr
     assert (tmp_path / "hub.db").is_file()  # where the user ran the command, not in a cache folder
     copy = ckpt(tmp_path, "clone", s3_url, "copy", "--metadata", "sqlite:///hub.db")
     assert copy.returncode == 0, copy.stderr
