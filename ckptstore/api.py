@@ -110,9 +110,9 @@ def load(ref: str = "HEAD", repo: RepoLike = None, map_location: str | None = No
     device = str(map_location) if map_location is not None else None
 
     def run(r: Repository) -> Any:
-        from ckptstore.repo.background import settle
+        from ckptstore.repo.background import wait_in_flight
 
-        settle(r)  # a save(blocking=False) still writing there: load reads what it writes
+        wait_in_flight(r)  # a save(blocking=False) still writing there: load reads what it writes
         return r.checkout(ref, device=device, keys=keys)
 
     return with_repo(repo, run)

@@ -198,10 +198,10 @@ def lane_of(repo: Repository) -> Lane:
     return repo._background
 
 
-def settle(repo: Repository) -> None:
-    """Wait for `repo`'s background commit in flight, raising its failure if nobody saw it (then reads see it)."""
+def wait_in_flight(repo: Repository) -> None:
+    """Wait for `repo`'s background commit in flight (a failure stays for the next commit call to raise)."""
     if repo._background is not None:
-        repo._background.settle()
+        repo._background.wait()
 
 
 def _forget_in_child() -> None:

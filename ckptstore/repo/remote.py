@@ -383,8 +383,13 @@ def _update_worktree(repo: Repository, branch: str, old: CommitId | None, new: C
     from ckptstore.errors import DirtyWorktreeError
     from ckptstore.repo.checkout import checkout_to
 
-    if repo.commit_info(new).source_path is None:  # an in-memory state: no files to write
-        return
+    def here(cid: CommitId | None) -> Path | None:  # a commit's file or folder inside this work tree, if any
+        where = repo.commit_info(cid).source_path if cid is not None else None
+        return None if where is None or Path(where).is_absolute() else repo.root / where
+
+    old_files, new_files = here(old), here(new)
+    if old_files is None or new_files is None or not old_files.exists():
+        return  # nothing of HEAD's here (a mirror), or files outside this work tree: none are written
     try:
         checkout_to(repo, branch)
     except DirtyWorktreeError as exc:

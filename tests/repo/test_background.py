@@ -310,3 +310,17 @@ def test_a_process_forked_while_a_commit_is_in_flight_exits(tmp_path, hold):
     if alive:
         child.kill()
     assert not alive and child.exitcode == 0
+
+
+def test_load_after_a_failed_background_save_leaves_the_failure_to_the_next_save(tmp_path, monkeypatch):
+    """load waits for the save, reads what is there, and does not take the failure the next save must raise."""
+    Repository.init(tmp_path / "repo").close()
+    ckptstore.save({"w": torch.zeros(4)}, tmp_path / "repo")
+    monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")
+    with pytest.warns(BackgroundCommitWarning, match="failed"):
+        ckptstore.save({"w": torch.ones(4)}, tmp_path / "repo", blocking=False)
+        loaded = ckptstore.load("HEAD", tmp_path / "repo")
+    monkeypatch.delenv("CKPT_FAIL_AT")
+    assert torch.equal(loaded["w"], torch.zeros(4))
+    with pytest.raises(BackgroundCommitError, match="disk is full"):
+        ckptstore.save({"w": torch.full((4,), 2.0)}, tmp_path / "repo")
