@@ -314,10 +314,10 @@ def test_pull_writes_heads_files_as_git_does_and_unsaved_ones_stop_it(tmp_path):
     torch.save(_state(0), work / "c.pt")
     assert ckpt(work, "commit", "c.pt").returncode == 0
     assert ckpt(tmp_path, "clone", "work", "copy").returncode == 0
+    assert ckpt(tmp_path, "clone", "work", "mirror").returncode == 0  # never checked out: it holds no files
     assert ckpt(copy, "checkout", "main").returncode == 0
     torch.save(_state(1), work / "c.pt")
     assert ckpt(work, "commit", "c.pt").returncode == 0
-    assert ckpt(tmp_path, "clone", "work", "mirror").returncode == 0  # never checked out: it holds no files
     assert ckpt(copy, "pull").returncode == 0 and ckpt(tmp_path / "mirror", "pull").returncode == 0
     assert_same(_state(1), torch.load(copy / "c.pt", weights_only=True))
     assert "unchanged: c.pt" in ckpt(copy, "status").stdout
