@@ -27,3 +27,10 @@ def test_tensors_whose_residuals_do_not_pay_back_off_then_retry():
     assert attempts == [False, True, False, False, True, False, False, False]
     paid = after_attempt(dict(params, residual_misses=3), residual_paid=True)
     assert "residual_misses" not in paid and plan_tensor("torch.float32", 1024, 4, _record(**paid), SETTINGS).base
+
+
+def test_encoding_settings_take_zstds_own_levels_and_small_chunks():
+    """Repositories made with these must open: zstd's fast negative levels and level 0 are its own."""
+    for level in (-3, 0, 22):
+        assert EncodingSettings(zstd_level=level).zstd_level == level
+    assert EncodingSettings(chunk_bytes=512).chunk_bytes == 512

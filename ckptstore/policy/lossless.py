@@ -31,10 +31,10 @@ class EncodingSettings:
         elif value != AUTO and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise CkptError(f"max_chain must be {AUTO!r} or a count of levels (0 or more), not {value!r}; "
                             f"set [encoding] max_chain in .ckpt/config.toml or `ckpt init --max-chain`")
-        for name, low in (("chunk_bytes", 1 << 10), ("zstd_level", 1)):  # 0 or less: no chunks, or zstd's negatives
+        for name, low, high in (("chunk_bytes", 1, 1 << 40), ("zstd_level", -(1 << 17), 22)):  # zstd's own range
             number = getattr(self, name)
-            if not isinstance(number, int) or isinstance(number, bool) or number < low:
-                raise CkptError(f"[encoding] {name} must be an integer of at least {low}, not {number!r}")
+            if not isinstance(number, int) or isinstance(number, bool) or not low <= number <= high:
+                raise CkptError(f"[encoding] {name} must be an integer from {low} to {high}, not {number!r}")
 
 
 @dataclass

@@ -172,7 +172,8 @@ def test_config_is_replaced_atomically(repo):
     (("threads = 0", 'threads = "x"'), "threads must be a count"), (("threads = 0", "threads = -3"), "threads must"),
     (('metadata_url = ""', "metadata_url = 5"), "metadata_url must be a string"),
     (("[core]", "core = 1\n[corex]"), "[core] must be a table"),
-    (("chunk_bytes = 4194304", "chunk_bytes = 0"), "chunk_bytes must be an integer of at least 1024"),
+    (("chunk_bytes = 4194304", "chunk_bytes = 0"), "chunk_bytes must be an integer from 1"),
+    (("zstd_level = 1", "zstd_level = 99"), "zstd_level must be an integer from -131072 to 22"),
 ])
 def test_a_hand_edited_config_of_the_wrong_type_is_one_clear_error(repo, edit, words):
     path = repo.dir / "config.toml"
