@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -101,31 +102,39 @@ class LossyLevel:
     def __post_init__(self) -> None:
         for knob in fields(self):
             value = getattr(self, knob.name)
-            expected = _knob_problem(knob.name, str(knob.type), value)
-            if expected:
-                raise CkptError(f"lossy knob {knob.name}={value!r}: expected {expected}")
+            normal = _knob_value(knob.name, str(knob.type), value)
+            if normal is _WRONG:
+                raise CkptError(f"lossy knob {knob.name}={value!r}: expected {_expected(knob.name, str(knob.type))}")
+            object.__setattr__(self, knob.name, normal)  # numpy scalars and 1e4 as the plain numbers they stand for
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 _FRACTIONS = ("weight_rounding", "moment_rounding", "prune")
+_WRONG = object()
 
 
-def _knob_problem(name: str, kind: str, value: Any) -> str:
-    """What `value` should have been for knob `name` of annotated type `kind`, or "" when it is fine."""
-    if value is None and "None" in kind or name == "name":
-        return ""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _expected(name: str, kind: str) -> str:
     if kind.startswith("bool"):
-        return "" if isinstance(value, bool) else "true or false"
+        return "true or false"
     if kind.startswith("int"):
-        if name.endswith("log2"):  # octaves: negative is coarser
-            return "" if number and isinstance(value, int) else "an integer"
-        return "" if number and isinstance(value, int) and value >= 0 else "an integer >= 0"
-    if name in _FRACTIONS:
-        return "" if number and 0 <= value <= 1 else "a number in [0, 1]"
-    return "" if number and value >= 0 else "a finite number >= 0"
+        return "an integer" if name.endswith("log2") else "an integer >= 0"
+    return "a number in [0, 1]" if name in _FRACTIONS else "a finite number >= 0"
+
+
+def _knob_value(name: str, kind: str, value: Any) -> Any:
+    """`value` as knob `name` (of annotated type `kind`) holds it, or _WRONG when it is of the wrong kind or range."""
+    if value is None and "None" in kind or name == "name":
+        return value
+    if kind.startswith("bool"):
+        return bool(value) if isinstance(value, (bool, numbers.Integral)) and value in (0, 1) else _WRONG
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        return _WRONG
+    if kind.startswith("int"):  # octaves (log2) may be negative: coarser
+        whole = value == int(value) and (name.endswith("log2") or value >= 0)
+        return int(value) if whole else _WRONG
+    return float(value) if value >= 0 and (name not in _FRACTIONS or value <= 1) else _WRONG
 
 
 LEVELS: dict[str, LossyLevel] = {

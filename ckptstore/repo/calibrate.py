@@ -10,6 +10,7 @@ garbage for gc.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -55,7 +56,7 @@ def loss_guard(calibration: Callable[[Any], Any] | None, model: Any, max_change:
         if max_change is not None:
             raise CkptError("--max-loss-change needs a lossy level and a calibration function")
         return None
-    if max_change is not None and not (isinstance(max_change, (int, float)) and not isinstance(max_change, bool)
+    if max_change is not None and not (isinstance(max_change, numbers.Real) and not isinstance(max_change, bool)
                                        and max_change >= 0):  # NaN fails >= too
         raise CkptError(f"max_loss_change={max_change!r}: give a fraction of the loss, 0 or more (0.001 = 0.1%)")
     limit = level.promised_loss_change if max_change is None else max_change

@@ -52,3 +52,8 @@ def test_a_knob_of_the_wrong_kind_or_range_is_refused_before_anything_is_encoded
     with pytest.raises(CkptError, match=f"lossy knob {knob}="):
         level_named("balanced", **{knob: value})
     assert level_named("extreme", v_levels_log2=-3, prune=0.6, max_weight_error=0.0).prune == 0.6  # the presets' ranges
+    import numpy as np  # numpy scalars and what `--knob min_elements=1e4` parses to stand for plain numbers
+
+    taken = level_named("balanced", min_elements=np.int64(1024), max_chain=1e1, codebooks=1, moment_step=np.float32(2))
+    assert (taken.min_elements, taken.max_chain, taken.codebooks, taken.moment_step) == (1024, 10, True, 2.0)
+    assert type(taken.min_elements) is int and type(taken.moment_step) is float
