@@ -268,7 +268,7 @@ def _parent(repo: Repository, tx: Tx, branch: str | None, tensors: Mapping[str, 
     Records whose objects were lost (ours by content, or the parent's) are set apart: the commit
     encodes those tensors afresh rather than chaining on or reusing them.
     """
-    start = commit_target(tx, branch)
+    start = commit_target(tx, branch, repo.config.remotes)
     parent = _Parent(start.target, start.commit)
     if parent.commit is not None:
         parent.manifest = repo.read_manifest(commit_rows.manifest_object(tx, parent.commit))

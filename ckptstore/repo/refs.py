@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ckptstore.errors import (
@@ -44,6 +45,15 @@ def check_name(name: str) -> None:
     if name.startswith("remotes/"):
         raise InvalidRefNameError(f"{name!r} starts with 'remotes/', which holds remote-tracking refs "
                                   "(NAME/BRANCH); choose another name")
+
+
+def check_new_name(name: str, remotes: Iterable[str]) -> None:
+    """check_name, and no REMOTE/...: that is how remote-tracking refs read, and a local one would hide them."""
+    check_name(name)
+    remote = name.split("/", 1)[0]
+    if "/" in name and remote in remotes:
+        raise InvalidRefNameError(f"{name!r} would hide remote {remote!r}'s tracking ref of that name; choose "
+                                  "another name")
 
 
 def head_commit(tx: Tx) -> CommitId | None:
@@ -121,11 +131,7 @@ def head(repo: Repository) -> tuple[str | None, CommitId | None]:
 
 def create(repo: Repository, name: str, start: str, kind: str) -> CommitId:
     """Create a branch or tag `name` at the commit `start` names."""
-    check_name(name)
-    remote = name.split("/", 1)[0]
-    if "/" in name and remote in repo.config.remotes:  # NAME/BRANCH is how remote-tracking refs are written
-        raise InvalidRefNameError(f"{name!r} would hide remote {remote!r}'s tracking ref of that name; choose "
-                                  "another name")
+    check_new_name(name, repo.config.remotes)
     with repo.db.write() as tx:
         if ref_rows.ref_row(tx, name) is not None:
             raise RefExistsError(f"a branch or tag named {name!r} already exists")

@@ -45,7 +45,7 @@ def is_sharded(manifest: Manifest) -> bool:
 def where_to(repo: Repository, branch: str | None) -> tuple[str | None, CommitId | None]:
     """The coordinator's start: (branch to advance or None for a detached HEAD, its commit now)."""
     with repo.db.read() as tx:
-        parent = commit_target(tx, branch)
+        parent = commit_target(tx, branch, repo.config.remotes)
     return parent.target, parent.commit
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import getpass
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ckptstore.errors import CkptError, ConflictError, CorruptRecordError
@@ -25,8 +26,11 @@ class Start:
     commit: CommitId | None
 
 
-def commit_target(tx: Tx, branch: str | None) -> Start:
-    """The start of a commit on `branch` (default: HEAD's branch, or HEAD itself when detached)."""
+def commit_target(tx: Tx, branch: str | None, remotes: Iterable[str] = ()) -> Start:
+    """The start of a commit on `branch` (default: HEAD's branch, or HEAD itself when detached).
+
+    A new branch's name must pass today's rules, and name none of `remotes` as its first part.
+    """
     if branch is None:
         if ref_rows.ref_row(tx, refs.HEAD) is None:
             raise CorruptRecordError("ref HEAD", "its record is missing")
@@ -35,7 +39,7 @@ def commit_target(tx: Tx, branch: str | None) -> Start:
             return Start(None, refs.head_commit(tx))
     row = ref_rows.ref_row(tx, branch)
     if row is None and branch != refs.head_branch(tx):  # only a name being created must pass today's rules
-        refs.check_name(branch)
+        refs.check_new_name(branch, remotes)
     if row is not None and row.kind != refs.BRANCH:
         raise CkptError(f"{branch!r} is {'a tag' if row.kind == refs.TAG else 'not a branch'}; commits go on branches")
     if row is not None:

@@ -219,6 +219,8 @@ def test_tracking_refs_follow_the_remote_and_never_move_a_branch_or_tag(pair, tm
             copy.branch("remotes/origin/main", "main")
         with pytest.raises(InvalidRefNameError, match="would hide remote 'origin'"):  # origin/main resolves to it
             copy.branch("origin/main", "main~1")
+        with pytest.raises(InvalidRefNameError, match="would hide remote 'origin'"):  # nor made by a commit
+            copy.commit({"w": torch.ones(3)}, branch="origin/dev2")
         copy.branch("originals/main", "main")  # only a remote's own name is taken
         copy.tag("mine", "main")
         with pytest.raises(CkptError, match="this repository has a tag named 'mine', not a branch"):
