@@ -126,11 +126,10 @@ class RetentionError(CkptError):
 
     def __init__(self, commit_id: str, problem: object) -> None:
         self.commit_id = commit_id
-        # the problem's own advice ("run the command again") would repeat the commit, which has nothing to do now
-        cause = str(problem).split(";")[0].split(". ")[0].rstrip(".")
+        # the problem's own advice may say to run the command again: that commit would find nothing to do
         super().__init__(f"commit {commit_id[:12]} was recorded, but the [retention] policy's prune after it "
-                         f"failed: {cause}. Once that is fixed, run `ckpt prune` to finish it (the next "
-                         "commit's policy also prunes again)")
+                         f"failed: {str(problem).rstrip('.')}. To finish the prune, run `ckpt prune` once that is "
+                         "fixed (committing again finds nothing changed; the next commit's policy prunes again)")
 
 
 class RepoLockedError(CkptError):

@@ -445,6 +445,7 @@ def test_a_failed_policy_prune_says_to_run_prune_not_the_command_again():
     """Running the commit again finds nothing changed and prunes nothing: the advice is `ckpt prune`."""
     from ckptstore.errors import RetentionError, disk_full
 
-    error = str(RetentionError("a" * 64, disk_full("writing x")))
-    assert error.startswith("commit aaaaaaaaaaaa was recorded") and "the disk is full" in error
-    assert "run `ckpt prune` to finish it" in error and "run the command again" not in error
+    error = str(RetentionError("a" * 64, disk_full("writing /data/run.v2/x; 2024")))
+    assert error.startswith("commit aaaaaaaaaaaa was recorded") and "writing /data/run.v2/x; 2024" in error
+    assert error.endswith("To finish the prune, run `ckpt prune` once that is fixed (committing again finds nothing "
+                          "changed; the next commit's policy prunes again)")
