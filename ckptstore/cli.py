@@ -299,8 +299,7 @@ def log(ctx, graph, all_refs, as_json) -> None:
 def branch(ctx, name, start, delete) -> None:
     """List branches, create NAME at START, or delete one with -d."""
     repo = _open(ctx)
-    if delete is not None and name is not None:
-        raise click.UsageError(f"give either NAME to create or -d NAME to delete, not both ({name!r} and {delete!r})")
+    _create_or_delete(name, delete)
     if delete is not None:
         cid = repo.delete_branch(delete)
         click.echo(f"Deleted branch {delete} (was {cid[:12]})")
@@ -321,8 +320,7 @@ def branch(ctx, name, start, delete) -> None:
 def tag(ctx, name, ref, delete) -> None:
     """List tags, tag REF (default HEAD) as NAME, or delete one with -d."""
     repo = _open(ctx)
-    if delete is not None and name is not None:
-        raise click.UsageError(f"give either NAME to create or -d NAME to delete, not both ({name!r} and {delete!r})")
+    _create_or_delete(name, delete)
     if delete is not None:
         click.echo(f"Deleted tag {delete} (was {repo.delete_tag(delete)[:12]})")
     elif name is not None:
@@ -621,6 +619,11 @@ def daemon_status(ctx) -> None:
     """Say whether a daemon serves this repository."""
     state = _daemons().status(_daemon_root(ctx))
     click.echo(_daemon_line(state) if state else "no ckpt daemon is running")
+
+
+def _create_or_delete(name: str | None, delete: str | None) -> None:
+    if delete is not None and name is not None:  # one of them would be ignored
+        raise click.UsageError(f"give either NAME to create or -d NAME to delete, not both ({name!r} and {delete!r})")
 
 
 def _warning_line(message: Warning | str, *_: Any, **__: Any) -> None:

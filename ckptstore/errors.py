@@ -196,10 +196,10 @@ def explain(exc: BaseException) -> CkptError | None:
 def _permission_denied(exc: PermissionError) -> CkptError:
     """Name what the user can act on: the folder of a temporary file beside a target, the repository's own files."""
     name = str(exc.filename or exc)
-    if name.endswith(".ckpt-tmp"):  # an atomic write's temporary file: the folder is what is not writable
-        name = os.path.dirname(name) or "."
-        return CkptError(f"permission denied writing into {name}; ask for access to it or write elsewhere")
     hint = " (a repository you may only read opens with --read-only)" if f"{os.sep}.ckpt" in name else ""
+    if name.endswith(".ckpt-tmp"):  # formats.atomic's temporary file: the folder is what is not writable
+        name = os.path.dirname(name) or "."
+        return CkptError(f"permission denied writing into {name}; ask for access to it{hint or ' or write elsewhere'}")
     return CkptError(f"permission denied on {name}; ask for access to it{hint}")
 
 

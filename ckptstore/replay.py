@@ -175,7 +175,8 @@ def _same_coding(a: TensorRecord, b: TensorRecord) -> bool:
 _OBJECT_ID = re.compile(f"[0-9a-f]{{{HEX_LENGTH}}}")  # what hashing.object_id returns
 _CHECKSUM = re.compile("[0-9a-f]{32}")  # what hashing.chunk_checksum returns
 
-BOOKKEEPING = ("source", "rel_error", "level", "residual_misses", "residual_wait", "plane_modes", "cycle")
+BOOKKEEPING = ("source", "rel_error", "max_error", "measured_as", "level", "residual_misses", "residual_wait",
+               "plane_modes", "cycle")
 
 
 def _coding_params(params: dict, decoding: tuple[str, ...] | None) -> dict:

@@ -189,6 +189,8 @@ def test_os_failures_below_ckptstore_are_explained():
     assert "--read-only" in str(denied)  # the repository's own file: reading commands still work
     beside = explain(PermissionError(errno.EACCES, "Permission denied", "/data/out/.c.pt.new-89768e.ckpt-tmp"))
     assert str(beside) == "permission denied writing into /data/out; ask for access to it or write elsewhere"
+    own = explain(PermissionError(errno.EACCES, "Permission denied", "/shared/.ckpt/.config.toml.a1.ckpt-tmp"))
+    assert "writing into /shared/.ckpt" in str(own) and "--read-only" in str(own)
     try:
         "\udcff.pt".encode()  # a file name with a byte that is not UTF-8, as Python's os functions give it
     except UnicodeEncodeError as exc:
@@ -209,7 +211,8 @@ def test_init_takes_a_max_chain_count_or_auto_and_refuses_anything_else(tmp_path
 
 def test_init_where_nothing_can_be_made_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for args, words in ((["init", "/proc/ckpt-nope"], "cannot create /proc/ckpt-nope/.ckpt"),
+    (tmp_path / "afile").write_text("a file, not a folder")
+    for args, words in ((["init", str(tmp_path / "afile" / "sub")], f"cannot create {tmp_path / 'afile' / 'sub'}"),
                         (["init", "--metadata", f"sqlite:///{tmp_path / 'nope' / 'x.db'}", "fresh"], "does not exist")):
         result = CliRunner().invoke(cli, args)
         assert result.exit_code == 1 and words in str(result.exception), (args, result.exception)

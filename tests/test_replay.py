@@ -172,3 +172,16 @@ def test_jobs_run_in_order_on_the_caller_and_the_pool_and_may_wait_on_earlier_on
     assert len(set(ran_on)) <= threads  # the caller and threads - 1 of the pool's
     if threads <= 2:  # with one helper at most, job 0 could only wait out job 1 if the caller took one
         assert threading.current_thread().name in ran_on
+
+
+def test_what_prune_keeps_of_a_lossy_measurement_does_not_split_a_chain_into_codings():
+    """Re-encoded records keep rel_error, max_error and measured_as: bookkeeping, not how their payloads decode."""
+    from ckptstore.records import TensorRecord
+    from ckptstore.replay import one_coding
+
+    def record(**measured):
+        params = {"width": 4, "level": 1, "chunk_bytes": 4096, **measured}
+        return TensorRecord("t" * 64, "torch.float32", (1024,), "bytegroup", params, None, 0, 4096, 100)
+
+    levels = [(record(rel_error=0.01, max_error=0.02, measured_as="deadzone"), b""), (record(), b"")]
+    assert one_coding(levels)

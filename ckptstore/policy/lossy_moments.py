@@ -33,7 +33,7 @@ def plan_adam_second_moment(ctx: PlanContext, v: Subject) -> LossyPlan:
     The second moment of a lossy weight moving at a fine-tune's pace (not fast, see
     `PlanContext.fast`) takes `fine_v_levels_log2` where set: per tensor, since a record has one grid.
     Pruning it where its weight did not move kept the parent's v as the true one drifted, commit
-    after commit, past the level's factor on sqrt(v) (7.2 where 4 is promised, after two commits).
+    after commit, past the level's factor on sqrt(v).
     """
     level = ctx.level
     base = temporal_base(ctx.parents.get(v.path), v.raw, ("log2moment",), level.max_chain)

@@ -30,7 +30,7 @@ def measure_fisher(model: Any, loss_fn: Callable[[Any], Any]) -> dict[str, float
     named = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2 and p.is_floating_point() and p.requires_grad]
     if not named:
         return {}
-    saved = {name: value.detach().clone() for name, value in model.named_parameters()}  # loss_fn may change any
+    saved = _saved(model)
     was_training = model.training
     model.eval()
     try:
@@ -74,7 +74,7 @@ def loss_with_weights(model: Any, loss_fn: Callable[[Any], Any], weights: dict[s
     import torch
 
     named = dict(model.named_parameters())
-    saved = {name: value.detach().clone() for name, value in named.items()}  # all: loss_fn may change any
+    saved = _saved(model)
     was_training = model.training
     model.eval()
     try:
@@ -85,6 +85,11 @@ def loss_with_weights(model: Any, loss_fn: Callable[[Any], Any], weights: dict[s
     finally:
         _put_back(model, saved)
         model.train(was_training)
+
+
+def _saved(model: Any) -> dict[str, Any]:
+    """Every parameter's values (loss_fn may change any), kept in host memory: on a GPU, not a second model there."""
+    return {name: value.detach().to("cpu", copy=True) for name, value in model.named_parameters()}
 
 
 def _put_back(model: Any, saved: dict[str, Any]) -> None:
