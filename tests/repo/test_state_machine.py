@@ -296,7 +296,10 @@ class RepositoryMachine(RuleBasedStateMachine):
 
     @rule(name=st.sampled_from(REF_NAMES))
     def delete_branch(self, name: str) -> None:
-        if name not in self.branches:
+        if name in self.tags:  # said to be a tag, with how to delete it
+            with pytest.raises(CkptError, match=f"'{name}' is a tag, not a branch"):
+                self.repo.delete_branch(name)
+        elif name not in self.branches:
             with pytest.raises(RefNotFoundError):
                 self.repo.delete_branch(name)
         elif name == self.head_branch:
