@@ -13,6 +13,7 @@ import math
 import os
 import random
 import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,11 +169,18 @@ class Workload:
         folder = CACHE / (f"{self.name}-quick" if self.quick else f"{self.name}-h{self.horizon}")
         done = folder / "DONE"
         if not done.exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
+            # Trained in a folder of its own and renamed into place, so that two runs at once (the test
+            # suite's workers) never read or write each other's half-written cache.
+            CACHE.mkdir(parents=True, exist_ok=True)
+            scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=CACHE))
             torch.set_num_threads(os.cpu_count() or 1)
-            self.generate(folder)
-            done.write_text("ok\n")
+            self.generate(scratch)
+            (scratch / "DONE").write_text("ok\n")
+            if done.exists():  # another run finished first
+                shutil.rmtree(scratch)
+            else:
+                shutil.rmtree(folder, ignore_errors=True)  # what an interrupted older run left
+                scratch.rename(folder)
         return sorted(p for p in folder.iterdir() if p.name.startswith(("ckpt-", "checkpoint-")))
 
 
