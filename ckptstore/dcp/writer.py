@@ -65,7 +65,7 @@ class CkptStorageWriter(StorageWriter):
         self.commit_id: CommitId | None = None
         self.bytes_written = 0  # by this rank in the last save: the stored bytes of the shards it encoded
         self._held = contextlib.ExitStack()
-        self._start: tuple[str | None, CommitId | None] | None = None
+        self._start: sharded.Start | None = None
         self._saving: threading.Thread | None = None  # the thread of the save in progress
 
     def __getstate__(self) -> dict[str, Any]:
@@ -120,7 +120,7 @@ class CkptStorageWriter(StorageWriter):
         self._held.enter_context(self.repo.lock())
         self._start = sharded.where_to(self.repo, self.options.branch)
         facts = None if self.level is None else _facts(plans, self.level).to_json()
-        return [dataclasses.replace(p, storage_data={"parent": self._start[1], "facts": facts}) for p in plans]
+        return [dataclasses.replace(p, storage_data={"parent": self._start.commit, "facts": facts}) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Encode this rank's items and write their objects durably (the commit comes in `finish`)."""
@@ -171,8 +171,7 @@ class CkptStorageWriter(StorageWriter):
                 raise CkptError(f"the ranks wrote {len(shards)} items, DCP's metadata describes {len(planned)}: "
                                 "nothing was recorded")
             metadata.storage_data = {r.index: r.storage_data["key"] for rank in results for r in rank}
-            target, parent = self._start
-            self.commit_id = sharded.record_sharded(self.repo, target, parent, shards, described, self.options,
+            self.commit_id = sharded.record_sharded(self.repo, self._start, shards, described, self.options,
                                                     self.level.name if self.level else None)
             self._held.close()  # the lock: [retention]'s prune takes it alone
             after_commit(self.repo, self.commit_id)  # its failure says the commit was recorded

@@ -148,7 +148,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         stored = sum(r.stored_bytes for r in new_records) + len(manifest_bytes)
         info = _commit_info(checkpoint, options, manifest_oid, stored, source_path, parent, level)
         with repo.db.write() as tx:
-            move_ref(tx, parent.target, parent.commit, info.id)
+            move_ref(tx, parent, info.id)
             tensor_rows.save_records(tx, new_records, sizes, replace=parent.lost)
             commit_rows.insert_commit(tx, info, entries.values())
             if level is None:  # a lossy commit cannot give its source's bytes back: they stay unsaved
@@ -269,7 +269,7 @@ def _parent(repo: Repository, tx: Tx, branch: str | None, tensors: Mapping[str, 
     encodes those tensors afresh rather than chaining on or reusing them.
     """
     start = commit_target(tx, branch, repo.config.remotes)
-    parent = _Parent(start.target, start.commit)
+    parent = _Parent(start.target, start.commit, start.new)
     if parent.commit is not None:
         parent.manifest = repo.read_manifest(commit_rows.manifest_object(tx, parent.commit))
         ids = {p: e.tensor for p, e in parent.manifest.entries.items() if p in tensors}

@@ -51,7 +51,8 @@ def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions
                         "(a repository's default lossy level does not apply to DCP directories)")
     with repo.lock(), no_cyclic_gc():
         described, items = dcpdir.read(path, options.trust_pickle)
-        target, parent = sharded.where_to(repo, options.branch)
+        start = sharded.where_to(repo, options.branch)
+        parent = start.commit
         written: list[sharded.WrittenShard] = []
         for batch in _batches(items, lambda raw: raw.nbytes):
             written += sharded.write_shards(repo, parent, batch)
@@ -60,7 +61,7 @@ def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions
             if before.dcp is not None and before.entries == {w.key: w.entry for w in written}:
                 raise NothingToCommitError(f"nothing changed since {parent[:12]}: {path} holds the same shards "
                                            "(use --allow-empty to record it anyway)")
-        cid = sharded.record_sharded(repo, target, parent, written, described, options)
+        cid = sharded.record_sharded(repo, start, written, described, options)
     return after_commit(repo, cid)  # [retention] in config.toml, once the lock is released
 
 

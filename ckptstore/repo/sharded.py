@@ -27,7 +27,7 @@ from ckptstore.replay import ChainSource
 from ckptstore.repo.commit import CommitOptions, encoding_jobs
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
-from ckptstore.repo.target import commit_target, default_author, move_ref
+from ckptstore.repo.target import Start, commit_target, default_author, move_ref
 from ckptstore.repo.writer import encode_jobs
 from ckptstore.state import BYTES_DTYPE, RawTensor
 
@@ -42,11 +42,10 @@ def is_sharded(manifest: Manifest) -> bool:
     return manifest.dcp is not None
 
 
-def where_to(repo: Repository, branch: str | None) -> tuple[str | None, CommitId | None]:
-    """The coordinator's start: (branch to advance or None for a detached HEAD, its commit now)."""
+def where_to(repo: Repository, branch: str | None) -> Start:
+    """The coordinator's start: the branch to advance (None: a detached HEAD) and its commit now."""
     with repo.db.read() as tx:
-        parent = commit_target(tx, branch, repo.config.remotes)
-    return parent.target, parent.commit
+        return commit_target(tx, branch, repo.config.remotes)
 
 
 @dataclass
@@ -112,9 +111,9 @@ def _parent_records(repo: Repository, parent: CommitId | None, keys: list[str]
     return {k: chains[t] for k, t in ids.items() if t in chains}, chains
 
 
-def record_sharded(repo: Repository, target: str | None, parent: CommitId | None, shards: list[WrittenShard],
-                   dcp: dict[str, Any], options: CommitOptions, lossy: str | None = None) -> CommitId:
-    """Record every rank's shards as one commit on `target`, moving it from `parent` by compare-and-swap.
+def record_sharded(repo: Repository, start: Start, shards: list[WrittenShard], dcp: dict[str, Any],
+                   options: CommitOptions, lossy: str | None = None) -> CommitId:
+    """Record every rank's shards as one commit on `start`'s branch, moving it by compare-and-swap.
 
     `lossy` names the level the shards were planned at (None: lossless).
 
@@ -144,10 +143,10 @@ def record_sharded(repo: Repository, target: str | None, parent: CommitId | None
         metrics={str(k): float(v) for k, v in options.metrics.items()}, kind=KIND, source_path=None,
         raw_bytes=sum(s.raw_bytes for s in shards),
         stored_bytes=sum(r.stored_bytes for r in records) + len(manifest_bytes),
-        parents=[parent] if parent else [], lossy=lossy)
+        parents=[start.commit] if start.commit else [], lossy=lossy)
     info.id = info.computed_id()
     with repo.db.write() as tx:
-        move_ref(tx, target, parent, info.id)
+        move_ref(tx, start, info.id)
         missing = ({e.tensor for e in entries.values()} - {r.id for r in records}
                    - tensor_rows.existing_tensor_ids(tx, {e.tensor for e in entries.values()}))
         if missing:  # a shard reused a tensor no record holds: recording it would make a commit that does not read

@@ -20,10 +20,15 @@ from ckptstore.repo import refs
 
 @dataclass
 class Start:
-    """Where a commit goes: the branch to advance (None: a detached HEAD) and the commit it starts from."""
+    """Where a commit goes: the branch to advance (None: a detached HEAD) and the commit it starts from.
+
+    `new`: the branch has no ref yet (HEAD's unborn branch, or one this commit creates), so a ref
+    that is gone when the commit is recorded was deleted meanwhile only where `new` is false.
+    """
 
     target: str | None
     commit: CommitId | None
+    new: bool = False
 
 
 def commit_target(tx: Tx, branch: str | None, remotes: Iterable[str] = ()) -> Start:
@@ -44,14 +49,15 @@ def commit_target(tx: Tx, branch: str | None, remotes: Iterable[str] = ()) -> St
         raise CkptError(f"{branch!r} is {'a tag' if row.kind == refs.TAG else 'not a branch'}; commits go on branches")
     if row is not None:
         return Start(branch, CommitId(row.commit_id))
-    return Start(branch, refs.head_commit(tx) if branch != refs.head_branch(tx) else None)
+    return Start(branch, refs.head_commit(tx) if branch != refs.head_branch(tx) else None, new=True)
 
 
-def move_ref(tx: Tx, target: str | None, expected: CommitId | None, new: CommitId) -> None:
-    """Compare-and-swap the ref: it must still point where this commit started from."""
+def move_ref(tx: Tx, start: Start, new: CommitId) -> None:
+    """Compare-and-swap the ref: it must still point where this commit started from (and still exist)."""
+    target, expected = start.target, start.commit
     if target is None:
         moved = expected is not None and ref_rows.swap(tx, refs.HEAD, refs.HEAD_KIND, expected, new)
-    elif expected is None or ref_rows.ref_row(tx, target) is None:
+    elif start.new:
         moved = ref_rows.ref_row(tx, target) is None
         if moved:
             ref_rows.insert_ref(tx, target, refs.BRANCH, new)
@@ -59,9 +65,9 @@ def move_ref(tx: Tx, target: str | None, expected: CommitId | None, new: CommitI
         moved = ref_rows.swap(tx, target, refs.BRANCH, expected, new)
     if not moved:
         now = ref_rows.ref_row(tx, target or refs.HEAD)
-        where = (now.commit_id or "nothing")[:12] if now else "nothing"
+        where = f"moved to {(now.commit_id or 'nothing')[:12]}" if now else "was deleted"
         raise ConflictError(
-            f"{target or 'HEAD'} moved to {where} while this commit was being written "
+            f"{target or 'HEAD'} {where} while this commit was being written "
             f"(it started from {expected[:12] if expected else 'an unborn branch'}); nothing was recorded. "
             "Another commit went to the same branch meanwhile (another process, or another Repository "
             "object of the same folder): commit again to put this checkpoint on top, or use --branch to "

@@ -131,9 +131,29 @@ def test_conflicting_writer_gets_clear_error_and_loses_nothing(repo, tmp_path):
         started = target.commit_target(tx, None)
     repo.commit(tmp_path / "other.pt", message="the other writer")
     with pytest.raises(ConflictError, match="moved"), repo.db.write() as tx:
-        target.move_ref(tx, started.target, started.commit, "f" * 64)
+        target.move_ref(tx, started, "f" * 64)
     assert len(repo.log()) == 2
     assert_same(states[0], repo.checkout(commits[0]))
+
+
+def test_a_branch_deleted_while_a_commit_to_it_is_written_stays_deleted(repo, tmp_path, monkeypatch):
+    from ckptstore import faults
+
+    repo.commit({"w": torch.zeros(8)}, branch="exp")
+    passing = faults.point
+
+    def delete_exp(name):  # another process's `ckpt branch -d exp`, between the commit's start and its record
+        if name == "commit:manifest-written":
+            repo.delete_branch("exp")
+        passing(name)
+
+    monkeypatch.setattr(faults, "point", delete_exp)
+    with pytest.raises(ConflictError, match="exp was deleted while this commit was being written"):
+        repo.commit({"w": torch.ones(8)}, branch="exp")
+    assert "exp" not in repo.branches()
+    monkeypatch.setattr(faults, "point", passing)
+    repo.commit({"w": torch.ones(8)}, branch="fresh")  # a new branch is still made by its first commit
+    assert "fresh" in repo.branches()
 
 
 COMMIT_SCRIPT = """
@@ -228,3 +248,4 @@ def test_commit_holds_off_cyclic_gc_and_restores_it_even_on_error(repo, monkeypa
         assert seen == [False, False] and gc.isenabled() == enabled
     finally:
         gc.enable()
+
