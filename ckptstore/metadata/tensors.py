@@ -80,7 +80,16 @@ def existing_tensor_ids(tx: Tx, ids: Iterable[TensorId]) -> set[TensorId]:
 
 
 def insert_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[ObjectId, int]) -> None:
-    """Record new tensors, their chunks and the objects those chunks live in."""
+    """Record new tensors, their chunks and the objects those chunks live in.
+
+    A tensor another writer recorded meanwhile keeps its own record: none of this writer's chunk
+    rows join it (two machines may cut one tensor into chunks differently); gc collects the rest.
+    """
+    known = existing_tensor_ids(tx, [r.id for r in records])
+    _insert_rows(tx, [r for r in records if r.id not in known], object_sizes)
+
+
+def _insert_rows(tx: Tx, records: list[TensorRecord], object_sizes: dict[ObjectId, int]) -> None:
     tx.insert_ignore("tensors", ("id", "dtype", "shape", "codec", "params", "base_id", "depth", "raw_bytes",
                                   "stored_bytes"),
                   [(r.id, r.dtype, json.dumps(list(r.shape)), r.codec, json.dumps(r.params, sort_keys=True),
@@ -103,7 +112,7 @@ def replace_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[Obje
                    [(r.codec, json.dumps(r.params, sort_keys=True), r.base_id, r.depth, r.stored_bytes, r.id)
                     for r in records])
     tx.execute_in("DELETE FROM tensor_chunks WHERE tensor_id IN ({ids})", sorted(r.id for r in records))
-    insert_records(tx, records, object_sizes)  # the tensor rows exist (kept); chunks and objects go in
+    _insert_rows(tx, records, object_sizes)  # the tensor rows exist (kept); chunks and objects go in
 
 
 def save_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[ObjectId, int],

@@ -249,3 +249,24 @@ def test_commit_holds_off_cyclic_gc_and_restores_it_even_on_error(repo, monkeypa
     finally:
         gc.enable()
 
+
+def test_one_tensor_recorded_at_once_by_two_writers_that_chunk_it_differently_keeps_one_record(repo, monkeypatch):
+    from ckptstore import faults
+    from ckptstore.policy import EncodingSettings
+
+    state = {"w": torch.randn(300_000)}
+    repo.config.encoding = EncodingSettings(chunk_bytes=1 << 18)  # this machine cuts it in five chunks
+    passing, first = faults.point, []
+
+    def another_machine_records_it_first(name):  # its default cuts the same tensor in one chunk
+        if name == "commit:manifest-written":
+            monkeypatch.setattr(faults, "point", passing)
+            with Repository.open(repo.root) as other:
+                first.append(other.commit(state, branch="a"))
+        passing(name)
+
+    monkeypatch.setattr(faults, "point", another_machine_records_it_first)
+    second = repo.commit(state, branch="b")
+    assert fsck(repo).ok
+    for commit in (first[0], second):
+        assert_same(state, repo.checkout(commit))
