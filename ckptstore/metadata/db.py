@@ -152,7 +152,6 @@ class Database:
         self._writing = threading.local()
         self._closed = False
         self._create = create
-        self.created = False  # this open made the schema: the database held no repository before
         try:
             if not create and self.path is not None and not self.path.exists():
                 raise self._missing("is missing")
@@ -320,7 +319,6 @@ class Database:
             return
         if current is None and not self._create:
             raise self._missing("holds no schema (it is empty)")
-        self.created = current is None
         if current is not None and current not in KNOWN_REVISIONS:
             raise CkptError(f"{self.where} has metadata schema {current!r}, written by a newer ckptstore; "
                             "upgrade ckptstore to open it")

@@ -101,6 +101,11 @@ def _insert_rows(tx: Tx, records: list[TensorRecord], object_sizes: dict[ObjectI
     tx.insert_ignore("objects", ("id", "size"), list(object_sizes.items()))
 
 
+def some_objects(tx: Tx, count: int) -> list[ObjectId]:
+    """Up to `count` objects the metadata names (any; ordered so the same ones come each time)."""
+    return [ObjectId(o) for o in tx.column("SELECT id FROM objects ORDER BY id LIMIT ?", (count,))]
+
+
 def object_sizes(tx: Tx) -> dict[ObjectId, int]:
     """The size of every object, as recorded when a commit wrote it."""
     return {ObjectId(o): int(size) for o, size in tx.rows("SELECT id, size FROM objects")}

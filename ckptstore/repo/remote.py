@@ -107,7 +107,8 @@ def open_remote(remote: RemoteConfig, name: str = "", create: bool = False) -> R
     `create` (remote add, push) starts the schema in a bucket remote's empty database, as init would;
     otherwise a database that holds no repository is refused: a mistyped URL names no remote.
     """
-    from ckptstore.repo.repository import REPO_DIR, Repository, refuse_foreign_objects
+    from ckptstore.repo.joining import open_over_objects
+    from ckptstore.repo.repository import REPO_DIR, Repository
 
     where = f"remote {name!r} ({remote.url})" if name else remote.url
     if "://" not in remote.url:
@@ -122,16 +123,10 @@ def open_remote(remote: RemoteConfig, name: str = "", create: bool = False) -> R
     root = user_cache() / "remotes" / key
     (root / REPO_DIR).mkdir(parents=True, exist_ok=True)
     try:
-        repo = Repository(root, RepoConfig(objects_url=remote.url, metadata_url=remote.metadata_url), create=create)
+        return open_over_objects(root, RepoConfig(objects_url=remote.url, metadata_url=remote.metadata_url), create)
     except MissingDatabaseError:
         raise CkptError(f"{where}: its metadata {remote.metadata_url} holds no repository; check the URL "
                         "(`ckpt push` to a new remote starts one there)") from None
-    try:
-        refuse_foreign_objects(repo, remote.url)  # only where this open made the database's schema
-    except BaseException:
-        repo.close()
-        raise
-    return repo
 
 
 def remote_store(remote: RemoteConfig) -> ObjectStore:

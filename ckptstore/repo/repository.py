@@ -18,6 +18,7 @@ from ckptstore.metadata import refs as ref_rows
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.repo import refs, warm
 from ckptstore.repo.config import RepoConfig
+from ckptstore.repo.joining import open_over_objects
 from ckptstore.repo.location import REPO_DIR, find_root, unwritable
 from ckptstore.repo.lock import repo_lock
 
@@ -30,13 +31,6 @@ if TYPE_CHECKING:
     from ckptstore.repo.progress import Progress
 
 DEFAULT_BRANCH = "main"
-
-
-def refuse_foreign_objects(repo: Repository, objects_url: str) -> None:
-    """New metadata over a prefix that holds objects would call them all garbage: gc would delete them."""
-    if objects_url and repo.db.created and next(iter(repo.store.iter_ids()), None):
-        raise RepoExistsError(f"{objects_url} already holds objects that no commit in this metadata names: join "
-                              "their repository with the --metadata URL it was made with, or choose another prefix")
 
 
 class Repository:
@@ -90,8 +84,7 @@ class Repository:
             config = RepoConfig(encoding or EncodingSettings(), absolute_url(metadata_url, Path.cwd()), lossy=lossy,
                                 objects_url=objects_url)
             config.save(root / REPO_DIR / "config.toml")
-            repo = cls(root, config, create=True)
-            refuse_foreign_objects(repo, objects_url)
+            repo = open_over_objects(root, config, create=True) if objects_url else cls(root, config, create=True)
             with repo.db.write() as tx:
                 if ref_rows.ref_row(tx, refs.HEAD) is None:
                     ref_rows.insert_ref(tx, refs.HEAD, refs.HEAD_KIND, target=DEFAULT_BRANCH)

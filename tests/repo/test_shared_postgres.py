@@ -152,6 +152,28 @@ def test_joining_keeps_the_repository_as_it_is(postgres_url, tmp_path):
         assert repo.branches() == {"main": cid, "side": cid} and repo.head() == ("main", cid)
 
 
+def test_the_metadata_and_objects_of_two_repositories_are_never_paired(postgres_server, tmp_path):
+    import pytest
+
+    from ckptstore.errors import RepoExistsError
+    from ckptstore.repo import gc
+
+    team_objects, team_db = f"file://{tmp_path / 'team-objects'}", postgres_server.new_database()
+    with Repository.init(tmp_path / "a", objects_url=team_objects, metadata_url=team_db) as repo:
+        cid = repo.commit({"w": torch.ones(4)})
+    empty_db = postgres_server.new_database()
+    for attempt in range(2):  # a refusal leaves no schema behind that would let the same command through
+        with pytest.raises(RepoExistsError, match="already holds objects that no commit"):
+            Repository.init(tmp_path / f"b{attempt}", objects_url=team_objects, metadata_url=empty_db)
+    with pytest.raises(RepoExistsError, match="holds none of the objects that the metadata"):
+        Repository.init(tmp_path / "c", objects_url=f"file://{tmp_path / 'other-objects'}", metadata_url=team_db)
+    assert not any((tmp_path / name).exists() for name in ("b0", "b1", "c"))
+    with Repository.init(tmp_path / "d", objects_url=team_objects, metadata_url=team_db) as joined:
+        gc(joined)
+        assert_same({"w": torch.ones(4)}, joined.checkout(cid))
+        assert fsck(joined).ok
+
+
 def test_a_stopped_server_is_one_clear_line_and_the_command_works_once_it_is_back(tmp_path):
     with PostgresServer() as server:
         url = server.new_database()

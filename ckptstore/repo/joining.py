@@ -1,0 +1,55 @@
+"""Opening a repository's metadata beside an objects URL that may already hold objects.
+
+New metadata over a prefix that holds objects would call them all garbage, and metadata joined
+with another repository's prefix would too: `gc` would delete them. Both are refused before
+anything is written, so the same command can run again once the URLs are right.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ckptstore.errors import MissingDatabaseError, RepoExistsError
+from ckptstore.metadata import tensors as tensor_rows
+from ckptstore.objectstore import open_store
+from ckptstore.repo.config import RepoConfig
+from ckptstore.repo.location import REPO_DIR
+
+if TYPE_CHECKING:
+    from ckptstore.repo.repository import Repository
+
+SAMPLE = 8  # objects the metadata names that are looked for in the prefix: one found is enough
+
+
+def open_over_objects(root: Path, config: RepoConfig, create: bool) -> Repository:
+    """The repository at `root` whose objects are at `config.objects_url`; `create`: start empty metadata.
+
+    Metadata that holds a repository is joined only where some of its objects are in the prefix;
+    an empty one gets a schema only over a prefix that holds no objects.
+    """
+    from ckptstore.repo.repository import Repository
+
+    url = config.objects_url
+    store = open_store(url, root / REPO_DIR / "tmp", root / REPO_DIR)
+    try:
+        repo = Repository(root, config, store=store)
+    except MissingDatabaseError:
+        if not create:
+            raise
+        if next(iter(store.iter_ids()), None) is not None:
+            raise RepoExistsError(f"{url} already holds objects that no commit in this metadata names: join their "
+                                  "repository with the --metadata URL it was made with, or choose another prefix"
+                                  ) from None
+        return Repository(root, config, store=store, create=True)
+    try:
+        with repo.db.read() as tx:
+            named = tensor_rows.some_objects(tx, SAMPLE)
+        if named and not any(store.has(o) for o in named):
+            raise RepoExistsError(f"{url} holds none of the objects that the metadata {repo.db.where} names "
+                                  f"({len(named)} looked for): that metadata belongs with another objects URL; "
+                                  "give the --objects URL its repository was made with")
+    except BaseException:
+        repo.close()
+        raise
+    return repo
