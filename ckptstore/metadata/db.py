@@ -150,6 +150,7 @@ class Database:
         self._idle: list[Any] = []
         self._guard = threading.Lock()
         self._writing = threading.local()
+        self._lock_sessions: list[Any] = []  # the sessions holding repository_lock now
         self._closed = False
         self._create = create
         try:
@@ -235,10 +236,27 @@ class Database:
             if held is False:
                 raise RepoLockedError(f"{self.where} is busy: a ckpt process (here or on another machine sharing it) "
                                       "is committing or collecting garbage; try again when it finishes")
+            self._lock_sessions.append(connection)
             yield
         finally:
+            with contextlib.suppress(ValueError):
+                self._lock_sessions.remove(connection)
             with contextlib.suppress(*self.backend.errors):
                 connection.close()  # ending the session releases the lock
+
+    def _confirm_locks(self) -> None:
+        """Before a write commits: every repository lock this process took is still held.
+
+        A session cut while idle (the server restarted, an operator or a timeout ended it) lets a gc
+        on another machine delete what this command wrote; its record must then not be written.
+        """
+        for connection in list(self._lock_sessions):
+            try:
+                connection.execute("SELECT 1")
+            except self.backend.errors as exc:
+                raise CkptError(f"lost the repository lock on {self.where} while this command ran (its session "
+                                f"ended: {' '.join(str(exc).split())[:160]}); a gc elsewhere may have removed what "
+                                "it wrote, so nothing was recorded: run the command again") from None
 
     @contextlib.contextmanager
     def _transaction(self, write: bool) -> Iterator[Tx]:
@@ -289,6 +307,7 @@ class Database:
         try:
             with self._transaction(write=True) as tx:
                 yield tx
+                self._confirm_locks()
         finally:
             self._writing.active = False
 

@@ -174,6 +174,33 @@ def test_the_metadata_and_objects_of_two_repositories_are_never_paired(postgres_
         assert fsck(joined).ok
 
 
+def test_a_commit_whose_lock_session_was_cut_records_nothing(postgres_server, postgres_url, tmp_path, monkeypatch):
+    """A cut session releases the lock: a gc elsewhere may then delete the objects the commit wrote."""
+    import pytest
+
+    from ckptstore import faults
+    from ckptstore.errors import CkptError
+
+    with Repository.init(tmp_path, objects_url=f"file://{tmp_path / 'objects'}", metadata_url=postgres_url) as repo:
+        first = repo.commit({"w": torch.zeros(100)})
+        passing = faults.point
+
+        def cut_the_lock_session(name):  # as a server restart or an idle timeout would, between objects and record
+            if name == "commit:manifest-written":
+                postgres_server.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                                        f"AND objid = {REPO_LOCK} AND granted")
+            passing(name)
+
+        monkeypatch.setattr(faults, "point", cut_the_lock_session)
+        with pytest.raises(CkptError, match="lost the repository lock .* nothing was recorded"):
+            repo.commit({"w": torch.ones(100)})
+        monkeypatch.setattr(faults, "point", passing)
+        assert [c.id for c in repo.log()] == [first]
+        second = repo.commit({"w": torch.ones(100)})  # the next command takes the lock anew
+        assert_same({"w": torch.ones(100)}, repo.checkout(second))
+        assert fsck(repo).ok
+
+
 def test_a_stopped_server_is_one_clear_line_and_the_command_works_once_it_is_back(tmp_path):
     with PostgresServer() as server:
         url = server.new_database()
