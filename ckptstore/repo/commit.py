@@ -116,7 +116,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         return commit_dir(repo, source, options, level if lossy.level is not None else None)
     measured = _measured_fisher(lossy, level)
     with repo.lock(), no_cyclic_gc():
-        source_path, checkpoint, digests = _read_source(repo, source, options.trust_pickle)
+        source_path, checkpoint, digests, stamps = _read_source(repo, source, options.trust_pickle)
         sources = _tensor_ids(repo, checkpoint.tensors)
         guard = calibrate.loss_guard(lossy.calibration, lossy.model, lossy.max_loss_change, level, checkpoint)
         with repo.db.read() as tx:
@@ -130,6 +130,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
                           RuntimeWarning, stacklevel=2)
             level = None
             done, change = _encode_checked(repo, checkpoint, parent, sources, None, lossy, measured, progress, None)
+        _refuse_changed(stamps)  # after every byte was read: a save still writing the file would be stored torn
         entries, encoded, sizes = done.entries, done.records, done.sizes
         if change is not None:
             options = replace(options, metrics={**options.metrics, calibrate.CALIBRATION_METRIC: change * 100})
@@ -212,12 +213,15 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
 
 
 def _read_source(repo: Repository, source: Any, trust_pickle: bool
-                 ) -> tuple[str | None, formats.Checkpoint, dict[str, str]]:
-    """(path relative to the repository or absolute, or None for a state; the checkpoint; file digests)."""
+                 ) -> tuple[str | None, formats.Checkpoint, dict[str, str], dict[Path, tuple[int, ...]]]:
+    """(path relative to the repository or absolute, or None for a state; the checkpoint; digests; stamps).
+
+    A file's stamp is taken before it is read, for `_refuse_changed` once every byte has been.
+    """
     if isinstance(source, formats.Checkpoint):  # a state flattened already (a background commit's snapshot)
-        return None, source, {}
+        return None, source, {}, {}
     if not isinstance(source, (str, os.PathLike)):
-        return None, formats.from_state(source), {}
+        return None, formats.from_state(source), {}, {}
     path = Path(source).resolve()
     if not path.exists():
         raise CheckpointFormatError(f"{source} does not exist")
@@ -228,6 +232,7 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
     # store where config objects_url puts it outside .ckpt/.
     excluded = [repo.dir, *([store] if (store := getattr(repo.store, "root", None)) else [])]
     on_disk = [path] if path.is_file() else [f.path for f in folder_files(path, excluded)]
+    stamps = {p: _stamp(p) for p in on_disk}
     pending = {p: repo.pool.submit(file_digest, str(p)) for p in on_disk}
     checkpoint = formats.read_checkpoint(path, trust_pickle, exclude=excluded)
     digests = {}
@@ -238,7 +243,25 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
         relative = path.relative_to(repo.root).as_posix()
     except ValueError:
         relative = str(path)
-    return relative, checkpoint, digests
+    return relative, checkpoint, digests, stamps
+
+
+def _stamp(path: Path) -> tuple[int, ...]:
+    """What changes when a file is rewritten in place or replaced: inode, size, modification and change times."""
+    st = path.stat()
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _refuse_changed(stamps: Mapping[Path, tuple[int, ...]]) -> None:
+    """Refuse a commit whose files changed while it read them: what it read may be half old, half new."""
+    for path, before in stamps.items():
+        try:
+            now = _stamp(path)
+        except OSError:
+            now = None
+        if now != before:
+            raise CheckpointFormatError(f"{path} changed while it was being committed (is a save still writing it?); "
+                                        "nothing was recorded: commit it again once the save has finished")
 
 
 _SMALL_TENSOR = 64 << 10  # tensors up to this size are hashed in batches: a task each cost more than the hash

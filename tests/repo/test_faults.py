@@ -270,3 +270,26 @@ def test_one_tensor_recorded_at_once_by_two_writers_that_chunk_it_differently_ke
     assert fsck(repo).ok
     for commit in (first[0], second):
         assert_same(state, repo.checkout(commit))
+
+
+def test_a_file_rewritten_while_it_is_committed_is_refused_and_stays_unsaved(repo, tmp_path, monkeypatch):
+    from ckptstore import formats
+
+    path = tmp_path / "ckpt.pt"
+    torch.save({"step": 100, "w": torch.zeros(1000)}, path)
+    first = repo.commit(path)
+    torch.save({"step": 150, "w": torch.full((1000,), 0.5)}, path)
+    reading = formats.read_checkpoint
+
+    def the_trainer_saves_again_meanwhile(*args, **kwargs):  # torch.save writes in place
+        checkpoint = reading(*args, **kwargs)
+        torch.save({"step": 200, "w": torch.ones(1000)}, path)
+        return checkpoint
+
+    monkeypatch.setattr(formats, "read_checkpoint", the_trainer_saves_again_meanwhile)
+    with pytest.raises(CheckpointFormatError, match="changed while it was being committed"):
+        repo.commit(path)
+    assert [c.id for c in repo.log()] == [first]
+    with pytest.raises(DirtyWorktreeError):  # step 200 is in no commit: checking out over it is refused
+        repo.checkout_to(first)
+    assert torch.load(path, weights_only=True)["step"] == 200
