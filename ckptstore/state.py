@@ -127,6 +127,22 @@ def key_component(key: Any) -> str:
     return f"%{ord(text[0]):02X}{text[1:]}" if _INT_LIKE.fullmatch(text) else text
 
 
+def readable_path(path: str) -> str:
+    """A path with each str key's own text back ("a%2Fb" -> "a/b", "%31" -> "1"): a name for export.
+
+    Not reversible where a key holds "/" (the parts run together) or is not a str (its marker stays).
+    """
+    parts = []
+    for part in path.split("/"):
+        hex_digits = part[1:3]
+        if part[:1] == "%" and len(hex_digits) == 2 and all(c in "0123456789ABCDEF" for c in hex_digits):
+            digits = chr(int(hex_digits, 16)) + part[3:]
+            if _INT_LIKE.fullmatch(digits):  # a str key that reads as an int: its first character was encoded
+                part = digits
+        parts.append(part.replace("%2F", "/").replace("%25", "%"))
+    return "/".join(parts)
+
+
 class _Components(dict):
     """`key_component` of plain str and int keys met, by (type, key): every snapshot of a run repeats them.
 

@@ -19,7 +19,7 @@ from ckptstore.errors import CkptError
 from ckptstore.formats import hfweights, safetensors_file, torchfile
 from ckptstore.repo import sharded, worktree
 from ckptstore.repo.select import entries_of_file
-from ckptstore.state import TORCH_PREFIX, RawTensor, escape, materialize
+from ckptstore.state import TORCH_PREFIX, RawTensor, escape, materialize, readable_path
 
 if TYPE_CHECKING:
     from ckptstore.formats import CheckpointFile
@@ -66,14 +66,24 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
         from ckptstore.repo.checkout import restore
 
         raws = restore(repo, manifest)
-        tensors = {p: r for p, r in raws.items() if r.dtype in safetensors_file.SAFETENSORS_DTYPES}
-        skipped = [p for p in raws if p not in tensors]
+        kept = {p: r for p, r in raws.items() if r.dtype in safetensors_file.SAFETENSORS_DTYPES}
+        skipped = [p for p in raws if p not in kept]
+        tensors = _by_name(kept)
         why = "safetensors holds tensors only (these are file bytes, numpy arrays or unsupported dtypes)"
     if fmt == "safetensors":  # transformers before 4.40 refuses a weights file without format "pt"
         safetensors_file.write_tensors(output, tensors, {"format": "pt"} if weight_files else None)
     else:
         torchfile.save({name: _torch(raw) for name, raw in tensors.items()}, output)
     return ExportReport(cid, len(tensors), skipped, why if skipped else "")
+
+
+def _by_name(by_path: dict[str, RawTensor]) -> dict[str, RawTensor]:
+    """Tensors under their keys' own text, so a safetensors file's names come back as they were.
+
+    Where two paths would read alike, every tensor keeps its path (paths are distinct).
+    """
+    by_name = {readable_path(p): r for p, r in by_path.items()}
+    return by_name if len(by_name) == len(by_path) else by_path
 
 
 def _weights(repo: Repository, manifest: Manifest, files: list[CheckpointFile]
