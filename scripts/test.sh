@@ -6,4 +6,6 @@ bash scripts/setup.sh dev
 bash scripts/services.sh  # PostgreSQL for the metadata tests, installed only where missing
 VENV="${CKPT_VENV:-.venv}"
 "$VENV/bin/ruff" check .
-"$VENV/bin/python" -m pytest -q "$@"
+# One worker per core (CKPT_TEST_WORKERS to change it, 0 for one process): many tests wait on servers and
+# child processes, so two workers on two cores took the suite from 648 s to 435 s.
+"$VENV/bin/python" -m pytest -q -n "${CKPT_TEST_WORKERS:-auto}" "$@"
