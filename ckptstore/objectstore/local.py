@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -15,6 +16,22 @@ from typing import Any
 from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import ObjectId, is_hex_id, object_id, object_id_of_parts
 from ckptstore.objectstore.base import as_bytes
+
+
+def open_object(path: Path, oid: ObjectId) -> int:
+    """A read-only descriptor of the object file at `path`; CorruptObjectError when missing or not a file.
+
+    Opened without blocking and checked before any read: a folder, pipe or device standing where an
+    object should be (damage, or a hand-made link) must not hang the reader or feed it without end.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CorruptObjectError(oid, "missing") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptObjectError(oid, "damaged: a folder, pipe or device stands where its file should be")
+    return fd
 
 
 class FileRanges:
@@ -47,10 +64,7 @@ class FileRanges:
         return data
 
     def _open(self, oid: ObjectId) -> int:
-        try:
-            fd = os.open(self._store.path_of(oid), os.O_RDONLY)
-        except FileNotFoundError:
-            raise CorruptObjectError(oid, "missing") from None
+        fd = open_object(self._store.path_of(oid), oid)
         with self._lock:
             kept = self._fds.setdefault(oid, fd)
         if kept != fd:  # another thread opened it meanwhile
@@ -135,10 +149,8 @@ class LocalObjectStore:
             return False
 
     def get(self, oid: ObjectId, verify: bool = True) -> bytes:
-        try:
-            data = self.path_of(oid).read_bytes()
-        except FileNotFoundError:
-            raise CorruptObjectError(oid, "missing") from None
+        with open(open_object(self.path_of(oid), oid), "rb") as handle:
+            data = handle.read()
         if verify and object_id(data) != oid:
             raise CorruptObjectError(oid, f"corrupted (its {len(data)} bytes do not match its hash)")
         return data
@@ -150,10 +162,7 @@ class LocalObjectStore:
         the map costs neither. Objects are never rewritten in place (only replaced or unlinked,
         which leaves a live map intact), so the mapped bytes cannot change under the reader.
         """
-        try:
-            fd = os.open(self.path_of(oid), os.O_RDONLY)  # a file object would cost as much again
-        except FileNotFoundError:
-            raise CorruptObjectError(oid, "missing") from None
+        fd = open_object(self.path_of(oid), oid)  # a file object would cost as much again
         try:
             size = os.fstat(fd).st_size
             data: bytes | memoryview = memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_READ)) if size else b""

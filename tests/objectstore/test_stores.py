@@ -202,3 +202,31 @@ def test_objects_on_another_filesystem_open_without_writing_there(tmp_path, othe
     with Repository.open(tmp_path / "r", read_only=True) as repo:
         assert torch.equal(repo.checkout(cid)["w"], torch.arange(4.0))
     assert not (other_filesystem / "objects" / "tmp").exists()
+
+
+@pytest.mark.parametrize("stands_there", ["folder", "pipe", "device"])
+def test_a_folder_pipe_or_device_at_an_objects_path_is_damage_not_a_hang(tmp_path, stands_there):
+    import os
+
+    import torch
+
+    from ckptstore import Repository
+    from ckptstore.repo import fsck
+
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit({"w": torch.randn(1000)})
+        victim = repo.manifest(cid).entries["w"].tensor
+        with repo.db.read() as tx:
+            from ckptstore.metadata import tensors as tensor_rows
+
+            oid = next(iter(tensor_rows.load_records(tx, [victim]).values())).chunks[0].object_id
+        path = repo.store.path_of(oid)
+        path.unlink()
+        {"folder": path.mkdir, "pipe": lambda: os.mkfifo(path), "device": lambda: path.symlink_to("/dev/zero")
+         }[stands_there]()
+        for read in (repo.store.get, repo.store.view, lambda o: repo.store.open_ranges().read(o, 0, 8)):
+            with pytest.raises(CorruptObjectError, match="stands where its file should be"):
+                read(oid)
+        with pytest.raises(CorruptObjectError, match=oid):
+            repo.checkout(cid)
+        assert oid in fsck(repo).damaged_objects
