@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -185,6 +186,17 @@ def delete_branch(repo: Repository, name: str) -> CommitId:
 
 
 def move_head(repo: Repository, cid: CommitId, branch_name: str | None) -> None:
-    """HEAD onto `branch_name`, or detached at `cid` when it is None."""
+    """HEAD onto `branch_name`, or detached at `cid` when it is None.
+
+    A branch that moved (or went) since the checkout read `cid` would put HEAD on a commit whose
+    files are not the ones written: HEAD is then detached at `cid`, with a warning.
+    """
     with repo.db.write() as tx:
+        row = ref_rows.ref_row(tx, branch_name) if branch_name else None
+        if branch_name and (row is None or row.commit_id != cid):
+            now = f"moved to {row.commit_id[:12]}" if row and row.commit_id else "was deleted"
+            warnings.warn(f"{branch_name} {now} while this checkout wrote {cid[:12]}'s files: HEAD is detached at "
+                          f"{cid[:12]} (check out {branch_name} again to go to its tip)", RuntimeWarning,
+                          stacklevel=3)
+            branch_name = None
         ref_rows.point_head(tx, branch_name, None if branch_name else cid)

@@ -293,3 +293,24 @@ def test_a_file_rewritten_while_it_is_committed_is_refused_and_stays_unsaved(rep
     with pytest.raises(DirtyWorktreeError):  # step 200 is in no commit: checking out over it is refused
         repo.checkout_to(first)
     assert torch.load(path, weights_only=True)["step"] == 200
+
+
+def test_a_branch_that_moves_while_it_is_checked_out_leaves_head_detached_at_the_files_written(repo, tmp_path,
+                                                                                              monkeypatch):
+    from ckptstore import faults
+
+    path = tmp_path / "w.pt"
+    torch.save({"w": torch.zeros(8)}, path)
+    first = repo.commit(path, branch="exp")
+    passing = faults.point
+
+    def another_process_commits(name):
+        if name == "checkout:records-read":
+            monkeypatch.setattr(faults, "point", passing)
+            repo.commit({"w": torch.ones(8)}, branch="exp")
+        passing(name)
+
+    monkeypatch.setattr(faults, "point", another_process_commits)
+    with pytest.warns(RuntimeWarning, match="exp moved to .* HEAD is detached at"):
+        repo.checkout_to("exp")  # in place: the files of `first`
+    assert repo.head() == (None, first)
