@@ -159,6 +159,8 @@ class Database:
             if not create and self.path is not None and self.path.stat().st_size == 0:  # before SQLite writes a header
                 raise self._missing("holds no schema (it is empty)")
             self.check_schema()
+            if getattr(self.backend, "disk_full", False):
+                self.read_only, self.why = True, f"the disk is full where {self.where} is; nothing was lost"
         except BaseException:
             self.close()  # no connection outlives a database that failed to open
             raise

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptstore.errors import CkptError, CorruptDatabaseError, disk_full, explain
+from ckptstore.errors import CkptError, CorruptDatabaseError, DiskFullError, disk_full, explain
 
 if TYPE_CHECKING:
     from ckptstore.metadata.db import Database, Tx
@@ -44,7 +44,7 @@ def absolute_url(url: str, base: Path) -> str:
     return PREFIX + str((base / url[len(PREFIX) :]).resolve())
 
 
-def read_only_uri(path: Path) -> str:
+def read_only_uri(path: Path, immutable: bool = False) -> str:
     """The URI that opens `path` without writing to it.
 
     `mode=ro` where SQLite can share the WAL with writers (its -wal file exists, or the folder
@@ -53,11 +53,11 @@ def read_only_uri(path: Path) -> str:
     immutable: SQLite cannot open a WAL database read-only in a folder it cannot write.
     """
     wal = path.with_name(path.name + "-wal")
-    shared = wal.exists() or os.access(path.parent, os.W_OK)
+    shared = not immutable and (wal.exists() or os.access(path.parent, os.W_OK))
     return f"{path.resolve().as_uri()}?{'mode=ro' if shared else 'immutable=1'}"
 
 
-def connect_sqlite(path: Path, read_only: bool = False) -> sqlite3.Connection:
+def connect_sqlite(path: Path, read_only: bool = False, immutable: bool = False) -> sqlite3.Connection:
     """A connection in WAL mode with full sync, a long busy timeout and explicit transactions.
 
     Read-only, it sets nothing that writes: the database is in WAL mode since it was created.
@@ -65,7 +65,7 @@ def connect_sqlite(path: Path, read_only: bool = False) -> sqlite3.Connection:
     if not path.parent.is_dir():  # SQLite would say only "unable to open database file"
         raise CkptError(f"the metadata database's folder {path.parent} does not exist; create it or choose "
                         "another path")
-    target = read_only_uri(path) if read_only else path
+    target = read_only_uri(path, immutable) if read_only else path
     connection = sqlite3.connect(target, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
                                  check_same_thread=False, uri=read_only)
     connection.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
@@ -94,13 +94,34 @@ class SqliteBackend:
         self.path = sqlite_path(url)
         self.where = str(self.path)
         self.read_only = read_only
+        self.disk_full = False  # no room even to read (see connect): read as immutable, write nothing
 
     def connect(self) -> sqlite3.Connection:
-        return connect_sqlite(self.path, self.read_only)
+        """A connection; on a full disk with no writer connected, an immutable one that reads without writing.
+
+        Even a reader needs room for the WAL's -wal and -shm files, so a full disk used to stop every
+        command, restoring to another disk included. An empty or missing -wal file means every commit
+        is in the main file, so reading it as immutable sees all of them.
+        """
+        if self.disk_full:
+            return connect_sqlite(self.path, read_only=True, immutable=True)
+        connection = None
+        try:
+            connection = connect_sqlite(self.path, self.read_only)
+            connection.execute("SELECT count(*) FROM sqlite_master").fetchone()  # maps the WAL's shared memory
+            return connection
+        except sqlite3.OperationalError as exc:
+            if connection is not None:
+                connection.close()
+            wal = self.path.with_name(self.path.name + "-wal")
+            if not isinstance(self.explain(exc), DiskFullError) or (wal.exists() and wal.stat().st_size):
+                raise
+        self.disk_full = True
+        return connect_sqlite(self.path, read_only=True, immutable=True)
 
     def reusable(self, connection: sqlite3.Connection) -> bool:
         # an immutable connection never sees a writer's later commits: read-only, open anew each time
-        return not (self.read_only and "immutable=1" in read_only_uri(self.path))
+        return not self.disk_full and not (self.read_only and "immutable=1" in read_only_uri(self.path))
 
     def begin(self, connection: sqlite3.Connection, write: bool) -> None:
         connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")

@@ -53,6 +53,7 @@ class Repository:
         # only init (create) may start a schema: an open that finds none must not start a new history
         self.db = Database(absolute_url(config.metadata_url, root) or f"sqlite:///{self.dir / 'ckpt.db'}", read_only,
                            why, create=create)
+        self.read_only = self.db.read_only  # a full disk makes it so (metadata/sqlite.py)
         self._pool: ThreadPoolExecutor | None = None
         self._shared_pool = False  # the pool is a warm process's (repo/warm.py): closing leaves it running
         self._background: Lane | None = None  # commits in the background (repo/background.py)
