@@ -227,6 +227,9 @@ def check_device(device: str | None) -> None:
                                      f"device(s), numbered from 0")
 
 
+NUMPY_MAX_DIMS = 64  # numpy's limit; torch takes more, so a tensor of more dimensions is shaped in torch
+
+
 def materialize(raw: RawTensor, device: str | None = None) -> Any:
     """Turn a RawTensor back into a torch tensor, numpy array or bytes; the data is not copied."""
     if raw.dtype == BYTES_DTYPE:
@@ -236,7 +239,7 @@ def materialize(raw: RawTensor, device: str | None = None) -> Any:
     torch = _torch()
     data = raw.data if raw.data.flags.writeable else raw.data.copy()
     same = _NUMPY_OF_TORCH.get(raw.dtype)
-    if same is not None and data.size:  # typed and shaped in numpy, one torch call: 5 -> 1.5 us a tensor
+    if same is not None and data.size and len(raw.shape) <= NUMPY_MAX_DIMS:  # one torch call: 5 -> 1.5 us a tensor
         tensor = torch.from_numpy(data.view(same).reshape(raw.shape))
     else:
         buffer = torch.from_numpy(data) if data.size else torch.empty(0, dtype=torch.uint8)

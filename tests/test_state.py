@@ -366,3 +366,9 @@ def test_a_set_of_mixed_types_round_trips_and_numpy_scalars_json_cannot_hold_are
     for scalar in (np.complex64(1 + 2j), np.longdouble(1.5), np.datetime64("2026-12-03"), np.bytes_(b"x")):
         with pytest.raises(UnsupportedStateError, match="numpy .* scalar"):
             flatten({"x": scalar})
+
+
+def test_a_tensor_of_more_dimensions_than_numpy_takes_round_trips(repo):
+    tensor = torch.arange(6.0).reshape([2, 3] + [1] * 68)  # torch allows 70 dimensions, numpy 64
+    back = repo.checkout(repo.commit({"x": tensor, "half": tensor.half()}))
+    assert_same({"x": tensor, "half": tensor.half()}, back)
