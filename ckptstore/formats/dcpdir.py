@@ -17,6 +17,7 @@ import io
 import json
 import os
 import pickle
+import pickletools
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -61,11 +62,26 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _Refused(f"{module}.{name} is not one of DCP's metadata classes")
 
 
+def _refuse_large_memo(data: bytes) -> None:
+    """Refuse a memo index past the pickle's own length (damage, or an attack).
+
+    The C unpickler sizes its memo by the index: 9 bytes naming index 2**28 took 4 GiB before failing.
+    """
+    for opcode, arg, _ in pickletools.genops(data):
+        if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and int(arg) >= len(data):
+            raise ValueError(f"memo index {arg} in a pickle of {len(data)} bytes")
+        if opcode.name == "STOP":
+            return
+
+
 def read_metadata(path: str | os.PathLike, trust_pickle: bool = False) -> Metadata:
     """DCP's `Metadata` from the `.metadata` file of the DCP directory at `path`."""
     where = Path(path) / METADATA
-    with open(where, "rb") as handle:
+    data = where.read_bytes()
+    with io.BytesIO(data) as handle:
         try:
+            if not trust_pickle:
+                _refuse_large_memo(data)
             metadata = pickle.load(handle) if trust_pickle else _MetadataUnpickler(handle).load()
         except _Refused as exc:
             raise PickledObjectsError(f"{where} holds objects beyond DCP's metadata ({exc}); commit it with "

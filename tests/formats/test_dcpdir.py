@@ -138,3 +138,13 @@ def test_a_directory_whose_metadata_leaves_a_gap_is_refused_and_fsck_catches_a_s
         assert dcp_problem(manifest) is None
         items = [{**item, "size": [6, 2]} if item["fqn"] == "w" else item for item in manifest.dcp["items"]]
         assert "cover 8 of its 12" in dcp_problem(replace(manifest, dcp={**manifest.dcp, "items": items}))
+
+
+def test_a_metadata_pickle_naming_a_huge_memo_index_is_refused_before_the_unpickler_sizes_its_memo(tmp_path):
+    import resource
+
+    (tmp_path / ".metadata").write_bytes(b"\x80\x02Nr" + (1 << 28).to_bytes(4, "little") + b".")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CheckpointFormatError, match="memo index 268435456 in a pickle of 9 bytes"):
+        dcpdir.read_metadata(tmp_path)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 512 << 10  # KiB: it took 4 GiB
