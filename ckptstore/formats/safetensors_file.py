@@ -24,6 +24,7 @@ DTYPES = {
     "I64": "torch.int64", "I32": "torch.int32", "I16": "torch.int16", "I8": "torch.int8",
     "U64": "torch.uint64", "U32": "torch.uint32", "U16": "torch.uint16", "U8": "torch.uint8",
     "BOOL": "torch.bool", "F8_E4M3": "torch.float8_e4m3fn", "F8_E5M2": "torch.float8_e5m2",
+    "F8_E4M3FNUZ": "torch.float8_e4m3fnuz", "F8_E5M2FNUZ": "torch.float8_e5m2fnuz", "F8_E8M0": "torch.float8_e8m0fnu",
     "C64": "torch.complex64",
 }
 # unescaped (state.reserved_path), so no tensor name can take it; before 3 December 2026 it was escaped

@@ -33,6 +33,17 @@ def test_safetensors_written_back_byte_identical(tmp_path):
     assert_same({k: state[k] for k in tensors}, tensors)
 
 
+@pytest.mark.parametrize("dtype", ["float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"])
+def test_every_float8_safetensors_holds_is_a_tensor_in_memory_as_load_file_gives_it(tmp_path, dtype):
+    from safetensors.torch import load_file
+
+    tensors = {"x": torch.arange(1, 9, dtype=torch.uint8).view(getattr(torch, dtype))}
+    save_file(tensors, tmp_path / "f8.safetensors")
+    checkpoint = formats.read_checkpoint(tmp_path / "f8.safetensors")
+    state = formats.to_state("file", checkpoint.files, lambda p: materialize(checkpoint.tensors[p]))
+    assert_same(load_file(tmp_path / "f8.safetensors"), {k: state[k] for k in tensors})
+
+
 def test_torch_file_loaded_safely_and_rewritten_equal(tmp_path):
     state = {"w": torch.randn(3, 3), "np": np.random.get_state(), "py": random.getstate(), "n": 3}
     torch.save(state, tmp_path / "a.pt")
