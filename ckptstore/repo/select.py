@@ -160,17 +160,30 @@ def write_selection(selection: Selection, targets: list[tuple[CheckpointFile, Pa
     """Write each selected file: whole ones as checkout writes them, partial ones anew.
 
     A partial torch file becomes a torch.save of its selected state; a partial safetensors file a
-    safetensors file of its selected tensors, in their committed order.
+    safetensors file of its selected tensors, in their committed order. Every file is written
+    under a temporary name first, so a failure (a full disk) leaves the folder as it was.
     """
-    for record, target in targets:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if record.name not in selection.partial:
-            formats.write_file(record, target, value_of, raw_of, exact)
-        elif record.format == formats.SAFETENSORS:
-            from ckptstore.formats.safetensors_file import write_tensors
+    from ckptstore.formats.atomic import temp_beside
 
-            write_tensors(target, {name: raw_of(entry) for name, entry in record.skeleton[2]})
-        else:
-            formats.write_file(record, target, value_of, raw_of)
-        if record.mode is not None:
-            os.chmod(target, record.mode)
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for record, target in targets:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging, handle = temp_beside(target, "new-")
+            handle.close()
+            staged.append((staging, target))
+            if record.name not in selection.partial:
+                formats.write_file(record, staging, value_of, raw_of, exact)
+            elif record.format == formats.SAFETENSORS:
+                from ckptstore.formats.safetensors_file import write_tensors
+
+                write_tensors(staging, {name: raw_of(entry) for name, entry in record.skeleton[2]})
+            else:
+                formats.write_file(record, staging, value_of, raw_of)
+            if record.mode is not None:
+                os.chmod(staging, record.mode)
+        for staging, target in staged:
+            os.replace(staging, target)
+    finally:
+        for staging, _ in staged:
+            staging.unlink(missing_ok=True)

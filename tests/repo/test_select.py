@@ -156,3 +156,32 @@ def test_cli_checkout_only_writes_the_selected_sub_state(repo, tmp_path, monkeyp
     refused = runner.invoke(cli, ["checkout", cid, "--only", "model.*"])
     assert refused.exit_code != 0 and "pass -o PATH" in str(refused.exception or refused.output)
     assert repo.head()[1] == cid
+
+
+def test_a_partial_folder_checkout_that_fails_midway_leaves_the_folder_as_it_was(repo, tmp_path, monkeypatch):
+    import errno
+
+    from ckptstore import formats
+    from ckptstore.errors import DiskFullError
+
+    trainer = Trainer()
+    trainer.train(1)
+    _trainer_folder(tmp_path / "a", trainer)
+    first = repo.commit(tmp_path / "a")
+    trainer.train(1)
+    _trainer_folder(tmp_path / "b", trainer)
+    second = repo.commit(tmp_path / "b")
+    only = ["model.safetensors", "optimizer.pt"]
+    repo.checkout_to(first, tmp_path / "out", keys=only)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    writing, written = formats.write_file, []
+
+    def the_disk_fills_at_the_second_file(*args, **kwargs):
+        if written:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(writing(*args, **kwargs))
+
+    monkeypatch.setattr(formats, "write_file", the_disk_fills_at_the_second_file)
+    with pytest.raises((DiskFullError, OSError)):
+        repo.checkout_to(second, tmp_path / "out", keys=only, force=True)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before  # no temp files either
