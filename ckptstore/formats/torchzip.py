@@ -367,6 +367,9 @@ class _Archive:
         # a private (copy-on-write) map: writable arrays like torch's mmap gives, the file untouched
         self.base = np.frombuffer(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY), dtype=np.uint8)
         self.records = {i.filename[len(top):]: i for i in zf.infolist() if i.filename.startswith(top)}
+        # torch's zip reader finds records ignoring case (and takes the first of a name): where names
+        # collide so, the two readers could take different bytes, so torch reads the file
+        _need(len({name.lower() for name in names}) == len(names), "record names distinct ignoring case")
 
     def read(self, name: str) -> bytes | None:
         info = self.records.get(name)

@@ -172,6 +172,25 @@ def test_parameter_with_hf_flag_is_read_and_other_state_left_to_torch(tmp_path):
     assert torchzip.read(tmp_path / "b.pt") is None
 
 
+@pytest.mark.parametrize("second", ["same name", "other case"])
+def test_record_names_that_collide_as_torch_finds_them_are_read_by_torch(tmp_path, second):
+    import io
+
+    from ckptstore.state import materialize
+
+    saved = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, saved)
+    with zipfile.ZipFile(saved) as source, zipfile.ZipFile(tmp_path / "m.pt", "w") as out:
+        for info in source.infolist():
+            out.writestr(info, source.read(info))
+            if info.filename.endswith("/data/0"):  # torch ignores case: which record it takes is its own rule
+                name = info.filename if second == "same name" else info.filename.replace("/data/0", "/DATA/0")
+                out.writestr(name, torch.full((4,), 666.0).numpy().tobytes())
+    assert torchzip.read(tmp_path / "m.pt") is None
+    tensors = formats.read_checkpoint(tmp_path / "m.pt").tensors
+    assert torch.equal(materialize(next(iter(tensors.values()))), torch.load(tmp_path / "m.pt", weights_only=True)["w"])
+
+
 def test_formats_reads_without_torch_in_a_fresh_process(tmp_path):
     trainer = Trainer()
     trainer.train(2)
