@@ -37,7 +37,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ckptstore.errors import UnsupportedStateError
+from ckptstore.errors import CheckpointFormatError, UnsupportedStateError
 from ckptstore.formats.torchfile import numpy_safe_globals, refused
 from ckptstore.state import INT64_END, TORCH_ITEMSIZE, TORCH_PREFIX, FlatState, RawTensor, _Flattener
 
@@ -88,6 +88,10 @@ class _Fallback(Exception):
 
 class _Refused(Exception):
     """A global that torch's weights_only loader refuses as well."""
+
+
+class _Damaged(Exception):
+    """Damage torch.load refuses too; torch.load(mmap=True), the fallback, would read past it."""
 
 
 def _need(condition: bool, what: str) -> None:
@@ -380,7 +384,9 @@ class _Archive:
         name = f"data/{key}"
         info = self.records.get(name)
         _need(info is not None, f"record {name}")
-        _need(info.file_size == nbytes and not info.flag_bits & 1, f"{name} size or encryption")
+        if info.file_size != nbytes:
+            raise _Damaged(f"record {name} holds {info.file_size} bytes, its pickle asks for {nbytes}")
+        _need(not info.flag_bits & 1, f"{name} encryption")
         if info.compress_type != zipfile.ZIP_STORED:
             # zipfile inflates and checks the CRC; torch.load reads such files too
             return TypedStorage(key, dtype_name, 0, nbytes, np.frombuffer(self.zf.read(info), np.uint8), "")
@@ -611,6 +617,9 @@ def read_with_covers(path: str | Path, prefix: str = "", on_fallback: Callable[[
         return _load(path, prefix)
     except _Refused:
         raise refused(path, TORCH_REFUSAL) from None
+    except _Damaged as exc:
+        raise CheckpointFormatError(f"{path} is not a readable torch.save file (truncated or corrupted?): {exc}"
+                                    ) from None
     except UnsupportedStateError:
         raise
     except Exception as exc:  # anything not modelled, malformed or truncated: torch's loader decides

@@ -191,6 +191,23 @@ def test_record_names_that_collide_as_torch_finds_them_are_read_by_torch(tmp_pat
     assert torch.equal(materialize(next(iter(tensors.values()))), torch.load(tmp_path / "m.pt", weights_only=True)["w"])
 
 
+@pytest.mark.parametrize("change", [8, -8])
+def test_a_storage_record_of_another_size_than_its_pickle_asks_is_refused_as_torch_load_refuses_it(tmp_path, change):
+    import io
+
+    saved = io.BytesIO()
+    torch.save({"a": torch.arange(4.0), "b": torch.ones(2)}, saved)
+    with zipfile.ZipFile(saved) as source, zipfile.ZipFile(tmp_path / "m.pt", "w") as out:
+        for info in source.infolist():
+            data = source.read(info)
+            out.writestr(info, data + bytes(change) if change > 0 and info.filename.endswith("/data/0")
+                         else data[:change] if info.filename.endswith("/data/0") else data)
+    with pytest.raises(Exception, match="record size"):
+        torch.load(tmp_path / "m.pt", weights_only=True)
+    with pytest.raises(CheckpointFormatError, match="record data/0 holds .* bytes, its pickle asks for 16"):
+        formats.read_checkpoint(tmp_path / "m.pt")  # torch.load(mmap=True), once the fallback, read past it
+
+
 def test_formats_reads_without_torch_in_a_fresh_process(tmp_path):
     trainer = Trainer()
     trainer.train(2)
