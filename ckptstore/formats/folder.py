@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,9 @@ def is_temp_name(name: str) -> bool:
     return _TEMP_NAME.match(name) is not None
 
 
+MAX_PATHS_TO_A_FOLDER = 8
+
+
 def folder_files(root: str | os.PathLike, exclude: Iterable[str | os.PathLike] = ()) -> list[FolderFile]:
     """The files under `root`, sorted by name, links followed per the module's policy.
 
@@ -47,13 +51,17 @@ def folder_files(root: str | os.PathLike, exclude: Iterable[str | os.PathLike] =
     real_root = Path(os.path.realpath(root))
     skipped = {Path(os.path.realpath(p)) for p in exclude}
     found: list[FolderFile] = []
-    _walk(root, "", real_root, [real_root], real_root, skipped, found)
+    _walk(root, "", real_root, [real_root], real_root, skipped, found, Counter())
     return sorted(found, key=lambda f: f.name)
 
 
 def _walk(folder: Path, prefix: str, real: Path, stack: list[Path], real_root: Path, skipped: set[Path],
-          found: list[FolderFile]) -> None:
+          found: list[FolderFile], visits: Counter) -> None:
     """Add the files under `folder` (whose resolved path is `real`; `stack`: resolved folders walked into)."""
+    visits[real] += 1
+    if visits[real] > MAX_PATHS_TO_A_FOLDER:  # links fanning out (a/{x,y} -> b, b/{x,y} -> c ...) list 2**n paths
+        raise CheckpointFormatError(f"links inside {real_root} reach {real} by more than {MAX_PATHS_TO_A_FOLDER} "
+                                    "paths: remove the links, or copy what they point at")
     with os.scandir(folder) as entries:
         listed = sorted(entries, key=lambda e: e.name)
     for entry in listed:
@@ -69,7 +77,7 @@ def _walk(folder: Path, prefix: str, real: Path, stack: list[Path], real_root: P
             if target in stack:
                 raise CheckpointFormatError(f"{path} is a symlink to {target}, a folder that holds the link: "
                                             "following it would never end; remove the link")
-            _walk(path, name + "/", target, [*stack, target], real_root, skipped, found)
+            _walk(path, name + "/", target, [*stack, target], real_root, skipped, found, visits)
         elif stat.S_ISREG(info.st_mode):
             if not is_temp_name(entry.name):
                 found.append(FolderFile(name, path, stat.S_IMODE(info.st_mode) & MODE_BITS))

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from ckptstore import formats
 from ckptstore.errors import CheckpointFormatError
 from ckptstore.formats import CheckpointFile
+from ckptstore.formats.folder import folder_files
 from ckptstore.repo.manifest import Manifest
 
 
@@ -88,3 +89,24 @@ def test_a_lone_file_keeps_what_stat_says(tmp_path):
     os.chmod(tmp_path / "a.pt", 0o640)
     record = formats.read_checkpoint(tmp_path / "a.pt").files[0]
     assert record.mode == stat.S_IMODE((tmp_path / "a.pt").stat().st_mode) == 0o640
+
+
+def test_links_that_fan_out_to_one_folder_by_many_paths_are_refused_at_once(tmp_path):
+    import time
+
+    for level in range(31):  # d0/{a,b} -> d1, d1/{a,b} -> d2 ...: 2**30 paths to d30
+        (tmp_path / f"d{level}").mkdir()
+    (tmp_path / "d30" / "w.bin").write_bytes(b"x")
+    for level in range(30):
+        for name in "ab":
+            (tmp_path / f"d{level}" / name).symlink_to(tmp_path / f"d{level + 1}")
+    started = time.monotonic()
+    with pytest.raises(CheckpointFormatError, match="by more than 8 paths"):
+        folder_files(tmp_path)
+    assert time.monotonic() - started < 10
+    two = tmp_path / "two"
+    (two / "real").mkdir(parents=True)
+    (two / "real" / "w.bin").write_bytes(b"y")
+    for name in ("x", "y"):  # two links to one folder are still stored, as its content twice
+        (two / name).symlink_to(two / "real")
+    assert [f.name for f in folder_files(two)] == ["real/w.bin", "x/w.bin", "y/w.bin"]
