@@ -18,6 +18,7 @@ import json
 import os
 import pickle
 import pickletools
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -115,6 +116,7 @@ def read(path: str | os.PathLike, trust_pickle: bool = False
             raise CheckpointFormatError(f"{path}: the DCP metadata of {item['fqn']!r} is impossible: {problem}")
         for offsets, sizes, key in item["chunks"]:
             where.append((key, _slice(path, files, metadata, MetadataIndex(item["fqn"], offsets)), item, sizes))
+    _warn_unstored(path, {METADATA, *files})
 
     def items() -> Iterator[tuple[str, RawTensor]]:
         for key, blob, item, sizes in where:
@@ -122,6 +124,15 @@ def read(path: str | os.PathLike, trust_pickle: bool = False
                         _tensor(blob, item, sizes, f"{path}: {item['fqn']} at {key.rsplit('/', 2)[-2]}"))
 
     return described, items()
+
+
+def _warn_unstored(path: Path, stored: set[str]) -> None:
+    """Say which entries of the folder a sharded commit leaves out (it stores what `.metadata` names)."""
+    others = sorted(e.name + ("/" if e.is_dir() else "") for e in os.scandir(path) if e.name not in stored)
+    if others:
+        listed = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        warnings.warn(f"{path}: {listed} not stored: a DCP commit keeps the files its .metadata names; commit "
+                      "the others on their own", RuntimeWarning, stacklevel=3)
 
 
 def _slice(root: Path, files: dict[str, np.ndarray], metadata: Metadata, index: MetadataIndex) -> np.ndarray:
@@ -139,6 +150,9 @@ def _slice(root: Path, files: dict[str, np.ndarray], metadata: Metadata, index: 
         raise CheckpointFormatError(f"{root / METADATA} points outside its folder ({info.relative_path})")
     if info.relative_path not in files:
         file = root / name
+        if file.is_symlink() and not Path(os.path.realpath(file)).is_relative_to(os.path.realpath(root)):
+            raise CheckpointFormatError(f"{file} is a symlink to {os.path.realpath(file)}, outside the DCP directory: "
+                                        "ckptstore follows only links that stay inside; copy the file in instead")
         if not file.is_file():
             raise CheckpointFormatError(f"{file} is missing: the DCP directory is incomplete")
         files[info.relative_path] = np.memmap(file, dtype=np.uint8, mode="r") if file.stat().st_size else \

@@ -148,3 +148,21 @@ def test_a_metadata_pickle_naming_a_huge_memo_index_is_refused_before_the_unpick
     with pytest.raises(CheckpointFormatError, match="memo index 268435456 in a pickle of 9 bytes"):
         dcpdir.read_metadata(tmp_path)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 512 << 10  # KiB: it took 4 GiB
+
+
+def test_files_the_metadata_does_not_name_are_warned_of_and_a_shard_linked_from_outside_is_refused(tmp_path):
+    import warnings
+
+    dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "saved")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dcpdir.read(tmp_path / "saved")  # a plain DCP directory: nothing to say
+    (tmp_path / "saved" / "config.yaml").write_text("lr: 1e-3\n")
+    (tmp_path / "saved" / "tokenizer").mkdir()
+    with pytest.warns(RuntimeWarning, match=r"config.yaml, tokenizer/ not stored"):
+        dcpdir.read(tmp_path / "saved")
+    shard = next((tmp_path / "saved").glob("*.distcp"))
+    shard.rename(tmp_path / "elsewhere.distcp")
+    shard.symlink_to(tmp_path / "elsewhere.distcp")
+    with pytest.raises(CheckpointFormatError, match="outside the DCP directory"):
+        dcpdir.read(tmp_path / "saved")
