@@ -63,7 +63,8 @@ class ChainSource:
     def diagnose(self, record: TensorRecord, error: Exception) -> Exception:
         """The damaged object behind a failed replay of `record`, raised as CorruptObjectError.
 
-        Every object of the record's chain is verified; when they all are sound, `error` is returned.
+        Every object of the record's chain is verified; when they all are sound, the records are
+        what is damaged.
         """
         seen: set[str] = set()
         current: TensorRecord | None = record
@@ -74,7 +75,10 @@ class ChainSource:
                     seen.add(chunk.object_id)
                     self.store.get(chunk.object_id)
             current = self.records.get(current.base_id) if current.base_id else None
-        if isinstance(error, (CodecError, CorruptObjectError, CorruptRecordError)):
+        if isinstance(error, CorruptObjectError):  # bytes that decoded wrong from sound objects: the record's fault
+            return CorruptRecordError(f"tensor {record.id}", f"{error.problem}, though every object of its chain is "
+                                      "sound (`ckpt fsck --full` checks records)", tensors=[record.id])
+        if isinstance(error, (CodecError, CorruptRecordError)):
             return error
         # sound objects that do not decode with the recorded codec and params: the record is damaged
         return CorruptRecordError(f"tensor {record.id}", f"its chunks do not decode with its recorded codec and "
