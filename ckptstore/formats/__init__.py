@@ -84,7 +84,7 @@ def _read_file(path: Path, name: str, trust_pickle: bool, in_folder: bool) -> tu
     if size and safetensors_file.looks_like_safetensors(path):
         skeleton, tensors = safetensors_file.read(path, prefix)
         return CheckpointFile(name, SAFETENSORS, skeleton, size), tensors
-    torch_like = size and torchfile.looks_like_torch_file(path)
+    torch_like = size and torchfile.looks_like_torch_file(path) and not torchfile.plain_zip(path)
     if torch_like and (not in_folder or path.suffix in TORCH_SUFFIXES):
         try:
             return _read_torch_file(path, name, prefix, size, trust_pickle)

@@ -37,6 +37,16 @@ def looks_like_torch_file(path: str | os.PathLike) -> bool:
     return head == ZIP_MAGIC or head[:1] == PICKLE_MAGIC
 
 
+def plain_zip(path: str | os.PathLike) -> bool:
+    """A whole zip archive with no `<folder>/data.pkl` record: some other program's zip, not a torch.save file."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+    except ZIP_ERRORS:
+        return False  # cut off or damaged: torch's reader says why
+    return not any(name.count("/") == 1 and name.endswith("/data.pkl") for name in names)
+
+
 def refused(path: str | os.PathLike, reason: str) -> PickledObjectsError:
     """The error for a file whose pickle holds more than plain training state; `reason` is torch's."""
     last_line = reason.strip().splitlines()[-1] if reason.strip() else ""

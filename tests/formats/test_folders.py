@@ -110,3 +110,18 @@ def test_links_that_fan_out_to_one_folder_by_many_paths_are_refused_at_once(tmp_
     for name in ("x", "y"):  # two links to one folder are still stored, as its content twice
         (two / name).symlink_to(two / "real")
     assert [f.name for f in folder_files(two)] == ["real/w.bin", "x/w.bin", "y/w.bin"]
+
+
+def test_a_zip_of_another_program_with_a_torch_suffix_is_a_plain_file_of_the_folder(tmp_path):
+    import zipfile
+
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    torch.save({"w": torch.ones(2)}, folder / "pytorch_model.bin")
+    with zipfile.ZipFile(folder / "assets.bin", "w") as assets:
+        assets.writestr("readme.txt", "hi")
+    checkpoint = formats.read_checkpoint(folder)
+    kinds = {record.name: record.format for record in checkpoint.files}
+    assert kinds == {"assets.bin": formats.BLOB, "pytorch_model.bin": formats.TORCH}
+    with pytest.raises(CheckpointFormatError, match="is not a checkpoint"):
+        formats.read_checkpoint(folder / "assets.bin")  # alone, it is no torch.save file either
