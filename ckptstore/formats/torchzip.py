@@ -615,8 +615,8 @@ def read_with_covers(path: str | Path, prefix: str = "", on_fallback: Callable[[
     path = Path(path)
     try:
         return _load(path, prefix)
-    except _Refused:
-        raise refused(path, TORCH_REFUSAL) from None
+    except _Refused as exc:
+        raise refused(path, TORCH_REFUSAL, str(exc)) from None
     except _Damaged as exc:
         raise CheckpointFormatError(f"{path} is not a readable torch.save file (truncated or corrupted?): {exc}"
                                     ) from None

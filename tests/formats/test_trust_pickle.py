@@ -78,3 +78,12 @@ def test_a_damaged_pickle_is_a_format_error_not_a_traceback(tmp_path, content):
     (tmp_path / "x.pt").write_bytes(content)
     with pytest.raises(CheckpointFormatError, match="not a readable torch.save file"):
         formats.read_checkpoint(tmp_path / "x.pt")  # b"\x80" was an IndexError from torch's unpickler
+
+
+def test_a_refused_file_names_the_class_torch_would_not_load(tmp_path):
+    from ckptstore.formats import torchfile, torchzip
+
+    torch.save({"args": argparse.Namespace(lr=0.1)}, tmp_path / "a.pt")
+    for read in (formats.read_checkpoint, torchzip.read, torchfile.load):  # ours, and torch's own reader
+        with pytest.raises(PickledObjectsError, match=r"\(argparse.Namespace is not among the classes torch.load"):
+            read(tmp_path / "a.pt")
