@@ -26,6 +26,9 @@ os.environ.setdefault("CKPTSTORE_CHAIN_COSTS", '{"2": [1e-10, 1e-10, 4e-10, 1], 
 # for this process and every one it starts: tests never read or leave anything in ~/.cache.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="ckpt-test-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
+# So do daemons' sockets: a daemon sweeps the folder of dead ones, which another test worker's test inspects.
+os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="ckpt-test-run-")
+atexit.register(shutil.rmtree, os.environ["XDG_RUNTIME_DIR"], True)
 
 
 def assert_same(a, b, where: str = "<root>") -> None:
