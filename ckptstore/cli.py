@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import math
 import sys
@@ -642,6 +643,9 @@ def main(argv: list[str] | None = None) -> None:
     """
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv  # the group's flag; read here, where the traceback is printed
+    for stream in (sys.stdout, sys.stderr):  # a name that is no valid text (a lone surrogate) prints escaped
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
     try:
         # per command: a warning is one line, and a daemon's earlier commands leave no "shown once" behind
         with warnings.catch_warnings():

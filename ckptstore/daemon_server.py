@@ -53,7 +53,8 @@ class _Output(io.TextIOBase):
     def write(self, text: str | bytes) -> int:  # click writes bytes where it finds no terminal
         if text and not self.gone:
             try:
-                send_frame(self.conn, self.channel, text if isinstance(text, bytes) else text.encode())
+                data = text if isinstance(text, bytes) else text.encode(errors="backslashreplace")  # as cli.main
+                send_frame(self.conn, self.channel, data)
             except OSError:
                 self.gone = True
         return len(text)

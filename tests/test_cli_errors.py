@@ -223,3 +223,12 @@ def test_init_where_nothing_can_be_made_is_one_line_and_leaves_nothing(tmp_path,
         result = CliRunner().invoke(cli, args)
         assert result.exit_code == 1 and words in str(result.exception), (args, result.exception)
     assert not (tmp_path / "fresh").exists()  # the folder it had made is gone too
+
+
+def test_a_tensor_name_that_is_no_valid_text_prints_escaped(tmp_path):
+    header = b'{"\\ud800":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'  # JSON's escape of a lone surrogate
+    (tmp_path / "m.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\x07")
+    with Repository.init(tmp_path) as repo:
+        repo.commit(tmp_path / "m.safetensors")
+    shown = run(tmp_path, "show", "HEAD")
+    assert shown.returncode == 0 and "\\ud800" in shown.stdout, shown.stderr
