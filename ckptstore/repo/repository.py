@@ -16,7 +16,7 @@ from ckptstore.metadata import Database, absolute_url
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.objectstore import ObjectStore, open_store
-from ckptstore.repo import refs, warm
+from ckptstore.repo import journal, refs, warm
 from ckptstore.repo.config import RepoConfig
 from ckptstore.repo.joining import open_over_objects
 from ckptstore.repo.location import REPO_DIR, find_root, unwritable
@@ -54,6 +54,8 @@ class Repository:
         self.db = Database(absolute_url(config.metadata_url, root) or f"sqlite:///{self.dir / 'ckpt.db'}", read_only,
                            why, create=create)
         self.read_only = self.db.read_only  # a full disk makes it so (metadata/sqlite.py)
+        if not self.read_only:
+            journal.finish_interrupted(self.dir)  # a checkout killed among its renames
         self._pool: ThreadPoolExecutor | None = None
         self._shared_pool = False  # the pool is a warm process's (repo/warm.py): closing leaves it running
         self._background: Lane | None = None  # commits in the background (repo/background.py)

@@ -156,14 +156,17 @@ def _entries_in(node: Any) -> set[str]:
 
 
 def write_selection(selection: Selection, targets: list[tuple[CheckpointFile, Path]],
-                    value_of: Callable[[str], Any], raw_of: Callable[[str], RawTensor], exact: bool) -> None:
+                    value_of: Callable[[str], Any], raw_of: Callable[[str], RawTensor], exact: bool,
+                    repo_dir: Path) -> None:
     """Write each selected file: whole ones as checkout writes them, partial ones anew.
 
     A partial torch file becomes a torch.save of its selected state; a partial safetensors file a
     safetensors file of its selected tensors, in their committed order. Every file is written
-    under a temporary name first, so a failure (a full disk) leaves the folder as it was.
+    under a temporary name first, so a failure (a full disk) leaves the folder as it was; the
+    renames into place are journalled in `repo_dir` (repo/journal.py).
     """
     from ckptstore.formats.atomic import temp_beside
+    from ckptstore.repo import journal
 
     staged: list[tuple[Path, Path]] = []
     try:
@@ -182,8 +185,9 @@ def write_selection(selection: Selection, targets: list[tuple[CheckpointFile, Pa
                 formats.write_file(record, staging, value_of, raw_of)
             if record.mode is not None:
                 os.chmod(staging, record.mode)
-        for staging, target in staged:
-            os.replace(staging, target)
+        with journal.renaming(repo_dir, staged, []):
+            for staging, target in staged:
+                os.replace(staging, target)
     finally:
         for staging, _ in staged:
             staging.unlink(missing_ok=True)

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
+from ckptstore import faults
 from ckptstore.errors import CkptError, DirtyWorktreeError
 from ckptstore.hashing import CommitId, file_digest
 from ckptstore.metadata import files as file_rows
+from ckptstore.repo import journal
 
 if TYPE_CHECKING:
     from ckptstore.formats import CheckpointFile
@@ -214,16 +216,18 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
             raise DirtyWorktreeError(f"checkout would {_listed(unsaved)}, which changed while the checkout read the "
                                      "commit, to content that is not in the store; nothing was replaced or deleted: "
                                      "commit it first to keep it, then check out again")
-        for path in plan.extras:
-            path.unlink(missing_ok=True)
-        for folder in plan.folders:
-            try:
-                folder.rmdir()
-            except OSError:  # something new appeared in it meanwhile: leave it rather than lose it
-                pass
-        for staging, target in staged:
-            target.parent.mkdir(parents=True, exist_ok=True)  # where a file the commit lacks stood, maybe
-            os.replace(staging, target)
+        with journal.renaming(repo.dir, staged, plan.extras):
+            for path in plan.extras:
+                path.unlink(missing_ok=True)
+            for folder in plan.folders:
+                try:
+                    folder.rmdir()
+                except OSError:  # something new appeared in it meanwhile: leave it rather than lose it
+                    pass
+            for staging, target in staged:
+                target.parent.mkdir(parents=True, exist_ok=True)  # where a file the commit lacks stood, maybe
+                os.replace(staging, target)
+                faults.point("checkout:renamed")
         for folder in {target.parent for _, target in staged}:
             sync_dir(folder)
     finally:

@@ -400,3 +400,29 @@ def _record_failure(failures, fn, *args):
         fn(*args)
     except Exception as exc:
         failures.append(exc)
+
+
+def test_a_folder_checkout_killed_among_its_renames_is_finished_by_the_next_command(tmp_path):
+    from ckptstore import Repository
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    files = {"a.pt": 1, "b.pt": 2, "c.pt": 3}
+    for name, seed in files.items():
+        torch.save({"w": torch.full((8,), float(seed))}, folder / name)
+    with Repository.init(tmp_path) as repo:
+        first = repo.commit(folder)
+        for name, seed in files.items():
+            torch.save({"w": torch.full((8,), float(seed + 10))}, folder / name)
+        (folder / "only-in-second.txt").write_text("x")
+        repo.commit(folder)
+    killed = subprocess.run([sys.executable, "-m", "ckptstore", "checkout", first[:12]], cwd=tmp_path,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT), CKPT_CRASH_AT="checkout:renamed"),
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    values = lambda: {p.name: torch.load(p, weights_only=True)["w"][0].item() for p in folder.glob("*.pt")}
+    assert sorted(values().values()) == [1.0, 12.0, 13.0]  # one file of the first commit, two of the second
+    with Repository.open(tmp_path) as repo:  # any command that opens the repository for writing
+        assert values() == {name: float(seed) for name, seed in files.items()}
+        assert not (folder / "only-in-second.txt").exists() and not list(folder.glob(".*"))
+        assert not list((tmp_path / ".ckpt" / "journals").iterdir())

@@ -1,0 +1,79 @@
+"""The rename step of a checkout, journalled: a process killed between its renames is finished by the next.
+
+A checkout writes every file under a temporary name first, then deletes what the commit lacks
+and renames the new files into place. Those last steps take moments, but a `kill -9` among them
+left a folder holding files of two commits (a trainer resuming from it would mix weights and
+optimizer). Before them, the plan goes to `.ckpt/journals/` (durably); the checkout holds an
+flock on it until the journal is removed. The next process that opens the repository for
+writing finds journals whose lock is free (their process died) and carries out what is left:
+renames whose temporary file is still there, deletions of what is still there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+FOLDER = "journals"
+
+
+@contextlib.contextmanager
+def renaming(repo_dir: Path, renames: Sequence[tuple[Path, Path]], deletions: Sequence[Path]) -> Iterator[None]:
+    """Hold a durable journal of `renames` (temporary file, target) and `deletions` for the length of the block."""
+    folder = repo_dir / FOLDER
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{secrets.token_hex(8)}.json"
+    plan = {"renames": [[str(a), str(b)] for a, b in renames], "deletions": [str(p) for p in deletions]}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, json.dumps(plan).encode())
+        os.fsync(fd)
+        try:
+            yield
+        except KeyboardInterrupt:  # Ctrl-C among the renames: finish them, the checkout is one step to the user
+            _carry_out(plan)
+            raise
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def finish_interrupted(repo_dir: Path) -> int:
+    """Carry out what journals of dead checkouts left undone; returns how many were finished."""
+    folder = repo_dir / FOLDER
+    if not folder.is_dir():
+        return 0
+    finished = 0
+    for path in sorted(folder.glob("*.json")):
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:  # its checkout ended meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a checkout in progress
+            os.close(fd)
+            continue
+        try:
+            with contextlib.suppress(ValueError):  # cut off while written: no rename had begun
+                _carry_out(json.loads(path.read_bytes()))
+                finished += 1
+            path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+    return finished
+
+
+def _carry_out(plan: dict) -> None:
+    for deleted in plan["deletions"]:
+        Path(deleted).unlink(missing_ok=True)
+    for staging, target in plan["renames"]:
+        if Path(staging).exists():
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging, target)
