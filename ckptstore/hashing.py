@@ -71,6 +71,11 @@ def file_digest(path: str) -> str:
     return hasher.hexdigest()
 
 
+def bytes_digest(data: bytes | memoryview) -> str:
+    """`file_digest` of a file holding `data`."""
+    return _hasher(data, threads=blake3.blake3.AUTO).hexdigest()
+
+
 def is_hex_id(text: str) -> bool:
     """True for a full-length lowercase hex digest."""
     return len(text) == HEX_LENGTH and all(c in "0123456789abcdef" for c in text)

@@ -20,7 +20,7 @@ from ckptstore import faults, formats
 from ckptstore.errors import CheckpointFormatError, CkptError, NonFiniteError, NothingToCommitError, UnquantizableError
 from ckptstore.formats.dcpmeta import is_dcp_dir
 from ckptstore.formats.folder import folder_files
-from ckptstore.hashing import CommitId, ObjectId, TensorId, file_digest, tensor_id
+from ckptstore.hashing import CommitId, ObjectId, TensorId, bytes_digest, file_digest, tensor_id
 from ckptstore.metadata import Tx
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import files as file_rows
@@ -130,7 +130,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
                           RuntimeWarning, stacklevel=2)
             level = None
             done, change = _encode_checked(repo, checkpoint, parent, sources, None, lossy, measured, progress, None)
-        _refuse_changed(stamps)  # after every byte was read: a save still writing the file would be stored torn
+        _settle_changed(checkpoint, stamps, digests)  # after every byte was read: a save still writing it is torn
         entries, encoded, sizes = done.entries, done.records, done.sizes
         if change is not None:
             options = replace(options, metrics={**options.metrics, calibrate.CALIBRATION_METRIC: change * 100})
@@ -216,7 +216,8 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
                  ) -> tuple[str | None, formats.Checkpoint, dict[str, str], dict[Path, tuple[int, ...]]]:
     """(path relative to the repository or absolute, or None for a state; the checkpoint; digests; stamps).
 
-    A file's stamp is taken before it is read, for `_refuse_changed` once every byte has been.
+    A file's stamp (by record name: its path, then its stamp) is taken before it is read, for
+    `_settle_changed` once every byte has been.
     """
     if isinstance(source, formats.Checkpoint):  # a state flattened already (a background commit's snapshot)
         return None, source, {}, {}
@@ -235,15 +236,17 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
     stamps = {p: _stamp(p) for p in on_disk}
     pending = {p: repo.pool.submit(file_digest, str(p)) for p in on_disk}
     checkpoint = formats.read_checkpoint(path, trust_pickle, exclude=excluded)
-    digests = {}
+    digests, stamped = {}, {}
     for record in checkpoint.files:
         target = formats.destination(checkpoint.kind, record, path)
         digests[record.name] = pending[target].result() if target in pending else file_digest(str(target))
+        if target in stamps:
+            stamped[record.name] = (target, stamps[target])
     try:
         relative = path.relative_to(repo.root).as_posix()
     except ValueError:
         relative = str(path)
-    return relative, checkpoint, digests, stamps
+    return relative, checkpoint, digests, stamped
 
 
 def _stamp(path: Path) -> tuple[int, ...]:
@@ -252,16 +255,24 @@ def _stamp(path: Path) -> tuple[int, ...]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def _refuse_changed(stamps: Mapping[Path, tuple[int, ...]]) -> None:
-    """Refuse a commit whose files changed while it read them: what it read may be half old, half new."""
-    for path, before in stamps.items():
+def _settle_changed(checkpoint: formats.Checkpoint, stamps: Mapping[str, tuple[Path, tuple[int, ...]]],
+                    digests: dict[str, str]) -> None:
+    """Refuse a commit whose tensor files changed while it read them: what it read may be half old, half new.
+
+    A plain file (a log the run appends to) keeps the bytes read, and the digest of those bytes.
+    """
+    for record in checkpoint.files:
+        path, before = stamps.get(record.name, (None, None))
         try:
-            now = _stamp(path)
+            now = _stamp(path) if path is not None else before
         except OSError:
             now = None
-        if now != before:
+        if now == before:
+            continue
+        if record.format != formats.BLOB:
             raise CheckpointFormatError(f"{path} changed while it was being committed (is a save still writing it?); "
                                         "nothing was recorded: commit it again once the save has finished")
+        digests[record.name] = bytes_digest(checkpoint.tensors[record.skeleton[1]].data)
 
 
 _SMALL_TENSOR = 64 << 10  # tensors up to this size are hashed in batches: a task each cost more than the hash

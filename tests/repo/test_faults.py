@@ -314,3 +314,28 @@ def test_a_branch_that_moves_while_it_is_checked_out_leaves_head_detached_at_the
     with pytest.warns(RuntimeWarning, match="exp moved to .* HEAD is detached at"):
         repo.checkout_to("exp")  # in place: the files of `first`
     assert repo.head() == (None, first)
+
+
+def test_a_log_appended_to_while_its_folder_is_committed_keeps_the_bytes_read(repo, tmp_path, monkeypatch):
+    from ckptstore import formats
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    torch.save({"w": torch.ones(4)}, folder / "model.pt")
+    (folder / "train.log").write_text("step 1\n")
+    reading = formats.read_checkpoint
+
+    def the_run_logs_meanwhile(*args, **kwargs):
+        checkpoint = reading(*args, **kwargs)
+        with open(folder / "train.log", "a") as log:
+            log.write("step 2\n")
+        return checkpoint
+
+    monkeypatch.setattr(formats, "read_checkpoint", the_run_logs_meanwhile)
+    cid = repo.commit(folder)
+    monkeypatch.setattr(formats, "read_checkpoint", reading)
+    out = tmp_path / "out"
+    repo.checkout_to(cid, out)
+    assert (out / "train.log").read_text() == "step 1\n"
+    with pytest.raises(DirtyWorktreeError):  # "step 2" is in no commit: checking out over it is refused
+        repo.checkout_to(cid)
