@@ -17,7 +17,7 @@ import io
 import json
 import os
 import pickle
-import pickletools
+import re
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -52,8 +52,13 @@ class _Refused(pickle.UnpicklingError):
     """A global outside the allow-list (told apart from a damaged pickle)."""
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's `.metadata`: its classes, torch's dtypes, sizes and layouts, and nothing else."""
+class _MetadataUnpickler(pickle._Unpickler):
+    """Unpickles DCP's `.metadata`: its classes, torch's dtypes, sizes and layouts, and nothing else.
+
+    Python's own unpickler, not the C one: the C unpickler sizes its memo by the largest index a
+    pickle names (9 bytes naming 2**28 took 4 GiB before failing); this one keeps a dict. On a
+    3,000-tensor metadata it took 0.29 s where the C one took 0.25 s.
+    """
 
     def find_class(self, module: str, name: str) -> Any:
         if name in _METADATA_CLASSES.get(module, ()):
@@ -63,27 +68,12 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _Refused(f"{module}.{name} is not one of DCP's metadata classes")
 
 
-def _refuse_large_memo(data: bytes) -> None:
-    """Refuse a memo index past the pickle's own length (damage, or an attack).
-
-    The C unpickler sizes its memo by the index: 9 bytes naming index 2**28 took 4 GiB before failing.
-    """
-    for opcode, arg, _ in pickletools.genops(data):
-        if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and int(arg) >= len(data):
-            raise ValueError(f"memo index {arg} in a pickle of {len(data)} bytes")
-        if opcode.name == "STOP":
-            return
-
-
 def read_metadata(path: str | os.PathLike, trust_pickle: bool = False) -> Metadata:
     """DCP's `Metadata` from the `.metadata` file of the DCP directory at `path`."""
     where = Path(path) / METADATA
-    data = where.read_bytes()
-    with io.BytesIO(data) as handle:
+    with open(where, "rb") as handle:
         try:
-            if not trust_pickle:
-                _refuse_large_memo(data)
-            metadata = pickle.load(handle) if trust_pickle else _MetadataUnpickler(handle).load()
+            metadata = pickle._Unpickler(handle).load() if trust_pickle else _MetadataUnpickler(handle).load()
         except _Refused as exc:
             raise PickledObjectsError(f"{where} holds objects beyond DCP's metadata ({exc}); commit it with "
                                       "--trust-pickle only if you trust who wrote it") from None
@@ -116,7 +106,7 @@ def read(path: str | os.PathLike, trust_pickle: bool = False
             raise CheckpointFormatError(f"{path}: the DCP metadata of {item['fqn']!r} is impossible: {problem}")
         for offsets, sizes, key in item["chunks"]:
             where.append((key, _slice(path, files, metadata, MetadataIndex(item["fqn"], offsets)), item, sizes))
-    _warn_unstored(path, {METADATA, *files})
+    _warn_unstored(path, {METADATA, *(Path(name).parts[0] for name in files)})
 
     def items() -> Iterator[tuple[str, RawTensor]]:
         for key, blob, item, sizes in where:
@@ -126,9 +116,16 @@ def read(path: str | os.PathLike, trust_pickle: bool = False
     return described, items()
 
 
+_EMPTY_SHARD = re.compile(r"__\d+_\d+\.distcp")
+
+
 def _warn_unstored(path: Path, stored: set[str]) -> None:
-    """Say which entries of the folder a sharded commit leaves out (it stores what `.metadata` names)."""
-    others = sorted(e.name + ("/" if e.is_dir() else "") for e in os.scandir(path) if e.name not in stored)
+    """Say which entries of the folder a sharded commit leaves out (it stores what `.metadata` names).
+
+    Empty shard files are DCP's own (a writer thread or rank that got no items): nothing is lost.
+    """
+    others = sorted(e.name + ("/" if e.is_dir() else "") for e in os.scandir(path)
+                    if e.name not in stored and not (_EMPTY_SHARD.fullmatch(e.name) and e.stat().st_size == 0))
     if others:
         listed = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         warnings.warn(f"{path}: {listed} not stored: a DCP commit keeps the files its .metadata names; commit "
