@@ -24,24 +24,33 @@ FOLDER = "journals"
 
 @contextlib.contextmanager
 def renaming(repo_dir: Path, renames: Sequence[tuple[Path, Path]], deletions: Sequence[Path]) -> Iterator[None]:
-    """Hold a durable journal of `renames` (temporary file, target) and `deletions` for the length of the block."""
-    folder = repo_dir / FOLDER
-    folder.mkdir(exist_ok=True)
-    path = folder / f"{secrets.token_hex(8)}.json"
+    """Hold a durable journal of `renames` (temporary file, target) and `deletions` for the length of the block.
+
+    Where `.ckpt/` cannot take it (a read-only mount, a full disk: `checkout -o` elsewhere still
+    works), the block runs without one, as before journals.
+    """
     plan = {"renames": [[str(a), str(b)] for a, b in renames], "deletions": [str(p) for p in deletions]}
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    path, fd = repo_dir / FOLDER / f"{secrets.token_hex(8)}.json", None
     try:
+        path.parent.mkdir(exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.write(fd, json.dumps(plan).encode())
         os.fsync(fd)
-        try:
-            yield
-        except KeyboardInterrupt:  # Ctrl-C among the renames: finish them, the checkout is one step to the user
-            _carry_out(plan)
-            raise
+    except OSError:
+        if fd is not None:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+        fd = None
+    try:
+        yield
+    except KeyboardInterrupt:  # Ctrl-C among the renames: finish them, the checkout is one step to the user
+        _carry_out(plan)
+        raise
     finally:
-        path.unlink(missing_ok=True)
-        os.close(fd)
+        if fd is not None:
+            path.unlink(missing_ok=True)
+            os.close(fd)
 
 
 def finish_interrupted(repo_dir: Path) -> int:
