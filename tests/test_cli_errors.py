@@ -143,7 +143,11 @@ def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path):
             restored = run(repo, "checkout", "main~1", "-o", str(tmp_path / "out.pt"))
             assert restored.returncode == 0, restored.stderr
             assert_same(states["main~1"], torch.load(tmp_path / "out.pt", weights_only=True))
-            (tmp_path / "disk" / "filler").unlink()
+            with Repository.open(repo) as held:  # opened while full: read-only for as long as it lasts
+                assert held.read_only
+                (tmp_path / "disk" / "filler").unlink()
+                held.commit({"w": torch.ones(3)}, branch="later")  # room again: it writes
+                assert not held.read_only and len(held.log("later")) == 3
         else:
             one_error_line(run(repo, "checkout", "main", "-o", str(tmp_path / "out.pt"), fsize=40_000),
                            "disk is full", "nothing was lost")

@@ -159,7 +159,8 @@ class Database:
             if not create and self.path is not None and self.path.stat().st_size == 0:  # before SQLite writes a header
                 raise self._missing("holds no schema (it is empty)")
             self.check_schema()
-            if getattr(self.backend, "disk_full", False):
+            self._full = getattr(self.backend, "disk_full", False)  # read-only while it lasts (sqlite.py)
+            if self._full:
                 self.read_only, self.why = True, f"the disk is full where {self.where} is; nothing was lost"
         except BaseException:
             self.close()  # no connection outlives a database that failed to open
@@ -292,7 +293,10 @@ class Database:
             self._release(connection)
 
     def refuse_writes(self, what: str = "this command") -> None:
-        """Raise ReadOnlyRepoError when the database was opened read-only."""
+        """Raise ReadOnlyRepoError when the database was opened read-only (or the disk is full still)."""
+        if self.read_only and self._full:  # read-only for want of room: is there some now?
+            self._release(self._acquire())
+            self.read_only = self._full = self.backend.disk_full
         if self.read_only:
             raise ReadOnlyRepoError(
                 f"{what} would write to {self.backend.repository()}, which is read-only here "

@@ -95,20 +95,21 @@ class SqliteBackend:
         self.where = str(self.path)
         self.read_only = read_only
         self.disk_full = False  # no room even to read (see connect): read as immutable, write nothing
+        self._immutable: set[int] = set()  # ids of the connections opened so: never pooled
 
     def connect(self) -> sqlite3.Connection:
         """A connection; on a full disk with no writer connected, an immutable one that reads without writing.
 
         Even a reader needs room for the WAL's -wal and -shm files, so a full disk used to stop every
         command, restoring to another disk included. An empty or missing -wal file means every commit
-        is in the main file, so reading it as immutable sees all of them.
+        is in the main file, so reading it as immutable sees all of them. Each connection tries the
+        usual way first: once there is room again, reads and writes go on as before.
         """
-        if self.disk_full:
-            return connect_sqlite(self.path, read_only=True, immutable=True)
         connection = None
         try:
             connection = connect_sqlite(self.path, self.read_only)
             connection.execute("SELECT count(*) FROM sqlite_master").fetchone()  # maps the WAL's shared memory
+            self.disk_full = False
             return connection
         except sqlite3.OperationalError as exc:
             if connection is not None:
@@ -117,11 +118,16 @@ class SqliteBackend:
             if not isinstance(self.explain(exc), DiskFullError) or (wal.exists() and wal.stat().st_size):
                 raise
         self.disk_full = True
-        return connect_sqlite(self.path, read_only=True, immutable=True)
+        connection = connect_sqlite(self.path, read_only=True, immutable=True)
+        self._immutable.add(id(connection))
+        return connection
 
     def reusable(self, connection: sqlite3.Connection) -> bool:
         # an immutable connection never sees a writer's later commits: read-only, open anew each time
-        return not self.disk_full and not (self.read_only and "immutable=1" in read_only_uri(self.path))
+        if id(connection) in self._immutable:
+            self._immutable.discard(id(connection))
+            return False
+        return not (self.read_only and "immutable=1" in read_only_uri(self.path))
 
     def begin(self, connection: sqlite3.Connection, write: bool) -> None:
         connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")

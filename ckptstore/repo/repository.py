@@ -41,7 +41,6 @@ class Repository:
         self.root = root
         self.dir = root / REPO_DIR
         self.config = config
-        self.read_only = read_only
         objects = config.objects_url or "objects"  # a relative path is relative to .ckpt/
         self.store = store if store is not None else open_store(objects, self.dir / "tmp", self.dir)
         lazy = [remote for remote in config.remotes.values() if remote.lazy]
@@ -53,12 +52,16 @@ class Repository:
         # only init (create) may start a schema: an open that finds none must not start a new history
         self.db = Database(absolute_url(config.metadata_url, root) or f"sqlite:///{self.dir / 'ckpt.db'}", read_only,
                            why, create=create)
-        self.read_only = self.db.read_only  # a full disk makes it so (metadata/sqlite.py)
         if not self.read_only:
             journal.finish_interrupted(self.dir)  # a checkout killed among its renames
         self._pool: ThreadPoolExecutor | None = None
         self._shared_pool = False  # the pool is a warm process's (repo/warm.py): closing leaves it running
         self._background: Lane | None = None  # commits in the background (repo/background.py)
+
+    @property
+    def read_only(self) -> bool:
+        """Whether this process may not write here: a read-only mount, --read-only, or a full disk (for now)."""
+        return self.db.read_only
 
     # ----------------------------------------------------------------- lifecycle
     @classmethod
