@@ -39,7 +39,7 @@ def is_temp_name(name: str) -> bool:
     return _TEMP_NAME.match(name) is not None
 
 
-MAX_PATHS_TO_A_FOLDER = 8
+MAX_LINKED_FOLDERS = 1_000
 
 
 def folder_files(root: str | os.PathLike, exclude: Iterable[str | os.PathLike] = ()) -> list[FolderFile]:
@@ -56,12 +56,14 @@ def folder_files(root: str | os.PathLike, exclude: Iterable[str | os.PathLike] =
 
 
 def _walk(folder: Path, prefix: str, real: Path, stack: list[Path], real_root: Path, skipped: set[Path],
-          found: list[FolderFile], visits: Counter) -> None:
+          found: list[FolderFile], visits: Counter[str]) -> None:
     """Add the files under `folder` (whose resolved path is `real`; `stack`: resolved folders walked into)."""
-    visits[real] += 1
-    if visits[real] > MAX_PATHS_TO_A_FOLDER:  # links fanning out (a/{x,y} -> b, b/{x,y} -> c ...) list 2**n paths
-        raise CheckpointFormatError(f"links inside {real_root} reach {real} by more than {MAX_PATHS_TO_A_FOLDER} "
-                                    "paths: remove the links, or copy what they point at")
+    if folder.is_symlink():
+        visits["through links"] += 1
+        if visits["through links"] > MAX_LINKED_FOLDERS:  # links fanning out (a/{x,y} -> b ...) list 2**n paths
+            raise CheckpointFormatError(f"links inside {real_root} lead into folders more than {MAX_LINKED_FOLDERS} "
+                                        "times over (links to links fanning out?): remove them, or copy what they "
+                                        "point at")
     with os.scandir(folder) as entries:
         listed = sorted(entries, key=lambda e: e.name)
     for entry in listed:
