@@ -115,8 +115,10 @@ class LocalObjectStore:
 
     def _put(self, parts: Sequence[bytes | memoryview], oid: ObjectId) -> ObjectId:
         final = self.path_of(oid)
-        if self._holds(final, parts):
+        if self._holds(final, parts, oid):
             return oid
+        if final.is_dir() and not final.is_symlink():
+            final.rmdir()  # an empty folder standing there (damage): a full one stops the write, named
         final.parent.mkdir(exist_ok=True)
         self.tmp.mkdir(exist_ok=True)
         temp = self.tmp / f"{oid}.{uuid.uuid4().hex}"
@@ -137,15 +139,15 @@ class LocalObjectStore:
         return oid
 
     @staticmethod
-    def _holds(path: Path, parts: Sequence[bytes | memoryview]) -> bool:
+    def _holds(path: Path, parts: Sequence[bytes | memoryview], oid: ObjectId) -> bool:
         """True when the file at `path` exists and holds exactly the parts' bytes (else put writes it over)."""
         try:
-            with open(path, "rb") as handle:
+            with open(open_object(path, oid), "rb") as handle:
                 if os.fstat(handle.fileno()).st_size != sum(len(as_bytes(p)) for p in parts):
                     return False
                 whole = as_bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
                 return handle.read() == whole
-        except FileNotFoundError:
+        except CorruptObjectError:  # missing, or no file (a folder, pipe or device): written anew
             return False
 
     def get(self, oid: ObjectId, verify: bool = True) -> bytes:
@@ -177,7 +179,7 @@ class LocalObjectStore:
         return FileRanges(self)
 
     def has(self, oid: ObjectId) -> bool:
-        return self.path_of(oid).exists()
+        return self.path_of(oid).is_file()  # a folder or device there is damage: the object is written anew
 
     def lacking(self, oids: Iterable[ObjectId]) -> set[ObjectId]:
         return {oid for oid in oids if not self.has(oid)}

@@ -214,13 +214,14 @@ def test_a_folder_pipe_or_device_at_an_objects_path_is_damage_not_a_hang(tmp_pat
     from ckptstore.repo import fsck
 
     with Repository.init(tmp_path) as repo:
-        cid = repo.commit({"w": torch.randn(1000)})
+        state = {"w": torch.randn(1000)}
+        cid = repo.commit(state)
         victim = repo.manifest(cid).entries["w"].tensor
         with repo.db.read() as tx:
             from ckptstore.metadata import tensors as tensor_rows
 
             oid = next(iter(tensor_rows.load_records(tx, [victim]).values())).chunks[0].object_id
-        path = repo.store.path_of(oid)
+        path, good = repo.store.path_of(oid), repo.store.get(oid)
         path.unlink()
         {"folder": path.mkdir, "pipe": lambda: os.mkfifo(path), "device": lambda: path.symlink_to("/dev/zero")
          }[stands_there]()
@@ -229,4 +230,6 @@ def test_a_folder_pipe_or_device_at_an_objects_path_is_damage_not_a_hang(tmp_pat
                 read(oid)
         with pytest.raises(CorruptObjectError, match=oid):
             repo.checkout(cid)
-        assert oid in fsck(repo).damaged_objects
+        assert oid in fsck(repo).damaged_objects and not repo.store.has(oid)
+        assert repo.store.put(good) == oid and repo.store.has(oid)  # written anew over what stood there
+        assert fsck(repo).ok and torch.equal(repo.checkout(cid)["w"], state["w"])
