@@ -8,6 +8,7 @@ training; the lossy benchmarks use the last three on restored checkpoints.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
 import os
@@ -169,18 +170,19 @@ class Workload:
         folder = CACHE / (f"{self.name}-quick" if self.quick else f"{self.name}-h{self.horizon}")
         done = folder / "DONE"
         if not done.exists():
-            # Trained in a folder of its own and renamed into place, so that two runs at once (the test
-            # suite's workers) never read or write each other's half-written cache.
+            # One run trains it (two runs at once, the test suite's workers, wait for each other), in a
+            # folder of its own renamed into place: an interrupted run never leaves a half-written cache.
             CACHE.mkdir(parents=True, exist_ok=True)
-            scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=CACHE))
-            torch.set_num_threads(os.cpu_count() or 1)
-            self.generate(scratch)
-            (scratch / "DONE").write_text("ok\n")
-            if done.exists():  # another run finished first
-                shutil.rmtree(scratch)
-            else:
-                shutil.rmtree(folder, ignore_errors=True)  # what an interrupted older run left
-                scratch.rename(folder)
+            with open(CACHE / f".{folder.name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not done.exists():
+                    for stale in [folder, *CACHE.glob(f".{folder.name}-*")]:  # what interrupted runs left
+                        shutil.rmtree(stale, ignore_errors=True)
+                    scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=CACHE))
+                    torch.set_num_threads(os.cpu_count() or 1)
+                    self.generate(scratch)
+                    (scratch / "DONE").write_text("ok\n")
+                    scratch.rename(folder)
         return sorted(p for p in folder.iterdir() if p.name.startswith(("ckpt-", "checkpoint-")))
 
 

@@ -61,10 +61,10 @@ class ChainSource:
         return self.packs.read(chunk.object_id, chunk.offset, chunk.length, into)
 
     def diagnose(self, record: TensorRecord, error: Exception) -> Exception:
-        """The damaged object behind a failed replay of `record`, raised as CorruptObjectError.
+        """What is damaged behind a failed replay of `record`: an object (CorruptObjectError) or a record.
 
-        Every object of the record's chain is verified; when they all are sound, the records are
-        what is damaged.
+        Every object of the record's chain is verified first; when they all are sound, the records
+        are what is damaged (CorruptRecordError), or `error` itself is returned.
         """
         seen: set[str] = set()
         current: TensorRecord | None = record

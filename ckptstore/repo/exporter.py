@@ -4,8 +4,8 @@ For a sharded (DCP) commit the shards of each logical tensor are put back togeth
 fully qualified name; its non-tensor items are DCP's pickles, which ckptstore never unpickles, so
 they are left out and named. A Hugging Face checkpoint folder exports its model weights only, under
 their own names (formats/hfweights.py), so `from_pretrained` reads the file; `everything` (--all)
-exports it like any other commit: its tensors by path (safetensors) or its whole state as checkout
-rebuilds it (torch).
+exports it like any other commit: its tensors under their key paths as written (safetensors) or its
+whole state as checkout rebuilds it (torch).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
 
         raws = restore(repo, manifest)
         kept = {p: r for p, r in raws.items() if r.dtype in safetensors_file.SAFETENSORS_DTYPES}
-        skipped = [p for p in raws if p not in kept]
+        skipped = [readable_path(p) for p in raws if p not in kept]
         tensors = _by_name(kept)
         why = "safetensors holds tensors only (these are file bytes, numpy arrays or unsupported dtypes)"
     if fmt == "safetensors":  # transformers before 4.40 refuses a weights file without format "pt"

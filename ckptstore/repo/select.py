@@ -165,7 +165,7 @@ def write_selection(selection: Selection, targets: list[tuple[CheckpointFile, Pa
     under a temporary name first, so a failure (a full disk) leaves the folder as it was; the
     renames into place are journalled in `repo_dir` (repo/journal.py).
     """
-    from ckptstore.formats.atomic import temp_beside
+    from ckptstore.formats.atomic import sync_dir, temp_beside
     from ckptstore.repo import journal
 
     staged: list[tuple[Path, Path]] = []
@@ -188,6 +188,8 @@ def write_selection(selection: Selection, targets: list[tuple[CheckpointFile, Pa
         with journal.renaming(repo_dir, staged, []):
             for staging, target in staged:
                 os.replace(staging, target)
+        for folder in {target.parent for _, target in staged}:
+            sync_dir(folder)
     finally:
         for staging, _ in staged:
             staging.unlink(missing_ok=True)
