@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from ckptstore.errors import CheckpointFormatError
+
 TEMP_SUFFIX = ".ckpt-tmp"
 
 
@@ -73,3 +75,18 @@ def write_parts(path: str | os.PathLike, parts) -> None:
             handle.write(part)
 
     atomic_write(path, fill)
+
+
+def file_stamp(path: str | os.PathLike) -> tuple[int, ...] | None:
+    """What changes when a file is rewritten in place or replaced (inode, size, times); None where it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def changed_while_read(path: str | os.PathLike) -> CheckpointFormatError:
+    """The refusal of a file that changed while a commit read it: what was read may be half old, half new."""
+    return CheckpointFormatError(f"{path} changed while it was being committed (is a save still writing it?); "
+                                 "nothing was recorded: commit it again once the save has finished")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults, formats
 from ckptstore.errors import CheckpointFormatError, CkptError, NonFiniteError, NothingToCommitError, UnquantizableError
+from ckptstore.formats.atomic import changed_while_read, file_stamp
 from ckptstore.formats.dcpmeta import is_dcp_dir
 from ckptstore.formats.folder import folder_files
 from ckptstore.hashing import CommitId, ObjectId, TensorId, bytes_digest, file_digest, tensor_id
@@ -213,7 +214,7 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
 
 
 def _read_source(repo: Repository, source: Any, trust_pickle: bool
-                 ) -> tuple[str | None, formats.Checkpoint, dict[str, str], dict[Path, tuple[int, ...]]]:
+                 ) -> tuple[str | None, formats.Checkpoint, dict[str, str], dict[str, tuple[Path, Any]]]:
     """(path relative to the repository or absolute, or None for a state; the checkpoint; digests; stamps).
 
     A file's stamp (by record name: its path, then its stamp) is taken before it is read, for
@@ -233,7 +234,7 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
     # store where config objects_url puts it outside .ckpt/.
     excluded = [repo.dir, *([store] if (store := getattr(repo.store, "root", None)) else [])]
     on_disk = [path] if path.is_file() else [f.path for f in folder_files(path, excluded)]
-    stamps = {p: _stamp(p) for p in on_disk}
+    stamps = {p: file_stamp(p) for p in on_disk}
     pending = {p: repo.pool.submit(file_digest, str(p)) for p in on_disk}
     checkpoint = formats.read_checkpoint(path, trust_pickle, exclude=excluded)
     digests, stamped = {}, {}
@@ -249,13 +250,7 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
     return relative, checkpoint, digests, stamped
 
 
-def _stamp(path: Path) -> tuple[int, ...]:
-    """What changes when a file is rewritten in place or replaced: inode, size, modification and change times."""
-    st = path.stat()
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
-
-
-def _settle_changed(checkpoint: formats.Checkpoint, stamps: Mapping[str, tuple[Path, tuple[int, ...]]],
+def _settle_changed(checkpoint: formats.Checkpoint, stamps: Mapping[str, tuple[Path, Any]],
                     digests: dict[str, str]) -> None:
     """Refuse a commit whose tensor files changed while it read them: what it read may be half old, half new.
 
@@ -263,15 +258,10 @@ def _settle_changed(checkpoint: formats.Checkpoint, stamps: Mapping[str, tuple[P
     """
     for record in checkpoint.files:
         path, before = stamps.get(record.name, (None, None))
-        try:
-            now = _stamp(path) if path is not None else before
-        except OSError:
-            now = None
-        if now == before:
+        if path is None or file_stamp(path) == before:
             continue
         if record.format != formats.BLOB:
-            raise CheckpointFormatError(f"{path} changed while it was being committed (is a save still writing it?); "
-                                        "nothing was recorded: commit it again once the save has finished")
+            raise changed_while_read(path)
         digests[record.name] = bytes_digest(checkpoint.tensors[record.skeleton[1]].data)
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from ckptstore.errors import CkptError, NothingToCommitError
+from ckptstore.formats.atomic import changed_while_read, file_stamp
 from ckptstore.hashing import CommitId
 from ckptstore.repo import sharded
 from ckptstore.repo.commit import CommitOptions
@@ -50,6 +51,7 @@ def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions
         raise CkptError(f"{path} is a DCP directory, which ckptstore commits lossless; commit it without --lossy "
                         "(a repository's default lossy level does not apply to DCP directories)")
     with repo.lock(), no_cyclic_gc():
+        stamps = {p: file_stamp(p) for p in Path(path).iterdir() if p.is_file()}
         described, items = dcpdir.read(path, options.trust_pickle)
         start = sharded.where_to(repo, options.branch)
         parent = start.commit
@@ -61,6 +63,9 @@ def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions
             if before.dcp is not None and before.entries == {w.key: w.entry for w in written}:
                 raise NothingToCommitError(f"nothing changed since {parent[:12]}: {path} holds the same shards "
                                            "(use --allow-empty to record it anyway)")
+        changed = [p for p, before in stamps.items() if file_stamp(p) != before]
+        if changed:  # a dcp.save into the same folder (a `latest/`) meanwhile: what was read may be torn
+            raise changed_while_read(changed[0])
         cid = sharded.record_sharded(repo, start, written, described, options)
     return after_commit(repo, cid)  # [retention] in config.toml, once the lock is released
 

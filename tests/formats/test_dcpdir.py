@@ -170,3 +170,19 @@ def test_files_the_metadata_does_not_name_are_warned_of_and_a_shard_linked_from_
     shard.symlink_to(tmp_path / "elsewhere.distcp")
     with pytest.raises(CheckpointFormatError, match="outside the DCP directory"):
         dcpdir.read(tmp_path / "saved")
+
+
+def test_a_dcp_directory_saved_into_again_while_it_is_committed_is_refused(tmp_path, monkeypatch):
+    dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "latest")))
+    reading = dcpdir.read
+
+    def the_job_saves_again_meanwhile(*args, **kwargs):
+        found = reading(*args, **kwargs)
+        dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "latest")))
+        return found
+
+    monkeypatch.setattr(dcpdir, "read", the_job_saves_again_meanwhile)
+    with Repository.init(tmp_path / "repo") as repo:
+        with pytest.raises(CheckpointFormatError, match="changed while it was being committed"):
+            repo.commit(tmp_path / "latest")
+        assert repo.log() == []
