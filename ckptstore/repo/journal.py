@@ -6,7 +6,9 @@ left a folder holding files of two commits (a trainer resuming from it would mix
 optimizer). Before them, the plan goes to `.ckpt/journals/` (durably); the checkout holds an
 flock on it until the journal is removed. The next process that opens the repository for
 writing finds journals whose lock is free (their process died) and carries out what is left:
-renames whose temporary file is still there, deletions of what is still there.
+renames whose temporary file is still there, deletions of what is still there. A target or a
+file to delete that changed since the journal was written (the user wrote it anew) is left as
+it is, and its temporary file removed: nothing of the user's is lost to a late rename.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import secrets
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from ckptstore.formats.atomic import file_stamp
+
 FOLDER = "journals"
 
 
@@ -29,7 +33,8 @@ def renaming(repo_dir: Path, renames: Sequence[tuple[Path, Path]], deletions: Se
     Where `.ckpt/` cannot take it (a read-only mount, a full disk: `checkout -o` elsewhere still
     works), the block runs without one, as before journals.
     """
-    plan = {"renames": [[str(a), str(b)] for a, b in renames], "deletions": [str(p) for p in deletions]}
+    plan = {"renames": [[str(a), str(b), file_stamp(b)] for a, b in renames],
+            "deletions": [[str(p), file_stamp(p)] for p in deletions]}
     path, fd = repo_dir / FOLDER / f"{secrets.token_hex(8)}.json", None
     try:
         path.parent.mkdir(exist_ok=True)
@@ -80,9 +85,19 @@ def finish_interrupted(repo_dir: Path) -> int:
 
 
 def _carry_out(plan: dict) -> None:
-    for deleted in plan["deletions"]:
-        Path(deleted).unlink(missing_ok=True)
-    for staging, target in plan["renames"]:
-        if Path(staging).exists():
+    for deleted, stamp in plan["deletions"]:
+        if _same(deleted, stamp):
+            Path(deleted).unlink(missing_ok=True)
+    for staging, target, stamp in plan["renames"]:
+        if not Path(staging).exists():  # renamed already
+            continue
+        if _same(target, stamp):
             Path(target).parent.mkdir(parents=True, exist_ok=True)
             os.replace(staging, target)
+        else:
+            Path(staging).unlink(missing_ok=True)
+
+
+def _same(path: str, stamp: list | None) -> bool:
+    now = file_stamp(path)
+    return (None if now is None else list(now)) == stamp

@@ -426,3 +426,22 @@ def test_a_folder_checkout_killed_among_its_renames_is_finished_by_the_next_comm
         assert values() == {name: float(seed) for name, seed in files.items()}
         assert not (folder / "only-in-second.txt").exists() and not list(folder.glob(".*"))
         assert not list((tmp_path / ".ckpt" / "journals").iterdir())
+
+
+def test_a_finished_journal_leaves_files_the_user_wrote_since_the_crash(tmp_path):
+    from ckptstore.repo import journal
+
+    (tmp_path / ".ckpt").mkdir()
+    old, extra, staged = tmp_path / "w.pt", tmp_path / "extra.txt", tmp_path / ".w.pt.new-1.ckpt-tmp"
+    old.write_text("old")
+    extra.write_text("extra")
+    staged.write_text("new")
+    plan = {"renames": [[str(staged), str(old), list(journal.file_stamp(old))]],
+            "deletions": [[str(extra), list(journal.file_stamp(extra))]]}
+    (tmp_path / ".ckpt" / "journals").mkdir()
+    (tmp_path / ".ckpt" / "journals" / "a.json").write_text(json.dumps(plan))  # as a killed checkout left it
+    time.sleep(0.01)
+    old.write_text("the user's")  # written after the crash, before the next command
+    extra.write_text("the user's too")
+    assert journal.finish_interrupted(tmp_path / ".ckpt") == 1
+    assert old.read_text() == "the user's" and extra.read_text() == "the user's too" and not staged.exists()
