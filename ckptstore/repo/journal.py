@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import secrets
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -78,8 +79,11 @@ def finish_interrupted(repo_dir: Path) -> int:
             with contextlib.suppress(ValueError):  # cut off while written: no rename had begun
                 _carry_out(json.loads(path.read_bytes()))
                 finished += 1
-            path.unlink(missing_ok=True)
+        except OSError as exc:  # a folder moved away, no permission: say so once, never stop the command
+            warnings.warn(f"an interrupted checkout could not be finished ({exc}); check its files out again",
+                          RuntimeWarning, stacklevel=3)
         finally:
+            path.unlink(missing_ok=True)
             os.close(fd)
     return finished
 

@@ -445,3 +445,21 @@ def test_a_finished_journal_leaves_files_the_user_wrote_since_the_crash(tmp_path
     extra.write_text("the user's too")
     assert journal.finish_interrupted(tmp_path / ".ckpt") == 1
     assert old.read_text() == "the user's" and extra.read_text() == "the user's too" and not staged.exists()
+
+
+def test_a_journal_that_cannot_be_finished_is_one_warning_and_the_command_goes_on(tmp_path):
+    from ckptstore import Repository
+
+    with Repository.init(tmp_path):
+        pass
+    (tmp_path / "afile").write_text("a file where the journal wants a folder")
+    staged = tmp_path / ".x.new-1.ckpt-tmp"
+    staged.write_text("new")
+    plan = {"renames": [[str(staged), str(tmp_path / "afile" / "x"), None]], "deletions": []}
+    (tmp_path / ".ckpt" / "journals").mkdir()
+    (tmp_path / ".ckpt" / "journals" / "a.json").write_text(json.dumps(plan))
+    with pytest.warns(RuntimeWarning, match="an interrupted checkout could not be finished"):
+        with Repository.open(tmp_path) as repo:
+            assert repo.log() == []
+    with Repository.open(tmp_path):  # said once: the journal is gone
+        assert not list((tmp_path / ".ckpt" / "journals").iterdir())
