@@ -167,7 +167,9 @@ def write_selection(selection: Selection, targets: list[tuple[CheckpointFile, Pa
     """
     from ckptstore.formats.atomic import sync_dir, temp_beside
     from ckptstore.repo import journal
+    from ckptstore.repo.worktree import sweep_stale_temps
 
+    sweep_stale_temps([target for _, target in targets])
     staged: list[tuple[Path, Path]] = []
     try:
         for record, target in targets:

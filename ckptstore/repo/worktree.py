@@ -9,8 +9,10 @@ writes through a symlink that leads out of the destination; each file gets its p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -201,6 +203,7 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
     """
     from ckptstore.formats.atomic import sync_dir
 
+    sweep_stale_temps([target for _, target in plan.files])
     staged: list[tuple[Path, Path]] = []
     try:
         for record, target in plan.files:
@@ -233,6 +236,37 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
     finally:
         for staging, _ in staged:
             staging.unlink(missing_ok=True)
+
+
+STALE_TEMP_S = 3600  # a temporary file this old beside a target was left by a checkout killed while writing it
+
+
+def sweep_stale_temps(targets: list[Path]) -> int:
+    """Remove the temporary files that killed checkouts of `targets` left beside them; returns how many.
+
+    A checkout writes each file under a hidden temporary name beside it; `kill -9` while it writes
+    leaves that file, as large as the checkpoint, and nothing else would ever remove it. Only files
+    named as ckptstore names them, for these targets, untouched for an hour, are removed.
+    """
+    from ckptstore.formats.folder import is_temp_name
+
+    stems: dict[Path, list[str]] = {}
+    for target in targets:
+        stems.setdefault(target.parent, []).append(target.name[:100])
+    removed, cutoff = 0, time.time() - STALE_TEMP_S
+    for folder, names in stems.items():
+        prefixes = tuple(p for name in names for p in (f".{name}", f"..{name}"))  # ours, and an atomic write's in it
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.name.startswith(prefixes) and is_temp_name(entry.name):
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                        os.unlink(entry.path)
+                        removed += 1
+    return removed
 
 
 def _signature(path: Path) -> tuple[int, ...] | None:

@@ -463,3 +463,21 @@ def test_a_journal_that_cannot_be_finished_is_one_warning_and_the_command_goes_o
             assert repo.log() == []
     with Repository.open(tmp_path):  # said once: the journal is gone
         assert not list((tmp_path / ".ckpt" / "journals").iterdir())
+
+
+def test_temporary_files_that_killed_checkouts_left_beside_a_target_are_removed_after_an_hour(tmp_path):
+    from ckptstore import Repository
+
+    torch.save({"w": torch.ones(4)}, tmp_path / "w.pt")
+    stale = [tmp_path / ".w.pt.new-0123456789abcdef.ckpt-tmp",
+             tmp_path / "..w.pt.new-0123456789abcdef.ckpt-tmp.fedcba9876543210.ckpt-tmp"]
+    kept = [tmp_path / ".w.pt.new-1111111111111111.ckpt-tmp",  # an hour has not passed: maybe a checkout at work
+            tmp_path / ".w.pt.notes"]  # not a name ckptstore gives
+    for path in stale + kept:
+        path.write_bytes(b"x" * 100)
+    old = time.time() - 2 * 3600
+    for path in stale + kept[1:]:
+        os.utime(path, (old, old))
+    with Repository.init(tmp_path) as repo:
+        repo.checkout_to(repo.commit(tmp_path / "w.pt"))
+    assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)
