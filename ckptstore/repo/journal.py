@@ -22,8 +22,6 @@ import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from ckptstore.formats.atomic import file_stamp
-
 FOLDER = "journals"
 
 
@@ -34,6 +32,8 @@ def renaming(repo_dir: Path, renames: Sequence[tuple[Path, Path]], deletions: Se
     Where `.ckpt/` cannot take it (a read-only mount, a full disk: `checkout -o` elsewhere still
     works), the block runs without one, as before journals.
     """
+    from ckptstore.formats.atomic import file_stamp  # here: the formats package loads numpy, an open need not
+
     plan = {"renames": [[str(a), str(b), file_stamp(b)] for a, b in renames],
             "deletions": [[str(p), file_stamp(p)] for p in deletions]}
     path, fd = repo_dir / FOLDER / f"{secrets.token_hex(8)}.json", None
@@ -103,5 +103,7 @@ def _carry_out(plan: dict) -> None:
 
 
 def _same(path: str, stamp: list | None) -> bool:
+    from ckptstore.formats.atomic import file_stamp
+
     now = file_stamp(path)
     return (None if now is None else list(now)) == stamp

@@ -429,6 +429,7 @@ def test_a_folder_checkout_killed_among_its_renames_is_finished_by_the_next_comm
 
 
 def test_a_finished_journal_leaves_files_the_user_wrote_since_the_crash(tmp_path):
+    from ckptstore.formats.atomic import file_stamp
     from ckptstore.repo import journal
 
     (tmp_path / ".ckpt").mkdir()
@@ -436,8 +437,8 @@ def test_a_finished_journal_leaves_files_the_user_wrote_since_the_crash(tmp_path
     old.write_text("old")
     extra.write_text("extra")
     staged.write_text("new")
-    plan = {"renames": [[str(staged), str(old), list(journal.file_stamp(old))]],
-            "deletions": [[str(extra), list(journal.file_stamp(extra))]]}
+    plan = {"renames": [[str(staged), str(old), list(file_stamp(old))]],
+            "deletions": [[str(extra), list(file_stamp(extra))]]}
     (tmp_path / ".ckpt" / "journals").mkdir()
     (tmp_path / ".ckpt" / "journals" / "a.json").write_text(json.dumps(plan))  # as a killed checkout left it
     time.sleep(0.01)
