@@ -129,7 +129,7 @@ def _write_selected(repo: Repository, cid: CommitId, manifest: Manifest, keys: I
     with no_cyclic_gc():
         raws = restore(repo, selection.manifest, progress)
     write_selection(selection, plan.files, lambda p: materialize(raws[p]), lambda p: raws[p],
-                    exact=not manifest.lossy, repo_dir=repo.dir)
+                    exact=not manifest.lossy, repo_dir=None if repo.read_only else repo.dir)
     return plan.dest
 
 

@@ -4,11 +4,13 @@ A checkout writes every file under a temporary name first, then deletes what the
 and renames the new files into place. Those last steps take moments, but a `kill -9` among them
 left a folder holding files of two commits (a trainer resuming from it would mix weights and
 optimizer). Before them, the plan goes to `.ckpt/journals/` (durably); the checkout holds an
-flock on it until the journal is removed. The next process that opens the repository for
-writing finds journals whose lock is free (their process died) and carries out what is left:
-renames whose temporary file is still there, deletions of what is still there. A target or a
-file to delete that changed since the journal was written (the user wrote it anew) is left as
-it is, and its temporary file removed: nothing of the user's is lost to a late rename.
+flock on it until the renames are durable and the journal is removed. The next process that
+opens the repository for writing finds journals whose lock is free (their process died) and
+carries out what is left: renames whose temporary file is still there, deletions of what is
+still there. A target or a file to delete that changed since the journal was written (the user
+wrote it anew) is left as it is, and its temporary file removed: nothing of the user's is lost
+to a late rename. A journal written in another place (the repository was copied or moved since)
+is dropped with a warning: its paths name the old place.
 """
 
 from __future__ import annotations
@@ -19,37 +21,27 @@ import json
 import os
 import secrets
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 FOLDER = "journals"
 
 
 @contextlib.contextmanager
-def renaming(repo_dir: Path, renames: Sequence[tuple[Path, Path]], deletions: Sequence[Path]) -> Iterator[None]:
+def renaming(repo_dir: Path | None, renames: Sequence[tuple[Path, Path]], deletions: Sequence[Path],
+             settle: Callable[[], None] = lambda: None) -> Iterator[None]:
     """Hold a durable journal of `renames` (temporary file, target) and `deletions` for the length of the block.
 
-    Where `.ckpt/` cannot take it (a read-only mount, a full disk: `checkout -o` elsewhere still
-    works), the block runs without one, as before journals.
+    `settle` (syncing the folders renamed into) runs at the block's end, before the journal goes.
+    With `repo_dir` None (a read-only repository), or where `.ckpt/` cannot take a journal (a full
+    disk: `checkout -o` elsewhere still works), the block runs without one.
     """
-    from ckptstore.formats.atomic import file_stamp  # here: the formats package loads numpy, an open need not
-
-    plan = {"renames": [[str(a), str(b), file_stamp(b)] for a, b in renames],
-            "deletions": [[str(p), file_stamp(p)] for p in deletions]}
-    path, fd = repo_dir / FOLDER / f"{secrets.token_hex(8)}.json", None
-    try:
-        path.parent.mkdir(exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.write(fd, json.dumps(plan).encode())
-        os.fsync(fd)
-    except OSError:
-        if fd is not None:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-        fd = None
+    plan = {"root": str(repo_dir), "renames": [[str(a), str(b), _stamp(b)] for a, b in renames],
+            "deletions": [[str(p), _stamp(p)] for p in deletions]}
+    fd, path = _write(repo_dir, plan) if repo_dir is not None else (None, None)
     try:
         yield
+        settle()
     except KeyboardInterrupt:  # Ctrl-C among the renames: finish them, the checkout is one step to the user
         _carry_out(plan)
         raise
@@ -59,51 +51,94 @@ def renaming(repo_dir: Path, renames: Sequence[tuple[Path, Path]], deletions: Se
             os.close(fd)
 
 
+def _write(repo_dir: Path, plan: dict) -> tuple[int | None, Path | None]:
+    """The journal, locked, written and synced under a temporary name, then renamed to its own."""
+    folder = repo_dir / FOLDER
+    temp, fd = folder / f".{secrets.token_hex(8)}.tmp", None
+    try:
+        folder.mkdir(exist_ok=True)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides who may finish it
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, json.dumps(plan).encode())
+        os.fsync(fd)
+        path = temp.with_name(temp.name[1:-4] + ".json")
+        os.replace(temp, path)  # seen by others only whole, and locked
+        _sync(folder)
+        return fd, path
+    except OSError:
+        if fd is not None:
+            os.close(fd)
+        temp.unlink(missing_ok=True)
+        return None, None
+
+
 def finish_interrupted(repo_dir: Path) -> int:
-    """Carry out what journals of dead checkouts left undone; returns how many were finished."""
+    """Carry out what journals of dead checkouts left undone; returns how many were finished.
+
+    Nothing here stops the command that opened the repository: what cannot be done is one warning.
+    """
     folder = repo_dir / FOLDER
     if not folder.is_dir():
         return 0
     finished = 0
     for path in sorted(folder.glob("*.json")):
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:  # its checkout ended meanwhile
-            continue
+            finished += _finish(path, repo_dir)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            warnings.warn(f"an interrupted checkout's journal {path} could not be finished ({exc}); check its "
+                          "files out again", RuntimeWarning, stacklevel=3)
+    return finished
+
+
+def _finish(path: Path, repo_dir: Path) -> int:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:  # its checkout ended meanwhile
+        return 0
+    try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # a checkout in progress
-            os.close(fd)
-            continue
-        try:
-            with contextlib.suppress(ValueError):  # cut off while written: no rename had begun
-                _carry_out(json.loads(path.read_bytes()))
-                finished += 1
-        except OSError as exc:  # a folder moved away, no permission: say so once, never stop the command
-            warnings.warn(f"an interrupted checkout could not be finished ({exc}); check its files out again",
-                          RuntimeWarning, stacklevel=3)
-        finally:
-            path.unlink(missing_ok=True)
-            os.close(fd)
-    return finished
+            return 0
+        if os.fstat(fd).st_nlink == 0:  # its checkout ended between our open and our lock
+            return 0
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            plan = json.loads(handle.read())
+        path.unlink(missing_ok=True)
+        if plan["root"] != str(repo_dir):
+            raise ValueError(f"it was written for {plan['root']}: the repository was copied or moved since")
+        _carry_out(plan)
+        return 1
+    finally:
+        os.close(fd)
 
 
 def _carry_out(plan: dict) -> None:
     for deleted, stamp in plan["deletions"]:
-        if _same(deleted, stamp):
+        if _stamp(deleted) == stamp:
             Path(deleted).unlink(missing_ok=True)
     for staging, target, stamp in plan["renames"]:
         if not Path(staging).exists():  # renamed already
             continue
-        if _same(target, stamp):
+        if _stamp(target) in (stamp, None):  # as the journal found it, or removed by the checkout (a folder)
             Path(target).parent.mkdir(parents=True, exist_ok=True)
             os.replace(staging, target)
         else:
             Path(staging).unlink(missing_ok=True)
 
 
-def _same(path: str, stamp: list | None) -> bool:
-    from ckptstore.formats.atomic import file_stamp
+def _stamp(path: str | os.PathLike) -> list[int] | None:
+    """Device, inode, size and mtime of a file (not ctime: the checkout's own deletions change a link's)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
 
-    now = file_stamp(path)
-    return (None if now is None else list(now)) == stamp
+
+def _sync(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

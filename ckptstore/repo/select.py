@@ -157,13 +157,13 @@ def _entries_in(node: Any) -> set[str]:
 
 def write_selection(selection: Selection, targets: list[tuple[CheckpointFile, Path]],
                     value_of: Callable[[str], Any], raw_of: Callable[[str], RawTensor], exact: bool,
-                    repo_dir: Path) -> None:
+                    repo_dir: Path | None) -> None:
     """Write each selected file: whole ones as checkout writes them, partial ones anew.
 
     A partial torch file becomes a torch.save of its selected state; a partial safetensors file a
     safetensors file of its selected tensors, in their committed order. Every file is written
     under a temporary name first, so a failure (a full disk) leaves the folder as it was; the
-    renames into place are journalled in `repo_dir` (repo/journal.py).
+    renames into place are journalled in `repo_dir` (repo/journal.py; None: read-only, no journal).
     """
     from ckptstore.formats.atomic import sync_dir, temp_beside
     from ckptstore.repo import journal
@@ -187,11 +187,10 @@ def write_selection(selection: Selection, targets: list[tuple[CheckpointFile, Pa
                 formats.write_file(record, staging, value_of, raw_of)
             if record.mode is not None:
                 os.chmod(staging, record.mode)
-        with journal.renaming(repo_dir, staged, []):
+        folders = {target.parent for _, target in staged}
+        with journal.renaming(repo_dir, staged, [], settle=lambda: [sync_dir(folder) for folder in folders]):
             for staging, target in staged:
                 os.replace(staging, target)
-        for folder in {target.parent for _, target in staged}:
-            sync_dir(folder)
     finally:
         for staging, _ in staged:
             staging.unlink(missing_ok=True)

@@ -219,7 +219,9 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
             raise DirtyWorktreeError(f"checkout would {_listed(unsaved)}, which changed while the checkout read the "
                                      "commit, to content that is not in the store; nothing was replaced or deleted: "
                                      "commit it first to keep it, then check out again")
-        with journal.renaming(repo.dir, staged, plan.extras):
+        folders = {target.parent for _, target in staged}
+        with journal.renaming(None if repo.read_only else repo.dir, staged, plan.extras,
+                              settle=lambda: [sync_dir(folder) for folder in folders]):
             for path in plan.extras:
                 path.unlink(missing_ok=True)
             for folder in plan.folders:
@@ -231,8 +233,6 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
                 target.parent.mkdir(parents=True, exist_ok=True)  # where a file the commit lacks stood, maybe
                 os.replace(staging, target)
                 faults.point("checkout:renamed")
-        for folder in {target.parent for _, target in staged}:
-            sync_dir(folder)
     finally:
         for staging, _ in staged:
             staging.unlink(missing_ok=True)

@@ -429,7 +429,6 @@ def test_a_folder_checkout_killed_among_its_renames_is_finished_by_the_next_comm
 
 
 def test_a_finished_journal_leaves_files_the_user_wrote_since_the_crash(tmp_path):
-    from ckptstore.formats.atomic import file_stamp
     from ckptstore.repo import journal
 
     (tmp_path / ".ckpt").mkdir()
@@ -437,8 +436,8 @@ def test_a_finished_journal_leaves_files_the_user_wrote_since_the_crash(tmp_path
     old.write_text("old")
     extra.write_text("extra")
     staged.write_text("new")
-    plan = {"renames": [[str(staged), str(old), list(file_stamp(old))]],
-            "deletions": [[str(extra), list(file_stamp(extra))]]}
+    plan = {"root": str(tmp_path / ".ckpt"), "renames": [[str(staged), str(old), journal._stamp(old)]],
+            "deletions": [[str(extra), journal._stamp(extra)]]}
     (tmp_path / ".ckpt" / "journals").mkdir()
     (tmp_path / ".ckpt" / "journals" / "a.json").write_text(json.dumps(plan))  # as a killed checkout left it
     time.sleep(0.01)
@@ -456,10 +455,11 @@ def test_a_journal_that_cannot_be_finished_is_one_warning_and_the_command_goes_o
     (tmp_path / "afile").write_text("a file where the journal wants a folder")
     staged = tmp_path / ".x.new-1.ckpt-tmp"
     staged.write_text("new")
-    plan = {"renames": [[str(staged), str(tmp_path / "afile" / "x"), None]], "deletions": []}
+    plan = {"root": str(tmp_path / ".ckpt"), "renames": [[str(staged), str(tmp_path / "afile" / "x"), None]],
+            "deletions": []}
     (tmp_path / ".ckpt" / "journals").mkdir()
     (tmp_path / ".ckpt" / "journals" / "a.json").write_text(json.dumps(plan))
-    with pytest.warns(RuntimeWarning, match="an interrupted checkout could not be finished"):
+    with pytest.warns(RuntimeWarning, match="an interrupted checkout's journal .* could not be finished"):
         with Repository.open(tmp_path) as repo:
             assert repo.log() == []
     with Repository.open(tmp_path):  # said once: the journal is gone
@@ -482,3 +482,26 @@ def test_temporary_files_that_killed_checkouts_left_beside_a_target_are_removed_
     with Repository.init(tmp_path) as repo:
         repo.checkout_to(repo.commit(tmp_path / "w.pt"))
     assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)
+
+
+def test_a_journal_from_another_place_or_unreadable_is_one_warning_and_touches_nothing(tmp_path):
+    from ckptstore import Repository
+    from ckptstore.repo import journal
+
+    with Repository.init(tmp_path / "a"):
+        pass
+    (tmp_path / "a" / "w.pt").write_text("old")
+    staged = tmp_path / "a" / ".w.pt.new-0123456789abcdef.ckpt-tmp"
+    staged.write_text("new")
+    plan = {"root": str(tmp_path / "a" / ".ckpt"), "deletions": [],
+            "renames": [[str(staged), str(tmp_path / "a" / "w.pt"), journal._stamp(tmp_path / "a" / "w.pt")]]}
+    (tmp_path / "a" / ".ckpt" / "journals").mkdir()
+    (tmp_path / "a" / ".ckpt" / "journals" / "j.json").write_text(json.dumps(plan))
+    (tmp_path / "a" / ".ckpt" / "journals" / "k.json").mkdir()  # cannot be read at all
+    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)  # a copy of the repository, journal and all
+    with pytest.warns(RuntimeWarning, match="copied or moved since"):
+        Repository.open(tmp_path / "b").close()
+    assert (tmp_path / "a" / "w.pt").read_text() == "old" and staged.exists()  # the original's files untouched
+    with pytest.warns(RuntimeWarning, match="k.json could not be finished"):
+        Repository.open(tmp_path / "a").close()
+    assert (tmp_path / "a" / "w.pt").read_text() == "new"  # its own journal, finished where it was written
