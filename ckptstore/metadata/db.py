@@ -159,7 +159,8 @@ class Database:
             if not create and self.path is not None and self.path.stat().st_size == 0:  # before SQLite writes a header
                 raise self._missing("holds no schema (it is empty)")
             self.check_schema()
-            self._full = getattr(self.backend, "disk_full", False)  # read-only while it lasts (sqlite.py)
+            # read-only while it lasts (sqlite.py); one opened read-only stays so
+            self._full = not read_only and getattr(self.backend, "disk_full", False)
             if self._full:
                 self.read_only, self.why = True, f"the disk is full where {self.where} is; nothing was lost"
         except BaseException:

@@ -123,3 +123,30 @@ def test_a_long_lived_reader_of_an_unwritable_repository_sees_later_commits(tmp_
             second = owner.commit({"w": torch.zeros(4)}, step=2)
         assert reader.resolve("HEAD") == second
         assert torch.equal(reader.checkout("HEAD")["w"], torch.zeros(4))
+
+
+@pytest.mark.parametrize("asked_read_only", [False, True])
+def test_a_full_disk_makes_a_repository_read_only_only_while_it_lasts_and_never_lifts_read_only(tmp_path, monkeypatch,
+                                                                                              asked_read_only):
+    from ckptstore.metadata import sqlite as sqlite_backend
+
+    connecting, full = sqlite_backend.connect_sqlite, [False]
+
+    def as_on_a_full_disk(path, read_only=False, immutable=False):  # SQLite cannot map its -shm file
+        if full[0] and not immutable:
+            raise sqlite3.OperationalError("database or disk is full")
+        return connecting(path, read_only, immutable)
+
+    monkeypatch.setattr(sqlite_backend, "connect_sqlite", as_on_a_full_disk)
+    with Repository.init(tmp_path) as repo:
+        first = repo.commit({"w": torch.ones(3)})
+    full[0] = True
+    with Repository.open(tmp_path, read_only=asked_read_only) as repo:
+        assert repo.read_only and [c.id for c in repo.log()] == [first]
+        full[0] = False  # room again
+        if asked_read_only:
+            with pytest.raises(ReadOnlyRepoError, match="opened with --read-only"):
+                repo.commit({"w": torch.zeros(3)})
+        else:
+            repo.commit({"w": torch.zeros(3)})
+            assert not repo.read_only and len(repo.log()) == 2
