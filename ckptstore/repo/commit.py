@@ -131,7 +131,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
                           RuntimeWarning, stacklevel=2)
             level = None
             done, change = _encode_checked(repo, checkpoint, parent, sources, None, lossy, measured, progress, None)
-        _settle_changed(checkpoint, stamps, digests)  # after every byte was read: a save still writing it is torn
+        _settle_changed(checkpoint, stamps, digests, sources)  # after every byte was read: a save writing is torn
         entries, encoded, sizes = done.entries, done.records, done.sizes
         if change is not None:
             options = replace(options, metrics={**options.metrics, calibrate.CALIBRATION_METRIC: change * 100})
@@ -251,18 +251,26 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
 
 
 def _settle_changed(checkpoint: formats.Checkpoint, stamps: Mapping[str, tuple[Path, Any]],
-                    digests: dict[str, str]) -> None:
+                    digests: dict[str, str], sources: Mapping[str, TensorId]) -> None:
     """Refuse a commit whose tensor files changed while it read them: what it read may be half old, half new.
 
-    A plain file (a log the run appends to) keeps the bytes read, and the digest of those bytes.
+    A plain file (a log the run appends to) keeps the bytes read, with their digest, where they are
+    still what was hashed at the start: the file was replaced, or grew. One rewritten in place or
+    cut shorter is refused too (reading its map past a new end would kill the process).
     """
     for record in checkpoint.files:
         path, before = stamps.get(record.name, (None, None))
-        if path is None or file_stamp(path) == before:
+        now = file_stamp(path) if path is not None else before
+        if now == before:
             continue
-        if record.format != formats.BLOB:
+        entry = record.skeleton[1] if record.format == formats.BLOB else None
+        replaced = now is None or now[:2] != before[:2]  # our map is of the old file, which no writer touches
+        if entry is None or not (replaced or now[2] >= before[2]):
             raise changed_while_read(path)
-        digests[record.name] = bytes_digest(checkpoint.tensors[record.skeleton[1]].data)
+        raw = checkpoint.tensors[entry]
+        if tensor_id(raw.dtype, raw.shape, raw.data) != sources[entry]:
+            raise changed_while_read(path)
+        digests[record.name] = bytes_digest(raw.data)
 
 
 _SMALL_TENSOR = 64 << 10  # tensors up to this size are hashed in batches: a task each cost more than the hash

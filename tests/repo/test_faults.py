@@ -339,3 +339,28 @@ def test_a_log_appended_to_while_its_folder_is_committed_keeps_the_bytes_read(re
     assert (out / "train.log").read_text() == "step 1\n"
     with pytest.raises(DirtyWorktreeError):  # "step 2" is in no commit: checking out over it is refused
         repo.checkout_to(cid)
+
+
+@pytest.mark.parametrize("change", ["rewritten in place", "cut shorter"])
+def test_a_plain_file_rewritten_or_cut_while_its_folder_is_committed_is_refused(repo, tmp_path, monkeypatch, change):
+    from ckptstore import faults
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    torch.save({"w": torch.ones(4)}, folder / "model.pt")
+    (folder / "status.txt").write_bytes(b"A" * 100_000)
+    passing = faults.point
+
+    def the_run_changes_it_meanwhile(name):  # once the commit has hashed and encoded it
+        if name == "commit:objects-written":
+            if change == "rewritten in place":
+                with open(folder / "status.txt", "r+b") as status:
+                    status.write(b"B" * 100_000)
+            else:  # reading its memory map past the new end would end the process (SIGBUS)
+                (folder / "status.txt").write_bytes(b"short\n")
+        passing(name)
+
+    monkeypatch.setattr(faults, "point", the_run_changes_it_meanwhile)
+    with pytest.raises(CheckpointFormatError, match="status.txt changed while it was being committed"):
+        repo.commit(folder)
+    assert repo.log() == []
