@@ -85,12 +85,13 @@ def read_metadata(path: str | os.PathLike, trust_pickle: bool = False) -> Metada
     return metadata
 
 
-def read(path: str | os.PathLike, trust_pickle: bool = False
+def read(path: str | os.PathLike, trust_pickle: bool = False, used: list[Path] | None = None
          ) -> tuple[dict[str, Any], Iterator[tuple[str, RawTensor]]]:
     """A DCP directory as a sharded commit's parts: its metadata as JSON, and its stored items by manifest path.
 
     Where every item lies is checked first (files present, long enough); the items are then
     read one at a time as the iterator is consumed, so a commit holds a batch in memory, not all.
+    `used` receives the data files `.metadata` names (mapped, not read yet).
     """
     path = Path(path)
     metadata = read_metadata(path, trust_pickle)
@@ -107,6 +108,8 @@ def read(path: str | os.PathLike, trust_pickle: bool = False
         for offsets, sizes, key in item["chunks"]:
             where.append((key, _slice(path, files, metadata, MetadataIndex(item["fqn"], offsets)), item, sizes))
     _warn_unstored(path, {METADATA, *(Path(name).parts[0] for name in files)})
+    if used is not None:
+        used.extend(path / name for name in files)
 
     def items() -> Iterator[tuple[str, RawTensor]]:
         for key, blob, item, sizes in where:

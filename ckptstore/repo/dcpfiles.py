@@ -51,8 +51,10 @@ def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions
         raise CkptError(f"{path} is a DCP directory, which ckptstore commits lossless; commit it without --lossy "
                         "(a repository's default lossy level does not apply to DCP directories)")
     with repo.lock(), no_cyclic_gc():
-        stamps = {p: file_stamp(p) for p in Path(path).iterdir() if p.is_file()}
-        described, items = dcpdir.read(path, options.trust_pickle)
+        metadata, data_files = Path(path) / dcpdir.METADATA, []
+        stamps = {metadata: file_stamp(metadata)}
+        described, items = dcpdir.read(path, options.trust_pickle, data_files)
+        stamps.update((p, file_stamp(p)) for p in data_files)  # before any of their bytes is read
         start = sharded.where_to(repo, options.branch)
         parent = start.commit
         written: list[sharded.WrittenShard] = []

@@ -186,3 +186,19 @@ def test_a_dcp_directory_saved_into_again_while_it_is_committed_is_refused(tmp_p
         with pytest.raises(CheckpointFormatError, match="changed while it was being committed"):
             repo.commit(tmp_path / "latest")
         assert repo.log() == []
+
+
+def test_only_the_files_a_dcp_directory_names_must_hold_still_while_it_is_committed(tmp_path, monkeypatch):
+    dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "run")))
+    (tmp_path / "run" / "train.log").write_text("step 1\n")
+    reading = dcpdir.read
+
+    def the_job_logs_meanwhile(*args, **kwargs):
+        found = reading(*args, **kwargs)
+        with open(tmp_path / "run" / "train.log", "a") as log:
+            log.write("step 2\n")
+        return found
+
+    monkeypatch.setattr(dcpdir, "read", the_job_logs_meanwhile)
+    with Repository.init(tmp_path / "repo") as repo, pytest.warns(RuntimeWarning, match="train.log not stored"):
+        assert repo.commit(tmp_path / "run")  # the log is no part of it
