@@ -57,6 +57,10 @@ def read_only_uri(path: Path, immutable: bool = False) -> str:
     return f"{path.resolve().as_uri()}?{'mode=ro' if shared else 'immutable=1'}"
 
 
+class ImmutableConnection(sqlite3.Connection):
+    """A connection that reads the file as immutable (a full disk): it never sees later commits, so is never pooled."""
+
+
 def connect_sqlite(path: Path, read_only: bool = False, immutable: bool = False) -> sqlite3.Connection:
     """A connection in WAL mode with full sync, a long busy timeout and explicit transactions.
 
@@ -67,7 +71,8 @@ def connect_sqlite(path: Path, read_only: bool = False, immutable: bool = False)
                         "another path")
     target = read_only_uri(path, immutable) if read_only else path
     connection = sqlite3.connect(target, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
-                                 check_same_thread=False, uri=read_only)
+                                 check_same_thread=False, uri=read_only,
+                                 factory=ImmutableConnection if immutable else sqlite3.Connection)
     connection.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
     if read_only:
         return connection
@@ -95,7 +100,6 @@ class SqliteBackend:
         self.where = str(self.path)
         self.read_only = read_only
         self.disk_full = False  # no room even to read (see connect): read as immutable, write nothing
-        self._immutable: set[int] = set()  # ids of the connections opened so: never pooled
 
     def connect(self) -> sqlite3.Connection:
         """A connection; on a full disk with no writer connected, an immutable one that reads without writing.
@@ -118,16 +122,12 @@ class SqliteBackend:
             if not isinstance(self.explain(exc), DiskFullError) or (wal.exists() and wal.stat().st_size):
                 raise
         self.disk_full = True
-        connection = connect_sqlite(self.path, read_only=True, immutable=True)
-        self._immutable.add(id(connection))
-        return connection
+        return connect_sqlite(self.path, read_only=True, immutable=True)
 
     def reusable(self, connection: sqlite3.Connection) -> bool:
         # an immutable connection never sees a writer's later commits: read-only, open anew each time
-        if id(connection) in self._immutable:
-            self._immutable.discard(id(connection))
-            return False
-        return not (self.read_only and "immutable=1" in read_only_uri(self.path))
+        return not isinstance(connection, ImmutableConnection) and not (
+            self.read_only and "immutable=1" in read_only_uri(self.path))
 
     def begin(self, connection: sqlite3.Connection, write: bool) -> None:
         connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")
