@@ -107,8 +107,13 @@ def some_objects(tx: Tx, count: int) -> list[ObjectId]:
 
 
 def object_sizes(tx: Tx) -> dict[ObjectId, int]:
-    """The size of every object, as recorded when a commit wrote it."""
-    return {ObjectId(o): int(size) for o, size in tx.rows("SELECT id, size FROM objects")}
+    """The size of every object, as recorded when a commit wrote it; a size that is no number is damage."""
+    sizes = {}
+    for oid, size in tx.rows("SELECT id, size FROM objects"):
+        if not isinstance(size, int):  # a page of another table where this one's was (a misdirected write)
+            raise CorruptRecordError(f"object {oid}", f"its recorded size {size!r} is not a number")
+        sizes[ObjectId(oid)] = size
+    return sizes
 
 
 def replace_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[ObjectId, int]) -> None:

@@ -398,3 +398,12 @@ def test_damaged_head_and_branch_rows_are_found_by_fsck_and_named_by_every_verb(
         with pytest.raises(CorruptRecordError, match=f"commit {'a' * 64} is damaged"):
             repo.log("main")
         assert "ref main" in fsck(repo).damaged_records
+
+
+def test_an_object_size_that_is_no_number_is_damage_named_not_a_crash(tmp_path):
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"w": torch.ones(3)})
+    with contextlib.closing(sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db")) as db, db:
+        db.execute("UPDATE objects SET size = 'torch.float32'")  # another table's page in its place
+    with Repository.open(tmp_path) as repo, pytest.raises(CorruptRecordError, match="is not a number"):
+        fsck(repo)
