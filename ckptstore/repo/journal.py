@@ -53,6 +53,8 @@ def renaming(repo_dir: Path | None, renames: Sequence[tuple[Path, Path]], deleti
 
 def _write(repo_dir: Path, plan: dict) -> tuple[int | None, Path | None]:
     """The journal, locked, written and synced under a temporary name, then renamed to its own."""
+    from ckptstore.formats.atomic import sync_dir  # here: the formats package loads numpy, an open need not
+
     folder = repo_dir / FOLDER
     temp, fd = folder / f".{secrets.token_hex(8)}.tmp", None
     try:
@@ -63,7 +65,7 @@ def _write(repo_dir: Path, plan: dict) -> tuple[int | None, Path | None]:
         os.fsync(fd)
         path = temp.with_name(temp.name[1:-4] + ".json")
         os.replace(temp, path)  # seen by others only whole, and locked
-        _sync(folder)
+        sync_dir(folder)
         return fd, path
     except OSError:
         if fd is not None:
@@ -135,10 +137,3 @@ def _stamp(path: str | os.PathLike) -> list[int] | None:
         return None
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
 
-
-def _sync(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
