@@ -21,19 +21,19 @@ import json
 import os
 import secrets
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 FOLDER = "journals"
 
 
 @contextlib.contextmanager
-def renaming(repo_dir: Path | None, renames: Sequence[tuple[Path, Path]], deletions: Sequence[Path],
-             settle: Callable[[], None] = lambda: None) -> Iterator[None]:
+def renaming(repo_dir: Path | None, renames: Sequence[tuple[Path, Path]], deletions: Sequence[Path]
+             ) -> Iterator[None]:
     """Hold a durable journal of `renames` (temporary file, target) and `deletions` for the length of the block.
 
-    `settle` (syncing the folders renamed into) runs at the block's end, before the journal goes.
-    With `repo_dir` None (a read-only repository), or where `.ckpt/` cannot take a journal (a full
+    The block ends with the renames durable (its folders synced): the journal goes after it. With
+    `repo_dir` None (a read-only repository), or where `.ckpt/` cannot take a journal (a full
     disk: `checkout -o` elsewhere still works), the block runs without one.
     """
     plan = {"root": str(repo_dir), "renames": [[str(a), str(b), _stamp(b)] for a, b in renames],
@@ -41,7 +41,6 @@ def renaming(repo_dir: Path | None, renames: Sequence[tuple[Path, Path]], deleti
     fd, path = _write(repo_dir, plan) if repo_dir is not None else (None, None)
     try:
         yield
-        settle()
     except KeyboardInterrupt:  # Ctrl-C among the renames: finish them, the checkout is one step to the user
         _carry_out(plan)
         raise

@@ -165,9 +165,8 @@ def write_selection(selection: Selection, targets: list[tuple[CheckpointFile, Pa
     under a temporary name first, so a failure (a full disk) leaves the folder as it was; the
     renames into place are journalled in `repo_dir` (repo/journal.py; None: read-only, no journal).
     """
-    from ckptstore.formats.atomic import sync_dir, temp_beside
-    from ckptstore.repo import journal
-    from ckptstore.repo.worktree import sweep_stale_temps
+    from ckptstore.formats.atomic import temp_beside
+    from ckptstore.repo.worktree import move_into_place, sweep_stale_temps
 
     sweep_stale_temps([target for _, target in targets])
     staged: list[tuple[Path, Path]] = []
@@ -187,10 +186,7 @@ def write_selection(selection: Selection, targets: list[tuple[CheckpointFile, Pa
                 formats.write_file(record, staging, value_of, raw_of)
             if record.mode is not None:
                 os.chmod(staging, record.mode)
-        folders = {target.parent for _, target in staged}
-        with journal.renaming(repo_dir, staged, [], settle=lambda: [sync_dir(folder) for folder in folders]):
-            for staging, target in staged:
-                os.replace(staging, target)
+        move_into_place(repo_dir, staged)
     finally:
         for staging, _ in staged:
             staging.unlink(missing_ok=True)

@@ -13,7 +13,7 @@ import contextlib
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -201,8 +201,6 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
     commit. Each file's digest is recorded before it is renamed into place: another checkout
     that finds it there knows it.
     """
-    from ckptstore.formats.atomic import sync_dir
-
     sweep_stale_temps([target for _, target in plan.files])
     staged: list[tuple[Path, Path]] = []
     try:
@@ -219,23 +217,35 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
             raise DirtyWorktreeError(f"checkout would {_listed(unsaved)}, which changed while the checkout read the "
                                      "commit, to content that is not in the store; nothing was replaced or deleted: "
                                      "commit it first to keep it, then check out again")
-        folders = {target.parent for _, target in staged}
-        with journal.renaming(None if repo.read_only else repo.dir, staged, plan.extras,
-                              settle=lambda: [sync_dir(folder) for folder in folders]):
-            for path in plan.extras:
-                path.unlink(missing_ok=True)
-            for folder in plan.folders:
-                try:
-                    folder.rmdir()
-                except OSError:  # something new appeared in it meanwhile: leave it rather than lose it
-                    pass
-            for staging, target in staged:
-                target.parent.mkdir(parents=True, exist_ok=True)  # where a file the commit lacks stood, maybe
-                os.replace(staging, target)
-                faults.point("checkout:renamed")
+        move_into_place(None if repo.read_only else repo.dir, staged, plan.extras, plan.folders)
     finally:
         for staging, _ in staged:
             staging.unlink(missing_ok=True)
+
+
+def move_into_place(journal_dir: Path | None, staged: list[tuple[Path, Path]], extras: Sequence[Path] = (),
+                    folders: Iterable[Path] = ()) -> None:
+    """Delete `extras` (and `folders`, once empty), rename each staged file onto its target, and sync.
+
+    Journalled in `journal_dir` (repo/journal.py; None: a read-only repository, none): a process
+    killed among these steps is finished by the next.
+    """
+    from ckptstore.formats.atomic import sync_dir
+
+    with journal.renaming(journal_dir, staged, extras):
+        for path in extras:
+            path.unlink(missing_ok=True)
+        for folder in folders:
+            try:
+                folder.rmdir()
+            except OSError:  # something new appeared in it meanwhile: leave it rather than lose it
+                pass
+        for staging, target in staged:
+            target.parent.mkdir(parents=True, exist_ok=True)  # where a file the commit lacks stood, maybe
+            os.replace(staging, target)
+            faults.point("checkout:renamed")
+        for folder in {target.parent for _, target in staged}:  # durable before the journal goes
+            sync_dir(folder)
 
 
 STALE_TEMP_S = 3600  # a temporary file this old beside a target was left by a checkout killed while writing it
