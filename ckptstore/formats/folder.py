@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,16 +50,19 @@ def folder_files(root: str | os.PathLike, exclude: Iterable[str | os.PathLike] =
     real_root = Path(os.path.realpath(root))
     skipped = {Path(os.path.realpath(p)) for p in exclude}
     found: list[FolderFile] = []
-    _walk(root, "", real_root, [real_root], real_root, skipped, found, Counter())
+    _walk(root, "", real_root, [real_root], real_root, skipped, found, [0])
     return sorted(found, key=lambda f: f.name)
 
 
 def _walk(folder: Path, prefix: str, real: Path, stack: list[Path], real_root: Path, skipped: set[Path],
-          found: list[FolderFile], visits: Counter[str]) -> None:
-    """Add the files under `folder` (whose resolved path is `real`; `stack`: resolved folders walked into)."""
+          found: list[FolderFile], linked: list[int]) -> None:
+    """Add the files under `folder` (whose resolved path is `real`; `stack`: resolved folders walked into).
+
+    `linked` holds how many folders the walk has entered through a link so far.
+    """
     if folder.is_symlink():
-        visits["through links"] += 1
-        if visits["through links"] > MAX_LINKED_FOLDERS:  # links fanning out (a/{x,y} -> b ...) list 2**n paths
+        linked[0] += 1
+        if linked[0] > MAX_LINKED_FOLDERS:  # links fanning out (a/{x,y} -> b ...) list 2**n paths
             raise CheckpointFormatError(f"links inside {real_root} lead into folders more than {MAX_LINKED_FOLDERS} "
                                         "times over (links to links fanning out?): remove them, or copy what they "
                                         "point at")
@@ -79,7 +81,7 @@ def _walk(folder: Path, prefix: str, real: Path, stack: list[Path], real_root: P
             if target in stack:
                 raise CheckpointFormatError(f"{path} is a symlink to {target}, a folder that holds the link: "
                                             "following it would never end; remove the link")
-            _walk(path, name + "/", target, [*stack, target], real_root, skipped, found, visits)
+            _walk(path, name + "/", target, [*stack, target], real_root, skipped, found, linked)
         elif stat.S_ISREG(info.st_mode):
             if not is_temp_name(entry.name):
                 found.append(FolderFile(name, path, stat.S_IMODE(info.st_mode) & MODE_BITS))
