@@ -84,7 +84,7 @@ def _read_file(path: Path, name: str, trust_pickle: bool, in_folder: bool) -> tu
     if size and safetensors_file.looks_like_safetensors(path):
         skeleton, tensors = safetensors_file.read(path, prefix)
         return CheckpointFile(name, SAFETENSORS, skeleton, size), tensors
-    torch_like = size and torchfile.looks_like_torch_file(path) and not torchfile.plain_zip(path)
+    torch_like = size and torchfile.looks_like_torch_file(path)
     if torch_like and (not in_folder or path.suffix in TORCH_SUFFIXES):
         try:
             return _read_torch_file(path, name, prefix, size, trust_pickle)
@@ -92,10 +92,11 @@ def _read_file(path: Path, name: str, trust_pickle: bool, in_folder: bool) -> tu
             # in a folder, a file of objects (training_args.bin) is kept as its bytes; with
             # --trust-pickle that includes objects flatten cannot store or whose class is missing here
             pickled = isinstance(exc, PickledObjectsError) or (trust_pickle and isinstance(exc, UnsupportedStateError))
-            if not (in_folder and pickled):
+            if in_folder and pickled:
+                skeleton, tensors = _read_blob(path, prefix)
+                return CheckpointFile(name, BLOB, skeleton, size, "pickled objects, kept as bytes"), tensors
+            if not torchfile.plain_zip(path):  # another program's zip with a torch suffix: a plain file, below
                 raise
-            skeleton, tensors = _read_blob(path, prefix)
-            return CheckpointFile(name, BLOB, skeleton, size, "pickled objects, kept as bytes"), tensors
     if not in_folder:
         raise CheckpointFormatError(
             f"{path} is not a checkpoint: expected a torch.save file, a safetensors file or a "
