@@ -38,11 +38,14 @@ def hold(monkeypatch, tmp_path: Path):
     release.touch()  # a failed test must not leave a commit waiting forever (the exit would wait for it)
 
 
-def _wait_reached(release: Path) -> None:
-    reached = Path(str(release) + ".reached")
-    for _ in range(1000):
+def _wait_reached(release: Path, child: subprocess.Popen | None = None) -> None:
+    """Wait for the hold point; a child that ends first fails at once, a loaded machine gets two minutes."""
+    reached, deadline = Path(str(release) + ".reached"), time.monotonic() + 120
+    while time.monotonic() < deadline:
         if reached.exists():
             return
+        if child is not None and child.poll() is not None:
+            raise AssertionError(f"the child ended with {child.returncode} before the hold point (its stderr is above)")
         time.sleep(0.01)
     raise AssertionError("the background commit never reached its hold point")
 
@@ -204,7 +207,7 @@ def test_sigterm_mid_commit_ends_the_process_once_the_commit_is_written(tmp_path
     Repository.init(tmp_path).close()
     release = tmp_path / "release"
     child = _child(tmp_path, 1, "hang", {"CKPT_WAIT_AT": f"background:start={release}"})
-    _wait_reached(release)
+    _wait_reached(release, child)
     child.send_signal(signal.SIGTERM)
     time.sleep(0.3)  # the handler runs while the commit is still held
     child.send_signal(signal.SIGTERM)  # a second one (an impatient scheduler) does not cut the wait short
@@ -223,7 +226,7 @@ def test_sigkill_mid_commit_leaves_earlier_commits_and_garbage_only(tmp_path):
         kept = repo.commit(trainer.state(), "kept")
     release = tmp_path / "never"
     child = _child(tmp_path, 1, "hang", {"CKPT_WAIT_AT": f"commit:objects-written={release}"})
-    _wait_reached(release)
+    _wait_reached(release, child)
     child.send_signal(signal.SIGKILL)
     child.wait(timeout=30)
     with Repository.open(tmp_path) as repo:
