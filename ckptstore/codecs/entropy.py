@@ -50,6 +50,8 @@ METHOD_NAMES = {ZSTD: "zstd", RANS: "rans", CONSTANT: "constant", SPARSE: "spars
 DECODES = tuple(f"method:{name}" for name in METHOD_NAMES.values())
 PACK_WIDTHS = (1, 2, 4, 8)
 MAX_NESTING = 3
+# Streams nest at most MAX_NESTING deep; deeper is damage (or forged), refused before the stack runs out.
+MAX_DECODE_NESTING = 8
 ESTIMATE_SLACK = 1.1  # a width whose estimate is this close to the best one's is tried too
 PACK_MAX_RANGE = 1 << 20
 _PACKED = struct.Struct("<BiQ")
@@ -199,7 +201,7 @@ def _pack(symbols: np.ndarray, width: int, low: int, use_native: bool = True) ->
     return packed, symbols[offsets >= escape]
 
 
-def _unpack(body: memoryview, count: int, dtype: type, use_native: bool = True) -> np.ndarray:
+def _unpack(body: memoryview, count: int, dtype: type, depth: int = 0, use_native: bool = True) -> np.ndarray:
     width, low, length = _PACKED.unpack_from(body)
     if width not in PACK_WIDTHS:
         raise ValueError(f"packed codes have width {width}, not one of {PACK_WIDTHS}")
@@ -218,7 +220,7 @@ def _unpack(body: memoryview, count: int, dtype: type, use_native: bool = True) 
         if native.unpack_codes(raw, width, low, out, NATIVE_KINDS[kind], positions) != escapes:
             raise ValueError("packed codes and their escapes disagree")
         if escapes:
-            out[positions] = decode_symbols(escaped, limit=count)
+            out[positions] = _decode(escaped, np.int32, count, depth + 1)
         return out
     if width == 1:
         codes = np.unpackbits(raw, count=count, bitorder="little")
@@ -229,7 +231,7 @@ def _unpack(body: memoryview, count: int, dtype: type, use_native: bool = True) 
     out = codes.astype(dtype)  # then add: a ufunc that casts as it adds runs at a third of the speed
     out += dtype(low)
     if escapes:
-        out[np.flatnonzero(codes == (1 << width) - 1)] = decode_symbols(escaped, limit=count)
+        out[np.flatnonzero(codes == (1 << width) - 1)] = _decode(escaped, np.int32, count, depth + 1)
     return out
 
 
@@ -249,12 +251,12 @@ def _split_payload(symbols: np.ndarray, low_bits: int, nested: int) -> bytes:
     return _SPLIT.pack(low_bits, len(high)) + high + encode_symbols(wide & ((1 << low_bits) - 1), nested + 1)
 
 
-def _unsplit(body: memoryview, count: int, dtype: type) -> np.ndarray:
+def _unsplit(body: memoryview, count: int, dtype: type, depth: int) -> np.ndarray:
     low_bits, length = _SPLIT.unpack_from(body)
     if not 0 < low_bits <= SPLIT_MAX_BITS:
         raise ValueError(f"split stream has {low_bits} low bits")
-    high = decode_symbols(body[_SPLIT.size : _SPLIT.size + length], limit=count)
-    low = decode_symbols(body[_SPLIT.size + length :], limit=count)
+    high = _decode(body[_SPLIT.size : _SPLIT.size + length], np.int32, count, depth + 1)
+    low = _decode(body[_SPLIT.size + length :], np.int32, count, depth + 1)
     if high.size != count or low.size != count:
         raise ValueError("split parts disagree with the stream's count")
     high <<= low_bits
@@ -269,20 +271,20 @@ def _gaps_payload(symbols: np.ndarray, common: int, nested: int) -> bytes:
     return _GAPS.pack(common, len(gaps_stream)) + gaps_stream + encode_symbols(symbols[positions], nested + 1)
 
 
-def _gap_parts(body: memoryview, count: int, dtype: type) -> tuple[int, np.ndarray, np.ndarray]:
+def _gap_parts(body: memoryview, count: int, dtype: type, depth: int) -> tuple[int, np.ndarray, np.ndarray]:
     common, length = _GAPS.unpack_from(body)
-    gaps = decode_symbols(body[_GAPS.size : _GAPS.size + length], limit=count).astype(np.int64)
+    gaps = _decode(body[_GAPS.size : _GAPS.size + length], np.int32, count, depth + 1).astype(np.int64)
     positions = np.cumsum(gaps + 1) - 1
     if positions.size and (gaps.min() < 0 or positions[-1] >= count):
         raise ValueError("gaps run past the stream")
-    values = decode_symbols(body[_GAPS.size + length :], dtype, limit=count)
+    values = _decode(body[_GAPS.size + length :], dtype, count, depth + 1)
     if values.size != positions.size:
         raise ValueError("gaps and values disagree")
     return common, positions, values
 
 
-def _ungap(body: memoryview, count: int, dtype: type) -> np.ndarray:
-    common, positions, values = _gap_parts(body, count, dtype)
+def _ungap(body: memoryview, count: int, dtype: type, depth: int) -> np.ndarray:
+    common, positions, values = _gap_parts(body, count, dtype, depth)
     out = np.full(count, common, dtype=dtype)
     out[positions] = values
     return out
@@ -306,7 +308,7 @@ def decode_sparse(payload: bytes | memoryview, dtype: type = np.int32, limit: in
     body = memoryview(payload)[_HEAD.size :]
     try:
         if method == GAPS:
-            return Sparse(count, *_gap_parts(body, count, dtype))
+            return Sparse(count, *_gap_parts(body, count, dtype, 0))
         if method == CONSTANT:
             return Sparse(count, struct.unpack_from("<q", body)[0], np.empty(0, np.int64), np.empty(0, dtype))
     except (zstandard.ZstdError, ValueError, KeyError, IndexError, OverflowError, MemoryError, struct.error) as exc:
@@ -368,6 +370,13 @@ def decode_symbols(payload: bytes | memoryview, dtype: type = np.int32, limit: i
     float32 is exact for these symbols and saves a dequantizing codec one pass over the values.
     A stream of more than `limit` symbols (when given) is refused before anything is allocated.
     """
+    return _decode(payload, dtype, limit, 0)
+
+
+def _decode(payload: bytes | memoryview, dtype: type, limit: int | None, depth: int) -> np.ndarray:
+    """decode_symbols for a stream nested `depth` streams down."""
+    if depth > MAX_DECODE_NESTING:
+        raise CodecError(f"entropy: streams nest more than {MAX_DECODE_NESTING} deep")
     method, count = _header(payload, limit)
     body = memoryview(payload)[_HEAD.size :]
     try:
@@ -380,13 +389,13 @@ def decode_symbols(payload: bytes | memoryview, dtype: type = np.int32, limit: i
             bits = decompress_at_most(body[8 : 8 + length], (count + 7) // 8)
             nonzero = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=count).astype(bool)
             out = np.zeros(count, dtype=dtype)
-            out[nonzero] = decode_symbols(body[8 + length :], limit=count)
+            out[nonzero] = _decode(body[8 + length :], np.int32, count, depth + 1)
         elif method == PACKED:
-            out = _unpack(body, count, dtype)
+            out = _unpack(body, count, dtype, depth)
         elif method == GAPS:
-            out = _ungap(body, count, dtype)
+            out = _ungap(body, count, dtype, depth)
         elif method == SPLIT:
-            out = _unsplit(body, count, dtype)
+            out = _unsplit(body, count, dtype, depth)
         elif method == CONSTANT:
             out = np.full(count, struct.unpack_from("<q", body)[0], dtype=dtype)
         elif method == RANS:
