@@ -90,7 +90,7 @@ class Manifest:
 
         try:  # a damaged frame header can declare gigabytes: no manifest compresses 1024x
             record = json.loads(decompress_at_most(data, MAX_EXPANSION * len(data) + (1 << 20)))
-        except (zstandard.ZstdError, ValueError) as exc:
+        except (zstandard.ZstdError, ValueError, RecursionError) as exc:  # RecursionError: forged nesting
             raise CorruptObjectError(oid, f"not a readable manifest ({exc})") from None
         version = record.get("version") if isinstance(record, dict) else None
         if version not in KNOWN_VERSIONS:
@@ -99,7 +99,7 @@ class Manifest:
                                        "newer ckptstore; upgrade ckptstore to read this commit")
         try:
             return cls.from_record(record)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
             raise CorruptObjectError(oid, f"a manifest missing or mangling a field ({exc!r})") from None
 
     def rewritten_files(self) -> list[str]:
