@@ -85,7 +85,7 @@ def finish_interrupted(repo_dir: Path) -> int:
     for path in sorted(folder.glob("*.json")):
         try:
             finished += _finish(path, repo_dir)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             warnings.warn(f"an interrupted checkout's journal {path} could not be finished ({exc}); check its "
                           "files out again", RuntimeWarning, stacklevel=3)
     return finished

@@ -447,6 +447,16 @@ def test_a_finished_journal_leaves_files_the_user_wrote_since_the_crash(tmp_path
     assert old.read_text() == "the user's" and extra.read_text() == "the user's too" and not staged.exists()
 
 
+def test_a_journal_of_forged_nesting_is_a_warning_and_the_repository_opens(tmp_path):
+    from ckptstore import Repository
+
+    Repository.init(tmp_path).close()
+    (tmp_path / ".ckpt" / "journals").mkdir()
+    (tmp_path / ".ckpt" / "journals" / "a.json").write_text("[" * 100_000)
+    with pytest.warns(RuntimeWarning, match="could not be finished"), Repository.open(tmp_path) as repo:
+        assert repo.log() == []
+
+
 def test_a_journal_that_cannot_be_finished_is_one_warning_and_the_command_goes_on(tmp_path):
     from ckptstore import Repository
 
