@@ -127,6 +127,25 @@ def test_codec_decoders_refuse_damage_or_decode_exactly(group):
     assert sum(tally.counts.values()) >= min(EXAMPLES, 20)
 
 
+def test_streams_nested_past_any_encoder_are_refused_not_a_recursion_error():
+    head = entropy._HEAD
+    stream = zeros = head.pack(entropy.MAGIC, entropy.CONSTANT, 4) + (0).to_bytes(8, "little")
+    for _ in range(2000):  # split streams whose high part is another split stream: 82 KB, no encoder writes it
+        stream = head.pack(entropy.MAGIC, entropy.SPLIT, 4) + entropy._SPLIT.pack(1, len(stream)) + stream + zeros
+    with pytest.raises(CkptError, match="nest more than"):
+        entropy.decode_symbols(stream, limit=4)
+    codec, params = get_codec("deadzone"), {"dtype": "torch.float32", "step": 0.004}
+    good = codec.encode_lossy(np.zeros(4, np.float32).view(np.uint8), None, params)[0]
+    with pytest.raises(CorruptObjectError):
+        decode_checked("deadzone", good[: good.index(entropy.MAGIC)] + stream, None, params, 16, None, "obj")
+
+
+def test_a_manifest_of_forged_nesting_is_a_corrupt_object():
+    for text in (b"[" * 100_000 + b"]" * 100_000, b'{"version": 1, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"):
+        with pytest.raises(CorruptObjectError, match="fuzzed"):
+            Manifest.from_bytes(zstandard.ZstdCompressor().compress(text), "fuzzed")
+
+
 def test_objects_are_verified_against_their_id(tmp_path):
     store = LocalObjectStore(tmp_path / "objects", tmp_path / "tmp")
     payloads = [p for g in GROUPS for _, ps, _, _ in _cases(g) for p in ps]
