@@ -19,12 +19,14 @@ import os
 import pickle
 import re
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
@@ -48,6 +50,11 @@ _METADATA_CLASSES = {
 }
 
 
+_BUILDABLE = {OrderedDict, _StorageInfo, *(getattr(dcp_metadata, name) for name in (
+    "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
+    "MetadataIndex", "StorageMeta"))}
+
+
 class _Refused(pickle.UnpicklingError):
     """A global outside the allow-list (told apart from a damaged pickle)."""
 
@@ -66,6 +73,15 @@ class _MetadataUnpickler(pickle._Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise _Refused(f"{module}.{name} is not one of DCP's metadata classes")
+
+    def load_build(self) -> None:
+        # BUILD sets attributes: on a class, an enum member or a dtype it would change every later
+        # read in this process, so only DCP's fresh records (and OrderedDicts) may be built.
+        if type(self.stack[-2]) not in _BUILDABLE:
+            raise _Refused(f"BUILD on a {type(self.stack[-2]).__name__}")
+        super().load_build()
+
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: load_build}
 
 
 def read_metadata(path: str | os.PathLike, trust_pickle: bool = False) -> Metadata:

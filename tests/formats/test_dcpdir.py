@@ -153,6 +153,22 @@ def test_a_metadata_pickle_naming_a_huge_memo_index_costs_no_memory(tmp_path):
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 512 << 10
 
 
+@pytest.mark.parametrize("target", [b"cpathlib\nPosixPath\n",  # a class every later path check uses
+                                    b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85R"])
+def test_a_metadata_pickle_that_builds_on_shared_objects_is_refused_and_changes_nothing(tmp_path, target):
+    import pathlib
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    # BUILD (None, {"exists": BytesStorageMetadata}) on the target, then None as the whole metadata
+    (tmp_path / ".metadata").write_bytes(b"\x80\x02" + target + b"N}X\x06\x00\x00\x00exists"
+                                         b"ctorch.distributed.checkpoint.metadata\nBytesStorageMetadata\ns\x86b0N.")
+    with pytest.raises(PickledObjectsError, match="BUILD on a"):
+        dcpdir.read_metadata(tmp_path)
+    assert not pathlib.Path(tmp_path / "absent").exists()
+    assert "exists" not in vars(pathlib.PosixPath) and "exists" not in vars(_MEM_FORMAT_ENCODING(0))
+
+
 def test_files_the_metadata_does_not_name_are_warned_of_and_a_shard_linked_from_outside_is_refused(tmp_path):
     import warnings
 
