@@ -111,18 +111,11 @@ def read(path: str | os.PathLike, trust_pickle: bool = False, used: list[Path] |
     """
     path = Path(path)
     metadata = read_metadata(path, trust_pickle)
-    described = dcpmeta.to_json(metadata)
     files: dict[str, np.ndarray] = {}
-    where: list[tuple[str, np.ndarray, dict[str, Any] | None, list[int] | None]] = []
-    for item in described["items"]:
-        if item["type"] == "bytes":
-            where.append((item["key"], _slice(path, files, metadata, MetadataIndex(item["fqn"])), None, None))
-            continue
-        problem = dcpmeta.chunk_problem(item)
-        if problem is not None:
-            raise CheckpointFormatError(f"{path}: the DCP metadata of {item['fqn']!r} is impossible: {problem}")
-        for offsets, sizes, key in item["chunks"]:
-            where.append((key, _slice(path, files, metadata, MetadataIndex(item["fqn"], offsets)), item, sizes))
+    try:
+        described, where = _locate(path, metadata, files)
+    except (TypeError, AttributeError, ValueError, KeyError, IndexError) as exc:  # a field of the wrong kind
+        raise CheckpointFormatError(f"{path / METADATA} is not DCP metadata: a field is mangled ({exc!r})") from None
     _warn_unstored(path, {METADATA, *(Path(name).parts[0] for name in files)})
     if used is not None:
         used.extend(path / name for name in files)
@@ -133,6 +126,25 @@ def read(path: str | os.PathLike, trust_pickle: bool = False, used: list[Path] |
                         _tensor(blob, item, sizes, f"{path}: {item['fqn']} at {key.rsplit('/', 2)[-2]}"))
 
     return described, items()
+
+
+_Located = tuple[str, np.ndarray, dict[str, Any] | None, list[int] | None]  # path, bytes, tensor item, sizes
+
+
+def _locate(path: Path, metadata: Metadata, files: dict[str, np.ndarray]) -> tuple[dict[str, Any], list[_Located]]:
+    """The metadata as JSON, and each stored item's (manifest path, bytes, tensor item, shard sizes)."""
+    described = dcpmeta.to_json(metadata)
+    where: list[_Located] = []
+    for item in described["items"]:
+        if item["type"] == "bytes":
+            where.append((item["key"], _slice(path, files, metadata, MetadataIndex(item["fqn"])), None, None))
+            continue
+        problem = dcpmeta.chunk_problem(item)
+        if problem is not None:
+            raise CheckpointFormatError(f"{path}: the DCP metadata of {item['fqn']!r} is impossible: {problem}")
+        for offsets, sizes, key in item["chunks"]:
+            where.append((key, _slice(path, files, metadata, MetadataIndex(item["fqn"], offsets)), item, sizes))
+    return described, where
 
 
 _EMPTY_SHARD = re.compile(r"__\d+_\d+\.distcp")
@@ -186,7 +198,7 @@ def _tensor(blob: np.ndarray, item: dict[str, Any], sizes: list[int], where: str
         tensor = torch.load(io.BytesIO(blob.tobytes()), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many kinds for damaged or non-tensor data
         raise CheckpointFormatError(f"{where}: not a tensor torch reads with weights_only=True "
-                                    f"({str(exc).splitlines()[0][:200]})") from None
+                                    f"({(str(exc).splitlines() or [type(exc).__name__])[0][:200]})") from None
     if not isinstance(tensor, torch.Tensor) or str(tensor.dtype) != item["dtype"] or list(tensor.shape) != sizes:
         found = f"a {tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else \
             f"a {type(tensor).__name__}"

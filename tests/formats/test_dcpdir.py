@@ -169,6 +169,30 @@ def test_a_metadata_pickle_that_builds_on_shared_objects_is_refused_and_changes_
     assert "exists" not in vars(pathlib.PosixPath) and "exists" not in vars(_MEM_FORMAT_ENCODING(0))
 
 
+def _stored(metadata):
+    return next(info for index, info in metadata.storage_data.items() if index.fqn == "w")
+
+
+MANGLED = {
+    "an empty tensor shard": lambda m: setattr(_stored(m), "length", 0),
+    "an offset in text": lambda m: setattr(_stored(m), "offset", "0"),
+    "a file name that is a list": lambda m: setattr(_stored(m), "relative_path", ["__0_0.distcp"]),
+    "storage_data that is a number": lambda m: setattr(m, "storage_data", 5),
+    "chunks that are None": lambda m: setattr(m.state_dict_metadata["w"], "chunks", None),
+    "chunk offsets in text": lambda m: setattr(m.state_dict_metadata["w"].chunks[0], "offsets", ["0", "0"]),
+}
+
+
+@pytest.mark.parametrize("mangle", MANGLED.values(), ids=MANGLED.keys())
+def test_metadata_of_dcps_own_classes_with_a_mangled_field_is_a_format_error(tmp_path, mangle):
+    dcp.save({"w": torch.arange(12.0).reshape(3, 4)}, storage_writer=dcp.FileSystemWriter(str(tmp_path)))
+    metadata = dcpdir.read_metadata(tmp_path)
+    mangle(metadata)
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(metadata, protocol=2))
+    with pytest.raises(CheckpointFormatError):
+        list(dcpdir.read(tmp_path)[1])
+
+
 def test_files_the_metadata_does_not_name_are_warned_of_and_a_shard_linked_from_outside_is_refused(tmp_path):
     import warnings
 
