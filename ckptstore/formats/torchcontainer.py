@@ -125,6 +125,12 @@ def _split(data: mmap.mmap, size: int, zf: zipfile.ZipFile, prefix: str, tensors
             return None  # overlapping or out-of-file records: the file stays whole
         ends.append(end)
         at = end
+    starts = [start for (start, _, _, _), _ in cut]
+    for (_, _, _, places), _ in cut:
+        for place in places:  # a local header inside another record's bytes (a forged but readable zip)
+            following = bisect.bisect_right(ends, place)
+            if following < len(starts) and starts[following] < place + 4:
+                return None  # its CRC would be cut out with that record: the file stays whole
     lengths = list(itertools.accumulate((end - start for (start, end, _, _), _ in cut), initial=0))
 
     def inside(offset: int) -> int:  # an offset of the file, in the container (no CRC lies in a cut record)

@@ -236,6 +236,51 @@ def test_records_without_a_container_are_written_with_torch_save(tmp_path):
     assert_identical(load(tmp_path / "a.pt"), load(tmp_path / "b.pt"))
 
 
+def _zip_with_a_header_inside_another_record(state: dict) -> bytes:
+    """A torch.save zip rebuilt so that data/1's local header is the last bytes of data/0 (torch.load reads it)."""
+    import struct
+    import zlib
+
+    saved = tempfile.SpooledTemporaryFile()
+    torch.save(state, saved)
+    with zipfile.ZipFile(saved) as original:
+        records = {info.filename: original.read(info) for info in original.infolist()}
+    top = next(iter(records)).split("/")[0]
+    first, second = f"{top}/data/0", f"{top}/data/1"
+
+    def local(name, data):
+        return struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, 0, 0, 0, zlib.crc32(data), len(data), len(data),
+                           len(name), 0) + name.encode()
+
+    second_header = local(second, records[second])
+    records[first] = bytes(256 - len(second_header)) + second_header
+    out, directory = bytearray(), []
+    for name, data in records.items():
+        if name != second:
+            directory.append((name, data, len(out)))
+            out += local(name, data) + data
+        if name == first:
+            directory.append((second, records[second], len(out) - len(second_header)))
+            out += records[second]
+    start = len(out)
+    for name, data, offset in directory:
+        out += struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, 0, 0, 0, zlib.crc32(data), len(data),
+                           len(data), len(name), 0, 0, 0, 0, 0, offset) + name.encode()
+    return bytes(out + struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, len(directory), len(directory),
+                                   len(out) - start, start, 0))
+
+
+def test_a_zip_whose_records_overlap_a_crc_comes_back_with_its_state_exact(repo, tmp_path):
+    (tmp_path / "a.pt").write_bytes(_zip_with_a_header_inside_another_record(
+        {"a": torch.zeros(64), "b": torch.arange(64, dtype=torch.float32)}))
+    original = load(tmp_path / "a.pt")
+    cid = repo.commit(tmp_path / "a.pt")
+    repo.checkout_to(cid, tmp_path / "b.pt")
+    assert (tmp_path / "b.pt").read_bytes() == (tmp_path / "a.pt").read_bytes() or \
+        repo.manifest(cid).rewritten_files() == [""]  # not split: written with torch.save, said so
+    assert_identical(original, load(tmp_path / "b.pt"))
+
+
 def test_checkout_message_says_what_is_exact(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = lambda *args: CliRunner().invoke(cli, list(args), catch_exceptions=False)
