@@ -185,6 +185,8 @@ def raw_from_torch(tensor, path: str = "") -> RawTensor:
         raise UnsupportedStateError(f"{where}: tensor layout {tensor.layout} is not supported; store .to_dense()")
     if tensor.device.type == "meta":
         raise UnsupportedStateError(f"{where}: a tensor on the meta device has no data to store")
+    if min(tensor.shape, default=0) < 0:  # torch.load lets an empty tensor of a damaged file have one
+        raise UnsupportedStateError(f"{where}: shape {list(tensor.shape)} has a negative size (a damaged file?)")
     flat = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
     if flat.numel() == 1 and flat.stride(0) != 1:  # one element counts as contiguous at any stride
         flat = flat.as_strided((1,), (1,))

@@ -372,3 +372,31 @@ def test_a_tensor_of_more_dimensions_than_numpy_takes_round_trips(repo):
     tensor = torch.arange(6.0).reshape([2, 3] + [1] * 68)  # torch allows 70 dimensions, numpy 64
     back = repo.checkout(repo.commit({"x": tensor, "half": tensor.half()}))
     assert_same({"x": tensor, "half": tensor.half()}, back)
+
+
+def test_a_file_whose_empty_tensor_has_a_negative_size_is_refused_at_commit(tmp_path):
+    """torch.load accepts size (0, -5) for an empty tensor; a commit of it could never be checked out."""
+    import io
+    import pickletools
+    import struct
+    import zipfile
+
+    from ckptstore import Repository
+
+    saved = io.BytesIO()
+    torch.save({"x": torch.zeros(0, 3), "keep": torch.arange(4.0)}, saved)
+    with zipfile.ZipFile(saved) as original:
+        records = {info.filename: original.read(info) for info in original.infolist()}
+    name = next(n for n in records if n.endswith("/data.pkl"))
+    ops = list(pickletools.genops(records[name]))
+    at = next(ops[i + 1][2] for i, (op, arg, _) in enumerate(ops[:-2])
+              if (op.name, arg, ops[i + 1][0].name, ops[i + 1][1]) == ("BININT1", 0, "BININT1", 3))
+    records[name] = records[name][:at] + b"J" + struct.pack("<i", -5) + records[name][at + 2 :]  # (0, 3) -> (0, -5)
+    with zipfile.ZipFile(tmp_path / "c.pt", "w") as forged:
+        for member, data in records.items():
+            forged.writestr(member, data)
+    assert tuple(torch.load(tmp_path / "c.pt", weights_only=True)["x"].shape) == (0, -5)
+    with Repository.init(tmp_path / "repo") as repo:
+        with pytest.raises(UnsupportedStateError, match=r"x: shape \[0, -5\] has a negative size"):
+            repo.commit(tmp_path / "c.pt")
+        assert repo.log() == []
