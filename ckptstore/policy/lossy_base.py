@@ -63,6 +63,17 @@ def rms(raw: RawTensor) -> float:
     return float(np.sqrt(np.mean(values * values))) if values.size else 0.0
 
 
+def whole_numbers(raw: RawTensor, sample: int = 4096) -> bool:
+    """Whether a float tensor holds only whole numbers (a mask, a count): a sample first, most weights fail it."""
+    if raw.dtype not in LOSSY_DTYPES or not raw.data.size:
+        return False
+    head = to_float32(raw.data[: sample * raw.itemsize], raw.dtype)
+    if not np.array_equal(head, np.round(head)):
+        return False
+    values = to_float32(raw.data, raw.dtype)
+    return bool(np.array_equal(values, np.round(values)))
+
+
 def temporal_base(parent: TensorRecord | None, raw: RawTensor, codecs: tuple[str, ...],
                   max_chain: int) -> TensorRecord | None:
     """The parent's tensor as a closed-loop base, when the layout matches and the chain has room."""

@@ -9,14 +9,16 @@ scales its step (PlanContext.step_factor), in whichever role.
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 
-from ckptstore.policy.lossy_base import Subject, eligible, temporal_base
+from ckptstore.policy.lossy_base import Subject, eligible, temporal_base, whole_numbers
 from ckptstore.policy.lossy_context import PlanContext
 from ckptstore.policy.mapping import ParamSlots
 from ckptstore.state import RawTensor
 
 WEIGHT_BASE_CODECS = ("deadzone", "bytegroup")  # a weight's residual may build on a lossy or lossless parent
+_OPTIMIZER_STATE = re.compile(r"(^|/)state/[^/]+/[^/]+$")  # OPTIMIZER/state/PARAM/NAME: never a weight
 
 
 class Role(Enum):
@@ -58,10 +60,13 @@ def _unowned(ctx: PlanContext, path: str, raw: RawTensor) -> tuple[Role, Subject
     """A tensor no optimizer parameter claims: a weight when the pairing is uncertain, else lossless.
 
     With the pairing uncertain, any tensor may be a trained weight; it is planned from its own
-    statistics alone (no second moment to judge its importance). Step counters never are.
+    statistics alone (no second moment to judge its importance). Step counters never are, nor
+    other optimizers' state (RMSprop's square_avg, Adagrad's sum: their bounds are not a weight's),
+    nor tensors of whole numbers (pruning masks, counts), which a weight's step would change.
     """
     subject = Subject(path, raw)
-    if ctx.optimizer.certain or not ctx.level.weights_lossy or path.endswith(("/step", "step")):
+    if (ctx.optimizer.certain or not ctx.level.weights_lossy or path.endswith(("/step", "step"))
+            or _OPTIMIZER_STATE.search(path) or whole_numbers(raw)):
         return Role.LOSSLESS, subject
     return _weight(ctx, subject)
 

@@ -199,3 +199,17 @@ def test_with_an_uncertain_pairing_every_large_float_matrix_is_a_weight_but_step
     for lossless in ("model/step", "model/zero.weight", "model/small.weight"):
         assert roles[lossless] is Role.LOSSLESS
     assert roles["optimizer/state/0/exp_avg"] is Role.ADAM_FIRST_MOMENT
+
+
+def test_unpaired_tensors_that_are_not_weights_stay_lossless():
+    """Pairing uncertain (no Adam moments): any big float tensor may be a weight, but not these."""
+    tensors = {"model/fc.weight": _t(128, 64), "model/fc.weight_mask": RawTensor(
+        "torch.float32", (128, 64), (np.arange(128 * 64) % 2).astype(np.float32).view(np.uint8))}
+    for name in ("square_avg", "grad_avg", "sum", "max_exp_avg_sq", "exp_inf"):  # RMSprop, Adagrad, AMSGrad, Adamax
+        tensors[f"optimizer/state/0/{name}"] = _t(128, 64, seed=3, scale=1e-3)
+    tensors["optim/state/fc.weight/exp_avg_sq"] = _t(128, 64, seed=4, scale=1e-6)  # get_state_dict keys by name
+    pairing = map_optimizer(tensors)
+    assert not pairing.certain
+    roles = plan_roles(tensors, {}, level_named("balanced"), SETTINGS, pairing)
+    assert roles.pop("model/fc.weight") is Role.WEIGHT_KEYFRAME  # a weight is still a weight
+    assert set(roles.values()) == {Role.LOSSLESS}, roles
