@@ -107,8 +107,12 @@ def _second_moment(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
 
 
 def _first_moment(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
-    """Lossy where its second moment is, and when their items are the same size (their chunks line up)."""
+    """Lossy where its second moment is, of the same shape and item size (their chunks line up).
+
+    A factored second moment (Adafactor's rows, Adam-mini's blocks) has another shape: lossless.
+    """
     second = subject.slot.exp_avg_sq if subject.slot is not None else None
-    if second in ctx.plans and subject.raw.itemsize == ctx.tensors[second].itemsize:
+    if (second in ctx.plans and subject.raw.itemsize == ctx.tensors[second].itemsize
+            and subject.raw.shape == ctx.tensors[second].shape):
         return Role.ADAM_FIRST_MOMENT, subject
     return Role.LOSSLESS, subject

@@ -213,3 +213,12 @@ def test_unpaired_tensors_that_are_not_weights_stay_lossless():
     roles = plan_roles(tensors, {}, level_named("balanced"), SETTINGS, pairing)
     assert roles.pop("model/fc.weight") is Role.WEIGHT_KEYFRAME  # a weight is still a weight
     assert set(roles.values()) == {Role.LOSSLESS}, roles
+
+
+def test_a_first_moment_beside_a_factored_second_moment_stays_lossless():
+    tensors = {"model/w": _t(128, 64), "optimizer/state/0/exp_avg": _t(128, 64, seed=1, scale=1e-3),
+               "optimizer/state/0/exp_avg_sq": RawTensor("torch.float32", (128 * 64,), np.abs(
+                   _t(128 * 64, seed=2, scale=1e-6).data.view(np.float32)).view(np.uint8))}
+    roles = plan_roles(tensors, {}, level_named("balanced"), SETTINGS, map_optimizer(tensors, ids=[0]))
+    assert roles["optimizer/state/0/exp_avg_sq"] is Role.ADAM_SECOND_MOMENT
+    assert roles["optimizer/state/0/exp_avg"] is Role.LOSSLESS
