@@ -20,7 +20,7 @@ import zstandard
 
 from ckptstore.codecs.entropy import decode_sparse, decode_symbols, decompress_at_most, encode_symbols
 from ckptstore.codecs.floats import from_float32, itemsize, rounding_error, to_float32
-from ckptstore.errors import CodecError, NonFiniteError
+from ckptstore.errors import CodecError, NonFiniteError, UnquantizableError
 
 MAGIC = b"LG1"
 _HEAD = struct.Struct("<3sBiI")
@@ -77,7 +77,7 @@ class LogMomentCodec:
         if not np.isfinite(values).all():
             raise NonFiniteError("log2moment: non-finite values cannot be quantized")
         if (values < 0).any():
-            raise CodecError("log2moment: values must be non-negative")
+            raise UnquantizableError("log2moment: a second moment holds negative values")
         zero = values == 0
         levels = levels_of(values, k)
         median = int(np.median(levels[~zero])) if (~zero).any() else 0

@@ -459,3 +459,15 @@ def test_centered_rmsprop_beside_batchnorm_comes_back_exact_and_resumes(tmp_path
     model.load_state_dict(restored["model"])
     optimizer.load_state_dict(restored["optimizer"])
     assert all(np.isfinite(step(*batch)) for batch in batches[5:])
+
+
+def test_a_second_moment_with_negative_entries_is_committed_lossless_with_a_warning(tmp_path):
+    """A custom optimizer's signed statistic under the name exp_avg_sq has no log2 level: the commit stays whole."""
+    state = {"model": {"w": torch.randn(128, 64)},
+             "optimizer": {"state": {0: {"step": torch.tensor(5.0), "exp_avg": torch.randn(128, 64) * 1e-3,
+                                         "exp_avg_sq": torch.randn(128, 64) * 1e-6}},
+                           "param_groups": [{"lr": 1e-3, "params": [0]}]}}
+    with Repository.init(tmp_path) as repo, pytest.warns(RuntimeWarning, match="cannot be quantized"):
+        cid = repo.commit(state, lossy="balanced")
+        assert repo.commit_info(cid).lossy is None
+        assert_same(repo.checkout(cid), state)
