@@ -95,6 +95,9 @@ def itemsize(dtype: str) -> int:
     return 4 if dtype == "torch.float32" else 2
 
 
+UNDERFLOW = 1e-30  # a float32 sum of squares below this lost digits to subnormals: sum_of_squares redoes it
+
+
 def sum_of_squares(values: np.ndarray, block: int = 1 << 16) -> float:
     """Sum of squares of float32 values: float32 dot products per block, added in float64.
 
@@ -105,7 +108,9 @@ def sum_of_squares(values: np.ndarray, block: int = 1 << 16) -> float:
     parts = (values[start : start + block] for start in range(0, values.size, block))
     with np.errstate(over="ignore"):  # an overflow is redone below
         total = math.fsum(float(np.dot(part, part)) for part in parts)
-    if not math.isfinite(total) and np.isfinite(values).all():  # squares past float32's range (|x| > 1e17 or so)
+    overflowed = not math.isfinite(total) and np.isfinite(values).all()  # squares past float32's range (|x| > 1e17)
+    underflowed = total < UNDERFLOW and values.any()  # squares below float32's normal range (|x| < 1e-19)
+    if overflowed or underflowed:
         wide = values.astype(np.float64)
         total = float(np.dot(wide, wide))
     return total

@@ -471,3 +471,13 @@ def test_a_second_moment_with_negative_entries_is_committed_lossless_with_a_warn
         cid = repo.commit(state, lossy="balanced")
         assert repo.commit_info(cid).lossy is None
         assert_same(repo.checkout(cid), state)
+
+
+def test_a_weight_of_tiny_magnitude_keeps_the_same_relative_bound(tmp_path):
+    """Squares of values below 1e-19 underflow float32: the bound check must not read them as zero error."""
+    weight = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
+    state = {"normal": weight, "tiny": weight * 1e-25}
+    with Repository.init(tmp_path) as repo:
+        restored = repo.checkout(repo.commit(state, lossy="balanced"))
+    for name in state:
+        assert 0 < _rel(restored[name], state[name]) <= 0.02
