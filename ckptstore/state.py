@@ -581,6 +581,18 @@ def mark_shared_views(views: dict[Any, list[tuple[list, int, int, tuple[int, ...
             node[2]["view"] = [name, nbytes, offset, list(stride)]
 
 
+def shared_view_paths(skeleton: Any) -> set[str]:
+    """Paths of tensors marked as one of several views of a storage: a change to one shows in the others."""
+    found, stack = set(), [skeleton]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            if node[:1] == ["tensor"] and len(node) > 2 and isinstance(node[2], dict) and "view" in node[2]:
+                found.add(node[1])
+            stack.extend(node)
+    return found
+
+
 def unflatten(skeleton: Any, lookup: Callable[[str], Any]) -> Any:
     """Rebuild the nested object; `lookup(path)` returns the materialized tensor for a path.
 

@@ -13,7 +13,7 @@ trained shapes, the learning rate) is computed once per commit (lossy_context.Pl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 
 from ckptstore.policy.levels import LossyLevel
 from ckptstore.policy.lossless import EncodingSettings
@@ -50,13 +50,14 @@ ROLE_PLANNERS: dict[Role, Planner] = {
 
 def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRecord], level: LossyLevel,
                settings: EncodingSettings, optimizer: OptimizerMap,
-               fisher: Mapping[str, float] | None = None) -> dict[str, LossyPlan]:
-    """Plans for every tensor that this level makes lossy; the others stay lossless.
+               fisher: Mapping[str, float] | None = None, keep_exact: Set[str] = frozenset()
+               ) -> dict[str, LossyPlan]:
+    """Plans for every tensor that this level makes lossy; the others (and those in `keep_exact`) stay lossless.
 
     `fisher` (per weight path, from sensitivity.measure_fisher) replaces Adam's second moment
     as the estimate of each weight's loss sensitivity.
     """
-    return plan_context(build_context(tensors, parents, level, settings, optimizer, fisher))[0]
+    return plan_context(build_context(tensors, parents, level, settings, optimizer, fisher, keep_exact))[0]
 
 
 def plan_roles(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRecord], level: LossyLevel,

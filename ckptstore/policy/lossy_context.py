@@ -9,7 +9,7 @@ quantized, and the plans made so far (a first moment is coded against its second
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,6 +64,7 @@ class PlanContext:
     shared_lr: float | None
     plans: dict[str, LossyPlan] = field(default_factory=dict)
     elements: Mapping[str, int] = field(default_factory=dict)  # a shard's whole tensor's count (lossy_shards)
+    keep_exact: Set[str] = frozenset()  # paths kept lossless whatever their role (views sharing a storage)
 
     def optimizer_role(self, path: str) -> tuple[str | None, ParamSlots | None]:
         """The path's role in the optimizer ("weight", "exp_avg", ...) and its slots, or (None, None)."""
@@ -92,7 +93,7 @@ class PlanContext:
 
 def build_context(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRecord], level: LossyLevel,
                   settings: EncodingSettings, optimizer: OptimizerMap,
-                  fisher: Mapping[str, float] | None) -> PlanContext:
+                  fisher: Mapping[str, float] | None, keep_exact: Set[str] = frozenset()) -> PlanContext:
     """The shared facts of one commit, each computed once (see PlanContext)."""
     rms_of = RmsCache(tensors)
     sensitivity: dict[str, float] = {}
@@ -106,7 +107,7 @@ def build_context(tensors: Mapping[str, RawTensor], parents: Mapping[str, Tensor
     lrs = {adam_lr(slot) for slot in optimizer.slots}
     return PlanContext(tensors, parents, level, settings, optimizer, rms_of, optimizer.roles(), sensitivity,
                        {state.shape for state in states}, moment_min_elements(states, level),
-                       lrs.pop() if len(lrs) == 1 else None)
+                       lrs.pop() if len(lrs) == 1 else None, keep_exact=keep_exact)
 
 
 def fisher_factors(tensors: Mapping[str, RawTensor], optimizer: OptimizerMap, level: LossyLevel,

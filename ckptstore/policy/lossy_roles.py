@@ -43,6 +43,8 @@ def is_first_moment(ctx: PlanContext, path: str) -> bool:
 def classify(ctx: PlanContext, path: str, raw: RawTensor) -> tuple[Role, Subject]:
     """The tensor's role, with what the classification measured for its planner."""
     role, slot = ctx.optimizer_role(path)
+    if path in ctx.keep_exact:
+        return Role.LOSSLESS, Subject(path, raw, slot)
     if role is None:
         return _unowned(ctx, path, raw)
     if role == "weight":

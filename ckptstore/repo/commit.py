@@ -39,7 +39,7 @@ from ckptstore.repo.progress import NoProgress, Progress
 from ckptstore.repo.pruning import after_commit
 from ckptstore.repo.target import Start, commit_target, default_author, move_ref
 from ckptstore.repo.writer import Job, encode_jobs, lossless_jobs
-from ckptstore.state import RawTensor
+from ckptstore.state import RawTensor, shared_view_paths
 
 if TYPE_CHECKING:
     from ckptstore.policy.lossy import LossyPlan
@@ -326,7 +326,10 @@ def _plan(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, lev
     optimizer_map = _optimizer_map(checkpoint, lossy)
     if fisher is not None:  # live parameter names -> checkpoint paths
         fisher = {path: fisher[name] for name, path in paths_of_names(checkpoint.tensors, list(fisher)).items()}
-    plans = plan_lossy(checkpoint.tensors, parent.by_path, level, repo.config.encoding, optimizer_map, fisher)
+    # a view sharing its storage with another view: quantizing one would change the other
+    shared = {path for f in checkpoint.files for path in shared_view_paths(f.skeleton)}
+    plans = plan_lossy(checkpoint.tensors, parent.by_path, level, repo.config.encoding, optimizer_map, fisher,
+                       shared)
     return plans, optimizer_map.how, fisher
 
 

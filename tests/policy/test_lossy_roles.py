@@ -222,3 +222,11 @@ def test_a_first_moment_beside_a_factored_second_moment_stays_lossless():
     roles = plan_roles(tensors, {}, level_named("balanced"), SETTINGS, map_optimizer(tensors, ids=[0]))
     assert roles["optimizer/state/0/exp_avg_sq"] is Role.ADAM_SECOND_MOMENT
     assert roles["optimizer/state/0/exp_avg"] is Role.LOSSLESS
+
+
+def test_tensors_asked_to_stay_exact_do_whatever_their_role():
+    tensors, level = _adam_model(), level_named("balanced")
+    pairing = _pairing(tensors, 1e-3)
+    assert plan_lossy(tensors, {}, level, SETTINGS, pairing).keys() >= {"model/fc.weight", "model/out.weight"}
+    plans = plan_lossy(tensors, {}, level, SETTINGS, pairing, keep_exact={"model/fc.weight"})
+    assert "model/fc.weight" not in plans and "model/out.weight" in plans

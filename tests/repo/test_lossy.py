@@ -461,6 +461,18 @@ def test_centered_rmsprop_beside_batchnorm_comes_back_exact_and_resumes(tmp_path
     assert all(np.isfinite(step(*batch)) for batch in batches[5:])
 
 
+def test_a_flat_buffer_and_the_views_of_it_come_back_exact_together(tmp_path):
+    """A flat master buffer and per-parameter views of it: quantizing a view would change the buffer."""
+    flat = torch.randn(128 * 64 + 64, generator=torch.Generator().manual_seed(0))
+    state = {"flat": flat, "model": {"fc.weight": flat[: 128 * 64].view(128, 64), "fc.bias": flat[128 * 64 :],
+                                     "other.weight": torch.randn(128, 64)}}
+    with Repository.init(tmp_path) as repo:
+        restored = repo.checkout(repo.commit(state, lossy="balanced"))
+    assert_same(restored["flat"], flat)
+    assert restored["model"]["fc.weight"].untyped_storage().data_ptr() == restored["flat"].untyped_storage().data_ptr()
+    assert not torch.equal(restored["model"]["other.weight"], state["model"]["other.weight"])
+
+
 def test_a_second_moment_with_negative_entries_is_committed_lossless_with_a_warning(tmp_path):
     """A custom optimizer's signed statistic under the name exp_avg_sq has no log2 level: the commit stays whole."""
     state = {"model": {"w": torch.randn(128, 64)},
