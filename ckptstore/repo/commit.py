@@ -7,7 +7,7 @@ metadata transaction records everything and moves the branch with compare-and-sw
 
 from __future__ import annotations
 
-import numbers
+import operator
 import os
 import time
 import warnings
@@ -65,8 +65,26 @@ class CommitOptions:
     author: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.step, numbers.Integral) and not -(1 << 63) <= self.step < 1 << 63:
-            raise CkptError(f"step {self.step} is past what the metadata holds (a 64-bit integer)")
+        self.step = _whole_step(self.step)
+
+
+def _whole_step(step: Any) -> int | None:
+    """The step as a Python int (an int, numpy or torch integer, or a whole float), refused otherwise.
+
+    The metadata stores it as a 64-bit integer and the commit id hashes it: 2.5 or True would be
+    stored as another value than the id says, and the commit could never be checked out.
+    """
+    if step is None:
+        return None
+    try:
+        whole = int(step) if isinstance(step, float) and step.is_integer() else operator.index(step)
+    except TypeError:
+        whole = None
+    if whole is None or isinstance(step, bool):
+        raise CkptError(f"step {step!r} is not a whole number: give the training step as an int")
+    if not -(1 << 63) <= whole < 1 << 63:
+        raise CkptError(f"step {whole} is past what the metadata holds (a 64-bit integer)")
+    return whole
 
 
 @dataclass
