@@ -171,6 +171,8 @@ class PostgresBackend:
         if isinstance(exc, pg_errors.InsufficientPrivilege):
             return CkptError(f"{at} refused user {self.user or '(default)'!r} ({text}); ask for access to "
                              f"database {self.dbname!r}")
+        if isinstance(exc, psycopg.DataError):  # a value the server's columns cannot hold; SQLite's may
+            return CkptError(f"{at} refused a value ({text}); nothing was changed")
         if isinstance(exc, psycopg.OperationalError):
             return self._connection_problem(exc, lowered, at)
         return None

@@ -31,10 +31,14 @@ _NAME = re.compile(r"[A-Za-z0-9._/-]+")  # used with fullmatch: `$` would let a 
 _HEX = re.compile(r"[0-9a-f]+")
 _ANCESTRY = re.compile(r"^(.*?)((?:[~^]\d*)+)$")
 MIN_PREFIX = 4
+MAX_NAME = 200  # the metadata keeps 255 characters: room for a remote-tracking ref, remotes/REMOTE/NAME
 
 
 def check_name(name: str) -> None:
     """Reject names git would reject, and names that read as something else (HEAD, a commit id prefix)."""
+    if len(name) > MAX_NAME:
+        raise InvalidRefNameError(f"{name[:40]!r}... has {len(name)} characters; branch and tag names have at "
+                                  f"most {MAX_NAME}")
     if _HEX.fullmatch(name) and len(name) >= MIN_PREFIX:
         raise InvalidRefNameError(f"{name!r} reads as a commit id (hex digits) and would hide the commit it "
                                   "abbreviates; choose a name with a letter beyond a-f")

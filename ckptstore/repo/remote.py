@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
 
 REMOTE_KIND = ref_rows.REMOTE
+MAX_REMOTE_NAME = 40  # remotes/REMOTE/BRANCH fits the metadata's 255 characters with refs.MAX_NAME
 
 
 @dataclass
@@ -56,8 +57,8 @@ class TransferReport:
 # ----------------------------------------------------------------- naming and opening remotes
 def add(repo: Repository, name: str, url: str, metadata_url: str = "") -> RemoteConfig:
     """Record remote `name` at `url` (a repository folder, or s3://... with `metadata_url`) in the config."""
-    if "/" in name:
-        raise CkptError(f"remote name {name!r} may not contain '/'")
+    if "/" in name or len(name) > MAX_REMOTE_NAME:
+        raise CkptError(f"remote name {name!r} may not contain '/' or be longer than {MAX_REMOTE_NAME} characters")
     try:
         refs.check_name(name)
     except CkptError:

@@ -18,3 +18,23 @@ def test_a_tag_cannot_take_the_name_of_heads_unborn_branch(tmp_path, metadata_ur
         assert repo.head() == ("main", None)
         assert repo.commit({"w": torch.zeros(2)}) != cid
         assert repo.head()[0] == "main" and repo.branches()["main"] != cid
+
+
+def test_names_past_what_the_metadata_holds_are_refused_alike_on_both_engines(repo, metadata_backend):
+    from ckptstore.errors import CkptError, InvalidRefNameError
+    from ckptstore.metadata import refs as ref_rows
+    from ckptstore.repo import refs, remote
+
+    repo.commit({"w": torch.ones(2)})
+    longest = "n" * refs.MAX_NAME
+    repo.branch(longest)
+    repo.tag("t" * refs.MAX_NAME)
+    for make in (repo.branch, repo.tag):
+        with pytest.raises(InvalidRefNameError, match="at most 200"):
+            make("x" * (refs.MAX_NAME + 1))
+    with pytest.raises(CkptError, match="longer than 40"):
+        remote.add(repo, "r" * (remote.MAX_REMOTE_NAME + 1), str(repo.root / "elsewhere"))
+    assert longest in repo.branches() and len(f"remotes/{'r' * remote.MAX_REMOTE_NAME}/{longest}") <= 255
+    if metadata_backend == "postgresql":  # past its column, a value PostgreSQL refuses is one clear error
+        with pytest.raises(CkptError, match="refused a value"), repo.db.write() as tx:
+            ref_rows.insert_ref(tx, "z" * 300, ref_rows.BRANCH, repo.log()[0].id)
