@@ -47,6 +47,9 @@ if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
 
 
+MAX_AUTHOR = 255  # the metadata's author column
+
+
 @dataclass
 class CommitOptions:
     """What a commit records and where it goes.
@@ -66,6 +69,13 @@ class CommitOptions:
 
     def __post_init__(self) -> None:
         self.step = _whole_step(self.step)
+        self.author = self.author or default_author()
+        if len(self.author) > MAX_AUTHOR:
+            raise CkptError(f"the author {self.author[:40]!r}... has {len(self.author)} characters; the metadata "
+                            f"keeps at most {MAX_AUTHOR} (set a shorter CKPT_AUTHOR)")
+        for what, text in (("message", self.message), ("author", self.author)):
+            if "\x00" in text:
+                raise CkptError(f"the commit {what} holds a NUL character, which the metadata cannot store")
 
 
 def _whole_step(step: Any) -> int | None:
@@ -449,7 +459,7 @@ def _commit_info(checkpoint: formats.Checkpoint, options: CommitOptions, manifes
                  else sum(r.nbytes for r in checkpoint.tensors.values()))
     info = CommitInfo(
         id=CommitId(""), manifest_object=manifest_oid, message=options.message,
-        author=options.author or default_author(), created_at=time.time(), step=options.step,
+        author=options.author, created_at=time.time(), step=options.step,
         metrics={str(k): float(v) for k, v in options.metrics.items()}, kind=checkpoint.kind,
         source_path=source_path, raw_bytes=raw_total, stored_bytes=stored,
         parents=[parent.commit] if parent.commit else [], lossy=level.name if level else None,

@@ -27,7 +27,7 @@ from ckptstore.replay import ChainSource
 from ckptstore.repo.commit import CommitOptions, encoding_jobs
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
-from ckptstore.repo.target import Start, commit_target, default_author, move_ref
+from ckptstore.repo.target import Start, commit_target, move_ref
 from ckptstore.repo.writer import encode_jobs
 from ckptstore.state import BYTES_DTYPE, RawTensor
 
@@ -139,7 +139,7 @@ def record_sharded(repo: Repository, start: Start, shards: list[WrittenShard], d
     faults.point("dcp:manifest-written")
     info = CommitInfo(
         id=CommitId(""), manifest_object=manifest_oid, message=options.message,
-        author=options.author or default_author(), created_at=time.time(), step=options.step,
+        author=options.author, created_at=time.time(), step=options.step,
         metrics={str(k): float(v) for k, v in options.metrics.items()}, kind=KIND, source_path=None,
         raw_bytes=sum(s.raw_bytes for s in shards),
         stored_bytes=sum(r.stored_bytes for r in records) + len(manifest_bytes),

@@ -1,4 +1,4 @@
-"""What a commit records: its step is a whole number the metadata keeps as given (repo/commit.py)."""
+"""What a commit records: a whole step, and text the metadata keeps as given on both engines (repo/commit.py)."""
 
 import numpy as np
 import pytest
@@ -23,3 +23,18 @@ def test_whole_steps_of_any_integer_kind_are_recorded_as_ints_and_restore(repo, 
     assert repo.commit_info(cid).step == 7 and type(repo.commit_info(cid).step) is int
     assert fsck(repo).ok
     assert torch.equal(repo.checkout(cid)["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize("options", [{"message": "a\x00b"}, {"author": "a\x00b"}, {"author": "a" * 256}])
+def test_text_past_what_the_metadata_holds_is_refused_alike_on_both_engines(repo, options):
+    with pytest.raises(CkptError, match="NUL|at most 255"):
+        repo.commit({"w": torch.ones(3)}, **options)
+    assert repo.log() == []
+
+
+def test_a_too_long_author_from_the_environment_is_refused_naming_it(repo, monkeypatch):
+    monkeypatch.setenv("CKPT_AUTHOR", "a" * 300)
+    with pytest.raises(CkptError, match="CKPT_AUTHOR"):
+        repo.commit({"w": torch.ones(3)})
+    monkeypatch.setenv("CKPT_AUTHOR", "a" * 255)
+    assert repo.commit_info(repo.commit({"w": torch.ones(3)})).author == "a" * 255
