@@ -12,6 +12,7 @@ PostgreSQL backend translates them.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -27,6 +28,7 @@ from ckptstore.metadata.sqlite import (
     read_only_uri,
     sqlite_path,
 )
+from ckptstore.metadata.tables import TABLES
 
 __all__ = ["BATCH", "BUSY_TIMEOUT_MS", "HEAD_REVISION", "KNOWN_REVISIONS", "Backend", "Database", "Tx",
            "connect_sqlite", "is_damage", "open_backend", "read_only_uri", "sqlite_path"]
@@ -57,7 +59,7 @@ class Backend(Protocol):
     def prepare(self, sql: str) -> str: ...
     def explain(self, exc: BaseException) -> CkptError | None: ...
     def damage(self, exc: BaseException) -> CkptError | None: ...
-    def has_table(self, tx: Tx, name: str) -> bool: ...
+    def tables(self, tx: Tx) -> set[str]: ...
     def storage_problems(self, tx: Tx, limit: int) -> list[str]: ...
     def size_on_disk(self, db: Database) -> int: ...
     def executemany(self, connection: Any, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
@@ -329,13 +331,15 @@ class Database:
     def revision(self) -> str | None:
         """The schema revision the database is at, or None for an empty database."""
         with self.read() as tx:
-            found = None
-            if self.backend.has_table(tx, "alembic_version"):
-                found = tx.scalar("SELECT version_num FROM alembic_version")
-            if found is None and self.backend.has_table(tx, "commits"):
-                # tables without a revision: damage, not an empty database to create the schema in
-                raise CorruptDatabaseError(f"the metadata database {self.where} is damaged: it has tables but no "
-                                           f"schema revision. {self.backend.no_revision()}")
+            tables = self.backend.tables(tx)
+            found = tx.scalar("SELECT version_num FROM alembic_version") if "alembic_version" in tables else None
+            if found is None and tables - set(TABLES):
+                raise self._foreign(f"holds another program's tables ({_listed(tables)})")
+            if found is None and tables:
+                # our tables without a revision: damage, not an empty database to create the schema in
+                raise CorruptDatabaseError(f"the metadata database {self.where} is damaged (or another program's): "
+                                           f"it has tables ({_listed(tables)}) but no schema revision. "
+                                           f"{self.backend.no_revision()}")
             return found
 
     def check_schema(self) -> None:
@@ -345,6 +349,8 @@ class Database:
             return
         if current is None and not self._create:
             raise self._missing("holds no schema (it is empty)")
+        if current is not None and not re.fullmatch(r"\d{4}", current):  # ours are numbered 0001, 0002, ...
+            raise self._foreign(f"is at another program's schema revision {current!r}")
         if current is not None and current not in KNOWN_REVISIONS:
             raise CkptError(f"{self.where} has metadata schema {current!r}, written by a newer ckptstore; "
                             "upgrade ckptstore to open it")
@@ -361,6 +367,10 @@ class Database:
             if known is None:
                 raise
             raise known from exc
+
+    def _foreign(self, what: str) -> CkptError:
+        return CkptError(f"the metadata database {self.where} {what}: it is not ckptstore's, and nothing was "
+                         "written to it; give the repository a database of its own")
 
     def _missing(self, what: str) -> MissingDatabaseError:
         # A repository's history lives only here: starting an empty one over its objects would let
@@ -381,3 +391,8 @@ class Database:
         for connection in idle:
             with contextlib.suppress(*self.backend.errors):
                 connection.close()
+
+
+def _listed(names: set[str], most: int = 5) -> str:
+    shown = sorted(names)[:most]
+    return ", ".join(shown) + (f" and {len(names) - most} more" if len(names) > most else "")

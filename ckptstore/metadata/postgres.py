@@ -19,6 +19,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 
 from ckptstore.errors import CkptError, CorruptDatabaseError, ReadOnlyRepoError, disk_full
+from ckptstore.metadata.tables import TABLES
 
 if TYPE_CHECKING:
     from ckptstore.metadata.db import Database, Tx
@@ -28,8 +29,6 @@ REPO_LOCK = 0x636B_7067  # "ckpg": commits hold it shared from first object to r
 LOCK_WAIT = "120s"  # as long as SQLite's busy timeout: a writer gives up after waiting this long
 CONNECT_TIMEOUT_S = 10
 # every table the migrations create: what `size_on_disk` adds up (a test keeps it in step with schema.py)
-TABLES = ("alembic_version", "commits", "commit_parents", "refs", "tensors", "tensor_chunks", "objects",
-          "commit_tensors", "known_files", "pruned_commits")
 # SQLSTATEs worth another try before any statement of ours ran: serialization failure, deadlock,
 # too many connections, the server starting up or shutting down, a connection dropped
 _TRANSIENT_STATES = {"40001", "40P01", "53300", "57P01", "57P02", "57P03", "08000", "08001", "08003", "08004",
@@ -216,9 +215,9 @@ class PostgresBackend:
         name = f"pg_{'' if wait else 'try_'}advisory_lock{'' if exclusive else '_shared'}"
         return f"SELECT {name}({REPO_LOCK})"  # pg_advisory_lock returns void (None); the try_ forms a boolean
 
-    def has_table(self, tx: Tx, name: str) -> bool:
-        return tx.first("SELECT 1 FROM pg_catalog.pg_tables WHERE schemaname = current_schema() AND tablename = ?",
-                        (name,)) is not None
+    def tables(self, tx: Tx) -> set[str]:
+        return {str(row[0]) for row in tx.rows("SELECT tablename FROM pg_catalog.pg_tables "
+                                               "WHERE schemaname = current_schema()")}
 
     def storage_problems(self, tx: Tx, limit: int) -> list[str]:
         return []  # the server checks its own pages; amcheck would need superuser rights we do not ask for

@@ -179,8 +179,9 @@ class SqliteBackend:
     def lock_statement(self, exclusive: bool, wait: bool) -> str | None:
         return None  # the repository's file lock (repo/lock.py) covers every process that can open the file
 
-    def has_table(self, tx: Tx, name: str) -> bool:
-        return tx.first("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)) is not None
+    def tables(self, tx: Tx) -> set[str]:
+        return {str(row[0]) for row in tx.rows("SELECT name FROM sqlite_master WHERE type = 'table' "
+                                               "AND name NOT LIKE 'sqlite_%'")}
 
     def storage_problems(self, tx: Tx, limit: int) -> list[str]:
         found = [str(row[0]) for row in tx.rows(f"PRAGMA integrity_check({int(limit)})")]

@@ -51,3 +51,34 @@ def test_a_closed_database_refuses_new_transactions(db):
     db.close()
     with pytest.raises(CkptError, match="closed"), db.read():
         pass
+
+
+def _raw(url, tmp_path, statements):
+    """Run SQL on the database as another program would, without ckptstore."""
+    if url:
+        import psycopg
+
+        with psycopg.connect(url, autocommit=True) as connection:
+            for statement in statements:
+                connection.execute(statement)
+        return url
+    import sqlite3
+
+    connection = sqlite3.connect(tmp_path / "other.db")
+    connection.executescript(";".join(statements))
+    connection.close()
+    return f"sqlite:///{tmp_path / 'other.db'}"
+
+
+@pytest.mark.parametrize("statements, said", [
+    (["CREATE TABLE users (id INTEGER)", "CREATE TABLE sessions (id INTEGER)"], "another program's tables"),
+    (["CREATE TABLE alembic_version (version_num VARCHAR(32) PRIMARY KEY)", "CREATE TABLE users (id INTEGER)",
+      "INSERT INTO alembic_version VALUES ('3f2a1b9c8d7e')"], "another program's schema revision '3f2a1b9c8d7e'"),
+    (["CREATE TABLE refs (id INTEGER, url TEXT)"], r"damaged \(or another program's\): it has tables \(refs\)"),
+])
+def test_another_programs_database_is_refused_as_such_and_left_as_it_was(tmp_path, metadata_url, statements, said):
+    url = _raw(metadata_url, tmp_path, statements)
+    for _ in range(2):  # nothing was written: the second open sees the same
+        with pytest.raises(CkptError, match=said) as refused:
+            Database(url)
+        assert "newer ckptstore" not in str(refused.value)
