@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -236,3 +237,39 @@ def test_a_tensor_name_that_is_no_valid_text_prints_escaped(tmp_path):
         repo.commit(tmp_path / "m.safetensors")
     shown = run(tmp_path, "show", "HEAD")
     assert shown.returncode == 0 and "\\ud800" in shown.stdout, shown.stderr
+
+
+def test_an_older_repository_opened_on_a_full_disk_says_so_and_upgrades_once_there_is_room(tmp_path):
+    from ckptstore.metadata.migrate import downgrade
+
+    with small_disk(tmp_path / "disk", "3m") as mounted:
+        if not mounted:
+            pytest.skip("needs a tmpfs to fill (root)")
+        repo = tmp_path / "disk" / "repo"
+        with Repository.init(repo) as store:
+            store.commit({"w": torch.ones(8)})
+        downgrade(f"sqlite:///{repo / '.ckpt' / 'ckpt.db'}", "0007")  # as an older ckptstore left it
+        fill(tmp_path / "disk" / "filler")
+        one_error_line(run(repo, "log"), "disk is full", "nothing was lost")
+        (tmp_path / "disk" / "filler").unlink()
+        assert run(repo, "log").returncode == 0
+
+
+def _as_a_user(*args):
+    """`ckpt ARGS` as root without the power to override file modes, as any other user would run it."""
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", sys.executable, "-m", "ckptstore", *args]
+
+
+def test_a_database_file_that_cannot_be_opened_says_why(tmp_path):
+    with Repository.init(tmp_path) as store:
+        store.commit({"w": torch.ones(8)})
+    database = tmp_path / ".ckpt" / "ckpt.db"
+    if os.geteuid() == 0:
+        database.chmod(0)
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        result = subprocess.run(_as_a_user("log"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        one_error_line(result, "cannot be read by this user")
+        database.chmod(0o644)
+    database.rename(tmp_path / "kept.db")
+    database.mkdir()
+    one_error_line(run(tmp_path, "log"), "is a folder")

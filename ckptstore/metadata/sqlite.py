@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptstore.errors import CkptError, CorruptDatabaseError, DiskFullError, disk_full, explain
+from ckptstore.errors import CkptError, CorruptDatabaseError, DiskFullError, ReadOnlyRepoError, disk_full, explain
 
 if TYPE_CHECKING:
     from ckptstore.metadata.db import Database, Tx
@@ -155,13 +155,32 @@ class SqliteBackend:
 
         SQLite reports a full disk as "disk I/O error" when the WAL's shared memory cannot grow.
         """
-        if isinstance(exc, sqlite3.OperationalError) and "disk i/o error" in str(exc).lower():
+        driver = getattr(exc, "orig", None) or exc  # SQLAlchemy's wrapping (a schema upgrade's) of SQLite's error
+        text = str(driver).lower()
+        if isinstance(driver, sqlite3.OperationalError) and "disk i/o error" in text:
             import shutil  # only here: it imports the compression modules
 
             with contextlib.suppress(OSError):
                 if shutil.disk_usage(self.path.parent).free < LOW_SPACE:
-                    return disk_full(f"SQLite: {exc} writing {self.path}")
+                    return disk_full(f"SQLite: {driver} writing {self.path}")
+        if isinstance(driver, sqlite3.OperationalError) and "unable to open database file" in text:
+            return self._unopenable()
         return explain(exc)
+
+    def _unopenable(self) -> CkptError:
+        """Why SQLite could not open the file, as far as the file system tells."""
+        wal, shm = Path(f"{self.path}-wal"), Path(f"{self.path}-shm")
+        if self.path.is_dir():
+            return CkptError(f"{self.path} is a folder, not the repository's metadata database")
+        if self.path.exists() and not os.access(self.path, os.R_OK):
+            return CkptError(f"{self.path} cannot be read by this user (permission denied); ask for read access")
+        if wal.is_file() and wal.stat().st_size and not shm.exists():
+            return ReadOnlyRepoError(
+                f"{wal} holds commits not yet in {self.path.name}, and {shm.name} is missing where the folder "
+                "cannot be written: open the repository once where its .ckpt folder is writable, or copy "
+                f"{shm.name} along with the other two")
+        return CkptError(f"SQLite could not open {self.path}: check that it exists and that this user may read it "
+                         "and its folder")
 
     def damage(self, exc: BaseException) -> CkptError | None:
         """SQLite's report of a damaged (or unreadable) file as CorruptDatabaseError, or None."""

@@ -150,3 +150,22 @@ def test_a_full_disk_makes_a_repository_read_only_only_while_it_lasts_and_never_
         else:
             repo.commit({"w": torch.zeros(3)})
             assert not repo.read_only and len(repo.log()) == 2
+
+
+def test_an_unwritable_copy_whose_log_holds_commits_but_lost_its_shared_memory_file_says_what_to_do(tmp_path):
+    """A writer killed after its commit leaves the commit in ckpt.db-wal; without -shm, SQLite cannot read it there."""
+    import sys
+
+    with Repository.init(tmp_path / "r") as owner:
+        owner.commit({"w": torch.ones(4)}, step=1)
+    late = "INSERT INTO refs SELECT 'late', kind, commit_id, target FROM refs WHERE name = 'main'"
+    subprocess.run([sys.executable, "-c", "import os, sqlite3, sys\n"
+                    "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+                    "c.execute('PRAGMA wal_autocheckpoint=0')\n"
+                    "c.execute(sys.argv[2])\n"
+                    "os._exit(0)", str(tmp_path / "r" / ".ckpt" / "ckpt.db"), late], check=True)
+    assert (tmp_path / "r" / ".ckpt" / "ckpt.db-wal").stat().st_size
+    (tmp_path / "r" / ".ckpt" / "ckpt.db-shm").unlink()
+    with unwritable(tmp_path / "r") as view:
+        one_error_line(run(view, "log"), "ckpt.db-shm is missing", "writable")
+    assert "late" in run(tmp_path / "r", "branch").stdout  # where it can be written, the commit is there
