@@ -28,9 +28,9 @@ def ref_row(tx: Tx, name: str) -> RefRow | None:
 
 
 def refs_of_kind(tx: Tx, kind: str) -> dict[str, CommitId]:
-    """Branches or tags by name, sorted."""
+    """Branches or tags by name, sorted by code point (here, not by the server: its collation may be a language's)."""
     return {name: CommitId(cid) for name, cid in
-            tx.rows("SELECT name, commit_id FROM refs WHERE kind = ? ORDER BY name", (kind,))}
+            sorted(tx.rows("SELECT name, commit_id FROM refs WHERE kind = ?", (kind,)))}
 
 
 def names(tx: Tx, kinds: tuple[str, ...] = (BRANCH, TAG)) -> list[str]:

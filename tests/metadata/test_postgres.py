@@ -187,3 +187,21 @@ def test_wrong_credentials_and_unknown_databases_are_clear_errors(postgres_serve
     with pytest.raises(CkptError, match="has no user 'nobody'"):
         Database(postgres_server.url(user="nobody"))
     assert describe("postgresql+psycopg://u:secret@h:5/d") == "postgresql://u@h:5/d"
+
+
+def test_refs_list_in_the_same_order_as_on_sqlite_whatever_the_servers_collation(postgres_server, tmp_path):
+    names = ["Zeta", "alpha", "Beta", "_x", "b-2", "b_1"]
+    postgres_server.execute("CREATE DATABASE linguistic TEMPLATE template0 LOCALE_PROVIDER icu ICU_LOCALE 'en-US' "
+                            "LOCALE 'C.UTF-8'")
+    try:
+        listed = {}
+        for engine, url in (("sqlite", ""), ("postgresql", postgres_server.url("linguistic"))):
+            with Repository.init(tmp_path / engine, metadata_url=url) as repo:
+                cid = repo.commit({"w": torch.ones(2)})
+                for name in names:
+                    repo.branch(name)
+                    repo.tag(f"t{name}", cid)
+                listed[engine] = (list(repo.branches()), list(repo.tags()))
+        assert listed["postgresql"] == listed["sqlite"] == (sorted([*names, "main"]), sorted(f"t{n}" for n in names))
+    finally:
+        postgres_server.execute("DROP DATABASE linguistic WITH (FORCE)")
