@@ -76,8 +76,12 @@ def connect_sqlite(path: Path, read_only: bool = False, immutable: bool = False)
     connection.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
     if read_only:
         return connection
-    connection.execute("PRAGMA journal_mode=WAL")
     connection.execute("PRAGMA synchronous=FULL")
+    # WAL is set once, on an empty file: ours are WAL from their first table on, and a file that holds
+    # tables in another mode is another program's (or a newer schema's), which must not change by a byte.
+    if connection.execute("PRAGMA journal_mode").fetchone()[0] != "wal" and \
+            connection.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone() is None:
+        connection.execute("PRAGMA journal_mode=WAL")
     return connection
 
 

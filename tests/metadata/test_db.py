@@ -78,7 +78,23 @@ def _raw(url, tmp_path, statements):
 ])
 def test_another_programs_database_is_refused_as_such_and_left_as_it_was(tmp_path, metadata_url, statements, said):
     url = _raw(metadata_url, tmp_path, statements)
+    before = None if metadata_url else (tmp_path / "other.db").read_bytes()
     for _ in range(2):  # nothing was written: the second open sees the same
         with pytest.raises(CkptError, match=said) as refused:
             Database(url)
         assert "newer ckptstore" not in str(refused.value)
+    assert before is None or (tmp_path / "other.db").read_bytes() == before  # not even switched to WAL
+
+
+def test_a_newer_schemas_database_is_refused_without_a_byte_changed(tmp_path):
+    import sqlite3
+
+    Database(f"sqlite:///{tmp_path / 'ckpt.db'}").close()
+    connection = sqlite3.connect(tmp_path / "ckpt.db", isolation_level=None)
+    connection.execute("PRAGMA journal_mode=DELETE")  # as a newer ckptstore might keep it
+    connection.execute("UPDATE alembic_version SET version_num = '9999'")
+    connection.close()
+    before = (tmp_path / "ckpt.db").read_bytes()
+    with pytest.raises(CkptError, match="newer ckptstore"):
+        Database(f"sqlite:///{tmp_path / 'ckpt.db'}")
+    assert (tmp_path / "ckpt.db").read_bytes() == before
