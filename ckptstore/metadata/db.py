@@ -349,11 +349,7 @@ class Database:
             return
         if current is None and not self._create:
             raise self._missing("holds no schema (it is empty)")
-        if current is not None and not re.fullmatch(r"\d{4}", current):  # ours are numbered 0001, 0002, ...
-            raise self._foreign(f"is at another program's schema revision {current!r}")
-        if current is not None and current not in KNOWN_REVISIONS:
-            raise CkptError(f"{self.where} has metadata schema {current!r}, written by a newer ckptstore; "
-                            "upgrade ckptstore to open it")
+        self._known(current)
         if self.read_only:
             raise ReadOnlyRepoError(f"{self.where} has metadata schema {current!r}, older than this ckptstore's "
                                     f"{HEAD_REVISION!r}, and is read-only here ({self.why}); open it once where it "
@@ -363,10 +359,19 @@ class Database:
         try:
             upgrade(self.url)
         except Exception as exc:  # SQLAlchemy's wrapping of the driver's error (a server gone away meanwhile)
+            self._known(self.revision())  # a newer ckptstore upgraded it meanwhile: Alembic cannot find its revision
             known = self.backend.explain(exc)
             if known is None:
                 raise
             raise known from exc
+
+    def _known(self, revision: str | None) -> None:
+        """Refuse a revision this ckptstore does not know: another program's, or a newer ckptstore's."""
+        if revision is not None and not re.fullmatch(r"\d{4}", revision):  # ours are numbered 0001, 0002, ...
+            raise self._foreign(f"is at another program's schema revision {revision!r}")
+        if revision is not None and revision not in KNOWN_REVISIONS:
+            raise CkptError(f"{self.where} has metadata schema {revision!r}, written by a newer ckptstore; "
+                            "upgrade ckptstore to open it")
 
     def _foreign(self, what: str) -> CkptError:
         return CkptError(f"the metadata database {self.where} {what}: it is not ckptstore's, and nothing was "

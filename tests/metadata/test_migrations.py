@@ -41,6 +41,22 @@ def test_a_database_from_a_newer_ckptstore_is_refused(tmp_path, metadata_url):
         Repository.open(tmp_path)
 
 
+def test_a_newer_ckptstore_upgrading_between_our_check_and_our_upgrade_is_the_same_refusal(tmp_path, monkeypatch):
+    from ckptstore.metadata import migrate
+
+    url = f"sqlite:///{tmp_path / 'ckpt.db'}"
+    upgrade(url, "0007")
+
+    def raced(target, revision="head"):  # another process, with a newer ckptstore, upgraded it meanwhile
+        with sqlite3.connect(tmp_path / "ckpt.db") as other:
+            other.execute("UPDATE alembic_version SET version_num = '9999'")
+        return upgrade(target, revision)
+
+    monkeypatch.setattr(migrate, "upgrade", raced)
+    with pytest.raises(CkptError, match="'9999', written by a newer ckptstore"):
+        Database(url)
+
+
 def test_database_uses_wal(tmp_path):  # SQLite only: the file's journal
     with Repository.init(tmp_path) as repo, repo.db.read() as tx:
         assert tx.scalar("PRAGMA journal_mode") == "wal"
