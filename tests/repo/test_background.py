@@ -186,9 +186,25 @@ if sys.argv[3] == "hang":
 """
 
 
+SPAWNED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_child_outlives_its_test():
+    """A test that fails while its child waits at a hold point must not leave the child waiting forever."""
+    yield
+    while SPAWNED:
+        child = SPAWNED.pop()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
 def _child(root: Path, steps: int, mode: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CHILD, str(root), str(steps), mode], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, stdout=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(root), str(steps), mode], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, stdout=subprocess.PIPE)
+    SPAWNED.append(child)
+    return child
 
 
 def test_process_exit_waits_for_the_commit_in_flight(tmp_path):
