@@ -50,9 +50,9 @@ _METADATA_CLASSES = {
 }
 
 
-_BUILDABLE = {OrderedDict, _StorageInfo, *(getattr(dcp_metadata, name) for name in (
-    "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
-    "MetadataIndex", "StorageMeta"))}
+# the records BUILD may fill in: DCP's dataclasses (not its enum, whose members every reader shares)
+_BUILDABLE = {OrderedDict, _StorageInfo, *(getattr(dcp_metadata, name) for name in
+                                           _METADATA_CLASSES[dcp_metadata.__name__] - {"_MEM_FORMAT_ENCODING"})}
 
 
 class _Refused(pickle.UnpicklingError):
