@@ -28,7 +28,6 @@ WRITE_LOCK = 0x636B_7074  # "ckpt": the advisory lock every writer (and every sc
 REPO_LOCK = 0x636B_7067  # "ckpg": commits hold it shared from first object to ref moved, gc alone
 LOCK_WAIT = "120s"  # as long as SQLite's busy timeout: a writer gives up after waiting this long
 CONNECT_TIMEOUT_S = 10
-# every table the migrations create: what `size_on_disk` adds up (a test keeps it in step with schema.py)
 # SQLSTATEs worth another try before any statement of ours ran: serialization failure, deadlock,
 # too many connections, the server starting up or shutting down, a connection dropped
 _TRANSIENT_STATES = {"40001", "40P01", "53300", "57P01", "57P02", "57P03", "08000", "08001", "08003", "08004",

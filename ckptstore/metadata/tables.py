@@ -1,4 +1,4 @@
-"""The names of the metadata's tables: what a database must hold, and nothing else, to be ckptstore's.
+"""Every table the migrations create: what a database of ours holds (and `size_on_disk` adds up on a server).
 
 Kept apart from schema.py so that opening a repository needs no SQLAlchemy import; a test keeps
 the two in step.
