@@ -117,6 +117,42 @@ def test_unobserved_failure_warns_and_the_next_commit_raises_it(repo, trainer, m
     assert len(repo.log()) == 2
 
 
+def test_ctrl_c_while_waiting_for_a_commit_leaves_its_later_failure_to_be_told(repo, trainer, hold, monkeypatch):
+    monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")
+    handle = repo.commit(trainer.state(), step=1, blocking=False)
+    _wait_reached(hold)
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()  # the user presses Ctrl-C while it waits
+    with pytest.raises(KeyboardInterrupt):
+        handle.result()
+    with pytest.warns(BackgroundCommitWarning, match="step 1"):
+        hold.touch()
+        handle.wait()
+    monkeypatch.delenv("CKPT_FAIL_AT")
+    with pytest.raises(BackgroundCommitError, match="disk is full"):
+        repo.commit(trainer.state(), "next")
+
+
+FAILING_AT_EXIT = """
+import resource, sys, torch
+from ckptstore import Repository
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 19, 1 << 19))  # files past 512 KiB: the disk is full
+Repository.open(sys.argv[1]).commit({"w": torch.randn(1 << 20)}, step=100, blocking=False)  # the run's last save
+print("training done", flush=True)
+"""
+
+
+def test_a_commit_that_fails_as_the_process_ends_is_an_error_and_a_failing_exit_status(tmp_path):
+    Repository.init(tmp_path).close()
+    ended = subprocess.run([sys.executable, "-c", FAILING_AT_EXIT, str(tmp_path)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert ended.returncode == 1 and ended.stdout == "training done\n"
+    assert ended.stderr.startswith("error: the background commit at step 100 failed as the process ended: the disk "
+                                   "is full"), ended.stderr
+    assert "Warning" not in ended.stderr and "Traceback" not in ended.stderr
+    with Repository.open(tmp_path) as repo:
+        assert repo.log() == []
+
+
 def test_closing_waits_for_the_commit_in_flight(tmp_path, trainer, hold):
     repo = Repository.init(tmp_path / "repo")
     release = hold
