@@ -146,9 +146,15 @@ class CkptCallback(TrainerCallback):
         """Take the latest commit's result, record its folder as committed, then prune; raise its failure."""
         if self._pending is None:
             return
-        (folder, result), self._pending = self._pending, None
+        folder, result = self._pending
         if not isinstance(result, str):
-            result = _result_of(result, folder, self._repository(), self.branch)
+            handle = result
+            try:
+                result = _result_of(handle, folder, self._repository(), self.branch)
+            finally:  # Ctrl-C or SIGTERM while waiting leaves the commit pending, to settle later
+                if handle.done():
+                    self._pending = None
+        self._pending = None
         self.committed[folder.resolve()] = result
         if self.keep_folders is not None:
             remove_committed_folders(folder.parent, self.committed, self.keep_folders, state.best_model_checkpoint)

@@ -118,8 +118,11 @@ def read_marker(path: str | os.PathLike) -> dict[str, str] | None:
     return marker if isinstance(marker, dict) and marker.get("format") == MARKER_FORMAT else None
 
 
-def write_marker(path: str | os.PathLike, repo_root: Path, ref: str, cid: CommitId) -> None:
-    """Write the marker for `ref` at `path` atomically (Lightning's `fs.exists`, `last` search, links need it)."""
+def write_marker(path: str | os.PathLike, repo_root: Path, ref: str, cid: CommitId | None) -> None:
+    """Write the marker for `ref` at `path` atomically (Lightning's `fs.exists`, `last` search, links need it).
+
+    A commit of None marks a background commit still running (see `_drop_pending_marker`).
+    """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     body = {"format": MARKER_FORMAT, "repository": str(repo_root), "ref": ref, "commit": cid}
@@ -128,6 +131,13 @@ def write_marker(path: str | os.PathLike, repo_root: Path, ref: str, cid: Commit
     if target.is_symlink():  # save_last="link" left a link here: replace the link, not the file it names
         target.unlink()
     os.replace(temp, target)
+
+
+def _drop_pending_marker(path: str | os.PathLike) -> None:
+    """Remove the marker of a background commit that failed (never a settled marker, nor a user's file)."""
+    marker = read_marker(path)
+    if marker is not None and marker.get("commit") is None and not os.path.islink(path):
+        os.unlink(path)
 
 
 def monitored_metrics(checkpoint: dict[str, Any]) -> dict[str, float]:
@@ -221,26 +231,35 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
             return
         self._pending = (ref, path, result)
         _UNSETTLED.add(self)
-        if self.markers:  # save_last="link" links last.ckpt to this path right away: its folder must exist
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        if self.markers and not os.path.lexists(path):
+            # a marker without its commit yet, so the path exists now: ModelCheckpoint names the next save
+            # of a repeating filename "-v1" only if it sees this one, and save_last="link" links to it
+            write_marker(path, repo.root, ref, None)
 
     def settle(self) -> None:
         """Wait for the commit in flight, then write its tag and marker; raise its failure."""
         if self._pending is None:
             return
-        (ref, path, handle), self._pending = self._pending, None
-        _UNSETTLED.discard(self)
+        ref, path, handle = self._pending
         try:
             cid = head_if_unchanged(self.repo, self.branch, handle.result)
         except RetentionError as exc:
+            self._settled()
             self._record_despite(ref, path, exc, warn=not handle.warned)
             return
         except Exception as exc:
+            self._settled()
+            _drop_pending_marker(path)
             raise BackgroundCommitError(
                 f"the background commit of checkpoint {os.fspath(path)!r} ({handle.description}) failed: {exc}. "
                 f"Nothing of it was recorded and no tag {ref!r} or marker was written: save it again "
                 "(trainer.save_checkpoint), or resume from an earlier checkpoint") from exc
+        self._settled()  # only now: Ctrl-C or SIGTERM while waiting leaves the commit pending, to settle later
         self._record(ref, path, cid)
+
+    def _settled(self) -> None:
+        self._pending = None
+        _UNSETTLED.discard(self)
 
     def _record_despite(self, ref: str, path: str | os.PathLike, exc: RetentionError, warn: bool = True) -> None:
         """Tag and mark a commit whose [retention] prune failed, and say so (once): training goes on."""
@@ -312,6 +331,9 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
 
     def _load_marked(self, path: str, marker: dict[str, str], device: str | None) -> dict[str, Any]:
         """The commit a marker names: its id names the same content in any repository that holds it."""
+        if marker.get("commit") is None:
+            raise CkptError(f"{path} marks a checkpoint whose background commit had not finished when its process "
+                            "ended: it was never recorded; resume from an earlier checkpoint")
         try:
             return self.repo.checkout(str(marker.get("commit")), device=device)
         except RefNotFoundError:

@@ -248,7 +248,8 @@ def test_plugin_calls_directly(tmp_path):
         plugin.save_checkpoint(state, tmp_path / "mine.ckpt")
     assert read_marker(tmp_path / "mine.ckpt") is None and len(repo.log(all_refs=True)) == 1
     plugin.save_checkpoint(state, path)
-    assert not path.exists()  # in the background: tag and marker come once the commit is settled
+    # in the background: a marker without its commit now (so Lightning sees the path taken), the tag once settled
+    assert read_marker(path)["commit"] is None and "run/epoch_0-step_3" not in repo.tags()
     plugin.settle()
     cid = repo.resolve("run/epoch_0-step_3")
     assert read_marker(path)["commit"] == cid and repo.commit_info(cid).step == 3
@@ -297,6 +298,33 @@ def test_a_failed_background_commit_surfaces_at_the_next_save(lit, tmp_path, mon
     plugin.remove_checkpoint(tmp_path / "b.ckpt")
     assert set(repo.tags()) == {"lightning/a"} and not (tmp_path / "b.ckpt").exists() and len(repo.log()) == 2
     repo.close()
+
+
+def test_a_repeating_filename_gets_the_same_versions_in_the_background_as_when_blocking(lit, tmp_path):
+    """ModelCheckpoint names a save "-v1" only if it sees the last one's file: a pending commit must show."""
+    kept = {}
+    for blocking in (True, False):
+        with Repository.init(tmp_path / f"store-{blocking}") as repo:
+            checkpoints = lit.pl.callbacks.ModelCheckpoint(dirpath=tmp_path / f"ckpts-{blocking}", filename="{epoch}",
+                                                           monitor="val_loss", save_top_k=3, every_n_train_steps=1)
+            trainer = lit.pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=BATCHES,
+                                     limit_val_batches=1, val_check_interval=1, enable_progress_bar=False,
+                                     logger=False, enable_model_summary=False, callbacks=[checkpoints],
+                                     num_sanity_val_steps=0, plugins=[CkptstoreCheckpointIO(repo, blocking=blocking)])
+            torch.manual_seed(0)
+            trainer.fit(lit.Tiny(), _loader(), _loader())
+            kept[blocking] = sorted(p.name for p in (tmp_path / f"ckpts-{blocking}").iterdir())
+            assert len(checkpoints.best_k_models) == 3 and len(repo.tags()) == 3
+    assert kept[False] == kept[True] == ["epoch=0-v1.ckpt", "epoch=0-v2.ckpt", "epoch=0.ckpt"]
+
+
+def test_a_marker_left_by_a_process_that_ended_mid_commit_says_so(tmp_path):
+    from ckptstore.integrations.lightning import write_marker
+
+    with Repository.init(tmp_path / "store") as repo:
+        write_marker(tmp_path / "a.ckpt", repo.root, "lightning/a", None)  # as a killed background save leaves it
+        with pytest.raises(CkptError, match="had not finished when its process ended"):
+            CkptstoreCheckpointIO(repo).load_checkpoint(tmp_path / "a.ckpt")
 
 
 @pytest.mark.parametrize("blocking", [True, False])
