@@ -332,8 +332,9 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
     def _load_marked(self, path: str, marker: dict[str, str], device: str | None) -> dict[str, Any]:
         """The commit a marker names: its id names the same content in any repository that holds it."""
         if marker.get("commit") is None:
-            raise CkptError(f"{path} marks a checkpoint whose background commit had not finished when its process "
-                            "ended: it was never recorded; resume from an earlier checkpoint")
+            raise CkptError(f"{path} marks a checkpoint not committed: its background commit is still running "
+                            "elsewhere, or its process ended before it was recorded (then delete the marker and "
+                            "resume from an earlier checkpoint)")
         try:
             return self.repo.checkout(str(marker.get("commit")), device=device)
         except RefNotFoundError:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401 (its exit hook must be registered before ours: see _at_exit)
-import contextlib
 import copy
 import os
 import signal
@@ -145,43 +144,27 @@ _LANES: weakref.WeakSet[Lane] = weakref.WeakSet()  # every lane of this process,
 _registered = threading.Lock()
 _hooked: list[bool] = []
 _EXITING = threading.Event()  # the interpreter is ending: a failure has no next commit call to raise it
-_ENDING = [1]  # the exit status when a commit is lost at exit: 1, or 128 + the signal that ended the process
 
 
 def _at_exit() -> None:
     """Let the commits in flight finish before the interpreter stops its thread pools.
 
     Registered with threading's exit hooks, which run newest first and before the thread pools
-    refuse new work (concurrent.futures registers its own there when imported, above). A commit
-    that fails then, with nobody left to raise it to, is a checkpoint the job believes saved: see
-    `_exit_lost`.
+    refuse new work (concurrent.futures registers its own there when imported, above). A failure
+    nobody can be told of any more is printed as an error: a checkpoint the job believes saved.
     """
     _EXITING.set()
     ending = list(_LIVE)
     for handle in ending:
         handle.wait()
-    lost = [handle for handle in ending if not handle._observed and not isinstance(
-        handle._future.exception(), (type(None), NothingToCommitError, RetentionError))]
-    if lost:
-        _exit_lost(lost)
-
-
-def _exit_lost(lost: list[BackgroundCommit]) -> None:
-    """Say each lost commit as an error, run the process's other exit handlers, and end with a failing status.
-
-    The exit status was settled before these hooks ran, and a scheduler reads only it: without
-    this, a run whose last checkpoint was never written ended with 0.
-    """
-    for handle in lost:
+    unraised = [lane.failed for lane in list(_LANES) if lane.failed is not None and not lane.failed._observed]
+    for handle in dict.fromkeys([*ending, *unraised]):
         error = handle._future.exception()
-        print(f"error: the background commit {handle.description} failed as the process ended: "
-              f"{explain(error) or error}. Nothing of it was recorded; the process exits with status "
-              f"{_ENDING[0]}", file=sys.stderr, flush=True)
-    atexit._run_exitfuncs()  # what the interpreter would run next (Lightning's tags and markers, logging)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(_ENDING[0])
+        if not handle._observed and not isinstance(error, (type(None), NothingToCommitError, RetentionError)):
+            # The exit status was settled before these hooks ran: only os._exit could change it, and that
+            # would cut short other threads and unflushed files. Waiting on handle.result() raises it in time.
+            print(f"error: the background commit {handle.description} failed and the process ended without "
+                  f"it: {explain(error) or error}. Nothing of it was recorded", file=sys.stderr, flush=True)
 
 
 def _hook_exit() -> None:
@@ -212,7 +195,6 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         return
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the exit's wait short
-    _ENDING[0] = 128 + signum
     raise SystemExit(128 + signum)  # the interpreter's exit waits for the commits in flight (_at_exit)
 
 
@@ -319,7 +301,7 @@ def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: An
                               "prunes again", BackgroundCommitWarning, stacklevel=1)
         elif not handle.seen and not isinstance(error, NothingToCommitError):
             lane.failed = handle
-            if not _EXITING.is_set():  # at exit there is no next commit call: _exit_lost says it
+            if not _EXITING.is_set():  # at exit there is no next commit call: _at_exit says it
                 handle.warned = True
                 warnings.warn(f"the background commit {handle.description} failed: {error}; nothing of it was "
                               "recorded (the next commit call raises it)", BackgroundCommitWarning, stacklevel=1)

@@ -323,7 +323,7 @@ def test_a_marker_left_by_a_process_that_ended_mid_commit_says_so(tmp_path):
 
     with Repository.init(tmp_path / "store") as repo:
         write_marker(tmp_path / "a.ckpt", repo.root, "lightning/a", None)  # as a killed background save leaves it
-        with pytest.raises(CkptError, match="had not finished when its process ended"):
+        with pytest.raises(CkptError, match="not committed: its background commit is still running"):
             CkptstoreCheckpointIO(repo).load_checkpoint(tmp_path / "a.ckpt")
 
 
