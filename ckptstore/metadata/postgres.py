@@ -214,6 +214,9 @@ class PostgresBackend:
         name = f"pg_{'' if wait else 'try_'}advisory_lock{'' if exclusive else '_shared'}"
         return f"SELECT {name}({REPO_LOCK})"  # pg_advisory_lock returns void (None); the try_ forms a boolean
 
+    def accepted(self, db: Database) -> None:
+        """Nothing to settle on a server once the schema is ours."""
+
     def tables(self, tx: Tx) -> set[str]:
         return {str(row[0]) for row in tx.rows("SELECT tablename FROM pg_catalog.pg_tables "
                                                "WHERE schemaname = current_schema()")}

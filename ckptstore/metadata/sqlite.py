@@ -202,6 +202,23 @@ class SqliteBackend:
     def lock_statement(self, exclusive: bool, wait: bool) -> str | None:
         return None  # the repository's file lock (repo/lock.py) covers every process that can open the file
 
+    def accepted(self, db: Database) -> None:
+        """Our schema, opened to write: the file in WAL (connect_sqlite set it only on an empty file).
+
+        A backup restored from `VACUUM INTO` or `.dump` is in rollback mode, where a reader that finds
+        no -wal file (read_only_uri) could read as immutable under a writer. Best effort: with another
+        connection open the switch waits for a later open.
+        """
+        with db.read() as tx:
+            mode = tx.scalar("PRAGMA journal_mode")
+        if mode != "wal":
+            with contextlib.suppress(sqlite3.Error):
+                connection = connect_sqlite(self.path)
+                try:
+                    connection.execute("PRAGMA journal_mode=WAL")
+                finally:
+                    connection.close()
+
     def tables(self, tx: Tx) -> set[str]:
         return {str(row[0]) for row in tx.rows("SELECT name FROM sqlite_master WHERE type = 'table' "
                                                "AND name NOT LIKE 'sqlite_%'")}

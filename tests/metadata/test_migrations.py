@@ -57,6 +57,18 @@ def test_a_newer_ckptstore_upgrading_between_our_check_and_our_upgrade_is_the_sa
         Database(url)
 
 
+def test_a_backup_restored_from_vacuum_into_is_put_back_in_wal_when_opened_to_write(tmp_path):
+    Database(f"sqlite:///{tmp_path / 'ckpt.db'}").close()
+    with sqlite3.connect(tmp_path / "ckpt.db") as original:
+        original.execute(f"VACUUM INTO '{tmp_path / 'restored.db'}'")
+    mode = lambda: sqlite3.connect(tmp_path / "restored.db").execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode() == "delete"  # what a backup made so holds
+    Database(f"sqlite:///{tmp_path / 'restored.db'}", read_only=True).close()
+    assert mode() == "delete"  # a reader changes nothing
+    Database(f"sqlite:///{tmp_path / 'restored.db'}").close()
+    assert mode() == "wal"
+
+
 def test_database_uses_wal(tmp_path):  # SQLite only: the file's journal
     with Repository.init(tmp_path) as repo, repo.db.read() as tx:
         assert tx.scalar("PRAGMA journal_mode") == "wal"
