@@ -49,22 +49,24 @@ ROLE_PLANNERS: dict[Role, Planner] = {
 
 
 def plan_lossy(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRecord], level: LossyLevel,
-               settings: EncodingSettings, optimizer: OptimizerMap,
-               fisher: Mapping[str, float] | None = None, keep_exact: Set[str] = frozenset()
-               ) -> dict[str, LossyPlan]:
+               settings: EncodingSettings, optimizer: OptimizerMap, fisher: Mapping[str, float] | None = None,
+               keep_exact: Set[str] = frozenset(), optimizer_state: Set[str] = frozenset()) -> dict[str, LossyPlan]:
     """Plans for every tensor that this level makes lossy; the others (and those in `keep_exact`) stay lossless.
 
     `fisher` (per weight path, from sensitivity.measure_fisher) replaces Adam's second moment
-    as the estimate of each weight's loss sensitivity.
+    as the estimate of each weight's loss sensitivity. `optimizer_state` (mapping.optimizer_state_paths)
+    names the tensors of optimizers' states, which are never taken for weights.
     """
-    return plan_context(build_context(tensors, parents, level, settings, optimizer, fisher, keep_exact))[0]
+    ctx = build_context(tensors, parents, level, settings, optimizer, fisher, keep_exact, optimizer_state)
+    return plan_context(ctx)[0]
 
 
 def plan_roles(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRecord], level: LossyLevel,
-               settings: EncodingSettings, optimizer: OptimizerMap,
-               fisher: Mapping[str, float] | None = None) -> dict[str, Role]:
+               settings: EncodingSettings, optimizer: OptimizerMap, fisher: Mapping[str, float] | None = None,
+               keep_exact: Set[str] = frozenset(), optimizer_state: Set[str] = frozenset()) -> dict[str, Role]:
     """Every tensor's role, in the tensors' order, as `plan_lossy` (same arguments) classifies it."""
-    return plan_context(build_context(tensors, parents, level, settings, optimizer, fisher))[1]
+    ctx = build_context(tensors, parents, level, settings, optimizer, fisher, keep_exact, optimizer_state)
+    return plan_context(ctx)[1]
 
 
 def plan_context(ctx: PlanContext) -> tuple[dict[str, LossyPlan], dict[str, Role]]:

@@ -65,6 +65,7 @@ class PlanContext:
     plans: dict[str, LossyPlan] = field(default_factory=dict)
     elements: Mapping[str, int] = field(default_factory=dict)  # a shard's whole tensor's count (lossy_shards)
     keep_exact: Set[str] = frozenset()  # paths kept lossless whatever their role (views sharing a storage)
+    optimizer_state: Set[str] = frozenset()  # paths inside an optimizer's `state`: never taken for weights
 
     def optimizer_role(self, path: str) -> tuple[str | None, ParamSlots | None]:
         """The path's role in the optimizer ("weight", "exp_avg", ...) and its slots, or (None, None)."""
@@ -93,7 +94,8 @@ class PlanContext:
 
 def build_context(tensors: Mapping[str, RawTensor], parents: Mapping[str, TensorRecord], level: LossyLevel,
                   settings: EncodingSettings, optimizer: OptimizerMap,
-                  fisher: Mapping[str, float] | None, keep_exact: Set[str] = frozenset()) -> PlanContext:
+                  fisher: Mapping[str, float] | None, keep_exact: Set[str] = frozenset(),
+                  optimizer_state: Set[str] = frozenset()) -> PlanContext:
     """The shared facts of one commit, each computed once (see PlanContext)."""
     rms_of = RmsCache(tensors)
     sensitivity: dict[str, float] = {}
@@ -107,7 +109,7 @@ def build_context(tensors: Mapping[str, RawTensor], parents: Mapping[str, Tensor
     lrs = {adam_lr(slot) for slot in optimizer.slots}
     return PlanContext(tensors, parents, level, settings, optimizer, rms_of, optimizer.roles(), sensitivity,
                        {state.shape for state in states}, moment_min_elements(states, level),
-                       lrs.pop() if len(lrs) == 1 else None, keep_exact=keep_exact)
+                       lrs.pop() if len(lrs) == 1 else None, keep_exact=keep_exact, optimizer_state=optimizer_state)
 
 
 def fisher_factors(tensors: Mapping[str, RawTensor], optimizer: OptimizerMap, level: LossyLevel,

@@ -9,7 +9,6 @@ scales its step (PlanContext.step_factor), in whichever role.
 
 from __future__ import annotations
 
-import re
 from enum import Enum
 
 from ckptstore.policy.lossy_base import Subject, eligible, temporal_base, whole_numbers
@@ -18,7 +17,6 @@ from ckptstore.policy.mapping import ParamSlots
 from ckptstore.state import RawTensor
 
 WEIGHT_BASE_CODECS = ("deadzone", "bytegroup")  # a weight's residual may build on a lossy or lossless parent
-_OPTIMIZER_STATE = re.compile(r"(^|/)state/[^/]+/[^/]+$")  # OPTIMIZER/state/PARAM/NAME: never a weight
 
 
 class Role(Enum):
@@ -68,7 +66,7 @@ def _unowned(ctx: PlanContext, path: str, raw: RawTensor) -> tuple[Role, Subject
     """
     subject = Subject(path, raw)
     if (ctx.optimizer.certain or not ctx.level.weights_lossy or path.endswith(("/step", "step"))
-            or _OPTIMIZER_STATE.search(path) or whole_numbers(raw)):
+            or path in ctx.optimizer_state or whole_numbers(raw)):
         return Role.LOSSLESS, subject
     return _weight(ctx, subject)
 

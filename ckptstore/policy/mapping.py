@@ -96,6 +96,26 @@ def _optimizer_groups(skeleton: object) -> list[list[tuple[list[int], object]]]:
     return found
 
 
+def optimizer_state_paths(skeleton: object) -> set[str]:
+    """Paths of the tensors in the `state` of each optimizer state dict (one beside `param_groups`) of a skeleton."""
+    found: set[str] = set()
+    stack = [(skeleton, False)]
+    while stack:
+        node, under_state = stack.pop()
+        if not isinstance(node, list) or not node:
+            continue
+        if node[0] == "tensor" and under_state and len(node) > 1:
+            found.add(node[1])
+        elif node[0] in ("dict", "odict") and len(node) > 1 and isinstance(node[1], list):
+            keys = {item[0] for item in node[1] if isinstance(item, list) and len(item) == 2}
+            optimizer = "state" in keys and "param_groups" in keys
+            stack.extend((item[1], under_state or (optimizer and item[0] == "state"))
+                         for item in node[1] if isinstance(item, list) and len(item) == 2)
+        else:
+            stack.extend((child, under_state) for child in node[1:])
+    return found
+
+
 def param_ids(skeleton: object) -> list[int] | None:
     """Parameter ids in `param_groups` order, found in a checkpoint skeleton (None if not exactly one)."""
     found = _optimizer_groups(skeleton)

@@ -349,15 +349,16 @@ def _plan(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, lev
     Imported here, not at the top: a lossless commit (most `ckpt commit` processes) never loads the planners.
     """
     from ckptstore.policy.lossy import plan_lossy
-    from ckptstore.policy.mapping import paths_of_names
+    from ckptstore.policy.mapping import optimizer_state_paths, paths_of_names
 
     optimizer_map = _optimizer_map(checkpoint, lossy)
     if fisher is not None:  # live parameter names -> checkpoint paths
         fisher = {path: fisher[name] for name, path in paths_of_names(checkpoint.tensors, list(fisher)).items()}
     # a view sharing its storage with another view: quantizing one would change the other
     shared = {path for f in checkpoint.files for path in shared_view_paths(f.skeleton)}
+    optimizer_state = {path for f in checkpoint.files for path in optimizer_state_paths(f.skeleton)}
     plans = plan_lossy(checkpoint.tensors, parent.by_path, level, repo.config.encoding, optimizer_map, fisher,
-                       shared)
+                       shared, optimizer_state)
     return plans, optimizer_map.how, fisher
 
 

@@ -203,15 +203,25 @@ def test_with_an_uncertain_pairing_every_large_float_matrix_is_a_weight_but_step
 
 def test_unpaired_tensors_that_are_not_weights_stay_lossless():
     """Pairing uncertain (no Adam moments): any big float tensor may be a weight, but not these."""
-    tensors = {"model/fc.weight": _t(128, 64), "model/fc.weight_mask": RawTensor(
-        "torch.float32", (128, 64), (np.arange(128 * 64) % 2).astype(np.float32).view(np.uint8))}
-    for name in ("square_avg", "grad_avg", "sum", "max_exp_avg_sq", "exp_inf"):  # RMSprop, Adagrad, AMSGrad, Adamax
-        tensors[f"optimizer/state/0/{name}"] = _t(128, 64, seed=3, scale=1e-3)
-    tensors["optim/state/fc.weight/exp_avg_sq"] = _t(128, 64, seed=4, scale=1e-6)  # get_state_dict keys by name
-    pairing = map_optimizer(tensors)
+    import torch
+
+    from ckptstore.policy.mapping import optimizer_state_paths
+    from ckptstore.state import flatten
+
+    weight = lambda seed, scale=1.0: torch.randn(128, 64, generator=torch.Generator().manual_seed(seed)) * scale
+    others = {name: weight(3, 1e-3) for name in ("square_avg", "grad_avg", "sum", "max_exp_avg_sq", "exp_inf")}
+    state = {"model": {"fc.weight": weight(0), "fc.weight_mask": (torch.arange(128 * 64) % 2).float().view(128, 64)},
+             "optimizer": {"state": {0: others}, "param_groups": [{"params": [0], "lr": 1e-3}]},
+             # get_state_dict keys by name; Composer keeps its model under state/model
+             "optim": {"state": {"fc.weight": {"exp_avg_sq": weight(4, 1e-6)}}, "param_groups": []},
+             "state": {"model": {"head.weight": weight(5)}}}
+    flat = flatten(state)
+    pairing = map_optimizer(flat.tensors)
     assert not pairing.certain
-    roles = plan_roles(tensors, {}, level_named("balanced"), SETTINGS, pairing)
-    assert roles.pop("model/fc.weight") is Role.WEIGHT_KEYFRAME  # a weight is still a weight
+    roles = plan_roles(flat.tensors, {}, level_named("balanced"), SETTINGS, pairing,
+                       optimizer_state=optimizer_state_paths(flat.skeleton))
+    for path in ("model/fc.weight", "state/model/head.weight"):  # weights are still weights
+        assert roles.pop(path) is Role.WEIGHT_KEYFRAME
     assert set(roles.values()) == {Role.LOSSLESS}, roles
 
 
