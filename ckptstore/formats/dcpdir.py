@@ -286,5 +286,5 @@ def _from_skeleton(fqn: str, text: bytes) -> Any:
 
     try:
         return unflatten(json.loads(text), no_tensors)
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise CorruptRecordError(f"bytes item {fqn}", f"its stored skeleton does not parse ({exc})") from None

@@ -113,7 +113,7 @@ def read_marker(path: str | os.PathLike) -> dict[str, str] | None:
         return None
     try:
         marker = json.loads(head)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: 4 KiB of "[" is no marker either
         return None
     return marker if isinstance(marker, dict) and marker.get("format") == MARKER_FORMAT else None
 

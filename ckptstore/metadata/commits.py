@@ -99,7 +99,7 @@ def _info(row: tuple, parents: list[CommitId]) -> CommitInfo:
     cid, manifest, message, author, created, step, metrics, kind, source, raw, stored, lossy = row
     try:
         metrics = json.loads(metrics)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         raise CorruptRecordError(f"commit {cid}", f"its metrics {metrics!r} do not parse", [cid]) from None
     return CommitInfo(CommitId(cid), ObjectId(manifest), message, author, created, step, metrics, kind,
                       source, raw, stored, parents, lossy)

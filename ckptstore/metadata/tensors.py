@@ -66,7 +66,7 @@ def _record(row: tuple, chunks: dict[str, list[Chunk]], parsed: dict[str, Any], 
         shape_value, params = tuple(parsed[shape]), parsed[param_text]
         if not isinstance(params, dict) or not all(isinstance(n, int) and n >= 0 for n in shape_value):
             raise ValueError(f"shape {shape!r}")
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: forged nesting
         problems[TensorId(tid)] = f"its shape or params do not parse ({exc})"
         return None
     return TensorRecord(id=TensorId(tid), dtype=dtype, shape=shape_value, codec=codec, params=dict(params),

@@ -365,3 +365,8 @@ def test_a_save_outside_fit_gets_its_tag_and_marker_when_the_process_ends(tmp_pa
     with Repository.open(tmp_path / "store") as repo:
         assert repo.resolve("lightning/final") == marker["commit"]
         assert torch.equal(repo.checkout("lightning/final")["state_dict"]["w"], torch.arange(4.0))
+
+
+def test_a_file_of_forged_nesting_at_a_checkpoint_path_is_no_marker(tmp_path):
+    (tmp_path / "x.ckpt").write_text('{"a": ' + "[" * 3000)  # within the marker size, past json's nesting
+    assert read_marker(tmp_path / "x.ckpt") is None

@@ -138,3 +138,18 @@ def test_damaged_database_never_restores_a_wrong_tensor(template):
     trial()
     print(f"\ndatabase fuzz: {dict(sorted(counts.items()))}")
     assert counts["trials"] >= TRIALS and counts["wrong"] == 0 and counts["raw"] == 0
+
+
+def test_json_columns_of_forged_nesting_are_damage_not_a_recursion_error(tmp_path):
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit({"w": torch.randn(64)}, step=1)
+    nested = "[" * 100_000 + "]" * 100_000
+    with sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db") as conn:
+        conn.execute("UPDATE tensors SET params = ?", (nested,))
+    with Repository.open(tmp_path) as repo:
+        report = fsck(repo)
+        assert not report.ok and cid in report.broken_commits
+    with sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db") as conn:
+        conn.execute("UPDATE commits SET metrics = ?", (nested,))
+    with Repository.open(tmp_path) as repo, pytest.raises(CkptError, match="metrics"):
+        repo.log()
