@@ -148,12 +148,12 @@ class CkptCallback(TrainerCallback):
             return
         folder, result = self._pending
         if not isinstance(result, str):
-            handle = result
             try:
-                result = _result_of(handle, folder, self._repository(), self.branch)
-            finally:  # Ctrl-C or SIGTERM while waiting leaves the commit pending, to settle later
-                if handle.done():
+                result = _result_of(result, folder, self._repository(), self.branch)
+            except BaseException:
+                if self._pending[1].done():  # the commit's own failure; Ctrl-C while waiting leaves it pending
                     self._pending = None
+                raise
         self._pending = None
         self.committed[folder.resolve()] = result
         if self.keep_folders is not None:

@@ -217,6 +217,9 @@ class PostgresBackend:
     def accepted(self, db: Database) -> None:
         """Nothing to settle on a server once the schema is ours."""
 
+    def own_place(self) -> str:
+        return " (or a schema of its own in it: add ?options=-csearch_path%3DNAME to the URL)"
+
     def tables(self, tx: Tx) -> set[str]:
         return {str(row[0]) for row in tx.rows("SELECT tablename FROM pg_catalog.pg_tables "
                                                "WHERE schemaname = current_schema()")}

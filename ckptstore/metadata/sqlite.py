@@ -174,17 +174,18 @@ class SqliteBackend:
     def _unopenable(self) -> CkptError:
         """Why SQLite could not open the file, as far as the file system tells."""
         wal, shm = Path(f"{self.path}-wal"), Path(f"{self.path}-shm")
-        if self.path.is_dir():
-            return CkptError(f"{self.path} is a folder, not the repository's metadata database")
-        if self.path.exists() and not os.access(self.path, os.R_OK):
-            return CkptError(f"{self.path} cannot be read by this user (permission denied); ask for read access")
-        if wal.is_file() and wal.stat().st_size and not shm.exists():
-            return ReadOnlyRepoError(
-                f"{wal} holds commits not yet in {self.path.name}, and {shm.name} is missing where the folder "
-                "cannot be written: open the repository once where its .ckpt folder is writable, or copy "
-                f"{shm.name} along with the other two")
-        return CkptError(f"SQLite could not open {self.path}: check that it exists and that this user may read it "
-                         "and its folder")
+        with contextlib.suppress(OSError):  # a folder this user may not search: the general answer below
+            if self.path.is_dir():
+                return CkptError(f"{self.path} is a folder, not the repository's metadata database")
+            if self.path.exists() and not os.access(self.path, os.R_OK):
+                return CkptError(f"{self.path} cannot be read by this user (permission denied); ask for read access")
+            if wal.is_file() and wal.stat().st_size and not shm.exists():
+                return ReadOnlyRepoError(
+                    f"{wal} holds commits not yet in {self.path.name}, and {shm.name} is missing where the folder "
+                    "cannot be written: open the repository once where its .ckpt folder is writable, or copy "
+                    f"{shm.name} along with the other two")
+        return CkptError(f"SQLite could not open {self.path}: check that this user may read it and its folder, and "
+                         "write the folder (or use --read-only), and the limit on open files (ulimit -n)")
 
     def damage(self, exc: BaseException) -> CkptError | None:
         """SQLite's report of a damaged (or unreadable) file as CorruptDatabaseError, or None."""
@@ -218,6 +219,9 @@ class SqliteBackend:
                     connection.execute("PRAGMA journal_mode=WAL")
                 finally:
                     connection.close()
+
+    def own_place(self) -> str:
+        return ""
 
     def tables(self, tx: Tx) -> set[str]:
         return {str(row[0]) for row in tx.rows("SELECT name FROM sqlite_master WHERE type = 'table' "
