@@ -337,7 +337,7 @@ class Database:
             found = tx.scalar("SELECT version_num FROM alembic_version") if "alembic_version" in tables else None
             if found is None and tables - set(TABLES):
                 raise self._foreign(f"holds another program's tables ({_listed(tables)})")
-            if found is None and tables:
+            if found is None and tables - {"alembic_version"}:
                 # our tables without a revision: damage, not an empty database to create the schema in
                 raise CorruptDatabaseError(f"the metadata database {self.where} is damaged (or another program's): "
                                            f"it has tables ({_listed(tables)}) but no schema revision. "

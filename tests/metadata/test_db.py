@@ -4,6 +4,7 @@ import pytest
 
 from ckptstore.errors import CkptError
 from ckptstore.metadata import Database
+from ckptstore.metadata.db import HEAD_REVISION
 
 pytestmark = pytest.mark.both_backends
 
@@ -85,6 +86,13 @@ def test_another_programs_database_is_refused_as_such_and_left_as_it_was(tmp_pat
         assert "newer ckptstore" not in str(refused.value)
         assert ("search_path" in str(refused.value)) == bool(metadata_url) or "damaged" in said
     assert before is None or (tmp_path / "other.db").read_bytes() == before  # not even switched to WAL
+
+
+def test_an_empty_revision_table_alone_is_an_empty_database(tmp_path, metadata_url):
+    url = _raw(metadata_url, tmp_path, ["CREATE TABLE alembic_version (version_num VARCHAR(32) PRIMARY KEY)"])
+    database = Database(url)  # the schema is created in it, as in an empty one
+    assert database.revision() == HEAD_REVISION
+    database.close()
 
 
 def test_a_newer_schemas_database_is_refused_without_a_byte_changed(tmp_path):
