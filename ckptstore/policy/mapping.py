@@ -99,20 +99,21 @@ def _optimizer_groups(skeleton: object) -> list[list[tuple[list[int], object]]]:
 def optimizer_state_paths(skeleton: object) -> set[str]:
     """Paths of the tensors in the `state` of each optimizer state dict (one beside `param_groups`) of a skeleton."""
     found: set[str] = set()
-    stack = [(skeleton, False)]
+    stack: list[tuple[object, bool]] = [(skeleton, False)]
     while stack:
         node, under_state = stack.pop()
         if not isinstance(node, list) or not node:
             continue
-        if node[0] == "tensor" and under_state and len(node) > 1:
-            found.add(node[1])
+        if node[0] == "tensor" and len(node) > 1 and isinstance(node[1], str):
+            if under_state:
+                found.add(node[1])
         elif node[0] in ("dict", "odict") and len(node) > 1 and isinstance(node[1], list):
-            keys = {item[0] for item in node[1] if isinstance(item, list) and len(item) == 2}
+            items = [item for item in node[1] if isinstance(item, list) and len(item) == 2]
+            keys = {item[0] for item in items if isinstance(item[0], str)}  # a float key is a list: not a name
             optimizer = "state" in keys and "param_groups" in keys
-            stack.extend((item[1], under_state or (optimizer and item[0] == "state"))
-                         for item in node[1] if isinstance(item, list) and len(item) == 2)
-        else:
-            stack.extend((child, under_state) for child in node[1:])
+            stack.extend((value, under_state or (optimizer and key == "state")) for key, value in items)
+        else:  # lists, tuples, sets and the lists of their items: every element may hold a node
+            stack.extend((child, under_state) for child in node)
     return found
 
 

@@ -211,7 +211,9 @@ def test_unpaired_tensors_that_are_not_weights_stay_lossless():
     weight = lambda seed, scale=1.0: torch.randn(128, 64, generator=torch.Generator().manual_seed(seed)) * scale
     others = {name: weight(3, 1e-3) for name in ("square_avg", "grad_avg", "sum", "max_exp_avg_sq", "exp_inf")}
     state = {"model": {"fc.weight": weight(0), "fc.weight_mask": (torch.arange(128 * 64) % 2).float().view(128, 64)},
-             "optimizer": {"state": {0: others}, "param_groups": [{"params": [0], "lr": 1e-3}]},
+             # Lightning keeps its optimizers in a list; a NaN key is a list in the skeleton, not a name
+             "optimizer_states": [{"state": {0: others}, "param_groups": [{"params": [0], "lr": 1e-3}]}],
+             float("nan"): 1.0,
              # get_state_dict keys by name; Composer keeps its model under state/model
              "optim": {"state": {"fc.weight": {"exp_avg_sq": weight(4, 1e-6)}}, "param_groups": []},
              "state": {"model": {"head.weight": weight(5)}}}
