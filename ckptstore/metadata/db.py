@@ -368,6 +368,7 @@ class Database:
             if known is None:
                 raise
             raise known from exc
+        self.backend.accepted(self)
 
     def _known(self, revision: str | None) -> None:
         """Refuse a revision this ckptstore does not know: another program's, or a newer ckptstore's."""

@@ -98,7 +98,9 @@ class PostgresBackend:
 
     def connect(self) -> psycopg.Connection:
         # read-only: the server itself refuses a write, whatever a bug in ckptstore might try
-        options = {"options": "-c default_transaction_read_only=on"} if self.read_only else {}
+        # added to the URL's own options (a search_path), which a keyword would replace
+        given = str(conninfo_to_dict(self.conninfo).get("options") or "")
+        options = {"options": f"{given} -c default_transaction_read_only=on".strip()} if self.read_only else {}
         return psycopg.connect(self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
                                application_name="ckptstore", **options)
 
@@ -218,7 +220,7 @@ class PostgresBackend:
         """Nothing to settle on a server once the schema is ours."""
 
     def own_place(self) -> str:
-        return " (or a schema of its own in it: add ?options=-csearch_path%3DNAME to the URL)"
+        return " (or a schema of its own in it: CREATE SCHEMA NAME, then add ?options=-csearch_path%3DNAME to the URL)"
 
     def tables(self, tx: Tx) -> set[str]:
         return {str(row[0]) for row in tx.rows("SELECT tablename FROM pg_catalog.pg_tables "

@@ -207,8 +207,8 @@ class SqliteBackend:
         """Our schema, opened to write: the file in WAL (connect_sqlite set it only on an empty file).
 
         A backup restored from `VACUUM INTO` or `.dump` is in rollback mode, where a reader that finds
-        no -wal file (read_only_uri) could read as immutable under a writer. Best effort: with another
-        connection open the switch waits for a later open.
+        no -wal file (read_only_uri) could read as immutable under a writer. Best effort: while another
+        process reads it, the switch is left to a later open, without waiting.
         """
         with db.read() as tx:
             mode = tx.scalar("PRAGMA journal_mode")
@@ -216,6 +216,7 @@ class SqliteBackend:
             with contextlib.suppress(sqlite3.Error):
                 connection = connect_sqlite(self.path)
                 try:
+                    connection.execute("PRAGMA busy_timeout=0")  # a reader in another process: not now, no wait
                     connection.execute("PRAGMA journal_mode=WAL")
                 finally:
                     connection.close()

@@ -205,3 +205,14 @@ def test_refs_list_in_the_same_order_as_on_sqlite_whatever_the_servers_collation
         assert listed["postgresql"] == listed["sqlite"] == (sorted([*names, "main"]), sorted(f"t{n}" for n in names))
     finally:
         postgres_server.execute("DROP DATABASE linguistic WITH (FORCE)")
+
+
+def test_a_schema_of_its_own_named_in_the_url_holds_when_opened_read_only(postgres_server, tmp_path):
+    name = postgres_server.new_database().rsplit("/", 1)[1]
+    postgres_server.execute("CREATE TABLE spatial_ref_sys (id int)", "CREATE SCHEMA ckpt", database=name)
+    url = postgres_server.url(name) + "?options=-csearch_path%3Dckpt"
+    with Repository.init(tmp_path, metadata_url=url) as repo:
+        cid = repo.commit({"w": torch.ones(2)})
+    with Repository.open(tmp_path, read_only=True) as repo:  # read-only adds an option of its own
+        assert [c.id for c in repo.log()] == [cid]
+
