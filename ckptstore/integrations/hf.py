@@ -148,10 +148,11 @@ class CkptCallback(TrainerCallback):
             return
         folder, result = self._pending
         if not isinstance(result, str):
+            handle = result
             try:
-                result = _result_of(result, folder, self._repository(), self.branch)
+                result = _result_of(handle, folder, self._repository(), self.branch)
             except BaseException:
-                if self._pending[1].done():  # the commit's own failure; Ctrl-C while waiting leaves it pending
+                if handle.done():  # the commit's own failure; Ctrl-C while waiting leaves it pending
                     self._pending = None
                 raise
         self._pending = None

@@ -221,8 +221,8 @@ def wait_in_flight(repo: Repository) -> None:
 def _forget_in_child() -> None:
     """A forked child (a DataLoader worker) has none of the parent's commit threads: nothing to wait for at its exit."""
     _LIVE.clear()
-    for lane in list(_LANES):
-        lane.current, lane.pool, lane.mutex = None, None, threading.Lock()
+    for lane in list(_LANES):  # the parent's failures are the parent's to tell, not each worker's at its exit
+        lane.current, lane.pool, lane.mutex, lane.failed = None, None, threading.Lock(), None
 
 
 def commit_in_background(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOptions,

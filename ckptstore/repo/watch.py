@@ -244,7 +244,7 @@ def _safetensors_incomplete(path: Path, head: bytes) -> str:
         handle.seek(8)
         try:
             header = json.loads(handle.read(length))
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: forged nesting, no header being written
             return "its header is not written yet"
     if not isinstance(header, dict):
         return ""  # whole, but no safetensors file: the commit refuses it and says why
