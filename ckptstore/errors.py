@@ -49,6 +49,16 @@ class CorruptObjectError(CkptError):
         return CorruptObjectError(self.object_ids, self.problem, commits)
 
 
+class SentObjectError(CorruptObjectError):
+    """A damaged object in the repository sending it (a remote on fetch, this one on push): the damage is there."""
+
+    def __init__(self, object_id: str, problem: str, sender: str) -> None:
+        super().__init__(object_id, problem)
+        self.args = (f"the repository at {sender} holds a damaged object ({object_id}: {problem}); nothing of it "
+                     "was recorded here. Check that repository: `ckpt fsck` there, or `ckpt fsck --remote NAME` "
+                     "from here",)
+
+
 class RefNotFoundError(CkptError):
     """A ref, commit id or `REF~N` that names nothing."""
 

@@ -39,6 +39,17 @@ def present_commits(tx: Tx, cids: Iterable[CommitId]) -> set[CommitId]:
     return {CommitId(r[0]) for r in tx.rows_in("SELECT id FROM commits WHERE id IN ({ids})", cids)}
 
 
+def pruned(tx: Tx, cids: Iterable[CommitId]) -> set[CommitId]:
+    """Those of `cids` this database records as pruned (their row kept, their data gone)."""
+    return {CommitId(r[0]) for r in tx.rows_in("SELECT commit_id FROM pruned_commits WHERE commit_id IN ({ids})",
+                                               cids)}
+
+
+def unprune(tx: Tx, cids: Iterable[CommitId]) -> None:
+    """Clear the pruned mark of `cids`: their data came back whole."""
+    tx.execute_in("DELETE FROM pruned_commits WHERE commit_id IN ({ids})", sorted(cids))
+
+
 def present_tensors(tx: Tx, tids: Iterable[TensorId]) -> set[TensorId]:
     """Those of `tids` this database records."""
     return {TensorId(r[0]) for r in tx.rows_in("SELECT id FROM tensors WHERE id IN ({ids})", tids)}

@@ -15,6 +15,7 @@ from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.objectstore import open_store
 from ckptstore.repo.config import RepoConfig
 from ckptstore.repo.location import REPO_DIR
+from ckptstore.repo.refs import ensure_head
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
@@ -41,7 +42,13 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool) -> Repositor
             raise RepoExistsError(f"{url} already holds objects that no commit in this metadata names: join their "
                                   "repository with the --metadata URL it was made with, or choose another prefix"
                                   ) from None
-        return Repository(root, config, store=store, create=True)
+        created = Repository(root, config, store=store, create=True)
+        try:
+            ensure_head(created)
+        except BaseException:
+            created.close()
+            raise
+        return created
     try:
         with repo.db.read() as tx:
             named = tensor_rows.some_objects(tx, SAMPLE)

@@ -24,14 +24,22 @@ from ckptstore.metadata.refs import BRANCH, HEAD, HEAD_KIND, TAG
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
 
-__all__ = ["BRANCH", "HEAD", "HEAD_KIND", "TAG", "branch", "check_name", "delete_branch", "delete_tag", "head",
-           "head_branch", "head_commit", "resolve", "tag"]
+__all__ = ["BRANCH", "DEFAULT_BRANCH", "HEAD", "HEAD_KIND", "TAG", "branch", "check_name", "delete_branch",
+           "delete_tag", "ensure_head", "head", "head_branch", "head_commit", "resolve", "tag"]
 
 _NAME = re.compile(r"[A-Za-z0-9._/-]+")  # used with fullmatch: `$` would let a trailing newline through
 _HEX = re.compile(r"[0-9a-f]+")
 _ANCESTRY = re.compile(r"^(.*?)((?:[~^]\d*)+)$")
 MIN_PREFIX = 4
+DEFAULT_BRANCH = "main"  # where HEAD of a new repository points
 MAX_NAME = 200  # the metadata keeps 255 characters: room for a remote-tracking ref, remotes/REMOTE/NAME
+
+
+def ensure_head(repo: Repository) -> None:
+    """HEAD on the unborn default branch, where new metadata has none yet (init, a remote made by push)."""
+    with repo.db.write() as tx:
+        if ref_rows.ref_row(tx, HEAD) is None:
+            ref_rows.insert_ref(tx, HEAD, HEAD_KIND, target=DEFAULT_BRANCH)
 
 
 def check_name(name: str) -> None:

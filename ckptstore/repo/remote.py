@@ -25,6 +25,8 @@ from ckptstore.errors import (
     CorruptRecordError,
     MissingDatabaseError,
     RefNotFoundError,
+    SentObjectError,
+    explain,
 )
 from ckptstore.hashing import CommitId, ObjectId
 from ckptstore.metadata import absolute_url, transfer
@@ -65,8 +67,16 @@ def add(repo: Repository, name: str, url: str, metadata_url: str = "") -> Remote
         raise CkptError(f"{name!r} is not a valid remote name (letters, digits, . _ -)") from None
     if name in repo.config.remotes:
         raise CkptError(f"remote {name!r} already exists ({repo.config.remotes[name].url}); remove it first")
-    # a relative SQLite path is taken from the current folder, as init takes it, and kept absolute
-    remote = RemoteConfig(url if "://" in url else os.path.expanduser(url), absolute_url(metadata_url, Path.cwd()))
+    hidden = sorted(ref for ref in [*repo.branches(), *repo.tags()] if ref.startswith(f"{name}/"))
+    if hidden:
+        raise CkptError(f"{hidden[0]!r} would hide remote {name!r}'s tracking ref of that name; rename it, or "
+                        "choose another remote name")
+    if not url.strip():
+        raise CkptError("a remote needs a URL: a repository folder, or s3://BUCKET/PREFIX with --metadata")
+    # relative paths are taken from the current folder, as the shell means them (as clone and init take
+    # them), and kept absolute
+    where = url if "://" in url else os.path.abspath(os.path.expanduser(url))
+    remote = RemoteConfig(where, absolute_url(metadata_url, Path.cwd()))
     with open_remote(remote.resolved(repo.root), name, create=True):  # a folder that is no repository: refused now
         pass
     repo.config.remotes[name] = remote
@@ -172,7 +182,10 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
         tips = ref_rows.refs_of_kind(tx, ref_rows.BRANCH) if tips is None else tips
         candidates = transfer.ancestors(tx, list(tips.values()))
         have = transfer.present_commits(ttx, candidates)
-        missing = [c for c in candidates if c not in have]
+        # pruned there but whole here: it travels again, and is whole there after (not "present": a ref
+        # moved onto it would name a commit that cannot be checked out)
+        revived = transfer.pruned(ttx, have) - transfer.pruned(tx, have)
+        missing = [c for c in candidates if c not in have or c in revived]
         if not missing:
             return report, tips
         _refuse_damaged(tx, missing)
@@ -188,6 +201,7 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
     faults.point("transfer:objects-sent")
     with target.db.write() as ttx:
         transfer.insert(ttx, found)
+        transfer.unprune(ttx, revived)
     faults.point("transfer:records-sent")
     report.commits, report.tensors = len(missing), len(tensors)
     return report, tips
@@ -226,7 +240,10 @@ def _send_objects(source: Repository, target: Repository, wanted: dict[ObjectId,
     absent = [oid for oid, whole in zip(oids, held) if not whole]
 
     def send(oid: ObjectId) -> int:
-        data = source.read_object(oid)  # verified against its id
+        try:
+            data = source.read_object(oid)  # verified against its id
+        except CorruptObjectError as exc:  # the damage is the sender's: say where, not "run fsck" here
+            raise SentObjectError(oid, exc.problem, str(source.root)) from None
         target.store.put(data)
         faults.point("transfer:object-sent")
         return len(data)
@@ -388,13 +405,16 @@ def _update_worktree(repo: Repository, branch: str, old: CommitId | None, new: C
         return  # nothing of HEAD's here (a mirror), or files outside this work tree: none are written
     try:
         checkout_to(repo, branch)
-    except DirtyWorktreeError as exc:
+    except Exception as exc:  # files not written: the branch goes back, so the next pull writes them
         with repo.db.write() as tx:
             if old is None:
                 ref_rows.delete_ref(tx, branch)
             else:
                 ref_rows.swap(tx, branch, ref_rows.BRANCH, new, old)
-        raise DirtyWorktreeError(f"pull stopped, {branch!r} left where it was: {exc}") from None
+        if isinstance(exc, DirtyWorktreeError):
+            raise DirtyWorktreeError(f"pull stopped, {branch!r} left where it was: {exc}") from None
+        raise CkptError(f"pull stopped, {branch!r} left where it was: its files could not be written "
+                        f"({explain(exc) or exc})") from exc
 
 
 def clone(url: str, path: str | os.PathLike, metadata_url: str = "", lazy: bool = False) -> Repository:
@@ -422,7 +442,8 @@ def clone(url: str, path: str | os.PathLike, metadata_url: str = "", lazy: bool 
         with repo.db.write() as tx:
             for ref in ref_rows.names(tx, (REMOTE_KIND,)):
                 branch = ref[len("remotes/origin/"):]
-                if ref_rows.ref_row(tx, branch) is None:
+                # origin's branch "origin/x" made local would hide the tracking ref of its branch "x"
+                if ref_rows.ref_row(tx, branch) is None and not branch.startswith("origin/"):
                     ref_rows.insert_ref(tx, branch, ref_rows.BRANCH, ref_rows.ref_row(tx, ref).commit_id)
             ref_rows.point_head(tx, head_branch, None)
     except BaseException:

@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from ckptstore.repo.manifest import Manifest
     from ckptstore.repo.progress import Progress
 
-DEFAULT_BRANCH = "main"
 
 
 class Repository:
@@ -91,9 +90,7 @@ class Repository:
                                 objects_url=objects_url)
             config.save(root / REPO_DIR / "config.toml")
             repo = open_over_objects(root, config, create=True) if objects_url else cls(root, config, create=True)
-            with repo.db.write() as tx:
-                if ref_rows.ref_row(tx, refs.HEAD) is None:
-                    ref_rows.insert_ref(tx, refs.HEAD, refs.HEAD_KIND, target=DEFAULT_BRANCH)
+            refs.ensure_head(repo)
         except BaseException:
             import shutil  # only here: it imports the compression modules
 

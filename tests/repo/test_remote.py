@@ -110,8 +110,9 @@ def test_wrong_bytes_from_a_remote_are_refused_with_the_object_named(pair, tmp_p
     victim = next(p for p in (hub_path / ".ckpt" / "objects").rglob("*") if p.is_file() and p.stat().st_size > 1000)
     data = victim.read_bytes()
     victim.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-    with pytest.raises(CorruptObjectError, match=victim.parent.name + victim.name):
+    with pytest.raises(CorruptObjectError, match=victim.parent.name + victim.name) as refused:
         remote.clone(str(hub_path), tmp_path / "copy")
+    assert f"the repository at {hub_path} holds a damaged object" in str(refused.value)  # where fsck finds it
 
 
 @pytest.mark.parametrize("point", ["transfer:object-sent@2", "transfer:objects-sent", "transfer:records-sent"])
@@ -349,3 +350,79 @@ def test_a_lazy_clone_whose_origin_is_gone_names_what_it_lacks(pair, tmp_path):
         assert not report.ok and report.damaged_objects
         assert all("cannot be opened" in problem for problem in report.damaged_objects.values())
         assert set(report.broken_commits) == {cids[0]}
+
+
+def _commit(folder, value, name="ck.pt", *args):
+    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"w": torch.full((256,), float(value))}, folder / name)
+    assert ckpt(folder, "commit", name, "-m", f"c{value}", *args).returncode == 0
+
+
+def test_a_commit_the_other_side_pruned_travels_again_and_restores_there(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ckpt(tmp_path / "a", "init")
+    ckpt(tmp_path / "b", "init")
+    for value in (1, 2, 3):
+        _commit(tmp_path / "a", value)
+    assert ckpt(tmp_path / "a", "remote", "add", "origin", "../b").returncode == 0
+    assert ckpt(tmp_path / "a", "push").returncode == 0
+    assert ckpt(tmp_path / "b", "prune", "--keep-last", "1").returncode == 0  # b drops c2's data, keeps its record
+    assert ckpt(tmp_path / "a", "branch", "keep", "main~1").returncode == 0
+    assert ckpt(tmp_path / "a", "push", "origin", "keep").returncode == 0
+    restored = ckpt(tmp_path / "b", "checkout", "keep", "-o", str(tmp_path / "out.pt"))
+    assert restored.returncode == 0, restored.stderr
+    assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], torch.full((256,), 2.0))
+    with Repository.open(tmp_path / "b") as hub:
+        assert not hub.commit_info(hub.resolve("keep")).pruned and fsck(hub).ok
+
+
+def test_a_pull_whose_files_cannot_be_written_leaves_the_branch_where_it_was(tmp_path):
+    (tmp_path / "a").mkdir()
+    ckpt(tmp_path / "a", "init")
+    _commit(tmp_path / "a", 1)
+    assert ckpt(tmp_path, "clone", "a", "c").returncode == 0
+    assert ckpt(tmp_path / "c", "checkout", "main").returncode == 0
+    before = ckpt(tmp_path / "c", "show", "main").stdout.split()[1]
+    _commit(tmp_path / "a", 2, "d/ck.pt")
+    (tmp_path / "c" / "d").write_text("a file where the pulled commit needs a folder")
+    pulled = ckpt(tmp_path / "c", "pull")
+    assert pulled.returncode == 1 and pulled.stderr.startswith("error: pull stopped, 'main' left where it was")
+    assert "Traceback" not in pulled.stderr and ckpt(tmp_path / "c", "show", "main").stdout.split()[1] == before
+
+
+def test_remote_paths_are_taken_from_the_folder_they_are_typed_in(tmp_path):
+    (tmp_path / "a" / "sub").mkdir(parents=True)
+    (tmp_path / "a" / "backup").mkdir()
+    ckpt(tmp_path / "a", "init")
+    ckpt(tmp_path / "a" / "backup", "init")
+    _commit(tmp_path / "a", 1)
+    assert ckpt(tmp_path / "a" / "sub", "remote", "add", "bk", "../backup").returncode == 0  # a/backup, as typed there
+    assert ckpt(tmp_path / "a", "push", "bk").returncode == 0
+    with Repository.open(tmp_path / "a" / "backup") as backup:
+        assert list(backup.branches()) == ["main"]
+    assert "needs a URL" in ckpt(tmp_path / "a", "remote", "add", "empty", "").stderr
+
+
+def test_a_bucket_remote_made_by_push_is_whole_to_fsck(tmp_path):
+    (tmp_path / "a").mkdir()
+    ckpt(tmp_path / "a", "init")
+    _commit(tmp_path / "a", 1)
+    assert ckpt(tmp_path / "a", "remote", "add", "origin", f"file://{tmp_path}/remote/objects", "--metadata",
+                f"sqlite:///{tmp_path}/remote.db").returncode == 0
+    assert ckpt(tmp_path / "a", "push").returncode == 0
+    checked = ckpt(tmp_path / "a", "fsck", "--remote", "origin")
+    assert checked.returncode == 0 and checked.stdout.strip().endswith("ok"), checked.stdout + checked.stderr
+
+
+def test_a_local_branch_never_hides_a_remote_tracking_ref(pair, tmp_path):
+    work, hub_path, cids = pair
+    work.branch("up/main", cids[0])
+    with pytest.raises(CkptError, match="'up/main' would hide remote 'up'"):
+        remote.add(work, "up", str(hub_path))
+    remote.push(work, "origin")
+    with Repository.open(hub_path) as hub:
+        hub.branch("x", cids[1])
+        hub.branch("origin/x", cids[0])  # a branch of the hub that would read as a tracking ref in its clone
+    with remote.clone(str(hub_path), tmp_path / "copy") as copy:
+        assert copy.resolve("origin/x") == cids[1] and "origin/x" not in copy.branches()
