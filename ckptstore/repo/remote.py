@@ -73,10 +73,9 @@ def add(repo: Repository, name: str, url: str, metadata_url: str = "") -> Remote
                         "choose another remote name")
     if not url.strip():
         raise CkptError("a remote needs a URL: a repository folder, or s3://BUCKET/PREFIX with --metadata")
-    # relative paths are taken from the current folder, as the shell means them (as clone and init take
-    # them), and kept absolute
-    where = url if "://" in url else os.path.abspath(os.path.expanduser(url))
-    remote = RemoteConfig(where, absolute_url(metadata_url, Path.cwd()))
+    # a relative folder is kept relative to the repository's root, so a copy of the repository with its remote
+    # inside (as tests and mirrors make) still finds it; a relative SQLite path is taken from the current folder
+    remote = RemoteConfig(url if "://" in url else os.path.expanduser(url), absolute_url(metadata_url, Path.cwd()))
     with open_remote(remote.resolved(repo.root), name, create=True):  # a folder that is no repository: refused now
         pass
     repo.config.remotes[name] = remote
