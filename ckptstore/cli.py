@@ -8,6 +8,7 @@ import json
 import math
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import click
@@ -504,7 +505,7 @@ def remote() -> None:
 @click.pass_context
 def remote_add(ctx, name: str, url: str, metadata_url: str) -> None:
     """Add remote NAME at URL (a repository folder, or s3://BUCKET/PREFIX with --metadata)."""
-    added = _remotes().add(_open(ctx), name, url, metadata_url)
+    added = _remotes().add(_open(ctx), name, url, metadata_url, typed_in=Path.cwd())
     click.echo(f"remote {name}: {added.url}")
 
 

@@ -57,8 +57,12 @@ class TransferReport:
 
 
 # ----------------------------------------------------------------- naming and opening remotes
-def add(repo: Repository, name: str, url: str, metadata_url: str = "") -> RemoteConfig:
-    """Record remote `name` at `url` (a repository folder, or s3://... with `metadata_url`) in the config."""
+def add(repo: Repository, name: str, url: str, metadata_url: str = "", typed_in: Path | None = None) -> RemoteConfig:
+    """Record remote `name` at `url` (a repository folder, or s3://... with `metadata_url`) in the config.
+
+    A relative folder is kept relative to the repository's root (a copy of the repository with its
+    remote inside still finds it); `typed_in` (the CLI's current folder) is where it was relative to.
+    """
     if "/" in name or len(name) > MAX_REMOTE_NAME:
         raise CkptError(f"remote name {name!r} may not contain '/' or be longer than {MAX_REMOTE_NAME} characters")
     try:
@@ -73,9 +77,11 @@ def add(repo: Repository, name: str, url: str, metadata_url: str = "") -> Remote
                         "choose another remote name")
     if not url.strip():
         raise CkptError("a remote needs a URL: a repository folder, or s3://BUCKET/PREFIX with --metadata")
-    # a relative folder is kept relative to the repository's root, so a copy of the repository with its remote
-    # inside (as tests and mirrors make) still finds it; a relative SQLite path is taken from the current folder
-    remote = RemoteConfig(url if "://" in url else os.path.expanduser(url), absolute_url(metadata_url, Path.cwd()))
+    folder = url if "://" in url else os.path.expanduser(url)
+    if "://" not in url and typed_in is not None and not os.path.isabs(folder):
+        folder = os.path.relpath(os.path.abspath(os.path.join(typed_in, folder)), repo.root)
+    # a relative SQLite path is taken from the current folder, as init takes it, and kept absolute
+    remote = RemoteConfig(folder, absolute_url(metadata_url, Path.cwd()))
     with open_remote(remote.resolved(repo.root), name, create=True):  # a folder that is no repository: refused now
         pass
     repo.config.remotes[name] = remote

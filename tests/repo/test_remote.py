@@ -419,3 +419,18 @@ def test_a_local_branch_never_hides_a_remote_tracking_ref(pair, tmp_path):
         hub.branch("origin/x", cids[0])  # a branch of the hub that would read as a tracking ref in its clone
     with remote.clone(str(hub_path), tmp_path / "copy") as copy:
         assert copy.resolve("origin/x") == cids[1] and "origin/x" not in copy.branches()
+
+
+def test_remote_add_takes_a_relative_folder_from_where_it_is_typed_and_keeps_it_relative_to_the_root(tmp_path):
+    (tmp_path / "a" / "sub").mkdir(parents=True)
+    (tmp_path / "a" / "backup").mkdir()
+    ckpt(tmp_path / "a", "init")
+    ckpt(tmp_path / "a" / "backup", "init")
+    _commit(tmp_path / "a", 1)
+    assert ckpt(tmp_path / "a" / "sub", "remote", "add", "bk", "../backup").returncode == 0  # a/backup, as typed there
+    assert ckpt(tmp_path / "a", "push", "bk").returncode == 0
+    with Repository.open(tmp_path / "a" / "backup") as backup:
+        assert list(backup.branches()) == ["main"]
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")  # the copy's remote is its own backup/, as the root says
+    with Repository.open(tmp_path / "copy") as copy:
+        assert copy.config.remotes["bk"].url == "backup"
