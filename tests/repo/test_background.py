@@ -117,27 +117,6 @@ def test_unobserved_failure_warns_and_the_next_commit_raises_it(repo, trainer, m
     assert len(repo.log()) == 2
 
 
-def test_ctrl_c_while_waiting_for_a_commit_leaves_its_later_failure_to_be_told(repo, trainer, hold, monkeypatch):
-    monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")
-    handle = repo.commit(trainer.state(), step=1, blocking=False)
-    _wait_reached(hold)
-
-    def ctrl_c_once_waiting():  # the user presses Ctrl-C while the loop waits in result()
-        while not handle._waiting:
-            time.sleep(0.01)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=ctrl_c_once_waiting).start()
-    with pytest.raises(KeyboardInterrupt):
-        handle.result()
-    with pytest.warns(BackgroundCommitWarning, match="step 1"):
-        hold.touch()
-        handle.wait()
-    monkeypatch.delenv("CKPT_FAIL_AT")
-    with pytest.raises(BackgroundCommitError, match="disk is full"):
-        repo.commit(trainer.state(), "next")
-
-
 FAILING_AT_EXIT = """
 import resource, sys, torch
 from ckptstore import Repository
@@ -339,13 +318,31 @@ def test_an_unchanged_state_is_no_failure_nobody_is_warned_and_the_next_commit_g
     assert [c.id for c in repo.log()] == [second, first]
 
 
-def test_a_result_that_timed_out_leaves_the_failure_to_be_reported(repo, trainer, hold, monkeypatch):
-    """result(timeout) that gave up saw nothing: the failure after it is warned and raised by the next commit."""
+def _times_out(handle) -> None:
+    with pytest.raises(TimeoutError):
+        handle.result(timeout=0.05)
+
+
+def _ctrl_c(handle) -> None:
+    def ctrl_c_once_waiting():  # the user presses Ctrl-C while the loop waits in result()
+        while not handle._waiting:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_once_waiting).start()
+    with pytest.raises(KeyboardInterrupt):
+        handle.result()
+
+
+@pytest.mark.parametrize("interrupted", [_times_out, _ctrl_c], ids=["timeout", "ctrl-c"])
+def test_a_wait_that_ends_before_the_commit_leaves_its_failure_to_be_reported(repo, trainer, hold, monkeypatch,
+                                                                              interrupted):
+    """result() that gave up (a timeout, Ctrl-C) saw nothing: the failure after it is warned and raised next."""
     repo.commit(trainer.state(), "kept")
     monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")
     handle = repo.commit(trainer.state(), step=3, blocking=False)
-    with pytest.raises(TimeoutError):
-        handle.result(timeout=0.05)
+    _wait_reached(hold)
+    interrupted(handle)
     with pytest.warns(BackgroundCommitWarning, match="step 3"):
         hold.touch()
         handle.wait()
