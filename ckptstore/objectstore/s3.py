@@ -21,7 +21,6 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlparse
 
 from ckptstore.errors import CorruptObjectError, StoreUnavailableError
 from ckptstore.hashing import ObjectId, is_hex_id, object_id
@@ -40,11 +39,19 @@ RETRY_SECONDS = 60.0  # how long a request is retried before the error reaches t
 
 
 def parse_url(url: str) -> tuple[str, str]:
-    """(bucket, prefix) of `s3://bucket[/prefix]`; the prefix has no leading or trailing slash."""
-    parsed = urlparse(url)
-    if parsed.scheme != "s3" or not parsed.netloc:
+    """(bucket, prefix) of `s3://bucket[/prefix]`; the prefix has no leading or trailing slash.
+
+    The prefix is taken as written, `#` and `?` included: they are legal in a key, and reading them
+    as a URL's fragment or query would give `exp#1` and `exp#2` one prefix, so that gc in one
+    repository deleted the other's objects. Segments that no key path can hold are refused.
+    """
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    if not url.startswith("s3://") or not bucket or any(c in bucket for c in "#?"):
         raise StoreUnavailableError(f"{url!r} is not an S3 URL; write s3://BUCKET/PREFIX")
-    return parsed.netloc, parsed.path.strip("/")
+    prefix = prefix.strip("/")
+    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
+        raise StoreUnavailableError(f"the prefix of {url!r} has an empty, '.' or '..' part; write s3://BUCKET/A/B")
+    return bucket, prefix
 
 
 def _endpoint() -> str:

@@ -19,6 +19,19 @@ def test_urls_name_a_bucket_and_a_prefix():
     assert parse_url("s3://bucket/a/b/") == ("bucket", "a/b")
     with pytest.raises(StoreUnavailableError, match="not an S3 URL"):
         parse_url("s3:///no-bucket")
+    # '#' and '?' are a key's characters, not a URL's fragment or query: exp#1 and exp#2 are two prefixes
+    assert parse_url("s3://bucket/exp#1") == ("bucket", "exp#1")
+    assert parse_url("s3://bucket/runs?a=b/x") == ("bucket", "runs?a=b/x")
+    for bad in ("s3://bucket/runs//exp", "s3://bucket/a/./b", "s3://bucket/../b"):
+        with pytest.raises(StoreUnavailableError, match="empty, '.' or '..' part"):
+            parse_url(bad)
+
+
+def test_prefixes_that_differ_after_a_hash_or_question_mark_hold_their_own_objects(s3_url):
+    stores = [S3ObjectStore(f"{s3_url}/exp{mark}1") for mark in "#?"] + [S3ObjectStore(f"{s3_url}/exp#2")]
+    oids = [store.put(f"object {i}".encode()) for i, store in enumerate(stores)]
+    assert [sorted(store.iter_ids()) for store in stores] == [[oid] for oid in oids]
+    assert [store.get(oid) for store, oid in zip(stores, oids)] == [b"object 0", b"object 1", b"object 2"]
 
 
 def test_large_objects_upload_in_parts_and_read_back_whole(s3_url, monkeypatch):
