@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import shutil
 import stat
 import threading
 import uuid
@@ -185,10 +186,13 @@ class LocalObjectStore:
         return {oid for oid in oids if not self.has(oid)}
 
     def delete(self, oid: ObjectId) -> None:
+        path = self.path_of(oid)
         try:
-            self.path_of(oid).unlink()
+            path.unlink()
         except FileNotFoundError:
             pass
+        except IsADirectoryError:  # damage under an object's name (see has): gc clears it, not stop at it
+            shutil.rmtree(path)
 
     def iter_ids(self) -> Iterator[ObjectId]:
         for fan in self.root.iterdir():

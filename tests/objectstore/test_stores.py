@@ -233,3 +233,18 @@ def test_a_folder_pipe_or_device_at_an_objects_path_is_damage_not_a_hang(tmp_pat
         assert oid in fsck(repo).damaged_objects and not repo.store.has(oid)
         assert repo.store.put(good) == oid and repo.store.has(oid)  # written anew over what stood there
         assert fsck(repo).ok and torch.equal(repo.checkout(cid)["w"], state["w"])
+
+
+def test_gc_clears_a_folder_standing_at_an_unneeded_objects_path(tmp_path):
+    """Damage of the same kind where no commit needs the object: gc removed nothing and failed, every time."""
+    import torch
+
+    from ckptstore import Repository
+    from ckptstore.repo import fsck, gc
+
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit({"w": torch.arange(5.0)})
+        folder = repo.store.path_of("ab" + "c" * 62)
+        (folder / "inner").mkdir(parents=True)
+        assert gc(repo).objects_removed == 1 and not folder.exists()
+        assert fsck(repo).ok and torch.equal(repo.checkout(cid)["w"], torch.arange(5.0))
