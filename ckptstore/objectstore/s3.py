@@ -220,7 +220,8 @@ class S3ObjectStore:
     def _fetch(self, oid: ObjectId) -> memoryview:
         import obstore
 
-        data = memoryview(self.call(obstore.get, oid).bytes())
+        with self._errors(oid):  # the body streams in .bytes(): a server lost mid-body fails there
+            data = memoryview(obstore.get(self._client, self.key(oid)).bytes())
         if object_id(data) != oid:
             raise CorruptObjectError(oid, f"corrupted (the {len(data)} bytes {self.url} returned do not match "
                                           "its hash)")

@@ -3,7 +3,8 @@
 The S3 test server keeps its buckets in memory, so killing it would also lose what it stored;
 a real server that dies comes back with its data. The proxy plays the dying server instead:
 `go_down()` drops every connection and refuses new ones (the port closes), `come_up()` listens
-again on the same port, `down_after(n)` dies once `n` bytes have gone upstream (mid-upload),
+again on the same port, `down_after(n)` dies once `n` bytes have gone upstream (mid-upload) or,
+with `downloads=True`, come back from the server (mid-download),
 `delay` adds latency to every chunk forwarded, and `reply_with(status)` answers each request
 with an HTTP error of its own (a 500, or a 403 with S3's AccessDenied body) without forwarding it.
 It counts the bytes it forwarded each way, so a test can measure what a retry sent again.
@@ -37,6 +38,7 @@ class FaultProxy:
         self.sent = 0  # bytes forwarded client -> server
         self.received = 0  # bytes forwarded server -> client
         self._budget: int | None = None
+        self._budget_downstream = False  # whether the budget counts downloads instead of uploads
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
         self._listener: socket.socket | None = None
@@ -66,10 +68,10 @@ class FaultProxy:
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
 
-    def down_after(self, upload_bytes: int) -> None:
-        """Go down once `upload_bytes` more bytes have been forwarded to the server."""
+    def down_after(self, nbytes: int, downloads: bool = False) -> None:
+        """Go down once `nbytes` more bytes have been forwarded to the server (from it, with `downloads`)."""
         with self._lock:
-            self._budget = upload_bytes
+            self._budget, self._budget_downstream = nbytes, downloads
 
     def reply_with(self, status: int | None) -> None:
         """Answer every request with HTTP `status` (None: forward again)."""
@@ -118,7 +120,7 @@ class FaultProxy:
             while chunk := source.recv(1 << 16):
                 if self.delay:
                     time.sleep(self.delay)
-                if upstream and self._spend(len(chunk)):
+                if self._spend(len(chunk), upstream):
                     self.go_down()
                     return
                 sink.sendall(chunk)
@@ -134,10 +136,10 @@ class FaultProxy:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
 
-    def _spend(self, amount: int) -> bool:
-        """Take `amount` from the budget; True when it ran out (the server dies now)."""
+    def _spend(self, amount: int, upstream: bool) -> bool:
+        """Take `amount` bytes going this way from the budget; True when it ran out (the server dies now)."""
         with self._lock:
-            if self._budget is None:
+            if self._budget is None or upstream == self._budget_downstream:
                 return False
             self._budget -= amount
             return self._budget < 0

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from ckptstore import Repository
+from ckptstore.errors import StoreUnavailableError
+from ckptstore.objectstore.s3 import S3ObjectStore
 from ckptstore.repo import fsck
 from ckptstore.testing.fault_proxy import FaultProxy
 from tests.conftest import assert_same
@@ -110,10 +112,18 @@ def test_push_and_clone_through_a_dying_server_resume(tmp_path, s3_url, proxy):
     total = _stored_bytes(hub)
     print(f"push: {arrived} of {total} stored bytes had arrived when the server died; the rerun sent {proxy.sent}")
     assert 0 < arrived < total and proxy.sent < total - arrived + 2 * MiB
-    proxy.go_down()  # a clone mostly reads, and the budget counts uploaded bytes: the server is down from the start
-    _one_line_error(ckpt(tmp_path, "clone", "hub", "copy"), s3_url)
+    proxy.down_after(5 * MiB, downloads=True)  # a clone mostly reads: the server dies mid-download
+    _one_line_error(ckpt(tmp_path, "clone", "hub", "copy"), s3_url, "cannot reach")
     proxy.come_up()
     assert ckpt(tmp_path, "clone", "hub", "copy").returncode == 0  # resumes the interrupted clone
     with Repository.open(tmp_path / "copy") as copy:
         assert_same(_state(1), copy.checkout("main"))
     assert os.path.isdir(tmp_path / "copy" / ".ckpt")
+
+
+def test_a_server_that_dies_while_an_objects_body_streams_is_unavailable_not_a_client_error(s3_url, proxy):
+    store = S3ObjectStore(s3_url)
+    oid = store.put(os.urandom(4 * MiB))
+    proxy.down_after(MiB, downloads=True)  # the headers and the first MiB arrive; the body breaks off
+    with pytest.raises(StoreUnavailableError, match="cannot reach"):
+        store.get(oid)
