@@ -102,7 +102,7 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
     elif info.source_path is None:
         raise CkptError(f"commit {cid[:12]} was made from an in-memory state; pass -o PATH to write it")
     else:
-        dest = repo.root / info.source_path
+        dest = worktree.committed_from(repo, cid, info.source_path)
     plan = worktree.plan_checkout(repo, manifest, dest, force, output=output is not None)
     with no_cyclic_gc():
         raws = restore(repo, manifest, progress)

@@ -400,10 +400,16 @@ def _update_worktree(repo: Repository, branch: str, old: CommitId | None, new: C
     """
     from ckptstore.errors import DirtyWorktreeError
     from ckptstore.repo.checkout import checkout_to
+    from ckptstore.repo.worktree import committed_from
 
     def here(cid: CommitId | None) -> Path | None:  # a commit's file or folder inside this work tree, if any
         where = repo.commit_info(cid).source_path if cid is not None else None
-        return None if where is None or Path(where).is_absolute() else repo.root / where
+        if where is None or Path(where).is_absolute():
+            return None
+        try:
+            return committed_from(repo, cid, where)
+        except CkptError:  # a forged path out of the work tree: written nowhere, as an absolute one
+            return None
 
     old_files, new_files = here(old), here(new)
     if old_files is None or new_files is None or not old_files.exists():

@@ -515,3 +515,31 @@ def test_a_journal_from_another_place_or_unreadable_is_one_warning_and_touches_n
     with pytest.warns(RuntimeWarning, match="k.json could not be finished"):
         Repository.open(tmp_path / "a").close()
     assert (tmp_path / "a" / "w.pt").read_text() == "new"  # its own journal, finished where it was written
+
+
+def test_a_cloned_commit_whose_path_climbs_out_of_the_work_tree_is_never_written_there(tmp_path):
+    """A hostile remote's commit (a valid id over a forged `../x.pt`) wrote outside the clone at checkout."""
+    import dataclasses
+    import sqlite3
+
+    from ckptstore import Repository
+    from ckptstore.repo import remote
+
+    origin = tmp_path / "origin"
+    with Repository.init(origin) as repo:
+        torch.save({"w": torch.ones(3)}, origin / "ck.pt")
+        cid = repo.commit(origin / "ck.pt")
+        forged = dataclasses.replace(repo.commit_info(cid), source_path="../escaped.pt")
+    db = sqlite3.connect(origin / ".ckpt" / "ckpt.db")
+    for table, column in [("commits", "id"), ("refs", "commit_id"), ("commit_tensors", "commit_id"),
+                          ("known_files", "commit_id")]:
+        db.execute(f"update {table} set {column} = ? where {column} = ?", (forged.computed_id(), cid))
+    db.execute("update commits set source_path = '../escaped.pt'")
+    db.commit()
+    db.close()
+    with remote.clone(str(origin), tmp_path / "mine") as copy:
+        for step in (lambda: copy.checkout_to("main"), lambda: copy.status()):
+            with pytest.raises(CkptError, match=r"'\.\./escaped\.pt', outside this work tree"):
+                step()
+        assert torch.equal(copy.checkout("main")["w"], torch.ones(3))  # in memory, and with -o, it still restores
+    assert not (tmp_path / "escaped.pt").exists()
