@@ -7,7 +7,8 @@ import os
 from collections.abc import Sequence
 
 # What `ckpt` says on Ctrl-C, wherever the command ran (here, or in the repository's daemon)
-INTERRUPTED = "interrupted; an unfinished commit leaves earlier commits intact (`ckpt gc` removes its leftovers)"
+INTERRUPTED = ("interrupted; an unfinished commit leaves earlier commits intact (`ckpt gc` removes its leftovers), "
+               "an unfinished checkout the files and HEAD as they were or at the commit")
 
 
 class CkptError(Exception):

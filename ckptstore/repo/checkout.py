@@ -14,7 +14,7 @@ from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource, replay
-from ckptstore.repo import integrity, refs, worktree
+from ckptstore.repo import integrity, journal, refs, worktree
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Manifest
 from ckptstore.repo.progress import NoProgress, Progress
@@ -106,10 +106,9 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
     plan = worktree.plan_checkout(repo, manifest, dest, force, output=output is not None)
     with no_cyclic_gc():
         raws = restore(repo, manifest, progress)
+    head = None if output is not None else journal.HeadMove(cid, branch, lambda c, b: refs.move_head(repo, c, b))
     worktree.write_checkout(repo, cid, plan, lambda p: materialize(raws[p]), lambda p: raws[p],
-                            exact=not manifest.lossy)
-    if output is None:
-        refs.move_head(repo, cid, branch)
+                            exact=not manifest.lossy, head=head)
     return dest
 
 

@@ -9,8 +9,11 @@ opens the repository for writing finds journals whose lock is free (their proces
 carries out what is left: renames whose temporary file is still there, deletions of what is
 still there. A target or a file to delete that changed since the journal was written (the user
 wrote it anew) is left as it is, and its temporary file removed: nothing of the user's is lost
-to a late rename. A journal written in another place (the repository was copied or moved since)
-is dropped with a warning: its paths name the old place.
+to a late rename. A checkout in place also moves HEAD once its renames are done; the journal
+names that move, so HEAD and the files agree however the checkout ended (Ctrl-C finishes the
+renames and moves HEAD; a process that finishes a dead one's renames moves it too, unless it had
+to leave a rename undone). A journal written in another place (the repository was copied or moved
+since) is dropped with a warning: its paths name the old place.
 """
 
 from __future__ import annotations
@@ -21,28 +24,46 @@ import json
 import os
 import secrets
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from ckptstore.errors import CkptError
+
 FOLDER = "journals"
+MoveHead = Callable[[str, "str | None"], None]  # (commit, branch or None for detached): refs.move_head's part
+
+
+@dataclass(frozen=True)
+class HeadMove:
+    """HEAD's move that ends a checkout in place: to `commit`, on `branch` (None: detached), made by `move`."""
+
+    commit: str
+    branch: str | None
+    move: MoveHead
 
 
 @contextlib.contextmanager
-def renaming(repo_dir: Path | None, renames: Sequence[tuple[Path, Path]], deletions: Sequence[Path]
-             ) -> Iterator[None]:
+def renaming(repo_dir: Path | None, renames: Sequence[tuple[Path, Path]], deletions: Sequence[Path],
+             head: HeadMove | None = None) -> Iterator[None]:
     """Hold a durable journal of `renames` (temporary file, target) and `deletions` for the length of the block.
 
-    The block ends with the renames durable (its folders synced): the journal goes after it. With
-    `repo_dir` None (a read-only repository), or where `.ckpt/` cannot take a journal (a full
-    disk: `checkout -o` elsewhere still works), the block runs without one.
+    The block ends with the renames durable (its folders synced), then `head` is moved: the
+    journal goes after both. With `repo_dir` None (a read-only repository), or where `.ckpt/`
+    cannot take a journal (a full disk: `checkout -o` elsewhere still works), the block runs
+    without one.
     """
     plan = {"root": str(repo_dir), "renames": [[str(a), str(b), _stamp(b)] for a, b in renames],
-            "deletions": [[str(p), _stamp(p)] for p in deletions]}
+            "deletions": [[str(p), _stamp(p)] for p in deletions],
+            "head": [head.commit, head.branch] if head is not None else None}
     fd, path = _write(repo_dir, plan) if repo_dir is not None else (None, None)
     try:
         yield
+        if head is not None:
+            head.move(head.commit, head.branch)
     except KeyboardInterrupt:  # Ctrl-C among the renames: finish them, the checkout is one step to the user
-        _carry_out(plan)
+        if _carry_out(plan) and head is not None:
+            head.move(head.commit, head.branch)
         raise
     finally:
         if fd is not None:
@@ -73,8 +94,8 @@ def _write(repo_dir: Path, plan: dict) -> tuple[int | None, Path | None]:
         return None, None
 
 
-def finish_interrupted(repo_dir: Path) -> int:
-    """Carry out what journals of dead checkouts left undone; returns how many were finished.
+def finish_interrupted(repo_dir: Path, move_head: MoveHead | None = None) -> int:
+    """Carry out what journals of dead checkouts left undone, HEAD's moves by `move_head`; returns how many.
 
     Nothing here stops the command that opened the repository: what cannot be done is one warning.
     """
@@ -84,14 +105,14 @@ def finish_interrupted(repo_dir: Path) -> int:
     finished = 0
     for path in sorted(folder.glob("*.json")):
         try:
-            finished += _finish(path, repo_dir)
-        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+            finished += _finish(path, repo_dir, move_head)
+        except (OSError, ValueError, KeyError, TypeError, RecursionError, CkptError) as exc:
             warnings.warn(f"an interrupted checkout's journal {path} could not be finished ({exc}); check its "
                           "files out again", RuntimeWarning, stacklevel=3)
     return finished
 
 
-def _finish(path: Path, repo_dir: Path) -> int:
+def _finish(path: Path, repo_dir: Path, move_head: MoveHead | None) -> int:
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:  # its checkout ended meanwhile
@@ -108,13 +129,17 @@ def _finish(path: Path, repo_dir: Path) -> int:
         path.unlink(missing_ok=True)
         if plan["root"] != str(repo_dir):
             raise ValueError(f"it was written for {plan['root']}: the repository was copied or moved since")
-        _carry_out(plan)
+        head = plan.get("head")  # none in a journal of an earlier version, or of a checkout elsewhere
+        if _carry_out(plan) and head and move_head is not None:
+            move_head(*head)
         return 1
     finally:
         os.close(fd)
 
 
-def _carry_out(plan: dict) -> None:
+def _carry_out(plan: dict) -> bool:
+    """The plan's deletions and renames, each where its target is as the journal found it; False if one was not."""
+    whole = True
     for deleted, stamp in plan["deletions"]:
         if _stamp(deleted) == stamp:
             Path(deleted).unlink(missing_ok=True)
@@ -126,6 +151,8 @@ def _carry_out(plan: dict) -> None:
             os.replace(staging, target)
         else:
             Path(staging).unlink(missing_ok=True)
+            whole = False
+    return whole
 
 
 def _stamp(path: str | os.PathLike) -> list[int] | None:

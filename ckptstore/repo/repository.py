@@ -52,7 +52,8 @@ class Repository:
         self.db = Database(absolute_url(config.metadata_url, root) or f"sqlite:///{self.dir / 'ckpt.db'}", read_only,
                            why, create=create)
         if not self.read_only:
-            journal.finish_interrupted(self.dir)  # a checkout killed among its renames
+            # a checkout killed among its renames: finished, HEAD moved with it
+            journal.finish_interrupted(self.dir, lambda cid, branch: refs.move_head(self, cid, branch))
         self._pool: ThreadPoolExecutor | None = None
         self._shared_pool = False  # the pool is a warm process's (repo/warm.py): closing leaves it running
         self._background: Lane | None = None  # commits in the background (repo/background.py)

@@ -192,10 +192,12 @@ def _listed(unsaved: list[tuple[str, Path]]) -> str:
 
 
 def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of: Callable[[str], Any],
-                   raw_of: Callable[[str], RawTensor], exact: bool = False) -> None:
+                   raw_of: Callable[[str], RawTensor], exact: bool = False,
+                   head: journal.HeadMove | None = None) -> None:
     """Write every file of the commit beside its target first, then remove what the commit lacks and rename.
 
-    `exact`: the tensors are the committed ones (a lossless commit; formats.write_file).
+    `exact`: the tensors are the committed ones (a lossless commit; formats.write_file). `head`:
+    HEAD's move once the files are in place (a checkout in place; see journal.py).
 
     A failure while writing (a full disk) leaves the folder as it was, never one file of each
     commit. Each file's digest is recorded before it is renamed into place: another checkout
@@ -217,22 +219,22 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
             raise DirtyWorktreeError(f"checkout would {_listed(unsaved)}, which changed while the checkout read the "
                                      "commit, to content that is not in the store; nothing was replaced or deleted: "
                                      "commit it first to keep it, then check out again")
-        move_into_place(None if repo.read_only else repo.dir, staged, plan.extras, plan.folders)
+        move_into_place(None if repo.read_only else repo.dir, staged, plan.extras, plan.folders, head)
     finally:
         for staging, _ in staged:
             staging.unlink(missing_ok=True)
 
 
 def move_into_place(journal_dir: Path | None, staged: list[tuple[Path, Path]], extras: Sequence[Path] = (),
-                    folders: Iterable[Path] = ()) -> None:
-    """Delete `extras` (and `folders`, once empty), rename each staged file onto its target, and sync.
+                    folders: Iterable[Path] = (), head: journal.HeadMove | None = None) -> None:
+    """Delete `extras` (and `folders`, once empty), rename each staged file onto its target, sync, move `head`.
 
     Journalled in `journal_dir` (repo/journal.py; None: a read-only repository, none): a process
     killed among these steps is finished by the next.
     """
     from ckptstore.formats.atomic import sync_dir
 
-    with journal.renaming(journal_dir, staged, extras):
+    with journal.renaming(journal_dir, staged, extras, head):
         for path in extras:
             path.unlink(missing_ok=True)
         for folder in folders:

@@ -4,6 +4,7 @@ concurrent writers never tear a file, and a commit never takes in the repository
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -402,30 +403,65 @@ def _record_failure(failures, fn, *args):
         failures.append(exc)
 
 
-def test_a_folder_checkout_killed_among_its_renames_is_finished_by_the_next_command(tmp_path):
+def _two_folder_commits(tmp_path):
+    """A folder of three files committed twice (the second adds a file); returns the folder and the first commit."""
     from ckptstore import Repository
 
     folder = tmp_path / "run"
     folder.mkdir()
-    files = {"a.pt": 1, "b.pt": 2, "c.pt": 3}
-    for name, seed in files.items():
+    for name, seed in _SEEDS.items():
         torch.save({"w": torch.full((8,), float(seed))}, folder / name)
     with Repository.init(tmp_path) as repo:
         first = repo.commit(folder)
-        for name, seed in files.items():
+        for name, seed in _SEEDS.items():
             torch.save({"w": torch.full((8,), float(seed + 10))}, folder / name)
         (folder / "only-in-second.txt").write_text("x")
         repo.commit(folder)
+    return folder, first
+
+
+_SEEDS = {"a.pt": 1, "b.pt": 2, "c.pt": 3}
+
+
+def _values(folder):
+    return {p.name: torch.load(p, weights_only=True)["w"][0].item() for p in folder.glob("*.pt")}
+
+
+def _at_first_commit(tmp_path, folder, first):
+    """The files, HEAD and status all say the first commit (HEAD detached there: it was checked out by id)."""
+    from ckptstore import Repository
+
+    with Repository.open(tmp_path) as repo:  # any command that opens the repository for writing
+        assert _values(folder) == {name: float(seed) for name, seed in _SEEDS.items()}
+        assert not (folder / "only-in-second.txt").exists() and not list(folder.glob(".*"))
+        assert not list((tmp_path / ".ckpt" / "journals").iterdir())
+        assert repo.head() == (None, first)  # it stayed at the second commit: the files read as changes
+        assert {f["state"] for f in repo.status()["files"]} == {"unchanged"}
+
+
+def test_a_folder_checkout_killed_among_its_renames_is_finished_by_the_next_command(tmp_path):
+    folder, first = _two_folder_commits(tmp_path)
     killed = subprocess.run([sys.executable, "-m", "ckptstore", "checkout", first[:12]], cwd=tmp_path,
                             env=dict(os.environ, PYTHONPATH=str(ROOT), CKPT_CRASH_AT="checkout:renamed"),
                             capture_output=True, text=True, timeout=120)
     assert killed.returncode == -9, killed.stderr
-    values = lambda: {p.name: torch.load(p, weights_only=True)["w"][0].item() for p in folder.glob("*.pt")}
-    assert sorted(values().values()) == [1.0, 12.0, 13.0]  # one file of the first commit, two of the second
-    with Repository.open(tmp_path) as repo:  # any command that opens the repository for writing
-        assert values() == {name: float(seed) for name, seed in files.items()}
-        assert not (folder / "only-in-second.txt").exists() and not list(folder.glob(".*"))
-        assert not list((tmp_path / ".ckpt" / "journals").iterdir())
+    assert sorted(_values(folder).values()) == [1.0, 12.0, 13.0]  # one file of the first commit, two of the second
+    _at_first_commit(tmp_path, folder, first)
+
+
+def test_a_folder_checkout_interrupted_among_its_renames_finishes_them_and_moves_head(tmp_path):
+    from tests.conftest import wait_until_held
+
+    folder, first = _two_folder_commits(tmp_path)
+    release = tmp_path / "release"
+    checkout = subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", first[:12]], cwd=tmp_path,
+                                env=dict(os.environ, PYTHONPATH=str(ROOT), CKPT_WAIT_AT=f"checkout:renamed={release}"),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until_held(release, checkout)
+    checkout.send_signal(signal.SIGINT)
+    _, err = checkout.communicate(timeout=120)
+    assert checkout.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+    _at_first_commit(tmp_path, folder, first)
 
 
 def test_a_finished_journal_leaves_files_the_user_wrote_since_the_crash(tmp_path):
