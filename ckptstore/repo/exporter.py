@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from ckptstore.errors import CkptError
 from ckptstore.formats import hfweights, safetensors_file, torchfile
 from ckptstore.repo import sharded, worktree
-from ckptstore.repo.select import entries_of_file
+from ckptstore.repo.select import aliases, entries_of_file
 from ckptstore.state import TORCH_PREFIX, RawTensor, escape, materialize, readable_path
 
 if TYPE_CHECKING:
@@ -66,6 +66,7 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
         from ckptstore.repo.checkout import restore
 
         raws = restore(repo, manifest)
+        raws.update({path: raws[entry] for path, entry in aliases(manifest).items()})  # each tied key its copy
         kept = {p: r for p, r in raws.items() if r.dtype in safetensors_file.SAFETENSORS_DTYPES}
         skipped = [readable_path(p) for p in raws if p not in kept]
         tensors = _by_name(kept)

@@ -135,6 +135,30 @@ class _Pruner:
         return [node[0], items] if items else None
 
 
+def aliases(manifest: Manifest) -> dict[str, str]:
+    """The paths at which a torch file holds a tensor stored under another path, and that path.
+
+    Tied weights (`head.weight` is `embed.weight`) are one entry in two places: the entries name
+    the first only.
+    """
+    found: dict[str, str] = {}
+    for record in manifest.files:
+        if record.format != formats.TORCH:
+            continue
+        stack = [(record.skeleton, escape(record.name) if manifest.kind == "folder" else "")]
+        while stack:
+            node, path = stack.pop()
+            if not isinstance(node, list) or not node or not isinstance(node[0], str):
+                continue
+            if node[0] == "tensor" and node[1] != path:
+                found[path] = node[1]
+            elif node[0] in ("dict", "odict"):
+                stack.extend((v, join_key(path, unflatten(k, _no_lookup))) for k, v in node[1])
+            elif node[0] in _CONTAINERS:
+                stack.extend((v, join(path, str(i))) for i, v in enumerate(node[1]))
+    return found
+
+
 def _no_lookup(path: str) -> Any:
     raise CkptError(f"a dict key in the skeleton refers to stored data at {path!r}: the manifest is damaged")
 

@@ -39,9 +39,10 @@ def test_a_pytorch_model_bin_folder_exports_its_state_dict_names_and_bits(tmp_pa
         assert all(loaded[k].dtype == v.dtype and torch.equal(loaded[k], v) for k, v in weights.items())
     with safe_open(tmp_path / "w.safetensors", "pt") as handle:
         assert handle.metadata() == {"format": "pt"}  # what transformers before 4.40 requires
-    every = load_file(tmp_path / "all.safetensors")  # by path; the tied pair is one entry
+    every = load_file(tmp_path / "all.safetensors")  # by path; the tied pair under both of its keys
     assert sorted(every) == ["optimizer.pt/state/0/exp_avg", "pytorch_model.bin/embed.weight",
-                             "pytorch_model.bin/norm.bias", "pytorch_model.bin/steps"] and everything.tensors == 4
+                             "pytorch_model.bin/head.weight", "pytorch_model.bin/norm.bias",
+                             "pytorch_model.bin/steps"] and everything.tensors == 5
 
 
 def test_sharded_safetensors_weights_are_exported_as_one_file(tmp_path):
@@ -103,3 +104,18 @@ def test_a_committed_file_exports_under_its_own_tensor_names(tmp_path):
     back = load_file(tmp_path / "back.safetensors")
     assert sorted(back) == sorted(names) and all(torch.equal(back[k], v) for k, v in names.items())
     assert sorted(load_file(tmp_path / "clash.safetensors")) == ["a%2Fb", "a/b"]  # by path: both kept
+
+
+def test_tied_weights_export_under_every_key_that_holds_them(tmp_path):
+    """`head.weight` is `embed.weight`: one entry in two places; the export had the first only (strict loads failed)."""
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight
+    torch.save({"model": model.state_dict(), "layers": [model[0].weight, model[1].weight]}, tmp_path / "tied.pt")
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(tmp_path / "tied.pt")
+        report = export(repo, "main", "safetensors", tmp_path / "tied.safetensors")
+    back = load_file(tmp_path / "tied.safetensors")
+    assert sorted(back) == ["layers/0", "layers/1", "model/0.weight", "model/1.weight"] and report.tensors == 4
+    assert all(torch.equal(tensor, model[0].weight) for tensor in back.values())
+    strict = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    strict.load_state_dict({k.removeprefix("model/"): v for k, v in back.items() if k.startswith("model/")})
