@@ -127,8 +127,8 @@ def _write_selected(repo: Repository, cid: CommitId, manifest: Manifest, keys: I
     plan = worktree.plan_checkout(repo, selection.manifest, Path(output), force, output=True)
     with no_cyclic_gc():
         raws = restore(repo, selection.manifest, progress)
-    write_selection(selection, plan.files, lambda p: materialize(raws[p]), lambda p: raws[p],
-                    exact=not manifest.lossy, repo_dir=None if repo.read_only else repo.dir)
+    write_selection(repo, selection, plan, lambda p: materialize(raws[p]), lambda p: raws[p],
+                    exact=not manifest.lossy)
     return plan.dest
 
 

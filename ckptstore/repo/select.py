@@ -19,13 +19,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptstore import formats
 from ckptstore.errors import CkptError
 from ckptstore.formats import CheckpointFile
 from ckptstore.repo.manifest import Manifest
 from ckptstore.state import RawTensor, escape, join, join_key, unflatten
+
+if TYPE_CHECKING:
+    from ckptstore.repo.repository import Repository
+    from ckptstore.repo.worktree import CheckoutPlan
 
 _CONTAINERS = ("dict", "odict", "list", "tuple", "set", "frozenset")
 _LEAVES_WITH_ENTRY = ("tensor", "bytes", "bytearray", "ndarray")
@@ -179,23 +183,29 @@ def _entries_in(node: Any) -> set[str]:
     return found
 
 
-def write_selection(selection: Selection, targets: list[tuple[CheckpointFile, Path]],
-                    value_of: Callable[[str], Any], raw_of: Callable[[str], RawTensor], exact: bool,
-                    repo_dir: Path | None) -> None:
-    """Write each selected file: whole ones as checkout writes them, partial ones anew.
+def write_selection(repo: Repository, selection: Selection, plan: CheckoutPlan,
+                    value_of: Callable[[str], Any], raw_of: Callable[[str], RawTensor], exact: bool) -> None:
+    """Write each selected file of `plan`: whole ones as checkout writes them, partial ones anew.
 
     A partial torch file becomes a torch.save of its selected state; a partial safetensors file a
     safetensors file of its selected tensors, in their committed order. Every file is written
-    under a temporary name first, so a failure (a full disk) leaves the folder as it was; the
-    renames into place are journalled in `repo_dir` (repo/journal.py; None: read-only, no journal).
+    under a temporary name first, so a failure (a full disk) leaves the folder as it was, and
+    nothing written there since the plan is replaced (as a full checkout refuses it); the renames
+    into place are journalled (repo/journal.py; none in a read-only repository).
     """
     from ckptstore.formats.atomic import temp_beside
-    from ckptstore.repo.worktree import move_into_place, sweep_stale_temps
+    from ckptstore.repo.worktree import (
+        move_into_place,
+        refuse_changed_meanwhile,
+        refuse_folders_in_the_way,
+        sweep_stale_temps,
+    )
 
-    sweep_stale_temps([target for _, target in targets])
+    refuse_folders_in_the_way(plan)
+    sweep_stale_temps([target for _, target in plan.files])
     staged: list[tuple[Path, Path]] = []
     try:
-        for record, target in targets:
+        for record, target in plan.files:
             target.parent.mkdir(parents=True, exist_ok=True)
             staging, handle = temp_beside(target, "new-")
             handle.close()
@@ -210,7 +220,8 @@ def write_selection(selection: Selection, targets: list[tuple[CheckpointFile, Pa
                 formats.write_file(record, staging, value_of, raw_of)
             if record.mode is not None:
                 os.chmod(staging, record.mode)
-        move_into_place(repo_dir, staged)
+        refuse_changed_meanwhile(repo, plan, deleting=False)  # a partial checkout deletes nothing
+        move_into_place(None if repo.read_only else repo.dir, staged)
     finally:
         for staging, _ in staged:
             staging.unlink(missing_ok=True)

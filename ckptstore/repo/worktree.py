@@ -203,26 +203,38 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
     commit. Each file's digest is recorded before it is renamed into place: another checkout
     that finds it there knows it.
     """
+    refuse_folders_in_the_way(plan)
     sweep_stale_temps([target for _, target in plan.files])
     staged: list[tuple[Path, Path]] = []
     try:
         for record, target in plan.files:
-            if target.is_dir() and not target.is_symlink() and target not in plan.folders:
-                raise CkptError(f"{target} is a folder where the commit has a file; move it away and check out again")
             staged.append((_stage(repo, cid, record, target, value_of, raw_of, exact), target))
-        changed = {path for path, seen in plan.seen.items() if _signature(path) != seen}
-        # written meanwhile: a training job saving (content in no commit) is refused; another checkout's
-        # file (content the store holds) is not
-        unsaved = changed and _unsaved(repo, [t for _, t in plan.files if t in changed],
-                                       [e for e in plan.extras if e in changed])
-        if unsaved:
-            raise DirtyWorktreeError(f"checkout would {_listed(unsaved)}, which changed while the checkout read the "
-                                     "commit, to content that is not in the store; nothing was replaced or deleted: "
-                                     "commit it first to keep it, then check out again")
+        refuse_changed_meanwhile(repo, plan)
         move_into_place(None if repo.read_only else repo.dir, staged, plan.extras, plan.folders, head)
     finally:
         for staging, _ in staged:
             staging.unlink(missing_ok=True)
+
+
+def refuse_folders_in_the_way(plan: CheckoutPlan) -> None:
+    """Refuse a folder (not one the checkout removes) standing where the commit has a file."""
+    for _, target in plan.files:
+        if target.is_dir() and not target.is_symlink() and target not in plan.folders:
+            raise CkptError(f"{target} is a folder where the commit has a file; move it away and check out again")
+
+
+def refuse_changed_meanwhile(repo: Repository, plan: CheckoutPlan, deleting: bool = True) -> None:
+    """Refuse to replace a file written since the plan (or delete one, `deleting` the extras) with new content.
+
+    That is a job saving, content in no commit; another checkout's file (the store holds its content) is replaced.
+    """
+    changed = {path for path, seen in plan.seen.items() if _signature(path) != seen}
+    unsaved = changed and _unsaved(repo, [t for _, t in plan.files if t in changed],
+                                   [e for e in plan.extras if e in changed and deleting])
+    if unsaved:
+        raise DirtyWorktreeError(f"checkout would {_listed(unsaved)}, which changed while the checkout read the "
+                                 "commit, to content that is not in the store; nothing was replaced or deleted: "
+                                 "commit it first to keep it, then check out again")
 
 
 def move_into_place(journal_dir: Path | None, staged: list[tuple[Path, Path]], extras: Sequence[Path] = (),

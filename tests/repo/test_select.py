@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 import ckptstore
 from ckptstore.cli import cli
+from ckptstore.errors import CkptError
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.repo.select import NothingSelectedError
 from tests.conftest import Trainer, assert_same
@@ -143,6 +144,9 @@ def test_folder_commit_partial_load_and_checkout(repo, tmp_path):
     repo.checkout_to(cid, tmp_path / "whole", keys=["model.safetensors"])  # a file selected whole: its bytes
     assert ((tmp_path / "whole/model.safetensors").read_bytes()
             == (tmp_path / "checkpoint-2/model.safetensors").read_bytes())
+    (tmp_path / "in_the_way" / "optimizer.pt").mkdir(parents=True)  # was "unexpected IsADirectoryError"
+    with pytest.raises(CkptError, match="optimizer.pt is a folder where the commit has a file"):
+        repo.checkout_to(cid, tmp_path / "in_the_way", keys=["optimizer.pt.state.*"])
 
 
 def test_cli_checkout_only_writes_the_selected_sub_state(repo, tmp_path, monkeypatch):

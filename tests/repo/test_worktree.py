@@ -371,8 +371,12 @@ def test_a_folder_checkout_that_fails_part_way_leaves_the_folder_as_it_was(repo,
     assert sorted(p.name for p in run.iterdir()) == ["a_model.pt", "b_optimizer.pt"]
 
 
-def test_a_file_written_while_the_checkout_reads_the_commit_is_never_overwritten(repo, monkeypatch):
-    """The unsaved-file check comes before decoding (seconds on a large checkpoint): each target is checked again."""
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
+def test_a_file_written_while_the_checkout_reads_the_commit_is_never_overwritten(repo, monkeypatch, partial):
+    """The unsaved-file check comes before decoding (seconds on a large checkpoint): each target is checked again.
+
+    A partial checkout (`--only`) onto the file did not check again, and replaced it.
+    """
     import threading
 
     path = repo.root / "ckpt.pt"
@@ -383,7 +387,8 @@ def test_a_file_written_while_the_checkout_reads_the_commit_is_never_overwritten
     gate = repo.root / "gate"
     monkeypatch.setenv("CKPT_WAIT_AT", f"checkout:records-read={gate}")
     failures = []
-    checking_out = threading.Thread(target=lambda: _record_failure(failures, repo.checkout_to, first))
+    how = {"output": path, "keys": ["w"]} if partial else {}
+    checking_out = threading.Thread(target=lambda: _record_failure(failures, lambda: repo.checkout_to(first, **how)))
     checking_out.start()
     while not Path(f"{gate}.reached").exists():
         assert checking_out.is_alive()
