@@ -138,6 +138,16 @@ def write(path: str | os.PathLike, skeleton: Any, raw_of) -> None:
     write_parts(path, (raw_of(entry).data for entry in [header_path, *(e for _, e in order)]))
 
 
+def header_metadata(header: RawTensor) -> dict[str, str] | None:
+    """The `__metadata__` of a committed header (its verbatim bytes), for a file written anew from part of it."""
+    data = np.asarray(header.data).tobytes()
+    try:
+        found = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]]).get("__metadata__")
+    except (struct.error, UnicodeDecodeError, ValueError, RecursionError, AttributeError):
+        return None  # checked at commit: only a damaged header gets here, and it loses nothing but this
+    return found if isinstance(found, dict) and all(isinstance(v, str) for v in found.values()) else None
+
+
 def as_state(skeleton: Any, value_of) -> dict[str, Any]:
     """The tensors by name, as safetensors.torch.load_file returns them."""
     return {name: value_of(entry) for name, entry in skeleton[2] if name is not None}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ckptstore import formats
 from ckptstore.errors import CkptError
 from ckptstore.formats import hfweights, safetensors_file, torchfile
 from ckptstore.repo import sharded, worktree
@@ -52,6 +53,8 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
     worktree.check_output_file(Path(output))
     manifest = repo.manifest(cid)
     weight_files = [] if everything or manifest.kind != "folder" else hfweights.weight_files(manifest.files)
+    # transformers before 4.40 refuses a weights file without format "pt"; a safetensors file keeps its own
+    metadata = {"format": "pt"} if weight_files else None
     if sharded.is_sharded(manifest):
         tensors, skipped = sharded.gather(repo, manifest)
         why = "DCP keeps non-tensor state as separate items: load them with dcp.load and CkptStorageReader"
@@ -71,8 +74,11 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
         skipped = [readable_path(p) for p in raws if p not in kept]
         tensors = _by_name(kept)
         why = "safetensors holds tensors only (these are file bytes, numpy arrays or unsupported dtypes)"
-    if fmt == "safetensors":  # transformers before 4.40 refuses a weights file without format "pt"
-        safetensors_file.write_tensors(output, tensors, {"format": "pt"} if weight_files else None)
+        if [record.format for record in manifest.files] == [formats.SAFETENSORS]:
+            metadata = safetensors_file.header_metadata(raws[manifest.files[0].skeleton[1]])
+            skipped = [name for name in skipped if name != readable_path(manifest.files[0].skeleton[1])]
+    if fmt == "safetensors":
+        safetensors_file.write_tensors(output, tensors, metadata)
     else:
         torchfile.save({name: _torch(raw) for name, raw in tensors.items()}, output)
     return ExportReport(cid, len(tensors), skipped, why if skipped else "")

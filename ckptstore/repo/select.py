@@ -107,7 +107,7 @@ def _prune_file(record: CheckpointFile, root: str, wanted: KeyPatterns) -> tuple
     if record.format == formats.SAFETENSORS:
         order = [[name, entry] for name, entry in record.skeleton[2] if name is not None and wanted.match(entry)]
         skeleton = [record.skeleton[0], record.skeleton[1], order] if order else None
-        used = {entry for _, entry in order}
+        used = {record.skeleton[1], *(entry for _, entry in order)}  # the header: its __metadata__ is kept
     elif record.format == formats.TORCH:
         skeleton = _Pruner(wanted).prune(record.skeleton, root)
         used = _entries_in(skeleton)
@@ -213,9 +213,10 @@ def write_selection(repo: Repository, selection: Selection, plan: CheckoutPlan,
             if record.name not in selection.partial:
                 formats.write_file(record, staging, value_of, raw_of, exact)
             elif record.format == formats.SAFETENSORS:
-                from ckptstore.formats.safetensors_file import write_tensors
+                from ckptstore.formats.safetensors_file import header_metadata, write_tensors
 
-                write_tensors(staging, {name: raw_of(entry) for name, entry in record.skeleton[2]})
+                write_tensors(staging, {name: raw_of(entry) for name, entry in record.skeleton[2]},
+                              header_metadata(raw_of(record.skeleton[1])))
             else:
                 formats.write_file(record, staging, value_of, raw_of)
             if record.mode is not None:

@@ -94,14 +94,16 @@ def test_an_export_path_without_its_folder_or_naming_a_folder_is_one_line(tmp_pa
 
 def test_a_committed_file_exports_under_its_own_tensor_names(tmp_path):
     names = {"encoder/layer_0/kernel": torch.ones(2), "50%_sparse": torch.zeros(3), "0": torch.arange(4.0)}
-    save_file(names, tmp_path / "w.safetensors")
+    save_file(names, tmp_path / "w.safetensors", metadata={"format": "pt", "author": "me"})
     torch.save({"a": {"b": torch.ones(1)}, "a/b": torch.zeros(1)}, tmp_path / "clash.pt")  # would read alike
     with Repository.init(tmp_path / "repo") as repo:
         repo.commit(tmp_path / "w.safetensors")
-        export(repo, "main", "safetensors", tmp_path / "back.safetensors")
+        assert export(repo, "main", "safetensors", tmp_path / "back.safetensors").skipped == []  # header: no item
         repo.commit(tmp_path / "clash.pt")
         export(repo, "main", "safetensors", tmp_path / "clash.safetensors")
     back = load_file(tmp_path / "back.safetensors")
+    with safe_open(tmp_path / "back.safetensors", "pt") as handle:
+        assert handle.metadata() == {"format": "pt", "author": "me"}  # the file's own, kept
     assert sorted(back) == sorted(names) and all(torch.equal(back[k], v) for k, v in names.items())
     assert sorted(load_file(tmp_path / "clash.safetensors")) == ["a%2Fb", "a/b"]  # by path: both kept
 

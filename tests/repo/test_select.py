@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import ckptstore
@@ -119,7 +120,8 @@ def test_patterns_select_nested_keys_scalars_and_a_tied_tensor(repo):
 
 def _trainer_folder(folder, trainer):
     folder.mkdir()
-    save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, folder / "model.safetensors")
+    save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
     torch.save(trainer.optimizer.state_dict(), folder / "optimizer.pt")
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": trainer.step}))
 
@@ -139,6 +141,8 @@ def test_folder_commit_partial_load_and_checkout(repo, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "optimizer.pt", "trainer_state.json"]
     assert (out / "trainer_state.json").read_bytes() == (tmp_path / "checkpoint-2/trainer_state.json").read_bytes()
     assert_same(load_file(out / "model.safetensors"), loaded["model.safetensors"])
+    with safe_open(out / "model.safetensors", "pt") as handle:  # written anew, with the file's own metadata
+        assert handle.metadata() == {"format": "pt"}
     assert_same(torch.load(out / "optimizer.pt", weights_only=True),
                 {"state": trainer.optimizer.state_dict()["state"]})
     repo.checkout_to(cid, tmp_path / "whole", keys=["model.safetensors"])  # a file selected whole: its bytes
