@@ -42,6 +42,7 @@ from ckptstore.errors import (
     NothingToCommitError,
     RefNotFoundError,
     UnsupportedStateError,
+    explain,
 )
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.formats.folder import is_temp_name
@@ -110,7 +111,7 @@ def watch_folder(repo: Repository, folder: str | os.PathLike, options: WatchOpti
             if stop.is_set():
                 break
             _commit_source(repo, source, options, state, report, say)
-        report.waiting = {s.name: s.incomplete or "changed since the last scan" for s in now.values()
+        report.waiting = {_shown(s.name): s.incomplete or "changed since the last scan" for s in now.values()
                           if not state.done(s) and s not in ready}
         before = now
         if options.once:
@@ -126,35 +127,49 @@ def _ready(source: Source, before: Source | None, state: WatchState) -> bool:
 
 def _commit_source(repo: Repository, source: Source, options: WatchOptions, state: WatchState,
                    report: WatchReport, say: Callable[[str], None]) -> None:
-    """Commit one complete source unless a commit of the branch already holds it; remember it either way."""
-    found = already_committed(repo, source, options.branch)
-    if found is not None:
-        state.record(source, found)
-        return
+    """Commit one complete source unless a commit of the branch already holds it; remember it either way.
+
+    What is wrong with one source (not a checkpoint, a name that is not UTF-8, unreadable, removed
+    by a rotation) is said and the watch goes on; what is wrong with the repository ends it.
+    """
+    shown = _shown(source.name)
     try:
+        found = already_committed(repo, source, options.branch)
+        if found is not None:
+            state.record(source, found)
+            return
         cid = repo.commit(source.path, f"watch: {source.name}", step=source.step, branch=options.branch,
                           lossy=options.lossy)
     except NothingToCommitError:
         state.record(source, None)
-        say(f"{source.name}: unchanged since the last commit, not committed")
+        say(f"{shown}: unchanged since the last commit, not committed")
         return
     except ConflictError as exc:  # another writer moved the branch: the next scan tries again
-        say(f"{source.name}: {exc}")
+        say(f"{shown}: {exc}")
         return
-    except (CheckpointFormatError, UnsupportedStateError, FileNotFoundError) as exc:
+    except (CheckpointFormatError, UnsupportedStateError, FileNotFoundError, UnicodeEncodeError,
+            PermissionError) as exc:
+        if isinstance(exc, PermissionError) and source.path not in [Path(exc.filename or "/"), *Path(
+                exc.filename or "/").parents]:
+            raise  # the repository's own files: no source will commit
         # not a checkpoint ckptstore can store (tried again once it changes), or removed meanwhile (rotation)
         if source.path.exists():
             state.record(source, None)
-        say(f"{source.name}: not committed: {exc}")
+        say(f"{shown}: not committed: {explain(exc) or exc}")
         return
     state.record(source, cid)
     report.committed.append((source.name, cid, source.step))
-    say(f"[{cid[:12]}] {source.name}" + (f" (step {source.step})" if source.step is not None else ""))
+    say(f"[{cid[:12]}] {shown}" + (f" (step {source.step})" if source.step is not None else ""))
     judged = {name for name, _, _ in source.signature if name}
     gone = sorted(judged - {record.name for record in repo.manifest(cid).files}) if judged else []
     if gone:  # a rotation removed files while the commit read the folder: say so, the commit is only part of it
-        say(f"{source.name}: {', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''} went away while it was "
+        say(f"{shown}: {_shown(', '.join(gone[:3]))}{' ...' if len(gone) > 3 else ''} went away while it was "
             f"committed: commit {cid[:12]} holds only the rest of the folder")
+
+
+def _shown(name: str) -> str:
+    r"""A name as it can be printed: bytes that are not UTF-8 (os.fsdecode's surrogates) as \x escapes."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def scan(folder: Path, state: WatchState | None = None) -> dict[str, Source]:
@@ -164,7 +179,12 @@ def scan(folder: Path, state: WatchState | None = None) -> dict[str, Source]:
     left out without being read: it is neither ready nor waiting, and once it changes it is read again.
     """
     found = {}
-    with os.scandir(folder) as entries:
+    try:
+        entries = os.scandir(folder)
+    except FileNotFoundError:
+        raise CkptError(f"{folder}, the watched folder, went away; what was committed stays: watch it again once "
+                        "it is back") from None
+    with entries:
         for entry in entries:
             if entry.name.startswith(".") or is_temp_name(entry.name) or entry.is_symlink():
                 continue
@@ -211,7 +231,7 @@ def _judge_folder(source: Source) -> Source:
     else:
         source.incomplete = f"a file is still being written ({temps[0]})" if temps else ""
     step = trainer.get("global_step") if isinstance(trainer, dict) else None
-    source.step = step if type(step) is int else step_of(source.name)
+    source.step = step if type(step) is int and 0 <= step < 1 << 63 else step_of(source.name)
     return source
 
 

@@ -238,3 +238,52 @@ def test_a_folder_rotated_away_while_it_is_committed_is_said_to_be_partial(repo,
     report = watch(repo, run, ONCE, say=said.append)
     assert len(report.committed) == 1
     assert any("optimizer.pt went away while it was committed" in line for line in said), said
+
+
+def test_one_source_that_cannot_be_committed_never_stops_the_others(repo, tmp_path, monkeypatch):
+    """A name that is not UTF-8, a step past what the metadata holds, a file rotated away as it is re-checked:
+    each ended the whole watch, on every restart too; now each is said and the rest are committed."""
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"w": torch.ones(2)}, os.fsdecode(os.fsencode(run) + b"/r\xe9sum\xe9.pt"))  # a Latin-1 name
+    trainer = Trainer()
+    trainer.train(1)
+    _trainer_folder(run / "checkpoint-7", trainer)
+    (run / "checkpoint-7" / "trainer_state.json").write_text(json.dumps({"global_step": 1 << 64}))
+    torch.save({"w": torch.zeros(2)}, run / "last.pt")
+    said = []
+    watch(repo, run, ONCE, say=said.append)
+    torch.save({"w": torch.full((2,), 2.0)}, run / "last.pt")  # re-saved: checked against the branch first
+    torch.save({"w": torch.full((2,), 3.0)}, run / "z_final.pt")
+    digest = watch_module.file_digest
+
+    def rotated_as_it_is_read(path):
+        if path.endswith("last.pt"):
+            os.unlink(path)
+        return digest(path)
+
+    monkeypatch.setattr(watch_module, "file_digest", rotated_as_it_is_read)
+    report = watch(repo, run, ONCE, say=said.append)
+    monkeypatch.undo()
+    assert [name for name, _, _ in report.committed] == ["z_final.pt"], said
+    assert "r\\xe9sum\\xe9.pt: not committed" in " ".join(said) and "last.pt: not committed" in " ".join(said)
+    steps = {c.message: c.step for c in repo.log()}
+    assert steps["watch: checkpoint-7"] == 7  # from the name, as the state's step does not fit
+    said.clear()
+    assert watch(repo, run, ONCE, say=said.append).committed == [] and said == []  # a restart tries none again
+
+
+def test_a_watched_folder_that_goes_away_ends_the_watch_in_one_line(repo, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"w": torch.ones(2)}, run / "a.pt")
+
+    def removed_after_the_first_scan(seconds):
+        if run.exists():
+            (run / "a.pt").unlink()
+            run.rmdir()
+        return False
+
+    stop = type("Stop", (), {"wait": staticmethod(removed_after_the_first_scan), "is_set": lambda self: False})()
+    with pytest.raises(CkptError, match="the watched folder, went away; what was committed stays"):
+        watch(repo, run, WatchOptions(interval=0.01), stop=stop)
