@@ -67,9 +67,20 @@ def address_path(root: Path) -> Path:
     return root / ".ckpt" / "daemon.json"
 
 
+SOCKET_PATH_BYTES = 107  # a Unix socket's path, at most (sun_path is 108 bytes with its NUL)
+
+
 def private_folder() -> Path:
-    """This user's folder for daemon sockets, mode 0700 (made if missing); refused if anyone else could enter it."""
-    base = Path(os.environ.get("XDG_RUNTIME_DIR") or os.environ.get("TMPDIR") or "/tmp") / f"ckptstore-{os.getuid()}"
+    """This user's folder for daemon sockets, mode 0700 (made if missing); refused if anyone else could enter it.
+
+    In XDG_RUNTIME_DIR, else TMPDIR, else /tmp: the first that exists and leaves room for a socket's
+    name (a batch node can inherit a login node's /run/user/UID, which it lacks; a deep TMPDIR is too long).
+    """
+    uid = os.getuid()
+    for parent in (os.environ.get("XDG_RUNTIME_DIR"), os.environ.get("TMPDIR"), "/tmp"):
+        base = Path(parent or "/tmp") / f"ckptstore-{uid}"
+        if len(os.fsencode(base / "4194304.sock")) <= SOCKET_PATH_BYTES and base.parent.is_dir():
+            break
     base.mkdir(mode=0o700, exist_ok=True)
     _check_private(base)
     return base
@@ -203,10 +214,19 @@ def _echo_reply(conn: socket.socket) -> int | None:
 
 
 def _echo(stream: Any, payload: bytes) -> None:
-    """Write the command's output here; a reader gone (`ckpt commit | head`) drops it, the command runs on."""
+    """Write the command's output here; a reader gone (`ckpt commit | head`) drops it, the command runs on.
+
+    The bytes as the daemon encoded them (UTF-8), as click writes where the stream's encoding cannot
+    hold the text (an ASCII locale): decoded and written as text, they raised UnicodeEncodeError.
+    """
     try:
-        stream.write(payload.decode(errors="replace"))
-        stream.flush()
+        buffer = getattr(stream, "buffer", None)
+        if buffer is None:
+            stream.write(payload.decode(errors="replace"))
+        else:
+            stream.flush()
+            buffer.write(payload)
+        (buffer or stream).flush()
     except OSError:  # and no BrokenPipeError at exit either: what is left goes nowhere
         os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 

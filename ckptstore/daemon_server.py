@@ -72,6 +72,7 @@ class _Daemon:
 
     def __init__(self, root: Path, idle: float) -> None:
         self.root, self.idle = root.resolve(), idle
+        self.identity = _identity(self.root)  # the repository's .ckpt folder: the same one however it is named
         self.code = code_fingerprint()
         self.started, self.served, self.last_command = time.time(), 0, time.monotonic()
         self.running = True
@@ -87,6 +88,7 @@ class _Daemon:
         from ckptstore.repo import keep_warm
 
         keep_warm(self.root)
+        os.chdir("/")  # its start folder may be deleted (the repository restored from a copy): not needed here
         signal.signal(signal.SIGINT, self._on_interrupt)
         with open(lock_path(self.root), "w") as lock:
             _lock_or_refuse(lock, self.root)
@@ -101,8 +103,7 @@ class _Daemon:
                 self.last_command = time.monotonic()  # idle time counts from here, not from before the warm-up
                 self._accept_until_done(listener)
             finally:
-                with contextlib.suppress(FileNotFoundError):
-                    address_path(self.root).unlink()  # new clients run their commands themselves from now on
+                _remove_address(self.root, path)  # new clients run their commands themselves from now on
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
                 _turn_away(listener)
@@ -134,8 +135,13 @@ class _Daemon:
             if channel != REQUEST:
                 return
             request = json.loads(payload)
-            if request.get("root", str(self.root)) != str(self.root):
-                # a stale address file led another repository's client here (a reused pid): not its daemon
+            root = request.get("root", str(self.root))
+            if root != str(self.root) or _identity(Path(root)) != self.identity:
+                # a stale address file led another repository's client here (a reused pid, or one made anew where
+                # this one was): not its daemon. Its own repository moved (the same .ckpt, named anew) or went:
+                # it steps aside, so that a daemon can start for it where it is now.
+                self.running = (self.running and _identity(Path(root)) != self.identity
+                                and _identity(self.root) == self.identity)
                 send_frame(conn, END, json.dumps({"here": True}).encode())
             elif request.get("op") in ("status", "stop"):
                 self.running = request["op"] != "stop"
@@ -148,7 +154,7 @@ class _Daemon:
             else:
                 code = self._run(conn, request)
                 self.served, self.last_command = self.served + 1, time.monotonic()
-                send_frame(conn, END, json.dumps({"code": code}).encode())
+                send_frame(conn, END, json.dumps({"here": True} if code is _HERE else {"code": code}).encode())
         except (OSError, ValueError):  # the client left, or sent what no client sends: serve the next one
             pass
         except Exception as exc:  # a fault of the daemon's own: the client hears of it, the daemon goes on
@@ -158,11 +164,16 @@ class _Daemon:
                                          f"see {log_path(self.root)}\n".encode())
                 send_frame(conn, END, json.dumps({"code": 1}).encode())
 
-    def _run(self, conn: socket.socket, request: dict[str, Any]) -> int:
-        """Run one `ckpt` command as the client's process would, its output going back on `conn`."""
+    def _run(self, conn: socket.socket, request: dict[str, Any]) -> int | object:
+        """Run one `ckpt` command as the client's process would, its output going back on `conn`; its exit code.
+
+        _HERE when it cannot run here: its client runs it.
+        """
         import ckptstore.cli as cli
         from ckptstore.repo import warm
 
+        if not os.path.isdir(request["cwd"]):  # the client's folder is not there for this process (a container's)
+            return _HERE
         try:
             with _client_context(request), _interrupt_on_request(conn):
                 stdout, stderr = _Output(conn, STDOUT), _Output(conn, STDERR)
@@ -180,6 +191,25 @@ class _Daemon:
                 return 0
         finally:
             warm.settle(self.root)  # what a failed command left on the threads ends before the reply does
+
+
+_HERE = object()  # what _run returns when the command must run in its client
+
+
+def _identity(root: Path) -> tuple[int, int] | None:
+    """Device and inode of the repository's .ckpt folder (None if it is gone)."""
+    try:
+        info = os.stat(root / ".ckpt")
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def _remove_address(root: Path, path: Path) -> None:
+    """Remove `root`'s address file if it still names this daemon's socket (a repository made anew has its own)."""
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        if json.loads(address_path(root).read_text())["socket"] == str(path):
+            address_path(root).unlink()
 
 
 def _lock_or_refuse(lock: Any, root: Path) -> None:

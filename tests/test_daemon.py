@@ -234,3 +234,58 @@ def test_another_repositorys_daemon_found_through_a_stale_address_is_not_used(se
     before = _served_count(served)
     assert ckpt(other, "commit", "c.pt").returncode == 0
     assert _served_count(served) == before and len(json.loads(ckpt(other, "log", "--json").stdout)) == 1
+
+
+def test_output_the_clients_terminal_cannot_encode_comes_through_as_without_a_daemon(served):
+    """An ASCII stdout: the client decoded the daemon's UTF-8 and failed to write it (a traceback, exit 1)."""
+    _save(served / "c.pt", 1)
+    result = subprocess.run([sys.executable, "-m", "ckptstore", "commit", "c.pt", "-m", "früh"], cwd=served,
+                            env=_env(PYTHONIOENCODING="ascii"), capture_output=True, timeout=120)
+    assert result.returncode == 0 and "früh".encode() in result.stdout and not result.stderr, result.stderr
+    assert _served_count(served) == 1
+
+
+def test_a_moved_or_restored_repository_gets_a_daemon_where_it_is_now(served, tmp_path):
+    """Moved, its daemon was out of reach yet held the lock; restored from a copy, every commit failed."""
+    moved = tmp_path / "moved"
+    served.rename(moved)
+    assert ckpt(moved, "daemon", "status").stdout == "no ckpt daemon is running\n"  # the old one steps aside
+    started = ckpt(moved, "daemon", "start", "--idle", "120")
+    assert started.returncode == 0 and f"serves {moved}" in started.stdout, started.stderr
+    _save(moved / "c.pt", 1)
+    assert ckpt(moved, "commit", "c.pt").returncode == 0 and _served_count(moved) == 1
+    shutil.copytree(moved, tmp_path / "copy", symlinks=True)  # a backup put back: cp -a, rm -rf, mv
+    shutil.rmtree(moved)
+    (tmp_path / "copy").rename(moved)
+    _save(moved / "c.pt", 2)
+    committed = ckpt(moved, "commit", "c.pt")
+    assert committed.returncode == 0, committed.stderr  # in the client: that daemon's repository is gone
+    assert len(json.loads(ckpt(moved, "log", "--json").stdout)) == 2 and "ok" in ckpt(moved, "fsck").stdout
+    moved.rename(served)  # for the fixture's stop
+
+
+def test_a_daemon_of_a_repository_made_anew_leaves_the_new_daemons_address(tmp_path):
+    root = tmp_path / "repo"
+    root.mkdir()
+    assert ckpt(root, "init").returncode == 0 and ckpt(root, "daemon", "start", "--idle", "2").returncode == 0
+    old = daemon.status(root.resolve())["pid"]
+    shutil.rmtree(root / ".ckpt")
+    assert ckpt(root, "init").returncode == 0 and ckpt(root, "daemon", "start", "--idle", "60").returncode == 0
+    new = daemon.status(root.resolve())["pid"]
+    _wait_until(lambda: not Path(f"/proc/{old}").exists() or "zombie" in Path(f"/proc/{old}/status").read_text())
+    assert (daemon.status(root.resolve()) or {}).get("pid") == new  # its address file was removed by the old one
+    ckpt(root, "daemon", "stop")
+
+
+def test_the_socket_folder_is_the_first_that_exists_and_leaves_room_for_a_socket(tmp_path, monkeypatch):
+    """A batch node inheriting the login node's XDG_RUNTIME_DIR, or a deep one: 'unexpected FileNotFoundError'."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "no" / "such"))
+    assert daemon.private_folder() == tmp_path / f"ckptstore-{os.getuid()}"
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(deep))
+    assert daemon.private_folder() == tmp_path / f"ckptstore-{os.getuid()}"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "short"))
+    (tmp_path / "short").mkdir()
+    assert daemon.private_folder() == tmp_path / "short" / f"ckptstore-{os.getuid()}"
