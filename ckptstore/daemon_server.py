@@ -1,5 +1,8 @@
 """The serving side of `ckpt daemon` (ckptstore/daemon.py): one repository's commands, run one at a time.
 
+A thread accepts connections and answers `status` and `stop` at once, even while a command runs
+(a status waited for the whole commit); commands queue for the main thread, which runs them.
+
 Each command runs as the client's own process would run it: in its working directory, with its
 environment and an empty stdin, its output and exit code going back over the socket, and the
 client's Ctrl-C raised here as KeyboardInterrupt, only while the command runs. Only the parent's
@@ -16,6 +19,7 @@ import fcntl
 import io
 import json
 import os
+import queue
 import signal
 import socket
 import sys
@@ -64,6 +68,7 @@ class _Output(io.TextIOBase):
 
 
 REQUEST_TIMEOUT_SECONDS = 5.0  # a connection that sends no request in this long is dropped
+ACCEPT_POLL_SECONDS = 0.2  # how often the accepting thread looks whether the daemon stops
 LOCK_WAIT_SECONDS = 10.0  # a daemon that is stopping still holds the lock while it answers its queue
 
 
@@ -76,6 +81,7 @@ class _Daemon:
         self.code = code_fingerprint()
         self.started, self.served, self.last_command = time.time(), 0, time.monotonic()
         self.running = True
+        self.commands: queue.Queue[tuple[socket.socket, dict[str, Any]] | None] = queue.Queue()
         self.interruptible = False  # a client's Ctrl-C raises KeyboardInterrupt only while a command runs
 
     def status(self) -> dict[str, Any]:
@@ -96,66 +102,111 @@ class _Daemon:
             _sweep(folder)
             path = folder / f"{os.getpid()}.sock"
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            accepting = threading.Thread(target=self._accept, args=(listener,), name="ckpt-daemon-accept",
+                                         daemon=True)
             try:
                 listener.bind(str(path))
                 listener.listen(16)
                 _write_address(self.root, path)
                 self.last_command = time.monotonic()  # idle time counts from here, not from before the warm-up
-                self._accept_until_done(listener)
+                accepting.start()
+                self._run_commands()
             finally:
                 _remove_address(self.root, path)  # new clients run their commands themselves from now on
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
-                _turn_away(listener)
+                self.running = False
+                if accepting.is_alive():
+                    accepting.join()
+                _turn_away(listener, self.commands)
                 listener.close()
 
-    def _accept_until_done(self, listener: socket.socket) -> None:
+    def _run_commands(self) -> None:
+        """Run the commands the accepting thread queues, in order, until stopped or idle for `idle` seconds."""
         while self.running and (left := self.last_command + self.idle - time.monotonic()) > 0:
-            listener.settimeout(left)  # status requests do not count: only commands keep it alive
+            try:  # status requests do not count: only commands keep it alive
+                item = self.commands.get(timeout=left)
+            except queue.Empty:
+                return
+            if item is None:  # woken to stop
+                continue
+            conn, request = item
+            with conn:
+                if self.running:
+                    self._command(conn, request)
+                else:  # stopped while it waited: its client runs it
+                    with contextlib.suppress(OSError):
+                        send_frame(conn, END, json.dumps({"here": True}).encode())
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)  # wakes the request's interrupt watcher
+
+    def _accept(self, listener: socket.socket) -> None:
+        """Take each connection: answer status and stop at once, even while a command runs; queue commands."""
+        listener.settimeout(ACCEPT_POLL_SECONDS)
+        while self.running:
             try:
                 conn, _ = listener.accept()
             except TimeoutError:
+                continue
+            except OSError:
                 return
-            with conn:
-                self._handle(conn)
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)  # wakes the request's interrupt watcher
+            conn.settimeout(None)
+            request = self._screen(conn)
+            if request is None:
+                conn.close()
+            else:
+                self.commands.put((conn, request))
+
+    def stop(self) -> None:
+        self.running = False
+        self.commands.put(None)  # wakes the commands' thread
 
     def _on_interrupt(self, signum: int, frame: Any) -> None:
         if self.interruptible:
             raise KeyboardInterrupt
 
-    def _handle(self, conn: socket.socket) -> None:
+    def _screen(self, conn: socket.socket) -> dict[str, Any] | None:
+        """The command `conn` asks for, or None once a request that is not one is answered (or none came)."""
         if not same_user(conn):
-            return
+            return None
         try:
             conn.settimeout(REQUEST_TIMEOUT_SECONDS)
             channel, payload = receive_frame(conn)
             conn.settimeout(None)
             if channel != REQUEST:
-                return
+                return None
             request = json.loads(payload)
             root = request.get("root", str(self.root))
             if root != str(self.root) or _identity(Path(root)) != self.identity:
                 # a stale address file led another repository's client here (a reused pid, or one made anew where
                 # this one was): not its daemon. Its own repository moved (the same .ckpt, named anew) or went:
                 # it steps aside, so that a daemon can start for it where it is now.
-                self.running = (self.running and _identity(Path(root)) != self.identity
-                                and _identity(self.root) == self.identity)
+                if _identity(Path(root)) == self.identity or _identity(self.root) != self.identity:
+                    self.stop()
                 send_frame(conn, END, json.dumps({"here": True}).encode())
             elif request.get("op") in ("status", "stop"):
-                self.running = request["op"] != "stop"
+                if request["op"] == "stop":
+                    self.stop()
                 send_frame(conn, END, json.dumps(self.status()).encode())
-            elif request.get("code") != self.code:
+            else:
+                return request
+        except (OSError, ValueError):  # the client left, or sent what no client sends: serve the next one
+            pass
+        return None
+
+    def _command(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        try:
+            if request.get("code") != self.code:
                 # Other code than this process runs: the client's (another venv: serve on) or ours, changed on disk
                 stale = code_fingerprint() != self.code
-                self.running = not stale
+                if stale:
+                    self.stop()
                 send_frame(conn, END, json.dumps({"here": True, "stale": stale}).encode())
             else:
                 code = self._run(conn, request)
                 self.served, self.last_command = self.served + 1, time.monotonic()
                 send_frame(conn, END, json.dumps({"here": True} if code is _HERE else {"code": code}).encode())
-        except (OSError, ValueError):  # the client left, or sent what no client sends: serve the next one
+        except (OSError, ValueError):  # the client left: serve the next one
             pass
         except Exception as exc:  # a fault of the daemon's own: the client hears of it, the daemon goes on
             traceback.print_exc()
@@ -251,8 +302,16 @@ def _write_address(root: Path, path: Path) -> None:
     os.replace(partial, target)
 
 
-def _turn_away(listener: socket.socket) -> None:
-    """Answer the connections still queued on a daemon that stops: their clients run the commands themselves."""
+def _turn_away(listener: socket.socket, commands: queue.Queue) -> None:
+    """Answer the commands still waiting on a daemon that stops: their clients run them themselves."""
+    while True:
+        try:
+            item = commands.get_nowait()
+        except queue.Empty:
+            break
+        if item is not None:
+            with item[0] as conn, contextlib.suppress(OSError):
+                send_frame(conn, END, json.dumps({"here": True}).encode())
     listener.setblocking(False)
     while True:
         try:

@@ -139,7 +139,7 @@ def test_a_daemon_whose_code_changed_on_disk_steps_aside(served, capsys):
     _wait_until(lambda: daemon.status(served.resolve()) is None)
 
 
-def test_commands_queued_behind_a_stop_run_in_their_clients(served, tmp_path):
+def test_status_and_stop_answer_during_a_commit_and_commands_queued_behind_run_in_their_clients(served, tmp_path):
     _save(served / "a.pt", 7)
     _save(served / "b.pt", 8)
     gate = tmp_path / "gate"
@@ -147,14 +147,14 @@ def test_commands_queued_behind_a_stop_run_in_their_clients(served, tmp_path):
                             env=_env(CKPT_WAIT_AT=f"commit:objects-written={gate}"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     _wait_for(Path(f"{gate}.reached"))
-    stopping = subprocess.Popen([sys.executable, "-m", "ckptstore", "daemon", "stop"], cwd=served, env=_env(),
-                                stdout=subprocess.PIPE, text=True)
-    time.sleep(1.0)  # the stop is queued first, then the commit behind it
+    control = lambda op: subprocess.run([sys.executable, "-m", "ckptstore", "daemon", op], cwd=served, env=_env(),
+                                        capture_output=True, text=True, timeout=30)  # they waited for the commit
+    assert "serves" in control("status").stdout and control("stop").stdout.startswith("stopped ckpt daemon")
     queued = subprocess.Popen([sys.executable, "-m", "ckptstore", "commit", "b.pt", "--branch", "b"], cwd=served,
                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)
+    time.sleep(1.0)  # queued behind the stop, and behind the commit in progress
     gate.touch()
-    for process in (held, stopping, queued):
+    for process in (held, queued):
         assert process.wait(timeout=120) == 0, process.communicate()
     log = json.loads(ckpt(served, "log", "--all", "--json").stdout)
     assert sorted(c["source_path"] for c in log) == ["a.pt", "b.pt"]
