@@ -6,7 +6,7 @@ parent's planes from its last commit: repo/planecache.py) and for faulting in fr
 the MiniLM fine-tune's 271 MB checkpoints that was half its time (docs/benchmarks.md). `ckpt
 daemon start` leaves one process serving the repository on a Unix socket that only this user can
 reach; while it runs, `ckpt commit` (ckptstore/launch.py) sends its arguments, working directory
-and environment there and prints what comes back. The daemon runs the same CLI code, one request
+and environment there and prints what comes back. The daemon runs the same CLI code, one command
 at a time, opening the repository afresh for each (so config changes and other writers are seen)
 and keeping only the parent's planes and the encoding threads between them (repo/warm.py). It
 stops after `idle` seconds without a command, on `ckpt daemon stop`, or when the installed code

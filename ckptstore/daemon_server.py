@@ -69,7 +69,7 @@ class _Output(io.TextIOBase):
 
 REQUEST_TIMEOUT_SECONDS = 5.0  # a connection that sends no request in this long is dropped
 ACCEPT_POLL_SECONDS = 0.2  # how often the accepting thread looks whether the daemon stops
-LOCK_WAIT_SECONDS = 10.0  # a daemon that is stopping still holds the lock while it answers its queue
+LOCK_WAIT_SECONDS = 10.0  # a daemon that is stopping holds the lock until its command in progress ends
 
 
 class _Daemon:
@@ -80,7 +80,8 @@ class _Daemon:
         self.identity = _identity(self.root)  # the repository's .ckpt folder: the same one however it is named
         self.code = code_fingerprint()
         self.started, self.served, self.last_command = time.time(), 0, time.monotonic()
-        self.running = True
+        self.running = True  # taking commands; once False, a stop is under way
+        self.closing = False  # the accepting thread ends
         self.commands: queue.Queue[tuple[socket.socket, dict[str, Any]] | None] = queue.Queue()
         self.interruptible = False  # a client's Ctrl-C raises KeyboardInterrupt only while a command runs
 
@@ -115,7 +116,7 @@ class _Daemon:
                 _remove_address(self.root, path)  # new clients run their commands themselves from now on
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
-                self.running = False
+                self.running, self.closing = False, True
                 if accepting.is_alive():
                     accepting.join()
                 _turn_away(listener, self.commands)
@@ -141,17 +142,26 @@ class _Daemon:
                     conn.shutdown(socket.SHUT_RDWR)  # wakes the request's interrupt watcher
 
     def _accept(self, listener: socket.socket) -> None:
-        """Take each connection: answer status and stop at once, even while a command runs; queue commands."""
+        """Take each connection until the daemon closes; queue commands, answer the rest at once.
+
+        Status and stop are answered even while a command runs, and once a stop is under way every
+        request is told to run in its client.
+        """
         listener.settimeout(ACCEPT_POLL_SECONDS)
-        while self.running:
+        while not self.closing:
             try:
                 conn, _ = listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError:  # no connection can be taken (no file descriptors left): clients run their commands
+                traceback.print_exc()
+                self.stop()
                 return
-            conn.settimeout(None)
-            request = self._screen(conn)
+            try:
+                request = self._screen(conn)
+            except Exception:  # a fault of the daemon's own: logged, and the next client is served
+                traceback.print_exc()
+                request = None
             if request is None:
                 conn.close()
             else:
@@ -167,17 +177,18 @@ class _Daemon:
 
     def _screen(self, conn: socket.socket) -> dict[str, Any] | None:
         """The command `conn` asks for, or None once a request that is not one is answered (or none came)."""
-        if not same_user(conn):
-            return None
         try:
+            if not same_user(conn):
+                return None
             conn.settimeout(REQUEST_TIMEOUT_SECONDS)
             channel, payload = receive_frame(conn)
             conn.settimeout(None)
-            if channel != REQUEST:
-                return None
-            request = json.loads(payload)
-            root = request.get("root", str(self.root))
-            if root != str(self.root) or _identity(Path(root)) != self.identity:
+            request = json.loads(payload) if channel == REQUEST else None
+            if not isinstance(request, dict) or not isinstance(root := request.get("root", str(self.root)), str):
+                return None  # sent what no client sends
+            if not self.running:  # stopping: status says none runs, and a command runs in its client
+                send_frame(conn, END, json.dumps({"here": True}).encode())
+            elif root != str(self.root) or _identity(Path(root)) != self.identity:
                 # a stale address file led another repository's client here (a reused pid, or one made anew where
                 # this one was): not its daemon. Its own repository moved (the same .ckpt, named anew) or went:
                 # it steps aside, so that a daemon can start for it where it is now.
@@ -204,8 +215,11 @@ class _Daemon:
                 send_frame(conn, END, json.dumps({"here": True, "stale": stale}).encode())
             else:
                 code = self._run(conn, request)
+                if code is _HERE:
+                    send_frame(conn, END, json.dumps({"here": True}).encode())
+                    return
                 self.served, self.last_command = self.served + 1, time.monotonic()
-                send_frame(conn, END, json.dumps({"here": True} if code is _HERE else {"code": code}).encode())
+                send_frame(conn, END, json.dumps({"code": code}).encode())
         except (OSError, ValueError):  # the client left: serve the next one
             pass
         except Exception as exc:  # a fault of the daemon's own: the client hears of it, the daemon goes on

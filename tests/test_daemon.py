@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -140,25 +141,42 @@ def test_a_daemon_whose_code_changed_on_disk_steps_aside(served, capsys):
 
 
 def test_status_and_stop_answer_during_a_commit_and_commands_queued_behind_run_in_their_clients(served, tmp_path):
-    _save(served / "a.pt", 7)
-    _save(served / "b.pt", 8)
+    """Status and stop waited for the whole commit in progress (and so did `daemon start`)."""
+    for seed, name in enumerate("abc"):
+        _save(served / f"{name}.pt", seed)
     gate = tmp_path / "gate"
-    held = subprocess.Popen([sys.executable, "-m", "ckptstore", "commit", "a.pt", "--branch", "a"], cwd=served,
-                            env=_env(CKPT_WAIT_AT=f"commit:objects-written={gate}"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    _wait_for(Path(f"{gate}.reached"))
+    commit = lambda name, **env: subprocess.Popen(
+        [sys.executable, "-m", "ckptstore", "commit", f"{name}.pt", "--branch", name], cwd=served, env=_env(**env),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     control = lambda op: subprocess.run([sys.executable, "-m", "ckptstore", "daemon", op], cwd=served, env=_env(),
-                                        capture_output=True, text=True, timeout=30)  # they waited for the commit
-    assert "serves" in control("status").stdout and control("stop").stdout.startswith("stopped ckpt daemon")
-    queued = subprocess.Popen([sys.executable, "-m", "ckptstore", "commit", "b.pt", "--branch", "b"], cwd=served,
-                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)  # queued behind the stop, and behind the commit in progress
+                                        capture_output=True, text=True, timeout=30)
+    held = commit("a", CKPT_WAIT_AT=f"commit:objects-written={gate}")
+    _wait_for(Path(f"{gate}.reached"))
+    assert "serves" in control("status").stdout
+    queued = commit("b")  # waits in the daemon's queue behind the held commit
+    time.sleep(1.0)
+    assert control("stop").stdout.startswith("stopped ckpt daemon")
+    assert control("status").stdout == "no ckpt daemon is running\n"  # stopping: at once, not after the commit
+    after = commit("c")  # runs in its client at once
+    assert after.wait(timeout=120) == 0, after.communicate()
     gate.touch()
     for process in (held, queued):
         assert process.wait(timeout=120) == 0, process.communicate()
     log = json.loads(ckpt(served, "log", "--all", "--json").stdout)
-    assert sorted(c["source_path"] for c in log) == ["a.pt", "b.pt"]
+    assert sorted(c["source_path"] for c in log) == ["a.pt", "b.pt", "c.pt"]
     assert daemon.status(served.resolve()) is None
+
+
+def test_a_request_no_client_sends_is_dropped_and_the_daemon_serves_on(served):
+    """A JSON list, or a root that is no string: it killed the accepting thread, and every client hung."""
+    where = json.loads((served / ".ckpt" / "daemon.json").read_text())["socket"]
+    for junk in (b"[]", b'{"root": 5}', b"not json"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(where)
+            daemon.send_frame(conn, daemon.REQUEST, junk)
+            conn.settimeout(30)
+            assert conn.recv(1) == b""  # closed without an answer
+    assert "serves" in ckpt(served, "daemon", "status").stdout
 
 
 def test_start_finds_the_running_daemon_and_an_idle_one_stops(served, tmp_path):
@@ -267,11 +285,16 @@ def test_a_moved_or_restored_repository_gets_a_daemon_where_it_is_now(served, tm
 def test_a_daemon_of_a_repository_made_anew_leaves_the_new_daemons_address(tmp_path):
     root = tmp_path / "repo"
     root.mkdir()
-    assert ckpt(root, "init").returncode == 0 and ckpt(root, "daemon", "start", "--idle", "2").returncode == 0
+    assert ckpt(root, "init").returncode == 0 and ckpt(root, "daemon", "start", "--idle", "60").returncode == 0
     old = daemon.status(root.resolve())["pid"]
+    old_socket = json.loads((root / ".ckpt" / "daemon.json").read_text())["socket"]
     shutil.rmtree(root / ".ckpt")
     assert ckpt(root, "init").returncode == 0 and ckpt(root, "daemon", "start", "--idle", "60").returncode == 0
     new = daemon.status(root.resolve())["pid"]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:  # any request: its repository is gone
+        conn.connect(old_socket)
+        daemon.send_frame(conn, daemon.REQUEST, json.dumps({"op": "status", "root": str(root.resolve())}).encode())
+        assert json.loads(daemon.receive_frame(conn)[1]) == {"here": True}
     _wait_until(lambda: not Path(f"/proc/{old}").exists() or "zombie" in Path(f"/proc/{old}/status").read_text())
     assert (daemon.status(root.resolve()) or {}).get("pid") == new  # its address file was removed by the old one
     ckpt(root, "daemon", "stop")
