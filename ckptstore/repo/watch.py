@@ -149,11 +149,12 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, stat
         return
     except (CheckpointFormatError, UnsupportedStateError, FileNotFoundError, UnicodeEncodeError,
             PermissionError) as exc:
-        if isinstance(exc, PermissionError) and source.path not in [Path(exc.filename or "/"), *Path(
-                exc.filename or "/").parents]:
+        unreadable = isinstance(exc, PermissionError)
+        if unreadable and not Path(exc.filename or "/").is_relative_to(source.path):
             raise  # the repository's own files: no source will commit
-        # not a checkpoint ckptstore can store (tried again once it changes), or removed meanwhile (rotation)
-        if source.path.exists():
+        # not a checkpoint ckptstore can store (tried again once it changes), or removed meanwhile (rotation);
+        # an unreadable one is tried at each scan: access given back changes neither its size nor its time
+        if source.path.exists() and not unreadable:
             state.record(source, None)
         say(f"{shown}: not committed: {explain(exc) or exc}")
         return

@@ -287,3 +287,25 @@ def test_a_watched_folder_that_goes_away_ends_the_watch_in_one_line(repo, tmp_pa
     stop = type("Stop", (), {"wait": staticmethod(removed_after_the_first_scan), "is_set": lambda self: False})()
     with pytest.raises(CkptError, match="the watched folder, went away; what was committed stays"):
         watch(repo, run, WatchOptions(interval=0.01), stop=stop)
+
+
+def test_an_unreadable_source_is_tried_again_at_each_scan(repo, tmp_path, monkeypatch):
+    """Access given back changes neither size nor time: a source remembered as refused was never committed."""
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"w": torch.ones(2)}, run / "a.pt")
+    commit = repo.commit
+
+    def unreadable_once(path, *args, **kwargs):
+        monkeypatch.setattr(repo, "commit", commit)
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(repo, "commit", unreadable_once)
+    said = []
+    assert watch(repo, run, ONCE, say=said.append).committed == [] and "a.pt: not committed" in said[0]
+    assert [name for name, _, _ in watch(repo, run, ONCE).committed] == ["a.pt"]
+    monkeypatch.setattr(repo, "commit", lambda *a, **k: (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied", str(repo.dir / "ckpt.db"))))
+    torch.save({"w": torch.zeros(2)}, run / "b.pt")
+    with pytest.raises(PermissionError):  # the repository's own files: the watch ends
+        watch(repo, run, ONCE)
