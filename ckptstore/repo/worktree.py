@@ -341,16 +341,21 @@ def remember_files(repo: Repository, cid: CommitId, paths: list[Path]) -> None:
         file_rows.remember(tx, rows)
 
 
-def committed_from(repo: Repository, cid: CommitId, source_path: str) -> Path:
+def committed_from(repo: Repository, cid: CommitId, source_path: str, writing: bool = True) -> Path:
     """Where the files commit `cid` was made from lie here: inside the work tree, or the absolute path committed.
 
     A commit records a path inside the work tree relative to its root, never with "..": one that
-    climbs out was forged (a hostile remote's) and would write outside this work tree, so it is refused.
+    climbs out was forged (a hostile remote's), and is refused. A checkout in place (`writing`)
+    writes only inside the work tree: a commit of files outside it names a path another machine
+    chose, so it is written with -o.
     """
     path = PurePosixPath(source_path)
     if not path.is_absolute() and ".." in path.parts:
         raise CkptError(f"commit {cid[:12]} names its files as {source_path!r}, outside this work tree: it was not "
                         "made by ckptstore here; write it elsewhere with -o PATH")
+    if writing and path.is_absolute() and not Path(path).is_relative_to(repo.root):
+        raise CkptError(f"commit {cid[:12]} was made from {source_path}, outside this work tree; a checkout in place "
+                        f"writes only inside it: write it there with -o {source_path}")
     return repo.root / path
 
 
@@ -366,7 +371,7 @@ def status(repo: Repository) -> dict[str, Any]:
     if info.source_path is None:
         return report
     manifest = repo.read_manifest(info.manifest_object)
-    base = committed_from(repo, head, info.source_path)
+    base = committed_from(repo, head, info.source_path, writing=False)
     for record in manifest.files:
         path = formats.destination(manifest.kind, record, base)
         shown = str(path.relative_to(repo.root)) if path.is_relative_to(repo.root) else str(path)

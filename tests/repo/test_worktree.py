@@ -584,3 +584,51 @@ def test_a_cloned_commit_whose_path_climbs_out_of_the_work_tree_is_never_written
                 step()
         assert torch.equal(copy.checkout("main")["w"], torch.ones(3))  # in memory, and with -o, it still restores
     assert not (tmp_path / "escaped.pt").exists()
+
+
+def test_a_commit_of_files_outside_the_work_tree_is_written_with_o_only(repo, tmp_path):
+    """Its path is another machine's choice once it travels; in place, a clone wrote wherever a remote named."""
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.pt"
+    torch.save({"w": torch.ones(2)}, outside)
+    try:
+        cid = repo.commit(outside)
+        assert repo.status()["files"][0]["state"] == "unchanged"  # reading it is harmless
+        outside.unlink()
+        with pytest.raises(CkptError, match=f"outside this work tree; .* with -o {outside}"):
+            repo.checkout_to(cid)
+        assert not outside.exists()
+        repo.checkout_to(cid, outside)
+        assert torch.equal(torch.load(outside, weights_only=True)["w"], torch.ones(2))
+    finally:
+        outside.unlink(missing_ok=True)
+
+
+def test_a_journal_finishes_heads_move_only_when_every_rename_was_done(tmp_path, monkeypatch):
+    """HEAD's move that failed after the renames is made by the next process; a skipped rename or an older
+    journal (no "head") moves nothing."""
+    from ckptstore.repo import journal
+
+    (tmp_path / ".ckpt" / "journals").mkdir(parents=True)
+    target, staged = tmp_path / "w.pt", tmp_path / ".w.pt.new-1.ckpt-tmp"
+    moves = []
+
+    def failing(commit, branch):
+        raise CkptError("database is locked")
+
+    staged.write_text("new")
+    with pytest.raises(CkptError, match="locked"), journal.renaming(
+            tmp_path / ".ckpt", [(staged, target)], [], journal.HeadMove("c1", "main", failing)):
+        os.replace(staged, target)
+    assert journal.finish_interrupted(tmp_path / ".ckpt", lambda *head: moves.append(head)) == 1
+    assert moves == [("c1", "main")] and target.read_text() == "new"
+    for head, user_wrote_since in ((["c2", None], True), (None, False)):
+        staged.write_text("newer")
+        plan = {"root": str(tmp_path / ".ckpt"), "renames": [[str(staged), str(target), journal._stamp(target)]],
+                "deletions": [], **({"head": head} if head else {})}
+        (tmp_path / ".ckpt" / "journals" / "a.json").write_text(json.dumps(plan))
+        if user_wrote_since:
+            time.sleep(0.01)
+            target.write_text("the user's")
+        assert journal.finish_interrupted(tmp_path / ".ckpt", lambda *head: moves.append(head)) == 1
+        assert moves == [("c1", "main")]  # no other move: a rename was left undone, or the journal names none
+    assert target.read_text() == "newer"
