@@ -54,6 +54,15 @@ def parse_url(url: str) -> tuple[str, str]:
     return bucket, prefix
 
 
+def _legacy_hint(bucket: str, prefix: str) -> str:
+    """Where ckptstore before 5 December 2026 put this prefix's objects, when that was elsewhere (see parse_url)."""
+    cut = min((prefix.index(mark) for mark in "#?" if mark in prefix), default=None)
+    if cut is None:
+        return ""
+    return (f" (a ckptstore before 5 December 2026 dropped {prefix[cut:]!r} from the prefix and wrote objects "
+            f"under s3://{bucket}/{prefix[:cut].strip('/')}: copy them here, or name that prefix in the config)")
+
+
 def _endpoint() -> str:
     """The S3 endpoint the environment names, or "" for AWS's own."""
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
@@ -134,7 +143,7 @@ class S3ObjectStore:
                 raise unavailable(self.url, exc) from None
             if oid is None:
                 raise
-            raise CorruptObjectError(oid, "missing") from None
+            raise CorruptObjectError(oid, "missing" + _legacy_hint(self.bucket, self.prefix)) from None
         except Exception as exc:
             if type(exc).__module__.startswith("obstore"):
                 raise unavailable(self.url, exc) from None
