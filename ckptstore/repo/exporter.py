@@ -11,6 +11,7 @@ whole state as checkout rebuilds it (torch).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from ckptstore import formats
 from ckptstore.errors import CkptError
 from ckptstore.formats import hfweights, safetensors_file, torchfile
+from ckptstore.formats.torchcontainer import CONTAINER_PATH
 from ckptstore.repo import sharded, worktree
 from ckptstore.repo.select import aliases, entries_of_file
 from ckptstore.state import TORCH_PREFIX, RawTensor, escape, materialize, readable_path
@@ -71,17 +73,25 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
         raws = restore(repo, manifest)
         raws.update({path: raws[entry] for path, entry in aliases(manifest).items()})  # each tied key its copy
         kept = {p: r for p, r in raws.items() if r.dtype in safetensors_file.SAFETENSORS_DTYPES}
-        skipped = [readable_path(p) for p in raws if p not in kept]
+        skipped = [readable_path(p) for p in raws if p not in kept and not _format_own(p)]
         tensors = _by_name(kept)
         why = "safetensors holds tensors only (these are file bytes, numpy arrays or unsupported dtypes)"
         if [record.format for record in manifest.files] == [formats.SAFETENSORS]:
             metadata = safetensors_file.header_metadata(raws[manifest.files[0].skeleton[1]])
-            skipped = [name for name in skipped if name != readable_path(manifest.files[0].skeleton[1])]
     if fmt == "safetensors":
         safetensors_file.write_tensors(output, tensors, metadata)
     else:
         torchfile.save({name: _torch(raw) for name, raw in tensors.items()}, output)
     return ExportReport(cid, len(tensors), skipped, why if skipped else "")
+
+
+def _format_own(path: str) -> bool:
+    """Whether `path` holds a file format's own bytes (a safetensors header, a torch.save zip's records, a gap).
+
+    Nothing a user would miss from an export: not named as left out.
+    """
+    last = path.rpartition("/")[2]
+    return last in (safetensors_file.HEADER_PATH, CONTAINER_PATH) or re.fullmatch(r"%gap\d+", last) is not None
 
 
 def _by_name(by_path: dict[str, RawTensor]) -> dict[str, RawTensor]:
