@@ -221,7 +221,7 @@ def write_selection(repo: Repository, selection: Selection, plan: CheckoutPlan,
                 formats.write_file(record, staging, value_of, raw_of)
             if record.mode is not None:
                 os.chmod(staging, record.mode)
-        refuse_changed_meanwhile(repo, plan, deleting=False)  # a partial checkout deletes nothing
+        refuse_changed_meanwhile(repo, plan)  # a -o plan has no extras: it deletes nothing
         move_into_place(None if repo.read_only else repo.dir, staged)
     finally:
         for staging, _ in staged:

@@ -223,14 +223,14 @@ def refuse_folders_in_the_way(plan: CheckoutPlan) -> None:
             raise CkptError(f"{target} is a folder where the commit has a file; move it away and check out again")
 
 
-def refuse_changed_meanwhile(repo: Repository, plan: CheckoutPlan, deleting: bool = True) -> None:
-    """Refuse to replace a file written since the plan (or delete one, `deleting` the extras) with new content.
+def refuse_changed_meanwhile(repo: Repository, plan: CheckoutPlan) -> None:
+    """Refuse to replace or delete a file written since the plan with content in no commit (a job saving).
 
-    That is a job saving, content in no commit; another checkout's file (the store holds its content) is replaced.
+    Another checkout's file (the store holds its content) is no loss: it is replaced.
     """
     changed = {path for path, seen in plan.seen.items() if _signature(path) != seen}
     unsaved = changed and _unsaved(repo, [t for _, t in plan.files if t in changed],
-                                   [e for e in plan.extras if e in changed and deleting])
+                                   [e for e in plan.extras if e in changed])
     if unsaved:
         raise DirtyWorktreeError(f"checkout would {_listed(unsaved)}, which changed while the checkout read the "
                                  "commit, to content that is not in the store; nothing was replaced or deleted: "
