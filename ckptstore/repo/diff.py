@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.repo.checkout import restore
+from ckptstore.repo.integrity import entry_records
 from ckptstore.state import RawTensor, float64_values
 
 if TYPE_CHECKING:
@@ -41,8 +41,7 @@ def diff(repo: Repository, a: str, b: str) -> list[TensorDiff]:
     old, new = repo.manifest(repo.resolve(a)), repo.manifest(repo.resolve(b))
     changed = [p for p in new.entries if p in old.entries and new.entries[p].tensor != old.entries[p].tensor]
     old_raw, new_raw = restore(repo, old, paths=changed), restore(repo, new, paths=changed)
-    with repo.db.read() as tx:
-        records = tensor_rows.load_records(tx, {e.tensor for e in new.entries.values()}, with_bases=False)
+    records = entry_records(repo, new)
     result = []
     for path in sorted(set(old.entries) | set(new.entries)):
         entry = new.entries.get(path) or old.entries[path]

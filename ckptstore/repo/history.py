@@ -74,14 +74,13 @@ def log_graph(repo: Repository, all_refs: bool = False) -> list[str]:
 
 def show(repo: Repository, ref: str = "HEAD") -> dict[str, Any]:
     """A commit's metadata and its files and tensors."""
-    from ckptstore.metadata import tensors as tensor_rows
+    from ckptstore.repo.integrity import entry_records  # numpy: only for show
 
     info = repo.commit_info(ref)
     if info.pruned:  # its record stays, its files and tensors are gone
         return dict(info.to_json(), pruned=True, files=[], tensors=[])
     manifest = repo.read_manifest(info.manifest_object)
-    with repo.db.read() as tx:
-        records = tensor_rows.load_records(tx, {e.tensor for e in manifest.entries.values()}, with_bases=False)
+    records = entry_records(repo, manifest)
     tensors = []
     for path, entry in manifest.entries.items():
         record = records[entry.tensor]

@@ -110,6 +110,18 @@ def replay_current(repo: Repository, manifest: Manifest, paths: list[str],
         raise exc.needed_by(repo.commits_needing(exc.object_ids)) from None
 
 
+def entry_records(repo: Repository, manifest: Manifest) -> dict[TensorId, TensorRecord]:
+    """The record of each tensor `manifest` names (not their bases); a lost one is damage, named as checkout does."""
+    with repo.db.read() as tx:
+        records = tensor_rows.load_records(tx, {e.tensor for e in manifest.entries.values()}, with_bases=False)
+    lost = {entry.tensor: path for path, entry in manifest.entries.items() if entry.tensor not in records}
+    if lost:
+        tid, path = next(iter(lost.items()))
+        raise naming_commits(repo, CorruptRecordError(f"tensor {tid} (at {path!r})", "it has no record",
+                                                      tensors=list(lost)))
+    return records
+
+
 def naming_commits(repo: Repository, error: CorruptRecordError) -> CorruptRecordError:
     """`error`, naming the commits that need the damaged tensors (where the rows that say so survive)."""
     with repo.db.read() as tx:

@@ -407,3 +407,19 @@ def test_an_object_size_that_is_no_number_is_damage_named_not_a_crash(tmp_path):
         db.execute("UPDATE objects SET size = 'torch.float32'")  # another table's page in its place
     with Repository.open(tmp_path) as repo, pytest.raises(CorruptRecordError, match="is not a number"):
         fsck(repo)
+
+
+def test_a_lost_tensor_record_is_named_damage_at_show_and_diff(repo, tmp_path):
+    """Shared and unchanged between two commits: show and diff said 'unexpected KeyError … please report it'."""
+    _checkpoint(tmp_path / "c.pt")
+    first = repo.commit(tmp_path / "c.pt")
+    state = torch.load(tmp_path / "c.pt", weights_only=True)
+    state["w"] = state["w"] + 1
+    torch.save(state, tmp_path / "c.pt")
+    second = repo.commit(tmp_path / "c.pt")
+    kept = next(e.tensor for p, e in repo.manifest(second).entries.items() if p != "w" and
+                e.tensor == repo.manifest(first).entries[p].tensor)
+    _sql(repo, f"DELETE FROM tensors WHERE id = '{kept}'")
+    for step in (lambda: repo.show(second), lambda: repo.diff(first, second)):
+        with pytest.raises(CorruptRecordError, match=f"tensor {kept} .* it has no record; needed by commit"):
+            step()
