@@ -86,6 +86,12 @@ def test_pull_fast_forwards_and_clone_checks_out_bit_exact(pair, tmp_path):
         assert moved == newer and report.commits == 1 and copy.resolve("main") == newer
         assert remote.pull(copy, "origin")[1] is None  # up to date
         assert_same(_state(5), copy.checkout("main"))
+        with Repository.open(hub_path) as hub:  # legal there: the hub has no remote named origin
+            hub.branch("origin/main", newer)
+        remote.fetch(copy, "origin")
+        with pytest.raises(InvalidRefNameError, match="would hide remote 'origin''s tracking ref"):
+            remote.pull(copy, "origin", "origin/main")  # a branch origin/main here hid origin/main, the hub's main
+        assert copy.resolve("origin/main") == newer and "origin/main" not in copy.branches()
 
 
 def test_a_lazy_clone_reads_only_the_chains_a_checkout_needs(tmp_path):
