@@ -138,12 +138,13 @@ def _forget_what_was_removed(repo: Repository, report: FsckReport) -> None:
     """Drop findings about commits, tensors and objects that a gc or prune removed while fsck ran."""
     with repo.db.read() as tx:
         commits = {cid for cid, _ in liveness.commit_manifests(tx)}  # neither removed nor pruned
+        rows = liveness.commit_ids(tx)  # pruned ones too: their rows (id, message, metrics) are still checked
         _, needed = liveness.live(tx)
         tensors = liveness.recorded_tensors(tx) | liveness.referenced_tensors(tx)
     report.damaged_objects = {oid: why for oid, why in report.damaged_objects.items() if oid in needed}
     report.broken_commits = {cid: oids for cid, oids in report.broken_commits.items() if cid in commits}
     report.missing_records = [tid for tid in report.missing_records if tid in tensors]
-    kept = {"commit": commits, "tensor": tensors}
+    kept = {"commit": rows, "tensor": tensors}
     report.damaged_records = {what: why for what, why in report.damaged_records.items()
                               if what.split()[0] not in kept or what.split()[1] in kept[what.split()[0]]}
 

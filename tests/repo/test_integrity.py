@@ -127,6 +127,20 @@ def test_fsck_catches_rewritten_commit_fields_and_manifest_disagreements(repo, t
     assert not report.ok and any(cid in what for what in report.damaged_records), report
 
 
+def test_fsck_catches_a_pruned_commits_rewritten_record(repo):
+    """A pruned commit keeps its id, message and metrics: fsck dropped findings about it and said ok."""
+    from ckptstore.repo import prune
+    from ckptstore.repo.config import RetentionPolicy
+
+    old = repo.commit({"w": torch.randn(8)}, metrics={"loss": 4.0})
+    repo.commit({"w": torch.randn(8)}, metrics={"loss": 3.0})
+    prune(repo, RetentionPolicy(keep_last=1))
+    assert repo.commit_info(old).pruned
+    _sql(repo, f"""UPDATE commits SET metrics = '{{"loss": 0.001}}' WHERE id = '{old}'""")
+    report = fsck(repo)
+    assert not report.ok and f"commit {old}" in report.damaged_records, report
+
+
 def test_commit_ids_recompute_for_every_kind_of_commit(repo, tmp_path):
     _checkpoint(tmp_path / "c.pt")
     repo.commit(tmp_path / "c.pt", step=3, metrics={"loss": float("nan"), "acc": 0.5}, message="é\n")
