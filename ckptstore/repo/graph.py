@@ -38,12 +38,10 @@ def render(order: Sequence[str], parents: Mapping[str, list[str]], describe: Cal
         if cid not in lanes:
             lanes.append(cid)
         col = lanes.index(cid)
-        duplicates = [i for i, lane in enumerate(lanes) if lane == cid and i != col]
-        if duplicates:
-            first = duplicates[0]
-            marks = ["|"] * len(lanes)
-            lines.append(" ".join(marks[:first]) + "/" + " /" * (len(lanes) - first - 1))
-            lanes = [lane for i, lane in enumerate(lanes) if i not in duplicates]
+        while cid in lanes[col + 1:]:  # lanes that lead here too join this one, the leftmost first
+            joining = lanes.index(cid, col + 1)
+            lines.extend(_join(len(lanes), col, joining))
+            lanes.pop(joining)
         marks = ["*" if i == col else "|" for i in range(len(lanes))]
         lines.append(f"{' '.join(marks)} {describe(cid)}")
         commit_parents = parents.get(cid, [])
@@ -55,3 +53,22 @@ def render(order: Sequence[str], parents: Mapping[str, list[str]], describe: Cal
         else:
             lanes.pop(col)
     return lines
+
+
+def _join(width: int, col: int, joining: int) -> list[str]:
+    """Rows that bring lane `joining` into lane `col` (to its left) one column a row, as git draws it.
+
+    It passes the lanes between (their `|` stay where they are) and the lanes right of it move one
+    column left on the first row: a single `/` across a lane between read as joining that lane.
+    """
+    rows = []
+    for at in range(joining, col, -1):
+        chars = [" "] * (2 * width - 1)
+        for lane in range(width):
+            if lane < joining:
+                chars[2 * lane] = "|"
+            elif lane > joining:
+                chars[2 * lane - 1 if at == joining else 2 * lane - 2] = "/" if at == joining else "|"
+        chars[2 * at - 1] = "/"
+        rows.append("".join(chars).rstrip())
+    return rows
