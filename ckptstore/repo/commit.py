@@ -68,14 +68,33 @@ class CommitOptions:
     author: str | None = None
 
     def __post_init__(self) -> None:
+        """Refuse what the metadata cannot record before any work (a background commit: in the call, not later)."""
         self.step = _whole_step(self.step)
+        self.message = "" if self.message is None else self.message
         self.author = self.author or default_author()
+        for what, text in (("message", self.message), ("author", self.author), ("branch", self.branch or "")):
+            _check_text(what, text)
         if len(self.author) > MAX_AUTHOR:
             raise CkptError(f"the author {self.author[:40]!r}... has {len(self.author)} characters; the metadata "
                             f"keeps at most {MAX_AUTHOR} (set a shorter CKPT_AUTHOR)")
-        for what, text in (("message", self.message), ("author", self.author)):
-            if "\x00" in text:
-                raise CkptError(f"the commit {what} holds a NUL character, which the metadata cannot store")
+        for name, value in self.metrics.items():
+            try:
+                float(value)
+            except (TypeError, ValueError, RuntimeError, OverflowError):
+                raise CkptError(f"metric {name!r} is {value!r}, not a number: give each metric as a float") from None
+
+
+def _check_text(what: str, text: Any) -> None:
+    """Refuse a commit's text that the metadata cannot store as written: not a str, a NUL, not UTF-8."""
+    if not isinstance(text, str):
+        raise CkptError(f"the commit {what} is a {type(text).__name__} ({text!r}), not text")
+    if "\x00" in text:
+        raise CkptError(f"the commit {what} holds a NUL character, which the metadata cannot store")
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise CkptError(f"the commit {what} {text[:40]!r} holds characters that are not UTF-8 (lone surrogates, as "
+                        "os.fsdecode gives for such bytes); ckptstore records text as UTF-8") from None
 
 
 def _whole_step(step: Any) -> int | None:

@@ -114,6 +114,8 @@ def _base(tx: Tx, spec: str) -> CommitId:
 
 def resolve(tx: Tx, spec: str) -> CommitId:
     """The commit a ref expression names; `~N` follows first parents, `^N` picks the Nth parent."""
+    if not isinstance(spec, str):
+        raise CkptError(f"a ref is a branch, tag or commit id as text, not {type(spec).__name__} {spec!r}")
     spec = spec.strip()
     match = _ANCESTRY.match(spec)
     if not match or not match.group(1):

@@ -32,6 +32,28 @@ def test_text_past_what_the_metadata_holds_is_refused_alike_on_both_engines(repo
     assert repo.log() == []
 
 
+@pytest.mark.parametrize("options, words", [
+    ({"message": "d\udce9j\udce0"}, "message .* not UTF-8"), ({"author": "\udcff"}, "author .* not UTF-8"),
+    ({"branch": "b\udce9"}, "branch .* not UTF-8"), ({"branch": 5}, "branch is a int"),
+    ({"message": b"bytes"}, "message is a bytes"), ({"metrics": {"loss": "abc"}}, "metric 'loss' is 'abc'"),
+    ({"metrics": {"loss": None}}, "not a number"), ({"metrics": {"loss": torch.ones(2)}}, "not a number")])
+@pytest.mark.parametrize("blocking", [True, False])
+def test_what_the_metadata_cannot_record_is_refused_by_the_call_itself(repo, options, words, blocking):
+    """Raw errors after the objects were written (or only at result() in the background) before."""
+    with pytest.raises(CkptError, match=words):
+        repo.commit({"w": torch.ones(3)}, blocking=blocking, **options)
+    assert repo.log() == [] and repo.commit({"w": torch.ones(3)}, message=None, metrics={"loss": np.float32(1)})
+
+
+def test_a_ref_that_is_not_text_is_one_clear_error(repo):
+    import ckptstore
+
+    repo.commit({"w": torch.ones(3)})
+    for ref in (None, 1234):
+        with pytest.raises(CkptError, match="a ref is a branch, tag or commit id as text"):
+            ckptstore.load(ref, repo=repo)
+
+
 def test_a_too_long_author_from_the_environment_is_refused_naming_it(repo, monkeypatch):
     monkeypatch.setenv("CKPT_AUTHOR", "a" * 300)
     with pytest.raises(CkptError, match="CKPT_AUTHOR"):
