@@ -278,7 +278,7 @@ def _ordered(items: set | frozenset) -> list:
     """A set's items in a fixed order: sorted, or by type and repr where they do not compare (``{1, "a"}``)."""
     try:
         return sorted(items)
-    except TypeError:
+    except (TypeError, RuntimeError, ValueError):  # RuntimeError: tensors, whose < is no order
         return sorted(items, key=lambda item: (type(item).__name__, repr(item)))
 
 
@@ -374,6 +374,9 @@ class _Flattener:
 
     def tensor(self, value, path: str) -> list:
         torch = _torch()
+        if type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter and (
+                hint := _valueless_tensor_hint(value)):
+            raise UnsupportedStateError(f"{path or '<root>'}: {hint}")
         if value.is_nested:  # a strided nested tensor has no sizes to read
             raise UnsupportedStateError(f"{path or '<root>'}: nested tensors are not supported")
         key = None
@@ -518,6 +521,23 @@ class _Flattener:
         )
 
 
+def _valueless_tensor_hint(value: Any) -> str:
+    """Why a torch.Tensor subclass that holds no values of its own here is refused, and what to do; "" for others.
+
+    Other subclasses are stored as their values and read back as torch.Tensor (their classes would
+    need pickle). These raised torch's own errors when their storage was read.
+    """
+    kind = type(value).__qualname__
+    if kind == "DTensor":
+        return ("a DTensor is one rank's part of a distributed tensor: commit sharded states through "
+                "torch.distributed.checkpoint with ckptstore.dcp, or gather it with .full_tensor() first")
+    if kind.startswith("Uninitialized"):
+        return f"a {kind} (a lazy module's tensor) holds no values yet: run one forward pass before committing"
+    if kind in ("FakeTensor", "FunctionalTensor"):
+        return f"a {kind} (a tracing stand-in) holds no values: commit the real tensors"
+    return ""
+
+
 def _hint(value: Any) -> str:
     """What to store instead of a value that needs pickle (the common ones by name)."""
     names = {f"{k.__module__}.{k.__qualname__}" for k in type(value).__mro__}
@@ -624,6 +644,7 @@ class _Unflattener:
         self.lookup = lookup
         self.cache: dict[str, Any] = {}
         self.parameters: dict[str, Any] = {}
+        self.grads: dict[str, Any] = {}  # tensors that require grad, by path
         self.storages: dict[str, Any] = {}
 
     def get(self, path: str) -> Any:
@@ -648,8 +669,11 @@ class _Unflattener:
             if node[1] not in self.parameters:  # one Parameter saved twice comes back as one object
                 self.parameters[node[1]] = _torch().nn.Parameter(value, requires_grad=extras["requires_grad"])
             return self.parameters[node[1]]
-        if extras.get("requires_grad") and not value.requires_grad:
-            value.requires_grad_(True)
+        if extras.get("requires_grad"):
+            # an object of its own on the same storage: the tensor saved beside it as its .detach() stays without
+            if node[1] not in self.grads:
+                self.grads[node[1]] = value.detach().requires_grad_(True)
+            return self.grads[node[1]]
         return value
 
     def view(self, value: Any, storage: str, nbytes: int, offset: int, stride: list[int]) -> Any:

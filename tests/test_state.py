@@ -400,3 +400,42 @@ def test_a_file_whose_empty_tensor_has_a_negative_size_is_refused_at_commit(tmp_
         with pytest.raises(UnsupportedStateError, match=r"x: shape \[0, -5\] has a negative size"):
             repo.commit(tmp_path / "c.pt")
         assert repo.log() == []
+
+
+def test_a_tensor_and_its_detach_come_back_as_two_tensors_on_one_storage(repo):
+    """They came back as one object that required grad: the frozen copy was the live one."""
+    live = torch.randn(4, requires_grad=True)
+    back = repo.checkout(repo.commit({"frozen": live.detach(), "live": live, "again": live}))
+    assert back["live"].requires_grad and not back["frozen"].requires_grad and back["again"] is back["live"]
+    assert back["frozen"].untyped_storage().data_ptr() == back["live"].untyped_storage().data_ptr()
+    assert torch.equal(back["frozen"], live.detach())
+
+
+def test_tensor_subclasses_without_values_here_are_refused_before_their_storage_is_touched():
+    """A lazy module's weight, a FakeTensor, a DTensor raised torch's own errors at commit."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DeviceMesh, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank, no port
+    try:
+        shard = distribute_tensor(torch.ones(4), DeviceMesh("cpu", [0]))
+        with pytest.raises(UnsupportedStateError, match=r"d: a DTensor .* ckptstore.dcp, or .* \.full_tensor\(\)"):
+            flatten({"d": shard})
+    finally:
+        dist.destroy_process_group()
+
+    with pytest.raises(UnsupportedStateError, match="lazy module's tensor.*forward pass"):
+        flatten(torch.nn.LazyLinear(3).state_dict())
+    with FakeTensorMode():
+        fake = torch.ones(2)
+    with pytest.raises(UnsupportedStateError, match="f: a FakeTensor .* commit the real tensors"):
+        flatten({"f": fake})
+
+
+def test_a_set_of_tensors_is_stored_and_comes_back_a_set():
+    """Sorting it raised torch's 'Boolean value of Tensor with more than one value is ambiguous'."""
+    tensors = {torch.ones(2), torch.zeros(3)}
+    flat = flatten({"s": tensors})
+    back = unflatten(flat.skeleton, lambda p: materialize(flat.tensors[p]))
+    assert type(back["s"]) is set and sorted(t.numel() for t in back["s"]) == [2, 3]
