@@ -133,6 +133,10 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, stat
     by a rotation) is said and the watch goes on; what is wrong with the repository ends it.
     """
     shown = _shown(source.name)
+    if shown != source.name:  # recorded in the message and the path, which the metadata keeps as UTF-8
+        state.record(source, None)  # a new name is a new source
+        say(f"{shown}: not committed: its name is not UTF-8; rename it")
+        return
     try:
         found = already_committed(repo, source, options.branch)
         if found is not None:
@@ -148,7 +152,7 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, stat
         say(f"{shown}: {exc}")
         return
     except (CheckpointFormatError, UnsupportedStateError, FileNotFoundError, UnicodeEncodeError,
-            PermissionError) as exc:
+            PermissionError) as exc:  # UnicodeEncodeError: a folder above whose name is not UTF-8
         unreadable = isinstance(exc, PermissionError)
         if unreadable and not Path(exc.filename or "/").is_relative_to(source.path):
             raise  # the repository's own files: no source will commit
