@@ -57,22 +57,17 @@ def renaming(repo_dir: Path | None, renames: Sequence[tuple[Path, Path]], deleti
             "deletions": [[str(p), _stamp(p)] for p in deletions],
             "head": [head.commit, head.branch] if head is not None else None}
     fd, path = _write(repo_dir, plan) if repo_dir is not None else (None, None)
-    done = True  # False: the renames are done and HEAD's move failed; the journal stays for the next process
     try:
         yield
+        if head is not None:
+            head.move(head.commit, head.branch)
     except KeyboardInterrupt:  # Ctrl-C among the renames: finish them, the checkout is one step to the user
         if _carry_out(plan) and head is not None:
             head.move(head.commit, head.branch)
         raise
-    else:
-        if head is not None:
-            done = False
-            head.move(head.commit, head.branch)
-            done = True
     finally:
         if fd is not None:
-            if done:
-                path.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
             os.close(fd)
 
 
