@@ -345,18 +345,24 @@ def committed_from(repo: Repository, cid: CommitId, source_path: str, writing: b
     """Where the files commit `cid` was made from lie here: inside the work tree, or the absolute path committed.
 
     A commit records a path inside the work tree relative to its root, never with "..": one that
-    climbs out was forged (a hostile remote's), and is refused. A checkout in place (`writing`)
-    writes only inside the work tree: a commit of files outside it names a path another machine
-    chose, so it is written with -o.
+    climbs out was forged (a hostile remote's), and is refused. A checkout in place (`writing`) of
+    files committed from outside the work tree (an absolute path) writes there only when this
+    repository made or wrote that commit's files: one fetched from a remote names a path another
+    machine chose, and is written with -o.
     """
     path = PurePosixPath(source_path)
     if not path.is_absolute() and ".." in path.parts:
         raise CkptError(f"commit {cid[:12]} names its files as {source_path!r}, outside this work tree: it was not "
                         "made by ckptstore here; write it elsewhere with -o PATH")
-    if writing and path.is_absolute() and not Path(path).is_relative_to(repo.root):
-        raise CkptError(f"commit {cid[:12]} was made from {source_path}, outside this work tree; a checkout in place "
-                        f"writes only inside it: write it there with -o {source_path}")
+    if writing and path.is_absolute() and not Path(path).is_relative_to(repo.root) and not _files_known(repo, cid):
+        raise CkptError(f"commit {cid[:12]} came from another repository, made from {source_path}, outside this "
+                        "work tree: a checkout in place writes there only commits made here; write it with -o PATH")
     return repo.root / path
+
+
+def _files_known(repo: Repository, cid: CommitId) -> bool:
+    with repo.db.read() as tx:
+        return file_rows.has_files_of(tx, cid)
 
 
 def status(repo: Repository) -> dict[str, Any]:

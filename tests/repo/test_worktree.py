@@ -586,21 +586,28 @@ def test_a_cloned_commit_whose_path_climbs_out_of_the_work_tree_is_never_written
     assert not (tmp_path / "escaped.pt").exists()
 
 
-def test_a_commit_of_files_outside_the_work_tree_is_written_with_o_only(repo, tmp_path):
-    """Its path is another machine's choice once it travels; in place, a clone wrote wherever a remote named."""
-    outside = tmp_path.parent / f"{tmp_path.name}-outside.pt"
+def test_files_outside_the_work_tree_are_written_in_place_only_for_commits_made_here(tmp_path):
+    """A fetched commit names a path another machine chose: in place, a clone wrote wherever a remote named."""
+    from ckptstore import Repository
+    from ckptstore.repo import remote
+
+    outside = tmp_path / "scratch" / "model.pt"
+    outside.parent.mkdir()
     torch.save({"w": torch.ones(2)}, outside)
-    try:
-        cid = repo.commit(outside)
-        assert repo.status()["files"][0]["state"] == "unchanged"  # reading it is harmless
-        outside.unlink()
-        with pytest.raises(CkptError, match=f"outside this work tree; .* with -o {outside}"):
-            repo.checkout_to(cid)
-        assert not outside.exists()
-        repo.checkout_to(cid, outside)
+    with Repository.init(tmp_path / "origin") as origin:
+        first = origin.commit(outside)
+        torch.save({"w": torch.zeros(2)}, outside)
+        origin.commit(outside)
+        origin.checkout_to(first)  # made here: in place, and HEAD follows
         assert torch.equal(torch.load(outside, weights_only=True)["w"], torch.ones(2))
-    finally:
-        outside.unlink(missing_ok=True)
+        assert origin.head() == (None, first) and origin.status()["files"][0]["state"] == "unchanged"
+    outside.unlink()
+    with remote.clone(str(tmp_path / "origin"), tmp_path / "clone") as clone:
+        with pytest.raises(CkptError, match=f"came from another repository, made from {outside}, .* with -o PATH"):
+            clone.checkout_to("main")
+        assert not outside.exists()
+        clone.checkout_to("main", tmp_path / "here.pt")
+        assert torch.equal(torch.load(tmp_path / "here.pt", weights_only=True)["w"], torch.zeros(2))
 
 
 def test_a_journal_finishes_heads_move_only_when_every_rename_was_done(tmp_path):
