@@ -592,6 +592,8 @@ def _daemon_root(ctx: click.Context) -> Any:
 
 def _daemon_line(state: dict[str, Any]) -> str:
     since = datetime.datetime.fromtimestamp(state["started"]).isoformat(sep=" ", timespec="seconds")
+    if state.get("stopping"):
+        return f"ckpt daemon {state['pid']} serves {state['root']}, stopping once its command in progress ends"
     return (f"ckpt daemon {state['pid']} serves {state['root']} since {since} "
             f"({state['served']} commands; stops after {state['idle']:g} s idle)")
 

@@ -264,7 +264,14 @@ def start(root: Path, idle: float | None = None) -> dict[str, Any]:
     import subprocess
 
     running = status(root)
+    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+    while running is not None and running.get("stopping") and time.monotonic() < deadline:
+        time.sleep(0.05)  # stopped, and ending the command in progress: a new one starts once it is gone
+        running = status(root)
     if running is not None:
+        if running.get("stopping"):
+            raise CkptError(f"the ckpt daemon {running['pid']} is stopping once its command in progress ends; start "
+                            "again then")
         return running
     private_folder()  # refused here, with its reason, rather than in the daemon's log
     log = log_path(root)

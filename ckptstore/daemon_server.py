@@ -87,7 +87,7 @@ class _Daemon:
 
     def status(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "root": str(self.root), "started": self.started, "idle": self.idle,
-                "served": self.served}
+                "served": self.served, "stopping": not self.running}
 
     def serve(self) -> None:
         """Warm up, then listen: `ckpt daemon start` returns once the first command will find it warm."""
@@ -144,8 +144,9 @@ class _Daemon:
     def _accept(self, listener: socket.socket) -> None:
         """Take each connection until the daemon closes; queue commands, answer the rest at once.
 
-        Status and stop are answered even while a command runs, and once a stop is under way every
-        request is told to run in its client.
+        Status and stop are answered even while a command runs. Commands queue during a stop too:
+        they are told to run in their clients once the command in progress has ended, so that two
+        commits to one branch still run one after the other.
         """
         listener.settimeout(ACCEPT_POLL_SECONDS)
         while not self.closing:
@@ -186,9 +187,7 @@ class _Daemon:
             request = json.loads(payload) if channel == REQUEST else None
             if not isinstance(request, dict) or not isinstance(root := request.get("root", str(self.root)), str):
                 return None  # sent what no client sends
-            if not self.running:  # stopping: status says none runs, and a command runs in its client
-                send_frame(conn, END, json.dumps({"here": True}).encode())
-            elif root != str(self.root) or _identity(Path(root)) != self.identity:
+            if root != str(self.root) or _identity(Path(root)) != self.identity:
                 # a stale address file led another repository's client here (a reused pid, or one made anew where
                 # this one was): not its daemon. Its own repository moved (the same .ckpt, named anew) or went:
                 # it steps aside, so that a daemon can start for it where it is now.

@@ -141,30 +141,38 @@ def test_a_daemon_whose_code_changed_on_disk_steps_aside(served, capsys):
 
 
 def test_status_and_stop_answer_during_a_commit_and_commands_queued_behind_run_in_their_clients(served, tmp_path):
-    """Status and stop waited for the whole commit in progress (and so did `daemon start`)."""
+    """Status and stop waited for the whole commit in progress (and so did `daemon start`).
+
+    What comes after a stop still waits for that commit: a commit to its branch (run at once, it
+    conflicted with it) and a start (at once, the new daemon gave up on the lock after 10 s).
+    """
     for seed, name in enumerate("abc"):
         _save(served / f"{name}.pt", seed)
     gate = tmp_path / "gate"
-    commit = lambda name, **env: subprocess.Popen(
-        [sys.executable, "-m", "ckptstore", "commit", f"{name}.pt", "--branch", name], cwd=served, env=_env(**env),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = lambda *args, **env: subprocess.Popen([sys.executable, "-m", "ckptstore", *args], cwd=served,
+                                                env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                text=True)
     control = lambda op: subprocess.run([sys.executable, "-m", "ckptstore", "daemon", op], cwd=served, env=_env(),
                                         capture_output=True, text=True, timeout=30)
-    held = commit("a", CKPT_WAIT_AT=f"commit:objects-written={gate}")
+    held = run("commit", "a.pt", CKPT_WAIT_AT=f"commit:objects-written={gate}")
     _wait_for(Path(f"{gate}.reached"))
+    old = daemon.status(served.resolve())["pid"]
     assert "serves" in control("status").stdout
-    queued = commit("b")  # waits in the daemon's queue behind the held commit
+    queued = run("commit", "b.pt", "--branch", "b")  # waits in the daemon's queue behind the held commit
     time.sleep(1.0)
     assert control("stop").stdout.startswith("stopped ckpt daemon")
-    assert control("status").stdout == "no ckpt daemon is running\n"  # stopping: at once, not after the commit
-    after = commit("c")  # runs in its client at once
-    assert after.wait(timeout=120) == 0, after.communicate()
+    assert "stopping once its command in progress ends" in control("status").stdout
+    after = run("commit", "c.pt")  # the held commit's branch
+    restart = run("daemon", "start", "--idle", "120")
+    time.sleep(1.0)
+    assert after.poll() is None and restart.poll() is None  # both wait for the held commit
     gate.touch()
-    for process in (held, queued):
+    for process in (held, queued, after, restart):
         assert process.wait(timeout=120) == 0, process.communicate()
     log = json.loads(ckpt(served, "log", "--all", "--json").stdout)
     assert sorted(c["source_path"] for c in log) == ["a.pt", "b.pt", "c.pt"]
-    assert daemon.status(served.resolve()) is None
+    assert [c["source_path"] for c in json.loads(ckpt(served, "log", "--json").stdout)] == ["c.pt", "a.pt"]
+    assert daemon.status(served.resolve())["pid"] != old
 
 
 def test_a_request_no_client_sends_is_dropped_and_the_daemon_serves_on(served):
