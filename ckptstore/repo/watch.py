@@ -157,10 +157,14 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, stat
         if unreadable and not Path(exc.filename or "/").is_relative_to(source.path):
             raise  # the repository's own files: no source will commit
         # not a checkpoint ckptstore can store (tried again once it changes), or removed meanwhile (rotation);
-        # an unreadable one is tried at each scan: access given back changes neither its size nor its time
+        # an unreadable one is tried at each scan (access given back changes neither its size nor its time),
+        # and said once per version
         if source.path.exists() and not unreadable:
             state.record(source, None)
-        say(f"{shown}: not committed: {explain(exc) or exc}")
+        if not unreadable or state.unreadable.get(source.name) != source.signature:
+            say(f"{shown}: not committed: {explain(exc) or exc}")
+        if unreadable:
+            state.unreadable[source.name] = source.signature
         return
     state.record(source, cid)
     report.committed.append((source.name, cid, source.step))
@@ -321,6 +325,7 @@ class WatchState:
 
     def __init__(self, path: Path, header: dict[str, Any], sources: dict[str, dict[str, Any]]) -> None:
         self.path, self.header, self.sources = path, header, sources
+        self.unreadable: dict[str, Signature] = {}  # said to be unreadable, in this version: tried on, not said again
 
     @classmethod
     def load(cls, repo: Repository, folder: Path, branch: str | None) -> WatchState:

@@ -289,6 +289,21 @@ def test_a_watched_folder_that_goes_away_ends_the_watch_in_one_line(repo, tmp_pa
         watch(repo, run, WatchOptions(interval=0.01), stop=stop)
 
 
+def _stop_after(scans: int):
+    """A stop event that is set after `scans` scans of a watch."""
+    import threading
+
+    class Stop(threading.Event):
+        def wait(self, timeout=None):
+            nonlocal scans
+            scans -= 1
+            if scans < 0:
+                self.set()
+            return self.is_set()
+
+    return Stop()
+
+
 def test_an_unreadable_source_is_tried_again_at_each_scan(repo, tmp_path, monkeypatch):
     """Access given back changes neither size nor time: a source remembered as refused was never committed."""
     run = tmp_path / "run"
@@ -300,9 +315,15 @@ def test_an_unreadable_source_is_tried_again_at_each_scan(repo, tmp_path, monkey
         monkeypatch.setattr(repo, "commit", commit)
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(repo, "commit", unreadable_once)
+    def unreadable(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(repo, "commit", unreadable)
     said = []
-    assert watch(repo, run, ONCE, say=said.append).committed == [] and "a.pt: not committed" in said[0]
+    report = watch(repo, run, WatchOptions(interval=0.01), stop=_stop_after(3), say=said.append)
+    assert report.committed == [] and len(said) == 1 and "a.pt: not committed" in said[0]  # said once, not per scan
+    monkeypatch.setattr(repo, "commit", unreadable_once)
+    assert watch(repo, run, ONCE).committed == []
     assert [name for name, _, _ in watch(repo, run, ONCE).committed] == ["a.pt"]
     monkeypatch.setattr(repo, "commit", lambda *a, **k: (_ for _ in ()).throw(
         PermissionError(13, "Permission denied", str(repo.dir / "ckpt.db"))))
