@@ -8,6 +8,7 @@ bytes as a flat uint8 array, which is all the codecs and the store ever see.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import re
 import sys
@@ -275,11 +276,20 @@ _NUMPY_OF_TORCH = {TORCH_PREFIX + name: np.dtype(name) for name in (
 
 
 def _ordered(items: set | frozenset) -> list:
-    """A set's items in a fixed order: sorted, or by type and repr where they do not compare (``{1, "a"}``)."""
+    """A set's items in a fixed order: sorted, or by type and content where they do not compare (``{1, "a"}``)."""
     try:
         return sorted(items)
     except (TypeError, RuntimeError, ValueError):  # RuntimeError: tensors, whose < is no order
-        return sorted(items, key=lambda item: (type(item).__name__, repr(item)))
+        return sorted(items, key=_order_key)
+
+
+def _order_key(item: Any) -> tuple[str, str]:
+    """Type, then content: a tensor's dtype, shape and bytes (its repr elides them), anything else's repr."""
+    torch = sys.modules.get("torch")  # not loaded: no item is a tensor
+    if torch is not None and isinstance(item, torch.Tensor) and item.layout == torch.strided and not item.is_meta:
+        raw = item.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        return type(item).__name__, f"{item.dtype} {tuple(item.shape)} {hashlib.blake2b(raw.tobytes()).hexdigest()}"
+    return type(item).__name__, repr(item)
 
 
 def _float(value: float) -> Any:

@@ -433,9 +433,15 @@ def test_tensor_subclasses_without_values_here_are_refused_before_their_storage_
         flatten({"f": fake})
 
 
-def test_a_set_of_tensors_is_stored_and_comes_back_a_set():
-    """Sorting it raised torch's 'Boolean value of Tensor with more than one value is ambiguous'."""
+def test_a_set_of_tensors_is_stored_in_an_order_of_their_contents():
+    """Sorting it raised torch's 'Boolean value of Tensor ... is ambiguous'; ordered by repr (which elides a large
+    tensor's values), equal sets flattened to different layouts from one run to the next."""
     tensors = {torch.ones(2), torch.zeros(3)}
     flat = flatten({"s": tensors})
     back = unflatten(flat.skeleton, lambda p: materialize(flat.tensors[p]))
     assert type(back["s"]) is set and sorted(t.numel() for t in back["s"]) == [2, 3]
+    big, other = torch.zeros(5000), torch.zeros(5000)
+    other[2500] = 1.0  # repr prints both alike
+    layouts = {tuple(materialize(flatten({"s": pair}).tensors["s/0"]).tolist())
+               for pair in ({big, other}, {other.clone(), big.clone()}, {big.clone(), other.clone()})}
+    assert len(layouts) == 1

@@ -77,7 +77,12 @@ class CommitOptions:
         if len(self.author) > MAX_AUTHOR:
             raise CkptError(f"the author {self.author[:40]!r}... has {len(self.author)} characters; the metadata "
                             f"keeps at most {MAX_AUTHOR} (set a shorter CKPT_AUTHOR)")
-        for name, value in self.metrics.items():
+        names: dict[str, Any] = {}
+        for name, value in self.metrics.items():  # recorded as str(name): {3: 2.0, "3": 5.0} would keep one
+            _check_text("metric name", str(name))
+            if str(name) in names:
+                raise CkptError(f"metrics {names[str(name)]!r} and {name!r} are both recorded as {str(name)!r}")
+            names[str(name)] = name
             try:
                 float(value)
             except (TypeError, ValueError, RuntimeError, OverflowError):

@@ -36,7 +36,9 @@ def test_text_past_what_the_metadata_holds_is_refused_alike_on_both_engines(repo
     ({"message": "d\udce9j\udce0"}, "message .* not UTF-8"), ({"author": "\udcff"}, "author .* not UTF-8"),
     ({"branch": "b\udce9"}, "branch .* not UTF-8"), ({"branch": 5}, "branch is a int"),
     ({"message": b"bytes"}, "message is a bytes"), ({"metrics": {"loss": "abc"}}, "metric 'loss' is 'abc'"),
-    ({"metrics": {"loss": None}}, "not a number"), ({"metrics": {"loss": torch.ones(2)}}, "not a number")])
+    ({"metrics": {"loss": None}}, "not a number"), ({"metrics": {"loss": torch.ones(2)}}, "not a number"),
+    ({"metrics": {3: 2.0, "3": 5.0}}, "metrics 3 and '3' are both recorded as '3'"),
+    ({"metrics": {"l\udcff": 1.0}}, "metric name .* not UTF-8")])
 @pytest.mark.parametrize("blocking", [True, False])
 def test_what_the_metadata_cannot_record_is_refused_by_the_call_itself(repo, options, words, blocking):
     """Raw errors after the objects were written (or only at result() in the background) before."""
