@@ -55,12 +55,12 @@ def parse_url(url: str) -> tuple[str, str]:
 
 
 def _legacy_hint(bucket: str, prefix: str) -> str:
-    """Where ckptstore before 5 December 2026 put this prefix's objects, when that was elsewhere (see parse_url)."""
+    """Where an earlier ckptstore may have put this prefix's objects, when that was elsewhere (see parse_url)."""
     cut = min((prefix.index(mark) for mark in "#?" if mark in prefix), default=None)
     if cut is None:
         return ""
-    return (f" (a ckptstore before 5 December 2026 dropped {prefix[cut:]!r} from the prefix and wrote objects "
-            f"under s3://{bucket}/{prefix[:cut].strip('/')}: copy them here, or name that prefix in the config)")
+    return (f" (if an earlier ckptstore wrote this repository, it dropped {prefix[cut:]!r} from the prefix and put "
+            f"the objects under s3://{bucket}/{prefix[:cut].strip('/')}: copy them here, or name that prefix)")
 
 
 def _endpoint() -> str:

@@ -11,7 +11,6 @@ whole state as checkout rebuilds it (torch).
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -91,7 +90,7 @@ def _format_own(path: str) -> bool:
     Nothing a user would miss from an export: not named as left out.
     """
     last = path.rpartition("/")[2]
-    return last in (safetensors_file.HEADER_PATH, CONTAINER_PATH) or re.fullmatch(r"%gap\d+", last) is not None
+    return last in (safetensors_file.HEADER_PATH, CONTAINER_PATH) or (last.startswith("%gap") and last[4:].isdigit())
 
 
 def _by_name(by_path: dict[str, RawTensor]) -> dict[str, RawTensor]:
