@@ -1,7 +1,7 @@
 """The serving side of `ckpt daemon` (ckptstore/daemon.py): one repository's commands, run one at a time.
 
-A thread accepts connections and answers `status` and `stop` at once, even while a command runs
-(a status waited for the whole commit); commands queue for the main thread, which runs them.
+A thread accepts connections and answers `status` and `stop` at once, even while a command runs;
+commands queue for the main thread, which runs them.
 
 Each command runs as the client's own process would run it: in its working directory, with its
 environment and an empty stdin, its output and exit code going back over the socket, and the
