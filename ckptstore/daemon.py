@@ -191,7 +191,10 @@ def forward(root: Path, argv: list[str]) -> int | None:
         except KeyboardInterrupt:  # the daemon stops the command as Ctrl-C would here, and says so
             with contextlib.suppress(OSError):
                 send_frame(conn, INTERRUPT, b"")
-            return _echo_reply(conn)
+            code = _echo_reply(conn)
+            if code is None:  # it never started there (queued behind a stop): not to be run here either
+                raise
+            return code
 
 
 def _echo_reply(conn: socket.socket) -> int | None:

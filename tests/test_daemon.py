@@ -146,7 +146,7 @@ def test_status_and_stop_answer_during_a_commit_and_commands_queued_behind_run_i
     What comes after a stop still waits for that commit: a commit to its branch (run at once, it
     conflicted with it) and a start (at once, the new daemon gave up on the lock after 10 s).
     """
-    for seed, name in enumerate("abc"):
+    for seed, name in enumerate("abcd"):
         _save(served / f"{name}.pt", seed)
     gate = tmp_path / "gate"
     run = lambda *args, **env: subprocess.Popen([sys.executable, "-m", "ckptstore", *args], cwd=served,
@@ -164,9 +164,12 @@ def test_status_and_stop_answer_during_a_commit_and_commands_queued_behind_run_i
     assert "stopping once its command in progress ends" in control("status").stdout
     after = run("commit", "c.pt")  # the held commit's branch
     restart = run("daemon", "start", "--idle", "120")
+    given_up = run("commit", "d.pt", "--branch", "d")
     time.sleep(1.0)
     assert after.poll() is None and restart.poll() is None  # both wait for the held commit
+    given_up.send_signal(signal.SIGINT)  # Ctrl-C while it waits: told to run in its client later, it must not
     gate.touch()
+    assert given_up.wait(timeout=120) == 130 and "interrupted" in given_up.communicate()[1]
     for process in (held, queued, after, restart):
         assert process.wait(timeout=120) == 0, process.communicate()
     log = json.loads(ckpt(served, "log", "--all", "--json").stdout)
