@@ -19,11 +19,6 @@ def commits_of_digest(tx: Tx, digest: str) -> list[CommitId]:
                                            (digest,))]
 
 
-def has_files_of(tx: Tx, cid: CommitId) -> bool:
-    """Whether this database knows a file of commit `cid`: it committed or wrote one (transfers never bring these)."""
-    return bool(tx.column("SELECT 1 FROM known_files WHERE commit_id = ? LIMIT 1", (cid,)))
-
-
 def remember(tx: Tx, rows: Iterable[tuple[str, CommitId, int]]) -> None:
     """Record (digest, commit, size) of files whose content `commit` holds (each pair once)."""
     tx.insert_ignore("known_files", ("digest", "commit_id", "size"), rows)

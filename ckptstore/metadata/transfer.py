@@ -110,6 +110,13 @@ def records(tx: Tx, cids: list[CommitId], tids: set[TensorId]) -> RecordSet:
     return found
 
 
+def outside_work_tree(found: RecordSet) -> list[str]:
+    """The commits in `found` made of files outside their work tree (an absolute source path)."""
+    columns, rows = found.rows["commits"]
+    where, cid = columns.index("source_path"), columns.index("id")
+    return [row[cid] for row in rows if isinstance(row[where], str) and row[where].startswith("/")]
+
+
 def insert(tx: Tx, found: RecordSet) -> None:
     """Insert every row of `found` that this database lacks, and the objects' size rows."""
     for table, (columns, rows) in found.rows.items():

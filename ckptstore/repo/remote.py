@@ -204,6 +204,11 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
     wanted = {oid: size for oid, size in found.objects.items() if not lazy or oid in found.manifests}
     report.objects, report.object_bytes = _send_objects(source, target, wanted)
     faults.point("transfer:objects-sent")
+    outside = transfer.outside_work_tree(found)
+    if outside and target.dir.is_dir():  # before the records: a kill between leaves them unlisted never
+        from ckptstore.repo.worktree import remember_fetched
+
+        remember_fetched(target.dir, outside)
     with target.db.write() as ttx:
         transfer.insert(ttx, found)
         transfer.unprune(ttx, revived)

@@ -346,23 +346,41 @@ def committed_from(repo: Repository, cid: CommitId, source_path: str, writing: b
 
     A commit records a path inside the work tree relative to its root, never with "..": one that
     climbs out was forged (a hostile remote's), and is refused. A checkout in place (`writing`) of
-    files committed from outside the work tree (an absolute path) writes there only when this
-    repository made or wrote that commit's files: one fetched from a remote names a path another
-    machine chose, and is written with -o.
+    files committed from outside the work tree (an absolute path) writes there unless the commit
+    came by fetch, pull or clone (see `remember_fetched`): then the path is one another machine
+    chose, and the commit is written with -o.
     """
     path = PurePosixPath(source_path)
     if not path.is_absolute() and ".." in path.parts:
         raise CkptError(f"commit {cid[:12]} names its files as {source_path!r}, outside this work tree: it was not "
                         "made by ckptstore here; write it elsewhere with -o PATH")
-    if writing and path.is_absolute() and not Path(path).is_relative_to(repo.root) and not _files_known(repo, cid):
+    if writing and path.is_absolute() and not Path(path).is_relative_to(repo.root) and cid in fetched(repo.dir):
         raise CkptError(f"commit {cid[:12]} came from another repository, made from {source_path}, outside this "
                         "work tree: a checkout in place writes there only commits made here; write it with -o PATH")
     return repo.root / path
 
 
-def _files_known(repo: Repository, cid: CommitId) -> bool:
-    with repo.db.read() as tx:
-        return file_rows.has_files_of(tx, cid)
+FETCHED = "fetched"  # .ckpt/fetched: commits of files outside the work tree that came from another repository
+
+
+def remember_fetched(repo_dir: Path, cids: Iterable[str]) -> None:
+    """Add `cids` (commits received from another repository) to this machine's list of them.
+
+    A local file, not the metadata: a shared database holds every machine's commits alike, and
+    nothing else would tell a commit made here from one received (`-o` writes the same digests).
+    """
+    with open(repo_dir / FETCHED, "a") as handle:
+        handle.write("".join(f"{cid}\n" for cid in cids))
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def fetched(repo_dir: Path) -> set[str]:
+    """The commits `remember_fetched` listed here."""
+    try:
+        return set((repo_dir / FETCHED).read_text().split())
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
 
 
 def status(repo: Repository) -> dict[str, Any]:
