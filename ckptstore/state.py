@@ -286,9 +286,12 @@ def _ordered(items: set | frozenset) -> list:
 def _order_key(item: Any) -> tuple[str, str]:
     """Type, then content: a tensor's dtype, shape and bytes (its repr elides them), anything else's repr."""
     torch = sys.modules.get("torch")  # not loaded: no item is a tensor
-    if torch is not None and isinstance(item, torch.Tensor) and item.layout == torch.strided and not item.is_meta:
-        raw = item.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        return type(item).__name__, f"{item.dtype} {tuple(item.shape)} {hashlib.blake2b(raw.tobytes()).hexdigest()}"
+    if torch is not None and isinstance(item, torch.Tensor):
+        try:  # conj and neg views resolved; one that has no bytes to read (nested, meta) is refused when encoded
+            raw = item.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1).view(torch.uint8)
+            return type(item).__name__, f"{item.dtype} {tuple(item.shape)} {hashlib.blake2b(raw.numpy()).hexdigest()}"
+        except (RuntimeError, NotImplementedError, TypeError):
+            pass
     return type(item).__name__, repr(item)
 
 

@@ -445,3 +445,7 @@ def test_a_set_of_tensors_is_stored_in_an_order_of_their_contents():
     layouts = {tuple(materialize(flatten({"s": pair}).tensors["s/0"]).tolist())
                for pair in ({big, other}, {other.clone(), big.clone()}, {big.clone(), other.clone()})}
     assert len(layouts) == 1
+    conj = torch.randn(3, dtype=torch.complex64).conj()  # no byte view of it: it raised torch's RuntimeError
+    assert len(flatten({"s": {conj, torch.ones(2)}}).tensors) == 2
+    with pytest.raises(UnsupportedStateError, match="nested tensors are not supported"):
+        flatten({"s": {torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), torch.ones(2)}})

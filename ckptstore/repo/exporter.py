@@ -90,7 +90,8 @@ def _format_own(path: str) -> bool:
     Nothing a user would miss from an export: not named as left out.
     """
     last = path.rpartition("/")[2]
-    return last in (safetensors_file.HEADER_PATH, CONTAINER_PATH) or (last.startswith("%gap") and last[4:].isdigit())
+    gap = last.removeprefix("%gap")
+    return last in (safetensors_file.HEADER_PATH, CONTAINER_PATH) or (gap != last and gap.isascii() and gap.isdigit())
 
 
 def _by_name(by_path: dict[str, RawTensor]) -> dict[str, RawTensor]:

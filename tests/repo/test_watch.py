@@ -315,13 +315,17 @@ def test_an_unreadable_source_is_tried_again_at_each_scan(repo, tmp_path, monkey
         monkeypatch.setattr(repo, "commit", commit)
         raise PermissionError(13, "Permission denied", str(path))
 
+    tries = []
+
     def unreadable(path, *args, **kwargs):
+        tries.append(path)
         raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr(repo, "commit", unreadable)
     said = []
     report = watch(repo, run, WatchOptions(interval=0.01), stop=_stop_after(3), say=said.append)
     assert report.committed == [] and len(said) == 1 and "a.pt: not committed" in said[0]  # said once, not per scan
+    assert len(tries) == 3  # tried at each of the three scans after the first (ready once two scans agree)
     monkeypatch.setattr(repo, "commit", unreadable_once)
     assert watch(repo, run, ONCE).committed == []
     assert [name for name, _, _ in watch(repo, run, ONCE).committed] == ["a.pt"]
