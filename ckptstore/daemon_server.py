@@ -137,7 +137,7 @@ class _Daemon:
                     self._command(conn, request)
                 else:  # stopped while it waited: its client runs it
                     with contextlib.suppress(OSError):
-                        send_frame(conn, END, json.dumps({"here": True}).encode())
+                        _run_in_client(conn)
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)  # wakes the request's interrupt watcher
 
@@ -193,7 +193,7 @@ class _Daemon:
                 # it steps aside, so that a daemon can start for it where it is now.
                 if _identity(Path(root)) == self.identity or _identity(self.root) != self.identity:
                     self.stop()
-                send_frame(conn, END, json.dumps({"here": True}).encode())
+                _run_in_client(conn)
             elif request.get("op") in ("status", "stop"):
                 if request["op"] == "stop":
                     self.stop()
@@ -215,7 +215,7 @@ class _Daemon:
             else:
                 code = self._run(conn, request)
                 if code is _HERE:
-                    send_frame(conn, END, json.dumps({"here": True}).encode())
+                    _run_in_client(conn)
                     return
                 self.served, self.last_command = self.served + 1, time.monotonic()
                 send_frame(conn, END, json.dumps({"code": code}).encode())
@@ -258,6 +258,11 @@ class _Daemon:
 
 
 _HERE = object()  # what _run returns when the command must run in its client
+
+
+def _run_in_client(conn: socket.socket) -> None:
+    """Reply that the client runs its command itself (this daemon stops, or is not its repository's)."""
+    send_frame(conn, END, json.dumps({"here": True}).encode())
 
 
 def _identity(root: Path) -> tuple[int, int] | None:
@@ -324,7 +329,7 @@ def _turn_away(listener: socket.socket, commands: queue.Queue) -> None:
             break
         if item is not None:
             with item[0] as conn, contextlib.suppress(OSError):
-                send_frame(conn, END, json.dumps({"here": True}).encode())
+                _run_in_client(conn)
     listener.setblocking(False)
     while True:
         try:
@@ -334,7 +339,7 @@ def _turn_away(listener: socket.socket, commands: queue.Queue) -> None:
         with conn, contextlib.suppress(OSError, ValueError):
             conn.settimeout(REQUEST_TIMEOUT_SECONDS)
             receive_frame(conn)
-            send_frame(conn, END, json.dumps({"here": True}).encode())
+            _run_in_client(conn)
 
 
 @contextlib.contextmanager
