@@ -229,8 +229,8 @@ class S3ObjectStore:
     def _fetch(self, oid: ObjectId) -> memoryview:
         import obstore
 
-        with self._errors(oid):  # the body streams in .bytes(): a server lost mid-body fails there
-            data = memoryview(obstore.get(self._client, self.key(oid)).bytes())
+        # the body streams in .bytes(): read inside call's error mapping, so a server lost mid-body is one line
+        data = memoryview(self.call(lambda client, key: obstore.get(client, key).bytes(), oid))
         if object_id(data) != oid:
             raise CorruptObjectError(oid, f"corrupted (the {len(data)} bytes {self.url} returned do not match "
                                           "its hash)")
