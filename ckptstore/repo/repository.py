@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from ckptstore.repo.progress import Progress
 
 
-
 class Repository:
     """A checkpoint repository: its objects in a store, its metadata in a database, both named by its config."""
 
