@@ -24,7 +24,7 @@ import numpy as np
 
 from ckptstore.codecs import codebook
 from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols
-from ckptstore.codecs.floats import from_float32, itemsize, round_to_bfloat16, rounding_error, to_float32
+from ckptstore.codecs.floats import from_float32, itemsize, overflows, round_to_bfloat16, rounding_error, to_float32
 from ckptstore.errors import CodecError, NonFiniteError, UnquantizableError
 
 MAGIC, MAGIC_V1 = b"DZ2", b"DZ1"
@@ -49,10 +49,11 @@ def quantize(values: np.ndarray, step: float, rounding: float) -> np.ndarray:
     return (np.sign(values) * levels).astype(np.int32)
 
 
-def finite(rebuilt: np.ndarray) -> np.ndarray:
-    """`rebuilt` (a reconstruction of finite values, float32), refused if it overflowed to infinity."""
-    if not np.isfinite(rebuilt).all():
-        raise UnquantizableError("the reconstruction overflows float32 (values near its largest)")
+def finite(rebuilt: np.ndarray, dtype: str) -> np.ndarray:
+    """`rebuilt` (a float32 reconstruction of finite values), refused if it overflows `dtype`."""
+    if overflows(rebuilt, dtype):
+        raise UnquantizableError(f"the reconstruction overflows {dtype.removeprefix('torch.')} "
+                                 "(values near its largest)")
     return rebuilt
 
 
@@ -72,7 +73,7 @@ def _rebuild(update: np.ndarray, base: np.ndarray | None, dtype: str, encoding: 
     """
     if base is not None:
         update = to_float32(base, dtype) + update
-    return from_float32(finite(update) if encoding else update, dtype)
+    return from_float32(finite(update, dtype) if encoding else update, dtype)
 
 
 def chunk_step(target: np.ndarray, params: dict[str, Any], residual: bool) -> float:

@@ -18,6 +18,21 @@ except ImportError:  # built without a C compiler: numpy below, same bits
     native = None
 
 LOSSY_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16")
+# float32 magnitudes that round to infinity (at or above) and to zero (at or below) in each lossy
+# dtype, rounding to nearest even: float16's largest is 65504, bfloat16's smallest is 2**-133.
+_ROUNDS_TO_INF = {"torch.float16": 65520.0, "torch.bfloat16": 2.0**127 * (2 - 2.0**-8), "torch.float32": math.inf}
+_ROUNDS_TO_ZERO = {"torch.float16": 2.0**-25, "torch.bfloat16": 2.0**-134, "torch.float32": 0.0}
+
+
+def overflows(values: np.ndarray, dtype: str) -> bool:
+    """Whether float32 `values` hold one that is not finite once rounded to `dtype` (NaN included)."""
+    limit = _ROUNDS_TO_INF[dtype]
+    return not (np.isfinite(values) if limit == math.inf else np.abs(values) < limit).all()
+
+
+def underflows(values: np.ndarray, dtype: str) -> bool:
+    """Whether non-zero float32 `values` hold one that rounds to zero in `dtype`."""
+    return bool((np.abs(values) <= _ROUNDS_TO_ZERO[dtype]).any())
 
 
 def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 import zstandard
 
 from ckptstore.codecs.entropy import decode_sparse, decode_symbols, decompress_at_most, encode_symbols
-from ckptstore.codecs.floats import from_float32, itemsize, rounding_error, to_float32
+from ckptstore.codecs.floats import from_float32, itemsize, overflows, rounding_error, to_float32, underflows
 from ckptstore.errors import CodecError, NonFiniteError, UnquantizableError
 
 MAGIC = b"LG1"
@@ -88,7 +88,7 @@ class LogMomentCodec:
         mask = zstandard.ZstdCompressor(level=3).compress(np.packbits(zero).tobytes())
         payload = (_HEAD.pack(MAGIC, base is not None, median, len(mask)) + mask
                    + encode_symbols(residual[~zero]))
-        return payload, self._reconstruct(predicted + residual, zero, params)
+        return payload, self._reconstruct(predicted + residual, zero, params, encoding=True)
 
     def encode(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any]) -> bytes:
         return self.encode_lossy(data, base, params)[0]
@@ -120,10 +120,20 @@ class LogMomentCodec:
         return np.where(usable, levels_of(previous, int(params["k"])), median), usable
 
     @staticmethod
-    def _reconstruct(levels: np.ndarray, zero: np.ndarray, params: dict[str, Any]) -> np.ndarray:
+    def _reconstruct(levels: np.ndarray, zero: np.ndarray, params: dict[str, Any], encoding: bool = False
+                     ) -> np.ndarray:
+        """The levels' values in the dtype.
+
+        `encoding`: refused where a level's value is beyond the dtype (a second moment would come
+        back as zero or infinity), so that none is ever stored.
+        """
         values = values_of(levels, int(params["k"]))
+        dtype = params["dtype"]
+        if encoding and (overflows(values, dtype) or underflows(values[~zero], dtype)):
+            raise UnquantizableError(f"log2moment: a second moment's level rounds to zero or infinity in "
+                                     f"{dtype.removeprefix('torch.')} (values near the ends of its range)")
         values[zero] = 0
-        return from_float32(values, params["dtype"])
+        return from_float32(values, dtype)
 
     def _head(self, payload: bytes) -> tuple[int, int, int]:
         if len(payload) < _HEAD.size or payload[:3] != MAGIC:

@@ -85,7 +85,7 @@ class NormalizedMomentCodec:
     def _reconstruct(levels: np.ndarray, scale: np.ndarray, step: float, params: dict[str, Any],
                      encoding: bool = False) -> np.ndarray:
         update = dequantize(levels, step) * scale
-        return from_float32(finite(update) if encoding else update, params["dtype"])
+        return from_float32(finite(update, params["dtype"]) if encoding else update, params["dtype"])
 
     def needs_base(self, payload: bytes) -> bool:
         self._head(payload, {})

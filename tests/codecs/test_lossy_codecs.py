@@ -20,7 +20,7 @@ from ckptstore.codecs.entropy import (
     encode_symbols,
 )
 from ckptstore.codecs.floats import from_float32, to_float32
-from ckptstore.errors import CodecError
+from ckptstore.errors import CodecError, UnquantizableError
 
 _HEAD_DZ = 8  # deadzone header: magic, has-base flag, step
 RNG = np.random.default_rng(0)
@@ -210,6 +210,25 @@ def test_log_moment_codec_relative_error_and_zeros():
         payload2, recon2 = codec.encode_lossy(later.view(np.uint8), recon, params)
         assert codec.needs_base(payload2) and len(payload2) <= len(payload)
         assert codec.decode(payload2, recon.copy(), params, recon.size).tobytes() == recon2.tobytes()
+
+
+@pytest.mark.parametrize("dtype, value, k", [
+    ("torch.float32", 2.0**-149, -3),  # float32's smallest: the 8-octave grid puts it at 2**-152
+    ("torch.bfloat16", 2.0**-133, -3),  # bfloat16's smallest
+    ("torch.float16", 60_000.0, -1),  # the 2-octave grid rounds it to 2**16: float16 has no such value
+])
+def test_log_moment_refuses_a_level_the_dtype_cannot_hold_instead_of_storing_zero_or_inf(dtype, value, k):
+    codec = get_codec("log2moment")
+    v = np.exp2(RNG.uniform(-12, -8, 4096)).astype(np.float32)
+    v[:3] = value
+    with pytest.raises(UnquantizableError, match="rounds to zero or infinity in " + dtype.removeprefix("torch.")):
+        codec.encode_lossy(_raw(v, dtype), None, {"dtype": dtype, "k": k})
+
+
+def test_deadzone_refuses_a_reconstruction_that_overflows_float16_and_names_float16():
+    params = {"dtype": "torch.float16", "step": 4096.0, "rounding": 0.5}
+    with pytest.raises(UnquantizableError, match="overflows float16"):  # 65000 rounds to 16 steps: 65536
+        get_codec("deadzone").encode_lossy(_raw(np.full(64, 65000.0, np.float32), "torch.float16"), None, params)
 
 
 def test_normalized_moment_codec_is_relative_to_the_second_moment():

@@ -485,6 +485,26 @@ def test_a_second_moment_with_negative_entries_is_committed_lossless_with_a_warn
         assert_same(repo.checkout(cid), state)
 
 
+@pytest.mark.parametrize("dtype, v_range, end", [(torch.bfloat16, (-120, -100), 2.0**-133),
+                                                 (torch.float16, (12, 15), 60_000.0)])
+def test_a_second_moment_at_the_ends_of_its_dtype_is_committed_lossless_not_zeroed_or_infinite(tmp_path, dtype,
+                                                                                           v_range, end):
+    """`extreme`'s 8-octave grid would round bfloat16's tiniest v to zero; float16 v near 65504 to infinity."""
+    generator = torch.Generator().manual_seed(0)
+    v = torch.exp2(torch.empty(128, 64).uniform_(*v_range, generator=generator))
+    v.view(-1)[:3] = end
+    v = v.to(dtype)
+    state = {"model": {"w": (torch.randn(128, 64, generator=generator) * 0.02).to(dtype)},
+             "optimizer": {"state": {0: {"step": torch.tensor(5.0), "exp_avg_sq": v,
+                                         "exp_avg": (torch.randn(128, 64, generator=generator) * v.float().sqrt()
+                                                     * 0.5).to(dtype)}},
+                           "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "params": [0]}]}}
+    with Repository.init(tmp_path) as repo, pytest.warns(RuntimeWarning, match="rounds to zero or infinity"):
+        cid = repo.commit(state, lossy="extreme")
+        assert repo.commit_info(cid).lossy is None
+        assert_same(repo.checkout(cid), state)
+
+
 def test_a_weight_of_tiny_magnitude_keeps_the_same_relative_bound(tmp_path):
     """Squares of values below 1e-19 underflow float32: the bound check must not read them as zero error."""
     weight = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
