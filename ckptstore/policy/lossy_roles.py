@@ -50,6 +50,8 @@ def classify(ctx: PlanContext, path: str, raw: RawTensor) -> tuple[Role, Subject
             return Role.LOSSLESS, Subject(path, raw, slot)
         return _weight(ctx, Subject(path, raw, slot, importance=slot.exp_avg_sq if ctx.optimizer.certain else None))
     if role == "momentum_buffer":
+        if slot.other_state:  # another optimizer's buffer (RMSprop's): SGD's bound does not hold for it
+            return Role.LOSSLESS, Subject(path, raw, slot)
         return _sgd_momentum(ctx, Subject(path, raw, slot))
     if role == "exp_avg_sq":
         return _second_moment(ctx, Subject(path, raw, slot))

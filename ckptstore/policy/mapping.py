@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from ckptstore.state import RawTensor, key_component
 
 _STATE = re.compile(r"^(?:(.*)/)?state/(\d+)/(exp_avg|exp_avg_sq|momentum_buffer)$")
+_ANY_STATE = re.compile(r"^(?:(.*)/)?state/(\d+)/([^/]+)$")
+_ADAM_OR_SGD = {"exp_avg", "exp_avg_sq", "momentum_buffer", "step"}
 _NO_DECAY = re.compile(r"bias|norm|(^|[._/])ln(_\w+)?([._/]|$)", re.IGNORECASE)
 FLOATS = ("torch.float32", "torch.float16", "torch.bfloat16", "torch.float64")
 
@@ -30,6 +32,9 @@ class ParamSlots:
     exp_avg_sq: str | None = None
     momentum_buffer: str | None = None
     lr: float | None = None  # its param group's learning rate, when the checkpoint has it
+    # the state holds tensors neither Adam nor SGD keeps (RMSprop's square_avg): its momentum_buffer
+    # is that optimizer's, in other units than SGD's
+    other_state: bool = False
 
 
 @dataclass
@@ -141,12 +146,17 @@ def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str] | None 
     `param_lrs`) gives each its learning rate.
     """
     slots: dict[tuple[str, int], ParamSlots] = {}
+    other: set[tuple[str, int]] = set()
     for path in tensors:
         match = _STATE.match(path)
         if match:
             prefix, index, role = match.group(1) or "", int(match.group(2)), match.group(3)
             slot = slots.setdefault((prefix, index), ParamSlots(index, lr=(lrs or {}).get(index)))
             setattr(slot, role, path)
+        elif (match := _ANY_STATE.match(path)) and match.group(3) not in _ADAM_OR_SGD:
+            other.add((match.group(1) or "", int(match.group(2))))
+    for key in other & slots.keys():
+        slots[key].other_state = True
     if not slots:
         return OptimizerMap()
     prefixes = {prefix for prefix, _ in slots}

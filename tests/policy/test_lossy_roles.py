@@ -164,6 +164,21 @@ def test_sgd_momentum_and_its_weights_which_are_never_fast():
     assert plans["model/w.weight"].importance is None  # no second moment to judge pruning by
 
 
+def test_a_momentum_buffer_beside_another_optimizers_state_is_not_sgds_and_stays_lossless():
+    """RMSprop(momentum>0) keeps square_avg and a momentum_buffer in update units: SGD's bound is not its."""
+    level = level_named("balanced", fisher_allocation=False)
+    tensors = {"model/w.weight": _t(64, 64), "optimizer/state/0/momentum_buffer": _t(64, 64, seed=1, scale=0.1),
+               "optimizer/state/0/square_avg": _t(64, 64, seed=3, scale=1e-6),
+               "optimizer/state/0/step": RawTensor("torch.float32", (), np.zeros(1, np.float32).view(np.uint8))}
+    pairing = map_optimizer(tensors, ["w.weight"], [0], {0: 1e-3})
+    roles, _ = _roles_and_plans(tensors, {}, level, pairing)
+    assert roles["optimizer/state/0/momentum_buffer"] is Role.LOSSLESS
+    assert roles["optimizer/state/0/square_avg"] is Role.LOSSLESS
+    del tensors["optimizer/state/0/square_avg"]  # the same buffer with SGD's state alone is SGD's momentum
+    roles, _ = _roles_and_plans(tensors, {}, level, map_optimizer(tensors, ["w.weight"], [0], {0: 1e-3}))
+    assert roles["optimizer/state/0/momentum_buffer"] is Role.SGD_MOMENTUM
+
+
 def test_the_optimizer_level_keeps_weights_lossless_and_moments_follow_their_size():
     level = level_named("optimizer")
     assert not level.weights_lossy and level.moment_min_elements > 64
