@@ -112,6 +112,8 @@ class LossyLevel:
 
 
 _FRACTIONS = ("weight_rounding", "moment_rounding", "prune")
+# a v grid from 64 octaves per level (float32 spans 277) to 4096 levels per octave (past float32's 23 bits)
+_LOG2_RANGE = (-6, 12)
 _WRONG = object()
 
 
@@ -119,7 +121,7 @@ def _expected(name: str, kind: str) -> str:
     if kind.startswith("bool"):
         return "true or false"
     if kind.startswith("int"):
-        return "an integer" if name.endswith("log2") else "an integer >= 0"
+        return f"an integer from {_LOG2_RANGE[0]} to {_LOG2_RANGE[1]}" if name.endswith("log2") else "an integer >= 0"
     return "a number in [0, 1]" if name in _FRACTIONS else "a finite number >= 0"
 
 
@@ -132,7 +134,8 @@ def _knob_value(name: str, kind: str, value: Any) -> Any:
     if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
         return _WRONG
     if kind.startswith("int"):  # octaves (log2) may be negative: coarser
-        whole = value == int(value) and (name.endswith("log2") or value >= 0)
+        whole = value == int(value) and (_LOG2_RANGE[0] <= value <= _LOG2_RANGE[1] if name.endswith("log2")
+                                         else value >= 0)
         return int(value) if whole else _WRONG
     return float(value) if value >= 0 and (name not in _FRACTIONS or value <= 1) else _WRONG
 
@@ -163,12 +166,14 @@ LEVELS: dict[str, LossyLevel] = {
 }
 
 
-def level_named(name: str | LossyLevel | None, **overrides: Any) -> LossyLevel | None:
+def level_named(name: str | LossyLevel | None, /, **overrides: Any) -> LossyLevel | None:
     """The preset called `name` (None: lossless), with any knobs overridden."""
     if name is None or name in ("", "none", "lossless"):
         if overrides:
             raise CkptError("lossy knobs were given without a lossy level")
         return None
+    if "name" in overrides:  # the level's own name, not a knob
+        raise CkptError("unknown lossy knob 'name'")
     if isinstance(name, LossyLevel):
         return replace(name, **overrides)
     if name not in LEVELS:

@@ -46,12 +46,15 @@ def test_each_retry_at_least_halves_the_step_and_at_most_sixteenths_it(measured)
 
 @pytest.mark.parametrize("knob, value", [("max_weight_error", "abc"), ("max_weight_error", -1.0), ("prune", 5),
                                          ("weights_lossy", "maybe"), ("max_chain", -3), ("min_elements", 1.5),
-                                         ("moment_step", float("nan"))])
+                                         ("moment_step", float("nan")), ("v_levels_log2", 30),
+                                         ("fine_v_levels_log2", -40)])
 def test_a_knob_of_the_wrong_kind_or_range_is_refused_before_anything_is_encoded(knob, value):
     """A negative bound used to switch the level's promise off silently ('no bound' in ckpt show)."""
     with pytest.raises(CkptError, match=f"lossy knob {knob}="):
         level_named("balanced", **{knob: value})
     assert level_named("extreme", v_levels_log2=-3, prune=0.6, max_weight_error=0.0).prune == 0.6  # the presets' ranges
+    with pytest.raises(CkptError, match="unknown lossy knob 'name'"):  # the level's name is no knob
+        level_named("balanced", name="extreme")
     import numpy as np  # numpy scalars and what `--knob min_elements=1e4` parses to stand for plain numbers
 
     taken = level_named("balanced", min_elements=np.int64(1024), max_chain=1e1, codebooks=1, moment_step=np.float32(2))
