@@ -191,9 +191,8 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         manifest = Manifest(checkpoint.kind, checkpoint.files, {
             p: Entry(entries[p], raw.dtype, raw.shape) for p, raw in checkpoint.tensors.items()
         }, digests, level.name if level else None, done.pairing, _importance_note(done.fisher, done.plans))
-        if parent.manifest is not None and not options.allow_empty and manifest.same_content(parent.manifest):
-            raise NothingToCommitError(f"nothing changed since {parent.commit[:12]}: the checkpoint equals its "
-                                       "parent (use --allow-empty to record it anyway)")
+        if not options.allow_empty:
+            _refuse_unchanged(manifest, parent, level)
         manifest_bytes = manifest.to_bytes()
         manifest_oid = repo.store.put(manifest_bytes)
         sizes[manifest_oid] = len(manifest_bytes)
@@ -209,6 +208,27 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
                 file_rows.remember(tx, [(d, info.id, f.size) for f in checkpoint.files if (d := digests.get(f.name))])
         faults.point("commit:ref-moved")
     return after_commit(repo, info.id)  # [retention] in config.toml: prunes once the commit is recorded
+
+
+def _refuse_unchanged(manifest: Manifest, parent: _Parent, level: LossyLevel | None) -> None:
+    """NothingToCommitError when the commit would hold what its parent holds.
+
+    Not when the parent lost objects this commit stores again (committing the file anew repairs
+    it), nor at a lossy level when the files' own bytes changed: a checkpoint that moved less than
+    the level's steps stores the parent's values, and is still the next checkpoint.
+    """
+    if parent.manifest is None or not manifest.same_content(parent.manifest):
+        return
+    if parent.lost & {entry.tensor for entry in manifest.entries.values()}:
+        return
+    if level is not None and manifest.digests and manifest.digests != parent.manifest.digests:
+        return
+    if level is not None and not manifest.digests:  # a state has no bytes of its own to compare
+        what = f"at level {level.name!r} its stored values equal the parent's"
+    else:
+        what = "the checkpoint equals its parent"
+    raise NothingToCommitError(f"nothing changed since {parent.commit[:12]}: {what} (use --allow-empty to record "
+                               "it anyway)")
 
 
 def _encode_checked(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent,

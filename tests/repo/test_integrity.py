@@ -333,6 +333,24 @@ def test_committing_the_same_tensors_again_repairs_records_whose_objects_were_lo
         assert_same(state, repo.checkout(cid))
 
 
+def test_committing_heads_file_again_repairs_head_instead_of_saying_nothing_changed(repo, tmp_path):
+    """The guide's recovery: the file on disk is usually HEAD's own, so its commit equals its parent's content."""
+    first = _checkpoint(tmp_path / "a.pt", seed=0)
+    second = {**first, "w": first["w"] + 0.01, "step": 2}
+    torch.save(second, tmp_path / "b.pt")
+    c1 = repo.commit(tmp_path / "a.pt")
+    c2 = repo.commit(tmp_path / "b.pt")
+    w = repo.manifest(c2).entries["w"].tensor
+    with repo.db.read() as tx:
+        for (oid,) in tx.rows("SELECT object_id FROM tensor_chunks WHERE tensor_id = ?", (w,)):
+            repo.store.path_of(oid).unlink()
+    assert set(fsck(repo).broken_commits) == {c2}
+    c3 = repo.commit(tmp_path / "b.pt")
+    assert c3 != c2 and fsck(repo, full=True).ok
+    for cid, state in ((c1, first), (c2, second), (c3, second)):
+        assert_same(state, repo.checkout(cid))
+
+
 def test_fsck_reports_no_damage_a_gc_made_by_removing_commits_while_it_ran(tmp_path):
     """fsck takes no lock (a long --full would hold back gc and the commits behind it): it confirms damage last."""
     _checkpoint(tmp_path / "c.pt")

@@ -505,6 +505,27 @@ def test_a_second_moment_at_the_ends_of_its_dtype_is_committed_lossless_not_zero
         assert_same(repo.checkout(cid), state)
 
 
+def test_a_changed_file_whose_lossy_values_equal_the_parents_is_still_the_next_commit(tmp_path):
+    """A step that extreme's grid absorbs stores the parent's values; the file itself changed, so it commits."""
+    from safetensors.torch import save_file
+
+    rng = np.random.default_rng(4)
+    rng.standard_normal((64, 128)), rng.uniform(), rng.standard_normal((64, 128))  # the draws that found it
+    weight = torch.tensor(rng.standard_normal((64, 128)) * 0.02, dtype=torch.float32)
+    moved = weight + torch.tensor(rng.standard_normal((64, 128)) * 0.02 * 0.0146, dtype=torch.float32)
+    save_file({"w": weight}, tmp_path / "m.safetensors")
+    with Repository.init(tmp_path / "repo") as repo:
+        first = repo.commit(tmp_path / "m.safetensors", lossy="extreme")
+        save_file({"w": moved}, tmp_path / "m.safetensors")
+        second = repo.commit(tmp_path / "m.safetensors", lossy="extreme", step=2)
+        assert second != first and repo.manifest(second).entries == repo.manifest(first).entries
+        with pytest.raises(NothingToCommitError, match="the checkpoint equals its parent"):
+            repo.commit(tmp_path / "m.safetensors", lossy="extreme")  # the same file again
+        repo.commit({"w": weight}, lossy="extreme")
+        with pytest.raises(NothingToCommitError, match="at level 'extreme' its stored values equal the parent's"):
+            repo.commit({"w": moved}, lossy="extreme")  # a state has no bytes of its own to tell
+
+
 def test_a_weight_of_tiny_magnitude_keeps_the_same_relative_bound(tmp_path):
     """Squares of values below 1e-19 underflow float32: the bound check must not read them as zero error."""
     weight = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
