@@ -10,5 +10,5 @@ HEADERS = [f"ckptstore/codecs/{name}.h" for name in ("_interleave", "_simd", "_z
 
 setup(ext_modules=[Extension(f"ckptstore.codecs.{name}", [f"ckptstore/codecs/{name}.c"], depends=HEADERS,
                              extra_compile_args=["-O3"], optional=True) for name in ("_planes", "_lossy", "_huffman")]
-           + [Extension("ckptstore.formats._pickscan", ["ckptstore/formats/_pickscan.c"], extra_compile_args=["-O3"],
-                        optional=True)])
+           + [Extension(f"ckptstore.formats.{name}", [f"ckptstore/formats/{name}.c"], extra_compile_args=["-O3"],
+                        optional=True) for name in ("_pickscan", "_sigbus")])

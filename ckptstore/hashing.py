@@ -64,15 +64,8 @@ def commit_id(canonical_record: bytes) -> CommitId:
     return CommitId(_hasher(canonical_record).hexdigest())
 
 
-def file_digest(path: str) -> str:
-    """blake3 of a file's bytes, hashed from a memory map on all cores."""
-    hasher = _hasher(threads=blake3.blake3.AUTO)
-    hasher.update_mmap(path)
-    return hasher.hexdigest()
-
-
 def bytes_digest(data: bytes | memoryview) -> str:
-    """`file_digest` of a file holding `data`."""
+    """blake3 of `data` on all cores: a whole file's digest (formats/filemap.py's `file_digest`)."""
     return _hasher(data, threads=blake3.blake3.AUTO).hexdigest()
 
 

@@ -323,3 +323,20 @@ def test_the_socket_folder_is_the_first_that_exists_and_leaves_room_for_a_socket
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "short"))
     (tmp_path / "short").mkdir()
     assert daemon.private_folder() == tmp_path / "short" / f"ckptstore-{os.getuid()}"
+
+
+def test_a_checkpoint_cut_short_while_the_daemon_commits_it_is_refused_and_the_daemon_serves_on(served):
+    """A SIGBUS from reading the cut file's map used to kill the daemon itself (formats/filemap.py)."""
+    from ckptstore.formats import filemap
+    from tests.repo.test_commit_truncated import commit_while_cut_short
+
+    if not filemap.native:
+        pytest.skip("the native _sigbus module is not built")
+    _save(served / "a.pt", 6)
+    whole = (served / "a.pt").read_bytes()
+    result = commit_while_cut_short(served, "a.pt", served / "a.pt")
+    assert result.returncode == 1 and "changed while it was being committed" in result.stderr, result.stderr
+    assert _served_count(served) == 1  # the same daemon, alive
+    assert ckpt(served, "log").stdout.strip() == "" and "ok" in ckpt(served, "fsck").stdout
+    (served / "a.pt").write_bytes(whole)
+    assert ckpt(served, "commit", "a.pt").returncode == 0 and _served_count(served) == 2

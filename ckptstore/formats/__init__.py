@@ -13,10 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ckptstore.errors import CheckpointFormatError, PickledObjectsError, UnsupportedStateError
-from ckptstore.formats import safetensors_file, torchcontainer, torchfile, torchzip
+from ckptstore.formats import filemap, safetensors_file, torchcontainer, torchfile, torchzip
 from ckptstore.formats.atomic import write_parts
 from ckptstore.formats.folder import MODE_BITS, folder_files
 from ckptstore.state import RawTensor, escape, flatten, join, raw_from_bytes, unflatten
@@ -72,8 +70,7 @@ def from_state(obj: Any) -> Checkpoint:
 
 
 def _read_blob(path: Path, prefix: str) -> tuple[Any, dict[str, RawTensor]]:
-    size = path.stat().st_size
-    data = np.memmap(path, dtype=np.uint8, mode="r") if size else np.empty(0, dtype=np.uint8)
+    data = filemap.array(path)
     entry = join(prefix, BLOB_PATH)
     return ["blob", entry], {entry: raw_from_bytes(data)}
 

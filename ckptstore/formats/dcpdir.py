@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ckptstore.errors import CheckpointFormatError, CorruptRecordError, PickledObjectsError
-from ckptstore.formats import dcpmeta
+from ckptstore.formats import dcpmeta, filemap
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.state import RawTensor, materialize, raw_from_bytes, raw_from_torch, unflatten
 
@@ -183,8 +183,7 @@ def _slice(root: Path, files: dict[str, np.ndarray], metadata: Metadata, index: 
                                         "ckptstore follows only links that stay inside; copy the file in instead")
         if not file.is_file():
             raise CheckpointFormatError(f"{file} is missing: the DCP directory is incomplete")
-        files[info.relative_path] = np.memmap(file, dtype=np.uint8, mode="r") if file.stat().st_size else \
-            np.empty(0, dtype=np.uint8)
+        files[info.relative_path] = filemap.array(file)
     data = files[info.relative_path]
     if info.offset < 0 or info.length < 0 or info.offset + info.length > data.size:
         raise CheckpointFormatError(f"{root / info.relative_path} is shorter than its metadata says "

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ckptstore.errors import CheckpointFormatError, UnsupportedStateError
+from ckptstore.formats import filemap
 from ckptstore.formats.atomic import write_parts
 from ckptstore.state import BYTES_DTYPE, INT64_END, TORCH_ITEMSIZE, RawTensor, join, raw_from_bytes, reserved_path
 
@@ -50,7 +51,7 @@ def read(path: str | os.PathLike, prefix: str) -> tuple[Any, dict[str, RawTensor
     """
     path = Path(path)
     size = path.stat().st_size
-    data = np.memmap(path, dtype=np.uint8, mode="r") if size else np.empty(0, dtype=np.uint8)
+    data = filemap.array(path)
     header, start = _header(path, data, size)
     tensors = {reserved_path(prefix, HEADER_PATH): raw_from_bytes(np.array(data[:start]))}
     spans = sorted(_span(path, name, info, size - start) for name, info in header.items() if name != "__metadata__")

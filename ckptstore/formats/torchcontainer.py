@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ckptstore.errors import CkptError
+from ckptstore.formats import filemap
 from ckptstore.formats.atomic import write_parts
 from ckptstore.formats.torchfile import ZIP_ERRORS
 from ckptstore.state import RawTensor, raw_from_bytes, reserved_path
@@ -100,9 +101,10 @@ def split(path: Path, prefix: str, tensors: dict[str, RawTensor], covers: dict[s
     torch-free reader knows it from the tensors' views); without it, records are matched to the
     tensors by size and then content.
     """
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    data = filemap.open_map(path)
+    if data is None:
+        return None
+    size = len(data)
     try:
         return _split(data, size, zipfile.ZipFile(path), prefix, tensors, covers)
     except ZIP_ERRORS:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ckptstore.errors import CheckpointFormatError, CkptError, PickledObjectsError
+from ckptstore.formats import filemap
 from ckptstore.formats.atomic import atomic_write
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -77,10 +78,10 @@ def load(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
         raise CheckpointFormatError(f"{path} is not a torch.save file (no zip or pickle header)")
     mmap = _mappable(path)
     if trust_pickle:
-        return _load_trusted(torch, path, mmap)
+        return _adopted(path, mmap, _load_trusted(torch, path, mmap))
     try:
         with torch.serialization.safe_globals(numpy_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return _adopted(path, mmap, torch.load(path, map_location="cpu", weights_only=True, mmap=mmap))
     except pickle.UnpicklingError as exc:
         raise refused(path, str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - torch's loader raises IndexError, KeyError, struct.error... on damage
@@ -88,6 +89,18 @@ def load(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
         raise CheckpointFormatError(
             f"{path} is not a readable torch.save file (truncated or corrupted?): {reason}"
         ) from None
+
+
+def _adopted(path: Path, mapped: bool, state: Any) -> Any:
+    """`state`, with torch's map of `path` (its tensors' bytes) registered in the thread's guard (filemap.py).
+
+    torch maps the file itself: the few reads while it loads stay unguarded, the hashing and
+    encoding of its tensors afterwards do not.
+    """
+    active = filemap.current()
+    if mapped and active is not None:
+        active.adopt(path)
+    return state
 
 
 # What Python's zipfile raises on damaged archives (a multi-disk or version field gone wrong

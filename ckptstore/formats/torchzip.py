@@ -21,7 +21,6 @@ itself is a refusal: a global that torch's loader refuses too, with the same err
 from __future__ import annotations
 
 import math
-import mmap
 import pickle
 import pickletools
 import struct
@@ -38,6 +37,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ckptstore.errors import CheckpointFormatError, UnsupportedStateError
+from ckptstore.formats import filemap
 from ckptstore.formats.torchfile import numpy_safe_globals, refused
 from ckptstore.state import INT64_END, TORCH_ITEMSIZE, TORCH_PREFIX, FlatState, RawTensor, _Flattener
 
@@ -369,7 +369,7 @@ class _Archive:
         top = names[0].split("/", 1)[0] + "/"  # torch's reader takes the folder of the first entry
         self.zf, self.handle, self.size = zf, handle, size
         # a private (copy-on-write) map: writable arrays like torch's mmap gives, the file untouched
-        self.base = np.frombuffer(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY), dtype=np.uint8)
+        self.base = filemap.array(handle.name, writable=True)
         self.records = {i.filename[len(top):]: i for i in zf.infolist() if i.filename.startswith(top)}
         # torch's zip reader finds records ignoring case (and takes the first of a name): where names
         # collide so, the two readers could take different bytes, so torch reads the file

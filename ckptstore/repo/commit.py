@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults, formats
 from ckptstore.errors import CheckpointFormatError, CkptError, NonFiniteError, NothingToCommitError, UnquantizableError
+from ckptstore.formats import filemap
 from ckptstore.formats.atomic import changed_while_read, file_stamp
 from ckptstore.formats.dcpmeta import is_dcp_dir
+from ckptstore.formats.filemap import file_digest
 from ckptstore.formats.folder import folder_files
-from ckptstore.hashing import CommitId, ObjectId, TensorId, bytes_digest, file_digest, tensor_id
+from ckptstore.hashing import CommitId, ObjectId, TensorId, bytes_digest, tensor_id
 from ckptstore.metadata import Tx
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import files as file_rows
@@ -169,21 +171,24 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         return commit_dir(repo, source, options, level if lossy.level is not None else None)
     measured = _measured_fisher(lossy, level)
     with repo.lock(), no_cyclic_gc():
-        source_path, checkpoint, digests, stamps = _read_source(repo, source, options.trust_pickle)
-        sources = _tensor_ids(repo, checkpoint.tensors)
-        guard = calibrate.loss_guard(lossy.calibration, lossy.model, lossy.max_loss_change, level, checkpoint)
-        with repo.db.read() as tx:
-            parent = _parent(repo, tx, options.branch, checkpoint.tensors, sources)
-        try:
-            done, change = _encode_checked(repo, checkpoint, parent, sources, level, lossy, measured, progress,
-                                           guard)
-        except UnquantizableError as exc:  # a diverged run's checkpoint, say, is still worth keeping: whole
-            what = "holds NaN or infinite values" if isinstance(exc, NonFiniteError) else "cannot be quantized"
-            warnings.warn(f"the checkpoint {what} ({exc}): committed lossless instead of at level {level.name!r}",
-                          RuntimeWarning, stacklevel=2)
-            level = None
-            done, change = _encode_checked(repo, checkpoint, parent, sources, None, lossy, measured, progress, None)
-        _settle_changed(checkpoint, stamps, digests, sources)  # after every byte was read: a save writing is torn
+        with filemap.guard():  # a file cut short meanwhile: its maps read zeros (not SIGBUS) and it is refused
+            source_path, checkpoint, digests, stamps = _read_source(repo, source, options.trust_pickle)
+            faults.point("commit:read")  # parsed and hashed whole; the tensors' bytes are read next
+            sources = _tensor_ids(repo, checkpoint.tensors)
+            guard = calibrate.loss_guard(lossy.calibration, lossy.model, lossy.max_loss_change, level, checkpoint)
+            with repo.db.read() as tx:
+                parent = _parent(repo, tx, options.branch, checkpoint.tensors, sources)
+            try:
+                done, change = _encode_checked(repo, checkpoint, parent, sources, level, lossy, measured, progress,
+                                               guard)
+            except UnquantizableError as exc:  # a diverged run's checkpoint, say, is still worth keeping: whole
+                what = "holds NaN or infinite values" if isinstance(exc, NonFiniteError) else "cannot be quantized"
+                warnings.warn(f"the checkpoint {what} ({exc}): committed lossless instead of at level "
+                              f"{level.name!r}", RuntimeWarning, stacklevel=2)
+                level = None
+                done, change = _encode_checked(repo, checkpoint, parent, sources, None, lossy, measured, progress,
+                                               None)
+            _settle_changed(checkpoint, stamps, digests, sources)  # after every byte was read: a save is torn
         entries, encoded, sizes = done.entries, done.records, done.sizes
         if change is not None:
             options = replace(options, metrics={**options.metrics, calibrate.CALIBRATION_METRIC: change * 100})
@@ -307,7 +312,7 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
     excluded = [repo.dir, *([store] if (store := getattr(repo.store, "root", None)) else [])]
     on_disk = [path] if path.is_file() else [f.path for f in folder_files(path, excluded)]
     stamps = {p: file_stamp(p) for p in on_disk}
-    pending = {p: repo.pool.submit(file_digest, str(p)) for p in on_disk}
+    pending = {p: repo.pool.submit(file_digest, str(p), filemap.current()) for p in on_disk}
     checkpoint = formats.read_checkpoint(path, trust_pickle, exclude=excluded)
     digests, stamped = {}, {}
     for record in checkpoint.files:
@@ -328,8 +333,12 @@ def _settle_changed(checkpoint: formats.Checkpoint, stamps: Mapping[str, tuple[P
 
     A plain file (a log the run appends to) keeps the bytes read, with their digest, where they are
     still what was hashed at the start: the file was replaced, or grew. One rewritten in place or
-    cut shorter is refused too (reading its map past a new end would kill the process).
+    cut shorter is refused too, as is any file whose map was read past a new end (filemap.py: zeros
+    were read in place of its bytes, where without the guard the process would have died of SIGBUS).
     """
+    cut = active.faulted() if (active := filemap.current()) is not None else []
+    if cut:
+        raise changed_while_read(cut[0])
     for record in checkpoint.files:
         path, before = stamps.get(record.name, (None, None))
         now = file_stamp(path) if path is not None else before

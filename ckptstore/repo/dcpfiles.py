@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from ckptstore.errors import CkptError, NothingToCommitError
+from ckptstore.formats import filemap
 from ckptstore.formats.atomic import changed_while_read, file_stamp
 from ckptstore.hashing import CommitId
 from ckptstore.repo import sharded
@@ -53,13 +54,14 @@ def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions
     with repo.lock(), no_cyclic_gc():
         metadata, data_files = Path(path) / dcpdir.METADATA, []
         stamps = {metadata: file_stamp(metadata)}
-        described, items = dcpdir.read(path, options.trust_pickle, data_files)
-        stamps.update((p, file_stamp(p)) for p in data_files)  # before any of their bytes is read
-        start = sharded.where_to(repo, options.branch)
-        parent = start.commit
-        written: list[sharded.WrittenShard] = []
-        for batch in _batches(items, lambda raw: raw.nbytes):
-            written += sharded.write_shards(repo, parent, batch)
+        with filemap.guard():  # a data file cut short while read: refused (changed_while_read), not SIGBUS
+            described, items = dcpdir.read(path, options.trust_pickle, data_files)
+            stamps.update((p, file_stamp(p)) for p in data_files)  # before any of their bytes is read
+            start = sharded.where_to(repo, options.branch)
+            parent = start.commit
+            written: list[sharded.WrittenShard] = []
+            for batch in _batches(items, lambda raw: raw.nbytes):
+                written += sharded.write_shards(repo, parent, batch)
         if parent is not None and not options.allow_empty:
             before = repo.manifest(parent)
             if before.dcp is not None and before.entries == {w.key: w.entry for w in written}:

@@ -45,9 +45,10 @@ from ckptstore.errors import (
     explain,
 )
 from ckptstore.formats.atomic import atomic_write
+from ckptstore.formats.filemap import file_digest
 from ckptstore.formats.folder import is_temp_name
 from ckptstore.formats.torchfile import zip_not_whole
-from ckptstore.hashing import file_digest, object_id
+from ckptstore.hashing import object_id
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository

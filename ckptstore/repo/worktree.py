@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults
 from ckptstore.errors import CkptError, DirtyWorktreeError
-from ckptstore.hashing import CommitId, file_digest
+from ckptstore.formats.filemap import file_digest
+from ckptstore.hashing import CommitId
 from ckptstore.metadata import files as file_rows
 from ckptstore.repo import journal
 

@@ -1,0 +1,70 @@
+"""Guarded file maps (formats/filemap.py): a file cut short under a guarded map reads zeros and is refused.
+
+Each case runs in a process of its own: an unguarded read past a file's new end is a SIGBUS,
+which would kill pytest.
+"""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ckptstore.formats import filemap
+
+ROOT = Path(__file__).resolve().parents[2]
+SIGBUS = -7
+
+pytestmark = pytest.mark.skipif(not filemap.native, reason="the native _sigbus module is not built")
+
+
+def _run(script: str, path: Path) -> subprocess.CompletedProcess:
+    path.write_bytes(bytes(range(256)) * 4096)  # 1 MiB, no zero page in it
+    code = "import mmap, os\nfrom ckptstore.formats import filemap\npath = " + repr(str(path)) + "\n"
+    return subprocess.run([sys.executable, "-c", code + textwrap.dedent(script)], capture_output=True, text=True,
+                          timeout=60, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def test_a_file_cut_short_under_a_guarded_map_reads_zeros_and_the_guard_refuses_it(tmp_path):
+    result = _run("""
+        from ckptstore.errors import CheckpointFormatError
+        try:
+            with filemap.guard():
+                data = filemap.array(path)
+                first = int(data[300])
+                os.truncate(path, 0)  # the trainer's next torch.save opens the file with "wb"
+                print(first, int(data[300]), int(data[-1]))
+        except CheckpointFormatError as exc:
+            print(exc)
+    """, tmp_path / "f.bin")
+    assert result.returncode == 0, result.stderr
+    values, error = result.stdout.splitlines()
+    assert values == "44 0 0"
+    assert error.startswith(f"{tmp_path / 'f.bin'} changed while it was being committed")
+
+
+def test_a_guard_names_the_files_whose_maps_were_read_past_their_end(tmp_path):
+    result = _run("""
+        filemap.guard().__enter__()  # installs the handler
+        guard = filemap.Guard()
+        data, slot = filemap._open(path, False, guard)
+        os.truncate(path, 0)
+        print(bytes(data[:4]) == bytes(4), len(guard.faulted()))
+        guard.close()
+    """, tmp_path / "f.bin")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "1"]
+
+
+def test_a_map_not_registered_still_dies_of_sigbus_with_the_handler_installed(tmp_path):
+    result = _run("""
+        with filemap.guard():
+            filemap.array(path)[0]  # the handler is installed now, and stays
+        with open(path, "rb") as handle:
+            data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        os.truncate(path, 0)
+        print(data[300])
+    """, tmp_path / "f.bin")
+    assert result.returncode == SIGBUS, (result.returncode, result.stdout, result.stderr)
+    assert result.stdout == ""

@@ -1,0 +1,92 @@
+"""A checkpoint cut short while a commit reads it (the trainer's next torch.save): refused, not a SIGBUS.
+
+The commit reads through memory maps; before formats/filemap.py's guard, touching a page past the
+file's new end killed the commit process (the daemon, under `ckpt daemon`) with SIGBUS. The
+commit runs as `ckpt commit` in a process of its own, held at the fault point `commit:read`
+(parsed and hashed, tensors not yet read) while the test truncates the file.
+"""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ckptstore import Repository
+from ckptstore.formats import filemap
+from ckptstore.repo import fsck
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(not filemap.native, reason="the native _sigbus module is not built")
+
+
+def _ckpt(cwd: Path, *args: str, **env: str) -> subprocess.Popen:
+    environ = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    environ.pop("CKPT_REPO", None)
+    return subprocess.Popen([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=environ, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _wait_for(path: Path, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def commit_while_cut_short(root: Path, source: str, victim: Path) -> subprocess.CompletedProcess:
+    """`ckpt commit source`, with `victim` truncated (as torch.save(..., victim) does first) mid-commit."""
+    gate = root.parent / "gate"
+    process = _ckpt(root, "commit", source, CKPT_WAIT_AT=f"commit:read={gate}")
+    _wait_for(Path(f"{gate}.reached"), process)
+    open(victim, "wb").close()
+    gate.touch()
+    stdout, stderr = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def _torch_file(root: Path) -> tuple[str, Path]:
+    torch.save({"model": {"w": torch.randn(512, 512)}, "step": 3}, root / "ckpt.pt")
+    return "ckpt.pt", root / "ckpt.pt"
+
+
+def _safetensors_file(root: Path) -> tuple[str, Path]:
+    save_file({"w": torch.randn(512, 512), "b": torch.randn(512)}, root / "model.safetensors")
+    return "model.safetensors", root / "model.safetensors"
+
+
+def _folders_blob(root: Path) -> tuple[str, Path]:
+    folder = root / "run"
+    folder.mkdir()
+    save_file({"w": torch.randn(64, 64)}, folder / "model.safetensors")
+    (folder / "rng_state.bin").write_bytes(os.urandom(1 << 20))  # neither torch nor safetensors: a blob
+    return "run", folder / "rng_state.bin"
+
+
+@pytest.mark.parametrize("make", [_torch_file, _safetensors_file, _folders_blob])
+def test_a_checkpoint_cut_short_while_committed_is_refused_and_committed_whole_afterwards(tmp_path, make):
+    root = tmp_path / "repo"
+    Repository.init(root).close()
+    source, victim = make(root)
+    whole = victim.read_bytes()
+    result = commit_while_cut_short(root, source, victim)
+    assert result.returncode == 1, (result.returncode, result.stderr)  # -7 was SIGBUS
+    assert result.stderr.startswith(f"error: {victim} changed while it was being committed (is a save still "
+                                    "writing it?); nothing was recorded"), result.stderr
+    with Repository.open(root) as repo:
+        assert list(repo.log()) == []
+        assert fsck(repo).ok
+    victim.write_bytes(whole)  # the save finished
+    again = _ckpt(root, "commit", source)
+    assert again.wait(timeout=120) == 0, again.communicate()
+    with Repository.open(root) as repo:
+        (commit,) = repo.log()
+        out = repo.checkout_to(commit.id, tmp_path / "out")
+        assert (out if victim.parent == root else out / victim.name).read_bytes() == whole
+        assert fsck(repo).ok
