@@ -17,7 +17,7 @@ want="$(cat pyproject.toml setup.py ckptstore/codecs/_*.[ch] ckptstore/formats/_
 # The C extensions are checked too: they are built into the checkout, which may be a new clone.
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && "$VPY" -c \
     "import importlib.util, ckptstore, ckptstore.codecs._huffman, ckptstore.codecs._lossy, ckptstore.codecs._planes
-import ckptstore.formats._pickscan
+import ckptstore.formats._pickscan, ckptstore.formats._sigbus
 assert importlib.util.find_spec('torch')" >/dev/null 2>&1; then
   exit 0
 fi

@@ -17,12 +17,10 @@ import torch
 from safetensors.torch import save_file
 
 from ckptstore import Repository
-from ckptstore.formats import filemap
 from ckptstore.repo import fsck
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(not filemap.native, reason="the native _sigbus module is not built")
 
 
 def _ckpt(cwd: Path, *args: str, **env: str) -> subprocess.Popen:
