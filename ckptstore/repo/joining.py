@@ -23,8 +23,10 @@ if TYPE_CHECKING:
 SAMPLE = 8  # objects the metadata names that are looked for in the prefix: one found is enough
 
 
-def open_over_objects(root: Path, config: RepoConfig, create: bool) -> Repository:
+def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path | None = None) -> Repository:
     """The repository at `root` whose objects are at `config.objects_url`; `create`: start empty metadata.
+
+    `folder`: its `.ckpt` folder where that is not (yet) `root/.ckpt` (init builds it under another name).
 
     Metadata that holds a repository is joined only where some of its objects are in the prefix;
     an empty one gets a schema only over a prefix that holds no objects.
@@ -32,9 +34,10 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool) -> Repositor
     from ckptstore.repo.repository import Repository
 
     url = config.objects_url
-    store = open_store(url, root / REPO_DIR / "tmp", root / REPO_DIR)
+    folder = folder or root / REPO_DIR
+    store = open_store(url, folder / "tmp", folder)
     try:
-        repo = Repository(root, config, store=store)
+        repo = Repository(root, config, store=store, folder=folder)
     except MissingDatabaseError:
         if not create:
             raise
@@ -42,7 +45,7 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool) -> Repositor
             raise RepoExistsError(f"{url} already holds objects that no commit in this metadata names: join their "
                                   "repository with the --metadata URL it was made with, or choose another prefix"
                                   ) from None
-        created = Repository(root, config, store=store, create=True)
+        created = Repository(root, config, store=store, create=True, folder=folder)
         try:
             ensure_head(created)
         except BaseException:

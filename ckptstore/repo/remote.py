@@ -449,11 +449,10 @@ def clone(url: str, path: str | os.PathLike, metadata_url: str = "", lazy: bool 
         head_branch = refs.head(source)[0] or "main"
         if lazy:
             _refuse_lazy_origin(source.config, url)
-    if not _interrupted_clone_of(path, remote):
-        repo = Repository.init(path)
-        repo.config.remotes["origin"] = remote
-        repo.config.save(repo.dir / "config.toml")
-        repo.close()
+    if not _interrupted_clone_of(path, remote):  # origin is in the config from the start: a killed clone resumes
+        from ckptstore.repo.creation import create
+
+        create(Path(path).resolve(), RepoConfig(remotes={"origin": remote})).close()
     repo = Repository.open(path)
     try:
         fetch(repo, "origin")

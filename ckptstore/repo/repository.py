@@ -10,7 +10,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptstore.errors import CkptError, CorruptObjectError, RepoExistsError
+from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import CommitId, ObjectId
 from ckptstore.metadata import Database, absolute_url
 from ckptstore.metadata import commits as commit_rows
@@ -18,7 +18,6 @@ from ckptstore.metadata import refs as ref_rows
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.repo import journal, refs, warm
 from ckptstore.repo.config import RepoConfig
-from ckptstore.repo.joining import open_over_objects
 from ckptstore.repo.location import REPO_DIR, find_root, unwritable
 from ckptstore.repo.lock import repo_lock
 
@@ -35,9 +34,9 @@ class Repository:
     """A checkpoint repository: its objects in a store, its metadata in a database, both named by its config."""
 
     def __init__(self, root: Path, config: RepoConfig, store: ObjectStore | None = None, read_only: bool = False,
-                 why: str = "", create: bool = False) -> None:
+                 why: str = "", create: bool = False, folder: Path | None = None) -> None:
         self.root = root
-        self.dir = root / REPO_DIR
+        self.dir = folder or root / REPO_DIR  # `folder`: init's, built under another name (repo/creation.py)
         self.config = config
         objects = config.objects_url or "objects"  # a relative path is relative to .ckpt/
         self.store = store if store is not None else open_store(objects, self.dir / "tmp", self.dir)
@@ -70,38 +69,17 @@ class Repository:
 
         A `metadata_url` naming a server database that already holds a repository joins it: its
         refs and commits stay as they are (how a second machine opens a shared repository). If
-        the metadata cannot be opened, nothing is left behind, so the same command can run again.
+        the metadata cannot be opened, nothing is left behind, so the same command can run again;
+        nor if it is killed (repo/creation.py).
         """
         from ckptstore.policy import EncodingSettings, level_named
+        from ckptstore.repo.creation import create
 
-        root = Path(path).resolve()
-        if (root / REPO_DIR).exists():
-            raise RepoExistsError(f"{root / REPO_DIR} already exists")
         level_named(lossy or None)  # reject unknown names before creating anything
-        made_root = not root.exists()
-        try:
-            (root / REPO_DIR).mkdir(parents=True)
-        except OSError as exc:
-            raise CkptError(f"cannot create {root / REPO_DIR}: {exc.strerror or exc}") from None
-        repo = None
-        try:
-            # a relative SQLite path is taken from the current folder, as a shell user means it, and kept absolute
-            config = RepoConfig(encoding or EncodingSettings(), absolute_url(metadata_url, Path.cwd()), lossy=lossy,
-                                objects_url=objects_url)
-            config.save(root / REPO_DIR / "config.toml")
-            repo = open_over_objects(root, config, create=True) if objects_url else cls(root, config, create=True)
-            refs.ensure_head(repo)
-        except BaseException:
-            import shutil  # only here: it imports the compression modules
-
-            if repo is not None:
-                repo.close()
-            shutil.rmtree(root / REPO_DIR, ignore_errors=True)
-            if made_root:
-                with contextlib.suppress(OSError):  # only if nothing else arrived there meanwhile
-                    root.rmdir()
-            raise
-        return repo
+        # a relative SQLite path is taken from the current folder, as a shell user means it, and kept absolute
+        config = RepoConfig(encoding or EncodingSettings(), absolute_url(metadata_url, Path.cwd()), lossy=lossy,
+                            objects_url=objects_url)
+        return create(Path(path).resolve(), config)
 
     @classmethod
     def open(cls, path: str | os.PathLike | None = None, read_only: bool | None = None) -> Repository:

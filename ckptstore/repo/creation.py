@@ -1,0 +1,103 @@
+"""Making a repository's `.ckpt` folder whole or not at all (init, clone).
+
+The folder is built under a temporary name beside where it goes (config, then the metadata
+schema and HEAD) and renamed into place only once complete. An init or clone killed meanwhile
+(SIGKILL, a power cut) leaves no `.ckpt`, so no command mistakes the half-made folder for a
+damaged repository, and the next init or clone there removes the leftover and starts over.
+Metadata on a server (PostgreSQL) or objects on S3 are outside the folder: a redo joins the
+schema the killed run made, and finds the prefix still empty (init writes no objects).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ckptstore import faults
+from ckptstore.errors import CkptError, RepoExistsError
+from ckptstore.repo import refs
+from ckptstore.repo.config import RepoConfig
+from ckptstore.repo.joining import open_over_objects
+from ckptstore.repo.location import REPO_DIR
+
+if TYPE_CHECKING:
+    from ckptstore.repo.repository import Repository
+
+STAGING = REPO_DIR + "-init-"  # + host-pid: the folder being built, its maker named so a leftover is recognised
+
+
+def create(root: Path, config: RepoConfig) -> Repository:
+    """A new repository at `root` with `config`, HEAD on an unborn branch: its `.ckpt` appears whole or not at all."""
+    from ckptstore.repo.repository import Repository
+
+    final = root / REPO_DIR
+    if final.exists():
+        raise RepoExistsError(f"{final} already exists")
+    made_root = not root.exists()
+    staging = root / f"{STAGING}{socket.gethostname()}-{os.getpid()}"
+    try:
+        remove_leftovers(root)
+        staging.mkdir(parents=True)
+    except OSError as exc:
+        raise CkptError(f"cannot create {final}: {exc.strerror or exc}") from None
+    try:
+        _build(root, staging, config)
+        try:
+            os.rename(staging, final)  # atomic: a killed init never leaves a .ckpt without config and schema
+        except OSError:
+            if final.exists():  # another init finished first
+                raise RepoExistsError(f"{final} already exists") from None
+            raise
+        faults.point("init:renamed")
+        return Repository(root, config)
+    except BaseException:
+        import shutil  # only here: it imports the compression modules
+
+        shutil.rmtree(staging, ignore_errors=True)
+        if made_root:
+            with contextlib.suppress(OSError):  # only if nothing else arrived there meanwhile
+                root.rmdir()
+        raise
+
+
+def _build(root: Path, staging: Path, config: RepoConfig) -> None:
+    """The repository's folder made complete at `staging`: config, then the metadata with HEAD."""
+    from ckptstore.repo.repository import Repository
+
+    faults.point("init:folder-made")
+    config.save(staging / "config.toml")
+    faults.point("init:config-written")
+    if config.objects_url:
+        repo = open_over_objects(root, config, create=True, folder=staging)
+    else:
+        repo = Repository(root, config, create=True, folder=staging)
+    try:
+        refs.ensure_head(repo)
+    finally:
+        repo.close()
+    faults.point("init:metadata-made")
+
+
+def remove_leftovers(root: Path) -> None:
+    """Remove the folders that inits on this machine left at `root` when killed (their process is gone)."""
+    import shutil
+
+    mine = f"{STAGING}{socket.gethostname()}-"
+    for folder in root.glob(STAGING + "*") if root.is_dir() else ():
+        pid = folder.name[len(mine):] if folder.name.startswith(mine) else ""
+        # another machine's, or a running init's, stay; one named by this process is an earlier one's with its pid
+        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

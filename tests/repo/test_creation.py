@@ -1,0 +1,100 @@
+"""`ckpt init` and `ckpt clone` killed (SIGKILL) at each step of making the repository (repo/creation.py).
+
+Whatever the step, the folder holds no half-made `.ckpt`: every command there says there is no
+repository yet and to run `ckpt init` (one line, no traceback), and running the same init or
+clone again makes a whole repository that fsck finds clean, leaving no temporary folder behind.
+Metadata on PostgreSQL (outside the folder) and objects on S3 must tolerate the redo as well.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore import Repository
+from ckptstore.repo import fsck
+from tests.conftest import assert_same
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = ["init:folder-made", "init:config-written", "init:metadata-made", "init:renamed"]
+
+
+def _ckpt(cwd: Path, *args: str, crash_at: str = "") -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **({"CKPT_CRASH_AT": crash_at} if crash_at else {}))
+    env.pop("CKPT_REPO", None)
+    return subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _half_made_is_explained(folder: Path, step: str) -> None:
+    """Commands in the folder a killed init left: one line saying to run init (none yet), or a working repository."""
+    leftovers = [p.name for p in folder.iterdir() if p.name.startswith(".ckpt")]
+    if step == "init:renamed":  # killed after the rename: the repository is whole already
+        assert leftovers == [".ckpt"], leftovers
+        return
+    assert ".ckpt" not in leftovers, leftovers
+    for args in (["log"], ["fsck"], ["commit", "m.pt"]):
+        said = _ckpt(folder, *args)
+        assert said.returncode == 1 and "Traceback" not in said.stderr, said.stderr
+        assert said.stderr.strip().count("\n") == 0 and "run `ckpt init`" in said.stderr, said.stderr
+
+
+def _whole(folder: Path) -> None:
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".ckpt")] == [".ckpt"]  # no leftover
+    with Repository.open(folder) as repo:
+        assert fsck(repo).ok
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql", "s3"])
+@pytest.mark.parametrize("step", STEPS)
+def test_init_killed_at_each_step_is_redone_by_the_next_init(tmp_path, step, backend, request):
+    where = tmp_path / "repo"
+    urls = {"sqlite": [], "postgresql": ["--metadata", "postgres_url"], "s3": ["--objects", "s3_url"]}[backend]
+    urls = urls[:1] + [request.getfixturevalue(name) for name in urls[1:]]
+    killed = _ckpt(tmp_path, "init", *urls, str(where), crash_at=step)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    _half_made_is_explained(where, step)
+
+    again = _ckpt(tmp_path, "init", *urls, str(where))
+    if step == "init:renamed":
+        assert again.returncode == 1 and "already exists" in again.stderr, again.stderr
+    else:
+        assert again.returncode == 0, again.stderr
+    torch.save({"w": torch.arange(100.0)}, where / "m.pt")
+    assert _ckpt(where, "commit", "m.pt", "-m", "first").returncode == 0
+    _whole(where)
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_clone_killed_at_each_step_of_making_its_repository_is_finished_by_the_next_clone(tmp_path, step):
+    source = tmp_path / "source"
+    state = {"w": torch.randn(1000, generator=torch.Generator().manual_seed(1))}
+    with Repository.init(source) as repo:
+        repo.commit(state, message="one")
+    where = tmp_path / "copy"
+    killed = _ckpt(tmp_path, "clone", str(source), str(where), crash_at=step)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    _half_made_is_explained(where, step)
+
+    again = _ckpt(tmp_path, "clone", str(source), str(where))
+    assert again.returncode == 0, again.stderr
+    _whole(where)
+    with Repository.open(where) as clone:
+        assert_same(state, clone.checkout("main"))
+
+
+def test_a_leftover_of_a_running_init_is_left_alone(tmp_path):
+    """Another init still at work there (its process alive) keeps its folder; the later init removes only the dead."""
+    running = tmp_path / f".ckpt-init-{socket.gethostname()}-1"  # pid 1 always lives
+    dead = tmp_path / f".ckpt-init-{socket.gethostname()}-{2**22 + 7}"  # above pid_max: no such process
+    running.mkdir()
+    dead.mkdir()
+    Repository.init(tmp_path).close()
+    assert running.exists() and not dead.exists()
