@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError
+from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError, PrunedCommitError
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import liveness
@@ -93,7 +93,8 @@ def replay_current(repo: Repository, manifest: Manifest, paths: list[str],
     """`attempt(records)` of the tensors at `paths`; a missing object means damage only where the records stand.
 
     Readers take no lock: a prune may re-encode or repack these tensors and delete the objects read
-    here meanwhile. Records that moved are read again and replayed once more.
+    here meanwhile. Records that moved are read again and replayed once more; records gone that no
+    commit needs any more mean the commit itself was pruned meanwhile (PrunedCommitError).
     """
     records = checked_records(repo, manifest, paths)
     faults.point("checkout:records-read")  # tests run a prune here
@@ -101,7 +102,15 @@ def replay_current(repo: Repository, manifest: Manifest, paths: list[str],
         return attempt(records)
     except CorruptObjectError as exc:
         error = exc
-    fresh = checked_records(repo, manifest, paths)
+    try:
+        fresh = checked_records(repo, manifest, paths)
+    except CorruptRecordError as exc:
+        # records read a moment ago, now gone and needed by no commit: a prune removed this commit, no damage
+        if exc.commits or not set(exc.tensors) <= records.keys():
+            raise
+        raise PrunedCommitError("the commit being read was removed by `ckpt prune` or `ckpt gc --prune` while this "
+                                "command ran (its tensors went with it, on purpose): check out a kept commit "
+                                "(`ckpt log` lists them)") from None
     if fresh == records:
         raise error.needed_by(repo.commits_needing(error.object_ids)) from None
     try:

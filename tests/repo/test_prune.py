@@ -317,6 +317,30 @@ def test_a_checkout_that_read_its_records_before_a_prune_still_restores_bit_exac
     assert_same(want, torch.load(tmp_path / "tip.pt", weights_only=False))  # written by this test just now (RNG state)
 
 
+@pytest.mark.parametrize("remover", [["prune", "--keep-last", "1"], ["gc", "--prune"]])
+def test_a_checkout_of_a_commit_removed_while_it_runs_says_so_not_damage(tmp_path, remover):
+    with Repository.init(tmp_path) as repo:
+        cids = _train(repo, commits=3)
+        if remover[0] == "gc":  # gc --prune removes an unreachable commit: one on a deleted branch
+            cids = [repo.commit(Trainer(seed=9).state(), branch="side")]
+            repo.delete_branch("side")
+    release = tmp_path / "release"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_WAIT_AT=f"checkout:records-read={release}")
+    reading = subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", cids[0], "-o", "old.pt"],
+                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_held(release, reading)
+        removed = ckpt(tmp_path, *remover)
+        assert removed.returncode == 0, removed.stdout + removed.stderr
+    finally:
+        release.touch()
+    _, err = reading.communicate(timeout=120)
+    assert reading.returncode == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "removed by `ckpt prune` or `ckpt gc --prune` while this command ran" in err, err
+    assert "damaged" not in err and "fsck" not in err, err
+    assert ckpt(tmp_path, "fsck").returncode == 0  # and indeed nothing is
+
+
 def test_a_pruned_history_pushes_and_clones(tmp_path):
     with Repository.init(tmp_path / "work") as repo:
         cids = _train(repo, commits=4)
