@@ -92,7 +92,8 @@ def _read_file(path: Path, name: str, trust_pickle: bool, in_folder: bool) -> tu
             if in_folder and pickled:
                 skeleton, tensors = _read_blob(path, prefix)
                 return CheckpointFile(name, BLOB, skeleton, size, "pickled objects, kept as bytes"), tensors
-            if not torchfile.plain_zip(path):  # another program's zip with a torch suffix: a plain file, below
+            # another program's zip or pickle with a torch suffix (a tokenizer's .bin): a plain file, below
+            if not (torchfile.plain_zip(path) or torchfile.plain_pickle(path)):
                 raise
     if not in_folder:
         raise CheckpointFormatError(

@@ -38,6 +38,22 @@ def looks_like_torch_file(path: str | os.PathLike) -> bool:
     return head == ZIP_MAGIC or head[:1] == PICKLE_MAGIC
 
 
+# A legacy torch.save stream opens with this number pickled as a LONG1 (after the protocol and frame headers).
+_LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def plain_pickle(path: str | os.PathLike) -> bool:
+    """A pickle stream that does not open with torch's legacy magic number: some other program's pickle.
+
+    A stream cut off before where the number would be may be a torch.save file: torch's reader says why.
+    """
+    with open(path, "rb") as handle:
+        head = handle.read(32)
+    at = 11 if head[2:3] == b"\x95" else 2  # protocol 4 and later frame the first pickle
+    first = head[at : at + len(_LEGACY_MAGIC)]
+    return head[:1] == PICKLE_MAGIC and len(first) == len(_LEGACY_MAGIC) and first != _LEGACY_MAGIC
+
+
 def plain_zip(path: str | os.PathLike) -> bool:
     """A whole zip archive with no `<folder>/data.pkl` record: some other program's zip, not a torch.save file."""
     try:

@@ -310,6 +310,8 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
     # A commit never holds the repository's own directory (`ckpt commit .` at the root), nor its object
     # store where config objects_url puts it outside .ckpt/.
     excluded = [repo.dir, *([store] if (store := getattr(repo.store, "root", None)) else [])]
+    if not path.is_file() and not path.is_dir():  # a FIFO, a device, a socket
+        raise CheckpointFormatError(f"{source} is neither a file nor a folder")
     on_disk = [path] if path.is_file() else [f.path for f in folder_files(path, excluded)]
     stamps = {p: file_stamp(p) for p in on_disk}
     pending = {p: repo.pool.submit(file_digest, str(p), filemap.current()) for p in on_disk}

@@ -126,3 +126,30 @@ def test_a_zip_of_another_program_with_a_torch_suffix_is_a_plain_file_of_the_fol
     assert kinds == {"assets.bin": formats.BLOB, "pytorch_model.bin": formats.TORCH}
     with pytest.raises(CheckpointFormatError, match="is not a checkpoint"):
         formats.read_checkpoint(folder / "assets.bin")  # alone, it is no torch.save file either
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4])
+def test_a_plain_pickle_with_a_torch_suffix_is_a_plain_file_of_the_folder(tmp_path, protocol):
+    """A tokenizer's or a trainer's own pickle (vocab_stats.bin) is no legacy torch.save file: kept as bytes."""
+    import pickle
+
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    torch.save({"w": torch.ones(2)}, folder / "legacy.pt", _use_new_zipfile_serialization=False)
+    with open(folder / "vocab_stats.bin", "wb") as handle:
+        pickle.dump({"counts": [3, 1, 2]}, handle, protocol=protocol)
+    checkpoint = formats.read_checkpoint(folder)
+    kinds = {record.name: record.format for record in checkpoint.files}
+    assert kinds == {"legacy.pt": formats.TORCH, "vocab_stats.bin": formats.BLOB}
+    with pytest.raises(CheckpointFormatError, match="is not a checkpoint"):
+        formats.read_checkpoint(folder / "vocab_stats.bin")  # alone, it is no torch.save file either
+
+
+def test_a_fifo_or_a_device_given_to_commit_is_refused_in_one_line(tmp_path):
+    from ckptstore import Repository
+
+    os.mkfifo(tmp_path / "ckpt.pt")
+    with Repository.init(tmp_path / "repo") as repo:
+        for source in (tmp_path / "ckpt.pt", "/dev/null"):
+            with pytest.raises(CheckpointFormatError, match="is neither a file nor a folder"):
+                repo.commit(source)
