@@ -525,8 +525,8 @@ def remote_list(ctx) -> None:
         click.echo(f"{name}\t{where.url}" + (f" (metadata {where.metadata_url})" if where.metadata_url else ""))
 
 
-def _moved(report: Any) -> None:
-    click.echo(f"{report.commits} commits, {report.objects} objects ({_size(report.object_bytes)}) sent")
+def _moved(report: Any, verb: str = "received") -> None:
+    click.echo(f"{report.commits} commits, {report.objects} objects ({_size(report.object_bytes)}) {verb}")
     for ref, old, new in report.refs_moved or []:
         click.echo(f"  {ref}: {old[:12] + '..' if old else '(new) '}{new[:12] if new else '(deleted: gone there)'}")
 
@@ -538,7 +538,7 @@ def _moved(report: Any) -> None:
 @click.pass_context
 def push(ctx, name: str, branch: str | None, force: bool) -> None:
     """Send BRANCH (default: HEAD's) to remote NAME (default: origin); only what it lacks travels."""
-    _moved(_remotes().push(_open(ctx), name, branch, force))
+    _moved(_remotes().push(_open(ctx), name, branch, force), "sent")
 
 
 @cli.command()

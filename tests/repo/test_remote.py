@@ -153,11 +153,16 @@ def test_remote_commands_at_the_cli(tmp_path):
     assert ckpt(work, "remote", "add", "origin", "../nowhere").returncode != 0
     assert ckpt(work, "remote", "add", "origin", "../hub").returncode == 0
     assert "origin" in ckpt(work, "remote", "list").stdout
-    assert ckpt(work, "push").returncode == 0
+    pushed = ckpt(work, "push")
+    assert pushed.returncode == 0 and pushed.stdout.startswith("1 commits,") and ") sent" in pushed.stdout
     assert ckpt(tmp_path, "clone", "hub", "copy").returncode == 0
     assert ckpt(tmp_path / "copy", "checkout", "HEAD", "-o", "back.pt").returncode == 0
     assert_same(_state(0), torch.load(tmp_path / "copy" / "back.pt", weights_only=True))
     assert "origin/main" in ckpt(tmp_path / "copy", "log").stdout
+    torch.save(_state(1), tmp_path / "c.pt")
+    assert ckpt(work, "commit", "../c.pt").returncode == 0 and ckpt(work, "push").returncode == 0
+    fetched = ckpt(tmp_path / "copy", "fetch")
+    assert fetched.returncode == 0 and fetched.stdout.startswith("1 commits,") and ") received" in fetched.stdout
     assert ckpt(tmp_path / "copy", "fsck", "--remote", "origin").stdout.strip().endswith("ok")
     victim = next(p for p in (tmp_path / "hub" / ".ckpt" / "objects").rglob("*") if p.is_file())
     victim.write_bytes(victim.read_bytes()[:-1])
