@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import io
 import json
 import math
+import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -13,7 +17,7 @@ from typing import Any
 
 import click
 
-from ckptstore.errors import INTERRUPTED, CkptError, explain
+from ckptstore.errors import INTERRUPTED, CkptError, OutputError, explain
 from ckptstore.repo import LOSSY_LEVELS, EncodingSettings, Repository, fsck, gc
 
 LEVEL_NAMES = list(LOSSY_LEVELS)
@@ -48,6 +52,17 @@ def _size(n: float) -> str:
     return str(n)
 
 
+def echo(text: str = "") -> None:
+    """Write one line of the command's output; a stdout that refuses it raises OutputError, not an OSError.
+
+    So a reader gone (`ckpt log | head -1`) or a full /dev/full is told apart from the repository's own disk.
+    """
+    try:
+        click.echo(text)
+    except OSError as exc:
+        raise OutputError(exc) from exc
+
+
 def _finite(data: Any) -> Any:
     """`data` with NaN and infinities as null: JSON has no spelling for them (strict parsers refuse `NaN`)."""
     if isinstance(data, float):
@@ -60,7 +75,7 @@ def _finite(data: Any) -> Any:
 
 
 def _emit_json(data: Any) -> None:
-    click.echo(json.dumps(_finite(data), indent=2, default=str, allow_nan=False))
+    echo(json.dumps(_finite(data), indent=2, default=str, allow_nan=False))
 
 
 def _remotes() -> Any:
@@ -143,7 +158,7 @@ def init(path: str, max_chain: str | None, lossy: str | None, objects_url: str, 
     with Repository.init(path, encoding=settings, lossy=lossy or "", objects_url=objects_url,
                          metadata_url=metadata_url) as repo:
         joined = bool(metadata_url) and bool(repo.branches())
-        click.echo(f"{'Joined the' if joined else 'Initialized empty'} ckptstore repository in {repo.dir}"
+        echo(f"{'Joined the' if joined else 'Initialized empty'} ckptstore repository in {repo.dir}"
                    + (f" (objects in {repo.store.url})" if objects_url else "")
                    + (f" (metadata in {repo.db.where})" if metadata_url else "")
                    + (f" (commits are lossy: {lossy})" if lossy else ""))
@@ -177,7 +192,7 @@ def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle,
                       max_loss_change=_fraction(max_loss_change), **_knobs(knobs))
     info = repo.commit_info(cid)
     mode = f" lossy:{info.lossy}" if info.lossy else ""
-    click.echo(f"[{cid[:12]}]{mode} {message}  ({_size(info.raw_bytes)} -> {_size(info.stored_bytes)} new)")
+    echo(f"[{cid[:12]}]{mode} {message}  ({_size(info.raw_bytes)} -> {_size(info.stored_bytes)} new)")
 
 
 @cli.command()
@@ -193,18 +208,18 @@ def checkout(ctx, ref, output, force, only) -> None:
     info = repo.commit_info(ref)  # before HEAD moves: a ref like HEAD~1 names another commit afterwards
     dest = repo.checkout_to(ref, output, force=force, progress=BarProgress(), keys=list(only) or None)
     if only:
-        click.echo(f"Wrote the part of {info.id[:12]} matching {', '.join(only)} to {dest}; HEAD did not move")
+        echo(f"Wrote the part of {info.id[:12]} matching {', '.join(only)} to {dest}; HEAD did not move")
     else:
-        click.echo(f"Restored {info.id[:12]} to {dest}")
+        echo(f"Restored {info.id[:12]} to {dest}")
     rewritten = [] if only else repo.manifest(info.id).rewritten_files()
     if info.source_path is not None and not info.lossy and not only:
-        click.echo("Files are byte for byte as committed" + (", except below." if rewritten else "."))
+        echo("Files are byte for byte as committed" + (", except below." if rewritten else "."))
     if info.source_path is not None and rewritten:
         names = ", ".join(name or str(dest) for name in rewritten)
-        click.echo(f"note: {names} written with torch.save (a legacy-format or unusual file, or a commit by an "
+        echo(f"note: {names} written with torch.save (a legacy-format or unusual file, or a commit by an "
                    "older ckptstore): state exact, bytes not byte for byte the committed file's")
     if info.lossy:
-        click.echo(f"note: {info.id[:12]} is a lossy commit (level {info.lossy}): weights and optimizer "
+        echo(f"note: {info.id[:12]} is a lossy commit (level {info.lossy}): weights and optimizer "
                    "state are close to, not equal to, the original; `ckpt show` lists each tensor's error")
 
 
@@ -218,7 +233,6 @@ def checkout(ctx, ref, output, force, only) -> None:
 @click.pass_context
 def watch(ctx, folder, interval, branch, lossy, once) -> None:
     """Commit checkpoint files and checkpoint-N folders appearing in FOLDER, each once complete (Ctrl-C stops)."""
-    import signal
     import threading
 
     from ckptstore.repo import WatchOptions, watch_folder
@@ -231,13 +245,13 @@ def watch(ctx, folder, interval, branch, lossy, once) -> None:
 
     previous = signal.signal(signal.SIGINT, on_interrupt)
     try:
-        report = watch_folder(_open(ctx), folder, WatchOptions(interval, branch, lossy, once), stop, click.echo)
+        report = watch_folder(_open(ctx), folder, WatchOptions(interval, branch, lossy, once), stop, echo)
     finally:
         signal.signal(signal.SIGINT, previous)
     for name, why in sorted(report.waiting.items()):
-        click.echo(f"waiting: {name}: {why}")
+        echo(f"waiting: {name}: {why}")
     how = "stopped on Ctrl-C" if report.stopped else "done"
-    click.echo(f"{how}: {len(report.committed)} checkpoint(s) committed")
+    echo(f"{how}: {len(report.committed)} checkpoint(s) committed")
 
 
 @cli.command("export")
@@ -257,12 +271,12 @@ def export_command(ctx, ref, fmt, output, everything) -> None:
     from ckptstore.repo import export  # numpy and the formats: only for this command
 
     report = export(_open(ctx), ref, fmt, output, everything)
-    click.echo(f"Wrote {report.commit[:12]} to {output}: {report.tensors} tensors ({fmt})")
+    echo(f"Wrote {report.commit[:12]} to {output}: {report.tensors} tensors ({fmt})")
     if report.skipped:
         shown = ", ".join(report.skipped[:5]) + (f" and {len(report.skipped) - 5} more" if len(report.skipped) > 5
                                                  else "")
         count = len(report.skipped)
-        click.echo(f"note: left out {count} item{'s' if count != 1 else ''} ({shown}): {report.why_skipped}")
+        echo(f"note: left out {count} item{'s' if count != 1 else ''} ({shown}): {report.why_skipped}")
 
 
 @cli.command()
@@ -278,7 +292,7 @@ def log(ctx, graph, all_refs, as_json) -> None:
                            for c in repo.log(all_refs=all_refs)])
     if graph:
         for line in repo.log_graph(all_refs=all_refs):
-            click.echo(line)
+            echo(line)
         return None
     labels = repo.decorations()
     for info in repo.log(all_refs=all_refs):
@@ -286,10 +300,10 @@ def log(ctx, graph, all_refs, as_json) -> None:
         when = datetime.datetime.fromtimestamp(info.created_at).isoformat(timespec="seconds")
         lossy = f"\nLossy:  {info.lossy}" if info.lossy else ""
         lossy += "\nPruned: its tensors were removed by `ckpt prune`" if info.pruned else ""
-        click.echo(f"commit {info.id}{deco}\nDate:   {when}\nStep:   {info.step}{lossy}")
+        echo(f"commit {info.id}{deco}\nDate:   {when}\nStep:   {info.step}{lossy}")
         if info.metrics:
-            click.echo("Metrics: " + ", ".join(f"{k}={v:g}" for k, v in info.metrics.items()))
-        click.echo(f"\n    {info.message}\n")
+            echo("Metrics: " + ", ".join(f"{k}={v:g}" for k, v in info.metrics.items()))
+        echo(f"\n    {info.message}\n")
     return None
 
 
@@ -304,14 +318,14 @@ def branch(ctx, name, start, delete) -> None:
     _create_or_delete(name, delete)
     if delete is not None:
         cid = repo.delete_branch(delete)
-        click.echo(f"Deleted branch {delete} (was {cid[:12]})")
+        echo(f"Deleted branch {delete} (was {cid[:12]})")
     elif name is not None:  # "" is a (bad) name, not a request for the listing
         cid = repo.branch(name, start)
-        click.echo(f"Created branch {name} at {cid[:12]}")
+        echo(f"Created branch {name} at {cid[:12]}")
     else:
         current, _ = repo.head()
         for branch_name, cid in repo.branches().items():
-            click.echo(f"{'*' if branch_name == current else ' '} {branch_name} {cid[:12]}")
+            echo(f"{'*' if branch_name == current else ' '} {branch_name} {cid[:12]}")
 
 
 @cli.command()
@@ -324,12 +338,12 @@ def tag(ctx, name, ref, delete) -> None:
     repo = _open(ctx)
     _create_or_delete(name, delete)
     if delete is not None:
-        click.echo(f"Deleted tag {delete} (was {repo.delete_tag(delete)[:12]})")
+        echo(f"Deleted tag {delete} (was {repo.delete_tag(delete)[:12]})")
     elif name is not None:
-        click.echo(f"Tagged {repo.tag(name, ref)[:12]} as {name}")
+        echo(f"Tagged {repo.tag(name, ref)[:12]} as {name}")
     else:
         for tag_name, cid in repo.tags().items():
-            click.echo(f"{tag_name} {cid[:12]}")
+            echo(f"{tag_name} {cid[:12]}")
 
 
 @cli.command()
@@ -341,31 +355,31 @@ def show(ctx, ref, as_json) -> None:
     data = _open(ctx).show(ref)
     if as_json:
         return _emit_json(data)
-    click.echo(f"commit {data['id']}\nparents {' '.join(p[:12] for p in data['parents']) or '-'}")
-    click.echo(f"step {data['step']}  metrics {data['metrics']}  source {data['source_path']}")
+    echo(f"commit {data['id']}\nparents {' '.join(p[:12] for p in data['parents']) or '-'}")
+    echo(f"step {data['step']}  metrics {data['metrics']}  source {data['source_path']}")
     if data.get("pruned"):  # its row stays for the history; its tensors and their bytes are gone
-        click.echo(f"pruned by `ckpt prune`: its tensors are gone{' (it was lossy)' if data.get('lossy') else ''}")
+        echo(f"pruned by `ckpt prune`: its tensors are gone{' (it was lossy)' if data.get('lossy') else ''}")
     elif data.get("lossy"):
-        click.echo(f"lossy commit, level {data['lossy']}; optimizer pairing: {data.get('pairing')}; "
+        echo(f"lossy commit, level {data['lossy']}; optimizer pairing: {data.get('pairing')}; "
                    f"importance: {data.get('importance') or 'estimated from the optimizer state'}")
     stored = "- (pruned)" if data.get("pruned") else _size(data["stored_bytes"])
-    click.echo(f"raw {_size(data['raw_bytes'])}  stored {stored}\n\n    {data['message']}\n")
+    echo(f"raw {_size(data['raw_bytes'])}  stored {stored}\n\n    {data['message']}\n")
     for f in data["files"]:
-        click.echo(f"file {f['name'] or '.'} [{f['format']}] {_size(f['size'])} {f['note']}".rstrip())
+        echo(f"file {f['name'] or '.'} [{f['format']}] {_size(f['size'])} {f['note']}".rstrip())
     for row in data.get("fidelity", []):
         bound = (f", at most {row['worst_of_bound']:.0%} of its bound" if row["worst_of_bound"] is not None
                  else " (no bound)")
-        click.echo(f"measured {row['quantity']}: worst {row['worst']:.2e} over {row['tensors']} tensors{bound}")
+        echo(f"measured {row['quantity']}: worst {row['worst']:.2e} over {row['tensors']} tensors{bound}")
     if "sharded" in data:  # a DCP commit: its logical tensors, not every shard
         for t in data["sharded"]:
-            click.echo(f"  {t['fqn']}  {t['dtype']} {tuple(t['shape'])}  {t['shards']} shard"
+            echo(f"  {t['fqn']}  {t['dtype']} {tuple(t['shape'])}  {t['shards']} shard"
                        f"{'s' if t['shards'] != 1 else ''}")
-        click.echo(f"({len(data['tensors'])} stored shards; --json lists them)")
+        echo(f"({len(data['tensors'])} stored shards; --json lists them)")
         return None
     for t in data["tensors"]:
         error = f"  rel.err {t['rel_error']:.2e}" if "rel_error" in t else ""
         error += f" (bound {t['max_error']:.2e})" if "max_error" in t else ""
-        click.echo(f"  {t['path']}  {t['dtype']} {tuple(t['shape'])}  {_size(t['stored_bytes'])} depth {t['depth']}"
+        echo(f"  {t['path']}  {t['dtype']} {tuple(t['shape'])}  {_size(t['stored_bytes'])} depth {t['depth']}"
                    f"{error}")
     return None
 
@@ -376,9 +390,9 @@ def status(ctx) -> None:
     """Where HEAD is, and whether the checkpoint files still match it."""
     report = _open(ctx).status()
     where = f"On branch {report['branch']}" if report["branch"] else "HEAD detached"
-    click.echo(where + (f" at {report['head'][:12]}" if report["head"] else " (no commits yet)"))
+    echo(where + (f" at {report['head'][:12]}" if report["head"] else " (no commits yet)"))
     for item in report["files"]:
-        click.echo(f"  {item['state']:>10}: {item['path']}")
+        echo(f"  {item['state']:>10}: {item['path']}")
 
 
 @cli.command()
@@ -396,9 +410,9 @@ def diff(ctx, a, b, as_json, show_all) -> None:
         if row.status == "unchanged" and not show_all:
             continue
         rel = "" if row.relative_l2 is None else f" rel_l2={row.relative_l2:.3e}"
-        click.echo(f"{row.status:>9} {row.path} {row.dtype} {tuple(row.shape)}{rel} stored={_size(row.stored_bytes)}")
+        echo(f"{row.status:>9} {row.path} {row.dtype} {tuple(row.shape)}{rel} stored={_size(row.stored_bytes)}")
     unchanged = sum(r.status == "unchanged" for r in rows)
-    click.echo(f"{len(rows) - unchanged} of {len(rows)} tensors differ")
+    echo(f"{len(rows) - unchanged} of {len(rows)} tensors differ")
     return None
 
 
@@ -410,14 +424,14 @@ def stats(ctx, as_json) -> None:
     data = _open(ctx).stats()
     if as_json:
         return _emit_json(data)
-    click.echo(f"{'commit':<12} {'step':>8} {'raw':>12} {'stored':>12} {'ratio':>8}  message")
+    echo(f"{'commit':<12} {'step':>8} {'raw':>12} {'stored':>12} {'ratio':>8}  message")
     for row in data["commits"]:
         stored, ratio = ("pruned", "-") if row["pruned"] else (_size(row["stored_bytes"]), f"{row['ratio']:.2f}x")
-        click.echo(f"{row['id'][:12]} {row['step'] if row['step'] is not None else '-':>8} "
+        echo(f"{row['id'][:12]} {row['step'] if row['step'] is not None else '-':>8} "
                    f"{_size(row['raw_bytes']):>12} {stored:>12} {ratio:>8}  {row['message']}")
     kept = sum(not row["pruned"] for row in data["commits"])
     pruned = f" ({len(data['commits']) - kept} more pruned)" if kept < len(data["commits"]) else ""
-    click.echo(f"total: {kept} commits{pruned}, {_size(data['raw_bytes'])} of checkpoints in "
+    echo(f"total: {kept} commits{pruned}, {_size(data['raw_bytes'])} of checkpoints in "
                f"{_size(data['stored_bytes'])} on disk ({_size(data['objects_bytes'])} objects, "
                f"{_size(data['metadata_bytes'])} metadata), {data['ratio']:.2f}x")
     return None
@@ -429,7 +443,7 @@ def stats(ctx, as_json) -> None:
 def gc_command(ctx, prune) -> None:
     """Remove objects no commit needs (and leftovers of interrupted commits)."""
     report = gc(_open(ctx), prune_unreachable=prune)
-    click.echo(f"removed {report.objects_removed} objects ({_size(report.bytes_removed)}), "
+    echo(f"removed {report.objects_removed} objects ({_size(report.bytes_removed)}), "
                f"{report.tensors_removed} tensor records, {report.commits_removed} commits, "
                f"{report.temp_files_removed} temp files")
 
@@ -452,15 +466,15 @@ def prune_command(ctx, keep_last, keep_every, keep_best, keep_tagged, dry_run, a
     if as_json:
         return _emit_json(vars(report))
     if dry_run:
-        click.echo(f"would remove {len(report.pruned)} commits, re-encoding up to {report.tensors_reencoded} "
+        echo(f"would remove {len(report.pruned)} commits, re-encoding up to {report.tensors_reencoded} "
                    "tensors they were bases of")
     else:
-        click.echo(f"removed {len(report.pruned)} commits, re-encoded {report.tensors_reencoded} tensors they were "
+        echo(f"removed {len(report.pruned)} commits, re-encoded {report.tensors_reencoded} tensors they were "
                    "bases of")
     for cid in report.pruned:
-        click.echo(f"  {cid[:12]}")
+        echo(f"  {cid[:12]}")
     if report.bytes_after is not None:
-        click.echo(f"objects: {_size(report.bytes_before)} before, {_size(report.bytes_after)} after "
+        echo(f"objects: {_size(report.bytes_before)} before, {_size(report.bytes_after)} after "
                    f"({_size(report.bytes_before - report.bytes_after)} freed)")
     return None
 
@@ -472,25 +486,25 @@ def prune_command(ctx, keep_last, keep_every, keep_best, keep_tagged, dry_run, a
 def fsck_command(ctx, full, remote_name) -> None:
     """Verify every stored object; list damaged objects and the commits they break."""
     report = _remotes().fsck_remote(_open(ctx), remote_name, full) if remote_name else fsck(_open(ctx), full=full)
-    click.echo(f"checked {report.objects_checked} objects"
+    echo(f"checked {report.objects_checked} objects"
                + (f", verified {report.tensors_verified} tensors" if full else ""))
     for oid, problem in report.damaged_objects.items():
-        click.echo(f"damaged object {oid}: {problem}")
+        echo(f"damaged object {oid}: {problem}")
     for what, problem in report.damaged_records.items():
-        click.echo(f"damaged record {what}: {problem}")
+        echo(f"damaged record {what}: {problem}")
     for cid, oids in report.broken_commits.items():
         needs = f"needs {', '.join(o[:12] for o in oids)}" if oids else "its records are damaged"
-        click.echo(f"broken commit {cid[:12]} ({needs})")
+        echo(f"broken commit {cid[:12]} ({needs})")
     for tid in report.missing_records:
-        click.echo(f"missing tensor record {tid}")
+        echo(f"missing tensor record {tid}")
     if report.unreferenced_objects and report.damaged_records:
-        click.echo(f"{report.unreferenced_objects} objects no intact record names (gc keeps them while records are "
+        echo(f"{report.unreferenced_objects} objects no intact record names (gc keeps them while records are "
                    "damaged: they may be what the damaged records lost track of)")
     elif report.unreferenced_objects:
-        click.echo(f"{report.unreferenced_objects} unreferenced objects (run `ckpt gc` to remove them)")
+        echo(f"{report.unreferenced_objects} unreferenced objects (run `ckpt gc` to remove them)")
     if not report.ok:
         raise SystemExit(1)
-    click.echo("ok")
+    echo("ok")
 
 
 @cli.group()
@@ -506,7 +520,7 @@ def remote() -> None:
 def remote_add(ctx, name: str, url: str, metadata_url: str) -> None:
     """Add remote NAME at URL (a repository folder, or s3://BUCKET/PREFIX with --metadata)."""
     added = _remotes().add(_open(ctx), name, url, metadata_url, typed_in=Path.cwd())
-    click.echo(f"remote {name}: {added.url}")
+    echo(f"remote {name}: {added.url}")
 
 
 @remote.command("remove")
@@ -522,13 +536,13 @@ def remote_remove(ctx, name: str) -> None:
 def remote_list(ctx) -> None:
     """List remotes and their URLs."""
     for name, where in sorted(_open(ctx).config.remotes.items()):
-        click.echo(f"{name}\t{where.url}" + (f" (metadata {where.metadata_url})" if where.metadata_url else ""))
+        echo(f"{name}\t{where.url}" + (f" (metadata {where.metadata_url})" if where.metadata_url else ""))
 
 
 def _moved(report: Any, verb: str = "received") -> None:
-    click.echo(f"{report.commits} commits, {report.objects} objects ({_size(report.object_bytes)}) {verb}")
+    echo(f"{report.commits} commits, {report.objects} objects ({_size(report.object_bytes)}) {verb}")
     for ref, old, new in report.refs_moved or []:
-        click.echo(f"  {ref}: {old[:12] + '..' if old else '(new) '}{new[:12] if new else '(deleted: gone there)'}")
+        echo(f"  {ref}: {old[:12] + '..' if old else '(new) '}{new[:12] if new else '(deleted: gone there)'}")
 
 
 @cli.command()
@@ -557,7 +571,7 @@ def pull(ctx, name: str, branch: str | None) -> None:
     """Fetch from NAME, then fast-forward BRANCH (default: HEAD's) to NAME/BRANCH."""
     report, moved = _remotes().pull(_open(ctx), name, branch)
     _moved(report)
-    click.echo(f"fast-forwarded to {moved[:12]}" if moved else "already up to date")
+    echo(f"fast-forwarded to {moved[:12]}" if moved else "already up to date")
 
 
 @cli.command()
@@ -569,7 +583,7 @@ def clone(url: str, path: str | None, metadata_url: str, lazy: bool) -> None:
     """Make a repository in PATH with remote origin at URL and its branches."""
     target = path or (url.rstrip("/").rsplit("/", 1)[-1] or "clone")
     with _remotes().clone(url, target, metadata_url, lazy) as repo:
-        click.echo(f"Cloned {url} into {repo.root}" + (" (lazily: objects come on first checkout)" if lazy else ""))
+        echo(f"Cloned {url} into {repo.root}" + (" (lazily: objects come on first checkout)" if lazy else ""))
 
 
 @cli.group()
@@ -606,7 +620,7 @@ def daemon_start(ctx, idle: float | None) -> None:
     """Start the daemon (or report the running one); `ckpt commit` uses it while it runs."""
     if idle is not None and idle != idle:  # NaN slips through every range
         raise click.BadParameter("nan is not a number of seconds", param_hint="'--idle'")
-    click.echo(_daemon_line(_daemons().start(_daemon_root(ctx), idle)))
+    echo(_daemon_line(_daemons().start(_daemon_root(ctx), idle)))
 
 
 @daemon.command("stop")
@@ -614,7 +628,7 @@ def daemon_start(ctx, idle: float | None) -> None:
 def daemon_stop(ctx) -> None:
     """Stop the daemon once its current command is done."""
     state = _daemons().stop(_daemon_root(ctx))
-    click.echo(f"stopped ckpt daemon {state['pid']}" if state else "no ckpt daemon was running")
+    echo(f"stopped ckpt daemon {state['pid']}" if state else "no ckpt daemon was running")
 
 
 @daemon.command("status")
@@ -622,7 +636,7 @@ def daemon_stop(ctx) -> None:
 def daemon_status(ctx) -> None:
     """Say whether a daemon serves this repository."""
     state = _daemons().status(_daemon_root(ctx))
-    click.echo(_daemon_line(state) if state else "no ckpt daemon is running")
+    echo(_daemon_line(state) if state else "no ckpt daemon is running")
 
 
 def _create_or_delete(name: str | None, delete: str | None) -> None:
@@ -637,6 +651,16 @@ def _warning_line(message: Warning | str, *_: Any, **__: Any) -> None:
 def _fail(message: str, code: int) -> None:
     click.echo("error: " + " ".join(message.split()), err=True)  # one line, whatever the message held
     sys.exit(code)
+
+
+def _output_gone(exc: OutputError) -> None:
+    """Exit as git does when stdout's reader left (quietly, 141: killed by SIGPIPE); else say stdout failed."""
+    with contextlib.suppress(OSError, ValueError):  # a stdout with no file descriptor (a daemon's): none to redirect
+        # what stdout still buffers goes nowhere, not into "Exception ignored ... BrokenPipeError" at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if exc.errno == errno.EPIPE:
+        sys.exit(128 + signal.SIGPIPE)
+    _fail(str(exc), exc.exit_code)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -656,6 +680,8 @@ def main(argv: list[str] | None = None) -> None:
             cli(args=argv, prog_name="ckpt", standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):
         _fail(INTERRUPTED, 130)
+    except OutputError as exc:
+        _output_gone(exc)
     except click.ClickException as exc:
         hint = " (see `ckpt --help`)" if isinstance(exc, click.UsageError) else ""
         _fail(exc.format_message() + hint, exc.exit_code)

@@ -159,6 +159,14 @@ class BackgroundCommitError(CkptError):
     """A background commit failed and nobody asked its handle; the repository is as it was before it."""
 
 
+class OutputError(CkptError):
+    """The command's standard output could not be written (its reader left, its disk is full): not the repository's."""
+
+    def __init__(self, cause: OSError) -> None:
+        self.errno = cause.errno
+        super().__init__(f"cannot write the output: {cause.strerror or cause}")
+
+
 class ReadOnlyRepoError(CkptError):
     """A write to a repository opened read-only (a read-only mount, or files this user may not write)."""
 

@@ -273,3 +273,37 @@ def test_a_database_file_that_cannot_be_opened_says_why(tmp_path):
     database.rename(tmp_path / "kept.db")
     database.mkdir()
     one_error_line(run(tmp_path, "log"), "is a folder")
+
+
+def _output_to(cwd, stdout, *args):
+    """`ckpt ARGS` writing its output to `stdout` (a file descriptor or an open file); stderr captured."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("CKPT_REPO", None)
+    return subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=env, stdout=stdout,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+
+
+def test_a_reader_that_left_ends_a_command_quietly_as_git_does(tmp_path):
+    """`ckpt log | head -1`: exit 141 (128 + SIGPIPE), nothing on stderr (no error, no 'Exception ignored')."""
+    with Repository.init(tmp_path) as repo:
+        for i in range(2):
+            repo.commit({"w": torch.full((8,), float(i))}, message=f"c{i}")
+    for args in (["log"], ["log", "--graph"], ["show"], ["diff", "HEAD~1", "HEAD"], ["log", "--json"]):
+        reader, writer = os.pipe()
+        os.close(reader)  # gone before ckpt writes: every write meets EPIPE
+        try:
+            result = _output_to(tmp_path, writer, *args)
+        finally:
+            os.close(writer)
+        assert (result.returncode, result.stderr) == (141, ""), (args, result.returncode, result.stderr)
+
+
+def test_an_output_that_cannot_be_written_is_not_called_the_repository_disk(tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"w": torch.ones(4)})
+    with open("/dev/full", "w") as full:
+        result = _output_to(tmp_path, full, "log")
+    one_error_line(result, "cannot write the output", "No space left on device")
+    assert "disk is full" not in result.stderr and "ckpt gc" not in result.stderr
