@@ -78,6 +78,19 @@ def _emit_json(data: Any) -> None:
     echo(json.dumps(_finite(data), indent=2, default=str, allow_nan=False))
 
 
+class Seconds(click.FloatRange):
+    """A number of seconds from `low` up to about 30 years: NaN, which slips through every range, and inf refused."""
+
+    def __init__(self, low: float = 0.0, min_open: bool = False) -> None:
+        super().__init__(low, 1e9, min_open=min_open)  # past ~9e9 s the waits' timeouts overflow
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        if math.isnan(seconds):
+            self.fail("nan is not a number of seconds", param, ctx)
+        return seconds
+
+
 def _remotes() -> Any:
     """The remote verbs, imported by the commands that use them (every other command starts faster)."""
     from ckptstore.repo import remote
@@ -225,7 +238,7 @@ def checkout(ctx, ref, output, force, only) -> None:
 
 @cli.command()
 @click.argument("folder", type=click.Path(exists=True, file_okay=False))
-@click.option("--interval", type=click.FloatRange(0.0), default=10.0, show_default=True,
+@click.option("--interval", type=Seconds(), default=10.0, show_default=True,
               help="Seconds between scans; a checkpoint is committed once unchanged across two.")
 @click.option("--branch", help="Commit to this branch (created at HEAD if new); HEAD stays.")
 @click.option("--lossy", type=click.Choice([*LEVEL_NAMES, "none"]), help="Lossy level of the commits.")
@@ -613,13 +626,11 @@ def _daemon_line(state: dict[str, Any]) -> str:
 
 
 @daemon.command("start")
-@click.option("--idle", type=click.FloatRange(0, 1e9, min_open=True),
+@click.option("--idle", type=Seconds(min_open=True),
               help="Stop after this many seconds without a command (default 900).")
 @click.pass_context
 def daemon_start(ctx, idle: float | None) -> None:
     """Start the daemon (or report the running one); `ckpt commit` uses it while it runs."""
-    if idle is not None and idle != idle:  # NaN slips through every range
-        raise click.BadParameter("nan is not a number of seconds", param_hint="'--idle'")
     echo(_daemon_line(_daemons().start(_daemon_root(ctx), idle)))
 
 

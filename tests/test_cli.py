@@ -96,7 +96,7 @@ def test_stats_counts_the_database_on_disk(tmp_path):
 
 
 def test_numbers_outside_what_is_stored_are_usage_errors(tmp_path):
-    """A step past SQLite's integers, or a NaN idle time, is refused at parsing, before anything runs."""
+    """A step past SQLite's integers, or a NaN or infinite idle time or watch interval, is refused at parsing."""
     assert CliRunner().invoke(cli, ["init", str(tmp_path)]).exit_code == 0
     torch.save({"w": torch.arange(8.0)}, tmp_path / "c.pt")
     step = CliRunner().invoke(cli, ["--repo", str(tmp_path), "commit", str(tmp_path / "c.pt"), "--step", "9" * 20])
@@ -104,6 +104,12 @@ def test_numbers_outside_what_is_stored_are_usage_errors(tmp_path):
     for idle in ("nan", "-5", "inf"):
         refused = CliRunner().invoke(cli, ["--repo", str(tmp_path), "daemon", "start", "--idle", idle])
         assert refused.exit_code == 2 and "--idle" in refused.output, refused.output
+    (tmp_path / "out").mkdir()
+    torch.save({"w": torch.ones(4)}, tmp_path / "out" / "model_step1.pt")
+    for interval in ("nan", "inf", "-1"):  # inf overflowed the wait; nan committed without the two-scan wait
+        refused = ckpt(tmp_path, "watch", "out", "--once", "--interval", interval)
+        assert refused.returncode == 2 and "--interval" in refused.stderr, refused.stderr
+        assert "unexpected" not in refused.stderr and refused.stderr.count("\n") == 1, refused.stderr
     assert not [p for p in (tmp_path / ".ckpt" / "objects").rglob("*") if p.is_file()]  # the commit stored nothing
 
 
