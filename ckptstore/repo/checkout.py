@@ -82,6 +82,8 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
     exactly the commit's files (worktree.plan_checkout says what is removed and what is refused).
     With `keys`, only the matching part is written, to `output` (required); see `_write_selected`.
     """
+    if output is not None:
+        worktree.refuse_own_folders(repo, output)
     with repo.db.read() as tx:
         cid = refs.resolve(tx, ref)
         info = commit_rows.commit_info(tx, cid)

@@ -51,6 +51,7 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
     if fmt not in FORMATS:
         raise CkptError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
     cid = repo.resolve(ref)
+    worktree.refuse_own_folders(repo, output)
     worktree.check_output_file(Path(output))
     manifest = repo.manifest(cid)
     weight_files = [] if everything or manifest.kind != "folder" else hfweights.weight_files(manifest.files)

@@ -77,6 +77,18 @@ def _refuse_missing_parent(dest: Path) -> None:
         raise CkptError(f"directory {dest.parent} does not exist; create it first or pass another -o path")
 
 
+def refuse_own_folders(repo: Repository, output: str | os.PathLike) -> None:
+    """Refuse an output path (-o) inside the repository's own .ckpt/ or object store: those files are the store's.
+
+    Checked up front, as commit refuses a path there: nothing is written, even under --read-only.
+    """
+    real = Path(os.path.realpath(output))
+    store = getattr(repo.store, "root", None)  # a local object store that config's objects_url put elsewhere
+    for own in [repo.dir, *([store] if store else [])]:
+        if real.is_relative_to(os.path.realpath(own)):
+            raise CkptError(f"{output} is inside the repository's own {Path(own).name}/ folder: write it elsewhere")
+
+
 def check_output_file(dest: Path) -> None:
     """Refuse a one-file output path (-o) whose folder is missing or that is a folder, before any work."""
     _refuse_missing_parent(dest)

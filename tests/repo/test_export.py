@@ -87,7 +87,8 @@ def test_an_export_path_without_its_folder_or_naming_a_folder_is_one_line(tmp_pa
         torch.save({"w": torch.arange(12.0), "b": torch.ones(3), "step": 3, "names": ["a", "b"]}, tmp_path / "c.pt")
         repo.commit(tmp_path / "c.pt")
         assert export(repo, "HEAD", "torch", tmp_path / "x.pt").tensors == 2  # the file's other entries: no tensors
-    for output, words in ((tmp_path / "nowhere" / "x.pt", "does not exist"), (tmp_path / ".ckpt", "is a folder")):
+    for output, words in ((tmp_path / "nowhere" / "x.pt", "does not exist"), (tmp_path, "is a folder"),
+                          (tmp_path / ".ckpt", "own .ckpt/ folder")):
         result = CliRunner().invoke(cli, ["--repo", str(tmp_path), "export", "HEAD", "-o", str(output)])
         assert result.exit_code == 1 and words in str(result.exception), result.output
 

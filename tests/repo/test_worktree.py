@@ -142,6 +142,26 @@ def test_output_into_a_missing_directory_is_a_one_line_error(repo, tmp_path):
     assert not (tmp_path / "missing").exists()
 
 
+def test_output_inside_the_repositorys_own_folders_is_refused_up_front(repo, tmp_path):
+    """`checkout -o .ckpt/x.pt` (with --read-only too), --only, export, and a store kept beside .ckpt/."""
+    torch.save({"w": torch.ones(2)}, repo.root / "a.pt")
+    repo.commit(repo.root / "a.pt")
+    for args in (["checkout", "HEAD", "-o", ".ckpt/x.pt"], ["--read-only", "checkout", "HEAD", "-o", ".ckpt/x.pt"],
+                 ["checkout", "HEAD", "-o", ".ckpt"], ["checkout", "HEAD", "-o", ".ckpt/objects/x.pt", "--only", "w"],
+                 ["export", "HEAD", "-o", str(repo.dir / "x.safetensors")]):
+        out, err = _ckpt(repo.root, *args).communicate(timeout=120)
+        assert err.count("\n") == 1 and err.startswith("error: ") and "inside the repository's own .ckpt/" in err, (
+            args, err)
+    assert not [p for p in repo.dir.rglob("x.*")]  # nothing written there
+    from ckptstore import Repository
+
+    with Repository.init(tmp_path / "r", objects_url="../objects") as beside:  # <root>/objects, beside .ckpt/
+        beside.commit({"w": torch.ones(2)})
+        with pytest.raises(CkptError, match="inside the repository's own objects/"):
+            beside.checkout_to("HEAD", beside.root / "objects" / "x.pt")
+    assert not (tmp_path / "r" / "objects" / "x.pt").exists()
+
+
 def test_concurrent_cli_checkouts_to_one_path_each_leave_one_whole_commit(repo, tmp_path):
     states = [{"w": torch.full((1 << 20,), float(i)), "b": torch.full((1 << 18,), -float(i))} for i in (1, 2)]
     ids = []
