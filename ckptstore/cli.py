@@ -631,6 +631,7 @@ def _daemon_line(state: dict[str, Any]) -> str:
 @click.pass_context
 def daemon_start(ctx, idle: float | None) -> None:
     """Start the daemon (or report the running one); `ckpt commit` uses it while it runs."""
+    _open(ctx).db.refuse_writes("daemon start (its commits write)")  # up front, as every writing command
     echo(_daemon_line(_daemons().start(_daemon_root(ctx), idle)))
 
 

@@ -127,3 +127,35 @@ def test_messages_name_what_the_user_gave(tmp_path):
     assert both.exit_code == 2 and "not both" in both.output and "dev" in run("branch").output
     bad = run("remote", "add", "bad name", str(tmp_path))
     assert bad.exit_code == 1 and "not a valid remote name" in str(bad.exception)
+
+
+def _files_of(folder: Path) -> dict[str, bytes]:
+    """{path: bytes} under `folder`, without SQLite's -wal/-shm (any reader of the database makes them)."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.name.endswith(("-wal", "-shm"))}
+
+
+def test_every_writing_command_refuses_up_front_under_read_only(tmp_path):
+    """`ckpt --read-only` writes nothing to the repository, nor to a remote: each writing command fails first."""
+    for name in ("hub", "work"):
+        assert ckpt(tmp_path, "init", name).returncode == 0
+    work = tmp_path / "work"
+    torch.save({"w": torch.ones(64)}, work / "x.pt")
+    assert ckpt(work, "commit", "x.pt").returncode == 0
+    assert ckpt(work, "remote", "add", "origin", "../hub").returncode == 0
+    torch.save({"w": torch.zeros(64)}, work / "x.pt")
+    assert ckpt(work, "commit", "x.pt").returncode == 0  # a commit the hub lacks: a push would send it
+    (work / "out").mkdir()
+    torch.save({"w": torch.ones(4)}, work / "out" / "model_step1.pt")
+    before, hub = _files_of(work / ".ckpt"), _files_of(tmp_path / "hub" / ".ckpt")
+    try:
+        for args in (["commit", "x.pt", "--allow-empty"], ["checkout", "HEAD~1"], ["branch", "b"], ["tag", "t"],
+                     ["gc"], ["prune", "--keep-last", "1"], ["watch", "out", "--once", "--interval", "0"],
+                     ["remote", "add", "o2", "../hub"], ["remote", "remove", "origin"], ["push"], ["fetch"],
+                     ["pull"], ["daemon", "start", "--idle", "30"]):
+            result = ckpt(work, "--read-only", *args)
+            assert result.returncode == 1 and "read-only here" in result.stderr, (args, result.stderr)
+            assert result.stderr.count("\n") == 1, result.stderr
+            assert _files_of(work / ".ckpt") == before and _files_of(tmp_path / "hub" / ".ckpt") == hub, args
+    finally:
+        ckpt(work, "daemon", "stop")

@@ -63,6 +63,7 @@ def add(repo: Repository, name: str, url: str, metadata_url: str = "", typed_in:
     A relative folder is kept relative to the repository's root (a copy of the repository with its
     remote inside still finds it); `typed_in` (the CLI's current folder) is where it was relative to.
     """
+    repo.db.refuse_writes("remote add (it writes .ckpt/config.toml)")
     if "/" in name or len(name) > MAX_REMOTE_NAME:
         raise CkptError(f"remote name {name!r} may not contain '/' or be longer than {MAX_REMOTE_NAME} characters")
     try:
@@ -273,6 +274,7 @@ def push(repo: Repository, name: str, branch: str | None = None, force: bool = F
 
     A push that would drop the remote's commits (not a fast-forward) is refused unless `force`.
     """
+    repo.db.refuse_writes("push (it records the remote's branch here)")  # up front: before the remote changes
     remote_config = named(repo, name)
     branch = branch or refs.head(repo)[0]
     if branch is None:
