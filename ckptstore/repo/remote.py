@@ -290,13 +290,27 @@ def push(repo: Repository, name: str, branch: str | None = None, force: bool = F
         with remote.db.read() as rtx:
             old = _tip(_branch_row(rtx, branch, f"remote {name!r}"))
         if old is not None and old != tip and not force and not _is_ancestor(repo, old, tip):
-            raise ConflictError(f"push to {name} refused: its branch {branch!r} has commits yours lacks "
-                                f"({old[:12]}); `ckpt pull {name} {branch}` first, or push with --force to drop them")
+            raise _refused(remote, name, branch, old, tip)
         report = _copy(repo, remote, {branch: tip})[0]
         _move_remote_ref(remote, name, branch, old, tip)
     _track(repo, name, {branch: tip})
     report.refs_moved = [(branch, old, tip)] if old != tip else []
     return report
+
+
+def _refused(remote: Repository, name: str, branch: str, old: CommitId, tip: CommitId) -> ConflictError:
+    """Why a push that is no fast-forward is refused, and what works: pull only when ours is behind theirs.
+
+    Ancestry is the remote's to tell: it holds `old`'s history, and `tip` too when ours is behind.
+    """
+    if _is_ancestor(remote, tip, old):  # theirs only adds to ours: a pull fast-forwards
+        return ConflictError(f"push to {name} refused: its branch {branch!r} is ahead of yours (at {old[:12]}), "
+                             f"so yours has nothing it lacks; `ckpt pull {name} {branch}` brings its commits here")
+    # diverged: a pull would refuse too (it only fast-forwards); send ours under a name of its own
+    return ConflictError(f"push to {name} refused: its branch {branch!r} and yours have diverged (it is at "
+                         f"{old[:12]}, with commits yours lacks); send yours as a branch of its own (`ckpt branch "
+                         f"NEW {branch}`, then `ckpt push {name} NEW`; `ckpt fetch {name}` shows theirs as "
+                         f"{name}/{branch}), or push with --force to drop their commits")
 
 
 def _branch_row(tx: Tx, name: str, where: str) -> ref_rows.RefRow | None:

@@ -61,17 +61,36 @@ def test_a_push_that_drops_remote_commits_is_refused_unless_forced(pair, tmp_pat
         other.commit(_state(7), message="theirs")
         remote.push(other, "origin")
     work.commit(_state(8), message="ours")
-    with pytest.raises(ConflictError, match="pull"):
+    with pytest.raises(ConflictError, match="diverged") as refused:
         remote.push(work, "origin")
+    advice = str(refused.value)
+    assert "pull" not in advice  # pull refuses diverged branches: it only fast-forwards
+    assert "`ckpt branch NEW main`, then `ckpt push origin NEW`" in advice and "--force" in advice
     with Repository.open(hub_path) as hub:
         theirs = hub.resolve("main")
     ours = work.resolve("main")
     with pytest.raises(ConflictError, match="diverged"):
         remote.pull(work, "origin")
     assert work.resolve("main") == ours and work.resolve("origin/main") == theirs
+    work.branch("ours-7", "main")  # the advice, followed: ours arrives beside theirs
+    assert remote.push(work, "origin", "ours-7").refs_moved == [("ours-7", None, ours)]
     remote.push(work, "origin", force=True)
     with Repository.open(hub_path) as hub:
-        assert hub.resolve("main") == ours
+        assert hub.resolve("main") == ours and hub.resolve("ours-7") == ours
+
+
+def test_a_push_from_behind_the_remote_advises_the_pull_that_works(pair, tmp_path):
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    with remote.clone(str(hub_path), tmp_path / "other") as other:
+        other.commit(_state(7), message="theirs")
+        remote.push(other, "origin")
+        theirs = other.resolve("main")
+    with pytest.raises(ConflictError, match="is ahead of yours") as refused:  # work's main: an ancestor of theirs
+        remote.push(work, "origin")
+    assert "`ckpt pull origin main`" in str(refused.value)
+    remote.pull(work, "origin", "main")  # as advised: a fast-forward
+    assert work.resolve("main") == theirs
 
 
 def test_pull_fast_forwards_and_clone_checks_out_bit_exact(pair, tmp_path):
