@@ -79,6 +79,22 @@ def existing_tensor_ids(tx: Tx, ids: Iterable[TensorId]) -> set[TensorId]:
     return {TensorId(row[0]) for row in tx.rows_in("SELECT id FROM tensors WHERE id IN ({ids})", ids)}
 
 
+def newly_stored(tx: Tx, records: Iterable[TensorRecord], manifest: tuple[ObjectId, int],
+                 replace: Set[TensorId] = frozenset()) -> int:
+    """The bytes a commit adds to the repository: its records no row holds yet, and its manifest if new.
+
+    Decided as save_records decides what to record: a record whose id is known (a lossy re-encoding
+    that gave the parent's values again) adds nothing, one in `replace` (written anew for lost
+    objects) does; each id counts once.
+    """
+    unique = {r.id: r for r in records}
+    known = existing_tensor_ids(tx, unique) - set(replace)
+    manifest_oid, manifest_size = manifest
+    manifest_known = bool(tx.rows_in("SELECT id FROM objects WHERE id IN ({ids})", [manifest_oid]))
+    return sum(r.stored_bytes for tid, r in unique.items() if tid not in known) + (0 if manifest_known
+                                                                                 else manifest_size)
+
+
 def insert_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[ObjectId, int]) -> None:
     """Record new tensors, their chunks and the objects those chunks live in.
 

@@ -203,9 +203,9 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         sizes[manifest_oid] = len(manifest_bytes)
         faults.point("commit:manifest-written")
         new_records = list({r.id: r for r in encoded.values()}.values())
-        stored = sum(r.stored_bytes for r in new_records) + len(manifest_bytes)
-        info = _commit_info(checkpoint, options, manifest_oid, stored, source_path, parent, level)
-        with repo.db.write() as tx:
+        with repo.db.write() as tx:  # what is new is decided where it is recorded: no writer slips in between
+            stored = tensor_rows.newly_stored(tx, new_records, (manifest_oid, len(manifest_bytes)), parent.lost)
+            info = _commit_info(checkpoint, options, manifest_oid, stored, source_path, parent, level)
             move_ref(tx, parent, info.id)
             tensor_rows.save_records(tx, new_records, sizes, replace=parent.lost)
             commit_rows.insert_commit(tx, info, entries.values())

@@ -137,15 +137,15 @@ def record_sharded(repo: Repository, start: Start, shards: list[WrittenShard], d
     manifest_oid = repo.store.put(manifest_bytes)
     sizes[manifest_oid] = len(manifest_bytes)
     faults.point("dcp:manifest-written")
-    info = CommitInfo(
-        id=CommitId(""), manifest_object=manifest_oid, message=options.message,
-        author=options.author, created_at=time.time(), step=options.step,
-        metrics={str(k): float(v) for k, v in options.metrics.items()}, kind=KIND, source_path=None,
-        raw_bytes=sum(s.raw_bytes for s in shards),
-        stored_bytes=sum(r.stored_bytes for r in records) + len(manifest_bytes),
-        parents=[start.commit] if start.commit else [], lossy=lossy)
-    info.id = info.computed_id()
-    with repo.db.write() as tx:
+    with repo.db.write() as tx:  # what is new is decided where it is recorded: no writer slips in between
+        info = CommitInfo(
+            id=CommitId(""), manifest_object=manifest_oid, message=options.message,
+            author=options.author, created_at=time.time(), step=options.step,
+            metrics={str(k): float(v) for k, v in options.metrics.items()}, kind=KIND, source_path=None,
+            raw_bytes=sum(s.raw_bytes for s in shards),
+            stored_bytes=tensor_rows.newly_stored(tx, records, (manifest_oid, len(manifest_bytes))),
+            parents=[start.commit] if start.commit else [], lossy=lossy)
+        info.id = info.computed_id()
         move_ref(tx, start, info.id)
         missing = ({e.tensor for e in entries.values()} - {r.id for r in records}
                    - tensor_rows.existing_tensor_ids(tx, {e.tensor for e in entries.values()}))

@@ -128,6 +128,34 @@ def test_unchanged_lossy_checkpoint_is_nothing_to_commit(repo, tmp_path):
         repo.commit(path, lossy="medium")
 
 
+def _objects_bytes(root):
+    return sum(p.stat().st_size for p in (root / ".ckpt" / "objects").rglob("*") if p.is_file())
+
+
+def test_a_lossy_commit_that_stores_nothing_new_says_so(tmp_path, monkeypatch):
+    """Re-encoding that gives the parent's tensor ids adds nothing: the commit line, stats and commit_info say 0."""
+    monkeypatch.chdir(tmp_path)
+    generator = torch.Generator().manual_seed(9)
+    torch.save({"model": {"w": torch.randn(256, 256, generator=generator)},
+                "optimizer": {"state": {0: {"step": torch.tensor(5.0),
+                                            "exp_avg": torch.randn(256, 256, generator=generator) * 1e-3,
+                                            "exp_avg_sq": torch.rand(256, 256, generator=generator) * 1e-6}},
+                              "param_groups": [{"lr": 1e-3, "params": [0]}]}}, "l.pt")
+    run = lambda *args: CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    assert run("init").exit_code == 0
+    assert run("commit", "l.pt", "--lossy", "optimizer").exit_code == 0
+    grew = _objects_bytes(tmp_path)
+    assert run("commit", "l.pt", "--lossy", "balanced", "--allow-empty").exit_code == 0
+    before = _objects_bytes(tmp_path)
+    again = run("commit", "l.pt", "--lossy", "balanced", "--allow-empty", "-m", "again")
+    assert _objects_bytes(tmp_path) == before  # every id was known: nothing was written
+    assert again.output.rstrip().endswith("-> 0 B new)"), again.output
+    with Repository.open(tmp_path) as repo:
+        rows = {row["message"]: row for row in repo.stats()["commits"]}
+        assert repo.commit_info("HEAD").stored_bytes == rows["again"]["stored_bytes"] == 0
+        assert repo.commit_info("HEAD~2").stored_bytes == grew > 0  # what is new still counts, once
+
+
 def test_cli_marks_lossy_commits_and_checkouts(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = lambda *args: CliRunner().invoke(cli, list(args), catch_exceptions=False)
