@@ -412,8 +412,10 @@ def status(repo: Repository) -> dict[str, Any]:
     for record in manifest.files:
         path = formats.destination(manifest.kind, record, base)
         shown = str(path.relative_to(repo.root)) if path.is_relative_to(repo.root) else str(path)
-        report["files"].append({"path": shown, "state": _file_state(repo, path, manifest.digests.get(record.name),
-                                                                    head)})
+        state = _file_state(repo, path, manifest.digests.get(record.name), head)
+        if state == "unchanged" and info.lossy:  # the file is the only copy of what the level did not keep
+            state = f"unchanged (committed at lossy level {info.lossy}: HEAD restores an approximation of it)"
+        report["files"].append({"path": shown, "state": state})
     return report
 
 

@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ckptstore import Repository
 from ckptstore.cli import cli
 from ckptstore.errors import CheckpointFormatError, CkptError, DirtyWorktreeError
 from ckptstore.repo.config import RepoConfig
@@ -658,3 +659,14 @@ def test_a_journal_finishes_heads_move_only_when_every_rename_was_done(tmp_path)
         assert journal.finish_interrupted(tmp_path / ".ckpt", lambda *head: moves.append(head)) == 1
         assert moves == [("c1", "main")]  # no other move: a rename was left undone, or the journal names none
     assert target.read_text() == "newer"
+
+
+def test_status_of_a_lossy_heads_file_says_head_restores_only_an_approximation(tmp_path):
+    """'unchanged' alone invites deleting the only full-precision copy of a lossy commit's file."""
+    torch.save({"w": torch.randn(256, 256, generator=torch.Generator().manual_seed(0)) * 0.02}, tmp_path / "c.pt")
+    with Repository.init(tmp_path) as repo:
+        repo.commit(tmp_path / "c.pt")
+        assert [f["state"] for f in repo.status()["files"]] == ["unchanged"]
+        repo.commit(tmp_path / "c.pt", lossy="balanced", allow_empty=True)
+        (state,) = [f["state"] for f in repo.status()["files"]]
+        assert state.startswith("unchanged") and "lossy level balanced" in state and "approximation" in state
