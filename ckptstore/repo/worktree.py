@@ -412,17 +412,17 @@ def status(repo: Repository) -> dict[str, Any]:
     for record in manifest.files:
         path = formats.destination(manifest.kind, record, base)
         shown = str(path.relative_to(repo.root)) if path.is_relative_to(repo.root) else str(path)
-        state = _file_state(repo, path, manifest.digests.get(record.name), head)
-        if state == "unchanged" and info.lossy:  # the file is the only copy of what the level did not keep
-            state = f"unchanged (committed at lossy level {info.lossy}: HEAD restores an approximation of it)"
+        state = _file_state(repo, path, manifest.digests.get(record.name), head, info.lossy)
         report["files"].append({"path": shown, "state": state})
     return report
 
 
-def _file_state(repo: Repository, path: Path, committed: str | None, head: CommitId) -> str:
+def _file_state(repo: Repository, path: Path, committed: str | None, head: CommitId, lossy: str | None) -> str:
     if not path.is_file():
         return "missing"
     digest = file_digest(str(path))
+    if digest == committed and lossy:  # still the source: the only copy of what the level did not keep
+        return f"unchanged (committed at lossy level {lossy}: HEAD may restore only an approximation of it)"
     if digest == committed:
         return "unchanged"
     with repo.db.read() as tx:

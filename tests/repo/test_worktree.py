@@ -621,7 +621,7 @@ def test_files_outside_the_work_tree_are_written_in_place_only_for_commits_made_
         origin.commit(outside)
         origin.checkout_to(first)  # made here: in place, and HEAD follows
         assert torch.equal(torch.load(outside, weights_only=True)["w"], torch.ones(2))
-        assert origin.head() == (None, first) and origin.status()["files"][0]["state"] == "unchanged"
+        assert origin.head() == (None, first) and origin.status()["files"][0]["state"].startswith("unchanged")
     outside.unlink()
     with remote.clone(str(tmp_path / "origin"), tmp_path / "clone") as clone:
         with pytest.raises(CkptError, match=f"came from another repository, made from {outside}, .* with -o PATH"):
