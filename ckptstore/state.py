@@ -12,6 +12,7 @@ import hashlib
 import math
 import re
 import sys
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -342,12 +343,18 @@ class _Flattener:
         self.view_bytes: dict[int, int] = {}  # storage address -> bytes its views have taken so far
         self.seen: set[int] = set()  # ids of the containers walked so far
         self.nodes = self.repeats = self.depth = self.text = 0
+        self.attributes: list[str] = []  # tensor attributes (p.tp_dim = 0) the skeleton has no place for
         self.exact = _exact_with_torch() if "torch" in sys.modules else _EXACT  # never imports torch itself
 
     def flatten(self, obj: Any, prefix: str) -> FlatState:
         """The skeleton and tensors of `obj`, views of one storage marked as such."""
         skeleton = self.encode(obj, prefix)
         mark_shared_views(self.views)
+        if self.attributes:
+            more = f" and {len(self.attributes) - 3} more" if len(self.attributes) > 3 else ""
+            warnings.warn(f"tensor attributes are not stored ({', '.join(self.attributes[:3])}{more}): loading the "
+                          "commit gives the tensors without them (a zip file checked out is its bytes, with them)",
+                          UserWarning, stacklevel=3)
         return FlatState(skeleton, self.tensors)
 
     def tensor_extras(self, node: list, requires_grad: bool, parameter: bool) -> list:
@@ -417,6 +424,8 @@ class _Flattener:
             if key is not None and not (key[5] or key[6]):  # stored resolved: its bytes are not the storage's
                 self.views.setdefault(key[0], []).append((node, storage_nbytes, key[1], key[3]))
         parameter = type(value) is not torch.Tensor and isinstance(value, torch.nn.Parameter)  # a slow isinstance
+        if value.__dict__:
+            self.attributes += [f"{path or '<root>'}.{name}" for name in value.__dict__ if name not in _BOOKKEEPING]
         return self.tensor_extras(node, value.requires_grad, parameter)
 
     def encode(self, value: Any, path: str) -> Any:
@@ -588,6 +597,10 @@ def _exact_with_torch() -> dict:
     """`_EXACT` and torch's tensor types: where torch is in use, its tensors skip the isinstance chain too."""
     torch = _torch()
     return {**_EXACT, torch.Tensor: _Flattener.tensor, torch.nn.Parameter: _Flattener.tensor}
+
+
+# Tensor attributes that are bookkeeping only (transformers marks initialised weights): dropped unsaid
+_BOOKKEEPING = frozenset({"_is_hf_initialized"})
 
 
 def flatten(obj: Any, prefix: str = "", to_raw: Callable[[Any, str], RawTensor] | None = None) -> FlatState:

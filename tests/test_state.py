@@ -449,3 +449,20 @@ def test_a_set_of_tensors_is_stored_in_an_order_of_their_contents():
     assert len(flatten({"s": {conj, torch.ones(2)}}).tensors) == 2
     with pytest.raises(UnsupportedStateError, match="nested tensors are not supported"):
         flatten({"s": {torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), torch.ones(2)}})
+
+
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_tensor_attributes_are_said_not_to_be_stored(tmp_path, zip_format):
+    """torch.save keeps p.tp_dim; a commit has no place for it: it says so instead of dropping it unsaid."""
+    from ckptstore import Repository
+
+    weight, plain = torch.nn.Parameter(torch.ones(4, 4)), torch.zeros(3)
+    weight.tp_dim, plain.note = 0, "x"
+    weight._is_hf_initialized = True  # bookkeeping: dropped without a word
+    torch.save({"w": weight, "t": plain}, tmp_path / "c.pt", _use_new_zipfile_serialization=zip_format)
+    with Repository.init(tmp_path / "repo") as repo, pytest.warns(UserWarning, match="attributes are not") as said:
+        cid = repo.commit(tmp_path / "c.pt")
+    message = str(next(w.message for w in said if "attributes" in str(w.message)))
+    assert "w.tp_dim" in message and "t.note" in message and "_is_hf_initialized" not in message
+    with Repository.open(tmp_path / "repo") as repo:
+        assert torch.equal(repo.checkout(cid)["w"], weight.detach())
