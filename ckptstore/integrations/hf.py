@@ -29,7 +29,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ckptstore.api import with_repo
-from ckptstore.errors import BackgroundCommitError, CkptError, RetentionError
+from ckptstore.errors import BackgroundCommitError, CkptError, DirtyWorktreeError, RetentionError
 from ckptstore.hashing import CommitId
 from ckptstore.integrations.unchanged import head_if_unchanged
 
@@ -224,7 +224,11 @@ def _restore(opened: Repository, ref: str, output_dir: Path, force: bool) -> Pat
         raise CkptError(f"commit {info.id[:12]} ({ref}) records no step and was not committed from a "
                         f"{PREFIX_CHECKPOINT_DIR}-N folder: write it with `ckpt checkout {info.id[:12]} -o PATH`")
     output_dir.mkdir(parents=True, exist_ok=True)
-    return opened.checkout_to(info.id, output_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}", force=force)
+    try:
+        return opened.checkout_to(info.id, output_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}", force=force)
+    except DirtyWorktreeError as exc:  # its advice names the CLI's flags; a caller here has arguments
+        said = str(exc).split("; commit it first")[0]
+        raise DirtyWorktreeError(f"{said}; restore into another output_dir, or pass force=True") from None
 
 
 def _step_of(source_path: str | None) -> int | None:

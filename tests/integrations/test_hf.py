@@ -23,7 +23,7 @@ from transformers import (  # noqa: E402
 
 from ckptstore import Repository  # noqa: E402
 from ckptstore.cli import cli  # noqa: E402
-from ckptstore.errors import BackgroundCommitError, CkptError  # noqa: E402
+from ckptstore.errors import BackgroundCommitError, CkptError, DirtyWorktreeError  # noqa: E402
 from ckptstore.integrations.hf import CkptCallback, restore  # noqa: E402
 
 VOCAB, LENGTH, STEPS = 64, 16, 8
@@ -115,6 +115,17 @@ def test_restore_is_byte_exact_and_resumes_with_the_same_losses_as_the_original_
     from_restored.train(resume_from_checkpoint=str(restored))
     expected = _losses_after(from_original, 4)
     assert len(expected) == STEPS - 4 and _losses_after(from_restored, 4) == expected
+
+
+def test_restore_over_a_changed_folder_names_its_own_arguments(run, tmp_path):
+    with Repository.open(run.repo) as repo:
+        at = {c.step: c.id for c in repo.log("main")}
+        folder = restore(repo, at[2], tmp_path)
+        (folder / "trainer_state.json").write_text("{}")  # not what any commit holds
+        with pytest.raises(DirtyWorktreeError, match=r"trainer_state\.json.*output_dir, or pass force=True") as said:
+            restore(repo, at[2], tmp_path)
+        assert "--force" not in str(said.value) and "-o PATH" not in str(said.value)
+        assert restore(repo, at[2], tmp_path, force=True) == folder and _digests(folder) == run.saved[2]
 
 
 def test_lossy_commits_go_to_their_branch_and_differ_from_the_folder(run, tmp_path):
