@@ -316,7 +316,7 @@ def log(ctx, graph, all_refs, as_json) -> None:
         echo(f"commit {info.id}{deco}\nDate:   {when}\nStep:   {info.step}{lossy}")
         if info.metrics:
             echo("Metrics: " + ", ".join(f"{k}={v:g}" for k, v in info.metrics.items()))
-        echo(f"\n    {info.message}\n")
+        echo(f"\n{_indented(info.message)}\n")
     return None
 
 
@@ -376,7 +376,7 @@ def show(ctx, ref, as_json) -> None:
         echo(f"lossy commit, level {data['lossy']}; optimizer pairing: {data.get('pairing')}; "
                    f"importance: {data.get('importance') or 'estimated from the optimizer state'}")
     stored = "- (pruned)" if data.get("pruned") else _size(data["stored_bytes"])
-    echo(f"raw {_size(data['raw_bytes'])}  stored {stored}\n\n    {data['message']}\n")
+    echo(f"raw {_size(data['raw_bytes'])}  stored {stored}\n\n{_indented(data['message'])}\n")
     for f in data["files"]:
         echo(f"file {f['name'] or '.'} [{f['format']}] {_size(f['size'])} {f['note']}".rstrip())
     for row in data.get("fidelity", []):
@@ -550,6 +550,11 @@ def remote_list(ctx) -> None:
     """List remotes and their URLs."""
     for name, where in sorted(_open(ctx).config.remotes.items()):
         echo(f"{name}\t{where.url}" + (f" (metadata {where.metadata_url})" if where.metadata_url else ""))
+
+
+def _indented(message: str) -> str:
+    """A commit message under its header, every line indented as git indents it."""
+    return "\n".join("    " + line for line in message.split("\n"))
 
 
 def _moved(report: Any, verb: str = "received") -> None:

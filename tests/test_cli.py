@@ -159,3 +159,16 @@ def test_every_writing_command_refuses_up_front_under_read_only(tmp_path):
             assert _files_of(work / ".ckpt") == before and _files_of(tmp_path / "hub" / ".ckpt") == hub, args
     finally:
         ckpt(work, "daemon", "stop")
+
+
+def test_a_multi_line_message_is_indented_line_by_line_in_log_and_show(tmp_path):
+    """As git shows it: a message's later lines must not read as log's own header lines."""
+    assert ckpt(tmp_path, "init").returncode == 0
+    torch.save({"w": torch.ones(3)}, tmp_path / "c.pt")
+    assert ckpt(tmp_path, "commit", "c.pt", "-m", "first line\nStep:   999\n\nafter a blank").returncode == 0
+    for command in ("log", "show"):
+        out = ckpt(tmp_path, command).stdout.splitlines()
+        at = out.index("    first line")
+        assert out[at : at + 4] == ["    first line", "    Step:   999", "    ", "    after a blank"], command
+    refused = ckpt(tmp_path, "branch", "héllo")
+    assert refused.returncode == 1 and "ASCII letters" in refused.stderr

@@ -53,7 +53,7 @@ def check_name(name: str) -> None:
     if (not _NAME.fullmatch(name) or name == HEAD or name.startswith(("-", "/", ".")) or name.endswith(("/", ".lock"))
             or ".." in name or "//" in name):
         raise InvalidRefNameError(
-            f"{name!r} is not a valid branch or tag name (letters, digits, . _ / -; not HEAD)"
+            f"{name!r} is not a valid branch or tag name (ASCII letters, digits, . _ / -; not HEAD)"
         )
     if name.startswith("remotes/"):
         raise InvalidRefNameError(f"{name!r} starts with 'remotes/', which holds remote-tracking refs "
