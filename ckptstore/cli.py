@@ -374,7 +374,7 @@ def show(ctx, ref, as_json) -> None:
         echo(f"pruned by `ckpt prune`: its tensors are gone{' (it was lossy)' if data.get('lossy') else ''}")
     elif data.get("lossy"):
         echo(f"lossy commit, level {data['lossy']}; optimizer pairing: {data.get('pairing')}; "
-                   f"importance: {data.get('importance') or 'estimated from the optimizer state'}")
+                   f"importance: {data.get('importance')}")
     stored = "- (pruned)" if data.get("pruned") else _size(data["stored_bytes"])
     echo(f"raw {_size(data['raw_bytes'])}  stored {stored}\n\n{_indented(data['message'])}\n")
     for f in data["files"]:

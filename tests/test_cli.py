@@ -172,3 +172,11 @@ def test_a_multi_line_message_is_indented_line_by_line_in_log_and_show(tmp_path)
         assert out[at : at + 4] == ["    first line", "    Step:   999", "    ", "    after a blank"], command
     refused = ckpt(tmp_path, "branch", "héllo")
     assert refused.returncode == 1 and "ASCII letters" in refused.stderr
+
+
+def test_show_of_a_lossy_commit_without_optimizer_state_says_no_importance_was_estimated(tmp_path):
+    assert ckpt(tmp_path, "init").returncode == 0
+    torch.save({"w": torch.randn(256, 256) * 0.02}, tmp_path / "c.pt")
+    assert ckpt(tmp_path, "commit", "c.pt", "--lossy", "balanced").returncode == 0
+    shown = ckpt(tmp_path, "show").stdout
+    assert "importance: none: no optimizer state" in shown and "estimated from the optimizer state" not in shown

@@ -19,6 +19,7 @@ _STATE = re.compile(r"^(?:(.*)/)?state/(\d+)/(exp_avg|exp_avg_sq|momentum_buffer
 _ANY_STATE = re.compile(r"^(?:(.*)/)?state/(\d+)/([^/]+)$")
 _ADAM_OR_SGD = {"exp_avg", "exp_avg_sq", "momentum_buffer", "step"}
 _NO_DECAY = re.compile(r"bias|norm|(^|[._/])ln(_\w+)?([._/]|$)", re.IGNORECASE)
+NO_OPTIMIZER_STATE = "no optimizer state found"  # an OptimizerMap's `how` (a lossy manifest's pairing) then
 FLOATS = ("torch.float32", "torch.float16", "torch.bfloat16", "torch.float64")
 
 
@@ -43,7 +44,7 @@ class OptimizerMap:
 
     slots: list[ParamSlots] = field(default_factory=list)
     certain: bool = False
-    how: str = "no optimizer state found"
+    how: str = NO_OPTIMIZER_STATE
 
     def roles(self) -> dict[str, tuple[str, ParamSlots]]:
         """Path -> (role, slots) for every path that belongs to some parameter."""

@@ -9,9 +9,11 @@ from ckptstore.hashing import CommitId
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata.commits import CommitInfo
+from ckptstore.policy.mapping import NO_OPTIMIZER_STATE
 from ckptstore.repo import graph, refs
 
 if TYPE_CHECKING:
+    from ckptstore.repo.manifest import Manifest
     from ckptstore.repo.repository import Repository
 
 
@@ -91,7 +93,7 @@ def show(repo: Repository, ref: str = "HEAD") -> dict[str, Any]:
                 row[key] = record.params[key]
         tensors.append(row)
     files = [{"name": f.name, "format": f.format, "size": f.size, "note": f.opaque_reason} for f in manifest.files]
-    extra = ({"pairing": manifest.pairing, "importance": manifest.importance, "fidelity": fidelity(tensors)}
+    extra = ({"pairing": manifest.pairing, "importance": _importance(manifest), "fidelity": fidelity(tensors)}
              if manifest.lossy else {})
     if manifest.dcp is not None:  # its entries are shards: also list the logical tensors they make up
         from ckptstore.repo.sharded import logical_tensors
@@ -104,6 +106,15 @@ def show(repo: Repository, ref: str = "HEAD") -> dict[str, Any]:
 MEASURED = {"deadzone": "weights (and SGD momentum): ||W'-W||/||W||",
             "normmoment": "Adam updates: ||u'-u||/||u||, u = m/sqrt(v)",
             "log2moment": "Adam second moments: ||v'-v||/||v||"}
+
+
+def _importance(manifest: Manifest) -> str:
+    """How a lossy commit judged its weights' sensitivity: measured, estimated from Adam's v, or not at all."""
+    if manifest.importance:
+        return manifest.importance
+    if manifest.pairing == NO_OPTIMIZER_STATE:
+        return "none: no optimizer state"
+    return "estimated from the optimizer state"
 
 
 def fidelity(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
