@@ -54,20 +54,24 @@ def test_push_sends_what_the_remote_lacks_and_nothing_twice(pair):
     assert work.resolve("origin/main") == third
 
 
-def test_a_push_that_drops_remote_commits_is_refused_unless_forced(pair, tmp_path):
-    work, hub_path, cids = pair
+def _theirs_pushed(work, hub_path, clone_path):
+    """Push `work`'s main, then a commit from another clone on top of it there: the hub's main moved on."""
     remote.push(work, "origin")
-    with remote.clone(str(hub_path), tmp_path / "other") as other:
+    with remote.clone(str(hub_path), clone_path) as other:
         other.commit(_state(7), message="theirs")
         remote.push(other, "origin")
+        return other.resolve("main")
+
+
+def test_a_push_that_drops_remote_commits_is_refused_unless_forced(pair, tmp_path):
+    work, hub_path, cids = pair
+    theirs = _theirs_pushed(work, hub_path, tmp_path / "other")
     work.commit(_state(8), message="ours")
     with pytest.raises(ConflictError, match="diverged") as refused:
         remote.push(work, "origin")
     advice = str(refused.value)
     assert "pull" not in advice  # pull refuses diverged branches: it only fast-forwards
     assert "`ckpt branch NEW main`, then `ckpt push origin NEW`" in advice and "--force" in advice
-    with Repository.open(hub_path) as hub:
-        theirs = hub.resolve("main")
     ours = work.resolve("main")
     with pytest.raises(ConflictError, match="diverged"):
         remote.pull(work, "origin")
@@ -81,11 +85,7 @@ def test_a_push_that_drops_remote_commits_is_refused_unless_forced(pair, tmp_pat
 
 def test_a_push_from_behind_the_remote_advises_the_pull_that_works(pair, tmp_path):
     work, hub_path, cids = pair
-    remote.push(work, "origin")
-    with remote.clone(str(hub_path), tmp_path / "other") as other:
-        other.commit(_state(7), message="theirs")
-        remote.push(other, "origin")
-        theirs = other.resolve("main")
+    theirs = _theirs_pushed(work, hub_path, tmp_path / "other")
     with pytest.raises(ConflictError, match="is ahead of yours") as refused:  # work's main: an ancestor of theirs
         remote.push(work, "origin")
     assert "`ckpt pull origin main`" in str(refused.value)
