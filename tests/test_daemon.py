@@ -327,11 +327,8 @@ def test_the_socket_folder_is_the_first_that_exists_and_leaves_room_for_a_socket
 
 def test_a_checkpoint_cut_short_while_the_daemon_commits_it_is_refused_and_the_daemon_serves_on(served):
     """A SIGBUS from reading the cut file's map used to kill the daemon itself (formats/filemap.py)."""
-    from ckptstore.formats import filemap
     from tests.repo.test_commit_truncated import commit_while_cut_short
 
-    if not filemap.native:
-        pytest.skip("the native _sigbus module is not built")
     _save(served / "a.pt", 6)
     whole = (served / "a.pt").read_bytes()
     result = commit_while_cut_short(served, "a.pt", served / "a.pt")

@@ -35,6 +35,7 @@ static volatile uint64_t fault_count;
 static uintptr_t page_size;
 static struct sigaction previous;
 static int installed;
+static volatile sig_atomic_t passed_on; /* a fault not ours went to previous once already */
 
 static void on_sigbus(int sig, siginfo_t *info, void *context)
 {
@@ -52,9 +53,21 @@ static void on_sigbus(int sig, siginfo_t *info, void *context)
             return;
         }
     }
-    /* not ours: the access re-runs into whatever handled SIGBUS before (by default, death) */
-    sigaction(sig, &previous, NULL);
+    /* not ours: the access re-runs into whatever handled SIGBUS before (by default, death); a
+     * signal that is no fault (kill -BUS, raise) would not come again by itself: it is sent again.
+     * A handler set after us chains back to us: the second time round, the default ends it. */
+    if (passed_on) {
+        struct sigaction fallback;
+        memset(&fallback, 0, sizeof fallback);
+        fallback.sa_handler = SIG_DFL;
+        sigaction(sig, &fallback, NULL);
+    } else {
+        passed_on = 1;
+        sigaction(sig, &previous, NULL);
+    }
     installed = 0;
+    if (info->si_code <= 0)
+        raise(sig);
 }
 
 static PyObject *install(PyObject *self, PyObject *unused)

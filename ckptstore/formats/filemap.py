@@ -14,11 +14,13 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
+from ckptstore.errors import CheckpointFormatError
 from ckptstore.formats.atomic import changed_while_read
 from ckptstore.hashing import bytes_digest
 
@@ -34,18 +36,30 @@ _local = threading.local()
 class Guard:
     """The maps registered while a guard is active, and which of them faulted (by file path)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reading: bool = False) -> None:
         self._slots: dict[int, str] = {}
+        self._tokens: dict[int, object] = {}  # which registration holds each slot now
         self._faulted: list[str] = []
+        self.reading = reading  # a read for another command than commit: its refusal says so
 
     def add(self, data: mmap.mmap, path: str | os.PathLike) -> int:
-        """Register `data` (a map of `path`): a fault in it reads zeros and marks the path. Returns its slot."""
+        """Register `data` (a map of `path`): a fault in it reads zeros and marks the path. Returns its slot.
+
+        The slot goes with the map: its addresses may be mapped again, by anyone, once it is closed.
+        """
         if _sigbus is None or not len(data):
             return -1
         slot = _sigbus.register(np.frombuffer(data, np.uint8).ctypes.data, len(data))
         if slot >= 0:  # -1: the table is full, the map is read unguarded
             self._slots[slot] = str(path)
+            self._tokens[slot] = token = object()
+            weakref.finalize(data, self._release_if_still, slot, token)
         return slot
+
+    def _release_if_still(self, slot: int, token: object) -> None:
+        """`release(slot)` unless it was released already (and perhaps taken by another map since)."""
+        if self._tokens.get(slot) is token:
+            self.release(slot)
 
     def adopt(self, path: str | os.PathLike) -> None:
         """Register the maps of `path` another library made in this process (torch.load(mmap=True))."""
@@ -67,6 +81,7 @@ class Guard:
     def release(self, slot: int) -> None:
         """Stop guarding one map (before it is closed), keeping whether it faulted."""
         path = self._slots.pop(slot, None)
+        self._tokens.pop(slot, None)
         if path is not None and _sigbus.unregister(slot):
             self._faulted.append(path)
 
@@ -86,15 +101,16 @@ def current() -> Guard | None:
 
 
 @contextmanager
-def guard() -> Iterator[Guard]:
+def guard(reading: bool = False) -> Iterator[Guard]:
     """Guard the maps made here on this thread (and those given the guard); refuse a file cut short meanwhile.
 
-    On leaving, a file any map of which was read past its end raises `changed_while_read`,
-    whatever else was raised meanwhile (zeros read in place of its bytes can fail any parser).
+    On leaving, a file any map of which was read past its end raises `changed_while_read` (with
+    `reading`, for a command that commits nothing: `changed_while_reading`), whatever else was
+    raised meanwhile (zeros read in place of its bytes can fail any parser).
     """
     if _sigbus is not None:
         _sigbus.install()  # again each time: faulthandler.enable() may have taken SIGBUS since
-    outer, made = current(), Guard()
+    outer, made = current(), Guard(reading)
     _local.guard = made
     try:
         yield made
@@ -110,7 +126,13 @@ def _refuse(made: Guard) -> None:
     made.close()
     faulted = made.faulted()
     if faulted:
-        raise changed_while_read(faulted[0]) from None
+        raise (changed_while_reading if made.reading else changed_while_read)(faulted[0]) from None
+
+
+def changed_while_reading(path: str | os.PathLike) -> CheckpointFormatError:
+    """The refusal of a file cut short while a command other than commit read it."""
+    return CheckpointFormatError(f"{path} changed while it was being read (is a save still writing it?); run "
+                                 "the command again once the save has finished")
 
 
 def open_map(path: str | os.PathLike, writable: bool = False, within: Guard | None = None) -> mmap.mmap | None:
@@ -142,7 +164,7 @@ def file_digest(path: str | os.PathLike, within: Guard | None = None) -> str:
     With no guard given or active, it guards itself: a file cut short meanwhile raises.
     """
     active = within or current()
-    with nullcontext(active) if active is not None else guard() as used:
+    with nullcontext(active) if active is not None else guard(reading=True) as used:
         data, slot = _open(path, False, used)
         if data is None:
             return bytes_digest(b"")

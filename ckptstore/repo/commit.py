@@ -34,6 +34,7 @@ from ckptstore.policy import LossyLevel, level_named
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource
 from ckptstore.repo import calibrate, chaincost
+from ckptstore.repo.creation import STAGING
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.planecache import cache_of
@@ -309,7 +310,8 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
     # Hash the files while they are parsed: both read the same pages, and the load is single-threaded.
     # A commit never holds the repository's own directory (`ckpt commit .` at the root), nor its object
     # store where config objects_url puts it outside .ckpt/.
-    excluded = [repo.dir, *([store] if (store := getattr(repo.store, "root", None)) else [])]
+    excluded = [repo.dir, *([store] if (store := getattr(repo.store, "root", None)) else []),
+                *repo.root.glob(STAGING + "*")]  # what a killed init left, here or on another host
     if not path.is_file() and not path.is_dir():  # a FIFO, a device, a socket
         raise CheckpointFormatError(f"{source} is neither a file nor a folder")
     on_disk = [path] if path.is_file() else [f.path for f in folder_files(path, excluded)]
@@ -335,12 +337,9 @@ def _settle_changed(checkpoint: formats.Checkpoint, stamps: Mapping[str, tuple[P
 
     A plain file (a log the run appends to) keeps the bytes read, with their digest, where they are
     still what was hashed at the start: the file was replaced, or grew. One rewritten in place or
-    cut shorter is refused too, as is any file whose map was read past a new end (filemap.py: zeros
-    were read in place of its bytes, where without the guard the process would have died of SIGBUS).
+    cut shorter is refused too; one whose map was read past a new end (zeros read in place of its
+    bytes) is refused by the guard this runs in (filemap.guard), whatever is decided here.
     """
-    cut = active.faulted() if (active := filemap.current()) is not None else []
-    if cut:
-        raise changed_while_read(cut[0])
     for record in checkpoint.files:
         path, before = stamps.get(record.name, (None, None))
         now = file_stamp(path) if path is not None else before

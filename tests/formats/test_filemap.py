@@ -68,3 +68,60 @@ def test_a_map_not_registered_still_dies_of_sigbus_with_the_handler_installed(tm
     """, tmp_path / "f.bin")
     assert result.returncode == SIGBUS, (result.returncode, result.stdout, result.stderr)
     assert result.stdout == ""
+
+
+def test_a_map_closed_inside_a_guard_gives_up_its_slot(tmp_path):
+    """Its addresses may be anyone's next: a stale slot would turn their SIGBUS into zeros in our name."""
+    result = _run("""
+        import gc
+        with filemap.guard() as guard:
+            data = filemap.open_map(path)
+            print(len(guard._slots))
+            del data
+            gc.collect()
+            print(len(guard._slots))
+    """, tmp_path / "f.bin")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "0"]
+
+
+def test_a_sigbus_that_is_no_fault_and_one_handed_to_faulthandler_end_the_process_once(tmp_path):
+    """kill -BUS is not swallowed; faulthandler enabled between guards dumps once, then SIGBUS, no loop."""
+    killed = _run("""
+        import signal
+        with filemap.guard():
+            pass
+        os.kill(os.getpid(), signal.SIGBUS)
+        print("survived")
+    """, tmp_path / "f.bin")
+    assert killed.returncode == SIGBUS and killed.stdout == ""
+    dumped = _run("""
+        import faulthandler
+        with filemap.guard():
+            pass
+        faulthandler.enable()
+        with filemap.guard():
+            pass
+        with open(path, "rb") as handle:
+            data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        os.truncate(path, 0)
+        print(data[300])
+    """, tmp_path / "f.bin")
+    assert dumped.returncode == SIGBUS and dumped.stderr.count("Fatal Python error: Bus error") == 1
+
+
+def test_a_file_cut_short_while_a_command_reads_it_is_not_said_to_be_committed(tmp_path):
+    result = _run("""
+        from ckptstore.errors import CheckpointFormatError
+        real = filemap.bytes_digest
+        def cut_then_hash(data):  # the trainer's next torch.save truncates it while `ckpt status` hashes it
+            os.truncate(path, 0)
+            return real(data)
+        filemap.bytes_digest = cut_then_hash
+        try:
+            filemap.file_digest(path)
+        except CheckpointFormatError as exc:
+            print(exc)
+    """, tmp_path / "f.bin")
+    assert result.returncode == 0, result.stderr
+    assert "changed while it was being read" in result.stdout and "committed" not in result.stdout

@@ -38,10 +38,10 @@ def _wait_for(path: Path, process: subprocess.Popen) -> None:
         time.sleep(0.02)
 
 
-def commit_while_cut_short(root: Path, source: str, victim: Path) -> subprocess.CompletedProcess:
+def commit_while_cut_short(root: Path, source: str, victim: Path, *flags: str) -> subprocess.CompletedProcess:
     """`ckpt commit source`, with `victim` truncated (as torch.save(..., victim) does first) mid-commit."""
     gate = root.parent / "gate"
-    process = _ckpt(root, "commit", source, CKPT_WAIT_AT=f"commit:read={gate}")
+    process = _ckpt(root, "commit", source, *flags, CKPT_WAIT_AT=f"commit:read={gate}")
     _wait_for(Path(f"{gate}.reached"), process)
     open(victim, "wb").close()
     gate.touch()
@@ -67,13 +67,14 @@ def _folders_blob(root: Path) -> tuple[str, Path]:
     return "run", folder / "rng_state.bin"
 
 
-@pytest.mark.parametrize("make", [_torch_file, _safetensors_file, _folders_blob])
-def test_a_checkpoint_cut_short_while_committed_is_refused_and_committed_whole_afterwards(tmp_path, make):
+@pytest.mark.parametrize("make, flags", [(_torch_file, ()), (_safetensors_file, ()), (_folders_blob, ()),
+                                         (_torch_file, ("--trust-pickle",))])  # torch's own map, adopted
+def test_a_checkpoint_cut_short_while_committed_is_refused_and_committed_whole_afterwards(tmp_path, make, flags):
     root = tmp_path / "repo"
     Repository.init(root).close()
     source, victim = make(root)
     whole = victim.read_bytes()
-    result = commit_while_cut_short(root, source, victim)
+    result = commit_while_cut_short(root, source, victim, *flags)
     assert result.returncode == 1, (result.returncode, result.stderr)  # -7 was SIGBUS
     assert result.stderr.startswith(f"error: {victim} changed while it was being committed (is a save still "
                                     "writing it?); nothing was recorded"), result.stderr
@@ -81,7 +82,7 @@ def test_a_checkpoint_cut_short_while_committed_is_refused_and_committed_whole_a
         assert list(repo.log()) == []
         assert fsck(repo).ok
     victim.write_bytes(whole)  # the save finished
-    again = _ckpt(root, "commit", source)
+    again = _ckpt(root, "commit", source, *flags)
     assert again.wait(timeout=120) == 0, again.communicate()
     with Repository.open(root) as repo:
         (commit,) = repo.log()

@@ -98,3 +98,18 @@ def test_a_leftover_of_a_running_init_is_left_alone(tmp_path):
     dead.mkdir()
     Repository.init(tmp_path).close()
     assert running.exists() and not dead.exists()
+
+
+def test_a_leftover_init_folder_of_another_host_is_no_part_of_a_commit_of_the_root(tmp_path):
+    """On a shared home another machine's killed init stays (its process cannot be asked): commit skips it."""
+    from safetensors.torch import save_file
+
+    from ckptstore.repo.creation import STAGING
+
+    with Repository.init(tmp_path) as repo:
+        leftover = tmp_path / f"{STAGING}otherhost-4242"
+        leftover.mkdir()
+        (leftover / "config.toml").write_text("")
+        save_file({"w": torch.ones(4)}, tmp_path / "model.safetensors")
+        cid = repo.commit(tmp_path)
+        assert [f.name for f in repo.manifest(cid).files] == ["model.safetensors"]
