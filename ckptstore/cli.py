@@ -405,7 +405,7 @@ def status(ctx) -> None:
     where = f"On branch {report['branch']}" if report["branch"] else "HEAD detached"
     echo(where + (f" at {report['head'][:12]}" if report["head"] else " (no commits yet)"))
     for item in report["files"]:
-        echo(f"  {item['state']:>10}: {item['path']}")
+        echo(f"  {item['state']:>10}: {item['path']}" + (f" ({item['note']})" if item.get("note") else ""))
 
 
 @cli.command()

@@ -24,10 +24,12 @@ commit` process, so it imports only what a client needs. The serving process is 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.machinery
 import json
 import os
+import signal
 import socket
 import stat
 import struct
@@ -198,26 +200,31 @@ def forward(root: Path, argv: list[str]) -> int | None:
 
 
 def _echo_reply(conn: socket.socket) -> int | None:
+    reader_gone = False  # stdout's reader left (`ckpt commit | true`): exit as the command would here, 141
     while True:
         try:
             channel, payload = receive_frame(conn)
         except OSError:
             channel, payload = b"", b""
         if channel in (STDOUT, STDERR):
-            _echo(sys.stdout if channel == STDOUT else sys.stderr, payload)
+            gone = _echo(sys.stdout if channel == STDOUT else sys.stderr, payload)
+            reader_gone |= gone and channel == STDOUT
         elif channel == END:
             reply = json.loads(payload)
             if reply.get("stale"):
                 print("note: the ckpt daemon ran older code than this ckpt (an upgrade?) and has stopped; "
                       "this command runs here (`ckpt daemon start` starts a current one)", file=sys.stderr)
-            return None if "code" not in reply else int(reply["code"])
+            code = None if "code" not in reply else int(reply["code"])
+            return 128 + signal.SIGPIPE if code == 0 and reader_gone else code
         else:
             raise DaemonGone("the ckpt daemon stopped in the middle of the command; earlier commits are "
                              "intact (`ckpt log` shows whether this one was recorded)")
 
 
-def _echo(stream: Any, payload: bytes) -> None:
+def _echo(stream: Any, payload: bytes) -> bool:
     """Write the command's output here; a reader gone (`ckpt commit | head`) drops it, the command runs on.
+
+    Returns whether the stream's reader is gone (EPIPE).
 
     The bytes as the daemon encoded them (UTF-8), as click writes where the stream's encoding cannot
     hold the text (an ASCII locale): decoded and written as text, they raised UnicodeEncodeError.
@@ -230,8 +237,10 @@ def _echo(stream: Any, payload: bytes) -> None:
             stream.flush()
             buffer.write(payload)
         (buffer or stream).flush()
-    except OSError:  # and no BrokenPipeError at exit either: what is left goes nowhere
+    except OSError as exc:  # and no BrokenPipeError at exit either: what is left goes nowhere
         os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+        return exc.errno == errno.EPIPE
+    return False
 
 
 def _ask(root: Path, op: str) -> dict[str, Any] | None:

@@ -337,3 +337,12 @@ def test_a_checkpoint_cut_short_while_the_daemon_commits_it_is_refused_and_the_d
     assert ckpt(served, "log").stdout.strip() == "" and "ok" in ckpt(served, "fsck").stdout
     (served / "a.pt").write_bytes(whole)
     assert ckpt(served, "commit", "a.pt").returncode == 0 and _served_count(served) == 2
+
+
+def test_a_commit_whose_output_reader_left_exits_141_through_the_daemon_as_without_it(served):
+    """`ckpt commit b.pt | true`: the commit is recorded, and the exit status is SIGPIPE's (test_cli_errors)."""
+    _save(served / "b.pt", 1)
+    piped = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m ckptstore commit b.pt | true"],
+                           cwd=served, env=_env(), capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 141 and piped.stderr == "", piped.stderr
+    assert _served_count(served) == 1 and ckpt(served, "log").stdout.startswith("commit ")

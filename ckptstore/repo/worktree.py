@@ -412,21 +412,23 @@ def status(repo: Repository) -> dict[str, Any]:
     for record in manifest.files:
         path = formats.destination(manifest.kind, record, base)
         shown = str(path.relative_to(repo.root)) if path.is_relative_to(repo.root) else str(path)
-        state = _file_state(repo, path, manifest.digests.get(record.name), head, info.lossy)
-        report["files"].append({"path": shown, "state": state})
+        state, source = _file_state(repo, path, manifest.digests.get(record.name), head)
+        item = {"path": shown, "state": state}
+        if source and info.lossy:  # still the source: the only copy of what the level did not keep
+            item["note"] = f"committed at lossy level {info.lossy}: HEAD may restore only an approximation of it"
+        report["files"].append(item)
     return report
 
 
-def _file_state(repo: Repository, path: Path, committed: str | None, head: CommitId, lossy: str | None) -> str:
+def _file_state(repo: Repository, path: Path, committed: str | None, head: CommitId) -> tuple[str, bool]:
+    """The file's state against HEAD, and whether it still holds the very bytes HEAD was committed from."""
     if not path.is_file():
-        return "missing"
+        return "missing", False
     digest = file_digest(str(path))
-    if digest == committed and lossy:  # still the source: the only copy of what the level did not keep
-        return f"unchanged (committed at lossy level {lossy}: HEAD may restore only an approximation of it)"
     if digest == committed:
-        return "unchanged"
+        return "unchanged", True
     with repo.db.read() as tx:
         known = file_rows.commits_of_digest(tx, digest)
     if head in known:
-        return "unchanged"
-    return f"modified (content of {known[0][:12]})" if known else "modified"
+        return "unchanged", False
+    return (f"modified (content of {known[0][:12]})" if known else "modified"), False
