@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Set
+from collections.abc import Iterable, Mapping, Set
 from typing import Any
 
 from ckptstore.errors import CorruptRecordError
@@ -79,20 +79,18 @@ def existing_tensor_ids(tx: Tx, ids: Iterable[TensorId]) -> set[TensorId]:
     return {TensorId(row[0]) for row in tx.rows_in("SELECT id FROM tensors WHERE id IN ({ids})", ids)}
 
 
-def newly_stored(tx: Tx, records: Iterable[TensorRecord], manifest: tuple[ObjectId, int],
+def newly_stored(tx: Tx, records: Iterable[TensorRecord], object_sizes: Mapping[ObjectId, int],
                  replace: Set[TensorId] = frozenset()) -> int:
-    """The bytes a commit adds to the repository: its records no row holds yet, and its manifest if new.
+    """The bytes a commit adds to the repository: the objects it wrote (manifest included) no row holds yet.
 
-    Decided as save_records decides what to record: a record whose id is known (a lossy re-encoding
-    that gave the parent's values again) adds nothing, one in `replace` (written anew for lost
-    objects) does; each id counts once.
+    Counted by object, not by record: records share objects (a pack, identical chunks), and a
+    record whose id is known (a lossy re-encoding that gave the parent's values) adds nothing of
+    its own. Objects written anew for records in `replace` (their objects were lost) count,
+    though their rows remain.
     """
-    unique = {r.id: r for r in records}
-    known = existing_tensor_ids(tx, unique) - set(replace)
-    manifest_oid, manifest_size = manifest
-    manifest_known = bool(tx.rows_in("SELECT id FROM objects WHERE id IN ({ids})", [manifest_oid]))
-    return sum(r.stored_bytes for tid, r in unique.items() if tid not in known) + (0 if manifest_known
-                                                                                 else manifest_size)
+    rewritten = {chunk.object_id for r in records if r.id in replace for chunk in r.chunks}
+    known = {row[0] for row in tx.rows_in("SELECT id FROM objects WHERE id IN ({ids})", list(object_sizes))}
+    return sum(size for oid, size in object_sizes.items() if oid not in known or oid in rewritten)
 
 
 def insert_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[ObjectId, int]) -> None:

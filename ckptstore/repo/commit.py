@@ -205,7 +205,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         faults.point("commit:manifest-written")
         new_records = list({r.id: r for r in encoded.values()}.values())
         with repo.db.write() as tx:  # what is new is decided where it is recorded: no writer slips in between
-            stored = tensor_rows.newly_stored(tx, new_records, (manifest_oid, len(manifest_bytes)), parent.lost)
+            stored = tensor_rows.newly_stored(tx, new_records, sizes, parent.lost)
             info = _commit_info(checkpoint, options, manifest_oid, stored, source_path, parent, level)
             move_ref(tx, parent, info.id)
             tensor_rows.save_records(tx, new_records, sizes, replace=parent.lost)

@@ -143,7 +143,7 @@ def record_sharded(repo: Repository, start: Start, shards: list[WrittenShard], d
             author=options.author, created_at=time.time(), step=options.step,
             metrics={str(k): float(v) for k, v in options.metrics.items()}, kind=KIND, source_path=None,
             raw_bytes=sum(s.raw_bytes for s in shards),
-            stored_bytes=tensor_rows.newly_stored(tx, records, (manifest_oid, len(manifest_bytes))),
+            stored_bytes=tensor_rows.newly_stored(tx, records, sizes),
             parents=[start.commit] if start.commit else [], lossy=lossy)
         info.id = info.computed_id()
         move_ref(tx, start, info.id)

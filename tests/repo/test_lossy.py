@@ -156,6 +156,14 @@ def test_a_lossy_commit_that_stores_nothing_new_says_so(tmp_path, monkeypatch):
         assert repo.commit_info("HEAD~2").stored_bytes == grew > 0  # what is new still counts, once
 
 
+def test_records_sharing_their_objects_count_them_once(tmp_path):
+    """The same 4 MiB under two shapes are two records of one object: 'new' is what the objects folder grew."""
+    values = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3))
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit({"flat": values, "square": values.clone().reshape(1024, 1024)})
+        assert repo.commit_info(cid).stored_bytes == _objects_bytes(tmp_path)
+
+
 def test_cli_marks_lossy_commits_and_checkouts(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = lambda *args: CliRunner().invoke(cli, list(args), catch_exceptions=False)
