@@ -17,16 +17,19 @@ class FallbackStore:
 
     Writes, listings and deletes see only `local`: gc and commits work on what is here. The
     source is opened on the first miss, so a checkout of objects already here never connects.
+    `keep=False` (a read-only repository): what is read from the source is not written here.
     """
 
-    def __init__(self, local: ObjectStore, source: Callable[[], ObjectStore]) -> None:
+    def __init__(self, local: ObjectStore, source: Callable[[], ObjectStore], keep: bool = True) -> None:
         self.local = local
         self.url = local.url
+        self.keep = keep
         self._open_source = source
         self._source: ObjectStore | None = None
         self._lock = threading.Lock()
 
-    def _fill(self, oid: ObjectId) -> None:
+    def from_source(self, oid: ObjectId) -> bytes:
+        """The object's bytes from the source, verified against its id."""
         with self._lock:
             if self._source is None:
                 try:
@@ -34,25 +37,29 @@ class FallbackStore:
                 except (CkptError, OSError) as exc:  # the origin's folder gone or moved: this object is lacking
                     raise CorruptObjectError(oid, f"not read yet, and the origin it comes from cannot be opened "
                                                   f"({exc})") from None
-        self.local.put(self._source.get(oid))  # get verifies the bytes against the id
+        return self._source.get(oid)  # get verifies the bytes against the id
 
-    def _filled(self, read: Callable[[], Any], oid: ObjectId) -> Any:
+    def _filled(self, read: Callable[[], Any], oid: ObjectId, held: Callable[[bytes], Any]) -> Any:
+        """`read()` of the local store; a missing object is copied here first (or, not kept, `held(its bytes)`)."""
         try:
             return read()
         except CorruptObjectError as exc:
             if exc.problem != "missing":
                 raise
-        self._fill(oid)
+        data = self.from_source(oid)
+        if not self.keep:
+            return held(data)
+        self.local.put(data)
         return read()
 
     def get(self, oid: ObjectId, verify: bool = True) -> bytes:
-        return self._filled(lambda: self.local.get(oid, verify), oid)
+        return self._filled(lambda: self.local.get(oid, verify), oid, bytes)
 
     def view(self, oid: ObjectId, verify: bool = True) -> bytes | memoryview:
-        return self._filled(lambda: read_whole(self.local, oid, verify), oid)
+        return self._filled(lambda: read_whole(self.local, oid, verify), oid, memoryview)
 
     def size(self, oid: ObjectId) -> int:
-        return self._filled(lambda: self.local.size(oid), oid)
+        return self._filled(lambda: self.local.size(oid), oid, len)
 
     def open_ranges(self) -> RangeReader:
         return FillingRanges(self, self.local.open_ranges())
@@ -85,11 +92,27 @@ class FillingRanges:
     def __init__(self, store: FallbackStore, ranges: RangeReader) -> None:
         self._store = store
         self._ranges = ranges
+        self._held: dict[ObjectId, bytes] = {}  # packs read from the source, not kept: until close()
 
     def read(self, oid: ObjectId, offset: int, length: int, into: Any = None) -> bytes | memoryview:
-        return self._store._filled(lambda: self._ranges.read(oid, offset, length, into), oid)
+        if oid in self._held:
+            return self._cut(self._held[oid], oid, offset, length, into)
+        return self._store._filled(lambda: self._ranges.read(oid, offset, length, into), oid,
+                                   lambda data: self._cut(self._held.setdefault(oid, data), oid, offset, length, into))
+
+    @staticmethod
+    def _cut(data: bytes, oid: ObjectId, offset: int, length: int, into: Any) -> bytes | memoryview:
+        if offset < 0 or offset + length > len(data):
+            raise CorruptObjectError(oid, f"a read of bytes {offset}-{offset + length} is past its end ({len(data)})")
+        piece = memoryview(data)[offset : offset + length]
+        if into is None:
+            return piece
+        view = memoryview(into)[:length]
+        view[:] = piece
+        return view
 
     def close(self) -> None:
+        self._held.clear()
         self._ranges.close()
 
 

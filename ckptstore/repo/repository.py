@@ -45,7 +45,7 @@ class Repository:
             from ckptstore.objectstore.fallback import FallbackStore
             from ckptstore.repo.remote import remote_store
 
-            self.store = FallbackStore(self.store, lambda: remote_store(lazy[0].resolved(root)))
+            self.store = FallbackStore(self.store, lambda: remote_store(lazy[0].resolved(root)), keep=not read_only)
         # only init (create) may start a schema: an open that finds none must not start a new history
         self.db = Database(absolute_url(config.metadata_url, root) or f"sqlite:///{self.dir / 'ckpt.db'}", read_only,
                            why, create=create)

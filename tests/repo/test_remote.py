@@ -129,6 +129,24 @@ def test_a_lazy_clone_reads_only_the_chains_a_checkout_needs(tmp_path):
         assert_same(_state(5), reopened.checkout("main"))
 
 
+def test_a_read_only_lazy_clone_reads_from_its_origin_and_writes_nothing_here(tmp_path):
+    """--read-only promises reading commands write nothing: a lazy clone's reads go to the origin, uncopied."""
+    with Repository.init(tmp_path / "hub") as hub:
+        cids = [hub.commit(_state(seed)) for seed in range(3)]  # residual chains: range reads of packs too
+    remote.clone(str(tmp_path / "hub"), tmp_path / "lazy", lazy=True).close()
+    before = sorted(_object_files(tmp_path / "lazy"))
+    with Repository.open(tmp_path / "lazy", read_only=True) as lazy:
+        for seed, cid in enumerate(cids):
+            assert_same(_state(seed), lazy.checkout(cid))
+        lazy.checkout_to(cids[-1], tmp_path / "out.pt")
+        assert fsck(lazy, full=True).ok
+    assert sorted(_object_files(tmp_path / "lazy")) == before
+    assert_same(_state(2), torch.load(tmp_path / "out.pt", weights_only=True))
+    with Repository.open(tmp_path / "lazy") as writable:  # writable, it fills in as before
+        assert_same(_state(0), writable.checkout(cids[0]))
+    assert len(_object_files(tmp_path / "lazy")) > len(before)
+
+
 def test_wrong_bytes_from_a_remote_are_refused_with_the_object_named(pair, tmp_path):
     work, hub_path, cids = pair
     remote.push(work, "origin")
