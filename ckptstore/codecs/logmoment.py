@@ -130,8 +130,9 @@ class LogMomentCodec:
         values = values_of(levels, int(params["k"]))
         dtype = params["dtype"]
         if encoding and (overflows(values, dtype) or underflows(values[~zero], dtype)):
-            raise UnquantizableError(f"log2moment: a second moment's level rounds to zero or infinity in "
-                                     f"{dtype.removeprefix('torch.')} (values near the ends of its range)")
+            raise UnquantizableError(f"log2moment: rounded to this level's grid of 2**{int(params['k'])} levels per "
+                                     f"octave, some second-moment values become zero or infinity in "
+                                     f"{dtype.removeprefix('torch.')}")
         values[zero] = 0
         return from_float32(values, dtype)
 

@@ -174,11 +174,9 @@ def level_named(name: str | LossyLevel | None, /, **overrides: Any) -> LossyLeve
         return None
     if "name" in overrides:  # the level's own name, not a knob
         raise CkptError("unknown lossy knob 'name'")
-    if isinstance(name, LossyLevel):
-        return replace(name, **overrides)
-    if name not in LEVELS:
+    if not isinstance(name, LossyLevel) and name not in LEVELS:
         raise CkptError(f"unknown lossy level {name!r}; choose one of {', '.join(LEVELS)}")
     try:
-        return replace(LEVELS[name], **overrides)
+        return replace(name if isinstance(name, LossyLevel) else LEVELS[name], **overrides)
     except TypeError as exc:
         raise CkptError(f"unknown lossy knob: {exc}") from None

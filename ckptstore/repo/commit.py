@@ -310,8 +310,7 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
     # Hash the files while they are parsed: both read the same pages, and the load is single-threaded.
     # A commit never holds the repository's own directory (`ckpt commit .` at the root), nor its object
     # store where config objects_url puts it outside .ckpt/.
-    excluded = [repo.dir, *([store] if (store := getattr(repo.store, "root", None)) else []),
-                *repo.root.glob(STAGING + "*")]  # what a killed init left, here or on another host
+    excluded = [*repo.own_folders(), *repo.root.glob(STAGING + "*")]  # and what killed inits left, anywhere
     if not path.is_file() and not path.is_dir():  # a FIFO, a device, a socket
         raise CheckpointFormatError(f"{source} is neither a file nor a folder")
     on_disk = [path] if path.is_file() else [f.path for f in folder_files(path, excluded)]

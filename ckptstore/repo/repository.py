@@ -16,6 +16,7 @@ from ckptstore.metadata import Database, absolute_url
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.objectstore import ObjectStore, open_store
+from ckptstore.objectstore.fallback import FallbackStore, held_here
 from ckptstore.repo import journal, refs, warm
 from ckptstore.repo.config import RepoConfig
 from ckptstore.repo.location import REPO_DIR, find_root, unwritable
@@ -42,7 +43,6 @@ class Repository:
         self.store = store if store is not None else open_store(objects, self.dir / "tmp", self.dir)
         lazy = [remote for remote in config.remotes.values() if remote.lazy]
         if lazy and store is None:  # a lazy clone: objects not here yet come from the remote on first read
-            from ckptstore.objectstore.fallback import FallbackStore
             from ckptstore.repo.remote import remote_store
 
             self.store = FallbackStore(self.store, lambda: remote_store(lazy[0].resolved(root)), keep=not read_only)
@@ -93,6 +93,11 @@ class Repository:
         why = "opened with --read-only" if read_only else unwritable(root / REPO_DIR)
         return cls(root, RepoConfig.load(root / REPO_DIR / "config.toml"),
                    read_only=bool(why) if read_only is None else read_only, why=why)
+
+    def own_folders(self) -> list[Path]:
+        """Its `.ckpt/`, and its local object store where config's objects_url put it elsewhere: never content."""
+        store = getattr(held_here(self.store), "root", None)
+        return [self.dir, *([store] if store else [])]
 
     def close(self) -> None:
         if self._background is not None:  # the background commit in flight ends first

@@ -83,8 +83,7 @@ def refuse_own_folders(repo: Repository, output: str | os.PathLike) -> None:
     Checked up front, as commit refuses a path there: nothing is written, even under --read-only.
     """
     real = Path(os.path.realpath(output))
-    store = getattr(repo.store, "root", None)  # a local object store that config's objects_url put elsewhere
-    for own in [repo.dir, *([store] if store else [])]:
+    for own in repo.own_folders():
         if real.is_relative_to(os.path.realpath(own)):
             raise CkptError(f"{output} is inside the repository's own {Path(own).name}/ folder: write it elsewhere")
 
