@@ -41,7 +41,8 @@ static void on_sigbus(int sig, siginfo_t *info, void *context)
 {
     uintptr_t address = (uintptr_t)info->si_addr;
     (void)context;
-    for (int i = 0; i < SLOTS; i++) {
+    /* a signal sent (kill, raise: si_code <= 0) has no faulting address: si_addr holds the sender's ids */
+    for (int i = 0; info->si_code > 0 && i < SLOTS; i++) {
         uintptr_t end = table[i].end;
         if (end && address >= table[i].start && address < end) {
             void *page = (void *)(address & ~(page_size - 1));
@@ -87,6 +88,7 @@ static PyObject *install(PyObject *self, PyObject *unused)
     page_size = (uintptr_t)sysconf(_SC_PAGESIZE);
     if (current.sa_sigaction != on_sigbus)
         previous = current;
+    passed_on = 0; /* the loop guard holds within one signal's chain; none runs while this does */
     if (sigaction(SIGBUS, &ours, NULL) != 0)
         return PyErr_SetFromErrno(PyExc_OSError);
     installed = 1;

@@ -28,8 +28,8 @@ class FallbackStore:
         self._source: ObjectStore | None = None
         self._lock = threading.Lock()
 
-    def from_source(self, oid: ObjectId) -> bytes:
-        """The object's bytes from the source, verified against its id."""
+    def source(self, oid: ObjectId) -> ObjectStore:
+        """The source, opened on first use; one that cannot be opened makes `oid` (being read) lacking."""
         with self._lock:
             if self._source is None:
                 try:
@@ -37,9 +37,13 @@ class FallbackStore:
                 except (CkptError, OSError) as exc:  # the origin's folder gone or moved: this object is lacking
                     raise CorruptObjectError(oid, f"not read yet, and the origin it comes from cannot be opened "
                                                   f"({exc})") from None
-        return self._source.get(oid)  # get verifies the bytes against the id
+            return self._source
 
-    def _filled(self, read: Callable[[], Any], oid: ObjectId, held: Callable[[bytes], Any]) -> Any:
+    def from_source(self, oid: ObjectId) -> bytes:
+        """The object's bytes from the source, verified against its id."""
+        return self.source(oid).get(oid)  # get verifies the bytes against the id
+
+    def _filled(self, read: Callable[[], Any], oid: ObjectId, held: Callable[[bytes], Any] | None) -> Any:
         """`read()` of the local store; a missing object is copied here first (or, not kept, `held(its bytes)`)."""
         try:
             return read()
@@ -47,7 +51,7 @@ class FallbackStore:
             if exc.problem != "missing":
                 raise
         data = self.from_source(oid)
-        if not self.keep:
+        if not self.keep and held is not None:
             return held(data)
         self.local.put(data)
         return read()
@@ -87,33 +91,29 @@ class FallbackStore:
 
 
 class FillingRanges:
-    """Range reads of the local store; a pack it lacks is copied whole first."""
+    """Range reads of the local store; a pack it lacks is copied whole first, or (not kept) read from the source."""
 
     def __init__(self, store: FallbackStore, ranges: RangeReader) -> None:
         self._store = store
         self._ranges = ranges
-        self._held: dict[ObjectId, bytes] = {}  # packs read from the source, not kept: until close()
+        self._source: RangeReader | None = None  # the source's own range reads, opened on the first miss
 
     def read(self, oid: ObjectId, offset: int, length: int, into: Any = None) -> bytes | memoryview:
-        if oid in self._held:
-            return self._cut(self._held[oid], oid, offset, length, into)
-        return self._store._filled(lambda: self._ranges.read(oid, offset, length, into), oid,
-                                   lambda data: self._cut(self._held.setdefault(oid, data), oid, offset, length, into))
-
-    @staticmethod
-    def _cut(data: bytes, oid: ObjectId, offset: int, length: int, into: Any) -> bytes | memoryview:
-        if offset < 0 or offset + length > len(data):
-            raise CorruptObjectError(oid, f"a read of bytes {offset}-{offset + length} is past its end ({len(data)})")
-        piece = memoryview(data)[offset : offset + length]
-        if into is None:
-            return piece
-        view = memoryview(into)[:length]
-        view[:] = piece
-        return view
+        if self._store.keep:
+            return self._store._filled(lambda: self._ranges.read(oid, offset, length, into), oid, None)
+        try:
+            return self._ranges.read(oid, offset, length, into)
+        except CorruptObjectError as exc:
+            if exc.problem != "missing":
+                raise
+        if self._source is None:  # unverified, as range reads are: the replay checks each chunk's checksum
+            self._source = self._store.source(oid).open_ranges()
+        return self._source.read(oid, offset, length, into)
 
     def close(self) -> None:
-        self._held.clear()
         self._ranges.close()
+        if self._source is not None:
+            self._source.close()
 
 
 def held_here(store: ObjectStore) -> ObjectStore:

@@ -114,16 +114,10 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
         plan.files.append((record, target))
         needed.update(target.parents)
     if exact and dest.is_dir():
-        _scan(dest, {t for _, t in plan.files}, needed, _kept(repo, repo_dir), plan)
+        _scan(dest, {t for _, t in plan.files}, needed, [Path(os.path.realpath(p)) for p in repo.own_folders()], plan)
     elif not exact:
         _refuse_files_in_the_way(plan, dest)
     return plan
-
-
-def _kept(repo: Repository, repo_dir: Path) -> list[Path]:
-    """Folders a checkout never removes anything from: .ckpt/, and the object store wherever it is."""
-    store = getattr(repo.store, "root", None)  # config objects_url may put it outside .ckpt/
-    return [repo_dir, *([Path(os.path.realpath(store))] if store is not None else [])]
 
 
 def _refuse_files_in_the_way(plan: CheckoutPlan, dest: Path) -> None:

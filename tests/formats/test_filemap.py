@@ -95,6 +95,15 @@ def test_a_sigbus_that_is_no_fault_and_one_handed_to_faulthandler_end_the_proces
         print("survived")
     """, tmp_path / "f.bin")
     assert killed.returncode == SIGBUS and killed.stdout == ""
+    handled = _run("""
+        import signal
+        signal.signal(signal.SIGBUS, lambda *_: print("handled", flush=True))  # a program's own handler
+        for _ in range(2):  # each is the program's, however many guards came between
+            with filemap.guard():
+                pass
+            os.kill(os.getpid(), signal.SIGBUS)
+    """, tmp_path / "f.bin")
+    assert handled.returncode == 0 and handled.stdout.split() == ["handled", "handled"], handled.stderr
     dumped = _run("""
         import faulthandler
         with filemap.guard():
