@@ -238,7 +238,7 @@ def test_a_warning_is_one_line_each_time_through_the_daemon_as_without_it(served
 
 
 def test_output_to_a_reader_that_went_away_is_dropped_and_the_commit_lands(served):
-    """`ckpt commit x.pt | head` with head gone: no traceback from the client, the commit recorded."""
+    """`ckpt commit x.pt | head` with head gone: no traceback, the commit recorded, 141 as without a daemon."""
     _save(served / "piped.pt", 7)
     before = _served_count(served)
     read, write = os.pipe()
@@ -246,7 +246,7 @@ def test_output_to_a_reader_that_went_away_is_dropped_and_the_commit_lands(serve
     with os.fdopen(write, "w") as closed:
         result = subprocess.run([sys.executable, "-m", "ckptstore", "commit", "piped.pt", "-m", "piped"], cwd=served,
                                 env=_env(), stdout=closed, stderr=subprocess.PIPE, text=True, timeout=120)
-    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 141 and result.stderr == "", result.stderr  # SIGPIPE's status, as git's
     assert _served_count(served) == before + 1
     assert json.loads(ckpt(served, "log", "--json").stdout)[0]["message"] == "piped"
 
@@ -337,12 +337,3 @@ def test_a_checkpoint_cut_short_while_the_daemon_commits_it_is_refused_and_the_d
     assert ckpt(served, "log").stdout.strip() == "" and "ok" in ckpt(served, "fsck").stdout
     (served / "a.pt").write_bytes(whole)
     assert ckpt(served, "commit", "a.pt").returncode == 0 and _served_count(served) == 2
-
-
-def test_a_commit_whose_output_reader_left_exits_141_through_the_daemon_as_without_it(served):
-    """`ckpt commit b.pt | true`: the commit is recorded, and the exit status is SIGPIPE's (test_cli_errors)."""
-    _save(served / "b.pt", 1)
-    piped = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m ckptstore commit b.pt | true"],
-                           cwd=served, env=_env(), capture_output=True, text=True, timeout=120)
-    assert piped.returncode == 141 and piped.stderr == "", piped.stderr
-    assert _served_count(served) == 1 and ckpt(served, "log").stdout.startswith("commit ")
