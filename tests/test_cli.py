@@ -161,22 +161,26 @@ def test_every_writing_command_refuses_up_front_under_read_only(tmp_path):
         ckpt(work, "daemon", "stop")
 
 
-def test_a_multi_line_message_is_indented_line_by_line_in_log_and_show(tmp_path):
+def test_a_multi_line_message_is_indented_line_by_line_in_log_and_show(tmp_path, monkeypatch):
     """As git shows it: a message's later lines must not read as log's own header lines."""
-    assert ckpt(tmp_path, "init").returncode == 0
+    monkeypatch.chdir(tmp_path)
+    run = lambda *args: CliRunner().invoke(cli, list(args))
+    assert run("init").exit_code == 0
     torch.save({"w": torch.ones(3)}, tmp_path / "c.pt")
-    assert ckpt(tmp_path, "commit", "c.pt", "-m", "first line\nStep:   999\n\nafter a blank").returncode == 0
+    assert run("commit", "c.pt", "-m", "first line\nStep:   999\n\nafter a blank").exit_code == 0
     for command in ("log", "show"):
-        out = ckpt(tmp_path, command).stdout.splitlines()
+        out = run(command).output.splitlines()
         at = out.index("    first line")
         assert out[at : at + 4] == ["    first line", "    Step:   999", "    ", "    after a blank"], command
-    refused = ckpt(tmp_path, "branch", "héllo")
-    assert refused.returncode == 1 and "ASCII letters" in refused.stderr
+    refused = run("branch", "héllo")
+    assert refused.exit_code == 1 and "ASCII letters" in str(refused.exception)
 
 
-def test_show_of_a_lossy_commit_without_optimizer_state_says_no_importance_was_estimated(tmp_path):
-    assert ckpt(tmp_path, "init").returncode == 0
+def test_show_of_a_lossy_commit_without_optimizer_state_says_no_importance_was_estimated(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = lambda *args: CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    run("init")
     torch.save({"w": torch.randn(256, 256) * 0.02}, tmp_path / "c.pt")
-    assert ckpt(tmp_path, "commit", "c.pt", "--lossy", "balanced").returncode == 0
-    shown = ckpt(tmp_path, "show").stdout
+    assert run("commit", "c.pt", "--lossy", "balanced").exit_code == 0
+    shown = run("show").output
     assert "importance: none: no optimizer state" in shown and "estimated from the optimizer state" not in shown
