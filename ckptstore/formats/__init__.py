@@ -120,6 +120,17 @@ def _read_torch_file(path: Path, name: str, prefix: str, size: int, trust_pickle
     return record, flat.tensors
 
 
+def kind_on_disk(path: Path, shown: str | os.PathLike | None = None) -> str:
+    """"file" or "folder"; a missing path, or one that is neither (a FIFO, a device), refused naming `shown`."""
+    if not path.exists():
+        raise CheckpointFormatError(f"{shown or path} does not exist")
+    if path.is_file():
+        return "file"
+    if not path.is_dir():
+        raise CheckpointFormatError(f"{shown or path} is neither a file nor a folder")
+    return "folder"
+
+
 def read_checkpoint(path: str | os.PathLike, trust_pickle: bool = False,
                     exclude: Iterable[str | os.PathLike] = ()) -> Checkpoint:
     """Read a checkpoint file or folder from disk without copying tensor data where avoidable.
@@ -128,14 +139,10 @@ def read_checkpoint(path: str | os.PathLike, trust_pickle: bool = False,
     `exclude` (the repository's own directory); every file's permission bits are recorded.
     """
     path = Path(path)
-    if not path.exists():
-        raise CheckpointFormatError(f"{path} does not exist")
-    if path.is_file():
+    if kind_on_disk(path) == "file":
         record, tensors = _read_file(path, "", trust_pickle, in_folder=False)
         record.mode = stat.S_IMODE(path.stat().st_mode) & MODE_BITS
         return Checkpoint("file", [record], tensors)
-    if not path.is_dir():
-        raise CheckpointFormatError(f"{path} is neither a file nor a folder")
     found = folder_files(path, exclude)
     if not found:
         raise CheckpointFormatError(f"{path} is an empty folder, not a checkpoint")

@@ -21,7 +21,6 @@ from ckptstore.errors import CheckpointFormatError, CkptError, NonFiniteError, N
 from ckptstore.formats import filemap
 from ckptstore.formats.atomic import changed_while_read, file_stamp
 from ckptstore.formats.dcpmeta import is_dcp_dir
-from ckptstore.formats.filemap import file_digest
 from ckptstore.formats.folder import folder_files
 from ckptstore.hashing import CommitId, ObjectId, TensorId, bytes_digest, tensor_id
 from ckptstore.metadata import Tx
@@ -303,24 +302,21 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
     if not isinstance(source, (str, os.PathLike)):
         return None, formats.from_state(source), {}, {}
     path = Path(source).resolve()
-    if not path.exists():
-        raise CheckpointFormatError(f"{source} does not exist")
+    kind = formats.kind_on_disk(path, source)
     if repo.dir in [path, *path.parents]:
         raise CheckpointFormatError(f"{path} is inside the repository's own {repo.dir.name}/ folder")
     # Hash the files while they are parsed: both read the same pages, and the load is single-threaded.
     # A commit never holds the repository's own directory (`ckpt commit .` at the root), nor its object
     # store where config objects_url puts it outside .ckpt/.
     excluded = [*repo.own_folders(), *repo.root.glob(STAGING + "*")]  # and what killed inits left, anywhere
-    if not path.is_file() and not path.is_dir():  # a FIFO, a device, a socket
-        raise CheckpointFormatError(f"{source} is neither a file nor a folder")
-    on_disk = [path] if path.is_file() else [f.path for f in folder_files(path, excluded)]
+    on_disk = [path] if kind == "file" else [f.path for f in folder_files(path, excluded)]
     stamps = {p: file_stamp(p) for p in on_disk}
-    pending = {p: repo.pool.submit(file_digest, str(p), filemap.current()) for p in on_disk}
+    pending = {p: repo.pool.submit(filemap.file_digest, str(p), filemap.current()) for p in on_disk}
     checkpoint = formats.read_checkpoint(path, trust_pickle, exclude=excluded)
     digests, stamped = {}, {}
     for record in checkpoint.files:
         target = formats.destination(checkpoint.kind, record, path)
-        digests[record.name] = pending[target].result() if target in pending else file_digest(str(target))
+        digests[record.name] = pending[target].result() if target in pending else filemap.file_digest(str(target))
         if target in stamps:
             stamped[record.name] = (target, stamps[target])
     try:
