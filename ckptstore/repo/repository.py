@@ -95,9 +95,9 @@ class Repository:
                    read_only=bool(why) if read_only is None else read_only, why=why)
 
     def own_folders(self) -> list[Path]:
-        """Its `.ckpt/`, and its local object store where config's objects_url put it elsewhere: never content."""
+        """Its `.ckpt/` and its local object store wherever objects_url put it (never content), links resolved."""
         store = getattr(held_here(self.store), "root", None)
-        return [self.dir, *([store] if store else [])]
+        return [Path(os.path.realpath(own)) for own in [self.dir, *([store] if store else [])]]
 
     def close(self) -> None:
         if self._background is not None:  # the background commit in flight ends first

@@ -84,8 +84,8 @@ def refuse_own_folders(repo: Repository, output: str | os.PathLike) -> None:
     """
     real = Path(os.path.realpath(output))
     for own in repo.own_folders():
-        if real.is_relative_to(os.path.realpath(own)):
-            raise CkptError(f"{output} is inside the repository's own {Path(own).name}/ folder: write it elsewhere")
+        if real.is_relative_to(own):
+            raise CkptError(f"{output} is inside the repository's own {own.name}/ folder: write it elsewhere")
 
 
 def check_output_file(dest: Path) -> None:
@@ -114,7 +114,7 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
         plan.files.append((record, target))
         needed.update(target.parents)
     if exact and dest.is_dir():
-        _scan(dest, {t for _, t in plan.files}, needed, [Path(os.path.realpath(p)) for p in repo.own_folders()], plan)
+        _scan(dest, {t for _, t in plan.files}, needed, repo.own_folders(), plan)
     elif not exact:
         _refuse_files_in_the_way(plan, dest)
     return plan
