@@ -332,6 +332,11 @@ def _limit(path: str, what: str) -> UnsupportedStateError:
         "deep is almost certainly a malformed or malicious file)")
 
 
+# Tensor attributes that are bookkeeping only (transformers marks initialised weights): dropped unsaid,
+# here and by torchzip's reader of Parameter state
+BOOKKEEPING_ATTRIBUTES = frozenset({"_is_hf_initialized"})
+
+
 class _Flattener:
     def __init__(self, to_raw: Callable[[Any, str], RawTensor] | None = None) -> None:
         self.to_raw = to_raw or raw_from_torch  # a background commit's snapshot copies instead (formats/snapshot.py)
@@ -425,7 +430,8 @@ class _Flattener:
                 self.views.setdefault(key[0], []).append((node, storage_nbytes, key[1], key[3]))
         parameter = type(value) is not torch.Tensor and isinstance(value, torch.nn.Parameter)  # a slow isinstance
         if value.__dict__:
-            self.attributes += [f"{path or '<root>'}.{name}" for name in value.__dict__ if name not in _BOOKKEEPING]
+            self.attributes += [f"{path or '<root>'}.{name}" for name in value.__dict__
+                                if name not in BOOKKEEPING_ATTRIBUTES]
         return self.tensor_extras(node, value.requires_grad, parameter)
 
     def encode(self, value: Any, path: str) -> Any:
@@ -597,10 +603,6 @@ def _exact_with_torch() -> dict:
     """`_EXACT` and torch's tensor types: where torch is in use, its tensors skip the isinstance chain too."""
     torch = _torch()
     return {**_EXACT, torch.Tensor: _Flattener.tensor, torch.nn.Parameter: _Flattener.tensor}
-
-
-# Tensor attributes that are bookkeeping only (transformers marks initialised weights): dropped unsaid
-_BOOKKEEPING = frozenset({"_is_hf_initialized"})
 
 
 def flatten(obj: Any, prefix: str = "", to_raw: Callable[[Any, str], RawTensor] | None = None) -> FlatState:

@@ -39,7 +39,15 @@ import numpy as np
 from ckptstore.errors import CheckpointFormatError, UnsupportedStateError
 from ckptstore.formats import filemap
 from ckptstore.formats.torchfile import numpy_safe_globals, refused
-from ckptstore.state import INT64_END, TORCH_ITEMSIZE, TORCH_PREFIX, FlatState, RawTensor, _Flattener
+from ckptstore.state import (
+    BOOKKEEPING_ATTRIBUTES,
+    INT64_END,
+    TORCH_ITEMSIZE,
+    TORCH_PREFIX,
+    FlatState,
+    RawTensor,
+    _Flattener,
+)
 
 # The last line of every refusal of torch's weights_only loader; torchfile.refused keeps only it
 TORCH_REFUSAL = (
@@ -66,8 +74,6 @@ _STORAGE_DTYPES = {
 _GRAD_DTYPES = frozenset(TORCH_PREFIX + n for n in ("float64", "float32", "float16", "bfloat16", "complex64",
                                                     "complex128"))
 _DEVICE_TYPES = frozenset({"cpu", "cuda", "mps", "meta", "xpu"})
-# Parameter attributes known to be bookkeeping only (transformers marks initialised weights)
-_HARMLESS_PARAMETER_STATE = frozenset({"_is_hf_initialized"})
 # Non-torch globals torch's loader accepts besides the numpy ones
 _TORCH_ALSO_ALLOWS = frozenset({
     "collections.OrderedDict", "collections.Counter", "_codecs.encode",
@@ -311,7 +317,7 @@ def _harmless(state: Any) -> bool:
     if state is None:
         return True
     return type(state) is dict and all(
-        k in _HARMLESS_PARAMETER_STATE and type(v) in (bool, int, str, type(None)) for k, v in state.items())
+        k in BOOKKEEPING_ATTRIBUTES and type(v) in (bool, int, str, type(None)) for k, v in state.items())
 
 
 def _rebuild_parameter_with_state(data: Any, requires_grad: Any, hooks: Any, state: Any) -> Parameter:
