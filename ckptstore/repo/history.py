@@ -9,7 +9,6 @@ from ckptstore.hashing import CommitId
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata.commits import CommitInfo
-from ckptstore.policy.mapping import NO_OPTIMIZER_STATE
 from ckptstore.repo import graph, refs
 
 if TYPE_CHECKING:
@@ -110,6 +109,8 @@ MEASURED = {"deadzone": "weights (and SGD momentum): ||W'-W||/||W||",
 
 def _importance(manifest: Manifest) -> str:
     """How a lossy commit judged its weights' sensitivity: measured, estimated from Adam's v, or not at all."""
+    from ckptstore.policy.mapping import NO_OPTIMIZER_STATE  # numpy (through state): only for show, not log
+
     if manifest.importance:
         return manifest.importance
     if manifest.pairing == NO_OPTIMIZER_STATE:
