@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import daemon
+from ckptstore import Repository, daemon
 from ckptstore.repo import find_root
 from tests.test_cli import ROOT
 
@@ -33,8 +33,7 @@ def ckpt(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
 def served(tmp_path: Path):
     """A repository in tmp_path/repo with a daemon serving it (stopped afterwards)."""
     root = tmp_path / "repo"
-    root.mkdir()
-    assert ckpt(root, "init").returncode == 0
+    Repository.init(root).close()
     started = ckpt(root, "daemon", "start", "--idle", "120")
     assert started.returncode == 0 and "serves" in started.stdout, started.stderr
     yield root

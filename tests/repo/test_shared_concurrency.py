@@ -13,7 +13,7 @@ from tests.test_cli import ROOT
 
 pytestmark = pytest.mark.both_backends
 
-WRITERS, COMMITS = 4, 25
+WRITERS, COMMITS = 4, 15
 
 # Each process regenerates the state of (writer, index) from its seed, so any process can check any commit.
 _STATE = """
