@@ -124,6 +124,16 @@ class NonFiniteError(UnquantizableError):
     """A lossy codec was given NaN or infinite values (a diverged run): they have no step to quantize by."""
 
 
+class UnquantizableTensorsError(UnquantizableError):
+    """Some tensors of a lossy commit cannot keep their level (`reasons`, by job key); the others could."""
+
+    def __init__(self, reasons: dict[str, str]) -> None:
+        self.reasons = reasons
+        first, why = next(iter(reasons.items()))
+        more = f" and {len(reasons) - 1} more" if len(reasons) > 1 else ""
+        super().__init__(f"{first}: {why}{more}")
+
+
 class PrunedCommitError(CkptError):
     """A commit `ckpt prune` removed: its row and place in the history stay, its tensors are gone."""
 

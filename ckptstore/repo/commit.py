@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults, formats
-from ckptstore.errors import CheckpointFormatError, CkptError, NonFiniteError, NothingToCommitError, UnquantizableError
+from ckptstore.errors import (
+    CheckpointFormatError,
+    CkptError,
+    NonFiniteError,
+    NothingToCommitError,
+    UnquantizableError,
+    UnquantizableTensorsError,
+)
 from ckptstore.formats import filemap
 from ckptstore.formats.atomic import changed_while_read, file_stamp
 from ckptstore.formats.dcpmeta import is_dcp_dir
@@ -178,16 +185,8 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
             guard = calibrate.loss_guard(lossy.calibration, lossy.model, lossy.max_loss_change, level, checkpoint)
             with repo.db.read() as tx:
                 parent = _parent(repo, tx, options.branch, checkpoint.tensors, sources)
-            try:
-                done, change = _encode_checked(repo, checkpoint, parent, sources, level, lossy, measured, progress,
-                                               guard)
-            except UnquantizableError as exc:  # a diverged run's checkpoint, say, is still worth keeping: whole
-                what = "holds NaN or infinite values" if isinstance(exc, NonFiniteError) else "cannot be quantized"
-                warnings.warn(f"the checkpoint {what} ({exc}): committed lossless instead of at level "
-                              f"{level.name!r}", RuntimeWarning, stacklevel=2)
-                level = None
-                done, change = _encode_checked(repo, checkpoint, parent, sources, None, lossy, measured, progress,
-                                               None)
+            done, change, level = _encode_or_keep_whole(repo, checkpoint, parent, sources, level, lossy, measured,
+                                                        progress, guard)
             _settle_changed(checkpoint, stamps, digests, sources)  # after every byte was read: a save is torn
         entries, encoded, sizes = done.entries, done.records, done.sizes
         if change is not None:
@@ -236,17 +235,58 @@ def _refuse_unchanged(manifest: Manifest, parent: _Parent, level: LossyLevel | N
                                "it anyway)")
 
 
+WHOLE_ROUNDS = 3  # encodings that may each find more tensors to keep whole, before the whole checkpoint is
+
+
+def _encode_or_keep_whole(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent,
+                          sources: Mapping[str, TensorId], level: LossyLevel | None, lossy: LossyOptions,
+                          measured: dict[str, float] | None, progress: Progress, guard: calibrate.LossGuard | None
+                          ) -> tuple[_Encoded, float | None, LossyLevel | None]:
+    """`_encode_checked`, with the tensors the level cannot quantize (and those coded with them) lossless.
+
+    A float16 second moment that a level's grid would round to zero, say, is kept whole while the rest
+    of the checkpoint keeps its level. NaN or infinite values (a diverged run), or no quantizable
+    tensor left, keep the whole checkpoint lossless. Returns the level the commit was stored at.
+    """
+    whole: dict[str, str] = {}
+    try:
+        for _ in range(WHOLE_ROUNDS):
+            try:
+                done, change = _encode_checked(repo, checkpoint, parent, sources, level, lossy, measured, progress,
+                                               guard, frozenset(whole))
+            except UnquantizableTensorsError as exc:
+                whole.update(exc.reasons)
+                continue
+            if whole:
+                warnings.warn(f"{len(whole)} tensor(s) cannot be quantized at level {level.name!r} ({_listed(whole)}): "
+                              "they and the optimizer state coded with them are stored lossless, the rest at the level",
+                              RuntimeWarning, stacklevel=3)
+            return done, change, level
+        raise UnquantizableError("more tensors each time")
+    except UnquantizableError as exc:  # a diverged run's checkpoint, say, is still worth keeping: whole
+        what = "holds NaN or infinite values" if isinstance(exc, NonFiniteError) else "cannot be quantized"
+        why = f"{_listed(whole)}; then {exc}" if whole else str(exc)
+        warnings.warn(f"the checkpoint {what} ({why}): committed lossless instead of at level {level.name!r}",
+                      RuntimeWarning, stacklevel=3)
+        done, change = _encode_checked(repo, checkpoint, parent, sources, None, lossy, measured, progress, None)
+        return done, change, None
+
+
+def _listed(reasons: Mapping[str, str]) -> str:
+    return "; ".join(f"{path}: {why}" for path, why in sorted(reasons.items()))
+
+
 def _encode_checked(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent,
                     sources: Mapping[str, TensorId], level: LossyLevel | None, lossy: LossyOptions,
                     measured: dict[str, float] | None, progress: Progress,
-                    guard: calibrate.LossGuard | None) -> tuple[_Encoded, float | None]:
+                    guard: calibrate.LossGuard | None, whole: Set[str] = frozenset()) -> tuple[_Encoded, float | None]:
     """`_encode`, again at tighter levels while the calibration loss changes more than the guard allows.
 
     Returns `_encode`'s result and the measured relative change (None without a guard).
     """
     for attempt in range(calibrate.ATTEMPTS if guard else 1):
         result = _encode(repo, checkpoint, parent, sources, calibrate.tighter(level, attempt) if attempt else level,
-                         lossy, measured, progress)
+                         lossy, measured, progress, whole)
         if guard is None:
             return result, None
         restored = {p: result.records.get(p) or parent.by_path[p] for p in result.plans}
@@ -272,11 +312,15 @@ class _Encoded:
 
 def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, sources: Mapping[str, TensorId],
             level: LossyLevel | None, lossy: LossyOptions, measured: dict[str, float] | None,
-            progress: Progress) -> _Encoded:
-    """Plan and encode the checkpoint's new tensors at `level`; no metadata is written."""
+            progress: Progress, whole: Set[str] = frozenset()) -> _Encoded:
+    """Plan and encode the checkpoint's new tensors at `level`, those in `whole` lossless; no metadata is written."""
     with repo.db.read() as tx:
         plans, pairing, fisher = (_plan(repo, checkpoint, parent, level, lossy, measured) if level
                                   else ({}, None, None))
+        if whole:
+            plans = _without(plans, whole)
+            if not plans:
+                raise UnquantizableError("no other tensor it quantizes")
         entries, jobs = encoding_jobs(repo, tx, checkpoint.tensors, sources, parent.by_path, parent.records,
                                      plans, level, parent.lost)
     progress.start("commit", sum(j.raw.nbytes for j in jobs))
@@ -288,6 +332,21 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
             progress.finish()
     faults.point("commit:objects-written")
     return _Encoded(entries, records, sizes, plans, pairing, fisher)
+
+
+def _without(plans: Mapping[str, LossyPlan], whole: Set[str]) -> dict[str, LossyPlan]:
+    """`plans` less the tensors in `whole` and every tensor coded with one of them, lossless too.
+
+    A first moment is coded against its second moment (`sibling`), a moment may take its weight's
+    mask or pace: without its partner's reconstruction it has nothing to be coded with.
+    """
+    dropped = set(whole)
+    while True:
+        more = {path for path, plan in plans.items() if path not in dropped
+                and {plan.sibling, plan.mask_from, plan.paced_by} & dropped}
+        if not more:
+            return {path: plan for path, plan in plans.items() if path not in dropped}
+        dropped |= more
 
 
 def _read_source(repo: Repository, source: Any, trust_pickle: bool

@@ -18,7 +18,7 @@ import numpy as np
 
 from ckptstore.codecs import capabilities, capped, chunk_step, get_codec, to_float32
 from ckptstore.codecs.planes import group
-from ckptstore.errors import UnquantizableError
+from ckptstore.errors import NonFiniteError, UnquantizableError, UnquantizableTensorsError
 from ckptstore.hashing import ObjectId, TensorId, chunk_checksum, tensor_id_of_parts
 from ckptstore.objectstore.base import put_parts
 from ckptstore.objectstore.pack import PACK_BELOW, PackSlot, PackWriter
@@ -302,16 +302,7 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
     ordered = sorted(jobs, key=lambda j: j.stage)
     sizes = {job.key: chunk_sizes(job.raw.nbytes, job.params["chunk_bytes"]) for job in ordered}
     futures = _submit(ordered, sizes, source, pool, cache)
-    results_of: dict[str, list[ChunkResult]] = {}
-    packer = PackWriter(source.store)
-    for job in ordered:
-        results_of[job.key] = [f.result() for f in futures[job.key]]
-        for result in results_of[job.key]:
-            if result.payload is not None:
-                result.slot, result.payload = packer.add(result.payload), None
-        if on_bytes:
-            on_bytes(job.raw.nbytes)
-    packer.close()
+    results_of = _packed_results(ordered, futures, PackWriter(source.store), on_bytes)
     if cache is not None:
         cache.next_commit()
     records: dict[str, TensorRecord] = {}
@@ -348,6 +339,34 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
             chunks=[_chunk(r, size) for r, size in zip(results, sizes[job.key])],
         )
     return records, object_sizes
+
+
+def _packed_results(ordered: list[Job], futures: dict[str, list[Future]], packer: PackWriter,
+                    on_bytes: Callable[[int], None] | None) -> dict[str, list[ChunkResult]]:
+    """Each job's chunk results, in order, small payloads written to packs.
+
+    A lossy tensor its level cannot quantize does not stop the others: UnquantizableTensorsError names
+    every such one, so the commit encodes once more with all of them lossless (commit.py).
+    """
+    results_of: dict[str, list[ChunkResult]] = {}
+    unquantizable: dict[str, str] = {}
+    for job in ordered:
+        try:
+            results_of[job.key] = [f.result() for f in futures[job.key]]
+        except NonFiniteError:
+            raise  # a diverged run: the whole checkpoint is kept lossless
+        except UnquantizableError as exc:
+            unquantizable[job.key] = str(exc)
+            continue
+        for result in results_of[job.key]:
+            if result.payload is not None:
+                result.slot, result.payload = packer.add(result.payload), None
+        if on_bytes:
+            on_bytes(job.raw.nbytes)
+    if unquantizable:
+        raise UnquantizableTensorsError(unquantizable)
+    packer.close()
+    return results_of
 
 
 def _lossy_measured(job: Job, results: list[ChunkResult], spans: list[int]) -> dict:

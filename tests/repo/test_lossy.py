@@ -428,21 +428,35 @@ def test_a_checkpoint_with_nan_or_inf_weights_is_committed_lossless_with_a_warni
         assert_same(repo.checkout(cid), state)
 
 
-def test_a_float16_adam_state_whose_second_moment_underflowed_is_committed_lossless(tmp_path):
-    """v underflows to 0 in float16 while m does not: m / sqrt(v) has no int32 level. Its signs used to wrap."""
-    model = torch.nn.Linear(256, 128).half()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+def test_a_float16_adam_group_whose_second_moment_underflowed_keeps_its_moments_whole_and_the_rest_its_level(
+        tmp_path):
+    """v underflows to 0 in float16 while m does not: m / sqrt(v) has no int32 level (its signs used to wrap).
+
+    That group's moments are stored lossless; the float32 group beside it and every weight keep the level
+    (the whole checkpoint used to go lossless).
+    """
+    torch.manual_seed(0)
+    wide, half = torch.nn.Linear(256, 128), torch.nn.Linear(256, 128).half()
+    optimizer = torch.optim.Adam([{"params": wide.parameters()}, {"params": half.parameters(), "eps": 1e-4}], lr=1e-3)
     for seed in range(3):
-        (model(torch.randn(8, 256, generator=torch.Generator().manual_seed(seed)).half()).mean() * 1e-2).backward()
+        x = torch.randn(8, 256, generator=torch.Generator().manual_seed(seed))
+        (wide(x).mean() + half(x.half()).float().mean() * 1e-2).backward()
         optimizer.step()
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    assert (state["optimizer"]["state"][0]["exp_avg_sq"] == 0).float().mean() > 0.5  # the case itself
+    state = {"model": {"wide": wide.state_dict(), "half": half.state_dict()}, "optimizer": optimizer.state_dict()}
+    moments = state["optimizer"]["state"]
+    assert (moments[2]["exp_avg_sq"] == 0).float().mean() > 0.5  # the case itself
+    with Repository.init(tmp_path / "lossless") as repo:
+        whole = repo.commit_info(repo.commit(state)).stored_bytes
     for level in ("optimizer", "balanced"):
-        with Repository.init(tmp_path / level) as repo, pytest.warns(RuntimeWarning, match="cannot be quantized"):
+        with Repository.init(tmp_path / level) as repo, pytest.warns(
+                RuntimeWarning, match=f"cannot be quantized at level '{level}' .*optimizer/state/2/exp_avg: "):
             cid = repo.commit(state, lossy=level)
         with Repository.open(tmp_path / level) as repo:
-            assert repo.commit_info(cid).lossy is None
-            assert_same(repo.checkout(cid), state)
+            info, restored = repo.commit_info(cid), repo.checkout(cid)
+        assert info.lossy == level and info.stored_bytes < whole
+        assert_same(restored["optimizer"]["state"][2], moments[2])  # the float16 weight's m and v, bit for bit
+        assert not torch.equal(restored["optimizer"]["state"][0]["exp_avg"], moments[0]["exp_avg"])  # quantized
+        assert _rel(restored["optimizer"]["state"][0]["exp_avg"], moments[0]["exp_avg"]) < 0.5
 
 
 def test_extreme_keeps_sqrt_v_within_its_factor_on_a_chained_commit(tmp_path):
@@ -509,22 +523,24 @@ def test_a_flat_buffer_and_the_views_of_it_come_back_exact_together(tmp_path):
     assert not torch.equal(restored["model"]["other.weight"], state["model"]["other.weight"])
 
 
-def test_a_second_moment_with_negative_entries_is_committed_lossless_with_a_warning(tmp_path):
-    """A custom optimizer's signed statistic under the name exp_avg_sq has no log2 level: the commit stays whole."""
+def test_a_second_moment_with_negative_entries_is_kept_whole_with_a_warning(tmp_path):
+    """A custom optimizer's signed statistic under the name exp_avg_sq has no log2 level: the moments stay whole."""
     state = {"model": {"w": torch.randn(128, 64)},
              "optimizer": {"state": {0: {"step": torch.tensor(5.0), "exp_avg": torch.randn(128, 64) * 1e-3,
                                          "exp_avg_sq": torch.randn(128, 64) * 1e-6}},
                            "param_groups": [{"lr": 1e-3, "params": [0]}]}}
     with Repository.init(tmp_path) as repo, pytest.warns(RuntimeWarning, match="cannot be quantized"):
         cid = repo.commit(state, lossy="balanced")
-        assert repo.commit_info(cid).lossy is None
-        assert_same(repo.checkout(cid), state)
+        assert repo.commit_info(cid).lossy == "balanced"  # the weight keeps the level, its moments are whole
+        restored = repo.checkout(cid)
+    assert_same(restored["optimizer"], state["optimizer"])
+    assert 0 < _rel(restored["model"]["w"], state["model"]["w"]) < 0.05
 
 
 @pytest.mark.parametrize("dtype, v_range, end", [(torch.bfloat16, (-120, -100), 2.0**-133),
                                                  (torch.float16, (12, 15), 60_000.0)])
-def test_a_second_moment_at_the_ends_of_its_dtype_is_committed_lossless_not_zeroed_or_infinite(tmp_path, dtype,
-                                                                                           v_range, end):
+def test_a_second_moment_at_the_ends_of_its_dtype_is_kept_whole_not_zeroed_or_infinite(tmp_path, dtype, v_range,
+                                                                                      end):
     """`extreme`'s 8-octave grid would round bfloat16's tiniest v to zero; float16 v near 65504 to infinity."""
     generator = torch.Generator().manual_seed(0)
     v = torch.exp2(torch.empty(128, 64).uniform_(*v_range, generator=generator))
@@ -537,8 +553,10 @@ def test_a_second_moment_at_the_ends_of_its_dtype_is_committed_lossless_not_zero
                            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "params": [0]}]}}
     with Repository.init(tmp_path) as repo, pytest.warns(RuntimeWarning, match="become zero or infinity"):
         cid = repo.commit(state, lossy="extreme")
-        assert repo.commit_info(cid).lossy is None
-        assert_same(repo.checkout(cid), state)
+        assert repo.commit_info(cid).lossy == "extreme"  # the weight keeps the level, its moments are whole
+        restored = repo.checkout(cid)
+    assert_same(restored["optimizer"], state["optimizer"])
+    assert torch.isfinite(restored["model"]["w"].float()).all()
 
 
 def test_a_changed_file_whose_lossy_values_equal_the_parents_is_still_the_next_commit(tmp_path):
