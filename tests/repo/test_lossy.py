@@ -535,6 +535,11 @@ def test_a_second_moment_with_negative_entries_is_kept_whole_with_a_warning(tmp_
         restored = repo.checkout(cid)
     assert_same(restored["optimizer"], state["optimizer"])
     assert 0 < _rel(restored["model"]["w"], state["model"]["w"]) < 0.05
+    with Repository.init(tmp_path / "optimizer") as repo, pytest.warns(  # it quantizes only the moments
+            RuntimeWarning, match="exp_avg_sq: .*negative values; then no other tensor it quantizes.*lossless instead"):
+        cid = repo.commit(state, lossy="optimizer")
+        assert repo.commit_info(cid).lossy is None
+        assert_same(repo.checkout(cid), state)
 
 
 @pytest.mark.parametrize("dtype, v_range, end", [(torch.bfloat16, (-120, -100), 2.0**-133),
