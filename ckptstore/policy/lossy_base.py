@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,3 +94,18 @@ def chunk_bytes(raw: RawTensor, base: TensorRecord | None, settings: EncodingSet
 def codebooks(level: LossyLevel) -> dict[str, bool]:
     """The dead-zone param that lets chunks try a codebook (absent when off, as in older records)."""
     return {"codebooks": True} if level.codebooks else {}
+
+
+def plans_without(plans: Mapping[str, LossyPlan], whole: Set[str]) -> dict[str, LossyPlan]:
+    """`plans` less the tensors in `whole` and every tensor coded with one of them, lossless too.
+
+    A first moment is coded against its second moment (`sibling`), a moment may take its weight's
+    mask or pace: without its partner's reconstruction it has nothing to be coded with.
+    """
+    dropped = set(whole)
+    while True:
+        more = {path for path, plan in plans.items() if path not in dropped
+                and {plan.sibling, plan.mask_from, plan.paced_by} & dropped}
+        if not more:
+            return {path: plan for path, plan in plans.items() if path not in dropped}
+        dropped |= more

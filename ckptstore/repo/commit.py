@@ -318,7 +318,9 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
         plans, pairing, fisher = (_plan(repo, checkpoint, parent, level, lossy, measured) if level
                                   else ({}, None, None))
         if whole:
-            plans = _without(plans, whole)
+            from ckptstore.policy.lossy_base import plans_without
+
+            plans = plans_without(plans, whole)
             if not plans:
                 raise UnquantizableError("no other tensor it quantizes")
         entries, jobs = encoding_jobs(repo, tx, checkpoint.tensors, sources, parent.by_path, parent.records,
@@ -332,21 +334,6 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
             progress.finish()
     faults.point("commit:objects-written")
     return _Encoded(entries, records, sizes, plans, pairing, fisher)
-
-
-def _without(plans: Mapping[str, LossyPlan], whole: Set[str]) -> dict[str, LossyPlan]:
-    """`plans` less the tensors in `whole` and every tensor coded with one of them, lossless too.
-
-    A first moment is coded against its second moment (`sibling`), a moment may take its weight's
-    mask or pace: without its partner's reconstruction it has nothing to be coded with.
-    """
-    dropped = set(whole)
-    while True:
-        more = {path for path, plan in plans.items() if path not in dropped
-                and {plan.sibling, plan.mask_from, plan.paced_by} & dropped}
-        if not more:
-            return {path: plan for path, plan in plans.items() if path not in dropped}
-        dropped |= more
 
 
 def _read_source(repo: Repository, source: Any, trust_pickle: bool

@@ -9,18 +9,20 @@ durable, in one metadata transaction that moves the branch with compare-and-swap
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults
-from ckptstore.errors import CkptError
+from ckptstore.errors import CkptError, UnquantizableError, UnquantizableTensorsError
 from ckptstore.formats.dcpmeta import DCP_FORMAT_VERSION, chunk_problem
 from ckptstore.hashing import CommitId, ObjectId, TensorId, tensor_id
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.metadata.commits import CommitInfo
 from ckptstore.policy import LossyLevel
+from ckptstore.policy.lossy_base import LossyPlan, plans_without
 from ckptstore.policy.lossy_shards import PAIRING, Shard, ShardFacts, plan_shards
 from ckptstore.records import Chunk, TensorRecord
 from ckptstore.replay import ChainSource
@@ -68,6 +70,40 @@ class LossyShards:
     shards: dict[str, Shard]  # by shard key
 
 
+def _encode_shards(repo: Repository, shards: Mapping[str, RawTensor], ids: Mapping[str, TensorId],
+                   base_of: Mapping[str, TensorRecord], chains: Mapping[TensorId, TensorRecord],
+                   plans: dict[str, LossyPlan], level: LossyLevel | None
+                   ) -> tuple[dict[str, TensorId], dict[str, TensorRecord], dict[ObjectId, int], dict[str, LossyPlan]]:
+    """This rank's shards encoded: manifest ids known before, new records, object sizes, the plans kept.
+
+    A shard its level cannot quantize stays lossless with the shards coded with it; NaN or inf keeps
+    every shard of the rank lossless: a rank's save never fails for its values (repo/commit.py does
+    the same for a whole checkpoint).
+    """
+    whole: dict[str, str] = {}
+    while True:
+        with repo.db.read() as tx:
+            entries, jobs = encoding_jobs(repo, tx, shards, ids, base_of, chains, plans, level)
+        try:
+            with repo.store.batch():
+                records, sizes = encode_jobs(jobs, ChainSource(repo.store, chains), repo.pool)
+        except UnquantizableTensorsError as exc:
+            whole.update(exc.reasons)
+            plans = plans_without(plans, set(exc.reasons))
+            continue
+        except UnquantizableError as exc:  # NaN or inf (each round would find one more shard): all of them
+            warnings.warn(f"this rank's shards hold values no step quantizes ({exc}): all stored lossless instead of "
+                          f"at level {level.name!r}", RuntimeWarning, stacklevel=4)
+            whole, plans = {}, {}
+            continue
+        if whole:
+            listed = "; ".join(f"{key}: {why}" for key, why in sorted(whole.items()))
+            warnings.warn(f"{len(whole)} shard(s) cannot be quantized at level {level.name!r} ({listed}): stored "
+                          "lossless with the optimizer state coded with them, the rest at the level", RuntimeWarning,
+                          stacklevel=4)
+        return entries, records, sizes, plans
+
+
 def write_shards(repo: Repository, parent: CommitId | None, shards: Mapping[str, RawTensor],
                  lossy: LossyShards | None = None) -> list[WrittenShard]:
     """Encode this rank's shards and write their objects durably; nothing is recorded.
@@ -84,11 +120,8 @@ def write_shards(repo: Repository, parent: CommitId | None, shards: Mapping[str,
         base_of, chains = _parent_records(repo, parent, list(shards))
         plans = {} if lossy is None else plan_shards(shards, lossy.shards, lossy.facts, base_of, lossy.level,
                                                      repo.config.encoding)[0]
-        with repo.db.read() as tx:
-            entries, jobs = encoding_jobs(repo, tx, shards, ids, base_of, chains, plans,
-                                         lossy.level if lossy else None)
-        with repo.store.batch():
-            records, sizes = encode_jobs(jobs, ChainSource(repo.store, chains), repo.pool)
+        entries, records, sizes, plans = _encode_shards(repo, shards, ids, base_of, chains, plans,
+                                                        lossy.level if lossy else None)
     faults.point("dcp:rank-written")
     written = []
     for key, raw in shards.items():  # a lossy shard's job is by key, a lossless one's by content id

@@ -23,6 +23,7 @@ from ckptstore.dcp import CkptSavePlanner, CkptStorageReader, CkptStorageWriter
 from ckptstore.errors import CkptError
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.policy import LEVELS, EncodingSettings
+from tests.conftest import assert_same
 from tests.dcp.launch import run_ranks
 from tests.dcp.lossy_worker import LABELS
 
@@ -134,3 +135,46 @@ def test_a_lossy_writer_without_its_planner_says_what_to_pass(tmp_path):
         ((error, _),) = caught.value.failures.values()  # (exception, traceback) per failed rank
         assert isinstance(error, CkptError) and "planner=ckptstore.dcp.CkptSavePlanner()" in str(error)
         assert repo.log() == []
+
+
+def _two_group_adam(nan: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A float32 layer and a float16 one whose second moments underflowed to 0 (m / sqrt(v): no integer level)."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"wide": torch.nn.Linear(256, 128), "low": torch.nn.Linear(256, 128).half()})
+    optimizer = torch.optim.Adam([{"params": model["wide"].parameters()},
+                                  {"params": model["low"].parameters(), "eps": 1e-4}], lr=1e-3)
+    for seed in range(3):
+        x = torch.randn(8, 256, generator=torch.Generator().manual_seed(seed))
+        (model["wide"](x).mean() + model["low"](x.half()).float().mean() * 1e-2).backward()
+        optimizer.step()
+    if nan:
+        with torch.no_grad():
+            model["wide"].weight[0, 0] = float("nan")
+    return model, optimizer
+
+
+@pytest.mark.parametrize("nan", [False, True], ids=["float16-moments", "nan-weight"])
+def test_a_save_whose_values_a_level_cannot_quantize_is_saved_with_them_lossless(tmp_path, nan):
+    """It used to fail the whole dcp.save (no commit) where a plain commit kept them lossless."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizer = _two_group_adam(nan)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    with Repository.init(tmp_path / "repo") as repo:
+        writer = CkptStorageWriter(repo, message="s", lossy="balanced")
+        warned = "values no step quantizes" if nan else "cannot be quantized at level .*exp_avg"
+        with pytest.warns(RuntimeWarning, match=warned):
+            dcp.save(state, storage_writer=writer, planner=CkptSavePlanner())
+        assert repo.commit_info(writer.commit_id).lossy == "balanced"
+        model, optimizer = _two_group_adam()  # other values, overwritten by the load
+        loaded_model, loaded_optim = get_state_dict(model, optimizer)
+        loaded = {"model": loaded_model, "optim": loaded_optim}
+        dcp.load(loaded, storage_reader=CkptStorageReader(repo, writer.commit_id))
+    low = {k: v for k, v in state["optim"]["state"].items() if k.startswith("low.")}
+    for name, moments in low.items():  # kept whole: bit for bit
+        assert all(torch.equal(loaded["optim"]["state"][name][k], v) for k, v in moments.items()), name
+    wide = loaded["optim"]["state"]["wide.weight"]["exp_avg"]
+    assert torch.equal(wide, state["optim"]["state"]["wide.weight"]["exp_avg"]) == nan  # quantized unless NaN
+    if nan:  # the rank's shards all kept whole, NaN included
+        assert_same(loaded["model"], state["model"])
