@@ -86,7 +86,13 @@ def file_stamp(path: str | os.PathLike) -> tuple[int, ...] | None:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def changed_while_read(path: str | os.PathLike) -> CheckpointFormatError:
-    """The refusal of a file that changed while a commit read it: what was read may be half old, half new."""
+def changed_while_read(path: str | os.PathLike, committing: bool = True) -> CheckpointFormatError:
+    """The refusal of a file that changed while a commit (or another command) read it.
+
+    What was read may be half old, half new.
+    """
+    if not committing:
+        return CheckpointFormatError(f"{path} changed while it was being read (is a save still writing it?); run "
+                                     "the command again once the save has finished")
     return CheckpointFormatError(f"{path} changed while it was being committed (is a save still writing it?); "
                                  "nothing was recorded: commit it again once the save has finished")

@@ -20,7 +20,6 @@ from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
-from ckptstore.errors import CheckpointFormatError
 from ckptstore.formats.atomic import changed_while_read
 from ckptstore.hashing import bytes_digest
 
@@ -105,7 +104,7 @@ def guard(reading: bool = False) -> Iterator[Guard]:
     """Guard the maps made here on this thread (and those given the guard); refuse a file cut short meanwhile.
 
     On leaving, a file any map of which was read past its end raises `changed_while_read` (with
-    `reading`, for a command that commits nothing: `changed_while_reading`), whatever else was
+    `reading`, for a command that commits nothing, its message for reading), whatever else was
     raised meanwhile (zeros read in place of its bytes can fail any parser).
     """
     if _sigbus is not None:
@@ -126,13 +125,7 @@ def _refuse(made: Guard) -> None:
     made.close()
     faulted = made.faulted()
     if faulted:
-        raise (changed_while_reading if made.reading else changed_while_read)(faulted[0]) from None
-
-
-def changed_while_reading(path: str | os.PathLike) -> CheckpointFormatError:
-    """The refusal of a file cut short while a command other than commit read it."""
-    return CheckpointFormatError(f"{path} changed while it was being read (is a save still writing it?); run "
-                                 "the command again once the save has finished")
+        raise changed_while_read(faulted[0], committing=not made.reading) from None
 
 
 def open_map(path: str | os.PathLike, writable: bool = False, within: Guard | None = None) -> mmap.mmap | None:
