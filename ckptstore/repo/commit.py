@@ -47,7 +47,7 @@ from ckptstore.repo.planecache import cache_of
 from ckptstore.repo.progress import NoProgress, Progress
 from ckptstore.repo.pruning import after_commit
 from ckptstore.repo.target import Start, commit_target, default_author, move_ref
-from ckptstore.repo.writer import Job, encode_jobs, lossless_jobs
+from ckptstore.repo.writer import Job, encode_jobs, listed, lossless_jobs
 from ckptstore.state import RawTensor, shared_view_paths
 
 if TYPE_CHECKING:
@@ -258,22 +258,18 @@ def _encode_or_keep_whole(repo: Repository, checkpoint: formats.Checkpoint, pare
                 whole.update(exc.reasons)
                 continue
             if whole:
-                warnings.warn(f"{len(whole)} tensor(s) cannot be quantized at level {level.name!r} ({_listed(whole)}): "
+                warnings.warn(f"{len(whole)} tensor(s) cannot be quantized at level {level.name!r} ({listed(whole)}): "
                               "they and the optimizer state coded with them are stored lossless, the rest at the level",
                               RuntimeWarning, stacklevel=3)
             return done, change, level
         raise UnquantizableError("more tensors each time")
     except UnquantizableError as exc:  # a diverged run's checkpoint, say, is still worth keeping: whole
         what = "holds NaN or infinite values" if isinstance(exc, NonFiniteError) else "cannot be quantized"
-        why = f"{_listed(whole)}; then {exc}" if whole else str(exc)
+        why = f"{listed(whole)}; then {exc}" if whole else str(exc)
         warnings.warn(f"the checkpoint {what} ({why}): committed lossless instead of at level {level.name!r}",
                       RuntimeWarning, stacklevel=3)
         done, change = _encode_checked(repo, checkpoint, parent, sources, None, lossy, measured, progress, None)
         return done, change, None
-
-
-def _listed(reasons: Mapping[str, str]) -> str:
-    return "; ".join(f"{path}: {why}" for path, why in sorted(reasons.items()))
 
 
 def _encode_checked(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent,

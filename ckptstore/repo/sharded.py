@@ -30,7 +30,7 @@ from ckptstore.repo.commit import CommitOptions, encoding_jobs
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.target import Start, commit_target, move_ref
-from ckptstore.repo.writer import encode_jobs
+from ckptstore.repo.writer import encode_jobs, listed
 from ckptstore.state import BYTES_DTYPE, RawTensor
 
 if TYPE_CHECKING:
@@ -97,10 +97,9 @@ def _encode_shards(repo: Repository, shards: Mapping[str, RawTensor], ids: Mappi
             whole, plans = {}, {}
             continue
         if whole:
-            listed = "; ".join(f"{key}: {why}" for key, why in sorted(whole.items()))
-            warnings.warn(f"{len(whole)} shard(s) cannot be quantized at level {level.name!r} ({listed}): stored "
-                          "lossless with the optimizer state coded with them, the rest at the level", RuntimeWarning,
-                          stacklevel=4)
+            warnings.warn(f"{len(whole)} shard(s) cannot be quantized at level {level.name!r} ({listed(whole)}): "
+                          "stored lossless with the optimizer state coded with them, the rest at the level",
+                          RuntimeWarning, stacklevel=4)
         return entries, records, sizes, plans
 
 
