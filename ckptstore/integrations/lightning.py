@@ -140,13 +140,19 @@ def _drop_pending_marker(path: str | os.PathLike) -> None:
         os.unlink(path)
 
 
-def monitored_metrics(checkpoint: dict[str, Any]) -> dict[str, float]:
-    """The score each `ModelCheckpoint` in the checkpoint's callback states monitors (finite ones only)."""
+def monitored_metrics(checkpoint: dict[str, Any], path: str | os.PathLike) -> dict[str, float]:
+    """The score each `ModelCheckpoint` monitors, where it ranked the save at `path` (finite ones only).
+
+    A save no callback ranked (`last.ckpt` after a state outside the top k) has no score: Lightning's
+    `current_score` there is still that of the callback's last ranked save, steps earlier.
+    """
     metrics = {}
+    where = os.path.abspath(path)
     for key, state in (checkpoint.get("callbacks") or {}).items():
         if not (str(key).startswith("ModelCheckpoint") and isinstance(state, dict)):
             continue
-        monitor, score = state.get("monitor"), state.get("current_score")
+        monitor, ranked = state.get("monitor"), state.get("best_k_models") or {}
+        score = next((s for p, s in ranked.items() if os.path.abspath(p) == where), None)
         if isinstance(monitor, str) and score is not None and math.isfinite(value := float(score)):
             metrics[monitor] = value
     return metrics
@@ -222,7 +228,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
             raise CkptError(f"checkpoint {os.fspath(path)!r} maps to {ref!r}, which is a branch of {repo.root}; "
                             "pass CkptstoreCheckpointIO(prefix=...) so checkpoint tags do not meet your branches")
         try:
-            result = self._commit(checkpoint, Path(path).name)
+            result = self._commit(checkpoint, path)
         except RetentionError as exc:  # recorded: tag it and go on, the next commit's policy prunes again
             self._record_despite(ref, path, exc)
             return
@@ -292,13 +298,13 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
                             "callbacks, or two plugins with different prefixes")
         return ref
 
-    def _commit(self, checkpoint: dict[str, Any], name: str) -> CommitId | BackgroundCommit:
+    def _commit(self, checkpoint: dict[str, Any], path: str | os.PathLike) -> CommitId | BackgroundCommit:
         step = checkpoint.get("global_step")
-        message = f"Lightning checkpoint {name} (epoch {checkpoint.get('epoch')}, step {step})"
+        message = f"Lightning checkpoint {Path(path).name} (epoch {checkpoint.get('epoch')}, step {step})"
         # last.ckpt right after the top-k save of the same state: nothing changed, the head holds it
         return head_if_unchanged(self.repo, self.branch, lambda: self.repo.commit(
-            checkpoint, message, step=step if isinstance(step, int) else None, metrics=monitored_metrics(checkpoint),
-            branch=self.branch, lossy=self.lossy, blocking=self.blocking))
+            checkpoint, message, step=step if isinstance(step, int) else None,
+            metrics=monitored_metrics(checkpoint, path), branch=self.branch, lossy=self.lossy, blocking=self.blocking))
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:

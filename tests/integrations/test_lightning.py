@@ -179,8 +179,42 @@ def test_top_k_and_last_are_exactly_the_tags(trained):
         assert_same(repo.checkout(ref_for_path(path)), model.saved[step][0])
     last_step = max(model.saved)
     assert_same(repo.checkout("lightning/last"), model.saved[last_step][-1])
-    assert repo.commit_info("lightning/last").metrics["val_loss"] == pytest.approx(
-        float(checkpoints.current_score))
+    for path, score in checkpoints.best_k_models.items():  # the score ModelCheckpoint ranked each save by
+        assert repo.commit_info(ref_for_path(path)).metrics["val_loss"] == pytest.approx(float(score))
+    last = repo.resolve("lightning/last")  # no score of its own: its current_score was a ranked save's, earlier
+    ranked = {repo.resolve(ref_for_path(path)) for path in checkpoints.best_k_models}
+    assert ("val_loss" in repo.commit_info(last).metrics) == (last in ranked)
+
+
+def test_each_commit_records_the_score_of_its_own_save_or_none(lit, tmp_path):
+    """last.ckpt after saves outside the top k used to record the score of the last ranked save, steps earlier."""
+
+    class Rising(lit.Tiny):
+        def training_step(self, batch, index):
+            self.log("score", float(self.global_step))  # with mode="min", only the first save ranks
+            return super().training_step(batch, index)
+
+    class Scores(lit.pl.Callback):
+        def __init__(self) -> None:
+            self.at = {}
+
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            self.at[checkpoint["global_step"]] = float(trainer.callback_metrics["score"])
+
+    scores = Scores()
+    checkpoints = lit.pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpts", monitor="score", mode="min",
+                                                   save_top_k=1, save_last=True, every_n_train_steps=2)
+    with Repository.init(tmp_path / "store") as repo:
+        torch.manual_seed(0)
+        trainer = lit.pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=BATCHES,
+                                 limit_val_batches=0, enable_progress_bar=False, logger=False,
+                                 enable_model_summary=False, callbacks=[checkpoints, scores],
+                                 plugins=[CkptstoreCheckpointIO(repo, blocking=True)])
+        trainer.fit(Rising(), _loader())
+        recorded = [(info.step, info.metrics.get("score")) for info in repo.log()]
+    assert len(recorded) >= 4 and sum(score is None for _, score in recorded) >= 3  # saves outside the top k
+    for step, score in recorded:
+        assert score is None or score == pytest.approx(scores.at[step]), (step, score, scores.at)
 
 
 def test_removed_checkpoints_lose_tag_and_marker_but_still_restore(trained):
