@@ -57,7 +57,8 @@ SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".safetensors"}
 TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 _STEP = re.compile(r"step[=_-]?(\d+)", re.IGNORECASE)
-_NUMBER = re.compile(r"(\d+)")
+# a whole number, not part of a decimal (a metric: val_loss=0.1234) nor an epoch's (epoch=3)
+_NUMBER = re.compile(r"(?<![\d.])(?<!epoch)(?<!epoch[=_-])(\d+)(?!\.\d)(?!\d)", re.IGNORECASE)
 Signature = list[list[Any]]  # [name inside the source, size, mtime_ns] for each of its files
 
 
@@ -285,7 +286,10 @@ def _safetensors_incomplete(path: Path, head: bytes) -> str:
 
 
 def step_of(name: str) -> int | None:
-    """The training step a checkpoint's name gives: after "step" or "checkpoint-", else its last number."""
+    """The training step a checkpoint's name gives: after "step" or "checkpoint-", else its last whole number.
+
+    Not an epoch's number nor a metric's decimals: `epoch=3-val_loss=0.1234.ckpt` gives no step.
+    """
     stem = name.removesuffix(Path(name).suffix) if Path(name).suffix in SUFFIXES else name
     found = _STEP.search(stem) or TRAINER_FOLDER.match(stem)
     numbers = [found.group(1)] if found else _NUMBER.findall(stem)
