@@ -17,6 +17,7 @@ Layout: b"DZ2", has-base flag (u8), the chunk's step (f32), then the entropy-cod
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Any
 
@@ -44,6 +45,10 @@ def quantize(values: np.ndarray, step: float, rounding: float) -> np.ndarray:
     """
     levels = np.floor(np.abs(values) / np.float32(step) + np.float32(rounding))
     if levels.size and not levels.max() < 2.0**31:
+        if not math.isfinite(step):  # a sharded save: the whole tensor's statistics, some other rank's NaN
+            raise UnquantizableError(f"its step is {step} (the whole tensor holds NaN or inf)")
+        if not np.isfinite(values).all():  # its own values are finite (checked first): the parent's are not
+            raise UnquantizableError("its residual against the parent holds NaN or inf (the parent's values do)")
         raise UnquantizableError(f"values up to {float(np.abs(values).max()):.3g} are 2^31 or more steps of "
                                  f"{step:.3g}: no integer level holds them")
     return (np.sign(values) * levels).astype(np.int32)

@@ -411,3 +411,17 @@ def test_damaged_stream_headers_are_codec_errors_before_any_allocation():
         decode_symbols(zero_width)
     with pytest.raises(CodecError):  # a zstd stream with no body at all
         decode_symbols(MAGIC + bytes([0]) + struct.pack("<Q", 10))
+
+
+def test_values_without_a_level_say_whether_the_step_or_the_base_made_them_nan():
+    """A sharded save's NaN statistics, or a residual against a NaN parent, used to read "values up to nan"."""
+    from ckptstore.codecs.deadzone import quantize
+
+    with pytest.raises(UnquantizableError, match="its step is nan .the whole tensor holds NaN or inf"):
+        quantize(np.ones(8, dtype=np.float32), float("nan"), 0.5)
+    residual = np.ones(8, dtype=np.float32)
+    residual[2] = np.nan
+    with pytest.raises(UnquantizableError, match="residual against the parent holds NaN or inf"):
+        quantize(residual, 0.5, 0.5)
+    with pytest.raises(UnquantizableError, match="values up to 1e\\+10 are 2\\^31 or more steps"):
+        quantize(np.full(8, 1e10, dtype=np.float32), 1e-3, 0.5)

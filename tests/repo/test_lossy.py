@@ -428,6 +428,22 @@ def test_a_checkpoint_with_nan_or_inf_weights_is_committed_lossless_with_a_warni
         assert_same(repo.checkout(cid), state)
 
 
+def test_a_finite_commit_after_a_diverged_one_says_the_parent_holds_nan_and_the_next_is_quantized(tmp_path):
+    """Its residual against the NaN parent has no levels: the warning used to say "values up to nan"."""
+    weight = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+    diverged = weight.clone()
+    diverged[3, 5] = float("nan")
+    with Repository.init(tmp_path) as repo:
+        with pytest.warns(RuntimeWarning, match="NaN or infinite"):
+            repo.commit({"model": {"l.weight": diverged}}, lossy="balanced")
+        with pytest.warns(RuntimeWarning, match="residual against the parent holds NaN or inf .the parent's values"):
+            kept = repo.commit({"model": {"l.weight": weight + 0.01}}, lossy="balanced")
+        assert_same(repo.checkout(kept), {"model": {"l.weight": weight + 0.01}})
+        after = repo.commit({"model": {"l.weight": weight + 0.02}}, lossy="balanced")  # a finite parent again
+        assert repo.commit_info(after).lossy == "balanced"
+        assert 0 < _rel(repo.checkout(after)["model"]["l.weight"], weight + 0.02) < 0.05
+
+
 def test_a_float16_adam_group_whose_second_moment_underflowed_keeps_its_moments_whole_and_the_rest_its_level(
         tmp_path):
     """v underflows to 0 in float16 while m does not: m / sqrt(v) has no int32 level (its signs used to wrap).
