@@ -57,8 +57,8 @@ SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".safetensors"}
 TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 _STEP = re.compile(r"step[=_-]?(\d+)", re.IGNORECASE)
-# a whole number, not part of a decimal (a metric: val_loss=0.1234) nor an epoch's (epoch=3)
-_NUMBER = re.compile(r"(?<![\d.])(?<!epoch)(?<!epoch[=_-])(\d+)(?!\.\d)(?!\d)", re.IGNORECASE)
+# a whole number, not part of a decimal (a metric: val_loss=0.1234), an epoch's (epoch=3) nor a version (last-v1)
+_NUMBER = re.compile(r"(?<!\d)(?<!\d\.)(?<!epoch)(?<!epoch[=_-])(?<!-v)(\d+)(?!\.\d)(?!\d)", re.IGNORECASE)
 Signature = list[list[Any]]  # [name inside the source, size, mtime_ns] for each of its files
 
 
@@ -288,7 +288,8 @@ def _safetensors_incomplete(path: Path, head: bytes) -> str:
 def step_of(name: str) -> int | None:
     """The training step a checkpoint's name gives: after "step" or "checkpoint-", else its last whole number.
 
-    Not an epoch's number nor a metric's decimals: `epoch=3-val_loss=0.1234.ckpt` gives no step.
+    Not an epoch's number, a metric's decimals nor Lightning's version: `epoch=3-val_loss=0.12-v1.ckpt`
+    gives no step.
     """
     stem = name.removesuffix(Path(name).suffix) if Path(name).suffix in SUFFIXES else name
     found = _STEP.search(stem) or TRAINER_FOLDER.match(stem)

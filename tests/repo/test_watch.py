@@ -137,8 +137,9 @@ def test_legacy_and_safetensors_files_a_branch_and_steps_from_names(repo, tmp_pa
     assert [step_of(n) for n in ("checkpoint-500", "epoch=3-step=1200.ckpt", "model_7.pt", "last.ckpt",
                                  "run_123456789012345678901.pt")] == [500, 1200, 7, None, None]  # past int64: no step
     # Lightning's "{epoch}-{val_loss:.2f}" template: neither the epoch nor the metric's decimals are a step
-    assert [step_of(n) for n in ("epoch=3-val_loss=0.1234.ckpt", "epoch_12.pt", "ckpt_100_loss1.5.pt")] == [
-        None, None, 100]
+    assert [step_of(n) for n in ("epoch=3-val_loss=0.1234.ckpt", "epoch_12.pt", "ckpt_100_loss1.5.pt",
+                                 "epoch=0-val_acc=0.95-v1.ckpt", "last-v1.ckpt", "model.5000.pt")] == [
+        None, None, 100, None, None, 5000]
     with pytest.raises(CkptError, match="past what the metadata holds"):
         repo.commit({"w": torch.ones(4)}, step=1 << 70)
 
