@@ -48,7 +48,8 @@ def quantize(values: np.ndarray, step: float, rounding: float) -> np.ndarray:
         if not math.isfinite(step):  # a sharded save: the whole tensor's statistics, some other rank's NaN
             raise UnquantizableError(f"its step is {step} (the whole tensor holds NaN or inf)")
         if not np.isfinite(values).all():  # its own values are finite (checked first): the parent's are not
-            raise UnquantizableError("its residual against the parent holds NaN or inf (the parent's values do)")
+            raise UnquantizableError("its residual against the parent holds NaN or inf (the parent's values do, "
+                                     "or their difference passes float32)")
         raise UnquantizableError(f"values up to {float(np.abs(values).max()):.3g} are 2^31 or more steps of "
                                  f"{step:.3g}: no integer level holds them")
     return (np.sign(values) * levels).astype(np.int32)

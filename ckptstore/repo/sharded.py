@@ -91,7 +91,7 @@ def _encode_shards(repo: Repository, shards: Mapping[str, RawTensor], ids: Mappi
             whole.update(exc.reasons)
             plans = plans_without(plans, set(exc.reasons))
             continue
-        except UnquantizableError as exc:  # NaN or inf (each round would find one more shard): all of them
+        except UnquantizableError as exc:  # NaN or inf (NonFiniteError): every shard of the rank, in one round
             warnings.warn(f"this rank's shards hold values no step quantizes ({exc}): all stored lossless instead of "
                           f"at level {level.name!r}", RuntimeWarning, stacklevel=4)
             whole, plans = {}, {}

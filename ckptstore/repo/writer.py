@@ -350,13 +350,16 @@ def _packed_results(ordered: list[Job], futures: dict[str, list[Future]], packer
     """
     results_of: dict[str, list[ChunkResult]] = {}
     unquantizable: dict[str, str] = {}
+    raised: set[int] = set()  # a job coded with a failed one re-raises its error: named once, by its own job
     for job in ordered:
         try:
             results_of[job.key] = [f.result() for f in futures[job.key]]
         except NonFiniteError:
             raise  # a diverged run: the whole checkpoint is kept lossless
         except UnquantizableError as exc:
-            unquantizable[job.key] = str(exc)
+            if id(exc) not in raised:
+                raised.add(id(exc))
+                unquantizable[job.key] = str(exc)
             continue
         for result in results_of[job.key]:
             if result.payload is not None:
