@@ -59,6 +59,7 @@ class WrittenShard:
     record: TensorRecord | None
     objects: dict[ObjectId, int]
     raw_bytes: int
+    at_level: bool = False  # stored at the save's lossy level (False: lossless, planned so or fallen back)
 
 
 @dataclass
@@ -127,7 +128,8 @@ def write_shards(repo: Repository, parent: CommitId | None, shards: Mapping[str,
         record = records.get(key if key in plans else ids[key])
         tid = entries[key] if key in entries else record.id  # not in entries: a new lossy reconstruction
         objects = {c.object_id: sizes[c.object_id] for c in record.chunks if c.object_id in sizes} if record else {}
-        written.append(WrittenShard(key, Entry(tid, raw.dtype, raw.shape), record, objects, raw.nbytes))
+        written.append(WrittenShard(key, Entry(tid, raw.dtype, raw.shape), record, objects, raw.nbytes,
+                                    key in plans))
     return written
 
 
@@ -147,12 +149,14 @@ def record_sharded(repo: Repository, start: Start, shards: list[WrittenShard], d
                    options: CommitOptions, lossy: str | None = None) -> CommitId:
     """Record every rank's shards as one commit on `start`'s branch, moving it by compare-and-swap.
 
-    `lossy` names the level the shards were planned at (None: lossless).
+    `lossy` names the level the shards were planned at (None: lossless); a save none of whose shards
+    stayed at it (every rank fell back to lossless) is recorded lossless, as a commit would be.
 
     Called once, by the coordinator, after every rank's objects are durable. Raises ConflictError
     when the branch moved meanwhile (nothing is recorded).
     """
     entries = {s.key: s.entry for s in shards}
+    lossy = lossy if any(s.at_level for s in shards) else None
     if len(entries) != len(shards):
         raise CkptError("two ranks wrote the same shard; the save plan gave one item to two ranks")
     chosen: dict[TensorId, WrittenShard] = {}  # two ranks may both have written one content: keep one record
