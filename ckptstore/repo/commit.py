@@ -235,7 +235,7 @@ def _refuse_unchanged(manifest: Manifest, parent: _Parent, level: LossyLevel | N
                                "it anyway)")
 
 
-WHOLE_ROUNDS = 3  # encodings that may each find more tensors to keep whole; then the whole checkpoint is
+WHOLE_ROUNDS = 3  # encodings that may each find more tensors to keep whole; then the checkpoint goes all lossless
 
 
 def _encode_or_keep_whole(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent,
