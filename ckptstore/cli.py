@@ -172,9 +172,9 @@ def init(path: str, max_chain: str | None, lossy: str | None, objects_url: str, 
                          metadata_url=metadata_url) as repo:
         joined = bool(metadata_url) and bool(repo.branches())
         echo(f"{'Joined the' if joined else 'Initialized empty'} ckptstore repository in {repo.dir}"
-                   + (f" (objects in {repo.store.url})" if objects_url else "")
-                   + (f" (metadata in {repo.db.where})" if metadata_url else "")
-                   + (f" (commits are lossy: {lossy})" if lossy else ""))
+             + (f" (objects in {repo.store.url})" if objects_url else "")
+             + (f" (metadata in {repo.db.where})" if metadata_url else "")
+             + (f" (commits are lossy: {lossy})" if lossy else ""))
 
 
 @cli.command()
@@ -230,10 +230,10 @@ def checkout(ctx, ref, output, force, only) -> None:
     if info.source_path is not None and rewritten:
         names = ", ".join(name or str(dest) for name in rewritten)
         echo(f"note: {names} written with torch.save (a legacy-format or unusual file, or a commit by an "
-                   "older ckptstore): state exact, bytes not byte for byte the committed file's")
+             "older ckptstore): state exact, bytes not byte for byte the committed file's")
     if info.lossy:
         echo(f"note: {info.id[:12]} is a lossy commit (level {info.lossy}): weights and optimizer "
-                   "state are close to, not equal to, the original; `ckpt show` lists each tensor's error")
+             "state are close to, not equal to, the original; `ckpt show` lists each tensor's error")
 
 
 @cli.command()
@@ -374,7 +374,7 @@ def show(ctx, ref, as_json) -> None:
         echo(f"pruned by `ckpt prune`: its tensors are gone{' (it was lossy)' if data.get('lossy') else ''}")
     elif data.get("lossy"):
         echo(f"lossy commit, level {data['lossy']}; optimizer pairing: {data.get('pairing')}; "
-                   f"importance: {data.get('importance')}")
+             f"importance: {data.get('importance')}")
     stored = "- (pruned)" if data.get("pruned") else _size(data["stored_bytes"])
     echo(f"raw {_size(data['raw_bytes'])}  stored {stored}\n\n{_indented(data['message'])}\n")
     for f in data["files"]:
@@ -386,14 +386,14 @@ def show(ctx, ref, as_json) -> None:
     if "sharded" in data:  # a DCP commit: its logical tensors, not every shard
         for t in data["sharded"]:
             echo(f"  {t['fqn']}  {t['dtype']} {tuple(t['shape'])}  {t['shards']} shard"
-                       f"{'s' if t['shards'] != 1 else ''}")
+                 f"{'s' if t['shards'] != 1 else ''}")
         echo(f"({len(data['tensors'])} stored shards; --json lists them)")
         return None
     for t in data["tensors"]:
         error = f"  rel.err {t['rel_error']:.2e}" if "rel_error" in t else ""
         error += f" (bound {t['max_error']:.2e})" if "max_error" in t else ""
         echo(f"  {t['path']}  {t['dtype']} {tuple(t['shape'])}  {_size(t['stored_bytes'])} depth {t['depth']}"
-                   f"{error}")
+             f"{error}")
     return None
 
 
@@ -441,12 +441,12 @@ def stats(ctx, as_json) -> None:
     for row in data["commits"]:
         stored, ratio = ("pruned", "-") if row["pruned"] else (_size(row["stored_bytes"]), f"{row['ratio']:.2f}x")
         echo(f"{row['id'][:12]} {row['step'] if row['step'] is not None else '-':>8} "
-                   f"{_size(row['raw_bytes']):>12} {stored:>12} {ratio:>8}  {row['message']}")
+             f"{_size(row['raw_bytes']):>12} {stored:>12} {ratio:>8}  {row['message']}")
     kept = sum(not row["pruned"] for row in data["commits"])
     pruned = f" ({len(data['commits']) - kept} more pruned)" if kept < len(data["commits"]) else ""
     echo(f"total: {kept} commits{pruned}, {_size(data['raw_bytes'])} of checkpoints in "
-               f"{_size(data['stored_bytes'])} on disk ({_size(data['objects_bytes'])} objects, "
-               f"{_size(data['metadata_bytes'])} metadata), {data['ratio']:.2f}x")
+         f"{_size(data['stored_bytes'])} on disk ({_size(data['objects_bytes'])} objects, "
+         f"{_size(data['metadata_bytes'])} metadata), {data['ratio']:.2f}x")
     return None
 
 
@@ -457,8 +457,8 @@ def gc_command(ctx, prune) -> None:
     """Remove objects no commit needs (and leftovers of interrupted commits)."""
     report = gc(_open(ctx), prune_unreachable=prune)
     echo(f"removed {report.objects_removed} objects ({_size(report.bytes_removed)}), "
-               f"{report.tensors_removed} tensor records, {report.commits_removed} commits, "
-               f"{report.temp_files_removed} temp files")
+         f"{report.tensors_removed} tensor records, {report.commits_removed} commits, "
+         f"{report.temp_files_removed} temp files")
 
 
 @cli.command("prune")
@@ -480,15 +480,15 @@ def prune_command(ctx, keep_last, keep_every, keep_best, keep_tagged, dry_run, a
         return _emit_json(vars(report))
     if dry_run:
         echo(f"would remove {len(report.pruned)} commits, re-encoding up to {report.tensors_reencoded} "
-                   "tensors they were bases of")
+             "tensors they were bases of")
     else:
         echo(f"removed {len(report.pruned)} commits, re-encoded {report.tensors_reencoded} tensors they were "
-                   "bases of")
+             "bases of")
     for cid in report.pruned:
         echo(f"  {cid[:12]}")
     if report.bytes_after is not None:
         echo(f"objects: {_size(report.bytes_before)} before, {_size(report.bytes_after)} after "
-                   f"({_size(report.bytes_before - report.bytes_after)} freed)")
+             f"({_size(report.bytes_before - report.bytes_after)} freed)")
     return None
 
 
@@ -500,7 +500,7 @@ def fsck_command(ctx, full, remote_name) -> None:
     """Verify every stored object; list damaged objects and the commits they break."""
     report = _remotes().fsck_remote(_open(ctx), remote_name, full) if remote_name else fsck(_open(ctx), full=full)
     echo(f"checked {report.objects_checked} objects"
-               + (f", verified {report.tensors_verified} tensors" if full else ""))
+         + (f", verified {report.tensors_verified} tensors" if full else ""))
     for oid, problem in report.damaged_objects.items():
         echo(f"damaged object {oid}: {problem}")
     for what, problem in report.damaged_records.items():
@@ -512,7 +512,7 @@ def fsck_command(ctx, full, remote_name) -> None:
         echo(f"missing tensor record {tid}")
     if report.unreferenced_objects and report.damaged_records:
         echo(f"{report.unreferenced_objects} objects no intact record names (gc keeps them while records are "
-                   "damaged: they may be what the damaged records lost track of)")
+             "damaged: they may be what the damaged records lost track of)")
     elif report.unreferenced_objects:
         echo(f"{report.unreferenced_objects} unreferenced objects (run `ckpt gc` to remove them)")
     if not report.ok:
