@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from ckptstore.errors import INTERRUPTED, CkptError, OutputError, explain
+from ckptstore.errors import INTERRUPTED, CkptError, OutputError, explain, listing
 from ckptstore.repo import LOSSY_LEVELS, EncodingSettings, Repository, fsck, gc
 
 LEVEL_NAMES = list(LOSSY_LEVELS)
@@ -286,10 +286,9 @@ def export_command(ctx, ref, fmt, output, everything) -> None:
     report = export(_open(ctx), ref, fmt, output, everything)
     echo(f"Wrote {report.commit[:12]} to {output}: {report.tensors} tensors ({fmt})")
     if report.skipped:
-        shown = ", ".join(report.skipped[:5]) + (f" and {len(report.skipped) - 5} more" if len(report.skipped) > 5
-                                                 else "")
         count = len(report.skipped)
-        echo(f"note: left out {count} item{'s' if count != 1 else ''} ({shown}): {report.why_skipped}")
+        echo(f"note: left out {count} item{'s' if count != 1 else ''} ({listing(report.skipped, 5)}): "
+             f"{report.why_skipped}")
 
 
 @cli.command()

@@ -124,6 +124,11 @@ class NonFiniteError(UnquantizableError):
     """A lossy codec was given NaN or infinite values (a diverged run): they have no step to quantize by."""
 
 
+def listing(items: Sequence[str], most: int) -> str:
+    """The first `most` of `items`, comma-separated, and how many more: how a message names a long list."""
+    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+
+
 class UnquantizableTensorsError(UnquantizableError):
     """Some tensors of a lossy commit cannot keep their level (`reasons`, by job key); the others could."""
 

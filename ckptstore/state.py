@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.errors import CorruptRecordError, DeviceUnavailableError, UnsupportedStateError
+from ckptstore.errors import CorruptRecordError, DeviceUnavailableError, UnsupportedStateError, listing
 
 BYTES_DTYPE = "bytes"
 NUMPY_PREFIX = "numpy:"
@@ -356,8 +356,7 @@ class _Flattener:
         skeleton = self.encode(obj, prefix)
         mark_shared_views(self.views)
         if self.attributes:
-            more = f" and {len(self.attributes) - 3} more" if len(self.attributes) > 3 else ""
-            warnings.warn(f"tensor attributes are not stored ({', '.join(self.attributes[:3])}{more}): loading the "
+            warnings.warn(f"tensor attributes are not stored ({listing(self.attributes, 3)}): loading the "
                           "commit gives the tensors without them (a zip file checked out is its bytes, with them)",
                           UserWarning, stacklevel=3)
         return FlatState(skeleton, self.tensors)

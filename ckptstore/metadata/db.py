@@ -19,7 +19,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from ckptstore.errors import CkptError, CorruptDatabaseError, MissingDatabaseError, ReadOnlyRepoError, RepoLockedError
+from ckptstore.errors import (
+    CkptError,
+    CorruptDatabaseError,
+    MissingDatabaseError,
+    ReadOnlyRepoError,
+    RepoLockedError,
+    listing,
+)
 from ckptstore.metadata.sqlite import (
     BUSY_TIMEOUT_MS,
     SqliteBackend,
@@ -336,11 +343,11 @@ class Database:
             tables = self.backend.tables(tx)
             found = tx.scalar("SELECT version_num FROM alembic_version") if "alembic_version" in tables else None
             if found is None and tables - set(TABLES):
-                raise self._foreign(f"holds another program's tables ({_listed(tables)})")
+                raise self._foreign(f"holds another program's tables ({listing(sorted(tables), 5)})")
             if found is None and tables - {"alembic_version"}:
                 # our tables without a revision: damage, not an empty database to create the schema in
                 raise CorruptDatabaseError(f"the metadata database {self.where} is damaged (or another program's): "
-                                           f"it has tables ({_listed(tables)}) but no schema revision. "
+                                           f"it has tables ({listing(sorted(tables), 5)}) but no schema revision. "
                                            f"{self.backend.no_revision()}")
             return found
 
@@ -401,8 +408,3 @@ class Database:
         for connection in idle:
             with contextlib.suppress(*self.backend.errors):
                 connection.close()
-
-
-def _listed(names: set[str], most: int = 5) -> str:
-    shown = sorted(names)[:most]
-    return ", ".join(shown) + (f" and {len(names) - most} more" if len(names) > most else "")

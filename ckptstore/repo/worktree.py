@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, DirtyWorktreeError
+from ckptstore.errors import CkptError, DirtyWorktreeError, listing
 from ckptstore.formats.filemap import file_digest
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import files as file_rows
@@ -191,9 +191,8 @@ def _listed(unsaved: list[tuple[str, Path]]) -> str:
     for verb in ("overwrite", "delete"):
         paths = [str(p) for v, p in unsaved if v == verb]
         if paths:
-            more = f" and {len(paths) - SHOWN} more" if len(paths) > SHOWN else ""
             extra = " (not in the commit)" if verb == "delete" else ""
-            words.append(f"{verb} {', '.join(paths[:SHOWN])}{more}{extra}")
+            words.append(f"{verb} {listing(paths, SHOWN)}{extra}")
     return " and ".join(words)
 
 
