@@ -156,7 +156,7 @@ def cli(ctx: click.Context, repo: str | None, read_only: bool, debug: bool) -> N
 
 
 @cli.command()
-@click.argument("path", default=".", type=click.Path(file_okay=False))
+@click.argument("path", required=False, type=click.Path(file_okay=False))
 @click.option("--max-chain", metavar="N|auto",
               help="Longest delta chain before a keyframe (default auto: as long as checkout stays faster "
                    "than torch.load, by measured decode costs).")
@@ -165,10 +165,13 @@ def cli(ctx: click.Context, repo: str | None, read_only: bool, debug: bool) -> N
 @click.option("--metadata", "metadata_url", default="", metavar="URL",
               help="Where the DAG lives: postgresql://USER@HOST:PORT/DB (default: SQLite); one that holds a "
                    "repository already is joined.")
-def init(path: str, max_chain: str | None, lossy: str | None, objects_url: str, metadata_url: str) -> None:
-    """Create a repository in PATH (default: here), or join a shared one named by --objects and --metadata."""
+@click.pass_context
+def init(ctx: click.Context, path: str | None, max_chain: str | None, lossy: str | None, objects_url: str,
+         metadata_url: str) -> None:
+    """Create a repository in PATH (default: --repo, CKPT_REPO or here), or join one named by --objects, --metadata."""
     settings = EncodingSettings() if max_chain is None else EncodingSettings(max_chain=max_chain)
-    with Repository.init(path, encoding=settings, lossy=lossy or "", objects_url=objects_url,
+    where = path or ctx.obj.get("repo") or "."
+    with Repository.init(where, encoding=settings, lossy=lossy or "", objects_url=objects_url,
                          metadata_url=metadata_url) as repo:
         joined = bool(metadata_url) and bool(repo.branches())
         echo(f"{'Joined the' if joined else 'Initialized empty'} ckptstore repository in {repo.dir}"

@@ -220,6 +220,16 @@ def test_init_takes_a_max_chain_count_or_auto_and_refuses_anything_else(tmp_path
         assert capped.config.encoding.max_chain == 3 and auto.config.encoding.max_chain == "auto"
 
 
+def test_init_makes_the_repository_that_repo_or_ckpt_repo_names_and_a_path_given_wins(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CKPT_REPO", raising=False)
+    assert CliRunner().invoke(cli, ["--repo", "by-option", "init"]).exit_code == 0
+    assert CliRunner().invoke(cli, ["init"], env={"CKPT_REPO": str(tmp_path / "by-env")}).exit_code == 0
+    assert CliRunner().invoke(cli, ["--repo", "by-option", "init", "by-path"]).exit_code == 0
+    made = sorted(p.parent.name for p in tmp_path.rglob(".ckpt"))
+    assert made == ["by-env", "by-option", "by-path"]  # none in the folder the commands were typed in
+
+
 def test_init_where_nothing_can_be_made_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("a file, not a folder")
