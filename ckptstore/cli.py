@@ -17,8 +17,8 @@ from typing import Any
 
 import click
 
-from ckptstore.errors import INTERRUPTED, CkptError, OutputError, explain, listing
-from ckptstore.repo import LOSSY_LEVELS, EncodingSettings, Repository, fsck, gc
+from ckptstore.errors import INTERRUPTED, CkptError, OutputError, ReadOnlyRepoError, explain, listing
+from ckptstore.repo import LOSSY_LEVELS, EncodingSettings, Repository, fsck, gc, named_root
 
 LEVEL_NAMES = list(LOSSY_LEVELS)
 
@@ -58,6 +58,8 @@ def echo(text: str = "") -> None:
     So a reader gone (`ckpt log | head -1`) or a full /dev/full is told apart from the repository's own disk.
     """
     try:
+        if sys.stdout is None:  # started with stdout closed (`>&-`): click would drop the text without a word
+            raise OSError(errno.EBADF, "standard output is closed")
         click.echo(text)
     except OSError as exc:
         raise OutputError(exc) from exc
@@ -99,7 +101,7 @@ def _remotes() -> Any:
 
 
 def _open(ctx: click.Context) -> Repository:
-    repo = Repository.open(ctx.obj.get("repo"), read_only=True if ctx.obj.get("read_only") else None)
+    repo = Repository.open(_named_root(ctx), read_only=True if ctx.obj.get("read_only") else None)
     ctx.call_on_close(repo.close)
     return repo
 
@@ -145,14 +147,22 @@ def _metrics(values: tuple[str, ...]) -> dict[str, float]:
 
 
 @click.group()
-@click.option("--repo", envvar="CKPT_REPO", type=click.Path(file_okay=False), help="Repository folder.")
+@click.option("--repo", envvar="CKPT_REPO", help="Repository folder (that folder itself; default: the one at or above "
+                                                 "the current folder).")
 @click.option("--read-only", is_flag=True, help="Open the repository without writing to it.")
 @click.option("--debug", is_flag=True, help="Print the traceback of an error.")
 @click.version_option(package_name="ckptstore")
 @click.pass_context
 def cli(ctx: click.Context, repo: str | None, read_only: bool, debug: bool) -> None:
     """A git-like store for training checkpoints (read-only where its folder cannot be written)."""
-    ctx.obj = {"repo": repo, "read_only": read_only}
+    from_env = ctx.get_parameter_source("repo") is click.core.ParameterSource.ENVIRONMENT
+    ctx.obj = {"repo": repo or None, "named_by": "CKPT_REPO=" if from_env else "--repo ", "read_only": read_only}
+
+
+def _named_root(ctx: click.Context) -> Path | None:
+    """The repository folder --repo or CKPT_REPO names (never one above it), or None: search up from here."""
+    folder = ctx.obj.get("repo")
+    return named_root(folder, ctx.obj["named_by"]) if folder else None
 
 
 @cli.command()
@@ -169,6 +179,8 @@ def cli(ctx: click.Context, repo: str | None, read_only: bool, debug: bool) -> N
 def init(ctx: click.Context, path: str | None, max_chain: str | None, lossy: str | None, objects_url: str,
          metadata_url: str) -> None:
     """Create a repository in PATH (default: --repo, CKPT_REPO or here), or join one named by --objects, --metadata."""
+    if ctx.obj.get("read_only"):
+        raise ReadOnlyRepoError("`ckpt init` writes a repository, and --read-only refuses every write; run it without")
     settings = EncodingSettings() if max_chain is None else EncodingSettings(max_chain=max_chain)
     where = path or ctx.obj.get("repo") or "."
     with Repository.init(where, encoding=settings, lossy=lossy or "", objects_url=objects_url,
@@ -621,7 +633,7 @@ def _daemons() -> Any:
 def _daemon_root(ctx: click.Context) -> Any:
     from ckptstore.repo import find_root
 
-    return find_root(ctx.obj.get("repo"))
+    return find_root(_named_root(ctx))
 
 
 def _daemon_line(state: dict[str, Any]) -> str:
@@ -674,8 +686,9 @@ def _fail(message: str, code: int) -> None:
 
 def _output_gone(exc: OutputError) -> None:
     """Exit as git does when stdout's reader left (quietly, 141: killed by SIGPIPE); else say stdout failed."""
-    with contextlib.suppress(OSError, ValueError):  # a stdout with no file descriptor (a daemon's): none to redirect
-        # what stdout still buffers goes nowhere, not into "Exception ignored ... BrokenPipeError" at exit
+    # what stdout still buffers goes nowhere, not into "Exception ignored ... BrokenPipeError" at exit; a
+    # stdout without a descriptor (a daemon's) or closed from the start (None) has nothing to redirect
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if exc.errno == errno.EPIPE:
         sys.exit(128 + signal.SIGPIPE)
@@ -701,6 +714,9 @@ def main(argv: list[str] | None = None) -> None:
         _fail(INTERRUPTED, 130)
     except OutputError as exc:
         _output_gone(exc)
+    except click.exceptions.NoArgsIsHelpError as exc:  # bare `ckpt`, `ckpt remote`: the help, as typed lines
+        exc.show()
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
         hint = " (see `ckpt --help`)" if isinstance(exc, click.UsageError) else ""
         _fail(exc.format_message() + hint, exc.exit_code)

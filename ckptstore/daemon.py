@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckptstore.errors import CkptError
+from ckptstore.errors import CkptError, OutputError
 
 DEFAULT_IDLE_SECONDS = 900.0
 START_TIMEOUT_SECONDS = 60.0
@@ -200,35 +200,49 @@ def forward(root: Path, argv: list[str]) -> int | None:
 
 
 def _echo_reply(conn: socket.socket) -> int | None:
-    reader_gone = False  # stdout's reader left (`ckpt commit | true`): exit as the command would here, 141
+    # stdout refused the output: its reader left (`ckpt commit | true`, 141) or it failed (a full disk, closed):
+    # the command ends as it would here
+    refused: OSError | None = None
     while True:
         try:
             channel, payload = receive_frame(conn)
         except OSError:
             channel, payload = b"", b""
         if channel in (STDOUT, STDERR):
-            gone = _echo(sys.stdout if channel == STDOUT else sys.stderr, payload)
-            reader_gone |= gone and channel == STDOUT
+            failed = _echo(sys.stdout if channel == STDOUT else sys.stderr, payload)
+            refused = refused or (failed if channel == STDOUT else None)
         elif channel == END:
             reply = json.loads(payload)
             if reply.get("stale"):
                 print("note: the ckpt daemon ran older code than this ckpt (an upgrade?) and has stopped; "
                       "this command runs here (`ckpt daemon start` starts a current one)", file=sys.stderr)
             code = None if "code" not in reply else int(reply["code"])
-            return 128 + signal.SIGPIPE if code == 0 and reader_gone else code
+            return code if code != 0 or refused is None else _refused_output(refused)
         else:
             raise DaemonGone("the ckpt daemon stopped in the middle of the command; earlier commits are "
                              "intact (`ckpt log` shows whether this one was recorded)")
 
 
-def _echo(stream: Any, payload: bytes) -> bool:
-    """Write the command's output here; a reader gone (`ckpt commit | head`) drops it, the command runs on.
+def _refused_output(error: OSError) -> int:
+    """The exit code of a command whose stdout refused its output, as the CLI ends it: 141 for a reader gone."""
+    if error.errno == errno.EPIPE:
+        return 128 + signal.SIGPIPE
+    if sys.stderr is not None:
+        with contextlib.suppress(OSError):
+            print(f"error: {OutputError(error)}", file=sys.stderr)
+    return OutputError.exit_code
 
-    Returns whether the stream's reader is gone (EPIPE).
+
+def _echo(stream: Any, payload: bytes) -> OSError | None:
+    """Write the command's output here; a stream that refuses it (`ckpt commit | head`) drops it, the command runs on.
+
+    Returns what refused it, if anything.
 
     The bytes as the daemon encoded them (UTF-8), as click writes where the stream's encoding cannot
     hold the text (an ASCII locale): decoded and written as text, they raised UnicodeEncodeError.
     """
+    if stream is None:  # started with it closed (`>&-`)
+        return OSError(errno.EBADF, "standard output is closed")
     try:
         buffer = getattr(stream, "buffer", None)
         if buffer is None:
@@ -239,8 +253,8 @@ def _echo(stream: Any, payload: bytes) -> bool:
         (buffer or stream).flush()
     except OSError as exc:  # and no BrokenPipeError at exit either: what is left goes nowhere
         os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
-        return exc.errno == errno.EPIPE
-    return False
+        return exc
+    return None
 
 
 def _ask(root: Path, op: str) -> dict[str, Any] | None:

@@ -220,6 +220,9 @@ def explain(exc: BaseException) -> CkptError | None:
                                      "writing ones need write access to its .ckpt folder")
         if isinstance(current, PermissionError):
             return _permission_denied(current)
+        if isinstance(current, OSError) and current.errno == errno.ENAMETOOLONG:
+            return CkptError(f"a name in {current.filename or 'a path'} is too long for this file system (at most "
+                             "255 bytes a name); choose a shorter one")
         if isinstance(current, UnicodeEncodeError) and "surrogates" in text:
             return CkptError(f"{current.object[:80]!r} holds bytes that are not UTF-8; ckptstore records names, "
                              "paths and messages as UTF-8: rename the file, or pass the text in UTF-8")

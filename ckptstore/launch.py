@@ -19,10 +19,11 @@ def main() -> None:
 
 
 def _launch(argv: list[str]) -> None:
+    command, repo = _command_of(argv)
     # A calibration function, and the classes --trust-pickle unpickles, are the user's code: they are
     # imported here, with the caller's sys.path and fresh, never a daemon's old copy
-    if argv[:1] == ["commit"] and not any(arg.startswith(("--calibration", "--trust-pickle")) for arg in argv):
-        code = _in_daemon(argv)
+    if command == "commit" and not any(arg.startswith(("--calibration", "--trust-pickle")) for arg in argv):
+        code = _in_daemon(argv, repo)
         if code is not None:
             sys.exit(code)
     from ckptstore.cli import main as run_here
@@ -30,14 +31,33 @@ def _launch(argv: list[str]) -> None:
     run_here(argv)
 
 
-def _in_daemon(argv: list[str]) -> int | None:
-    """The exit code of `argv` run by the repository's daemon; None when none runs (or it is stale)."""
+def _command_of(argv: list[str]) -> tuple[str | None, str | None]:
+    """The subcommand `argv` names and the repository folder its --repo gives, past the global options.
+
+    None for the command where another option comes first (--read-only, --help): such a run stays here.
+    """
+    repo, index = None, 0
+    while index < len(argv) and argv[index].startswith("-"):
+        option, _, value = argv[index].partition("=")
+        if option == "--repo" and not value and index + 1 < len(argv):
+            repo, index = argv[index + 1], index + 2
+        elif option == "--repo" and value:
+            repo, index = value, index + 1
+        elif option == "--debug" and not value:
+            index += 1
+        else:
+            return None, repo
+    return (argv[index] if index < len(argv) else None), repo
+
+
+def _in_daemon(argv: list[str], repo: str | None) -> int | None:
+    """The exit code of `argv` run by its repository's daemon (`repo`, else found from here); None if none runs."""
     import ckptstore.daemon as daemon
     from ckptstore.errors import INTERRUPTED, CkptError
-    from ckptstore.repo import find_root
+    from ckptstore.repo import find_root, named_root
 
     try:
-        root = find_root()
+        root = named_root(repo, "--repo ") if repo else find_root()
     except (CkptError, OSError):
         return None  # run here: the CLI says what is missing (no repository, the folder gone)
     try:

@@ -230,6 +230,42 @@ def test_init_makes_the_repository_that_repo_or_ckpt_repo_names_and_a_path_given
     assert made == ["by-env", "by-option", "by-path"]  # none in the folder the commands were typed in
 
 
+def test_repo_and_ckpt_repo_name_the_repository_itself_never_one_above_it(tmp_path):
+    """A typo in --repo or CKPT_REPO must not send a commit to the repository holding its parent."""
+    assert run(tmp_path, "init").returncode == 0
+    torch.save({"w": torch.ones(4)}, tmp_path / "a.pt")
+    missing = tmp_path / "run7"
+    by_option = run(tmp_path, "--repo", str(missing), "commit", "a.pt")
+    one_error_line(by_option)
+    assert f"--repo {missing} holds no ckptstore repository" in by_option.stderr
+    by_env = subprocess.run([sys.executable, "-m", "ckptstore", "commit", "a.pt"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT), CKPT_REPO=str(missing)))
+    one_error_line(by_env)
+    assert f"CKPT_REPO={missing} holds no ckptstore repository" in by_env.stderr
+    as_file = CliRunner().invoke(cli, ["status"], env={"CKPT_REPO": str(tmp_path / "a.pt")})
+    assert as_file.exit_code == 1 and "CKPT_REPO=" in str(as_file.exception) and "is a file" in str(as_file.exception)
+    too_long = run(tmp_path, "--repo", str(tmp_path / ("x" * 300)), "log")
+    one_error_line(too_long)
+    assert "too long for this file system" in too_long.stderr
+    with Repository.open(tmp_path) as repo:
+        assert repo.log() == []  # nothing landed in the repository above
+
+
+def test_read_only_init_writes_nothing_and_bare_groups_print_their_help(tmp_path):
+    refused = CliRunner().invoke(cli, ["--read-only", "init", str(tmp_path / "r")])
+    assert isinstance(refused.exception, ReadOnlyRepoError) and not (tmp_path / "r").exists()
+    bare = run(tmp_path, "remote")
+    assert bare.returncode == 2 and "error:" not in bare.stderr
+    assert "Usage: ckpt remote" in bare.stderr and len(bare.stderr.splitlines()) > 5  # the help as lines, not one
+
+
+def test_a_command_started_with_stdout_closed_says_it_could_not_write(tmp_path):
+    assert run(tmp_path, "init").returncode == 0
+    closed = subprocess.run(f"{sys.executable} -m ckptstore log --json >&-", shell=True, cwd=tmp_path, text=True,
+                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert closed.returncode == 1 and closed.stderr == "error: cannot write the output: standard output is closed\n"
+
+
 def test_init_where_nothing_can_be_made_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("a file, not a folder")

@@ -250,6 +250,26 @@ def test_output_to_a_reader_that_went_away_is_dropped_and_the_commit_lands(serve
     assert json.loads(ckpt(served, "log", "--json").stdout)[0]["message"] == "piped"
 
 
+def test_a_full_or_closed_stdout_fails_as_without_a_daemon_and_repo_names_the_daemons_repository(served, tmp_path):
+    """`--repo R commit` typed elsewhere reaches R's daemon; a stdout that refuses the output is exit 1, one line."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    _save(elsewhere / "a.pt", 8)
+    before = _served_count(served)
+    base = [sys.executable, "-m", "ckptstore", "--repo", str(served), "commit", "a.pt"]
+    with open("/dev/full", "w") as full:
+        filled = subprocess.run([*base, "-m", "full"], cwd=elsewhere, env=_env(), stdout=full,
+                                stderr=subprocess.PIPE, text=True, timeout=120)
+    _save(elsewhere / "a.pt", 9)
+    closed = subprocess.run(f"{' '.join(base)} -m closed >&-", shell=True, cwd=elsewhere, env=_env(),
+                            stderr=subprocess.PIPE, text=True, timeout=120)
+    for result in (filled, closed):
+        assert result.returncode == 1 and result.stderr.startswith("error: cannot write the output"), result.stderr
+        assert result.stderr.count("\n") == 1
+    assert _served_count(served) == before + 2  # both ran there, and both commits landed
+    assert [c["message"] for c in json.loads(ckpt(served, "log", "--json").stdout)][:2] == ["closed", "full"]
+
+
 def test_another_repositorys_daemon_found_through_a_stale_address_is_not_used(served, tmp_path):
     """A daemon.json left by a killed daemon whose pid another repository's daemon now has (pid reuse)."""
     other = tmp_path / "other"

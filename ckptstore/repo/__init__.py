@@ -6,10 +6,11 @@ from typing import Any
 
 __all__ = ["LOSSY_LEVELS", "CommitOptions", "EncodingSettings", "FsckReport", "GcReport", "LossyOptions", "Manifest",
            "PruneReport", "Repository", "RetentionPolicy", "TensorDiff", "WatchOptions", "export", "find_root",
-           "fsck", "function_named", "gc", "prune", "keep_warm", "watch_folder"]
+           "named_root", "fsck", "function_named", "gc", "prune", "keep_warm", "watch_folder"]
 
 _WHERE = {
-    "Repository": "repository", "find_root": "location", "Manifest": "manifest", "TensorDiff": "diff",
+    "Repository": "repository", "find_root": "location", "named_root": "location", "Manifest": "manifest",
+    "TensorDiff": "diff",
     "CommitOptions": "commit", "LossyOptions": "commit", "FsckReport": "maintenance", "GcReport": "maintenance",
     "fsck": "maintenance", "gc": "maintenance", "LOSSY_LEVELS": "config", "EncodingSettings": "config",
     "function_named": "calibrate", "export": "exporter", "WatchOptions": "watch", "watch_folder": "watch",

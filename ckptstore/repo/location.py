@@ -14,14 +14,24 @@ from ckptstore.errors import RepoNotFoundError
 REPO_DIR = ".ckpt"
 
 
+def named_root(folder: str | os.PathLike, named_by: str = "CKPT_REPO=") -> Path:
+    """The repository folder a user named (CKPT_REPO, `ckpt --repo`): that folder itself, never one above it.
+
+    A typo or a run not yet initialised must not send commits to whatever repository holds its parent.
+    """
+    candidate = Path(folder).resolve()
+    if (candidate / REPO_DIR).is_dir():
+        return candidate
+    if candidate.exists() and not candidate.is_dir():
+        raise RepoNotFoundError(f"{named_by}{folder} is a file; it must name a repository's folder")
+    raise RepoNotFoundError(f"{named_by}{folder} holds no ckptstore repository ({REPO_DIR}/); it names the "
+                            f"repository's folder itself (`ckpt init {folder}` makes one there)")
+
+
 def find_root(start: str | os.PathLike | None = None) -> Path:
     """The folder holding `.ckpt`: CKPT_REPO if set, else walking up from `start` (or the cwd)."""
     if start is None and os.environ.get("CKPT_REPO"):
-        start = os.environ["CKPT_REPO"]
-        candidate = Path(start).resolve()
-        if (candidate / REPO_DIR).is_dir():
-            return candidate
-        raise RepoNotFoundError(f"CKPT_REPO={start} holds no ckptstore repository ({REPO_DIR}/)")
+        return named_root(os.environ["CKPT_REPO"])
     here = Path(start or os.getcwd()).resolve()
     for folder in [here, *here.parents]:
         if (folder / REPO_DIR).is_dir():
