@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import random
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -89,6 +91,29 @@ def wait_until_held(release: Path, process: subprocess.Popen, timeout: float = 1
         assert process.poll() is None, process.communicate()
         assert time.monotonic() < deadline, f"the process did not reach its wait point within {timeout:.0f} s"
         time.sleep(0.02)
+
+
+def ckpt_here(cwd: str | os.PathLike, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`ckpt ARGS` typed in `cwd`, run by this process's `ckptstore.cli.main`: the exit code and output a shell gets.
+
+    For command flows: no process start-up per command. What a process does (signals, pipes, exit, the
+    daemon, two commands at once) is tested with real subprocesses.
+    """
+    from click.testing import CliRunner
+
+    from ckptstore.cli import main
+
+    argv = [os.fspath(arg) for arg in args]
+    with contextlib.chdir(cwd), CliRunner().isolation(env={"CKPT_REPO": None, **(env or {})}) as (out, err, _):
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        return subprocess.CompletedProcess(["ckpt", *argv], code, out.getvalue().decode(), err.getvalue().decode())
 
 
 def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from ckptstore.cli import cli
-from tests.conftest import Trainer
+from tests.conftest import Trainer, ckpt_here
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,13 +138,13 @@ def _files_of(folder: Path) -> dict[str, bytes]:
 def test_every_writing_command_refuses_up_front_under_read_only(tmp_path):
     """`ckpt --read-only` writes nothing to the repository, nor to a remote: each writing command fails first."""
     for name in ("hub", "work"):
-        assert ckpt(tmp_path, "init", name).returncode == 0
+        assert ckpt_here(tmp_path, "init", name).returncode == 0
     work = tmp_path / "work"
     torch.save({"w": torch.ones(64)}, work / "x.pt")
-    assert ckpt(work, "commit", "x.pt").returncode == 0
-    assert ckpt(work, "remote", "add", "origin", "../hub").returncode == 0
+    assert ckpt_here(work, "commit", "x.pt").returncode == 0
+    assert ckpt_here(work, "remote", "add", "origin", "../hub").returncode == 0
     torch.save({"w": torch.zeros(64)}, work / "x.pt")
-    assert ckpt(work, "commit", "x.pt").returncode == 0  # a commit the hub lacks: a push would send it
+    assert ckpt_here(work, "commit", "x.pt").returncode == 0  # a commit the hub lacks: a push would send it
     (work / "out").mkdir()
     torch.save({"w": torch.ones(4)}, work / "out" / "model_step1.pt")
     before, hub = _files_of(work / ".ckpt"), _files_of(tmp_path / "hub" / ".ckpt")
@@ -153,12 +153,12 @@ def test_every_writing_command_refuses_up_front_under_read_only(tmp_path):
                      ["gc"], ["prune", "--keep-last", "1"], ["watch", "out", "--once", "--interval", "0"],
                      ["remote", "add", "o2", "../hub"], ["remote", "remove", "origin"], ["push"], ["fetch"],
                      ["pull"], ["daemon", "start", "--idle", "30"]):
-            result = ckpt(work, "--read-only", *args)
+            result = ckpt_here(work, "--read-only", *args)
             assert result.returncode == 1 and "read-only here" in result.stderr, (args, result.stderr)
             assert result.stderr.count("\n") == 1, result.stderr
             assert _files_of(work / ".ckpt") == before and _files_of(tmp_path / "hub" / ".ckpt") == hub, args
     finally:
-        ckpt(work, "daemon", "stop")
+        ckpt_here(work, "daemon", "stop")
 
 
 def test_a_multi_line_message_is_indented_line_by_line_in_log_and_show(tmp_path, monkeypatch):

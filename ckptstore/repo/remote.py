@@ -12,6 +12,7 @@ again sends only what is still missing.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from ckptstore.errors import (
     SentObjectError,
     explain,
 )
+from ckptstore.formats.atomic import atomic_write
 from ckptstore.hashing import CommitId, ObjectId
 from ckptstore.metadata import absolute_url, transfer
 from ckptstore.metadata import refs as ref_rows
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
 
 REMOTE_KIND = ref_rows.REMOTE
+PULLING = "pulling.json"  # [branch, old, new] of a pull writing HEAD's files: an interrupted one is ended next time
 MAX_REMOTE_NAME = 40  # remotes/REMOTE/BRANCH fits the metadata's 255 characters with refs.MAX_NAME
 
 
@@ -392,6 +395,7 @@ def pull(repo: Repository, name: str, branch: str | None = None) -> tuple[Transf
     if branch is None:
         raise CkptError("HEAD is detached: say which branch to pull into (`ckpt pull REMOTE BRANCH`)")
     report = fetch(repo, name)
+    _end_interrupted_pull(repo)
     with repo.db.read() as tx:
         theirs = ref_rows.ref_row(tx, f"remotes/{name}/{branch}")
         ours = _branch_row(tx, branch, "this repository")
@@ -406,14 +410,36 @@ def pull(repo: Repository, name: str, branch: str | None = None) -> tuple[Transf
     if old is not None and not _is_ancestor(repo, old, new):
         raise ConflictError(f"{branch!r} and {name}/{branch} have diverged; pull only fast-forwards: branch from "
                             f"{name}/{branch} and compare, or move {branch!r} yourself")
+    at_head = branch == refs.head(repo)[0]
+    if at_head:  # until its files are written, the next pull knows this one is not over
+        atomic_write(repo.dir / PULLING, lambda out: out.write(json.dumps([branch, old, new]).encode()))
     with repo.db.write() as tx:
         if old is None:
             ref_rows.insert_ref(tx, branch, ref_rows.BRANCH, new)
         elif not ref_rows.swap(tx, branch, ref_rows.BRANCH, old, new):
             raise ConflictError(f"{branch!r} moved while pulling; run the pull again")
-    if branch == refs.head(repo)[0]:
+    if at_head:
         _update_worktree(repo, branch, old, new)
     return report, new
+
+
+def _end_interrupted_pull(repo: Repository) -> None:
+    """Write the files of a pull that moved HEAD's branch and was killed before they were written.
+
+    Left as they were, the rerun found the branch up to date and wrote nothing, and a commit of the
+    old files undid the pull.
+    """
+    try:
+        branch, old, new = json.loads((repo.dir / PULLING).read_bytes())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError):  # cut short as it was written: the branch had not moved yet
+        branch = None
+    with repo.db.read() as tx:
+        row = ref_rows.ref_row(tx, branch) if isinstance(branch, str) else None
+    if row is not None and row.commit_id == new and refs.head(repo)[0] == branch:
+        _update_worktree(repo, branch, old, new)
+    (repo.dir / PULLING).unlink(missing_ok=True)
 
 
 def _update_worktree(repo: Repository, branch: str, old: CommitId | None, new: CommitId) -> None:
@@ -435,20 +461,23 @@ def _update_worktree(repo: Repository, branch: str, old: CommitId | None, new: C
             return None
 
     old_files, new_files = here(old), here(new)
-    if old_files is None or new_files is None or not old_files.exists():
-        return  # nothing of HEAD's here (a mirror), or files outside this work tree: none are written
     try:
-        checkout_to(repo, branch)
-    except Exception as exc:  # files not written: the branch goes back, so the next pull writes them
+        if old_files is not None and new_files is not None and old_files.exists():  # else a mirror, or files
+            checkout_to(repo, branch)  # outside this work tree: none are written
+    except BaseException as exc:  # files not written (Ctrl-C too): the branch goes back, so the next pull writes them
         with repo.db.write() as tx:
             if old is None:
                 ref_rows.delete_ref(tx, branch)
             else:
                 ref_rows.swap(tx, branch, ref_rows.BRANCH, new, old)
+        if not isinstance(exc, Exception):
+            raise
         if isinstance(exc, DirtyWorktreeError):
             raise DirtyWorktreeError(f"pull stopped, {branch!r} left where it was: {exc}") from None
         raise CkptError(f"pull stopped, {branch!r} left where it was: its files could not be written "
                         f"({explain(exc) or exc})") from exc
+    finally:
+        (repo.dir / PULLING).unlink(missing_ok=True)
 
 
 def clone(url: str, path: str | os.PathLike, metadata_url: str = "", lazy: bool = False) -> Repository:

@@ -6,15 +6,13 @@ Trainer folder holding an empty file, and check them out bit-exact.
 """
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckptstore.repo.config import LOSSY_LEVELS
-from tests.conftest import assert_same
+from tests.conftest import assert_same, ckpt_here
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
@@ -46,13 +44,6 @@ def test_empty_tensors_of_every_dtype_check_out_bit_exact(repo, lossy):
         assert_same(state["optimizer"]["state"][0]["exp_avg"], out["optimizer"]["state"][0]["exp_avg"])
 
 
-def _ckpt(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("CKPT_REPO", None)
-    return subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
-
-
 def test_cli_commits_a_folder_with_an_empty_file_and_empty_tensors(tmp_path):
     folder = tmp_path / "run" / "checkpoint-2"
     folder.mkdir(parents=True)
@@ -61,15 +52,15 @@ def test_cli_commits_a_folder_with_an_empty_file_and_empty_tensors(tmp_path):
     (folder / "trainer_state.json").write_text('{"global_step": 2}')
     (tmp_path / "only-empty").mkdir()
     (tmp_path / "only-empty" / "x").write_bytes(b"")
-    assert _ckpt(tmp_path, "init").returncode == 0
+    assert ckpt_here(tmp_path, "init").returncode == 0
     for lossy in (*LOSSY_LEVELS, "none"):  # the lossless one last: HEAD~1 below
-        done = _ckpt(tmp_path, "commit", "run/checkpoint-2", "--allow-empty", "--lossy", lossy, "-m", lossy)
+        done = ckpt_here(tmp_path, "commit", "run/checkpoint-2", "--allow-empty", "--lossy", lossy, "-m", lossy)
         assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
-    done = _ckpt(tmp_path, "commit", "only-empty", "-m", "empty")
+    done = ckpt_here(tmp_path, "commit", "only-empty", "-m", "empty")
     assert done.returncode == 0, done.stderr
     for back, name in enumerate(["only-empty", "checkpoint-2"]):
         out = tmp_path / f"out{back}"
-        assert _ckpt(tmp_path, "checkout", f"HEAD~{back}", "-o", str(out)).returncode == 0
+        assert ckpt_here(tmp_path, "checkout", f"HEAD~{back}", "-o", str(out)).returncode == 0
         source = tmp_path / "only-empty" if back == 0 else folder
         assert sorted(os.listdir(out)) == sorted(os.listdir(source)), name
         for file in os.listdir(source):  # tensors bit-exact; other files byte for byte
@@ -77,5 +68,5 @@ def test_cli_commits_a_folder_with_an_empty_file_and_empty_tensors(tmp_path):
                 assert_same(torch.load(source / file, weights_only=True), torch.load(out / file, weights_only=True))
             else:
                 assert (out / file).read_bytes() == (source / file).read_bytes(), file
-    check = _ckpt(tmp_path, "fsck", "--full")
+    check = ckpt_here(tmp_path, "fsck", "--full")
     assert check.returncode == 0 and "ok" in check.stdout, check.stdout + check.stderr

@@ -13,8 +13,8 @@ import torch
 from ckptstore import Repository
 from ckptstore.errors import CkptError, ConflictError, CorruptObjectError, InvalidRefNameError, RefNotFoundError
 from ckptstore.repo import fsck, remote
-from tests.conftest import assert_same, wait_until_held
-from tests.test_cli import ROOT, ckpt
+from tests.conftest import assert_same, ckpt_here, wait_until_held
+from tests.test_cli import ROOT
 
 
 def _state(seed: int) -> dict:
@@ -169,7 +169,7 @@ def test_an_interrupted_push_leaves_the_remote_consistent_and_resumes(pair, poin
     with Repository.open(hub_path) as hub:
         assert hub.branches() == {} and fsck(hub).ok
         before = set(_object_files(hub_path))
-    resumed = ckpt(work.root, "push")
+    resumed = ckpt_here(work.root, "push")
     assert resumed.returncode == 0, resumed.stderr
     sent = int(resumed.stdout.split(" objects")[0].rsplit(", ", 1)[1])
     assert sent == len(set(_object_files(hub_path)) - before)  # only what was still missing travelled
@@ -180,32 +180,32 @@ def test_an_interrupted_push_leaves_the_remote_consistent_and_resumes(pair, poin
 
 def test_remote_commands_at_the_cli(tmp_path):
     torch.save(_state(0), tmp_path / "c.pt")
-    assert ckpt(tmp_path, "init", "hub").returncode == 0
+    assert ckpt_here(tmp_path, "init", "hub").returncode == 0
     work = tmp_path / "work"
     work.mkdir()
-    assert ckpt(work, "init").returncode == 0
-    assert ckpt(work, "commit", "../c.pt").returncode == 0
-    missing = ckpt(work, "push")
+    assert ckpt_here(work, "init").returncode == 0
+    assert ckpt_here(work, "commit", "../c.pt").returncode == 0
+    missing = ckpt_here(work, "push")
     assert missing.returncode != 0 and "no remote named 'origin'" in missing.stderr
-    assert ckpt(work, "remote", "add", "origin", "../nowhere").returncode != 0
-    assert ckpt(work, "remote", "add", "origin", "../hub").returncode == 0
-    assert "origin" in ckpt(work, "remote", "list").stdout
-    pushed = ckpt(work, "push")
+    assert ckpt_here(work, "remote", "add", "origin", "../nowhere").returncode != 0
+    assert ckpt_here(work, "remote", "add", "origin", "../hub").returncode == 0
+    assert "origin" in ckpt_here(work, "remote", "list").stdout
+    pushed = ckpt_here(work, "push")
     assert pushed.returncode == 0 and pushed.stdout.startswith("1 commits,") and ") sent" in pushed.stdout
-    assert ckpt(tmp_path, "clone", "hub", "copy").returncode == 0
-    assert ckpt(tmp_path / "copy", "checkout", "HEAD", "-o", "back.pt").returncode == 0
+    assert ckpt_here(tmp_path, "clone", "hub", "copy").returncode == 0
+    assert ckpt_here(tmp_path / "copy", "checkout", "HEAD", "-o", "back.pt").returncode == 0
     assert_same(_state(0), torch.load(tmp_path / "copy" / "back.pt", weights_only=True))
-    assert "origin/main" in ckpt(tmp_path / "copy", "log").stdout
+    assert "origin/main" in ckpt_here(tmp_path / "copy", "log").stdout
     torch.save(_state(1), tmp_path / "c.pt")
-    assert ckpt(work, "commit", "../c.pt").returncode == 0 and ckpt(work, "push").returncode == 0
-    fetched = ckpt(tmp_path / "copy", "fetch")
+    assert ckpt_here(work, "commit", "../c.pt").returncode == 0 and ckpt_here(work, "push").returncode == 0
+    fetched = ckpt_here(tmp_path / "copy", "fetch")
     assert fetched.returncode == 0 and fetched.stdout.startswith("1 commits,") and ") received" in fetched.stdout
-    assert ckpt(tmp_path / "copy", "fsck", "--remote", "origin").stdout.strip().endswith("ok")
+    assert ckpt_here(tmp_path / "copy", "fsck", "--remote", "origin").stdout.strip().endswith("ok")
     victim = next(p for p in (tmp_path / "hub" / ".ckpt" / "objects").rglob("*") if p.is_file())
     victim.write_bytes(victim.read_bytes()[:-1])
-    damaged = ckpt(tmp_path / "copy", "fsck", "--remote", "origin")
+    damaged = ckpt_here(tmp_path / "copy", "fsck", "--remote", "origin")
     assert damaged.returncode == 1 and victim.parent.name + victim.name in damaged.stdout
-    assert ckpt(tmp_path / "copy", "fsck").returncode == 0  # the clone's own copy is sound
+    assert ckpt_here(tmp_path / "copy", "fsck").returncode == 0  # the clone's own copy is sound
 
 
 def test_an_object_cut_short_on_the_remote_is_sent_again(pair):
@@ -309,24 +309,24 @@ def test_a_bucket_remote_names_its_metadata_as_the_shell_means_it(tmp_path, s3_u
     torch.save(_state(0), tmp_path / "c.pt")
     work = tmp_path / "work"
     work.mkdir()
-    assert ckpt(work, "init").returncode == 0 and ckpt(work, "commit", "../c.pt").returncode == 0
-    added = ckpt(tmp_path, "--repo", str(work), "remote", "add", "hub", s3_url, "--metadata", "sqlite:///hub.db")
+    assert ckpt_here(work, "init").returncode == 0 and ckpt_here(work, "commit", "../c.pt").returncode == 0
+    added = ckpt_here(tmp_path, "--repo", str(work), "remote", "add", "hub", s3_url, "--metadata", "sqlite:///hub.db")
     assert added.returncode == 0, added.stderr
     env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_CRASH_AT="transfer:objects-sent")
     killed = subprocess.run([sys.executable, "-m", "ckptstore", "push", "hub"], cwd=work, env=env, timeout=120)
     assert killed.returncode == -9  # its objects are up, no commit recorded: the next push must still go
-    again = ckpt(work, "push", "hub")
+    again = ckpt_here(work, "push", "hub")
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "hub.db").is_file()  # where the user ran the command, not in a cache folder
-    copy = ckpt(tmp_path, "clone", s3_url, "copy", "--metadata", "sqlite:///hub.db")
+    copy = ckpt_here(tmp_path, "clone", s3_url, "copy", "--metadata", "sqlite:///hub.db")
     assert copy.returncode == 0, copy.stderr
-    assert ckpt(tmp_path / "copy", "checkout", "HEAD", "-o", "back.pt").returncode == 0
+    assert ckpt_here(tmp_path / "copy", "checkout", "HEAD", "-o", "back.pt").returncode == 0
     assert_same(_state(0), torch.load(tmp_path / "copy" / "back.pt", weights_only=True))
-    typo = ckpt(tmp_path, "clone", s3_url, "typo", "--metadata", "sqlite:///hbu.db")
+    typo = ckpt_here(tmp_path, "clone", s3_url, "typo", "--metadata", "sqlite:///hbu.db")
     assert typo.returncode != 0 and "holds no repository" in typo.stderr and "Traceback" not in typo.stderr
     assert not (tmp_path / "hbu.db").exists() and not (tmp_path / "typo").exists()
     # a new database over a prefix that holds the hub's objects would call them garbage
-    other = ckpt(work, "remote", "add", "other", s3_url, "--metadata", f"sqlite:///{tmp_path / 'other.db'}")
+    other = ckpt_here(work, "remote", "add", "other", s3_url, "--metadata", f"sqlite:///{tmp_path / 'other.db'}")
     assert other.returncode != 0 and "already holds objects that no commit" in other.stderr
 
 
@@ -350,9 +350,9 @@ def test_an_interrupted_clone_resumes_only_as_the_kind_it_began(pair, tmp_path):
     killed = subprocess.run([sys.executable, "-m", "ckptstore", "clone", "--lazy", str(work.root), "copy"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert killed.returncode == -9
-    other_kind = ckpt(tmp_path, "clone", str(work.root), "copy")
+    other_kind = ckpt_here(tmp_path, "clone", str(work.root), "copy")
     assert other_kind.returncode == 1 and "a lazy clone" in other_kind.stderr and "with --lazy" in other_kind.stderr
-    assert ckpt(tmp_path, "clone", "--lazy", str(work.root), "copy").returncode == 0
+    assert ckpt_here(tmp_path, "clone", "--lazy", str(work.root), "copy").returncode == 0
     with Repository.open(tmp_path / "copy") as copy:
         assert copy.config.remotes["origin"].lazy and copy.resolve("main") == cids[1]
         assert_same(_state(1), copy.checkout(cids[1]))
@@ -360,27 +360,45 @@ def test_an_interrupted_clone_resumes_only_as_the_kind_it_began(pair, tmp_path):
 
 def test_pull_writes_heads_files_as_git_does_and_unsaved_ones_stop_it(tmp_path):
     """Files left at the old commit read as changes, and committing them undid the pull."""
-    assert ckpt(tmp_path, "init", "work").returncode == 0
+    assert ckpt_here(tmp_path, "init", "work").returncode == 0
     work, copy = tmp_path / "work", tmp_path / "copy"
     torch.save(_state(0), work / "c.pt")
-    assert ckpt(work, "commit", "c.pt").returncode == 0
-    assert ckpt(tmp_path, "clone", "work", "copy").returncode == 0
-    assert ckpt(tmp_path, "clone", "work", "mirror").returncode == 0  # never checked out: it holds no files
-    assert ckpt(copy, "checkout", "main").returncode == 0
+    assert ckpt_here(work, "commit", "c.pt").returncode == 0
+    assert ckpt_here(tmp_path, "clone", "work", "copy").returncode == 0
+    assert ckpt_here(tmp_path, "clone", "work", "mirror").returncode == 0  # never checked out: it holds no files
+    assert ckpt_here(copy, "checkout", "main").returncode == 0
     torch.save(_state(1), work / "c.pt")
-    assert ckpt(work, "commit", "c.pt").returncode == 0
-    assert ckpt(copy, "pull").returncode == 0 and ckpt(tmp_path / "mirror", "pull").returncode == 0
+    assert ckpt_here(work, "commit", "c.pt").returncode == 0
+    assert ckpt_here(copy, "pull").returncode == 0 and ckpt_here(tmp_path / "mirror", "pull").returncode == 0
     assert_same(_state(1), torch.load(copy / "c.pt", weights_only=True))
-    assert "unchanged: c.pt" in ckpt(copy, "status").stdout
+    assert "unchanged: c.pt" in ckpt_here(copy, "status").stdout
     assert sorted(p.name for p in (tmp_path / "mirror").iterdir()) == [".ckpt"]  # and pull writes none there
     torch.save(_state(2), work / "c.pt")
-    assert ckpt(work, "commit", "c.pt").returncode == 0
+    assert ckpt_here(work, "commit", "c.pt").returncode == 0
     torch.save(_state(3), copy / "c.pt")  # training wrote it meanwhile: not in the store
-    before = ckpt(copy, "log", "--json").stdout
-    refused = ckpt(copy, "pull")
+    before = ckpt_here(copy, "log", "--json").stdout
+    refused = ckpt_here(copy, "pull")
     assert refused.returncode == 1 and "pull stopped" in refused.stderr and "c.pt" in refused.stderr
-    assert ckpt(copy, "log", "--json").stdout == before  # main stayed where it was
+    assert ckpt_here(copy, "log", "--json").stdout == before  # main stayed where it was
     assert_same(_state(3), torch.load(copy / "c.pt", weights_only=True))
+
+
+def test_a_pull_killed_before_it_wrote_its_files_is_ended_by_the_next_pull(tmp_path):
+    """The first pull moved the branch; the rerun used to find it up to date and leave the old file in place."""
+    with Repository.init(tmp_path / "work") as work:
+        torch.save(_state(0), tmp_path / "work" / "c.pt")
+        work.commit(tmp_path / "work" / "c.pt")
+        with remote.clone(str(tmp_path / "work"), tmp_path / "copy") as copy:
+            copy.checkout_to("main")
+        torch.save(_state(1), tmp_path / "work" / "c.pt")
+        work.commit(tmp_path / "work" / "c.pt")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_CRASH_AT="checkout:records-read")
+    killed = subprocess.run([sys.executable, "-m", "ckptstore", "pull"], cwd=tmp_path / "copy", env=env, timeout=120)
+    assert killed.returncode == -9
+    with Repository.open(tmp_path / "copy") as copy:
+        remote.pull(copy, "origin")
+        assert_same(_state(1), torch.load(tmp_path / "copy" / "c.pt", weights_only=True))
+        assert not (copy.dir / remote.PULLING).exists()
 
 
 def test_a_lazy_clone_whose_origin_is_gone_names_what_it_lacks(pair, tmp_path):
@@ -403,22 +421,22 @@ def test_a_lazy_clone_whose_origin_is_gone_names_what_it_lacks(pair, tmp_path):
 def _commit(folder, value, name="ck.pt", *args):
     (folder / name).parent.mkdir(parents=True, exist_ok=True)
     torch.save({"w": torch.full((256,), float(value))}, folder / name)
-    assert ckpt(folder, "commit", name, "-m", f"c{value}", *args).returncode == 0
+    assert ckpt_here(folder, "commit", name, "-m", f"c{value}", *args).returncode == 0
 
 
 def test_a_commit_the_other_side_pruned_travels_again_and_restores_there(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    ckpt(tmp_path / "a", "init")
-    ckpt(tmp_path / "b", "init")
+    ckpt_here(tmp_path / "a", "init")
+    ckpt_here(tmp_path / "b", "init")
     for value in (1, 2, 3):
         _commit(tmp_path / "a", value)
-    assert ckpt(tmp_path / "a", "remote", "add", "origin", "../b").returncode == 0
-    assert ckpt(tmp_path / "a", "push").returncode == 0
-    assert ckpt(tmp_path / "b", "prune", "--keep-last", "1").returncode == 0  # b drops c2's data, keeps its record
-    assert ckpt(tmp_path / "a", "branch", "keep", "main~1").returncode == 0
-    assert ckpt(tmp_path / "a", "push", "origin", "keep").returncode == 0
-    restored = ckpt(tmp_path / "b", "checkout", "keep", "-o", str(tmp_path / "out.pt"))
+    assert ckpt_here(tmp_path / "a", "remote", "add", "origin", "../b").returncode == 0
+    assert ckpt_here(tmp_path / "a", "push").returncode == 0
+    assert ckpt_here(tmp_path / "b", "prune", "--keep-last", "1").returncode == 0  # b drops c2's data, keeps its record
+    assert ckpt_here(tmp_path / "a", "branch", "keep", "main~1").returncode == 0
+    assert ckpt_here(tmp_path / "a", "push", "origin", "keep").returncode == 0
+    restored = ckpt_here(tmp_path / "b", "checkout", "keep", "-o", str(tmp_path / "out.pt"))
     assert restored.returncode == 0, restored.stderr
     assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], torch.full((256,), 2.0))
     with Repository.open(tmp_path / "b") as hub:
@@ -427,32 +445,32 @@ def test_a_commit_the_other_side_pruned_travels_again_and_restores_there(tmp_pat
 
 def test_a_pull_whose_files_cannot_be_written_leaves_the_branch_where_it_was(tmp_path):
     (tmp_path / "a").mkdir()
-    ckpt(tmp_path / "a", "init")
+    ckpt_here(tmp_path / "a", "init")
     _commit(tmp_path / "a", 1)
-    assert ckpt(tmp_path, "clone", "a", "c").returncode == 0
-    assert ckpt(tmp_path / "c", "checkout", "main").returncode == 0
-    before = ckpt(tmp_path / "c", "show", "main").stdout.split()[1]
+    assert ckpt_here(tmp_path, "clone", "a", "c").returncode == 0
+    assert ckpt_here(tmp_path / "c", "checkout", "main").returncode == 0
+    before = ckpt_here(tmp_path / "c", "show", "main").stdout.split()[1]
     _commit(tmp_path / "a", 2, "d/ck.pt")
     (tmp_path / "c" / "d").write_text("a file where the pulled commit needs a folder")
-    pulled = ckpt(tmp_path / "c", "pull")
+    pulled = ckpt_here(tmp_path / "c", "pull")
     assert pulled.returncode == 1 and pulled.stderr.startswith("error: pull stopped, 'main' left where it was")
-    assert "Traceback" not in pulled.stderr and ckpt(tmp_path / "c", "show", "main").stdout.split()[1] == before
+    assert "Traceback" not in pulled.stderr and ckpt_here(tmp_path / "c", "show", "main").stdout.split()[1] == before
 
 
 def test_a_remote_needs_a_url(tmp_path):
-    ckpt(tmp_path, "init")
-    added = ckpt(tmp_path, "remote", "add", "empty", "")
+    ckpt_here(tmp_path, "init")
+    added = ckpt_here(tmp_path, "remote", "add", "empty", "")
     assert added.returncode == 1 and "needs a URL" in added.stderr  # it was a remote of the repository itself
 
 
 def test_a_bucket_remote_made_by_push_is_whole_to_fsck(tmp_path):
     (tmp_path / "a").mkdir()
-    ckpt(tmp_path / "a", "init")
+    ckpt_here(tmp_path / "a", "init")
     _commit(tmp_path / "a", 1)
-    assert ckpt(tmp_path / "a", "remote", "add", "origin", f"file://{tmp_path}/remote/objects", "--metadata",
+    assert ckpt_here(tmp_path / "a", "remote", "add", "origin", f"file://{tmp_path}/remote/objects", "--metadata",
                 f"sqlite:///{tmp_path}/remote.db").returncode == 0
-    assert ckpt(tmp_path / "a", "push").returncode == 0
-    checked = ckpt(tmp_path / "a", "fsck", "--remote", "origin")
+    assert ckpt_here(tmp_path / "a", "push").returncode == 0
+    checked = ckpt_here(tmp_path / "a", "fsck", "--remote", "origin")
     assert checked.returncode == 0 and checked.stdout.strip().endswith("ok"), checked.stdout + checked.stderr
 
 
@@ -472,11 +490,12 @@ def test_a_local_branch_never_hides_a_remote_tracking_ref(pair, tmp_path):
 def test_remote_add_takes_a_relative_folder_from_where_it_is_typed_and_keeps_it_relative_to_the_root(tmp_path):
     (tmp_path / "a" / "sub").mkdir(parents=True)
     (tmp_path / "a" / "backup").mkdir()
-    ckpt(tmp_path / "a", "init")
-    ckpt(tmp_path / "a" / "backup", "init")
+    ckpt_here(tmp_path / "a", "init")
+    ckpt_here(tmp_path / "a" / "backup", "init")
     _commit(tmp_path / "a", 1)
-    assert ckpt(tmp_path / "a" / "sub", "remote", "add", "bk", "../backup").returncode == 0  # a/backup, as typed there
-    assert ckpt(tmp_path / "a", "push", "bk").returncode == 0
+    # a/backup, as typed there
+    assert ckpt_here(tmp_path / "a" / "sub", "remote", "add", "bk", "../backup").returncode == 0
+    assert ckpt_here(tmp_path / "a", "push", "bk").returncode == 0
     with Repository.open(tmp_path / "a" / "backup") as backup:
         assert list(backup.branches()) == ["main"]
     shutil.copytree(tmp_path / "a", tmp_path / "copy")  # the copy's remote is its own backup/, as the root says
