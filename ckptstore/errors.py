@@ -53,11 +53,15 @@ class CorruptObjectError(CkptError):
 class SentObjectError(CorruptObjectError):
     """A damaged object in the repository sending it (a remote on fetch, this one on push): the damage is there."""
 
-    def __init__(self, object_id: str, problem: str, sender: str) -> None:
+    def __init__(self, object_id: str, problem: str, sender: str, pushing: bool = False) -> None:
         super().__init__(object_id, problem)
-        self.args = (f"the repository at {sender} holds a damaged object ({object_id}: {problem}); nothing of it "
-                     "was recorded here. Check that repository: `ckpt fsck` there, or `ckpt fsck --remote NAME` "
-                     "from here",)
+        if pushing:
+            self.args = (f"this repository ({sender}) holds a damaged object ({object_id}: {problem}); nothing was "
+                         "recorded on the remote. Run `ckpt fsck` here to see what it damages",)
+        else:
+            self.args = (f"the repository at {sender} holds a damaged object ({object_id}: {problem}); nothing of "
+                         "it was recorded here. Check that repository: `ckpt fsck` there, or `ckpt fsck --remote "
+                         "NAME` from here",)
 
 
 class RefNotFoundError(CkptError):

@@ -41,7 +41,15 @@ class FallbackStore:
 
     def from_source(self, oid: ObjectId) -> bytes:
         """The object's bytes from the source, verified against its id."""
-        return self.source(oid).get(oid)  # get verifies the bytes against the id
+        source = self.source(oid)
+        try:
+            return source.get(oid)  # get verifies the bytes against the id
+        except CorruptObjectError as exc:
+            if exc.problem != "missing":
+                raise
+            # not "run fsck here": what is gone is the origin's (its gc --prune after a branch moved back, a prune)
+            raise CorruptObjectError(oid, f"not read yet, and the origin it comes from ({source.url}) no longer "
+                                          "holds it (pruned or collected there)") from None
 
     def _filled(self, read: Callable[[], Any], oid: ObjectId, held: Callable[[bytes], Any] | None) -> Any:
         """`read()` of the local store; a missing object is copied here first (or, not kept, `held(its bytes)`)."""

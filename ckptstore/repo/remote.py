@@ -178,22 +178,24 @@ def fsck_remote(repo: Repository, name: str, full: bool = False) -> FsckReport:
 
 
 # ----------------------------------------------------------------- moving commits
-def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | None, lazy: bool = False
-          ) -> tuple[TransferReport, dict[str, CommitId]]:
+def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | None, lazy: bool = False,
+          pushing: bool = False) -> tuple[TransferReport, dict[str, CommitId]]:
     """Make every commit reachable from `tips` present in `target`: objects, then records. Refs are not touched.
 
     `tips` None: every branch of `source`, read in the same snapshot as the records, so a branch
     moved and collected there meanwhile is never half-copied. Returns the report and the tips.
     `lazy` copies the records and manifests only: the chunk objects come when a checkout reads them.
+    `pushing`: `source` is the user's repository (damage it holds is named as theirs).
     """
     report = TransferReport()
     with source.db.read() as tx, target.db.read() as ttx:
         tips = ref_rows.refs_of_kind(tx, ref_rows.BRANCH) if tips is None else tips
         candidates = transfer.ancestors(tx, list(tips.values()))
         have = transfer.present_commits(ttx, candidates)
-        # pruned there but whole here: it travels again, and is whole there after (not "present": a ref
-        # moved onto it would name a commit that cannot be checked out)
-        revived = transfer.pruned(ttx, have) - transfer.pruned(tx, have)
+        # a tip pruned there but whole here travels again, and is whole there after (not "present": the ref
+        # moved onto it would name a commit that cannot be checked out); older commits pruned there stay
+        # pruned, or every push undid the other side's retention
+        revived = (transfer.pruned(ttx, have) - transfer.pruned(tx, have)) & set(tips.values())
         missing = [c for c in candidates if c not in have or c in revived]
         if not missing:
             return report, tips
@@ -206,7 +208,7 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
         raise CkptError(f"the sending repository has no record of commit {unrecorded[0][:12]}, which its refs "
                         "reach; nothing was sent. Run `ckpt fsck` there")
     wanted = {oid: size for oid, size in found.objects.items() if not lazy or oid in found.manifests}
-    report.objects, report.object_bytes = _send_objects(source, target, wanted)
+    report.objects, report.object_bytes = _send_objects(source, target, wanted, pushing)
     faults.point("transfer:objects-sent")
     outside = transfer.outside_work_tree(found)
     if outside and target.dir.is_dir():  # before the records: a kill between leaves them unlisted never
@@ -246,7 +248,8 @@ def _whole_on(store: ObjectStore, oid: ObjectId, size: int) -> bool:
         return False
 
 
-def _send_objects(source: Repository, target: Repository, wanted: dict[ObjectId, int]) -> tuple[int, int]:
+def _send_objects(source: Repository, target: Repository, wanted: dict[ObjectId, int], pushing: bool
+                  ) -> tuple[int, int]:
     """Copy the objects (id: stored size) `target` lacks whole, each verified on reading; returns (objects, bytes)."""
     oids = sorted(wanted)
     here = held_here(target.store)  # a lazy clone: what it holds, not what its origin could fill in
@@ -257,7 +260,7 @@ def _send_objects(source: Repository, target: Repository, wanted: dict[ObjectId,
         try:
             data = source.read_object(oid)  # verified against its id
         except CorruptObjectError as exc:  # the damage is the sender's: say where, not "run fsck" here
-            raise SentObjectError(oid, exc.problem, str(source.root)) from None
+            raise SentObjectError(oid, exc.problem, str(source.root), pushing) from None
         target.store.put(data)
         faults.point("transfer:object-sent")
         return len(data)
@@ -294,7 +297,7 @@ def push(repo: Repository, name: str, branch: str | None = None, force: bool = F
             old = _tip(_branch_row(rtx, branch, f"remote {name!r}"))
         if old is not None and old != tip and not force and not _is_ancestor(repo, old, tip):
             raise _refused(remote, name, branch, old, tip)
-        report = _copy(repo, remote, {branch: tip})[0]
+        report = _copy(repo, remote, {branch: tip}, pushing=True)[0]
         _move_remote_ref(remote, name, branch, old, tip)
     _track(repo, name, {branch: tip})
     report.refs_moved = [(branch, old, tip)] if old != tip else []

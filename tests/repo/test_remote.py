@@ -127,6 +127,12 @@ def test_a_lazy_clone_reads_only_the_chains_a_checkout_needs(tmp_path):
         assert 0 < fetched < (total - 6) / 3  # the first commit's keyframe chunks, not the run
     with Repository.open(tmp_path / "lazy") as reopened:  # lazy survives reopening: the config says so
         assert_same(_state(5), reopened.checkout("main"))
+    with remote.clone(str(tmp_path / "hub"), tmp_path / "lazier", lazy=True) as lazier:
+        for held in (tmp_path / "hub" / ".ckpt" / "objects").rglob("*"):  # collected there (gc --prune, a prune)
+            if held.is_file() and held.name not in _object_files(tmp_path / "lazier"):
+                held.unlink()
+        with pytest.raises(CorruptObjectError, match="the origin it comes from .* no longer holds it"):
+            lazier.checkout(first)
 
 
 def test_a_read_only_lazy_clone_reads_from_its_origin_and_writes_nothing_here(tmp_path):
@@ -156,6 +162,12 @@ def test_wrong_bytes_from_a_remote_are_refused_with_the_object_named(pair, tmp_p
     with pytest.raises(CorruptObjectError, match=victim.parent.name + victim.name) as refused:
         remote.clone(str(hub_path), tmp_path / "copy")
     assert f"the repository at {hub_path} holds a damaged object" in str(refused.value)  # where fsck finds it
+    own = next(p for p in (work.dir / "objects").rglob("*") if p.is_file() and p.stat().st_size > 1000)
+    own.write_bytes(own.read_bytes()[:-1])
+    Repository.init(tmp_path / "empty").close()
+    remote.add(work, "empty", str(tmp_path / "empty"))
+    with pytest.raises(CorruptObjectError, match=f"this repository \\({work.root}\\) holds a damaged object"):
+        remote.push(work, "empty")  # the damage is here, and plain fsck here finds it
 
 
 @pytest.mark.parametrize("point", ["transfer:object-sent@2", "transfer:objects-sent", "transfer:records-sent"])
@@ -441,6 +453,11 @@ def test_a_commit_the_other_side_pruned_travels_again_and_restores_there(tmp_pat
     assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], torch.full((256,), 2.0))
     with Repository.open(tmp_path / "b") as hub:
         assert not hub.commit_info(hub.resolve("keep")).pruned and fsck(hub).ok
+        assert hub.commit_info(hub.resolve("main~2")).pruned  # only the tip pushed travels again
+    _commit(tmp_path / "a", 4)
+    assert ckpt_here(tmp_path / "a", "push").returncode == 0
+    with Repository.open(tmp_path / "b") as hub:  # a push of new work leaves the hub's retention as it was
+        assert [hub.commit_info(hub.resolve(f"main~{n}")).pruned for n in range(4)] == [False, False, False, True]
 
 
 def test_a_pull_whose_files_cannot_be_written_leaves_the_branch_where_it_was(tmp_path):
