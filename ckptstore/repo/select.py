@@ -14,6 +14,7 @@ with one left out still reads its own entry.
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -61,6 +62,20 @@ class KeyPatterns:
         dotted = _level(path)
         return any(fnmatchcase(dotted, p) or fnmatchcase(dotted, p + ".*") for p in map(_level, self.patterns))
 
+    def as_written_where(self, paths: Iterable[str]) -> KeyPatterns:
+        """These patterns, one that names one of `paths` (or a container of them) as written taken literally.
+
+        A path copied from `ckpt show` selects itself, glob characters and all ("emb[1]", not "emb1").
+        """
+        levelled = {_level(p) for p in paths}
+
+        def literal(pattern: str) -> str:
+            dotted = _level(pattern)
+            named = any(p == dotted or p.startswith(dotted + ".") for p in levelled)
+            return glob.escape(pattern) if named and any(c in pattern for c in "*?[") else pattern
+
+        return KeyPatterns(tuple(map(literal, self.patterns)))
+
 
 @dataclass
 class Selection:
@@ -75,7 +90,7 @@ def select(manifest: Manifest, keys: Iterable[str], commit: str = "") -> Selecti
 
     Raises NothingSelectedError when nothing matches.
     """
-    wanted = KeyPatterns(tuple(keys) if not isinstance(keys, str) else (keys,))
+    wanted = KeyPatterns(tuple(keys) if not isinstance(keys, str) else (keys,)).as_written_where(manifest.entries)
     files, entries, partial = [], set(), set()
     for record in manifest.files:
         root = escape(record.name) if manifest.kind == "folder" else ""
