@@ -107,14 +107,23 @@ INT64_END = 1 << 63  # sizes, strides and offsets at or past this fit no reader'
 _INT_LIKE = re.compile(r"-?(?:0|[1-9][0-9]*)")
 
 
+def _storable_key(key: Any) -> bool:
+    """Whether a dict key has a path component: a str, int, float, bool or None, or a tuple of such keys."""
+    if isinstance(key, tuple):
+        return all(_storable_key(part) for part in key)
+    return isinstance(key, (str, int, float, bool, type(None)))
+
+
 def key_component(key: Any) -> str:
     """The path component of a dict key, distinct for every key of a different type or value.
 
     int keys are their digits and str keys are `escape(key)`, as they always were, except a str
     that reads as an int (or is empty): its first character is percent-encoded ("1" -> "%31",
     "" -> "%22%22"). None, bools and floats get markers. `escape` only ever writes "%25" and
-    "%2F", so no escaped str can look like any of these.
+    "%2F", so no escaped str can look like any of these. A tuple is its escaped repr behind "%tuple:".
     """
+    if isinstance(key, tuple):
+        return "%tuple:" + escape(repr(key))
     if key is None:
         return "%none"
     if isinstance(key, bool):
@@ -491,8 +500,10 @@ class _Flattener:
         self.enter(value, path, 2 * len(value))
         items = []
         for key, item in value.items():
-            if not isinstance(key, (str, int, float, bool, type(None))):
-                raise UnsupportedStateError(f"{path or '<root>'}: dict key of type {type(key).__name__}")
+            if not _storable_key(key):
+                raise UnsupportedStateError(
+                    f"{path or '<root>'}: a dict key of type {type(key).__name__} ({key!r:.60}): ckptstore keeps "
+                    "str, int, float, bool and None keys and tuples of them; give the dict such keys (str(key))")
             items.append([self.encode(key, path), self.encode(item, join_key(path, key))])
         self.depth -= 1
         return ["odict" if isinstance(value, OrderedDict) else "dict", items]

@@ -113,8 +113,11 @@ def test_ordinary_paths_are_unchanged():
     assert list(flatten(state).tensors) == [
         "model/layer.0.weight", "model/None", "model/1.5", "optimizer/state/0/exp_avg",
         "optimizer/state/12/exp_avg", "list/0", "a%2Fb%25"]
-    marked = {"7": torch.zeros(1), None: torch.zeros(1), True: torch.zeros(1), 2.5: torch.zeros(1), "": torch.zeros(1)}
-    assert list(flatten(marked).tensors) == ["%37", "%none", "%true", "%float:2.5", "%22%22"]
+    marked = {"7": torch.zeros(1), None: torch.zeros(1), True: torch.zeros(1), 2.5: torch.zeros(1), "": torch.zeros(1),
+              (0, "a/b"): torch.zeros(1)}
+    assert list(flatten(marked).tensors) == ["%37", "%none", "%true", "%float:2.5", "%22%22", "%tuple:(0, 'a%2Fb')"]
+    with pytest.raises(UnsupportedStateError, match="key of type bytes .*keeps str, int, float, bool and None keys"):
+        flatten({b"k": torch.zeros(1)})
 
 
 def test_equal_keys_of_other_types_keep_their_own_paths_in_flattens_one_after_another():
@@ -151,6 +154,8 @@ _KEYS = st.one_of(
                      "%float:1.5", "a/b", "%", "%2F", "/"]),
     st.text(max_size=4), st.integers(-3, 12), st.none(), st.booleans(),
     st.floats(allow_nan=False, width=32),
+    st.tuples(), st.tuples(st.integers(-3, 12), st.sampled_from(["a/b", "%", "", "1"])),
+    st.tuples(st.tuples(st.booleans()), st.none()),  # torch.load(weights_only=True) reads tuple keys too
 )
 
 

@@ -125,6 +125,8 @@ def states(draw):
                         for k, v in items.items())
     model._metadata = OrderedDict([("", {"version": 1}), ("bn", {"version": draw(st.integers(1, 3))})])
     state = {"model": model, "size": torch.Size(draw(st.lists(st.integers(0, 9), max_size=3)))}
+    if draw(st.booleans()):  # tuple keys, as torch.load(weights_only=True) reads them
+        state["per_head"] = {(i, "q/k"): base for i, base in enumerate(bases)} | {((0,), None): 1.5}
     if floats and draw(st.booleans()):
         moment = floats[0].detach().clone()
         state["optimizer"] = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": moment, "exp_avg_sq": moment * 0}},
