@@ -11,7 +11,7 @@ from ckptstore.hashing import object_id
 from ckptstore.objectstore import s3
 from ckptstore.objectstore.s3 import S3ObjectStore, parse_url
 from ckptstore.testing.net import free_port
-from tests.test_cli import ckpt
+from tests.conftest import ckpt_here
 
 
 def test_urls_name_a_bucket_and_a_prefix():
@@ -92,16 +92,16 @@ def test_batched_uploads_all_land_and_report_the_first_failure(s3_url, monkeypat
 
 def test_an_unreachable_bucket_is_one_line_at_the_cli(tmp_path, s3_url, monkeypatch):
     torch.save({"w": torch.ones(4)}, tmp_path / "c.pt")
-    assert ckpt(tmp_path, "init", "--objects", s3_url).returncode == 0
-    assert ckpt(tmp_path, "commit", "c.pt").returncode == 0
+    assert ckpt_here(tmp_path, "init", "--objects", s3_url).returncode == 0
+    assert ckpt_here(tmp_path, "commit", "c.pt").returncode == 0
     with monkeypatch.context() as env:
         env.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
         env.setenv("CKPT_S3_RETRY_SECONDS", "1")
-        failed = ckpt(tmp_path, "checkout", "HEAD", "-o", "back.pt")
+        failed = ckpt_here(tmp_path, "checkout", "HEAD", "-o", "back.pt")
     assert failed.returncode != 0 and "Traceback" not in failed.stderr
     assert len(failed.stderr.strip().splitlines()) == 1 and s3_url in failed.stderr and "cannot reach" in failed.stderr
     assert not (tmp_path / "back.pt").exists()
-    assert ckpt(tmp_path, "checkout", "HEAD", "-o", "back.pt").returncode == 0  # the same command, server reachable
+    assert ckpt_here(tmp_path, "checkout", "HEAD", "-o", "back.pt").returncode == 0  # the same, server reachable
 
 
 def test_read_ahead_hands_out_verified_objects_and_refuses_wrong_ones(s3_url):

@@ -15,8 +15,7 @@ from ckptstore.errors import StoreUnavailableError
 from ckptstore.objectstore.s3 import S3ObjectStore
 from ckptstore.repo import fsck
 from ckptstore.testing.fault_proxy import FaultProxy
-from tests.conftest import assert_same
-from tests.test_cli import ckpt
+from tests.conftest import assert_same, ckpt_here
 
 MiB = 1 << 20
 
@@ -38,7 +37,7 @@ def proxy(s3_server, monkeypatch):
 @pytest.fixture
 def bucket_repo(tmp_path, s3_url, proxy):
     torch.save(_state(0), tmp_path / "c.pt")
-    assert ckpt(tmp_path, "init", "--objects", s3_url).returncode == 0
+    assert ckpt_here(tmp_path, "init", "--objects", s3_url).returncode == 0
     return tmp_path
 
 
@@ -56,13 +55,13 @@ def _stored_bytes(root):
 
 def test_a_server_that_dies_mid_commit_loses_nothing_and_the_rerun_sends_only_the_rest(bucket_repo, proxy, s3_url):
     proxy.down_after(10 * MiB)
-    _one_line_error(ckpt(bucket_repo, "commit", "c.pt"), s3_url, "cannot reach")
+    _one_line_error(ckpt_here(bucket_repo, "commit", "c.pt"), s3_url, "cannot reach")
     proxy.come_up()
     with Repository.open(bucket_repo) as repo:
         assert repo.log() == [] and fsck(repo).ok  # no commit, nothing dangling
     arrived = _stored_bytes(bucket_repo)
     proxy.sent = 0
-    assert ckpt(bucket_repo, "commit", "c.pt").returncode == 0
+    assert ckpt_here(bucket_repo, "commit", "c.pt").returncode == 0
     total = _stored_bytes(bucket_repo)
     print(f"commit: {arrived} of {total} stored bytes had arrived when the server died; the rerun sent {proxy.sent}")
     assert arrived > 0 and proxy.sent < total - arrived + 2 * MiB  # what had arrived was not sent again
@@ -72,50 +71,50 @@ def test_a_server_that_dies_mid_commit_loses_nothing_and_the_rerun_sends_only_th
 
 def test_a_slow_server_only_slows_things_down(bucket_repo, proxy):
     proxy.delay = 0.002
-    assert ckpt(bucket_repo, "commit", "c.pt").returncode == 0
-    assert ckpt(bucket_repo, "checkout", "HEAD", "-o", "back.pt").returncode == 0
+    assert ckpt_here(bucket_repo, "commit", "c.pt").returncode == 0
+    assert ckpt_here(bucket_repo, "checkout", "HEAD", "-o", "back.pt").returncode == 0
     assert_same(_state(0), torch.load(bucket_repo / "back.pt", weights_only=True))
 
 
 @pytest.mark.parametrize(("status", "words"), [(500, ["failed"]), (403, ["credentials"])])
 def test_server_errors_and_refused_credentials_are_one_line_and_retryable(bucket_repo, proxy, status, words):
     proxy.reply_with(status)
-    _one_line_error(ckpt(bucket_repo, "commit", "c.pt"), *words)
+    _one_line_error(ckpt_here(bucket_repo, "commit", "c.pt"), *words)
     with Repository.open(bucket_repo) as repo:
         assert repo.log() == []
     proxy.reply_with(None)
-    assert ckpt(bucket_repo, "commit", "c.pt").returncode == 0
+    assert ckpt_here(bucket_repo, "commit", "c.pt").returncode == 0
 
 
 def test_an_unreachable_endpoint_is_one_line(bucket_repo, proxy, monkeypatch):
-    assert ckpt(bucket_repo, "commit", "c.pt").returncode == 0
+    assert ckpt_here(bucket_repo, "commit", "c.pt").returncode == 0
     proxy.go_down()
-    _one_line_error(ckpt(bucket_repo, "checkout", "HEAD", "-o", "back.pt"), "cannot reach", proxy.endpoint)
+    _one_line_error(ckpt_here(bucket_repo, "checkout", "HEAD", "-o", "back.pt"), "cannot reach", proxy.endpoint)
     assert not (bucket_repo / "back.pt").exists()
 
 
 def test_push_and_clone_through_a_dying_server_resume(tmp_path, s3_url, proxy):
     hub = tmp_path / "hub"
-    assert ckpt(tmp_path, "init", "hub", "--objects", s3_url).returncode == 0
+    assert ckpt_here(tmp_path, "init", "hub", "--objects", s3_url).returncode == 0
     work = tmp_path / "work"
     work.mkdir()
     torch.save(_state(1), tmp_path / "c.pt")
-    assert ckpt(work, "init").returncode == 0 and ckpt(work, "commit", "../c.pt").returncode == 0
-    assert ckpt(work, "remote", "add", "origin", "../hub").returncode == 0
+    assert ckpt_here(work, "init").returncode == 0 and ckpt_here(work, "commit", "../c.pt").returncode == 0
+    assert ckpt_here(work, "remote", "add", "origin", "../hub").returncode == 0
     proxy.down_after(10 * MiB)
-    _one_line_error(ckpt(work, "push"), s3_url)
+    _one_line_error(ckpt_here(work, "push"), s3_url)
     proxy.come_up()
     with Repository.open(hub) as remote:
         assert remote.branches() == {} and fsck(remote).ok
     arrived, proxy.sent = _stored_bytes(hub), 0
-    assert ckpt(work, "push").returncode == 0
+    assert ckpt_here(work, "push").returncode == 0
     total = _stored_bytes(hub)
     print(f"push: {arrived} of {total} stored bytes had arrived when the server died; the rerun sent {proxy.sent}")
     assert 0 < arrived < total and proxy.sent < total - arrived + 2 * MiB
     proxy.down_after(5 * MiB, downloads=True)  # a clone mostly reads: the server dies mid-download
-    _one_line_error(ckpt(tmp_path, "clone", "hub", "copy"), s3_url, "cannot reach")
+    _one_line_error(ckpt_here(tmp_path, "clone", "hub", "copy"), s3_url, "cannot reach")
     proxy.come_up()
-    assert ckpt(tmp_path, "clone", "hub", "copy").returncode == 0  # resumes the interrupted clone
+    assert ckpt_here(tmp_path, "clone", "hub", "copy").returncode == 0  # resumes the interrupted clone
     with Repository.open(tmp_path / "copy") as copy:
         assert_same(_state(1), copy.checkout("main"))
     assert os.path.isdir(tmp_path / "copy" / ".ckpt")

@@ -10,8 +10,7 @@ from ckptstore import Repository
 from ckptstore.errors import CkptError, CorruptObjectError
 from ckptstore.objectstore.s3 import S3ObjectStore
 from ckptstore.repo import fsck, gc
-from tests.conftest import assert_same
-from tests.test_cli import ckpt
+from tests.conftest import assert_same, ckpt_here
 
 
 def _state(seed: int) -> dict:
@@ -86,10 +85,10 @@ def test_wrong_bytes_from_the_bucket_are_refused_with_the_object_named(s3_repo):
 def test_cli_init_on_a_bucket_then_commit_and_checkout(tmp_path, s3_url):
     torch.save(_state(3), tmp_path / "ckpt.pt")
 
-    made = ckpt(tmp_path, "init", "--objects", s3_url)
+    made = ckpt_here(tmp_path, "init", "--objects", s3_url)
     assert made.returncode == 0 and s3_url in made.stdout, made.stderr
-    assert ckpt(tmp_path, "commit", "ckpt.pt", "-m", "on s3").returncode == 0
-    assert ckpt(tmp_path, "checkout", "HEAD", "-o", "back.pt").returncode == 0
+    assert ckpt_here(tmp_path, "commit", "ckpt.pt", "-m", "on s3").returncode == 0
+    assert ckpt_here(tmp_path, "checkout", "HEAD", "-o", "back.pt").returncode == 0
     assert_same(torch.load(tmp_path / "ckpt.pt", weights_only=True), torch.load(tmp_path / "back.pt",
                                                                                  weights_only=True))
 
@@ -97,10 +96,10 @@ def test_cli_init_on_a_bucket_then_commit_and_checkout(tmp_path, s3_url):
     # (their first gc deleted the team's): refused, with nothing left behind, the bucket untouched.
     other = tmp_path / "other"
     other.mkdir()
-    refused = ckpt(other, "init", "--objects", s3_url)
+    refused = ckpt_here(other, "init", "--objects", s3_url)
     assert refused.returncode != 0 and "already holds objects that no commit" in refused.stderr
     assert "Traceback" not in refused.stderr and not (other / ".ckpt").exists()
-    assert ckpt(tmp_path, "fsck").returncode == 0
+    assert ckpt_here(tmp_path, "fsck").returncode == 0
 
 
 def test_a_bucket_gone_is_named_as_such_on_upload(tmp_path, s3_server, metadata_url):
