@@ -15,6 +15,7 @@ import torch
 
 from ckptstore import Repository, daemon
 from ckptstore.repo import find_root
+from tests.conftest import ckpt_here
 from tests.test_cli import ROOT
 
 
@@ -60,13 +61,13 @@ def test_commits_run_in_the_daemon_with_the_clients_folder_and_environment(serve
                       CKPT_AUTHOR="someone-else")
         assert result.returncode == 0 and f"step {seed}" in result.stdout, result.stderr
     assert _served_count(served) == 2
-    log = json.loads(ckpt(served, "log", "--json").stdout)
+    log = json.loads(ckpt_here(served, "log", "--json").stdout)
     assert [(c["message"], c["author"], c["source_path"]) for c in log] == [
         (f"step {seed}", "someone-else", f"run/ckpt-{seed}.pt") for seed in (2, 1)]
     out = served / "restored"
-    assert ckpt(served, "checkout", "HEAD~1", "-o", str(out)).returncode == 0
+    assert ckpt_here(served, "checkout", "HEAD~1", "-o", str(out)).returncode == 0
     assert out.read_bytes() == (served / "run" / "ckpt-1.pt").read_bytes()  # byte for byte, as without a daemon
-    assert "ok" in ckpt(served, "fsck").stdout
+    assert "ok" in ckpt_here(served, "fsck").stdout
 
 
 def test_the_console_script_hands_its_commit_to_a_daemon_started_with_python_m(served):
@@ -82,7 +83,7 @@ def test_the_console_script_hands_its_commit_to_a_daemon_started_with_python_m(s
 def test_a_failing_commit_prints_the_same_one_line_error_and_exit_code_as_without_a_daemon(served, tmp_path):
     alone = tmp_path / "alone"
     alone.mkdir()
-    assert ckpt(alone, "init").returncode == 0
+    assert ckpt_here(alone, "init").returncode == 0
     here, there = ckpt(alone, "commit", "missing.pt"), ckpt(served, "commit", "missing.pt")
     assert _served_count(served) == 1
     assert there.returncode == here.returncode != 0
@@ -100,7 +101,7 @@ def test_ctrl_c_at_the_client_stops_the_commit_in_the_daemon_and_records_nothing
     client.send_signal(signal.SIGINT)
     _, stderr = client.communicate(timeout=60)
     assert client.returncode == 130 and stderr.strip().startswith("error: interrupted"), stderr
-    assert ckpt(served, "log").stdout.strip() == ""
+    assert ckpt_here(served, "log").stdout.strip() == ""
     assert _served_count(served) == 1  # and the daemon serves on
     assert ckpt(served, "commit", "c.pt").returncode == 0
 
@@ -113,7 +114,7 @@ def test_a_daemon_killed_mid_commit_is_reported_and_loses_nothing(served):
     result = ckpt(served, "commit", "b.pt", CKPT_CRASH_AT="commit:manifest-written")
     assert result.returncode == 1 and result.stderr.startswith("error: the ckpt daemon stopped"), result.stderr
     assert daemon.status(served.resolve()) is None
-    assert ckpt(served, "log").stdout.count("commit ") == 1 and "ok" in ckpt(served, "fsck").stdout
+    assert ckpt_here(served, "log").stdout.count("commit ") == 1 and "ok" in ckpt_here(served, "fsck").stdout
     assert ckpt(served, "commit", "b.pt").returncode == 0  # here, in a process of its own
     assert dead_socket.exists() and ckpt(served, "daemon", "start").returncode == 0
     assert not dead_socket.exists()  # a new daemon sweeps the sockets of dead ones
@@ -171,9 +172,9 @@ def test_status_and_stop_answer_during_a_commit_and_commands_queued_behind_run_i
     assert given_up.wait(timeout=120) == 130 and "interrupted" in given_up.communicate()[1]
     for process in (held, queued, after, restart):
         assert process.wait(timeout=120) == 0, process.communicate()
-    log = json.loads(ckpt(served, "log", "--all", "--json").stdout)
+    log = json.loads(ckpt_here(served, "log", "--all", "--json").stdout)
     assert sorted(c["source_path"] for c in log) == ["a.pt", "b.pt", "c.pt"]
-    assert [c["source_path"] for c in json.loads(ckpt(served, "log", "--json").stdout)] == ["c.pt", "a.pt"]
+    assert [c["source_path"] for c in json.loads(ckpt_here(served, "log", "--json").stdout)] == ["c.pt", "a.pt"]
     assert daemon.status(served.resolve())["pid"] != old
 
 
@@ -247,7 +248,7 @@ def test_output_to_a_reader_that_went_away_is_dropped_and_the_commit_lands(serve
                                 env=_env(), stdout=closed, stderr=subprocess.PIPE, text=True, timeout=120)
     assert result.returncode == 141 and result.stderr == "", result.stderr  # SIGPIPE's status, as git's
     assert _served_count(served) == before + 1
-    assert json.loads(ckpt(served, "log", "--json").stdout)[0]["message"] == "piped"
+    assert json.loads(ckpt_here(served, "log", "--json").stdout)[0]["message"] == "piped"
 
 
 def test_a_full_or_closed_stdout_fails_as_without_a_daemon_and_repo_names_the_daemons_repository(served, tmp_path):
@@ -267,21 +268,21 @@ def test_a_full_or_closed_stdout_fails_as_without_a_daemon_and_repo_names_the_da
         assert result.returncode == 1 and result.stderr.startswith("error: cannot write the output"), result.stderr
         assert result.stderr.count("\n") == 1
     assert _served_count(served) == before + 2  # both ran there, and both commits landed
-    assert [c["message"] for c in json.loads(ckpt(served, "log", "--json").stdout)][:2] == ["closed", "full"]
+    assert [c["message"] for c in json.loads(ckpt_here(served, "log", "--json").stdout)][:2] == ["closed", "full"]
 
 
 def test_another_repositorys_daemon_found_through_a_stale_address_is_not_used(served, tmp_path):
     """A daemon.json left by a killed daemon whose pid another repository's daemon now has (pid reuse)."""
     other = tmp_path / "other"
     other.mkdir()
-    assert ckpt(other, "init").returncode == 0
+    assert ckpt_here(other, "init").returncode == 0
     shutil.copy(served / ".ckpt" / "daemon.json", other / ".ckpt" / "daemon.json")
     assert ckpt(other, "daemon", "status").stdout.strip() == "no ckpt daemon is running"
     assert ckpt(other, "daemon", "stop").stdout.strip() == "no ckpt daemon was running"  # not served's
     _save(other / "c.pt", 3)
     before = _served_count(served)
     assert ckpt(other, "commit", "c.pt").returncode == 0
-    assert _served_count(served) == before and len(json.loads(ckpt(other, "log", "--json").stdout)) == 1
+    assert _served_count(served) == before and len(json.loads(ckpt_here(other, "log", "--json").stdout)) == 1
 
 
 def test_output_the_clients_terminal_cannot_encode_comes_through_as_without_a_daemon(served):
@@ -308,7 +309,7 @@ def test_a_moved_or_restored_repository_gets_a_daemon_where_it_is_now(served, tm
     _save(moved / "c.pt", 2)
     committed = ckpt(moved, "commit", "c.pt")
     assert committed.returncode == 0, committed.stderr  # in the client: that daemon's repository is gone
-    assert len(json.loads(ckpt(moved, "log", "--json").stdout)) == 2 and "ok" in ckpt(moved, "fsck").stdout
+    assert len(json.loads(ckpt_here(moved, "log", "--json").stdout)) == 2 and "ok" in ckpt_here(moved, "fsck").stdout
     moved.rename(served)  # for the fixture's stop
 
 
@@ -353,6 +354,6 @@ def test_a_checkpoint_cut_short_while_the_daemon_commits_it_is_refused_and_the_d
     result = commit_while_cut_short(served, "a.pt", served / "a.pt")
     assert result.returncode == 1 and "changed while it was being committed" in result.stderr, result.stderr
     assert _served_count(served) == 1  # the same daemon, alive
-    assert ckpt(served, "log").stdout.strip() == "" and "ok" in ckpt(served, "fsck").stdout
+    assert ckpt_here(served, "log").stdout.strip() == "" and "ok" in ckpt_here(served, "fsck").stdout
     (served / "a.pt").write_bytes(whole)
     assert ckpt(served, "commit", "a.pt").returncode == 0 and _served_count(served) == 2
