@@ -17,19 +17,20 @@ from ckptstore import Repository
 from ckptstore.metadata.postgres import REPO_LOCK, WRITE_LOCK
 from ckptstore.repo import fsck
 from ckptstore.testing.postgres_server import PASSWORD_USER, PostgresServer
-from tests.conftest import assert_same
+from tests.conftest import assert_same, ckpt_here
 from tests.test_cli_errors import one_error_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def ckpt(cwd: Path, *args: str, wait: bool = True, timeout: float = 180):
+def ckpt(cwd: Path, *args: str, wait: bool = True):
+    """`ckpt ARGS` on one machine: a process of its own when it must run beside others (wait=False), else here."""
+    if wait:
+        return ckpt_here(cwd, *args)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("CKPT_REPO", None)
-    command = [sys.executable, "-m", "ckptstore", *args]
-    if not wait:
-        return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.Popen([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def machines(tmp_path: Path, url: str, count: int = 2) -> list[Path]:
