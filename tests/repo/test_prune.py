@@ -38,8 +38,7 @@ from ckptstore.repo import fsck, remote
 from ckptstore.repo.config import RepoConfig, RetentionPolicy
 from ckptstore.repo.pruning import prune
 from ckptstore.repo.retention import History, doomed
-from tests.conftest import Trainer, assert_same, wait_until_held
-from tests.test_cli import ckpt
+from tests.conftest import Trainer, assert_same, ckpt_here, wait_until_held
 
 ROOT = Path(__file__).resolve().parents[2]
 KILLS = int(os.environ.get("CKPT_PRUNE_KILLS") or 2)
@@ -271,7 +270,7 @@ def test_retention_settings_of_the_wrong_type_are_one_clear_line_and_prune_nothi
             repo.commit({"w": torch.full((8,), float(seed))}, metrics={"loss": float(seed)})
     config = tmp_path / ".ckpt" / "config.toml"
     config.write_text(config.read_text() + f"\n[retention]\n{line}\n")
-    result = ckpt(tmp_path, "prune", "--keep-last", "1", "--dry-run")
+    result = ckpt_here(tmp_path, "prune", "--keep-last", "1", "--dry-run")
     assert result.returncode == 1 and "retention" in result.stderr and "unexpected" not in result.stderr
     assert "RetentionPolicy" not in result.stderr and line.split(" =")[0] in result.stderr  # names the key
     config.write_text(config.read_text().replace(line, ""))
@@ -309,7 +308,7 @@ def test_a_checkout_that_read_its_records_before_a_prune_still_restores_bit_exac
                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until_held(release, reading)
-        pruned = ckpt(tmp_path, "prune", "--keep-last", "1")  # re-encodes the tip's chains, deletes their objects
+        pruned = ckpt_here(tmp_path, "prune", "--keep-last", "1")  # re-encodes the tip's chains, deletes their objects
         assert pruned.returncode == 0 and "re-encoded" in pruned.stdout, pruned.stdout + pruned.stderr
     finally:
         release.touch()
@@ -330,7 +329,7 @@ def test_a_checkout_of_a_commit_removed_while_it_runs_says_so_not_damage(tmp_pat
                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until_held(release, reading)
-        removed = ckpt(tmp_path, *remover)
+        removed = ckpt_here(tmp_path, *remover)
         assert removed.returncode == 0, removed.stdout + removed.stderr
     finally:
         release.touch()
@@ -338,7 +337,7 @@ def test_a_checkout_of_a_commit_removed_while_it_runs_says_so_not_damage(tmp_pat
     assert reading.returncode == 1 and err.count("\n") == 1 and "Traceback" not in err, err
     assert "removed by `ckpt prune` or `ckpt gc --prune` while this command ran" in err, err
     assert "damaged" not in err and "fsck" not in err, err
-    assert ckpt(tmp_path, "fsck").returncode == 0  # and indeed nothing is
+    assert ckpt_here(tmp_path, "fsck").returncode == 0  # and indeed nothing is
 
 
 def test_a_pruned_history_pushes_and_clones(tmp_path):
