@@ -11,6 +11,7 @@ again sends only what is still missing.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -430,8 +431,11 @@ def _end_interrupted_pull(repo: Repository) -> None:
     """Write the files of a pull that moved HEAD's branch and was killed before they were written.
 
     Left as they were, the rerun found the branch up to date and wrote nothing, and a commit of the
-    old files undid the pull.
+    old files undid the pull. Files changed since (the user's) are theirs: they stay, and so does the branch.
     """
+    from ckptstore.errors import DirtyWorktreeError
+    from ckptstore.repo.checkout import checkout_to
+
     try:
         branch, old, new = json.loads((repo.dir / PULLING).read_bytes())
     except FileNotFoundError:
@@ -440,21 +444,17 @@ def _end_interrupted_pull(repo: Repository) -> None:
         branch = None
     with repo.db.read() as tx:
         row = ref_rows.ref_row(tx, branch) if isinstance(branch, str) else None
-    if row is not None and row.commit_id == new and refs.head(repo)[0] == branch:
-        _update_worktree(repo, branch, old, new)
+    if row is not None and row.commit_id == new and refs.head(repo)[0] == branch and _files_here(repo, old, new):
+        with contextlib.suppress(DirtyWorktreeError):
+            checkout_to(repo, branch)
     (repo.dir / PULLING).unlink(missing_ok=True)
 
 
-def _update_worktree(repo: Repository, branch: str, old: CommitId | None, new: CommitId) -> None:
-    """Write HEAD's pulled commit in place, as git does; unsaved files refuse it and the branch moves back.
-
-    Left as they were, the old files read as changes, and the next commit of them undid the pull.
-    """
-    from ckptstore.errors import DirtyWorktreeError
-    from ckptstore.repo.checkout import checkout_to
+def _files_here(repo: Repository, old: CommitId | None, new: CommitId) -> bool:
+    """Whether a pull from `old` to `new` writes files: both commits' lie in this work tree, the old ones written."""
     from ckptstore.repo.worktree import committed_from
 
-    def here(cid: CommitId | None) -> Path | None:  # a commit's file or folder inside this work tree, if any
+    def here(cid: CommitId | None) -> Path | None:
         where = repo.commit_info(cid).source_path if cid is not None else None
         if where is None or Path(where).is_absolute():
             return None
@@ -463,24 +463,36 @@ def _update_worktree(repo: Repository, branch: str, old: CommitId | None, new: C
         except CkptError:  # a forged path out of the work tree: written nowhere, as an absolute one
             return None
 
-    old_files, new_files = here(old), here(new)
+    old_files = here(old)
+    return old_files is not None and here(new) is not None and old_files.exists()
+
+
+def _update_worktree(repo: Repository, branch: str, old: CommitId | None, new: CommitId) -> None:
+    """Write HEAD's pulled commit in place, as git does; unsaved files refuse it and the branch moves back.
+
+    Left as they were, the old files read as changes, and the next commit of them undid the pull.
+    The pull's marker goes once the files are written or the branch is back, never before.
+    """
+    from ckptstore.errors import DirtyWorktreeError
+    from ckptstore.repo.checkout import checkout_to
+
     try:
-        if old_files is not None and new_files is not None and old_files.exists():  # else a mirror, or files
-            checkout_to(repo, branch)  # outside this work tree: none are written
+        if _files_here(repo, old, new):
+            checkout_to(repo, branch)
     except BaseException as exc:  # files not written (Ctrl-C too): the branch goes back, so the next pull writes them
         with repo.db.write() as tx:
             if old is None:
                 ref_rows.delete_ref(tx, branch)
             else:
                 ref_rows.swap(tx, branch, ref_rows.BRANCH, new, old)
+        (repo.dir / PULLING).unlink(missing_ok=True)
         if not isinstance(exc, Exception):
             raise
         if isinstance(exc, DirtyWorktreeError):
             raise DirtyWorktreeError(f"pull stopped, {branch!r} left where it was: {exc}") from None
         raise CkptError(f"pull stopped, {branch!r} left where it was: its files could not be written "
                         f"({explain(exc) or exc})") from exc
-    finally:
-        (repo.dir / PULLING).unlink(missing_ok=True)
+    (repo.dir / PULLING).unlink(missing_ok=True)
 
 
 def clone(url: str, path: str | os.PathLike, metadata_url: str = "", lazy: bool = False) -> Repository:

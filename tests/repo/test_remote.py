@@ -405,12 +405,44 @@ def test_a_pull_killed_before_it_wrote_its_files_is_ended_by_the_next_pull(tmp_p
         torch.save(_state(1), tmp_path / "work" / "c.pt")
         work.commit(tmp_path / "work" / "c.pt")
     env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_CRASH_AT="checkout:records-read")
-    killed = subprocess.run([sys.executable, "-m", "ckptstore", "pull"], cwd=tmp_path / "copy", env=env, timeout=120)
-    assert killed.returncode == -9
+    for settled_by_hand in (False, True):
+        if settled_by_hand:  # killed again, then the user checks out and edits: the rerun must not undo either
+            with Repository.open(tmp_path / "work") as work:
+                torch.save(_state(2), tmp_path / "work" / "c.pt")
+                pulled = work.commit(tmp_path / "work" / "c.pt")
+        killed = subprocess.run([sys.executable, "-m", "ckptstore", "pull"], cwd=tmp_path / "copy", env=env,
+                                timeout=120)
+        assert killed.returncode == -9
+        with Repository.open(tmp_path / "copy") as copy:
+            if settled_by_hand:
+                copy.checkout_to("main")
+                torch.save(_state(3), tmp_path / "copy" / "c.pt")
+            remote.pull(copy, "origin")
+            assert_same(_state(3 if settled_by_hand else 1), torch.load(tmp_path / "copy" / "c.pt", weights_only=True))
+            assert not (copy.dir / remote.PULLING).exists()
     with Repository.open(tmp_path / "copy") as copy:
-        remote.pull(copy, "origin")
-        assert_same(_state(1), torch.load(tmp_path / "copy" / "c.pt", weights_only=True))
-        assert not (copy.dir / remote.PULLING).exists()
+        assert copy.resolve("main") == pulled
+
+
+def test_ctrl_c_while_a_pull_writes_its_files_moves_the_branch_back(pair, tmp_path, monkeypatch):
+    work, hub_path, cids = pair
+    torch.save(_state(5), work.root / "c.pt")
+    work.commit(work.root / "c.pt")
+    remote.push(work, "origin")
+    with remote.clone(str(hub_path), tmp_path / "copy") as copy:
+        copy.checkout_to("main")
+        torch.save(_state(6), work.root / "c.pt")
+        work.commit(work.root / "c.pt")
+        remote.push(work, "origin")
+        before = copy.resolve("main")
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr("ckptstore.repo.checkout.checkout_to", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            remote.pull(copy, "origin")
+        assert copy.resolve("main") == before and not (copy.dir / remote.PULLING).exists()
 
 
 def test_a_lazy_clone_whose_origin_is_gone_names_what_it_lacks(pair, tmp_path):
