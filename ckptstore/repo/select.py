@@ -62,19 +62,6 @@ class KeyPatterns:
         dotted = _level(path)
         return any(fnmatchcase(dotted, p) or fnmatchcase(dotted, p + ".*") for p in map(_level, self.patterns))
 
-    def as_written_where(self, paths: Iterable[str]) -> KeyPatterns:
-        """These patterns, one that names one of `paths` (or a container of them) as written taken literally.
-
-        A path copied from `ckpt show` selects itself, glob characters and all ("emb[1]", not "emb1").
-        """
-        levelled = {_level(p) for p in paths}
-
-        def literal(pattern: str) -> str:
-            dotted = _level(pattern)
-            named = any(p == dotted or p.startswith(dotted + ".") for p in levelled)
-            return glob.escape(pattern) if named and any(c in pattern for c in "*?[") else pattern
-
-        return KeyPatterns(tuple(map(literal, self.patterns)))
 
 
 @dataclass
@@ -90,7 +77,33 @@ def select(manifest: Manifest, keys: Iterable[str], commit: str = "") -> Selecti
 
     Raises NothingSelectedError when nothing matches.
     """
-    wanted = KeyPatterns(tuple(keys) if not isinstance(keys, str) else (keys,)).as_written_where(manifest.entries)
+    wanted = _as_written(manifest, KeyPatterns(tuple(keys) if not isinstance(keys, str) else (keys,)))
+    files, entries, partial = _selected_files(manifest, wanted)
+    if not files:
+        raise NothingSelectedError(f"no path of commit {commit[:12] or '(this commit)'} matches "
+                                   f"{', '.join(wanted.patterns)}; `ckpt show {commit[:12] or 'REF'}` lists its "
+                                   "paths (match them with '.' or '/' between levels, e.g. 'model.*')")
+    pruned = replace(manifest, files=files, entries={p: e for p, e in manifest.entries.items() if p in entries},
+                     digests={n: d for n, d in manifest.digests.items() if n not in partial})
+    return Selection(pruned, partial)
+
+
+def _as_written(manifest: Manifest, wanted: KeyPatterns) -> KeyPatterns:
+    """`wanted`, each pattern that names a path of `manifest` as written taken literally.
+
+    A path copied from `ckpt show` selects itself, glob characters and all ("emb[1]", not "emb1").
+    """
+    def literal(pattern: str) -> str:
+        if not any(c in pattern for c in "*?["):
+            return pattern
+        escaped = glob.escape(pattern)
+        return escaped if _selected_files(manifest, KeyPatterns((escaped,)))[0] else pattern
+
+    return KeyPatterns(tuple(map(literal, wanted.patterns)))
+
+
+def _selected_files(manifest: Manifest, wanted: KeyPatterns) -> tuple[list[CheckpointFile], set[str], set[str]]:
+    """The files holding what `wanted` matches (pruned to it), the entries it reads, and the files that lost some."""
     files, entries, partial = [], set(), set()
     for record in manifest.files:
         root = escape(record.name) if manifest.kind == "folder" else ""
@@ -103,13 +116,7 @@ def select(manifest: Manifest, keys: Iterable[str], commit: str = "") -> Selecti
             partial.add(record.name)
         files.append(kept)
         entries |= used
-    if not files:
-        raise NothingSelectedError(f"no path of commit {commit[:12] or '(this commit)'} matches "
-                                   f"{', '.join(wanted.patterns)}; `ckpt show {commit[:12] or 'REF'}` lists its "
-                                   "paths (match them with '.' or '/' between levels, e.g. 'model.*')")
-    pruned = replace(manifest, files=files, entries={p: e for p, e in manifest.entries.items() if p in entries},
-                     digests={n: d for n, d in manifest.digests.items() if n not in partial})
-    return Selection(pruned, partial)
+    return files, entries, partial
 
 
 def entries_of_file(manifest: Manifest, root: str) -> set[str]:

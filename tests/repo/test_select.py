@@ -116,8 +116,10 @@ def test_patterns_select_nested_keys_scalars_and_a_tied_tensor(repo):
                 {"model": {"fc": torch.ones(3)}, "losses": [torch.tensor(2.0)]})
     with pytest.raises(NothingSelectedError, match="no path of commit .* matches nothing.*"):
         repo.checkout(cid, keys=["nothing.*"])
-    odd = repo.commit({"emb[1]": torch.ones(2), "emb1": torch.zeros(2)})  # a path as `ckpt show` lists it selects
-    assert_same(repo.checkout(odd, keys=["emb[1]"]), {"emb[1]": torch.ones(2)})  # itself, glob characters and all
+    odd = repo.commit({"emb[1]": torch.ones(2), "emb1": torch.zeros(2), "lr[0]": 0.1, "lr0": 0.2})
+    assert_same(repo.checkout(odd, keys=["emb[1]"]), {"emb[1]": torch.ones(2)})  # a path as `ckpt show` lists it
+    assert repo.checkout(odd, keys=["lr[0]"]) == {"lr[0]": 0.1}  # selects itself, glob characters and all
+    assert repo.checkout(odd, keys=["lr[0-9]"]) == {"lr0": 0.2}  # and a glob that names no path stays a glob
 
 
 def _trainer_folder(folder, trainer):
