@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
 import io
 import json
 import math
@@ -57,9 +56,9 @@ def echo(text: str = "") -> None:
 
     So a reader gone (`ckpt log | head -1`) or a full /dev/full is told apart from the repository's own disk.
     """
+    if sys.stdout is None:  # started with stdout closed (`>&-`): click would drop the text without a word
+        raise OutputError.closed()
     try:
-        if sys.stdout is None:  # started with stdout closed (`>&-`): click would drop the text without a word
-            raise OSError(errno.EBADF, "standard output is closed")
         click.echo(text)
     except OSError as exc:
         raise OutputError(exc) from exc
@@ -633,7 +632,7 @@ def _daemons() -> Any:
 def _daemon_root(ctx: click.Context) -> Any:
     from ckptstore.repo import find_root
 
-    return find_root(_named_root(ctx))
+    return _named_root(ctx) or find_root()
 
 
 def _daemon_line(state: dict[str, Any]) -> str:
@@ -690,8 +689,8 @@ def _output_gone(exc: OutputError) -> None:
     # stdout without a descriptor (a daemon's) or closed from the start (None) has nothing to redirect
     with contextlib.suppress(OSError, ValueError, AttributeError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    if exc.errno == errno.EPIPE:
-        sys.exit(128 + signal.SIGPIPE)
+    if exc.quiet:
+        sys.exit(exc.exit_code)
     _fail(str(exc), exc.exit_code)
 
 

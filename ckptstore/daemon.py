@@ -24,12 +24,10 @@ commit` process, so it imports only what a client needs. The serving process is 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import importlib.machinery
 import json
 import os
-import signal
 import socket
 import stat
 import struct
@@ -202,7 +200,7 @@ def forward(root: Path, argv: list[str]) -> int | None:
 def _echo_reply(conn: socket.socket) -> int | None:
     # stdout refused the output: its reader left (`ckpt commit | true`, 141) or it failed (a full disk, closed):
     # the command ends as it would here
-    refused: OSError | None = None
+    refused: OutputError | None = None
     while True:
         try:
             channel, payload = receive_frame(conn)
@@ -223,17 +221,15 @@ def _echo_reply(conn: socket.socket) -> int | None:
                              "intact (`ckpt log` shows whether this one was recorded)")
 
 
-def _refused_output(error: OSError) -> int:
-    """The exit code of a command whose stdout refused its output, as the CLI ends it: 141 for a reader gone."""
-    if error.errno == errno.EPIPE:
-        return 128 + signal.SIGPIPE
-    if sys.stderr is not None:
+def _refused_output(error: OutputError) -> int:
+    """The exit code of a command whose stdout refused its output, said as the CLI says it."""
+    if not error.quiet and sys.stderr is not None:
         with contextlib.suppress(OSError):
-            print(f"error: {OutputError(error)}", file=sys.stderr)
-    return OutputError.exit_code
+            print(f"error: {error}", file=sys.stderr)
+    return error.exit_code
 
 
-def _echo(stream: Any, payload: bytes) -> OSError | None:
+def _echo(stream: Any, payload: bytes) -> OutputError | None:
     """Write the command's output here; a stream that refuses it (`ckpt commit | head`) drops it, the command runs on.
 
     Returns what refused it, if anything.
@@ -242,7 +238,7 @@ def _echo(stream: Any, payload: bytes) -> OSError | None:
     hold the text (an ASCII locale): decoded and written as text, they raised UnicodeEncodeError.
     """
     if stream is None:  # started with it closed (`>&-`)
-        return OSError(errno.EBADF, "standard output is closed")
+        return OutputError.closed()
     try:
         buffer = getattr(stream, "buffer", None)
         if buffer is None:
@@ -253,7 +249,7 @@ def _echo(stream: Any, payload: bytes) -> OSError | None:
         (buffer or stream).flush()
     except OSError as exc:  # and no BrokenPipeError at exit either: what is left goes nowhere
         os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
-        return exc
+        return OutputError(exc)
     return None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 from collections.abc import Sequence
 
 # What `ckpt` says on Ctrl-C, wherever the command ran (here, or in the repository's daemon)
@@ -183,7 +184,15 @@ class OutputError(CkptError):
 
     def __init__(self, cause: OSError) -> None:
         self.errno = cause.errno
+        # a reader gone (`ckpt log | head -1`) ends quietly with SIGPIPE's status, as git does
+        self.quiet = cause.errno == errno.EPIPE
+        self.exit_code = 128 + signal.SIGPIPE if self.quiet else 1
         super().__init__(f"cannot write the output: {cause.strerror or cause}")
+
+    @classmethod
+    def closed(cls) -> OutputError:
+        """The error of a process started with its stdout closed (`>&-`): Python gives it no stream."""
+        return cls(OSError(errno.EBADF, "standard output is closed"))
 
 
 class ReadOnlyRepoError(CkptError):
@@ -225,8 +234,8 @@ def explain(exc: BaseException) -> CkptError | None:
         if isinstance(current, PermissionError):
             return _permission_denied(current)
         if isinstance(current, OSError) and current.errno == errno.ENAMETOOLONG:
-            return CkptError(f"a name in {current.filename or 'a path'} is too long for this file system (at most "
-                             "255 bytes a name); choose a shorter one")
+            return CkptError(f"{current.filename or 'a path'} is too long for this file system (a name in it, or the "
+                             "whole path); choose a shorter one")
         if isinstance(current, UnicodeEncodeError) and "surrogates" in text:
             return CkptError(f"{current.object[:80]!r} holds bytes that are not UTF-8; ckptstore records names, "
                              "paths and messages as UTF-8: rename the file, or pass the text in UTF-8")

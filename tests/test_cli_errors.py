@@ -246,7 +246,7 @@ def test_repo_and_ckpt_repo_name_the_repository_itself_never_one_above_it(tmp_pa
     assert as_file.exit_code == 1 and "CKPT_REPO=" in str(as_file.exception) and "is a file" in str(as_file.exception)
     too_long = run(tmp_path, "--repo", str(tmp_path / ("x" * 300)), "log")
     one_error_line(too_long)
-    assert "too long for this file system" in too_long.stderr
+    assert "is too long for this file system" in too_long.stderr
     with Repository.open(tmp_path) as repo:
         assert repo.log() == []  # nothing landed in the repository above
 
