@@ -93,24 +93,31 @@ def wait_until_held(release: Path, process: subprocess.Popen, timeout: float = 1
         time.sleep(0.02)
 
 
-def ckpt_here(cwd: str | os.PathLike, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def ckpt_here(cwd: str | os.PathLike, *args: str, env: dict[str, str] | None = None,
+              timeout: float = 300) -> subprocess.CompletedProcess:
     """`ckpt ARGS` typed in `cwd`, run by this process's `ckptstore.cli.main`: the exit code and output a shell gets.
 
     For command flows: no process start-up per command. What a process does (signals, pipes, exit, the
-    daemon, two commands at once) is tested with real subprocesses.
+    daemon, two commands at once) is tested with real subprocesses. A command still running after
+    `timeout` seconds ends this test process with every thread's traceback, as a subprocess's timeout would
+    fail the test, instead of hanging the suite.
     """
+    import faulthandler
+
     from click.testing import CliRunner
 
     from ckptstore.cli import main
 
     argv = [os.fspath(arg) for arg in args]
     with contextlib.chdir(cwd), CliRunner().isolation(env={"CKPT_REPO": None, **(env or {})}) as (out, err, _):
+        faulthandler.dump_traceback_later(timeout, exit=True, file=sys.__stderr__)
         try:
             main(argv)
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
         finally:
+            faulthandler.cancel_dump_traceback_later()
             sys.stdout.flush()
             sys.stderr.flush()
         return subprocess.CompletedProcess(["ckpt", *argv], code, out.getvalue().decode(), err.getvalue().decode())
