@@ -145,12 +145,42 @@ def _metrics(values: tuple[str, ...]) -> dict[str, float]:
     return metrics
 
 
-@click.group()
+def _show_help(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        echo(ctx.get_help())
+        ctx.exit()
+
+
+def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        from importlib.metadata import version
+
+        echo(f"ckpt, version {version('ckptstore')}")
+        ctx.exit()
+
+
+class _Command(click.Command):
+    """A command whose --help is written as all output is: a stdout that refuses it fails as `ckpt log`'s does."""
+
+    def get_help_option(self, ctx: click.Context) -> click.Option | None:
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.callback = _show_help
+        return option
+
+
+class _Group(_Command, click.Group):
+    command_class = _Command
+    group_class = type  # its groups are _Groups too
+
+
+@click.group(cls=_Group)
 @click.option("--repo", envvar="CKPT_REPO", help="Repository folder (that folder itself; default: the one at or above "
                                                  "the current folder).")
 @click.option("--read-only", is_flag=True, help="Open the repository without writing to it.")
 @click.option("--debug", is_flag=True, help="Print the traceback of an error.")
-@click.version_option(package_name="ckptstore")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
+              help="Show the version and exit.")
 @click.pass_context
 def cli(ctx: click.Context, repo: str | None, read_only: bool, debug: bool) -> None:
     """A git-like store for training checkpoints (read-only where its folder cannot be written)."""

@@ -259,11 +259,31 @@ def test_read_only_init_writes_nothing_and_bare_groups_print_their_help(tmp_path
     assert "Usage: ckpt remote" in bare.stderr and len(bare.stderr.splitlines()) > 5  # the help as lines, not one
 
 
+def test_help_and_version_to_a_stdout_that_refuses_them_fail_as_any_output_does(tmp_path):
+    """click wrote these itself: a full disk read as the repository's, a reader gone as exit 1."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for args in (["--version"], ["log", "--help"]):
+        with open("/dev/full", "w") as full:
+            filled = subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=tmp_path, env=env, stdout=full,
+                                    stderr=subprocess.PIPE, text=True, timeout=120)
+        assert filled.returncode == 1 and filled.stderr == "error: cannot write the output: No space left on device\n"
+        read, write = os.pipe()
+        os.close(read)
+        with os.fdopen(write, "w") as gone:
+            piped = subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=tmp_path, env=env, stdout=gone,
+                                   stderr=subprocess.PIPE, text=True, timeout=120)
+        assert piped.returncode == 141 and piped.stderr == "", piped.stderr
+    assert run(tmp_path, "--version").stdout.startswith("ckpt, version ")
+
+
 def test_a_command_started_with_stdout_closed_says_it_could_not_write(tmp_path):
     assert run(tmp_path, "init").returncode == 0
     closed = subprocess.run(f"{sys.executable} -m ckptstore log --json >&-", shell=True, cwd=tmp_path, text=True,
                             stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
     assert closed.returncode == 1 and closed.stderr == "error: cannot write the output: standard output is closed\n"
+    version = subprocess.run(f"{sys.executable} -m ckptstore --version >&-", shell=True, cwd=tmp_path, text=True,
+                             stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert version.returncode == 1 and "standard output is closed" in version.stderr
 
 
 def test_init_where_nothing_can_be_made_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
