@@ -47,6 +47,7 @@ from ckptstore.repo.planecache import cache_of
 from ckptstore.repo.progress import NoProgress, Progress
 from ckptstore.repo.pruning import after_commit
 from ckptstore.repo.target import Start, commit_target, default_author, move_ref
+from ckptstore.repo.worktree import own_folder_holding
 from ckptstore.repo.writer import Job, encode_jobs, listed, lossless_jobs
 from ckptstore.state import RawTensor, shared_view_paths
 
@@ -345,8 +346,9 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
         return None, formats.from_state(source), {}, {}
     path = Path(source).resolve()
     kind = formats.kind_on_disk(path, source)
-    if repo.dir in [path, *path.parents]:
-        raise CheckpointFormatError(f"{path} is inside the repository's own {repo.dir.name}/ folder")
+    own = own_folder_holding(repo, path)
+    if own is not None:  # its .ckpt/, or its object store where objects_url put it outside
+        raise CheckpointFormatError(f"{path} is inside the repository's own {own.name}/ folder")
     # Hash the files while they are parsed: both read the same pages, and the load is single-threaded.
     # A commit never holds the repository's own directory (`ckpt commit .` at the root), nor its object
     # store where config objects_url puts it outside .ckpt/.

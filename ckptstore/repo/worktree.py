@@ -77,15 +77,20 @@ def _refuse_missing_parent(dest: Path) -> None:
         raise CkptError(f"directory {dest.parent} does not exist; create it first or pass another -o path")
 
 
+def own_folder_holding(repo: Repository, path: str | os.PathLike) -> Path | None:
+    """The repository's own folder (.ckpt/, or its object store kept elsewhere) that `path` lies in, if any."""
+    real = Path(os.path.realpath(path))
+    return next((own for own in repo.own_folders() if real.is_relative_to(own)), None)
+
+
 def refuse_own_folders(repo: Repository, output: str | os.PathLike) -> None:
     """Refuse an output path (-o) inside the repository's own .ckpt/ or object store: those files are the store's.
 
     Checked up front, as commit refuses a path there: nothing is written, even under --read-only.
     """
-    real = Path(os.path.realpath(output))
-    for own in repo.own_folders():
-        if real.is_relative_to(own):
-            raise CkptError(f"{output} is inside the repository's own {own.name}/ folder: write it elsewhere")
+    own = own_folder_holding(repo, output)
+    if own is not None:
+        raise CkptError(f"{output} is inside the repository's own {own.name}/ folder: write it elsewhere")
 
 
 def check_output_file(dest: Path) -> None:

@@ -160,6 +160,9 @@ def test_output_inside_the_repositorys_own_folders_is_refused_up_front(repo, tmp
         beside.commit({"w": torch.ones(2)})
         with pytest.raises(CkptError, match="inside the repository's own objects/"):
             beside.checkout_to("HEAD", beside.root / "objects" / "x.pt")
+        stored = next(p for p in (beside.root / "objects").rglob("*") if p.is_file())
+        with pytest.raises(CkptError, match="inside the repository's own objects/"):  # nor commits the store's files
+            beside.commit(stored.parent)
     assert not (tmp_path / "r" / "objects" / "x.pt").exists()
 
 
