@@ -314,14 +314,13 @@ def _job(record: TensorRecord, data: np.ndarray, base: TensorRecord | None, sett
     """The lossless encoding job of `record`'s restored bytes: a residual on `base` where its layout allows."""
     raw = RawTensor(record.dtype, tuple(record.shape), data)
     width = raw.itemsize
+    # cut as it is cut now, whatever [encoding] chunk_bytes says today: tensors stored on it replay chunk by chunk
     params = {"width": width, "level": settings.zstd_level,
-              "chunk_bytes": max(width, settings.chunk_bytes // width * width)}
+              "chunk_bytes": _own_chunk_bytes(record, width, max(width, settings.chunk_bytes // width * width))}
     params.update({k: record.params[k] for k in KEPT_PARAMS if k in record.params})
     if "rel_error" in params:
         params.setdefault("measured_as", record.codec)
-    if base is not None and _usable(record, base, width, chain_limit(settings.max_chain, width, costs)):
-        params["chunk_bytes"] = int(base.params["chunk_bytes"])
-    else:
+    if base is None or not _usable(record, base, width, chain_limit(settings.max_chain, width, costs)):
         base = None
     return Job(record.id, raw, LOSSLESS_CODEC, params, base, known_id=record.id)
 
@@ -335,4 +334,15 @@ def _usable(record: TensorRecord, base: TensorRecord, width: int, limit: int) ->
     return (base.dtype == record.dtype and base.raw_bytes == record.raw_bytes > 0
             and base.depth + 1 <= limit and isinstance(chunk, int) and chunk > 0
             and chunk % width == 0
-            and chunk_sizes(record.raw_bytes, chunk) == [c.raw_bytes for c in base.chunks])
+            and chunk_sizes(record.raw_bytes, chunk) == [c.raw_bytes for c in base.chunks]
+            == [c.raw_bytes for c in record.chunks])
+
+
+def _own_chunk_bytes(record: TensorRecord, width: int, default: int) -> int:
+    """The chunk size that cuts `record` into the chunks it has (`default` where none of the candidates does)."""
+    sizes = [c.raw_bytes for c in record.chunks]
+    for candidate in (record.params.get("chunk_bytes"), sizes[0] if sizes else None):
+        if (isinstance(candidate, int) and candidate > 0 and candidate % width == 0
+                and chunk_sizes(record.raw_bytes, candidate) == sizes):
+            return candidate
+    return default

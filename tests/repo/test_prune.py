@@ -298,6 +298,25 @@ def test_a_retention_policy_on_a_metric_not_logged_yet_lets_commits_succeed_and_
         assert [c.pruned for c in repo.log()] == [False, True, True, True]
 
 
+def test_a_base_re_encoded_after_chunk_bytes_changed_keeps_its_chunks_for_the_tensors_on_it(tmp_path):
+    """Re-encoded with today's [encoding] chunk_bytes, the kept tip's residuals no longer lined up with it."""
+    generator = torch.Generator().manual_seed(0)
+    weights, states = torch.randn(300_000, generator=generator), []
+    with Repository.init(tmp_path, encoding=EncodingSettings(max_chain=8, chunk_bytes=1 << 20)) as repo:
+        for step in range(4):
+            weights = weights + 0.01 * torch.randn(300_000, generator=generator)
+            states.append({"w": weights.clone(), "step": step})
+            repo.commit(states[-1], step=step)
+    config = RepoConfig.load(tmp_path / ".ckpt" / "config.toml")
+    config.encoding = EncodingSettings(max_chain=8, chunk_bytes=1 << 16)  # tuned later, as the docs allow
+    config.save(tmp_path / ".ckpt" / "config.toml")
+    with Repository.open(tmp_path) as repo:
+        assert prune(repo, RetentionPolicy(keep_last=2)).tensors_reencoded
+        for back, state in ((0, states[3]), (1, states[2])):
+            assert_same(state, repo.checkout(f"main~{back}"))
+        assert fsck(repo, full=True).ok
+
+
 def test_a_checkout_that_read_its_records_before_a_prune_still_restores_bit_exact(tmp_path):
     with Repository.init(tmp_path, encoding=EncodingSettings(max_chain=6)) as repo:
         cids = _train(repo, commits=4)
