@@ -17,8 +17,10 @@ import io
 import json
 import os
 import pickle
+import pickletools
 import re
 import warnings
+import zipfile
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -122,7 +124,7 @@ def read(path: str | os.PathLike, trust_pickle: bool = False, used: list[Path] |
 
     def items() -> Iterator[tuple[str, RawTensor]]:
         for key, blob, item, sizes in where:
-            yield key, (raw_from_bytes(blob) if item is None else
+            yield key, (_pickled(blob, key, path) if item is None else
                         _tensor(blob, item, sizes, f"{path}: {item['fqn']} at {key.rsplit('/', 2)[-2]}"))
 
     return described, items()
@@ -188,6 +190,33 @@ def _slice(root: Path, files: dict[str, np.ndarray], metadata: Metadata, index: 
         raise CheckpointFormatError(f"{root / info.relative_path} is shorter than its metadata says "
                                     f"({index.fqn} ends at byte {info.offset + info.length})")
     return data[info.offset:info.offset + info.length]
+
+
+def _pickled(blob: np.ndarray, key: str, path: Path) -> RawTensor:
+    """A non-tensor item's bytes, which DCP wrote with torch.save: checked to be that (read, never run) first.
+
+    Bytes that are no such archive (a damaged file, metadata pointing elsewhere) would be stored and
+    then refused at checkout as a pickle to trust.
+    """
+    problem = _not_a_torch_save(blob)
+    if problem:
+        raise CheckpointFormatError(f"{path}: the non-tensor item {key.rsplit('/', 1)[0]} is not the torch.save "
+                                    f"archive DCP writes ({problem}): the directory is damaged")
+    return raw_from_bytes(blob)
+
+
+def _not_a_torch_save(data: bytes | np.ndarray) -> str:
+    """Why `data` is not a whole torch.save archive (its zip, CRCs and pickle read opcode by opcode, nothing run)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            pickled = next((name for name in archive.namelist() if name.endswith("/data.pkl")), None)
+            if pickled is None:
+                return "no data.pkl in it"
+            for _ in pickletools.genops(io.BytesIO(archive.read(pickled))):
+                pass
+    except Exception as exc:  # zipfile and pickletools raise many kinds on what they cannot parse
+        return (str(exc) or type(exc).__name__)[:120]
+    return ""
 
 
 def _tensor(blob: np.ndarray, item: dict[str, Any], sizes: list[int], where: str) -> RawTensor:
@@ -269,6 +298,9 @@ def item_pickle(fqn: str, data: bytes, trust_pickle: bool = False) -> bytes:
             with torch.serialization.safe_globals([io.BytesIO]):
                 value = torch.load(io.BytesIO(data), weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+            problem = _not_a_torch_save(data)
+            if problem:  # not a trust question: the bytes are no torch.save archive at all
+                raise CorruptRecordError(f"bytes item {fqn}", f"it is not a torch.save archive ({problem})") from None
             raise PickledObjectsError(f"{fqn}: this non-tensor item holds objects beyond plain data and tensors "
                                       f"({str(exc).splitlines()[0][:200]}); DCP would unpickle them in full. Load "
                                       "it with CkptStorageReader(..., trust_pickle=True), and only from repositories "

@@ -72,7 +72,14 @@ def chunk_problem(item: dict[str, Any]) -> str | None:
 
 def to_json(metadata: Any) -> dict[str, Any]:
     """The JSON form of DCP's `metadata`; its storage_data is rebuilt from the items on load, not stored."""
+    import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    def named(value: Any, kind: type, what: str, fqn: str) -> str:
+        # a damaged or foreign .metadata that dcp.load shrugs off must not become a commit checkout refuses
+        if not isinstance(value, kind):
+            raise TypeError(f"{fqn}: its {what} is {value!r}, not a {kind.__module__}.{kind.__name__}")
+        return str(value)
 
     items = []
     for fqn, stored in metadata.state_dict_metadata.items():
@@ -81,9 +88,11 @@ def to_json(metadata: Any) -> dict[str, Any]:
             continue
         props = stored.properties
         items.append({
-            "fqn": fqn, "type": "tensor", "dtype": str(props.dtype), "size": list(stored.size),
-            "layout": str(props.layout), "requires_grad": bool(props.requires_grad),
-            "memory_format": str(props.memory_format), "pin_memory": bool(props.pin_memory),
+            "fqn": fqn, "type": "tensor", "dtype": named(props.dtype, torch.dtype, "dtype", fqn),
+            "size": list(stored.size), "layout": named(props.layout, torch.layout, "layout", fqn),
+            "requires_grad": bool(props.requires_grad),
+            "memory_format": named(props.memory_format, torch.memory_format, "memory format", fqn),
+            "pin_memory": bool(props.pin_memory),
             "chunks": [[list(c.offsets), list(c.sizes), shard_key(fqn, list(c.offsets), list(c.sizes))]
                        for c in stored.chunks],
         })

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from ckptstore import Repository
 from ckptstore.cli import cli
 from ckptstore.dcp import CkptStorageReader
-from ckptstore.errors import CheckpointFormatError, NothingToCommitError, PickledObjectsError
+from ckptstore.errors import CheckpointFormatError, CorruptRecordError, NothingToCommitError, PickledObjectsError
 from ckptstore.formats import dcpdir
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -180,6 +180,9 @@ MANGLED = {
     "storage_data that is a number": lambda m: setattr(m, "storage_data", 5),
     "chunks that are None": lambda m: setattr(m.state_dict_metadata["w"], "chunks", None),
     "chunk offsets in text": lambda m: setattr(m.state_dict_metadata["w"].chunks[0], "offsets", ["0", "0"]),
+    # dcp.load ignores these; a commit of them was one that checkout then refused as a damaged manifest
+    "a layout that is None": lambda m: setattr(m.state_dict_metadata["w"].properties, "layout", None),
+    "a dtype in text": lambda m: setattr(m.state_dict_metadata["w"].properties, "dtype", "torch.float32"),
 }
 
 
@@ -191,6 +194,21 @@ def test_metadata_of_dcps_own_classes_with_a_mangled_field_is_a_format_error(tmp
     (tmp_path / ".metadata").write_bytes(pickle.dumps(metadata, protocol=2))
     with pytest.raises(CheckpointFormatError):
         list(dcpdir.read(tmp_path)[1])
+
+
+def test_a_non_tensor_item_that_is_no_pickle_is_refused_at_commit_and_named_damaged_at_checkout(tmp_path):
+    """Stored as it was, it reached checkout as 'objects beyond plain data: trust it' (wrong advice for garbage)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    dcp.save({"w": torch.arange(12.0), "step": 7}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "saved")))
+    info = dcpdir.read_metadata(tmp_path / "saved").storage_data[MetadataIndex("step")]
+    with open(tmp_path / "saved" / info.relative_path, "r+b") as data:
+        data.seek(info.offset)
+        data.write(b"\xfe" * info.length)  # no pickle opcode
+    with Repository.init(tmp_path / "repo") as repo, pytest.raises(CheckpointFormatError, match="step is not the"):
+        repo.commit(tmp_path / "saved")
+    with pytest.raises(CorruptRecordError, match="bytes item step.*not a torch.save archive"):
+        dcpdir.item_pickle("step", b"\xfe" * 8)
 
 
 def test_files_the_metadata_does_not_name_are_warned_of_and_a_shard_linked_from_outside_is_refused(tmp_path):
