@@ -233,6 +233,9 @@ def explain(exc: BaseException) -> CkptError | None:
                                      "writing ones need write access to its .ckpt folder")
         if isinstance(current, PermissionError):
             return _permission_denied(current)
+        if isinstance(current, IsADirectoryError):  # a folder where the repository keeps a file (.ckpt/lock)
+            return CkptError(f"{current.filename or 'a path'} is a folder where a file was expected: move it "
+                             "away (if it is inside .ckpt/, the repository is damaged: `ckpt fsck`)")
         if isinstance(current, OSError) and current.errno == errno.ENAMETOOLONG:
             return CkptError(f"{current.filename or 'a path'} is too long for this file system (a name in it, or the "
                              "whole path); choose a shorter one")

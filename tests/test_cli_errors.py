@@ -207,6 +207,7 @@ def test_os_failures_below_ckptstore_are_explained():
     except UnicodeEncodeError as exc:
         assert "not UTF-8" in str(explain(exc))
     assert isinstance(explain(OSError(errno.EROFS, "Read-only file system")), ReadOnlyRepoError)
+    assert "a folder where a file was expected" in str(explain(IsADirectoryError(errno.EISDIR, "x", "/r/.ckpt/lock")))
     assert explain(ValueError("something else")) is None
 
 
