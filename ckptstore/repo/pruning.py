@@ -320,9 +320,8 @@ def _job(record: TensorRecord, data: np.ndarray, base: TensorRecord | None, sett
     params.update({k: record.params[k] for k in KEPT_PARAMS if k in record.params})
     if "rel_error" in params:
         params.setdefault("measured_as", record.codec)
-    if base is None or not _usable(record, base, width, chain_limit(settings.max_chain, width, costs)):
-        base = None
-    return Job(record.id, raw, LOSSLESS_CODEC, params, base, known_id=record.id)
+    usable = base is not None and _usable(record, base, width, chain_limit(settings.max_chain, width, costs))
+    return Job(record.id, raw, LOSSLESS_CODEC, params, base if usable else None, known_id=record.id)
 
 
 def _usable(record: TensorRecord, base: TensorRecord, width: int, limit: int) -> bool:
