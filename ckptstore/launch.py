@@ -38,12 +38,12 @@ def _command_of(argv: list[str]) -> tuple[str | None, str | None]:
     """
     repo, index = None, 0
     while index < len(argv) and argv[index].startswith("-"):
-        option, _, value = argv[index].partition("=")
-        if option == "--repo" and not value and index + 1 < len(argv):
+        option, joined, value = argv[index].partition("=")
+        if option == "--repo" and not joined and index + 1 < len(argv):
             repo, index = argv[index + 1], index + 2
-        elif option == "--repo" and value:
-            repo, index = value, index + 1
-        elif option == "--debug" and not value:
+        elif option == "--repo" and joined:  # --repo=PATH (--repo= is empty, as click reads it)
+            repo, index = value or None, index + 1
+        elif option == "--debug" and not joined:
             index += 1
         else:
             return None, repo

@@ -357,3 +357,12 @@ def test_a_checkpoint_cut_short_while_the_daemon_commits_it_is_refused_and_the_d
     assert ckpt_here(served, "log").stdout.strip() == "" and "ok" in ckpt_here(served, "fsck").stdout
     (served / "a.pt").write_bytes(whole)
     assert ckpt(served, "commit", "a.pt").returncode == 0 and _served_count(served) == 2
+
+
+def test_the_launcher_reads_the_command_and_its_repository_past_the_global_options():
+    from ckptstore.launch import _command_of
+
+    assert _command_of(["--repo", "r", "--debug", "commit", "a.pt"]) == ("commit", "r")
+    assert _command_of(["--repo=r", "commit"]) == ("commit", "r")
+    assert _command_of(["--repo=", "commit", "a.pt"]) == ("commit", None)  # empty, as click reads it: not "commit"
+    assert _command_of(["--read-only", "commit"]) == (None, None)  # refused here, never in a daemon
