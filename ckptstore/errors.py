@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 # What `ckpt` says on Ctrl-C, wherever the command ran (here, or in the repository's daemon)
 INTERRUPTED = ("interrupted; an unfinished commit leaves earlier commits intact (`ckpt gc` removes its leftovers), "
@@ -134,14 +134,17 @@ def listing(items: Sequence[str], most: int) -> str:
     return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
+def with_reasons(reasons: Mapping[str, str]) -> str:
+    """Each of `reasons`' keys (tensors a level could not quantize, say) with why, for a warning."""
+    return "; ".join(f"{key}: {why}" for key, why in sorted(reasons.items()))
+
+
 class UnquantizableTensorsError(UnquantizableError):
     """Some tensors of a lossy commit cannot keep their level (`reasons`, by job key); the others could."""
 
     def __init__(self, reasons: dict[str, str]) -> None:
         self.reasons = reasons
-        first, why = next(iter(reasons.items()))
-        more = f" and {len(reasons) - 1} more" if len(reasons) > 1 else ""
-        super().__init__(f"{first}: {why}{more}")
+        super().__init__(listing([f"{key}: {why}" for key, why in reasons.items()], 1))
 
 
 class PrunedCommitError(CkptError):

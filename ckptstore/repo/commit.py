@@ -24,6 +24,7 @@ from ckptstore.errors import (
     NothingToCommitError,
     UnquantizableError,
     UnquantizableTensorsError,
+    with_reasons,
 )
 from ckptstore.formats import filemap
 from ckptstore.formats.atomic import changed_while_read, file_stamp
@@ -48,7 +49,7 @@ from ckptstore.repo.progress import NoProgress, Progress
 from ckptstore.repo.pruning import after_commit
 from ckptstore.repo.target import Start, commit_target, default_author, move_ref
 from ckptstore.repo.worktree import own_folder_holding
-from ckptstore.repo.writer import Job, encode_jobs, listed, lossless_jobs
+from ckptstore.repo.writer import Job, encode_jobs, lossless_jobs
 from ckptstore.state import RawTensor, shared_view_paths
 
 if TYPE_CHECKING:
@@ -259,14 +260,14 @@ def _encode_or_keep_whole(repo: Repository, checkpoint: formats.Checkpoint, pare
                 whole.update(exc.reasons)
                 continue
             if whole:
-                warnings.warn(f"{len(whole)} tensor(s) cannot be quantized at level {level.name!r} ({listed(whole)}): "
-                              "they and the optimizer state coded with them are stored lossless, the rest at the level",
-                              RuntimeWarning, stacklevel=3)
+                warnings.warn(f"{len(whole)} tensor(s) cannot be quantized at level {level.name!r} "
+                              f"({with_reasons(whole)}): they and the optimizer state coded with them are stored "
+                              "lossless, the rest at the level", RuntimeWarning, stacklevel=3)
             return done, change, level
         raise UnquantizableError("more tensors each time")
     except UnquantizableError as exc:  # a diverged run's checkpoint, say, is still worth keeping: whole
         what = "holds NaN or infinite values" if isinstance(exc, NonFiniteError) else "cannot be quantized"
-        why = f"{listed(whole)}; then {exc}" if whole else str(exc)
+        why = f"{with_reasons(whole)}; then {exc}" if whole else str(exc)
         warnings.warn(f"the checkpoint {what} ({why}): committed lossless instead of at level {level.name!r}",
                       RuntimeWarning, stacklevel=3)
         done, change = _encode_checked(repo, checkpoint, parent, sources, None, lossy, measured, progress, None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, UnquantizableError, UnquantizableTensorsError
+from ckptstore.errors import CkptError, UnquantizableError, UnquantizableTensorsError, with_reasons
 from ckptstore.formats.dcpmeta import DCP_FORMAT_VERSION, chunk_problem
 from ckptstore.hashing import CommitId, ObjectId, TensorId, tensor_id
 from ckptstore.metadata import commits as commit_rows
@@ -30,7 +30,7 @@ from ckptstore.repo.commit import CommitOptions, encoding_jobs
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.target import Start, commit_target, move_ref
-from ckptstore.repo.writer import encode_jobs, listed
+from ckptstore.repo.writer import encode_jobs
 from ckptstore.state import BYTES_DTYPE, RawTensor
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def _encode_shards(repo: Repository, shards: Mapping[str, RawTensor], ids: Mappi
             whole, plans = {}, {}
             continue
         if whole:
-            warnings.warn(f"{len(whole)} shard(s) cannot be quantized at level {level.name!r} ({listed(whole)}): "
+            warnings.warn(f"{len(whole)} shard(s) cannot be quantized at level {level.name!r} ({with_reasons(whole)}): "
                           "stored lossless with the optimizer state coded with them, the rest at the level",
                           RuntimeWarning, stacklevel=4)
         return entries, records, sizes, plans

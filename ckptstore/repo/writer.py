@@ -372,11 +372,6 @@ def _packed_results(ordered: list[Job], futures: dict[str, list[Future]], packer
     return results_of
 
 
-def listed(reasons: Mapping[str, str]) -> str:
-    """The tensors a level could not quantize, each with why, for a warning."""
-    return "; ".join(f"{key}: {why}" for key, why in sorted(reasons.items()))
-
-
 def _lossy_measured(job: Job, results: list[ChunkResult], spans: list[int]) -> dict:
     """What a lossy record keeps of its encoding: its error, and per chunk what its next residual starts from."""
     norm = sum(r.norm_sq for r in results)
