@@ -63,19 +63,20 @@ def run_workload(workload: Workload, resume_steps: int) -> dict:
             method.start(scratch / method.name.replace(" ", "_").replace("(", "").replace(")", ""), workload)
             result["methods"][method.name] = {"lossy": method.lossy, "stored": [], "commit_s": [], "checkout_s": [],
                                               "commit_mem": [], "checkout_mem": [], "eval": [], "resume": None}
+        # quick runs are the test suite's (their times are not reported): a system-wide flush there only
+        # waits on the other test worker's writes
+        flush = not workload.quick
         for index, unit in enumerate(files):
             for method in methods:
                 row = result["methods"][method.name]
-                # quick runs are the test suite's (their times are not reported): a system-wide flush there
-                # only waits on the other test worker's writes
-                warm(unit, flush=not workload.quick)
+                warm(unit, flush)
                 with PeakMemory() as peak:
                     start = time.perf_counter()
                     row["stored"].append(method.commit(unit))
                     row["commit_s"].append(time.perf_counter() - start)
                 row["commit_mem"].append(peak.extra)
                 dest = scratch / ("restored" + unit.suffix)
-                if not workload.quick:
+                if flush:
                     os.sync()
                 with PeakMemory() as peak:
                     start = time.perf_counter()

@@ -63,7 +63,6 @@ class KeyPatterns:
         return any(fnmatchcase(dotted, p) or fnmatchcase(dotted, p + ".*") for p in map(_level, self.patterns))
 
 
-
 @dataclass
 class Selection:
     """A commit pruned to the matched values: the manifest to restore, and which files are partial."""
