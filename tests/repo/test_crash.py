@@ -35,7 +35,7 @@ from ckptstore import Repository
 from ckptstore.errors import CkptError
 from ckptstore.repo import fsck, remote
 from ckptstore.repo.config import RepoConfig
-from tests.conftest import BACKENDS, assert_same, same
+from tests.conftest import BACKENDS, assert_same, ckpt_here, same
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG = os.environ.get("CKPT_HYPOTHESIS_PROFILE") == "long"
@@ -177,9 +177,9 @@ def _check_hub(hub: Path, commits: dict, pushed: bool = False) -> list[str]:
 
 
 def _after_rerun(trial: Path, command: str, commits: dict) -> list[str]:
-    rc, out, _ = _run(trial, COMMANDS[command])
-    if rc != 0:
-        return [f"rerun failed ({rc}): {out.strip()}"]
+    rerun = ckpt_here(trial, *COMMANDS[command])  # what is under test is the killed run; the rerun is a plain command
+    if rerun.returncode != 0:
+        return [f"rerun failed ({rerun.returncode}): {(rerun.stdout + rerun.stderr).strip()}"]
     problems = _check(trial, command, commits)
     with Repository.open(trial) as repo:
         if command == "commit" and not same(commits["new"][1], repo.checkout("HEAD")):

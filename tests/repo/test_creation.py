@@ -21,7 +21,7 @@ import torch
 from ckptstore import Repository
 from ckptstore.errors import RepoNotFoundError
 from ckptstore.repo import fsck
-from tests.conftest import assert_same
+from tests.conftest import assert_same, ckpt_here
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["init:folder-made", "init:config-written", "init:metadata-made", "init:renamed"]
@@ -69,7 +69,7 @@ def test_init_killed_at_each_step_is_redone_by_the_next_init(tmp_path, step, bac
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     _half_made_is_explained(where, step, at_the_cli=(backend, step) == ("sqlite", STEPS[1]))
 
-    again = _ckpt(tmp_path, "init", *urls, str(where))
+    again = ckpt_here(tmp_path, "init", *urls, str(where))  # the next init: a plain command
     if step == "init:renamed":
         assert again.returncode == 1 and "already exists" in again.stderr, again.stderr
     else:
@@ -90,7 +90,7 @@ def test_clone_killed_at_each_step_of_making_its_repository_is_finished_by_the_n
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     _half_made_is_explained(where, step)
 
-    again = _ckpt(tmp_path, "clone", str(source), str(where))
+    again = ckpt_here(tmp_path, "clone", str(source), str(where))
     assert again.returncode == 0, again.stderr
     _whole(where)
     with Repository.open(where) as clone:
