@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore.hashing import CommitId
 from ckptstore.repo import Repository
-from ckptstore.repo.location import find_root
+from ckptstore.repo.location import given_root
 
 if TYPE_CHECKING:
     from ckptstore.repo.background import BackgroundCommit
@@ -68,10 +68,11 @@ def with_repo(repo: RepoLike, fn: Callable[[Repository], Any]) -> Any:
     """
     if isinstance(repo, Repository):
         return fn(repo)
-    kept = _kept(find_root(repo)) if _KEPT else None
+    root = given_root(repo)
+    kept = _kept(root) if _KEPT else None
     if kept is not None:
         return fn(kept)
-    with Repository.open(repo) as opened:
+    with Repository.open(root) as opened:
         return fn(opened)
 
 
@@ -97,7 +98,7 @@ def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = 
 
     if blocking or isinstance(repo, Repository):
         return with_repo(repo, run)
-    return run(_keep(find_root(repo)))
+    return run(_keep(given_root(repo)))
 
 
 def load(ref: str = "HEAD", repo: RepoLike = None, map_location: str | None = None,

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckptstore.repo.location import given_root
 from ckptstore.repo.repository import Repository
 
 
 def open_repo(where: Any, read_only: bool) -> Repository:
-    """`where` itself when it is a Repository, else the repository at or above that path."""
+    """`where` itself when it is a Repository, else the repository whose folder it names (None: found from here)."""
     if isinstance(where, Repository):
         return where
-    return Repository.open(where, read_only=read_only or None)
+    return Repository.open(given_root(where), read_only=read_only or None)
 
 
 class RepoHandle:

@@ -32,6 +32,7 @@ from ckptstore.api import with_repo
 from ckptstore.errors import BackgroundCommitError, CkptError, DirtyWorktreeError, RetentionError
 from ckptstore.hashing import CommitId
 from ckptstore.integrations.unchanged import head_if_unchanged
+from ckptstore.repo.location import given_root
 
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -56,7 +57,7 @@ class CkptCallback(TrainerCallback):
     """Commit each `checkpoint-N` folder right after the Trainer writes it.
 
     Args:
-        repo: the repository (a path, default the current folder's, or an open `Repository`).
+        repo: an open `Repository`, or the folder of one; None: CKPT_REPO, else the one holding the current folder.
         lossy: lossy level for the commits (None: the repository's default).
         branch: commit to this branch (created at HEAD if new) instead of HEAD's.
         keep_folders: once a folder's commit is recorded, delete the committed `checkpoint-*`
@@ -68,7 +69,7 @@ class CkptCallback(TrainerCallback):
         **knobs: lossy knobs, as for `Repository.commit`.
     """
 
-    def __init__(self, repo: str | os.PathLike | Repository = ".", *, lossy: str | None = None,
+    def __init__(self, repo: str | os.PathLike | Repository | None = None, *, lossy: str | None = None,
                  branch: str | None = None, keep_folders: int | None = None, blocking: bool = False,
                  **knobs: Any) -> None:
         if keep_folders is not None and (type(keep_folders) is not int or keep_folders < 0):
@@ -139,7 +140,7 @@ class CkptCallback(TrainerCallback):
         if isinstance(self.repo, Repository):
             return self.repo
         if self._opened is None:
-            self._opened = Repository.open(self.repo)
+            self._opened = Repository.open(given_root(self.repo))
         return self._opened
 
     def _settle(self, state: TrainerState) -> None:

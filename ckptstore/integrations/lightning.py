@@ -39,6 +39,7 @@ from ckptstore.integrations.unchanged import head_if_unchanged
 from ckptstore.repo import Repository
 from ckptstore.repo import refs as ref_names
 from ckptstore.repo.background import BackgroundCommit
+from ckptstore.repo.location import given_root
 
 try:  # pytorch_lightning's Trainer (and lightning_fabric's Fabric) accept this base
     from lightning_fabric.plugins import CheckpointIO as _StandaloneCheckpointIO
@@ -172,7 +173,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
 
     Args:
         repo: an open Repository (left open), or the folder of one (opened on first use and
-            closed at teardown); None: CKPT_REPO or the working directory.
+            closed at teardown); None: CKPT_REPO, else the one holding the working directory.
         branch: the branch commits go on (default: HEAD's branch); each save's parent is its tip.
         prefix: the first part of every tag name (see `ref_for_path`).
         markers: write a marker file at each checkpoint path (Lightning's `ckpt_path="last"`,
@@ -210,7 +211,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         if self._given is not None:
             return self._given
         if self._opened is None:
-            self._opened = Repository.open(self._location)
+            self._opened = Repository.open(given_root(self._location))
         return self._opened
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,

@@ -28,6 +28,11 @@ def named_root(folder: str | os.PathLike, named_by: str = "CKPT_REPO=") -> Path:
                             f"repository's folder itself (`ckpt init {folder}` makes one there)")
 
 
+def given_root(folder: str | os.PathLike | None, named_by: str = "repo=") -> Path:
+    """The repository a Python caller named: a folder names its own (as CKPT_REPO, --repo); None, the one found."""
+    return find_root() if folder is None else named_root(folder, named_by)
+
+
 def find_root(start: str | os.PathLike | None = None) -> Path:
     """The folder holding `.ckpt`: CKPT_REPO if set, else walking up from `start` (or the cwd)."""
     if start is None and os.environ.get("CKPT_REPO"):

@@ -69,6 +69,26 @@ def test_in_memory_save_and_load(repo):
     assert repo.commit_info(cid).source_path is None
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_folder_given_to_save_and_load_names_its_own_repository_never_one_above(tmp_path, monkeypatch, blocking):
+    from ckptstore import Repository
+    from ckptstore.errors import RepoNotFoundError
+
+    Repository.init(tmp_path).close()
+    (tmp_path / "runs" / "b").mkdir(parents=True)
+    for folder in (tmp_path / "runs" / "a", tmp_path / "runs" / "b"):  # missing, and a folder without a repository
+        with pytest.raises(RepoNotFoundError, match="names the repository's folder itself"):
+            save({"w": torch.ones(2)}, repo=folder, blocking=blocking)
+        with pytest.raises(RepoNotFoundError, match="holds no ckptstore repository"):
+            load("HEAD", repo=folder)
+    with Repository.open(tmp_path) as parent:
+        assert parent.head()[1] is None  # nothing went to the repository above
+    monkeypatch.chdir(tmp_path / "runs" / "b")  # no folder given: the repository found from here, as `ckpt` does
+    cid = save({"w": torch.ones(2)}, blocking=blocking)
+    cid = cid if blocking else cid.result()
+    assert_same({"w": torch.ones(2)}, load(cid))
+
+
 def test_cli_training_flow_with_branch_checkout_and_fork(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = lambda *args: CliRunner().invoke(cli, list(args), catch_exceptions=False)
