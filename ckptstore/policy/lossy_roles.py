@@ -63,20 +63,22 @@ def _unowned(ctx: PlanContext, path: str, raw: RawTensor) -> tuple[Role, Subject
 
     With the pairing uncertain, any tensor may be a trained weight; it is planned from its own
     statistics alone (no second moment to judge its importance). Step counters never are, nor
-    other optimizers' state (RMSprop's square_avg, Adagrad's sum: their bounds are not a weight's),
-    nor tensors of whole numbers (pruning masks, counts), which a weight's step would change.
+    other optimizers' state (RMSprop's square_avg, Adagrad's sum: their bounds are not a weight's).
     """
     subject = Subject(path, raw)
     if (ctx.optimizer.certain or not ctx.level.weights_lossy or path.endswith(("/step", "step"))
-            or path in ctx.optimizer_state or whole_numbers(raw)):
+            or path in ctx.optimizer_state):
         return Role.LOSSLESS, subject
     return _weight(ctx, subject)
 
 
 def _weight(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
-    """Which weight role: lossless below the level's size or at zero RMS, else by pace and parent."""
+    """Which weight role: lossless when small, at zero RMS or of whole numbers (a mask), else by pace and parent.
+
+    Whole numbers stay exact whether or not an optimizer trains them: a step would change a mask's values.
+    """
     path, raw = subject.path, subject.raw
-    if len(raw.shape) < 2 or not eligible(raw, ctx.level, elements=ctx.elements.get(path)):
+    if len(raw.shape) < 2 or not eligible(raw, ctx.level, elements=ctx.elements.get(path)) or whole_numbers(raw):
         return Role.LOSSLESS, subject
     weight_rms = ctx.rms_of(path)
     if weight_rms == 0.0:

@@ -149,6 +149,16 @@ def test_with_a_certain_pairing_a_weight_no_optimizer_parameter_claims_stays_los
     assert roles["model/out.weight"] is not Role.LOSSLESS
 
 
+@pytest.mark.parametrize("level", ["balanced", "extreme", "resume-only"])
+def test_a_trained_parameter_of_whole_numbers_stays_lossless_at_every_level(level):
+    tensors = _adam_model()
+    mask = (np.arange(64 * 128) % 3 == 0).astype(np.float32)  # a 0/1 mask registered as a parameter, Adam-trained
+    tensors["model/fc.weight"] = RawTensor("torch.float32", (64, 128), mask.view(np.uint8))
+    roles, _ = _roles_and_plans(tensors, {}, level_named(level), _pairing(tensors, 1e-3))
+    assert roles["model/fc.weight"] is Role.LOSSLESS
+    assert roles["model/out.weight"] is not Role.LOSSLESS  # its neighbours are still weights
+
+
 def test_sgd_momentum_and_its_weights_which_are_never_fast():
     level = level_named("resume-only", fisher_allocation=False)
     tensors = {"model/w.weight": _t(64, 64), "optimizer/state/0/momentum_buffer": _t(64, 64, seed=1, scale=0.1),
