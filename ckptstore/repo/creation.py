@@ -71,7 +71,7 @@ def _build(root: Path, staging: Path, config: RepoConfig) -> None:
     config.save(staging / "config.toml")
     faults.point("init:config-written")
     if config.objects_url:
-        repo = open_over_objects(root, config, create=True, folder=staging)
+        repo = open_over_objects(root, config, create=True, folder=staging, joining=True)
     else:
         repo = Repository(root, config, create=True, folder=staging)
     try:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ckptstore.errors import MissingDatabaseError, RepoExistsError
 from ckptstore.metadata import tensors as tensor_rows
-from ckptstore.objectstore import open_store
+from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.repo.config import RepoConfig
 from ckptstore.repo.location import REPO_DIR
 from ckptstore.repo.refs import ensure_head
@@ -23,13 +23,16 @@ if TYPE_CHECKING:
 SAMPLE = 8  # objects the metadata names that are looked for in the prefix: one found is enough
 
 
-def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path | None = None) -> Repository:
+def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path | None = None,
+                      joining: bool = False) -> Repository:
     """The repository at `root` whose objects are at `config.objects_url`; `create`: start empty metadata.
 
     `folder`: its `.ckpt` folder where that is not (yet) `root/.ckpt` (init builds it under another name).
 
     Metadata that holds a repository is joined only where some of its objects are in the prefix;
-    an empty one gets a schema only over a prefix that holds no objects.
+    an empty one gets a schema only over a prefix that holds no objects. `joining` (a machine's
+    init): metadata that names no object yet is joined only over an empty prefix too; a remote's
+    own interrupted first push left objects there that its next push finishes.
     """
     from ckptstore.repo.repository import Repository
 
@@ -41,10 +44,7 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
     except MissingDatabaseError:
         if not create:
             raise
-        if next(iter(store.iter_ids()), None) is not None:
-            raise RepoExistsError(f"{url} already holds objects that no commit in this metadata names: join their "
-                                  "repository with the --metadata URL it was made with, or choose another prefix"
-                                  ) from None
+        _refuse_objects_of_another(store, url)
         created = Repository(root, config, store=store, create=True, folder=folder)
         try:
             ensure_head(created)
@@ -55,6 +55,8 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
     try:
         with repo.db.read() as tx:
             named = tensor_rows.some_objects(tx, SAMPLE)
+        if joining and not named:
+            _refuse_objects_of_another(store, url)
         if named and not any(store.has(o) for o in named):
             raise RepoExistsError(f"{url} holds none of the objects that the metadata {repo.db.where} names "
                                   f"({len(named)} looked for): that metadata belongs with another objects URL; "
@@ -63,3 +65,12 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
         repo.close()
         raise
     return repo
+
+
+def _refuse_objects_of_another(store: ObjectStore, url: str) -> None:
+    """Metadata naming no object over a prefix that holds some: gc there would delete them all."""
+    if next(iter(store.iter_ids()), None) is not None:
+        raise RepoExistsError(f"{url} already holds objects that no commit in this metadata names: join their "
+                              "repository with the --metadata URL it was made with, or choose another prefix "
+                              "(objects of this repository's own first commit, still running or interrupted: "
+                              "join once it is recorded, or after `ckpt gc` on a machine that joined)") from None

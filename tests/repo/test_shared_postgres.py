@@ -168,7 +168,11 @@ def test_the_metadata_and_objects_of_two_repositories_are_never_paired(postgres_
             Repository.init(tmp_path / f"b{attempt}", objects_url=team_objects, metadata_url=empty_db)
     with pytest.raises(RepoExistsError, match="holds none of the objects that the metadata"):
         Repository.init(tmp_path / "c", objects_url=f"file://{tmp_path / 'other-objects'}", metadata_url=team_db)
-    assert not any((tmp_path / name).exists() for name in ("b0", "b1", "c"))
+    # another repository's metadata with no commit yet, joined with the team's prefix: its gc would delete them all
+    Repository.init(tmp_path / "y", objects_url=f"file://{tmp_path / 'y-objects'}", metadata_url=empty_db).close()
+    with pytest.raises(RepoExistsError, match="already holds objects that no commit"):
+        Repository.init(tmp_path / "e", objects_url=team_objects, metadata_url=empty_db)
+    assert not any((tmp_path / name).exists() for name in ("b0", "b1", "c", "e"))
     with Repository.init(tmp_path / "d", objects_url=team_objects, metadata_url=team_db) as joined:
         gc(joined)
         assert_same({"w": torch.ones(4)}, joined.checkout(cid))
