@@ -19,7 +19,7 @@ from ckptstore.hashing import CommitId
 from ckptstore.metadata import Tx
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
-from ckptstore.metadata.refs import BRANCH, HEAD, HEAD_KIND, TAG
+from ckptstore.metadata.refs import BRANCH, HEAD, HEAD_KIND, REMOTE, TAG
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
@@ -60,11 +60,16 @@ def check_name(name: str) -> None:
                                   "(NAME/BRANCH); choose another name")
 
 
-def check_new_name(name: str, remotes: Iterable[str]) -> None:
-    """check_name, and no REMOTE/...: that is how remote-tracking refs read, and a local one would hide them."""
+def check_new_name(name: str, remotes: Iterable[str], tx: Tx) -> None:
+    """check_name, and no REMOTE/...: that is how remote-tracking refs read, and a local one would hide them.
+
+    A remote is this machine's (`remotes`), or any whose tracking refs the metadata holds: on a shared
+    repository another machine's fetch put them there.
+    """
     check_name(name)
     remote = name.split("/", 1)[0]
-    if "/" in name and remote in remotes:
+    tracked = "/" in name and any(ref.startswith(f"remotes/{remote}/") for ref in ref_rows.names(tx, (REMOTE,)))
+    if "/" in name and (remote in remotes or tracked):
         raise InvalidRefNameError(f"{name!r} would hide remote {remote!r}'s tracking ref of that name; choose "
                                   "another name")
 
@@ -146,8 +151,8 @@ def head(repo: Repository) -> tuple[str | None, CommitId | None]:
 
 def create(repo: Repository, name: str, start: str, kind: str) -> CommitId:
     """Create a branch or tag `name` at the commit `start` names."""
-    check_new_name(name, repo.config.remotes)
     with repo.db.write() as tx:
+        check_new_name(name, repo.config.remotes, tx)
         if ref_rows.ref_row(tx, name) is not None:
             raise RefExistsError(f"a branch or tag named {name!r} already exists")
         if kind == TAG and head_branch(tx) == name:

@@ -408,7 +408,8 @@ def pull(repo: Repository, name: str, branch: str | None = None) -> tuple[Transf
     new = CommitId(theirs.commit_id)
     old = _tip(ours)
     if old is None:  # a branch made here: named as `ckpt branch` names one (origin/x would hide a tracking ref)
-        refs.check_new_name(branch, repo.config.remotes)
+        with repo.db.read() as tx:
+            refs.check_new_name(branch, repo.config.remotes, tx)
     if old == new or (old is not None and _is_ancestor(repo, new, old)):
         return report, None  # up to date, or ours is ahead
     if old is not None and not _is_ancestor(repo, old, new):

@@ -297,6 +297,25 @@ def test_tracking_refs_follow_the_remote_and_never_move_a_branch_or_tag(pair, tm
         remote.clone(str(hub_path), tmp_path / "afile")
 
 
+def test_a_machine_without_the_remote_still_cannot_hide_the_tracking_refs_another_fetched(pair, tmp_path):
+    """On a shared repository the tracking refs are everyone's, the remotes each machine's own config."""
+    from ckptstore.repo.config import RepoConfig
+
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    remote.clone(str(hub_path), tmp_path / "copy").close()
+    config_path = tmp_path / "copy" / ".ckpt" / "config.toml"
+    config = RepoConfig.load(config_path)
+    config.remotes.clear()  # as the config of a machine that never added origin
+    config.save(config_path)
+    with Repository.open(tmp_path / "copy") as other:
+        with pytest.raises(InvalidRefNameError, match="would hide remote 'origin'"):
+            other.branch("origin/main", "main~1")
+        with pytest.raises(InvalidRefNameError, match="would hide remote 'origin'"):
+            other.commit({"w": torch.ones(3)}, branch="origin/dev2")
+        assert other.resolve("origin/main") == cids[1]
+
+
 def test_a_lazy_clone_keeps_its_origin_and_is_no_origin_for_another(pair, tmp_path):
     work, hub_path, cids = pair
     remote.push(work, "origin")
