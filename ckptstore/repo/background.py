@@ -265,9 +265,10 @@ def commit_call(repo: Repository, source: Any, options: CommitOptions, lossy: Lo
     """`Repository.commit`: in the background, or now once the commit in flight is done (raising its unseen failure)."""
     if not blocking:
         return commit_in_background(repo, source, options, lossy, progress, buffer_budget)
-    if repo._background is not None:
-        repo._background.settle()
-    return commit(repo, source, options, lossy, progress)
+    lane = lane_of(repo)
+    with lane.mutex:  # threads sharing the repository commit one at a time, as their background commits do
+        lane.settle()
+        return commit(repo, source, options, lossy, progress)
 
 
 def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: Any, lent: list[Any],

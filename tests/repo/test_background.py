@@ -86,6 +86,33 @@ def test_second_commit_waits_for_the_first(repo, trainer, hold):
     assert repo.log()[0].id == third and repo.log()[0].parents == [second.result()]
 
 
+def test_threads_committing_through_one_repository_take_turns(repo, monkeypatch, tmp_path):
+    """Blocking commits from two threads on one branch: the second waits for the first, neither conflicts."""
+    release = tmp_path / "release"
+    monkeypatch.setenv("CKPT_WAIT_AT", f"commit:manifest-written={release}")  # the first holds after its objects
+    results: dict[str, object] = {}
+
+    def commit(name: str, value: float) -> None:
+        try:
+            results[name] = repo.commit({"w": torch.full((64,), value)}, name)
+        except Exception as exc:  # noqa: BLE001 - what the test reports
+            results[name] = exc
+
+    first = threading.Thread(target=commit, args=("one", 1.0))
+    first.start()
+    _wait_reached(release)
+    second = threading.Thread(target=commit, args=("two", 2.0))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and "two" not in results  # waiting for the first, not racing it to the branch
+    release.touch()
+    first.join(60)
+    second.join(60)
+    assert [c.message for c in repo.log()] == ["two", "one"], results
+    assert repo.log()[0].parents == [results["one"]]
+    assert_same(repo.checkout("main"), {"w": torch.full((64,), 2.0)})
+
+
 def test_failure_is_raised_by_result_and_leaves_the_repository_as_it_was(repo, trainer, monkeypatch):
     first = repo.commit(trainer.state(), "kept")
     before = (repo.branches(), [c.id for c in repo.log()])
