@@ -15,6 +15,7 @@ read is verified against its id, packs too: they are read whole.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from collections.abc import Iterable, Iterator
@@ -22,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
-from ckptstore.errors import CorruptObjectError, StoreUnavailableError
+from ckptstore.errors import CkptError, CorruptObjectError, StoreUnavailableError
 from ckptstore.hashing import ObjectId, is_hex_id, object_id
 from ckptstore.objectstore.base import as_bytes, delivered
 
@@ -84,12 +85,25 @@ def _client(bucket: str) -> Any:
         from obstore.auth.boto3 import Boto3CredentialProvider  # needs boto3: only for profiles
 
         provider = Boto3CredentialProvider()
-    seconds = float(os.environ.get("CKPT_S3_RETRY_SECONDS") or RETRY_SECONDS)
-    retry = {"max_retries": 10, "retry_timeout": timedelta(seconds=seconds),
+    retry = {"max_retries": 10, "retry_timeout": timedelta(seconds=_retry_seconds()),
              "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5),
                          "base": 2}}
     return S3Store(bucket, config=config, client_options=options, retry_config=retry,
                    credential_provider=provider)
+
+
+def _retry_seconds() -> float:
+    """CKPT_S3_RETRY_SECONDS, else RETRY_SECONDS; anything but a number of seconds, 0 or more, is refused."""
+    text = os.environ.get("CKPT_S3_RETRY_SECONDS", "").strip()
+    if not text:
+        return RETRY_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 <= seconds < 10**9:  # NaN fails it too
+        raise CkptError(f"CKPT_S3_RETRY_SECONDS={text!r}: give how long to retry a request, in seconds (0 or more)")
+    return seconds
 
 
 class S3Ranges:

@@ -102,6 +102,14 @@ def test_cli_init_on_a_bucket_then_commit_and_checkout(tmp_path, s3_url):
     assert ckpt_here(tmp_path, "fsck").returncode == 0
 
 
+def test_joining_with_a_bucket_that_does_not_exist_says_so(tmp_path, s3_url, metadata_url):
+    with Repository.init(tmp_path / "a", objects_url=s3_url, metadata_url=metadata_url) as repo:
+        repo.commit(_state(0))
+    bucket, _, prefix = s3_url.removeprefix("s3://").partition("/")
+    with pytest.raises(CkptError, match="the bucket does not exist"):  # not "holds none of the objects"
+        Repository.init(tmp_path / "b", objects_url=f"s3://{bucket}-typo/{prefix}", metadata_url=metadata_url)
+
+
 def test_a_bucket_gone_is_named_as_such_on_upload(tmp_path, s3_server, metadata_url):
     """A PUT into a bucket that no longer exists used to read as 'object ... is missing'."""
     import urllib.request
