@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from ckptstore.errors import INTERRUPTED, CkptError, OutputError, ReadOnlyRepoError, explain, listing
-from ckptstore.repo import LOSSY_LEVELS, EncodingSettings, Repository, fsck, gc, named_root
+from ckptstore.repo import LOSSY_LEVELS, EncodingSettings, Repository, fsck, gc, named_root, subject
 
 LEVEL_NAMES = list(LOSSY_LEVELS)
 
@@ -482,9 +482,10 @@ def stats(ctx, as_json) -> None:
         return _emit_json(data)
     echo(f"{'commit':<12} {'step':>8} {'raw':>12} {'stored':>12} {'ratio':>8}  message")
     for row in data["commits"]:
-        stored, ratio = ("pruned", "-") if row["pruned"] else (_size(row["stored_bytes"]), f"{row['ratio']:.2f}x")
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"  # "-": nothing new stored
+        stored, ratio = ("pruned", "-") if row["pruned"] else (_size(row["stored_bytes"]), ratio)
         echo(f"{row['id'][:12]} {row['step'] if row['step'] is not None else '-':>8} "
-             f"{_size(row['raw_bytes']):>12} {stored:>12} {ratio:>8}  {row['message']}")
+             f"{_size(row['raw_bytes']):>12} {stored:>12} {ratio:>8}  {subject(row['message'])}")
     kept = sum(not row["pruned"] for row in data["commits"])
     pruned = f" ({len(data['commits']) - kept} more pruned)" if kept < len(data["commits"]) else ""
     echo(f"total: {kept} commits{pruned}, {_size(data['raw_bytes'])} of checkpoints in "

@@ -6,7 +6,7 @@ from typing import Any
 
 __all__ = ["LOSSY_LEVELS", "CommitOptions", "EncodingSettings", "FsckReport", "GcReport", "LossyOptions", "Manifest",
            "PruneReport", "Repository", "RetentionPolicy", "TensorDiff", "WatchOptions", "export", "find_root",
-           "named_root", "fsck", "function_named", "gc", "prune", "keep_warm", "watch_folder"]
+           "named_root", "fsck", "subject", "function_named", "gc", "prune", "keep_warm", "watch_folder"]
 
 _WHERE = {
     "Repository": "repository", "find_root": "location", "named_root": "location", "Manifest": "manifest",
@@ -15,6 +15,7 @@ _WHERE = {
     "fsck": "maintenance", "gc": "maintenance", "LOSSY_LEVELS": "config", "EncodingSettings": "config",
     "function_named": "calibrate", "export": "exporter", "WatchOptions": "watch", "watch_folder": "watch",
     "prune": "pruning", "keep_warm": "warm", "PruneReport": "pruning", "RetentionPolicy": "config",
+    "subject": "history",
 }
 
 

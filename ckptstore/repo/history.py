@@ -56,6 +56,11 @@ def decorations(repo: Repository) -> dict[CommitId, list[str]]:
     return labels
 
 
+def subject(message: str) -> str:
+    """A commit message's first line: what one-line-per-commit views (log --graph, stats) show, as git's do."""
+    return next(iter(message.splitlines()), "")
+
+
 def log_graph(repo: Repository, all_refs: bool = False) -> list[str]:
     """`log --graph` lines."""
     history = log(repo, all_refs=all_refs)
@@ -68,7 +73,7 @@ def log_graph(repo: Repository, all_refs: bool = False) -> list[str]:
         step = f" step={info.step}" if info.step is not None else ""
         lossy = f" [lossy:{info.lossy}]" if info.lossy else ""
         pruned = " [pruned]" if info.pruned else ""
-        return f"{cid[:12]}{deco}{step}{lossy}{pruned} {info.message}".rstrip()
+        return f"{cid[:12]}{deco}{step}{lossy}{pruned} {subject(info.message)}".rstrip()
 
     return graph.render([c.id for c in history], {c.id: c.parents for c in history}, describe)
 
@@ -139,7 +144,8 @@ def stats(repo: Repository) -> dict[str, Any]:
         every = commit_rows.all_commits(tx)
     # a pruned commit's row stays for the history; its checkpoint is gone, so the totals leave it out
     rows = [{"id": c.id, "step": c.step, "message": c.message, "raw_bytes": c.raw_bytes,
-             "stored_bytes": c.stored_bytes, "ratio": c.raw_bytes / max(c.stored_bytes, 1), "pruned": c.pruned}
+             "stored_bytes": c.stored_bytes, "pruned": c.pruned,
+             "ratio": c.raw_bytes / c.stored_bytes if c.stored_bytes else None}  # None: it stored nothing new
             for c in sorted(every.values(), key=lambda c: c.created_at)]
     objects = sum(size for _, size in repo.store.iter_sizes())
     metadata = repo.db.size_on_disk()
