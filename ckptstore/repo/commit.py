@@ -196,7 +196,8 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         entries.update({path: record.id for path, record in encoded.items() if path in checkpoint.tensors})
         manifest = Manifest(checkpoint.kind, checkpoint.files, {
             p: Entry(entries[p], raw.dtype, raw.shape) for p, raw in checkpoint.tensors.items()
-        }, digests, level.name if level else None, done.pairing, _importance_note(done.fisher, done.plans))
+        }, digests, level.name if level else None, done.pairing, _importance_note(done.fisher, done.plans),
+            measured=done.remeasured)
         if not options.allow_empty:
             _refuse_unchanged(manifest, parent, level)
         manifest_bytes = manifest.to_bytes()
@@ -306,6 +307,7 @@ class _Encoded:
     plans: dict[str, LossyPlan]
     pairing: str | None
     fisher: dict[str, float] | None  # measured, by path
+    remeasured: dict[str, list[float | None]]  # [error, bound] by path, where a tensor restores as an older record
 
 
 def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, sources: Mapping[str, TensorId],
@@ -324,14 +326,15 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
         entries, jobs = encoding_jobs(repo, tx, checkpoint.tensors, sources, parent.by_path, parent.records,
                                      plans, level, parent.lost)
     progress.start("commit", sum(j.raw.nbytes for j in jobs))
+    remeasured: dict[str, list[float | None]] = {}
     with repo.store.batch():
         try:
             records, sizes = encode_jobs(jobs, ChainSource(repo.store, parent.records), repo.pool, progress.advance,
-                                         cache=cache_of(repo))
+                                         cache=cache_of(repo), remeasured=remeasured)
         finally:
             progress.finish()
     faults.point("commit:objects-written")
-    return _Encoded(entries, records, sizes, plans, pairing, fisher)
+    return _Encoded(entries, records, sizes, plans, pairing, fisher, remeasured)
 
 
 def _read_source(repo: Repository, source: Any, trust_pickle: bool

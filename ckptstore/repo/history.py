@@ -95,6 +95,9 @@ def show(repo: Repository, ref: str = "HEAD") -> dict[str, Any]:
         for key in ("rel_error", "max_error", "measured_as"):  # measured_as: its lossy codec, before a prune
             if key in record.params:
                 row[key] = record.params[key]
+        if path in manifest.measured:  # restores as a record of an earlier commit: this commit's own figures
+            row.update(rel_error=manifest.measured[path][0], max_error=manifest.measured[path][1])
+            row = {k: v for k, v in row.items() if v is not None}
         tensors.append(row)
     files = [{"name": f.name, "format": f.format, "size": f.size, "note": f.opaque_reason} for f in manifest.files]
     extra = ({"pairing": manifest.pairing, "importance": _importance(manifest), "fidelity": fidelity(tensors)}

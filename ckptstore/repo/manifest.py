@@ -7,7 +7,7 @@ reader refuses a version it does not know instead of guessing at fields it has n
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.errors import CkptError, CorruptObjectError
@@ -47,6 +47,9 @@ class Manifest:
     pairing: str | None = None
     importance: str | None = None  # how a lossy commit judged its weights' sensitivity, when measured
     dcp: dict[str, Any] | None = None  # a sharded commit's DCP metadata as plain JSON (repo/sharded.py)
+    # [error, bound] measured by this commit, by path, where its tensor restores as a record made before (the
+    # change since rounded to nothing): that record's own figures are of the commit that made it
+    measured: dict[str, list[float | None]] = field(default_factory=dict)
 
     def to_record(self) -> dict[str, Any]:
         """The manifest as the JSON record that is stored."""
@@ -62,6 +65,8 @@ class Manifest:
             record["importance"] = self.importance
         if self.dcp is not None:  # only sharded commits carry it: ordinary manifests keep their bytes
             record["dcp"] = self.dcp
+        if self.measured:  # as rare: manifests without it keep their bytes
+            record["measured"] = self.measured
         return record
 
     def to_bytes(self) -> bytes:
@@ -79,7 +84,7 @@ class Manifest:
         digests = {f["name"]: f["digest"] for f in record["files"] if f.get("digest")}
         dcp = record.get("dcp") if record.get("version") == SHARDED_VERSION else None
         return cls(record["kind"], files, entries, digests, record.get("lossy"), record.get("pairing"),
-                   record.get("importance"), dcp)
+                   record.get("importance"), dcp, record.get("measured") or {})
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview, oid: ObjectId | str = "manifest") -> Manifest:
@@ -142,6 +147,11 @@ def _check_record(record: dict[str, Any]) -> None:
             raise ValueError(f"file size is {f.get('size')!r}")
     if not isinstance(entries, dict):
         raise TypeError("entries is not a mapping")
+    measured = record.get("measured") or {}
+    if not isinstance(measured, dict) or not all(
+            isinstance(m, list) and len(m) == 2 and all(v is None or type(v) in (int, float) for v in m)
+            for m in measured.values()):
+        raise TypeError(f"measured is {measured!r}")
     for path, entry in entries.items():
         tensor, dtype, shape = entry
         if not (isinstance(tensor, str) and isinstance(dtype, str) and isinstance(shape, list)):

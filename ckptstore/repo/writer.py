@@ -293,11 +293,14 @@ def _submit(ordered: list[Job], sizes: dict[str, list[int]], source: ChainSource
 
 
 def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
-                on_bytes: Callable[[int], None] | None = None, cache: PlaneCache | None = None
+                on_bytes: Callable[[int], None] | None = None, cache: PlaneCache | None = None,
+                remeasured: dict[str, list[float | None]] | None = None
                 ) -> tuple[dict[str, TensorRecord], dict[ObjectId, int]]:
     """Encode every job's chunks on `pool`; return the new records by job key and each object's size.
 
     With `cache`, lossless chunks take their base's planes from it and leave their own for the next commit.
+    `remeasured` gets [error, bound] of this encoding by job key where a lossy tensor restores as a record
+    made before (its change rounded to nothing): that record keeps the figures of its own commit.
     """
     ordered = sorted(jobs, key=lambda j: j.stage)
     sizes = {job.key: chunk_sizes(job.raw.nbytes, job.params["chunk_bytes"]) for job in ordered}
@@ -331,6 +334,10 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
         same = by_id.get(tid) or (base if base is not None and base.id == tid else None)
         if same is not None:  # the same reconstruction as a record made before (all-zero m and v): that one
             records[job.key] = same  # names it; a second record of the id could be based on the first: a loop
+            figures = [params.get("rel_error"), params.get("max_error")]
+            if remeasured is not None and job.known_id is None and figures != [same.params.get("rel_error"),
+                                                                                same.params.get("max_error")]:
+                remeasured[job.key] = figures
             continue
         records[job.key] = by_id[tid] = TensorRecord(
             id=tid, dtype=job.raw.dtype, shape=job.raw.shape, codec=job.codec, params=params,

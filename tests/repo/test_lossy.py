@@ -611,3 +611,30 @@ def test_a_weight_of_tiny_magnitude_keeps_the_same_relative_bound(tmp_path):
         restored = repo.checkout(repo.commit(state, lossy="balanced"))
     for name in state:
         assert 0 < _rel(restored[name], state[name]) <= 0.02
+
+
+def test_show_gives_each_commits_own_figures_where_a_weights_change_rounded_to_nothing(tmp_path):
+    """One outlier makes the weight's step coarse: its small moves round away and the parent's record stays."""
+    from ckptstore.repo.history import show
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 128)
+    with Repository.init(tmp_path) as repo:
+        tensors = []
+        for _ in range(3):
+            for _ in range(5):
+                optimizer.zero_grad()
+                model(x).pow(2).mean().backward()
+                optimizer.step()
+            with torch.no_grad():
+                model[0].weight[0, 0] = 50.0
+            state = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+            cid = repo.commit(state, lossy="balanced")
+            original, restored = state["model"]["0.weight"].double(), repo.checkout(cid)["model"]["0.weight"].double()
+            row = next(t for t in show(repo, cid)["tensors"] if t["path"] == "model/0.weight")
+            actual = ((restored - original).norm() / original.norm()).item()
+            assert row["rel_error"] == pytest.approx(actual, rel=1e-3) and actual <= row["max_error"]
+            tensors.append(row["tensor"])
+    assert len(set(tensors)) < len(tensors)  # a record was reused: what the test is about

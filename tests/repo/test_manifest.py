@@ -22,6 +22,19 @@ def test_a_manifest_round_trips():
     assert again == manifest and again.same_content(manifest)
 
 
+def test_a_commits_own_figures_round_trip_and_a_manifest_without_them_keeps_its_bytes():
+    plain = Manifest("state", [], {"w": Entry("a" * 64, "torch.float32", (2, 3))}, {}, lossy="balanced")
+    assert "measured" not in plain.to_record()
+    remeasured = Manifest("state", [], plain.entries, {}, lossy="balanced", measured={"w": [0.012, 0.04]})
+    assert Manifest.from_bytes(remeasured.to_bytes()).measured == {"w": [0.012, 0.04]}
+
+
+@pytest.mark.parametrize("measured", [[1], {"w": 0.1}, {"w": [0.1]}, {"w": ["x", 0.1]}])
+def test_figures_of_the_wrong_shape_are_a_damaged_manifest(measured):
+    with pytest.raises(CorruptObjectError, match="measured"):
+        Manifest.from_bytes(_stored(dict(_record(1), measured=measured)), "e" * 64)
+
+
 @pytest.mark.parametrize("version", [max(KNOWN_VERSIONS) + 1, 0, None, "1"])
 def test_a_manifest_of_an_unknown_version_is_refused_with_a_clear_error(version):
     with pytest.raises(ManifestVersionError, match="newer ckptstore") as info:
