@@ -7,10 +7,11 @@ anything is written, so the same command can run again once the URLs are right.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckptstore.errors import MissingDatabaseError, RepoExistsError
+from ckptstore.errors import MissingDatabaseError, RepoExistsError, RepoLockedError
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.repo.config import RepoConfig
@@ -31,8 +32,9 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
 
     Metadata that holds a repository is joined only where some of its objects are in the prefix;
     an empty one gets a schema only over a prefix that holds no objects. `joining` (a machine's
-    init): metadata that names no object yet is joined only over an empty prefix too; a remote's
-    own interrupted first push left objects there that its next push finishes.
+    init): metadata that names no object yet is joined over a prefix that holds some only while a
+    commit is in flight there (its first commit's objects); a remote's own interrupted first push
+    left objects there that its next push finishes.
     """
     from ckptstore.repo.repository import Repository
 
@@ -56,7 +58,7 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
         with repo.db.read() as tx:
             named = tensor_rows.some_objects(tx, SAMPLE)
         if joining and not named:
-            _refuse_objects_of_another(store, url)
+            _refuse_objects_of_another(store, url, unless=lambda: _commit_in_flight(repo))
         if named and not any(store.has(o) for o in named):
             next(iter(store.iter_ids()), None)  # a bucket that does not exist says so, rather than "none of them"
             raise RepoExistsError(f"{url} holds none of the objects that the metadata {repo.db.where} names "
@@ -68,10 +70,22 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
     return repo
 
 
-def _refuse_objects_of_another(store: ObjectStore, url: str) -> None:
-    """Metadata naming no object over a prefix that holds some: gc there would delete them all."""
-    if next(iter(store.iter_ids()), None) is not None:
+def _refuse_objects_of_another(store: ObjectStore, url: str, unless: Callable[[], bool] = lambda: False) -> None:
+    """Refuse metadata naming no object over a prefix that holds some: gc there would delete them all.
+
+    `unless`: asked last, whether they may be the metadata's own after all.
+    """
+    if next(iter(store.iter_ids()), None) is not None and not unless():
         raise RepoExistsError(f"{url} already holds objects that no commit in this metadata names: join their "
                               "repository with the --metadata URL it was made with, or choose another prefix "
-                              "(objects of this repository's own first commit, still running or interrupted: "
-                              "join once it is recorded, or after `ckpt gc` on a machine that joined)") from None
+                              "(objects of an interrupted first commit of this repository: `ckpt gc` on the "
+                              "machine that made it removes them)") from None
+
+
+def _commit_in_flight(repo: Repository) -> bool:
+    """Whether a commit (or gc) holds the metadata's repository lock now: the prefix's objects may be its own."""
+    try:
+        with repo.db.repository_lock(exclusive=True, wait=False):
+            return False
+    except RepoLockedError:
+        return True

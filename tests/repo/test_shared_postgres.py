@@ -179,6 +179,34 @@ def test_the_metadata_and_objects_of_two_repositories_are_never_paired(postgres_
         assert fsck(joined).ok
 
 
+def test_a_machine_joins_while_the_first_commit_uploads(postgres_server, tmp_path, monkeypatch):
+    """The metadata names nothing yet and the prefix holds that commit's objects: the commit's lock says they are its.
+
+    (Nothing in flight, the same join is refused: test_the_metadata_and_objects_of_two_repositories_are_never_paired.)
+    """
+    import threading
+
+    objects, database = f"file://{tmp_path / 'team-objects'}", postgres_server.new_database()
+    go = tmp_path / "go"
+    monkeypatch.setenv("CKPT_WAIT_AT", f"commit:objects-written={go}")
+    first = Repository.init(tmp_path / "a", objects_url=objects, metadata_url=database)
+    done = {}
+    writer = threading.Thread(target=lambda: done.update(cid=first.commit({"w": torch.ones(5000)}, "first")))
+    writer.start()
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "go.reached").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    monkeypatch.delenv("CKPT_WAIT_AT")
+    try:
+        Repository.init(tmp_path / "b", objects_url=objects, metadata_url=database).close()
+    finally:
+        go.touch()
+        writer.join(60)
+        first.close()
+    with Repository.open(tmp_path / "b") as joined:
+        assert_same({"w": torch.ones(5000)}, joined.checkout(done["cid"]))
+
+
 def test_a_commit_whose_lock_session_was_cut_records_nothing(postgres_server, postgres_url, tmp_path, monkeypatch):
     """A cut session releases the lock: a gc elsewhere may then delete the objects the commit wrote."""
     import pytest
