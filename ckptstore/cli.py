@@ -249,7 +249,7 @@ def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle,
                       max_loss_change=_fraction(max_loss_change), **_knobs(knobs))
     info = repo.commit_info(cid)
     mode = f" lossy:{info.lossy}" if info.lossy else ""
-    echo(f"[{cid[:12]}]{mode} {message}  ({_size(info.raw_bytes)} -> {_size(info.stored_bytes)} new)")
+    echo(f"[{cid[:12]}]{mode} {subject(message)}  ({_size(info.raw_bytes)} -> {_size(info.stored_bytes)} new)")
 
 
 @cli.command()

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,8 +40,9 @@ def _run_main(module: str, argv: list[str], env: dict[str, str], cwd: str, logs:
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
         importlib.import_module(module).main()
-    finally:
-        atexit._run_exitfuncs()  # a forked process ends with os._exit
+    finally:  # a forked process ends with os._exit: the interpreter's exit, in its order
+        threading._shutdown()  # non-daemon threads joined, threading's exit hooks (background commits wait there)
+        atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
 
@@ -66,7 +68,8 @@ class Forked:
             raise subprocess.TimeoutExpired(self.args, timeout)
         if self.returncode is None:
             self.returncode = self._process.exitcode
-            self._output = tuple(Path(self._logs, name).read_text(errors="replace") for name in ("out", "err"))
+            logs = [Path(self._logs, name) for name in ("out", "err")]  # none if it failed before making them
+            self._output = tuple(log.read_text(errors="replace") if log.exists() else "" for log in logs)
             shutil.rmtree(self._logs)
             self._process.close()
         return self._output

@@ -102,7 +102,7 @@ def _retry_seconds() -> float:
     except ValueError:
         seconds = math.nan
     if not 0 <= seconds < 10**9:  # NaN fails it too
-        raise CkptError(f"CKPT_S3_RETRY_SECONDS={text!r}: give how long to retry a request, in seconds (0 or more)")
+        raise CkptError(f"CKPT_S3_RETRY_SECONDS={text!r}: give how long to retry a request, in seconds (0 to 10^9)")
     return seconds
 
 

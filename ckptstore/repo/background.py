@@ -104,7 +104,7 @@ class Lane:
     """A repository's background commits: the one in flight, an unobserved failure, the snapshot buffers."""
 
     def __init__(self) -> None:
-        self.mutex = threading.Lock()  # callers of one repository start their commits one at a time
+        self.mutex = threading.Lock()  # held by a blocking commit throughout, by a background one while it starts
         self.current: BackgroundCommit | None = None
         self.failed: BackgroundCommit | None = None
         self.buffers = HostBuffers()

@@ -13,8 +13,6 @@ from pathlib import Path
 from ckptstore.testing.net import free_port
 from tests.forked import Forked
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def run_ranks(scenario: str, repo: Path, out: Path, world: int, env_of_rank: dict[int, dict[str, str]] | None = None,
               timeout: float = 90, worker: str = "tests.dcp.worker") -> list[subprocess.CompletedProcess]:
@@ -23,7 +21,7 @@ def run_ranks(scenario: str, repo: Path, out: Path, world: int, env_of_rank: dic
     port = free_port()
     ranks = [Forked(worker, [scenario, str(repo), str(out)],
                     dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                         MASTER_PORT=str(port), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CKPT_AUTHOR="tester",
+                         MASTER_PORT=str(port), OMP_NUM_THREADS="1", CKPT_AUTHOR="tester",
                          **(env_of_rank or {}).get(rank, {})))
              for rank in range(world)]
     results = []

@@ -26,8 +26,9 @@ from ckptstore.policy import EncodingSettings
 from ckptstore.repo import fsck, gc
 from ckptstore.repo.config import RetentionPolicy
 from ckptstore.repo.pruning import prune
-from tests.dcp.launch import ROOT, run_ranks
+from tests.dcp.launch import run_ranks
 from tests.dcp.worker import differences, full_state
+from tests.forked import ROOT
 
 CHUNK = 4096  # small chunks, so shards span several and a rank can read part of a stored item
 

@@ -1,4 +1,4 @@
-"""One-line-per-commit views (log --graph, stats) of messages with several lines, and stats of a commit storing nothing."""
+"""One-line-per-commit views (log --graph, stats) of multi-line messages, and stats of a commit storing nothing."""
 
 import torch
 
