@@ -293,7 +293,8 @@ def _report(written: sharded.WrittenShard) -> dict[str, Any]:
     entry = written.entry
     return {"key": written.key, "tensor": entry.tensor, "dtype": entry.dtype, "shape": list(entry.shape),
             "record": None if written.record is None else sharded.record_to_json(written.record),
-            "objects": dict(written.objects), "raw_bytes": written.raw_bytes, "at_level": written.at_level}
+            "objects": dict(written.objects), "raw_bytes": written.raw_bytes, "at_level": written.at_level,
+            "measured": written.measured}
 
 
 def _written(report: Any) -> sharded.WrittenShard:
@@ -304,4 +305,4 @@ def _written(report: Any) -> sharded.WrittenShard:
     return sharded.WrittenShard(report["key"], Entry(TensorId(report["tensor"]), report["dtype"],
                                                      tuple(report["shape"])), record,
                                 {ObjectId(k): int(v) for k, v in report["objects"].items()}, int(report["raw_bytes"]),
-                                bool(report.get("at_level", False)))
+                                bool(report.get("at_level", False)), report.get("measured"))

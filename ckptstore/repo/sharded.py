@@ -60,6 +60,7 @@ class WrittenShard:
     objects: dict[ObjectId, int]
     raw_bytes: int
     at_level: bool = False  # stored at the save's lossy level (False: lossless, planned so or fallen back)
+    measured: list[float | None] | None = None  # its own [error, bound] where it restores as an older record
 
 
 @dataclass
@@ -73,9 +74,11 @@ class LossyShards:
 
 def _encode_shards(repo: Repository, shards: Mapping[str, RawTensor], ids: Mapping[str, TensorId],
                    base_of: Mapping[str, TensorRecord], chains: Mapping[TensorId, TensorRecord],
-                   plans: dict[str, LossyPlan], level: LossyLevel | None
+                   plans: dict[str, LossyPlan], level: LossyLevel | None, remeasured: dict[str, list[float | None]]
                    ) -> tuple[dict[str, TensorId], dict[str, TensorRecord], dict[ObjectId, int], dict[str, LossyPlan]]:
     """This rank's shards encoded: manifest ids known before, new records, object sizes, the plans kept.
+
+    `remeasured` gets each lossy shard's own [error, bound] where it restores as an older record.
 
     A shard its level cannot quantize stays lossless with the shards coded with it; NaN or inf keeps
     every shard of the rank lossless: a rank's save never fails for its values (repo/commit.py does
@@ -86,8 +89,9 @@ def _encode_shards(repo: Repository, shards: Mapping[str, RawTensor], ids: Mappi
         with repo.db.read() as tx:
             entries, jobs = encoding_jobs(repo, tx, shards, ids, base_of, chains, plans, level)
         try:
+            remeasured.clear()  # of this round only
             with repo.store.batch():
-                records, sizes = encode_jobs(jobs, ChainSource(repo.store, chains), repo.pool)
+                records, sizes = encode_jobs(jobs, ChainSource(repo.store, chains), repo.pool, remeasured=remeasured)
         except UnquantizableTensorsError as exc:
             whole.update(exc.reasons)
             plans = plans_without(plans, set(exc.reasons))
@@ -120,8 +124,9 @@ def write_shards(repo: Repository, parent: CommitId | None, shards: Mapping[str,
         base_of, chains = _parent_records(repo, parent, list(shards))
         plans = {} if lossy is None else plan_shards(shards, lossy.shards, lossy.facts, base_of, lossy.level,
                                                      repo.config.encoding)[0]
+        remeasured: dict[str, list[float | None]] = {}
         entries, records, sizes, plans = _encode_shards(repo, shards, ids, base_of, chains, plans,
-                                                        lossy.level if lossy else None)
+                                                        lossy.level if lossy else None, remeasured)
     faults.point("dcp:rank-written")
     written = []
     for key, raw in shards.items():  # a lossy shard's job is by key, a lossless one's by content id
@@ -129,7 +134,7 @@ def write_shards(repo: Repository, parent: CommitId | None, shards: Mapping[str,
         tid = entries[key] if key in entries else record.id  # not in entries: a new lossy reconstruction
         objects = {c.object_id: sizes[c.object_id] for c in record.chunks if c.object_id in sizes} if record else {}
         written.append(WrittenShard(key, Entry(tid, raw.dtype, raw.shape), record, objects, raw.nbytes,
-                                    key in plans))
+                                    key in plans, remeasured.get(key)))
     return written
 
 
@@ -168,7 +173,8 @@ def record_sharded(repo: Repository, start: Start, shards: list[WrittenShard], d
     for shard in chosen.values():  # a pack holds several shards' payloads: its size is the furthest end
         for oid, size in shard.objects.items():
             sizes[oid] = max(sizes.get(oid, 0), size)
-    manifest = Manifest(KIND, [], entries, {}, lossy, PAIRING if lossy else None, dcp=dcp)
+    measured = {s.key: s.measured for s in shards if s.measured}
+    manifest = Manifest(KIND, [], entries, {}, lossy, PAIRING if lossy else None, dcp=dcp, measured=measured)
     manifest_bytes = manifest.to_bytes()
     manifest_oid = repo.store.put(manifest_bytes)
     sizes[manifest_oid] = len(manifest_bytes)

@@ -178,3 +178,39 @@ def test_a_save_whose_values_a_level_cannot_quantize_is_saved_with_them_lossless
     assert torch.equal(wide, state["optim"]["state"]["wide.weight"]["exp_avg"]) == nan  # quantized unless NaN
     if nan:  # the rank's shards all kept whole, NaN included
         assert_same(loaded["model"], state["model"])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_show_gives_each_sharded_commits_own_figures_where_a_shards_change_rounded_to_nothing(tmp_path):
+    """As tests/repo/test_lossy.py's plain commits: one outlier makes the step coarse, the parent's record stays."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ckptstore.repo.history import show
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 128)
+    tensors = []
+    with Repository.init(tmp_path / "repo") as repo:
+        for _ in range(3):
+            for _ in range(5):
+                optimizer.zero_grad()
+                model(x).pow(2).mean().backward()
+                optimizer.step()
+            with torch.no_grad():
+                model[0].weight[0, 0] = 50.0
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            state = copy.deepcopy({"model": model_state, "optim": optimizer_state})
+            writer = CkptStorageWriter(repo, lossy="balanced")
+            dcp.save(state, storage_writer=writer, planner=CkptSavePlanner())
+            back = copy.deepcopy(state)
+            dcp.load(back, storage_reader=CkptStorageReader(repo, writer.commit_id))
+            original, restored = state["model"]["0.weight"].double(), back["model"]["0.weight"].double()
+            actual = ((restored - original).norm() / original.norm()).item()
+            row = next(t for t in show(repo, writer.commit_id)["tensors"] if t["path"].startswith("model.0.weight/"))
+            assert row["rel_error"] == pytest.approx(actual, rel=1e-3) and actual <= row["max_error"]
+            tensors.append(row["tensor"])
+    assert len(set(tensors)) < len(tensors)  # a record was reused: what the test is about
