@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,6 +122,26 @@ def ckpt_here(cwd: str | os.PathLike, *args: str, env: dict[str, str] | None = N
             sys.stdout.flush()
             sys.stderr.flush()
         return subprocess.CompletedProcess(["ckpt", *argv], code, out.getvalue().decode(), err.getvalue().decode())
+
+
+def outlier_adam_rounds(rounds: int) -> Iterator[tuple[torch.nn.Module, torch.optim.Optimizer]]:
+    """A small Adam run whose first weight holds one outlier (50.0), yielded after each round of five steps.
+
+    The outlier makes that weight's lossy step coarse, so its small moves round to nothing and a lossy
+    commit restores it as the parent's record: what the tests of per-commit figures need.
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 128)
+    for _ in range(rounds):
+        for _ in range(5):
+            optimizer.zero_grad()
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+        with torch.no_grad():
+            model[0].weight[0, 0] = 50.0
+        yield model, optimizer
 
 
 def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:

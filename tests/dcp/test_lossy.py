@@ -23,7 +23,7 @@ from ckptstore.dcp import CkptSavePlanner, CkptStorageReader, CkptStorageWriter
 from ckptstore.errors import CkptError
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.policy import LEVELS, EncodingSettings
-from tests.conftest import assert_same
+from tests.conftest import assert_same, outlier_adam_rounds
 from tests.dcp.launch import run_ranks
 from tests.dcp.lossy_worker import LABELS
 
@@ -189,19 +189,9 @@ def test_show_gives_each_sharded_commits_own_figures_where_a_shards_change_round
 
     from ckptstore.repo.history import show
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x = torch.randn(32, 128)
     tensors = []
     with Repository.init(tmp_path / "repo") as repo:
-        for _ in range(3):
-            for _ in range(5):
-                optimizer.zero_grad()
-                model(x).pow(2).mean().backward()
-                optimizer.step()
-            with torch.no_grad():
-                model[0].weight[0, 0] = 50.0
+        for model, optimizer in outlier_adam_rounds(3):
             model_state, optimizer_state = get_state_dict(model, optimizer)
             state = copy.deepcopy({"model": model_state, "optim": optimizer_state})
             writer = CkptStorageWriter(repo, lossy="balanced")

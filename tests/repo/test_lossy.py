@@ -12,7 +12,7 @@ from ckptstore.cli import cli
 from ckptstore.errors import CkptError, NothingToCommitError
 from ckptstore.formats.torchfile import numpy_safe_globals
 from ckptstore.metadata import tensors as tensor_rows
-from tests.conftest import Trainer, assert_same
+from tests.conftest import Trainer, assert_same, outlier_adam_rounds
 
 LOSSY_WEIGHTS = ("fc1.weight", "fc2.weight")
 
@@ -617,19 +617,9 @@ def test_show_gives_each_commits_own_figures_where_a_weights_change_rounded_to_n
     """One outlier makes the weight's step coarse: its small moves round away and the parent's record stays."""
     from ckptstore.repo.history import show
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x = torch.randn(32, 128)
     with Repository.init(tmp_path) as repo:
         tensors = []
-        for _ in range(3):
-            for _ in range(5):
-                optimizer.zero_grad()
-                model(x).pow(2).mean().backward()
-                optimizer.step()
-            with torch.no_grad():
-                model[0].weight[0, 0] = 50.0
+        for model, optimizer in outlier_adam_rounds(3):
             state = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
             cid = repo.commit(state, lossy="balanced")
             original, restored = state["model"]["0.weight"].double(), repo.checkout(cid)["model"]["0.weight"].double()
