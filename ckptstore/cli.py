@@ -554,9 +554,9 @@ def fsck_command(ctx, full, remote_name) -> None:
         echo(f"broken commit {cid[:12]} ({needs})")
     for tid in report.missing_records:
         echo(f"missing tensor record {tid}")
-    if report.unreferenced_objects and report.damaged_records:
-        echo(f"{report.unreferenced_objects} objects no intact record names (gc keeps them while records are "
-             "damaged: they may be what the damaged records lost track of)")
+    if report.unreferenced_objects and not report.ok:
+        echo(f"{report.unreferenced_objects} objects no intact record names (gc keeps them while there is damage: "
+             "they may be what a damaged record lost track of)")
     elif report.unreferenced_objects:
         echo(f"{report.unreferenced_objects} unreferenced objects (run `ckpt gc` to remove them)")
     if not report.ok:

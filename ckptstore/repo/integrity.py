@@ -161,6 +161,8 @@ def check_metadata(tx: Tx, store: ObjectStore) -> Findings:
     commits = commit_rows.all_commits(tx)
     _commit_problems(tx, commits, found)
     listed = liveness.commit_tensor_lists(tx)
+    for cid in sorted((c for c, info in commits.items() if info.pruned and listed.get(c)), key=str):
+        found.problems.setdefault(f"commit {cid}", "it is marked pruned, yet its rows (commit_tensors) list tensors")
     entries = _manifest_entries(store, commits, found)
     for cid, by_path in sorted(entries.items(), key=_by_key):
         if {e.tensor for e in by_path.values()} != listed.get(cid, set()):
@@ -215,6 +217,8 @@ def _commit_problems(tx: Tx, commits: dict[CommitId, commit_rows.CommitInfo], fo
             found.problems[f"ref {name}"] = f"it is of kind {kind!r}"
         elif cid is not None and cid not in commits:
             found.problems[f"ref {name}"] = f"it points at commit {cid}, which has no record"
+        elif cid is not None and commits[cid].pruned and kind in ("branch", "head"):  # prune keeps what they name
+            found.problems[f"ref {name}"] = f"it points at commit {cid}, which is marked pruned"
         elif kind != "head" and cid is None:
             found.problems[f"ref {name}"] = "it points at no commit"
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from ckptstore import faults
 from ckptstore.errors import CkptError, CorruptObjectError
 from ckptstore.metadata import liveness
+from ckptstore.objectstore.fallback import held_here
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
@@ -72,12 +73,18 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
         if findings.problems:
             raise refusal(findings.problems, repo.db.where)
         live_tensors, live_objects = liveness.live(tx, findings.named_tensors)
+        stored = dict(repo.store.iter_sizes())
+        # a record naming a wrong object would make the right one look like garbage (a lazy clone's store
+        # lacks what its origin keeps for it)
+        missing = sorted(live_objects - stored.keys() - findings.unreadable_manifests, key=str)
+        if missing and held_here(repo.store) is repo.store:
+            raise refusal({f"object {oid}": "needed, and not in the store" for oid in missing}, repo.db.where)
         dead_tensors = liveness.recorded_tensors(tx) - live_tensors
         liveness.delete_tensors(tx, dead_tensors)
         report.tensors_removed = len(dead_tensors)
         liveness.forget_objects_except(tx, live_objects)
     faults.point("gc:db-committed")
-    for oid, size in list(repo.store.iter_sizes()):
+    for oid, size in stored.items():
         if oid not in live_objects and oid not in findings.unreadable_manifests:
             report.bytes_removed += size
             repo.store.delete(oid)

@@ -17,7 +17,7 @@ from ckptstore import Repository
 from ckptstore.errors import CkptError, CorruptRecordError
 from ckptstore.hashing import commit_id
 from ckptstore.repo import fsck, gc
-from tests.conftest import assert_same, wait_until_held
+from tests.conftest import assert_same, ckpt_here, wait_until_held
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.both_backends
@@ -455,3 +455,38 @@ def test_a_lost_tensor_record_is_named_damage_at_show_and_diff(repo, tmp_path):
     for step in (lambda: repo.show(second), lambda: repo.diff(first, second)):
         with pytest.raises(CorruptRecordError, match=f"tensor {kept} .* it has no record; needed by commit"):
             step()
+
+
+def test_a_chunk_row_naming_a_wrong_object_makes_gc_delete_nothing(repo, tmp_path):
+    """The right object then looks unreferenced: gc must not take it for garbage, nor fsck advise gc."""
+    states = [_checkpoint(tmp_path / "c.pt")]
+    cid = repo.commit(tmp_path / "c.pt")
+    before = _objects(repo)
+    with repo.db.read() as tx:
+        right = tx.column("SELECT object_id FROM tensor_chunks ORDER BY object_id")[0]
+    wrong = right[:-1] + ("0" if right[-1] != "0" else "1")
+    _sql(repo, f"UPDATE tensor_chunks SET object_id = '{wrong}' WHERE object_id = '{right}'")
+    with pytest.raises(CkptError, match="gc refused to delete anything.*needed, and not in the store"):
+        gc(repo)
+    assert _objects(repo) == before
+    said = ckpt_here(repo.root, "fsck")
+    assert said.returncode == 1 and "run `ckpt gc`" not in said.stdout and "gc keeps them" in said.stdout, said.stdout
+    _sql(repo, f"UPDATE tensor_chunks SET object_id = '{right}' WHERE object_id = '{wrong}'")
+    assert fsck(repo).ok
+    assert_same(states[0], repo.checkout(cid))
+
+
+def test_a_pruned_mark_on_a_branch_tip_is_damage_and_gc_keeps_its_manifest(repo, tmp_path):
+    state = _checkpoint(tmp_path / "c.pt")
+    cid = repo.commit(tmp_path / "c.pt")
+    before = _objects(repo)
+    _sql(repo, f"INSERT INTO pruned_commits (commit_id, pruned_at) VALUES ('{cid}', 1.0)")
+    report = fsck(repo)
+    assert not report.ok and "marked pruned" in report.damaged_records[f"commit {cid}"]
+    assert "marked pruned" in report.damaged_records["ref main"]
+    with pytest.raises(CkptError, match="gc refused"):
+        gc(repo)
+    assert _objects(repo) == before
+    _sql(repo, "DELETE FROM pruned_commits")
+    assert fsck(repo).ok
+    assert_same(state, repo.checkout(cid))
