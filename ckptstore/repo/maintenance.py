@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ckptstore import faults
 from ckptstore.errors import CkptError, CorruptObjectError
+from ckptstore.hashing import ObjectId
 from ckptstore.metadata import liveness
 from ckptstore.objectstore.fallback import held_here
 
@@ -74,11 +76,9 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
             raise refusal(findings.problems, repo.db.where)
         live_tensors, live_objects = liveness.live(tx, findings.named_tensors)
         stored = dict(repo.store.iter_sizes())
-        # a record naming a wrong object would make the right one look like garbage (a lazy clone's store
-        # lacks what its origin keeps for it)
-        missing = sorted(live_objects - stored.keys() - findings.unreadable_manifests, key=str)
-        if missing and held_here(repo.store) is repo.store:
-            raise refusal({f"object {oid}": "needed, and not in the store" for oid in missing}, repo.db.where)
+        missing = missing_objects(repo, live_objects - findings.unreadable_manifests, stored.keys())
+        if missing:
+            raise refusal(missing, repo.db.where)
         dead_tensors = liveness.recorded_tensors(tx) - live_tensors
         liveness.delete_tensors(tx, dead_tensors)
         report.tensors_removed = len(dead_tensors)
@@ -91,6 +91,16 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
             faults.point("gc:object-deleted")
             report.objects_removed += 1
     return report
+
+
+def missing_objects(repo: Repository, needed: set[ObjectId], stored: Iterable[ObjectId]) -> dict[str, str]:
+    """Objects that live records name and the store lacks, as damage (a wrong name makes the right object garbage).
+
+    A lazy clone's store lacks what its origin keeps for it: none of its own count as missing.
+    """
+    if held_here(repo.store) is not repo.store:
+        return {}
+    return {f"object {oid}": "needed, and not in the store" for oid in sorted(needed - set(stored), key=str)}
 
 
 def refusal(problems: dict[str, str], where: str, verb: str = "gc") -> CkptError:

@@ -149,11 +149,15 @@ def _doomed(tx: Tx, policy: RetentionPolicy) -> set[CommitId]:
 def _refuse_damage(repo: Repository, tx: Tx) -> None:
     """Re-encode and delete nothing while the records that say what kept commits need are damaged (as gc)."""
     from ckptstore.repo import integrity
-    from ckptstore.repo.maintenance import refusal
+    from ckptstore.repo.maintenance import missing_objects, refusal
 
     findings = integrity.check_metadata(tx, repo.store)
-    if findings.problems:
-        raise refusal(findings.problems, repo.db.where, "prune")
+    problems = dict(findings.problems)  # and a kept commit's manifest or object lost: prune would keep nothing whole
+    problems.update({f"manifest {oid}": "unreadable" for oid in sorted(findings.unreadable_manifests, key=str)})
+    _, live_objects = liveness.live(tx, findings.named_tensors)
+    problems.update(missing_objects(repo, live_objects - findings.unreadable_manifests, repo.store.iter_ids()))
+    if problems:
+        raise refusal(problems, repo.db.where, "prune")
 
 
 def _relinks(kept: set[TensorId], bases: Mapping[TensorId, TensorId | None]) -> dict[TensorId, TensorId | None]:

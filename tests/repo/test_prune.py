@@ -491,3 +491,20 @@ def test_a_failed_policy_prune_says_to_run_prune_not_the_command_again():
     assert error.startswith("commit aaaaaaaaaaaa was recorded") and "writing /data/run.v2/x; 2024" in error
     assert error.endswith("To finish the prune, run `ckpt prune` once that is fixed (committing again finds nothing "
                           "changed; the next commit's policy prunes again)")
+
+
+def test_prune_removes_nothing_while_a_kept_commits_manifest_or_object_is_lost(tmp_path):
+    """Pruning down to a broken tip would leave no commit that restores: it refuses, as gc does on damage."""
+    states = [{"w": torch.randn(20_000, generator=torch.Generator().manual_seed(i)), "step": i} for i in range(4)]
+    with Repository.init(tmp_path) as repo:
+        cids = [repo.commit(state, message=f"c{i}") for i, state in enumerate(states)]
+        manifest = repo.commit_info(cids[-1]).manifest_object
+        lost = repo.store.path_of(manifest)
+        kept = lost.read_bytes()
+        lost.unlink()
+        with pytest.raises(CkptError, match=f"prune refused to delete anything.*manifest {manifest}"):
+            prune(repo, RetentionPolicy(keep_last=1))
+        lost.write_bytes(kept)
+        assert not any(info.pruned for info in repo.log())
+        for cid, state in zip(cids, states):
+            assert_same(state, repo.checkout(cid))
