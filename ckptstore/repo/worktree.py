@@ -104,18 +104,24 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
     """Check each of the commit's names; with `exact`, also list what to remove (the rest of `dest`)."""
     if dest.exists() and not dest.is_dir():
         raise CkptError(f"{dest} is not a folder; this commit is a folder: pass a folder path")
-    real_dest, repo_dir = Path(os.path.realpath(dest)), Path(os.path.realpath(repo.dir))
+    real_dest, own = Path(os.path.realpath(dest)), repo.own_folders()
     plan = CheckoutPlan(dest, [])
-    needed = {dest}
+    needed, written = {dest}, {}
     for record in manifest.files:
         parts = PurePosixPath(record.name).parts
         if not parts or record.name.startswith("/") or ".." in parts:
             raise CkptError(f"the commit names a file {record.name!r} outside its folder; refusing to write it")
         target = dest.joinpath(*parts)
         _refuse_links_out(target, dest, real_dest)
-        if real_dest.joinpath(*parts).is_relative_to(repo_dir):  # committed before commits left it out
-            raise CkptError(f"the commit holds {record.name}, inside the repository's own {repo.dir.name}/: "
-                            "check it out elsewhere with -o PATH")
+        # in place, links in the way are removed first; with -o they are followed, to where they lead
+        real = real_dest.joinpath(*parts) if exact else Path(os.path.realpath(target.parent)) / target.name
+        inside = next((folder for folder in own if real.is_relative_to(folder)), None)
+        if inside is not None:  # committed before commits left it out, or reached through a link
+            raise CkptError(f"the commit holds {record.name}, which would be written inside the repository's own "
+                            f"{inside.name}/ (as {real}): check it out elsewhere with -o PATH")
+        if written.setdefault(real, record.name) != record.name:
+            raise CkptError(f"the commit's {written[real]} and {record.name} would both be written to {real} (a "
+                            f"symlinked folder inside {dest}); remove the link or check out elsewhere with -o PATH")
         plan.files.append((record, target))
         needed.update(target.parents)
     if exact and dest.is_dir():

@@ -674,3 +674,23 @@ def test_status_of_a_lossy_heads_file_says_head_restores_only_an_approximation(t
         (item,) = repo.status()["files"]
         assert item["state"] == "unchanged" and "lossy level balanced" in item["note"]
         assert "approximation" in item["note"]
+
+
+def test_checkout_o_never_writes_two_files_onto_one_nor_into_the_repository_through_a_link(repo, tmp_path):
+    """-o follows links inside its folder (in place they are replaced): where they lead is checked, not the names."""
+    run = repo.root / "run"
+    for name, text in (("a/b", "one"), ("c/b", "two"), ("x/config.toml", "[not a config]")):
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(text)
+    cid = repo.commit(run)
+    out = tmp_path / "out"
+    (out / "c").mkdir(parents=True)
+    (out / "a").symlink_to("c")  # inside out/: a/b and c/b would both land on out/c/b
+    with pytest.raises(CkptError, match="a/b and c/b would both be written to"):
+        repo.checkout_to(cid, out)
+    assert not (out / "c" / "b").exists()
+    config = (repo.dir / "config.toml").read_bytes()
+    (repo.root / "x").symlink_to(".ckpt")  # -o the repository's folder, a link inside it into .ckpt/, and --force
+    with pytest.raises(CkptError, match=r"x/config.toml, which would be written inside the repository's own \.ckpt/"):
+        repo.checkout_to(cid, repo.root, force=True)
+    assert (repo.dir / "config.toml").read_bytes() == config
