@@ -169,6 +169,10 @@ class SqliteBackend:
                     return disk_full(f"SQLite: {driver} writing {self.path}")
         if isinstance(driver, sqlite3.OperationalError) and "unable to open database file" in text:
             return self._unopenable()
+        if isinstance(driver, sqlite3.OperationalError) and "database is locked" in text:
+            return CkptError(f"another process has held a write transaction on {self.path} for "
+                             f"{BUSY_TIMEOUT_MS // 1000} s; nothing was changed: run the command again once it is done "
+                             "(a process stuck with the file open, such as an sqlite3 shell, holds it)")
         return explain(exc)
 
     def _unopenable(self) -> CkptError:

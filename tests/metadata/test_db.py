@@ -107,3 +107,28 @@ def test_a_newer_schemas_database_is_refused_without_a_byte_changed(tmp_path):
     with pytest.raises(CkptError, match="newer ckptstore"):
         Database(f"sqlite:///{tmp_path / 'ckpt.db'}")
     assert (tmp_path / "ckpt.db").read_bytes() == before
+
+
+def test_a_write_transaction_held_past_the_busy_timeout_is_one_clear_line(tmp_path, monkeypatch):
+    """Another process (an sqlite3 shell left open, say) holding the write lock: the command says so, not a bug."""
+    import sqlite3
+
+    import torch
+
+    from ckptstore import Repository
+    from ckptstore.metadata import sqlite as sqlite_backend
+    from tests.conftest import ckpt_here
+
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"w": torch.ones(3)})
+    holder = sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db", isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    monkeypatch.setattr(sqlite_backend, "BUSY_TIMEOUT_MS", 300)
+    try:
+        said = ckpt_here(tmp_path, "tag", "t1")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert said.returncode == 1 and said.stderr.count("\n") == 1, said.stderr
+    assert "another process has held a write transaction on" in said.stderr and "please report" not in said.stderr
+    assert ckpt_here(tmp_path, "tag", "t1").returncode == 0  # the lock was the only problem
