@@ -231,9 +231,14 @@ def explain(exc: BaseException) -> CkptError | None:
             return disk_full(f"{current.strerror or current}{where}")
         if any(words in text for words in _DISK_FULL_WORDS):
             return disk_full(str(current).splitlines()[0].strip()[:200])
+        if isinstance(current, OSError) and current.errno == errno.EROFS and _outside_repository(current):
+            return CkptError(f"{_written_folder(current)} is on a read-only file system; write elsewhere")
         if "readonly database" in text or isinstance(current, OSError) and current.errno == errno.EROFS:
             return ReadOnlyRepoError(f"this repository is read-only here ({current}); reading commands work, "
                                      "writing ones need write access to its .ckpt folder")
+        if isinstance(current, FileNotFoundError) and str(current.filename or "").endswith(".ckpt-tmp"):
+            return CkptError(f"cannot make a file in {_written_folder(current)} (a folder where files cannot be "
+                             "made, such as /dev/fd or /proc, or one removed meanwhile); write elsewhere")
         if isinstance(current, PermissionError):
             return _permission_denied(current)
         if isinstance(current, IsADirectoryError):  # a folder where the repository keeps a file (.ckpt/lock)
@@ -249,13 +254,24 @@ def explain(exc: BaseException) -> CkptError | None:
     return None
 
 
+def _outside_repository(exc: OSError) -> bool:
+    """Whether the path an OS error names is known and outside any repository's `.ckpt` folder (a user's output)."""
+    return bool(exc.filename) and f"{os.sep}.ckpt" not in str(exc.filename)
+
+
+def _written_folder(exc: OSError) -> str:
+    """What failed to be written: the folder of formats.atomic's temporary file beside a target, else the path."""
+    name = str(exc.filename or exc)
+    return (os.path.dirname(name) or ".") if name.endswith(".ckpt-tmp") else name
+
+
 def _permission_denied(exc: PermissionError) -> CkptError:
     """Name what the user can act on: the folder of a temporary file beside a target, the repository's own files."""
     name = str(exc.filename or exc)
     hint = " (a repository you may only read opens with --read-only)" if f"{os.sep}.ckpt" in name else ""
     if name.endswith(".ckpt-tmp"):  # formats.atomic's temporary file: the folder is what is not writable
-        name = os.path.dirname(name) or "."
-        return CkptError(f"permission denied writing into {name}; ask for access to it{hint or ' or write elsewhere'}")
+        return CkptError(f"permission denied writing into {_written_folder(exc)}; ask for access to it"
+                         f"{hint or ' or write elsewhere'}")
     return CkptError(f"permission denied on {name}; ask for access to it{hint}")
 
 

@@ -374,3 +374,20 @@ def test_an_output_that_cannot_be_written_is_not_called_the_repository_disk(tmp_
         result = _output_to(tmp_path, full, "log")
     one_error_line(result, "cannot write the output", "No space left on device")
     assert "disk is full" not in result.stderr and "ckpt gc" not in result.stderr
+
+
+def test_an_output_that_cannot_be_written_names_the_output_not_the_repository(tmp_path):
+    """-o on a read-only file system, or in a folder where no file can be made (/dev/fd), is the output's problem."""
+    from tests.conftest import ckpt_here
+
+    out = explain(OSError(errno.EROFS, "Read-only file system", "/mnt/ro/.x.pt.1a2b.ckpt-tmp"))
+    assert not isinstance(out, ReadOnlyRepoError) and str(out) == "/mnt/ro is on a read-only file system; write " \
+        "elsewhere"
+    inside = explain(OSError(errno.EROFS, "Read-only file system", "/runs/a/.ckpt/ckpt.db"))
+    assert isinstance(inside, ReadOnlyRepoError)  # the repository's own files: as before
+    torch.save({"w": torch.ones(3)}, tmp_path / "m.pt")
+    assert ckpt_here(tmp_path, "init").returncode == 0 and ckpt_here(tmp_path, "commit", "m.pt").returncode == 0
+    for args in (["export", "HEAD", "-o", "/dev/fd/1"], ["checkout", "HEAD", "-o", "/dev/fd/1"]):
+        said = ckpt_here(tmp_path, *args)
+        assert said.returncode == 1 and said.stderr.count("\n") == 1, said.stderr
+        assert said.stderr.startswith("error: cannot make a file in /dev/fd") and "report" not in said.stderr
