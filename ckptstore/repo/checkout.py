@@ -100,6 +100,8 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
     if keys is not None:
         return _write_selected(repo, cid, manifest, keys, output, force, progress)
     if output is not None:
+        if manifest.kind != "folder":
+            worktree.refuse_folder_spelling(output)
         dest = Path(output)
     elif info.source_path is None:
         raise CkptError(f"commit {cid[:12]} was made from an in-memory state; pass -o PATH to write it")
@@ -126,6 +128,8 @@ def _write_selected(repo: Repository, cid: CommitId, manifest: Manifest, keys: I
         raise CkptError(f"a partial checkout of {cid[:12]} writes only part of the checkpoint: pass -o PATH "
                         "(it never overwrites the files the commit came from)")
     selection = select(manifest, keys, cid)
+    if selection.manifest.kind != "folder":
+        worktree.refuse_folder_spelling(output)
     plan = worktree.plan_checkout(repo, selection.manifest, Path(output), force, output=True)
     with no_cyclic_gc():
         raws = restore(repo, selection.manifest, progress)

@@ -93,11 +93,20 @@ def refuse_own_folders(repo: Repository, output: str | os.PathLike) -> None:
         raise CkptError(f"{output} is inside the repository's own {own.name}/ folder: write it elsewhere")
 
 
-def check_output_file(dest: Path) -> None:
+def check_output_file(output: str | os.PathLike) -> None:
     """Refuse a one-file output path (-o) whose folder is missing or that is a folder, before any work."""
+    refuse_folder_spelling(output)
+    dest = Path(output)
     _refuse_missing_parent(dest)
     if dest.is_dir():
         raise CkptError(f"{dest} is a folder: pass a file path")
+
+
+def refuse_folder_spelling(output: str | os.PathLike) -> None:
+    """Refuse a one-file output (-o) spelled as a folder (`out/`): Path drops the slash, and a file got that name."""
+    if os.fspath(output).endswith(("/", os.sep)):
+        raise CkptError(f"{os.fspath(output)} names a folder (it ends with a slash), and this writes one file: pass a "
+                        "file path")
 
 
 def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) -> CheckoutPlan:

@@ -22,7 +22,7 @@ from ckptstore import Repository
 from ckptstore.cli import cli
 from ckptstore.errors import CheckpointFormatError, CkptError, DirtyWorktreeError
 from ckptstore.repo.config import RepoConfig
-from tests.conftest import assert_same, machine_settings
+from tests.conftest import assert_same, ckpt_here, machine_settings
 from tests.formats.test_formats import make_trainer_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -694,3 +694,14 @@ def test_checkout_o_never_writes_two_files_onto_one_nor_into_the_repository_thro
     with pytest.raises(CkptError, match=r"x/config.toml, which would be written inside the repository's own \.ckpt/"):
         repo.checkout_to(cid, repo.root, force=True)
     assert (repo.dir / "config.toml").read_bytes() == config
+
+
+def test_a_one_file_output_spelled_as_a_folder_is_refused(repo, tmp_path):
+    """`-o newdir/` made a file called newdir: the slash says a folder, and one file is written."""
+    torch.save({"w": torch.ones(3)}, repo.root / "m.pt")
+    repo.commit(repo.root / "m.pt")
+    for args in (["checkout", "HEAD", "-o", "newdir/"], ["checkout", "HEAD", "-o", "newdir/", "--only", "w"],
+                 ["export", "HEAD", "--format", "torch", "-o", "newdir/"]):
+        said = ckpt_here(repo.root, *args)
+        assert said.returncode == 1 and "names a folder (it ends with a slash)" in said.stderr, (args, said.stderr)
+    assert not (repo.root / "newdir").exists()
