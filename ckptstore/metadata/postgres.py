@@ -111,8 +111,9 @@ class PostgresBackend:
         if write:  # one round trip: begin, bound the wait, queue behind any other writer
             connection.execute(f"BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{LOCK_WAIT}'; "
                                f"SELECT pg_advisory_xact_lock({WRITE_LOCK})")
-        else:
-            connection.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        else:  # bounded too: a schema upgrade or an ALTER elsewhere holds its tables exclusively
+            connection.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; "
+                               f"SET LOCAL lock_timeout = '{LOCK_WAIT}'")
 
     def commit(self, connection: psycopg.Connection) -> None:
         try:
@@ -166,8 +167,8 @@ class PostgresBackend:
             return CkptError(f"another process changed the metadata on {self.where} at the same time ({text}); "
                              "nothing was changed: run the command again")
         if isinstance(exc, pg_errors.LockNotAvailable):
-            return CkptError(f"another process has held the metadata write lock on {self.where} for {LOCK_WAIT}; "
-                             "nothing was changed: run the command again once it is done")
+            return CkptError(f"another process has held a lock on the metadata on {self.where} for {LOCK_WAIT} (a "
+                             "writer, or a schema change); nothing was changed: run the command again once it is done")
         if isinstance(exc, pg_errors.InsufficientPrivilege):
             return CkptError(f"{at} refused user {self.user or '(default)'!r} ({text}); ask for access to "
                              f"database {self.dbname!r}")

@@ -216,3 +216,23 @@ def test_a_schema_of_its_own_named_in_the_url_holds_when_opened_read_only(postgr
     with Repository.open(tmp_path, read_only=True) as repo:  # read-only adds an option of its own
         assert [c.id for c in repo.log()] == [cid]
 
+
+
+def test_a_reading_command_behind_a_table_lock_gives_up_with_one_line(postgres_url, tmp_path, monkeypatch):
+    """A schema change elsewhere holding a table exclusively: `ckpt log` waited forever; it waits as writers do."""
+    import psycopg
+
+    from ckptstore.metadata import postgres
+    from tests.conftest import ckpt_here
+
+    with Repository.init(tmp_path, metadata_url=postgres_url) as repo:
+        repo.commit({"w": torch.ones(3)})
+    monkeypatch.setattr(postgres, "LOCK_WAIT", "1s")
+    with psycopg.connect(postgres_url) as holder:
+        holder.execute("LOCK TABLE refs IN ACCESS EXCLUSIVE MODE")  # in its transaction until the block ends
+        started = time.monotonic()
+        said = ckpt_here(tmp_path, "log", timeout=60)
+        assert time.monotonic() - started < 30
+    assert said.returncode == 1 and said.stderr.count("\n") == 1, said.stderr
+    assert "another process has held a lock on the metadata" in said.stderr
+    assert ckpt_here(tmp_path, "log").returncode == 0
