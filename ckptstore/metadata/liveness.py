@@ -8,6 +8,7 @@ from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata.commits import all_parents
 from ckptstore.metadata.db import Tx
 from ckptstore.metadata.refs import tip_commits
+from ckptstore.metadata.tables import TABLES
 from ckptstore.metadata.tensors import dependents
 
 _KEPT = "WHERE id NOT IN (SELECT commit_id FROM pruned_commits)"  # a pruned commit's manifest is gone
@@ -97,13 +98,15 @@ def all_refs(tx: Tx) -> list[tuple[str, str, CommitId | None, str | None]]:
 
 
 def storage_problems(tx: Tx, limit: int = 10) -> list[str]:
-    """What the engine's own integrity check finds wrong with the database's pages and indexes, if anything.
+    """Tables of ours that are gone, and what the engine's own integrity check finds wrong with pages and indexes.
 
     Checkout finds rows through indexes and gc reads some from them: an index that disagrees with
     its table can hide rows from one and not the other. SQLite checks its file; a PostgreSQL
-    server checks its own pages, so there this finds nothing.
+    server checks its own pages, so there only missing tables are found.
     """
-    return tx.backend.storage_problems(tx, limit)
+    present = tx.backend.table_names(tx)
+    missing = [f"table {name} is missing" for name in TABLES if name not in present]
+    return missing + tx.backend.storage_problems(tx, limit)
 
 
 def commits_with_tensors(tx: Tx, tensor_ids: set[TensorId]) -> list[CommitId]:

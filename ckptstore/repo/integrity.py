@@ -156,8 +156,8 @@ def check_metadata(tx: Tx, store: ObjectStore) -> Findings:
     """
     found = Findings()
     storage = liveness.storage_problems(tx)
-    if storage:
-        found.problems["database file"] = "SQLite's integrity check: " + "; ".join(storage)
+    if storage:  # tables gone, and what SQLite's own integrity check finds
+        found.problems["database"] = "; ".join(storage)
     commits = commit_rows.all_commits(tx)
     _commit_problems(tx, commits, found)
     listed = liveness.commit_tensor_lists(tx)

@@ -107,9 +107,9 @@ def refusal(problems: dict[str, str], where: str, verb: str = "gc") -> CkptError
     """Why gc (or prune) deletes nothing: the first damaged records, and how many more."""
     shown = "; ".join(f"{what}: {problem}" for what, problem in list(problems.items())[:2])
     more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
-    return CkptError(f"{verb} refused to delete anything: the metadata is damaged ({shown}{more}), so it cannot tell "
-                     "which objects are still needed and could delete the only copy. Run `ckpt fsck` for the full "
-                     f"list; repair or restore the metadata ({where}) from a backup before collecting garbage")
+    return CkptError(f"{verb} refused to delete anything: the repository is damaged ({shown}{more}), so it cannot "
+                     "tell which objects are still needed and could delete the only copy. Run `ckpt fsck` for the full "
+                     f"list; repair or restore the metadata ({where}) or the lost objects from a backup first")
 
 
 def fsck(repo: Repository, full: bool = False) -> FsckReport:

@@ -490,3 +490,13 @@ def test_a_pruned_mark_on_a_branch_tip_is_damage_and_gc_keeps_its_manifest(repo,
     _sql(repo, "DELETE FROM pruned_commits")
     assert fsck(repo).ok
     assert_same(state, repo.checkout(cid))
+
+
+def test_a_table_of_the_schema_that_is_gone_is_damage(repo, tmp_path):
+    """checkout needs known_files; fsck said ok without it, and gc ran."""
+    repo.commit({"w": torch.ones(3)})
+    _sql(repo, "DROP TABLE known_files")
+    report = fsck(repo)
+    assert not report.ok and report.damaged_records["database"] == "table known_files is missing"
+    with pytest.raises(CkptError, match="gc refused"):
+        gc(repo)
