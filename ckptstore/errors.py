@@ -254,9 +254,14 @@ def explain(exc: BaseException) -> CkptError | None:
     return None
 
 
+def _in_repository(name: str) -> bool:
+    """Whether a path lies in a repository's own `.ckpt` folder: the repository's files, not a user's output."""
+    return f"{os.sep}.ckpt" in name
+
+
 def _outside_repository(exc: OSError) -> bool:
     """Whether the path an OS error names is known and outside any repository's `.ckpt` folder (a user's output)."""
-    return bool(exc.filename) and f"{os.sep}.ckpt" not in str(exc.filename)
+    return bool(exc.filename) and not _in_repository(str(exc.filename))
 
 
 def _written_folder(exc: OSError) -> str:
@@ -268,7 +273,7 @@ def _written_folder(exc: OSError) -> str:
 def _permission_denied(exc: PermissionError) -> CkptError:
     """Name what the user can act on: the folder of a temporary file beside a target, the repository's own files."""
     name = str(exc.filename or exc)
-    hint = " (a repository you may only read opens with --read-only)" if f"{os.sep}.ckpt" in name else ""
+    hint = " (a repository you may only read opens with --read-only)" if _in_repository(name) else ""
     if name.endswith(".ckpt-tmp"):  # formats.atomic's temporary file: the folder is what is not writable
         return CkptError(f"permission denied writing into {_written_folder(exc)}; ask for access to it"
                          f"{hint or ' or write elsewhere'}")
