@@ -79,8 +79,12 @@ def _refuse_missing_parent(dest: Path) -> None:
 
 def own_folder_holding(repo: Repository, path: str | os.PathLike) -> Path | None:
     """The repository's own folder (.ckpt/, or its object store kept elsewhere) that `path` lies in, if any."""
-    real = Path(os.path.realpath(path))
-    return next((own for own in repo.own_folders() if real.is_relative_to(own)), None)
+    return _holding(repo.own_folders(), Path(os.path.realpath(path)))
+
+
+def _holding(folders: list[Path], real: Path) -> Path | None:
+    """The first of `folders` that the resolved path `real` lies in, if any."""
+    return next((folder for folder in folders if real.is_relative_to(folder)), None)
 
 
 def refuse_own_folders(repo: Repository, output: str | os.PathLike) -> None:
@@ -124,7 +128,7 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
         _refuse_links_out(target, dest, real_dest)
         # in place, links in the way are removed first; with -o they are followed, to where they lead
         real = real_dest.joinpath(*parts) if exact else Path(os.path.realpath(target.parent)) / target.name
-        inside = next((folder for folder in own if real.is_relative_to(folder)), None)
+        inside = _holding(own, real)
         if inside is not None:  # committed before commits left it out, or reached through a link
             raise CkptError(f"the commit holds {record.name}, which would be written inside the repository's own "
                             f"{inside.name}/ (as {real}): check it out elsewhere with -o PATH")
