@@ -23,6 +23,7 @@ from ckptstore.records import Chunk, TensorRecord
 from ckptstore.repo import sharded
 from ckptstore.repo.commit import CommitOptions
 from ckptstore.repo.manifest import Entry
+from ckptstore.repo.target import start_now
 
 
 def _shards(count: int, salt: int) -> tuple[list[sharded.WrittenShard], dict]:
@@ -57,7 +58,7 @@ def main() -> None:
             with Repository.init(Path(tmp) / str(i)) as repo:
                 shards, dcp = _shards(count, i)
                 start = time.perf_counter()
-                target, parent = sharded.where_to(repo, None)
+                target, parent = start_now(repo, None)
                 sharded.record_sharded(repo, target, parent, shards, dcp, CommitOptions(message="scale"))
                 seconds = time.perf_counter() - start
                 db = repo.db.size_on_disk()

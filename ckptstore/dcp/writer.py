@@ -34,6 +34,7 @@ from ckptstore.repo.commit import CommitOptions
 from ckptstore.repo.manifest import Entry
 from ckptstore.repo.pruning import after_commit
 from ckptstore.repo.repository import Repository
+from ckptstore.repo.target import start_now
 from ckptstore.state import RawTensor, raw_from_bytes, raw_from_torch
 
 _OVERLAP_GRACE_S = 2.0  # how long a new save waits for the previous save's thread to end
@@ -118,7 +119,7 @@ class CkptStorageWriter(StorageWriter):
         """Coordinator: take the lock before any rank writes, and tell every rank the parent commit."""
         self._held.close()
         self._held.enter_context(self.repo.lock())
-        self._start = sharded.where_to(self.repo, self.options.branch)
+        self._start = start_now(self.repo, self.options.branch)
         facts = None if self.level is None else _facts(plans, self.level).to_json()
         return [dataclasses.replace(p, storage_data={"parent": self._start.commit, "facts": facts}) for p in plans]
 

@@ -39,6 +39,7 @@ from ckptstore.hashing import CommitId
 from ckptstore.repo import planecache
 from ckptstore.repo.commit import CommitOptions, LossyOptions, commit, param_names_of
 from ckptstore.repo.gcpause import no_cyclic_gc
+from ckptstore.repo.target import start_now
 
 if TYPE_CHECKING:
     from ckptstore.repo.progress import Progress
@@ -241,6 +242,8 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
     with lane.mutex:
         waited = lane.settle()
         start = time.perf_counter()
+        # the branch and its tip as they are now: a checkout or a deleted branch meanwhile must not redirect it
+        options = replace(options, start=start_now(repo, options.branch))
         if buffer_budget is not None:  # a lower one frees kept buffers at the next take
             lane.buffers.budget = buffer_budget
         # the live objects stay with the caller: the thread gets the parameter names they give

@@ -77,6 +77,7 @@ class CommitOptions:
     allow_empty: bool = False
     trust_pickle: bool = False
     author: str | None = None
+    start: Start | None = None  # where it goes, fixed when it was asked for (a background commit); else read at commit
 
     def __post_init__(self) -> None:
         """Refuse what the metadata cannot record before any work (a background commit: in the call, not later)."""
@@ -186,7 +187,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
             sources = _tensor_ids(repo, checkpoint.tensors)
             guard = calibrate.loss_guard(lossy.calibration, lossy.model, lossy.max_loss_change, level, checkpoint)
             with repo.db.read() as tx:
-                parent = _parent(repo, tx, options.branch, checkpoint.tensors, sources)
+                parent = _parent(repo, tx, options, checkpoint.tensors, sources)
             done, change, level = _encode_or_keep_whole(repo, checkpoint, parent, sources, level, lossy, measured,
                                                         progress, guard)
             _settle_changed(checkpoint, stamps, digests, sources)  # after every byte was read: a save is torn
@@ -418,14 +419,14 @@ def _ids_of(raws: list[RawTensor]) -> list[TensorId]:
     return [tensor_id(r.dtype, r.shape, r.data) for r in raws]
 
 
-def _parent(repo: Repository, tx: Tx, branch: str | None, tensors: Mapping[str, RawTensor],
+def _parent(repo: Repository, tx: Tx, options: CommitOptions, tensors: Mapping[str, RawTensor],
             sources: Mapping[str, TensorId]) -> _Parent:
     """Where the commit goes, with the parent's manifest and the records of its tensors at our paths.
 
     Records whose objects were lost (ours by content, or the parent's) are set apart: the commit
     encodes those tensors afresh rather than chaining on or reusing them.
     """
-    start = commit_target(tx, branch, repo.config.remotes)
+    start = options.start or commit_target(tx, options.branch, repo.config.remotes)
     parent = _Parent(start.target, start.commit, start.new)
     if parent.commit is not None:
         parent.manifest = repo.read_manifest(commit_rows.manifest_object(tx, parent.commit))

@@ -26,6 +26,7 @@ from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.progress import Progress
 from ckptstore.repo.pruning import after_commit
+from ckptstore.repo.target import start_now
 from ckptstore.state import RawTensor
 
 T = TypeVar("T")
@@ -57,7 +58,7 @@ def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions
         with filemap.guard():  # a data file cut short while read: refused (changed_while_read), not SIGBUS
             described, items = dcpdir.read(path, options.trust_pickle, data_files)
             stamps.update((p, file_stamp(p)) for p in data_files)  # before any of their bytes is read
-            start = sharded.where_to(repo, options.branch)
+            start = options.start or start_now(repo, options.branch)
             parent = start.commit
             written: list[sharded.WrittenShard] = []
             for batch in _batches(items, lambda raw: raw.nbytes):

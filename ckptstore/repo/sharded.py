@@ -29,7 +29,7 @@ from ckptstore.replay import ChainSource
 from ckptstore.repo.commit import CommitOptions, encoding_jobs
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
-from ckptstore.repo.target import Start, commit_target, move_ref
+from ckptstore.repo.target import Start, move_ref
 from ckptstore.repo.writer import encode_jobs
 from ckptstore.state import BYTES_DTYPE, RawTensor
 
@@ -42,12 +42,6 @@ KIND = "dcp"  # a sharded commit's kind (commit row and manifest)
 def is_sharded(manifest: Manifest) -> bool:
     """True for the manifest of a sharded (DCP) commit."""
     return manifest.dcp is not None
-
-
-def where_to(repo: Repository, branch: str | None) -> Start:
-    """The coordinator's start: the branch to advance (None: a detached HEAD) and its commit now."""
-    with repo.db.read() as tx:
-        return commit_target(tx, branch, repo.config.remotes)
 
 
 @dataclass

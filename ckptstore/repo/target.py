@@ -10,12 +10,16 @@ import getpass
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ckptstore.errors import CkptError, ConflictError, CorruptRecordError
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import Tx
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.repo import refs
+
+if TYPE_CHECKING:
+    from ckptstore.repo.repository import Repository
 
 
 @dataclass
@@ -50,6 +54,12 @@ def commit_target(tx: Tx, branch: str | None, remotes: Iterable[str] = ()) -> St
     if row is not None:
         return Start(branch, CommitId(row.commit_id))
     return Start(branch, refs.head_commit(tx) if branch != refs.head_branch(tx) else None, new=True)
+
+
+def start_now(repo: Repository, branch: str | None) -> Start:
+    """`commit_target` of `branch` as the repository is now, in a transaction of its own."""
+    with repo.db.read() as tx:
+        return commit_target(tx, branch, repo.config.remotes)
 
 
 def move_ref(tx: Tx, start: Start, new: CommitId) -> None:

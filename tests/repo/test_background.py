@@ -21,7 +21,7 @@ import torch
 
 import ckptstore
 from ckptstore import Repository
-from ckptstore.errors import BackgroundCommitError, CkptError, DiskFullError
+from ckptstore.errors import BackgroundCommitError, CkptError, ConflictError, DiskFullError
 from ckptstore.repo import fsck
 from ckptstore.repo.background import BackgroundCommitWarning
 from tests.conftest import Trainer, assert_same
@@ -84,6 +84,38 @@ def test_second_commit_waits_for_the_first(repo, trainer, hold):
     trainer.train(1)
     third = repo.commit(trainer.state(), "three")  # a blocking commit after a background one: on top
     assert repo.log()[0].id == third and repo.log()[0].parents == [second.result()]
+
+
+def test_the_branch_is_the_one_head_was_on_at_the_call_though_head_moves_before_the_thread_starts(repo, hold):
+    path = repo.root / "ck.pt"
+    torch.save({"w": torch.zeros(64)}, path)
+    base = repo.commit(path, "base")
+    repo.branch("side")
+    torch.save({"w": torch.ones(64)}, path)
+    tip = repo.commit(path, "main's tip")
+    release = hold
+    handle = repo.commit({"w": torch.full((64,), 2.0)}, "on main", blocking=False)  # HEAD is on main now
+    _wait_reached(release)
+    repo.checkout_to("side")
+    release.touch()
+    made = handle.result()
+    assert repo.branches()["main"] == made and repo.branches()["side"] == base
+    assert repo.commit_info(made).parents == [tip] and repo.head() == ("side", base)
+
+
+def test_a_branch_deleted_before_the_thread_starts_stays_deleted_and_the_commit_conflicts(repo, trainer, hold):
+    repo.commit(trainer.state(), "base")
+    trainer.train(1)
+    repo.commit(trainer.state(), "exp's first", branch="exp")
+    release = hold
+    trainer.train(1)
+    handle = repo.commit(trainer.state(), "exp's second", branch="exp", blocking=False)
+    _wait_reached(release)
+    repo.delete_branch("exp")
+    release.touch()
+    with pytest.raises(ConflictError, match="exp was deleted"):
+        handle.result()
+    assert "exp" not in repo.branches() and len(repo.log(all_refs=True)) == 1
 
 
 def test_threads_committing_through_one_repository_take_turns(repo, monkeypatch, tmp_path):
