@@ -63,26 +63,38 @@ def start_now(repo: Repository, branch: str | None) -> Start:
 
 
 def move_ref(tx: Tx, start: Start, new: CommitId) -> None:
-    """Compare-and-swap the ref: it must still point where this commit started from (and still exist)."""
+    """Compare-and-swap the ref: it must still point where this commit started from (and still exist).
+
+    A branch this commit creates may have been made meanwhile at the very commit it started from:
+    then it moves on from there, as it would have had it been made first.
+    """
     target, expected = start.target, start.commit
     if target is None:
         moved = expected is not None and ref_rows.swap(tx, refs.HEAD, refs.HEAD_KIND, expected, new)
-    elif start.new:
-        moved = ref_rows.ref_row(tx, target) is None
-        if moved:
-            ref_rows.insert_ref(tx, target, refs.BRANCH, new)
+    elif start.new and ref_rows.ref_row(tx, target) is None:
+        ref_rows.insert_ref(tx, target, refs.BRANCH, new)
+        moved = True
     else:
-        moved = ref_rows.swap(tx, target, refs.BRANCH, expected, new)
+        moved = expected is not None and ref_rows.swap(tx, target, refs.BRANCH, expected, new)
     if not moved:
-        now = ref_rows.ref_row(tx, target or refs.HEAD)
-        where = f"moved to {(now.commit_id or 'nothing')[:12]}" if now else "was deleted"
-        raise ConflictError(
-            f"{target or 'HEAD'} {where} while this commit was being written "
-            f"(it started from {expected[:12] if expected else 'an unborn branch'}); nothing was recorded. "
-            "Another commit went to the same branch meanwhile (another process, or another Repository "
-            "object of the same folder): commit again to put this checkpoint on top, or use --branch to "
-            "keep the two runs apart."
-        )
+        _conflict(tx, start)
+
+
+def _conflict(tx: Tx, start: Start) -> None:
+    """Raise the ConflictError that says what became of the ref this commit was to move."""
+    now = ref_rows.ref_row(tx, start.target or refs.HEAD)
+    began = f"it started from {start.commit[:12] if start.commit else 'an unborn branch'}"
+    if now is None:
+        raise ConflictError(f"{start.target} was deleted while this commit was being written ({began}); nothing "
+                            f"was recorded. Commit again to make {start.target} anew at HEAD, or to another branch "
+                            "with --branch.")
+    where = f"was made at {(now.commit_id or 'nothing')[:12]}" if start.new else \
+        f"moved to {(now.commit_id or 'nothing')[:12]}"
+    raise ConflictError(
+        f"{start.target or 'HEAD'} {where} while this commit was being written ({began}); nothing was recorded. "
+        "Another commit went to the same branch meanwhile (another process, or another Repository object of "
+        "the same folder): commit again to put this checkpoint on top, or use --branch to keep the two runs apart."
+    )
 
 
 def default_author() -> str:

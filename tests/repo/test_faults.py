@@ -148,12 +148,30 @@ def test_a_branch_deleted_while_a_commit_to_it_is_written_stays_deleted(repo, tm
         passing(name)
 
     monkeypatch.setattr(faults, "point", delete_exp)
-    with pytest.raises(ConflictError, match="exp was deleted while this commit was being written"):
+    with pytest.raises(ConflictError, match="exp was deleted while this commit was being written") as refused:
         repo.commit({"w": torch.ones(8)}, branch="exp")
+    assert "Another commit" not in str(refused.value)  # none went there: the advice is to make it anew
     assert "exp" not in repo.branches()
     monkeypatch.setattr(faults, "point", passing)
     repo.commit({"w": torch.ones(8)}, branch="fresh")  # a new branch is still made by its first commit
     assert "fresh" in repo.branches()
+
+
+def test_a_new_branch_made_meanwhile_where_the_commit_started_takes_the_commit(repo, monkeypatch):
+    """Another shell's `ckpt branch exp` at HEAD while a commit to the new branch exp runs: a fast-forward."""
+    from ckptstore import faults
+
+    base = repo.commit({"w": torch.zeros(8)})
+    passing = faults.point
+
+    def branch_exp(name):
+        if name == "commit:manifest-written":
+            repo.branch("exp")
+        passing(name)
+
+    monkeypatch.setattr(faults, "point", branch_exp)
+    made = repo.commit({"w": torch.ones(8)}, branch="exp")
+    assert repo.branches()["exp"] == made and repo.commit_info(made).parents == [base]
 
 
 COMMIT_SCRIPT = """
