@@ -250,6 +250,8 @@ def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle,
     info = repo.commit_info(cid)
     mode = f" lossy:{info.lossy}" if info.lossy else ""
     echo(f"[{cid[:12]}]{mode} {subject(message)}  ({_size(info.raw_bytes)} -> {_size(info.stored_bytes)} new)")
+    if branch is None and repo.head()[0] is None:
+        echo(f"note: HEAD is detached, so this commit is on no branch; to keep it: ckpt branch NAME {cid[:12]}")
 
 
 @cli.command()

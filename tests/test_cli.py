@@ -184,3 +184,25 @@ def test_show_of_a_lossy_commit_without_optimizer_state_says_no_importance_was_e
     assert run("commit", "c.pt", "--lossy", "balanced").exit_code == 0
     shown = run("show").output
     assert "importance: none: no optimizer state" in shown and "estimated from the optimizer state" not in shown
+
+
+def test_commits_on_a_detached_head_are_said_so_and_leaving_them_behind_warns(tmp_path):
+    """As git: a commit on a detached HEAD says it is on no branch; moving HEAD off such commits names them."""
+    run = lambda *args: ckpt_here(tmp_path, *args)
+    run("init")
+    for value, then in ((0.0, ("tag", "best")), (1.0, None)):
+        torch.save({"w": torch.full((4,), value)}, tmp_path / "ck.pt")
+        assert "detached" not in run("commit", "ck.pt").stdout  # on main
+        if then:
+            run(*then)
+    run("checkout", "best")
+    torch.save({"w": torch.full((4,), 9.0)}, tmp_path / "ck.pt")
+    made = run("commit", "ck.pt")
+    assert "HEAD is detached" in made.stdout and "ckpt branch NAME" in made.stdout
+    kept_id = made.stdout[1:13]
+    moved = run("checkout", "main")
+    assert moved.returncode == 0 and "leaves 1 commit behind" in moved.stderr and kept_id in moved.stderr
+    assert "leaves" not in run("checkout", "best").stderr  # detached again, but nothing is left behind this time
+    run("branch", "kept", kept_id)
+    run("checkout", kept_id)
+    assert "leaves" not in run("checkout", "main").stderr  # a branch reaches it now

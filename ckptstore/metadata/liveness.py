@@ -16,8 +16,13 @@ _KEPT = "WHERE id NOT IN (SELECT commit_id FROM pruned_commits)"  # a pruned com
 
 def reachable_commits(tx: Tx) -> set[CommitId]:
     """Commits some branch, tag or detached HEAD reaches through parents."""
+    return reached_from(tx, tip_commits(tx))
+
+
+def reached_from(tx: Tx, starts: Iterable[CommitId]) -> set[CommitId]:
+    """`starts` and every commit they reach through parents."""
     parents = all_parents(tx)
-    stack, seen = tip_commits(tx), set()
+    stack, seen = list(starts), set()
     while stack:
         cid = stack.pop()
         if cid not in seen:

@@ -38,9 +38,10 @@ def names(tx: Tx, kinds: tuple[str, ...] = (BRANCH, TAG)) -> list[str]:
     return tx.column(f"SELECT name FROM refs WHERE kind IN ({', '.join('?' * len(kinds))})", kinds)
 
 
-def tip_commits(tx: Tx) -> list[CommitId]:
-    """Every commit a ref points at directly (branches, tags, a detached HEAD)."""
-    return [CommitId(c) for c in tx.column("SELECT commit_id FROM refs WHERE commit_id IS NOT NULL")]
+def tip_commits(tx: Tx, but: str = "") -> list[CommitId]:
+    """Every commit a ref (but the one named `but`) points at directly: branches, tags, a detached HEAD."""
+    return [CommitId(c) for c in tx.column("SELECT commit_id FROM refs WHERE commit_id IS NOT NULL AND name <> ?",
+                                           (but,))]
 
 
 def insert_ref(tx: Tx, name: str, kind: str, commit_id: CommitId | None = None, target: str | None = None) -> None:

@@ -16,7 +16,7 @@ from ckptstore.errors import (
     RefNotFoundError,
 )
 from ckptstore.hashing import CommitId
-from ckptstore.metadata import Tx
+from ckptstore.metadata import Tx, liveness
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata.refs import BRANCH, HEAD, HEAD_KIND, REMOTE, TAG
@@ -211,6 +211,7 @@ def move_head(repo: Repository, cid: CommitId, branch_name: str | None) -> None:
     files are not the ones written: HEAD is then detached at `cid`, with a warning.
     """
     with repo.db.write() as tx:
+        _warn_left_behind(tx, cid)
         row = ref_rows.ref_row(tx, branch_name) if branch_name else None
         if branch_name and (row is None or row.commit_id != cid):
             now = f"moved to {row.commit_id[:12]}" if row and row.commit_id else "was deleted"
@@ -219,3 +220,17 @@ def move_head(repo: Repository, cid: CommitId, branch_name: str | None) -> None:
                           stacklevel=3)
             branch_name = None
         ref_rows.point_head(tx, branch_name, None if branch_name else cid)
+
+
+def _warn_left_behind(tx: Tx, going_to: CommitId) -> None:
+    """Warn, as git does, when a detached HEAD moves off commits nothing else reaches: gc --prune deletes them."""
+    now = ref_rows.ref_row(tx, HEAD)
+    if now is None or now.target is not None or now.commit_id in (None, going_to):
+        return
+    behind = liveness.reached_from(tx, [CommitId(now.commit_id)]) - liveness.reached_from(
+        tx, [*ref_rows.tip_commits(tx, but=HEAD), going_to])
+    if behind:
+        tip = now.commit_id[:12]
+        warnings.warn(f"HEAD leaves {len(behind)} commit{'s' * (len(behind) > 1)} behind that no branch or tag "
+                      f"reaches, up to {tip}: `ckpt gc --prune` would delete them. To keep them: "
+                      f"ckpt branch NAME {tip}", RuntimeWarning, stacklevel=4)
