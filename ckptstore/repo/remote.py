@@ -25,6 +25,7 @@ from ckptstore.errors import (
     ConflictError,
     CorruptObjectError,
     CorruptRecordError,
+    InvalidRefNameError,
     MissingDatabaseError,
     RefNotFoundError,
     SentObjectError,
@@ -296,6 +297,8 @@ def push(repo: Repository, name: str, branch: str | None = None, force: bool = F
     with open_remote(remote_config, name, create=True) as remote, remote.lock():
         with remote.db.read() as rtx:
             old = _tip(_branch_row(rtx, branch, f"remote {name!r}"))
+            if old is None:  # a branch made there: by the remote's rules (its own remotes' tracking refs)
+                _check_name_there(rtx, remote, name, branch)
         if old is not None and old != tip and not force and not _is_ancestor(repo, old, tip):
             raise _refused(remote, name, branch, old, tip)
         report = _copy(repo, remote, {branch: tip}, pushing=True)[0]
@@ -318,6 +321,15 @@ def _refused(remote: Repository, name: str, branch: str, old: CommitId, tip: Com
                          f"{old[:12]}, with commits yours lacks); send yours as a branch of its own (`ckpt branch "
                          f"NEW {branch}`, then `ckpt push {name} NEW`; `ckpt fetch {name}` shows theirs as "
                          f"{name}/{branch}), or push with --force to drop their commits")
+
+
+def _check_name_there(rtx: Tx, remote: Repository, name: str, branch: str) -> None:
+    """Refuse a branch the push would make on remote `name` that the rules there refuse (it would hide a ref)."""
+    try:
+        refs.check_new_name(branch, remote.config.remotes, rtx)
+    except InvalidRefNameError as exc:
+        raise InvalidRefNameError(f"push to {name} refused: on {name}, {exc} (`ckpt branch NEW {branch}`, then "
+                                  f"`ckpt push {name} NEW`)") from None
 
 
 def _branch_row(tx: Tx, name: str, where: str) -> ref_rows.RefRow | None:

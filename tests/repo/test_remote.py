@@ -316,6 +316,23 @@ def test_a_machine_without_the_remote_still_cannot_hide_the_tracking_refs_anothe
         assert other.resolve("origin/main") == cids[1]
 
 
+def test_a_push_cannot_make_a_branch_there_that_hides_the_remotes_own_tracking_refs(pair, tmp_path):
+    """The hub has a remote `up` and fetched its main: a branch `up/main` pushed to the hub would hide it there."""
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    with Repository.init(tmp_path / "up") as up:
+        up.commit({"w": torch.full((3,), 7.0)}, "upstream")
+    with Repository.open(hub_path) as hub:
+        remote.add(hub, "up", str(tmp_path / "up"))
+        remote.fetch(hub, "up")
+        upstream = hub.resolve("up/main")
+    work.branch("up/main", "main")  # a legal name here, where no remote `up` exists
+    with pytest.raises(InvalidRefNameError, match="push to origin refused: on origin, 'up/main' would hide"):
+        remote.push(work, "origin", "up/main")
+    with Repository.open(hub_path) as hub:
+        assert hub.resolve("up/main") == upstream and "up/main" not in hub.branches()
+
+
 def test_a_lazy_clone_keeps_its_origin_and_is_no_origin_for_another(pair, tmp_path):
     work, hub_path, cids = pair
     remote.push(work, "origin")
