@@ -294,7 +294,8 @@ def push(repo: Repository, name: str, branch: str | None = None, force: bool = F
     if row is None or row.kind != ref_rows.BRANCH or row.commit_id is None:
         raise RefNotFoundError(branch, detail=" (no such branch with commits here)")
     tip = CommitId(row.commit_id)
-    with open_remote(remote_config, name, create=True) as remote, remote.lock():
+    # both locks shared: a gc or prune on either side waits until the push has read and sent what it needs
+    with open_remote(remote_config, name, create=True) as remote, repo.lock(), remote.lock():
         with remote.db.read() as rtx:
             old = _tip(_branch_row(rtx, branch, f"remote {name!r}"))
             if old is None:  # a branch made there: by the remote's rules (its own remotes' tracking refs)

@@ -262,6 +262,31 @@ def test_a_gc_while_a_fetch_runs_keeps_what_was_fetched(pair, tmp_path):
         assert_same(_state(5), copy.checkout("origin/main"))
 
 
+def test_a_prune_while_a_push_runs_waits_and_the_push_sends_whole_commits(pair, tmp_path):
+    """A second shell's prune used to delete chain objects the push was about to send: "damaged object" here."""
+    work, hub_path, cids = pair
+    newest = work.commit(_state(2), message="c2")
+    release = tmp_path / "release"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_WAIT_AT=f"transfer:object-sent={release}")
+    pushing = subprocess.Popen([sys.executable, "-m", "ckptstore", "push", "origin", "main"], cwd=work.root, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_held(release, pushing)
+        pruning = subprocess.Popen([sys.executable, "-m", "ckptstore", "prune", "--keep-last", "1"], cwd=work.root,
+                                   env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        with pytest.raises(subprocess.TimeoutExpired):  # the push holds the repository: the prune must wait
+            pruning.wait(timeout=3)
+    finally:
+        release.touch()
+    assert pushing.wait(timeout=120) == 0, pushing.communicate()
+    assert pruning.wait(timeout=120) == 0, pruning.communicate()
+    with Repository.open(hub_path) as hub:
+        assert hub.resolve("main") == newest and fsck(hub, full=True).ok
+        for seed, cid in enumerate([*cids, newest]):
+            assert_same(_state(seed), hub.checkout(cid))
+
+
 def test_tracking_refs_follow_the_remote_and_never_move_a_branch_or_tag(pair, tmp_path):
     work, hub_path, cids = pair
     remote.push(work, "origin")
