@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import sys
 import warnings
@@ -51,6 +52,16 @@ def _size(n: float) -> str:
     return str(n)
 
 
+# control characters but newline and tab: a commit message, metric or file name holding them (another
+# machine's commit, fetched) would otherwise retitle or clear the terminal, or overwrite lines
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _shown(text: str) -> str:
+    """`text` with its control characters written out (ESC as a backslash and x1b): harmless in a terminal."""
+    return _CONTROL.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
+
+
 def echo(text: str = "") -> None:
     """Write one line of the command's output; a stdout that refuses it raises OutputError, not an OSError.
 
@@ -59,7 +70,7 @@ def echo(text: str = "") -> None:
     if sys.stdout is None:  # started with stdout closed (`>&-`): click would drop the text without a word
         raise OutputError.closed()
     try:
-        click.echo(text)
+        click.echo(_shown(text))
     except OSError as exc:
         raise OutputError(exc) from exc
 
@@ -708,11 +719,11 @@ def _create_or_delete(name: str | None, delete: str | None) -> None:
 
 
 def _warning_line(message: Warning | str, *_: Any, **__: Any) -> None:
-    click.echo("warning: " + " ".join(str(message).split()), err=True)
+    click.echo("warning: " + _shown(" ".join(str(message).split())), err=True)
 
 
 def _fail(message: str, code: int) -> None:
-    click.echo("error: " + " ".join(message.split()), err=True)  # one line, whatever the message held
+    click.echo("error: " + _shown(" ".join(message.split())), err=True)  # one line, whatever the message held
     sys.exit(code)
 
 

@@ -206,3 +206,18 @@ def test_commits_on_a_detached_head_are_said_so_and_leaving_them_behind_warns(tm
     run("branch", "kept", kept_id)
     run("checkout", kept_id)
     assert "leaves" not in run("checkout", "main").stderr  # a branch reaches it now
+
+
+def test_control_characters_in_commit_text_reach_the_terminal_written_out(tmp_path):
+    """A fetched commit's message or metric name could retitle, clear or overwrite the terminal of whoever runs log."""
+    from ckptstore import Repository
+
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"w": torch.ones(4)}, "title\x1b]0;owned\x07 and\x1b[2J\rgone\nsecond line\tx",
+                    metrics={"loss\x1b[31m": 1.0})
+    for args in (("log",), ("log", "--graph"), ("show", "HEAD"), ("stats",)):
+        out = ckpt_here(tmp_path, *args)
+        assert out.returncode == 0 and "\x1b" not in out.stdout + out.stderr and "\r" not in out.stdout, args
+    assert "\\x1b]0;owned\\x07" in ckpt_here(tmp_path, "log").stdout
+    shown = ckpt_here(tmp_path, "show", "HEAD").stdout
+    assert "\\x1b[2J\\x0dgone" in shown and "second line\tx" in shown and "loss\\x1b[31m" in shown
