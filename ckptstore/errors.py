@@ -202,16 +202,23 @@ class ReadOnlyRepoError(CkptError):
     """A write to a repository opened read-only (a read-only mount, or files this user may not write)."""
 
 
-DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _DISK_FULL_WORDS = ("database or disk is full", "no space left on device", "file write failed")
-_NOTHING_LOST = ("nothing was lost: the interrupted write is undone and earlier commits are intact. Free some space "
-                 "and run the command again (once there is room for its database write, `ckpt gc` also removes "
-                 "what interrupted commits left)")
+_NOTHING_LOST = ("nothing was lost: the interrupted write is undone and earlier commits are intact. {remedy} and run "
+                 "the command again (once there is room for its database write, `ckpt gc` also removes what "
+                 "interrupted commits left)")
 
 
 def disk_full(detail: str) -> DiskFullError:
     """The error for a write that found the disk full, saying that nothing was lost and what to do."""
-    return DiskFullError(f"the disk is full ({detail}); {_NOTHING_LOST}")
+    return DiskFullError(f"the disk is full ({detail}); {_NOTHING_LOST.format(remedy='Free some space')}")
+
+
+def _file_too_large(detail: str) -> DiskFullError:
+    """EFBIG: freeing space cannot help; the limit is the process's (`ulimit -f`) or the file system's largest file."""
+    return DiskFullError(f"a file reached the largest size allowed here ({detail}): the process's file-size limit "
+                         "(`ulimit -f`) or the file system's largest file; "
+                         + _NOTHING_LOST.format(remedy="Raise the limit or write to another file system"))
 
 
 def explain(exc: BaseException) -> CkptError | None:
@@ -226,9 +233,13 @@ def explain(exc: BaseException) -> CkptError | None:
         if isinstance(current, CkptError):
             return current
         text = str(current).lower()
-        if isinstance(current, OSError) and current.errno in DISK_FULL_ERRNOS:
+        if isinstance(current, OSError) and current.errno in (*DISK_FULL_ERRNOS, errno.EFBIG):
             where = f" writing {current.filename}" if current.filename else ""
-            return disk_full(f"{current.strerror or current}{where}")
+            tell = _file_too_large if current.errno == errno.EFBIG else disk_full
+            return tell(f"{current.strerror or current}{where}")
+        if isinstance(current, OSError) and current.errno in (errno.EMFILE, errno.ENFILE):
+            return CkptError(f"too many open files ({current.strerror}{_limit_of_open_files()}): raise the limit "
+                             "(`ulimit -n 65536`) and run the command again")
         if any(words in text for words in _DISK_FULL_WORDS):
             return disk_full(str(current).splitlines()[0].strip()[:200])
         if isinstance(current, OSError) and current.errno == errno.EROFS and _outside_repository(current):
@@ -252,6 +263,16 @@ def explain(exc: BaseException) -> CkptError | None:
                              "paths and messages as UTF-8: rename the file, or pass the text in UTF-8")
         current = current.__cause__ or current.__context__
     return None
+
+
+def _limit_of_open_files() -> str:
+    """", the limit is N" for this process's limit on open files, where it can be read."""
+    try:
+        import resource
+
+        return f", the limit is {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
+    except (ImportError, OSError, ValueError):
+        return ""
 
 
 def _in_repository(name: str) -> bool:

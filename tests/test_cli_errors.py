@@ -132,7 +132,8 @@ def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path):
         big = tmp_path / "big.pt"
         checkpoint(big, 1_000_000, 3)  # 4 MB of random floats: more than the disk holds
         cap = None if mounted else 1 << 20  # without a tmpfs: files may not grow past 1 MiB
-        one_error_line(run(repo, "commit", str(big), fsize=cap), "disk is full", "nothing was lost")
+        full = "disk is full" if mounted else "file-size limit"
+        one_error_line(run(repo, "commit", str(big), fsize=cap), full, "nothing was lost")
         assert_intact(repo, states)
         if mounted:  # the database's own write hits the full disk: SQLite's "database or disk is full"
             fill(tmp_path / "disk" / "filler")
@@ -151,7 +152,7 @@ def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path):
                 assert not held.read_only and len(held.log("later")) == 3
         else:
             one_error_line(run(repo, "checkout", "main", "-o", str(tmp_path / "out.pt"), fsize=40_000),
-                           "disk is full", "nothing was lost")
+                           "file-size limit", "nothing was lost")
         assert_intact(repo, states)
 
 
@@ -209,6 +210,10 @@ def test_os_failures_below_ckptstore_are_explained():
     assert isinstance(explain(OSError(errno.EROFS, "Read-only file system")), ReadOnlyRepoError)
     assert "a folder where a file was expected" in str(explain(IsADirectoryError(errno.EISDIR, "x", "/r/.ckpt/lock")))
     assert explain(ValueError("something else")) is None
+    too_large = explain(OSError(errno.EFBIG, "File too large", "/data/x"))  # `ulimit -f`, or FAT32's 4 GiB
+    assert "disk is full" not in str(too_large) and "`ulimit -f`" in str(too_large) and "nothing was lost" in str(
+        too_large)
+    assert "`ulimit -n 65536`" in str(explain(OSError(errno.EMFILE, "Too many open files")))
 
 
 def test_init_takes_a_max_chain_count_or_auto_and_refuses_anything_else(tmp_path):
