@@ -147,6 +147,7 @@ def read_checkpoint(path: str | os.PathLike, trust_pickle: bool = False,
     if not found:
         raise CheckpointFormatError(f"{path} is an empty folder, not a checkpoint")
     checkpoint = Checkpoint("folder", [])
+    filemap.allow_open_files(len(found))  # the files' maps stay open until the commit is recorded
     for item in found:
         record, tensors = _read_file(item.path, item.name, trust_pickle, in_folder=True)
         record.mode = item.mode

@@ -29,6 +29,7 @@ except ImportError:  # built without a C compiler: maps are read unguarded
     _sigbus = None
 
 native = _sigbus is not None
+SMALL_FILE = 1 << 20  # files under this size are read, not mapped (see `array`)
 _local = threading.local()
 
 
@@ -146,9 +147,31 @@ def _open(path: str | os.PathLike, writable: bool, within: Guard | None) -> tupl
 
 
 def array(path: str | os.PathLike, writable: bool = False) -> np.ndarray:
-    """The file's bytes as a uint8 array over `open_map`'s map (read-only unless `writable`)."""
+    """The file's bytes as a uint8 array over `open_map`'s map (read-only unless `writable`).
+
+    A file under SMALL_FILE is read into memory instead: each map holds a file descriptor until it
+    goes, and a folder of thousands of small files would run out of them.
+    """
+    if os.stat(path).st_size < SMALL_FILE:
+        data = np.fromfile(path, dtype=np.uint8)
+        data.flags.writeable = writable
+        return data
     data = open_map(path, writable)
     return np.empty(0, dtype=np.uint8) if data is None else np.frombuffer(data, dtype=np.uint8)
+
+
+def allow_open_files(count: int) -> None:
+    """Raise this process's soft limit on open files (up to its hard limit) to hold `count` maps and the rest."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = count + 256  # the process's other files: the database, objects, sockets
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else
+                                                        min(wanted, hard), hard))
+    except (ImportError, OSError, ValueError):  # not on this platform, or not allowed: the limit stays
+        pass
 
 
 def file_digest(path: str | os.PathLike, within: Guard | None = None) -> str:
