@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from ckptstore.errors import CkptError, CorruptObjectError
+from ckptstore.errors import CkptError, CorruptObjectError, DiskFullError, explain
 from ckptstore.hashing import ObjectId
-from ckptstore.objectstore.base import ObjectStore, RangeReader, read_whole
+from ckptstore.objectstore.base import ObjectStore, RangeReader, delivered, read_whole
 
 
 class FallbackStore:
@@ -51,18 +51,26 @@ class FallbackStore:
             raise CorruptObjectError(oid, f"not read yet, and the origin it comes from ({source.url}) no longer "
                                           "holds it (pruned or collected there)") from None
 
-    def _filled(self, read: Callable[[], Any], oid: ObjectId, held: Callable[[bytes], Any] | None) -> Any:
-        """`read()` of the local store; a missing object is copied here first (or, not kept, `held(its bytes)`)."""
+    def _filled(self, read: Callable[[], Any], oid: ObjectId, held: Callable[[bytes], Any]) -> Any:
+        """`read()` of the local store; a missing object is copied here first (or, not kept, `held(its bytes)`).
+
+        A disk here too full to keep it does not fail the read: the bytes are used without keeping
+        them, as in a read-only repository (reading commands work on a full disk).
+        """
         try:
             return read()
         except CorruptObjectError as exc:
             if exc.problem != "missing":
                 raise
         data = self.from_source(oid)
-        if not self.keep and held is not None:
-            return held(data)
-        self.local.put(data)
-        return read()
+        if self.keep:
+            try:
+                self.local.put(data)
+                return read()
+            except Exception as exc:
+                if not isinstance(explain(exc), DiskFullError):
+                    raise
+        return held(data)
 
     def get(self, oid: ObjectId, verify: bool = True) -> bytes:
         return self._filled(lambda: self.local.get(oid, verify), oid, bytes)
@@ -108,7 +116,8 @@ class FillingRanges:
 
     def read(self, oid: ObjectId, offset: int, length: int, into: Any = None) -> bytes | memoryview:
         if self._store.keep:
-            return self._store._filled(lambda: self._ranges.read(oid, offset, length, into), oid, None)
+            return self._store._filled(lambda: self._ranges.read(oid, offset, length, into), oid,
+                                       lambda data: delivered(memoryview(data)[offset:offset + length], into))
         try:
             return self._ranges.read(oid, offset, length, into)
         except CorruptObjectError as exc:

@@ -248,3 +248,38 @@ def test_gc_clears_a_folder_standing_at_an_unneeded_objects_path(tmp_path):
         (folder / "inner").mkdir(parents=True)
         assert gc(repo).objects_removed == 1 and not folder.exists()
         assert fsck(repo).ok and torch.equal(repo.checkout(cid)["w"], torch.arange(5.0))
+
+
+@pytest.mark.parametrize("read", ["get", "view", "size", "ranges"])
+def test_a_lazy_clone_too_full_to_keep_an_object_still_reads_it_from_its_origin(tmp_path, monkeypatch, read):
+    """A full disk must not stop reading commands (checkout -o elsewhere, fsck): the bytes are used, not kept."""
+    import errno
+
+    from ckptstore.objectstore.fallback import FallbackStore
+
+    origin = LocalObjectStore(tmp_path / "origin", tmp_path / "origin-tmp")
+    data = bytes(range(256)) * 64
+    oid = origin.put(data)
+    local = LocalObjectStore(tmp_path / "here", tmp_path / "here-tmp")
+
+    def full(_data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(local, "put", full)
+    store = FallbackStore(local, lambda: origin)
+    if read == "ranges":
+        ranges = store.open_ranges()
+        assert bytes(ranges.read(oid, 100, 50)) == data[100:150]
+        ranges.close()
+    else:
+        expected = {"get": data, "view": data, "size": len(data)}[read]
+        got = getattr(store, read)(oid)
+        assert (bytes(got) if read != "size" else got) == expected
+    assert not local.has(oid)  # not kept: there was no room
+
+    def broken(_data):
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(local, "put", broken)
+    with pytest.raises(OSError, match="I/O error"):  # any other failure to keep it is still an error
+        store.get(oid)
