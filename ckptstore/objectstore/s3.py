@@ -37,6 +37,7 @@ DOWNLOADS_IN_FLIGHT = 16  # objects downloading at once inside read_ahead()
 READ_AHEAD = 64  # objects read ahead and not yet used, at most (64 chunks of 4 MiB: 256 MiB)
 BYTES_IN_FLIGHT = 512 << 20  # encoders wait when this much is queued for upload, so memory stays bounded
 RETRY_SECONDS = 60.0  # how long a request is retried before the error reaches the user; CKPT_S3_RETRY_SECONDS
+MIN_REQUEST_SECONDS = 30.0  # the least time a request may take before it counts as failed (see _client)
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -73,7 +74,11 @@ def _client(bucket: str) -> Any:
     """An obstore S3Store for `bucket`, configured from the environment (see the module docstring)."""
     from obstore.store import S3Store
 
-    options: dict[str, Any] = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=300)}
+    # a server that stops answering fails the request after twice the retry window (at least 30 s: a
+    # 64 MiB PUT at 0.5 MB/s fits the default's 120 s), so a stall ends the command as a failure does
+    retrying = _retry_seconds()
+    patience = max(MIN_REQUEST_SECONDS, 2 * retrying)
+    options: dict[str, Any] = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=patience)}
     if _endpoint().startswith("http://"):
         options["allow_http"] = True
     config: dict[str, Any] = {}
@@ -85,7 +90,7 @@ def _client(bucket: str) -> Any:
         from obstore.auth.boto3 import Boto3CredentialProvider  # needs boto3: only for profiles
 
         provider = Boto3CredentialProvider()
-    retry = {"max_retries": 10, "retry_timeout": timedelta(seconds=_retry_seconds()),
+    retry = {"max_retries": 10, "retry_timeout": timedelta(seconds=retrying),
              "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5),
                          "base": 2}}
     return S3Store(bucket, config=config, client_options=options, retry_config=retry,

@@ -5,7 +5,8 @@ a real server that dies comes back with its data. The proxy plays the dying serv
 `go_down()` drops every connection and refuses new ones (the port closes), `come_up()` listens
 again on the same port, `down_after(n)` dies once `n` bytes have gone upstream (mid-upload) or,
 with `downloads=True`, come back from the server (mid-download),
-`delay` adds latency to every chunk forwarded, and `reply_with(status)` answers each request
+`delay` adds latency to every chunk forwarded, `stalled = True` holds every byte (connections stay
+open and nothing answers: a hung server or a network partition), and `reply_with(status)` answers each request
 with an HTTP error of its own (a 500, or a 403 with S3's AccessDenied body) without forwarding it.
 It counts the bytes it forwarded each way, so a test can measure what a retry sent again.
 """
@@ -34,6 +35,7 @@ class FaultProxy:
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.delay = 0.0
+        self.stalled = False
         self.status: int | None = None
         self.sent = 0  # bytes forwarded client -> server
         self.received = 0  # bytes forwarded server -> client
@@ -120,6 +122,8 @@ class FaultProxy:
             while chunk := source.recv(1 << 16):
                 if self.delay:
                     time.sleep(self.delay)
+                while self.stalled and self._listener is not None:  # held until the stall ends or the proxy goes
+                    time.sleep(0.05)
                 if self._spend(len(chunk), upstream):
                     self.go_down()
                     return

@@ -93,6 +93,20 @@ def test_an_unreachable_endpoint_is_one_line(bucket_repo, proxy, monkeypatch):
     assert not (bucket_repo / "back.pt").exists()
 
 
+def test_a_server_that_stops_answering_ends_the_command_within_its_patience(bucket_repo, proxy, monkeypatch):
+    """A hung server (nothing answers, the connection stays open) used to hold each request for 300 s."""
+    from ckptstore.objectstore import s3
+
+    monkeypatch.setattr(s3, "MIN_REQUEST_SECONDS", 1.0)  # the patience is then 2 x CKPT_S3_RETRY_SECONDS: 4 s
+    proxy.stalled = True
+    _one_line_error(ckpt_here(bucket_repo, "commit", "c.pt", timeout=60), proxy.endpoint)
+    proxy.stalled = False
+    assert ckpt_here(bucket_repo, "commit", "c.pt").returncode == 0
+    with Repository.open(bucket_repo) as repo:
+        assert fsck(repo).ok
+        assert_same(_state(0), repo.checkout("HEAD"))
+
+
 def test_push_and_clone_through_a_dying_server_resume(tmp_path, s3_url, proxy):
     hub = tmp_path / "hub"
     assert ckpt_here(tmp_path, "init", "hub", "--objects", s3_url).returncode == 0
