@@ -306,6 +306,10 @@ def start(root: Path, idle: float | None = None) -> dict[str, Any]:
     while time.monotonic() < deadline:
         running = status(root)
         if running is not None:
+            if running.get("pid") != process.pid:  # another start's daemon took the lock: ours would wait, then serve
+                process.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=5)
             return running
         if process.poll() is not None and status(root) is None:
             tail = log.read_text(errors="replace").strip().splitlines()[-3:]

@@ -199,6 +199,24 @@ def test_start_finds_the_running_daemon_and_an_idle_one_stops(served, tmp_path):
     assert ckpt(served, "daemon", "status").stdout == "no ckpt daemon is running\n"
 
 
+def test_two_starts_at_once_leave_one_daemon_and_stop_stops_it(tmp_path):
+    """The start that lost the race launched a daemon that waited for the lock, then served after `daemon stop`."""
+    root = tmp_path / "repo"
+    Repository.init(root).close()
+    starts = [subprocess.Popen([sys.executable, "-m", "ckptstore", "daemon", "start", "--idle", "60"], cwd=root,
+                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    said = [start.communicate(timeout=120)[0] for start in starts]
+    try:
+        assert all(line.startswith("ckpt daemon ") for line in said), said
+        assert ckpt(root, "daemon", "stop").returncode == 0
+        time.sleep(2)  # a second daemon waited for the lock for up to 10 s: it would have taken over by now
+        assert daemon.status(root.resolve()) is None
+    finally:
+        while daemon.status(root.resolve()) is not None:
+            ckpt(root, "daemon", "stop")
+
+
 def _wait_for(path: Path) -> None:
     _wait_until(path.exists)
 
