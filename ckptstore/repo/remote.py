@@ -302,6 +302,12 @@ def push(repo: Repository, name: str, branch: str | None = None, force: bool = F
                 _check_name_there(rtx, remote, name, branch)
         if old is not None and old != tip and not force and not _is_ancestor(repo, old, tip):
             raise _refused(remote, name, branch, old, tip)
+        if old is not None and old != tip and refs.head(remote)[0] == branch and (
+                files := _files_of(remote, old)) is not None and files.exists():
+            raise ConflictError(f"push to {name} refused: {branch!r} is checked out there, with its files at {files}; "
+                                "moved, it would leave them stale, and the next commit of them there would undo "
+                                f"your push. Check out another branch there first, or push to a new branch (`ckpt "
+                                f"branch NEW {branch}`, then `ckpt push {name} NEW`) and pull it there")
         report = _copy(repo, remote, {branch: tip}, pushing=True)[0]
         _move_remote_ref(remote, name, branch, old, tip)
     _track(repo, name, {branch: tip})
@@ -466,19 +472,21 @@ def _end_interrupted_pull(repo: Repository) -> None:
 
 def _files_here(repo: Repository, old: CommitId | None, new: CommitId) -> bool:
     """Whether a pull from `old` to `new` writes files: both commits' lie in this work tree, the old ones written."""
+    old_files = _files_of(repo, old)
+    return old_files is not None and _files_of(repo, new) is not None and old_files.exists()
+
+
+def _files_of(repo: Repository, cid: CommitId | None) -> Path | None:
+    """Where commit `cid`'s files lie in `repo`'s work tree; None for none (in memory, absolute, forged)."""
     from ckptstore.repo.worktree import committed_from
 
-    def here(cid: CommitId | None) -> Path | None:
-        where = repo.commit_info(cid).source_path if cid is not None else None
-        if where is None or Path(where).is_absolute():
-            return None
-        try:
-            return committed_from(repo, cid, where)
-        except CkptError:  # a forged path out of the work tree: written nowhere, as an absolute one
-            return None
-
-    old_files = here(old)
-    return old_files is not None and here(new) is not None and old_files.exists()
+    where = repo.commit_info(cid).source_path if cid is not None else None
+    if where is None or Path(where).is_absolute():
+        return None
+    try:
+        return committed_from(repo, cid, where)
+    except CkptError:  # a forged path out of the work tree: written nowhere, as an absolute one
+        return None
 
 
 def _update_worktree(repo: Repository, branch: str, old: CommitId | None, new: CommitId) -> None:

@@ -358,6 +358,26 @@ def test_a_push_cannot_make_a_branch_there_that_hides_the_remotes_own_tracking_r
         assert hub.resolve("up/main") == upstream and "up/main" not in hub.branches()
 
 
+def test_a_push_to_the_branch_checked_out_with_its_files_in_a_folder_remote_is_refused(tmp_path):
+    """As git's receive.denyCurrentBranch: the files there would stay stale, and their next commit undo the push."""
+    hub_path = tmp_path / "hub"
+    with Repository.init(hub_path) as hub:
+        torch.save(_state(0), hub_path / "ck.pt")
+        first = hub.commit(hub_path / "ck.pt", "on the hub")
+    with remote.clone(str(hub_path), tmp_path / "work") as work:
+        torch.save(_state(1), tmp_path / "work" / "ck.pt")
+        pushed = work.commit(tmp_path / "work" / "ck.pt", "from the clone")
+        with pytest.raises(ConflictError, match="'main' is checked out there, with its files at"):
+            remote.push(work, "origin", "main")
+        with Repository.open(hub_path) as hub:
+            assert hub.resolve("main") == first
+            hub.branch("elsewhere")
+            hub.checkout_to("elsewhere")
+        remote.push(work, "origin", "main")  # not checked out there any more
+    with Repository.open(hub_path) as hub:
+        assert hub.resolve("main") == pushed and fsck(hub).ok
+
+
 def test_a_lazy_clone_keeps_its_origin_and_is_no_origin_for_another(pair, tmp_path):
     work, hub_path, cids = pair
     remote.push(work, "origin")
