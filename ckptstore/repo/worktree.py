@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ckptstore import faults
 from ckptstore.errors import CkptError, DirtyWorktreeError, listing
 from ckptstore.formats.filemap import file_digest
+from ckptstore.formats.folder import MODE_BITS
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import files as file_rows
 from ckptstore.repo import journal
@@ -60,6 +61,10 @@ def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool,
             raise CkptError(f"{dest} is a folder; this commit is one file: pass a file path" if output else
                             f"this commit was made from the file {dest}, which is now a folder: move the folder, "
                             "or write the commit elsewhere with -o PATH")
+        inside = own_folder_holding(repo, dest)
+        if inside is not None:  # a forged commit's (a remote's) path: commit never takes a file there
+            raise CkptError(f"this commit's file would be written inside the repository's own {inside.name}/ (as "
+                            f"{dest}): check it out elsewhere with -o PATH")
         plan = CheckoutPlan(dest, [(manifest.files[0], dest)])
     else:
         plan = _plan_folder(repo, manifest, dest, exact=not output)
@@ -122,7 +127,7 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
     needed, written = {dest}, {}
     for record in manifest.files:
         parts = PurePosixPath(record.name).parts
-        if not parts or record.name.startswith("/") or ".." in parts:
+        if not parts or record.name.startswith("/") or ".." in parts or "\0" in record.name:
             raise CkptError(f"the commit names a file {record.name!r} outside its folder; refusing to write it")
         target = dest.joinpath(*parts)
         _refuse_links_out(target, dest, real_dest)
@@ -348,7 +353,7 @@ def _stage(repo: Repository, cid: CommitId, record: CheckpointFile, target: Path
             with repo.db.write() as tx:
                 file_rows.remember(tx, [(file_digest(str(staging)), cid, staging.stat().st_size)])
         if record.mode is not None:  # after hashing: a mode may deny reading
-            os.chmod(staging, record.mode)
+            os.chmod(staging, record.mode & MODE_BITS)  # never setuid, setgid or sticky: commits record none
     except BaseException:
         staging.unlink(missing_ok=True)
         raise
@@ -380,9 +385,12 @@ def committed_from(repo: Repository, cid: CommitId, source_path: str, writing: b
     chose, and the commit is written with -o.
     """
     path = PurePosixPath(source_path)
-    if not path.is_absolute() and ".." in path.parts:
+    if "\0" in source_path or not path.is_absolute() and ".." in path.parts:
         raise CkptError(f"commit {cid[:12]} names its files as {source_path!r}, outside this work tree: it was not "
                         "made by ckptstore here; write it elsewhere with -o PATH")
+    if writing and any(part.lower() == ".git" for part in path.parts):  # git's own files: hooks run on checkout
+        raise CkptError(f"commit {cid[:12]} names its files as {source_path!r}, inside a .git folder, where a "
+                        "checkpoint never lies: it was forged; write it elsewhere with -o PATH")
     if writing and path.is_absolute() and not Path(path).is_relative_to(repo.root) and cid in fetched(repo.dir):
         raise CkptError(f"commit {cid[:12]} came from another repository, made from {source_path}, outside this "
                         "work tree: a checkout in place writes there only commits made here; write it with -o PATH")

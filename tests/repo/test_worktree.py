@@ -582,8 +582,8 @@ def test_a_journal_from_another_place_or_unreadable_is_one_warning_and_touches_n
     assert (tmp_path / "a" / "w.pt").read_text() == "new"  # its own journal, finished where it was written
 
 
-def test_a_cloned_commit_whose_path_climbs_out_of_the_work_tree_is_never_written_there(tmp_path):
-    """A hostile remote's commit (a valid id over a forged `../x.pt`) wrote outside the clone at checkout."""
+def _clone_of_forged(tmp_path, source_path):
+    """A clone of a repository whose one commit names its file `source_path` (a valid id over a forged record)."""
     import dataclasses
     import sqlite3
 
@@ -594,20 +594,53 @@ def test_a_cloned_commit_whose_path_climbs_out_of_the_work_tree_is_never_written
     with Repository.init(origin) as repo:
         torch.save({"w": torch.ones(3)}, origin / "ck.pt")
         cid = repo.commit(origin / "ck.pt")
-        forged = dataclasses.replace(repo.commit_info(cid), source_path="../escaped.pt")
+        forged = dataclasses.replace(repo.commit_info(cid), source_path=source_path)
     db = sqlite3.connect(origin / ".ckpt" / "ckpt.db")
     for table, column in [("commits", "id"), ("refs", "commit_id"), ("commit_tensors", "commit_id"),
                           ("known_files", "commit_id")]:
         db.execute(f"update {table} set {column} = ? where {column} = ?", (forged.computed_id(), cid))
-    db.execute("update commits set source_path = '../escaped.pt'")
+    db.execute("update commits set source_path = ?", (source_path,))
     db.commit()
     db.close()
-    with remote.clone(str(origin), tmp_path / "mine") as copy:
+    return remote.clone(str(origin), tmp_path / "mine")
+
+
+def test_a_cloned_commit_whose_path_climbs_out_of_the_work_tree_is_never_written_there(tmp_path):
+    """A hostile remote's commit (a valid id over a forged `../x.pt`) wrote outside the clone at checkout."""
+    with _clone_of_forged(tmp_path, "../escaped.pt") as copy:
         for step in (lambda: copy.checkout_to("main"), lambda: copy.status()):
             with pytest.raises(CkptError, match=r"'\.\./escaped\.pt', outside this work tree"):
                 step()
         assert torch.equal(copy.checkout("main")["w"], torch.ones(3))  # in memory, and with -o, it still restores
     assert not (tmp_path / "escaped.pt").exists()
+
+
+@pytest.mark.parametrize("source_path, message", [
+    (".ckpt/objects/evil.pt", "inside the repository's own .ckpt/"),
+    (".git/hooks/post-checkout", "inside a .git folder"),  # git would run it at its next checkout
+    ("ck\0x.pt", "outside this work tree"),
+])
+def test_a_cloned_commit_never_writes_into_the_store_or_gits_files_in_place(tmp_path, source_path, message):
+    with _clone_of_forged(tmp_path, source_path) as copy:
+        with pytest.raises(CkptError, match=message):
+            copy.checkout_to("main")
+        copy.checkout_to("main", tmp_path / "out.pt")  # with -o it restores, where the user says
+        assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], torch.ones(3))
+        assert not (copy.root / ".ckpt" / "objects" / "evil.pt").exists() and not (copy.root / ".git").exists()
+
+
+def test_a_files_recorded_mode_never_sets_setuid_setgid_or_sticky_bits(repo, tmp_path):
+    """Commits record only the permission bits; a manifest from elsewhere with 0o6777 made a setuid file."""
+    import numpy as np
+
+    from ckptstore.formats import CheckpointFile
+    from ckptstore.repo.worktree import _stage
+    from ckptstore.state import raw_from_bytes
+
+    record = CheckpointFile("run.sh", "blob", ["blob", "run.sh/%blob"], 3, mode=0o6777)
+    data = raw_from_bytes(np.frombuffer(b"#!x", np.uint8))
+    staged = _stage(repo, "0" * 64, record, tmp_path / "run.sh", lambda key: b"#!x", lambda key: data)
+    assert staged.read_bytes() == b"#!x" and stat.S_IMODE(staged.stat().st_mode) == 0o777
 
 
 def test_files_outside_the_work_tree_are_written_in_place_only_for_commits_made_here(tmp_path):
