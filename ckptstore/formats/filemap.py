@@ -29,7 +29,6 @@ except ImportError:  # built without a C compiler: maps are read unguarded
     _sigbus = None
 
 native = _sigbus is not None
-SMALL_FILE = 1 << 20  # files under this size are read, not mapped (see `array`)
 _local = threading.local()
 
 
@@ -147,21 +146,18 @@ def _open(path: str | os.PathLike, writable: bool, within: Guard | None) -> tupl
 
 
 def array(path: str | os.PathLike, writable: bool = False) -> np.ndarray:
-    """The file's bytes as a uint8 array over `open_map`'s map (read-only unless `writable`).
-
-    A file under SMALL_FILE is read into memory instead: each map holds a file descriptor until it
-    goes, and a folder of thousands of small files would run out of them.
-    """
-    if os.stat(path).st_size < SMALL_FILE:
-        data = np.fromfile(path, dtype=np.uint8)
-        data.flags.writeable = writable
-        return data
+    """The file's bytes as a uint8 array over `open_map`'s map (read-only unless `writable`)."""
     data = open_map(path, writable)
     return np.empty(0, dtype=np.uint8) if data is None else np.frombuffer(data, dtype=np.uint8)
 
 
 def allow_open_files(count: int) -> None:
-    """Raise this process's soft limit on open files (up to its hard limit) to hold `count` maps and the rest."""
+    """Raise this process's soft limit on open files (up to its hard limit) to hold `count` maps and the rest.
+
+    Each map keeps a descriptor until it goes, and a commit keeps a folder's maps until it is recorded:
+    a Trainer folder with a file per rank passes the usual soft limit of 1024 from about a thousand ranks.
+    A copy of the small files instead would hide a file rewritten in place while it is committed.
+    """
     try:
         import resource
 
