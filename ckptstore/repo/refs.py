@@ -44,12 +44,17 @@ def ensure_head(repo: Repository) -> None:
 
 def check_name(name: str) -> None:
     """Reject names git would reject, and names that read as something else (HEAD, a commit id prefix)."""
-    if len(name) > MAX_NAME:
-        raise InvalidRefNameError(f"{name[:40]!r}... has {len(name)} characters; branch and tag names have at "
-                                  f"most {MAX_NAME}")
     if _HEX.fullmatch(name) and len(name) >= MIN_PREFIX:
         raise InvalidRefNameError(f"{name!r} reads as a commit id (hex digits) and would hide the commit it "
                                   "abbreviates; choose a name with a letter beyond a-f")
+    check_form(name)
+
+
+def check_form(name: str) -> None:
+    """Reject names no ref may have here (check_name less the commit-id rule, which is about local names)."""
+    if len(name) > MAX_NAME:
+        raise InvalidRefNameError(f"{name[:40]!r}... has {len(name)} characters; branch and tag names have at "
+                                  f"most {MAX_NAME}")
     if (not _NAME.fullmatch(name) or name == HEAD or name.startswith(("-", "/", ".")) or name.endswith(("/", ".lock"))
             or ".." in name or "//" in name):
         raise InvalidRefNameError(

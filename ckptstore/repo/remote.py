@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -402,9 +403,30 @@ def fetch(repo: Repository, name: str, lazy: bool | None = None) -> TransferRepo
     lazy = remote_config.lazy if lazy is None else lazy
     with open_remote(remote_config, name) as remote, repo.lock():
         report, branches = _copy(remote, repo, None, lazy=lazy)
+        branches = _well_named(name, branches)
         faults.point("fetch:tracking")  # tests run a gc here: it must wait for the lock
         report.refs_moved = _track(repo, name, branches, every=True)
     return report
+
+
+def _well_named(name: str, branches: dict[str, CommitId]) -> dict[str, CommitId]:
+    """The remote's branches whose names a ref may have here; the rest are named in a warning and left there.
+
+    A damaged or crafted remote's names (a newline in one, "a..b") would otherwise become tracking refs (and, by a
+    clone, branches) that no command here could name, and that break log's lines.
+    """
+    kept, refused = {}, []
+    for branch, cid in branches.items():
+        try:
+            refs.check_form(branch)
+        except InvalidRefNameError:
+            refused.append(branch)
+        else:
+            kept[branch] = cid
+    if refused:
+        warnings.warn(f"remote {name!r} has branches whose names no ref may have ({', '.join(map(repr, refused))}); "
+                      "they were not fetched", RuntimeWarning, stacklevel=3)
+    return kept
 
 
 def _tip(row: ref_rows.RefRow | None) -> CommitId | None:
@@ -539,16 +561,29 @@ def clone(url: str, path: str | os.PathLike, metadata_url: str = "", lazy: bool 
     try:
         fetch(repo, "origin")
         with repo.db.write() as tx:
+            made = []
             for ref in ref_rows.names(tx, (REMOTE_KIND,)):
                 branch = ref[len("remotes/origin/"):]
                 # origin's branch "origin/x" made local would hide the tracking ref of its branch "x"
-                if ref_rows.ref_row(tx, branch) is None and not branch.startswith("origin/"):
+                if ref_rows.ref_row(tx, branch) is None and not branch.startswith("origin/") and _nameable(branch):
                     ref_rows.insert_ref(tx, branch, ref_rows.BRANCH, ref_rows.ref_row(tx, ref).commit_id)
+                    made.append(branch)
+            if not _nameable(head_branch) or head_branch.startswith("origin/"):  # origin's HEAD row is damaged
+                head_branch = "main" if "main" in made or not made else sorted(made)[0]
             ref_rows.point_head(tx, head_branch, None)
     except BaseException:
         repo.close()
         raise
     return repo
+
+
+def _nameable(branch: str) -> bool:
+    """Whether `branch` may be a local branch's name here (refs.check_name)."""
+    try:
+        refs.check_name(branch)
+    except InvalidRefNameError:
+        return False
+    return True
 
 
 def _interrupted_clone_of(path: str | os.PathLike, remote: RemoteConfig) -> bool:

@@ -378,6 +378,24 @@ def test_a_push_to_the_branch_checked_out_with_its_files_in_a_folder_remote_is_r
         assert hub.resolve("main") == pushed and fsck(hub).ok
 
 
+@pytest.mark.parametrize("head", ["../../evil", "remotes/origin/main", "x\nfake"])
+def test_a_clone_takes_no_branch_or_head_named_as_no_ref_may_be(pair, tmp_path, head):
+    """A damaged or crafted origin's refs ("x\nfake", "a..b", HEAD on "../../evil") became refs here."""
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    db = sqlite3.connect(hub_path / ".ckpt" / "ckpt.db")
+    for name in ("bad..name", "x\nfake", "-rf", "ok/fine"):
+        db.execute("INSERT INTO refs (name, kind, commit_id, target) VALUES (?, 'branch', ?, NULL)", (name, cids[0]))
+    db.execute("UPDATE refs SET target = ? WHERE name = 'HEAD'", (head,))
+    db.commit()
+    db.close()
+    with pytest.warns(RuntimeWarning, match="names no ref may have"):
+        copy = remote.clone(str(hub_path), tmp_path / "copy")
+    with copy:
+        assert sorted(copy.branches()) == ["main", "ok/fine"] and copy.head() == ("main", cids[1])
+        assert copy.resolve("origin/ok/fine") == cids[0] and fsck(copy).ok
+
+
 def test_a_lazy_clone_keeps_its_origin_and_is_no_origin_for_another(pair, tmp_path):
     work, hub_path, cids = pair
     remote.push(work, "origin")
