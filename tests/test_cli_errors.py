@@ -214,6 +214,7 @@ def test_os_failures_below_ckptstore_are_explained():
     assert "disk is full" not in str(too_large) and "`ulimit -f`" in str(too_large) and "nothing was lost" in str(
         too_large)
     assert "`ulimit -n 65536`" in str(explain(OSError(errno.EMFILE, "Too many open files")))
+    assert "out of memory (Unable to allocate 1.00 TiB" in str(explain(MemoryError("Unable to allocate 1.00 TiB")))
 
 
 def test_init_takes_a_max_chain_count_or_auto_and_refuses_anything_else(tmp_path):
