@@ -40,7 +40,7 @@ from ckptstore.objectstore.base import lacking, tells_lacking
 from ckptstore.policy import LossyLevel, level_named
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource
-from ckptstore.repo import calibrate, chaincost
+from ckptstore.repo import calibrate, chaincost, received
 from ckptstore.repo.creation import STAGING
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
@@ -163,6 +163,12 @@ class _Parent(Start):
     records: dict[TensorId, TensorRecord] = field(default_factory=dict)  # the parent's tensors and their chains
     by_path: dict[str, TensorRecord] = field(default_factory=dict)  # without the lost ones
     lost: set[TensorId] = field(default_factory=set)  # recorded, but an object down their chain is gone
+    unchecked: set[TensorId] = field(default_factory=set)  # ours, recorded by a remote's record only (received.py)
+
+    @property
+    def renewed(self) -> set[TensorId]:
+        """The recorded tensors this commit encodes again and whose rows it takes."""
+        return self.lost | self.unchecked
 
 
 def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOptions | None = None,
@@ -207,14 +213,15 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         faults.point("commit:manifest-written")
         new_records = list({r.id: r for r in encoded.values()}.values())
         with repo.db.write() as tx:  # what is new is decided where it is recorded: no writer slips in between
-            stored = tensor_rows.newly_stored(tx, new_records, sizes, parent.lost)
+            stored = tensor_rows.newly_stored(tx, new_records, sizes, parent.renewed)
             info = _commit_info(checkpoint, options, manifest_oid, stored, source_path, parent, level)
             move_ref(tx, parent, info.id)
-            tensor_rows.save_records(tx, new_records, sizes, replace=parent.lost)
+            tensor_rows.save_records(tx, new_records, sizes, replace=parent.renewed)
             commit_rows.insert_commit(tx, info, entries.values())
             if level is None:  # a lossy commit cannot give its source's bytes back: they stay unsaved
                 file_rows.remember(tx, [(d, info.id, f.size) for f in checkpoint.files if (d := digests.get(f.name))])
         faults.point("commit:ref-moved")
+        received.checked(repo.dir, parent.unchecked)
     return after_commit(repo, info.id)  # [retention] in config.toml: prunes once the commit is recorded
 
 
@@ -325,7 +332,7 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
             if not plans:
                 raise UnquantizableError("no other tensor it quantizes")
         entries, jobs = encoding_jobs(repo, tx, checkpoint.tensors, sources, parent.by_path, parent.records,
-                                     plans, level, parent.lost)
+                                     plans, level, parent.renewed)
     progress.start("commit", sum(j.raw.nbytes for j in jobs))
     remeasured: dict[str, list[float | None]] = {}
     with repo.store.batch():
@@ -436,6 +443,7 @@ def _parent(repo: Repository, tx: Tx, options: CommitOptions, tensors: Mapping[s
     parent.lost = lost_records(repo, tx, {r.id for r in parent.by_path.values()} | set(sources.values()),
                                parent.records)
     parent.by_path = {p: r for p, r in parent.by_path.items() if r.id not in parent.lost}
+    parent.unchecked = received.unchecked(repo.dir, set(sources.values())) - parent.lost
     return parent
 
 

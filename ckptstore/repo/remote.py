@@ -38,7 +38,7 @@ from ckptstore.metadata import absolute_url, transfer
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.objectstore.fallback import held_here
-from ckptstore.repo import refs
+from ckptstore.repo import received, refs
 from ckptstore.repo.config import RemoteConfig, RepoConfig, user_cache
 
 if TYPE_CHECKING:
@@ -218,6 +218,8 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
         from ckptstore.repo.worktree import remember_fetched
 
         remember_fetched(target.dir, outside)
+    if not pushing and target.dir.is_dir():  # before the records, as above: their claims are the remote's
+        received.remember(target.dir, sorted(tensors))
     with target.db.write() as ttx:
         transfer.insert(ttx, found)
         transfer.unprune(ttx, revived)

@@ -396,6 +396,34 @@ def test_a_clone_takes_no_branch_or_head_named_as_no_ref_may_be(pair, tmp_path, 
         assert copy.resolve("origin/ok/fine") == cids[0] and fsck(copy).ok
 
 
+def test_a_tensor_record_received_from_a_remote_is_encoded_anew_before_a_commit_here_reuses_it(pair, tmp_path):
+    """A crafted remote's record can claim the id of bytes it does not hold: your commit of those bytes restored its."""
+    from ckptstore.hashing import tensor_id
+    from ckptstore.repo import received
+
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    with remote.clone(str(hub_path), tmp_path / "copy") as copy:
+        listed = (copy.dir / received.RECEIVED).read_text().split()
+        assert {e.tensor for e in copy.manifest(cids[1]).entries.values()} <= set(listed)
+        zeros = torch.zeros(16)
+        poisoned = tensor_id("torch.float32", (16,), zeros.numpy().view("uint8"))
+        copy.commit({"v": torch.arange(16.0)}, "a record whose bytes are arange", branch="side")
+        honest = copy.manifest(copy.resolve("side")).entries["v"].tensor
+        db = sqlite3.connect(copy.dir / "ckpt.db")  # the remote's forged row: zeros' id over arange's chunks
+        db.execute("INSERT INTO tensors SELECT ?, dtype, shape, codec, params, base_id, depth, raw_bytes, stored_bytes "
+                   "FROM tensors WHERE id = ?", (poisoned, honest))
+        db.execute("INSERT INTO tensor_chunks SELECT ?, position, object_id, raw_bytes, \"offset\", length, checksum "
+                   "FROM tensor_chunks WHERE tensor_id = ?", (poisoned, honest))
+        db.commit()
+        db.close()
+        received.remember(copy.dir, [poisoned])
+        mine = copy.commit({"v": zeros}, "my own zeros", branch="mine")
+        assert torch.equal(copy.checkout(mine)["v"], zeros)
+        assert poisoned not in (copy.dir / received.RECEIVED).read_text().split()  # checked once, then reused
+        assert fsck(copy, full=True).ok
+
+
 def test_a_lazy_clone_keeps_its_origin_and_is_no_origin_for_another(pair, tmp_path):
     work, hub_path, cids = pair
     remote.push(work, "origin")
