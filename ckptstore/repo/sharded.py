@@ -26,6 +26,7 @@ from ckptstore.policy.lossy_base import LossyPlan, plans_without
 from ckptstore.policy.lossy_shards import PAIRING, Shard, ShardFacts, plan_shards
 from ckptstore.records import Chunk, TensorRecord
 from ckptstore.replay import ChainSource
+from ckptstore.repo import received
 from ckptstore.repo.commit import CommitOptions, encoding_jobs
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
@@ -79,9 +80,10 @@ def _encode_shards(repo: Repository, shards: Mapping[str, RawTensor], ids: Mappi
     the same for a whole checkpoint).
     """
     whole: dict[str, str] = {}
+    unchecked = received.unchecked(repo.dir, set(ids.values()))  # another repository's claims: encoded anew
     while True:
         with repo.db.read() as tx:
-            entries, jobs = encoding_jobs(repo, tx, shards, ids, base_of, chains, plans, level)
+            entries, jobs = encoding_jobs(repo, tx, shards, ids, base_of, chains, plans, level, unchecked)
         try:
             remeasured.clear()  # of this round only
             with repo.store.batch():
@@ -173,13 +175,14 @@ def record_sharded(repo: Repository, start: Start, shards: list[WrittenShard], d
     manifest_oid = repo.store.put(manifest_bytes)
     sizes[manifest_oid] = len(manifest_bytes)
     faults.point("dcp:manifest-written")
+    renewed = received.unchecked(repo.dir, {r.id for r in records})  # the ranks encoded these anew
     with repo.db.write() as tx:  # what is new is decided where it is recorded: no writer slips in between
         info = CommitInfo(
             id=CommitId(""), manifest_object=manifest_oid, message=options.message,
             author=options.author, created_at=time.time(), step=options.step,
             metrics={str(k): float(v) for k, v in options.metrics.items()}, kind=KIND, source_path=None,
             raw_bytes=sum(s.raw_bytes for s in shards),
-            stored_bytes=tensor_rows.newly_stored(tx, records, sizes),
+            stored_bytes=tensor_rows.newly_stored(tx, records, sizes, renewed),
             parents=[start.commit] if start.commit else [], lossy=lossy)
         info.id = info.computed_id()
         move_ref(tx, start, info.id)
@@ -188,9 +191,10 @@ def record_sharded(repo: Repository, start: Start, shards: list[WrittenShard], d
         if missing:  # a shard reused a tensor no record holds: recording it would make a commit that does not read
             raise CkptError(f"{len(missing)} shards name tensors that have no record (e.g. {sorted(missing)[0]}); "
                             "nothing was recorded: save again")
-        tensor_rows.insert_records(tx, records, sizes)
+        tensor_rows.save_records(tx, records, sizes, replace=renewed)
         commit_rows.insert_commit(tx, info, [e.tensor for e in entries.values()])
     faults.point("dcp:ref-moved")
+    received.checked(repo.dir, renewed)
     return info.id
 
 
