@@ -629,18 +629,27 @@ def test_a_cloned_commit_never_writes_into_the_store_or_gits_files_in_place(tmp_
         assert not (copy.root / ".ckpt" / "objects" / "evil.pt").exists() and not (copy.root / ".git").exists()
 
 
-def test_a_files_recorded_mode_never_sets_setuid_setgid_or_sticky_bits(repo, tmp_path):
+@pytest.mark.parametrize("only", [None, ["run.sh"]], ids=["whole", "only"])
+def test_a_files_recorded_mode_never_sets_setuid_setgid_or_sticky_bits(repo, tmp_path, monkeypatch, only):
     """Commits record only the permission bits; a manifest from elsewhere with 0o6777 made a setuid file."""
-    import numpy as np
-
     from ckptstore.formats import CheckpointFile
-    from ckptstore.repo.worktree import _stage
-    from ckptstore.state import raw_from_bytes
 
-    record = CheckpointFile("run.sh", "blob", ["blob", "run.sh/%blob"], 3, mode=0o6777)
-    data = raw_from_bytes(np.frombuffer(b"#!x", np.uint8))
-    staged = _stage(repo, "0" * 64, record, tmp_path / "run.sh", lambda key: b"#!x", lambda key: data)
-    assert staged.read_bytes() == b"#!x" and stat.S_IMODE(staged.stat().st_mode) == 0o777
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.sh").write_bytes(b"#!x")
+    (run / "model.pt").write_bytes(b"weights")
+    cid = repo.commit(run)
+    parsed = CheckpointFile.from_json
+
+    def with_setuid(record):  # the forged manifest's reading, as a crafted remote's would be read
+        made = parsed(record)
+        made.mode = None if made.mode is None else made.mode | 0o6000
+        return made
+
+    monkeypatch.setattr(CheckpointFile, "from_json", with_setuid)
+    repo.checkout_to(cid, tmp_path / "out", keys=only)
+    assert (tmp_path / "out" / "run.sh").read_bytes() == b"#!x"
+    assert stat.S_IMODE((tmp_path / "out" / "run.sh").stat().st_mode) & 0o7000 == 0
 
 
 def test_files_outside_the_work_tree_are_written_in_place_only_for_commits_made_here(tmp_path):
