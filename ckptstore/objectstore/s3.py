@@ -37,7 +37,7 @@ DOWNLOADS_IN_FLIGHT = 16  # objects downloading at once inside read_ahead()
 READ_AHEAD = 64  # objects read ahead and not yet used, at most (64 chunks of 4 MiB: 256 MiB)
 BYTES_IN_FLIGHT = 512 << 20  # encoders wait when this much is queued for upload, so memory stays bounded
 RETRY_SECONDS = 60.0  # how long a request is retried before the error reaches the user; CKPT_S3_RETRY_SECONDS
-MIN_REQUEST_SECONDS = 30.0  # the least time a request may take before it counts as failed (see _client)
+REQUEST_SECONDS = 300.0  # how long one request (a whole object's transfer) may take; CKPT_S3_REQUEST_SECONDS
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -74,11 +74,11 @@ def _client(bucket: str) -> Any:
     """An obstore S3Store for `bucket`, configured from the environment (see the module docstring)."""
     from obstore.store import S3Store
 
-    # a server that stops answering fails the request after twice the retry window (at least 30 s: a
-    # 64 MiB PUT at 0.5 MB/s fits the default's 120 s), so a stall ends the command as a failure does
-    retrying = _retry_seconds()
-    patience = max(MIN_REQUEST_SECONDS, 2 * retrying)
-    options: dict[str, Any] = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=patience)}
+    # the client's timeout covers a request's whole transfer, not only a silence: a 64 MiB PUT among
+    # eight at once on a slow link needs minutes, so a stalled server is only found that late unless
+    # the user, knowing the link, sets CKPT_S3_REQUEST_SECONDS lower
+    request = max(1.0, _seconds("CKPT_S3_REQUEST_SECONDS", REQUEST_SECONDS))
+    options: dict[str, Any] = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=request)}
     if _endpoint().startswith("http://"):
         options["allow_http"] = True
     config: dict[str, Any] = {}
@@ -90,24 +90,24 @@ def _client(bucket: str) -> Any:
         from obstore.auth.boto3 import Boto3CredentialProvider  # needs boto3: only for profiles
 
         provider = Boto3CredentialProvider()
-    retry = {"max_retries": 10, "retry_timeout": timedelta(seconds=retrying),
+    retry = {"max_retries": 10, "retry_timeout": timedelta(seconds=_seconds("CKPT_S3_RETRY_SECONDS", RETRY_SECONDS)),
              "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5),
                          "base": 2}}
     return S3Store(bucket, config=config, client_options=options, retry_config=retry,
                    credential_provider=provider)
 
 
-def _retry_seconds() -> float:
-    """CKPT_S3_RETRY_SECONDS, else RETRY_SECONDS; anything but a number of seconds, 0 or more, is refused."""
-    text = os.environ.get("CKPT_S3_RETRY_SECONDS", "").strip()
+def _seconds(variable: str, default: float) -> float:
+    """The environment's `variable`, else `default`; anything but a number of seconds, 0 or more, is refused."""
+    text = os.environ.get(variable, "").strip()
     if not text:
-        return RETRY_SECONDS
+        return default
     try:
         seconds = float(text)
     except ValueError:
         seconds = math.nan
     if not 0 <= seconds < 10**9:  # NaN fails it too
-        raise CkptError(f"CKPT_S3_RETRY_SECONDS={text!r}: give how long to retry a request, in seconds (0 to 10^9)")
+        raise CkptError(f"{variable}={text!r}: give a number of seconds (0 to 10^9)")
     return seconds
 
 

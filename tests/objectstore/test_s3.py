@@ -104,13 +104,14 @@ def test_an_unreachable_bucket_is_one_line_at_the_cli(tmp_path, s3_url, monkeypa
     assert ckpt_here(tmp_path, "checkout", "HEAD", "-o", "back.pt").returncode == 0  # the same, server reachable
 
 
+@pytest.mark.parametrize("variable", ["CKPT_S3_RETRY_SECONDS", "CKPT_S3_REQUEST_SECONDS"])
 @pytest.mark.parametrize("value", ["60s", "abc", "-5", "nan"])
-def test_a_retry_time_that_is_no_number_of_seconds_is_one_line_naming_it(tmp_path, s3_url, monkeypatch, value):
+def test_a_time_that_is_no_number_of_seconds_is_one_line_naming_it(tmp_path, s3_url, monkeypatch, value, variable):
     assert ckpt_here(tmp_path, "init", "--objects", s3_url).returncode == 0
-    monkeypatch.setenv("CKPT_S3_RETRY_SECONDS", value)
+    monkeypatch.setenv(variable, value)
     said = ckpt_here(tmp_path, "log")
     assert said.returncode == 1 and said.stderr.count("\n") == 1, said.stderr
-    assert said.stderr.startswith(f"error: CKPT_S3_RETRY_SECONDS={value!r}: give how long to retry"), said.stderr
+    assert said.stderr.startswith(f"error: {variable}={value!r}: give a number of seconds"), said.stderr
 
 
 def test_read_ahead_hands_out_verified_objects_and_refuses_wrong_ones(s3_url):

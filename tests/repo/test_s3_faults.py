@@ -95,9 +95,7 @@ def test_an_unreachable_endpoint_is_one_line(bucket_repo, proxy, monkeypatch):
 
 def test_a_server_that_stops_answering_ends_the_command_within_its_patience(bucket_repo, proxy, monkeypatch):
     """A hung server (nothing answers, the connection stays open) used to hold each request for 300 s."""
-    from ckptstore.objectstore import s3
-
-    monkeypatch.setattr(s3, "MIN_REQUEST_SECONDS", 1.0)  # the patience is then 2 x CKPT_S3_RETRY_SECONDS: 4 s
+    monkeypatch.setenv("CKPT_S3_REQUEST_SECONDS", "3")  # a request unanswered for 3 s fails, then is retried 2 s
     proxy.stalled = True
     _one_line_error(ckpt_here(bucket_repo, "commit", "c.pt", timeout=60), proxy.endpoint)
     proxy.stalled = False
