@@ -113,6 +113,7 @@ def read(path: str | os.PathLike, trust_pickle: bool = False, used: list[Path] |
     """
     path = Path(path)
     metadata = read_metadata(path, trust_pickle)
+    filemap.allow_open_files(len(os.listdir(path)))  # a map per data file, kept until the commit is recorded
     files: dict[str, np.ndarray] = {}
     try:
         described, where = _locate(path, metadata, files)

@@ -159,23 +159,38 @@ def test_a_fifo_or_a_device_given_to_commit_is_refused_in_one_line(tmp_path):
 
 
 FEW_DESCRIPTORS = """
-import resource, sys
+import resource, sys, torch
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 from ckptstore import Repository
 with Repository.init(sys.argv[1] + "/repo") as repo:
     cid = repo.commit(sys.argv[1] + "/run")
-    back = repo.checkout(cid)
-print(sorted(back) == sorted(f"f{i:03d}.bin" for i in range(150)) and all(
-    bytes(back[f"f{i:03d}.bin"]) == bytes([i]) * 5000 for i in range(150)))
+    if sys.argv[2] == "dcp":
+        repo.checkout_to(cid, sys.argv[1] + "/back")
+        import torch.distributed.checkpoint as dcp
+        back = {f"t{i:03d}": torch.zeros(8) for i in range(150)}
+        dcp.load(back, checkpoint_id=sys.argv[1] + "/back")
+        print(all(torch.equal(back[f"t{i:03d}"], torch.full((8,), float(i))) for i in range(150)))
+    else:
+        back = repo.checkout(cid)
+        print(sorted(back) == sorted(f"f{i:03d}.bin" for i in range(150)) and all(
+            bytes(back[f"f{i:03d}.bin"]) == bytes([i]) * 5000 for i in range(150)))
 """
 
 
-def test_a_folder_of_more_files_than_the_open_file_limit_commits(tmp_path):
+@pytest.mark.parametrize("kind", ["folder", "dcp"])
+def test_a_folder_of_more_files_than_the_open_file_limit_commits(tmp_path, kind):
     """Each file's map holds a descriptor until the commit is recorded: 150 files under a soft limit of 64."""
     run = tmp_path / "run"
-    run.mkdir()
-    for i in range(150):
-        (run / f"f{i:03d}.bin").write_bytes(bytes([i]) * 5000)
-    done = subprocess.run([sys.executable, "-c", FEW_DESCRIPTORS, str(tmp_path)], capture_output=True,
+    if kind == "dcp":  # a DCP directory with a data file per tensor
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({f"t{i:03d}": torch.full((8,), float(i)) for i in range(150)},
+                 storage_writer=dcp.FileSystemWriter(run, single_file_per_rank=False))
+        assert len(list(run.glob("*.distcp"))) == 150
+    else:
+        run.mkdir()
+        for i in range(150):
+            (run / f"f{i:03d}.bin").write_bytes(bytes([i]) * 5000)
+    done = subprocess.run([sys.executable, "-c", FEW_DESCRIPTORS, str(tmp_path), kind], capture_output=True,
                           text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
