@@ -238,9 +238,8 @@ def explain(exc: BaseException) -> CkptError | None:
             tell = _file_too_large if current.errno == errno.EFBIG else disk_full
             return tell(f"{current.strerror or current}{where}")
         if isinstance(current, MemoryError):  # numpy's says how much it could not allocate
-            return CkptError(f"out of memory ({current or 'no more could be allocated'}): free memory, or restore part "
-                             "of the commit (checkout --only PATTERN); a tensor claiming far more than its model "
-                             "holds is damage (`ckpt fsck --full`)")
+            return CkptError(f"out of memory ({str(current) or 'no more could be allocated'}): free memory and run "
+                             "the command again (a checkout can restore part of a commit: --only PATTERN)")
         if isinstance(current, OSError) and current.errno in (errno.EMFILE, errno.ENFILE):
             return CkptError(f"too many open files ({current.strerror}{_limit_of_open_files()}): raise the limit "
                              "(`ulimit -n 65536`) and run the command again")

@@ -215,6 +215,7 @@ def test_os_failures_below_ckptstore_are_explained():
         too_large)
     assert "`ulimit -n 65536`" in str(explain(OSError(errno.EMFILE, "Too many open files")))
     assert "out of memory (Unable to allocate 1.00 TiB" in str(explain(MemoryError("Unable to allocate 1.00 TiB")))
+    assert "out of memory (no more could be allocated)" in str(explain(MemoryError()))
 
 
 def test_init_takes_a_max_chain_count_or_auto_and_refuses_anything_else(tmp_path):
