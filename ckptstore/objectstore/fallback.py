@@ -55,7 +55,8 @@ class FallbackStore:
         """`read()` of the local store; a missing object is copied here first (or, not kept, `held(its bytes)`).
 
         A disk here too full to keep it does not fail the read: the bytes are used without keeping
-        them, as in a read-only repository (reading commands work on a full disk).
+        them, and from then on nothing more is kept (range reads go to the source's own ranges, not a
+        whole pack each), as in a read-only repository: reading commands work on a full disk.
         """
         try:
             return read()
@@ -70,6 +71,7 @@ class FallbackStore:
             except Exception as exc:
                 if not isinstance(explain(exc), DiskFullError):
                     raise
+                self.keep = False
         return held(data)
 
     def get(self, oid: ObjectId, verify: bool = True) -> bytes:

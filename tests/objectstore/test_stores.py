@@ -276,10 +276,12 @@ def test_a_lazy_clone_too_full_to_keep_an_object_still_reads_it_from_its_origin(
         got = getattr(store, read)(oid)
         assert (bytes(got) if read != "size" else got) == expected
     assert not local.has(oid)  # not kept: there was no room
+    assert not store.keep  # nor tried again: a pack's next range comes from the source's ranges, not whole again
 
     def broken(_data):
         raise OSError(errno.EIO, "I/O error")
 
     monkeypatch.setattr(local, "put", broken)
+    store = FallbackStore(local, lambda: origin)
     with pytest.raises(OSError, match="I/O error"):  # any other failure to keep it is still an error
         store.get(oid)
