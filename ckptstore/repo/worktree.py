@@ -391,9 +391,13 @@ def committed_from(repo: Repository, cid: CommitId, source_path: str, writing: b
     if writing and any(part.lower() == ".git" for part in path.parts):  # git's own files: hooks run on checkout
         raise CkptError(f"commit {cid[:12]} names its files as {source_path!r}, inside a .git folder, where a "
                         "checkpoint never lies: it was forged; write it elsewhere with -o PATH")
-    if writing and path.is_absolute() and not Path(path).is_relative_to(repo.root) and cid in fetched(repo.dir):
-        raise CkptError(f"commit {cid[:12]} came from another repository, made from {source_path}, outside this "
-                        "work tree: a checkout in place writes there only commits made here; write it with -o PATH")
+    if writing and path.is_absolute() and not Path(path).is_relative_to(repo.root) and (
+            repo.config.metadata_url or cid in fetched(repo.dir)):
+        # a shared database holds every machine's commits (and fetches) alike: none is known to be this one's
+        whose = ("is a shared repository's (any machine's)" if repo.config.metadata_url else
+                 "came from another repository")
+        raise CkptError(f"commit {cid[:12]} {whose}, made from {source_path}, outside this work tree: a checkout "
+                        "in place writes there only commits made here; write it with -o PATH")
     return repo.root / path
 
 

@@ -679,6 +679,24 @@ def test_files_outside_the_work_tree_are_written_in_place_only_for_commits_made_
         assert not outside.exists()
 
 
+@pytest.mark.both_backends
+def test_a_shared_repositorys_commit_of_files_outside_the_work_tree_is_written_in_place_by_no_machine(
+        repo, tmp_path, metadata_url):
+    """Every machine's commits meet in a shared database: one's `/home/x/.bashrc` commit was written on another's."""
+    outside = tmp_path.parent / f"{tmp_path.name}-scratch" / "model.pt"  # the work tree is tmp_path
+    outside.parent.mkdir()
+    torch.save({"w": torch.ones(2)}, outside)
+    first = repo.commit(outside)
+    outside.unlink()
+    if metadata_url:  # shared: the commit may be any machine's
+        with pytest.raises(CkptError, match="is a shared repository's .*, outside this work tree: .* with -o PATH"):
+            repo.checkout_to(first)
+        assert not outside.exists()
+    else:  # this repository's own: in place, where it was committed from
+        repo.checkout_to(first)
+        assert torch.equal(torch.load(outside, weights_only=True)["w"], torch.ones(2))
+
+
 def test_a_journal_finishes_heads_move_only_when_every_rename_was_done(tmp_path):
     """A checkout killed after its renames: the next process moves HEAD; a skipped rename or an older journal
     (no "head") moves nothing."""
