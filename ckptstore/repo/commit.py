@@ -163,12 +163,13 @@ class _Parent(Start):
     records: dict[TensorId, TensorRecord] = field(default_factory=dict)  # the parent's tensors and their chains
     by_path: dict[str, TensorRecord] = field(default_factory=dict)  # without the lost ones
     lost: set[TensorId] = field(default_factory=set)  # recorded, but an object down their chain is gone
-    unchecked: set[TensorId] = field(default_factory=set)  # ours, recorded by a remote's record only (received.py)
+    false: set[TensorId] = field(default_factory=set)  # ours, recorded by a received record that lied (received.py)
+    checked: set[TensorId] = field(default_factory=set)  # received records this commit checked and found true
 
     @property
     def renewed(self) -> set[TensorId]:
         """The recorded tensors this commit encodes again and whose rows it takes."""
-        return self.lost | self.unchecked
+        return self.lost | self.false
 
 
 def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOptions | None = None,
@@ -221,7 +222,8 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
             if level is None:  # a lossy commit cannot give its source's bytes back: they stay unsaved
                 file_rows.remember(tx, [(d, info.id, f.size) for f in checkpoint.files if (d := digests.get(f.name))])
         faults.point("commit:ref-moved")
-        received.checked(repo.dir, parent.unchecked)
+        # a false record is off the list once replaced (a lossy path quantizes its tensor instead: it stays)
+        received.checked(repo.dir, parent.checked | (parent.false & {r.id for r in new_records}))
     return after_commit(repo, info.id)  # [retention] in config.toml: prunes once the commit is recorded
 
 
@@ -443,8 +445,24 @@ def _parent(repo: Repository, tx: Tx, options: CommitOptions, tensors: Mapping[s
     parent.lost = lost_records(repo, tx, {r.id for r in parent.by_path.values()} | set(sources.values()),
                                parent.records)
     parent.by_path = {p: r for p, r in parent.by_path.items() if r.id not in parent.lost}
-    parent.unchecked = received.unchecked(repo.dir, set(sources.values())) - parent.lost
+    _check_received(repo, tx, parent, set(sources.values()))
     return parent
+
+
+def _check_received(repo: Repository, tx: Tx, parent: _Parent, ours: set[TensorId]) -> None:
+    """Records of our tensors that came from elsewhere: decoded and checked once (received.py).
+
+    A received lossy record at one of our paths is not reused for its `source`, which no decoding checks.
+    """
+    listed = received.unchecked(repo.dir, ours | {r.id for r in parent.by_path.values()})
+    if not listed:
+        return
+    parent.by_path = {p: r for p, r in parent.by_path.items() if not (r.id in listed and "source" in r.params)}
+    recorded = tensor_rows.existing_tensor_ids(tx, (listed & ours) - parent.lost)
+    if recorded:
+        records = {**parent.records, **tensor_rows.load_records(tx, recorded - set(parent.records), problems={})}
+        parent.false = received.false_claims(repo, records, recorded)
+        parent.checked = recorded - parent.false
 
 
 def _plan(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, level: LossyLevel,

@@ -218,7 +218,7 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
         from ckptstore.repo.worktree import remember_fetched
 
         remember_fetched(target.dir, outside)
-    if not pushing and target.dir.is_dir():  # before the records, as above: their claims are the remote's
+    if target.dir.is_dir():  # before the records, as above: their claims are the sender's (a push's too)
         received.remember(target.dir, sorted(tensors))
     with target.db.write() as ttx:
         transfer.insert(ttx, found)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -69,21 +69,22 @@ class LossyShards:
 
 def _encode_shards(repo: Repository, shards: Mapping[str, RawTensor], ids: Mapping[str, TensorId],
                    base_of: Mapping[str, TensorRecord], chains: Mapping[TensorId, TensorRecord],
-                   plans: dict[str, LossyPlan], level: LossyLevel | None, remeasured: dict[str, list[float | None]]
+                   plans: dict[str, LossyPlan], level: LossyLevel | None, remeasured: dict[str, list[float | None]],
+                   false: Set[TensorId] = frozenset()
                    ) -> tuple[dict[str, TensorId], dict[str, TensorRecord], dict[ObjectId, int], dict[str, LossyPlan]]:
     """This rank's shards encoded: manifest ids known before, new records, object sizes, the plans kept.
 
-    `remeasured` gets each lossy shard's own [error, bound] where it restores as an older record.
+    `remeasured` gets each lossy shard's own [error, bound] where it restores as an older record; the
+    shards in `false` (their received records lied) are encoded again.
 
     A shard its level cannot quantize stays lossless with the shards coded with it; NaN or inf keeps
     every shard of the rank lossless: a rank's save never fails for its values (repo/commit.py does
     the same for a whole checkpoint).
     """
     whole: dict[str, str] = {}
-    unchecked = received.unchecked(repo.dir, set(ids.values()))  # another repository's claims: encoded anew
     while True:
         with repo.db.read() as tx:
-            entries, jobs = encoding_jobs(repo, tx, shards, ids, base_of, chains, plans, level, unchecked)
+            entries, jobs = encoding_jobs(repo, tx, shards, ids, base_of, chains, plans, level, false)
         try:
             remeasured.clear()  # of this round only
             with repo.store.batch():
@@ -104,6 +105,23 @@ def _encode_shards(repo: Repository, shards: Mapping[str, RawTensor], ids: Mappi
         return entries, records, sizes, plans
 
 
+def _check_received(repo: Repository, ids: Mapping[str, TensorId], base_of: dict[str, TensorRecord]
+                    ) -> set[TensorId]:
+    """As repo/commit.py's: received records of our shards checked once; returns those that lied.
+
+    Drops from `base_of` the received lossy records, which are not reused for their unchecked `source`.
+    """
+    listed = received.unchecked(repo.dir, set(ids.values()) | {r.id for r in base_of.values()})
+    for key in [k for k, r in base_of.items() if r.id in listed and "source" in r.params]:
+        del base_of[key]
+    with repo.db.read() as tx:
+        recorded = tensor_rows.existing_tensor_ids(tx, listed & set(ids.values()))
+        records = tensor_rows.load_records(tx, recorded, problems={}) if recorded else {}
+    false = received.false_claims(repo, records, recorded) if recorded else set()
+    received.checked(repo.dir, recorded - false)  # those that lied go off the list once the coordinator records
+    return false
+
+
 def write_shards(repo: Repository, parent: CommitId | None, shards: Mapping[str, RawTensor],
                  lossy: LossyShards | None = None) -> list[WrittenShard]:
     """Encode this rank's shards and write their objects durably; nothing is recorded.
@@ -118,11 +136,12 @@ def write_shards(repo: Repository, parent: CommitId | None, shards: Mapping[str,
         futures = {k: repo.pool.submit(tensor_id, r.dtype, r.shape, r.data) for k, r in shards.items()}
         ids = {k: f.result() for k, f in futures.items()}
         base_of, chains = _parent_records(repo, parent, list(shards))
+        false = _check_received(repo, ids, base_of)
         plans = {} if lossy is None else plan_shards(shards, lossy.shards, lossy.facts, base_of, lossy.level,
                                                      repo.config.encoding)[0]
         remeasured: dict[str, list[float | None]] = {}
         entries, records, sizes, plans = _encode_shards(repo, shards, ids, base_of, chains, plans,
-                                                        lossy.level if lossy else None, remeasured)
+                                                        lossy.level if lossy else None, remeasured, false)
     faults.point("dcp:rank-written")
     written = []
     for key, raw in shards.items():  # a lossy shard's job is by key, a lossless one's by content id

@@ -405,7 +405,11 @@ def test_a_tensor_record_received_from_a_remote_is_encoded_anew_before_a_commit_
     remote.push(work, "origin")
     with remote.clone(str(hub_path), tmp_path / "copy") as copy:
         listed = (copy.dir / received.RECEIVED).read_text().split()
+        received_w = copy.manifest(cids[1]).entries["w"].tensor
         assert {e.tensor for e in copy.manifest(cids[1]).entries.values()} <= set(listed)
+        copy.commit({**_state(1), "b": torch.zeros(64)}, "w unchanged")  # w's received record: checked, reused
+        assert copy.commit_info("HEAD").stored_bytes < 20_000  # not w's 800 KB encoded again
+        assert received_w not in (copy.dir / received.RECEIVED).read_text().split()
         zeros = torch.zeros(16)
         poisoned = tensor_id("torch.float32", (16,), zeros.numpy().view("uint8"))
         copy.commit({"v": torch.arange(16.0)}, "a record whose bytes are arange", branch="side")
@@ -422,6 +426,34 @@ def test_a_tensor_record_received_from_a_remote_is_encoded_anew_before_a_commit_
         assert torch.equal(copy.checkout(mine)["v"], zeros)
         assert poisoned not in (copy.dir / received.RECEIVED).read_text().split()  # checked once, then reused
         assert fsck(copy, full=True).ok
+
+
+def test_a_received_lossy_record_is_not_reused_for_the_source_it_claims(tmp_path):
+    """A lossy record's `source` is no part of its id: a crafted one made your lossy commit restore its values."""
+    import copy
+    import json
+
+    from ckptstore.hashing import tensor_id
+    from tests.conftest import Trainer
+
+    trainer = Trainer()
+    trainer.train(5)
+    state = copy.deepcopy(trainer.state())
+    mine = copy.deepcopy(state)
+    mine["model"]["fc1.weight"] = -state["model"]["fc1.weight"]
+    weight = mine["model"]["fc1.weight"]
+    with Repository.init(tmp_path / "origin") as origin:
+        made = origin.commit(state, "the remote's", lossy="balanced")
+        entry = origin.manifest(made).entries["model/fc1.weight"].tensor
+    db = sqlite3.connect(tmp_path / "origin" / ".ckpt" / "ckpt.db")
+    params = json.loads(db.execute("SELECT params FROM tensors WHERE id = ?", (entry,)).fetchone()[0])
+    params["source"] = tensor_id(str(weight.dtype), tuple(weight.shape), weight.numpy().view("uint8"))
+    db.execute("UPDATE tensors SET params = ? WHERE id = ?", (json.dumps(params), entry))
+    db.commit()
+    db.close()
+    with remote.clone(str(tmp_path / "origin"), tmp_path / "copy") as clone:
+        back = clone.checkout(clone.commit(mine, "my own", lossy="balanced"))["model"]["fc1.weight"]
+    assert ((back - weight).norm() / weight.norm()).item() < 0.1  # the level's error, not the remote's values
 
 
 def test_a_lazy_clone_keeps_its_origin_and_is_no_origin_for_another(pair, tmp_path):
