@@ -39,6 +39,11 @@ def bytes_key(fqn: str) -> str:
     return f"{escape(fqn)}/%bytes"
 
 
+def _counts(values: Any) -> bool:
+    """Whether `values` is a list of ints (16.0 compares equal to 16, but no array has 16.0 rows)."""
+    return isinstance(values, list) and all(type(v) is int for v in values)
+
+
 def chunk_problem(item: dict[str, Any]) -> str | None:
     """Why a tensor item's chunks cannot tile its size exactly (out of bounds, overlapping, leaving gaps), or None.
 
@@ -46,8 +51,12 @@ def chunk_problem(item: dict[str, Any]) -> str | None:
     cannot be placed, and a gap would come back as whatever the reader's buffer held.
     """
     size = item["size"]
+    if not _counts(size):
+        return f"its size {size!r} is not a list of counts"
     boxes = []
     for offsets, sizes, _ in item["chunks"]:
+        if not (_counts(offsets) and _counts(sizes)):
+            return f"a chunk's offsets {offsets!r} or sizes {sizes!r} are not lists of counts"
         if len(offsets) != len(size) or len(sizes) != len(size):
             return f"a chunk at {offsets} of sizes {sizes} has another rank than the tensor's {size}"
         if any(o < 0 or n < 0 or o + n > whole for o, n, whole in zip(offsets, sizes, size)):

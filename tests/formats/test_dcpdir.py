@@ -112,6 +112,9 @@ def test_a_truncated_metadata_a_missing_data_file_or_a_wrong_shard_is_refused(tm
     ([4, 2], [([0, 0], [3, 2]), ([2, 0], [2, 2]), ([0, 0], [0, 2])], "overlap"),
     ([2, 4096], [([0, k], [2, 1]) for k in range(4096)], None),  # column shards: a sweep along dimension 1
     ([2, 4096], [([0, k], [2, 1]) for k in range(4095)] + [([0, 17], [2, 1])], "overlap"),
+    ([16.0], [([0], [16])], "is not a list of counts"),  # a crafted remote's: 16.0 == 16, but no array has 16.0 rows
+    ([16], [([0.0], [16])], "are not lists of counts"),
+    ([True, 2], [([0, 0], [1, 2])], "is not a list of counts"),
 ])
 def test_chunks_must_tile_their_tensor_exactly(size, chunks, problem):
     from ckptstore.formats.dcpmeta import chunk_problem
