@@ -274,6 +274,8 @@ def dcp_problem(manifest: Manifest) -> str | None:
                 if entry.dtype != dtype or (sizes is not None and list(entry.shape) != list(sizes)):
                     return (f"entry {key!r} is a {entry.dtype} {list(entry.shape)}, its DCP metadata says "
                             f"{dtype} {sizes}")
+                if key in named:  # a DCP directory stores each item apart: written out, one would be lost
+                    return f"its DCP metadata names entry {key!r} twice"
                 named.add(key)
     except (KeyError, TypeError, ValueError) as exc:
         return f"its DCP metadata is missing or mangling a field ({exc!r})"

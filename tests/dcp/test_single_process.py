@@ -174,6 +174,10 @@ def test_fsck_checks_a_sharded_manifest_against_its_dcp_metadata(tmp_path):
     unnamed = replace(manifest, entries={**manifest.entries, "x/%bytes": manifest.entries["note/%bytes"]})
     assert "not named by its DCP metadata" in dcp_problem(unnamed)
     assert "version 7" in dcp_problem(replace(manifest, dcp={**manifest.dcp, "version": 7}))
+    w = next(item for item in manifest.dcp["items"] if item["fqn"] == "w")
+    twice = {**manifest.dcp, "items": [*manifest.dcp["items"], {**w, "fqn": "w2"}]}  # one stored shard for two
+    assert "names entry" in dcp_problem(replace(manifest, dcp=twice)) and "twice" in dcp_problem(
+        replace(manifest, dcp=twice))
     repo.close()
 
 
