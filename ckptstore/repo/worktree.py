@@ -394,10 +394,11 @@ def committed_from(repo: Repository, cid: CommitId, source_path: str, writing: b
     if writing and path.is_absolute() and not Path(path).is_relative_to(repo.root) and (
             repo.config.metadata_url or cid in fetched(repo.dir)):
         # a shared database holds every machine's commits (and fetches) alike: none is known to be this one's
-        whose = ("is a shared repository's (any machine's)" if repo.config.metadata_url else
-                 "came from another repository")
-        raise CkptError(f"commit {cid[:12]} {whose}, made from {source_path}, outside this work tree: a checkout "
-                        "in place writes there only commits made here; write it with -o PATH")
+        rule = ("in a shared repository, where any machine's commit may name any path, a checkout in place "
+                "writes no file outside the work tree" if repo.config.metadata_url else
+                "it came from another repository, and a checkout in place writes there only commits made here")
+        raise CkptError(f"commit {cid[:12]} was made from {source_path}, outside this work tree: {rule}; write it "
+                        "with -o PATH")
     return repo.root / path
 
 

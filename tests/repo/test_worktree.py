@@ -669,7 +669,8 @@ def test_files_outside_the_work_tree_are_written_in_place_only_for_commits_made_
         assert origin.head() == (None, first) and origin.status()["files"][0]["state"] == "unchanged"
     outside.unlink()
     with remote.clone(str(tmp_path / "origin"), tmp_path / "clone") as clone:
-        with pytest.raises(CkptError, match=f"came from another repository, made from {outside}, .* with -o PATH"):
+        with pytest.raises(CkptError, match=f"made from {outside}, outside this work tree: it came from another "
+                                            "repository, .* with -o PATH"):
             clone.checkout_to("main")
         assert not outside.exists()
         clone.checkout_to("main", tmp_path / "here.pt")
@@ -689,7 +690,7 @@ def test_a_shared_repositorys_commit_of_files_outside_the_work_tree_is_written_i
     first = repo.commit(outside)
     outside.unlink()
     if metadata_url:  # shared: the commit may be any machine's
-        with pytest.raises(CkptError, match="is a shared repository's .*, outside this work tree: .* with -o PATH"):
+        with pytest.raises(CkptError, match="outside this work tree: in a shared repository, .* with -o PATH"):
             repo.checkout_to(first)
         assert not outside.exists()
     else:  # this repository's own: in place, where it was committed from
