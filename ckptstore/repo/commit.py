@@ -230,13 +230,14 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
 def _refuse_unchanged(manifest: Manifest, parent: _Parent, level: LossyLevel | None) -> None:
     """NothingToCommitError when the commit would hold what its parent holds.
 
-    Not when the parent lost objects this commit stores again (committing the file anew repairs
-    it), nor at a lossy level when the files' own bytes changed: a checkpoint that moved less than
-    the level's steps stores the parent's values, and is still the next checkpoint.
+    Not when the parent lost objects this commit stores again, or held a received record that lied
+    (committing the file anew repairs it), nor at a lossy level when the files' own bytes changed: a
+    checkpoint that moved less than the level's steps stores the parent's values, and is still the
+    next checkpoint.
     """
     if parent.manifest is None or not manifest.same_content(parent.manifest):
         return
-    if parent.lost & {entry.tensor for entry in manifest.entries.values()}:
+    if parent.renewed & {entry.tensor for entry in manifest.entries.values()}:
         return
     if level is not None and manifest.digests and manifest.digests != parent.manifest.digests:
         return
@@ -462,7 +463,7 @@ def _check_received(repo: Repository, tx: Tx, parent: _Parent, ours: set[TensorI
     if recorded:
         records = {**parent.records, **tensor_rows.load_records(tx, recorded - set(parent.records), problems={})}
         parent.false = received.false_claims(repo, records, recorded)
-        parent.checked = recorded - parent.false
+        parent.checked = received.off_the_list(records, recorded - parent.false)
 
 
 def _plan(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, level: LossyLevel,

@@ -7,7 +7,7 @@ crafted remote could make a later commit of your own bytes restore its bytes. So
 reuses a listed record, it decodes it and hashes the result against its id, once: a record that
 holds is reused and taken off the list, one that does not is encoded again from the commit's
 bytes (taking the id's row). A lossy record's `source` (the content it was made from) cannot be
-checked by decoding: a commit never reuses a listed lossy record for it. A local file, like
+checked by decoding: a lossy record stays listed, and a commit never reuses a listed one for it. A local file, like
 `fetched`: a shared database cannot tell which machine received what.
 """
 
@@ -66,6 +66,11 @@ def checked(repo_dir: Path, ids: Set[TensorId]) -> None:
     with _locked(repo_dir):
         kept = [tid for tid in (repo_dir / RECEIVED).read_text().split() if tid not in ids]
         atomic_write(repo_dir / RECEIVED, lambda handle: handle.write("".join(f"{t}\n" for t in kept).encode()))
+
+
+def off_the_list(records: Mapping[TensorId, TensorRecord], true: Set[TensorId]) -> set[TensorId]:
+    """Of the records found `true`, those that may leave the list: not lossy ones, whose `source` stays unchecked."""
+    return {tid for tid in true if "source" not in records[tid].params}
 
 
 def false_claims(repo: Repository, records: Mapping[TensorId, TensorRecord], ids: Set[TensorId]) -> set[TensorId]:

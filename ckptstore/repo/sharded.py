@@ -118,7 +118,8 @@ def _check_received(repo: Repository, ids: Mapping[str, TensorId], base_of: dict
         recorded = tensor_rows.existing_tensor_ids(tx, listed & set(ids.values()))
         records = tensor_rows.load_records(tx, recorded, problems={}) if recorded else {}
     false = received.false_claims(repo, records, recorded) if recorded else set()
-    received.checked(repo.dir, recorded - false)  # those that lied go off the list once the coordinator records
+    # those that lied go off the list once the coordinator records them
+    received.checked(repo.dir, received.off_the_list(records, recorded - false))
     return false
 
 

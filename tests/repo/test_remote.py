@@ -452,8 +452,31 @@ def test_a_received_lossy_record_is_not_reused_for_the_source_it_claims(tmp_path
     db.commit()
     db.close()
     with remote.clone(str(tmp_path / "origin"), tmp_path / "copy") as clone:
+        resumed = clone.checkout("main")  # resumed and committed lossless: the record checks out against its id...
+        resumed["step"] += 1
+        clone.commit(resumed, "resumed")
         back = clone.checkout(clone.commit(mine, "my own", lossy="balanced"))["model"]["fc1.weight"]
-    assert ((back - weight).norm() / weight.norm()).item() < 0.1  # the level's error, not the remote's values
+    assert ((back - weight).norm() / weight.norm()).item() < 0.1  # ...but its source claim still is not reused
+
+
+def test_a_parent_whose_received_record_lies_does_not_make_your_bytes_nothing_to_commit(tmp_path):
+    from ckptstore.repo import received
+
+    with Repository.init(tmp_path) as repo:
+        zeros = repo.manifest(repo.commit({"v": torch.zeros(16)}, "zeros")).entries["v"].tensor
+        other = repo.manifest(repo.commit({"v": torch.arange(16.0)}, "arange", branch="side")).entries["v"].tensor
+        db = sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db")  # as a crafted remote's: zeros' id over arange's chunks
+        db.execute("DELETE FROM tensor_chunks WHERE tensor_id = ?", (zeros,))
+        db.execute("INSERT INTO tensor_chunks SELECT ?, position, object_id, raw_bytes, \"offset\", length, checksum "
+                   "FROM tensor_chunks WHERE tensor_id = ?", (zeros, other))
+        db.commit()
+        db.close()
+        received.remember(repo.dir, [zeros])
+        mine = repo.commit({"v": torch.zeros(16)}, "my zeros")  # "nothing changed" before: the entries are equal
+        assert torch.equal(repo.checkout(mine)["v"], torch.zeros(16))
+        assert torch.equal(repo.checkout("main~1")["v"], torch.zeros(16))  # the row is right for every commit now
+
+
 
 
 def test_a_lazy_clone_keeps_its_origin_and_is_no_origin_for_another(pair, tmp_path):
