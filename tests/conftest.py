@@ -124,6 +124,26 @@ def ckpt_here(cwd: str | os.PathLike, *args: str, env: dict[str, str] | None = N
         return subprocess.CompletedProcess(["ckpt", *argv], code, out.getvalue().decode(), err.getvalue().decode())
 
 
+def received_lie(repo_dir: Path, claimed: str, real: str) -> None:
+    """Make tensor `claimed`'s record hold `real`'s chunks, listed as received: what a crafted remote's fetch leaves.
+
+    The record of `claimed` is made (a copy of `real`'s) where there is none; its chunks are `real`'s either way.
+    """
+    import sqlite3
+
+    from ckptstore.repo import received
+
+    db = sqlite3.connect(Path(repo_dir) / "ckpt.db")
+    db.execute("INSERT OR IGNORE INTO tensors SELECT ?, dtype, shape, codec, params, base_id, depth, raw_bytes, "
+               "stored_bytes FROM tensors WHERE id = ?", (claimed, real))
+    db.execute("DELETE FROM tensor_chunks WHERE tensor_id = ?", (claimed,))
+    db.execute('INSERT INTO tensor_chunks SELECT ?, position, object_id, raw_bytes, "offset", length, checksum '
+               "FROM tensor_chunks WHERE tensor_id = ?", (claimed, real))
+    db.commit()
+    db.close()
+    received.remember(Path(repo_dir), [claimed])
+
+
 def outlier_adam_rounds(rounds: int) -> Iterator[tuple[torch.nn.Module, torch.optim.Optimizer]]:
     """A small Adam run whose first weight holds one outlier (50.0), yielded after each round of five steps.
 

@@ -297,23 +297,15 @@ def test_numpy_scalars_among_non_tensor_items_load_without_trust_as_their_values
 
 def test_a_shard_whose_id_a_received_record_claims_is_encoded_anew(tmp_path):
     """As for ordinary commits (repo/received.py): a crafted remote's record must not be reused unchecked."""
-    import sqlite3
-
     from ckptstore.hashing import tensor_id
     from ckptstore.repo import received
+    from tests.conftest import received_lie
 
     repo = Repository.init(tmp_path)
     honest = repo.manifest(repo.commit({"v": torch.arange(16.0)})).entries["v"].tensor
     zeros = torch.zeros(16)
     poisoned = tensor_id("torch.float32", (16,), zeros.numpy().view("uint8"))
-    db = sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db")  # as a fetch of it would insert it: zeros' id, arange's bytes
-    db.execute("INSERT INTO tensors SELECT ?, dtype, shape, codec, params, base_id, depth, raw_bytes, stored_bytes "
-               "FROM tensors WHERE id = ?", (poisoned, honest))
-    db.execute("INSERT INTO tensor_chunks SELECT ?, position, object_id, raw_bytes, \"offset\", length, checksum "
-               "FROM tensor_chunks WHERE tensor_id = ?", (poisoned, honest))
-    db.commit()
-    db.close()
-    received.remember(repo.dir, [poisoned])
+    received_lie(repo.dir, poisoned, honest)  # zeros' id over arange's bytes
     dcp.save({"v": zeros}, storage_writer=CkptStorageWriter(tmp_path, message="my zeros"))
     loaded = {"v": torch.ones(16)}
     dcp.load(loaded, storage_reader=CkptStorageReader(tmp_path))

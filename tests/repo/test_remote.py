@@ -13,7 +13,7 @@ import torch
 from ckptstore import Repository
 from ckptstore.errors import CkptError, ConflictError, CorruptObjectError, InvalidRefNameError, RefNotFoundError
 from ckptstore.repo import fsck, remote
-from tests.conftest import assert_same, ckpt_here, wait_until_held
+from tests.conftest import assert_same, ckpt_here, received_lie, wait_until_held
 from tests.test_cli import ROOT
 
 
@@ -414,14 +414,7 @@ def test_a_tensor_record_received_from_a_remote_is_encoded_anew_before_a_commit_
         poisoned = tensor_id("torch.float32", (16,), zeros.numpy().view("uint8"))
         copy.commit({"v": torch.arange(16.0)}, "a record whose bytes are arange", branch="side")
         honest = copy.manifest(copy.resolve("side")).entries["v"].tensor
-        db = sqlite3.connect(copy.dir / "ckpt.db")  # the remote's forged row: zeros' id over arange's chunks
-        db.execute("INSERT INTO tensors SELECT ?, dtype, shape, codec, params, base_id, depth, raw_bytes, stored_bytes "
-                   "FROM tensors WHERE id = ?", (poisoned, honest))
-        db.execute("INSERT INTO tensor_chunks SELECT ?, position, object_id, raw_bytes, \"offset\", length, checksum "
-                   "FROM tensor_chunks WHERE tensor_id = ?", (poisoned, honest))
-        db.commit()
-        db.close()
-        received.remember(copy.dir, [poisoned])
+        received_lie(copy.dir, poisoned, honest)  # the remote's forged row: zeros' id over arange's chunks
         mine = copy.commit({"v": zeros}, "my own zeros", branch="mine")
         assert torch.equal(copy.checkout(mine)["v"], zeros)
         assert poisoned not in (copy.dir / received.RECEIVED).read_text().split()  # checked once, then reused
@@ -460,18 +453,11 @@ def test_a_received_lossy_record_is_not_reused_for_the_source_it_claims(tmp_path
 
 
 def test_a_parent_whose_received_record_lies_does_not_make_your_bytes_nothing_to_commit(tmp_path):
-    from ckptstore.repo import received
 
     with Repository.init(tmp_path) as repo:
         zeros = repo.manifest(repo.commit({"v": torch.zeros(16)}, "zeros")).entries["v"].tensor
         other = repo.manifest(repo.commit({"v": torch.arange(16.0)}, "arange", branch="side")).entries["v"].tensor
-        db = sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db")  # as a crafted remote's: zeros' id over arange's chunks
-        db.execute("DELETE FROM tensor_chunks WHERE tensor_id = ?", (zeros,))
-        db.execute("INSERT INTO tensor_chunks SELECT ?, position, object_id, raw_bytes, \"offset\", length, checksum "
-                   "FROM tensor_chunks WHERE tensor_id = ?", (zeros, other))
-        db.commit()
-        db.close()
-        received.remember(repo.dir, [zeros])
+        received_lie(repo.dir, zeros, other)  # as a crafted remote's: zeros' id over arange's chunks
         mine = repo.commit({"v": torch.zeros(16)}, "my zeros")  # "nothing changed" before: the entries are equal
         assert torch.equal(repo.checkout(mine)["v"], torch.zeros(16))
         assert torch.equal(repo.checkout("main~1")["v"], torch.zeros(16))  # the row is right for every commit now
