@@ -124,14 +124,13 @@ def ckpt_here(cwd: str | os.PathLike, *args: str, env: dict[str, str] | None = N
         return subprocess.CompletedProcess(["ckpt", *argv], code, out.getvalue().decode(), err.getvalue().decode())
 
 
-def received_lie(repo_dir: Path, claimed: str, real: str) -> None:
-    """Make tensor `claimed`'s record hold `real`'s chunks, listed as received: what a crafted remote's fetch leaves.
+def received_lie(repo_dir: Path, claimed: str, real: str, listed: bool = True) -> None:
+    """Make tensor `claimed`'s record hold `real`'s chunks, listed unchecked: what a crafted remote's fetch leaves.
 
     The record of `claimed` is made (a copy of `real`'s) where there is none; its chunks are `real`'s either way.
+    Not `listed`: the lie as the crafted remote itself holds it.
     """
     import sqlite3
-
-    from ckptstore.repo import received
 
     db = sqlite3.connect(Path(repo_dir) / "ckpt.db")
     db.execute("INSERT OR IGNORE INTO tensors SELECT ?, dtype, shape, codec, params, base_id, depth, raw_bytes, "
@@ -139,9 +138,18 @@ def received_lie(repo_dir: Path, claimed: str, real: str) -> None:
     db.execute("DELETE FROM tensor_chunks WHERE tensor_id = ?", (claimed,))
     db.execute('INSERT INTO tensor_chunks SELECT ?, position, object_id, raw_bytes, "offset", length, checksum '
                "FROM tensor_chunks WHERE tensor_id = ?", (claimed, real))
+    if listed:
+        db.execute("INSERT OR IGNORE INTO unchecked_tensors (tensor_id) VALUES (?)", (claimed,))
     db.commit()
     db.close()
-    received.remember(Path(repo_dir), [claimed])
+
+
+def unchecked(repo, ids) -> set[str]:
+    """Those of `ids` the repository still lists as received and unchecked."""
+    from ckptstore.metadata import tensors as tensor_rows
+
+    with repo.db.read() as tx:
+        return tensor_rows.unchecked_among(tx, ids)
 
 
 def outlier_adam_rounds(rounds: int) -> Iterator[tuple[torch.nn.Module, torch.optim.Optimizer]]:

@@ -79,6 +79,7 @@ def referenced_tensors(tx: Tx) -> set[TensorId]:
 def delete_tensors(tx: Tx, doomed: set[TensorId]) -> None:
     ordered = sorted(doomed, key=str)
     tx.execute_in("DELETE FROM tensor_chunks WHERE tensor_id IN ({ids})", ordered)
+    tx.execute_in("DELETE FROM unchecked_tensors WHERE tensor_id IN ({ids})", ordered)
     tx.execute_in("DELETE FROM tensors WHERE id IN ({ids})", ordered)
 
 

@@ -93,3 +93,9 @@ pruned_commits = Table(
     Column("pruned_at", Float, nullable=False),
     sqlite_with_rowid=False,
 )
+
+unchecked_tensors = Table(
+    "unchecked_tensors", metadata,
+    Column("tensor_id", ID, primary_key=True),  # a record received from elsewhere, not yet checked (repo/received.py)
+    sqlite_with_rowid=False,
+)

@@ -5,4 +5,4 @@ the two in step.
 """
 
 TABLES = ("alembic_version", "commits", "commit_parents", "refs", "tensors", "tensor_chunks", "objects",
-          "commit_tensors", "known_files", "pruned_commits")
+          "commit_tensors", "known_files", "pruned_commits", "unchecked_tensors")

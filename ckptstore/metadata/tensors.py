@@ -166,3 +166,19 @@ def tensors_in_objects(tx: Tx, object_ids: Iterable[ObjectId]) -> set[TensorId]:
     """Tensors with a chunk in any of `object_ids`."""
     return {TensorId(r[0]) for r in tx.rows_in(
         "SELECT DISTINCT tensor_id FROM tensor_chunks WHERE object_id IN ({ids})", object_ids)}
+
+
+def list_unchecked(tx: Tx, ids: Iterable[TensorId]) -> None:
+    """Mark the records of `ids` (just received from another repository) as unchecked (repo/received.py)."""
+    tx.insert_ignore("unchecked_tensors", ("tensor_id",), [(tid,) for tid in sorted(set(ids))])
+
+
+def unchecked_among(tx: Tx, ids: Iterable[TensorId]) -> set[TensorId]:
+    """Those of `ids` whose records came from elsewhere and no commit here has checked."""
+    return {TensorId(r[0]) for r in tx.rows_in("SELECT tensor_id FROM unchecked_tensors WHERE tensor_id IN ({ids})",
+                                               ids)}
+
+
+def mark_checked(tx: Tx, ids: Iterable[TensorId]) -> None:
+    """Take `ids` (checked, or encoded here) off the unchecked list."""
+    tx.execute_in("DELETE FROM unchecked_tensors WHERE tensor_id IN ({ids})", sorted(set(ids)))

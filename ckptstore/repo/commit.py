@@ -219,11 +219,11 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
             move_ref(tx, parent, info.id)
             tensor_rows.save_records(tx, new_records, sizes, replace=parent.renewed)
             commit_rows.insert_commit(tx, info, entries.values())
+            # a false record leaves the list once replaced (a lossy path quantizes its tensor instead: it stays)
+            tensor_rows.mark_checked(tx, parent.checked | (parent.false & {r.id for r in new_records}))
             if level is None:  # a lossy commit cannot give its source's bytes back: they stay unsaved
                 file_rows.remember(tx, [(d, info.id, f.size) for f in checkpoint.files if (d := digests.get(f.name))])
         faults.point("commit:ref-moved")
-        # a false record is off the list once replaced (a lossy path quantizes its tensor instead: it stays)
-        received.checked(repo.dir, parent.checked | (parent.false & {r.id for r in new_records}))
     return after_commit(repo, info.id)  # [retention] in config.toml: prunes once the commit is recorded
 
 
@@ -455,7 +455,7 @@ def _check_received(repo: Repository, tx: Tx, parent: _Parent, ours: set[TensorI
 
     A received lossy record at one of our paths is not reused for its `source`, which no decoding checks.
     """
-    listed = received.unchecked(repo.dir, ours | {r.id for r in parent.by_path.values()})
+    listed = tensor_rows.unchecked_among(tx, ours | {r.id for r in parent.by_path.values()})
     if not listed:
         return
     parent.by_path = {p: r for p, r in parent.by_path.items() if not (r.id in listed and "source" in r.params)}

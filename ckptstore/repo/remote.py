@@ -36,9 +36,10 @@ from ckptstore.formats.atomic import atomic_write
 from ckptstore.hashing import CommitId, ObjectId
 from ckptstore.metadata import absolute_url, transfer
 from ckptstore.metadata import refs as ref_rows
+from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.objectstore.fallback import held_here
-from ckptstore.repo import received, refs
+from ckptstore.repo import refs
 from ckptstore.repo.config import RemoteConfig, RepoConfig, user_cache
 
 if TYPE_CHECKING:
@@ -218,10 +219,9 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
         from ckptstore.repo.worktree import remember_fetched
 
         remember_fetched(target.dir, outside)
-    if target.dir.is_dir():  # before the records, as above: their claims are the sender's (a push's too)
-        received.remember(target.dir, sorted(tensors))
     with target.db.write() as ttx:
         transfer.insert(ttx, found)
+        tensor_rows.list_unchecked(ttx, tensors)  # their claims are the sender's (a push's too): repo/received.py
         transfer.unprune(ttx, revived)
     faults.point("transfer:records-sent")
     report.commits, report.tensors = len(missing), len(tensors)

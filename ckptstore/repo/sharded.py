@@ -111,15 +111,19 @@ def _check_received(repo: Repository, ids: Mapping[str, TensorId], base_of: dict
 
     Drops from `base_of` the received lossy records, which are not reused for their unchecked `source`.
     """
-    listed = received.unchecked(repo.dir, set(ids.values()) | {r.id for r in base_of.values()})
+    with repo.db.read() as tx:
+        listed = tensor_rows.unchecked_among(tx, set(ids.values()) | {r.id for r in base_of.values()})
+        recorded = tensor_rows.existing_tensor_ids(tx, listed & set(ids.values())) if listed else set()
+        records = tensor_rows.load_records(tx, recorded, problems={}) if recorded else {}
     for key in [k for k, r in base_of.items() if r.id in listed and "source" in r.params]:
         del base_of[key]
-    with repo.db.read() as tx:
-        recorded = tensor_rows.existing_tensor_ids(tx, listed & set(ids.values()))
-        records = tensor_rows.load_records(tx, recorded, problems={}) if recorded else {}
-    false = received.false_claims(repo, records, recorded) if recorded else set()
-    # those that lied go off the list once the coordinator records them
-    received.checked(repo.dir, received.off_the_list(records, recorded - false))
+    if not recorded:
+        return set()
+    false = received.false_claims(repo, records, recorded)
+    true = received.off_the_list(records, recorded - false)
+    if true:  # those that lied leave the list once the coordinator records them anew
+        with repo.db.write() as tx:
+            tensor_rows.mark_checked(tx, true)
     return false
 
 
@@ -195,8 +199,8 @@ def record_sharded(repo: Repository, start: Start, shards: list[WrittenShard], d
     manifest_oid = repo.store.put(manifest_bytes)
     sizes[manifest_oid] = len(manifest_bytes)
     faults.point("dcp:manifest-written")
-    renewed = received.unchecked(repo.dir, {r.id for r in records})  # the ranks encoded these anew
     with repo.db.write() as tx:  # what is new is decided where it is recorded: no writer slips in between
+        renewed = tensor_rows.unchecked_among(tx, {r.id for r in records})  # the ranks encoded these anew
         info = CommitInfo(
             id=CommitId(""), manifest_object=manifest_oid, message=options.message,
             author=options.author, created_at=time.time(), step=options.step,
@@ -212,9 +216,9 @@ def record_sharded(repo: Repository, start: Start, shards: list[WrittenShard], d
             raise CkptError(f"{len(missing)} shards name tensors that have no record (e.g. {sorted(missing)[0]}); "
                             "nothing was recorded: save again")
         tensor_rows.save_records(tx, records, sizes, replace=renewed)
+        tensor_rows.mark_checked(tx, renewed)
         commit_rows.insert_commit(tx, info, [e.tensor for e in entries.values()])
     faults.point("dcp:ref-moved")
-    received.checked(repo.dir, renewed)
     return info.id
 
 

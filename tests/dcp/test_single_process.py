@@ -298,8 +298,7 @@ def test_numpy_scalars_among_non_tensor_items_load_without_trust_as_their_values
 def test_a_shard_whose_id_a_received_record_claims_is_encoded_anew(tmp_path):
     """As for ordinary commits (repo/received.py): a crafted remote's record must not be reused unchecked."""
     from ckptstore.hashing import tensor_id
-    from ckptstore.repo import received
-    from tests.conftest import received_lie
+    from tests.conftest import received_lie, unchecked
 
     repo = Repository.init(tmp_path)
     honest = repo.manifest(repo.commit({"v": torch.arange(16.0)})).entries["v"].tensor
@@ -310,4 +309,4 @@ def test_a_shard_whose_id_a_received_record_claims_is_encoded_anew(tmp_path):
     loaded = {"v": torch.ones(16)}
     dcp.load(loaded, storage_reader=CkptStorageReader(tmp_path))
     assert torch.equal(loaded["v"], zeros) and fsck(repo, full=True).ok
-    assert poisoned not in (repo.dir / received.RECEIVED).read_text().split()
+    assert not unchecked(repo, {poisoned})

@@ -13,7 +13,7 @@ import torch
 from ckptstore import Repository
 from ckptstore.errors import CkptError, ConflictError, CorruptObjectError, InvalidRefNameError, RefNotFoundError
 from ckptstore.repo import fsck, remote
-from tests.conftest import assert_same, ckpt_here, received_lie, wait_until_held
+from tests.conftest import assert_same, ckpt_here, received_lie, unchecked, wait_until_held
 from tests.test_cli import ROOT
 
 
@@ -399,17 +399,15 @@ def test_a_clone_takes_no_branch_or_head_named_as_no_ref_may_be(pair, tmp_path, 
 def test_a_tensor_record_received_from_a_remote_is_encoded_anew_before_a_commit_here_reuses_it(pair, tmp_path):
     """A crafted remote's record can claim the id of bytes it does not hold: your commit of those bytes restored its."""
     from ckptstore.hashing import tensor_id
-    from ckptstore.repo import received
-
     work, hub_path, cids = pair
     remote.push(work, "origin")
     with remote.clone(str(hub_path), tmp_path / "copy") as copy:
-        listed = (copy.dir / received.RECEIVED).read_text().split()
+        received_ids = {e.tensor for e in copy.manifest(cids[1]).entries.values()}
         received_w = copy.manifest(cids[1]).entries["w"].tensor
-        assert {e.tensor for e in copy.manifest(cids[1]).entries.values()} <= set(listed)
+        assert unchecked(copy, received_ids) == received_ids
         copy.commit({**_state(1), "b": torch.zeros(64)}, "w unchanged")  # w's received record: checked, reused
         assert copy.commit_info("HEAD").stored_bytes < 20_000  # not w's 800 KB encoded again
-        assert received_w not in (copy.dir / received.RECEIVED).read_text().split()
+        assert received_w not in unchecked(copy, received_ids)
         zeros = torch.zeros(16)
         poisoned = tensor_id("torch.float32", (16,), zeros.numpy().view("uint8"))
         copy.commit({"v": torch.arange(16.0)}, "a record whose bytes are arange", branch="side")
@@ -417,7 +415,7 @@ def test_a_tensor_record_received_from_a_remote_is_encoded_anew_before_a_commit_
         received_lie(copy.dir, poisoned, honest)  # the remote's forged row: zeros' id over arange's chunks
         mine = copy.commit({"v": zeros}, "my own zeros", branch="mine")
         assert torch.equal(copy.checkout(mine)["v"], zeros)
-        assert poisoned not in (copy.dir / received.RECEIVED).read_text().split()  # checked once, then reused
+        assert not unchecked(copy, {poisoned})  # checked once, then reused
         assert fsck(copy, full=True).ok
 
 
@@ -450,6 +448,31 @@ def test_a_received_lossy_record_is_not_reused_for_the_source_it_claims(tmp_path
         clone.commit(resumed, "resumed")
         back = clone.checkout(clone.commit(mine, "my own", lossy="balanced"))["model"]["fc1.weight"]
     assert ((back - weight).norm() / weight.norm()).item() < 0.1  # ...but its source claim still is not reused
+
+
+def test_in_a_shared_repository_a_record_one_machine_fetched_is_checked_by_anothers_commit(tmp_path):
+    """The unchecked list is in the shared database: machine B's commit reused what machine A fetched, unchecked."""
+    from ckptstore.hashing import tensor_id
+
+    zeros = torch.zeros(16)
+    poisoned = tensor_id("torch.float32", (16,), zeros.numpy().view("uint8"))
+    with Repository.init(tmp_path / "origin") as origin:
+        made = origin.commit({"v": torch.arange(16.0)}, "arange")
+        honest = origin.manifest(made).entries["v"].tensor
+    received_lie(tmp_path / "origin" / ".ckpt", poisoned, honest, listed=False)
+    db = sqlite3.connect(tmp_path / "origin" / ".ckpt" / "ckpt.db")
+    db.execute("INSERT INTO commit_tensors VALUES (?, ?)", (made, poisoned))  # reachable: a fetch sends it
+    db.commit()
+    db.close()
+    shared = {"metadata_url": f"sqlite:///{tmp_path}/shared.db", "objects_url": str(tmp_path / "objects")}
+    Repository.init(tmp_path / "A", **shared).close()
+    with Repository.init(tmp_path / "B", **shared) as b:
+        b.commit({"x": torch.ones(2)}, "B's first")
+    with Repository.open(tmp_path / "A") as a:
+        remote.add(a, "origin", str(tmp_path / "origin"))
+        remote.fetch(a, "origin")
+    with Repository.open(tmp_path / "B") as b:
+        assert torch.equal(b.checkout(b.commit({"x": torch.ones(2), "z": zeros}, "B's zeros"))["z"], zeros)
 
 
 def test_a_parent_whose_received_record_lies_does_not_make_your_bytes_nothing_to_commit(tmp_path):
