@@ -110,7 +110,7 @@ def storage_problems(tx: Tx, limit: int = 10) -> list[str]:
     its table can hide rows from one and not the other. SQLite checks its file; a PostgreSQL
     server checks its own pages, so there only missing tables are found.
     """
-    present = tx.backend.table_names(tx)
+    present = tx.backend.tables(tx)
     missing = [f"table {name} is missing" for name in TABLES if name not in present]
     return missing + tx.backend.storage_problems(tx, limit)
 

@@ -227,9 +227,6 @@ class PostgresBackend:
         return {str(row[0]) for row in tx.rows("SELECT tablename FROM pg_catalog.pg_tables "
                                                "WHERE schemaname = current_schema()")}
 
-    def table_names(self, tx: Tx) -> set[str]:
-        return set(tx.column("SELECT tablename FROM pg_catalog.pg_tables WHERE schemaname = current_schema()"))
-
     def storage_problems(self, tx: Tx, limit: int) -> list[str]:
         return []  # the server checks its own pages; amcheck would need superuser rights we do not ask for
 

@@ -232,9 +232,6 @@ class SqliteBackend:
         return {str(row[0]) for row in tx.rows("SELECT name FROM sqlite_master WHERE type = 'table' "
                                                "AND name NOT LIKE 'sqlite_%'")}
 
-    def table_names(self, tx: Tx) -> set[str]:
-        return set(tx.column("SELECT name FROM sqlite_master WHERE type = 'table'"))
-
     def storage_problems(self, tx: Tx, limit: int) -> list[str]:
         found = [str(row[0]) for row in tx.rows(f"PRAGMA integrity_check({int(limit)})")]
         return [] if found == ["ok"] else found
