@@ -446,24 +446,10 @@ def _parent(repo: Repository, tx: Tx, options: CommitOptions, tensors: Mapping[s
     parent.lost = lost_records(repo, tx, {r.id for r in parent.by_path.values()} | set(sources.values()),
                                parent.records)
     parent.by_path = {p: r for p, r in parent.by_path.items() if r.id not in parent.lost}
-    _check_received(repo, tx, parent, set(sources.values()))
+    # records that came from elsewhere: decoded and checked once before they are reused (received.py)
+    parent.by_path, parent.false, parent.checked = received.check(repo, tx, set(sources.values()), parent.by_path,
+                                                                  parent.records, parent.lost)
     return parent
-
-
-def _check_received(repo: Repository, tx: Tx, parent: _Parent, ours: set[TensorId]) -> None:
-    """Records of our tensors that came from elsewhere: decoded and checked once (received.py).
-
-    A received lossy record at one of our paths is not reused for its `source`, which no decoding checks.
-    """
-    listed = tensor_rows.unchecked_among(tx, ours | {r.id for r in parent.by_path.values()})
-    if not listed:
-        return
-    parent.by_path = {p: r for p, r in parent.by_path.items() if not (r.id in listed and "source" in r.params)}
-    recorded = tensor_rows.existing_tensor_ids(tx, (listed & ours) - parent.lost)
-    if recorded:
-        records = {**parent.records, **tensor_rows.load_records(tx, recorded - set(parent.records), problems={})}
-        parent.false = received.false_claims(repo, records, recorded)
-        parent.checked = received.off_the_list(records, recorded - parent.false)
 
 
 def _plan(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, level: LossyLevel,

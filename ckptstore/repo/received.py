@@ -19,11 +19,37 @@ from typing import TYPE_CHECKING
 
 from ckptstore.errors import CkptError
 from ckptstore.hashing import TensorId
+from ckptstore.metadata import Tx
+from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource, replay
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
+
+
+def check(repo: Repository, tx: Tx, ours: Set[TensorId], parents: Mapping[str, TensorRecord],
+          known: Mapping[TensorId, TensorRecord] | None = None, lost: Set[TensorId] = frozenset()
+          ) -> tuple[dict[str, TensorRecord], set[TensorId], set[TensorId]]:
+    """The check of a commit's (or a DCP rank's) received records, before it encodes: three answers.
+
+    `ours` are its tensors' content ids, `parents` the records it may chain on or reuse by path,
+    `known` records loaded already (with their chains), `lost` ids it encodes again anyway. Returns
+    `parents` less the listed lossy records (their `source` is not checked), the recorded ids of
+    ours whose received records lie (to encode again, taking the rows), and those found true that
+    leave the list (the caller takes them off with the commit, or at once).
+    """
+    listed = tensor_rows.unchecked_among(tx, set(ours) | {r.id for r in parents.values()})
+    if not listed:
+        return dict(parents), set(), set()
+    kept = {p: r for p, r in parents.items() if not (r.id in listed and "source" in r.params)}
+    recorded = tensor_rows.existing_tensor_ids(tx, (listed & set(ours)) - set(lost))
+    if not recorded:
+        return kept, set(), set()
+    known = known or {}
+    records = {**known, **tensor_rows.load_records(tx, recorded - set(known), problems={})}
+    false = false_claims(repo, records, recorded)
+    return kept, false, off_the_list(records, recorded - false)
 
 
 def off_the_list(records: Mapping[TensorId, TensorRecord], true: Set[TensorId]) -> set[TensorId]:

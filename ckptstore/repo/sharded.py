@@ -105,28 +105,6 @@ def _encode_shards(repo: Repository, shards: Mapping[str, RawTensor], ids: Mappi
         return entries, records, sizes, plans
 
 
-def _check_received(repo: Repository, ids: Mapping[str, TensorId], base_of: dict[str, TensorRecord]
-                    ) -> set[TensorId]:
-    """As repo/commit.py's: received records of our shards checked once; returns those that lied.
-
-    Drops from `base_of` the received lossy records, which are not reused for their unchecked `source`.
-    """
-    with repo.db.read() as tx:
-        listed = tensor_rows.unchecked_among(tx, set(ids.values()) | {r.id for r in base_of.values()})
-        recorded = tensor_rows.existing_tensor_ids(tx, listed & set(ids.values())) if listed else set()
-        records = tensor_rows.load_records(tx, recorded, problems={}) if recorded else {}
-    for key in [k for k, r in base_of.items() if r.id in listed and "source" in r.params]:
-        del base_of[key]
-    if not recorded:
-        return set()
-    false = received.false_claims(repo, records, recorded)
-    true = received.off_the_list(records, recorded - false)
-    if true:  # those that lied leave the list once the coordinator records them anew
-        with repo.db.write() as tx:
-            tensor_rows.mark_checked(tx, true)
-    return false
-
-
 def write_shards(repo: Repository, parent: CommitId | None, shards: Mapping[str, RawTensor],
                  lossy: LossyShards | None = None) -> list[WrittenShard]:
     """Encode this rank's shards and write their objects durably; nothing is recorded.
@@ -141,7 +119,11 @@ def write_shards(repo: Repository, parent: CommitId | None, shards: Mapping[str,
         futures = {k: repo.pool.submit(tensor_id, r.dtype, r.shape, r.data) for k, r in shards.items()}
         ids = {k: f.result() for k, f in futures.items()}
         base_of, chains = _parent_records(repo, parent, list(shards))
-        false = _check_received(repo, ids, base_of)
+        with repo.db.read() as tx:  # as a commit's: received records checked once (repo/received.py)
+            base_of, false, true = received.check(repo, tx, set(ids.values()), base_of, chains)
+        if true:  # those that lie leave the list once the coordinator records them anew
+            with repo.db.write() as tx:
+                tensor_rows.mark_checked(tx, true)
         plans = {} if lossy is None else plan_shards(shards, lossy.shards, lossy.facts, base_of, lossy.level,
                                                      repo.config.encoding)[0]
         remeasured: dict[str, list[float | None]] = {}
