@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata.commits import all_parents
@@ -19,9 +19,10 @@ def reachable_commits(tx: Tx) -> set[CommitId]:
     return reached_from(tx, tip_commits(tx))
 
 
-def reached_from(tx: Tx, starts: Iterable[CommitId]) -> set[CommitId]:
-    """`starts` and every commit they reach through parents."""
-    parents = all_parents(tx)
+def reached_from(tx: Tx, starts: Iterable[CommitId],
+                 parents: Mapping[CommitId, list[CommitId]] | None = None) -> set[CommitId]:
+    """`starts` and every commit they reach through parents (`all_parents`, read here unless given)."""
+    parents = all_parents(tx) if parents is None else parents
     stack, seen = list(starts), set()
     while stack:
         cid = stack.pop()

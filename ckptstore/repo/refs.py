@@ -232,8 +232,9 @@ def _warn_left_behind(tx: Tx, going_to: CommitId) -> None:
     now = ref_rows.ref_row(tx, HEAD)
     if now is None or now.target is not None or now.commit_id in (None, going_to):
         return
-    behind = liveness.reached_from(tx, [CommitId(now.commit_id)]) - liveness.reached_from(
-        tx, [*ref_rows.tip_commits(tx, but=HEAD), going_to])
+    parents = commit_rows.all_parents(tx)  # read once for both walks
+    behind = liveness.reached_from(tx, [CommitId(now.commit_id)], parents) - liveness.reached_from(
+        tx, [*ref_rows.tip_commits(tx, but=HEAD), going_to], parents)
     if behind:
         tip = now.commit_id[:12]
         warnings.warn(f"HEAD leaves {len(behind)} commit{'s' * (len(behind) > 1)} behind that no branch or tag "
