@@ -129,14 +129,17 @@ class NonFiniteError(UnquantizableError):
     """A lossy codec was given NaN or infinite values (a diverged run): they have no step to quantize by."""
 
 
-def listing(items: Sequence[str], most: int) -> str:
-    """The first `most` of `items`, comma-separated, and how many more: how a message names a long list."""
-    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+def listing(items: Sequence[str], most: int, separator: str = ", ") -> str:
+    """The first `most` of `items`, joined, and how many more: how a message names a long list."""
+    return separator.join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+
+
+REASONS_SHOWN = 8  # a warning over a 7B model's hundreds of tensors stays a few lines; `ckpt show` lists each
 
 
 def with_reasons(reasons: Mapping[str, str]) -> str:
-    """Each of `reasons`' keys (tensors a level could not quantize, say) with why, for a warning."""
-    return "; ".join(f"{key}: {why}" for key, why in sorted(reasons.items()))
+    """The first few of `reasons`' keys (tensors a level could not quantize, say) with why, for a warning."""
+    return listing([f"{key}: {why}" for key, why in sorted(reasons.items())], REASONS_SHOWN, "; ")
 
 
 class UnquantizableTensorsError(UnquantizableError):
