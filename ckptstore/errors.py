@@ -5,11 +5,28 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import sys
+import warnings
 from collections.abc import Mapping, Sequence
 
 # What `ckpt` says on Ctrl-C, wherever the command ran (here, or in the repository's daemon)
 INTERRUPTED = ("interrupted; an unfinished commit leaves earlier commits intact (`ckpt gc` removes its leftovers), "
                "an unfinished checkout the files and HEAD as they were or at the commit")
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_caller(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """Warn at the first frame outside ckptstore: the user's line, however deep in the package the warning arose.
+
+    A fixed stacklevel fits one way in: Repository.commit, ckptstore.save and a DCP save reach
+    the same warning at different depths, and a filter by module should name the user's.
+    """
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 1)
 
 
 class CkptError(Exception):

@@ -12,7 +12,6 @@ import hashlib
 import math
 import re
 import sys
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.errors import CorruptRecordError, DeviceUnavailableError, UnsupportedStateError, listing
+from ckptstore.errors import CorruptRecordError, DeviceUnavailableError, UnsupportedStateError, listing, warn_caller
 
 BYTES_DTYPE = "bytes"
 NUMPY_PREFIX = "numpy:"
@@ -365,9 +364,9 @@ class _Flattener:
         skeleton = self.encode(obj, prefix)
         mark_shared_views(self.views)
         if self.attributes:
-            warnings.warn(f"tensor attributes are not stored ({listing(self.attributes, 3)}): loading the "
-                          "commit gives the tensors without them (a zip file checked out is its bytes, with them)",
-                          UserWarning, stacklevel=3)
+            warn_caller(f"tensor attributes are not stored ({listing(self.attributes, 3)}): loading the "
+                        "commit gives the tensors without them (a zip file checked out is its bytes, with them)",
+                        UserWarning)
         return FlatState(skeleton, self.tensors)
 
     def tensor_extras(self, node: list, requires_grad: bool, parameter: bool) -> list:

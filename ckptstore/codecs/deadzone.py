@@ -130,7 +130,11 @@ class DeadZoneCodec:
         values = to_float32(data, params["dtype"])
         if not np.isfinite(values).all():
             raise NonFiniteError("deadzone: non-finite values cannot be quantized")
-        target = values - to_float32(base, params["dtype"]) if base is not None else values
+        if base is None:
+            target = values
+        else:
+            with np.errstate(over="ignore"):  # a difference past float32 is refused below, by name, not warned of
+                target = values - to_float32(base, params["dtype"])
         step = chunk_step(target, params, base is not None)
         # A capped step tracks a fine-tune's small, steady updates: a wider dead zone would hold
         # them back every time, a lag in the direction of training, so it rounds to nearest.

@@ -19,7 +19,6 @@ import os
 import pickle
 import pickletools
 import re
-import warnings
 import zipfile
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -32,7 +31,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from ckptstore.errors import CheckpointFormatError, CorruptRecordError, PickledObjectsError, listing
+from ckptstore.errors import CheckpointFormatError, CorruptRecordError, PickledObjectsError, listing, warn_caller
 from ckptstore.formats import dcpmeta, filemap
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.state import RawTensor, materialize, raw_from_bytes, raw_from_torch, unflatten
@@ -161,8 +160,8 @@ def _warn_unstored(path: Path, stored: set[str]) -> None:
     others = sorted(e.name + ("/" if e.is_dir() else "") for e in os.scandir(path)
                     if e.name not in stored and not (_EMPTY_SHARD.fullmatch(e.name) and e.stat().st_size == 0))
     if others:
-        warnings.warn(f"{path}: {listing(others, 3)} not stored: a DCP commit keeps the files its .metadata names; "
-                      "commit the others on their own", RuntimeWarning, stacklevel=3)
+        warn_caller(f"{path}: {listing(others, 3)} not stored: a DCP commit keeps the files its .metadata names; "
+                    "commit the others on their own", RuntimeWarning)
 
 
 def _slice(root: Path, files: dict[str, np.ndarray], metadata: Metadata, index: MetadataIndex) -> np.ndarray:

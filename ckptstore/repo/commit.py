@@ -10,7 +10,6 @@ from __future__ import annotations
 import operator
 import os
 import time
-import warnings
 from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,6 +23,7 @@ from ckptstore.errors import (
     NothingToCommitError,
     UnquantizableError,
     UnquantizableTensorsError,
+    warn_caller,
     with_reasons,
 )
 from ckptstore.formats import filemap
@@ -272,16 +272,16 @@ def _encode_or_keep_whole(repo: Repository, checkpoint: formats.Checkpoint, pare
                 whole.update(exc.reasons)
                 continue
             if whole:
-                warnings.warn(f"{len(whole)} tensor(s) cannot be quantized at level {level.name!r} "
-                              f"({with_reasons(whole)}): they and the optimizer state coded with them are stored "
-                              "lossless, the rest at the level", RuntimeWarning, stacklevel=3)
+                warn_caller(f"{len(whole)} tensor(s) cannot be quantized at level {level.name!r} "
+                            f"({with_reasons(whole)}): they and the optimizer state coded with them are stored "
+                            "lossless, the rest at the level", RuntimeWarning)
             return done, change, level
         raise UnquantizableError("more tensors each time")
     except UnquantizableError as exc:  # a diverged run's checkpoint, say, is still worth keeping: whole
         what = "holds NaN or infinite values" if isinstance(exc, NonFiniteError) else "cannot be quantized"
         why = f"{with_reasons(whole)}; then {exc}" if whole else str(exc)
-        warnings.warn(f"the checkpoint {what} ({why}): committed lossless instead of at level {level.name!r}",
-                      RuntimeWarning, stacklevel=3)
+        warn_caller(f"the checkpoint {what} ({why}): committed lossless instead of at level {level.name!r}",
+                    RuntimeWarning)
         done, change = _encode_checked(repo, checkpoint, parent, sources, None, lossy, measured, progress, None)
         return done, change, None
 

@@ -23,12 +23,11 @@ import fcntl
 import json
 import os
 import secrets
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptstore.errors import CkptError
+from ckptstore.errors import CkptError, warn_caller
 
 FOLDER = "journals"
 MoveHead = Callable[[str, "str | None"], None]  # (commit, branch or None for detached): refs.move_head's part
@@ -107,8 +106,8 @@ def finish_interrupted(repo_dir: Path, move_head: MoveHead | None = None) -> int
         try:
             finished += _finish(path, repo_dir, move_head)
         except (OSError, ValueError, KeyError, TypeError, RecursionError, CkptError) as exc:
-            warnings.warn(f"an interrupted checkout's journal {path} could not be finished ({exc}); check its "
-                          "files out again", RuntimeWarning, stacklevel=3)
+            warn_caller(f"an interrupted checkout's journal {path} could not be finished ({exc}); check its "
+                        "files out again", RuntimeWarning)
     return finished
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import re
-import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -14,6 +13,7 @@ from ckptstore.errors import (
     InvalidRefNameError,
     RefExistsError,
     RefNotFoundError,
+    warn_caller,
 )
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import Tx, liveness
@@ -220,9 +220,8 @@ def move_head(repo: Repository, cid: CommitId, branch_name: str | None) -> None:
         row = ref_rows.ref_row(tx, branch_name) if branch_name else None
         if branch_name and (row is None or row.commit_id != cid):
             now = f"moved to {row.commit_id[:12]}" if row and row.commit_id else "was deleted"
-            warnings.warn(f"{branch_name} {now} while this checkout wrote {cid[:12]}'s files: HEAD is detached at "
-                          f"{cid[:12]} (check out {branch_name} again to go to its tip)", RuntimeWarning,
-                          stacklevel=3)
+            warn_caller(f"{branch_name} {now} while this checkout wrote {cid[:12]}'s files: HEAD is detached at "
+                        f"{cid[:12]} (check out {branch_name} again to go to its tip)", RuntimeWarning)
             branch_name = None
         ref_rows.point_head(tx, branch_name, None if branch_name else cid)
 
@@ -237,6 +236,6 @@ def _warn_left_behind(tx: Tx, going_to: CommitId) -> None:
         tx, [*ref_rows.tip_commits(tx, but=HEAD), going_to], parents)
     if behind:
         tip = now.commit_id[:12]
-        warnings.warn(f"HEAD leaves {len(behind)} commit{'s' * (len(behind) > 1)} behind that no branch or tag "
-                      f"reaches, up to {tip}: `ckpt gc --prune` would delete them. To keep them: "
-                      f"ckpt branch NAME {tip}", RuntimeWarning, stacklevel=4)
+        warn_caller(f"HEAD leaves {len(behind)} commit{'s' * (len(behind) > 1)} behind that no branch or tag "
+                    f"reaches, up to {tip}: `ckpt gc --prune` would delete them. To keep them: "
+                    f"ckpt branch NAME {tip}", RuntimeWarning)

@@ -15,7 +15,6 @@ import contextlib
 import hashlib
 import json
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +30,7 @@ from ckptstore.errors import (
     RefNotFoundError,
     SentObjectError,
     explain,
+    warn_caller,
 )
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.hashing import CommitId, ObjectId
@@ -426,8 +426,8 @@ def _well_named(name: str, branches: dict[str, CommitId]) -> dict[str, CommitId]
         else:
             kept[branch] = cid
     if refused:
-        warnings.warn(f"remote {name!r} has branches whose names no ref may have ({', '.join(map(repr, refused))}); "
-                      "they were not fetched", RuntimeWarning, stacklevel=3)
+        warn_caller(f"remote {name!r} has branches whose names no ref may have ({', '.join(map(repr, refused))}); "
+                    "they were not fetched", RuntimeWarning)
     return kept
 
 

@@ -9,13 +9,12 @@ durable, in one metadata transaction that moves the branch with compare-and-swap
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, UnquantizableError, UnquantizableTensorsError, with_reasons
+from ckptstore.errors import CkptError, UnquantizableError, UnquantizableTensorsError, warn_caller, with_reasons
 from ckptstore.formats.dcpmeta import DCP_FORMAT_VERSION, chunk_problem
 from ckptstore.hashing import CommitId, ObjectId, TensorId, tensor_id
 from ckptstore.metadata import commits as commit_rows
@@ -94,14 +93,14 @@ def _encode_shards(repo: Repository, shards: Mapping[str, RawTensor], ids: Mappi
             plans = plans_without(plans, set(exc.reasons))
             continue
         except UnquantizableError as exc:  # NaN or inf (NonFiniteError): every shard of the rank, in one round
-            warnings.warn(f"this rank's shards hold values no step quantizes ({exc}): all stored lossless instead of "
-                          f"at level {level.name!r}", RuntimeWarning, stacklevel=4)
+            warn_caller(f"this rank's shards hold values no step quantizes ({exc}): all stored lossless instead of "
+                        f"at level {level.name!r}", RuntimeWarning)
             whole, plans = {}, {}
             continue
         if whole:
-            warnings.warn(f"{len(whole)} shard(s) cannot be quantized at level {level.name!r} ({with_reasons(whole)}): "
-                          "stored lossless with the optimizer state coded with them, the rest at the level",
-                          RuntimeWarning, stacklevel=4)
+            warn_caller(f"{len(whole)} shard(s) cannot be quantized at level {level.name!r} ({with_reasons(whole)}): "
+                        "stored lossless with the optimizer state coded with them, the rest at the level",
+                        RuntimeWarning)
         return entries, records, sizes, plans
 
 

@@ -628,3 +628,28 @@ def test_show_gives_each_commits_own_figures_where_a_weights_change_rounded_to_n
             assert row["rel_error"] == pytest.approx(actual, rel=1e-3) and actual <= row["max_error"]
             tensors.append(row["tensor"])
     assert len(set(tensors)) < len(tensors)  # a record was reused: what the test is about
+
+
+@pytest.mark.parametrize("entry", ["Repository.commit", "ckptstore.save"])
+def test_a_lossless_fallback_warns_at_the_callers_line_and_without_numpys_overflow_warning(tmp_path, entry):
+    """A bf16 residual past float32's range is refused by name, once; the warning points at the user's code.
+
+    A fixed stacklevel pointed inside ckptstore (commit.py, background.py) for one entry point or
+    the other, and numpy's "overflow encountered in subtract" came first.
+    """
+    import ckptstore
+
+    weight = torch.randn(64, 64).bfloat16()
+    weight[0, 0] = 3.0e38
+    changed = weight.clone()
+    changed[0, 0] = -3.0e38  # the residual, -6e38, passes float32
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"model": {"w": weight}}, lossy="balanced")
+        with pytest.warns(RuntimeWarning) as caught:
+            if entry == "ckptstore.save":
+                ckptstore.save({"model": {"w": changed}}, repo=repo, lossy="balanced")
+            else:
+                repo.commit({"model": {"w": changed}}, lossy="balanced")
+        assert_same(repo.checkout("HEAD"), {"model": {"w": changed}})
+    assert [str(w.message)[:40] for w in caught] == ["the checkpoint cannot be quantized (mode"]
+    assert caught[0].filename == __file__
