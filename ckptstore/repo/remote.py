@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -183,17 +184,20 @@ def fsck_remote(repo: Repository, name: str, full: bool = False) -> FsckReport:
 
 # ----------------------------------------------------------------- moving commits
 def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | None, lazy: bool = False,
-          pushing: bool = False) -> tuple[TransferReport, dict[str, CommitId]]:
+          pushing: bool = False, keep: Callable[[dict[str, CommitId]], dict[str, CommitId]] | None = None,
+          ) -> tuple[TransferReport, dict[str, CommitId]]:
     """Make every commit reachable from `tips` present in `target`: objects, then records. Refs are not touched.
 
-    `tips` None: every branch of `source`, read in the same snapshot as the records, so a branch
-    moved and collected there meanwhile is never half-copied. Returns the report and the tips.
+    `tips` None: every branch of `source` that `keep` keeps, read in the same snapshot as the records,
+    so a branch moved and collected there meanwhile is never half-copied. Returns the report and the tips.
     `lazy` copies the records and manifests only: the chunk objects come when a checkout reads them.
     `pushing`: `source` is the user's repository (damage it holds is named as theirs).
     """
     report = TransferReport()
     with source.db.read() as tx, target.db.read() as ttx:
-        tips = ref_rows.refs_of_kind(tx, ref_rows.BRANCH) if tips is None else tips
+        if tips is None:
+            tips = ref_rows.refs_of_kind(tx, ref_rows.BRANCH)
+            tips = keep(tips) if keep else tips
         candidates = transfer.ancestors(tx, list(tips.values()))
         have = transfer.present_commits(ttx, candidates)
         # a tip pruned there but whole here travels again, and is whole there after (not "present": the ref
@@ -404,8 +408,7 @@ def fetch(repo: Repository, name: str, lazy: bool | None = None) -> TransferRepo
     remote_config = named(repo, name)
     lazy = remote_config.lazy if lazy is None else lazy
     with open_remote(remote_config, name) as remote, repo.lock():
-        report, branches = _copy(remote, repo, None, lazy=lazy)
-        branches = _well_named(name, branches)
+        report, branches = _copy(remote, repo, None, lazy=lazy, keep=lambda tips: _well_named(name, tips))
         faults.point("fetch:tracking")  # tests run a gc here: it must wait for the lock
         report.refs_moved = _track(repo, name, branches, every=True)
     return report

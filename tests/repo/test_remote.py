@@ -396,6 +396,26 @@ def test_a_clone_takes_no_branch_or_head_named_as_no_ref_may_be(pair, tmp_path, 
         assert copy.resolve("origin/ok/fine") == cids[0] and fsck(copy).ok
 
 
+def test_a_fetch_leaves_the_commits_of_a_branch_it_cannot_name_where_they_are(pair, tmp_path):
+    """Fetch copied a badly named branch's commits and objects, then left the name out: data no ref here reaches."""
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    work.branch("side")
+    side = work.commit({**_state(7), "extra": torch.randn(100_000)}, "only on side", branch="side")
+    remote.push(work, "origin", "side")
+    db = sqlite3.connect(hub_path / ".ckpt" / "ckpt.db")
+    db.execute("UPDATE refs SET name = 'bad..name' WHERE name = 'side' AND kind = 'branch'")
+    db.commit()
+    db.close()
+    with Repository.init(tmp_path / "copy") as copy:
+        remote.add(copy, "origin", str(hub_path))
+        with pytest.warns(RuntimeWarning, match="names no ref may have"):
+            report = remote.fetch(copy, "origin")
+        assert report.commits == 2 and copy.resolve("origin/main") == cids[1]
+        with pytest.raises(RefNotFoundError):
+            copy.resolve(side)
+
+
 def test_a_tensor_record_received_from_a_remote_is_encoded_anew_before_a_commit_here_reuses_it(pair, tmp_path):
     """A crafted remote's record can claim the id of bytes it does not hold: your commit of those bytes restored its."""
     from ckptstore.hashing import tensor_id
