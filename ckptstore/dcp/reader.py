@@ -63,7 +63,8 @@ class CkptStorageReader(StorageReader):
         """DCP's metadata of the commit at `ref`, from the JSON in its manifest.
 
         No `**kwargs`: DCP would then retry a failed read as "rank-local metadata", which a commit
-        does not have, and report the same error twice.
+        does not have, and report the same error twice. DCP wraps what this raises (a pruned
+        commit, an unknown ref) in an AssertionError that keeps the message, not the type.
         """
         cid = self.repo.resolve(self.ref)
         oid = commit_rows.readable_manifest(self.repo.commit_info(cid))  # a pruned commit: PrunedCommitError
