@@ -181,6 +181,31 @@ def test_fsck_checks_a_sharded_manifest_against_its_dcp_metadata(tmp_path):
     repo.close()
 
 
+def test_the_reader_refuses_a_commit_whose_dcp_metadata_disagrees_with_its_entries(tmp_path):
+    """A crafted remote's sharded commit (its ids recomputed) said a (4, 4) shard was (2, 8): loaded silently wrong.
+
+    Checkout and export checked the metadata against the entries; CkptStorageReader did not, and
+    read the rows at the stored shape's strides (row 1 came back as elements 4-11).
+    """
+    from ckptstore.repo.commit import CommitOptions
+    from ckptstore.repo.sharded import WrittenShard, record_sharded
+    from ckptstore.repo.target import start_now
+
+    repo = Repository.init(tmp_path)
+    dcp.save({"w": torch.arange(16, dtype=torch.float32).reshape(4, 4)}, storage_writer=CkptStorageWriter(tmp_path))
+    manifest = repo.manifest(repo.resolve("main"))
+    items = [{**item, "size": [2, 8], "chunks": [[[0, 0], [2, 8], key] for _, _, key in item["chunks"]]}
+             if item["fqn"] == "w" else item for item in manifest.dcp["items"]]
+    forged = record_sharded(repo, start_now(repo, None),
+                            [WrittenShard(k, e, None, {}, 64) for k, e in manifest.entries.items()],
+                            {**manifest.dcp, "items": items}, CommitOptions(message="forged", allow_empty=True))
+    loaded = {"w": torch.zeros(2, 8)}
+    with pytest.raises(CheckpointException, match=f"{forged[:12]} .* cannot be loaded: entry .* DCP metadata says"):
+        dcp.load(loaded, storage_reader=CkptStorageReader(tmp_path, forged))
+    assert not loaded["w"].any()
+    repo.close()
+
+
 def test_a_branch_moved_during_the_save_records_nothing(tmp_path):
     repo = Repository.init(tmp_path)
     repo.commit({"first": torch.ones(3)}, "before")
