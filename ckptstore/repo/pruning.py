@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, ConflictError, RepoLockedError, RetentionError, UnknownMetricError
+from ckptstore.errors import CkptError, ConflictError, RepoLockedError, RetentionError, UnknownMetricError, explain
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata import Tx, liveness
 from ckptstore.metadata import commits as commit_rows
@@ -126,8 +126,8 @@ def after_commit(repo: Repository, cid: CommitId) -> CommitId:
         prune(repo, only_if_doomed=True, wait=False)
     except (RepoLockedError, UnknownMetricError):  # a metric not logged yet (eval every 500 steps): prune later
         pass
-    except CkptError as exc:
-        raise RetentionError(cid, exc) from exc
+    except Exception as exc:  # a full disk's OSError too: whatever failed, the commit is recorded, and says so
+        raise RetentionError(cid, explain(exc) or exc) from exc
     return cid
 
 

@@ -508,3 +508,39 @@ def test_prune_removes_nothing_while_a_kept_commits_manifest_or_object_is_lost(t
         assert not any(info.pruned for info in repo.log())
         for cid, state in zip(cids, states):
             assert_same(state, repo.checkout(cid))
+
+
+POLICY_PRUNE_ON_A_FULL_DISK = """
+import resource, runpy, sys
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 19, 1 << 19))  # files past 512 KiB fail, as on a full disk
+sys.argv = ["ckpt", "commit", "state.pt", "-m", "second"]
+runpy.run_module("ckptstore", run_name="__main__")
+"""
+
+
+def test_a_full_disk_in_the_policy_prune_after_a_commit_says_the_commit_was_recorded(tmp_path):
+    """The OS's own error escaped the policy as itself, and `ckpt commit` said "nothing was lost: the write is undone".
+
+    The commit's residual is small; the prune re-keyframes it (1.2 MB), which the full disk refuses.
+    """
+    weight = torch.randn(300_000, generator=torch.Generator().manual_seed(0))
+    torch.save({"w": weight}, tmp_path / "state.pt")
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    assert ckpt_here(tmp_path, "commit", "state.pt", "-m", "first").returncode == 0
+    with open(tmp_path / ".ckpt" / "config.toml", "a") as config:
+        config.write("\n[retention]\nkeep_last = 1\n")
+    weight[:100] += 1.0
+    torch.save({"w": weight}, tmp_path / "state.pt")
+    ended = subprocess.run([sys.executable, "-c", POLICY_PRUNE_ON_A_FULL_DISK], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert ended.returncode == 1 and "Traceback" not in ended.stderr
+    assert ended.stderr.startswith("error: commit ") and ("was recorded, but the [retention] policy's prune after "
+                                                          "it failed: a file reached the largest size") in ended.stderr
+    with Repository.open(tmp_path) as repo:
+        assert [info.message for info in repo.log()] == ["second", "first"]
+        assert not any(info.pruned for info in repo.log()) and fsck(repo).ok
+        assert torch.equal(repo.checkout("HEAD")["w"], weight)
+    assert ckpt_here(tmp_path, "prune").returncode == 0  # room again: the prune the error advised
+    with Repository.open(tmp_path) as repo:
+        assert [info.pruned for info in repo.log()] == [False, True]
+        assert torch.equal(repo.checkout("HEAD")["w"], weight)
