@@ -311,6 +311,8 @@ def already_committed(repo: Repository, source: Source, branch: str | None) -> s
     # only the newest: a kill between commit and record leaves that one, and a file rewritten back to an
     # older content (A, B, A) is a new checkpoint, not the first A again
     newest = candidates[0]
+    if newest.pruned:  # retention removed its tensors (and manifest): whatever the files hold now is not stored
+        return None
     manifest = repo.read_manifest(newest.manifest_object)
     if sorted(f.name for f in manifest.files) != sorted(files):
         return None

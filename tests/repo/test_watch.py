@@ -338,3 +338,27 @@ def test_an_unreadable_source_is_tried_again_at_each_scan(repo, tmp_path, monkey
     torch.save({"w": torch.zeros(2)}, run / "b.pt")
     with pytest.raises(PermissionError):  # the repository's own files: the watch ends
         watch(repo, run, ONCE)
+
+
+def test_a_file_rewritten_after_retention_pruned_its_last_commit_is_committed(tmp_path):
+    """The watch read the pruned commit's manifest (gone) and ended with "object missing", at every rerun.
+
+    Lightning's layout under a policy: `last.ckpt` rewritten beside new `epoch=N` files.
+    """
+    from ckptstore import Repository
+
+    Repository.init(tmp_path / "repo").close()
+    with open(tmp_path / "repo" / ".ckpt" / "config.toml", "a") as config:
+        config.write("\n[retention]\nkeep_last = 1\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    with Repository.open(tmp_path / "repo") as repo:
+        torch.save({"w": torch.full((4,), 1.0)}, run / "last.ckpt")
+        assert len(watch(repo, run, ONCE).committed) == 1
+        torch.save({"w": torch.full((4,), 2.0)}, run / "epoch=2.pt")
+        assert len(watch(repo, run, ONCE).committed) == 1  # the policy prunes last.ckpt's commit
+        assert repo.log()[1].pruned
+        torch.save({"w": torch.full((4,), 3.0)}, run / "last.ckpt")
+        assert len(watch(repo, run, ONCE).committed) == 1
+        assert_same(repo.checkout("HEAD"), {"w": torch.full((4,), 3.0)})
+        assert len(watch(repo, run, ONCE).committed) == 0  # and once only
