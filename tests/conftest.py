@@ -38,6 +38,16 @@ os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="ckpt-test-run-")
 atexit.register(shutil.rmtree, os.environ["XDG_RUNTIME_DIR"], True)
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ckpt_env(**extra: str) -> dict[str, str]:
+    """The environment of a subprocess that runs ckptstore from this checkout, with no CKPT_REPO but `extra`'s."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("CKPT_REPO", None)
+    return {**env, **extra}
+
+
 def assert_same(a, b, where: str = "<root>") -> None:
     """Deep equality where tensors must match in dtype, shape and every raw byte."""
     if isinstance(a, torch.Tensor):

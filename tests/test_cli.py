@@ -1,7 +1,6 @@
 """The CLI as a user runs it: real subprocesses for exit codes and messages, CliRunner for flows."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,14 +9,13 @@ import torch
 from click.testing import CliRunner
 
 from ckptstore.cli import cli
-from tests.conftest import Trainer, ckpt_here
+from tests.conftest import Trainer, ckpt_env, ckpt_here
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def ckpt(cwd, *args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("CKPT_REPO", None)
+    env = ckpt_env()
     return subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120)
 

@@ -19,8 +19,7 @@ from ckptstore import Repository
 from ckptstore.cli import cli
 from ckptstore.errors import CkptError, DiskFullError, ReadOnlyRepoError, explain
 from ckptstore.repo import fsck
-from tests.conftest import assert_same
-from tests.test_cli import ROOT
+from tests.conftest import assert_same, ckpt_env
 
 
 def strict_json(text: str):
@@ -32,8 +31,7 @@ def strict_json(text: str):
 
 def run(cwd, *args, fsize: int | None = None):
     """`ckpt ARGS` in a subprocess; `fsize` caps the size of any file it writes (RLIMIT_FSIZE)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("CKPT_REPO", None)
+    env = ckpt_env()
 
     def limit():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the cap fails with EFBIG instead
@@ -247,7 +245,7 @@ def test_repo_and_ckpt_repo_name_the_repository_itself_never_one_above_it(tmp_pa
     one_error_line(by_option)
     assert f"--repo {missing} holds no ckptstore repository" in by_option.stderr
     by_env = subprocess.run([sys.executable, "-m", "ckptstore", "commit", "a.pt"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT), CKPT_REPO=str(missing)))
+                            text=True, timeout=120, env=ckpt_env(CKPT_REPO=str(missing)))
     one_error_line(by_env)
     assert f"CKPT_REPO={missing} holds no ckptstore repository" in by_env.stderr
     as_file = CliRunner().invoke(cli, ["status"], env={"CKPT_REPO": str(tmp_path / "a.pt")})
@@ -269,7 +267,7 @@ def test_read_only_init_writes_nothing_and_bare_groups_print_their_help(tmp_path
 
 def test_help_and_version_to_a_stdout_that_refuses_them_fail_as_any_output_does(tmp_path):
     """click wrote these itself: a full disk read as the repository's, a reader gone as exit 1."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = ckpt_env()
     for args in (["--version"], ["log", "--help"]):
         with open("/dev/full", "w") as full:
             filled = subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=tmp_path, env=env, stdout=full,
@@ -287,10 +285,10 @@ def test_help_and_version_to_a_stdout_that_refuses_them_fail_as_any_output_does(
 def test_a_command_started_with_stdout_closed_says_it_could_not_write(tmp_path):
     assert run(tmp_path, "init").returncode == 0
     closed = subprocess.run(f"{sys.executable} -m ckptstore log --json >&-", shell=True, cwd=tmp_path, text=True,
-                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+                            stderr=subprocess.PIPE, env=ckpt_env(), timeout=120)
     assert closed.returncode == 1 and closed.stderr == "error: cannot write the output: standard output is closed\n"
     version = subprocess.run(f"{sys.executable} -m ckptstore --version >&-", shell=True, cwd=tmp_path, text=True,
-                             stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+                             stderr=subprocess.PIPE, env=ckpt_env(), timeout=120)
     assert version.returncode == 1 and "standard output is closed" in version.stderr
 
 
@@ -340,7 +338,7 @@ def test_a_database_file_that_cannot_be_opened_says_why(tmp_path):
     database = tmp_path / ".ckpt" / "ckpt.db"
     if os.geteuid() == 0:
         database.chmod(0)
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = ckpt_env()
         result = subprocess.run(_as_a_user("log"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         one_error_line(result, "cannot be read by this user")
         database.chmod(0o644)
@@ -351,8 +349,7 @@ def test_a_database_file_that_cannot_be_opened_says_why(tmp_path):
 
 def _output_to(cwd, stdout, *args):
     """`ckpt ARGS` writing its output to `stdout` (a file descriptor or an open file); stderr captured."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("CKPT_REPO", None)
+    env = ckpt_env()
     return subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=env, stdout=stdout,
                           stderr=subprocess.PIPE, text=True, timeout=120)
 

@@ -15,18 +15,12 @@ import torch
 
 from ckptstore import Repository, daemon
 from ckptstore.repo import find_root
-from tests.conftest import ckpt_here
+from tests.conftest import ckpt_env, ckpt_here
 from tests.test_cli import ROOT
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **extra)
-    env.pop("CKPT_REPO", None)
-    return env
-
-
 def ckpt(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=_env(**env),
+    return subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=ckpt_env(**env),
                           capture_output=True, text=True, timeout=120)
 
 
@@ -74,7 +68,7 @@ def test_the_console_script_hands_its_commit_to_a_daemon_started_with_python_m(s
     """`ckpt` (its shebang names the venv's python3) and `python -m ckptstore` run the same code."""
     _save(served / "c.pt", 6)
     script = Path(sys.executable).with_name("ckpt")
-    result = subprocess.run([str(script), "commit", "c.pt"], cwd=served, env=_env(), capture_output=True,
+    result = subprocess.run([str(script), "commit", "c.pt"], cwd=served, env=ckpt_env(), capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert _served_count(served) == 1
@@ -95,7 +89,7 @@ def test_ctrl_c_at_the_client_stops_the_commit_in_the_daemon_and_records_nothing
     _save(served / "c.pt", 3)
     gate = tmp_path / "gate"
     client = subprocess.Popen([sys.executable, "-m", "ckptstore", "commit", "c.pt"], cwd=served,
-                              env=_env(CKPT_WAIT_AT=f"commit:objects-written={gate}"),
+                              env=ckpt_env(CKPT_WAIT_AT=f"commit:objects-written={gate}"),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(Path(f"{gate}.reached"))
     client.send_signal(signal.SIGINT)
@@ -150,9 +144,9 @@ def test_status_and_stop_answer_during_a_commit_and_commands_queued_behind_run_i
         _save(served / f"{name}.pt", seed)
     gate = tmp_path / "gate"
     run = lambda *args, **env: subprocess.Popen([sys.executable, "-m", "ckptstore", *args], cwd=served,
-                                                env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                env=ckpt_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                 text=True)
-    control = lambda op: subprocess.run([sys.executable, "-m", "ckptstore", "daemon", op], cwd=served, env=_env(),
+    control = lambda op: subprocess.run([sys.executable, "-m", "ckptstore", "daemon", op], cwd=served, env=ckpt_env(),
                                         capture_output=True, text=True, timeout=30)
     held = run("commit", "a.pt", CKPT_WAIT_AT=f"commit:objects-written={gate}")
     _wait_for(Path(f"{gate}.reached"))
@@ -204,7 +198,7 @@ def test_two_starts_at_once_leave_one_daemon_and_stop_stops_it(tmp_path):
     root = tmp_path / "repo"
     Repository.init(root).close()
     starts = [subprocess.Popen([sys.executable, "-m", "ckptstore", "daemon", "start", "--idle", "60"], cwd=root,
-                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               env=ckpt_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for _ in range(2)]
     said = [start.communicate(timeout=120)[0] for start in starts]
     try:
@@ -232,7 +226,7 @@ def test_a_trust_pickle_commit_runs_in_its_client_with_the_clients_sys_path(serv
     """The classes it unpickles are the user's code: the daemon has neither their PYTHONPATH nor a fresh copy."""
     (tmp_path / "mods").mkdir()
     (tmp_path / "mods" / "mymod.py").write_text("class Box(dict):\n    pass\n")
-    env = dict(_env(), PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path / 'mods'}")
+    env = ckpt_env(PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path / 'mods'}")
     save = "import torch, mymod; torch.save({'w': torch.ones(3), 'box': mymod.Box(a=5)}, 'boxed.pt')"
     subprocess.run([sys.executable, "-c", save], cwd=served, env=env, check=True, timeout=120)
     before = _served_count(served)
@@ -263,7 +257,7 @@ def test_output_to_a_reader_that_went_away_is_dropped_and_the_commit_lands(serve
     os.close(read)  # the reader is gone before the first line
     with os.fdopen(write, "w") as closed:
         result = subprocess.run([sys.executable, "-m", "ckptstore", "commit", "piped.pt", "-m", "piped"], cwd=served,
-                                env=_env(), stdout=closed, stderr=subprocess.PIPE, text=True, timeout=120)
+                                env=ckpt_env(), stdout=closed, stderr=subprocess.PIPE, text=True, timeout=120)
     assert result.returncode == 141 and result.stderr == "", result.stderr  # SIGPIPE's status, as git's
     assert _served_count(served) == before + 1
     assert json.loads(ckpt_here(served, "log", "--json").stdout)[0]["message"] == "piped"
@@ -277,10 +271,10 @@ def test_a_full_or_closed_stdout_fails_as_without_a_daemon_and_repo_names_the_da
     before = _served_count(served)
     base = [sys.executable, "-m", "ckptstore", "--repo", str(served), "commit", "a.pt"]
     with open("/dev/full", "w") as full:
-        filled = subprocess.run([*base, "-m", "full"], cwd=elsewhere, env=_env(), stdout=full,
+        filled = subprocess.run([*base, "-m", "full"], cwd=elsewhere, env=ckpt_env(), stdout=full,
                                 stderr=subprocess.PIPE, text=True, timeout=120)
     _save(elsewhere / "a.pt", 9)
-    closed = subprocess.run(f"{' '.join(base)} -m closed >&-", shell=True, cwd=elsewhere, env=_env(),
+    closed = subprocess.run(f"{' '.join(base)} -m closed >&-", shell=True, cwd=elsewhere, env=ckpt_env(),
                             stderr=subprocess.PIPE, text=True, timeout=120)
     for result in (filled, closed):
         assert result.returncode == 1 and result.stderr.startswith("error: cannot write the output"), result.stderr
@@ -307,7 +301,7 @@ def test_output_the_clients_terminal_cannot_encode_comes_through_as_without_a_da
     """An ASCII stdout: the client decoded the daemon's UTF-8 and failed to write it (a traceback, exit 1)."""
     _save(served / "c.pt", 1)
     result = subprocess.run([sys.executable, "-m", "ckptstore", "commit", "c.pt", "-m", "früh"], cwd=served,
-                            env=_env(PYTHONIOENCODING="ascii"), capture_output=True, timeout=120)
+                            env=ckpt_env(PYTHONIOENCODING="ascii"), capture_output=True, timeout=120)
     assert result.returncode == 0 and "früh".encode() in result.stdout and not result.stderr, result.stderr
     assert _served_count(served) == 1
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ckptstore.errors import UnsupportedStateError
 from ckptstore.state import flatten, join_key, materialize, unflatten
-from tests.conftest import assert_same, machine_settings
+from tests.conftest import assert_same, ckpt_env, machine_settings
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.complex64]
@@ -307,10 +307,9 @@ def test_loading_onto_a_missing_device_is_a_clear_error(tmp_path):
 def test_the_cli_reports_a_too_deep_file_in_one_line(tmp_path):
     import subprocess
     import sys
-    from pathlib import Path
 
     torch.save(_nest(300, torch.arange(3)), tmp_path / "deep.pt")
-    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = ckpt_env()
     run = lambda *args: subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=tmp_path, env=env,
                                        capture_output=True, text=True, timeout=120)
     assert run("init").returncode == 0

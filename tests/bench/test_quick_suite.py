@@ -2,18 +2,19 @@
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.conftest import ckpt_env
 
 ROOT = Path(__file__).resolve().parents[2]
 NUMBER = re.compile(r"^[+-]?\d+(\.\d+)?(x|%)?$")
 
 
 def test_quick_suite_writes_complete_tables_and_plots(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    env = ckpt_env(HF_HUB_OFFLINE="1")
     result = subprocess.run([sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path)], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]

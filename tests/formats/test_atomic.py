@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ckptstore.formats.atomic import atomic_write, write_parts
+from tests.conftest import ckpt_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZE = 1 << 18
@@ -43,7 +44,7 @@ print(seen, bad)
 
 
 def _python(code, *args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = ckpt_env()
     return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

@@ -15,7 +15,7 @@ from ckptstore.errors import CheckpointFormatError
 from ckptstore.formats import CheckpointFile
 from ckptstore.formats.folder import folder_files
 from ckptstore.repo.manifest import Manifest
-from tests.test_cli import ROOT
+from tests.conftest import ROOT, ckpt_env
 
 
 def _folder(tmp_path):
@@ -192,5 +192,5 @@ def test_a_folder_of_more_files_than_the_open_file_limit_commits(tmp_path, kind)
         for i in range(150):
             (run / f"f{i:03d}.bin").write_bytes(bytes([i]) * 5000)
     done = subprocess.run([sys.executable, "-c", FEW_DESCRIPTORS, str(tmp_path), kind], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          text=True, timeout=120, cwd=ROOT, env=ckpt_env())
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr

@@ -8,7 +8,6 @@ import sys
 import textwrap
 import zipfile
 from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from ckptstore import formats
 from ckptstore.errors import CheckpointFormatError, UnsupportedStateError
 from ckptstore.formats import torchfile, torchzip
 from ckptstore.state import TORCH_ITEMSIZE, RawTensor, flatten
-from tests.conftest import Trainer
+from tests.conftest import Trainer, ckpt_env
 
 DTYPES = [torch.float32, torch.float16, torch.float64, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
@@ -220,7 +219,7 @@ def test_formats_reads_without_torch_in_a_fresh_process(tmp_path):
         digest = {{p: hashlib.sha256(r.data.tobytes()).hexdigest() for p, r in cp.tensors.items()}}
         print(json.dumps({{"torch": "torch" in sys.modules, "skeleton": cp.files[0].skeleton, "digest": digest}}))
     """)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = ckpt_env()
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
     result = json.loads(out.stdout)
     assert result["torch"] is False

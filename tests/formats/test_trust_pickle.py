@@ -12,6 +12,7 @@ import torch
 
 from ckptstore import formats
 from ckptstore.errors import PickledObjectsError, UnsupportedStateError
+from tests.conftest import ckpt_env
 from tests.formats.test_formats import make_trainer_folder
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -33,7 +34,7 @@ def save_object_of_a_missing_class(tmp_path, dest):
 def test_a_trusted_folder_keeps_a_file_of_a_missing_class_as_bytes(tmp_path):
     folder = make_trainer_folder(tmp_path / "checkpoint-10")
     save_object_of_a_missing_class(tmp_path, folder / "training_args.bin")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = ckpt_env()
     run = lambda *args: subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=tmp_path, env=env,
                                        capture_output=True, text=True, timeout=120)
     assert run("init").returncode == 0

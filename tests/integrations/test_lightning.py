@@ -23,6 +23,7 @@ from ckptstore.errors import BackgroundCommitError, CkptError  # noqa: E402
 from ckptstore.integrations.lightning import CkptstoreCheckpointIO, read_marker, ref_for_path  # noqa: E402
 from ckptstore.repo import Repository, gc  # noqa: E402
 from ckptstore.repo.refs import check_name  # noqa: E402
+from tests.conftest import ckpt_env  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 BATCHES = 4  # training batches per epoch, so global_step = 4 * epochs
@@ -390,9 +391,8 @@ def test_a_save_outside_fit_gets_its_tag_and_marker_when_the_process_ends(tmp_pa
     import subprocess
 
     Repository.init(tmp_path / "store").close()
-    root = str(Path(__file__).resolve().parents[2])
     done = subprocess.run([sys.executable, "-c", SAVE_AND_EXIT, str(tmp_path / "store"), str(tmp_path / "final.ckpt")],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+                          capture_output=True, text=True, timeout=120, env=ckpt_env())
     assert done.returncode == 0, done.stderr
     marker = read_marker(tmp_path / "final.ckpt")
     assert marker is not None and marker["ref"] == "lightning/final"

@@ -1,6 +1,5 @@
 """The metadata on a real PostgreSQL server: migrations, write serialization, snapshots, retries, errors."""
 
-import os
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ from ckptstore.metadata.migrate import downgrade, make_engine, upgrade
 from ckptstore.metadata.postgres import TABLES, describe, to_psycopg
 from ckptstore.repo import fsck
 from ckptstore.testing.postgres_server import PASSWORD, PASSWORD_USER
-from tests.conftest import assert_same
+from tests.conftest import assert_same, ckpt_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,7 +70,7 @@ print(db.revision(), flush=True)
 
 
 def test_processes_opening_an_empty_database_at_once_create_the_schema_once(postgres_url):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = ckpt_env()
     openers = [subprocess.Popen([sys.executable, "-c", OPEN_SCRIPT, postgres_url], env=env, text=True,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                for _ in range(4)]

@@ -24,7 +24,7 @@ from ckptstore import Repository
 from ckptstore.errors import BackgroundCommitError, CkptError, ConflictError, DiskFullError
 from ckptstore.repo import fsck
 from ckptstore.repo.background import BackgroundCommitWarning
-from tests.conftest import Trainer, assert_same
+from tests.conftest import Trainer, assert_same, ckpt_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -189,7 +189,7 @@ def test_a_commit_that_fails_as_the_process_ends_is_said_as_an_error(tmp_path):
     """Not as a warning that the next commit call raises it: there is none."""
     Repository.init(tmp_path).close()
     ended = subprocess.run([sys.executable, "-c", FAILING_AT_EXIT, str(tmp_path)], cwd=ROOT, capture_output=True,
-                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                           text=True, timeout=120, env=ckpt_env())
     assert ended.stdout == "training done\n" and ended.returncode == 0  # set before exit hooks run: left as it is
     assert ended.stderr.startswith("error: the background commit at step 100 failed and the process ended without "
                                    "it: a file reached the largest size allowed here"), ended.stderr
@@ -299,7 +299,7 @@ def _no_child_outlives_its_test():
 
 def _child(root: Path, steps: int, mode: str, env: dict | None = None) -> subprocess.Popen:
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(root), str(steps), mode], cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, stdout=subprocess.PIPE)
+                             env=ckpt_env(**(env or {})), stdout=subprocess.PIPE)
     SPAWNED.append(child)
     return child
 

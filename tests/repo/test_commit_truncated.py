@@ -18,14 +18,14 @@ from safetensors.torch import save_file
 
 from ckptstore import Repository
 from ckptstore.repo import fsck
+from tests.conftest import ckpt_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 
 def _ckpt(cwd: Path, *args: str, **env: str) -> subprocess.Popen:
-    environ = dict(os.environ, PYTHONPATH=str(ROOT), **env)
-    environ.pop("CKPT_REPO", None)
+    environ = ckpt_env(**env)
     return subprocess.Popen([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=environ, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

@@ -35,7 +35,7 @@ from ckptstore import Repository
 from ckptstore.errors import CkptError
 from ckptstore.repo import fsck, remote
 from ckptstore.repo.config import RepoConfig
-from tests.conftest import BACKENDS, assert_same, ckpt_here, same
+from tests.conftest import BACKENDS, assert_same, ckpt_env, ckpt_here, same
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG = os.environ.get("CKPT_HYPOTHESIS_PROFILE") == "long"
@@ -65,8 +65,7 @@ def _state(seed: int, base: dict | None = None) -> dict:
 
 
 def _ckpt(cwd: Path, args: list[str], env: dict | None = None) -> subprocess.Popen:
-    full = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
-    full.pop("CKPT_REPO", None)
+    full = ckpt_env(**(env or {}))
     return subprocess.Popen([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=full,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -8,7 +8,6 @@ Metadata on PostgreSQL (outside the folder) and objects on S3 must tolerate the 
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -21,15 +20,14 @@ import torch
 from ckptstore import Repository
 from ckptstore.errors import RepoNotFoundError
 from ckptstore.repo import fsck
-from tests.conftest import assert_same, ckpt_here
+from tests.conftest import assert_same, ckpt_env, ckpt_here
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["init:folder-made", "init:config-written", "init:metadata-made", "init:renamed"]
 
 
 def _ckpt(cwd: Path, *args: str, crash_at: str = "") -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **({"CKPT_CRASH_AT": crash_at} if crash_at else {}))
-    env.pop("CKPT_REPO", None)
+    env = ckpt_env(**({"CKPT_CRASH_AT": crash_at} if crash_at else {}))
     return subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 

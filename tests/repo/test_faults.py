@@ -1,11 +1,9 @@
 """Bad input and faults: each gives a clear error and loses nothing."""
 
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ from ckptstore.errors import (
     RefNotFoundError,
 )
 from ckptstore.repo import fsck, gc
-from tests.conftest import Trainer, assert_same
+from tests.conftest import Trainer, assert_same, ckpt_env
 
 pytestmark = pytest.mark.both_backends
 
@@ -191,7 +189,7 @@ except ConflictError as exc:
 
 
 def _python(*args, **kwargs):
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env = ckpt_env()
     return subprocess.Popen([sys.executable, "-c", COMMIT_SCRIPT, *args], env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, **kwargs)
 

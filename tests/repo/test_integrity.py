@@ -4,7 +4,6 @@ import contextlib
 import copy
 import dataclasses
 import json
-import os
 import sqlite3
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from ckptstore import Repository
 from ckptstore.errors import CkptError, CorruptRecordError
 from ckptstore.hashing import commit_id
 from ckptstore.repo import fsck, gc
-from tests.conftest import assert_same, ckpt_here, wait_until_held
+from tests.conftest import assert_same, ckpt_env, ckpt_here, wait_until_held
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.both_backends
@@ -214,8 +213,7 @@ def test_the_cli_names_the_tensor_and_fails(tmp_path, metadata_url):
     with Repository.init(tmp_path, metadata_url=metadata_url) as repo:
         cid = repo.commit(tmp_path / "c.pt")
         _sql(repo, "DELETE FROM tensor_chunks")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("CKPT_REPO", None)
+    env = ckpt_env()
     run = lambda *args: subprocess.run([sys.executable, "-m", "ckptstore", *args], cwd=tmp_path, env=env,
                                        capture_output=True, text=True, timeout=120)
     out = run("checkout", "HEAD", "-o", "out.pt")
@@ -359,8 +357,7 @@ def test_fsck_reports_no_damage_a_gc_made_by_removing_commits_while_it_ran(tmp_p
         repo.commit(tmp_path / "c.pt")
         repo.commit(tmp_path / "side.pt", branch="side")
     gate = tmp_path / "gate"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("CKPT_REPO", None)
+    env = ckpt_env()
     checking = subprocess.Popen([sys.executable, "-m", "ckptstore", "fsck", "--full"], cwd=tmp_path,
                                 env={**env, "CKPT_WAIT_AT": f"checkout:records-read={gate}"}, stdout=subprocess.PIPE,
                                 text=True)

@@ -38,7 +38,7 @@ from ckptstore.repo import fsck, remote
 from ckptstore.repo.config import RepoConfig, RetentionPolicy
 from ckptstore.repo.pruning import prune
 from ckptstore.repo.retention import History, doomed
-from tests.conftest import Trainer, assert_same, ckpt_here, wait_until_held
+from tests.conftest import Trainer, assert_same, ckpt_env, ckpt_here, wait_until_held
 
 ROOT = Path(__file__).resolve().parents[2]
 KILLS = int(os.environ.get("CKPT_PRUNE_KILLS") or 2)
@@ -322,7 +322,7 @@ def test_a_checkout_that_read_its_records_before_a_prune_still_restores_bit_exac
         cids = _train(repo, commits=4)
         want = repo.checkout(cids[-1])
     release = tmp_path / "release"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_WAIT_AT=f"checkout:records-read={release}")
+    env = ckpt_env(CKPT_WAIT_AT=f"checkout:records-read={release}")
     reading = subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", cids[-1], "-o", "tip.pt"],
                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -343,7 +343,7 @@ def test_a_checkout_of_a_commit_removed_while_it_runs_says_so_not_damage(tmp_pat
             cids = [repo.commit(Trainer(seed=9).state(), branch="side")]
             repo.delete_branch("side")
     release = tmp_path / "release"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_WAIT_AT=f"checkout:records-read={release}")
+    env = ckpt_env(CKPT_WAIT_AT=f"checkout:records-read={release}")
     reading = subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", cids[0], "-o", "old.pt"],
                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -373,8 +373,7 @@ def test_a_pruned_history_pushes_and_clones(tmp_path):
 
 # ---------------------------------------------------------------------- SIGKILL campaign
 def _prune_process(trial: Path, env: dict | None = None) -> subprocess.Popen:
-    full = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
-    full.pop("CKPT_REPO", None)
+    full = ckpt_env(**(env or {}))
     return subprocess.Popen([sys.executable, "-m", "ckptstore", "prune", "--keep-last", "2", "--keep-every", "3"],
                             cwd=trial, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -532,7 +531,7 @@ def test_a_full_disk_in_the_policy_prune_after_a_commit_says_the_commit_was_reco
     weight[:100] += 1.0
     torch.save({"w": weight}, tmp_path / "state.pt")
     ended = subprocess.run([sys.executable, "-c", POLICY_PRUNE_ON_A_FULL_DISK], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+                           text=True, timeout=120, env=ckpt_env())
     assert ended.returncode == 1 and "Traceback" not in ended.stderr
     assert ended.stderr.startswith("error: commit ") and ("was recorded, but the [retention] policy's prune after "
                                                           "it failed: a file reached the largest size") in ended.stderr

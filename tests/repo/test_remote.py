@@ -1,7 +1,6 @@
 """Remotes between repositories on this disk: push, fetch, pull, clone (lazy too), races and interruptions."""
 
 import contextlib
-import os
 import shutil
 import sqlite3
 import subprocess
@@ -13,8 +12,7 @@ import torch
 from ckptstore import Repository
 from ckptstore.errors import CkptError, ConflictError, CorruptObjectError, InvalidRefNameError, RefNotFoundError
 from ckptstore.repo import fsck, remote
-from tests.conftest import assert_same, ckpt_here, received_lie, unchecked, wait_until_held
-from tests.test_cli import ROOT
+from tests.conftest import assert_same, ckpt_env, ckpt_here, received_lie, unchecked, wait_until_held
 
 
 def _state(seed: int) -> dict:
@@ -173,7 +171,7 @@ def test_wrong_bytes_from_a_remote_are_refused_with_the_object_named(pair, tmp_p
 @pytest.mark.parametrize("point", ["transfer:object-sent@2", "transfer:objects-sent", "transfer:records-sent"])
 def test_an_interrupted_push_leaves_the_remote_consistent_and_resumes(pair, point):
     work, hub_path, cids = pair
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_CRASH_AT=point)
+    env = ckpt_env(CKPT_CRASH_AT=point)
     work.close()
     killed = subprocess.run([sys.executable, "-m", "ckptstore", "push"], cwd=work.root, env=env, capture_output=True,
                             text=True, timeout=120)
@@ -243,13 +241,13 @@ def test_a_gc_while_a_fetch_runs_keeps_what_was_fetched(pair, tmp_path):
     with Repository.open(hub_path) as hub:
         newer = hub.commit(_state(5), message="newer")
     release = tmp_path / "release"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_WAIT_AT=f"fetch:tracking={release}")
+    env = ckpt_env(CKPT_WAIT_AT=f"fetch:tracking={release}")
     fetching = subprocess.Popen([sys.executable, "-m", "ckptstore", "fetch"], cwd=tmp_path / "copy", env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until_held(release, fetching)
         collecting = subprocess.Popen([sys.executable, "-m", "ckptstore", "gc", "--prune"], cwd=tmp_path / "copy",
-                                      env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                                      env=ckpt_env(), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True)
         with pytest.raises(subprocess.TimeoutExpired):  # the fetched commit is not yet tracked: gc must wait
             collecting.wait(timeout=3)
@@ -267,13 +265,13 @@ def test_a_prune_while_a_push_runs_waits_and_the_push_sends_whole_commits(pair, 
     work, hub_path, cids = pair
     newest = work.commit(_state(2), message="c2")
     release = tmp_path / "release"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_WAIT_AT=f"transfer:object-sent={release}")
+    env = ckpt_env(CKPT_WAIT_AT=f"transfer:object-sent={release}")
     pushing = subprocess.Popen([sys.executable, "-m", "ckptstore", "push", "origin", "main"], cwd=work.root, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until_held(release, pushing)
         pruning = subprocess.Popen([sys.executable, "-m", "ckptstore", "prune", "--keep-last", "1"], cwd=work.root,
-                                   env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                                   env=ckpt_env(), stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
         with pytest.raises(subprocess.TimeoutExpired):  # the push holds the repository: the prune must wait
             pruning.wait(timeout=3)
@@ -535,7 +533,7 @@ def test_a_bucket_remote_names_its_metadata_as_the_shell_means_it(tmp_path, s3_u
     assert ckpt_here(work, "init").returncode == 0 and ckpt_here(work, "commit", "../c.pt").returncode == 0
     added = ckpt_here(tmp_path, "--repo", str(work), "remote", "add", "hub", s3_url, "--metadata", "sqlite:///hub.db")
     assert added.returncode == 0, added.stderr
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_CRASH_AT="transfer:objects-sent")
+    env = ckpt_env(CKPT_CRASH_AT="transfer:objects-sent")
     killed = subprocess.run([sys.executable, "-m", "ckptstore", "push", "hub"], cwd=work, env=env, timeout=120)
     assert killed.returncode == -9  # its objects are up, no commit recorded: the next push must still go
     again = ckpt_here(work, "push", "hub")
@@ -569,7 +567,7 @@ def test_a_damaged_commit_record_does_not_travel(pair, tmp_path):
 def test_an_interrupted_clone_resumes_only_as_the_kind_it_began(pair, tmp_path):
     """A lazy clone killed midway, rerun without --lazy, said 'Cloned' and stayed lazy (and the reverse)."""
     work, _, cids = pair
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_CRASH_AT="transfer:records-sent")
+    env = ckpt_env(CKPT_CRASH_AT="transfer:records-sent")
     killed = subprocess.run([sys.executable, "-m", "ckptstore", "clone", "--lazy", str(work.root), "copy"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert killed.returncode == -9
@@ -615,7 +613,7 @@ def test_a_pull_killed_before_it_wrote_its_files_is_ended_by_the_next_pull(tmp_p
             copy.checkout_to("main")
         torch.save(_state(1), tmp_path / "work" / "c.pt")
         work.commit(tmp_path / "work" / "c.pt")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CKPT_CRASH_AT="checkout:records-read")
+    env = ckpt_env(CKPT_CRASH_AT="checkout:records-read")
     for settled_by_hand in (False, True):
         if settled_by_hand:  # killed again, then the user checks out and edits: the rerun must not undo either
             with Repository.open(tmp_path / "work") as work:

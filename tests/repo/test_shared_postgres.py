@@ -4,7 +4,6 @@ Every command here is a real `ckpt` process, as on separate machines.
 """
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from ckptstore import Repository
 from ckptstore.metadata.postgres import REPO_LOCK, WRITE_LOCK
 from ckptstore.repo import fsck
 from ckptstore.testing.postgres_server import PASSWORD_USER, PostgresServer
-from tests.conftest import assert_same, ckpt_here
+from tests.conftest import assert_same, ckpt_env, ckpt_here
 from tests.test_cli_errors import one_error_line
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,8 +26,7 @@ def ckpt(cwd: Path, *args: str, wait: bool = True):
     """`ckpt ARGS` on one machine: a process of its own when it must run beside others (wait=False), else here."""
     if wait:
         return ckpt_here(cwd, *args)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("CKPT_REPO", None)
+    env = ckpt_env()
     return subprocess.Popen([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -59,7 +57,7 @@ def test_two_machines_commit_to_two_branches_at_once_and_every_commit_is_there(p
     for folder, branch in ((first, "run-a"), (second, "run-b")):
         for i in range(3):
             states[(branch, i)] = save(folder, f"{branch}-{i}.pt", hash((branch, i)) % 1000)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = ckpt_env()
     script = " && ".join(f"{sys.executable} -m ckptstore commit {{b}}-{i}.pt --branch {{b}} -m {{b}}-{i}"
                          for i in range(3))
     runs = [subprocess.Popen(["bash", "-c", script.format(b=branch)], cwd=folder, env=env, stdout=subprocess.PIPE,

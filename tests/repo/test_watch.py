@@ -20,7 +20,7 @@ from ckptstore.formats.torchfile import numpy_safe_globals
 from ckptstore.repo import watch as watch_module
 from ckptstore.repo.watch import WatchOptions, file_incomplete, step_of
 from ckptstore.repo.watch import watch_folder as watch
-from tests.conftest import Trainer, assert_same
+from tests.conftest import Trainer, assert_same, ckpt_env
 
 ONCE = WatchOptions(interval=0.05, once=True)
 
@@ -69,7 +69,7 @@ def test_half_written_checkpoints_wait_and_are_committed_once_complete(repo, tmp
 
 
 def _cli_env(repo, **extra):
-    return dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), CKPT_REPO=str(repo.root), **extra)
+    return ckpt_env(CKPT_REPO=str(repo.root), **extra)
 
 
 def test_restart_commits_nothing_twice_even_after_a_kill_between_commit_and_record(repo, tmp_path):

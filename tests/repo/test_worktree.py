@@ -22,7 +22,7 @@ from ckptstore import Repository
 from ckptstore.cli import cli
 from ckptstore.errors import CheckpointFormatError, CkptError, DirtyWorktreeError
 from ckptstore.repo.config import RepoConfig
-from tests.conftest import assert_same, ckpt_here, machine_settings
+from tests.conftest import assert_same, ckpt_env, ckpt_here, machine_settings
 from tests.formats.test_formats import make_trainer_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,8 +36,7 @@ def _files(folder):
 
 
 def _ckpt(cwd, *args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("CKPT_REPO", None)
+    env = ckpt_env()
     return subprocess.Popen([sys.executable, "-m", "ckptstore", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -471,7 +470,7 @@ def _at_first_commit(tmp_path, folder, first):
 def test_a_folder_checkout_killed_among_its_renames_is_finished_by_the_next_command(tmp_path):
     folder, first = _two_folder_commits(tmp_path)
     killed = subprocess.run([sys.executable, "-m", "ckptstore", "checkout", first[:12]], cwd=tmp_path,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT), CKPT_CRASH_AT="checkout:renamed"),
+                            env=ckpt_env(CKPT_CRASH_AT="checkout:renamed"),
                             capture_output=True, text=True, timeout=120)
     assert killed.returncode == -9, killed.stderr
     assert sorted(_values(folder).values()) == [1.0, 12.0, 13.0]  # one file of the first commit, two of the second
@@ -484,7 +483,7 @@ def test_a_folder_checkout_interrupted_among_its_renames_finishes_them_and_moves
     folder, first = _two_folder_commits(tmp_path)
     release = tmp_path / "release"
     checkout = subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", first[:12]], cwd=tmp_path,
-                                env=dict(os.environ, PYTHONPATH=str(ROOT), CKPT_WAIT_AT=f"checkout:renamed={release}"),
+                                env=ckpt_env(CKPT_WAIT_AT=f"checkout:renamed={release}"),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_until_held(release, checkout)
     checkout.send_signal(signal.SIGINT)
