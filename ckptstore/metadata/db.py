@@ -259,19 +259,26 @@ class Database:
             with contextlib.suppress(*self.backend.errors):
                 connection.close()  # ending the session releases the lock
 
-    def _confirm_locks(self) -> None:
-        """Before a write commits: every repository lock this process took is still held.
+    def confirm_locks(self, deleting: bool = False) -> None:
+        """Every repository lock this process took is still held: before a write commits, and before gc deletes.
 
         A session cut while idle (the server restarted, an operator or a timeout ended it) lets a gc
         on another machine delete what this command wrote; its record must then not be written.
+        A gc whose lock went may be deleting an object that a commit elsewhere has just found
+        present and will not upload again (`deleting`): it must stop.
         """
         for connection in list(self._lock_sessions):
             try:
                 connection.execute("SELECT 1")
             except self.backend.errors as exc:
-                raise CkptError(f"lost the repository lock on {self.where} while this command ran (its session "
-                                f"ended: {' '.join(str(exc).split())[:160]}); a gc elsewhere may have removed what "
-                                "it wrote, so nothing was recorded: run the command again") from None
+                ended = f"its session ended: {' '.join(str(exc).split())[:160]}"
+                if deleting:
+                    raise CkptError(f"lost the repository lock on {self.where} while deleting unreachable objects "
+                                    f"({ended}); deleting stopped, so no commit made elsewhere meanwhile loses an "
+                                    "object: run the command again to finish") from None
+                raise CkptError(f"lost the repository lock on {self.where} while this command ran ({ended}); a gc "
+                                "elsewhere may have removed what it wrote, so nothing was recorded: run the command "
+                                "again") from None
 
     @contextlib.contextmanager
     def _transaction(self, write: bool) -> Iterator[Tx]:
@@ -325,7 +332,7 @@ class Database:
         try:
             with self._transaction(write=True) as tx:
                 yield tx
-                self._confirm_locks()
+                self.confirm_locks()
         finally:
             self._writing.active = False
 

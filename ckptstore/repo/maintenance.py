@@ -87,6 +87,7 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
     for oid, size in stored.items():
         if oid not in live_objects and oid not in findings.unreadable_manifests:
             report.bytes_removed += size
+            repo.db.confirm_locks(deleting=True)  # one query on a shared database; nothing on a local one
             repo.store.delete(oid)
             faults.point("gc:object-deleted")
             report.objects_removed += 1

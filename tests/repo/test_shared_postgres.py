@@ -232,6 +232,44 @@ def test_a_commit_whose_lock_session_was_cut_records_nothing(postgres_server, po
         assert fsck(repo).ok
 
 
+def test_a_gc_whose_lock_session_was_cut_stops_deleting_before_a_commit_elsewhere_loses_an_object(
+        postgres_server, postgres_url, tmp_path, monkeypatch):
+    """gc went on deleting after a server restart ended its lock: a second machine's commit of the same bytes,
+    made in between, found the objects present, uploaded nothing, and was left broken (auditor, high)."""
+    import pytest
+
+    from ckptstore import faults
+    from ckptstore.errors import CkptError
+    from ckptstore.repo.maintenance import gc
+
+    objects = f"file://{tmp_path / 'objects'}"
+    state = {"w": torch.randn(50_000, generator=torch.Generator().manual_seed(1))}
+    with Repository.init(tmp_path / "a", objects_url=objects, metadata_url=postgres_url) as repo:
+        kept = repo.commit({"w": torch.zeros(100)})
+        repo.branch("x")
+        repo.commit(state, branch="x")
+        repo.delete_branch("x")  # its objects are garbage now
+        passing, made = faults.point, {}
+
+        def cut_then_commit_elsewhere(name):
+            if name == "gc:db-committed":
+                postgres_server.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                                        f"AND objid = {REPO_LOCK} AND granted")
+                with Repository.init(tmp_path / "b", objects_url=objects, metadata_url=postgres_url) as other:
+                    other.branch("y", kept)
+                    made["y"] = other.commit(state, branch="y")
+            passing(name)
+
+        monkeypatch.setattr(faults, "point", cut_then_commit_elsewhere)
+        with pytest.raises(CkptError, match="lost the repository lock .* deleting stopped"):
+            gc(repo, prune_unreachable=True)
+        monkeypatch.setattr(faults, "point", passing)
+    with Repository.open(tmp_path / "b") as other:
+        assert_same(state, other.checkout(made["y"]))
+        gc(other, prune_unreachable=True)  # run again: it finishes, and takes nothing y needs
+        assert_same(state, other.checkout("y")) and fsck(other).ok
+
+
 def test_a_stopped_server_is_one_clear_line_and_the_command_works_once_it_is_back(tmp_path):
     with PostgresServer() as server:
         url = server.new_database()
