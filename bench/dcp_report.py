@@ -40,6 +40,8 @@ def _async_table(result: dict[str, Any]) -> list[str]:
     lines = ["| run | method | async_save blocking s (each) | vs fsw | until done s (each) |", "|---|---|---|---|---|"]
     for run in ("finetune", "scratch"):
         pairs = result["runs"][run]["async"]
+        if not pairs["fsw"]:  # fewer checkpoints than the first of ASYNC_AT: nothing measured
+            continue
         base = statistics.median(b for b, _ in pairs["fsw"])
         for method, rows in pairs.items():
             blocked = statistics.median(b for b, _ in rows)
