@@ -10,8 +10,9 @@ the page cache flushed of dirty data before each (every method fsyncs):
 - fsw: `FileSystemWriter(dir)`, DCP's default; fsw+zstd: the same with its ZStandard extension.
 Measured: stored bytes, `dcp.save` wall time, `dcp.async_save` blocking time (the call's return;
 its own process group), and load time at the same world size (4 ranks) and at 2 and 1 (separate
-launches that also load the 4-rank saves). Rank scaling: the fine-tune's last two states, loaded
-at 1, 2 and 4 ranks, committed to a fresh repository each: seconds per commit, bytes per rank.
+launches that also load the 4-rank saves; the median of three loads each, in rotated order).
+Rank scaling: the fine-tune's last two states, loaded at 1, 2 and 4 ranks, committed to a fresh
+repository each: seconds per commit, bytes per rank.
 
     python -m bench.dcp [--checkpoints 8] [--every 3] [--lossy balanced] [--json FILE] [--work DIR]
 """
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +34,7 @@ from typing import Any
 RUNS = {"finetune": 2e-5, "scratch": 5e-4}  # AdamW learning rate per run
 WIDTH, BLOCKS, BATCH = 2048, 12, 16
 ASYNC_AT = (3, 6)  # checkpoints where async_save's blocking time is measured too
+LOAD_ROUNDS = 3  # loads of each method, in rotated order; the median is reported
 SCALING = (4, 2, 1)
 
 
@@ -191,10 +194,13 @@ def _loads(work: Path, run: str, mesh: Any, last: int) -> dict[str, Any]:
     readers = [("ckptstore", lambda: CkptStorageReader(work / run / "repo", "main")),
                ("fsw", lambda: dcp.FileSystemReader(work / run / "fsw" / str(last))),
                ("fsw+zstd", lambda: dcp.FileSystemReader(work / run / "zstd" / str(last)))]
-    seconds, loaded = {}, {}
-    for method, make in readers:
-        seconds[method] = _timed(dcp.load, template, storage_reader=make())
-        loaded[method] = {k: v.to_local().clone() for k, v in _tensors(template)}
+    times: dict[str, list[float]] = {method: [] for method, _ in readers}
+    loaded = {}
+    for turn in range(LOAD_ROUNDS):  # one load each is 0.3-0.8 s here: a single one moved ratios by a third
+        for method, make in readers[turn % len(readers):] + readers[:turn % len(readers)]:
+            times[method].append(_timed(dcp.load, template, storage_reader=make()))
+            loaded[method] = {k: v.to_local().clone() for k, v in _tensors(template)}
+    seconds = {method: statistics.median(t) for method, t in times.items()}
     same = all(torch.equal(loaded["ckptstore"][k].view(torch.uint8), v.view(torch.uint8))
                for k, v in loaded["fsw"].items())
     flag = torch.tensor([0 if same else 1])
