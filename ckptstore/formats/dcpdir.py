@@ -31,10 +31,17 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from ckptstore.errors import CheckpointFormatError, CorruptRecordError, PickledObjectsError, listing, warn_caller
+from ckptstore.errors import (
+    CheckpointFormatError,
+    CorruptRecordError,
+    PickledObjectsError,
+    UnsupportedStateError,
+    listing,
+    warn_caller,
+)
 from ckptstore.formats import dcpmeta, filemap
 from ckptstore.formats.atomic import atomic_write
-from ckptstore.state import RawTensor, materialize, raw_from_bytes, raw_from_torch, unflatten
+from ckptstore.state import RawTensor, flatten, materialize, raw_from_bytes, raw_from_torch, unflatten
 
 METADATA = dcpmeta.METADATA_FILE
 DATA_FILE = "__0_0.distcp"  # checkout writes every item into one file (FileSystemWriter's name for rank 0)
@@ -289,25 +296,46 @@ def item_pickle(fqn: str, data: bytes, trust_pickle: bool = False) -> bytes:
     again, so whatever later unpickles it in full runs no code of the stored bytes' choosing; what
     that refuses is refused here, unless `trust_pickle` hands the stored pickle over as it is.
     """
-    if data.startswith(dcpmeta.SKELETON_MAGIC):
-        value = _from_skeleton(fqn, data[len(dcpmeta.SKELETON_MAGIC):])
-    elif trust_pickle:
+    if trust_pickle and not data.startswith(dcpmeta.SKELETON_MAGIC):
         return data
-    else:
-        try:  # DCP saves a BytesIO value by pickling the BytesIO: rebuilding one runs no code of the file's choosing
-            with torch.serialization.safe_globals([io.BytesIO]):
-                value = torch.load(io.BytesIO(data), weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
-            problem = _not_a_torch_save(data)
-            if problem:  # not a trust question: the bytes are no torch.save archive at all
-                raise CorruptRecordError(f"bytes item {fqn}", f"it is not a torch.save archive ({problem})") from None
-            raise PickledObjectsError(f"{fqn}: this non-tensor item holds objects beyond plain data and tensors "
-                                      f"({str(exc).splitlines()[0][:200]}); DCP would unpickle them in full. Load "
-                                      "it with CkptStorageReader(..., trust_pickle=True), and only from repositories "
-                                      "you trust") from None
     out = io.BytesIO()
-    torch.save(value, out)
+    torch.save(item_value(fqn, data), out)
     return out.getvalue()
+
+
+def item_value(fqn: str, data: bytes) -> Any:
+    """A stored bytes item's value: its JSON skeleton read, or DCP's pickle through torch's restricted unpickler."""
+    if data.startswith(dcpmeta.SKELETON_MAGIC):
+        return _from_skeleton(fqn, data[len(dcpmeta.SKELETON_MAGIC):])
+    try:  # DCP saves a BytesIO value by pickling the BytesIO: rebuilding one runs no code of the file's choosing
+        with torch.serialization.safe_globals([io.BytesIO]):
+            return torch.load(io.BytesIO(data), weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+        problem = _not_a_torch_save(data)
+        if problem:  # not a trust question: the bytes are no torch.save archive at all
+            raise CorruptRecordError(f"bytes item {fqn}", f"it is not a torch.save archive ({problem})") from None
+        raise PickledObjectsError(f"{fqn}: this non-tensor item holds objects beyond plain data and tensors "
+                                  f"({str(exc).splitlines()[0][:200]}); DCP would unpickle them in full. Load "
+                                  "it with CkptStorageReader(..., trust_pickle=True), and only from repositories "
+                                  "you trust") from None
+
+
+def same_items(fqn: str, old: bytes, new: bytes) -> bool:
+    """Whether two stored bytes items hold one plain value (one as a JSON skeleton, one as DCP's pickle, say)."""
+    try:
+        old_text, new_text = _plain_text(item_value(fqn, old)), _plain_text(item_value(fqn, new))
+    except (CorruptRecordError, PickledObjectsError):
+        return False
+    return old_text is not None and old_text == new_text
+
+
+def _plain_text(value: Any) -> str | None:
+    """A plain value's skeleton as JSON text; None for one that holds tensors or types the skeleton cannot."""
+    try:
+        flat = flatten(value)
+    except UnsupportedStateError:
+        return None
+    return None if flat.tensors else json.dumps(flat.skeleton, allow_nan=True)
 
 
 def _from_skeleton(fqn: str, text: bytes) -> Any:

@@ -263,3 +263,22 @@ def test_only_the_files_a_dcp_directory_names_must_hold_still_while_it_is_commit
     monkeypatch.setattr(dcpdir, "read", the_job_logs_meanwhile)
     with Repository.init(tmp_path / "repo") as repo, pytest.warns(RuntimeWarning, match="train.log not stored"):
         assert repo.commit(tmp_path / "run")  # the log is no part of it
+
+
+def test_diff_compares_non_tensor_items_by_value_not_by_how_they_are_stored(tmp_path):
+    """A DCP directory keeps DCP's pickles, CkptStorageWriter stores plain JSON: the same values showed as changed."""
+    from ckptstore.dcp import CkptStorageWriter
+    from ckptstore.repo.diff import diff
+
+    state = {"a": torch.arange(20.0).reshape(4, 5), "step": 7, "cfg": {"lr": 0.1, "name": "x"}}
+    repo = Repository.init(tmp_path / "repo")
+    dcp.save(state, storage_writer=CkptStorageWriter(repo), no_dist=True)
+    dcp.save(state, checkpoint_id=tmp_path / "fs", no_dist=True)
+    repo.commit(tmp_path / "fs")
+    shown = {d.path: d.status for d in diff(repo, "HEAD~1", "HEAD")}
+    assert set(shown.values()) == {"unchanged"} and len(shown) == 4, shown
+    dcp.save({**state, "step": 8}, checkpoint_id=tmp_path / "fs", no_dist=True)
+    repo.commit(tmp_path / "fs")
+    changed = {d.path: d.status for d in diff(repo, "HEAD~2", "HEAD")}
+    assert [p for p, status in changed.items() if status != "unchanged"] == ["step/%bytes"], changed
+    repo.close()
