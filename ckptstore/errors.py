@@ -78,8 +78,8 @@ class SentObjectError(CorruptObjectError):
                          "recorded on the remote. Run `ckpt fsck` here to see what it damages",)
         else:
             self.args = (f"the repository at {sender} holds a damaged object ({object_id}: {problem}); nothing of "
-                         "it was recorded here. Check that repository: `ckpt fsck` there, or `ckpt fsck --remote "
-                         "NAME` from here",)
+                         "it was recorded here. Check that repository: `ckpt fsck` in it, or `ckpt fsck --remote "
+                         "NAME` from a repository that has it as a remote",)
 
 
 class RefNotFoundError(CkptError):

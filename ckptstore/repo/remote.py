@@ -154,6 +154,12 @@ def open_remote(remote: RemoteConfig, name: str = "", create: bool = False) -> R
                         "(`ckpt push` to a new remote starts one there)") from None
 
 
+def _named(repo: Repository) -> str:
+    """How a message names a repository: a bucket's by its URLs (its folder is only a local cache), else its folder."""
+    objects = repo.config.objects_url or ""
+    return f"{objects} (metadata {repo.db.where})" if "://" in objects else str(repo.root)
+
+
 def remote_store(remote: RemoteConfig) -> ObjectStore:
     """Only the object store of a remote (what a lazy clone reads from)."""
     from ckptstore.repo.repository import REPO_DIR
@@ -269,7 +275,7 @@ def _send_objects(source: Repository, target: Repository, wanted: dict[ObjectId,
         try:
             data = source.read_object(oid)  # verified against its id
         except CorruptObjectError as exc:  # the damage is the sender's: say where, not "run fsck" here
-            raise SentObjectError(oid, exc.problem, str(source.root), pushing) from None
+            raise SentObjectError(oid, exc.problem, _named(source), pushing) from None
         target.store.put(data)
         faults.point("transfer:object-sent")
         return len(data)

@@ -82,6 +82,21 @@ def test_wrong_bytes_from_the_bucket_are_refused_with_the_object_named(s3_repo):
     assert victim in report.damaged_objects and cid in report.broken_commits
 
 
+def test_a_clone_refusing_wrong_bytes_from_a_bucket_names_the_bucket_not_a_local_cache(s3_url, postgres_url,
+                                                                                        tmp_path):
+    """The message named the per-user cache folder a bucket remote is opened in, as if it were the repository."""
+    from ckptstore.repo import remote
+
+    with Repository.init(tmp_path / "work", objects_url=s3_url, metadata_url=postgres_url) as shared:
+        shared.commit(_state(0))
+        victim = next(iter(shared.store.iter_ids()))
+        good = shared.store.get(victim)
+        obstore.put(shared.store._client, shared.store.key(victim), good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(CorruptObjectError, match=f"the repository at {s3_url} \\(metadata .*\\) holds a damaged "
+                                                 f"object \\({victim}"):
+        remote.clone(s3_url, tmp_path / "copy", metadata_url=postgres_url)
+
+
 def test_cli_init_on_a_bucket_then_commit_and_checkout(tmp_path, s3_url):
     torch.save(_state(3), tmp_path / "ckpt.pt")
 
