@@ -186,6 +186,14 @@ class RetentionError(CkptError):
                          "fixed (committing again finds nothing changed; the next commit's policy prunes again)")
 
 
+class LostLockError(CkptError):
+    """The session that held a repository lock on a shared database ended while the command ran (`ended`: how)."""
+
+    def __init__(self, message: str, ended: str) -> None:
+        super().__init__(message)
+        self.ended = ended
+
+
 class RepoLockedError(CkptError):
     """Another process holds a lock this operation needs."""
 

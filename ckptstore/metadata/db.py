@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 from ckptstore.errors import (
     CkptError,
     CorruptDatabaseError,
+    LostLockError,
     MissingDatabaseError,
     ReadOnlyRepoError,
     RepoLockedError,
@@ -273,12 +274,12 @@ class Database:
             except self.backend.errors as exc:
                 ended = f"its session ended: {' '.join(str(exc).split())[:160]}"
                 if deleting:
-                    raise CkptError(f"lost the repository lock on {self.where} while deleting unreachable objects "
-                                    f"({ended}); deleting stopped, so no commit made elsewhere meanwhile loses an "
-                                    "object: run the command again to finish") from None
-                raise CkptError(f"lost the repository lock on {self.where} while this command ran ({ended}); a gc "
-                                "elsewhere may have removed what it wrote, so nothing was recorded: run the command "
-                                "again") from None
+                    raise LostLockError(f"lost the repository lock on {self.where} while deleting unreachable objects "
+                                        f"({ended}); deleting stopped, so no commit made elsewhere meanwhile loses an "
+                                        "object: run the command again to finish", ended) from None
+                raise LostLockError(f"lost the repository lock on {self.where} while this command ran ({ended}); a "
+                                    "gc elsewhere may have removed what it wrote, so nothing was recorded: run the "
+                                    "command again", ended) from None
 
     @contextlib.contextmanager
     def _transaction(self, write: bool) -> Iterator[Tx]:

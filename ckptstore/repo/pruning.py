@@ -22,7 +22,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, ConflictError, RepoLockedError, RetentionError, UnknownMetricError, explain
+from ckptstore.errors import (
+    CkptError,
+    ConflictError,
+    LostLockError,
+    RepoLockedError,
+    RetentionError,
+    UnknownMetricError,
+    explain,
+)
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata import Tx, liveness
 from ckptstore.metadata import commits as commit_rows
@@ -107,7 +115,12 @@ def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool
         faults.point("prune:db-committed")
         from ckptstore.repo.maintenance import collect
 
-        collected = collect(repo)
+        try:
+            collected = collect(repo)
+        except LostLockError as exc:  # the prune is recorded: only its clean-up is left
+            raise LostLockError(f"the prune of {len(gone)} commit(s) was recorded, but the repository lock on "
+                                f"{repo.db.where} was lost before its clean-up ({exc.ended}): run `ckpt gc` to "
+                                "delete what it freed", exc.ended) from None
     report.pruned, report.tensors_reencoded = sorted(gone), len(new_records)
     report.objects_removed, report.tensors_removed = collected.objects_removed, collected.tensors_removed
     report.bytes_after = _store_bytes(repo)

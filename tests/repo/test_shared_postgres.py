@@ -270,6 +270,37 @@ def test_a_gc_whose_lock_session_was_cut_stops_deleting_before_a_commit_elsewher
         assert_same(state, other.checkout("y")) and fsck(other).ok
 
 
+def test_a_prune_whose_lock_session_was_cut_after_it_was_recorded_says_so(postgres_server, postgres_url, tmp_path,
+                                                                          monkeypatch):
+    """It said "nothing was recorded" of a prune its database had recorded; only the clean-up was left."""
+    import pytest
+
+    from ckptstore import faults
+    from ckptstore.errors import LostLockError
+    from ckptstore.repo.config import RetentionPolicy
+    from ckptstore.repo.maintenance import gc
+    from ckptstore.repo.pruning import prune
+
+    with Repository.init(tmp_path, objects_url=f"file://{tmp_path / 'objects'}", metadata_url=postgres_url) as repo:
+        states = [{"w": torch.randn(20_000, generator=torch.Generator().manual_seed(i))} for i in range(3)]
+        cids = [repo.commit(state) for state in states]
+        passing = faults.point
+
+        def cut_the_lock_session(name):
+            if name == "prune:db-committed":
+                postgres_server.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                                        f"AND objid = {REPO_LOCK} AND granted")
+            passing(name)
+
+        monkeypatch.setattr(faults, "point", cut_the_lock_session)
+        with pytest.raises(LostLockError, match="the prune of 2 commit.s. was recorded, but .* run `ckpt gc`"):
+            prune(repo, RetentionPolicy(keep_last=1))
+        monkeypatch.setattr(faults, "point", passing)
+        assert [repo.commit_info(c).pruned for c in cids] == [True, True, False]
+        assert gc(repo).objects_removed > 0 and fsck(repo).ok
+        assert_same(states[2], repo.checkout(cids[2]))
+
+
 def test_a_stopped_server_is_one_clear_line_and_the_command_works_once_it_is_back(tmp_path):
     with PostgresServer() as server:
         url = server.new_database()
