@@ -2,8 +2,10 @@
 
 It listens on 127.0.0.1 only (a free port) and on a unix socket in its folder, trusts every
 local connection except those of `PASSWORD_USER`, who must give `PASSWORD` (to test a wrong
-one), and runs with fsync off: a test server loses nothing anyone needs. initdb refuses to run
-as root, so as root the server runs as the `postgres` system user.
+one), and runs with fsync and synchronous_commit off: a test server loses nothing anyone needs,
+but a SIGKILL of it may lose transactions it already reported committed (a fault test that kills
+the server must turn synchronous_commit on first). initdb refuses to run as root, so as root the
+server runs as the `postgres` system user.
 """
 
 from __future__ import annotations
