@@ -12,12 +12,13 @@ import re
 import signal
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
-from ckptstore.errors import INTERRUPTED, CkptError, OutputError, ReadOnlyRepoError, explain, listing
+from ckptstore.errors import INTERRUPTED, CkptError, OutputError, ReadOnlyRepoError, RepoLockedError, explain, listing
 from ckptstore.repo import LOSSY_LEVELS, EncodingSettings, Repository, fsck, gc, named_root, subject
 
 LEVEL_NAMES = list(LOSSY_LEVELS)
@@ -512,7 +513,8 @@ def stats(ctx, as_json) -> None:
 @click.pass_context
 def gc_command(ctx, prune) -> None:
     """Remove objects no commit needs (and leftovers of interrupted commits)."""
-    report = gc(_open(ctx), prune_unreachable=prune)
+    repo = _open(ctx)
+    report = _saying_it_waits(lambda wait: gc(repo, prune_unreachable=prune, wait=wait))
     echo(f"removed {report.objects_removed} objects ({_size(report.bytes_removed)}), "
          f"{report.tensors_removed} tensor records, {report.commits_removed} commits, "
          f"{report.temp_files_removed} temp files")
@@ -532,7 +534,8 @@ def prune_command(ctx, keep_last, keep_every, keep_best, keep_tagged, dry_run, a
     from ckptstore.repo import RetentionPolicy, prune
 
     given = RetentionPolicy(keep_last, keep_every, keep_best, keep_tagged)
-    report = prune(_open(ctx), given if given.active else None, dry_run=dry_run)
+    repo = _open(ctx)
+    report = _saying_it_waits(lambda wait: prune(repo, given if given.active else None, dry_run=dry_run, wait=wait))
     if as_json:
         return _emit_json(vars(report))
     if dry_run:
@@ -716,6 +719,16 @@ def daemon_status(ctx) -> None:
 def _create_or_delete(name: str | None, delete: str | None) -> None:
     if delete is not None and name is not None:  # one of them would be ignored
         raise click.UsageError(f"give either NAME to create or -d NAME to delete, not both ({name!r} and {delete!r})")
+
+
+def _saying_it_waits(run: Callable[[bool], Any]) -> Any:
+    """`run(wait=False)`; when the repository lock is taken, say so on stderr, then wait for it: no silent hang."""
+    try:
+        return run(False)
+    except RepoLockedError:
+        click.echo("waiting for the repository lock: a commit, push or sharded save in flight holds it (one whose "
+                   "ranks failed holds it until that process saves again or exits)", err=True)
+        return run(True)
 
 
 def _warning_line(message: Warning | str, *_: Any, **__: Any) -> None:

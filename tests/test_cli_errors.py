@@ -19,7 +19,7 @@ from ckptstore import Repository
 from ckptstore.cli import cli
 from ckptstore.errors import CkptError, DiskFullError, ReadOnlyRepoError, explain
 from ckptstore.repo import fsck
-from tests.conftest import assert_same, ckpt_env
+from tests.conftest import assert_same, ckpt_env, ckpt_here
 
 
 def strict_json(text: str):
@@ -395,3 +395,20 @@ def test_an_output_that_cannot_be_written_names_the_output_not_the_repository(tm
         said = ckpt_here(tmp_path, *args)
         assert said.returncode == 1 and said.stderr.count("\n") == 1, said.stderr
         assert said.stderr.startswith("error: cannot make a file in /dev/fd") and "report" not in said.stderr
+
+
+@pytest.mark.parametrize("verb", [["gc"], ["prune", "--keep-last", "1"]])
+def test_gc_and_prune_say_that_they_wait_for_the_repository_lock(tmp_path, verb):
+    """A sharded save whose ranks failed keeps its lock until that process saves again: gc waited without a word."""
+    import threading
+
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"w": torch.zeros(3)})
+        repo.commit({"w": torch.ones(3)})
+        lock = repo.lock()
+        lock.__enter__()  # what a commit in flight holds
+        threading.Timer(1.0, lock.__exit__, (None, None, None)).start()
+        result = ckpt_here(tmp_path, *verb)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith("waiting for the repository lock: a commit, push or sharded save in flight")
+    assert result.stdout.startswith("removed ")

@@ -44,16 +44,16 @@ class FsckReport:
         return not (self.damaged_objects or self.missing_records or self.damaged_records)
 
 
-def gc(repo: Repository, prune_unreachable: bool = False) -> GcReport:
+def gc(repo: Repository, prune_unreachable: bool = False, wait: bool = True) -> GcReport:
     """Delete objects and tensor records no commit needs, and leftovers of interrupted writes.
 
     With `prune_unreachable`, commits no branch, tag or HEAD reaches are deleted first. Holds the
     repository lock alone, so no commit can be in flight: it waits for those in flight to end,
     and commits that start meanwhile wait for it. Refuses, deleting nothing, while the
     records that say what the remaining commits need are damaged: what they lost track of may
-    be the only copy.
+    be the only copy. `wait` False: RepoLockedError at once instead of waiting.
     """
-    with repo.lock(exclusive=True):
+    with repo.lock(exclusive=True, wait=wait):
         return collect(repo, prune_unreachable)
 
 
