@@ -62,9 +62,11 @@ def machine_file() -> Path:
 
 def machine_key() -> str:
     """What the costs depend on: the CPU (its name and count) and the codec, i.e. this version."""
-    name = platform.processor() or platform.machine()
+    # not platform.processor(): on Linux it runs `uname -p` in a subprocess, from a background commit's
+    # thread, whose pipe a fork meanwhile (a DataLoader's workers) held open for the workers' whole life
+    name = platform.machine()
     try:
-        with open("/proc/cpuinfo") as info:  # Linux's processor() is empty or only the architecture
+        with open("/proc/cpuinfo") as info:
             name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), name)
     except OSError:
         pass

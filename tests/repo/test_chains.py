@@ -200,3 +200,29 @@ def test_pinned_chain_costs_that_are_not_an_object_of_widths_are_one_clear_error
     monkeypatch.setenv(chaincost.ENV, text)
     with pytest.raises(CkptError, match="is not JSON"):
         chaincost.repository_costs(tmp_path)
+
+
+NO_SUBPROCESSES = """
+import subprocess, sys
+
+def refused(*args, **kwargs):
+    raise AssertionError(f"a subprocess: {args[0] if args else kwargs}")
+
+subprocess.Popen = refused  # what platform.processor() runs on Linux: `uname -p`
+from ckptstore.repo.chaincost import machine_key
+print(machine_key())
+"""
+
+
+def test_the_machine_key_of_chain_costs_runs_no_subprocess():
+    """It runs on a background commit's thread: a fork meanwhile (DataLoader workers) inherited the subprocess's
+    pipe, and the commit waited for every worker to exit (auditor)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ckpt_env
+
+    done = subprocess.run([sys.executable, "-c", NO_SUBPROCESSES], capture_output=True, text=True, timeout=60,
+                          env=ckpt_env())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith(f"x{os.cpu_count()}, ckptstore {__import__('ckptstore').__version__}")
