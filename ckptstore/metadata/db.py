@@ -12,9 +12,11 @@ PostgreSQL backend translates them.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -47,6 +49,8 @@ BATCH = 500  # ids per IN (...) list: SQLite allows 32766 parameters, PostgreSQL
 RETRY_DELAYS = (0.1, 0.2, 0.4, 0.8, 1.6)  # seconds between tries to begin a transaction (a server restarting)
 POSTGRES_SCHEMES = ("postgresql://", "postgresql+psycopg://", "postgres://")
 T = TypeVar("T")
+_OPEN: weakref.WeakSet[Database] = weakref.WeakSet()
+_INHERITED: list[Any] = []  # a forked child's copies of its parent's connections: never used, never closed
 
 
 class Backend(Protocol):
@@ -165,6 +169,7 @@ class Database:
         self._lock_sessions: list[Any] = []  # the sessions holding repository_lock now
         self._closed = False
         self._create = create
+        _OPEN.add(self)
         try:
             if not create and self.path is not None and not self.path.exists():
                 raise self._missing("is missing")
@@ -178,6 +183,17 @@ class Database:
         except BaseException:
             self.close()  # no connection outlives a database that failed to open
             raise
+
+    def _forget_parents_connections(self) -> None:
+        """In a forked child (a DataLoader worker): the connections and the lock sessions are the parent's.
+
+        SQLite's rule is never to use (or close) a connection across fork, and a server's socket is
+        shared with the parent: the child keeps them untouched and connects anew. A lock another
+        thread held at the fork would never be released here: the child gets fresh ones.
+        """
+        _INHERITED.extend([*self._idle, *self._lock_sessions])
+        self._idle, self._lock_sessions = [], []
+        self._guard, self._writing = threading.Lock(), threading.local()
 
     def _acquire(self) -> Any:
         with self._guard:
@@ -416,3 +432,11 @@ class Database:
         for connection in idle:
             with contextlib.suppress(*self.backend.errors):
                 connection.close()
+
+
+def _after_fork_in_child() -> None:
+    for database in list(_OPEN):
+        database._forget_parents_connections()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -53,6 +53,7 @@ class Repository:
             # a checkout killed among its renames: finished, HEAD moved with it
             journal.finish_interrupted(self.dir, lambda cid, branch: refs.move_head(self, cid, branch))
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = os.getpid()
         self._shared_pool = False  # the pool is a warm process's (repo/warm.py): closing leaves it running
         self._background: Lane | None = None  # commits in the background (repo/background.py)
 
@@ -116,7 +117,8 @@ class Repository:
     @property
     def pool(self) -> ThreadPoolExecutor:
         """The threads that hash, encode and decode; started on first use."""
-        if self._pool is None:
+        if self._pool is None or self._pool_pid != os.getpid():  # a forked child has none of the parent's threads
+            self._pool_pid = os.getpid()
             threads = self.config.threads or os.cpu_count() or 1
             shared = warm.shared_pool(self.root, threads)  # a long-lived process's threads, kept across opens
             self._shared_pool = shared is not None

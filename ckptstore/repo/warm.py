@@ -10,6 +10,7 @@ the modules a commit runs (0.2-0.3 s of imports the first command would otherwis
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +20,16 @@ from ckptstore.repo.planecache import share_plane_cache
 _ROOTS: set[str] = set()
 _POOLS: dict[tuple[str, int], ThreadPoolExecutor] = {}
 _LOCK = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of the pools' threads, and a lock another thread held at the fork stays held."""
+    global _LOCK
+    _POOLS.clear()
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def keep_warm(root: Path) -> None:

@@ -458,3 +458,30 @@ def test_load_after_a_failed_background_save_leaves_the_failure_to_the_next_save
     assert torch.equal(loaded["w"], torch.zeros(4))
     with pytest.raises(BackgroundCommitError, match="disk is full"):
         ckptstore.save({"w": torch.full((4,), 2.0)}, tmp_path / "repo")
+
+
+def _child_uses_the_parents_repository(repo, cid, expected) -> None:
+    restored = repo.checkout(cid)
+    assert torch.equal(restored["w"], expected["w"])
+    repo.commit({"w": expected["w"] * 2}, "from the child", branch="child")
+
+
+def test_a_forked_child_can_use_its_parents_open_repository(tmp_path):
+    """It waited forever on the parent's encoding threads, which a forked child does not have (auditor)."""
+    import multiprocessing
+
+    state = {"w": torch.randn(100_000)}
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit(state)
+        repo.checkout(cid)  # the pool's threads are running now
+        repo.branch("child")
+        child = multiprocessing.get_context("fork").Process(target=_child_uses_the_parents_repository,
+                                                            args=(repo, cid, state))
+        child.start()
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+        assert child.exitcode == 0
+        assert torch.equal(repo.checkout("child")["w"], state["w"] * 2)
+        repo.commit({"w": state["w"] + 1}, "the parent goes on")
+        assert fsck(repo).ok
