@@ -2,7 +2,7 @@
 
 What is watched: the folder's direct children that are checkpoint files (.pt .pth .bin .ckpt .tar
 .safetensors) or Hugging Face Trainer folders named `checkpoint-N`. Hidden names, temporary
-files of atomic writers and symlinks are never sources.
+files of atomic writers and symlinks are never sources (a symlink so named is reported as such).
 
 When a source counts as complete (torch.save, safetensors and Trainer all write in place, in steps):
 - every file of it is unchanged (names, sizes, modification times) between two scans `interval`
@@ -11,7 +11,8 @@ When a source counts as complete (torch.save, safetensors and Trainer all write 
   safetensors file is exactly as long as its header says; a legacy (non-zip) torch file has no
   end marker, so for it stability alone decides;
 - a Trainer folder holds a `trainer_state.json` that parses: Trainer._save_checkpoint writes it
-  after the model, optimizer, scheduler and RNG files.
+  after the model, optimizer, scheduler and RNG files; a folder saved over in place (a version of
+  it was handled before) also needs its trainer_state.json newer than every checkpoint file in it.
 
 The step comes from trainer_state.json's `global_step`, else from the name (`checkpoint-500`,
 `step=1200`, `model_300.pt`: the number after "step", else the last number in the name).
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
 SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".safetensors"}
 TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
+LINKED = "a symbolic link, never committed (the file it points to is, when it is in the watched folder)"
 _STEP = re.compile(r"step[=_-]?(\d+)", re.IGNORECASE)
 # a whole number, not part of a decimal (a metric: val_loss=0.1234), an epoch's (epoch=3) nor a version (last-v1)
 _NUMBER = re.compile(r"(?<!\d)(?<!\d\.)(?<!epoch)(?<!epoch[=_-])(?<!-v)(\d+)(?!\.\d)(?!\d)", re.IGNORECASE)
@@ -197,12 +199,16 @@ def scan(folder: Path, state: WatchState | None = None) -> dict[str, Source]:
                         "it is back") from None
     with entries:
         for entry in entries:
-            if entry.name.startswith(".") or is_temp_name(entry.name) or entry.is_symlink():
+            if entry.name.startswith(".") or is_temp_name(entry.name):
+                continue
+            if entry.is_symlink():  # Lightning's save_last="link": its target is a checkpoint of its own
+                if TRAINER_FOLDER.match(entry.name) or Path(entry.name).suffix in SUFFIXES:
+                    found[entry.name] = Source(entry.name, Path(entry.path), [], LINKED)
                 continue
             try:
                 if entry.is_dir() and TRAINER_FOLDER.match(entry.name):
                     source = Source(entry.name, Path(entry.path), _folder_signature(Path(entry.path)))
-                    judge = _judge_folder
+                    judge = _judge_rewritten_folder if state and entry.name in state.sources else _judge_folder
                 elif entry.is_file() and Path(entry.name).suffix in SUFFIXES:
                     info = entry.stat()
                     source = Source(entry.name, Path(entry.path), [["", info.st_size, info.st_mtime_ns]])
@@ -243,6 +249,23 @@ def _judge_folder(source: Source) -> Source:
         source.incomplete = f"a file is still being written ({temps[0]})" if temps else ""
     step = trainer.get("global_step") if isinstance(trainer, dict) else None
     source.step = step if type(step) is int and 0 <= step < 1 << 63 else step_of(source.name)
+    return source
+
+
+def _judge_rewritten_folder(source: Source) -> Source:
+    """A Trainer folder saved over a version handled before: complete once trainer_state.json is the newest again.
+
+    Its old trainer_state.json still parses while Trainer writes the new weights and optimizer
+    over the old ones: without this, a pause between them made a commit of new weights and old
+    optimizer state.
+    """
+    source = _judge_folder(source)
+    times = {name: mtime for name, _, mtime in source.signature}
+    state_time = times.get(TRAINER_STATE)
+    newer = [name for name, mtime in times.items()
+             if Path(name).suffix in SUFFIXES and state_time is not None and mtime > state_time]
+    if not source.incomplete and newer:
+        source.incomplete = f"saved over in place: {newer[0]} is newer than {TRAINER_STATE}, which Trainer writes last"
     return source
 
 

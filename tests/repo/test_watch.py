@@ -362,3 +362,35 @@ def test_a_file_rewritten_after_retention_pruned_its_last_commit_is_committed(tm
         assert len(watch(repo, run, ONCE).committed) == 1
         assert_same(repo.checkout("HEAD"), {"w": torch.full((4,), 3.0)})
         assert len(watch(repo, run, ONCE).committed) == 0  # and once only
+
+
+def test_a_trainer_folder_saved_over_in_place_is_committed_only_once_whole_again(repo, tmp_path):
+    """New weights beside the old optimizer and the old (still parsing) trainer_state.json were committed (auditor)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    trainer = Trainer()
+    _trainer_folder(run / "checkpoint-100", trainer)
+    assert len(watch(repo, run, ONCE).committed) == 1
+    trainer.train(1)
+    folder = run / "checkpoint-100"  # the same step saved again (a resumed run), weights first
+    save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, folder / "model.safetensors")
+    for _ in range(2):  # a pause of two scans before the optimizer comes
+        report = watch(repo, run, ONCE)
+        assert report.committed == [] and "saved over in place" in report.waiting["checkpoint-100"]
+    torch.save(trainer.optimizer.state_dict(), folder / "optimizer.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": trainer.step}))
+    assert len(watch(repo, run, ONCE).committed) == 1
+    restored = repo.checkout("HEAD")
+    assert_same(restored["optimizer.pt"], trainer.optimizer.state_dict())
+    weights = trainer.model.state_dict()
+    assert_same(restored["model.safetensors"], {k: weights[k].contiguous() for k in restored["model.safetensors"]})
+
+
+def test_symbolic_links_are_listed_as_never_committed(repo, tmp_path):
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    elsewhere.mkdir()
+    torch.save({"w": torch.ones(3)}, elsewhere / "model_100.pt")
+    (run / "model_100.pt").symlink_to(elsewhere / "model_100.pt")
+    report = watch(repo, run, ONCE)
+    assert report.committed == [] and "symbolic link" in report.waiting["model_100.pt"]
