@@ -205,27 +205,34 @@ def test_a_machine_joins_while_the_first_commit_uploads(postgres_server, tmp_pat
         assert_same({"w": torch.ones(5000)}, joined.checkout(done["cid"]))
 
 
+def _cut_the_lock_session_at(point: str, server, monkeypatch, then=lambda: None) -> None:
+    """At fault point `point`, end the session holding the repository lock (as a restart would), then `then()`."""
+    from ckptstore import faults
+
+    passing = faults.point
+
+    def cut(name):
+        if name == point:
+            server.execute(f"SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND objid = "
+                           f"{REPO_LOCK} AND granted")
+            then()
+        passing(name)
+
+    monkeypatch.setattr(faults, "point", cut)
+
+
 def test_a_commit_whose_lock_session_was_cut_records_nothing(postgres_server, postgres_url, tmp_path, monkeypatch):
     """A cut session releases the lock: a gc elsewhere may then delete the objects the commit wrote."""
     import pytest
 
-    from ckptstore import faults
     from ckptstore.errors import CkptError
 
     with Repository.init(tmp_path, objects_url=f"file://{tmp_path / 'objects'}", metadata_url=postgres_url) as repo:
         first = repo.commit({"w": torch.zeros(100)})
-        passing = faults.point
-
-        def cut_the_lock_session(name):  # as a server restart or an idle timeout would, between objects and record
-            if name == "commit:manifest-written":
-                postgres_server.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
-                                        f"AND objid = {REPO_LOCK} AND granted")
-            passing(name)
-
-        monkeypatch.setattr(faults, "point", cut_the_lock_session)
+        _cut_the_lock_session_at("commit:manifest-written", postgres_server, monkeypatch)  # between objects and record
         with pytest.raises(CkptError, match="lost the repository lock .* nothing was recorded"):
             repo.commit({"w": torch.ones(100)})
-        monkeypatch.setattr(faults, "point", passing)
+        monkeypatch.undo()
         assert [c.id for c in repo.log()] == [first]
         second = repo.commit({"w": torch.ones(100)})  # the next command takes the lock anew
         assert_same({"w": torch.ones(100)}, repo.checkout(second))
@@ -238,7 +245,6 @@ def test_a_gc_whose_lock_session_was_cut_stops_deleting_before_a_commit_elsewher
     made in between, found the objects present, uploaded nothing, and was left broken (auditor, high)."""
     import pytest
 
-    from ckptstore import faults
     from ckptstore.errors import CkptError
     from ckptstore.repo.maintenance import gc
 
@@ -249,21 +255,17 @@ def test_a_gc_whose_lock_session_was_cut_stops_deleting_before_a_commit_elsewher
         repo.branch("x")
         repo.commit(state, branch="x")
         repo.delete_branch("x")  # its objects are garbage now
-        passing, made = faults.point, {}
+        made = {}
 
-        def cut_then_commit_elsewhere(name):
-            if name == "gc:db-committed":
-                postgres_server.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
-                                        f"AND objid = {REPO_LOCK} AND granted")
-                with Repository.init(tmp_path / "b", objects_url=objects, metadata_url=postgres_url) as other:
-                    other.branch("y", kept)
-                    made["y"] = other.commit(state, branch="y")
-            passing(name)
+        def commit_elsewhere():
+            with Repository.init(tmp_path / "b", objects_url=objects, metadata_url=postgres_url) as other:
+                other.branch("y", kept)
+                made["y"] = other.commit(state, branch="y")
 
-        monkeypatch.setattr(faults, "point", cut_then_commit_elsewhere)
+        _cut_the_lock_session_at("gc:db-committed", postgres_server, monkeypatch, then=commit_elsewhere)
         with pytest.raises(CkptError, match="lost the repository lock .* deleting stopped"):
             gc(repo, prune_unreachable=True)
-        monkeypatch.setattr(faults, "point", passing)
+        monkeypatch.undo()
     with Repository.open(tmp_path / "b") as other:
         assert_same(state, other.checkout(made["y"]))
         gc(other, prune_unreachable=True)  # run again: it finishes, and takes nothing y needs
@@ -275,7 +277,6 @@ def test_a_prune_whose_lock_session_was_cut_after_it_was_recorded_says_so(postgr
     """It said "nothing was recorded" of a prune its database had recorded; only the clean-up was left."""
     import pytest
 
-    from ckptstore import faults
     from ckptstore.errors import LostLockError
     from ckptstore.repo.config import RetentionPolicy
     from ckptstore.repo.maintenance import gc
@@ -284,18 +285,10 @@ def test_a_prune_whose_lock_session_was_cut_after_it_was_recorded_says_so(postgr
     with Repository.init(tmp_path, objects_url=f"file://{tmp_path / 'objects'}", metadata_url=postgres_url) as repo:
         states = [{"w": torch.randn(20_000, generator=torch.Generator().manual_seed(i))} for i in range(3)]
         cids = [repo.commit(state) for state in states]
-        passing = faults.point
-
-        def cut_the_lock_session(name):
-            if name == "prune:db-committed":
-                postgres_server.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
-                                        f"AND objid = {REPO_LOCK} AND granted")
-            passing(name)
-
-        monkeypatch.setattr(faults, "point", cut_the_lock_session)
+        _cut_the_lock_session_at("prune:db-committed", postgres_server, monkeypatch)
         with pytest.raises(LostLockError, match="the prune of 2 commit.s. was recorded, but .* run `ckpt gc`"):
             prune(repo, RetentionPolicy(keep_last=1))
-        monkeypatch.setattr(faults, "point", passing)
+        monkeypatch.undo()
         assert [repo.commit_info(c).pruned for c in cids] == [True, True, False]
         assert gc(repo).objects_removed > 0 and fsck(repo).ok
         assert_same(states[2], repo.checkout(cids[2]))
