@@ -51,14 +51,14 @@ def diff(repo: Repository, a: str, b: str) -> list[TensorDiff]:
             status, rel = "added", None
         elif path not in new.entries:
             status, rel = "removed", None
-        elif path in old_raw and not _same_plain_value(path, old_raw[path], new_raw[path]):
+        elif path in old_raw and not (old.dcp and new.dcp and _same_plain_value(path, old_raw[path], new_raw[path])):
             status, rel = "changed", relative_l2(old_raw[path], new_raw[path])
         result.append(TensorDiff(path, status, entry.dtype, entry.shape, rel, stored))
     return result
 
 
 def _same_plain_value(path: str, old: RawTensor, new: RawTensor) -> bool:
-    """Two non-tensor items stored differently (a JSON skeleton, DCP's pickle) that hold one value."""
+    """Two non-tensor items of DCP commits stored differently (a JSON skeleton, DCP's pickle) that hold one value."""
     if old.dtype != BYTES_DTYPE or new.dtype != BYTES_DTYPE:
         return False
     from ckptstore.formats.dcpdir import same_items  # torch: only for a DCP commit's bytes items

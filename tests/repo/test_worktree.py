@@ -233,6 +233,22 @@ def test_diff_of_trainer_folders_reports_every_kind_of_entry(repo, monkeypatch):
     assert "rel_l2=inf" in text and "trainer_state.json" in text
 
 
+@pytest.mark.parametrize("before, after", [(b"hello world\n", b"hello again\n"), (b"a,b,c\n", b"a,b,d\n"),
+                                           (b"J\x01", b"J\x02"), (b"\x80\xfc", b"\x80\xfd")])
+def test_diff_of_a_changed_text_file_in_a_folder_says_changed(repo, before, after, monkeypatch):
+    """Any bytes entry went to torch's restricted unpickler to be compared by value: KeyError, "please report it"."""
+    run = repo.root / "run"
+    run.mkdir()
+    torch.save({"w": torch.ones(3)}, run / "model.pt")
+    for text in (before, after):
+        (run / "notes.txt").write_bytes(text)
+        repo.commit(run)
+    monkeypatch.chdir(repo.root)
+    result = CliRunner().invoke(cli, ["diff", "HEAD~1", "HEAD"])
+    assert result.exit_code == 0 and "changed notes.txt/%25blob" in result.output, result.output
+    assert "warning" not in result.output
+
+
 def test_diff_of_safetensors_whose_metadata_changed(repo):
     from safetensors.torch import save_file
 
