@@ -12,7 +12,7 @@ When a source counts as complete (torch.save, safetensors and Trainer all write 
   end marker, so for it stability alone decides;
 - a Trainer folder holds a `trainer_state.json` that parses: Trainer._save_checkpoint writes it
   after the model, optimizer, scheduler and RNG files; a folder saved over in place (a version of
-  it was handled before) also needs its trainer_state.json newer than every checkpoint file in it.
+  it was handled before) also needs a trainer_state.json other than that version's (size or time).
 
 The step comes from trainer_state.json's `global_step`, else from the name (`checkpoint-500`,
 `step=1200`, `model_300.pt`: the number after "step", else the last number in the name).
@@ -27,6 +27,7 @@ A scan opens only the sources not handled yet: a handled one is told by its sign
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -208,7 +209,8 @@ def scan(folder: Path, state: WatchState | None = None) -> dict[str, Source]:
             try:
                 if entry.is_dir() and TRAINER_FOLDER.match(entry.name):
                     source = Source(entry.name, Path(entry.path), _folder_signature(Path(entry.path)))
-                    judge = _judge_rewritten_folder if state and entry.name in state.sources else _judge_folder
+                    handled = state.sources.get(entry.name) if state else None
+                    judge = functools.partial(_judge_saved_over, handled=handled) if handled else _judge_folder
                 elif entry.is_file() and Path(entry.name).suffix in SUFFIXES:
                     info = entry.stat()
                     source = Source(entry.name, Path(entry.path), [["", info.st_size, info.st_mtime_ns]])
@@ -252,20 +254,18 @@ def _judge_folder(source: Source) -> Source:
     return source
 
 
-def _judge_rewritten_folder(source: Source) -> Source:
-    """A Trainer folder saved over a version handled before: complete once trainer_state.json is the newest again.
+def _judge_saved_over(source: Source, handled: dict[str, Any]) -> Source:
+    """A Trainer folder saved over a version handled before: complete once its trainer_state.json is rewritten too.
 
-    Its old trainer_state.json still parses while Trainer writes the new weights and optimizer
+    The old trainer_state.json still parses while Trainer writes the new weights and optimizer
     over the old ones: without this, a pause between them made a commit of new weights and old
-    optimizer state.
+    optimizer state. Files written after it (an older Trainer's rng_state.pth, a callback's) count.
     """
     source = _judge_folder(source)
-    times = {name: mtime for name, _, mtime in source.signature}
-    state_time = times.get(TRAINER_STATE)
-    newer = [name for name, mtime in times.items()
-             if Path(name).suffix in SUFFIXES and state_time is not None and mtime > state_time]
-    if not source.incomplete and newer:
-        source.incomplete = f"saved over in place: {newer[0]} is newer than {TRAINER_STATE}, which Trainer writes last"
+    before = {entry[0]: entry for entry in handled.get("signature") or [] if isinstance(entry, list) and entry}
+    now = {entry[0]: entry for entry in source.signature}
+    if not source.incomplete and TRAINER_STATE in before and before[TRAINER_STATE] == now.get(TRAINER_STATE):
+        source.incomplete = f"saved over in place: its {TRAINER_STATE} is still the earlier version's (written last)"
     return source
 
 

@@ -394,3 +394,21 @@ def test_symbolic_links_are_listed_as_never_committed(repo, tmp_path):
     (run / "model_100.pt").symlink_to(elsewhere / "model_100.pt")
     report = watch(repo, run, ONCE)
     assert report.committed == [] and "symbolic link" in report.waiting["model_100.pt"]
+
+
+def test_a_folder_saved_over_with_a_file_written_after_trainer_state_is_committed(repo, tmp_path):
+    """Older Trainers write rng_state.pth after trainer_state.json, callbacks write adapters: it waited forever."""
+    run = tmp_path / "run"
+    run.mkdir()
+    trainer = Trainer()
+    _trainer_folder(run / "checkpoint-100", trainer)
+    assert len(watch(repo, run, ONCE).committed) == 1
+    trainer.train(1)
+    folder = run / "checkpoint-100"
+    save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, folder / "model.safetensors")
+    torch.save(trainer.optimizer.state_dict(), folder / "optimizer.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": trainer.step}))
+    time.sleep(0.05)  # past the file system's clock tick: a later modification time
+    torch.save({"rng": torch.ones(2)}, folder / "rng_state.pth")  # after trainer_state.json
+    assert len(watch(repo, run, ONCE).committed) == 1
+    assert_same(repo.checkout("HEAD")["optimizer.pt"], trainer.optimizer.state_dict())
