@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import atexit
 import os
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptstore.hashing import CommitId
 from ckptstore.repo import Repository
+from ckptstore.repo.forked import ProcessLock
 from ckptstore.repo.location import given_root
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ RepoLike = Repository | str | os.PathLike | None
 # commit (and raises its failure) instead of racing it on the branch. Once idle, a kept repository
 # is closed and the next call opens the folder afresh (it may have been made anew meanwhile).
 _KEPT: dict[Path, Repository] = {}
-_KEPT_LOCK = threading.Lock()
+_KEPT_LOCK = ProcessLock()
 
 
 def _close_kept() -> None:

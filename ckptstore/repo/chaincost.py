@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,6 +31,7 @@ from ckptstore.formats.atomic import atomic_write
 from ckptstore.formats.loadspeed import torch_load_seconds
 from ckptstore.policy import AUTO, LOSSLESS_CODEC, ChainCosts
 from ckptstore.repo.config import user_cache
+from ckptstore.repo.forked import ProcessLock
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
@@ -42,7 +42,7 @@ STEPS = 10  # optimizer steps between two versions of the sample
 REPEATS = 7
 ENV = "CKPTSTORE_CHAIN_COSTS"
 FILE = "chaincost.json"
-_lock = threading.Lock()
+_lock = ProcessLock()  # held through a measurement (seconds): a worker forked meanwhile gets its own
 _measured: dict[int, ChainCosts] | None = None
 
 

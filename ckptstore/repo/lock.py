@@ -27,13 +27,18 @@ def _flock(fd: int, flags: int, wait: bool, path: Path) -> None:
         ) from None
 
 
+_OPEN: set[int] = set()  # the descriptors of the locks held (or being taken) in this process
+
+
 @contextlib.contextmanager
 def repo_lock(path: Path, exclusive: bool, wait: bool = True) -> Iterator[None]:
     """Hold a shared or exclusive flock on `path` for the duration of the block."""
     gate = os.open(path.with_name(path.name + ".gate"), os.O_RDWR | os.O_CREAT, 0o644)
+    _OPEN.add(gate)
     fd = -1
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        _OPEN.add(fd)
         _flock(gate, fcntl.LOCK_EX, wait, path)
         try:
             _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, wait, path)
@@ -42,6 +47,27 @@ def repo_lock(path: Path, exclusive: bool, wait: bool = True) -> Iterator[None]:
                 fcntl.flock(gate, fcntl.LOCK_UN)
         yield
     finally:
-        if fd >= 0:
-            os.close(fd)
-        os.close(gate)
+        for held in (fd, gate):
+            if held >= 0:
+                _OPEN.discard(held)
+                os.close(held)
+
+
+def _let_go_in_child() -> None:
+    """A forked child's copies of the descriptors keep the parent's flocks until the child exits: drop them.
+
+    A DataLoader worker forked while a commit held the lock kept it for its life: every later gc
+    waited, and a waiting gc then held back the parent's commits. Each descriptor is pointed at
+    /dev/null rather than closed, so a `with repo_lock` the child was forked inside still closes
+    a descriptor of its own at the end.
+    """
+    if not _OPEN:
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    for held in list(_OPEN):
+        os.dup2(null, held)
+    os.close(null)
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)

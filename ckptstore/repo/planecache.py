@@ -12,12 +12,12 @@ the payloads are the same either way, since a tensor id names exactly these byte
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from ckptstore.hashing import TensorId
+from ckptstore.repo.forked import ProcessLock
 
 if TYPE_CHECKING:  # only attributes of the arrays are used: repository.py imports this without numpy
     import numpy as np
@@ -27,7 +27,7 @@ DEFAULT_BYTES = 512 << 20
 # One cache per open Repository, kept beside it rather than on it (repository.py stays a thin
 # holder); it goes when the Repository object does.
 _CACHES: weakref.WeakKeyDictionary[Any, PlaneCache] = weakref.WeakKeyDictionary()
-_CACHES_LOCK = threading.Lock()
+_CACHES_LOCK = ProcessLock()
 # Repositories opened at these roots share one cache, whichever object opened them: a process that
 # opens the repository for each command (the ckpt daemon) keeps the planes of its last commit.
 _SHARED: dict[str, PlaneCache] = {}
@@ -72,7 +72,7 @@ class PlaneCache:
         self._previous: OrderedDict[tuple[TensorId, int], np.ndarray] = OrderedDict()
         self._current: OrderedDict[tuple[TensorId, int], np.ndarray] = OrderedDict()
         self._held = 0
-        self._lock = threading.Lock()
+        self._lock = ProcessLock()
 
     def put(self, tensor: TensorId, start: int, planes: np.ndarray) -> None:
         """Keep `tensor`'s chunk at byte `start` as grouped planes (not copied: the caller must not change them)."""

@@ -15,21 +15,15 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ckptstore.repo.forked import ProcessLock
 from ckptstore.repo.planecache import share_plane_cache
 
 _ROOTS: set[str] = set()
 _POOLS: dict[tuple[str, int], ThreadPoolExecutor] = {}
-_LOCK = threading.Lock()
+_LOCK = ProcessLock()
 
 
-def _forget_in_child() -> None:
-    """A forked child has none of the pools' threads, and a lock another thread held at the fork stays held."""
-    global _LOCK
-    _POOLS.clear()
-    _LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
+os.register_at_fork(after_in_child=_POOLS.clear)  # a forked child has none of their threads
 
 
 def keep_warm(root: Path) -> None:

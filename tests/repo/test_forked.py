@@ -1,0 +1,54 @@
+"""A forked child (a DataLoader worker) holds none of its parent's locks: neither thread locks nor the repository's."""
+
+import os
+import signal
+import threading
+import time
+
+from ckptstore import Repository
+from ckptstore.errors import RepoLockedError
+from ckptstore.repo import chaincost, planecache, warm
+from ckptstore.repo.forked import ProcessLock
+
+
+def test_a_lock_another_thread_holds_at_the_fork_is_free_in_the_child():
+    lock, held, release = ProcessLock(), threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:  # the holder thread does not exist here: a plain Lock would stay held for good
+        os._exit(0 if lock._lock.acquire(timeout=5) else 1)
+    release.set()
+    holder.join()
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    # the module locks a background commit holds for long (chain costs: a 2 s measurement) are such locks
+    assert all(isinstance(x, ProcessLock) for x in (chaincost._lock, planecache._CACHES_LOCK, warm._LOCK))
+
+
+def test_a_child_forked_while_a_commit_held_the_repository_lock_does_not_keep_it(tmp_path):
+    """Its copies of the flock's descriptor kept the lock for the child's life: gc waited, retention was skipped."""
+    with Repository.init(tmp_path) as repo:
+        with repo.lock():  # what a background commit holds while it writes
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(30)  # a persistent DataLoader worker
+                os._exit(0)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    with repo.lock(exclusive=True, wait=False):  # what gc and the retention prune take
+                        break
+                except RepoLockedError:
+                    assert time.monotonic() < deadline, "the child still holds the repository lock"
+                    time.sleep(0.05)
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
