@@ -51,6 +51,11 @@ POSTGRES_SCHEMES = ("postgresql://", "postgresql+psycopg://", "postgres://")
 T = TypeVar("T")
 _OPEN: weakref.WeakSet[Database] = weakref.WeakSet()
 _INHERITED: list[Any] = []  # a forked child's copies of its parent's connections: never used, never closed
+# SQLite keeps its locks' bookkeeping per process: a fork during a write transaction copies it "held", and the
+# child could never write. A fork waits (at most FORK_WAIT_S) for the write transactions in flight to end.
+FORK_WAIT_S = 30.0
+_FORKING = threading.Condition()
+_WRITING: dict[int, int] = {}  # thread id -> the write transactions it has open
 
 
 class Backend(Protocol):
@@ -347,7 +352,7 @@ class Database:
                             "it would wait for itself (a bug in ckptstore: please report it)")
         self._writing.active = True
         try:
-            with self._transaction(write=True) as tx:
+            with _counted_write(), self._transaction(write=True) as tx:
                 yield tx
                 self.confirm_locks()
         finally:
@@ -434,9 +439,38 @@ class Database:
                 connection.close()
 
 
+@contextlib.contextmanager
+def _counted_write() -> Iterator[None]:
+    me = threading.get_ident()
+    with _FORKING:  # a fork in progress holds it: a new write starts after the fork
+        _WRITING[me] = _WRITING.get(me, 0) + 1
+    try:
+        yield
+    finally:
+        with _FORKING:
+            left = _WRITING.pop(me, 1) - 1  # absent in a child forked inside this very transaction
+            if left:
+                _WRITING[me] = left
+            _FORKING.notify_all()
+
+
+def _before_fork() -> None:
+    """Hold new write transactions back and wait for other threads' to end (the forking thread's own cannot)."""
+    _FORKING.acquire()
+    me = threading.get_ident()
+    _FORKING.wait_for(lambda: not any(thread != me for thread in _WRITING), timeout=FORK_WAIT_S)
+
+
 def _after_fork_in_child() -> None:
+    global _FORKING
+    _FORKING = threading.Condition()  # the parent's is held by the fork: the child's writes start free
+    _WRITING.clear()
     for database in list(_OPEN):
         database._forget_parents_connections()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+def _after_fork_in_parent() -> None:
+    _FORKING.release()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)

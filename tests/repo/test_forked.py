@@ -52,3 +52,34 @@ def test_a_child_forked_while_a_commit_held_the_repository_lock_does_not_keep_it
         finally:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+
+
+def test_a_fork_during_another_threads_metadata_write_waits_for_it_so_the_child_can_write(tmp_path, monkeypatch):
+    """SQLite keeps lock bookkeeping per process: forked mid-write, every write of the child waited out its timeout."""
+    import torch
+
+    from ckptstore.metadata import sqlite
+
+    monkeypatch.setattr(sqlite, "BUSY_TIMEOUT_MS", 5_000)  # the same failure as at 120 s, sooner
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"w": torch.zeros(8)})
+        inside = threading.Event()
+
+        def record_briefly():  # what a background commit's thread does last
+            with repo.db.write():
+                inside.set()
+                time.sleep(0.5)
+
+        writer = threading.Thread(target=record_briefly)
+        writer.start()
+        inside.wait()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                repo.commit({"w": torch.ones(8)}, "from the worker", branch="main")
+            except BaseException:
+                os._exit(1)
+            os._exit(0)
+        writer.join()
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        assert torch.equal(repo.checkout("HEAD")["w"], torch.ones(8))
