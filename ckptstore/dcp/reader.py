@@ -72,11 +72,12 @@ class CkptStorageReader(StorageReader):
         if not sharded.is_sharded(manifest):
             raise CkptError(f"commit {cid[:12]} ({self.ref}) is not a sharded (DCP) commit; "
                             "read it with repo.checkout or `ckpt checkout`")
+        metadata = meta.from_json(manifest.dcp, oid)  # first: a newer ckptstore's format says "upgrade", not damage
         problem = sharded.dcp_problem(manifest)  # a crafted or damaged one would place bytes where they are not
         if problem is not None:
             raise CkptError(f"commit {cid[:12]} ({self.ref}) cannot be loaded: {problem}; run `ckpt fsck`")
         self.commit_id, self._manifest = cid, manifest
-        return meta.from_json(manifest.dcp, oid)
+        return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._storage = dict(metadata.storage_data)

@@ -206,6 +206,22 @@ def test_the_reader_refuses_a_commit_whose_dcp_metadata_disagrees_with_its_entri
     repo.close()
 
 
+def test_the_reader_says_upgrade_for_a_newer_ckptstores_sharded_commit_not_damage(tmp_path):
+    from ckptstore.repo.commit import CommitOptions
+    from ckptstore.repo.sharded import WrittenShard, record_sharded
+    from ckptstore.repo.target import start_now
+
+    repo = Repository.init(tmp_path)
+    dcp.save({"w": torch.ones(4, 4)}, storage_writer=CkptStorageWriter(tmp_path))
+    manifest = repo.manifest(repo.resolve("main"))
+    newer = record_sharded(repo, start_now(repo, None),
+                           [WrittenShard(k, e, None, {}, 64) for k, e in manifest.entries.items()],
+                           {**manifest.dcp, "version": 2}, CommitOptions(message="newer", allow_empty=True))
+    with pytest.raises(CheckpointException, match="upgrade ckptstore to load it"):
+        dcp.load({"w": torch.zeros(4, 4)}, storage_reader=CkptStorageReader(tmp_path, newer))
+    repo.close()
+
+
 def test_a_branch_moved_during_the_save_records_nothing(tmp_path):
     repo = Repository.init(tmp_path)
     repo.commit({"first": torch.ones(3)}, "before")
