@@ -95,13 +95,15 @@ def _prune_mask(job: Job, params: dict, data: np.ndarray, base: np.ndarray | Non
     if job.prune <= 0 or base is None or job.importance is None:
         return None
     dtype = params["dtype"]
-    delta = to_float32(data, dtype) - to_float32(base, dtype)
+    with np.errstate(over="ignore"):  # a difference past float32 is refused by chunk_step below, by name
+        delta = to_float32(data, dtype) - to_float32(base, dtype)
     if capped(chunk_step(delta, params, residual=True), params):
         return None  # a fine-tune-sized move, quantized finer than planned: its updates are the signal
     count = delta.size
     width = job.importance.itemsize
     v = to_float32(job.importance.data[start // job.raw.itemsize * width:][: count * width], job.importance.dtype)
-    impact = delta * delta * np.sqrt(v)
+    with np.errstate(over="ignore"):  # an infinite impact is only the largest: it is kept
+        impact = delta * delta * np.sqrt(v)
     cut = int(job.prune * count)
     if cut <= 0:
         return None

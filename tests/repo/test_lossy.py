@@ -653,3 +653,24 @@ def test_a_lossless_fallback_warns_at_the_callers_line_and_without_numpys_overfl
         assert_same(repo.checkout("HEAD"), {"model": {"w": changed}})
     assert [str(w.message)[:40] for w in caught] == ["the checkpoint cannot be quantized (mode"]
     assert caught[0].filename == __file__
+
+
+def test_a_pruning_levels_residual_past_float32_warns_only_by_name(tmp_path):
+    """extreme's prune mask computed the same bf16 difference as the codec, without numpy's overflow warning held."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256).bfloat16()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 256).bfloat16()).square().mean().backward()
+    optimizer.step()
+    with Repository.init(tmp_path) as repo, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for value in (3.0e38, -3.0e38):
+            with torch.no_grad():
+                model.weight[0, 0] = value
+            repo.commit({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, lossy="extreme",
+                        model=model, optimizer=optimizer)
+        assert repo.checkout("HEAD")["model"]["weight"][0, 0] == -3.0e38
+    assert not [w for w in caught if "overflow" in str(w.message)]
+    assert any("cannot be quantized" in str(w.message) for w in caught)
