@@ -24,7 +24,6 @@ import signal
 import sys
 import threading
 import time
-import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
@@ -33,7 +32,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults
-from ckptstore.errors import BackgroundCommitError, CkptError, NothingToCommitError, RetentionError, explain
+from ckptstore.errors import (
+    BackgroundCommitError,
+    CkptError,
+    NothingToCommitError,
+    RetentionError,
+    caller_origin,
+    explain,
+    warn_caller,
+    warnings_at,
+)
 from ckptstore.formats.snapshot import HostBuffers, snapshot
 from ckptstore.hashing import CommitId
 from ckptstore.repo import planecache
@@ -256,7 +264,7 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
                 checkpoint, lent = snapshot(source, lane.buffers)
         handle = BackgroundCommit(_describe(options), {"waited_s": waited, "snapshot_s": time.perf_counter() - start})
         handle._thread = threading.Thread(target=_work, args=(repo, lane, handle, checkpoint, lent, options, lossy,
-                                                              progress), name="ckpt-background-commit")
+                                                              progress, caller_origin()), name="ckpt-background-commit")
         lane.current = handle
         _LIVE.add(handle)
         handle._thread.start()
@@ -275,8 +283,14 @@ def commit_call(repo: Repository, source: Any, options: CommitOptions, lossy: Lo
 
 
 def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: Any, lent: list[Any],
-          options: CommitOptions, lossy: LossyOptions, progress: Progress | None) -> None:
-    """The thread: commit, give the buffers back, then resolve the handle."""
+          options: CommitOptions, lossy: LossyOptions, progress: Progress | None, origin: Any) -> None:
+    """The thread: commit, give the buffers back, then resolve the handle (its warnings point at `origin`, the call)."""
+    with warnings_at(origin):
+        _commit_and_resolve(repo, lane, handle, checkpoint, lent, options, lossy, progress)
+
+
+def _commit_and_resolve(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: Any, lent: list[Any],
+                        options: CommitOptions, lossy: LossyOptions, progress: Progress | None) -> None:
     start = time.perf_counter()
     error: BaseException | None = None
     _lower_priority()
@@ -301,14 +315,14 @@ def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: An
         if isinstance(error, RetentionError):  # recorded: only the prune after it failed, and the next one retries
             if not handle.seen:
                 handle.warned = True
-                warnings.warn(f"the background commit {handle.description}: {error}; the next commit's policy "
-                              "prunes again", BackgroundCommitWarning, stacklevel=1)
+                warn_caller(f"the background commit {handle.description}: {error}; the next commit's policy "
+                            "prunes again", BackgroundCommitWarning)
         elif not handle.seen and not isinstance(error, NothingToCommitError):
             lane.failed = handle
             if not _EXITING.is_set():  # at exit there is no next commit call: _at_exit says it
                 handle.warned = True
-                warnings.warn(f"the background commit {handle.description} failed: {error}; nothing of it was "
-                              "recorded (the next commit call raises it)", BackgroundCommitWarning, stacklevel=1)
+                warn_caller(f"the background commit {handle.description} failed: {error}; nothing of it was "
+                            "recorded (the next commit call raises it)", BackgroundCommitWarning)
         handle._future.set_exception(error)
     _LIVE.discard(handle)
 

@@ -164,8 +164,9 @@ def test_a_save_whose_values_a_level_cannot_quantize_is_saved_with_them_lossless
     with Repository.init(tmp_path / "repo") as repo:
         writer = CkptStorageWriter(repo, message="s", lossy="balanced")
         warned = "values no step quantizes" if nan else "cannot be quantized at level .*exp_avg"
-        with pytest.warns(RuntimeWarning, match=warned):
+        with pytest.warns(RuntimeWarning, match=warned) as caught:
             dcp.save(state, storage_writer=writer, planner=CkptSavePlanner())
+        assert {w.filename for w in caught if "quantiz" in str(w.message)} == {__file__}  # not a line inside torch
         assert repo.commit_info(writer.commit_id).lossy == (None if nan else "balanced")  # nothing at the level
         model, optimizer = _two_group_adam()  # other values, overwritten by the load
         loaded_model, loaded_optim = get_state_dict(model, optimizer)

@@ -630,7 +630,7 @@ def test_show_gives_each_commits_own_figures_where_a_weights_change_rounded_to_n
     assert len(set(tensors)) < len(tensors)  # a record was reused: what the test is about
 
 
-@pytest.mark.parametrize("entry", ["Repository.commit", "ckptstore.save"])
+@pytest.mark.parametrize("entry", ["Repository.commit", "ckptstore.save", "in the background"])
 def test_a_lossless_fallback_warns_at_the_callers_line_and_without_numpys_overflow_warning(tmp_path, entry):
     """A bf16 residual past float32's range is refused by name, once; the warning points at the user's code.
 
@@ -648,6 +648,8 @@ def test_a_lossless_fallback_warns_at_the_callers_line_and_without_numpys_overfl
         with pytest.warns(RuntimeWarning) as caught:
             if entry == "ckptstore.save":
                 ckptstore.save({"model": {"w": changed}}, repo=repo, lossy="balanced")
+            elif entry == "in the background":  # the thread's warning points at the call that started it
+                repo.commit({"model": {"w": changed}}, lossy="balanced", blocking=False).result()
             else:
                 repo.commit({"model": {"w": changed}}, lossy="balanced")
         assert_same(repo.checkout("HEAD"), {"model": {"w": changed}})
