@@ -726,8 +726,9 @@ def _saying_it_waits(run: Callable[[bool], Any]) -> Any:
     try:
         return run(False)
     except RepoLockedError:
-        click.echo("waiting for the repository lock: a commit, push or sharded save in flight holds it (one whose "
-                   "ranks failed holds it until that process saves again or exits)", err=True)
+        click.echo("waiting for the repository lock: another ckpt process holds it (a commit, push, fetch, gc or "
+                   "prune in flight; a sharded save whose ranks failed, until its process saves again or exits)",
+                   err=True)
         return run(True)
 
 
