@@ -102,10 +102,14 @@ def _sgd_momentum(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
 
 
 def _second_moment(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
-    """Lossy from the smallest moment size on, where a first moment is there to be coded against it."""
+    """Lossy from the smallest moment size on, where a first moment is there to be coded against it.
+
+    Not with amsgrad: its max_exp_avg_sq stays exact, and a v restored above it (half the entries,
+    up to 4x at balanced) would raise the max for good on the first step resumed.
+    """
     slot: ParamSlots | None = subject.slot
     big = eligible(subject.raw, ctx.level, ctx.moment_min, ctx.elements.get(subject.path))
-    if big and slot is not None and slot.exp_avg is not None:
+    if big and slot is not None and slot.exp_avg is not None and not slot.amsgrad:
         return Role.ADAM_SECOND_MOMENT, subject
     return Role.LOSSLESS, subject
 

@@ -36,6 +36,7 @@ class ParamSlots:
     # the state holds tensors neither Adam nor SGD keeps (RMSprop's square_avg): its momentum_buffer
     # is that optimizer's, in other units than SGD's
     other_state: bool = False
+    amsgrad: bool = False  # Adam's max_exp_avg_sq beside its moments: v must never pass it
 
 
 @dataclass
@@ -146,18 +147,7 @@ def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str] | None 
     no state yet (never received a gradient) hold their place in the order; `lrs` (see
     `param_lrs`) gives each its learning rate.
     """
-    slots: dict[tuple[str, int], ParamSlots] = {}
-    other: set[tuple[str, int]] = set()
-    for path in tensors:
-        match = _STATE.match(path)
-        if match:
-            prefix, index, role = match.group(1) or "", int(match.group(2)), match.group(3)
-            slot = slots.setdefault((prefix, index), ParamSlots(index, lr=(lrs or {}).get(index)))
-            setattr(slot, role, path)
-        elif (match := _ANY_STATE.match(path)) and match.group(3) not in _ADAM_OR_SGD:
-            other.add((match.group(1) or "", int(match.group(2))))
-    for key in other & slots.keys():
-        slots[key].other_state = True
+    slots = _slots_of(tensors, lrs or {})
     if not slots:
         return OptimizerMap()
     prefixes = {prefix for prefix, _ in slots}
@@ -190,6 +180,24 @@ def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str] | None 
     if placement is not None:
         return _pair(ordered, [grouped[i][0] for i in placement], "Hugging Face Trainer's decay groups")
     return OptimizerMap(ordered, False, "shapes allow more than one pairing; weights not paired")
+
+
+def _slots_of(tensors: Mapping[str, RawTensor], lrs: Mapping[int, float]) -> dict[tuple[str, int], ParamSlots]:
+    """Each optimizer parameter's moments by (optimizer prefix, index), with what other state it keeps."""
+    slots: dict[tuple[str, int], ParamSlots] = {}
+    other: dict[tuple[str, int], set[str]] = {}
+    for path in tensors:
+        match = _STATE.match(path)
+        if match:
+            prefix, index, role = match.group(1) or "", int(match.group(2)), match.group(3)
+            slot = slots.setdefault((prefix, index), ParamSlots(index, lr=lrs.get(index)))
+            setattr(slot, role, path)
+        elif (match := _ANY_STATE.match(path)) and match.group(3) not in _ADAM_OR_SGD:
+            other.setdefault((match.group(1) or "", int(match.group(2))), set()).add(match.group(3))
+    for key in other.keys() & slots.keys():
+        slots[key].other_state = True
+        slots[key].amsgrad = "max_exp_avg_sq" in other[key]
+    return slots
 
 
 def _decay_groups(model: Sequence[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
