@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ckptstore.codecs.floats import to_float32
+from ckptstore.codecs.floats import LOSSY_DTYPES, to_float32
 from ckptstore.policy.levels import LossyLevel
 from ckptstore.policy.lossless import EncodingSettings
 from ckptstore.policy.lossy_base import LossyPlan, eligible, rms
@@ -126,8 +126,8 @@ def fisher_factors(tensors: Mapping[str, RawTensor], optimizer: OptimizerMap, le
         if not (optimizer.certain and slot.weight and slot.exp_avg_sq) or slot.weight not in tensors:
             continue
         weight, v = tensors[slot.weight], tensors[slot.exp_avg_sq]
-        if len(weight.shape) < 2 or not eligible(weight, level):
-            continue
+        if len(weight.shape) < 2 or not eligible(weight, level) or v.dtype not in LOSSY_DTYPES:
+            continue  # a float64 v (moments kept in double beside float32 weights): no estimate read from it
         fisher = float(np.mean(to_float32(v.data, v.dtype), dtype=np.float64))
         weight_rms = rms_of(slot.weight)
         if fisher > 0 and weight_rms > 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from enum import Enum
 
+from ckptstore.codecs.floats import LOSSY_DTYPES
 from ckptstore.policy.lossy_base import Subject, eligible, temporal_base, whole_numbers
 from ckptstore.policy.lossy_context import PlanContext
 from ckptstore.policy.mapping import ParamSlots
@@ -48,7 +49,7 @@ def classify(ctx: PlanContext, path: str, raw: RawTensor) -> tuple[Role, Subject
     if role == "weight":
         if not ctx.level.weights_lossy:
             return Role.LOSSLESS, Subject(path, raw, slot)
-        return _weight(ctx, Subject(path, raw, slot, importance=slot.exp_avg_sq if ctx.optimizer.certain else None))
+        return _weight(ctx, Subject(path, raw, slot, importance=_importance(ctx, slot)))
     if role == "momentum_buffer":
         if slot.other_state:  # another optimizer's buffer (RMSprop's): SGD's bound does not hold for it
             return Role.LOSSLESS, Subject(path, raw, slot)
@@ -56,6 +57,13 @@ def classify(ctx: PlanContext, path: str, raw: RawTensor) -> tuple[Role, Subject
     if role == "exp_avg_sq":
         return _second_moment(ctx, Subject(path, raw, slot))
     return _first_moment(ctx, Subject(path, raw, slot))
+
+
+def _importance(ctx: PlanContext, slot: ParamSlots) -> str | None:
+    """The second moment whose values weigh a weight's entries (extreme's pruning): Adam's v, when it can be read."""
+    v = slot.exp_avg_sq
+    certain = ctx.optimizer.certain and v is not None and v in ctx.tensors
+    return v if certain and ctx.tensors[v].dtype in LOSSY_DTYPES else None
 
 
 def _unowned(ctx: PlanContext, path: str, raw: RawTensor) -> tuple[Role, Subject]:

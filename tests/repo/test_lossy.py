@@ -695,3 +695,17 @@ def test_adam_with_amsgrad_keeps_its_moments_exact_so_v_never_passes_its_max(tmp
     assert_same(back["optimizer"], state["optimizer"])  # m, v and the max: exact
     if level == "balanced":  # the weights still take the level
         assert not torch.equal(back["model"]["0.weight"], state["model"]["0.weight"])
+
+
+def test_float64_moments_beside_float32_weights_stay_exact_and_the_weights_take_the_level(tmp_path):
+    """The Fisher factors read a float64 v through the lossy float conversion: the commit failed, naming no tensor."""
+    torch.manual_seed(0)
+    weight = torch.randn(256, 64)
+    moments = {"step": torch.tensor(100.0), "exp_avg": (torch.randn(256, 64) * 1e-3).double(),
+               "exp_avg_sq": ((torch.randn(256, 64) * 1e-3) ** 2 + 1e-12).double()}
+    state = {"model": {"lin.weight": weight},
+             "optimizer": {"state": {0: moments}, "param_groups": [{"lr": 1e-3, "params": [0]}]}}
+    with Repository.init(tmp_path) as repo:
+        back = repo.checkout(repo.commit(copy.deepcopy(state), lossy="extreme"))
+    assert_same(back["optimizer"], state["optimizer"])
+    assert 0 < _rel(back["model"]["lin.weight"], weight) < 0.05
