@@ -4,7 +4,9 @@ Moments pair with each other by optimizer index, always. Pairing them with weigh
 given by the caller (`commit(model=..., optimizer=...)`), or inferred from the optimizer's order
 (torch numbers parameters in `param_groups` order) checked against shapes, first in the model's
 own order, then in the order Hugging Face Trainer groups them (decayed weights, then biases and
-norms). An inference is accepted only when it is the only one the shapes allow.
+norms). With the optimizer's parameter ids at hand, that order is assumed and only checked: shapes
+cannot tell apart groups listed in another order among parameters of equal shapes (docs/guide.md
+says so). Without them, an inference is accepted only when it is the only one the shapes allow.
 """
 
 from __future__ import annotations
