@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from dataclasses import asdict, dataclass, fields, replace
@@ -172,11 +173,12 @@ def level_named(name: str | LossyLevel | None, /, **overrides: Any) -> LossyLeve
         if overrides:
             raise CkptError("lossy knobs were given without a lossy level")
         return None
-    if "name" in overrides:  # the level's own name, not a knob
-        raise CkptError("unknown lossy knob 'name'")
     if not isinstance(name, LossyLevel) and name not in LEVELS:
         raise CkptError(f"unknown lossy level {name!r}; choose one of {', '.join(LEVELS)}")
-    try:
-        return replace(name if isinstance(name, LossyLevel) else LEVELS[name], **overrides)
-    except TypeError as exc:
-        raise CkptError(f"unknown lossy knob: {exc}") from None
+    knobs = sorted(f.name for f in fields(LossyLevel) if f.name != "name")  # the level's own name is no knob
+    unknown = sorted(set(overrides) - set(knobs))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], knobs, n=1)
+        raise CkptError(f"unknown lossy knob {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                        + "; the knobs are listed in docs/reference.md#lossy-knobs")
+    return replace(name if isinstance(name, LossyLevel) else LEVELS[name], **overrides)

@@ -55,8 +55,10 @@ def test_a_knob_of_the_wrong_kind_or_range_is_refused_before_anything_is_encoded
     assert level_named("extreme", v_levels_log2=-3, prune=0.6, max_weight_error=0.0).prune == 0.6  # the presets' ranges
     with pytest.raises(CkptError, match="unknown lossy knob 'name'"):  # the level's name is no knob
         level_named("balanced", name="extreme")
-    with pytest.raises(CkptError, match="unknown lossy knob"):  # a level given as itself, a knob it lacks
-        level_named(level_named("balanced"), no_such_knob=1)
+    with pytest.raises(CkptError, match="unknown lossy knob 'no_such_knob'; the knobs are listed in docs"):
+        level_named(level_named("balanced"), no_such_knob=1)  # a level given as itself, a knob it lacks
+    with pytest.raises(CkptError, match="unknown lossy knob 'momentstep' \\(did you mean 'moment_step'\\?\\)"):
+        level_named("balanced", momentstep=2)  # not "LossyLevel.__init__() got an unexpected keyword argument"
     import numpy as np  # numpy scalars and what `--knob min_elements=1e4` parses to stand for plain numbers
 
     taken = level_named("balanced", min_elements=np.int64(1024), max_chain=1e1, codebooks=1, moment_step=np.float32(2))
