@@ -209,8 +209,9 @@ def scan(folder: Path, state: WatchState | None = None) -> dict[str, Source]:
             try:
                 if entry.is_dir() and TRAINER_FOLDER.match(entry.name):
                     source = Source(entry.name, Path(entry.path), _folder_signature(Path(entry.path)))
-                    handled = state.sources.get(entry.name) if state else None
-                    judge = functools.partial(_judge_saved_over, handled=handled) if handled else _judge_folder
+                    handled = state.sources.get(entry.name) if state else None  # a damaged state file: not a dict
+                    judge = (functools.partial(_judge_saved_over, handled=handled) if isinstance(handled, dict)
+                             else _judge_folder)
                 elif entry.is_file() and Path(entry.name).suffix in SUFFIXES:
                     info = entry.stat()
                     source = Source(entry.name, Path(entry.path), [["", info.st_size, info.st_mtime_ns]])
