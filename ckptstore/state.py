@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.errors import CorruptRecordError, DeviceUnavailableError, UnsupportedStateError, listing, warn_caller
+from ckptstore.errors import CorruptRecordError, DeviceUnavailableError, UnsupportedStateError, listing
+from ckptstore.warn import warn_caller
 
 BYTES_DTYPE = "bytes"
 NUMPY_PREFIX = "numpy:"

@@ -38,11 +38,11 @@ from ckptstore.errors import (
     PickledObjectsError,
     UnsupportedStateError,
     listing,
-    warn_caller,
 )
 from ckptstore.formats import dcpmeta, filemap
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.state import RawTensor, flatten, materialize, raw_from_bytes, raw_from_torch, unflatten
+from ckptstore.warn import warn_caller
 
 METADATA = dcpmeta.METADATA_FILE
 DATA_FILE = "__0_0.distcp"  # checkout writes every item into one file (FileSystemWriter's name for rank 0)

@@ -37,10 +37,7 @@ from ckptstore.errors import (
     CkptError,
     NothingToCommitError,
     RetentionError,
-    caller_origin,
     explain,
-    warn_caller,
-    warnings_at,
 )
 from ckptstore.formats.snapshot import HostBuffers, snapshot
 from ckptstore.hashing import CommitId
@@ -48,6 +45,7 @@ from ckptstore.repo import planecache
 from ckptstore.repo.commit import CommitOptions, LossyOptions, commit, param_names_of
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.target import start_now
+from ckptstore.warn import caller_origin, warn_caller, warnings_at
 
 if TYPE_CHECKING:
     from ckptstore.repo.progress import Progress

@@ -23,7 +23,6 @@ from ckptstore.errors import (
     NothingToCommitError,
     UnquantizableError,
     UnquantizableTensorsError,
-    warn_caller,
     with_reasons,
 )
 from ckptstore.formats import filemap
@@ -51,6 +50,7 @@ from ckptstore.repo.target import Start, commit_target, default_author, move_ref
 from ckptstore.repo.worktree import own_folder_holding
 from ckptstore.repo.writer import Job, encode_jobs, lossless_jobs
 from ckptstore.state import RawTensor, shared_view_paths
+from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
     from ckptstore.policy.lossy import LossyPlan

@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptstore.errors import CkptError, warn_caller
+from ckptstore.errors import CkptError
+from ckptstore.warn import warn_caller
 
 FOLDER = "journals"
 MoveHead = Callable[[str, "str | None"], None]  # (commit, branch or None for detached): refs.move_head's part

@@ -13,13 +13,13 @@ from ckptstore.errors import (
     InvalidRefNameError,
     RefExistsError,
     RefNotFoundError,
-    warn_caller,
 )
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import Tx, liveness
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata.refs import BRANCH, HEAD, HEAD_KIND, REMOTE, TAG
+from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository

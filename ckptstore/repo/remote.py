@@ -31,7 +31,6 @@ from ckptstore.errors import (
     RefNotFoundError,
     SentObjectError,
     explain,
-    warn_caller,
 )
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.hashing import CommitId, ObjectId
@@ -42,6 +41,7 @@ from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.objectstore.fallback import held_here
 from ckptstore.repo import refs
 from ckptstore.repo.config import RemoteConfig, RepoConfig, user_cache
+from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
     from ckptstore.metadata.db import Tx

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, UnquantizableError, UnquantizableTensorsError, warn_caller, with_reasons
+from ckptstore.errors import CkptError, UnquantizableError, UnquantizableTensorsError, with_reasons
 from ckptstore.formats.dcpmeta import DCP_FORMAT_VERSION, chunk_problem
 from ckptstore.hashing import CommitId, ObjectId, TensorId, tensor_id
 from ckptstore.metadata import commits as commit_rows
@@ -32,6 +32,7 @@ from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.target import Start, move_ref
 from ckptstore.repo.writer import encode_jobs
 from ckptstore.state import BYTES_DTYPE, RawTensor
+from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository

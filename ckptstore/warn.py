@@ -1,0 +1,58 @@
+"""Warnings that point at the user's line, however deep in ckptstore (or torch, or a background thread) they arise.
+
+A fixed stacklevel fits one way in: Repository.commit, ckptstore.save, a DCP save and a
+background commit reach the same warning at different depths, and a filter by module should
+name the user's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_origin = threading.local()  # in a background commit's thread: where the user's call that started it is
+
+
+def _outside(frame: FrameType | None, level: int) -> tuple[FrameType | None, int]:
+    """The first frame from `frame` outward that is neither ckptstore's nor torch's (DCP calls ours), and its level."""
+    torch = sys.modules.get("torch")
+    inside = (_PACKAGE, os.path.dirname(torch.__file__) + os.sep) if getattr(torch, "__file__", None) else (_PACKAGE,)
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return frame, level
+
+
+def caller_origin() -> tuple[str, int, dict[str, Any]] | None:
+    """Where the user's call that reached here is (file, line, module globals): a thread started here warns there."""
+    frame, _ = _outside(sys._getframe(1), 0)
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
+
+
+@contextlib.contextmanager
+def warnings_at(origin: tuple[str, int, dict[str, Any]] | None) -> Iterator[None]:
+    """In this (background) thread, `warn_caller` points at `origin`, the call that started the thread's work."""
+    _origin.where = origin
+    try:
+        yield
+    finally:
+        _origin.where = None
+
+
+def warn_caller(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """Warn at the user's line: the first frame outside ckptstore and torch, or a background thread's origin."""
+    frame, level = _outside(sys._getframe(1), 2)
+    where = getattr(_origin, "where", None)
+    if where is not None and (frame is None or frame.f_globals.get("__name__") == "threading"):
+        filename, lineno, module_globals = where
+        warnings.warn_explicit(message, category, filename, lineno, module=module_globals.get("__name__"),
+                               registry=module_globals.setdefault("__warningregistry__", {}),
+                               module_globals=module_globals)
+        return
+    warnings.warn(message, category, stacklevel=level if frame is not None else 1)
