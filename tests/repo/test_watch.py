@@ -412,3 +412,16 @@ def test_a_folder_saved_over_with_a_file_written_after_trainer_state_is_committe
     torch.save({"rng": torch.ones(2)}, folder / "rng_state.pth")  # after trainer_state.json
     assert len(watch(repo, run, ONCE).committed) == 1
     assert_same(repo.checkout("HEAD")["optimizer.pt"], trainer.optimizer.state_dict())
+
+
+def test_a_damaged_entry_in_the_watch_state_is_read_as_no_entry(repo, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    _trainer_folder(run / "checkpoint-100", Trainer())
+    assert len(watch(repo, run, ONCE).committed) == 1
+    (state_file,) = (repo.dir / "watch").glob("*.json")
+    record = json.loads(state_file.read_text())
+    record["sources"]["checkpoint-100"] = "not a record"
+    state_file.write_text(json.dumps(record))
+    report = watch(repo, run, ONCE)  # it ended in an AttributeError
+    assert report.committed == [] and not report.waiting  # the digests say it is committed already
