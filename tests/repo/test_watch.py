@@ -364,16 +364,22 @@ def test_a_file_rewritten_after_retention_pruned_its_last_commit_is_committed(tm
         assert len(watch(repo, run, ONCE).committed) == 0  # and once only
 
 
-def test_a_trainer_folder_saved_over_in_place_is_committed_only_once_whole_again(repo, tmp_path):
-    """New weights beside the old optimizer and the old (still parsing) trainer_state.json were committed (auditor)."""
+def _saving_over_in_place(repo, tmp_path) -> tuple[Path, Path, Trainer]:
+    """A Trainer folder committed by the watch, then saved again (a resumed run) as far as its new weights."""
     run = tmp_path / "run"
     run.mkdir()
     trainer = Trainer()
     _trainer_folder(run / "checkpoint-100", trainer)
     assert len(watch(repo, run, ONCE).committed) == 1
     trainer.train(1)
-    folder = run / "checkpoint-100"  # the same step saved again (a resumed run), weights first
+    folder = run / "checkpoint-100"
     save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, folder / "model.safetensors")
+    return run, folder, trainer
+
+
+def test_a_trainer_folder_saved_over_in_place_is_committed_only_once_whole_again(repo, tmp_path):
+    """New weights beside the old optimizer and the old (still parsing) trainer_state.json were committed (auditor)."""
+    run, folder, trainer = _saving_over_in_place(repo, tmp_path)
     for _ in range(2):  # a pause of two scans before the optimizer comes
         report = watch(repo, run, ONCE)
         assert report.committed == [] and "saved over in place" in report.waiting["checkpoint-100"]
@@ -398,14 +404,7 @@ def test_symbolic_links_are_listed_as_never_committed(repo, tmp_path):
 
 def test_a_folder_saved_over_with_a_file_written_after_trainer_state_is_committed(repo, tmp_path):
     """Older Trainers write rng_state.pth after trainer_state.json, callbacks write adapters: it waited forever."""
-    run = tmp_path / "run"
-    run.mkdir()
-    trainer = Trainer()
-    _trainer_folder(run / "checkpoint-100", trainer)
-    assert len(watch(repo, run, ONCE).committed) == 1
-    trainer.train(1)
-    folder = run / "checkpoint-100"
-    save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, folder / "model.safetensors")
+    run, folder, trainer = _saving_over_in_place(repo, tmp_path)
     torch.save(trainer.optimizer.state_dict(), folder / "optimizer.pt")
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": trainer.step}))
     time.sleep(0.05)  # past the file system's clock tick: a later modification time
