@@ -36,6 +36,7 @@ from ckptstore.records import TensorRecord
 from ckptstore.state import RawTensor
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+AMSGRAD_MAX = "max_exp_avg_sq"  # paired too: with it, Adam's moments stay exact (policy/lossy_roles.py)
 PAIRING = "by fully qualified name (DCP's flattened optimizer state)"
 _NO_DATA = np.empty(0, dtype=np.uint8)
 
@@ -92,7 +93,7 @@ def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float]) -> tuple[di
     A state whose weight is not exactly one other name stays unpaired (and lossless).
     """
     names = sorted(set(fqns))
-    states = {n for n in names if n.rsplit(".", 1)[-1] in MOMENTS and ".state." in f".{n}"}
+    states = {n for n in names if n.rsplit(".", 1)[-1] in (*MOMENTS, AMSGRAD_MAX) and ".state." in f".{n}"}
     weights = [n for n in names if n not in states]
     slots: dict[str, dict[str, str]] = {}
     lrs: dict[str, float] = {}
@@ -131,7 +132,7 @@ def combine(stats: Mapping[Shard, ShardStats], dtypes: Mapping[str, str], sizes:
                        mean={f: _f32(v[1] / v[2]) for f, v in floats.items()},
                        elements={f: math.prod(sizes[f]) for f in sizes})
     facts.slots, facts.lrs = pair_by_fqn(dtypes, param_lrs)
-    states = [state for slot in facts.slots.values() for state in slot.values()]
+    states = [state for slot in facts.slots.values() for role, state in slot.items() if role in MOMENTS]
     lrs = set(facts.lrs.values())
     facts.shared_lr = lrs.pop() if len(lrs) == 1 else None
     facts.moment_min = moment_min_of_sizes([facts.elements[s] for s in states if s in facts.elements], level)
@@ -192,8 +193,10 @@ def _shard_slots(tensors: Mapping[str, RawTensor], shards: Mapping[str, Shard], 
             found = {role: key_of.get((fqn, offsets, sizes)) for role, fqn in states.items()}
             if not any(found.values()):
                 continue
-            slot = ParamSlots(len(slots), weight=key_of.get((weight, offsets, sizes)), lr=facts.lrs.get(weight))
+            slot = ParamSlots(len(slots), weight=key_of.get((weight, offsets, sizes)), lr=facts.lrs.get(weight),
+                              other_state=AMSGRAD_MAX in states, amsgrad=AMSGRAD_MAX in states)
             for role, key in found.items():
-                setattr(slot, role, key)
+                if role in MOMENTS:
+                    setattr(slot, role, key)
             slots.append(slot)
     return OptimizerMap(slots, True, PAIRING)

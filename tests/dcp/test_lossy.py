@@ -205,3 +205,28 @@ def test_show_gives_each_sharded_commits_own_figures_where_a_shards_change_round
             assert row["rel_error"] == pytest.approx(actual, rel=1e-3) and actual <= row["max_error"]
             tensors.append(row["tensor"])
     assert len(set(tensors)) < len(tensors)  # a record was reused: what the test is about
+
+
+def test_a_sharded_save_of_adam_with_amsgrad_keeps_its_moments_exact(tmp_path):
+    """3ed2ea6 kept amsgrad's moments exact in file commits only: a DCP save still put v above its exact max."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, amsgrad=True)
+    for i in range(6):  # big gradients first: the max stays above v afterwards
+        optimizer.zero_grad()
+        model(torch.randn(64, 256) * (3.0 if i < 3 else 0.1)).pow(2).mean().backward()
+        optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    with Repository.init(tmp_path / "repo") as repo:
+        writer = CkptStorageWriter(repo, lossy="balanced")
+        dcp.save({"model": model_state, "optim": optim_state}, storage_writer=writer, planner=CkptSavePlanner())
+        back = {"model": {k: torch.zeros_like(v) for k, v in model_state.items()},
+                "optim": {"state": {p: {k: torch.zeros_like(v) for k, v in s.items()}
+                                    for p, s in optim_state["state"].items()},
+                          "param_groups": optim_state["param_groups"]}}
+        dcp.load(back, storage_reader=CkptStorageReader(repo, writer.commit_id))
+    for name, moments in optim_state["state"].items():
+        assert all(torch.equal(back["optim"]["state"][name][k], v) for k, v in moments.items()), name
+    assert not torch.equal(back["model"]["0.weight"], model_state["0.weight"])  # the weights take the level
