@@ -424,3 +424,26 @@ def test_a_damaged_entry_in_the_watch_state_is_read_as_no_entry(repo, tmp_path):
     state_file.write_text(json.dumps(record))
     report = watch(repo, run, ONCE)  # it ended in an AttributeError
     assert report.committed == [] and not report.waiting  # the digests say it is committed already
+
+
+def test_a_save_over_that_the_watch_missed_does_not_vouch_for_the_next_one_half_written(repo, tmp_path):
+    """v1 handled, v2 saved while no watch ran, v3 half written: v2's trainer_state.json "differed" from v1's."""
+    run, folder, trainer = _saving_over_in_place(repo, tmp_path)  # v2's weights
+    torch.save(trainer.optimizer.state_dict(), folder / "optimizer.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": trainer.step}))
+    time.sleep(0.05)  # v3, later: its weights only so far
+    trainer.train(1)
+    save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, folder / "model.safetensors")
+    report = watch(repo, run, ONCE)
+    assert report.committed == [] and "newer than trainer_state.json" in report.waiting["checkpoint-100"]
+
+
+def test_a_file_added_to_a_committed_trainer_folder_is_committed_with_it(repo, tmp_path):
+    """A callback's file written later, nothing saved over: it waited forever for a new trainer_state.json."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _trainer_folder(run / "checkpoint-100", Trainer())
+    assert len(watch(repo, run, ONCE).committed) == 1
+    torch.save({"ema": torch.ones(3)}, run / "checkpoint-100" / "extra_state.pt")
+    assert len(watch(repo, run, ONCE).committed) == 1
+    assert_same(repo.checkout("HEAD")["extra_state.pt"], {"ema": torch.ones(3)})
