@@ -52,7 +52,7 @@ T = TypeVar("T")
 _OPEN: weakref.WeakSet[Database] = weakref.WeakSet()
 _INHERITED: list[Any] = []  # a forked child's copies of its parent's connections: never used, never closed
 # SQLite keeps its locks' bookkeeping per process: a fork during a write transaction copies it "held", and the
-# child could never write. A fork waits (at most FORK_WAIT_S) for the write transactions in flight to end.
+# child could never write. A fork waits (at most FORK_WAIT_S) for the SQLite write locks held to be let go.
 FORK_WAIT_S = 30.0
 _FORKING = threading.Condition()
 _WRITING: dict[int, int] = {}  # thread id -> the write transactions it has open
@@ -320,13 +320,16 @@ class Database:
     @contextlib.contextmanager
     def _raw_transaction(self, write: bool) -> Iterator[Tx]:
         connection = self._begin(write)
+        # SQLite's write lock is held from here: a fork waits until it is let go (`_before_fork`)
+        held = _holding_write() if write and self.path is not None else contextlib.nullcontext()
         try:
-            try:
-                yield Tx(connection, self.backend)
-            except BaseException:
-                self.backend.rollback(connection)
-                raise
-            self.backend.commit(connection)
+            with held:
+                try:
+                    yield Tx(connection, self.backend)
+                except BaseException:
+                    self.backend.rollback(connection)
+                    raise
+                self.backend.commit(connection)
         finally:
             if self.backend.in_transaction(connection):  # the commit itself failed (disk full, I/O error)
                 with contextlib.suppress(*self.backend.errors):
@@ -352,7 +355,7 @@ class Database:
                             "it would wait for itself (a bug in ckptstore: please report it)")
         self._writing.active = True
         try:
-            with _counted_write(), self._transaction(write=True) as tx:
+            with self._transaction(write=True) as tx:
                 yield tx
                 self.confirm_locks()
         finally:
@@ -440,9 +443,14 @@ class Database:
 
 
 @contextlib.contextmanager
-def _counted_write() -> Iterator[None]:
+def _holding_write() -> Iterator[None]:
+    """Count this thread's SQLite write lock, taken just now, for a fork to wait on (not while BEGIN waits).
+
+    A thread whose BEGIN waits for another process holds nothing a child would inherit; counting it
+    made every fork meanwhile wait. What is left: a fork between BEGIN and this count.
+    """
     me = threading.get_ident()
-    with _FORKING:  # a fork in progress holds it: a new write starts after the fork
+    with _FORKING:
         _WRITING[me] = _WRITING.get(me, 0) + 1
     try:
         yield

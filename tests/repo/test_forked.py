@@ -83,3 +83,39 @@ def test_a_fork_during_another_threads_metadata_write_waits_for_it_so_the_child_
         writer.join()
         assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
         assert torch.equal(repo.checkout("HEAD")["w"], torch.ones(8))
+
+
+HOLDER = """
+import sqlite3, sys, time
+connection = sqlite3.connect(sys.argv[1], isolation_level=None)
+connection.execute("BEGIN IMMEDIATE")
+print("held", flush=True)
+time.sleep(3)
+connection.execute("COMMIT")
+"""
+
+
+def test_a_fork_does_not_wait_for_a_thread_whose_write_waits_on_another_process(tmp_path):
+    """Counted before BEGIN, a write queued behind another process made every fork meanwhile wait (up to 30 s)."""
+    import subprocess
+    import sys
+
+    with Repository.init(tmp_path) as repo:
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(repo.db.path)], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "held"  # another process's commit, say
+        def write():
+            with repo.db.write() as tx:
+                tx.execute("SELECT 1")
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        time.sleep(0.5)  # the writer waits in BEGIN now
+        start = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        took = time.monotonic() - start
+        os.waitpid(pid, 0)
+        writer.join()
+        holder.wait()
+    assert took < 1.5
