@@ -306,23 +306,30 @@ def _commit_and_resolve(repo: Repository, lane: Lane, handle: BackgroundCommit, 
     finally:
         lane.buffers.give_back(lent)
         handle.timing["commit_s"] = time.perf_counter() - start
-    if error is None:
-        handle._future.set_result(cid)
-    else:
-        # nothing changed is no failure: the state is already the branch's head (result() still says so)
-        if isinstance(error, RetentionError):  # recorded: only the prune after it failed, and the next one retries
-            if not handle.seen:
-                handle.warned = True
-                warn_caller(f"the background commit {handle.description}: {error}; the next commit's policy "
-                            "prunes again", BackgroundCommitWarning)
-        elif not handle.seen and not isinstance(error, NothingToCommitError):
-            lane.failed = handle
-            if not _EXITING.is_set():  # at exit there is no next commit call: _at_exit says it
-                handle.warned = True
-                warn_caller(f"the background commit {handle.description} failed: {error}; nothing of it was "
-                            "recorded (the next commit call raises it)", BackgroundCommitWarning)
-        handle._future.set_exception(error)
-    _LIVE.discard(handle)
+    try:
+        if error is not None:
+            _tell(handle, lane, error)
+    finally:  # resolved even where a warnings filter turns the warning into an error: nothing waits forever
+        if error is None:
+            handle._future.set_result(cid)
+        else:
+            handle._future.set_exception(error)
+        _LIVE.discard(handle)
+
+
+def _tell(handle: BackgroundCommit, lane: Lane, error: BaseException) -> None:
+    """Warn of a failed background commit nobody waits on (nothing changed is no failure: result() says so)."""
+    if isinstance(error, RetentionError):  # recorded: only the prune after it failed, and the next one retries
+        if not handle.seen:
+            handle.warned = True
+            warn_caller(f"the background commit {handle.description}: {error}; the next commit's policy "
+                        "prunes again", BackgroundCommitWarning)
+    elif not handle.seen and not isinstance(error, NothingToCommitError):
+        lane.failed = handle
+        if not _EXITING.is_set():  # at exit there is no next commit call: _at_exit says it
+            handle.warned = True
+            warn_caller(f"the background commit {handle.description} failed: {error}; nothing of it was "
+                        "recorded (the next commit call raises it)", BackgroundCommitWarning)
 
 
 def _lower_priority() -> None:

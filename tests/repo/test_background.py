@@ -485,3 +485,18 @@ def test_a_forked_child_can_use_its_parents_open_repository(tmp_path):
         assert torch.equal(repo.checkout("child")["w"], state["w"] * 2)
         repo.commit({"w": state["w"] + 1}, "the parent goes on")
         assert fsck(repo).ok
+
+
+def test_a_background_commit_whose_warning_a_filter_makes_an_error_still_resolves(repo):
+    """The warning came first and raised: the handle never resolved, and close() and exit waited on it for good."""
+    import warnings
+
+    weight = torch.randn(256, 256)
+    weight[0, 0] = float("nan")  # the level falls back to lossless, with a warning
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", module=__name__)  # "my code's warnings are errors"
+        handle = repo.commit({"model": {"w": weight}}, lossy="balanced", blocking=False)
+        handle._thread.join(timeout=60)
+    assert handle.done()
+    with pytest.raises(RuntimeWarning, match="committed lossless instead"):
+        handle.result(timeout=5)
