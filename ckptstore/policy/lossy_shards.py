@@ -36,7 +36,11 @@ from ckptstore.records import TensorRecord
 from ckptstore.state import RawTensor
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
-AMSGRAD_MAX = "max_exp_avg_sq"  # paired too: with it, Adam's moments stay exact (policy/lossy_roles.py)
+AMSGRAD_MAX = "max_exp_avg_sq"  # with it, Adam's moments stay exact (policy/lossy_roles.py)
+# other torch optimizers' state (RMSprop, Adagrad, Adamax, Adadelta, NAdam, ASGD, Rprop): it marks its
+# parameter's slot, as policy/mapping.py does for a file, so no momentum_buffer beside it takes SGD's bound
+OTHER_STATE = (AMSGRAD_MAX, "square_avg", "grad_avg", "sum", "exp_inf", "acc_delta", "mu_product", "eta", "ax",
+               "prev", "step_size")
 PAIRING = "by fully qualified name (DCP's flattened optimizer state)"
 _NO_DATA = np.empty(0, dtype=np.uint8)
 
@@ -93,7 +97,7 @@ def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float]) -> tuple[di
     A state whose weight is not exactly one other name stays unpaired (and lossless).
     """
     names = sorted(set(fqns))
-    states = {n for n in names if n.rsplit(".", 1)[-1] in (*MOMENTS, AMSGRAD_MAX) and ".state." in f".{n}"}
+    states = {n for n in names if n.rsplit(".", 1)[-1] in (*MOMENTS, *OTHER_STATE) and ".state." in f".{n}"}
     weights = [n for n in names if n not in states]
     slots: dict[str, dict[str, str]] = {}
     lrs: dict[str, float] = {}
@@ -194,7 +198,7 @@ def _shard_slots(tensors: Mapping[str, RawTensor], shards: Mapping[str, Shard], 
             if not any(found.values()):
                 continue
             slot = ParamSlots(len(slots), weight=key_of.get((weight, offsets, sizes)), lr=facts.lrs.get(weight),
-                              other_state=AMSGRAD_MAX in states, amsgrad=AMSGRAD_MAX in states)
+                              other_state=bool(set(states) - set(MOMENTS)), amsgrad=AMSGRAD_MAX in states)
             for role, key in found.items():
                 if role in MOMENTS:
                     setattr(slot, role, key)

@@ -230,3 +230,26 @@ def test_a_sharded_save_of_adam_with_amsgrad_keeps_its_moments_exact(tmp_path):
     for name, moments in optim_state["state"].items():
         assert all(torch.equal(back["optim"]["state"][name][k], v) for k, v in moments.items()), name
     assert not torch.equal(back["model"]["0.weight"], model_state["0.weight"])  # the weights take the level
+
+
+def test_a_sharded_save_of_rmsprop_keeps_its_momentum_exact_as_a_file_commit_does(tmp_path):
+    """RMSprop's momentum_buffer is in its own units: a file commit keeps it exact, a DCP save gave it SGD's bound."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.9, centered=True)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(64, 256)).pow(2).mean().backward()
+        optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    with Repository.init(tmp_path / "repo") as repo:
+        writer = CkptStorageWriter(repo, lossy="balanced")
+        dcp.save({"model": model_state, "optim": optim_state}, storage_writer=writer, planner=CkptSavePlanner())
+        back = {"optim": {"state": {p: {k: torch.zeros_like(v) for k, v in s.items()}
+                                    for p, s in optim_state["state"].items()},
+                          "param_groups": optim_state["param_groups"]}}
+        dcp.load(back, storage_reader=CkptStorageReader(repo, writer.commit_id))
+    for name, state in optim_state["state"].items():
+        assert torch.equal(back["optim"]["state"][name]["momentum_buffer"], state["momentum_buffer"]), name
