@@ -12,8 +12,7 @@ When a source counts as complete (torch.save, safetensors and Trainer all write 
   end marker, so for it stability alone decides;
 - a Trainer folder holds a `trainer_state.json` that parses: Trainer._save_checkpoint writes it
   after the model, optimizer, scheduler and RNG files; in a folder saved over in place (a version
-  of it was handled before), weight and optimizer files changed since then also need a rewritten
-  trainer_state.json no older than them.
+  of it was handled before), files rewritten since then also need a rewritten trainer_state.json.
 
 The step comes from trainer_state.json's `global_step`, else from the name (`checkpoint-500`,
 `step=1200`, `model_300.pt`: the number after "step", else the last number in the name).
@@ -60,8 +59,6 @@ SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".safetensors"}
 TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 LINKED = "a symbolic link, never committed (the file it points to is, when it is in the watched folder)"
-# what Trainer writes before trainer_state.json in every version: weights and optimizer state
-_CORE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)$|^(optimizer|scheduler)\.pt$")
 _STEP = re.compile(r"step[=_-]?(\d+)", re.IGNORECASE)
 # a whole number, not part of a decimal (a metric: val_loss=0.1234), an epoch's (epoch=3) nor a version (last-v1)
 _NUMBER = re.compile(r"(?<!\d)(?<!\d\.)(?<!epoch)(?<!epoch[=_-])(?<!-v)(\d+)(?!\.\d)(?!\d)", re.IGNORECASE)
@@ -259,25 +256,18 @@ def _judge_folder(source: Source) -> Source:
 
 
 def _judge_saved_over(source: Source, handled: dict[str, Any]) -> Source:
-    """A Trainer folder saved over a version handled before: complete once its trainer_state.json is new again.
+    """A Trainer folder saved over a version handled before: files rewritten since need a new trainer_state.json.
 
-    The old trainer_state.json still parses while Trainer writes the new weights and optimizer over
-    the old ones. A weight or optimizer file changed since the handled version must therefore come
-    with a rewritten trainer_state.json that is not older than it; Trainer writes those files before
-    it. Other files (an older Trainer's rng_state.pth, a callback's) may come later, or alone.
+    The old trainer_state.json still parses while Trainer writes new weights and optimizer state
+    over the old ones, whatever their names (adapters, FSDP shards, DeepSpeed folders). Files only
+    added (a callback's), or written after the new trainer_state.json, count at once.
     """
     source = _judge_folder(source)
     before = {entry[0]: entry for entry in handled.get("signature") or [] if isinstance(entry, list) and entry}
     now = {entry[0]: entry for entry in source.signature}
-    state = now.get(TRAINER_STATE)
-    changed = [name for name, entry in now.items() if _CORE.match(Path(name).name) and before.get(name) != entry]
-    if source.incomplete or state is None or not changed:
-        return source
-    if before.get(TRAINER_STATE) == state:
-        source.incomplete = f"saved over in place: {changed[0]} is new, its {TRAINER_STATE} still the earlier one's"
-    elif any(now[name][2] > state[2] for name in changed):
-        newer = next(name for name in changed if now[name][2] > state[2])
-        source.incomplete = f"saved over in place: {newer} is newer than {TRAINER_STATE}, which Trainer writes after it"
+    rewritten = [name for name, entry in now.items() if name != TRAINER_STATE and before.get(name, entry) != entry]
+    if not source.incomplete and rewritten and before.get(TRAINER_STATE) == now.get(TRAINER_STATE):
+        source.incomplete = f"saved over in place: {rewritten[0]} is new, its {TRAINER_STATE} still the earlier one's"
     return source
 
 

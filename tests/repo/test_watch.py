@@ -426,16 +426,24 @@ def test_a_damaged_entry_in_the_watch_state_is_read_as_no_entry(repo, tmp_path):
     assert report.committed == [] and not report.waiting  # the digests say it is committed already
 
 
-def test_a_save_over_that_the_watch_missed_does_not_vouch_for_the_next_one_half_written(repo, tmp_path):
-    """v1 handled, v2 saved while no watch ran, v3 half written: v2's trainer_state.json "differed" from v1's."""
-    run, folder, trainer = _saving_over_in_place(repo, tmp_path)  # v2's weights
-    torch.save(trainer.optimizer.state_dict(), folder / "optimizer.pt")
-    (folder / "trainer_state.json").write_text(json.dumps({"global_step": trainer.step}))
-    time.sleep(0.05)  # v3, later: its weights only so far
-    trainer.train(1)
-    save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, folder / "model.safetensors")
+@pytest.mark.parametrize("weights, optimizer", [("adapter_model.safetensors", "optimizer.pt"),
+                                                ("pytorch_model_fsdp.bin", "optimizer.bin")])
+def test_a_trainer_folder_of_any_file_names_saved_over_in_place_waits_for_its_trainer_state(repo, tmp_path, weights,
+                                                                                         optimizer):
+    """6b8f363 judged only files named like Trainer's defaults: PEFT's and FSDP's weights rewritten were committed
+    beside the old optimizer (reader)."""
+    run = tmp_path / "run"
+    folder = run / "checkpoint-100"
+    folder.mkdir(parents=True)
+    save_file({"w": torch.zeros(8)}, folder / weights) if weights.endswith(".safetensors") else \
+        torch.save({"w": torch.zeros(8)}, folder / weights)
+    torch.save({"m": torch.zeros(8)}, folder / optimizer)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 100}))
+    assert len(watch(repo, run, ONCE).committed) == 1
+    save_file({"w": torch.ones(8)}, folder / weights) if weights.endswith(".safetensors") else \
+        torch.save({"w": torch.ones(8)}, folder / weights)
     report = watch(repo, run, ONCE)
-    assert report.committed == [] and "newer than trainer_state.json" in report.waiting["checkpoint-100"]
+    assert report.committed == [] and "saved over in place" in report.waiting["checkpoint-100"]
 
 
 def test_a_file_added_to_a_committed_trainer_folder_is_committed_with_it(repo, tmp_path):
