@@ -37,10 +37,10 @@ from ckptstore.state import RawTensor
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 AMSGRAD_MAX = "max_exp_avg_sq"  # with it, Adam's moments stay exact (policy/lossy_roles.py)
-# other torch optimizers' state (RMSprop, Adagrad, Adamax, Adadelta, NAdam, ASGD, Rprop): it marks its
-# parameter's slot, as policy/mapping.py does for a file, so no momentum_buffer beside it takes SGD's bound
-OTHER_STATE = (AMSGRAD_MAX, "square_avg", "grad_avg", "sum", "exp_inf", "acc_delta", "mu_product", "eta", "ax",
-               "prev", "step_size")
+# other torch optimizers' state found beside a moment (RMSprop's, amsgrad's): it marks the parameter's slot, as
+# policy/mapping.py does for a file, so no momentum_buffer beside it takes SGD's bound
+OTHER_STATE = (AMSGRAD_MAX, "square_avg", "grad_avg", "sum", "exp_inf", "acc_delta", "mu_product", "eta", "mu", "ax",
+               "prev", "step_size", "row_var", "col_var", "variance")
 PAIRING = "by fully qualified name (DCP's flattened optimizer state)"
 _NO_DATA = np.empty(0, dtype=np.uint8)
 
@@ -97,7 +97,8 @@ def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float]) -> tuple[di
     A state whose weight is not exactly one other name stays unpaired (and lossless).
     """
     names = sorted(set(fqns))
-    states = {n for n in names if n.rsplit(".", 1)[-1] in (*MOMENTS, *OTHER_STATE) and ".state." in f".{n}"}
+    present = set(names)
+    states = {n for n in names if n.rsplit(".", 1)[-1] in MOMENTS and ".state." in f".{n}"}
     weights = [n for n in names if n not in states]
     slots: dict[str, dict[str, str]] = {}
     lrs: dict[str, float] = {}
@@ -106,7 +107,10 @@ def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float]) -> tuple[di
         for param in _params_of(head):
             hits = [w for w in weights if w == param or w.endswith("." + param)]
             if len(hits) == 1:
-                slots.setdefault(hits[0], {})[role] = name
+                slot = slots.setdefault(hits[0], {})
+                slot[role] = name
+                # beside a moment, under its own head: never a model parameter named like one (`x.state.sum`)
+                slot.update({other: f"{head}.{other}" for other in OTHER_STATE if f"{head}.{other}" in present})
                 if param in param_lrs:
                     lrs[hits[0]] = float(param_lrs[param])
                 break

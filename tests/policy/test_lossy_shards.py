@@ -25,6 +25,21 @@ def test_moments_pair_with_the_weight_whose_name_ends_with_their_parameter():
     assert lrs == {"model.0.weight": 1e-4, "model.state.proj.weight": 2e-4}
 
 
+def test_other_optimizer_state_marks_its_slot_but_a_parameter_named_like_it_stays_a_weight():
+    """amsgrad's max and RMSprop's square_avg beside a moment mark the slot; `model.z.state.prev` (a submodule called
+    `state`) was taken for state and its moments paired with `model.a.prev` (reader)."""
+    names = ["model.a.prev", "model.z.state.prev", "model.w", "optim.state.a.prev.exp_avg",
+             "optim.state.a.prev.exp_avg_sq", "optim.state.z.state.prev.exp_avg", "optim.state.z.state.prev.exp_avg_sq",
+             "optim.state.w.momentum_buffer", "optim.state.w.square_avg"]
+    slots, _ = pair_by_fqn(names, {})
+    assert slots["model.z.state.prev"] == {"exp_avg": "optim.state.z.state.prev.exp_avg",
+                                           "exp_avg_sq": "optim.state.z.state.prev.exp_avg_sq"}
+    assert slots["model.a.prev"] == {"exp_avg": "optim.state.a.prev.exp_avg",
+                                     "exp_avg_sq": "optim.state.a.prev.exp_avg_sq"}
+    assert slots["model.w"] == {"momentum_buffer": "optim.state.w.momentum_buffer",
+                                "square_avg": "optim.state.w.square_avg"}
+
+
 def _raw(values: np.ndarray) -> RawTensor:
     return RawTensor(F32, values.shape, values.astype(np.float32).view(np.uint8).reshape(-1))
 
