@@ -265,7 +265,14 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
                                                               progress, caller_origin()), name="ckpt-background-commit")
         lane.current = handle
         _LIVE.add(handle)
-        handle._thread.start()
+        try:
+            handle._thread.start()
+        except BaseException as exc:  # "can't start new thread": nothing runs, so nothing may wait on the handle
+            lane.buffers.give_back(lent)
+            lane.current = None
+            _LIVE.discard(handle)
+            handle._future.set_exception(exc)
+            raise
     return handle
 
 
@@ -292,13 +299,14 @@ def _commit_and_resolve(repo: Repository, lane: Lane, handle: BackgroundCommit, 
     start = time.perf_counter()
     error: BaseException | None = None
     _lower_priority()
-    # the repository as it is, but with threads of its own at a lower priority: training keeps the cores
-    background = copy.copy(repo)
-    if lane.pool is None:  # kept for the repository's next background commits: one runs at a time
-        lane.pool = ThreadPoolExecutor(repo.config.threads or os.cpu_count() or 1, "ckpt-background", _lower_priority)
-    background._pool = lane.pool
-    planecache.set_cache(background, planecache.cache_of(repo))  # one set of residual bases, whoever commits
     try:
+        # the repository as it is, but with threads of its own at a lower priority: training keeps the cores
+        background = copy.copy(repo)
+        if lane.pool is None:  # kept for the repository's next background commits: one runs at a time
+            lane.pool = ThreadPoolExecutor(repo.config.threads or os.cpu_count() or 1, "ckpt-background",
+                                           _lower_priority)
+        background._pool = lane.pool
+        planecache.set_cache(background, planecache.cache_of(repo))  # one set of residual bases, whoever commits
         faults.point("background:start")  # tests hold the thread here to change the state meanwhile
         cid = commit(background, checkpoint, options, lossy, progress)
     except BaseException as exc:  # every failure goes to the handle, none is lost with the thread

@@ -500,3 +500,23 @@ def test_a_background_commit_whose_warning_a_filter_makes_an_error_still_resolve
     assert handle.done()
     with pytest.raises(RuntimeWarning, match="committed lossless instead"):
         handle.result(timeout=5)
+
+
+def test_a_background_commit_whose_thread_cannot_start_leaves_nothing_to_wait_on(repo, monkeypatch):
+    """"can't start new thread" reached the caller, but the handle stayed in flight: the next commit waited forever."""
+    real = threading.Thread.start
+
+    def refused(thread):
+        if thread.name == "ckpt-background-commit":
+            raise RuntimeError("can't start new thread")
+        return real(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        repo.commit({"w": torch.ones(4)}, "in the background", blocking=False)
+    monkeypatch.undo()
+    done = []
+    committer = threading.Thread(target=lambda: done.append(repo.commit({"w": torch.ones(4) * 2}, "next")))
+    committer.start()
+    committer.join(timeout=60)
+    assert done and [c.message for c in repo.log()] == ["next"]
