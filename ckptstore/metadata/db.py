@@ -463,7 +463,7 @@ def _holding_write() -> Iterator[None]:
 
 
 def _before_fork() -> None:
-    """Hold new write transactions back and wait for other threads' to end (the forking thread's own cannot)."""
+    """Wait for other threads' SQLite write locks to be let go (the forking thread's own cannot be waited for)."""
     _FORKING.acquire()
     me = threading.get_ident()
     _FORKING.wait_for(lambda: not any(thread != me for thread in _WRITING), timeout=FORK_WAIT_S)
