@@ -113,6 +113,8 @@ class LossyLevel:
 
 
 _FRACTIONS = ("weight_rounding", "moment_rounding", "prune")
+# steps and scales of a step: 0 would divide by zero, where other knobs at 0 mean "off"
+_POSITIVE = ("weight_keyframe_step", "weight_residual_step", "moment_step", "embedding_factor", "frozen_step")
 # a v grid from 64 octaves per level (float32 spans 277) to 4096 levels per octave (past float32's 23 bits)
 _LOG2_RANGE = (-6, 12)
 _WRONG = object()
@@ -123,6 +125,8 @@ def _expected(name: str, kind: str) -> str:
         return "true or false"
     if kind.startswith("int"):
         return f"an integer from {_LOG2_RANGE[0]} to {_LOG2_RANGE[1]}" if name.endswith("log2") else "an integer >= 0"
+    if name in _POSITIVE:
+        return "a finite number > 0"
     return "a number in [0, 1]" if name in _FRACTIONS else "a finite number >= 0"
 
 
@@ -138,7 +142,8 @@ def _knob_value(name: str, kind: str, value: Any) -> Any:
         whole = value == int(value) and (_LOG2_RANGE[0] <= value <= _LOG2_RANGE[1] if name.endswith("log2")
                                          else value >= 0)
         return int(value) if whole else _WRONG
-    return float(value) if value >= 0 and (name not in _FRACTIONS or value <= 1) else _WRONG
+    in_range = value > 0 if name in _POSITIVE else value >= 0 and (name not in _FRACTIONS or value <= 1)
+    return float(value) if in_range else _WRONG
 
 
 LEVELS: dict[str, LossyLevel] = {

@@ -47,12 +47,16 @@ def test_each_retry_at_least_halves_the_step_and_at_most_sixteenths_it(measured)
 @pytest.mark.parametrize("knob, value", [("max_weight_error", "abc"), ("max_weight_error", -1.0), ("prune", 5),
                                          ("weights_lossy", "maybe"), ("max_chain", -3), ("min_elements", 1.5),
                                          ("moment_step", float("nan")), ("v_levels_log2", 30),
-                                         ("fine_v_levels_log2", -40)])
+                                         ("fine_v_levels_log2", -40), ("moment_step", 0), ("frozen_step", 0.0),
+                                         ("weight_keyframe_step", 0), ("weight_residual_step", 0),
+                                         ("embedding_factor", 0)])
 def test_a_knob_of_the_wrong_kind_or_range_is_refused_before_anything_is_encoded(knob, value):
     """A negative bound used to switch the level's promise off silently ('no bound' in ckpt show)."""
     with pytest.raises(CkptError, match=f"lossy knob {knob}="):
         level_named("balanced", **{knob: value})
     assert level_named("extreme", v_levels_log2=-3, prune=0.6, max_weight_error=0.0).prune == 0.6  # the presets' ranges
+    off = level_named("balanced", prune=0, fast_move=0, settled_step=0, relative_step=0, max_update_error=0)
+    assert (off.prune, off.fast_move, off.settled_step, off.relative_step, off.max_update_error) == (0, 0, 0, 0, 0)
     with pytest.raises(CkptError, match="unknown lossy knob 'name'"):  # the level's name is no knob
         level_named("balanced", name="extreme")
     with pytest.raises(CkptError, match="unknown lossy knob 'no_such_knob'; the knobs are listed in docs"):
