@@ -392,6 +392,25 @@ def test_a_trainer_folder_saved_over_in_place_is_committed_only_once_whole_again
     assert_same(restored["model.safetensors"], {k: weights[k].contiguous() for k in restored["model.safetensors"]})
 
 
+def test_a_save_over_the_watch_missed_does_not_vouch_for_the_next_ones_first_files(repo, tmp_path):
+    """v2 saved over while no watch ran, then a restart amid v3: v3's weights went in with v2's optimizer (reader)."""
+    run, folder, trainer = _saving_over_in_place(repo, tmp_path)
+    torch.save(trainer.optimizer.state_dict(), folder / "optimizer.pt")  # v2, whole, while the watch was stopped
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": trainer.step}))
+    an_hour_ago = time.time() - 3600
+    for path in folder.iterdir():
+        os.utime(path, (an_hour_ago, an_hour_ago))
+    trainer.train(1)  # v3, as far as its weights, then a pause of two scans
+    save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, folder / "model.safetensors")
+    for _ in range(2):
+        report = watch(repo, run, ONCE)
+        assert report.committed == [] and "by a later save" in report.waiting["checkpoint-100"]
+    torch.save(trainer.optimizer.state_dict(), folder / "optimizer.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": trainer.step}))
+    assert len(watch(repo, run, ONCE).committed) == 1
+    assert_same(repo.checkout("HEAD")["optimizer.pt"], trainer.optimizer.state_dict())
+
+
 def test_symbolic_links_are_listed_as_never_committed(repo, tmp_path):
     run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     run.mkdir()
