@@ -11,9 +11,12 @@ PostgreSQL backend translates them.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import re
+import signal
+import sys
 import threading
 import time
 import weakref
@@ -56,6 +59,7 @@ _INHERITED: list[Any] = []  # a forked child's copies of its parent's connection
 FORK_WAIT_S = 30.0
 _FORKING = threading.Condition()
 _WRITING: dict[int, int] = {}  # thread id -> the write transactions it has open
+_AT_FORK = threading.local()  # the forking thread's: whether its before-fork hook holds _FORKING, was interrupted
 
 
 class Backend(Protocol):
@@ -463,22 +467,48 @@ def _holding_write() -> Iterator[None]:
 
 
 def _before_fork() -> None:
-    """Wait for other threads' SQLite write locks to be let go (the forking thread's own cannot be waited for)."""
-    _FORKING.acquire()
-    me = threading.get_ident()
-    _FORKING.wait_for(lambda: not any(thread != me for thread in _WRITING), timeout=FORK_WAIT_S)
+    """Wait for other threads' SQLite write locks to be let go (the forking thread's own cannot be waited for).
+
+    The fork goes ahead whatever this hook raises (CPython only prints it): a Ctrl-C that ends the
+    wait is raised again once the fork has returned in the parent.
+    """
+    _AT_FORK.held = _AT_FORK.interrupted = False
+    try:
+        _FORKING.acquire()
+        _AT_FORK.held = True
+        me = threading.get_ident()
+        _FORKING.wait_for(lambda: not any(thread != me for thread in _WRITING), timeout=FORK_WAIT_S)
+    except KeyboardInterrupt:
+        _AT_FORK.interrupted = True
 
 
 def _after_fork_in_child() -> None:
     global _FORKING
     _FORKING = threading.Condition()  # the parent's is held by the fork: the child's writes start free
     _WRITING.clear()
+    _AT_FORK.held = _AT_FORK.interrupted = False
     for database in list(_OPEN):
         database._forget_parents_connections()
 
 
 def _after_fork_in_parent() -> None:
-    _FORKING.release()
+    if _AT_FORK.held:
+        _FORKING.release()
+    if _AT_FORK.interrupted:  # raised here, it would be printed and lost again: raised once the hook has returned
+        threading.Thread(target=_interrupt_when_out_of, args=(threading.get_ident(), sys._getframe().f_code),
+                         daemon=True).start()
+
+
+def _interrupt_when_out_of(thread: int, hook: Any) -> None:
+    """The Ctrl-C that ended a fork's wait, again in the main thread, once `thread` has left `hook` (at most 1 s)."""
+    for _ in range(1000):
+        frame = sys._current_frames().get(thread)
+        while frame is not None and frame.f_code is not hook:
+            frame = frame.f_back
+        if frame is None:
+            break
+        time.sleep(0.001)
+    _thread.interrupt_main(signal.SIGINT)
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
