@@ -317,6 +317,8 @@ def _commit_and_resolve(repo: Repository, lane: Lane, handle: BackgroundCommit, 
     try:
         if error is not None:
             _tell(handle, lane, error)
+    except Warning:  # a filter made it an error, which this thread has nobody to raise to: the handle holds the failure
+        handle.warned = False
     finally:  # resolved even where a warnings filter turns the warning into an error: nothing waits forever
         if error is None:
             handle._future.set_result(cid)
