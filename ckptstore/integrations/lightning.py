@@ -285,10 +285,13 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
             write_marker(path, repo.root, ref, cid)
 
     def _claim(self, path: str | os.PathLike) -> str:
-        """The tag for `path`, refusing a second path that maps to the same tag in this run."""
+        """The tag for `path`, refusing a second path that maps to the same tag in this run, or another run's tag."""
         ref = ref_for_path(path, self.prefix)
         where = os.path.abspath(os.fspath(path))
-        claimed = self._paths.setdefault(ref, where)
+        claimed = self._paths.get(ref)
+        if claimed is None:
+            self._refuse_anothers_tag(ref, path)
+            claimed = self._paths[ref] = where
         if claimed != where:
             # a tag names the file, not its folders: metric names with "/" (val/loss) put Lightning's files in
             # subfolders, where two saves with the same rounded value share a file name
@@ -298,6 +301,30 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
                             "auto_insert_metric_name=False)), different file names for two ModelCheckpoint "
                             "callbacks, or two plugins with different prefixes")
         return ref
+
+    def _refuse_anothers_tag(self, ref: str, path: str | os.PathLike) -> None:
+        """Never move a tag that another run's checkpoint holds: its ModelCheckpoint may still list it.
+
+        With `keep_tagged`, the tag is what keeps that commit from retention. A tag moves when the
+        same path is saved again (its marker names the tag's commit) or its commit is in the history
+        of the branch this plugin commits to (an earlier run of it, or the run resumed).
+        """
+        repo = self.repo
+        held = repo.tags().get(ref)
+        marker = read_marker(path) if self.markers else None
+        if held is None or (marker or {}).get("commit") == held:
+            return
+        branch = self.branch or repo.head()[0] or "HEAD"
+        try:
+            history = {info.id for info in repo.log(branch)}
+        except RefNotFoundError:  # an unborn branch has no history
+            history = set()
+        if held not in history:
+            raise CkptError(
+                f"checkpoint {os.fspath(path)!r} maps to tag {ref!r}, which another run's checkpoint holds (commit "
+                f"{held[:12]}, not in the history of branch {branch!r}); moving it could lose a checkpoint that "
+                "run still lists. Give this run tags of its own (CkptstoreCheckpointIO(prefix=...)), or delete "
+                f"that run's tag if it is over (`ckpt tag -d {ref}`)")
 
     def _commit(self, checkpoint: dict[str, Any], path: str | os.PathLike) -> CommitId | BackgroundCommit:
         step = checkpoint.get("global_step")

@@ -315,6 +315,28 @@ def test_plugin_calls_directly(tmp_path):
     repo.close()
 
 
+def test_a_second_run_never_takes_over_the_tags_of_another_runs_checkpoints(tmp_path):
+    """Run B's save of the same file name moved run A's tag: with keep_tagged, A's top-k commit was pruned (auditor)."""
+    repo = Repository.init(tmp_path / "store")
+    state = {"state_dict": {"w": torch.arange(6.0)}, "global_step": 4, "epoch": 0}
+    run_a, run_b = tmp_path / "runA" / "epoch=0-step=4.ckpt", tmp_path / "runB" / "epoch=0-step=4.ckpt"
+    plugin_a = CkptstoreCheckpointIO(repo, branch="runA", blocking=True)
+    plugin_a.save_checkpoint(state, run_a)
+    held = repo.resolve("lightning/epoch_0-step_4")
+    plugin_b = CkptstoreCheckpointIO(repo, branch="runB", blocking=True)
+    with pytest.raises(CkptError, match="another run's checkpoint holds .* not in the history of branch 'runB'"):
+        plugin_b.save_checkpoint({**state, "state_dict": {"w": torch.ones(6)}}, run_b)
+    assert repo.resolve("lightning/epoch_0-step_4") == held and "runB" not in repo.branches()
+    assert_same(plugin_b.load_checkpoint(run_a.with_name("gone") / run_a.name), state)  # the path's tag: still A's
+    again = CkptstoreCheckpointIO(repo, branch="runA", blocking=True)  # A resumed: its own path, saved again
+    again.save_checkpoint({**state, "global_step": 5}, run_a)
+    assert repo.resolve("lightning/epoch_0-step_4") != held
+    run_a.unlink()  # A's folder cleared, and A run again on its branch: an earlier run of it, so the tag moves
+    CkptstoreCheckpointIO(repo, branch="runA", blocking=True).save_checkpoint({**state, "global_step": 6}, run_a)
+    assert repo.commit_info("lightning/epoch_0-step_4").step == 6
+    repo.close()
+
+
 @pytest.mark.filterwarnings("ignore::ckptstore.repo.background.BackgroundCommitWarning")
 def test_a_failed_background_commit_surfaces_at_the_next_save(lit, tmp_path, monkeypatch):
     repo = Repository.init(tmp_path / "store")
