@@ -1,8 +1,9 @@
 """Hugging Face Trainer: commit each `checkpoint-N` folder as the Trainer saves it, and restore one to resume.
 
 `CkptCallback` commits on `on_save`, on the main process only, byte for byte (or lossy), with the
-step, the latest logged metrics and the run name; with `keep_folders=K` it then deletes the older
-folders it has committed, keeping the newest K on disk for the Trainer's own resume.
+step, the latest logged metrics (an evaluation's only from that step) and the run name; with
+`keep_folders=K` it then deletes the older folders it has committed, keeping the newest K on disk
+for the Trainer's own resume.
 
 By default the commit runs in the background (`blocking=False`): on_save returns at once and the
 thread reads the folder later, so the folder must stay until the commit is done. The Trainer
@@ -43,12 +44,20 @@ if TYPE_CHECKING:
 _FOLDER = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
 
 
-def latest_metrics(log_history: list[dict[str, Any]]) -> dict[str, float]:
-    """The latest logged value of every numeric key in the Trainer's `state.log_history` (its step aside)."""
+def latest_metrics(log_history: list[dict[str, Any]], step: int) -> dict[str, float]:
+    """The latest logged value of every numeric key in the Trainer's `state.log_history` up to `step`.
+
+    An evaluation's metrics (`eval_*`) count only when logged at `step` itself: an earlier one's
+    would stand for a checkpoint it never evaluated, and `--keep-best eval_loss` would keep it.
+    """
     metrics: dict[str, float] = {}
     for entry in log_history:
+        at = entry.get("step")
+        if isinstance(at, int) and at > step:
+            continue
         for key, value in entry.items():
-            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+            fresh = at == step or not key.startswith("eval_")
+            if key != "step" and fresh and isinstance(value, int | float) and not isinstance(value, bool):
                 metrics[key] = float(value)
     return metrics
 
@@ -100,8 +109,8 @@ class CkptCallback(TrainerCallback):
         try:
             result = head_if_unchanged(repo, self.branch, lambda: repo.commit(
                 folder, message=f"{run}: {folder.name}", step=state.global_step,
-                metrics=latest_metrics(state.log_history), branch=self.branch, lossy=self.lossy, blocking=blocking,
-                **self.knobs))
+                metrics=latest_metrics(state.log_history, state.global_step), branch=self.branch, lossy=self.lossy,
+                blocking=blocking, **self.knobs))
         except RetentionError as exc:
             result = _recorded_despite(exc, folder)
         self._pending = (folder, result)

@@ -24,7 +24,7 @@ from transformers import (  # noqa: E402
 from ckptstore import Repository  # noqa: E402
 from ckptstore.cli import cli  # noqa: E402
 from ckptstore.errors import BackgroundCommitError, CkptError, DirtyWorktreeError  # noqa: E402
-from ckptstore.integrations.hf import CkptCallback, restore  # noqa: E402
+from ckptstore.integrations.hf import CkptCallback, latest_metrics, restore  # noqa: E402
 
 VOCAB, LENGTH, STEPS = 64, 16, 8
 
@@ -94,6 +94,15 @@ def test_each_saved_folder_is_committed_with_its_step_metrics_and_run_name(run):
         assert commit.message == f"tiny-gpt2: checkpoint-{commit.step}" and commit.kind == "folder"
         assert commit.metrics["loss"] == logged["loss"] and commit.metrics["learning_rate"] == logged["learning_rate"]
         assert not commit.lossy
+
+
+def test_a_commit_records_no_evaluation_of_an_earlier_step_as_its_own():
+    """Step 6's commit recorded step 4's eval_loss: keep-best kept a checkpoint that was never evaluated (auditor)."""
+    history = [{"loss": 4.0, "learning_rate": 1e-3, "step": 3}, {"eval_loss": 3.99, "epoch": 0.5, "step": 4},
+               {"loss": 3.9, "learning_rate": 9e-4, "step": 6}, {"eval_loss": 3.5, "step": 8}]
+    assert latest_metrics(history, 6) == {"loss": 3.9, "learning_rate": 9e-4, "epoch": 0.5}
+    assert latest_metrics(history, 4) == {"loss": 4.0, "learning_rate": 1e-3, "eval_loss": 3.99, "epoch": 0.5}
+    assert latest_metrics(history, 8)["eval_loss"] == 3.5
 
 
 def test_keep_folders_deletes_only_older_folders_it_committed(run):
