@@ -34,6 +34,7 @@ from ckptstore.errors import BackgroundCommitError, CkptError, DirtyWorktreeErro
 from ckptstore.hashing import CommitId
 from ckptstore.integrations.unchanged import head_if_unchanged
 from ckptstore.repo.location import given_root
+from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -214,18 +215,29 @@ def remove_committed_folders(output_dir: Path, committed: dict[Path, Any], keep:
 
 
 def restore(repo: str | os.PathLike | Repository, ref: str, output_dir: str | os.PathLike,
-            force: bool = False) -> Path:
+            force: bool = False, branch: str | None = None) -> Path:
     """Write the Trainer folder committed at `ref` to `output_dir/checkpoint-N`, byte for byte; return it.
 
     N is the commit's step. Pass the path to `trainer.train(resume_from_checkpoint=...)`. An
     existing folder of that name is written over only where its files are in the store, unless
-    `force` (as `ckpt checkout -o`); files the commit does not hold are left in it.
+    `force` (as `ckpt checkout -o`); files the commit does not hold are left in it. `branch`
+    creates that branch at the commit, for `CkptCallback(branch=...)`: the resumed run's commits
+    then follow the commit it resumed from. Without it, a commit behind HEAD's tip is warned of:
+    the resumed run's commits would follow that tip instead.
     """
-    return with_repo(repo, lambda opened: _restore(opened, ref, Path(output_dir), force))
+    return with_repo(repo, lambda opened: _restore(opened, ref, Path(output_dir), force, branch))
 
 
-def _restore(opened: Repository, ref: str, output_dir: Path, force: bool) -> Path:
+def _restore(opened: Repository, ref: str, output_dir: Path, force: bool, branch: str | None) -> Path:
     info = opened.commit_info(ref)
+    if branch is not None:
+        if opened.branches().get(branch, info.id) != info.id:
+            raise CkptError(f"branch {branch!r} exists at another commit; pass a new name to branch from {ref!r}")
+        if branch not in opened.branches():
+            opened.branch(branch, info.id)
+    elif opened.head()[1] not in (None, info.id):
+        warn_caller(f"{ref!r} ({info.id[:12]}) is not the tip of HEAD: a run resumed from it commits after the "
+                    "tip, not after it; pass branch=NAME here and to CkptCallback to branch from it")
     if info.kind != "folder":
         raise CkptError(f"commit {info.id[:12]} ({ref}) is a {info.kind} commit, not a Trainer checkpoint folder: "
                         f"write it with `ckpt checkout {info.id[:12]} -o PATH` instead")

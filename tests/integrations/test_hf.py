@@ -28,6 +28,9 @@ from ckptstore.integrations.hf import CkptCallback, latest_metrics, restore  # n
 
 VOCAB, LENGTH, STEPS = 64, 16, 8
 
+# restores of earlier commits to compare them, not to resume a run from them
+pytestmark = pytest.mark.filterwarnings("ignore:.*is not the tip of HEAD:RuntimeWarning")
+
 
 def _tokens() -> list[dict[str, torch.Tensor]]:
     ids = torch.randint(0, VOCAB, (32, LENGTH), generator=torch.Generator().manual_seed(1))
@@ -124,6 +127,24 @@ def test_restore_is_byte_exact_and_resumes_with_the_same_losses_as_the_original_
     from_restored.train(resume_from_checkpoint=str(restored))
     expected = _losses_after(from_original, 4)
     assert len(expected) == STEPS - 4 and _losses_after(from_restored, 4) == expected
+
+
+def test_a_run_resumed_from_a_restored_branch_commits_after_the_commit_it_resumed_from(run, tmp_path):
+    """The guide's restore of main~2 then resume: the resumed commits followed the abandoned tip (auditor)."""
+    store = tmp_path / "store"
+    shutil.copytree(run.repo, store)
+    with Repository.open(store) as repo:
+        at = {c.step: c.id for c in repo.log("main")}
+        with pytest.warns(RuntimeWarning, match="not the tip of HEAD.*pass branch=NAME"):
+            restore(repo, at[4], tmp_path / "warned")
+        with pytest.raises(CkptError, match="exists at another commit"):
+            restore(repo, at[4], tmp_path / "out", branch="lossy")
+        folder = restore(repo, at[4], tmp_path / "out", branch="retry")
+    _trainer(tmp_path / "out", [CkptCallback(store, branch="retry", blocking=True)]).train(
+        resume_from_checkpoint=str(folder))
+    with Repository.open(store) as repo:
+        assert [c.step for c in repo.log("retry")][:4] == [8, 6, 4, 2] and repo.log("retry")[2].id == at[4]
+        assert repo.resolve("main") == at[8]
 
 
 def test_restore_over_a_changed_folder_names_its_own_arguments(run, tmp_path):
