@@ -169,7 +169,8 @@ class CkptCallback(TrainerCallback):
         self._pending = None
         self.committed[folder.resolve()] = result
         if self.keep_folders is not None:
-            remove_committed_folders(folder.parent, self.committed, self.keep_folders, state.best_model_checkpoint)
+            remove_committed_folders(folder.parent, self.committed, self.keep_folders, state.best_model_checkpoint,
+                                     state.global_step)
 
 
 def _result_of(handle: BackgroundCommit, folder: Path, repo: Repository, branch: str | None) -> CommitId:
@@ -193,15 +194,18 @@ def _recorded_despite(exc: RetentionError, folder: Path, warn: bool = True) -> C
 
 
 def remove_committed_folders(output_dir: Path, committed: dict[Path, Any], keep: int,
-                             protected: str | None = None) -> list[Path]:
+                             protected: str | None = None, step: int | None = None) -> list[Path]:
     """Delete the `checkpoint-N` folders in `output_dir` that are in `committed`, except the newest `keep`.
 
-    Newest by step among all checkpoint folders on disk, committed or not; `protected` (the best
-    model's folder) is never deleted. Returns the folders deleted, which leave `committed`.
+    Newest by step among the checkpoint folders on disk, committed or not, but for those past `step`
+    (the run's own) that were not: an earlier run's, left ahead of a run resumed from an older
+    checkpoint, which would otherwise push the resumed run's newest folders out. `protected` (the
+    best model's folder) is never deleted. Returns the folders deleted, which leave `committed`.
     """
     on_disk = sorted((int(found[1]), path) for path in output_dir.iterdir()
                      if path.is_dir() and (found := _FOLDER.match(path.name)))
-    newest = {path for _, path in on_disk[max(0, len(on_disk) - keep):]}
+    ranked = [(n, path) for n, path in on_disk if step is None or n <= step or path.resolve() in committed]
+    newest = {path for _, path in ranked[max(0, len(ranked) - keep):]}
     spared = {Path(protected).resolve()} if protected else set()
     removed = []
     for _, path in on_disk:

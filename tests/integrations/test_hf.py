@@ -24,7 +24,7 @@ from transformers import (  # noqa: E402
 from ckptstore import Repository  # noqa: E402
 from ckptstore.cli import cli  # noqa: E402
 from ckptstore.errors import BackgroundCommitError, CkptError, DirtyWorktreeError  # noqa: E402
-from ckptstore.integrations.hf import CkptCallback, latest_metrics, restore  # noqa: E402
+from ckptstore.integrations.hf import CkptCallback, latest_metrics, remove_committed_folders, restore  # noqa: E402
 
 VOCAB, LENGTH, STEPS = 64, 16, 8
 
@@ -145,6 +145,16 @@ def test_a_run_resumed_from_a_restored_branch_commits_after_the_commit_it_resume
     with Repository.open(store) as repo:
         assert [c.step for c in repo.log("retry")][:4] == [8, 6, 4, 2] and repo.log("retry")[2].id == at[4]
         assert repo.resolve("main") == at[8]
+
+
+def test_keep_folders_counts_no_earlier_runs_folder_ahead_of_a_resumed_run_among_the_newest(tmp_path):
+    """Run 1's checkpoint-8, left on disk, was "newest": the resumed run's own checkpoint-6 was deleted (auditor)."""
+    folders = {step: tmp_path / f"checkpoint-{step}" for step in (4, 6, 8)}
+    for folder in folders.values():
+        folder.mkdir()
+    committed = {folders[4].resolve(): "c4", folders[6].resolve(): "c6"}  # the resumed run's; 8 is run 1's
+    assert remove_committed_folders(tmp_path, committed, keep=1, step=6) == [folders[4]]
+    assert folders[6].is_dir() and folders[8].is_dir() and list(committed) == [folders[6].resolve()]
 
 
 def test_restore_over_a_changed_folder_names_its_own_arguments(run, tmp_path):
