@@ -107,6 +107,7 @@ class CkptCallback(TrainerCallback):
         last = state.global_step >= state.max_steps or control.should_training_stop
         blocking = self.blocking or (args.save_total_limit == 1 and last)
         repo = self._repository()
+        _warn_of_a_training_metric_kept_best(repo, args)
         try:
             result = head_if_unchanged(repo, self.branch, lambda: repo.commit(
                 folder, message=f"{run}: {folder.name}", step=state.global_step,
@@ -191,6 +192,15 @@ def _recorded_despite(exc: RetentionError, folder: Path, warn: bool = True) -> C
     if warn:
         warnings.warn(f"{folder}: {exc}; the next commit's policy prunes again", RuntimeWarning, stacklevel=3)
     return CommitId(exc.commit_id)
+
+
+def _warn_of_a_training_metric_kept_best(repo: Repository, args: TrainingArguments) -> None:
+    """`keep_best = "loss"` keeps the best training loss; the Trainer's `metric_for_best_model="loss"` is eval_loss."""
+    best, wanted = repo.config.retention.best(), args.metric_for_best_model
+    if best and wanted and not wanted.startswith("eval_") and best[0] == wanted:
+        warn_caller(f"[retention] keep_best = {best[0]!r} keeps the commit with the best logged {best[0]!r} (a "
+                    f"training metric), while the Trainer's metric_for_best_model {wanted!r} means 'eval_{wanted}': write "
+                    f"keep_best = 'eval_{wanted}' to keep the checkpoint the Trainer counts best")
 
 
 def remove_committed_folders(output_dir: Path, committed: dict[Path, Any], keep: int,

@@ -157,6 +157,18 @@ def test_keep_folders_counts_no_earlier_runs_folder_ahead_of_a_resumed_run_among
     assert folders[6].is_dir() and folders[8].is_dir() and list(committed) == [folders[6].resolve()]
 
 
+def test_keep_best_on_the_training_loss_beside_the_trainers_best_eval_loss_is_warned_of(tmp_path):
+    """keep_best = "loss" pruned the checkpoint that the Trainer's metric_for_best_model="loss" chose (auditor)."""
+    Repository.init(tmp_path / "store").close()
+    config = tmp_path / "store" / ".ckpt" / "config.toml"
+    config.write_text(config.read_text() + '\n[retention]\nkeep_best = "loss"\n')
+    trainer = _trainer(tmp_path / "out", [CkptCallback(tmp_path / "store", blocking=True)], steps=2,
+                       eval_dataset=_tokens()[:4], eval_strategy="steps", eval_steps=2,
+                       metric_for_best_model="loss")
+    with pytest.warns(RuntimeWarning, match="keep_best = 'eval_loss' to keep the checkpoint the Trainer counts best"):
+        trainer.train()
+
+
 def test_restore_over_a_changed_folder_names_its_own_arguments(run, tmp_path):
     with Repository.open(run.repo) as repo:
         at = {c.step: c.id for c in repo.log("main")}
