@@ -199,8 +199,9 @@ def _warn_of_a_training_metric_kept_best(repo: Repository, args: TrainingArgumen
     best, wanted = repo.config.retention.best(), args.metric_for_best_model
     if best and wanted and not wanted.startswith("eval_") and best[0] == wanted:
         warn_caller(f"[retention] keep_best = {best[0]!r} keeps the commit with the best logged {best[0]!r} (a "
-                    f"training metric), while the Trainer's metric_for_best_model {wanted!r} means 'eval_{wanted}': write "
-                    f"keep_best = 'eval_{wanted}' to keep the checkpoint the Trainer counts best")
+                    f"training metric), while the Trainer's metric_for_best_model {wanted!r} means "
+                    f"'eval_{wanted}': write keep_best = 'eval_{wanted}' to keep the checkpoint the Trainer counts "
+                    "best")
 
 
 def remove_committed_folders(output_dir: Path, committed: dict[Path, Any], keep: int,
