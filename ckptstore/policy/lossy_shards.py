@@ -30,7 +30,7 @@ from ckptstore.policy.levels import LossyLevel
 from ckptstore.policy.lossless import EncodingSettings
 from ckptstore.policy.lossy import LossyPlan, Role, eligible, plan_context
 from ckptstore.policy.lossy_context import PlanContext, RmsCache, moment_min_of_sizes
-from ckptstore.policy.mapping import OptimizerMap, ParamSlots
+from ckptstore.policy.mapping import NO_OPTIMIZER_STATE, OptimizerMap, ParamSlots
 from ckptstore.policy.sensitivity import step_factors
 from ckptstore.records import TensorRecord
 from ckptstore.state import RawTensor
@@ -94,7 +94,10 @@ def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float]) -> tuple[di
     """(weight FQN -> {role: state FQN}, weight FQN -> lr) for the optimizer state among `fqns`.
 
     `param_lrs` maps PREFIX.state's PARAM names to their group's learning rate (from param_groups).
-    A state whose weight is not exactly one other name stays unpaired (and lossless).
+    A state whose weight no other name is stays unpaired (and lossless). Where several are (the
+    model and an EMA copy of it beside it: `model.w`, `ema.w`), the first pairs with the state and
+    the others get a slot of their own with no state: a weight all the same, planned from its own
+    statistics, where leaving every name unpaired kept the whole commit lossless.
     """
     names = sorted(set(fqns))
     present = set(names)
@@ -106,14 +109,17 @@ def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float]) -> tuple[di
         head, role = name.rsplit(".", 1)
         for param in _params_of(head):
             hits = [w for w in weights if w == param or w.endswith("." + param)]
-            if len(hits) == 1:
-                slot = slots.setdefault(hits[0], {})
-                slot[role] = name
-                # beside a moment, under its own head: never a model parameter named like one (`x.state.sum`)
-                slot.update({other: f"{head}.{other}" for other in OTHER_STATE if f"{head}.{other}" in present})
+            if not hits:
+                continue
+            slot = slots.setdefault(hits[0], {})
+            slot[role] = name
+            # beside a moment, under its own head: never a model parameter named like one (`x.state.sum`)
+            slot.update({other: f"{head}.{other}" for other in OTHER_STATE if f"{head}.{other}" in present})
+            for weight in hits:
+                slots.setdefault(weight, {})
                 if param in param_lrs:
-                    lrs[hits[0]] = float(param_lrs[param])
-                break
+                    lrs[weight] = float(param_lrs[param])
+            break
     return slots, lrs
 
 
@@ -198,13 +204,15 @@ def _shard_slots(tensors: Mapping[str, RawTensor], shards: Mapping[str, Shard], 
     slots = []
     for weight, states in sorted(facts.slots.items()):
         for offsets, sizes in sorted(layouts):
-            found = {role: key_of.get((fqn, offsets, sizes)) for role, fqn in states.items()}
+            found = {role: key_of.get((fqn, offsets, sizes)) for role, fqn in {"weight": weight, **states}.items()}
             if not any(found.values()):
                 continue
-            slot = ParamSlots(len(slots), weight=key_of.get((weight, offsets, sizes)), lr=facts.lrs.get(weight),
+            slot = ParamSlots(len(slots), weight=found["weight"], lr=facts.lrs.get(weight),
                               other_state=bool(set(states) - set(MOMENTS)), amsgrad=AMSGRAD_MAX in states)
             for role, key in found.items():
                 if role in MOMENTS:
                     setattr(slot, role, key)
             slots.append(slot)
+    if not any(states for states in facts.slots.values()):  # as a file commit: every tensor may be a weight
+        return OptimizerMap(slots, False, NO_OPTIMIZER_STATE)
     return OptimizerMap(slots, True, PAIRING)

@@ -253,3 +253,49 @@ def test_a_sharded_save_of_rmsprop_keeps_its_momentum_exact_as_a_file_commit_doe
         dcp.load(back, storage_reader=CkptStorageReader(repo, writer.commit_id))
     for name, state in optim_state["state"].items():
         assert torch.equal(back["optim"]["state"][name]["momentum_buffer"], state["momentum_buffer"]), name
+
+
+def _adam_trained(steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(32, 128)).pow(2).mean().backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def _lossy_save(repo: Repository, state: dict) -> tuple[str, dict]:
+    writer = CkptStorageWriter(repo, lossy="balanced")
+    dcp.save(state, storage_writer=writer, planner=CkptSavePlanner())
+    back = {key: {name: torch.zeros_like(value) for name, value in part.items()} for key, part in state.items()
+            if key != "optim"}
+    dcp.load(back, storage_reader=CkptStorageReader(repo, writer.commit_id))
+    return writer.commit_id, back
+
+
+def test_an_ema_copy_of_the_model_beside_it_keeps_the_level_for_both(tmp_path):
+    """Each moment matched model.w and ema.w: nothing paired, and the whole commit went in lossless (auditor)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizer = _adam_trained()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    ema = {name: value.clone() * 0.99 for name, value in model_state.items()}
+    with Repository.init(tmp_path / "repo") as repo:
+        cid, back = _lossy_save(repo, {"model": model_state, "ema": ema, "optim": optim_state})
+        assert repo.commit_info(cid).lossy == "balanced"
+    for part, original in (("model", model_state), ("ema", ema)):
+        weight, restored = original["0.weight"], back[part]["0.weight"]
+        error = float((restored - weight).norm() / weight.norm())
+        assert 0 < error < LEVELS["balanced"].max_weight_error * 2, (part, error)  # quantized, within its bound
+
+
+def test_a_lossy_sharded_save_without_optimizer_state_quantizes_its_weights_as_a_file_commit_does(tmp_path):
+    """No moment to pair: every tensor was taken for certain not a weight, and stored lossless (auditor)."""
+    state = {"model": {"big.weight": torch.randn(128, 96, generator=torch.Generator().manual_seed(0))}}
+    with Repository.init(tmp_path / "repo") as repo:
+        cid, back = _lossy_save(repo, state)
+        assert repo.commit_info(cid).lossy == "balanced"
+    weight = state["model"]["big.weight"]
+    assert 0 < float((back["model"]["big.weight"] - weight).norm() / weight.norm()) < 0.04
