@@ -41,6 +41,7 @@ from ckptstore.errors import (
 )
 from ckptstore.formats import dcpmeta, filemap
 from ckptstore.formats.atomic import atomic_write
+from ckptstore.formats.torchfile import numpy_safe_globals, refusal_reason
 from ckptstore.state import RawTensor, flatten, materialize, raw_from_bytes, raw_from_torch, unflatten
 from ckptstore.warn import warn_caller
 
@@ -233,7 +234,7 @@ def _tensor(blob: np.ndarray, item: dict[str, Any], sizes: list[int], where: str
         tensor = torch.load(io.BytesIO(blob.tobytes()), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many kinds for damaged or non-tensor data
         raise CheckpointFormatError(f"{where}: not a tensor torch reads with weights_only=True "
-                                    f"({(str(exc).splitlines() or [type(exc).__name__])[0][:200]})") from None
+                                    f"({refusal_reason(str(exc)) or type(exc).__name__})") from None
     if not isinstance(tensor, torch.Tensor) or str(tensor.dtype) != item["dtype"] or list(tensor.shape) != sizes:
         found = f"a {tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else \
             f"a {type(tensor).__name__}"
@@ -308,15 +309,18 @@ def item_value(fqn: str, data: bytes) -> Any:
     """A stored bytes item's value: its JSON skeleton read, or DCP's pickle through torch's restricted unpickler."""
     if data.startswith(dcpmeta.SKELETON_MAGIC):
         return _from_skeleton(fqn, data[len(dcpmeta.SKELETON_MAGIC):])
-    try:  # DCP saves a BytesIO value by pickling the BytesIO: rebuilding one runs no code of the file's choosing
-        with torch.serialization.safe_globals([io.BytesIO]):
+    # DCP saves a BytesIO value by pickling the BytesIO, and numpy's RNG state holds an array: rebuilding
+    # either runs no code of the file's choosing (numeric arrays only, as a torch.save file's)
+    try:
+        with torch.serialization.safe_globals([io.BytesIO, *numpy_safe_globals()]):
             return torch.load(io.BytesIO(data), weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
         problem = _not_a_torch_save(data)
         if problem:  # not a trust question: the bytes are no torch.save archive at all
             raise CorruptRecordError(f"bytes item {fqn}", f"it is not a torch.save archive ({problem})") from None
+        why = refusal_reason(str(exc)) or type(exc).__name__
         raise PickledObjectsError(f"{fqn}: this non-tensor item holds objects beyond plain data and tensors "
-                                  f"({str(exc).splitlines()[0][:200]}); DCP would unpickle them in full. Load "
+                                  f"({why}); DCP would unpickle them in full. Load "
                                   "it with CkptStorageReader(..., trust_pickle=True), and only from repositories "
                                   "you trust") from None
 

@@ -64,18 +64,27 @@ def plain_zip(path: str | os.PathLike) -> bool:
     return not any(name.count("/") == 1 and name.endswith("/data.pkl") for name in names)
 
 
+def refusal_reason(reason: str, global_name: str = "") -> str:
+    """torch.load(weights_only=True)'s refusal `reason` in a line: the global it refused, else its last line.
+
+    Without terminal codes: torch highlights its advice with ANSI escapes.
+    """
+    named = global_name or next(iter(re.findall(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) (\S+) ", reason)),
+                                "")
+    named = named.removeprefix("builtins.")  # as torch names them
+    if named:
+        return f"{named} is not among the classes torch.load(weights_only=True) allows"
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", reason).strip().splitlines()
+    return lines[-1].strip()[:200] if lines else ""
+
+
 def refused(path: str | os.PathLike, reason: str, global_name: str = "") -> PickledObjectsError:
     """The error for a file whose pickle holds more than plain training state; `reason` is torch's.
 
     It names the global torch refused (found in `reason` where not given), else torch's last line.
     """
-    named = global_name or next(iter(re.findall(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) (\S+) ", reason)),
-                                "")
-    named = named.removeprefix("builtins.")  # as torch names them
-    last_line = reason.strip().splitlines()[-1] if reason.strip() else ""
-    why = f"{named} is not among the classes torch.load(weights_only=True) allows" if named else last_line.strip()
     return PickledObjectsError(
-        f"{path} holds objects that are not plain training state ({why}); "
+        f"{path} holds objects that are not plain training state ({refusal_reason(reason, global_name)}); "
         "ckptstore loads checkpoints with weights_only=True. If you trust this file, commit it with "
         "--trust-pickle (its values must still be tensors, numbers, strings, bytes, numpy arrays or "
         "containers of them)."

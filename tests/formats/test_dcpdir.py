@@ -282,3 +282,23 @@ def test_diff_compares_non_tensor_items_by_value_not_by_how_they_are_stored(tmp_
     changed = {d.path: d.status for d in diff(repo, "HEAD~2", "HEAD")}
     assert [p for p, status in changed.items() if status != "unchanged"] == ["step/%bytes"], changed
     repo.close()
+
+
+def test_numpy_rng_state_in_a_dcp_directory_checks_out_and_a_refusal_carries_no_terminal_codes(tmp_path):
+    """np.random.get_state() was refused at checkout (no CLI way round), in a message cut mid-way with ANSI codes."""
+    import numpy as np
+
+    rng = np.random.RandomState(3).get_state()
+    dcp.save({"w": torch.ones(4), "rng": {"numpy": rng}}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "s")))
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(tmp_path / "s")
+        repo.checkout_to("HEAD", tmp_path / "out")
+    back = {"w": torch.zeros(4), "rng": {"numpy": None}}
+    dcp.load(back, storage_reader=dcp.FileSystemReader(str(tmp_path / "out")))
+    restored = back["rng"]["numpy"]
+    assert restored[0] == rng[0] and np.array_equal(restored[1], rng[1]) and restored[2:] == rng[2:]
+    with pytest.raises(PickledObjectsError) as refused:
+        out = io.BytesIO()
+        torch.save({"planted": Planted()}, out)
+        dcpdir.item_value("x", out.getvalue())
+    assert "\x1b" not in str(refused.value) and "(print is not among the classes" in str(refused.value)
