@@ -10,9 +10,11 @@ import numpy as np
 
 from ckptstore.repo.checkout import restore
 from ckptstore.repo.integrity import entry_records
+from ckptstore.repo.sharded import gather, is_sharded
 from ckptstore.state import BYTES_DTYPE, RawTensor, float64_values
 
 if TYPE_CHECKING:
+    from ckptstore.repo.manifest import Manifest
     from ckptstore.repo.repository import Repository
 
 
@@ -39,6 +41,8 @@ class TensorDiff:
 def diff(repo: Repository, a: str, b: str) -> list[TensorDiff]:
     """Per tensor path: added, removed, changed or unchanged, with the relative L2 change."""
     old, new = repo.manifest(repo.resolve(a)), repo.manifest(repo.resolve(b))
+    if is_sharded(old) and is_sharded(new):
+        return _logical_diff(repo, old, new)
     changed = [p for p in new.entries if p in old.entries and new.entries[p].tensor != old.entries[p].tensor]
     old_raw, new_raw = restore(repo, old, paths=changed), restore(repo, new, paths=changed)
     records = entry_records(repo, new)
@@ -55,6 +59,57 @@ def diff(repo: Repository, a: str, b: str) -> list[TensorDiff]:
             status, rel = "changed", relative_l2(old_raw[path], new_raw[path])
         result.append(TensorDiff(path, status, entry.dtype, entry.shape, rel, stored))
     return result
+
+
+def _logical_diff(repo: Repository, old: Manifest, new: Manifest) -> list[TensorDiff]:
+    """Two sharded commits, per logical tensor: saved at any world sizes, the same values are unchanged."""
+    before, after = _items(old), _items(new)
+    changed = {fqn for fqn in before.keys() & after.keys()
+               if _stored_as(old, before[fqn]) != _stored_as(new, after[fqn])}
+    whole_old, whole_new = gather(repo, old, changed)[0], gather(repo, new, changed)[0]
+    keys = [item["key"] for fqn in changed for item in (before[fqn], after[fqn]) if item["type"] == "bytes"]
+    items_old = restore(repo, old, paths=[k for k in keys if k in old.entries])
+    items_new = restore(repo, new, paths=[k for k in keys if k in new.entries])
+    records = entry_records(repo, new)
+    result = []
+    for fqn in sorted(before.keys() | after.keys()):
+        item = after.get(fqn) or before[fqn]
+        stored = sum(records[new.entries[key].tensor].stored_bytes for key in _keys(item)) if fqn in after else 0
+        status, rel = ("added" if fqn in after else "removed"), None
+        if fqn in before and fqn in after:
+            status, rel = "unchanged", 0.0
+            old_value = whole_old.get(fqn) or items_old.get(before[fqn].get("key", ""))
+            new_value = whole_new.get(fqn) or items_new.get(after[fqn].get("key", ""))
+            if fqn in changed and not _same_value(fqn, old_value, new_value):
+                status, rel = "changed", relative_l2(old_value, new_value)
+        dtype, shape = (item["dtype"], tuple(item["size"])) if item["type"] == "tensor" else (BYTES_DTYPE, ())
+        result.append(TensorDiff(fqn, status, dtype, shape, rel, stored))
+    return result
+
+
+def _items(manifest: Manifest) -> dict[str, dict[str, Any]]:
+    return {item["fqn"]: item for item in manifest.dcp["items"]}
+
+
+def _keys(item: dict[str, Any]) -> list[str]:
+    return [item["key"]] if item["type"] == "bytes" else [key for _, _, key in item["chunks"]]
+
+
+def _stored_as(manifest: Manifest, item: dict[str, Any]) -> list[Any]:
+    """An item's layout and stored tensors: two items stored alike hold the same values."""
+    if item["type"] == "bytes":
+        return ["bytes", manifest.entries[item["key"]].tensor]
+    chunks = [(offsets, manifest.entries[key].tensor) for offsets, _, key in item["chunks"]]
+    return [item["dtype"], item["size"], *chunks]
+
+
+def _same_value(fqn: str, old: RawTensor | None, new: RawTensor | None) -> bool:
+    """Whether two items of sharded commits hold one value: the same bytes, or one plain value stored two ways."""
+    if old is None or new is None:
+        return False
+    if old.dtype == new.dtype and old.shape == new.shape and old.data.tobytes() == new.data.tobytes():
+        return True
+    return _same_plain_value(fqn, old, new)
 
 
 def _same_plain_value(path: str, old: RawTensor, new: RawTensor) -> bool:

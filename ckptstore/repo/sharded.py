@@ -31,7 +31,7 @@ from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.target import Start, move_ref
 from ckptstore.repo.writer import encode_jobs
-from ckptstore.state import BYTES_DTYPE, RawTensor
+from ckptstore.state import RawTensor
 from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
@@ -281,11 +281,12 @@ def check_format(dcp: dict[str, Any], where: str) -> None:
 
 
 
-def gather(repo: Repository, manifest: Manifest) -> tuple[dict[str, RawTensor], list[str]]:
+def gather(repo: Repository, manifest: Manifest, fqns: Set[str] | None = None
+           ) -> tuple[dict[str, RawTensor], list[str]]:
     """A sharded commit's logical tensors, whole, by fully qualified name; and the bytes items left out.
 
-    Bytes items hold what DCP's planner serialized (pickles): ckptstore never unpickles them, so
-    they are named, not returned.
+    `fqns` limits both to those names. Bytes items hold what DCP's planner serialized (pickles):
+    ckptstore never unpickles them, so they are named, not returned.
     """
     import numpy as np
 
@@ -294,9 +295,11 @@ def gather(repo: Repository, manifest: Manifest) -> tuple[dict[str, RawTensor], 
     problem = dcp_problem(manifest)
     if problem is not None:
         raise CkptError(f"a sharded commit's manifest cannot be gathered: {problem}; run `ckpt fsck`")
-    raws = restore(repo, manifest, paths=[k for k, e in manifest.entries.items() if e.dtype != BYTES_DTYPE])
+    items = [item for item in manifest.dcp["items"] if fqns is None or item["fqn"] in fqns]
+    raws = restore(repo, manifest, paths=[key for item in items if item["type"] == "tensor"
+                                          for _, _, key in item["chunks"]])
     tensors, skipped = {}, []
-    for item in manifest.dcp["items"]:
+    for item in items:
         if item["type"] != "tensor":
             skipped.append(item["fqn"])
             continue

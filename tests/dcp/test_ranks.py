@@ -155,6 +155,31 @@ def test_committed_filesystem_writer_directories_load_bit_exact_the_later_one_as
         assert one_rank_differences(CkptStorageReader(runs.repo, commit), runs.out / f"full-{step}.pt") == []
 
 
+def test_diff_of_one_state_saved_at_four_ranks_and_at_one_compares_logical_tensors(runs, tmp_path):
+    """It compared shards: the same values saved at another world size were "removed" and "added" (auditor)."""
+    import shutil
+
+    from ckptstore.dcp import CkptStorageWriter
+    from ckptstore.repo.diff import diff
+
+    full = {k: v for k, v in torch.load(runs.out / "full-2.pt", weights_only=True).items()
+            if isinstance(v, torch.Tensor)}
+    shutil.copytree(runs.repo, tmp_path / "repo")
+    with Repository.open(tmp_path / "repo") as repo:
+        at_four = runs.saved[0]["commit_2"]
+        repo.branch("one-rank", at_four)
+        writer = CkptStorageWriter(repo, branch="one-rank")
+        dcp.save(full, storage_writer=writer)
+        rows = {row.path: row for row in diff(repo, at_four, writer.commit_id)}
+        full["model.0.weight"] = full["model.0.weight"] + 1
+        dcp.save(full, storage_writer=(writer := CkptStorageWriter(repo, branch="one-rank")))
+        changed = {row.path: row for row in diff(repo, at_four, writer.commit_id)}
+    assert len(full) > 10 and all(rows[fqn].status == "unchanged" for fqn in full)
+    assert rows["model.0.weight"].shape == (33, 16) and rows["model.0.weight"].stored_bytes > 0
+    assert [fqn for fqn in full if changed[fqn].status != "unchanged"] == ["model.0.weight"]
+    assert changed["model.0.weight"].relative_l2 > 0
+
+
 def test_two_ranks_save_and_load_on_the_shared_s3_and_postgresql_repository(runs):
     reports = [r["shared"] for r in runs.loaded]
     assert [r["differences"] for r in reports] == [[], []] and reports[0]["commit"] == reports[1]["commit"]
