@@ -49,7 +49,9 @@ class FallbackStore:
                 raise
             # not "run fsck here": what is gone is the origin's (its gc --prune after a branch moved back, a prune)
             raise CorruptObjectError(oid, f"not read yet, and the origin it comes from ({source.url}) no longer "
-                                          "holds it (pruned or collected there)") from None
+                                          "holds it: a prune there re-encodes the commits it keeps under new "
+                                          "objects, which this clone's records do not name (clone it again to "
+                                          "read them), and a gc there deletes those of removed commits") from None
 
     def _filled(self, read: Callable[[], Any], oid: ObjectId, held: Callable[[bytes], Any]) -> Any:
         """`read()` of the local store; a missing object is copied here first (or, not kept, `held(its bytes)`).
