@@ -570,6 +570,8 @@ def fsck_command(ctx, full, remote_name) -> None:
         echo(f"broken commit {cid[:12]} ({needs})")
     for tid in report.missing_records:
         echo(f"missing tensor record {tid}")
+    if report.unchecked:
+        echo(f"{len(report.unchecked)} objects not held here were not checked: {report.unchecked_why}")
     if report.unreferenced_objects and not report.ok:
         echo(f"{report.unreferenced_objects} objects no intact record names (gc keeps them while there is damage: "
              "they may be what a damaged record lost track of)")

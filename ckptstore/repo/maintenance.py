@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, CorruptObjectError
+from ckptstore.errors import CkptError, CorruptObjectError, StoreUnavailableError
 from ckptstore.hashing import ObjectId
 from ckptstore.metadata import liveness
 from ckptstore.objectstore.fallback import held_here
@@ -38,10 +38,12 @@ class FsckReport:
     objects_checked: int = 0
     tensors_verified: int = 0
     damaged_records: dict[str, str] = field(default_factory=dict)  # "commit ID", "tensor ID", "ref NAME": problem
+    unchecked: list[str] = field(default_factory=list)  # a lazy clone's objects not held here, its origin unreachable
+    unchecked_why: str = ""
 
     @property
     def ok(self) -> bool:
-        return not (self.damaged_objects or self.missing_records or self.damaged_records)
+        return not (self.damaged_objects or self.missing_records or self.damaged_records or self.unchecked)
 
 
 def gc(repo: Repository, prune_unreachable: bool = False, wait: bool = True) -> GcReport:
@@ -134,12 +136,7 @@ def fsck(repo: Repository, full: bool = False) -> FsckReport:
         manifests = liveness.commit_manifests(tx)
         report.missing_records = sorted(liveness.referenced_tensors(tx) - liveness.recorded_tensors(tx), key=str)
     report.damaged_records = findings.problems
-    for oid in sorted(live_objects, key=str):
-        report.objects_checked += 1
-        try:
-            repo.store.get(oid)
-        except CorruptObjectError as exc:
-            report.damaged_objects[oid] = exc.problem
+    _check_objects(repo, live_objects, report)
     report.unreferenced_objects = sum(1 for oid in repo.store.iter_ids() if oid not in live_objects)
     for oid in report.damaged_objects:
         for cid in repo.commits_needing([oid]):
@@ -150,6 +147,29 @@ def fsck(repo: Repository, full: bool = False) -> FsckReport:
     if not report.ok:
         _forget_what_was_removed(repo, report)
     return report
+
+
+def _check_objects(repo: Repository, live_objects: Iterable[ObjectId], report: FsckReport) -> None:
+    """Read every object the commits need, verified against its id.
+
+    A lazy clone reads what it lacks from its origin: once that cannot be reached, the rest are
+    checked here alone, and those not held here are counted as unchecked, not called damaged.
+    """
+    store = repo.store
+    for oid in sorted(live_objects, key=str):
+        report.objects_checked += 1
+        try:
+            store.get(oid)
+        except StoreUnavailableError as exc:
+            if held_here(repo.store) is repo.store or store is not repo.store:  # its own store: nothing to check
+                raise
+            report.unchecked.append(oid)
+            report.unchecked_why, store = str(exc), held_here(repo.store)
+        except CorruptObjectError as exc:
+            if store is repo.store or exc.problem != "missing":
+                report.damaged_objects[oid] = exc.problem
+            else:
+                report.unchecked.append(oid)
 
 
 def _forget_what_was_removed(repo: Repository, report: FsckReport) -> None:
@@ -181,8 +201,9 @@ def _replay_all(repo: Repository, manifests: list, report: FsckReport) -> None:
     """Fsck --full: replay every commit's tensors, checking each against its id."""
     from ckptstore.repo.checkout import restore
 
+    unchecked = set(repo.commits_needing(report.unchecked)) if report.unchecked else set()
     for cid, manifest_oid in manifests:
-        if manifest_oid in report.damaged_objects or cid in report.broken_commits:
+        if manifest_oid in report.damaged_objects or cid in report.broken_commits or cid in unchecked:
             continue
         try:
             manifest = repo.read_manifest(manifest_oid)

@@ -138,3 +138,22 @@ def test_a_server_that_dies_while_an_objects_body_streams_is_unavailable_not_a_c
     proxy.down_after(MiB, downloads=True)  # the headers and the first MiB arrive; the body breaks off
     with pytest.raises(StoreUnavailableError, match="cannot reach"):
         store.get(oid)
+
+
+def test_fsck_of_a_lazy_clone_whose_origin_is_down_checks_what_is_held_here_and_counts_the_rest(tmp_path, s3_url,
+                                                                                                 proxy):
+    """It ended in the S3 error alone: no word on the objects held here, nor on which commits were whole."""
+    from ckptstore.repo import remote
+
+    assert ckpt_here(tmp_path, "init", "hub", "--objects", s3_url).returncode == 0
+    with Repository.open(tmp_path / "hub") as hub:
+        first = hub.commit({"w": torch.randn(1 << 16, generator=torch.Generator().manual_seed(0))})
+        hub.commit({"w": torch.randn(1 << 16, generator=torch.Generator().manual_seed(1))})
+    with remote.clone(str(tmp_path / "hub"), tmp_path / "lazy", lazy=True) as lazy:
+        lazy.checkout(first)  # its objects are held here now; the second commit's are not
+        proxy.go_down()
+        report = fsck(lazy, full=True)
+    assert report.unchecked and not report.ok and not report.damaged_objects and "cannot reach" in report.unchecked_why
+    assert report.objects_checked > len(report.unchecked)
+    said = ckpt_here(tmp_path / "lazy", "fsck")
+    assert said.returncode == 1 and f"{len(report.unchecked)} objects not held here were not checked" in said.stdout
