@@ -27,6 +27,7 @@ from ckptstore.errors import (
     CorruptObjectError,
     CorruptRecordError,
     InvalidRefNameError,
+    LostLockError,
     MissingDatabaseError,
     RefNotFoundError,
     SentObjectError,
@@ -321,8 +322,13 @@ def push(repo: Repository, name: str, branch: str | None = None, force: bool = F
                                 "moved, it would leave them stale, and the next commit of them there would undo "
                                 f"your push. Check out another branch there first, or push to a new branch (`ckpt "
                                 f"branch NEW {branch}`, then `ckpt push {name} NEW`) and pull it there")
-        report = _copy(repo, remote, {branch: tip}, pushing=True)[0]
-        _move_remote_ref(remote, name, branch, old, tip)
+        try:
+            report = _copy(repo, remote, {branch: tip}, pushing=True)[0]
+            _move_remote_ref(remote, name, branch, old, tip)
+        except LostLockError as exc:  # what was sent stays there, unreferenced, until the push runs again
+            raise LostLockError(f"push to {name} stopped: a repository lock it held was lost ({exc.ended}); "
+                                f"{branch!r} was not moved there. Run the push again: what was sent is not sent "
+                                "twice", exc.ended) from None
     _track(repo, name, {branch: tip})
     report.refs_moved = [(branch, old, tip)] if old != tip else []
     return report
@@ -371,8 +377,9 @@ def _move_remote_ref(remote: Repository, name: str, branch: str, old: CommitId |
             return
         if old is not None and ref_rows.swap(rtx, branch, ref_rows.BRANCH, old, new):
             return
-    raise ConflictError(f"push to {name} lost a race: its branch {branch!r} moved while the objects were sent; "
-                        "nothing changed there. Run the push again (what was sent is not sent twice)")
+    raise ConflictError(f"push to {name} lost a race: its branch {branch!r} moved while the commits were sent, "
+                        f"and was not moved again. Run the push again: it moves {branch!r} where yours still follows "
+                        "it, else says how to send yours (what was sent is not sent twice)")
 
 
 def _track(repo: Repository, name: str, tips: dict[str, CommitId], every: bool = False

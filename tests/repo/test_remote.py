@@ -286,6 +286,33 @@ def test_a_prune_while_a_push_runs_waits_and_the_push_sends_whole_commits(pair, 
             assert_same(_state(seed), hub.checkout(cid))
 
 
+def test_a_push_that_loses_the_race_for_the_branch_says_its_commits_went_but_the_branch_did_not(pair, monkeypatch):
+    """It said "nothing changed there" of commits it had recorded; the rerun then said why it was refused (auditor)."""
+    from ckptstore import faults
+
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    newer = work.commit(_state(2), message="c2")
+    passing = faults.point
+
+    def another_push_lands(name):  # another clone's push moves the hub's main once our records are sent
+        if name == "transfer:records-sent":
+            with Repository.open(hub_path) as hub:
+                hub.commit(_state(9), message="theirs", branch="main")
+        passing(name)
+
+    monkeypatch.setattr(faults, "point", another_push_lands)
+    with pytest.raises(ConflictError, match="lost a race: its branch 'main' moved while the commits were sent, and "
+                                            "was not moved again. Run the push again"):
+        remote.push(work, "origin")
+    monkeypatch.undo()
+    with pytest.raises(ConflictError, match="diverged"):  # the rerun says how to send ours
+        remote.push(work, "origin")
+    with Repository.open(hub_path) as hub:
+        assert hub.log("main")[0].message == "theirs" and fsck(hub).ok
+        assert_same(_state(2), hub.checkout(newer))  # our commit is there, whole, unreferenced
+
+
 def test_tracking_refs_follow_the_remote_and_never_move_a_branch_or_tag(pair, tmp_path):
     work, hub_path, cids = pair
     remote.push(work, "origin")
