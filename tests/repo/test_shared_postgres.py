@@ -337,3 +337,25 @@ def test_a_bucket_remote_keeps_its_records_in_postgresql_and_a_machine_joins_it(
         assert repo.branches() == {"main": cids[1]} and fsck(repo).ok
         for cid, state in zip(cids, states):
             assert_same(state, repo.checkout(cid))
+
+
+def test_a_push_whose_lock_session_on_the_remote_was_cut_says_the_branch_was_not_moved(postgres_server, postgres_url,
+                                                                                      tmp_path, monkeypatch):
+    """It said "nothing was recorded" of a push whose records had arrived; the rerun sent 0 commits (auditor)."""
+    import pytest
+
+    from ckptstore.errors import LostLockError
+    from ckptstore.repo import remote
+
+    state = {"w": torch.randn(20_000, generator=torch.Generator().manual_seed(0))}
+    Repository.init(tmp_path / "hub", objects_url=f"file://{tmp_path / 'objects'}", metadata_url=postgres_url).close()
+    with Repository.init(tmp_path / "work") as work:
+        remote.add(work, "origin", str(tmp_path / "hub"))
+        cid = work.commit(state)
+        _cut_the_lock_session_at("transfer:records-sent", postgres_server, monkeypatch)
+        with pytest.raises(LostLockError, match="push to origin stopped: .* 'main' was not moved there. Run the push"):
+            remote.push(work, "origin")
+        monkeypatch.undo()
+        assert remote.push(work, "origin").refs_moved == [("main", None, cid)]
+    with Repository.open(tmp_path / "hub") as hub:
+        assert_same(state, hub.checkout("main")) and fsck(hub).ok
