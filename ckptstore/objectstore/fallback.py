@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from ckptstore.errors import CkptError, CorruptObjectError, DiskFullError, explain
+from ckptstore.errors import CkptError, CorruptObjectError, DiskFullError, StoreUnavailableError, explain
 from ckptstore.hashing import ObjectId
 from ckptstore.objectstore.base import ObjectStore, RangeReader, delivered, read_whole
 
@@ -44,6 +44,9 @@ class FallbackStore:
         source = self.source(oid)
         try:
             return source.get(oid)  # get verifies the bytes against the id
+        except StoreUnavailableError as exc:  # the command needed the origin: say so, not only that S3 is down
+            raise StoreUnavailableError(f"object {oid[:12]} is not held here, and the origin it comes from cannot "
+                                        f"be read: {exc}") from None
         except CorruptObjectError as exc:
             if exc.problem != "missing":
                 raise

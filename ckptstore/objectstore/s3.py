@@ -390,7 +390,7 @@ def unavailable(url: str, exc: BaseException) -> StoreUnavailableError:
     """The client's error as one line naming the store, what happened and what to do."""
     from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
 
-    text = " ".join(str(exc).split())
+    text = " ".join(str(exc).split()).split(" Debug source:")[0]  # the client's dump of its own state: no help
     endpoint = _endpoint() or "the default AWS endpoint"
     if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)) or any(
             word in text for word in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403 Forbidden")):

@@ -31,6 +31,7 @@ from ckptstore.errors import (
     MissingDatabaseError,
     RefNotFoundError,
     SentObjectError,
+    StoreUnavailableError,
     explain,
 )
 from ckptstore.formats.atomic import atomic_write
@@ -153,6 +154,10 @@ def open_remote(remote: RemoteConfig, name: str = "", create: bool = False) -> R
     except MissingDatabaseError:
         raise CkptError(f"{where}: its metadata {remote.metadata_url} holds no repository; check the URL "
                         "(`ckpt push` to a new remote starts one there)") from None
+    except CkptError as exc:  # its database or bucket cannot be reached: say which remote, not only which server
+        if type(exc) not in (CkptError, StoreUnavailableError):
+            raise
+        raise type(exc)(f"{where}: {exc}") from None
 
 
 def _named(repo: Repository) -> str:

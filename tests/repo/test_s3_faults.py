@@ -153,7 +153,23 @@ def test_fsck_of_a_lazy_clone_whose_origin_is_down_checks_what_is_held_here_and_
         lazy.checkout(first)  # its objects are held here now; the second commit's are not
         proxy.go_down()
         report = fsck(lazy, full=True)
+        with pytest.raises(StoreUnavailableError, match="is not held here, and the origin it comes from cannot be "
+                                                        "read: S3 store") as said:  # why the command needed it
+            lazy.checkout("main")
+        assert "Debug source" not in str(said.value)  # the client's dump of its own state
     assert report.unchecked and not report.ok and not report.damaged_objects and "cannot reach" in report.unchecked_why
     assert report.objects_checked > len(report.unchecked)
     said = ckpt_here(tmp_path / "lazy", "fsck")
     assert said.returncode == 1 and f"{len(report.unchecked)} objects not held here were not checked" in said.stdout
+
+
+def test_a_remote_whose_database_cannot_be_reached_is_named(tmp_path, s3_url):
+    """"cannot reach PostgreSQL at …" named neither the remote nor where its URL is set (auditor)."""
+    from ckptstore.testing.net import free_port
+
+    Repository.init(tmp_path).close()
+    with open(tmp_path / ".ckpt" / "config.toml", "a") as config:  # `remote add` would open the remote: written here
+        config.write(f'\n[remotes.origin]\nurl = "{s3_url}"\n'
+                     f'metadata_url = "postgresql://postgres@127.0.0.1:{free_port()}/x"\n')
+    said = ckpt_here(tmp_path, "fetch", "origin")
+    assert said.returncode == 1 and f"remote 'origin' ({s3_url}): cannot reach PostgreSQL" in said.stderr, said.stderr
