@@ -547,8 +547,10 @@ def prune_command(ctx, keep_last, keep_every, keep_best, keep_tagged, dry_run, a
     for cid in report.pruned:
         echo(f"  {cid[:12]}")
     if report.bytes_after is not None:
-        echo(f"objects: {_size(report.bytes_before)} before, {_size(report.bytes_after)} after "
-             f"({_size(report.bytes_before - report.bytes_after)} freed)")
+        # more after: a lazy clone read the chains it re-encoded from its origin, and keeps them
+        change = report.bytes_before - report.bytes_after
+        echo(f"objects held here: {_size(report.bytes_before)} before, {_size(report.bytes_after)} after "
+             + (f"({_size(change)} freed)" if change >= 0 else f"({_size(-change)} read from the origin to re-encode)"))
     return None
 
 

@@ -787,3 +787,17 @@ def test_remote_add_takes_a_relative_folder_from_where_it_is_typed_and_keeps_it_
     shutil.copytree(tmp_path / "a", tmp_path / "copy")  # the copy's remote is its own backup/, as the root says
     with Repository.open(tmp_path / "copy") as copy:
         assert copy.config.remotes["bk"].url == "backup"
+
+
+def test_a_prune_in_a_lazy_clone_says_what_it_read_from_the_origin_not_a_negative_amount_freed(pair, tmp_path):
+    """"objects: 4.8 KiB before, 253.6 KiB after (-248.8 KiB freed)" (auditor)."""
+    work, hub_path, _ = pair
+    base = torch.randn(200_000, generator=torch.Generator().manual_seed(7))
+    for step in range(3):  # residuals on one another: a prune re-encodes the newest, whose chain it reads first
+        work.commit({"w": base + step * 1e-3}, message=f"step {step}")
+    remote.push(work, "origin")
+    remote.clone(str(hub_path), tmp_path / "lazy", lazy=True).close()
+    said = ckpt_here(tmp_path / "lazy", "prune", "--keep-last", "1")
+    assert said.returncode == 0 and "read from the origin to re-encode" in said.stdout and "(-" not in said.stdout
+    said = ckpt_here(work.root, "prune", "--keep-last", "1")
+    assert said.returncode == 0 and " freed)" in said.stdout, said.stdout
