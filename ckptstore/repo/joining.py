@@ -62,8 +62,9 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
         if named and not any(store.has(o) for o in named):
             next(iter(store.iter_ids()), None)  # a bucket that does not exist says so, rather than "none of them"
             raise RepoExistsError(f"{url} holds none of the objects that the metadata {repo.db.where} names "
-                                  f"({len(named)} looked for): that metadata belongs with another objects URL; "
-                                  "give the --objects URL its repository was made with")
+                                  f"({len(named)} looked for): that metadata belongs with another objects URL "
+                                  "(give the --objects URL its repository was made with), or the bucket lost them "
+                                  "(emptied or made anew: restore its objects from a backup or a full clone)")
     except BaseException:
         repo.close()
         raise
