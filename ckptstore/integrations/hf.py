@@ -245,14 +245,6 @@ def restore(repo: str | os.PathLike | Repository, ref: str, output_dir: str | os
 
 def _restore(opened: Repository, ref: str, output_dir: Path, force: bool, branch: str | None) -> Path:
     info = opened.commit_info(ref)
-    if branch is not None:
-        if opened.branches().get(branch, info.id) != info.id:
-            raise CkptError(f"branch {branch!r} exists at another commit; pass a new name to branch from {ref!r}")
-        if branch not in opened.branches():
-            opened.branch(branch, info.id)
-    elif opened.head()[1] not in (None, info.id):
-        warn_caller(f"{ref!r} ({info.id[:12]}) is not the tip of HEAD: a run resumed from it commits after the "
-                    "tip, not after it; pass branch=NAME here and to CkptCallback to branch from it")
     if info.kind != "folder":
         raise CkptError(f"commit {info.id[:12]} ({ref}) is a {info.kind} commit, not a Trainer checkpoint folder: "
                         f"write it with `ckpt checkout {info.id[:12]} -o PATH` instead")
@@ -260,12 +252,25 @@ def _restore(opened: Repository, ref: str, output_dir: Path, force: bool, branch
     if step is None:
         raise CkptError(f"commit {info.id[:12]} ({ref}) records no step and was not committed from a "
                         f"{PREFIX_CHECKPOINT_DIR}-N folder: write it with `ckpt checkout {info.id[:12]} -o PATH`")
+    _branch_at(opened, ref, info.id, branch)
     output_dir.mkdir(parents=True, exist_ok=True)
     try:
         return opened.checkout_to(info.id, output_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}", force=force)
     except DirtyWorktreeError as exc:  # its advice names the CLI's flags; a caller here has arguments
         said = str(exc).split("; commit it first")[0]
         raise DirtyWorktreeError(f"{said}; restore into another output_dir, or pass force=True") from None
+
+
+def _branch_at(opened: Repository, ref: str, cid: CommitId, branch: str | None) -> None:
+    """Make `branch` at `cid` for the resumed run's commits; without one, warn where they would not follow it."""
+    if branch is not None:
+        if opened.branches().get(branch, cid) != cid:
+            raise CkptError(f"branch {branch!r} exists at another commit; pass a new name to branch from {ref!r}")
+        if branch not in opened.branches():
+            opened.branch(branch, cid)
+    elif opened.head()[1] not in (None, cid):
+        warn_caller(f"{ref!r} ({cid[:12]}) is not the tip of HEAD: a run resumed from it commits after the "
+                    "tip, not after it; pass branch=NAME here and to CkptCallback to branch from it")
 
 
 def _step_of(source_path: str | None) -> int | None:
