@@ -78,8 +78,8 @@ def _logical_diff(repo: Repository, old: Manifest, new: Manifest) -> list[Tensor
         status, rel = ("added" if fqn in after else "removed"), None
         if fqn in before and fqn in after:
             status, rel = "unchanged", 0.0
-            old_value = whole_old.get(fqn) or items_old.get(before[fqn].get("key", ""))
-            new_value = whole_new.get(fqn) or items_new.get(after[fqn].get("key", ""))
+            old_value = whole_old[fqn] if fqn in whole_old else items_old.get(before[fqn].get("key", ""))
+            new_value = whole_new[fqn] if fqn in whole_new else items_new.get(after[fqn].get("key", ""))
             if fqn in changed and not _same_value(fqn, old_value, new_value):
                 status, rel = "changed", relative_l2(old_value, new_value)
         dtype, shape = (item["dtype"], tuple(item["size"])) if item["type"] == "tensor" else (BYTES_DTYPE, ())
