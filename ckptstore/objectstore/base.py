@@ -51,6 +51,9 @@ class ObjectStore(Protocol):
     def has(self, oid: ObjectId) -> bool:
         """True when `oid` is present (its content is not verified)."""
 
+    def holds(self, data: bytes | memoryview) -> bool:
+        """True when the object named by `data`'s id holds exactly `data` (what `put` keeps rather than rewrites)."""
+
     def delete(self, oid: ObjectId) -> None:
         """Remove `oid`; removing an absent object is not an error."""
 

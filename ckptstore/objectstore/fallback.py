@@ -94,6 +94,9 @@ class FallbackStore:
     def put(self, data: bytes | memoryview) -> ObjectId:
         return self.local.put(data)
 
+    def holds(self, data: bytes | memoryview) -> bool:
+        return self.local.holds(data)
+
     def has(self, oid: ObjectId) -> bool:
         return self.local.has(oid)
 

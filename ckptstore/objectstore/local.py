@@ -110,6 +110,10 @@ class LocalObjectStore:
         """
         return self._put([data], object_id(data))
 
+    def holds(self, data: bytes | memoryview) -> bool:
+        """Whether the file named by `data`'s id holds exactly `data` (compared byte for byte)."""
+        return self._holds(self.path_of(object_id(data)), [data], object_id(data))
+
     def put_parts(self, parts: Sequence[bytes | memoryview]) -> ObjectId:
         """`put` of the concatenation of `parts`, hashed and written part by part (no joined copy)."""
         return self._put(parts, object_id_of_parts(parts))

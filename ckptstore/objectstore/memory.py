@@ -51,6 +51,9 @@ class MemoryObjectStore:
     def has(self, oid: ObjectId) -> bool:
         return oid in self.objects
 
+    def holds(self, data: bytes | memoryview) -> bool:
+        return self.objects.get(object_id(data)) == as_bytes(data)
+
     def lacking(self, oids: Iterable[ObjectId]) -> set[ObjectId]:
         return {oid for oid in oids if not self.has(oid)}
 

@@ -140,6 +140,7 @@ class S3ObjectStore:
         self._client = _client(self.bucket)
         self._batch: _Uploads | None = None
         self._ahead: _ReadAhead | None = None
+        self._etags_differ = False  # its ETags proved to be no MD5 of the bytes (see _check_stored)
 
     def key(self, oid: ObjectId) -> str:
         """The object's key in the bucket."""
@@ -182,11 +183,37 @@ class S3ObjectStore:
         import obstore
 
         data = as_bytes(data)
-        with contextlib.suppress(CorruptObjectError):
-            if _holds(self.call(obstore.head, oid), data):
-                return
-        self.call(obstore.put, oid, data, use_multipart=len(data) > SINGLE_PUT, chunk_size=PART,
-                  max_concurrency=PARTS_IN_FLIGHT)
+        if self.holds(data):
+            return
+        stored = self.call(obstore.put, oid, data, use_multipart=len(data) > SINGLE_PUT, chunk_size=PART,
+                           max_concurrency=PARTS_IN_FLIGHT)
+        self._check_stored(oid, data, (stored.get("e_tag") or "").strip('"'))
+
+    def holds(self, data: bytes | memoryview) -> bool:
+        """Whether the bucket holds exactly `data` under its id: its size and ETag (one HEAD), not its name alone."""
+        import obstore
+
+        try:
+            return _holds(self.call(obstore.head, object_id(data)), data)
+        except CorruptObjectError:  # not there
+            return False
+
+    def _check_stored(self, oid: ObjectId, data: bytes, tag: str) -> None:
+        """Refuse a PUT whose answer says the server kept other bytes than were sent (its ETag, their MD5).
+
+        Some buckets' ETags are no MD5 (SSE-KMS encryption, some gateways): the first object whose
+        ETag differs is read back, and if its bytes are right, this store's ETags are not checked again.
+        """
+        if not tag or tag == etag(data) or self._etags_differ:
+            return
+        try:
+            self._fetch(oid)  # verified against its id
+        except CorruptObjectError:
+            raise StoreUnavailableError(f"S3 store {self.url}: the server kept other bytes for object {oid[:12]} "
+                                        f"than were sent (its ETag {tag} is not theirs, and reading it back gives "
+                                        "other bytes); nothing was recorded: run the command again, and check the "
+                                        "server or any proxy before it") from None
+        self._etags_differ = True
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:

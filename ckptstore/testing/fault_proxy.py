@@ -5,7 +5,9 @@ a real server that dies comes back with its data. The proxy plays the dying serv
 `go_down()` drops every connection and refuses new ones (the port closes), `come_up()` listens
 again on the same port, `down_after(n)` dies once `n` bytes have gone upstream (mid-upload) or,
 with `downloads=True`, come back from the server (mid-download),
-`delay` adds latency to every chunk forwarded, `stalled = True` holds every byte (connections stay
+`delay` adds latency to every chunk forwarded, `corrupt_uploads = True` flips the last byte of each
+chunk of 4 KiB or more on its way to the server (an upload's body altered in transit; the test
+server does not check payload signatures), `stalled = True` holds every byte (connections stay
 open and nothing answers: a hung server or a network partition), and `reply_with(status)` answers each request
 with an HTTP error of its own (a 500, or a 403 with S3's AccessDenied body) without forwarding it.
 It counts the bytes it forwarded each way, so a test can measure what a retry sent again.
@@ -36,6 +38,7 @@ class FaultProxy:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.delay = 0.0
         self.stalled = False
+        self.corrupt_uploads = False
         self.status: int | None = None
         self.sent = 0  # bytes forwarded client -> server
         self.received = 0  # bytes forwarded server -> client
@@ -127,6 +130,8 @@ class FaultProxy:
                 if self._spend(len(chunk), upstream):
                     self.go_down()
                     return
+                if upstream and self.corrupt_uploads and len(chunk) >= 4096:
+                    chunk = chunk[:-1] + bytes([chunk[-1] ^ 0xFF])
                 sink.sendall(chunk)
                 with self._lock:
                     if upstream:

@@ -801,3 +801,19 @@ def test_a_prune_in_a_lazy_clone_says_what_it_read_from_the_origin_not_a_negativ
     assert said.returncode == 0 and "read from the origin to re-encode" in said.stdout and "(-" not in said.stdout
     said = ckpt_here(work.root, "prune", "--keep-last", "1")
     assert said.returncode == 0 and " freed)" in said.stdout, said.stdout
+
+
+def test_a_push_does_not_trust_an_object_of_the_right_size_that_holds_other_bytes(pair):
+    """Push skipped an object whose name held other bytes of the same size: the remote's main then broke (auditor)."""
+    work, hub_path, cids = pair
+    manifest_oid = work.commit_info(cids[0]).manifest_object
+    with Repository.open(hub_path) as hub:
+        planted = hub.store.path_of(manifest_oid)
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    size = len(work.read_object(manifest_oid))
+    planted.write_bytes(b"\0" * size)  # another writer's bytes, or a damaged file, under the right name
+    assert remote.push(work, "origin").commits == 2
+    with Repository.open(hub_path) as hub:
+        assert fsck(hub).ok
+        for seed, cid in enumerate(cids):
+            assert_same(_state(seed), hub.checkout(cid))

@@ -173,3 +173,16 @@ def test_a_remote_whose_database_cannot_be_reached_is_named(tmp_path, s3_url):
                      f'metadata_url = "postgresql://postgres@127.0.0.1:{free_port()}/x"\n')
     said = ckpt_here(tmp_path, "fetch", "origin")
     assert said.returncode == 1 and f"remote 'origin' ({s3_url}): cannot reach PostgreSQL" in said.stderr, said.stderr
+
+
+def test_a_server_that_keeps_other_bytes_than_were_sent_is_refused_at_the_put(bucket_repo, proxy):
+    """The PUT's own answer (its ETag) said so, and was thrown away: the commit succeeded, its checkout failed."""
+    with Repository.open(bucket_repo) as repo:
+        before = repo.head()
+        proxy.corrupt_uploads = True
+        with pytest.raises(StoreUnavailableError, match="the server kept other bytes for object .* than were sent"):
+            repo.commit(_state(5), "altered in transit")
+        proxy.corrupt_uploads = False
+        assert repo.head() == before
+        cid = repo.commit(_state(5), "again")  # the altered objects are uploaded again, not trusted by name
+        assert_same(_state(5), repo.checkout(cid)) and fsck(repo).ok
