@@ -19,6 +19,7 @@ shard of the same offsets and sizes (FSDP2 shards a parameter and its moments al
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -69,7 +70,8 @@ class ShardFacts:
 
     `rms` and `mean` are per float tensor (by FQN), `elements` its global element count, `slots`
     each weight's optimizer state by role, `lrs` each weight's learning rate, `sensitivity` its
-    Fisher step factor; `moment_min` and `shared_lr` as in PlanContext.
+    Fisher step factor; `moment_min` and `shared_lr` as in PlanContext; `has_state` whether any
+    tensor is optimizer state.
     """
 
     rms: dict[str, float] = field(default_factory=dict)
@@ -80,6 +82,7 @@ class ShardFacts:
     sensitivity: dict[str, float] = field(default_factory=dict)
     moment_min: int = 0
     shared_lr: float | None = None
+    has_state: bool = False  # any optimizer state at all (a `.state.` name), paired or not
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,33 +97,54 @@ def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float]) -> tuple[di
     """(weight FQN -> {role: state FQN}, weight FQN -> lr) for the optimizer state among `fqns`.
 
     `param_lrs` maps PREFIX.state's PARAM names to their group's learning rate (from param_groups).
-    A state whose weight no other name is stays unpaired (and lossless). Where several are (the
-    model and an EMA copy of it beside it: `model.w`, `ema.w`), the first pairs with the state and
-    the others get a slot of their own with no state: a weight all the same, planned from its own
-    statistics, where leaving every name unpaired kept the whole commit lossless.
+    A state whose weight no other name is stays unpaired (and lossless). Where several names end
+    with its PARAM, it pairs with the one under the prefix where the unambiguous pairs live (`model.`
+    for `proj.weight`, not `model.blocks.0.attn.`); the others, and all of them where no prefix
+    tells (a model and its EMA copy, `model.w` and `ema.w`, alone), get a slot with no state: a
+    weight all the same, planned from its own statistics, where leaving every name unpaired kept
+    the whole commit lossless. A slot's moments are never taken over by another state.
     """
     names = sorted(set(fqns))
     present = set(names)
     states = {n for n in names if n.rsplit(".", 1)[-1] in MOMENTS and ".state." in f".{n}"}
     weights = [n for n in names if n not in states]
+    found = {name: _hits(name, weights) for name in sorted(states)}
+    prefixes = Counter(hits[0][:-len(param)] for param, hits in found.values() if len(hits) == 1)
     slots: dict[str, dict[str, str]] = {}
     lrs: dict[str, float] = {}
-    for name in sorted(states):
+    for name, (param, hits) in found.items():
         head, role = name.rsplit(".", 1)
-        for param in _params_of(head):
-            hits = [w for w in weights if w == param or w.endswith("." + param)]
-            if not hits:
-                continue
-            slot = slots.setdefault(hits[0], {})
-            slot[role] = name
-            # beside a moment, under its own head: never a model parameter named like one (`x.state.sum`)
-            slot.update({other: f"{head}.{other}" for other in OTHER_STATE if f"{head}.{other}" in present})
-            for weight in hits:
-                slots.setdefault(weight, {})
-                if param in param_lrs:
-                    lrs[weight] = float(param_lrs[param])
-            break
+        for weight in hits:
+            slots.setdefault(weight, {})
+        chosen = _by_prefix(hits, param, prefixes)
+        if chosen is None or role in slots[chosen]:
+            continue
+        slots[chosen][role] = name
+        # beside a moment, under its own head: never a model parameter named like one (`x.state.sum`)
+        slots[chosen].update({other: f"{head}.{other}" for other in OTHER_STATE if f"{head}.{other}" in present})
+        if param in param_lrs:
+            lrs[chosen] = float(param_lrs[param])
     return slots, lrs
+
+
+def _hits(state: str, weights: list[str]) -> tuple[str, list[str]]:
+    """(PARAM, the weights named PARAM or ending with it) for `state`, by its longest PARAM that any weight has."""
+    head = state.rsplit(".", 1)[0]
+    for param in _params_of(head):
+        hits = [w for w in weights if w == param or w.endswith("." + param)]
+        if hits:
+            return param, hits
+    return "", []
+
+
+def _by_prefix(hits: list[str], param: str, prefixes: Counter[str]) -> str | None:
+    """The one hit under the prefix most unambiguous pairs share, or None where that does not tell one."""
+    if len(hits) <= 1:
+        return hits[0] if hits else None
+    counts = {hit: prefixes[hit[:-len(param)]] for hit in hits}
+    best = max(counts.values())
+    chosen = [hit for hit, count in counts.items() if count == best]
+    return chosen[0] if best and len(chosen) == 1 else None
 
 
 def _params_of(head: str) -> list[str]:
@@ -146,6 +170,7 @@ def combine(stats: Mapping[Shard, ShardStats], dtypes: Mapping[str, str], sizes:
                        mean={f: _f32(v[1] / v[2]) for f, v in floats.items()},
                        elements={f: math.prod(sizes[f]) for f in sizes})
     facts.slots, facts.lrs = pair_by_fqn(dtypes, param_lrs)
+    facts.has_state = any(".state." in f".{name}" for name in dtypes)
     states = [state for slot in facts.slots.values() for role, state in slot.items() if role in MOMENTS]
     lrs = set(facts.lrs.values())
     facts.shared_lr = lrs.pop() if len(lrs) == 1 else None
@@ -213,6 +238,6 @@ def _shard_slots(tensors: Mapping[str, RawTensor], shards: Mapping[str, Shard], 
                 if role in MOMENTS:
                     setattr(slot, role, key)
             slots.append(slot)
-    if not any(states for states in facts.slots.values()):  # as a file commit: every tensor may be a weight
+    if not facts.has_state:  # as a file commit without optimizer state: every tensor may be a weight
         return OptimizerMap(slots, False, NO_OPTIMIZER_STATE)
     return OptimizerMap(slots, True, PAIRING)

@@ -291,6 +291,31 @@ def test_an_ema_copy_of_the_model_beside_it_keeps_the_level_for_both(tmp_path):
         assert 0 < error < LEVELS["balanced"].max_weight_error * 2, (part, error)  # quantized, within its bound
 
 
+@pytest.mark.parametrize("make", [lambda p: torch.optim.RMSprop(p, lr=1e-3), lambda p: torch.optim.Adagrad(p, lr=1e-2),
+                                  lambda p: torch.optim.Adam(p, lr=1e-3)])
+def test_optimizer_state_the_level_does_not_pair_stays_exact(tmp_path, make):
+    """RMSprop's square_avg, Adagrad's sum and plain state_dict()'s numbered Adam state were taken for weights
+    when no moment paired (a regression of the EMA mend, reader)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
+    optimizer = make(model.parameters())
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(32, 128)).pow(2).mean().backward()
+        optimizer.step()
+    state = {"model": dict(model.state_dict()), "optim": optimizer.state_dict()}  # numbered state: nothing pairs
+    with Repository.init(tmp_path / "repo") as repo:
+        writer = CkptStorageWriter(repo, lossy="balanced")
+        dcp.save(state, storage_writer=writer, planner=CkptSavePlanner())
+        back = {"optim": {"state": {k: {n: torch.zeros_like(v) for n, v in s.items()}
+                                    for k, s in state["optim"]["state"].items()},
+                          "param_groups": state["optim"]["param_groups"]}}
+        dcp.load(back, storage_reader=CkptStorageReader(repo, writer.commit_id))
+    for key, saved in state["optim"]["state"].items():
+        for name, value in saved.items():
+            assert torch.equal(back["optim"]["state"][key][name], value), (key, name)
+
+
 def test_a_lossy_sharded_save_without_optimizer_state_quantizes_its_weights_as_a_file_commit_does(tmp_path):
     """No moment to pair: every tensor was taken for certain not a weight, and stored lossless (auditor)."""
     state = {"model": {"big.weight": torch.randn(128, 96, generator=torch.Generator().manual_seed(0))}}

@@ -40,6 +40,21 @@ def test_other_optimizer_state_marks_its_slot_but_a_parameter_named_like_it_stay
                                 "square_avg": "optim.state.w.square_avg"}
 
 
+def test_a_state_whose_param_ends_several_names_pairs_under_the_models_prefix_or_not_at_all():
+    """`proj.weight`'s moments went to the first hit, `model.blocks.0.attn.proj.weight`, over its own (reader)."""
+    moments = ("exp_avg", "exp_avg_sq")
+    nested = ["model.blocks.0.attn.proj.weight", "model.proj.weight", "model.head.weight",
+              *[f"optim.state.{p}.{m}" for p in ("blocks.0.attn.proj.weight", "proj.weight", "head.weight")
+                for m in moments]]
+    slots, lrs = pair_by_fqn(nested, {"blocks.0.attn.proj.weight": 1e-5, "proj.weight": 1e-3})
+    assert slots["model.proj.weight"] == {m: f"optim.state.proj.weight.{m}" for m in moments}
+    assert slots["model.blocks.0.attn.proj.weight"] == {m: f"optim.state.blocks.0.attn.proj.weight.{m}"
+                                                        for m in moments}
+    assert lrs == {"model.blocks.0.attn.proj.weight": 1e-5, "model.proj.weight": 1e-3}
+    copies = ["model.0.weight", "ema.0.weight", *[f"optim.state.0.weight.{m}" for m in moments]]
+    assert pair_by_fqn(copies, {}) == ({"ema.0.weight": {}, "model.0.weight": {}}, {})  # names cannot tell: unpaired
+
+
 def _raw(values: np.ndarray) -> RawTensor:
     return RawTensor(F32, values.shape, values.astype(np.float32).view(np.uint8).reshape(-1))
 
