@@ -13,7 +13,7 @@ When a source counts as complete (torch.save, safetensors and Trainer all write 
 - a Trainer folder holds a `trainer_state.json` that parses: Trainer._save_checkpoint writes it
   after the model, optimizer, scheduler and RNG files; in a folder saved over in place (a version
   of it was handled before), files rewritten since then also need a rewritten trainer_state.json,
-  and none of them may be over a minute newer than it (a save the watch missed, while it was
+  and none of them may be more than 5 s newer than it (a save the watch missed, while it was
   stopped, would otherwise vouch for the next save's first files).
 
 The step comes from trainer_state.json's `global_step`, else from the name (`checkpoint-500`,
@@ -61,8 +61,8 @@ SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".safetensors"}
 TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 # Trainer writes trainer_state.json last (older versions rng_state.pth after it, milliseconds later): a
-# file rewritten a minute after it comes from a later save, whose own trainer_state.json is not written yet
-SAME_SAVE_NS = 60 * 10**9
+# file rewritten seconds after it comes from a later save, whose own trainer_state.json is not written yet
+SAME_SAVE_NS = 5 * 10**9
 LINKED = "a symbolic link, never committed (the file it points to is, when it is in the watched folder)"
 _STEP = re.compile(r"step[=_-]?(\d+)", re.IGNORECASE)
 # a whole number, not part of a decimal (a metric: val_loss=0.1234), an epoch's (epoch=3) nor a version (last-v1)
@@ -266,7 +266,7 @@ def _judge_saved_over(source: Source, handled: dict[str, Any]) -> Source:
     The old trainer_state.json still parses while Trainer writes new weights and optimizer state
     over the old ones, whatever their names (adapters, FSDP shards, DeepSpeed folders). Files only
     added (a callback's), or written just after the new trainer_state.json (an older Trainer's
-    rng_state.pth), count at once; one written over a minute after it is the next save's.
+    rng_state.pth), count at once; one written more than 5 s after it is the next save's.
     """
     source = _judge_folder(source)
     before = {entry[0]: entry for entry in handled.get("signature") or [] if isinstance(entry, list) and entry}
@@ -280,8 +280,8 @@ def _judge_saved_over(source: Source, handled: dict[str, Any]) -> Source:
         state_time = now[TRAINER_STATE][2]
         late = [name for name in rewritten if now[name][2] - state_time > SAME_SAVE_NS]
         if late:
-            source.incomplete = (f"saved over in place: {late[0]} was written over a minute after {TRAINER_STATE}, "
-                                 "by a later save")
+            source.incomplete = (f"saved over in place: {late[0]} was written more than 5 s after "
+                                 f"{TRAINER_STATE}, by a later save")
     return source
 
 

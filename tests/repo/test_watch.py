@@ -397,9 +397,9 @@ def test_a_save_over_the_watch_missed_does_not_vouch_for_the_next_ones_first_fil
     run, folder, trainer = _saving_over_in_place(repo, tmp_path)
     torch.save(trainer.optimizer.state_dict(), folder / "optimizer.pt")  # v2, whole, while the watch was stopped
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": trainer.step}))
-    an_hour_ago = time.time() - 3600
+    earlier = time.time() - 20  # saves 20 s apart: a minute's tolerance let this through (reader)
     for path in folder.iterdir():
-        os.utime(path, (an_hour_ago, an_hour_ago))
+        os.utime(path, (earlier, earlier))
     trainer.train(1)  # v3, as far as its weights, then a pause of two scans
     save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, folder / "model.safetensors")
     for _ in range(2):
