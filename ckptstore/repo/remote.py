@@ -15,7 +15,7 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -141,7 +141,8 @@ def open_remote(remote: RemoteConfig, name: str = "", create: bool = False) -> R
     if "://" not in remote.url:
         if not (Path(remote.url) / REPO_DIR).is_dir():
             raise CkptError(f"{where} is not a ckptstore repository (no {REPO_DIR}/ folder there)")
-        return Repository.open(remote.url)
+        with _naming(where):
+            return Repository.open(remote.url)
     if not remote.metadata_url:
         raise CkptError(f"{where} names objects but no metadata: give --metadata postgresql://... (a bucket's "
                         "commit records and refs live in its database)")
@@ -150,11 +151,20 @@ def open_remote(remote: RemoteConfig, name: str = "", create: bool = False) -> R
     root = user_cache() / "remotes" / key
     (root / REPO_DIR).mkdir(parents=True, exist_ok=True)
     try:
-        return open_over_objects(root, RepoConfig(objects_url=remote.url, metadata_url=remote.metadata_url), create)
+        with _naming(where):
+            return open_over_objects(root, RepoConfig(objects_url=remote.url, metadata_url=remote.metadata_url),
+                                     create)
     except MissingDatabaseError:
         raise CkptError(f"{where}: its metadata {remote.metadata_url} holds no repository; check the URL "
                         "(`ckpt push` to a new remote starts one there)") from None
-    except CkptError as exc:  # its database or bucket cannot be reached: say which remote, not only which server
+
+
+@contextlib.contextmanager
+def _naming(where: str) -> Iterator[None]:
+    """A remote's database or bucket that cannot be reached: the error says which remote, not only which server."""
+    try:
+        yield
+    except CkptError as exc:
         if type(exc) not in (CkptError, StoreUnavailableError):
             raise
         raise type(exc)(f"{where}: {exc}") from None
@@ -433,9 +443,14 @@ def fetch(repo: Repository, name: str, lazy: bool | None = None) -> TransferRepo
     remote_config = named(repo, name)
     lazy = remote_config.lazy if lazy is None else lazy
     with open_remote(remote_config, name) as remote, repo.lock():
-        report, branches = _copy(remote, repo, None, lazy=lazy, keep=lambda tips: _well_named(name, tips))
-        faults.point("fetch:tracking")  # tests run a gc here: it must wait for the lock
-        report.refs_moved = _track(repo, name, branches, every=True)
+        try:
+            report, branches = _copy(remote, repo, None, lazy=lazy, keep=lambda tips: _well_named(name, tips))
+            faults.point("fetch:tracking")  # tests run a gc here: it must wait for the lock
+            report.refs_moved = _track(repo, name, branches, every=True)
+        except LostLockError as exc:  # records that arrived stay, unreferenced, until the fetch runs again
+            raise LostLockError(f"fetch from {name} stopped: a repository lock it held was lost ({exc.ended}); "
+                                f"no {name}/BRANCH ref was moved. Run it again: it fetches only what is still "
+                                "missing", exc.ended) from None
     return report
 
 

@@ -359,3 +359,26 @@ def test_a_push_whose_lock_session_on_the_remote_was_cut_says_the_branch_was_not
         assert remote.push(work, "origin").refs_moved == [("main", None, cid)]
     with Repository.open(tmp_path / "hub") as hub:
         assert_same(state, hub.checkout("main")) and fsck(hub).ok
+
+
+def test_a_fetch_whose_lock_session_here_was_cut_says_no_tracking_ref_moved(postgres_server, postgres_url, tmp_path,
+                                                                             monkeypatch):
+    """It said "nothing was recorded" of records that had arrived; the rerun copied 0 commits (reader)."""
+    import pytest
+
+    from ckptstore.errors import LostLockError
+    from ckptstore.repo import remote
+
+    state = {"w": torch.randn(20_000, generator=torch.Generator().manual_seed(0))}
+    with Repository.init(tmp_path / "hub") as hub:
+        cid = hub.commit(state)
+    with Repository.init(tmp_path / "work", objects_url=f"file://{tmp_path / 'objects'}",
+                         metadata_url=postgres_url) as work:
+        remote.add(work, "origin", str(tmp_path / "hub"))
+        _cut_the_lock_session_at("transfer:records-sent", postgres_server, monkeypatch)
+        with pytest.raises(LostLockError, match="fetch from origin stopped: .* no origin/BRANCH ref was moved"):
+            remote.fetch(work, "origin")
+        monkeypatch.undo()
+        remote.fetch(work, "origin")
+        assert work.resolve("origin/main") == cid and fsck(work).ok
+        assert_same(state, work.checkout("origin/main"))
