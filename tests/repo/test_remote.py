@@ -817,3 +817,15 @@ def test_a_push_does_not_trust_an_object_of_the_right_size_that_holds_other_byte
         assert fsck(hub).ok
         for seed, cid in enumerate(cids):
             assert_same(_state(seed), hub.checkout(cid))
+
+
+def test_a_folder_remote_whose_database_cannot_be_reached_is_named(pair):
+    """"cannot reach PostgreSQL at …" pointed at the metadata URL of this repository's config, not the remote's."""
+    from ckptstore.testing.net import free_port
+
+    work, hub_path, _ = pair
+    config = hub_path / ".ckpt" / "config.toml"
+    dead = f"postgresql://postgres@127.0.0.1:{free_port()}/x"
+    config.write_text(config.read_text().replace('metadata_url = ""', f'metadata_url = "{dead}"', 1))
+    said = ckpt_here(work.root, "fetch", "origin")
+    assert said.returncode == 1 and f"remote 'origin' ({hub_path}): cannot reach PostgreSQL" in said.stderr, said.stderr
