@@ -494,16 +494,23 @@ def _after_fork_in_child() -> None:
 def _after_fork_in_parent() -> None:
     if _AT_FORK.held:
         _FORKING.release()
-    if _AT_FORK.interrupted:  # raised here, it would be printed and lost again: raised once the hook has returned
-        threading.Thread(target=_interrupt_when_out_of, args=(threading.get_ident(), sys._getframe().f_code),
+    if _AT_FORK.interrupted:  # raised in any at-fork hook, it would be printed and lost again: raised after them
+        caller = sys._getframe(1)  # the frame that called os.fork (the hooks run inside that call)
+        threading.Thread(target=_interrupt_once_forked, args=(threading.get_ident(), caller, caller.f_lasti),
                          daemon=True).start()
 
 
-def _interrupt_when_out_of(thread: int, hook: Any) -> None:
-    """The Ctrl-C that ended a fork's wait, again in the main thread, once `thread` has left `hook` (at most 1 s)."""
-    for _ in range(1000):
+def _interrupt_once_forked(thread: int, caller: Any, at: int) -> None:
+    """The Ctrl-C that ended a fork's wait, again in the main thread, once os.fork has returned into `caller`.
+
+    Other libraries' at-fork hooks may still run after this one: the interrupt waits (at most 2 s)
+    until `caller` has moved past the call (or left the stack).
+    """
+    for _ in range(2000):
         frame = sys._current_frames().get(thread)
-        while frame is not None and frame.f_code is not hook:
+        if frame is None or (frame is caller and caller.f_lasti != at):
+            break
+        while frame is not None and frame is not caller:
             frame = frame.f_back
         if frame is None:
             break
