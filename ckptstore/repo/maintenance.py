@@ -103,7 +103,13 @@ def missing_objects(repo: Repository, needed: set[ObjectId], stored: Iterable[Ob
     """
     if held_here(repo.store) is not repo.store:
         return {}
-    return {f"object {oid}": "needed, and not in the store" for oid in sorted(needed - set(stored), key=str)}
+    unlisted = sorted(needed - set(stored), key=str)
+    cut_short = next((oid for oid in unlisted[:8] if repo.store.has(oid)), None)  # asked alone, it is there
+    if cut_short is not None:
+        raise StoreUnavailableError(f"{repo.store.url} left object {cut_short[:12]} out of its listing, though it "
+                                    "holds it (a listing cut short: check the S3 server, or any proxy before it); "
+                                    "nothing was deleted, since what the listing misses cannot be told garbage")
+    return {f"object {oid}": "needed, and not in the store" for oid in unlisted}
 
 
 def refusal(problems: dict[str, str], where: str, verb: str = "gc") -> CkptError:

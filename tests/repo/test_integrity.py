@@ -497,3 +497,19 @@ def test_a_table_of_the_schema_that_is_gone_is_damage(repo, tmp_path):
     assert not report.ok and report.damaged_records["database"] == "table known_files is missing"
     with pytest.raises(CkptError, match="gc refused"):
         gc(repo)
+
+
+def test_a_listing_that_leaves_out_a_held_object_is_named_as_such_not_as_damage(repo, monkeypatch):
+    """A bucket listing cut short made gc say "the repository is damaged … restore from a backup"; fsck said ok."""
+    from ckptstore.errors import StoreUnavailableError
+    from ckptstore.repo import gc
+
+    repo.commit({"w": torch.randn(50_000, generator=torch.Generator().manual_seed(0))})
+    held = sorted(repo.store.iter_sizes())
+    monkeypatch.setattr(repo.store, "iter_sizes", lambda: iter(held[1:]))  # the server's first page only
+    monkeypatch.setattr(repo.store, "iter_ids", lambda: (oid for oid, _ in held[1:]))
+    with pytest.raises(StoreUnavailableError, match=f"left object {held[0][0][:12]} out of its listing, though it "
+                                                    "holds it"):
+        gc(repo)
+    monkeypatch.undo()
+    assert gc(repo).objects_removed == 0 and fsck(repo).ok
