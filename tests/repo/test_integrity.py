@@ -502,7 +502,6 @@ def test_a_table_of_the_schema_that_is_gone_is_damage(repo, tmp_path):
 def test_a_listing_that_leaves_out_a_held_object_is_named_as_such_not_as_damage(repo, monkeypatch):
     """A bucket listing cut short made gc say "the repository is damaged … restore from a backup"; fsck said ok."""
     from ckptstore.errors import StoreUnavailableError
-    from ckptstore.repo import gc
 
     repo.commit({"w": torch.randn(50_000, generator=torch.Generator().manual_seed(0))})
     held = sorted(repo.store.iter_sizes())
