@@ -123,6 +123,17 @@ def all_commits(tx: Tx) -> dict[CommitId, CommitInfo]:
     return found
 
 
+def all_metrics(tx: Tx) -> dict[CommitId, dict[str, Any]]:
+    """Every commit's metrics, without building whole commit records (retention after each commit reads them)."""
+    found = {}
+    for cid, metrics in tx.rows("SELECT id, metrics FROM commits"):
+        try:
+            found[CommitId(cid)] = json.loads(metrics)
+        except (TypeError, ValueError, RecursionError):
+            raise CorruptRecordError(f"commit {cid}", f"its metrics {metrics!r} do not parse", [cid]) from None
+    return found
+
+
 def pruned_ids(tx: Tx) -> set[CommitId]:
     """Commits `ckpt prune` removed (their rows stay)."""
     return {CommitId(c) for c in tx.column("SELECT commit_id FROM pruned_commits")}

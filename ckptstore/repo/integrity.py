@@ -146,20 +146,22 @@ class Findings:
     unreadable_manifests: set[ObjectId] = field(default_factory=set)
 
 
-def check_metadata(tx: Tx, store: ObjectStore) -> Findings:
+def check_metadata(tx: Tx, store: ObjectStore, pruned_ids: bool = True) -> Findings:
     """Every disagreement among commits, refs, tensor records and manifests.
 
     Commit ids are recomputed from their rows; each readable manifest (its id is its hash, checked
     on read) must list the tensors its commit's rows list, and every tensor either names must
     have a record whose chunks and chain account for all its bytes. An unreadable manifest is
-    object damage (fsck reports it as such), not a record problem.
+    object damage (fsck reports it as such), not a record problem. `pruned_ids` False skips the
+    ids of pruned commits: they need no object, so gc and prune, which check before deleting, need
+    not hash a long run's history every time (fsck does).
     """
     found = Findings()
     storage = liveness.storage_problems(tx)
     if storage:  # tables gone, and what SQLite's own integrity check finds
         found.problems["database"] = "; ".join(storage)
     commits = commit_rows.all_commits(tx)
-    _commit_problems(tx, commits, found)
+    _commit_problems(tx, commits, found, pruned_ids)
     listed = liveness.commit_tensor_lists(tx)
     for cid in sorted((c for c, info in commits.items() if info.pruned and listed.get(c)), key=str):
         found.problems.setdefault(f"commit {cid}", "it is marked pruned, yet its rows (commit_tensors) list tensors")
@@ -196,10 +198,11 @@ def _range_problem(record: TensorRecord, sizes: dict[ObjectId, int]) -> str | No
     return None
 
 
-def _commit_problems(tx: Tx, commits: dict[CommitId, commit_rows.CommitInfo], found: Findings) -> None:
+def _commit_problems(tx: Tx, commits: dict[CommitId, commit_rows.CommitInfo], found: Findings,
+                     pruned_ids: bool = True) -> None:
     """Commits whose rows do not hash to their ids or name parents that have no record; refs to no commit."""
     for cid, info in sorted(commits.items(), key=_by_key):
-        problem = info.id_problem()
+        problem = info.id_problem() if pruned_ids or not info.pruned else None
         if problem is not None:
             found.problems[f"commit {cid}"] = problem
         for parent in info.parents:

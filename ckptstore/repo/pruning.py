@@ -66,7 +66,7 @@ class PruneReport:
     pruned: list[CommitId] = field(default_factory=list)
     tensors_reencoded: int = 0  # a dry run: the candidates (a prune re-encodes those it pays to)
     bytes_before: int = 0
-    bytes_after: int | None = None  # None for a dry run
+    bytes_after: int | None = None  # None for a dry run, and for the policy after a commit (no store listing)
     objects_removed: int = 0
     tensors_removed: int = 0
     dry_run: bool = False
@@ -97,7 +97,8 @@ def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool
             gone = _doomed(tx, policy)
             if only_if_doomed and not gone:  # the policy after a commit: no store listing when nothing goes
                 return report
-            report.bytes_before = _store_bytes(repo)
+            if not only_if_doomed:  # a listing of the whole store: not after every commit
+                report.bytes_before = _store_bytes(repo)
             _refuse_damage(repo, tx)
             layout = _layout(tx, gone)
             relinks = _relinks(layout.kept, layout.bases)
@@ -123,7 +124,7 @@ def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool
                                 "delete what it freed", exc.ended) from None
     report.pruned, report.tensors_reencoded = sorted(gone), len(new_records)
     report.objects_removed, report.tensors_removed = collected.objects_removed, collected.tensors_removed
-    report.bytes_after = _store_bytes(repo)
+    report.bytes_after = _store_bytes(repo) if not only_if_doomed else None
     return report
 
 
@@ -150,12 +151,11 @@ def _store_bytes(repo: Repository) -> int:
 
 def _doomed(tx: Tx, policy: RetentionPolicy) -> set[CommitId]:
     """The commits `policy` removes, from the refs and commit rows in `tx`."""
-    commits = commit_rows.all_commits(tx)
     protected = {cid for _, kind, cid, _ in liveness.all_refs(tx)
                  if cid is not None and (kind != ref_rows.TAG or policy.keep_tagged)}
-    history = History(ref_rows.refs_of_kind(tx, ref_rows.BRANCH), {c: i.parents for c, i in commits.items()},
-                      {c: i.metrics for c, i in commits.items()}, protected,
-                      {c for c, i in commits.items() if i.pruned})
+    # parents and pruned flags alone, metrics only for keep_best: after each commit, not whole records of a long run
+    history = History(ref_rows.refs_of_kind(tx, ref_rows.BRANCH), commit_rows.all_parents(tx),
+                      commit_rows.all_metrics(tx) if policy.best() else {}, protected, commit_rows.pruned_ids(tx))
     return doomed(history, policy)
 
 
@@ -164,7 +164,7 @@ def _refuse_damage(repo: Repository, tx: Tx) -> None:
     from ckptstore.repo import integrity
     from ckptstore.repo.maintenance import missing_objects, refusal
 
-    findings = integrity.check_metadata(tx, repo.store)
+    findings = integrity.check_metadata(tx, repo.store, pruned_ids=False)
     problems = dict(findings.problems)  # and a kept commit's manifest or object lost: prune would keep nothing whole
     problems.update({f"manifest {oid}": "unreadable" for oid in sorted(findings.unreadable_manifests, key=str)})
     _, live_objects = liveness.live(tx, findings.named_tensors)
