@@ -34,7 +34,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -115,7 +115,8 @@ def watch_folder(repo: Repository, folder: str | os.PathLike, options: WatchOpti
     state = WatchState.load(repo, folder, options.branch)
     report, before = WatchReport(), scan(folder, state)
     while not stop.wait(options.interval):
-        now = scan(folder, state)
+        now = scan(folder, state)  # what is new or changed: what was handled and is still there is left out
+        state.forget_gone(os.listdir(folder))
         ready = [s for s in now.values() if _ready(s, before.get(s.name), state)]
         for source in sorted(ready, key=lambda s: (s.step is None, s.step or 0, s.name)):
             if stop.is_set():
@@ -390,6 +391,15 @@ class WatchState:
         """True when this very version of `source` (same files, sizes, times) was handled."""
         known = self.sources.get(source.name)
         return isinstance(known, dict) and known.get("signature") == source.signature
+
+    def forget_gone(self, present: Iterable[str]) -> None:
+        """Drop what it holds of sources gone from the folder (a rotation deleted them).
+
+        The state then stays the size of the folder, not of the run (it is rewritten after each
+        commit); a source that comes back is told committed by `already_committed`.
+        """
+        for name in self.sources.keys() - set(present):
+            del self.sources[name]
 
     def record(self, source: Source, commit: str | None) -> None:
         self.sources[source.name] = {"signature": source.signature, "commit": commit}

@@ -474,3 +474,19 @@ def test_a_file_added_to_a_committed_trainer_folder_is_committed_with_it(repo, t
     torch.save({"ema": torch.ones(3)}, run / "checkpoint-100" / "extra_state.pt")
     assert len(watch(repo, run, ONCE).committed) == 1
     assert_same(repo.checkout("HEAD")["extra_state.pt"], {"ema": torch.ones(3)})
+
+
+def test_the_watch_state_forgets_sources_a_rotation_deleted_and_still_commits_nothing_twice(repo, tmp_path):
+    """It kept every checkpoint ever seen, and rewrote them all after each commit: O(run) per commit (auditor)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in range(1, 7):
+        torch.save({"w": torch.full((64,), float(step))}, run / f"model_{step}.pt")
+        for old in sorted(run.glob("model_*.pt"), key=lambda p: int(p.stem.split("_")[1]))[:-2]:
+            old.unlink()  # the job keeps its two newest files
+        time.sleep(0.05)
+        assert len(watch(repo, run, ONCE).committed) == 1
+    (state_file,) = (repo.dir / "watch").glob("*.json")
+    assert len(json.loads(state_file.read_text())["sources"]) <= 3  # the folder's two, and one gone since
+    state_file.unlink()  # a restart with no state at all: the commits themselves say what was done
+    assert watch(repo, run, ONCE).committed == [] and len(repo.log()) == 6
