@@ -70,8 +70,8 @@ class ShardFacts:
 
     `rms` and `mean` are per float tensor (by FQN), `elements` its global element count, `slots`
     each weight's optimizer state by role, `lrs` each weight's learning rate, `sensitivity` its
-    Fisher step factor; `moment_min` and `shared_lr` as in PlanContext; `has_state` whether any
-    tensor is optimizer state.
+    Fisher step factor; `moment_min` and `shared_lr` as in PlanContext; `state` every optimizer
+    state tensor.
     """
 
     rms: dict[str, float] = field(default_factory=dict)
@@ -82,7 +82,7 @@ class ShardFacts:
     sensitivity: dict[str, float] = field(default_factory=dict)
     moment_min: int = 0
     shared_lr: float | None = None
-    has_state: bool = False  # any optimizer state at all (a `.state.` name), paired or not
+    state: list[str] = field(default_factory=list)  # every optimizer state tensor's FQN, paired or not
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,7 +106,7 @@ def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float]) -> tuple[di
     """
     names = sorted(set(fqns))
     present = set(names)
-    states = {n for n in names if n.rsplit(".", 1)[-1] in MOMENTS and ".state." in f".{n}"}
+    states = {n for n in names if n.rsplit(".", 1)[-1] in MOMENTS and is_state(n)}
     weights = [n for n in names if n not in states]
     found = {name: _hits(name, weights) for name in sorted(states)}
     prefixes = Counter(hits[0][:-len(param)] for param, hits in found.values() if len(hits) == 1)
@@ -125,6 +125,14 @@ def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float]) -> tuple[di
         if param in param_lrs:
             lrs[chosen] = float(param_lrs[param])
     return slots, lrs
+
+
+def is_state(fqn: str) -> bool:
+    """Whether `fqn` is optimizer state: `PREFIX.state.PARAM.ROLE` with a role some optimizer keeps (or its step).
+
+    A `.state.` alone is no proof: a model's submodule may be called `state` (an SSM's, an RNN's).
+    """
+    return ".state." in f".{fqn}" and fqn.rsplit(".", 1)[-1] in (*MOMENTS, *OTHER_STATE, "step")
 
 
 def _hits(state: str, weights: list[str]) -> tuple[str, list[str]]:
@@ -170,7 +178,7 @@ def combine(stats: Mapping[Shard, ShardStats], dtypes: Mapping[str, str], sizes:
                        mean={f: _f32(v[1] / v[2]) for f, v in floats.items()},
                        elements={f: math.prod(sizes[f]) for f in sizes})
     facts.slots, facts.lrs = pair_by_fqn(dtypes, param_lrs)
-    facts.has_state = any(".state." in f".{name}" for name in dtypes)
+    facts.state = sorted(name for name in dtypes if is_state(name))
     states = [state for slot in facts.slots.values() for role, state in slot.items() if role in MOMENTS]
     lrs = set(facts.lrs.values())
     facts.shared_lr = lrs.pop() if len(lrs) == 1 else None
@@ -218,7 +226,8 @@ def plan_shards(tensors: Mapping[str, RawTensor], shards: Mapping[str, Shard], f
     ctx = PlanContext(tensors, parents, level, settings, optimizer, _WholeRms(tensors, shards, facts.rms), roles,
                       {k: facts.sensitivity[s.fqn] for k, s in shards.items() if s.fqn in facts.sensitivity},
                       {state.shape for state in states}, facts.moment_min, facts.shared_lr,
-                      elements={k: facts.elements.get(s.fqn, 0) for k, s in shards.items()})
+                      elements={k: facts.elements.get(s.fqn, 0) for k, s in shards.items()},
+                      optimizer_state={k for k, s in shards.items() if s.fqn in set(facts.state)})
     return plan_context(ctx)
 
 
@@ -238,6 +247,8 @@ def _shard_slots(tensors: Mapping[str, RawTensor], shards: Mapping[str, Shard], 
                 if role in MOMENTS:
                     setattr(slot, role, key)
             slots.append(slot)
-    if not facts.has_state:  # as a file commit without optimizer state: every tensor may be a weight
-        return OptimizerMap(slots, False, NO_OPTIMIZER_STATE)
+    if not any(role in MOMENTS for states in facts.slots.values() for role in states):
+        # no moment pairs (no optimizer state, or RMSprop's and Adagrad's only): as a file commit, every tensor
+        # outside the optimizer's state may be a weight, planned from its own statistics (see plan_shards)
+        return OptimizerMap(slots, False, PAIRING if facts.state else NO_OPTIMIZER_STATE)
     return OptimizerMap(slots, True, PAIRING)
