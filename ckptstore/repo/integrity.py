@@ -153,8 +153,9 @@ def check_metadata(tx: Tx, store: ObjectStore, pruned_ids: bool = True) -> Findi
     on read) must list the tensors its commit's rows list, and every tensor either names must
     have a record whose chunks and chain account for all its bytes. An unreadable manifest is
     object damage (fsck reports it as such), not a record problem. `pruned_ids` False skips the
-    ids of pruned commits: they need no object, so gc and prune, which check before deleting, need
-    not hash a long run's history every time (fsck does).
+    ids of pruned commits, for a gc that decides by the rows of what is live alone: it need not
+    hash a long run's history each time. Where parents decide (prune's positions, unreachable
+    commits), a pruned commit's damaged parent row would move what goes: those check them.
     """
     found = Findings()
     storage = liveness.storage_problems(tx)

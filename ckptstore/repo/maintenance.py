@@ -73,7 +73,8 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
             doomed = liveness.commit_ids(tx) - liveness.reachable_commits(tx)
             liveness.delete_commits(tx, doomed)
             report.commits_removed = len(doomed)
-        findings = integrity.check_metadata(tx, repo.store, pruned_ids=False)
+        # pruned commits' ids only where their parents decide what goes (unreachable commits): liveness is the rows'
+        findings = integrity.check_metadata(tx, repo.store, pruned_ids=prune_unreachable)
         if findings.problems:
             raise refusal(findings.problems, repo.db.where)
         live_tensors, live_objects = liveness.live(tx, findings.named_tensors)

@@ -164,7 +164,7 @@ def _refuse_damage(repo: Repository, tx: Tx) -> None:
     from ckptstore.repo import integrity
     from ckptstore.repo.maintenance import missing_objects, refusal
 
-    findings = integrity.check_metadata(tx, repo.store, pruned_ids=False)
+    findings = integrity.check_metadata(tx, repo.store)  # pruned rows too: their parents place what is kept
     problems = dict(findings.problems)  # and a kept commit's manifest or object lost: prune would keep nothing whole
     problems.update({f"manifest {oid}": "unreadable" for oid in sorted(findings.unreadable_manifests, key=str)})
     _, live_objects = liveness.live(tx, findings.named_tensors)

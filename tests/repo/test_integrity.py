@@ -512,3 +512,23 @@ def test_a_listing_that_leaves_out_a_held_object_is_named_as_such_not_as_damage(
         gc(repo)
     monkeypatch.undo()
     assert gc(repo).objects_removed == 0 and fsck(repo).ok
+
+
+def test_a_pruned_commits_damaged_parent_row_stops_prune_and_gc_of_unreachable_commits(repo):
+    """Its parents place what a prune keeps and what gc finds unreachable: skipping its id check let both delete
+    commits the policy keeps (reader, a regression of the faster retention)."""
+    from ckptstore.repo import prune
+    from ckptstore.repo.config import RetentionPolicy
+
+    policy = RetentionPolicy(keep_last=1, keep_every=2)
+    cids = [repo.commit({"w": torch.randn(1000, generator=torch.Generator().manual_seed(i))}) for i in range(9)]
+    prune(repo, policy)
+    assert [i for i, c in enumerate(cids) if repo.commit_info(c).pruned] == [1, 3, 5, 7]
+    _sql(repo, f"DELETE FROM commit_parents WHERE commit_id = '{cids[1]}'")
+    with pytest.raises(CkptError, match="prune refused to delete anything: the repository is damaged"):
+        prune(repo, policy)
+    with pytest.raises(CkptError, match="gc refused to delete anything: the repository is damaged"):
+        gc(repo, prune_unreachable=True)
+    assert [i for i, c in enumerate(cids) if i != 1 and repo.commit_info(c).pruned] == [3, 5, 7]  # 1: damaged
+    for i in (0, 2, 4, 6, 8):
+        repo.checkout(cids[i])
