@@ -6,7 +6,7 @@ store's memory maps) is a protocol of its own, tested in one place: `read_whole`
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol, runtime_checkable
 
@@ -51,8 +51,13 @@ class ObjectStore(Protocol):
     def has(self, oid: ObjectId) -> bool:
         """True when `oid` is present (its content is not verified)."""
 
-    def holds(self, data: bytes | memoryview) -> bool:
-        """True when the object named by `data`'s id holds exactly `data` (what `put` keeps rather than rewrites)."""
+    def holds(self, oid: ObjectId, data: Callable[[], bytes | memoryview]) -> bool:
+        """True when `oid` is stored with exactly its bytes: a name, or a size, is no proof.
+
+        A store with its copy at hand checks that copy against the id; a bucket compares the
+        object's ETag with the MD5 of `data()` (the bytes, called only when it needs them), or
+        where its ETags are no MD5s, reads the object back.
+        """
 
     def delete(self, oid: ObjectId) -> None:
         """Remove `oid`; removing an absent object is not an error."""

@@ -94,8 +94,8 @@ class FallbackStore:
     def put(self, data: bytes | memoryview) -> ObjectId:
         return self.local.put(data)
 
-    def holds(self, data: bytes | memoryview) -> bool:
-        return self.local.holds(data)
+    def holds(self, oid: ObjectId, data: Callable[[], bytes | memoryview]) -> bool:
+        return self.local.holds(oid, data)
 
     def has(self, oid: ObjectId) -> bool:
         return self.local.has(oid)

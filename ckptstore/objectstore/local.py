@@ -10,7 +10,7 @@ import shutil
 import stat
 import threading
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,9 +110,13 @@ class LocalObjectStore:
         """
         return self._put([data], object_id(data))
 
-    def holds(self, data: bytes | memoryview) -> bool:
-        """Whether the file named by `data`'s id holds exactly `data` (compared byte for byte)."""
-        return self._holds(self.path_of(object_id(data)), [data], object_id(data))
+    def holds(self, oid: ObjectId, data: Callable[[], bytes | memoryview]) -> bool:
+        """Whether the file of `oid` hashes to it (its own copy is read; `data` is not needed)."""
+        try:
+            self.get(oid)
+        except CorruptObjectError:
+            return False
+        return True
 
     def put_parts(self, parts: Sequence[bytes | memoryview]) -> ObjectId:
         """`put` of the concatenation of `parts`, hashed and written part by part (no joined copy)."""

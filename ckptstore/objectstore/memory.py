@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ckptstore.errors import CorruptObjectError
@@ -51,8 +51,8 @@ class MemoryObjectStore:
     def has(self, oid: ObjectId) -> bool:
         return oid in self.objects
 
-    def holds(self, data: bytes | memoryview) -> bool:
-        return self.objects.get(object_id(data)) == as_bytes(data)
+    def holds(self, oid: ObjectId, data: Callable[[], bytes | memoryview]) -> bool:
+        return oid in self.objects and object_id(self.objects[oid]) == oid
 
     def lacking(self, oids: Iterable[ObjectId]) -> set[ObjectId]:
         return {oid for oid in oids if not self.has(oid)}

@@ -18,7 +18,7 @@ import contextlib
 import math
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -140,7 +140,8 @@ class S3ObjectStore:
         self._client = _client(self.bucket)
         self._batch: _Uploads | None = None
         self._ahead: _ReadAhead | None = None
-        self._etags_differ = False  # its ETags proved to be no MD5 of the bytes (see _check_stored)
+        self._etags_differ = False  # its ETags proved to be no MD5 of the bytes (see _upload, holds)
+        self._etag_verdict = threading.Lock()
 
     def key(self, oid: ObjectId) -> str:
         """The object's key in the bucket."""
@@ -183,37 +184,52 @@ class S3ObjectStore:
         import obstore
 
         data = as_bytes(data)
-        if self.holds(data):
+        if self.holds(oid, lambda: data):
             return
         stored = self.call(obstore.put, oid, data, use_multipart=len(data) > SINGLE_PUT, chunk_size=PART,
                            max_concurrency=PARTS_IN_FLIGHT)
-        self._check_stored(oid, data, (stored.get("e_tag") or "").strip('"'))
+        tag = (stored.get("e_tag") or "").strip('"')
+        if not tag or self._etags_differ or tag == etag(data):
+            return
+        with self._etag_verdict:  # the first such answer decides while the other uploads wait
+            if self._etags_differ:
+                return
+            if not self._reads_back(oid):
+                raise StoreUnavailableError(
+                    f"S3 store {self.url}: the server kept other bytes for object {oid[:12]} than were sent (its "
+                    f"ETag {tag} is not theirs, and reading it back gives other bytes); nothing was recorded: run "
+                    "the command again, and check the server or any proxy before it")
+            self._etags_differ = True  # the bytes are right: this bucket's ETags are no MD5s (SSE-KMS, gateways)
 
-    def holds(self, data: bytes | memoryview) -> bool:
-        """Whether the bucket holds exactly `data` under its id: its size and ETag (one HEAD), not its name alone."""
+    def holds(self, oid: ObjectId, data: Callable[[], bytes | memoryview]) -> bool:
+        """Whether the bucket holds exactly `oid`'s bytes: its size and ETag (one HEAD), not its name alone.
+
+        Where this bucket's ETags are no MD5s (SSE-KMS, some gateways) an object of the right size
+        is read back and hashed instead.
+        """
         import obstore
 
         try:
-            return _holds(self.call(obstore.head, object_id(data)), data)
+            found = self.call(obstore.head, oid)
         except CorruptObjectError:  # not there
             return False
+        payload = as_bytes(data())
+        if found["size"] != len(payload):
+            return False
+        if not self._etags_differ and _holds(found, payload):
+            return True
+        if not self._reads_back(oid):
+            return False
+        self._etags_differ = True  # its bytes are right, its ETag is not their MD5
+        return True
 
-    def _check_stored(self, oid: ObjectId, data: bytes, tag: str) -> None:
-        """Refuse a PUT whose answer says the server kept other bytes than were sent (its ETag, their MD5).
-
-        Some buckets' ETags are no MD5 (SSE-KMS encryption, some gateways): the first object whose
-        ETag differs is read back, and if its bytes are right, this store's ETags are not checked again.
-        """
-        if not tag or tag == etag(data) or self._etags_differ:
-            return
+    def _reads_back(self, oid: ObjectId) -> bool:
+        """Whether `oid` reads back as its bytes (a GET, hashed)."""
         try:
-            self._fetch(oid)  # verified against its id
+            self._fetch(oid)
         except CorruptObjectError:
-            raise StoreUnavailableError(f"S3 store {self.url}: the server kept other bytes for object {oid[:12]} "
-                                        f"than were sent (its ETag {tag} is not theirs, and reading it back gives "
-                                        "other bytes); nothing was recorded: run the command again, and check the "
-                                        "server or any proxy before it") from None
-        self._etags_differ = True
+            return False
+        return True
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:

@@ -266,22 +266,15 @@ def _refuse_damaged(tx: Tx, cids: list[CommitId]) -> None:
                             "nothing was sent. Run `ckpt fsck` there") from None
 
 
-def _whole_on(store: ObjectStore, oid: ObjectId, size: int, data: Callable[[], bytes]) -> bool:
-    """Whether `store` holds exactly `oid`'s bytes (`data()`), at its recorded `size` (0: unknown).
+def _whole_on(store: ObjectStore, oid: ObjectId, data: Callable[[], bytes]) -> bool:
+    """Whether `store` holds exactly `oid`'s bytes (`data()` gives them where it needs them).
 
     A name is no proof: a crash can leave an object cut short under it, another writer other bytes
-    of the same size, and a gateway can answer for keys it does not hold. The size is asked first
-    (a HEAD: an absent object costs no read here); one of the right size is compared (its ETag, a
-    local file's bytes).
+    of the same size, and a gateway can answer for keys it does not hold. A folder hashes its own
+    copy; a bucket compares the object's ETag (`ObjectStore.holds`).
     """
     try:
-        found = store.size(oid)
-    except CorruptObjectError:  # not there
-        return False
-    if size and found != size:
-        return False
-    try:
-        return store.holds(data())
+        return store.holds(oid, data)
     except CorruptObjectError:  # the sender's own copy is damaged: sending it says so
         return False
 
@@ -291,7 +284,7 @@ def _send_objects(source: Repository, target: Repository, wanted: dict[ObjectId,
     """Copy the objects (id: stored size) `target` lacks whole, each verified on reading; returns (objects, bytes)."""
     oids = sorted(wanted)
     here = held_here(target.store)  # a lazy clone: what it holds, not what its origin could fill in
-    held = source.pool.map(lambda oid: _whole_on(here, oid, wanted[oid], lambda: source.read_object(oid)), oids)
+    held = source.pool.map(lambda oid: _whole_on(here, oid, lambda: source.read_object(oid)), oids)
     absent = [oid for oid, whole in zip(oids, held) if not whole]
 
     def send(oid: ObjectId) -> int:
