@@ -6,6 +6,8 @@ complete, sending again only what had not arrived.
 """
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from ckptstore.errors import StoreUnavailableError
 from ckptstore.objectstore.s3 import S3ObjectStore
 from ckptstore.repo import fsck
 from ckptstore.testing.fault_proxy import FaultProxy
-from tests.conftest import assert_same, ckpt_here
+from tests.conftest import assert_same, ckpt_env, ckpt_here
 
 MiB = 1 << 20
 
@@ -186,3 +188,31 @@ def test_a_server_that_keeps_other_bytes_than_were_sent_is_refused_at_the_put(bu
         assert repo.head() == before
         cid = repo.commit(_state(5), "again")  # the altered objects are uploaded again, not trusted by name
         assert_same(_state(5), repo.checkout(cid)) and fsck(repo).ok
+
+
+def test_a_rerun_push_from_a_bucket_reads_nothing_again_and_a_bucket_without_md5_etags_is_read_back_once(
+        tmp_path, s3_url, proxy, monkeypatch):
+    """A rerun push downloaded every object the remote already held, to compare it (reader); a bucket whose ETags
+    are no MD5s (SSE-KMS) had each upload read back, and every present object sent again (reader)."""
+    from ckptstore.objectstore import s3
+
+    assert ckpt_here(tmp_path, "init", "--objects", s3_url).returncode == 0
+    torch.save(_state(3), tmp_path / "c.pt")
+    assert ckpt_here(tmp_path, "commit", "c.pt").returncode == 0
+    Repository.init(tmp_path / "hub").close()
+    assert ckpt_here(tmp_path, "remote", "add", "origin", str(tmp_path / "hub")).returncode == 0
+    cut = subprocess.run([sys.executable, "-m", "ckptstore", "push"], cwd=tmp_path, capture_output=True, timeout=300,
+                         env=ckpt_env(CKPT_CRASH_AT="transfer:objects-sent"))
+    assert cut.returncode == -9  # killed once the objects arrived, before the records
+    proxy.received = 0
+    assert ckpt_here(tmp_path, "push").returncode == 0
+    assert proxy.received < MiB, proxy.received  # the hub's own copies were hashed, not the bucket's fetched again
+    monkeypatch.setattr(s3, "etag", lambda data: "0" * 32)  # the bucket's ETags are no MD5s, as under SSE-KMS
+    read_back = []
+    reads_back = s3.S3ObjectStore._reads_back
+    monkeypatch.setattr(s3.S3ObjectStore, "_reads_back",
+                        lambda self, oid: read_back.append(oid) or reads_back(self, oid))
+    with Repository.open(tmp_path) as repo:
+        repo.commit(_state(4), "under SSE-KMS")
+        assert len(read_back) == 1  # the first upload decides for the bucket; the others are not read back
+        assert_same(_state(4), repo.checkout("HEAD"))
