@@ -197,6 +197,7 @@ def _facts(plans: list[SavePlan], level: LossyLevel) -> ShardFacts:
     dtypes: dict[str, str] = {}
     sizes: dict[str, tuple[int, ...]] = {}
     lrs: dict[str, float] = {}
+    names: set[str] = set()
     for plan in plans:
         data = plan.storage_data
         if not isinstance(data, dict) or STATS_KEY not in data:
@@ -207,10 +208,11 @@ def _facts(plans: list[SavePlan], level: LossyLevel) -> ShardFacts:
             stats[Shard(fqn, tuple(offsets), tuple(shard_sizes))] = ShardStats(sum_sq, total, count)
         lrs = lrs or dict(data.get("lrs") or {})
         for item in plan.items:
+            names.add(item.index.fqn)
             if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None:
                 dtypes[item.index.fqn] = str(item.tensor_data.properties.dtype)
                 sizes[item.index.fqn] = tuple(item.tensor_data.size)
-    return lossy_shards.combine(stats, dtypes, sizes, lrs, level)
+    return lossy_shards.combine(stats, dtypes, sizes, lrs, level, lossy_shards.optimizer_prefixes(names))
 
 
 def _shard(item: WriteItem) -> Shard:

@@ -19,6 +19,7 @@ shard of the same offsets and sizes (FSDP2 shards a parameter and its moments al
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -43,6 +44,7 @@ AMSGRAD_MAX = "max_exp_avg_sq"  # with it, Adam's moments stay exact (policy/los
 OTHER_STATE = (AMSGRAD_MAX, "square_avg", "grad_avg", "sum", "exp_inf", "acc_delta", "mu_product", "eta", "mu", "ax",
                "prev", "step_size", "row_var", "col_var", "variance")
 PAIRING = "by fully qualified name (DCP's flattened optimizer state)"
+_PARAM_GROUPS = re.compile(r"^(?:(.*)\.)?param_groups(?:\..*)?$")
 _NO_DATA = np.empty(0, dtype=np.uint8)
 
 
@@ -92,8 +94,8 @@ class ShardFacts:
         return cls(**data)
 
 
-def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float]) -> tuple[dict[str, dict[str, str]],
-                                                                                dict[str, float]]:
+def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float], optimizers: Iterable[str] | None = None
+                ) -> tuple[dict[str, dict[str, str]], dict[str, float]]:
     """(weight FQN -> {role: state FQN}, weight FQN -> lr) for the optimizer state among `fqns`.
 
     `param_lrs` maps PREFIX.state's PARAM names to their group's learning rate (from param_groups).
@@ -106,7 +108,7 @@ def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float]) -> tuple[di
     """
     names = sorted(set(fqns))
     present = set(names)
-    states = {n for n in names if n.rsplit(".", 1)[-1] in MOMENTS and is_state(n)}
+    states = {n for n in state_names(names, optimizers) if n.rsplit(".", 1)[-1] in MOMENTS}
     weights = [n for n in names if n not in states]
     found = {name: _hits(name, weights) for name in sorted(states)}
     prefixes = Counter(hits[0][:-len(param)] for param, hits in found.values() if len(hits) == 1)
@@ -127,12 +129,24 @@ def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float]) -> tuple[di
     return slots, lrs
 
 
-def is_state(fqn: str) -> bool:
-    """Whether `fqn` is optimizer state: `PREFIX.state.PARAM.ROLE` with a role some optimizer keeps (or its step).
+def state_names(fqns: Iterable[str], optimizers: Iterable[str] | None = None) -> list[str]:
+    """The optimizer state among `fqns`, told by structure where `optimizers` is known, else by its roles' names.
 
-    A `.state.` alone is no proof: a model's submodule may be called `state` (an SSM's, an RNN's).
+    With `optimizers` (the PREFIXes where the save holds `PREFIX.param_groups`; "" for an optimizer's
+    state dict saved at the top): all under `PREFIX.state.`, whatever its roles' names (bitsandbytes'
+    `state1`). Without: `.state.PARAM.ROLE` with a role some torch optimizer keeps. A `.state.` alone
+    is no proof: a model's submodule may be called `state` (an SSM's, an RNN's).
     """
-    return ".state." in f".{fqn}" and fqn.rsplit(".", 1)[-1] in (*MOMENTS, *OTHER_STATE, "step")
+    if optimizers is not None:
+        heads = tuple(f"{prefix}.state." if prefix else "state." for prefix in optimizers)
+        return sorted(name for name in fqns if name.startswith(heads))
+    roles = (*MOMENTS, *OTHER_STATE, "step")
+    return sorted(name for name in fqns if ".state." in f".{name}" and name.rsplit(".", 1)[-1] in roles)
+
+
+def optimizer_prefixes(fqns: Iterable[str]) -> list[str]:
+    """The PREFIXes of a save's optimizers: those of its `PREFIX.param_groups…` items ("" at the top)."""
+    return sorted({found.group(1) or "" for name in fqns if (found := _PARAM_GROUPS.match(name))})
 
 
 def _hits(state: str, weights: list[str]) -> tuple[str, list[str]]:
@@ -166,8 +180,12 @@ def _params_of(head: str) -> list[str]:
 
 
 def combine(stats: Mapping[Shard, ShardStats], dtypes: Mapping[str, str], sizes: Mapping[str, tuple[int, ...]],
-            param_lrs: Mapping[str, float], level: LossyLevel) -> ShardFacts:
-    """The coordinator's facts from every rank's shard sums (a shard reported twice counts once)."""
+            param_lrs: Mapping[str, float], level: LossyLevel, optimizers: Iterable[str] | None = None
+            ) -> ShardFacts:
+    """The coordinator's facts from every rank's shard sums (a shard reported twice counts once).
+
+    `optimizers`: the PREFIXes whose `PREFIX.param_groups` the save holds (`optimizer_prefixes`).
+    """
     sums: dict[str, list[float]] = {}
     for shard in sorted(stats, key=lambda s: (s.fqn, s.offsets)):  # one order at every world size
         s = stats[shard]
@@ -177,8 +195,9 @@ def combine(stats: Mapping[Shard, ShardStats], dtypes: Mapping[str, str], sizes:
     facts = ShardFacts(rms={f: _f32(math.sqrt(v[0] / v[2])) for f, v in floats.items()},
                        mean={f: _f32(v[1] / v[2]) for f, v in floats.items()},
                        elements={f: math.prod(sizes[f]) for f in sizes})
-    facts.slots, facts.lrs = pair_by_fqn(dtypes, param_lrs)
-    facts.state = sorted(name for name in dtypes if is_state(name))
+    optimizers = list(optimizers) if optimizers else None  # none found: by the roles' names
+    facts.slots, facts.lrs = pair_by_fqn(dtypes, param_lrs, optimizers)
+    facts.state = state_names(dtypes, optimizers)
     states = [state for slot in facts.slots.values() for role, state in slot.items() if role in MOMENTS]
     lrs = set(facts.lrs.values())
     facts.shared_lr = lrs.pop() if len(lrs) == 1 else None
@@ -220,6 +239,7 @@ def plan_shards(tensors: Mapping[str, RawTensor], shards: Mapping[str, Shard], f
                 ) -> tuple[dict[str, LossyPlan], dict[str, Role]]:
     """Plans (and roles) for this rank's shards (by shard key) that the level makes lossy."""
     tensors = {k: r for k, r in tensors.items() if k in shards and r.nbytes > 0}
+    state = set(facts.state)
     optimizer = _shard_slots(tensors, shards, facts)
     roles = optimizer.roles()
     states = [tensors[p] for p, (role, _) in roles.items() if role != "weight"]
@@ -227,7 +247,7 @@ def plan_shards(tensors: Mapping[str, RawTensor], shards: Mapping[str, Shard], f
                       {k: facts.sensitivity[s.fqn] for k, s in shards.items() if s.fqn in facts.sensitivity},
                       {state.shape for state in states}, facts.moment_min, facts.shared_lr,
                       elements={k: facts.elements.get(s.fqn, 0) for k, s in shards.items()},
-                      optimizer_state={k for k, s in shards.items() if s.fqn in set(facts.state)})
+                      optimizer_state={k for k, s in shards.items() if s.fqn in state})
     return plan_context(ctx)
 
 

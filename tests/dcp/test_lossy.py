@@ -329,3 +329,35 @@ def test_a_lossy_sharded_save_without_optimizer_state_quantizes_its_weights_as_a
         assert repo.commit_info(cid).lossy == "balanced"
     for name, weight in state["model"].items():
         assert 0 < float((back["model"][name] - weight).norm() / weight.norm()) < 0.04, name
+
+
+def test_optimizer_state_is_told_by_where_it_sits_not_by_its_roles_names(tmp_path):
+    """bitsandbytes names Adam's moments state1/state2: they were quantized as weights, and a model submodule called
+    `state` with a parameter named like a role (`mu`) was kept exact as if it were optimizer state (reader)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.inp, model.state = torch.nn.Linear(128, 128), torch.nn.Module()
+    model.state.mu = torch.nn.Parameter(torch.randn(128, 128))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    (model.inp(torch.randn(32, 128)) @ model.state.mu).pow(2).mean().backward()
+    optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    renamed = {"state1": "exp_avg", "state2": "exp_avg_sq"}  # a third-party optimizer's own names for them
+    optim_state["state"] = {p: {n: s[renamed.get(n, n)] for n in ("state1", "state2", "step")}
+                            for p, s in optim_state["state"].items()}
+    state = {"model": model_state, "optim": optim_state}
+    with Repository.init(tmp_path / "repo") as repo:
+        writer = CkptStorageWriter(repo, lossy="balanced")
+        dcp.save(state, storage_writer=writer, planner=CkptSavePlanner())
+        back = {"model": {n: torch.zeros_like(v) for n, v in model_state.items()},
+                "optim": {"state": {p: {n: torch.zeros_like(v) for n, v in s.items()}
+                                    for p, s in optim_state["state"].items()},
+                          "param_groups": optim_state["param_groups"]}}
+        dcp.load(back, storage_reader=CkptStorageReader(repo, writer.commit_id))
+    for param, saved in optim_state["state"].items():
+        for name, value in saved.items():
+            assert torch.equal(back["optim"]["state"][param][name], value), (param, name)
+    mu = model_state["state.mu"]
+    assert 0 < float((back["model"]["state.mu"] - mu).norm() / mu.norm()) < 0.04  # a weight: it takes the level
