@@ -204,8 +204,8 @@ class S3ObjectStore:
     def holds(self, oid: ObjectId, data: Callable[[], bytes | memoryview]) -> bool:
         """Whether the bucket holds exactly `oid`'s bytes: its size and ETag (one HEAD), not its name alone.
 
-        Where this bucket's ETags are no MD5s (SSE-KMS, some gateways) an object of the right size
-        is read back and hashed instead.
+        An object of the right size whose ETag is not the bytes' MD5 (uploaded by another tool in
+        other parts, or in a bucket whose ETags are no MD5s: SSE-KMS) is read back and hashed instead.
         """
         import obstore
 
@@ -218,10 +218,9 @@ class S3ObjectStore:
             return False
         if not self._etags_differ and _holds(found, payload):
             return True
-        if not self._reads_back(oid):
-            return False
-        self._etags_differ = True  # its bytes are right, its ETag is not their MD5
-        return True
+        # an ETag that is no MD5 of these bytes: another tool's part sizes, or this bucket's kind (only a PUT's own
+        # answer decides the latter, see _upload); this one object is read back either way
+        return self._reads_back(oid)
 
     def _reads_back(self, oid: ObjectId) -> bool:
         """Whether `oid` reads back as its bytes (a GET, hashed)."""

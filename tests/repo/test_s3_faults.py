@@ -216,3 +216,22 @@ def test_a_rerun_push_from_a_bucket_reads_nothing_again_and_a_bucket_without_md5
         repo.commit(_state(4), "under SSE-KMS")
         assert len(read_back) == 1  # the first upload decides for the bucket; the others are not read back
         assert_same(_state(4), repo.checkout("HEAD"))
+
+
+def test_an_object_uploaded_in_other_parts_is_read_back_and_leaves_the_put_check_on(bucket_repo, proxy):
+    """Its ETag (another tool's 5 MiB parts) is no MD5 of ours: read back, it also switched off the check of every
+    later PUT's answer for the process, so a corrupting server was trusted again (reader)."""
+    import obstore
+
+    from ckptstore.hashing import object_id
+
+    data = os.urandom(12 * MiB)
+    with Repository.open(bucket_repo) as repo:
+        store = repo.store
+        obstore.put(store._client, store.key(object_id(data)), data, use_multipart=True, chunk_size=5 * MiB)
+        proxy.received = 0
+        store.put(data)  # present, whole: kept (read back once to tell), not uploaded again
+        assert store._etags_differ is False and proxy.received >= 12 * MiB
+        proxy.corrupt_uploads = True
+        with pytest.raises(StoreUnavailableError, match="the server kept other bytes"):
+            repo.commit(_state(6), "altered in transit")
