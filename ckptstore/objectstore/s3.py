@@ -7,9 +7,11 @@ AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION
 profile of ~/.aws through boto3 when AWS_PROFILE is set.
 
 A PUT is complete or absent, but a name can still hold other bytes (another writer's bug, a
-tool that rewrote it): put() keeps an existing object only when the server's ETag (the MD5 of
-its content, per part for a multipart upload) matches `data`, else uploads over it. Every object
-read is verified against its id, packs too: they are read whole.
+tool that rewrote it): put() keeps an existing object when the server's ETag (the MD5 of its
+content, per part for a multipart upload) matches `data`, or, with another ETag, when it reads
+back as `data`; else it uploads over it. A PUT's answer whose ETag is not the MD5 of what was sent
+has the object read back (`_upload`). Every object read is verified against its id, packs too:
+they are read whole.
 """
 
 from __future__ import annotations
