@@ -267,12 +267,23 @@ def _adam_trained(steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimize
 
 
 def _lossy_save(repo: Repository, state: dict) -> tuple[str, dict]:
+    """A `balanced` sharded save of `state` (tensor dicts, and "optim": an optimizer state dict), loaded back."""
     writer = CkptStorageWriter(repo, lossy="balanced")
     dcp.save(state, storage_writer=writer, planner=CkptSavePlanner())
     back = {key: {name: torch.zeros_like(value) for name, value in part.items()} for key, part in state.items()
             if key != "optim"}
+    if "optim" in state:
+        back["optim"] = {"state": {p: {n: torch.zeros_like(v) for n, v in s.items()}
+                                   for p, s in state["optim"]["state"].items()},
+                         "param_groups": state["optim"]["param_groups"]}
     dcp.load(back, storage_reader=CkptStorageReader(repo, writer.commit_id))
     return writer.commit_id, back
+
+
+def _state_exact(back: dict, saved: dict) -> None:
+    for param, entries in saved["optim"]["state"].items():
+        for name, value in entries.items():
+            assert torch.equal(back["optim"]["state"][param][name], value), (param, name)
 
 
 def test_an_ema_copy_of_the_model_beside_it_keeps_the_level_for_both(tmp_path):
@@ -305,16 +316,8 @@ def test_optimizer_state_the_level_does_not_pair_stays_exact(tmp_path, make):
         optimizer.step()
     state = {"model": dict(model.state_dict()), "optim": optimizer.state_dict()}  # numbered state: nothing pairs
     with Repository.init(tmp_path / "repo") as repo:
-        writer = CkptStorageWriter(repo, lossy="balanced")
-        dcp.save(state, storage_writer=writer, planner=CkptSavePlanner())
-        back = {"optim": {"state": {k: {n: torch.zeros_like(v) for n, v in s.items()}
-                                    for k, s in state["optim"]["state"].items()},
-                          "param_groups": state["optim"]["param_groups"]}}
-        back["model"] = {name: torch.zeros_like(value) for name, value in state["model"].items()}
-        dcp.load(back, storage_reader=CkptStorageReader(repo, writer.commit_id))
-    for key, saved in state["optim"]["state"].items():
-        for name, value in saved.items():
-            assert torch.equal(back["optim"]["state"][key][name], value), (key, name)
+        _, back = _lossy_save(repo, state)
+    _state_exact(back, state)
     weight = state["model"]["0.weight"]  # the weights take the level, as in a file commit (reader)
     assert 0 < float((back["model"]["0.weight"] - weight).norm() / weight.norm()) < 0.04
 
@@ -349,15 +352,7 @@ def test_optimizer_state_is_told_by_where_it_sits_not_by_its_roles_names(tmp_pat
                             for p, s in optim_state["state"].items()}
     state = {"model": model_state, "optim": optim_state}
     with Repository.init(tmp_path / "repo") as repo:
-        writer = CkptStorageWriter(repo, lossy="balanced")
-        dcp.save(state, storage_writer=writer, planner=CkptSavePlanner())
-        back = {"model": {n: torch.zeros_like(v) for n, v in model_state.items()},
-                "optim": {"state": {p: {n: torch.zeros_like(v) for n, v in s.items()}
-                                    for p, s in optim_state["state"].items()},
-                          "param_groups": optim_state["param_groups"]}}
-        dcp.load(back, storage_reader=CkptStorageReader(repo, writer.commit_id))
-    for param, saved in optim_state["state"].items():
-        for name, value in saved.items():
-            assert torch.equal(back["optim"]["state"][param][name], value), (param, name)
+        _, back = _lossy_save(repo, state)
+    _state_exact(back, state)
     mu = model_state["state.mu"]
     assert 0 < float((back["model"]["state.mu"] - mu).norm() / mu.norm()) < 0.04  # a weight: it takes the level
