@@ -218,7 +218,7 @@ class S3ObjectStore:
         payload = as_bytes(data())
         if found["size"] != len(payload):
             return False
-        if not self._etags_differ and _holds(found, payload):
+        if _holds(found, payload):  # an MD5 that matches is proof, whatever the bucket's kind
             return True
         # an ETag that is no MD5 of these bytes: another tool's part sizes, or this bucket's kind (only a PUT's own
         # answer decides the latter, see _upload); this one object is read back either way

@@ -108,7 +108,7 @@ def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float], optimizers:
     """
     names = sorted(set(fqns))
     present = set(names)
-    states = {n for n in state_names(names, optimizers) if n.rsplit(".", 1)[-1] in MOMENTS}
+    states = {n for n in state_names(names, optimizers, param_lrs) if n.rsplit(".", 1)[-1] in MOMENTS}
     weights = [n for n in names if n not in states]
     found = {name: _hits(name, weights) for name in sorted(states)}
     prefixes = Counter(hits[0][:-len(param)] for param, hits in found.values() if len(hits) == 1)
@@ -129,19 +129,29 @@ def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float], optimizers:
     return slots, lrs
 
 
-def state_names(fqns: Iterable[str], optimizers: Iterable[str] | None = None) -> list[str]:
-    """The optimizer state among `fqns`, told by structure where `optimizers` is known, else by its roles' names.
+def state_names(fqns: Iterable[str], optimizers: Iterable[str] | None = None,
+                params: Iterable[str] = ()) -> list[str]:
+    """The optimizer state among `fqns`: told by where it sits under a known optimizer, else by its roles' names.
 
-    With `optimizers` (the PREFIXes where the save holds `PREFIX.param_groups`; "" for an optimizer's
-    state dict saved at the top): all under `PREFIX.state.`, whatever its roles' names (bitsandbytes'
-    `state1`). Without: `.state.PARAM.ROLE` with a role some torch optimizer keeps. A `.state.` alone
-    is no proof: a model's submodule may be called `state` (an SSM's, an RNN's).
+    `optimizers` are the PREFIXes where the save holds `PREFIX.param_groups` ("" for an optimizer's
+    state dict saved at the top): under `PREFIX.state.` everything is state whatever its roles' names
+    (bitsandbytes' `state1`), but where `params` (the parameters the groups list) are known, only
+    `PREFIX.state.PARAM.ROLE` of one of them (a model's own `state.proj.weight` beside a top-level
+    optimizer is no state). With no optimizer known (none or an empty list): `.state.PARAM.ROLE`
+    with a role some torch optimizer keeps. A `.state.` alone is no proof: a model's submodule may
+    be called `state` (an SSM's, an RNN's), so with an optimizer known, nothing else is state.
     """
-    if optimizers is not None:
-        heads = tuple(f"{prefix}.state." if prefix else "state." for prefix in optimizers)
-        return sorted(name for name in fqns if name.startswith(heads))
-    roles = (*MOMENTS, *OTHER_STATE, "step")
-    return sorted(name for name in fqns if ".state." in f".{name}" and name.rsplit(".", 1)[-1] in roles)
+    heads = tuple(f"{prefix}.state." if prefix else "state." for prefix in optimizers or ())
+    if not heads:
+        roles = (*MOMENTS, *OTHER_STATE, "step")
+        return sorted(name for name in fqns if ".state." in f".{name}" and name.rsplit(".", 1)[-1] in roles)
+    known = set(params)
+    found = []
+    for name in fqns:
+        head = next((h for h in heads if name.startswith(h)), None)
+        if head is not None and (not known or name[len(head):].rpartition(".")[0] in known):
+            found.append(name)
+    return sorted(found)
 
 
 def optimizer_prefixes(fqns: Iterable[str]) -> list[str]:
@@ -195,9 +205,8 @@ def combine(stats: Mapping[Shard, ShardStats], dtypes: Mapping[str, str], sizes:
     facts = ShardFacts(rms={f: _f32(math.sqrt(v[0] / v[2])) for f, v in floats.items()},
                        mean={f: _f32(v[1] / v[2]) for f, v in floats.items()},
                        elements={f: math.prod(sizes[f]) for f in sizes})
-    optimizers = list(optimizers) if optimizers else None  # none found: by the roles' names
     facts.slots, facts.lrs = pair_by_fqn(dtypes, param_lrs, optimizers)
-    facts.state = state_names(dtypes, optimizers)
+    facts.state = state_names(dtypes, optimizers, param_lrs)
     states = [state for slot in facts.slots.values() for role, state in slot.items() if role in MOMENTS]
     lrs = set(facts.lrs.values())
     facts.shared_lr = lrs.pop() if len(lrs) == 1 else None

@@ -356,3 +356,29 @@ def test_optimizer_state_is_told_by_where_it_sits_not_by_its_roles_names(tmp_pat
     _state_exact(back, state)
     mu = model_state["state.mu"]
     assert 0 < float((back["model"]["state.mu"] - mu).norm() / mu.norm()) < 0.04  # a weight: it takes the level
+
+
+def test_an_optimizer_saved_at_the_top_claims_only_its_parameters_state_not_a_models_state_submodule(tmp_path):
+    """With the optimizer's state dict at the top (`state.…`, `param_groups`), a model's own `state.proj.weight`
+    was taken for optimizer state and kept lossless (reader)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.inp, model.state = torch.nn.Linear(128, 128), torch.nn.Module()
+    model.state.proj = torch.nn.Linear(128, 128)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=1e-2)
+    model.state.proj(model.inp(torch.randn(32, 128))).pow(2).mean().backward()
+    optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    with Repository.init(tmp_path / "repo") as repo:
+        writer = CkptStorageWriter(repo, lossy="balanced")
+        dcp.save({**model_state, **optim_state}, storage_writer=writer, planner=CkptSavePlanner())
+        back = {**{n: torch.zeros_like(v) for n, v in model_state.items()},
+                "state": {p: {n: torch.zeros_like(v) for n, v in s.items()} for p, s in optim_state["state"].items()},
+                "param_groups": optim_state["param_groups"]}
+        dcp.load(back, storage_reader=CkptStorageReader(repo, writer.commit_id))
+    _state_exact({"optim": back}, {"optim": optim_state})
+    for name in ("inp.weight", "state.proj.weight"):
+        weight = model_state[name]
+        assert 0 < float((back[name] - weight).norm() / weight.norm()) < 0.04, name
