@@ -97,12 +97,16 @@ class CommitInfo:
 
 def _info(row: tuple, parents: list[CommitId]) -> CommitInfo:
     cid, manifest, message, author, created, step, metrics, kind, source, raw, stored, lossy = row
+    return CommitInfo(CommitId(cid), ObjectId(manifest), message, author, created, step, _metrics(cid, metrics),
+                      kind, source, raw, stored, parents, lossy)
+
+
+def _metrics(cid: str, text: Any) -> dict[str, Any]:
+    """A commit row's metrics column, parsed; a damaged one is the commit's damage."""
     try:
-        metrics = json.loads(metrics)
+        return json.loads(text)
     except (TypeError, ValueError, RecursionError):
-        raise CorruptRecordError(f"commit {cid}", f"its metrics {metrics!r} do not parse", [cid]) from None
-    return CommitInfo(CommitId(cid), ObjectId(manifest), message, author, created, step, metrics, kind,
-                      source, raw, stored, parents, lossy)
+        raise CorruptRecordError(f"commit {cid}", f"its metrics {text!r} do not parse", [cid]) from None
 
 
 def all_parents(tx: Tx) -> dict[CommitId, list[CommitId]]:
@@ -125,13 +129,7 @@ def all_commits(tx: Tx) -> dict[CommitId, CommitInfo]:
 
 def all_metrics(tx: Tx) -> dict[CommitId, dict[str, Any]]:
     """Every commit's metrics, without building whole commit records (retention after each commit reads them)."""
-    found = {}
-    for cid, metrics in tx.rows("SELECT id, metrics FROM commits"):
-        try:
-            found[CommitId(cid)] = json.loads(metrics)
-        except (TypeError, ValueError, RecursionError):
-            raise CorruptRecordError(f"commit {cid}", f"its metrics {metrics!r} do not parse", [cid]) from None
-    return found
+    return {CommitId(cid): _metrics(cid, metrics) for cid, metrics in tx.rows("SELECT id, metrics FROM commits")}
 
 
 def pruned_ids(tx: Tx) -> set[CommitId]:
