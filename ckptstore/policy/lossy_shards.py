@@ -94,10 +94,11 @@ class ShardFacts:
         return cls(**data)
 
 
-def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float], optimizers: Iterable[str] | None = None
+def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float], state: Iterable[str] | None = None
                 ) -> tuple[dict[str, dict[str, str]], dict[str, float]]:
     """(weight FQN -> {role: state FQN}, weight FQN -> lr) for the optimizer state among `fqns`.
 
+    `state`: the optimizer state among them (`state_names`; default: told by its roles' names).
     `param_lrs` maps PREFIX.state's PARAM names to their group's learning rate (from param_groups).
     A state whose weight no other name is stays unpaired (and lossless). Where several names end
     with its PARAM, it pairs with the one under the prefix where the unambiguous pairs live (`model.`
@@ -108,7 +109,7 @@ def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float], optimizers:
     """
     names = sorted(set(fqns))
     present = set(names)
-    states = {n for n in state_names(names, optimizers, param_lrs) if n.rsplit(".", 1)[-1] in MOMENTS}
+    states = {n for n in (state_names(names) if state is None else state) if n.rsplit(".", 1)[-1] in MOMENTS}
     weights = [n for n in names if n not in states]
     found = {name: _hits(name, weights) for name in sorted(states)}
     prefixes = Counter(hits[0][:-len(param)] for param, hits in found.values() if len(hits) == 1)
@@ -205,8 +206,8 @@ def combine(stats: Mapping[Shard, ShardStats], dtypes: Mapping[str, str], sizes:
     facts = ShardFacts(rms={f: _f32(math.sqrt(v[0] / v[2])) for f, v in floats.items()},
                        mean={f: _f32(v[1] / v[2]) for f, v in floats.items()},
                        elements={f: math.prod(sizes[f]) for f in sizes})
-    facts.slots, facts.lrs = pair_by_fqn(dtypes, param_lrs, optimizers)
     facts.state = state_names(dtypes, optimizers, param_lrs)
+    facts.slots, facts.lrs = pair_by_fqn(dtypes, param_lrs, facts.state)
     states = [state for slot in facts.slots.values() for role, state in slot.items() if role in MOMENTS]
     lrs = set(facts.lrs.values())
     facts.shared_lr = lrs.pop() if len(lrs) == 1 else None
