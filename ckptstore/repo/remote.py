@@ -237,7 +237,7 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
     if unrecorded:
         raise CkptError(f"the sending repository has no record of commit {unrecorded[0][:12]}, which its refs "
                         "reach; nothing was sent. Run `ckpt fsck` there")
-    wanted = {oid: size for oid, size in found.objects.items() if not lazy or oid in found.manifests}
+    wanted = [oid for oid in found.objects if not lazy or oid in found.manifests]
     report.objects, report.object_bytes = _send_objects(source, target, wanted, pushing)
     faults.point("transfer:objects-sent")
     outside = transfer.outside_work_tree(found)
@@ -279,9 +279,9 @@ def _whole_on(store: ObjectStore, oid: ObjectId, data: Callable[[], bytes]) -> b
         return False
 
 
-def _send_objects(source: Repository, target: Repository, wanted: dict[ObjectId, int], pushing: bool
+def _send_objects(source: Repository, target: Repository, wanted: list[ObjectId], pushing: bool
                   ) -> tuple[int, int]:
-    """Copy the objects (id: stored size) `target` lacks whole, each verified on reading; returns (objects, bytes)."""
+    """Copy the `wanted` objects `target` lacks whole, each verified on reading; returns (objects, bytes)."""
     oids = sorted(wanted)
     here = held_here(target.store)  # a lazy clone: what it holds, not what its origin could fill in
     held = source.pool.map(lambda oid: _whole_on(here, oid, lambda: source.read_object(oid)), oids)
