@@ -115,8 +115,7 @@ def watch_folder(repo: Repository, folder: str | os.PathLike, options: WatchOpti
     state = WatchState.load(repo, folder, options.branch)
     report, before = WatchReport(), scan(folder, state)
     while not stop.wait(options.interval):
-        now = scan(folder, state)  # what is new or changed: what was handled and is still there is left out
-        state.forget_gone(os.listdir(folder))
+        now = scan(folder, state)
         ready = [s for s in now.values() if _ready(s, before.get(s.name), state)]
         for source in sorted(ready, key=lambda s: (s.step is None, s.step or 0, s.name)):
             if stop.is_set():
@@ -197,8 +196,9 @@ def scan(folder: Path, state: WatchState | None = None) -> dict[str, Source]:
 
     A source `state` has already handled in this very version (same signature, from stat alone) is
     left out without being read: it is neither ready nor waiting, and once it changes it is read again.
+    What `state` holds of sources gone from the folder is dropped (`WatchState.forget_gone`).
     """
-    found = {}
+    found, seen = {}, set()
     try:
         entries = os.scandir(folder)
     except FileNotFoundError:
@@ -206,6 +206,7 @@ def scan(folder: Path, state: WatchState | None = None) -> dict[str, Source]:
                         "it is back") from None
     with entries:
         for entry in entries:
+            seen.add(entry.name)
             if entry.name.startswith(".") or is_temp_name(entry.name):
                 continue
             if entry.is_symlink():  # Lightning's save_last="link": its target is a checkpoint of its own
@@ -228,6 +229,8 @@ def scan(folder: Path, state: WatchState | None = None) -> dict[str, Source]:
                     found[entry.name] = judge(source)
             except FileNotFoundError:  # removed while being looked at (checkpoint rotation)
                 continue
+    if state is not None:
+        state.forget_gone(seen)
     return found
 
 
@@ -281,8 +284,8 @@ def _judge_saved_over(source: Source, handled: dict[str, Any]) -> Source:
         state_time = now[TRAINER_STATE][2]
         late = [name for name in rewritten if now[name][2] - state_time > SAME_SAVE_NS]
         if late:
-            source.incomplete = (f"saved over in place: {late[0]} was written more than 5 s after "
-                                 f"{TRAINER_STATE}, by a later save")
+            source.incomplete = (f"saved over in place: {late[0]} was written more than {SAME_SAVE_NS // 10**9} s "
+                                 f"after {TRAINER_STATE}, by a later save")
     return source
 
 
