@@ -18,7 +18,16 @@ from typing import Any
 
 import click
 
-from ckptstore.errors import INTERRUPTED, CkptError, OutputError, ReadOnlyRepoError, RepoLockedError, explain, listing
+from ckptstore.errors import (
+    INTERRUPTED,
+    CkptError,
+    OutputError,
+    ReadOnlyRepoError,
+    RepoLockedError,
+    RetentionError,
+    explain,
+    listing,
+)
 from ckptstore.repo import LOSSY_LEVELS, EncodingSettings, Repository, fsck, gc, named_root, subject
 
 LEVEL_NAMES = list(LOSSY_LEVELS)
@@ -255,15 +264,24 @@ def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle,
     from ckptstore.repo import function_named  # only here: it loads the encoding layers
 
     repo = _open(ctx)
-    cid = repo.commit(path, message=message, step=step, metrics=_metrics(metrics), branch=branch,
-                      allow_empty=allow_empty, trust_pickle=trust_pickle, progress=BarProgress(),
-                      lossy=lossy, calibration=function_named(calibration) if calibration else None,
-                      max_loss_change=_fraction(max_loss_change), **_knobs(knobs))
+    try:
+        cid = repo.commit(path, message=message, step=step, metrics=_metrics(metrics), branch=branch,
+                          allow_empty=allow_empty, trust_pickle=trust_pickle, progress=BarProgress(),
+                          lossy=lossy, calibration=function_named(calibration) if calibration else None,
+                          max_loss_change=_fraction(max_loss_change), **_knobs(knobs))
+    except RetentionError as exc:  # recorded: a script reading the id from stdout gets it, then the error
+        _say_committed(repo, exc.commit_id, message)
+        raise
+    _say_committed(repo, cid, message)
+    if branch is None and repo.head()[0] is None:
+        echo(f"note: HEAD is detached, so this commit is on no branch; to keep it: ckpt branch NAME {cid[:12]}")
+
+
+def _say_committed(repo: Repository, cid: str, message: str | None) -> None:
+    """Print a commit's one-line summary: its id, level, subject and sizes."""
     info = repo.commit_info(cid)
     mode = f" lossy:{info.lossy}" if info.lossy else ""
     echo(f"[{cid[:12]}]{mode} {subject(message)}  ({_size(info.raw_bytes)} -> {_size(info.stored_bytes)} new)")
-    if branch is None and repo.head()[0] is None:
-        echo(f"note: HEAD is detached, so this commit is on no branch; to keep it: ckpt branch NAME {cid[:12]}")
 
 
 @cli.command()

@@ -537,6 +537,7 @@ def test_a_full_disk_in_the_policy_prune_after_a_commit_says_the_commit_was_reco
                                                           "it failed: a file reached the largest size") in ended.stderr
     with Repository.open(tmp_path) as repo:
         assert [info.message for info in repo.log()] == ["second", "first"]
+        assert ended.stdout.startswith(f"[{repo.resolve('HEAD')[:12]}] second  (")  # the id, as on success
         assert not any(info.pruned for info in repo.log()) and fsck(repo).ok
         assert torch.equal(repo.checkout("HEAD")["w"], weight)
     assert ckpt_here(tmp_path, "prune").returncode == 0  # room again: the prune the error advised
