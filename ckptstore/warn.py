@@ -51,8 +51,10 @@ def warn_caller(message: str, category: type[Warning] = RuntimeWarning) -> None:
     where = getattr(_origin, "where", None)
     if where is not None and (frame is None or frame.f_globals.get("__name__") == "threading"):
         filename, lineno, module_globals = where
+        # code from `python -c`, stdin or a REPL has no source to show: asking its loader for it raises
+        source_of = None if filename.startswith("<") else module_globals
         warnings.warn_explicit(message, category, filename, lineno, module=module_globals.get("__name__"),
                                registry=module_globals.setdefault("__warningregistry__", {}),
-                               module_globals=module_globals)
+                               module_globals=source_of)
         return
     warnings.warn(message, category, stacklevel=level if frame is not None else 1)

@@ -460,6 +460,29 @@ def test_load_after_a_failed_background_save_leaves_the_failure_to_the_next_save
         ckptstore.save({"w": torch.full((4,), 2.0)}, tmp_path / "repo")
 
 
+FAILED_IN_THE_BACKGROUND_FROM_PYTHON_C = """
+import time
+from ckptstore import Repository
+repo = Repository.init("repo")
+open("bad.pt", "wb").write(b"not a checkpoint")
+handle = repo.commit("bad.pt", blocking=False)
+while not handle.done():
+    time.sleep(0.05)
+time.sleep(0.2)
+print("warned before this line")
+repo.close()
+"""
+
+
+def test_a_failed_background_commit_started_from_python_c_is_warned_not_a_thread_traceback(tmp_path):
+    """Code from `python -c` (or stdin, a REPL) has no source file: the warning asked its loader for one (auditor)."""
+    ended = subprocess.run([sys.executable, "-c", FAILED_IN_THE_BACKGROUND_FROM_PYTHON_C], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120, env=ckpt_env())
+    assert "Exception in thread" not in ended.stderr and "ImportError" not in ended.stderr
+    assert "BackgroundCommitWarning: the background commit" in ended.stderr
+    assert "bad.pt" in ended.stderr and "failed:" in ended.stderr
+
+
 def _child_uses_the_parents_repository(repo, cid, expected) -> None:
     restored = repo.checkout(cid)
     assert torch.equal(restored["w"], expected["w"])
