@@ -307,40 +307,38 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
     ordered = sorted(jobs, key=lambda j: j.stage)
     sizes = {job.key: chunk_sizes(job.raw.nbytes, job.params["chunk_bytes"]) for job in ordered}
     futures = _submit(ordered, sizes, source, pool, cache)
-    results_of = _packed_results(ordered, futures, PackWriter(source.store), on_bytes)
+    results_of, ids, repeats = _packed_results(ordered, futures, PackWriter(source.store), on_bytes)
     if cache is not None:
         cache.next_commit()
     records: dict[str, TensorRecord] = {}
     by_id: dict[TensorId, TensorRecord] = {}
     object_sizes: dict[ObjectId, int] = {}
     for job in ordered:
-        results = results_of[job.key]
-        for r in results:
-            oid, end = (r.slot.object_id, r.slot.offset + r.stored) if r.slot else (r.object_id, r.stored)
-            object_sizes[oid] = max(object_sizes.get(oid, 0), end)
+        results, tid = results_of[job.key], ids[job.key]
         uses_base = any(r.needs_base for r in results)
         params = dict(job.params)
         if job.known_id is not None:
-            tid = job.known_id
             params.pop("plane_hints", None)
             if job.base is not None:
                 params = after_attempt(params, uses_base)
                 params["plane_modes"] = [r.modes for r in results]
             params["cycle"] = cycle_after(params, sum(r.stored for r in results), uses_base)
         else:
-            tid = tensor_id_of_parts(job.raw.dtype, job.raw.shape, [r.recon for r in results])
             params.update(_lossy_measured(job, results, sizes[job.key]))
         base = None
         if uses_base:
             base = records[job.sibling] if job.sibling is not None else job.base
-        same = by_id.get(tid) or (base if base is not None and base.id == tid else None)
-        if same is not None:  # the same reconstruction as a record made before (all-zero m and v): that one
-            records[job.key] = same  # names it; a second record of the id could be based on the first: a loop
+        if job.key in repeats:  # the same reconstruction as a record made before (all-zero m and v): that one
+            same = by_id.get(tid) or base  # names it; a second record of the id could be based on the first: a loop
+            records[job.key] = same
             figures = [params.get("rel_error"), params.get("max_error")]
             if remeasured is not None and job.known_id is None and figures != [same.params.get("rel_error"),
                                                                                 same.params.get("max_error")]:
                 remeasured[job.key] = figures
             continue
+        for r in results:
+            oid, end = (r.slot.object_id, r.slot.offset + r.stored) if r.slot else (r.object_id, r.stored)
+            object_sizes[oid] = max(object_sizes.get(oid, 0), end)
         records[job.key] = by_id[tid] = TensorRecord(
             id=tid, dtype=job.raw.dtype, shape=job.raw.shape, codec=job.codec, params=params,
             base_id=base.id if base else None, depth=base.depth + 1 if base else 0,
@@ -351,13 +349,19 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
 
 
 def _packed_results(ordered: list[Job], futures: dict[str, list[Future]], packer: PackWriter,
-                    on_bytes: Callable[[int], None] | None) -> dict[str, list[ChunkResult]]:
-    """Each job's chunk results, in order, small payloads written to packs.
+                    on_bytes: Callable[[int], None] | None
+                    ) -> tuple[dict[str, list[ChunkResult]], dict[str, TensorId], set[str]]:
+    """Each job's chunk results, in order, and its tensor id; small payloads written to packs.
 
+    A job whose tensor id an earlier job or its own base already has (a lossy change rounded to
+    nothing, all-zero moments) is a repeat: its record is that one, and its payloads go nowhere.
     A lossy tensor its level cannot quantize does not stop the others: UnquantizableTensorsError names
     every such one, so the commit encodes once more with all of them lossless (commit.py).
     """
     results_of: dict[str, list[ChunkResult]] = {}
+    ids: dict[str, TensorId] = {}
+    fresh: set[TensorId] = set()  # the ids of the jobs that make records
+    repeats: set[str] = set()
     unquantizable: dict[str, str] = {}
     raised: set[int] = set()  # a job coded with a failed one re-raises its error: named once, by its own job
     for job in ordered:
@@ -370,15 +374,23 @@ def _packed_results(ordered: list[Job], futures: dict[str, list[Future]], packer
                 raised.add(id(exc))
                 unquantizable[job.key] = str(exc)
             continue
-        for result in results_of[job.key]:
-            if result.payload is not None:
-                result.slot, result.payload = packer.add(result.payload), None
+        results = results_of[job.key]
+        ids[job.key] = tid = job.known_id or tensor_id_of_parts(job.raw.dtype, job.raw.shape,
+                                                                 [r.recon for r in results])
+        base_id = ids.get(job.sibling) if job.sibling is not None else job.base.id if job.base else None
+        if tid in fresh or (base_id == tid and any(r.needs_base for r in results)):
+            repeats.add(job.key)
+        else:
+            fresh.add(tid)
+            for result in results:
+                if result.payload is not None:
+                    result.slot, result.payload = packer.add(result.payload), None
         if on_bytes:
             on_bytes(job.raw.nbytes)
     if unquantizable:
         raise UnquantizableTensorsError(unquantizable)
     packer.close()
-    return results_of
+    return results_of, ids, repeats
 
 
 def _lossy_measured(job: Job, results: list[ChunkResult], spans: list[int]) -> dict:

@@ -12,6 +12,7 @@ from ckptstore.cli import cli
 from ckptstore.errors import CkptError, NothingToCommitError
 from ckptstore.formats.torchfile import numpy_safe_globals
 from ckptstore.metadata import tensors as tensor_rows
+from ckptstore.repo import fsck
 from tests.conftest import Trainer, assert_same, outlier_adam_rounds
 
 LOSSY_WEIGHTS = ("fc1.weight", "fc2.weight")
@@ -154,6 +155,27 @@ def test_a_lossy_commit_that_stores_nothing_new_says_so(tmp_path, monkeypatch):
         rows = {row["message"]: row for row in repo.stats()["commits"]}
         assert repo.commit_info("HEAD").stored_bytes == rows["again"]["stored_bytes"] == 0
         assert repo.commit_info("HEAD~2").stored_bytes == grew > 0  # what is new still counts, once
+
+
+def test_a_lossy_commit_repeating_known_reconstructions_leaves_no_object_behind(tmp_path):
+    """A tensor whose re-encoding restored as its base's record still had its payload packed: an object
+    nothing named, counted as the commit's stored bytes and listed by fsck as unreferenced (auditor)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 96), torch.nn.ReLU(), torch.nn.Linear(96, 8))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(5):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(torch.randn(32, 96)), torch.randn(32, 8)).backward()
+        optimizer.step()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "c.pt")
+    with Repository.init(tmp_path) as repo:
+        repo.commit(tmp_path / "c.pt")
+        repo.commit(tmp_path / "c.pt", lossy="balanced", allow_empty=True)
+        before = _objects_bytes(tmp_path)
+        again = repo.commit(tmp_path / "c.pt", lossy="balanced", allow_empty=True)
+        assert repo.commit_info(again).stored_bytes == 0 and _objects_bytes(tmp_path) == before
+        report = fsck(repo)
+        assert report.ok and report.unreferenced_objects == 0
 
 
 def test_records_sharing_their_objects_count_them_once(tmp_path):
