@@ -318,7 +318,7 @@ class _Encoded:
     plans: dict[str, LossyPlan]
     pairing: str | None
     fisher: dict[str, float] | None  # measured, by path
-    remeasured: dict[str, list[float | None]]  # [error, bound] by path, where a tensor restores as an older record
+    remeasured: dict[str, list]  # [error, bound, codec] by path, where a tensor restores as an older record
 
 
 def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, sources: Mapping[str, TensorId],
@@ -337,7 +337,7 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
         entries, jobs = encoding_jobs(repo, tx, checkpoint.tensors, sources, parent.by_path, parent.records,
                                      plans, level, parent.renewed)
     progress.start("commit", sum(j.raw.nbytes for j in jobs))
-    remeasured: dict[str, list[float | None]] = {}
+    remeasured: dict[str, list] = {}
     with repo.store.batch():
         try:
             records, sizes = encode_jobs(jobs, ChainSource(repo.store, parent.records), repo.pool, progress.advance,

@@ -97,6 +97,8 @@ def show(repo: Repository, ref: str = "HEAD") -> dict[str, Any]:
                 row[key] = record.params[key]
         if path in manifest.measured:  # restores as a record of an earlier commit: this commit's own figures
             row.update(rel_error=manifest.measured[path][0], max_error=manifest.measured[path][1])
+            if len(manifest.measured[path]) > 2:  # and the codec it was measured with (that record's may be exact)
+                row["measured_as"] = manifest.measured[path][2]
             row = {k: v for k, v in row.items() if v is not None}
         tensors.append(row)
     files = [{"name": f.name, "format": f.format, "size": f.size, "note": f.opaque_reason} for f in manifest.files]

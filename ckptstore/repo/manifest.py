@@ -47,9 +47,9 @@ class Manifest:
     pairing: str | None = None
     importance: str | None = None  # how a lossy commit judged its weights' sensitivity, when measured
     dcp: dict[str, Any] | None = None  # a sharded commit's DCP metadata as plain JSON (repo/sharded.py)
-    # [error, bound] measured by this commit, by path, where its tensor restores as a record made before (the
-    # change since rounded to nothing): that record's own figures are of the commit that made it
-    measured: dict[str, list[float | None]] = field(default_factory=dict)
+    # [error, bound, codec] measured by this commit, by path, where its tensor restores as a record made before
+    # (the change since rounded to nothing): that record's own figures and codec are of the commit that made it
+    measured: dict[str, list] = field(default_factory=dict)
 
     def to_record(self) -> dict[str, Any]:
         """The manifest as the JSON record that is stored."""
@@ -66,7 +66,10 @@ class Manifest:
         if self.dcp is not None:  # only sharded commits carry it: ordinary manifests keep their bytes
             record["dcp"] = self.dcp
         if self.measured:  # as rare: manifests without it keep their bytes
-            record["measured"] = self.measured
+            record["measured"] = {path: m[:2] for path, m in self.measured.items()}
+            codecs = {path: m[2] for path, m in self.measured.items() if len(m) > 2}
+            if codecs:  # apart from the figures: a reader older than it finds them where it looks
+                record["measured_as"] = codecs
         return record
 
     def to_bytes(self) -> bytes:
@@ -83,8 +86,11 @@ class Manifest:
         entries = {p: Entry(TensorId(t), d, tuple(s)) for p, (t, d, s) in record["entries"].items()}
         digests = {f["name"]: f["digest"] for f in record["files"] if f.get("digest")}
         dcp = record.get("dcp") if record.get("version") == SHARDED_VERSION else None
+        codecs = record.get("measured_as") or {}
+        measured = {path: [*m, codecs[path]] if path in codecs else m
+                    for path, m in (record.get("measured") or {}).items()}
         return cls(record["kind"], files, entries, digests, record.get("lossy"), record.get("pairing"),
-                   record.get("importance"), dcp, record.get("measured") or {})
+                   record.get("importance"), dcp, measured)
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview, oid: ObjectId | str = "manifest") -> Manifest:
@@ -152,6 +158,9 @@ def _check_record(record: dict[str, Any]) -> None:
             isinstance(m, list) and len(m) == 2 and all(v is None or type(v) in (int, float) for v in m)
             for m in measured.values()):
         raise TypeError(f"measured is {measured!r}")
+    codecs = record.get("measured_as") or {}
+    if not isinstance(codecs, dict) or not all(isinstance(c, str) for c in codecs.values()):
+        raise TypeError(f"measured_as is {codecs!r}")
     for path, entry in entries.items():
         tensor, dtype, shape = entry
         if not (isinstance(tensor, str) and isinstance(dtype, str) and isinstance(shape, list)):

@@ -55,7 +55,7 @@ class WrittenShard:
     objects: dict[ObjectId, int]
     raw_bytes: int
     at_level: bool = False  # stored at the save's lossy level (False: lossless, planned so or fallen back)
-    measured: list[float | None] | None = None  # its own [error, bound] where it restores as an older record
+    measured: list | None = None  # its own [error, bound, codec] where it restores as an older record
 
 
 @dataclass
@@ -69,12 +69,12 @@ class LossyShards:
 
 def _encode_shards(repo: Repository, shards: Mapping[str, RawTensor], ids: Mapping[str, TensorId],
                    base_of: Mapping[str, TensorRecord], chains: Mapping[TensorId, TensorRecord],
-                   plans: dict[str, LossyPlan], level: LossyLevel | None, remeasured: dict[str, list[float | None]],
+                   plans: dict[str, LossyPlan], level: LossyLevel | None, remeasured: dict[str, list],
                    false: Set[TensorId] = frozenset()
                    ) -> tuple[dict[str, TensorId], dict[str, TensorRecord], dict[ObjectId, int], dict[str, LossyPlan]]:
     """This rank's shards encoded: manifest ids known before, new records, object sizes, the plans kept.
 
-    `remeasured` gets each lossy shard's own [error, bound] where it restores as an older record; the
+    `remeasured` gets each lossy shard's own [error, bound, codec] where it restores as an older record; the
     shards in `false` (their received records lied) are encoded again.
 
     A shard its level cannot quantize stays lossless with the shards coded with it; NaN or inf keeps
@@ -126,7 +126,7 @@ def write_shards(repo: Repository, parent: CommitId | None, shards: Mapping[str,
                 tensor_rows.mark_checked(tx, true)
         plans = {} if lossy is None else plan_shards(shards, lossy.shards, lossy.facts, base_of, lossy.level,
                                                      repo.config.encoding)[0]
-        remeasured: dict[str, list[float | None]] = {}
+        remeasured: dict[str, list] = {}
         entries, records, sizes, plans = _encode_shards(repo, shards, ids, base_of, chains, plans,
                                                         lossy.level if lossy else None, remeasured, false)
     faults.point("dcp:rank-written")

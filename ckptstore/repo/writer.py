@@ -296,12 +296,12 @@ def _submit(ordered: list[Job], sizes: dict[str, list[int]], source: ChainSource
 
 def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
                 on_bytes: Callable[[int], None] | None = None, cache: PlaneCache | None = None,
-                remeasured: dict[str, list[float | None]] | None = None
+                remeasured: dict[str, list] | None = None
                 ) -> tuple[dict[str, TensorRecord], dict[ObjectId, int]]:
     """Encode every job's chunks on `pool`; return the new records by job key and each object's size.
 
     With `cache`, lossless chunks take their base's planes from it and leave their own for the next commit.
-    `remeasured` gets [error, bound] of this encoding by job key where a lossy tensor restores as a record
+    `remeasured` gets [error, bound, codec] of this encoding by job key where a lossy tensor restores as a record
     made before (its change rounded to nothing): that record keeps the figures of its own commit.
     """
     ordered = sorted(jobs, key=lambda j: j.stage)
@@ -334,7 +334,7 @@ def encode_jobs(jobs: list[Job], source: ChainSource, pool: Executor,
             figures = [params.get("rel_error"), params.get("max_error")]
             if remeasured is not None and job.known_id is None and figures != [same.params.get("rel_error"),
                                                                                 same.params.get("max_error")]:
-                remeasured[job.key] = figures
+                remeasured[job.key] = [*figures, job.codec]
             continue
         for r in results:
             oid, end = (r.slot.object_id, r.slot.offset + r.stored) if r.slot else (r.object_id, r.stored)

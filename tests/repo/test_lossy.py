@@ -13,6 +13,7 @@ from ckptstore.errors import CkptError, NothingToCommitError
 from ckptstore.formats.torchfile import numpy_safe_globals
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.repo import fsck
+from ckptstore.repo.manifest import Manifest
 from tests.conftest import Trainer, assert_same, outlier_adam_rounds
 
 LOSSY_WEIGHTS = ("fc1.weight", "fc2.weight")
@@ -176,6 +177,35 @@ def test_a_lossy_commit_repeating_known_reconstructions_leaves_no_object_behind(
         assert repo.commit_info(again).stored_bytes == 0 and _objects_bytes(tmp_path) == before
         report = fsck(repo)
         assert report.ok and report.unreferenced_objects == 0
+
+
+def test_show_counts_a_weight_that_restores_as_an_exact_record_among_the_measured_weights(tmp_path):
+    """One Adam step rounds to nothing at `balanced`: the weight restores as the lossless parent's record,
+    whose codec is exact, so `show`'s summary left out the error this commit measured (auditor)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(96, 96)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step():
+        model(torch.randn(4, 96)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        step()
+        cid = repo.commit({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, lossy="balanced")
+        shown = repo.show(cid)
+    weight = next(t for t in shown["tensors"] if t["path"] == "model/weight")
+    assert weight["codec"] != weight["measured_as"] == "deadzone"  # the record is the parent's, exact
+    weights = next(row for row in shown["fidelity"] if row["quantity"].startswith("weights"))
+    assert weights["worst"] == weight["rel_error"] > 0
+    with Repository.open(tmp_path) as repo:  # the codec comes back from the stored manifest
+        manifest = repo.manifest(cid)
+        assert manifest.measured["model/weight"][2] == "deadzone"
+        assert Manifest.from_record(manifest.to_record()).measured == manifest.measured
+        assert len(manifest.to_record()["measured"]["model/weight"]) == 2  # what an older ckptstore checks
 
 
 def test_records_sharing_their_objects_count_them_once(tmp_path):
