@@ -829,3 +829,16 @@ def test_a_folder_remote_whose_database_cannot_be_reached_is_named(pair):
     config.write_text(config.read_text().replace('metadata_url = ""', f'metadata_url = "{dead}"', 1))
     said = ckpt_here(work.root, "fetch", "origin")
     assert said.returncode == 1 and f"remote 'origin' ({hub_path}): cannot reach PostgreSQL" in said.stderr, said.stderr
+
+
+def test_a_remote_may_be_named_with_hex_digits_alone(pair, tmp_path):
+    """The commit-id rule of branch names refused 'beef' with the charset's message (auditor): a remote's
+    name stands only in NAME/BRANCH, which no commit id abbreviates."""
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    with Repository.init(tmp_path / "other") as other:
+        remote.add(other, "beef", str(hub_path))
+        remote.fetch(other, "beef")
+        assert other.resolve("beef/main") == cids[1]
+        with pytest.raises(CkptError, match="not a valid remote name"):
+            remote.add(other, "be ef", str(hub_path))
