@@ -430,12 +430,12 @@ def fetch(repo: Repository, name: str, lazy: bool | None = None) -> TransferRepo
     """Bring every branch of remote `name` here as `NAME/BRANCH`, with what the commits need.
 
     Tracking refs of branches deleted there go. The refs are set under the repository's lock, with
-    the copy, so a gc here never collects what was just fetched. `lazy` (default: as the repository
-    was cloned) brings records and manifests only.
+    the copy, so a gc here never collects what was just fetched; the remote's is held too. `lazy`
+    (default: as the repository was cloned) brings records and manifests only.
     """
     remote_config = named(repo, name)
     lazy = remote_config.lazy if lazy is None else lazy
-    with open_remote(remote_config, name) as remote, repo.lock():
+    with open_remote(remote_config, name) as remote, repo.lock(), _read_held(remote):
         try:
             report, branches = _copy(remote, repo, None, lazy=lazy, keep=lambda tips: _well_named(name, tips))
             faults.point("fetch:tracking")  # tests run a gc here: it must wait for the lock
@@ -445,6 +445,14 @@ def fetch(repo: Repository, name: str, lazy: bool | None = None) -> TransferRepo
                                 f"no {name}/BRANCH ref was moved. Run it again: it fetches only what is still "
                                 "missing", exc.ended) from None
     return report
+
+
+def _read_held(remote: Repository) -> contextlib.AbstractContextManager:
+    """The remote's lock, shared, as push holds it: a gc or prune there waits until what this reads is copied.
+
+    A remote this process may not write (another user's folder) cannot be locked; it is read as it is.
+    """
+    return contextlib.nullcontext() if remote.read_only else remote.lock()
 
 
 def _well_named(name: str, branches: dict[str, CommitId]) -> dict[str, CommitId]:

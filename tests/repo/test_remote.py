@@ -842,3 +842,29 @@ def test_a_remote_may_be_named_with_hex_digits_alone(pair, tmp_path):
         assert other.resolve("beef/main") == cids[1]
         with pytest.raises(CkptError, match="not a valid remote name"):
             remote.add(other, "be ef", str(hub_path))
+
+
+def test_a_prune_of_the_remote_while_a_clone_copies_from_it_waits(pair, tmp_path):
+    """The clone held no lock there: the prune deleted chain objects it was about to copy, and the clone called
+    the remote damaged, which its fsck denied (auditor)."""
+    work, hub_path, cids = pair
+    newest = work.commit(_state(2), message="c2")
+    remote.push(work, "origin")
+    release = tmp_path / "release"
+    cloning = subprocess.Popen([sys.executable, "-m", "ckptstore", "clone", str(hub_path), str(tmp_path / "copy")],
+                               cwd=tmp_path, env=ckpt_env(CKPT_WAIT_AT=f"transfer:object-sent={release}"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_held(release, cloning)
+        pruning = subprocess.Popen([sys.executable, "-m", "ckptstore", "prune", "--keep-last", "1"], cwd=hub_path,
+                                   env=ckpt_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        with pytest.raises(subprocess.TimeoutExpired):  # the clone reads the hub: the prune must wait
+            pruning.wait(timeout=3)
+    finally:
+        release.touch()
+    assert cloning.wait(timeout=120) == 0, cloning.communicate()
+    assert pruning.wait(timeout=120) == 0, pruning.communicate()
+    with Repository.open(tmp_path / "copy") as copy:
+        assert fsck(copy, full=True).ok
+        for seed, cid in enumerate([*cids, newest]):
+            assert_same(_state(seed), copy.checkout(cid))
