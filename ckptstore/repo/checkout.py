@@ -77,7 +77,8 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
     """Write the checkpoint at `ref` to disk and return where.
 
     Without `output`, writes to the path it was committed from and moves HEAD (like git
-    checkout), refusing to overwrite files whose content is not in the store unless `force`.
+    checkout), refusing to overwrite files whose content is not in the store unless `force`; a
+    sharded commit has no such path: HEAD moves and nothing is written.
     With `output` (whose parent folder must exist), only writes there. A folder ends up holding
     exactly the commit's files (worktree.plan_checkout says what is removed and what is refused).
     With `keys`, only the matching part is written, to `output` (required); see `_write_selected`.
@@ -96,7 +97,12 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
         if keys is not None:
             raise CkptError(f"commit {cid[:12]} is a sharded (torch.distributed.checkpoint) commit: check it out "
                             "whole with -o DIR, or load part of it with dcp.load and CkptStorageReader")
-        return _checkout_sharded(repo, cid, info.manifest_object, manifest, output, progress)
+        if output is None:  # no files to write in place: HEAD moves, so the next `dcp.save` commits on its branch
+            refs.move_head(repo, cid, branch)
+            return repo.root
+        from ckptstore.repo.dcpfiles import checkout_dir
+
+        return checkout_dir(repo, cid, info.manifest_object, manifest, output, progress)
     if keys is not None:
         return _write_selected(repo, cid, manifest, keys, output, force, progress)
     if output is not None:
@@ -136,16 +142,6 @@ def _write_selected(repo: Repository, cid: CommitId, manifest: Manifest, keys: I
     write_selection(repo, selection, plan, lambda p: materialize(raws[p]), lambda p: raws[p],
                     exact=not manifest.lossy)
     return plan.dest
-
-
-def _checkout_sharded(repo: Repository, cid: CommitId, manifest_oid: str, manifest: Manifest,
-                      output: str | os.PathLike | None, progress: Progress | None) -> Path:
-    if output is None:
-        raise CkptError(f"commit {cid[:12]} is a sharded (torch.distributed.checkpoint) commit; pass -o DIR to "
-                        "write it as a DCP directory (a new or empty folder)")
-    from ckptstore.repo.dcpfiles import checkout_dir
-
-    return checkout_dir(repo, cid, manifest_oid, manifest, output, progress)
 
 
 def _refuse_sharded(cid: str, manifest: Manifest) -> None:

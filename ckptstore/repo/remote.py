@@ -512,7 +512,26 @@ def pull(repo: Repository, name: str, branch: str | None = None) -> tuple[Transf
             raise ConflictError(f"{branch!r} moved while pulling; run the pull again")
     if at_head:
         _update_worktree(repo, branch, old, new)
+        _tell_unwritten_dcp(repo, branch, old, new)
     return report, new
+
+
+def _tell_unwritten_dcp(repo: Repository, branch: str, old: CommitId | None, new: CommitId) -> None:
+    """Warn where a pull wrote nothing in place because a sharded commit has no files here.
+
+    A DCP directory committed with `ckpt commit DIR` still holds the old checkpoint: training on from
+    it, the next commit would undo the pull without a word.
+    """
+    from ckptstore.repo.sharded import KIND as SHARDED_KIND  # numpy and the encoders: not for a lazy clone's log
+
+    if repo.commit_info(new).kind == SHARDED_KIND:
+        warn_caller(f"{branch} now points at {new[:12]}, a sharded (DCP) commit, which is never written in place: "
+                    f"a DCP directory committed here still holds the checkpoint it held; before training on from "
+                    f"it, write {new[:12]} with `ckpt checkout {new[:12]} -o NEWDIR` or load it with "
+                    "CkptStorageReader", RuntimeWarning)
+    elif old is not None and repo.commit_info(old).kind == SHARDED_KIND:
+        warn_caller(f"{branch} now points at {new[:12]}, whose files were not written: HEAD was on a sharded (DCP) "
+                    f"commit, which has no files here; write them with `ckpt checkout {branch}`", RuntimeWarning)
 
 
 def _end_interrupted_pull(repo: Repository) -> None:

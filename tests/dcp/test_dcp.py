@@ -147,11 +147,13 @@ def test_cli_log_show_fsck_gc_on_a_repository_with_sharded_commits(trained, tmp_
     assert fsck_full.exit_code == 0, fsck_full.output
     assert run("gc", "--prune").exit_code == 0
     assert differences(load_one_rank(copy, "main"), load_one_rank(repo_dir, "main")) == []  # gc kept every shard
-    refused = subprocess.run([sys.executable, "-m", "ckptstore", "checkout", "main"],  # a DCP directory needs -o
-                             cwd=copy, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True,
-                             text=True, timeout=60)
-    assert refused.returncode != 0 and "Traceback" not in refused.stderr
-    assert refused.stderr.startswith("error: ") and "pass -o DIR" in refused.stderr
+    in_place = subprocess.run([sys.executable, "-m", "ckptstore", "checkout", "main~1"],  # HEAD moves, no files
+                              cwd=copy, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True,
+                              text=True, timeout=60)
+    assert in_place.returncode == 0 and "Traceback" not in in_place.stderr
+    assert in_place.stdout.startswith(f"HEAD is now at {report['commit_first'][:12]}, a sharded (DCP) commit: "
+                                      "nothing is written in place") and "-o DIR" in in_place.stdout
+    assert sorted(p.name for p in copy.iterdir()) == [".ckpt"]
 
 
 @pytest.mark.parametrize("killed, point", [(1, "dcp:rank-written"), (0, "dcp:manifest-written")])

@@ -97,15 +97,19 @@ def test_single_process_save_load_and_the_in_memory_checkout_refusal(tmp_path):
     assert loaded["note"] == {"text": "hi", "k": 3}
     with pytest.raises(CkptError, match="CkptStorageReader"):
         repo.checkout("main")
-    with pytest.raises(CkptError, match="pass -o DIR"):
-        repo.checkout_to("main")
+    second = CkptStorageWriter(tmp_path, message="second")
+    dcp.save(dict(state, w=state["w"] + 1), storage_writer=second)
+    assert repo.checkout_to("main~1") == repo.root  # nothing to write in place: HEAD moves, detached
+    assert repo.head() == (None, writer.commit_id) and sorted(p.name for p in tmp_path.iterdir()) == [".ckpt"]
+    repo.checkout_to("main")  # and back onto the branch, which a sharded tip refused (auditor)
+    assert repo.head() == ("main", second.commit_id)
     with pytest.raises(CkptError, match="check it out whole"):  # a partial checkout: dcp.load reads parts
         repo.checkout_to("main", tmp_path / "part", keys=["w"])
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "f").write_text("x")
     with pytest.raises(CkptError, match="not an empty folder"):
         repo.checkout_to("main", tmp_path / "busy")
-    repo.checkout_to("main", tmp_path / "out")  # a DCP directory: plain dcp.load reads it
+    repo.checkout_to("main~1", tmp_path / "out")  # a DCP directory: plain dcp.load reads it
     again = {"w": torch.zeros(6, 3), "n": torch.zeros(4, dtype=torch.int64), "note": {"text": "", "k": 0}}
     dcp.load(again, storage_reader=dcp.FileSystemReader(tmp_path / "out"))
     assert torch.equal(again["w"], state["w"]) and torch.equal(again["n"], state["n"])

@@ -868,3 +868,31 @@ def test_a_prune_of_the_remote_while_a_clone_copies_from_it_waits(pair, tmp_path
         assert fsck(copy, full=True).ok
         for seed, cid in enumerate([*cids, newest]):
             assert_same(_state(seed), copy.checkout(cid))
+
+
+def _dcp_dir(path, value: float) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(Exception), pytest.warns(UserWarning):  # "torch.distributed is disabled"
+        dcp.save({"w": torch.full((64, 64), value)}, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+
+
+def test_a_pull_onto_a_sharded_commit_warns_that_the_dcp_directory_here_is_stale(tmp_path):
+    """It said only "fast-forwarded": a DCP directory committed here kept the old checkpoint, and the next
+    commit of it undid the pulled one without a word (auditor)."""
+    Repository.init(tmp_path / "hub").close()
+    with Repository.init(tmp_path / "a") as a:
+        remote.add(a, "origin", str(tmp_path / "hub"))
+        _dcp_dir(tmp_path / "a" / "step", 1.0)
+        a.commit(tmp_path / "a" / "step", message="A")
+        remote.push(a, "origin")
+        with remote.clone(str(tmp_path / "hub"), tmp_path / "b") as b:
+            _dcp_dir(tmp_path / "b" / "step", 2.0)
+            theirs = b.commit(tmp_path / "b" / "step", message="B")
+            remote.push(b, "origin")
+        with pytest.warns(RuntimeWarning, match=f"main now points at {theirs[:12]}, a sharded .DCP. commit, which is "
+                                                 "never written in place: a DCP directory committed here still "
+                                                 f"holds .*`ckpt checkout {theirs[:12]} -o NEWDIR`"):
+            remote.pull(a, "origin")
+        assert a.head() == ("main", theirs)
