@@ -11,7 +11,7 @@ import numpy as np
 from ckptstore.repo.checkout import restore
 from ckptstore.repo.integrity import entry_records
 from ckptstore.repo.sharded import gather, is_sharded
-from ckptstore.state import BYTES_DTYPE, RawTensor, float64_values
+from ckptstore.state import BYTES_DTYPE, RawTensor, float64_values, readable_path
 
 if TYPE_CHECKING:
     from ckptstore.repo.manifest import Manifest
@@ -43,6 +43,8 @@ def diff(repo: Repository, a: str, b: str) -> list[TensorDiff]:
     old, new = repo.manifest(repo.resolve(a)), repo.manifest(repo.resolve(b))
     if is_sharded(old) and is_sharded(new):
         return _logical_diff(repo, old, new)
+    if is_sharded(old) or is_sharded(new):
+        return _mixed_diff(repo, old, new)
     changed = [p for p in new.entries if p in old.entries and new.entries[p].tensor != old.entries[p].tensor]
     old_raw, new_raw = restore(repo, old, paths=changed), restore(repo, new, paths=changed)
     records = entry_records(repo, new)
@@ -84,6 +86,37 @@ def _logical_diff(repo: Repository, old: Manifest, new: Manifest) -> list[Tensor
                 status, rel = "changed", relative_l2(old_value, new_value)
         dtype, shape = (item["dtype"], tuple(item["size"])) if item["type"] == "tensor" else (BYTES_DTYPE, ())
         result.append(TensorDiff(fqn, status, dtype, shape, rel, stored))
+    return result
+
+
+def _mixed_diff(repo: Repository, old: Manifest, new: Manifest) -> list[TensorDiff]:
+    """A sharded commit and one of files, per tensor under DCP's dotted names ("model.w" for "model/w").
+
+    Non-tensor values are left out: the file side keeps them in its skeleton, DCP as pickled items.
+    """
+    sharded_side, files_side = (old, new) if is_sharded(old) else (new, old)
+    paths = {readable_path(p).replace("/", "."): p for p, e in files_side.entries.items() if e.dtype != BYTES_DTYPE}
+    items = {fqn: item for fqn, item in _items(sharded_side).items() if item["type"] == "tensor"}
+    both = paths.keys() & items.keys()
+    gathered = gather(repo, sharded_side, both)[0]
+    restored = restore(repo, files_side, paths=[paths[name] for name in both])
+    values = {name: (gathered[name], restored[paths[name]]) for name in both}
+    records = entry_records(repo, new)
+    result = []
+    for name in sorted(paths.keys() | items.keys()):
+        in_new = name in (items if new is sharded_side else paths)
+        if new is sharded_side:
+            stored = sum(records[new.entries[key].tensor].stored_bytes for key in _keys(items[name])) if in_new else 0
+        else:
+            stored = records[new.entries[paths[name]].tensor].stored_bytes if in_new else 0
+        status, rel = ("added" if in_new else "removed"), None
+        if name in values:
+            a, b = values[name] if old is sharded_side else values[name][::-1]
+            same = a.dtype == b.dtype and a.shape == b.shape and a.data.tobytes() == b.data.tobytes()
+            status, rel = ("unchanged", 0.0) if same else ("changed", relative_l2(a, b))
+        dtype, shape = (items[name]["dtype"], tuple(items[name]["size"])) if name in items else (
+            files_side.entries[paths[name]].dtype, files_side.entries[paths[name]].shape)
+        result.append(TensorDiff(name, status, dtype, shape, rel, stored))
     return result
 
 

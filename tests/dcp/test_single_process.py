@@ -355,3 +355,25 @@ def test_a_shard_whose_id_a_received_record_claims_is_encoded_anew(tmp_path):
     dcp.load(loaded, storage_reader=CkptStorageReader(tmp_path))
     assert torch.equal(loaded["v"], zeros) and fsck(repo, full=True).ok
     assert not unchecked(repo, {poisoned})
+
+
+def test_diff_of_a_sharded_commit_and_a_file_commit_compares_tensors_by_name(tmp_path):
+    """It listed DCP's storage keys (`model.w/%shard/...`, `%container`) as removed and added, and every
+    tensor as differing, for the very same state (auditor)."""
+    state = {"model": {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(0)),
+                       "layer.0.bias": torch.ones(3)}, "extra": {"step": 7}}
+    with Repository.init(tmp_path) as repo:
+        dcp.save(state, storage_writer=CkptStorageWriter(repo, message="sharded"), no_dist=True)
+        torch.save(state, tmp_path / "same.pt")
+        repo.commit(tmp_path / "same.pt", message="same state")
+        rows = {d.path: (d.status, d.relative_l2) for d in repo.diff("HEAD~1", "HEAD")}
+        assert rows == {"model.w": ("unchanged", 0.0), "model.layer.0.bias": ("unchanged", 0.0)}
+        state["model"]["w"][0, 0] += 1.0
+        state["model"]["new"] = torch.zeros(2)
+        torch.save(state, tmp_path / "same.pt")
+        repo.commit(tmp_path / "same.pt", message="changed")
+        rows = {d.path: (d.status, d.relative_l2) for d in repo.diff("HEAD~2", "HEAD")}
+        assert rows["model.w"][0] == "changed" and rows["model.w"][1] == pytest.approx(1 / 64, rel=0.2)
+        assert rows["model.new"] == ("added", None) and rows["model.layer.0.bias"] == ("unchanged", 0.0)
+        backwards = {d.path: d.status for d in repo.diff("HEAD", "HEAD~2")}
+        assert backwards == {"model.w": "changed", "model.new": "removed", "model.layer.0.bias": "unchanged"}
