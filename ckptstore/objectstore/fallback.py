@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -27,6 +28,7 @@ class FallbackStore:
         self._open_source = source
         self._source: ObjectStore | None = None
         self._lock = threading.Lock()
+        self._copying: dict[ObjectId, list] = {}  # [lock, threads using it] by object being copied
 
     def source(self, oid: ObjectId) -> ObjectStore:
         """The source, opened on first use; one that cannot be opened makes `oid` (being read) lacking."""
@@ -68,16 +70,38 @@ class FallbackStore:
         except CorruptObjectError as exc:
             if exc.problem != "missing":
                 raise
-        data = self.from_source(oid)
-        if self.keep:
-            try:
-                self.local.put(data)
-                return read()
-            except Exception as exc:
-                if not isinstance(explain(exc), DiskFullError):
-                    raise
-                self.keep = False
+        with self._one_copy(oid):
+            if self.keep:  # another thread that missed it too may have copied it meanwhile
+                try:
+                    return read()
+                except CorruptObjectError as exc:
+                    if exc.problem != "missing":
+                        raise
+            data = self.from_source(oid)
+            if self.keep:
+                try:
+                    self.local.put(data)
+                    return read()
+                except Exception as exc:
+                    if not isinstance(explain(exc), DiskFullError):
+                        raise
+                    self.keep = False
         return held(data)
+
+    @contextlib.contextmanager
+    def _one_copy(self, oid: ObjectId) -> Iterator[None]:
+        """Threads that miss one object at once copy it once: the first downloads, the others wait and read it here."""
+        with self._lock:
+            entry = self._copying.setdefault(oid, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._copying[oid]
 
     def get(self, oid: ObjectId, verify: bool = True) -> bytes:
         return self._filled(lambda: self.local.get(oid, verify), oid, bytes)

@@ -285,3 +285,36 @@ def test_a_lazy_clone_too_full_to_keep_an_object_still_reads_it_from_its_origin(
     store = FallbackStore(local, lambda: origin)
     with pytest.raises(OSError, match="I/O error"):  # any other failure to keep it is still an error
         store.get(oid)
+
+
+def test_threads_that_miss_one_object_of_a_lazy_clone_at_once_download_it_once(tmp_path):
+    """Each thread that missed a pack downloaded it: 2x the bytes with two threads, 4x with eight (auditor)."""
+    import threading
+    import time
+
+    from ckptstore.objectstore.fallback import FallbackStore
+
+    origin = LocalObjectStore(tmp_path / "origin", tmp_path / "origin-tmp")
+    data = bytes(range(256)) * 4096
+    oid = origin.put(data)
+    downloads = []
+    real_get = origin.get
+
+    def slow_get(wanted, verify=True):
+        downloads.append(wanted)
+        time.sleep(0.3)  # long enough for every thread to miss it meanwhile
+        return real_get(wanted, verify)
+
+    origin.get = slow_get
+    store = FallbackStore(LocalObjectStore(tmp_path / "here", tmp_path / "here-tmp"), lambda: origin)
+    ranges = [store.open_ranges() for _ in range(6)]
+    got = [None] * 6
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, bytes(ranges[i].read(oid, i * 10, 10))))
+               for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert got == [data[i * 10:i * 10 + 10] for i in range(6)]
+    assert downloads == [oid] and store.local.has(oid)
+    assert store._copying == {}  # nothing kept of the copies once done
