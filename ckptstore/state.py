@@ -277,7 +277,12 @@ def float64_values(raw: RawTensor) -> np.ndarray | None:
     if not raw.dtype.startswith(TORCH_PREFIX):
         return None
     tensor = materialize(raw)
-    return tensor.double().numpy().reshape(-1) if tensor.is_floating_point() else None
+    if not tensor.is_floating_point():
+        return None
+    try:
+        return tensor.double().numpy().reshape(-1)
+    except (NotImplementedError, RuntimeError):  # packed formats (float4_e2m1fn_x2) torch cannot convert
+        return None
 
 
 # torch dtypes whose numpy namesake has the same bytes (bfloat16 and the float8s have none)

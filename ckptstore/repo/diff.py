@@ -159,6 +159,12 @@ def relative_l2(old: RawTensor, new: RawTensor) -> float | None:
     a, b = float64_values(old), float64_values(new)
     if a is None or b is None or old.shape != new.shape:
         return None
-    norm = float(np.linalg.norm(a))
-    delta = float(np.linalg.norm(b - a))
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return float("nan")  # no distance between NaN or infinite values (numpy would also warn)
+    scale = float(np.abs(a).max(initial=0.0))
+    with np.errstate(over="ignore"):  # a new value past float64's range: its change is infinite
+        if scale:  # squares of values past 1e154 overflow float64: norms of values scaled to 1 do not
+            a, b = a / scale, b / scale
+        norm = float(np.linalg.norm(a))
+        delta = float(np.linalg.norm(b - a))
     return delta / norm if norm else (0.0 if delta == 0 else float("inf"))
