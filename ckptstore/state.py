@@ -578,6 +578,12 @@ def _valueless_tensor_hint(value: Any) -> str:
         return f"a {kind} (a lazy module's tensor) holds no values yet: run one forward pass before committing"
     if kind in ("FakeTensor", "FunctionalTensor"):
         return f"a {kind} (a tracing stand-in) holds no values: commit the real tensors"
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(value):
+        return (f"a {kind} is a wrapper tensor subclass (as torchao's float8, NF4 and quantized tensors are), whose "
+                "values live in the tensors it wraps: commit plain tensors, such as its .dequantize() or the "
+                "tensors it holds")
     return ""
 
 

@@ -437,6 +437,34 @@ def test_tensor_subclasses_without_values_here_are_refused_before_their_storage_
         flatten({"f": fake})
 
 
+class _Wrapped(torch.Tensor):
+    """A wrapper tensor subclass, built as torchao's float8 and NF4 tensors are: its values are in `inner`."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __tensor_flatten__(self):
+        return ["inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
+        return _Wrapped(inner_tensors["inner"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(func)
+
+
+def test_a_wrapper_tensor_subclass_is_refused_with_what_to_commit_instead():
+    """torch's "Attempted to access the data pointer on an invalid python storage" reached the user (auditor)."""
+    with pytest.raises(UnsupportedStateError, match=r"model/w: a _Wrapped is a wrapper tensor subclass .*dequantize"):
+        flatten({"model": {"w": _Wrapped(torch.ones(3))}})
+
+
 def test_a_set_of_tensors_is_stored_in_an_order_of_their_contents():
     """Sorting it raised torch's 'Boolean value of Tensor ... is ambiguous'; ordered by repr (which elides a large
     tensor's values), equal sets flattened to different layouts from one run to the next."""
