@@ -26,8 +26,10 @@ DTYPES = {
     "U64": "torch.uint64", "U32": "torch.uint32", "U16": "torch.uint16", "U8": "torch.uint8",
     "BOOL": "torch.bool", "F8_E4M3": "torch.float8_e4m3fn", "F8_E5M2": "torch.float8_e5m2",
     "F8_E4M3FNUZ": "torch.float8_e4m3fnuz", "F8_E5M2FNUZ": "torch.float8_e5m2fnuz", "F8_E8M0": "torch.float8_e8m0fnu",
-    "C64": "torch.complex64",
+    "C64": "torch.complex64", "F4": "torch.float4_e2m1fn_x2",
 }
+# safetensors counts F4's 4-bit values; torch's float4_e2m1fn_x2 holds two in each element: its last dimension is half
+PACKED = {"F4": 2}
 # unescaped (state.reserved_path), so no tensor name can take it; before 3 December 2026 it was escaped
 # ("%25header", which a tensor named "%header" took), and older skeletons still name their own entries
 HEADER_PATH = "%header"
@@ -120,11 +122,18 @@ def _span(path: Path, name: str, info: Any, data_size: int) -> tuple[int, int, s
     if end > data_size:
         raise CheckpointFormatError(f"{path}: tensor {name!r} ends at byte {end} of the data, which has "
                                     f"{data_size}: truncated?")
-    if dtype in DTYPES and math.prod(shape) * TORCH_ITEMSIZE[DTYPES[dtype]] != end - begin:
+    if dtype not in DTYPES:
+        return begin, end, name, dtype, tuple(shape)
+    per = PACKED.get(dtype, 1)
+    if per > 1 and (not shape or shape[-1] % per):
+        raise CheckpointFormatError(f"{path}: tensor {name!r} of dtype {dtype} has shape {shape}, whose last "
+                                    f"dimension is not a multiple of the {per} values each byte holds")
+    torch_shape = (*shape[:-1], shape[-1] // per) if per > 1 else tuple(shape)
+    if math.prod(torch_shape) * TORCH_ITEMSIZE[DTYPES[dtype]] != end - begin:
         raise CheckpointFormatError(f"{path}: tensor {name!r} of shape {shape} and dtype {dtype} needs "
-                                    f"{math.prod(shape) * TORCH_ITEMSIZE[DTYPES[dtype]]} bytes, its "
+                                    f"{math.prod(torch_shape) * TORCH_ITEMSIZE[DTYPES[dtype]]} bytes, its "
                                     f"data_offsets give {end - begin}")
-    return begin, end, name, dtype, tuple(shape)
+    return begin, end, name, dtype, torch_shape
 
 
 def _gap(tensors: dict[str, RawTensor], prefix: str, span: np.ndarray, index: int) -> list:
@@ -172,7 +181,13 @@ def write_tensors(path: str | os.PathLike, tensors: dict[str, RawTensor], metada
         code = SAFETENSORS_DTYPES.get(raw.dtype)
         if code is None:
             raise UnsupportedStateError(f"{name}: safetensors has no type for {raw.dtype}; export with --format torch")
-        header[name] = {"dtype": code, "shape": list(raw.shape), "data_offsets": [offset, offset + raw.nbytes]}
+        shape = list(raw.shape)
+        if code in PACKED:
+            if not shape:
+                raise UnsupportedStateError(f"{name}: safetensors has no shape for a 0-d {raw.dtype}; export with "
+                                            "--format torch")
+            shape[-1] *= PACKED[code]
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + raw.nbytes]}
         offset += raw.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors' own writer pads it

@@ -44,6 +44,8 @@ def entry(begin, end, shape, dtype="F32"):
      b'"data_offsets": [0, 8]}}', bytes(8), "more than once"),
     (b'{"a": ' + b"[" * 100000, b"", "not valid JSON"),
     (b"[1, 2]", b"", "is not a checkpoint"),
+    ({"a": entry(0, 2, [3], "F4")}, bytes(2), "not a multiple of the 2 values each byte holds"),
+    ({"a": entry(0, 4, [4], "F4")}, bytes(4), "needs 2 bytes"),
 ])
 def test_lying_headers_are_refused_with_their_reason(tmp_path, header, data, reason):
     write_raw(tmp_path / "m.safetensors", header, data)
@@ -91,3 +93,23 @@ def test_an_export_refuses_a_tensor_named_like_the_formats_metadata(tmp_path):
         safetensors_file.write_tensors(tmp_path / "out.safetensors",
                                        {"__metadata__": RawTensor("torch.float32", (1,), np.zeros(4, np.uint8))})
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_float4_tensors_load_as_safetensors_loads_them_and_export_back(tmp_path):
+    """safetensors counts F4's 4-bit values, torch packs two per element: they came back as raw bytes, and
+    export left them out (auditor)."""
+    from safetensors.torch import load_file
+
+    from ckptstore import Repository
+    from ckptstore.repo import export
+
+    packed = torch.tensor([[0x12, 0x34], [0x56, 0x78]], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    save_file({"w": packed, "b": torch.ones(3)}, tmp_path / "m.safetensors")
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit(tmp_path / "m.safetensors")
+        state = repo.checkout(cid)
+        assert state["w"].dtype == torch.float4_e2m1fn_x2 and state["w"].shape == (2, 2)
+        assert torch.equal(state["w"].view(torch.uint8), packed.view(torch.uint8))
+        export(repo, cid, "safetensors", tmp_path / "out.safetensors")
+    back = load_file(tmp_path / "out.safetensors")
+    assert back["w"].shape == (2, 2) and torch.equal(back["w"].view(torch.uint8), packed.view(torch.uint8))
