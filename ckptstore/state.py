@@ -7,10 +7,12 @@ bytes as a flat uint8 array, which is all the codecs and the store ever see.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
 import re
+import struct
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
@@ -310,8 +312,23 @@ def _order_key(item: Any) -> tuple[str, str]:
     return type(item).__name__, repr(item)
 
 
+_PLAIN_NAN = struct.pack("<d", math.nan)
+
+
 def _float(value: float) -> Any:
-    return value if math.isfinite(value) else ["float", repr(value)]
+    """A float as JSON holds it: NaN and infinities by name, a NaN with a sign or payload with its bits too."""
+    if math.isfinite(value):
+        return value
+    bits = struct.pack("<d", value)
+    return ["float", repr(value), bits.hex()] if value != value and bits != _PLAIN_NAN else ["float", repr(value)]
+
+
+def _float_of(node: list) -> float:
+    """The float a skeleton's ["float", name] or ["float", "nan", bits] node holds (older readers take the name)."""
+    if len(node) > 2 and isinstance(node[2], str) and len(node[2]) == 16:
+        with contextlib.suppress(ValueError):  # not hex: a damaged skeleton still gives the NaN its name says
+            return struct.unpack("<d", bytes.fromhex(node[2]))[0]
+    return float(node[1])
 
 
 # Bounds of one flatten, far above any real checkpoint (a 70B model's state has ~10^4 nodes and a
@@ -767,7 +784,7 @@ _DECODERS: dict[str, Callable[[_Unflattener, list], Any]] = {
     "tuple": lambda u, node: tuple(u.decode(item) for item in node[1]),
     "set": lambda u, node: {u.decode(item) for item in node[1]},
     "frozenset": lambda u, node: frozenset(u.decode(item) for item in node[1]),
-    "float": lambda u, node: float(node[1]),
+    "float": lambda u, node: _float_of(node),
     "npscalar": lambda u, node: np.dtype(node[1]).type(u.decode(node[2])),
     "size": lambda u, node: _torch().Size(node[1]),
     "dtype": lambda u, node: torch_dtype(node[1]),

@@ -498,3 +498,18 @@ def test_tensor_attributes_are_said_not_to_be_stored(tmp_path, zip_format):
     assert "w.tp_dim" in message and "t.note" in message and "_is_hf_initialized" not in message
     with Repository.open(tmp_path / "repo") as repo:
         assert torch.equal(repo.checkout(cid)["w"], weight.detach())
+
+
+def test_the_sign_and_payload_of_a_nan_among_plain_values_survive():
+    """Stored by name, a NaN float or numpy scalar came back as the plain NaN, as tensors' do not (auditor)."""
+    import struct
+
+    payload = struct.unpack("<d", bytes.fromhex("010000000000f8ff"))[0]  # -nan with payload 1
+    small = np.frombuffer(bytes.fromhex("4523c1ff"), dtype=np.float32)[0]  # float32 -nan with a payload
+    flat = flatten({"f": payload, "n": small, "plain": float("nan"), "inf": float("-inf")})
+    back = unflatten(flat.skeleton, lambda p: materialize(flat.tensors[p]))
+    assert struct.pack("<d", back["f"]) == struct.pack("<d", payload)
+    assert back["n"].dtype == np.float32 and back["n"].tobytes() == small.tobytes()
+    assert struct.pack("<d", back["plain"]) == struct.pack("<d", float("nan")) and back["inf"] == float("-inf")
+    old_skeleton = ["float", "nan"]  # as written before the bits were kept: the plain NaN
+    assert math.isnan(unflatten(old_skeleton, lambda p: None))
