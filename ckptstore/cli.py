@@ -456,7 +456,7 @@ def show(ctx, ref, as_json) -> None:
              f"importance: {data.get('importance')}")
     stored = "- (pruned)" if data.get("pruned") else _size(data["stored_bytes"])
     echo(f"raw {_size(data['raw_bytes'])}  stored {stored}\n\n{_indented(data['message'])}\n")
-    for f in data["files"]:
+    for f in data["files"] if data["kind"] != "state" else []:  # an in-memory state's only record has no file
         echo(f"file {f['name'] or '.'} [{f['format']}] {_size(f['size'])} {f['note']}".rstrip())
     for row in data.get("fidelity", []):
         bound = (f", at most {row['worst_of_bound']:.0%} of its bound" if row["worst_of_bound"] is not None

@@ -184,6 +184,19 @@ def test_show_of_a_lossy_commit_without_optimizer_state_says_no_importance_was_e
     assert "importance: none: no optimizer state" in shown and "estimated from the optimizer state" not in shown
 
 
+def test_show_of_an_in_memory_commit_lists_no_file(tmp_path):
+    """It printed `file . [torch] 0 B` for a state that never was a file (auditor)."""
+    from ckptstore import Repository
+
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"w": torch.ones(3)})
+    torch.save({"w": torch.zeros(3)}, tmp_path / "c.pt")
+    shown = ckpt_here(tmp_path, "show").stdout
+    assert "source None" in shown and "\nfile " not in shown and "w  torch.float32 (3,)" in shown
+    assert ckpt_here(tmp_path, "commit", "c.pt").returncode == 0
+    assert "\nfile . [torch] " in ckpt_here(tmp_path, "show").stdout  # a file's commit still lists it
+
+
 def test_commits_on_a_detached_head_are_said_so_and_leaving_them_behind_warns(tmp_path):
     """As git: a commit on a detached HEAD says it is on no branch; moving HEAD off such commits names them."""
     run = lambda *args: ckpt_here(tmp_path, *args)
