@@ -19,6 +19,16 @@ def all_bases(tx: Tx) -> dict[TensorId, TensorId | None]:
     return {TensorId(t): TensorId(b) if b else None for t, b in tx.rows("SELECT id, base_id FROM tensors")}
 
 
+def all_depths(tx: Tx) -> dict[TensorId, int]:
+    """Every tensor record's depth as recorded (links down to its keyframe)."""
+    return {TensorId(t): d for t, d in tx.rows("SELECT id, depth FROM tensors")}
+
+
+def set_depths(tx: Tx, depths: dict[TensorId, int]) -> None:
+    """Record new depths of tensors whose chains a prune shortened."""
+    tx.executemany("UPDATE tensors SET depth = ? WHERE id = ?", [(d, t) for t, d in sorted(depths.items())])
+
+
 def mark_pruned(tx: Tx, commits: Iterable[CommitId], when: float) -> None:
     """Mark `commits` pruned: their rows and parents stay, the rows that say what data they need go."""
     ordered = sorted(set(commits), key=str)

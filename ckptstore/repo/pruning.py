@@ -113,6 +113,7 @@ def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool
                                     "nothing was removed: run prune again")
             retention_rows.mark_pruned(tx, gone, time.time())
             tensor_rows.replace_records(tx, new_records + moved, {**sizes, **moved_sizes})
+            _record_depths(tx, layout, new_records, staying)
         faults.point("prune:db-committed")
         from ckptstore.repo.maintenance import collect
 
@@ -269,6 +270,34 @@ def _live(layout: _Layout, relinked: Mapping[TensorId, TensorId | None]) -> set[
         frontier = {b for t in frontier if (b := relinked[t] if t in relinked else layout.bases.get(t))} - live
         live |= frontier
     return live
+
+
+def _record_depths(tx: Tx, layout: _Layout, new_records: list[TensorRecord], staying: set[TensorId]) -> None:
+    """The residuals above a re-encoded tensor keep their rows: record their depths, shorter with its chain.
+
+    Left as they were, the next commit counted their chains from the old depths and keyframed early.
+    """
+    bases = {**layout.bases, **{r.id: r.base_id for r in new_records}}
+    recorded = retention_rows.all_depths(tx)
+    depths = _depths(bases, staying | {r.id for r in new_records})
+    retention_rows.set_depths(tx, {t: d for t, d in depths.items() if recorded.get(t) != d})
+
+
+def _depths(bases: Mapping[TensorId, TensorId | None], tensors: set[TensorId]) -> dict[TensorId, int]:
+    """Each of `tensors`' links down to its keyframe along `bases` (a loop, fsck's to report, is left out)."""
+    depths: dict[TensorId, int] = {}
+    for start in tensors:
+        chain, current = [], start
+        while current is not None and current not in depths and current not in chain:
+            chain.append(current)
+            current = bases.get(current)
+        if current is not None and current not in depths:
+            continue
+        below = -1 if current is None else depths[current]
+        for tid in reversed(chain):
+            below += 1
+            depths[tid] = below
+    return depths
 
 
 def _skipped(tid: TensorId, new_base: TensorId | None, layout: _Layout) -> list[TensorId]:

@@ -544,3 +544,26 @@ def test_a_full_disk_in_the_policy_prune_after_a_commit_says_the_commit_was_reco
     with Repository.open(tmp_path) as repo:
         assert [info.pruned for info in repo.log()] == [False, True]
         assert torch.equal(repo.checkout("HEAD")["w"], weight)
+
+
+def test_kept_residuals_above_a_re_encoded_tensor_record_their_shorter_chains(tmp_path):
+    """Their rows kept the depth of the old chain: the next commit counted from it and keyframed early (auditor)."""
+    from ckptstore.metadata import tensors as tensor_rows
+
+    weights = torch.randn(50_000, generator=torch.Generator().manual_seed(0))
+    with Repository.init(tmp_path, encoding=EncodingSettings(max_chain=8)) as repo:
+        cids = []
+        for step in range(6):
+            weights[step * 100:(step + 1) * 100] += 1.0
+            cids.append(repo.commit({"w": weights.clone()}, message=f"c{step}"))
+        tip = repo.manifest(cids[-1]).entries["w"].tensor
+        with repo.db.read() as tx:
+            assert tensor_rows.load_records(tx, {tip})[tip].depth == 5  # a residual on each commit before
+        prune(repo, RetentionPolicy(keep_last=2))
+        with repo.db.read() as tx:
+            records = tensor_rows.load_records(tx, {tip})  # and every record down its chain
+        links, below = 0, records[tip].base_id
+        while below is not None:
+            links, below = links + 1, records[below].base_id
+        assert records[tip].depth == links == 1  # on c4's tensor, a keyframe now
+        assert torch.equal(repo.checkout(cids[-1])["w"], weights) and fsck(repo).ok
