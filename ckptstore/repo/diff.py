@@ -94,29 +94,28 @@ def _mixed_diff(repo: Repository, old: Manifest, new: Manifest) -> list[TensorDi
 
     Non-tensor values are left out: the file side keeps them in its skeleton, DCP as pickled items.
     """
-    sharded_side, files_side = (old, new) if is_sharded(old) else (new, old)
+    sharded_new = is_sharded(new)
+    sharded_side, files_side = (new, old) if sharded_new else (old, new)
     paths = {readable_path(p).replace("/", "."): p for p, e in files_side.entries.items() if e.dtype != BYTES_DTYPE}
     items = {fqn: item for fqn, item in _items(sharded_side).items() if item["type"] == "tensor"}
     both = paths.keys() & items.keys()
     gathered = gather(repo, sharded_side, both)[0]
     restored = restore(repo, files_side, paths=[paths[name] for name in both])
-    values = {name: (gathered[name], restored[paths[name]]) for name in both}
     records = entry_records(repo, new)
+    in_new = items if sharded_new else paths
     result = []
     for name in sorted(paths.keys() | items.keys()):
-        in_new = name in (items if new is sharded_side else paths)
-        if new is sharded_side:
-            stored = sum(records[new.entries[key].tensor].stored_bytes for key in _keys(items[name])) if in_new else 0
-        else:
-            stored = records[new.entries[paths[name]].tensor].stored_bytes if in_new else 0
-        status, rel = ("added" if in_new else "removed"), None
-        if name in values:
-            a, b = values[name] if old is sharded_side else values[name][::-1]
+        keys = (_keys(items[name]) if sharded_new else [paths[name]]) if name in in_new else []
+        status, rel = ("added" if name in in_new else "removed"), None
+        if name in both:
+            a, b = (restored[paths[name]], gathered[name]) if sharded_new else (gathered[name], restored[paths[name]])
             same = a.dtype == b.dtype and a.shape == b.shape and a.data.tobytes() == b.data.tobytes()
             status, rel = ("unchanged", 0.0) if same else ("changed", relative_l2(a, b))
-        dtype, shape = (items[name]["dtype"], tuple(items[name]["size"])) if name in items else (
+        entry = items[name] if name in items else None
+        dtype, shape = (entry["dtype"], tuple(entry["size"])) if entry else (
             files_side.entries[paths[name]].dtype, files_side.entries[paths[name]].shape)
-        result.append(TensorDiff(name, status, dtype, shape, rel, stored))
+        result.append(TensorDiff(name, status, dtype, shape, rel,
+                                 sum(records[new.entries[key].tensor].stored_bytes for key in keys)))
     return result
 
 
