@@ -270,7 +270,10 @@ def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle,
                           lossy=lossy, calibration=function_named(calibration) if calibration else None,
                           max_loss_change=_fraction(max_loss_change), **_knobs(knobs))
     except RetentionError as exc:  # recorded: a script reading the id from stdout gets it, then the error
-        _say_committed(repo, exc.commit_id, message)
+        try:
+            _say_committed(repo, exc.commit_id, message)
+        except Exception:  # the database the prune failed on may not answer either: the id, without sizes
+            echo(f"[{exc.commit_id[:12]}] {subject(message)}")
         raise
     _say_committed(repo, cid, message)
     if branch is None and repo.head()[0] is None:

@@ -16,7 +16,7 @@ from ckptstore import Repository
 from ckptstore.metadata.postgres import REPO_LOCK, WRITE_LOCK
 from ckptstore.repo import fsck
 from ckptstore.testing.postgres_server import PASSWORD_USER, PostgresServer
-from tests.conftest import assert_same, ckpt_env, ckpt_here
+from tests.conftest import assert_same, ckpt_env, ckpt_here, wait_until_held
 from tests.test_cli_errors import one_error_line
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -308,6 +308,33 @@ def test_a_stopped_server_is_one_clear_line_and_the_command_works_once_it_is_bac
         result = ckpt(folder, "commit", "c.pt")
         assert result.returncode == 0, result.stderr
         assert len(json.loads(ckpt(folder, "log", "--json").stdout)) == 1
+
+
+def test_a_commit_whose_policy_prune_lost_the_server_still_says_it_was_recorded(tmp_path):
+    """The summary line read the database that had gone away: its error replaced "was recorded" (reader)."""
+    with PostgresServer() as server:
+        folder = tmp_path / "m"
+        folder.mkdir()
+        save(folder, "c.pt", 5)
+        assert ckpt(folder, "init", "--metadata", server.new_database()).returncode == 0
+        with open(folder / ".ckpt" / "config.toml", "a") as config:
+            config.write("\n[retention]\nkeep_last = 1\n")
+        assert ckpt(folder, "commit", "c.pt", "-m", "first").returncode == 0
+        save(folder, "c.pt", 6)
+        release = tmp_path / "release"
+        committing = subprocess.Popen([sys.executable, "-m", "ckptstore", "commit", "c.pt", "-m", "second"],
+                                      cwd=folder, env=ckpt_env(CKPT_WAIT_AT=f"commit:ref-moved={release}"),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_until_held(release, committing)
+        server.stop()
+        release.touch()
+        out, err = committing.communicate(timeout=300)
+        assert committing.returncode == 1 and "Traceback" not in err
+        assert err.startswith("error: commit ") and "was recorded, but the [retention] policy's prune" in err
+        recorded = err.split()[2]
+        assert out == f"[{recorded}] second\n"
+        server.start()
+        assert json.loads(ckpt(folder, "log", "--json").stdout)[0]["id"].startswith(recorded)
 
 
 def test_wrong_credentials_are_one_clear_line(postgres_server, tmp_path):
