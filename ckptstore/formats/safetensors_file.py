@@ -64,7 +64,7 @@ def read(path: str | os.PathLike, prefix: str) -> tuple[Any, dict[str, RawTensor
         if begin > cursor:
             order.append(_gap(tensors, prefix, data[start + cursor : start + begin], len(order)))
         entry = join(prefix, name)
-        kind = DTYPES.get(dtype, BYTES_DTYPE)  # dtypes this torch lacks are kept as their bytes
+        kind = DTYPES.get(dtype, BYTES_DTYPE) if shape is not None else BYTES_DTYPE  # as are dtypes torch lacks
         tensors[entry] = RawTensor(kind, shape if kind != BYTES_DTYPE else (end - begin,),
                                    data[start + begin : start + end])
         order.append([name, entry])
@@ -105,8 +105,8 @@ def _is_count(value: Any) -> bool:
     return type(value) is int and 0 <= value < INT64_END
 
 
-def _span(path: Path, name: str, info: Any, data_size: int) -> tuple[int, int, str, str, tuple[int, ...]]:
-    """(begin, end, name, dtype, shape) of one header entry, checked against the data's size."""
+def _span(path: Path, name: str, info: Any, data_size: int) -> tuple[int, int, str, str, tuple[int, ...] | None]:
+    """(begin, end, name, dtype, torch shape) of one header entry, checked against the data's size (None: no shape)."""
     try:
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     except (KeyError, TypeError):
@@ -124,16 +124,16 @@ def _span(path: Path, name: str, info: Any, data_size: int) -> tuple[int, int, s
                                     f"{data_size}: truncated?")
     if dtype not in DTYPES:
         return begin, end, name, dtype, tuple(shape)
-    per = PACKED.get(dtype, 1)
-    if per > 1 and (not shape or shape[-1] % per):
-        raise CheckpointFormatError(f"{path}: tensor {name!r} of dtype {dtype} has shape {shape}, whose last "
-                                    f"dimension is not a multiple of the {per} values each byte holds")
-    torch_shape = (*shape[:-1], shape[-1] // per) if per > 1 else tuple(shape)
-    if math.prod(torch_shape) * TORCH_ITEMSIZE[DTYPES[dtype]] != end - begin:
+    per = PACKED.get(dtype, 1)  # values a torch element holds
+    if math.prod(shape) * TORCH_ITEMSIZE[DTYPES[dtype]] != per * (end - begin):
         raise CheckpointFormatError(f"{path}: tensor {name!r} of shape {shape} and dtype {dtype} needs "
-                                    f"{math.prod(torch_shape) * TORCH_ITEMSIZE[DTYPES[dtype]]} bytes, its "
+                                    f"{math.prod(shape) * TORCH_ITEMSIZE[DTYPES[dtype]] / per:g} bytes, its "
                                     f"data_offsets give {end - begin}")
-    return begin, end, name, dtype, torch_shape
+    if per == 1:
+        return begin, end, name, dtype, tuple(shape)
+    if not shape or shape[-1] % per:  # no torch shape holds it: kept as its bytes
+        return begin, end, name, dtype, None
+    return begin, end, name, dtype, (*shape[:-1], shape[-1] // per)
 
 
 def _gap(tensors: dict[str, RawTensor], prefix: str, span: np.ndarray, index: int) -> list:

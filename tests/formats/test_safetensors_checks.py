@@ -44,8 +44,9 @@ def entry(begin, end, shape, dtype="F32"):
      b'"data_offsets": [0, 8]}}', bytes(8), "more than once"),
     (b'{"a": ' + b"[" * 100000, b"", "not valid JSON"),
     (b"[1, 2]", b"", "is not a checkpoint"),
-    ({"a": entry(0, 2, [3], "F4")}, bytes(2), "not a multiple of the 2 values each byte holds"),
+    ({"a": entry(0, 2, [3], "F4")}, bytes(2), "needs 1.5 bytes"),
     ({"a": entry(0, 4, [4], "F4")}, bytes(4), "needs 2 bytes"),
+    ({"a": entry(0, 3, [2, 3], "F4")}, bytes(3), None),  # six values in three bytes: valid, kept as bytes
 ])
 def test_lying_headers_are_refused_with_their_reason(tmp_path, header, data, reason):
     write_raw(tmp_path / "m.safetensors", header, data)
@@ -113,3 +114,9 @@ def test_float4_tensors_load_as_safetensors_loads_them_and_export_back(tmp_path)
         export(repo, cid, "safetensors", tmp_path / "out.safetensors")
     back = load_file(tmp_path / "out.safetensors")
     assert back["w"].shape == (2, 2) and torch.equal(back["w"].view(torch.uint8), packed.view(torch.uint8))
+    write_raw(tmp_path / "odd.safetensors", {"a": entry(0, 3, [2, 3], "F4")}, b"\x12\x34\x56")  # no torch shape
+    assert formats.read_checkpoint(tmp_path / "odd.safetensors").tensors["a"].dtype == "bytes"
+    with Repository.open(tmp_path) as repo:
+        cid = repo.commit(tmp_path / "odd.safetensors")
+        repo.checkout_to(cid, tmp_path / "odd-back.safetensors")
+    assert (tmp_path / "odd-back.safetensors").read_bytes() == (tmp_path / "odd.safetensors").read_bytes()
