@@ -429,11 +429,11 @@ class _Flattener:
 
     def tensor(self, value, path: str) -> list:
         torch = _torch()
+        if value.is_nested:  # a strided nested tensor has no sizes to read; a jagged one is a wrapper subclass
+            raise UnsupportedStateError(f"{path or '<root>'}: nested tensors are not supported")
         if type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter and (
                 hint := _valueless_tensor_hint(value)):
             raise UnsupportedStateError(f"{path or '<root>'}: {hint}")
-        if value.is_nested:  # a strided nested tensor has no sizes to read
-            raise UnsupportedStateError(f"{path or '<root>'}: nested tensors are not supported")
         key = None
         if value.layout == torch.strided and not value.is_meta and value.numel():
             storage = value.untyped_storage()

@@ -463,6 +463,9 @@ def test_a_wrapper_tensor_subclass_is_refused_with_what_to_commit_instead():
     """torch's "Attempted to access the data pointer on an invalid python storage" reached the user (auditor)."""
     with pytest.raises(UnsupportedStateError, match=r"model/w: a _Wrapped is a wrapper tensor subclass .*dequantize"):
         flatten({"model": {"w": _Wrapped(torch.ones(3))}})
+    jagged = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)  # a wrapper too
+    with pytest.raises(UnsupportedStateError, match="^x: nested tensors are not supported$"):
+        flatten({"x": jagged})
 
 
 def test_a_set_of_tensors_is_stored_in_an_order_of_their_contents():
