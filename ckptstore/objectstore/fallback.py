@@ -70,22 +70,22 @@ class FallbackStore:
         except CorruptObjectError as exc:
             if exc.problem != "missing":
                 raise
+        if not self.keep:  # nothing kept here for a thread to wait for: each reads the source
+            return held(self.from_source(oid))
         with self._one_copy(oid):
-            if self.keep:  # another thread that missed it too may have copied it meanwhile
-                try:
-                    return read()
-                except CorruptObjectError as exc:
-                    if exc.problem != "missing":
-                        raise
+            try:  # another thread that missed it too may have copied it meanwhile
+                return read()
+            except CorruptObjectError as exc:
+                if exc.problem != "missing":
+                    raise
             data = self.from_source(oid)
-            if self.keep:
-                try:
-                    self.local.put(data)
-                    return read()
-                except Exception as exc:
-                    if not isinstance(explain(exc), DiskFullError):
-                        raise
-                    self.keep = False
+            try:
+                self.local.put(data)
+                return read()
+            except Exception as exc:
+                if not isinstance(explain(exc), DiskFullError):
+                    raise
+                self.keep = False
         return held(data)
 
     @contextlib.contextmanager

@@ -318,3 +318,30 @@ def test_threads_that_miss_one_object_of_a_lazy_clone_at_once_download_it_once(t
     assert got == [data[i * 10:i * 10 + 10] for i in range(6)]
     assert downloads == [oid] and store.local.has(oid)
     assert store._copying == {}  # nothing kept of the copies once done
+
+
+def test_threads_of_a_lazy_clone_that_keeps_nothing_read_the_origin_side_by_side(tmp_path):
+    """Where nothing is kept (read-only, or a full disk), waiting for another thread's copy gains nothing:
+    the per-object lock made them download one after another (reader)."""
+    import threading
+
+    from ckptstore.objectstore.fallback import FallbackStore
+
+    origin = LocalObjectStore(tmp_path / "origin", tmp_path / "origin-tmp")
+    oid = origin.put(b"x" * 4096)
+    together = threading.Barrier(3, timeout=30)  # each download waits until three are under way
+    real_get = origin.get
+
+    def meeting_get(wanted, verify=True):
+        together.wait()
+        return real_get(wanted, verify)
+
+    origin.get = meeting_get
+    store = FallbackStore(LocalObjectStore(tmp_path / "here", tmp_path / "here-tmp"), lambda: origin, keep=False)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(store.get(oid))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert got == [b"x" * 4096] * 3 and not together.broken and not store.local.has(oid)
