@@ -160,10 +160,16 @@ def relative_l2(old: RawTensor, new: RawTensor) -> float | None:
         return None
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
         return float("nan")  # no distance between NaN or infinite values (numpy would also warn)
-    scale = float(np.abs(a).max(initial=0.0))
-    with np.errstate(over="ignore"):  # a new value past float64's range: its change is infinite
-        if scale:  # squares of values past 1e154 overflow float64: norms of values scaled to 1 do not
-            a, b = a / scale, b / scale
-        norm = float(np.linalg.norm(a))
-        delta = float(np.linalg.norm(b - a))
+    with np.errstate(over="ignore"):  # a change past float64's range is infinite
+        change = b - a
+    norm = _norm(a)
+    delta = _norm(change) if np.isfinite(change).all() else float("inf")
     return delta / norm if norm else (0.0 if delta == 0 else float("inf"))
+
+
+def _norm(values: np.ndarray) -> float:
+    """||values|| in float64, whose squares past 1e154 (or below 1e-154) overflow (or vanish): scaled then."""
+    largest = max(float(values.max(initial=0.0)), -float(values.min(initial=0.0)))
+    if largest > 1e150 or 0 < largest < 1e-150:
+        return largest * float(np.linalg.norm(values / largest))
+    return float(np.linalg.norm(values))
