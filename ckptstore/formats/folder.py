@@ -71,6 +71,8 @@ def _walk(folder: Path, prefix: str, real: Path, stack: list[Path], real_root: P
     for entry in listed:
         path, name = Path(entry.path), prefix + entry.name
         if entry.is_symlink():
+            if Path(os.path.realpath(path)) in skipped:
+                continue  # the repository's own folder linked in (a .ckpt moved to another disk) is no content
             target = _link_target(path, real_root, skipped)
             info = os.stat(target)
         else:

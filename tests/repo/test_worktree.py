@@ -781,3 +781,24 @@ def test_a_one_file_output_spelled_as_a_folder_is_refused(repo, tmp_path):
         said = ckpt_here(repo.root, *args)
         assert said.returncode == 1 and "names a folder (it ends with a slash)" in said.stderr, (args, said.stderr)
     assert not (repo.root / "newdir").exists()
+
+
+def test_a_ckpt_folder_moved_elsewhere_and_linked_back_is_never_content_of_a_folder_commit(tmp_path):
+    """A checkout of a commit of "." took the `.ckpt` link for a file the commit lacks and deleted it:
+    the repository was gone from the work tree; committing "." refused the link (auditor)."""
+    work, elsewhere = tmp_path / "work", tmp_path / "disk2"
+    work.mkdir()
+    elsewhere.mkdir()
+    assert ckpt_here(work, "init").returncode == 0
+    (work / "notes.txt").write_text("one")
+    assert ckpt_here(work, "commit", ".", "-m", "one").returncode == 0
+    shutil.move(work / ".ckpt", elsewhere / ".ckpt")
+    (work / ".ckpt").symlink_to(elsewhere / ".ckpt")
+    (work / "notes.txt").write_text("two")
+    committed = ckpt_here(work, "commit", ".", "-m", "two")
+    assert committed.returncode == 0, committed.stderr
+    back = ckpt_here(work, "checkout", "HEAD~1")
+    assert back.returncode == 0, back.stderr
+    assert (work / ".ckpt").is_symlink() and (work / "notes.txt").read_text() == "one"
+    assert sorted(p.name for p in work.iterdir()) == [".ckpt", "notes.txt"]
+    assert [c["message"] for c in json.loads(ckpt_here(work, "log", "--all", "--json").stdout)] == ["two", "one"]
