@@ -11,6 +11,7 @@ from ckptstore.errors import CkptError, CorruptObjectError, StoreUnavailableErro
 from ckptstore.hashing import ObjectId
 from ckptstore.metadata import liveness
 from ckptstore.objectstore.fallback import held_here
+from ckptstore.repo import owner
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
@@ -55,6 +56,7 @@ def gc(repo: Repository, prune_unreachable: bool = False, wait: bool = True) -> 
     records that say what the remaining commits need are damaged: what they lost track of may
     be the only copy. `wait` False: RepoLockedError at once instead of waiting.
     """
+    owner.refuse_anothers(repo)
     with repo.lock(exclusive=True, wait=wait):
         return collect(repo, prune_unreachable)
 
