@@ -1,0 +1,48 @@
+"""`diff` of tensors that torch cannot convert or whose squares overflow float64 (repo/diff.py)."""
+
+import math
+import warnings
+
+import torch
+
+from ckptstore import Repository
+
+
+def _changed(tmp_path, before: torch.Tensor, after: torch.Tensor):
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"w": before})
+        repo.commit({"w": after})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # numpy's overflow and invalid-value warnings reached the CLI user
+            row, = repo.diff("HEAD~1", "HEAD")
+    assert row.status == "changed"
+    return row.relative_l2
+
+
+def test_a_changed_float4_tensor_is_changed_without_a_distance(tmp_path):
+    """torch has no conversion for packed float4: `ckpt diff` failed with "copy_ not implemented" (auditor)."""
+    before = torch.zeros(8, dtype=torch.uint8)
+    after = before.clone()
+    after[3] = 0x21
+    assert _changed(tmp_path, before.view(torch.float4_e2m1fn_x2), after.view(torch.float4_e2m1fn_x2)) is None
+
+
+def test_the_distance_of_float64_values_past_1e154_is_finite(tmp_path):
+    """Their squares overflow float64: the relative L2 came out nan, with numpy's overflow warning (auditor)."""
+    before = torch.tensor([2e200, 2e200], dtype=torch.float64)
+    after = torch.tensor([2e200, 3e200], dtype=torch.float64)
+    assert math.isclose(_changed(tmp_path, before, after), math.sqrt(0.5) / 2, rel_tol=1e-12)
+
+
+def test_the_distance_to_float64_values_past_1e154_from_small_ones_is_finite(tmp_path):
+    """Scaled by the old values only, a new value of 1e200 overflowed again: inf (reader)."""
+    before = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    after = torch.tensor([1.0, 1e200], dtype=torch.float64)
+    assert math.isclose(_changed(tmp_path / "up", before, after), 1e200 / math.sqrt(2), rel_tol=1e-12)
+    tiny = torch.tensor([1e-200, 2e-200], dtype=torch.float64)  # squares below float64's smallest
+    assert math.isclose(_changed(tmp_path / "down", tiny, tiny * 2), 1.0, rel_tol=1e-12)
+
+
+def test_the_distance_between_tensors_holding_inf_is_nan_without_a_warning(tmp_path):
+    """inf - inf made numpy warn of an invalid value at the CLI user (auditor)."""
+    assert math.isnan(_changed(tmp_path, torch.tensor([1.0, float("inf")]), torch.tensor([2.0, float("inf")])))

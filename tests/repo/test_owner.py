@@ -1,0 +1,62 @@
+"""gc and prune delete only in an object store their repository owns (repo/owner.py)."""
+
+import shutil
+
+import pytest
+import torch
+
+from ckptstore import Repository
+from ckptstore.errors import CkptError
+from ckptstore.repo import fsck, gc
+from ckptstore.repo.config import RepoConfig, RetentionPolicy
+from ckptstore.repo.pruning import prune
+from tests.conftest import assert_same
+
+
+def _state(seed: int) -> dict:
+    return {"w": torch.randn(20_000, generator=torch.Generator().manual_seed(seed))}
+
+
+def test_a_copy_of_a_repository_whose_objects_live_outside_it_cannot_collect_the_originals(tmp_path):
+    """`cp -a` of a repository made with --objects elsewhere shared that folder: the copy's gc deleted the
+    objects of the original's later commits (auditor)."""
+    with Repository.init(tmp_path / "a", objects_url=str(tmp_path / "objects")) as original:
+        original.commit(_state(0))
+    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
+    with Repository.open(tmp_path / "a") as original:
+        later = original.commit(_state(1))
+    with Repository.open(tmp_path / "b") as copy:
+        with pytest.raises(CkptError, match=r"the object store .*objects belongs to the repository at .*/a, not this"):
+            gc(copy)
+        with pytest.raises(CkptError, match="belongs to the repository at"):
+            prune(copy, RetentionPolicy(keep_last=1))
+    shutil.move(tmp_path / "a", tmp_path / "moved")  # a move keeps the folder: still its owner
+    with Repository.open(tmp_path / "moved") as original:
+        gc(original)
+        assert fsck(original).ok
+        assert_same(_state(1), original.checkout(later))
+
+
+def test_a_config_naming_another_repositorys_objects_cannot_collect_them(tmp_path):
+    """An objects_url edited to another repository's .ckpt/objects: gc there deleted all of them (auditor)."""
+    with Repository.init(tmp_path / "a") as first:
+        cid = first.commit(_state(0))
+    Repository.init(tmp_path / "b").close()
+    config = RepoConfig.load(tmp_path / "b" / ".ckpt" / "config.toml")
+    config.objects_url = str(tmp_path / "a" / ".ckpt" / "objects")
+    config.save(tmp_path / "b" / ".ckpt" / "config.toml")
+    with Repository.open(tmp_path / "b") as other, pytest.raises(CkptError, match="nothing was deleted"):
+        gc(other)
+    with Repository.open(tmp_path / "a") as first:
+        assert fsck(first).ok
+        assert_same(_state(0), first.checkout(cid))
+
+
+def test_a_store_made_before_owners_were_written_is_claimed_by_its_repository(tmp_path):
+    with Repository.init(tmp_path / "a", objects_url=str(tmp_path / "objects")) as repo:
+        repo.commit(_state(0))
+    (tmp_path / "objects.owner").unlink()
+    with Repository.open(tmp_path / "a") as repo:
+        assert (tmp_path / "objects.owner").exists()
+        gc(repo)  # its own
+        assert fsck(repo).ok
