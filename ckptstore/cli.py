@@ -270,21 +270,27 @@ def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle,
                           lossy=lossy, calibration=function_named(calibration) if calibration else None,
                           max_loss_change=_fraction(max_loss_change), **_knobs(knobs))
     except RetentionError as exc:  # recorded: a script reading the id from stdout gets it, then the error
-        try:
-            _say_committed(repo, exc.commit_id, message)
-        except Exception:  # the database the prune failed on may not answer either: the id, without sizes
-            echo(f"[{exc.commit_id[:12]}] {subject(message)}")
+        _say_committed(repo, exc.commit_id, message, branch)
         raise
-    _say_committed(repo, cid, message)
-    if branch is None and repo.head()[0] is None:
-        echo(f"note: HEAD is detached, so this commit is on no branch; to keep it: ckpt branch NAME {cid[:12]}")
+    _say_committed(repo, cid, message, branch)
 
 
-def _say_committed(repo: Repository, cid: str, message: str | None) -> None:
-    """Print a commit's one-line summary: its id, level, subject and sizes."""
-    info = repo.commit_info(cid)
+def _say_committed(repo: Repository, cid: str, message: str | None, branch: str | None) -> None:
+    """Print a recorded commit's summary (id, level, subject, sizes) and whether it is on no branch.
+
+    The commit is recorded: a database that stops answering now (a server gone) costs the sizes
+    and the note, never the id, nor an error that would say the commit failed.
+    """
+    try:
+        info = repo.commit_info(cid)
+        detached = branch is None and repo.head()[0] is None
+    except Exception:  # noqa: BLE001 - whatever the database says, what matters was recorded
+        echo(f"[{cid[:12]}] {subject(message)}  (its sizes could not be read)")
+        return
     mode = f" lossy:{info.lossy}" if info.lossy else ""
     echo(f"[{cid[:12]}]{mode} {subject(message)}  ({_size(info.raw_bytes)} -> {_size(info.stored_bytes)} new)")
+    if detached:
+        echo(f"note: HEAD is detached, so this commit is on no branch; to keep it: ckpt branch NAME {cid[:12]}")
 
 
 @cli.command()

@@ -164,9 +164,11 @@ class RetentionError(CkptError):
     def __init__(self, commit_id: str, problem: object) -> None:
         self.commit_id = commit_id
         # the problem's own advice may say to run the command again: that commit would find nothing to do
+        said = str(problem).rstrip(".")
         super().__init__(f"commit {commit_id[:12]} was recorded, but the [retention] policy's prune after it "
-                         f"failed: {str(problem).rstrip('.')}. To finish the prune, run `ckpt prune` once that is "
-                         "fixed (committing again finds nothing changed; the next commit's policy prunes again)")
+                         f"failed: {said}{' ' if said.endswith('?') else '. '}To finish the prune, run `ckpt prune` "
+                         "once that is fixed (committing again finds nothing changed; the next commit's policy "
+                         "prunes again)")
 
 
 class LostLockError(CkptError):

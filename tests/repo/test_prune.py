@@ -567,3 +567,20 @@ def test_kept_residuals_above_a_re_encoded_tensor_record_their_shorter_chains(tm
             links, below = links + 1, records[below].base_id
         assert records[tip].depth == links == 1  # on c4's tensor, a keyframe now
         assert torch.equal(repo.checkout(cids[-1])["w"], weights) and fsck(repo).ok
+
+
+def test_a_detached_commit_whose_policy_prune_failed_still_says_it_is_on_no_branch(tmp_path):
+    """The note went with the summary line's old place: a commit on no branch said nothing of it (reader)."""
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    for value in (0.0, 1.0):
+        torch.save({"w": torch.full((300_000,), value)}, tmp_path / "c.pt")
+        assert ckpt_here(tmp_path, "commit", "c.pt").returncode == 0
+    with open(tmp_path / ".ckpt" / "config.toml", "a") as config:
+        config.write("\n[retention]\nkeep_last = 1\n")
+    assert ckpt_here(tmp_path, "checkout", "HEAD~1").returncode == 0  # detached
+    torch.save({"w": torch.full((300_000,), 2.0)}, tmp_path / "c.pt")
+    ended = subprocess.run([sys.executable, "-m", "ckptstore", "commit", "c.pt", "-m", "off"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120,
+                           env=ckpt_env(CKPT_FAIL_AT="prune:objects-written"))
+    assert ended.returncode == 1 and "was recorded, but the [retention] policy's prune" in ended.stderr
+    assert "note: HEAD is detached, so this commit is on no branch" in ended.stdout
