@@ -436,10 +436,9 @@ class _Flattener:
             raise UnsupportedStateError(f"{path or '<root>'}: {hint}")
         key = None
         if value.layout == torch.strided and not value.is_meta and value.numel():
-            storage = value.untyped_storage()
-            storage_nbytes = storage.nbytes()
+            storage_nbytes, pointer = _storage_of(value, path, type(value) in (torch.Tensor, torch.nn.Parameter))
             key = (
-                storage.data_ptr(),
+                pointer,
                 value.storage_offset(),
                 value.shape,  # a torch.Size hashes and compares as the tuple it is
                 value.stride(),
@@ -579,6 +578,22 @@ class _Flattener:
             f"{path or '<root>'}: values of type {type(value).__module__}.{type(value).__qualname__} "
             f"cannot be stored without pickle; {_hint(value)}"
         )
+
+
+def _storage_of(value: Any, path: str, plain: bool) -> tuple[int, int]:
+    """A tensor's storage bytes and address.
+
+    A subclass without storage of its own (torch's MaskedTensor, a wrapper no hint knows) is refused
+    by name rather than with torch's own error; a plain tensor's error is torch's.
+    """
+    try:
+        storage = value.untyped_storage()
+        return storage.nbytes(), storage.data_ptr()
+    except RuntimeError as exc:
+        if plain:
+            raise
+        raise UnsupportedStateError(f"{path or '<root>'}: a {type(value).__qualname__} holds no storage of its own "
+                                    f"({exc}): commit plain tensors, such as the tensors it holds") from None
 
 
 def _valueless_tensor_hint(value: Any) -> str:

@@ -463,6 +463,9 @@ def test_a_wrapper_tensor_subclass_is_refused_with_what_to_commit_instead():
     """torch's "Attempted to access the data pointer on an invalid python storage" reached the user (auditor)."""
     with pytest.raises(UnsupportedStateError, match=r"model/w: a _Wrapped is a wrapper tensor subclass .*dequantize"):
         flatten({"model": {"w": _Wrapped(torch.ones(3))}})
+    masked = torch.masked.masked_tensor(torch.ones(3), torch.tensor([True, False, True]))  # no hint knows it
+    with pytest.raises(UnsupportedStateError, match="^m: a MaskedTensor holds no storage of its own"):
+        flatten({"m": masked})
     jagged = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)  # a wrapper too
     with pytest.raises(UnsupportedStateError, match="^x: nested tensors are not supported$"):
         flatten({"x": jagged})
