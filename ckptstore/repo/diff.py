@@ -160,16 +160,19 @@ def relative_l2(old: RawTensor, new: RawTensor) -> float | None:
         return None
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
         return float("nan")  # no distance between NaN or infinite values (numpy would also warn)
-    with np.errstate(over="ignore"):  # a change past float64's range is infinite
-        change = b - a
-    norm = _norm(a)
-    delta = _norm(change) if np.isfinite(change).all() else float("inf")
-    return delta / norm if norm else (0.0 if delta == 0 else float("inf"))
+    with np.errstate(over="ignore"):
+        change, halved = b - a, 1.0
+        if not np.isfinite(change).all():  # past float64's range: the change of halves is half of it
+            change, halved = b / 2 - a / 2, 2.0
+    (scale, norm), (change_scale, delta) = _norm(a), _norm(change)
+    if not norm:
+        return 0.0 if delta == 0 else float("inf")
+    return change_scale / scale * halved * (delta / norm)
 
 
-def _norm(values: np.ndarray) -> float:
-    """||values|| in float64, whose squares past 1e154 (or below 1e-154) overflow (or vanish): scaled then."""
+def _norm(values: np.ndarray) -> tuple[float, float]:
+    """||values|| as (scale, norm of values / scale): squares past 1e154 (or below 1e-154) overflow (or vanish)."""
     largest = max(float(values.max(initial=0.0)), -float(values.min(initial=0.0)))
     if largest > 1e150 or 0 < largest < 1e-150:
-        return largest * float(np.linalg.norm(values / largest))
-    return float(np.linalg.norm(values))
+        return largest, float(np.linalg.norm(values / largest))
+    return 1.0, float(np.linalg.norm(values))

@@ -46,3 +46,13 @@ def test_the_distance_to_float64_values_past_1e154_from_small_ones_is_finite(tmp
 def test_the_distance_between_tensors_holding_inf_is_nan_without_a_warning(tmp_path):
     """inf - inf made numpy warn of an invalid value at the CLI user (auditor)."""
     assert math.isnan(_changed(tmp_path, torch.tensor([1.0, float("inf")]), torch.tensor([2.0, float("inf")])))
+
+
+def test_the_distance_between_values_near_float64s_largest_is_right(tmp_path):
+    """Scaled norms multiplied back overflowed, and a change past the range was infinite: 0.0 for a halving (reader)."""
+    big = torch.full((4,), 1e308, dtype=torch.float64)
+    assert math.isclose(_changed(tmp_path / "half", big, big / 2), 0.5, rel_tol=1e-12)
+    assert math.isclose(_changed(tmp_path / "flip", big[:1], -big[:1]), 2.0, rel_tol=1e-12)
+    one_flipped = big.clone()
+    one_flipped[3] = -1e308
+    assert math.isclose(_changed(tmp_path / "one", big, one_flipped), 1.0, rel_tol=1e-12)
