@@ -125,10 +125,11 @@ def _span(path: Path, name: str, info: Any, data_size: int) -> tuple[int, int, s
     if dtype not in DTYPES:
         return begin, end, name, dtype, tuple(shape)
     per = PACKED.get(dtype, 1)  # values a torch element holds
-    if math.prod(shape) * TORCH_ITEMSIZE[DTYPES[dtype]] != per * (end - begin):
+    needed = math.prod(shape) * TORCH_ITEMSIZE[DTYPES[dtype]]  # bytes, times the values a byte packs
+    if needed != per * (end - begin):
+        whole, part = divmod(needed, per)
         raise CheckpointFormatError(f"{path}: tensor {name!r} of shape {shape} and dtype {dtype} needs "
-                                    f"{math.prod(shape) * TORCH_ITEMSIZE[DTYPES[dtype]] / per:g} bytes, its "
-                                    f"data_offsets give {end - begin}")
+                                    f"{whole}{'.5' if part else ''} bytes, its data_offsets give {end - begin}")
     if per == 1:
         return begin, end, name, dtype, tuple(shape)
     if not shape or shape[-1] % per:  # no torch shape holds it: kept as its bytes

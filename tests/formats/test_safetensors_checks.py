@@ -29,6 +29,7 @@ def entry(begin, end, shape, dtype="F32"):
     ({"a": entry(0, 8, [2]), "b": entry(4, 12, [2])}, bytes(12), "'a' and 'b' overlap"),
     ({"a": entry(0, 16, [2])}, bytes(16), r"needs 8 bytes, its data_offsets give 16"),
     ({"a": entry(0, 8, [3])}, bytes(8), r"needs 12 bytes"),
+    ({"a": entry(0, 8, [123456789])}, bytes(8), r"needs 493827156 bytes"),  # not 4.93827e\+08
     ({"a": entry(0, 4, [])}, bytes(4), None),  # a scalar: fine
     ({"a": entry(0, 800, [200])}, bytes(8), "ends at byte 800 of the data, which has 8: truncated"),
     ({"a": entry(0, 8, [-2])}, bytes(8), "malformed header entry"),
