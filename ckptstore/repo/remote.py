@@ -30,6 +30,7 @@ from ckptstore.errors import (
     LostLockError,
     MissingDatabaseError,
     RefNotFoundError,
+    RepoLockedError,
     SentObjectError,
     StoreUnavailableError,
     explain,
@@ -324,7 +325,7 @@ def push(repo: Repository, name: str, branch: str | None = None, force: bool = F
         raise RefNotFoundError(branch, detail=" (no such branch with commits here)")
     tip = CommitId(row.commit_id)
     # both locks shared: a gc or prune on either side waits until the push has read and sent what it needs
-    with open_remote(remote_config, name, create=True) as remote, repo.lock(), remote.lock():
+    with open_remote(remote_config, name, create=True) as remote, repo.lock(), _held_there(remote, name):
         with remote.db.read() as rtx:
             old = _tip(_branch_row(rtx, branch, f"remote {name!r}"))
             if old is None:  # a branch made there: by the remote's rules (its own remotes' tracking refs)
@@ -435,7 +436,7 @@ def fetch(repo: Repository, name: str, lazy: bool | None = None) -> TransferRepo
     """
     remote_config = named(repo, name)
     lazy = remote_config.lazy if lazy is None else lazy
-    with open_remote(remote_config, name) as remote, repo.lock(), _read_held(remote):
+    with open_remote(remote_config, name) as remote, repo.lock(), _held_there(remote, name):
         try:
             report, branches = _copy(remote, repo, None, lazy=lazy, keep=lambda tips: _well_named(name, tips))
             faults.point("fetch:tracking")  # tests run a gc here: it must wait for the lock
@@ -447,12 +448,23 @@ def fetch(repo: Repository, name: str, lazy: bool | None = None) -> TransferRepo
     return report
 
 
-def _read_held(remote: Repository) -> contextlib.AbstractContextManager:
-    """The remote's lock, shared, as push holds it: a gc or prune there waits until what this reads is copied.
+@contextlib.contextmanager
+def _held_there(remote: Repository, name: str) -> Iterator[None]:
+    """The remote's lock, shared: a gc or prune there waits until what push or fetch reads is copied.
 
-    A remote this process may not write (another user's folder) cannot be locked; it is read as it is.
+    One running there when this starts is waited for, and said: no silent hang. A remote this
+    process may not write (another user's folder) cannot be locked; it is read as it is.
     """
-    return contextlib.nullcontext() if remote.read_only else remote.lock()
+    if remote.read_only:
+        yield
+        return
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(remote.lock(wait=False))
+        except RepoLockedError:
+            warn_caller(f"waiting for remote {name}'s repository lock: a gc or prune runs there", RuntimeWarning)
+            held.enter_context(remote.lock())
+        yield
 
 
 def _well_named(name: str, branches: dict[str, CommitId]) -> dict[str, CommitId]:

@@ -896,3 +896,24 @@ def test_a_pull_onto_a_sharded_commit_warns_that_the_dcp_directory_here_is_stale
                                                  f"holds .*`ckpt checkout {theirs[:12]} -o NEWDIR`"):
             remote.pull(a, "origin")
         assert a.head() == ("main", theirs)
+
+
+def test_a_fetch_waiting_for_a_gc_on_the_remote_says_so(pair, tmp_path):
+    """It waited for the remote's gc without a word (reader)."""
+    import threading
+
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    release = tmp_path / "release"
+    collecting = subprocess.Popen([sys.executable, "-m", "ckptstore", "gc"], cwd=hub_path,
+                                  env=ckpt_env(CKPT_WAIT_AT=f"gc:tmp-cleared={release}"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_held(release, collecting)
+        threading.Timer(1.0, release.touch).start()
+        with pytest.warns(RuntimeWarning, match="waiting for remote origin's repository lock: a gc or prune runs"):
+            remote.fetch(work, "origin")
+    finally:
+        release.touch()
+    assert collecting.wait(timeout=120) == 0, collecting.communicate()
+    assert work.resolve("origin/main") == cids[1]
