@@ -97,9 +97,13 @@ class Repository:
                    read_only=bool(why) if read_only is None else read_only, why=why)
 
     def own_folders(self) -> list[Path]:
-        """Its `.ckpt/` and its local object store wherever objects_url put it (never content), links resolved."""
+        """Its `.ckpt/` and its local object store wherever objects_url put it (never content), links resolved.
+
+        The store's owner file beside it (repo/owner.py) is the repository's too.
+        """
         store = getattr(held_here(self.store), "root", None)
-        return [Path(os.path.realpath(own)) for own in [self.dir, *([store] if store else [])]]
+        own = [self.dir, *([store, owner.marker(Path(os.path.realpath(store)))] if store else [])]
+        return [Path(os.path.realpath(path)) for path in own]
 
     def close(self) -> None:
         if self._background is not None:  # the background commit in flight ends first

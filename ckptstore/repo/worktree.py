@@ -174,8 +174,8 @@ def _scan(folder: Path, names: set[Path], needed: set[Path], kept: list[Path], p
         listed = sorted(entries, key=lambda e: e.name)
     for entry in listed:
         path = Path(entry.path)
-        if entry.is_symlink() and Path(os.path.realpath(path)) in kept:
-            continue  # the repository's own folder linked in (a .ckpt moved to another disk) is the repository
+        if (entry.is_symlink() or not entry.is_dir()) and Path(os.path.realpath(path)) in kept:
+            continue  # the repository's own: a .ckpt linked in from another disk, the store's owner file
         if entry.is_dir(follow_symlinks=False):
             real = Path(os.path.realpath(path))
             if real in kept:
