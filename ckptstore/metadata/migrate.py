@@ -13,10 +13,12 @@ from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
-from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy import URL, Connection, Engine, create_engine, event
 from sqlalchemy.pool import NullPool
 
 from ckptstore.metadata.db import BUSY_TIMEOUT_MS, POSTGRES_SCHEMES
+from ckptstore.metadata.sqlite import PREFIX as SQLITE_PREFIX
+from ckptstore.metadata.sqlite import sqlite_path
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
@@ -50,6 +52,8 @@ def make_engine(url: str) -> Engine:
         engine = create_engine(sqlalchemy_url(url), poolclass=NullPool)
         event.listen(engine, "begin", _postgres_begin)
         return engine
+    if url.startswith(SQLITE_PREFIX):  # the path as it is: SQLAlchemy's parser takes "?" for a query, decodes %XX
+        url = URL.create("sqlite", database=str(sqlite_path(url)))
     engine = create_engine(url)
     if engine.dialect.name == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)

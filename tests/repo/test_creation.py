@@ -118,3 +118,16 @@ def test_a_leftover_init_folder_of_another_host_is_no_part_of_a_commit_of_the_ro
         save_file({"w": torch.ones(4)}, tmp_path / "model.safetensors")
         cid = repo.commit(tmp_path)
         assert [f.name for f in repo.manifest(cid).files] == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("name", ["run?1", "lr%201e-3", "a#b"])
+def test_a_repository_in_a_folder_whose_name_reads_as_url_syntax_works_and_writes_nothing_beside(tmp_path, name):
+    """The schema went through SQLAlchemy's URL parser: "?" cut the path (a stray database beside the
+    folder, then "damaged"), "%20" was decoded (auditor)."""
+    folder = tmp_path / name
+    folder.mkdir()
+    with Repository.init(folder) as repo:
+        cid = repo.commit({"w": torch.ones(3)}, message="first")
+    with Repository.open(folder) as repo:
+        assert [c.id for c in repo.log()] == [cid] and torch.equal(repo.checkout(cid)["w"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
