@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -81,6 +82,7 @@ def _client(bucket: str) -> Any:
     # the user, knowing the link, sets CKPT_S3_REQUEST_SECONDS lower
     request = max(1.0, _seconds("CKPT_S3_REQUEST_SECONDS", REQUEST_SECONDS))
     options: dict[str, Any] = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=request)}
+    _check_endpoint()
     if _endpoint().startswith("http://"):
         options["allow_http"] = True
     config: dict[str, Any] = {}
@@ -97,6 +99,15 @@ def _client(bucket: str) -> Any:
                          "base": 2}}
     return S3Store(bucket, config=config, client_options=options, retry_config=retry,
                    credential_provider=provider)
+
+
+def _check_endpoint() -> None:
+    """Refuse an endpoint variable set to what is no URL (the client library would panic on it)."""
+    for variable in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        value = os.environ.get(variable)
+        if value is not None and not re.fullmatch(r"https?://[^\s/?#]+(/\S*)?", value):
+            raise CkptError(f"{variable}={value!r} is not an endpoint URL: give http(s)://HOST[:PORT], or unset it "
+                            "for AWS's own")
 
 
 def _seconds(variable: str, default: float) -> float:
@@ -139,7 +150,16 @@ class S3ObjectStore:
         self.bucket, self.prefix = parse_url(url)
         self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self._objects = f"{self.prefix}/objects/" if self.prefix else "objects/"
-        self._client = _client(self.bucket)
+        try:
+            self._client = _client(self.bucket)
+        except CkptError:
+            raise
+        except BaseException as exc:  # a missing profile or secret key; the client library's panics are BaseExceptions
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            said = " ".join(str(exc).split()).split(" Debug source:")[0]
+            raise CkptError(f"{self.url}: the S3 client cannot be set up from this environment ({said}): check "
+                            "AWS_PROFILE, AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY") from None
         self._batch: _Uploads | None = None
         self._ahead: _ReadAhead | None = None
         self._etags_differ = False  # its ETags proved to be no MD5 of the bytes (see _upload, holds)

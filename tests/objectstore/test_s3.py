@@ -6,7 +6,7 @@ import obstore
 import pytest
 import torch
 
-from ckptstore.errors import CorruptObjectError, StoreUnavailableError
+from ckptstore.errors import CkptError, CorruptObjectError, StoreUnavailableError
 from ckptstore.hashing import object_id
 from ckptstore.objectstore import s3
 from ckptstore.objectstore.s3 import S3ObjectStore, parse_url
@@ -140,3 +140,23 @@ def test_the_test_server_counts_the_cpu_its_requests_cost(s3_server):
         if s3_server.cpu_seconds() > before:
             break
     assert s3_server.cpu_seconds() > before
+
+
+@pytest.mark.parametrize("variables, said", [
+    ({"AWS_ENDPOINT_URL": ""}, "AWS_ENDPOINT_URL='' is not an endpoint URL: give http"),
+    ({"AWS_ENDPOINT_URL": "127.0.0.1:9000"}, "AWS_ENDPOINT_URL='127.0.0.1:9000' is not an endpoint URL"),
+    ({"AWS_ENDPOINT_URL_S3": " "}, "AWS_ENDPOINT_URL_S3=' ' is not an endpoint URL"),
+    ({"AWS_ACCESS_KEY_ID": "a-key"}, r"cannot be set up from this environment \(.*SecretAccessKey.*SECRET_ACCESS"),
+    ({"AWS_PROFILE": "no-such-profile"}, r"cannot be set up .*no-such-profile.*check AWS_PROFILE"),
+])
+def test_an_environment_the_client_cannot_be_made_from_is_one_error_naming_the_variable(monkeypatch, variables, said):
+    """The client library panicked on an endpoint that is no URL (a Rust panic and a traceback), and a missing
+    profile or secret key was "unexpected … please report it" on every command (auditor)."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/aws-config")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/aws-credentials")
+    with pytest.raises(CkptError, match=said):
+        S3ObjectStore("s3://bucket/prefix")
