@@ -24,8 +24,10 @@ def temp_beside(path: str | os.PathLike, tag: str = "") -> tuple[Path, BinaryIO]
     """
     path = Path(path)
     while True:
-        # the name is cut so that a long file name still leaves room within NAME_MAX
-        temp = path.with_name(f".{path.name[:120]}.{tag}{secrets.token_hex(8)}{TEMP_SUFFIX}")
+        # cut to 100 bytes (not characters: "é" takes two) so that a long name, and a temporary name made
+        # from this one, still fit NAME_MAX's 255 bytes
+        short = os.fsdecode(os.fsencode(path.name)[:100])
+        temp = path.with_name(f".{short}.{tag}{secrets.token_hex(8)}{TEMP_SUFFIX}")
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
         except FileExistsError:  # 64 random bits: practically never, but never share a file

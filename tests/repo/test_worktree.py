@@ -802,3 +802,21 @@ def test_a_ckpt_folder_moved_elsewhere_and_linked_back_is_never_content_of_a_fol
     assert (work / ".ckpt").is_symlink() and (work / "notes.txt").read_text() == "one"
     assert sorted(p.name for p in work.iterdir()) == [".ckpt", "notes.txt"]
     assert [c["message"] for c in json.loads(ckpt_here(work, "log", "--all", "--json").stdout)] == ["two", "one"]
+
+
+def test_names_near_name_max_in_multi_byte_characters_check_out(tmp_path):
+    """Temporary names were cut at 120 characters, not bytes: a 225-byte name of "é"s committed and could never
+    be written back, in place or with -o (auditor)."""
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    long_name = "é" * 110 + ".json"  # 225 bytes
+    (folder / long_name).write_text("{}")
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    assert ckpt_here(tmp_path, "commit", "ck").returncode == 0
+    out = ckpt_here(tmp_path, "checkout", "HEAD", "-o", str(tmp_path / "out"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "out" / long_name).read_text() == "{}"
+    (folder / long_name).unlink()
+    back = ckpt_here(tmp_path, "checkout", "HEAD")
+    assert back.returncode == 0, back.stderr
+    assert (folder / long_name).read_text() == "{}"
