@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -161,3 +162,19 @@ class RepoConfig:
         from ckptstore.formats.atomic import atomic_write
 
         atomic_write(path, lambda handle: handle.write(text))  # a crash never leaves a half-written config
+
+
+def edit_config(path: Path, change: Callable[[RepoConfig], None]) -> RepoConfig:
+    """Apply `change` to the config file at `path` as it is now, under a lock, and return what was saved.
+
+    Two `remote add`s at once each saved the config they had read: one remote was lost. So was
+    any edit made since a long-lived Repository read its config.
+    """
+    import fcntl
+
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        config = RepoConfig.load(path)
+        change(config)
+        config.save(path)
+    return config

@@ -43,7 +43,7 @@ from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.objectstore.fallback import held_here
 from ckptstore.repo import refs
-from ckptstore.repo.config import RemoteConfig, RepoConfig, user_cache
+from ckptstore.repo.config import RemoteConfig, RepoConfig, edit_config, user_cache
 from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
@@ -96,8 +96,12 @@ def add(repo: Repository, name: str, url: str, metadata_url: str = "", typed_in:
     remote = RemoteConfig(folder, absolute_url(metadata_url, Path.cwd()))
     with open_remote(remote.resolved(repo.root), name, create=True):  # a folder that is no repository: refused now
         pass
-    repo.config.remotes[name] = remote
-    repo.config.save(repo.dir / "config.toml")
+    def record(config: RepoConfig) -> None:
+        if name in config.remotes:  # added since this repository was opened
+            raise CkptError(f"remote {name!r} already exists ({config.remotes[name].url}); remove it first")
+        config.remotes[name] = remote
+
+    repo.config = edit_config(repo.dir / "config.toml", record)
     return remote
 
 
@@ -111,8 +115,7 @@ def remove(repo: Repository, name: str) -> None:
         for ref in ref_rows.names(tx, (REMOTE_KIND,)):
             if ref.startswith(f"remotes/{name}/"):
                 ref_rows.delete_ref(tx, ref)
-    del repo.config.remotes[name]
-    repo.config.save(repo.dir / "config.toml")
+    repo.config = edit_config(repo.dir / "config.toml", lambda config: config.remotes.pop(name, None))
 
 
 def named(repo: Repository, name: str) -> RemoteConfig:

@@ -917,3 +917,22 @@ def test_a_fetch_waiting_for_a_gc_on_the_remote_says_so(pair, tmp_path):
         release.touch()
     assert collecting.wait(timeout=120) == 0, collecting.communicate()
     assert work.resolve("origin/main") == cids[1]
+
+
+def test_remote_add_and_remove_keep_what_others_wrote_to_the_config_since_it_was_read(pair, tmp_path):
+    """Each saved the config it had read when the repository opened: a remote added at once by another
+    process (two `remote add`s racing), or a [retention] policy written since, was lost (auditor)."""
+    from ckptstore.repo.config import RepoConfig
+
+    work, hub_path, cids = pair
+    with Repository.open(work.root) as other:
+        remote.add(other, "second", str(hub_path))
+    with open(work.dir / "config.toml", "a") as config:
+        config.write("\n[retention]\nkeep_last = 7\n")
+    remote.add(work, "third", str(hub_path))  # `work` read its config before either
+    saved = RepoConfig.load(work.dir / "config.toml")
+    assert sorted(saved.remotes) == ["origin", "second", "third"] and saved.retention.keep_last == 7
+    with pytest.raises(CkptError, match="remote 'second' already exists"):
+        remote.add(work, "second", str(hub_path))
+    remote.remove(work, "third")
+    assert sorted(RepoConfig.load(work.dir / "config.toml").remotes) == ["origin", "second"]
