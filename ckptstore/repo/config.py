@@ -87,6 +87,9 @@ class RetentionPolicy:
         return name, way
 
 
+MAX_THREADS = 256  # encoding threads: past the cores of any one machine, and each costs a stack
+
+
 def _core_problem(core: Any) -> str:
     """What is wrong with config.toml's [core] table (a hand edit), or ""."""
     if not isinstance(core, dict):
@@ -95,8 +98,8 @@ def _core_problem(core: Any) -> str:
         if not isinstance(core.get(name, ""), str):
             return f"{name} must be a string, not {core[name]!r}"
     threads = core.get("threads", 0)
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
-        return f"threads must be a count (0: one per CPU), not {threads!r}"
+    if not isinstance(threads, int) or isinstance(threads, bool) or not 0 <= threads <= MAX_THREADS:
+        return f"threads must be a count up to {MAX_THREADS} (0: one per CPU), not {threads!r}"
     return ""
 
 

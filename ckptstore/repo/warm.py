@@ -43,6 +43,9 @@ def shared_pool(root: Path, threads: int) -> ThreadPoolExecutor | None:
     with _LOCK:
         key = (str(root), threads)
         if key not in _POOLS:
+            # the config's thread count changed: the pool of the old count is idle (settled after each command)
+            for old in [k for k in _POOLS if k[0] == str(root)]:
+                _POOLS.pop(old).shutdown(wait=False)
             _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-warm")
         return _POOLS[key]
 

@@ -41,3 +41,25 @@ def test_settle_returns_only_when_every_task_on_the_shared_threads_is_done(tmp_p
             repo.pool.submit(lambda d=delay: (time.sleep(d), finished.append(d)))
     settle(tmp_path.resolve())
     assert sorted(finished) == [0.0, 0.2, 0.3]
+
+
+def test_a_changed_thread_count_replaces_the_warm_pool_and_the_count_is_bounded(tmp_path):
+    """Each [core] threads value ever set kept a pool in the daemon, and settle started all of every pool's
+    threads: 300, then 500 threads after an edit to 200; any count was taken (auditor)."""
+    import pytest
+
+    from ckptstore.errors import CkptError
+    from ckptstore.repo.config import RepoConfig
+    from ckptstore.repo.warm import shared_pool
+
+    Repository.init(tmp_path).close()
+    keep_warm(tmp_path.resolve())
+    first = shared_pool(tmp_path.resolve(), 3)
+    assert shared_pool(tmp_path.resolve(), 3) is first
+    second = shared_pool(tmp_path.resolve(), 5)
+    assert second is not first and first._shutdown and not second._shutdown
+    settle(tmp_path.resolve())  # the one pool left
+    config = tmp_path / ".ckpt" / "config.toml"
+    config.write_text(config.read_text().replace("threads = 0", "threads = 100000"))
+    with pytest.raises(CkptError, match=r"threads must be a count up to 256 \(0: one per CPU\), not 100000"):
+        RepoConfig.load(config)
