@@ -179,7 +179,7 @@ def level_named(name: str | LossyLevel | None, /, **overrides: Any) -> LossyLeve
             raise CkptError("lossy knobs were given without a lossy level")
         return None
     if not isinstance(name, LossyLevel) and name not in LEVELS:
-        raise CkptError(f"unknown lossy level {name!r}; choose one of {', '.join(LEVELS)}")
+        raise CkptError(f"unknown lossy level {name!r}; choose one of none, {', '.join(LEVELS)}")
     knobs = sorted(f.name for f in fields(LossyLevel) if f.name != "name")  # the level's own name is no knob
     unknown = sorted(set(overrides) - set(knobs))
     if unknown:

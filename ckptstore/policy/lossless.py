@@ -26,7 +26,7 @@ class EncodingSettings:
 
     def __post_init__(self) -> None:
         value = self.max_chain
-        if isinstance(value, str) and value.isdigit():
+        if isinstance(value, str) and value.isascii() and value.isdigit():  # "²" is a digit to str, not to int
             object.__setattr__(self, "max_chain", int(value))
         elif value != AUTO and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise CkptError(f"max_chain must be {AUTO!r} or a count of levels (0 or more), not {value!r}; "

@@ -16,6 +16,7 @@ rank of a sharded commit and prune all chain by the repository's figures (`auto_
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -128,8 +129,11 @@ def _costs_json(costs: dict[int, ChainCosts]) -> dict[int, list[float]]:
 
 
 def _costs_from(data: dict[str, list[float]]) -> dict[int, ChainCosts]:
-    """{width: ChainCosts} from their JSON form {width: [keyframe, level, load, workers]}."""
-    return {int(w): ChainCosts(*map(float, v)) for w, v in data.items()}
+    """{width: ChainCosts} from their JSON form {width: [keyframe, level, load, workers]}; ValueError if not."""
+    numbers = {int(w): list(map(float, v)) for w, v in data.items()}
+    if not all(math.isfinite(x) and x > 0 for v in numbers.values() for x in v):
+        raise ValueError("every cost must be a positive number")
+    return {w: ChainCosts(*v) for w, v in numbers.items()}
 
 
 def _pinned() -> dict[int, ChainCosts] | None:

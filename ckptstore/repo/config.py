@@ -19,7 +19,8 @@ LOSSY_LEVELS = tuple(LEVELS)  # names `--lossy` accepts
 
 def user_cache() -> Path:
     """The per-user folder for what is the machine's, not a repository's (chain costs, remotes' scratch)."""
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ckptstore"
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(cache) if os.path.isabs(cache) else Path.home() / ".cache") / "ckptstore"  # XDG: else unset
 
 
 @dataclass
@@ -88,12 +89,34 @@ class RetentionPolicy:
 
 
 MAX_THREADS = 256  # encoding threads: past the cores of any one machine, and each costs a stack
+SECTIONS = ("core", "encoding", "remotes", "retention")
+CORE_KEYS = ("objects_url", "metadata_url", "threads", "lossy")
+ENCODING_KEYS = ("max_chain", "chunk_bytes", "zstd_level")
+
+
+def _unknown(table: Any, where: str, known: tuple[str, ...]) -> str:
+    """The first key of `table` not among `known`, said with those that are; "" for none (or no table)."""
+    extra = sorted(table.keys() - set(known)) if isinstance(table, dict) else []
+    return f"{where}unknown key {extra[0]!r} (a typo, or a newer ckptstore's?); the keys are {', '.join(known)}" \
+        if extra else ""
+
+
+def _remote(section: Any) -> RemoteConfig:
+    """A [remotes.NAME] section, its values of the types written (lazy = "false" is no boolean)."""
+    url, metadata_url, lazy = section["url"], section.get("metadata_url", ""), section.get("lazy", False)
+    if not isinstance(url, str) or not isinstance(metadata_url, str) or not isinstance(lazy, bool):
+        raise TypeError(f"needs url and metadata_url strings and lazy true or false, not {dict(section)!r}")
+    return RemoteConfig(url, metadata_url, lazy)
 
 
 def _core_problem(core: Any) -> str:
     """What is wrong with config.toml's [core] table (a hand edit), or ""."""
     if not isinstance(core, dict):
         return f"must be a table of settings, not {core!r}"
+    if _unknown(core, "", CORE_KEYS):
+        return _unknown(core, "", CORE_KEYS)
+    if core.get("lossy", "") not in ("", "none", "lossless", *LEVELS):
+        return f"lossy must be one of none, {', '.join(LEVELS)} (or empty), not {core['lossy']!r}"
     for name in ("metadata_url", "lossy", "objects_url"):
         if not isinstance(core.get(name, ""), str):
             return f"{name} must be a string, not {core[name]!r}"
@@ -123,18 +146,19 @@ class RepoConfig:
     def load(cls, path: Path) -> RepoConfig:
         try:
             data = tomllib.loads(path.read_text())
+            problem = _core_problem(data.get("core", {}))
+            problem = f"[core] {problem}" if problem else (
+                _unknown(data, "", SECTIONS) or _unknown(data.get("encoding"), "[encoding] ", ENCODING_KEYS))
+            if problem:
+                raise CkptError(problem)
             encoding = EncodingSettings(**data.get("encoding", {}))
-        except (OSError, tomllib.TOMLDecodeError, TypeError, CkptError) as exc:
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, TypeError, ValueError, CkptError) as exc:
             raise CkptError(f"cannot read {path}: {exc}") from None
         core = data.get("core", {})
-        problem = _core_problem(core)
-        if problem:
-            raise CkptError(f"cannot read {path}: [core] {problem}")
         try:
-            remotes = {name: RemoteConfig(str(r["url"]), str(r.get("metadata_url", "")), bool(r.get("lazy", False)))
-                       for name, r in data.get("remotes", {}).items()}
+            remotes = {name: _remote(r) for name, r in data.get("remotes", {}).items()}
         except (KeyError, TypeError, AttributeError) as exc:
-            raise CkptError(f"cannot read {path}: a [remotes.NAME] section lacks a url ({exc})") from None
+            raise CkptError(f"cannot read {path}: a [remotes.NAME] section {exc}") from None
         section = data.get("retention", {})
         known = {f.name for f in fields(RetentionPolicy)}
         if not isinstance(section, dict) or section.keys() - known:

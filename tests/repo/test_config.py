@@ -1,0 +1,74 @@
+"""config.toml as a user edits it (repo/config.py): every mistake one error naming the key, before anything runs."""
+
+import json
+
+import pytest
+
+from ckptstore import Repository
+from ckptstore.errors import CkptError
+from ckptstore.repo.config import RepoConfig, user_cache
+from tests.conftest import ckpt_here
+
+
+def _with(tmp_path, text: str | bytes):
+    Repository.init(tmp_path).close()
+    config = tmp_path / ".ckpt" / "config.toml"
+    config.write_bytes(text if isinstance(text, bytes) else config.read_bytes() + text.encode())
+    return config
+
+
+@pytest.mark.parametrize("added, said", [
+    ('\n[core2]\nx = 1\n', r"unknown key 'core2' \(a typo, or a newer ckptstore's\?\); the keys are core, encoding"),
+    ('\n[remotes.origin]\nurl = "../o"\nlazy = "false"\n', r"\[remotes.NAME\] section needs .* lazy true or false"),
+    ('\n[remotes.origin]\nurl = 5\n', r"\[remotes.NAME\] section needs url and metadata_url strings"),
+])
+def test_unknown_sections_and_values_of_the_wrong_type_are_refused(tmp_path, added, said):
+    """A misspelt section was ignored, and lazy = "false" (a string) read as true (auditor)."""
+    with pytest.raises(CkptError, match=f"cannot read .*config.toml: .*{said}"):
+        RepoConfig.load(_with(tmp_path, added))
+
+
+@pytest.mark.parametrize("old, new, said", [
+    ('threads = 0', 'threads = 0\nloosy = "balanced"', r"\[core\] unknown key 'loosy'.*the keys are objects_url"),
+    ('lossy = ""', 'lossy = "Balanced"', r"\[core\] lossy must be one of none, optimizer, balanced"),
+    ('zstd_level = 1', 'zstd_level = 1\nbogus = 2', r"\[encoding\] unknown key 'bogus'.*max_chain, chunk_bytes"),
+    ('max_chain = "auto"', 'max_chain = "²"', r"max_chain must be 'auto' or a count of levels"),
+])
+def test_misspelt_keys_and_levels_are_refused_naming_them(tmp_path, old, new, said):
+    """A misspelt [core] key was ignored (a commit silently lossless); `lossy = "Balanced"` failed only at each
+    commit; [encoding] spoke Python's TypeError; max_chain = "²" was an unexpected ValueError (auditor)."""
+    Repository.init(tmp_path).close()
+    config = tmp_path / ".ckpt" / "config.toml"
+    assert old in config.read_text()
+    config.write_text(config.read_text().replace(old, new))
+    with pytest.raises(CkptError, match=f"cannot read .*config.toml: .*{said}"):
+        RepoConfig.load(config)
+
+
+def test_a_config_that_is_not_utf8_is_one_error(tmp_path):
+    config = _with(tmp_path, b"[core]\nlossy = \"\xff\"\n")
+    failed = ckpt_here(tmp_path, "log")
+    assert failed.returncode == 1 and failed.stderr.startswith(f"error: cannot read {config}")
+    assert "unexpected" not in failed.stderr
+
+
+def test_init_takes_lossy_none_as_commit_does(tmp_path):
+    assert ckpt_here(tmp_path, "init", "--lossy", "none").returncode == 0
+    assert RepoConfig.load(tmp_path / ".ckpt" / "config.toml").lossy == "none"
+
+
+@pytest.mark.parametrize("value", ["", "relative/cache"])
+def test_an_empty_or_relative_xdg_cache_home_counts_as_unset(monkeypatch, tmp_path, value):
+    """An empty XDG_CACHE_HOME put ./ckptstore/chaincost.json into whatever folder a command ran in (auditor)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", value)
+    assert user_cache() == tmp_path / ".cache" / "ckptstore"
+
+
+def test_chain_costs_that_are_not_positive_numbers_are_refused(monkeypatch):
+    from ckptstore.repo import chaincost
+
+    monkeypatch.setenv(chaincost.ENV, json.dumps({"4": [1.0, 1.0, 1.0, 1.0]}).replace("1.0, 1.0, 1.0, 1.0",
+                                                                                     "NaN, NaN, NaN, 1"))
+    with pytest.raises(CkptError, match="every cost must be a positive number"):
+        chaincost._pinned()
