@@ -234,6 +234,16 @@ def _file_too_large(detail: str) -> DiskFullError:
                          + _NOTHING_LOST.format(remedy="Raise the limit or write to another file system"))
 
 
+def _path_too_odd(exc: RuntimeError) -> CkptError | None:
+    """A path no walk can take: a symlink loop (Path.resolve's RuntimeError), folders nested past the stack."""
+    if isinstance(exc, RecursionError):  # about 1,000 levels of folders (a walk recurses)
+        return CkptError("folders nested too deeply (about 1,000 levels) to walk: store a shallower tree")
+    if str(exc).startswith("Symlink loop from"):
+        return CkptError(f"{str(exc).split('from', 1)[1].strip()} is a symlink that leads back to itself (a loop): "
+                         "remove or repoint it")
+    return None
+
+
 def explain(exc: BaseException) -> CkptError | None:
     """The CkptError for a failure from below ckptstore (the OS, SQLite, torch) with a known cause, else None.
 
@@ -250,6 +260,8 @@ def explain(exc: BaseException) -> CkptError | None:
             where = f" writing {current.filename}" if current.filename else ""
             tell = _file_too_large if current.errno == errno.EFBIG else disk_full
             return tell(f"{current.strerror or current}{where}")
+        if isinstance(current, (RuntimeError, RecursionError)) and (said := _path_too_odd(current)):
+            return said
         if isinstance(current, MemoryError):  # numpy's says how much it could not allocate
             return CkptError(f"out of memory ({str(current) or 'no more could be allocated'}): free memory and run "
                              "the command again (a checkout can restore part of a commit: --only PATTERN)")

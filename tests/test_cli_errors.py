@@ -412,3 +412,32 @@ def test_gc_and_prune_say_that_they_wait_for_the_repository_lock(tmp_path, verb)
     assert result.returncode == 0, result.stderr
     assert result.stderr.startswith("waiting for the repository lock: another ckpt process holds it (a commit")
     assert result.stdout.startswith("removed ")
+
+
+def test_paths_no_walk_can_take_are_one_error_line(tmp_path):
+    """A dangling .ckpt link at init, a symlink loop given to commit or --repo, and folders nested past Python's
+    stack were "unexpected … please report it" (auditor)."""
+
+
+    (tmp_path / ".ckpt").symlink_to("/nonexistent/store/.ckpt")
+    one_error_line(ckpt_here(tmp_path, "init"), f"{tmp_path / '.ckpt'} is a symlink to /nonexistent/store/.ckpt, "
+                   "which does not exist", "repoint it")
+    (tmp_path / ".ckpt").unlink()
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    (tmp_path / "loop").symlink_to("loop")
+    for args in (["commit", "loop"], ["--repo", "loop", "log"]):
+        one_error_line(ckpt_here(tmp_path, *args), f"'{tmp_path / 'loop'}' is a symlink that leads back to itself",
+                       "remove or repoint it")
+    deep = tmp_path / "ck"
+    deep.mkdir()
+    (deep / "top.txt").write_text("top")
+    here = deep
+    for _ in range(1000):  # not os.makedirs: it recurses as deep
+        here = here / "d"
+        here.mkdir()
+    (here / "f.txt").write_text("deep")
+    one_error_line(ckpt_here(tmp_path, "commit", "ck"), "folders nested too deeply", "shallower tree")
+    (here / "f.txt").unlink()
+    while here != deep:  # bottom up: a recursive removal (pytest's, later) would hit the same stack
+        here.rmdir()
+        here = here.parent

@@ -36,6 +36,9 @@ def create(root: Path, config: RepoConfig) -> Repository:
     final = root / REPO_DIR
     if final.exists():
         raise RepoExistsError(f"{final} already exists")
+    if final.is_symlink():  # to nothing: a store moved away and its link left behind
+        raise RepoExistsError(f"{final} is a symlink to {os.readlink(final)}, which does not exist: repoint it at "
+                              "the moved repository's .ckpt, or remove it to make a new repository here")
     made_root = not root.exists()
     staging = root / f"{STAGING}{socket.gethostname()}-{os.getpid()}"
     try:
