@@ -631,6 +631,17 @@ def remote_add(ctx, name: str, url: str, metadata_url: str) -> None:
     echo(f"remote {name}: {added.url}")
 
 
+@remote.command("set-url")
+@click.argument("name")
+@click.argument("url")
+@click.option("--metadata", "metadata_url", default="", help="The remote's database, for an s3:// URL.")
+@click.pass_context
+def remote_set_url(ctx, name: str, url: str, metadata_url: str) -> None:
+    """Point remote NAME at URL (its repository moved); its tracking refs stay."""
+    moved = _remotes().set_url(_open(ctx), name, url, metadata_url, typed_in=Path.cwd())
+    echo(f"remote {name}: {moved.url}")
+
+
 @remote.command("remove")
 @click.argument("name")
 @click.pass_context

@@ -432,12 +432,14 @@ def test_paths_no_walk_can_take_are_one_error_line(tmp_path):
     deep.mkdir()
     (deep / "top.txt").write_text("top")
     here = deep
-    for _ in range(1000):  # not os.makedirs: it recurses as deep
-        here = here / "d"
-        here.mkdir()
-    (here / "f.txt").write_text("deep")
-    one_error_line(ckpt_here(tmp_path, "commit", "ck"), "folders nested too deeply", "shallower tree")
-    (here / "f.txt").unlink()
-    while here != deep:  # bottom up: a recursive removal (pytest's, later) would hit the same stack
-        here.rmdir()
-        here = here.parent
+    try:
+        for _ in range(1000):  # not os.makedirs: it recurses as deep
+            here = here / "d"
+            here.mkdir()
+        (here / "f.txt").write_text("deep")
+        one_error_line(ckpt_here(tmp_path, "commit", "ck"), "folders nested too deeply", "shallower tree")
+    finally:  # bottom up, whatever happened: a recursive removal (pytest's, later) would hit the same stack
+        (here / "f.txt").unlink(missing_ok=True)
+        while here != deep:
+            here.rmdir()
+            here = here.parent

@@ -38,7 +38,8 @@ class FallbackStore:
                     self._source = self._open_source()
                 except (CkptError, OSError) as exc:  # the origin's folder gone or moved: this object is lacking
                     raise CorruptObjectError(oid, f"not read yet, and the origin it comes from cannot be opened "
-                                                  f"({exc})") from None
+                                                  f"({exc}); if it moved: `ckpt remote set-url origin NEW-URL`"
+                                             ) from None
             return self._source
 
     def from_source(self, oid: ObjectId) -> bytes:

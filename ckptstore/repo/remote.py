@@ -12,6 +12,7 @@ again sends only what is still missing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -82,11 +83,44 @@ def add(repo: Repository, name: str, url: str, metadata_url: str = "", typed_in:
     except CkptError:
         raise CkptError(f"{name!r} is not a valid remote name (letters, digits, . _ -)") from None
     if name in repo.config.remotes:
-        raise CkptError(f"remote {name!r} already exists ({repo.config.remotes[name].url}); remove it first")
+        raise CkptError(f"remote {name!r} already exists ({repo.config.remotes[name].url}); remove it first, or "
+                        f"point it elsewhere: `ckpt remote set-url {name} URL`")
     hidden = sorted(ref for ref in [*repo.branches(), *repo.tags()] if ref.startswith(f"{name}/"))
     if hidden:
         raise CkptError(f"{hidden[0]!r} would hide remote {name!r}'s tracking ref of that name; rename it, or "
                         "choose another remote name")
+    remote = _located(repo, name, url, metadata_url, typed_in)
+
+    def record(config: RepoConfig) -> None:
+        if name in config.remotes:  # added since this repository was opened
+            raise CkptError(f"remote {name!r} already exists ({config.remotes[name].url}); remove it first")
+        config.remotes[name] = remote
+
+    repo.config = edit_config(repo.dir / "config.toml", record)
+    return remote
+
+
+def set_url(repo: Repository, name: str, url: str, metadata_url: str = "", typed_in: Path | None = None
+            ) -> RemoteConfig:
+    """Point remote `name` at `url` (its repository moved), keeping its tracking refs and whether it is lazy."""
+    repo.db.refuse_writes("remote set-url (it writes .ckpt/config.toml)")
+    lazy = named(repo, name).lazy
+    remote = dataclasses.replace(_located(repo, name, url, metadata_url, typed_in), lazy=lazy)
+
+    def record(config: RepoConfig) -> None:
+        if name not in config.remotes:  # removed since this repository was opened
+            raise CkptError(f"no remote named {name!r}")
+        config.remotes[name] = remote
+
+    repo.config = edit_config(repo.dir / "config.toml", record)
+    return remote
+
+
+def _located(repo: Repository, name: str, url: str, metadata_url: str, typed_in: Path | None) -> RemoteConfig:
+    """Remote `name` at `url`, checked to be a repository (or a bucket and database) that opens.
+
+    A relative folder is kept relative to the repository's root; `typed_in` is where it was typed.
+    """
     if not url.strip():
         raise CkptError("a remote needs a URL: a repository folder, or s3://BUCKET/PREFIX with --metadata")
     folder = url if "://" in url else os.path.expanduser(url)
@@ -96,12 +130,6 @@ def add(repo: Repository, name: str, url: str, metadata_url: str = "", typed_in:
     remote = RemoteConfig(folder, absolute_url(metadata_url, Path.cwd()))
     with open_remote(remote.resolved(repo.root), name, create=True):  # a folder that is no repository: refused now
         pass
-    def record(config: RepoConfig) -> None:
-        if name in config.remotes:  # added since this repository was opened
-            raise CkptError(f"remote {name!r} already exists ({config.remotes[name].url}); remove it first")
-        config.remotes[name] = remote
-
-    repo.config = edit_config(repo.dir / "config.toml", record)
     return remote
 
 

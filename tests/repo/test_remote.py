@@ -936,3 +936,23 @@ def test_remote_add_and_remove_keep_what_others_wrote_to_the_config_since_it_was
         remote.add(work, "second", str(hub_path))
     remote.remove(work, "third")
     assert sorted(RepoConfig.load(work.dir / "config.toml").remotes) == ["origin", "second"]
+
+
+def test_a_lazy_clone_follows_its_origin_to_a_new_place_with_set_url(tmp_path):
+    """`remote remove` refuses a lazy clone's origin and `remote add` said it exists: only a hand edit of the
+    config pointed a clone at its moved origin (auditor)."""
+    with Repository.init(tmp_path / "origin") as origin:
+        cid = origin.commit(_state(3), message="c3")
+    copy = remote.clone(str(tmp_path / "origin"), tmp_path / "copy", lazy=True)
+    copy.close()
+    shutil.move(tmp_path / "origin", tmp_path / "moved")
+    with Repository.open(tmp_path / "copy") as copy:
+        with pytest.raises(CorruptObjectError, match="ckpt remote set-url origin NEW-URL"):
+            copy.checkout(cid)
+        with pytest.raises(CkptError, match="remote 'origin' already exists .*ckpt remote set-url origin URL"):
+            remote.add(copy, "origin", str(tmp_path / "moved"))
+        remote.set_url(copy, "origin", str(tmp_path / "moved"))
+        assert copy.config.remotes["origin"].lazy
+    with Repository.open(tmp_path / "copy") as copy:  # read from the config it wrote
+        assert_same(_state(3), copy.checkout(cid))
+    assert ckpt_here(tmp_path / "copy", "remote", "set-url", "nowhere", "../moved").returncode == 1
