@@ -250,6 +250,9 @@ def test_repo_and_ckpt_repo_name_the_repository_itself_never_one_above_it(tmp_pa
     assert f"CKPT_REPO={missing} holds no ckptstore repository" in by_env.stderr
     as_file = CliRunner().invoke(cli, ["status"], env={"CKPT_REPO": str(tmp_path / "a.pt")})
     assert as_file.exit_code == 1 and "CKPT_REPO=" in str(as_file.exception) and "is a file" in str(as_file.exception)
+    the_store = run(tmp_path, "--repo", str(tmp_path / ".ckpt"), "log")  # its advice was `ckpt init …/.ckpt`
+    one_error_line(the_store, f"--repo {tmp_path / '.ckpt'} is a repository's own .ckpt/ folder: name the folder "
+                   f"that holds it ({tmp_path})")
     too_long = run(tmp_path, "--repo", str(tmp_path / ("x" * 300)), "log")
     one_error_line(too_long)
     assert "is too long for this file system" in too_long.stderr

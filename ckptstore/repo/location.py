@@ -24,6 +24,9 @@ def named_root(folder: str | os.PathLike, named_by: str = "CKPT_REPO=") -> Path:
         return candidate
     if candidate.exists() and not candidate.is_dir():
         raise RepoNotFoundError(f"{named_by}{folder} is a file; it must name a repository's folder")
+    if candidate.name == REPO_DIR and (candidate / "config.toml").is_file():
+        raise RepoNotFoundError(f"{named_by}{folder} is a repository's own {REPO_DIR}/ folder: name the folder that "
+                                f"holds it ({candidate.parent})")
     raise RepoNotFoundError(f"{named_by}{folder} holds no ckptstore repository ({REPO_DIR}/); it names the "
                             f"repository's folder itself (`ckpt init {folder}` makes one there)")
 
