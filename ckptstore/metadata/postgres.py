@@ -195,6 +195,8 @@ class PostgresBackend:
         if "too many" in text:
             return CkptError(f"{at} has too many connections open; run fewer processes at once or raise its "
                              "max_connections")
+        if any(words in text for words in ("for connection option", "invalid port number", "invalid sslmode value")):
+            return CkptError(f"the metadata URL for {at} is not valid ({' '.join(str(exc).split())[:200]}): fix it")
         if "starting up" in text or "shutting down" in text or "recovery" in text:
             return CkptError(f"{at} is starting up or shutting down; run the command again in a moment")
         for words, why in (("refused", "connection refused"), ("no such file", "no server socket there"),

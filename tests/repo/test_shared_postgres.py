@@ -417,3 +417,16 @@ def test_a_fetch_whose_lock_session_here_was_cut_says_no_tracking_ref_moved(post
         remote.fetch(work, "origin")
         assert work.resolve("origin/main") == cid and fsck(work).ok
         assert_same(state, work.checkout("origin/main"))
+
+
+@pytest.mark.parametrize("url, said", [
+    ("postgresql://u@127.0.0.1:notaport/db", 'invalid integer value "notaport" for connection option "port"'),
+    ("postgresql://127.0.0.1:99999/x", 'invalid port number: "99999"'),
+    ("postgresql://127.0.0.1:5432/x?sslmode=bogus", 'invalid sslmode value: "bogus"'),
+])
+def test_a_metadata_url_that_is_not_valid_is_said_so_not_an_outage(tmp_path, url, said):
+    """It said "lost the connection … run the command again once the server is up" (auditor)."""
+    assert ckpt(tmp_path, "init").returncode == 0
+    config = tmp_path / ".ckpt" / "config.toml"
+    config.write_text(config.read_text().replace('metadata_url = ""', f'metadata_url = "{url}"', 1))
+    one_error_line(ckpt(tmp_path, "log"), "the metadata URL for PostgreSQL at", "is not valid", said, "fix it")
