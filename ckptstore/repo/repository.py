@@ -40,7 +40,9 @@ class Repository:
         self.dir = folder or root / REPO_DIR  # `folder`: init's, built under another name (repo/creation.py)
         self.config = config
         objects = config.objects_url or "objects"  # a relative path is relative to .ckpt/
-        self.store = store if store is not None else open_store(objects, self.dir / "tmp", self.dir)
+        # a configured folder that is gone is said so on open, not made anew (only init makes one)
+        self.store = store if store is not None else open_store(objects, self.dir / "tmp", self.dir,
+                                                                create=create or not config.objects_url)
         lazy = [remote for remote in config.remotes.values() if remote.lazy]
         if lazy and store is None:  # a lazy clone: objects not here yet come from the remote on first read
             from ckptstore.repo.remote import remote_store

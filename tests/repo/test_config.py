@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from ckptstore import Repository
 from ckptstore.errors import CkptError
@@ -72,3 +73,21 @@ def test_chain_costs_that_are_not_positive_numbers_are_refused(monkeypatch):
                                                                                      "NaN, NaN, NaN, 1"))
     with pytest.raises(CkptError, match="every cost must be a positive number"):
         chaincost._pinned()
+
+
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_an_objects_url_naming_no_folder_is_said_so_and_nothing_is_made(tmp_path, kind):
+    """A mistyped objects_url was made anew, empty, even by `ckpt log`; the next commit then called the
+    repository damaged. One naming a file was "unexpected FileExistsError" (auditor)."""
+    with Repository.init(tmp_path / "r", objects_url=str(tmp_path / "objects")) as repo:
+        repo.commit({"w": torch.ones(3)})
+    wrong = tmp_path / "typo" / "objects"
+    if kind == "file":
+        wrong = tmp_path / "a-file"
+        wrong.write_text("x")
+    config = tmp_path / "r" / ".ckpt" / "config.toml"
+    config.write_text(config.read_text().replace(str(tmp_path / "objects"), str(wrong)))
+    failed = ckpt_here(tmp_path / "r", "log")
+    said = "which does not exist (a typo, or a disk not mounted?)" if kind == "missing" else "which is a file"
+    assert failed.returncode == 1 and said in failed.stderr and "unexpected" not in failed.stderr
+    assert not (tmp_path / "typo").exists()
