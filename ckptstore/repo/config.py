@@ -113,8 +113,9 @@ def _core_problem(core: Any) -> str:
     """What is wrong with config.toml's [core] table (a hand edit), or ""."""
     if not isinstance(core, dict):
         return f"must be a table of settings, not {core!r}"
-    if _unknown(core, "", CORE_KEYS):
-        return _unknown(core, "", CORE_KEYS)
+    unknown = _unknown(core, "", CORE_KEYS)
+    if unknown:
+        return unknown
     if core.get("lossy", "") not in ("", "none", "lossless", *LEVELS):
         return f"lossy must be one of none, {', '.join(LEVELS)} (or empty), not {core['lossy']!r}"
     for name in ("metadata_url", "lossy", "objects_url"):

@@ -83,8 +83,7 @@ def add(repo: Repository, name: str, url: str, metadata_url: str = "", typed_in:
     except CkptError:
         raise CkptError(f"{name!r} is not a valid remote name (letters, digits, . _ -)") from None
     if name in repo.config.remotes:
-        raise CkptError(f"remote {name!r} already exists ({repo.config.remotes[name].url}); remove it first, or "
-                        f"point it elsewhere: `ckpt remote set-url {name} URL`")
+        raise _taken(name, repo.config.remotes[name].url)
     hidden = sorted(ref for ref in [*repo.branches(), *repo.tags()] if ref.startswith(f"{name}/"))
     if hidden:
         raise CkptError(f"{hidden[0]!r} would hide remote {name!r}'s tracking ref of that name; rename it, or "
@@ -93,11 +92,16 @@ def add(repo: Repository, name: str, url: str, metadata_url: str = "", typed_in:
 
     def record(config: RepoConfig) -> None:
         if name in config.remotes:  # added since this repository was opened
-            raise CkptError(f"remote {name!r} already exists ({config.remotes[name].url}); remove it first")
+            raise _taken(name, config.remotes[name].url)
         config.remotes[name] = remote
 
     repo.config = edit_config(repo.dir / "config.toml", record)
     return remote
+
+
+def _taken(name: str, url: str) -> CkptError:
+    return CkptError(f"remote {name!r} already exists ({url}); remove it first, or point it elsewhere: "
+                     f"`ckpt remote set-url {name} URL`")
 
 
 def set_url(repo: Repository, name: str, url: str, metadata_url: str = "", typed_in: Path | None = None
