@@ -67,9 +67,7 @@ LINKED = "a symbolic link, never committed (the file it points to is, when it is
 _STEP = re.compile(r"step[=_-]?(\d+)", re.IGNORECASE)
 # a whole number, not part of a decimal (a metric: val_loss=0.1234), an epoch's (epoch=3) nor a version (last-v1)
 _NUMBER = re.compile(r"(?<!\d)(?<!\d\.)(?<!epoch)(?<!epoch[=_-])(?<!-v)(\d+)(?!\.\d)(?!\d)", re.IGNORECASE)
-# [name inside the source, size, mtime_ns, inode, ctime_ns] for each of its files: a file replaced by another of the
-# same size and mtime (cp -p, rsync -t, tar) has a new inode and ctime, which no user can set back
-Signature = list[list[Any]]
+Signature = list[list[Any]]  # [name inside the source, size, mtime_ns] for each of its files
 
 
 @dataclass
@@ -181,7 +179,7 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, stat
     state.record(source, cid)
     report.committed.append((source.name, cid, source.step))
     say(f"[{cid[:12]}] {shown}" + (f" (step {source.step})" if source.step is not None else ""))
-    judged = {entry[0] for entry in source.signature if entry[0]}
+    judged = {name for name, _, _ in source.signature if name}
     gone = sorted(judged - {record.name for record in repo.manifest(cid).files}) if judged else []
     if gone:  # a rotation removed files while the commit read the folder: say so, the commit is only part of it
         say(f"{shown}: {_shown(', '.join(gone[:3]))}{' ...' if len(gone) > 3 else ''} went away while it was "
@@ -223,7 +221,7 @@ def scan(folder: Path, state: WatchState | None = None) -> dict[str, Source]:
                              else _judge_folder)
                 elif entry.is_file() and Path(entry.name).suffix in SUFFIXES:
                     info = entry.stat()
-                    source = Source(entry.name, Path(entry.path), [_entry("", info)])
+                    source = Source(entry.name, Path(entry.path), [["", info.st_size, info.st_mtime_ns]])
                     judge = _judge_file
                 else:
                     continue
@@ -248,17 +246,14 @@ def _folder_signature(path: Path) -> Signature:
         folders.sort()
         for name in sorted(files):
             full = Path(root, name)
-            signature.append(_entry(full.relative_to(path).as_posix(), full.lstat()))
+            info = full.lstat()
+            signature.append([full.relative_to(path).as_posix(), info.st_size, info.st_mtime_ns])
     return signature
-
-
-def _entry(name: str, info: os.stat_result) -> list[Any]:
-    return [name, info.st_size, info.st_mtime_ns, info.st_ino, info.st_ctime_ns]
 
 
 def _judge_folder(source: Source) -> Source:
     """`source` (a Trainer folder) with its completeness and step filled in: reads its trainer_state.json."""
-    temps = [Path(entry[0]).name for entry in source.signature if is_temp_name(Path(entry[0]).name)]
+    temps = [Path(name).name for name, _, _ in source.signature if is_temp_name(Path(name).name)]
     trainer = _trainer_state(source.path / TRAINER_STATE)
     if trainer is None:
         source.incomplete = f"no readable {TRAINER_STATE} yet (Trainer writes it last)"
@@ -280,9 +275,7 @@ def _judge_saved_over(source: Source, handled: dict[str, Any]) -> Source:
     source = _judge_folder(source)
     before = {entry[0]: entry for entry in handled.get("signature") or [] if isinstance(entry, list) and entry}
     now = {entry[0]: entry for entry in source.signature}
-    # rewritten: other bytes or times (a chmod or a new link changes ctime, not what the save wrote)
-    rewritten = [name for name, entry in now.items()
-                 if name != TRAINER_STATE and before.get(name, entry)[:3] != entry[:3]]
+    rewritten = [name for name, entry in now.items() if name != TRAINER_STATE and before.get(name, entry) != entry]
     if source.incomplete or not rewritten:
         return source
     if before.get(TRAINER_STATE) == now.get(TRAINER_STATE):
@@ -357,7 +350,7 @@ def already_committed(repo: Repository, source: Source, branch: str | None) -> s
         return None
     if not candidates:
         return None
-    files = {entry[0]: source.path / entry[0] if entry[0] else source.path for entry in source.signature}
+    files = {name: source.path / name if name else source.path for name, _, _ in source.signature}
     # only the newest: a kill between commit and record leaves that one, and a file rewritten back to an
     # older content (A, B, A) is a new checkpoint, not the first A again
     newest = candidates[0]
