@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ckptstore import faults
 from ckptstore.errors import CkptError, RepoExistsError
-from ckptstore.repo import refs
+from ckptstore.repo import owner, refs
 from ckptstore.repo.config import RepoConfig
 from ckptstore.repo.joining import open_over_objects
 from ckptstore.repo.location import REPO_DIR
@@ -55,7 +55,9 @@ def create(root: Path, config: RepoConfig) -> Repository:
                 raise RepoExistsError(f"{final} already exists") from None
             raise
         faults.point("init:renamed")
-        return Repository(root, config)
+        made = Repository(root, config)
+        owner.claim(made)  # its store names it: a copy's or another repository's gc refuses there
+        return made
     except BaseException:
         import shutil  # only here: it imports the compression modules
 

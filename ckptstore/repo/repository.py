@@ -54,7 +54,6 @@ class Repository:
         if not self.read_only:
             # a checkout killed among its renames: finished, HEAD moved with it
             journal.finish_interrupted(self.dir, lambda cid, branch: refs.move_head(self, cid, branch))
-            owner.claim(self)  # a store made before owners were written gets one
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = os.getpid()
         self._shared_pool = False  # the pool is a warm process's (repo/warm.py): closing leaves it running

@@ -1,6 +1,8 @@
 """gc and prune delete only in an object store their repository owns (repo/owner.py)."""
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from ckptstore.errors import CkptError
 from ckptstore.repo import fsck, gc
 from ckptstore.repo.config import RepoConfig, RetentionPolicy
 from ckptstore.repo.pruning import prune
-from tests.conftest import assert_same
+from tests.conftest import assert_same, ckpt_env
 
 
 def _state(seed: int) -> dict:
@@ -30,17 +32,24 @@ def test_a_copy_of_a_repository_whose_objects_live_outside_it_cannot_collect_the
             gc(copy)
         with pytest.raises(CkptError, match="belongs to the repository at"):
             prune(copy, RetentionPolicy(keep_last=1))
-    shutil.move(tmp_path / "a", tmp_path / "moved")  # a move keeps the folder: still its owner
+    shutil.move(tmp_path / "a", tmp_path / "moved")  # the owner went: the moved repository takes its store over
     with Repository.open(tmp_path / "moved") as original:
         gc(original)
         assert fsck(original).ok
         assert_same(_state(1), original.checkout(later))
+    with Repository.open(tmp_path / "b") as copy:
+        with pytest.raises(CkptError, match="belongs to the repository at .*/moved"):
+            gc(copy)
 
 
-def test_a_config_naming_another_repositorys_objects_cannot_collect_them(tmp_path):
-    """An objects_url edited to another repository's .ckpt/objects: gc there deleted all of them (auditor)."""
+@pytest.mark.parametrize("named", [True, False])
+def test_a_config_naming_another_repositorys_objects_cannot_collect_them(tmp_path, named):
+    """An objects_url edited to another repository's .ckpt/objects: gc there deleted all of them (auditor), also
+    where that store names no owner (made before owners were written: third reader)."""
     with Repository.init(tmp_path / "a") as first:
         cid = first.commit(_state(0))
+    if not named:
+        (tmp_path / "a" / ".ckpt" / "objects.owner").unlink()
     Repository.init(tmp_path / "b").close()
     config = RepoConfig.load(tmp_path / "b" / ".ckpt" / "config.toml")
     config.objects_url = str(tmp_path / "a" / ".ckpt" / "objects")
@@ -52,11 +61,16 @@ def test_a_config_naming_another_repositorys_objects_cannot_collect_them(tmp_pat
         assert_same(_state(0), first.checkout(cid))
 
 
-def test_a_store_made_before_owners_were_written_is_claimed_by_its_repository(tmp_path):
-    with Repository.init(tmp_path / "a", objects_url=str(tmp_path / "objects")) as repo:
+def test_an_init_that_failed_leaves_no_owner_in_the_way_of_the_next(tmp_path):
+    """A failed init left the store naming its staging folder: the retried repository's gc was refused as
+    another's, and every commit under a policy failed (third reader)."""
+    objects = tmp_path / "objects"
+    failed = subprocess.run([sys.executable, "-m", "ckptstore", "init", "r", "--objects", str(objects)],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env=ckpt_env(CKPT_FAIL_AT="init:metadata-made"))
+    assert failed.returncode != 0 and not (tmp_path / "r" / ".ckpt").exists()
+    with Repository.init(tmp_path / "r", objects_url=str(objects)) as repo:
         repo.commit(_state(0))
-    (tmp_path / "objects.owner").unlink()
-    with Repository.open(tmp_path / "a") as repo:
-        assert (tmp_path / "objects.owner").exists()
-        gc(repo)  # its own
+        gc(repo)
         assert fsck(repo).ok
+    assert (tmp_path / "objects.owner").read_text() == f'{{"repository": "{tmp_path / "r"}"}}'
