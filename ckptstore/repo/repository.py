@@ -123,7 +123,8 @@ class Repository:
     @property
     def pool(self) -> ThreadPoolExecutor:
         """The threads that hash, encode and decode; started on first use."""
-        if self._pool is None or self._pool_pid != os.getpid():  # a forked child has none of the parent's threads
+        # a forked child has none of the parent's threads; a warm pool of an old thread count was shut down
+        if self._pool is None or self._pool_pid != os.getpid() or (self._shared_pool and self._pool._shutdown):
             self._pool_pid = os.getpid()
             threads = self.config.threads or os.cpu_count() or 1
             shared = warm.shared_pool(self.root, threads)  # a long-lived process's threads, kept across opens

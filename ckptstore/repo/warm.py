@@ -19,6 +19,7 @@ from ckptstore.repo.forked import ProcessLock
 from ckptstore.repo.planecache import share_plane_cache
 
 _ROOTS: set[str] = set()
+_LATEST: dict[str, int] = {}  # by root: the thread count its repositories asked for last
 _POOLS: dict[tuple[str, int], ThreadPoolExecutor] = {}
 _LOCK = ProcessLock()
 
@@ -43,10 +44,8 @@ def shared_pool(root: Path, threads: int) -> ThreadPoolExecutor | None:
     with _LOCK:
         key = (str(root), threads)
         if key not in _POOLS:
-            # the config's thread count changed: the pool of the old count is idle (settled after each command)
-            for old in [k for k in _POOLS if k[0] == str(root)]:
-                _POOLS.pop(old).shutdown(wait=False)
             _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-warm")
+        _LATEST[str(root)] = threads
         return _POOLS[key]
 
 
@@ -62,3 +61,7 @@ def settle(root: Path) -> None:
         for _ in range(threads):
             pool.submit(barrier.wait)
         barrier.wait()
+    with _LOCK:  # the config's thread count changed: the idle pools of other counts go, between commands
+        stale = [k for k in _POOLS if k[0] == str(root) and k[1] != _LATEST.get(str(root))]
+        for key in stale:
+            _POOLS.pop(key).shutdown(wait=False)

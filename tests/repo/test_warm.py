@@ -57,9 +57,27 @@ def test_a_changed_thread_count_replaces_the_warm_pool_and_the_count_is_bounded(
     first = shared_pool(tmp_path.resolve(), 3)
     assert shared_pool(tmp_path.resolve(), 3) is first
     second = shared_pool(tmp_path.resolve(), 5)
-    assert second is not first and first._shutdown and not second._shutdown
+    assert second is not first and not first._shutdown  # a repository may still be using it (third reader)
+    settle(tmp_path.resolve())  # between commands: the pool of the old count goes
+    assert first._shutdown and not second._shutdown
     settle(tmp_path.resolve())  # the one pool left
     config = tmp_path / ".ckpt" / "config.toml"
     config.write_text(config.read_text().replace("threads = 0", "threads = 100000"))
-    with pytest.raises(CkptError, match=r"threads must be a count up to 256 \(0: one per CPU\), not 100000"):
+    with pytest.raises(CkptError, match=r"threads must be a count up to 1024 \(0: one per CPU\), not 100000"):
         RepoConfig.load(config)
+
+
+def test_a_repository_whose_warm_pool_of_an_old_thread_count_went_takes_the_new_one(tmp_path):
+    """Replaced at once, the old pool failed the next commit of a repository still holding it: "cannot schedule
+    new futures after shutdown" (third reader)."""
+    Repository.init(tmp_path).close()
+    keep_warm(tmp_path.resolve())
+    with Repository.open(tmp_path) as first:
+        first.commit({"w": torch.ones(3)})
+        config = tmp_path / ".ckpt" / "config.toml"
+        config.write_text(config.read_text().replace("threads = 0", "threads = 3"))
+        with Repository.open(tmp_path) as second:
+            second.commit({"w": torch.zeros(3)})
+        settle(tmp_path.resolve())
+        first.commit({"w": torch.full((3,), 2.0)})  # on the pool it now finds
+        assert len(first.log()) == 3
