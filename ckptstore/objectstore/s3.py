@@ -103,11 +103,12 @@ def _client(bucket: str) -> Any:
 
 def _check_endpoint() -> None:
     """Refuse an endpoint variable set to what is no URL (the client library would panic on it)."""
-    for variable in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
-        value = os.environ.get(variable)
-        if value is not None and not re.fullmatch(r"https?://[^\s/?#]+(/\S*)?", value):
-            raise CkptError(f"{variable}={value!r} is not an endpoint URL: give http(s)://HOST[:PORT], or unset it "
-                            "for AWS's own")
+    # the one in effect: the S3 one wins where set (an empty AWS_ENDPOINT_URL beside it is then not read)
+    variable = "AWS_ENDPOINT_URL_S3" if os.environ.get("AWS_ENDPOINT_URL_S3") is not None else "AWS_ENDPOINT_URL"
+    value = os.environ.get(variable)
+    if value is not None and not re.fullmatch(r"https?://[^\s/?#]+(/\S*)?", value):
+        raise CkptError(f"{variable}={value!r} is not an endpoint URL: give http(s)://HOST[:PORT], or unset it "
+                        "for AWS's own")
 
 
 def _seconds(variable: str, default: float) -> float:
