@@ -88,7 +88,7 @@ class RetentionPolicy:
         return name, way
 
 
-MAX_THREADS = 256  # encoding threads: past the cores of any one machine, and each costs a stack
+MAX_THREADS = 1024  # encoding threads: past the cores of any one machine, and each costs a stack
 SECTIONS = ("core", "encoding", "remotes", "retention")
 CORE_KEYS = ("objects_url", "metadata_url", "threads", "lossy")
 ENCODING_KEYS = ("max_chain", "chunk_bytes", "zstd_level")
@@ -200,9 +200,13 @@ def edit_config(path: Path, change: Callable[[RepoConfig], None]) -> RepoConfig:
     """
     import fcntl
 
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
+    # read-only is enough for a flock: a lock file another user made (mode 644) still serves
+    lock = os.open(path.with_name(path.name + ".lock"), os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         config = RepoConfig.load(path)
         change(config)
         config.save(path)
+    finally:
+        os.close(lock)
     return config
