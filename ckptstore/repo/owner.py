@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from ckptstore.errors import CkptError
 from ckptstore.objectstore.fallback import held_here
+from ckptstore.repo.location import REPO_DIR
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
@@ -47,7 +48,7 @@ def refuse_anothers(repo: Repository) -> None:
     own = Path(os.path.realpath(repo.dir))
     if folder is None or folder.is_relative_to(own):
         return
-    holder = next((p for p in folder.parents if p.name == own.name and (p / "config.toml").is_file()), None)
+    holder = next((p for p in folder.parents if p.name == REPO_DIR and (p / "config.toml").is_file()), None)
     if holder is not None:  # another repository's own folder, named or not
         raise _refusal(folder, holder.parent)
     try:
@@ -56,7 +57,7 @@ def refuse_anothers(repo: Repository) -> None:
         return  # made before owners were written: nothing names another
     except (OSError, ValueError, TypeError, KeyError):
         owner = None  # damaged: taken over below only if no repository can be told from it
-    if owner is not None and owner != Path(os.path.realpath(repo.root)) and (owner / own.name).is_dir():
+    if owner is not None and owner != Path(os.path.realpath(repo.root)) and (owner / REPO_DIR).is_dir():
         raise _refusal(folder, owner)
     if owner != Path(os.path.realpath(repo.root)):  # moved here, or its maker's init failed: ours now
         claim(repo)
