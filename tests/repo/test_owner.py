@@ -42,15 +42,19 @@ def test_a_copy_of_a_repository_whose_objects_live_outside_it_cannot_collect_the
             gc(copy)
 
 
-@pytest.mark.parametrize("named", [True, False])
-def test_a_config_naming_another_repositorys_objects_cannot_collect_them(tmp_path, named):
+@pytest.mark.parametrize("named, linked", [(True, False), (False, False), (False, True)])
+def test_a_config_naming_another_repositorys_objects_cannot_collect_them(tmp_path, named, linked):
     """An objects_url edited to another repository's .ckpt/objects: gc there deleted all of them (auditor), also
-    where that store names no owner (made before owners were written: third reader)."""
+    where that store names no owner (made before owners were written: third reader), and from a repository
+    whose .ckpt is a link to a folder of another name (my read: it looked for parents of that name)."""
     with Repository.init(tmp_path / "a") as first:
         cid = first.commit(_state(0))
     if not named:
         (tmp_path / "a" / ".ckpt" / "objects.owner").unlink()
     Repository.init(tmp_path / "b").close()
+    if linked:
+        shutil.move(tmp_path / "b" / ".ckpt", tmp_path / "store")
+        (tmp_path / "b" / ".ckpt").symlink_to(tmp_path / "store")
     config = RepoConfig.load(tmp_path / "b" / ".ckpt" / "config.toml")
     config.objects_url = str(tmp_path / "a" / ".ckpt" / "objects")
     config.save(tmp_path / "b" / ".ckpt" / "config.toml")
