@@ -455,7 +455,10 @@ def _file_state(repo: Repository, path: Path, committed: str | None, head: Commi
     """The file's state against HEAD, and whether it still holds the very bytes HEAD was committed from."""
     if not path.is_file():
         return "missing", False
-    digest = file_digest(str(path))
+    try:
+        digest = file_digest(str(path))
+    except PermissionError:  # a file restored with its committed mode 000: said, and the others still listed
+        return "unreadable (permission denied)", False
     if digest == committed:
         return "unchanged", True
     with repo.db.read() as tx:

@@ -820,3 +820,27 @@ def test_names_near_name_max_in_multi_byte_characters_check_out(tmp_path):
     back = ckpt_here(tmp_path, "checkout", "HEAD")
     assert back.returncode == 0, back.stderr
     assert (folder / long_name).read_text() == "{}"
+
+
+def test_status_lists_a_file_it_may_not_read_and_goes_on(tmp_path, monkeypatch):
+    """A restored file of mode 000 stopped `ckpt status` at it, listing nothing (auditor). The OS's refusal is
+    stood in for here: this machine's tests run as root, whom file modes do not stop."""
+    from ckptstore.repo import worktree
+
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    for name in ("a.txt", "secret.txt", "z.txt"):
+        (folder / name).write_text(name)
+    with Repository.init(tmp_path) as repo:
+        repo.commit(folder)
+        real = worktree.file_digest
+
+        def refusing(path):
+            if path.endswith("secret.txt"):
+                raise PermissionError(13, "Permission denied", path)
+            return real(path)
+
+        monkeypatch.setattr(worktree, "file_digest", refusing)
+        states = {f["path"]: f["state"] for f in repo.status()["files"]}
+    assert states == {"ck/a.txt": "unchanged", "ck/secret.txt": "unreadable (permission denied)",
+                      "ck/z.txt": "unchanged"}
