@@ -1,5 +1,6 @@
 """gc and prune delete only in an object store their repository owns (repo/owner.py)."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -32,8 +33,11 @@ def test_a_copy_of_a_repository_whose_objects_live_outside_it_cannot_collect_the
             gc(copy)
         with pytest.raises(CkptError, match="belongs to the repository at"):
             prune(copy, RetentionPolicy(keep_last=1))
-    shutil.move(tmp_path / "a", tmp_path / "moved")  # the owner went: the moved repository takes its store over
-    with Repository.open(tmp_path / "moved") as original:
+    shutil.move(tmp_path / "a", tmp_path / "moved")  # the named path is gone: the copy is still not the owner
+    with Repository.open(tmp_path / "b") as copy:
+        with pytest.raises(CkptError, match="belongs to the repository at .*/a, not this"):
+            gc(copy)  # it took the store over, then deleted the moved original's objects (fourth reader)
+    with Repository.open(tmp_path / "moved") as original:  # the same .ckpt, moved: the name follows it
         gc(original)
         assert fsck(original).ok
         assert_same(_state(1), original.checkout(later))
@@ -77,4 +81,33 @@ def test_an_init_that_failed_leaves_no_owner_in_the_way_of_the_next(tmp_path):
         repo.commit(_state(0))
         gc(repo)
         assert fsck(repo).ok
-    assert (tmp_path / "objects.owner").read_text() == f'{{"repository": "{tmp_path / "r"}"}}'
+    assert json.loads((tmp_path / "objects.owner").read_text())["repository"] == str(tmp_path / "r")
+
+
+def test_a_second_init_over_an_empty_store_leaves_it_the_first_repositorys(tmp_path):
+    """The second init renamed the store's owner to itself: the first's gc was refused and the second's deleted
+    the first's objects (fourth reader)."""
+    store = tmp_path / "objects"
+    Repository.init(tmp_path / "a", objects_url=str(store)).close()
+    Repository.init(tmp_path / "b", objects_url=str(store)).close()  # the store holds no object yet
+    with Repository.open(tmp_path / "a") as first:
+        cid = first.commit(_state(0))
+        gc(first)
+    with Repository.open(tmp_path / "b") as second, pytest.raises(CkptError, match="belongs to the repository at .*/a"):
+        gc(second)
+    with Repository.open(tmp_path / "a") as first:
+        assert fsck(first).ok
+        assert_same(_state(0), first.checkout(cid))
+
+
+def test_repositories_joined_over_one_sqlite_database_collect_as_one(tmp_path):
+    """An absolute SQLite metadata URL shared by two repositories holds both's records, as PostgreSQL would: the
+    second's init named itself the owner and the first's gc was refused (fourth reader)."""
+    database, store = f"sqlite:///{tmp_path / 'shared.db'}", str(tmp_path / "objects")
+    with Repository.init(tmp_path / "a", metadata_url=database, objects_url=store) as first:
+        cid = first.commit(_state(0))
+    Repository.init(tmp_path / "b", metadata_url=database, objects_url=store).close()
+    for name in ("a", "b"):
+        with Repository.open(tmp_path / name) as repo:
+            gc(repo)
+            assert_same(_state(0), repo.checkout(cid))
