@@ -393,7 +393,10 @@ class WatchState:
     def done(self, source: Source) -> bool:
         """True when this very version of `source` (same files, sizes, times) was handled."""
         known = self.sources.get(source.name)
-        return isinstance(known, dict) and known.get("signature") == source.signature
+        if not isinstance(known, dict) or not isinstance(known.get("signature"), list):
+            return False
+        # [name, size, mtime_ns] first: a state written with more per file (inode, ctime) still matches
+        return [entry[:3] if isinstance(entry, list) else entry for entry in known["signature"]] == source.signature
 
     def forget_gone(self, present: Iterable[str]) -> None:
         """Drop what it holds of sources gone from the folder (a rotation deleted them).

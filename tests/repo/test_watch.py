@@ -18,6 +18,8 @@ from ckptstore.cli import cli
 from ckptstore.errors import CheckpointFormatError, CkptError
 from ckptstore.formats.torchfile import numpy_safe_globals
 from ckptstore.repo import watch as watch_module
+from ckptstore.repo.config import RetentionPolicy
+from ckptstore.repo.pruning import prune
 from ckptstore.repo.watch import WatchOptions, file_incomplete, step_of
 from ckptstore.repo.watch import watch_folder as watch
 from tests.conftest import Trainer, assert_same, ckpt_env
@@ -490,3 +492,21 @@ def test_the_watch_state_forgets_sources_a_rotation_deleted_and_still_commits_no
     assert len(json.loads(state_file.read_text())["sources"]) <= 3  # the folder's two, and one gone since
     state_file.unlink()  # a restart with no state at all: the commits themselves say what was done
     assert watch(repo, run, ONCE).committed == [] and len(repo.log()) == 6
+
+
+def test_a_state_with_more_fields_per_file_still_says_what_is_done(repo, tmp_path):
+    """A state written by a version that kept inode and ctime per file (never released: c5594eb, reverted)
+    matched nothing, and where the policy had pruned the commits the restarted watch committed them again
+    (fourth reader)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in (1, 2):
+        torch.save({"w": torch.full((4,), float(step))}, run / f"step={step}.ckpt")
+    assert len(watch(repo, run, ONCE).committed) == 2
+    (state,) = (repo.dir / "watch").glob("*.json")
+    record = json.loads(state.read_text())
+    for source in record["sources"].values():
+        source["signature"] = [entry + [12345, 67890] for entry in source["signature"]]
+    state.write_text(json.dumps(record))
+    prune(repo, RetentionPolicy(keep_last=1))  # step=1's commit goes: only the state can say it was done
+    assert watch(repo, run, ONCE).committed == []
