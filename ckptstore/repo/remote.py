@@ -223,7 +223,8 @@ def remote_store(remote: RemoteConfig) -> ObjectStore:
         raise CkptError(f"{remote.url} holds no repository any more (no {REPO_DIR}/ folder there)")
     config = RepoConfig.load(folder / "config.toml")
     _refuse_lazy_origin(config, remote.url)
-    return open_store(config.objects_url or "objects", folder / "tmp", folder)
+    # a configured folder that is gone is said so, never made anew empty in the origin's place
+    return open_store(config.objects_url or "objects", folder / "tmp", folder, create=not config.objects_url)
 
 
 def _refuse_lazy_origin(config: RepoConfig, url: str) -> None:

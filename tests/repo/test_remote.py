@@ -956,3 +956,15 @@ def test_a_lazy_clone_follows_its_origin_to_a_new_place_with_set_url(tmp_path):
     with Repository.open(tmp_path / "copy") as copy:  # read from the config it wrote
         assert_same(_state(3), copy.checkout(cid))
     assert ckpt_here(tmp_path / "copy", "remote", "set-url", "nowhere", "../moved").returncode == 1
+
+
+def test_a_lazy_clone_never_makes_its_origins_missing_objects_folder(tmp_path):
+    """Reading from an origin whose --objects folder was moved away made it anew, empty, in its place, and blamed
+    a prune there (fourth reader)."""
+    with Repository.init(tmp_path / "origin", objects_url=str(tmp_path / "objects")) as origin:
+        cid = origin.commit(_state(4))
+    remote.clone(str(tmp_path / "origin"), tmp_path / "copy", lazy=True).close()
+    shutil.move(tmp_path / "objects", tmp_path / "elsewhere")
+    with Repository.open(tmp_path / "copy") as copy, pytest.raises(CorruptObjectError, match="does not exist"):
+        copy.checkout(cid)
+    assert not (tmp_path / "objects").exists()
