@@ -80,6 +80,7 @@ def _build(root: Path, staging: Path, config: RepoConfig) -> None:
     else:
         repo = Repository(root, config, create=True, folder=staging)
     try:
+        owner.refuse_init(repo)  # a store another repository still owns: nothing is left of this init
         refs.ensure_head(repo)
     finally:
         repo.close()

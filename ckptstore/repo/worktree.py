@@ -453,11 +453,11 @@ def status(repo: Repository) -> dict[str, Any]:
 
 def _file_state(repo: Repository, path: Path, committed: str | None, head: CommitId) -> tuple[str, bool]:
     """The file's state against HEAD, and whether it still holds the very bytes HEAD was committed from."""
-    if not path.is_file():
-        return "missing", False
     try:
+        if not path.is_file():
+            return "missing", False
         digest = file_digest(str(path))
-    except PermissionError:  # a file restored with its committed mode 000: said, and the others still listed
+    except PermissionError:  # restored with its committed mode 000 (or in a folder of it): said, the rest listed
         return "unreadable (permission denied)", False
     if digest == committed:
         return "unchanged", True

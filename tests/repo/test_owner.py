@@ -84,18 +84,19 @@ def test_an_init_that_failed_leaves_no_owner_in_the_way_of_the_next(tmp_path):
     assert json.loads((tmp_path / "objects.owner").read_text())["repository"] == str(tmp_path / "r")
 
 
-def test_a_second_init_over_an_empty_store_leaves_it_the_first_repositorys(tmp_path):
-    """The second init renamed the store's owner to itself: the first's gc was refused and the second's deleted
-    the first's objects (fourth reader)."""
+def test_a_second_init_over_a_store_another_repository_owns_is_refused(tmp_path):
+    """The second init renamed the store's owner to itself (fourth reader); kept as the first's, the first's gc
+    then deleted the second's commits (fifth reader). A store owned by a repository still there is its alone."""
+    from ckptstore.errors import RepoExistsError
+
     store = tmp_path / "objects"
     Repository.init(tmp_path / "a", objects_url=str(store)).close()
-    Repository.init(tmp_path / "b", objects_url=str(store)).close()  # the store holds no object yet
+    with pytest.raises(RepoExistsError, match=r"the object store .*objects belongs to the repository at .*/a: join"):
+        Repository.init(tmp_path / "b", objects_url=str(store))
+    assert not (tmp_path / "b" / ".ckpt").exists()
     with Repository.open(tmp_path / "a") as first:
         cid = first.commit(_state(0))
         gc(first)
-    with Repository.open(tmp_path / "b") as second, pytest.raises(CkptError, match="belongs to the repository at .*/a"):
-        gc(second)
-    with Repository.open(tmp_path / "a") as first:
         assert fsck(first).ok
         assert_same(_state(0), first.checkout(cid))
 
@@ -111,3 +112,69 @@ def test_repositories_joined_over_one_sqlite_database_collect_as_one(tmp_path):
         with Repository.open(tmp_path / name) as repo:
             gc(repo)
             assert_same(_state(0), repo.checkout(cid))
+
+
+def test_a_copy_made_at_the_moved_originals_old_path_is_not_the_owner(tmp_path):
+    """mv A A2, then cp -a A2 A: the copy matched the owner file by path and its gc deleted A2's objects (fifth
+    reader). The owner is the .ckpt folder the file names by inode: A2's, moved."""
+    with Repository.init(tmp_path / "a", objects_url=str(tmp_path / "objects")) as repo:
+        repo.commit(_state(0))
+    shutil.move(tmp_path / "a", tmp_path / "a2")
+    shutil.copytree(tmp_path / "a2", tmp_path / "a", symlinks=True)
+    with Repository.open(tmp_path / "a2") as moved:
+        later = moved.commit(_state(1))
+    with Repository.open(tmp_path / "a") as copy, pytest.raises(CkptError, match="belongs to the repository at"):
+        gc(copy)
+    with Repository.open(tmp_path / "a2") as moved:
+        gc(moved)
+        assert_same(_state(1), moved.checkout(later))
+
+
+def test_a_new_repository_at_a_moved_owners_old_path_leaves_the_store_to_the_moved_one(tmp_path):
+    """After `mv runs runs-2024` and a new `ckpt init runs/exp`, the moved repository's gc was refused for good
+    (fifth reader)."""
+    with Repository.init(tmp_path / "runs" / "exp", objects_url=str(tmp_path / "objects")) as repo:
+        cid = repo.commit(_state(0))
+    shutil.move(tmp_path / "runs", tmp_path / "runs-2024")
+    Repository.init(tmp_path / "runs" / "exp").close()  # its own objects, in its .ckpt
+    with Repository.open(tmp_path / "runs-2024" / "exp") as moved:
+        gc(moved)
+        prune(moved, RetentionPolicy(keep_last=1))
+        assert_same(_state(0), moved.checkout(cid))
+
+
+def test_a_configured_sqlite_database_of_its_own_does_not_make_another_store_collectable(tmp_path):
+    """Any --metadata sqlite URL (made absolute by init) counted as shared and skipped the check: an objects_url
+    edited to another repository's store was collected (fifth reader)."""
+    with Repository.init(tmp_path / "a", objects_url=str(tmp_path / "objects")) as first:
+        cid = first.commit(_state(0))
+    Repository.init(tmp_path / "b", metadata_url=f"sqlite:///{tmp_path / 'b-meta.db'}").close()
+    config = RepoConfig.load(tmp_path / "b" / ".ckpt" / "config.toml")
+    config.objects_url = str(tmp_path / "objects")
+    config.save(tmp_path / "b" / ".ckpt" / "config.toml")
+    with Repository.open(tmp_path / "b") as other, pytest.raises(CkptError, match="belongs to the repository at"):
+        gc(other)
+    with Repository.open(tmp_path / "a") as first:
+        assert_same(_state(0), first.checkout(cid))
+
+
+def test_a_copy_holding_its_store_in_its_own_folder_collects_it(tmp_path):
+    """With objects_url = "../objects" a copy of the folder copied the store too, yet its gc was refused as
+    another's (fifth reader): a store inside the repository's folder is its own by place."""
+    with Repository.init(tmp_path / "a", objects_url="../objects") as repo:
+        repo.commit(_state(0))
+    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
+    with Repository.open(tmp_path / "b") as copy:
+        gc(copy)
+        assert fsck(copy).ok
+
+
+def test_a_read_only_gc_writes_no_owner_file(tmp_path):
+    """`ckpt --read-only gc` after a move rewrote the owner file before refusing as read-only (fifth reader)."""
+    with Repository.init(tmp_path / "a", objects_url=str(tmp_path / "objects")) as repo:
+        repo.commit(_state(0))
+    before = (tmp_path / "objects.owner").read_bytes()
+    shutil.move(tmp_path / "a", tmp_path / "a2")
+    with Repository.open(tmp_path / "a2", read_only=True) as moved, pytest.raises(CkptError):
+        gc(moved)
+    assert (tmp_path / "objects.owner").read_bytes() == before

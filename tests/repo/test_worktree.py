@@ -842,5 +842,14 @@ def test_status_lists_a_file_it_may_not_read_and_goes_on(tmp_path, monkeypatch):
 
         monkeypatch.setattr(worktree, "file_digest", refusing)
         states = {f["path"]: f["state"] for f in repo.status()["files"]}
-    assert states == {"ck/a.txt": "unchanged", "ck/secret.txt": "unreadable (permission denied)",
-                      "ck/z.txt": "unchanged"}
+        assert states == {"ck/a.txt": "unchanged", "ck/secret.txt": "unreadable (permission denied)",
+                          "ck/z.txt": "unchanged"}
+        real_is_file = Path.is_file  # a folder of mode 000 above it: even asking whether it is a file fails
+
+        def refusing_is_file(path):
+            if path.name == "a.txt":
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_is_file(path)
+
+        monkeypatch.setattr(Path, "is_file", refusing_is_file)
+        assert repo.status()["files"][0]["state"] == "unreadable (permission denied)"
