@@ -158,8 +158,7 @@ class S3ObjectStore:
         except BaseException as exc:  # a missing profile or secret key; the client library's panics are BaseExceptions
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            said = " ".join(str(exc).split()).split(" Debug source:")[0]
-            raise CkptError(f"{self.url}: the S3 client cannot be set up from this environment ({said}): check "
+            raise CkptError(f"{self.url}: the S3 client cannot be set up from this environment ({_said(exc)}): check "
                             "AWS_PROFILE, AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY") from None
         self._batch: _Uploads | None = None
         self._ahead: _ReadAhead | None = None
@@ -451,11 +450,16 @@ def parts_etag(data: bytes | memoryview) -> str:
     return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
 
 
+def _said(exc: BaseException) -> str:
+    """The client's error on one line, without its dump of its own state ("Debug source: …": no help)."""
+    return " ".join(str(exc).split()).split(" Debug source:")[0]
+
+
 def unavailable(url: str, exc: BaseException) -> StoreUnavailableError:
     """The client's error as one line naming the store, what happened and what to do."""
     from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
 
-    text = " ".join(str(exc).split()).split(" Debug source:")[0]  # the client's dump of its own state: no help
+    text = _said(exc)
     endpoint = _endpoint() or "the default AWS endpoint"
     if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)) or any(
             word in text for word in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403 Forbidden")):
