@@ -305,7 +305,7 @@ def checkout(ctx, ref, output, force, only) -> None:
     repo = _open(ctx)
     info = repo.commit_info(ref)  # before HEAD moves: a ref like HEAD~1 names another commit afterwards
     dest = repo.checkout_to(ref, output, force=force, progress=BarProgress(), keys=list(only) or None)
-    if output is None and info.kind == "dcp":
+    if output is None and info.sharded:
         echo(f"HEAD is now at {info.id[:12]}, a sharded (DCP) commit: nothing is written in place; write it as a "
              f"DCP directory with `ckpt checkout {info.id[:12]} -o DIR`, or load it with CkptStorageReader")
         return

@@ -13,6 +13,8 @@ from ckptstore.hashing import CommitId, ObjectId, TensorId, commit_id
 from ckptstore.metadata.db import Tx
 from ckptstore.metadata.tensors import dependents, tensors_in_objects
 
+SHARDED_KIND = "dcp"  # a sharded (torch.distributed.checkpoint) commit's kind: nothing of it is written in place
+
 _INT_KEY = re.compile(r"-?(0|[1-9][0-9]*)")  # the str form of an int key, as JSON writes it
 _COLUMNS = ("id, manifest_object, message, author, created_at, step, metrics, kind, source_path, raw_bytes, "
             "stored_bytes, lossy")
@@ -36,6 +38,11 @@ class CommitInfo:
     parents: list[CommitId] = field(default_factory=list)
     lossy: str | None = None
     pruned: bool = False  # removed by `ckpt prune`: the row stays (ids hash their parents), the data went; not hashed
+
+    @property
+    def sharded(self) -> bool:
+        """A sharded (torch.distributed.checkpoint) commit: it has no files, so nothing of it is written in place."""
+        return self.kind == SHARDED_KIND
 
     def to_json(self) -> dict[str, Any]:
         return {

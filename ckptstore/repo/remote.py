@@ -39,6 +39,7 @@ from ckptstore.errors import (
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.hashing import CommitId, ObjectId
 from ckptstore.metadata import absolute_url, transfer
+from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.objectstore import ObjectStore, open_store
@@ -293,8 +294,6 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
 
 def _refuse_damaged(tx: Tx, cids: list[CommitId]) -> None:
     """Every commit record that would move must hash to its id, as every object must: damage stays where it is."""
-    from ckptstore.metadata import commits as commit_rows
-
     for cid in cids:
         try:
             commit_rows.commit_info(tx, cid)
@@ -570,14 +569,12 @@ def _tell_unwritten_dcp(repo: Repository, branch: str, old: CommitId | None, new
     A DCP directory committed with `ckpt commit DIR` still holds the old checkpoint: training on from
     it, the next commit would undo the pull without a word.
     """
-    from ckptstore.repo.sharded import KIND as SHARDED_KIND  # numpy and the encoders: not for a lazy clone's log
-
-    if repo.commit_info(new).kind == SHARDED_KIND:
+    if repo.commit_info(new).sharded:
         warn_caller(f"{branch} now points at {new[:12]}, a sharded (DCP) commit, which is never written in place: "
                     f"a DCP directory committed here still holds the checkpoint it held; before training on from "
                     f"it, write {new[:12]} with `ckpt checkout {new[:12]} -o NEWDIR` or load it with "
                     "CkptStorageReader", RuntimeWarning)
-    elif old is not None and repo.commit_info(old).kind == SHARDED_KIND:
+    elif old is not None and repo.commit_info(old).sharded:
         warn_caller(f"{branch} now points at {new[:12]}, whose files were not written: HEAD was on a sharded (DCP) "
                     f"commit, which has no files here; write them with `ckpt checkout {branch}`", RuntimeWarning)
 

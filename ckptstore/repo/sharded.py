@@ -37,7 +37,7 @@ from ckptstore.warn import warn_caller
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
 
-KIND = "dcp"  # a sharded commit's kind (commit row and manifest)
+KIND = commit_rows.SHARDED_KIND  # a sharded commit's kind (commit row and manifest)
 
 
 def is_sharded(manifest: Manifest) -> bool:
