@@ -388,15 +388,15 @@ class WatchState:
             sources = record["sources"] if isinstance(record.get("sources"), dict) else {}
         except (OSError, ValueError, AttributeError):  # missing or damaged: the commits themselves say what was done
             sources = {}
+        for known in sources.values():  # [name, size, mtime_ns]: a state written with more per file still matches
+            if isinstance(known, dict) and isinstance(known.get("signature"), list):
+                known["signature"] = [e[:3] if isinstance(e, list) else e for e in known["signature"]]
         return cls(path, header, sources)
 
     def done(self, source: Source) -> bool:
         """True when this very version of `source` (same files, sizes, times) was handled."""
         known = self.sources.get(source.name)
-        if not isinstance(known, dict) or not isinstance(known.get("signature"), list):
-            return False
-        # [name, size, mtime_ns] first: a state written with more per file (inode, ctime) still matches
-        return [entry[:3] if isinstance(entry, list) else entry for entry in known["signature"]] == source.signature
+        return isinstance(known, dict) and known.get("signature") == source.signature
 
     def forget_gone(self, present: Iterable[str]) -> None:
         """Drop what it holds of sources gone from the folder (a rotation deleted them).
