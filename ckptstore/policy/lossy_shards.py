@@ -249,7 +249,7 @@ def plan_shards(tensors: Mapping[str, RawTensor], shards: Mapping[str, Shard], f
                 ) -> tuple[dict[str, LossyPlan], dict[str, Role]]:
     """Plans (and roles) for this rank's shards (by shard key) that the level makes lossy."""
     tensors = {k: r for k, r in tensors.items() if k in shards and r.nbytes > 0}
-    state = set(facts.state)
+    state_fqns = set(facts.state)
     optimizer = _shard_slots(tensors, shards, facts)
     roles = optimizer.roles()
     states = [tensors[p] for p, (role, _) in roles.items() if role != "weight"]
@@ -257,7 +257,7 @@ def plan_shards(tensors: Mapping[str, RawTensor], shards: Mapping[str, Shard], f
                       {k: facts.sensitivity[s.fqn] for k, s in shards.items() if s.fqn in facts.sensitivity},
                       {state.shape for state in states}, facts.moment_min, facts.shared_lr,
                       elements={k: facts.elements.get(s.fqn, 0) for k, s in shards.items()},
-                      optimizer_state={k for k, s in shards.items() if s.fqn in state})
+                      optimizer_state={k for k, s in shards.items() if s.fqn in state_fqns})
     return plan_context(ctx)
 
 
