@@ -72,6 +72,11 @@ def _shown(text: str) -> str:
     return _CONTROL.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
 
 
+def _name(text: str) -> str:
+    """A file or tensor name for a line of its own: a newline it holds written out, not breaking the listing."""
+    return text.replace("\n", "\\n")
+
+
 def echo(text: str = "") -> None:
     """Write one line of the command's output; a stdout that refuses it raises OutputError, not an OSError.
 
@@ -457,7 +462,7 @@ def show(ctx, ref, as_json) -> None:
     if as_json:
         return _emit_json(data)
     echo(f"commit {data['id']}\nparents {' '.join(p[:12] for p in data['parents']) or '-'}")
-    echo(f"step {data['step']}  metrics {data['metrics']}  source {data['source_path']}")
+    echo(f"step {data['step']}  metrics {data['metrics']}  source {_name(str(data['source_path']))}")
     if data.get("pruned"):  # its row stays for the history; its tensors and their bytes are gone
         echo(f"pruned by `ckpt prune`: its tensors are gone{' (it was lossy)' if data.get('lossy') else ''}")
     elif data.get("lossy"):
@@ -466,21 +471,21 @@ def show(ctx, ref, as_json) -> None:
     stored = "- (pruned)" if data.get("pruned") else _size(data["stored_bytes"])
     echo(f"raw {_size(data['raw_bytes'])}  stored {stored}\n\n{_indented(data['message'])}\n")
     for f in data["files"] if data["kind"] != "state" else []:  # an in-memory state's only record has no file
-        echo(f"file {f['name'] or '.'} [{f['format']}] {_size(f['size'])} {f['note']}".rstrip())
+        echo(f"file {_name(f['name']) or '.'} [{f['format']}] {_size(f['size'])} {f['note']}".rstrip())
     for row in data.get("fidelity", []):
         bound = (f", at most {row['worst_of_bound']:.0%} of its bound" if row["worst_of_bound"] is not None
                  else " (no bound)")
         echo(f"measured {row['quantity']}: worst {row['worst']:.2e} over {row['tensors']} tensors{bound}")
     if "sharded" in data:  # a DCP commit: its logical tensors, not every shard
         for t in data["sharded"]:
-            echo(f"  {t['fqn']}  {t['dtype']} {tuple(t['shape'])}  {t['shards']} shard"
+            echo(f"  {_name(t['fqn'])}  {t['dtype']} {tuple(t['shape'])}  {t['shards']} shard"
                  f"{'s' if t['shards'] != 1 else ''}")
         echo(f"({len(data['tensors'])} stored shards; --json lists them)")
         return None
     for t in data["tensors"]:
         error = f"  rel.err {t['rel_error']:.2e}" if "rel_error" in t else ""
         error += f" (bound {t['max_error']:.2e})" if "max_error" in t else ""
-        echo(f"  {t['path']}  {t['dtype']} {tuple(t['shape'])}  {_size(t['stored_bytes'])} depth {t['depth']}"
+        echo(f"  {_name(t['path'])}  {t['dtype']} {tuple(t['shape'])}  {_size(t['stored_bytes'])} depth {t['depth']}"
              f"{error}")
     return None
 
@@ -493,7 +498,7 @@ def status(ctx) -> None:
     where = f"On branch {report['branch']}" if report["branch"] else "HEAD detached"
     echo(where + (f" at {report['head'][:12]}" if report["head"] else " (no commits yet)"))
     for item in report["files"]:
-        echo(f"  {item['state']:>10}: {item['path']}" + (f" ({item['note']})" if item.get("note") else ""))
+        echo(f"  {item['state']:>10}: {_name(item['path'])}" + (f" ({item['note']})" if item.get("note") else ""))
 
 
 @cli.command()
@@ -511,7 +516,7 @@ def diff(ctx, a, b, as_json, show_all) -> None:
         if row.status == "unchanged" and not show_all:
             continue
         rel = "" if row.relative_l2 is None else f" rel_l2={row.relative_l2:.3e}"
-        echo(f"{row.status:>9} {row.path} {row.dtype} {tuple(row.shape)}{rel} stored={_size(row.stored_bytes)}")
+        echo(f"{row.status:>9} {_name(row.path)} {row.dtype} {tuple(row.shape)}{rel} stored={_size(row.stored_bytes)}")
     unchanged = sum(r.status == "unchanged" for r in rows)
     echo(f"{len(rows) - unchanged} of {len(rows)} tensors differ")
     return None

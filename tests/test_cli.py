@@ -232,3 +232,23 @@ def test_control_characters_in_commit_text_reach_the_terminal_written_out(tmp_pa
     assert "\\x1b]0;owned\\x07" in ckpt_here(tmp_path, "log").stdout
     shown = ckpt_here(tmp_path, "show", "HEAD").stdout
     assert "\\x1b[2J\\x0dgone" in shown and "second line\tx" in shown and "loss\\x1b[31m" in shown
+
+
+def test_a_newline_in_a_file_or_tensor_name_stays_on_its_line(tmp_path):
+    """A name holding a newline broke show, status and diff listings into lines that looked like entries."""
+    (tmp_path / "a\nmodified: b.pt").mkdir()
+    source = tmp_path / "a\nmodified: b.pt" / "ck.pt"
+    torch.save({"w\nx": torch.ones(4)}, source)
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    assert ckpt_here(tmp_path, "commit", str(source), "-m", "one").returncode == 0
+    torch.save({"w\nx": torch.zeros(4)}, source)
+    assert ckpt_here(tmp_path, "commit", str(source), "-m", "two").returncode == 0
+    torch.save({"w\nx": torch.full((4,), 2.0)}, source)
+    shown = ckpt_here(tmp_path, "show", "HEAD").stdout.splitlines()
+    assert any(line.startswith("  w\\nx  ") for line in shown), shown
+    assert any(line.endswith("source a\\nmodified: b.pt/ck.pt") for line in shown), shown
+    assert not any(line.startswith(("x ", "modified: b.pt")) for line in shown), shown
+    status = ckpt_here(tmp_path, "status").stdout.splitlines()
+    assert status[1:] == ["    modified: a\\nmodified: b.pt/ck.pt"], status
+    diff = ckpt_here(tmp_path, "diff", "HEAD~1", "HEAD").stdout.splitlines()
+    assert any(line.startswith("  changed w\\nx torch.float32 (4,) rel_l2=1.000e+00") for line in diff), diff
