@@ -185,11 +185,34 @@ class RepoConfig:
         if self.retention.active:  # absent when off, so a config without a policy reads as before
             lines += ["", "[retention]"] + [f"{key} = {json.dumps(value)}"
                                              for key, value in asdict(self.retention).items()]
-        text = ("\n".join(lines) + "\n").encode()
+        text = "\n".join(lines) + "\n"
+        if path.exists():  # an edit (`ckpt remote add`): the comments and order the user gave the file stay
+            text = _into_existing(path.read_text(), text)
         # Imported here: opening a repository (every command) reads the config but never writes it.
         from ckptstore.formats.atomic import atomic_write
 
-        atomic_write(path, lambda handle: handle.write(text))  # a crash never leaves a half-written config
+        atomic_write(path, lambda handle: handle.write(text.encode()))  # a crash never leaves half a config
+
+
+def _into_existing(old: str, new: str) -> str:
+    """The settings of `new` written into the document `old`: its comments and layout kept, its values replaced."""
+    import tomlkit  # only an edit needs it
+
+    document = tomlkit.parse(old)
+    _merge(document, tomllib.loads(new))
+    merged = tomlkit.dumps(document)
+    return merged if tomllib.loads(merged) == tomllib.loads(new) else new  # never a comment kept over a value
+
+
+def _merge(table: Any, values: dict[str, Any]) -> None:
+    """Make the tomlkit `table` hold `values`, touching only the keys whose values differ."""
+    for key in [key for key in table if key not in values]:
+        del table[key]
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(table.get(key), dict):
+            _merge(table[key], value)
+        elif key not in table or table[key] != value:
+            table[key] = value
 
 
 def edit_config(path: Path, change: Callable[[RepoConfig], None]) -> RepoConfig:

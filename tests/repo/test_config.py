@@ -91,3 +91,19 @@ def test_an_objects_url_naming_no_folder_is_said_so_and_nothing_is_made(tmp_path
     said = "which does not exist (a typo, or a disk not mounted?)" if kind == "missing" else "which is a file"
     assert failed.returncode == 1 and said in failed.stderr and "unexpected" not in failed.stderr
     assert not (tmp_path / "typo").exists()
+
+
+def test_remote_edits_keep_the_comments_and_order_a_user_gave_the_config(tmp_path):
+    """`ckpt remote add/set-url/remove` wrote config.toml afresh from what it parsed: every comment was lost."""
+    for name in ("o1", "o2"):
+        Repository.init(tmp_path / name).close()
+    config = _with(tmp_path / "repo", "\n# the lab's settings: ask Ana before changing\n")
+    config.write_text("# written by hand\n" + config.read_text().replace("threads = 0", "threads = 2  # a shared box"))
+    for args in (("add", "origin", str(tmp_path / "o1")), ("add", "backup", str(tmp_path / "o2")),
+                 ("set-url", "origin", str(tmp_path / "o2")), ("remove", "backup")):
+        assert ckpt_here(tmp_path / "repo", "remote", *args).returncode == 0, args
+    text = config.read_text()
+    assert text.startswith("# written by hand\n[core]\n") and "threads = 2  # a shared box\n" in text
+    assert "# the lab's settings: ask Ana before changing\n" in text and "backup" not in text
+    saved = RepoConfig.load(config)
+    assert saved.threads == 2 and {n: r.url for n, r in saved.remotes.items()} == {"origin": str(tmp_path / "o2")}
