@@ -54,6 +54,8 @@ def classify(ctx: PlanContext, path: str, raw: RawTensor) -> tuple[Role, Subject
         if slot.other_state:  # another optimizer's buffer (RMSprop's): SGD's bound does not hold for it
             return Role.LOSSLESS, Subject(path, raw, slot)
         return _sgd_momentum(ctx, Subject(path, raw, slot))
+    if slot.foreign_moments:  # Adan's, Adafactor's: a bound worked out for Adam's update does not hold
+        return Role.LOSSLESS, Subject(path, raw, slot)
     if role == "exp_avg_sq":
         return _second_moment(ctx, Subject(path, raw, slot))
     return _first_moment(ctx, Subject(path, raw, slot))

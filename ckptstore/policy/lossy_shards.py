@@ -32,15 +32,15 @@ from ckptstore.policy.levels import LossyLevel
 from ckptstore.policy.lossless import EncodingSettings
 from ckptstore.policy.lossy import LossyPlan, Role, eligible, plan_context
 from ckptstore.policy.lossy_context import PlanContext, RmsCache, moment_min_of_sizes
-from ckptstore.policy.mapping import NO_OPTIMIZER_STATE, OptimizerMap, ParamSlots
+from ckptstore.policy.mapping import ADAM_EXTRAS, NO_OPTIMIZER_STATE, OptimizerMap, ParamSlots
 from ckptstore.policy.sensitivity import step_factors
 from ckptstore.records import TensorRecord
 from ckptstore.state import RawTensor
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 AMSGRAD_MAX = "max_exp_avg_sq"  # with it, Adam's moments stay exact (policy/lossy_roles.py)
-# other torch optimizers' state found beside a moment (RMSprop's, amsgrad's): it marks the parameter's slot, as
-# policy/mapping.py does for a file, so no momentum_buffer beside it takes SGD's bound
+# other torch optimizers' state (RMSprop's, amsgrad's): with no optimizer known, a `.state.` name ending in one
+# of these or a moment is optimizer state (state_names)
 OTHER_STATE = (AMSGRAD_MAX, "square_avg", "grad_avg", "sum", "exp_inf", "acc_delta", "mu_product", "eta", "mu", "ax",
                "prev", "step_size", "row_var", "col_var", "variance")
 PAIRING = "by fully qualified name (DCP's flattened optimizer state)"
@@ -108,10 +108,14 @@ def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float], state: Iter
     the whole commit lossless. A slot's moments are never taken over by another state.
     """
     names = sorted(set(fqns))
-    present = set(names)
     states = {n for n in (state_names(names) if state is None else state) if n.rsplit(".", 1)[-1] in MOMENTS}
     weights = [n for n in names if n not in states]
     found = {name: _hits(name, weights) for name in sorted(states)}
+    beside: dict[str, set[str]] = {}  # a moment's head -> the last names of everything under it but step
+    for name in names:
+        head, _, last = name.rpartition(".")
+        if last != "step":
+            beside.setdefault(head, set()).add(last)
     prefixes = Counter(hits[0][:-len(param)] for param, hits in found.values() if len(hits) == 1)
     slots: dict[str, dict[str, str]] = {}
     lrs: dict[str, float] = {}
@@ -123,8 +127,9 @@ def pair_by_fqn(fqns: Iterable[str], param_lrs: Mapping[str, float], state: Iter
         if chosen is None or role in slots[chosen]:
             continue
         slots[chosen][role] = name
-        # beside a moment, under its own head: never a model parameter named like one (`x.state.sum`)
-        slots[chosen].update({other: f"{head}.{other}" for other in OTHER_STATE if f"{head}.{other}" in present})
+        # beside a moment, under its own head: never a model parameter named like one (`x.state.sum`); any
+        # name, not only torch's (Adan's exp_avg_diff), so another optimizer's moments are told from Adam's
+        slots[chosen].update({other: f"{head}.{other}" for other in beside.get(head, ()) if other not in MOMENTS})
         if param in param_lrs:
             lrs[chosen] = float(param_lrs[param])
     return slots, lrs
@@ -272,7 +277,8 @@ def _shard_slots(tensors: Mapping[str, RawTensor], shards: Mapping[str, Shard], 
             if not any(found.values()):
                 continue
             slot = ParamSlots(len(slots), weight=found["weight"], lr=facts.lrs.get(weight),
-                              other_state=bool(set(states) - set(MOMENTS)), amsgrad=AMSGRAD_MAX in states)
+                              other_state=bool(set(states) - set(MOMENTS)), amsgrad=AMSGRAD_MAX in states,
+                              foreign_moments=bool(set(states) - set(MOMENTS) - ADAM_EXTRAS))
             for role, key in found.items():
                 if role in MOMENTS:
                     setattr(slot, role, key)

@@ -20,6 +20,7 @@ from ckptstore.state import RawTensor, key_component
 _STATE = re.compile(r"^(?:(.*)/)?state/(\d+)/(exp_avg|exp_avg_sq|momentum_buffer)$")
 _ANY_STATE = re.compile(r"^(?:(.*)/)?state/(\d+)/([^/]+)$")
 _ADAM_OR_SGD = {"exp_avg", "exp_avg_sq", "momentum_buffer", "step"}
+ADAM_EXTRAS = {"max_exp_avg_sq", "mu_product"}  # what Adam's variants keep beside its moments: amsgrad's, NAdam's
 _NO_DECAY = re.compile(r"bias|norm|(^|[._/])ln(_\w+)?([._/]|$)", re.IGNORECASE)
 NO_OPTIMIZER_STATE = "no optimizer state found"  # an OptimizerMap's `how` (a lossy manifest's pairing) then
 FLOATS = ("torch.float32", "torch.float16", "torch.bfloat16", "torch.float64")
@@ -39,6 +40,9 @@ class ParamSlots:
     # is that optimizer's, in other units than SGD's
     other_state: bool = False
     amsgrad: bool = False  # Adam's max_exp_avg_sq beside its moments: v must never pass it
+    # state beside exp_avg and exp_avg_sq that no Adam keeps (Adan's exp_avg_diff, Adafactor's factored rows):
+    # another optimizer's, whose moments enter its step otherwise than Adam's bound assumes
+    foreign_moments: bool = False
 
 
 @dataclass
@@ -199,6 +203,7 @@ def _slots_of(tensors: Mapping[str, RawTensor], lrs: Mapping[int, float]) -> dic
     for key in other.keys() & slots.keys():
         slots[key].other_state = True
         slots[key].amsgrad = "max_exp_avg_sq" in other[key]
+        slots[key].foreign_moments = bool(other[key] - ADAM_EXTRAS)
     return slots
 
 

@@ -267,3 +267,20 @@ def test_tensors_asked_to_stay_exact_do_whatever_their_role():
     assert plan_lossy(tensors, {}, level, SETTINGS, pairing).keys() >= {"model/fc.weight", "model/out.weight"}
     plans = plan_lossy(tensors, {}, level, SETTINGS, pairing, keep_exact={"model/fc.weight"})
     assert "model/fc.weight" not in plans and "model/out.weight" in plans
+
+
+@pytest.mark.parametrize("beside", ["exp_avg_diff", "exp_avg_sq_row"])
+def test_moments_beside_state_no_adam_keeps_are_another_optimizers_and_stay_lossless(beside):
+    """Adan (exp_avg_diff) names its moments as Adam does: coded with Adam's bound, a resume drifted 3% (auditor)."""
+    tensors = _adam_model()
+    for index in range(4):
+        tensors[f"optimizer/state/{index}/{beside}"] = tensors[f"optimizer/state/{index}/exp_avg"]
+    roles, _ = _roles_and_plans(tensors, {}, level_named("balanced"), _pairing(tensors, 1e-3))
+    assert {roles[f"optimizer/state/1/{m}"] for m in ("exp_avg", "exp_avg_sq", beside)} == {Role.LOSSLESS}
+    assert roles["model/fc.weight"] is not Role.LOSSLESS  # its weights are still a weight's
+    for extra in ("max_exp_avg_sq", "mu_product"):  # amsgrad's, NAdam's: Adam's moments all the same
+        adam = {p: t for p, t in tensors.items() if not p.endswith(beside)}
+        adam["optimizer/state/1/" + extra] = adam["optimizer/state/1/exp_avg_sq"]
+        roles, _ = _roles_and_plans(adam, {}, level_named("balanced"), _pairing(adam, 1e-3))
+        assert roles["optimizer/state/1/exp_avg"] is (Role.LOSSLESS if extra == "max_exp_avg_sq"
+                                                      else Role.ADAM_FIRST_MOMENT), extra

@@ -40,6 +40,13 @@ def test_other_optimizer_state_marks_its_slot_but_a_parameter_named_like_it_stay
                                 "square_avg": "optim.state.w.square_avg"}
 
 
+def test_state_of_any_name_beside_a_moment_marks_its_slot():
+    """Adan's exp_avg_diff was in no list of torch's names: its moments were coded as Adam's (auditor)."""
+    names = ["model.w", *[f"optim.state.w.{m}" for m in ("exp_avg", "exp_avg_sq", "exp_avg_diff", "pre_grad", "step")]]
+    slots, _ = pair_by_fqn(names, {})
+    assert slots["model.w"] == {m: f"optim.state.w.{m}" for m in ("exp_avg", "exp_avg_sq", "exp_avg_diff", "pre_grad")}
+
+
 def test_a_state_whose_param_ends_several_names_pairs_under_the_models_prefix_or_not_at_all():
     """`proj.weight`'s moments went to the first hit, `model.blocks.0.attn.proj.weight`, over its own (reader)."""
     moments = ("exp_avg", "exp_avg_sq")
