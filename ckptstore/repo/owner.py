@@ -44,6 +44,8 @@ def refuse_init(repo: Repository) -> None:
     """
     folder = _local_store(repo)
     record = _record(folder) if folder is not None else None
+    if record is None and folder is not None and marker(folder).exists():
+        raise _unreadable(folder, "no repository was made")
     if _owner_there(record) and not _same_database(record, repo):
         raise RepoExistsError(f"the object store {folder} belongs to the repository at {record['repository']}: "
                               "join that repository with its --metadata URL, or give this one a folder of its own")
@@ -60,9 +62,7 @@ def refuse_anothers(repo: Repository) -> None:
     record = _record(folder)
     if record is None:
         if marker(folder).exists():
-            raise CkptError(f"{marker(folder)} cannot be read: it names the repository that owns the object store "
-                            f"{folder}; nothing was deleted. Delete it if this repository is the one the store "
-                            "belongs to")
+            raise _unreadable(folder, "nothing was deleted")
         return  # made before owners were written: nothing names another
     if _same_database(record, repo):
         return
@@ -84,6 +84,11 @@ def _refusal(folder: Path, owner: Path) -> CkptError:
                      f"disk or restored, and no copy uses the store, delete {marker(folder)}")
 
 
+def _unreadable(folder: Path, outcome: str) -> CkptError:
+    return CkptError(f"{marker(folder)} cannot be read: it names the repository that owns the object store {folder}; "
+                     f"{outcome}. Delete it if this repository is the one the store belongs to")
+
+
 def _record(folder: Path) -> dict | None:
     try:
         record = json.loads(marker(folder).read_bytes())
@@ -93,9 +98,14 @@ def _record(folder: Path) -> dict | None:
 
 
 def _owner_there(record: dict | None) -> bool:
-    """Whether the repository a record names is still where it was, the same .ckpt folder (not made anew)."""
+    """Whether the repository a record names is still where it was, the same .ckpt folder (not made anew).
+
+    A folder this user may not look into (another user's 0700 project) may hold it: that counts as there.
+    """
     try:
         return record is not None and os.stat(Path(str(record["repository"])) / REPO_DIR).st_ino == record["inode"]
+    except PermissionError:
+        return True
     except (OSError, KeyError):
         return False
 

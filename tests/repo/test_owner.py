@@ -178,3 +178,32 @@ def test_a_read_only_gc_writes_no_owner_file(tmp_path):
     with Repository.open(tmp_path / "a2", read_only=True) as moved, pytest.raises(CkptError):
         gc(moved)
     assert (tmp_path / "objects.owner").read_bytes() == before
+
+
+def test_an_init_over_a_store_whose_owner_it_cannot_look_at_or_read_is_refused(tmp_path, monkeypatch):
+    """Another user's 0700 project hid the owner: the stat's PermissionError counted as "gone", the second init
+    claimed the store and its gc deleted the first's objects (auditor, high). An unreadable owner file likewise."""
+    import os
+
+    from ckptstore.errors import RepoExistsError
+    from ckptstore.repo import owner
+
+    store = tmp_path / "objects"
+    Repository.init(tmp_path / "a", objects_url=str(store)).close()
+    hidden = str(tmp_path / "a")
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        if str(path).startswith(hidden):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(owner.os, "stat", stat)
+        with pytest.raises(RepoExistsError, match=r"belongs to the repository at .*/a: join"):
+            Repository.init(tmp_path / "b", objects_url=str(store))
+    assert json.loads(owner.marker(store).read_text())["repository"].endswith("/a")
+    owner.marker(store).write_text("{not json")
+    with pytest.raises(CkptError, match=r"objects.owner cannot be read: .*; no repository was made\. Delete it if"):
+        Repository.init(tmp_path / "c", objects_url=str(store))
+    assert owner.marker(store).read_text() == "{not json" and not (tmp_path / "c" / ".ckpt").exists()
