@@ -69,6 +69,8 @@ def connect_sqlite(path: Path, read_only: bool = False, immutable: bool = False)
     if not path.parent.is_dir():  # SQLite would say only "unable to open database file"
         raise CkptError(f"the metadata database's folder {path.parent} does not exist; create it or choose "
                         "another path")
+    if not read_only:
+        _make_with_umask(path)
     target = read_only_uri(path, immutable) if read_only else path
     connection = sqlite3.connect(target, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
                                  check_same_thread=False, uri=read_only,
@@ -83,6 +85,17 @@ def connect_sqlite(path: Path, read_only: bool = False, immutable: bool = False)
             connection.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone() is None:
         connection.execute("PRAGMA journal_mode=WAL")
     return connection
+
+
+def _make_with_umask(path: Path) -> None:
+    """Make the database file as the umask says (SQLite makes it 0644): its -wal and -shm files take its modes.
+
+    A 0644 database, or the -wal a group member's read left at 0644, kept the group's others from writing.
+    """
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except FileExistsError:
+        pass
 
 
 def is_damage(exc: BaseException) -> bool:

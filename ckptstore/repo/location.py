@@ -49,7 +49,15 @@ def find_root(start: str | os.PathLike | None = None) -> Path:
 
 def unwritable(folder: Path) -> str:
     """Why this process cannot write the repository folder `folder` (its database included), or ""."""
-    for path in (folder, folder / "ckpt.db"):
+    for path in (folder, *(folder / f"ckpt.db{end}" for end in ("", "-wal", "-shm"))):
         if path.exists() and not os.access(path, os.W_OK):
-            return f"{path} is not writable"
+            return f"{path} is not writable{_owned_by(path)}"
     return ""
+
+
+def _owned_by(path: Path) -> str:
+    """", it belongs to USER" where that is another user: they (or an admin) can give the group write access."""
+    try:
+        return "" if path.stat().st_uid == os.geteuid() else f"; it belongs to {path.owner()}"
+    except (KeyError, OSError):  # gone meanwhile, or a user id with no name here
+        return ""

@@ -30,14 +30,26 @@ def _flock(fd: int, flags: int, wait: bool, path: Path) -> None:
 _OPEN: set[int] = set()  # the descriptors of the locks held (or being taken) in this process
 
 
+def _lock_file(path: Path) -> int:
+    """A descriptor of `path` to flock, made with the umask's modes: 0644 locked a group's other members out.
+
+    Read and write where allowed (NFS emulates flock with byte-range locks, which need it), else read
+    only: another member's file made under a stricter umask still serves a local flock.
+    """
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:
+        return os.open(path, os.O_RDONLY)
+
+
 @contextlib.contextmanager
 def repo_lock(path: Path, exclusive: bool, wait: bool = True) -> Iterator[None]:
     """Hold a shared or exclusive flock on `path` for the duration of the block."""
-    gate = os.open(path.with_name(path.name + ".gate"), os.O_RDWR | os.O_CREAT, 0o644)
+    gate = _lock_file(path.with_name(path.name + ".gate"))
     _OPEN.add(gate)
     fd = -1
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _lock_file(path)
         _OPEN.add(fd)
         _flock(gate, fcntl.LOCK_EX, wait, path)
         try:

@@ -131,3 +131,20 @@ def test_a_repository_in_a_folder_whose_name_reads_as_url_syntax_works_and_write
     with Repository.open(folder) as repo:
         assert [c.id for c in repo.log()] == [cid] and torch.equal(repo.checkout(cid)["w"], torch.ones(3))
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_a_repository_made_under_a_group_umask_leaves_its_database_and_locks_to_the_group(tmp_path):
+    """ckpt.db (SQLite's 0644), its -wal and -shm, and the lock files (0644) ignored umask 002: a team's other
+    members could not commit, and one member's read left a -wal that locked out the repository's maker (auditor)."""
+    import os
+    import stat
+
+    old = os.umask(0o002)
+    try:
+        with Repository.init(tmp_path) as repo:
+            repo.commit({"w": torch.ones(8)}, "one")
+            files = [repo.dir / name for name in ("ckpt.db", "ckpt.db-wal", "ckpt.db-shm", "lock", "lock.gate")]
+            modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in files}
+    finally:
+        os.umask(old)
+    assert modes == dict.fromkeys(modes, 0o664), modes
