@@ -51,7 +51,7 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
         raise CkptError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
     cid = repo.resolve(ref)
     worktree.refuse_own_folders(repo, output)
-    worktree.check_output_file(output)
+    output = worktree.check_output_file(output)
     manifest = repo.manifest(cid)
     weight_files = [] if everything or manifest.kind != "folder" else hfweights.weight_files(manifest.files)
     # transformers before 4.40 refuses a weights file without format "pt"; a safetensors file keeps its own

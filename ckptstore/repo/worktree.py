@@ -57,6 +57,10 @@ def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool,
     if output:
         _refuse_missing_parent(dest)
     if manifest.kind != "folder":
+        if output:
+            dest = regular_file(dest)
+        else:
+            refuse_special(dest)
         if dest.is_dir():
             raise CkptError(f"{dest} is a folder; this commit is one file: pass a file path" if output else
                             f"this commit was made from the file {dest}, which is now a folder: move the folder, "
@@ -102,13 +106,45 @@ def refuse_own_folders(repo: Repository, output: str | os.PathLike) -> None:
         raise CkptError(f"{output} is inside the repository's own {own.name}/ folder: write it elsewhere")
 
 
-def check_output_file(output: str | os.PathLike) -> None:
-    """Refuse a one-file output path (-o) whose folder is missing or that is a folder, before any work."""
+def check_output_file(output: str | os.PathLike) -> Path:
+    """The file a one-file output path (-o) writes (see `regular_file`).
+
+    Refused before any work if its folder is missing or it is a folder.
+    """
     refuse_folder_spelling(output)
     dest = Path(output)
     _refuse_missing_parent(dest)
     if dest.is_dir():
         raise CkptError(f"{dest} is a folder: pass a file path")
+    return regular_file(dest)
+
+
+_SPECIAL = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"),
+            (stat.S_ISSOCK, "a socket"))
+
+
+def regular_file(dest: Path) -> Path:
+    """Where a one-file output (-o) to `dest` goes: the file a link leads to, not a file of its own in its place.
+
+    A device, pipe or socket is refused (`refuse_special`).
+    """
+    refuse_special(dest)
+    return Path(os.path.realpath(dest)) if dest.is_symlink() else dest
+
+
+def refuse_special(dest: Path) -> None:
+    """Refuse to write one file at a device, pipe or socket.
+
+    Written beside and renamed over, a device was replaced by a plain file (as root, /dev/null); a
+    pipe's reader got nothing, and reading one to check it was saved hung.
+    """
+    try:
+        mode = os.stat(dest).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # nothing there yet (or a link to nothing)
+        mode = stat.S_IFREG
+    kind = next((what for test, what in _SPECIAL if test(mode)), None)
+    if kind is not None:
+        raise CkptError(f"{dest} is {kind}, not a file: pass the path of a file to write")
 
 
 def refuse_folder_spelling(output: str | os.PathLike) -> None:

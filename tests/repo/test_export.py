@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from click.testing import CliRunner
 from safetensors import safe_open
@@ -123,3 +124,34 @@ def test_tied_weights_export_under_every_key_that_holds_them(tmp_path):
     assert all(torch.equal(tensor, model[0].weight) for tensor in back.values())
     strict = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
     strict.load_state_dict({k.removeprefix("model/"): v for k, v in back.items() if k.startswith("model/")})
+
+
+def test_an_output_that_is_a_device_or_pipe_is_refused_and_a_link_is_written_through(tmp_path):
+    """-o /dev/null, written beside and renamed over, replaced the machine's /dev/null with a file (auditor, high);
+    a pipe got a file in its place, and a link became a file of its own."""
+    import os
+    import stat
+
+    from ckptstore.errors import CkptError
+
+    with Repository.init(tmp_path) as repo:
+        torch.save({"w": torch.arange(12.0)}, tmp_path / "c.pt")
+        cid = repo.commit(tmp_path / "c.pt")
+        specials = {tmp_path / "pipe": "a named pipe"}
+        os.mkfifo(tmp_path / "pipe")
+        try:
+            os.mknod(tmp_path / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+            specials[tmp_path / "null"] = "a character device"
+        except PermissionError:  # not root: the pipe stands for every special file
+            pass
+        for path, kind in specials.items():
+            with pytest.raises(CkptError, match=f"{path} is {kind}, not a file"):
+                export(repo, "HEAD", "safetensors", path)
+            with pytest.raises(CkptError, match=f"{path} is {kind}, not a file"):
+                repo.checkout_to(cid, path, force=True)
+            assert not stat.S_ISREG(os.lstat(path).st_mode)
+        (tmp_path / "real.safetensors").write_bytes(b"old")
+        (tmp_path / "link.safetensors").symlink_to("real.safetensors")
+        export(repo, "HEAD", "safetensors", tmp_path / "link.safetensors")
+        assert (tmp_path / "link.safetensors").is_symlink()
+        assert torch.equal(load_file(tmp_path / "real.safetensors")["w"], torch.arange(12.0))
