@@ -118,6 +118,15 @@ class Seconds(click.FloatRange):
         return seconds
 
 
+class PathGiven(click.Path):
+    """A path that is not empty: Path("") is ".", so `ckpt commit "$UNSET"` committed the whole folder."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value:
+            self.fail("is empty (a variable not set?): pass a path", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def _remotes() -> Any:
     """The remote verbs, imported by the commands that use them (every other command starts faster)."""
     from ckptstore.repo import remote
@@ -221,7 +230,7 @@ def _named_root(ctx: click.Context) -> Path | None:
 
 
 @cli.command()
-@click.argument("path", required=False, type=click.Path(file_okay=False))
+@click.argument("path", required=False, type=PathGiven(file_okay=False))
 @click.option("--max-chain", metavar="N|auto",
               help="Longest delta chain before a keyframe (default auto: as long as checkout stays faster "
                    "than torch.load, by measured decode costs).")
@@ -248,7 +257,7 @@ def init(ctx: click.Context, path: str | None, max_chain: str | None, lossy: str
 
 
 @cli.command()
-@click.argument("path", type=click.Path())
+@click.argument("path", type=PathGiven())
 @click.option("-m", "--message", default="", help="Commit message.")
 @click.option("--step", type=click.IntRange(-(1 << 63), (1 << 63) - 1), help="Training step of this checkpoint.")
 @click.option("--metric", "metrics", multiple=True, help="KEY=NUMBER, repeatable.")
@@ -272,7 +281,7 @@ def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle,
     try:
         cid = repo.commit(path, message=message, step=step, metrics=_metrics(metrics), branch=branch,
                           allow_empty=allow_empty, trust_pickle=trust_pickle, progress=BarProgress(),
-                          lossy=lossy, calibration=function_named(calibration) if calibration else None,
+                          lossy=lossy, calibration=function_named(calibration) if calibration is not None else None,
                           max_loss_change=_fraction(max_loss_change), **_knobs(knobs))
     except RetentionError as exc:  # recorded: a script reading the id from stdout gets it, then the error
         _say_committed(repo, exc.commit_id, message, branch)
@@ -300,7 +309,7 @@ def _say_committed(repo: Repository, cid: str, message: str | None, branch: str 
 
 @cli.command()
 @click.argument("ref")
-@click.option("-o", "--output", type=click.Path(), help="Write the checkpoint here; HEAD does not move.")
+@click.option("-o", "--output", type=PathGiven(), help="Write the checkpoint here; HEAD does not move.")
 @click.option("--force", is_flag=True, help="Overwrite files whose content is not in the store.")
 @click.option("--only", "only", multiple=True, metavar="PATTERN",
               help="Write only the values whose paths match (glob, e.g. 'model.*'; repeatable; needs -o).")
@@ -331,7 +340,7 @@ def checkout(ctx, ref, output, force, only) -> None:
 
 
 @cli.command()
-@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.argument("folder", type=PathGiven(exists=True, file_okay=False))
 @click.option("--interval", type=Seconds(), default=10.0, show_default=True,
               help="Seconds between scans; a checkpoint is committed once unchanged across two.")
 @click.option("--branch", help="Commit to this branch (created at HEAD if new); HEAD stays.")
@@ -365,7 +374,7 @@ def watch(ctx, folder, interval, branch, lossy, once) -> None:
 @click.argument("ref")
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]), default="safetensors",
               show_default=True)
-@click.option("-o", "--output", type=click.Path(), required=True, help="The file to write.")
+@click.option("-o", "--output", type=PathGiven(), required=True, help="The file to write.")
 @click.option("--all", "everything", is_flag=True,
               help="Every tensor by path, not only a Hugging Face checkpoint folder's weights.")
 @click.pass_context
@@ -596,7 +605,8 @@ def prune_command(ctx, keep_last, keep_every, keep_best, keep_tagged, dry_run, a
 @click.pass_context
 def fsck_command(ctx, full, remote_name) -> None:
     """Verify every stored object; list damaged objects and the commits they break."""
-    report = _remotes().fsck_remote(_open(ctx), remote_name, full) if remote_name else fsck(_open(ctx), full=full)
+    repo = _open(ctx)  # an empty --remote is a name like any other: no remote has it
+    report = _remotes().fsck_remote(repo, remote_name, full) if remote_name is not None else fsck(repo, full=full)
     echo(f"checked {report.objects_checked} objects"
          + (f", verified {report.tensors_verified} tensors" if full else ""))
     for oid, problem in report.damaged_objects.items():
@@ -705,7 +715,7 @@ def pull(ctx, name: str, branch: str | None) -> None:
 
 @cli.command()
 @click.argument("url")
-@click.argument("path", required=False)
+@click.argument("path", required=False, type=PathGiven())
 @click.option("--metadata", "metadata_url", default="", help="The remote's database, for an s3:// URL.")
 @click.option("--lazy", is_flag=True, help="Fetch commit records now and objects when a checkout needs them.")
 def clone(url: str, path: str | None, metadata_url: str, lazy: bool) -> None:

@@ -252,3 +252,18 @@ def test_a_newline_in_a_file_or_tensor_name_stays_on_its_line(tmp_path):
     assert status[1:] == ["    modified: a\\nmodified: b.pt/ck.pt"], status
     diff = ckpt_here(tmp_path, "diff", "HEAD~1", "HEAD").stdout.splitlines()
     assert any(line.startswith("  changed w\\nx torch.float32 (4,) rel_l2=1.000e+00") for line in diff), diff
+
+
+def test_an_empty_path_or_option_value_is_refused_not_taken_for_the_folder_or_for_none(tmp_path):
+    """`ckpt commit ""` committed the whole folder, `checkout -o ""` wrote into it, `fsck --remote ""` checked the
+    local repository and `--calibration ""` dropped the calibration without a word (auditor)."""
+    torch.save({"w": torch.ones(4)}, tmp_path / "c.pt")
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    assert ckpt_here(tmp_path, "commit", "c.pt").returncode == 0
+    for args, said in ((("commit", ""), "is empty"), (("checkout", "HEAD", "-o", ""), "is empty"),
+                       (("export", "HEAD", "-o", ""), "is empty"), (("clone", ".", ""), "is empty"),
+                       (("fsck", "--remote", ""), "no remote named ''"),
+                       (("commit", "c.pt", "--lossy", "balanced", "--calibration", ""), "MODULE:FUNCTION")):
+        out = ckpt_here(tmp_path, *args)
+        assert out.returncode != 0 and said in out.stderr, (args, out.stderr)
+    assert ckpt_here(tmp_path, "log").stdout.count("\ncommit ") == 0  # the first commit alone
