@@ -253,7 +253,7 @@ def init(ctx: click.Context, path: str | None, max_chain: str | None, lossy: str
         echo(f"{'Joined the' if joined else 'Initialized empty'} ckptstore repository in {repo.dir}"
              + (f" (objects in {repo.store.url})" if objects_url else "")
              + (f" (metadata in {repo.db.where})" if metadata_url else "")
-             + (f" (commits are lossy: {lossy})" if lossy else ""))
+             + (f" (commits are lossy: {lossy})" if lossy and lossy != "none" else ""))
 
 
 @cli.command()
@@ -718,8 +718,11 @@ def pull(ctx, name: str, branch: str | None) -> None:
 @click.argument("path", required=False, type=PathGiven())
 @click.option("--metadata", "metadata_url", default="", help="The remote's database, for an s3:// URL.")
 @click.option("--lazy", is_flag=True, help="Fetch commit records now and objects when a checkout needs them.")
-def clone(url: str, path: str | None, metadata_url: str, lazy: bool) -> None:
+@click.pass_context
+def clone(ctx: click.Context, url: str, path: str | None, metadata_url: str, lazy: bool) -> None:
     """Make a repository in PATH with remote origin at URL and its branches."""
+    if ctx.obj.get("read_only"):
+        raise ReadOnlyRepoError("`ckpt clone` writes a repository, and --read-only refuses every write; run it without")
     target = path or (url.rstrip("/").rsplit("/", 1)[-1] or "clone")
     with _remotes().clone(url, target, metadata_url, lazy) as repo:
         echo(f"Cloned {url} into {repo.root}" + (" (lazily: objects come on first checkout)" if lazy else ""))
@@ -813,13 +816,26 @@ def _output_gone(exc: OutputError) -> None:
     _fail(str(exc), exc.exit_code)
 
 
+def _asks_debug(argv: list[str]) -> bool:
+    """Whether --debug is among the group's options, before the command's name: not a word a command was given."""
+    words = iter(argv)
+    for word in words:
+        if word == "--debug":
+            return True
+        if word == "--repo":
+            next(words, None)  # its value
+        elif word == "--" or not word.startswith("-"):
+            return False
+    return False
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run `ckpt` with `argv` (default: this process's arguments).
 
     Every failure prints one `error:` line (a traceback too with --debug) and exits with its code.
     """
     argv = sys.argv[1:] if argv is None else argv
-    debug = "--debug" in argv  # the group's flag; read here, where the traceback is printed
+    debug = _asks_debug(argv)  # the group's flag; read here, where the traceback is printed
     for stream in (sys.stdout, sys.stderr):  # a name that is no valid text (a lone surrogate) prints escaped
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="backslashreplace")

@@ -267,3 +267,18 @@ def test_an_empty_path_or_option_value_is_refused_not_taken_for_the_folder_or_fo
         out = ckpt_here(tmp_path, *args)
         assert out.returncode != 0 and said in out.stderr, (args, out.stderr)
     assert ckpt_here(tmp_path, "log").stdout.count("\ncommit ") == 0  # the first commit alone
+
+
+def test_debug_is_the_groups_flag_and_read_only_refuses_a_clone(tmp_path):
+    """`commit -m --debug` printed a traceback; `--read-only clone` made a repository; `init --lossy none` said
+    "commits are lossy: none" (auditors)."""
+    torch.save({"w": torch.ones(4)}, tmp_path / "c.pt")
+    said = ckpt_here(tmp_path, "init", "--lossy", "none").stdout
+    assert "Initialized" in said and "lossy" not in said
+    ckpt_here(tmp_path, "commit", "c.pt")
+    quiet = ckpt_here(tmp_path, "commit", "c.pt", "-m", "--debug")
+    assert quiet.returncode != 0 and "Traceback" not in quiet.stderr and quiet.stderr.count("\n") == 1
+    loud = ckpt_here(tmp_path, "--repo", str(tmp_path), "--debug", "commit", "c.pt")
+    assert loud.returncode != 0 and "Traceback" in loud.stderr
+    out = ckpt_here(tmp_path, "--read-only", "clone", ".", "copy")
+    assert out.returncode != 0 and "--read-only refuses every write" in out.stderr and not (tmp_path / "copy").exists()
