@@ -46,8 +46,8 @@ from ckptstore.metadata.tables import TABLES
 __all__ = ["BATCH", "BUSY_TIMEOUT_MS", "HEAD_REVISION", "KNOWN_REVISIONS", "Backend", "Database", "Tx",
            "connect_sqlite", "is_damage", "open_backend", "read_only_uri", "sqlite_path"]
 
-HEAD_REVISION = "0009"  # the newest migration in migrations/versions; a test keeps the two in step
-KNOWN_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009")
+HEAD_REVISION = "0010"  # the newest migration in migrations/versions; a test keeps the two in step
+KNOWN_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010")
 BATCH = 500  # ids per IN (...) list: SQLite allows 32766 parameters, PostgreSQL 65535
 RETRY_DELAYS = (0.1, 0.2, 0.4, 0.8, 1.6)  # seconds between tries to begin a transaction (a server restarting)
 POSTGRES_SCHEMES = ("postgresql://", "postgresql+psycopg://", "postgres://")
@@ -412,6 +412,11 @@ class Database:
                 raise
             raise known from exc
         self.backend.accepted(self)
+        if current is not None:  # an older ckptstore on another machine is refused from now on: say so here
+            from ckptstore.warn import warn_caller
+
+            warn_caller(f"upgraded the metadata schema of {self.where} from {current} to {HEAD_REVISION}: a ckptstore "
+                        "older than this one can no longer open it; upgrade it wherever the repository is used")
 
     def _known(self, revision: str | None) -> None:
         """Refuse a revision this ckptstore does not know: another program's, or a newer ckptstore's."""

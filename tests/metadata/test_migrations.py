@@ -118,3 +118,22 @@ def test_files_known_to_a_pruned_commit_stay_known_through_later_commits(tmp_pat
         assert gc(repo, prune_unreachable=True).commits_removed == 1
         assert [f["state"] for f in repo.status()["files"]] == ["unchanged"]
         repo.checkout_to("HEAD")  # would refuse to overwrite a file whose content no commit holds
+
+
+def test_an_upgrade_says_older_ckptstores_are_shut_out_and_a_new_repository_says_nothing(tmp_path):
+    """Any command of a newer ckptstore upgraded a team's repository without a word: the older machines' next
+    command was refused (auditor). 0010 itself changes no table: it shuts out a ckptstore that knows no owner file."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Repository.init(tmp_path).close()
+    db_path = tmp_path / ".ckpt" / "ckpt.db"
+    with sqlite3.connect(db_path) as conn:
+        tables = conn.execute("SELECT sql FROM sqlite_master ORDER BY name").fetchall()
+        conn.execute("UPDATE alembic_version SET version_num = '0009'")
+    with pytest.warns(RuntimeWarning, match=r"upgraded the metadata schema of .* from 0009 to 0010: a ckptstore "
+                                            r"older than this one can no longer open it"):
+        Repository.open(tmp_path).close()
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("SELECT sql FROM sqlite_master ORDER BY name").fetchall() == tables
