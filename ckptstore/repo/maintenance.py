@@ -12,6 +12,7 @@ from ckptstore.hashing import ObjectId
 from ckptstore.metadata import liveness
 from ckptstore.objectstore.fallback import held_here
 from ckptstore.repo import owner
+from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
@@ -89,14 +90,27 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
         report.tensors_removed = len(dead_tensors)
         liveness.forget_objects_except(tx, live_objects)
     faults.point("gc:db-committed")
+    refused: list[PermissionError] = []
     for oid, size in stored.items():
         if oid not in live_objects and oid not in findings.unreadable_manifests:
-            report.bytes_removed += size
             repo.db.confirm_locks(deleting=True)  # one query on a shared database; nothing on a local one
-            repo.store.delete(oid)
+            try:
+                repo.store.delete(oid)
+            except PermissionError as exc:  # another user's folder (their umask): the rest of the garbage still goes
+                refused.append(exc)
+                continue
             faults.point("gc:object-deleted")
+            report.bytes_removed += size
             report.objects_removed += 1
+    if refused:
+        _say_left(refused)
     return report
+
+
+def _say_left(refused: list[PermissionError]) -> None:
+    """Warn that objects no commit needs stayed for want of permission: how many, and the first one's path."""
+    warn_caller(f"{len(refused)} object(s) no commit needs were left in place: this user may not delete them "
+                f"(permission denied on {refused[0].filename}); run `ckpt gc` again as a user who may")
 
 
 def missing_objects(repo: Repository, needed: set[ObjectId], stored: Iterable[ObjectId]) -> dict[str, str]:
