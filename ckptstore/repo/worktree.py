@@ -129,7 +129,20 @@ def regular_file(dest: Path) -> Path:
     A device, pipe or socket is refused (`refuse_special`).
     """
     refuse_special(dest)
-    return Path(os.path.realpath(dest)) if dest.is_symlink() else dest
+    return Path(os.path.realpath(dest)) if dest.is_symlink() and not _names_a_descriptor(dest) else dest
+
+
+def _names_a_descriptor(dest: Path) -> bool:
+    """Whether `dest` leads through /proc (/dev/stdout, /dev/fd/N): a descriptor's link, whose "target" is
+    whatever file the shell opened, not a name to write a file at."""
+    path = dest
+    for _ in range(40):  # the kernel's own limit on links followed
+        if os.path.realpath(path.parent).startswith("/proc/"):
+            return True
+        if not path.is_symlink():
+            return False
+        path = path.parent / os.readlink(path)  # an absolute target replaces the folder
+    return True
 
 
 def refuse_special(dest: Path) -> None:
