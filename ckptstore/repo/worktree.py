@@ -133,8 +133,10 @@ def regular_file(dest: Path) -> Path:
 
 
 def _names_a_descriptor(dest: Path) -> bool:
-    """Whether `dest` leads through /proc (/dev/stdout, /dev/fd/N): a descriptor's link, whose "target" is
-    whatever file the shell opened, not a name to write a file at."""
+    """Whether `dest` leads through /proc (/dev/stdout, /dev/fd/N): a descriptor's link, not a file's name.
+
+    Its "target" is whatever the shell opened, which a file written and renamed there would replace.
+    """
     path = dest
     for _ in range(40):  # the kernel's own limit on links followed
         if os.path.realpath(path.parent).startswith("/proc/"):
