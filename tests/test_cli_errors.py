@@ -199,6 +199,10 @@ def test_os_failures_below_ckptstore_are_explained():
     assert "--read-only" in str(denied)  # the repository's own file: reading commands still work
     beside = explain(PermissionError(errno.EACCES, "Permission denied", "/data/out/.c.pt.new-89768e.ckpt-tmp"))
     assert str(beside) == "permission denied writing into /data/out; ask for access to it or write elsewhere"
+    moved = explain(PermissionError(errno.EACCES, "Permission denied", "/r/.ckpt/tmp/ab12", None,
+                                    "/r/.ckpt/objects/b3/x"))
+    assert str(moved) == ("permission denied moving /r/.ckpt/tmp/ab12 into /r/.ckpt/objects/b3; ask for write access "
+                          "to that folder")  # the folder it went into, not the temporary file (auditor)
     own = explain(PermissionError(errno.EACCES, "Permission denied", "/shared/.ckpt/.config.toml.a1.ckpt-tmp"))
     assert "writing into /shared/.ckpt" in str(own) and "--read-only" in str(own)
     try:
