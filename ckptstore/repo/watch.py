@@ -3,6 +3,7 @@
 What is watched: the folder's direct children that are checkpoint files (.pt .pth .bin .ckpt .tar
 .safetensors) or Hugging Face Trainer folders named `checkpoint-N`. Hidden names, temporary
 files of atomic writers and symlinks are never sources (a symlink so named is reported as such).
+A `checkpoint-N` folder itself is refused: its files are parts of one save, not checkpoints.
 
 When a source counts as complete (torch.save, safetensors and Trainer all write in place, in steps):
 - every file of it is unchanged (names, sizes, modification times) between two scans `interval`
@@ -111,6 +112,9 @@ def watch_folder(repo: Repository, folder: str | os.PathLike, options: WatchOpti
     folder = Path(folder).resolve()
     if not folder.is_dir():
         raise CkptError(f"{folder} is not a folder; `ckpt watch` takes the folder a training job saves into")
+    if TRAINER_FOLDER.match(folder.name):  # what scan() takes for one Trainer save: its files are no checkpoints
+        raise CkptError(f"{folder} is a checkpoint folder: watch the folder it is saved in ({folder.parent}), "
+                        f"or `ckpt commit {folder}`")
     repo.db.refuse_writes("watch (it commits)")
     state = WatchState.load(repo, folder, options.branch)
     report, before = WatchReport(), scan(folder, state)

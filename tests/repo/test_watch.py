@@ -22,7 +22,7 @@ from ckptstore.repo.config import RetentionPolicy
 from ckptstore.repo.pruning import prune
 from ckptstore.repo.watch import WatchOptions, file_incomplete, step_of
 from ckptstore.repo.watch import watch_folder as watch
-from tests.conftest import Trainer, assert_same, ckpt_env
+from tests.conftest import Trainer, assert_same, ckpt_env, ckpt_here
 
 ONCE = WatchOptions(interval=0.05, once=True)
 
@@ -510,3 +510,19 @@ def test_a_state_with_more_fields_per_file_still_says_what_is_done(repo, tmp_pat
     state.write_text(json.dumps(record))
     prune(repo, RetentionPolicy(keep_last=1))  # step=1's commit goes: only the state can say it was done
     assert watch(repo, run, ONCE).committed == []
+
+
+def test_watching_a_trainer_checkpoint_folder_itself_is_refused(repo, tmp_path):
+    """`ckpt watch out/checkpoint-10` committed each file alone, before trainer_state.json was written (auditor)."""
+    trainer = Trainer()
+    trainer.train(1)
+    folder = tmp_path / "out" / "checkpoint-10"
+    folder.parent.mkdir()
+    _trainer_folder(folder, trainer, with_state=False)  # Trainer still saving it
+    with pytest.raises(CkptError, match="is a checkpoint folder: watch the folder it is saved in"):
+        watch(repo, folder, ONCE)
+    result = ckpt_here(tmp_path, "watch", "out/checkpoint-10", "--once", "--interval", "0.05")
+    assert result.returncode == 1 and f"({folder.parent})" in result.stderr, result.stderr
+    assert f"`ckpt commit {folder}`" in result.stderr and repo.log() == []
+    (tmp_path / "out" / "checkpoint_notes").mkdir()  # a name scan() takes for no Trainer folder: watched
+    assert watch(repo, tmp_path / "out" / "checkpoint_notes", ONCE).committed == []
