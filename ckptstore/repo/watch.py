@@ -26,6 +26,7 @@ commit id go into `.ckpt/watch/<id>.json` (written atomically). A source missing
 same path: one whose files have the same blake3 digests means it is already committed. A source
 rewritten in place (Lightning's last.ckpt) is a new checkpoint once it is complete again.
 A scan opens only the sources not handled yet: a handled one is told by its signature (stat alone).
+One this user may not read is said once (per version) and tried again at each scan, the others go on.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class Source:
     signature: Signature
     incomplete: str = ""  # why it is not complete yet ("" when it may be)
     step: int | None = None
+    denied: PermissionError | None = None  # it may not be read (another user's): said, tried again at each scan
 
 
 @dataclass
@@ -120,13 +122,16 @@ def watch_folder(repo: Repository, folder: str | os.PathLike, options: WatchOpti
     report, before = WatchReport(), scan(folder, state)
     while not stop.wait(options.interval):
         now = scan(folder, state)
+        for source in now.values():
+            if source.denied is not None:
+                _say_unreadable(source, source.denied, state, say)
         ready = [s for s in now.values() if _ready(s, before.get(s.name), state)]
         for source in sorted(ready, key=lambda s: (s.step is None, s.step or 0, s.name)):
             if stop.is_set():
                 break
             _commit_source(repo, source, options, state, report, say)
         report.waiting = {_shown(s.name): s.incomplete or "changed since the last scan" for s in now.values()
-                          if not state.done(s) and s not in ready}
+                          if not state.done(s) and s not in ready and s.denied is None}
         before = now
         if options.once:
             break
@@ -175,10 +180,10 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, stat
         # and said once per version
         if source.path.exists() and not unreadable:
             state.record(source, None)
-        if not unreadable or state.unreadable.get(source.name) != source.signature:
-            say(f"{shown}: not committed: {explain(exc) or exc}")
         if unreadable:
-            state.unreadable[source.name] = source.signature
+            _say_unreadable(source, exc, state, say)
+        else:
+            say(f"{shown}: not committed: {explain(exc) or exc}")
         return
     state.record(source, cid)
     report.committed.append((source.name, cid, source.step))
@@ -188,6 +193,16 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, stat
     if gone:  # a rotation removed files while the commit read the folder: say so, the commit is only part of it
         say(f"{shown}: {_shown(', '.join(gone[:3]))}{' ...' if len(gone) > 3 else ''} went away while it was "
             f"committed: commit {cid[:12]} holds only the rest of the folder")
+
+
+def _say_unreadable(source: Source, exc: PermissionError, state: WatchState, say: Callable[[str], None]) -> None:
+    """Say that `source` may not be read, once per version of it.
+
+    It is tried again at each scan all the same: access given back changes neither its size nor its time.
+    """
+    if state.unreadable.get(source.name) != source.signature:
+        say(f"{_shown(source.name)}: not committed: {explain(exc) or exc}")
+    state.unreadable[source.name] = source.signature
 
 
 def _shown(name: str) -> str:
@@ -218,24 +233,39 @@ def scan(folder: Path, state: WatchState | None = None) -> dict[str, Source]:
                     found[entry.name] = Source(entry.name, Path(entry.path), [], LINKED)
                 continue
             try:
-                if entry.is_dir() and TRAINER_FOLDER.match(entry.name):
-                    source = Source(entry.name, Path(entry.path), _folder_signature(Path(entry.path)))
-                    handled = state.sources.get(entry.name) if state else None  # a damaged state file: not a dict
-                    judge = (functools.partial(_judge_saved_over, handled=handled) if isinstance(handled, dict)
-                             else _judge_folder)
-                elif entry.is_file() and Path(entry.name).suffix in SUFFIXES:
-                    info = entry.stat()
-                    source = Source(entry.name, Path(entry.path), [["", info.st_size, info.st_mtime_ns]])
-                    judge = _judge_file
-                else:
-                    continue
-                if state is None or not state.done(source):
-                    found[entry.name] = judge(source)
+                source = _candidate(entry, state)
             except FileNotFoundError:  # removed while being looked at (checkpoint rotation)
                 continue
+            if source is not None:
+                found[entry.name] = source
     if state is not None:
         state.forget_gone(seen)
     return found
+
+
+def _candidate(entry: os.DirEntry[str], state: WatchState | None) -> Source | None:
+    """The source `entry` is, judged; None when it is none, or one `state` handled in this very version.
+
+    One that may not be read (another user's, saved under umask 077) comes back with `denied` set, so
+    that it is said and the others are still judged.
+    """
+    if entry.is_dir() and TRAINER_FOLDER.match(entry.name):
+        source = Source(entry.name, Path(entry.path), _folder_signature(Path(entry.path)))
+        handled = state.sources.get(entry.name) if state else None  # a damaged state file: not a dict
+        judge = functools.partial(_judge_saved_over, handled=handled) if isinstance(handled, dict) else _judge_folder
+    elif entry.is_file() and Path(entry.name).suffix in SUFFIXES:
+        info = entry.stat()
+        source = Source(entry.name, Path(entry.path), [["", info.st_size, info.st_mtime_ns]])
+        judge = _judge_file
+    else:
+        return None
+    if state is not None and state.done(source):
+        return None
+    try:
+        return judge(source)
+    except PermissionError as exc:
+        source.denied, source.incomplete = exc, "permission denied"
+        return source
 
 
 def _judge_file(source: Source) -> Source:

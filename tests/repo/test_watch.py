@@ -526,3 +526,31 @@ def test_watching_a_trainer_checkpoint_folder_itself_is_refused(repo, tmp_path):
     assert f"`ckpt commit {folder}`" in result.stderr and repo.log() == []
     (tmp_path / "out" / "checkpoint_notes").mkdir()  # a name scan() takes for no Trainer folder: watched
     assert watch(repo, tmp_path / "out" / "checkpoint_notes", ONCE).committed == []
+
+
+def _denied_on(*paths: Path):
+    """A stand-in for a function that opens a file: PermissionError on `paths` (root reads files of any mode)."""
+    def opened(real):
+        def check(path, *args, **kwargs):
+            if any(Path(path) == denied or Path(path).is_relative_to(denied) for denied in paths):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real(path, *args, **kwargs)
+        return check
+    return opened
+
+
+def test_an_unreadable_checkpoint_file_is_said_once_and_the_others_are_committed(repo, tmp_path, monkeypatch):
+    """One file another user saved under umask 077 ended the watch at its first scan, nothing committed (auditor)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in (10, 20, 30):
+        torch.save({"w": torch.full((2,), float(step))}, run / f"step_{step}.pt")
+    monkeypatch.setattr(watch_module, "file_incomplete", _denied_on(run / "step_20.pt")(watch_module.file_incomplete))
+    said = []
+    report = watch(repo, run, WatchOptions(interval=0.01), stop=_stop_after(3), say=said.append)
+    assert [name for name, _, _ in report.committed] == ["step_10.pt", "step_30.pt"], said
+    denied = [line for line in said if line.startswith("step_20.pt")]
+    assert denied == [f"step_20.pt: not committed: permission denied on {run / 'step_20.pt'}; ask for access to it"]
+    assert "step_20.pt" not in report.waiting
+    monkeypatch.undo()  # access given back: committed, though its size and time are the same
+    assert [name for name, _, _ in watch(repo, run, ONCE).committed] == ["step_20.pt"]
