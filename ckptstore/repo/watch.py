@@ -250,7 +250,12 @@ def _candidate(entry: os.DirEntry[str], state: WatchState | None) -> Source | No
     that it is said and the others are still judged.
     """
     if entry.is_dir() and TRAINER_FOLDER.match(entry.name):
-        source = Source(entry.name, Path(entry.path), _folder_signature(Path(entry.path)))
+        try:
+            source = Source(entry.name, Path(entry.path), _folder_signature(Path(entry.path)))
+        except PermissionError as exc:  # a folder it may not list: its own stat tells its versions apart
+            info = entry.stat()
+            return Source(entry.name, Path(entry.path), [["", info.st_size, info.st_mtime_ns]], "permission denied",
+                          denied=exc)
         handled = state.sources.get(entry.name) if state else None  # a damaged state file: not a dict
         judge = functools.partial(_judge_saved_over, handled=handled) if isinstance(handled, dict) else _judge_folder
     elif entry.is_file() and Path(entry.name).suffix in SUFFIXES:
@@ -275,14 +280,24 @@ def _judge_file(source: Source) -> Source:
 
 
 def _folder_signature(path: Path) -> Signature:
+    """[name, size, mtime_ns] of each file under `path`; PermissionError on a folder it may not list.
+
+    os.walk alone skips such a folder: another user's 0700 checkpoint would look empty, waiting forever.
+    """
     signature = []
-    for root, folders, files in os.walk(path):
+    for root, folders, files in os.walk(path, onerror=_raise_denied):
         folders.sort()
         for name in sorted(files):
             full = Path(root, name)
             info = full.lstat()
             signature.append([full.relative_to(path).as_posix(), info.st_size, info.st_mtime_ns])
     return signature
+
+
+def _raise_denied(error: OSError) -> None:
+    """os.walk's onerror: raise a PermissionError; other errors (a folder rotated away) stay skipped, as before."""
+    if isinstance(error, PermissionError):
+        raise error
 
 
 def _judge_folder(source: Source) -> Source:
@@ -324,8 +339,14 @@ def _judge_saved_over(source: Source, handled: dict[str, Any]) -> Source:
 
 
 def _trainer_state(path: Path) -> Any:
+    """The parsed trainer_state.json at `path`, None while it is missing or half-written.
+
+    PermissionError is raised: a file this user may not read is not one Trainer has yet to write.
+    """
     try:
         return json.loads(path.read_text())
+    except PermissionError:
+        raise
     except (OSError, ValueError):
         return None
 

@@ -531,8 +531,8 @@ def test_watching_a_trainer_checkpoint_folder_itself_is_refused(repo, tmp_path):
 def _denied_on(*paths: Path):
     """A stand-in for a function that opens a file: PermissionError on `paths` (root reads files of any mode)."""
     def opened(real):
-        def check(path, *args, **kwargs):
-            if any(Path(path) == denied or Path(path).is_relative_to(denied) for denied in paths):
+        def check(path=".", *args, **kwargs):
+            if isinstance(path, (str, os.PathLike)) and any(Path(path).is_relative_to(denied) for denied in paths):
                 raise PermissionError(13, "Permission denied", str(path))
             return real(path, *args, **kwargs)
         return check
@@ -554,3 +554,29 @@ def test_an_unreadable_checkpoint_file_is_said_once_and_the_others_are_committed
     assert "step_20.pt" not in report.waiting
     monkeypatch.undo()  # access given back: committed, though its size and time are the same
     assert [name for name, _, _ in watch(repo, run, ONCE).committed] == ["step_20.pt"]
+
+
+def test_an_unreadable_trainer_folder_is_said_once_not_waited_for(repo, tmp_path, monkeypatch):
+    """Another user's checkpoint-10 (mode 0700) waited for its trainer_state.json forever, never said (auditor)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    trainer = Trainer()
+    trainer.train(1)
+    _trainer_folder(run / "checkpoint-10", trainer)
+    torch.save({"w": torch.ones(2)}, run / "step_5.pt")
+    folder, listed = run / "checkpoint-10", os.scandir
+    monkeypatch.setattr(os, "scandir", _denied_on(folder)(listed))  # it may be neither listed
+    monkeypatch.setattr(Path, "read_text", _denied_on(folder)(Path.read_text))  # nor its files read
+    said = []
+    report = watch(repo, run, WatchOptions(interval=0.01), stop=_stop_after(3), say=said.append)
+    assert [name for name, _, _ in report.committed] == ["step_5.pt"] and "checkpoint-10" not in report.waiting
+    assert [line for line in said if line.startswith("checkpoint-10")] == [
+        f"checkpoint-10: not committed: permission denied on {folder}; ask for access to it"]
+    monkeypatch.setattr(os, "scandir", listed)  # listed again, its trainer_state.json still not readable
+    said.clear()
+    report = watch(repo, run, ONCE, say=said.append)
+    assert report.committed == [] and report.waiting == {}
+    assert said == [f"checkpoint-10: not committed: permission denied on {folder / 'trainer_state.json'}; "
+                    "ask for access to it"]
+    monkeypatch.undo()
+    assert [(name, step) for name, _, step in watch(repo, run, ONCE).committed] == [("checkpoint-10", 1)]
