@@ -53,8 +53,12 @@ def warn_caller(message: str, category: type[Warning] = RuntimeWarning) -> None:
         filename, lineno, module_globals = where
         # code from `python -c`, stdin or a REPL has no source to show: asking its loader for it raises
         source_of = None if filename.startswith("<") else module_globals
-        warnings.warn_explicit(message, category, filename, lineno, module=module_globals.get("__name__"),
-                               registry=module_globals.setdefault("__warningregistry__", {}),
-                               module_globals=source_of)
+        registry = module_globals.setdefault("__warningregistry__", {})
+        try:
+            warnings.warn_explicit(message, category, filename, lineno, module=module_globals.get("__name__"),
+                                   registry=registry, module_globals=source_of)
+        except (ImportError, OSError):  # the script gone meanwhile, or no descriptor left to read it: no line shown
+            warnings.warn_explicit(message, category, filename, lineno, module=module_globals.get("__name__"),
+                                   registry=registry)
         return
     warnings.warn(message, category, stacklevel=level if frame is not None else 1)

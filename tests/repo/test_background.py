@@ -549,3 +549,22 @@ def test_a_background_commit_whose_thread_cannot_start_leaves_nothing_to_wait_on
     committer.start()
     committer.join(timeout=60)
     assert done and [c.message for c in repo.log()] == ["next"]
+
+
+def test_a_background_commit_that_warns_after_its_script_is_gone_is_recorded(tmp_path):
+    """Warned at the caller's line, the loader was asked for the deleted script's source: ImportError, and the
+    commit was lost (auditor)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys, torch\n"
+        "from ckptstore import Repository\n"
+        "os.unlink(__file__)\n"
+        "repo = Repository.init(sys.argv[1])\n"
+        "w = torch.randn(256, 256)\n"
+        "w[5, 5] = float('nan')\n"
+        "handle = repo.commit({'w': w}, lossy='balanced', blocking=False)\n"
+        "print('committed', handle.result(), len(repo.log()))\n")
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "repo")], capture_output=True, text=True,
+                         timeout=120, env=ckpt_env())
+    assert out.returncode == 0 and out.stdout.startswith("committed ") and out.stdout.split()[-1] == "1", out.stderr
+    assert "RuntimeWarning: the checkpoint holds NaN" in out.stderr
