@@ -139,8 +139,8 @@ class Lane:
             failed._observed = True
             error = failed._future.exception()
             raise BackgroundCommitError(
-                f"the background commit {failed.description} failed: {error}. Nothing of it was recorded "
-                "and the repository is as it was before it; commit that state again "
+                f"the background commit {failed.description} failed: {explain(error) or error}. Nothing of it was "
+                "recorded and the repository is as it was before it; commit that state again "
                 "(handle.result() reports such a failure where it happens)") from error
         return waited
 
@@ -290,16 +290,23 @@ def commit_call(repo: Repository, source: Any, options: CommitOptions, lossy: Lo
 def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: Any, lent: list[Any],
           options: CommitOptions, lossy: LossyOptions, progress: Progress | None, origin: Any) -> None:
     """The thread: commit, give the buffers back, then resolve the handle (its warnings point at `origin`, the call)."""
-    with warnings_at(origin):
-        _commit_and_resolve(repo, lane, handle, checkpoint, lent, options, lossy, progress)
+    try:
+        with warnings_at(origin):
+            _commit_and_resolve(repo, lane, handle, checkpoint, lent, options, lossy, progress)
+    except BaseException as exc:  # before the commit's own handling (out of memory as the thread began)
+        if not handle._future.done():  # else resolved: result(), close() and the exit would wait on it forever
+            lane.buffers.give_back(lent)
+            lane.failed = handle  # the next commit call raises it, as any failure nobody waited on
+            handle._future.set_exception(exc)
+            _LIVE.discard(handle)
 
 
 def _commit_and_resolve(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: Any, lent: list[Any],
                         options: CommitOptions, lossy: LossyOptions, progress: Progress | None) -> None:
     start = time.perf_counter()
     error: BaseException | None = None
-    _lower_priority()
     try:
+        _lower_priority()
         # the repository as it is, but with threads of its own at a lower priority: training keeps the cores
         background = copy.copy(repo)
         if lane.pool is None:  # kept for the repository's next background commits: one runs at a time
@@ -317,7 +324,7 @@ def _commit_and_resolve(repo: Repository, lane: Lane, handle: BackgroundCommit, 
     try:
         if error is not None:
             _tell(handle, lane, error)
-    except Warning:  # a filter made it an error, which this thread has nobody to raise to: the handle holds the failure
+    except Exception:  # a filter made the warning an error, or showing it failed: the handle holds the failure
         handle.warned = False
     finally:  # resolved even where a warnings filter turns the warning into an error: nothing waits forever
         if error is None:
@@ -338,8 +345,8 @@ def _tell(handle: BackgroundCommit, lane: Lane, error: BaseException) -> None:
         lane.failed = handle
         if not _EXITING.is_set():  # at exit there is no next commit call: _at_exit says it
             handle.warned = True
-            warn_caller(f"the background commit {handle.description} failed: {error}; nothing of it was "
-                        "recorded (the next commit call raises it)", BackgroundCommitWarning)
+            warn_caller(f"the background commit {handle.description} failed: {explain(error) or error}; nothing of "
+                        "it was recorded (the next commit call raises it)", BackgroundCommitWarning)
 
 
 def _lower_priority() -> None:

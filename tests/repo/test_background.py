@@ -568,3 +568,25 @@ def test_a_background_commit_that_warns_after_its_script_is_gone_is_recorded(tmp
                          timeout=120, env=ckpt_env())
     assert out.returncode == 0 and out.stdout.startswith("committed ") and out.stdout.split()[-1] == "1", out.stderr
     assert "RuntimeWarning: the checkpoint holds NaN" in out.stderr
+
+
+def test_a_background_commit_whose_thread_fails_before_committing_still_resolves(tmp_path, monkeypatch):
+    """Out of memory as the thread began (before the commit's own error handling): result(), close() and the
+    exit waited forever on a handle nothing would resolve (auditor)."""
+    from ckptstore.repo import background
+
+    def no_memory(*_args) -> None:
+        raise MemoryError
+
+    with Repository.init(tmp_path) as repo:
+        for where in ("_lower_priority", "warnings_at"):
+            with monkeypatch.context() as patched:
+                patched.setattr(background, where, no_memory)
+                handle = repo.commit({"w": torch.ones(8)}, blocking=False)
+                deadline = time.monotonic() + 60
+                while not handle.done() and time.monotonic() < deadline:  # not result(): nobody sees the failure
+                    time.sleep(0.01)
+            assert handle.done() and repo.log() == [], where
+            with pytest.raises(BackgroundCommitError, match="out of memory"):  # nobody saw it: the next call says it
+                repo.commit({"w": torch.ones(8)}, blocking=False)
+        assert repo.commit({"w": torch.ones(8)}, blocking=False).result(timeout=60) == repo.log()[0].id
