@@ -205,7 +205,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         manifest = Manifest(checkpoint.kind, checkpoint.files, {
             p: Entry(entries[p], raw.dtype, raw.shape) for p, raw in checkpoint.tensors.items()
         }, digests, level.name if level else None, done.pairing, _importance_note(done.fisher, done.plans),
-            measured=done.remeasured)
+            measured=done.remeasured, sources={p: sources[p] for p in done.plans})
         if not options.allow_empty:
             _refuse_unchanged(manifest, parent, level)
         manifest_bytes = manifest.to_bytes()
@@ -335,9 +335,11 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
             if not plans:
                 raise UnquantizableError("no other tensor it quantizes")
         entries, jobs = encoding_jobs(repo, tx, checkpoint.tensors, sources, parent.by_path, parent.records,
-                                     plans, level, parent.renewed)
+                                     plans, level, parent.renewed, parent.manifest.sources if parent.manifest else {})
     progress.start("commit", sum(j.raw.nbytes for j in jobs))
-    remeasured: dict[str, list] = {}
+    # a record kept from the parent for the same input keeps the figures the parent measured of it
+    remeasured = {p: m for p, m in (parent.manifest.measured if parent.manifest else {}).items()
+                  if p in plans and p in entries}
     with repo.store.batch():
         try:
             records, sizes = encode_jobs(jobs, ChainSource(repo.store, parent.records), repo.pool, progress.advance,
@@ -487,22 +489,25 @@ def _optimizer_map(checkpoint: formats.Checkpoint, lossy: LossyOptions) -> Optim
 def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], sources: Mapping[str, TensorId],
                   parents: Mapping[str, TensorRecord], chains: Mapping[TensorId, TensorRecord],
                   plans: Mapping[str, LossyPlan], level: LossyLevel | None,
-                  lost: Set[TensorId] = frozenset()) -> tuple[dict[str, TensorId], list[Job]]:
+                  lost: Set[TensorId] = frozenset(), inputs: Mapping[str, TensorId] | None = None
+                  ) -> tuple[dict[str, TensorId], list[Job]]:
     """Manifest ids known before encoding, and the jobs that encode everything else.
 
     `tensors`, their content ids `sources` and the `parents` they chain on are by path (a
     sharded commit's: by shard key); `chains` holds every record down the parents' chains (where a
     parent at the chain's limit finds its base, the next residual's anchor). Lossless tensors are
     named by their content and chain as the repository's costs allow (`max_chain = "auto"`:
-    repo/chaincost.py); a lossy tensor whose source equals the parent's keeps the parent's
-    reconstruction; the rest are named after encoding. Commits and sharded commits
-    (repo/sharded.py) both build their jobs here.
+    repo/chaincost.py); a lossy tensor whose source equals the parent commit's input there keeps the
+    parent's reconstruction; the rest are named after encoding. `inputs`: the parent commit's lossy
+    inputs by path, as its manifest records them (else its records' sources). Commits and sharded
+    commits (repo/sharded.py) both build their jobs here.
     """
     entries: dict[str, TensorId] = {}
     reused: dict[str, TensorRecord] = {}
     for path in plans:
         parent = parents.get(path)
-        if parent is not None and parent.params.get("source") == sources[path]:
+        # the parent's record may be an earlier commit's (a change rounded to nothing), made from that one's input
+        if parent is not None and (inputs or {}).get(path, parent.params.get("source")) == sources[path]:
             entries[path] = parent.id
             reused[path] = parent
     lossless = [p for p in tensors if p not in plans]

@@ -50,6 +50,9 @@ class Manifest:
     # [error, bound, codec] measured by this commit, by path, where its tensor restores as a record made before
     # (the change since rounded to nothing): that record's own figures and codec are of the commit that made it
     measured: dict[str, list] = field(default_factory=dict)
+    # the input's tensor id of each entry the commit quantized: its record may be an earlier commit's (the change
+    # rounded to nothing), whose own `source` is that commit's input, so an identical re-commit is told by this
+    sources: dict[str, TensorId] = field(default_factory=dict)
 
     def to_record(self) -> dict[str, Any]:
         """The manifest as the JSON record that is stored."""
@@ -70,6 +73,8 @@ class Manifest:
             codecs = {path: m[2] for path, m in self.measured.items() if len(m) > 2}
             if codecs:  # apart from the figures: a reader older than it finds them where it looks
                 record["measured_as"] = codecs
+        if self.sources:  # lossy commits only: lossless manifests keep their bytes
+            record["sources"] = self.sources
         return record
 
     def to_bytes(self) -> bytes:
@@ -90,7 +95,7 @@ class Manifest:
         measured = {path: [*m, codecs[path]] if path in codecs else m
                     for path, m in (record.get("measured") or {}).items()}
         return cls(record["kind"], files, entries, digests, record.get("lossy"), record.get("pairing"),
-                   record.get("importance"), dcp, measured)
+                   record.get("importance"), dcp, measured, dict(record.get("sources") or {}))
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview, oid: ObjectId | str = "manifest") -> Manifest:
@@ -128,6 +133,12 @@ def _optional_str(value: Any, what: str) -> None:
         raise TypeError(f"{what} is {value!r}, not a string")
 
 
+def _text_by_path(value: Any, what: str) -> None:
+    """TypeError unless `value` maps paths to strings (codec names, tensor ids)."""
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise TypeError(f"{what} is {value!r}")
+
+
 def _check_record(record: dict[str, Any]) -> None:
     """Every field a reader uses has the type it expects, so a mangled manifest is refused, not half-read.
 
@@ -158,9 +169,8 @@ def _check_record(record: dict[str, Any]) -> None:
             isinstance(m, list) and len(m) == 2 and all(v is None or type(v) in (int, float) for v in m)
             for m in measured.values()):
         raise TypeError(f"measured is {measured!r}")
-    codecs = record.get("measured_as") or {}
-    if not isinstance(codecs, dict) or not all(isinstance(c, str) for c in codecs.values()):
-        raise TypeError(f"measured_as is {codecs!r}")
+    for key in ("measured_as", "sources"):
+        _text_by_path(record.get(key) or {}, key)
     for path, entry in entries.items():
         tensor, dtype, shape = entry
         if not (isinstance(tensor, str) and isinstance(dtype, str) and isinstance(shape, list)):

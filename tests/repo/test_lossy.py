@@ -761,3 +761,27 @@ def test_float64_moments_beside_float32_weights_stay_exact_and_the_weights_take_
         back = repo.checkout(repo.commit(copy.deepcopy(state), lossy="extreme"))
     assert_same(back["optimizer"], state["optimizer"])
     assert 0 < _rel(back["model"]["lin.weight"], weight) < 0.05
+
+
+def _adam_state(weight: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int) -> dict:
+    return {"model": {"w": weight.clone()}, "optimizer": {
+        "state": {0: {"step": torch.tensor(float(step)), "exp_avg": exp_avg.clone(), "exp_avg_sq": exp_avg_sq.clone()}},
+        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": [0]}]}}
+
+
+def test_the_same_state_committed_again_is_nothing_to_commit_after_a_lossy_record_was_reused(tmp_path):
+    """A first moment whose change rounds to nothing restores as an earlier commit's record, which names that
+    commit's input: the identical state committed again (Lightning's last.ckpt beside the top-k file) was coded
+    anew against another base and recorded as a second commit, with other values (auditor)."""
+    torch.manual_seed(0)
+    weight, exp_avg, exp_avg_sq = torch.randn(64, 64), torch.randn(64, 64) * 1e-3, torch.rand(64, 64) * 1e-6 + 1e-7
+    with Repository.init(tmp_path) as repo:
+        repo.commit(_adam_state(weight, exp_avg, exp_avg_sq, 1), lossy="balanced")
+        for step in range(2, 5):
+            weight = weight + 0.1 * torch.randn(64, 64)  # a changed state: committed
+            exp_avg[0, 0] = torch.nextafter(exp_avg[0, 0], torch.tensor(1.0))  # rounds to the parent's record
+            state = _adam_state(weight, exp_avg, exp_avg_sq, step)
+            cid = repo.commit(state, lossy="balanced")
+            with pytest.raises(NothingToCommitError):
+                repo.commit(copy.deepcopy(state), lossy="balanced")
+            assert repo.resolve("HEAD") == cid

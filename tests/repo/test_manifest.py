@@ -29,6 +29,19 @@ def test_a_commits_own_figures_round_trip_and_a_manifest_without_them_keeps_its_
     assert Manifest.from_bytes(remeasured.to_bytes()).measured == {"w": [0.012, 0.04]}
 
 
+def test_a_lossy_commits_inputs_round_trip_and_a_manifest_without_them_reads_with_none():
+    plain = Manifest("state", [], {"w": Entry("a" * 64, "torch.float32", (2, 3))}, {}, lossy="balanced")
+    assert "sources" not in plain.to_record() and Manifest.from_bytes(plain.to_bytes()).sources == {}
+    inputs = Manifest("state", [], plain.entries, {}, lossy="balanced", sources={"w": "b" * 64})
+    assert Manifest.from_bytes(inputs.to_bytes()).sources == {"w": "b" * 64}
+
+
+@pytest.mark.parametrize("sources", [["w"], {"w": 1}])
+def test_inputs_of_the_wrong_shape_are_a_damaged_manifest(sources):
+    with pytest.raises(CorruptObjectError, match="sources"):
+        Manifest.from_bytes(_stored(dict(_record(1), sources=sources)), "e" * 64)
+
+
 @pytest.mark.parametrize("measured", [[1], {"w": 0.1}, {"w": [0.1]}, {"w": ["x", 0.1]}])
 def test_figures_of_the_wrong_shape_are_a_damaged_manifest(measured):
     with pytest.raises(CorruptObjectError, match="measured"):
