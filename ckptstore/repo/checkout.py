@@ -113,7 +113,7 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
         raise CkptError(f"commit {cid[:12]} was made from an in-memory state; pass -o PATH to write it")
     else:
         dest = worktree.committed_from(repo, cid, info.source_path)
-    plan = worktree.plan_checkout(repo, manifest, dest, force, output=output is not None)
+    plan = worktree.plan_checkout(repo, manifest, dest, force, output=output is not None, cid=cid)
     with no_cyclic_gc():
         raws = restore(repo, manifest, progress)
     head = None if output is not None else journal.HeadMove(cid, branch, lambda c, b: refs.move_head(repo, c, b))
@@ -136,7 +136,7 @@ def _write_selected(repo: Repository, cid: CommitId, manifest: Manifest, keys: I
     selection = select(manifest, keys, cid)
     if selection.manifest.kind != "folder":
         worktree.refuse_folder_spelling(output)
-    plan = worktree.plan_checkout(repo, selection.manifest, Path(output), force, output=True)
+    plan = worktree.plan_checkout(repo, selection.manifest, Path(output), force, output=True, cid=cid)
     with no_cyclic_gc():
         raws = restore(repo, selection.manifest, progress)
     write_selection(repo, selection, plan, lambda p: materialize(raws[p]), lambda p: raws[p],

@@ -49,7 +49,7 @@ from ckptstore.repo.pruning import after_commit
 from ckptstore.repo.target import Start, commit_target, default_author, move_ref
 from ckptstore.repo.worktree import own_folder_holding
 from ckptstore.repo.writer import Job, encode_jobs, lossless_jobs
-from ckptstore.state import RawTensor, shared_view_paths
+from ckptstore.state import RawTensor, escape, shared_view_paths
 from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
@@ -221,10 +221,24 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
             commit_rows.insert_commit(tx, info, entries.values())
             # a false record leaves the list once replaced (a lossy path quantizes its tensor instead: it stays)
             tensor_rows.mark_checked(tx, parent.checked | (parent.false & {r.id for r in new_records}))
-            if level is None:  # a lossy commit cannot give its source's bytes back: they stay unsaved
-                file_rows.remember(tx, [(d, info.id, f.size) for f in checkpoint.files if (d := digests.get(f.name))])
+            file_rows.remember(tx, [(d, info.id, f.size) for f in _given_back(checkpoint, entries, sources)
+                                    if (d := digests.get(f.name))])
         faults.point("commit:ref-moved")
     return after_commit(repo, info.id)  # [retention] in config.toml: prunes once the commit is recorded
+
+
+def _given_back(checkpoint: formats.Checkpoint, entries: Mapping[str, TensorId], sources: Mapping[str, TensorId]
+                ) -> list[formats.CheckpointFile]:
+    """The files whose every tensor the commit stores exactly (all, lossless): the store gives their content back.
+
+    A checkout over such a file loses nothing; a file with a quantized tensor stays unsaved, as its
+    original's values are in no commit.
+    """
+    inexact = [p for p, tid in entries.items() if tid != sources[p]]
+    if checkpoint.kind != "folder":
+        return [] if inexact else checkpoint.files
+    roots = {p.split("/", 1)[0] for p in inexact}  # a folder's file keeps its entries under its escaped name
+    return [f for f in checkpoint.files if escape(f.name) not in roots]
 
 
 def _refuse_unchanged(manifest: Manifest, parent: _Parent, level: LossyLevel | None) -> None:

@@ -46,13 +46,15 @@ class CheckoutPlan:
     seen: dict[Path, tuple[int, ...] | None] = field(default_factory=dict)  # targets and extras as checked
 
 
-def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool, output: bool) -> CheckoutPlan:
+def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool, output: bool, cid: str = ""
+                  ) -> CheckoutPlan:
     """Check that writing `manifest` to `dest` is safe, and say what it will write and remove.
 
     `output`: `dest` was named with -o, so its parent folder must exist and nothing in it is
     deleted (only an in-place checkout makes a folder exact). Raises
-    DirtyWorktreeError for files whose content is not in the store (unless `force`), CkptError
-    for a destination the checkout cannot or must not write.
+    DirtyWorktreeError for files whose content is not in the store (unless `force`; `cid`, the
+    commit, names a lossy one whose originals they are), CkptError for a destination the checkout
+    cannot or must not write.
     """
     if output:
         _refuse_missing_parent(dest)
@@ -76,9 +78,35 @@ def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool,
         plan.seen = {path: _signature(path) for path in [*(t for _, t in plan.files), *plan.extras]}
         unsaved = _unsaved(repo, [t for _, t in plan.files], plan.extras)
         if unsaved:
-            raise DirtyWorktreeError(f"checkout would {_listed(unsaved)}, whose content is not in the store; "
-                                     "commit it first, write elsewhere with -o PATH, or pass --force")
+            raise DirtyWorktreeError(_refusal(unsaved, _originals(manifest, plan, unsaved), cid))
     return plan
+
+
+def _originals(manifest: Manifest, plan: CheckoutPlan, unsaved: list[tuple[str, Path]]) -> list[Path]:
+    """The files in `unsaved` that the lossy commit `manifest` was made from, byte for byte (by digest)."""
+    if not manifest.lossy:
+        return []
+    overwritten = {path for verb, path in unsaved if verb == "overwrite"}
+    found = []
+    for record, target in plan.files:
+        digest = manifest.digests.get(record.name)
+        if target in overwritten and digest:
+            info = target.lstat()  # a FIFO would block the hash: only a regular file of the committed size
+            if stat.S_ISREG(info.st_mode) and info.st_size == record.size and file_digest(str(target)) == digest:
+                found.append(target)
+    return found
+
+
+def _refusal(unsaved: list[tuple[str, Path]], originals: list[Path], cid: str) -> str:
+    """Why a checkout is refused, and what to do: committing a lossy commit's own originals again does nothing."""
+    others = [(verb, path) for verb, path in unsaved if path not in originals]
+    said = [f"{_listed(others)}, whose content is not in the store"] if others else []
+    if originals:
+        said.append(f"overwrite {listing([str(p) for p in originals], SHOWN)}: the files lossy commit "
+                    f"{cid[:12] or 'it'} was made from (resume from them directly)")
+    advice = ("commit it first, write elsewhere with -o PATH, or pass --force" if others else
+              "write elsewhere with -o PATH, or pass --force to write its lossy reconstruction over them")
+    return f"checkout would {' and '.join(said)}; {advice}"
 
 
 def _refuse_missing_parent(dest: Path) -> None:

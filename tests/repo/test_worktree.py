@@ -367,6 +367,28 @@ def test_a_lossy_commit_does_not_make_its_full_precision_source_count_as_saved(r
     repo.checkout_to(first)
 
 
+def test_a_lossy_folder_checked_out_over_itself_names_only_its_lossy_originals(repo):
+    """The files a lossy commit keeps exact were listed as 'not in the store', with the advice to commit them,
+    which said 'nothing changed': now they count as saved, and the originals are named as the commit's (auditor)."""
+    from safetensors.torch import save_file
+
+    folder = repo.root / "out" / "checkpoint-10"
+    folder.mkdir(parents=True)
+    save_file({"w": torch.randn(256, 256, generator=torch.Generator().manual_seed(0))}, folder / "model.safetensors")
+    torch.save({"cpu": torch.get_rng_state()}, folder / "rng_state.pth")  # integers only: stored exactly
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 10}))
+    lossy = repo.commit(folder, lossy="balanced", step=10)
+    for output in (folder, None):
+        with pytest.raises(DirtyWorktreeError) as info:
+            repo.checkout_to(lossy, output=output)
+        said = str(info.value)
+        assert f"model.safetensors: the files lossy commit {lossy[:12]} was made from" in said, said
+        assert "rng_state" not in said and "trainer_state" not in said and "commit it first" not in said
+        assert "--force to write its lossy reconstruction over them" in said
+    repo.checkout_to(lossy, output=folder, force=True)  # its reconstruction, now known: no refusal next time
+    repo.checkout_to(lossy)
+
+
 def test_checkout_with_output_refuses_a_file_where_the_commit_has_a_folder(repo, tmp_path):
     cid = repo.commit(make_trainer_folder(repo.root / "run"))
     (tmp_path / "out").mkdir()
