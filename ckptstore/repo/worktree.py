@@ -157,7 +157,11 @@ def regular_file(dest: Path) -> Path:
     A device, pipe or socket is refused (`refuse_special`).
     """
     refuse_special(dest)
-    return Path(os.path.realpath(dest)) if dest.is_symlink() and not _names_a_descriptor(dest) else dest
+    if not dest.is_symlink():
+        return dest
+    if _names_a_descriptor(dest):  # renamed over, /dev/stdout itself became a file (as root)
+        raise CkptError(f"{dest} names an open descriptor, not a file: pass the path of a file to write")
+    return Path(os.path.realpath(dest))
 
 
 def _names_a_descriptor(dest: Path) -> bool:
@@ -185,6 +189,8 @@ def refuse_special(dest: Path) -> None:
         mode = os.stat(dest).st_mode
     except (FileNotFoundError, NotADirectoryError):  # nothing there yet (or a link to nothing)
         mode = stat.S_IFREG
+    except OSError as exc:  # a loop of links (ELOOP), a name too long
+        raise CkptError(f"{dest} cannot be written: {exc.strerror}") from None
     kind = next((what for test, what in _SPECIAL if test(mode)), None)
     if kind is not None:
         raise CkptError(f"{dest} is {kind}, not a file: pass the path of a file to write")

@@ -1,6 +1,7 @@
 """`export` of Hugging Face checkpoint folders: the weights under their own names, or everything with --all."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -155,3 +156,20 @@ def test_an_output_that_is_a_device_or_pipe_is_refused_and_a_link_is_written_thr
         export(repo, "HEAD", "safetensors", tmp_path / "link.safetensors")
         assert (tmp_path / "link.safetensors").is_symlink()
         assert torch.equal(load_file(tmp_path / "real.safetensors")["w"], torch.arange(12.0))
+
+
+def test_an_output_naming_a_descriptor_or_a_loop_of_links_is_one_line_and_writes_nothing(tmp_path):
+    """-o /dev/stdout with stdout sent to a file: renamed over, /dev/stdout itself became a file as root (reader);
+    a loop of links was an unexpected OSError."""
+    from ckptstore.errors import CkptError
+
+    with Repository.init(tmp_path) as repo:
+        torch.save({"w": torch.arange(12.0)}, tmp_path / "c.pt")
+        repo.commit(tmp_path / "c.pt")
+        (tmp_path / "loop").symlink_to("loop")
+        for output, said in (("/dev/stdout", "names an open descriptor|is a character device|is a named pipe"),
+                             ("/proc/self/fd/1", "names an open descriptor|is a character device|is a named pipe"),
+                             (tmp_path / "loop", "cannot be written: Too many levels of symbolic links")):
+            with pytest.raises(CkptError, match=said):
+                export(repo, "HEAD", "torch", output)
+        assert os.path.islink("/dev/stdout") and (tmp_path / "loop").is_symlink()
