@@ -714,7 +714,7 @@ def pull(ctx, name: str, branch: str | None) -> None:
 
 
 @cli.command()
-@click.argument("url")
+@click.argument("url", type=PathGiven())
 @click.argument("path", required=False, type=PathGiven())
 @click.option("--metadata", "metadata_url", default="", help="The remote's database, for an s3:// URL.")
 @click.option("--lazy", is_flag=True, help="Fetch commit records now and objects when a checkout needs them.")

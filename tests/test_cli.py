@@ -262,6 +262,7 @@ def test_an_empty_path_or_option_value_is_refused_not_taken_for_the_folder_or_fo
     assert ckpt_here(tmp_path, "commit", "c.pt").returncode == 0
     for args, said in ((("commit", ""), "is empty"), (("checkout", "HEAD", "-o", ""), "is empty"),
                        (("export", "HEAD", "-o", ""), "is empty"), (("clone", ".", ""), "is empty"),
+                       (("clone", ""), "is empty"),
                        (("fsck", "--remote", ""), "no remote named ''"),
                        (("commit", "c.pt", "--lossy", "balanced", "--calibration", ""), "MODULE:FUNCTION")):
         out = ckpt_here(tmp_path, *args)

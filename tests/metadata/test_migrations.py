@@ -1,6 +1,7 @@
 import sqlite3
 
 import pytest
+import torch
 
 from ckptstore import Repository
 from ckptstore.errors import CkptError
@@ -137,3 +138,14 @@ def test_an_upgrade_says_older_ckptstores_are_shut_out_and_a_new_repository_says
         Repository.open(tmp_path).close()
     with sqlite3.connect(db_path) as conn:
         assert conn.execute("SELECT sql FROM sqlite_master ORDER BY name").fetchall() == tables
+
+
+def test_a_0009_repository_is_read_as_it_is_where_it_cannot_be_written(tmp_path):
+    """0010 changed no table, yet a read-only open of every 0009 repository was refused (reader)."""
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit({"w": torch.ones(4)})
+    with sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db") as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '0009'")
+    with Repository.open(tmp_path, read_only=True) as repo:
+        assert [c.id for c in repo.log()] == [cid] and torch.equal(repo.checkout(cid)["w"], torch.ones(4))
+        assert repo.db.revision() == "0009"
