@@ -53,6 +53,7 @@ from ckptstore.state import RawTensor
 
 if TYPE_CHECKING:
     from ckptstore.objectstore import ObjectStore
+    from ckptstore.repo.maintenance import GcReport
     from ckptstore.repo.repository import Repository
 
 BATCH_BYTES = 256 << 20  # raw bytes re-encoded at once: their restored bytes are held in memory
@@ -117,18 +118,34 @@ def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool
             tensor_rows.replace_records(tx, new_records + moved, {**sizes, **moved_sizes})
             _record_depths(tx, layout, new_records, staying)
         faults.point("prune:db-committed")
-        from ckptstore.repo.maintenance import collect
-
-        try:
-            collected = collect(repo)
-        except LostLockError as exc:  # the prune is recorded: only its clean-up is left
-            raise LostLockError(f"the prune of {len(gone)} commit(s) was recorded, but the repository lock on "
-                                f"{repo.db.where} was lost before its clean-up ({exc.ended}): run `ckpt gc` to "
-                                "delete what it freed", exc.ended) from None
+        collected = _clean_up(repo, len(gone))
     report.pruned, report.tensors_reencoded = sorted(gone), len(new_records)
     report.objects_removed, report.tensors_removed = collected.objects_removed, collected.tensors_removed
     report.bytes_after = _store_bytes(repo) if not only_if_doomed else None
     return report
+
+
+def _clean_up(repo: Repository, pruned: int) -> GcReport:
+    """Gc's work after a prune is recorded: a failure says the prune stands and `ckpt gc` finishes it."""
+    from ckptstore.repo.maintenance import collect
+
+    try:
+        return collect(repo)
+    except LostLockError as exc:
+        raise LostLockError(f"the prune of {pruned} commit(s) was recorded, but the repository lock on "
+                            f"{repo.db.where} was lost before its clean-up ({exc.ended}): run `ckpt gc` to "
+                            "delete what it freed", exc.ended) from None
+    except Exception as exc:  # a full disk in gc's own write: "nothing changed" would be untrue
+        said = explain(exc)
+        if said is None:
+            raise
+        raise CkptError(f"the prune of {pruned} commit(s) was recorded, but its clean-up failed: "
+                        f"{_first_clause(str(said))}; run `ckpt gc` to delete what it freed") from exc
+
+
+def _first_clause(message: str) -> str:
+    """A failure's what, without its advice (a full disk's "nothing was lost: the write is undone" is not so here)."""
+    return message.split("; ", 1)[0]
 
 
 def after_commit(repo: Repository, cid: CommitId) -> CommitId:

@@ -584,3 +584,24 @@ def test_a_detached_commit_whose_policy_prune_failed_still_says_it_is_on_no_bran
                            env=ckpt_env(CKPT_FAIL_AT="prune:objects-written"))
     assert ended.returncode == 1 and "was recorded, but the [retention] policy's prune" in ended.stderr
     assert "note: HEAD is detached, so this commit is on no branch" in ended.stdout
+
+
+def test_a_prune_whose_clean_up_finds_the_disk_full_says_it_was_recorded(tmp_path, monkeypatch):
+    """gc's write after the prune found the disk full: "nothing was lost: the interrupted write is undone", while
+    the commits were pruned; the rerun said it removed 0 commits (auditor)."""
+    import errno
+
+    from ckptstore.repo import maintenance
+
+    def full(_repo, *_args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / ".ckpt" / "ckpt.db-wal"))
+
+    with Repository.init(tmp_path) as repo:
+        cids = [repo.commit({"w": torch.full((3000,), float(i))}) for i in range(3)]
+        monkeypatch.setattr(maintenance, "collect", full)
+        with pytest.raises(CkptError, match=r"^the prune of 2 commit\(s\) was recorded, but its clean-up failed: the "
+                                            r"disk is full \(No space left on device .*\); run `ckpt gc` to delete"):
+            prune(repo, RetentionPolicy(keep_last=1))
+        monkeypatch.undo()
+        assert [bool(repo.show(cid).get("pruned")) for cid in cids] == [True, True, False]
+        assert fsck(repo).ok
