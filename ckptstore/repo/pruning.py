@@ -126,7 +126,7 @@ def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool
 
 
 def _clean_up(repo: Repository, pruned: int) -> GcReport:
-    """Gc's work after a prune is recorded: a failure says the prune stands and `ckpt gc` finishes it."""
+    """Collect after a recorded prune: a failure says the prune stands and `ckpt gc` finishes it."""
     from ckptstore.repo.maintenance import collect
 
     try:
