@@ -262,7 +262,7 @@ def explain(exc: BaseException) -> CkptError | None:
             return tell(f"{current.strerror or current}{where}")
         if isinstance(current, (RuntimeError, RecursionError)) and (said := _path_too_odd(current)):
             return said
-        if isinstance(current, MemoryError):  # numpy's says how much it could not allocate
+        if isinstance(current, MemoryError) or _out_of_memory(current, text):  # numpy's says how much it could not
             return CkptError(f"out of memory ({str(current) or 'no more could be allocated'}): free memory and run "
                              "the command again (a checkout can restore part of a commit: --only PATTERN)")
         if isinstance(current, OSError) and current.errno in (errno.EMFILE, errno.ENFILE):
@@ -291,6 +291,14 @@ def explain(exc: BaseException) -> CkptError | None:
                              "paths and messages as UTF-8: rename the file, or pass the text in UTF-8")
         current = current.__cause__ or current.__context__
     return None
+
+
+def _out_of_memory(exc: BaseException, text: str) -> bool:
+    """Memory refused in other words than MemoryError: mmap's ENOMEM, a thread or a library that cannot be mapped."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOMEM:
+        return True
+    return isinstance(exc, (RuntimeError, ImportError, OSError)) and (
+        "can't start new thread" in text or "failed to map segment" in text or "cannot allocate memory" in text)
 
 
 def _limit_of_open_files() -> str:

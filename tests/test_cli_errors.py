@@ -451,3 +451,14 @@ def test_paths_no_walk_can_take_are_one_error_line(tmp_path):
         while here != deep:
             here.rmdir()
             here = here.parent
+
+
+def test_memory_refused_in_other_words_is_said_as_out_of_memory():
+    """mmap's ENOMEM, a thread that cannot start, a library that cannot be mapped: "unexpected ... please report
+    it" under `ulimit -v` (auditor)."""
+    for exc in (OSError(errno.ENOMEM, "Cannot allocate memory"), RuntimeError("can't start new thread"),
+                ImportError("libtorch_python.so: failed to map segment from shared object"),
+                OSError("libgomp.so.1: failed to map segment from shared object")):
+        said = explain(exc)
+        assert said is not None and str(said).startswith("out of memory ("), exc
+    assert explain(RuntimeError("something else")) is None
