@@ -42,12 +42,13 @@ from ckptstore.replay import ChainSource
 from ckptstore.repo import calibrate, chaincost, received
 from ckptstore.repo.creation import STAGING
 from ckptstore.repo.gcpause import no_cyclic_gc
+from ckptstore.repo.location import REPO_DIR
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.planecache import cache_of
 from ckptstore.repo.progress import NoProgress, Progress
 from ckptstore.repo.pruning import after_commit
 from ckptstore.repo.target import Start, commit_target, default_author, move_ref
-from ckptstore.repo.worktree import own_folder_holding
+from ckptstore.repo.worktree import is_repository_folder, own_folder_holding
 from ckptstore.repo.writer import Job, encode_jobs, lossless_jobs
 from ckptstore.state import RawTensor, escape, shared_view_paths
 from ckptstore.warn import warn_caller
@@ -364,6 +365,28 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
     return _Encoded(entries, records, sizes, plans, pairing, fisher, remeasured)
 
 
+def _other_repositories(folder: Path, excluded: list[Path]) -> list[Path]:
+    """Other repositories' own folders inside `folder` (not in `excluded`), left out of its commit with a warning.
+
+    Committed, a checkout of an older commit of the folder wrote the older files of that repository's
+    database and objects back over it: its later commits were gone from its log.
+    """
+    skipped = {os.path.realpath(p) for p in excluded}
+    nested = []
+    for top, folders, _ in os.walk(folder):
+        for name in list(folders):
+            inner = os.path.join(top, name)
+            if os.path.realpath(inner) in skipped:
+                folders.remove(name)  # this repository's own folder or store: never walked
+            elif is_repository_folder(Path(inner)):
+                folders.remove(name)
+                nested.append(Path(inner))
+    if nested:
+        warn_caller(f"{len(nested)} other repositor{'ies' if len(nested) > 1 else 'y'} inside {folder} left out of "
+                    f"the commit (their own {REPO_DIR}/ folders, {nested[0]} first): commit in them instead")
+    return nested
+
+
 def _read_source(repo: Repository, source: Any, trust_pickle: bool
                  ) -> tuple[str | None, formats.Checkpoint, dict[str, str], dict[str, tuple[Path, Any]]]:
     """(path relative to the repository or absolute, or None for a state; the checkpoint; digests; stamps).
@@ -384,6 +407,8 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
     # A commit never holds the repository's own directory (`ckpt commit .` at the root), nor its object
     # store where config objects_url puts it outside .ckpt/.
     excluded = [*repo.own_folders(), *repo.root.glob(STAGING + "*")]  # and what killed inits left, anywhere
+    if kind != "file":
+        excluded += _other_repositories(path, excluded)
     on_disk = [path] if kind == "file" else [f.path for f in folder_files(path, excluded)]
     stamps = {p: file_stamp(p) for p in on_disk}
     pending = {p: repo.pool.submit(filemap.file_digest, str(p), filemap.current()) for p in on_disk}

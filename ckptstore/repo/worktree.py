@@ -25,6 +25,7 @@ from ckptstore.formats.folder import MODE_BITS
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import files as file_rows
 from ckptstore.repo import journal
+from ckptstore.repo.location import REPO_DIR
 
 if TYPE_CHECKING:
     from ckptstore.formats import CheckpointFile
@@ -218,7 +219,8 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
         _refuse_links_out(target, dest, real_dest)
         # in place, links in the way are removed first; with -o they are followed, to where they lead
         real = real_dest.joinpath(*parts) if exact else Path(os.path.realpath(target.parent)) / target.name
-        inside = _holding(own, real)
+        inside = _holding(own, real) or next((dest.joinpath(*parts[:i + 1]) for i in range(len(parts) - 1)
+                                              if is_repository_folder(dest.joinpath(*parts[:i + 1]))), None)
         if inside is not None:  # committed before commits left it out, or reached through a link
             raise CkptError(f"the commit holds {record.name}, which would be written inside the repository's own "
                             f"{inside.name}/ (as {real}): check it out elsewhere with -o PATH")
@@ -228,10 +230,15 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
         plan.files.append((record, target))
         needed.update(target.parents)
     if exact and dest.is_dir():
-        _scan(dest, {t for _, t in plan.files}, needed, repo.own_folders(), plan)
+        _scan(dest, {t for _, t in plan.files}, needed, list(repo.own_folders()), plan)
     elif not exact:
         _refuse_files_in_the_way(plan, dest)
     return plan
+
+
+def is_repository_folder(path: Path) -> bool:
+    """Whether `path` is a repository's own folder (`.ckpt/` with its config): never a checkpoint's content."""
+    return path.name == REPO_DIR and (path / "config.toml").is_file()
 
 
 def _refuse_files_in_the_way(plan: CheckoutPlan, dest: Path) -> None:
@@ -263,6 +270,8 @@ def _scan(folder: Path, names: set[Path], needed: set[Path], kept: list[Path], p
             continue  # the repository's own: a .ckpt linked in from another disk, the store's owner file
         if entry.is_dir(follow_symlinks=False):
             real = Path(os.path.realpath(path))
+            if real not in kept and is_repository_folder(path):
+                kept.append(real)  # another repository inside the folder: its own .ckpt is never part of a checkout
             if real in kept:
                 continue  # the repository itself is never part of a checkout
             _scan(path, names, needed, kept, plan)

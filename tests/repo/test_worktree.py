@@ -875,3 +875,31 @@ def test_status_lists_a_file_it_may_not_read_and_goes_on(tmp_path, monkeypatch):
 
         monkeypatch.setattr(Path, "is_file", refusing_is_file)
         assert repo.status()["files"][0]["state"] == "unreadable (permission denied)"
+
+
+def test_a_folder_holding_another_repository_is_committed_without_that_repositorys_own_folder(tmp_path):
+    """runs/exp1's .ckpt/ went into the outer commit: checking out an older one rolled exp1's database and objects
+    back, and its later commits were gone from its log (auditor)."""
+    import warnings
+
+    inner = tmp_path / "runs" / "exp1"
+    with Repository.init(tmp_path) as outer, Repository.init(inner) as nested:
+        torch.save({"w": torch.ones(4)}, inner / "c.pt")
+        first = nested.commit(inner / "c.pt")
+        with pytest.warns(RuntimeWarning, match=r"1 other repository inside .*runs left out of the commit \(their "
+                                                r"own \.ckpt/ folders, .*exp1/\.ckpt first\)"):
+            outer.commit(tmp_path / "runs")
+        assert [f["name"] for f in outer.show("HEAD")["files"]] == ["exp1/c.pt"]
+        torch.save({"w": torch.zeros(4)}, inner / "c.pt")
+        second = nested.commit(inner / "c.pt")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            outer.commit(tmp_path / "runs")
+        outer.checkout_to("HEAD~1", force=True)
+        assert torch.equal(torch.load(inner / "c.pt")["w"], torch.ones(4))
+    with Repository.open(inner) as again:
+        assert [c.id for c in again.log()] == [second, first]
+    with Repository.open(tmp_path) as outer:
+        with warnings.catch_warnings():  # the repository's own folder is no other repository
+            warnings.simplefilter("error")
+            outer.commit(tmp_path / "runs" / "exp1" / "c.pt")
