@@ -3,7 +3,8 @@
 What is watched: the folder's direct children that are checkpoint files (.pt .pth .bin .ckpt .tar
 .safetensors) or Hugging Face Trainer folders named `checkpoint-N`. Hidden names, temporary
 files of atomic writers and symlinks are never sources (a symlink so named is reported as such).
-A `checkpoint-N` folder itself is refused: its files are parts of one save, not checkpoints.
+A `checkpoint-N` folder itself, or a folder inside one, is refused: its files are parts of one save, not
+checkpoints.
 
 When a source counts as complete (torch.save, safetensors and Trainer all write in place, in steps):
 - every file of it is unchanged (names, sizes, modification times) between two scans `interval`
@@ -114,9 +115,7 @@ def watch_folder(repo: Repository, folder: str | os.PathLike, options: WatchOpti
     folder = Path(folder).resolve()
     if not folder.is_dir():
         raise CkptError(f"{folder} is not a folder; `ckpt watch` takes the folder a training job saves into")
-    if TRAINER_FOLDER.match(folder.name):  # what scan() takes for one Trainer save: its files are no checkpoints
-        raise CkptError(f"{folder} is a checkpoint folder: watch the folder it is saved in ({folder.parent}), "
-                        f"or `ckpt commit {folder}`")
+    _refuse_inside_a_save(folder)
     repo.db.refuse_writes("watch (it commits)")
     state = WatchState.load(repo, folder, options.branch)
     report, before = WatchReport(), scan(folder, state)
@@ -137,6 +136,21 @@ def watch_folder(repo: Repository, folder: str | os.PathLike, options: WatchOpti
             break
     report.stopped = stop.is_set()
     return report
+
+
+def _refuse_inside_a_save(folder: Path) -> None:
+    """Refuse a `checkpoint-N` folder (what scan() takes for one Trainer save) or a folder inside one.
+
+    Its files are parts of one save, not checkpoints each (DeepSpeed's global_stepN holds the model
+    and optimizer files of one step): watched, a half-written save would be committed piece by piece.
+    """
+    if TRAINER_FOLDER.match(folder.name):
+        raise CkptError(f"{folder} is a checkpoint folder: watch the folder it is saved in ({folder.parent}), "
+                        f"or `ckpt commit {folder}`")
+    save = next((parent for parent in folder.parents if TRAINER_FOLDER.match(parent.name)), None)
+    if save is not None:
+        raise CkptError(f"{folder} is inside the checkpoint folder {save}, whose files are parts of one save: watch "
+                        f"the folder it is saved in ({save.parent}), or `ckpt commit {save}`")
 
 
 def _ready(source: Source, before: Source | None, state: WatchState) -> bool:

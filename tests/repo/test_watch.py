@@ -528,6 +528,20 @@ def test_watching_a_trainer_checkpoint_folder_itself_is_refused(repo, tmp_path):
     assert watch(repo, tmp_path / "out" / "checkpoint_notes", ONCE).committed == []
 
 
+def test_watching_a_folder_inside_a_checkpoint_folder_is_refused(repo, tmp_path):
+    """`ckpt watch out/checkpoint-30/global_step30` committed DeepSpeed's model and optimizer files apart (auditor)."""
+    save = tmp_path / "out" / "checkpoint-30"
+    inner = save / "global_step30"
+    inner.mkdir(parents=True)
+    torch.save({"module": {"w": torch.ones(8)}}, inner / "mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": {"x": torch.ones(8)}}, inner / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(CkptError, match=f"inside the checkpoint folder {save}, whose files are parts of one save"):
+        watch(repo, inner, ONCE)
+    result = ckpt_here(tmp_path, "watch", "out/checkpoint-30/global_step30", "--once", "--interval", "0.05")
+    assert result.returncode == 1 and f"({save.parent})" in result.stderr, result.stderr
+    assert f"`ckpt commit {save}`" in result.stderr and repo.log() == []
+
+
 def _denied_on(*paths: Path):
     """A stand-in for a function that opens a file: PermissionError on `paths` (root reads files of any mode)."""
     def opened(real):
