@@ -27,6 +27,7 @@ from ckptstore.errors import (
     RetentionError,
     explain,
     listing,
+    shown_name,
 )
 from ckptstore.repo import LOSSY_LEVELS, EncodingSettings, Repository, fsck, gc, named_root, subject
 
@@ -70,11 +71,6 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 def _shown(text: str) -> str:
     """`text` with its control characters written out (ESC as a backslash and x1b): harmless in a terminal."""
     return _CONTROL.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
-
-
-def _name(text: str) -> str:
-    """A file or tensor name for a line of its own: a newline it holds written out, not breaking the listing."""
-    return text.replace("\n", "\\n")
 
 
 def echo(text: str = "") -> None:
@@ -331,7 +327,7 @@ def checkout(ctx, ref, output, force, only) -> None:
     if info.source_path is not None and not info.lossy and not only:
         echo("Files are byte for byte as committed" + (", except below." if rewritten else "."))
     if info.source_path is not None and rewritten:
-        names = ", ".join(name or str(dest) for name in rewritten)
+        names = ", ".join(shown_name(name or str(dest)) for name in rewritten)
         echo(f"note: {names} written with torch.save (a legacy-format or unusual file, or a commit by an "
              "older ckptstore): state exact, bytes not byte for byte the committed file's")
     if info.lossy:
@@ -390,8 +386,8 @@ def export_command(ctx, ref, fmt, output, everything) -> None:
     echo(f"Wrote {report.commit[:12]} to {output}: {report.tensors} tensors ({fmt})")
     if report.skipped:
         count = len(report.skipped)
-        echo(f"note: left out {count} item{'s' if count != 1 else ''} ({listing(report.skipped, 5)}): "
-             f"{report.why_skipped}")
+        names = listing([shown_name(name) for name in report.skipped], 5)
+        echo(f"note: left out {count} item{'s' if count != 1 else ''} ({names}): {report.why_skipped}")
 
 
 @cli.command()
@@ -471,7 +467,7 @@ def show(ctx, ref, as_json) -> None:
     if as_json:
         return _emit_json(data)
     echo(f"commit {data['id']}\nparents {' '.join(p[:12] for p in data['parents']) or '-'}")
-    echo(f"step {data['step']}  metrics {data['metrics']}  source {_name(str(data['source_path']))}")
+    echo(f"step {data['step']}  metrics {data['metrics']}  source {shown_name(str(data['source_path']))}")
     if data.get("pruned"):  # its row stays for the history; its tensors and their bytes are gone
         echo(f"pruned by `ckpt prune`: its tensors are gone{' (it was lossy)' if data.get('lossy') else ''}")
     elif data.get("lossy"):
@@ -480,22 +476,22 @@ def show(ctx, ref, as_json) -> None:
     stored = "- (pruned)" if data.get("pruned") else _size(data["stored_bytes"])
     echo(f"raw {_size(data['raw_bytes'])}  stored {stored}\n\n{_indented(data['message'])}\n")
     for f in data["files"] if data["kind"] != "state" else []:  # an in-memory state's only record has no file
-        echo(f"file {_name(f['name']) or '.'} [{f['format']}] {_size(f['size'])} {f['note']}".rstrip())
+        echo(f"file {shown_name(f['name']) or '.'} [{f['format']}] {_size(f['size'])} {f['note']}".rstrip())
     for row in data.get("fidelity", []):
         bound = (f", at most {row['worst_of_bound']:.0%} of its bound" if row["worst_of_bound"] is not None
                  else " (no bound)")
         echo(f"measured {row['quantity']}: worst {row['worst']:.2e} over {row['tensors']} tensors{bound}")
     if "sharded" in data:  # a DCP commit: its logical tensors, not every shard
         for t in data["sharded"]:
-            echo(f"  {_name(t['fqn'])}  {t['dtype']} {tuple(t['shape'])}  {t['shards']} shard"
+            echo(f"  {shown_name(t['fqn'])}  {t['dtype']} {tuple(t['shape'])}  {t['shards']} shard"
                  f"{'s' if t['shards'] != 1 else ''}")
         echo(f"({len(data['tensors'])} stored shards; --json lists them)")
         return None
     for t in data["tensors"]:
         error = f"  rel.err {t['rel_error']:.2e}" if "rel_error" in t else ""
         error += f" (bound {t['max_error']:.2e})" if "max_error" in t else ""
-        echo(f"  {_name(t['path'])}  {t['dtype']} {tuple(t['shape'])}  {_size(t['stored_bytes'])} depth {t['depth']}"
-             f"{error}")
+        echo(f"  {shown_name(t['path'])}  {t['dtype']} {tuple(t['shape'])}  {_size(t['stored_bytes'])} "
+             f"depth {t['depth']}{error}")
     return None
 
 
@@ -507,7 +503,8 @@ def status(ctx) -> None:
     where = f"On branch {report['branch']}" if report["branch"] else "HEAD detached"
     echo(where + (f" at {report['head'][:12]}" if report["head"] else " (no commits yet)"))
     for item in report["files"]:
-        echo(f"  {item['state']:>10}: {_name(item['path'])}" + (f" ({item['note']})" if item.get("note") else ""))
+        note = f" ({item['note']})" if item.get("note") else ""
+        echo(f"  {item['state']:>10}: {shown_name(item['path'])}{note}")
 
 
 @cli.command()
@@ -525,7 +522,8 @@ def diff(ctx, a, b, as_json, show_all) -> None:
         if row.status == "unchanged" and not show_all:
             continue
         rel = "" if row.relative_l2 is None else f" rel_l2={row.relative_l2:.3e}"
-        echo(f"{row.status:>9} {_name(row.path)} {row.dtype} {tuple(row.shape)}{rel} stored={_size(row.stored_bytes)}")
+        echo(f"{row.status:>9} {shown_name(row.path)} {row.dtype} {tuple(row.shape)}{rel} "
+             f"stored={_size(row.stored_bytes)}")
     unchanged = sum(r.status == "unchanged" for r in rows)
     echo(f"{len(rows) - unchanged} of {len(rows)} tensors differ")
     return None

@@ -134,6 +134,19 @@ def listing(items: Sequence[str], most: int, separator: str = ", ") -> str:
     return separator.join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
+def shown_name(text: str) -> str:
+    r"""A file or tensor name for a line of its own: a backslash as \\, a newline as \n, bytes not UTF-8 as \xNN.
+
+    A newline would start a line that looks like an entry of its own (a forged commit line); the backslash
+    goes first, so a name holding a backslash and an n cannot look like one holding a newline.
+    """
+    text = text.replace("\\", "\\\\").replace("\n", "\\n")
+    try:  # os.fsdecode's surrogates stand for the bytes of a name that is not UTF-8
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate no file name decodes to (from a JSON record)
+        return text.encode("utf-8", "backslashreplace").decode()
+
+
 REASONS_SHOWN = 8  # a warning over a 7B model's hundreds of tensors stays a few lines; `ckpt show` lists each
 
 

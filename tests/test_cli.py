@@ -283,3 +283,18 @@ def test_debug_is_the_groups_flag_and_read_only_refuses_a_clone(tmp_path):
     assert loud.returncode != 0 and "Traceback" in loud.stderr
     out = ckpt_here(tmp_path, "--read-only", "clone", ".", "copy")
     assert out.returncode != 0 and "--read-only refuses every write" in out.stderr and not (tmp_path / "copy").exists()
+
+
+def test_checkout_and_export_notes_write_out_a_newline_and_a_backslash_in_names(tmp_path):
+    """A name holding a newline split checkout's torch.save note and export's left-out note into forged lines."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+    torch.save({"w": torch.ones(3)}, folder / "l\n[0123456789ab] y.pt", _use_new_zipfile_serialization=False)
+    (folder / "n\\n\nb.txt").write_text("not a tensor")  # a backslash and an n, then a newline
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    assert ckpt_here(tmp_path, "commit", "f", "-m", "one").returncode == 0
+    restored = ckpt_here(tmp_path, "checkout", "HEAD", "-o", "out").stdout.splitlines()
+    assert "note: l\\n[0123456789ab] y.pt written with torch.save" in restored[-1], restored
+    assert not any(line.startswith("[0123456789ab]") for line in restored), restored
+    exported = ckpt_here(tmp_path, "export", "HEAD", "--all", "-o", "e.safetensors").stdout.splitlines()
+    assert exported[-1].startswith("note: left out 1 item (n\\\\n\\nb.txt/%blob): "), exported

@@ -1,6 +1,6 @@
 """Messages that name long lists stay short."""
 
-from ckptstore.errors import REASONS_SHOWN, listing, with_reasons
+from ckptstore.errors import REASONS_SHOWN, listing, shown_name, with_reasons
 
 
 def test_a_warning_over_hundreds_of_unquantizable_tensors_names_a_few_and_counts_the_rest():
@@ -14,3 +14,10 @@ def test_a_warning_over_hundreds_of_unquantizable_tensors_names_a_few_and_counts
 def test_a_short_list_is_named_whole_without_a_count():
     assert with_reasons({"b": "y", "a": "x"}) == "a: x; b: y"
     assert listing(["a", "b"], 2) == "a, b"
+
+
+def test_a_name_is_shown_on_one_line_and_a_written_out_newline_is_told_from_a_backslash_and_an_n():
+    assert shown_name("a\nb") == "a\\nb"
+    assert shown_name("a\\nb") == "a\\\\nb"  # a backslash, then n: no newline
+    assert shown_name("r\udce9sum\udce9.pt") == "r\\xe9sum\\xe9.pt"  # os.fsdecode's bytes that are not UTF-8
+    assert shown_name("lone\ud800") == "lone\\ud800"

@@ -50,6 +50,7 @@ from ckptstore.errors import (
     RefNotFoundError,
     UnsupportedStateError,
     explain,
+    shown_name,
 )
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.formats.filemap import file_digest
@@ -97,7 +98,7 @@ class Source:
 
 @dataclass
 class WatchReport:
-    """What a watch did: the commits it made (name, commit id, step), and sources still incomplete."""
+    """What a watch did: the commits it made (name, commit id, step), and sources still incomplete (by shown name)."""
 
     committed: list[tuple[str, str, int | None]] = field(default_factory=list)
     waiting: dict[str, str] = field(default_factory=dict)
@@ -129,7 +130,7 @@ def watch_folder(repo: Repository, folder: str | os.PathLike, options: WatchOpti
             if stop.is_set():
                 break
             _commit_source(repo, source, options, state, report, say)
-        report.waiting = {_shown(s.name): s.incomplete or "changed since the last scan" for s in now.values()
+        report.waiting = {shown_name(s.name): s.incomplete or "changed since the last scan" for s in now.values()
                           if not state.done(s) and s not in ready and s.denied is None}
         before = now
         if options.once:
@@ -165,8 +166,8 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, stat
     What is wrong with one source (not a checkpoint, a name that is not UTF-8, unreadable, removed
     by a rotation) is said and the watch goes on; what is wrong with the repository ends it.
     """
-    shown = _shown(source.name)
-    if shown != source.name:  # recorded in the message and the path, which the metadata keeps as UTF-8
+    shown = shown_name(source.name)
+    if not _is_utf8(source.name):  # recorded in the message and the path, which the metadata keeps as UTF-8
         state.record(source, None)  # a new name is a new source
         say(f"{shown}: not committed: its name is not UTF-8; rename it")
         return
@@ -182,7 +183,7 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, stat
         say(f"{shown}: unchanged since the last commit, not committed")
         return
     except ConflictError as exc:  # another writer moved the branch: the next scan tries again
-        say(f"{shown}: {exc}")
+        say(f"{shown}: {_why(exc)}")
         return
     except (CheckpointFormatError, UnsupportedStateError, FileNotFoundError, UnicodeEncodeError,
             PermissionError) as exc:  # UnicodeEncodeError: a folder above whose name is not UTF-8
@@ -197,7 +198,7 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, stat
         if unreadable:
             _say_unreadable(source, exc, state, say)
         else:
-            say(f"{shown}: not committed: {explain(exc) or exc}")
+            say(f"{shown}: not committed: {_why(exc)}")
         return
     state.record(source, cid)
     report.committed.append((source.name, cid, source.step))
@@ -205,7 +206,7 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, stat
     judged = {name for name, _, _ in source.signature if name}
     gone = sorted(judged - {record.name for record in repo.manifest(cid).files}) if judged else []
     if gone:  # a rotation removed files while the commit read the folder: say so, the commit is only part of it
-        say(f"{shown}: {_shown(', '.join(gone[:3]))}{' ...' if len(gone) > 3 else ''} went away while it was "
+        say(f"{shown}: {', '.join(map(shown_name, gone[:3]))}{' ...' if len(gone) > 3 else ''} went away while it was "
             f"committed: commit {cid[:12]} holds only the rest of the folder")
 
 
@@ -215,13 +216,22 @@ def _say_unreadable(source: Source, exc: PermissionError, state: WatchState, say
     It is tried again at each scan all the same: access given back changes neither its size nor its time.
     """
     if state.unreadable.get(source.name) != source.signature:
-        say(f"{_shown(source.name)}: not committed: {explain(exc) or exc}")
+        say(f"{shown_name(source.name)}: not committed: {_why(exc)}")
     state.unreadable[source.name] = source.signature
 
 
-def _shown(name: str) -> str:
-    r"""A name as it can be printed: bytes that are not UTF-8 (os.fsdecode's surrogates) as \x escapes."""
-    return os.fsencode(name).decode("utf-8", "backslashreplace")
+def _is_utf8(name: str) -> bool:
+    """Whether `name` is UTF-8 text: os.fsdecode gives surrogates for the bytes of one that is not."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _why(exc: BaseException) -> str:
+    """What went wrong with a source, for its line: the message names the source's path, which may hold a newline."""
+    return shown_name(str(explain(exc) or exc))
 
 
 def scan(folder: Path, state: WatchState | None = None) -> dict[str, Source]:
@@ -321,7 +331,7 @@ def _judge_folder(source: Source) -> Source:
     if trainer is None:
         source.incomplete = f"no readable {TRAINER_STATE} yet (Trainer writes it last)"
     else:
-        source.incomplete = f"a file is still being written ({temps[0]})" if temps else ""
+        source.incomplete = f"a file is still being written ({shown_name(temps[0])})" if temps else ""
     step = trainer.get("global_step") if isinstance(trainer, dict) else None
     source.step = step if type(step) is int and 0 <= step < 1 << 63 else step_of(source.name)
     return source
@@ -342,13 +352,14 @@ def _judge_saved_over(source: Source, handled: dict[str, Any]) -> Source:
     if source.incomplete or not rewritten:
         return source
     if before.get(TRAINER_STATE) == now.get(TRAINER_STATE):
-        source.incomplete = f"saved over in place: {rewritten[0]} is new, its {TRAINER_STATE} still the earlier one's"
+        source.incomplete = (f"saved over in place: {shown_name(rewritten[0])} is new, its {TRAINER_STATE} still "
+                             "the earlier one's")
     elif TRAINER_STATE in now:  # a save the watch missed (it was stopped) must not vouch for the next one's files
         state_time = now[TRAINER_STATE][2]
         late = [name for name in rewritten if now[name][2] - state_time > SAME_SAVE_NS]
         if late:
-            source.incomplete = (f"saved over in place: {late[0]} was written more than {SAME_SAVE_NS // 10**9} s "
-                                 f"after {TRAINER_STATE}, by a later save")
+            source.incomplete = (f"saved over in place: {shown_name(late[0])} was written more than "
+                                 f"{SAME_SAVE_NS // 10**9} s after {TRAINER_STATE}, by a later save")
     return source
 
 

@@ -177,6 +177,21 @@ def test_cli_watch_once(repo, tmp_path, monkeypatch):
     assert "a.pt" in result.output and "done: 1 checkpoint(s) committed" in result.output
 
 
+def test_a_newline_or_backslash_in_a_watched_name_is_written_out_not_a_line_of_its_own(repo, tmp_path):
+    """A file "x\\n[0123456789ab] fake.pt" printed "waiting: x", then a line that looked like a commit (auditor)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"w": torch.ones(3)}, run / "y\n[0123456789ab] forged.pt")
+    torch.save({"w": torch.zeros(3)}, run / "z\\n.pt")  # a backslash and an n: not to be read as a newline
+    (run / "x\n[0123456789ab] fake.pt").write_bytes(b"PK")  # half-written: waits
+    result = ckpt_here(tmp_path, "watch", "run", "--once", "--interval", "0.05", env=_cli_env(repo))
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0 and not any(line.startswith("[0123456789ab]") for line in lines), lines
+    assert any(line.endswith("] y\\n[0123456789ab] forged.pt (step 123456789)") for line in lines), lines
+    assert any(line.endswith("] z\\\\n.pt") for line in lines), lines
+    assert any(line.startswith("waiting: x\\n[0123456789ab] fake.pt: ") for line in lines), lines
+
+
 def test_watch_refuses_a_file(repo, tmp_path):
     (tmp_path / "a.pt").write_bytes(b"x")
     with pytest.raises(CkptError, match="not a folder"):
