@@ -23,7 +23,7 @@ The step comes from trainer_state.json's `global_step`, else from the name (`che
 
 Nothing is committed twice, across restarts too: after each commit the source's signature and
 commit id go into `.ckpt/watch/<id>.json` (written atomically). A source missing from that file
-(a kill between the commit and the write) is first compared with the branch's commits from the
+(a kill or a full disk between the commit and the write) is first compared with the branch's commits from the
 same path: one whose files have the same blake3 digests means it is already committed. A source
 rewritten in place (Lightning's last.ckpt) is a new checkpoint once it is complete again.
 A scan opens only the sources not handled yet: a handled one is told by its signature (stat alone).
@@ -200,14 +200,28 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, stat
         else:
             say(f"{shown}: not committed: {_why(exc)}")
         return
-    state.record(source, cid)
     report.committed.append((source.name, cid, source.step))
     say(f"[{cid[:12]}] {shown}" + (f" (step {source.step})" if source.step is not None else ""))
+    _record_commit(state, source, cid, say)
     judged = {name for name, _, _ in source.signature if name}
     gone = sorted(judged - {record.name for record in repo.manifest(cid).files}) if judged else []
     if gone:  # a rotation removed files while the commit read the folder: say so, the commit is only part of it
         say(f"{shown}: {', '.join(map(shown_name, gone[:3]))}{' ...' if len(gone) > 3 else ''} went away while it was "
             f"committed: commit {cid[:12]} holds only the rest of the folder")
+
+
+def _record_commit(state: WatchState, source: Source, cid: str, say: Callable[[str], None]) -> None:
+    """Remember that `source` is committed as `cid`; a record that cannot be written is said, then raised.
+
+    The commit is in, its line said: a full disk here ends the watch as any other of the repository's
+    writes does, but the user must not read its error as "nothing was committed".
+    """
+    try:
+        state.record(source, cid)
+    except OSError as exc:
+        say(f"committed {shown_name(source.name)} ({cid[:12]}); the watch's record of it could not be written "
+            f"({exc.strerror or exc}): a restart finds it committed")
+        raise
 
 
 def _say_unreadable(source: Source, exc: PermissionError, state: WatchState, say: Callable[[str], None]) -> None:

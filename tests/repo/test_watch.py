@@ -1,5 +1,6 @@
 """`ckpt watch`: commit what a training job writes, each checkpoint once it is complete, never twice."""
 
+import errno
 import io
 import json
 import os
@@ -190,6 +191,30 @@ def test_a_newline_or_backslash_in_a_watched_name_is_written_out_not_a_line_of_i
     assert any(line.endswith("] y\\n[0123456789ab] forged.pt (step 123456789)") for line in lines), lines
     assert any(line.endswith("] z\\\\n.pt") for line in lines), lines
     assert any(line.startswith("waiting: x\\n[0123456789ab] fake.pt: ") for line in lines), lines
+
+
+def test_a_full_disk_after_a_commit_says_the_commit_and_a_restart_finds_it_committed(repo, tmp_path, monkeypatch):
+    """The watch's record failing (ENOSPC) after a commit hid the commit's line: only "nothing was lost" (auditor)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"w": torch.ones(3)}, run / "step_2.pt")
+    record = watch_module.WatchState.record
+
+    def disk_full(self, source, commit):
+        if commit is not None:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        record(self, source, commit)
+
+    monkeypatch.setattr(watch_module.WatchState, "record", disk_full)
+    result = ckpt_here(tmp_path, "watch", "run", "--once", "--interval", "0.05", env=_cli_env(repo))
+    (cid,) = [c.id for c in repo.log()]
+    assert result.returncode == 1 and "the disk is full" in result.stderr, result.stderr
+    assert result.stdout.splitlines() == [
+        f"[{cid[:12]}] step_2.pt (step 2)",
+        f"committed step_2.pt ({cid[:12]}); the watch's record of it could not be written (No space left on "
+        "device): a restart finds it committed"], result.stdout
+    monkeypatch.setattr(watch_module.WatchState, "record", record)
+    assert watch(repo, run, ONCE).committed == [] and len(repo.log()) == 1
 
 
 def test_watch_refuses_a_file(repo, tmp_path):
