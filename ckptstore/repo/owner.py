@@ -45,7 +45,8 @@ def refuse_init(repo: Repository) -> None:
     folder = _local_store(repo)
     record = _record(folder) if folder is not None else None
     if record is None and folder is not None and marker(folder).exists():
-        raise _unreadable(folder, "no repository was made")
+        raise _unreadable(folder, "no repository was made. Ask whoever owns it to make it readable, or give this "
+                                  "repository an object folder of its own")
     if _owner_there(record) and not _same_database(record, repo):
         raise RepoExistsError(f"the object store {folder} belongs to the repository at {record['repository']}: "
                               "join that repository with its --metadata URL, or give this one a folder of its own")
@@ -62,7 +63,8 @@ def refuse_anothers(repo: Repository) -> None:
     record = _record(folder)
     if record is None:
         if marker(folder).exists():
-            raise _unreadable(folder, "nothing was deleted")
+            raise _unreadable(folder, "nothing was deleted. Delete it if this repository is the one the store "
+                                  "belongs to")
         return  # made before owners were written: nothing names another
     if _same_database(record, repo):
         return
@@ -86,7 +88,7 @@ def _refusal(folder: Path, owner: Path) -> CkptError:
 
 def _unreadable(folder: Path, outcome: str) -> CkptError:
     return CkptError(f"{marker(folder)} cannot be read: it names the repository that owns the object store {folder}; "
-                     f"{outcome}. Delete it if this repository is the one the store belongs to")
+                     f"{outcome}")
 
 
 def _record(folder: Path) -> dict | None:
