@@ -590,10 +590,13 @@ def prune_command(ctx, keep_last, keep_every, keep_best, keep_tagged, dry_run, a
     for cid in report.pruned:
         echo(f"  {cid[:12]}")
     if report.bytes_after is not None:
-        # more after: a lazy clone read the chains it re-encoded from its origin, and keeps them
+        # more after: survivors re-encoded whole outweigh what went (a lazy clone also read their chains from its
+        # origin), or objects this user may not delete stayed (a warning said so)
         change = report.bytes_before - report.bytes_after
+        lazy = any(remote.lazy for remote in repo.config.remotes.values())
         echo(f"objects held here: {_size(report.bytes_before)} before, {_size(report.bytes_after)} after "
-             + (f"({_size(change)} freed)" if change >= 0 else f"({_size(-change)} read from the origin to re-encode)"))
+             + (f"({_size(change)} freed)" if change >= 0 else f"({_size(-change)} more: the survivors re-encoded"
+                                                                f"{', read from the origin' if lazy else ''})"))
     return None
 
 

@@ -605,3 +605,22 @@ def test_a_prune_whose_clean_up_finds_the_disk_full_says_it_was_recorded(tmp_pat
         monkeypatch.undo()
         assert [bool(repo.show(cid).get("pruned")) for cid in cids] == [True, True, False]
         assert fsck(repo).ok
+
+
+def test_a_prune_that_leaves_more_bytes_in_a_local_repository_names_no_origin(tmp_path, monkeypatch):
+    """Objects left in place for want of permission: "read from the origin to re-encode" of a repository that has
+    none (reader)."""
+    from ckptstore.objectstore.local import LocalObjectStore
+
+    base = torch.randn(100_000, generator=torch.Generator().manual_seed(3))
+    with Repository.init(tmp_path) as repo:
+        for step in range(3):
+            repo.commit({"w": base + step * 1e-3})
+
+    def refuse(store, oid):
+        raise PermissionError(13, "Permission denied", str(store.path_of(oid)))
+
+    monkeypatch.setattr(LocalObjectStore, "delete", refuse)
+    said = ckpt_here(tmp_path, "prune", "--keep-last", "1")
+    assert said.returncode == 0 and "more: the survivors re-encoded)" in said.stdout and "origin" not in said.stdout
+    assert "no commit needs were left in place" in said.stderr
