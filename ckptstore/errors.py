@@ -343,8 +343,11 @@ def _written_folder(exc: OSError) -> str:
 def _permission_denied(exc: PermissionError) -> CkptError:
     """Name what the user can act on: the folder of a temporary file beside a target, the repository's own files."""
     if exc.filename2:  # a rename (os.replace): the folder it moves into is the one not writable, mostly
-        return CkptError(f"permission denied moving {exc.filename} into {os.path.dirname(exc.filename2) or '.'}; ask "
-                         "for write access to that folder")
+        folder = os.path.dirname(exc.filename2) or "."
+        if os.access(folder, os.W_OK):  # writable, yet refused: a sticky folder (/tmp) keeps another's file there
+            return CkptError(f"permission denied replacing {exc.filename2}: another user's file in a folder that "
+                             "lets only its owner replace it; remove it or write elsewhere")
+        return CkptError(f"permission denied moving {exc.filename} into {folder}; ask for write access to that folder")
     name = str(exc.filename or exc)
     hint = " (a repository you may only read opens with --read-only)" if _in_repository(name) else ""
     if name.endswith(".ckpt-tmp"):  # formats.atomic's temporary file: the folder is what is not writable

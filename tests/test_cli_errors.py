@@ -203,6 +203,9 @@ def test_os_failures_below_ckptstore_are_explained():
                                     "/r/.ckpt/objects/b3/x"))
     assert str(moved) == ("permission denied moving /r/.ckpt/tmp/ab12 into /r/.ckpt/objects/b3; ask for write access "
                           "to that folder")  # the folder it went into, not the temporary file (auditor)
+    sticky = explain(PermissionError(errno.EPERM, "Operation not permitted", "/tmp/.x.1.ckpt-tmp", None, "/tmp/x.pt"))
+    assert str(sticky) == ("permission denied replacing /tmp/x.pt: another user's file in a folder that lets only its "
+                           "owner replace it; remove it or write elsewhere")  # /tmp is writable (reader)
     own = explain(PermissionError(errno.EACCES, "Permission denied", "/shared/.ckpt/.config.toml.a1.ckpt-tmp"))
     assert "writing into /shared/.ckpt" in str(own) and "--read-only" in str(own)
     try:
