@@ -167,6 +167,8 @@ def _metrics(values: tuple[str, ...]) -> dict[str, float]:
     for item in values:
         key, sep, value = item.partition("=")
         key = key.strip()  # ' loss = 1' names the metric `--keep-best loss` looks for
+        if key in metrics:  # the last one won without a word
+            raise click.BadParameter(f"{key!r} is given twice", param_hint="--metric")
         try:
             metrics[key] = float(value)
         except ValueError:
@@ -397,6 +399,8 @@ def export_command(ctx, ref, fmt, output, everything) -> None:
 @click.pass_context
 def log(ctx, graph, all_refs, as_json) -> None:
     """Show the history."""
+    if graph and as_json:  # --graph was dropped without a word
+        raise click.UsageError("--graph draws text; --json lists the commits: choose one")
     repo = _open(ctx)
     if as_json:
         return _emit_json([dict(c.to_json(), **({"pruned": True} if c.pruned else {}))

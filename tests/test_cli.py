@@ -298,3 +298,16 @@ def test_checkout_and_export_notes_write_out_a_newline_and_a_backslash_in_names(
     assert not any(line.startswith("[0123456789ab]") for line in restored), restored
     exported = ckpt_here(tmp_path, "export", "HEAD", "--all", "-o", "e.safetensors").stdout.splitlines()
     assert exported[-1].startswith("note: left out 1 item (n\\\\n\\nb.txt/%blob): "), exported
+
+
+def test_a_metric_given_twice_or_graph_with_json_is_refused_and_an_empty_remote_name_is_spelt_out(tmp_path):
+    """`--metric loss=1 --metric loss=2` kept the last, `log --graph --json` dropped --graph, and `push ""` advised
+    `ckpt remote add  URL` (auditor)."""
+    torch.save({"w": torch.ones(4)}, tmp_path / "c.pt")
+    ckpt_here(tmp_path, "init")
+    twice = ckpt_here(tmp_path, "commit", "c.pt", "--metric", "loss=1", "--metric", " loss=2")
+    assert twice.returncode == 2 and "'loss' is given twice" in twice.stderr
+    ckpt_here(tmp_path, "commit", "c.pt")
+    both = ckpt_here(tmp_path, "log", "--graph", "--json")
+    assert both.returncode == 2 and "choose one" in both.stderr
+    assert "`ckpt remote add NAME URL`" in ckpt_here(tmp_path, "push", "").stderr

@@ -157,8 +157,8 @@ def named(repo: Repository, name: str) -> RemoteConfig:
         return repo.config.remotes[name].resolved(repo.root)
     except KeyError:
         known = ", ".join(sorted(repo.config.remotes)) or "none"
-        raise CkptError(f"no remote named {name!r} (remotes: {known}); add one with `ckpt remote add {name} URL`"
-                        ) from None
+        raise CkptError(f"no remote named {name!r} (remotes: {known}); add one with `ckpt remote add "
+                        f"{name or 'NAME'} URL`") from None
 
 
 def _normal_url(url: str) -> str:
