@@ -56,8 +56,10 @@ def kept_on_branch(chain: list[CommitId], policy: RetentionPolicy, metrics: Mapp
         scored = {cid: float(metrics[cid][name]) for cid in chain
                   if cid not in pruned and _finite(metrics.get(cid, {}).get(name))}
         if scored:
+            # one commit: the oldest of those tied, which reached the value first (a Trainer's training loss
+            # is carried to the saves after the step that logged it) and stays kept when later ones tie it
             target = (min if way == "min" else max)(scored.values())
-            kept |= {cid for cid, value in scored.items() if value == target}
+            kept.add(next(cid for cid in reversed(chain) if scored.get(cid) == target))
     return kept
 
 

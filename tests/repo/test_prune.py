@@ -99,7 +99,8 @@ def _reference(branches, parents, metrics, tags, pruned, policy: RetentionPolicy
                   and metrics[c]["loss"] == metrics[c]["loss"]]
         if policy.keep_best and scored:
             best = max(scored) if policy.keep_best.endswith(":max") else min(scored)
-            keep |= {c for c in chain if c in metrics and c not in pruned and metrics[c]["loss"] == best}
+            tied = [c for c in chain if c in metrics and c not in pruned and metrics[c]["loss"] == best]
+            keep.add(min(tied, key=height))  # one of those tied: the oldest, lowest on the chain
     gone = on_chains - keep - pruned
     logged = any(m["loss"] == m["loss"] for m in metrics.values())  # NaN is not a value
     return gone, bool(policy.keep_best and gone and not logged)
@@ -624,3 +625,17 @@ def test_a_prune_that_leaves_more_bytes_in_a_local_repository_names_no_origin(tm
     said = ckpt_here(tmp_path, "prune", "--keep-last", "1")
     assert said.returncode == 0 and "more: the survivors re-encoded)" in said.stdout and "origin" not in said.stdout
     assert "no commit needs were left in place" in said.stderr
+
+
+def test_keep_best_keeps_one_commit_of_those_tied_the_oldest(tmp_path):
+    """A Trainer's training loss logged at step 6 was carried to the saves at 8 and 10: all three were kept as
+    "the best" (auditor)."""
+    with Repository.init(tmp_path) as repo:
+        cids = [repo.commit({"w": torch.full((100,), float(i))}, metrics={"loss": loss})
+                for i, loss in enumerate((4.0, 3.5, 3.5, 3.5, 3.9))]
+        prune(repo, RetentionPolicy(keep_best="loss"))
+        assert [bool(repo.show(cid).get("pruned")) for cid in cids] == [True, False, True, True, False]  # the tip
+        cids += [repo.commit({"w": torch.zeros(100)}, metrics={"loss": 3.5}),
+                 repo.commit({"w": torch.ones(100)}, metrics={"loss": 9.0})]
+        prune(repo, RetentionPolicy(keep_best="loss"))  # a later tie does not take its place
+        assert not repo.show(cids[1]).get("pruned") and repo.show(cids[-2]).get("pruned")
