@@ -48,7 +48,7 @@ from ckptstore.repo.planecache import cache_of
 from ckptstore.repo.progress import NoProgress, Progress
 from ckptstore.repo.pruning import after_commit
 from ckptstore.repo.target import Start, commit_target, default_author, move_ref
-from ckptstore.repo.worktree import is_repository_folder, own_folder_holding
+from ckptstore.repo.worktree import nested_repositories, own_folder_holding, repository_folder_holding
 from ckptstore.repo.writer import Job, encode_jobs, lossless_jobs
 from ckptstore.state import RawTensor, escape, shared_view_paths
 from ckptstore.warn import warn_caller
@@ -366,24 +366,13 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
 
 
 def _other_repositories(folder: Path, excluded: list[Path]) -> list[Path]:
-    """Other repositories' own folders inside `folder` (not in `excluded`), left out of its commit with a warning.
-
-    Committed, a checkout of an older commit of the folder wrote the older files of that repository's
-    database and objects back over it: its later commits were gone from its log.
-    """
-    skipped = {os.path.realpath(p) for p in excluded}
-    nested = []
-    for top, folders, _ in os.walk(folder):
-        for name in list(folders):
-            inner = os.path.join(top, name)
-            if os.path.realpath(inner) in skipped:
-                folders.remove(name)  # this repository's own folder or store: never walked
-            elif is_repository_folder(Path(inner)):
-                folders.remove(name)
-                nested.append(Path(inner))
-    if nested:
-        warn_caller(f"{len(nested)} other repositor{'ies' if len(nested) > 1 else 'y'} inside {folder} left out of "
-                    f"the commit (their own {REPO_DIR}/ folders, {nested[0]} first): commit in them instead")
+    """What other repositories inside `folder` keep there (`nested_repositories`), left out with a warning."""
+    nested = nested_repositories(folder, excluded)
+    named = [p for p in nested if p.name == REPO_DIR]
+    if named:
+        warn_caller(f"{len(named)} other repositor{'ies' if len(named) > 1 else 'y'} inside {folder} left out of "
+                    f"the commit (their own {REPO_DIR}/ folders and object stores, {named[0]} first): commit in "
+                    "them instead")
     return nested
 
 
@@ -403,6 +392,10 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
     own = own_folder_holding(repo, path)
     if own is not None:  # its .ckpt/, or its object store where objects_url put it outside
         raise CheckpointFormatError(f"{path} is inside the repository's own {own.name}/ folder")
+    other = repository_folder_holding(path)
+    if other is not None:  # a checkout of it would roll that repository back
+        raise CheckpointFormatError(f"{path} is inside the repository at {other.parent}'s own {other.name}/ folder: "
+                                    "a repository is no checkpoint")
     # Hash the files while they are parsed: both read the same pages, and the load is single-threaded.
     # A commit never holds the repository's own directory (`ckpt commit .` at the root), nor its object
     # store where config objects_url puts it outside .ckpt/.

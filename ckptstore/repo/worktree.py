@@ -219,18 +219,23 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
         _refuse_links_out(target, dest, real_dest)
         # in place, links in the way are removed first; with -o they are followed, to where they lead
         real = real_dest.joinpath(*parts) if exact else Path(os.path.realpath(target.parent)) / target.name
-        inside = _holding(own, real) or next((dest.joinpath(*parts[:i + 1]) for i in range(len(parts) - 1)
-                                              if is_repository_folder(dest.joinpath(*parts[:i + 1]))), None)
+        inside = _holding(own, real)
         if inside is not None:  # committed before commits left it out, or reached through a link
             raise CkptError(f"the commit holds {record.name}, which would be written inside the repository's own "
                             f"{inside.name}/ (as {real}): check it out elsewhere with -o PATH")
+        other = repository_folder_holding(target.parent)
+        if other is not None:  # committed before commits left other repositories out
+            raise CkptError(f"the commit holds {record.name}, which would be written inside the repository at "
+                            f"{other.parent}'s own {other.name}/ folder: check it out elsewhere with -o PATH")
         if written.setdefault(real, record.name) != record.name:
             raise CkptError(f"the commit's {written[real]} and {record.name} would both be written to {real} (a "
                             f"symlinked folder inside {dest}); remove the link or check out elsewhere with -o PATH")
         plan.files.append((record, target))
         needed.update(target.parents)
     if exact and dest.is_dir():
-        _scan(dest, {t for _, t in plan.files}, needed, list(repo.own_folders()), plan)
+        own = repo.own_folders()
+        kept = [*own, *(Path(os.path.realpath(p)) for p in nested_repositories(dest, own))]
+        _scan(dest, {t for _, t in plan.files}, needed, kept, plan)
     elif not exact:
         _refuse_files_in_the_way(plan, dest)
     return plan
@@ -239,6 +244,50 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
 def is_repository_folder(path: Path) -> bool:
     """Whether `path` is a repository's own folder (`.ckpt/` with its config): never a checkpoint's content."""
     return path.name == REPO_DIR and (path / "config.toml").is_file()
+
+
+def repository_folder_holding(path: Path) -> Path | None:
+    """The repository's own folder that `path` is or lies in (another repository's, to commit or write), if any."""
+    return next((p for p in [path, *path.parents] if is_repository_folder(p)), None)
+
+
+def nested_repositories(folder: Path, skipped: Iterable[Path]) -> list[Path]:
+    """What other repositories inside `folder` keep there: their own folders, object stores and owner files.
+
+    Never walks into `skipped` (this repository's own). None of it is a checkpoint's content:
+    committed, a checkout of an older commit wrote it back over theirs; left out of the commit, an
+    exact checkout deleted it.
+    """
+    skip = {os.path.realpath(p) for p in skipped}
+    found: list[Path] = []
+    for top, folders, _ in os.walk(folder):
+        for name in list(folders):
+            inner = Path(top, name)
+            if os.path.realpath(inner) in skip:
+                folders.remove(name)
+            elif is_repository_folder(inner):  # a link to one (moved to another disk) too
+                folders.remove(name)
+                found += [inner, *_local_store_of(inner)]
+    return found
+
+
+def _local_store_of(repository_folder: Path) -> list[Path]:
+    """The local object store another repository's config names, and its owner file ([] for its default)."""
+    from urllib.parse import unquote, urlparse
+
+    from ckptstore.repo.config import RepoConfig
+
+    try:
+        url = RepoConfig.load(repository_folder / "config.toml").objects_url
+    except CkptError:  # damaged or unreadable: its own folder is still left alone
+        return []
+    if url.startswith("file://"):
+        store = Path(unquote(urlparse(url).path))
+    elif url and "://" not in url:
+        store = repository_folder / url
+    else:
+        return []
+    return [store, store.with_name(store.name + ".owner")]
 
 
 def _refuse_files_in_the_way(plan: CheckoutPlan, dest: Path) -> None:
@@ -270,8 +319,6 @@ def _scan(folder: Path, names: set[Path], needed: set[Path], kept: list[Path], p
             continue  # the repository's own: a .ckpt linked in from another disk, the store's owner file
         if entry.is_dir(follow_symlinks=False):
             real = Path(os.path.realpath(path))
-            if real not in kept and is_repository_folder(path):
-                kept.append(real)  # another repository inside the folder: its own .ckpt is never part of a checkout
             if real in kept:
                 continue  # the repository itself is never part of a checkout
             _scan(path, names, needed, kept, plan)

@@ -887,7 +887,7 @@ def test_a_folder_holding_another_repository_is_committed_without_that_repositor
         torch.save({"w": torch.ones(4)}, inner / "c.pt")
         first = nested.commit(inner / "c.pt")
         with pytest.warns(RuntimeWarning, match=r"1 other repository inside .*runs left out of the commit \(their "
-                                                r"own \.ckpt/ folders, .*exp1/\.ckpt first\)"):
+                                                r"own \.ckpt/ folders and object stores, .*exp1/\.ckpt first\)"):
             outer.commit(tmp_path / "runs")
         assert [f["name"] for f in outer.show("HEAD")["files"]] == ["exp1/c.pt"]
         torch.save({"w": torch.zeros(4)}, inner / "c.pt")
@@ -903,3 +903,37 @@ def test_a_folder_holding_another_repository_is_committed_without_that_repositor
         with warnings.catch_warnings():  # the repository's own folder is no other repository
             warnings.simplefilter("error")
             outer.commit(tmp_path / "runs" / "exp1" / "c.pt")
+
+
+@pytest.mark.parametrize("layout", ["store beside", "linked .ckpt"])
+def test_another_repositorys_store_or_linked_folder_inside_a_committed_folder_survives_checkouts(tmp_path, layout):
+    """Its object store beside its .ckpt/ was committed, then deleted by a checkout; a .ckpt/ linked in from
+    another disk was deleted with its folder; `ckpt commit sub/.ckpt` rolled it back (reader)."""
+    import warnings
+
+    from ckptstore.repo import fsck
+
+    inner = tmp_path / "run" / "sub"
+    inner.mkdir(parents=True)
+    if layout == "store beside":
+        Repository.init(inner, objects_url="../sub/objs").close()
+    else:
+        Repository.init(tmp_path / "elsewhere").close()
+        (inner / ".ckpt").symlink_to(tmp_path / "elsewhere" / ".ckpt")
+    with Repository.open(inner) as nested:
+        first = nested.commit({"w": torch.ones(4)})
+    with Repository.init(tmp_path / "top") as outer, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (tmp_path / "run" / "notes.txt").write_text("a")
+        outer.commit(tmp_path / "run")
+        assert [f["name"] for f in outer.show("HEAD")["files"]] == ["notes.txt"]
+        (tmp_path / "run" / "notes.txt").write_text("b")
+        outer.commit(tmp_path / "run")
+        with Repository.open(inner) as nested:
+            second = nested.commit({"w": torch.zeros(4)})
+        outer.checkout_to("HEAD~1", tmp_path / "run")
+        with pytest.raises(CkptError, match=r"inside the repository at .*'s own \.ckpt/ folder: a repository is no"):
+            outer.commit(inner / ".ckpt")
+    assert (tmp_path / "run" / "notes.txt").read_text() == "a"
+    with Repository.open(inner) as nested:
+        assert [c.id for c in nested.log()] == [second, first] and fsck(nested).ok
