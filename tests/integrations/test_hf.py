@@ -355,3 +355,32 @@ def test_an_early_stopped_runs_last_folder_is_committed_before_the_trainer_delet
     assert not (tmp_path / "out" / "checkpoint-4").exists()
     with Repository.open(tmp_path / "repo") as repo:
         assert sorted(c.step for c in repo.log("main")) == [2, 4]
+
+
+def test_restore_over_a_file_a_job_saves_meanwhile_keeps_the_whole_refusal(tmp_path, monkeypatch):
+    """Its advice swap cut "nothing was replaced or deleted: commit it first" down to "pass force=True", which
+    would overwrite the job's new save (reader)."""
+    import json
+
+    from ckptstore.errors import DirtyWorktreeError
+    from ckptstore.integrations import hf
+    from ckptstore.repo import checkout
+
+    folder = tmp_path / "out" / "checkpoint-3"
+    folder.mkdir(parents=True)
+    torch.save({"w": torch.ones(4)}, folder / "model.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit(folder, step=3)
+        torch.save({"w": torch.zeros(4)}, folder / "model.pt")
+        repo.commit(folder, step=3, message="b")
+        real = checkout.restore
+
+        def saving_meanwhile(*args, **kwargs):
+            torch.save({"w": torch.full((4,), 7.0)}, folder / "model.pt")  # a job's new save, in no commit
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(checkout, "restore", saving_meanwhile)
+        with pytest.raises(DirtyWorktreeError, match=r"nothing was replaced or deleted: commit it first to keep it"):
+            hf.restore(repo, cid, tmp_path / "out")
+    assert torch.equal(torch.load(folder / "model.pt")["w"], torch.full((4,), 7.0))
