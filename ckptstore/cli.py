@@ -123,6 +123,17 @@ class PathGiven(click.Path):
         return super().convert(value, param, ctx)
 
 
+class UrlGiven(click.types.StringParamType):
+    """A URL or folder that is not empty, and nothing more checked here (a folder may be one the user cannot list)."""
+
+    name = "url"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value:
+            self.fail("is empty (a variable not set?): pass a URL or a folder", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def _remotes() -> Any:
     """The remote verbs, imported by the commands that use them (every other command starts faster)."""
     from ckptstore.repo import remote
@@ -719,7 +730,7 @@ def pull(ctx, name: str, branch: str | None) -> None:
 
 
 @cli.command()
-@click.argument("url", type=PathGiven())
+@click.argument("url", type=UrlGiven())
 @click.argument("path", required=False, type=PathGiven())
 @click.option("--metadata", "metadata_url", default="", help="The remote's database, for an s3:// URL.")
 @click.option("--lazy", is_flag=True, help="Fetch commit records now and objects when a checkout needs them.")

@@ -1,10 +1,12 @@
 """The CLI as a user runs it: real subprocesses for exit codes and messages, CliRunner for flows."""
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -311,3 +313,24 @@ def test_a_metric_given_twice_or_graph_with_json_is_refused_and_an_empty_remote_
     both = ckpt_here(tmp_path, "log", "--graph", "--json")
     assert both.returncode == 2 and "choose one" in both.stderr
     assert "`ckpt remote add NAME URL`" in ckpt_here(tmp_path, "push", "").stderr
+
+
+def test_clone_takes_a_folder_it_may_enter_but_not_list(tmp_path):
+    """The URL was a click.Path, which wants to read the folder: a 0711 repository was 'not readable' (reader)."""
+    import os
+    import shutil
+
+    if shutil.which("capsh") is None or os.geteuid() != 0:
+        pytest.skip("needs root and capsh to drop root's right to read any folder")
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    os.chown(origin, 65534, 65534)
+    origin.chmod(0o711)
+    check = ("from ckptstore.cli import UrlGiven; import sys; "
+             f"print(UrlGiven().convert({str(origin)!r}, None, None))")
+    out = subprocess.run(["capsh", "--drop=cap_dac_override,cap_dac_read_search", "--", "-c",
+                          f"{sys.executable} -c {shlex.quote(check)}"], capture_output=True, text=True,
+                         timeout=60, env=ckpt_env())
+    assert out.returncode == 0 and out.stdout.strip() == str(origin), out.stderr
+    said = ckpt_here(tmp_path, "clone", "")
+    assert said.returncode == 2 and "is empty (a variable not set?): pass a URL or a folder" in said.stderr
