@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
 SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".safetensors"}
 TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")
+GLOBAL_STEP = re.compile(r"^global_step\d+$")  # DeepSpeed's folder of one step's shards inside a Trainer save
 TRAINER_STATE = "trainer_state.json"
 # Trainer writes trainer_state.json last (older versions rng_state.pth after it, milliseconds later): a
 # file rewritten seconds after it comes from a later save, whose own trainer_state.json is not written yet
@@ -148,10 +149,23 @@ def _refuse_inside_a_save(folder: Path) -> None:
     if TRAINER_FOLDER.match(folder.name):
         raise CkptError(f"{folder} is a checkpoint folder: watch the folder it is saved in ({folder.parent}), "
                         f"or `ckpt commit {folder}`")
-    save = next((parent for parent in folder.parents if TRAINER_FOLDER.match(parent.name)), None)
-    if save is not None:
+    save = folder.parent
+    if _holds_a_save(save, folder):
         raise CkptError(f"{folder} is inside the checkpoint folder {save}, whose files are parts of one save: watch "
                         f"the folder it is saved in ({save.parent}), or `ckpt commit {save}`")
+
+
+def _holds_a_save(parent: Path, folder: Path) -> bool:
+    """Whether `parent` is a `checkpoint-N` save `folder` is part of: DeepSpeed's global_stepN, or beside its files.
+
+    A project folder named like a save higher up (checkpoint-2024/runs) holds runs, not one save's parts.
+    """
+    if not TRAINER_FOLDER.match(parent.name):
+        return False
+    try:
+        return GLOBAL_STEP.match(folder.name) is not None or any(entry.is_file() for entry in os.scandir(parent))
+    except OSError:  # not listable: as named, a save
+        return True
 
 
 def _ready(source: Source, before: Source | None, state: WatchState) -> bool:
