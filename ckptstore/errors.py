@@ -275,9 +275,8 @@ def explain(exc: BaseException) -> CkptError | None:
             return tell(f"{current.strerror or current}{where}")
         if isinstance(current, (RuntimeError, RecursionError)) and (said := _path_too_odd(current)):
             return said
-        if isinstance(current, MemoryError) or _out_of_memory(current, text):  # numpy's says how much it could not
-            return CkptError(f"out of memory ({str(current) or 'no more could be allocated'}): free memory and run "
-                             "the command again (a checkout can restore part of a commit: --only PATTERN)")
+        if (said := _out_of_memory(current, text)) is not None:
+            return said
         if isinstance(current, OSError) and current.errno in (errno.EMFILE, errno.ENFILE):
             return CkptError(f"too many open files ({current.strerror}{_limit_of_open_files()}): raise the limit "
                              "(`ulimit -n 65536`) and run the command again")
@@ -306,12 +305,20 @@ def explain(exc: BaseException) -> CkptError | None:
     return None
 
 
-def _out_of_memory(exc: BaseException, text: str) -> bool:
-    """Memory refused in other words than MemoryError: mmap's ENOMEM, a thread or a library that cannot be mapped."""
-    if isinstance(exc, OSError) and exc.errno == errno.ENOMEM:
-        return True
-    return isinstance(exc, (RuntimeError, ImportError, OSError)) and (
-        "can't start new thread" in text or "failed to map segment" in text or "cannot allocate memory" in text)
+def _out_of_memory(exc: BaseException, text: str) -> CkptError | None:
+    """The error for memory refused: a MemoryError, or other words (mmap's ENOMEM, a thread or library not mapped).
+
+    The other words are also those of a limit on threads or of a library on a noexec mount: both are said.
+    """
+    if isinstance(exc, MemoryError):  # numpy's says how much it could not allocate
+        return CkptError(f"out of memory ({str(exc) or 'no more could be allocated'}): free memory and run "
+                         "the command again (a checkout can restore part of a commit: --only PATTERN)")
+    if isinstance(exc, OSError) and exc.errno == errno.ENOMEM or isinstance(exc, (RuntimeError, ImportError, OSError)) \
+            and any(words in text for words in ("can't start new thread", "failed to map segment",
+                                                  "cannot allocate memory")):
+        return CkptError(f"out of memory, or a limit reached ({exc}): free memory, or raise the limits on memory "
+                         "and threads (`ulimit -v`, `ulimit -u`), and run the command again")
+    return None
 
 
 def _limit_of_open_files() -> str:

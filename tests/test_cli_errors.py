@@ -463,5 +463,5 @@ def test_memory_refused_in_other_words_is_said_as_out_of_memory():
                 ImportError("libtorch_python.so: failed to map segment from shared object"),
                 OSError("libgomp.so.1: failed to map segment from shared object")):
         said = explain(exc)
-        assert said is not None and str(said).startswith("out of memory ("), exc
+        assert said is not None and str(said).startswith("out of memory, or a limit reached ("), exc
     assert explain(RuntimeError("something else")) is None
