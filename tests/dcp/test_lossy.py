@@ -207,6 +207,19 @@ def test_show_gives_each_sharded_commits_own_figures_where_a_shards_change_round
     assert len(set(tensors)) < len(tensors)  # a record was reused: what the test is about
 
 
+def _balanced_and_back(tmp_path, model_state: dict, optim_state: dict) -> dict:
+    """The model and optimizer state saved at `balanced` by a DCP save, and loaded back into zeros."""
+    with Repository.init(tmp_path / "repo") as repo:
+        writer = CkptStorageWriter(repo, lossy="balanced")
+        dcp.save({"model": model_state, "optim": optim_state}, storage_writer=writer, planner=CkptSavePlanner())
+        back = {"model": {k: torch.zeros_like(v) for k, v in model_state.items()},
+                "optim": {"state": {p: {k: torch.zeros_like(v) for k, v in s.items()}
+                                    for p, s in optim_state["state"].items()},
+                          "param_groups": optim_state["param_groups"]}}
+        dcp.load(back, storage_reader=CkptStorageReader(repo, writer.commit_id))
+    return back
+
+
 def test_a_sharded_save_of_adam_with_amsgrad_keeps_its_moments_exact(tmp_path):
     """3ed2ea6 kept amsgrad's moments exact in file commits only: a DCP save still put v above its exact max."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -219,14 +232,7 @@ def test_a_sharded_save_of_adam_with_amsgrad_keeps_its_moments_exact(tmp_path):
         model(torch.randn(64, 256) * (3.0 if i < 3 else 0.1)).pow(2).mean().backward()
         optimizer.step()
     model_state, optim_state = get_state_dict(model, optimizer)
-    with Repository.init(tmp_path / "repo") as repo:
-        writer = CkptStorageWriter(repo, lossy="balanced")
-        dcp.save({"model": model_state, "optim": optim_state}, storage_writer=writer, planner=CkptSavePlanner())
-        back = {"model": {k: torch.zeros_like(v) for k, v in model_state.items()},
-                "optim": {"state": {p: {k: torch.zeros_like(v) for k, v in s.items()}
-                                    for p, s in optim_state["state"].items()},
-                          "param_groups": optim_state["param_groups"]}}
-        dcp.load(back, storage_reader=CkptStorageReader(repo, writer.commit_id))
+    back = _balanced_and_back(tmp_path, model_state, optim_state)
     for name, moments in optim_state["state"].items():
         assert all(torch.equal(back["optim"]["state"][name][k], v) for k, v in moments.items()), name
     assert not torch.equal(back["model"]["0.weight"], model_state["0.weight"])  # the weights take the level
@@ -240,14 +246,7 @@ def test_a_sharded_save_keeps_moments_exact_beside_state_no_adam_keeps(tmp_path)
     model_state, optim_state = get_state_dict(model, optimizer)
     for state in optim_state["state"].values():
         state["exp_avg_diff"] = state["exp_avg"] * 0.5
-    with Repository.init(tmp_path / "repo") as repo:
-        writer = CkptStorageWriter(repo, lossy="balanced")
-        dcp.save({"model": model_state, "optim": optim_state}, storage_writer=writer, planner=CkptSavePlanner())
-        back = {"model": {k: torch.zeros_like(v) for k, v in model_state.items()},
-                "optim": {"state": {p: {k: torch.zeros_like(v) for k, v in s.items()}
-                                    for p, s in optim_state["state"].items()},
-                          "param_groups": optim_state["param_groups"]}}
-        dcp.load(back, storage_reader=CkptStorageReader(repo, writer.commit_id))
+    back = _balanced_and_back(tmp_path, model_state, optim_state)
     for name, moments in optim_state["state"].items():
         assert all(torch.equal(back["optim"]["state"][name][k], v) for k, v in moments.items()), name
     assert not torch.equal(back["model"]["0.weight"], model_state["0.weight"])  # the weights take the level
