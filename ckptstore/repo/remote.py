@@ -133,6 +133,8 @@ def _located(repo: Repository, name: str, url: str, metadata_url: str, typed_in:
         folder = os.path.relpath(os.path.abspath(os.path.join(typed_in, folder)), repo.root)
     # a relative SQLite path is taken from the current folder, as init takes it, and kept absolute
     remote = RemoteConfig(folder, absolute_url(metadata_url, Path.cwd()))
+    if "://" not in url and os.path.realpath(remote.resolved(repo.root).url) == os.path.realpath(repo.root):
+        raise CkptError(f"{url} is this repository itself: a remote is another repository")
     with open_remote(remote.resolved(repo.root), name, create=True):  # a folder that is no repository: refused now
         pass
     return remote
@@ -349,7 +351,7 @@ def push(repo: Repository, name: str, branch: str | None = None, force: bool = F
     """
     repo.db.refuse_writes("push (it records the remote's branch here)")  # up front: before the remote changes
     remote_config = named(repo, name)
-    branch = branch or refs.head(repo)[0]
+    branch = refs.head(repo)[0] if branch in (None, "HEAD") else branch  # `push origin HEAD`, as git takes it
     if branch is None:
         raise CkptError("HEAD is detached: say which branch to push (`ckpt push REMOTE BRANCH`)")
     with repo.db.read() as tx:

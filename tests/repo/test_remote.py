@@ -969,3 +969,14 @@ def test_a_lazy_clone_never_makes_its_origins_missing_objects_folder(tmp_path):
     with Repository.open(tmp_path / "copy") as copy, pytest.raises(CorruptObjectError, match="does not exist"):
         copy.checkout(cid)
     assert not (tmp_path / "objects").exists()
+
+
+def test_push_of_head_sends_heads_branch_and_a_repository_is_no_remote_of_its_own(pair):
+    """`ckpt push origin HEAD` said "unknown ref 'HEAD'"; git takes it for HEAD's branch. `remote add self .` was
+    taken, and `push self main` "sent" (auditor)."""
+    work, hub_path, cids = pair
+    with pytest.raises(CkptError, match=r"is this repository itself: a remote is another repository"):
+        remote.add(work, "self", str(work.root))
+    remote.push(work, "origin", "HEAD")
+    with Repository.open(hub_path) as hub:
+        assert hub.branches() == {"main": cids[-1]}
