@@ -42,13 +42,12 @@ from ckptstore.replay import ChainSource
 from ckptstore.repo import calibrate, chaincost, received
 from ckptstore.repo.creation import STAGING
 from ckptstore.repo.gcpause import no_cyclic_gc
-from ckptstore.repo.location import REPO_DIR
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.planecache import cache_of
 from ckptstore.repo.progress import NoProgress, Progress
 from ckptstore.repo.pruning import after_commit
 from ckptstore.repo.target import Start, commit_target, default_author, move_ref
-from ckptstore.repo.worktree import nested_repositories, own_folder_holding, repository_folder_holding
+from ckptstore.repo.worktree import nested_repositories, own_folder_holding, repository_part_holding
 from ckptstore.repo.writer import Job, encode_jobs, lossless_jobs
 from ckptstore.state import RawTensor, escape, shared_view_paths
 from ckptstore.warn import warn_caller
@@ -368,11 +367,9 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
 def _other_repositories(folder: Path, excluded: list[Path]) -> list[Path]:
     """What other repositories inside `folder` keep there (`nested_repositories`), left out with a warning."""
     nested = nested_repositories(folder, excluded)
-    named = [p for p in nested if p.name == REPO_DIR]
-    if named:
-        warn_caller(f"{len(named)} other repositor{'ies' if len(named) > 1 else 'y'} inside {folder} left out of "
-                    f"the commit (their own {REPO_DIR}/ folders and object stores, {named[0]} first): commit in "
-                    "them instead")
+    if nested:
+        warn_caller(f"other repositories' own folders or object stores inside {folder} are left out of the commit "
+                    f"({nested[0]} first, {len(nested)} paths in all): commit in those repositories instead")
     return nested
 
 
@@ -392,10 +389,10 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
     own = own_folder_holding(repo, path)
     if own is not None:  # its .ckpt/, or its object store where objects_url put it outside
         raise CheckpointFormatError(f"{path} is inside the repository's own {own.name}/ folder")
-    other = repository_folder_holding(path)
+    other = repository_part_holding(Path(source))  # as given, and resolved: a link may hide what it leads to
     if other is not None:  # a checkout of it would roll that repository back
-        raise CheckpointFormatError(f"{path} is inside the repository at {other.parent}'s own {other.name}/ folder: "
-                                    "a repository is no checkpoint")
+        raise CheckpointFormatError(f"{path} is inside {other}, another repository's own folder or object store: a "
+                                    "repository is no checkpoint")
     # Hash the files while they are parsed: both read the same pages, and the load is single-threaded.
     # A commit never holds the repository's own directory (`ckpt commit .` at the root), nor its object
     # store where config objects_url puts it outside .ckpt/.

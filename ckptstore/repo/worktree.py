@@ -25,7 +25,7 @@ from ckptstore.formats.folder import MODE_BITS
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import files as file_rows
 from ckptstore.repo import journal
-from ckptstore.repo.location import REPO_DIR
+from ckptstore.repo.owner import SUFFIX as OWNER_SUFFIX
 
 if TYPE_CHECKING:
     from ckptstore.formats import CheckpointFile
@@ -211,6 +211,7 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
     real_dest, own = Path(os.path.realpath(dest)), repo.own_folders()
     plan = CheckoutPlan(dest, [])
     needed, written = {dest}, {}
+    others: dict[Path, Path | None] = {}  # per folder written into: another repository's part it lies in
     for record in manifest.files:
         parts = PurePosixPath(record.name).parts
         if not parts or record.name.startswith("/") or ".." in parts or "\0" in record.name:
@@ -223,10 +224,11 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
         if inside is not None:  # committed before commits left it out, or reached through a link
             raise CkptError(f"the commit holds {record.name}, which would be written inside the repository's own "
                             f"{inside.name}/ (as {real}): check it out elsewhere with -o PATH")
-        other = repository_folder_holding(target.parent)
-        if other is not None:  # committed before commits left other repositories out
-            raise CkptError(f"the commit holds {record.name}, which would be written inside the repository at "
-                            f"{other.parent}'s own {other.name}/ folder: check it out elsewhere with -o PATH")
+        if target.parent not in others:
+            others[target.parent] = repository_part_holding(target.parent)
+        if others[target.parent] is not None:  # committed before commits left other repositories out
+            raise CkptError(f"the commit holds {record.name}, which would be written inside {others[target.parent]}, "
+                            "another repository's own folder or object store: check it out elsewhere with -o PATH")
         if written.setdefault(real, record.name) != record.name:
             raise CkptError(f"the commit's {written[real]} and {record.name} would both be written to {real} (a "
                             f"symlinked folder inside {dest}); remove the link or check out elsewhere with -o PATH")
@@ -241,14 +243,32 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
     return plan
 
 
+_REPOSITORY_FILES = ("ckpt.db", "objects", "lock")  # beside config.toml, what makes a folder a repository's own
+
+
 def is_repository_folder(path: Path) -> bool:
-    """Whether `path` is a repository's own folder (`.ckpt/` with its config): never a checkpoint's content."""
-    return path.name == REPO_DIR and (path / "config.toml").is_file()
+    """Whether `path` is a repository's own folder: its config beside its database, store or lock.
+
+    Told by what it holds, whatever its name: a `.ckpt` linked in from `disk/meta` is one.
+    """
+    return (path / "config.toml").is_file() and any((path / name).exists() for name in _REPOSITORY_FILES)
 
 
-def repository_folder_holding(path: Path) -> Path | None:
-    """The repository's own folder that `path` is or lies in (another repository's, to commit or write), if any."""
-    return next((p for p in [path, *path.parents] if is_repository_folder(p)), None)
+def is_object_store(path: Path) -> bool:
+    """Whether `path` is a local object store init made: its `<store>.owner` lies beside it (repo/owner.py)."""
+    return bool(path.name) and path.with_name(path.name + OWNER_SUFFIX).is_file() and path.is_dir()
+
+
+def repository_part_holding(path: Path) -> Path | None:
+    """Another repository's folder or object store that `path` is or lies in, by the path given or the real one.
+
+    The caller has refused this repository's own first (`own_folder_holding`).
+    """
+    for given in dict.fromkeys([Path(os.path.abspath(path)), Path(os.path.realpath(path))]):
+        for folder in [given, *given.parents]:
+            if is_repository_folder(folder) or is_object_store(folder):
+                return folder
+    return None
 
 
 def nested_repositories(folder: Path, skipped: Iterable[Path]) -> list[Path]:
@@ -268,6 +288,9 @@ def nested_repositories(folder: Path, skipped: Iterable[Path]) -> list[Path]:
             elif is_repository_folder(inner):  # a link to one (moved to another disk) too
                 folders.remove(name)
                 found += [inner, *_local_store_of(inner)]
+            elif is_object_store(inner):  # a store whose repository lives elsewhere
+                folders.remove(name)
+                found += [inner, inner.with_name(inner.name + OWNER_SUFFIX)]
     return found
 
 
@@ -287,7 +310,7 @@ def _local_store_of(repository_folder: Path) -> list[Path]:
         store = repository_folder / url
     else:
         return []
-    return [store, store.with_name(store.name + ".owner")]
+    return [store, store.with_name(store.name + OWNER_SUFFIX)]
 
 
 def _refuse_files_in_the_way(plan: CheckoutPlan, dest: Path) -> None:

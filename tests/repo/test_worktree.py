@@ -886,8 +886,8 @@ def test_a_folder_holding_another_repository_is_committed_without_that_repositor
     with Repository.init(tmp_path) as outer, Repository.init(inner) as nested:
         torch.save({"w": torch.ones(4)}, inner / "c.pt")
         first = nested.commit(inner / "c.pt")
-        with pytest.warns(RuntimeWarning, match=r"1 other repository inside .*runs left out of the commit \(their "
-                                                r"own \.ckpt/ folders and object stores, .*exp1/\.ckpt first\)"):
+        with pytest.warns(RuntimeWarning, match=r"other repositories' own folders or object stores inside .*runs are "
+                                                r"left out of the commit \(.*exp1/\.ckpt first, 1 paths in all\)"):
             outer.commit(tmp_path / "runs")
         assert [f["name"] for f in outer.show("HEAD")["files"]] == ["exp1/c.pt"]
         torch.save({"w": torch.zeros(4)}, inner / "c.pt")
@@ -932,8 +932,50 @@ def test_another_repositorys_store_or_linked_folder_inside_a_committed_folder_su
         with Repository.open(inner) as nested:
             second = nested.commit({"w": torch.zeros(4)})
         outer.checkout_to("HEAD~1", tmp_path / "run")
-        with pytest.raises(CkptError, match=r"inside the repository at .*'s own \.ckpt/ folder: a repository is no"):
+        with pytest.raises(CkptError, match=r"another repository's own folder or object store: a repository is no"):
             outer.commit(inner / ".ckpt")
     assert (tmp_path / "run" / "notes.txt").read_text() == "a"
+    with Repository.open(inner) as nested:
+        assert [c.id for c in nested.log()] == [second, first] and fsck(nested).ok
+
+
+@pytest.mark.parametrize("layout", ["store named", "store of a repository elsewhere", "link named otherwise"])
+def test_another_repositorys_store_or_folder_committed_by_any_name_is_refused_or_left_out(tmp_path, layout):
+    """Its store named directly, a store whose .ckpt/ lives elsewhere, and a .ckpt linked to `disk/meta` named as
+    such were committed, and a checkout of the older commit rolled that repository back (reader)."""
+    import warnings
+
+    from ckptstore.repo import fsck
+
+    run = tmp_path / "run"
+    run.mkdir()
+    if layout == "store named":
+        Repository.init(run / "sub", objects_url=str(run / "sub" / "objs")).close()
+        named, inner = run / "sub" / "objs", run / "sub"
+    elif layout == "store of a repository elsewhere":
+        Repository.init(tmp_path / "proj", objects_url=f"file://{run / 'objs'}").close()
+        named, inner = None, tmp_path / "proj"
+    else:
+        Repository.init(tmp_path / "disk").close()
+        (tmp_path / "disk" / ".ckpt").rename(tmp_path / "disk" / "meta")
+        (run / "sub").mkdir()
+        (run / "sub" / ".ckpt").symlink_to(tmp_path / "disk" / "meta")
+        named, inner = tmp_path / "disk" / "meta", run / "sub"
+    with Repository.open(inner) as nested:
+        first = nested.commit({"w": torch.ones(4)})
+    (run / "notes.txt").write_text("a")
+    with Repository.init(tmp_path / "top") as outer, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if named is not None:
+            with pytest.raises(CkptError, match="another repository's own folder or object store"):
+                outer.commit(named)
+        outer.commit(run)
+        assert [f["name"] for f in outer.show("HEAD")["files"]] == ["notes.txt"]
+        (run / "notes.txt").write_text("b")
+        outer.commit(run)
+        with Repository.open(inner) as nested:
+            second = nested.commit({"w": torch.zeros(4)})
+        outer.checkout_to("HEAD~1", run)
+    assert (run / "notes.txt").read_text() == "a"
     with Repository.open(inner) as nested:
         assert [c.id for c in nested.log()] == [second, first] and fsck(nested).ok
