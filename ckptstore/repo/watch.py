@@ -149,21 +149,21 @@ def _refuse_inside_a_save(folder: Path) -> None:
     if TRAINER_FOLDER.match(folder.name):
         raise CkptError(f"{folder} is a checkpoint folder: watch the folder it is saved in ({folder.parent}), "
                         f"or `ckpt commit {folder}`")
-    save = folder.parent
-    if _holds_a_save(save, folder):
+    save = next((parent for parent in folder.parents if TRAINER_FOLDER.match(parent.name)), None)
+    if save is not None and _is_a_save(save):
         raise CkptError(f"{folder} is inside the checkpoint folder {save}, whose files are parts of one save: watch "
                         f"the folder it is saved in ({save.parent}), or `ckpt commit {save}`")
 
 
-def _holds_a_save(parent: Path, folder: Path) -> bool:
-    """Whether `parent` is a `checkpoint-N` save `folder` is part of: DeepSpeed's global_stepN, or beside its files.
+def _is_a_save(folder: Path) -> bool:
+    """Whether a `checkpoint-N` folder holds a save: trainer_state.json, DeepSpeed's global_stepN or checkpoint files.
 
-    A project folder named like a save higher up (checkpoint-2024/runs) holds runs, not one save's parts.
+    A project folder named like one (checkpoint-2024/ with its README and runs) does not.
     """
-    if not TRAINER_FOLDER.match(parent.name):
-        return False
     try:
-        return GLOBAL_STEP.match(folder.name) is not None or any(entry.is_file() for entry in os.scandir(parent))
+        with os.scandir(folder) as entries:
+            return any(entry.name == TRAINER_STATE or GLOBAL_STEP.match(entry.name)
+                       or entry.is_file() and Path(entry.name).suffix in SUFFIXES for entry in entries)
     except OSError:  # not listable: as named, a save
         return True
 

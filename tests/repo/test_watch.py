@@ -580,8 +580,13 @@ def test_watching_a_folder_inside_a_checkpoint_folder_is_refused(repo, tmp_path)
     result = ckpt_here(tmp_path, "watch", "out/checkpoint-30/global_step30", "--once", "--interval", "0.05")
     assert result.returncode == 1 and f"({save.parent})" in result.stderr, result.stderr
     assert f"`ckpt commit {save}`" in result.stderr and repo.log() == []
+    deeper = inner / "extra"  # two levels inside the save: refused as well (reader)
+    deeper.mkdir()
+    with pytest.raises(CkptError, match=f"inside the checkpoint folder {save}"):
+        watch(repo, deeper, ONCE)
     project = tmp_path / "checkpoint-2024" / "runs"  # a project named like a save, higher up: watched (reader)
     project.mkdir(parents=True)
+    (project.parent / "README.md").write_text("the 2024 runs")
     torch.save({"w": torch.ones(8)}, project / "step_5.pt")
     watch(repo, project, ONCE)
     assert len(repo.log()) == 1
