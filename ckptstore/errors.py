@@ -316,8 +316,10 @@ def _out_of_memory(exc: BaseException, text: str) -> CkptError | None:
     if isinstance(exc, OSError) and exc.errno == errno.ENOMEM or isinstance(exc, (RuntimeError, ImportError, OSError)) \
             and any(words in text for words in ("can't start new thread", "failed to map segment",
                                                   "cannot allocate memory")):
+        noexec = (", or move the library off a file system mounted without exec (noexec)"
+                  if "failed to map segment" in text else "")
         return CkptError(f"out of memory, or a limit reached ({exc}): free memory, or raise the limits on memory "
-                         "and threads (`ulimit -v`, `ulimit -u`), and run the command again")
+                         f"and threads (`ulimit -v`, `ulimit -u`){noexec}, and run the command again")
     return None
 
 
@@ -353,7 +355,7 @@ def _permission_denied(exc: PermissionError) -> CkptError:
         folder = os.path.dirname(exc.filename2) or "."
         if os.access(folder, os.W_OK):  # writable, yet refused: a sticky folder (/tmp) keeps another's file there
             return CkptError(f"permission denied replacing {exc.filename2}: another user's file in a folder that "
-                             "lets only its owner replace it; remove it or write elsewhere")
+                             "lets only its owner replace or remove it; ask them to remove it, or write elsewhere")
         return CkptError(f"permission denied moving {exc.filename} into {folder}; ask for write access to that folder")
     name = str(exc.filename or exc)
     hint = " (a repository you may only read opens with --read-only)" if _in_repository(name) else ""

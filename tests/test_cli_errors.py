@@ -205,7 +205,7 @@ def test_os_failures_below_ckptstore_are_explained():
                           "to that folder")  # the folder it went into, not the temporary file (auditor)
     sticky = explain(PermissionError(errno.EPERM, "Operation not permitted", "/tmp/.x.1.ckpt-tmp", None, "/tmp/x.pt"))
     assert str(sticky) == ("permission denied replacing /tmp/x.pt: another user's file in a folder that lets only its "
-                           "owner replace it; remove it or write elsewhere")  # /tmp is writable (reader)
+                           "owner replace or remove it; ask them to remove it, or write elsewhere")  # (readers)
     own = explain(PermissionError(errno.EACCES, "Permission denied", "/shared/.ckpt/.config.toml.a1.ckpt-tmp"))
     assert "writing into /shared/.ckpt" in str(own) and "--read-only" in str(own)
     try:
@@ -465,3 +465,5 @@ def test_memory_refused_in_other_words_is_said_as_out_of_memory():
         said = explain(exc)
         assert said is not None and str(said).startswith("out of memory, or a limit reached ("), exc
     assert explain(RuntimeError("something else")) is None
+    assert "mounted without exec" in str(explain(OSError("x.so: failed to map segment from shared object")))
+    assert "mounted without exec" not in str(explain(RuntimeError("can't start new thread")))

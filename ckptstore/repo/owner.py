@@ -45,8 +45,8 @@ def refuse_init(repo: Repository) -> None:
     folder = _local_store(repo)
     record = _record(folder) if folder is not None else None
     if record is None and folder is not None and marker(folder).exists():
-        raise _unreadable(folder, "no repository was made. Ask whoever owns it to make it readable, or give this "
-                                  "repository an object folder of its own")
+        raise _unreadable(folder, "no repository was made. Ask whoever owns it to make it readable (or, if it is "
+                                  "damaged, to write it again), or give this repository an object folder of its own")
     if _owner_there(record) and not _same_database(record, repo):
         raise RepoExistsError(f"the object store {folder} belongs to the repository at {record['repository']}: "
                               "join that repository with its --metadata URL, or give this one a folder of its own")
@@ -87,8 +87,8 @@ def _refusal(folder: Path, owner: Path) -> CkptError:
 
 
 def _unreadable(folder: Path, outcome: str) -> CkptError:
-    return CkptError(f"{marker(folder)} cannot be read: it names the repository that owns the object store {folder}; "
-                     f"{outcome}")
+    return CkptError(f"{marker(folder)} cannot be read (or is damaged): it names the repository that owns the object "
+                     f"store {folder}; {outcome}")
 
 
 def _record(folder: Path) -> dict | None:

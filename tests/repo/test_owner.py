@@ -204,6 +204,7 @@ def test_an_init_over_a_store_whose_owner_it_cannot_look_at_or_read_is_refused(t
             Repository.init(tmp_path / "b", objects_url=str(store))
     assert json.loads(owner.marker(store).read_text())["repository"].endswith("/a")
     owner.marker(store).write_text("{not json")
-    with pytest.raises(CkptError, match=r"objects.owner cannot be read: .*; no repository was made\. Ask whoever "):
+    with pytest.raises(CkptError, match=r"objects.owner cannot be read \(or is damaged\): .*; no repository was "
+                                        r"made\. Ask whoever "):
         Repository.init(tmp_path / "c", objects_url=str(store))
     assert owner.marker(store).read_text() == "{not json" and not (tmp_path / "c" / ".ckpt").exists()
