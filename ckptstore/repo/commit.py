@@ -368,8 +368,9 @@ def _other_repositories(folder: Path, excluded: list[Path]) -> list[Path]:
     """What other repositories inside `folder` keep there (`nested_repositories`), left out with a warning."""
     nested = nested_repositories(folder, excluded)
     if nested:
+        more = f" and {len(nested) - 1} more" if len(nested) > 1 else ""
         warn_caller(f"other repositories' own folders or object stores inside {folder} are left out of the commit "
-                    f"({nested[0]} first, {len(nested)} paths in all): commit in those repositories instead")
+                    f"({nested[0]}{more}): commit in those repositories instead")
     return nested
 
 

@@ -135,8 +135,10 @@ def _located(repo: Repository, name: str, url: str, metadata_url: str, typed_in:
     remote = RemoteConfig(folder, absolute_url(metadata_url, Path.cwd()))
     if "://" not in url and os.path.realpath(remote.resolved(repo.root).url) == os.path.realpath(repo.root):
         raise CkptError(f"{url} is this repository itself: a remote is another repository")
-    with open_remote(remote.resolved(repo.root), name, create=True):  # a folder that is no repository: refused now
-        pass
+    with open_remote(remote.resolved(repo.root), name, create=True) as there:  # a folder that is no repository: refused
+        if there.db.url == repo.db.url and there.store.url == repo.store.url:  # joined over the same database and store
+            raise CkptError(f"{url} is this repository itself (the same database and objects): a remote is another "
+                            "repository")
     return remote
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
+import tomllib
+
 from ckptstore import faults
 from ckptstore.errors import CkptError, DirtyWorktreeError, listing
 from ckptstore.formats.filemap import file_digest
@@ -25,6 +27,7 @@ from ckptstore.formats.folder import MODE_BITS
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import files as file_rows
 from ckptstore.repo import journal
+from ckptstore.repo.location import REPO_DIR
 from ckptstore.repo.owner import SUFFIX as OWNER_SUFFIX
 
 if TYPE_CHECKING:
@@ -211,7 +214,8 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
     real_dest, own = Path(os.path.realpath(dest)), repo.own_folders()
     plan = CheckoutPlan(dest, [])
     needed, written = {dest}, {}
-    others: dict[Path, Path | None] = {}  # per folder written into: another repository's part it lies in
+    # per folder written into: another repository's part it lies in (dest's own, looked up once)
+    others: dict[Path, Path | None] = {dest: repository_part_holding(dest)}
     for record in manifest.files:
         parts = PurePosixPath(record.name).parts
         if not parts or record.name.startswith("/") or ".." in parts or "\0" in record.name:
@@ -225,10 +229,10 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
             raise CkptError(f"the commit holds {record.name}, which would be written inside the repository's own "
                             f"{inside.name}/ (as {real}): check it out elsewhere with -o PATH")
         if target.parent not in others:
-            others[target.parent] = repository_part_holding(target.parent)
+            others[target.parent] = others[dest] or repository_part_holding(target.parent, below=dest)
         if others[target.parent] is not None:  # committed before commits left other repositories out
             raise CkptError(f"the commit holds {record.name}, which would be written inside {others[target.parent]}, "
-                            "another repository's own folder or object store: check it out elsewhere with -o PATH")
+                            "another repository's own folder or object store: write the checkout elsewhere")
         if written.setdefault(real, record.name) != record.name:
             raise CkptError(f"the commit's {written[real]} and {record.name} would both be written to {real} (a "
                             f"symlinked folder inside {dest}); remove the link or check out elsewhere with -o PATH")
@@ -243,29 +247,40 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
     return plan
 
 
-_REPOSITORY_FILES = ("ckpt.db", "objects", "lock")  # beside config.toml, what makes a folder a repository's own
-
-
 def is_repository_folder(path: Path) -> bool:
-    """Whether `path` is a repository's own folder: its config beside its database, store or lock.
+    """Whether `path` is a repository's own folder: `.ckpt/` with a config, or any folder whose config.toml is ours.
 
-    Told by what it holds, whatever its name: a `.ckpt` linked in from `disk/meta` is one.
+    The second is a `.ckpt` linked in from `disk/meta`; a joined shared repository's holds its config alone.
     """
-    return (path / "config.toml").is_file() and any((path / name).exists() for name in _REPOSITORY_FILES)
+    try:
+        if not (path / "config.toml").is_file():
+            return False
+        if path.name == REPO_DIR:
+            return True
+        core = tomllib.loads((path / "config.toml").read_text()).get("core")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):  # a folder it may not look into is no repository
+        return False
+    return isinstance(core, dict) and "objects_url" in core and "metadata_url" in core
 
 
 def is_object_store(path: Path) -> bool:
     """Whether `path` is a local object store init made: its `<store>.owner` lies beside it (repo/owner.py)."""
-    return bool(path.name) and path.with_name(path.name + OWNER_SUFFIX).is_file() and path.is_dir()
+    try:
+        return bool(path.name) and path.with_name(path.name + OWNER_SUFFIX).is_file() and path.is_dir()
+    except OSError:
+        return False
 
 
-def repository_part_holding(path: Path) -> Path | None:
+def repository_part_holding(path: Path, below: Path | None = None) -> Path | None:
     """Another repository's folder or object store that `path` is or lies in, by the path given or the real one.
 
-    The caller has refused this repository's own first (`own_folder_holding`).
+    With `below`, only the folders under it are looked at (the caller checked `below` itself). The
+    caller has refused this repository's own first (`own_folder_holding`).
     """
     for given in dict.fromkeys([Path(os.path.abspath(path)), Path(os.path.realpath(path))]):
         for folder in [given, *given.parents]:
+            if below is not None and not folder.is_relative_to(below) or folder == below:
+                break
             if is_repository_folder(folder) or is_object_store(folder):
                 return folder
     return None

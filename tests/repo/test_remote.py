@@ -980,3 +980,14 @@ def test_push_of_head_sends_heads_branch_and_a_repository_is_no_remote_of_its_ow
     remote.push(work, "origin", "HEAD")
     with Repository.open(hub_path) as hub:
         assert hub.branches() == {"main": cids[-1]}
+
+
+def test_another_folder_joined_over_the_same_database_and_objects_is_no_remote(tmp_path):
+    """`remote add machine1 /other/joined/folder` of the same shared repository was taken, and push 'succeeded'
+    with nothing sent (reader)."""
+    database, store = f"sqlite:///{tmp_path / 'shared.db'}", str(tmp_path / "objects")
+    Repository.init(tmp_path / "a", metadata_url=database, objects_url=store).close()
+    with Repository.init(tmp_path / "b", metadata_url=database, objects_url=store) as joined:
+        with pytest.raises(CkptError, match=r"is this repository itself \(the same database and objects\)"):
+            remote.add(joined, "machine1", str(tmp_path / "a"))
+        assert joined.config.remotes == {}

@@ -887,7 +887,7 @@ def test_a_folder_holding_another_repository_is_committed_without_that_repositor
         torch.save({"w": torch.ones(4)}, inner / "c.pt")
         first = nested.commit(inner / "c.pt")
         with pytest.warns(RuntimeWarning, match=r"other repositories' own folders or object stores inside .*runs are "
-                                                r"left out of the commit \(.*exp1/\.ckpt first, 1 paths in all\)"):
+                                                r"left out of the commit \(.*exp1/\.ckpt\): commit in those"):
             outer.commit(tmp_path / "runs")
         assert [f["name"] for f in outer.show("HEAD")["files"]] == ["exp1/c.pt"]
         torch.save({"w": torch.zeros(4)}, inner / "c.pt")
@@ -979,3 +979,36 @@ def test_another_repositorys_store_or_folder_committed_by_any_name_is_refused_or
     assert (run / "notes.txt").read_text() == "a"
     with Repository.open(inner) as nested:
         assert [c.id for c in nested.log()] == [second, first] and fsck(nested).ok
+
+
+def test_a_joined_repositorys_config_alone_is_another_repository_and_project_configs_are_not(tmp_path):
+    """A shared repository joined on another machine keeps only config.toml in its .ckpt/: 691c420 asked for a
+    database, store or lock beside it, so it was committed and deleted by a checkout; and a project's own
+    config.toml beside an objects/ folder made every commit refused as "another repository's" (reader)."""
+    import warnings
+
+    from ckptstore.repo.config import RepoConfig
+
+    run = tmp_path / "run"
+    (run / "sub" / ".ckpt").mkdir(parents=True)
+    RepoConfig(metadata_url="postgresql://ml@db/runs", objects_url="s3://bucket/runs").save(
+        run / "sub" / ".ckpt" / "config.toml")
+    (run / "exp1" / "objects").mkdir(parents=True)  # a project of the user's: a config and meshes
+    (run / "exp1" / "config.toml").write_text("[model]\nlayers = 4\n")
+    torch.save({"w": torch.ones(4)}, run / "exp1" / "model.pt")
+    with Repository.init(tmp_path / "top") as outer:
+        with pytest.warns(RuntimeWarning, match=r"left out of the commit \(.*sub/\.ckpt\)"):
+            outer.commit(run)
+        assert [f["name"] for f in outer.show("HEAD")["files"]] == ["exp1/config.toml", "exp1/model.pt"]
+        with pytest.raises(CkptError, match="another repository's own folder or object store"):
+            outer.commit(run / "sub" / ".ckpt")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the project's folder is no repository
+            outer.commit(run / "exp1" / "model.pt")
+        torch.save({"w": torch.zeros(4)}, run / "exp1" / "model.pt")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            outer.commit(run)
+        outer.checkout_to("HEAD~2", run)
+    assert (run / "sub" / ".ckpt" / "config.toml").is_file()
+    assert torch.equal(torch.load(run / "exp1" / "model.pt")["w"], torch.ones(4))
