@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -136,6 +137,10 @@ def refuse_own_folders(repo: Repository, output: str | os.PathLike) -> None:
     own = own_folder_holding(repo, output)
     if own is not None:
         raise CkptError(f"{output} is inside the repository's own {own.name}/ folder: write it elsewhere")
+    other = repository_part_holding(Path(output))
+    if other is not None:  # a one-file or DCP output there overwrote that repository's database
+        raise CkptError(f"{output} is inside {other}, another repository's own folder or object store: write it "
+                        "elsewhere")
 
 
 def check_output_file(output: str | os.PathLike) -> Path:
@@ -247,39 +252,70 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
     return plan
 
 
-def is_repository_folder(path: Path) -> bool:
-    """Whether `path` is a repository's own folder: `.ckpt/` with a config, or any folder whose config.toml is ours.
+_BESIDE_CONFIG = ("ckpt.db", "objects", "lock", "tmp")  # what a repository's folder holds beside its config
+_STORE_FAN = re.compile(r"^[0-9a-f]{2}$")  # a local object store's folders (objects/ab/ab12...)
+_OBJECT_NAME = re.compile(r"^[0-9a-f]{62}$")  # an object id past its folder's two digits
 
-    The second is a `.ckpt` linked in from `disk/meta`; a joined shared repository's holds its config alone.
+
+def is_repository_folder(path: Path) -> bool:
+    """Whether `path` is a repository's own folder: `.ckpt/` with a config, or a folder whose config.toml is ours.
+
+    Ours: only ckptstore's sections, beside its database, store, lock or scratch folder (a `.ckpt`
+    linked in from `disk/meta`, an older config without every key too), or naming a metadata server
+    and objects alone (a joined shared repository's folder holds its config alone). A copy of a local
+    repository's config in a run folder is none.
     """
+    from ckptstore.repo.config import SECTIONS
+
     try:
         if not (path / "config.toml").is_file():
             return False
         if path.name == REPO_DIR:
             return True
-        core = tomllib.loads((path / "config.toml").read_text()).get("core")
+        data = tomllib.loads((path / "config.toml").read_text())
+        core = data.get("core")
+        if not (isinstance(core, dict) and set(data) <= set(SECTIONS)):
+            return False
+        return bool(core.get("metadata_url")) and "objects_url" in core or any(
+            (path / name).exists() for name in _BESIDE_CONFIG)
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):  # a folder it may not look into is no repository
         return False
-    return isinstance(core, dict) and "objects_url" in core and "metadata_url" in core
 
 
 def is_object_store(path: Path) -> bool:
-    """Whether `path` is a local object store init made: its `<store>.owner` lies beside it (repo/owner.py)."""
+    """Whether `path` is a local object store: `<store>.owner` beside it (repo/owner.py), or its layout.
+
+    The layout, for a store made before owner files: two-hex-digit folders and nothing else, the first
+    holding objects named by the other 62 hex digits of their ids (a user's numbered `00/ 01/` do not).
+    """
     try:
-        return bool(path.name) and path.with_name(path.name + OWNER_SUFFIX).is_file() and path.is_dir()
+        if not path.name or not path.is_dir():
+            return False
+        if path.with_name(path.name + OWNER_SUFFIX).is_file():
+            return True
+        with os.scandir(path) as entries:
+            fans = [entry.name for entry in entries]
+        if not fans or not all(_STORE_FAN.match(name) and (path / name).is_dir() for name in fans):
+            return False
+        with os.scandir(path / fans[0]) as entries:
+            inside = [entry.name for entry in entries]
     except OSError:
         return False
+    return bool(inside) and all(_OBJECT_NAME.match(name) for name in inside)
 
 
 def repository_part_holding(path: Path, below: Path | None = None) -> Path | None:
     """Another repository's folder or object store that `path` is or lies in, by the path given or the real one.
 
-    With `below`, only the folders under it are looked at (the caller checked `below` itself). The
-    caller has refused this repository's own first (`own_folder_holding`).
+    With `below`, only the folders under it are looked at (the caller checked `below` itself), each
+    spelling of the path against the same spelling of `below`. The caller has refused this
+    repository's own first (`own_folder_holding`).
     """
-    for given in dict.fromkeys([Path(os.path.abspath(path)), Path(os.path.realpath(path))]):
+    spellings = [(os.path.abspath, Path(os.path.abspath(path))), (os.path.realpath, Path(os.path.realpath(path)))]
+    for spell, given in spellings:
+        limit = Path(spell(below)) if below is not None else None
         for folder in [given, *given.parents]:
-            if below is not None and not folder.is_relative_to(below) or folder == below:
+            if limit is not None and (folder == limit or not folder.is_relative_to(limit)):
                 break
             if is_repository_folder(folder) or is_object_store(folder):
                 return folder
@@ -305,7 +341,7 @@ def nested_repositories(folder: Path, skipped: Iterable[Path]) -> list[Path]:
                 found += [inner, *_local_store_of(inner)]
             elif is_object_store(inner):  # a store whose repository lives elsewhere
                 folders.remove(name)
-                found += [inner, inner.with_name(inner.name + OWNER_SUFFIX)]
+                found += _with_owner(inner)
     return found
 
 
@@ -325,7 +361,13 @@ def _local_store_of(repository_folder: Path) -> list[Path]:
         store = repository_folder / url
     else:
         return []
-    return [store, store.with_name(store.name + OWNER_SUFFIX)]
+    return _with_owner(store)
+
+
+def _with_owner(store: Path) -> list[Path]:
+    """A store and its owner file, where there is one."""
+    owner = store.with_name(store.name + OWNER_SUFFIX)
+    return [store, owner] if owner.is_file() else [store]
 
 
 def _refuse_files_in_the_way(plan: CheckoutPlan, dest: Path) -> None:

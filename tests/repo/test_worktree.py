@@ -931,7 +931,7 @@ def test_another_repositorys_store_or_linked_folder_inside_a_committed_folder_su
         outer.commit(tmp_path / "run")
         with Repository.open(inner) as nested:
             second = nested.commit({"w": torch.zeros(4)})
-        outer.checkout_to("HEAD~1", tmp_path / "run")
+        outer.checkout_to("HEAD~1", force=True)  # in place: what deletes
         with pytest.raises(CkptError, match=r"another repository's own folder or object store: a repository is no"):
             outer.commit(inner / ".ckpt")
     assert (tmp_path / "run" / "notes.txt").read_text() == "a"
@@ -975,7 +975,7 @@ def test_another_repositorys_store_or_folder_committed_by_any_name_is_refused_or
         outer.commit(run)
         with Repository.open(inner) as nested:
             second = nested.commit({"w": torch.zeros(4)})
-        outer.checkout_to("HEAD~1", run)
+        outer.checkout_to("HEAD~1", force=True)  # in place: what deletes
     assert (run / "notes.txt").read_text() == "a"
     with Repository.open(inner) as nested:
         assert [c.id for c in nested.log()] == [second, first] and fsck(nested).ok
@@ -1009,6 +1009,50 @@ def test_a_joined_repositorys_config_alone_is_another_repository_and_project_con
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             outer.commit(run)
-        outer.checkout_to("HEAD~2", run)
+        outer.checkout_to("HEAD~2", force=True)  # in place: what deletes
     assert (run / "sub" / ".ckpt" / "config.toml").is_file()
     assert torch.equal(torch.load(run / "exp1" / "model.pt")["w"], torch.ones(4))
+
+
+def test_older_configs_unowned_stores_and_outputs_spelt_otherwise_are_still_another_repositorys(tmp_path, monkeypatch):
+    """A linked `meta` whose older config lacks the URL keys, a store made before owner files, a relative -o
+    reaching another repository's store through a link, and one-file or DCP outputs inside another .ckpt/ were
+    written into or committed; a copy of a local config in a run folder was refused (reader)."""
+    import warnings
+
+    from ckptstore.repo.config import RepoConfig
+
+    with Repository.init(tmp_path / "disk") as other:
+        other.commit({"w": torch.ones(4)})
+    (tmp_path / "disk" / ".ckpt" / "config.toml").write_text("[core]\nthreads = 0\n")  # an older, shorter config
+    with Repository.init(tmp_path / "proj", objects_url=str(tmp_path / "data" / "store")) as proj:
+        proj.commit({"w": torch.ones(4)})
+    (tmp_path / "data" / "store.owner").unlink()  # a store made before owner files
+    (tmp_path / "data" / "numbered" / "00").mkdir(parents=True)  # a user's numbered folders are no store
+    torch.save({"w": torch.ones(2)}, tmp_path / "data" / "numbered" / "00" / "m.pt")
+    (tmp_path / "disk" / ".ckpt").rename(tmp_path / "disk" / "meta")
+    torch.save({"w": torch.ones(2)}, tmp_path / "disk" / "m.pt")
+    (tmp_path / "run").mkdir()
+    RepoConfig().save(tmp_path / "run" / "config.toml")  # a record of where the run was stored
+    torch.save({"w": torch.ones(2)}, tmp_path / "run" / "m.pt")
+    with Repository.init(tmp_path / "top") as outer:
+        with pytest.warns(RuntimeWarning, match=r"left out of the commit \(.*disk/meta"):
+            outer.commit(tmp_path / "disk")
+        with pytest.warns(RuntimeWarning, match=r"left out of the commit \(.*data/store\)"):
+            outer.commit(tmp_path / "data")
+        assert [f["name"] for f in outer.show("HEAD")["files"]] == ["numbered/00/m.pt"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            outer.commit(tmp_path / "run")  # a copy of a local repository's config is no repository
+        (tmp_path / "src" / "a").mkdir(parents=True)
+        (tmp_path / "src" / "a" / "x.bin").write_bytes(b"x")
+        cid = outer.commit(tmp_path / "src")
+        Repository.init(tmp_path / "proj2", objects_url=str(tmp_path / "out" / "store")).close()
+        (tmp_path / "out" / "a").symlink_to(tmp_path / "out" / "store")
+        monkeypatch.chdir(tmp_path)
+        with pytest.raises(CkptError, match="another repository's own folder or object store"):
+            outer.checkout_to(cid, "out")  # relative, as typed
+        assert not (tmp_path / "out" / "store" / "x.bin").exists()
+        for output in (tmp_path / "disk" / "meta" / "ckpt.db", "disk/meta/dir"):
+            with pytest.raises(CkptError, match="another repository's own folder or object store"):
+                outer.checkout_to("HEAD~1", output, force=True)
