@@ -293,9 +293,13 @@ def is_object_store(path: Path) -> bool:
             return False
         if path.with_name(path.name + OWNER_SUFFIX).is_file():
             return True
-        with os.scandir(path) as entries:
-            fans = [entry.name for entry in entries]
-        if not fans or not all(_STORE_FAN.match(name) and (path / name).is_dir() for name in fans):
+        fans = []
+        with os.scandir(path) as entries:  # stops at the first other name: /scratch may hold 100,000
+            for entry in entries:
+                if not (_STORE_FAN.match(entry.name) and entry.is_dir(follow_symlinks=False)):
+                    return False
+                fans.append(entry.name)
+        if not fans:
             return False
         with os.scandir(path / fans[0]) as entries:
             inside = [entry.name for entry in entries]
