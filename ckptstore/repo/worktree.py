@@ -76,6 +76,10 @@ def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool,
         if inside is not None:  # a forged commit's (a remote's) path: commit never takes a file there
             raise CkptError(f"this commit's file would be written inside the repository's own {inside.name}/ (as "
                             f"{dest}): check it out elsewhere with -o PATH")
+        other = repository_part_holding(dest)
+        if other is not None:  # the file's folder became another repository's since it was committed
+            raise CkptError(f"this commit's file would be written inside {other}, another repository's own folder "
+                            "or object store: write it elsewhere with -o PATH")
         plan = CheckoutPlan(dest, [(manifest.files[0], dest)])
     else:
         plan = _plan_folder(repo, manifest, dest, exact=not output)
@@ -252,20 +256,20 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
     return plan
 
 
-_BESIDE_CONFIG = ("ckpt.db", "objects", "lock", "tmp")  # what a repository's folder holds beside its config
 _STORE_FAN = re.compile(r"^[0-9a-f]{2}$")  # a local object store's folders (objects/ab/ab12...)
 _OBJECT_NAME = re.compile(r"^[0-9a-f]{62}$")  # an object id past its folder's two digits
+_SQLITE = b"SQLite format 3\x00"
 
 
 def is_repository_folder(path: Path) -> bool:
     """Whether `path` is a repository's own folder: `.ckpt/` with a config, or a folder whose config.toml is ours.
 
-    Ours: only ckptstore's sections, beside its database, store, lock or scratch folder (a `.ckpt`
-    linked in from `disk/meta`, an older config without every key too), or naming a metadata server
-    and objects alone (a joined shared repository's folder holds its config alone). A copy of a local
-    repository's config in a run folder is none.
+    Ours: only ckptstore's sections and core keys, and either a SQLite `ckpt.db` beside it (a `.ckpt`
+    linked in from `disk/meta`, an older config without every key too) or a configured metadata URL
+    (a joined shared repository's folder holds its config alone). A run folder's copy of a local
+    repository's config, or a user's own `[core]`, is none.
     """
-    from ckptstore.repo.config import SECTIONS
+    from ckptstore.repo.config import CORE_KEYS, SECTIONS
 
     try:
         if not (path / "config.toml").is_file():
@@ -273,20 +277,23 @@ def is_repository_folder(path: Path) -> bool:
         if path.name == REPO_DIR:
             return True
         data = tomllib.loads((path / "config.toml").read_text())
-        core = data.get("core")
-        if not (isinstance(core, dict) and set(data) <= set(SECTIONS)):
+        core = data.get("core", {})
+        if not (set(data) <= set(SECTIONS) and isinstance(core, dict) and set(core) <= set(CORE_KEYS)):
             return False
-        return bool(core.get("metadata_url")) and "objects_url" in core or any(
-            (path / name).exists() for name in _BESIDE_CONFIG)
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):  # a folder it may not look into is no repository
+        if core.get("metadata_url"):
+            return True
+        with open(path / "ckpt.db", "rb") as database:
+            return database.read(len(_SQLITE)) == _SQLITE
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):  # no database, or a folder it may not look into
         return False
 
 
 def is_object_store(path: Path) -> bool:
     """Whether `path` is a local object store: `<store>.owner` beside it (repo/owner.py), or its layout.
 
-    The layout, for a store made before owner files: two-hex-digit folders and nothing else, the first
-    holding objects named by the other 62 hex digits of their ids (a user's numbered `00/ 01/` do not).
+    The layout, for a store made before owner files: two-hex-digit folders (and its own `tmp/` where it
+    lies on another disk than its repository), objects in them named by the other 62 hex digits of
+    their ids; folders gc emptied count (a user's numbered `00/ 01/` hold other names).
     """
     try:
         if not path.name or not path.is_dir():
@@ -296,16 +303,18 @@ def is_object_store(path: Path) -> bool:
         fans = []
         with os.scandir(path) as entries:  # stops at the first other name: /scratch may hold 100,000
             for entry in entries:
-                if not (_STORE_FAN.match(entry.name) and entry.is_dir(follow_symlinks=False)):
+                if not entry.is_dir(follow_symlinks=False) or not (_STORE_FAN.match(entry.name)
+                                                                   or entry.name == "tmp"):
                     return False
-                fans.append(entry.name)
-        if not fans:
-            return False
-        with os.scandir(path / fans[0]) as entries:
-            inside = [entry.name for entry in entries]
+                fans += [entry.name] if entry.name != "tmp" else []
+        for fan in fans:
+            with os.scandir(path / fan) as entries:
+                names = [entry.name for entry in entries]
+            if names:
+                return all(_OBJECT_NAME.match(name) for name in names)
     except OSError:
         return False
-    return bool(inside) and all(_OBJECT_NAME.match(name) for name in inside)
+    return bool(fans)
 
 
 def repository_part_holding(path: Path, below: Path | None = None) -> Path | None:

@@ -1056,3 +1056,51 @@ def test_older_configs_unowned_stores_and_outputs_spelt_otherwise_are_still_anot
         for output in (tmp_path / "disk" / "meta" / "ckpt.db", "disk/meta/dir"):
             with pytest.raises(CkptError, match="another repository's own folder or object store"):
                 outer.checkout_to("HEAD~1", output, force=True)
+
+
+def test_what_counts_as_another_repositorys_folder_or_store(tmp_path):
+    """A store with its own tmp/ (on another disk than its repository) or an empty first folder after gc, and a
+    config with no [core] beside its database, were missed; a run folder's config copy beside tmp/, or a user's own
+    [core], were taken for a repository (reader)."""
+    from ckptstore.repo.config import RepoConfig
+    from ckptstore.repo.worktree import is_object_store, is_repository_folder
+
+    store = tmp_path / "store"
+    for name in ("tmp", "00", "ab"):
+        (store / name).mkdir(parents=True)
+    (store / "ab" / ("c" * 62)).write_bytes(b"x")
+    numbered = tmp_path / "numbered"
+    (numbered / "00").mkdir(parents=True)
+    (numbered / "00" / "m.pt").write_bytes(b"x")
+    assert is_object_store(store) and not is_object_store(numbered)
+    with Repository.init(tmp_path / "disk"):
+        pass
+    meta = (tmp_path / "disk" / ".ckpt").rename(tmp_path / "disk" / "meta")
+    (meta / "config.toml").write_text("[retention]\nkeep_last = 5\n")
+    run, user = tmp_path / "run", tmp_path / "user"
+    for folder in (run, user):
+        (folder / "tmp").mkdir(parents=True)
+        (folder / "lock").write_text("")
+    RepoConfig().save(run / "config.toml")
+    (user / "config.toml").write_text("[core]\nseed = 1\n")
+    assert is_repository_folder(meta) and not is_repository_folder(run) and not is_repository_folder(user)
+
+
+def test_an_in_place_checkout_of_a_file_never_writes_into_another_repositorys_folder(tmp_path):
+    """A committed file whose folder became another repository's own folder (linked in as its .ckpt) was restored
+    into it, over what it holds (reader)."""
+    import sqlite3
+
+    from safetensors.torch import save_file
+
+    (tmp_path / "a").mkdir()
+    save_file({"w": torch.ones(2)}, str(tmp_path / "a" / "ckpt.safetensors"))
+    with Repository.init(tmp_path / "top") as outer:
+        outer.commit(tmp_path / "a" / "ckpt.safetensors")
+        (tmp_path / "a" / "ckpt.safetensors").unlink()
+        (tmp_path / "a" / "config.toml").write_text("[retention]\nkeep_last = 5\n")
+        with sqlite3.connect(tmp_path / "a" / "ckpt.db") as database:
+            database.execute("CREATE TABLE t (x)")
+        with pytest.raises(CkptError, match="another repository's own folder or object store"):
+            outer.checkout_to("HEAD", force=True)
+    assert not (tmp_path / "a" / "ckpt.safetensors").exists()
