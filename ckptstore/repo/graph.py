@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Mapping, Sequence
 
 
@@ -17,17 +18,30 @@ def topo_order(tips: Sequence[str], parents: Mapping[str, list[str]], time_of: C
     for cid in reachable:
         for parent in parents.get(cid, []):
             children[parent] += 1
-    ready = [cid for cid, count in children.items() if count == 0]
+    # a heap: sorting the ready list again before each pop cost time quadratic in the tips (5,000 branches: 3 s)
+    ready = [_Newest(time_of(cid), cid) for cid, count in children.items() if count == 0]
+    heapq.heapify(ready)
     order = []
     while ready:
-        ready.sort(key=lambda c: (time_of(c), c))
-        cid = ready.pop()
+        cid = heapq.heappop(ready).cid
         order.append(cid)
         for parent in parents.get(cid, []):
             children[parent] -= 1
             if children[parent] == 0:
-                ready.append(parent)
+                heapq.heappush(ready, _Newest(time_of(parent), parent))
     return order
+
+
+class _Newest:
+    """A ready commit in topo_order's heap: the newest first, the larger id first among equal times."""
+
+    __slots__ = ("time", "cid")
+
+    def __init__(self, time: float, cid: str) -> None:
+        self.time, self.cid = time, cid
+
+    def __lt__(self, other: _Newest) -> bool:
+        return (self.time, self.cid) > (other.time, other.cid)
 
 
 def render(order: Sequence[str], parents: Mapping[str, list[str]], describe: Callable[[str], str]) -> list[str]:

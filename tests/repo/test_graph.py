@@ -1,3 +1,6 @@
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from ckptstore.repo.graph import render, topo_order
 
 
@@ -23,3 +26,46 @@ def test_a_lane_joins_its_own_past_the_lanes_between_one_column_a_row():
     # two lanes join b past a's; the one right of the first moves left with it
     assert lines == ["* c", "| * w", "| | * y", "| | | * x", "| * | | z", "| |/ /", "|/| |", "| |/", "|/|", "* | b",
                      "|/", "* a"]
+
+
+def _sorted_each_time(tips, parents, time_of):
+    """topo_order as it was written first (the ready list sorted again before each pop): the reference order."""
+    reachable, stack = set(), list(tips)
+    while stack:
+        cid = stack.pop()
+        if cid not in reachable:
+            reachable.add(cid)
+            stack.extend(parents.get(cid, []))
+    children = {cid: 0 for cid in reachable}
+    for cid in reachable:
+        for parent in parents.get(cid, []):
+            children[parent] += 1
+    ready, order = [cid for cid, count in children.items() if count == 0], []
+    while ready:
+        ready.sort(key=lambda c: (time_of(c), c))
+        cid = ready.pop()
+        order.append(cid)
+        for parent in parents.get(cid, []):
+            children[parent] -= 1
+            if children[parent] == 0:
+                ready.append(parent)
+    return order
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.lists(st.integers(0, 39), max_size=2)), min_size=1, max_size=40))
+def test_the_heap_gives_the_order_sorting_gave_on_any_history(rows):
+    """topo_order sorted its ready list before every pop: quadratic in the tips, 3 s for `log --all` with 5,000
+    branches (auditor). The heap must keep the order, ties between equal times included."""
+    names = [f"c{i:02d}" for i in range(len(rows))]
+    parents = {names[i]: sorted({names[p] for p in ps if p < i}) for i, (_, ps) in enumerate(rows)}
+    times = {names[i]: float(t) for i, (t, _) in enumerate(rows)}
+    tips = [name for name in names if not any(name in ps for ps in parents.values())]
+    assert topo_order(tips, parents, times.__getitem__) == _sorted_each_time(tips, parents, times.__getitem__)
+
+
+def test_many_tips_are_ordered_in_time_near_linear_in_their_number():
+    """5,000 one-commit branches: the order is still newest first."""
+    parents = {"root": [], **{f"b{i:05d}": ["root"] for i in range(5000)}}
+    order = topo_order([f"b{i:05d}" for i in range(5000)], parents, lambda c: 0.0 if c == "root" else float(c[1:]))
+    assert order[0] == "b04999" and order[-2:] == ["b00000", "root"]
