@@ -259,6 +259,8 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
 _STORE_FAN = re.compile(r"^[0-9a-f]{2}$")  # a local object store's folders (objects/ab/ab12...)
 _OBJECT_NAME = re.compile(r"^[0-9a-f]{62}$")  # an object id past its folder's two digits
 _SQLITE = b"SQLite format 3\x00"
+# what a joined shared repository's own folder may hold beside its config (its database and objects are elsewhere)
+_SHARED_FOLDER_NAMES = {"config.toml", "config.toml.lock", "lock", "lock.gate", "tmp", "watch", "daemon.log"}
 
 
 def is_repository_folder(path: Path) -> bool:
@@ -280,12 +282,17 @@ def is_repository_folder(path: Path) -> bool:
         core = data.get("core", {})
         if not (set(data) <= set(SECTIONS) and isinstance(core, dict) and set(core) <= set(CORE_KEYS)):
             return False
-        if core.get("metadata_url"):
-            return True
+        if core.get("metadata_url"):  # a joined shared repository's folder: its config and its own files alone
+            return {entry.name for entry in os.scandir(path)} <= _SHARED_FOLDER_NAMES
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):  # a folder it may not look into is no repository
+        return False
+    try:
         with open(path / "ckpt.db", "rb") as database:
             return database.read(len(_SQLITE)) == _SQLITE
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):  # no database, or a folder it may not look into
+    except FileNotFoundError:
         return False
+    except OSError:  # there, but not to be read (another user's): as a repository's, never written over
+        return True
 
 
 def is_object_store(path: Path) -> bool:
@@ -293,7 +300,7 @@ def is_object_store(path: Path) -> bool:
 
     The layout, for a store made before owner files: two-hex-digit folders (and its own `tmp/` where it
     lies on another disk than its repository), objects in them named by the other 62 hex digits of
-    their ids; folders gc emptied count (a user's numbered `00/ 01/` hold other names).
+    their ids, the first fan holding any deciding (a user's numbered `00/ 01/` hold other names, or none).
     """
     try:
         if not path.name or not path.is_dir():
@@ -314,7 +321,7 @@ def is_object_store(path: Path) -> bool:
                 return all(_OBJECT_NAME.match(name) for name in names)
     except OSError:
         return False
-    return bool(fans)
+    return False  # every fan empty: no objects to keep (a user's emptied numbered folders are none either)
 
 
 def repository_part_holding(path: Path, below: Path | None = None) -> Path | None:

@@ -1083,7 +1083,24 @@ def test_what_counts_as_another_repositorys_folder_or_store(tmp_path):
         (folder / "lock").write_text("")
     RepoConfig().save(run / "config.toml")
     (user / "config.toml").write_text("[core]\nseed = 1\n")
+    (user / "ckpt.db").write_bytes((meta / "ckpt.db").read_bytes()[:100])  # a SQLite file beside the user's config
+    unreadable = tmp_path / "unreadable"  # root reads any file: a folder under the name stands for one it may not
+    (unreadable / "ckpt.db").mkdir(parents=True)
+    (unreadable / "config.toml").write_text("[retention]\nkeep_last = 5\n")
+    assert is_repository_folder(unreadable)  # never written over for want of reading it (reader)
     assert is_repository_folder(meta) and not is_repository_folder(run) and not is_repository_folder(user)
+    shared = tmp_path / "shared"  # a joined shared repository's folder, and a run folder's copy of its config
+    shared.mkdir()
+    RepoConfig(metadata_url="postgresql://ml@db/runs", objects_url="s3://b/p").save(shared / "config.toml")
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "config.toml").write_bytes((shared / "config.toml").read_bytes())
+    (copy / "model.pt").write_bytes(b"x")
+    assert is_repository_folder(shared) and not is_repository_folder(copy)
+    emptied = tmp_path / "emptied"  # numbered folders whose files were deleted: no store
+    for name in ("00", "01"):
+        (emptied / name).mkdir(parents=True)
+    assert not is_object_store(emptied)
 
 
 def test_an_in_place_checkout_of_a_file_never_writes_into_another_repositorys_folder(tmp_path):
