@@ -283,7 +283,8 @@ def is_repository_folder(path: Path) -> bool:
         if not (set(data) <= set(SECTIONS) and isinstance(core, dict) and set(core) <= set(CORE_KEYS)):
             return False
         if core.get("metadata_url"):  # a joined shared repository's folder: its config and its own files alone
-            return {entry.name for entry in os.scandir(path)} <= _SHARED_FOLDER_NAMES
+            with os.scandir(path) as entries:
+                return {entry.name for entry in entries} <= _SHARED_FOLDER_NAMES
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):  # a folder it may not look into is no repository
         return False
     try:
