@@ -76,7 +76,7 @@ def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool,
         if inside is not None:  # a forged commit's (a remote's) path: commit never takes a file there
             raise CkptError(f"this commit's file would be written inside the repository's own {inside.name}/ (as "
                             f"{dest}): check it out elsewhere with -o PATH")
-        other = repository_part_holding(dest)
+        other = None if output else repository_part_holding(dest)  # an -o path: refuse_own_folders looked at it
         if other is not None:  # the file's folder became another repository's since it was committed
             raise CkptError(f"this commit's file would be written inside {other}, another repository's own folder "
                             "or object store: write it elsewhere with -o PATH")
@@ -223,8 +223,9 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
     real_dest, own = Path(os.path.realpath(dest)), repo.own_folders()
     plan = CheckoutPlan(dest, [])
     needed, written = {dest}, {}
-    # per folder written into: another repository's part it lies in (dest's own, looked up once)
-    others: dict[Path, Path | None] = {dest: repository_part_holding(dest)}
+    # per folder written into: another repository's part it lies in; dest's own looked up once, here in place
+    # (an -o destination was, before any work, by refuse_own_folders)
+    others: dict[Path, Path | None] = {dest: repository_part_holding(dest) if exact else None}
     for record in manifest.files:
         parts = PurePosixPath(record.name).parts
         if not parts or record.name.startswith("/") or ".." in parts or "\0" in record.name:
