@@ -24,7 +24,7 @@ import tomllib
 from ckptstore import faults
 from ckptstore.errors import CkptError, DirtyWorktreeError, listing
 from ckptstore.formats.filemap import file_digest
-from ckptstore.formats.folder import MODE_BITS
+from ckptstore.formats.folder import MODE_BITS, is_temp_name
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import files as file_rows
 from ckptstore.repo import journal
@@ -261,7 +261,14 @@ _STORE_FAN = re.compile(r"^[0-9a-f]{2}$")  # a local object store's folders (obj
 _OBJECT_NAME = re.compile(r"^[0-9a-f]{62}$")  # an object id past its folder's two digits
 _SQLITE = b"SQLite format 3\x00"
 # what a joined shared repository's own folder may hold beside its config (its database and objects are elsewhere)
-_SHARED_FOLDER_NAMES = {"config.toml", "config.toml.lock", "lock", "lock.gate", "tmp", "watch", "daemon.log"}
+# all a repository keeps in its own folder, besides the temporary files of atomic writes and a store
+# configured inside it: config, locks, the watch's records, the daemon's files (daemon.py), the cost model
+# (chaincost.FILE), checkout journals (journal.FOLDER), fetched files' commits (FETCHED), a pull in progress
+# (remote.PULLING), SQLite's database and its -wal/-shm; tests/repo/test_worktree.py keeps it complete
+REPOSITORY_FOLDER_NAMES = frozenset({
+    "config.toml", "config.toml.lock", "lock", "lock.gate", "tmp", "watch", "daemon.log", "daemon.lock",
+    "daemon.json", "chaincost.json", journal.FOLDER, "fetched", "pulling.json", "ckpt.db", "ckpt.db-wal",
+    "ckpt.db-shm", "ckpt.db-journal"})
 
 
 def is_repository_folder(path: Path) -> bool:
@@ -269,8 +276,9 @@ def is_repository_folder(path: Path) -> bool:
 
     Ours: only ckptstore's sections and core keys, and either a SQLite `ckpt.db` beside it (a `.ckpt`
     linked in from `disk/meta`, an older config without every key too) or a configured metadata URL
-    (a joined shared repository's folder holds its config alone). A run folder's copy of a local
-    repository's config, or a user's own `[core]`, is none.
+    in a folder holding only a repository's own names (a joined shared repository's). A run folder's
+    copy of a repository's config, or a user's own `[core]`, is none. What is there but may not be
+    read (another user's config or database) counts as a repository's: never written over.
     """
     from ckptstore.repo.config import CORE_KEYS, SECTIONS
 
@@ -280,20 +288,43 @@ def is_repository_folder(path: Path) -> bool:
         if path.name == REPO_DIR:
             return True
         data = tomllib.loads((path / "config.toml").read_text())
-        core = data.get("core", {})
-        if not (set(data) <= set(SECTIONS) and isinstance(core, dict) and set(core) <= set(CORE_KEYS)):
-            return False
-        if core.get("metadata_url"):  # a joined shared repository's folder: its config and its own files alone
-            with os.scandir(path) as entries:
-                return {entry.name for entry in entries} <= _SHARED_FOLDER_NAMES
+    except PermissionError:  # another user's config (it may hold a password)
+        return _database_beside(path) or _holds_only_repository_names(path, {})
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):  # a folder it may not look into is no repository
         return False
-    try:
-        with open(path / "ckpt.db", "rb") as database:
-            return database.read(len(_SQLITE)) == _SQLITE
-    except FileNotFoundError:
+    core = data.get("core", {})
+    if not (set(data) <= set(SECTIONS) and isinstance(core, dict) and set(core) <= set(CORE_KEYS)):
         return False
-    except OSError:  # there, but not to be read (another user's): as a repository's, never written over
+    if core.get("metadata_url"):  # a joined shared repository's folder: its config and its own files alone
+        return _holds_only_repository_names(path, core)
+    return _database_beside(path)
+
+
+def _database_beside(path: Path) -> bool:
+    """Whether a SQLite `ckpt.db` is beside `path`'s config.
+
+    One there that cannot be read (another user's, a link to a disk not mounted) counts; a readable
+    file of other bytes does not.
+    """
+    database = path / "ckpt.db"
+    try:
+        with open(database, "rb") as handle:
+            return handle.read(len(_SQLITE)) == _SQLITE
+    except OSError:
+        return os.path.lexists(database)
+
+
+def _holds_only_repository_names(path: Path, core: dict[str, Any]) -> bool:
+    """Whether every name in `path` is one a repository keeps there (its objects too, where they are inside it)."""
+    names = set(REPOSITORY_FOLDER_NAMES)
+    objects = core.get("objects_url") or "objects"  # relative to the folder, as Repository opens it
+    if isinstance(objects, str) and "://" not in objects and not os.path.isabs(objects):
+        store = PurePosixPath(objects).parts[0] if PurePosixPath(objects).parts else ""
+        names |= {store, store + OWNER_SUFFIX}
+    try:
+        with os.scandir(path) as entries:
+            return all(entry.name in names or is_temp_name(entry.name) for entry in entries)
+    except OSError:  # its config is ours, its listing not to be read: as a repository's, never written over
         return True
 
 

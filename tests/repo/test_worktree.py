@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckptstore import Repository
+from ckptstore import Repository, daemon
 from ckptstore.cli import cli
 from ckptstore.errors import CheckpointFormatError, CkptError, DirtyWorktreeError
 from ckptstore.repo.config import RepoConfig
@@ -1101,6 +1101,41 @@ def test_what_counts_as_another_repositorys_folder_or_store(tmp_path):
     for name in ("00", "01"):
         (emptied / name).mkdir(parents=True)
     assert not is_object_store(emptied)
+
+
+def test_a_used_shared_repositorys_folder_and_an_unreadable_config_mark_a_repository(tmp_path, monkeypatch):
+    """A joined shared repository's folder after commits and a checkout (chaincost.json, journals/, its local
+    objects) was taken for a run folder and deleted by an outer checkout; so were an unreadable config.toml
+    beside ckpt.db and a ckpt.db linked to a disk not mounted (reader 8, of eb36008)."""
+    from ckptstore.repo import chaincost, journal, remote
+    from ckptstore.repo.worktree import FETCHED, REPOSITORY_FOLDER_NAMES, is_repository_folder
+
+    work = tmp_path / "work"
+    with Repository.init(work, metadata_url=f"sqlite:///{tmp_path / 'meta.db'}") as shared:
+        for value in (1.0, 2.0):
+            torch.save({"w": torch.full((64,), value)}, work / "m.pt")
+            shared.commit(work / "m.pt", "m")
+        shared.checkout_to("HEAD~1")
+    folder = (work / ".ckpt").rename(tmp_path / "meta")
+    assert {"journals", "objects", "objects.owner"} <= {p.name for p in folder.iterdir()}
+    assert is_repository_folder(folder)
+    (folder / "model.pt").write_bytes(b"x")  # a run folder's copy of its config, beside checkpoints
+    assert not is_repository_folder(folder)
+    daemon_files = [path(work).name for path in (daemon.log_path, daemon.lock_path, daemon.address_path)]
+    assert {chaincost.FILE, journal.FOLDER, remote.PULLING, FETCHED, *daemon_files} <= REPOSITORY_FOLDER_NAMES
+
+    closed = tmp_path / "closed"  # another user's repository: its config (a password in a URL) not to be read
+    with Repository.init(tmp_path / "other"):
+        pass
+    (tmp_path / "other" / ".ckpt").rename(closed)
+    read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (_ for _ in ()).throw(PermissionError(13, "denied"))
+                        if self.parent == closed else read_text(self, *a, **k))
+    assert is_repository_folder(closed)
+    monkeypatch.undo()
+    (closed / "ckpt.db").unlink()
+    (closed / "ckpt.db").symlink_to(tmp_path / "unmounted" / "ckpt.db")
+    assert is_repository_folder(closed)
 
 
 def test_an_in_place_checkout_of_a_file_never_writes_into_another_repositorys_folder(tmp_path):
