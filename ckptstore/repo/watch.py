@@ -21,10 +21,10 @@ When a source counts as complete (torch.save, safetensors and Trainer all write 
 The step comes from trainer_state.json's `global_step`, else from the name (`checkpoint-500`,
 `step=1200`, `model_300.pt`: the number after "step", else the last number in the name).
 
-Nothing is committed twice, across restarts too: after each commit the source's signature and
-commit id go into `.ckpt/watch/<id>.json` (written atomically). A source missing from that file
-(a kill or a full disk between the commit and the write) is first compared with the branch's commits from the
-same path: one whose files have the same blake3 digests means it is already committed. A source
+Nothing is committed twice, across restarts too: each commit's source signature and commit id go into
+`.ckpt/watch/<id>.json` (written atomically, at most once a second and after each scan's commits). A
+source missing from that file (a kill or a full disk before the write) is first compared with the
+newest commit of the branch from the same path: the same blake3 digests mean it is already committed. A source
 rewritten in place (Lightning's last.ckpt) is a new checkpoint once it is complete again.
 A scan opens only the sources not handled yet: a handled one is told by its signature (stat alone).
 One this user may not read is said once (per version) and tried again at each scan, the others go on.
@@ -37,6 +37,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,7 @@ from ckptstore.formats.torchfile import zip_not_whole
 from ckptstore.hashing import object_id
 
 if TYPE_CHECKING:
+    from ckptstore.metadata.commits import CommitInfo
     from ckptstore.repo.repository import Repository
 
 SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".safetensors"}
@@ -72,6 +74,8 @@ LINKED = "a symbolic link, never committed (the file it points to is, when it is
 _STEP = re.compile(r"step[=_-]?(\d+)", re.IGNORECASE)
 # a whole number, not part of a decimal (a metric: val_loss=0.1234), an epoch's (epoch=3) nor a version (last-v1)
 _NUMBER = re.compile(r"(?<!\d)(?<!\d\.)(?<!epoch)(?<!epoch[=_-])(?<!-v)(\d+)(?!\.\d)(?!\d)", re.IGNORECASE)
+# the whole state is rewritten: once per commit, a watch over N checkpoints wrote N² records
+SAVE_EVERY_SECONDS = 1.0
 Signature = list[list[Any]]  # [name inside the source, size, mtime_ns] for each of its files
 
 
@@ -120,6 +124,7 @@ def watch_folder(repo: Repository, folder: str | os.PathLike, options: WatchOpti
     _refuse_inside_a_save(folder)
     repo.db.refuse_writes("watch (it commits)")
     state = WatchState.load(repo, folder, options.branch)
+    committed = BranchSources(repo, options.branch)
     report, before = WatchReport(), scan(folder, state)
     while not stop.wait(options.interval):
         now = scan(folder, state)
@@ -130,7 +135,8 @@ def watch_folder(repo: Repository, folder: str | os.PathLike, options: WatchOpti
         for source in sorted(ready, key=lambda s: (s.step is None, s.step or 0, s.name)):
             if stop.is_set():
                 break
-            _commit_source(repo, source, options, state, report, say)
+            _commit_source(repo, source, options, committed, state, report, say)
+        _save_records(state, say)
         report.waiting = {shown_name(s.name): s.incomplete or "changed since the last scan" for s in now.values()
                           if not state.done(s) and s not in ready and s.denied is None}
         before = now
@@ -173,8 +179,8 @@ def _ready(source: Source, before: Source | None, state: WatchState) -> bool:
             and not state.done(source))
 
 
-def _commit_source(repo: Repository, source: Source, options: WatchOptions, state: WatchState,
-                   report: WatchReport, say: Callable[[str], None]) -> None:
+def _commit_source(repo: Repository, source: Source, options: WatchOptions, committed: BranchSources,
+                   state: WatchState, report: WatchReport, say: Callable[[str], None]) -> None:
     """Commit one complete source unless a commit of the branch already holds it; remember it either way.
 
     What is wrong with one source (not a checkpoint, a name that is not UTF-8, unreadable, removed
@@ -186,7 +192,7 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, stat
         say(f"{shown}: not committed: its name is not UTF-8; rename it")
         return
     try:
-        found = already_committed(repo, source, options.branch)
+        found = already_committed(repo, source, committed)
         if found is not None:
             state.record(source, found)
             return
@@ -235,6 +241,17 @@ def _record_commit(state: WatchState, source: Source, cid: str, say: Callable[[s
     except OSError as exc:
         say(f"committed {shown_name(source.name)} ({cid[:12]}); the watch's record of it could not be written "
             f"({exc.strerror or exc}): a restart finds it committed")
+        raise
+
+
+def _save_records(state: WatchState, say: Callable[[str], None]) -> None:
+    """Write the records a scan's commits left unwritten; a failure is said with the commits it leaves unrecorded."""
+    try:
+        state.save()
+    except OSError as exc:
+        names = ", ".join(map(shown_name, state.unsaved_commits))
+        say(f"the watch's record of {names} could not be written ({exc.strerror or exc}): a restart finds "
+            f"{'them' if len(state.unsaved_commits) > 1 else 'it'} committed")
         raise
 
 
@@ -449,26 +466,52 @@ def step_of(name: str) -> int | None:
     return step if step is not None and step < 1 << 63 else None  # a run id, say: no step the metadata holds
 
 
-def already_committed(repo: Repository, source: Source, branch: str | None) -> str | None:
+def already_committed(repo: Repository, source: Source, committed: BranchSources) -> str | None:
     """A commit of the branch made from the source's path with exactly its files, if there is one."""
-    where = _source_path(repo, source.path)
-    try:
-        candidates = [c for c in repo.log(branch) if c.source_path == where]
-    except RefNotFoundError:  # a branch the watch has not created yet
-        return None
-    if not candidates:
-        return None
-    files = {name: source.path / name if name else source.path for name, _, _ in source.signature}
     # only the newest: a kill between commit and record leaves that one, and a file rewritten back to an
     # older content (A, B, A) is a new checkpoint, not the first A again
-    newest = candidates[0]
+    newest = committed.newest(_source_path(repo, source.path))
+    if newest is None:
+        return None
     if newest.pruned:  # retention removed its tensors (and manifest): whatever the files hold now is not stored
         return None
+    files = {name: source.path / name if name else source.path for name, _, _ in source.signature}
     manifest = repo.read_manifest(newest.manifest_object)
     if sorted(f.name for f in manifest.files) != sorted(files):
         return None
     digests = {n: file_digest(str(p)) for n, p in files.items()}
     return newest.id if all(digests[f.name] == manifest.digests.get(f.name) for f in manifest.files) else None
+
+
+class BranchSources:
+    """The newest commit of a branch from each source path: its history walked once, then each commit on top added.
+
+    Asked for every source a watch has no record of, a walk of the branch per source made a first
+    watch of N checkpoints cost N² (1,600 files: 38 s).
+    """
+
+    def __init__(self, repo: Repository, branch: str | None) -> None:
+        self.repo, self.branch = repo, branch
+        self.head: str | None = None
+        self.newest_ids: dict[str | None, str] = {}
+
+    def newest(self, where: str) -> CommitInfo | None:
+        """The newest commit of the branch made from `where`, as its record is now (retention may have pruned it)."""
+        try:
+            head = self.repo.resolve(self.branch or "HEAD")
+        except RefNotFoundError:  # a branch the watch has not created yet
+            return None
+        if head != self.head:
+            info = self.repo.commit_info(head)
+            if self.head is not None and info.parents == [self.head]:
+                self.newest_ids[info.source_path] = head
+            else:  # another writer moved the branch elsewhere (or the first question): walk it
+                self.newest_ids = {}
+                for commit in self.repo.log(head):
+                    self.newest_ids.setdefault(commit.source_path, commit.id)
+            self.head = head
+        cid = self.newest_ids.get(where)
+        return None if cid is None else self.repo.commit_info(cid)
 
 
 def _source_path(repo: Repository, path: Path) -> str:
@@ -485,6 +528,8 @@ class WatchState:
     def __init__(self, path: Path, header: dict[str, Any], sources: dict[str, dict[str, Any]]) -> None:
         self.path, self.header, self.sources = path, header, sources
         self.unreadable: dict[str, Signature] = {}  # said to be unreadable, in this version: tried on, not said again
+        self.unsaved, self.saved_at = False, time.monotonic()
+        self.unsaved_commits: list[str] = []  # names of sources committed since the last write
 
     @classmethod
     def load(cls, repo: Repository, folder: Path, branch: str | None) -> WatchState:
@@ -509,14 +554,26 @@ class WatchState:
     def forget_gone(self, present: Iterable[str]) -> None:
         """Drop what it holds of sources gone from the folder (a rotation deleted them).
 
-        The state then stays the size of the folder, not of the run (it is rewritten after each
-        commit); a source that comes back is told committed by `already_committed`.
+        The state then stays the size of the folder, not of the run (it is rewritten with the
+        next records); a source that comes back is told committed by `already_committed`.
         """
         for name in self.sources.keys() - set(present):
             del self.sources[name]
 
     def record(self, source: Source, commit: str | None) -> None:
+        """Remember what was done with `source`; written when the last write is a second old (else by `save`)."""
         self.sources[source.name] = {"signature": source.signature, "commit": commit}
+        self.unsaved = True
+        if commit is not None:
+            self.unsaved_commits.append(source.name)
+        if time.monotonic() - self.saved_at >= SAVE_EVERY_SECONDS:
+            self.save()
+
+    def save(self) -> None:
+        """Write what is not written yet (atomically: a kill leaves the last version whole)."""
+        if not self.unsaved:
+            return
         self.path.parent.mkdir(exist_ok=True)
-        text = json.dumps({**self.header, "sources": self.sources}, indent=1).encode()
+        text = json.dumps({**self.header, "sources": self.sources}, separators=(",", ":")).encode()
         atomic_write(self.path, lambda handle: handle.write(text))
+        self.unsaved, self.unsaved_commits, self.saved_at = False, [], time.monotonic()
