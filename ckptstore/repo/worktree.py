@@ -14,6 +14,7 @@ import os
 import re
 import stat
 import time
+import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import tomllib
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, DirtyWorktreeError, listing
+from ckptstore.errors import CkptError, DirtyWorktreeError, listing, shown_name
 from ckptstore.formats.filemap import file_digest
 from ckptstore.formats.folder import MODE_BITS, is_temp_name
 from ckptstore.hashing import CommitId
@@ -514,6 +515,7 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
     that finds it there knows it.
     """
     refuse_folders_in_the_way(plan)
+    refuse_names_folded_together(plan)
     sweep_stale_temps([target for _, target in plan.files])
     staged: list[tuple[Path, Path]] = []
     try:
@@ -531,6 +533,41 @@ def refuse_folders_in_the_way(plan: CheckoutPlan) -> None:
     for _, target in plan.files:
         if target.is_dir() and not target.is_symlink() and target not in plan.folders:
             raise CkptError(f"{target} is a folder where the commit has a file; move it away and check out again")
+
+
+def refuse_names_folded_together(plan: CheckoutPlan) -> None:
+    """Refuse two of the commit's paths that the destination's file system takes for one (`A.pt` and `a.pt`).
+
+    On a file system that ignores case or Unicode normalization (exFAT, FAT, macOS, Windows), the
+    second file's rename replaced the first: one file lost, the checkout said whole. Looked at only
+    where two paths fold together, by making one name there and looking for the other.
+    """
+    seen: dict[str, Path] = {}
+    for _, target in plan.files:
+        key = unicodedata.normalize("NFC", str(target)).casefold()
+        other = seen.setdefault(key, target)
+        if other != target and _one_name_there(other, target):
+            raise CkptError(f"{shown_name(str(other))} and {shown_name(str(target))} would be one file on this file "
+                            "system, which does not tell their names apart (case, or accents): nothing was written. "
+                            "Check this commit out onto another file system, such as the machine's own disk")
+
+
+def _one_name_there(a: Path, b: Path) -> bool:
+    """Whether the file system where `a` and `b` differ first takes their differing names for one."""
+    first = next(i for i, (x, y) in enumerate(zip(a.parts, b.parts, strict=False)) if x != y)
+    home = Path(*a.parts[:first])
+    while not home.is_dir():
+        home = home.parent
+    prefix = f".ckpt-probe-{os.getpid()}-{time.monotonic_ns()}-"
+    probe = home / (prefix + a.parts[first])
+    try:
+        probe.touch(exist_ok=False)
+        try:
+            return (home / (prefix + b.parts[first])).exists()
+        finally:
+            probe.unlink()
+    except OSError:  # a name too long, a folder not to be written: unsure, as one (nothing is replaced)
+        return True
 
 
 def refuse_changed_meanwhile(repo: Repository, plan: CheckoutPlan) -> None:

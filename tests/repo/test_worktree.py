@@ -1138,6 +1138,32 @@ def test_a_used_shared_repositorys_folder_and_an_unreadable_config_mark_a_reposi
     assert is_repository_folder(closed)
 
 
+def test_two_paths_a_case_blind_file_system_takes_for_one_are_refused_before_writing(repo, tmp_path, monkeypatch):
+    """On exFAT, `NOTES.txt` replaced `notes.txt` at the checkout's renames and the checkout said every file was
+    written (filesystems auditor). The file system's own answer decides: this machine's disk keeps both."""
+    folder = repo.root / "checkpoint-2"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("lower")
+    (folder / "NOTES.txt").write_text("UPPER")
+    (folder / "Café.txt").write_text("composed")  # and one that folds with nothing
+    repo.commit(folder, "case")
+    repo.checkout_to("HEAD", tmp_path / "kept")
+    assert {p.name: p.read_text() for p in (tmp_path / "kept").iterdir()} == {
+        "notes.txt": "lower", "NOTES.txt": "UPPER", "Café.txt": "composed"}
+    exists = Path.exists
+
+    def case_blind(path):  # what exFAT answers for the probe's other spelling
+        if path.name.startswith(".ckpt-probe-"):
+            return any(other.name.casefold() == path.name.casefold() for other in path.parent.iterdir())
+        return exists(path)
+
+    monkeypatch.setattr(Path, "exists", case_blind)
+    with pytest.raises(CkptError, match=r"NOTES.txt and .*notes.txt would be one file on this file system"):
+        repo.checkout_to("HEAD", tmp_path / "folded")
+    monkeypatch.undo()
+    assert not os.path.exists(tmp_path / "folded") and not list(tmp_path.glob(".ckpt-probe-*"))
+
+
 def test_an_in_place_checkout_of_a_file_never_writes_into_another_repositorys_folder(tmp_path):
     """A committed file whose folder became another repository's own folder (linked in as its .ckpt) was restored
     into it, over what it holds (reader)."""
