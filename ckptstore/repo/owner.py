@@ -5,8 +5,10 @@ folder (`cp -a`), or a config edited to name another repository's objects folder
 store too, and its gc deleted what the other repository needed. Beside each local store that init
 makes, `<store>.owner` names the repository that made it: its path (for messages), its metadata
 URL where one is configured, and the inode of its `.ckpt/` folder, which a move on one disk or a
-remount keeps and a copy does not. gc and prune delete in a store outside their own folder only when
-it names them by that inode, or the same configured database (repositories joined over one hold the
+remount keeps and a copy does not. FAT, exFAT and FUSE file systems make inode numbers up per mount,
+in the order names are looked up (a copy may get the original's): there the path names the owner.
+gc and prune delete in a store outside their own folder only when it names them so, or the same
+configured database (repositories joined over one hold the
 same records); init refuses a store whose owner is still there, unless joining its database;
 never in a store inside another repository's `.ckpt/`. A store inside the repository's own folder
 is its own by place: a copy of the folder copied it. The file lies beside the store, not inside:
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
 
 SUFFIX = ".owner"  # `.ckpt/objects.owner` for the default store
+_MADE_UP_INODES = {"vfat", "msdos", "exfat", "fuse", "fuseblk"}  # and any "fuse.NAME"
 
 
 def claim(repo: Repository) -> None:
@@ -68,7 +72,7 @@ def refuse_anothers(repo: Repository) -> None:
         return  # made before owners were written: nothing names another
     if _same_database(record, repo):
         return
-    if record.get("inode") != os.stat(repo.dir).st_ino:
+    if not _names_this_one(record, repo):
         raise _refusal(folder, Path(str(record.get("repository"))))
     if record.get("repository") != os.path.realpath(repo.root) and not repo.read_only:
         _write(repo, folder)  # the same .ckpt, moved on its disk: the name follows it
@@ -99,13 +103,23 @@ def _record(folder: Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
+def _names_this_one(record: dict, repo: Repository) -> bool:
+    """Whether the record names this repository's `.ckpt/`: by its inode, or by its path where inodes are made up."""
+    if inodes_kept(repo.dir):
+        return record.get("inode") == os.stat(repo.dir).st_ino
+    return record.get("repository") == os.path.realpath(repo.root)
+
+
 def _owner_there(record: dict | None) -> bool:
     """Whether the repository a record names is still where it was, the same .ckpt folder (not made anew).
 
     A folder this user may not look into (another user's 0700 project) may hold it: that counts as there.
     """
     try:
-        return record is not None and os.stat(Path(str(record["repository"])) / REPO_DIR).st_ino == record["inode"]
+        if record is None:
+            return False
+        folder = Path(str(record["repository"])) / REPO_DIR
+        return os.stat(folder).st_ino == record["inode"] if inodes_kept(folder) else folder.is_dir()
     except PermissionError:
         return True
     except (OSError, KeyError):
@@ -126,6 +140,30 @@ def _write(repo: Repository, folder: Path) -> None:
         os.replace(temp, marker(folder))
     except OSError:  # a store this process may not write beside: left unnamed
         temp.unlink(missing_ok=True)
+
+
+def inodes_kept(path: Path) -> bool:
+    """Whether the file system holding `path` keeps its inode numbers across remounts (not FAT, exFAT, FUSE)."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as table:
+            kind = file_system(os.path.realpath(path), table.read())
+    except OSError:  # no /proc (not Linux): inodes, as everywhere else
+        return True
+    return kind not in _MADE_UP_INODES and not kind.startswith("fuse.")
+
+
+def file_system(real_path: str, mountinfo: str) -> str:
+    """The type of the file system mounted nearest above `real_path`, from /proc/self/mountinfo's text."""
+    found, kind = "", ""
+    for line in mountinfo.splitlines():
+        fields = line.split(" ")
+        if "-" not in fields[6:]:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda code: chr(int(code.group(1), 8)), fields[4])  # "\040": a space
+        inside = real_path == point or real_path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(found):  # the later of two mounts on one point is the one seen
+            found, kind = point, fields[fields.index("-", 6) + 1]
+    return kind
 
 
 def _local_store(repo: Repository) -> Path | None:
