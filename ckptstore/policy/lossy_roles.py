@@ -14,7 +14,7 @@ from enum import Enum
 from ckptstore.codecs.floats import LOSSY_DTYPES
 from ckptstore.policy.lossy_base import Subject, eligible, temporal_base, whole_numbers
 from ckptstore.policy.lossy_context import PlanContext
-from ckptstore.policy.mapping import ParamSlots
+from ckptstore.policy.mapping import BUFFER_NAME, ParamSlots
 from ckptstore.state import RawTensor
 
 WEIGHT_BASE_CODECS = ("deadzone", "bytegroup")  # a weight's residual may build on a lossy or lossless parent
@@ -73,11 +73,12 @@ def _unowned(ctx: PlanContext, path: str, raw: RawTensor) -> tuple[Role, Subject
 
     With the pairing uncertain, any tensor may be a trained weight; it is planned from its own
     statistics alone (no second moment to judge its importance). Step counters never are, nor
-    other optimizers' state (RMSprop's square_avg, Adagrad's sum: their bounds are not a weight's).
+    other optimizers' state (RMSprop's square_avg, Adagrad's sum: their bounds are not a weight's),
+    nor buffers told by their names (orthogonal's base: a step off it is no longer orthogonal).
     """
     subject = Subject(path, raw)
     if (ctx.optimizer.certain or not ctx.level.weights_lossy or path.endswith(("/step", "step"))
-            or path in ctx.optimizer_state):
+            or path in ctx.optimizer_state or BUFFER_NAME.search(path)):
         return Role.LOSSLESS, subject
     return _weight(ctx, subject)
 

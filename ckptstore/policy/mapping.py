@@ -24,6 +24,10 @@ ADAM_EXTRAS = {"max_exp_avg_sq", "mu_product"}  # what Adam's variants keep besi
 _NO_DECAY = re.compile(r"bias|norm|(^|[._/])ln(_\w+)?([._/]|$)", re.IGNORECASE)
 NO_OPTIMIZER_STATE = "no optimizer state found"  # an OptimizerMap's `how` (a lossy manifest's pairing) then
 FLOATS = ("torch.float32", "torch.float16", "torch.bfloat16", "torch.float64")
+# buffers no optimizer trains, by their state-dict names: BatchNorm's running statistics, pruning's masks,
+# spectral norm's power-iteration vectors, orthogonal's base (torch.nn.utils.parametrizations)
+BUFFER_NAME = re.compile(r"(?:^|[./])(?:running_mean|running_var|\w+_mask|_u|_v|weight_u|weight_v)$"
+                         r"|\.parametrizations\.\w+\.\d+\.base$")
 
 
 @dataclass
@@ -172,20 +176,31 @@ def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str] | None 
             return _pair(ordered, found, "given by the caller")
     if None in shapes:
         return OptimizerMap(ordered, False, "state without moments; weights not paired")
-    if ids is not None and len(ids) == len(model) and set(s.index for s in ordered) <= set(ids):
-        position = {param: i for i, param in enumerate(ids)}
-        for candidates, how in ((model, "optimizer order matches the model's"),
-                                (_decay_groups(model), "Hugging Face Trainer's decay groups")):
-            if all(candidates[position[s.index]][1] == shape for s, shape in zip(ordered, shapes)):
-                return _pair(ordered, [candidates[position[s.index]][0] for s in ordered], how)
-    placement = _embedding(model, shapes)
-    if placement is not None:
-        return _pair(ordered, [model[i][0] for i in placement], "optimizer order matches the model's")
-    grouped = _decay_groups(model)
-    placement = _embedding(grouped, shapes)
-    if placement is not None:
-        return _pair(ordered, [grouped[i][0] for i in placement], "Hugging Face Trainer's decay groups")
+    params = [m for m in model if not BUFFER_NAME.search(m[0])]
+    # the model's parameters; then, should a buffer's name mislead, every float tensor (as before buffers were told)
+    for listed in ([params, model] if len(params) < len(model) else [model]):
+        paired = _by_ids(ordered, shapes, listed, ids) if ids is not None else None
+        if paired is not None:
+            return paired
+        for candidates, how in ((listed, "optimizer order matches the model's"),
+                                (_decay_groups(listed), "Hugging Face Trainer's decay groups")):
+            placement = _embedding(candidates, shapes)
+            if placement is not None:
+                return _pair(ordered, [candidates[i][0] for i in placement], how)
     return OptimizerMap(ordered, False, "shapes allow more than one pairing; weights not paired")
+
+
+def _by_ids(ordered: list[ParamSlots], shapes: list[tuple], model: list[tuple[str, tuple]],
+            ids: Sequence[int]) -> OptimizerMap | None:
+    """The pairing the optimizer's parameter ids give, one per tensor of `model` in its order, checked by shape."""
+    if len(ids) != len(model) or not set(s.index for s in ordered) <= set(ids):
+        return None
+    position = {param: i for i, param in enumerate(ids)}
+    for candidates, how in ((model, "optimizer order matches the model's"),
+                            (_decay_groups(model), "Hugging Face Trainer's decay groups")):
+        if all(candidates[position[s.index]][1] == shape for s, shape in zip(ordered, shapes)):
+            return _pair(ordered, [candidates[position[s.index]][0] for s in ordered], how)
+    return None
 
 
 def _slots_of(tensors: Mapping[str, RawTensor], lrs: Mapping[int, float]) -> dict[tuple[str, int], ParamSlots]:

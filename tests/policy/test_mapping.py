@@ -85,3 +85,17 @@ def test_learning_rates_come_from_the_param_groups_of_the_one_optimizer():
     assert [slot.lr for slot in pairing.slots] == [1e-3, 1e-3, 5e-5, 5e-5]
     two = flatten({"a": optimizer.state_dict(), "b": optimizer.state_dict()})
     assert param_lrs(two.skeleton) == {}  # which optimizer's? neither
+
+
+def test_buffers_beside_the_parameters_keep_the_ids_pairing():
+    """A BatchNorm's running statistics counted as parameters: the ids no longer matched the model's tensors, shapes
+    allowed several pairings, and weights went unpaired (wrappers auditor). Orthogonal's base and pruning's masks
+    are buffers too."""
+    model = {"conv.weight": (8, 3), "bn.weight": (8,), "bn.bias": (8,), "bn.running_mean": (8,), "bn.running_var": (8,),
+             "q.parametrizations.weight.original": (8, 8), "q.parametrizations.weight.0.base": (8, 8),
+             "fc.bias_orig": (8,), "fc.bias_mask": (8,), "head.weight": (8, 8)}
+    trained = ["conv.weight", "bn.weight", "bn.bias", "q.parametrizations.weight.original", "fc.bias_orig",
+               "head.weight"]
+    tensors = _checkpoint(model, trained)
+    for result in (map_optimizer(tensors, ids=list(range(len(trained)))), map_optimizer(tensors)):  # shapes alone too
+        assert result.certain and [s.weight for s in result.slots] == [f"model/{k}" for k in trained]
