@@ -4,7 +4,9 @@ The container is every byte of the file that is not a storage record some stored
 exactly: zip headers, data.pkl, version records, alignment padding, and any storage no tensor
 covers (a deflated record, or one only partly viewed). It is stored as one bytes entry with the
 covered records' CRC-32s zeroed (they are kept in the record instead), so checkpoints of one layout
-share one container; the covered records are spliced back from their tensors at checkout, and the
+share one container; the covered records are spliced back from their tensors at checkout (a tensor
+that views its whole record in another order of dimensions, channels_last or a transpose, with its
+dimensions permuted back to that order: a sixth field of its splice), and the
 CRCs filled in, which gives the committed file byte for byte when the tensors are exact. When they
 are not (a lossy commit) each CRC is computed from the bytes written, so the file is a valid zip
 of the same layout holding the lossy values.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import mmap
 import os
 import struct
@@ -93,26 +96,27 @@ def _match_by_content(data: mmap.mmap, records: dict[str, tuple[int, int]], tens
     return covers
 
 
-def split(path: Path, prefix: str, tensors: dict[str, RawTensor], covers: dict[str, str] | None
-          ) -> tuple[dict[str, Any], RawTensor] | None:
+def split(path: Path, prefix: str, tensors: dict[str, RawTensor], covers: dict[str, str] | None,
+          orders: dict[str, list[int]] | None = None) -> tuple[dict[str, Any], RawTensor] | None:
     """The container record and bytes of a torch.save zip; None where the zip cannot be split.
 
     `covers` maps a stored record's name to a tensor path holding exactly its bytes (the
-    torch-free reader knows it from the tensors' views); without it, records are matched to the
-    tensors by size and then content.
+    torch-free reader knows it from the tensors' views), in the order of dimensions `orders` gives
+    where the record holds them permuted; without it, records are matched to the tensors by size
+    and then content.
     """
     data = filemap.open_map(path)
     if data is None:
         return None
     size = len(data)
     try:
-        return _split(data, size, zipfile.ZipFile(path), prefix, tensors, covers)
+        return _split(data, size, zipfile.ZipFile(path), prefix, tensors, covers, orders or {})
     except ZIP_ERRORS:
         return None
 
 
 def _split(data: mmap.mmap, size: int, zf: zipfile.ZipFile, prefix: str, tensors: dict[str, RawTensor],
-           covers: dict[str, str] | None) -> tuple[dict[str, Any], RawTensor] | None:
+           covers: dict[str, str] | None, orders: dict[str, list[int]]) -> tuple[dict[str, Any], RawTensor] | None:
     with zf:
         infos = zf.infolist()
         spans = {i.filename: _record(data, i, c) for i, c in zip(infos, _central_offsets(data, zf))
@@ -120,29 +124,29 @@ def _split(data: mmap.mmap, size: int, zf: zipfile.ZipFile, prefix: str, tensors
     if covers is None:
         storages = {n: s[:2] for n, s in spans.items() if "/data/" in n and "/" not in n.split("/data/", 1)[0]}
         covers = _match_by_content(data, storages, tensors)
-    cut = sorted((spans[name], tensor_path) for name, tensor_path in covers.items() if name in spans)
+    cut = sorted((spans[name], tensor_path, name) for name, tensor_path in covers.items() if name in spans)
     ends, at = [], 0
-    for (start, end, _, _), _ in cut:
+    for (start, end, _, _), _, _ in cut:
         if start < at or end > size:
             return None  # overlapping or out-of-file records: the file stays whole
         ends.append(end)
         at = end
-    starts = [start for (start, _, _, _), _ in cut]
-    for (_, _, _, places), _ in cut:
+    starts = [start for (start, _, _, _), _, _ in cut]
+    for (_, _, _, places), _, _ in cut:
         for place in places:  # a local header inside another record's bytes (a forged but readable zip)
             following = bisect.bisect_right(ends, place)
             if following < len(starts) and starts[following] < place + 4:
                 return None  # its CRC would be cut out with that record: the file stays whole
-    lengths = list(itertools.accumulate((end - start for (start, end, _, _), _ in cut), initial=0))
+    lengths = list(itertools.accumulate((end - start for (start, end, _, _), _, _ in cut), initial=0))
 
     def inside(offset: int) -> int:  # an offset of the file, in the container (no CRC lies in a cut record)
         return offset - lengths[bisect.bisect_right(ends, offset)]
 
     splices = [[inside(start), end - start, tensor_path, crc, [inside(p) for p in places]]
-               for (start, end, crc, places), tensor_path in cut]
-    bounds = [0, *[x for (start, end, _, _), _ in cut for x in (start, end)], size]
+               + ([orders[name]] if name in orders else []) for (start, end, crc, places), tensor_path, name in cut]
+    bounds = [0, *[x for (start, end, _, _), _, _ in cut for x in (start, end)], size]
     blob = bytearray().join(data[bounds[i] : bounds[i + 1]] for i in range(0, len(bounds), 2))
-    for _, _, _, _, places in splices:
+    for _, _, _, _, places, *_ in splices:
         for place in places:  # CRCs live in the record; zeros here keep containers of one layout identical
             blob[place : place + 4] = bytes(4)
     return {"entry": container_path(prefix), "size": size, "splices": splices}, raw_from_bytes(blob)
@@ -156,8 +160,8 @@ def write(dest: str | os.PathLike, record: dict[str, Any], raw_of: Callable[[str
     stand; otherwise each spliced record's CRC is computed from the bytes written.
     """
     container = bytearray(raw_of(record["entry"]).data)
-    records = [(offset, raw_of(tensor_path).data) for offset, _, tensor_path, _, _ in record["splices"]]
-    for (_, data), (_, nbytes, tensor_path, crc, places) in zip(records, record["splices"]):
+    records = [(splice[0], _record_bytes(raw_of(splice[2]), splice[5:], splice[2])) for splice in record["splices"]]
+    for (_, data), (_, nbytes, tensor_path, crc, places, *_) in zip(records, record["splices"]):
         if data.size != nbytes:
             raise CkptError(f"tensor {tensor_path} holds {data.size} bytes where the committed file's record held "
                             f"{nbytes}: the manifest does not match its tensors; run `ckpt fsck`")
@@ -174,3 +178,17 @@ def write(dest: str | os.PathLike, record: dict[str, Any], raw_of: Callable[[str
         at = offset
     parts.append(container[at:])
     write_parts(dest, parts)
+
+
+def _record_bytes(raw: RawTensor, order: list, tensor_path: str) -> np.ndarray:
+    """A tensor's bytes as its storage record holds them: in C order, or with its dimensions permuted to `order`."""
+    if not order:
+        return raw.data
+    (order,) = order
+    if sorted(order) != list(range(len(raw.shape))):
+        raise CkptError(f"the container's order of tensor {tensor_path}'s dimensions ({order}) is not one of its "
+                        f"{len(raw.shape)}: the manifest is damaged; run `ckpt fsck`")
+    itemsize = raw.nbytes // max(1, math.prod(raw.shape))
+    unit = np.dtype(f"u{itemsize}") if itemsize in (1, 2, 4, 8) else np.dtype((np.void, itemsize))
+    values = np.frombuffer(raw.data, unit).reshape(raw.shape)
+    return np.ascontiguousarray(values.transpose(order)).reshape(-1).view(np.uint8)

@@ -517,6 +517,14 @@ def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return contiguous
 
 
+def _dense_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> list[int] | None:
+    """The dimensions in the order memory holds them, where the view is dense (contiguous once permuted so)."""
+    order = sorted(range(len(shape)), key=lambda d: (-stride[d], d))
+    if _contiguous(tuple(shape[d] for d in order), tuple(stride[d] for d in order)):
+        return order
+    return None
+
+
 def _tensor_bytes(value: Tensor) -> np.ndarray:
     """The tensor's elements in C order as flat bytes: a slice of the map when contiguous, else a copy."""
     numel = math.prod(value.shape)
@@ -541,12 +549,15 @@ class _StandInFlattener(_Flattener):
     """state.flatten over stand-ins: same skeleton, same paths, same aliasing as over torch objects.
 
     It also notes, for each stored record, a tensor path whose bytes are exactly the record's
-    (`covers`), which lets the file be rebuilt from its container and its tensors.
+    (`covers`), which lets the file be rebuilt from its container and its tensors; a tensor that
+    views the whole record in another order of its dimensions (channels_last, a transpose) covers
+    it too, with that order (`orders`: the record holds the tensor's dimensions permuted so).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.covers: dict[str, str] = {}
+        self.orders: dict[str, list[int]] = {}
 
     def encode_other(self, value: Any, path: str) -> Any:
         if isinstance(value, Tensor):
@@ -572,9 +583,12 @@ class _StandInFlattener(_Flattener):
             if key is not None:
                 self.aliases[key] = path
                 self.views.setdefault(storage.key, []).append((node, storage.nbytes, value.offset, value.stride))
+                order = _dense_order(value.shape, value.stride)
                 if (storage.member and not value.offset and self.tensors[path].nbytes == storage.nbytes
-                        and _contiguous(value.shape, value.stride)):
-                    self.covers.setdefault(storage.member, path)
+                        and order is not None and storage.member not in self.covers):
+                    self.covers[storage.member] = path
+                    if order != sorted(order):
+                        self.orders[storage.member] = order
         return self.tensor_extras(node, value.requires_grad, isinstance(value, Parameter))
 
 
@@ -590,7 +604,7 @@ def _added_to_torch(full_name: str) -> bool:
     return full_name in names
 
 
-def _load(path: Path, prefix: str) -> tuple[FlatState, dict[str, str]]:
+def _load(path: Path, prefix: str) -> tuple[FlatState, dict[str, str], dict[str, list[int]]]:
     size = path.stat().st_size
     with zipfile.ZipFile(path) as zf, open(path, "rb") as handle:
         archive = _Archive(zf, handle, size)
@@ -601,7 +615,7 @@ def _load(path: Path, prefix: str) -> tuple[FlatState, dict[str, str]]:
         _need(data is not None, "data.pkl")
         obj = _unpickle(data, archive)
     flattener = _StandInFlattener()
-    return flattener.flatten(obj, prefix), flattener.covers
+    return flattener.flatten(obj, prefix), flattener.covers, flattener.orders
 
 
 def read(path: str | Path, prefix: str = "", on_fallback: Callable[[str], None] | None = None) -> FlatState | None:
@@ -616,8 +630,11 @@ def read(path: str | Path, prefix: str = "", on_fallback: Callable[[str], None] 
 
 
 def read_with_covers(path: str | Path, prefix: str = "", on_fallback: Callable[[str], None] | None = None
-                     ) -> tuple[FlatState, dict[str, str]] | None:
-    """`read`, and for each stored storage record (by its name in the zip) a tensor path holding exactly its bytes."""
+                     ) -> tuple[FlatState, dict[str, str], dict[str, list[int]]] | None:
+    """`read`, and for each stored storage record (by its name in the zip) a tensor path holding exactly its bytes.
+
+    With them, the order of a tensor's dimensions where its record holds them permuted (_StandInFlattener).
+    """
     path = Path(path)
     try:
         return _load(path, prefix)

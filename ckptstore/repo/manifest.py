@@ -16,7 +16,10 @@ from ckptstore.hashing import ObjectId, TensorId
 
 MANIFEST_VERSION = 1
 SHARDED_VERSION = 2  # a sharded (DCP) commit's manifest: version 1's fields plus `dcp`
-KNOWN_VERSIONS = (1, 2)
+# version 1 where a torch.save zip's splice has a sixth field (a record holding its tensor's dimensions permuted,
+# formats/torchcontainer.py): a reader of version 1 alone would splice such a tensor back in the wrong order
+PERMUTED_VERSION = 3
+KNOWN_VERSIONS = (1, 2, 3)
 
 
 MAX_EXPANSION = 1024  # decompressed bytes per stored byte a manifest may claim (JSON compresses 5-20x)
@@ -57,7 +60,7 @@ class Manifest:
     def to_record(self) -> dict[str, Any]:
         """The manifest as the JSON record that is stored."""
         record = {
-            "version": MANIFEST_VERSION if self.dcp is None else SHARDED_VERSION,
+            "version": self._version(),
             "kind": self.kind,
             "lossy": self.lossy,
             "pairing": self.pairing,
@@ -82,6 +85,12 @@ class Manifest:
 
         text = json.dumps(self.to_record(), sort_keys=True, separators=(",", ":")).encode()
         return zstandard.ZstdCompressor(level=3).compress(text)
+
+    def _version(self) -> int:
+        if self.dcp is not None:
+            return SHARDED_VERSION
+        permuted = any(len(splice) > 5 for f in self.files if f.container for splice in f.container["splices"])
+        return PERMUTED_VERSION if permuted else MANIFEST_VERSION
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Manifest:
