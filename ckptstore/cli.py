@@ -381,8 +381,8 @@ def watch(ctx, folder, interval, branch, lossy, once) -> None:
 
 @cli.command("export")
 @click.argument("ref")
-@click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]), default="safetensors",
-              show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]),
+              help="Default: torch for FILE named .pt, .pth, .bin or .ckpt, else safetensors.")
 @click.option("-o", "--output", type=PathGiven(), required=True, help="The file to write.")
 @click.option("--all", "everything", is_flag=True,
               help="Every tensor by path, not only a Hugging Face checkpoint folder's weights.")
@@ -393,8 +393,9 @@ def export_command(ctx, ref, fmt, output, everything) -> None:
     A Hugging Face checkpoint folder gives its model weights under their own names, so
     `from_pretrained` of a folder with that file and the run's config.json loads it.
     """
-    from ckptstore.repo import export  # numpy and the formats: only for this command
+    from ckptstore.repo import export, export_format  # numpy and the formats: only for this command
 
+    fmt = export_format(output, fmt)
     report = export(_open(ctx), ref, fmt, output, everything)
     echo(f"Wrote {report.commit[:12]} to {output}: {report.tensors} tensors ({fmt})")
     if report.skipped:

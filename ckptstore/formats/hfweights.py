@@ -33,14 +33,17 @@ def weight_files(files: list[CheckpointFile]) -> list[CheckpointFile]:
     return []
 
 
-def weights(record: CheckpointFile, raw_of: Callable[[str], RawTensor]) -> dict[str, RawTensor]:
-    """The tensors of weight file `record` by name; `raw_of(path)` gives each stored entry."""
+def weights(record: CheckpointFile, raw_of: Callable[[str], RawTensor]) -> dict[str, RawTensor] | None:
+    """The tensors of weight file `record` by name; `raw_of(path)` gives each stored entry.
+
+    None for a torch file that is no flat map of names to tensors (a `{"module": ...}` wrapper),
+    which `from_pretrained` does not read either.
+    """
     if record.format == SAFETENSORS:
         return safetensors_file.as_state(record.skeleton, raw_of)
     import torch
 
     state = file_state(record, lambda path: materialize(raw_of(path)))  # views and shared storages resolved
-    if not isinstance(state, dict):
-        return {}
-    return {name: raw_from_torch(value, name) for name, value in state.items()
-            if isinstance(name, str) and torch.is_tensor(value)}
+    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+        return None
+    return {name: raw_from_torch(value, name) for name, value in state.items()}

@@ -5,15 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["LOSSY_LEVELS", "CommitOptions", "EncodingSettings", "FsckReport", "GcReport", "LossyOptions", "Manifest",
-           "PruneReport", "Repository", "RetentionPolicy", "TensorDiff", "WatchOptions", "export", "find_root",
-           "named_root", "fsck", "subject", "function_named", "gc", "prune", "keep_warm", "watch_folder"]
+           "PruneReport", "Repository", "RetentionPolicy", "TensorDiff", "WatchOptions", "export", "export_format",
+           "find_root", "named_root", "fsck", "subject", "function_named", "gc", "prune", "keep_warm", "watch_folder"]
 
 _WHERE = {
     "Repository": "repository", "find_root": "location", "named_root": "location", "Manifest": "manifest",
     "TensorDiff": "diff",
     "CommitOptions": "commit", "LossyOptions": "commit", "FsckReport": "maintenance", "GcReport": "maintenance",
     "fsck": "maintenance", "gc": "maintenance", "LOSSY_LEVELS": "config", "EncodingSettings": "config",
-    "function_named": "calibrate", "export": "exporter", "WatchOptions": "watch", "watch_folder": "watch",
+    "function_named": "calibrate", "export": "exporter", "export_format": "exporter", "WatchOptions": "watch",
+    "watch_folder": "watch",
     "prune": "pruning", "keep_warm": "warm", "PruneReport": "pruning", "RetentionPolicy": "config",
     "subject": "history",
 }

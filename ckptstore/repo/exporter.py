@@ -84,6 +84,13 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
     return ExportReport(cid, len(tensors), skipped, why if skipped else "")
 
 
+def export_format(output: str | os.PathLike, given: str | None) -> str:
+    """The export format: the one given; else torch for a torch.save name (.pt .pth .bin .ckpt), or safetensors."""
+    if given is not None:
+        return given
+    return "torch" if os.path.splitext(output)[1].lower() in (".pt", ".pth", ".bin", ".ckpt") else "safetensors"
+
+
 def _format_own(path: str) -> bool:
     """Whether `path` holds a file format's own bytes (a safetensors header, a torch.save zip's records, a gap).
 
@@ -112,7 +119,11 @@ def _weights(repo: Repository, manifest: Manifest, files: list[CheckpointFile]
     raws = restore(repo, manifest, paths=[p for p in manifest.entries if p in wanted])
     tensors: dict[str, RawTensor] = {}
     for record in files:
-        tensors.update(hfweights.weights(record, raws.__getitem__))
+        found = hfweights.weights(record, raws.__getitem__)
+        if found is None:
+            raise CkptError(f"{record.name} in this folder is no flat map of names to tensors (from_pretrained does "
+                            "not read it either): export every tensor under its key path with --all")
+        tensors.update(found)
     odd = [name for name, raw in tensors.items() if raw.dtype not in safetensors_file.SAFETENSORS_DTYPES]
     kept = {name: raw for name, raw in tensors.items() if name not in odd}
     chosen = {record.name for record in files}

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from ckptstore import Repository
 from ckptstore.cli import cli
+from ckptstore.errors import CkptError
 from ckptstore.repo import export
 
 
@@ -173,3 +174,25 @@ def test_an_output_naming_a_descriptor_or_a_loop_of_links_is_one_line_and_writes
             with pytest.raises(CkptError, match=said):
                 export(repo, "HEAD", "torch", output)
         assert os.path.islink("/dev/stdout") and (tmp_path / "loop").is_symlink()
+
+
+def test_a_weights_file_wrapped_in_a_dict_is_refused_and_a_torch_name_exports_torch(tmp_path):
+    """`{"module": state}` in pytorch_model.bin exported an empty file with exit 0; `-o model.bin` without --format
+    wrote safetensors under a torch name that torch.load refused (interop auditor)."""
+    folder = tmp_path / "checkpoint-5"
+    folder.mkdir()
+    weights = {"embed.weight": torch.randn(8, 3)}
+    torch.save({"module": weights}, folder / "pytorch_model.bin")
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(folder, step=5)
+        with pytest.raises(CkptError, match="pytorch_model.bin in this folder is no flat map .* with --all"):
+            export(repo, "main", "torch", tmp_path / "w.pt")
+        assert not (tmp_path / "w.pt").exists()
+        (folder / "pytorch_model.bin").unlink()
+        torch.save(weights, folder / "pytorch_model.bin")
+        repo.commit(folder, step=6)
+    result = CliRunner().invoke(cli, ["--repo", str(tmp_path / "repo"), "export", "main", "-o",
+                                      str(tmp_path / "pytorch_model.bin")])
+    assert result.exit_code == 0 and result.output.endswith("1 tensors (torch)\n"), result.output
+    assert torch.equal(torch.load(tmp_path / "pytorch_model.bin", weights_only=True)["embed.weight"],
+                       weights["embed.weight"])
