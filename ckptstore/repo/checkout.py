@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import formats
-from ckptstore.errors import CkptError, CorruptRecordError
+from ckptstore.errors import CkptError, CorruptRecordError, listing
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
@@ -20,6 +20,7 @@ from ckptstore.repo.manifest import Manifest
 from ckptstore.repo.progress import NoProgress, Progress
 from ckptstore.repo.select import select, write_selection
 from ckptstore.state import RawTensor, check_device, materialize
+from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
@@ -119,7 +120,19 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
     head = None if output is not None else journal.HeadMove(cid, branch, lambda c, b: refs.move_head(repo, c, b))
     worktree.write_checkout(repo, cid, plan, lambda p: materialize(raws[p]), lambda p: raws[p],
                             exact=not manifest.lossy, head=head)
+    if output is not None and manifest.kind == "folder":
+        _say_files_beside(plan)
     return dest
+
+
+def _say_files_beside(plan: worktree.CheckoutPlan) -> None:
+    """Warn of files an -o folder held that the commit does not: a loader may read them for the commit's."""
+    beside = worktree.files_beside(plan)
+    if beside:
+        more = " and more" if len(beside) >= worktree.BESIDE_LISTED else ""
+        warn_caller(f"{plan.dest} also holds files this commit does not ({listing(beside, 3)}{more}): left as they "
+                    "were, and a loader of the folder (from_pretrained, Trainer's resume) may read them instead of the "
+                    "commit's; check out into a new folder for the commit alone")
 
 
 def _write_selected(repo: Repository, cid: CommitId, manifest: Manifest, keys: Iterable[str],

@@ -424,6 +424,24 @@ def _with_owner(store: Path) -> list[Path]:
     return [store, owner] if owner.is_file() else [store]
 
 
+BESIDE_LISTED = 100  # files_beside stops looking once it has found this many
+
+
+def files_beside(plan: CheckoutPlan) -> list[str]:
+    """Files in the plan's destination folder that it does not write (an -o checkout leaves them), relative.
+
+    Other repositories' own folders are not looked into.
+    """
+    written, found = {target for _, target in plan.files}, []
+    for folder, folders, files in os.walk(plan.dest):
+        folders[:] = sorted(f for f in folders if f != REPO_DIR and not is_repository_folder(Path(folder, f)))
+        found += [os.path.relpath(os.path.join(folder, name), plan.dest) for name in sorted(files)
+                  if Path(folder, name) not in written]
+        if len(found) >= BESIDE_LISTED:
+            break
+    return found
+
+
 def _refuse_files_in_the_way(plan: CheckoutPlan, dest: Path) -> None:
     """With -o nothing is deleted: a file where the commit needs a folder is an error, not a loss."""
     for _, target in plan.files:

@@ -326,7 +326,9 @@ def test_checkout_with_output_writes_the_commits_files_and_deletes_nothing(repo,
     (out / "tokenizer" / "extra.txt").write_text("also mine")
     args = ["checkout", cid, "-o", str(out)] + (["--force"] if force else [])
     proc = _ckpt(repo.root, *args)
-    assert proc.communicate(timeout=120)[1] == "" and proc.returncode == 0
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 0 and err.startswith("warning: ") and err.count("\n") == 1, err
+    assert "also holds files this commit does not (mine.txt, tokenizer/extra.txt): left as they were" in err
     got = _files(out)
     assert got.pop("mine.txt") == b"my only copy" and got.pop("tokenizer/extra.txt") == b"also mine"
     assert got == wanted  # bit-exact: a lossless commit writes its files back byte for byte
@@ -1182,3 +1184,22 @@ def test_an_in_place_checkout_of_a_file_never_writes_into_another_repositorys_fo
         with pytest.raises(CkptError, match="another repository's own folder or object store"):
             outer.checkout_to("HEAD", force=True)
     assert not (tmp_path / "a" / "ckpt.safetensors").exists()
+
+
+def test_an_output_folder_holding_files_the_commit_does_not_is_said(repo, tmp_path):
+    """A stale model.safetensors beside a checked-out folder of sharded weights was what from_pretrained loaded, and
+    the checkout said nothing (interop auditor)."""
+    folder = repo.root / "checkpoint-10"
+    folder.mkdir()
+    (folder / "model-00001-of-00001.safetensors").write_bytes(b"new")
+    (folder / "config.json").write_text("{}")
+    cid = repo.commit(folder, step=10)
+    out = tmp_path / "out"
+    repo.checkout_to(cid, out)  # a new folder: the commit alone, nothing said
+    (out / "model.safetensors").write_bytes(b"another run's")
+    (out / "sub").mkdir()
+    (out / "sub" / "notes.txt").write_text("mine")
+    with pytest.warns(RuntimeWarning, match=r"out also holds files this commit does not \(model.safetensors, "
+                                            r"sub/notes.txt\): left as they were"):
+        repo.checkout_to(cid, out)
+    assert (out / "model.safetensors").read_bytes() == b"another run's"
