@@ -118,10 +118,44 @@ def outside_work_tree(found: RecordSet) -> list[str]:
 
 
 def insert(tx: Tx, found: RecordSet) -> None:
-    """Insert every row of `found` that this database lacks, and the objects' size rows."""
+    """Insert every row of `found` that this database lacks, and the objects' size rows.
+
+    Each tensor's depth is made this database's (`_depths_here`) before it goes in.
+    """
+    _depths_here(tx, found)
     for table, (columns, rows) in found.rows.items():
         if rows:
             tx.insert_ignore(table, columns, rows)
     sized = [(oid, size) for oid, size in found.objects.items() if size]
     if sized:
         tx.insert_ignore("objects", ("id", "size"), sized)
+
+
+def _depths_here(tx: Tx, found: RecordSet) -> None:
+    """Set each tensor row's depth to the length of its delta chain in this database.
+
+    The sender's depth counts its own chain: where its retention re-encoded a base as a keyframe that
+    is still a residual here, the copied depth was short, and this side's chains then grew past
+    max_chain with every push, unseen. A base this database has already ends the walk at its depth.
+    """
+    columns, rows = found.rows["tensors"]
+    if not rows:
+        return
+    at_id, at_base, at_depth = columns.index("id"), columns.index("base_id"), columns.index("depth")
+    received = {row[at_id]: row for row in rows}
+    outside = sorted({row[at_base] for row in rows if row[at_base] and row[at_base] not in received})
+    depth: dict[str, int] = {tid: int(d) for tid, d in tx.rows_in("SELECT id, depth FROM tensors WHERE id IN ({ids})",
+                                                                    outside)}
+    for tid in received:
+        chain = []
+        while tid not in depth:
+            chain.append(tid)
+            base = received[tid][at_base] if tid in received else None
+            if base is None or base in chain:  # a keyframe (a base recorded nowhere: as the sender said, a keyframe)
+                depth[tid] = 0 if base is None or tid not in received else int(received[tid][at_depth])
+                chain.pop()
+                break
+            tid = base
+        for link in reversed(chain):
+            depth[link] = depth[received[link][at_base]] + 1
+    found.rows["tensors"] = (columns, [(*row[:at_depth], depth[row[at_id]], *row[at_depth + 1:]) for row in rows])

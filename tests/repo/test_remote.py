@@ -991,3 +991,35 @@ def test_another_folder_joined_over_the_same_database_and_objects_is_no_remote(t
         with pytest.raises(CkptError, match=r"is this repository itself \(the same database and objects\)"):
             remote.add(joined, "machine1", str(tmp_path / "a"))
         assert joined.config.remotes == {}
+
+
+def test_a_received_tensor_records_the_depth_of_its_chain_here(tmp_path):
+    """A sender whose retention re-encoded each base as a keyframe pushed records of depth 1 while the remote's
+    real chains grew a link per push: their depths stayed 1, so max_chain never held there (retention auditor)."""
+    from ckptstore.policy import EncodingSettings
+    from ckptstore.repo.config import RetentionPolicy
+    from ckptstore.repo.pruning import prune
+
+    Repository.init(tmp_path / "hub", encoding=EncodingSettings(max_chain=2)).close()
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 256, generator=generator)
+    with Repository.init(tmp_path / "work", encoding=EncodingSettings(max_chain=2)) as work:
+        remote.add(work, "origin", str(tmp_path / "hub"))
+        for step in range(5):
+            w = w + 1e-3 * torch.randn(256, 256, generator=generator)
+            work.commit({"w": w}, step=step)
+            prune(work, RetentionPolicy(keep_last=1))
+            remote.push(work, "origin")
+    hub = sqlite3.connect(tmp_path / "hub" / ".ckpt" / "ckpt.db")
+    with contextlib.closing(hub):
+        rows = {tid: (base, depth) for tid, base, depth in hub.execute("SELECT id, base_id, depth FROM tensors")}
+    lengths = {}
+    for tid in rows:
+        link, length = tid, 0
+        while rows[link][0] is not None:
+            link, length = rows[link][0], length + 1
+        lengths[tid] = length
+    assert max(lengths.values()) > 2  # the remote's chains do grow: only its own commits re-keyframe
+    assert {tid: depth for tid, (_, depth) in rows.items()} == lengths
+    with Repository.open(tmp_path / "hub") as opened:
+        assert torch.equal(opened.checkout("main")["w"], w)
