@@ -6,7 +6,7 @@ already is the same row, and inserting is `ON CONFLICT DO NOTHING`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ckptstore.hashing import CommitId, ObjectId, TensorId
@@ -71,15 +71,21 @@ def ancestors(tx: Tx, tips: Iterable[CommitId], stop: set[CommitId] = frozenset(
     return order[::-1]
 
 
-def tensors_of(tx: Tx, cids: Iterable[CommitId]) -> set[TensorId]:
-    """The tensors the commits name, with every base down their delta chains."""
-    found = {TensorId(r[0]) for r in tx.rows_in("SELECT tensor_id FROM commit_tensors WHERE commit_id IN ({ids})",
+def tensors_of(tx: Tx, cids: Iterable[CommitId],
+               present: Callable[[set[TensorId]], set[TensorId]] = lambda tids: set()) -> set[TensorId]:
+    """The tensors the commits name, with every base down their delta chains.
+
+    Not those `present` says the other side has, nor their bases: where its retention re-encoded a
+    base as a keyframe, the links below it were sent again for nothing.
+    """
+    named = {TensorId(r[0]) for r in tx.rows_in("SELECT tensor_id FROM commit_tensors WHERE commit_id IN ({ids})",
                                                 cids)}
+    found = named - present(named)
     frontier = set(found)
     while frontier:
         bases = {TensorId(r[0]) for r in tx.rows_in("SELECT base_id FROM tensors WHERE id IN ({ids}) AND base_id "
-                                                    "IS NOT NULL", frontier)}
-        frontier = bases - found
+                                                    "IS NOT NULL", frontier)} - found
+        frontier = bases - present(bases)
         found |= frontier
     return found
 

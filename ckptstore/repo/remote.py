@@ -272,8 +272,7 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
         if not missing:
             return report, tips
         _refuse_damaged(tx, missing)
-        tensors = transfer.tensors_of(tx, missing)
-        tensors -= transfer.present_tensors(ttx, tensors)
+        tensors = transfer.tensors_of(tx, missing, lambda tids: transfer.present_tensors(ttx, tids))
         found = transfer.records(tx, missing, tensors)
     unrecorded = sorted(set(missing) - found.column("commits", "id"))
     if unrecorded:

@@ -1023,3 +1023,30 @@ def test_a_received_tensor_records_the_depth_of_its_chain_here(tmp_path):
     assert {tid: depth for tid, (_, depth) in rows.items()} == lengths
     with Repository.open(tmp_path / "hub") as opened:
         assert torch.equal(opened.checkout("main")["w"], w)
+
+
+def test_a_push_after_the_remote_pruned_sends_no_links_below_what_it_has(tmp_path):
+    """After the origin's prune re-encoded step 2 as a keyframe, a clone's push of step 3 (a residual on step 2)
+    sent step 1's keyframe again: bytes the origin did not need, left there for gc (retention auditor)."""
+    from ckptstore.repo import gc
+    from ckptstore.repo.config import RetentionPolicy
+    from ckptstore.repo.pruning import prune
+
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(512, 512, generator=generator)
+    Repository.init(tmp_path / "hub").close()
+    with Repository.init(tmp_path / "seed") as seed:
+        remote.add(seed, "origin", str(tmp_path / "hub"))
+        for step in (1, 2):
+            w = w + 1e-3 * torch.randn(512, 512, generator=generator)
+            seed.commit({"w": w}, step=step)
+        remote.push(seed, "origin")
+    with remote.clone(str(tmp_path / "hub"), tmp_path / "clone") as clone:
+        with Repository.open(tmp_path / "hub") as hub:
+            prune(hub, RetentionPolicy(keep_last=1))
+        w = w + 1e-3 * torch.randn(512, 512, generator=generator)
+        clone.commit({"w": w}, step=3)
+        sent = remote.push(clone, "origin")
+    with Repository.open(tmp_path / "hub") as hub:
+        assert sent.commits == 1 and gc(hub).bytes_removed == 0  # nothing sent was garbage there
+        assert torch.equal(hub.checkout("main")["w"], w) and fsck(hub).ok
