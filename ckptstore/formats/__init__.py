@@ -7,7 +7,6 @@ one flat dict of raw tensors keyed by logical path; checkout reverses it.
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 from ckptstore.errors import CheckpointFormatError, PickledObjectsError, UnsupportedStateError
 from ckptstore.formats import filemap, safetensors_file, torchcontainer, torchfile, torchzip
 from ckptstore.formats.atomic import write_parts
-from ckptstore.formats.folder import MODE_BITS, folder_files
+from ckptstore.formats.folder import file_mode, folder_files
 from ckptstore.state import RawTensor, escape, flatten, join, raw_from_bytes, unflatten
 
 TORCH, SAFETENSORS, BLOB = "torch", "safetensors", "blob"
@@ -33,7 +32,7 @@ class CheckpointFile:
     skeleton: Any
     size: int = 0
     opaque_reason: str = ""
-    mode: int | None = None  # permission bits on disk (folder.MODE_BITS); None for a state or an older manifest
+    mode: int | None = None  # permission bits on disk (folder.MODE_BITS); None: a state, an older manifest, FAT
     # a torch.save zip's bytes that are not tensors, and where its tensors go (torchcontainer.py)
     container: dict[str, Any] | None = None
 
@@ -142,7 +141,7 @@ def read_checkpoint(path: str | os.PathLike, trust_pickle: bool = False,
     path = Path(path)
     if kind_on_disk(path) == "file":
         record, tensors = _read_file(path, "", trust_pickle, in_folder=False)
-        record.mode = stat.S_IMODE(path.stat().st_mode) & MODE_BITS
+        record.mode = file_mode(path, path.stat())
         return Checkpoint("file", [record], tensors)
     found = folder_files(path, exclude)
     if not found:

@@ -9,6 +9,7 @@ skipping them would make a commit that silently lacks part of the checkpoint.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -18,10 +19,31 @@ from pathlib import Path
 
 from ckptstore.errors import CheckpointFormatError
 from ckptstore.formats.atomic import TEMP_SUFFIX
+from ckptstore.formats.mounts import keeps_modes
+from ckptstore.warn import warn_caller
 
 # the temporary files of formats.atomic: a writer's leftovers after a crash, never checkpoint content
 _TEMP_NAME = re.compile(r"^\..+\.[0-9a-z-]*[0-9a-f]{16}" + re.escape(TEMP_SUFFIX) + "$")
 MODE_BITS = 0o777  # what is recorded and restored: read, write, execute for user, group and others
+_NO_MODES = {errno.ENOSYS, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP}  # FAT, some FUSE and CIFS mounts
+
+
+def file_mode(path: str | os.PathLike, info: os.stat_result) -> int | None:
+    """The permission bits to record for a file (`info`: its stat), None on a file system that keeps none."""
+    return stat.S_IMODE(info.st_mode) & MODE_BITS if keeps_modes(path, info.st_dev) else None
+
+
+def set_mode(path: str | os.PathLike, mode: int) -> None:
+    """Give a restored file its committed permission bits (never setuid, setgid or sticky: commits record none).
+
+    A file system that keeps no modes (chmod refused) is warned of and the file kept as written.
+    """
+    try:
+        os.chmod(path, mode & MODE_BITS)
+    except OSError as exc:
+        if exc.errno not in _NO_MODES:
+            raise
+        warn_caller("this file system keeps no file modes (chmod refused): files were written with its own")
 
 
 @dataclass(frozen=True)
@@ -30,7 +52,7 @@ class FolderFile:
 
     name: str
     path: Path
-    mode: int
+    mode: int | None  # None: its file system keeps none (FAT, exFAT)
 
 
 def is_temp_name(name: str) -> bool:
@@ -86,7 +108,7 @@ def _walk(folder: Path, prefix: str, real: Path, stack: list[Path], real_root: P
             _walk(path, name + "/", target, [*stack, target], real_root, skipped, found, linked)
         elif stat.S_ISREG(info.st_mode):
             if not is_temp_name(entry.name):
-                found.append(FolderFile(name, path, stat.S_IMODE(info.st_mode) & MODE_BITS))
+                found.append(FolderFile(name, path, file_mode(target, info)))
         else:
             raise CheckpointFormatError(f"{path} is a {_kind(info.st_mode)}, not a regular file: a checkpoint "
                                         "folder holds files and folders only; move it out of the folder")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +30,6 @@ if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
 
 SUFFIX = ".owner"  # `.ckpt/objects.owner` for the default store
-_MADE_UP_INODES = {"vfat", "msdos", "exfat", "fuse", "fuseblk"}  # and any "fuse.NAME"
 
 
 def claim(repo: Repository) -> None:
@@ -105,7 +103,9 @@ def _record(folder: Path) -> dict | None:
 
 def _names_this_one(record: dict, repo: Repository) -> bool:
     """Whether the record names this repository's `.ckpt/`: by its inode, or by its path where inodes are made up."""
-    if inodes_kept(repo.dir):
+    from ckptstore.formats.mounts import keeps_inodes  # the formats package loads numpy: only for gc and prune
+
+    if keeps_inodes(repo.dir):
         return record.get("inode") == os.stat(repo.dir).st_ino
     return record.get("repository") == os.path.realpath(repo.root)
 
@@ -119,7 +119,11 @@ def _owner_there(record: dict | None) -> bool:
         if record is None:
             return False
         folder = Path(str(record["repository"])) / REPO_DIR
-        return os.stat(folder).st_ino == record["inode"] if inodes_kept(folder) else folder.is_dir()
+        if not folder.exists():
+            return False
+        from ckptstore.formats.mounts import keeps_inodes
+
+        return os.stat(folder).st_ino == record["inode"] if keeps_inodes(folder) else folder.is_dir()
     except PermissionError:
         return True
     except (OSError, KeyError):
@@ -140,30 +144,6 @@ def _write(repo: Repository, folder: Path) -> None:
         os.replace(temp, marker(folder))
     except OSError:  # a store this process may not write beside: left unnamed
         temp.unlink(missing_ok=True)
-
-
-def inodes_kept(path: Path) -> bool:
-    """Whether the file system holding `path` keeps its inode numbers across remounts (not FAT, exFAT, FUSE)."""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as table:
-            kind = file_system(os.path.realpath(path), table.read())
-    except OSError:  # no /proc (not Linux): inodes, as everywhere else
-        return True
-    return kind not in _MADE_UP_INODES and not kind.startswith("fuse.")
-
-
-def file_system(real_path: str, mountinfo: str) -> str:
-    """The type of the file system mounted nearest above `real_path`, from /proc/self/mountinfo's text."""
-    found, kind = "", ""
-    for line in mountinfo.splitlines():
-        fields = line.split(" ")
-        if "-" not in fields[6:]:
-            continue
-        point = re.sub(r"\\([0-7]{3})", lambda code: chr(int(code.group(1), 8)), fields[4])  # "\040": a space
-        inside = real_path == point or real_path.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(found):  # the later of two mounts on one point is the one seen
-            found, kind = point, fields[fields.index("-", 6) + 1]
-    return kind
 
 
 def _local_store(repo: Repository) -> Path | None:

@@ -15,7 +15,6 @@ with one left out still reads its own entry.
 from __future__ import annotations
 
 import glob
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ckptstore import formats
 from ckptstore.errors import CkptError
 from ckptstore.formats import CheckpointFile
-from ckptstore.formats.folder import MODE_BITS
+from ckptstore.formats.folder import set_mode
 from ckptstore.repo.manifest import Manifest
 from ckptstore.state import RawTensor, escape, join, join_key, unflatten
 
@@ -242,7 +241,7 @@ def write_selection(repo: Repository, selection: Selection, plan: CheckoutPlan,
             else:
                 formats.write_file(record, staging, value_of, raw_of)
             if record.mode is not None:
-                os.chmod(staging, record.mode & MODE_BITS)  # as worktree._stage: never setuid, setgid or sticky
+                set_mode(staging, record.mode)
         refuse_changed_meanwhile(repo, plan)  # a -o plan has no extras: it deletes nothing
         move_into_place(None if repo.read_only else repo.dir, staged)
     finally:

@@ -25,7 +25,7 @@ import tomllib
 from ckptstore import faults
 from ckptstore.errors import CkptError, DirtyWorktreeError, listing, shown_name
 from ckptstore.formats.filemap import file_digest
-from ckptstore.formats.folder import MODE_BITS, is_temp_name
+from ckptstore.formats.folder import is_temp_name, set_mode
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import files as file_rows
 from ckptstore.repo import journal
@@ -684,7 +684,7 @@ def _stage(repo: Repository, cid: CommitId, record: CheckpointFile, target: Path
             with repo.db.write() as tx:
                 file_rows.remember(tx, [(file_digest(str(staging)), cid, staging.stat().st_size)])
         if record.mode is not None:  # after hashing: a mode may deny reading
-            os.chmod(staging, record.mode & MODE_BITS)  # never setuid, setgid or sticky: commits record none
+            set_mode(staging, record.mode)
     except BaseException:
         staging.unlink(missing_ok=True)
         raise

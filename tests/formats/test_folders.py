@@ -194,3 +194,32 @@ def test_a_folder_of_more_files_than_the_open_file_limit_commits(tmp_path, kind)
     done = subprocess.run([sys.executable, "-c", FEW_DESCRIPTORS, str(tmp_path), kind], capture_output=True,
                           text=True, timeout=120, cwd=ROOT, env=ckpt_env())
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
+
+
+def test_a_file_system_without_modes_records_none_and_a_refused_chmod_is_a_warning(repo, tmp_path, monkeypatch):
+    """exFAT shows 0777 for every file: restored elsewhere, each checkpoint file was world-writable and executable;
+    on a file system that refuses chmod (fusefat: ENOSYS), every checkout ended in "unexpected OSError" (auditor)."""
+    import errno
+
+    from ckptstore.formats import folder as folder_module
+
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"w": torch.ones(3)}, run / "model.pt")
+    os.chmod(run / "model.pt", 0o777)
+    monkeypatch.setattr(folder_module, "keeps_modes", lambda path, device=None: False)  # as on exFAT
+    cid = repo.commit(run)
+    assert [f.mode for f in repo.manifest(cid).files] == [None]
+    monkeypatch.undo()
+    repo.checkout_to(cid, tmp_path / "out")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "out" / "model.pt").stat().st_mode) == 0o666 & ~umask
+    os.chmod(run / "model.pt", 0o640)
+    with_mode = repo.commit(run)
+    chmod = os.chmod
+    monkeypatch.setattr(os, "chmod", lambda path, mode, **k: (_ for _ in ()).throw(OSError(errno.ENOSYS, "no"))
+                        if ".new-" in os.fspath(path) else chmod(path, mode, **k))
+    with pytest.warns(RuntimeWarning, match="this file system keeps no file modes"):
+        repo.checkout_to(with_mode, tmp_path / "again")
+    assert torch.load(tmp_path / "again" / "model.pt", weights_only=True)["w"].equal(torch.ones(3))

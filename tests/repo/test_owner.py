@@ -213,7 +213,7 @@ def test_an_init_over_a_store_whose_owner_it_cannot_look_at_or_read_is_refused(t
 def test_where_inode_numbers_are_made_up_per_mount_the_path_names_the_owner(tmp_path, monkeypatch):
     """On exFAT a remount gave the repository's .ckpt another inode number (its own gc refused), and a `cp -a` copy
     looked up first got the original's (its gc deleted the original's objects) (filesystems auditor)."""
-    from ckptstore.repo import owner
+    from ckptstore.formats import mounts
 
     with Repository.init(tmp_path / "a", objects_url=str(tmp_path / "objects")) as original:
         original.commit(_state(0))
@@ -222,7 +222,7 @@ def test_where_inode_numbers_are_made_up_per_mount_the_path_names_the_owner(tmp_
         later = original.commit(_state(1))
     marker = tmp_path / "objects.owner"
     record = json.loads(marker.read_text())
-    monkeypatch.setattr(owner, "inodes_kept", lambda path: False)  # as on exFAT
+    monkeypatch.setattr(mounts, "keeps_inodes", lambda path: False)  # as on exFAT
     marker.write_text(json.dumps({**record, "inode": (tmp_path / "b" / ".ckpt").stat().st_ino}))  # the copy's now
     with Repository.open(tmp_path / "b") as copy:
         with pytest.raises(CkptError, match="belongs to the repository at .*/a, not this"):
@@ -233,16 +233,3 @@ def test_where_inode_numbers_are_made_up_per_mount_the_path_names_the_owner(tmp_
         assert fsck(original).ok
         assert_same(_state(1), original.checkout(later))
 
-
-def test_the_file_system_of_a_path_is_read_from_the_mount_table():
-    """The mount nearest above a path decides, its point unescaped (a space is written \\040), the later of two."""
-    from ckptstore.repo.owner import file_system
-
-    table = ("1 0 8:1 / / rw - ext4 /dev/sda rw\n"
-             "2 1 8:2 / /media/my\\040usb rw shared:1 - exfat /dev/sdb rw\n"
-             "3 1 0:50 / /home/u/remote rw - fuse.sshfs u@h: rw\n"
-             "4 1 0:51 / /home/u/remote rw - ext4 /dev/sdc rw\n")
-    assert file_system("/media/my usb/run", table) == "exfat"
-    assert file_system("/media/my usbx", table) == "ext4"
-    assert file_system("/home/u/remote/a", table) == "ext4"
-    assert file_system("/home/u/remote/a", table.rsplit("4 1", 1)[0]) == "fuse.sshfs"
