@@ -219,10 +219,12 @@ def write_selection(repo: Repository, selection: Selection, plan: CheckoutPlan,
         move_into_place,
         refuse_changed_meanwhile,
         refuse_folders_in_the_way,
+        refuse_names_folded_together,
         sweep_stale_temps,
     )
 
     refuse_folders_in_the_way(plan)
+    refuse_names_folded_together(plan)
     sweep_stale_temps([target for _, target in plan.files])
     staged: list[tuple[Path, Path]] = []
     try:

@@ -571,21 +571,23 @@ def refuse_names_folded_together(plan: CheckoutPlan) -> None:
 
 
 def _one_name_there(a: Path, b: Path) -> bool:
-    """Whether the file system where `a` and `b` differ first takes their differing names for one."""
+    """Whether the file system where `a` and `b` differ first takes their differing names for one.
+
+    Asked in a new folder of its own there, under the names themselves: a prefix could pass NAME_MAX.
+    """
+    import shutil
+    import tempfile
+
     first = next(i for i, (x, y) in enumerate(zip(a.parts, b.parts, strict=False)) if x != y)
     home = Path(*a.parts[:first])
     while not home.is_dir():
         home = home.parent
-    prefix = f".ckpt-probe-{os.getpid()}-{time.monotonic_ns()}-"
-    probe = home / (prefix + a.parts[first])
+    probe = Path(tempfile.mkdtemp(prefix=".ckpt-probe-", dir=home))
     try:
-        probe.touch(exist_ok=False)
-        try:
-            return (home / (prefix + b.parts[first])).exists()
-        finally:
-            probe.unlink()
-    except OSError:  # a name too long, a folder not to be written: unsure, as one (nothing is replaced)
-        return True
+        (probe / a.parts[first]).touch()
+        return (probe / b.parts[first]).exists()
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
 
 
 def refuse_changed_meanwhile(repo: Repository, plan: CheckoutPlan) -> None:

@@ -1155,15 +1155,25 @@ def test_two_paths_a_case_blind_file_system_takes_for_one_are_refused_before_wri
     exists = Path.exists
 
     def case_blind(path):  # what exFAT answers for the probe's other spelling
-        if path.name.startswith(".ckpt-probe-"):
+        if path.parent.name.startswith(".ckpt-probe-"):
             return any(other.name.casefold() == path.name.casefold() for other in path.parent.iterdir())
         return exists(path)
 
     monkeypatch.setattr(Path, "exists", case_blind)
     with pytest.raises(CkptError, match=r"NOTES.txt and .*notes.txt would be one file on this file system"):
         repo.checkout_to("HEAD", tmp_path / "folded")
+    with pytest.raises(CkptError, match="would be one file on this file system"):  # a part of it too (reader 9)
+        repo.checkout_to("HEAD", tmp_path / "part", keys=["*"])
     monkeypatch.undo()
-    assert not os.path.exists(tmp_path / "folded") and not list(tmp_path.glob(".ckpt-probe-*"))
+    assert not os.path.exists(tmp_path / "folded") and not os.path.exists(tmp_path / "part")
+    assert not list(tmp_path.glob(".ckpt-probe-*"))
+    long = repo.root / "long"  # the probe asks under the names themselves: no prefix past NAME_MAX (reader 9)
+    long.mkdir()
+    for name in ("a" * 240, "A" * 240):
+        (long / name).write_text(name[0])
+    repo.commit(long, "long")
+    repo.checkout_to("HEAD", tmp_path / "long")
+    assert sorted(p.read_text() for p in (tmp_path / "long").iterdir()) == ["A", "a"]
 
 
 def test_an_in_place_checkout_of_a_file_never_writes_into_another_repositorys_folder(tmp_path):
