@@ -14,7 +14,7 @@ from enum import Enum
 from ckptstore.codecs.floats import LOSSY_DTYPES
 from ckptstore.policy.lossy_base import Subject, eligible, temporal_base, whole_numbers
 from ckptstore.policy.lossy_context import PlanContext
-from ckptstore.policy.mapping import BUFFER_NAME, ParamSlots
+from ckptstore.policy.mapping import ParamSlots, is_buffer
 from ckptstore.state import RawTensor
 
 WEIGHT_BASE_CODECS = ("deadzone", "bytegroup")  # a weight's residual may build on a lossy or lossless parent
@@ -78,7 +78,7 @@ def _unowned(ctx: PlanContext, path: str, raw: RawTensor) -> tuple[Role, Subject
     """
     subject = Subject(path, raw)
     if (ctx.optimizer.certain or not ctx.level.weights_lossy or path.endswith(("/step", "step"))
-            or path in ctx.optimizer_state or BUFFER_NAME.search(path)):
+            or path in ctx.optimizer_state or is_buffer(path, raw.shape)):
         return Role.LOSSLESS, subject
     return _weight(ctx, subject)
 

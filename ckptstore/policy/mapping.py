@@ -26,8 +26,15 @@ NO_OPTIMIZER_STATE = "no optimizer state found"  # an OptimizerMap's `how` (a lo
 FLOATS = ("torch.float32", "torch.float16", "torch.bfloat16", "torch.float64")
 # buffers no optimizer trains, by their state-dict names: BatchNorm's running statistics, pruning's masks,
 # spectral norm's power-iteration vectors, orthogonal's base (torch.nn.utils.parametrizations)
-BUFFER_NAME = re.compile(r"(?:^|[./])(?:running_mean|running_var|\w+_mask|_u|_v|weight_u|weight_v)$"
-                         r"|\.parametrizations\.\w+\.\d+\.base$")
+_BUFFER_NAME = re.compile(r"(?:^|[./])(?:running_mean|running_var|\w+_mask|_u|_v)$"
+                          r"|\.parametrizations\.\w+\.\d+\.base$")
+# the older spectral_norm's vectors; weight_norm's weight_v, a trained matrix, shares the name
+_SPECTRAL_VECTOR = re.compile(r"(?:^|[./])weight_[uv]$")
+
+
+def is_buffer(path: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor is a buffer no optimizer trains, by its name (and, for `weight_u`/`weight_v`, its shape)."""
+    return bool(_BUFFER_NAME.search(path) or len(shape) == 1 and _SPECTRAL_VECTOR.search(path))
 
 
 @dataclass
@@ -176,7 +183,7 @@ def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str] | None 
             return _pair(ordered, found, "given by the caller")
     if None in shapes:
         return OptimizerMap(ordered, False, "state without moments; weights not paired")
-    params = [m for m in model if not BUFFER_NAME.search(m[0])]
+    params = [m for m in model if not is_buffer(*m)]
     # the model's parameters; then, should a buffer's name mislead, every float tensor (as before buffers were told)
     for listed in ([params, model] if len(params) < len(model) else [model]):
         paired = _by_ids(ordered, shapes, listed, ids) if ids is not None else None

@@ -290,11 +290,12 @@ def test_with_the_pairing_uncertain_a_buffer_told_by_its_name_stays_lossless():
     """Orthogonal's base was coded as a weight: the restored layer was orthogonal to 1.3e-2 (wrappers auditor)."""
     level = level_named("balanced", fisher_allocation=False)
     tensors = {"model/a.weight": _t(64, 64), "model/b.weight": _t(64, 64, seed=1),
-               "model/q.parametrizations.weight.0.base": _t(64, 64, seed=3)}
+               "model/q.parametrizations.weight.0.base": _t(64, 64, seed=3),
+               "model/wn.weight_v": _t(64, 64, seed=4)}  # weight_norm's: a trained matrix (reader 9)
     tensors["optimizer/state/0/exp_avg"] = _t(64, 64, seed=10)
     tensors["optimizer/state/0/exp_avg_sq"] = _t(64, 64, seed=20, scale=1e-3)
     pairing = map_optimizer(tensors)
     assert not pairing.certain
     roles, _ = _roles_and_plans(tensors, {}, level, pairing)
     assert roles["model/q.parametrizations.weight.0.base"] is Role.LOSSLESS
-    assert roles["model/a.weight"] is Role.WEIGHT_KEYFRAME
+    assert roles["model/a.weight"] is roles["model/wn.weight_v"] is Role.WEIGHT_KEYFRAME
