@@ -133,7 +133,7 @@ def read(path: str | os.PathLike, trust_pickle: bool = False, used: list[Path] |
 
     def items() -> Iterator[tuple[str, RawTensor]]:
         for key, blob, item, sizes in where:
-            yield key, (_pickled(blob, key, path) if item is None else
+            yield key, (_pickled(blob, key, path, trust_pickle) if item is None else
                         _tensor(blob, item, sizes, f"{path}: {item['fqn']} at {key.rsplit('/', 2)[-2]}"))
 
     return described, items()
@@ -201,16 +201,26 @@ def _slice(root: Path, files: dict[str, np.ndarray], metadata: Metadata, index: 
     return data[info.offset:info.offset + info.length]
 
 
-def _pickled(blob: np.ndarray, key: str, path: Path) -> RawTensor:
+def _pickled(blob: np.ndarray, key: str, path: Path, trust_pickle: bool) -> RawTensor:
     """A non-tensor item's bytes, which DCP wrote with torch.save: checked to be that (read, never run) first.
 
     Bytes that are no such archive (a damaged file, metadata pointing elsewhere) would be stored and
-    then refused at checkout as a pickle to trust.
+    then refused at checkout as a pickle to trust; so, unless `trust_pickle`, would objects beyond
+    plain data (a numpy scalar): refused here, as a torch.save file holding them is.
     """
     problem = _not_a_torch_save(blob)
     if problem:
         raise CheckpointFormatError(f"{path}: the non-tensor item {key.rsplit('/', 1)[0]} is not the torch.save "
                                     f"archive DCP writes ({problem}): the directory is damaged")
+    if not trust_pickle:
+        fqn = key.rsplit("/", 1)[0]
+        try:
+            item_value(fqn, bytes(blob))
+        except PickledObjectsError as exc:
+            raise PickledObjectsError(f"{path}: {exc.args[0].split('; DCP would', 1)[0]}; nothing was committed. "
+                                      "Commit with --trust-pickle only if you trust the directory (then load it with "
+                                      "CkptStorageReader(..., trust_pickle=True)), or save the value as a plain "
+                                      "number or a tensor") from None
     return raw_from_bytes(blob)
 
 

@@ -302,3 +302,21 @@ def test_numpy_rng_state_in_a_dcp_directory_checks_out_and_a_refusal_carries_no_
         torch.save({"planted": Planted()}, out)
         dcpdir.item_value("x", out.getvalue())
     assert "\x1b" not in str(refused.value) and "(print is not among the classes" in str(refused.value)
+
+
+def test_a_non_tensor_item_a_checkout_could_not_write_back_is_refused_at_commit_unless_trusted(tmp_path):
+    """A numpy scalar (a best metric) committed silently from a DCP directory, then no checkout could write it back:
+    a torch.save file holding one is refused at commit, and so is this now (interop auditor)."""
+    import numpy as np
+
+    dcp.save({"w": torch.ones(4), "best_metric": np.float64(0.25)},
+             storage_writer=dcp.FileSystemWriter(str(tmp_path / "s")))
+    with Repository.init(tmp_path / "repo") as repo:
+        with pytest.raises(PickledObjectsError, match=r"best_metric: .*numpy._core.multiarray.scalar.*nothing was "
+                                                      r"committed. Commit with --trust-pickle"):
+            repo.commit(tmp_path / "s")
+        assert repo.log() == []
+        repo.commit(tmp_path / "s", trust_pickle=True)
+        loaded = {"w": torch.zeros(4), "best_metric": None}
+        dcp.load(loaded, storage_reader=CkptStorageReader(tmp_path / "repo", trust_pickle=True))
+    assert loaded["best_metric"] == 0.25 and torch.equal(loaded["w"], torch.ones(4))
