@@ -240,6 +240,37 @@ def disk_full(detail: str) -> DiskFullError:
     return DiskFullError(f"the disk is full ({detail}); {_NOTHING_LOST.format(remedy='Free some space')}")
 
 
+def no_inodes_left(path: str | os.PathLike | None) -> str | None:
+    """The folder nearest `path` that exists, where its file system has (almost) no file left to make, else None."""
+    if not path:
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    while folder != os.path.dirname(folder) and not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    try:
+        stats = os.statvfs(folder)
+    except OSError:
+        return None
+    # a write undone since (a temporary file removed) gave a few back: "almost none" is what tells
+    return folder if stats.f_files and stats.f_favail < max(64, stats.f_files // 1000) else None
+
+
+def inodes_used_up(folder: str) -> DiskFullError:
+    """The error for a file system with bytes left but no inodes: freeing bytes would not help."""
+    return DiskFullError(f"the file system holding {folder} can make no more files (its inodes are used up: "
+                         f"`df -i {folder}`), though it may have bytes free; "
+                         + _NOTHING_LOST.format(remedy="Remove files there, or use a file system with more inodes"))
+
+
+def _no_room(exc: OSError) -> DiskFullError:
+    """A write refused for want of room: bytes, inodes, a quota, or the largest file allowed."""
+    where = f" writing {exc.filename}" if exc.filename else ""
+    if exc.errno == errno.ENOSPC and (held := no_inodes_left(exc.filename)):
+        return inodes_used_up(held)
+    tell = _file_too_large if exc.errno == errno.EFBIG else disk_full
+    return tell(f"{exc.strerror or exc}{where}")
+
+
 def _file_too_large(detail: str) -> DiskFullError:
     """EFBIG: freeing space cannot help; the limit is the process's (`ulimit -f`) or the file system's largest file."""
     return DiskFullError(f"a file reached the largest size allowed here ({detail}): the process's file-size limit "
@@ -270,9 +301,7 @@ def explain(exc: BaseException) -> CkptError | None:
             return current
         text = str(current).lower()
         if isinstance(current, OSError) and current.errno in (*DISK_FULL_ERRNOS, errno.EFBIG):
-            where = f" writing {current.filename}" if current.filename else ""
-            tell = _file_too_large if current.errno == errno.EFBIG else disk_full
-            return tell(f"{current.strerror or current}{where}")
+            return _no_room(current)
         if isinstance(current, (RuntimeError, RecursionError)) and (said := _path_too_odd(current)):
             return said
         if (said := _out_of_memory(current, text)) is not None:

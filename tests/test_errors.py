@@ -21,3 +21,20 @@ def test_a_name_is_shown_on_one_line_and_a_written_out_newline_is_told_from_a_ba
     assert shown_name("a\\nb") == "a\\\\nb"  # a backslash, then n: no newline
     assert shown_name("r\udce9sum\udce9.pt") == "r\\xe9sum\\xe9.pt"  # os.fsdecode's bytes that are not UTF-8
     assert shown_name("lone\ud800") == "lone\\ud800"
+
+
+def test_a_file_system_out_of_inodes_is_told_from_one_out_of_bytes(tmp_path, monkeypatch):
+    """With bytes free and no inode left, every message said "the disk is full: free some space" (auditor)."""
+    import errno
+    import os
+
+    from ckptstore.errors import explain
+
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "objects" / "ab" / "cd"))
+    assert "the disk is full" in str(explain(full))
+    statvfs = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda path: os.statvfs_result((4096,) * 5 + (64, 0, 0, 0, 255))
+                        if os.fspath(path) == str(tmp_path) else statvfs(path))
+    said = str(explain(full))
+    assert said.startswith(f"the file system holding {tmp_path} can make no more files (its inodes are used up: "
+                           f"`df -i {tmp_path}`)") and "Remove files there" in said, said

@@ -13,7 +13,16 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptstore.errors import CkptError, CorruptDatabaseError, DiskFullError, ReadOnlyRepoError, disk_full, explain
+from ckptstore.errors import (
+    CkptError,
+    CorruptDatabaseError,
+    DiskFullError,
+    ReadOnlyRepoError,
+    disk_full,
+    explain,
+    inodes_used_up,
+    no_inodes_left,
+)
 
 if TYPE_CHECKING:
     from ckptstore.metadata.db import Database, Tx
@@ -201,6 +210,9 @@ class SqliteBackend:
                     f"{wal} holds commits not yet in {self.path.name}, and {shm.name} is missing where the folder "
                     "cannot be written: open the repository once where its .ckpt folder is writable, or copy "
                     f"{shm.name} along with the other two")
+        held = no_inodes_left(self.path)
+        if held:  # SQLite makes its -wal and -shm files beside the database, reading too
+            return inodes_used_up(held)
         return CkptError(f"SQLite could not open {self.path}: check that this user may read it and its folder, and "
                          "write the folder (or use --read-only), and the limit on open files (ulimit -n)")
 
