@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 from collections.abc import Mapping, Sequence
 
@@ -316,9 +317,9 @@ def explain(exc: BaseException) -> CkptError | None:
         if "readonly database" in text or isinstance(current, OSError) and current.errno == errno.EROFS:
             return ReadOnlyRepoError(f"this repository is read-only here ({current}); reading commands work, "
                                      "writing ones need write access to its .ckpt folder")
-        if isinstance(current, FileNotFoundError) and str(current.filename or "").endswith(".ckpt-tmp"):
-            return CkptError(f"cannot make a file in {_written_folder(current)} (a folder where files cannot be "
-                             "made, such as /dev/fd or /proc, or one removed meanwhile); write elsewhere")
+        if isinstance(current, OSError) and current.errno in (errno.ENOENT, errno.EINVAL) and str(
+                current.filename or "").endswith(".ckpt-tmp"):
+            return _cannot_make(current)
         if isinstance(current, PermissionError):
             return _permission_denied(current)
         if isinstance(current, IsADirectoryError):  # a folder where the repository keeps a file (.ckpt/lock)
@@ -376,6 +377,21 @@ def _written_folder(exc: OSError) -> str:
     """What failed to be written: the folder of formats.atomic's temporary file beside a target, else the path."""
     name = str(exc.filename or exc)
     return (os.path.dirname(name) or ".") if name.endswith(".ckpt-tmp") else name
+
+
+_TEMP_OF = re.compile(r"^\.(.+)\.[0-9a-z-]*[0-9a-f]{16}\.ckpt-tmp$")  # formats.atomic.temp_beside's names
+
+
+def _cannot_make(exc: OSError) -> CkptError:
+    """A temporary file that could not be made beside its target: a folder taking no files, or a name refused."""
+    folder = _written_folder(exc)
+    named = _TEMP_OF.match(os.path.basename(str(exc.filename)))
+    if named and os.path.isdir(folder):  # the folder is there: its file system refuses the name
+        return CkptError(f"the file system of {folder} does not accept the name {named.group(1)!r} (FAT, exFAT and "
+                         "Windows refuse : * ? \" < > | and names ending in a dot or a space): write onto another "
+                         "file system (or commit the file under another name)")
+    return CkptError(f"cannot make a file in {folder} (a folder where files cannot be made, such as /dev/fd or "
+                     "/proc, or one removed meanwhile); write elsewhere")
 
 
 def _permission_denied(exc: PermissionError) -> CkptError:

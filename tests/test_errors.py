@@ -38,3 +38,17 @@ def test_a_file_system_out_of_inodes_is_told_from_one_out_of_bytes(tmp_path, mon
     said = str(explain(full))
     assert said.startswith(f"the file system holding {tmp_path} can make no more files (its inodes are used up: "
                            f"`df -i {tmp_path}`)") and "Remove files there" in said, said
+
+
+def test_a_name_the_file_system_refuses_is_named_not_its_folder(tmp_path):
+    """exFAT refused `run:1.txt` (ENOENT through FUSE, EINVAL in the kernel): the message blamed its folder."""
+    import errno
+
+    from ckptstore.errors import explain
+
+    for code in (errno.ENOENT, errno.EINVAL):
+        refused = OSError(code, "refused", str(tmp_path / ".run:1.txt.new-0123456789abcdef.ckpt-tmp"))
+        said = str(explain(refused))
+        assert said.startswith(f"the file system of {tmp_path} does not accept the name 'run:1.txt'"), said
+    gone = FileNotFoundError(errno.ENOENT, "gone", str(tmp_path / "gone" / ".a.pt.0123456789abcdef.ckpt-tmp"))
+    assert str(explain(gone)).startswith(f"cannot make a file in {tmp_path / 'gone'} (a folder where files cannot")
