@@ -30,6 +30,7 @@ from ckptstore.errors import (
     InvalidRefNameError,
     LostLockError,
     MissingDatabaseError,
+    ReadOnlyRepoError,
     RefNotFoundError,
     RepoLockedError,
     SentObjectError,
@@ -362,6 +363,23 @@ def push(repo: Repository, name: str, branch: str | None = None, force: bool = F
     if row is None or row.kind != ref_rows.BRANCH or row.commit_id is None:
         raise RefNotFoundError(branch, detail=" (no such branch with commits here)")
     tip = CommitId(row.commit_id)
+    try:
+        report, old = _push_to(repo, remote_config, name, branch, tip, force)
+    except Exception as exc:
+        said = explain(exc)
+        if isinstance(said, ReadOnlyRepoError):  # this repository's writes were checked up front: the remote's
+            why = said if isinstance(exc, CkptError) else exc  # the OS's own words, where it said them
+            raise ReadOnlyRepoError(f"push to {name} stopped: the remote ({remote_config.url}) cannot be written "
+                                    f"from here ({why}); {branch!r} was not moved there") from None
+        raise
+    _track(repo, name, {branch: tip})
+    report.refs_moved = [(branch, old, tip)] if old != tip else []
+    return report
+
+
+def _push_to(repo: Repository, remote_config: RemoteConfig, name: str, branch: str, tip: CommitId, force: bool
+             ) -> tuple[TransferReport, CommitId | None]:
+    """Send `tip` and what it needs, then move the remote's `branch` there: the report and where it was."""
     # both locks shared: a gc or prune on either side waits until the push has read and sent what it needs
     with open_remote(remote_config, name, create=True) as remote, repo.lock(), _held_there(remote, name):
         with remote.db.read() as rtx:
@@ -383,9 +401,7 @@ def push(repo: Repository, name: str, branch: str | None = None, force: bool = F
             raise LostLockError(f"push to {name} stopped: a repository lock it held was lost ({exc.ended}); "
                                 f"{branch!r} was not moved there. Run the push again: what was sent is not sent "
                                 "twice", exc.ended) from None
-    _track(repo, name, {branch: tip})
-    report.refs_moved = [(branch, old, tip)] if old != tip else []
-    return report
+    return report, old
 
 
 def _refused(remote: Repository, name: str, branch: str, old: CommitId, tip: CommitId) -> ConflictError:

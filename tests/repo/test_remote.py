@@ -1050,3 +1050,22 @@ def test_a_push_after_the_remote_pruned_sends_no_links_below_what_it_has(tmp_pat
     with Repository.open(tmp_path / "hub") as hub:
         assert sent.commits == 1 and gc(hub).bytes_removed == 0  # nothing sent was garbage there
         assert torch.equal(hub.checkout("main")["w"], w) and fsck(hub).ok
+
+
+def test_a_push_to_a_remote_on_a_read_only_file_system_names_the_remote(pair, monkeypatch):
+    """"this repository is read-only here" blamed the user's own, writable repository (filesystems auditor)."""
+    import errno
+
+    from ckptstore.errors import ReadOnlyRepoError
+
+    work, hub_path, _ = pair
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(hub_path / ".ckpt" / "objects" / "ab"))
+
+    monkeypatch.setattr(remote, "_send_objects", read_only)
+    with pytest.raises(ReadOnlyRepoError, match=rf"push to origin stopped: the remote \({hub_path}\) cannot be "
+                                                r"written from here \(\[Errno 30\] Read-only file system"):
+        remote.push(work, "origin")
+    with Repository.open(hub_path) as hub:
+        assert hub.branches() == {}
