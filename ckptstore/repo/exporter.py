@@ -54,13 +54,13 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
     output = worktree.check_output_file(output)
     manifest = repo.manifest(cid)
     weight_files = [] if everything or manifest.kind != "folder" else hfweights.weight_files(manifest.files)
-    # transformers before 4.40 refuses a weights file without format "pt"; a safetensors file keeps its own
-    metadata = {"format": "pt"} if weight_files else None
+    metadata = None
     if sharded.is_sharded(manifest):
         tensors, skipped = sharded.gather(repo, manifest)
         why = "DCP keeps non-tensor state as separate items: load them with dcp.load and CkptStorageReader"
     elif weight_files:
-        tensors, skipped = _weights(repo, manifest, weight_files)
+        tensors, skipped, own = _weights(repo, manifest, weight_files)
+        metadata = {**own, "format": "pt"}  # transformers before 4.40 refuses a weights file without it
         why = WEIGHTS_ONLY
     elif fmt == "torch":
         torchfile.save(repo.checkout(cid), output)
@@ -111,14 +111,20 @@ def _by_name(by_path: dict[str, RawTensor]) -> dict[str, RawTensor]:
 
 
 def _weights(repo: Repository, manifest: Manifest, files: list[CheckpointFile]
-             ) -> tuple[dict[str, RawTensor], list[str]]:
-    """The weights in `files` by name (only their entries are decoded), and the folder's other files."""
+             ) -> tuple[dict[str, RawTensor], list[str], dict[str, str]]:
+    """The weights in `files` by name (only their entries are decoded), and the folder's other files.
+
+    With them, the weight files' own safetensors `__metadata__`, merged in file order.
+    """
     from ckptstore.repo.checkout import restore
 
     wanted = set().union(*(entries_of_file(manifest, escape(record.name)) for record in files))
     raws = restore(repo, manifest, paths=[p for p in manifest.entries if p in wanted])
     tensors: dict[str, RawTensor] = {}
+    own: dict[str, str] = {}
     for record in files:
+        if record.format == formats.SAFETENSORS:
+            own.update(safetensors_file.header_metadata(raws[record.skeleton[1]]) or {})
         found = hfweights.weights(record, raws.__getitem__)
         if found is None:
             raise CkptError(f"{record.name} in this folder is no flat map of names to tensors (from_pretrained does "
@@ -127,7 +133,7 @@ def _weights(repo: Repository, manifest: Manifest, files: list[CheckpointFile]
     odd = [name for name, raw in tensors.items() if raw.dtype not in safetensors_file.SAFETENSORS_DTYPES]
     kept = {name: raw for name, raw in tensors.items() if name not in odd}
     chosen = {record.name for record in files}
-    return kept, odd + [record.name for record in manifest.files if record.name not in chosen]
+    return kept, odd + [record.name for record in manifest.files if record.name not in chosen], own
 
 
 def _torch(raw: RawTensor) -> object:

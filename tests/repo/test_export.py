@@ -196,3 +196,16 @@ def test_a_weights_file_wrapped_in_a_dict_is_refused_and_a_torch_name_exports_to
     assert result.exit_code == 0 and result.output.endswith("1 tensors (torch)\n"), result.output
     assert torch.equal(torch.load(tmp_path / "pytorch_model.bin", weights_only=True)["embed.weight"],
                        weights["embed.weight"])
+
+
+def test_a_folders_safetensors_weights_keep_their_own_metadata_in_the_export(tmp_path):
+    """A Trainer folder's model.safetensors lost its `__metadata__` on export, keeping only format=pt (auditor)."""
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    save_file({"w": torch.randn(4, 4)}, folder / "model.safetensors", metadata={"modality": "text", "run": "r7"})
+    _training_files(folder)
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(folder, step=1)
+        export(repo, "main", "safetensors", tmp_path / "w.safetensors")
+    with safe_open(tmp_path / "w.safetensors", "pt") as handle:
+        assert handle.metadata() == {"modality": "text", "run": "r7", "format": "pt"}
