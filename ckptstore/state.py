@@ -147,6 +147,9 @@ def readable_path(path: str) -> str:
     """
     parts = []
     for part in path.split("/"):
+        if part == "%22%22":  # the empty str key's component (key_component)
+            parts.append("")
+            continue
         hex_digits = part[1:3]
         if part[:1] == "%" and len(hex_digits) == 2 and all(c in "0123456789ABCDEF" for c in hex_digits):
             digits = chr(int(hex_digits, 16)) + part[3:]

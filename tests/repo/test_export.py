@@ -209,3 +209,13 @@ def test_a_folders_safetensors_weights_keep_their_own_metadata_in_the_export(tmp
         export(repo, "main", "safetensors", tmp_path / "w.safetensors")
     with safe_open(tmp_path / "w.safetensors", "pt") as handle:
         assert handle.metadata() == {"modality": "text", "run": "r7", "format": "pt"}
+
+
+def test_an_empty_key_exports_under_its_own_empty_name(tmp_path):
+    """The key "" came out of a safetensors export as '%22%22' (its stored component), not as itself (auditor)."""
+    torch.save({"": torch.ones(2), "w": torch.zeros(2)}, tmp_path / "ck.pt")
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(tmp_path / "ck.pt")
+        export(repo, "main", "safetensors", tmp_path / "e.safetensors")
+    exported = load_file(tmp_path / "e.safetensors")
+    assert sorted(exported) == ["", "w"] and torch.equal(exported[""], torch.ones(2))
