@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 
 from ckptstore.formats import SAFETENSORS, TORCH, CheckpointFile, file_state, safetensors_file
 from ckptstore.state import RawTensor, materialize, raw_from_torch
@@ -36,14 +37,23 @@ def weight_files(files: list[CheckpointFile]) -> list[CheckpointFile]:
 def weights(record: CheckpointFile, raw_of: Callable[[str], RawTensor]) -> dict[str, RawTensor] | None:
     """The tensors of weight file `record` by name; `raw_of(path)` gives each stored entry.
 
-    None for a torch file that is no flat map of names to tensors (a `{"module": ...}` wrapper),
-    which `from_pretrained` does not read either.
+    None for a torch file that is no flat map of names to tensors (see `torch_state`).
     """
     if record.format == SAFETENSORS:
         return safetensors_file.as_state(record.skeleton, raw_of)
+    state = torch_state(record, raw_of)
+    return None if state is None else {name: raw_from_torch(value, name) for name, value in state.items()}
+
+
+def torch_state(record: CheckpointFile, raw_of: Callable[[str], RawTensor]) -> dict[str, Any] | None:
+    """A torch weights file's state dict as torch.load gives it (tied weights one storage, `_metadata` kept).
+
+    None where it is no flat map of names to tensors (a `{"module": ...}` wrapper), which
+    `from_pretrained` does not read either.
+    """
     import torch
 
     state = file_state(record, lambda path: materialize(raw_of(path)))  # views and shared storages resolved
     if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
         return None
-    return {name: raw_from_torch(value, name) for name, value in state.items()}
+    return state

@@ -11,8 +11,9 @@ whole state as checkout rebuilds it (torch).
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckptstore import formats
 from ckptstore.errors import CkptError
@@ -58,6 +59,10 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
     if sharded.is_sharded(manifest):
         tensors, skipped = sharded.gather(repo, manifest)
         why = "DCP keeps non-tensor state as separate items: load them with dcp.load and CkptStorageReader"
+    elif weight_files and fmt == "torch" and {record.format for record in weight_files} == {formats.TORCH}:
+        state, skipped = _torch_weights(repo, manifest, weight_files)
+        torchfile.save(state, output)
+        return ExportReport(cid, len(state), skipped, WEIGHTS_ONLY if skipped else "")
     elif weight_files:
         tensors, skipped, own = _weights(repo, manifest, weight_files)
         metadata = {**own, "format": "pt"}  # transformers before 4.40 refuses a weights file without it
@@ -116,10 +121,7 @@ def _weights(repo: Repository, manifest: Manifest, files: list[CheckpointFile]
 
     With them, the weight files' own safetensors `__metadata__`, merged in file order.
     """
-    from ckptstore.repo.checkout import restore
-
-    wanted = set().union(*(entries_of_file(manifest, escape(record.name)) for record in files))
-    raws = restore(repo, manifest, paths=[p for p in manifest.entries if p in wanted])
+    raws = _decoded(repo, manifest, files)
     tensors: dict[str, RawTensor] = {}
     own: dict[str, str] = {}
     for record in files:
@@ -127,13 +129,50 @@ def _weights(repo: Repository, manifest: Manifest, files: list[CheckpointFile]
             own.update(safetensors_file.header_metadata(raws[record.skeleton[1]]) or {})
         found = hfweights.weights(record, raws.__getitem__)
         if found is None:
-            raise CkptError(f"{record.name} in this folder is no flat map of names to tensors (from_pretrained does "
-                            "not read it either): export every tensor under its key path with --all")
+            raise _not_flat(record)
         tensors.update(found)
     odd = [name for name, raw in tensors.items() if raw.dtype not in safetensors_file.SAFETENSORS_DTYPES]
     kept = {name: raw for name, raw in tensors.items() if name not in odd}
+    return kept, odd + _others(manifest, files), own
+
+
+def _torch_weights(repo: Repository, manifest: Manifest, files: list[CheckpointFile]
+                   ) -> tuple[dict[str, Any], list[str]]:
+    """A folder's torch weight files as one state dict, as torch.save wrote them; and the folder's other files.
+
+    Tied weights share one storage, and the state dict's `_metadata` (its modules' versions) is kept.
+    """
+    raws = _decoded(repo, manifest, files)
+    state: dict[str, Any] = OrderedDict()
+    versions: dict[str, Any] = {}
+    for record in files:
+        found = hfweights.torch_state(record, raws.__getitem__)
+        if found is None:
+            raise _not_flat(record)
+        state.update(found)
+        versions.update(getattr(found, "_metadata", None) or {})
+    if versions:
+        state._metadata = versions  # type: ignore[attr-defined]  # as nn.Module.state_dict sets it
+    return state, _others(manifest, files)
+
+
+def _decoded(repo: Repository, manifest: Manifest, files: list[CheckpointFile]) -> dict[str, RawTensor]:
+    """The entries of `files`, decoded (only theirs)."""
+    from ckptstore.repo.checkout import restore
+
+    wanted = set().union(*(entries_of_file(manifest, escape(record.name)) for record in files))
+    return restore(repo, manifest, paths=[p for p in manifest.entries if p in wanted])
+
+
+def _not_flat(record: CheckpointFile) -> CkptError:
+    return CkptError(f"{record.name} in this folder is no flat map of names to tensors (from_pretrained does not "
+                     "read it either): export every tensor under its key path with --all")
+
+
+def _others(manifest: Manifest, files: list[CheckpointFile]) -> list[str]:
+    """The folder's files that are not `files`: left out of a weights export."""
     chosen = {record.name for record in files}
-    return kept, odd + [record.name for record in manifest.files if record.name not in chosen], own
+    return [record.name for record in manifest.files if record.name not in chosen]
 
 
 def _torch(raw: RawTensor) -> object:

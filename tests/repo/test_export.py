@@ -219,3 +219,20 @@ def test_an_empty_key_exports_under_its_own_empty_name(tmp_path):
         export(repo, "main", "safetensors", tmp_path / "e.safetensors")
     exported = load_file(tmp_path / "e.safetensors")
     assert sorted(exported) == ["", "w"] and torch.equal(exported[""], torch.ones(2))
+
+
+def test_a_torch_export_of_bin_weights_keeps_tied_weights_one_storage_and_the_metadata(tmp_path):
+    """The export wrote each tensor on its own: twice the bytes for tied weights, and no `_metadata` (auditor)."""
+    folder = tmp_path / "checkpoint-2"
+    folder.mkdir()
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 8), torch.nn.Linear(8, 64, bias=False))
+    model[1].weight = model[0].weight  # tied, as GPT-2's lm_head and wte
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    _training_files(folder)
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(folder, step=2)
+        report = export(repo, "main", "torch", tmp_path / "w.bin")
+    back = torch.load(tmp_path / "w.bin", weights_only=True)
+    assert report.tensors == 2 and list(back) == ["0.weight", "1.weight"]
+    assert back["0.weight"].untyped_storage().data_ptr() == back["1.weight"].untyped_storage().data_ptr()
+    assert back._metadata == model.state_dict()._metadata and torch.equal(back["1.weight"], model[0].weight)
