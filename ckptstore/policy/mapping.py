@@ -23,6 +23,8 @@ _ADAM_OR_SGD = {"exp_avg", "exp_avg_sq", "momentum_buffer", "step"}
 ADAM_EXTRAS = {"max_exp_avg_sq", "mu_product"}  # what Adam's variants keep beside its moments: amsgrad's, NAdam's
 _NO_DECAY = re.compile(r"bias|norm|(^|[._/])ln(_\w+)?([._/]|$)", re.IGNORECASE)
 NO_OPTIMIZER_STATE = "no optimizer state found"  # an OptimizerMap's `how` (a lossy manifest's pairing) then
+# the same where there is optimizer state, of no kind it pairs (Adagrad's sum): not "none found"
+UNPAIRED_STATE = "optimizer state of no kind it pairs (neither Adam's moments nor SGD's momentum); weights not paired"
 FLOATS = ("torch.float32", "torch.float16", "torch.bfloat16", "torch.float64")
 # buffers no optimizer trains, by their state-dict names: BatchNorm's running statistics, pruning's masks,
 # spectral norm's power-iteration vectors, orthogonal's base (torch.nn.utils.parametrizations)
@@ -166,7 +168,7 @@ def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str] | None 
     """
     slots = _slots_of(tensors, lrs or {})
     if not slots:
-        return OptimizerMap()
+        return OptimizerMap(how=UNPAIRED_STATE if any(map(_ANY_STATE.match, tensors)) else NO_OPTIMIZER_STATE)
     prefixes = {prefix for prefix, _ in slots}
     if len(prefixes) > 1:
         return OptimizerMap(list(slots.values()), False, "several optimizers; weights not paired")

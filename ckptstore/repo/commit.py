@@ -204,8 +204,9 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         entries.update({path: record.id for path, record in encoded.items() if path in checkpoint.tensors})
         manifest = Manifest(checkpoint.kind, checkpoint.files, {
             p: Entry(entries[p], raw.dtype, raw.shape) for p, raw in checkpoint.tensors.items()
-        }, digests, level.name if level else None, done.pairing, _importance_note(done.fisher, done.plans),
-            measured=done.remeasured, sources={p: sources[p] for p in done.plans})
+        }, digests, level.name if level else None, done.pairing,
+            _importance_note(done.fisher, done.plans, done.pairing), measured=done.remeasured,
+            sources={p: sources[p] for p in done.plans})
         if not options.allow_empty:
             _refuse_unchanged(manifest, parent, level)
         manifest_bytes = manifest.to_bytes()
@@ -628,12 +629,21 @@ def _measured_fisher(lossy: LossyOptions, level: LossyLevel | None) -> dict[str,
     return measure_fisher(lossy.model, lossy.calibration)
 
 
-def _importance_note(fisher: Mapping[str, float] | None, plans: Mapping[str, Any]) -> str | None:
-    """What the manifest says of a measured sensitivity: how many lossy weights it steered."""
-    if fisher is None:
-        return None
-    steered = sum(1 for path in fisher if path in plans)
-    return f"measured on a calibration batch ({steered} weights)"
+def _importance_note(fisher: Mapping[str, float] | None, plans: Mapping[str, Any], pairing: str | None
+                     ) -> str | None:
+    """What the manifest says of the weights' sensitivity: measured (steering how many), or nothing to go by.
+
+    None where Adam's second moments weighed them: what `show` says of a manifest without a note.
+    """
+    if fisher is not None:
+        steered = sum(1 for path in fisher if path in plans)
+        return f"measured on a calibration batch ({steered} weights)"
+    from ckptstore.policy.mapping import NO_OPTIMIZER_STATE
+
+    weights = [plan for plan in plans.values() if plan.codec == "deadzone"]
+    if pairing != NO_OPTIMIZER_STATE and weights and not any(plan.importance for plan in weights):  # RMSprop, Sophia
+        return "none: no Adam second moment to weigh the weights by"
+    return None
 
 
 def param_names_of(model: Any, optimizer: Any) -> list[str] | None:
