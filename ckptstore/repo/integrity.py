@@ -96,7 +96,14 @@ def replay_current(repo: Repository, manifest: Manifest, paths: list[str],
     here meanwhile. Records that moved are read again and replayed once more; records gone that no
     commit needs any more mean the commit itself was pruned meanwhile (PrunedCommitError).
     """
-    records = checked_records(repo, manifest, paths)
+    try:
+        records = checked_records(repo, manifest, paths)
+    except CorruptRecordError as exc:
+        # records gone that no commit needs: a prune removed this commit since its manifest was read (a dcp.load
+        # between planning and reading), no damage
+        if exc.commits:
+            raise
+        raise _pruned_meanwhile() from None
     faults.point("checkout:records-read")  # tests run a prune here
     try:
         return attempt(records)
@@ -108,15 +115,19 @@ def replay_current(repo: Repository, manifest: Manifest, paths: list[str],
         # records read a moment ago, now gone and needed by no commit: a prune removed this commit, no damage
         if exc.commits or not set(exc.tensors) <= records.keys():
             raise
-        raise PrunedCommitError("the commit being read was removed by `ckpt prune` or `ckpt gc --prune` while this "
-                                "command ran (its tensors went with it, on purpose): check out a kept commit "
-                                "(`ckpt log` lists them)") from None
+        raise _pruned_meanwhile() from None
     if fresh == records:
         raise error.needed_by(repo.commits_needing(error.object_ids)) from None
     try:
         return attempt(fresh)
     except CorruptObjectError as exc:
         raise exc.needed_by(repo.commits_needing(exc.object_ids)) from None
+
+
+def _pruned_meanwhile() -> PrunedCommitError:
+    return PrunedCommitError("the commit being read was removed by `ckpt prune` or `ckpt gc --prune` while this "
+                             "command ran (its tensors went with it, on purpose): check out a kept commit (`ckpt "
+                             "log` lists them)")
 
 
 def entry_records(repo: Repository, manifest: Manifest) -> dict[TensorId, TensorRecord]:

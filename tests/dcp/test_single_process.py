@@ -377,3 +377,26 @@ def test_diff_of_a_sharded_commit_and_a_file_commit_compares_tensors_by_name(tmp
         assert rows["model.new"] == ("added", None) and rows["model.layer.0.bias"] == ("unchanged", 0.0)
         backwards = {d.path: d.status for d in repo.diff("HEAD", "HEAD~2")}
         assert backwards == {"model.w": "changed", "model.new": "removed", "model.layer.0.bias": "unchanged"}
+
+
+def test_a_load_whose_commit_a_prune_removes_between_planning_and_reading_says_so(tmp_path):
+    """The load said the repository was damaged and sent the user to fsck, which found nothing (sharded auditor)."""
+    from ckptstore.repo.config import RetentionPolicy
+    from ckptstore.repo.pruning import prune
+
+    repo = Repository.init(tmp_path)
+    cids = []
+    for step in range(3):
+        writer = CkptStorageWriter(repo, step=step)
+        dcp.save({"w": torch.full((64, 64), float(step)), "extra": {"step": step}}, storage_writer=writer)
+        cids.append(writer.commit_id)
+
+    class PrunedMeanwhile(CkptStorageReader):  # another process's retention, between planning and reading
+        def read_data(self, plan, planner):
+            with Repository.open(tmp_path) as other:
+                prune(other, RetentionPolicy(keep_last=1))
+            return super().read_data(plan, planner)
+
+    with pytest.raises(CheckpointException, match="removed by `ckpt prune`") as raised:
+        dcp.load({"w": torch.zeros(64, 64), "extra": {"step": -1}}, storage_reader=PrunedMeanwhile(repo, cids[0]))
+    assert "damaged" not in str(raised.value) and fsck(repo, full=True).ok
