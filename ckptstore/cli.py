@@ -418,11 +418,14 @@ def log(ctx, graph, all_refs, as_json) -> None:
         return _emit_json([dict(c.to_json(), **({"pruned": True} if c.pruned else {}))
                            for c in repo.log(all_refs=all_refs)])
     if graph:
-        for line in repo.log_graph(all_refs=all_refs):
+        for line in repo.log_graph(all_refs=all_refs) or _unborn_head(repo):
             echo(line)
         return None
     labels = repo.decorations()
-    for info in repo.log(all_refs=all_refs):
+    commits = repo.log(all_refs=all_refs)
+    for line in [] if commits else _unborn_head(repo):
+        echo(line)
+    for info in commits:
         deco = f" ({', '.join(labels[info.id])})" if info.id in labels else ""
         when = datetime.datetime.fromtimestamp(info.created_at).isoformat(timespec="seconds")
         lossy = f"\nLossy:  {info.lossy}" if info.lossy else ""
@@ -432,6 +435,19 @@ def log(ctx, graph, all_refs, as_json) -> None:
             echo("Metrics: " + ", ".join(f"{k}={v:g}" for k, v in info.metrics.items()))
         echo(f"\n{_indented(info.message)}\n")
     return None
+
+
+def _unborn_head(repo) -> list[str]:
+    """A line where HEAD's branch has no commits but others have (a sharded save to its own branch).
+
+    An empty log said nothing of them.
+    """
+    branch, head = repo.head()
+    others = sorted(repo.branches())
+    if head is not None or not others:
+        return []
+    return [f"note: HEAD's branch {branch!r} has no commits yet; {listing(others, 5)} "
+            f"{'has' if len(others) == 1 else 'have'}: `ckpt log --all` lists them, `ckpt checkout BRANCH` moves HEAD"]
 
 
 @cli.command()

@@ -334,3 +334,20 @@ def test_clone_takes_a_folder_it_may_enter_but_not_list(tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == str(origin), out.stderr
     said = ckpt_here(tmp_path, "clone", "")
     assert said.returncode == 2 and "is empty (a variable not set?): pass a URL or a folder" in said.stderr
+
+
+def test_log_of_an_unborn_head_names_the_branches_that_have_commits(tmp_path):
+    """After a sharded save to its own branch in a new repository, `ckpt log` printed nothing (sharded auditor)."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore import Repository
+    from ckptstore.dcp import CkptStorageWriter
+
+    with Repository.init(tmp_path) as repo:
+        dcp.save({"w": torch.ones(4)}, storage_writer=CkptStorageWriter(repo, branch="run"))
+    for args in (["log"], ["log", "--graph"]):
+        result = ckpt_here(tmp_path, *args)
+        assert result.returncode == 0 and result.stdout == (
+            "note: HEAD's branch 'main' has no commits yet; run has: `ckpt log --all` lists them, `ckpt checkout "
+            "BRANCH` moves HEAD\n"), result.stdout
+    assert ckpt_here(tmp_path, "log", "--json").stdout.strip() == "[]"
