@@ -801,7 +801,11 @@ def daemon_start(ctx, idle: float | None) -> None:
 @click.pass_context
 def daemon_stop(ctx) -> None:
     """Stop the daemon once its current command is done."""
-    state = _daemons().stop(_daemon_root(ctx))
+    client, root = _daemons(), _daemon_root(ctx)
+    state = client.stop(root)
+    other = None if state else client.anothers(root)
+    if other is not None:
+        raise CkptError(f"{client.anothers_line(other)}; only that user can stop it")
     echo(f"stopped ckpt daemon {state['pid']}" if state else "no ckpt daemon was running")
 
 
@@ -809,8 +813,10 @@ def daemon_stop(ctx) -> None:
 @click.pass_context
 def daemon_status(ctx) -> None:
     """Say whether a daemon serves this repository."""
-    state = _daemons().status(_daemon_root(ctx))
-    echo(_daemon_line(state) if state else "no ckpt daemon is running")
+    client, root = _daemons(), _daemon_root(ctx)
+    state = client.status(root)
+    other = None if state else client.anothers(root)
+    echo(_daemon_line(state) if state else client.anothers_line(other) if other else "no ckpt daemon is running")
 
 
 def _create_or_delete(name: str | None, delete: str | None) -> None:

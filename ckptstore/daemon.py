@@ -268,6 +268,35 @@ def _ask(root: Path, op: str) -> dict[str, Any] | None:
     return reply if "pid" in reply else None  # a stopping daemon answers without one
 
 
+def anothers(root: Path) -> dict[str, Any] | None:
+    """The daemon serving `root` for another user, where one runs: its pid and that user's uid; else None.
+
+    A daemon serves only the user who started it (its socket is in that user's private folder), and
+    one runs per repository: another user's `status` saw none and their `start` failed on its log.
+    """
+    import fcntl
+
+    try:
+        where = json.loads(address_path(root).read_text())
+        owner = os.stat(Path(where["socket"]).parent).st_uid
+        if owner == os.getuid():
+            return None
+        with open(lock_path(root), "rb") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # held: its daemon runs
+                return {"pid": where.get("pid"), "uid": owner}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return None  # its lock is free: that daemon is gone
+
+
+def anothers_line(other: dict[str, Any]) -> str:
+    """What to tell a user about another user's daemon serving the repository."""
+    return (f"ckpt daemon {other['pid']} serves this repository for another user (uid {other['uid']}): it runs only "
+            "their commands; yours run without a daemon, as usual")
+
+
 def status(root: Path) -> dict[str, Any] | None:
     """The running daemon's pid, start time, idle limit and commands served; None when none runs."""
     return _ask(root, "status")
@@ -286,6 +315,9 @@ def start(root: Path, idle: float | None = None) -> dict[str, Any]:
     import subprocess
 
     running = status(root)
+    other = anothers(root) if running is None else None
+    if other is not None:
+        raise CkptError(f"{anothers_line(other)}; one daemon serves a repository at a time")
     deadline = time.monotonic() + START_TIMEOUT_SECONDS
     while running is not None and running.get("stopping") and time.monotonic() < deadline:
         time.sleep(0.05)  # stopped, and ending the command in progress: a new one starts once it is gone

@@ -378,3 +378,24 @@ def test_the_launcher_reads_the_command_and_its_repository_past_the_global_optio
     assert _command_of(["--repo=r", "commit"]) == ("commit", "r")
     assert _command_of(["--repo=", "commit", "a.pt"]) == ("commit", None)  # empty, as click reads it: not "commit"
     assert _command_of(["--read-only", "commit"]) == (None, None)  # refused here, never in a daemon
+
+
+def test_another_users_daemon_is_named_by_status_start_and_stop(tmp_path):
+    """Bob's `daemon status` said none ran while Alice's served the repository, and his `start` failed writing to
+    her log (multi-user auditor). Her daemon: its socket in a folder of hers, its lock held."""
+    import fcntl
+
+    Repository.init(tmp_path / "repo").close()
+    hers = tmp_path / "alice-private"
+    hers.mkdir(mode=0o700)
+    os.chown(hers, 65534, 65534)
+    daemon.address_path(tmp_path / "repo").write_text(json.dumps({"socket": str(hers / "4242.sock"), "pid": 4242}))
+    said = "ckpt daemon 4242 serves this repository for another user (uid 65534): it runs only their commands"
+    with open(daemon.lock_path(tmp_path / "repo"), "wb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as her running daemon holds it
+        status = ckpt_here(tmp_path / "repo", "daemon", "status")
+        assert status.returncode == 0 and status.stdout.startswith(said), status.stdout
+        for command in ("start", "stop"):
+            refused = ckpt_here(tmp_path / "repo", "daemon", command)
+            assert refused.returncode == 1 and refused.stderr.startswith(f"error: {said}"), refused.stderr
+    assert ckpt_here(tmp_path / "repo", "daemon", "status").stdout == "no ckpt daemon is running\n"  # hers is gone
