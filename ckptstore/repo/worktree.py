@@ -10,6 +10,7 @@ writes through a symlink that leads out of the destination; each file gets its p
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import stat
@@ -574,6 +575,7 @@ def _one_name_there(a: Path, b: Path) -> bool:
     """Whether the file system where `a` and `b` differ first takes their differing names for one.
 
     Asked in a new folder of its own there, under the names themselves: a prefix could pass NAME_MAX.
+    A name the file system refuses outright is no answer (False): writing it says so.
     """
     import shutil
     import tempfile
@@ -582,10 +584,17 @@ def _one_name_there(a: Path, b: Path) -> bool:
     home = Path(*a.parts[:first])
     while not home.is_dir():
         home = home.parent
-    probe = Path(tempfile.mkdtemp(prefix=".ckpt-probe-", dir=home))
+    try:
+        probe = Path(tempfile.mkdtemp(prefix=".case-probe-", dir=home))
+    except PermissionError as exc:  # the folder written into, not the probe, is what the user can act on
+        raise PermissionError(exc.errno, exc.strerror, str(home)) from None
     try:
         (probe / a.parts[first]).touch()
         return (probe / b.parts[first]).exists()
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.EINVAL, errno.ENAMETOOLONG):  # refused names (run:1.pt on exFAT)
+            return False
+        raise
     finally:
         shutil.rmtree(probe, ignore_errors=True)
 

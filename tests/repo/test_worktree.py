@@ -1155,7 +1155,7 @@ def test_two_paths_a_case_blind_file_system_takes_for_one_are_refused_before_wri
     exists = Path.exists
 
     def case_blind(path):  # what exFAT answers for the probe's other spelling
-        if path.parent.name.startswith(".ckpt-probe-"):
+        if path.parent.name.startswith(".case-probe-"):
             return any(other.name.casefold() == path.name.casefold() for other in path.parent.iterdir())
         return exists(path)
 
@@ -1166,7 +1166,7 @@ def test_two_paths_a_case_blind_file_system_takes_for_one_are_refused_before_wri
         repo.checkout_to("HEAD", tmp_path / "part", keys=["*"])
     monkeypatch.undo()
     assert not os.path.exists(tmp_path / "folded") and not os.path.exists(tmp_path / "part")
-    assert not list(tmp_path.glob(".ckpt-probe-*"))
+    assert not list(tmp_path.glob(".case-probe-*"))
     long = repo.root / "long"  # the probe asks under the names themselves: no prefix past NAME_MAX (reader 9)
     long.mkdir()
     for name in ("a" * 240, "A" * 240):
@@ -1174,6 +1174,40 @@ def test_two_paths_a_case_blind_file_system_takes_for_one_are_refused_before_wri
     repo.commit(long, "long")
     repo.checkout_to("HEAD", tmp_path / "long")
     assert sorted(p.read_text() for p in (tmp_path / "long").iterdir()) == ["A", "a"]
+
+
+def test_the_folding_probe_leaves_refused_names_to_the_write_and_names_an_unwritable_folder(repo, tmp_path,
+                                                                                          monkeypatch):
+    """`Run:1.pt` and `run:1.pt` on exFAT ended in "unexpected FileNotFoundError" naming the hidden probe folder, and
+    an unwritable destination was named by its probe, with --read-only advice (reader 10, of 8f49957)."""
+    import errno
+    import tempfile
+
+    folder = repo.root / "pair"
+    folder.mkdir()
+    (folder / "Run:1.txt").write_text("upper")
+    (folder / "run:1.txt").write_text("lower")
+    cid = repo.commit(folder, "pair")
+    touch = Path.touch
+
+    def refusing(path, *args, **kwargs):  # exFAT's answer to a name with ":" (ENOENT through FUSE)
+        if ":" in path.name and path.parent.name.startswith(".case-probe-"):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
+        return touch(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "touch", refusing)
+    repo.checkout_to(cid, tmp_path / "out")  # this disk takes both: the write, not the probe, decides
+    assert sorted(p.read_text() for p in (tmp_path / "out").iterdir()) == ["lower", "upper"]
+    monkeypatch.undo()
+
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "closed" / ".case-probe-x"))
+
+    (tmp_path / "closed").mkdir()
+    monkeypatch.setattr(tempfile, "mkdtemp", denied)
+    with pytest.raises(PermissionError) as raised:
+        repo.checkout_to(cid, tmp_path / "closed" / "out")
+    assert raised.value.filename == str(tmp_path / "closed")
 
 
 def test_an_in_place_checkout_of_a_file_never_writes_into_another_repositorys_folder(tmp_path):
