@@ -641,9 +641,11 @@ def _importance_note(fisher: Mapping[str, float] | None, plans: Mapping[str, Any
     from ckptstore.policy.mapping import NO_OPTIMIZER_STATE
 
     weights = [plan for plan in plans.values() if plan.codec == "deadzone"]
-    if pairing != NO_OPTIMIZER_STATE and weights and not any(plan.importance for plan in weights):  # RMSprop, Sophia
-        return "none: no Adam second moment to weigh the weights by"
-    return None
+    if pairing == NO_OPTIMIZER_STATE or not weights or any(plan.importance for plan in weights):
+        return None
+    if any(plan.codec in ("log2moment", "normmoment") for plan in plans.values()):  # Adam's, left unpaired (a GAN's)
+        return "none: the weights were not paired with the optimizer's moments"
+    return "none: no Adam second moment to weigh the weights by"  # RMSprop, Sophia, Adagrad
 
 
 def param_names_of(model: Any, optimizer: Any) -> list[str] | None:
