@@ -367,14 +367,27 @@ def push(repo: Repository, name: str, branch: str | None = None, force: bool = F
         report, old = _push_to(repo, remote_config, name, branch, tip, force)
     except Exception as exc:
         said = explain(exc)
-        if isinstance(said, ReadOnlyRepoError):  # this repository's writes were checked up front: the remote's
-            why = said if isinstance(exc, CkptError) else exc  # the OS's own words, where it said them
+        if isinstance(said, ReadOnlyRepoError) and not said.args[0].startswith(f"push to {name} refused"):
+            # this repository's writes were checked up front: the remote's, found once sending
             raise ReadOnlyRepoError(f"push to {name} stopped: the remote ({remote_config.url}) cannot be written "
-                                    f"from here ({why}); {branch!r} was not moved there") from None
+                                    f"from here ({_os_words(exc)}); {branch!r} was not moved there, and what was "
+                                    "sent waits there for its gc") from None
         raise
     _track(repo, name, {branch: tip})
     report.refs_moved = [(branch, old, tip)] if old != tip else []
     return report
+
+
+def _os_words(exc: BaseException) -> BaseException:
+    """The operating system's or database's own error beneath `exc` (followed through its causes), else `exc`."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if not isinstance(current, CkptError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return exc
 
 
 def _push_to(repo: Repository, remote_config: RemoteConfig, name: str, branch: str, tip: CommitId, force: bool
@@ -382,6 +395,9 @@ def _push_to(repo: Repository, remote_config: RemoteConfig, name: str, branch: s
     """Send `tip` and what it needs, then move the remote's `branch` there: the report and where it was."""
     # both locks shared: a gc or prune on either side waits until the push has read and sent what it needs
     with open_remote(remote_config, name, create=True) as remote, repo.lock(), _held_there(remote, name):
+        if remote.db.read_only:  # before anything is sent: objects there would wait for its gc
+            raise ReadOnlyRepoError(f"push to {name} refused: the remote ({remote_config.url}) cannot be written from "
+                                    f"here ({remote.db.why}); nothing was sent")
         with remote.db.read() as rtx:
             old = _tip(_branch_row(rtx, branch, f"remote {name!r}"))
             if old is None:  # a branch made there: by the remote's rules (its own remotes' tracking refs)

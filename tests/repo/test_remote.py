@@ -1053,7 +1053,8 @@ def test_a_push_after_the_remote_pruned_sends_no_links_below_what_it_has(tmp_pat
 
 
 def test_a_push_to_a_remote_on_a_read_only_file_system_names_the_remote(pair, monkeypatch):
-    """"this repository is read-only here" blamed the user's own, writable repository (filesystems auditor)."""
+    """"this repository is read-only here" blamed the user's own, writable repository (filesystems auditor); one
+    found read-only on open was sent objects before the refusal, its message nested in another (reader 10)."""
     import errno
 
     from ckptstore.errors import ReadOnlyRepoError
@@ -1065,7 +1066,17 @@ def test_a_push_to_a_remote_on_a_read_only_file_system_names_the_remote(pair, mo
 
     monkeypatch.setattr(remote, "_send_objects", read_only)
     with pytest.raises(ReadOnlyRepoError, match=rf"push to origin stopped: the remote \({hub_path}\) cannot be "
-                                                r"written from here \(\[Errno 30\] Read-only file system"):
+                                                r"written from here \(\[Errno 30\] Read-only file system: '.*'\); "
+                                                r"'main' was not moved there"):
         remote.push(work, "origin")
     with Repository.open(hub_path) as hub:
         assert hub.branches() == {}
+    monkeypatch.undo()
+    from ckptstore.repo import repository  # one found read-only on open is refused before anything is sent
+
+    monkeypatch.setattr(repository, "unwritable", lambda folder: f"{folder} is not writable" if hub_path in
+                        folder.parents or folder == hub_path / ".ckpt" else "")
+    with pytest.raises(ReadOnlyRepoError, match=rf"push to origin refused: the remote \({hub_path}\) cannot be "
+                                                r"written from here \(.*is not writable\); nothing was sent"):
+        remote.push(work, "origin")
+    assert _object_files(hub_path) == []
