@@ -155,6 +155,8 @@ class Findings:
     problems: dict[str, str] = field(default_factory=dict)
     named_tensors: set[TensorId] = field(default_factory=set)
     unreadable_manifests: set[ObjectId] = field(default_factory=set)
+    # commits whose manifests a newer ckptstore wrote (a version this one does not read): not damage, unchecked
+    newer_manifests: list[CommitId] = field(default_factory=list)
 
 
 def check_metadata(tx: Tx, store: ObjectStore, pruned_ids: bool = True) -> Findings:
@@ -241,7 +243,7 @@ def _commit_problems(tx: Tx, commits: dict[CommitId, commit_rows.CommitInfo], fo
 def _manifest_entries(store: ObjectStore, commits: dict[CommitId, commit_rows.CommitInfo], found: Findings
                       ) -> dict[CommitId, dict[str, Entry]]:
     """Each commit's manifest entries, from the manifests that read; what a manifest says of its commit is checked."""
-    from ckptstore.repo.manifest import Manifest
+    from ckptstore.repo.manifest import Manifest, ManifestVersionError
 
     entries: dict[CommitId, dict[str, Entry]] = {}
     for cid, info in sorted(commits.items(), key=_by_key):
@@ -249,6 +251,10 @@ def _manifest_entries(store: ObjectStore, commits: dict[CommitId, commit_rows.Co
             continue
         try:
             manifest = Manifest.from_bytes(store.get(info.manifest_object), info.manifest_object)
+        except ManifestVersionError:
+            found.newer_manifests.append(cid)
+            found.unreadable_manifests.add(info.manifest_object)
+            continue
         except (CorruptObjectError, CkptError):
             found.unreadable_manifests.add(info.manifest_object)
             continue

@@ -42,10 +42,12 @@ class FsckReport:
     damaged_records: dict[str, str] = field(default_factory=dict)  # "commit ID", "tensor ID", "ref NAME": problem
     unchecked: list[str] = field(default_factory=list)  # a lazy clone's objects not held here, its origin unreachable
     unchecked_why: str = ""
+    newer: list[str] = field(default_factory=list)  # commits a newer ckptstore wrote: their manifests not read here
 
     @property
     def ok(self) -> bool:
-        return not (self.damaged_objects or self.missing_records or self.damaged_records or self.unchecked)
+        return not (self.damaged_objects or self.missing_records or self.damaged_records or self.unchecked
+                    or self.newer)
 
 
 def gc(repo: Repository, prune_unreachable: bool = False, wait: bool = True) -> GcReport:
@@ -129,6 +131,15 @@ def missing_objects(repo: Repository, needed: set[ObjectId], stored: Iterable[Ob
     return {f"object {oid}": "needed, and not in the store" for oid in unlisted}
 
 
+def refuse_newer(newer: list[str], verb: str) -> None:
+    """Raise where commits a newer ckptstore wrote are among those kept: what they need is not known here."""
+    if newer:
+        named = ", ".join(cid[:12] for cid in newer[:3])
+        raise CkptError(f"{verb} refused to delete anything: {len(newer)} commit(s) ({named}) were written by a newer "
+                        "ckptstore, whose manifests this one cannot read, so it cannot tell what they need. Nothing "
+                        "is damaged: upgrade ckptstore, then run it again")
+
+
 def refusal(problems: dict[str, str], where: str, verb: str = "gc") -> CkptError:
     """Why gc (or prune) deletes nothing: the first damaged records, and how many more."""
     shown = "; ".join(f"{what}: {problem}" for what, problem in list(problems.items())[:2])
@@ -158,7 +169,7 @@ def fsck(repo: Repository, full: bool = False) -> FsckReport:
         _, live_objects = liveness.live(tx, findings.named_tensors)
         manifests = liveness.commit_manifests(tx)
         report.missing_records = sorted(liveness.referenced_tensors(tx) - liveness.recorded_tensors(tx), key=str)
-    report.damaged_records = findings.problems
+    report.damaged_records, report.newer = findings.problems, findings.newer_manifests
     _check_objects(repo, live_objects, report)
     report.unreferenced_objects = sum(1 for oid in repo.store.iter_ids() if oid not in live_objects)
     for oid in report.damaged_objects:

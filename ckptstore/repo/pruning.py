@@ -182,9 +182,10 @@ def _doomed(tx: Tx, policy: RetentionPolicy) -> set[CommitId]:
 def _refuse_damage(repo: Repository, tx: Tx) -> None:
     """Re-encode and delete nothing while the records that say what kept commits need are damaged (as gc)."""
     from ckptstore.repo import integrity
-    from ckptstore.repo.maintenance import missing_objects, refusal
+    from ckptstore.repo.maintenance import missing_objects, refusal, refuse_newer
 
     findings = integrity.check_metadata(tx, repo.store)  # pruned rows too: their parents place what is kept
+    refuse_newer(findings.newer_manifests, "prune")
     problems = dict(findings.problems)  # and a kept commit's manifest or object lost: prune would keep nothing whole
     problems.update({f"manifest {oid}": "unreadable" for oid in sorted(findings.unreadable_manifests, key=str)})
     _, live_objects = liveness.live(tx, findings.named_tensors)

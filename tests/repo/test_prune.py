@@ -639,3 +639,23 @@ def test_keep_best_keeps_one_commit_of_those_tied_the_oldest(tmp_path):
                  repo.commit({"w": torch.ones(100)}, metrics={"loss": 9.0})]
         prune(repo, RetentionPolicy(keep_best="loss"))  # a later tie does not take its place
         assert not repo.show(cids[1]).get("pruned") and repo.show(cids[-2]).get("pruned")
+
+
+def test_commits_a_newer_ckptstore_wrote_are_not_called_damage_by_fsck_prune_or_retention(tmp_path, monkeypatch):
+    """An older ckptstore's prune called a newer manifest "damaged" and sent the user to restore a backup, while its
+    fsck said ok (mixed-versions auditor). This one, reading manifests of a version it does not know, says so."""
+    from ckptstore.repo import manifest as manifest_module
+
+    torch.save({"w": torch.randn(32, 48).t()}, tmp_path / "a.pt")  # a transposed weight: a version 3 manifest
+    with Repository.init(tmp_path / "repo") as repo:
+        newer = repo.commit(tmp_path / "a.pt")
+        repo.commit({"w": torch.ones(4)})
+        monkeypatch.setattr(manifest_module, "KNOWN_VERSIONS", (1, 2))  # as the ckptstore of before version 3
+        report = fsck(repo)
+        assert report.newer == [newer] and not report.damaged_records and not report.ok
+        with pytest.raises(CkptError, match=r"prune refused to delete anything: 1 commit\(s\) \(.{12}\) were written "
+                                            r"by a newer ckptstore.*Nothing is damaged: upgrade ckptstore"):
+            prune(repo, RetentionPolicy(keep_last=1))
+        result = CliRunner().invoke(cli, ["--repo", str(repo.root), "fsck"])
+    assert result.exit_code == 1 and f"1 commits ({newer[:12]}) were written by a newer ckptstore" in result.output
+    assert "damaged" not in result.output.replace("known to be damaged", "")
