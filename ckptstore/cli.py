@@ -322,12 +322,15 @@ def _say_committed(repo: Repository, cid: str, message: str | None, branch: str 
 @click.option("--force", is_flag=True, help="Overwrite files whose content is not in the store.")
 @click.option("--only", "only", multiple=True, metavar="PATTERN",
               help="Write only the values whose paths match (glob, e.g. 'model.*'; repeatable; needs -o).")
+@click.option("--trust-pickle", is_flag=True,
+              help="Write a sharded commit's pickled non-tensor items as stored (committed with --trust-pickle).")
 @click.pass_context
-def checkout(ctx, ref, output, force, only) -> None:
+def checkout(ctx, ref, output, force, only, trust_pickle) -> None:
     """Restore the checkpoint at REF and move HEAD to it (a lossless commit: files byte for byte, except below)."""
     repo = _open(ctx)
     info = repo.commit_info(ref)  # before HEAD moves: a ref like HEAD~1 names another commit afterwards
-    dest = repo.checkout_to(ref, output, force=force, progress=BarProgress(), keys=list(only) or None)
+    dest = repo.checkout_to(ref, output, force=force, progress=BarProgress(), keys=list(only) or None,
+                            trust_pickle=trust_pickle)
     if output is None and info.sharded:
         echo(f"HEAD is now at {info.id[:12]}, a sharded (DCP) commit: nothing is written in place; write it as a "
              f"DCP directory with `ckpt checkout {info.id[:12]} -o DIR`, or load it with CkptStorageReader")

@@ -219,8 +219,8 @@ def _pickled(blob: np.ndarray, key: str, path: Path, trust_pickle: bool) -> RawT
         except PickledObjectsError as exc:
             raise PickledObjectsError(f"{path}: {exc.args[0].split('; DCP would', 1)[0]}; nothing was committed. "
                                       "Commit with --trust-pickle only if you trust the directory (then load it with "
-                                      "CkptStorageReader(..., trust_pickle=True)), or save the value as a plain "
-                                      "number or a tensor") from None
+                                      "CkptStorageReader(..., trust_pickle=True) or `ckpt checkout --trust-pickle`), "
+                                      "or save the value as a plain number or a tensor") from None
     return raw_from_bytes(blob)
 
 
@@ -252,8 +252,11 @@ def _tensor(blob: np.ndarray, item: dict[str, Any], sizes: list[int], where: str
     return raw_from_torch(tensor.contiguous(), item["fqn"])
 
 
-def write(dest: str | os.PathLike, dcp: dict[str, Any], items: Iterable[tuple[str, RawTensor]], where: str) -> Path:
+def write(dest: str | os.PathLike, dcp: dict[str, Any], items: Iterable[tuple[str, RawTensor]], where: str,
+          trust_pickle: bool = False) -> Path:
     """Write a sharded commit (its `dcp` JSON, its stored items by manifest path) as a DCP directory at `dest`.
+
+    `trust_pickle` writes non-tensor items kept as DCP's pickles as they are stored (`item_pickle`).
 
     `dest` must not exist or be an empty folder; `items` may come in any order, a batch at a time.
     The data file is written first and `.metadata` last, both atomically, so a crash never
@@ -271,7 +274,7 @@ def write(dest: str | os.PathLike, dcp: dict[str, Any], items: Iterable[tuple[st
         offset = 0
         for key, raw in items:
             index = index_of[key]
-            blob = item_pickle(index.fqn, bytes(raw.data)) if index.offset is None else _saved(raw)
+            blob = item_pickle(index.fqn, bytes(raw.data), trust_pickle) if index.offset is None else _saved(raw)
             handle.write(blob)
             storage[index] = _StorageInfo(DATA_FILE, offset, len(blob))
             offset += len(blob)
@@ -330,9 +333,9 @@ def item_value(fqn: str, data: bytes) -> Any:
             raise CorruptRecordError(f"bytes item {fqn}", f"it is not a torch.save archive ({problem})") from None
         why = refusal_reason(str(exc)) or type(exc).__name__
         raise PickledObjectsError(f"{fqn}: this non-tensor item holds objects beyond plain data and tensors "
-                                  f"({why}); DCP would unpickle them in full. Load "
-                                  "it with CkptStorageReader(..., trust_pickle=True), and only from repositories "
-                                  "you trust") from None
+                                  f"({why}); DCP would unpickle them in full. Load it with "
+                                  "CkptStorageReader(..., trust_pickle=True) or write it with `ckpt checkout "
+                                  "--trust-pickle`, and only from repositories you trust") from None
 
 
 def same_items(fqn: str, old: bytes, new: bytes) -> bool:

@@ -74,7 +74,8 @@ def _checkout(repo: Repository, ref: str, device: str | None, progress: Progress
 
 
 def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = None, force: bool = False,
-                progress: Progress | None = None, keys: Iterable[str] | None = None) -> Path:
+                progress: Progress | None = None, keys: Iterable[str] | None = None, trust_pickle: bool = False
+                ) -> Path:
     """Write the checkpoint at `ref` to disk and return where.
 
     Without `output`, writes to the path it was committed from and moves HEAD (like git
@@ -83,6 +84,7 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
     With `output` (whose parent folder must exist), only writes there. A folder ends up holding
     exactly the commit's files (worktree.plan_checkout says what is removed and what is refused).
     With `keys`, only the matching part is written, to `output` (required); see `_write_selected`.
+    `trust_pickle`: see Repository.checkout_to.
     """
     if output is not None:
         worktree.refuse_own_folders(repo, output)
@@ -103,7 +105,7 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
             return repo.root
         from ckptstore.repo.dcpfiles import checkout_dir
 
-        return checkout_dir(repo, cid, info.manifest_object, manifest, output, progress)
+        return checkout_dir(repo, cid, info.manifest_object, manifest, output, progress, trust_pickle)
     if keys is not None:
         return _write_selected(repo, cid, manifest, keys, output, force, progress)
     if output is not None:

@@ -92,14 +92,17 @@ def _batches(items: Iterable[tuple[str, T]], size_of: Callable[[T], int]) -> Ite
 
 
 def checkout_dir(repo: Repository, cid: CommitId, manifest_oid: str, manifest: Manifest, dest: str | os.PathLike,
-                 progress: Progress | None = None) -> Path:
-    """Write the sharded commit `cid` (its manifest, stored as `manifest_oid`) as a DCP directory at `dest`."""
+                 progress: Progress | None = None, trust_pickle: bool = False) -> Path:
+    """Write the sharded commit `cid` (its manifest, stored as `manifest_oid`) as a DCP directory at `dest`.
+
+    `trust_pickle`: non-tensor items kept as DCP's pickles are written as stored (dcpdir.item_pickle).
+    """
     from ckptstore.formats import dcpdir
 
     problem = sharded.dcp_problem(manifest)
     if problem is not None:
         raise CkptError(f"commit {cid[:12]} cannot be written as a DCP directory: {problem}; run `ckpt fsck`")
-    return dcpdir.write(dest, manifest.dcp, _restored(repo, manifest, progress), manifest_oid)
+    return dcpdir.write(dest, manifest.dcp, _restored(repo, manifest, progress), manifest_oid, trust_pickle)
 
 
 def _restored(repo: Repository, manifest: Manifest, progress: Progress | None) -> Iterator[tuple[str, RawTensor]]:

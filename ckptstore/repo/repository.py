@@ -235,13 +235,18 @@ class Repository:
         return checkout(self, ref, device, progress, keys)
 
     def checkout_to(self, ref: str, output: str | os.PathLike | None = None, force: bool = False,
-                    progress: Progress | None = None, keys: Iterable[str] | None = None) -> Path:
-        """Write the checkpoint at `ref` (or its part matching `keys`) to disk and return where."""
+                    progress: Progress | None = None, keys: Iterable[str] | None = None,
+                    trust_pickle: bool = False) -> Path:
+        """Write the checkpoint at `ref` (or its part matching `keys`) to disk and return where.
+
+        `trust_pickle`: a sharded commit's non-tensor items kept as DCP's pickles (committed with
+        trust) are written as they are stored, unread.
+        """
         from ckptstore.repo.checkout import checkout_to
 
         if output is None and keys is None:
             self.db.refuse_writes("checkout without -o (it moves HEAD)")
-        return checkout_to(self, ref, output, force, progress, keys)
+        return checkout_to(self, ref, output, force, progress, keys, trust_pickle)
 
     def log(self, ref: str | None = None, all_refs: bool = False) -> list[CommitInfo]:
         """Commits reachable from `ref` (default HEAD) or from every ref, newest first."""

@@ -319,4 +319,10 @@ def test_a_non_tensor_item_a_checkout_could_not_write_back_is_refused_at_commit_
         repo.commit(tmp_path / "s", trust_pickle=True)
         loaded = {"w": torch.zeros(4), "best_metric": None}
         dcp.load(loaded, storage_reader=CkptStorageReader(tmp_path / "repo", trust_pickle=True))
+        with pytest.raises(PickledObjectsError, match="or write it with `ckpt checkout --trust-pickle`"):
+            repo.checkout_to("HEAD", tmp_path / "refused")
+        repo.checkout_to("HEAD", tmp_path / "out", trust_pickle=True)  # no CLI way before (mixed-versions auditor)
     assert loaded["best_metric"] == 0.25 and torch.equal(loaded["w"], torch.ones(4))
+    again = {"w": torch.zeros(4), "best_metric": None}
+    dcp.load(again, storage_reader=dcp.FileSystemReader(str(tmp_path / "out")))
+    assert again["best_metric"] == 0.25 and torch.equal(again["w"], torch.ones(4))
