@@ -45,7 +45,9 @@ def diff(repo: Repository, a: str, b: str) -> list[TensorDiff]:
         return _logical_diff(repo, old, new)
     if is_sharded(old) or is_sharded(new):
         return _mixed_diff(repo, old, new)
-    changed = [p for p in new.entries if p in old.entries and new.entries[p].tensor != old.entries[p].tensor]
+    resplit = _same_file_containers(old, new)
+    changed = [p for p in new.entries if p in old.entries and new.entries[p].tensor != old.entries[p].tensor
+               and p not in resplit]
     old_raw, new_raw = restore(repo, old, paths=changed), restore(repo, new, paths=changed)
     records = entry_records(repo, new)
     result = []
@@ -61,6 +63,16 @@ def diff(repo: Repository, a: str, b: str) -> list[TensorDiff]:
             status, rel = "changed", relative_l2(old_raw[path], new_raw[path])
         result.append(TensorDiff(path, status, entry.dtype, entry.shape, rel, stored))
     return result
+
+
+def _same_file_containers(old: Manifest, new: Manifest) -> set[str]:
+    """The container entries of torch.save files whose bytes both commits hold alike (the same digest).
+
+    A newer ckptstore may split the same file otherwise (a transposed tensor's record taken out of
+    the container): its container entry differs while the file does not.
+    """
+    return {record.container["entry"] for record in new.files if record.container
+            and new.digests.get(record.name) is not None and old.digests.get(record.name) == new.digests[record.name]}
 
 
 def _logical_diff(repo: Repository, old: Manifest, new: Manifest) -> list[TensorDiff]:
