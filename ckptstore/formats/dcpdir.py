@@ -216,11 +216,16 @@ def _pickled(blob: np.ndarray, key: str, path: Path, trust_pickle: bool) -> RawT
         fqn = key.rsplit("/", 1)[0]
         try:
             item_value(fqn, bytes(blob))
+            why = ""
         except PickledObjectsError as exc:
-            raise PickledObjectsError(f"{path}: {exc.args[0].split('; DCP would', 1)[0]}; nothing was committed. "
-                                      "Commit with --trust-pickle only if you trust the directory (then load it with "
-                                      "CkptStorageReader(..., trust_pickle=True) or `ckpt checkout --trust-pickle`), "
-                                      "or save the value as a plain number or a tensor") from None
+            why = exc.args[0].split("; DCP would", 1)[0]
+        except Exception as exc:  # noqa: BLE001 - torch's restricted unpickler raises more kinds than it documents
+            why = f"{fqn}: torch's restricted unpickler cannot read this non-tensor item ({type(exc).__name__})"
+        if why:
+            raise PickledObjectsError(f"{path}: {why}; nothing was committed. Commit with --trust-pickle only if you "
+                                      "trust the directory (then load it with CkptStorageReader(..., "
+                                      "trust_pickle=True) or `ckpt checkout --trust-pickle`), or save the value as a "
+                                      "plain number or a tensor")
     return raw_from_bytes(blob)
 
 
