@@ -153,14 +153,15 @@ def _depths_here(tx: Tx, found: RecordSet) -> None:
     depth: dict[str, int] = {tid: int(d) for tid, d in tx.rows_in("SELECT id, depth FROM tensors WHERE id IN ({ids})",
                                                                     outside)}
     for tid in received:
-        chain = []
+        chain: list[str] = []  # links above `tid` whose depth waits for its
         while tid not in depth:
-            chain.append(tid)
-            base = received[tid][at_base] if tid in received else None
-            if base is None or base in chain:  # a keyframe (a base recorded nowhere: as the sender said, a keyframe)
-                depth[tid] = 0 if base is None or tid not in received else int(received[tid][at_depth])
-                chain.pop()
+            row = received.get(tid)
+            base = row[at_base] if row is not None else None
+            if row is None or base is None or base in chain:
+                # a keyframe; a base recorded on neither side, or a forged loop: the sender's word for it
+                depth[tid] = int(row[at_depth]) if row is not None and base is not None else 0
                 break
+            chain.append(tid)
             tid = base
         for link in reversed(chain):
             depth[link] = depth[received[link][at_base]] + 1
