@@ -144,6 +144,12 @@ def pruned_ids(tx: Tx) -> set[CommitId]:
     return {CommitId(c) for c in tx.column("SELECT commit_id FROM pruned_commits")}
 
 
+def kept_with_manifest(tx: Tx, oid: str) -> bool:
+    """Whether a commit that `ckpt prune` has not removed names manifest `oid`."""
+    return bool(tx.rows_in("SELECT id FROM commits WHERE manifest_object IN ({ids}) AND id NOT IN "
+                           "(SELECT commit_id FROM pruned_commits)", [oid]))
+
+
 def readable_manifest(info: CommitInfo) -> ObjectId:
     """The manifest object of commit `info`; PrunedCommitError when `ckpt prune` removed it."""
     if info.pruned:

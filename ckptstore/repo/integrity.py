@@ -99,9 +99,9 @@ def replay_current(repo: Repository, manifest: Manifest, paths: list[str],
     try:
         records = checked_records(repo, manifest, paths)
     except CorruptRecordError as exc:
-        # records gone that no commit needs: a prune removed this commit since its manifest was read (a dcp.load
-        # between planning and reading), no damage
-        if exc.commits:
+        # records gone, and the commit whose manifest was read a moment ago is now pruned or gone: a prune removed
+        # it meanwhile (a dcp.load between planning and reading), no damage
+        if exc.commits or not _pruned_since_read(repo, manifest):
             raise
         raise _pruned_meanwhile() from None
     faults.point("checkout:records-read")  # tests run a prune here
@@ -122,6 +122,17 @@ def replay_current(repo: Repository, manifest: Manifest, paths: list[str],
         return attempt(fresh)
     except CorruptObjectError as exc:
         raise exc.needed_by(repo.commits_needing(exc.object_ids)) from None
+
+
+def _pruned_since_read(repo: Repository, manifest: Manifest) -> bool:
+    """Whether no commit keeps the manifest read: pruned, or deleted by `gc --prune`.
+
+    A commit whose rows were lost still names it: that is damage.
+    """
+    if manifest.oid is None:
+        return False
+    with repo.db.read() as tx:
+        return not commit_rows.kept_with_manifest(tx, manifest.oid)
 
 
 def _pruned_meanwhile() -> PrunedCommitError:

@@ -56,6 +56,7 @@ class Manifest:
     # the input's tensor id of each entry the commit quantized: its record may be an earlier commit's (the change
     # rounded to nothing), whose own `source` is that commit's input, so an identical re-commit is told by this
     sources: dict[str, TensorId] = field(default_factory=dict)
+    oid: str | None = field(default=None, compare=False)  # the object it was read from (None: made here)
 
     def to_record(self) -> dict[str, Any]:
         """The manifest as the JSON record that is stored."""
@@ -123,7 +124,9 @@ class Manifest:
                                        f"(it reads {', '.join(map(str, KNOWN_VERSIONS))}): it was written by a "
                                        "newer ckptstore; upgrade ckptstore to read this commit")
         try:
-            return cls.from_record(record)
+            manifest = cls.from_record(record)
+            manifest.oid = str(oid)
+            return manifest
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
             raise CorruptObjectError(oid, f"a manifest missing or mangling a field ({exc!r})") from None
 

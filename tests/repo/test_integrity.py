@@ -564,3 +564,13 @@ def test_gc_deletes_the_garbage_it_may_and_warns_of_what_it_may_not(tmp_path, mo
         assert refused[0] in after and report.objects_removed == len(before - after) >= 2
         assert gc(repo).objects_removed == 1 and fsck(repo).ok
         assert_same({"w": torch.zeros(5000)}, repo.checkout(keep))
+
+
+def test_a_kept_commit_whose_records_and_rows_are_lost_is_damage_not_a_prune(repo):
+    """With its commit_tensors rows lost too, nothing named the commit's tensors: a checkout said the commit had been
+    pruned on purpose while fsck listed it broken (reader 11, of 22c2f04)."""
+    cid = repo.commit({"w": torch.arange(64.0)})
+    tid = repo.manifest(cid).entries["w"].tensor
+    _sql(repo, f"DELETE FROM commit_tensors WHERE commit_id = '{cid}'", f"DELETE FROM tensors WHERE id = '{tid}'")
+    with pytest.raises(CorruptRecordError, match="has no record"):
+        repo.checkout(cid)
