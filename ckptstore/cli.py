@@ -656,10 +656,11 @@ def fsck_command(ctx, full, remote_name) -> None:
         echo(f"missing tensor record {tid}")
     if report.unchecked:
         echo(f"{len(report.unchecked)} objects not held here were not checked: {report.unchecked_why}")
+    damaged = report.damaged_objects or report.missing_records or report.damaged_records
     if report.newer:
-        echo(f"{len(report.newer)} commits ({', '.join(c[:12] for c in report.newer[:3])}) were written by a newer "
-             "ckptstore and not checked against their manifests (nothing is known to be damaged): upgrade ckptstore")
-    if report.unreferenced_objects and not report.ok:
+        echo(f"{len(report.newer)} commit(s) ({', '.join(c[:12] for c in report.newer[:3])}) were written by a newer "
+             "ckptstore and not checked against their manifests: upgrade ckptstore to check them")
+    if report.unreferenced_objects and damaged:
         echo(f"{report.unreferenced_objects} objects no intact record names (gc keeps them while there is damage: "
              "they may be what a damaged record lost track of)")
     elif report.unreferenced_objects:

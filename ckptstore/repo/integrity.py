@@ -167,7 +167,7 @@ class Findings:
     named_tensors: set[TensorId] = field(default_factory=set)
     unreadable_manifests: set[ObjectId] = field(default_factory=set)
     # commits whose manifests a newer ckptstore wrote (a version this one does not read): not damage, unchecked
-    newer_manifests: list[CommitId] = field(default_factory=list)
+    newer_manifests: dict[CommitId, ObjectId] = field(default_factory=dict)
 
 
 def check_metadata(tx: Tx, store: ObjectStore, pruned_ids: bool = True) -> Findings:
@@ -263,7 +263,7 @@ def _manifest_entries(store: ObjectStore, commits: dict[CommitId, commit_rows.Co
         try:
             manifest = Manifest.from_bytes(store.get(info.manifest_object), info.manifest_object)
         except ManifestVersionError:
-            found.newer_manifests.append(cid)
+            found.newer_manifests[cid] = info.manifest_object
             found.unreadable_manifests.add(info.manifest_object)
             continue
         except (CorruptObjectError, CkptError):

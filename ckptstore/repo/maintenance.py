@@ -136,8 +136,8 @@ def refuse_newer(newer: list[str], verb: str) -> None:
     if newer:
         named = ", ".join(cid[:12] for cid in newer[:3])
         raise CkptError(f"{verb} refused to delete anything: {len(newer)} commit(s) ({named}) were written by a newer "
-                        "ckptstore, whose manifests this one cannot read, so it cannot tell what they need. Nothing "
-                        "is damaged: upgrade ckptstore, then run it again")
+                        "ckptstore, whose manifests this one cannot read or check. Nothing else was found damaged: "
+                        "upgrade ckptstore, then run it again")
 
 
 def refusal(problems: dict[str, str], where: str, verb: str = "gc") -> CkptError:
@@ -169,7 +169,7 @@ def fsck(repo: Repository, full: bool = False) -> FsckReport:
         _, live_objects = liveness.live(tx, findings.named_tensors)
         manifests = liveness.commit_manifests(tx)
         report.missing_records = sorted(liveness.referenced_tensors(tx) - liveness.recorded_tensors(tx), key=str)
-    report.damaged_records, report.newer = findings.problems, findings.newer_manifests
+    report.damaged_records, report.newer = findings.problems, list(findings.newer_manifests)
     _check_objects(repo, live_objects, report)
     report.unreferenced_objects = sum(1 for oid in repo.store.iter_ids() if oid not in live_objects)
     for oid in report.damaged_objects:

@@ -185,13 +185,15 @@ def _refuse_damage(repo: Repository, tx: Tx) -> None:
     from ckptstore.repo.maintenance import missing_objects, refusal, refuse_newer
 
     findings = integrity.check_metadata(tx, repo.store)  # pruned rows too: their parents place what is kept
-    refuse_newer(findings.newer_manifests, "prune")
     problems = dict(findings.problems)  # and a kept commit's manifest or object lost: prune would keep nothing whole
-    problems.update({f"manifest {oid}": "unreadable" for oid in sorted(findings.unreadable_manifests, key=str)})
+    newer = set(findings.newer_manifests.values())  # unread, but no damage: said apart, once there is none
+    problems.update({f"manifest {oid}": "unreadable" for oid in sorted(findings.unreadable_manifests, key=str)
+                     if oid not in newer})
     _, live_objects = liveness.live(tx, findings.named_tensors)
     problems.update(missing_objects(repo, live_objects - findings.unreadable_manifests, repo.store.iter_ids()))
     if problems:
         raise refusal(problems, repo.db.where, "prune")
+    refuse_newer(list(findings.newer_manifests), "prune")
 
 
 def _relinks(kept: set[TensorId], bases: Mapping[TensorId, TensorId | None]) -> dict[TensorId, TensorId | None]:

@@ -654,8 +654,14 @@ def test_commits_a_newer_ckptstore_wrote_are_not_called_damage_by_fsck_prune_or_
         report = fsck(repo)
         assert report.newer == [newer] and not report.damaged_records and not report.ok
         with pytest.raises(CkptError, match=r"prune refused to delete anything: 1 commit\(s\) \(.{12}\) were written "
-                                            r"by a newer ckptstore.*Nothing is damaged: upgrade ckptstore"):
+                                            r"by a newer ckptstore.*Nothing else was found damaged: upgrade"):
             prune(repo, RetentionPolicy(keep_last=1))
         result = CliRunner().invoke(cli, ["--repo", str(repo.root), "fsck"])
-    assert result.exit_code == 1 and f"1 commits ({newer[:12]}) were written by a newer ckptstore" in result.output
-    assert "damaged" not in result.output.replace("known to be damaged", "")
+        assert result.exit_code == 1 and f"1 commit(s) ({newer[:12]}) were written by a newer" in result.output
+        assert "damaged" not in result.output, result.output
+        # damage beside them: the damage is what prune says (reader 11)
+        kept = repo.manifest(repo.resolve("HEAD")).entries["w"].tensor
+        with repo.db.write() as tx:
+            tx.execute(f"DELETE FROM tensors WHERE id = '{kept}'")
+        with pytest.raises(CkptError, match="prune refused to delete anything: the repository is damaged"):
+            prune(repo, RetentionPolicy(keep_last=1))
