@@ -450,7 +450,7 @@ def _unborn_head(repo) -> list[str]:
     if head is not None or not others:
         return []
     return [f"note: HEAD's branch {branch!r} has no commits yet; {listing(others, 5)} "
-            f"{'has' if len(others) == 1 else 'have'}: `ckpt log --all` lists them, `ckpt checkout BRANCH` moves HEAD"]
+            f"{'has' if len(others) == 1 else 'have'}: `ckpt log --all` lists them"]
 
 
 @cli.command()

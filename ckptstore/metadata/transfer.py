@@ -157,7 +157,7 @@ def _depths_here(tx: Tx, found: RecordSet) -> None:
         while tid not in depth:
             row = received.get(tid)
             base = row[at_base] if row is not None else None
-            if row is None or base is None or base in chain:
+            if row is None or base is None or base == tid or base in chain:
                 # a keyframe; a base recorded on neither side, or a forged loop: the sender's word for it
                 depth[tid] = int(row[at_depth]) if row is not None and base is not None else 0
                 break
