@@ -395,13 +395,13 @@ def _push_to(repo: Repository, remote_config: RemoteConfig, name: str, branch: s
     """Send `tip` and what it needs, then move the remote's `branch` there: the report and where it was."""
     # both locks shared: a gc or prune on either side waits until the push has read and sent what it needs
     with open_remote(remote_config, name, create=True) as remote, repo.lock(), _held_there(remote, name):
-        if remote.db.read_only:  # before anything is sent: objects there would wait for its gc
-            raise ReadOnlyRepoError(f"push to {name} refused: the remote ({remote_config.url}) cannot be written from "
-                                    f"here ({remote.db.why}); nothing was sent")
         with remote.db.read() as rtx:
             old = _tip(_branch_row(rtx, branch, f"remote {name!r}"))
             if old is None:  # a branch made there: by the remote's rules (its own remotes' tracking refs)
                 _check_name_there(rtx, remote, name, branch)
+        if remote.db.read_only and old != tip:  # before anything is sent: objects there would wait for its gc
+            raise ReadOnlyRepoError(f"push to {name} refused: the remote ({remote_config.url}) cannot be written from "
+                                    f"here ({remote.db.why}); nothing was sent")
         if old is not None and old != tip and not force and not _is_ancestor(repo, old, tip):
             raise _refused(remote, name, branch, old, tip)
         if old is not None and old != tip and refs.head(remote)[0] == branch and (

@@ -1080,3 +1080,9 @@ def test_a_push_to_a_remote_on_a_read_only_file_system_names_the_remote(pair, mo
                                                 r"written from here \(.*is not writable\); nothing was sent"):
         remote.push(work, "origin")
     assert _object_files(hub_path) == []
+    monkeypatch.undo()
+    remote.push(work, "origin")
+    monkeypatch.setattr(repository, "unwritable", lambda folder: f"{folder} is not writable" if hub_path in
+                        folder.parents or folder == hub_path / ".ckpt" else "")
+    again = remote.push(work, "origin")  # nothing to send: no write, so no refusal (reader 11)
+    assert (again.commits, again.objects, again.refs_moved) == (0, 0, [])
