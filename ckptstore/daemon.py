@@ -276,18 +276,21 @@ def anothers(root: Path) -> dict[str, Any] | None:
     """
     import fcntl
 
-    try:
-        where = json.loads(address_path(root).read_text())
-        owner = os.stat(Path(where["socket"]).parent).st_uid
-        if owner == os.getuid():
-            return None
-        with open(lock_path(root), "rb") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:  # held: its daemon runs
-                return {"pid": where.get("pid"), "uid": owner}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    address = address_path(root)
+    try:  # the address file is the daemon's, in .ckpt/ (its socket's folder is private: /run/user/UID, 0700)
+        owner, where = address.stat().st_uid, json.loads(address.read_text())
+    except (OSError, ValueError):
         return None
+    if owner == os.getuid() or not isinstance(where, dict):
+        return None
+    other = {"pid": where.get("pid"), "uid": owner}
+    try:
+        with open(lock_path(root), "rb") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:  # held: its daemon runs
+        return other
+    except OSError:  # a lock this user may not open (made under umask 077): as held, never a second daemon
+        return other
     return None  # its lock is free: that daemon is gone
 
 

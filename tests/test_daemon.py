@@ -382,14 +382,14 @@ def test_the_launcher_reads_the_command_and_its_repository_past_the_global_optio
 
 def test_another_users_daemon_is_named_by_status_start_and_stop(tmp_path):
     """Bob's `daemon status` said none ran while Alice's served the repository, and his `start` failed writing to
-    her log (multi-user auditor). Her daemon: its socket in a folder of hers, its lock held."""
+    her log (multi-user auditor). Her daemon: its address file hers (its socket in her /run/user/UID, which he may
+    not look into: reader 11), its lock held."""
     import fcntl
 
     Repository.init(tmp_path / "repo").close()
-    hers = tmp_path / "alice-private"
-    hers.mkdir(mode=0o700)
-    os.chown(hers, 65534, 65534)
-    daemon.address_path(tmp_path / "repo").write_text(json.dumps({"socket": str(hers / "4242.sock"), "pid": 4242}))
+    address = daemon.address_path(tmp_path / "repo")
+    address.write_text(json.dumps({"socket": "/run/user/65534/ckpt/4242.sock", "pid": 4242}))
+    os.chown(address, 65534, 65534)
     said = "ckpt daemon 4242 serves this repository for another user (uid 65534): it runs only their commands"
     with open(daemon.lock_path(tmp_path / "repo"), "wb") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # as her running daemon holds it
