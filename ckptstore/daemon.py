@@ -269,7 +269,9 @@ def _ask(root: Path, op: str) -> dict[str, Any] | None:
 
 
 def anothers(root: Path) -> dict[str, Any] | None:
-    """The daemon serving `root` for another user, where one runs: its pid and that user's uid; else None.
+    """The daemon serving `root` for another user, where one runs (its pid, uid, address file), else None.
+
+    `certain` is False where its lock could not be checked (a lock this user may not open).
 
     A daemon serves only the user who started it (its socket is in that user's private folder), and
     one runs per repository: another user's `status` saw none and their `start` failed on its log.
@@ -277,27 +279,39 @@ def anothers(root: Path) -> dict[str, Any] | None:
     import fcntl
 
     address = address_path(root)
-    try:  # the address file is the daemon's, in .ckpt/ (its socket's folder is private: /run/user/UID, 0700)
-        owner, where = address.stat().st_uid, json.loads(address.read_text())
-    except (OSError, ValueError):
+    try:  # the address file is the daemon's, in .ckpt/: its owner is told by a stat, whatever its mode
+        owner = address.stat().st_uid
+    except OSError:
         return None
-    if owner == os.getuid() or not isinstance(where, dict):
+    if owner == os.getuid():
         return None
-    other = {"pid": where.get("pid"), "uid": owner}
+    try:
+        where = json.loads(address.read_text())
+    except (OSError, ValueError):  # made under umask 077: the pid is its owner's to read
+        where = {}
+    other = {"pid": where.get("pid") if isinstance(where, dict) else None, "uid": owner, "certain": True,
+             "address": str(address)}
     try:
         with open(lock_path(root), "rb") as lock:
             fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:  # held: its daemon runs
         return other
-    except OSError:  # a lock this user may not open (made under umask 077): as held, never a second daemon
-        return other
+    except PermissionError:  # a lock this user may not open: cannot tell, and a daemon of this user's could not take it
+        return {**other, "certain": False}
+    except OSError:  # no lock file: no daemon holds it
+        return None
     return None  # its lock is free: that daemon is gone
 
 
 def anothers_line(other: dict[str, Any]) -> str:
-    """What to tell a user about another user's daemon serving the repository."""
-    return (f"ckpt daemon {other['pid']} serves this repository for another user (uid {other['uid']}): it runs only "
-            "their commands; yours run without a daemon, as usual")
+    """What to tell a user about another user's daemon serving the repository (or perhaps serving it)."""
+    pid = f" {other['pid']}" if other.get("pid") else ""
+    if not other.get("certain", True):
+        return (f"ckpt daemon{pid} of another user (uid {other['uid']}) may serve this repository: its lock cannot "
+                f"be checked by you. If it is gone (killed, rebooted), remove {other['address']}; your commands run "
+                "without a daemon, as usual")
+    return (f"ckpt daemon{pid} serves this repository for another user (uid {other['uid']}): it runs only their "
+            "commands; yours run without a daemon, as usual")
 
 
 def status(root: Path) -> dict[str, Any] | None:

@@ -399,3 +399,35 @@ def test_another_users_daemon_is_named_by_status_start_and_stop(tmp_path):
             refused = ckpt_here(tmp_path / "repo", "daemon", command)
             assert refused.returncode == 1 and refused.stderr.startswith(f"error: {said}"), refused.stderr
     assert ckpt_here(tmp_path / "repo", "daemon", "status").stdout == "no ckpt daemon is running\n"  # hers is gone
+
+
+def test_another_users_daemon_under_umask_077_or_gone_is_said_as_far_as_can_be_told(tmp_path, monkeypatch):
+    """Under umask 077 her address file could not be read and her daemon went unseen again; a lock file gone, or
+    one that cannot be opened beside a killed daemon's address file, was called a running daemon (reader 12)."""
+    import builtins
+    import errno
+
+    Repository.init(tmp_path / "repo").close()
+    address, lock = daemon.address_path(tmp_path / "repo"), daemon.lock_path(tmp_path / "repo")
+    address.write_text(json.dumps({"socket": "/run/user/65534/ckpt/4242.sock", "pid": 4242}))
+    os.chown(address, 65534, 65534)
+    read_text, real_open = Path.read_text, builtins.open
+
+    def unreadable(path, *args, **kwargs):  # root reads everything: hers, 0600, as another user sees it
+        if path == address:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return read_text(path, *args, **kwargs)
+
+    def closed(path, *args, **kwargs):
+        if os.fspath(path) == str(lock):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", unreadable)
+    monkeypatch.setattr(daemon, "open", closed, raising=False)
+    status = ckpt_here(tmp_path / "repo", "daemon", "status")
+    assert status.stdout.startswith("ckpt daemon of another user (uid 65534) may serve this repository: its lock "
+                                    f"cannot be checked by you. If it is gone (killed, rebooted), remove {address}")
+    monkeypatch.undo()
+    lock.unlink(missing_ok=True)  # no lock file: no daemon can hold it
+    assert ckpt_here(tmp_path / "repo", "daemon", "status").stdout == "no ckpt daemon is running\n"
