@@ -471,9 +471,7 @@ def already_committed(repo: Repository, source: Source, committed: BranchSources
     # only the newest: a kill between commit and record leaves that one, and a file rewritten back to an
     # older content (A, B, A) is a new checkpoint, not the first A again
     newest = committed.newest(_source_path(repo, source.path))
-    if newest is None:
-        return None
-    if newest.pruned:  # retention removed its tensors (and manifest): whatever the files hold now is not stored
+    if newest is None or newest.pruned:  # pruned: retention removed its tensors, so what the files hold is not stored
         return None
     files = {name: source.path / name if name else source.path for name, _, _ in source.signature}
     manifest = repo.read_manifest(newest.manifest_object)
