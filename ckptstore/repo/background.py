@@ -163,7 +163,7 @@ def _at_exit() -> None:
     _EXITING.set()
     ending = list(_LIVE)
     for handle in ending:
-        handle.wait()
+        _wait_through_signals(handle)
     unraised = [lane.failed for lane in list(_LANES) if lane.failed is not None and not lane.failed._observed]
     for handle in dict.fromkeys([*ending, *unraised]):
         error = handle._future.exception()
@@ -172,6 +172,16 @@ def _at_exit() -> None:
             # would cut short other threads and unflushed files. Waiting on handle.result() raises it in time.
             print(f"error: the background commit {handle.description} failed and the process ended without "
                   f"it: {explain(error) or error}. Nothing of it was recorded", file=sys.stderr, flush=True)
+
+
+def _wait_through_signals(handle: BackgroundCommit) -> None:
+    """Wait for `handle` at exit, a Ctrl-C or SIGTERM meanwhile (torchrun's teardown) not cutting the wait short."""
+    while True:
+        try:
+            handle.wait()
+            return
+        except (KeyboardInterrupt, SystemExit):
+            continue
 
 
 def _hook_exit() -> None:
@@ -197,6 +207,9 @@ def _hook_sigterm() -> None:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
+    if _EXITING.is_set():  # the exit already waits for the commits in flight: a SIGTERM must not cut it short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return
     if not _LIVE:  # nothing in flight: end as the default handler would
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)

@@ -280,6 +280,8 @@ handle = repo.commit(trainer.state(), "background", blocking=False)
 print("started", flush=True)
 if sys.argv[3] == "hang":
     time.sleep(60)
+if sys.argv[3] == "fail":  # a peer rank died: the collective raises, and the exit waits for the commit
+    raise RuntimeError("gloo: Connection reset by peer")
 """
 
 
@@ -309,6 +311,25 @@ def test_process_exit_waits_for_the_commit_in_flight(tmp_path):
     child = _child(tmp_path, 2, "exit")
     assert child.wait(timeout=60) == 0
     # the child's own weights: training in another process need not give this one's bits
+    expected = torch.load(tmp_path / "expected-model.pt", weights_only=True)
+    with Repository.open(tmp_path) as repo:
+        assert [c.message for c in repo.log()] == ["background"]
+        assert_same(dict(repo.checkout("HEAD")["model"]), dict(expected))
+
+
+def test_a_sigterm_while_the_exit_waits_for_the_commit_does_not_cut_the_wait_short(tmp_path):
+    """torchrun's teardown: a rank whose peer died fails, its exit waits for the commit in flight, then torchrun
+    sends SIGTERM; the handler's SystemExit ended that wait and the commit was lost (DDP integrations auditor)."""
+    Repository.init(tmp_path).close()
+    release = tmp_path / "release"
+    child = _child(tmp_path, 1, "fail", {"CKPT_WAIT_AT": f"background:start={release}"})
+    _wait_reached(release, child)
+    assert child.stdout.readline() == b"started\n"
+    time.sleep(0.5)  # the exception ends the script: the exit hook now waits for the held commit
+    child.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    release.touch()
+    assert child.wait(timeout=60) == 1  # the script's own failure
     expected = torch.load(tmp_path / "expected-model.pt", weights_only=True)
     with Repository.open(tmp_path) as repo:
         assert [c.message for c in repo.log()] == ["background"]
