@@ -129,3 +129,18 @@ def sum_of_squares(values: np.ndarray, block: int = 1 << 16) -> float:
         wide = values.astype(np.float64)
         total = float(np.dot(wide, wide))
     return total
+
+
+# each lossy dtype's exponent bits: all set means infinity or NaN
+_EXPONENT_BITS = {"torch.float32": (np.uint32, 0x7F800000), "torch.float16": (np.uint16, 0x7C00),
+                  "torch.bfloat16": (np.uint16, 0x7F80)}
+_SCAN_ELEMENTS = 1 << 22  # a slice at a time: no temporary as large as a multi-GB tensor
+
+
+def holds_non_finite(dtype: str, data: np.ndarray) -> bool:
+    """Whether a tensor of a lossy dtype (its bytes) holds NaN or infinity, read from its bit patterns."""
+    if dtype not in _EXPONENT_BITS:
+        return False
+    unit, mask = _EXPONENT_BITS[dtype]
+    words = np.asarray(data).view(unit)
+    return any(((words[at:at + _SCAN_ELEMENTS] & mask) == mask).any() for at in range(0, words.size, _SCAN_ELEMENTS))

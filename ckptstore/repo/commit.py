@@ -49,7 +49,7 @@ from ckptstore.repo.pruning import after_commit
 from ckptstore.repo.target import Start, commit_target, default_author, move_ref
 from ckptstore.repo.worktree import nested_repositories, own_folder_holding, repository_part_holding
 from ckptstore.repo.writer import Job, encode_jobs, lossless_jobs
-from ckptstore.state import RawTensor, escape, shared_view_paths
+from ckptstore.state import RawTensor, escape, readable_path, shared_view_paths
 from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
@@ -279,6 +279,7 @@ def _encode_or_keep_whole(repo: Repository, checkpoint: formats.Checkpoint, pare
     """
     whole: dict[str, str] = {}
     try:
+        _refuse_non_finite(checkpoint)
         for _ in range(WHOLE_ROUNDS):
             try:
                 done, change = _encode_checked(repo, checkpoint, parent, sources, level, lossy, measured, progress,
@@ -299,6 +300,19 @@ def _encode_or_keep_whole(repo: Repository, checkpoint: formats.Checkpoint, pare
                     RuntimeWarning)
         done, change = _encode_checked(repo, checkpoint, parent, sources, None, lossy, measured, progress, None)
         return done, change, None
+
+
+def _refuse_non_finite(checkpoint: formats.Checkpoint) -> None:
+    """NonFiniteError where any float tensor holds NaN or infinity, quantized by the level or not (a diverged run).
+
+    The codecs see only what they quantize: a NaN in a bias or a small tensor the level keeps exact
+    let the rest be quantized, with no word of the checkpoint holding it.
+    """
+    from ckptstore.codecs.floats import holds_non_finite
+
+    found = next((path for path, raw in checkpoint.tensors.items() if holds_non_finite(raw.dtype, raw.data)), None)
+    if found is not None:
+        raise NonFiniteError(f"in {readable_path(found)}")
 
 
 def _encode_checked(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent,

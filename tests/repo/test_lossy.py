@@ -480,6 +480,19 @@ def test_a_checkpoint_with_nan_or_inf_weights_is_committed_lossless_with_a_warni
         assert_same(repo.checkout(cid), state)
 
 
+def test_nan_in_a_tensor_the_level_keeps_exact_keeps_the_whole_checkpoint_lossless_too(tmp_path):
+    """A NaN in a bias (no codec sees it: the level keeps biases exact) let the rest be quantized, unsaid
+    (stateful auditor)."""
+    torch.manual_seed(0)
+    state = {"model": {"norm.weight": torch.randn(64, 65), "fc.bias": torch.tensor([1.0, float("nan"), 2.0])}}
+    with Repository.init(tmp_path) as repo:
+        with pytest.warns(RuntimeWarning, match=r"holds NaN or infinite values \(in model/fc.bias\): committed "
+                                                r"lossless"):
+            cid = repo.commit(state, lossy="balanced")
+        assert repo.commit_info(cid).lossy is None
+        assert_same(repo.checkout(cid), state)
+
+
 def test_a_finite_commit_after_a_diverged_one_says_the_parent_holds_nan_and_the_next_is_quantized(tmp_path):
     """Its residual against the NaN parent has no levels: the warning used to say "values up to nan"."""
     weight = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
