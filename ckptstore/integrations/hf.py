@@ -30,7 +30,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ckptstore.api import with_repo
-from ckptstore.errors import BackgroundCommitError, CkptError, DirtyWorktreeError, RetentionError
+from ckptstore.errors import BackgroundCommitError, CkptError, DirtyWorktreeError, RefExistsError, RetentionError
 from ckptstore.hashing import CommitId
 from ckptstore.integrations.unchanged import head_if_unchanged
 from ckptstore.repo.location import given_root
@@ -92,7 +92,12 @@ class CkptCallback(TrainerCallback):
         self._opened: Repository | None = None  # the repository opened from a path, kept open for commits in flight
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        """Commit `args.output_dir/checkpoint-{global_step}` (main process only), then prune old folders."""
+        """Commit `args.output_dir/checkpoint-{global_step}` (main process only), then prune old folders.
+
+        Every rank waits here for the others first: each writes its own `rng_state_K.pth` into the
+        folder, and no barrier of the Trainer's comes between those writes and this hook.
+        """
+        _every_rank_saved()
         if not state.is_world_process_zero:
             return
         self._settle(state)
@@ -263,13 +268,25 @@ def _restore(opened: Repository, ref: str, output_dir: Path, force: bool, branch
         raise DirtyWorktreeError(f"{said}; restore into another output_dir, or pass force=True") from None
 
 
+def _every_rank_saved() -> None:
+    """A barrier over the job's ranks, where torch.distributed runs one of several."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def _branch_at(opened: Repository, ref: str, cid: CommitId, branch: str | None) -> None:
     """Make `branch` at `cid` for the resumed run's commits; without one, warn where they would not follow it."""
     if branch is not None:
         if opened.branches().get(branch, cid) != cid:
             raise CkptError(f"branch {branch!r} exists at another commit; pass a new name to branch from {ref!r}")
         if branch not in opened.branches():
-            opened.branch(branch, cid)
+            try:
+                opened.branch(branch, cid)
+            except RefExistsError:  # another rank's restore made it meanwhile: fine where it is at the commit
+                if opened.branches().get(branch) != cid:
+                    raise
     elif opened.head()[1] not in (None, cid):
         warn_caller(f"{ref!r} ({cid[:12]}) is not the tip of HEAD: a run resumed from it commits after the "
                     "tip, not after it; pass branch=NAME here and to CkptCallback to branch from it")

@@ -384,3 +384,62 @@ def test_restore_over_a_file_a_job_saves_meanwhile_keeps_the_whole_refusal(tmp_p
         with pytest.raises(DirtyWorktreeError, match=r"nothing was replaced or deleted: commit it first to keep it"):
             hf.restore(repo, cid, tmp_path / "out")
     assert torch.equal(torch.load(folder / "model.pt")["w"], torch.full((4,), 7.0))
+
+
+def _save_at_two_ranks(rank: int, root: str, port: int) -> None:
+    """Rank 1 writes its RNG file late (a straggler); both then call on_save, as the Trainer does on every rank."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        folder = Path(root) / "out" / "checkpoint-2"
+        if rank == 1:
+            time.sleep(1.0)
+            torch.save({"cpu": torch.ones(3)}, folder / "rng_state_1.pth")
+        args = TrainingArguments(output_dir=str(Path(root) / "out"), use_cpu=True, report_to=[])
+        state = TrainerState(global_step=2, is_world_process_zero=rank == 0)
+        CkptCallback(Path(root) / "repo", blocking=True).on_save(args, state, None)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_on_save_waits_for_every_ranks_files_before_committing_the_folder(tmp_path):
+    """Rank 0 committed checkpoint-N before rank 1 had written rng_state_1.pth; keep_folders then deleted the folder,
+    and with it the only copy of that file (DDP integrations auditor)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    Repository.init(tmp_path / "repo").close()
+    folder = tmp_path / "out" / "checkpoint-2"
+    folder.mkdir(parents=True)
+    torch.save({"w": torch.ones(4)}, folder / "model.pt")
+    torch.save({"cpu": torch.zeros(3)}, folder / "rng_state_0.pth")
+    (folder / "trainer_state.json").write_text('{"global_step": 2}')
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_save_at_two_ranks, args=(str(tmp_path), port), nprocs=2, join=True)
+    with Repository.open(tmp_path / "repo") as repo:
+        assert sorted(f.name for f in repo.manifest(repo.resolve("main")).files) == [
+            "model.pt", "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"]
+
+
+def test_a_restore_on_every_rank_accepts_the_branch_another_rank_just_made(run, tmp_path, monkeypatch):
+    """`restore(..., branch=...)` on each rank raced: the one that found no branch and then failed to make it, another
+    rank's being there, killed the job with RefExistsError (DDP integrations auditor)."""
+    with Repository.open(run.repo) as repo:
+        cid = repo.resolve("main~1")
+        branches, reads = Repository.branches, []
+        # what this rank read twice before the other rank made it; then what is there
+        monkeypatch.setattr(Repository, "branches", lambda self: {} if len(reads.append(1) or reads) <= 2 else
+                            branches(self))
+        repo.branch("retry", cid)  # the other rank's
+        from ckptstore.integrations import hf
+
+        hf._branch_at(repo, "main~1", cid, "retry")
+        assert len(reads) == 3 and repo.branches()["retry"] == cid
