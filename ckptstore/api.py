@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,6 +13,7 @@ from ckptstore.hashing import CommitId
 from ckptstore.repo import Repository
 from ckptstore.repo.forked import ProcessLock
 from ckptstore.repo.location import given_root
+from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
     from ckptstore.repo.background import BackgroundCommit
@@ -91,6 +93,8 @@ def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = 
     repository given by path (or None) then stays open while that commit runs, so each later save
     or load there waits for it (and raises its failure), as calls on one Repository do.
     """
+    _warn_off_rank_zero()
+
     def run(r: Repository) -> CommitId | BackgroundCommit:
         return r.commit(obj, message=message, step=step, metrics=metrics, branch=branch, lossy=lossy, model=model,
                         optimizer=optimizer, calibration=calibration, max_loss_change=max_loss_change,
@@ -99,6 +103,15 @@ def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = 
     if blocking or isinstance(repo, Repository):
         return with_repo(repo, run)
     return run(_keep(given_root(repo)))
+
+
+def _warn_off_rank_zero() -> None:
+    """Warn a rank other than 0 of a torch.distributed job: each rank's save raced the others' for the branch."""
+    dist = getattr(sys.modules.get("torch"), "distributed", None)  # a job that imported no torch runs no ranks
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        warn_caller(f"ckptstore.save on rank {dist.get_rank()} of {dist.get_world_size()}: every rank commits to one "
+                    "branch, and all but one fail or commit again; save on rank 0 only (with the state it holds "
+                    "whole), or save sharded state with dcp.save and CkptStorageWriter from every rank")
 
 
 def load(ref: str = "HEAD", repo: RepoLike = None, map_location: str | None = None,

@@ -140,6 +140,12 @@ class CkptCallback(TrainerCallback):
         """As on_step_end, for the saves at the end of an epoch."""
         self.on_step_end(args, state, control)
 
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        """Open the repository on the main process now: a wrong path said at the first save wasted the steps before."""
+        if state.is_world_process_zero:
+            self._repository()
+
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         """Wait for the last commit (raising its failure), prune, and close the repository opened here."""

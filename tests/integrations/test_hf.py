@@ -443,3 +443,13 @@ def test_a_restore_on_every_rank_accepts_the_branch_another_rank_just_made(run, 
 
         hf._branch_at(repo, "main~1", cid, "retry")
         assert len(reads) == 3 and repo.branches()["retry"] == cid
+
+
+def test_a_wrong_repository_is_said_when_training_begins(tmp_path):
+    """A path naming no repository was said at the first save, after its steps had run (DDP integrations auditor)."""
+    from ckptstore.errors import RepoNotFoundError
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
+    with pytest.raises(RepoNotFoundError):
+        CkptCallback(tmp_path / "no-repository").on_train_begin(args, TrainerState(), None)
+    CkptCallback(tmp_path / "no-repository").on_train_begin(args, TrainerState(is_world_process_zero=False), None)
