@@ -184,8 +184,9 @@ def _record_bytes(raw: RawTensor, order: list, tensor_path: str) -> np.ndarray:
     """A tensor's bytes as its storage record holds them: in C order, or with its dimensions permuted to `order`."""
     if not order:
         return raw.data
-    (order,) = order
-    if sorted(order) != list(range(len(raw.shape))):
+    order = order[0] if len(order) == 1 else None
+    if not (isinstance(order, list) and all(type(d) is int for d in order)
+            and sorted(order) == list(range(len(raw.shape)))):
         raise CkptError(f"the container's order of tensor {tensor_path}'s dimensions ({order}) is not one of its "
                         f"{len(raw.shape)}: the manifest is damaged; run `ckpt fsck`")
     itemsize = raw.nbytes // max(1, math.prod(raw.shape))

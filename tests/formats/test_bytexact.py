@@ -381,3 +381,17 @@ def test_a_tensor_viewing_its_record_in_another_order_is_stored_once_and_restore
         assert from_file[key].stride() == value.stride() and torch.equal(from_file[key], in_memory[key])
     if lossy is None:
         assert (tmp_path / "out.pt").read_bytes() == (tmp_path / "a.pt").read_bytes()
+
+
+def test_a_splices_order_that_is_no_order_of_its_tensors_dimensions_is_damage():
+    """A manifest is its own bytes' hash, so a remote can forge one: an order of strings or a repeated dimension was
+    a TypeError or a wrong file (own read of 1af0bf5)."""
+    from ckptstore.errors import CkptError
+    from ckptstore.formats.torchcontainer import _record_bytes
+    from ckptstore.state import raw_from_torch
+
+    raw = raw_from_torch(torch.arange(6, dtype=torch.float32).reshape(2, 3), "w")
+    assert _record_bytes(raw, [[1, 0]], "w").view(np.float32).tolist() == [0, 3, 1, 4, 2, 5]
+    for forged in ([["a", "b"]], [[0, 0]], [[0, 1, 2]], [{"0": 1}], [[1, 0], [0, 1]], [[True, False]]):
+        with pytest.raises(CkptError, match="manifest is damaged"):
+            _record_bytes(raw, forged, "w")
