@@ -131,16 +131,19 @@ def sum_of_squares(values: np.ndarray, block: int = 1 << 16) -> float:
     return total
 
 
-# each lossy dtype's exponent bits: all set means infinity or NaN
-_EXPONENT_BITS = {"torch.float32": (np.uint32, 0x7F800000), "torch.float16": (np.uint16, 0x7C00),
-                  "torch.bfloat16": (np.uint16, 0x7F80)}
+# each float dtype's exponent and mantissa bits: the exponent all set with a mantissa is NaN
+_NAN_BITS = {"torch.float32": (np.uint32, 0x7F800000, 0x007FFFFF), "torch.float16": (np.uint16, 0x7C00, 0x03FF),
+             "torch.bfloat16": (np.uint16, 0x7F80, 0x007F),
+             "torch.float64": (np.uint64, 0x7FF0000000000000, 0x000FFFFFFFFFFFFF)}
 _SCAN_ELEMENTS = 1 << 22  # a slice at a time: no temporary as large as a multi-GB tensor
 
 
-def holds_non_finite(dtype: str, data: np.ndarray) -> bool:
-    """Whether a tensor of a lossy dtype (its bytes) holds NaN or infinity, read from its bit patterns."""
-    if dtype not in _EXPONENT_BITS:
+def holds_nan(dtype: str, data: np.ndarray) -> bool:
+    """Whether a float tensor (its bytes) holds a NaN, read from its bit patterns (infinities are not NaN)."""
+    if dtype not in _NAN_BITS:
         return False
-    unit, mask = _EXPONENT_BITS[dtype]
+    unit, exponent, mantissa = _NAN_BITS[dtype]
     words = np.asarray(data).view(unit)
-    return any(((words[at:at + _SCAN_ELEMENTS] & mask) == mask).any() for at in range(0, words.size, _SCAN_ELEMENTS))
+    return any((((part := words[at:at + _SCAN_ELEMENTS]) & exponent) == exponent).any()
+               and ((part & exponent == exponent) & (part & mantissa != 0)).any()
+               for at in range(0, words.size, _SCAN_ELEMENTS))

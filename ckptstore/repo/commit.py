@@ -279,7 +279,8 @@ def _encode_or_keep_whole(repo: Repository, checkpoint: formats.Checkpoint, pare
     """
     whole: dict[str, str] = {}
     try:
-        _refuse_non_finite(checkpoint)
+        if level is not None:
+            _refuse_nan(checkpoint)
         for _ in range(WHOLE_ROUNDS):
             try:
                 done, change = _encode_checked(repo, checkpoint, parent, sources, level, lossy, measured, progress,
@@ -302,17 +303,18 @@ def _encode_or_keep_whole(repo: Repository, checkpoint: formats.Checkpoint, pare
         return done, change, None
 
 
-def _refuse_non_finite(checkpoint: formats.Checkpoint) -> None:
-    """NonFiniteError where any float tensor holds NaN or infinity, quantized by the level or not (a diverged run).
+def _refuse_nan(checkpoint: formats.Checkpoint) -> None:
+    """NonFiniteError where any float tensor holds NaN (a diverged run), quantized by the level or not.
 
     The codecs see only what they quantize: a NaN in a bias or a small tensor the level keeps exact
-    let the rest be quantized, with no word of the checkpoint holding it.
+    let the rest be quantized, with no word of it. An infinity is a diverged run's only where the
+    level would quantize it (the codecs say so); a mask buffer of -inf beside the weights is none.
     """
-    from ckptstore.codecs.floats import holds_non_finite
+    from ckptstore.codecs.floats import holds_nan
 
-    found = next((path for path, raw in checkpoint.tensors.items() if holds_non_finite(raw.dtype, raw.data)), None)
+    found = next((path for path, raw in checkpoint.tensors.items() if holds_nan(raw.dtype, raw.data)), None)
     if found is not None:
-        raise NonFiniteError(f"in {readable_path(found)}")
+        raise NonFiniteError(f"NaN in {readable_path(found)}")
 
 
 def _encode_checked(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent,

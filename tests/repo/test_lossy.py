@@ -1,6 +1,7 @@
 """Lossy commits of a real training run: what may change, by how much, and what never does."""
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -486,11 +487,32 @@ def test_nan_in_a_tensor_the_level_keeps_exact_keeps_the_whole_checkpoint_lossle
     torch.manual_seed(0)
     state = {"model": {"norm.weight": torch.randn(64, 65), "fc.bias": torch.tensor([1.0, float("nan"), 2.0])}}
     with Repository.init(tmp_path) as repo:
-        with pytest.warns(RuntimeWarning, match=r"holds NaN or infinite values \(in model/fc.bias\): committed "
+        with pytest.warns(RuntimeWarning, match=r"holds NaN or infinite values \(NaN in model/fc.bias\): committed "
                                                 r"lossless"):
             cid = repo.commit(state, lossy="balanced")
         assert repo.commit_info(cid).lossy is None
         assert_same(repo.checkout(cid), state)
+
+
+def test_a_mask_of_minus_infinity_beside_the_weights_keeps_the_level_and_a_float64_nan_does_not(tmp_path):
+    """A causal mask buffer of -inf is no diverged run: every commit went lossless (reader 13); a NaN in a float64
+    tensor went unseen."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 64)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 256)).pow(2).mean().backward()
+    optimizer.step()
+    mask = torch.full((8, 8), float("-inf")).triu(1)
+    state = {"model": model.state_dict(), "mask": mask, "optimizer": optimizer.state_dict()}
+    with Repository.init(tmp_path) as repo, warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        cid = repo.commit(state, lossy="balanced")
+        assert repo.commit_info(cid).lossy == "balanced" and torch.equal(repo.checkout(cid)["mask"], mask)
+        warnings.simplefilter("default", RuntimeWarning)
+        with pytest.warns(RuntimeWarning, match=r"NaN in ema"):
+            cid = repo.commit({**state, "ema": torch.tensor([1.0, float("nan")], dtype=torch.float64)},
+                              lossy="balanced")
+        assert repo.commit_info(cid).lossy is None
 
 
 def test_a_finite_commit_after_a_diverged_one_says_the_parent_holds_nan_and_the_next_is_quantized(tmp_path):
