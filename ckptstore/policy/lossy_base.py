@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+import math
+from collections.abc import Iterator, Mapping, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,10 +59,26 @@ def eligible(raw: RawTensor, level: LossyLevel, min_elements: int | None = None,
     return raw.dtype in LOSSY_DTYPES and count >= max(1, least)
 
 
+SLICE_ELEMENTS = 1 << 22  # a tensor's statistics are read a slice at a time
+
+
+def _float32_slices(raw: RawTensor, first: int = 0) -> Iterator[np.ndarray]:
+    """A float tensor's values in float32, a slice at a time: no copy of a multi-GB tensor at once (9x its size)."""
+    per = SLICE_ELEMENTS * raw.itemsize
+    for at in range(first * raw.itemsize, raw.data.size, per):
+        yield to_float32(raw.data[at: at + per], raw.dtype)
+
+
 def rms(raw: RawTensor) -> float:
     """Root mean square of a float tensor's entries (0 for an empty one), accumulated in float64."""
-    values = to_float32(raw.data, raw.dtype).astype(np.float64)
-    return float(np.sqrt(np.mean(values * values))) if values.size else 0.0
+    count = raw.data.size // raw.itemsize
+    if not count:
+        return 0.0
+    squares = 0.0
+    for values in _float32_slices(raw):
+        wide = values.astype(np.float64)
+        squares += float(np.dot(wide, wide))
+    return math.sqrt(squares / count)
 
 
 def whole_numbers(raw: RawTensor, sample: int = 4096) -> bool:
@@ -71,8 +88,7 @@ def whole_numbers(raw: RawTensor, sample: int = 4096) -> bool:
     head = to_float32(raw.data[: sample * raw.itemsize], raw.dtype)
     if not np.array_equal(head, np.round(head)):
         return False
-    values = to_float32(raw.data, raw.dtype)
-    return bool(np.array_equal(values, np.round(values)))
+    return all(np.array_equal(values, np.round(values)) for values in _float32_slices(raw, sample))
 
 
 def temporal_base(parent: TensorRecord | None, raw: RawTensor, codecs: tuple[str, ...],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -165,26 +166,58 @@ def _same_plain_value(path: str, old: RawTensor, new: RawTensor) -> bool:
     return same_items(path, old.data.tobytes(), new.data.tobytes())
 
 
+_SLICE_ELEMENTS = 1 << 22  # values compared a slice at a time: float64 copies of a multi-GB tensor ran out of memory
+
+
 def relative_l2(old: RawTensor, new: RawTensor) -> float | None:
     """||new - old|| / ||old|| in float64; None unless both are floating-point tensors of one shape."""
-    a, b = float64_values(old), float64_values(new)
-    if a is None or b is None or old.shape != new.shape:
+    if old.shape != new.shape or _float64_slice(old, 0) is None or _float64_slice(new, 0) is None:
         return None
-    if not (np.isfinite(a).all() and np.isfinite(b).all()):
-        return float("nan")  # no distance between NaN or infinite values (numpy would also warn)
-    with np.errstate(over="ignore"):
-        change, halved = b - a, 1.0
-        if not np.isfinite(change).all():  # past float64's range: the change of halves is half of it
-            change, halved = b / 2 - a / 2, 2.0
-    (scale, norm), (change_scale, delta) = _norm(a), _norm(change)
-    if not norm:
-        return 0.0 if delta == 0 else float("inf")
-    return change_scale / scale * halved * (delta / norm)
+    halved = False
+    for a, b in zip(_slices(old), _slices(new), strict=True):
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            return float("nan")  # no distance between NaN or infinite values (numpy would also warn)
+        with np.errstate(over="ignore"):
+            halved = halved or not np.isfinite(b - a).all()  # past float64's range: the change of halves is half
+    norm, delta = _RunningNorm(), _RunningNorm()
+    for a, b in zip(_slices(old), _slices(new), strict=True):
+        norm.add(a)
+        delta.add(b / 2 - a / 2 if halved else b - a)
+    if not norm.ssq:
+        return 0.0 if not delta.ssq else float("inf")
+    return (2.0 if halved else 1.0) * (delta.scale / norm.scale) * math.sqrt(delta.ssq / norm.ssq)
 
 
-def _norm(values: np.ndarray) -> tuple[float, float]:
-    """||values|| as (scale, norm of values / scale): squares past 1e154 (or below 1e-154) overflow (or vanish)."""
-    largest = max(float(values.max(initial=0.0)), -float(values.min(initial=0.0)))
-    if largest > 1e150 or 0 < largest < 1e-150:
-        return largest, float(np.linalg.norm(values / largest))
-    return 1.0, float(np.linalg.norm(values))
+def _float64_slice(raw: RawTensor, at: int) -> np.ndarray | None:
+    """Float64 values of `raw` from element `at`, a slice's worth (None for a dtype that is not floating-point)."""
+    start = at * raw.itemsize
+    part = raw.data[start: start + _SLICE_ELEMENTS * raw.itemsize]
+    return float64_values(RawTensor(raw.dtype, (part.size // raw.itemsize,), part))
+
+
+def _slices(raw: RawTensor) -> Iterator[np.ndarray]:
+    """The tensor's values as float64 slices, each made as it is asked for."""
+    count = raw.data.size // raw.itemsize
+    for at in range(0, max(count, 1), _SLICE_ELEMENTS):
+        values = _float64_slice(raw, at)
+        if values is not None:
+            yield values
+
+
+class _RunningNorm:
+    """||x|| over slices as scale * sqrt(ssq): squares past 1e154 (or below 1e-154) would overflow (or vanish)."""
+
+    def __init__(self) -> None:
+        self.scale, self.ssq = 1.0, 0.0
+
+    def add(self, values: np.ndarray) -> None:
+        largest = float(np.abs(values).max(initial=0.0))
+        if not largest:  # zeros add nothing
+            return
+        if not self.ssq:
+            self.scale = largest
+        elif largest > self.scale:
+            self.ssq *= (self.scale / largest) ** 2
+            self.scale = largest
+        scaled = values / self.scale
+        self.ssq += float(np.dot(scaled, scaled))
