@@ -67,6 +67,26 @@ def address_path(root: Path) -> Path:
     return root / ".ckpt" / "daemon.json"
 
 
+def read_address(root: Path) -> dict[str, Any]:
+    """The address file's record; OSError or ValueError where it is missing, unreadable, no file or no such record.
+
+    A pipe put there would hang the read, and JSON nested past the interpreter's depth would raise
+    RecursionError, which is no daemon's either.
+    """
+    address = address_path(root)
+    with open(address, "rb", opener=lambda path, flags: os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW)) as file:
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            raise ValueError(f"{address} is no file")
+        text = file.read()
+    try:
+        record = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{address} is nested past reading") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{address} holds no record")
+    return record
+
+
 SOCKET_PATH_BYTES = 107  # a Unix socket's path, at most (sun_path is 108 bytes with its NUL)
 
 
@@ -148,7 +168,7 @@ def same_user(conn: socket.socket) -> bool:
 def _connect(root: Path) -> socket.socket | None:
     """A connection to `root`'s daemon, or None when none listens (or its socket is not safely this user's)."""
     try:
-        where = json.loads(address_path(root).read_text())
+        where = read_address(root)
         path = Path(where["socket"])
         _check_private(path.parent)
     except (OSError, ValueError, KeyError, TypeError, CkptError):
@@ -280,17 +300,17 @@ def anothers(root: Path) -> dict[str, Any] | None:
 
     address = address_path(root)
     try:  # the address file is the daemon's, in .ckpt/: its owner is told by a stat, whatever its mode
-        owner = address.stat().st_uid
+        info = address.lstat()
     except OSError:
         return None
-    if owner == os.getuid():
+    if info.st_uid == os.getuid() or not stat.S_ISREG(info.st_mode):  # a pipe there would hang the read
         return None
+    owner = info.st_uid
     try:
-        where = json.loads(address.read_text())
-    except (OSError, ValueError):  # made under umask 077: the pid is its owner's to read
+        where = read_address(root)
+    except (OSError, ValueError):  # made under umask 077 (its pid is its owner's to read), or forged
         where = {}
-    other = {"pid": where.get("pid") if isinstance(where, dict) else None, "uid": owner, "certain": True,
-             "address": str(address)}
+    other = {"pid": where.get("pid"), "uid": owner, "certain": True, "address": str(address)}
     try:
         with open(lock_path(root), "rb") as lock:
             fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)

@@ -411,19 +411,13 @@ def test_another_users_daemon_under_umask_077_or_gone_is_said_as_far_as_can_be_t
     address, lock = daemon.address_path(tmp_path / "repo"), daemon.lock_path(tmp_path / "repo")
     address.write_text(json.dumps({"socket": "/run/user/65534/ckpt/4242.sock", "pid": 4242}))
     os.chown(address, 65534, 65534)
-    read_text, real_open = Path.read_text, builtins.open
+    real_open = builtins.open
 
-    def unreadable(path, *args, **kwargs):  # root reads everything: hers, 0600, as another user sees it
-        if path == address:
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return read_text(path, *args, **kwargs)
-
-    def closed(path, *args, **kwargs):
-        if os.fspath(path) == str(lock):
+    def closed(path, *args, **kwargs):  # root reads everything: hers, 0600, as another user sees them
+        if os.fspath(path) in (str(lock), str(address)):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_text", unreadable)
     monkeypatch.setattr(daemon, "open", closed, raising=False)
     status = ckpt_here(tmp_path / "repo", "daemon", "status")
     assert status.stdout.startswith("ckpt daemon of another user (uid 65534) may serve this repository: its lock "
@@ -431,3 +425,23 @@ def test_another_users_daemon_under_umask_077_or_gone_is_said_as_far_as_can_be_t
     monkeypatch.undo()
     lock.unlink(missing_ok=True)  # no lock file: no daemon can hold it
     assert ckpt_here(tmp_path / "repo", "daemon", "status").stdout == "no ckpt daemon is running\n"
+
+
+def test_an_address_file_that_is_no_file_or_nested_past_reading_is_no_daemon(tmp_path):
+    """A pipe at .ckpt/daemon.json hung `daemon status` for ever; JSON nested 5,000 deep was called folders nested
+    too deeply (hostile-input auditor)."""
+    Repository.init(tmp_path / "repo").close()
+    address = daemon.address_path(tmp_path / "repo")
+    os.mkfifo(address)
+    os.chown(address, 65534, 65534)
+    result = ckpt_here(tmp_path / "repo", "daemon", "status", timeout=60)
+    assert result.stdout == "no ckpt daemon is running\n", result
+    address.unlink()
+    address.write_text("[" * 5_000 + "]" * 5_000)
+    os.chown(address, 65534, 65534)
+    with open(daemon.lock_path(tmp_path / "repo"), "wb") as lock:
+        import fcntl
+
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        result = ckpt_here(tmp_path / "repo", "daemon", "status")
+    assert result.returncode == 0 and "for another user (uid 65534)" in result.stdout, result

@@ -154,15 +154,25 @@ def _depths_here(tx: Tx, found: RecordSet) -> None:
                                                                     outside)}
     for tid in received:
         chain: list[str] = []  # links above `tid` whose depth waits for its
+        walked: set[str] = set()
         while tid not in depth:
             row = received.get(tid)
             base = row[at_base] if row is not None else None
-            if row is None or base is None or base == tid or base in chain:
+            if row is None or base is None or base == tid or base in walked:
                 # a keyframe; a base recorded on neither side, or a forged loop: the sender's word for it
-                depth[tid] = int(row[at_depth]) if row is not None and base is not None else 0
+                depth[tid] = _depth_said(row[at_depth]) if row is not None and base is not None else 0
                 break
             chain.append(tid)
+            walked.add(tid)
             tid = base
         for link in reversed(chain):
             depth[link] = depth[received[link][at_base]] + 1
     found.rows["tensors"] = (columns, [(*row[:at_depth], depth[row[at_id]], *row[at_depth + 1:]) for row in rows])
+
+
+def _depth_said(value: object) -> int:
+    """A sender's depth for a forged loop, as a depth this database can hold (a hostile one: text, 10**30)."""
+    try:
+        return min(max(int(value), 0), 1 << 31)  # type: ignore[call-overload]
+    except (TypeError, ValueError, OverflowError):
+        return 0

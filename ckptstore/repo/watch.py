@@ -537,12 +537,15 @@ class WatchState:
         try:
             record = json.loads(path.read_text())
             sources = record["sources"] if isinstance(record.get("sources"), dict) else {}
-        except (OSError, ValueError, AttributeError):  # missing or damaged: the commits themselves say what was done
+        except (OSError, ValueError, AttributeError, RecursionError):  # missing or damaged: the commits say it
             sources = {}
-        for known in sources.values():  # [name, size, mtime_ns]: a state written with more per file still matches
-            if isinstance(known, dict) and isinstance(known.get("signature"), list):
-                known["signature"] = [e[:3] if isinstance(e, list) else e for e in known["signature"]]
-        return cls(path, header, sources)
+        kept = {}
+        for name, known in sources.items():  # [name, size, mtime_ns]: a state written with more per file still matches
+            signature = known.get("signature") if isinstance(known, dict) else None
+            if isinstance(signature, list) and all(isinstance(e, list) and len(e) >= 3 and isinstance(e[0], str)
+                                                   and all(isinstance(n, int) for n in e[1:3]) for e in signature):
+                kept[name] = {**known, "signature": [e[:3] for e in signature]}  # others: damaged, looked at anew
+        return cls(path, header, kept)
 
     def done(self, source: Source) -> bool:
         """True when this very version of `source` (same files, sizes, times) was handled."""

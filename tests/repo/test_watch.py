@@ -685,3 +685,23 @@ def test_an_unreadable_trainer_folder_is_said_once_not_waited_for(repo, tmp_path
                     "ask for access to it"]
     monkeypatch.undo()
     assert [(name, step) for name, _, step in watch(repo, run, ONCE).committed] == [("checkpoint-10", 1)]
+
+
+@pytest.mark.parametrize("signature", ["5", "[[[1], 2, 3]]", None])
+def test_a_hand_edited_or_forged_watch_record_is_looked_at_anew(repo, tmp_path, signature):
+    """A signature of 5, or entries starting with a list, ended every watch in "unexpected TypeError"; JSON nested
+    past reading was called folders nested too deeply (hostile-input auditor)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"w": torch.ones(3)}, run / "step_2.pt")
+    assert len(watch(repo, run, ONCE).committed) == 1
+    (record,) = (repo.dir / "watch").glob("*.json")
+    state = json.loads(record.read_text())
+    if signature is None:
+        record.write_text("[" * 5_000 + "]" * 5_000)
+    else:
+        state["sources"]["step_2.pt"]["signature"] = json.loads(signature)
+        record.write_text(json.dumps(state))
+    torch.save({"w": torch.zeros(3)}, run / "step_3.pt")
+    assert [name for name, _, _ in watch(repo, run, ONCE).committed] == ["step_3.pt"]
+    assert len(repo.log()) == 2
