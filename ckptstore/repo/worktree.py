@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import tomllib
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, DirtyWorktreeError, listing, shown_name
+from ckptstore.errors import CkptError, CorruptRecordError, DirtyWorktreeError, listing, shown_name
 from ckptstore.formats.filemap import file_digest
 from ckptstore.formats.folder import is_temp_name, set_mode
 from ckptstore.hashing import CommitId
@@ -51,6 +51,9 @@ class CheckoutPlan:
     extras: list[Path] = field(default_factory=list)  # files and links the commit does not have
     folders: list[Path] = field(default_factory=list)  # folders it does not have, deepest first
     seen: dict[Path, tuple[int, ...] | None] = field(default_factory=dict)  # targets and extras as checked
+    # the digest each file written must have (a lossless commit's files written byte for byte): a forged manifest
+    # (a remote's: its hash is its own bytes') could rebuild other bytes, said to be the committed ones
+    digests: dict[str, str] = field(default_factory=dict)
 
 
 def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool, output: bool, cid: str = ""
@@ -539,7 +542,8 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
     staged: list[tuple[Path, Path]] = []
     try:
         for record, target in plan.files:
-            staged.append((_stage(repo, cid, record, target, value_of, raw_of, exact), target))
+            staged.append((_stage(repo, cid, record, target, value_of, raw_of, exact, plan.digests.get(record.name)),
+                           target))
         refuse_changed_meanwhile(repo, plan)
         move_into_place(None if repo.read_only else repo.dir, staged, plan.extras, plan.folders, head)
     finally:
@@ -679,8 +683,11 @@ def _signature(path: Path) -> tuple[int, ...] | None:
 
 
 def _stage(repo: Repository, cid: CommitId, record: CheckpointFile, target: Path, value_of: Callable[[str], Any],
-           raw_of: Callable[[str], RawTensor], exact: bool = False) -> Path:
-    """Write `record` under a temporary name beside `target`, with its digest recorded and its mode set."""
+           raw_of: Callable[[str], RawTensor], exact: bool = False, expected: str | None = None) -> Path:
+    """Write `record` under a temporary name beside `target`, with its digest recorded and its mode set.
+
+    `expected`: the digest the file must have (CorruptRecordError, nothing kept, where it has not).
+    """
     from ckptstore import formats
     from ckptstore.formats.atomic import temp_beside
 
@@ -691,9 +698,13 @@ def _stage(repo: Repository, cid: CommitId, record: CheckpointFile, target: Path
     handle.close()
     try:
         formats.write_file(record, staging, value_of, raw_of, exact)
+        digest = file_digest(str(staging)) if expected is not None or not repo.read_only else None
+        if expected is not None and digest != expected:
+            raise CorruptRecordError(f"file {record.name or target.name} of commit {cid[:12]}", "the manifest rebuilds "
+                                     "it into bytes that do not hash to the digest it records; nothing was written")
         if not repo.read_only:  # a read-only repository records nothing (checkout -o still works)
             with repo.db.write() as tx:
-                file_rows.remember(tx, [(file_digest(str(staging)), cid, staging.stat().st_size)])
+                file_rows.remember(tx, [(digest, cid, staging.stat().st_size)])
         if record.mode is not None:  # after hashing: a mode may deny reading
             set_mode(staging, record.mode)
     except BaseException:

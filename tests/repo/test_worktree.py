@@ -1247,3 +1247,28 @@ def test_an_output_folder_holding_files_the_commit_does_not_is_said(repo, tmp_pa
                                             r"sub/notes.txt\): left as they were"):
         repo.checkout_to(cid, out)
     assert (out / "model.safetensors").read_bytes() == b"another run's"
+
+
+def test_a_lossless_files_bytes_are_checked_against_its_digest_before_they_are_placed(repo, tmp_path, monkeypatch):
+    """A remote's forged manifest (its id its own bytes' hash) with a splice moved or an order swapped rebuilt other
+    bytes, and the checkout said they were the committed file's (hostile-input auditor)."""
+    from ckptstore.errors import CorruptRecordError
+    from ckptstore.formats import torchcontainer
+
+    torch.save({"w": torch.randn(32, 32)}, tmp_path / "a.pt")
+    cid = repo.commit(tmp_path / "a.pt")
+    write = torchcontainer.write
+
+    def forged(dest, record, raw_of, exact=False):  # what a moved splice rebuilds: the container's bytes shifted
+        write(dest, record, raw_of, exact)
+        with open(dest, "r+b") as handle:
+            handle.seek(100)
+            handle.write(b"\x00\x01")
+
+    monkeypatch.setattr(torchcontainer, "write", forged)
+    with pytest.raises(CorruptRecordError, match="do not hash to the digest it records; nothing was written"):
+        repo.checkout_to(cid, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists() and not list(tmp_path.glob(".out.pt*"))
+    monkeypatch.undo()
+    repo.checkout_to(cid, tmp_path / "out.pt")
+    assert (tmp_path / "out.pt").read_bytes() == (tmp_path / "a.pt").read_bytes()
