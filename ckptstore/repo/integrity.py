@@ -251,6 +251,10 @@ def _commit_problems(tx: Tx, commits: dict[CommitId, commit_rows.CommitInfo], fo
             found.problems[f"ref {name}"] = "it points at no commit"
 
 
+# what Manifest.from_bytes says of whole bytes that are no manifest (a lost or changed object is said as such)
+_MANIFEST_DAMAGE = ("not a readable manifest", "a manifest missing or mangling a field")
+
+
 def _manifest_entries(store: ObjectStore, commits: dict[CommitId, commit_rows.CommitInfo], found: Findings
                       ) -> dict[CommitId, dict[str, Entry]]:
     """Each commit's manifest entries, from the manifests that read; what a manifest says of its commit is checked."""
@@ -266,8 +270,11 @@ def _manifest_entries(store: ObjectStore, commits: dict[CommitId, commit_rows.Co
             found.newer_manifests[cid] = info.manifest_object
             found.unreadable_manifests.add(info.manifest_object)
             continue
-        except (CorruptObjectError, CkptError):
+        except (CorruptObjectError, CkptError) as exc:
             found.unreadable_manifests.add(info.manifest_object)
+            if isinstance(exc, CorruptObjectError) and exc.problem.startswith(_MANIFEST_DAMAGE):  # its bytes whole
+                found.problems.setdefault(f"commit {cid}", f"its manifest {info.manifest_object} does not read: "
+                                                           f"{exc.problem}")
             continue
         entries[cid] = manifest.entries
         if manifest.dcp is not None:

@@ -151,6 +151,38 @@ def _text_by_path(value: Any, what: str) -> None:
         raise TypeError(f"{what} is {value!r}")
 
 
+def _check_file(f: dict[str, Any], entries: dict[str, Any]) -> None:
+    """A file record's fields are of the kinds readers take them for."""
+    for key in ("name", "format"):
+        if not isinstance(f[key], str):
+            raise TypeError(f"file {key} is {f[key]!r}")
+    _optional_str(f.get("digest"), "file digest")
+    _optional_str(f.get("opaque_reason"), "file opaque_reason")
+    if type(f.get("size", 0)) is not int or f.get("size", 0) < 0:
+        raise ValueError(f"file size is {f.get('size')!r}")
+    if f.get("container") is not None:
+        _check_container(f["name"], f["container"], entries)
+
+
+def _check_container(name: str, container: Any, entries: dict[str, Any]) -> None:
+    """A torch.save zip's container record (formats/torchcontainer.py) holds fields of the kinds its writer reads.
+
+    A remote's manifest is its own bytes' hash: a forged one ended checkouts and diffs in KeyErrors
+    and TypeErrors. The values themselves are checked where the file is rebuilt (its digest).
+    """
+    def ints(values: Any) -> bool:
+        return isinstance(values, list) and all(type(v) is int for v in values)
+
+    if not (isinstance(container, dict) and isinstance(container.get("entry"), str) and container["entry"] in entries
+            and type(container.get("size")) is int and isinstance(container.get("splices"), list)):
+        raise TypeError(f"file {name!r} has container {container!r}")
+    for splice in container["splices"]:
+        if not (isinstance(splice, list) and len(splice) in (5, 6) and ints(splice[0:2]) and type(splice[3]) is int
+                and isinstance(splice[2], str) and splice[2] in entries and ints(splice[4])
+                and (len(splice) == 5 or ints(splice[5]))):
+            raise TypeError(f"file {name!r} has splice {splice!r}")
+
+
 def _check_record(record: dict[str, Any]) -> None:
     """Every field a reader uses has the type it expects, so a mangled manifest is refused, not half-read.
 
@@ -166,16 +198,10 @@ def _check_record(record: dict[str, Any]) -> None:
     files, entries = record["files"], record["entries"]
     if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
         raise TypeError("files is not a list of records")
-    for f in files:
-        for key in ("name", "format"):
-            if not isinstance(f[key], str):
-                raise TypeError(f"file {key} is {f[key]!r}")
-        _optional_str(f.get("digest"), "file digest")
-        _optional_str(f.get("opaque_reason"), "file opaque_reason")
-        if type(f.get("size", 0)) is not int or f.get("size", 0) < 0:
-            raise ValueError(f"file size is {f.get('size')!r}")
     if not isinstance(entries, dict):
         raise TypeError("entries is not a mapping")
+    for f in files:
+        _check_file(f, entries)
     measured = record.get("measured") or {}
     if not isinstance(measured, dict) or not all(
             isinstance(m, list) and len(m) == 2 and all(v is None or type(v) in (int, float) for v in m)

@@ -80,3 +80,29 @@ def test_a_frame_that_declares_gigabytes_is_refused_before_they_are_allocated():
         assert tracemalloc.get_traced_memory()[1] < 64 << 20
     finally:
         tracemalloc.stop()
+
+
+def _with_container(container):
+    record = _record(3)
+    record["entries"]["%container"] = ["c" * 64, "bytes", [10]]
+    record["files"] = [{"name": "", "format": "torch", "skeleton": None, "size": 30, "container": container}]
+    return record
+
+
+GOOD_SPLICE = [0, 8, "w", 7, [1]]
+
+
+@pytest.mark.parametrize("container", [
+    "abc", [1], {"entry": "%container", "size": 30, "splices": None},
+    {"entry": "missing", "size": 30, "splices": []}, {"entry": "%container", "size": "30", "splices": []},
+    {"entry": "%container", "size": 30, "splices": [[0, 8]]}, {"entry": "%container", "size": 30,
+                                                               "splices": [[0, 8, "nope", 7, [1]]]},
+    {"entry": "%container", "size": 30, "splices": [[0, 8, "w", 7, [1], ["a"]]]},
+    {"entry": "%container", "size": 30, "splices": [[0.5, 8, "w", 7, [1]]]}])
+def test_a_forged_container_is_a_damaged_manifest(container):
+    """A remote's manifest is its own bytes' hash: a container of the wrong shape ended checkouts and diffs in
+    KeyErrors and TypeErrors, and fsck said ok (hostile-input auditor)."""
+    assert Manifest.from_bytes(_stored(_with_container(
+        {"entry": "%container", "size": 30, "splices": [GOOD_SPLICE]})), "e" * 64).files[0].container
+    with pytest.raises(CorruptObjectError, match="container|splice"):
+        Manifest.from_bytes(_stored(_with_container(container)), "e" * 64)
