@@ -290,6 +290,9 @@ def chain_problem(record: TensorRecord, records: Mapping[TensorId, TensorRecord]
                 problem = f"its base tensor {current.base_id} has no record"
             elif base.id in seen:
                 problem = f"its chain loops back to tensor {base.id}"
+            elif (base.dtype, base.raw_bytes) != (current.dtype, current.raw_bytes):  # every codec deltas like to like
+                problem = (f"its base tensor {base.id} holds {base.raw_bytes} bytes of {base.dtype}, not "
+                           f"{current.raw_bytes} of {current.dtype}")
         if problem is not None:
             return problem if current is record else f"tensor {current.id} down its chain: {problem}"
         current = base

@@ -186,3 +186,22 @@ def test_what_prune_keeps_of_a_lossy_measurement_does_not_split_a_chain_into_cod
 
     levels = [(record(rel_error=0.01, max_error=0.02, measured_as="deadzone"), b""), (record(), b"")]
     assert one_coding(levels)
+
+
+def test_a_base_of_another_dtype_or_size_is_a_chain_problem():
+    """A received record whose base was a float16 tensor failed checkout with a bare codec message, and fsck said ok
+    (hostile-input auditor): every codec deltas like to like."""
+    from ckptstore.records import Chunk, TensorRecord
+    from ckptstore.replay import chain_problem
+
+    def record(tid, dtype, raw, base=None):
+        params = {"width": 4, "level": 1, "chunk_bytes": raw}
+        return TensorRecord(tid * 64, dtype, (raw,), "bytegroup", params, base and base * 64, 1 if base else 0, raw,
+                            10, [Chunk("a" * 64, raw)])
+
+    keyframe, same = record("k", "torch.float32", 4096), record("s", "torch.float32", 4096, "k")
+    other = record("o", "torch.float16", 4096, "k")
+    records = {r.id: r for r in (keyframe, same, other)}
+    assert chain_problem(same, records) is None
+    assert chain_problem(other, records) == (f"its base tensor {'k' * 64} holds 4096 bytes of torch.float32, not 4096 "
+                                             "of torch.float16")
