@@ -109,8 +109,8 @@ def _warn_off_rank_zero() -> None:
     """Warn a rank other than 0 of a torch.distributed job: each rank's save raced the others' for the branch."""
     dist = getattr(sys.modules.get("torch"), "distributed", None)  # a job that imported no torch runs no ranks
     if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        warn_caller(f"ckptstore.save on rank {dist.get_rank()} of {dist.get_world_size()}: every rank commits to one "
-                    "branch, and all but one fail or commit again; save on rank 0 only (with the state it holds "
+        warn_caller(f"ckptstore.save on rank {dist.get_rank()} of {dist.get_world_size()}: where every rank commits "
+                    "to one branch, all but one fail or commit again; save on rank 0 only (with the state it holds "
                     "whole), or save sharded state with dcp.save and CkptStorageWriter from every rank")
 
 

@@ -44,6 +44,6 @@ def test_a_save_off_rank_zero_of_a_distributed_job_is_warned_of(tmp_path):
         port = probe.getsockname()[1]
     mp.spawn(_save_on, args=(str(tmp_path), port), nprocs=2, join=True)
     said = (tmp_path / "rank1.txt").read_text()
-    assert said.startswith("ckptstore.save on rank 1 of 2: every rank commits to one branch"), said
+    assert said.startswith("ckptstore.save on rank 1 of 2: where every rank commits to one branch"), said
     with Repository.open(tmp_path / "repo") as repo:
         assert len(repo.log()) == 1

@@ -151,6 +151,7 @@ _LANES: weakref.WeakSet[Lane] = weakref.WeakSet()  # every lane of this process,
 _registered = threading.Lock()
 _hooked: list[bool] = []
 _EXITING = threading.Event()  # the interpreter is ending: a failure has no next commit call to raise it
+_WAITING = threading.Event()  # the exit is waiting for the commits in flight (_at_exit)
 
 
 def _at_exit() -> None:
@@ -162,8 +163,12 @@ def _at_exit() -> None:
     """
     _EXITING.set()
     ending = list(_LIVE)
-    for handle in ending:
-        _wait_through_signals(handle)
+    _WAITING.set()
+    try:
+        for handle in ending:
+            _wait_through_signals(handle)
+    finally:
+        _WAITING.clear()  # the rest of the exit is the program's: a SIGTERM ends it as it would have
     unraised = [lane.failed for lane in list(_LANES) if lane.failed is not None and not lane.failed._observed]
     for handle in dict.fromkeys([*ending, *unraised]):
         error = handle._future.exception()
@@ -175,13 +180,20 @@ def _at_exit() -> None:
 
 
 def _wait_through_signals(handle: BackgroundCommit) -> None:
-    """Wait for `handle` at exit, a Ctrl-C or SIGTERM meanwhile (torchrun's teardown) not cutting the wait short."""
+    """Wait for `handle` at exit, a Ctrl-C or SIGTERM meanwhile (torchrun's teardown) not cutting the wait short.
+
+    The first such signal is answered on stderr: the process waits on purpose, and SIGKILL abandons the commit.
+    """
+    said = False
     while True:
         try:
             handle.wait()
             return
         except (KeyboardInterrupt, SystemExit):
-            continue
+            if not said:
+                print(f"waiting for the background commit {handle.description} before the process ends (kill -9 "
+                      "abandons it: nothing of it is recorded then)", file=sys.stderr, flush=True)
+                said = True
 
 
 def _hook_exit() -> None:
@@ -207,9 +219,8 @@ def _hook_sigterm() -> None:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-    if _EXITING.is_set():  # the exit already waits for the commits in flight: a SIGTERM must not cut it short
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        return
+    if _WAITING.is_set():  # the exit waits for the commits in flight: a SIGTERM must not cut that short
+        raise SystemExit(128 + signum)  # _wait_through_signals says so and waits on
     if not _LIVE:  # nothing in flight: end as the default handler would
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)

@@ -282,6 +282,11 @@ if sys.argv[3] == "hang":
     time.sleep(60)
 if sys.argv[3] == "fail":  # a peer rank died: the collective raises, and the exit waits for the commit
     raise RuntimeError("gloo: Connection reset by peer")
+if sys.argv[3] == "slow-exit":  # the commit done, another exit step hangs (a logger's flush)
+    import atexit
+    handle.result()
+    atexit.register(time.sleep, 60)
+    print("committed", flush=True)
 """
 
 
@@ -334,6 +339,17 @@ def test_a_sigterm_while_the_exit_waits_for_the_commit_does_not_cut_the_wait_sho
     with Repository.open(tmp_path) as repo:
         assert [c.message for c in repo.log()] == ["background"]
         assert_same(dict(repo.checkout("HEAD")["model"]), dict(expected))
+
+
+def test_a_sigterm_at_exit_with_no_commit_in_flight_ends_the_process_as_before(tmp_path):
+    """The exit's wait ignored every later SIGTERM: a hung exit step after the commits could not be ended (reader
+    13, of 4cbef02)."""
+    Repository.init(tmp_path).close()
+    child = _child(tmp_path, 1, "slow-exit")
+    assert child.stdout.readline() == b"started\n" and child.stdout.readline() == b"committed\n"
+    time.sleep(0.5)
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=30) == -signal.SIGTERM
 
 
 def test_sigterm_mid_commit_ends_the_process_once_the_commit_is_written(tmp_path):
