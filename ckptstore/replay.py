@@ -290,7 +290,7 @@ def chain_problem(record: TensorRecord, records: Mapping[TensorId, TensorRecord]
                 problem = f"its base tensor {current.base_id} has no record"
             elif base.id in seen:
                 problem = f"its chain loops back to tensor {base.id}"
-            elif (base.dtype, base.raw_bytes) != (current.dtype, current.raw_bytes):  # every codec deltas like to like
+            elif base.raw_bytes != current.raw_bytes:  # a chain's links, and m on v (the two 16-bit types), are alike
                 problem = (f"its base tensor {base.id} holds {base.raw_bytes} bytes of {base.dtype}, not "
                            f"{current.raw_bytes} of {current.dtype}")
         if problem is not None:

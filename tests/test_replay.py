@@ -188,9 +188,9 @@ def test_what_prune_keeps_of_a_lossy_measurement_does_not_split_a_chain_into_cod
     assert one_coding(levels)
 
 
-def test_a_base_of_another_dtype_or_size_is_a_chain_problem():
+def test_a_base_of_another_size_is_a_chain_problem():
     """A received record whose base was a float16 tensor failed checkout with a bare codec message, and fsck said ok
-    (hostile-input auditor): every codec deltas like to like."""
+    (hostile-input auditor); a first moment coded on its second of the other 16-bit type is no problem (reader 14)."""
     from ckptstore.records import Chunk, TensorRecord
     from ckptstore.replay import chain_problem
 
@@ -199,9 +199,10 @@ def test_a_base_of_another_dtype_or_size_is_a_chain_problem():
         return TensorRecord(tid * 64, dtype, (raw,), "bytegroup", params, base and base * 64, 1 if base else 0, raw,
                             10, [Chunk("a" * 64, raw)])
 
-    keyframe, same = record("k", "torch.float32", 4096), record("s", "torch.float32", 4096, "k")
-    other = record("o", "torch.float16", 4096, "k")
-    records = {r.id: r for r in (keyframe, same, other)}
-    assert chain_problem(same, records) is None
-    assert chain_problem(other, records) == (f"its base tensor {'k' * 64} holds 4096 bytes of torch.float32, not 4096 "
-                                             "of torch.float16")
+    keyframe, same = record("k", "torch.bfloat16", 4096), record("s", "torch.bfloat16", 4096, "k")
+    m_on_v = record("m", "torch.float16", 4096, "k")  # Adam's m in fp16 coded on its v in bf16 (reader 14)
+    other = record("o", "bytes", 1525, "k")
+    records = {r.id: r for r in (keyframe, same, m_on_v, other)}
+    assert chain_problem(same, records) is None and chain_problem(m_on_v, records) is None
+    assert chain_problem(other, records) == (f"its base tensor {'k' * 64} holds 4096 bytes of torch.bfloat16, not "
+                                             "1525 of bytes")

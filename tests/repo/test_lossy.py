@@ -858,3 +858,18 @@ def test_show_says_what_weighed_the_weights_of_each_optimizer(tmp_path, makers, 
         shown = repo.show(repo.commit(state, lossy="balanced"))
     assert pairing in shown["pairing"], shown["pairing"]
     assert shown["importance"].startswith(importance), shown["importance"]
+
+
+def test_adam_moments_of_the_two_16_bit_types_restore_and_pass_fsck(tmp_path):
+    """m in float16 is coded on v in bfloat16 (their sizes match): my check that a base is of its tensor's dtype
+    called such a commit damaged, and it could no longer be checked out (reader 14, of f68bb82)."""
+    torch.manual_seed(0)
+    state = {"model": {"w": torch.randn(256, 256)},
+             "optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": (torch.randn(256, 256) * 1e-3).half(),
+                                         "exp_avg_sq": (torch.rand(256, 256) * 1e-6).bfloat16()}},
+                           "param_groups": [{"lr": 1e-3, "params": [0]}]}}
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit(state, lossy="balanced")
+        assert fsck(repo, full=True).ok
+        restored = repo.checkout(cid)["optimizer"]["state"][0]
+    assert restored["exp_avg"].dtype == torch.float16 and restored["exp_avg_sq"].dtype == torch.bfloat16
