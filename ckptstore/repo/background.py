@@ -152,6 +152,7 @@ _registered = threading.Lock()
 _hooked: list[bool] = []
 _EXITING = threading.Event()  # the interpreter is ending: a failure has no next commit call to raise it
 _WAITING = threading.Event()  # the exit is waiting for the commits in flight (_at_exit)
+_TERMINATED = threading.Event()  # a SIGTERM began the exit, which is on its way to that wait
 
 
 def _at_exit() -> None:
@@ -166,9 +167,10 @@ def _at_exit() -> None:
     _WAITING.set()
     try:
         for handle in ending:
-            _wait_through_signals(handle)
+            _wait_through_signals(handle, said=not _TERMINATED.is_set())
     finally:
         _WAITING.clear()  # the rest of the exit is the program's: a SIGTERM ends it as it would have
+        _TERMINATED.clear()
     unraised = [lane.failed for lane in list(_LANES) if lane.failed is not None and not lane.failed._observed]
     for handle in dict.fromkeys([*ending, *unraised]):
         error = handle._future.exception()
@@ -179,21 +181,28 @@ def _at_exit() -> None:
                   f"it: {explain(error) or error}. Nothing of it was recorded", file=sys.stderr, flush=True)
 
 
-def _wait_through_signals(handle: BackgroundCommit) -> None:
+def _wait_through_signals(handle: BackgroundCommit, said: bool = True) -> None:
     """Wait for `handle` at exit, a Ctrl-C or SIGTERM meanwhile (torchrun's teardown) not cutting the wait short.
 
-    The first such signal is answered on stderr: the process waits on purpose, and SIGKILL abandons the commit.
+    The first such signal (or, with `said` False, the SIGTERM that began the exit) is answered on stderr: the
+    process waits on purpose, and SIGKILL abandons the commit.
     """
-    said = False
+    if not said:
+        _say_waiting(handle)
+        said = True
     while True:
         try:
             handle.wait()
             return
         except (KeyboardInterrupt, SystemExit):
             if not said:
-                print(f"waiting for the background commit {handle.description} before the process ends (kill -9 "
-                      "abandons it: nothing of it is recorded then)", file=sys.stderr, flush=True)
+                _say_waiting(handle)
                 said = True
+
+
+def _say_waiting(handle: BackgroundCommit) -> None:
+    print(f"waiting for the background commit {handle.description} before the process ends (kill -9 abandons it: "
+          "nothing of it is recorded then)", file=sys.stderr, flush=True)
 
 
 def _hook_exit() -> None:
@@ -221,11 +230,13 @@ def _hook_sigterm() -> None:
 def _on_sigterm(signum: int, frame: Any) -> None:
     if _WAITING.is_set():  # the exit waits for the commits in flight: a SIGTERM must not cut that short
         raise SystemExit(128 + signum)  # _wait_through_signals says so and waits on
+    if _TERMINATED.is_set():  # the exit a SIGTERM began is on its way to that wait: let it get there
+        return
     if not _LIVE:  # nothing in flight: end as the default handler would
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
         return
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the exit's wait short
+    _TERMINATED.set()
     raise SystemExit(128 + signum)  # the interpreter's exit waits for the commits in flight (_at_exit)
 
 

@@ -278,7 +278,10 @@ trainer.train(int(sys.argv[2]))
 torch.save(trainer.model.state_dict(), sys.argv[1] + "/expected-model.pt")  # this process's bits
 handle = repo.commit(trainer.state(), "background", blocking=False)
 print("started", flush=True)
-if sys.argv[3] == "hang":
+if sys.argv[3] == "hang-exit":  # another exit step hangs (a logger's flush) after the commit
+    import atexit
+    atexit.register(time.sleep, 60)
+if sys.argv[3] in ("hang", "hang-exit"):
     time.sleep(60)
 if sys.argv[3] == "fail":  # a peer rank died: the collective raises, and the exit waits for the commit
     raise RuntimeError("gloo: Connection reset by peer")
@@ -350,6 +353,30 @@ def test_a_sigterm_at_exit_with_no_commit_in_flight_ends_the_process_as_before(t
     time.sleep(0.5)
     child.send_signal(signal.SIGTERM)
     assert child.wait(timeout=30) == -signal.SIGTERM
+
+
+def test_a_second_sigterm_after_the_exits_wait_ends_a_hung_exit_step(tmp_path):
+    """SIGTERM mid-commit left SIGTERM ignored for the whole exit: a hung exit step after the commit could not be
+    ended, and the wait said nothing (reader 14, of 8c5dd49)."""
+    Repository.init(tmp_path).close()
+    release = tmp_path / "release"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), "1", "hang-exit"], cwd=ROOT,
+                             env=ckpt_env(CKPT_WAIT_AT=f"background:start={release}"), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    SPAWNED.append(child)
+    _wait_reached(release, child)
+    child.send_signal(signal.SIGTERM)  # mid-commit: the exit waits for it
+    time.sleep(0.5)
+    release.touch()
+    with Repository.open(tmp_path) as repo:
+        deadline = time.monotonic() + 30
+        while not repo.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [c.message for c in repo.log()] == ["background"]
+    time.sleep(0.5)  # now in the hung exit step
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=30) == -signal.SIGTERM
+    assert b"waiting for the background commit" in child.stderr.read()
 
 
 def test_sigterm_mid_commit_ends_the_process_once_the_commit_is_written(tmp_path):
