@@ -380,7 +380,7 @@ def _written_folder(exc: OSError) -> str:
 
 
 _TEMP_OF = re.compile(r"^\.(.+)\.[0-9a-z-]*[0-9a-f]{16}\.ckpt-tmp$")  # formats.atomic.temp_beside's names
-_WINDOWS_REFUSED = re.compile(r'[:*?"<>|\\]|[. ]$')  # what FAT, exFAT and NTFS refuse in a name
+_WINDOWS_REFUSED = re.compile(r'[:*?"<>|\\\x00-\x1f]')  # what FAT, exFAT and NTFS refuse in a name
 
 
 def _cannot_make(exc: OSError) -> CkptError:
@@ -389,7 +389,7 @@ def _cannot_make(exc: OSError) -> CkptError:
     named = _TEMP_OF.match(os.path.basename(str(exc.filename)))
     if named and os.path.isdir(folder) and _WINDOWS_REFUSED.search(named.group(1)):  # its file system refuses it
         return CkptError(f"the file system of {folder} does not accept the name {named.group(1)!r} (FAT, exFAT and "
-                         "Windows refuse : * ? \" < > | and names ending in a dot or a space): write onto another "
+                         "Windows refuse : * ? \" < > | and control characters): write onto another "
                          "file system (or commit the file under another name)")
     return CkptError(f"cannot make a file in {folder} (a folder where files cannot be made, such as /dev/fd or "
                      "/proc, or one removed meanwhile); write elsewhere")

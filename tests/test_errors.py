@@ -52,5 +52,9 @@ def test_a_name_the_file_system_refuses_is_named_not_its_folder(tmp_path):
         assert said.startswith(f"the file system of {tmp_path} does not accept the name 'run:1.txt'"), said
     gone = FileNotFoundError(errno.ENOENT, "gone", str(tmp_path / "gone" / ".a.pt.0123456789abcdef.ckpt-tmp"))
     assert str(explain(gone)).startswith(f"cannot make a file in {tmp_path / 'gone'} (a folder where files cannot")
-    special = FileNotFoundError(errno.ENOENT, "no", str(tmp_path / ".a.pt.0123456789abcdef.ckpt-tmp"))  # /proc, say
-    assert str(explain(special)).startswith(f"cannot make a file in {tmp_path} (a folder where files cannot")
+    for ordinary in ("a.pt", "model."):  # refused in /proc, say: a final dot is refused only at the rename (reader 15)
+        special = FileNotFoundError(errno.ENOENT, "no", str(tmp_path / f".{ordinary}.0123456789abcdef.ckpt-tmp"))
+        assert str(explain(special)).startswith(f"cannot make a file in {tmp_path} (a folder where files cannot")
+    name = "model\tfinal.pt"  # a control character
+    tab = OSError(errno.EINVAL, "refused", str(tmp_path / f".{name}.0123456789abcdef.ckpt-tmp"))
+    assert str(explain(tab)).startswith(f"the file system of {tmp_path} does not accept the name {name!r}")
