@@ -187,17 +187,16 @@ def _wait_through_signals(handle: BackgroundCommit, said: bool = True) -> None:
     The first such signal (or, with `said` False, the SIGTERM that began the exit) is answered on stderr: the
     process waits on purpose, and SIGKILL abandons the commit.
     """
-    if not said:
-        _say_waiting(handle)
-        said = True
+    due = not said  # the waiting line, said inside the try: a signal while it prints is absorbed as any other
     while True:
         try:
+            if due:
+                due, said = False, True
+                _say_waiting(handle)
             handle.wait()
             return
         except (KeyboardInterrupt, SystemExit):
-            if not said:
-                _say_waiting(handle)
-                said = True
+            due = due or not said
 
 
 def _say_waiting(handle: BackgroundCommit) -> None:
@@ -230,11 +229,11 @@ def _hook_sigterm() -> None:
 def _on_sigterm(signum: int, frame: Any) -> None:
     if _WAITING.is_set():  # the exit waits for the commits in flight: a SIGTERM must not cut that short
         raise SystemExit(128 + signum)  # _wait_through_signals says so and waits on
-    if _TERMINATED.is_set():  # the exit a SIGTERM began is on its way to that wait: let it get there
-        return
     if not _LIVE:  # nothing in flight: end as the default handler would
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
+        return
+    if _TERMINATED.is_set():  # the exit a SIGTERM began is on its way to that wait: let it get there
         return
     _TERMINATED.set()
     raise SystemExit(128 + signum)  # the interpreter's exit waits for the commits in flight (_at_exit)
@@ -299,6 +298,7 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
         handle._thread = threading.Thread(target=_work, args=(repo, lane, handle, checkpoint, lent, options, lossy,
                                                               progress, caller_origin()), name="ckpt-background-commit")
         lane.current = handle
+        _TERMINATED.clear()  # a program that caught the SIGTERM's SystemExit goes on: the next SIGTERM is its own
         _LIVE.add(handle)
         try:
             handle._thread.start()

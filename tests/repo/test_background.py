@@ -379,6 +379,39 @@ def test_a_second_sigterm_after_the_exits_wait_ends_a_hung_exit_step(tmp_path):
     assert b"waiting for the background commit" in child.stderr.read()
 
 
+CAUGHT = """
+import sys, time, torch
+from ckptstore import Repository
+repo = Repository.open(sys.argv[1])
+handle = repo.commit({"w": torch.ones(8)}, "background", blocking=False)
+print("started", flush=True)
+try:
+    time.sleep(60)
+except SystemExit:  # a training loop that catches what SIGTERM raises, and goes on
+    handle.result()
+    print("went on", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_program_that_catches_the_sigterms_exit_is_still_ended_by_the_next(tmp_path):
+    """Once a SIGTERM's SystemExit was caught, every later SIGTERM was let pass: nothing ended the program but the
+    scheduler's SIGKILL (reader 15, of 59589c2)."""
+    Repository.init(tmp_path).close()
+    release = tmp_path / "release"
+    child = subprocess.Popen([sys.executable, "-c", CAUGHT, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                             env=ckpt_env(CKPT_WAIT_AT=f"background:start={release}"))
+    SPAWNED.append(child)
+    _wait_reached(release, child)
+    assert child.stdout.readline() == b"started\n"
+    child.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    release.touch()
+    assert child.stdout.readline() == b"went on\n"
+    child.send_signal(signal.SIGTERM)  # nothing in flight now
+    assert child.wait(timeout=30) == -signal.SIGTERM
+
+
 def test_sigterm_mid_commit_ends_the_process_once_the_commit_is_written(tmp_path):
     """SIGTERM comes before SIGKILL from a scheduler: the commit in flight is written, then the process exits."""
     Repository.init(tmp_path).close()
