@@ -217,6 +217,11 @@ def raw_from_numpy(array: np.ndarray) -> RawTensor:
     return RawTensor(NUMPY_PREFIX + array.dtype.str, tuple(array.shape), flat.view(np.uint8))
 
 
+def element_unit(itemsize: int) -> np.dtype:
+    """A numpy type that holds one element's bytes as they are: an unsigned integer of its size, else raw bytes."""
+    return np.dtype(f"u{itemsize}") if itemsize in (1, 2, 4, 8) else np.dtype((np.void, itemsize))
+
+
 def raw_from_bytes(blob: bytes | memoryview | np.ndarray) -> RawTensor:
     data = blob if isinstance(blob, np.ndarray) else np.frombuffer(blob, dtype=np.uint8)
     return RawTensor(BYTES_DTYPE, (int(data.size),), data)

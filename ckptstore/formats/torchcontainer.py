@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 import mmap
 import os
 import struct
@@ -32,7 +31,7 @@ from ckptstore.errors import CkptError
 from ckptstore.formats import filemap
 from ckptstore.formats.atomic import write_parts
 from ckptstore.formats.torchfile import ZIP_ERRORS
-from ckptstore.state import RawTensor, raw_from_bytes, reserved_path
+from ckptstore.state import RawTensor, element_unit, raw_from_bytes, reserved_path
 
 _LOCAL = struct.Struct("<4s5H3L2H")
 _CENTRAL = struct.Struct("<4s6H3L5H2L")
@@ -189,7 +188,5 @@ def _record_bytes(raw: RawTensor, order: list, tensor_path: str) -> np.ndarray:
             and sorted(order) == list(range(len(raw.shape)))):
         raise CkptError(f"the container's order of tensor {tensor_path}'s dimensions ({order}) is not one of its "
                         f"{len(raw.shape)}: the manifest is damaged; run `ckpt fsck`")
-    itemsize = raw.nbytes // max(1, math.prod(raw.shape))
-    unit = np.dtype(f"u{itemsize}") if itemsize in (1, 2, 4, 8) else np.dtype((np.void, itemsize))
-    values = np.frombuffer(raw.data, unit).reshape(raw.shape)
+    values = np.frombuffer(raw.data, element_unit(raw.itemsize)).reshape(raw.shape)
     return np.ascontiguousarray(values.transpose(order)).reshape(-1).view(np.uint8)

@@ -47,6 +47,7 @@ from ckptstore.state import (
     FlatState,
     RawTensor,
     _Flattener,
+    element_unit,
 )
 
 # The last line of every refusal of torch's weights_only loader; torchfile.refused keeps only it
@@ -85,9 +86,6 @@ except ImportError:  # pragma: no cover - built without a C compiler
     _pickscan = None
 _OPCODE_NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
 class _Fallback(Exception):
     """A case this reader does not model; torch's own loader decides instead."""
 
@@ -535,7 +533,7 @@ def _tensor_bytes(value: Tensor) -> np.ndarray:
     first = value.storage.start + value.offset * itemsize
     if _contiguous(value.shape, value.stride):
         return base[first : first + numel * itemsize]
-    unit = np.dtype(_UNSIGNED[itemsize]) if itemsize in _UNSIGNED else np.dtype((np.void, itemsize))
+    unit = element_unit(itemsize)
     span = base[first : value.storage.start + value.storage.nbytes]
     elements = span[: len(span) // itemsize * itemsize].view(unit)
     view = np.lib.stride_tricks.as_strided(
