@@ -191,8 +191,7 @@ def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str] | None 
         paired = _by_ids(ordered, shapes, listed, ids) if ids is not None else None
         if paired is not None:
             return paired
-        for candidates, how in ((listed, "optimizer order matches the model's"),
-                                (_decay_groups(listed), "Hugging Face Trainer's decay groups")):
+        for candidates, how in _orders(listed):
             placement = _embedding(candidates, shapes)
             if placement is not None:
                 return _pair(ordered, [candidates[i][0] for i in placement], how)
@@ -205,8 +204,7 @@ def _by_ids(ordered: list[ParamSlots], shapes: list[tuple], model: list[tuple[st
     if len(ids) != len(model) or not set(s.index for s in ordered) <= set(ids):
         return None
     position = {param: i for i, param in enumerate(ids)}
-    for candidates, how in ((model, "optimizer order matches the model's"),
-                            (_decay_groups(model), "Hugging Face Trainer's decay groups")):
+    for candidates, how in _orders(model):
         if all(candidates[position[s.index]][1] == shape for s, shape in zip(ordered, shapes)):
             return _pair(ordered, [candidates[position[s.index]][0] for s in ordered], how)
     return None
@@ -229,6 +227,12 @@ def _slots_of(tensors: Mapping[str, RawTensor], lrs: Mapping[int, float]) -> dic
         slots[key].amsgrad = "max_exp_avg_sq" in other[key]
         slots[key].foreign_moments = bool(other[key] - ADAM_EXTRAS)
     return slots
+
+
+def _orders(model: list[tuple[str, tuple]]) -> tuple[tuple[list[tuple[str, tuple]], str], ...]:
+    """The orders an optimizer may list the model's tensors in, each with how a pairing by it is said."""
+    return ((model, "optimizer order matches the model's"),
+            (_decay_groups(model), "Hugging Face Trainer's decay groups"))
 
 
 def _decay_groups(model: Sequence[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
