@@ -15,7 +15,7 @@ import re
 import struct
 import sys
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,6 +215,17 @@ def raw_from_numpy(array: np.ndarray) -> RawTensor:
         raise UnsupportedStateError("numpy arrays of Python objects cannot be stored without pickle")
     flat = np.ascontiguousarray(array).reshape(-1)
     return RawTensor(NUMPY_PREFIX + array.dtype.str, tuple(array.shape), flat.view(np.uint8))
+
+
+SLICE_ELEMENTS = 1 << 22  # a large tensor's values are read a slice at a time: no copy of it whole
+
+
+def element_slices(raw: RawTensor, first: int = 0, elements: int = SLICE_ELEMENTS) -> Iterator[RawTensor]:
+    """The tensor from element `first` on as flat tensors of at most `elements` each (views of its bytes)."""
+    per = elements * raw.itemsize
+    for start in range(first * raw.itemsize, raw.data.size, per):
+        part = raw.data[start: start + per]
+        yield RawTensor(raw.dtype, (part.size // raw.itemsize,), part)
 
 
 def element_unit(itemsize: int) -> np.dtype:

@@ -14,7 +14,7 @@ from ckptstore.policy.levels import LossyLevel
 from ckptstore.policy.lossless import EncodingSettings
 from ckptstore.policy.mapping import ParamSlots
 from ckptstore.records import TensorRecord
-from ckptstore.state import RawTensor
+from ckptstore.state import RawTensor, element_slices
 
 
 @dataclass
@@ -59,14 +59,10 @@ def eligible(raw: RawTensor, level: LossyLevel, min_elements: int | None = None,
     return raw.dtype in LOSSY_DTYPES and count >= max(1, least)
 
 
-SLICE_ELEMENTS = 1 << 22  # a tensor's statistics are read a slice at a time
-
-
 def _float32_slices(raw: RawTensor, first: int = 0) -> Iterator[np.ndarray]:
     """A float tensor's values in float32, a slice at a time: no copy of a multi-GB tensor at once (9x its size)."""
-    per = SLICE_ELEMENTS * raw.itemsize
-    for at in range(first * raw.itemsize, raw.data.size, per):
-        yield to_float32(raw.data[at: at + per], raw.dtype)
+    for part in element_slices(raw, first):
+        yield to_float32(part.data, part.dtype)
 
 
 def rms(raw: RawTensor) -> float:

@@ -12,7 +12,7 @@ import numpy as np
 from ckptstore.repo.checkout import restore
 from ckptstore.repo.integrity import entry_records
 from ckptstore.repo.sharded import gather, is_sharded
-from ckptstore.state import BYTES_DTYPE, RawTensor, float64_values, readable_path
+from ckptstore.state import BYTES_DTYPE, RawTensor, element_slices, float64_values, readable_path
 
 if TYPE_CHECKING:
     from ckptstore.repo.manifest import Manifest
@@ -166,12 +166,12 @@ def _same_plain_value(path: str, old: RawTensor, new: RawTensor) -> bool:
     return same_items(path, old.data.tobytes(), new.data.tobytes())
 
 
-_SLICE_ELEMENTS = 1 << 22  # values compared a slice at a time: float64 copies of a multi-GB tensor ran out of memory
-
-
 def relative_l2(old: RawTensor, new: RawTensor) -> float | None:
-    """||new - old|| / ||old|| in float64; None unless both are floating-point tensors of one shape."""
-    if old.shape != new.shape or _float64_slice(old, 0) is None or _float64_slice(new, 0) is None:
+    """||new - old|| / ||old|| in float64, a slice at a time; None unless both are floating-point tensors of one shape.
+
+    Float64 copies of a whole multi-GB tensor, their difference and more ran out of memory.
+    """
+    if old.shape != new.shape or not (_floating(old) and _floating(new)):
         return None
     halved = False
     for a, b in zip(_slices(old), _slices(new), strict=True):
@@ -188,18 +188,15 @@ def relative_l2(old: RawTensor, new: RawTensor) -> float | None:
     return (2.0 if halved else 1.0) * (delta.scale / norm.scale) * math.sqrt(delta.ssq / norm.ssq)
 
 
-def _float64_slice(raw: RawTensor, at: int) -> np.ndarray | None:
-    """Float64 values of `raw` from element `at`, a slice's worth (None for a dtype that is not floating-point)."""
-    start = at * raw.itemsize
-    part = raw.data[start: start + _SLICE_ELEMENTS * raw.itemsize]
-    return float64_values(RawTensor(raw.dtype, (part.size // raw.itemsize,), part))
+def _floating(raw: RawTensor) -> bool:
+    """Whether float64_values reads the tensor's dtype, asked of its first element alone."""
+    return float64_values(next(element_slices(raw, elements=1), RawTensor(raw.dtype, (0,), raw.data[:0]))) is not None
 
 
 def _slices(raw: RawTensor) -> Iterator[np.ndarray]:
     """The tensor's values as float64 slices, each made as it is asked for."""
-    count = raw.data.size // raw.itemsize
-    for at in range(0, max(count, 1), _SLICE_ELEMENTS):
-        values = _float64_slice(raw, at)
+    for part in element_slices(raw):
+        values = float64_values(part)
         if values is not None:
             yield values
 
