@@ -167,7 +167,7 @@ def _at_exit() -> None:
     _WAITING.set()
     try:
         for handle in ending:
-            _wait_through_signals(handle, said=not _TERMINATED.is_set())
+            _wait_through_signals(handle, announce=_TERMINATED.is_set())
     finally:
         _WAITING.clear()  # the rest of the exit is the program's: a SIGTERM ends it as it would have
         _TERMINATED.clear()
@@ -181,13 +181,13 @@ def _at_exit() -> None:
                   f"it: {explain(error) or error}. Nothing of it was recorded", file=sys.stderr, flush=True)
 
 
-def _wait_through_signals(handle: BackgroundCommit, said: bool = True) -> None:
+def _wait_through_signals(handle: BackgroundCommit, announce: bool = False) -> None:
     """Wait for `handle` at exit, a Ctrl-C or SIGTERM meanwhile (torchrun's teardown) not cutting the wait short.
 
-    The first such signal (or, with `said` False, the SIGTERM that began the exit) is answered on stderr: the
+    The first such signal (with `announce`, the SIGTERM that began the exit) is answered on stderr: the
     process waits on purpose, and SIGKILL abandons the commit.
     """
-    due = not said  # the waiting line, said inside the try: a signal while it prints is absorbed as any other
+    said, due = False, announce  # the line is said inside the try: a signal while it prints is absorbed as any other
     while True:
         try:
             if due:
@@ -196,7 +196,7 @@ def _wait_through_signals(handle: BackgroundCommit, said: bool = True) -> None:
             handle.wait()
             return
         except (KeyboardInterrupt, SystemExit):
-            due = due or not said
+            due = not said
 
 
 def _say_waiting(handle: BackgroundCommit) -> None:
