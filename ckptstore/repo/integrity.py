@@ -251,14 +251,10 @@ def _commit_problems(tx: Tx, commits: dict[CommitId, commit_rows.CommitInfo], fo
             found.problems[f"ref {name}"] = "it points at no commit"
 
 
-# what Manifest.from_bytes says of whole bytes that are no manifest (a lost or changed object is said as such)
-_MANIFEST_DAMAGE = ("not a readable manifest", "a manifest missing or mangling a field")
-
-
 def _manifest_entries(store: ObjectStore, commits: dict[CommitId, commit_rows.CommitInfo], found: Findings
                       ) -> dict[CommitId, dict[str, Entry]]:
     """Each commit's manifest entries, from the manifests that read; what a manifest says of its commit is checked."""
-    from ckptstore.repo.manifest import Manifest, ManifestVersionError
+    from ckptstore.repo.manifest import Manifest, ManifestVersionError, UnreadableManifestError
 
     entries: dict[CommitId, dict[str, Entry]] = {}
     for cid, info in sorted(commits.items(), key=_by_key):
@@ -272,7 +268,7 @@ def _manifest_entries(store: ObjectStore, commits: dict[CommitId, commit_rows.Co
             continue
         except (CorruptObjectError, CkptError) as exc:
             found.unreadable_manifests.add(info.manifest_object)
-            if isinstance(exc, CorruptObjectError) and exc.problem.startswith(_MANIFEST_DAMAGE):  # its bytes whole
+            if isinstance(exc, UnreadableManifestError):  # its bytes whole: a lost or changed object is said as one
                 found.problems.setdefault(f"commit {cid}", f"its manifest {info.manifest_object} does not read: "
                                                            f"{exc.problem}")
             continue

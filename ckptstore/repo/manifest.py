@@ -29,6 +29,10 @@ class ManifestVersionError(CkptError):
     """A manifest of a version this ckptstore does not know: written by a newer one."""
 
 
+class UnreadableManifestError(CorruptObjectError):
+    """An object read whole (its hash holds) whose bytes are no manifest: damaged or forged where it was made."""
+
+
 @dataclass
 class Entry:
     """A manifest line: a logical path and the tensor stored there."""
@@ -117,7 +121,7 @@ class Manifest:
         try:  # a damaged frame header can declare gigabytes: no manifest compresses 1024x
             record = json.loads(decompress_at_most(data, MAX_EXPANSION * len(data) + (1 << 20)))
         except (zstandard.ZstdError, ValueError, RecursionError) as exc:  # RecursionError: forged nesting
-            raise CorruptObjectError(oid, f"not a readable manifest ({exc})") from None
+            raise UnreadableManifestError(oid, f"not a readable manifest ({exc})") from None
         version = record.get("version") if isinstance(record, dict) else None
         if version not in KNOWN_VERSIONS:
             raise ManifestVersionError(f"manifest {oid} has version {version!r}, which this ckptstore cannot read "
@@ -128,7 +132,7 @@ class Manifest:
             manifest.oid = str(oid)
             return manifest
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
-            raise CorruptObjectError(oid, f"a manifest missing or mangling a field ({exc!r})") from None
+            raise UnreadableManifestError(oid, f"a manifest missing or mangling a field ({exc!r})") from None
 
     def rewritten_files(self) -> list[str]:
         """Files a checkout writes with torch.save (no container; "" names a lone file): state exact, bytes not."""
