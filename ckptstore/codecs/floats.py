@@ -7,6 +7,8 @@ make that conversion identical on every machine (round to nearest even, like tor
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -147,3 +149,8 @@ def holds_nan(dtype: str, data: np.ndarray) -> bool:
     return any((((part := words[at:at + _SCAN_ELEMENTS]) & exponent) == exponent).any()
                and ((part & exponent == exponent) & (part & mantissa != 0)).any()
                for at in range(0, words.size, _SCAN_ELEMENTS))
+
+
+def first_with_nan(tensors: Mapping[str, Any]) -> str | None:
+    """The path of the first tensor (a RawTensor: `dtype`, `data`) holding a NaN, or None."""
+    return next((path for path, raw in tensors.items() if holds_nan(raw.dtype, raw.data)), None)

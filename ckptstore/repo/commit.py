@@ -310,9 +310,9 @@ def _refuse_nan(checkpoint: formats.Checkpoint) -> None:
     let the rest be quantized, with no word of it. An infinity is a diverged run's only where the
     level would quantize it (the codecs say so); a mask buffer of -inf beside the weights is none.
     """
-    from ckptstore.codecs.floats import holds_nan
+    from ckptstore.codecs.floats import first_with_nan
 
-    found = next((path for path, raw in checkpoint.tensors.items() if holds_nan(raw.dtype, raw.data)), None)
+    found = first_with_nan(checkpoint.tensors)
     if found is not None:
         raise NonFiniteError(f"NaN in {readable_path(found)}")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults
-from ckptstore.codecs.floats import holds_nan
+from ckptstore.codecs.floats import first_with_nan
 from ckptstore.errors import CkptError, UnquantizableError, UnquantizableTensorsError, with_reasons
 from ckptstore.formats.dcpmeta import DCP_FORMAT_VERSION, chunk_problem
 from ckptstore.hashing import CommitId, ObjectId, TensorId, tensor_id
@@ -83,7 +83,7 @@ def _encode_shards(repo: Repository, shards: Mapping[str, RawTensor], ids: Mappi
     the same for a whole checkpoint).
     """
     whole: dict[str, str] = {}
-    nan = next((key for key, raw in shards.items() if holds_nan(raw.dtype, raw.data)), None) if plans else None
+    nan = first_with_nan(shards) if plans else None
     if nan is not None:  # a shard the level keeps exact is seen by no codec: its NaN is said here
         warn_caller(f"this rank's shards hold values no step quantizes (NaN in {nan}): all stored lossless instead "
                     f"of at level {level.name!r}", RuntimeWarning)
