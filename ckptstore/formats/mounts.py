@@ -46,7 +46,7 @@ def keeps_modes(path: str | os.PathLike, device: int | None = None) -> bool:
     return file_system_of(path, device) not in _NO_MODES
 
 
-def keeps_inodes(path: str | os.PathLike) -> bool:
+def keeps_inodes(path: str | os.PathLike, device: int | None = None) -> bool:
     """Whether the file system holding `path` keeps its inode numbers across remounts (not FAT, exFAT, FUSE)."""
-    kind = file_system_of(path)
+    kind = file_system_of(path, device)
     return kind not in _MADE_UP_INODES and not kind.startswith("fuse.")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -119,11 +120,10 @@ def _owner_there(record: dict | None) -> bool:
         if record is None:
             return False
         folder = Path(str(record["repository"])) / REPO_DIR
-        if not folder.exists():
-            return False
+        info = os.stat(folder)  # gone: FileNotFoundError, no owner there
         from ckptstore.formats.mounts import keeps_inodes
 
-        return os.stat(folder).st_ino == record["inode"] if keeps_inodes(folder) else folder.is_dir()
+        return info.st_ino == record["inode"] if keeps_inodes(folder, info.st_dev) else stat.S_ISDIR(info.st_mode)
     except PermissionError:
         return True
     except (OSError, KeyError):

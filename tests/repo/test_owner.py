@@ -222,7 +222,7 @@ def test_where_inode_numbers_are_made_up_per_mount_the_path_names_the_owner(tmp_
         later = original.commit(_state(1))
     marker = tmp_path / "objects.owner"
     record = json.loads(marker.read_text())
-    monkeypatch.setattr(mounts, "keeps_inodes", lambda path: False)  # as on exFAT
+    monkeypatch.setattr(mounts, "keeps_inodes", lambda path, device=None: False)  # as on exFAT
     marker.write_text(json.dumps({**record, "inode": (tmp_path / "b" / ".ckpt").stat().st_ino}))  # the copy's now
     with Repository.open(tmp_path / "b") as copy:
         with pytest.raises(CkptError, match="belongs to the repository at .*/a, not this"):
