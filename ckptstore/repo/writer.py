@@ -82,7 +82,7 @@ def _stored(source: ChainSource, parts: list[bytes | memoryview], length: int
             ) -> tuple[ObjectId | None, list | None]:
     """Write a large payload (consecutive parts, `length` bytes) as its own object now; keep a small one for a pack."""
     if length < PACK_BELOW:
-        return None, parts
+        return None, [b"".join(parts)] if len(parts) > 1 else parts
     return put_parts(source.store, parts), None
 
 
