@@ -430,14 +430,26 @@ def log(ctx, graph, all_refs, as_json) -> None:
         echo(line)
     for info in commits:
         deco = f" ({', '.join(labels[info.id])})" if info.id in labels else ""
-        when = datetime.datetime.fromtimestamp(info.created_at).isoformat(timespec="seconds")
+        when = _when(info.created_at)
         lossy = f"\nLossy:  {info.lossy}" if info.lossy else ""
         lossy += "\nPruned: its tensors were removed by `ckpt prune`" if info.pruned else ""
         echo(f"commit {info.id}{deco}\nDate:   {when}\nStep:   {info.step}{lossy}")
         if info.metrics:
-            echo("Metrics: " + ", ".join(f"{k}={v:g}" for k, v in info.metrics.items()))
+            echo("Metrics: " + ", ".join(f"{shown_name(k)}={v:g}" for k, v in info.metrics.items()))
         echo(f"\n{_indented(info.message)}\n")
     return None
+
+
+def _when(seconds: float) -> str:
+    """A commit's time in this machine's zone with its UTC offset, as git shows it; a time no date holds as @SECONDS.
+
+    Without the offset two machines' logs of one shared repository disagreed unsaid; a time past
+    year 9999 (a machine's clock, a remote's record) stopped the whole log.
+    """
+    try:
+        return datetime.datetime.fromtimestamp(seconds).astimezone().isoformat(timespec="seconds")
+    except (ValueError, OverflowError, OSError):
+        return f"@{seconds}"
 
 
 def _unborn_head(repo) -> list[str]:
@@ -471,7 +483,7 @@ def branch(ctx, name, start, delete) -> None:
     else:
         current, _ = repo.head()
         for branch_name, cid in repo.branches().items():
-            echo(f"{'*' if branch_name == current else ' '} {branch_name} {cid[:12]}")
+            echo(f"{'*' if branch_name == current else ' '} {shown_name(branch_name)} {cid[:12]}")
 
 
 @cli.command()
@@ -489,7 +501,7 @@ def tag(ctx, name, ref, delete) -> None:
         echo(f"Tagged {repo.tag(name, ref)[:12]} as {name}")
     else:
         for tag_name, cid in repo.tags().items():
-            echo(f"{tag_name} {cid[:12]}")
+            echo(f"{shown_name(tag_name)} {cid[:12]}")
 
 
 @cli.command()

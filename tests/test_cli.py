@@ -350,3 +350,37 @@ def test_log_of_an_unborn_head_names_the_branches_that_have_commits(tmp_path):
         assert result.returncode == 0 and result.stdout == (
             "note: HEAD's branch 'main' has no commits yet; run has: `ckpt log --all` lists them\n"), result.stdout
     assert ckpt_here(tmp_path, "log", "--json").stdout.strip() == "[]"
+
+
+def test_log_shows_names_from_rows_escaped_and_dates_with_their_offset(tmp_path, monkeypatch):
+    """A metric name or a ref row holding a newline forged a whole commit entry in `log`, `branch` and `tag`
+    (a shared database's other client, a Trainer's metric key); a time past year 9999 stopped the log; dates had
+    no zone, so two machines' logs of one repository disagreed (auditor)."""
+    import contextlib
+    import datetime
+    import sqlite3
+
+    from ckptstore.repo import Repository
+    from ckptstore.repo.maintenance import fsck
+
+    forged = "\ncommit " + "0" * 64 + "\nDate:   2020-01-01T00:00:00\n\n    verified\n\nloss"
+    with Repository.init(tmp_path) as repo:
+        first = repo.commit({"w": torch.ones(3)}, metrics={forged: 1.0})
+        monkeypatch.setattr("ckptstore.repo.commit.time.time", lambda: 1e12)
+        repo.commit({"w": torch.zeros(3)}, message="from a clock far ahead")
+    with contextlib.closing(sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db")) as db, db:
+        db.execute("INSERT INTO refs (name, kind, commit_id) VALUES (?, 'branch', ?)", ("x\n* release", first))
+        db.execute("INSERT INTO refs (name, kind, commit_id) VALUES (?, 'tag', ?)", ("t\nv1.0-verified", first))
+    log = ckpt_here(tmp_path, "log")
+    lines = log.stdout.splitlines()
+    assert log.returncode == 0 and sum(line.startswith("commit ") for line in lines) == 2, log.stdout
+    assert "Date:   @1000000000000.0" in lines, lines
+    assert "(x\\n* release, tag: t\\nv1.0-verified)" in log.stdout and "Metrics: \\ncommit 000" in log.stdout
+    local = datetime.datetime.now().astimezone().isoformat()[-6:]  # this machine's offset now, +00:00 here
+    assert any(line.startswith("Date:   ") and line.endswith(local) for line in lines), lines
+    assert "* release" not in ckpt_here(tmp_path, "branch").stdout.splitlines()
+    assert "v1.0-verified " + first[:12] not in ckpt_here(tmp_path, "tag").stdout.splitlines()
+    with Repository.open(tmp_path) as repo:
+        damaged = fsck(repo).damaged_records
+    assert "is not a valid branch or tag name" in damaged["ref x\n* release"], damaged
+    assert "ref t\nv1.0-verified" in damaged, damaged

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ckptstore.errors import CorruptRecordError, RefNotFoundError
+from ckptstore.errors import CorruptRecordError, RefNotFoundError, shown_name
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
@@ -39,18 +39,21 @@ def log(repo: Repository, ref: str | None = None, all_refs: bool = False) -> lis
 
 
 def decorations(repo: Repository) -> dict[CommitId, list[str]]:
-    """Ref names by commit, with `HEAD -> branch` like git."""
+    """Ref names by commit, with `HEAD -> branch` like git.
+
+    Names are shown escaped: a row another client of a shared database wrote may hold a newline.
+    """
     labels: dict[CommitId, list[str]] = {}
     with repo.db.read() as tx:
         branch, head = refs.head_branch(tx), refs.head_commit(tx)
         branches, tags = ref_rows.refs_of_kind(tx, refs.BRANCH), ref_rows.refs_of_kind(tx, refs.TAG)
         tracking = ref_rows.refs_of_kind(tx, ref_rows.REMOTE)
     for name, cid in branches.items():
-        labels.setdefault(cid, []).append(f"HEAD -> {name}" if name == branch else name)
+        labels.setdefault(cid, []).append(f"HEAD -> {shown_name(name)}" if name == branch else shown_name(name))
     for name, cid in tracking.items():
-        labels.setdefault(cid, []).append(name.removeprefix("remotes/"))
+        labels.setdefault(cid, []).append(shown_name(name.removeprefix("remotes/")))
     for name, cid in tags.items():
-        labels.setdefault(cid, []).append(f"tag: {name}")
+        labels.setdefault(cid, []).append(f"tag: {shown_name(name)}")
     if branch is None and head:
         labels.setdefault(head, []).insert(0, "HEAD")
     return labels

@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError, PrunedCommitError
+from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError, InvalidRefNameError, PrunedCommitError
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import liveness
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.records import TensorRecord
 from ckptstore.replay import chain_problem
+from ckptstore.repo import refs as ref_names
 from ckptstore.state import RawTensor
 
 if TYPE_CHECKING:
@@ -249,6 +250,19 @@ def _commit_problems(tx: Tx, commits: dict[CommitId, commit_rows.CommitInfo], fo
             found.problems[f"ref {name}"] = f"it points at commit {cid}, which is marked pruned"
         elif kind != "head" and cid is None:
             found.problems[f"ref {name}"] = "it points at no commit"
+        elif kind != "head" and (problem := _name_problem(name, kind)):
+            found.problems[f"ref {name}"] = problem
+
+
+def _name_problem(name: str, kind: str) -> str | None:
+    """Why a ref row's name is none `ckpt branch`, `tag` or a fetch would write (another client's row), or None."""
+    if kind == "remote" and not (name.startswith("remotes/") and name.count("/") >= 2):
+        return "its name is no remote-tracking ref's (remotes/REMOTE/BRANCH)"
+    try:
+        ref_names.check_form(name.removeprefix("remotes/") if kind == "remote" else name)
+    except InvalidRefNameError as exc:
+        return f"its name is none a ref may have: {exc}"
+    return None
 
 
 def _manifest_entries(store: ObjectStore, commits: dict[CommitId, commit_rows.CommitInfo], found: Findings
