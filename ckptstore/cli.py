@@ -73,6 +73,9 @@ def _shown(text: str) -> str:
     return _CONTROL.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
 
 
+_PIECE = 1 << 16  # CPython drops the rest of a larger write that the OS takes in part (a disk filling), unsaid
+
+
 def echo(text: str = "") -> None:
     """Write one line of the command's output; a stdout that refuses it raises OutputError, not an OSError.
 
@@ -80,8 +83,12 @@ def echo(text: str = "") -> None:
     """
     if sys.stdout is None:  # started with stdout closed (`>&-`): click would drop the text without a word
         raise OutputError.closed()
+    shown = _shown(text)
+    pieces = [shown[start : start + _PIECE] for start in range(0, len(shown), _PIECE)] or [""]
     try:
-        click.echo(_shown(text))
+        for piece in pieces[:-1]:
+            click.echo(piece, nl=False)
+        click.echo(pieces[-1])
     except OSError as exc:
         raise OutputError(exc) from exc
 

@@ -467,3 +467,16 @@ def test_memory_refused_in_other_words_is_said_as_out_of_memory():
     assert explain(RuntimeError("something else")) is None
     assert "mounted without exec" in str(explain(OSError("x.so: failed to map segment from shared object")))
     assert "mounted without exec" not in str(explain(RuntimeError("can't start new thread")))
+
+
+def test_a_long_json_output_cut_short_by_its_reader_fails_as_any_output_does(tmp_path):
+    """`ckpt show --json | head -c1` exited 0 (and `> small-disk/out.json` left half a document, exit 0): CPython
+    drops the rest of one large write the OS takes in part, without an error (text/time auditor)."""
+    with Repository.init(tmp_path) as repo:
+        repo.commit({f"layer{i}.w": torch.zeros(2) for i in range(3000)})  # about 0.8 MB of JSON
+    cut = subprocess.run(f"{sys.executable} -m ckptstore show --json | head -c1 > /dev/null; "
+                         'echo "rc=${PIPESTATUS[0]}"', shell=True, executable="/bin/bash", cwd=tmp_path, text=True,
+                         capture_output=True, env=ckpt_env(), timeout=120)
+    assert cut.stdout == "rc=141\n" and cut.stderr == "", (cut.stdout, cut.stderr)
+    whole = run(tmp_path, "show", "--json")
+    assert whole.returncode == 0 and len(json.loads(whole.stdout)["tensors"]) == 3000
