@@ -145,6 +145,12 @@ def fidelity(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _history_order(every: dict[CommitId, CommitInfo]) -> list[CommitId]:
+    """Every commit, children before parents: by history, not by clocks (a clock set back, another ahead)."""
+    return graph.topo_order(list(every), {cid: [p for p in info.parents if p in every] for cid, info in every.items()},
+                            lambda cid: every[cid].created_at)
+
+
 def stats(repo: Repository) -> dict[str, Any]:
     """Per commit raw and newly stored bytes, and totals against what is on disk (objects and metadata)."""
     reachable = log(repo, all_refs=True)
@@ -154,7 +160,7 @@ def stats(repo: Repository) -> dict[str, Any]:
     rows = [{"id": c.id, "step": c.step, "message": c.message, "raw_bytes": c.raw_bytes,
              "stored_bytes": c.stored_bytes, "pruned": c.pruned,
              "ratio": c.raw_bytes / c.stored_bytes if c.stored_bytes else None}  # None: it stored nothing new
-            for c in sorted(every.values(), key=lambda c: c.created_at)]
+            for c in (every[cid] for cid in reversed(_history_order(every)))]
     objects = sum(size for _, size in repo.store.iter_sizes())
     metadata = repo.db.size_on_disk()
     raw, stored = sum(r["raw_bytes"] for r in rows if not r["pruned"]), objects + metadata
