@@ -329,8 +329,8 @@ def explain(exc: BaseException) -> CkptError | None:
             return CkptError(f"{current.filename or 'a path'} is too long for this file system (a name in it, or the "
                              "whole path); choose a shorter one")
         if isinstance(current, UnicodeEncodeError) and "surrogates" in text:
-            return CkptError(f"{current.object[:80]!r} holds bytes that are not UTF-8; ckptstore records names, "
-                             "paths and messages as UTF-8: rename the file, or pass the text in UTF-8")
+            return CkptError(f"'{shown_name(current.object[:80])}' holds bytes that are not UTF-8; ckptstore records "
+                             "names, paths and messages as UTF-8: rename the file, or pass the text in UTF-8")
         current = current.__cause__ or current.__context__
     return None
 
