@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import threading
 import warnings
 import weakref
 from pathlib import Path
@@ -159,6 +160,15 @@ def monitored_metrics(checkpoint: dict[str, Any], path: str | os.PathLike) -> di
     return metrics
 
 
+def _warn_off_main_thread() -> None:
+    """Say once that saves come from another thread (Lightning's AsyncCheckpointIO): removes do not wait for them."""
+    warnings.warn("ckptstore: CkptstoreCheckpointIO saves on a thread of its own here (Lightning's "
+                  "AsyncCheckpointIO?): ModelCheckpoint's removes do not wait for those saves, so the tags and "
+                  "markers of checkpoints it dropped may stay (keeping their commits from `ckpt prune "
+                  "--keep-tagged`). Pass the plugin alone: it commits in the background itself",
+                  RuntimeWarning, stacklevel=3)
+
+
 def _device(map_location: Any) -> str | None:
     """A device name from Lightning's map_location (a name or torch.device); anything else loads on the CPU."""
     import torch
@@ -197,13 +207,19 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         self.trust_pickle, self.blocking = trust_pickle, blocking
         self._paths: dict[str, str] = {}  # ref -> the path that claimed it in this process
         self._pending: tuple[str, str | os.PathLike, BackgroundCommit] | None = None  # (ref, path, handle) in flight
+        # AsyncCheckpointIO saves on its thread while the trainer's removes and loads come from the main one
+        self._lock = threading.RLock()
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (ddp_spawn sends the plugin to each process) as the repository's folder, reopened there."""
         state = dict(self.__dict__, _given=None, _opened=None, _pending=None)
+        del state["_lock"]
         if self._given is not None or self._opened is not None:
             state["_location"] = (self._given or self._opened).root
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.RLock())
 
     @property
     def repo(self) -> Repository:
@@ -223,6 +239,12 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         if self.markers and "://" in os.fspath(path):
             raise CkptError(f"cannot write a marker file at {os.fspath(path)!r}: markers are local files; give "
                             "ModelCheckpoint a local dirpath, or CkptstoreCheckpointIO(markers=False)")
+        if threading.current_thread() is not threading.main_thread():
+            _warn_off_main_thread()
+        with self._lock:
+            self._save(checkpoint, path)
+
+    def _save(self, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
         self.settle()
         ref, repo = self._claim(path), self.repo
         if ref in repo.branches():
@@ -245,9 +267,11 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
 
     def settle(self) -> None:
         """Wait for the commit in flight, then write its tag and marker; raise its failure."""
-        if self._pending is None:
-            return
-        ref, path, handle = self._pending
+        with self._lock:
+            if self._pending is not None:
+                self._settle(*self._pending)
+
+    def _settle(self, ref: str, path: str | os.PathLike, handle: BackgroundCommit) -> None:
         try:
             cid = head_if_unchanged(self.repo, self.branch, handle.result)
         except RetentionError as exc:
@@ -278,9 +302,11 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
     def _record(self, ref: str, path: str | os.PathLike, cid: CommitId) -> None:
         """Tag `cid` as `ref` (moving the tag if the path was saved before) and write the marker."""
         repo = self.repo
-        if ref in repo.tags():  # the path was saved before (last.ckpt): its tag moves to the new commit
+        held = repo.tags().get(ref)
+        if held is not None and held != cid:  # the path was saved before (last.ckpt): its tag moves to the new commit
             repo.delete_tag(ref)
-        repo.tag(ref, cid)
+        if held != cid:
+            repo.tag(ref, cid)
         if self.markers:
             write_marker(path, repo.root, ref, cid)
 
@@ -378,6 +404,10 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """Delete the tag of `path` and its marker (or link); the commit stays for retention to remove."""
+        with self._lock:
+            self._remove(path)
+
+    def _remove(self, path: str | os.PathLike) -> None:
         self.settle()
         ref = ref_for_path(path, self.prefix)
         try:

@@ -426,3 +426,25 @@ def test_a_save_outside_fit_gets_its_tag_and_marker_when_the_process_ends(tmp_pa
 def test_a_file_of_forged_nesting_at_a_checkpoint_path_is_no_marker(tmp_path):
     (tmp_path / "x.ckpt").write_text('{"a": ' + "[" * 3000)  # within the marker size, past json's nesting
     assert read_marker(tmp_path / "x.ckpt") is None
+
+
+def test_wrapped_in_async_checkpoint_io_the_plugin_warns_and_every_kept_checkpoint_loads(lit, tmp_path):
+    """AsyncCheckpointIO's thread and the trainer's removes both settled one background commit: the second
+    tagging raised RefExistsError and `fit` died (Lightning auditor)."""
+    wrapper = importlib.import_module(f"{lit.pl.__name__}.plugins.io").AsyncCheckpointIO
+    repo = Repository.init(tmp_path / "store")
+    plugin = CkptstoreCheckpointIO(repo)
+    checkpoints = lit.pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", monitor="step", mode="max",
+                                                   save_top_k=2, every_n_train_steps=1)
+    trainer = lit.pl.Trainer(accelerator="cpu", devices=1, max_epochs=3, limit_train_batches=BATCHES,
+                             limit_val_batches=0, enable_progress_bar=False, logger=False, enable_model_summary=False,
+                             callbacks=[checkpoints], plugins=[wrapper(plugin)])
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="saves on a thread of its own"):
+        trainer.fit(lit.Tiny(), _loader())
+    tags = repo.tags()
+    assert len(checkpoints.best_k_models) == 2
+    for path in checkpoints.best_k_models:
+        assert tags[ref_for_path(path)] == read_marker(path)["commit"], path
+        assert plugin.load_checkpoint(path)["global_step"] == int(Path(path).stem.rsplit("=", 1)[1])
+    repo.close()
