@@ -333,7 +333,9 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
 
         With `keep_tagged`, the tag is what keeps that commit from retention. A tag moves when the
         same path is saved again (its marker names the tag's commit) or its commit is in the history
-        of the branch this plugin commits to (an earlier run of it, or the run resumed).
+        of the branch this plugin commits to (an earlier run of it, or the run resumed). In that last
+        case the earlier run's file may still be on disk elsewhere (Lightning's `version_N` folders
+        share file names), so its commit keeps a tag of its own, `REF-COMMIT12`.
         """
         repo = self.repo
         held = repo.tags().get(ref)
@@ -345,12 +347,25 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
             history = {info.id for info in repo.log(branch)}
         except RefNotFoundError:  # an unborn branch has no history
             history = set()
-        if held not in history:
-            raise CkptError(
+        if held in history:
+            self._keep_earlier(ref, held)
+            return
+        raise CkptError(
                 f"checkpoint {os.fspath(path)!r} maps to tag {ref!r}, which another run's checkpoint holds (commit "
                 f"{held[:12]}, not in the history of branch {branch!r}); moving it could lose a checkpoint that "
                 "run still lists. Give this run tags of its own (CkptstoreCheckpointIO(prefix=...)), or delete "
                 f"that run's tag if it is over (`ckpt tag -d {ref}`)")
+
+    def _keep_earlier(self, ref: str, held: CommitId) -> None:
+        """Tag `held` as `REF-COMMIT12` before `ref` moves off it, and say so: an earlier run's file may name it."""
+        kept = f"{ref}-{held[:12]}"
+        if kept in self.repo.tags():
+            return
+        self.repo.tag(kept, held)
+        warnings.warn(f"ckptstore: tag {ref!r} moves to this run's checkpoint; the commit it named ({held[:12]}, "
+                      f"an earlier run's, whose file may still be on disk) keeps tag {kept!r}, so `ckpt prune "
+                      f"--keep-tagged` keeps it: `ckpt tag -d {kept}` once that file is gone", RuntimeWarning,
+                      stacklevel=5)
 
     def _commit(self, checkpoint: dict[str, Any], path: str | os.PathLike) -> CommitId | BackgroundCommit:
         step = checkpoint.get("global_step")

@@ -442,9 +442,30 @@ def test_wrapped_in_async_checkpoint_io_the_plugin_warns_and_every_kept_checkpoi
     torch.manual_seed(0)
     with pytest.warns(RuntimeWarning, match="saves on a thread of its own"):
         trainer.fit(lit.Tiny(), _loader())
+    plugin.settle()  # AsyncCheckpointIO's teardown leaves out the plugin's: the last save settles at exit
     tags = repo.tags()
     assert len(checkpoints.best_k_models) == 2
     for path in checkpoints.best_k_models:
         assert tags[ref_for_path(path)] == read_marker(path)["commit"], path
         assert plugin.load_checkpoint(path)["global_step"] == int(Path(path).stem.rsplit("=", 1)[1])
+    repo.close()
+
+
+def test_a_later_run_in_another_version_folder_leaves_the_earlier_runs_checkpoint_tagged(tmp_path):
+    """Lightning's version_0 and version_1 folders share file names: run 2 moved run 1's tag, and `ckpt prune
+    --keep-tagged` removed the commit version_0's file still named (Lightning auditor)."""
+    from ckptstore.repo.config import RetentionPolicy
+    from ckptstore.repo.pruning import prune
+
+    repo = Repository.init(tmp_path / "store")
+    first = {"state_dict": {"w": torch.arange(6.0)}, "global_step": 8, "epoch": 1}
+    earlier, later = (tmp_path / f"lightning_logs/version_{n}/checkpoints/epoch=1-step=8.ckpt" for n in (0, 1))
+    CkptstoreCheckpointIO(repo, blocking=True).save_checkpoint(first, earlier)
+    held = repo.resolve("lightning/epoch_1-step_8")
+    with pytest.warns(RuntimeWarning, match=f"keeps tag 'lightning/epoch_1-step_8-{held[:12]}'"):
+        CkptstoreCheckpointIO(repo, blocking=True).save_checkpoint({**first, "state_dict": {"w": torch.ones(6)}},
+                                                                   later)
+    assert repo.resolve("lightning/epoch_1-step_8") != held
+    prune(repo, RetentionPolicy(keep_tagged=True))
+    assert_same(CkptstoreCheckpointIO(repo).load_checkpoint(earlier), first)
     repo.close()
