@@ -209,6 +209,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         self._pending: tuple[str, str | os.PathLike, BackgroundCommit] | None = None  # (ref, path, handle) in flight
         # AsyncCheckpointIO saves on its thread while the trainer's removes and loads come from the main one
         self._lock = threading.RLock()
+        self._loaded: tuple[CommitId, int | None] | None = None  # the commit load_checkpoint gave last, its step
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (ddp_spawn sends the plugin to each process) as the repository's folder, reopened there."""
@@ -250,6 +251,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         if ref in repo.branches():
             raise CkptError(f"checkpoint {os.fspath(path)!r} maps to {ref!r}, which is a branch of {repo.root}; "
                             "pass CkptstoreCheckpointIO(prefix=...) so checkpoint tags do not meet your branches")
+        self._warn_if_resumed_behind_the_tip(checkpoint.get("global_step"))
         try:
             result = self._commit(checkpoint, path)
         except RetentionError as exc:  # recorded: tag it and go on, the next commit's policy prunes again
@@ -264,6 +266,23 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
             # a marker without its commit yet, so the path exists now: ModelCheckpoint names the next save
             # of a repeating filename "-v1" only if it sees this one, and save_last="link" links to it
             write_marker(path, repo.root, ref, None)
+
+    def _warn_if_resumed_behind_the_tip(self, step: Any) -> None:
+        """Say where a run resumed from a commit behind its branch's tip commits: after the tip, not after it.
+
+        Told at the first save that goes on from the loaded commit (a later step), not at the load:
+        `trainer.test(ckpt_path="best")` loads such commits without resuming anything.
+        """
+        loaded, self._loaded = self._loaded, None
+        if loaded is None or not isinstance(step, int) or loaded[1] is None or step <= loaded[1]:
+            return
+        branch = self.branch or self.repo.head()[0]
+        tip = self.repo.branches().get(branch) if branch else None
+        if tip not in (None, loaded[0]):
+            warnings.warn(f"ckptstore: this run resumed from commit {loaded[0][:12]} (step {loaded[1]}), which is "
+                          f"not the tip of branch {branch!r}: its commits follow the tip ({tip[:12]}), not it; pass "
+                          "CkptstoreCheckpointIO(branch=NEW) to branch from it (`ckpt branch NEW COMMIT` first)",
+                          RuntimeWarning, stacklevel=4)
 
     def settle(self) -> None:
         """Wait for the commit in flight, then write its tag and marker; raise its failure."""
@@ -383,35 +402,42 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         weights_only unless this plugin trusts pickles.
         """
         self.settle()
-        device = _device(map_location)
         spec = os.fspath(path)
-        if os.path.isfile(spec):
-            marker = read_marker(spec)
-            if marker is None:
-                return self._load_file(spec, map_location)
-            return self._load_marked(spec, marker, device)
-        if spec.endswith(".ckpt"):
-            spec = ref_for_path(spec, self.prefix)
-        try:
-            return self.repo.checkout(spec, device=device)
-        except RefNotFoundError as exc:
-            raise CkptError(f"no checkpoint at {os.fspath(path)!r}: no file there, and {spec!r} names no ref or "
-                            f"commit of {self.repo.root} ({exc}); pass a checkpoint path, a tag such as "
-                            f"{self.prefix}/last, or a commit id (`ckpt log --all` lists them)") from None
+        marker = read_marker(spec) if os.path.isfile(spec) else None
+        if os.path.isfile(spec) and marker is None:
+            return self._load_file(spec, map_location)
+        cid = self._marked_commit(spec, marker) if marker is not None else self._named_commit(spec)
+        checkpoint = self.repo.checkout(cid, device=_device(map_location))
+        step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
+        self._loaded = (cid, step if isinstance(step, int) else None)
+        return checkpoint
 
     def _load_file(self, path: str, map_location: Any | None) -> dict[str, Any]:
         import torch
 
         return torch.load(path, map_location=map_location, weights_only=not self.trust_pickle)
 
-    def _load_marked(self, path: str, marker: dict[str, str], device: str | None) -> dict[str, Any]:
+    def _named_commit(self, spec: str) -> CommitId:
+        """The commit a ref or commit id names, or the tag of a checkpoint path whose marker is gone."""
+        tag = ref_for_path(spec, self.prefix)
+        names = [tag] if spec.endswith(".ckpt") else [spec, tag]  # a path of another suffix (final.pt) too
+        for name in names:
+            try:
+                return self.repo.resolve(name)
+            except RefNotFoundError:
+                pass
+        raise CkptError(f"no checkpoint at {spec!r}: no file there, and {' nor '.join(map(repr, names))} names no "
+                        f"ref or commit of {self.repo.root}; pass a checkpoint path, a tag such as "
+                        f"{self.prefix}/last, or a commit id (`ckpt log --all` lists them)")
+
+    def _marked_commit(self, path: str, marker: dict[str, str]) -> CommitId:
         """The commit a marker names: its id names the same content in any repository that holds it."""
         if marker.get("commit") is None:
             raise CkptError(f"{path} marks a checkpoint not committed: its background commit is still running "
                             "elsewhere, or its process ended before it was recorded (then delete the marker and "
                             "resume from an earlier checkpoint)")
         try:
-            return self.repo.checkout(str(marker.get("commit")), device=device)
+            return self.repo.resolve(str(marker.get("commit")))
         except RefNotFoundError:
             raise CkptError(f"{path} marks commit {str(marker.get('commit'))[:12]} of the repository at "
                             f"{marker.get('repository')!r}, which {self.repo.root} does not hold; open that "
@@ -442,3 +468,25 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
             if self._opened is not None:
                 self._opened.close()
                 self._opened = None
+
+
+def load_from_checkpoint(module_class: Any, path: str | os.PathLike, repo: Repository | str | os.PathLike | None = None,
+                         map_location: Any | None = None, **kwargs: Any) -> Any:
+    """`module_class.load_from_checkpoint(path)` for a checkpoint the plugin saved: a marker path, a tag, a commit id.
+
+    Lightning's own reads `path` with torch.load, which a marker file is not; this hands it the
+    restored checkpoint instead. `kwargs` go to Lightning's (strict=, hparams_file=, ...).
+    """
+    import io
+
+    import torch
+
+    plugin = CkptstoreCheckpointIO(repo)
+    try:
+        checkpoint = plugin.load_checkpoint(path, map_location)
+    finally:
+        plugin.teardown()
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    return module_class.load_from_checkpoint(buffer, map_location=map_location, **kwargs)

@@ -9,6 +9,7 @@ import importlib.util
 import os
 import pickle
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -469,3 +470,42 @@ def test_a_later_run_in_another_version_folder_leaves_the_earlier_runs_checkpoin
     prune(repo, RetentionPolicy(keep_tagged=True))
     assert_same(CkptstoreCheckpointIO(repo).load_checkpoint(earlier), first)
     repo.close()
+
+
+def test_a_run_resumed_behind_the_tip_is_told_at_its_first_save_and_any_paths_tag_loads(tmp_path):
+    """Resuming from the step-4 commit of a run whose tip is at step 12 recorded the next save after step 12,
+    unsaid; a `final.pt` whose marker was gone found no tag, though `final.ckpt` did (docs and Lightning auditors)."""
+    repo = Repository.init(tmp_path / "store")
+    plugin = CkptstoreCheckpointIO(repo, blocking=True)
+    for step in (4, 8, 12):
+        plugin.save_checkpoint({"state_dict": {"w": torch.full((3,), float(step))}, "global_step": step},
+                               tmp_path / f"step={step}.ckpt")
+    early = repo.resolve("lightning/step_4")
+    resumed = CkptstoreCheckpointIO(repo, blocking=True)
+    assert resumed.load_checkpoint(early)["global_step"] == 4
+    with pytest.warns(RuntimeWarning, match=f"resumed from commit {early[:12]} .* not the tip of branch 'main'"):
+        resumed.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "global_step": 5}, tmp_path / "step=5.ckpt")
+    tested = CkptstoreCheckpointIO(repo, blocking=True)
+    tested.load_checkpoint(tmp_path / "step=8.ckpt")  # trainer.test(ckpt_path=...), then a save of its own
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tested.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 8}, tmp_path / "step=8b.ckpt")
+    plugin.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 13}, tmp_path / "out" / "final.pt")
+    (tmp_path / "out" / "final.pt").unlink()
+    assert plugin.load_checkpoint(tmp_path / "elsewhere" / "final.pt")["global_step"] == 13
+    with pytest.raises(CkptError, match="'nowhere/x.pt' nor 'lightning/x.pt' names no ref"):
+        plugin.load_checkpoint("nowhere/x.pt")
+    repo.close()
+
+
+def test_load_from_checkpoint_builds_the_module_from_a_marker_path(lit, trained):
+    """`Tiny.load_from_checkpoint(best_model_path)` read the JSON marker with torch.load and told the user to
+    unpickle it with weights_only=False (Lightning auditor)."""
+    from ckptstore.integrations.lightning import load_from_checkpoint
+
+    _, repo, _, checkpoints = trained
+    with pytest.raises(Exception, match="Weights only load failed|invalid load key"):  # Lightning's own, on a marker
+        lit.Tiny.load_from_checkpoint(checkpoints.best_model_path)
+    model = load_from_checkpoint(lit.Tiny, checkpoints.best_model_path, repo)
+    saved = CkptstoreCheckpointIO(repo).load_checkpoint(checkpoints.best_model_path)["state_dict"]
+    assert_same(dict(model.state_dict()), dict(saved))
