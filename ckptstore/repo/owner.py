@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
 
 SUFFIX = ".owner"  # `.ckpt/objects.owner` for the default store
+MAX_RECORD = 64 << 10  # a record is ~200 bytes; more is no record (a link to /dev/zero)
 
 
 def claim(repo: Repository) -> None:
@@ -47,7 +48,7 @@ def refuse_init(repo: Repository) -> None:
     """
     folder = _local_store(repo)
     record = _record(folder) if folder is not None else None
-    if record is None and folder is not None and marker(folder).exists():
+    if record is None and folder is not None and os.path.lexists(marker(folder)):
         raise _unreadable(folder, "no repository was made. Ask whoever owns it to make it readable (or, if it is "
                                   "damaged, to write it again), or give this repository an object folder of its own")
     if _owner_there(record) and not _same_database(record, repo):
@@ -65,7 +66,7 @@ def refuse_anothers(repo: Repository) -> None:
         raise _refusal(folder, holder.parent)
     record = _record(folder)
     if record is None:
-        if marker(folder).exists():
+        if os.path.lexists(marker(folder)):  # a link to nowhere too: it named someone
             raise _unreadable(folder, "nothing was deleted. Delete it if this repository is the one the store "
                                   "belongs to")
         return  # made before owners were written: nothing names another
@@ -95,9 +96,17 @@ def _unreadable(folder: Path, outcome: str) -> CkptError:
 
 
 def _record(folder: Path) -> dict | None:
+    """The owner record beside `folder`, or None where there is none or it cannot be read as one.
+
+    Only a regular file is read (a FIFO there hung gc), and only its first MAX_RECORD bytes.
+    """
     try:
-        record = json.loads(marker(folder).read_bytes())
-    except (OSError, ValueError):
+        with open(os.open(marker(folder), os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                return None
+            data = handle.read(MAX_RECORD + 1)
+        record = json.loads(data) if len(data) <= MAX_RECORD else None
+    except (OSError, ValueError, RecursionError):
         return None
     return record if isinstance(record, dict) else None
 

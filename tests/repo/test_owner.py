@@ -233,3 +233,32 @@ def test_where_inode_numbers_are_made_up_per_mount_the_path_names_the_owner(tmp_
         assert fsck(original).ok
         assert_same(_state(1), original.checkout(later))
 
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "looping link", "fifo", "endless"])
+def test_an_owner_file_that_is_no_readable_file_refuses_gc_without_hanging(tmp_path, kind):
+    """A dangling or looping link counted as no owner file at all, and a copy's gc deleted the original's objects
+    (high); a FIFO there hung gc and prune (hostile-input auditor)."""
+    import os
+
+    from ckptstore.repo import owner
+
+    with Repository.init(tmp_path / "a", objects_url=str(tmp_path / "objects")) as original:
+        original.commit(_state(0))
+    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
+    with Repository.open(tmp_path / "a") as original:
+        later = original.commit(_state(1))
+    place = owner.marker(tmp_path / "objects")
+    place.unlink()
+    {"dangling link": lambda: place.symlink_to(tmp_path / "nowhere" / "x.owner"),
+     "looping link": lambda: place.symlink_to(place),
+     "fifo": lambda: os.mkfifo(place),
+     "endless": lambda: place.symlink_to("/dev/zero")}[kind]()
+    with Repository.open(tmp_path / "b") as copy:
+        with pytest.raises(CkptError, match=r"objects.owner cannot be read \(or is damaged\): .*nothing was deleted"):
+            gc(copy)
+        with pytest.raises(CkptError, match="cannot be read"):
+            prune(copy, RetentionPolicy(keep_last=1))
+    with Repository.open(tmp_path / "a") as original:
+        assert fsck(original).ok
+        assert_same(_state(1), original.checkout(later))
