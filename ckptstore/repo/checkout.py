@@ -14,7 +14,7 @@ from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource, replay
-from ckptstore.repo import integrity, journal, refs, worktree
+from ckptstore.repo import integrity, journal, received, refs, worktree
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Manifest
 from ckptstore.repo.progress import NoProgress, Progress
@@ -175,13 +175,17 @@ def _replay(repo: Repository, manifest: Manifest, paths: list[str], progress: Pr
             run: Replayer) -> dict[str, Any]:
     """Replay the tensors at `paths` with `run` (numpy on the CPU, or torch on a device); buffers by path."""
     ids = {manifest.entries[p].tensor for p in paths}
+    used: dict = {}  # the records the last attempt replayed
 
     def attempt(records: dict) -> dict:
+        used.clear()
+        used.update(records)
         progress.start(label, sum(records[t].raw_bytes for t in ids))
         return run(ChainSource(repo.store, records), [records[t] for t in ids], progress.advance)
 
     try:
         buffers = integrity.replay_current(repo, manifest, paths, attempt)
+        received.check_restored(repo, used, buffers)
     except CorruptRecordError as exc:
         raise integrity.naming_commits(repo, exc) from None
     finally:

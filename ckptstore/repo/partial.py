@@ -17,7 +17,7 @@ from ckptstore.hashing import TensorId
 from ckptstore.policy.lossless import LOSSLESS_CODEC
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource, replay
-from ckptstore.repo import integrity
+from ckptstore.repo import integrity, received
 from ckptstore.repo.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ def restore_ranges(repo: Repository, manifest: Manifest, ranges: dict[str, tuple
         return current, spans, replay(ChainSource(repo.store, cut), [cut[t] for t in wanted], repo.pool)
 
     records, spans, buffers = integrity.replay_current(repo, manifest, paths, attempt)
+    received.check_whole(repo, records, wanted)
     out = {}
     for path in paths:
         tid = manifest.entries[path].tensor

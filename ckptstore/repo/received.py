@@ -10,15 +10,19 @@ list, one that does not is encoded again from the commit's bytes (taking the id'
 record's `source` (the content it was made from) cannot be checked by decoding: a lossy record
 stays listed, and a commit never reuses a listed one for it. The list is in the database, so in a
 shared repository every machine's commits check every machine's fetches.
+
+Restores check them too (`check_restored`, `check_whole`): a checkout, load, export or diff of a
+received commit hashes each listed tensor it rebuilt against its id before handing it out, and a
+record that holds leaves the list, so the sender's chunk checksums (its own claims) are never all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Set
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ckptstore.errors import CkptError
-from ckptstore.hashing import TensorId
+from ckptstore.errors import CkptError, CorruptRecordError
+from ckptstore.hashing import TensorId, tensor_id
 from ckptstore.metadata import Tx
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.records import TensorRecord
@@ -71,3 +75,48 @@ def false_claims(repo: Repository, records: Mapping[TensorId, TensorRecord], ids
         except (CkptError, KeyError, ValueError):
             false.add(tid)
     return false
+
+
+def check_restored(repo: Repository, records: Mapping[TensorId, TensorRecord], buffers: Mapping[TensorId, Any]
+                   ) -> None:
+    """Raise unless every restored tensor (`buffers`, whole, numpy or torch) whose record is listed hashes to its id.
+
+    The check costs a hash of those tensors, once: the records that hold leave the list.
+    """
+    listed = _listed(repo, buffers)
+    if listed:
+        _settle(repo, records, listed, {t for t in listed if tensor_id(records[t].dtype, records[t].shape,
+                                                                       _host_bytes(buffers[t])) != t})
+
+
+def check_whole(repo: Repository, records: Mapping[TensorId, TensorRecord], ids: Set[TensorId]) -> None:
+    """As check_restored, for tensors restored in part (a DCP rank's ranges): the listed ones are decoded whole."""
+    listed = _listed(repo, ids)
+    if listed:
+        _settle(repo, records, listed, false_claims(repo, records, listed))
+
+
+def _listed(repo: Repository, ids: Any) -> set[TensorId]:
+    with repo.db.read() as tx:
+        return tensor_rows.unchecked_among(tx, list(ids))
+
+
+def _settle(repo: Repository, records: Mapping[TensorId, TensorRecord], listed: set[TensorId],
+            false: set[TensorId]) -> None:
+    if false:
+        first = sorted(false)[0]
+        raise CorruptRecordError(f"tensor {first}", "it was received from another repository (a fetch, pull, clone "
+                                 "or a push here) and does not rebuild the bytes its id names: that repository's "
+                                 "record is false. Fetch from a repository you trust", tensors=sorted(false))
+    if repo.read_only:
+        return
+    try:
+        with repo.db.write() as tx:
+            tensor_rows.mark_checked(tx, off_the_list(records, listed))
+    except (CkptError, OSError):  # a database this user may not write: its restores go on checking, nothing lost
+        pass
+
+
+def _host_bytes(buffer: Any) -> Any:
+    """A restored flat uint8 buffer as something blake3 reads: numpy as it is, a torch tensor via the host."""
+    return buffer if hasattr(buffer, "__array_interface__") else buffer.cpu().numpy()

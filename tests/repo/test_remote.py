@@ -1086,3 +1086,44 @@ def test_a_push_to_a_remote_on_a_read_only_file_system_names_the_remote(pair, mo
                         folder.parents or folder == hub_path / ".ckpt" else "")
     again = remote.push(work, "origin")  # nothing to send: no write, so no refusal (reader 11)
     assert (again.commits, again.objects, again.refs_moved) == (0, 0, [])
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_received_record_that_lies_is_refused_at_checkout_load_and_export(tmp_path, sharded):
+    """A forged origin's record named another tensor's chunks (its checksums copied): a clone's checkout, load and
+    export wrote the other tensor's bytes and said nothing (hostile-input auditor, high). A true one is taken off
+    the list at its first restore."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore.dcp import CkptStorageReader
+    from ckptstore.errors import CorruptRecordError
+
+    state = {"a": torch.randn(256, generator=torch.Generator().manual_seed(1)), "b": torch.zeros(256)}
+    with Repository.init(tmp_path / "origin") as origin:
+        if sharded:
+            dcp.save(state, checkpoint_id=tmp_path / "step-1", no_dist=True)
+            origin.commit(tmp_path / "step-1")
+        else:
+            origin.commit(state)
+        entries = {p.split("/", 1)[0]: e.tensor for p, e in origin.manifest(origin.resolve("HEAD")).entries.items()
+                   if e.shape == (256,)}  # "a" or "a/%shard/0/256"
+    with remote.clone(str(tmp_path / "origin"), tmp_path / "honest") as honest:
+        assert unchecked(honest, set(entries.values())) == set(entries.values())
+        out = honest.checkout_to("HEAD", tmp_path / "honest-out")
+        assert not unchecked(honest, set(entries.values())) and out.exists()
+    received_lie(tmp_path / "origin" / ".ckpt", entries["b"], entries["a"], listed=False)
+    with remote.clone(str(tmp_path / "origin"), tmp_path / "copy") as copy:
+        lies = "does not rebuild the bytes its id names"
+        if sharded:  # DCP wraps the reader's error: its text is in the rank's failure
+            with pytest.raises(BaseException) as raised:  # CheckpointException is no Exception
+                dcp.load({"a": torch.empty(256), "b": torch.empty(256)}, storage_reader=CkptStorageReader(copy),
+                         no_dist=True)
+            assert lies in str(getattr(raised.value, "failures", {0: raised.value})[0])
+        else:
+            with pytest.raises(CorruptRecordError, match=lies):
+                copy.checkout("HEAD")
+        assert unchecked(copy, {entries["b"]}) == {entries["b"]}
+    for args in (("checkout", "HEAD", "-o", "out"), ("export", "HEAD", "-o", "out.safetensors")):
+        refused = ckpt_here(tmp_path / "copy", *args)
+        assert refused.returncode == 1 and lies in refused.stderr, refused.stderr
+    assert not (tmp_path / "copy" / "out").exists() and not (tmp_path / "copy" / "out.safetensors").exists()
