@@ -17,7 +17,7 @@ from functools import partial
 import numpy as np
 
 from ckptstore import threadlocal
-from ckptstore.codecs import capabilities, get_codec
+from ckptstore.codecs import REGISTRY, capabilities, get_codec
 from ckptstore.codecs.checked import MALFORMED
 from ckptstore.errors import CodecError, CorruptObjectError, CorruptRecordError
 from ckptstore.hashing import HEX_LENGTH, ObjectId, TensorId, chunk_checksum, tensor_id
@@ -305,6 +305,9 @@ def _record_problem(record: TensorRecord) -> str | None:
         return f"its size {record.raw_bytes!r} or depth {record.depth!r} is not a count"
     if (record.base_id is None) != (record.depth == 0):
         return f"it is at depth {record.depth} with {'no base' if record.base_id is None else 'a base'}"
+    if not isinstance(record.codec, str) or record.codec not in REGISTRY:
+        return (f"its codec {record.codec!r} is none this ckptstore knows ({', '.join(sorted(REGISTRY))}): damaged, "
+                "or written by a newer ckptstore")
     covered = 0
     for chunk in record.chunks:
         sizes = (chunk.raw_bytes, chunk.offset, 0 if chunk.length is None else chunk.length)

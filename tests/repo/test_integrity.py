@@ -574,3 +574,17 @@ def test_a_kept_commit_whose_records_and_rows_are_lost_is_damage_not_a_prune(rep
     _sql(repo, f"DELETE FROM commit_tensors WHERE commit_id = '{cid}'", f"DELETE FROM tensors WHERE id = '{tid}'")
     with pytest.raises(CorruptRecordError, match="has no record"):
         repo.checkout(cid)
+
+
+def test_a_record_of_a_codec_this_ckptstore_does_not_know_is_damage_fsck_names(tmp_path):
+    """Plain fsck said ok; checkout said only "unknown codec 'pickle'", naming no tensor or commit (auditor)."""
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit({"w": torch.randn(1000)})
+    with contextlib.closing(sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db")) as db, db:
+        db.execute("UPDATE tensors SET codec = 'pickle'")
+    with Repository.open(tmp_path) as repo:
+        report = fsck(repo)
+        assert cid in report.broken_commits and any("its codec 'pickle' is none this ckptstore knows" in problem
+                                                    for problem in report.damaged_records.values()), report
+        with pytest.raises(CorruptRecordError, match=r"\(at 'w'\) is damaged: its codec 'pickle'"):
+            repo.checkout(cid)
