@@ -5,6 +5,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 
+from ckptstore.errors import CorruptRecordError
+
 
 def topo_order(tips: Sequence[str], parents: Mapping[str, list[str]], time_of: Callable[[str], float]) -> list[str]:
     """Commits reachable from `tips`, children before parents, newest first among the ready ones."""
@@ -29,6 +31,10 @@ def topo_order(tips: Sequence[str], parents: Mapping[str, list[str]], time_of: C
             children[parent] -= 1
             if children[parent] == 0:
                 heapq.heappush(ready, _Newest(time_of(parent), parent))
+    if len(order) < len(reachable):  # ids hash their parents: only forged rows (a shared database's) make a loop
+        looped = min(reachable.difference(order))
+        raise CorruptRecordError(f"commit {looped}", "its parents lead back to it, so its record cannot hash to its "
+                                 "id (`ckpt fsck` names the forged one)")
     return order
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from ckptstore.errors import (
     AmbiguousRefError,
     CkptError,
+    CorruptRecordError,
     InvalidRefNameError,
     RefExistsError,
     RefNotFoundError,
@@ -134,11 +135,16 @@ def resolve(tx: Tx, spec: str) -> CommitId:
     for op, count in re.findall(r"([~^])(\d*)", match.group(2)):
         n = int(count) if count else 1
         if op == "~":
+            walked = {cid}
             for _ in range(n):
                 parent = commit_rows.nth_parent(tx, cid, 0)
                 if parent is None:
                     raise RefNotFoundError(spec, detail=f" (history of {match.group(1)} is shorter)")
+                if parent in walked:  # forged parent rows: walking on would go round the loop
+                    raise CorruptRecordError(f"commit {parent}", "its first parents lead back to it, so its record "
+                                             "cannot hash to its id (`ckpt fsck` names the forged one)")
                 cid = parent
+                walked.add(cid)
         else:
             # a commit has a handful of parents; a huge N (past SQLite's integers) names none of them
             parent = cid if n == 0 else commit_rows.nth_parent(tx, cid, n - 1) if n <= 1 << 16 else None

@@ -588,3 +588,17 @@ def test_a_record_of_a_codec_this_ckptstore_does_not_know_is_damage_fsck_names(t
                                                     for problem in report.damaged_records.values()), report
         with pytest.raises(CorruptRecordError, match=r"\(at 'w'\) is damaged: its codec 'pickle'"):
             repo.checkout(cid)
+
+
+def test_forged_parent_rows_that_loop_are_damage_named_by_log_and_by_a_walk_back(tmp_path):
+    """A shared database's forged row making the first commit a child of the last: `log` printed nothing and
+    `main~7` went round the loop to a commit (hostile-input auditor)."""
+    with Repository.init(tmp_path) as repo:
+        first, _, last = (repo.commit({"w": torch.full((4,), float(i))}) for i in range(3))
+    with contextlib.closing(sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db")) as db, db:
+        db.execute("INSERT INTO commit_parents (commit_id, position, parent_id) VALUES (?, 0, ?)", (first, last))
+    with Repository.open(tmp_path) as repo:
+        for call in (repo.log, repo.log_graph, repo.stats, lambda: repo.resolve("main~7")):
+            with pytest.raises(CorruptRecordError, match="lead back to it"):
+                call()
+        assert repo.resolve("main~1") != last and f"commit {first}" in fsck(repo).damaged_records
