@@ -251,7 +251,9 @@ def _named_root(ctx: click.Context) -> Path | None:
               help="Longest delta chain before a keyframe (default auto: as long as checkout stays faster "
                    "than torch.load, by measured decode costs).")
 @click.option("--lossy", "lossy", type=click.Choice([*LEVEL_NAMES, "none"]), help="Default lossy level for commits.")
-@click.option("--objects", "objects_url", default="", help="Where objects live: s3://BUCKET/PREFIX (default: local).")
+@click.option("--objects", "objects_url", default="",
+              help="Where objects live: s3://BUCKET/PREFIX, file:///ABSOLUTE/FOLDER or a folder relative to .ckpt/ "
+                   "(default: .ckpt/objects).")
 @click.option("--metadata", "metadata_url", default="", metavar="URL",
               help="Where the DAG lives: postgresql://USER@HOST:PORT/DB (default: SQLite); one that holds a "
                    "repository already is joined.")

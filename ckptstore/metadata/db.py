@@ -435,8 +435,10 @@ class Database:
         # A repository's history lives only here: starting an empty one over its objects would let
         # gc delete them all, so opening (unlike init) never creates the schema.
         return MissingDatabaseError(f"the metadata database {self.where} {what}, but a repository's commits and refs "
-                                    "live in it; restore it from a backup (nothing was written, and gc will not run "
-                                    "until then), or remove the repository's .ckpt folder to start over")
+                                    "live in it. Nothing was written, and gc will not run until it is back: if the "
+                                    "repository or its database moved, point metadata_url in .ckpt/config.toml at it; "
+                                    "else restore it from a backup. Only if it is lost for good, remove the "
+                                    "repository's .ckpt folder (its objects with it) to start over")
 
     def size_on_disk(self) -> int:
         """Bytes the metadata takes on disk: the SQLite file and its log, or our tables on the server."""

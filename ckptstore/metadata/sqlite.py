@@ -53,6 +53,17 @@ def absolute_url(url: str, base: Path) -> str:
     return PREFIX + str((base / url[len(PREFIX) :]).resolve())
 
 
+def kept_url(url: str, root: Path) -> str:
+    """`url` as a repository at `root` records it: a SQLite file inside `root` relative to it, so a move carries it.
+
+    Recorded absolute, a repository moved with its database inside it opened the old, now missing path.
+    """
+    if not url.startswith(PREFIX):
+        return url
+    path = Path(url[len(PREFIX) :])
+    return PREFIX + str(path.relative_to(root)) if path.is_relative_to(root) else url
+
+
 def read_only_uri(path: Path, immutable: bool = False) -> str:
     """The URI that opens `path` without writing to it.
 

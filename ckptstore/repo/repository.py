@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import CommitId, ObjectId
-from ckptstore.metadata import Database, absolute_url
+from ckptstore.metadata import Database, absolute_url, kept_url
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.objectstore import ObjectStore, open_store
@@ -80,9 +80,11 @@ class Repository:
 
         level_named(lossy or None)  # reject unknown names before creating anything
         # a relative SQLite path is taken from the current folder, as a shell user means it, and kept absolute
-        config = RepoConfig(encoding or EncodingSettings(), absolute_url(metadata_url, Path.cwd()), lossy=lossy,
-                            objects_url=objects_url)
-        return create(Path(path).resolve(), config)
+        # unless it is inside the repository: then relative to it, so that it moves with it
+        root = Path(path).resolve()
+        config = RepoConfig(encoding or EncodingSettings(), kept_url(absolute_url(metadata_url, Path.cwd()), root),
+                            lossy=lossy, objects_url=objects_url)
+        return create(root, config)
 
     @classmethod
     def open(cls, path: str | os.PathLike | None = None, read_only: bool | None = None) -> Repository:

@@ -295,6 +295,25 @@ def test_a_relative_sqlite_path_names_one_database_from_any_folder(tmp_path, mon
     assert not (tmp_path / "run" / "sub" / "meta.db").exists()
 
 
+def test_a_repository_moved_with_its_sqlite_database_inside_it_opens_where_it_is(tmp_path, monkeypatch):
+    """`init --metadata sqlite:///meta/x.db` recorded the absolute path: after `mv a b` every command called the
+    database missing and offered to remove .ckpt, the one place the objects live (docs auditor, high)."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a" / "meta").mkdir(parents=True)
+    with Repository.init("a", metadata_url="sqlite:///a/meta/x.db") as repo:
+        cid = repo.commit({"w": torch.arange(5.0)})
+    assert 'metadata_url = "sqlite:///meta/x.db"' in (tmp_path / "a" / ".ckpt" / "config.toml").read_text()
+    shutil.move(tmp_path / "a", tmp_path / "b")
+    with Repository.open(tmp_path / "b") as repo:
+        assert [c.id for c in repo.log()] == [cid]
+    (tmp_path / "b" / "meta" / "x.db").unlink()
+    with pytest.raises(CkptError, match="if the repository or its database moved, point metadata_url in "
+                                        r"\.ckpt/config\.toml at it; else restore it from a backup\. Only if it"):
+        Repository.open(tmp_path / "b")
+
+
 def test_a_chunk_record_reading_past_its_packs_end_is_found_by_plain_fsck(repo, tmp_path):
     """The sizes recorded at commit bound every packed chunk: no object read is needed to see the damage."""
     repo.commit({"small": torch.arange(10.0), "also": torch.arange(20.0), "big": torch.randn(300, 100)})
