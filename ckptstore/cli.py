@@ -167,14 +167,17 @@ def _knobs(values: tuple[str, ...]) -> dict[str, Any]:
     return knobs
 
 
-def _fraction(text: str | None) -> float | None:
-    """"0.1%" or "0.001" as 0.001."""
+def _percentage(text: str | None) -> float | None:
+    """"0.1%" as 0.001; a bare number is refused: 0.1 read as a fraction was 100 times the 0.1% a user meant."""
     if text is None:
         return None
     try:
-        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        value = float(text.removesuffix("%")) / 100
     except ValueError:
-        raise CkptError(f"--max-loss-change {text!r}: expected a number or a percentage such as 0.1%") from None
+        raise CkptError(f"--max-loss-change {text!r}: expected a percentage such as 0.1%") from None
+    if not text.endswith("%"):
+        raise CkptError(f"--max-loss-change {text!r}: write it as a percentage, {text}% or {float(text) * 100:g}%, "
+                        "so it cannot be read 100 times too loose or too tight")
     if not value >= 0:
         raise CkptError(f"--max-loss-change {text!r}: must be zero or more")
     return value
@@ -300,7 +303,7 @@ def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle,
         cid = repo.commit(path, message=message, step=step, metrics=_metrics(metrics), branch=branch,
                           allow_empty=allow_empty, trust_pickle=trust_pickle, progress=BarProgress(),
                           lossy=lossy, calibration=function_named(calibration) if calibration is not None else None,
-                          max_loss_change=_fraction(max_loss_change), **_knobs(knobs))
+                          max_loss_change=_percentage(max_loss_change), **_knobs(knobs))
     except RetentionError as exc:  # recorded: a script reading the id from stdout gets it, then the error
         _say_committed(repo, exc.commit_id, message, branch)
         raise

@@ -103,6 +103,10 @@ def test_the_cli_takes_a_function_by_name_and_log_shows_the_change(tmp_path, mon
     result = CliRunner().invoke(cli, ["commit", str(path), "--lossy", "balanced", "--calibration", "calib.py:loss",
                                       "--max-loss-change", "lots"])
     assert isinstance(result.exception, CkptError) and "percentage" in str(result.exception)
+    # a bare 0.1 meant 10%, 100 times the 0.1% the docs show (docs auditor): refused, with both readings
+    result = CliRunner().invoke(cli, ["commit", str(path), "--lossy", "balanced", "--calibration", "calib.py:loss",
+                                      "--max-loss-change", "0.1"])
+    assert isinstance(result.exception, CkptError) and "0.1% or 10%" in str(result.exception)
 
 
 def test_a_moment_whose_reconstruction_equals_its_base_is_measured(repo):
