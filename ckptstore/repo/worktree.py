@@ -791,15 +791,29 @@ def status(repo: Repository) -> dict[str, Any]:
         return report
     manifest = repo.read_manifest(info.manifest_object)
     base = committed_from(repo, head, info.source_path, writing=False)
-    for record in manifest.files:
-        path = formats.destination(manifest.kind, record, base)
-        shown = str(path.relative_to(repo.root)) if path.is_relative_to(repo.root) else str(path)
+    paths = [formats.destination(manifest.kind, record, base) for record in manifest.files]
+    for record, path in zip(manifest.files, paths, strict=True):
         state, source = _file_state(repo, path, manifest.digests.get(record.name), head)
-        item = {"path": shown, "state": state}
+        item = {"path": _relative(repo, path), "state": state}
         if source and info.lossy:  # still the source: the only copy of what the level did not keep
             item["note"] = f"committed at lossy level {info.lossy}: HEAD may restore only an approximation of it"
         report["files"].append(item)
+    if manifest.kind == "folder" and base.is_dir():  # what a checkout in place deletes, or refuses to
+        report["files"] += [{"path": _relative(repo, p), "state": "untracked"} for p in _untracked(repo, base, paths)]
     return report
+
+
+def _relative(repo: Repository, path: Path) -> str:
+    return str(path.relative_to(repo.root)) if path.is_relative_to(repo.root) else str(path)
+
+
+def _untracked(repo: Repository, folder: Path, committed: list[Path]) -> list[Path]:
+    """The files in a committed `folder` that its commit does not hold (the repository's own left out)."""
+    own = repo.own_folders()
+    kept = [*own, *(Path(os.path.realpath(p)) for p in nested_repositories(folder, own))]
+    plan = CheckoutPlan(folder, [])
+    _scan(folder, set(committed), {folder, *(p for path in committed for p in path.parents)}, kept, plan)
+    return plan.extras
 
 
 def _file_state(repo: Repository, path: Path, committed: str | None, head: CommitId) -> tuple[str, bool]:

@@ -1272,3 +1272,18 @@ def test_a_lossless_files_bytes_are_checked_against_its_digest_before_they_are_p
     monkeypatch.undo()
     repo.checkout_to(cid, tmp_path / "out.pt")
     assert (tmp_path / "out.pt").read_bytes() == (tmp_path / "a.pt").read_bytes()
+
+
+def test_status_lists_a_committed_folders_files_its_commit_does_not_hold(tmp_path):
+    """`ckpt status` said every file was unchanged; the next checkout in place then refused to delete notes.txt,
+    a file status had never named (docs auditor). Nested repositories and the repository's own are no files of it."""
+    folder = tmp_path / "run"
+    (folder / "sub").mkdir(parents=True)
+    torch.save({"w": torch.ones(3)}, folder / "model.pt")
+    with Repository.init(tmp_path) as repo:
+        repo.commit(folder)
+        (folder / "notes.txt").write_text("mine")
+        (folder / "sub" / "more.txt").write_text("mine too")
+        Repository.init(folder / "nested").close()
+        states = {f["path"]: f["state"] for f in repo.status()["files"]}
+    assert states == {"run/model.pt": "unchanged", "run/notes.txt": "untracked", "run/sub/more.txt": "untracked"}
