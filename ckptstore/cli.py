@@ -922,7 +922,8 @@ def main(argv: list[str] | None = None) -> None:
         exc.show()
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
-        hint = " (see `ckpt --help`)" if isinstance(exc, click.UsageError) else ""
+        where = exc.ctx.command_path if isinstance(exc, click.UsageError) and exc.ctx is not None else "ckpt"
+        hint = f" (see `{where} --help`)" if isinstance(exc, click.UsageError) else ""  # the command's own options
         _fail(exc.format_message() + hint, exc.exit_code)
     except Exception as exc:  # every failure reaches the user as one line; --debug shows where it came from
         if debug:

@@ -480,3 +480,11 @@ def test_a_long_json_output_cut_short_by_its_reader_fails_as_any_output_does(tmp
     assert cut.stdout == "rc=141\n" and cut.stderr == "", (cut.stdout, cut.stderr)
     whole = run(tmp_path, "show", "--json")
     assert whole.returncode == 0 and len(json.loads(whole.stdout)["tensors"]) == 3000
+
+
+def test_a_usage_error_points_at_the_help_of_the_command_that_has_the_option(tmp_path):
+    """`ckpt commit --step 1.5` said to see `ckpt --help`, which lists only commands (docs auditor)."""
+    for args, hint in ((["commit", "x.pt", "--step", "1.5"], "(see `ckpt commit --help`)"),
+                       (["remote", "add"], "(see `ckpt remote add --help`)"), (["nosuch"], "(see `ckpt --help`)")):
+        out = run(tmp_path, *args)
+        assert out.returncode == 2 and out.stderr.rstrip().endswith(hint), out.stderr
