@@ -77,7 +77,7 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
         raws = restore(repo, manifest)
         raws.update({path: raws[entry] for path, entry in aliases(manifest).items()})  # each tied key its copy
         kept = {p: r for p, r in raws.items() if r.dtype in safetensors_file.SAFETENSORS_DTYPES}
-        skipped = [readable_path(p) for p in raws if p not in kept and not _format_own(p)]
+        skipped = [p for p in raws if p not in kept and not _format_own(p)]  # as `show` lists them, for --only
         tensors = _by_name(kept)
         why = "safetensors holds tensors only (these are file bytes, numpy arrays or unsupported dtypes)"
         if [record.format for record in manifest.files] == [formats.SAFETENSORS]:

@@ -13,6 +13,7 @@ from ckptstore import Repository
 from ckptstore.cli import cli
 from ckptstore.errors import CkptError
 from ckptstore.repo import export
+from tests.conftest import ckpt_here
 
 
 def _training_files(folder):
@@ -236,3 +237,15 @@ def test_a_torch_export_of_bin_weights_keeps_tied_weights_one_storage_and_the_me
     assert report.tensors == 2 and list(back) == ["0.weight", "1.weight"]
     assert back["0.weight"].untyped_storage().data_ptr() == back["1.weight"].untyped_storage().data_ptr()
     assert back._metadata == model.state_dict()._metadata and torch.equal(back["1.weight"], model[0].weight)
+
+
+def test_an_items_name_in_the_left_out_note_is_the_path_show_lists_and_only_takes(tmp_path):
+    """The note said `config.json/%blob`, which `--only` refused; `show` lists `config.json/%25blob` (docs auditor)."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    torch.save({"w": torch.randn(10)}, folder / "model.pt")
+    (folder / "config.json").write_text('{"a": 1}')
+    assert ckpt_here(tmp_path, "init").returncode == 0 and ckpt_here(tmp_path, "commit", "run").returncode == 0
+    note = ckpt_here(tmp_path, "export", "HEAD", "--all", "-o", "all.safetensors").stdout
+    assert "left out 1 item (config.json/%25blob)" in note, note
+    assert ckpt_here(tmp_path, "checkout", "HEAD", "--only", "config.json/%25blob", "-o", "part").returncode == 0
