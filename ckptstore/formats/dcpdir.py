@@ -102,7 +102,8 @@ def read_metadata(path: str | os.PathLike, trust_pickle: bool = False) -> Metada
             metadata = pickle._Unpickler(handle).load() if trust_pickle else _MetadataUnpickler(handle).load()
         except _Refused as exc:
             raise PickledObjectsError(f"{where} holds objects beyond DCP's metadata ({exc}); commit it with "
-                                      "--trust-pickle only if you trust who wrote it") from None
+                                      "--trust-pickle (trust_pickle=True from Python) only if you trust who "
+                                      "wrote it") from None
         except Exception as exc:  # truncated, mangled or from another torch: many kinds, one answer
             raise CheckpointFormatError(f"{where} is not DCP metadata this torch {torch.__version__} reads "
                                         f"({exc!r})") from None
@@ -222,10 +223,10 @@ def _pickled(blob: np.ndarray, key: str, path: Path, trust_pickle: bool) -> RawT
         except Exception as exc:  # noqa: BLE001 - torch's restricted unpickler raises more kinds than it documents
             why = f"{fqn}: torch's restricted unpickler cannot read this non-tensor item ({type(exc).__name__})"
         if why:
-            raise PickledObjectsError(f"{path}: {why}; nothing was committed. Commit with --trust-pickle only if you "
-                                      "trust the directory (then load it with CkptStorageReader(..., "
-                                      "trust_pickle=True) or `ckpt checkout --trust-pickle`), or save the value as a "
-                                      "plain number or a tensor")
+            raise PickledObjectsError(f"{path}: {why}; nothing was committed. Commit with --trust-pickle "
+                                      "(trust_pickle=True from Python) only if you trust the directory (then load "
+                                      "it with CkptStorageReader(..., trust_pickle=True) or `ckpt checkout "
+                                      "--trust-pickle`), or save the value as a plain number or a tensor")
     return raw_from_bytes(blob)
 
 

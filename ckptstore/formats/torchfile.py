@@ -86,8 +86,8 @@ def refused(path: str | os.PathLike, reason: str, global_name: str = "") -> Pick
     return PickledObjectsError(
         f"{path} holds objects that are not plain training state ({refusal_reason(reason, global_name)}); "
         "ckptstore loads checkpoints with weights_only=True. If you trust this file, commit it with "
-        "--trust-pickle (its values must still be tensors, numbers, strings, bytes, numpy arrays or "
-        "containers of them)."
+        "--trust-pickle (trust_pickle=True from Python); its values must still be tensors, numbers, strings, "
+        "bytes, numpy arrays or containers of them"
     )
 
 
