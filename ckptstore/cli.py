@@ -155,11 +155,14 @@ def _open(ctx: click.Context) -> Repository:
 
 
 def _knobs(values: tuple[str, ...]) -> dict[str, Any]:
+    """--knob NAME=VALUE pairs, for `knobs=` (as **knobs, a name such as step or blocking was commit's own argument)."""
     knobs = {}
     for item in values:
         key, sep, value = item.partition("=")
         if not sep:
             raise click.BadParameter(f"{item!r} is not NAME=VALUE", param_hint="--knob")
+        if key in knobs:  # the last one won without a word
+            raise click.BadParameter(f"{key!r} is given twice", param_hint="--knob")
         try:
             knobs[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -303,7 +306,7 @@ def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle,
         cid = repo.commit(path, message=message, step=step, metrics=_metrics(metrics), branch=branch,
                           allow_empty=allow_empty, trust_pickle=trust_pickle, progress=BarProgress(),
                           lossy=lossy, calibration=function_named(calibration) if calibration is not None else None,
-                          max_loss_change=_percentage(max_loss_change), **_knobs(knobs))
+                          max_loss_change=_percentage(max_loss_change), knobs=_knobs(knobs))
     except RetentionError as exc:  # recorded: a script reading the id from stdout gets it, then the error
         _say_committed(repo, exc.commit_id, message, branch)
         raise

@@ -488,3 +488,18 @@ def test_a_usage_error_points_at_the_help_of_the_command_that_has_the_option(tmp
                        (["remote", "add"], "(see `ckpt remote add --help`)"), (["nosuch"], "(see `ckpt --help`)")):
         out = run(tmp_path, *args)
         assert out.returncode == 2 and out.stderr.rstrip().endswith(hint), out.stderr
+
+
+def test_a_knob_is_a_lossy_knob_given_once_and_nothing_is_committed_otherwise(tmp_path):
+    """`--knob blocking=false` committed, then failed with a TypeError's words; `--knob step=5` was an "unexpected
+    TypeError"; `--knob buffer_budget=1` was taken without a word; a repeated knob's last value won (reviewer)."""
+    torch.save({"w": torch.randn(5000)}, tmp_path / "c.pt")
+    assert run(tmp_path, "init").returncode == 0
+    for knob, said in (("blocking=false", "unknown lossy knob 'blocking'"), ("step=5", "unknown lossy knob 'step'"),
+                       ("buffer_budget=1", "unknown lossy knob 'buffer_budget'")):
+        out = run(tmp_path, "commit", "c.pt", "--lossy", "balanced", "--knob", knob)
+        assert out.returncode != 0 and said in out.stderr and "unexpected" not in out.stderr, out.stderr
+    twice = run(tmp_path, "commit", "c.pt", "--lossy", "balanced", "--knob", "prune=0", "--knob", "prune=0.1")
+    assert twice.returncode == 2 and "'prune' is given twice" in twice.stderr, twice.stderr
+    assert "commit " not in run(tmp_path, "log").stdout
+    assert run(tmp_path, "commit", "c.pt", "--lossy", "balanced", "--knob", "prune=0.1").returncode == 0

@@ -10,7 +10,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptstore.errors import CorruptObjectError
+from ckptstore.errors import CkptError, CorruptObjectError
 from ckptstore.hashing import CommitId, ObjectId
 from ckptstore.metadata import Database, absolute_url, kept_url
 from ckptstore.metadata import commits as commit_rows
@@ -217,17 +217,23 @@ class Repository:
                trust_pickle: bool = False, author: str | None = None, progress: Progress | None = None,
                lossy: str | LossyLevel | None = None, model: Any = None, optimizer: Any = None,
                calibration: Callable[[Any], Any] | None = None, max_loss_change: float | None = None,
-               blocking: bool = True, buffer_budget: int | None = None, **knobs: Any) -> CommitId | BackgroundCommit:
+               blocking: bool = True, buffer_budget: int | None = None, knobs: Mapping[str, Any] | None = None,
+               **more_knobs: Any) -> CommitId | BackgroundCommit:
         """Store a checkpoint (a path to a file or folder, or an in-memory state) as a new commit.
 
         See `repo.commit.CommitOptions` (what it records, where it goes), `repo.commit.LossyOptions`
         (how lossy it is) and `repo.background` (`blocking=False`, `buffer_budget`) for every argument.
+        Lossy knobs come as `knobs` (a mapping: any name, checked as a knob) or as keyword arguments.
         """
         from ckptstore.repo.background import commit_call
         from ckptstore.repo.commit import CommitOptions, LossyOptions
 
+        both = sorted(set(knobs or {}) & set(more_knobs))
+        if both:
+            raise CkptError(f"lossy knob {both[0]!r} is given twice, in knobs= and as an argument")
         options = CommitOptions(message, step, dict(metrics or {}), branch, allow_empty, trust_pickle, author)
-        lossy_options = LossyOptions(lossy, knobs, model, optimizer, calibration, max_loss_change)
+        lossy_options = LossyOptions(lossy, {**(knobs or {}), **more_knobs}, model, optimizer, calibration,
+                                     max_loss_change)
         return commit_call(self, state_or_path, options, lossy_options, progress, blocking, buffer_budget)
 
     def checkout(self, ref: str = "HEAD", device: str | None = None, progress: Progress | None = None,
