@@ -50,12 +50,14 @@ from ckptstore.repo.config import RetentionPolicy
 from ckptstore.repo.retention import History, doomed
 from ckptstore.repo.writer import Job, encode_jobs
 from ckptstore.state import RawTensor
+from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
     from ckptstore.objectstore import ObjectStore
     from ckptstore.repo.maintenance import GcReport
     from ckptstore.repo.repository import Repository
 
+_TOLD_UNKNOWN: set[tuple] = set()  # (repository, metric) whose keep_best this process warned of once
 BATCH_BYTES = 256 << 20  # raw bytes re-encoded at once: their restored bytes are held in memory
 # a lossy tensor's bookkeeping that stays true of its bytes, and the codec that measured them (show's figures)
 KEPT_PARAMS = ("source", "rel_error", "max_error", "measured_as")
@@ -158,8 +160,15 @@ def after_commit(repo: Repository, cid: CommitId) -> CommitId:
         return cid
     try:
         prune(repo, only_if_doomed=True, wait=False)
-    except (RepoLockedError, UnknownMetricError):  # a metric not logged yet (eval every 500 steps): prune later
+    except RepoLockedError:  # another writer's own policy run (or the next commit's) prunes instead
         pass
+    except UnknownMetricError:  # not logged yet (eval every 500 steps): prune later; a misspelt name never does
+        metric = repo.config.retention.best()[0]
+        if (repo.root, metric) not in _TOLD_UNKNOWN:
+            _TOLD_UNKNOWN.add((repo.root, metric))
+            warn_caller(f"[retention] keep_best names metric {metric!r}, which no commit records yet: nothing is "
+                        "pruned until one does (a name misspelt in .ckpt/config.toml never will; `ckpt show` lists "
+                        "a commit's metrics)")
     except Exception as exc:  # a full disk's OSError too: whatever failed, the commit is recorded, and says so
         raise RetentionError(cid, explain(exc) or exc) from exc
     return cid

@@ -292,8 +292,10 @@ def test_keep_best_on_a_metric_no_commit_has_refuses_and_prunes_nothing(tmp_path
 def test_a_retention_policy_on_a_metric_not_logged_yet_lets_commits_succeed_and_prunes_once_it_is(tmp_path):
     with Repository.init(tmp_path) as repo:
         repo.config.retention = RetentionPolicy(keep_last=1, keep_best="eval_loss")
-        for seed in range(3):  # saves before the first evaluation: the metric is not there yet
-            repo.commit({"w": torch.full((8,), float(seed))}, metrics={"loss": float(seed)})
+        with pytest.warns(RuntimeWarning, match="names metric .eval_loss., which no commit records yet") as told:
+            for seed in range(3):  # saves before the first evaluation: the metric is not there yet
+                repo.commit({"w": torch.full((8,), float(seed))}, metrics={"loss": float(seed)})
+        assert len(told) == 1  # once, not at each commit: a misspelt name would otherwise keep everything unsaid
         assert not any(c.pruned for c in repo.log())
         repo.commit({"w": torch.full((8,), 9.0)}, metrics={"eval_loss": 0.5})
         assert [c.pruned for c in repo.log()] == [False, True, True, True]
