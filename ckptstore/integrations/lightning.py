@@ -398,24 +398,25 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
                         weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint a marker path, a checkpoint path's tag, a ref or a commit id names.
 
-        A plain checkpoint file at `path` (not a marker) is read with torch.load, with
-        weights_only unless this plugin trusts pickles.
+        A plain checkpoint file at `path` (not a marker) is read with torch.load: `weights_only` as
+        Lightning passes it (`fit(..., weights_only=False)` is the user's explicit ask), and where it
+        passes None, weights_only unless this plugin trusts pickles.
         """
         self.settle()
         spec = os.fspath(path)
         marker = read_marker(spec) if os.path.isfile(spec) else None
         if os.path.isfile(spec) and marker is None:
-            return self._load_file(spec, map_location)
+            return self._load_file(spec, map_location, not self.trust_pickle if weights_only is None else weights_only)
         cid = self._marked_commit(spec, marker) if marker is not None else self._named_commit(spec)
         checkpoint = self.repo.checkout(cid, device=_device(map_location))
         step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
         self._loaded = (cid, step if isinstance(step, int) else None)
         return checkpoint
 
-    def _load_file(self, path: str, map_location: Any | None) -> dict[str, Any]:
+    def _load_file(self, path: str, map_location: Any | None, weights_only: bool) -> dict[str, Any]:
         import torch
 
-        return torch.load(path, map_location=map_location, weights_only=not self.trust_pickle)
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
 
     def _named_commit(self, spec: str) -> CommitId:
         """The commit a ref or commit id names, or the tag of a checkpoint path whose marker is gone."""

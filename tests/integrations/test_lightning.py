@@ -509,3 +509,24 @@ def test_load_from_checkpoint_builds_the_module_from_a_marker_path(lit, trained)
     model = load_from_checkpoint(lit.Tiny, checkpoints.best_model_path, repo)
     saved = CkptstoreCheckpointIO(repo).load_checkpoint(checkpoints.best_model_path)["state_dict"]
     assert_same(dict(model.state_dict()), dict(saved))
+
+
+class _Hparams:
+    """An object of the user's own, which only a full unpickle rebuilds."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+
+def test_a_plain_files_load_follows_the_weights_only_lightning_passes(tmp_path):
+    """`weights_only` was ignored: `fit(..., weights_only=False)` still refused an object, and with trust_pickle an
+    explicit `weights_only=True` unpickled it (code reviewer)."""
+    torch.save({"state_dict": {"w": torch.ones(2)}, "hparams": _Hparams(0.1)}, tmp_path / "plain.ckpt")
+    repo = Repository.init(tmp_path / "store")
+    plain, trusting = CkptstoreCheckpointIO(repo), CkptstoreCheckpointIO(repo, trust_pickle=True)
+    for plugin, weights_only in ((plain, None), (plain, True), (trusting, True)):
+        with pytest.raises(pickle.UnpicklingError):
+            plugin.load_checkpoint(tmp_path / "plain.ckpt", weights_only=weights_only)
+    for plugin, weights_only in ((plain, False), (trusting, None)):
+        assert plugin.load_checkpoint(tmp_path / "plain.ckpt", weights_only=weights_only)["hparams"].lr == 0.1
+    repo.close()
