@@ -125,6 +125,10 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
     head = None if output is not None else journal.HeadMove(cid, branch, lambda c, b: refs.move_head(repo, c, b))
     worktree.write_checkout(repo, cid, plan, lambda p: materialize(raws[p]), lambda p: raws[p],
                             exact=not manifest.lossy, head=head)
+    if output is None and branch is not None:
+        from ckptstore.repo.remote import pull_written
+
+        pull_written(repo, branch, cid)
     if output is not None and manifest.kind == "folder":
         _say_files_beside(plan)
     return dest

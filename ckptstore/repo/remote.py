@@ -618,23 +618,33 @@ def _end_interrupted_pull(repo: Repository) -> None:
     """Write the files of a pull that moved HEAD's branch and was killed before they were written.
 
     Left as they were, the rerun found the branch up to date and wrote nothing, and a commit of the
-    old files undid the pull. Files changed since (the user's) are theirs: they stay, and so does the branch.
+    old files undid the pull. Files changed since (the user's) refuse it as a pull's own write does:
+    the branch goes back and the pull stops, saying so (closed out unsaid, the next commit undid it).
     """
-    from ckptstore.errors import DirtyWorktreeError
-    from ckptstore.repo.checkout import checkout_to
-
     try:
         branch, old, new = json.loads((repo.dir / PULLING).read_bytes())
     except FileNotFoundError:
         return
-    except (OSError, ValueError):  # cut short as it was written: the branch had not moved yet
-        branch = None
+    except (OSError, ValueError, TypeError):  # cut short as it was written: the branch had not moved yet
+        branch = old = new = None
     with repo.db.read() as tx:
         row = ref_rows.ref_row(tx, branch) if isinstance(branch, str) else None
-    if row is not None and row.commit_id == new and refs.head(repo)[0] == branch and _files_here(repo, old, new):
-        with contextlib.suppress(DirtyWorktreeError):
-            checkout_to(repo, branch)
+    if row is not None and row.commit_id == new and refs.head(repo)[0] == branch:
+        _update_worktree(repo, branch, old, new)
     (repo.dir / PULLING).unlink(missing_ok=True)
+
+
+def pull_written(repo: Repository, branch: str, cid: CommitId) -> None:
+    """End an interrupted pull into `branch` whose files a checkout in place of `cid` (its new commit) just wrote.
+
+    The user finished it by hand: the files changed after that are theirs, on the pulled commit.
+    """
+    try:
+        pulled_branch, _, new = json.loads((repo.dir / PULLING).read_bytes())
+    except (OSError, ValueError, TypeError):
+        return
+    if (pulled_branch, new) == (branch, cid):
+        (repo.dir / PULLING).unlink(missing_ok=True)
 
 
 def _files_here(repo: Repository, old: CommitId | None, new: CommitId) -> bool:

@@ -661,6 +661,30 @@ def test_a_pull_killed_before_it_wrote_its_files_is_ended_by_the_next_pull(tmp_p
         assert copy.resolve("main") == pulled
 
 
+def test_a_pull_killed_before_it_wrote_its_files_then_files_changed_stops_the_next_pull(tmp_path):
+    """The killed pull's rerun closed it out unsaid when the file had changed meanwhile: the branch stayed on the
+    pulled commit, the file kept the old run's content, and the next commit undid the pull (code reviewer)."""
+    from ckptstore.errors import DirtyWorktreeError
+
+    with Repository.init(tmp_path / "work") as work:
+        torch.save(_state(0), tmp_path / "work" / "c.pt")
+        work.commit(tmp_path / "work" / "c.pt")
+        with remote.clone(str(tmp_path / "work"), tmp_path / "copy") as copy:
+            copy.checkout_to("main")
+            before = copy.resolve("main")
+        torch.save(_state(1), tmp_path / "work" / "c.pt")
+        work.commit(tmp_path / "work" / "c.pt")
+    killed = subprocess.run([sys.executable, "-m", "ckptstore", "pull"], cwd=tmp_path / "copy",
+                            env=ckpt_env(CKPT_CRASH_AT="checkout:records-read"), timeout=120)
+    assert killed.returncode == -9
+    torch.save(_state(3), tmp_path / "copy" / "c.pt")  # the user's job, on the old weights, saves meanwhile
+    with Repository.open(tmp_path / "copy") as copy:
+        with pytest.raises(DirtyWorktreeError, match="pull stopped, 'main' left where it was"):
+            remote.pull(copy, "origin")
+        assert copy.resolve("main") == before and not (copy.dir / remote.PULLING).exists()
+    assert_same(_state(3), torch.load(tmp_path / "copy" / "c.pt", weights_only=True))
+
+
 def test_ctrl_c_while_a_pull_writes_its_files_moves_the_branch_back(pair, tmp_path, monkeypatch):
     work, hub_path, cids = pair
     torch.save(_state(5), work.root / "c.pt")
