@@ -38,6 +38,7 @@ from ckptstore.state import RawTensor
 
 SMALL_CHUNK = 64 << 10  # lossless tensors up to this size are encoded in batches (see _submit)
 BATCH_BYTES = 1 << 20
+JOIN_BELOW = 64 << 10  # larger payloads' raw planes are the plane cache's arrays too: joined, they were held twice
 
 
 @dataclass
@@ -81,8 +82,8 @@ class ChunkResult:
 def _stored(source: ChainSource, parts: list[bytes | memoryview], length: int
             ) -> tuple[ObjectId | None, list | None]:
     """Write a large payload (consecutive parts, `length` bytes) as its own object now; keep a small one for a pack."""
-    if length < PACK_BELOW:
-        return None, [b"".join(parts)] if len(parts) > 1 else parts
+    if length < PACK_BELOW:  # a tiny one's planes joined: each view kept its array and ~200 B alive until packed
+        return None, [b"".join(parts)] if len(parts) > 1 and length < JOIN_BELOW else parts
     return put_parts(source.store, parts), None
 
 
