@@ -713,21 +713,6 @@ def _stage(repo: Repository, cid: CommitId, record: CheckpointFile, target: Path
     return staging
 
 
-def refuse_unsaved(repo: Repository, targets: list[Path]) -> None:
-    """Raise DirtyWorktreeError when any existing file in `targets` holds content no commit has."""
-    unsaved = _unsaved(repo, targets, [])
-    if unsaved:
-        raise DirtyWorktreeError(f"checkout would {_listed(unsaved)}, whose content is not in the store; "
-                                 "commit it first, write elsewhere with -o PATH, or pass --force")
-
-
-def remember_files(repo: Repository, cid: CommitId, paths: list[Path]) -> None:
-    """Record that the files at `paths` hold content of commit `cid`."""
-    rows = [(file_digest(str(p)), cid, p.stat().st_size) for p in paths]
-    with repo.db.write() as tx:
-        file_rows.remember(tx, rows)
-
-
 def committed_from(repo: Repository, cid: CommitId, source_path: str, writing: bool = True) -> Path:
     """Where the files commit `cid` was made from lie here: inside the work tree, or the absolute path committed.
 
