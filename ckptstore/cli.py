@@ -8,7 +8,6 @@ import io
 import json
 import math
 import os
-import re
 import signal
 import sys
 import warnings
@@ -27,6 +26,7 @@ from ckptstore.errors import (
     RetentionError,
     explain,
     listing,
+    shown_controls,
     shown_name,
 )
 from ckptstore.repo import LOSSY_LEVELS, EncodingSettings, Repository, fsck, gc, named_root, subject
@@ -63,16 +63,6 @@ def _size(n: float) -> str:
     return str(n)
 
 
-# control characters but newline and tab: a commit message, metric or file name holding them (another
-# machine's commit, fetched) would otherwise retitle or clear the terminal, or overwrite lines
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def _shown(text: str) -> str:
-    """`text` with its control characters written out (ESC as a backslash and x1b): harmless in a terminal."""
-    return _CONTROL.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
-
-
 _PIECE = 1 << 16  # CPython drops the rest of a larger write that the OS takes in part (a disk filling), unsaid
 
 
@@ -83,7 +73,7 @@ def echo(text: str = "") -> None:
     """
     if sys.stdout is None:  # started with stdout closed (`>&-`): click would drop the text without a word
         raise OutputError.closed()
-    shown = _shown(text)
+    shown = shown_controls(text)
     pieces = [shown[start : start + _PIECE] for start in range(0, len(shown), _PIECE)] or [""]
     try:
         for piece in pieces[:-1]:
@@ -870,11 +860,11 @@ def _saying_it_waits(run: Callable[[bool], Any]) -> Any:
 
 
 def _warning_line(message: Warning | str, *_: Any, **__: Any) -> None:
-    click.echo("warning: " + _shown(" ".join(str(message).split())), err=True)
+    click.echo("warning: " + shown_controls(" ".join(str(message).split())), err=True)
 
 
 def _fail(message: str, code: int) -> None:
-    click.echo("error: " + _shown(" ".join(message.split())), err=True)  # one line, whatever the message held
+    click.echo("error: " + shown_controls(" ".join(message.split())), err=True)  # one line, whatever the message held
     sys.exit(code)
 
 

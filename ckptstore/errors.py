@@ -135,13 +135,24 @@ def listing(items: Sequence[str], most: int, separator: str = ", ") -> str:
     return separator.join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
+# control characters but newline and tab: a commit message, metric or file name holding them (another
+# machine's commit, fetched) would otherwise retitle or clear the terminal, or overwrite lines
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def shown_controls(text: str) -> str:
+    """`text` with its control characters written out (ESC as a backslash and x1b): harmless in a terminal."""
+    return CONTROL_CHARACTERS.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
+
+
 def shown_name(text: str) -> str:
     r"""A file or tensor name for a line of its own: a backslash as \\, a newline as \n, bytes not UTF-8 as \xNN.
 
-    A newline would start a line that looks like an entry of its own (a forged commit line); the backslash
+    Control characters as \xNN too, as the CLI writes every line: a library warning has no CLI. A newline would
+    start a line that looks like an entry of its own (a forged commit line); the backslash
     goes first, so a name holding a backslash and an n cannot look like one holding a newline.
     """
-    text = text.replace("\\", "\\\\").replace("\n", "\\n")
+    text = shown_controls(text.replace("\\", "\\\\").replace("\n", "\\n"))
     try:  # os.fsdecode's surrogates stand for the bytes of a name that is not UTF-8
         return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     except UnicodeEncodeError:  # a lone surrogate no file name decodes to (from a JSON record)

@@ -299,7 +299,7 @@ def test_checkout_and_export_notes_write_out_a_newline_and_a_backslash_in_names(
     assert "note: l\\n[0123456789ab] y.pt written with torch.save" in restored[-1], restored
     assert not any(line.startswith("[0123456789ab]") for line in restored), restored
     exported = ckpt_here(tmp_path, "export", "HEAD", "--all", "-o", "e.safetensors").stdout.splitlines()
-    assert exported[-1].startswith("note: left out 1 item (n\\\\n\\nb.txt/%blob): "), exported
+    assert exported[-1].startswith("note: left out 1 item (n\\\\n\\nb.txt/%25blob): "), exported
 
 
 def test_a_metric_given_twice_or_graph_with_json_is_refused_and_an_empty_remote_name_is_spelt_out(tmp_path):

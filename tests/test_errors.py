@@ -58,3 +58,8 @@ def test_a_name_the_file_system_refuses_is_named_not_its_folder(tmp_path):
     name = "model\tfinal.pt"  # a control character
     tab = OSError(errno.EINVAL, "refused", str(tmp_path / f".{name}.0123456789abcdef.ckpt-tmp"))
     assert str(explain(tab)).startswith(f"the file system of {tmp_path} does not accept the name {name!r}")
+
+
+def test_a_name_shown_outside_the_cli_has_its_control_characters_written_out():
+    """Library warnings name files with shown_name alone: an ESC in a name reached the terminal (code reviewer)."""
+    assert shown_name("a\x1b]0;owned\x07b\r\n\\c\td") == "a\\x1b]0;owned\\x07b\\x0d\\n\\\\c\td"
