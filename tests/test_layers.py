@@ -55,6 +55,9 @@ OWNED = {
 }
 
 
+_ROOT_NAMES = __import__("ckptstore")._WHERE  # the names `ckptstore` re-exports, by the module each comes from
+
+
 def _modules():
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = path.relative_to(PACKAGE).with_suffix("").parts
@@ -71,11 +74,14 @@ def _imports(name: str, path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = ".".join((["ckptstore"] + package.split("."))[: len(package.split(".")) + 2 - node.level])
-                found.add(f"{base}.{node.module}" if node.module else base)
+                module = f"{base}.{node.module}" if node.module else base
             else:
-                found.add(node.module)
-                if node.module == "ckptstore":  # `from ckptstore import formats` names a submodule
-                    found |= {f"ckptstore.{alias.name}" for alias in node.names}
+                module = node.module
+            found.add(module)
+            if module == "ckptstore":  # a submodule (formats), or a name the root loads lazily (Repository)
+                found |= {_ROOT_NAMES.get(alias.name, f"ckptstore.{alias.name}") for alias in node.names}
+            elif node.level and not node.module:  # `from . import refs` names a submodule
+                found |= {f"{module}.{alias.name}" for alias in node.names}
     return found
 
 
@@ -130,6 +136,9 @@ def test_the_checker_sees_a_violation(tmp_path):
     fake.write_text("import sqlalchemy\nfrom ckptstore.repo import Repository\n")
     assert _imports("codecs.deadzone", fake) == {"sqlalchemy", "ckptstore.repo"}
     assert _layer("repo") not in BELOW["coding"] and not _owned_by("codecs.deadzone", OWNED["sqlalchemy"])
+    # the package root's lazy names and a bare relative import name their modules (code reviewer)
+    fake.write_text("from ckptstore import Repository\nfrom .. import cli\n")
+    assert {"ckptstore.repo", "ckptstore.cli"} <= _imports("codecs.deadzone", fake)
 
 
 @pytest.mark.parametrize("module, absent", [
