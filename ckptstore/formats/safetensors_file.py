@@ -167,6 +167,14 @@ def as_state(skeleton: Any, value_of) -> dict[str, Any]:
 SAFETENSORS_DTYPES = {name: code for code, name in DTYPES.items()}  # torch dtype name -> safetensors code
 
 
+def _is_text(name: str) -> bool:
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def write_tensors(path: str | os.PathLike, tensors: dict[str, RawTensor], metadata: dict[str, str] | None = None
                   ) -> None:
     """Write `tensors` (torch dtypes) as a new safetensors file, atomically; names in the given order.
@@ -179,6 +187,9 @@ def write_tensors(path: str | os.PathLike, tensors: dict[str, RawTensor], metada
         if name == "__metadata__":
             raise UnsupportedStateError("a tensor named '__metadata__' cannot be a safetensors entry (the name is "
                                         "the format's own); export with --format torch")
+        if not _is_text(name):  # a lone surrogate: json writes it, the safetensors library refuses the whole file
+            raise UnsupportedStateError(f"{name.encode('utf-8', 'backslashreplace').decode()}: the name is no valid "
+                                        "text, which a safetensors header must be; export with --format torch")
         code = SAFETENSORS_DTYPES.get(raw.dtype)
         if code is None:
             raise UnsupportedStateError(f"{name}: safetensors has no type for {raw.dtype}; export with --format torch")

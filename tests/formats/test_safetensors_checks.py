@@ -95,6 +95,11 @@ def test_an_export_refuses_a_tensor_named_like_the_formats_metadata(tmp_path):
         safetensors_file.write_tensors(tmp_path / "out.safetensors",
                                        {"__metadata__": RawTensor("torch.float32", (1,), np.zeros(4, np.uint8))})
     assert not (tmp_path / "out.safetensors").exists()
+    # a lone surrogate json writes as \\ud800, which the safetensors library refuses for the whole file (auditor)
+    with pytest.raises(UnsupportedStateError, match=r"w\\ud800: the name is no valid text"):
+        safetensors_file.write_tensors(tmp_path / "out.safetensors",
+                                       {"w\ud800": RawTensor("torch.float32", (1,), np.zeros(4, np.uint8))})
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_float4_tensors_load_as_safetensors_loads_them_and_export_back(tmp_path):
