@@ -859,6 +859,18 @@ def _saying_it_waits(run: Callable[[bool], Any]) -> Any:
         return run(True)
 
 
+def _typed(argv: list[str]) -> str:
+    """The command `argv` names ("ckpt commit"), for an error click raised before it made the command's context."""
+    words, command = ["ckpt"], cli
+    for token in argv:
+        if not isinstance(command, click.Group):
+            break
+        if token in command.commands:
+            command = command.commands[token]
+            words.append(token)
+    return " ".join(words)
+
+
 def _warning_line(message: Warning | str, *_: Any, **__: Any) -> None:
     click.echo("warning: " + shown_controls(" ".join(str(message).split())), err=True)
 
@@ -915,7 +927,7 @@ def main(argv: list[str] | None = None) -> None:
         exc.show()
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
-        where = exc.ctx.command_path if isinstance(exc, click.UsageError) and exc.ctx is not None else "ckpt"
+        where = exc.ctx.command_path if isinstance(exc, click.UsageError) and exc.ctx is not None else _typed(argv)
         hint = f" (see `{where} --help`)" if isinstance(exc, click.UsageError) else ""  # the command's own options
         _fail(exc.format_message() + hint, exc.exit_code)
     except Exception as exc:  # every failure reaches the user as one line; --debug shows where it came from

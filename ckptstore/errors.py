@@ -429,14 +429,14 @@ class CorruptRecordError(CkptError):
     commits that need it.
     """
 
-    def __init__(self, what: str, problem: str, commits: Sequence[str] | None = None, tensors: Sequence[str] = ()
-                 ) -> None:
+    def __init__(self, what: str, problem: str, commits: Sequence[str] | None = None, tensors: Sequence[str] = (),
+                 outcome: str = "Nothing was restored from it") -> None:
         self.what = what
         self.problem = problem
         self.commits = list(commits or [])
         self.tensors = list(tensors)
         needed = f"; needed by commits {', '.join(str(c)[:12] for c in self.commits)}" if self.commits else ""
-        super().__init__(f"the metadata of {what} is damaged: {problem}{needed}. Nothing was restored from it; "
+        super().__init__(f"the metadata of {what} is damaged: {problem}{needed}. {outcome}; "
                          "run `ckpt fsck` to list all damage")
 
     def needed_by(self, commits: Sequence[str]) -> CorruptRecordError:

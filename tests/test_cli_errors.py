@@ -485,7 +485,8 @@ def test_a_long_json_output_cut_short_by_its_reader_fails_as_any_output_does(tmp
 def test_a_usage_error_points_at_the_help_of_the_command_that_has_the_option(tmp_path):
     """`ckpt commit --step 1.5` said to see `ckpt --help`, which lists only commands (docs auditor)."""
     for args, hint in ((["commit", "x.pt", "--step", "1.5"], "(see `ckpt commit --help`)"),
-                       (["remote", "add"], "(see `ckpt remote add --help`)"), (["nosuch"], "(see `ckpt --help`)")):
+                       (["remote", "add"], "(see `ckpt remote add --help`)"), (["nosuch"], "(see `ckpt --help`)"),
+                       (["commit", "x.pt", "--lossy"], "(see `ckpt commit --help`)")):  # no context made (reader)
         out = run(tmp_path, *args)
         assert out.returncode == 2 and out.stderr.rstrip().endswith(hint), out.stderr
 

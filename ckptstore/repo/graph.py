@@ -32,9 +32,9 @@ def topo_order(tips: Sequence[str], parents: Mapping[str, list[str]], time_of: C
             if children[parent] == 0:
                 heapq.heappush(ready, _Newest(time_of(parent), parent))
     if len(order) < len(reachable):  # ids hash their parents: only forged rows (a shared database's) make a loop
-        looped = min(reachable.difference(order))
-        raise CorruptRecordError(f"commit {looped}", "its parents lead back to it, so its record cannot hash to its "
-                                 "id (`ckpt fsck` names the forged one)")
+        raise CorruptRecordError("the commit history", "its parent rows lead in a loop, which only forged rows can: "
+                                 "`ckpt fsck` names the commit whose record does not hash to its id",
+                                 outcome="Nothing was listed")
     return order
 
 

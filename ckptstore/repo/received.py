@@ -83,7 +83,7 @@ def check_restored(repo: Repository, records: Mapping[TensorId, TensorRecord], b
 
     The check costs a hash of those tensors, once: the records that hold leave the list.
     """
-    listed = _listed(repo, buffers)
+    listed = _listed(repo, records, buffers)
     if listed:
         _settle(repo, records, listed, {t for t in listed if tensor_id(records[t].dtype, records[t].shape,
                                                                        _host_bytes(buffers[t])) != t})
@@ -91,14 +91,21 @@ def check_restored(repo: Repository, records: Mapping[TensorId, TensorRecord], b
 
 def check_whole(repo: Repository, records: Mapping[TensorId, TensorRecord], ids: Set[TensorId]) -> None:
     """As check_restored, for tensors restored in part (a DCP rank's ranges): the listed ones are decoded whole."""
-    listed = _listed(repo, ids)
+    listed = _listed(repo, records, ids)
     if listed:
         _settle(repo, records, listed, false_claims(repo, records, listed))
 
 
-def _listed(repo: Repository, ids: Any) -> set[TensorId]:
+# (database, record) restored and found true in this process: a lossy record stays listed (its `source` is
+# unchecked), and a repository this user may not write keeps its list, so each load of them would check again.
+# The whole record is the key: one received anew after a gc (forged, perhaps) is checked anew.
+_TRUE_HERE: set[tuple[str, str]] = set()
+
+
+def _listed(repo: Repository, records: Mapping[TensorId, TensorRecord], ids: Any) -> set[TensorId]:
     with repo.db.read() as tx:
-        return tensor_rows.unchecked_among(tx, list(ids))
+        listed = tensor_rows.unchecked_among(tx, list(ids))
+    return {tid for tid in listed if (repo.db.url, repr(records[tid])) not in _TRUE_HERE}
 
 
 def _settle(repo: Repository, records: Mapping[TensorId, TensorRecord], listed: set[TensorId],
@@ -108,6 +115,7 @@ def _settle(repo: Repository, records: Mapping[TensorId, TensorRecord], listed: 
         raise CorruptRecordError(f"tensor {first}", "it was received from another repository (a fetch, pull, clone "
                                  "or a push here) and does not rebuild the bytes its id names: that repository's "
                                  "record is false. Fetch from a repository you trust", tensors=sorted(false))
+    _TRUE_HERE.update((repo.db.url, repr(records[tid])) for tid in listed)
     if repo.read_only:
         return
     try:

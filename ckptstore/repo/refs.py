@@ -141,8 +141,10 @@ def resolve(tx: Tx, spec: str) -> CommitId:
                 if parent is None:
                     raise RefNotFoundError(spec, detail=f" (history of {match.group(1)} is shorter)")
                 if parent in walked:  # forged parent rows: walking on would go round the loop
-                    raise CorruptRecordError(f"commit {parent}", "its first parents lead back to it, so its record "
-                                             "cannot hash to its id (`ckpt fsck` names the forged one)")
+                    for member in sorted(walked):  # the forged one's row does not hash to its id: that names it
+                        commit_rows.commit_info(tx, member)
+                    raise CorruptRecordError(f"the history of {match.group(1)!r}", "its first parents lead in a loop, "
+                                             "which only forged rows can", outcome="Nothing was resolved")
                 cid = parent
                 walked.add(cid)
         else:

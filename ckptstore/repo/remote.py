@@ -687,10 +687,11 @@ def _update_worktree(repo: Repository, branch: str, old: CommitId | None, new: C
         (repo.dir / PULLING).unlink(missing_ok=True)
         if not isinstance(exc, Exception):
             raise
-        if isinstance(exc, DirtyWorktreeError):
-            raise DirtyWorktreeError(f"pull stopped, {branch!r} left where it was: {exc}") from None
-        raise CkptError(f"pull stopped, {branch!r} left where it was: its files could not be written "
-                        f"({explain(exc) or exc})") from exc
+        back = f"pull stopped, {branch!r} back at {old[:12]}" if old else f"pull stopped, {branch!r} not made"
+        if isinstance(exc, DirtyWorktreeError):  # its advice (-o, --force) is checkout's: pull takes neither
+            raise DirtyWorktreeError(f"{back}: {str(exc).split('; commit it first')[0]}; commit or move it, then pull "
+                                     f"again (or drop it first: `ckpt checkout --force {branch}`)") from None
+        raise CkptError(f"{back}: its files could not be written ({explain(exc) or exc})") from exc
     (repo.dir / PULLING).unlink(missing_ok=True)
 
 

@@ -679,7 +679,8 @@ def test_a_pull_killed_before_it_wrote_its_files_then_files_changed_stops_the_ne
     assert killed.returncode == -9
     torch.save(_state(3), tmp_path / "copy" / "c.pt")  # the user's job, on the old weights, saves meanwhile
     with Repository.open(tmp_path / "copy") as copy:
-        with pytest.raises(DirtyWorktreeError, match="pull stopped, 'main' left where it was"):
+        with pytest.raises(DirtyWorktreeError, match="pull stopped, 'main' back at [0-9a-f]{12}: checkout would "
+                                                     "overwrite .*; commit or move it, then pull again"):
             remote.pull(copy, "origin")
         assert copy.resolve("main") == before and not (copy.dir / remote.PULLING).exists()
     assert_same(_state(3), torch.load(tmp_path / "copy" / "c.pt", weights_only=True))
@@ -763,7 +764,7 @@ def test_a_pull_whose_files_cannot_be_written_leaves_the_branch_where_it_was(tmp
     _commit(tmp_path / "a", 2, "d/ck.pt")
     (tmp_path / "c" / "d").write_text("a file where the pulled commit needs a folder")
     pulled = ckpt_here(tmp_path / "c", "pull")
-    assert pulled.returncode == 1 and pulled.stderr.startswith("error: pull stopped, 'main' left where it was")
+    assert pulled.returncode == 1 and pulled.stderr.startswith("error: pull stopped, 'main' back at ")
     assert "Traceback" not in pulled.stderr and ckpt_here(tmp_path / "c", "show", "main").stdout.split()[1] == before
 
 
