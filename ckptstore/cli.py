@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import sys
 import warnings
@@ -63,7 +64,10 @@ def _size(n: float) -> str:
     return str(n)
 
 
-_PIECE = 1 << 16  # CPython drops the rest of a larger write that the OS takes in part (a disk filling), unsaid
+# CPython drops the rest of a write over 64 KiB that the OS takes in part (a disk filling), unsaid: pieces of
+# 16 Ki characters stay within it however many bytes (up to 4) UTF-8 spends on each
+_PIECE = 1 << 14
+_REPR_OF_A_BYTE = re.compile(r"\\udc([89a-f][0-9a-f])")  # repr() of a surrogate os.fsdecode made of a byte
 
 
 def echo(text: str = "") -> None:
@@ -665,7 +669,7 @@ def fsck_command(ctx, full, remote_name) -> None:
     for oid, problem in report.damaged_objects.items():
         echo(f"damaged object {oid}: {problem}")
     for what, problem in report.damaged_records.items():
-        echo(f"damaged record {what}: {problem}")
+        echo(f"damaged record {shown_name(what)}: {problem}")  # a forged ref row's name may hold a newline
     for cid, oids in report.broken_commits.items():
         needs = f"needs {', '.join(o[:12] for o in oids)}" if oids else "its records are damaged"
         echo(f"broken commit {cid[:12]} ({needs})")
@@ -872,12 +876,26 @@ def _typed(argv: list[str]) -> str:
 
 
 def _warning_line(message: Warning | str, *_: Any, **__: Any) -> None:
-    click.echo("warning: " + shown_controls(" ".join(str(message).split())), err=True)
+    click.echo("warning: " + _one_line(str(message)), err=True)
 
 
 def _fail(message: str, code: int) -> None:
-    click.echo("error: " + shown_controls(" ".join(message.split())), err=True)  # one line, whatever the message held
+    click.echo("error: " + _one_line(message), err=True)
     sys.exit(code)
+
+
+def _one_line(message: str) -> str:
+    r"""`message` as one line, its control characters and a name's bytes that are not UTF-8 written out as \xNN.
+
+    A message quoting a name with repr() shows such a byte as \udcNN (as Python decodes it), one quoting it
+    bare holds the surrogate itself: both are written as the reference says names print.
+    """
+    text = _REPR_OF_A_BYTE.sub(r"\\x\1", " ".join(message.split()))
+    try:
+        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate no byte stands for: the stream writes it escaped
+        pass
+    return shown_controls(text)
 
 
 def _output_gone(exc: OutputError) -> None:

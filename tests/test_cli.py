@@ -371,16 +371,21 @@ def test_log_shows_names_from_rows_escaped_and_dates_with_their_offset(tmp_path,
     with contextlib.closing(sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db")) as db, db:
         db.execute("INSERT INTO refs (name, kind, commit_id) VALUES (?, 'branch', ?)", ("x\n* release", first))
         db.execute("INSERT INTO refs (name, kind, commit_id) VALUES (?, 'tag', ?)", ("t\nv1.0-verified", first))
+        # what ckptstore writes, or wrote before names had a limit: no damage (reader)
+        db.execute("INSERT INTO refs (name, kind, commit_id) VALUES ('remotes/remotes/main', 'remote', ?)", (first,))
+        db.execute("INSERT INTO refs (name, kind, commit_id) VALUES (?, 'branch', ?)", ("b" * 230, first))
     log = ckpt_here(tmp_path, "log")
     lines = log.stdout.splitlines()
     assert log.returncode == 0 and sum(line.startswith("commit ") for line in lines) == 2, log.stdout
     assert "Date:   @1000000000000.0" in lines, lines
-    assert "(x\\n* release, tag: t\\nv1.0-verified)" in log.stdout and "Metrics: \\ncommit 000" in log.stdout
+    assert "x\\n* release, " in log.stdout and "tag: t\\nv1.0-verified)" in log.stdout
+    assert "Metrics: \\ncommit 000" in log.stdout
     local = datetime.datetime.now().astimezone().isoformat()[-6:]  # this machine's offset now, +00:00 here
     assert any(line.startswith("Date:   ") and line.endswith(local) for line in lines), lines
     assert "* release" not in ckpt_here(tmp_path, "branch").stdout.splitlines()
     assert "v1.0-verified " + first[:12] not in ckpt_here(tmp_path, "tag").stdout.splitlines()
     with Repository.open(tmp_path) as repo:
         damaged = fsck(repo).damaged_records
-    assert "is not a valid branch or tag name" in damaged["ref x\n* release"], damaged
+    assert "holds characters no ref name may" in damaged["ref x\n* release"], damaged
     assert "ref t\nv1.0-verified" in damaged, damaged
+    assert "ref remotes/remotes/main" not in damaged and f"ref {'b' * 230}" not in damaged, damaged

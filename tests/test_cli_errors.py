@@ -480,6 +480,14 @@ def test_a_long_json_output_cut_short_by_its_reader_fails_as_any_output_does(tmp
     assert cut.stdout == "rc=141\n" and cut.stderr == "", (cut.stdout, cut.stderr)
     whole = run(tmp_path, "show", "--json")
     assert whole.returncode == 0 and len(json.loads(whole.stdout)["tensors"]) == 3000
+    # 80 KB in 40,000 characters, the whole output (a piece cut by characters was one write, its end dropped): pieces
+    # are cut to what they encode to (reader)
+    with Repository.init(tmp_path / "long") as repo:
+        repo.commit({"w": torch.ones(2)}, message="\u00e9" * 40_000)
+    cut = subprocess.run(f"{sys.executable} -m ckptstore log | (sleep 1; head -c1 > /dev/null); "
+                         'echo "rc=${PIPESTATUS[0]}"', shell=True, executable="/bin/bash", cwd=tmp_path / "long",
+                         text=True, capture_output=True, env=ckpt_env(PYTHONIOENCODING="utf-8"), timeout=120)
+    assert cut.stdout == "rc=141\n" and cut.stderr == "", (cut.stdout, cut.stderr)
 
 
 def test_a_usage_error_points_at_the_help_of_the_command_that_has_the_option(tmp_path):
@@ -504,3 +512,17 @@ def test_a_knob_is_a_lossy_knob_given_once_and_nothing_is_committed_otherwise(tm
     assert twice.returncode == 2 and "'prune' is given twice" in twice.stderr, twice.stderr
     assert "commit " not in run(tmp_path, "log").stdout
     assert run(tmp_path, "commit", "c.pt", "--lossy", "balanced", "--knob", "prune=0.1").returncode == 0
+
+
+def test_every_error_writes_a_names_bytes_that_are_not_utf8_as_the_reference_says(tmp_path):
+    """Errors quoting a name with repr() showed \\udcff (a missing file, a tag name, a -m message) where the
+    reference says names print \\xff (reader)."""
+    assert run(tmp_path, "init").returncode == 0
+    env = ckpt_env()
+    for args, said in (([b"commit", b"nope\xff.pt"], "nope\\xff.pt does not exist"),
+                       ([b"tag", b"t\xff"], "'t\\xff' is not a valid"),
+                       ([b"commit", b"x", b"-m", b"bad \xff msg"], "'bad \\xff msg' holds")):
+        out = subprocess.run([sys.executable.encode(), b"-m", b"ckptstore", *args], cwd=tmp_path, env=env,
+                             capture_output=True, timeout=120)
+        stderr = out.stderr.decode()
+        assert out.returncode != 0 and said in stderr and "udc" not in stderr, stderr

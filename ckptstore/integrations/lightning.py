@@ -367,7 +367,8 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         except RefNotFoundError:  # an unborn branch has no history
             history = set()
         if held in history:
-            self._keep_earlier(ref, held)
+            if self.markers:  # without markers no earlier file names the commit
+                self._keep_earlier(ref, held)
             return
         raise CkptError(
                 f"checkpoint {os.fspath(path)!r} maps to tag {ref!r}, which another run's checkpoint holds (commit "
@@ -377,7 +378,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
 
     def _keep_earlier(self, ref: str, held: CommitId) -> None:
         """Tag `held` as `REF-COMMIT12` before `ref` moves off it, and say so: an earlier run's file may name it."""
-        kept = f"{ref}-{held[:12]}"
+        kept = f"{ref[: ref_names.MAX_NAME - 13]}-{held[:12]}"  # a long checkpoint name's tag still fits
         if kept in self.repo.tags():
             return
         self.repo.tag(kept, held)
@@ -476,13 +477,15 @@ def load_from_checkpoint(module_class: Any, path: str | os.PathLike, repo: Repos
     """`module_class.load_from_checkpoint(path)` for a checkpoint the plugin saved: a marker path, a tag, a commit id.
 
     Lightning's own reads `path` with torch.load, which a marker file is not; this hands it the
-    restored checkpoint instead. `kwargs` go to Lightning's (strict=, hparams_file=, ...).
+    restored checkpoint instead. `kwargs` go to Lightning's (strict=, hparams_file=, ...). `repo`
+    None: a marker's own repository, else as for CkptstoreCheckpointIO.
     """
     import io
 
     import torch
 
-    plugin = CkptstoreCheckpointIO(repo)
+    marker = read_marker(path) if repo is None else None  # it names its repository: run from anywhere
+    plugin = CkptstoreCheckpointIO(marker.get("repository") if marker else repo)
     try:
         checkpoint = plugin.load_checkpoint(path, map_location)
     finally:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError, InvalidRefNameError, PrunedCommitError
+from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError, PrunedCommitError
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import liveness
@@ -255,13 +255,15 @@ def _commit_problems(tx: Tx, commits: dict[CommitId, commit_rows.CommitInfo], fo
 
 
 def _name_problem(name: str, kind: str) -> str | None:
-    """Why a ref row's name is none `ckpt branch`, `tag` or a fetch would write (another client's row), or None."""
+    """Why a ref row's name is one no ckptstore writes (another client's forged row), or None.
+
+    Its characters and a remote-tracking ref's prefix only: names older versions allowed (longer ones)
+    and a remote named `remotes` are no damage.
+    """
     if kind == "remote" and not (name.startswith("remotes/") and name.count("/") >= 2):
         return "its name is no remote-tracking ref's (remotes/REMOTE/BRANCH)"
-    try:
-        ref_names.check_form(name.removeprefix("remotes/") if kind == "remote" else name)
-    except InvalidRefNameError as exc:
-        return f"its name is none a ref may have: {exc}"
+    if not ref_names.spelled_as_ref(name):
+        return "its name holds characters no ref name may (ASCII letters, digits, . _ / -)"
     return None
 
 

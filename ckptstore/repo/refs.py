@@ -43,6 +43,11 @@ def ensure_head(repo: Repository) -> None:
             ref_rows.insert_ref(tx, HEAD, HEAD_KIND, target=DEFAULT_BRANCH)
 
 
+def spelled_as_ref(name: str) -> bool:
+    """Whether `name` holds only what a ref name may: no newline or control character to forge a listing with."""
+    return bool(_NAME.fullmatch(name))
+
+
 def check_name(name: str) -> None:
     """Reject names git would reject, and names that read as something else (HEAD, a commit id prefix)."""
     if _HEX.fullmatch(name) and len(name) >= MIN_PREFIX:

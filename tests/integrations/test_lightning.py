@@ -469,6 +469,19 @@ def test_a_later_run_in_another_version_folder_leaves_the_earlier_runs_checkpoin
     assert repo.resolve("lightning/epoch_1-step_8") != held
     prune(repo, RetentionPolicy(keep_tagged=True))
     assert_same(CkptstoreCheckpointIO(repo).load_checkpoint(earlier), first)
+    # a long file name's tag (193 characters) still fits with the commit's 13 (reader); without markers no
+    # earlier file names a commit: its tag moves, as before
+    long_name = "x" * 179 + ".ckpt"
+    CkptstoreCheckpointIO(repo, blocking=True).save_checkpoint(first, earlier.with_name(long_name))
+    with pytest.warns(RuntimeWarning, match="keeps tag"):
+        CkptstoreCheckpointIO(repo, blocking=True).save_checkpoint({**first, "global_step": 9},
+                                                                   later.with_name(long_name))
+    plain = CkptstoreCheckpointIO(repo, blocking=True, markers=False)
+    tags = set(repo.tags())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain.save_checkpoint({**first, "global_step": 10}, later.with_name("epoch=1-step=8.ckpt"))
+    assert set(repo.tags()) == tags
     repo.close()
 
 
@@ -509,6 +522,10 @@ def test_load_from_checkpoint_builds_the_module_from_a_marker_path(lit, trained)
     model = load_from_checkpoint(lit.Tiny, checkpoints.best_model_path, repo)
     saved = CkptstoreCheckpointIO(repo).load_checkpoint(checkpoints.best_model_path)["state_dict"]
     assert_same(dict(model.state_dict()), dict(saved))
+    with pytest.MonkeyPatch.context() as elsewhere:  # no repo= and run from outside it: the marker names it (reader)
+        elsewhere.chdir("/")
+        elsewhere.delenv("CKPT_REPO", raising=False)
+        assert_same(dict(load_from_checkpoint(lit.Tiny, checkpoints.best_model_path).state_dict()), dict(saved))
 
 
 class _Hparams:
