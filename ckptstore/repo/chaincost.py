@@ -129,7 +129,13 @@ def _costs_json(costs: dict[int, ChainCosts]) -> dict[int, list[float]]:
 
 
 def _costs_from(data: dict[str, list[float]]) -> dict[int, ChainCosts]:
-    """{width: ChainCosts} from their JSON form {width: [keyframe, level, load, workers]}; ValueError if not."""
+    """{width: ChainCosts} from their JSON form {width: [keyframe, level, load, workers]}; ValueError if not.
+
+    Checked whole (a damaged `chaincost.json`'s list stopped every commit with an AttributeError; a string
+    of digits passed as that many numbers).
+    """
+    if not isinstance(data, dict) or not all(isinstance(v, list) and len(v) in (3, 4) for v in data.values()):
+        raise ValueError("costs are {width: [keyframe, level, load, workers]}")
     numbers = {int(w): list(map(float, v)) for w, v in data.items()}
     if not all(math.isfinite(x) and x > 0 for v in numbers.values() for x in v):
         raise ValueError("every cost must be a positive number")
@@ -142,7 +148,7 @@ def _pinned() -> dict[int, ChainCosts] | None:
         return None
     try:
         return _costs_from(json.loads(text))
-    except (ValueError, TypeError, AttributeError) as exc:  # AttributeError: JSON that is no object
+    except (ValueError, TypeError) as exc:
         raise CkptError(f"{ENV}={text!r} is not JSON {{width: [keyframe, level, load, workers]}} (s/byte) "
                         f"({exc}); unset it to measure") from None
 

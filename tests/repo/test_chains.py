@@ -95,6 +95,9 @@ def test_a_repository_measures_once_and_keeps_its_costs(tmp_path, monkeypatch):
     assert chaincost.repository_costs(tmp_path)[4] == ChainCosts(1e-9, 0.5e-9, 4.4e-9, 1)
     (tmp_path / chaincost.FILE).write_text("{damaged")
     assert chaincost.repository_costs(tmp_path) == measured  # measured again (this process's figures)
+    for costs in ([], "1234", {"4": "1234"}):  # JSON, but no costs: an AttributeError stopped every commit (auditor)
+        (tmp_path / chaincost.FILE).write_text(json.dumps({**kept, "costs": costs}))
+        assert chaincost.repository_costs(tmp_path) == measured
     assert json.loads((tmp_path / chaincost.FILE).read_text())["cpus"] == kept["cpus"]
 
 
@@ -195,7 +198,7 @@ def test_relinks_of_orphaned_siblings_share_the_first_as_their_keyframe():
     assert _relinks({"b", "d"}, bases) == {"b": None, "d": None}  # different removed bottoms
 
 
-@pytest.mark.parametrize("text", ["[1, 2]", "null", "5", '{"4": 1}', "not json"])
+@pytest.mark.parametrize("text", ["[1, 2]", "null", "5", '{"4": 1}', "not json", '{"4": "1234"}'])
 def test_pinned_chain_costs_that_are_not_an_object_of_widths_are_one_clear_error(tmp_path, monkeypatch, text):
     monkeypatch.setenv(chaincost.ENV, text)
     with pytest.raises(CkptError, match="is not JSON"):
