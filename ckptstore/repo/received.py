@@ -96,16 +96,27 @@ def check_whole(repo: Repository, records: Mapping[TensorId, TensorRecord], ids:
         _settle(repo, records, listed, false_claims(repo, records, listed))
 
 
-# (database, record) restored and found true in this process: a lossy record stays listed (its `source` is
+# (database, chain) restored and found true in this process: a lossy record stays listed (its `source` is
 # unchecked), and a repository this user may not write keeps its list, so each load of them would check again.
-# The whole record is the key: one received anew after a gc (forged, perhaps) is checked anew.
+# The records down the chain are the key: one received anew after a gc (forged, perhaps) is checked anew.
 _TRUE_HERE: set[tuple[str, str]] = set()
 
 
 def _listed(repo: Repository, records: Mapping[TensorId, TensorRecord], ids: Any) -> set[TensorId]:
     with repo.db.read() as tx:
         listed = tensor_rows.unchecked_among(tx, list(ids))
-    return {tid for tid in listed if (repo.db.url, repr(records[tid])) not in _TRUE_HERE}
+    return {tid for tid in listed if (repo.db.url, _chain(records, tid)) not in _TRUE_HERE}
+
+
+def _chain(records: Mapping[TensorId, TensorRecord], tid: TensorId) -> str:
+    """The records `tid` replays from, down to its keyframe (as far as `records` holds them), as one text."""
+    found, current = [], records.get(tid)
+    for _ in range(current.depth + 1 if current is not None else 0):  # a looping chain stops at the top's depth
+        if current is None:
+            break
+        found.append(repr(current))
+        current = records.get(current.base_id) if current.base_id else None
+    return "\n".join(found)
 
 
 def _settle(repo: Repository, records: Mapping[TensorId, TensorRecord], listed: set[TensorId],
@@ -115,7 +126,7 @@ def _settle(repo: Repository, records: Mapping[TensorId, TensorRecord], listed: 
         raise CorruptRecordError(f"tensor {first}", "it was received from another repository (a fetch, pull, clone "
                                  "or a push here) and does not rebuild the bytes its id names: that repository's "
                                  "record is false. Fetch from a repository you trust", tensors=sorted(false))
-    _TRUE_HERE.update((repo.db.url, repr(records[tid])) for tid in listed)
+    _TRUE_HERE.update((repo.db.url, _chain(records, tid)) for tid in listed)
     if repo.read_only:
         return
     try:
