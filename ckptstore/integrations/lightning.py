@@ -322,9 +322,9 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         """Tag `cid` as `ref` (moving the tag if the path was saved before) and write the marker."""
         repo = self.repo
         held = repo.tags().get(ref)
-        if held is not None and held != cid:  # the path was saved before (last.ckpt): its tag moves to the new commit
-            repo.delete_tag(ref)
-        if held != cid:
+        if held != cid:  # tagged already when two threads settled one commit (AsyncCheckpointIO)
+            if held is not None:  # the path was saved before (last.ckpt): its tag moves to the new commit
+                repo.delete_tag(ref)
             repo.tag(ref, cid)
         if self.markers:
             write_marker(path, repo.root, ref, cid)
@@ -371,10 +371,10 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
                 self._keep_earlier(ref, held)
             return
         raise CkptError(
-                f"checkpoint {os.fspath(path)!r} maps to tag {ref!r}, which another run's checkpoint holds (commit "
-                f"{held[:12]}, not in the history of branch {branch!r}); moving it could lose a checkpoint that "
-                "run still lists. Give this run tags of its own (CkptstoreCheckpointIO(prefix=...)), or delete "
-                f"that run's tag if it is over (`ckpt tag -d {ref}`)")
+            f"checkpoint {os.fspath(path)!r} maps to tag {ref!r}, which another run's checkpoint holds (commit "
+            f"{held[:12]}, not in the history of branch {branch!r}); moving it could lose a checkpoint that "
+            "run still lists. Give this run tags of its own (CkptstoreCheckpointIO(prefix=...)), or delete "
+            f"that run's tag if it is over (`ckpt tag -d {ref}`)")
 
     def _keep_earlier(self, ref: str, held: CommitId) -> None:
         """Tag `held` as `REF-COMMIT12` before `ref` moves off it, and say so: an earlier run's file may name it."""

@@ -53,11 +53,13 @@ from ckptstore.state import RawTensor
 from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ckptstore.objectstore import ObjectStore
     from ckptstore.repo.maintenance import GcReport
     from ckptstore.repo.repository import Repository
 
-_TOLD_UNKNOWN: set[tuple] = set()  # (repository, metric) whose keep_best this process warned of once
+_TOLD_UNKNOWN: set[tuple[Path, str]] = set()  # (repository, metric) whose keep_best this process warned of once
 BATCH_BYTES = 256 << 20  # raw bytes re-encoded at once: their restored bytes are held in memory
 # a lossy tensor's bookkeeping that stays true of its bytes, and the codec that measured them (show's figures)
 KEPT_PARAMS = ("source", "rel_error", "max_error", "measured_as")
