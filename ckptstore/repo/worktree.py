@@ -254,9 +254,7 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
         plan.files.append((record, target))
         needed.update(target.parents)
     if exact and dest.is_dir():
-        own = repo.own_folders()
-        kept = [*own, *(Path(os.path.realpath(p)) for p in nested_repositories(dest, own))]
-        _scan(dest, {t for _, t in plan.files}, needed, kept, plan)
+        _scan(dest, {t for _, t in plan.files}, needed, _kept_in(repo, dest), plan)
     elif not exact:
         _refuse_files_in_the_way(plan, dest)
     return plan
@@ -794,11 +792,16 @@ def _relative(repo: Repository, path: Path) -> str:
 
 def _untracked(repo: Repository, folder: Path, committed: list[Path]) -> list[Path]:
     """The files in a committed `folder` that its commit does not hold (the repository's own left out)."""
-    own = repo.own_folders()
-    kept = [*own, *(Path(os.path.realpath(p)) for p in nested_repositories(folder, own))]
     plan = CheckoutPlan(folder, [])
-    _scan(folder, set(committed), {folder, *(p for path in committed for p in path.parents)}, kept, plan)
+    _scan(folder, set(committed), {folder, *(p for path in committed for p in path.parents)}, _kept_in(repo, folder),
+          plan)
     return plan.extras
+
+
+def _kept_in(repo: Repository, folder: Path) -> list[Path]:
+    """What under `folder` is no part of a checkout: the repository's own folders and other repositories, resolved."""
+    own = repo.own_folders()
+    return [*own, *(Path(os.path.realpath(p)) for p in nested_repositories(folder, own))]
 
 
 def _file_state(repo: Repository, path: Path, committed: str | None, head: CommitId) -> tuple[str, bool]:
