@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
-VENV="${CKPT_VENV:-.venv}"
-PATH="$PWD/$VENV/bin:$PATH" "$VENV/bin/python" examples/demo.py "$@"
+VENV="$(cd "${CKPT_VENV:-.venv}" && pwd)"  # absolute: a CKPT_VENV given as /path made PATH $PWD//path
+PATH="$VENV/bin:$PATH" "$VENV/bin/python" examples/demo.py "$@"
