@@ -553,8 +553,10 @@ def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], so
     reused: dict[str, TensorRecord] = {}
     for path in plans:
         parent = parents.get(path)
-        # the parent's record may be an earlier commit's (a change rounded to nothing), made from that one's input
-        if parent is not None and (inputs or {}).get(path, parent.params.get("source")) == sources[path]:
+        # the parent's record may be an earlier commit's (a change rounded to nothing), made from that one's input;
+        # an input is a lossy record's own claim: a received manifest claimed one for an exact record of other bytes
+        if parent is not None and (parent.id == sources[path] or "source" in parent.params and (
+                (inputs or {}).get(path, parent.params["source"]) == sources[path])):
             entries[path] = parent.id
             reused[path] = parent
     lossless = [p for p in tensors if p not in plans]

@@ -39,21 +39,22 @@ def check(repo: Repository, tx: Tx, ours: Set[TensorId], parents: Mapping[str, T
 
     `ours` are its tensors' content ids, `parents` the records it may chain on or reuse by path,
     `known` records loaded already (with their chains), `lost` ids it encodes again anyway. Returns
-    `parents` less the listed lossy records (their `source` is not checked), the recorded ids of
+    `parents` less the listed lossy records (their `source` is not checked) and the listed ones that
+    lie (a residual on a lie restores wrong once that record is encoded again), the recorded ids of
     ours whose received records lie (to encode again, taking the rows), and those found true that
     leave the list (the caller takes them off with the commit, or at once).
     """
     listed = tensor_rows.unchecked_among(tx, set(ours) | {r.id for r in parents.values()})
     if not listed:
         return dict(parents), set(), set()
-    kept = {p: r for p, r in parents.items() if not (r.id in listed and "source" in r.params)}
     recorded = tensor_rows.existing_tensor_ids(tx, (listed & set(ours)) - set(lost))
-    if not recorded:
-        return kept, set(), set()
+    bases = {r.id for r in parents.values() if r.id in listed and "source" not in r.params} - set(lost)
+    checked = recorded | bases
     known = known or {}
-    records = {**known, **tensor_rows.load_records(tx, recorded - set(known), problems={})}
-    false = false_claims(repo, records, recorded)
-    return kept, false, off_the_list(records, recorded - false)
+    records = {**known, **tensor_rows.load_records(tx, checked - set(known), problems={})}
+    false = false_claims(repo, records, checked) if checked else set()
+    kept = {p: r for p, r in parents.items() if not (r.id in listed and ("source" in r.params or r.id in false))}
+    return kept, false & recorded, off_the_list(records, checked - false)
 
 
 def off_the_list(records: Mapping[TensorId, TensorRecord], true: Set[TensorId]) -> set[TensorId]:

@@ -1152,3 +1152,50 @@ def test_a_received_record_that_lies_is_refused_at_checkout_load_and_export(tmp_
         refused = ckpt_here(tmp_path / "copy", *args)
         assert refused.returncode == 1 and lies in refused.stderr, refused.stderr
     assert not (tmp_path / "copy" / "out").exists() and not (tmp_path / "copy" / "out.safetensors").exists()
+
+
+def test_a_received_records_lie_is_no_base_of_a_commit_here(tmp_path):
+    """A commit chained on a received record naming another tensor's chunks; once a later commit encoded that
+    record again, the first one's own checkout failed (hostile-input auditor, high)."""
+    g = torch.Generator().manual_seed(1)
+    honest = torch.randn(4096, generator=g)
+    other = honest + 0.5 * torch.randn(4096, generator=g)
+    with Repository.init(tmp_path / "origin") as origin:
+        origin.commit({"b": honest, "c": other})
+        entries = {p: e.tensor for p, e in origin.manifest(origin.resolve("HEAD")).entries.items()}
+    received_lie(tmp_path / "origin" / ".ckpt", entries["b"], entries["c"], listed=False)
+    with remote.clone(str(tmp_path / "origin"), tmp_path / "copy") as copy:
+        near = other + 1e-4 * torch.randn(4096, generator=g)
+        mine = copy.commit({"b": near, "c": other})
+        copy.commit({"b": honest, "c": other})  # b's true bytes: the lie is encoded again, taking its row
+        assert_same({"b": near, "c": other}, copy.checkout(mine))
+        assert fsck(copy, full=True).ok
+
+
+def test_a_received_manifests_claim_of_its_input_makes_no_lossy_commit_here_reuse_other_bytes(tmp_path, monkeypatch):
+    """A received manifest's `sources` claimed that its exact record of other weights was made from the weight your
+    lossy commit holds: your commit stored its weights, and fsck --full said ok (hostile-input auditor, high)."""
+    from ckptstore.repo import manifest as manifests
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(128, 256)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 128)).sum().backward()
+    optimizer.step()
+    mine = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    with Repository.init(tmp_path / "probe") as probe:  # the id the weight has as a lossy input: anyone can compute it
+        claimed = probe.manifest(probe.commit(mine, lossy="balanced")).sources["model/weight"]
+    written = manifests.Manifest.to_record
+
+    def forged(self):
+        record = written(self)
+        record["sources"] = {"model/weight": claimed}
+        return record
+
+    with Repository.init(tmp_path / "origin") as origin, monkeypatch.context() as forging:
+        forging.setattr(manifests.Manifest, "to_record", forged)
+        origin.commit({"model": {"weight": torch.full((256, 128), 0.1234), "bias": model.bias.detach().clone()},
+                       "optimizer": optimizer.state_dict()})
+    with remote.clone(str(tmp_path / "origin"), tmp_path / "copy") as copy:
+        restored = copy.checkout(copy.commit(mine, lossy="balanced"))["model"]["weight"]
+    assert (restored - model.weight.detach()).abs().max() < 0.01  # quantized, not the other weights
