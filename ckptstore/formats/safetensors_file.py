@@ -6,6 +6,7 @@ tensors' data) becomes an entry, in file order.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.errors import CheckpointFormatError, UnsupportedStateError
+from ckptstore.errors import CheckpointFormatError, UnsupportedStateError, listing
 from ckptstore.formats import filemap
 from ckptstore.formats.atomic import write_parts
 from ckptstore.state import BYTES_DTYPE, INT64_END, TORCH_ITEMSIZE, RawTensor, join, raw_from_bytes, reserved_path
@@ -95,9 +96,10 @@ def _header(path: Path, data: np.ndarray, size: int) -> tuple[dict, int]:
 
 
 def _unique(pairs: list[tuple[str, Any]]) -> dict:
-    keys = [key for key, _ in pairs]
-    if len(set(keys)) != len(keys):  # json keeps the last silently; which tensor is meant is unknowable
-        raise ValueError(f"names {sorted({k for k in keys if keys.count(k) > 1})!r} more than once")
+    counts = collections.Counter(key for key, _ in pairs)
+    if len(counts) != len(pairs):  # json keeps the last silently; which tensor is meant is unknowable
+        repeated = sorted(k for k, n in counts.items() if n > 1)  # counted once each: keys.count was quadratic
+        raise ValueError(f"names {listing([repr(k) for k in repeated], 5)} more than once")
     return dict(pairs)
 
 
