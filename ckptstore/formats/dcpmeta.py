@@ -44,6 +44,9 @@ def _counts(values: Any) -> bool:
     return isinstance(values, list) and all(type(v) is int for v in values)
 
 
+MAX_COMPARED = 1_000_000  # chunk pairs chunk_problem compares (about a second); a 64 x 64 grid of shards: 262,144
+
+
 def chunk_problem(item: dict[str, Any]) -> str | None:
     """Why a tensor item's chunks cannot tile its size exactly (out of bounds, overlapping, leaving gaps), or None.
 
@@ -68,10 +71,15 @@ def chunk_problem(item: dict[str, Any]) -> str | None:
     axis = max(range(len(size)), key=lambda d: len({o[d] for o, _ in boxes}), default=None)
     boxes.sort(key=lambda box: box[0][axis] if axis is not None else 0)
     open_boxes: list[tuple[list[int], list[int]]] = []
+    compared = 0
     for offsets, sizes in boxes:
         if not math.prod(sizes):
             continue
         open_boxes = [(o, n) for o, n in open_boxes if axis is None or o[axis] + n[axis] > offsets[axis]]
+        compared += len(open_boxes)
+        if compared > MAX_COMPARED:  # chunks laid out as no save writes them (a staircase): quadratic, refused
+            return (f"its {len(boxes)} chunks span one another along every dimension, a layout no save writes "
+                    f"and too costly to check (over {MAX_COMPARED:,} comparisons)")
         for other, other_sizes in open_boxes:
             if all(o < p + m and p < o + n for o, n, p, m in zip(offsets, sizes, other, other_sizes)):
                 return f"the chunks at {other} and {offsets} overlap"

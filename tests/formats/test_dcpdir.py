@@ -115,6 +115,9 @@ def test_a_truncated_metadata_a_missing_data_file_or_a_wrong_shard_is_refused(tm
     ([16.0], [([0], [16])], "is not a list of counts"),  # a crafted remote's: 16.0 == 16, but no array has 16.0 rows
     ([16], [([0.0], [16])], "are not lists of counts"),
     ([True, 2], [([0, 0], [1, 2])], "is not a list of counts"),
+    ([64, 64], [([i, j], [1, 1]) for i in range(64) for j in range(64)], None),  # a 64 x 64 grid of shards
+    # a staircase, each chunk to the end of the sweep's axis: quadratic, a minute at 12,000 (fuzz auditor)
+    ([2000, 2000], [([i, i], [2000 - i, 1]) for i in range(2000)], "too costly to check"),
 ])
 def test_chunks_must_tile_their_tensor_exactly(size, chunks, problem):
     from ckptstore.formats.dcpmeta import chunk_problem
