@@ -397,6 +397,7 @@ class _Flattener:
         self.shared: dict[int, str] = {}  # id of a bytes or ndarray leaf -> its path, so repeats alias
         self.view_bytes: dict[int, int] = {}  # storage address -> bytes its views have taken so far
         self.seen: set[int] = set()  # ids of the containers walked so far
+        self.owners: dict[str, list[int]] = {}  # path -> ids of the distinct Parameters (or grad tensors) on it
         self.nodes = self.repeats = self.depth = self.text = 0
         self.attributes: list[str] = []  # tensor attributes (p.tp_dim = 0) the skeleton has no place for
         self.exact = _exact_with_torch() if "torch" in sys.modules else _EXACT  # never imports torch itself
@@ -411,12 +412,21 @@ class _Flattener:
                         UserWarning)
         return FlatState(skeleton, self.tensors)
 
-    def tensor_extras(self, node: list, requires_grad: bool, parameter: bool) -> list:
-        """Add what torch.load gives back besides the values: Parameter, requires_grad."""
-        if parameter:
-            node.append({"parameter": True, "requires_grad": requires_grad})
-        elif requires_grad:
-            node.append({"requires_grad": True})
+    def tensor_extras(self, node: list, requires_grad: bool, parameter: bool, value: Any) -> list:
+        """Add what torch.load gives back besides the values: Parameter, requires_grad.
+
+        Two Parameters (or tensors requiring grad) viewing the same bytes are two objects, each with its
+        own flag: the second and later on a path are numbered ("object"); `value` saved twice is one.
+        """
+        if not (parameter or requires_grad):
+            return node
+        extras = {"parameter": True, "requires_grad": requires_grad} if parameter else {"requires_grad": True}
+        owners = self.owners.setdefault(node[1], [])
+        if id(value) not in owners:  # `value` lives in the state being flattened: its id is its own
+            owners.append(id(value))
+        if owners.index(id(value)):
+            extras["object"] = owners.index(id(value))
+        node.append(extras)
         return node
 
     def enter(self, container: Any, path: str, items: int) -> None:
@@ -480,7 +490,7 @@ class _Flattener:
         if value.__dict__:
             self.attributes += [f"{path or '<root>'}.{name}" for name in value.__dict__
                                 if name not in BOOKKEEPING_ATTRIBUTES]
-        return self.tensor_extras(node, value.requires_grad, parameter)
+        return self.tensor_extras(node, value.requires_grad, parameter, value)
 
     def encode(self, value: Any, path: str) -> Any:
         """The skeleton node of `value`; tensors it holds are added to `self.tensors` under `path`."""
@@ -743,8 +753,8 @@ class _Unflattener:
     def __init__(self, lookup: Callable[[str], Any]) -> None:
         self.lookup = lookup
         self.cache: dict[str, Any] = {}
-        self.parameters: dict[str, Any] = {}
-        self.grads: dict[str, Any] = {}  # tensors that require grad, by path
+        self.parameters: dict[tuple[str, int], Any] = {}  # by (path, object)
+        self.grads: dict[tuple[str, int], Any] = {}  # tensors that require grad, by (path, object)
         self.storages: dict[str, Any] = {}
 
     def get(self, path: str) -> Any:
@@ -765,15 +775,16 @@ class _Unflattener:
         value = self.get(node[1])
         if "view" in extras:
             value = self.cache[node[1]] = self.view(value, *extras["view"])
+        owner = (node[1], extras.get("object", 0))  # one object saved twice comes back as one; two as two
         if extras.get("parameter"):
-            if node[1] not in self.parameters:  # one Parameter saved twice comes back as one object
-                self.parameters[node[1]] = _torch().nn.Parameter(value, requires_grad=extras["requires_grad"])
-            return self.parameters[node[1]]
+            if owner not in self.parameters:
+                self.parameters[owner] = _torch().nn.Parameter(value, requires_grad=extras["requires_grad"])
+            return self.parameters[owner]
         if extras.get("requires_grad"):
             # an object of its own on the same storage: the tensor saved beside it as its .detach() stays without
-            if node[1] not in self.grads:
-                self.grads[node[1]] = value.detach().requires_grad_(True)
-            return self.grads[node[1]]
+            if owner not in self.grads:
+                self.grads[owner] = value.detach().requires_grad_(True)
+            return self.grads[owner]
         return value
 
     def view(self, value: Any, storage: str, nbytes: int, offset: int, stride: list[int]) -> Any:

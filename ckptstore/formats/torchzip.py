@@ -587,7 +587,7 @@ class _StandInFlattener(_Flattener):
                     self.covers[storage.member] = path
                     if order != sorted(order):
                         self.orders[storage.member] = order
-        return self.tensor_extras(node, value.requires_grad, isinstance(value, Parameter))
+        return self.tensor_extras(node, value.requires_grad, isinstance(value, Parameter), value)
 
 
 def _added_to_torch(full_name: str) -> bool:

@@ -424,3 +424,21 @@ def test_an_expanded_view_is_refused_before_it_is_copied(tmp_path):
     torch.save({"e": torch.zeros(1).expand(10**5, 10**5)}, path)
     with pytest.raises(UnsupportedStateError, match="views one 4-byte storage"):
         torchzip.read(path)
+
+
+def test_two_parameters_on_the_same_bytes_come_back_as_two_with_their_own_flags(tmp_path):
+    """They came back as one Parameter with the first one's requires_grad, from a file and from memory alike; one
+    Parameter saved twice is still one object (fuzz auditor, high)."""
+    from ckptstore import Repository
+
+    x = torch.randn(3)
+    p, q = torch.nn.Parameter(x), torch.nn.Parameter(x, requires_grad=False)
+    g, h = x.detach().requires_grad_(True), x.detach().requires_grad_(True)  # two leaves needing grad, one storage
+    state = {"p": p, "q": q, "p again": p, "g": g, "h": h}
+    torch.save(state, tmp_path / "pq.pt")
+    with Repository.init(tmp_path / "repo") as repo:
+        for committed in (tmp_path / "pq.pt", state):
+            back = repo.checkout(repo.commit(committed, allow_empty=True))
+            assert [back[k].requires_grad for k in ("p", "q", "g", "h")] == [True, False, True, True]
+            assert back["p"] is back["p again"] and back["p"] is not back["q"] and back["g"] is not back["h"]
+            assert back["q"].data_ptr() == back["p"].data_ptr() and torch.equal(back["q"], x)
