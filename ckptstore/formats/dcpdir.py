@@ -41,6 +41,7 @@ from ckptstore.errors import (
 )
 from ckptstore.formats import dcpmeta, filemap
 from ckptstore.formats.atomic import atomic_write
+from ckptstore.formats.dtypestate import bad_dtype_state
 from ckptstore.formats.torchfile import numpy_safe_globals, refusal_reason
 from ckptstore.state import RawTensor, flatten, materialize, raw_from_bytes, raw_from_torch, unflatten
 from ckptstore.warn import warn_caller
@@ -330,6 +331,9 @@ def item_value(fqn: str, data: bytes) -> Any:
         return _from_skeleton(fqn, data[len(dcpmeta.SKELETON_MAGIC):])
     # DCP saves a BytesIO value by pickling the BytesIO, and numpy's RNG state holds an array: rebuilding
     # either runs no code of the file's choosing (numeric arrays only, as a torch.save file's)
+    problem = bad_dtype_state(data)
+    if problem is not None:
+        raise CorruptRecordError(f"bytes item {fqn}", problem)
     try:
         with torch.serialization.safe_globals([io.BytesIO, *numpy_safe_globals()]):
             return torch.load(io.BytesIO(data), weights_only=True)

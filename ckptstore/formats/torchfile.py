@@ -15,6 +15,7 @@ import numpy as np
 from ckptstore.errors import CheckpointFormatError, CkptError, PickledObjectsError
 from ckptstore.formats import filemap
 from ckptstore.formats.atomic import atomic_write
+from ckptstore.formats.dtypestate import bad_dtype_state
 
 ZIP_MAGIC = b"PK\x03\x04"
 PICKLE_MAGIC = b"\x80"
@@ -104,6 +105,10 @@ def load(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
     mmap = _mappable(path)
     if trust_pickle:
         return _adopted(path, mmap, _load_trusted(torch, path, mmap))
+    with open(path, "rb") as handle:  # a legacy file is five pickles: magic, protocol, system, state, storages
+        problem = bad_dtype_state(handle, pickles=5)
+    if problem is not None:
+        raise CheckpointFormatError(f"{path} is not a readable torch.save file: {problem}")
     try:
         with torch.serialization.safe_globals(numpy_safe_globals()):
             return _adopted(path, mmap, torch.load(path, map_location="cpu", weights_only=True, mmap=mmap))

@@ -38,6 +38,7 @@ import numpy as np
 
 from ckptstore.errors import CheckpointFormatError, UnsupportedStateError
 from ckptstore.formats import filemap
+from ckptstore.formats.dtypestate import dtype_state_problem
 from ckptstore.formats.torchfile import numpy_safe_globals, refused
 from ckptstore.state import (
     BOOKKEEPING_ATTRIBUTES,
@@ -474,6 +475,9 @@ class _Unpickler(_Resolver, pickle._Unpickler):
     def load_build(self) -> None:
         if not _buildable(self.stack[-2]):
             raise _Fallback(f"BUILD on {type(self.stack[-2]).__name__}")
+        if isinstance(self.stack[-2], np.dtype):  # numpy's own __setstate__ trusts its tuple (dtypestate.py)
+            problem = dtype_state_problem(self.stack[-1])
+            _need(problem is None, problem or "")
         super().load_build()
 
     dispatch[pickle.PROTO[0]] = load_proto
@@ -499,7 +503,8 @@ def _unpickle(data: bytes, archive: _Archive) -> Any:
     The Python unpickler gives every verdict (fallback reasons, refusals): the C one only ever
     supplies a result that the Python one would have given too, faster.
     """
-    if _pickscan is not None and _pickscan.plain(data, _ALLOWED_OPCODES):
+    # the C unpickler hands a dtype's state to numpy unchecked: a pickle naming numpy goes the Python way
+    if _pickscan is not None and b"numpy" not in data and _pickscan.plain(data, _ALLOWED_OPCODES):
         try:
             return _FastUnpickler(data, archive).load()
         except Exception:  # noqa: BLE001,S110 - the Python unpickler below says why, as before

@@ -1,4 +1,5 @@
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -442,3 +443,38 @@ def test_two_parameters_on_the_same_bytes_come_back_as_two_with_their_own_flags(
             assert [back[k].requires_grad for k in ("p", "q", "g", "h")] == [True, False, True, True]
             assert back["p"] is back["p again"] and back["p"] is not back["q"] and back["g"] is not back["h"]
             assert back["q"].data_ptr() == back["p"].data_ptr() and torch.equal(back["q"], x)
+
+
+def _with_dtype_state(path, edit, legacy=False) -> None:
+    """torch.save of a float32 numpy array whose dtype's pickled BUILD state `edit` changed."""
+    state = b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00t"  # (..., None, None, None, -1, -1, 0) as torch pickles it
+    buffer = io.BytesIO()
+    torch.save({"np": np.arange(6, dtype=np.float32)}, buffer, _use_new_zipfile_serialization=not legacy)
+    if legacy:
+        path.write_bytes(buffer.getvalue().replace(state, edit(state)))
+        return
+    archive = zipfile.ZipFile(buffer)
+    records = [(info.filename.split("/", 1)[1], archive.read(info)) for info in archive.infolist()]
+    writer = torch._C.PyTorchFileWriter(str(path))
+    for name, data in records:
+        data = data.replace(state, edit(state)) if name == "data.pkl" else data
+        writer.write_record(name, data, len(data))
+    writer.write_end_of_file()
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+@pytest.mark.parametrize("edit", [lambda s: s.replace(b"NNN", b"N\x80N"),  # a tuple cut short: numpy crashed
+                                  lambda s: s.replace(b"K\x00t", b"K\x01t")])  # other flags: numpy's "Internal error"
+def test_a_numpy_dtype_state_numpy_would_crash_on_is_refused(tmp_path, legacy, edit):
+    """A 1.5 KB torch.save file killed `ckpt commit` with SIGSEGV: numpy's dtype.__setstate__ trusts its tuple, and
+    both torch's loader and ours handed it the file's (fuzz auditor, high)."""
+    _with_dtype_state(tmp_path / "bad.pt", edit, legacy)
+    assert subprocess.run([sys.executable, "-m", "ckptstore", "init"], cwd=tmp_path, env=ckpt_env(),
+                          timeout=120).returncode == 0
+    out = subprocess.run([sys.executable, "-m", "ckptstore", "commit", "bad.pt"], cwd=tmp_path, env=ckpt_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "is none a numeric dtype has" in out.stderr, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr and "Internal error" not in out.stderr
+    _with_dtype_state(tmp_path / "good.pt", lambda s: s, legacy)  # the file untouched: committed, as torch reads it
+    assert subprocess.run([sys.executable, "-m", "ckptstore", "commit", "good.pt"], cwd=tmp_path, env=ckpt_env(),
+                          timeout=120).returncode == 0
