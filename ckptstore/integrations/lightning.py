@@ -422,7 +422,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
     def _named_commit(self, spec: str) -> CommitId:
         """The commit a ref or commit id names, or the tag of a checkpoint path whose marker is gone."""
         tag = ref_for_path(spec, self.prefix)
-        names = [tag] if spec.endswith(".ckpt") else [spec, tag]  # a path of another suffix (final.pt) too
+        names = [tag] if spec.endswith(".ckpt") or tag == spec else [spec, tag]  # another suffix (final.pt) too
         for name in names:
             try:
                 return self.repo.resolve(name)

@@ -162,8 +162,8 @@ def named(repo: Repository, name: str) -> RemoteConfig:
         return repo.config.remotes[name].resolved(repo.root)
     except KeyError:
         known = ", ".join(sorted(repo.config.remotes)) or "none"
-        raise CkptError(f"no remote named {name!r} (remotes: {known}); add one with `ckpt remote add "
-                        f"{name or 'NAME'} URL`") from None
+        raise CkptError(f"no remote named {name!r} (remotes: {known}); `ckpt remote add NAME URL` adds "
+                        "one") from None
 
 
 def _normal_url(url: str) -> str:
@@ -409,7 +409,8 @@ def _push_to(repo: Repository, remote_config: RemoteConfig, name: str, branch: s
             raise ConflictError(f"push to {name} refused: {branch!r} is checked out there, with its files at {files}; "
                                 "moved, it would leave them stale, and the next commit of them there would undo "
                                 f"your push. Check out another branch there first, or push to a new branch (`ckpt "
-                                f"branch NEW {branch}`, then `ckpt push {name} NEW`) and pull it there")
+                                f"branch NEW {branch}`, then `ckpt push {name} NEW`) and check it out there (`ckpt "
+                                "checkout NEW`)")
         try:
             report = _copy(repo, remote, {branch: tip}, pushing=True)[0]
             _move_remote_ref(remote, name, branch, old, tip)
@@ -582,8 +583,10 @@ def pull(repo: Repository, name: str, branch: str | None = None) -> tuple[Transf
     if old == new or (old is not None and _is_ancestor(repo, new, old)):
         return report, None  # up to date, or ours is ahead
     if old is not None and not _is_ancestor(repo, old, new):
-        raise ConflictError(f"{branch!r} and {name}/{branch} have diverged; pull only fast-forwards: branch from "
-                            f"{name}/{branch} and compare, or move {branch!r} yourself")
+        raise ConflictError(f"{branch!r} and {name}/{branch} have diverged; pull only fast-forwards: go on from "
+                            f"theirs on a branch of its own (`ckpt branch theirs {name}/{branch}`, then `ckpt checkout "
+                            f"theirs`), or send yours to a new branch there (`ckpt push {name} NEW`, after `ckpt "
+                            f"branch NEW {branch}`)")
     at_head = branch == refs.head(repo)[0]
     if at_head:  # until its files are written, the next pull knows this one is not over
         atomic_write(repo.dir / PULLING, lambda out: out.write(json.dumps([branch, old, new]).encode()))
@@ -689,8 +692,10 @@ def _update_worktree(repo: Repository, branch: str, old: CommitId | None, new: C
             raise
         back = f"pull stopped, {branch!r} back at {old[:12]}" if old else f"pull stopped, {branch!r} not made"
         if isinstance(exc, DirtyWorktreeError):  # its advice (-o, --force) is checkout's: pull takes neither
-            raise DirtyWorktreeError(f"{back}: {str(exc).split('; commit it first')[0]}; commit or move it, then pull "
-                                     f"again (or drop it first: `ckpt checkout --force {branch}`)") from None
+            raise DirtyWorktreeError(f"{back}: {str(exc).split('; commit it first')[0]}; move it away, or keep it on a "
+                                     f"branch of its own (`ckpt commit PATH --branch NAME`: a commit on {branch!r} "
+                                     f"would diverge from {new[:12]}), then pull again; or drop it first (`ckpt "
+                                     f"checkout --force {branch}`)") from None
         raise CkptError(f"{back}: its files could not be written ({explain(exc) or exc})") from exc
     (repo.dir / PULLING).unlink(missing_ok=True)
 

@@ -508,6 +508,8 @@ def test_a_run_resumed_behind_the_tip_is_told_at_its_first_save_and_any_paths_ta
     assert plugin.load_checkpoint(tmp_path / "elsewhere" / "final.pt")["global_step"] == 13
     with pytest.raises(CkptError, match="'nowhere/x.pt' nor 'lightning/x.pt' names no ref"):
         plugin.load_checkpoint("nowhere/x.pt")
+    with pytest.raises(CkptError, match="and 'lightning/zzz' names no ref"):  # named once, not "X nor X" (auditor)
+        plugin.load_checkpoint("lightning/zzz")
     repo.close()
 
 

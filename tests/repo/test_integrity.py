@@ -310,7 +310,8 @@ def test_a_repository_moved_with_its_sqlite_database_inside_it_opens_where_it_is
         assert [c.id for c in repo.log()] == [cid]
     (tmp_path / "b" / "meta" / "x.db").unlink()
     with pytest.raises(CkptError, match="if the repository or its database moved, point metadata_url in "
-                                        r"\.ckpt/config\.toml at it; else restore it from a backup\. Only if it"):
+                                        r"\.ckpt/config\.toml at it \(sqlite:////ABSOLUTE/PATH, .*\); else restore it "
+                                        r"from a backup\. Only if it"):
         Repository.open(tmp_path / "b")
 
 

@@ -71,9 +71,12 @@ def test_a_push_that_drops_remote_commits_is_refused_unless_forced(pair, tmp_pat
     assert "pull" not in advice  # pull refuses diverged branches: it only fast-forwards
     assert "`ckpt branch NEW main`, then `ckpt push origin NEW`" in advice and "--force" in advice
     ours = work.resolve("main")
-    with pytest.raises(ConflictError, match="diverged"):
+    with pytest.raises(ConflictError, match="diverged") as diverged:
         remote.pull(work, "origin")
     assert work.resolve("main") == ours and work.resolve("origin/main") == theirs
+    # its advice, followed (it said "move 'main' yourself", which no command does; advice auditor)
+    assert "`ckpt branch theirs origin/main`, then `ckpt checkout theirs`" in str(diverged.value)
+    assert work.branch("theirs", "origin/main") == theirs
     work.branch("ours-7", "main")  # the advice, followed: ours arrives beside theirs
     assert remote.push(work, "origin", "ours-7").refs_moved == [("ours-7", None, ours)]
     remote.push(work, "origin", force=True)
@@ -680,7 +683,7 @@ def test_a_pull_killed_before_it_wrote_its_files_then_files_changed_stops_the_ne
     torch.save(_state(3), tmp_path / "copy" / "c.pt")  # the user's job, on the old weights, saves meanwhile
     with Repository.open(tmp_path / "copy") as copy:
         with pytest.raises(DirtyWorktreeError, match="pull stopped, 'main' back at [0-9a-f]{12}: checkout would "
-                                                     "overwrite .*; commit or move it, then pull again"):
+                                                     "overwrite .*; move it away, or keep it on a branch of its own"):
             remote.pull(copy, "origin")
         assert copy.resolve("main") == before and not (copy.dir / remote.PULLING).exists()
     assert_same(_state(3), torch.load(tmp_path / "copy" / "c.pt", weights_only=True))
