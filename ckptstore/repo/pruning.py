@@ -94,6 +94,7 @@ def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool
     if dry_run:
         report.bytes_before = _store_bytes(repo)
         with repo.db.read() as tx:
+            _refuse_damage(repo, tx)  # as the prune itself would: the dry run listed what it then refused
             gone = _doomed(tx, policy)
             kept, bases = retention_rows.listed_tensors(tx, gone), retention_rows.all_bases(tx)
             report.pruned, report.tensors_reencoded = sorted(gone), len(_relinks(kept, bases))

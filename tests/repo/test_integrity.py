@@ -547,6 +547,8 @@ def test_a_pruned_commits_damaged_parent_row_stops_prune_and_gc_of_unreachable_c
     _sql(repo, f"DELETE FROM commit_parents WHERE commit_id = '{cids[1]}'")
     with pytest.raises(CkptError, match="prune refused to delete anything: the repository is damaged"):
         prune(repo, policy)
+    with pytest.raises(CkptError, match="prune refused to delete anything: the repository is damaged"):
+        prune(repo, policy, dry_run=True)  # it listed what the prune then refused (advice auditor)
     with pytest.raises(CkptError, match="gc refused to delete anything: the repository is damaged"):
         gc(repo, prune_unreachable=True)
     assert [i for i, c in enumerate(cids) if i != 1 and repo.commit_info(c).pruned] == [3, 5, 7]  # 1: damaged
