@@ -205,13 +205,32 @@ def check_metadata(tx: Tx, store: ObjectStore, pruned_ids: bool = True) -> Findi
                                        if tid in records else "it has no record")
         if problem is not None:
             found.problems[f"tensor {tid}"] = problem
+    _entry_problems(entries, records, found)
+    return found
+
+
+def _entry_problems(entries: dict[CommitId, dict[str, Entry]], records: dict[TensorId, TensorRecord],
+                    found: Findings) -> None:
+    """Manifest entries that are not the tensor their record is: the record's fault, or the manifest's.
+
+    Where another commit's entry agrees with the record, the disagreeing manifest is at fault (a
+    forged one, received), and its commit alone is broken; where none does, the record is.
+    """
+    agreeing: set[TensorId] = set()
+    wrong: list[tuple[CommitId, str, Entry, str]] = []
     for cid, by_path in sorted(entries.items(), key=_by_key):
         for path, entry in sorted(by_path.items(), key=_by_key):
             problem = _fields_problem(entry, records[entry.tensor]) if entry.tensor in records else None
-            if problem is not None:
-                where = f"at {path!r} in commit {str(cid)[:12]}"
-                found.problems.setdefault(f"tensor {entry.tensor}", f"{problem} ({where})")
-    return found
+            if problem is None:
+                agreeing.add(entry.tensor)
+            else:
+                wrong.append((cid, path, entry, problem))
+    for cid, path, entry, problem in wrong:
+        if entry.tensor in agreeing:
+            found.problems.setdefault(f"commit {cid}", f"its manifest's entry at {path!r} is not tensor "
+                                                       f"{str(entry.tensor)[:12]}: {problem}")
+        else:
+            found.problems.setdefault(f"tensor {entry.tensor}", f"{problem} (at {path!r} in commit {str(cid)[:12]})")
 
 
 def _range_problem(record: TensorRecord, sizes: dict[ObjectId, int]) -> str | None:

@@ -626,3 +626,28 @@ def test_forged_parent_rows_that_loop_are_damage_named_by_log_and_by_a_walk_back
         with pytest.raises(CorruptRecordError, match=f"commit {first} is damaged"):  # the forged one, not the tip
             repo.resolve("main~7")
         assert repo.resolve("main~1") != last and f"commit {first}" in fsck(repo).damaged_records
+
+
+def test_a_manifest_entry_that_is_not_its_record_breaks_that_commit_alone(tmp_path, monkeypatch):
+    """A received commit's manifest calling a float32 record int32: fsck called the record damaged and every commit
+    naming it broken, your own that restores byte for byte among them (hostile-input auditor)."""
+    from ckptstore.repo import manifest as manifests
+
+    a = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    written = manifests.Manifest.to_record
+
+    def forged(self):
+        record = written(self)
+        tensor, _, shape = record["entries"]["a"]
+        record["entries"]["a"] = [tensor, "torch.int32", shape]
+        return record
+
+    with Repository.init(tmp_path) as repo:
+        with monkeypatch.context() as forging:
+            forging.setattr(manifests.Manifest, "to_record", forged)
+            liar = repo.commit({"a": a})
+        mine = repo.commit({"a": a, "b": torch.ones(2)})
+        report = fsck(repo)
+        assert list(report.broken_commits) == [liar], report
+        assert "its manifest's entry at 'a' is not tensor" in report.damaged_records[f"commit {liar}"]
+        assert torch.equal(repo.checkout(mine)["a"], a)
