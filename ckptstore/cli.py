@@ -67,7 +67,10 @@ def _size(n: float) -> str:
 # CPython drops the rest of a write over 64 KiB that the OS takes in part (a disk filling), unsaid: pieces of
 # 16 Ki characters stay within it however many bytes (up to 4) UTF-8 spends on each
 _PIECE = 1 << 14
-_REPR_OF_A_BYTE = re.compile(r"\\udc([89a-f][0-9a-f])")  # repr() of a surrogate os.fsdecode made of a byte
+# repr() of a surrogate os.fsdecode made of a byte: inside a quoted name, not after an escaped backslash (a
+# name typed with the text \udc80 in it reads as \\udc80 there)
+_REPR_OF_A_BYTE = re.compile(r"(?<!\\)((?:\\\\)*)\\udc([89a-f][0-9a-f])")
+_QUOTED = re.compile(r"'[^']*'")
 
 
 def echo(text: str = "") -> None:
@@ -865,11 +868,13 @@ def _saying_it_waits(run: Callable[[bool], Any]) -> Any:
 
 def _typed(argv: list[str]) -> str:
     """The command `argv` names ("ckpt commit"), for an error click raised before it made the command's context."""
-    words, command = ["ckpt"], cli
-    for token in argv:
+    words, command, tokens = ["ckpt"], cli, iter(argv)
+    for token in tokens:
         if not isinstance(command, click.Group):
             break
-        if token in command.commands:
+        if token == "--repo":
+            next(tokens, None)  # its value, which may read as a command's name
+        elif token in command.commands:
             command = command.commands[token]
             words.append(token)
     return " ".join(words)
@@ -890,7 +895,7 @@ def _one_line(message: str) -> str:
     A message quoting a name with repr() shows such a byte as \udcNN (as Python decodes it), one quoting it
     bare holds the surrogate itself: both are written as the reference says names print.
     """
-    text = _REPR_OF_A_BYTE.sub(r"\\x\1", " ".join(message.split()))
+    text = _QUOTED.sub(lambda quoted: _REPR_OF_A_BYTE.sub(r"\1\\x\2", quoted.group()), " ".join(message.split()))
     try:
         text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     except UnicodeEncodeError:  # a lone surrogate no byte stands for: the stream writes it escaped

@@ -115,7 +115,14 @@ class DeviceUnavailableError(CkptError):
 
 
 class DirtyWorktreeError(CkptError):
-    """Checkout would overwrite a file whose content is not in the store."""
+    """Checkout would overwrite a file whose content is not in the store.
+
+    `problem` is the message without checkout's `advice`, for a caller that gives its own (pull, hf.restore).
+    """
+
+    def __init__(self, problem: str, advice: str = "") -> None:
+        self.problem, self.advice = problem, advice
+        super().__init__(f"{problem}; {advice}" if advice else problem)
 
 
 class CodecError(CkptError):

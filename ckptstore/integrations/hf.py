@@ -268,10 +268,9 @@ def _restore(opened: Repository, ref: str, output_dir: Path, force: bool, branch
     try:
         return opened.checkout_to(info.id, output_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}", force=force)
     except DirtyWorktreeError as exc:  # its advice names the CLI's flags; a caller here has arguments
-        said, _, advice = str(exc).rpartition("; ")  # the advice follows the last "; "
-        if "--force" not in advice:  # no flags to translate ("changed meanwhile ... commit it first"): as it is
+        if "--force" not in exc.advice:  # no flags to translate ("changed meanwhile ... commit it first"): as it is
             raise
-        raise DirtyWorktreeError(f"{said}; restore into another output_dir, or pass force=True") from None
+        raise DirtyWorktreeError(exc.problem, "restore into another output_dir, or pass force=True") from None
 
 
 def _every_rank_saved() -> None:

@@ -478,18 +478,26 @@ def load_from_checkpoint(module_class: Any, path: str | os.PathLike, repo: Repos
 
     Lightning's own reads `path` with torch.load, which a marker file is not; this hands it the
     restored checkpoint instead. `kwargs` go to Lightning's (strict=, hparams_file=, ...). `repo`
-    None: a marker's own repository, else as for CkptstoreCheckpointIO.
+    None: as for CkptstoreCheckpointIO, else the repository a marker names.
     """
     import io
 
     import torch
 
-    marker = read_marker(path) if repo is None else None  # it names its repository: run from anywhere
-    plugin = CkptstoreCheckpointIO(marker.get("repository") if marker else repo)
-    try:
-        checkpoint = plugin.load_checkpoint(path, map_location)
-    finally:
-        plugin.teardown()
+    marker = read_marker(path) if repo is None else None
+    named = marker.get("repository") if marker else None
+    # the repository found as the plugin finds it, else the one the marker names (run from outside it)
+    places = [repo, named] if isinstance(named, str) else [repo]
+    for place in places:
+        plugin = CkptstoreCheckpointIO(place)
+        try:
+            checkpoint = plugin.load_checkpoint(path, map_location)
+            break
+        except CkptError:
+            if place is places[-1]:
+                raise
+        finally:
+            plugin.teardown()
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
     buffer.seek(0)

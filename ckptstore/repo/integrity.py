@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError, PrunedCommitError
+from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError, InvalidRefNameError, PrunedCommitError
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import liveness
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
 
 T = TypeVar("T")
+METADATA_NAME = 255  # the longest name the metadata keeps (refs.MAX_NAME leaves room below it for remotes/)
 _NO_DATA = np.empty(0, dtype=np.uint8)
 
 
@@ -276,13 +277,15 @@ def _commit_problems(tx: Tx, commits: dict[CommitId, commit_rows.CommitInfo], fo
 def _name_problem(name: str, kind: str) -> str | None:
     """Why a ref row's name is one no ckptstore writes (another client's forged row), or None.
 
-    Its characters and a remote-tracking ref's prefix only: names older versions allowed (longer ones)
-    and a remote named `remotes` are no damage.
+    By the rules names are made by, less the length limit newer than some names (metadata keeps 255);
+    a remote-tracking ref by its branch part (a remote may be named `remotes`).
     """
     if kind == "remote" and not (name.startswith("remotes/") and name.count("/") >= 2):
         return "its name is no remote-tracking ref's (remotes/REMOTE/BRANCH)"
-    if not ref_names.spelled_as_ref(name):
-        return "its name holds characters no ref name may (ASCII letters, digits, . _ / -)"
+    try:
+        ref_names.check_form(name.split("/", 2)[2] if kind == "remote" else name, longest=METADATA_NAME)
+    except InvalidRefNameError as exc:
+        return f"its name is none a ref may have: {exc}"
     return None
 
 

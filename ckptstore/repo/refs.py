@@ -43,11 +43,6 @@ def ensure_head(repo: Repository) -> None:
             ref_rows.insert_ref(tx, HEAD, HEAD_KIND, target=DEFAULT_BRANCH)
 
 
-def spelled_as_ref(name: str) -> bool:
-    """Whether `name` holds only what a ref name may: no newline or control character to forge a listing with."""
-    return bool(_NAME.fullmatch(name))
-
-
 def check_name(name: str) -> None:
     """Reject names git would reject, and names that read as something else (HEAD, a commit id prefix)."""
     if _HEX.fullmatch(name) and len(name) >= MIN_PREFIX:
@@ -56,9 +51,9 @@ def check_name(name: str) -> None:
     check_form(name)
 
 
-def check_form(name: str) -> None:
+def check_form(name: str, longest: int = MAX_NAME) -> None:
     """Reject names no ref may have here (check_name less the commit-id rule, which is about local names)."""
-    if len(name) > MAX_NAME:
+    if len(name) > longest:
         raise InvalidRefNameError(f"{name[:40]!r}... has {len(name)} characters; branch and tag names have at "
                                   f"most {MAX_NAME}")
     if (not _NAME.fullmatch(name) or name == HEAD or name.startswith(("-", "/", ".")) or name.endswith(("/", ".lock"))

@@ -692,10 +692,10 @@ def _update_worktree(repo: Repository, branch: str, old: CommitId | None, new: C
             raise
         back = f"pull stopped, {branch!r} back at {old[:12]}" if old else f"pull stopped, {branch!r} not made"
         if isinstance(exc, DirtyWorktreeError):  # its advice (-o, --force) is checkout's: pull takes neither
-            raise DirtyWorktreeError(f"{back}: {str(exc).split('; commit it first')[0]}; move it away, or keep it on a "
-                                     f"branch of its own (`ckpt commit PATH --branch NAME`: a commit on {branch!r} "
-                                     f"would diverge from {new[:12]}), then pull again; or drop it first (`ckpt "
-                                     f"checkout --force {branch}`)") from None
+            raise DirtyWorktreeError(f"{back}: {exc.problem}", f"move it away, or keep it on a branch of its own "
+                                     f"(`ckpt commit PATH --branch NAME`: a commit on {branch!r} would diverge from "
+                                     f"{new[:12]}), then pull again; or drop it first (`ckpt checkout --force "
+                                     f"{branch}`)") from None
         raise CkptError(f"{back}: its files could not be written ({explain(exc) or exc})") from exc
     (repo.dir / PULLING).unlink(missing_ok=True)
 

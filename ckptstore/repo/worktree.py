@@ -92,7 +92,7 @@ def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool,
         plan.seen = {path: _signature(path) for path in [*(t for _, t in plan.files), *plan.extras]}
         unsaved = _unsaved(repo, [t for _, t in plan.files], plan.extras)
         if unsaved:
-            raise DirtyWorktreeError(_refusal(unsaved, _originals(manifest, plan, unsaved), cid))
+            raise DirtyWorktreeError(*_refusal(unsaved, _originals(manifest, plan, unsaved), cid))
     return plan
 
 
@@ -111,7 +111,7 @@ def _originals(manifest: Manifest, plan: CheckoutPlan, unsaved: list[tuple[str, 
     return found
 
 
-def _refusal(unsaved: list[tuple[str, Path]], originals: list[Path], cid: str) -> str:
+def _refusal(unsaved: list[tuple[str, Path]], originals: list[Path], cid: str) -> tuple[str, str]:
     """Why a checkout is refused, and what to do: committing a lossy commit's own originals again does nothing."""
     others = [(verb, path) for verb, path in unsaved if path not in originals]
     said = [f"{_listed(others)}, whose content is not in the store"] if others else []
@@ -120,7 +120,7 @@ def _refusal(unsaved: list[tuple[str, Path]], originals: list[Path], cid: str) -
                     f"{cid[:12] or 'it'} was made from (resume from them directly)")
     advice = ("commit it first, write elsewhere with -o PATH, or pass --force" if others else
               "write elsewhere with -o PATH, or pass --force to write its lossy reconstruction over them")
-    return f"checkout would {' and '.join(said)}; {advice}"
+    return f"checkout would {' and '.join(said)}", advice
 
 
 def _refuse_missing_parent(dest: Path) -> None:
@@ -611,7 +611,7 @@ def refuse_changed_meanwhile(repo: Repository, plan: CheckoutPlan) -> None:
                                    [e for e in plan.extras if e in changed])
     if unsaved:
         raise DirtyWorktreeError(f"checkout would {_listed(unsaved)}, which changed while the checkout read the "
-                                 "commit, to content that is not in the store; nothing was replaced or deleted: "
+                                 "commit, to content that is not in the store; nothing was replaced or deleted",
                                  "commit it first to keep it, then check out again")
 
 

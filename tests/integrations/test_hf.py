@@ -381,7 +381,7 @@ def test_restore_over_a_file_a_job_saves_meanwhile_keeps_the_whole_refusal(tmp_p
             return real(*args, **kwargs)
 
         monkeypatch.setattr(checkout, "restore", saving_meanwhile)
-        with pytest.raises(DirtyWorktreeError, match=r"nothing was replaced or deleted: commit it first to keep it"):
+        with pytest.raises(DirtyWorktreeError, match=r"nothing was replaced or deleted; commit it first to keep it"):
             hf.restore(repo, cid, tmp_path / "out")
     assert torch.equal(torch.load(folder / "model.pt")["w"], torch.full((4,), 7.0))
 

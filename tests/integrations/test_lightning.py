@@ -6,6 +6,7 @@ import copy
 import functools
 import importlib
 import importlib.util
+import json
 import os
 import pickle
 import sys
@@ -528,6 +529,18 @@ def test_load_from_checkpoint_builds_the_module_from_a_marker_path(lit, trained)
         elsewhere.chdir("/")
         elsewhere.delenv("CKPT_REPO", raising=False)
         assert_same(dict(load_from_checkpoint(lit.Tiny, checkpoints.best_model_path).state_dict()), dict(saved))
+    # a repository moved (its markers name where it was), or a marker naming it in no words: the one found here
+    import shutil
+
+    moved = Path(str(repo.root) + "-moved")
+    shutil.copytree(repo.root, moved, symlinks=True)
+    marker = read_marker(checkpoints.best_model_path)
+    for named in (marker["repository"] + "-gone", 5):
+        (moved / "m.ckpt").write_text(json.dumps({**marker, "repository": named}))
+        with pytest.MonkeyPatch.context() as inside:
+            inside.chdir(moved)
+            inside.delenv("CKPT_REPO", raising=False)
+            assert_same(dict(load_from_checkpoint(lit.Tiny, moved / "m.ckpt").state_dict()), dict(saved))
 
 
 class _Hparams:

@@ -683,8 +683,10 @@ def test_a_pull_killed_before_it_wrote_its_files_then_files_changed_stops_the_ne
     torch.save(_state(3), tmp_path / "copy" / "c.pt")  # the user's job, on the old weights, saves meanwhile
     with Repository.open(tmp_path / "copy") as copy:
         with pytest.raises(DirtyWorktreeError, match="pull stopped, 'main' back at [0-9a-f]{12}: checkout would "
-                                                     "overwrite .*; move it away, or keep it on a branch of its own"):
+                                                     "overwrite .*; move it away, or keep it on a branch of its own"
+                           ) as stopped:
             remote.pull(copy, "origin")
+        assert "-o PATH" not in str(stopped.value) and "commit it first" not in str(stopped.value)  # checkout's
         assert copy.resolve("main") == before and not (copy.dir / remote.PULLING).exists()
     assert_same(_state(3), torch.load(tmp_path / "copy" / "c.pt", weights_only=True))
 
