@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
-VENV="$(cd "${CKPT_VENV:-.venv}" && pwd)"  # absolute: a CKPT_VENV given as /path made PATH $PWD//path
+VENV="$(CDPATH='' cd -P -- "${CKPT_VENV:-.venv}" >/dev/null && pwd)"  # absolute: a CKPT_VENV of /path made $PWD//path
 PATH="$VENV/bin:$PATH" "$VENV/bin/python" examples/demo.py "$@"

@@ -99,7 +99,7 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict:
     counts = collections.Counter(key for key, _ in pairs)
     if len(counts) != len(pairs):  # json keeps the last silently; which tensor is meant is unknowable
         repeated = sorted(k for k, n in counts.items() if n > 1)  # counted once each: keys.count was quadratic
-        raise ValueError(f"names {listing([repr(k) for k in repeated], 5)} more than once")
+        raise ValueError(f"the names {listing([repr(k) for k in repeated], 5)} each appear more than once")
     return dict(pairs)
 
 

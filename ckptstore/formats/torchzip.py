@@ -476,7 +476,7 @@ class _Unpickler(_Resolver, pickle._Unpickler):
         if not _buildable(self.stack[-2]):
             raise _Fallback(f"BUILD on {type(self.stack[-2]).__name__}")
         if isinstance(self.stack[-2], np.dtype):  # numpy's own __setstate__ trusts its tuple (dtypestate.py)
-            problem = dtype_state_problem(self.stack[-1])
+            problem = dtype_state_problem(self.stack[-2], self.stack[-1])  # made fresh by _np_dtype
             _need(problem is None, problem or "")
         super().load_build()
 

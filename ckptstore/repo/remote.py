@@ -289,7 +289,9 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
         remember_fetched(target.dir, outside)
     with target.db.write() as ttx:
         transfer.insert(ttx, found)
-        tensor_rows.list_unchecked(ttx, tensors)  # their claims are the sender's (a push's too): repo/received.py
+        # their claims are the sender's (a push's too): repo/received.py. The records a received commit names and
+        # this side holds already are listed too: its manifest's inputs would decide a lossy commit's reuse of them
+        tensor_rows.list_unchecked(ttx, set(tensors) | set(found.column("commit_tensors", "tensor_id")))
         transfer.unprune(ttx, revived)
     faults.point("transfer:records-sent")
     report.commits, report.tensors = len(missing), len(tensors)

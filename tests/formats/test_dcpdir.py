@@ -116,8 +116,12 @@ def test_a_truncated_metadata_a_missing_data_file_or_a_wrong_shard_is_refused(tm
     ([16], [([0.0], [16])], "are not lists of counts"),
     ([True, 2], [([0, 0], [1, 2])], "is not a list of counts"),
     ([64, 64], [([i, j], [1, 1]) for i in range(64) for j in range(64)], None),  # a 64 x 64 grid of shards
+    ([128, 256], [([i, 2 * j], [1, 2]) for i in range(128) for j in range(128)], None),  # grids: at once (reader)
+    ([8, 64, 96], [([i, 2 * j, 3 * k], [1, 2, 3]) for i in range(8) for j in range(32) for k in range(32)], None),
+    ([4, 4], [([0, 0], [2, 2]), ([2, 0], [2, 2]), ([0, 2], [2, 2]), ([2, 2], [2, 1])], "cover 14 of its 16"),
+    ([4, 4], [([0, 0], [2, 2]), ([2, 0], [2, 2]), ([0, 2], [2, 2]), ([2, 2], [2, 3])], "lies outside"),
     # a staircase, each chunk to the end of the sweep's axis: quadratic, a minute at 12,000 (fuzz auditor)
-    ([2000, 2000], [([i, i], [2000 - i, 1]) for i in range(2000)], "too costly to check"),
+    ([2000, 2000], [([i, i], [2000 - i, 1]) for i in range(2000)], "too many to check"),
 ])
 def test_chunks_must_tile_their_tensor_exactly(size, chunks, problem):
     from ckptstore.formats.dcpmeta import chunk_problem

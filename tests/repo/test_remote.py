@@ -1204,3 +1204,40 @@ def test_a_received_manifests_claim_of_its_input_makes_no_lossy_commit_here_reus
     with remote.clone(str(tmp_path / "origin"), tmp_path / "copy") as copy:
         restored = copy.checkout(copy.commit(mine, lossy="balanced"))["model"]["weight"]
     assert (restored - model.weight.detach()).abs().max() < 0.01  # quantized, not the other weights
+
+
+def test_a_received_manifests_claim_on_a_record_made_here_makes_no_lossy_commit_reuse_it(tmp_path, monkeypatch):
+    """A pulled commit naming your own lossy record of Y, its manifest claiming that record was made from X: your
+    next lossy commit of X stored Y's weights, and fsck --full said ok (reader, after d04e18e)."""
+    from ckptstore.repo import manifest as manifests
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(128, 256)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 128)).sum().backward()
+    optimizer.step()
+    y = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    x = {"model": {"weight": torch.full((256, 128), 0.1234), "bias": model.bias.detach().clone()},
+         "optimizer": optimizer.state_dict()}
+    with Repository.init(tmp_path / "probe") as probe:
+        claimed = probe.manifest(probe.commit(x, lossy="balanced")).sources["model/weight"]
+    Repository.init(tmp_path / "origin").close()
+    with remote.clone(str(tmp_path / "origin"), tmp_path / "user") as user:
+        user.commit(y, lossy="balanced")
+        remote.push(user, "origin")
+    written = manifests.Manifest.to_record
+
+    def forged(self):
+        record = written(self)
+        record.setdefault("sources", {})["model/weight"] = claimed
+        return record
+
+    with remote.clone(str(tmp_path / "origin"), tmp_path / "other") as other, monkeypatch.context() as forging:
+        forging.setattr(manifests.Manifest, "to_record", forged)
+        other.commit(y, lossy="balanced", allow_empty=True)
+        forging.undo()
+        remote.push(other, "origin")
+    with Repository.open(tmp_path / "user") as user:
+        remote.pull(user, "origin")
+        back = user.checkout(user.commit(x, lossy="balanced"))["model"]["weight"]
+    assert (back - x["model"]["weight"]).abs().max() < 0.01
