@@ -206,13 +206,22 @@ def _recorded_despite(exc: RetentionError, folder: Path, warn: bool = True) -> C
 
 
 def _warn_of_a_training_metric_kept_best(repo: Repository, args: TrainingArguments) -> None:
-    """`keep_best = "loss"` keeps the best training loss; the Trainer's `metric_for_best_model="loss"` is eval_loss."""
+    """Say where [retention] keep_best keeps another checkpoint than the Trainer counts best.
+
+    `keep_best = "loss"` keeps the best training loss (the Trainer's `metric_for_best_model="loss"` is
+    eval_loss); keep_best keeps the minimum unless `:max` says otherwise (accuracy's best is its largest).
+    """
     best, wanted = repo.config.retention.best(), args.metric_for_best_model
     if best and wanted and not wanted.startswith("eval_") and best[0] == wanted:
         warn_caller(f"[retention] keep_best = {best[0]!r} keeps the commit with the best logged {best[0]!r} (a "
                     f"training metric), while the Trainer's metric_for_best_model {wanted!r} means "
                     f"'eval_{wanted}': write keep_best = 'eval_{wanted}' to keep the checkpoint the Trainer counts "
                     "best")
+    elif best and wanted and best[0] in (wanted, f"eval_{wanted}") and (best[1] == "max") != bool(
+            args.greater_is_better):
+        way = "max" if args.greater_is_better else "min"
+        warn_caller(f"[retention] keep_best = {best[0]!r} keeps its {best[1]}imum, while the Trainer counts the "
+                    f"{way}imum of {wanted!r} best: write keep_best = '{best[0]}:{way}'")
 
 
 def remove_committed_folders(output_dir: Path, committed: dict[Path, Any], keep: int,

@@ -169,6 +169,19 @@ def test_keep_best_on_the_training_loss_beside_the_trainers_best_eval_loss_is_wa
         trainer.train()
 
 
+def test_keep_best_the_other_way_from_the_trainers_best_is_warned_of(tmp_path):
+    """keep_best = "eval_accuracy" keeps the minimum: the Trainer's best (its maximum) was pruned, unsaid (auditor)."""
+    Repository.init(tmp_path / "store").close()
+    config = tmp_path / "store" / ".ckpt" / "config.toml"
+    config.write_text(config.read_text() + '\n[retention]\nkeep_best = "eval_loss:max"\n')
+    trainer = _trainer(tmp_path / "out", [CkptCallback(tmp_path / "store", blocking=True)], steps=2,
+                       eval_dataset=_tokens()[:4], eval_strategy="steps", eval_steps=2,
+                       metric_for_best_model="loss")
+    with pytest.warns(RuntimeWarning, match="keeps its maximum, while the Trainer counts the minimum of 'loss' best: "
+                                            "write keep_best = 'eval_loss:min'"):
+        trainer.train()
+
+
 def test_restore_over_a_changed_folder_names_its_own_arguments(run, tmp_path):
     with Repository.open(run.repo) as repo:
         at = {c.step: c.id for c in repo.log("main")}
