@@ -88,6 +88,15 @@ def torch_dtype(name: str):
     return dtype
 
 
+def is_utf8(name: str) -> bool:
+    """Whether `name` is UTF-8 text: os.fsdecode gives surrogates for the bytes of one that is not, json a lone one."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def escape(key: str) -> str:
     """Make a key safe as one path component."""
     return key.replace("%", "%25").replace("/", "%2F")

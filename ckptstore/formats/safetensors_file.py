@@ -19,7 +19,16 @@ import numpy as np
 from ckptstore.errors import CheckpointFormatError, UnsupportedStateError, listing
 from ckptstore.formats import filemap
 from ckptstore.formats.atomic import write_parts
-from ckptstore.state import BYTES_DTYPE, INT64_END, TORCH_ITEMSIZE, RawTensor, join, raw_from_bytes, reserved_path
+from ckptstore.state import (
+    BYTES_DTYPE,
+    INT64_END,
+    TORCH_ITEMSIZE,
+    RawTensor,
+    is_utf8,
+    join,
+    raw_from_bytes,
+    reserved_path,
+)
 
 DTYPES = {
     "F64": "torch.float64", "F32": "torch.float32", "F16": "torch.float16", "BF16": "torch.bfloat16",
@@ -169,14 +178,6 @@ def as_state(skeleton: Any, value_of) -> dict[str, Any]:
 SAFETENSORS_DTYPES = {name: code for code, name in DTYPES.items()}  # torch dtype name -> safetensors code
 
 
-def _is_text(name: str) -> bool:
-    try:
-        name.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def write_tensors(path: str | os.PathLike, tensors: dict[str, RawTensor], metadata: dict[str, str] | None = None
                   ) -> None:
     """Write `tensors` (torch dtypes) as a new safetensors file, atomically; names in the given order.
@@ -189,7 +190,7 @@ def write_tensors(path: str | os.PathLike, tensors: dict[str, RawTensor], metada
         if name == "__metadata__":
             raise UnsupportedStateError("a tensor named '__metadata__' cannot be a safetensors entry (the name is "
                                         "the format's own); export with --format torch")
-        if not _is_text(name):  # a lone surrogate: json writes it, the safetensors library refuses the whole file
+        if not is_utf8(name):  # a lone surrogate: json writes it, the safetensors library refuses the whole file
             raise UnsupportedStateError(f"{name.encode('utf-8', 'backslashreplace').decode()}: the name is no valid "
                                         "text, which a safetensors header must be; export with --format torch")
         code = SAFETENSORS_DTYPES.get(raw.dtype)

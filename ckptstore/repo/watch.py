@@ -58,6 +58,7 @@ from ckptstore.formats.filemap import file_digest
 from ckptstore.formats.folder import is_temp_name
 from ckptstore.formats.torchfile import zip_not_whole
 from ckptstore.hashing import object_id
+from ckptstore.state import is_utf8
 
 if TYPE_CHECKING:
     from ckptstore.metadata.commits import CommitInfo
@@ -187,7 +188,7 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, comm
     by a rotation) is said and the watch goes on; what is wrong with the repository ends it.
     """
     shown = shown_name(source.name)
-    if not _is_utf8(source.name):  # recorded in the message and the path, which the metadata keeps as UTF-8
+    if not is_utf8(source.name):  # recorded in the message and the path, which the metadata keeps as UTF-8
         state.record(source, None)  # a new name is a new source
         say(f"{shown}: not committed: its name is not UTF-8; rename it")
         return
@@ -263,15 +264,6 @@ def _say_unreadable(source: Source, exc: PermissionError, state: WatchState, say
     if state.unreadable.get(source.name) != source.signature:
         say(f"{shown_name(source.name)}: not committed: {_why(exc)}")
     state.unreadable[source.name] = source.signature
-
-
-def _is_utf8(name: str) -> bool:
-    """Whether `name` is UTF-8 text: os.fsdecode gives surrogates for the bytes of one that is not."""
-    try:
-        name.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _why(exc: BaseException) -> str:
