@@ -157,26 +157,25 @@ def test_keep_folders_counts_no_earlier_runs_folder_ahead_of_a_resumed_run_among
     assert folders[6].is_dir() and folders[8].is_dir() and list(committed) == [folders[6].resolve()]
 
 
-def test_keep_best_on_the_training_loss_beside_the_trainers_best_eval_loss_is_warned_of(tmp_path):
-    """keep_best = "loss" pruned the checkpoint that the Trainer's metric_for_best_model="loss" chose (auditor)."""
+def _best_of_loss_kept_by(tmp_path: Path, keep_best: str) -> Trainer:
+    """A 2-step run whose Trainer counts eval loss best, into a repository whose retention keeps `keep_best`."""
     Repository.init(tmp_path / "store").close()
     config = tmp_path / "store" / ".ckpt" / "config.toml"
-    config.write_text(config.read_text() + '\n[retention]\nkeep_best = "loss"\n')
-    trainer = _trainer(tmp_path / "out", [CkptCallback(tmp_path / "store", blocking=True)], steps=2,
-                       eval_dataset=_tokens()[:4], eval_strategy="steps", eval_steps=2,
-                       metric_for_best_model="loss")
+    config.write_text(config.read_text() + f'\n[retention]\nkeep_best = "{keep_best}"\n')
+    return _trainer(tmp_path / "out", [CkptCallback(tmp_path / "store", blocking=True)], steps=2,
+                    eval_dataset=_tokens()[:4], eval_strategy="steps", eval_steps=2, metric_for_best_model="loss")
+
+
+def test_keep_best_on_the_training_loss_beside_the_trainers_best_eval_loss_is_warned_of(tmp_path):
+    """keep_best = "loss" pruned the checkpoint that the Trainer's metric_for_best_model="loss" chose (auditor)."""
+    trainer = _best_of_loss_kept_by(tmp_path, "loss")
     with pytest.warns(RuntimeWarning, match="keep_best = 'eval_loss' to keep the checkpoint the Trainer counts best"):
         trainer.train()
 
 
 def test_keep_best_the_other_way_from_the_trainers_best_is_warned_of(tmp_path):
     """keep_best = "eval_accuracy" keeps the minimum: the Trainer's best (its maximum) was pruned, unsaid (auditor)."""
-    Repository.init(tmp_path / "store").close()
-    config = tmp_path / "store" / ".ckpt" / "config.toml"
-    config.write_text(config.read_text() + '\n[retention]\nkeep_best = "eval_loss:max"\n')
-    trainer = _trainer(tmp_path / "out", [CkptCallback(tmp_path / "store", blocking=True)], steps=2,
-                       eval_dataset=_tokens()[:4], eval_strategy="steps", eval_steps=2,
-                       metric_for_best_model="loss")
+    trainer = _best_of_loss_kept_by(tmp_path, "eval_loss:max")
     with pytest.warns(RuntimeWarning, match="keeps its maximum, while the Trainer counts the minimum of 'loss' best: "
                                             "write keep_best = 'eval_loss:min'"):
         trainer.train()

@@ -1177,16 +1177,22 @@ def test_a_received_records_lie_is_no_base_of_a_commit_here(tmp_path):
         assert fsck(copy, full=True).ok
 
 
-def test_a_received_manifests_claim_of_its_input_makes_no_lossy_commit_here_reuse_other_bytes(tmp_path, monkeypatch):
-    """A received manifest's `sources` claimed that its exact record of other weights was made from the weight your
-    lossy commit holds: your commit stored its weights, and fsck --full said ok (hostile-input auditor, high)."""
-    from ckptstore.repo import manifest as manifests
-
+def _stepped_linear() -> tuple[torch.nn.Linear, torch.optim.Adam]:
+    """A layer and its Adam after one step: a state a lossy commit quantizes, weight and moments paired."""
     torch.manual_seed(0)
     model = torch.nn.Linear(128, 256)
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 128)).sum().backward()
     optimizer.step()
+    return model, optimizer
+
+
+def test_a_received_manifests_claim_of_its_input_makes_no_lossy_commit_here_reuse_other_bytes(tmp_path, monkeypatch):
+    """A received manifest's `sources` claimed that its exact record of other weights was made from the weight your
+    lossy commit holds: your commit stored its weights, and fsck --full said ok (hostile-input auditor, high)."""
+    from ckptstore.repo import manifest as manifests
+
+    model, optimizer = _stepped_linear()
     mine = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     with Repository.init(tmp_path / "probe") as probe:  # the id the weight has as a lossy input: anyone can compute it
         claimed = probe.manifest(probe.commit(mine, lossy="balanced")).sources["model/weight"]
@@ -1211,11 +1217,7 @@ def test_a_received_manifests_claim_on_a_record_made_here_makes_no_lossy_commit_
     next lossy commit of X stored Y's weights, and fsck --full said ok (reader, after d04e18e)."""
     from ckptstore.repo import manifest as manifests
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(128, 256)
-    optimizer = torch.optim.Adam(model.parameters())
-    model(torch.randn(4, 128)).sum().backward()
-    optimizer.step()
+    model, optimizer = _stepped_linear()
     y = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     x = {"model": {"weight": torch.full((256, 128), 0.1234), "bias": model.bias.detach().clone()},
          "optimizer": optimizer.state_dict()}
