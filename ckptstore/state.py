@@ -433,8 +433,9 @@ class _Flattener:
         owners = self.owners.setdefault(node[1], [])
         if id(value) not in owners:  # `value` lives in the state being flattened: its id is its own
             owners.append(id(value))
-        if owners.index(id(value)):
-            extras["object"] = owners.index(id(value))
+        number = owners.index(id(value))
+        if number:
+            extras["object"] = number
         node.append(extras)
         return node
 
