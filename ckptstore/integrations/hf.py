@@ -5,16 +5,18 @@ step, the latest logged metrics (an evaluation's only from that step) and the ru
 `keep_folders=K` it then deletes the older folders it has committed, keeping the newest K on disk
 for the Trainer's own resume.
 
-By default the commit runs in the background (`blocking=False`): on_save returns at once and the
-thread reads the folder later, so the folder must stay until the commit is done. The Trainer
-deletes folders only in its own rotation (`save_total_limit`, inside its next save, before that
-save's on_save) and, with `save_total_limit=1` and a best model, right before on_train_end. So
-the callback waits for the commit in flight at `on_step_end` / `on_epoch_end` whenever the
-Trainer is about to save or evaluate (a save follows only those), and commits the last save of a
-run blocking when `save_total_limit=1`. A folder is deleted by `keep_folders` only once its
-commit's result is in; a failed commit raises at the next on_save, step or on_train_end, and its
-folder stays. `restore`
-writes a committed folder back as `output_dir/checkpoint-N` for `trainer.train(resume_from_checkpoint=...)`.
+The commit begins at the first hook after on_save (the next step's or epoch's beginning, the
+epoch's end, or on_train_end), so files that callbacks after this one write into the folder in
+their own on_save are in it. By default it runs in the background (`blocking=False`): the thread
+reads the folder later, so the folder must stay until the commit is done. The Trainer deletes
+folders only in its own rotation (`save_total_limit`, inside its next save, before that save's
+on_save) and, with `save_total_limit=1` and a best model, right before on_train_end with no hook
+between. So the callback waits for the commit in flight at `on_step_end` / `on_epoch_end` whenever
+the Trainer is about to save or evaluate (a save follows only those), and commits the last save of
+a run inside on_save, blocking, when `save_total_limit=1`. A folder is deleted by `keep_folders`
+only once its commit's result is in; a failed commit raises at the next step, save or on_train_end,
+and its folder stays. `restore` writes a committed folder back as `output_dir/checkpoint-N` for
+`trainer.train(resume_from_checkpoint=...)`.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class CkptCallback(TrainerCallback):
         keep_folders: once a folder's commit is recorded, delete the committed `checkpoint-*`
             folders except the newest K on disk (None: delete nothing). Never deletes a folder
             this callback did not commit, nor the Trainer's best model checkpoint.
-        blocking: commit inside on_save (True), or in the background while training goes on
+        blocking: commit before training goes on (True), or in the background while it does
             (False, the default; see the module's docstring for when it waits). `calibration=`
             runs the live model, so it always commits blocking.
         **knobs: lossy knobs, as for `Repository.commit`.
@@ -88,11 +90,12 @@ class CkptCallback(TrainerCallback):
         self.repo, self.lossy, self.branch, self.keep_folders, self.knobs = repo, lossy, branch, keep_folders, knobs
         self.blocking = blocking or knobs.get("calibration") is not None
         self.committed: dict[Path, CommitId] = {}  # folders this callback committed (resolved), and their commits
+        self._saved: tuple[Path, int, dict[str, float], bool] | None = None  # a save whose commit has not begun
         self._pending: tuple[Path, CommitId | BackgroundCommit] | None = None  # the latest commit, not yet settled
         self._opened: Repository | None = None  # the repository opened from a path, kept open for commits in flight
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        """Commit `args.output_dir/checkpoint-{global_step}` (main process only), then prune old folders.
+        """Note `args.output_dir/checkpoint-{global_step}` for a commit at the next hook (main process only).
 
         Every rank waits here for the others first: each writes its own `rng_state_K.pth` into the
         folder, and no barrier of the Trainer's comes between those writes and this hook.
@@ -105,24 +108,43 @@ class CkptCallback(TrainerCallback):
         if not folder.is_dir():
             raise CkptError(f"the Trainer saved step {state.global_step} but {folder} is not a folder: CkptCallback "
                             "commits the checkpoint-N folders of args.output_dir (no hyperparameter search runs)")
-        run = args.run_name or Path(args.output_dir).name
         # with save_total_limit=1 the Trainer deletes the last folder before on_train_end (when it is
         # not the best one) and no hook runs in between: that last commit (at max_steps, or where a
         # callback such as early stopping ends training) must read the folder now
         last = state.global_step >= state.max_steps or control.should_training_stop
-        blocking = self.blocking or (args.save_total_limit == 1 and last)
+        now = args.save_total_limit == 1 and last
+        self._saved = (folder, state.global_step, latest_metrics(state.log_history, state.global_step),
+                       self.blocking or now)
+        if now:
+            self._begin(args, state)
+
+    def _begin(self, args: TrainingArguments, state: TrainerState) -> None:
+        """Begin the commit of the folder on_save noted, if any: every callback's on_save has written it by now."""
+        if self._saved is None:
+            return
+        (folder, step, metrics, blocking), self._saved = self._saved, None
+        run = args.run_name or Path(args.output_dir).name
         repo = self._repository()
         _warn_of_a_training_metric_kept_best(repo, args)
         try:
             result = head_if_unchanged(repo, self.branch, lambda: repo.commit(
-                folder, message=f"{run}: {folder.name}", step=state.global_step,
-                metrics=latest_metrics(state.log_history, state.global_step), branch=self.branch, lossy=self.lossy,
-                blocking=blocking, **self.knobs))
+                folder, message=f"{run}: {folder.name}", step=step, metrics=metrics, branch=self.branch,
+                lossy=self.lossy, blocking=blocking, **self.knobs))
         except RetentionError as exc:
             result = _recorded_despite(exc, folder)
         self._pending = (folder, result)
         if blocking:
             self._settle(state)
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        """Begin the commit of the last step's save."""
+        self._begin(args, state)
+
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        """Begin the commit of the last epoch's save."""
+        self._begin(args, state)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
@@ -137,7 +159,8 @@ class CkptCallback(TrainerCallback):
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        """As on_step_end, for the saves at the end of an epoch."""
+        """Begin the commit of the last step's save; then as on_step_end, for the saves at the end of an epoch."""
+        self._begin(args, state)
         self.on_step_end(args, state, control)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -148,8 +171,9 @@ class CkptCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        """Wait for the last commit (raising its failure), prune, and close the repository opened here."""
+        """Commit the last save, wait for it (raising its failure), prune, and close the repository opened here."""
         try:
+            self._begin(args, state)
             self._settle(state)
         finally:
             if self._opened is not None:

@@ -369,6 +369,32 @@ def test_an_early_stopped_runs_last_folder_is_committed_before_the_trainer_delet
         assert sorted(c.step for c in repo.log("main")) == [2, 4]
 
 
+class WritesTokenizer(TrainerCallback):
+    """A callback after CkptCallback that adds a file to each checkpoint folder in its own on_save."""
+
+    def on_save(self, args, state, control, **kwargs):
+        (Path(args.output_dir) / f"checkpoint-{state.global_step}" / "tokenizer.json").write_text(
+            f'{{"step": {state.global_step}}}')
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
+@pytest.mark.parametrize("extra", [{"steps": 4}, {"steps": 16, "save_strategy": "epoch"}], ids=["steps", "epoch"])
+def test_files_a_later_callback_writes_in_its_on_save_are_committed_before_the_folder_goes(tmp_path, extra, blocking):
+    """The commit read the folder in CkptCallback's own on_save, and keep_folders then deleted the file a later
+    callback wrote there: it was in no commit (HF auditor, stop 54)."""
+    Repository.init(tmp_path / "repo").close()
+    callbacks = [CkptCallback(tmp_path / "repo", keep_folders=0, blocking=blocking), WritesTokenizer()]
+    trainer = _trainer(tmp_path / "out", callbacks, **extra)
+    trainer.train()
+    assert not list((tmp_path / "out").iterdir())
+    with Repository.open(tmp_path / "repo") as repo:
+        commits = {c.step: c.id for c in repo.log("main")}
+        assert sorted(commits) == ([2, 4] if "save_strategy" not in extra else [8, 16])
+        for step, cid in commits.items():
+            back = restore(repo, cid, tmp_path / f"back{step}")
+            assert (back / "tokenizer.json").read_text() == f'{{"step": {step}}}'
+
+
 def test_restore_over_a_file_a_job_saves_meanwhile_keeps_the_whole_refusal(tmp_path, monkeypatch):
     """Its advice swap cut "nothing was replaced or deleted: commit it first" down to "pass force=True", which
     would overwrite the job's new save (reader)."""
@@ -399,7 +425,7 @@ def test_restore_over_a_file_a_job_saves_meanwhile_keeps_the_whole_refusal(tmp_p
 
 
 def _save_at_two_ranks(rank: int, root: str, port: int) -> None:
-    """Rank 1 writes its RNG file late (a straggler); both then call on_save, as the Trainer does on every rank."""
+    """Rank 1 writes its RNG file late (a straggler); both then call on_save and on_train_end, as the Trainer does."""
     import os
     import time
 
@@ -414,7 +440,9 @@ def _save_at_two_ranks(rank: int, root: str, port: int) -> None:
             torch.save({"cpu": torch.ones(3)}, folder / "rng_state_1.pth")
         args = TrainingArguments(output_dir=str(Path(root) / "out"), use_cpu=True, report_to=[])
         state = TrainerState(global_step=2, is_world_process_zero=rank == 0)
-        CkptCallback(Path(root) / "repo", blocking=True).on_save(args, state, None)
+        callback = CkptCallback(Path(root) / "repo", blocking=True)
+        callback.on_save(args, state, None)
+        callback.on_train_end(args, state, None)
     finally:
         dist.destroy_process_group()
 
