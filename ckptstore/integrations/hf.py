@@ -163,6 +163,19 @@ class CkptCallback(TrainerCallback):
         self._begin(args, state)
         self.on_step_end(args, state, control)
 
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """Wait for the commit in flight where a callback before this one asked for a save here.
+
+        That save's rotation (`save_total_limit`) may delete the folder the commit is reading.
+        """
+        if control.should_save:
+            self._settle(state)
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        """As on_log, for a save asked for on an evaluation."""
+        self.on_log(args, state, control)
+
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         """Open the repository on the main process now: a wrong path said at the first save wasted the steps before."""

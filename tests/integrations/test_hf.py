@@ -310,6 +310,31 @@ def test_background_commits_outlive_save_total_limit_rotation(tmp_path, monkeypa
             assert _digests(restore(repo, cid, tmp_path / "back")) == checker.saved[step]
 
 
+class SaveFromLog(HoldAndCheck):
+    """Asks for a save from on_log at step 3 (not a save step), releasing step 2's held commit a second later."""
+
+    def on_log(self, args, state, control, **kwargs):
+        if state.global_step == 3:
+            control.should_save = True
+            threading.Timer(1.0, self.release.touch).start()
+
+
+def test_a_save_asked_for_from_on_log_waits_for_the_commit_its_rotation_would_delete(tmp_path, monkeypatch):
+    """With save_total_limit=1 the save that a callback asked for in on_log rotated the folder that the commit in
+    flight was still reading (HF auditor, stop 54: documented then as 'pass blocking=True')."""
+    Repository.init(tmp_path / "repo").close()
+    checker = SaveFromLog(tmp_path / "repo", tmp_path, monkeypatch)
+    trainer = _trainer(tmp_path / "out", [checker, CkptCallback(tmp_path / "repo")], steps=6, save_total_limit=1)
+    trainer.train()
+    checker.release.touch()
+    checker._check(trainer.args)
+    with Repository.open(tmp_path / "repo") as repo:
+        commits = {c.step: c.id for c in repo.log("main")}
+        assert sorted(commits) == [2, 3, 4, 6]
+        for step, cid in commits.items():
+            assert _digests(restore(repo, cid, tmp_path / "back")) == checker.saved[step]
+
+
 @pytest.mark.filterwarnings("ignore::ckptstore.repo.background.BackgroundCommitWarning")
 def test_a_failed_background_commit_stops_training_and_keeps_its_folder(tmp_path, monkeypatch):
     Repository.init(tmp_path / "repo").close()
