@@ -178,9 +178,17 @@ class CkptCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
-        """Open the repository on the main process now: a wrong path said at the first save wasted the steps before."""
+        """Open the repository on the main process now: a wrong path said at the first save wasted the steps before.
+
+        A run resumed from `checkpoint-N` of output_dir that no commit of its branch holds (the run
+        that saved it was killed mid-commit) gets that folder committed at the first step.
+        """
         if state.is_world_process_zero:
-            self._repository()
+            repo = self._repository()
+            folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+            if state.global_step and folder.is_dir() and not _has_a_commit_at(repo, self.branch, state.global_step):
+                self._saved = (folder, state.global_step, latest_metrics(state.log_history, state.global_step),
+                               self.blocking)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -220,6 +228,12 @@ class CkptCallback(TrainerCallback):
         if self.keep_folders is not None:
             remove_committed_folders(folder.parent, self.committed, self.keep_folders, state.best_model_checkpoint,
                                      state.global_step)
+
+
+def _has_a_commit_at(repo: Repository, branch: str | None, step: int) -> bool:
+    """Whether the history that `branch` (else HEAD) continues holds a commit of `step`."""
+    start = branch if branch in repo.branches() else "HEAD"
+    return repo.head()[1] is not None and any(c.step == step for c in repo.log(start))
 
 
 def _result_of(handle: BackgroundCommit, folder: Path, repo: Repository, branch: str | None) -> CommitId:

@@ -510,6 +510,22 @@ def test_a_restore_on_every_rank_accepts_the_branch_another_rank_just_made(run, 
         assert len(reads) == 3 and repo.branches()["retry"] == cid
 
 
+def test_a_run_resumed_from_a_folder_whose_commit_was_killed_commits_that_folder_first(tmp_path):
+    """The run that saved checkpoint-4 died in its commit; the run resumed from the folder committed only its own
+    later saves, so checkpoint-4 was in no commit (HF auditor, stop 54)."""
+    out = tmp_path / "out"
+    _trainer(out, steps=4).train()  # the first run: its commits of checkpoint-2 and -4 did not happen here
+    saved = _digests(out / "checkpoint-4")
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(out / "checkpoint-2", step=2)
+    _trainer(out, [CkptCallback(tmp_path / "repo")], steps=6).train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    _trainer(out, [CkptCallback(tmp_path / "repo")], steps=8).train(resume_from_checkpoint=str(out / "checkpoint-6"))
+    with Repository.open(tmp_path / "repo") as repo:
+        commits = repo.log("main")
+        assert [c.step for c in commits] == [8, 6, 4, 2]  # and no second commit of checkpoint-6 by the last run
+        assert _digests(restore(repo, commits[2].id, tmp_path / "back")) == saved
+
+
 def test_a_wrong_repository_is_said_when_training_begins(tmp_path):
     """A path naming no repository was said at the first save, after its steps had run (DDP integrations auditor)."""
     from ckptstore.errors import RepoNotFoundError
