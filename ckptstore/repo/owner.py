@@ -1,4 +1,4 @@
-"""Which repository owns a local object store: gc and prune delete only in their own.
+"""Which repository owns a local object store: gc and prune delete, and writers write, only in their own.
 
 An object store is named by its path alone. A copy of a repository whose objects live outside its
 folder (`cp -a`), or a config edited to name another repository's objects folder, reached that
@@ -7,8 +7,8 @@ makes, `<store>.owner` names the repository that made it: its path (for messages
 URL where one is configured, and the inode of its `.ckpt/` folder, which a move on one disk or a
 remount keeps and a copy does not. FAT, exFAT and FUSE file systems make inode numbers up per mount,
 in the order names are looked up (a copy may get the original's): there the path names the owner.
-gc and prune delete in a store outside their own folder only when it names them so, or the same
-configured database (repositories joined over one hold the
+gc and prune delete, and commits and pushes write, in a store outside their own folder only when it
+names them so, or the same configured database (repositories joined over one hold the
 same records); init refuses a store whose owner is still there, unless joining its database;
 never in a store inside another repository's `.ckpt/`. A store inside the repository's own folder
 is its own by place: a copy of the folder copied it. The file lies beside the store, not inside:
@@ -56,24 +56,28 @@ def refuse_init(repo: Repository) -> None:
                               "join that repository with its --metadata URL, or give this one a folder of its own")
 
 
-def refuse_anothers(repo: Repository) -> None:
-    """Raise unless this repository may delete in its local store (gc, prune); see the module docstring."""
+def refuse_anothers(repo: Repository, writing: bool = False) -> None:
+    """Raise unless this repository may delete (gc, prune) or, `writing`, write (any writer) in its local store.
+
+    A copy's commit wrote objects that only the copy's records name: the owner's gc deleted them.
+    See the module docstring.
+    """
     folder = _local_store(repo)
     if folder is None or folder.is_relative_to(os.path.realpath(repo.root)):
         return
     holder = next((p for p in folder.parents if p.name == REPO_DIR and (p / "config.toml").is_file()), None)
     if holder is not None:  # another repository's own folder, named or not
-        raise _refusal(folder, holder.parent)
+        raise _refusal(folder, holder.parent, writing)
     record = _record(folder)
     if record is None:
         if os.path.lexists(marker(folder)):  # a link to nowhere too: it named someone
-            raise _unreadable(folder, "nothing was deleted. Delete it if this repository is the one the store "
-                                  "belongs to")
+            raise _unreadable(folder, f"nothing was {'written' if writing else 'deleted'}. Delete it if this "
+                                      "repository is the one the store belongs to")
         return  # made before owners were written: nothing names another
     if _same_database(record, repo):
         return
     if not _names_this_one(record, repo):
-        raise _refusal(folder, Path(str(record.get("repository"))))
+        raise _refusal(folder, Path(str(record.get("repository"))), writing)
     if record.get("repository") != os.path.realpath(repo.root) and not repo.read_only:
         _write(repo, folder)  # the same .ckpt, moved on its disk: the name follows it
 
@@ -83,11 +87,13 @@ def marker(folder: Path) -> Path:
     return folder.with_name(folder.name + SUFFIX)
 
 
-def _refusal(folder: Path, owner: Path) -> CkptError:
-    return CkptError(f"the object store {folder} belongs to the repository at {owner}, not this one: a gc here would "
-                     "delete the objects that one needs, so nothing was deleted. A copy of a repository needs "
-                     "objects of its own (`ckpt clone` makes one). If this repository is that one, moved to another "
-                     f"disk or restored, and no copy uses the store, delete {marker(folder)}")
+def _refusal(folder: Path, owner: Path, writing: bool = False) -> CkptError:
+    harm = ("objects written here would be recorded only in this repository, and that one's gc would delete them, "
+            "so nothing was written" if writing else
+            "a gc here would delete the objects that one needs, so nothing was deleted")
+    return CkptError(f"the object store {folder} belongs to the repository at {owner}, not this one: {harm}. A copy "
+                     "of a repository needs objects of its own (`ckpt clone` makes one). If this repository is that "
+                     f"one, moved to another disk or restored, and no copy uses the store, delete {marker(folder)}")
 
 
 def _unreadable(folder: Path, outcome: str) -> CkptError:

@@ -6,7 +6,6 @@ import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -134,17 +133,15 @@ class Repository:
             self._pool = shared or ThreadPoolExecutor(threads, thread_name_prefix="ckpt")
         return self._pool
 
-    def lock(self, exclusive: bool = False, wait: bool = True) -> AbstractContextManager[None]:
-        """The repository lock: commits hold it shared, gc alone (only writers take it).
+    @contextlib.contextmanager
+    def lock(self, exclusive: bool = False, wait: bool = True) -> Iterator[None]:
+        """The repository lock: commits hold it shared, gc alone (only writers take it; none in another's store).
 
         The folder's file lock, and on a shared database its lock there too, so a gc on one machine
         never removes the objects a commit on another has written but not yet recorded.
         """
         self.db.refuse_writes()
-        return self._locked(exclusive, wait)
-
-    @contextlib.contextmanager
-    def _locked(self, exclusive: bool, wait: bool) -> Iterator[None]:
+        owner.refuse_anothers(self, writing=not exclusive)
         with repo_lock(self.dir / "lock", exclusive, wait), self.db.repository_lock(exclusive, wait):
             yield
 

@@ -262,3 +262,27 @@ def test_an_owner_file_that_is_no_readable_file_refuses_gc_without_hanging(tmp_p
     with Repository.open(tmp_path / "a") as original:
         assert fsck(original).ok
         assert_same(_state(1), original.checkout(later))
+
+
+def test_a_copy_of_a_repository_whose_objects_live_outside_it_cannot_commit_into_the_originals(tmp_path):
+    """`cp -a`'s copy committed into the original's store, recorded in its own database only; the original's gc
+    (its own store) then deleted that commit's objects (mixed-versions auditor, stop 55)."""
+    with Repository.init(tmp_path / "a", objects_url=str(tmp_path / "objects")) as original:
+        first = original.commit(_state(0))
+    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
+    stored = sorted(p.name for p in (tmp_path / "objects").rglob("*") if p.is_file())
+    with Repository.open(tmp_path / "b") as copy:
+        with pytest.raises(CkptError, match=r"belongs to the repository at .*/a, not this one: objects written here "
+                                            r"would be recorded only in this repository.*nothing was written"):
+            copy.commit(_state(1))
+        assert copy.log() and copy.log()[0].id == first
+        assert_same(_state(0), copy.checkout(first))  # reading stays open to it
+    assert sorted(p.name for p in (tmp_path / "objects").rglob("*") if p.is_file()) == stored
+    torch.save(_state(1), tmp_path / "x.pt")
+    result = subprocess.run([sys.executable, "-m", "ckptstore", "commit", str(tmp_path / "x.pt")], cwd=tmp_path / "b",
+                            env=ckpt_env(), capture_output=True, text=True)
+    assert result.returncode != 0 and "Traceback" not in result.stderr and "nothing was written" in result.stderr
+    with Repository.open(tmp_path / "a") as original:
+        original.commit(_state(2))
+        gc(original)
+        assert fsck(original).ok
