@@ -304,6 +304,22 @@ def test_loading_onto_a_missing_device_is_a_clear_error(tmp_path):
         assert torch.equal(ckptstore.load("HEAD", repo=repo, map_location="cpu")["w"], torch.ones(3))
 
 
+@pytest.mark.parametrize("device", ["hpu", "privateuseone", "xla", "lazy", "maia", "vulkan", "ideep"])
+def test_loading_onto_a_backend_torch_cannot_use_here_is_a_clear_error(tmp_path, device):
+    """Backends with no `is_available` passed the check and failed in torch (NotImplementedError with a screen of
+    kernel names, an internal assert asking to report a PyTorch bug), or raised ModuleNotFoundError (devices
+    auditor)."""
+    import ckptstore
+    from ckptstore import Repository
+    from ckptstore.errors import DeviceUnavailableError
+
+    with Repository.init(tmp_path) as repo:
+        ckptstore.save({"w": torch.ones(3)}, repo=repo)
+        with pytest.raises(DeviceUnavailableError, match=f"cannot load onto '{device}'.*use map_location='cpu'"):
+            ckptstore.load("HEAD", repo=repo, map_location=device)
+        assert ckptstore.load("HEAD", repo=repo, map_location="meta")["w"].is_meta
+
+
 def test_the_cli_reports_a_too_deep_file_in_one_line(tmp_path):
     import subprocess
     import sys
