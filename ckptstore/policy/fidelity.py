@@ -8,6 +8,10 @@ Each quantized tensor is judged in the quantity that decides what a restore give
   to the original, so this is measured and shown, not enforced).
 The writer measures each chunk and, where a chunk is over its bound, encodes it again at a finer
 step (`tighten`), so every chunk, and hence every tensor, keeps its bound.
+
+A few outlier entries can hold most of a matrix's norm: a step in its RMS then rounds the rest to
+zero while ||W' - W|| / ||W|| stays small. So a weight chunk's bulk, its entries within
+BULK_SPREAD times its mean magnitude, keeps BULK_ALLOWANCE times the bound as well (`bulk_error`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ from ckptstore.codecs.floats import sum_of_squares, to_float32
 
 # Retries per chunk before a bound counts as unreachable (see `finer`).
 MAX_TIGHTEN = 8
+# A weight chunk's outliers lie past this many times its mean magnitude (a Gaussian's past 8 sigma: none).
+BULK_SPREAD = 10.0
+# Its other entries keep this many times its bound: twice, so trained weights, whose few far entries
+# hold a few percent of the norm, are coded as before (see bulk_error).
+BULK_ALLOWANCE = 2.0
 
 
 def chunk_error(codec: str, data: np.ndarray, recon: np.ndarray, params: dict,
@@ -35,6 +44,27 @@ def chunk_error(codec: str, data: np.ndarray, recon: np.ndarray, params: dict,
         original = original / np.sqrt(to_float32(v, params["v_dtype"]) + eps)
         rebuilt = rebuilt / np.sqrt(to_float32(v_recon, params["v_dtype"]) + eps)
     return sum_of_squares(rebuilt - original), sum_of_squares(original)
+
+
+def bulk_error(codec: str, data: np.ndarray, recon: np.ndarray, params: dict, bound: float | None,
+               norm_sq: float) -> tuple[float, float] | None:
+    """(squared error, squared norm) of a weight chunk's bulk, scaled to be judged by `bound` (module docstring).
+
+    For a chunk that keeps its bound. None where the bulk keeps it too for certain: no bound, no
+    weight, or outliers holding at most 1 - 1/BULK_ALLOWANCE**2 of the norm (the bulk's relative
+    error is then at most BULK_ALLOWANCE times the chunk's), as in every trained matrix measured.
+    """
+    if not bound or codec != "deadzone" or norm_sq <= 0:
+        return None
+    original = to_float32(data, params["dtype"])
+    magnitude = np.abs(original)
+    outlying = magnitude > BULK_SPREAD * float(magnitude.mean(dtype=np.float64))
+    if sum_of_squares(original[outlying]) <= (1 - BULK_ALLOWANCE ** -2) * norm_sq:
+        return None
+    bulk = ~outlying
+    kept = original[bulk]
+    error_sq = sum_of_squares(to_float32(recon, params["dtype"])[bulk] - kept)
+    return error_sq, sum_of_squares(kept) * BULK_ALLOWANCE * BULK_ALLOWANCE
 
 
 def within(error_sq: float, norm_sq: float, bound: float | None) -> bool:

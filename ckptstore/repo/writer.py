@@ -181,7 +181,10 @@ def _encode_lossy_chunk(job: Job, source: ChainSource, index: int, start: int, d
         if attempt == 0:  # the plan's own step: whether it was capped for a barely moving tensor
             was_capped = step is not None and capped(step, params)
         if fidelity.within(error_sq, norm_sq, bound):
-            break
+            bulk = fidelity.bulk_error(job.codec, data, recon, params, bound, norm_sq)
+            if bulk is None or fidelity.within(*bulk, bound):
+                break
+            error_sq, norm_sq = bulk  # outliers held the norm: retry at the step the rest needs
         if attempt == fidelity.MAX_TIGHTEN:
             raise UnquantizableError(f"{job.key}: chunk {index} cannot keep its level's error bound {bound:.3g} "
                              f"(relative error {math.sqrt(error_sq / norm_sq) if norm_sq else math.inf:.3g})")

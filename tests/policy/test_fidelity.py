@@ -31,6 +31,25 @@ def test_second_moments_are_judged_by_their_relative_error():
     assert (error_sq, norm_sq) == pytest.approx((144.0, 16.0))
 
 
+def test_a_weights_bulk_is_judged_only_where_its_outliers_hold_most_of_its_norm():
+    """Past 1 - 1/BULK_ALLOWANCE**2 of the norm the bulk may miss its allowance though the chunk keeps its bound;
+    below, it cannot, and nothing is measured: a trained matrix's encoding stays as it was."""
+    params = {"dtype": "torch.float32"}
+    rest = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
+    spiked = rest.copy()
+    spiked[7] = 1e4
+    zeroed = np.where(np.arange(4096) == 7, spiked, 0).astype(np.float32)  # the rest rounded to zero
+    error_sq, norm_sq = fidelity.chunk_error("deadzone", _bytes(spiked), _bytes(zeroed), params)
+    assert fidelity.within(error_sq, norm_sq, 0.01)  # ||W'-W|| / ||W|| is 0.6%
+    bulk = fidelity.bulk_error("deadzone", _bytes(spiked), _bytes(zeroed), params, 0.01, norm_sq)
+    assert bulk is not None and not fidelity.within(*bulk, 0.01)  # the rest is all error
+    assert bulk[1] == pytest.approx(float(np.dot(np.delete(rest, 7), np.delete(rest, 7))) * 4, rel=1e-5)
+    assert fidelity.bulk_error("deadzone", _bytes(rest), _bytes(rest * 0.99), params, 0.01,
+                               float(np.dot(rest, rest))) is None  # a Gaussian's far entries hold nothing
+    assert fidelity.bulk_error("deadzone", _bytes(spiked), _bytes(zeroed), params, None, norm_sq) is None
+    assert fidelity.bulk_error("normmoment", _bytes(spiked), _bytes(zeroed), params, 0.01, norm_sq) is None
+
+
 def test_no_bound_or_an_exact_zero_chunk_keeps_it():
     assert fidelity.within(1.0, 1.0, None) and fidelity.within(1.0, 1.0, 0.0)
     assert fidelity.within(0.0, 0.0, 0.01) and not fidelity.within(1e-9, 0.0, 0.01)
