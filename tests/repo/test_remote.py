@@ -468,6 +468,23 @@ def test_a_tensor_record_received_from_a_remote_is_encoded_anew_before_a_commit_
         assert fsck(copy, full=True).ok
 
 
+def test_a_clones_received_records_load_onto_the_meta_device_and_stay_listed(pair, tmp_path):
+    """The check of received records read a meta tensor's bytes: NotImplementedError ('Cannot copy out of meta
+    tensor') in a fresh clone only (devices auditor)."""
+    import ckptstore
+
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    with remote.clone(str(hub_path), tmp_path / "copy") as copy:
+        ids = {e.tensor for e in copy.manifest(cids[1]).entries.values()}
+        listed = unchecked(copy, ids)
+        meta = ckptstore.load(cids[1], repo=copy, map_location="meta")
+        assert meta["w"].is_meta and meta["w"].shape == (200_000,) and meta["step"] == 1
+        assert unchecked(copy, ids) == listed and listed  # nothing was checked on meta
+        assert_same(_state(1), ckptstore.load(cids[1], repo=copy))
+        assert not unchecked(copy, ids)
+
+
 def test_a_received_lossy_record_is_not_reused_for_the_source_it_claims(tmp_path):
     """A lossy record's `source` is no part of its id: a crafted one made your lossy commit restore its values."""
     import copy
