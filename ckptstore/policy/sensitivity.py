@@ -114,6 +114,8 @@ def calling(calibration: Callable[[Any], Any], argument: Any) -> Any:
 def finite_loss(loss: Any) -> float:
     """A calibration function's result as a float: a number or a one-element tensor, and finite."""
     try:
+        if isinstance(loss, str | bytes | bytearray | bool):  # float() reads "1.5" and True: no loss
+            raise TypeError
         value = float(loss.detach() if hasattr(loss, "detach") else loss)
     except (TypeError, ValueError, RuntimeError):
         raise CkptError(f"the calibration function must return a loss (a number or a one-element tensor), "

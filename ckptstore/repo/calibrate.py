@@ -47,7 +47,7 @@ class LossGuard:
 
 def loss_guard(calibration: Callable[[Any], Any] | None, model: Any, max_change: float | None,
                level: LossyLevel | None, checkpoint: formats.Checkpoint) -> LossGuard | None:
-    """The guard of a lossy commit given a calibration function (None without one).
+    """The guard of a lossy commit given a calibration function (None without one, or where NaN keeps it lossless).
 
     With the live `model`, `calibration(model)` is evaluated with the restored weights swapped in;
     without it, `calibration(state)` receives the whole restored checkpoint as `ckptstore.load` gives it.
@@ -62,6 +62,10 @@ def loss_guard(calibration: Callable[[Any], Any] | None, model: Any, max_change:
     limit = level.promised_loss_change if max_change is None else max_change
     if limit is None:
         raise CkptError(f"level {level.name} promises no loss change: give one (--max-loss-change, max_loss_change=)")
+    from ckptstore.codecs.floats import first_with_nan
+
+    if first_with_nan(checkpoint.tensors) is not None:  # a diverged run's checkpoint is kept lossless: no loss to guard
+        return None
     loss_with = _model_loss(calibration, model, checkpoint) if model is not None else _state_loss(
         calibration, checkpoint)
     return LossGuard(loss_with, loss_with({}), limit)

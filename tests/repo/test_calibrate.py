@@ -109,6 +109,30 @@ def test_the_cli_takes_a_function_by_name_and_log_shows_the_change(tmp_path, mon
     assert isinstance(result.exception, CkptError) and "0.1% or 10%" in str(result.exception)
 
 
+def test_a_diverged_checkpoint_is_committed_lossless_with_a_calibration_function_too(repo, tmp_path):
+    """NaN in a weight made the original's calibration loss NaN: the commit was refused ('calibration loss is not
+    finite'), where without calibration it is kept lossless, and the diverged checkpoint was not stored
+    (lossy-promises auditor)."""
+    trainer = Trainer()
+    trainer.train(2)
+    state = trainer.state()
+    next(iter(state["model"].values())).view(-1)[0] = float("nan")
+    with pytest.warns(RuntimeWarning, match="NaN in model/.*committed lossless"):
+        cid = repo.commit(state, lossy="balanced", calibration=state_loss, max_loss_change=0.001)
+    restored = repo.checkout(cid)
+    for name, tensor in state["model"].items():
+        assert torch.equal(restored["model"][name].view(torch.uint8), tensor.view(torch.uint8))
+    assert CALIBRATION_METRIC not in repo.log()[0].metrics and repo.log()[0].lossy is None
+
+
+@pytest.mark.parametrize("result", ["1.5", b"1.5", True])
+def test_a_calibration_function_returning_text_or_a_flag_is_refused(repo, result):
+    """float() read the string '1.5' as a loss, and the commit recorded a change of 0 (lossy-promises auditor)."""
+    with pytest.raises(CkptError, match=f"must return a loss .*not {type(result).__name__}"):
+        repo.commit({"w": torch.randn(64, 64)}, lossy="balanced", min_elements=1, calibration=lambda state: result)
+    assert repo.head()[1] is None
+
+
 def test_a_moment_whose_reconstruction_equals_its_base_is_measured(repo):
     """All-zero Adam moments (a parameter no gradient reached) reconstruct to their second moment's
     bytes, so the first moment's id is its own base's: measured as stored, not as a loop."""
