@@ -63,8 +63,8 @@ def refuse_anothers(repo: Repository, writing: bool = False) -> None:
     See the module docstring.
     """
     folder = _local_store(repo)
-    if folder is None or folder.is_relative_to(os.path.realpath(repo.root)):
-        return
+    if folder is None or any(folder.is_relative_to(os.path.realpath(own)) for own in (repo.root, repo.dir)):
+        return  # its own by place (a .ckpt linked from elsewhere too)
     holder = next((p for p in folder.parents if p.name == REPO_DIR and (p / "config.toml").is_file()), None)
     if holder is not None:  # another repository's own folder, named or not
         raise _refusal(folder, holder.parent, writing)
