@@ -573,18 +573,24 @@ def status(ctx) -> None:
 @click.option("--all", "show_all", is_flag=True, help="Also list unchanged tensors.")
 @click.pass_context
 def diff(ctx, a, b, as_json, show_all) -> None:
-    """Per tensor: changed or not, relative L2 change, stored bytes in B."""
+    """Per tensor: changed or not, relative L2 change, stored bytes in B; then the non-tensor values that differ."""
     rows = _open(ctx).diff(a, b)
     if as_json:
         return _emit_json([r.to_json() for r in rows])
     for row in rows:
         if row.status == "unchanged" and not show_all:
             continue
+        if row.is_value:
+            echo(f"{row.status:>9} {shown_name(row.path)} (a non-tensor value)")
+            continue
         rel = "" if row.relative_l2 is None else f" rel_l2={row.relative_l2:.3e}"
         echo(f"{row.status:>9} {shown_name(row.path)} {row.dtype} {tuple(row.shape)}{rel} "
              f"stored={_size(row.stored_bytes)}")
-    unchanged = sum(r.status == "unchanged" for r in rows)
-    echo(f"{len(rows) - unchanged} of {len(rows)} tensors differ")
+    tensors = [r for r in rows if not r.is_value]
+    values = len(rows) - len(tensors)
+    unchanged = sum(r.status == "unchanged" for r in tensors)
+    echo(f"{len(tensors) - unchanged} of {len(tensors)} tensors differ" + (f"; {values} non-tensor values differ"
+                                                                         if values else ""))
     return None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,7 +13,15 @@ import numpy as np
 from ckptstore.repo.checkout import restore
 from ckptstore.repo.integrity import entry_records
 from ckptstore.repo.sharded import gather, is_sharded
-from ckptstore.state import BYTES_DTYPE, RawTensor, element_slices, float64_values, readable_path
+from ckptstore.state import (
+    BYTES_DTYPE,
+    RawTensor,
+    element_slices,
+    escape,
+    float64_values,
+    key_component,
+    readable_path,
+)
 
 if TYPE_CHECKING:
     from ckptstore.repo.manifest import Manifest
@@ -30,6 +39,11 @@ class TensorDiff:
     relative_l2: float | None
     stored_bytes: int
 
+    @property
+    def is_value(self) -> bool:
+        """Whether this row is a non-tensor value (a step, a learning rate), not a tensor."""
+        return self.dtype == VALUE
+
     def to_json(self) -> dict[str, Any]:
         """Strict JSON: a relative L2 that is not finite (an all-zero old tensor) is the string "inf" or "nan"."""
         rel = self.relative_l2
@@ -40,7 +54,11 @@ class TensorDiff:
 
 
 def diff(repo: Repository, a: str, b: str) -> list[TensorDiff]:
-    """Per tensor path: added, removed, changed or unchanged, with the relative L2 change."""
+    """Per tensor path: added, removed, changed or unchanged, with the relative L2 change.
+
+    Then each non-tensor value (a step, a scheduler's numbers, RNG lists) that differs, as dtype
+    VALUE: two checkpoints of the same weights at different steps are not the same checkpoint.
+    """
     old, new = repo.manifest(repo.resolve(a)), repo.manifest(repo.resolve(b))
     if is_sharded(old) and is_sharded(new):
         return _logical_diff(repo, old, new)
@@ -63,7 +81,47 @@ def diff(repo: Repository, a: str, b: str) -> list[TensorDiff]:
         elif path in old_raw and not (old.dcp and new.dcp and _same_plain_value(path, old_raw[path], new_raw[path])):
             status, rel = "changed", relative_l2(old_raw[path], new_raw[path])
         result.append(TensorDiff(path, status, entry.dtype, entry.shape, rel, stored))
-    return result
+    return result + _value_changes(old, new)
+
+
+def _value_changes(old: Manifest, new: Manifest) -> list[TensorDiff]:
+    """The non-tensor values of the two commits' skeletons that differ, added or removed, by path."""
+    before, after = _values(old), _values(new)
+    rows = []
+    for path in sorted(before.keys() | after.keys()):
+        if before.get(path) != after.get(path):
+            status = "added" if path not in before else "removed" if path not in after else "changed"
+            rows.append(TensorDiff(path, status, VALUE, (), None, 0))
+    return rows
+
+
+def _values(manifest: Manifest) -> dict[str, str]:
+    """Each skeleton leaf that is no tensor, and each container's kind and length, as JSON text by path."""
+    found: dict[str, str] = {}
+    for record in manifest.files:
+        if record.skeleton is not None:
+            _walk(record.skeleton, record.name, found)
+    return found
+
+
+def _walk(node: Any, path: str, found: dict[str, str]) -> None:
+    kind = node[0] if isinstance(node, list) and node and isinstance(node[0], str) else None
+    if kind in _ENTRIES:  # stored as entries: compared as tensors
+        return
+    if kind in _CONTAINERS and len(node) > 1 and isinstance(node[1], list):
+        found[path or "/"] = f"{kind} of {len(node[1])}"
+        keyed = kind in ("dict", "odict")
+        for index, item in enumerate(node[1]):
+            key, child = (item[0], item[1]) if keyed and isinstance(item, list) and len(item) == 2 else (index, item)
+            part = key_component(key) if isinstance(key, str | int | float | None) else escape(json.dumps(key))
+            _walk(child, f"{path}/{part}" if path else part, found)
+        return
+    found[path or "/"] = json.dumps(node, sort_keys=True)
+
+
+VALUE = "value"  # a TensorDiff's dtype for a non-tensor value
+_ENTRIES = ("tensor", "bytes", "bytearray", "ndarray")
+_CONTAINERS = ("dict", "odict", "list", "tuple", "set", "frozenset")
 
 
 def _same_file_containers(old: Manifest, new: Manifest) -> set[str]:

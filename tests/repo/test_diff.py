@@ -73,3 +73,26 @@ def test_a_file_split_otherwise_but_byte_for_byte_the_same_shows_no_change(tmp_p
         repo.commit(tmp_path / "a.pt")
         rows = repo.diff("HEAD~1", "HEAD")
     assert [r.path for r in rows] == ["%container", "w"] and {r.status for r in rows} == {"unchanged"}
+
+
+def test_checkpoints_of_the_same_weights_at_other_steps_list_the_values_that_differ(tmp_path):
+    """Non-tensor state was never compared: a step, a learning rate and an RNG list that all differed gave
+    '0 of 1 tensors differ' (resume-exactness auditor)."""
+    from click.testing import CliRunner
+
+    from ckptstore.cli import cli
+    from ckptstore.repo.diff import VALUE
+
+    weights = {"w": torch.ones(4)}
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"model": weights, "step": 100, "scheduler": {"base_lrs": [0.1]}, "rng": [1, 2], 3: "same"})
+        repo.commit({"model": weights, "step": 200, "scheduler": {"base_lrs": [0.5]}, "rng": (1, 2), 3: "same",
+                     "new": None})
+        rows = repo.diff("HEAD~1", "HEAD")
+    values = {row.path: row.status for row in rows if row.dtype == VALUE}
+    assert values == {"step": "changed", "scheduler/base_lrs/0": "changed", "rng": "changed", "new": "added",
+                      "/": "changed"}  # the list became a tuple; the top level has one key more
+    assert [(row.path, row.status) for row in rows if row.dtype != VALUE] == [("model/w", "unchanged")]
+    shown = CliRunner().invoke(cli, ["--repo", str(tmp_path), "diff", "HEAD~1", "HEAD"])
+    assert shown.exit_code == 0 and "  changed step (a non-tensor value)" in shown.output
+    assert shown.output.endswith("0 of 1 tensors differ; 5 non-tensor values differ\n")
