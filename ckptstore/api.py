@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptstore.errors import CkptError
 from ckptstore.hashing import CommitId
 from ckptstore.repo import Repository
 from ckptstore.repo.forked import ProcessLock
@@ -118,9 +119,13 @@ def load(ref: str = "HEAD", repo: RepoLike = None, map_location: str | None = No
          keys: Iterable[str] | None = None) -> Any:
     """The state committed at `ref`, with tensors on `map_location` (default: the CPU).
 
+    `map_location` is one device, by name or as a torch.device (not torch.load's dict or function).
     `keys`: glob patterns such as ["model.*"]; only the matching values come back, and only their
     stored chains are read (see ckptstore.repo.select).
     """
+    if isinstance(map_location, dict) or callable(map_location):
+        raise CkptError(f"map_location={map_location!r}: give one device, by name ('cpu', 'cuda:0') or as a "
+                        "torch.device; ckptstore.load restores every tensor onto it (no mapping by location)")
     device = str(map_location) if map_location is not None else None
 
     def run(r: Repository) -> Any:

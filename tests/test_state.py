@@ -320,6 +320,20 @@ def test_loading_onto_a_backend_torch_cannot_use_here_is_a_clear_error(tmp_path,
         assert ckptstore.load("HEAD", repo=repo, map_location="meta")["w"].is_meta
 
 
+@pytest.mark.parametrize("location", [{"cuda:0": "cpu"}, lambda storage, location: storage])
+def test_torch_loads_dict_or_function_map_location_is_refused_by_name(tmp_path, location):
+    """They were taken as device names: "not a device torch knows: Invalid device string: '{'cuda:0': 'cpu'}'"
+    (devices auditor)."""
+    import ckptstore
+    from ckptstore import Repository
+    from ckptstore.errors import CkptError
+
+    with Repository.init(tmp_path) as repo:
+        ckptstore.save({"w": torch.ones(3)}, repo=repo)
+        with pytest.raises(CkptError, match=r"give one device, by name .* or as a torch.device"):
+            ckptstore.load("HEAD", repo=repo, map_location=location)
+
+
 def test_the_cli_reports_a_too_deep_file_in_one_line(tmp_path):
     import subprocess
     import sys
