@@ -151,6 +151,16 @@ def holds_nan(dtype: str, data: np.ndarray) -> bool:
                for at in range(0, words.size, _SCAN_ELEMENTS))
 
 
+def holds_non_finite(dtype: str, data: np.ndarray) -> bool:
+    """Whether a float tensor (its bytes) holds a NaN or an infinity: an exponent with every bit set."""
+    if dtype not in _NAN_BITS:
+        return False
+    unit, exponent, _ = _NAN_BITS[dtype]
+    words = np.asarray(data).view(unit)
+    return any(((words[at:at + _SCAN_ELEMENTS] & exponent) == exponent).any()
+               for at in range(0, words.size, _SCAN_ELEMENTS))
+
+
 def first_with_nan(tensors: Mapping[str, Any]) -> str | None:
     """The path of the first tensor (a RawTensor: `dtype`, `data`) holding a NaN, or None."""
     return next((path for path, raw in tensors.items() if holds_nan(raw.dtype, raw.data)), None)

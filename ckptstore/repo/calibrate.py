@@ -19,7 +19,8 @@ from ckptstore.errors import CkptError
 from ckptstore.policy import LossyLevel
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource, replay
-from ckptstore.state import RawTensor
+from ckptstore.state import RawTensor, readable_path
+from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
     from ckptstore import formats
@@ -47,7 +48,7 @@ class LossGuard:
 
 def loss_guard(calibration: Callable[[Any], Any] | None, model: Any, max_change: float | None,
                level: LossyLevel | None, checkpoint: formats.Checkpoint) -> LossGuard | None:
-    """The guard of a lossy commit given a calibration function (None without one, or where NaN keeps it lossless).
+    """The guard of a lossy commit given a calibration function (None without one, or for a diverged checkpoint).
 
     With the live `model`, `calibration(model)` is evaluated with the restored weights swapped in;
     without it, `calibration(state)` receives the whole restored checkpoint as `ckptstore.load` gives it.
@@ -62,13 +63,22 @@ def loss_guard(calibration: Callable[[Any], Any] | None, model: Any, max_change:
     limit = level.promised_loss_change if max_change is None else max_change
     if limit is None:
         raise CkptError(f"level {level.name} promises no loss change: give one (--max-loss-change, max_loss_change=)")
-    from ckptstore.codecs.floats import first_with_nan
+    from ckptstore.codecs.floats import first_with_nan, holds_non_finite
 
     if first_with_nan(checkpoint.tensors) is not None:  # a diverged run's checkpoint is kept lossless: no loss to guard
         return None
     loss_with = _model_loss(calibration, model, checkpoint) if model is not None else _state_loss(
         calibration, checkpoint)
-    return LossGuard(loss_with, loss_with({}), limit)
+    try:
+        original = loss_with({})
+    except CkptError as exc:  # an infinite weight's loss: the level keeps the checkpoint lossless where it quantizes it
+        infinite = next((p for p, raw in checkpoint.tensors.items() if holds_non_finite(raw.dtype, raw.data)), None)
+        if infinite is None:
+            raise
+        warn_caller(f"{exc}, and the checkpoint holds infinite values ({readable_path(infinite)}): committed without "
+                    "the loss guard, lossless where the level would quantize them", RuntimeWarning)
+        return None
+    return LossGuard(loss_with, original, limit)
 
 
 def _model_loss(calibration: Callable[[Any], Any], model: Any,
