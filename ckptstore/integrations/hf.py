@@ -21,10 +21,15 @@ and its folder stays. `restore` writes a committed folder back as `output_dir/ch
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shutil
+import sys
+import threading
 import warnings
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,7 +95,7 @@ class CkptCallback(TrainerCallback):
         self.repo, self.lossy, self.branch, self.keep_folders, self.knobs = repo, lossy, branch, keep_folders, knobs
         self.blocking = blocking or knobs.get("calibration") is not None
         self.committed: dict[Path, CommitId] = {}  # folders this callback committed (resolved), and their commits
-        self._saved: tuple[Path, int, dict[str, float], bool] | None = None  # a save whose commit has not begun
+        self._saved: _Saved | None = None  # a save whose commit has not begun
         self._pending: tuple[Path, CommitId | BackgroundCommit] | None = None  # the latest commit, not yet settled
         self._opened: Repository | None = None  # the repository opened from a path, kept open for commits in flight
 
@@ -113,16 +118,32 @@ class CkptCallback(TrainerCallback):
         # callback such as early stopping ends training) must read the folder now
         last = state.global_step >= state.max_steps or control.should_training_stop
         now = args.save_total_limit == 1 and last
-        self._saved = (folder, state.global_step, latest_metrics(state.log_history, state.global_step),
-                       self.blocking or now)
+        self._note(args, state, folder, self.blocking or now)
         if now:
-            self._begin(args, state)
+            self._begin()
 
-    def _begin(self, args: TrainingArguments, state: TrainerState) -> None:
+    def _note(self, args: TrainingArguments, state: TrainerState, folder: Path, blocking: bool) -> None:
+        """Keep `folder` for a commit at the next hook, or at exit where none comes (the next step failed).
+
+        Another Trainer's save of the same folder left waiting (a failed `train()` before this resumed
+        one) is this one's now: it is not committed twice.
+        """
+        for other in list(_WAITING):
+            if other._saved and other._saved.state is not state and other._saved.folder.resolve() == folder.resolve():
+                other._saved = None
+                _WAITING.discard(other)
+        self._saved = _Saved(folder, state.global_step, latest_metrics(state.log_history, state.global_step),
+                             blocking, args, state)
+        _WAITING.add(self)
+
+    def _begin(self, blocking: bool | None = None) -> None:
         """Begin the commit of the folder on_save noted, if any: every callback's on_save has written it by now."""
-        if self._saved is None:
+        saved, self._saved = self._saved, None
+        _WAITING.discard(self)
+        if saved is None:
             return
-        (folder, step, metrics, blocking), self._saved = self._saved, None
+        folder, step, metrics, args, state = saved.folder, saved.step, saved.metrics, saved.args, saved.state
+        blocking = saved.blocking if blocking is None else blocking
         run = args.run_name or Path(args.output_dir).name
         repo = self._repository()
         _warn_of_a_training_metric_kept_best(repo, args)
@@ -139,12 +160,12 @@ class CkptCallback(TrainerCallback):
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
         """Begin the commit of the last step's save."""
-        self._begin(args, state)
+        self._begin()
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         """Begin the commit of the last epoch's save."""
-        self._begin(args, state)
+        self._begin()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
@@ -160,7 +181,7 @@ class CkptCallback(TrainerCallback):
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         """Begin the commit of the last step's save; then as on_step_end, for the saves at the end of an epoch."""
-        self._begin(args, state)
+        self._begin()
         self.on_step_end(args, state, control)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -180,21 +201,22 @@ class CkptCallback(TrainerCallback):
                        **kwargs: Any) -> None:
         """Open the repository on the main process now: a wrong path said at the first save wasted the steps before.
 
-        A run resumed from `checkpoint-N` of output_dir that no commit of its branch holds (the run
-        that saved it was killed mid-commit) gets that folder committed at the first step.
+        A save of an earlier `train()` that failed before its next hook is committed now. A run
+        resumed from `checkpoint-N` of output_dir gets that folder committed at the first step unless
+        the branch's head holds it already (the run that saved it may have died in its commit).
         """
         if state.is_world_process_zero:
-            repo = self._repository()
+            self._repository()
+            self._begin()
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-            if state.global_step and folder.is_dir() and not _has_a_commit_at(repo, self.branch, state.global_step):
-                self._saved = (folder, state.global_step, latest_metrics(state.log_history, state.global_step),
-                               self.blocking)
+            if state.global_step and folder.is_dir():
+                self._note(args, state, folder, self.blocking)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         """Commit the last save, wait for it (raising its failure), prune, and close the repository opened here."""
         try:
-            self._begin(args, state)
+            self._begin()
             self._settle(state)
         finally:
             if self._opened is not None:
@@ -230,10 +252,36 @@ class CkptCallback(TrainerCallback):
                                      state.global_step)
 
 
-def _has_a_commit_at(repo: Repository, branch: str | None, step: int) -> bool:
-    """Whether the history that `branch` (else HEAD) continues holds a commit of `step`."""
-    start = branch if branch in repo.branches() else "HEAD"
-    return repo.head()[1] is not None and any(c.step == step for c in repo.log(start))
+@dataclass
+class _Saved:
+    """A save noted in on_save, committed at the next hook: the folder and what the commit records."""
+
+    folder: Path
+    step: int
+    metrics: dict[str, float]
+    blocking: bool
+    args: TrainingArguments
+    state: TrainerState
+
+
+_WAITING: weakref.WeakSet[CkptCallback] = weakref.WeakSet()  # callbacks holding a save not yet begun
+
+
+def _commit_the_waiting() -> None:
+    """At exit, commit (blocking) the saves whose next hook never came: the step after failed, or Ctrl-C."""
+    for callback in list(_WAITING):
+        folder = callback._saved.folder if callback._saved else None
+        if folder is None or not folder.is_dir():  # rotated out since: nothing left to commit
+            continue
+        try:
+            callback._begin(blocking=True)
+        except (Exception, KeyboardInterrupt) as exc:  # said at exit, not raised: the folder stays on disk
+            print(f"ckptstore: {folder} was not committed at exit ({exc or type(exc).__name__}); commit it with "
+                  f"`ckpt commit {folder}`", file=sys.stderr)
+
+
+# before the thread pools stop at exit (atexit.register runs after: a commit could not start its pool)
+getattr(threading, "_register_atexit", atexit.register)(_commit_the_waiting)
 
 
 def _result_of(handle: BackgroundCommit, folder: Path, repo: Repository, branch: str | None) -> CommitId:

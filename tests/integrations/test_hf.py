@@ -526,6 +526,69 @@ def test_a_run_resumed_from_a_folder_whose_commit_was_killed_commits_that_folder
         assert _digests(restore(repo, commits[2].id, tmp_path / "back")) == saved
 
 
+class FailsAfter(torch.utils.data.Dataset):
+    """The run's token rows, until the `limit`-th sample read: then a corrupt sample's error."""
+
+    def __init__(self, limit: int) -> None:
+        self.rows, self.limit, self.read = _tokens(), limit, 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        self.read += 1
+        if self.read > self.limit:
+            raise RuntimeError("corrupt sample")
+        return self.rows[index]
+
+
+_FAILING_RUN = """
+import sys
+from pathlib import Path
+from ckptstore.integrations.hf import CkptCallback
+from tests.integrations.test_hf import FailsAfter, _trainer
+root = Path(sys.argv[1])
+trainer = _trainer(root / "out", [CkptCallback(root / "repo")], steps=8)
+trainer.train_dataset = FailsAfter(12)  # step 3's batch fails: the save at step 2 has no next hook
+trainer.train()
+"""
+
+
+def test_a_save_whose_next_step_fails_is_committed_at_exit(tmp_path):
+    """The commit begins at the hook after on_save (b37bf07): a data loader's error before the next step left
+    checkpoint-2 in no commit (reader 21)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ckpt_env
+
+    Repository.init(tmp_path / "repo").close()
+    failed = subprocess.run([sys.executable, "-c", _FAILING_RUN, str(tmp_path)], env=ckpt_env(), capture_output=True,
+                            text=True, timeout=300, cwd=Path(__file__).parents[2])
+    assert failed.returncode != 0 and "corrupt sample" in failed.stderr
+    with Repository.open(tmp_path / "repo") as repo:
+        assert [c.step for c in repo.log("main")] == [2]
+        assert _digests(restore(repo, "main", tmp_path / "back")) == _digests(tmp_path / "out" / "checkpoint-2")
+
+
+def test_a_resumed_run_commits_its_folder_though_another_run_committed_that_step(tmp_path):
+    """A commit of the same step by another run (another output_dir) counted as this folder's: the resumed run's
+    checkpoint-2, whose first run failed before committing it, was never committed (reader 21)."""
+    Repository.init(tmp_path / "repo").close()
+    _trainer(tmp_path / "a", [CkptCallback(tmp_path / "repo")], steps=4).train()
+    failing = _trainer(tmp_path / "b", [CkptCallback(tmp_path / "repo")], steps=6, weight_decay=0.5)
+    failing.train_dataset = FailsAfter(12)
+    with pytest.raises(RuntimeError, match="corrupt sample"):
+        failing.train()
+    saved = _digests(tmp_path / "b" / "checkpoint-2")
+    resumed = _trainer(tmp_path / "b", [CkptCallback(tmp_path / "repo")], steps=6, weight_decay=0.5)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+    with Repository.open(tmp_path / "repo") as repo:
+        commits = repo.log("main")
+        assert [c.step for c in commits] == [6, 4, 2, 4, 2]
+        assert _digests(restore(repo, commits[2].id, tmp_path / "back")) == saved  # b's, not a's (weight decay)
+
+
 def test_a_wrong_repository_is_said_when_training_begins(tmp_path):
     """A path naming no repository was said at the first save, after its steps had run (DDP integrations auditor)."""
     from ckptstore.errors import RepoNotFoundError
