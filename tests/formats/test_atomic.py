@@ -89,3 +89,20 @@ def test_new_files_get_the_umask_mode_or_the_one_asked(tmp_path):
     assert stat.S_IMODE((tmp_path / "a").stat().st_mode) == 0o640
     atomic_write(tmp_path / "b", lambda h: h.write(b"y"), mode=0o751)
     assert stat.S_IMODE((tmp_path / "b").stat().st_mode) == 0o751
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an fsynced file by /proc/self/fd")
+def test_atomic_write_fsyncs_the_file_before_its_rename_and_the_folder_after(tmp_path, monkeypatch):
+    """Without the temporary file's fsync before the rename, a power cut could leave a ref or config empty
+    (mutation audit)."""
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
+                        or fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda source, target: events.append(
+        ("replace", os.path.realpath(source), os.path.realpath(target))) or replace(source, target))
+    atomic_write(tmp_path / "f.bin", lambda handle: handle.write(b"x" * 10))
+    target = os.path.realpath(tmp_path / "f.bin")
+    (_, temp, _), = (event for event in events if event[0] == "replace")
+    assert events == [("fsync", temp), ("replace", temp, target), ("fsync", os.path.dirname(target))]
+    assert (tmp_path / "f.bin").read_bytes() == b"x" * 10

@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from ckptstore import Repository
+from ckptstore.errors import CheckpointFormatError
+from ckptstore.repo import commit as commit_module
 from ckptstore.repo import fsck
 from tests.conftest import ckpt_env
 
@@ -87,4 +89,55 @@ def test_a_checkpoint_cut_short_while_committed_is_refused_and_committed_whole_a
         (commit,) = repo.log()
         out = repo.checkout_to(commit.id, tmp_path / "out")
         assert (out if victim.parent == root else out / victim.name).read_bytes() == whole
+        assert fsck(repo).ok
+
+
+def test_a_checkpoint_saved_over_in_place_at_the_same_size_while_committed_is_refused(tmp_path):
+    """Half of a same-size save written over the file in place while it was committed: recorded, half old, half new
+    (mutation audit)."""
+    root = tmp_path / "repo"
+    Repository.init(root).close()
+    source, victim = _torch_file(root)
+    torch.save({"model": {"w": torch.randn(512, 512)}, "step": 3}, tmp_path / "next.pt")  # the next save
+    new = (tmp_path / "next.pt").read_bytes()
+    assert len(new) == victim.stat().st_size and new != victim.read_bytes()
+    gate = tmp_path / "gate"
+    process = _ckpt(root, "commit", source, CKPT_WAIT_AT=f"commit:read={gate}")
+    _wait_for(Path(f"{gate}.reached"), process)
+    time.sleep(0.01)  # past the file system's clock tick: a later modification time
+    with open(victim, "r+b") as handle:  # torch.save over it, half done: same inode, same size
+        handle.write(new[: len(new) // 2])
+    gate.touch()
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 1, (process.returncode, stderr)
+    assert stderr.startswith(f"error: {victim} changed while it was being committed (is a save still "
+                             "writing it?); nothing was recorded"), stderr
+    with Repository.open(root) as repo:
+        assert list(repo.log()) == [] and fsck(repo).ok
+
+
+def test_a_plain_file_in_a_folder_rewritten_in_place_after_it_was_hashed_is_refused(tmp_path, monkeypatch):
+    """A folder's plain file rewritten in place (same size) after its tensor id was taken: recorded with the new
+    bytes under the old id, and its checkout then refused (mutation audit)."""
+    root = tmp_path / "repo"
+    Repository.init(root).close()
+    source, victim = _folders_blob(root)
+    whole = victim.read_bytes()
+    encode = commit_module._encode_or_keep_whole
+
+    def rewritten_first(*args, **kwargs):  # the run writes over it as the commit encodes
+        time.sleep(0.01)  # past the file system's clock tick
+        with open(victim, "r+b") as handle:
+            handle.write(os.urandom(4096))
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(commit_module, "_encode_or_keep_whole", rewritten_first)
+    with Repository.open(root) as repo:
+        with pytest.raises(CheckpointFormatError, match="changed while it was being committed"):
+            repo.commit(root / source)
+        assert list(repo.log()) == []
+        monkeypatch.undo()
+        victim.write_bytes(whole)
+        out = repo.checkout_to(repo.commit(root / source), tmp_path / "out")
+        assert (out / victim.name).read_bytes() == whole
         assert fsck(repo).ok

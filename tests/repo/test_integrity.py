@@ -651,3 +651,70 @@ def test_a_manifest_entry_that_is_not_its_record_breaks_that_commit_alone(tmp_pa
         assert list(report.broken_commits) == [liar], report
         assert "its manifest's entry at 'a' is not tensor" in report.damaged_records[f"commit {liar}"]
         assert torch.equal(repo.checkout(mine)["a"], a)
+
+
+def test_a_commit_whose_parents_row_is_lost_is_damage_and_gc_deletes_none_of_the_parents_objects(repo):
+    """A commit whose parent's rows were all lost: fsck said ok, and gc deleted the parent's manifest and the
+    tensors only it needed (mutation audit)."""
+    first = repo.commit({"w": torch.randn(4096)})
+    second = repo.commit({"v": torch.randn(4096)})
+    before = _objects(repo)
+    _sql(repo, *(f"DELETE FROM {table} WHERE {column} = '{first}'" for table, column in (
+        ("commit_tensors", "commit_id"), ("commit_parents", "commit_id"), ("known_files", "commit_id"),
+        ("commits", "id"))))
+    report = fsck(repo)
+    assert not report.ok
+    assert report.damaged_records[f"commit {second}"] == f"its parent {first} has no record", report
+    with pytest.raises(CkptError, match="gc refused to delete anything: the repository is damaged"):
+        gc(repo)
+    assert _objects(repo) == before
+
+
+def test_a_record_whose_size_is_not_its_tensors_is_damage_fsck_names_and_checkout_refuses(repo):
+    """The record of a float32 [64] given another tensor's chunks and size (512 bytes): fsck said ok and checkout
+    raised a bare ValueError (mutation audit)."""
+    w, big = torch.arange(64, dtype=torch.float32), -torch.arange(128, dtype=torch.float32)
+    cid = repo.commit({"w": w, "big": big})
+    tw, tb = (repo.manifest(cid).entries[name].tensor for name in ("w", "big"))
+    columns = 'position, object_id, raw_bytes, "offset", length, checksum'
+    _sql(repo, f"DELETE FROM tensor_chunks WHERE tensor_id = '{tw}'",
+         f"INSERT INTO tensor_chunks (tensor_id, {columns}) SELECT '{tw}', {columns} FROM tensor_chunks "
+         f"WHERE tensor_id = '{tb}'",
+         *(f"UPDATE tensors SET {field} = (SELECT {field} FROM tensors WHERE id = '{tb}') WHERE id = '{tw}'"
+           for field in ("raw_bytes", "codec", "params")))
+    report = fsck(repo)
+    assert not report.ok and cid in report.broken_commits, report
+    assert any("its record holds 512 bytes where a torch.float32 [64] has 256" in problem
+               for problem in report.damaged_records.values()), report
+    with pytest.raises(CorruptRecordError, match="its record holds 512 bytes"):
+        repo.checkout(cid)
+
+
+def test_chunk_records_covering_more_than_their_tensors_bytes_are_damage(repo):
+    """A record whose chunks add up to 4 bytes more than the tensor holds: fsck said ok (mutation audit)."""
+    cid = repo.commit({"w": torch.randn(4096)})
+    tid = repo.manifest(cid).entries["w"].tensor
+    _sql(repo, f"UPDATE tensor_chunks SET raw_bytes = raw_bytes + 4 WHERE tensor_id = '{tid}' AND position = "
+               f"(SELECT MAX(position) FROM tensor_chunks WHERE tensor_id = '{tid}')")
+    report = fsck(repo)
+    assert not report.ok and cid in report.broken_commits, report
+    assert any("chunk records cover 16388 of its 16384 bytes" in problem
+               for problem in report.damaged_records.values()), report
+    with pytest.raises(CorruptRecordError, match="cover 16388 of its 16384 bytes"):
+        repo.checkout(cid)
+
+
+def test_a_residual_recorded_at_depth_0_is_damage(repo):
+    """A residual whose depth row says 0 (a keyframe) though it names a base: fsck said ok, and the next commits
+    chained on it past max_chain (mutation audit)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1 << 14, generator=g)
+    repo.commit({"w": w})
+    cid = repo.commit({"w": w + 1e-3 * torch.randn(1 << 14, generator=g)})
+    residual = repo.manifest(cid).entries["w"].tensor
+    _sql(repo, f"UPDATE tensors SET depth = 0 WHERE id = '{residual}' AND base_id IS NOT NULL")  # it has a base
+    report = fsck(repo)
+    assert not report.ok and cid in report.broken_commits, report
+    assert any("it is at depth 0 with a base" in problem for problem in report.damaged_records.values()), report
+    with pytest.raises(CorruptRecordError, match="at depth 0 with a base"):
+        repo.checkout(cid)

@@ -667,3 +667,27 @@ def test_commits_a_newer_ckptstore_wrote_are_not_called_damage_by_fsck_prune_or_
             tx.execute(f"DELETE FROM tensors WHERE id = '{kept}'")
         with pytest.raises(CkptError, match="prune refused to delete anything: the repository is damaged"):
             prune(repo, RetentionPolicy(keep_last=1))
+
+
+def test_a_branch_made_at_a_doomed_commit_while_prune_runs_keeps_that_commit(tmp_path):
+    """A branch made while prune wrote its objects, at a commit it had chosen to remove: the commit was pruned
+    anyway, and the new branch named a commit that no longer restores (mutation audit)."""
+    with Repository.init(tmp_path) as repo:
+        states = [{"w": torch.full((1000,), float(i)) + torch.randn(1000)} for i in range(3)]
+        cids = [repo.commit(state) for state in states]
+    release = tmp_path / "release"
+    pruning = subprocess.Popen([sys.executable, "-m", "ckptstore", "prune", "--keep-last", "1"], cwd=tmp_path,
+                               env=ckpt_env(CKPT_WAIT_AT=f"prune:objects-written={release}"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_held(release, pruning)  # it has chosen cids[0] and cids[1] to go
+        made = ckpt_here(tmp_path, "branch", "keep", cids[0])
+        assert made.returncode == 0, made.stdout + made.stderr
+    finally:
+        release.touch()
+    _, err = pruning.communicate(timeout=120)
+    assert pruning.returncode == 3 and "refs moved while prune ran" in err, err
+    with Repository.open(tmp_path) as repo:
+        assert [repo.commit_info(cid).pruned for cid in cids] == [False, False, False]
+        assert_same(repo.checkout("keep"), states[0])
+        assert fsck(repo, full=True).ok

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from ckptstore.cli import cli
 from ckptstore.errors import CheckpointFormatError, CkptError
+from ckptstore.formats.atomic import atomic_write
 from ckptstore.formats.torchfile import numpy_safe_globals
 from ckptstore.repo import watch as watch_module
 from ckptstore.repo.config import RetentionPolicy
@@ -705,3 +706,62 @@ def test_a_hand_edited_or_forged_watch_record_is_looked_at_anew(repo, tmp_path, 
     torch.save({"w": torch.zeros(3)}, run / "step_3.pt")
     assert [name for name, _, _ in watch(repo, run, ONCE).committed] == ["step_3.pt"]
     assert len(repo.log()) == 2
+
+
+def test_a_folder_file_still_growing_between_the_two_scans_is_not_committed(repo, tmp_path, monkeypatch):
+    """A file of a Trainer folder that grew between the two scans was committed cut short (mutation audit)."""
+    run = tmp_path / "run"
+    folder = run / "checkpoint-10"
+    folder.mkdir(parents=True)
+    save_file({"w": torch.ones(8)}, folder / "model.safetensors")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 10}))
+    payload = bytes(range(256)) * 12
+    rng = folder / "rng_state.pth"  # an older Trainer writes it after trainer_state.json
+    rng.write_bytes(payload[:1024])
+    scans, real_scan = [], watch_module.scan
+
+    def scan_as_it_grows(path, state):
+        found = real_scan(path, state)
+        scans.append(rng.stat().st_size)
+        end = {1: 2048, 2: len(payload)}.get(len(scans))  # written on after each of the two scans
+        if end is not None:
+            with open(rng, "ab") as handle:
+                handle.write(payload[rng.stat().st_size:end])
+        return found
+
+    monkeypatch.setattr(watch_module, "scan", scan_as_it_grows)
+    report = watch(repo, run, ONCE)
+    assert scans == [1024, 2048]
+    assert report.committed == [] and repo.log() == []
+    assert report.waiting == {"checkpoint-10": "changed since the last scan"}
+    monkeypatch.undo()
+    (committed,) = watch(repo, run, ONCE).committed
+    out = tmp_path / "out"
+    repo.checkout_to(committed[1], out)
+    assert (out / "rng_state.pth").read_bytes() == payload
+
+
+def test_a_folder_with_an_atomic_writers_temporary_file_waits_until_it_is_renamed(repo, tmp_path):
+    """optimizer.pt still in atomic_write's temporary file at both scans: the folder was committed without it
+    (mutation audit)."""
+    run = tmp_path / "run"
+    folder = run / "checkpoint-10"
+    folder.mkdir(parents=True)
+    save_file({"w": torch.ones(8)}, folder / "model.safetensors")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 10}))
+    reports = []
+
+    def fill(handle):
+        handle.write(b"optimizer state")
+        handle.flush()
+        reports.append(watch(repo, run, ONCE))  # both scans see the temporary file, unchanged
+
+    atomic_write(folder / "optimizer.pt", fill)
+    (report,) = reports
+    assert report.committed == [] and repo.log() == []
+    assert report.waiting["checkpoint-10"].startswith("a file is still being written (.optimizer.pt.")
+    (committed,) = watch(repo, run, ONCE).committed
+    out = tmp_path / "out"
+    repo.checkout_to(committed[1], out)
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "optimizer.pt", "trainer_state.json"]
+    assert (out / "optimizer.pt").read_bytes() == b"optimizer state"
