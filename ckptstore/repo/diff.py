@@ -100,7 +100,10 @@ def _values(manifest: Manifest) -> dict[str, str]:
     found: dict[str, str] = {}
     for record in manifest.files:
         if record.skeleton is not None:
-            _walk(record.skeleton, record.name, found)
+            try:
+                _walk(record.skeleton, record.name, found)
+            except RecursionError:  # a forged manifest's nesting (commits nest at most MAX_DEPTH): its bytes differ
+                found[record.name or "/"] = f"nested past Python's stack ({id(record)})"
     return found
 
 

@@ -96,3 +96,17 @@ def test_checkpoints_of_the_same_weights_at_other_steps_list_the_values_that_dif
     shown = CliRunner().invoke(cli, ["--repo", str(tmp_path), "diff", "HEAD~1", "HEAD"])
     assert shown.exit_code == 0 and "  changed step (a non-tensor value)" in shown.output
     assert shown.output.endswith("0 of 1 tensors differ; 5 non-tensor values differ\n")
+
+
+def test_values_nested_past_pythons_stack_in_a_forged_manifest_differ_without_a_traceback():
+    """The walk of a skeleton is recursive: a forged manifest's nesting (a commit's own nests at most 200) raised
+    RecursionError (review of a051588)."""
+    from types import SimpleNamespace
+
+    from ckptstore.repo import diff as diff_module
+
+    node = 1
+    for _ in range(5000):
+        node = ["list", [node]]
+    forged = SimpleNamespace(files=[SimpleNamespace(name="", skeleton=node)])
+    assert diff_module._values(forged)["/"].startswith("nested past Python's stack")
