@@ -38,6 +38,8 @@ def measure_fisher(model: Any, loss_fn: Callable[[Any], Any]) -> dict[str, float
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise CkptError("the calibration function must return the loss as a one-element tensor")
         if not torch.isfinite(loss.detach()).all():
+            if not all(torch.isfinite(p.detach()).all() for p in model.parameters()):
+                return {}  # a diverged model: its checkpoint is committed lossless, steered by nothing
             raise CkptError(f"the calibration loss is not finite ({float(loss.detach())}); "
                             "sensitivity cannot be measured")
         try:

@@ -109,17 +109,25 @@ def test_the_cli_takes_a_function_by_name_and_log_shows_the_change(tmp_path, mon
     assert isinstance(result.exception, CkptError) and "0.1% or 10%" in str(result.exception)
 
 
+@pytest.mark.parametrize("live", [False, True], ids=["state", "live model"])
 @pytest.mark.parametrize("bad", ["nan", "inf"])
-def test_a_diverged_checkpoint_is_committed_lossless_with_a_calibration_function_too(repo, tmp_path, bad):
+def test_a_diverged_checkpoint_is_committed_lossless_with_a_calibration_function_too(repo, tmp_path, bad, live):
     """NaN in a weight made the original's calibration loss NaN: the commit was refused ('calibration loss is not
     finite'), where without calibration it is kept lossless, and the diverged checkpoint was not stored
-    (lossy-promises auditor); an infinity did the same (reader 21)."""
+    (lossy-promises auditor); an infinity did the same (reader 21), and with the live model the sensitivity's
+    measurement refused both (hostile-input auditor)."""
     trainer = Trainer()
     trainer.train(2)
+    with torch.no_grad():  # a weight the level quantizes, in the live model and so in its state
+        max(trainer.model.parameters(), key=torch.numel).view(-1)[0] = float(bad)
     state = trainer.state()
-    max(state["model"].values(), key=torch.numel).view(-1)[0] = float(bad)  # a weight the level quantizes
+
+    def model_loss(model):
+        return torch.nn.functional.cross_entropy(model(TOKENS).reshape(-1, 64), ((TOKENS + 1) % 64).reshape(-1))
+
+    guard = {"model": trainer.model, "calibration": model_loss} if live else {"calibration": state_loss}
     with pytest.warns(RuntimeWarning, match="holds NaN or infinite values .*committed lossless"):
-        cid = repo.commit(state, lossy="balanced", calibration=state_loss, max_loss_change=0.001)
+        cid = repo.commit(state, lossy="balanced", max_loss_change=0.001, **guard)
     restored = repo.checkout(cid)
     for name, tensor in state["model"].items():
         assert torch.equal(restored["model"][name].view(torch.uint8), tensor.view(torch.uint8))
