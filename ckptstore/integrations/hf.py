@@ -201,16 +201,19 @@ class CkptCallback(TrainerCallback):
                        **kwargs: Any) -> None:
         """Open the repository on the main process now: a wrong path said at the first save wasted the steps before.
 
-        A save of an earlier `train()` that failed before its next hook is committed now. A run
-        resumed from `checkpoint-N` of output_dir gets that folder committed at the first step unless
-        the branch's head holds it already (the run that saved it may have died in its commit).
+        A run resumed from `checkpoint-N` of output_dir gets that folder committed at the first step
+        unless the branch's head holds it already (the run that saved it may have died in its commit).
+        Saves of earlier `train()` calls that failed before their next hook are committed now, before
+        this run's: at exit they would have gone on top of its commits.
         """
         if state.is_world_process_zero:
             self._repository()
-            self._begin()
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
             if state.global_step and folder.is_dir():
-                self._note(args, state, folder, self.blocking)
+                self._note(args, state, folder, self.blocking)  # takes over another Trainer's save of it
+            for earlier in [c for c in _WAITING if c is not self]:
+                earlier._begin(blocking=True)
+            self._begin()
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -342,7 +345,10 @@ def remove_committed_folders(output_dir: Path, committed: dict[Path, Any], keep:
         real = path.resolve()
         if path in newest or real in spared or real not in committed:
             continue
-        shutil.rmtree(path)
+        if path.is_symlink():  # a folder linked in (a resume from elsewhere): the link goes, its target stays
+            path.unlink()
+        else:
+            shutil.rmtree(path)
         del committed[real]
         removed.append(path)
     return removed

@@ -589,6 +589,37 @@ def test_a_resumed_run_commits_its_folder_though_another_run_committed_that_step
         assert _digests(restore(repo, commits[2].id, tmp_path / "back")) == saved  # b's, not a's (weight decay)
 
 
+def test_a_failed_runs_waiting_save_is_committed_before_the_next_runs_commits(tmp_path):
+    """It was committed at exit, on top of a later run's commits: the branch's head became the failed run's old
+    checkpoint (hostile-input auditor)."""
+    Repository.init(tmp_path / "repo").close()
+    failing = _trainer(tmp_path / "one", [CkptCallback(tmp_path / "repo")], steps=8)
+    failing.train_dataset = FailsAfter(12)
+    with pytest.raises(RuntimeError, match="corrupt sample"):
+        failing.train()
+    _trainer(tmp_path / "two", [CkptCallback(tmp_path / "repo")], steps=4).train()
+    with Repository.open(tmp_path / "repo") as repo:
+        commits = repo.log("main")
+        assert [c.step for c in commits] == [4, 2, 2]
+        assert _digests(restore(repo, commits[-1].id, tmp_path / "back")) == _digests(
+            tmp_path / "one" / "checkpoint-2")
+
+
+def test_a_resume_from_a_linked_folder_with_keep_folders_removes_the_link_and_keeps_its_target(tmp_path):
+    """keep_folders called rmtree on the resumed checkpoint-2, a link to a folder elsewhere: OSError ended
+    training (hostile-input auditor)."""
+    Repository.init(tmp_path / "repo").close()
+    _trainer(tmp_path / "first", steps=2).train()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "checkpoint-2").symlink_to(tmp_path / "first" / "checkpoint-2")
+    trainer = _trainer(tmp_path / "out", [CkptCallback(tmp_path / "repo", keep_folders=1)], steps=6)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-6"]
+    assert (tmp_path / "first" / "checkpoint-2" / "trainer_state.json").is_file()
+    with Repository.open(tmp_path / "repo") as repo:
+        assert [c.step for c in repo.log("main")] == [6, 4, 2]
+
+
 def test_a_wrong_repository_is_said_when_training_begins(tmp_path):
     """A path naming no repository was said at the first save, after its steps had run (DDP integrations auditor)."""
     from ckptstore.errors import RepoNotFoundError
