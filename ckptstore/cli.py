@@ -778,9 +778,14 @@ def fetch(ctx, name: str) -> None:
 @click.pass_context
 def pull(ctx, name: str, branch: str | None) -> None:
     """Fetch from NAME, then fast-forward BRANCH (default: HEAD's) to NAME/BRANCH."""
-    report, moved = _remotes().pull(_open(ctx), name, branch)
+    repo = _open(ctx)
+    report, moved = _remotes().pull(repo, name, branch)
     _moved(report)
-    echo(f"fast-forwarded to {moved[:12]}" if moved else "already up to date")
+    head = repo.head()[0]
+    pulled = branch or head
+    elsewhere = f"; HEAD stays on {head or 'its commit'}: `ckpt checkout {pulled}` writes its files" if (
+        moved and pulled != head) else ""
+    echo((f"fast-forwarded {pulled} to {moved[:12]}" if moved else f"{pulled} is already up to date") + elsewhere)
 
 
 @cli.command()

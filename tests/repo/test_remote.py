@@ -652,6 +652,28 @@ def test_pull_writes_heads_files_as_git_does_and_unsaved_ones_stop_it(tmp_path):
     assert_same(_state(3), torch.load(copy / "c.pt", weights_only=True))
 
 
+def test_a_pull_into_a_branch_head_is_not_on_says_which_branch_moved_and_that_head_stayed(tmp_path):
+    """`ckpt pull origin teammate` on branch mine said only "fast-forwarded to X": mine and its files stayed at the
+    old checkpoint, and a new local branch teammate was made (git-habits auditor)."""
+    assert ckpt_here(tmp_path, "init", "work").returncode == 0
+    work, copy = tmp_path / "work", tmp_path / "copy"
+    torch.save(_state(0), work / "c.pt")
+    assert ckpt_here(work, "commit", "c.pt").returncode == 0
+    assert ckpt_here(work, "branch", "teammate").returncode == 0
+    assert ckpt_here(tmp_path, "clone", "work", "copy").returncode == 0
+    assert ckpt_here(copy, "checkout", "main").returncode == 0
+    assert ckpt_here(work, "checkout", "teammate").returncode == 0
+    torch.save(_state(1), work / "c.pt")
+    assert ckpt_here(work, "commit", "c.pt").returncode == 0
+    pulled = ckpt_here(copy, "pull", "origin", "teammate")
+    assert pulled.returncode == 0, pulled.stderr
+    assert pulled.stdout.splitlines()[-1].startswith("fast-forwarded teammate to ")
+    assert pulled.stdout.rstrip().endswith("HEAD stays on main: `ckpt checkout teammate` writes its files")
+    assert_same(_state(0), torch.load(copy / "c.pt", weights_only=True))  # main's file, as said
+    again = ckpt_here(copy, "pull")
+    assert again.returncode == 0 and again.stdout.splitlines()[-1] == "main is already up to date"
+
+
 def test_a_pull_killed_before_it_wrote_its_files_is_ended_by_the_next_pull(tmp_path):
     """The first pull moved the branch; the rerun used to find it up to date and leave the old file in place."""
     with Repository.init(tmp_path / "work") as work:
