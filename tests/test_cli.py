@@ -221,6 +221,31 @@ def test_commits_on_a_detached_head_are_said_so_and_leaving_them_behind_warns(tm
     assert "leaves" not in run("checkout", "main").stderr  # a branch reaches it now
 
 
+def test_deleting_the_only_branch_or_tag_that_reaches_commits_warns_of_them(tmp_path):
+    """`ckpt branch -d exp` said only "Deleted branch exp", and the next `gc --prune` deleted its checkpoint for
+    good; git refuses an unmerged branch (git-habits auditor)."""
+    run = lambda *args: ckpt_here(tmp_path, *args)
+    run("init")
+    torch.save({"w": torch.zeros(4)}, tmp_path / "ck.pt")
+    run("commit", "ck.pt")
+    run("branch", "exp")
+    run("checkout", "exp")
+    torch.save({"w": torch.ones(4)}, tmp_path / "ck.pt")
+    tip = run("commit", "ck.pt").stdout[1:13]
+    run("tag", "v1", tip)
+    run("checkout", "main")
+    kept = run("branch", "-d", "exp")  # v1 still reaches it
+    assert kept.returncode == 0 and "leaves" not in kept.stderr
+    gone = run("tag", "-d", "v1")
+    assert gone.returncode == 0, gone.stderr
+    assert f"deleting tag v1 leaves 1 commit behind that no branch or tag reaches, up to {tip}" in gone.stderr
+    assert f"ckpt branch NAME {tip}" in gone.stderr
+    run("branch", "exp", tip)
+    again = run("branch", "-d", "exp")
+    assert again.returncode == 0 and "deleting branch exp leaves 1 commit behind" in again.stderr
+    assert "leaves" not in run("branch", "-d", "exp2").stderr  # an unknown branch: its own error only
+
+
 def test_control_characters_in_commit_text_reach_the_terminal_written_out(tmp_path):
     """A fetched commit's message or metric name could retitle, clear or overwrite the terminal of whoever runs log."""
     from ckptstore import Repository

@@ -200,20 +200,25 @@ def _existing(tx: Tx, name: str, kind: str) -> ref_rows.RefRow:
 
 
 def delete_tag(repo: Repository, name: str) -> CommitId:
-    """Remove tag `name` (its commit stays until `gc --prune` if nothing else reaches it)."""
+    """Remove tag `name` (its commit stays until `gc --prune` if nothing else reaches it, which is warned of)."""
     with repo.db.write() as tx:
         row = _existing(tx, name, TAG)
         ref_rows.delete_ref(tx, name)
+        _warn_unreached(tx, CommitId(row.commit_id), ref_rows.tip_commits(tx), f"deleting tag {name}")
         return CommitId(row.commit_id)
 
 
 def delete_branch(repo: Repository, name: str) -> CommitId:
-    """Remove branch `name` (its commits stay until `gc --prune`); not the branch HEAD is on."""
+    """Remove branch `name` (its commits stay until `gc --prune`; those nothing else reaches are warned of).
+
+    Not the branch HEAD is on.
+    """
     with repo.db.write() as tx:
         row = _existing(tx, name, BRANCH)
         if head_branch(tx) == name:
             raise CkptError(f"cannot delete branch {name!r}: HEAD is on it; check out another ref first")
         ref_rows.delete_ref(tx, name)
+        _warn_unreached(tx, CommitId(row.commit_id), ref_rows.tip_commits(tx), f"deleting branch {name}")
         return CommitId(row.commit_id)
 
 
@@ -239,11 +244,14 @@ def _warn_left_behind(tx: Tx, going_to: CommitId) -> None:
     now = ref_rows.ref_row(tx, HEAD)
     if now is None or now.target is not None or now.commit_id in (None, going_to):
         return
+    _warn_unreached(tx, CommitId(now.commit_id), [*ref_rows.tip_commits(tx, but=HEAD), going_to], "HEAD")
+
+
+def _warn_unreached(tx: Tx, tip: CommitId, others: list[CommitId], what: str) -> None:
+    """Warn where commits up to `tip` are reached from none of `others` any more: gc --prune would delete them."""
     parents = commit_rows.all_parents(tx)  # read once for both walks
-    behind = liveness.reached_from(tx, [CommitId(now.commit_id)], parents) - liveness.reached_from(
-        tx, [*ref_rows.tip_commits(tx, but=HEAD), going_to], parents)
+    behind = liveness.reached_from(tx, [tip], parents) - liveness.reached_from(tx, others, parents)
     if behind:
-        tip = now.commit_id[:12]
-        warn_caller(f"HEAD leaves {len(behind)} commit{'s' * (len(behind) > 1)} behind that no branch or tag "
-                    f"reaches, up to {tip}: `ckpt gc --prune` would delete them. To keep them: "
-                    f"ckpt branch NAME {tip}", RuntimeWarning)
+        warn_caller(f"{what} leaves {len(behind)} commit{'s' * (len(behind) > 1)} behind that no branch or tag "
+                    f"reaches, up to {tip[:12]}: `ckpt gc --prune` would delete them. To keep them: "
+                    f"ckpt branch NAME {tip[:12]}", RuntimeWarning)
