@@ -72,6 +72,8 @@ TRAINER_STATE = "trainer_state.json"
 # file rewritten seconds after it comes from a later save, whose own trainer_state.json is not written yet
 SAME_SAVE_NS = 5 * 10**9
 LINKED = "a symbolic link, never committed (the file it points to is, when it is in the watched folder)"
+SHARD = re.compile(r"-\d+-of-\d+\.[^.]+$")  # save_pretrained's model-00001-of-00003.safetensors: one part of a save
+TRAINING_ARGS = "training_args.bin"  # the Trainer's pickled TrainingArguments beside its checkpoint-N folders
 _STEP = re.compile(r"step[=_-]?(\d+)", re.IGNORECASE)
 # a whole number, not part of a decimal (a metric: val_loss=0.1234), an epoch's (epoch=3) nor a version (last-v1)
 _NUMBER = re.compile(r"(?<!\d)(?<!\d\.)(?<!epoch)(?<!epoch[=_-])(?<!-v)(\d+)(?!\.\d)(?!\d)", re.IGNORECASE)
@@ -98,6 +100,7 @@ class Source:
     path: Path
     signature: Signature
     incomplete: str = ""  # why it is not complete yet ("" when it may be)
+    passed_over: bool = False  # no checkpoint of its own (`incomplete` says what it is): said once, never committed
     step: int | None = None
     denied: PermissionError | None = None  # it may not be read (another user's): said, tried again at each scan
 
@@ -126,12 +129,15 @@ def watch_folder(repo: Repository, folder: str | os.PathLike, options: WatchOpti
     repo.db.refuse_writes("watch (it commits)")
     state = WatchState.load(repo, folder, options.branch)
     committed = BranchSources(repo, options.branch)
-    report, before = WatchReport(), scan(folder, state)
+    report, before, told = WatchReport(), scan(folder, state), set()
     while not stop.wait(options.interval):
         now = scan(folder, state)
         for source in now.values():
             if source.denied is not None:
                 _say_unreadable(source, source.denied, state, say)
+            elif source.passed_over and source.name not in told:
+                say(f"{shown_name(source.name)}: not committed: {source.incomplete}")
+                told.add(source.name)
         ready = [s for s in now.values() if _ready(s, before.get(s.name), state)]
         for source in sorted(ready, key=lambda s: (s.step is None, s.step or 0, s.name)):
             if stop.is_set():
@@ -139,7 +145,7 @@ def watch_folder(repo: Repository, folder: str | os.PathLike, options: WatchOpti
             _commit_source(repo, source, options, committed, state, report, say)
         _save_records(state, say)
         report.waiting = {shown_name(s.name): s.incomplete or "changed since the last scan" for s in now.values()
-                          if not state.done(s) and s not in ready and s.denied is None}
+                          if not state.done(s) and s not in ready and s.denied is None and not s.passed_over}
         before = now
         if options.once:
             break
@@ -160,6 +166,9 @@ def _refuse_inside_a_save(folder: Path) -> None:
     if save is not None and _is_a_save(save):
         raise CkptError(f"{folder} is inside the checkpoint folder {save}, whose files are parts of one save: watch "
                         f"the folder it is saved in ({save.parent}), or `ckpt commit {save}`")
+    if GLOBAL_STEP.match(folder.name):  # DeepSpeed's save on its own
+        raise CkptError(f"{folder} is a checkpoint folder: watch the folder it is saved in ({folder.parent}), "
+                        f"or `ckpt commit {folder}`")
 
 
 def _is_a_save(folder: Path) -> bool:
@@ -310,6 +319,9 @@ def _candidate(entry: os.DirEntry[str], state: WatchState | None) -> Source | No
     One that may not be read (another user's, saved under umask 077) comes back with `denied` set, so
     that it is said and the others are still judged.
     """
+    passed_over = _passed_over(entry)
+    if passed_over:
+        return Source(entry.name, Path(entry.path), [], passed_over, passed_over=True)
     if entry.is_dir() and TRAINER_FOLDER.match(entry.name):
         try:
             source = Source(entry.name, Path(entry.path), _folder_signature(Path(entry.path)))
@@ -332,6 +344,18 @@ def _candidate(entry: os.DirEntry[str], state: WatchState | None) -> Source | No
     except PermissionError as exc:
         source.denied, source.incomplete = exc, "permission denied"
         return source
+
+
+def _passed_over(entry: os.DirEntry[str]) -> str:
+    """What an entry the watch takes for no checkpoint of its own is, and what to do instead; "" for others."""
+    if entry.is_file() and SHARD.search(entry.name) and Path(entry.name).suffix in SUFFIXES:
+        return ("a part of a sharded save (save_pretrained's shards, with their index): commit the folder that "
+                "holds them all with `ckpt commit`")
+    if entry.is_file() and entry.name == TRAINING_ARGS:
+        return "the Trainer's pickled TrainingArguments, no checkpoint (each checkpoint-N folder holds a copy)"
+    if entry.is_dir() and GLOBAL_STEP.match(entry.name):
+        return "DeepSpeed's folder of one step's shards: the watch takes checkpoint-N folders; `ckpt commit` it"
+    return ""
 
 
 def _judge_file(source: Source) -> Source:

@@ -765,3 +765,30 @@ def test_a_folder_with_an_atomic_writers_temporary_file_waits_until_it_is_rename
     repo.checkout_to(committed[1], out)
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "optimizer.pt", "trainer_state.json"]
     assert (out / "optimizer.pt").read_bytes() == b"optimizer state"
+
+
+def test_shards_of_one_save_training_args_and_deepspeed_step_folders_are_said_and_not_committed(repo, tmp_path):
+    """Each shard of a save_pretrained in the watched folder became a checkpoint of its own, with the shard count
+    for its step; training_args.bin got advice to pass a --trust-pickle watch does not take; a DeepSpeed
+    global_stepN folder committed each file as a checkpoint when watched (other-frameworks auditor)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for part in (1, 2):
+        save_file({f"w{part}": torch.ones(8)}, run / f"model-0000{part}-of-00002.safetensors")
+    (run / "model.safetensors.index.json").write_text("{}")
+    (run / "training_args.bin").write_bytes(b"\x80\x04pickled arguments")
+    (run / "global_step10").mkdir()
+    torch.save({"w": torch.ones(4)}, run / "global_step10" / "mp_rank_00_model_states.pt")
+    torch.save({"w": torch.ones(4)}, run / "last.pt")
+    said = []
+    report = watch(repo, run, ONCE, say=said.append)
+    assert [(name, step) for name, _, step in report.committed] == [("last.pt", None)]
+    assert report.waiting == {}
+    notes = {line.split(":")[0]: line for line in said if "not committed" in line}
+    assert set(notes) == {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                          "training_args.bin", "global_step10"}
+    assert "a part of a sharded save" in notes["model-00001-of-00002.safetensors"]
+    assert "no checkpoint" in notes["training_args.bin"] and "--trust-pickle" not in notes["training_args.bin"]
+    with pytest.raises(CkptError, match="global_step10 is a checkpoint folder: watch the folder it is saved in"):
+        watch(repo, run / "global_step10", ONCE)
+    assert [c.message for c in repo.log()] == [repo.log()[0].message]
