@@ -540,6 +540,9 @@ class _Flattener:
     def _float_value(self, value: float, path: str) -> Any:
         return _float(value)
 
+    def _complex(self, value: complex, path: str) -> Any:
+        return ["complex", _float(value.real), _float(value.imag)]
+
     def _npscalar(self, value: np.generic, path: str) -> Any:
         if value.dtype.kind not in "biuf" or value.dtype.itemsize > 8:  # .item() of these is no JSON value
             raise UnsupportedStateError(f"{path or '<root>'}: numpy {value.dtype} scalar")
@@ -689,6 +692,7 @@ _ENCODERS: list[tuple[type | tuple[type, ...], Callable[[_Flattener, Any, str], 
     (np.generic, _Flattener._npscalar),  # before float: np.float64 is one, and would come back a float
     (int, _Flattener._int),
     (float, _Flattener._float_value),
+    (complex, _Flattener._complex),  # torch.load(weights_only=True) reads it (an optimizer's param group may hold it)
     ((bytes, bytearray), _Flattener._bytes),
     (np.ndarray, _Flattener._ndarray),
     (dict, _Flattener._dict),
@@ -698,7 +702,7 @@ _ENCODERS: list[tuple[type | tuple[type, ...], Callable[[_Flattener, Any, str], 
 
 _EXACT = {kind: method for types, method in _ENCODERS
           for kind in (types if isinstance(types, tuple) else (types,)) if kind in (
-              type(None), bool, str, int, float, bytes, dict, OrderedDict, list, tuple, set)}
+              type(None), bool, str, int, float, complex, bytes, dict, OrderedDict, list, tuple, set)}
 
 
 @functools.cache
@@ -851,6 +855,7 @@ _DECODERS: dict[str, Callable[[_Unflattener, list], Any]] = {
     "set": lambda u, node: {u.decode(item) for item in node[1]},
     "frozenset": lambda u, node: frozenset(u.decode(item) for item in node[1]),
     "float": lambda u, node: _float_of(node),
+    "complex": lambda u, node: complex(u.decode(node[1]), u.decode(node[2])),
     "npscalar": lambda u, node: np.dtype(node[1]).type(u.decode(node[2])),
     "size": lambda u, node: _torch().Size(node[1]),
     "dtype": lambda u, node: torch_dtype(node[1]),

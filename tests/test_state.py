@@ -288,6 +288,23 @@ def test_types_torch_save_keeps_come_back_as_themselves():
     assert type(_round_trip({"b": Tagged(b"xyz")})["b"]) is bytes  # stored as bytes, readable by any version
 
 
+def test_complex_numbers_come_back_bit_for_bit_from_a_state_and_a_file(tmp_path):
+    """torch.load(weights_only=True) reads a Python complex (an optimizer's param group may hold one); commit refused
+    it as 'cannot be stored without pickle' (other-frameworks auditor)."""
+    import struct
+
+    from ckptstore import Repository
+
+    values = [1 + 2j, complex(float("nan"), -0.0), complex(float("inf"), 5e-324), -0j]
+    torch.save({"param_groups": [{"lr": 0.1, "shift": values[0]}], "values": values}, tmp_path / "opt.pt")
+    with Repository.init(tmp_path / "repo") as repo:
+        back = repo.checkout(repo.commit({"values": values, "w": torch.ones(2)}))["values"]
+        from_file = repo.checkout(repo.commit(tmp_path / "opt.pt"))
+    assert [type(v) for v in back] == [complex] * 4
+    assert [struct.pack("<dd", v.real, v.imag) for v in back] == [struct.pack("<dd", v.real, v.imag) for v in values]
+    assert from_file["param_groups"][0]["shift"] == 1 + 2j and len(from_file["values"]) == 4
+
+
 def test_loading_onto_a_missing_device_is_a_clear_error(tmp_path):
     import ckptstore
     from ckptstore import Repository
