@@ -891,6 +891,42 @@ def _typed(argv: list[str]) -> str:
     return " ".join(words)
 
 
+# git's words ckpt has no command for, and what does it here: click's nearest spelling sent `switch` to
+# `watch`, `remote rename` to `remote remove` (which forgets the remote), `gc --dry-run` to `--prune`
+_GIT_WORDS = {
+    "switch": "`ckpt checkout BRANCH` switches branch and writes its files",
+    "restore": "`ckpt checkout HEAD` writes HEAD's files back (`--only PATTERN` for some of them)",
+    "reset": "`ckpt checkout REF` writes a commit's files; `ckpt branch NAME REF` starts a branch there",
+    "rename": "`ckpt remote add NEW URL`, then `ckpt remote remove OLD`",
+    "stash": "commit the files on a branch of their own (`ckpt branch wip`, `ckpt checkout wip`, then commit)",
+    "merge": "checkpoints are not merged: `ckpt branch NAME REF` goes on from the one you choose",
+    "rebase": "checkpoints are not rebased: `ckpt branch NAME REF` goes on from the one you choose",
+}
+_DESTRUCTIVE = {"--prune", "--force", "remove"}  # offered only for a word typed nearly so (a typo of it)
+
+
+def _git_habit(exc: click.ClickException) -> str:
+    """Click's message, with what ckpt offers for a git word, and no destructive command or option guessed."""
+    if isinstance(exc, click.NoSuchOption):
+        exc.possibilities = [p for p in exc.possibilities or [] if not _far_and_destructive(exc.option_name, p)]
+        return exc.format_message()
+    found = re.match(r"No such command '([^']*)'\.", exc.format_message())
+    if found is None:
+        return exc.format_message()
+    word = found[1]
+    if word in _GIT_WORDS:
+        return f"No such command '{word}': {_GIT_WORDS[word]}"
+    if any(f"'{d}'" in exc.format_message() and _far_and_destructive(word, d) for d in _DESTRUCTIVE):
+        return f"No such command '{word}'."
+    return exc.format_message()
+
+
+def _far_and_destructive(typed: str, offered: str) -> bool:
+    import difflib
+
+    return offered in _DESTRUCTIVE and difflib.SequenceMatcher(None, typed, offered).ratio() < 0.8
+
+
 def _warning_line(message: Warning | str, *_: Any, **__: Any) -> None:
     click.echo("warning: " + _one_line(str(message)), err=True)
 
@@ -963,7 +999,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as exc:
         where = exc.ctx.command_path if isinstance(exc, click.UsageError) and exc.ctx is not None else _typed(argv)
         hint = f" (see `{where} --help`)" if isinstance(exc, click.UsageError) else ""  # the command's own options
-        _fail(exc.format_message() + hint, exc.exit_code)
+        _fail(_git_habit(exc) + hint, exc.exit_code)
     except Exception as exc:  # every failure reaches the user as one line; --debug shows where it came from
         if debug:
             import traceback

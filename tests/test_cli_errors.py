@@ -528,3 +528,19 @@ def test_every_error_writes_a_names_bytes_that_are_not_utf8_as_the_reference_say
                              capture_output=True, timeout=120)
         stderr = out.stderr.decode()
         assert out.returncode != 0 and said in stderr and ("udc" not in stderr or b"udc" in args[1]), stderr
+
+
+@pytest.mark.parametrize("typed, said", [
+    (["switch", "main"], "No such command 'switch': `ckpt checkout BRANCH` switches branch"),
+    (["remote", "rename", "a", "b"], "No such command 'rename': `ckpt remote add NEW URL`, then `ckpt remote remove"),
+    (["gc", "--dry-run"], "No such option '--dry-run'. (see `ckpt gc --help`)"),
+    (["stash"], "No such command 'stash': commit the files on a branch of their own"),
+    (["remote", "remov", "x"], "No such command 'remov'. Did you mean 'remove'?"),
+    (["gc", "--prun"], "No such option '--prun'. Did you mean '--prune'?"),
+])
+def test_git_words_get_what_ckpt_offers_and_no_destructive_guess(tmp_path, typed, said):
+    """Click's nearest spelling sent `gc --dry-run` to `--prune` (which deletes commits), `remote rename` to
+    `remote remove` and `switch` to `watch` (git-habits auditor); a near typo of a destructive word keeps its guess."""
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    out = ckpt_here(tmp_path, *typed)
+    assert out.returncode == 2 and out.stderr.startswith(f"error: {said}"), out.stderr
