@@ -279,7 +279,7 @@ def init(ctx: click.Context, path: str | None, max_chain: str | None, lossy: str
 
 @cli.command()
 @click.argument("path", type=PathGiven())
-@click.option("-m", "--message", default="", help="Commit message.")
+@click.option("-m", "--message", "messages", multiple=True, help="Commit message (given twice or more: paragraphs).")
 @click.option("--step", type=click.IntRange(-(1 << 63), (1 << 63) - 1), help="Training step of this checkpoint.")
 @click.option("--metric", "metrics", multiple=True, help="KEY=NUMBER, repeatable.")
 @click.option("--branch", help="Commit to this branch (created at HEAD if new); HEAD stays.")
@@ -293,11 +293,12 @@ def init(ctx: click.Context, path: str | None, max_chain: str | None, lossy: str
 @click.option("--max-loss-change", help="Largest relative loss change on the calibration data, e.g. 0.1% "
                                         "(default: the level's promise).")
 @click.pass_context
-def commit(ctx, path, message, step, metrics, branch, allow_empty, trust_pickle, lossy, knobs, calibration,
+def commit(ctx, path, messages, step, metrics, branch, allow_empty, trust_pickle, lossy, knobs, calibration,
            max_loss_change) -> None:
     """Store the checkpoint at PATH (torch.save file, safetensors file, Trainer folder or DCP directory)."""
     from ckptstore.repo import function_named  # only here: it loads the encoding layers
 
+    message = "\n\n".join(messages)  # as git joins -m's: the second one kept the first out of the commit
     repo = _open(ctx)
     try:
         cid = repo.commit(path, message=message, step=step, metrics=_metrics(metrics), branch=branch,

@@ -416,3 +416,15 @@ def test_log_shows_names_from_rows_escaped_and_dates_with_their_offset(tmp_path,
     assert "ref t\nv1.0-verified" in damaged, damaged
     assert "ref remotes/remotes/main" not in damaged and f"ref {'b' * 230}" not in damaged, damaged
     assert "starts with 'remotes/'" in damaged["ref remotes/origin/main"], damaged  # a branch no ckpt makes (reader)
+
+
+def test_messages_given_twice_are_paragraphs_of_one_as_in_git(tmp_path):
+    """`-m "lr sweep" -m "warmup 500"` stored the second alone: the first was lost unsaid (git-habits auditor)."""
+    from ckptstore import Repository
+
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    torch.save({"w": torch.ones(2)}, tmp_path / "c.pt")
+    made = ckpt_here(tmp_path, "commit", "c.pt", "-m", "lr sweep 3e-4", "-m", "warmup 500, grad clip 1.0")
+    assert made.returncode == 0 and "lr sweep 3e-4" in made.stdout
+    with Repository.open(tmp_path) as repo:
+        assert repo.log()[0].message == "lr sweep 3e-4\n\nwarmup 500, grad clip 1.0"
