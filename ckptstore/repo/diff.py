@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ckptstore.errors import CkptError
 from ckptstore.repo.checkout import restore
 from ckptstore.repo.integrity import entry_records
 from ckptstore.repo.sharded import gather, is_sharded
@@ -21,6 +22,7 @@ from ckptstore.state import (
     float64_values,
     key_component,
     readable_path,
+    unflatten,
 )
 
 if TYPE_CHECKING:
@@ -112,14 +114,30 @@ def _walk(node: Any, path: str, found: dict[str, str]) -> None:
     if kind in _ENTRIES:  # stored as entries: compared as tensors
         return
     if kind in _CONTAINERS and len(node) > 1 and isinstance(node[1], list):
-        found[path or "/"] = f"{kind} of {len(node[1])}"
+        found[path or "/"] = kind  # its items are rows of their own: a key added is one row, not two
         keyed = kind in ("dict", "odict")
         for index, item in enumerate(node[1]):
             key, child = (item[0], item[1]) if keyed and isinstance(item, list) and len(item) == 2 else (index, item)
-            part = key_component(key) if isinstance(key, str | int | float | None) else escape(json.dumps(key))
-            _walk(child, f"{path}/{part}" if path else part, found)
+            _walk(child, _below(path, key), found)
+        extras = node[2] if kind == "odict" and len(node) > 2 and isinstance(node[2], dict) else {}
+        for item in extras.get("attrs", []) if isinstance(extras.get("attrs"), list) else []:
+            if isinstance(item, list) and len(item) == 2:  # state_dict()._metadata: module versions
+                _walk(item[1], _below(f"{path}/%attrs" if path else "%attrs", item[0]), found)
         return
     found[path or "/"] = json.dumps(node, sort_keys=True)
+
+
+def _below(path: str, key: Any) -> str:
+    """The path of a dict key's item as flatten names it (a tuple key's too); a forged key by its JSON, marked."""
+    try:
+        part = key_component(unflatten(key, _no_entry) if isinstance(key, list) else key)
+    except (CkptError, TypeError, ValueError, KeyError, IndexError, RecursionError):
+        part = "%json:" + escape(json.dumps(key))
+    return f"{path}/{part}" if path else part
+
+
+def _no_entry(path: str) -> Any:
+    raise CkptError(f"a dict key refers to stored data at {path!r}")
 
 
 VALUE = "value"  # a TensorDiff's dtype for a non-tensor value

@@ -90,12 +90,29 @@ def test_checkpoints_of_the_same_weights_at_other_steps_list_the_values_that_dif
                      "new": None})
         rows = repo.diff("HEAD~1", "HEAD")
     values = {row.path: row.status for row in rows if row.dtype == VALUE}
-    assert values == {"step": "changed", "scheduler/base_lrs/0": "changed", "rng": "changed", "new": "added",
-                      "/": "changed"}  # the list became a tuple; the top level has one key more
+    assert values == {"step": "changed", "scheduler/base_lrs/0": "changed", "rng": "changed",  # list -> tuple
+                      "new": "added"}  # one row: not its container's too (git-habits auditor)
     assert [(row.path, row.status) for row in rows if row.dtype != VALUE] == [("model/w", "unchanged")]
     shown = CliRunner().invoke(cli, ["--repo", str(tmp_path), "diff", "HEAD~1", "HEAD"])
     assert shown.exit_code == 0 and "  changed step (a non-tensor value)" in shown.output
-    assert shown.output.endswith("0 of 1 tensors differ; 5 non-tensor values differ\n")
+    assert shown.output.endswith("0 of 1 tensors differ; 4 non-tensor values differ\n")
+
+
+def test_a_str_key_spelled_like_a_tuple_key_and_a_modules_metadata_are_values_of_their_own(tmp_path):
+    """A str key holding a tuple key's JSON took the tuple key's path and hid its change; an OrderedDict's
+    attributes (a state_dict's _metadata: module versions) were not compared (hostile-input auditor)."""
+    from collections import OrderedDict
+
+    def module(version):
+        weights = OrderedDict(w=torch.ones(2))
+        weights._metadata = OrderedDict({"": {"version": version}})
+        return weights
+
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"cfg": {'["tuple", [1, 2]]': 1, (1, 2): 7}, "model": module(1)})
+        repo.commit({"cfg": {'["tuple", [1, 2]]': 999, (1, 2): 7}, "model": module(2)})
+        rows = {row.path: row.status for row in repo.diff("HEAD~1", "HEAD") if row.is_value}
+    assert rows == {'cfg/["tuple", [1, 2]]': "changed", "model/%attrs/_metadata/%22%22/version": "changed"}
 
 
 def test_values_nested_past_pythons_stack_in_a_forged_manifest_differ_without_a_traceback():
