@@ -11,7 +11,7 @@ step (`tighten`), so every chunk, and hence every tensor, keeps its bound.
 
 A few outlier entries can hold most of a matrix's norm: a step in its RMS then rounds the rest to
 zero while ||W' - W|| / ||W|| stays small. So a weight chunk's bulk, its entries within
-BULK_SPREAD times its median magnitude, keeps BULK_ALLOWANCE times the bound as well (`bulk_error`).
+BULK_SPREAD times its median nonzero magnitude, keeps BULK_ALLOWANCE times the bound as well (`bulk_error`).
 """
 
 from __future__ import annotations
@@ -64,19 +64,23 @@ def bulk_error(codec: str, data: np.ndarray, recon: np.ndarray, params: dict, bo
         return None
     bulk = ~outlying
     kept = original[bulk]
+    kept_sq = sum_of_squares(kept)
+    if kept_sq <= 0:  # a bulk of zeros: the chunk's own bound is all there is to judge
+        return None
     error_sq = sum_of_squares(to_float32(recon, params["dtype"])[bulk] - kept)
-    return error_sq, sum_of_squares(kept) * BULK_ALLOWANCE * BULK_ALLOWANCE
+    return error_sq, kept_sq * BULK_ALLOWANCE * BULK_ALLOWANCE
 
 
 def _median(magnitude: np.ndarray) -> float:
-    """The median of a chunk's magnitudes, sampled at BULK_SAMPLE places a seed fixes.
+    """The median of a chunk's nonzero magnitudes, sampled at BULK_SAMPLE places a seed fixes.
 
     Random places: no stride to alias with a matrix's columns. Not the mean: outliers in a fifth of
     the entries moved it past their own size.
     """
     if magnitude.size > BULK_SAMPLE:
         magnitude = magnitude[np.random.default_rng(0).integers(0, magnitude.size, BULK_SAMPLE)]
-    return float(np.median(magnitude))
+    nonzero = magnitude[magnitude > 0]  # a pruned (sparse) matrix's zeros are no scale of its values
+    return float(np.median(nonzero)) if nonzero.size else math.inf
 
 
 def within(error_sq: float, norm_sq: float, bound: float | None) -> bool:

@@ -46,6 +46,9 @@ def test_a_weights_bulk_is_judged_only_where_its_outliers_hold_most_of_its_norm(
     assert bulk[1] == pytest.approx(float(np.dot(np.delete(rest, 7), np.delete(rest, 7))) * 4, rel=1e-5)
     assert fidelity.bulk_error("deadzone", _bytes(rest), _bytes(rest * 0.99), params, 0.01,
                                float(np.dot(rest, rest))) is None  # a Gaussian's far entries hold nothing
+    sparse = np.where(np.arange(4096) % 10 < 6, 0, rest).astype(np.float32)  # 60% pruned: its median is 0
+    assert fidelity.bulk_error("deadzone", _bytes(sparse), _bytes(sparse * 0.99), params, 0.01,
+                               float(np.dot(sparse, sparse))) is None  # its nonzero values set the scale
     assert fidelity.bulk_error("deadzone", _bytes(spiked), _bytes(zeroed), params, None, norm_sq) is None
     assert fidelity.bulk_error("normmoment", _bytes(spiked), _bytes(zeroed), params, 0.01, norm_sq) is None
 
