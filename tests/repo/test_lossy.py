@@ -441,6 +441,24 @@ def test_a_weight_whose_norm_its_outliers_hold_keeps_the_rest_of_its_entries(rep
     assert _rel(restored[rest], weight[rest]) <= 2 * bound * 1.001
 
 
+def test_weights_pruned_between_commits_stay_at_the_level(repo):
+    """A residual that zeroed 70% of a weight its base held: its bulk (the zeros, median 0) could keep no bound,
+    and the tensor was stored lossless, 6.8x larger (review of 211fba2)."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(256, 256, generator=g) * 0.02
+    optimizer = torch.optim.Adam([torch.nn.Parameter(weight.clone())], lr=1e-3)
+    optimizer.param_groups[0]["params"][0].grad = torch.randn(256, 256, generator=g)
+    optimizer.step()
+    repo.commit({"model": {"w": weight}, "optimizer": optimizer.state_dict()}, lossy="balanced")
+    pruned = torch.where(torch.rand(256, 256, generator=g) < 0.7, 0.0, weight)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "cannot be quantized at level 'balanced'"
+        cid = repo.commit({"model": {"w": pruned}, "optimizer": optimizer.state_dict()}, lossy="balanced")
+    restored = repo.checkout(cid)["model"]["w"]
+    assert _steps(repo, cid)["model/w"]["codec"] == "deadzone"
+    assert _rel(restored, pruned) <= _steps(repo, cid)["model/w"]["max_error"] * 1.001
+
+
 def test_without_bounds_the_coarse_rules_are_what_they_are(repo, tmp_path):
     """The same coarse steps without a bound do exceed it: the test above measures tightening, not luck."""
     (path, cid), = _run(repo, tmp_path, "resume-only", commits=1, fast_keyframe_step=1.0, weight_keyframe_step=1.0)
