@@ -72,7 +72,7 @@ TRAINER_STATE = "trainer_state.json"
 # file rewritten seconds after it comes from a later save, whose own trainer_state.json is not written yet
 SAME_SAVE_NS = 5 * 10**9
 LINKED = "a symbolic link, never committed (the file it points to is, when it is in the watched folder)"
-SHARD = re.compile(r"-\d+-of-\d+\.[^.]+$")  # save_pretrained's model-00001-of-00003.safetensors: one part of a save
+SHARD = re.compile(r"-\d{5}-of-\d{5}\.[^.]+$")  # save_pretrained's model-00001-of-00003.safetensors (not fold-1-of-5)
 TRAINING_ARGS = "training_args.bin"  # the Trainer's pickled TrainingArguments beside its checkpoint-N folders
 _STEP = re.compile(r"step[=_-]?(\d+)", re.IGNORECASE)
 # a whole number, not part of a decimal (a metric: val_loss=0.1234), an epoch's (epoch=3) nor a version (last-v1)
