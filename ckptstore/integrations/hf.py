@@ -28,7 +28,7 @@ import shutil
 import sys
 import threading
 import warnings
-import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -209,10 +209,11 @@ class CkptCallback(TrainerCallback):
         if state.is_world_process_zero:
             self._repository()
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-            if state.global_step and folder.is_dir():
+            if state.global_step and folder.is_dir() and not _restored_lossy(self._repository(), self.branch, folder,
+                                                                             state.global_step):
                 self._note(args, state, folder, self.blocking)  # takes over another Trainer's save of it
-            for earlier in [c for c in _WAITING if c is not self]:
-                earlier._begin(blocking=True)
+            _commit_waiting([c for c in _WAITING if c is not self],
+                            lambda line: warn_caller(line, RuntimeWarning))
             self._begin()
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -267,20 +268,45 @@ class _Saved:
     state: TrainerState
 
 
-_WAITING: weakref.WeakSet[CkptCallback] = weakref.WeakSet()  # callbacks holding a save not yet begun
+# callbacks holding a save not yet begun; held strongly: a Trainer gone out of scope with its failed
+# run (a script's main() that raised) must still have its save committed at exit
+_WAITING: set[CkptCallback] = set()
 
 
-def _commit_the_waiting() -> None:
-    """At exit, commit (blocking) the saves whose next hook never came: the step after failed, or Ctrl-C."""
-    for callback in list(_WAITING):
+def _commit_waiting(callbacks: list[CkptCallback], say: Callable[[str], None]) -> None:
+    """Commit (blocking) the saves `callbacks` hold; a folder gone since is passed over, a failure said."""
+    for callback in callbacks:
         folder = callback._saved.folder if callback._saved else None
-        if folder is None or not folder.is_dir():  # rotated out since: nothing left to commit
+        if folder is None or not folder.is_dir():  # rotated out, or deleted by the user since: nothing to commit
+            callback._saved = None
+            _WAITING.discard(callback)
             continue
         try:
             callback._begin(blocking=True)
-        except (Exception, KeyboardInterrupt) as exc:  # said at exit, not raised: the folder stays on disk
-            print(f"ckptstore: {folder} was not committed at exit ({exc or type(exc).__name__}); commit it with "
-                  f"`ckpt commit {folder}`", file=sys.stderr)
+        except Exception as exc:  # the folder stays on disk
+            say(f"{folder} was not committed ({exc}); commit it with `ckpt commit {folder}`")
+
+
+def _commit_the_waiting() -> None:
+    """At exit, commit the saves whose next hook never came: the step after failed, or Ctrl-C."""
+    try:
+        _commit_waiting(list(_WAITING), lambda line: print(f"ckptstore: {line}", file=sys.stderr))
+    except KeyboardInterrupt:  # at exit, not raised: the folders stay on disk
+        print("ckptstore: interrupted while committing saved checkpoint folders at exit; commit them with "
+              "`ckpt commit`", file=sys.stderr)
+
+
+def _restored_lossy(repo: Repository, branch: str | None, folder: Path, step: int) -> bool:
+    """Whether the branch's head is a lossy commit of this step's `checkpoint-N`: a folder restored from it.
+
+    Its files differ from the originals the commit records, so committing it again would not be refused
+    as unchanged: a second commit of the same save, quantized twice.
+    """
+    try:
+        head = repo.commit_info(repo.resolve(branch if branch in repo.branches() else "HEAD"))
+    except CkptError:  # no commit yet
+        return False
+    return head.lossy is not None and head.step == step and Path(head.source_path or "").name == folder.name
 
 
 # before the thread pools stop at exit (atexit.register runs after: a commit could not start its pool)

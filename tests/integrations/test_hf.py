@@ -547,16 +547,27 @@ import sys
 from pathlib import Path
 from ckptstore.integrations.hf import CkptCallback
 from tests.integrations.test_hf import FailsAfter, _trainer
-root = Path(sys.argv[1])
-trainer = _trainer(root / "out", [CkptCallback(root / "repo")], steps=8)
-trainer.train_dataset = FailsAfter(12)  # step 3's batch fails: the save at step 2 has no next hook
-trainer.train()
+
+
+def main():  # the Trainer and its callback go out of scope with the failure
+    root = Path(sys.argv[1])
+    trainer = _trainer(root / "out", [CkptCallback(root / "repo")], steps=8)
+    trainer.train_dataset = FailsAfter(12)  # step 3's batch fails: the save at step 2 has no next hook
+    trainer.train()
+
+
+try:
+    main()
+except RuntimeError as exc:
+    print(f"training failed: {exc}", file=sys.stderr)
+    sys.exit(1)
 """
 
 
 def test_a_save_whose_next_step_fails_is_committed_at_exit(tmp_path):
     """The commit begins at the hook after on_save (b37bf07): a data loader's error before the next step left
-    checkpoint-2 in no commit (reader 21)."""
+    checkpoint-2 in no commit (reader 21); with the callback gone out of scope, the exit hook's weak set had
+    lost it (reader 22)."""
     import subprocess
     import sys
 
@@ -616,6 +627,34 @@ def test_a_resume_from_a_linked_folder_with_keep_folders_removes_the_link_and_ke
     trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-6"]
     assert (tmp_path / "first" / "checkpoint-2" / "trainer_state.json").is_file()
+    with Repository.open(tmp_path / "repo") as repo:
+        assert [c.step for c in repo.log("main")] == [6, 4, 2]
+
+
+def test_a_failed_runs_save_deleted_since_is_passed_over_when_the_next_run_begins(tmp_path):
+    """The next train() began by committing it and failed: 'checkpoint-2 does not exist' (reader 22)."""
+    Repository.init(tmp_path / "repo").close()
+    failing = _trainer(tmp_path / "out", [CkptCallback(tmp_path / "repo")], steps=8)
+    failing.train_dataset = FailsAfter(12)
+    with pytest.raises(RuntimeError, match="corrupt sample"):
+        failing.train()
+    shutil.rmtree(tmp_path / "out")  # starting over
+    _trainer(tmp_path / "out", [CkptCallback(tmp_path / "repo")], steps=4).train()
+    with Repository.open(tmp_path / "repo") as repo:
+        assert [c.step for c in repo.log("main")] == [4, 2]
+        assert _digests(restore(repo, "main~1", tmp_path / "back")) == _digests(tmp_path / "out" / "checkpoint-2")
+
+
+def test_a_run_resumed_from_a_restored_lossy_commit_does_not_commit_it_again(tmp_path):
+    """Its files differ from the originals the lossy commit records, so it was committed a second time,
+    quantized twice: steps 6, 4, 4, 2 (reader 22)."""
+    Repository.init(tmp_path / "repo").close()
+    callback = {"lossy": "balanced", "min_elements": 1}
+    _trainer(tmp_path / "out", [CkptCallback(tmp_path / "repo", **callback)], steps=4).train()
+    shutil.rmtree(tmp_path / "out")
+    folder = restore(tmp_path / "repo", "main", tmp_path / "out")
+    _trainer(tmp_path / "out", [CkptCallback(tmp_path / "repo", **callback)], steps=6).train(
+        resume_from_checkpoint=str(folder))
     with Repository.open(tmp_path / "repo") as repo:
         assert [c.step for c in repo.log("main")] == [6, 4, 2]
 
