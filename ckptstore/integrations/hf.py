@@ -15,8 +15,9 @@ between. So the callback waits for the commit in flight at `on_step_end` / `on_e
 the Trainer is about to save or evaluate (a save follows only those), and commits the last save of
 a run inside on_save, blocking, when `save_total_limit=1`. A folder is deleted by `keep_folders`
 only once its commit's result is in; a failed commit raises at the next step, save or on_train_end,
-and its folder stays. `restore` writes a committed folder back as `output_dir/checkpoint-N` for
-`trainer.train(resume_from_checkpoint=...)`.
+and its folder stays. A save whose next hook never comes (the step after it failed) is committed
+when the next `train()` begins, or at exit. `restore` writes a committed folder back as
+`output_dir/checkpoint-N` for `trainer.train(resume_from_checkpoint=...)`.
 """
 
 from __future__ import annotations
@@ -207,9 +208,9 @@ class CkptCallback(TrainerCallback):
         this run's: at exit they would have gone on top of its commits.
         """
         if state.is_world_process_zero:
-            self._repository()
+            repo = self._repository()
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-            if state.global_step and folder.is_dir() and not _restored_lossy(self._repository(), self.branch, folder,
+            if state.global_step and folder.is_dir() and not _restored_lossy(repo, self.branch, folder,
                                                                              state.global_step):
                 self._note(args, state, folder, self.blocking)  # takes over another Trainer's save of it
             _commit_waiting([c for c in _WAITING if c is not self],
