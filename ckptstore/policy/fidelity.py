@@ -24,7 +24,7 @@ from ckptstore.codecs.floats import sum_of_squares, to_float32
 
 # Retries per chunk before a bound counts as unreachable (see `finer`).
 MAX_TIGHTEN = 8
-# A weight chunk's outliers lie past this many times its median magnitude (a Gaussian's past 6.7 sigma: none).
+# A weight chunk's outliers lie past this many times its median nonzero magnitude (a Gaussian's: past 6.7 sigma).
 BULK_SPREAD = 10.0
 BULK_SAMPLE = 4096  # magnitudes sampled for the median
 # Its other entries keep this many times its bound: twice, so trained weights, whose few far entries

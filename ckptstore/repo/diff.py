@@ -98,7 +98,7 @@ def _value_changes(old: Manifest, new: Manifest) -> list[TensorDiff]:
 
 
 def _values(manifest: Manifest) -> dict[str, str]:
-    """Each skeleton leaf that is no tensor, and each container's kind and length, as JSON text by path."""
+    """Each skeleton leaf that is no tensor as JSON text, and each container's kind, by path."""
     found: dict[str, str] = {}
     for record in manifest.files:
         if record.skeleton is not None:
