@@ -23,13 +23,16 @@ when the next `train()` begins, or at exit. `restore` writes a committed folder 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 (its exit hook must be registered before ours: _commit_the_waiting)
+import json
 import os
 import re
 import shutil
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +44,7 @@ from ckptstore.api import with_repo
 from ckptstore.errors import BackgroundCommitError, CkptError, DirtyWorktreeError, RefExistsError, RetentionError
 from ckptstore.hashing import CommitId
 from ckptstore.integrations.unchanged import head_if_unchanged
+from ckptstore.repo import background
 from ckptstore.repo.location import given_root
 from ckptstore.warn import warn_caller
 
@@ -50,6 +54,7 @@ if TYPE_CHECKING:
     from ckptstore.repo import Repository
     from ckptstore.repo.background import BackgroundCommit
 
+TRAINER_STATE_NAME = "trainer_state.json"  # the Trainer's state in each checkpoint-N folder
 _FOLDER = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
 
 
@@ -99,6 +104,9 @@ class CkptCallback(TrainerCallback):
         self._saved: _Saved | None = None  # a save whose commit has not begun
         self._pending: tuple[Path, CommitId | BackgroundCommit] | None = None  # the latest commit, not yet settled
         self._opened: Repository | None = None  # the repository opened from a path, kept open for commits in flight
+        self._prune_at_end = False  # the last save was committed inside on_save: prune at on_train_end
+        self._output_dir: Path | None = None  # where the folders committed last were saved
+        _ALL.add(self)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Note `args.output_dir/checkpoint-{global_step}` for a commit at the next hook (main process only).
@@ -118,9 +126,10 @@ class CkptCallback(TrainerCallback):
         # not the best one) and no hook runs in between: that last commit (at max_steps, or where a
         # callback such as early stopping ends training) must read the folder now
         last = state.global_step >= state.max_steps or control.should_training_stop
-        now = args.save_total_limit == 1 and last
+        now = args.save_total_limit == 1 and last and state.best_model_checkpoint is not None
         self._note(args, state, folder, self.blocking or now)
-        if now:
+        if now:  # its pruning waits for on_train_end: callbacks after this one may still read the folder
+            self._prune_at_end = True
             self._begin()
 
     def _note(self, args: TrainingArguments, state: TrainerState, folder: Path, blocking: bool) -> None:
@@ -136,6 +145,7 @@ class CkptCallback(TrainerCallback):
         self._saved = _Saved(folder, state.global_step, latest_metrics(state.log_history, state.global_step),
                              blocking, args, state)
         _WAITING.add(self)
+        background.end_on_sigterm_after(_holding)  # a SIGTERM before the next hook: commit it at the exit
 
     def _begin(self, blocking: bool | None = None) -> None:
         """Begin the commit of the folder on_save noted, if any: every callback's on_save has written it by now."""
@@ -210,8 +220,7 @@ class CkptCallback(TrainerCallback):
         if state.is_world_process_zero:
             repo = self._repository()
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-            if state.global_step and folder.is_dir() and not _restored_lossy(repo, self.branch, folder,
-                                                                             state.global_step):
+            if state.global_step and _resumed_from(folder, state) and not _restored_lossy(repo, self.branch, folder):
                 self._note(args, state, folder, self.blocking)  # takes over another Trainer's save of it
             _commit_waiting([c for c in _WAITING if c is not self],
                             lambda line: warn_caller(line, RuntimeWarning))
@@ -223,6 +232,8 @@ class CkptCallback(TrainerCallback):
         try:
             self._begin()
             self._settle(state)
+            self._prune_at_end = False
+            self._prune(state)
         finally:
             if self._opened is not None:
                 self._opened.close()
@@ -252,9 +263,20 @@ class CkptCallback(TrainerCallback):
                 raise
         self._pending = None
         self.committed[folder.resolve()] = result
-        if self.keep_folders is not None:
-            remove_committed_folders(folder.parent, self.committed, self.keep_folders, state.best_model_checkpoint,
-                                     state.global_step)
+        self._output_dir = folder.parent
+        self._prune(state)
+
+    def _prune(self, state: TrainerState) -> None:
+        """`keep_folders`: delete the older committed folders no other CkptCallback has yet to commit."""
+        if self.keep_folders is None or self._prune_at_end or self._output_dir is None:
+            return
+        held = {folder.resolve() for other in list(_ALL) if other is not self for folder in other._holds()}
+        remove_committed_folders(self._output_dir, self.committed, self.keep_folders, state.best_model_checkpoint,
+                                 state.global_step, held)
+
+    def _holds(self) -> list[Path]:
+        """The folders this callback has yet to commit: noted, or in flight."""
+        return [*([self._saved.folder] if self._saved else []), *([self._pending[0]] if self._pending else [])]
 
 
 @dataclass
@@ -272,6 +294,11 @@ class _Saved:
 # callbacks holding a save not yet begun; held strongly: a Trainer gone out of scope with its failed
 # run (a script's main() that raised) must still have its save committed at exit
 _WAITING: set[CkptCallback] = set()
+_ALL: weakref.WeakSet[CkptCallback] = weakref.WeakSet()  # every callback: keep_folders spares what others hold
+
+
+def _holding() -> bool:
+    return bool(_WAITING)
 
 
 def _commit_waiting(callbacks: list[CkptCallback], say: Callable[[str], None]) -> None:
@@ -297,17 +324,34 @@ def _commit_the_waiting() -> None:
               "`ckpt commit`", file=sys.stderr)
 
 
-def _restored_lossy(repo: Repository, branch: str | None, folder: Path, step: int) -> bool:
-    """Whether the branch's head is a lossy commit of this step's `checkpoint-N`: a folder restored from it.
+def _resumed_from(folder: Path, state: TrainerState) -> bool:
+    """Whether `folder` is the one the run resumed from: its trainer_state.json is the state just loaded.
 
-    Its files differ from the originals the commit records, so committing it again would not be refused
-    as unchanged: a second commit of the same save, quantized twice.
+    Another run's folder of the same step, left in output_dir, is not (its history differs).
     """
     try:
-        head = repo.commit_info(repo.resolve(branch if branch in repo.branches() else "HEAD"))
-    except CkptError:  # no commit yet
+        saved = json.loads((folder / TRAINER_STATE_NAME).read_text())
+    except (OSError, ValueError):
         return False
-    return head.lossy is not None and head.step == step and Path(head.source_path or "").name == folder.name
+    return isinstance(saved, dict) and saved.get("global_step") == state.global_step and saved.get(
+        "log_history") == state.log_history
+
+
+def _restored_lossy(repo: Repository, branch: str | None, folder: Path) -> bool:
+    """Whether the branch's head is a lossy commit of this very save: a folder restored from it.
+
+    Its weights differ from the originals the commit records, so committing it again would not be
+    refused as unchanged: a second commit of the same save, quantized twice. Its trainer_state.json,
+    stored exactly, tells it from another run's save of the same step.
+    """
+    from ckptstore.formats.filemap import file_digest
+
+    try:
+        head = repo.resolve(branch if branch in repo.branches() else "HEAD")
+        recorded = repo.manifest(head).digests.get(TRAINER_STATE_NAME)
+        return repo.commit_info(head).lossy is not None and recorded == file_digest(folder / TRAINER_STATE_NAME)
+    except (CkptError, OSError):  # no commit yet, or no such file
+        return False
 
 
 # before the thread pools stop at exit (atexit.register runs after: a commit could not start its pool)
@@ -354,19 +398,22 @@ def _warn_of_a_training_metric_kept_best(repo: Repository, args: TrainingArgumen
 
 
 def remove_committed_folders(output_dir: Path, committed: dict[Path, Any], keep: int,
-                             protected: str | None = None, step: int | None = None) -> list[Path]:
+                             protected: str | None = None, step: int | None = None,
+                             held: Set[Path] = frozenset()) -> list[Path]:
     """Delete the `checkpoint-N` folders in `output_dir` that are in `committed`, except the newest `keep`.
 
     Newest by step among the checkpoint folders on disk, committed or not, but for those past `step`
     (the run's own) that were not: an earlier run's, left ahead of a run resumed from an older
     checkpoint, which would otherwise push the resumed run's newest folders out. `protected` (the
-    best model's folder) is never deleted. Returns the folders deleted, which leave `committed`.
+    best model's folder) is never deleted, nor one in `held` (resolved: another callback has yet to
+    commit it). Returns the folders deleted, which leave `committed`.
     """
     on_disk = sorted((int(found[1]), path) for path in output_dir.iterdir()
                      if path.is_dir() and (found := _FOLDER.match(path.name)))
     ranked = [(n, path) for n, path in on_disk if step is None or n <= step or path.resolve() in committed]
     newest = {path for _, path in ranked[max(0, len(ranked) - keep):]}
     spared = {Path(protected).resolve()} if protected else set()
+    spared |= held
     removed = []
     for _, path in on_disk:
         real = path.resolve()

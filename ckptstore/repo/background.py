@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field, replace
@@ -153,6 +154,7 @@ _hooked: list[bool] = []
 _EXITING = threading.Event()  # the interpreter is ending: a failure has no next commit call to raise it
 _WAITING = threading.Event()  # the exit is waiting for the commits in flight (_at_exit)
 _TERMINATED = threading.Event()  # a SIGTERM began the exit, which is on its way to that wait
+_OTHER_WORK: list[Callable[[], bool]] = []  # whether an integration holds a commit its exit hook makes (hf)
 
 
 def _at_exit() -> None:
@@ -229,7 +231,7 @@ def _hook_sigterm() -> None:
 def _on_sigterm(signum: int, frame: Any) -> None:
     if _WAITING.is_set():  # the exit waits for the commits in flight: a SIGTERM must not cut that short
         raise SystemExit(128 + signum)  # _wait_through_signals says so and waits on
-    if not _LIVE:  # nothing in flight: end as the default handler would
+    if not _LIVE and not any(holds() for holds in _OTHER_WORK):  # nothing in flight: end as the default would
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
         return
@@ -237,6 +239,15 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         return
     _TERMINATED.set()
     raise SystemExit(128 + signum)  # the interpreter's exit waits for the commits in flight (_at_exit)
+
+
+def end_on_sigterm_after(holds: Callable[[], bool]) -> None:
+    """Let a SIGTERM end the process as an exit does (its exit hooks run) while `holds()` says work waits.
+
+    For a commit an integration makes in its own exit hook (a Trainer save whose next hook never came).
+    """
+    _OTHER_WORK.append(holds)
+    _hook_sigterm()
 
 
 def busy(repo: Repository) -> bool:

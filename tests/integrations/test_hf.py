@@ -280,6 +280,10 @@ class HoldAndCheck(TrainerCallback):
         if control.should_save and self.release is not None:
             self.release.touch()
 
+    def on_epoch_end(self, args, state, control, **kwargs):  # training stops: CkptCallback waits for the last
+        if control.should_training_stop and self.release is not None:
+            self.release.touch()
+
     def on_train_end(self, args, state, control, **kwargs):
         if self.release is not None:
             self.release.touch()
@@ -657,6 +661,108 @@ def test_a_run_resumed_from_a_restored_lossy_commit_does_not_commit_it_again(tmp
         resume_from_checkpoint=str(folder))
     with Repository.open(tmp_path / "repo") as repo:
         assert [c.step for c in repo.log("main")] == [6, 4, 2]
+
+
+def test_a_resumed_run_commits_no_other_runs_folder_of_its_step_left_in_output_dir(tmp_path):
+    """Resumed from a restored commit with output_dir holding another experiment's checkpoint-4, the run committed
+    that folder as its own step 4 (HF auditor 3, high)."""
+    Repository.init(tmp_path / "repo").close()
+    _trainer(tmp_path / "out", [CkptCallback(tmp_path / "repo")], steps=4).train()
+    shutil.rmtree(tmp_path / "out")
+    _trainer(tmp_path / "out", steps=4, weight_decay=0.5).train()  # experiment B, committed nowhere
+    folder = restore(tmp_path / "repo", "main", tmp_path / "back")
+    _trainer(tmp_path / "out", [CkptCallback(tmp_path / "repo")], steps=6).train(resume_from_checkpoint=str(folder))
+    with Repository.open(tmp_path / "repo") as repo:
+        assert [c.step for c in repo.log("main")] == [6, 4, 2]
+
+
+def test_a_resumed_lossy_run_commits_its_folder_though_another_runs_lossy_commit_of_the_step_is_head(tmp_path):
+    """The check for a folder restored from the lossy head went by its name and step: another run's uncommitted
+    checkpoint-2 was taken for it and never committed (HF auditor 3)."""
+    lossy = {"lossy": "balanced", "min_elements": 1}
+    Repository.init(tmp_path / "repo").close()
+    _trainer(tmp_path / "a", [CkptCallback(tmp_path / "repo", **lossy)], steps=2).train()
+    _trainer(tmp_path / "b", steps=2, weight_decay=0.5).train()  # its commit never happened
+    _trainer(tmp_path / "b", [CkptCallback(tmp_path / "repo", **lossy)], steps=4, weight_decay=0.5).train(
+        resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+    with Repository.open(tmp_path / "repo") as repo:
+        assert [(c.step, Path(c.source_path).parent.name) for c in repo.log("main")] == [(4, "b"), (2, "b"), (2, "a")]
+
+
+def test_keep_folders_deletes_no_folder_another_ckpt_callback_has_yet_to_commit(tmp_path):
+    """keep_folders=0 on main's callback deleted each folder before the lossy branch's callback read it: its
+    commits failed, 'checkpoint-2 does not exist' (HF auditor 3)."""
+    Repository.init(tmp_path / "repo").close()
+    for blocking in (True, False):
+        out = tmp_path / f"out-{blocking}"
+        callbacks = [CkptCallback(tmp_path / "repo", keep_folders=0, blocking=blocking, branch=f"main-{blocking}"),
+                     CkptCallback(tmp_path / "repo", branch=f"lossy-{blocking}", lossy="balanced", min_elements=1,
+                                  blocking=blocking)]
+        _trainer(out, callbacks, steps=6).train()
+        with Repository.open(tmp_path / "repo") as repo:
+            for branch in (f"main-{blocking}", f"lossy-{blocking}"):
+                assert [c.step for c in repo.log(branch)] == [6, 4, 2]
+        assert not list(out.iterdir())
+
+
+@pytest.mark.parametrize("best", [True, False])
+def test_the_last_save_of_a_save_total_limit_1_run_is_pruned_only_once_training_ends(tmp_path, best):
+    """With keep_folders=0 the last folder was deleted inside on_save, under a later callback's own on_save:
+    FileNotFoundError ended train() (HF auditor 3). Without a best model nothing deletes it before on_train_end:
+    its commit begins after on_save, so a later callback's files are in it."""
+    Repository.init(tmp_path / "repo").close()
+    evaluated = {"eval_dataset": _tokens()[:4], "eval_strategy": "steps", "eval_steps": 2,
+                 "load_best_model_at_end": True, "metric_for_best_model": "eval_loss", "greater_is_better": True}
+    _trainer(tmp_path / "out", [CkptCallback(tmp_path / "repo", keep_folders=0), WritesTokenizer()], steps=4,
+             save_total_limit=1, **(evaluated if best else {})).train()
+    with Repository.open(tmp_path / "repo") as repo:
+        last = repo.log("main")[0]
+        assert last.step == 4 and ("tokenizer.json" in {f.name for f in repo.manifest(last.id).files}) == (not best)
+    assert [p.name for p in (tmp_path / "out").iterdir()] == (["checkpoint-2"] if best else [])
+
+
+_TERMINATED_RUN = """
+import sys
+import time
+from pathlib import Path
+from transformers import TrainerCallback
+from ckptstore.integrations.hf import CkptCallback
+from tests.integrations.test_hf import _trainer
+
+
+class SlowUpload(TrainerCallback):  # a callback copying checkpoint-N away in its on_save
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == 4:
+            (root / "uploading").touch()
+            time.sleep(60)
+
+
+root = Path(sys.argv[1])
+_trainer(root / "out", [CkptCallback(root / "repo"), SlowUpload()], steps=8).train()
+"""
+
+
+def test_a_sigterm_between_a_save_and_the_next_hook_commits_the_save_and_exits_143(tmp_path):
+    """SLURM's or Kubernetes' SIGTERM while a later callback ran its on_save killed the process at once: the
+    save, whose commit begins at the next hook, was in no commit (HF auditor 3)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ckpt_env
+
+    Repository.init(tmp_path / "repo").close()
+    job = subprocess.Popen([sys.executable, "-c", _TERMINATED_RUN, str(tmp_path)], env=ckpt_env(),
+                           cwd=Path(__file__).parents[2], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "uploading").exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 143, err
+    with Repository.open(tmp_path / "repo") as repo:
+        assert [c.step for c in repo.log("main")] == [4, 2]
 
 
 def test_a_wrong_repository_is_said_when_training_begins(tmp_path):
