@@ -13,11 +13,11 @@ folders only in its own rotation (`save_total_limit`, inside its next save, befo
 on_save) and, with `save_total_limit=1` and a best model, right before on_train_end with no hook
 between. So the callback waits for the commit in flight at `on_step_end` / `on_epoch_end` whenever
 the Trainer is about to save or evaluate (a save follows only those), and commits the last save of
-a run inside on_save, blocking, when `save_total_limit=1`. A folder is deleted by `keep_folders`
-only once its commit's result is in; a failed commit raises at the next step, save or on_train_end,
-and its folder stays. A save whose next hook never comes (the step after it failed) is committed
-when the next `train()` begins, or at exit. `restore` writes a committed folder back as
-`output_dir/checkpoint-N` for `trainer.train(resume_from_checkpoint=...)`.
+a run inside on_save, blocking, when `save_total_limit=1` and a best model is tracked. A folder is
+deleted by `keep_folders` only once its commit's result is in; a failed commit raises at the next
+step, save or on_train_end, and its folder stays. A save whose next hook never comes (the step
+after it failed) is committed when the next `train()` begins, or at exit. `restore` writes a
+committed folder back as `output_dir/checkpoint-N` for `trainer.train(resume_from_checkpoint=...)`.
 """
 
 from __future__ import annotations
