@@ -765,6 +765,19 @@ def test_a_sigterm_between_a_save_and_the_next_hook_commits_the_save_and_exits_1
         assert [c.step for c in repo.log("main")] == [4, 2]
 
 
+def test_the_folder_a_run_resumed_from_is_known_though_its_history_logged_a_nan_loss(tmp_path):
+    """Its trainer_state.json is compared with the loaded state: both read NaN as json's one NaN object, equal."""
+    from ckptstore.integrations.hf import _resumed_from
+
+    state = TrainerState(global_step=2, log_history=[{"loss": float("nan"), "step": 2}])
+    (tmp_path / "checkpoint-2").mkdir()
+    state.save_to_json(str(tmp_path / "checkpoint-2" / "trainer_state.json"))
+    loaded = TrainerState.load_from_json(str(tmp_path / "checkpoint-2" / "trainer_state.json"))
+    assert _resumed_from(tmp_path / "checkpoint-2", loaded)
+    loaded.log_history[0]["loss"] = 1.0
+    assert not _resumed_from(tmp_path / "checkpoint-2", loaded)
+
+
 def test_a_wrong_repository_is_said_when_training_begins(tmp_path):
     """A path naming no repository was said at the first save, after its steps had run (DDP integrations auditor)."""
     from ckptstore.errors import RepoNotFoundError
