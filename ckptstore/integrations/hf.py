@@ -145,7 +145,9 @@ class CkptCallback(TrainerCallback):
         self._saved = _Saved(folder, state.global_step, latest_metrics(state.log_history, state.global_step),
                              blocking, args, state)
         _WAITING.add(self)
-        background.end_on_sigterm_after(_holding)  # a SIGTERM before the next hook: commit it at the exit
+        if not _SIGTERM_HOOKED:  # a SIGTERM before the next hook: commit it at the exit
+            background.end_on_sigterm_after(_holding)
+            _SIGTERM_HOOKED.append(True)
 
     def _begin(self, blocking: bool | None = None) -> None:
         """Begin the commit of the folder on_save noted, if any: every callback's on_save has written it by now."""
@@ -158,12 +160,19 @@ class CkptCallback(TrainerCallback):
         run = args.run_name or Path(args.output_dir).name
         repo = self._repository()
         _warn_of_a_training_metric_kept_best(repo, args)
+        _COMMITTING.append(self)  # a SIGTERM meanwhile ends the process as an exit does: its hook commits it
         try:
             result = head_if_unchanged(repo, self.branch, lambda: repo.commit(
                 folder, message=f"{run}: {folder.name}", step=step, metrics=metrics, branch=self.branch,
                 lossy=self.lossy, blocking=blocking, **self.knobs))
         except RetentionError as exc:
             result = _recorded_despite(exc, folder)
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C, a SIGTERM: nothing recorded, and the exit commits it
+            self._saved = saved
+            _WAITING.add(self)
+            raise
+        finally:
+            _COMMITTING.remove(self)
         self._pending = (folder, result)
         if blocking:
             self._settle(state)
@@ -217,10 +226,12 @@ class CkptCallback(TrainerCallback):
         Saves of earlier `train()` calls that failed before their next hook are committed now, before
         this run's: at exit they would have gone on top of its commits.
         """
+        self._prune_at_end = False  # an earlier train() that failed after its last save
         if state.is_world_process_zero:
             repo = self._repository()
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-            if state.global_step and _resumed_from(folder, state) and not _restored_lossy(repo, self.branch, folder):
+            if state.global_step and _resumed_from(folder, state, kwargs.get("model")) and not _in_the_store(repo,
+                                                                                                             folder):
                 self._note(args, state, folder, self.blocking)  # takes over another Trainer's save of it
             _commit_waiting([c for c in _WAITING if c is not self],
                             lambda line: warn_caller(line, RuntimeWarning))
@@ -297,8 +308,12 @@ _WAITING: set[CkptCallback] = set()
 _ALL: weakref.WeakSet[CkptCallback] = weakref.WeakSet()  # every callback: keep_folders spares what others hold
 
 
+_COMMITTING: list[CkptCallback] = []  # callbacks inside a commit they began (a blocking one may be interrupted)
+_SIGTERM_HOOKED: list[bool] = []
+
+
 def _holding() -> bool:
-    return bool(_WAITING)
+    return bool(_WAITING or _COMMITTING)
 
 
 def _commit_waiting(callbacks: list[CkptCallback], say: Callable[[str], None]) -> None:
@@ -324,34 +339,51 @@ def _commit_the_waiting() -> None:
               "`ckpt commit`", file=sys.stderr)
 
 
-def _resumed_from(folder: Path, state: TrainerState) -> bool:
-    """Whether `folder` is the one the run resumed from: its trainer_state.json is the state just loaded.
+def _resumed_from(folder: Path, state: TrainerState, model: Any) -> bool:
+    """Whether `folder` is the one the run resumed from: its state and weights are what the run just loaded.
 
-    Another run's folder of the same step, left in output_dir, is not (its history differs).
+    Its trainer_state.json is the state, its model.safetensors the model's weights. Another run's
+    folder of the same step, left in output_dir, is not: its weights differ (its history may not,
+    where no step was logged yet).
     """
     try:
         saved = json.loads((folder / TRAINER_STATE_NAME).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(saved, dict) and saved.get("global_step") == state.global_step and saved.get(
-        "log_history") == state.log_history
+    if not (isinstance(saved, dict) and saved.get("global_step") == state.global_step
+            and saved.get("log_history") == state.log_history):
+        return False
+    weights = folder / "model.safetensors"
+    if model is None or not weights.is_file():  # sharded or .bin weights: the state alone tells
+        return True
+    from safetensors.torch import load_file
+
+    loaded = model.state_dict()
+    try:
+        stored = load_file(weights)
+    except Exception:  # not a safetensors file the library reads: not the weights the model loaded
+        return False
+    shared = stored.keys() & loaded.keys()
+    return bool(shared) and all(stored[k].shape == loaded[k].shape and stored[k].dtype == loaded[k].dtype and bool(
+        (stored[k] == loaded[k].detach().cpu()).all()) for k in shared)
 
 
-def _restored_lossy(repo: Repository, branch: str | None, folder: Path) -> bool:
-    """Whether the branch's head is a lossy commit of this very save: a folder restored from it.
+def _in_the_store(repo: Repository, folder: Path) -> bool:
+    """Whether some one commit holds every file of `folder` as it is (committed, or written by a checkout of it).
 
-    Its weights differ from the originals the commit records, so committing it again would not be
-    refused as unchanged: a second commit of the same save, quantized twice. Its trainer_state.json,
-    stored exactly, tells it from another run's save of the same step.
+    A folder restored from a lossy commit differs from the originals that commit records, so
+    committing it again would not be refused as unchanged: a second commit of the same save.
     """
     from ckptstore.formats.filemap import file_digest
+    from ckptstore.metadata import files as file_rows
 
     try:
-        head = repo.resolve(branch if branch in repo.branches() else "HEAD")
-        recorded = repo.manifest(head).digests.get(TRAINER_STATE_NAME)
-        return repo.commit_info(head).lossy is not None and recorded == file_digest(folder / TRAINER_STATE_NAME)
-    except (CkptError, OSError):  # no commit yet, or no such file
+        digests = [file_digest(path) for path in sorted(folder.rglob("*")) if path.is_file()]
+        with repo.db.read() as tx:
+            holders = [set(file_rows.commits_of_digest(tx, digest)) for digest in digests]
+    except (CkptError, OSError):
         return False
+    return bool(holders) and bool(set.intersection(*holders))
 
 
 # before the thread pools stop at exit (atexit.register runs after: a commit could not start its pool)

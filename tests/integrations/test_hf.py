@@ -37,12 +37,13 @@ def _tokens() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def _trainer(output_dir: Path, callbacks=(), steps: int = STEPS, eval_dataset=None, **extra) -> Trainer:
+def _trainer(output_dir: Path, callbacks=(), steps: int = STEPS, eval_dataset=None, logging_steps: int = 1,
+             **extra) -> Trainer:
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=LENGTH, bos_token_id=0,
                         eos_token_id=0)
     args = TrainingArguments(output_dir=str(output_dir), run_name="tiny-gpt2", max_steps=steps, save_steps=2,
-                             logging_steps=1, per_device_train_batch_size=4, learning_rate=1e-3, seed=0,
+                             logging_steps=logging_steps, per_device_train_batch_size=4, learning_rate=1e-3, seed=0,
                              use_cpu=True, report_to=[], dataloader_num_workers=0, disable_tqdm=True, **extra)
     return Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=_tokens(), eval_dataset=eval_dataset,
                    callbacks=list(callbacks))
@@ -663,46 +664,52 @@ def test_a_run_resumed_from_a_restored_lossy_commit_does_not_commit_it_again(tmp
         assert [c.step for c in repo.log("main")] == [6, 4, 2]
 
 
-def test_a_resumed_run_commits_no_other_runs_folder_of_its_step_left_in_output_dir(tmp_path):
+@pytest.mark.parametrize("logging_steps", [1, 500])
+def test_a_resumed_run_commits_no_other_runs_folder_of_its_step_left_in_output_dir(tmp_path, logging_steps):
     """Resumed from a restored commit with output_dir holding another experiment's checkpoint-4, the run committed
-    that folder as its own step 4 (HF auditor 3, high)."""
+    that folder as its own step 4 (HF auditor 3, high); with nothing logged yet both folders' histories were
+    empty, and it still did (reader 23)."""
+    logged = {"logging_steps": logging_steps}
     Repository.init(tmp_path / "repo").close()
-    _trainer(tmp_path / "out", [CkptCallback(tmp_path / "repo")], steps=4).train()
+    _trainer(tmp_path / "out", [CkptCallback(tmp_path / "repo")], steps=4, **logged).train()
     shutil.rmtree(tmp_path / "out")
-    _trainer(tmp_path / "out", steps=4, weight_decay=0.5).train()  # experiment B, committed nowhere
+    _trainer(tmp_path / "out", steps=4, weight_decay=0.5, **logged).train()  # experiment B, committed nowhere
     folder = restore(tmp_path / "repo", "main", tmp_path / "back")
-    _trainer(tmp_path / "out", [CkptCallback(tmp_path / "repo")], steps=6).train(resume_from_checkpoint=str(folder))
+    _trainer(tmp_path / "out", [CkptCallback(tmp_path / "repo")], steps=6, **logged).train(
+        resume_from_checkpoint=str(folder))
     with Repository.open(tmp_path / "repo") as repo:
         assert [c.step for c in repo.log("main")] == [6, 4, 2]
 
 
-def test_a_resumed_lossy_run_commits_its_folder_though_another_runs_lossy_commit_of_the_step_is_head(tmp_path):
+@pytest.mark.parametrize("logging_steps", [1, 500])
+def test_a_resumed_lossy_run_commits_its_folder_though_another_runs_lossy_commit_of_the_step_is_head(
+        tmp_path, logging_steps):
     """The check for a folder restored from the lossy head went by its name and step: another run's uncommitted
-    checkpoint-2 was taken for it and never committed (HF auditor 3)."""
-    lossy = {"lossy": "balanced", "min_elements": 1}
+    checkpoint-2 was taken for it and never committed (HF auditor 3); then by trainer_state.json, which two runs
+    that logged nothing yet write alike (reader 23)."""
+    lossy, logged = {"lossy": "balanced", "min_elements": 1}, {"logging_steps": logging_steps}
     Repository.init(tmp_path / "repo").close()
-    _trainer(tmp_path / "a", [CkptCallback(tmp_path / "repo", **lossy)], steps=2).train()
-    _trainer(tmp_path / "b", steps=2, weight_decay=0.5).train()  # its commit never happened
-    _trainer(tmp_path / "b", [CkptCallback(tmp_path / "repo", **lossy)], steps=4, weight_decay=0.5).train(
+    _trainer(tmp_path / "a", [CkptCallback(tmp_path / "repo", **lossy)], steps=2, **logged).train()
+    _trainer(tmp_path / "b", steps=2, weight_decay=0.5, **logged).train()  # its commit never happened
+    _trainer(tmp_path / "b", [CkptCallback(tmp_path / "repo", **lossy)], steps=4, weight_decay=0.5, **logged).train(
         resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
     with Repository.open(tmp_path / "repo") as repo:
         assert [(c.step, Path(c.source_path).parent.name) for c in repo.log("main")] == [(4, "b"), (2, "b"), (2, "a")]
 
 
-def test_keep_folders_deletes_no_folder_another_ckpt_callback_has_yet_to_commit(tmp_path):
+@pytest.mark.parametrize("blocking", [True, False])
+def test_keep_folders_deletes_no_folder_another_ckpt_callback_has_yet_to_commit(tmp_path, blocking):
     """keep_folders=0 on main's callback deleted each folder before the lossy branch's callback read it: its
-    commits failed, 'checkpoint-2 does not exist' (HF auditor 3)."""
+    commits failed, 'checkpoint-2 does not exist' (HF auditor 3). Blocking, the lossy branch's first commit
+    equalled HEAD's and was refused as unchanged: RefNotFoundError for the branch never made (reader 23)."""
     Repository.init(tmp_path / "repo").close()
-    for blocking in (True, False):
-        out = tmp_path / f"out-{blocking}"
-        callbacks = [CkptCallback(tmp_path / "repo", keep_folders=0, blocking=blocking, branch=f"main-{blocking}"),
-                     CkptCallback(tmp_path / "repo", branch=f"lossy-{blocking}", lossy="balanced", min_elements=1,
-                                  blocking=blocking)]
-        _trainer(out, callbacks, steps=6).train()
-        with Repository.open(tmp_path / "repo") as repo:
-            for branch in (f"main-{blocking}", f"lossy-{blocking}"):
-                assert [c.step for c in repo.log(branch)] == [6, 4, 2]
-        assert not list(out.iterdir())
+    callbacks = [CkptCallback(tmp_path / "repo", keep_folders=0, blocking=blocking),
+                 CkptCallback(tmp_path / "repo", branch="lossy", lossy="balanced", min_elements=1, blocking=blocking)]
+    _trainer(tmp_path / "out", callbacks, steps=6).train()
+    with Repository.open(tmp_path / "repo") as repo:
+        for branch in ("main", "lossy"):
+            assert [c.step for c in repo.log(branch)][:3] == [6, 4, 2]
+    assert not list((tmp_path / "out").iterdir())
 
 
 @pytest.mark.parametrize("best", [True, False])
@@ -773,9 +780,49 @@ def test_the_folder_a_run_resumed_from_is_known_though_its_history_logged_a_nan_
     (tmp_path / "checkpoint-2").mkdir()
     state.save_to_json(str(tmp_path / "checkpoint-2" / "trainer_state.json"))
     loaded = TrainerState.load_from_json(str(tmp_path / "checkpoint-2" / "trainer_state.json"))
-    assert _resumed_from(tmp_path / "checkpoint-2", loaded)
+    assert _resumed_from(tmp_path / "checkpoint-2", loaded, None)  # no weights file: the state alone tells
     loaded.log_history[0]["loss"] = 1.0
-    assert not _resumed_from(tmp_path / "checkpoint-2", loaded)
+    assert not _resumed_from(tmp_path / "checkpoint-2", loaded, None)
+
+
+_TERMINATED_IN_A_COMMIT = """
+import sys
+from pathlib import Path
+from ckptstore.integrations.hf import CkptCallback
+from tests.integrations.test_hf import _trainer
+
+root = Path(sys.argv[1])
+callbacks = [CkptCallback(root / "repo", blocking=True),
+             CkptCallback(root / "repo", branch="lossy", lossy="balanced", min_elements=1, blocking=True)]
+_trainer(root / "out", callbacks, steps=8).train()
+"""
+
+
+def test_a_sigterm_inside_a_blocking_commit_leaves_it_to_the_exit_which_commits_every_waiting_save(tmp_path):
+    """The SIGTERM's exit cut main's blocking commit of checkpoint-2 short while the lossy branch's waited: exit
+    143, the lossy branch committed and main's save in no commit, unsaid (reader 23)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ckpt_env
+
+    Repository.init(tmp_path / "repo").close()
+    gate = tmp_path / "gate"
+    job = subprocess.Popen([sys.executable, "-c", _TERMINATED_IN_A_COMMIT, str(tmp_path)],
+                           env=ckpt_env(CKPT_WAIT_AT=f"commit:read={gate}"), cwd=Path(__file__).parents[2],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not Path(f"{gate}.reached").exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    gate.touch()
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 143, err
+    with Repository.open(tmp_path / "repo") as repo:
+        assert [c.step for c in repo.log("main")] == [2] and [c.step for c in repo.log("lossy")][0] == 2
 
 
 def test_a_wrong_repository_is_said_when_training_begins(tmp_path):
