@@ -356,16 +356,25 @@ def _resumed_from(folder: Path, state: TrainerState, model: Any) -> bool:
     weights = folder / "model.safetensors"
     if model is None or not weights.is_file():  # sharded or .bin weights: the state alone tells
         return True
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     loaded = model.state_dict()
     try:
-        stored = load_file(weights)
+        with safe_open(weights, framework="pt") as stored:  # a tensor at a time: no second copy of a large model
+            shared = [k for k in stored.keys() if k in loaded]
+            return bool(shared) and all(_same_tensor(stored.get_tensor(k), loaded[k]) for k in shared)
     except Exception:  # not a safetensors file the library reads: not the weights the model loaded
         return False
-    shared = stored.keys() & loaded.keys()
-    return bool(shared) and all(stored[k].shape == loaded[k].shape and stored[k].dtype == loaded[k].dtype and bool(
-        (stored[k] == loaded[k].detach().cpu()).all()) for k in shared)
+
+
+def _same_tensor(stored: Any, loaded: Any) -> bool:
+    """Bit for bit (a NaN weight is its own equal here)."""
+    import torch
+
+    if stored.shape != loaded.shape or stored.dtype != loaded.dtype:
+        return False
+    as_bytes = [t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in (stored, loaded)]
+    return torch.equal(*as_bytes)
 
 
 def _in_the_store(repo: Repository, folder: Path) -> bool:
