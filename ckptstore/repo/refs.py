@@ -120,6 +120,11 @@ def _base(tx: Tx, spec: str) -> CommitId:
             raise AmbiguousRefError(f"commit prefix {spec!r} matches {len(matches)} commits; give more digits")
     if row is not None:
         return CommitId(row.commit_id)
+    tracking = [name.removeprefix("remotes/") for name in ref_rows.names(tx, (ref_rows.REMOTE,))
+                if name.endswith(f"/{spec}")]
+    if tracking:  # git makes the branch from its remote's; here it is one command
+        raise RefNotFoundError(spec, detail=f" as a branch here; {tracking[0]} is a remote's: `ckpt branch {spec} "
+                                            f"{tracking[0]}`, then `ckpt checkout {spec}`")
     raise RefNotFoundError(spec, difflib.get_close_matches(spec, [*ref_rows.names(tx), HEAD], n=3, cutoff=0.5))
 
 

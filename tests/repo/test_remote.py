@@ -674,6 +674,21 @@ def test_a_pull_into_a_branch_head_is_not_on_says_which_branch_moved_and_that_he
     assert again.returncode == 0 and again.stdout.splitlines()[-1] == "main is already up to date"
 
 
+def test_a_branch_only_a_remote_has_is_named_with_the_command_that_makes_it_here(pair, tmp_path):
+    """After a fetch, `ckpt checkout teammate` said only "unknown ref 'teammate'" though origin/teammate was there
+    (git-habits auditor)."""
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    with Repository.open(hub_path) as hub:
+        hub.branch("teammate", cids[0])
+    remote.fetch(work, "origin")
+    with pytest.raises(RefNotFoundError, match=r"unknown ref 'teammate' as a branch here; origin/teammate is a "
+                                               r"remote's: `ckpt branch teammate origin/teammate`, then"):
+        work.resolve("teammate")
+    with pytest.raises(RefNotFoundError, match=r"unknown ref 'nobody'\.$"):
+        work.resolve("nobody")
+
+
 def test_a_pull_killed_before_it_wrote_its_files_is_ended_by_the_next_pull(tmp_path):
     """The first pull moved the branch; the rerun used to find it up to date and leave the old file in place."""
     with Repository.init(tmp_path / "work") as work:
