@@ -46,6 +46,7 @@ from ckptstore.hashing import CommitId
 from ckptstore.integrations.unchanged import head_if_unchanged
 from ckptstore.repo import background
 from ckptstore.repo.location import given_root
+from ckptstore.repo.watch import TRAINER_STATE
 from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
     from ckptstore.repo import Repository
     from ckptstore.repo.background import BackgroundCommit
 
-TRAINER_STATE_NAME = "trainer_state.json"  # the Trainer's state in each checkpoint-N folder
 _FOLDER = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
 
 
@@ -347,7 +347,7 @@ def _resumed_from(folder: Path, state: TrainerState, model: Any) -> bool:
     where no step was logged yet).
     """
     try:
-        saved = json.loads((folder / TRAINER_STATE_NAME).read_text())
+        saved = json.loads((folder / TRAINER_STATE).read_text())
     except (OSError, ValueError):
         return False
     if not (isinstance(saved, dict) and saved.get("global_step") == state.global_step
