@@ -13,6 +13,7 @@ import numpy as np
 from ckptstore.errors import CkptError
 from ckptstore.repo.checkout import restore
 from ckptstore.repo.integrity import entry_records
+from ckptstore.repo.select import CONTAINERS, LEAVES_WITH_ENTRY, item_path
 from ckptstore.repo.sharded import gather, is_sharded
 from ckptstore.state import (
     BYTES_DTYPE,
@@ -20,9 +21,8 @@ from ckptstore.state import (
     element_slices,
     escape,
     float64_values,
-    key_component,
+    join,
     readable_path,
-    unflatten,
 )
 
 if TYPE_CHECKING:
@@ -111,38 +111,35 @@ def _values(manifest: Manifest) -> dict[str, str]:
 
 def _walk(node: Any, path: str, found: dict[str, str]) -> None:
     kind = node[0] if isinstance(node, list) and node and isinstance(node[0], str) else None
-    if kind in _ENTRIES:  # stored as entries: compared as tensors
+    if kind in LEAVES_WITH_ENTRY:  # stored as entries: compared as tensors
         return
-    if kind in _CONTAINERS and len(node) > 1 and isinstance(node[1], list):
+    if kind in CONTAINERS and len(node) > 1 and isinstance(node[1], list):
         found[path or "/"] = kind  # its items are rows of their own: a key added is one row, not two
         keyed = kind in ("dict", "odict")
         for index, item in enumerate(node[1]):
-            key, child = (item[0], item[1]) if keyed and isinstance(item, list) and len(item) == 2 else (index, item)
-            _walk(child, _below(path, key), found)
+            if keyed and isinstance(item, list) and len(item) == 2:
+                _walk(item[1], _below(path, item[0]), found)
+            else:
+                _walk(item, join(path, str(index)), found)
         extras = node[2] if kind == "odict" and len(node) > 2 and isinstance(node[2], dict) else {}
+        where = f"{path}/%attrs" if path else "%attrs"  # an OrderedDict's attributes: state_dict()._metadata
         for item in extras.get("attrs", []) if isinstance(extras.get("attrs"), list) else []:
-            if isinstance(item, list) and len(item) == 2:  # state_dict()._metadata: module versions
-                _walk(item[1], _below(f"{path}/%attrs" if path else "%attrs", item[0]), found)
+            if isinstance(item, list) and len(item) == 2:
+                _walk(item[1], join(where, item[0]) if isinstance(item[0], str) else _below(where, item[0]), found)
         return
     found[path or "/"] = json.dumps(node, sort_keys=True)
 
 
 def _below(path: str, key: Any) -> str:
-    """The path of a dict key's item as flatten names it (a tuple key's too); a forged key by its JSON, marked."""
+    """The path flatten gave a dict item (select.item_path); a forged key's by its JSON, marked."""
     try:
-        part = key_component(unflatten(key, _no_entry) if isinstance(key, list) else key)
+        return item_path(path, key)
     except (CkptError, TypeError, ValueError, KeyError, IndexError, RecursionError):
         part = "%json:" + escape(json.dumps(key))
-    return f"{path}/{part}" if path else part
-
-
-def _no_entry(path: str) -> Any:
-    raise CkptError(f"a dict key refers to stored data at {path!r}")
+        return f"{path}/{part}" if path else part
 
 
 VALUE = "value"  # a TensorDiff's dtype for a non-tensor value
-_ENTRIES = ("tensor", "bytes", "bytearray", "ndarray")
-_CONTAINERS = ("dict", "odict", "list", "tuple", "set", "frozenset")
 
 
 def _same_file_containers(old: Manifest, new: Manifest) -> set[str]:

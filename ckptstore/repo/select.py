@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
     from ckptstore.repo.worktree import CheckoutPlan
 
-_CONTAINERS = ("dict", "odict", "list", "tuple", "set", "frozenset")
-_LEAVES_WITH_ENTRY = ("tensor", "bytes", "bytearray", "ndarray")
+CONTAINERS = ("dict", "odict", "list", "tuple", "set", "frozenset")  # skeleton nodes holding others
+LEAVES_WITH_ENTRY = ("tensor", "bytes", "bytearray", "ndarray")  # skeleton nodes naming a stored entry
 
 
 class NothingSelectedError(CkptError):
@@ -150,11 +150,11 @@ class _Pruner:
         """`node` with only matched values, or None when nothing under it matched."""
         if self.wanted.match(path):
             return node
-        if not isinstance(node, list) or node[0] not in _CONTAINERS:
+        if not isinstance(node, list) or node[0] not in CONTAINERS:
             return None
         if node[0] in ("dict", "odict"):
             items = [[k, kept] for k, v in node[1]
-                     if (kept := self.prune(v, join_key(path, unflatten(k, _no_lookup)))) is not None]
+                     if (kept := self.prune(v, item_path(path, k))) is not None]
             return [node[0], items, *node[2:]] if items else None  # an odict keeps its attrs (module versions)
         items = [v for i, item in enumerate(node[1]) if (v := self.prune(item, join(path, str(i)))) is not None]
         return [node[0], items] if items else None
@@ -178,10 +178,15 @@ def aliases(manifest: Manifest) -> dict[str, str]:
             if node[0] == "tensor" and node[1] != path:
                 found[path] = node[1]
             elif node[0] in ("dict", "odict"):
-                stack.extend((v, join_key(path, unflatten(k, _no_lookup))) for k, v in node[1])
-            elif node[0] in _CONTAINERS:
+                stack.extend((v, item_path(path, k)) for k, v in node[1])
+            elif node[0] in CONTAINERS:
                 stack.extend((v, join(path, str(i))) for i, v in enumerate(node[1]))
     return found
+
+
+def item_path(path: str, key: Any) -> str:
+    """The path flatten gave the dict item below `path` whose key the skeleton holds as `key` (a tuple's too)."""
+    return join_key(path, unflatten(key, _no_lookup))
 
 
 def _no_lookup(path: str) -> Any:
@@ -195,9 +200,9 @@ def _entries_in(node: Any) -> set[str]:
     while stack:
         item = stack.pop()
         if isinstance(item, list) and item and isinstance(item[0], str):
-            if item[0] in _LEAVES_WITH_ENTRY:
+            if item[0] in LEAVES_WITH_ENTRY:
                 found.add(item[1])
-            elif item[0] in _CONTAINERS:
+            elif item[0] in CONTAINERS:
                 stack.extend(item[1] if item[0] not in ("dict", "odict") else [v for _, v in item[1]])
                 if item[0] == "odict" and len(item) > 2:
                     stack.extend(v for _, v in item[2].get("attrs", []))
