@@ -11,7 +11,6 @@ from ckptstore.errors import CkptError, CorruptObjectError, StoreUnavailableErro
 from ckptstore.hashing import ObjectId
 from ckptstore.metadata import liveness
 from ckptstore.objectstore.fallback import held_here
-from ckptstore.repo import owner
 from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
@@ -59,7 +58,6 @@ def gc(repo: Repository, prune_unreachable: bool = False, wait: bool = True) -> 
     records that say what the remaining commits need are damaged: what they lost track of may
     be the only copy. `wait` False: RepoLockedError at once instead of waiting.
     """
-    owner.refuse_anothers(repo)
     with repo.lock(exclusive=True, wait=wait):
         return collect(repo, prune_unreachable)
 

@@ -43,7 +43,6 @@ from ckptstore.policy import ChainCosts, EncodingSettings, chain_limit, chunk_si
 from ckptstore.policy.lossless import LOSSLESS_CODEC
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource, replay
-from ckptstore.repo import owner
 from ckptstore.repo.chaincost import auto_costs
 from ckptstore.repo.compaction import compact
 from ckptstore.repo.config import RetentionPolicy
@@ -99,7 +98,6 @@ def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool
             kept, bases = retention_rows.listed_tensors(tx, gone), retention_rows.all_bases(tx)
             report.pruned, report.tensors_reencoded = sorted(gone), len(_relinks(kept, bases))
         return report
-    owner.refuse_anothers(repo)
     with repo.lock(exclusive=True, wait=wait):
         with repo.db.read() as tx:
             gone = _doomed(tx, policy)
