@@ -159,14 +159,12 @@ def _refuse_inside_a_save(folder: Path) -> None:
     Its files are parts of one save, not checkpoints each (DeepSpeed's global_stepN holds the model
     and optimizer files of one step): watched, a half-written save would be committed piece by piece.
     """
-    if TRAINER_FOLDER.match(folder.name):
-        raise CkptError(f"{folder} is a checkpoint folder: watch the folder it is saved in ({folder.parent}), "
-                        f"or `ckpt commit {folder}`")
-    save = next((parent for parent in folder.parents if TRAINER_FOLDER.match(parent.name)), None)
+    own = TRAINER_FOLDER.match(folder.name)
+    save = None if own else next((parent for parent in folder.parents if TRAINER_FOLDER.match(parent.name)), None)
     if save is not None and _is_a_save(save):
         raise CkptError(f"{folder} is inside the checkpoint folder {save}, whose files are parts of one save: watch "
                         f"the folder it is saved in ({save.parent}), or `ckpt commit {save}`")
-    if GLOBAL_STEP.match(folder.name):  # DeepSpeed's save on its own
+    if own or GLOBAL_STEP.match(folder.name):  # a Trainer's save, or DeepSpeed's on its own
         raise CkptError(f"{folder} is a checkpoint folder: watch the folder it is saved in ({folder.parent}), "
                         f"or `ckpt commit {folder}`")
 
