@@ -1,0 +1,87 @@
+"""The `ckpt` group, its options, and what every command uses: the repository it names, waiting for the lock."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ckptstore.cli.output import echo
+from ckptstore.errors import RepoLockedError
+from ckptstore.repo import Repository, named_root
+
+
+def _show_help(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        echo(ctx.get_help())
+        ctx.exit()
+
+
+def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        from importlib.metadata import version
+
+        echo(f"ckpt, version {version('ckptstore')}")
+        ctx.exit()
+
+
+class _Command(click.Command):
+    """A command whose --help is written as all output is: a stdout that refuses it fails as `ckpt log`'s does."""
+
+    def get_help_option(self, ctx: click.Context) -> click.Option | None:
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.callback = _show_help
+        return option
+
+
+class _Group(_Command, click.Group):
+    command_class = _Command
+    group_class = type  # its groups are _Groups too
+
+
+@click.group(cls=_Group)
+@click.option("--repo", envvar="CKPT_REPO", help="Repository folder (that folder itself; default: the one at or above "
+                                                 "the current folder).")
+@click.option("--read-only", is_flag=True, help="Open the repository without writing to it.")
+@click.option("--debug", is_flag=True, help="Print the traceback of an error.")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
+              help="Show the version and exit.")
+@click.pass_context
+def cli(ctx: click.Context, repo: str | None, read_only: bool, debug: bool) -> None:
+    """A git-like store for training checkpoints (read-only where its folder cannot be written)."""
+    from_env = ctx.get_parameter_source("repo") is click.core.ParameterSource.ENVIRONMENT
+    ctx.obj = {"repo": repo or None, "named_by": "CKPT_REPO=" if from_env else "--repo ", "read_only": read_only}
+
+
+def folder_named(ctx: click.Context) -> Path | None:
+    """The repository folder --repo or CKPT_REPO names (never one above it), or None: search up from here."""
+    folder = ctx.obj.get("repo")
+    return named_root(folder, ctx.obj["named_by"]) if folder else None
+
+
+def open_repo(ctx: click.Context) -> Repository:
+    """The repository the command works on, read-only where --read-only says so; closed when the command ends."""
+    repo = Repository.open(folder_named(ctx), read_only=True if ctx.obj.get("read_only") else None)
+    ctx.call_on_close(repo.close)
+    return repo
+
+
+def remote_verbs() -> Any:
+    """The remote verbs, imported by the commands that use them (every other command starts faster)."""
+    from ckptstore.repo import remote
+
+    return remote
+
+
+def saying_it_waits(run: Callable[[bool], Any]) -> Any:
+    """`run(wait=False)`; when the repository lock is taken, say so on stderr, then wait for it: no silent hang."""
+    try:
+        return run(False)
+    except RepoLockedError:
+        click.echo("waiting for the repository lock: another ckpt process holds it (a commit, push, fetch, gc or "
+                   "prune in flight; a sharded save whose ranks failed, until its process saves again or exits)",
+                   err=True)
+        return run(True)

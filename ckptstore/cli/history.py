@@ -1,0 +1,202 @@
+"""`ckpt log`, `show`, `diff`, `stats`, `branch`, `tag`: reading the history and naming commits."""
+
+from __future__ import annotations
+
+import datetime
+
+import click
+
+from ckptstore.cli.group import cli, open_repo
+from ckptstore.cli.output import echo, emit_json, indented, size
+from ckptstore.errors import listing, shown_name
+from ckptstore.repo import subject
+
+
+@cli.command()
+@click.option("--graph", is_flag=True, help="Draw the history as a graph.")
+@click.option("--all", "all_refs", is_flag=True, help="Every branch and tag, not only HEAD.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def log(ctx, graph, all_refs, as_json) -> None:
+    """Show the history."""
+    if graph and as_json:  # --graph was dropped without a word
+        raise click.UsageError("--graph draws text; --json lists the commits: choose one")
+    repo = open_repo(ctx)
+    if as_json:
+        return emit_json([dict(c.to_json(), **({"pruned": True} if c.pruned else {}))
+                          for c in repo.log(all_refs=all_refs)])
+    if graph:
+        for line in repo.log_graph(all_refs=all_refs) or _unborn_head(repo):
+            echo(line)
+        return None
+    labels = repo.decorations()
+    commits = repo.log(all_refs=all_refs)
+    for line in [] if commits else _unborn_head(repo):
+        echo(line)
+    for info in commits:
+        deco = f" ({', '.join(labels[info.id])})" if info.id in labels else ""
+        when = commit_time(info.created_at)
+        lossy = f"\nLossy:  {info.lossy}" if info.lossy else ""
+        lossy += "\nPruned: its tensors were removed by `ckpt prune`" if info.pruned else ""
+        echo(f"commit {info.id}{deco}\nDate:   {when}\nStep:   {info.step}{lossy}")
+        if info.metrics:
+            echo("Metrics: " + ", ".join(f"{shown_name(k)}={v:g}" for k, v in info.metrics.items()))
+        echo(f"\n{indented(info.message)}\n")
+    return None
+
+
+def commit_time(seconds: float) -> str:
+    """A commit's time in this machine's zone with its UTC offset, as git shows it; a time no date holds as @SECONDS.
+
+    Without the offset two machines' logs of one shared repository disagreed unsaid; a time past
+    year 9999 (a machine's clock, a remote's record) stopped the whole log.
+    """
+    try:
+        return datetime.datetime.fromtimestamp(seconds).astimezone().isoformat(timespec="seconds")
+    except (ValueError, OverflowError, OSError):
+        return f"@{seconds}"
+
+
+def _unborn_head(repo) -> list[str]:
+    """A line where HEAD's branch has no commits but others have (a sharded save to its own branch).
+
+    An empty log said nothing of them.
+    """
+    branch, head = repo.head()
+    others = sorted(repo.branches())
+    if head is not None or not others:
+        return []
+    return [f"note: HEAD's branch {branch!r} has no commits yet; {listing(others, 5)} "
+            f"{'has' if len(others) == 1 else 'have'}: `ckpt log --all` lists them"]
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.argument("start", required=False, default="HEAD")
+@click.option("-d", "delete", help="Delete branch NAME.")
+@click.pass_context
+def branch(ctx, name, start, delete) -> None:
+    """List branches, create NAME at START, or delete one with -d."""
+    repo = open_repo(ctx)
+    _create_or_delete(name, delete)
+    if delete is not None:
+        cid = repo.delete_branch(delete)
+        echo(f"Deleted branch {delete} (was {cid[:12]})")
+    elif name is not None:  # "" is a (bad) name, not a request for the listing
+        cid = repo.branch(name, start)
+        echo(f"Created branch {name} at {cid[:12]}")
+    else:
+        current, _ = repo.head()
+        for branch_name, cid in repo.branches().items():
+            echo(f"{'*' if branch_name == current else ' '} {shown_name(branch_name)} {cid[:12]}")
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.argument("ref", required=False, default="HEAD")
+@click.option("-d", "delete", help="Delete tag NAME.")
+@click.pass_context
+def tag(ctx, name, ref, delete) -> None:
+    """List tags, tag REF (default HEAD) as NAME, or delete one with -d."""
+    repo = open_repo(ctx)
+    _create_or_delete(name, delete)
+    if delete is not None:
+        echo(f"Deleted tag {delete} (was {repo.delete_tag(delete)[:12]})")
+    elif name is not None:
+        echo(f"Tagged {repo.tag(name, ref)[:12]} as {name}")
+    else:
+        for tag_name, cid in repo.tags().items():
+            echo(f"{shown_name(tag_name)} {cid[:12]}")
+
+
+def _create_or_delete(name: str | None, delete: str | None) -> None:
+    if delete is not None and name is not None:  # one of them would be ignored
+        raise click.UsageError(f"give either NAME to create or -d NAME to delete, not both ({name!r} and {delete!r})")
+
+
+@cli.command()
+@click.argument("ref", default="HEAD")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def show(ctx, ref, as_json) -> None:
+    """Show one commit: metadata, files and tensors."""
+    data = open_repo(ctx).show(ref)
+    if as_json:
+        return emit_json(data)
+    echo(f"commit {data['id']}\nparents {' '.join(p[:12] for p in data['parents']) or '-'}")
+    echo(f"step {data['step']}  metrics {data['metrics']}  source {shown_name(str(data['source_path']))}")
+    if data.get("pruned"):  # its row stays for the history; its tensors and their bytes are gone
+        echo(f"pruned by `ckpt prune`: its tensors are gone{' (it was lossy)' if data.get('lossy') else ''}")
+    elif data.get("lossy"):
+        echo(f"lossy commit, level {data['lossy']}; optimizer pairing: {data.get('pairing')}; "
+             f"importance: {data.get('importance')}")
+    stored = "- (pruned)" if data.get("pruned") else size(data["stored_bytes"])
+    echo(f"raw {size(data['raw_bytes'])}  stored {stored}\n\n{indented(data['message'])}\n")
+    for f in data["files"] if data["kind"] != "state" else []:  # an in-memory state's only record has no file
+        echo(f"file {shown_name(f['name']) or '.'} [{f['format']}] {size(f['size'])} {f['note']}".rstrip())
+    for row in data.get("fidelity", []):
+        bound = (f", at most {row['worst_of_bound']:.0%} of its bound" if row["worst_of_bound"] is not None
+                 else " (no bound)")
+        echo(f"measured {row['quantity']}: worst {row['worst']:.2e} over {row['tensors']} tensors{bound}")
+    if "sharded" in data:  # a DCP commit: its logical tensors, not every shard
+        for t in data["sharded"]:
+            echo(f"  {shown_name(t['fqn'])}  {t['dtype']} {tuple(t['shape'])}  {t['shards']} shard"
+                 f"{'s' if t['shards'] != 1 else ''}")
+        echo(f"({len(data['tensors'])} stored shards; --json lists them)")
+        return None
+    for t in data["tensors"]:
+        error = f"  rel.err {t['rel_error']:.2e}" if "rel_error" in t else ""
+        error += f" (bound {t['max_error']:.2e})" if "max_error" in t else ""
+        echo(f"  {shown_name(t['path'])}  {t['dtype']} {tuple(t['shape'])}  {size(t['stored_bytes'])} "
+             f"depth {t['depth']}{error}")
+    return None
+
+
+@cli.command()
+@click.argument("a")
+@click.argument("b")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--all", "show_all", is_flag=True, help="Also list unchanged tensors.")
+@click.pass_context
+def diff(ctx, a, b, as_json, show_all) -> None:
+    """Per tensor: changed or not, relative L2 change, stored bytes in B; then the non-tensor values that differ."""
+    rows = open_repo(ctx).diff(a, b)
+    if as_json:
+        return emit_json([r.to_json() for r in rows])
+    for row in rows:
+        if row.status == "unchanged" and not show_all:
+            continue
+        if row.is_value:
+            echo(f"{row.status:>9} {shown_name(row.path)} (a non-tensor value)")
+            continue
+        rel = "" if row.relative_l2 is None else f" rel_l2={row.relative_l2:.3e}"
+        echo(f"{row.status:>9} {shown_name(row.path)} {row.dtype} {tuple(row.shape)}{rel} "
+             f"stored={size(row.stored_bytes)}")
+    tensors = [r for r in rows if not r.is_value]
+    values = len(rows) - len(tensors)
+    unchanged = sum(r.status == "unchanged" for r in tensors)
+    echo(f"{len(tensors) - unchanged} of {len(tensors)} tensors differ" + (f"; {values} non-tensor values differ"
+                                                                         if values else ""))
+    return None
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def stats(ctx, as_json) -> None:
+    """Per commit raw bytes, newly stored bytes and ratio; totals."""
+    data = open_repo(ctx).stats()
+    if as_json:
+        return emit_json(data)
+    echo(f"{'commit':<12} {'step':>8} {'raw':>12} {'stored':>12} {'ratio':>8}  message")
+    for row in data["commits"]:
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"  # "-": nothing new stored
+        stored, ratio = ("pruned", "-") if row["pruned"] else (size(row["stored_bytes"]), ratio)
+        echo(f"{row['id'][:12]} {row['step'] if row['step'] is not None else '-':>8} "
+             f"{size(row['raw_bytes']):>12} {stored:>12} {ratio:>8}  {subject(row['message'])}")
+    kept = sum(not row["pruned"] for row in data["commits"])
+    pruned = f" ({len(data['commits']) - kept} more pruned)" if kept < len(data["commits"]) else ""
+    echo(f"total: {kept} commits{pruned}, {size(data['raw_bytes'])} of checkpoints in "
+         f"{size(data['stored_bytes'])} on disk ({size(data['objects_bytes'])} objects, "
+         f"{size(data['metadata_bytes'])} metadata), {data['ratio']:.2f}x")
+    return None

@@ -1,0 +1,197 @@
+"""`ckpt init`, `commit`, `checkout`, `watch`, `export`, `status`: the commands of the working folder."""
+
+from __future__ import annotations
+
+import signal
+
+import click
+
+from ckptstore.cli.group import cli, open_repo
+from ckptstore.cli.output import BarProgress, echo, size
+from ckptstore.cli.params import LEVEL_NAMES, PathGiven, Seconds, knob_values, metric_values, percentage
+from ckptstore.errors import ReadOnlyRepoError, RetentionError, listing, shown_name
+from ckptstore.repo import EncodingSettings, Repository, subject
+
+
+@cli.command()
+@click.argument("path", required=False, type=PathGiven(file_okay=False))
+@click.option("--max-chain", metavar="N|auto",
+              help="Longest delta chain before a keyframe (default auto: as long as checkout stays faster "
+                   "than torch.load, by measured decode costs).")
+@click.option("--lossy", "lossy", type=click.Choice([*LEVEL_NAMES, "none"]), help="Default lossy level for commits.")
+@click.option("--objects", "objects_url", default="",
+              help="Where objects live: s3://BUCKET/PREFIX, file:///ABSOLUTE/FOLDER or a folder relative to .ckpt/ "
+                   "(default: .ckpt/objects).")
+@click.option("--metadata", "metadata_url", default="", metavar="URL",
+              help="Where the DAG lives: postgresql://USER@HOST:PORT/DB (default: SQLite); one that holds a "
+                   "repository already is joined.")
+@click.pass_context
+def init(ctx: click.Context, path: str | None, max_chain: str | None, lossy: str | None, objects_url: str,
+         metadata_url: str) -> None:
+    """Create a repository in PATH (default: --repo, CKPT_REPO or here), or join one named by --objects, --metadata."""
+    if ctx.obj.get("read_only"):
+        raise ReadOnlyRepoError("`ckpt init` writes a repository, and --read-only refuses every write; run it without")
+    settings = EncodingSettings() if max_chain is None else EncodingSettings(max_chain=max_chain)
+    where = path or ctx.obj.get("repo") or "."
+    with Repository.init(where, encoding=settings, lossy=lossy or "", objects_url=objects_url,
+                         metadata_url=metadata_url) as repo:
+        joined = bool(metadata_url) and bool(repo.branches())
+        echo(f"{'Joined the' if joined else 'Initialized empty'} ckptstore repository in {repo.dir}"
+             + (f" (objects in {repo.store.url})" if objects_url else "")
+             + (f" (metadata in {repo.db.where})" if metadata_url else "")
+             + (f" (commits are lossy: {lossy})" if lossy and lossy != "none" else ""))
+
+
+@cli.command()
+@click.argument("path", type=PathGiven())
+@click.option("-m", "--message", "messages", multiple=True, help="Commit message (given twice or more: paragraphs).")
+@click.option("--step", type=click.IntRange(-(1 << 63), (1 << 63) - 1), help="Training step of this checkpoint.")
+@click.option("--metric", "metrics", multiple=True, help="KEY=NUMBER, repeatable.")
+@click.option("--branch", help="Commit to this branch (created at HEAD if new); HEAD stays.")
+@click.option("--allow-empty", is_flag=True, help="Record a commit even if nothing changed.")
+@click.option("--trust-pickle", is_flag=True, help="Unpickle arbitrary objects in PATH (only for files you trust).")
+@click.option("--lossy", type=click.Choice([*LEVEL_NAMES, "none"]),
+              help="Lossy level (default: the repository's, normally lossless).")
+@click.option("--knob", "knobs", multiple=True, help="Override one setting of the lossy level, NAME=VALUE.")
+@click.option("--calibration", help="MODULE:FUNCTION (or file.py:FUNCTION) returning the loss of a restored "
+                                    "checkpoint's state; the lossy commit keeps its change within --max-loss-change.")
+@click.option("--max-loss-change", help="Largest relative loss change on the calibration data, e.g. 0.1% "
+                                        "(default: the level's promise).")
+@click.pass_context
+def commit(ctx, path, messages, step, metrics, branch, allow_empty, trust_pickle, lossy, knobs, calibration,
+           max_loss_change) -> None:
+    """Store the checkpoint at PATH (torch.save file, safetensors file, Trainer folder or DCP directory)."""
+    from ckptstore.repo import function_named  # only here: it loads the encoding layers
+
+    message = "\n\n".join(messages)  # as git joins -m's: the second one kept the first out of the commit
+    repo = open_repo(ctx)
+    try:
+        cid = repo.commit(path, message=message, step=step, metrics=metric_values(metrics), branch=branch,
+                          allow_empty=allow_empty, trust_pickle=trust_pickle, progress=BarProgress(),
+                          lossy=lossy, calibration=function_named(calibration) if calibration is not None else None,
+                          max_loss_change=percentage(max_loss_change), knobs=knob_values(knobs))
+    except RetentionError as exc:  # recorded: a script reading the id from stdout gets it, then the error
+        _say_committed(repo, exc.commit_id, message, branch)
+        raise
+    _say_committed(repo, cid, message, branch)
+
+
+def _say_committed(repo: Repository, cid: str, message: str | None, branch: str | None) -> None:
+    """Print a recorded commit's summary (id, level, subject, sizes) and whether it is on no branch.
+
+    The commit is recorded: a database that stops answering now (a server gone) costs the sizes
+    and the note, never the id, nor an error that would say the commit failed.
+    """
+    try:
+        info = repo.commit_info(cid)
+        detached = branch is None and repo.head()[0] is None
+    except Exception:  # noqa: BLE001 - whatever the database says, what matters was recorded
+        echo(f"[{cid[:12]}] {subject(message)}  (its sizes could not be read)")
+        return
+    mode = f" lossy:{info.lossy}" if info.lossy else ""
+    echo(f"[{cid[:12]}]{mode} {subject(message)}  ({size(info.raw_bytes)} -> {size(info.stored_bytes)} new)")
+    if detached:
+        echo(f"note: HEAD is detached, so this commit is on no branch; to keep it: ckpt branch NAME {cid[:12]}")
+
+
+@cli.command()
+@click.argument("ref")
+@click.option("-o", "--output", type=PathGiven(), help="Write the checkpoint here; HEAD does not move.")
+@click.option("--force", is_flag=True, help="Overwrite files whose content is not in the store.")
+@click.option("--only", "only", multiple=True, metavar="PATTERN",
+              help="Write only the values whose paths match (glob, e.g. 'model.*'; repeatable; needs -o).")
+@click.option("--trust-pickle", is_flag=True,
+              help="Write a sharded commit's pickled non-tensor items as stored (committed with --trust-pickle).")
+@click.pass_context
+def checkout(ctx, ref, output, force, only, trust_pickle) -> None:
+    """Restore the checkpoint at REF and move HEAD to it (a lossless commit: files byte for byte, except below)."""
+    repo = open_repo(ctx)
+    info = repo.commit_info(ref)  # before HEAD moves: a ref like HEAD~1 names another commit afterwards
+    dest = repo.checkout_to(ref, output, force=force, progress=BarProgress(), keys=list(only) or None,
+                            trust_pickle=trust_pickle)
+    if output is None and info.sharded:
+        echo(f"HEAD is now at {info.id[:12]}, a sharded (DCP) commit: nothing is written in place; write it as a "
+             f"DCP directory with `ckpt checkout {info.id[:12]} -o DIR`, or load it with CkptStorageReader")
+        return
+    if only:
+        echo(f"Wrote the part of {info.id[:12]} matching {', '.join(only)} to {dest}; HEAD did not move")
+    else:
+        echo(f"Restored {info.id[:12]} to {dest}")
+    rewritten = [] if only else repo.manifest(info.id).rewritten_files()
+    if info.source_path is not None and not info.lossy and not only:
+        echo("Files are byte for byte as committed" + (", except below." if rewritten else "."))
+    if info.source_path is not None and rewritten:
+        names = ", ".join(shown_name(name or str(dest)) for name in rewritten)
+        echo(f"note: {names} written with torch.save (a legacy-format or unusual file, or a commit by an "
+             "older ckptstore): state exact, bytes not byte for byte the committed file's")
+    if info.lossy:
+        echo(f"note: {info.id[:12]} is a lossy commit (level {info.lossy}): weights and optimizer "
+             "state are close to, not equal to, the original; `ckpt show` lists each tensor's error")
+
+
+@cli.command()
+@click.argument("folder", type=PathGiven(exists=True, file_okay=False))
+@click.option("--interval", type=Seconds(), default=10.0, show_default=True,
+              help="Seconds between scans; a checkpoint is committed once unchanged across two.")
+@click.option("--branch", help="Commit to this branch (created at HEAD if new); HEAD stays.")
+@click.option("--lossy", type=click.Choice([*LEVEL_NAMES, "none"]), help="Lossy level of the commits.")
+@click.option("--once", is_flag=True, help="Scan twice, --interval apart, commit what is complete, and exit.")
+@click.pass_context
+def watch(ctx, folder, interval, branch, lossy, once) -> None:
+    """Commit checkpoint files and checkpoint-N folders appearing in FOLDER, each once complete (Ctrl-C stops)."""
+    import threading
+
+    from ckptstore.repo import WatchOptions, watch_folder
+
+    stop = threading.Event()
+
+    def on_interrupt(signum, frame) -> None:  # finish the commit in progress; a second Ctrl-C interrupts it
+        stop.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        report = watch_folder(open_repo(ctx), folder, WatchOptions(interval, branch, lossy, once), stop, echo)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    for name, why in sorted(report.waiting.items()):
+        echo(f"waiting: {name}: {why}")
+    how = "stopped on Ctrl-C" if report.stopped else "done"
+    echo(f"{how}: {len(report.committed)} checkpoint(s) committed")
+
+
+@cli.command("export")
+@click.argument("ref")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]),
+              help="Default: torch for FILE named .pt, .pth, .bin or .ckpt, else safetensors.")
+@click.option("-o", "--output", type=PathGiven(), required=True, help="The file to write.")
+@click.option("--all", "everything", is_flag=True,
+              help="Every tensor by path, not only a Hugging Face checkpoint folder's weights.")
+@click.pass_context
+def export_command(ctx, ref, fmt, output, everything) -> None:
+    """Write the commit at REF as one full state dict file (a sharded commit's shards gathered).
+
+    A Hugging Face checkpoint folder gives its model weights under their own names, so
+    `from_pretrained` of a folder with that file and the run's config.json loads it.
+    """
+    from ckptstore.repo import export, export_format  # numpy and the formats: only for this command
+
+    fmt = export_format(output, fmt)
+    report = export(open_repo(ctx), ref, fmt, output, everything)
+    echo(f"Wrote {report.commit[:12]} to {output}: {report.tensors} tensors ({fmt})")
+    if report.skipped:
+        count = len(report.skipped)
+        names = listing([shown_name(name) for name in report.skipped], 5)
+        echo(f"note: left out {count} item{'s' if count != 1 else ''} ({names}): {report.why_skipped}")
+
+
+@cli.command()
+@click.pass_context
+def status(ctx) -> None:
+    """Where HEAD is, and whether the checkpoint files still match it."""
+    report = open_repo(ctx).status()
+    where = f"On branch {report['branch']}" if report["branch"] else "HEAD detached"
+    echo(where + (f" at {report['head'][:12]}" if report["head"] else " (no commits yet)"))
+    for item in report["files"]:
+        note = f" ({item['note']})" if item.get("note") else ""
+        echo(f"  {item['state']:>10}: {shown_name(item['path'])}{note}")
