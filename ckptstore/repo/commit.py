@@ -46,8 +46,9 @@ from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.planecache import cache_of
 from ckptstore.repo.progress import NoProgress, Progress
 from ckptstore.repo.pruning import after_commit
+from ckptstore.repo.repo_folders import nested_repositories, repository_part_holding
 from ckptstore.repo.target import Start, commit_target, default_author, move_ref
-from ckptstore.repo.worktree import nested_repositories, own_folder_holding, repository_part_holding
+from ckptstore.repo.worktree import own_folder_holding
 from ckptstore.repo.writer import Job, encode_jobs, lossless_jobs
 from ckptstore.state import RawTensor, escape, readable_path, shared_view_paths
 from ckptstore.warn import warn_caller
