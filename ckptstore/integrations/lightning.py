@@ -8,9 +8,10 @@ are deltas on it, until retention (`ckpt prune --keep-tagged`) removes it.
 Loading takes a marker path, a path whose marker is gone (its tag), or any ref or commit id.
 
 By default (`blocking=False`) a save returns once the state is snapshotted and the commit runs in
-the background; its tag and marker are written when it is settled: at the next save, load,
-remove or teardown, which first wait for it and raise its failure as a BackgroundCommitError,
-or at the process's exit for a save made outside `fit` (a failure there is a warning).
+the background; its tag and marker are written as soon as it is (on its thread), so a process
+killed later keeps them. A failure is raised as a BackgroundCommitError by the next save, load,
+remove or teardown, which first wait for the commit in flight; at the process's exit, for a save
+made outside `fit`, it is a warning.
 One commit per repository is in flight, so a second save in a row (`last.ckpt` right after a
 top-k save) waits for the first. Lightning's `AsyncCheckpointIO` wrapping this plugin also runs
 saves on a thread, but its removes and loads do not wait for them; prefer `blocking=False`.
@@ -34,7 +35,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from ckptstore.errors import BackgroundCommitError, CkptError, RefNotFoundError, RetentionError
+from ckptstore.errors import BackgroundCommitError, CkptError, NothingToCommitError, RefNotFoundError, RetentionError
 from ckptstore.hashing import CommitId
 from ckptstore.integrations.unchanged import head_if_unchanged
 from ckptstore.repo import Repository
@@ -266,6 +267,27 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
             # a marker without its commit yet, so the path exists now: ModelCheckpoint names the next save
             # of a repeating filename "-v1" only if it sees this one, and save_last="link" links to it
             write_marker(path, repo.root, ref, None)
+        result.when_done(self._settle_once_written)  # last: it may run here at once (the lock is ours)
+
+    def _settle_once_written(self, handle: BackgroundCommit) -> None:
+        """Write the tag and marker as soon as the commit is written, on its thread.
+
+        A process killed after that (out of memory, preempted) before its next save kept a marker
+        naming no commit, or last.ckpt's older one, though the commit was stored. A failure stays
+        pending: the next save, load or teardown raises it.
+        """
+        failure = handle.failure()
+        if failure is not None and not isinstance(failure, (NothingToCommitError, RetentionError)):
+            return
+        with self._lock:
+            pending = self._pending
+            if pending is None or pending[2] is not handle:  # settled meanwhile by a save, load or teardown
+                return
+            try:
+                self._settle(*pending)
+            except Exception:  # nobody to tell on this thread: pending again, the next save raises it
+                self._pending = pending
+                _UNSETTLED.add(self)
 
     def _warn_if_resumed_behind_the_tip(self, step: Any) -> None:
         """Say where a run resumed from a commit behind its branch's tip commits: after the tip, not after it.

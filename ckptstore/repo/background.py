@@ -102,6 +102,14 @@ class BackgroundCommit:
         """Whether a caller has, or is waiting for, its outcome (then a failure needs no warning)."""
         return self._observed or self._waiting > 0
 
+    def when_done(self, callback: Callable[[BackgroundCommit], None]) -> None:
+        """Call `callback(self)` once the commit has finished: on its thread, or here at once where it has."""
+        self._future.add_done_callback(lambda _: callback(self))
+
+    def failure(self) -> BaseException | None:
+        """Why the finished commit failed (NothingToCommitError where nothing changed); None where it is written."""
+        return self._future.exception(timeout=0)
+
     def wait(self) -> None:
         """Block until the commit has finished, without raising its failure."""
         if self._thread is not threading.current_thread():

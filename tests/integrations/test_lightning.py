@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import sys
+import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -274,7 +275,7 @@ def test_resume_from_last_finds_the_marker(lit, tmp_path, save_last):
     repo.close()
 
 
-def test_plugin_calls_directly(tmp_path):
+def test_plugin_calls_directly(tmp_path, monkeypatch):
     repo = Repository.init(tmp_path / "store")
     plugin = CkptstoreCheckpointIO(repo, prefix="run")
     state = {"state_dict": {"w": torch.arange(6.0).reshape(2, 3)}, "global_step": 3, "epoch": 0,
@@ -284,10 +285,18 @@ def test_plugin_calls_directly(tmp_path):
     with pytest.raises(CkptError, match="which is a branch"):
         plugin.save_checkpoint(state, tmp_path / "mine.ckpt")
     assert read_marker(tmp_path / "mine.ckpt") is None and len(repo.log(all_refs=True)) == 1
+    release = tmp_path / "release"
+    monkeypatch.setenv("CKPT_WAIT_AT", f"background:start={release}")  # the commit held in flight
     plugin.save_checkpoint(state, path)
-    # in the background: a marker without its commit now (so Lightning sees the path taken), the tag once settled
+    # in the background: a marker without its commit now (so Lightning sees the path taken), the tag once written
     assert read_marker(path)["commit"] is None and "run/epoch_0-step_3" not in repo.tags()
-    plugin.settle()
+    monkeypatch.delenv("CKPT_WAIT_AT")
+    release.touch()
+    # with no save, load or teardown after it: a process killed now (out of memory) had kept a marker naming
+    # no commit, though the commit was stored (Lightning auditor)
+    deadline = time.monotonic() + 60
+    while read_marker(path)["commit"] is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     cid = repo.resolve("run/epoch_0-step_3")
     assert read_marker(path)["commit"] == cid and repo.commit_info(cid).step == 3
     for spec in (path, "run/epoch_0-step_3", cid[:12], tmp_path / "elsewhere" / "epoch=0-step=3.ckpt"):
