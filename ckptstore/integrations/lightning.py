@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import sys
 import threading
 import warnings
 import weakref
@@ -248,11 +249,11 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
 
     def _save(self, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
         self.settle()
+        self._go_on_from_the_loaded(checkpoint.get("global_step"))  # first: where the branch starts counts below
         ref, repo = self._claim(path), self.repo
         if ref in repo.branches():
             raise CkptError(f"checkpoint {os.fspath(path)!r} maps to {ref!r}, which is a branch of {repo.root}; "
                             "pass CkptstoreCheckpointIO(prefix=...) so checkpoint tags do not meet your branches")
-        self._warn_if_resumed_behind_the_tip(checkpoint.get("global_step"))
         try:
             result = self._commit(checkpoint, path)
         except RetentionError as exc:  # recorded: tag it and go on, the next commit's policy prunes again
@@ -289,14 +290,18 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
                 self._pending = pending
                 _UNSETTLED.add(self)
 
-    def _warn_if_resumed_behind_the_tip(self, step: Any) -> None:
-        """Say where a run resumed from a commit behind its branch's tip commits: after the tip, not after it.
+    def _go_on_from_the_loaded(self, step: Any) -> None:
+        """A run resumed from a loaded commit: a `branch=` not made yet starts there; else say where commits go.
 
         Told at the first save that goes on from the loaded commit (a later step), not at the load:
-        `trainer.test(ckpt_path="best")` loads such commits without resuming anything.
+        `trainer.test(ckpt_path="best")` loads such commits without resuming anything. A new branch
+        began at HEAD (the old run's tip), unsaid, whatever commit the run resumed from.
         """
         loaded, self._loaded = self._loaded, None
         if loaded is None or not isinstance(step, int) or loaded[1] is None or step <= loaded[1]:
+            return
+        if self.branch is not None and self.branch not in self.repo.branches():
+            self.repo.branch(self.branch, loaded[0])
             return
         branch = self.branch or self.repo.head()[0]
         tip = self.repo.branches().get(branch) if branch else None
@@ -457,9 +462,14 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
     def _marked_commit(self, path: str, marker: dict[str, str]) -> CommitId:
         """The commit a marker names: its id names the same content in any repository that holds it."""
         if marker.get("commit") is None:
+            for plugin in list(_UNSETTLED):  # this process's commit of it in flight in another plugin (a Trainer's)
+                if plugin is not self:
+                    plugin.settle()
+            marker = read_marker(path) or marker
+        if marker.get("commit") is None:
             raise CkptError(f"{path} marks a checkpoint not committed: its background commit is still running "
-                            "elsewhere, or its process ended before it was recorded (then delete the marker and "
-                            "resume from an earlier checkpoint)")
+                            "in another process, or its process ended before it was recorded (then delete the "
+                            "marker and resume from an earlier checkpoint)")
         try:
             return self.repo.resolve(str(marker.get("commit")))
         except RefNotFoundError:
@@ -485,9 +495,18 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
             target.unlink()  # a plain checkpoint file here is not ours: it stays
 
     def teardown(self) -> None:
-        """Settle the commit in flight, then close the repository if this plugin opened it (reopened on next use)."""
+        """Settle the commit in flight, then close the repository if this plugin opened it (reopened on next use).
+
+        Where the run's own exception is on its way out (Lightning tears down in its handler), a failed
+        commit is a warning: raised, it took that exception's place.
+        """
+        unwinding = sys.exc_info()[1] is not None
         try:
             self.settle()
+        except BackgroundCommitError as exc:
+            if not unwinding:
+                raise
+            warnings.warn(f"ckptstore: {exc}", RuntimeWarning, stacklevel=2)
         finally:
             if self._opened is not None:
                 self._opened.close()
