@@ -308,7 +308,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         if tip not in (None, loaded[0]):
             warnings.warn(f"ckptstore: this run resumed from commit {loaded[0][:12]} (step {loaded[1]}), which is "
                           f"not the tip of branch {branch!r}: its commits follow the tip ({tip[:12]}), not it; pass "
-                          "CkptstoreCheckpointIO(branch=NEW) to branch from it (`ckpt branch NEW COMMIT` first)",
+                          "CkptstoreCheckpointIO(branch=NEW), NEW a branch not made yet, to go on from it",
                           RuntimeWarning, stacklevel=4)
 
     def settle(self) -> None:
