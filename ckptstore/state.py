@@ -767,6 +767,9 @@ def _scatter(torch: Any, storage: Any, value: Any, offset: int, stride: list[int
         shape = [1] * value.dim()
         shape[dim] = size
         places = places + (torch.arange(size, dtype=torch.int64) * step).reshape(shape)
+    # as bits: index_put has no kernel for uint16/32/64, float8_e8m0fnu or float4 (a checkout of them failed)
+    unit = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(value.element_size())
+    value = value.view(unit) if unit is not None else value
     flat = torch.empty(0, dtype=value.dtype, device=value.device)
     flat.set_(storage, 0, (storage.nbytes() // value.element_size(),), (1,))
     flat[places.reshape(-1).to(value.device)] = value.reshape(-1)

@@ -400,6 +400,21 @@ def test_an_expanded_view_of_a_shared_storage_round_trips(repo, tmp_path):
     assert_same(restored, state)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64, torch.float8_e8m0fnu,
+                                   torch.float4_e2m1fn_x2, torch.float16])
+def test_an_expanded_view_round_trips_in_dtypes_index_put_has_no_kernel_for(repo, dtype):
+    """A checkout of an expand()ed uint16/32/64, float8_e8m0fnu or float4 view failed with NotImplementedError
+    (index_put), even `checkout -o` of a commit from memory (PBT auditor)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    base = torch.randint(0, 256, (4 * size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)).view(dtype)
+    state = {"w": base, "t": base[:1].expand(3, 2)}
+    back = repo.checkout(repo.commit(state, "expanded"))
+    assert [v.dtype for v in back.values()] == [dtype, dtype]
+    for key in state:
+        assert torch.equal(back[key].contiguous().view(torch.uint8), state[key].contiguous().view(torch.uint8))
+    assert back["t"].untyped_storage().data_ptr() == back["w"].untyped_storage().data_ptr()
+
+
 def test_bytes_of_a_shared_storage_no_view_covers_come_back_zero_not_stale_memory():
     storage = torch.zeros(4096)
     flat = flatten({"a": storage[:2], "b": storage[4000:4002]})
