@@ -643,6 +643,19 @@ def test_keep_best_keeps_one_commit_of_those_tied_the_oldest(tmp_path):
         assert not repo.show(cids[1]).get("pruned") and repo.show(cids[-2]).get("pruned")
 
 
+def test_keep_best_scores_only_commits_still_stored(tmp_path):
+    """The best loss belonged to a commit an earlier prune removed: where keep_best scored it, the best commit still
+    stored was removed too (mutation audit: no test held it)."""
+    with Repository.init(tmp_path) as repo:
+        cids = [repo.commit({"w": torch.full((64,), float(i))}, step=i, metrics={"loss": float(i)})
+                for i in range(6)]
+        prune(repo, RetentionPolicy(keep_last=2, keep_every=2))  # c0, c2, c4, c5 stay
+        prune(repo, RetentionPolicy(keep_last=4))  # c0 (the best loss) goes
+        assert repo.show(cids[0]).get("pruned") and not repo.show(cids[2]).get("pruned")
+        prune(repo, RetentionPolicy(keep_last=1, keep_best="loss"))
+        assert [i for i, cid in enumerate(cids) if not repo.show(cid).get("pruned")] == [2, 5]
+
+
 def test_commits_a_newer_ckptstore_wrote_are_not_called_damage_by_fsck_prune_or_retention(tmp_path, monkeypatch):
     """An older ckptstore's prune called a newer manifest "damaged" and sent the user to restore a backup, while its
     fsck said ok (mixed-versions auditor). This one, reading manifests of a version it does not know, says so."""

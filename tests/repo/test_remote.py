@@ -1297,3 +1297,46 @@ def test_a_received_manifests_claim_on_a_record_made_here_makes_no_lossy_commit_
         remote.pull(user, "origin")
         back = user.checkout(user.commit(x, lossy="balanced"))["model"]["weight"]
     assert (back - x["model"]["weight"]).abs().max() < 0.01
+
+
+def test_a_pull_where_the_branch_here_is_ahead_moves_nothing(pair, tmp_path):
+    """A commit made here after the clone: pull is up to date, not "diverged" (mutation audit: no test held it)."""
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    with remote.clone(str(hub_path), tmp_path / "copy") as copy:
+        ahead = copy.commit(_state(7), "only here")
+        assert remote.pull(copy, "origin")[1] is None and copy.resolve("main") == ahead
+
+
+def test_a_lazy_clone_reading_an_object_its_origin_holds_damaged_says_it_is_corrupted_and_keeps_no_copy(tmp_path):
+    """Read unverified from the origin, rotten bytes were stored here under the id they no longer match and the
+    checkout said the object was missing (mutation audit: no test held the check)."""
+    from ckptstore.hashing import object_id
+
+    with Repository.init(tmp_path / "origin") as origin:
+        cid = origin.commit({"w": torch.randn(300_000, generator=torch.Generator().manual_seed(0))}, "one")
+    objects = sorted((tmp_path / "origin" / ".ckpt" / "objects").glob("??/*"), key=lambda p: p.stat().st_size)
+    with remote.clone(str(tmp_path / "origin"), tmp_path / "lazy", lazy=True) as lazy:
+        biggest = objects[-1]
+        biggest.chmod(0o644)
+        data = bytearray(biggest.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # bit rot at the origin, same size
+        biggest.write_bytes(bytes(data))
+        with pytest.raises(CorruptObjectError, match="corrupted"):
+            lazy.checkout(cid)
+    held = list((tmp_path / "lazy" / ".ckpt" / "objects").glob("??/*"))
+    assert all(p.parent.name + p.name == object_id(p.read_bytes()) for p in held)
+
+
+def test_a_fetch_into_a_repository_holding_a_ref_named_as_its_tracking_ref_says_what_to_delete(tmp_path):
+    """A tag `remotes/origin/main` (older versions allowed the name) met the tracking ref with a database error
+    (UNIQUE constraint) where the guard is gone (mutation audit)."""
+    with Repository.init(tmp_path / "a") as a:
+        a.commit({"w": torch.arange(4.0)}, step=1)
+    with Repository.init(tmp_path / "b") as b:
+        remote.add(b, "origin", str(tmp_path / "a"))
+    with contextlib.closing(sqlite3.connect(tmp_path / "b" / ".ckpt" / "ckpt.db")) as db, db:
+        db.execute("INSERT INTO refs (name, kind, commit_id, target) VALUES ('remotes/origin/main', 'tag', NULL, "
+                   "NULL)")
+    with Repository.open(tmp_path / "b") as b, pytest.raises(CkptError, match="ckpt tag -d"):
+        remote.fetch(b, "origin")

@@ -197,3 +197,12 @@ def test_a_partial_folder_checkout_that_fails_midway_leaves_the_folder_as_it_was
     with pytest.raises((DiskFullError, OSError)):
         repo.checkout_to(second, tmp_path / "out", keys=only, force=True)
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before  # no temp files either
+
+
+def test_equal_tensors_at_two_paths_come_back_as_two_tensors(repo):
+    """Stored once, handed out once: an optimizer's in-place step on a.weight changed b.weight too where the
+    checkout's copy is gone; only a training round trip noticed (mutation audit)."""
+    cid = repo.commit({"model": {"a.weight": torch.zeros(16), "b.weight": torch.zeros(16)}}, "equal tensors")
+    for state in (repo.checkout(cid), repo.checkout(cid, keys=["model.*"])):
+        state["model"]["a.weight"].add_(1.0)
+        assert not state["model"]["b.weight"].any()

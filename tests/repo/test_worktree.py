@@ -77,6 +77,19 @@ def test_deleting_a_file_the_store_cannot_give_back_is_refused_unless_forced(rep
     assert not (run / "notes.txt").exists() and not (run / "copy.json").exists()
 
 
+def test_a_named_pipe_in_the_folder_stops_a_checkout_unless_forced(repo):
+    """A FIFO (a run's control pipe) is nothing the store can give back: deleted by an exact checkout where the
+    check of special files is gone (mutation audit: no test held it)."""
+    run = make_trainer_folder(repo.root / "run")
+    first = repo.commit(run)
+    os.mkfifo(run / "control.fifo")
+    with pytest.raises(DirtyWorktreeError, match=r"delete .*control.fifo \(not in the commit\)"):
+        repo.checkout_to(first)
+    assert stat.S_ISFIFO((run / "control.fifo").lstat().st_mode)
+    repo.checkout_to(first, force=True)
+    assert not (run / "control.fifo").exists()
+
+
 def test_checkout_never_writes_through_a_symlink_leading_out_of_the_destination(repo, tmp_path):
     run = make_trainer_folder(repo.root / "run")
     first = repo.commit(run)
