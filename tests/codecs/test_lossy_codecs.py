@@ -231,6 +231,39 @@ def test_deadzone_refuses_a_reconstruction_that_overflows_float16_and_names_floa
         get_codec("deadzone").encode_lossy(_raw(np.full(64, 65000.0, np.float32), "torch.float16"), None, params)
 
 
+@pytest.mark.parametrize("dtype", ["torch.float16", "torch.bfloat16"])
+def test_overflow_is_found_at_the_first_value_that_rounds_to_infinity(dtype):
+    """float32 65520 rounds to float16's inf: taken as finite where the bound was inclusive (mutation audit)."""
+    from ckptstore.codecs.floats import _ROUNDS_TO_INF, overflows
+
+    limit = np.float32(_ROUNDS_TO_INF[dtype])
+    below = np.nextafter(limit, np.float32(0))
+    torch_dtype = getattr(torch, dtype.removeprefix("torch."))
+    assert torch.isinf(torch.tensor(limit).to(torch_dtype)) and torch.isfinite(torch.tensor(below).to(torch_dtype))
+    assert overflows(np.array([1.0, -limit], np.float32), dtype) and not overflows(np.array([below], np.float32), dtype)
+
+
+def test_a_codebook_keeps_the_dead_zones_bound_on_every_entry():
+    """With `codebooks`, entries 2.6 times over the dead zone's bound went unnoticed where the codebook was held to
+    a looser one: only the norm bound was tested (mutation audit)."""
+    from ckptstore.codecs import codebook
+    from ckptstore.codecs.deadzone import DeadZoneCodec
+
+    rng = np.random.default_rng(0)
+    used = 0
+    for trial in range(24):
+        centers = (0.1 + 0.2 * rng.integers(-6, 6, 4)).astype(np.float32)  # on the dead zone's rounding boundaries
+        values = (centers[rng.integers(0, 4, 1 << 14)]
+                  + rng.normal(0, 0.01 + 0.03 * (trial % 8), 1 << 14)).astype(np.float32)
+        params = {"dtype": "torch.float32", "step": 0.2, "rounding": 0.5, "codebooks": True}
+        payload, recon = DeadZoneCodec().encode_lossy(values.view(np.uint8), None, params, {})
+        if codebook.is_codebook(payload):
+            used += 1
+            error, bound = DeadZoneCodec.error_bound(values.view(np.uint8), None, recon, params)
+            assert (error <= bound).all()
+    assert used >= 2  # the codebook was chosen, so its bound was what the test held
+
+
 def test_normalized_moment_codec_is_relative_to_the_second_moment():
     codec = get_codec("normmoment")
     v = np.exp(RNG.normal(-14, 2, 10_000)).astype(np.float32)

@@ -119,6 +119,9 @@ def test_a_truncated_metadata_a_missing_data_file_or_a_wrong_shard_is_refused(tm
     ([128, 256], [([i, 2 * j], [1, 2]) for i in range(128) for j in range(128)], None),  # grids: at once (reader)
     ([8, 64, 96], [([i, 2 * j, 3 * k], [1, 2, 3]) for i in range(8) for j in range(32) for k in range(32)], None),
     ([4, 4], [([0, 0], [2, 2]), ([2, 0], [2, 2]), ([0, 2], [2, 2]), ([2, 2], [2, 1])], "cover 14 of its 16"),
+    # repeated offsets whose counts multiply to the number of chunks: cells [0, 2] and [2, 0] never written, where
+    # the grid check did not count its cells (mutation audit)
+    ([4, 4], [([0, 0], [2, 2]), ([0, 0], [2, 2]), ([2, 2], [2, 2]), ([2, 2], [2, 2])], "overlap"),
     ([4, 4], [([0, 0], [2, 2]), ([2, 0], [2, 2]), ([0, 2], [2, 2]), ([2, 2], [2, 3])], "lies outside"),
     # a staircase, each chunk to the end of the sweep's axis: quadratic, a minute at 12,000 (fuzz auditor)
     ([2000, 2000], [([i, i], [2000 - i, 1]) for i in range(2000)], "too many to check"),

@@ -39,6 +39,14 @@ def test_more_decoding_threads_or_cheaper_levels_allow_longer_chains():
     assert ChainCosts(5e-9, 1e-9, 5e-9).deepest() == 0  # a keyframe already slower: no residuals
 
 
+def test_a_width_takes_the_costs_of_the_nearest_width_measured_at_or_below_it():
+    """bf16 tensors took fp32's costs and 8-byte ones bf16's where the comparison was turned round (mutation audit)."""
+    costs = {2: ChainCosts(keyframe=1e-9, level=1e-10, load=1e-8), 4: ChainCosts(keyframe=5e-9, level=5e-9, load=1e-8)}
+    assert costs[2].deepest() != costs[4].deepest()
+    limits = {width: chain_limit(AUTO, width, costs) for width in (1, 2, 4, 8)}
+    assert limits == {1: costs[2].deepest(), 2: costs[2].deepest(), 4: costs[4].deepest(), 8: costs[4].deepest()}
+
+
 def test_a_user_max_chain_is_a_hard_cap_and_auto_without_costs_falls_back():
     capped = EncodingSettings(max_chain=1)
     assert chain_limit(capped.max_chain, 4, COSTS) == 1
