@@ -226,6 +226,30 @@ def test_the_reader_says_upgrade_for_a_newer_ckptstores_sharded_commit_not_damag
     repo.close()
 
 
+def test_a_shard_given_twice_or_naming_a_tensor_no_record_holds_records_nothing(tmp_path):
+    """Two ranks writing one shard, and a shard reusing a tensor no record holds, made a commit that does not read
+    where either check was gone: no test held them (mutation audit)."""
+    from dataclasses import replace
+
+    from ckptstore.repo.commit import CommitOptions
+    from ckptstore.repo.sharded import WrittenShard, record_sharded
+    from ckptstore.repo.target import start_now
+
+    repo = Repository.init(tmp_path)
+    dcp.save({"w": torch.ones(4, 4)}, storage_writer=CkptStorageWriter(tmp_path))
+    tip = repo.resolve("main")
+    manifest = repo.manifest(tip)
+    shards = [WrittenShard(k, e, None, {}, 64) for k, e in manifest.entries.items()]
+    options = CommitOptions(message="again", allow_empty=True)
+    with pytest.raises(CkptError, match="two ranks wrote the same shard"):
+        record_sharded(repo, start_now(repo, None), [*shards, shards[0]], manifest.dcp, options)
+    unknown = [replace(shards[0], entry=replace(shards[0].entry, tensor="ab" * 32)), *shards[1:]]
+    with pytest.raises(CkptError, match="name tensors that have no record"):
+        record_sharded(repo, start_now(repo, None), unknown, manifest.dcp, options)
+    assert repo.resolve("main") == tip and len(repo.log()) == 1
+    repo.close()
+
+
 def test_a_branch_moved_during_the_save_records_nothing(tmp_path):
     repo = Repository.init(tmp_path)
     repo.commit({"first": torch.ones(3)}, "before")
