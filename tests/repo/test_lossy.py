@@ -915,3 +915,17 @@ def test_adam_moments_of_the_two_16_bit_types_restore_and_pass_fsck(tmp_path):
         assert fsck(repo, full=True).ok
         restored = repo.checkout(cid)["optimizer"]["state"][0]
     assert restored["exp_avg"].dtype == torch.float16 and restored["exp_avg_sq"].dtype == torch.bfloat16
+
+
+def test_a_chunk_that_never_keeps_its_bound_is_not_stored_lossy(tmp_path, monkeypatch):
+    """After the last finer step the writer raises, and the commit is stored exact; where it stopped trying
+    instead, a chunk over its bound was stored, unsaid, and no test noticed (mutation audit)."""
+    from ckptstore.policy import fidelity
+
+    state = {"model": {"layer.weight": torch.randn(256, 256, generator=torch.Generator().manual_seed(0))}}
+    monkeypatch.setattr(fidelity, "within", lambda *_: False)  # no step is fine enough
+    with Repository.init(tmp_path) as repo:
+        with pytest.warns(RuntimeWarning, match="cannot keep its level.s error bound.*committed lossless"):
+            cid = repo.commit(state, "never within", lossy="balanced")
+        assert repo.commit_info(cid).lossy is None
+        assert_same(repo.checkout(cid), state)
