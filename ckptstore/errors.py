@@ -41,7 +41,8 @@ class CorruptObjectError(CkptError):
         needed = f"; needed by commits {', '.join(c[:12] for c in self.commits)}" if self.commits else ""
         what = (f"object {self.object_ids[0]} is" if len(self.object_ids) == 1
                 else f"one of objects {', '.join(self.object_ids)} is")
-        super().__init__(f"{what} {problem}{needed}. Run `ckpt fsck` to list all damage; other commits are unaffected.")
+        super().__init__(f"{what} {problem}{needed}. Run `ckpt fsck` to list all damage; commits that need no damaged "
+                         "object are unaffected.")
 
     @property
     def object_id(self) -> str:

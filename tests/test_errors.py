@@ -63,3 +63,12 @@ def test_a_name_the_file_system_refuses_is_named_not_its_folder(tmp_path):
 def test_a_name_shown_outside_the_cli_has_its_control_characters_written_out():
     """Library warnings name files with shown_name alone: an ESC in a name reached the terminal (code reviewer)."""
     assert shown_name("a\x1b]0;owned\x07b\r\n\\c\td") == "a\\x1b]0;owned\\x07b\\x0d\\n\\\\c\td"
+
+
+def test_a_damaged_object_says_which_commits_are_unaffected_without_promising_every_other_one():
+    """"other commits are unaffected" was said where every commit needed the object (shared-repository auditor)."""
+    from ckptstore.errors import CorruptObjectError
+
+    said = str(CorruptObjectError("ab" * 32, "missing", ["cd" * 32]))
+    assert "needed by commits cdcdcdcdcdcd" in said and "commits that need no damaged object are unaffected" in said
+    assert "other commits are unaffected" not in said

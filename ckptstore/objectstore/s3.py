@@ -465,12 +465,18 @@ def unavailable(url: str, exc: BaseException) -> StoreUnavailableError:
             word in text for word in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403 Forbidden")):
         advice = ("the credentials were refused: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) "
                   "and the bucket's permissions")
-    elif "NoSuchBucket" in text:
-        advice = "the bucket does not exist: create it, or check the URL"
+    elif "NoSuchBucket" in text:  # no "nothing was lost": a bucket gone took the objects in it along
+        return StoreUnavailableError(
+            f"S3 store {url}: the bucket does not exist: check the URL. If it held this repository's objects, they "
+            "went with it, and a new empty bucket brings none back: restore it from a backup (`ckpt fsck` then "
+            f"lists what is still missing); for a new repository, create it ({_short(text)})")
     elif "error sending request" in text or "connection refused" in text.lower():
         advice = f"cannot reach {endpoint}: check that it is up and that AWS_ENDPOINT_URL names it"
     else:
         advice = f"the server at {endpoint} failed, also when asked again"
-    short = text if len(text) <= 300 else text[:297] + "..."
     return StoreUnavailableError(f"S3 store {url}: {advice}. Nothing was lost: run the command again once it is "
-                                 f"fixed; it resumes where it stopped ({short})")
+                                 f"fixed; it resumes where it stopped ({_short(text)})")
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 300 else text[:297] + "..."

@@ -132,5 +132,7 @@ def test_a_bucket_gone_is_named_as_such_on_upload(tmp_path, s3_server, metadata_
     bucket = s3_server.new_bucket()
     with Repository.init(tmp_path, objects_url=f"s3://{bucket}/repo", metadata_url=metadata_url) as repo:
         urllib.request.urlopen(urllib.request.Request(f"{s3_server.endpoint}/{bucket}", method="DELETE"), timeout=30)
-        with pytest.raises(CkptError, match="the bucket does not exist"):
+        with pytest.raises(CkptError, match="the bucket does not exist") as raised:
             repo.commit(_state(0))
+        # its objects went with it: not "nothing was lost ... run the command again" (shared-repository auditor)
+        assert "restore it from a backup" in str(raised.value) and "Nothing was lost" not in str(raised.value)
