@@ -195,7 +195,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         trust_pickle: let `load_checkpoint` unpickle arbitrary objects from a plain (non-marker)
             checkpoint file; never applies to what the store holds.
         blocking: commit inside `save_checkpoint` (True), or in the background (False, the
-            default): the tag and marker then follow when the commit is settled (module docstring).
+            default): the tag and marker then follow as soon as the commit is written (module docstring).
     """
 
     def __init__(self, repo: Repository | str | os.PathLike | None = None, branch: str | None = None,
@@ -432,6 +432,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         """
         self.settle()
         spec = os.fspath(path)
+        self._wait_for_other_saves_of(spec)
         marker = read_marker(spec) if os.path.isfile(spec) else None
         if os.path.isfile(spec) and marker is None:
             return self._load_file(spec, map_location, not self.trust_pickle if weights_only is None else weights_only)
@@ -440,6 +441,26 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
         self._loaded = (cid, step if isinstance(step, int) else None)
         return checkpoint
+
+    def _wait_for_other_saves_of(self, spec: str) -> None:
+        """Wait for this process's commits of the checkpoint `spec` names in flight in other plugins (a Trainer's).
+
+        A load right after `trainer.save_checkpoint(path)` read the marker as it was: naming no commit,
+        or, for a path saved again, the save before. A failed one is told here and left to its plugin
+        to raise at its next save or teardown.
+        """
+        where = os.path.abspath(spec)
+        for plugin in list(_UNSETTLED):
+            pending = plugin._pending
+            if plugin is self or pending is None or spec != pending[0] and where != os.path.abspath(pending[1]):
+                continue
+            handle = pending[2]
+            handle.wait()
+            failure = handle.failure()
+            if failure is not None and not isinstance(failure, (NothingToCommitError, RetentionError)):
+                raise CkptError(f"{spec}: this process's last save of it ({handle.description}) failed: {failure}. "
+                                "Load an earlier checkpoint")
+            plugin.settle()
 
     def _load_file(self, path: str, map_location: Any | None, weights_only: bool) -> dict[str, Any]:
         import torch
@@ -461,11 +482,6 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
 
     def _marked_commit(self, path: str, marker: dict[str, str]) -> CommitId:
         """The commit a marker names: its id names the same content in any repository that holds it."""
-        if marker.get("commit") is None:
-            for plugin in list(_UNSETTLED):  # this process's commit of it in flight in another plugin (a Trainer's)
-                if plugin is not self:
-                    plugin.settle()
-            marker = read_marker(path) or marker
         if marker.get("commit") is None:
             raise CkptError(f"{path} marks a checkpoint not committed: its background commit is still running "
                             "in another process, or its process ended before it was recorded (then delete the "

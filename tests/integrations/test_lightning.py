@@ -391,21 +391,46 @@ def test_the_runs_own_exception_is_not_replaced_by_a_failed_commit(lit, tmp_path
     repo.close()
 
 
-def test_a_load_waits_for_this_processs_own_commit_of_the_marker_in_another_plugin(tmp_path, monkeypatch):
+@pytest.mark.parametrize("saved_before", [False, True])
+def test_a_load_waits_for_this_processs_own_commit_of_the_marker_in_another_plugin(tmp_path, monkeypatch,
+                                                                                    saved_before):
     """`load_from_checkpoint(Model, path)` right after `trainer.save_checkpoint(path)` in one process said the
     marker's commit was "still running elsewhere" and to delete the marker: a new plugin did not wait for the
-    Trainer's (Lightning auditor)."""
+    Trainer's (Lightning auditor); reader 24: a path saved before gave its earlier checkpoint, silently."""
     repo = Repository.init(tmp_path / "store")
     state = {"state_dict": {"w": torch.arange(5.0)}, "global_step": 9}
+    trainers = CkptstoreCheckpointIO(repo)
+    if saved_before:
+        trainers.save_checkpoint({"state_dict": {"w": torch.zeros(5)}, "global_step": 8}, tmp_path / "final.ckpt")
+        trainers.settle()
     release = tmp_path / "release"
     monkeypatch.setenv("CKPT_WAIT_AT", f"background:start={release}")
-    trainers = CkptstoreCheckpointIO(repo)
     trainers.save_checkpoint(state, tmp_path / "final.ckpt")
     monkeypatch.delenv("CKPT_WAIT_AT")
-    assert read_marker(tmp_path / "final.ckpt")["commit"] is None
+    assert (read_marker(tmp_path / "final.ckpt")["commit"] is None) is not saved_before
     threading.Timer(0.5, release.touch).start()
     assert_same(CkptstoreCheckpointIO(repo).load_checkpoint(tmp_path / "final.ckpt"), state)
     assert read_marker(tmp_path / "final.ckpt")["commit"] == repo.resolve("lightning/final")
+    repo.close()
+
+
+@pytest.mark.filterwarnings("ignore::ckptstore.repo.background.BackgroundCommitWarning")
+def test_a_load_leaves_another_plugins_failed_commit_to_that_plugin(tmp_path, monkeypatch):
+    """A load of an unrelated path raised another plugin's failed commit and took it: that plugin's teardown then
+    said nothing of its lost checkpoint (reader 24)."""
+    from ckptstore.integrations.lightning import write_marker
+
+    repo = Repository.init(tmp_path / "store")
+    write_marker(tmp_path / "killed.ckpt", repo.root, "lightning/killed", None)  # a killed process's
+    monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")
+    trainers = CkptstoreCheckpointIO(repo)
+    trainers.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 5}, tmp_path / "step=5.ckpt")
+    with pytest.raises(CkptError, match=r"killed\.ckpt marks a checkpoint not committed"):
+        CkptstoreCheckpointIO(repo).load_checkpoint(tmp_path / "killed.ckpt")
+    with pytest.raises(CkptError, match=r"step=5\.ckpt: this process's last save of it .* failed"):
+        CkptstoreCheckpointIO(repo).load_checkpoint(tmp_path / "step=5.ckpt")
+    with pytest.raises(BackgroundCommitError, match=r"step=5\.ckpt.*disk is full"):
+        trainers.teardown()
     repo.close()
 
 
