@@ -212,10 +212,11 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         # AsyncCheckpointIO saves on its thread while the trainer's removes and loads come from the main one
         self._lock = threading.RLock()
         self._loaded: tuple[CommitId, int | None] | None = None  # the commit load_checkpoint gave last, its step
+        self._handled_at_save: BaseException | None = None  # the exception being handled at the last save
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (ddp_spawn sends the plugin to each process) as the repository's folder, reopened there."""
-        state = dict(self.__dict__, _given=None, _opened=None, _pending=None)
+        state = dict(self.__dict__, _given=None, _opened=None, _pending=None, _handled_at_save=None)
         del state["_lock"]
         if self._given is not None or self._opened is not None:
             state["_location"] = (self._given or self._opened).root
@@ -245,6 +246,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         if threading.current_thread() is not threading.main_thread():
             _warn_off_main_thread()
         with self._lock:
+            self._handled_at_save = sys.exc_info()[1]  # a fit called in an except block: that exception is no failure
             self._save(checkpoint, path)
 
     def _save(self, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
@@ -516,7 +518,8 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         Where the run's own exception is on its way out (Lightning tears down in its handler), a failed
         commit is a warning: raised, it took that exception's place.
         """
-        unwinding = sys.exc_info()[1] is not None
+        handled = sys.exc_info()[1]
+        unwinding = handled is not None and handled is not self._handled_at_save  # not one fit was called under
         try:
             self.settle()
         except BackgroundCommitError as exc:
@@ -524,6 +527,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
                 raise
             warnings.warn(f"ckptstore: {exc}", RuntimeWarning, stacklevel=2)
         finally:
+            self._handled_at_save = None  # nor kept alive with its frames
             if self._opened is not None:
                 self._opened.close()
                 self._opened = None

@@ -434,6 +434,22 @@ def test_a_load_leaves_another_plugins_failed_commit_to_that_plugin(tmp_path, mo
     repo.close()
 
 
+@pytest.mark.filterwarnings("ignore::ckptstore.repo.background.BackgroundCommitWarning")
+def test_a_fit_called_while_an_exception_is_handled_still_raises_its_failed_commit(tmp_path, monkeypatch):
+    """A fit in a retry loop's `except` block: its failed commit was only a warning, the run looking fine with its
+    checkpoint lost (reader 24). Only the run's own exception makes it a warning."""
+    repo = Repository.init(tmp_path / "store")
+    monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")
+    plugin = CkptstoreCheckpointIO(repo)
+    try:
+        raise OSError("a first attempt failed")
+    except OSError:
+        plugin.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 1}, tmp_path / "a.ckpt")
+        with pytest.raises(BackgroundCommitError, match="disk is full"):
+            plugin.teardown()
+    repo.close()
+
+
 def test_a_repeating_filename_gets_the_same_versions_in_the_background_as_when_blocking(lit, tmp_path):
     """ModelCheckpoint names a save "-v1" only if it sees the last one's file: a pending commit must show."""
     kept = {}
