@@ -97,6 +97,7 @@ def run_workload(workload: Workload, resume_steps: int) -> dict:
     finally:
         for method in methods:
             method.finish()
+            result["methods"][method.name]["metadata_bytes"] = getattr(method, "metadata_bytes", 0)
         shutil.rmtree(scratch, ignore_errors=True)
     return result
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from bench.units import metadata_on_disk
 from bench.workloads import WORKLOADS, MiniLMFineTune, stdlib_lines
 from ckptstore import Repository
 from ckptstore.policy import EncodingSettings, chain_limit
@@ -78,6 +79,7 @@ def sweep(files: list[Path], max_chain: int | str, repeats: int) -> dict:
                 cid = repo.commit(path)
                 commits.append(cid)
                 stored += repo.commit_info(cid).stored_bytes
+            stored += metadata_on_disk(repo)
             ratios, depths = [], []
             for path, cid in zip(files, commits):
                 depths.append(max(t["depth"] for t in repo.show(cid)["tensors"]))

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.units import metadata_on_disk
 from bench.workloads import State, Workload
 from ckptstore import Repository
 
@@ -41,7 +42,8 @@ class LossyStore:
 
     @property
     def stored_bytes(self) -> int:
-        return sum(self.repo.commit_info(c).stored_bytes for c in self.commits)
+        """The commits' objects and the repository's database (before 6 December 2026: the objects alone)."""
+        return sum(self.repo.commit_info(c).stored_bytes for c in self.commits) + metadata_on_disk(self.repo)
 
     def restored(self, decode: bool = False) -> Iterator[tuple[int, Path]]:
         """Each commit written back to a file (deleted once the caller moves on); `decode` also times a

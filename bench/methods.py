@@ -26,6 +26,7 @@ from bench.units import (
     kind_of,
     load_member,
     members,
+    metadata_on_disk,
     write_member,
 )
 from ckptstore.state import RawTensor, flatten, materialize, raw_from_bytes, unflatten
@@ -258,6 +259,7 @@ class Ckptstore(Method):
         self.repo.checkout_to(self.commits[index], dest, force=True)
 
     def finish(self) -> None:
+        self.metadata_bytes = metadata_on_disk(self.repo)
         self.repo.close()
 
 

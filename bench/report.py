@@ -20,12 +20,12 @@ def method_rows(result: dict) -> list[dict]:
     zipnn = result["methods"][ZIPNN]
     rows = []
     for name, m in result["methods"].items():
-        stored = sum(m["stored"])
+        stored = sum(m["stored"]) + m.get("metadata_bytes", 0)  # results from before 6 December 2026 lack it
         row = {
             "method": name,
             "stored_mb": _mb(stored),
             "ratio": raw / stored,
-            "vs_zipnn_size": sum(zipnn["stored"]) / stored,
+            "vs_zipnn_size": (sum(zipnn["stored"]) + zipnn.get("metadata_bytes", 0)) / stored,
             "commit_mbs": statistics.median(_mb(s) / t for s, t in zip(sizes, m["commit_s"])),
             "vs_zipnn_speed": statistics.median(z / t for t, z in zip(m["commit_s"], zipnn["commit_s"])),
             "checkout_mbs": statistics.median(_mb(s) / t for s, t in zip(sizes, m["checkout_s"])),

@@ -83,6 +83,21 @@ def fsync_write(path: Path, parts) -> None:
         os.fsync(handle.fileno())
 
 
+def metadata_on_disk(repo: Any) -> int:
+    """A repository's SQLite database once its write-ahead log is folded in: what it keeps beside the objects.
+
+    Every ckptstore size counts it, as the baselines' sizes count their own headers (the DCP benchmark's
+    always did; the suite's and the lossy benchmarks' counted objects alone before 6 December 2026).
+    """
+    import contextlib
+    import sqlite3
+
+    path = repo.dir / "ckpt.db"
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return sum(p.stat().st_size for p in (path, path.with_name("ckpt.db-wal")) if p.exists())
+
+
 def size_of(unit: Path) -> int:
     return sum(p.stat().st_size for _, p in members(unit))
 

@@ -40,5 +40,7 @@ def test_quick_suite_writes_complete_tables_and_plots(tmp_path):
                 assert all(math.isfinite(v) and v >= 0 for v in method[key])
             if method["lossy"]:
                 assert all(math.isfinite(v) for v in method["eval"]) and math.isfinite(method["resume"])
+        for name, method in result_["methods"].items():  # ckptstore's sizes count its database, as baselines'
+            assert (method["metadata_bytes"] > 0) is name.startswith("ckptstore"), name  # count their headers
     for image in ("stored-per-commit.png", "ratio-vs-loss.png"):
         assert (tmp_path / "img" / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
