@@ -171,6 +171,12 @@ def _warn_off_main_thread() -> None:
                   RuntimeWarning, stacklevel=3)
 
 
+def _failure_of(handle: BackgroundCommit) -> BaseException | None:
+    """Why a finished background commit recorded nothing; None where it did (nothing changed, or its prune failed)."""
+    failure = handle.failure()
+    return None if isinstance(failure, (NothingToCommitError, RetentionError)) else failure
+
+
 def _device(map_location: Any) -> str | None:
     """A device name from Lightning's map_location (a name or torch.device); anything else loads on the CPU."""
     import torch
@@ -279,8 +285,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         naming no commit, or last.ckpt's older one, though the commit was stored. A failure stays
         pending: the next save, load or teardown raises it.
         """
-        failure = handle.failure()
-        if failure is not None and not isinstance(failure, (NothingToCommitError, RetentionError)):
+        if _failure_of(handle) is not None:
             return
         with self._lock:
             pending = self._pending
@@ -454,12 +459,12 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         where = os.path.abspath(spec)
         for plugin in list(_UNSETTLED):
             pending = plugin._pending
-            if plugin is self or pending is None or spec != pending[0] and where != os.path.abspath(pending[1]):
+            if plugin is self or pending is None or (spec != pending[0] and where != os.path.abspath(pending[1])):
                 continue
             handle = pending[2]
             handle.wait()
-            failure = handle.failure()
-            if failure is not None and not isinstance(failure, (NothingToCommitError, RetentionError)):
+            failure = _failure_of(handle)
+            if failure is not None:
                 raise CkptError(f"{spec}: this process's last save of it ({handle.description}) failed: {failure}. "
                                 "Load an earlier checkpoint")
             plugin.settle()
