@@ -177,6 +177,18 @@ def _failure_of(handle: BackgroundCommit) -> BaseException | None:
     return None if isinstance(failure, (NothingToCommitError, RetentionError)) else failure
 
 
+def _lightning_unwinds() -> bool:
+    """Whether the exception being handled is a run's own, caught by Lightning to tear down before re-raising.
+
+    Its traceback begins where it was caught: Lightning's `_call_and_handle_interrupt`. An exception a
+    caller handles around `fit` (a retry loop) is not the run's, nor is one caught by an `on_exception`
+    save's own code; a Lightning that renamed its handler makes every failure raise, as before.
+    """
+    handled = sys.exc_info()[1]
+    caught = handled.__traceback__ if handled is not None else None
+    return caught is not None and caught.tb_frame.f_code.co_name == "_call_and_handle_interrupt"
+
+
 def _device(map_location: Any) -> str | None:
     """A device name from Lightning's map_location (a name or torch.device); anything else loads on the CPU."""
     import torch
@@ -218,11 +230,10 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         # AsyncCheckpointIO saves on its thread while the trainer's removes and loads come from the main one
         self._lock = threading.RLock()
         self._loaded: tuple[CommitId, int | None] | None = None  # the commit load_checkpoint gave last, its step
-        self._handled_at_save: BaseException | None = None  # the exception being handled at the last save
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (ddp_spawn sends the plugin to each process) as the repository's folder, reopened there."""
-        state = dict(self.__dict__, _given=None, _opened=None, _pending=None, _handled_at_save=None)
+        state = dict(self.__dict__, _given=None, _opened=None, _pending=None)
         del state["_lock"]
         if self._given is not None or self._opened is not None:
             state["_location"] = (self._given or self._opened).root
@@ -252,11 +263,10 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         if threading.current_thread() is not threading.main_thread():
             _warn_off_main_thread()
         with self._lock:
-            self._handled_at_save = sys.exc_info()[1]  # a fit called in an except block: that exception is no failure
             self._save(checkpoint, path)
 
     def _save(self, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
-        self.settle()
+        self._settle_unless_unwinding()  # an on_exception save (OnExceptionCheckpoint) after a failed one
         self._go_on_from_the_loaded(checkpoint.get("global_step"))  # first: where the branch starts counts below
         ref, repo = self._claim(path), self.repo
         if ref in repo.branches():
@@ -340,6 +350,16 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
                 "(trainer.save_checkpoint), or resume from an earlier checkpoint") from exc
         self._settled()  # only now: Ctrl-C or SIGTERM while waiting leaves the commit pending, to settle later
         self._record(ref, path, cid)
+
+    def _settle_unless_unwinding(self) -> None:
+        """`settle()`; where Lightning handles the run's own exception, a failed commit is a warning instead."""
+        unwinding = _lightning_unwinds()  # here: inside the except clause below, the error caught is the one handled
+        try:
+            self.settle()
+        except BackgroundCommitError as exc:
+            if not unwinding:
+                raise
+            warnings.warn(f"ckptstore: {exc}", RuntimeWarning, stacklevel=3)
 
     def _settled(self) -> None:
         self._pending = None
@@ -456,10 +476,13 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         or, for a path saved again, the save before. A failed one is told here and left to its plugin
         to raise at its next save or teardown.
         """
-        where = os.path.abspath(spec)
+        where, ours = os.path.realpath(spec), os.path.realpath(self.repo.root)
+        marked = (read_marker(spec) or {}).get("ref") if os.path.isfile(spec) else None  # a link's target's too
         for plugin in list(_UNSETTLED):
             pending = plugin._pending
-            if plugin is self or pending is None or (spec != pending[0] and where != os.path.abspath(pending[1])):
+            if plugin is self or pending is None or os.path.realpath(plugin.repo.root) != ours:
+                continue
+            if spec != pending[0] and marked != pending[0] and where != os.path.realpath(pending[1]):
                 continue
             handle = pending[2]
             handle.wait()
@@ -523,16 +546,9 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         Where the run's own exception is on its way out (Lightning tears down in its handler), a failed
         commit is a warning: raised, it took that exception's place.
         """
-        handled = sys.exc_info()[1]
-        unwinding = handled is not None and handled is not self._handled_at_save  # not one fit was called under
         try:
-            self.settle()
-        except BackgroundCommitError as exc:
-            if not unwinding:
-                raise
-            warnings.warn(f"ckptstore: {exc}", RuntimeWarning, stacklevel=2)
+            self._settle_unless_unwinding()
         finally:
-            self._handled_at_save = None  # nor kept alive with its frames
             if self._opened is not None:
                 self._opened.close()
                 self._opened = None

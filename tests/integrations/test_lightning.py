@@ -384,9 +384,12 @@ def test_the_runs_own_exception_is_not_replaced_by_a_failed_commit(lit, tmp_path
     repo = Repository.init(tmp_path / "store")
     monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")  # the disk fills up in the first commit
     torch.manual_seed(0)
+    # reader 25: a save in on_exception (Lightning's OnExceptionCheckpoint), failing too, took its place again
+    on_exception = lit.pl.callbacks.OnExceptionCheckpoint(tmp_path / "ckpts")
     with pytest.raises(RuntimeError, match="the user's own bug"), \
-            pytest.warns(RuntimeWarning, match=r"epoch=0-step=4\.ckpt.*disk is full"):
-        _fit(lit, Failing(), tmp_path / "ckpts", 2, CkptstoreCheckpointIO(repo), save_last=False)
+            pytest.warns(RuntimeWarning, match=r"on_exception\.ckpt.*disk is full"):
+        _fit(lit, Failing(), tmp_path / "ckpts", 2, CkptstoreCheckpointIO(repo), save_last=False,
+             callbacks=[on_exception])
     assert repo.tags() == {} and repo.head()[1] is None
     repo.close()
 
@@ -408,9 +411,14 @@ def test_a_load_waits_for_this_processs_own_commit_of_the_marker_in_another_plug
     trainers.save_checkpoint(state, tmp_path / "final.ckpt")
     monkeypatch.delenv("CKPT_WAIT_AT")
     assert (read_marker(tmp_path / "final.ckpt")["commit"] is None) is not saved_before
+    (tmp_path / "latest").symlink_to(tmp_path)  # reader 25: through a linked folder, the wait matched no save
     threading.Timer(0.5, release.touch).start()
-    assert_same(CkptstoreCheckpointIO(repo).load_checkpoint(tmp_path / "final.ckpt"), state)
+    assert_same(CkptstoreCheckpointIO(repo).load_checkpoint(tmp_path / "latest" / "final.ckpt"), state)
     assert read_marker(tmp_path / "final.ckpt")["commit"] == repo.resolve("lightning/final")
+    with Repository.init(tmp_path / "other") as other:  # another repository's tag of that name is its own
+        other.commit({"w": torch.ones(2)}, "other")
+        other.tag("lightning/final", "HEAD")
+        assert torch.equal(CkptstoreCheckpointIO(other).load_checkpoint("lightning/final")["w"], torch.ones(2))
     repo.close()
 
 
@@ -445,6 +453,12 @@ def test_a_fit_called_while_an_exception_is_handled_still_raises_its_failed_comm
         raise OSError("a first attempt failed")
     except OSError:
         plugin.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 1}, tmp_path / "a.ckpt")
+        with pytest.raises(BackgroundCommitError, match="disk is full"):
+            plugin.teardown()
+    plugin.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 2}, tmp_path / "b.ckpt")
+    try:  # saved outside, torn down (trainer.test) inside a handler of its own (reader 25)
+        raise KeyError("unrelated")
+    except KeyError:
         with pytest.raises(BackgroundCommitError, match="disk is full"):
             plugin.teardown()
     repo.close()
