@@ -685,3 +685,49 @@ def test_a_plain_files_load_follows_the_weights_only_lightning_passes(tmp_path):
     for plugin, weights_only in ((plain, False), (trusting, None)):
         assert plugin.load_checkpoint(tmp_path / "plain.ckpt", weights_only=weights_only)["hparams"].lr == 0.1
     repo.close()
+
+
+def test_an_unchanged_save_on_a_branch_head_is_not_on_tags_that_branchs_commit(tmp_path):
+    """`last.ckpt` right after the same state's top-k save with branch="exp", HEAD on main: where the unchanged path
+    resolved HEAD, its tag named main's commit and a resume restored another state; no test held it (mutation
+    audit)."""
+    repo = Repository.init(tmp_path / "repo")
+    repo.commit({"w": torch.zeros(4)}, "main's own", step=0)
+    plugin = CkptstoreCheckpointIO(repo, branch="exp", blocking=True)
+    state = {"global_step": 3, "w": torch.ones(4)}
+    plugin.save_checkpoint(state, tmp_path / "ckpts" / "epoch=0-step=3.ckpt")
+    plugin.save_checkpoint(state, tmp_path / "ckpts" / "last.ckpt")  # nothing changed: exp's head holds it
+    assert repo.resolve("lightning/last") == repo.branches()["exp"] != repo.branches()["main"]
+    assert_same(plugin.load_checkpoint(tmp_path / "ckpts" / "last.ckpt"), state)
+    repo.close()
+
+
+@pytest.mark.filterwarnings("ignore::ckptstore.repo.background.BackgroundCommitWarning")
+def test_a_failed_save_over_a_saved_path_leaves_its_marker_naming_the_earlier_commit(tmp_path, monkeypatch):
+    """A failed background save of last.ckpt deleted the earlier, settled marker where a pending marker replaced it
+    or any marker was dropped: `ckpt_path="last"` lost its checkpoint; no test held either rule (mutation audit)."""
+    repo = Repository.init(tmp_path / "repo")
+    plugin, path = CkptstoreCheckpointIO(repo), tmp_path / "ckpts" / "last.ckpt"
+    plugin.save_checkpoint({"global_step": 1, "w": torch.ones(4)}, path)
+    plugin.settle()
+    first = read_marker(path)["commit"]
+    monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")
+    plugin.save_checkpoint({"global_step": 2, "w": torch.full((4,), 2.0)}, path)
+    with pytest.raises(BackgroundCommitError):
+        plugin.settle()
+    assert first is not None and read_marker(path)["commit"] == first
+    repo.close()
+
+
+def test_load_puts_tensors_on_the_map_location_and_a_removed_paths_tag_is_free_again(tmp_path):
+    """map_location dropped (tensors on the CPU), and a removed path still claiming its tag (a new version folder's
+    best.ckpt refused): neither was held by a test (mutation audit). The meta device stands in for a GPU."""
+    repo = Repository.init(tmp_path / "repo")
+    plugin = CkptstoreCheckpointIO(repo, blocking=True)
+    plugin.save_checkpoint({"global_step": 1, "w": torch.ones(4)}, tmp_path / "a" / "best.ckpt")
+    for where in ("meta", torch.device("meta")):
+        assert plugin.load_checkpoint(tmp_path / "a" / "best.ckpt", map_location=where)["w"].is_meta
+    plugin.remove_checkpoint(tmp_path / "a" / "best.ckpt")
+    plugin.save_checkpoint({"global_step": 2, "w": torch.full((4,), 2.0)}, tmp_path / "b" / "best.ckpt")
+    assert repo.commit_info("lightning/best").step == 2
+    repo.close()

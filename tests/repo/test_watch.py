@@ -793,3 +793,17 @@ def test_shards_of_one_save_training_args_and_deepspeed_step_folders_are_said_an
     with pytest.raises(CkptError, match="global_step10 is a checkpoint folder: watch the folder it is saved in"):
         watch(repo, run / "global_step10", ONCE)
     assert len(repo.log()) == 2
+
+
+def test_a_hidden_file_beside_the_checkpoints_is_never_committed(tmp_path):
+    """`.scratch_copy.pt` beside model_10.pt became a commit where the hidden-name rule was gone; no test held the
+    docstring's promise (mutation audit)."""
+    from ckptstore import Repository
+
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"w": torch.ones(4)}, run / "model_10.pt")
+    torch.save({"w": torch.zeros(4)}, run / ".scratch_copy.pt")
+    with Repository.init(tmp_path / "repo") as repo:
+        report = watch(repo, run, WatchOptions(interval=0.3, once=True), say=lambda _: None)
+    assert [name for name, _, _ in report.committed] == ["model_10.pt"]
