@@ -96,8 +96,9 @@ def run_workload(workload: Workload, resume_steps: int) -> dict:
         result["resume_steps"] = resume_steps
     finally:
         for method in methods:
-            method.finish()
-            result["methods"][method.name]["metadata_bytes"] = getattr(method, "metadata_bytes", 0)
+            if method.name in result["methods"]:  # started: one whose start failed has nothing to finish
+                method.finish()
+                result["methods"][method.name]["metadata_bytes"] = getattr(method, "metadata_bytes", 0)
         shutil.rmtree(scratch, ignore_errors=True)
     return result
 

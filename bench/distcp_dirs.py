@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from bench.units import metadata_on_disk
 from ckptstore import Repository
 
 
@@ -58,7 +59,7 @@ def main() -> None:
             save_s.append(_timed(dcp.save, _state(model, optimizer), storage_writer=writer))
             on_disk += _size(base / f"s{n}")
             commit_s.append(_timed(repo.commit, base / f"s{n}", f"save {n}"))
-        stored = sum(c.stored_bytes for c in repo.log())
+        stored = sum(c.stored_bytes for c in repo.log()) + metadata_on_disk(repo)
         checkout_s = _timed(repo.checkout_to, "main", base / "out")
         loads = {"original": [], "checkout": []}
         for _ in range(3):  # alternated, so drift hits both alike

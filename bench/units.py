@@ -93,6 +93,8 @@ def metadata_on_disk(repo: Any) -> int:
     import sqlite3
 
     path = repo.dir / "ckpt.db"
+    if not path.exists():  # a database elsewhere (a server, another SQLite file): as the repository counts it
+        return repo.db.size_on_disk()
     with contextlib.closing(sqlite3.connect(path)) as db:
         db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     return sum(p.stat().st_size for p in (path, path.with_name("ckpt.db-wal")) if p.exists())

@@ -18,3 +18,16 @@ def test_same_bytes_pass_without_loading_and_other_bytes_are_compared_by_state(t
     assert same_bytes(original, copy) and same_unit(original, copy)
     assert not same_bytes(original, legacy) and same_unit(original, legacy)
     assert not same_bytes(original, changed) and not same_unit(original, changed)
+
+
+def test_the_database_is_counted_wherever_it_lives_and_nothing_is_made_for_it(tmp_path):
+    """A repository whose database is elsewhere counted 0 bytes, and an empty .ckpt/ckpt.db was left (reader 25)."""
+    from bench.units import metadata_on_disk
+    from ckptstore import Repository
+
+    with Repository.init(tmp_path / "here") as here, \
+            Repository.init(tmp_path / "there", metadata_url=f"sqlite:///{tmp_path / 'meta.db'}") as there:
+        for repo in (here, there):
+            repo.commit({"w": torch.ones(8)}, "one")
+        assert metadata_on_disk(here) > 0 and metadata_on_disk(there) > 0
+        assert not (there.dir / "ckpt.db").exists()
