@@ -591,14 +591,19 @@ def test_a_later_run_in_another_version_folder_leaves_the_earlier_runs_checkpoin
     repo.close()
 
 
+def _save_steps(plugin: CkptstoreCheckpointIO, folder: Path, steps: tuple[int, ...]) -> None:
+    """One save per step, `step=N.ckpt` holding w full of N."""
+    for step in steps:
+        plugin.save_checkpoint({"state_dict": {"w": torch.full((3,), float(step))}, "global_step": step},
+                               folder / f"step={step}.ckpt")
+
+
 def test_a_run_resumed_behind_the_tip_is_told_at_its_first_save_and_any_paths_tag_loads(tmp_path):
     """Resuming from the step-4 commit of a run whose tip is at step 12 recorded the next save after step 12,
     unsaid; a `final.pt` whose marker was gone found no tag, though `final.ckpt` did (docs and Lightning auditors)."""
     repo = Repository.init(tmp_path / "store")
     plugin = CkptstoreCheckpointIO(repo, blocking=True)
-    for step in (4, 8, 12):
-        plugin.save_checkpoint({"state_dict": {"w": torch.full((3,), float(step))}, "global_step": step},
-                               tmp_path / f"step={step}.ckpt")
+    _save_steps(plugin, tmp_path, (4, 8, 12))
     early = repo.resolve("lightning/step_4")
     resumed = CkptstoreCheckpointIO(repo, blocking=True)
     assert resumed.load_checkpoint(early)["global_step"] == 4
@@ -624,9 +629,7 @@ def test_a_new_branch_of_a_resumed_run_starts_at_the_commit_it_resumed_from(tmp_
     history went 8 <- 6 <- 4 <- 8 <- 6 <- 4 <- 2, with no warning (Lightning auditor)."""
     repo = Repository.init(tmp_path / "store")
     plugin = CkptstoreCheckpointIO(repo, blocking=True)
-    for step in (2, 4, 8):
-        plugin.save_checkpoint({"state_dict": {"w": torch.full((3,), float(step))}, "global_step": step},
-                               tmp_path / f"step={step}.ckpt")
+    _save_steps(plugin, tmp_path, (2, 4, 8))
     early = repo.resolve("lightning/step_2")
     retry = CkptstoreCheckpointIO(repo, branch="retry", prefix="retry", blocking=True)
     assert retry.load_checkpoint(early)["global_step"] == 2
