@@ -92,8 +92,8 @@ def metadata_on_disk(repo: Any) -> int:
     import contextlib
     import sqlite3
 
-    path = repo.dir / "ckpt.db"
-    if not path.exists():  # a database elsewhere (a server, another SQLite file): as the repository counts it
+    path = getattr(repo.db.backend, "path", None)  # a SQLite file, here or elsewhere
+    if path is None or not path.exists():  # a server: as the repository counts it
         return repo.db.size_on_disk()
     with contextlib.closing(sqlite3.connect(path)) as db:
         db.execute("PRAGMA wal_checkpoint(TRUNCATE)")

@@ -180,13 +180,18 @@ def _failure_of(handle: BackgroundCommit) -> BaseException | None:
 def _lightning_unwinds() -> bool:
     """Whether the exception being handled is a run's own, caught by Lightning to tear down before re-raising.
 
-    Its traceback begins where it was caught: Lightning's `_call_and_handle_interrupt`. An exception a
-    caller handles around `fit` (a retry loop) is not the run's, nor is one caught by an `on_exception`
-    save's own code; a Lightning that renamed its handler makes every failure raise, as before.
+    Its traceback begins where it was caught: the innermost `_call_and_handle_interrupt` (Lightning's)
+    running now. An exception a caller handles around `fit` (a retry loop) is not the run's, nor another
+    trainer's whose handler runs this fit; a Lightning that renamed its handler makes every failure raise.
     """
     handled = sys.exc_info()[1]
     caught = handled.__traceback__ if handled is not None else None
-    return caught is not None and caught.tb_frame.f_code.co_name == "_call_and_handle_interrupt"
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "_call_and_handle_interrupt":
+        frame = frame.f_back
+    # the innermost one on the stack: a fit run from another trainer's handler (an on_exception callback) is
+    # inside that one's, caught elsewhere
+    return caught is not None and frame is not None and caught.tb_frame is frame
 
 
 def _device(map_location: Any) -> str | None:
@@ -477,7 +482,9 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         to raise at its next save or teardown.
         """
         where, ours = os.path.realpath(spec), os.path.realpath(self.repo.root)
-        marked = (read_marker(spec) or {}).get("ref") if os.path.isfile(spec) else None  # a link's target's too
+        marker = read_marker(spec) if os.path.isfile(spec) else None  # a link's target's too
+        # only one naming no commit yet: a settled marker (another version_N folder's last.ckpt) loads as it is
+        marked = marker.get("ref") if marker is not None and marker.get("commit") is None else None
         for plugin in list(_UNSETTLED):
             pending = plugin._pending
             if plugin is self or pending is None or os.path.realpath(plugin.repo.root) != ours:

@@ -31,3 +31,5 @@ def test_the_database_is_counted_wherever_it_lives_and_nothing_is_made_for_it(tm
             repo.commit({"w": torch.ones(8)}, "one")
         assert metadata_on_disk(here) > 0 and metadata_on_disk(there) > 0
         assert not (there.dir / "ckpt.db").exists()
+        # its write-ahead log folded in as a local one's, not counted raw (reader 26: 11x too much)
+        assert not (tmp_path / "meta.db-wal").exists() or (tmp_path / "meta.db-wal").stat().st_size == 0

@@ -437,6 +437,11 @@ def test_a_load_leaves_another_plugins_failed_commit_to_that_plugin(tmp_path, mo
         CkptstoreCheckpointIO(repo).load_checkpoint(tmp_path / "killed.ckpt")
     with pytest.raises(CkptError, match=r"step=5\.ckpt: this process's last save of it .* failed"):
         CkptstoreCheckpointIO(repo).load_checkpoint(tmp_path / "step=5.ckpt")
+    monkeypatch.delenv("CKPT_FAIL_AT")  # that save has failed (waited for above): its failure is still pending
+    with Repository.init(tmp_path / "other") as other:  # another repository's own tag of that name loads
+        other.commit({"w": torch.ones(2)}, "other")
+        other.tag("lightning/step_5", "HEAD")
+        assert torch.equal(CkptstoreCheckpointIO(other).load_checkpoint("lightning/step_5")["w"], torch.ones(2))
     with pytest.raises(BackgroundCommitError, match=r"step=5\.ckpt.*disk is full"):
         trainers.teardown()
     repo.close()
@@ -733,4 +738,20 @@ def test_load_puts_tensors_on_the_map_location_and_a_removed_paths_tag_is_free_a
     plugin.remove_checkpoint(tmp_path / "a" / "best.ckpt")
     plugin.save_checkpoint({"global_step": 2, "w": torch.full((4,), 2.0)}, tmp_path / "b" / "best.ckpt")
     assert repo.commit_info("lightning/best").step == 2
+    repo.close()
+
+
+@pytest.mark.filterwarnings("ignore::ckptstore.repo.background.BackgroundCommitWarning")
+def test_a_settled_marker_loads_though_another_folders_save_of_its_name_failed(tmp_path, monkeypatch):
+    """version_0/last.ckpt, settled, was refused as "this process's last save of it failed" because a second run's
+    version_1/last.ckpt (the same tag) had failed (reader 26, of cfa33c0)."""
+    repo = Repository.init(tmp_path / "store")
+    state = {"global_step": 1, "w": torch.ones(4)}
+    CkptstoreCheckpointIO(repo, blocking=True).save_checkpoint(state, tmp_path / "version_0" / "last.ckpt")
+    monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")
+    second = CkptstoreCheckpointIO(repo)
+    second.save_checkpoint({"global_step": 2, "w": torch.zeros(4)}, tmp_path / "version_1" / "last.ckpt")
+    assert_same(CkptstoreCheckpointIO(repo).load_checkpoint(tmp_path / "version_0" / "last.ckpt"), state)
+    with pytest.raises(BackgroundCommitError):
+        second.teardown()
     repo.close()
