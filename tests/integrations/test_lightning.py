@@ -755,3 +755,30 @@ def test_a_settled_marker_loads_though_another_folders_save_of_its_name_failed(t
     with pytest.raises(BackgroundCommitError):
         second.teardown()
     repo.close()
+
+
+@pytest.mark.filterwarnings("ignore::ckptstore.repo.background.BackgroundCommitWarning")
+def test_a_fit_run_from_another_trainers_on_exception_raises_its_failed_commit(lit, tmp_path, monkeypatch):
+    """Trainer B's fit, run from trainer A's on_exception (a fallback run), lost its failed saves with a warning:
+    A's exception, caught by A's handler, was taken for B's run's own (reader 26, of cfa33c0)."""
+    repo = Repository.init(tmp_path / "store")
+    outcome = {}
+
+    class Failing(lit.Tiny):
+        def training_step(self, batch, index):
+            raise RuntimeError("run A's own bug")
+
+    class Fallback(lit.pl.Callback):
+        def on_exception(self, trainer, module, exception):
+            monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")  # B's disk is full
+            try:
+                _fit(lit, lit.Tiny(), tmp_path / "b", 1, CkptstoreCheckpointIO(repo), save_last=False)
+            except BackgroundCommitError as exc:
+                outcome["b"] = exc
+            finally:
+                monkeypatch.delenv("CKPT_FAIL_AT")
+
+    with pytest.raises(RuntimeError, match="run A's own bug"):
+        _fit(lit, Failing(), tmp_path / "a", 1, callbacks=[Fallback()], save_last=False)
+    assert "disk is full" in str(outcome.get("b")) and repo.tags() == {}
+    repo.close()
