@@ -136,3 +136,28 @@ def test_a_bucket_gone_is_named_as_such_on_upload(tmp_path, s3_server, metadata_
             repo.commit(_state(0))
         # its objects went with it: not "nothing was lost ... run the command again" (shared-repository auditor)
         assert "restore it from a backup" in str(raised.value) and "Nothing was lost" not in str(raised.value)
+
+
+def test_a_push_of_a_damaged_local_object_is_refused_though_the_bucket_has_something_under_its_key(
+        tmp_path, s3_server, postgres_url):
+    """Where push took a damaged copy here for "held there", an object whose key the bucket answered for (with other
+    bytes) was skipped and the push recorded it; no test held the check (mutation audit)."""
+    import urllib.request
+
+    from ckptstore.repo import remote
+
+    bucket = s3_server.new_bucket()
+    with Repository.init(tmp_path / "work") as work:
+        work.commit(_state(0))
+        objects = sorted((tmp_path / "work" / ".ckpt" / "objects").glob("??/*"), key=lambda p: p.stat().st_size)
+        damaged = objects[-1]
+        remote.add(work, "origin", f"s3://{bucket}/repo", metadata_url=postgres_url)
+        key = remote.remote_store(work.config.remotes["origin"]).key(damaged.parent.name + damaged.name)
+        urllib.request.urlopen(urllib.request.Request(f"{s3_server.endpoint}/{bucket}/{key}", data=b"other bytes",
+                                                      method="PUT"), timeout=30)
+        damaged.chmod(0o644)
+        data = bytearray(damaged.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        damaged.write_bytes(bytes(data))
+        with pytest.raises(CkptError, match="holds a damaged object"):
+            remote.push(work, "origin")
