@@ -163,3 +163,24 @@ def test_a_sqlite_repository_never_loads_psycopg(tmp_path):
             f"r.close(); r = Repository.open({str(tmp_path)!r}); r.branches(); print('psycopg' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False"]
+
+
+def test_ckpt_status_loads_neither_numpy_nor_torch(tmp_path):
+    """`ckpt status` hashes the files HEAD came from: it needs the manifest and blake3, not the parsers."""
+    from ckptstore import Repository
+
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    (folder / "trainer_state.json").write_text('{"global_step": 1}')
+    with Repository.init(tmp_path) as repo:
+        repo.commit(folder, message="one")
+    (folder / "trainer_state.json").write_text('{"global_step": 2}')
+    code = ("import sys\nfrom ckptstore.cli.entry import main\ntry:\n    main(['status'])\n"
+            "except SystemExit:\n    pass\n"
+            "print(' '.join(m for m in ('numpy', 'torch', 'sqlalchemy') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    *report, loaded = result.stdout.splitlines()
+    assert [line.split() for line in report[1:]] == [["unchanged:", "checkpoint-1/model.safetensors"],
+                                                      ["modified:", "checkpoint-1/trainer_state.json"]]
+    assert loaded.split() == []

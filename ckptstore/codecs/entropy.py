@@ -33,8 +33,8 @@ from typing import NamedTuple
 import numpy as np
 import zstandard
 
-from ckptstore import threadlocal
 from ckptstore.errors import CodecError
+from ckptstore.threadlocal import decompress_at_most
 
 try:
     from ckptstore.codecs import _lossy as native
@@ -64,18 +64,6 @@ MAX_SYMBOLS = 1 << 30  # a 4 GiB chunk of float32; a damaged count above it is r
 _local = threading.local()
 NATIVE_KINDS = {"i": "i", "l": "q", "q": "q", "f": "f", "d": "d"}  # numpy's dtype.char -> the C loops' kind
 PACK_KINDS = {"b": "b", "h": "h", "i": "i", "l": "q", "q": "q"}  # the same, for streams being coded
-
-
-def decompress_at_most(frame: bytes | memoryview, limit: int) -> bytes:
-    """A zstd frame's content, of at most `limit` bytes; ValueError before allocating when its header declares more.
-
-    zstd sizes its output by the content size a frame header declares (max_output_size bounds
-    only frames that declare none), so a damaged header could make it allocate gigabytes.
-    """
-    declared = zstandard.frame_content_size(frame)  # -1: not declared
-    if declared > limit:
-        raise ValueError(f"a zstd frame declares {declared} bytes where at most {limit} fit")
-    return threadlocal.decompressor().decompress(frame, max_output_size=max(limit, 1))
 
 
 def _zstd_c() -> zstandard.ZstdCompressor:

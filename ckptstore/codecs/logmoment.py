@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from ckptstore.codecs.entropy import decode_sparse, decode_symbols, decompress_at_most, encode_symbols
+from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols
 from ckptstore.codecs.floats import from_float32, itemsize, overflows, rounding_error, to_float32, underflows
 from ckptstore.errors import CodecError, NonFiniteError, UnquantizableError
+from ckptstore.threadlocal import decompress_at_most
 
 MAGIC = b"LG1"
 _HEAD = struct.Struct("<3sBiI")

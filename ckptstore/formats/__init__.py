@@ -1,22 +1,21 @@
 """Checkpoint inputs and outputs: torch.save files, safetensors files and Trainer-style folders.
 
 A checkpoint is read into `CheckpointFile` records (one per file, each with a JSON skeleton) and
-one flat dict of raw tensors keyed by logical path; checkout reverses it.
+one flat dict of raw tensors keyed by logical path; checkout reverses it. The readers and writers
+(`checkpoint_io`, numpy and the parsers) load on first use: `ckpt status` needs neither.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ckptstore.errors import CheckpointFormatError, PickledObjectsError, UnsupportedStateError
-from ckptstore.formats import filemap, safetensors_file, torchcontainer, torchfile, torchzip
-from ckptstore.formats.atomic import write_parts
-from ckptstore.formats.folder import file_mode, folder_files
-from ckptstore.state import RawTensor, escape, flatten, join, raw_from_bytes, unflatten
+from ckptstore.errors import CheckpointFormatError
+
+if TYPE_CHECKING:
+    from ckptstore.state import RawTensor
 
 TORCH, SAFETENSORS, BLOB = "torch", "safetensors", "blob"
 TORCH_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar"}
@@ -62,64 +61,6 @@ class Checkpoint:
     tensors: dict[str, RawTensor] = field(default_factory=dict)
 
 
-def from_state(obj: Any) -> Checkpoint:
-    """An in-memory training state, stored as if it were one torch.save file."""
-    flat = flatten(obj)
-    return Checkpoint("state", [CheckpointFile("", TORCH, flat.skeleton)], flat.tensors)
-
-
-def _read_blob(path: Path, prefix: str) -> tuple[Any, dict[str, RawTensor]]:
-    data = filemap.array(path)
-    entry = join(prefix, BLOB_PATH)
-    return ["blob", entry], {entry: raw_from_bytes(data)}
-
-
-def _read_file(path: Path, name: str, trust_pickle: bool, in_folder: bool) -> tuple[CheckpointFile, dict]:
-    prefix = escape(name) if name else ""
-    size = path.stat().st_size
-    if size and safetensors_file.looks_like_safetensors(path):
-        skeleton, tensors = safetensors_file.read(path, prefix)
-        return CheckpointFile(name, SAFETENSORS, skeleton, size), tensors
-    torch_like = size and torchfile.looks_like_torch_file(path)
-    if torch_like and (not in_folder or path.suffix in TORCH_SUFFIXES):
-        try:
-            return _read_torch_file(path, name, prefix, size, trust_pickle)
-        except (CheckpointFormatError, UnsupportedStateError) as exc:
-            # in a folder, a file of objects (training_args.bin) is kept as its bytes; with
-            # --trust-pickle that includes objects flatten cannot store or whose class is missing here
-            pickled = isinstance(exc, PickledObjectsError) or (trust_pickle and isinstance(exc, UnsupportedStateError))
-            if in_folder and pickled:
-                skeleton, tensors = _read_blob(path, prefix)
-                return CheckpointFile(name, BLOB, skeleton, size, "pickled objects, kept as bytes"), tensors
-            # another program's zip or pickle with a torch suffix (a tokenizer's .bin): a plain file, below
-            if not (torchfile.plain_zip(path) or torchfile.plain_pickle(path)):
-                raise
-    if not in_folder:
-        raise CheckpointFormatError(
-            f"{path} is not a checkpoint: expected a torch.save file, a safetensors file or a "
-            "Hugging Face Trainer checkpoint folder"
-        )
-    skeleton, tensors = _read_blob(path, prefix)
-    return CheckpointFile(name, BLOB, skeleton, size), tensors
-
-
-def _read_torch_file(path: Path, name: str, prefix: str, size: int, trust_pickle: bool
-                     ) -> tuple[CheckpointFile, dict[str, RawTensor]]:
-    """A torch.save file: its state, and for a zip its container (so checkout can give its bytes back)."""
-    is_zip = torchfile.is_zip(path)
-    if is_zip and (why := torchfile.zip_not_whole(path)):
-        raise CheckpointFormatError(f"{path} is not a whole torch.save file: {why} (cut off or damaged?)")
-    # torch-free where the file is plain training state; torch's loader for everything else
-    found = None if trust_pickle else torchzip.read_with_covers(path, prefix)
-    flat, covers, orders = found if found is not None else (flatten(torchfile.load(path, trust_pickle), prefix),
-                                                            None, {})
-    record = CheckpointFile(name, TORCH, flat.skeleton, size)
-    split = torchcontainer.split(path, prefix, flat.tensors, covers, orders) if is_zip else None
-    if split is not None:
-        record.container, flat.tensors[record.container["entry"]] = split
-    return record, flat.tensors
-
-
 def kind_on_disk(path: Path, shown: str | os.PathLike | None = None) -> str:
     """"file" or "folder"; a missing path, or one that is neither (a FIFO, a device), refused naming `shown`."""
     if not path.exists():
@@ -131,64 +72,18 @@ def kind_on_disk(path: Path, shown: str | os.PathLike | None = None) -> str:
     return "folder"
 
 
-def read_checkpoint(path: str | os.PathLike, trust_pickle: bool = False,
-                    exclude: Iterable[str | os.PathLike] = ()) -> Checkpoint:
-    """Read a checkpoint file or folder from disk without copying tensor data where avoidable.
-
-    A folder's files are those `folder.folder_files` finds (its links policy), less the folders in
-    `exclude` (the repository's own directory); every file's permission bits are recorded.
-    """
-    path = Path(path)
-    if kind_on_disk(path) == "file":
-        record, tensors = _read_file(path, "", trust_pickle, in_folder=False)
-        record.mode = file_mode(path, path.stat())
-        return Checkpoint("file", [record], tensors)
-    found = folder_files(path, exclude)
-    if not found:
-        raise CheckpointFormatError(f"{path} is an empty folder, not a checkpoint")
-    checkpoint = Checkpoint("folder", [])
-    filemap.allow_open_files(len(found))  # the files' maps stay open until the commit is recorded
-    for item in found:
-        record, tensors = _read_file(item.path, item.name, trust_pickle, in_folder=True)
-        record.mode = item.mode
-        checkpoint.files.append(record)
-        checkpoint.tensors.update(tensors)
-    return checkpoint
-
-
-def file_state(record: CheckpointFile, value_of: Callable[[str], Any]) -> Any:
-    """The in-memory form of one file: nested state, dict of tensors, or bytes."""
-    if record.format == SAFETENSORS:
-        return safetensors_file.as_state(record.skeleton, value_of)
-    if record.format == BLOB:
-        return value_of(record.skeleton[1])
-    return unflatten(record.skeleton, value_of)
-
-
-def to_state(kind: str, files: list[CheckpointFile], value_of: Callable[[str], Any]) -> Any:
-    """The whole checkpoint in memory; a folder becomes {file name: file state}."""
-    if kind == "folder":
-        return {record.name: file_state(record, value_of) for record in files}
-    return file_state(files[0], value_of)
-
-
-def write_file(record: CheckpointFile, dest: Path, value_of: Callable[[str], Any],
-               raw_of: Callable[[str], RawTensor], exact: bool = False) -> None:
-    """Write one file back: safetensors, blobs and torch zips byte for byte, other torch files via torch.save.
-
-    `exact`: the tensors are the committed ones (a lossless commit); a torch zip's CRCs then stand as stored.
-    """
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if record.format == TORCH and record.container is not None:
-        torchcontainer.write(dest, record.container, raw_of, exact)
-    elif record.format == TORCH:
-        torchfile.save(unflatten(record.skeleton, value_of), dest)
-    elif record.format == SAFETENSORS:
-        safetensors_file.write(dest, record.skeleton, raw_of)
-    else:
-        write_parts(dest, [raw_of(record.skeleton[1]).data])
-
-
 def destination(kind: str, record: CheckpointFile, dest: Path) -> Path:
     """Where a file of the checkpoint goes when the checkpoint is written to `dest`."""
     return dest / record.name if kind == "folder" else dest
+
+
+_IO_NAMES = {"from_state", "read_checkpoint", "file_state", "to_state", "write_file"}
+
+
+def __getattr__(name: str) -> Any:
+    """`formats.read_checkpoint` and the other readers and writers, from `checkpoint_io` once asked for."""
+    if name in _IO_NAMES:
+        from ckptstore.formats import checkpoint_io
+
+        return getattr(checkpoint_io, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -114,6 +114,18 @@ static PyObject *register_range(PyObject *self, PyObject *args)
     return PyLong_FromLong(-1); /* full: the mapping is unguarded, as before */
 }
 
+/* The first address of a buffer (a read-only mmap included): filemap's maps, without numpy. */
+static PyObject *address_of(PyObject *self, PyObject *args)
+{
+    Py_buffer view;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*", &view))
+        return NULL;
+    PyObject *start = PyLong_FromVoidPtr(view.buf);
+    PyBuffer_Release(&view);
+    return start;
+}
+
 static PyObject *unregister(PyObject *self, PyObject *args)
 {
     int slot;
@@ -148,6 +160,7 @@ static PyObject *faults(PyObject *self, PyObject *unused)
 static PyMethodDef methods[] = {
     {"install", install, METH_NOARGS, "Install the SIGBUS handler (again, if another took SIGBUS since)."},
     {"register", register_range, METH_VARARGS, "register(start, length) -> slot (-1: table full, unguarded)."},
+    {"address", address_of, METH_VARARGS, "address(buffer) -> its first byte's address."},
     {"unregister", unregister, METH_VARARGS, "unregister(slot) -> faults answered in it."},
     {"hits", hits, METH_VARARGS, "hits(slot) -> faults answered in it so far."},
     {"faults", faults, METH_NOARGS, "Faults answered with a zero page since the process started."},

@@ -17,8 +17,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from ckptstore.formats.atomic import changed_while_read
 from ckptstore.hashing import bytes_digest
@@ -27,6 +26,9 @@ try:
     from ckptstore.formats import _sigbus
 except ImportError:  # built without a C compiler: maps are read unguarded
     _sigbus = None
+
+if TYPE_CHECKING:
+    import numpy as np
 
 native = _sigbus is not None
 _local = threading.local()
@@ -48,7 +50,7 @@ class Guard:
         """
         if _sigbus is None or not len(data):
             return -1
-        slot = _sigbus.register(np.frombuffer(data, np.uint8).ctypes.data, len(data))
+        slot = _sigbus.register(_sigbus.address(data), len(data))
         if slot >= 0:  # -1: the table is full, the map is read unguarded
             self._slots[slot] = str(path)
             self._tokens[slot] = token = object()
@@ -147,6 +149,8 @@ def _open(path: str | os.PathLike, writable: bool, within: Guard | None) -> tupl
 
 def array(path: str | os.PathLike, writable: bool = False) -> np.ndarray:
     """The file's bytes as a uint8 array over `open_map`'s map (read-only unless `writable`)."""
+    import numpy as np  # here only: `ckpt status` hashes files through this module without numpy
+
     data = open_map(path, writable)
     return np.empty(0, dtype=np.uint8) if data is None else np.frombuffer(data, dtype=np.uint8)
 

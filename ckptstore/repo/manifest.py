@@ -116,7 +116,7 @@ class Manifest:
         """Parse a stored manifest; `oid` names it in errors."""
         import zstandard
 
-        from ckptstore.codecs.entropy import decompress_at_most
+        from ckptstore.threadlocal import decompress_at_most
 
         try:  # a damaged frame header can declare gigabytes: no manifest compresses 1024x
             record = json.loads(decompress_at_most(data, MAX_EXPANSION * len(data) + (1 << 20)))
