@@ -1,5 +1,7 @@
 """repo/warm.py: repositories reopened at a root kept warm share one plane cache and one thread pool."""
 
+import subprocess
+import sys
 import time
 
 import torch
@@ -81,3 +83,27 @@ def test_a_repository_whose_warm_pool_of_an_old_thread_count_went_takes_the_new_
         settle(tmp_path.resolve())
         first.commit({"w": torch.full((3,), 2.0)})  # on the pool it now finds
         assert len(first.log()) == 3
+
+
+def test_keep_warm_loads_every_module_of_ckptstore_a_commit_runs(tmp_path):
+    """The daemon warms up so that its first command pays no imports: a commit after it loads none of ours."""
+    code = f"""
+import sys
+from pathlib import Path
+import torch
+from safetensors.torch import save_file
+from ckptstore import Repository
+from ckptstore.repo import keep_warm
+root = Path({str(tmp_path)!r}).resolve()
+Repository.init(root).close()
+keep_warm(root)
+torch.save({{"w": torch.ones(4)}}, root / "a.pt")
+save_file({{"w": torch.ones(4)}}, str(root / "b.safetensors"))
+before = {{m for m in sys.modules if m.startswith("ckptstore")}}
+with Repository.open(root) as repo:
+    repo.commit(root / "a.pt", message="a")
+    repo.commit(root / "b.safetensors", message="b")
+print(" ".join(sorted({{m for m in sys.modules if m.startswith("ckptstore")}} - before)))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == []
