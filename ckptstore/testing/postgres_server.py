@@ -4,8 +4,9 @@ It listens on 127.0.0.1 only (a free port) and on a unix socket in its folder, t
 local connection except those of `PASSWORD_USER`, who must give `PASSWORD` (to test a wrong
 one), and runs with fsync and synchronous_commit off: a test server loses nothing anyone needs,
 but a SIGKILL of it may lose transactions it already reported committed (a fault test that kills
-the server must turn synchronous_commit on first). initdb refuses to run as root, so as root the
-server runs as the `postgres` system user.
+the server must turn synchronous_commit on first). `durable=True` keeps PostgreSQL's defaults
+instead, for benchmarks that compare it with a local repository, which fsyncs. initdb refuses to
+run as root, so as root the server runs as the `postgres` system user.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def find_bin() -> Path:
 class PostgresServer:
     """A PostgreSQL server in a temporary folder; `with PostgresServer() as server: url = server.new_database()`."""
 
-    def __init__(self) -> None:
+    def __init__(self, durable: bool = False) -> None:
         self.bin = find_bin()
+        self.durable = durable
         self.folder = Path(tempfile.mkdtemp(prefix="ckpt-postgres-"))
         self.data = self.folder / "data"
         self.port = free_port()
@@ -76,7 +78,9 @@ class PostgresServer:
     def start(self) -> None:
         """Start the server (again, after `stop`), waiting until it accepts connections."""
         settings = (f"-c listen_addresses=127.0.0.1 -p {self.port} -c unix_socket_directories={self.folder} "
-                    "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
+                    "-c max_connections=200")
+        if not self.durable:
+            settings += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.folder / "server.log"), "-w", "-t", "60",
                   "-o", settings, "start")
         self.running = True

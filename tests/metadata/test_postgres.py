@@ -235,3 +235,15 @@ def test_a_reading_command_behind_a_table_lock_gives_up_with_one_line(postgres_u
     assert said.returncode == 1 and said.stderr.count("\n") == 1, said.stderr
     assert "another process has held a lock on the metadata" in said.stderr
     assert ckpt_here(tmp_path, "log").returncode == 0
+
+
+@pytest.mark.parametrize("durable, fsync", [(False, "off"), (True, "on")])
+def test_the_throwaway_server_runs_without_fsync_unless_durable(durable, fsync):
+    """bench.s3_repo compares a durable local repository with a durable server: `durable=True` keeps fsync."""
+    import psycopg
+
+    from ckptstore.testing.postgres_server import PostgresServer
+
+    with PostgresServer(durable=durable) as server, psycopg.connect(server.url()) as connection:
+        settings = [connection.execute(f"SHOW {name}").fetchone()[0] for name in ("fsync", "synchronous_commit")]
+    assert settings == [fsync, fsync]
