@@ -257,6 +257,25 @@ def test_conjugate_and_negative_views_are_stored_resolved():
     assert torch.equal(back["neg"], x.conj().imag.resolve_neg())
 
 
+def test_a_contiguous_negative_view_commits_and_comes_back_with_its_values(repo):
+    """torch._neg_view of a contiguous tensor is contiguous as it is, so no copy resolves its negative bit, and torch
+    will not view its bytes as another dtype: storing it failed (mutation audit)."""
+    x = torch._neg_view(torch.tensor([1.0, 2.0, 3.0]))
+    assert x.is_neg() and x.is_contiguous()
+    assert torch.equal(_round_trip({"x": x})["x"], torch.tensor([-1.0, -2.0, -3.0]))
+    back = repo.checkout(repo.commit({"x": x}))["x"]
+    assert not back.is_neg() and torch.equal(back, torch.tensor([-1.0, -2.0, -3.0]))
+
+
+def test_readable_path_gives_back_a_key_holding_a_literal_percent_2f():
+    """A key "enc%2Fw" is stored as "enc%252Fw": unescaping "%25" first read it back as "enc/w" (mutation audit)."""
+    from ckptstore.state import readable_path
+
+    assert list(flatten({"enc%2Fw": torch.zeros(1), "a/b%": torch.zeros(1)}).tensors) == ["enc%252Fw", "a%2Fb%25"]
+    assert readable_path("enc%252Fw") == "enc%2Fw"
+    assert readable_path("a%2Fb%25/%31/%2525") == "a/b%/1/%25"
+
+
 def test_a_one_element_view_at_any_stride_round_trips():
     base = torch.arange(6, dtype=torch.float32)
     state = {"stepped": base[::4][1:], "column": base.reshape(3, 2)[1:2, 1:]}

@@ -395,3 +395,13 @@ def test_a_splices_order_that_is_no_order_of_its_tensors_dimensions_is_damage():
     for forged in ([["a", "b"]], [[0, 0]], [[0, 1, 2]], [{"0": 1}], [[1, 0], [0, 1]], [[True, False]]):
         with pytest.raises(CkptError, match="manifest is damaged"):
             _record_bytes(raw, forged, "w")
+
+
+def test_a_view_of_the_first_half_of_a_record_comes_back_byte_for_byte(repo, tmp_path):
+    """A tensor viewing only the start of its storage record must not stand for the whole record: the record's
+    second half came back as another same-sized record's bytes (mutation audit)."""
+    base, other = torch.zeros(64), torch.zeros(64)
+    base[40] = 99.0  # in the half of record 0 no tensor of the state views
+    other[30] = 1.0  # record 1: the same size, first and last bytes as record 0, another middle
+    torch.save({"a": base[:32], "t1": other}, tmp_path / "a.pt")
+    assert_round_trip(repo, tmp_path / "a.pt", tmp_path / "out.pt")

@@ -88,3 +88,19 @@ def test_a_refused_file_names_the_class_torch_would_not_load(tmp_path):
     for read in (formats.read_checkpoint, torchzip.read, torchfile.load):  # ours, and torch's own reader
         with pytest.raises(PickledObjectsError, match=r"\(argparse.Namespace is not among the classes torch.load"):
             read(tmp_path / "a.pt")
+
+
+def test_a_trusted_file_whose_records_share_their_first_and_last_bytes_comes_back_byte_for_byte(repo, tmp_path):
+    """Under --trust-pickle records are matched to tensors by content: matched by their first and last 64 bytes
+    only, record 0 (of which the state views only the first half) came back as record 1 (mutation audit)."""
+    base, other = torch.zeros(64), torch.zeros(64)
+    base[40] = 99.0
+    other[30] = 1.0  # the same size, first and last 64 bytes as base's record, another middle
+    state = {"a": base[:32], "t1": other}
+    torch.save(state, tmp_path / "a.pt")
+    cid = repo.commit(tmp_path / "a.pt", trust_pickle=True)
+    repo.checkout_to(cid, tmp_path / "out.pt")
+    assert (tmp_path / "out.pt").read_bytes() == (tmp_path / "a.pt").read_bytes()
+    back = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert list(back) == ["a", "t1"] and all(torch.equal(back[k], v) for k, v in state.items())
+    assert back["a"].untyped_storage().tolist() == base.untyped_storage().tolist()  # 99.0 at 40 included

@@ -1,5 +1,6 @@
 """`diff` of tensors that torch cannot convert or whose squares overflow float64 (repo/diff.py)."""
 
+import json
 import math
 import warnings
 
@@ -127,3 +128,38 @@ def test_values_nested_past_pythons_stack_in_a_forged_manifest_differ_without_a_
         node = ["list", [node]]
     forged = SimpleNamespace(files=[SimpleNamespace(name="", skeleton=node)])
     assert diff_module._values(forged)["/"].startswith("nested past Python's stack")
+
+
+def test_the_distance_over_slices_whose_later_ones_hold_larger_values_is_right(tmp_path, monkeypatch):
+    """The norm is kept a slice at a time (2**22 elements): when a later slice held larger values, the sum so far
+    was rescaled by the ratio of the scales, not its square (mutation audit). Slices of 4 elements here."""
+    import numpy as np
+
+    from ckptstore.repo import diff as diff_module
+    from ckptstore.state import element_slices
+
+    monkeypatch.setattr(diff_module, "element_slices",
+                        lambda raw, first=0, elements=4: element_slices(raw, first, min(elements, 4)))
+    before = torch.tensor([1.0] * 8 + [100.0] * 4, dtype=torch.float16)  # the last slice holds the largest values
+    after = before.clone()
+    after[:2] = 2.0  # a change in the first slice
+    x, y = before.double().numpy(), after.double().numpy()
+    want = float(np.linalg.norm(y - x) / np.linalg.norm(x))
+    assert math.isclose(_changed(tmp_path, before, after), want, rel_tol=1e-12)
+
+
+def test_a_tensor_whose_shape_changed_has_no_distance_and_one_that_was_zeros_an_infinite_one(tmp_path):
+    """A reshaped tensor's values were compared as if it had kept its shape, and a change from all zeros read as
+    no change (0.0) (mutation audit)."""
+    from click.testing import CliRunner
+
+    from ckptstore.cli import cli
+
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"z": torch.zeros(4), "s": torch.ones(4), "r": torch.arange(6.0).reshape(2, 3)})
+        repo.commit({"z": torch.ones(4), "s": torch.ones(6), "r": torch.arange(6.0).reshape(3, 2)})
+        rows = {row.path: (row.status, row.relative_l2) for row in repo.diff("HEAD~1", "HEAD")}
+    assert rows == {"z": ("changed", math.inf), "s": ("changed", None), "r": ("changed", None)}
+    shown = CliRunner().invoke(cli, ["--repo", str(tmp_path), "diff", "HEAD~1", "HEAD", "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert {row["path"]: row["relative_l2"] for row in json.loads(shown.output)} == {"z": "inf", "s": None, "r": None}

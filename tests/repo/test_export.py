@@ -113,6 +113,18 @@ def test_a_committed_file_exports_under_its_own_tensor_names(tmp_path):
     assert sorted(load_file(tmp_path / "clash.safetensors")) == ["a%2Fb", "a/b"]  # by path: both kept
 
 
+def test_a_tensor_whose_name_holds_a_literal_percent_2f_exports_under_that_name(tmp_path):
+    """The name "enc%2Fw" came out of the export as "enc/w": its stored path's escapes undone in the wrong order
+    (mutation audit)."""
+    names = {"enc%2Fw": torch.arange(4.0), "plain": torch.ones(2)}
+    save_file(names, tmp_path / "model.safetensors")
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(tmp_path / "model.safetensors")
+        export(repo, "main", "safetensors", tmp_path / "out.safetensors")
+    back = load_file(tmp_path / "out.safetensors")
+    assert sorted(back) == ["enc%2Fw", "plain"] and all(torch.equal(back[k], v) for k, v in names.items())
+
+
 def test_tied_weights_export_under_every_key_that_holds_them(tmp_path):
     """`head.weight` is `embed.weight`: one entry in two places; the export had the first only (strict loads failed)."""
     model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
@@ -249,3 +261,17 @@ def test_an_items_name_in_the_left_out_note_is_the_path_show_lists_and_only_take
     note = ckpt_here(tmp_path, "export", "HEAD", "--all", "-o", "all.safetensors").stdout
     assert "left out 1 item (config.json/%25blob)" in note, note
     assert ckpt_here(tmp_path, "checkout", "HEAD", "--only", "config.json/%25blob", "-o", "part").returncode == 0
+
+
+def test_a_folders_bin_weight_safetensors_has_no_type_for_is_left_out_and_named(tmp_path):
+    """A complex128 weight in pytorch_model.bin (safetensors has no C128) failed the whole export (mutation audit)."""
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    torch.save({"w": torch.arange(2.0), "rot": torch.ones(2, dtype=torch.complex128)}, folder / "pytorch_model.bin")
+    (folder / "config.json").write_text("{}")
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(folder)
+        report = export(repo, "main", "safetensors", tmp_path / "w.safetensors")
+    assert report.tensors == 1 and report.skipped == ["rot", "config.json"]
+    back = load_file(tmp_path / "w.safetensors")
+    assert list(back) == ["w"] and torch.equal(back["w"], torch.arange(2.0))

@@ -206,3 +206,50 @@ def test_equal_tensors_at_two_paths_come_back_as_two_tensors(repo):
     for state in (repo.checkout(cid), repo.checkout(cid, keys=["model.*"])):
         state["model"]["a.weight"].add_(1.0)
         assert not state["model"]["b.weight"].any()
+
+
+def test_none_and_none_spelled_as_text_keys_are_selected_each_by_its_own_path(repo):
+    """The walk of a partial load took str(key) as a key's path, not the one flatten gave: keys=["by/None"] gave
+    the None key's tensor too, and by/%none, the path `ckpt show` lists for the None key, matched nothing
+    (mutation audit)."""
+    cid = repo.commit({"layers": {"0": torch.zeros(2), "1": torch.ones(2)},
+                       "by": {None: torch.full((2,), 5.0), "None": torch.full((2,), 7.0)}})
+    assert_same(repo.checkout(cid, keys=["by/None"]), {"by": {"None": torch.full((2,), 7.0)}})
+    assert_same(repo.checkout(cid, keys=["by/%none"]), {"by": {None: torch.full((2,), 5.0)}})
+    assert_same(repo.checkout(cid, keys=["layers/%31"]), {"layers": {"1": torch.ones(2)}})  # str "1", as listed
+
+
+def test_a_partial_load_of_a_state_dict_keeps_its_module_versions(repo):
+    """A state_dict is an OrderedDict whose _metadata holds its modules' versions (load_state_dict reads them):
+    a partial load gave the OrderedDict without it (mutation audit)."""
+    from collections import OrderedDict
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    cid = repo.commit({"model": model.state_dict(), "step": 3})
+    got = repo.checkout(cid, keys=["model.1.*"])
+    assert list(got) == ["model"] and type(got["model"]) is OrderedDict
+    assert list(got["model"]) == ["1.weight", "1.bias", "1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    assert got["model"]._metadata == model.state_dict()._metadata
+    assert got["model"]._metadata["1"] == {"version": 2}
+
+
+def test_a_pattern_naming_a_level_selects_the_safetensors_tensors_below_it(repo, tmp_path):
+    """keys=["model"] names the level of a file's "model.*" tensors, as the docs promise; it matched nothing in a
+    safetensors file, whose tensor names hold the dots (mutation audit)."""
+    save_file({"model.w": torch.ones(3), "head.b": torch.zeros(2)}, tmp_path / "m.safetensors")
+    cid = repo.commit(tmp_path / "m.safetensors")
+    assert_same(repo.checkout(cid, keys=["model"]), {"model.w": torch.ones(3)})
+    repo.checkout_to(cid, tmp_path / "part.safetensors", keys=["model"])
+    assert_same(load_file(tmp_path / "part.safetensors"), {"model.w": torch.ones(3)})
+
+
+def test_a_file_in_a_subfolder_of_a_committed_folder_is_selected_by_its_path(repo, tmp_path):
+    """A folder's sub/opt.pt is stored as sub%2Fopt.pt: keys=["sub/opt.pt"] and ["sub/opt.pt.state.*"] matched
+    nothing (mutation audit)."""
+    folder = tmp_path / "checkpoint-1"
+    (folder / "sub").mkdir(parents=True)
+    torch.save({"state": {"m": torch.ones(2)}, "lr": 0.1}, folder / "sub" / "opt.pt")
+    torch.save({"w": torch.ones(3)}, folder / "model.pt")
+    cid = repo.commit(folder)
+    assert_same(repo.checkout(cid, keys=["sub/opt.pt"]), {"sub/opt.pt": {"state": {"m": torch.ones(2)}, "lr": 0.1}})
+    assert_same(repo.checkout(cid, keys=["sub/opt.pt.state.*"]), {"sub/opt.pt": {"state": {"m": torch.ones(2)}}})
