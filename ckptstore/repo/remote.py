@@ -466,7 +466,8 @@ def _move_remote_ref(remote: Repository, name: str, branch: str, old: CommitId |
             return
         if old is not None and ref_rows.swap(rtx, branch, ref_rows.BRANCH, old, new):
             return
-    raise ConflictError(f"push to {name} lost a race: its branch {branch!r} moved while the commits were sent, "
+    happened = "was deleted" if row is None else "was made" if old is None else "moved"
+    raise ConflictError(f"push to {name} lost a race: its branch {branch!r} {happened} while the commits were sent, "
                         f"and was not moved again. Run the push again: it moves {branch!r} where yours still follows "
                         "it, else says how to send yours (what was sent is not sent twice)")
 

@@ -247,3 +247,56 @@ def test_the_throwaway_server_runs_without_fsync_unless_durable(durable, fsync):
     with PostgresServer(durable=durable) as server, psycopg.connect(server.url()) as connection:
         settings = [connection.execute(f"SHOW {name}").fetchone()[0] for name in ("fsync", "synchronous_commit")]
     assert settings == [fsync, fsync]
+
+
+def test_opening_a_database_with_no_schema_is_refused_and_writes_nothing(postgres_server, postgres_url, tmp_path):
+    """Only init makes a schema: `ckpt log` on a database recreated empty (or a URL repointed at a fresh one) began
+    an empty history over the repository's objects, which a gc would then all delete (mutation audit)."""
+    from tests.conftest import ckpt_here
+
+    with Repository.init(tmp_path, metadata_url=postgres_url) as repo:
+        cid = repo.commit({"w": torch.ones(1000)}, message="precious")
+    objects = sorted(p.name for p in (tmp_path / ".ckpt" / "objects").rglob("*") if p.is_file())
+    empty = postgres_server.new_database()
+    try:
+        config = tmp_path / ".ckpt" / "config.toml"
+        config.write_text(config.read_text().replace(postgres_url, empty))
+        for command in (["log"], ["gc"], ["commit", "-m", "x", "nothing.pt"]):
+            said = ckpt_here(tmp_path, *command)
+            assert said.returncode == 1, (command, said.stdout, said.stderr)
+            assert said.stderr.startswith(f"error: the metadata database {describe(empty)} holds no schema (it is "
+                                          "empty)") and "Nothing was written" in said.stderr, said.stderr
+        assert _tables(empty) == {}  # no schema made, no revision written
+        assert sorted(p.name for p in (tmp_path / ".ckpt" / "objects").rglob("*") if p.is_file()) == objects
+    finally:
+        postgres_server.drop_database(empty)
+    config.write_text(config.read_text().replace(empty, postgres_url))
+    with Repository.open(tmp_path) as repo:
+        assert [c.id for c in repo.log()] == [cid] and fsck(repo).ok
+
+
+def test_a_connection_lost_at_commit_says_the_change_may_or_may_not_have_been_recorded(postgres_url, tmp_path,
+                                                                                        monkeypatch):
+    """The server may have committed before the link broke: "nothing was changed, run it again" could be false."""
+    import psycopg
+
+    from ckptstore.metadata import postgres
+
+    real = postgres.PostgresBackend.commit
+
+    def cut(backend, connection):  # the link breaks as COMMIT goes out (here: just before, so nothing was recorded)
+        with psycopg.connect(backend.conninfo, autocommit=True) as other:
+            other.execute("SELECT pg_terminate_backend(%s)", (connection.info.backend_pid,))
+        return real(backend, connection)
+
+    with Repository.init(tmp_path, metadata_url=postgres_url) as repo:
+        cid = repo.commit({"w": torch.ones(3)})
+        monkeypatch.setattr(postgres.PostgresBackend, "commit", cut)
+        with pytest.raises(CkptError, match=r"lost the connection to PostgreSQL at .* while committing \(.*\); the "
+                                            r"change may or may not have been recorded: check with `ckpt log`") as lost:
+            repo.tag("t1", cid)
+        assert "nothing was changed" not in str(lost.value)
+        monkeypatch.undo()
+        assert repo.tags() == {}  # the server rolled back: the tag can be made again
+        repo.tag("t1", cid)
+        assert repo.tags() == {"t1": cid}

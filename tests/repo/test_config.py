@@ -1,6 +1,7 @@
 """config.toml as a user edits it (repo/config.py): every mistake one error naming the key, before anything runs."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -107,3 +108,56 @@ def test_remote_edits_keep_the_comments_and_order_a_user_gave_the_config(tmp_pat
     assert "# the lab's settings: ask Ana before changing\n" in text and "backup" not in text
     saved = RepoConfig.load(config)
     assert saved.threads == 2 and {n: r.url for n, r in saved.remotes.items()} == {"origin": str(tmp_path / "o2")}
+
+
+@pytest.mark.parametrize("rule", ["keep_last", "keep_every"])
+def test_a_negative_retention_count_is_refused_and_no_commit_is_pruned(tmp_path, rule):
+    """keep_last = -1 is no count: read as one, `[retention]` pruned after the next commit (mutation audit)."""
+    from ckptstore.repo.config import RetentionPolicy
+
+    with pytest.raises(CkptError, match=rf"^retention {rule} must be a count \(0 or more\), not -1$"):
+        RetentionPolicy(**{rule: -1})
+    with Repository.init(tmp_path) as repo:
+        cids = [repo.commit({"w": torch.full((100,), float(step))}, step=step) for step in range(4)]
+    config = tmp_path / ".ckpt" / "config.toml"
+    config.write_text(config.read_text() + f"\n[retention]\n{rule} = -1\nkeep_tagged = true\n")
+    with pytest.raises(CkptError, match=rf"cannot read {config}: retention {rule} must be a count \(0 or more\), "
+                                        r"not -1"):
+        RepoConfig.load(config)
+    failed = ckpt_here(tmp_path, "log")
+    assert failed.returncode == 1 and f"retention {rule} must be a count (0 or more), not -1" in failed.stderr
+    config.write_text(config.read_text().replace(f"{rule} = -1", f"{rule} = 0"))
+    with Repository.open(tmp_path) as repo:
+        assert [(c.id, c.pruned) for c in repo.log()] == [(cid, False) for cid in reversed(cids)]
+
+
+def _add_remotes(root: str, hub: str, names: list[str], start) -> None:
+    """A forked process's `ckpt remote add NAME hub` for each of `names`, begun when `start` is set."""
+    start.wait(30)
+    for name in names:
+        if ckpt_here(root, "remote", "add", name, hub).returncode != 0:
+            os._exit(1)
+    os._exit(0)
+
+
+def test_remote_adds_from_processes_at_once_each_keep_their_remote(tmp_path):
+    """Two `remote add`s at once each saved the config they had read: one remote was lost (edit_config's lock)."""
+    import multiprocessing
+
+    Repository.init(tmp_path / "repo").close()
+    Repository.init(tmp_path / "repo" / "hub").close()
+    context = multiprocessing.get_context("fork")
+    start = context.Event()
+    names = [[f"p{p}-r{r}" for r in range(12)] for p in range(4)]
+    adders = [context.Process(target=_add_remotes, args=(str(tmp_path / "repo"), "hub", batch, start))
+              for batch in names]
+    for adder in adders:
+        adder.start()
+    start.set()
+    for adder in adders:
+        adder.join(60)
+    assert [adder.exitcode for adder in adders] == [0] * len(adders)
+    saved = RepoConfig.load(tmp_path / "repo" / ".ckpt" / "config.toml")
+    assert sorted(saved.remotes) == sorted(name for batch in names for name in batch)
+    listed = ckpt_here(tmp_path / "repo", "remote", "list")
+    assert listed.returncode == 0 and len(listed.stdout.splitlines()) == 48

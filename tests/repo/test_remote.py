@@ -1340,3 +1340,67 @@ def test_a_fetch_into_a_repository_holding_a_ref_named_as_its_tracking_ref_says_
                    "NULL)")
     with Repository.open(tmp_path / "b") as b, pytest.raises(CkptError, match="ckpt tag -d"):
         remote.fetch(b, "origin")
+
+
+def test_a_push_of_a_history_holding_commits_pruned_here_sends_their_rows_and_restores_the_rest(pair):
+    """A commit pruned here travels as one pruned there: its row and mark, never its manifest (gone with the
+    prune); the push asked for that manifest and refused the history as damaged (mutation audit)."""
+    from ckptstore.repo import gc
+    from ckptstore.repo.config import RetentionPolicy
+    from ckptstore.repo.pruning import prune
+
+    work, hub_path, cids = pair
+    tip = work.commit(_state(2), message="c2")
+    assert sorted(prune(work, RetentionPolicy(keep_last=1)).pruned) == sorted(cids)
+    gc(work)
+    report = remote.push(work, "origin")
+    assert report.commits == 3 and report.refs_moved == [("main", None, tip)]
+    assert _object_files(hub_path) == _object_files(work.root)
+    with Repository.open(hub_path) as hub:
+        assert [(c.id, c.pruned) for c in hub.log()] == [(tip, False), (cids[1], True), (cids[0], True)]
+        assert_same(_state(2), hub.checkout(tip)) and fsck(hub).ok
+        with pytest.raises(CkptError, match="pruned"):
+            hub.checkout(cids[0])
+
+
+def test_a_read_only_push_is_refused_as_this_repository_being_read_only_before_the_remote_changes(pair):
+    """`ckpt --read-only push` sent the objects and records, then failed recording the tracking ref, blaming the
+    remote ("the remote cannot be written from here") for this repository's --read-only (mutation audit)."""
+    work, hub_path, _ = pair
+    refused = ckpt_here(work.root, "--read-only", "push")
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith(f"error: push (it records the remote's branch here) would write to the "
+                                     f"repository at {work.root}, which is read-only here (opened with --read-only)")
+    assert "remote (" not in refused.stderr
+    assert _object_files(hub_path) == []
+    with Repository.open(hub_path) as hub:
+        assert hub.branches() == {} and hub.log() == []
+    assert "origin/main" not in work.branches()
+
+
+def test_a_push_does_not_recreate_a_remote_branch_deleted_while_it_sent(pair, monkeypatch):
+    """The compare-and-swap expected the branch where the push found it: one deleted meanwhile was made again at
+    our tip, undoing the remote owner's delete without a word (mutation audit)."""
+    from ckptstore import faults
+
+    work, hub_path, cids = pair
+    work.branch("exp", "HEAD")
+    remote.push(work, "origin", "exp")
+    newer = work.commit(_state(2), message="c2", branch="exp")
+    passing = faults.point
+
+    def deleted_there(name):  # the remote's owner deletes exp once our records are sent
+        if name == "transfer:records-sent":
+            with Repository.open(hub_path) as hub, pytest.warns(RuntimeWarning, match="leaves 2 commits behind"):
+                hub.delete_branch("exp")
+        passing(name)
+
+    monkeypatch.setattr(faults, "point", deleted_there)
+    with pytest.raises(ConflictError, match="push to origin lost a race: its branch 'exp' was deleted while the "
+                                            "commits were sent, and was not moved again"):
+        remote.push(work, "origin", "exp")
+    monkeypatch.undo()
+    with Repository.open(hub_path) as hub:
+        assert hub.branches() == {} and fsck(hub).ok
+        assert_same(_state(2), hub.checkout(newer))  # the commit went, whole, unreferenced
+    assert work.resolve("origin/exp") == cids[1]  # the tracking ref did not move either

@@ -161,3 +161,19 @@ def test_a_push_of_a_damaged_local_object_is_refused_though_the_bucket_has_somet
         damaged.write_bytes(bytes(data))
         with pytest.raises(CkptError, match="holds a damaged object"):
             remote.push(work, "origin")
+
+
+def test_gc_leaves_keys_under_objects_that_are_no_object_ids(s3_repo):
+    """gc took every key under PREFIX/objects/ for an object: a note or a copy made there by hand was deleted."""
+    kept = s3_repo.commit(_state(0))
+    client, prefix = s3_repo.store._client, s3_repo.store._objects
+    foreign = {f"{prefix}README.txt": b"team notes: do not delete", f"{prefix}ab/backup-of-pack.bin": b"a copy"}
+    for key, data in foreign.items():
+        obstore.put(client, key, data)
+    report = gc(s3_repo)
+    assert (report.objects_removed, report.bytes_removed) == (0, 0)
+    for key, data in foreign.items():
+        assert bytes(obstore.get(client, key).bytes()) == data
+    with s3_repo.db.read() as tx:  # the store lists the objects the records name, not the foreign keys
+        assert set(s3_repo.store.iter_ids()) == set(tx.column("SELECT id FROM objects"))
+    assert_same(_state(0), s3_repo.checkout(kept))
