@@ -50,7 +50,7 @@ class Guard:
         """
         if _sigbus is None or not len(data):
             return -1
-        slot = _sigbus.register(_sigbus.address(data), len(data))
+        slot = _sigbus.register(_address(data), len(data))
         if slot >= 0:  # -1: the table is full, the map is read unguarded
             self._slots[slot] = str(path)
             self._tokens[slot] = token = object()
@@ -145,6 +145,15 @@ def _open(path: str | os.PathLike, writable: bool, within: Guard | None) -> tupl
             return None, -1
         data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY if writable else mmap.ACCESS_READ)
     return data, within.add(data, path) if within is not None else -1
+
+
+def _address(data: mmap.mmap) -> int:
+    """The map's first address, from the native module; through numpy where that build predates `address`."""
+    if hasattr(_sigbus, "address"):
+        return _sigbus.address(data)
+    import numpy as np  # a checkout updated without a rebuild (`pip install -e .` again): guarded as before
+
+    return np.frombuffer(data, np.uint8).ctypes.data
 
 
 def array(path: str | os.PathLike, writable: bool = False) -> np.ndarray:

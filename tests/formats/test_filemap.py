@@ -44,6 +44,27 @@ def test_a_file_cut_short_under_a_guarded_map_reads_zeros_and_the_guard_refuses_
     assert error.startswith(f"{tmp_path / 'f.bin'} changed while it was being committed")
 
 
+def test_a_native_build_from_before_address_still_guards_a_file_cut_short(tmp_path):
+    """A checkout updated without a rebuild keeps its older _sigbus (no `address`): every commit failed with an
+    AttributeError; it takes the map's address through numpy instead, still guarded (reader 27)."""
+    result = _run("""
+        from ckptstore.errors import CheckpointFormatError
+        del filemap._sigbus.address  # the older build's module
+        try:
+            with filemap.guard():
+                digest = filemap.file_digest(path)
+                data = filemap.array(path)
+                os.truncate(path, 0)
+                print(len(digest), int(data[300]))
+        except CheckpointFormatError as exc:
+            print(exc)
+    """, tmp_path / "f.bin")
+    assert result.returncode == 0, result.stderr
+    values, error = result.stdout.splitlines()
+    assert values == "64 0"
+    assert error.startswith(f"{tmp_path / 'f.bin'} changed while it was being committed")
+
+
 def test_a_guard_names_the_files_whose_maps_were_read_past_their_end(tmp_path):
     result = _run("""
         filemap.guard().__enter__()  # installs the handler
