@@ -466,10 +466,22 @@ def _move_remote_ref(remote: Repository, name: str, branch: str, old: CommitId |
             return
         if old is not None and ref_rows.swap(rtx, branch, ref_rows.BRANCH, old, new):
             return
-    happened = "was deleted" if row is None else "was made" if old is None else "moved"
-    raise ConflictError(f"push to {name} lost a race: its branch {branch!r} {happened} while the commits were sent, "
-                        f"and was not moved again. Run the push again: it moves {branch!r} where yours still follows "
-                        "it, else says how to send yours (what was sent is not sent twice)")
+    happened = _what_happened_to(branch, old, row)
+    raise ConflictError(f"push to {name} lost a race: while the commits were sent, {happened} (what was sent is not "
+                        "sent twice)")
+
+
+def _what_happened_to(branch: str, old: CommitId | None, row: ref_rows.RefRow | None) -> str:
+    """What another writer did to the remote's `branch` while a push sent its commits, and what to do now."""
+    if row is not None and row.kind != ref_rows.BRANCH:
+        return (f"a {row.kind} named {branch!r} was made there, so no branch of that name can be; branch your "
+                "commit under another name here (`ckpt branch NAME`) and push that")
+    if row is None:
+        return (f"its branch {branch!r} was deleted there; run the push again to make it anew at your commit, if "
+                "its owner wants it back")
+    happened = "was made" if old is None else "moved"
+    return (f"its branch {branch!r} {happened} there and was not moved again; run the push again, which moves "
+            f"{branch!r} where yours still follows it, else says how to send yours")
 
 
 def _track(repo: Repository, name: str, tips: dict[str, CommitId], every: bool = False

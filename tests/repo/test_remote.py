@@ -305,8 +305,8 @@ def test_a_push_that_loses_the_race_for_the_branch_says_its_commits_went_but_the
         passing(name)
 
     monkeypatch.setattr(faults, "point", another_push_lands)
-    with pytest.raises(ConflictError, match="lost a race: its branch 'main' moved while the commits were sent, and "
-                                            "was not moved again. Run the push again"):
+    with pytest.raises(ConflictError, match="lost a race: while the commits were sent, its branch 'main' moved there "
+                                            "and was not moved again; run the push again"):
         remote.push(work, "origin")
     monkeypatch.undo()
     with pytest.raises(ConflictError, match="diverged"):  # the rerun says how to send ours
@@ -1396,11 +1396,38 @@ def test_a_push_does_not_recreate_a_remote_branch_deleted_while_it_sent(pair, mo
         passing(name)
 
     monkeypatch.setattr(faults, "point", deleted_there)
-    with pytest.raises(ConflictError, match="push to origin lost a race: its branch 'exp' was deleted while the "
-                                            "commits were sent, and was not moved again"):
+    with pytest.raises(ConflictError, match="push to origin lost a race: while the commits were sent, its branch "
+                                            "'exp' was deleted there; run the push again to make it anew"):
         remote.push(work, "origin", "exp")
     monkeypatch.undo()
     with Repository.open(hub_path) as hub:
         assert hub.branches() == {} and fsck(hub).ok
         assert_same(_state(2), hub.checkout(newer))  # the commit went, whole, unreferenced
     assert work.resolve("origin/exp") == cids[1]  # the tracking ref did not move either
+
+
+def test_a_push_whose_new_branch_name_became_a_remote_tag_meanwhile_says_so_not_to_push_again(pair, monkeypatch):
+    """A tag made under the branch's name while it sent was called 'its branch was made', with advice to push
+    again, which was refused as a tag (reader 27)."""
+    from ckptstore import faults
+
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    work.branch("exp", "HEAD")
+    work.commit(_state(2), message="c2", branch="exp")
+    passing = faults.point
+
+    def tagged_there(name):  # the remote's owner tags its main under the name once our records are sent
+        if name == "transfer:records-sent":
+            with Repository.open(hub_path) as hub:
+                hub.tag("exp", "main")
+        passing(name)
+
+    monkeypatch.setattr(faults, "point", tagged_there)
+    with pytest.raises(ConflictError, match=r"lost a race: while the commits were sent, a tag named 'exp' was made "
+                                            r"there, so no branch of that name can be; branch your commit under "
+                                            r"another name here \(`ckpt branch NAME`\) and push that"):
+        remote.push(work, "origin", "exp")
+    monkeypatch.undo()
+    with Repository.open(hub_path) as hub:
+        assert "exp" not in hub.branches() and hub.resolve("exp") == hub.resolve("main") and fsck(hub).ok
