@@ -31,7 +31,7 @@ def keep_warm(root: Path) -> None:
     """Repositories opened at `root` (resolved) from now on share planes and threads; load a commit's code."""
     from ckptstore import replay  # noqa: F401 (loaded now: see the module's docstring)
     from ckptstore.formats import checkpoint_io  # noqa: F401 (the parsers, which `formats` loads on first use)
-    from ckptstore.policy import mapping  # noqa: F401 (which optimizer state belongs to which weight)
+    from ckptstore.policy import lossy, mapping, sensitivity  # noqa: F401 (optimizer pairing, lossy levels)
     from ckptstore.repo import background, calibrate, pruning  # noqa: F401
 
     share_plane_cache(root)

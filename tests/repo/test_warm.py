@@ -86,7 +86,8 @@ def test_a_repository_whose_warm_pool_of_an_old_thread_count_went_takes_the_new_
 
 
 def test_keep_warm_loads_every_module_of_ckptstore_a_commit_runs(tmp_path):
-    """The daemon warms up so that its first command pays no imports: a commit after it loads none of ours."""
+    """The daemon warms up so that its first command pays no imports: a commit after it loads none of ours,
+    lossless or lossy, of a file or a folder."""
     code = f"""
 import sys
 from pathlib import Path
@@ -97,12 +98,20 @@ from ckptstore.repo import keep_warm
 root = Path({str(tmp_path)!r}).resolve()
 Repository.init(root).close()
 keep_warm(root)
-torch.save({{"w": torch.ones(4)}}, root / "a.pt")
-save_file({{"w": torch.ones(4)}}, str(root / "b.safetensors"))
+model = torch.nn.Linear(16, 8)
+optimizer = torch.optim.AdamW(model.parameters())
+for name in ("a.pt", "b.pt"):
+    model(torch.ones(2, 16)).sum().backward()
+    optimizer.step()
+    torch.save({{"model": model.state_dict(), "optimizer": optimizer.state_dict()}}, root / name)
+(root / "run").mkdir()
+save_file({{"w": torch.ones(4)}}, str(root / "run" / "b.safetensors"))
+(root / "run" / "trainer_state.json").write_text('{{"global_step": 1}}')
 before = {{m for m in sys.modules if m.startswith("ckptstore")}}
 with Repository.open(root) as repo:
     repo.commit(root / "a.pt", message="a")
-    repo.commit(root / "b.safetensors", message="b")
+    repo.commit(root / "b.pt", message="b, lossy", lossy="balanced")
+    repo.commit(root / "run", message="a folder")
 print(" ".join(sorted({{m for m in sys.modules if m.startswith("ckptstore")}} - before)))
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
