@@ -154,8 +154,12 @@ def test_remote_adds_from_processes_at_once_each_keep_their_remote(tmp_path):
     for adder in adders:
         adder.start()
     start.set()
-    for adder in adders:
-        adder.join(60)
+    try:
+        for adder in adders:
+            adder.join(60)
+    finally:
+        for adder in adders:
+            adder.kill()  # one stuck would outlive the test
     assert [adder.exitcode for adder in adders] == [0] * len(adders)
     saved = RepoConfig.load(tmp_path / "repo" / ".ckpt" / "config.toml")
     assert sorted(saved.remotes) == sorted(name for batch in names for name in batch)
