@@ -361,10 +361,24 @@ class Database:
         self._writing.active = True
         try:
             with self._transaction(write=True) as tx:
+                self._refuse_a_changed_schema(tx)
                 yield tx
                 self.confirm_locks()
         finally:
             self._writing.active = False
+
+    def _refuse_a_changed_schema(self, tx: Tx) -> None:
+        """Refuse to write once a newer ckptstore upgraded the schema after this process opened the database.
+
+        The revision is checked on open; a process running since (a training job's background commits,
+        a watch) would go on writing by the older rules. Read under the writers' lock, which an upgrade
+        takes too: one primary-key read per write.
+        """
+        found = tx.scalar("SELECT version_num FROM alembic_version")
+        if found != HEAD_REVISION:
+            raise CkptError(f"{self.where} has metadata schema {found!r} since this process opened it at "
+                            f"{HEAD_REVISION!r}: a newer ckptstore upgraded it meanwhile, so nothing was written; "
+                            "upgrade ckptstore here and start this process again")
 
     def read(self) -> contextlib.AbstractContextManager[Tx]:
         """A read-only snapshot of the metadata, for the length of the block."""
@@ -405,7 +419,7 @@ class Database:
         from ckptstore.metadata.migrate import upgrade
 
         try:
-            upgrade(self.url)
+            current = upgrade(self.url)  # under the writers' lock: another client may have upgraded it meanwhile
         except Exception as exc:  # SQLAlchemy's wrapping of the driver's error (a server gone away meanwhile)
             self._known(self.revision())  # a newer ckptstore upgraded it meanwhile: Alembic cannot find its revision
             known = self.backend.explain(exc)
@@ -413,7 +427,7 @@ class Database:
                 raise
             raise known from exc
         self.backend.accepted(self)
-        if current is not None:  # an older ckptstore on another machine is refused from now on: say so here
+        if current not in (None, HEAD_REVISION):  # an older ckptstore elsewhere is refused from now on: say so here
             from ckptstore.warn import warn_caller
 
             warn_caller(f"upgraded the metadata schema of {self.where} from {current} to {HEAD_REVISION}: a ckptstore "

@@ -35,8 +35,10 @@ def _sqlite_begin(conn: Connection) -> None:
 
 
 def _postgres_begin(conn: Connection) -> None:
-    from ckptstore.metadata.postgres import WRITE_LOCK
+    from ckptstore.metadata.postgres import LOCK_WAIT, WRITE_LOCK
 
+    # bounded as a writer's wait is: an upgrade behind a teammate's stalled transaction waited forever, silent
+    conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{LOCK_WAIT}'")
     conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({WRITE_LOCK})")
 
 
@@ -91,12 +93,20 @@ def _alembic_config(conn: Connection):
     return config
 
 
-def upgrade(url: str, revision: str = "head") -> None:
-    """Bring the schema at `url` to `revision` (default: the newest), inside one write transaction."""
+def upgrade(url: str, revision: str = "head") -> str | None:
+    """Bring the schema at `url` to `revision` (default: the newest), inside one write transaction.
+
+    Returns the revision it found under the writers' lock (None: empty), which another process's upgrade
+    may have changed since the caller looked.
+    """
     from alembic import command
+    from sqlalchemy import inspect
 
     with _engine(url) as engine, engine.connect() as conn, conn.begin():
+        found = (conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
+                 if inspect(conn).has_table("alembic_version") else None)
         command.upgrade(_alembic_config(conn), revision)
+    return found
 
 
 def downgrade(url: str, revision: str) -> None:

@@ -43,6 +43,25 @@ def test_a_database_from_a_newer_ckptstore_is_refused(tmp_path, metadata_url):
         Repository.open(tmp_path)
 
 
+def test_a_process_open_before_a_newer_ckptstore_upgraded_the_schema_writes_nothing_after(tmp_path, metadata_url):
+    """The revision was checked on open only: a training job's background commits, started before a teammate's
+    newer ckptstore upgraded the shared database, went on writing by the older rules (rolling-upgrade audit)."""
+    with Repository.init(tmp_path, metadata_url=metadata_url) as repo:
+        first = repo.commit({"w": torch.zeros(4)}, message="before")
+        with Repository.open(tmp_path) as newer, newer.db.write() as tx:  # what the newer ckptstore's upgrade leaves
+            tx.execute("UPDATE alembic_version SET version_num = '9999'")
+        refusal = r"schema '9999' since this process opened it at '\d{4}': a newer ckptstore upgraded it meanwhile, so"
+        with pytest.raises(CkptError, match=refusal):
+            repo.commit({"w": torch.ones(4)}, message="after")
+        handle = repo.commit({"w": torch.full((4,), 2.0)}, message="after, in the background", blocking=False)
+        with pytest.raises(CkptError, match=refusal):  # raised where the job asks for its result, not lost
+            handle.result()
+        with pytest.raises(CkptError, match=refusal):
+            repo.branch("later")
+        with repo.db.read() as tx:
+            assert tx.column("SELECT id FROM commits") == [first]
+
+
 def test_a_newer_ckptstore_upgrading_between_our_check_and_our_upgrade_is_the_same_refusal(tmp_path, monkeypatch):
     from ckptstore.metadata import migrate
 
@@ -57,6 +76,34 @@ def test_a_newer_ckptstore_upgrading_between_our_check_and_our_upgrade_is_the_sa
     monkeypatch.setattr(migrate, "upgrade", raced)
     with pytest.raises(CkptError, match="'9999', written by a newer ckptstore"):
         Database(url)
+
+
+def test_of_clients_opening_an_older_schema_at_once_only_the_one_that_upgraded_it_says_so(tmp_path, monkeypatch):
+    """Each client warned that it had upgraded the shared schema, by the revision it read before the writers'
+    lock; the one that found it upgraded under the lock did nothing (rolling-upgrade audit)."""
+    import warnings
+
+    from ckptstore.metadata import migrate
+    from ckptstore.metadata.migrate import downgrade
+
+    Repository.init(tmp_path).close()
+    url = f"sqlite:///{tmp_path / '.ckpt' / 'ckpt.db'}"
+    downgrade(url, "0009")
+    real = migrate.upgrade
+
+    def another_client_first(target, revision="head"):  # another machine's newer client upgraded it meanwhile
+        real(target, revision)
+        return real(target, revision)
+
+    monkeypatch.setattr(migrate, "upgrade", another_client_first)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Repository.open(tmp_path).close()
+    assert [str(w.message) for w in caught if "upgraded the metadata schema" in str(w.message)] == []
+    downgrade(url, "0009")
+    monkeypatch.setattr(migrate, "upgrade", real)
+    with pytest.warns(RuntimeWarning, match="upgraded the metadata schema of .* from 0009 to"):
+        Repository.open(tmp_path).close()
 
 
 def test_a_backup_restored_from_vacuum_into_is_put_back_in_wal_when_opened_to_write(tmp_path):

@@ -300,3 +300,26 @@ def test_a_connection_lost_at_commit_says_the_change_may_or_may_not_have_been_re
         assert repo.tags() == {}  # the server rolled back: the tag can be made again
         repo.tag("t1", cid)
         assert repo.tags() == {"t1": cid}
+
+
+def test_an_upgrade_behind_a_stalled_writer_gives_up_after_the_writers_wait(postgres_url, tmp_path, monkeypatch):
+    """The upgrade queued behind the writers' lock with no bound: a teammate's stalled commit held a new client's
+    first command (even `ckpt log`) silent for minutes (rolling-upgrade audit). It waits as long as a writer does."""
+    import psycopg
+
+    from ckptstore.metadata import postgres
+    from ckptstore.metadata.migrate import downgrade
+
+    Repository.init(tmp_path, metadata_url=postgres_url).close()
+    downgrade(postgres_url, "0009")  # a repository an older ckptstore last wrote
+    monkeypatch.setattr(postgres, "LOCK_WAIT", "1s")
+    with psycopg.connect(to_psycopg(postgres_url), autocommit=True) as stalled:
+        stalled.execute("BEGIN")
+        stalled.execute(f"SELECT pg_advisory_xact_lock({postgres.WRITE_LOCK})")  # a writer stopped mid-transaction
+        started = time.monotonic()
+        with pytest.raises(CkptError, match="another process has held a lock on the metadata on .* for 1s"):
+            Repository.open(tmp_path)
+        assert time.monotonic() - started < 30
+        stalled.execute("ROLLBACK")
+    with Repository.open(tmp_path) as repo:  # once it is gone, the upgrade goes ahead
+        assert repo.db.revision() == HEAD_REVISION
