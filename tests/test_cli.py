@@ -428,3 +428,19 @@ def test_messages_given_twice_are_paragraphs_of_one_as_in_git(tmp_path):
     assert made.returncode == 0 and "lr sweep 3e-4" in made.stdout
     with Repository.open(tmp_path) as repo:
         assert repo.log()[0].message == "lr sweep 3e-4\n\nwarmup 500, grad clip 1.0"
+
+
+def test_a_command_run_in_a_subfolder_of_the_work_tree_finds_the_repository_above(tmp_path):
+    """Like git, `ckpt` walks up from the cwd to the folder holding `.ckpt` (mutation audit)."""
+    from ckptstore import Repository
+
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    sub = tmp_path / "runs" / "exp1"
+    sub.mkdir(parents=True)
+    torch.save({"w": torch.ones(4)}, sub / "a.pt")
+    made = ckpt_here(sub, "commit", "a.pt", "-m", "from a subfolder")
+    assert made.returncode == 0, made.stderr
+    assert not (sub / ".ckpt").exists() and not (tmp_path / "runs" / ".ckpt").exists()
+    with Repository.open(tmp_path) as repo:
+        assert [c.message for c in repo.log()] == ["from a subfolder"]
+        assert torch.equal(repo.checkout("HEAD")["w"], torch.ones(4))

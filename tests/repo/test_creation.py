@@ -148,3 +148,37 @@ def test_a_repository_made_under_a_group_umask_leaves_its_database_and_locks_to_
     finally:
         os.umask(old)
     assert modes == dict.fromkeys(modes, 0o664), modes
+
+
+def test_an_init_leaves_the_folder_of_another_hosts_init_whatever_its_pid(tmp_path):
+    """A pid means something only on its own host: another machine's init at work on a shared file system keeps
+    its folder though no process here has that pid (mutation audit)."""
+    from ckptstore.repo.creation import STAGING
+
+    other_host = f"{socket.gethostname()}x-node-17"  # not this host, its name holding '-' as hosts' names do
+    building = tmp_path / f"{STAGING}{other_host}-{2**22 + 7}"  # above pid_max: no such process here
+    building.mkdir()
+    (building / "config.toml").write_text("# being written by node 17\n")
+    made = ckpt_here(tmp_path, "init", str(tmp_path), timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert (building / "config.toml").read_text() == "# being written by node 17\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".ckpt", building.name])
+
+
+def test_ckpt_repo_names_the_python_apis_repository_before_the_one_holding_the_cwd(tmp_path, monkeypatch):
+    """`ckptstore.save(..., repo=None)` and `Repository.open()` go to CKPT_REPO's repository, as the CLI does
+    (mutation audit)."""
+    import ckptstore
+
+    for name in ("cwd_repo", "named_repo"):
+        Repository.init(tmp_path / name).close()
+    monkeypatch.chdir(tmp_path / "cwd_repo")
+    monkeypatch.setenv("CKPT_REPO", str(tmp_path / "named_repo"))
+    cid = ckptstore.save({"w": torch.ones(4)}, step=1)
+    with Repository.open() as repo:
+        assert Path(repo.root).resolve() == (tmp_path / "named_repo").resolve()
+        assert [c.id for c in repo.log()] == [cid]
+    monkeypatch.delenv("CKPT_REPO")
+    with Repository.open() as repo:  # without it: the repository holding the cwd, which got nothing
+        assert Path(repo.root).resolve() == (tmp_path / "cwd_repo").resolve()
+        assert repo.log() == []

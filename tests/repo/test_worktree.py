@@ -77,6 +77,22 @@ def test_deleting_a_file_the_store_cannot_give_back_is_refused_unless_forced(rep
     assert not (run / "notes.txt").exists() and not (run / "copy.json").exists()
 
 
+def test_a_temporary_file_an_interrupted_write_left_in_a_committed_folder_never_stops_a_checkout(repo):
+    """`.NAME.<16 hex>.ckpt-tmp` is an atomic writer's, never the user's work: removed, not refused (mutation audit)."""
+    run = repo.root / "run"
+    run.mkdir()
+    torch.save({"w": torch.ones(8)}, run / "a.pt")
+    first = repo.commit(run, message="one")
+    torch.save({"w": torch.zeros(8)}, run / "a.pt")
+    repo.commit(run, message="two")
+    leftover = run / ".a.pt.0123456789abcdef.ckpt-tmp"  # what a killed atomic write leaves
+    leftover.write_bytes(os.urandom(777))
+    repo.checkout_to(first)
+    assert sorted(p.name for p in run.iterdir()) == ["a.pt"]
+    assert torch.equal(torch.load(run / "a.pt", weights_only=True)["w"], torch.ones(8))
+    assert repo.head() == (None, first)  # checked out by id: detached there
+
+
 def test_a_named_pipe_in_the_folder_stops_a_checkout_unless_forced(repo):
     """A FIFO (a run's control pipe) is nothing the store can give back: deleted by an exact checkout where the
     check of special files is gone (mutation audit: no test held it)."""
@@ -477,6 +493,39 @@ def test_a_file_written_while_the_checkout_reads_the_commit_is_never_overwritten
     assert [p.name for p in repo.root.iterdir() if p.name.startswith(".ckpt.pt")] == []  # no staging file left
 
 
+def test_a_file_the_commit_lacks_written_while_the_checkout_reads_the_commit_is_never_deleted(repo, monkeypatch):
+    """A file the target commit lacks is re-checked before its deletion, as targets are (mutation audit)."""
+    import threading
+
+    run = repo.root / "run"
+    run.mkdir()
+    torch.save({"w": torch.ones(8)}, run / "a.pt")
+    first = repo.commit(run, message="one")
+    torch.save({"w": torch.zeros(8)}, run / "a.pt")
+    (run / "notes.txt").write_text("committed notes\n")
+    second = repo.commit(run, message="two")
+    gate = repo.root / "gate"
+    monkeypatch.setenv("CKPT_WAIT_AT", f"checkout:records-read={gate}")
+    failures = []
+    checking_out = threading.Thread(target=lambda: _record_failure(failures, lambda: repo.checkout_to(first)))
+    checking_out.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not Path(f"{gate}.reached").exists():
+            assert checking_out.is_alive() and time.monotonic() < deadline, failures
+            time.sleep(0.02)
+        (run / "notes.txt").write_text("new notes, in no commit\n")  # the user writes meanwhile
+    finally:
+        gate.touch()
+        checking_out.join(timeout=60)
+    assert not checking_out.is_alive()
+    assert len(failures) == 1 and isinstance(failures[0], DirtyWorktreeError), failures
+    assert "notes.txt" in str(failures[0]) and "changed while the checkout read" in str(failures[0])
+    assert (run / "notes.txt").read_text() == "new notes, in no commit\n"
+    assert torch.equal(torch.load(run / "a.pt", weights_only=True)["w"], torch.zeros(8))  # nothing replaced
+    assert repo.head()[1] == second
+
+
 def _record_failure(failures, fn, *args):
     try:
         fn(*args)
@@ -543,6 +592,99 @@ def test_a_folder_checkout_interrupted_among_its_renames_finishes_them_and_moves
     _, err = checkout.communicate(timeout=120)
     assert checkout.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
     _at_first_commit(tmp_path, folder, first)
+
+
+def _second_commit(tmp_path):
+    from ckptstore import Repository
+
+    with Repository.open(tmp_path) as repo:
+        branch, second = repo.head()
+    assert branch == "main"
+    return second
+
+
+def _user_saves_the_files_not_yet_renamed(folder):
+    """The training job saves anew the files still at the second commit (a new size: a new stamp); returns them."""
+    later = sorted(name for name, value in _values(folder).items() if value != _SEEDS[name])
+    assert len(later) == 2, _values(folder)  # one rename was done
+    for name in later:
+        torch.save({"w": torch.full((16,), 99.0)}, folder / name)
+    return later
+
+
+def test_a_command_run_while_a_checkout_is_among_its_renames_never_carries_out_that_checkouts_journal(tmp_path):
+    """A journal's flock says its checkout is alive: another process leaves it alone, and the checkout ends
+    as it would have (mutation audit)."""
+    from tests.conftest import wait_until_held
+
+    folder, first = _two_folder_commits(tmp_path)
+    journals = tmp_path / ".ckpt" / "journals"
+    release = tmp_path / "release"
+    checkout = subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", first[:12]], cwd=tmp_path,
+                                env=ckpt_env(CKPT_WAIT_AT=f"checkout:renamed={release}"),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_held(release, checkout)
+        meanwhile = ckpt_here(tmp_path, "log", timeout=120)  # opens the repository: finishes dead checkouts' journals
+        assert meanwhile.returncode == 0, meanwhile.stderr
+        assert len(list(journals.glob("*.json"))) == 1  # the live checkout's, left to it
+        assert sorted(_values(folder).values()) == [1.0, 12.0, 13.0]  # no rename done for it
+        release.touch()
+        _, err = checkout.communicate(timeout=120)
+        assert checkout.returncode == 0 and "Traceback" not in err, err
+    finally:
+        release.touch()
+        if checkout.poll() is None:
+            checkout.kill()
+            checkout.communicate()
+    _at_first_commit(tmp_path, folder, first)
+
+
+def test_a_checkout_killed_among_its_renames_leaves_head_where_it_was_if_the_user_saved_meanwhile(tmp_path):
+    """HEAD moves only after every rename: a kill among them, then a new save of a target not yet renamed,
+    leaves HEAD at the commit the files mostly are (mutation audit)."""
+    from ckptstore import Repository
+
+    folder, first = _two_folder_commits(tmp_path)
+    second = _second_commit(tmp_path)
+    killed = subprocess.run([sys.executable, "-m", "ckptstore", "checkout", first[:12]], cwd=tmp_path,
+                            env=ckpt_env(CKPT_CRASH_AT="checkout:renamed"),
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    later = _user_saves_the_files_not_yet_renamed(folder)
+    with Repository.open(tmp_path) as repo:  # finishes the journal: the user's files stay
+        assert repo.head() == ("main", second)
+    assert {name: value for name, value in _values(folder).items() if name in later} == dict.fromkeys(later, 99.0)
+    assert not list((tmp_path / ".ckpt" / "journals").iterdir())
+
+
+def test_a_checkout_interrupted_among_its_renames_leaves_head_where_it_was_if_the_user_saved_meanwhile(tmp_path):
+    """Ctrl-C finishes the renames it may; one left undone (the user saved that target anew) leaves HEAD
+    where it was (mutation audit)."""
+    from ckptstore import Repository
+    from tests.conftest import wait_until_held
+
+    folder, first = _two_folder_commits(tmp_path)
+    second = _second_commit(tmp_path)
+    release = tmp_path / "release"
+    checkout = subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", first[:12]], cwd=tmp_path,
+                                env=ckpt_env(CKPT_WAIT_AT=f"checkout:renamed={release}"),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_held(release, checkout)
+        later = _user_saves_the_files_not_yet_renamed(folder)
+        checkout.send_signal(signal.SIGINT)
+        _, err = checkout.communicate(timeout=120)
+        assert checkout.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+    finally:
+        release.touch()
+        if checkout.poll() is None:
+            checkout.kill()
+            checkout.communicate()
+    assert {name: value for name, value in _values(folder).items() if name in later} == dict.fromkeys(later, 99.0)
+    with Repository.open(tmp_path) as repo:
+        assert repo.head() == ("main", second)
+    assert not list((tmp_path / ".ckpt" / "journals").iterdir())
 
 
 def test_a_finished_journal_leaves_files_the_user_wrote_since_the_crash(tmp_path):
