@@ -375,10 +375,15 @@ class Database:
         takes too: one primary-key read per write.
         """
         found = tx.scalar("SELECT version_num FROM alembic_version")
-        if found != HEAD_REVISION:
-            raise CkptError(f"{self.where} has metadata schema {found!r} since this process opened it at "
-                            f"{HEAD_REVISION!r}: a newer ckptstore upgraded it meanwhile, so nothing was written; "
-                            "upgrade ckptstore here and start this process again")
+        if found == HEAD_REVISION:
+            return
+        if found in KNOWN_REVISIONS:  # older: a backup restored, or a downgrade
+            raise CkptError(f"{self.where} was taken back to metadata schema {found!r} since this process opened "
+                            f"it at {HEAD_REVISION!r} (a backup restored, or a downgrade), so nothing was recorded "
+                            "(objects it stored are left for `ckpt gc`); start this process again, which upgrades it")
+        raise CkptError(f"{self.where} has metadata schema {found!r} since this process opened it at "
+                        f"{HEAD_REVISION!r}: a newer ckptstore upgraded it meanwhile, so nothing was recorded (objects "
+                        "it stored are left for `ckpt gc`); upgrade ckptstore here and start this process again")
 
     def read(self) -> contextlib.AbstractContextManager[Tx]:
         """A read-only snapshot of the metadata, for the length of the block."""

@@ -16,7 +16,7 @@ from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.objectstore.fallback import FallbackStore, held_here
-from ckptstore.repo import journal, owner, refs, upgrades, warm
+from ckptstore.repo import journal, owner, refs, warm
 from ckptstore.repo.config import RepoConfig
 from ckptstore.repo.location import REPO_DIR, find_root, unwritable
 from ckptstore.repo.lock import repo_lock
@@ -53,7 +53,6 @@ class Repository:
         if not self.read_only:
             # a checkout killed among its renames: finished, HEAD moved with it
             journal.finish_interrupted(self.dir, lambda cid, branch: refs.move_head(self, cid, branch))
-            upgrades.take_over_received_list(self.dir, self.db)  # an older ckptstore's file, before schema 0009
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = os.getpid()
         self._shared_pool = False  # the pool is a warm process's (repo/warm.py): closing leaves it running

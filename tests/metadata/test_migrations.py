@@ -62,6 +62,21 @@ def test_a_process_open_before_a_newer_ckptstore_upgraded_the_schema_writes_noth
             assert tx.column("SELECT id FROM commits") == [first]
 
 
+def test_a_schema_taken_back_while_a_process_ran_is_said_so_and_written_nothing(tmp_path, metadata_url):
+    """Older than the process opened it (a backup restored, a downgrade): not 'a newer ckptstore upgraded it'."""
+    with Repository.init(tmp_path, metadata_url=metadata_url) as repo:
+        first = repo.commit({"w": torch.zeros(4)}, message="before")
+        with Repository.open(tmp_path) as restorer, restorer.db.write() as tx:
+            tx.execute("UPDATE alembic_version SET version_num = '0009'")
+        with pytest.raises(CkptError, match=r"was taken back to metadata schema '0009' since this process opened "
+                                            r"it at '\d{4}' \(a backup restored, or a downgrade\), so nothing was "
+                                            r"recorded \(objects it stored are left for `ckpt gc`\); start this "
+                                            r"process again"):
+            repo.commit({"w": torch.ones(4)}, message="after")
+        with repo.db.read() as tx:
+            assert tx.column("SELECT id FROM commits") == [first]
+
+
 def test_a_newer_ckptstore_upgrading_between_our_check_and_our_upgrade_is_the_same_refusal(tmp_path, monkeypatch):
     from ckptstore.metadata import migrate
 
@@ -268,8 +283,8 @@ def test_every_downgrade_and_upgrade_back_keeps_every_row_an_older_schema_can_ho
         upgrade(url)
         expected = dict(before)
         # what an older schema has no place for is gone, as its downgrade says; every other row must come back
-        if revision < "0009":  # no unchecked_tensors table: received records count as checked
-            expected["unchecked_tensors"] = set()
+        if revision < "0009":  # no unchecked_tensors table: upgraded, every record is listed as unchecked
+            expected["unchecked_tensors"] = {(("tensor_id", dict(row)["id"]),) for row in before["tensors"]}
         if revision < "0008":  # no pruned_commits table: a pruned commit's row stays, its mark goes
             expected["pruned_commits"] = set()
         if revision < "0006":  # known_files keyed by digest alone
@@ -290,3 +305,25 @@ def test_every_downgrade_and_upgrade_back_keeps_every_row_an_older_schema_can_ho
                 assert repo.db.revision() == HEAD_REVISION
                 assert repo.resolve("main") == head and repo.commit_info(pruned).pruned == (revision >= "0008")
                 assert_same(restored, repo.checkout(head))  # bit-exact: what it restored before
+
+
+def test_an_upgrade_from_before_0009_lists_every_record_so_none_is_reused_unchecked(tmp_path):
+    """Before 0009 each machine listed its received records in its own `.ckpt/received`, which nothing reads now:
+    upgraded, a commit of the user's zeros reused a crafted remote's record of them, on this machine or another,
+    and restored other bytes (rolling-upgrade audit; reader 28)."""
+    from ckptstore.hashing import tensor_id
+    from ckptstore.metadata.migrate import downgrade
+    from ckptstore.repo import fsck
+    from tests.conftest import assert_same, received_lie, unchecked
+
+    with Repository.init(tmp_path) as repo:
+        honest = repo.manifest(repo.commit({"v": torch.arange(16.0)})).entries["v"].tensor
+    zeros = torch.zeros(16)
+    poisoned = tensor_id("torch.float32", (16,), zeros.numpy().view("uint8"))
+    received_lie(tmp_path / ".ckpt", poisoned, honest, listed=False)  # the record as an older fetch left it
+    downgrade(f"sqlite:///{tmp_path / '.ckpt' / 'ckpt.db'}", "0008")  # its list was a file, on some machine
+    with pytest.warns(RuntimeWarning, match="from 0008 to"), Repository.open(tmp_path) as repo:
+        assert unchecked(repo, {poisoned, honest}) == {poisoned, honest}
+        cid = repo.commit({"v": zeros}, message="my zeros")
+        assert_same({"v": zeros}, repo.checkout(cid))
+        assert fsck(repo, full=True).ok
