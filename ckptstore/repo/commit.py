@@ -215,14 +215,17 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         sizes[manifest_oid] = len(manifest_bytes)
         faults.point("commit:manifest-written")
         new_records = list({r.id: r for r in encoded.values()}.values())
+        new_ids = {r.id for r in new_records}
         with repo.db.write() as tx:  # what is new is decided where it is recorded: no writer slips in between
-            stored = tensor_rows.newly_stored(tx, new_records, sizes, parent.renewed)
+            # a listed record this commit encoded again from its own bytes (a lossy one, not reused for its
+            # source) is true now: ours takes its rows and leaves the list, or every commit would encode it again
+            renewed = parent.renewed | tensor_rows.unchecked_among(tx, new_ids)
+            stored = tensor_rows.newly_stored(tx, new_records, sizes, renewed)
             info = _commit_info(checkpoint, options, manifest_oid, stored, source_path, parent, level)
             move_ref(tx, parent, info.id)
-            tensor_rows.save_records(tx, new_records, sizes, replace=parent.renewed)
+            tensor_rows.save_records(tx, new_records, sizes, replace=renewed)
             commit_rows.insert_commit(tx, info, entries.values())
-            # a false record leaves the list once replaced (a lossy path quantizes its tensor instead: it stays)
-            tensor_rows.mark_checked(tx, parent.checked | (parent.false & {r.id for r in new_records}))
+            tensor_rows.mark_checked(tx, parent.checked | (renewed & new_ids))
             file_rows.remember(tx, [(d, info.id, f.size) for f in _given_back(checkpoint, entries, sources)
                                     if (d := digests.get(f.name))])
         faults.point("commit:ref-moved")

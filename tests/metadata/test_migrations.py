@@ -327,3 +327,28 @@ def test_an_upgrade_from_before_0009_lists_every_record_so_none_is_reused_unchec
         cid = repo.commit({"v": zeros}, message="my zeros")
         assert_same({"v": zeros}, repo.checkout(cid))
         assert fsck(repo, full=True).ok
+
+
+def test_a_frozen_lossy_weight_after_an_upgrade_from_before_0009_is_stored_again_once_not_at_every_commit(tmp_path):
+    """Its listed record never left the list: every commit encoded the weight anew and stored a full keyframe
+    that no row held and gc never reclaimed (reader 29). The commit's own record takes the listed one's rows."""
+    from ckptstore.metadata.migrate import downgrade
+    from tests.conftest import unchecked
+
+    generator = torch.Generator().manual_seed(0)
+    frozen = torch.randn(256, 256, generator=generator)
+    trained = torch.randn(64, 64, generator=generator)
+    state = lambda step: {"frozen": frozen, "trained": trained * (1 + step)}
+    with Repository.init(tmp_path) as repo:
+        for step in range(2):
+            repo.commit(state(step), step=step, lossy="balanced")
+    downgrade(f"sqlite:///{tmp_path / '.ckpt' / 'ckpt.db'}", "0008")
+    with pytest.warns(RuntimeWarning, match="from 0008 to"), Repository.open(tmp_path) as repo:
+        listed = repo.manifest(repo.resolve("HEAD")).entries["frozen"].tensor
+        assert unchecked(repo, {listed}) == {listed}
+        cids = [repo.commit(state(step), step=step, lossy="balanced") for step in range(2, 5)]
+        stored = [repo.commit_info(cid).stored_bytes for cid in cids]
+        assert unchecked(repo, {listed}) == set()
+        assert all(repo.manifest(cid).entries["frozen"].tensor == listed for cid in cids)
+        # the frozen weight's one keyframe (under a byte per value at balanced), then only the trained one's bytes
+        assert stored[0] > frozen.numel() // 2 > 10 * max(stored[1:]), stored
