@@ -9,13 +9,6 @@ from ckptstore.metadata.db import HEAD_REVISION
 pytestmark = pytest.mark.both_backends
 
 
-@pytest.fixture
-def db(tmp_path, metadata_url):
-    database = Database(metadata_url or f"sqlite:///{tmp_path / 'ckpt.db'}")
-    yield database
-    database.close()
-
-
 def test_threads_share_pooled_connections(db):
     def read():
         with db.read() as tx:

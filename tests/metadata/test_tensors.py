@@ -3,18 +3,10 @@
 import pytest
 
 from ckptstore.hashing import ObjectId, TensorId
-from ckptstore.metadata import Database
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.records import Chunk, TensorRecord
 
 pytestmark = pytest.mark.both_backends
-
-
-@pytest.fixture
-def db(tmp_path, metadata_url):
-    database = Database(metadata_url or f"sqlite:///{tmp_path / 'ckpt.db'}")
-    yield database
-    database.close()
 
 
 def _record(tid: str, objects: list[str], chunk_bytes: int) -> TensorRecord:

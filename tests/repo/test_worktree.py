@@ -579,14 +579,19 @@ def test_a_folder_checkout_killed_among_its_renames_is_finished_by_the_next_comm
     _at_first_commit(tmp_path, folder, first)
 
 
+def _checkout_held_after_its_first_rename(root, commit: str, release) -> subprocess.Popen:
+    """`ckpt checkout COMMIT` in a process of its own, held after its first rename until `release` exists."""
+    return subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", commit[:12]], cwd=root,
+                            env=ckpt_env(CKPT_WAIT_AT=f"checkout:renamed={release}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def test_a_folder_checkout_interrupted_among_its_renames_finishes_them_and_moves_head(tmp_path):
     from tests.conftest import wait_until_held
 
     folder, first = _two_folder_commits(tmp_path)
     release = tmp_path / "release"
-    checkout = subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", first[:12]], cwd=tmp_path,
-                                env=ckpt_env(CKPT_WAIT_AT=f"checkout:renamed={release}"),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    checkout = _checkout_held_after_its_first_rename(tmp_path, first, release)
     wait_until_held(release, checkout)
     checkout.send_signal(signal.SIGINT)
     _, err = checkout.communicate(timeout=120)
@@ -620,9 +625,7 @@ def test_a_command_run_while_a_checkout_is_among_its_renames_never_carries_out_t
     folder, first = _two_folder_commits(tmp_path)
     journals = tmp_path / ".ckpt" / "journals"
     release = tmp_path / "release"
-    checkout = subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", first[:12]], cwd=tmp_path,
-                                env=ckpt_env(CKPT_WAIT_AT=f"checkout:renamed={release}"),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    checkout = _checkout_held_after_its_first_rename(tmp_path, first, release)
     try:
         wait_until_held(release, checkout)
         meanwhile = ckpt_here(tmp_path, "log", timeout=120)  # opens the repository: finishes dead checkouts' journals
@@ -667,9 +670,7 @@ def test_a_checkout_interrupted_among_its_renames_leaves_head_where_it_was_if_th
     folder, first = _two_folder_commits(tmp_path)
     second = _second_commit(tmp_path)
     release = tmp_path / "release"
-    checkout = subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", first[:12]], cwd=tmp_path,
-                                env=ckpt_env(CKPT_WAIT_AT=f"checkout:renamed={release}"),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    checkout = _checkout_held_after_its_first_rename(tmp_path, first, release)
     try:
         wait_until_held(release, checkout)
         later = _user_saves_the_files_not_yet_renamed(folder)
