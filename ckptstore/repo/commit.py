@@ -219,7 +219,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         with repo.db.write() as tx:  # what is new is decided where it is recorded: no writer slips in between
             # a listed record this commit encoded again from its own bytes (a lossy one, not reused for its
             # source) is true now: ours takes its rows and leaves the list, or every commit would encode it again
-            renewed = parent.renewed | tensor_rows.unchecked_among(tx, new_ids)
+            renewed = parent.renewed | tensor_rows.listed_and_cut_alike(tx, new_records)
             stored = tensor_rows.newly_stored(tx, new_records, sizes, renewed)
             info = _commit_info(checkpoint, options, manifest_oid, stored, source_path, parent, level)
             move_ref(tx, parent, info.id)

@@ -128,8 +128,9 @@ def _settle(repo: Repository, records: Mapping[TensorId, TensorRecord], listed: 
         raise CorruptRecordError(f"tensor {first}", "it was received from another repository (a fetch, pull, clone "
                                  "or a push here), or recorded before this repository's upgrade to schema 0009, "
                                  "and does not rebuild the bytes its id names: that repository's record is false, "
-                                 "or this one's is damaged. Run `ckpt fsck --full`; fetch only from repositories "
-                                 "you trust", tensors=sorted(false))
+                                 "or this one's is damaged. Fetch only from repositories you trust",
+                                 tensors=sorted(false), outcome="Nothing was restored from it (`ckpt fsck --full` "
+                                 "decodes every record)")
     _TRUE_HERE.update((repo.db.url, _chain(records, tid)) for tid in listed)
     if repo.read_only:
         return

@@ -188,7 +188,7 @@ def record_sharded(repo: Repository, start: Start, shards: list[WrittenShard], d
     sizes[manifest_oid] = len(manifest_bytes)
     faults.point("dcp:manifest-written")
     with repo.db.write() as tx:  # what is new is decided where it is recorded: no writer slips in between
-        renewed = tensor_rows.unchecked_among(tx, {r.id for r in records})  # the ranks encoded these anew
+        renewed = tensor_rows.listed_and_cut_alike(tx, records)  # the ranks encoded these anew
         info = CommitInfo(
             id=CommitId(""), manifest_object=manifest_oid, message=options.message,
             author=options.author, created_at=time.time(), step=options.step,

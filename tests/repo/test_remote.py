@@ -1431,3 +1431,25 @@ def test_a_push_whose_new_branch_name_became_a_remote_tag_meanwhile_says_so_not_
     monkeypatch.undo()
     with Repository.open(hub_path) as hub:
         assert "exp" not in hub.branches() and hub.resolve("exp") == hub.resolve("main") and fsck(hub).ok
+
+
+def test_a_received_lossy_record_committed_again_under_other_chunking_keeps_the_commits_chained_on_it(tmp_path):
+    """A commit that encoded a listed record's tensor again took its rows; cut into other chunks (a clone with
+    its own chunk_bytes), the residuals chained on it no longer decoded: an older commit unrestorable (reader 30)."""
+    generator = torch.Generator().manual_seed(0)
+    w0 = torch.randn(256, 256, generator=generator)
+    w1 = w0 + 0.01 * torch.randn(256, 256, generator=generator)
+    Repository.init(tmp_path / "a").close()
+    config = tmp_path / "a" / ".ckpt" / "config.toml"
+    config.write_text(config.read_text().replace("chunk_bytes = 4194304", "chunk_bytes = 65536"))
+    with Repository.open(tmp_path / "a") as origin:
+        c0 = origin.commit({"w": w0}, message="c0", lossy="balanced")
+        c1 = origin.commit({"w": w1}, message="c1", lossy="balanced")
+        listed = origin.manifest(c0).entries["w"].tensor
+        restored = origin.checkout(c1)
+    with remote.clone(str(tmp_path / "a"), tmp_path / "b") as copy:  # the default 4 MiB chunks here
+        assert unchecked(copy, {listed}) == {listed}
+        again = copy.commit({"w": w0}, message="w0 again", lossy="balanced")
+        assert copy.manifest(again).entries["w"].tensor == listed
+        assert_same(restored, copy.checkout(c1))
+        assert fsck(copy, full=True).ok
