@@ -443,13 +443,14 @@ class CorruptRecordError(CkptError):
         self.problem = problem
         self.commits = list(commits or [])
         self.tensors = list(tensors)
+        self.outcome = outcome
         needed = f"; needed by commits {', '.join(str(c)[:12] for c in self.commits)}" if self.commits else ""
         super().__init__(f"the metadata of {what} is damaged: {problem}{needed}. {outcome}; "
                          "run `ckpt fsck` to list all damage")
 
     def needed_by(self, commits: Sequence[str]) -> CorruptRecordError:
         """The same damage, naming the commits it breaks."""
-        return CorruptRecordError(self.what, self.problem, commits, self.tensors)
+        return CorruptRecordError(self.what, self.problem, commits, self.tensors, self.outcome)
 
 
 class CorruptDatabaseError(CkptError):

@@ -72,3 +72,14 @@ def test_a_damaged_object_says_which_commits_are_unaffected_without_promising_ev
     said = str(CorruptObjectError("ab" * 32, "missing", ["cd" * 32]))
     assert "needed by commits cdcdcdcdcdcd" in said and "commits that need no damaged object are unaffected" in said
     assert "other commits are unaffected" not in said
+
+
+def test_a_damaged_record_named_with_its_commits_keeps_what_it_says_was_done():
+    """`needed_by` dropped the outcome: a false received record's 'fsck --full decodes every record' became the
+    generic advice to run plain fsck, which says ok (reader 31)."""
+    from ckptstore.errors import CorruptRecordError
+
+    named = CorruptRecordError("tensor t", "it lies", tensors=["t"], outcome="Nothing was restored (see fsck --full)")
+    assert str(named.needed_by(["c" * 64])) == (f"the metadata of tensor t is damaged: it lies; needed by commits "
+                                                f"{'c' * 12}. Nothing was restored (see fsck --full); run `ckpt fsck` "
+                                                "to list all damage")

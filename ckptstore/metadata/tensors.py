@@ -179,21 +179,6 @@ def unchecked_among(tx: Tx, ids: Iterable[TensorId]) -> set[TensorId]:
                                                ids)}
 
 
-def listed_and_cut_alike(tx: Tx, records: Iterable[TensorRecord]) -> set[TensorId]:
-    """Those of `records` whose ids are on the unchecked list and whose recorded chunks are cut as theirs.
-
-    A writer that encoded such a tensor from its own bytes may take the listed record's rows and take it
-    off the list. Only where the chunks are cut alike: residuals chained on a record split their chunks
-    as its chunks are split, so rows cut otherwise (another `chunk_bytes`) would break every commit
-    chained on it (reader 30). One cut otherwise stays listed and keeps its rows.
-    """
-    ours = {r.id: r for r in records}
-    listed = unchecked_among(tx, ours)
-    recorded = load_records(tx, listed, with_bases=False, problems={})
-    return {tid for tid, record in recorded.items()
-            if [c.raw_bytes for c in record.chunks] == [c.raw_bytes for c in ours[tid].chunks]}
-
-
 def mark_checked(tx: Tx, ids: Iterable[TensorId]) -> None:
     """Take `ids` (checked, or encoded here) off the unchecked list."""
     tx.execute_in("DELETE FROM unchecked_tensors WHERE tensor_id IN ({ids})", sorted(set(ids)))

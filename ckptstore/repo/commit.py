@@ -217,15 +217,16 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         new_records = list({r.id: r for r in encoded.values()}.values())
         new_ids = {r.id for r in new_records}
         with repo.db.write() as tx:  # what is new is decided where it is recorded: no writer slips in between
-            # a listed record this commit encoded again from its own bytes (a lossy one, not reused for its
-            # source) is true now: ours takes its rows and leaves the list, or every commit would encode it again
-            renewed = parent.renewed | tensor_rows.listed_and_cut_alike(tx, new_records)
+            # listed records this commit encoded again from its own bytes (a lossy one is not reused for its
+            # source): replaced or found true, they leave the list, or every commit would encode them again
+            replaced, true = received.taken_over(repo, tx, new_records)
+            renewed = parent.renewed | replaced
             stored = tensor_rows.newly_stored(tx, new_records, sizes, renewed)
             info = _commit_info(checkpoint, options, manifest_oid, stored, source_path, parent, level)
             move_ref(tx, parent, info.id)
             tensor_rows.save_records(tx, new_records, sizes, replace=renewed)
             commit_rows.insert_commit(tx, info, entries.values())
-            tensor_rows.mark_checked(tx, parent.checked | (renewed & new_ids))
+            tensor_rows.mark_checked(tx, parent.checked | (renewed & new_ids) | true)
             file_rows.remember(tx, [(d, info.id, f.size) for f in _given_back(checkpoint, entries, sources)
                                     if (d := digests.get(f.name))])
         faults.point("commit:ref-moved")

@@ -18,7 +18,7 @@ record that holds leaves the list, so the sender's chunk checksums (its own clai
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import CkptError, CorruptRecordError
@@ -55,6 +55,28 @@ def check(repo: Repository, tx: Tx, ours: Set[TensorId], parents: Mapping[str, T
     false = false_claims(repo, records, checked) if checked else set()
     kept = {p: r for p, r in parents.items() if not (r.id in listed and ("source" in r.params or r.id in false))}
     return kept, false & recorded, off_the_list(records, checked - false)
+
+
+def taken_over(repo: Repository, tx: Tx, ours: Sequence[TensorRecord]) -> tuple[set[TensorId], set[TensorId]]:
+    """Of a commit's new records (encoded here, from its own bytes), the listed ids ours replace, and those that leave.
+
+    A listed record of one of our ids is replaced by ours (rows and `source`) where that is safe: it
+    is damaged, false, or cut into chunks as ours is (residuals chained on a record split their chunks
+    as it does: rows cut otherwise would break them). One cut otherwise that decodes true keeps its
+    rows, and leaves the list where its `source` is ours too; either way no commit keeps encoding it.
+    """
+    mine = {r.id: r for r in ours}
+    listed = tensor_rows.unchecked_among(tx, mine)
+    if not listed:
+        return set(), set()
+    damaged: dict[TensorId, str] = {}
+    recorded = tensor_rows.load_records(tx, listed, problems=damaged)
+    cut = lambda record: [chunk.raw_bytes for chunk in record.chunks]  # noqa: E731
+    alike = {tid for tid in listed & recorded.keys() if cut(recorded[tid]) == cut(mine[tid])}
+    otherwise = (listed & recorded.keys()) - alike
+    false = false_claims(repo, recorded, otherwise) if otherwise else set()
+    sourced = {tid for tid in otherwise - false if recorded[tid].params.get("source") == mine[tid].params.get("source")}
+    return (listed - recorded.keys()) | alike | false, sourced
 
 
 def off_the_list(records: Mapping[TensorId, TensorRecord], true: Set[TensorId]) -> set[TensorId]:

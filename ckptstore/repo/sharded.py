@@ -188,7 +188,7 @@ def record_sharded(repo: Repository, start: Start, shards: list[WrittenShard], d
     sizes[manifest_oid] = len(manifest_bytes)
     faults.point("dcp:manifest-written")
     with repo.db.write() as tx:  # what is new is decided where it is recorded: no writer slips in between
-        renewed = tensor_rows.listed_and_cut_alike(tx, records)  # the ranks encoded these anew
+        renewed, true = received.taken_over(repo, tx, records)  # the ranks encoded these anew
         info = CommitInfo(
             id=CommitId(""), manifest_object=manifest_oid, message=options.message,
             author=options.author, created_at=time.time(), step=options.step,
@@ -204,7 +204,7 @@ def record_sharded(repo: Repository, start: Start, shards: list[WrittenShard], d
             raise CkptError(f"{len(missing)} shards name tensors that have no record (e.g. {sorted(missing)[0]}); "
                             "nothing was recorded: save again")
         tensor_rows.save_records(tx, records, sizes, replace=renewed)
-        tensor_rows.mark_checked(tx, renewed)
+        tensor_rows.mark_checked(tx, renewed | true)
         commit_rows.insert_commit(tx, info, [e.tensor for e in entries.values()])
     faults.point("dcp:ref-moved")
     return info.id

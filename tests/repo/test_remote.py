@@ -1433,23 +1433,56 @@ def test_a_push_whose_new_branch_name_became_a_remote_tag_meanwhile_says_so_not_
         assert "exp" not in hub.branches() and hub.resolve("exp") == hub.resolve("main") and fsck(hub).ok
 
 
-def test_a_received_lossy_record_committed_again_under_other_chunking_keeps_the_commits_chained_on_it(tmp_path):
-    """A commit that encoded a listed record's tensor again took its rows; cut into other chunks (a clone with
-    its own chunk_bytes), the residuals chained on it no longer decoded: an older commit unrestorable (reader 30)."""
-    generator = torch.Generator().manual_seed(0)
-    w0 = torch.randn(256, 256, generator=generator)
-    w1 = w0 + 0.01 * torch.randn(256, 256, generator=generator)
-    Repository.init(tmp_path / "a").close()
-    config = tmp_path / "a" / ".ckpt" / "config.toml"
+def _lossy_origin_in_small_chunks(root, w0, w1):
+    """A repository cut into 64 KiB chunks holding w0 and w1 at balanced (w1 a residual on w0's record)."""
+    Repository.init(root).close()
+    config = root / ".ckpt" / "config.toml"
     config.write_text(config.read_text().replace("chunk_bytes = 4194304", "chunk_bytes = 65536"))
-    with Repository.open(tmp_path / "a") as origin:
+    with Repository.open(root) as origin:
         c0 = origin.commit({"w": w0}, message="c0", lossy="balanced")
         c1 = origin.commit({"w": w1}, message="c1", lossy="balanced")
-        listed = origin.manifest(c0).entries["w"].tensor
-        restored = origin.checkout(c1)
+        return c1, origin.manifest(c0).entries["w"].tensor, origin.checkout(c1)
+
+
+def _w0_w1():
+    generator = torch.Generator().manual_seed(0)
+    w0 = torch.randn(256, 256, generator=generator)
+    return w0, w0 + 0.01 * torch.randn(256, 256, generator=generator)
+
+
+def test_a_received_lossy_record_committed_again_under_other_chunking_keeps_the_commits_chained_on_it(tmp_path):
+    """A commit that encoded a listed record's tensor again took its rows; cut into other chunks (a clone with
+    its own chunk_bytes), the residuals chained on it no longer decoded: an older commit unrestorable (reader 30).
+    Found true, it keeps its rows and leaves the list."""
+    w0, w1 = _w0_w1()
+    c1, listed, restored = _lossy_origin_in_small_chunks(tmp_path / "a", w0, w1)
     with remote.clone(str(tmp_path / "a"), tmp_path / "b") as copy:  # the default 4 MiB chunks here
         assert unchecked(copy, {listed}) == {listed}
         again = copy.commit({"w": w0}, message="w0 again", lossy="balanced")
         assert copy.manifest(again).entries["w"].tensor == listed
         assert_same(restored, copy.checkout(c1))
-        assert fsck(copy, full=True).ok
+        assert unchecked(copy, {listed}) == set() and fsck(copy, full=True).ok
+
+
+@pytest.mark.parametrize("damage", ["lie", "chunks lost"])
+def test_a_false_or_damaged_received_record_cut_otherwise_takes_the_rows_of_the_commit_that_encodes_it(
+        tmp_path, damage):
+    """Cut otherwise, a listed record kept its rows whatever they held: a lie (the origin chose its chunks) or rows
+    lost in the database, and the user's new commit named it, unrestorable (reader 31)."""
+    w0, w1 = _w0_w1()
+    c1, listed, _ = _lossy_origin_in_small_chunks(tmp_path / "a", w0, w1)
+    with remote.clone(str(tmp_path / "a"), tmp_path / "b") as copy:
+        if damage == "lie":
+            other = copy.manifest(copy.commit({"v": torch.arange(65536.0)}, message="other")).entries["v"].tensor
+            received_lie(copy.dir, listed, other)  # the listed record's rows are another tensor's
+        else:
+            with sqlite3.connect(copy.dir / "ckpt.db") as db:
+                db.execute("DELETE FROM tensor_chunks WHERE tensor_id = ?", (listed,))
+        mine = copy.commit({"w": w0}, message="my w0", lossy="balanced")
+        assert copy.manifest(mine).entries["w"].tensor == listed
+        expected = copy.checkout(mine)["w"]
+        assert (expected - w0).abs().max() < 0.1  # the balanced reconstruction of my own w0
+        assert unchecked(copy, {listed}) == set()
+        assert set(fsck(copy, full=True).broken_commits) <= {c1}  # chained on the false rows: broken before too
+
+
