@@ -218,7 +218,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
         new_ids = {r.id for r in new_records}
         with repo.db.write() as tx:  # what is new is decided where it is recorded: no writer slips in between
             # listed records this commit encoded again from its own bytes (a lossy one is not reused for its
-            # source): replaced or found true, they leave the list, or every commit would encode them again
+            # source): replaced, or found true of our source, they leave the list (received.taken_over)
             replaced, true = received.taken_over(repo, tx, new_records)
             renewed = parent.renewed | replaced
             stored = tensor_rows.newly_stored(tx, new_records, sizes, renewed)

@@ -63,7 +63,8 @@ def taken_over(repo: Repository, tx: Tx, ours: Sequence[TensorRecord]) -> tuple[
     A listed record of one of our ids is replaced by ours (rows and `source`) where that is safe: it
     is damaged, false, or cut into chunks as ours is (residuals chained on a record split their chunks
     as it does: rows cut otherwise would break them). One cut otherwise that decodes true keeps its
-    rows, and leaves the list where its `source` is ours too; either way no commit keeps encoding it.
+    rows, and leaves the list where its `source` is ours too; one claiming another source stays
+    listed, and each commit holding its tensor encodes it again (and decodes it here, under the lock).
     """
     mine = {r.id: r for r in ours}
     listed = tensor_rows.unchecked_among(tx, mine)

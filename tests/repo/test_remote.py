@@ -1472,9 +1472,8 @@ def test_a_false_or_damaged_received_record_cut_otherwise_takes_the_rows_of_the_
     w0, w1 = _w0_w1()
     c1, listed, _ = _lossy_origin_in_small_chunks(tmp_path / "a", w0, w1)
     with remote.clone(str(tmp_path / "a"), tmp_path / "b") as copy:
-        if damage == "lie":
-            other = copy.manifest(copy.commit({"v": torch.arange(65536.0)}, message="other")).entries["v"].tensor
-            received_lie(copy.dir, listed, other)  # the listed record's rows are another tensor's
+        if damage == "lie":  # the listed record's rows are w1's, cut in the origin's 64 KiB chunks: otherwise
+            received_lie(copy.dir, listed, copy.manifest(c1).entries["w"].tensor)
         else:
             with sqlite3.connect(copy.dir / "ckpt.db") as db:
                 db.execute("DELETE FROM tensor_chunks WHERE tensor_id = ?", (listed,))
