@@ -162,6 +162,17 @@ def dependents(tx: Tx, tensor_ids: set[TensorId]) -> set[TensorId]:
     return found
 
 
+def resting_on(tx: Tx, tensor_ids: Iterable[TensorId]) -> set[TensorId]:
+    """Those of `tensor_ids` that another record names as its base."""
+    return {TensorId(r[0]) for r in tx.rows_in("SELECT DISTINCT base_id FROM tensors WHERE base_id IN ({ids})",
+                                               tensor_ids)}
+
+
+def rebase(tx: Tx, old: TensorId, new: TensorId) -> None:
+    """Make every record chained on `old` chain on `new` (which holds the same bytes, cut alike)."""
+    tx.execute("UPDATE tensors SET base_id = ? WHERE base_id = ?", (new, old))
+
+
 def tensors_in_objects(tx: Tx, object_ids: Iterable[ObjectId]) -> set[TensorId]:
     """Tensors with a chunk in any of `object_ids`."""
     return {TensorId(r[0]) for r in tx.rows_in(

@@ -19,6 +19,7 @@ record that holds leaves the list, so the sender's chunk checksums (its own clai
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence, Set
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import CkptError, CorruptRecordError
@@ -72,12 +73,52 @@ def taken_over(repo: Repository, tx: Tx, ours: Sequence[TensorRecord]) -> tuple[
         return set(), set()
     damaged: dict[TensorId, str] = {}
     recorded = tensor_rows.load_records(tx, listed, problems=damaged)
-    cut = lambda record: [chunk.raw_bytes for chunk in record.chunks]  # noqa: E731
-    alike = {tid for tid in listed & recorded.keys() if cut(recorded[tid]) == cut(mine[tid])}
+    alike = {tid for tid in listed & recorded.keys() if _cut(recorded[tid]) == _cut(mine[tid])}
     otherwise = (listed & recorded.keys()) - alike
     false = false_claims(repo, recorded, otherwise) if otherwise else set()
     sourced = {tid for tid in otherwise - false if recorded[tid].params.get("source") == mine[tid].params.get("source")}
+    _keep_what_rests_on(repo, tx, recorded, (alike | false) & recorded.keys(), mine)
     return (listed - recorded.keys()) | alike | false, sourced
+
+
+def _keep_what_rests_on(repo: Repository, tx: Tx, recorded: Mapping[TensorId, TensorRecord], replaced: Set[TensorId],
+                        mine: Mapping[TensorId, TensorRecord]) -> None:
+    """Keep the records chained on one of `replaced` (listed records ours take the rows of) decoding as they did.
+
+    One that decodes to its id gives way to the same bytes. One that does not may still carry records
+    that decode true through it (a commit here may have reused one): it moves, rows and all, to the id
+    of the bytes it holds, and they follow it there; to that id's own record instead where one is
+    true and cut alike, else they stay on it (and no longer decode, as before).
+    """
+    for tid in sorted(tensor_rows.resting_on(tx, replaced)):
+        record = recorded[tid]
+        held = _id_of_what_it_holds(repo, recorded, record)
+        if held in (None, tid):
+            continue
+        there = tensor_rows.load_records(tx, [held], problems={})
+        if held not in there and held not in mine:
+            tensor_rows.insert_records(tx, [replace(record, id=held)], {})
+            if "source" in record.params:  # what it was made from is as unchecked as it was
+                tensor_rows.list_unchecked(tx, [held])
+        elif _cut(there.get(held) or mine[held]) != _cut(record) or (
+                tensor_rows.unchecked_among(tx, [held]) and false_claims(repo, there, {held})):
+            continue
+        tensor_rows.rebase(tx, tid, held)
+
+
+def _id_of_what_it_holds(repo: Repository, records: Mapping[TensorId, TensorRecord], record: TensorRecord
+                         ) -> TensorId | None:
+    """The id of the bytes `record` decodes to (its objects verified), or None where it does not decode."""
+    try:
+        out = replay(ChainSource(repo.store, records), [record], repo.pool, verify=False)[record.id]
+    except (CkptError, KeyError, ValueError):
+        return None
+    return tensor_id(record.dtype, record.shape, out)
+
+
+def _cut(record: TensorRecord) -> list[int]:
+    """The sizes of `record`'s chunks: records chained on one replay chunk by chunk, so a base must be cut alike."""
+    return [chunk.raw_bytes for chunk in record.chunks]
 
 
 def off_the_list(records: Mapping[TensorId, TensorRecord], true: Set[TensorId]) -> set[TensorId]:

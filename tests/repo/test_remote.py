@@ -1485,3 +1485,47 @@ def test_a_false_or_damaged_received_record_cut_otherwise_takes_the_rows_of_the_
         assert set(fsck(copy, full=True).broken_commits) <= {c1}  # chained on the false rows: broken before too
 
 
+
+
+def _renamed(repo_dir, old: str, new: str) -> None:
+    """Give tensor `old`'s record, chunks and listing the id `new`, and point what rests on it there: a crafted
+    remote's lie whose own records chain on it consistently."""
+    with sqlite3.connect(repo_dir / "ckpt.db") as db:
+        for statement in ("UPDATE tensors SET id = ? WHERE id = ?", "UPDATE tensors SET base_id = ? WHERE base_id = ?",
+                          "UPDATE tensor_chunks SET tensor_id = ? WHERE tensor_id = ?",
+                          "UPDATE unchecked_tensors SET tensor_id = ? WHERE tensor_id = ?"):
+            db.execute(statement, (new, old))
+
+
+@pytest.mark.parametrize("lie", ["moved", "copied"])
+def test_a_received_record_true_only_through_a_false_base_stays_true_once_a_commit_replaces_that_base(tmp_path, lie):
+    """A received record decoded true through a listed base that lies about its id; a commit reused it, and a later
+    commit of the bytes that base claims replaced its rows: the first commit no longer restored (stop 57, left).
+    The false base now moves, rows and all, to the id of the bytes it holds (or gives way to that id's own record),
+    and what rests on it follows."""
+    from ckptstore.hashing import tensor_id
+
+    generator = torch.Generator().manual_seed(3)
+    held, claimed = torch.randn(128, 64, generator=generator), torch.randn(128, 64, generator=generator)
+    on_top = held + 0.001 * torch.randn(128, 64, generator=generator)
+    Repository.init(tmp_path / "a").close()
+    with Repository.open(tmp_path / "a") as origin:
+        first = origin.commit({"w": held}, message="held")
+        second = origin.commit({"w": on_top}, message="on top")
+        on_top_id = origin.manifest(second).entries["w"].tensor
+    ident = lambda t: tensor_id("torch.float32", tuple(t.shape), t.numpy().view("uint8").reshape(-1))  # noqa: E731
+    with remote.clone(str(tmp_path / "a"), tmp_path / "b") as copy:
+        if lie == "moved":  # held's record now claims `claimed`, and on_top rests on it
+            _renamed(copy.dir, ident(held), ident(claimed))
+        else:  # a copy of held's record claims `claimed`, and on_top rests on the copy
+            received_lie(copy.dir, ident(claimed), ident(held))
+            with sqlite3.connect(copy.dir / "ckpt.db") as db:
+                db.execute("UPDATE tensors SET base_id = ? WHERE id = ?", (ident(claimed), on_top_id))
+        mine = copy.commit({"w": on_top}, message="mine, as received", allow_empty=True)
+        assert copy.manifest(mine).entries["w"].tensor == on_top_id and unchecked(copy, {on_top_id}) == set()
+        theirs = copy.commit({"w": claimed}, message="the bytes the lie claims")
+        assert_same(on_top, copy.checkout(mine)["w"])
+        assert_same(claimed, copy.checkout(theirs)["w"])
+        assert_same(on_top, copy.checkout(second)["w"])
+        assert_same(held, copy.checkout(first)["w"])  # the lie's rows hold `held`: its commit restores again
+        assert fsck(copy, full=True).ok
