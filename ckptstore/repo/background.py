@@ -73,6 +73,8 @@ class BackgroundCommit:
     _waiting: int = 0  # callers in result() now: a failure reaches them, so it is not also warned
     warned: bool = False  # its failure was already said as a warning (nobody waited on it then)
     _thread: threading.Thread | None = None
+    _began: bool = False  # its thread took it on: it runs to its end, and the exit waits for it
+    _claim: threading.Lock = field(default_factory=threading.Lock, repr=False)  # who decides: the thread or the caller
 
     def done(self) -> bool:
         """Whether the commit has finished (written, or failed)."""
@@ -321,11 +323,15 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
         _LIVE.add(handle)
         try:
             handle._thread.start()
-        except BaseException as exc:  # "can't start new thread": nothing runs, so nothing may wait on the handle
-            lane.buffers.give_back(lent)
-            lane.current = None
-            _LIVE.discard(handle)
-            handle._future.set_exception(exc)
+        except BaseException as exc:
+            # "can't start new thread", or a signal's exception (SIGTERM, Ctrl-C) while start() waited for the
+            # thread: where the thread took the commit on first, it runs to its end and the exit waits for it
+            with handle._claim:
+                if not handle._began:  # nothing runs (the thread, if it starts, finds the handle resolved)
+                    lane.buffers.give_back(lent)
+                    lane.current = None
+                    _LIVE.discard(handle)
+                    handle._future.set_exception(exc)
             raise
     return handle
 
@@ -344,6 +350,10 @@ def commit_call(repo: Repository, source: Any, options: CommitOptions, lossy: Lo
 def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: Any, lent: list[Any],
           options: CommitOptions, lossy: LossyOptions, progress: Progress | None, origin: Any) -> None:
     """The thread: commit, give the buffers back, then resolve the handle (its warnings point at `origin`, the call)."""
+    with handle._claim:
+        if handle._future.done():  # the caller's start() failed before this thread took the commit on
+            return
+        handle._began = True
     try:
         with warnings_at(origin):
             _commit_and_resolve(repo, lane, handle, checkpoint, lent, options, lossy, progress)

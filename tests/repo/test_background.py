@@ -22,7 +22,7 @@ import torch
 import ckptstore
 from ckptstore import Repository
 from ckptstore.errors import BackgroundCommitError, CkptError, ConflictError, DiskFullError
-from ckptstore.repo import fsck
+from ckptstore.repo import background, fsck
 from ckptstore.repo.background import BackgroundCommitWarning
 from tests.conftest import Trainer, assert_same, ckpt_env
 
@@ -277,10 +277,10 @@ trainer = Trainer()
 trainer.train(int(sys.argv[2]))
 torch.save(trainer.model.state_dict(), sys.argv[1] + "/expected-model.pt")  # this process's bits
 handle = repo.commit(trainer.state(), "background", blocking=False)
-print("started", flush=True)
 if sys.argv[3] == "hang-exit":  # another exit step hangs (a logger's flush) after the commit
     import atexit
     atexit.register(time.sleep, 60)
+print("started", flush=True)
 if sys.argv[3] in ("hang", "hang-exit"):
     time.sleep(60)
 if sys.argv[3] == "fail":  # a peer rank died: the collective raises, and the exit waits for the commit
@@ -365,6 +365,7 @@ def test_a_second_sigterm_after_the_exits_wait_ends_a_hung_exit_step(tmp_path):
                              stderr=subprocess.PIPE)
     SPAWNED.append(child)
     _wait_reached(release, child)
+    assert child.stdout.readline() == b"started\n"  # past commit(), the hung exit step registered
     child.send_signal(signal.SIGTERM)  # mid-commit: the exit waits for it
     time.sleep(0.5)
     release.touch()
@@ -410,6 +411,31 @@ def test_a_program_that_catches_the_sigterms_exit_is_still_ended_by_the_next(tmp
     assert child.stdout.readline() == b"went on\n"
     child.send_signal(signal.SIGTERM)  # nothing in flight now
     assert child.wait(timeout=30) == -signal.SIGTERM
+
+
+@pytest.mark.parametrize("when", ["after the thread took the commit on", "before the thread began"])
+def test_a_signal_while_the_commits_thread_starts_neither_loses_nor_orphans_the_commit(tmp_path, monkeypatch, hold,
+                                                                                        when):
+    """A SIGTERM's (or Ctrl-C's) exception out of Thread.start(), once the thread ran, resolved the handle as failed
+    and took it off the exit's wait: the process ended, its pools refused the commit, and nothing was said (seen as
+    test_a_second_sigterm_... failing under load). The thread that took the commit on now runs it to its end."""
+    original, began = threading.Thread.start, when.startswith("after")
+
+    def interrupted(thread):
+        if began:
+            original(thread)
+            _wait_reached(hold)  # the thread holds the commit now
+        raise KeyboardInterrupt
+
+    with Repository.init(tmp_path / "r") as repo:
+        monkeypatch.setattr(threading.Thread, "start", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            repo.commit({"w": torch.ones(8)}, "background", blocking=False)
+        monkeypatch.setattr(threading.Thread, "start", original)
+        assert background.busy(repo) == began  # in flight: the exit and the next commit call wait for it
+        hold.touch()
+        repo.commit({"w": torch.zeros(8)}, "next")  # waits for it, and raises no failure of it
+        assert [c.message for c in repo.log()] == (["next", "background"] if began else ["next"])
 
 
 def test_sigterm_mid_commit_ends_the_process_once_the_commit_is_written(tmp_path):
