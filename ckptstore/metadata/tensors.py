@@ -84,13 +84,18 @@ def newly_stored(tx: Tx, records: Iterable[TensorRecord], object_sizes: Mapping[
     """The bytes a commit adds to the repository: the objects it wrote (manifest included) no row holds yet.
 
     Counted by object, not by record: records share objects (a pack, identical chunks), and a
-    record whose id is known (a lossy re-encoding that gave the parent's values) adds nothing of
-    its own. Objects written anew for records in `replace` (their objects were lost) count,
-    though their rows remain.
+    record whose id is known (a lossy re-encoding that gave the parent's values, a received record
+    kept) adds nothing of its own: objects only such records name are left to gc. Objects written
+    anew for records in `replace` (their objects were lost) count, though their rows remain.
     """
-    rewritten = {chunk.object_id for r in records if r.id in replace for chunk in r.chunks}
+    records = list(records)
+    recorded = existing_tensor_ids(tx, [r.id for r in records]) - set(replace)
+    named = lambda rs: {chunk.object_id for r in rs for chunk in r.chunks}  # noqa: E731
+    unnamed = named(r for r in records if r.id in recorded) - named(r for r in records if r.id not in recorded)
+    rewritten = named(r for r in records if r.id in replace)
     known = {row[0] for row in tx.rows_in("SELECT id FROM objects WHERE id IN ({ids})", list(object_sizes))}
-    return sum(size for oid, size in object_sizes.items() if oid not in known or oid in rewritten)
+    return sum(size for oid, size in object_sizes.items()
+               if oid not in unnamed and (oid not in known or oid in rewritten))
 
 
 def insert_records(tx: Tx, records: list[TensorRecord], object_sizes: dict[ObjectId, int]) -> None:

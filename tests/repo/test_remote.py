@@ -1460,6 +1460,8 @@ def test_a_received_lossy_record_committed_again_under_other_chunking_keeps_the_
         assert unchecked(copy, {listed}) == {listed}
         again = copy.commit({"w": w0}, message="w0 again", lossy="balanced")
         assert copy.manifest(again).entries["w"].tensor == listed
+        # its manifest is the origin's c0's, and its encoding's objects are no record's (left to gc): nothing stored
+        assert copy.commit_info(again).stored_bytes == 0
         assert_same(restored, copy.checkout(c1))
         assert unchecked(copy, {listed}) == set() and fsck(copy, full=True).ok
 
