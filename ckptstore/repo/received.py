@@ -86,23 +86,30 @@ def _keep_what_rests_on(repo: Repository, tx: Tx, recorded: Mapping[TensorId, Te
     """Keep the records chained on one of `replaced` (listed records ours take the rows of) decoding as they did.
 
     One that decodes to its id gives way to the same bytes. One that does not may still carry records
-    that decode true through it (a commit here may have reused one): it moves, rows and all, to the id
-    of the bytes it holds, and they follow it there; to that id's own record instead where one is
-    true and cut alike, else they stay on it (and no longer decode, as before).
+    that decode true through it (a commit here may have reused one): its rows go to the id of the
+    bytes it holds, and those records follow them there. That id's own record, where one is true and
+    cut alike, keeps its rows unless it rests on the false one (following it would loop): then it
+    takes the false one's. Else they stay on it (and no longer decode, as before).
     """
     for tid in sorted(tensor_rows.resting_on(tx, replaced)):
-        record = recorded[tid]
-        held = _id_of_what_it_holds(repo, recorded, record)
+        held = _id_of_what_it_holds(repo, recorded, recorded[tid])
         if held in (None, tid):
             continue
-        there = tensor_rows.load_records(tx, [held], problems={})
-        if held not in there and held not in mine:
-            tensor_rows.insert_records(tx, [replace(record, id=held)], {})
-            if "source" in record.params:  # what it was made from is as unchecked as it was
-                tensor_rows.list_unchecked(tx, [held])
-        elif _cut(there.get(held) or mine[held]) != _cut(record) or (
-                tensor_rows.unchecked_among(tx, [held]) and false_claims(repo, there, {held})):
+        # as it is now: an earlier move in this loop may have rebased it (two lies, one on the other)
+        rows = replace(tensor_rows.load_records(tx, [tid], with_bases=False)[tid], id=held)
+        there = tensor_rows.load_records(tx, [held], problems={})  # with its chain
+        target = there.get(held) or mine.get(held)
+        if target is not None and (_cut(target) != _cut(rows) or (
+                held in there and tensor_rows.unchecked_among(tx, [held]) and false_claims(repo, there, {held}))):
             continue
+        if held not in there:  # ours of that id, if any, gives way: inserted after, it is ignored
+            tensor_rows.insert_records(tx, [rows], {})
+        elif tid in there:
+            tensor_rows.replace_records(tx, [rows], {})
+        if held not in there or tid in there:
+            tensor_rows.mark_checked(tx, [held])
+            if "source" in rows.params:  # what it was made from is as unchecked as it was
+                tensor_rows.list_unchecked(tx, [held])
         tensor_rows.rebase(tx, tid, held)
 
 
