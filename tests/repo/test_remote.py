@@ -1505,8 +1505,6 @@ def test_a_received_record_true_only_through_a_false_base_stays_true_once_a_comm
     commit of the bytes that base claims replaced its rows: the first commit no longer restored (stop 57, left).
     The false base now moves, rows and all, to the id of the bytes it holds (or gives way to that id's own record),
     and what rests on it follows."""
-    from ckptstore.hashing import tensor_id
-
     generator = torch.Generator().manual_seed(3)
     held, claimed = torch.randn(128, 64, generator=generator), torch.randn(128, 64, generator=generator)
     on_top = held + 0.001 * torch.randn(128, 64, generator=generator)
@@ -1515,14 +1513,13 @@ def test_a_received_record_true_only_through_a_false_base_stays_true_once_a_comm
         first = origin.commit({"w": held}, message="held")
         second = origin.commit({"w": on_top}, message="on top")
         on_top_id = origin.manifest(second).entries["w"].tensor
-    ident = lambda t: tensor_id("torch.float32", tuple(t.shape), t.numpy().view("uint8").reshape(-1))  # noqa: E731
     with remote.clone(str(tmp_path / "a"), tmp_path / "b") as copy:
         if lie == "moved":  # held's record now claims `claimed`, and on_top rests on it
-            _renamed(copy.dir, ident(held), ident(claimed))
+            _renamed(copy.dir, _ident(held), _ident(claimed))
         else:  # a copy of held's record claims `claimed`, and on_top rests on the copy
-            received_lie(copy.dir, ident(claimed), ident(held))
+            received_lie(copy.dir, _ident(claimed), _ident(held))
             with sqlite3.connect(copy.dir / "ckpt.db") as db:
-                db.execute("UPDATE tensors SET base_id = ? WHERE id = ?", (ident(claimed), on_top_id))
+                db.execute("UPDATE tensors SET base_id = ? WHERE id = ?", (_ident(claimed), on_top_id))
         mine = copy.commit({"w": on_top}, message="mine, as received", allow_empty=True)
         assert copy.manifest(mine).entries["w"].tensor == on_top_id and unchecked(copy, {on_top_id}) == set()
         theirs = copy.commit({"w": claimed}, message="the bytes the lie claims")
@@ -1531,3 +1528,162 @@ def test_a_received_record_true_only_through_a_false_base_stays_true_once_a_comm
         assert_same(on_top, copy.checkout(second)["w"])
         assert_same(held, copy.checkout(first)["w"])  # the lie's rows hold `held`: its commit restores again
         assert fsck(copy, full=True).ok
+
+
+def _ident(tensor: torch.Tensor) -> str:
+    from ckptstore.hashing import tensor_id
+
+    return tensor_id(str(tensor.dtype), tuple(tensor.shape), tensor.contiguous().numpy().view("uint8").reshape(-1))
+
+
+def _base_of(repo_dir, tid: str) -> str | None:
+    with contextlib.closing(sqlite3.connect(repo_dir / "ckpt.db")) as db:
+        return db.execute("SELECT base_id FROM tensors WHERE id = ?", (tid,)).fetchone()[0]
+
+
+def _chain_ends(repo_dir, tid: str) -> bool:
+    """Whether `tid`'s chain of base_ids in the database reaches a keyframe without coming back on itself."""
+    seen = set()
+    with contextlib.closing(sqlite3.connect(repo_dir / "ckpt.db")) as db:
+        while tid is not None and tid not in seen:
+            seen.add(tid)
+            row = db.execute("SELECT base_id FROM tensors WHERE id = ?", (tid,)).fetchone()
+            tid = row[0] if row else None
+    return tid is None
+
+
+def _exact_or_refused(repo, cid: str, key: str, want: torch.Tensor) -> bool:
+    """Whether `cid` restores `want` at `key` bit-exact; False where it is refused: never other bytes."""
+    try:
+        got = repo.checkout(cid)[key]
+    except CkptError:
+        return False
+    assert_same(want, got)
+    return True
+
+
+def _held_on_top_origin(root, chunk_bytes: int | None = None, shape=(128, 64)):
+    """An origin holding `held`, then `on_top` (a residual on held's record); and `claimed`, which it never holds."""
+    generator = torch.Generator().manual_seed(3)
+    held, claimed = torch.randn(*shape, generator=generator), torch.randn(*shape, generator=generator)
+    on_top = held + 0.001 * torch.randn(*shape, generator=generator)
+    Repository.init(root).close()
+    if chunk_bytes is not None:
+        config = root / ".ckpt" / "config.toml"
+        config.write_text(config.read_text().replace("chunk_bytes = 4194304", f"chunk_bytes = {chunk_bytes}"))
+    with Repository.open(root) as origin:
+        first = origin.commit({"w": held}, message="held")
+        second = origin.commit({"w": on_top}, message="on top")
+        assert _base_of(root / ".ckpt", origin.manifest(second).entries["w"].tensor) == _ident(held)
+        return held, claimed, on_top, first, second
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_a_false_base_moved_to_the_id_whose_own_record_rests_on_it_makes_no_loop(tmp_path, together):
+    """A false base's move rebased its records onto its bytes' id's own record, resting on them: a loop (reader 33)."""
+    held, claimed, on_top, first, second = _held_on_top_origin(tmp_path / "a")
+    with remote.clone(str(tmp_path / "a"), tmp_path / "b") as copy:
+        _renamed(copy.dir, _ident(held), _ident(claimed))  # held's record claims `claimed`; on_top rests on it
+        on_top_id = copy.manifest(second).entries["w"].tensor
+        mine = copy.commit({"w": on_top}, message="mine, as received", allow_empty=True)
+        if together:  # held as a residual on on_top (the parent's record at 'w'), in the commit that replaces the lie
+            x = theirs = copy.commit({"w": held, "v": claimed}, message="both")
+        else:
+            x = copy.commit({"w": held}, message="the bytes the lie holds")
+            assert _base_of(copy.dir, _ident(held)) == on_top_id  # X's own record rests on on_top, on the lie
+            assert_same(held, copy.checkout(x)["w"])
+            theirs = copy.commit({"w": claimed}, message="the bytes the lie claims")
+        assert all(_chain_ends(copy.dir, tid) for tid in (_ident(held), on_top_id, _ident(claimed)))
+        assert_same(held, copy.checkout(x)["w"])
+        assert_same(claimed, copy.checkout(theirs)["v" if together else "w"])
+        assert_same(on_top, copy.checkout(mine)["w"])
+        assert_same(on_top, copy.checkout(second)["w"])
+        assert_same(held, copy.checkout(first)["w"])
+        assert fsck(copy, full=True).ok
+
+
+@pytest.mark.parametrize("lower_first", [True, False])
+def test_two_false_records_in_one_chain_replaced_by_one_commit_keep_what_rests_on_them(tmp_path, lower_first):
+    """Two false bases in a chain, one commit: the upper moved as loaded, onto replaced rows; broke (reader 33)."""
+    generator = torch.Generator().manual_seed(5)
+    a0 = torch.randn(128, 64, generator=generator)
+    b0 = a0 + 0.001 * torch.randn(128, 64, generator=generator)
+    c0 = b0 + 0.001 * torch.randn(128, 64, generator=generator)
+    while True:  # the lies' ids in the order the case needs: the loop takes the one sorting lower first
+        a1, b1 = torch.randn(128, 64, generator=generator), torch.randn(128, 64, generator=generator)
+        if (_ident(a1) < _ident(b1)) == lower_first:
+            break
+    Repository.init(tmp_path / "a").close()
+    with Repository.open(tmp_path / "a") as origin:
+        cids = [origin.commit({"w": w}, message=f"w{i}") for i, w in enumerate((a0, b0, c0))]
+    with remote.clone(str(tmp_path / "a"), tmp_path / "b") as copy:
+        _renamed(copy.dir, _ident(a0), _ident(a1))  # a0's record claims a1, b0's claims b1 and rests on it
+        _renamed(copy.dir, _ident(b0), _ident(b1))
+        assert _base_of(copy.dir, _ident(b1)) == _ident(a1)
+        mine = copy.commit({"w": c0}, message="mine, as received", allow_empty=True)
+        assert_same(c0, copy.checkout(mine)["w"])
+        theirs = copy.commit({"u": a1, "v": b1}, message="the bytes both lies claim")
+        assert_same({"u": a1, "v": b1}, copy.checkout(theirs))
+        assert_same(c0, copy.checkout(mine)["w"])
+        for cid, w in zip(cids, (a0, b0, c0)):
+            assert_same(w, copy.checkout(cid)["w"])
+        assert all(_chain_ends(copy.dir, tid) for tid in map(_ident, (a0, b0, c0, a1, b1)))
+        assert fsck(copy, full=True).ok
+
+
+def test_a_lossy_false_base_moved_to_the_id_of_its_bytes_stays_listed_there(tmp_path):
+    """A lossy false base moved to its bytes' id stays listed there: its `source` is no more checked (reader 33)."""
+    w0, w1 = _w0_w1()
+    claimed = torch.randn(256, 256, generator=torch.Generator().manual_seed(9))
+    Repository.init(tmp_path / "a").close()
+    with Repository.open(tmp_path / "a") as origin:
+        c0 = origin.commit({"w": w0}, message="c0", lossy="balanced")
+        c1 = origin.commit({"w": w1}, message="c1", lossy="balanced")
+        held, restored = origin.manifest(c0).entries["w"].tensor, origin.checkout(c0)
+    with remote.clone(str(tmp_path / "a"), tmp_path / "b") as copy:
+        on_top = copy.manifest(c1).entries["w"].tensor
+        with contextlib.closing(sqlite3.connect(copy.dir / "ckpt.db")) as db:
+            assert '"source"' in db.execute("SELECT params FROM tensors WHERE id = ?", (held,)).fetchone()[0]
+        expected = copy.checkout(c1)
+        _renamed(copy.dir, held, _ident(claimed))  # the lossy w0 record claims `claimed`; c1's record rests on it
+        assert _base_of(copy.dir, on_top) == _ident(claimed) and unchecked(copy, {held}) == set()
+        theirs = copy.commit({"w": claimed}, message="the bytes the lie claims")
+        assert _base_of(copy.dir, on_top) == held  # the lie moved to the id of what it holds, c1 with it
+        assert unchecked(copy, {held}) == {held}  # lossy: its source is as unchecked as it was
+        assert_same(claimed, copy.checkout(theirs)["w"])
+        assert_same(expected, copy.checkout(c1))
+        assert_same(restored, copy.checkout(c0))
+        assert fsck(copy, full=True).ok
+
+
+@pytest.mark.parametrize("own", ["cut otherwise", "false"])
+def test_what_rests_on_a_false_base_is_not_rebased_onto_an_own_record_that_cannot_carry_it(tmp_path, own):
+    """Records on a false base stay on it, not onto its bytes' id's own record cut otherwise or false (reader 33)."""
+    chunking = {"chunk_bytes": 65536, "shape": (256, 256)} if own == "cut otherwise" else {}
+    held, claimed, on_top, first, second = _held_on_top_origin(tmp_path / "a", **chunking)
+    other = torch.randn(*held.shape, generator=torch.Generator().manual_seed(11))
+    with remote.clone(str(tmp_path / "a"), tmp_path / "b") as copy:  # the default 4 MiB chunks here
+        _renamed(copy.dir, _ident(held), _ident(claimed))  # held's record claims `claimed`; on_top rests on it
+        on_top_id = copy.manifest(second).entries["w"].tensor
+        mine = copy.commit({"w": on_top}, message="mine, as received", allow_empty=True)
+        assert_same(on_top, copy.checkout(mine)["w"])
+        if own == "cut otherwise":  # held's own record, made here: one 4 MiB chunk, the lie's rows four of 64 KiB
+            own_commit, own_key, own_bytes = copy.commit({"x": held}, message="held, here"), "x", held
+            with contextlib.closing(sqlite3.connect(copy.dir / "ckpt.db")) as db:
+                count = "SELECT count(*) FROM tensor_chunks WHERE tensor_id = ?"
+                assert [db.execute(count, (t,)).fetchone()[0] for t in (_ident(held), _ident(claimed))] == [1, 4]
+        else:  # held's own record, received and listed, holds `other`'s bytes
+            own_commit, own_key, own_bytes = copy.commit({"o": other}, message="other, here"), "o", other
+            received_lie(copy.dir, _ident(held), _ident(other))
+        theirs = copy.commit({"v": claimed}, message="the bytes the lie claims")
+        assert _base_of(copy.dir, on_top_id) == _ident(claimed)  # left on the false id, as before 0a9c15e
+        assert_same(claimed, copy.checkout(theirs)["v"])
+        assert_same(own_bytes, copy.checkout(own_commit)[own_key])
+        # on the replaced rows they no longer decode, as before; but none restores other bytes
+        for cid, want in ((mine, on_top), (second, on_top), (first, held)):
+            _exact_or_refused(copy, cid, "w", want)
+        if own == "cut otherwise":
+            assert_same(held, copy.checkout(first)["w"])  # its id's own record, made here
+        else:
+            assert unchecked(copy, {_ident(held)}) == {_ident(held)}
+        assert set(fsck(copy, full=True).broken_commits) <= {first, second, mine}
