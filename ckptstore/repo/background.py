@@ -73,8 +73,8 @@ class BackgroundCommit:
     _waiting: int = 0  # callers in result() now: a failure reaches them, so it is not also warned
     warned: bool = False  # its failure was already said as a warning (nobody waited on it then)
     _thread: threading.Thread | None = None
-    _began: bool = False  # its thread took it on: it runs to its end, and the exit waits for it
-    _claim: threading.Lock = field(default_factory=threading.Lock, repr=False)  # who decides: the thread or the caller
+    _go: threading.Event = field(default_factory=threading.Event, repr=False)  # set once the caller's start() is over
+    _called_off: bool = False  # that start() raised: the caller was told no commit, so its thread makes none
 
     def done(self) -> bool:
         """Whether the commit has finished (written, or failed)."""
@@ -324,15 +324,16 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
         try:
             handle._thread.start()
         except BaseException as exc:
-            # "can't start new thread", or a signal's exception (SIGTERM, Ctrl-C) while start() waited for the
-            # thread: where the thread took the commit on first, it runs to its end and the exit waits for it
-            with handle._claim:
-                if not handle._began:  # nothing runs (the thread, if it starts, finds the handle resolved)
-                    lane.buffers.give_back(lent)
-                    lane.current = None
-                    _LIVE.discard(handle)
-                    handle._future.set_exception(exc)
+            # "can't start new thread", or a signal's exception (SIGTERM, Ctrl-C) while start() waited for a thread
+            # that exists: the caller is told no commit, so none is made, and the buffers are free again
+            handle._called_off = True
+            lane.buffers.give_back(lent)
+            lane.current = None
+            _LIVE.discard(handle)
+            handle._future.set_exception(exc)
             raise
+        finally:
+            handle._go.set()
     return handle
 
 
@@ -350,10 +351,9 @@ def commit_call(repo: Repository, source: Any, options: CommitOptions, lossy: Lo
 def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: Any, lent: list[Any],
           options: CommitOptions, lossy: LossyOptions, progress: Progress | None, origin: Any) -> None:
     """The thread: commit, give the buffers back, then resolve the handle (its warnings point at `origin`, the call)."""
-    with handle._claim:
-        if handle._future.done():  # the caller's start() failed before this thread took the commit on
-            return
-        handle._began = True
+    handle._go.wait()
+    if handle._called_off:
+        return
     try:
         with warnings_at(origin):
             _commit_and_resolve(repo, lane, handle, checkpoint, lent, options, lossy, progress)
