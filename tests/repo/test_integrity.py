@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckptstore import Repository
-from ckptstore.errors import CkptError, CorruptRecordError
+from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError
 from ckptstore.hashing import commit_id
 from ckptstore.repo import fsck, gc
 from tests.conftest import assert_same, ckpt_env, ckpt_here, wait_until_held
@@ -424,6 +424,32 @@ def test_the_next_step_after_a_lost_record_is_encoded_whole_at_every_level(repo)
     assert torch.equal(repo.checkout(step)["model"]["bias"], kept["model"]["bias"])
 
 
+@pytest.mark.parametrize("numel", [1 << 19, 1 << 14], ids=["own-object", "packed"])
+def test_a_commit_over_a_damaged_parent_object_is_refused_not_encoded_against_it(tmp_path, metadata_url, numel):
+    """A commit's residual reads its parent's payloads with no chunk checksum of the base checked: the object's
+    hash is their only guard, and with it skipped (for an object of its own, or a pack) a damaged parent was
+    encoded against (mutation audit round 8)."""
+    base = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    moved = base.clone()
+    moved[:100] += 1e-3
+    with Repository.init(tmp_path / "r", metadata_url=metadata_url) as repo:
+        first = repo.commit({"w": base})
+        tid = repo.manifest(first).entries["w"].tensor
+        with repo.db.read() as tx:
+            (oid, offset, length), = tx.rows('SELECT object_id, "offset", length FROM tensor_chunks '
+                                             "WHERE tensor_id = ?", (tid,))
+        assert (length is None) == (numel == 1 << 19)
+        path = repo.store.path_of(oid)
+    data = bytearray(path.read_bytes())
+    data[(offset or 0) + (length or len(data)) // 2] ^= 0x10
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    with Repository.open(tmp_path / "r") as repo:  # as a new process: no planes cached, the base read from the store
+        with pytest.raises(CorruptObjectError, match=oid):
+            repo.commit({"w": moved})
+        assert repo.resolve("main") == first
+
+
 def test_damaged_head_and_branch_rows_are_found_by_fsck_and_named_by_every_verb(tmp_path):
     """HEAD gone or on a tag, a branch at a commit with no record: fsck lists it, commit and log say it."""
     with Repository.init(tmp_path) as repo:
@@ -448,6 +474,26 @@ def test_damaged_head_and_branch_rows_are_found_by_fsck_and_named_by_every_verb(
         with pytest.raises(CorruptRecordError, match=f"commit {'a' * 64} is damaged"):
             repo.log("main")
         assert "ref main" in fsck(repo).damaged_records
+
+
+def test_fsck_of_a_new_repository_whose_head_is_on_a_branch_not_yet_born_finds_nothing(repo):
+    """HEAD on `main` before its first commit, a branch with no row yet: taken for a ref of another kind, fsck of
+    a new repository failed with a KeyError (mutation audit round 8)."""
+    report = fsck(repo)
+    assert report.ok, report
+    repo.commit({"w": torch.zeros(4)})
+    assert fsck(repo).ok
+
+
+def test_a_remote_tracking_ref_row_without_a_branch_part_is_damage_fsck_names(repo):
+    """A forged ref row `remotes/origin` of kind remote, no branch after the remote's name: read as
+    remotes/REMOTE/BRANCH, fsck failed with an IndexError instead of naming it (mutation audit round 8)."""
+    cid = repo.commit({"w": torch.zeros(4)})
+    _sql(repo, f"INSERT INTO refs (name, kind, commit_id, target) VALUES ('remotes/origin', 'remote', '{cid}', NULL)")
+    report = fsck(repo)
+    assert not report.ok
+    assert report.damaged_records == {
+        "ref remotes/origin": "its name is no remote-tracking ref's (remotes/REMOTE/BRANCH)"}
 
 
 def test_an_object_size_that_is_no_number_is_damage_named_not_a_crash(tmp_path):

@@ -1231,6 +1231,45 @@ def test_a_received_records_lie_is_no_base_of_a_commit_here(tmp_path):
         assert fsck(copy, full=True).ok
 
 
+def test_a_commit_over_a_received_parent_that_lies_is_no_residual_on_it(tmp_path):
+    """A listed parent record found false stayed the commit's base where it claimed no lossy source: the commit's
+    residual rested on another tensor's chunks under a false id (mutation audit round 8)."""
+    from ckptstore.metadata import tensors as tensor_rows
+
+    generator = torch.Generator().manual_seed(3)
+    a, b = torch.randn(4096, generator=generator), torch.randn(4096, generator=generator)
+    with Repository.init(tmp_path / "origin") as origin:
+        origin.commit({"w": a})
+        other = origin.manifest(origin.commit({"w": b}, branch="side")).entries["w"].tensor
+        claimed = origin.manifest(origin.resolve("main")).entries["w"].tensor
+    received_lie(tmp_path / "origin" / ".ckpt", claimed, other, listed=False)  # a's id over b's chunks
+    with remote.clone(str(tmp_path / "origin"), tmp_path / "copy") as copy:
+        near = b + 1e-4 * torch.randn(4096, generator=generator)  # on main: its parent's 'w' is the lie
+        mine = copy.commit({"w": near})
+        tid = copy.manifest(mine).entries["w"].tensor
+        with copy.db.read() as tx:
+            assert tensor_rows.load_records(tx, [tid], with_bases=False)[tid].base_id != claimed
+        assert_same(near, copy.checkout(mine)["w"])
+
+
+def test_a_received_record_found_true_in_this_process_lets_no_forged_one_through_unchecked(tmp_path):
+    """What this process found true is keyed by the records down to the keyframe: keyed without the keyframe,
+    every received keyframe had the same key, and once one was found true a forged one restored its false bytes
+    unchecked (mutation audit round 8)."""
+    from ckptstore.errors import CorruptRecordError
+
+    with Repository.init(tmp_path / "origin") as origin:
+        honest = origin.commit({"t": torch.full((16,), 7.0)}, "honest")
+        zeros = origin.manifest(origin.commit({"v": torch.zeros(16)}, "zeros")).entries["v"].tensor
+        other = origin.manifest(origin.commit({"v": torch.arange(16.0)}, "arange", branch="side")).entries["v"].tensor
+    received_lie(tmp_path / "origin" / ".ckpt", zeros, other, listed=False)  # zeros' id over arange's chunks
+    with remote.clone(str(tmp_path / "origin"), tmp_path / "copy") as copy:
+        assert_same(torch.full((16,), 7.0), copy.checkout(honest)["t"])  # a true keyframe, found so
+        with pytest.raises(CorruptRecordError, match="does not rebuild the bytes its id names"):
+            copy.checkout("main")
+        assert unchecked(copy, {zeros}) == {zeros}
+
+
 def _stepped_linear() -> tuple[torch.nn.Linear, torch.optim.Adam]:
     """A layer and its Adam after one step: a state a lossy commit quantizes, weight and moments paired."""
     torch.manual_seed(0)

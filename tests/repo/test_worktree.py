@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from ckptstore import Repository
 from ckptstore.cli import cli
 from ckptstore.errors import CheckpointFormatError, CkptError, DirtyWorktreeError
+from ckptstore.repo import remote
 from ckptstore.repo.config import RepoConfig
 from tests.conftest import assert_same, ckpt_env, ckpt_here, machine_settings
 from tests.formats.test_formats import make_trainer_folder
@@ -361,6 +362,31 @@ def test_checkout_with_output_writes_the_commits_files_and_deletes_nothing(repo,
     got = _files(out)
     assert got.pop("mine.txt") == b"my only copy" and got.pop("tokenizer/extra.txt") == b"also mine"
     assert got == wanted  # bit-exact: a lossless commit writes its files back byte for byte
+
+
+def test_a_checkout_of_the_branch_elsewhere_does_not_end_a_pull_killed_before_it_wrote_its_files(tmp_path):
+    """`checkout BRANCH -o ELSEWHERE` after a pull killed before it wrote its files ended that pull as an in-place
+    checkout does: the files in place kept the old commit, and the next pull found nothing to do
+    (mutation audit round 8)."""
+    with Repository.init(tmp_path / "work") as work:
+        torch.save({"w": torch.zeros(8)}, tmp_path / "work" / "c.pt")
+        work.commit(tmp_path / "work" / "c.pt")
+        with remote.clone(str(tmp_path / "work"), tmp_path / "copy") as copy:
+            copy.checkout_to("main")
+        torch.save({"w": torch.ones(8)}, tmp_path / "work" / "c.pt")
+        work.commit(tmp_path / "work" / "c.pt")
+    killed = subprocess.run([sys.executable, "-m", "ckptstore", "pull"], cwd=tmp_path / "copy",
+                            env=ckpt_env(CKPT_CRASH_AT="checkout:records-read"), timeout=120)
+    assert killed.returncode == -9  # the branch moved, c.pt not yet written
+    load = lambda path: torch.load(path, weights_only=True)["w"]
+    with Repository.open(tmp_path / "copy") as copy:
+        copy.checkout_to("main", tmp_path / "elsewhere.pt")
+        assert_same(torch.ones(8), load(tmp_path / "elsewhere.pt"))
+        assert_same(torch.zeros(8), load(tmp_path / "copy" / "c.pt"))
+        assert (copy.dir / remote.PULLING).exists()  # still the pull's to finish
+        remote.pull(copy, "origin")
+        assert not (copy.dir / remote.PULLING).exists()
+    assert_same(torch.ones(8), load(tmp_path / "copy" / "c.pt"))
 
 
 def test_an_in_place_checkout_never_deletes_an_object_store_kept_outside_the_repository(tmp_path):
