@@ -18,6 +18,8 @@ from ckptstore.errors import CorruptObjectError
 from ckptstore.hashing import ObjectId, is_hex_id, object_id, object_id_of_parts
 from ckptstore.objectstore.base import as_bytes
 
+_WRITE_ATTEMPTS = 3  # a temp file a concurrent gc removed is written again this often in all
+
 
 def open_object(path: Path, oid: ObjectId) -> int:
     """A read-only descriptor of the object file at `path`; CorruptObjectError when missing or not a file.
@@ -128,6 +130,23 @@ class LocalObjectStore:
             return oid
         if final.is_dir() and not final.is_symlink():
             final.rmdir()  # an empty folder standing there (damage): a full one stops the write, named
+        for attempt in range(_WRITE_ATTEMPTS):
+            try:
+                self._write_through_tmp(parts, oid, final)
+                break
+            except FileNotFoundError:
+                # `ckpt gc` empties tmp/ under the repository's lock, which a lazy clone's fetch into this
+                # store (a checkout's) does not take: the temp file went under it, so it is written again
+                if attempt == _WRITE_ATTEMPTS - 1:
+                    raise
+        if self._batched is not None:
+            self._batched.append(final)
+        else:
+            _fsync_dir(final.parent)
+        return oid
+
+    def _write_through_tmp(self, parts: Sequence[bytes | memoryview], oid: ObjectId, final: Path) -> None:
+        """Write the parts to a temp file, flush it (unless batched) and rename it to `final`."""
         final.parent.mkdir(exist_ok=True)
         self.tmp.mkdir(exist_ok=True)
         temp = self.tmp / f"{oid}.{uuid.uuid4().hex}"
@@ -138,14 +157,9 @@ class LocalObjectStore:
                 if self._batched is None:
                     os.fsync(handle.fileno())
             os.replace(temp, final)
-            if self._batched is not None:
-                self._batched.append(final)
-            else:
-                _fsync_dir(final.parent)
         finally:
             if temp.exists():
                 temp.unlink()
-        return oid
 
     @staticmethod
     def _holds(path: Path, parts: Sequence[bytes | memoryview], oid: ObjectId) -> bool:

@@ -237,6 +237,24 @@ def test_a_folder_pipe_or_device_at_an_objects_path_is_damage_not_a_hang(tmp_pat
         assert fsck(repo).ok and torch.equal(repo.checkout(cid)["w"], state["w"])
 
 
+def test_an_object_whose_temp_file_a_gc_removed_while_it_was_written_is_written_again(tmp_path, monkeypatch):
+    """A lazy clone's checkout fetches objects into its store without the repository's lock, which `ckpt gc` takes
+    to empty tmp/: the temp file went under the write, and the checkout failed with FileNotFoundError (mutation
+    audit round 9)."""
+    store = LocalObjectStore(tmp_path / "objects", tmp_path / "tmp")
+    real, cleared = local._write_all, []
+
+    def gc_meanwhile(handle, data):
+        real(handle, data)
+        if not cleared:
+            cleared.append(store.clear_tmp())
+
+    monkeypatch.setattr(local, "_write_all", gc_meanwhile)
+    oid = store.put(b"fetched from the origin")
+    assert cleared == [1] and store.get(oid) == b"fetched from the origin"
+    assert list(store.tmp.iterdir()) == []
+
+
 def test_gc_clears_a_folder_standing_at_an_unneeded_objects_path(tmp_path):
     """Damage of the same kind where no commit needs the object: gc removed nothing and failed, every time."""
     import torch
