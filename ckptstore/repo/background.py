@@ -25,9 +25,10 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,8 +74,6 @@ class BackgroundCommit:
     _waiting: int = 0  # callers in result() now: a failure reaches them, so it is not also warned
     warned: bool = False  # its failure was already said as a warning (nobody waited on it then)
     _thread: threading.Thread | None = None
-    _go: threading.Event = field(default_factory=threading.Event, repr=False)  # set once the caller's start() is over
-    _called_off: bool = False  # that start() raised: the caller was told no commit, so its thread makes none
 
     def done(self) -> bool:
         """Whether the commit has finished (written, or failed)."""
@@ -309,32 +308,73 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
             lane.buffers.budget = buffer_budget
         # the live objects stay with the caller: the thread gets the parameter names they give
         lossy = replace(lossy, model=None, optimizer=None, param_names=param_names_of(lossy.model, lossy.optimizer))
-        checkpoint, lent = source, []
-        if isinstance(source, (str, os.PathLike)):  # the caller's folder now, not the thread's later
-            checkpoint = Path(source).absolute()
-        else:
-            with no_cyclic_gc():  # as in a commit: a full collection landing in the snapshot would stall the caller
-                checkpoint, lent = snapshot(source, lane.buffers)
-        handle = BackgroundCommit(_describe(options), {"waited_s": waited, "snapshot_s": time.perf_counter() - start})
-        handle._thread = threading.Thread(target=_work, args=(repo, lane, handle, checkpoint, lent, options, lossy,
-                                                              progress, caller_origin()), name="ckpt-background-commit")
-        lane.current = handle
-        _TERMINATED.clear()  # a program that caught the SIGTERM's SystemExit goes on: the next SIGTERM is its own
-        _LIVE.add(handle)
-        try:
-            handle._thread.start()
-        except BaseException as exc:
-            # "can't start new thread", or a signal's exception (SIGTERM, Ctrl-C) while start() waited for a thread
-            # that exists: the caller is told no commit, so none is made, and the buffers are free again
-            handle._called_off = True
-            lane.buffers.give_back(lent)
-            lane.current = None
-            _LIVE.discard(handle)
-            handle._future.set_exception(exc)
-            raise
-        finally:
-            handle._go.set()
+        with _signals_deferred():  # from the snapshot until the thread runs: see _signals_deferred
+            checkpoint, lent = source, []
+            if isinstance(source, (str, os.PathLike)):  # the caller's folder now, not the thread's later
+                checkpoint = Path(source).absolute()
+            else:
+                with no_cyclic_gc():  # as in a commit: a full collection in the snapshot would stall the caller
+                    checkpoint, lent = snapshot(source, lane.buffers)
+            handle = BackgroundCommit(_describe(options), {"waited_s": waited,
+                                                           "snapshot_s": time.perf_counter() - start})
+            handle._thread = threading.Thread(target=_work, args=(repo, lane, handle, checkpoint, lent, options, lossy,
+                                                                  progress, caller_origin()),
+                                              name="ckpt-background-commit")
+            _start(lane, handle, lent)
     return handle
+
+
+def _start(lane: Lane, handle: BackgroundCommit, lent: list[Any]) -> None:
+    """Put `handle` in flight (the exit and the next commit call wait for it) and start its thread."""
+    lane.current = handle
+    _TERMINATED.clear()  # a program that caught the SIGTERM's SystemExit goes on: the next SIGTERM is its own
+    _LIVE.add(handle)
+    try:
+        handle._thread.start()
+    except BaseException as exc:  # "can't start new thread": nothing runs, so nothing may wait on the handle
+        lane.buffers.give_back(lent)
+        lane.current = None
+        _LIVE.discard(handle)
+        handle._future.set_exception(exc)
+        raise
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Let SIGINT and SIGTERM wait until the block ends, then handle them as they would have been.
+
+    Their exceptions (Ctrl-C's, SIGTERM's from _on_sigterm) raised halfway through putting a commit in
+    flight left a handle no thread would resolve (the next commit call and the exit waited forever)
+    or a thread no handle waited for. Held back, a signal during the call comes once the commit is in
+    flight: the exit waits for it, as for a signal a moment later. Python raises a signal's exception
+    in the main thread only, and only a Python-level handler can be held back.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[tuple[int, Any]] = []
+    handlers: dict[int, Callable[..., Any]] = {}
+    holding = [True]
+
+    def hold(signum: int, frame: Any) -> None:
+        if holding[0]:
+            held.append((signum, frame))
+        else:  # the block is over (a signal raised while the handlers were put back left this one in place)
+            handlers[signum](signum, frame)
+
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                handlers[signum] = handler
+                signal.signal(signum, hold)
+        yield
+    finally:
+        holding[0] = False
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        for signum, frame in held:  # the first one's exception, if it raises, is the one the caller gets
+            handlers[signum](signum, frame)
 
 
 def commit_call(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOptions,
@@ -351,9 +391,6 @@ def commit_call(repo: Repository, source: Any, options: CommitOptions, lossy: Lo
 def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: Any, lent: list[Any],
           options: CommitOptions, lossy: LossyOptions, progress: Progress | None, origin: Any) -> None:
     """The thread: commit, give the buffers back, then resolve the handle (its warnings point at `origin`, the call)."""
-    handle._go.wait()
-    if handle._called_off:
-        return
     try:
         with warnings_at(origin):
             _commit_and_resolve(repo, lane, handle, checkpoint, lent, options, lossy, progress)
