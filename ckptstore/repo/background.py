@@ -308,18 +308,16 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
             lane.buffers.budget = buffer_budget
         # the live objects stay with the caller: the thread gets the parameter names they give
         lossy = replace(lossy, model=None, optimizer=None, param_names=param_names_of(lossy.model, lossy.optimizer))
-        with _signals_deferred():  # from the snapshot until the thread runs: see _signals_deferred
-            checkpoint, lent = source, []
-            if isinstance(source, (str, os.PathLike)):  # the caller's folder now, not the thread's later
-                checkpoint = Path(source).absolute()
-            else:
-                with no_cyclic_gc():  # as in a commit: a full collection in the snapshot would stall the caller
-                    checkpoint, lent = snapshot(source, lane.buffers)
-            handle = BackgroundCommit(_describe(options), {"waited_s": waited,
-                                                           "snapshot_s": time.perf_counter() - start})
-            handle._thread = threading.Thread(target=_work, args=(repo, lane, handle, checkpoint, lent, options, lossy,
-                                                                  progress, caller_origin()),
-                                              name="ckpt-background-commit")
+        checkpoint, lent = source, []
+        if isinstance(source, (str, os.PathLike)):  # the caller's folder now, not the thread's later
+            checkpoint = Path(source).absolute()
+        else:
+            with no_cyclic_gc():  # as in a commit: a full collection landing in the snapshot would stall the caller
+                checkpoint, lent = snapshot(source, lane.buffers)
+        handle = BackgroundCommit(_describe(options), {"waited_s": waited, "snapshot_s": time.perf_counter() - start})
+        handle._thread = threading.Thread(target=_work, args=(repo, lane, handle, checkpoint, lent, options, lossy,
+                                                              progress, caller_origin()), name="ckpt-background-commit")
+        with _signals_held():
             _start(lane, handle, lent)
     return handle
 
@@ -340,30 +338,30 @@ def _start(lane: Lane, handle: BackgroundCommit, lent: list[Any]) -> None:
 
 
 @contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Let SIGINT and SIGTERM wait until the block ends, then handle them as they would have been.
+def _signals_held() -> Iterator[None]:
+    """Hold every signal a Python handler answers until the block ends, then raise each again.
 
-    Their exceptions (Ctrl-C's, SIGTERM's from _on_sigterm) raised halfway through putting a commit in
-    flight left a handle no thread would resolve (the next commit call and the exit waited forever)
-    or a thread no handle waited for. Held back, a signal during the call comes once the commit is in
-    flight: the exit waits for it, as for a signal a moment later. Python raises a signal's exception
-    in the main thread only, and only a Python-level handler can be held back.
+    A handler's exception (Ctrl-C's, SIGTERM's from _on_sigterm, a program's alarm) raised while a
+    commit was put in flight left a handle no thread would resolve (the next commit call and the exit
+    waited forever), or a thread its caller believed called off, writing from buffers the next
+    snapshot reuses. Held, a signal comes once the commit is in flight, and the exit waits for it.
+    Python runs handlers in the main thread only.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held: list[tuple[int, Any]] = []
+    held: list[int] = []
     handlers: dict[int, Callable[..., Any]] = {}
     holding = [True]
 
     def hold(signum: int, frame: Any) -> None:
         if holding[0]:
-            held.append((signum, frame))
-        else:  # the block is over (a signal raised while the handlers were put back left this one in place)
+            held.append(signum)
+        else:  # the block is over, this handler not yet put back (a signal's exception cut that short)
             handlers[signum](signum, frame)
 
     try:
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in signal.valid_signals():
             handler = signal.getsignal(signum)
             if callable(handler):
                 handlers[signum] = handler
@@ -371,10 +369,27 @@ def _signals_deferred() -> Iterator[None]:
         yield
     finally:
         holding[0] = False
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        for signum, frame in held:  # the first one's exception, if it raises, is the one the caller gets
-            handlers[signum](signum, frame)
+        try:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+        finally:
+            _raise_again(held)
+
+
+def _raise_again(signums: list[int]) -> None:
+    """Raise `signums` in this thread, all pending at once: each handler runs, though an earlier one raises."""
+    if not signums:
+        return
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: one after the other
+        for signum in dict.fromkeys(signums):
+            signal.raise_signal(signum)
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(signums))
+    try:
+        for signum in dict.fromkeys(signums):
+            signal.raise_signal(signum)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def commit_call(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOptions,
