@@ -3,13 +3,10 @@
 Encodes the AdamW-like chunk that `max_chain = "auto"` measures (repo/chaincost.py: a third each of
 weights and both moments, 10 optimizer steps between versions) as a keyframe and six residuals,
 then prints each payload's plane modes, the decode time of the chain at each depth (one thread,
-best of 15) and the single-plane decoders' time per row, beside torch.load of the same bytes.
+best of 7) and the single-plane decoders' time per row, beside torch.load of the same bytes.
 """
 
 from __future__ import annotations
-
-import time
-from collections.abc import Callable
 
 import numpy as np
 
@@ -21,15 +18,6 @@ from ckptstore.repo import chaincost
 
 MODES = {RAW: "raw", ZSTD: "zstd", XOR_ZSTD: "xor-zstd", HUF: "huf", XOR_HUF: "xor-huf", RUNS: "runs",
          XOR_RUNS: "xor-runs"}
-
-
-def _best(run: Callable[[], object], repeats: int = 15) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -49,7 +37,7 @@ def main() -> None:
         _, planes = codec._parse(payload)
         modes = ", ".join(f"{MODES[mode]} {length / rows:.2f}" for mode, _, length in planes)
         chain = payloads[depth::-1]
-        seconds = _best(lambda chain=chain: codec.decode_chain(chain, params, nbytes, out)) / nbytes * 1e9
+        seconds = chaincost._best(lambda chain=chain: codec.decode_chain(chain, params, nbytes, out)) / nbytes * 1e9
         print(f"| {depth} | {modes} | {seconds:.3f} | {load / seconds:.2f}x |")
     if huffman.native is None:
         return
@@ -58,13 +46,13 @@ def main() -> None:
     top = bytes(payloads[0][offset:offset + length])
     plane = np.empty(rows, dtype=np.uint8)
     print(f"\nthe keyframe's top plane ({MODES[mode]}): "
-          f"{_best(lambda: huffman.native.decode(top, plane)) / rows * 1e9:.3f} ns/row")
+          f"{chaincost._best(lambda: huffman.native.decode(top, plane)) / rows * 1e9:.3f} ns/row")
     _, level_planes = codec._parse(payloads[2])
     mode, offset, length = level_planes[-1]
     if mode == XOR_RUNS:
         runs = bytes(payloads[2][offset:offset + length])
         print(f"depth 2's top plane (xor-runs, XORed in place): "
-              f"{_best(lambda: huffman.native.decode_runs(runs, plane, 1)) / rows * 1e9:.3f} ns/row")
+              f"{chaincost._best(lambda: huffman.native.decode_runs(runs, plane, 1)) / rows * 1e9:.3f} ns/row")
 
 
 if __name__ == "__main__":

@@ -160,7 +160,8 @@ def test_failure_is_raised_by_result_and_leaves_the_repository_as_it_was(repo, t
     assert [c.id for c in repo.log()] == [again, first]
 
 
-def test_unobserved_failure_warns_and_the_next_commit_raises_it(repo, trainer, monkeypatch):
+def _a_warned_failure(repo, trainer, monkeypatch):
+    """A background commit after 'kept' that fails (the disk full) with nobody waiting: warned; its handle."""
     repo.commit(trainer.state(), "kept")
     trainer.train(1)
     monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")
@@ -168,6 +169,11 @@ def test_unobserved_failure_warns_and_the_next_commit_raises_it(repo, trainer, m
         handle = repo.commit(trainer.state(), step=1, blocking=False)
         handle.wait()
     monkeypatch.delenv("CKPT_FAIL_AT")
+    return handle
+
+
+def test_unobserved_failure_warns_and_the_next_commit_raises_it(repo, trainer, monkeypatch):
+    _a_warned_failure(repo, trainer, monkeypatch)
     with pytest.raises(BackgroundCommitError, match="disk is full") as raised:
         repo.commit(trainer.state(), "next")
     assert isinstance(raised.value.__cause__, DiskFullError)
@@ -179,13 +185,7 @@ def test_unobserved_failure_warns_and_the_next_commit_raises_it(repo, trainer, m
 def test_a_warned_failure_then_seen_by_result_is_not_raised_again_by_the_next_commit(repo, trainer, monkeypatch):
     """Warned while nobody waited, then asked for with result(): the next commit call must not raise it a second
     time (no test held the check that it was seen; mutation audit round 9)."""
-    repo.commit(trainer.state(), "kept")
-    trainer.train(1)
-    monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")
-    with pytest.warns(BackgroundCommitWarning, match="step 1"):
-        handle = repo.commit(trainer.state(), step=1, blocking=False)
-        handle.wait()
-    monkeypatch.delenv("CKPT_FAIL_AT")
+    handle = _a_warned_failure(repo, trainer, monkeypatch)
     with pytest.raises(DiskFullError):
         handle.result()
     repo.commit(trainer.state(), "next")
