@@ -71,14 +71,18 @@ def doomed(history: History, policy: RetentionPolicy) -> set[CommitId]:
     """The commits the policy removes (none pruned already, none protected, none off every branch's chain)."""
     candidates: set[CommitId] = set()
     kept: set[CommitId] = set(history.protected)
+    unranked: set[CommitId] = set()
+    best = policy.best()
     for tip in history.branches.values():
         chain = first_parent_chain(tip, history.parents)
         candidates.update(chain)
         kept |= kept_on_branch(chain, policy, history.metrics, history.pruned)
+        if best is not None and not any(_finite(history.metrics.get(cid, {}).get(best[0])) for cid in chain
+                                        if cid not in history.pruned):
+            unranked.update(chain)  # not logged on this branch yet: keep_best has nothing to rank, so none goes
     gone = candidates - kept - history.pruned
-    best = policy.best()
     # a metric no commit has is a misspelt name or one not logged yet: keep_best must not quietly keep nothing
     if best is not None and gone and not any(_finite(m.get(best[0])) for m in history.metrics.values()):
         raise UnknownMetricError(f"keep_best: no commit has a finite value of metric {best[0]!r}, so nothing was "
                                  "pruned; check the name against `ckpt show`'s metrics")
-    return gone
+    return gone - unranked

@@ -89,7 +89,7 @@ def _reference(branches, parents, metrics, tags, pruned, policy: RetentionPolicy
         return 0 if not parents[cid] else 1 + height(parents[cid][0])
 
     keep = set(branches.values()) | (tags if policy.keep_tagged else set())
-    on_chains = set()
+    on_chains, unranked = set(), set()  # unranked: chains of branches that have not logged the metric yet
     for tip in branches.values():
         chain = [c for c in parents if age(tip, c) is not None]
         on_chains |= set(chain)
@@ -101,9 +101,11 @@ def _reference(branches, parents, metrics, tags, pruned, policy: RetentionPolicy
             best = max(scored) if policy.keep_best.endswith(":max") else min(scored)
             tied = [c for c in chain if c in metrics and c not in pruned and metrics[c]["loss"] == best]
             keep.add(min(tied, key=height))  # one of those tied: the oldest, lowest on the chain
+        elif policy.keep_best:
+            unranked |= set(chain)
     gone = on_chains - keep - pruned
     logged = any(m["loss"] == m["loss"] for m in metrics.values())  # NaN is not a value
-    return gone, bool(policy.keep_best and gone and not logged)
+    return gone - unranked, bool(policy.keep_best and gone and not logged)
 
 
 @settings(max_examples=200, deadline=None)
@@ -299,6 +301,22 @@ def test_a_retention_policy_on_a_metric_not_logged_yet_lets_commits_succeed_and_
         assert not any(c.pruned for c in repo.log())
         repo.commit({"w": torch.full((8,), 9.0)}, metrics={"eval_loss": 0.5})
         assert [c.pruned for c in repo.log()] == [False, True, True, True]
+
+
+def test_keep_best_prunes_nothing_of_a_branch_that_has_not_logged_its_metric_though_another_has(tmp_path):
+    """The 'no commit has this metric' guard counted the whole repository: once another branch logged it, a branch
+    that had not yet lost every commit but its tip, which alone it would have been refused (mutation audit round 10,
+    high: a [retention] policy deletes them after each commit)."""
+    with Repository.init(tmp_path) as repo:
+        main = [repo.commit({"w": torch.full((8,), float(n))}, metrics={"train_loss": 1.0 / (n + 1)}) for n in range(4)]
+        with pytest.raises(UnknownMetricError):
+            prune(repo, RetentionPolicy(keep_best="val_loss"), dry_run=True)
+        repo.branch("exp", main[0])
+        evaluated = [repo.commit({"w": torch.full((8,), 7.0 + n)}, metrics={"val_loss": loss}, branch="exp")
+                     for n, loss in enumerate((0.9, 0.5, 0.7))]
+        report = prune(repo, RetentionPolicy(keep_best="val_loss"))
+        assert set(report.pruned) == {evaluated[0]}  # exp: its best and its tip stay; main: all of it
+        assert not any(repo.commit_info(cid).pruned for cid in main)
 
 
 def test_a_base_re_encoded_after_chunk_bytes_changed_keeps_its_chunks_for_the_tensors_on_it(tmp_path):
