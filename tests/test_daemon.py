@@ -445,3 +445,150 @@ def test_an_address_file_that_is_no_file_or_nested_past_reading_is_no_daemon(tmp
         fcntl.flock(lock, fcntl.LOCK_EX)
         result = ckpt_here(tmp_path / "repo", "daemon", "status")
     assert result.returncode == 0 and "for another user (uid 65534)" in result.stdout, result
+
+
+def test_a_socket_folder_others_may_enter_is_refused(tmp_path):
+    """A 0755 folder for the socket was used: another user could reach the socket (mutation audit round 10)."""
+    from ckptstore.errors import CkptError
+
+    folder = tmp_path / "open"
+    folder.mkdir()
+    folder.chmod(0o755)
+    with pytest.raises(CkptError, match="not a private folder"):
+        daemon._check_private(folder)
+    folder.chmod(0o700)
+    daemon._check_private(folder)
+
+
+def test_a_peer_of_another_uid_is_not_the_same_user(monkeypatch):
+    """The peer-credential check, the daemon's only guard against another user's process on its socket, said yes to
+    any uid; another uid is faked by changing ours (mutation audit round 10)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        assert daemon.same_user(a)
+        monkeypatch.setattr(os, "getuid", lambda: os.geteuid() + 12345)
+        assert not daemon.same_user(a)
+
+
+def test_a_frame_cut_short_by_a_closed_connection_reads_as_closed():
+    """Half a header let struct.error escape; a payload cut short was returned as whole (mutation audit round 10)."""
+    for cut in (b"o\x00", daemon._HEADER.pack(b"o", 10) + b"abc"):
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with a, b:
+            a.sendall(cut)
+            a.close()
+            assert daemon.receive_frame(b) == (b"", b""), cut
+
+
+def test_a_ctrl_c_whose_command_never_started_in_the_daemon_is_not_run_in_the_client(monkeypatch, tmp_path):
+    """The daemon answered `here` after the user's Ctrl-C: forward returned None, which ran the commit in the client,
+    instead of raising KeyboardInterrupt again (mutation audit round 10)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    calls = []
+
+    def echo(conn):
+        calls.append(conn)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return None  # the daemon's `here`: it never ran the command
+
+    monkeypatch.setattr(daemon, "_connect", lambda root: b)
+    monkeypatch.setattr(daemon, "_echo_reply", echo)
+    with a, pytest.raises(KeyboardInterrupt):
+        daemon.forward(tmp_path, ["commit", "x.pt"])
+    assert len(calls) == 2  # the reply after the Ctrl-C was read: the daemon's answer decided
+
+
+class _Refusing:
+    """A stdout whose reader left: every write raises EPIPE."""
+
+    def __init__(self) -> None:
+        self.fd = os.open(os.devnull, os.O_WRONLY)
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def write(self, data) -> int:
+        import errno
+
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    def flush(self) -> None:
+        pass
+
+
+def test_stdout_refused_then_stderr_output_still_ends_with_the_refusals_exit_code(monkeypatch):
+    """`ckpt commit | head` then a warning ended 0: the stderr frame forgot the refusal, or a refusal counted only
+    with a nonzero code (mutation audit round 10)."""
+    import io
+
+    refusing = _Refusing()
+    monkeypatch.setattr(sys, "stdout", refusing)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    try:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with a, b:
+            daemon.send_frame(a, daemon.STDOUT, b"committed abc\n")
+            daemon.send_frame(a, daemon.STDERR, b"warning: something\n")
+            daemon.send_frame(a, daemon.END, json.dumps({"code": 0}).encode())
+            assert daemon._echo_reply(b) == 141
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with a, b:
+            daemon.send_frame(a, daemon.END, json.dumps({"code": 0}).encode())
+            assert daemon._echo_reply(b) == 0
+    finally:
+        os.close(refusing.fd)
+
+
+def test_a_daemon_that_answers_here_to_status_is_no_running_daemon(monkeypatch, tmp_path):
+    """A daemon that stepped aside (another repository's, found through a stale address) answers {"here": true}:
+    status returned that record instead of None (mutation audit round 10)."""
+    import threading
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+
+    def serve():
+        daemon.receive_frame(a)
+        daemon.send_frame(a, daemon.END, json.dumps({"here": True}).encode())
+
+    server = threading.Thread(target=serve)
+    server.start()
+    monkeypatch.setattr(daemon, "_connect", lambda root: b)
+    try:
+        assert daemon.status(tmp_path) is None
+    finally:
+        server.join(5)
+        a.close()
+        b.close()
+
+
+def test_this_users_own_daemon_is_never_called_another_users(tmp_path):
+    """An address file of this user's with its lock held (our own daemon whose socket this shell cannot reach, e.g.
+    under another XDG_RUNTIME_DIR) was named "another user's" (mutation audit round 10)."""
+    import fcntl
+
+    (tmp_path / ".ckpt").mkdir()
+    daemon.address_path(tmp_path).write_text(json.dumps({"socket": "/nonexistent/1.sock", "pid": 1}))
+    with open(daemon.lock_path(tmp_path), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with open(daemon.lock_path(tmp_path), "rb") as probe, pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)  # flock is per open file: the lock is held
+        assert daemon.anothers(tmp_path) is None
+
+
+def test_each_command_restarts_the_idle_clock(tmp_path):
+    """A daemon used every second stopped `--idle` seconds after its start (mutation audit round 10)."""
+    Repository.init(tmp_path).close()
+    started = ckpt(tmp_path, "daemon", "start", "--idle", "4")
+    assert started.returncode == 0, started.stderr
+    try:
+        began, n = time.monotonic(), 0
+        while time.monotonic() - began < 7:
+            _save(tmp_path / "c.pt", n)
+            result = ckpt(tmp_path, "commit", "c.pt")
+            assert result.returncode == 0, result.stderr
+            n += 1
+            time.sleep(1)
+        assert _served_count(tmp_path) == n
+    finally:
+        ckpt(tmp_path, "daemon", "stop")

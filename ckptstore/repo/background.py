@@ -299,30 +299,41 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
     repo.db.refuse_writes()  # a read-only repository says so here, not in a warning later
     _hook_exit()
     lane = lane_of(repo)
-    with lane.mutex:
-        waited = lane.settle()
-        start = time.perf_counter()
-        # the branch and its tip as they are now: a checkout or a deleted branch meanwhile must not redirect it
-        options = replace(options, start=start_now(repo, options.branch))
-        if buffer_budget is not None:  # a lower one frees kept buffers at the next take
-            lane.buffers.budget = buffer_budget
-        # the live objects stay with the caller: the thread gets the parameter names they give
-        lossy = replace(lossy, model=None, optimizer=None, param_names=param_names_of(lossy.model, lossy.optimizer))
-        checkpoint, lent = source, []
-        if isinstance(source, (str, os.PathLike)):  # the caller's folder now, not the thread's later
-            checkpoint = Path(source).absolute()
-        else:
-            with no_cyclic_gc():  # as in a commit: a full collection landing in the snapshot would stall the caller
-                checkpoint, lent = snapshot(source, lane.buffers)
-        handle = BackgroundCommit(_describe(options), {"waited_s": waited, "snapshot_s": time.perf_counter() - start})
-        handle._thread = threading.Thread(target=_work, args=(repo, lane, handle, checkpoint, lent, options, lossy,
-                                                              progress, caller_origin()), name="ckpt-background-commit")
-        with _signals_held():
-            _start(lane, handle, lent)
+    held: list[int] = []
+    try:
+        with lane.mutex:
+            waited = lane.settle()
+            start = time.perf_counter()
+            # the branch and its tip as they are now: a checkout or a deleted branch meanwhile must not redirect it
+            options = replace(options, start=start_now(repo, options.branch))
+            if buffer_budget is not None:  # a lower one frees kept buffers at the next take
+                lane.buffers.budget = buffer_budget
+            # the live objects stay with the caller: the thread gets the parameter names they give
+            lossy = replace(lossy, model=None, optimizer=None,
+                            param_names=param_names_of(lossy.model, lossy.optimizer))
+            checkpoint, lent, handle = source, [], None
+            try:
+                if isinstance(source, (str, os.PathLike)):  # the caller's folder now, not the thread's later
+                    checkpoint = Path(source).absolute()
+                else:
+                    with no_cyclic_gc():  # as in a commit: a full collection in the snapshot would stall the caller
+                        checkpoint, lent = snapshot(source, lane.buffers)
+                handle = BackgroundCommit(_describe(options), {"waited_s": waited,
+                                                               "snapshot_s": time.perf_counter() - start})
+                handle._thread = threading.Thread(target=_work, name="ckpt-background-commit", args=(
+                    repo, lane, handle, checkpoint, lent, options, lossy, progress, caller_origin()))
+                with _signals_held(held):
+                    _start(lane, handle)
+            except BaseException:  # no thread took the snapshot (Ctrl-C after it, or none could start): free it
+                if lane.current is not handle:
+                    lane.buffers.give_back(lent)
+                raise
+    finally:
+        _raise_again(held)  # outside the mutex: a handler that commits (a requeue's save) must not wait on it
     return handle
 
 
-def _start(lane: Lane, handle: BackgroundCommit, lent: list[Any]) -> None:
+def _start(lane: Lane, handle: BackgroundCommit) -> None:
     """Put `handle` in flight (the exit and the next commit call wait for it) and start its thread."""
     lane.current = handle
     _TERMINATED.clear()  # a program that caught the SIGTERM's SystemExit goes on: the next SIGTERM is its own
@@ -330,27 +341,32 @@ def _start(lane: Lane, handle: BackgroundCommit, lent: list[Any]) -> None:
     try:
         handle._thread.start()
     except BaseException as exc:  # "can't start new thread": nothing runs, so nothing may wait on the handle
-        lane.buffers.give_back(lent)
         lane.current = None
         _LIVE.discard(handle)
         handle._future.set_exception(exc)
         raise
 
 
+# Signals whose Python handlers may raise or save (Ctrl-C, a scheduler's SIGTERM or requeue signal, an alarm):
+# held while a commit is put in flight. Not every signal: that would reinstall CPython's C handler over
+# another library's (faulthandler's), and cost a lookup of each.
+_HELD = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGALRM", "SIGUSR1", "SIGUSR2")
+              if hasattr(signal, name))
+
+
 @contextmanager
-def _signals_held() -> Iterator[None]:
-    """Hold every signal a Python handler answers until the block ends, then raise each again.
+def _signals_held(held: list[int]) -> Iterator[None]:
+    """Hold the signals of _HELD that a Python handler answers until the block ends; their numbers go to `held`.
 
     A handler's exception (Ctrl-C's, SIGTERM's from _on_sigterm, a program's alarm) raised while a
     commit was put in flight left a handle no thread would resolve (the next commit call and the exit
     waited forever), or a thread its caller believed called off, writing from buffers the next
-    snapshot reuses. Held, a signal comes once the commit is in flight, and the exit waits for it.
-    Python runs handlers in the main thread only.
+    snapshot reuses. The caller raises them again (_raise_again) once it holds no lock. Python runs
+    handlers in the main thread only.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held: list[int] = []
     handlers: dict[int, Callable[..., Any]] = {}
     holding = [True]
 
@@ -361,19 +377,16 @@ def _signals_held() -> Iterator[None]:
             handlers[signum](signum, frame)
 
     try:
-        for signum in signal.valid_signals():
+        for signum in _HELD:
             handler = signal.getsignal(signum)
             if callable(handler):
                 handlers[signum] = handler
                 signal.signal(signum, hold)
         yield
     finally:
+        for signum, handler in handlers.items():  # still holding: a signal meanwhile waits with the others
+            signal.signal(signum, handler)
         holding[0] = False
-        try:
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
-        finally:
-            _raise_again(held)
 
 
 def _raise_again(signums: list[int]) -> None:

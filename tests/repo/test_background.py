@@ -458,8 +458,8 @@ def _program_handlers(seen: list[int]) -> dict:
             signal.SIGALRM: lambda signum, frame: seen.append(signum)}
 
 
-@pytest.mark.parametrize("signals", [(signal.SIGINT,), (signal.SIGTERM,), (signal.SIGALRM, signal.SIGINT), ()],
-                         ids=["ctrl-c", "sigterm", "an alarm and ctrl-c", "no thread could start"])
+@pytest.mark.parametrize("signals", [(signal.SIGINT,), (signal.SIGTERM,), (signal.SIGINT, signal.SIGALRM), ()],
+                         ids=["ctrl-c", "sigterm", "ctrl-c and an alarm", "no thread could start"])
 def test_a_signal_while_a_commit_is_put_in_flight_comes_once_it_is(tmp_path, monkeypatch, hold, signals):
     """A handler's exception out of Thread.start() (Ctrl-C's, a SIGTERM's) left a thread its caller believed called
     off: at exit the pools refused it, nothing said (test_a_second_sigterm_... failing under load); in a program
@@ -480,8 +480,8 @@ def test_a_signal_while_a_commit_is_put_in_flight_comes_once_it_is(tmp_path, mon
     try:
         with Repository.init(tmp_path / "r") as repo:
             monkeypatch.setattr(threading.Thread, "start", start)
-            expected = {signal.SIGINT: KeyboardInterrupt, signal.SIGTERM: SystemExit}.get(signals[-1] if signals else 0)
-            with pytest.raises(expected or RuntimeError):
+            raising = {signal.SIGINT: KeyboardInterrupt, signal.SIGTERM: SystemExit}
+            with pytest.raises(next((raising[s] for s in signals if s in raising), RuntimeError)):
                 repo.commit({"w": torch.ones(8)}, "background", blocking=False)
             monkeypatch.setattr(threading.Thread, "start", original_start)
             assert seen == [s for s in signals if s == signal.SIGALRM]  # each held signal reached its handler
@@ -493,6 +493,49 @@ def test_a_signal_while_a_commit_is_put_in_flight_comes_once_it_is(tmp_path, mon
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+def test_a_held_signal_whose_handler_commits_runs_once_the_call_lets_go_of_the_repository(tmp_path, monkeypatch):
+    """A requeue handler (save, then exit) held while a commit was put in flight ran inside the call's lock: its own
+    commit waited on that lock for good (reader 37)."""
+    original_start, saved = threading.Thread.start, []
+
+    def start(thread):
+        if thread.name == "ckpt-background-commit":  # not the pool threads the handler's commit starts
+            signal.raise_signal(signal.SIGUSR1)
+        original_start(thread)
+
+    def timed_out(signum, frame):
+        raise TimeoutError("the handler's commit still waited after 30 s")
+
+    with Repository.init(tmp_path / "r") as repo:
+        handlers = {signal.SIGUSR1: lambda signum, frame: saved.append(repo.commit({"w": torch.zeros(8)}, "saved")),
+                    signal.SIGALRM: timed_out}
+        before = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
+        try:
+            monkeypatch.setattr(threading.Thread, "start", start)
+            signal.alarm(30)
+            handle = repo.commit({"w": torch.ones(8)}, "background", blocking=False)
+            signal.alarm(0)
+        finally:
+            for signum, handler in before.items():
+                signal.signal(signum, handler)
+        assert len(saved) == 1 and handle.result(timeout=60) != saved[0]
+        assert [c.message for c in repo.log()] == ["saved", "background"]
+
+
+def test_a_ctrl_c_after_the_snapshot_before_the_commit_is_in_flight_gives_its_buffers_back(repo, monkeypatch):
+    """A Ctrl-C between the snapshot and the commit's start ended the call with no commit, and its host buffers
+    were never given back: every later snapshot took one-off ones (reader 37)."""
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(background, "caller_origin", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        repo.commit({"w": torch.ones(1024)}, "background", blocking=False)
+    buffers = repo._background.buffers
+    assert buffers.kept > 0 and sum(len(free) for free in buffers._free.values()) == len(buffers._owned)
+    assert repo.log() == [] and not background.busy(repo)
 
 
 def test_a_background_commit_from_another_thread_than_the_main_one_goes_on(repo):

@@ -174,6 +174,26 @@ def test_prune_relinks_by_the_repositorys_costs(tmp_path, monkeypatch):
         assert _depths(repo, cids[5]) == 1  # a residual on commit 0's tensor: the process's figures keyframe it
 
 
+def test_a_prune_that_also_makes_a_keyframe_still_chains_by_the_repositorys_costs(tmp_path, monkeypatch):
+    """One orphan keyframe among the relinks (z, whose whole old chain goes) made prune chain by the fallback's two
+    levels instead of the repository's five: the kept tip's w was keyframed (mutation audit round 10)."""
+    monkeypatch.setenv(chaincost.ENV, FIVE_LEVELS)
+    states = _states(6)
+    extra = torch.randn(300, 200, generator=torch.Generator().manual_seed(4)) * 0.02
+    for step, state in enumerate(states[4:]):
+        state["z"] = extra + step * 1e-4
+    with Repository.init(tmp_path) as repo:
+        cids = [repo.commit(s) for s in states]
+        assert [_depths(repo, c) for c in cids] == [0, 1, 2, 3, 4, 5]
+        for n in range(4):
+            repo.tag(f"t{n}", cids[n])
+        report = prune(repo, RetentionPolicy(keep_tagged=True))  # keeps c0-c3 and the tip c5
+        assert report.pruned == [cids[4]]
+        assert _depths(repo, cids[5]) == 4  # a residual on c3's tensor (depth 3): 4 <= 5 levels
+        assert _depths(repo, cids[5], "z") == 0
+        assert_same(states[5], repo.checkout(cids[5]))
+
+
 def test_prune_keeps_residuals_of_a_removed_anchor_sharing_one_new_keyframe(tmp_path):
     states = _states(5)
     with Repository.init(tmp_path, encoding=EncodingSettings(max_chain=1)) as repo:
@@ -196,6 +216,37 @@ def test_relinks_of_orphaned_siblings_share_the_first_as_their_keyframe():
     assert _relinks({"a", "b", "c", "x"}, bases) == {"a": None, "b": "a", "c": "a"}  # x keeps its kept base
     assert _relinks({"k", "a", "b"}, bases) == {}
     assert _relinks({"b", "d"}, bases) == {"b": None, "d": None}  # different removed bottoms
+
+
+SIZES = {"Ot": 100, "Or": 1000, "Ok": 100, "P": 5000, "OT": 100, "OX": 100, "OB": 1000, "OY": 1000}
+ALONE = ({"t"}, {"t": "r", "r": None}, {"t": [("Ot", None)], "r": [("Or", None)]}, {"t": None})
+PAYING = {  # (kept tensors, bases, chunks (object, payload length or None: all of it), relinks, new bytes, paying)
+    "the removed chain's whole objects are freed": (*ALONE, {"t": 500}, {"t"}),
+    "freeing exactly its new bytes does not pay": (*ALONE, {"t": 1100}, set()),
+    "a whole object a kept tensor shares is not freed": (
+        {"t", "k"}, {"t": "r", "r": None, "k": None}, {"t": [("Ot", None)], "r": [("Or", None)], "k": [("Or", None)]},
+        {"t": None}, {"t": 500}, set()),
+    "links another kept tensor still needs are not freed": (
+        {"t", "k"}, {"t": "m", "m": "r", "r": None, "k": "m"},
+        {"t": [("Ot", None)], "m": [("P", 1000)], "r": [("Or", None)], "k": [("Ok", None)]},
+        {"t": None}, {"t": 500}, set()),
+    "a base re-encoded itself counts its own links, not the relinks onto it": (
+        {"T", "B"}, {"T": "X", "X": "B", "B": "Y", "Y": None}, {t: [(f"O{t}", None)] for t in "TXBY"},
+        {"T": "B", "B": None}, {"T": 500, "B": 1500}, {"B"}),
+}
+
+
+@pytest.mark.parametrize(("kept", "bases", "chunks", "relinks", "new_bytes", "paying"), PAYING.values(), ids=PAYING)
+def test_a_relink_pays_only_where_the_bytes_it_frees_outweigh_its_new_ones(kept, bases, chunks, relinks, new_bytes,
+                                                                           paying):
+    """Shared whole objects, links still live, ties and bases re-encoded themselves were each counted as freed, or
+    whole objects as nothing (mutation audit round 10)."""
+    from types import SimpleNamespace
+
+    from ckptstore.repo.pruning import _Layout, _paying
+
+    measured = {t: SimpleNamespace(stored_bytes=n) for t, n in new_bytes.items()}
+    assert _paying(relinks, measured, _Layout(set(kept), bases, chunks, SIZES)) == paying
 
 
 @pytest.mark.parametrize("text", ["[1, 2]", "null", "5", '{"4": 1}', "not json", '{"4": "1234"}'])

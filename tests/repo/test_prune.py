@@ -132,6 +132,15 @@ def test_positions_count_from_the_first_commit_so_a_second_prune_keeps_what_the_
     assert again == {"c7"}  # c8 is a multiple of 4; c9-c11 are the last three
 
 
+def test_a_tag_alone_does_not_protect_its_commit(tmp_path):
+    """Without keep_tagged a tagged old commit goes; with it, it stays (mutation audit round 10)."""
+    with Repository.init(tmp_path) as repo:
+        cids = [repo.commit({"w": torch.full((10,), float(n))}) for n in range(3)]
+        repo.tag("v1", cids[0])
+        assert prune(repo, RetentionPolicy(keep_last=1), dry_run=True).pruned == sorted(cids[:2])
+        assert prune(repo, RetentionPolicy(keep_last=1, keep_tagged=True), dry_run=True).pruned == [cids[1]]
+
+
 # ---------------------------------------------------------------------- round trips on a real run
 def _train(repo: Repository, commits: int = COMMITS, lossy: str | None = None, **knobs) -> list[str]:
     trainer, cids = Trainer(), []
@@ -530,6 +539,15 @@ def test_prune_removes_nothing_while_a_kept_commits_manifest_or_object_is_lost(t
             assert_same(state, repo.checkout(cid))
 
 
+def test_a_dry_run_refuses_a_damaged_repository_as_the_prune_would(tmp_path):
+    """The dry run listed commits that the prune then refused to remove (mutation audit round 10)."""
+    with Repository.init(tmp_path) as repo:
+        cids = [repo.commit({"w": torch.randn(20_000, generator=torch.Generator().manual_seed(i))}) for i in range(3)]
+        repo.store.path_of(repo.commit_info(cids[-1]).manifest_object).unlink()
+        with pytest.raises(CkptError, match="prune refused to delete anything"):
+            prune(repo, RetentionPolicy(keep_last=1), dry_run=True)
+
+
 POLICY_PRUNE_ON_A_FULL_DISK = """
 import resource, runpy, sys
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 19, 1 << 19))  # files past 512 KiB fail, as on a full disk
@@ -588,6 +606,100 @@ def test_kept_residuals_above_a_re_encoded_tensor_record_their_shorter_chains(tm
             links, below = links + 1, records[below].base_id
         assert records[tip].depth == links == 1  # on c4's tensor, a keyframe now
         assert torch.equal(repo.checkout(cids[-1])["w"], weights) and fsck(repo).ok
+
+
+def _chain_links(repo: Repository, cid: str) -> tuple[int, int]:
+    """The depth recorded for commit `cid`'s tensor w and the links of its chain down to its keyframe."""
+    from ckptstore.metadata import tensors as tensor_rows
+
+    tip = repo.manifest(cid).entries["w"].tensor
+    with repo.db.read() as tx:
+        records = tensor_rows.load_records(tx, {tip})  # and every record down its chain
+    links, below = 0, records[tip].base_id
+    while below is not None:
+        links, below = links + 1, records[below].base_id
+    return records[tip].depth, links
+
+
+def test_a_re_encoded_tensor_whose_old_payload_shares_a_pack_with_removed_ones_gets_one_record(tmp_path):
+    """Compaction moved the old payload of a re-encoded tensor too, and its record (old base, old codec) overwrote
+    the new one: fsck reported damage (mutation audit round 10)."""
+    generator = torch.Generator().manual_seed(0)
+    s0, u = torch.randn(50_000, generator=generator), torch.randn(50_000, generator=generator)
+    s1 = s0.clone()
+    s1[:100] += 1
+    u1 = u.clone()
+    u1[100:200] += 1
+    u2 = u1.clone()
+    u2[200:300] += 1
+    with Repository.init(tmp_path, encoding=EncodingSettings(max_chain=8)) as repo:
+        repo.commit({"s": s0, "u": u})
+        repo.commit({"s": s1, "u": u1})  # s1 and u1 share this commit's pack
+        tip = repo.commit({"s": s1, "u": u2})  # s1 listed by the kept tip, its payload beside the removed u1
+        assert [t["depth"] for t in repo.show(tip)["tensors"]] == [1, 2]
+        assert prune(repo, RetentionPolicy(keep_last=1)).tensors_reencoded == 2
+        out = repo.checkout(tip)
+        assert torch.equal(out["s"], s1) and torch.equal(out["u"], u2)
+        found = fsck(repo, full=True)
+        assert found.ok and found.unreferenced_objects == 0, found
+
+
+def test_a_tensor_re_encoded_onto_a_kept_tensor_whose_chain_shortened_records_its_true_depth(tmp_path):
+    """w4 is re-encoded onto w2 while w2's row still says depth 2 (w1 below it becomes a keyframe in the same
+    prune): w4 was recorded at depth 3, not 2 (mutation audit round 10)."""
+    weights = torch.randn(50_000, generator=torch.Generator().manual_seed(0))
+    with Repository.init(tmp_path, encoding=EncodingSettings(max_chain=8)) as repo:
+        cids = []
+        for step in range(5):
+            weights[step * 100:(step + 1) * 100] += 1.0
+            cids.append(repo.commit({"w": weights.clone()}, message=f"c{step}"))
+        repo.tag("one", cids[1])
+        repo.tag("two", cids[2])
+        assert sorted(prune(repo, RetentionPolicy(keep_tagged=True)).pruned) == sorted([cids[0], cids[3]])
+        assert _chain_links(repo, cids[4]) == (2, 2)
+        assert torch.equal(repo.checkout(cids[4])["w"], weights)
+        found = fsck(repo, full=True)
+        assert found.ok, found
+
+
+def test_a_re_encoded_residual_never_passes_max_chain(tmp_path):
+    """w5 goes onto w3 (depth 3) once c4 is removed: under max_chain = 3 that must be a keyframe (which does not
+    pay, so w5 is left as it was), never a residual at depth 4 (mutation audit round 10)."""
+    weights = torch.randn(50_000, generator=torch.Generator().manual_seed(0))
+    with Repository.init(tmp_path, encoding=EncodingSettings(max_chain=5)) as repo:
+        cids = []
+        for step in range(6):
+            weights[step * 100:(step + 1) * 100] += 1.0
+            cids.append(repo.commit({"w": weights.clone()}))
+        for n in range(4):
+            repo.tag(f"t{n}", cids[n])
+    config = tmp_path / ".ckpt" / "config.toml"
+    config.write_text(config.read_text().replace("max_chain = 5", "max_chain = 3"))
+    with Repository.open(tmp_path) as repo:
+        report = prune(repo, RetentionPolicy(keep_tagged=True))
+        assert report.pruned == [cids[4]] and report.tensors_reencoded == 0
+        assert _chain_links(repo, cids[5]) == (5, 5)  # its old chain, through c4's tensor
+        assert torch.equal(repo.checkout(cids[5])["w"], weights)
+
+
+def test_a_lossy_tip_whose_lossless_re_encoding_would_not_pay_is_left_as_it_is(tmp_path):
+    """The tip's lossy residual, stored again losslessly, outweighs the whole removed chain: it was re-encoded
+    anyway, with the integer tensor whose relink pays, and the store grew (mutation audit round 10)."""
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.randn(400, 300, generator=generator) * 0.02
+    counts = torch.randint(0, 1000, (100_000,), generator=generator)  # stored losslessly: its relink pays
+    with Repository.init(tmp_path, encoding=EncodingSettings(max_chain=6)) as repo:
+        cids = []
+        for step in range(4):
+            weights = weights + torch.randn(weights.shape, generator=generator) * 1e-3
+            counts = counts.clone()
+            counts[step * 10:(step + 1) * 10] += 1
+            cids.append(repo.commit({"w": weights.clone(), "n": counts.clone()}, lossy="balanced"))
+        before = repo.checkout(cids[-1])["w"]
+        assert prune(repo, RetentionPolicy(keep_last=1), dry_run=True).tensors_reencoded == 2  # the candidates
+        report = prune(repo, RetentionPolicy(keep_last=1))
+        assert report.tensors_reencoded == 1 and report.bytes_after <= report.bytes_before
+        assert torch.equal(repo.checkout(cids[-1])["w"], before)
 
 
 def test_a_detached_commit_whose_policy_prune_failed_still_says_it_is_on_no_branch(tmp_path):
