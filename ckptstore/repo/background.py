@@ -373,7 +373,7 @@ def _signals_held(held: list[int]) -> Iterator[None]:
     def hold(signum: int, frame: Any) -> None:
         if holding[0]:
             held.append(signum)
-        else:  # the block is over, this handler not yet put back (a signal's exception cut that short)
+        else:  # the block is over, this handler not put back (a restored handler's exception cut that short)
             handlers[signum](signum, frame)
 
     try:
@@ -384,9 +384,11 @@ def _signals_held(held: list[int]) -> Iterator[None]:
                 signal.signal(signum, hold)
         yield
     finally:
-        for signum, handler in handlers.items():  # still holding: a signal meanwhile waits with the others
-            signal.signal(signum, handler)
-        holding[0] = False
+        try:
+            for signum, handler in handlers.items():  # still holding: a signal meanwhile waits with the others
+                signal.signal(signum, handler)
+        finally:
+            holding[0] = False
 
 
 def _raise_again(signums: list[int]) -> None:
