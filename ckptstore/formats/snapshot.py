@@ -161,14 +161,14 @@ def snapshot(state: Any, buffers: HostBuffers) -> tuple[Checkpoint, list[Any]]:
     try:
         flat = flatten(state, to_raw=copier)
         copier.wait()
-    except BaseException:
+        buffers.drop_free()
+        for path, raw in flat.tensors.items():
+            if path not in copier.copied:
+                raw.data = np.array(raw.data, copy=True)
+        return Checkpoint("state", [CheckpointFile("", TORCH, flat.skeleton)], flat.tensors), copier.lent
+    except BaseException:  # a Ctrl-C up to the return too: nobody else would give the buffers back
         for device in copier.devices:  # no copy may still be landing in a buffer given back
             _synchronize(device)
         buffers.give_back(copier.lent)
         raise
-    buffers.drop_free()
-    for path, raw in flat.tensors.items():
-        if path not in copier.copied:
-            raw.data = np.array(raw.data, copy=True)
-    return Checkpoint("state", [CheckpointFile("", TORCH, flat.skeleton)], flat.tensors), copier.lent
 

@@ -325,7 +325,7 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
                 with _signals_held(held):
                     _start(lane, handle)
             except BaseException:  # no thread took the snapshot (Ctrl-C after it, or none could start): free it
-                if lane.current is not handle:
+                if handle is None or lane.current is not handle:
                     lane.buffers.give_back(lent)
                 raise
     finally:
@@ -347,22 +347,16 @@ def _start(lane: Lane, handle: BackgroundCommit) -> None:
         raise
 
 
-# Signals whose Python handlers may raise or save (Ctrl-C, a scheduler's SIGTERM or requeue signal, an alarm):
-# held while a commit is put in flight. Not every signal: that would reinstall CPython's C handler over
-# another library's (faulthandler's), and cost a lookup of each.
-_HELD = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGALRM", "SIGUSR1", "SIGUSR2")
-              if hasattr(signal, name))
-
-
 @contextmanager
 def _signals_held(held: list[int]) -> Iterator[None]:
-    """Hold the signals of _HELD that a Python handler answers until the block ends; their numbers go to `held`.
+    """Hold every signal a Python handler answers until the block ends; their numbers go to `held`.
 
     A handler's exception (Ctrl-C's, SIGTERM's from _on_sigterm, a program's alarm) raised while a
     commit was put in flight left a handle no thread would resolve (the next commit call and the exit
     waited forever), or a thread its caller believed called off, writing from buffers the next
-    snapshot reuses. The caller raises them again (_raise_again) once it holds no lock. Python runs
-    handlers in the main thread only.
+    snapshot reuses. Every one, not a set: any handler may raise (a grid engine's SIGXCPU, a profiler's
+    timer). The caller raises them again (_raise_again) once it holds no lock. Python runs handlers in
+    the main thread only. (A C-level handler installed over a Python one, faulthandler's, is lost.)
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -377,7 +371,7 @@ def _signals_held(held: list[int]) -> Iterator[None]:
             handlers[signum](signum, frame)
 
     try:
-        for signum in _HELD:
+        for signum in signal.valid_signals():
             handler = signal.getsignal(signum)
             if callable(handler):
                 handlers[signum] = handler

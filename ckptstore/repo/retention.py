@@ -77,9 +77,9 @@ def doomed(history: History, policy: RetentionPolicy) -> set[CommitId]:
         chain = first_parent_chain(tip, history.parents)
         candidates.update(chain)
         kept |= kept_on_branch(chain, policy, history.metrics, history.pruned)
-        if best is not None and not any(_finite(history.metrics.get(cid, {}).get(best[0])) for cid in chain
-                                        if cid not in history.pruned):
-            unranked.update(chain)  # not logged on this branch yet: keep_best has nothing to rank, so none goes
+        if best is not None and not (policy.keep_last or policy.keep_every) and not any(
+                _finite(history.metrics.get(cid, {}).get(best[0])) for cid in chain if cid not in history.pruned):
+            unranked.update(chain)  # keep_best alone, and nothing to rank on this branch yet: none of it goes
     gone = candidates - kept - history.pruned
     # a metric no commit has is a misspelt name or one not logged yet: keep_best must not quietly keep nothing
     if best is not None and gone and not any(_finite(m.get(best[0])) for m in history.metrics.values()):

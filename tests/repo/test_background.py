@@ -524,18 +524,48 @@ def test_a_held_signal_whose_handler_commits_runs_once_the_call_lets_go_of_the_r
         assert [c.message for c in repo.log()] == ["saved", "background"]
 
 
-def test_a_ctrl_c_after_the_snapshot_before_the_commit_is_in_flight_gives_its_buffers_back(repo, monkeypatch):
+@pytest.mark.parametrize("where", ["caller_origin", "_describe"])
+def test_a_ctrl_c_after_the_snapshot_before_the_commit_is_in_flight_gives_its_buffers_back(repo, monkeypatch,
+                                                                                           where):
     """A Ctrl-C between the snapshot and the commit's start ended the call with no commit, and its host buffers
-    were never given back: every later snapshot took one-off ones (reader 37)."""
-    def interrupted():
+    were never given back: every later snapshot took one-off ones (reader 37; before the handle existed, on a
+    repository's first background commit, reader 38)."""
+    def interrupted(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(background, "caller_origin", interrupted)
+    monkeypatch.setattr(background, where, interrupted)
     with pytest.raises(KeyboardInterrupt):
         repo.commit({"w": torch.ones(1024)}, "background", blocking=False)
     buffers = repo._background.buffers
     assert buffers.kept > 0 and sum(len(free) for free in buffers._free.values()) == len(buffers._owned)
     assert repo.log() == [] and not background.busy(repo)
+
+
+def test_a_ctrl_c_as_the_handlers_are_put_back_leaves_the_commit_its_buffers(tmp_path, monkeypatch, hold):
+    """A Ctrl-C right after Ctrl-C's own handler was put back comes out of the call with the commit in flight: the
+    call must not give the snapshot's buffers back while the thread reads them (no test held that; reader 38)."""
+    original, interrupted = signal.signal, []
+
+    def put_back(signum, handler):
+        previous = original(signum, handler)
+        if signum == signal.SIGINT and handler is signal.default_int_handler and not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt  # what the restored handler does with a Ctrl-C landing here
+        return previous
+
+    before = original(signal.SIGINT, signal.default_int_handler)
+    try:
+        with Repository.init(tmp_path / "r") as repo:
+            monkeypatch.setattr(signal, "signal", put_back)
+            with pytest.raises(KeyboardInterrupt):
+                repo.commit({"a": torch.ones(1024), "b": torch.zeros(1024)}, "background", blocking=False)
+            monkeypatch.setattr(signal, "signal", original)
+            assert background.busy(repo) and not any(repo._background.buffers._free.values())  # all with the thread
+            hold.touch()
+            repo.commit({"a": torch.full((1024,), 2.0), "b": torch.full((1024,), 3.0)}, "next")
+            assert_same({"a": torch.ones(1024), "b": torch.zeros(1024)}, repo.checkout("HEAD~1"))
+    finally:
+        original(signal.SIGINT, before)
 
 
 def test_a_background_commit_from_another_thread_than_the_main_one_goes_on(repo):

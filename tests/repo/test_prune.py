@@ -101,7 +101,7 @@ def _reference(branches, parents, metrics, tags, pruned, policy: RetentionPolicy
             best = max(scored) if policy.keep_best.endswith(":max") else min(scored)
             tied = [c for c in chain if c in metrics and c not in pruned and metrics[c]["loss"] == best]
             keep.add(min(tied, key=height))  # one of those tied: the oldest, lowest on the chain
-        elif policy.keep_best:
+        elif policy.keep_best and not policy.keep_last and not policy.keep_every:
             unranked |= set(chain)
     gone = on_chains - keep - pruned
     logged = any(m["loss"] == m["loss"] for m in metrics.values())  # NaN is not a value
@@ -323,6 +323,8 @@ def test_keep_best_prunes_nothing_of_a_branch_that_has_not_logged_its_metric_tho
         repo.branch("exp", main[0])
         evaluated = [repo.commit({"w": torch.full((8,), 7.0 + n)}, metrics={"val_loss": loss}, branch="exp")
                      for n, loss in enumerate((0.9, 0.5, 0.7))]
+        with_last = prune(repo, RetentionPolicy(keep_last=1, keep_best="val_loss"), dry_run=True)
+        assert set(main[1:3]) <= set(with_last.pruned)  # keep_last still decides there (reader 38)
         report = prune(repo, RetentionPolicy(keep_best="val_loss"))
         assert set(report.pruned) == {evaluated[0]}  # exp: its best and its tip stay; main: all of it
         assert not any(repo.commit_info(cid).pruned for cid in main)
