@@ -587,16 +587,25 @@ def test_a_full_disk_in_the_policy_prune_after_a_commit_says_the_commit_was_reco
         assert torch.equal(repo.checkout("HEAD")["w"], weight)
 
 
+def _drifting_commits(repo: Repository, steps: int) -> tuple[list[str], torch.Tensor]:
+    """`steps` commits (c0, c1, ...) of a weight whose next 100 elements move by 1.0 each: a residual chain.
+
+    Returns the commit ids and the last weight.
+    """
+    weights = torch.randn(50_000, generator=torch.Generator().manual_seed(0))
+    cids = []
+    for step in range(steps):
+        weights[step * 100:(step + 1) * 100] += 1.0
+        cids.append(repo.commit({"w": weights.clone()}, message=f"c{step}"))
+    return cids, weights
+
+
 def test_kept_residuals_above_a_re_encoded_tensor_record_their_shorter_chains(tmp_path):
     """Their rows kept the depth of the old chain: the next commit counted from it and keyframed early (auditor)."""
     from ckptstore.metadata import tensors as tensor_rows
 
-    weights = torch.randn(50_000, generator=torch.Generator().manual_seed(0))
     with Repository.init(tmp_path, encoding=EncodingSettings(max_chain=8)) as repo:
-        cids = []
-        for step in range(6):
-            weights[step * 100:(step + 1) * 100] += 1.0
-            cids.append(repo.commit({"w": weights.clone()}, message=f"c{step}"))
+        cids, weights = _drifting_commits(repo, 6)
         tip = repo.manifest(cids[-1]).entries["w"].tensor
         with repo.db.read() as tx:
             assert tensor_rows.load_records(tx, {tip})[tip].depth == 5  # a residual on each commit before
@@ -649,12 +658,8 @@ def test_a_re_encoded_tensor_whose_old_payload_shares_a_pack_with_removed_ones_g
 def test_a_tensor_re_encoded_onto_a_kept_tensor_whose_chain_shortened_records_its_true_depth(tmp_path):
     """w4 is re-encoded onto w2 while w2's row still says depth 2 (w1 below it becomes a keyframe in the same
     prune): w4 was recorded at depth 3, not 2 (mutation audit round 10)."""
-    weights = torch.randn(50_000, generator=torch.Generator().manual_seed(0))
     with Repository.init(tmp_path, encoding=EncodingSettings(max_chain=8)) as repo:
-        cids = []
-        for step in range(5):
-            weights[step * 100:(step + 1) * 100] += 1.0
-            cids.append(repo.commit({"w": weights.clone()}, message=f"c{step}"))
+        cids, weights = _drifting_commits(repo, 5)
         repo.tag("one", cids[1])
         repo.tag("two", cids[2])
         assert sorted(prune(repo, RetentionPolicy(keep_tagged=True)).pruned) == sorted([cids[0], cids[3]])
@@ -667,12 +672,8 @@ def test_a_tensor_re_encoded_onto_a_kept_tensor_whose_chain_shortened_records_it
 def test_a_re_encoded_residual_never_passes_max_chain(tmp_path):
     """w5 goes onto w3 (depth 3) once c4 is removed: under max_chain = 3 that must be a keyframe (which does not
     pay, so w5 is left as it was), never a residual at depth 4 (mutation audit round 10)."""
-    weights = torch.randn(50_000, generator=torch.Generator().manual_seed(0))
     with Repository.init(tmp_path, encoding=EncodingSettings(max_chain=5)) as repo:
-        cids = []
-        for step in range(6):
-            weights[step * 100:(step + 1) * 100] += 1.0
-            cids.append(repo.commit({"w": weights.clone()}))
+        cids, weights = _drifting_commits(repo, 6)
         for n in range(4):
             repo.tag(f"t{n}", cids[n])
     config = tmp_path / ".ckpt" / "config.toml"
