@@ -34,6 +34,10 @@ class TensorRecord:
     stored_bytes: int
     chunks: list[Chunk] = field(default_factory=list)
 
+    def cut(self) -> list[int]:
+        """The raw size of each chunk: records chained on one another replay chunk by chunk, so a base is cut alike."""
+        return [chunk.raw_bytes for chunk in self.chunks]
+
     def chunk_offsets(self) -> list[int]:
         """Byte offset of each chunk inside the tensor."""
         offsets, cursor = [], 0

@@ -226,7 +226,7 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
             raise CorruptRecordError(f"tensor {record.id}", problem, tensors=[record.id])
         buffer = outputs[record.id] = np.empty(record.raw_bytes, dtype=np.uint8)
         base = records.get(record.base_id) if record.base_id else None
-        shared = base is not None and [c.raw_bytes for c in base.chunks] == [c.raw_bytes for c in record.chunks]
+        shared = base is not None and base.cut() == record.cut()
         chunk_futures[record.id] = []
         for index, offset in enumerate(record.chunk_offsets()):
             end = offset + record.chunks[index].raw_bytes

@@ -411,13 +411,12 @@ def _usable(record: TensorRecord, base: TensorRecord, width: int, limit: int) ->
     return (base.dtype == record.dtype and base.raw_bytes == record.raw_bytes > 0
             and base.depth + 1 <= limit and isinstance(chunk, int) and chunk > 0
             and chunk % width == 0
-            and chunk_sizes(record.raw_bytes, chunk) == [c.raw_bytes for c in base.chunks]
-            == [c.raw_bytes for c in record.chunks])
+            and chunk_sizes(record.raw_bytes, chunk) == base.cut() == record.cut())
 
 
 def _own_chunk_bytes(record: TensorRecord, width: int, default: int) -> int:
     """The chunk size that cuts `record` into the chunks it has (`default` where none of the candidates does)."""
-    sizes = [c.raw_bytes for c in record.chunks]
+    sizes = record.cut()
     for candidate in (record.params.get("chunk_bytes"), sizes[0] if sizes else None):
         if (isinstance(candidate, int) and candidate > 0 and candidate % width == 0
                 and chunk_sizes(record.raw_bytes, candidate) == sizes):

@@ -73,7 +73,7 @@ def taken_over(repo: Repository, tx: Tx, ours: Sequence[TensorRecord]) -> tuple[
         return set(), set()
     damaged: dict[TensorId, str] = {}
     recorded = tensor_rows.load_records(tx, listed, problems=damaged)
-    alike = {tid for tid in listed & recorded.keys() if _cut(recorded[tid]) == _cut(mine[tid])}
+    alike = {tid for tid in listed & recorded.keys() if recorded[tid].cut() == mine[tid].cut()}
     otherwise = (listed & recorded.keys()) - alike
     false = false_claims(repo, recorded, otherwise) if otherwise else set()
     sourced = {tid for tid in otherwise - false if recorded[tid].params.get("source") == mine[tid].params.get("source")}
@@ -99,7 +99,7 @@ def _keep_what_rests_on(repo: Repository, tx: Tx, recorded: Mapping[TensorId, Te
         rows = replace(tensor_rows.load_records(tx, [tid], with_bases=False)[tid], id=held)
         there = tensor_rows.load_records(tx, [held], problems={})  # with its chain
         target = there.get(held) or mine.get(held)
-        if target is not None and (_cut(target) != _cut(rows) or (
+        if target is not None and (target.cut() != rows.cut() or (
                 held in there and tensor_rows.unchecked_among(tx, [held]) and false_claims(repo, there, {held}))):
             continue
         if held not in there:  # ours of that id, if any, gives way: inserted after, it is ignored
@@ -121,11 +121,6 @@ def _id_of_what_it_holds(repo: Repository, records: Mapping[TensorId, TensorReco
     except (CkptError, KeyError, ValueError):
         return None
     return tensor_id(record.dtype, record.shape, out)
-
-
-def _cut(record: TensorRecord) -> list[int]:
-    """The sizes of `record`'s chunks: records chained on one replay chunk by chunk, so a base must be cut alike."""
-    return [chunk.raw_bytes for chunk in record.chunks]
 
 
 def off_the_list(records: Mapping[TensorId, TensorRecord], true: Set[TensorId]) -> set[TensorId]:
