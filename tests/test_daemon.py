@@ -592,3 +592,28 @@ def test_each_command_restarts_the_idle_clock(tmp_path):
         assert _served_count(tmp_path) == n
     finally:
         ckpt(tmp_path, "daemon", "stop")
+
+
+def test_a_connection_that_sends_nothing_is_dropped_and_the_daemon_serves_on(served):
+    """Without the request's time limit, one silent connection held the accepting thread for good: every later
+    client, `ckpt daemon status` included, waited on it (mutation audit round 10, S16)."""
+    where = json.loads((served / ".ckpt" / "daemon.json").read_text())["socket"]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.connect(where)
+        silent.settimeout(30)
+        assert silent.recv(1) == b""  # closed by the daemon after its time limit, not left open
+    assert "serves" in ckpt(served, "daemon", "status").stdout
+
+
+def test_objects_a_commit_writes_in_the_daemon_get_the_clients_umask(served):
+    """The daemon runs under the umask it started with; a client's 077 must still keep the objects its commit
+    writes to their owner (mutation audit round 10, S18: without it they came out 0644)."""
+    objects = served / ".ckpt" / "objects"
+    before = {p for p in objects.rglob("*") if p.is_file()}
+    _save(served / "c.pt", 1)
+    result = subprocess.run([sys.executable, "-m", "ckptstore", "commit", "c.pt"], cwd=served, env=ckpt_env(),
+                            capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.umask(0o077))
+    assert result.returncode == 0, result.stderr
+    assert _served_count(served) == 1
+    written = [p for p in objects.rglob("*") if p.is_file() and p not in before]
+    assert written and all(p.stat().st_mode & 0o077 == 0 for p in written), [oct(p.stat().st_mode) for p in written]
