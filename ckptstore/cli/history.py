@@ -13,25 +13,30 @@ from ckptstore.repo import subject
 
 
 @cli.command()
+@click.argument("revisions", nargs=-1)
+@click.option("-n", "--max-count", "limit", type=click.IntRange(min=0), help="Show the newest N commits only.")
 @click.option("--graph", is_flag=True, help="Draw the history as a graph.")
 @click.option("--all", "all_refs", is_flag=True, help="Every branch and tag, not only HEAD.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def log(ctx, graph, all_refs, as_json) -> None:
-    """Show the history."""
+def log(ctx, revisions, limit, graph, all_refs, as_json) -> None:
+    """Show the history of HEAD, or of REVISIONS (branches, tags, commits, ranges).
+
+    As git reads them: A..B, on B but not on A; A...B, on one of them, not both.
+    """
     if graph and as_json:  # --graph was dropped without a word
         raise click.UsageError("--graph draws text; --json lists the commits: choose one")
     repo = open_repo(ctx)
     if as_json:
         return emit_json([dict(c.to_json(), **({"pruned": True} if c.pruned else {}))
-                          for c in repo.log(all_refs=all_refs)])
+                          for c in repo.log(revisions, all_refs, limit)])
     if graph:
-        for line in repo.log_graph(all_refs=all_refs) or _unborn_head(repo):
+        for line in repo.log_graph(revisions, all_refs, limit) or ([] if revisions else _unborn_head(repo)):
             echo(line)
         return None
     labels = repo.decorations()
-    commits = repo.log(all_refs=all_refs)
-    for line in [] if commits else _unborn_head(repo):
+    commits = repo.log(revisions, all_refs, limit)
+    for line in [] if commits or revisions else _unborn_head(repo):
         echo(line)
     for info in commits:
         deco = f" ({', '.join(labels[info.id])})" if info.id in labels else ""
@@ -154,12 +159,15 @@ def show(ctx, ref, as_json) -> None:
 
 @cli.command()
 @click.argument("a")
-@click.argument("b")
+@click.argument("b", required=False)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--all", "show_all", is_flag=True, help="Also list unchanged tensors.")
 @click.pass_context
 def diff(ctx, a, b, as_json, show_all) -> None:
-    """Per tensor: changed or not, relative L2 change, stored bytes in B; then the non-tensor values that differ."""
+    """Per tensor: changed or not, relative L2 change, stored bytes in B; then the non-tensor values that differ.
+
+    A alone may be a range, A..B.
+    """
     rows = open_repo(ctx).diff(a, b)
     if as_json:
         return emit_json([r.to_json() for r in rows])

@@ -13,6 +13,7 @@ import numpy as np
 from ckptstore.errors import CkptError
 from ckptstore.repo.checkout import restore
 from ckptstore.repo.integrity import entry_records
+from ckptstore.repo.refs import split_range
 from ckptstore.repo.select import CONTAINERS, LEAVES_WITH_ENTRY, item_path
 from ckptstore.repo.sharded import gather, is_sharded
 from ckptstore.state import (
@@ -28,6 +29,17 @@ from ckptstore.state import (
 if TYPE_CHECKING:
     from ckptstore.repo.manifest import Manifest
     from ckptstore.repo.repository import Repository
+
+
+def _two_ends(spec: str) -> tuple[str, str]:
+    """The two commits of `A..B`; a clear refusal of one ref alone, or of `A...B` (git's diff from the merge base)."""
+    split = split_range(spec)
+    if split is None:
+        raise CkptError(f"diff compares two commits: give `{spec} B` or `{spec}..B`, not {spec!r} alone")
+    if split[2]:
+        raise CkptError(f"{spec!r}: diff does not find merge bases (git's A...B); give the two commits: "
+                        f"`ckpt diff {split[0]} {split[1]}`")
+    return split[0], split[1]
 
 
 @dataclass
@@ -55,12 +67,15 @@ class TensorDiff:
                 "relative_l2": rel, "stored_bytes": self.stored_bytes}
 
 
-def diff(repo: Repository, a: str, b: str) -> list[TensorDiff]:
+def diff(repo: Repository, a: str, b: str | None = None) -> list[TensorDiff]:
     """Per tensor path: added, removed, changed or unchanged, with the relative L2 change.
 
     Then each non-tensor value (a step, a scheduler's numbers, RNG lists) that differs, as dtype
     VALUE: two checkpoints of the same weights at different steps are not the same checkpoint.
+    Without `b`, `a` is git's `A..B` (an empty side is HEAD).
     """
+    if b is None:
+        a, b = _two_ends(a)
     old, new = repo.manifest(repo.resolve(a)), repo.manifest(repo.resolve(b))
     if is_sharded(old) and is_sharded(new):
         return _logical_diff(repo, old, new)

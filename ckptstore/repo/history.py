@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import CorruptRecordError, RefNotFoundError, shown_name
@@ -12,30 +13,53 @@ from ckptstore.metadata.commits import CommitInfo
 from ckptstore.repo import graph, refs
 
 if TYPE_CHECKING:
+    from ckptstore.metadata import Tx
     from ckptstore.repo.manifest import Manifest
     from ckptstore.repo.repository import Repository
 
 
-def log(repo: Repository, ref: str | None = None, all_refs: bool = False) -> list[CommitInfo]:
-    """Commits reachable from `ref` (default HEAD) or from every ref, newest first."""
+def log(repo: Repository, ref: str | Sequence[str] | None = None, all_refs: bool = False,
+        limit: int | None = None) -> list[CommitInfo]:
+    """Commits reachable from `ref` (default HEAD; one ref or several) or from every ref, newest first.
+
+    A ref may be a range as git reads one: `A..B`, the commits B leads to that A does not, or `A...B`,
+    those one of them leads to and not both. `limit`: the newest that many only.
+    """
+    specs = [ref] if isinstance(ref, str) else list(ref or [])
     with repo.db.read() as tx:
         history = commit_rows.all_commits(tx)
+        tips, hiding = _revisions(tx, specs)
         if all_refs:
             head = refs.head_commit(tx)
-            tips = ref_rows.tip_commits(tx) + ([head] if head else [])
-        else:
+            tips += ref_rows.tip_commits(tx) + ([head] if head else [])
+        elif not specs:
             try:
-                tips = [refs.resolve(tx, ref or refs.HEAD)]
+                tips = [refs.resolve(tx, refs.HEAD)]
             except RefNotFoundError:
-                if ref:
-                    raise
                 tips = []
-    order = graph.topo_order(tips, {c: i.parents for c, i in history.items()},
-                             lambda c: history[c].created_at if c in history else 0.0)
+    parents = {c: i.parents for c, i in history.items()}
+    order = graph.topo_order(tips, parents, lambda c: history[c].created_at if c in history else 0.0)
     lost = next((c for c in order if c not in history), None)
     if lost is not None:  # a ref or a parent names it: damage for fsck to list, not a KeyError
         raise CorruptRecordError(f"commit {lost}", "a ref or a commit names it, but it has no record")
-    return [history[c] for c in order]
+    hidden = set().union(*(set.intersection(*(graph.reachable_from([t], parents) for t in group))
+                           for group in hiding))
+    return [history[c] for c in order if c not in hidden][:limit]
+
+
+def _revisions(tx: Tx, specs: Sequence[str]) -> tuple[list[CommitId], list[list[CommitId]]]:
+    """The commits `specs` start from and, per range, the commits whose shared history it hides (A..B: [A])."""
+    tips: list[CommitId] = []
+    hiding: list[list[CommitId]] = []
+    for spec in specs:
+        split = refs.split_range(spec) if isinstance(spec, str) else None
+        if split is None:
+            tips.append(refs.resolve(tx, spec))
+            continue
+        a, b = refs.resolve(tx, split[0]), refs.resolve(tx, split[1])
+        tips += [a, b] if split[2] else [b]
+        hiding.append([a, b] if split[2] else [a])
+    return tips, hiding
 
 
 def decorations(repo: Repository) -> dict[CommitId, list[str]]:
@@ -64,9 +88,10 @@ def subject(message: str) -> str:
     return next(iter(message.splitlines()), "")
 
 
-def log_graph(repo: Repository, all_refs: bool = False) -> list[str]:
-    """`log --graph` lines."""
-    history = log(repo, all_refs=all_refs)
+def log_graph(repo: Repository, ref: str | Sequence[str] | None = None, all_refs: bool = False,
+              limit: int | None = None) -> list[str]:
+    """`log --graph` lines, of the commits `log` lists (lanes end where a range or the limit leaves a parent out)."""
+    history = log(repo, ref, all_refs, limit)
     labels = decorations(repo)
     by_id = {c.id: c for c in history}
 
@@ -78,7 +103,8 @@ def log_graph(repo: Repository, all_refs: bool = False) -> list[str]:
         pruned = " [pruned]" if info.pruned else ""
         return f"{cid[:12]}{deco}{step}{lossy}{pruned} {subject(info.message)}".rstrip()
 
-    return graph.render([c.id for c in history], {c.id: c.parents for c in history}, describe)
+    return graph.render([c.id for c in history], {c.id: [p for p in c.parents if p in by_id] for c in history},
+                        describe)
 
 
 def show(repo: Repository, ref: str = "HEAD") -> dict[str, Any]:

@@ -128,6 +128,18 @@ def _base(tx: Tx, spec: str) -> CommitId:
     raise RefNotFoundError(spec, difflib.get_close_matches(spec, [*ref_rows.names(tx), HEAD], n=3, cutoff=0.5))
 
 
+def split_range(spec: str) -> tuple[str, str, bool] | None:
+    """A range as git writes one, `A..B` or `A...B`, as (A, B, whether three dots); None for a single ref.
+
+    An empty side is HEAD. Names cannot hold `..` (check_name), so the dots always mean a range.
+    """
+    for dots in ("...", ".."):
+        if dots in spec:
+            a, b = spec.split(dots, 1)
+            return a.strip() or HEAD, b.strip() or HEAD, dots == "..."
+    return None
+
+
 def resolve(tx: Tx, spec: str) -> CommitId:
     """The commit a ref expression names; `~N` follows first parents, `^N` picks the Nth parent."""
     if not isinstance(spec, str):

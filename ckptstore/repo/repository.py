@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -253,11 +253,12 @@ class Repository:
             self.db.refuse_writes("checkout without -o (it moves HEAD)")
         return checkout_to(self, ref, output, force, progress, keys, trust_pickle)
 
-    def log(self, ref: str | None = None, all_refs: bool = False) -> list[CommitInfo]:
-        """Commits reachable from `ref` (default HEAD) or from every ref, newest first."""
+    def log(self, ref: str | Sequence[str] | None = None, all_refs: bool = False, limit: int | None = None
+            ) -> list[CommitInfo]:
+        """Commits reachable from `ref` (default HEAD; a ref, `A..B`, `A...B` or several) or every ref, newest first."""
         from ckptstore.repo.history import log
 
-        return log(self, ref, all_refs)
+        return log(self, ref, all_refs, limit)
 
     def decorations(self) -> dict[CommitId, list[str]]:
         """Ref names by commit, with `HEAD -> branch` like git."""
@@ -265,11 +266,12 @@ class Repository:
 
         return decorations(self)
 
-    def log_graph(self, all_refs: bool = False) -> list[str]:
+    def log_graph(self, ref: str | Sequence[str] | None = None, all_refs: bool = False, limit: int | None = None
+                  ) -> list[str]:
         """`log --graph` lines."""
         from ckptstore.repo.history import log_graph
 
-        return log_graph(self, all_refs)
+        return log_graph(self, ref, all_refs, limit)
 
     def show(self, ref: str = "HEAD") -> dict[str, Any]:
         """A commit's metadata and its files and tensors."""
@@ -283,8 +285,8 @@ class Repository:
 
         return stats(self)
 
-    def diff(self, a: str, b: str) -> list[TensorDiff]:
-        """Per tensor path: added, removed, changed or unchanged, with the relative L2 change."""
+    def diff(self, a: str, b: str | None = None) -> list[TensorDiff]:
+        """Per tensor path: added, removed, changed or unchanged, with the relative L2 change (`a` alone: `A..B`)."""
         from ckptstore.repo.diff import diff
 
         return diff(self, a, b)

@@ -1,8 +1,12 @@
 """One-line-per-commit views (log --graph, stats) of multi-line messages, and stats of a commit storing nothing."""
 
+import json
+
+import pytest
 import torch
 
 from ckptstore import Repository
+from ckptstore.errors import RefNotFoundError
 from tests.conftest import ckpt_here
 
 
@@ -20,7 +24,7 @@ def test_graph_and_stats_show_a_messages_first_line_and_nothing_new_has_no_ratio
     rows = stats.stdout.splitlines()[1:4]
     assert [row.split()[-1] for row in rows] == ["halved", "second", "state"], stats.stdout
     assert "  -  back to the first state" in rows[2] and " 0 B " in rows[2], rows[2]
-    as_json = __import__("json").loads(ckpt_here(tmp_path, "stats", "--json").stdout)
+    as_json = json.loads(ckpt_here(tmp_path, "stats", "--json").stdout)
     assert as_json["commits"][2]["ratio"] is None and as_json["commits"][0]["ratio"] > 0
 
 
@@ -31,3 +35,63 @@ def test_stats_lists_commits_by_history_not_by_their_clocks(tmp_path, monkeypatc
         monkeypatch.setattr("ckptstore.repo.commit.time.time", lambda: 1e8)  # 1973
         second = repo.commit({"w": torch.zeros(8)}, message="second")
         assert [row["id"] for row in repo.stats()["commits"]] == [first, second]
+
+
+def _forked(repo):
+    """main: m1 - m2 - m3; side from m1: s1 - s2. Returns the ids by name."""
+    ids = {"m1": repo.commit({"w": torch.full((8,), 1.0)}, message="m1")}
+    ids["m2"] = repo.commit({"w": torch.full((8,), 2.0)}, message="m2")
+    repo.branch("side", ids["m1"])
+    ids["m3"] = repo.commit({"w": torch.full((8,), 3.0)}, message="m3")
+    ids["s1"] = repo.commit({"w": torch.full((8,), 4.0)}, message="s1", branch="side")
+    ids["s2"] = repo.commit({"w": torch.full((8,), 5.0)}, message="s2", branch="side")
+    return ids
+
+
+def test_log_of_refs_and_of_ranges_lists_what_git_would(tmp_path):
+    """`ckpt log main..side` and `ckpt log feature` were refused: log took no revision at all."""
+    with Repository.init(tmp_path) as repo:
+        ids = _forked(repo)
+        names = {cid: name for name, cid in ids.items()}
+        listed = lambda *args, **kw: [names[c.id] for c in repo.log(*args, **kw)]
+        assert listed() == ["m3", "m2", "m1"]  # HEAD is on main
+        assert listed("side") == ["s2", "s1", "m1"]
+        assert listed("main..side") == ["s2", "s1"]
+        assert listed("side..main") == ["m3", "m2"]
+        assert listed("side..") == ["m3", "m2"]  # an empty side is HEAD
+        assert listed("..side") == ["s2", "s1"]
+        assert sorted(listed("main...side")) == ["m2", "m3", "s1", "s2"]
+        assert listed(["side", "main~1"]) == ["s2", "s1", "m2", "m1"]
+        assert listed(["main..side", "main~1"]) == ["s2", "s1"]  # what a range hides stays hidden
+        assert listed("main", limit=2) == ["m3", "m2"]
+        assert listed("side..side") == []
+        assert len(repo.log(all_refs=True, limit=0)) == 0 and len(repo.log(all_refs=True)) == 5
+        with pytest.raises(RefNotFoundError):
+            repo.log("nope..main")
+
+
+def test_log_cli_takes_revisions_and_a_count_and_graph_lanes_end_where_the_range_does(tmp_path):
+    with Repository.init(tmp_path) as repo:
+        ids = _forked(repo)
+    shown = ckpt_here(tmp_path, "log", "--json", "-n", "1", "main")
+    assert shown.returncode == 0, shown.stderr
+    assert [c["id"] for c in json.loads(shown.stdout)] == [ids["m3"]]
+    graph = ckpt_here(tmp_path, "log", "--graph", "side..main")
+    lines = graph.stdout.splitlines()
+    assert len(lines) == 2 and all(line.startswith("* ") for line in lines), lines  # no lane left open to m1
+    text = ckpt_here(tmp_path, "log", "main...side").stdout
+    assert text.count("\ncommit ") + text.startswith("commit ") == 4 and ids["m1"] not in text
+    refused = ckpt_here(tmp_path, "log", "-n", "-1")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+
+
+def test_diff_of_a_range_is_the_diff_of_its_two_ends_and_one_ref_alone_is_refused_clearly(tmp_path):
+    with Repository.init(tmp_path) as repo:
+        _forked(repo)
+        assert repo.diff("main~1..main") == repo.diff("main~1", "main")
+        assert repo.diff("side~1..") == repo.diff("side~1", "HEAD")
+    alone = ckpt_here(tmp_path, "diff", "main")
+    assert alone.returncode == 1 and "give `main B` or `main..B`" in alone.stderr, alone.stderr
+    three = ckpt_here(tmp_path, "diff", "main...side")
+    assert three.returncode == 1 and "ckpt diff main side" in three.stderr, three.stderr
+    assert ckpt_here(tmp_path, "diff", "main~1..main").stdout == ckpt_here(tmp_path, "diff", "main~1", "main").stdout
