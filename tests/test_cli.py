@@ -123,8 +123,8 @@ def test_messages_name_what_the_user_gave(tmp_path):
     wrong_kind = run("branch", "-d", "v1")
     assert wrong_kind.exit_code == 1 and "'v1' is a tag, not a branch: delete it with `ckpt tag -d v1`" in str(
         wrong_kind.exception)
-    both = run("branch", "foo", "-d", "dev")
-    assert both.exit_code == 2 and "not both" in both.output and "dev" in run("branch").output
+    both = run("branch", "foo", "-d", "dev")  # foo is no branch: dev is not deleted either
+    assert both.exit_code == 1 and "unknown ref 'foo'" in str(both.exception) and "dev" in run("branch").output
     bad = run("remote", "add", "bad name", str(tmp_path))
     assert bad.exit_code == 1 and "not a valid remote name" in str(bad.exception)
 
@@ -428,6 +428,32 @@ def test_messages_given_twice_are_paragraphs_of_one_as_in_git(tmp_path):
     assert made.returncode == 0 and "lr sweep 3e-4" in made.stdout
     with Repository.open(tmp_path) as repo:
         assert repo.log()[0].message == "lr sweep 3e-4\n\nwarmup 500, grad clip 1.0"
+
+
+def test_a_value_given_twice_is_refused_and_d_given_twice_deletes_both_as_in_git(tmp_path):
+    """`--step 100 --step 200` recorded 200 and `--branch a --branch b` committed to b, unsaid; `branch -d a -d b`
+    deleted b alone and `tag -d t1 t2` was refused (git-habits auditor, left since stop 55)."""
+    from ckptstore import Repository
+
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    torch.save({"w": torch.ones(2)}, tmp_path / "c.pt")
+    for option, values in (("--step", ("100", "200")), ("--branch", ("a", "b")), ("--lossy", ("balanced", "none"))):
+        refused = ckpt_here(tmp_path, "commit", "c.pt", option, values[0], option, values[1])
+        assert refused.returncode == 2 and f"given 2 times ({', '.join(values)})" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+    assert ckpt_here(tmp_path, "commit", "c.pt", "--step", "7").returncode == 0
+    with Repository.open(tmp_path) as repo:
+        assert [c.step for c in repo.log()] == [7]  # the refusals recorded nothing
+    for name in ("a", "b", "c"):
+        assert ckpt_here(tmp_path, "branch", name).returncode == 0
+        assert ckpt_here(tmp_path, "tag", f"t{name}").returncode == 0
+    deleted = ckpt_here(tmp_path, "branch", "-d", "a", "-d", "b")
+    assert deleted.returncode == 0 and deleted.stdout.count("Deleted branch") == 2, deleted.stderr
+    typo = ckpt_here(tmp_path, "tag", "-d", "tc", "tz")  # one unknown: none deleted
+    assert typo.returncode == 1 and "'tz'" in typo.stderr
+    assert ckpt_here(tmp_path, "tag", "-d", "ta", "tb").returncode == 0
+    with Repository.open(tmp_path) as repo:
+        assert set(repo.branches()) == {"main", "c"} and set(repo.tags()) == {"tc"}
 
 
 def test_a_command_run_in_a_subfolder_of_the_work_tree_finds_the_repository_above(tmp_path):

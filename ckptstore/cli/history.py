@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable, Mapping
 
 import click
 
@@ -77,18 +78,17 @@ def _unborn_head(repo) -> list[str]:
 
 @cli.command()
 @click.argument("name", required=False)
-@click.argument("start", required=False, default="HEAD")
-@click.option("-d", "delete", help="Delete branch NAME.")
+@click.argument("start", required=False)
+@click.option("-d", "delete", multiple=True, help="Delete branch NAME (repeatable; names after it too, as in git).")
 @click.pass_context
 def branch(ctx, name, start, delete) -> None:
-    """List branches, create NAME at START, or delete one with -d."""
+    """List branches, create NAME at START (default HEAD), or delete some with -d."""
     repo = open_repo(ctx)
-    _create_or_delete(name, delete)
-    if delete is not None:
-        cid = repo.delete_branch(delete)
-        echo(f"Deleted branch {delete} (was {cid[:12]})")
+    if delete:
+        for gone in _to_delete(delete, name, start, repo.branches(), repo.delete_branch):
+            echo(f"Deleted branch {gone} (was {repo.delete_branch(gone)[:12]})")
     elif name is not None:  # "" is a (bad) name, not a request for the listing
-        cid = repo.branch(name, start)
+        cid = repo.branch(name, start or "HEAD")
         echo(f"Created branch {name} at {cid[:12]}")
     else:
         current, _ = repo.head()
@@ -98,25 +98,33 @@ def branch(ctx, name, start, delete) -> None:
 
 @cli.command()
 @click.argument("name", required=False)
-@click.argument("ref", required=False, default="HEAD")
-@click.option("-d", "delete", help="Delete tag NAME.")
+@click.argument("ref", required=False)
+@click.option("-d", "delete", multiple=True, help="Delete tag NAME (repeatable; names after it too, as in git).")
 @click.pass_context
 def tag(ctx, name, ref, delete) -> None:
-    """List tags, tag REF (default HEAD) as NAME, or delete one with -d."""
+    """List tags, tag REF (default HEAD) as NAME, or delete some with -d."""
     repo = open_repo(ctx)
-    _create_or_delete(name, delete)
-    if delete is not None:
-        echo(f"Deleted tag {delete} (was {repo.delete_tag(delete)[:12]})")
+    if delete:
+        for gone in _to_delete(delete, name, ref, repo.tags(), repo.delete_tag):
+            echo(f"Deleted tag {gone} (was {repo.delete_tag(gone)[:12]})")
     elif name is not None:
-        echo(f"Tagged {repo.tag(name, ref)[:12]} as {name}")
+        echo(f"Tagged {repo.tag(name, ref or 'HEAD')[:12]} as {name}")
     else:
         for tag_name, cid in repo.tags().items():
             echo(f"{shown_name(tag_name)} {cid[:12]}")
 
 
-def _create_or_delete(name: str | None, delete: str | None) -> None:
-    if delete is not None and name is not None:  # one of them would be ignored
-        raise click.UsageError(f"give either NAME to create or -d NAME to delete, not both ({name!r} and {delete!r})")
+def _to_delete(options: tuple[str, ...], name: str | None, second: str | None, known: Mapping[str, str],
+               delete: Callable[[str], object]) -> list[str]:
+    """The names -d deletes: each -d's, then the words after them (`ckpt branch -d a b`, as `git branch -d a b`).
+
+    All are looked up first: one that is not there (`ckpt branch new -d old`, a typo) deletes none of
+    them, and `delete` of it raises its own error (a tag, not a branch; did you mean).
+    """
+    names = [*options, *(word for word in (name, second) if word is not None)]
+    for missing in [word for word in names if word not in known][:1]:
+        delete(missing)
+    return names
 
 
 @cli.command()

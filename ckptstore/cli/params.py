@@ -47,6 +47,13 @@ class UrlGiven(click.types.StringParamType):
         return super().convert(value, param, ctx)
 
 
+def given_once(ctx: click.Context, param: click.Parameter, values: tuple[Any, ...]) -> Any:
+    """The value of a `multiple=True` option meant once: given twice, the last no longer wins unsaid."""
+    if len(values) > 1:
+        raise click.BadParameter(f"given {len(values)} times ({', '.join(map(str, values))}): give it once", ctx, param)
+    return values[0] if values else None
+
+
 def knob_values(values: tuple[str, ...]) -> dict[str, Any]:
     """--knob NAME=VALUE pairs, for `knobs=` (as **knobs, a name such as step or blocking was commit's own argument)."""
     knobs = {}

@@ -8,7 +8,15 @@ import click
 
 from ckptstore.cli.group import cli, open_repo
 from ckptstore.cli.output import BarProgress, echo, size
-from ckptstore.cli.params import LEVEL_NAMES, PathGiven, Seconds, knob_values, metric_values, percentage
+from ckptstore.cli.params import (
+    LEVEL_NAMES,
+    PathGiven,
+    Seconds,
+    given_once,
+    knob_values,
+    metric_values,
+    percentage,
+)
 from ckptstore.errors import ReadOnlyRepoError, RetentionError, listing, shown_name
 from ckptstore.repo import EncodingSettings, Repository, subject
 
@@ -45,18 +53,21 @@ def init(ctx: click.Context, path: str | None, max_chain: str | None, lossy: str
 @cli.command()
 @click.argument("path", type=PathGiven())
 @click.option("-m", "--message", "messages", multiple=True, help="Commit message (given twice or more: paragraphs).")
-@click.option("--step", type=click.IntRange(-(1 << 63), (1 << 63) - 1), help="Training step of this checkpoint.")
+@click.option("--step", type=click.IntRange(-(1 << 63), (1 << 63) - 1), multiple=True, callback=given_once,
+              help="Training step of this checkpoint.")
 @click.option("--metric", "metrics", multiple=True, help="KEY=NUMBER, repeatable.")
-@click.option("--branch", help="Commit to this branch (created at HEAD if new); HEAD stays.")
+@click.option("--branch", multiple=True, callback=given_once,
+              help="Commit to this branch (created at HEAD if new); HEAD stays.")
 @click.option("--allow-empty", is_flag=True, help="Record a commit even if nothing changed.")
 @click.option("--trust-pickle", is_flag=True, help="Unpickle arbitrary objects in PATH (only for files you trust).")
-@click.option("--lossy", type=click.Choice([*LEVEL_NAMES, "none"]),
+@click.option("--lossy", type=click.Choice([*LEVEL_NAMES, "none"]), multiple=True, callback=given_once,
               help="Lossy level (default: the repository's, normally lossless).")
 @click.option("--knob", "knobs", multiple=True, help="Override one setting of the lossy level, NAME=VALUE.")
-@click.option("--calibration", help="MODULE:FUNCTION (or file.py:FUNCTION) returning the loss of a restored "
-                                    "checkpoint's state; the lossy commit keeps its change within --max-loss-change.")
-@click.option("--max-loss-change", help="Largest relative loss change on the calibration data, e.g. 0.1% "
-                                        "(default: the level's promise).")
+@click.option("--calibration", multiple=True, callback=given_once,
+              help="MODULE:FUNCTION (or file.py:FUNCTION) returning the loss of a restored checkpoint's state; the "
+                   "lossy commit keeps its change within --max-loss-change.")
+@click.option("--max-loss-change", multiple=True, callback=given_once,
+              help="Largest relative loss change on the calibration data, e.g. 0.1% (default: the level's promise).")
 @click.pass_context
 def commit(ctx, path, messages, step, metrics, branch, allow_empty, trust_pickle, lossy, knobs, calibration,
            max_loss_change) -> None:
@@ -133,7 +144,8 @@ def checkout(ctx, ref, output, force, only, trust_pickle) -> None:
 @click.argument("folder", type=PathGiven(exists=True, file_okay=False))
 @click.option("--interval", type=Seconds(), default=10.0, show_default=True,
               help="Seconds between scans; a checkpoint is committed once unchanged across two.")
-@click.option("--branch", help="Commit to this branch (created at HEAD if new); HEAD stays.")
+@click.option("--branch", multiple=True, callback=given_once,
+              help="Commit to this branch (created at HEAD if new); HEAD stays.")
 @click.option("--lossy", type=click.Choice([*LEVEL_NAMES, "none"]), help="Lossy level of the commits.")
 @click.option("--once", is_flag=True, help="Scan twice, --interval apart, commit what is complete, and exit.")
 @click.pass_context
