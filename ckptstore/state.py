@@ -544,9 +544,12 @@ class _Flattener:
         return ["complex", _float(value.real), _float(value.imag)]
 
     def _npscalar(self, value: np.generic, path: str) -> Any:
-        if value.dtype.kind not in "biuf" or value.dtype.itemsize > 8:  # .item() of these is no JSON value
+        kind, size = value.dtype.kind, value.dtype.itemsize
+        if kind not in "biufc" or size > (16 if kind == "c" else 8):  # .item() of these is no exact JSON value
             raise UnsupportedStateError(f"{path or '<root>'}: numpy {value.dtype} scalar")
-        return ["npscalar", value.dtype.str, _float(v) if isinstance(v := value.item(), float) else v]
+        v = value.item()
+        return ["npscalar", value.dtype.str, self._complex(v, path) if kind == "c" else _float(v)
+                if isinstance(v, float) else v]
 
     def _bytes(self, value: bytes | bytearray, path: str) -> Any:
         tag = "bytearray" if isinstance(value, bytearray) else "bytes"  # a subclass of bytes reads back as bytes

@@ -290,6 +290,15 @@ def test_numpy_scalars_are_refused_as_torch_refuses_them(tmp_path):
     assert str(info.value) == _torch_error(tmp_path / "a.pt")
 
 
+def test_a_numpy_object_array_is_refused_naming_the_class_torch_refused(tmp_path):
+    """torch says "but got <class 'numpy.dtypes.ObjectDType'>" in its middle lines: the refusal quoted its last one,
+    a link to torch's documentation, and named nothing."""
+    torch.save({"o": np.array([None, 1], dtype=object)}, tmp_path / "a.pt")
+    assert torchzip.read(tmp_path / "a.pt") is None  # not this reader's: torch's decides
+    with pytest.raises(CheckpointFormatError, match=r"numpy\.dtypes\.ObjectDType is not among the classes"):
+        formats.read_checkpoint(tmp_path / "a.pt")
+
+
 @pytest.mark.parametrize("make", ["legacy", "protocol4", "bigendian", "sparse", "user_global"])
 def test_cases_it_does_not_model_fall_back_to_torch(tmp_path, monkeypatch, make):
     path = tmp_path / "a.pt"
