@@ -174,8 +174,21 @@ def resting_on(tx: Tx, tensor_ids: Iterable[TensorId]) -> set[TensorId]:
 
 
 def rebase(tx: Tx, old: TensorId, new: TensorId) -> None:
-    """Make every record chained on `old` chain on `new` (which holds the same bytes, cut alike)."""
+    """Make every record chained on `old` chain on `new` (which holds the same bytes, cut alike).
+
+    Those records, and what rests on them, are then at least a level deeper than `new`: where `new`
+    is deeper than `old` was, their recorded depth (which the chain limit reads) grows to match.
+    """
     tx.execute("UPDATE tensors SET base_id = ? WHERE base_id = ?", (new, old))
+    front, seen = [new], {new}
+    while front:  # down the chains; `seen` stops at a loop only forged rows could make
+        depth = dict(tx.rows_in("SELECT id, depth FROM tensors WHERE id IN ({ids})", front))
+        shallow = [(tid, depth[base] + 1) for tid, base, level in tx.rows_in(
+            "SELECT id, base_id, depth FROM tensors WHERE base_id IN ({ids})", front)
+            if tid not in seen and depth.get(base) is not None and level <= depth[base]]
+        tx.executemany("UPDATE tensors SET depth = ? WHERE id = ?", [(level, tid) for tid, level in shallow])
+        front = [tid for tid, _ in shallow]
+        seen.update(front)
 
 
 def tensors_in_objects(tx: Tx, object_ids: Iterable[ObjectId]) -> set[TensorId]:

@@ -1641,6 +1641,34 @@ def test_a_false_base_moved_to_the_id_whose_own_record_rests_on_it_makes_no_loop
         assert fsck(copy, full=True).ok
 
 
+def test_records_rebased_onto_a_deeper_own_record_record_their_new_depth(tmp_path):
+    """A false base's records rebased onto its bytes' id's own record, three levels deep, kept their old depth: the
+    chain limit, which reads it, let later commits chain past it (reader 33, left in stop 58)."""
+    held, claimed, on_top, first, second = _held_on_top_origin(tmp_path / "a")
+    remote.clone(str(tmp_path / "a"), tmp_path / "b").close()
+    config = tmp_path / "b" / ".ckpt" / "config.toml"
+    config.write_text(config.read_text().replace('max_chain = "auto"', "max_chain = 8"))
+    generator = torch.Generator().manual_seed(11)
+    with Repository.open(tmp_path / "b") as copy:
+        _renamed(copy.dir, _ident(held), _ident(claimed))  # held's record claims `claimed`; on_top rests on it
+        on_top_id = copy.manifest(second).entries["w"].tensor
+        mine = copy.commit({"w": on_top}, message="mine, as received", allow_empty=True)
+        for k in (3, 2, 1, 0):  # held's own record, at the end of a chain of its own under another key
+            copy.commit({"u": held + k * 1e-4 * torch.randn(held.shape, generator=generator)}, branch="other")
+        assert _depth(copy.dir, _ident(held)) == 3 and _depth(copy.dir, on_top_id) == 1
+        theirs = copy.commit({"w": claimed}, message="the bytes the lie claims")
+        assert _base_of(copy.dir, on_top_id) == _ident(held)  # rebased onto held's own record
+        assert _depth(copy.dir, on_top_id) == 4
+        assert_same(on_top, copy.checkout(mine)["w"])
+        assert_same(claimed, copy.checkout(theirs)["w"])
+        assert fsck(copy, full=True).ok
+
+
+def _depth(repo_dir, tid: str) -> int:
+    with contextlib.closing(sqlite3.connect(repo_dir / "ckpt.db")) as db:
+        return db.execute("SELECT depth FROM tensors WHERE id = ?", (tid,)).fetchone()[0]
+
+
 @pytest.mark.parametrize("lower_first", [True, False])
 def test_two_false_records_in_one_chain_replaced_by_one_commit_keep_what_rests_on_them(tmp_path, lower_first):
     """Two false bases in a chain, one commit: the upper moved as loaded, onto replaced rows; broke (reader 33)."""
