@@ -68,14 +68,14 @@ def step_factors(scores: dict[str, float]) -> dict[str, float]:
 
 
 def loss_with_weights(model: Any, loss_fn: Callable[[Any], Any], weights: dict[str, Any]) -> float:
-    """`loss_fn(model)` with some parameters replaced by `weights` (name -> torch tensor), then put back.
+    """`loss_fn(model)` with some parameters or buffers replaced by `weights` (name -> torch tensor), then put back.
 
     How a lossy commit measures what its reconstruction costs on the calibration batch without
     touching the caller's model: the values are swapped in place and restored, even on error.
     """
     import torch
 
-    named = dict(model.named_parameters())
+    named = model_tensors(model)
     saved = _saved(model)
     was_training = model.training
     model.eval()
@@ -89,16 +89,21 @@ def loss_with_weights(model: Any, loss_fn: Callable[[Any], Any], weights: dict[s
         model.train(was_training)
 
 
+def model_tensors(model: Any) -> dict[str, Any]:
+    """A model's parameters and buffers by name: a level may quantize a float buffer (a fixed projection) too."""
+    return {**dict(model.named_buffers()), **dict(model.named_parameters())}
+
+
 def _saved(model: Any) -> dict[str, Any]:
-    """Every parameter's values (loss_fn may change any), kept in host memory: on a GPU, not a second model there."""
-    return {name: value.detach().to("cpu", copy=True) for name, value in model.named_parameters()}
+    """Every parameter's and buffer's values (loss_fn may change any), in host memory: not a second model on a GPU."""
+    return {name: value.detach().to("cpu", copy=True) for name, value in model_tensors(model).items()}
 
 
 def _put_back(model: Any, saved: dict[str, Any]) -> None:
-    """The parameters' values as they were before the calibration function ran."""
+    """The parameters' and buffers' values as they were before the calibration function ran."""
     import torch
 
-    named = dict(model.named_parameters())
+    named = model_tensors(model)
     with torch.no_grad():
         for name, value in saved.items():
             named[name].copy_(value)

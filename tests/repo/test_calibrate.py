@@ -8,6 +8,7 @@ from ckptstore.cli import cli
 from ckptstore.errors import CkptError
 from ckptstore.formats.torchfile import numpy_safe_globals
 from ckptstore.repo.calibrate import CALIBRATION_METRIC
+from ckptstore.repo.repository import Repository
 from tests.conftest import Trainer
 
 TOKENS = torch.arange(16 * 8).reshape(16, 8) % 64
@@ -194,3 +195,79 @@ def test_a_calibration_function_that_changes_its_input_or_fails_leaves_the_commi
     wrapped = torch.nn.Sequential(trainer.model)  # parameter names '0.fc1.weight', ...: none is the checkpoint's
     with pytest.raises(CkptError, match="none of its parameters"):
         repo.commit(path, lossy="balanced", model=wrapped, calibration=lambda m: m(TOKENS).mean(), allow_empty=True)
+
+
+def test_a_zero_loss_change_is_met_by_the_last_attempt_with_lossless_weights(tmp_path):
+    """The last attempt keeps the weights exact, so a limit of 0 is met (mutation audit round 13, K3)."""
+    _, path = _saved(tmp_path)
+    with Repository.init(tmp_path / "r") as repo:
+        cid = repo.commit(path, lossy="balanced", calibration=state_loss, max_loss_change=0.0)
+        assert repo.commit_info(cid).metrics[CALIBRATION_METRIC] == 0.0
+        restored, original = repo.checkout(cid), _load(path)
+        assert all(torch.equal(restored["model"][k], v) for k, v in original["model"].items())
+
+
+def test_a_users_limit_tighter_than_the_levels_promise_is_the_one_kept(tmp_path):
+    """--max-loss-change tighter than the level's promise is the limit kept (mutation audit round 13, K7)."""
+    _, path = _saved(tmp_path)
+    limit = 1e-6
+    with Repository.init(tmp_path / "r") as repo:
+        cid = repo.commit(path, lossy="balanced", calibration=state_loss, max_loss_change=limit)
+        original = state_loss(_load(path))
+        change = (state_loss(repo.checkout(cid)) - original) / original
+        assert abs(change) <= limit
+        assert abs(repo.commit_info(cid).metrics[CALIBRATION_METRIC]) <= limit * 100
+
+
+def test_a_negative_loss_is_measured_relative_to_its_magnitude(tmp_path):
+    """A negative loss (a log-likelihood, -accuracy) is measured against its magnitude, not against 1e-12, which would
+    end every commit at lossless weights (mutation audit round 13, K1)."""
+    _, path = _saved(tmp_path)
+    with Repository.init(tmp_path / "r") as repo:
+        cid = repo.commit(path, lossy="balanced", calibration=lambda state: -state_loss(state), max_loss_change=0.05)
+        change = repo.commit_info(cid).metrics[CALIBRATION_METRIC]
+        assert 0 < abs(change) <= 5
+        restored, original = repo.checkout(cid), _load(path)
+        assert not all(torch.equal(restored["model"][k], v) for k, v in original["model"].items())
+
+
+def test_a_loss_that_falls_past_the_limit_is_tightened_too(tmp_path):
+    """A restored loss far below the original's is a change too (mutation audit round 13, K2)."""
+    _, path = _saved(tmp_path)
+    falling = lambda state: 10.0 - state_loss(state)  # noqa: E731 - worse weights give a lower value
+    with Repository.init(tmp_path / "r") as repo:
+        cid = repo.commit(path, calibration=falling, max_loss_change=0.0005, **COARSE)
+        original = falling(_load(path))
+        change = (falling(repo.checkout(cid)) - original) / original
+        assert abs(change) <= 0.0005
+        assert abs(repo.commit_info(cid).metrics[CALIBRATION_METRIC]) <= 0.05
+
+
+def test_with_the_live_model_a_quantized_buffer_is_swapped_in_and_measured_too(tmp_path):
+    """A level quantizes a float buffer (a fixed projection) of a model-only checkpoint; the calibration swapped in
+    parameters only, and recorded -0.006% where the restored checkpoint's change was +0.058% (mutation audit round
+    13: a limit of 0.01%)."""
+    torch.manual_seed(0)
+
+    class Projected(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(128, 64)
+            self.register_buffer("table", torch.randn(64, 128))
+
+        def forward(self, x):
+            return self.lin(x @ self.table)
+
+    model, x, y = Projected(), torch.randn(256, 64), torch.randn(256, 64)
+    loss = lambda m: torch.nn.functional.mse_loss(m(x), y)  # noqa: E731
+    torch.save(model.state_dict(), tmp_path / "ckpt.pt")
+    limit = 1e-4
+    with Repository.init(tmp_path / "r") as repo:
+        cid = repo.commit(tmp_path / "ckpt.pt", lossy="balanced", model=model, calibration=loss, max_loss_change=limit)
+        recorded, restored = repo.commit_info(cid).metrics[CALIBRATION_METRIC], repo.checkout(cid)
+    assert not torch.equal(restored["table"], model.table)  # quantized: the case measured
+    original = float(loss(model))
+    fresh = Projected()
+    fresh.load_state_dict(restored)
+    change = (float(loss(fresh).detach()) - original) / original
+    assert abs(change) <= limit and recorded == pytest.approx(change * 100, rel=1e-4, abs=1e-7)
