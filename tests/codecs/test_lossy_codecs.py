@@ -6,6 +6,7 @@ import torch
 import zstandard
 
 from ckptstore.codecs import get_codec
+from ckptstore.codecs.deadzone import DeadZoneCodec
 from ckptstore.codecs.entropy import (
     CONSTANT,
     GAPS,
@@ -247,8 +248,6 @@ def test_a_codebook_keeps_the_dead_zones_bound_on_every_entry():
     """With `codebooks`, entries 2.6 times over the dead zone's bound went unnoticed where the codebook was held to
     a looser one: only the norm bound was tested (mutation audit)."""
     from ckptstore.codecs import codebook
-    from ckptstore.codecs.deadzone import DeadZoneCodec
-
     rng = np.random.default_rng(0)
     used = 0
     for trial in range(24):
@@ -458,3 +457,30 @@ def test_values_without_a_level_say_whether_the_step_or_the_base_made_them_nan()
         quantize(residual, 0.5, 0.5)
     with pytest.raises(UnquantizableError, match="values up to 1e\\+10 are 2\\^31 or more steps"):
         quantize(np.full(8, 1e10, dtype=np.float32), 1e-3, 0.5)
+
+
+def test_a_lattice_coarser_than_the_planned_step_does_not_coarsen_the_chunk():
+    """A base's lattice coarser than this commit's planned step (a calibration retry's halved step, a finer knob)
+    does not coarsen the chunk (mutation audit round 13, D2)."""
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal(4096).astype(np.float32)
+    data = base + np.float32(1e-4) * rng.standard_normal(4096).astype(np.float32)
+    params = {"dtype": "torch.float32", "step": 1e-5, "relative_step": 0.5, "grid_step": 1e-3}
+    payload, rebuilt = DeadZoneCodec().encode_lossy(data, base, params)
+    assert DeadZoneCodec().step_of(payload) <= np.float32(1e-5)
+    assert np.abs(rebuilt.view(np.float32) - data).max() <= 1e-5
+
+
+def test_the_writers_tightened_retry_rounds_to_nearest():
+    """The writer's tightened retry rounds to nearest, whatever rounding was planned (mutation audit round 13, D4)."""
+    data = np.random.default_rng(1).standard_normal(8192).astype(np.float32)
+    params = {"dtype": "torch.float32", "step": 0.1, "rounding": 0.2, "tighten": 0.5}
+    _, rebuilt = DeadZoneCodec().encode_lossy(data, None, params)
+    assert np.abs(rebuilt.view(np.float32) - data).max() <= 0.5 * 0.05 * (1 + 1e-5)
+
+
+def test_values_between_2_31_and_2_32_steps_are_refused_not_wrapped():
+    """Levels past int32 are refused, not wrapped to negative ones (mutation audit round 13, D1)."""
+    data = np.full(4096, 3.0e9, np.float32)
+    with pytest.raises(UnquantizableError):
+        DeadZoneCodec().encode_lossy(data, None, {"dtype": "torch.float32", "step": 1.0})

@@ -129,3 +129,15 @@ def test_a_fast_weight_starts_at_the_step_its_bound_predicts():
     rms = float(np.sqrt(np.mean(np.frombuffer(tensors["model/w.weight"].data, np.float32).astype(np.float64) ** 2)))
     assert rules["model/w.weight"].params["step"] == pytest.approx(0.5 * rms, rel=1e-6)
     assert bounded["model/w.weight"].params["step"] == pytest.approx(0.9 * 12**0.5 * 0.02 * rms, rel=1e-6)
+
+
+@pytest.mark.parametrize("factor, allowed", [(8.0, 0.04), (1 / 8, 0.01)])
+def test_a_weights_bound_allowance_is_clamped_to_half_and_twice(factor, allowed):
+    """A weight's allowance is clamped to [1/2, 2] of the level's bound, as reference.md states: without the upper
+    clamp (or at 4) a weight of Fisher factor 8 was held to 16% (8%), not 4% (mutation audit round 13, C1, C2)."""
+    from ckptstore.policy.levels import LEVELS
+    from ckptstore.policy.lossy_context import PlanContext
+
+    ctx = PlanContext({}, {}, LEVELS["balanced"], None, None, None, {}, {"model/w": factor}, set(), 1, None)
+    assert ctx.weight_bound("model/w") == {"max_error": pytest.approx(allowed)}
+
