@@ -444,16 +444,20 @@ def test_a_value_given_twice_is_refused_and_d_given_twice_deletes_both_as_in_git
     assert ckpt_here(tmp_path, "commit", "c.pt", "--step", "7").returncode == 0
     with Repository.open(tmp_path) as repo:
         assert [c.step for c in repo.log()] == [7]  # the refusals recorded nothing
-    for name in ("a", "b", "c"):
+    for name in "abcdef":
         assert ckpt_here(tmp_path, "branch", name).returncode == 0
         assert ckpt_here(tmp_path, "tag", f"t{name}").returncode == 0
-    deleted = ckpt_here(tmp_path, "branch", "-d", "a", "-d", "b")
+    deleted = ckpt_here(tmp_path, "branch", "-d", "a", "-d", "b", "-d", "b")  # b once
     assert deleted.returncode == 0 and deleted.stdout.count("Deleted branch") == 2, deleted.stderr
-    typo = ckpt_here(tmp_path, "tag", "-d", "tc", "tz")  # one unknown: none deleted
-    assert typo.returncode == 1 and "'tz'" in typo.stderr
-    assert ckpt_here(tmp_path, "tag", "-d", "ta", "tb").returncode == 0
+    for refused, why in ((("tag", "-d", "tc", "tz"), "'tz'"), (("branch", "-d", "c", "main"), "HEAD is on it")):
+        result = ckpt_here(tmp_path, *refused)  # one that cannot go: none deleted
+        assert result.returncode == 1 and why in result.stderr, result.stderr
+    assert ckpt_here(tmp_path, "tag", "-d", "ta", "tb", "tc", "td").returncode == 0  # four after -d (reader 39)
+    assert ckpt_here(tmp_path, "branch", "-d", "c", "d", "e").returncode == 0
+    three = ckpt_here(tmp_path, "branch", "g", "HEAD", "extra")
+    assert three.returncode == 2 and "at most START" in three.stderr
     with Repository.open(tmp_path) as repo:
-        assert set(repo.branches()) == {"main", "c"} and set(repo.tags()) == {"tc"}
+        assert set(repo.branches()) == {"main", "f"} and set(repo.tags()) == {"te", "tf"}
 
 
 def test_a_command_run_in_a_subfolder_of_the_work_tree_finds_the_repository_above(tmp_path):

@@ -32,7 +32,7 @@ def log(ctx, revisions, limit, graph, all_refs, as_json) -> None:
         return emit_json([dict(c.to_json(), **({"pruned": True} if c.pruned else {}))
                           for c in repo.log(revisions, all_refs, limit)])
     if graph:
-        for line in repo.log_graph(revisions, all_refs, limit) or ([] if revisions else _unborn_head(repo)):
+        for line in repo.log_graph(all_refs, revisions, limit) or ([] if revisions else _unborn_head(repo)):
             echo(line)
         return None
     labels = repo.decorations()
@@ -77,18 +77,18 @@ def _unborn_head(repo) -> list[str]:
 
 
 @cli.command()
-@click.argument("name", required=False)
-@click.argument("start", required=False)
-@click.option("-d", "delete", multiple=True, help="Delete branch NAME (repeatable; names after it too, as in git).")
+@click.argument("words", nargs=-1, metavar="[NAME [START]]")
+@click.option("-d", "delete", multiple=True, help="Delete branch NAME (repeatable; with -d, every NAME is deleted).")
 @click.pass_context
-def branch(ctx, name, start, delete) -> None:
+def branch(ctx, words, delete) -> None:
     """List branches, create NAME at START (default HEAD), or delete some with -d."""
     repo = open_repo(ctx)
     if delete:
-        for gone in _to_delete(delete, name, start, repo.branches(), repo.delete_branch):
+        for gone in _to_delete([*delete, *words], repo.branches(), repo.delete_branch, repo.head()[0]):
             echo(f"Deleted branch {gone} (was {repo.delete_branch(gone)[:12]})")
-    elif name is not None:  # "" is a (bad) name, not a request for the listing
-        cid = repo.branch(name, start or "HEAD")
+    elif words:  # "" is a (bad) name, not a request for the listing
+        name, start = _name_and_target(words, "START")
+        cid = repo.branch(name, start)
         echo(f"Created branch {name} at {cid[:12]}")
     else:
         current, _ = repo.head()
@@ -97,33 +97,40 @@ def branch(ctx, name, start, delete) -> None:
 
 
 @cli.command()
-@click.argument("name", required=False)
-@click.argument("ref", required=False)
-@click.option("-d", "delete", multiple=True, help="Delete tag NAME (repeatable; names after it too, as in git).")
+@click.argument("words", nargs=-1, metavar="[NAME [REF]]")
+@click.option("-d", "delete", multiple=True, help="Delete tag NAME (repeatable; with -d, every NAME is deleted).")
 @click.pass_context
-def tag(ctx, name, ref, delete) -> None:
+def tag(ctx, words, delete) -> None:
     """List tags, tag REF (default HEAD) as NAME, or delete some with -d."""
     repo = open_repo(ctx)
     if delete:
-        for gone in _to_delete(delete, name, ref, repo.tags(), repo.delete_tag):
+        for gone in _to_delete([*delete, *words], repo.tags(), repo.delete_tag, None):
             echo(f"Deleted tag {gone} (was {repo.delete_tag(gone)[:12]})")
-    elif name is not None:
-        echo(f"Tagged {repo.tag(name, ref or 'HEAD')[:12]} as {name}")
+    elif words:
+        name, ref = _name_and_target(words, "REF")
+        echo(f"Tagged {repo.tag(name, ref)[:12]} as {name}")
     else:
         for tag_name, cid in repo.tags().items():
             echo(f"{shown_name(tag_name)} {cid[:12]}")
 
 
-def _to_delete(options: tuple[str, ...], name: str | None, second: str | None, known: Mapping[str, str],
-               delete: Callable[[str], object]) -> list[str]:
-    """The names -d deletes: each -d's, then the words after them (`ckpt branch -d a b`, as `git branch -d a b`).
+def _name_and_target(words: tuple[str, ...], target: str) -> tuple[str, str]:
+    """NAME and its commit (default HEAD) from a create's words; a third word is refused, not ignored."""
+    if len(words) > 2:
+        raise click.UsageError(f"give NAME and at most {target}, not {len(words)} words (to delete several: -d)")
+    return words[0], words[1] if len(words) > 1 else "HEAD"
 
-    All are looked up first: one that is not there (`ckpt branch new -d old`, a typo) deletes none of
-    them, and `delete` of it raises its own error (a tag, not a branch; did you mean).
+
+def _to_delete(names: list[str], known: Mapping[str, str], delete: Callable[[str], object],
+               current: str | None) -> list[str]:
+    """The names -d deletes, each once: `ckpt branch -d a b` and `-d a -d b` delete both, as git does.
+
+    Checked first: one that is not there (`ckpt branch new -d old`, a typo) or the branch HEAD is on
+    deletes none of them; `delete` of it raises its own error (a tag, not a branch; did you mean).
     """
-    names = [*options, *(word for word in (name, second) if word is not None)]
-    for missing in [word for word in names if word not in known][:1]:
-        delete(missing)
+    names = list(dict.fromkeys(names))
+    for refused in [word for word in names if word not in known or word == current][:1]:
+        delete(refused)
     return names
 
 

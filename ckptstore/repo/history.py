@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -39,11 +40,13 @@ def log(repo: Repository, ref: str | Sequence[str] | None = None, all_refs: bool
                 tips = []
     parents = {c: i.parents for c, i in history.items()}
     order = graph.topo_order(tips, parents, lambda c: history[c].created_at if c in history else 0.0)
-    lost = next((c for c in order if c not in history), None)
-    if lost is not None:  # a ref or a parent names it: damage for fsck to list, not a KeyError
+    reaches = [[graph.reachable_from([t], parents) for t in group] for group in hiding]
+    # a ref or a parent names it: damage for fsck to list, not a KeyError; nor, on a range's hiding side,
+    # a walk cut short that would list the commits it hides
+    lost = next((c for c in itertools.chain(order, *itertools.chain(*reaches)) if c not in history), None)
+    if lost is not None:
         raise CorruptRecordError(f"commit {lost}", "a ref or a commit names it, but it has no record")
-    hidden = set().union(*(set.intersection(*(graph.reachable_from([t], parents) for t in group))
-                           for group in hiding))
+    hidden = set().union(*(set.intersection(*group) for group in reaches))
     return [history[c] for c in order if c not in hidden][:limit]
 
 

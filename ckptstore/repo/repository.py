@@ -266,9 +266,9 @@ class Repository:
 
         return decorations(self)
 
-    def log_graph(self, ref: str | Sequence[str] | None = None, all_refs: bool = False, limit: int | None = None
+    def log_graph(self, all_refs: bool = False, ref: str | Sequence[str] | None = None, limit: int | None = None
                   ) -> list[str]:
-        """`log --graph` lines."""
+        """`log --graph` lines (of `log(ref, all_refs, limit)`'s commits)."""
         from ckptstore.repo.history import log_graph
 
         return log_graph(self, ref, all_refs, limit)

@@ -79,6 +79,10 @@ def test_log_cli_takes_revisions_and_a_count_and_graph_lanes_end_where_the_range
     graph = ckpt_here(tmp_path, "log", "--graph", "side..main")
     lines = graph.stdout.splitlines()
     assert len(lines) == 2 and all(line.startswith("* ") for line in lines), lines  # no lane left open to m1
+    both = ckpt_here(tmp_path, "log", "--graph", "main...side").stdout.splitlines()
+    assert len(both) == 4 and all(line.startswith("* ") for line in both), both  # nor one to the shared m1 (reader 39)
+    with Repository.open(tmp_path) as repo:
+        assert repo.log_graph(True) == repo.log_graph(all_refs=True)  # all_refs stays the first argument
     text = ckpt_here(tmp_path, "log", "main...side").stdout
     assert text.count("\ncommit ") + text.startswith("commit ") == 4 and ids["m1"] not in text
     refused = ckpt_here(tmp_path, "log", "-n", "-1")
@@ -95,3 +99,22 @@ def test_diff_of_a_range_is_the_diff_of_its_two_ends_and_one_ref_alone_is_refuse
     three = ckpt_here(tmp_path, "diff", "main...side")
     assert three.returncode == 1 and "ckpt diff main side" in three.stderr, three.stderr
     assert ckpt_here(tmp_path, "diff", "main~1..main").stdout == ckpt_here(tmp_path, "diff", "main~1", "main").stdout
+
+
+def test_a_range_whose_hiding_side_runs_through_a_commit_with_no_record_is_refused_not_listed_wrong(tmp_path):
+    """`ckpt log main..side` with m2's record gone listed m1 as side's own: the walk of what main hides stopped at
+    m2, while `ckpt log main` refused the same history (reader 39)."""
+    import contextlib
+    import sqlite3
+
+    from ckptstore.errors import CorruptRecordError
+
+    with Repository.init(tmp_path) as repo:
+        ids = _forked(repo)
+    with contextlib.closing(sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db")) as db, db:
+        db.execute("DELETE FROM commits WHERE id = ?", (ids["m2"],))
+    with Repository.open(tmp_path) as repo:
+        for spec in ("main..side", "main...side", "main"):
+            with pytest.raises(CorruptRecordError, match=ids["m2"]):
+                repo.log(spec)
+        assert [c.id for c in repo.log("side")] == [ids["s2"], ids["s1"], ids["m1"]]  # an undamaged history lists
