@@ -48,6 +48,8 @@ def check_name(name: str) -> None:
     if _HEX.fullmatch(name) and len(name) >= MIN_PREFIX:
         raise InvalidRefNameError(f"{name!r} reads as a commit id (hex digits) and would hide the commit it "
                                   "abbreviates; choose a name with a letter beyond a-f")
+    if name.endswith("."):  # git refuses it too: `v1...main` would read as v1...main, not v1. .. main
+        raise InvalidRefNameError(f"{name!r} ends with '.', which a range (A..B) would swallow; choose another name")
     check_form(name)
 
 
@@ -131,7 +133,7 @@ def _base(tx: Tx, spec: str) -> CommitId:
 def split_range(spec: str) -> tuple[str, str, bool] | None:
     """A range as git writes one, `A..B` or `A...B`, as (A, B, whether three dots); None for a single ref.
 
-    An empty side is HEAD. Names cannot hold `..` (check_name), so the dots always mean a range.
+    An empty side is HEAD. Names cannot hold `..` nor end with `.` (check_name), so the dots mean a range.
     """
     for dots in ("...", ".."):
         if dots in spec:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from ckptstore import Repository
 from ckptstore.cli import cli
 from ckptstore.errors import CkptError, InvalidRefNameError, RefNotFoundError
-from ckptstore.repo.refs import check_name
+from ckptstore.repo.refs import check_name, split_range
 from tests.conftest import machine_settings
 
 
@@ -47,6 +47,20 @@ def test_every_name_that_is_accepted_resolves_to_its_commit(repo, name):
     finally:
         with repo.db.write() as tx:
             ref_rows.delete_ref(tx, name)
+
+
+@given(st.text(string.ascii_letters + string.digits + "._/-", min_size=1, max_size=12))
+@machine_settings(scale=4)
+def test_every_accepted_name_reads_back_as_one_side_of_a_range(name):
+    """`v1.` was accepted, and `ckpt log v1...main` read as v1 ... main (reader 39): git refuses such names too."""
+    try:
+        check_name(name)
+    except InvalidRefNameError:
+        return
+    assert split_range(name) is None
+    for dots, three in (("..", False), ("...", True)):
+        assert split_range(f"{name}{dots}{name}") == (name, name, three)
+        assert split_range(f"{dots}{name}") == ("HEAD", name, three)
 
 
 def test_a_name_that_reads_as_a_commit_prefix_is_refused(repo):
