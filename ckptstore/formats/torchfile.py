@@ -70,7 +70,8 @@ def refusal_reason(reason: str, global_name: str = "") -> str:
 
     Without terminal codes: torch highlights its advice with ANSI escapes.
     """
-    found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) (\S+) |but got <class '([^']+)'>", reason)
+    found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) (\S+) "
+                      r"|allowlisted via `add_safe_globals`, but got <class '([^']+)'>", reason)
     named = global_name or (found and (found.group(1) or found.group(2))) or ""
     named = named.removeprefix("builtins.")  # as torch names them
     if named:

@@ -297,6 +297,8 @@ def test_a_numpy_object_array_is_refused_naming_the_class_torch_refused(tmp_path
     assert torchzip.read(tmp_path / "a.pt") is None  # not this reader's: torch's decides
     with pytest.raises(CheckpointFormatError, match=r"numpy\.dtypes\.ObjectDType is not among the classes"):
         formats.read_checkpoint(tmp_path / "a.pt")
+    other = "WeightsUnpickler error: Only persistent_load of storage is allowed, but got <class 'str'>"
+    assert torchfile.refusal_reason(other) == other  # no class refused there: torch's line, not "str is not among"
 
 
 @pytest.mark.parametrize("make", ["legacy", "protocol4", "bigendian", "sparse", "user_global"])
