@@ -548,6 +548,8 @@ class _Flattener:
         if kind not in "biufc" or size > (16 if kind == "c" else 8):  # .item() of these is no exact JSON value
             raise UnsupportedStateError(f"{path or '<root>'}: numpy {value.dtype} scalar")
         v = value.item()
+        if kind in "fc" and value.dtype.type(v).tobytes() != value.tobytes():  # a float32 signalling NaN, made quiet
+            return ["npbits", value.dtype.str, value.tobytes().hex()]
         return ["npscalar", value.dtype.str, self._complex(v, path) if kind == "c" else _float(v)
                 if isinstance(v, float) else v]
 
@@ -849,6 +851,15 @@ class _Unflattener:
 
 
 
+def _npbits(node: list) -> np.generic:
+    """A non-finite numpy float or complex scalar from its bits (["npbits", dtype, hex])."""
+    dtype = np.dtype(node[1])
+    raw = bytes.fromhex(node[2])
+    if dtype.kind not in "fc" or len(raw) != dtype.itemsize:
+        raise UnsupportedStateError(f"a numpy scalar of {len(raw)} bytes as {dtype}: not one this ckptstore writes")
+    return np.frombuffer(raw, dtype=dtype)[0]
+
+
 _DECODERS: dict[str, Callable[[_Unflattener, list], Any]] = {
     "tensor": _Unflattener.tensor,
     "bytes": lambda u, node: u.get(node[1]),
@@ -863,6 +874,7 @@ _DECODERS: dict[str, Callable[[_Unflattener, list], Any]] = {
     "float": lambda u, node: _float_of(node),
     "complex": lambda u, node: complex(u.decode(node[1]), u.decode(node[2])),
     "npscalar": lambda u, node: np.dtype(node[1]).type(u.decode(node[2])),
+    "npbits": lambda u, node: _npbits(node),
     "size": lambda u, node: _torch().Size(node[1]),
     "dtype": lambda u, node: torch_dtype(node[1]),
     "device": lambda u, node: _torch().device(node[1]),
