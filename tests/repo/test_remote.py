@@ -1641,7 +1641,8 @@ def test_a_false_base_moved_to_the_id_whose_own_record_rests_on_it_makes_no_loop
         assert fsck(copy, full=True).ok
 
 
-def test_records_rebased_onto_a_deeper_own_record_record_their_new_depth(tmp_path):
+@pytest.mark.parametrize("held_depth", [1, 3])
+def test_records_rebased_onto_a_deeper_own_record_record_their_new_depth(tmp_path, held_depth):
     """A false base's records rebased onto its bytes' id's own record, three levels deep, kept their old depth: the
     chain limit, which reads it, let later commits chain past it (reader 33, left in stop 58)."""
     held, claimed, on_top, first, second = _held_on_top_origin(tmp_path / "a")
@@ -1653,12 +1654,18 @@ def test_records_rebased_onto_a_deeper_own_record_record_their_new_depth(tmp_pat
         _renamed(copy.dir, _ident(held), _ident(claimed))  # held's record claims `claimed`; on_top rests on it
         on_top_id = copy.manifest(second).entries["w"].tensor
         mine = copy.commit({"w": on_top}, message="mine, as received", allow_empty=True)
-        for k in (3, 2, 1, 0):  # held's own record, at the end of a chain of its own under another key
+        above = on_top + 1e-4 * torch.randn(on_top.shape, generator=generator)
+        over = copy.commit({"w": above}, message="a residual resting on on_top")
+        over_id = copy.manifest(over).entries["w"].tensor
+        for k in range(held_depth, -1, -1):  # held's own record, at the end of a chain of its own under another key
             copy.commit({"u": held + k * 1e-4 * torch.randn(held.shape, generator=generator)}, branch="other")
-        assert _depth(copy.dir, _ident(held)) == 3 and _depth(copy.dir, on_top_id) == 1
+        assert [_depth(copy.dir, tid) for tid in (_ident(held), on_top_id, over_id)] == [held_depth, 1, 2]
+        assert _base_of(copy.dir, over_id) == on_top_id
         theirs = copy.commit({"w": claimed}, message="the bytes the lie claims")
         assert _base_of(copy.dir, on_top_id) == _ident(held)  # rebased onto held's own record
-        assert _depth(copy.dir, on_top_id) == 4
+        # and what rests on it follows (at 1, each was as deep as its new base: reader 39's `<` mutant)
+        assert [_depth(copy.dir, tid) for tid in (on_top_id, over_id)] == [held_depth + 1, held_depth + 2]
+        assert_same(above, copy.checkout(over)["w"])
         assert_same(on_top, copy.checkout(mine)["w"])
         assert_same(claimed, copy.checkout(theirs)["w"])
         assert fsck(copy, full=True).ok
