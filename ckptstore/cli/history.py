@@ -17,22 +17,23 @@ from ckptstore.repo import subject
 @click.argument("revisions", nargs=-1)
 @click.option("-n", "--max-count", "limit", type=click.IntRange(min=0), help="Show the newest N commits only.")
 @click.option("--graph", is_flag=True, help="Draw the history as a graph.")
+@click.option("--oneline", is_flag=True, help="One line per commit: id, refs, step, subject.")
 @click.option("--all", "all_refs", is_flag=True, help="Every branch and tag, not only HEAD.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def log(ctx, revisions, limit, graph, all_refs, as_json) -> None:
+def log(ctx, revisions, limit, graph, oneline, all_refs, as_json) -> None:
     """Show the history of HEAD, or of REVISIONS (branches, tags, commits, ranges).
 
     As git reads them: A..B, on B but not on A; A...B, on one of them, not both.
     """
-    if graph and as_json:  # --graph was dropped without a word
-        raise click.UsageError("--graph draws text; --json lists the commits: choose one")
+    if (graph or oneline) and as_json:  # --graph was dropped without a word
+        raise click.UsageError(f"--{'graph' if graph else 'oneline'} writes text; --json lists the commits: choose one")
     repo = open_repo(ctx)
     if as_json:
         return emit_json([dict(c.to_json(), **({"pruned": True} if c.pruned else {}))
                           for c in repo.log(revisions, all_refs, limit)])
-    if graph:
-        for line in repo.log_graph(all_refs, revisions, limit) or ([] if revisions else _unborn_head(repo)):
+    if graph or oneline:  # both: the graph, whose lines are one a commit too (as git draws them)
+        for line in repo.log_graph(all_refs, revisions, limit, graph) or ([] if revisions else _unborn_head(repo)):
             echo(line)
         return None
     labels = repo.decorations()

@@ -92,8 +92,11 @@ def subject(message: str) -> str:
 
 
 def log_graph(repo: Repository, ref: str | Sequence[str] | None = None, all_refs: bool = False,
-              limit: int | None = None) -> list[str]:
-    """`log --graph` lines, of the commits `log` lists (lanes end where a range or the limit leaves a parent out)."""
+              limit: int | None = None, lanes: bool = True) -> list[str]:
+    """`log --graph` lines, of the commits `log` lists (lanes end where a range or the limit leaves a parent out).
+
+    Without `lanes`, `log --oneline`'s: the same line per commit, without the graph.
+    """
     history = log(repo, ref, all_refs, limit)
     labels = decorations(repo)
     by_id = {c.id: c for c in history}
@@ -106,6 +109,8 @@ def log_graph(repo: Repository, ref: str | Sequence[str] | None = None, all_refs
         pruned = " [pruned]" if info.pruned else ""
         return f"{cid[:12]}{deco}{step}{lossy}{pruned} {subject(info.message)}".rstrip()
 
+    if not lanes:
+        return [describe(c.id) for c in history]
     return graph.render([c.id for c in history], {c.id: [p for p in c.parents if p in by_id] for c in history},
                         describe)
 

@@ -266,12 +266,12 @@ class Repository:
 
         return decorations(self)
 
-    def log_graph(self, all_refs: bool = False, ref: str | Sequence[str] | None = None, limit: int | None = None
-                  ) -> list[str]:
-        """`log --graph` lines (of `log(ref, all_refs, limit)`'s commits)."""
+    def log_graph(self, all_refs: bool = False, ref: str | Sequence[str] | None = None, limit: int | None = None,
+                  lanes: bool = True) -> list[str]:
+        """`log --graph` lines of `log(ref, all_refs, limit)`'s commits (`lanes=False`: `log --oneline`'s)."""
         from ckptstore.repo.history import log_graph
 
-        return log_graph(self, ref, all_refs, limit)
+        return log_graph(self, ref, all_refs, limit, lanes)
 
     def show(self, ref: str = "HEAD") -> dict[str, Any]:
         """A commit's metadata and its files and tensors."""

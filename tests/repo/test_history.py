@@ -85,6 +85,12 @@ def test_log_cli_takes_revisions_and_a_count_and_graph_lanes_end_where_the_range
         assert repo.log_graph(True) == repo.log_graph(all_refs=True)  # all_refs stays the first argument
     text = ckpt_here(tmp_path, "log", "main...side").stdout
     assert text.count("\ncommit ") + text.startswith("commit ") == 4 and ids["m1"] not in text
+    oneline = ckpt_here(tmp_path, "log", "--oneline", "--all").stdout.splitlines()
+    with Repository.open(tmp_path) as repo:
+        every = repo.log(all_refs=True)
+    assert [line.split()[0] for line in oneline] == [c.id[:12] for c in every], oneline  # the log's, a line each
+    assert all(line.endswith(f" {c.message}") for line, c in zip(oneline, every)) and "(HEAD -> main)" in oneline[2]
+    assert ckpt_here(tmp_path, "log", "--oneline", "--json").returncode == 2
     refused = ckpt_here(tmp_path, "log", "-n", "-1")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
 
