@@ -272,13 +272,9 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
         missing = [c for c in candidates if c not in have or c in revived]
         if not missing:
             return report, tips
-        _refuse_damaged(tx, missing)
+        _refuse_damaged(tx, missing, source, pushing)
         tensors = transfer.tensors_of(tx, missing, lambda tids: transfer.present_tensors(ttx, tids))
         found = transfer.records(tx, missing, tensors)
-    unrecorded = sorted(set(missing) - found.column("commits", "id"))
-    if unrecorded:
-        raise CkptError(f"the sending repository has no record of commit {unrecorded[0][:12]}, which its refs "
-                        "reach; nothing was sent. Run `ckpt fsck` there")
     wanted = [oid for oid in found.objects if not lazy or oid in found.manifests]
     report.objects, report.object_bytes = _send_objects(source, target, wanted, pushing)
     faults.point("transfer:objects-sent")
@@ -298,14 +294,24 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
     return report, tips
 
 
-def _refuse_damaged(tx: Tx, cids: list[CommitId]) -> None:
-    """Every commit record that would move must hash to its id, as every object must: damage stays where it is."""
+def _refuse_damaged(tx: Tx, cids: list[CommitId], sender: Repository, pushing: bool) -> None:
+    """Every commit record that would move must be there and hash to its id, as every object must.
+
+    Damage stays where it is, and the message names the repository that holds it: a missing record
+    read "metadata has no commit", which sent a user to a `ckpt fsck` here that found nothing.
+    """
+    where = f"this repository ({_named(sender)})" if pushing else f"the repository at {_named(sender)}"
+    fsck = "Run `ckpt fsck` here" if pushing else "Run `ckpt fsck` in it"
+    unrecorded = sorted(set(cids) - transfer.present_commits(tx, cids))
+    if unrecorded:
+        raise CkptError(f"{where} has no record of commit {unrecorded[0][:12]}, which its refs reach; nothing was "
+                        f"sent. {fsck}")
     for cid in cids:
         try:
             commit_rows.commit_info(tx, cid)
         except CorruptRecordError as exc:
-            raise CkptError(f"the sending repository's record of commit {cid[:12]} is damaged ({exc.problem}); "
-                            "nothing was sent. Run `ckpt fsck` there") from None
+            raise CkptError(f"{where} holds a damaged record of commit {cid[:12]} ({exc.problem}); nothing was "
+                            f"sent. {fsck}") from None
 
 
 def _whole_on(store: ObjectStore, oid: ObjectId, data: Callable[[], bytes]) -> bool:

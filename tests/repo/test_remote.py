@@ -1,6 +1,7 @@
 """Remotes between repositories on this disk: push, fetch, pull, clone (lazy too), races and interruptions."""
 
 import contextlib
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -604,12 +605,32 @@ def test_a_damaged_commit_record_does_not_travel(pair, tmp_path):
     work, hub, cids = pair
     with contextlib.closing(sqlite3.connect(work.dir / "ckpt.db")) as db, db:
         db.execute("UPDATE commits SET step = 777, message = 'tampered' WHERE id = ?", (cids[1],))
-    with pytest.raises(CkptError, match=f"record of commit {cids[1][:12]} is damaged.*nothing was sent"):
+    with pytest.raises(CkptError, match=f"^this repository .* holds a damaged record of commit {cids[1][:12]} .*"
+                                        r"nothing was sent. Run `ckpt fsck` here$"):
         remote.push(work, "origin")
     with Repository.open(hub) as other:
         assert other.log() == [] and fsck(other).ok
-    with pytest.raises(CkptError, match="is damaged"):
+    sender = re.escape(str(work.root))
+    with pytest.raises(CkptError, match=f"^the repository at {sender} holds a damaged record .* in it$"):
         remote.clone(str(work.root), tmp_path / "copy")
+
+
+def test_a_remote_whose_branch_names_a_commit_it_has_no_record_of_is_named_as_the_damaged_one(pair, tmp_path):
+    """The fetch said "metadata has no commit X; run `ckpt fsck`", read as this repository's damage, and fsck here
+    found nothing: the message meant for it was never reached (mutation audit round 12)."""
+    work, hub, cids = pair
+    remote.push(work, "origin")
+    with contextlib.closing(sqlite3.connect(hub / ".ckpt" / "ckpt.db")) as db, db:
+        db.execute("PRAGMA foreign_keys = OFF")
+        for table, column in (("commit_tensors", "commit_id"), ("commit_parents", "commit_id"), ("commits", "id")):
+            db.execute(f"DELETE FROM {table} WHERE {column} = ?", (cids[-1],))
+    with Repository.init(tmp_path / "fresh") as fresh:
+        remote.add(fresh, "origin", str(hub))
+        sender = re.escape(str(hub))
+        with pytest.raises(CkptError, match=f"^the repository at {sender} has no record of commit {cids[-1][:12]}, "
+                                            r"which its refs reach; nothing was sent. Run `ckpt fsck` in it$"):
+            remote.fetch(fresh, "origin")
+        assert fresh.log(all_refs=True) == [] and fsck(fresh).ok
 
 
 def test_an_interrupted_clone_resumes_only_as_the_kind_it_began(pair, tmp_path):
