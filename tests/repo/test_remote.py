@@ -1782,3 +1782,26 @@ def test_what_rests_on_a_false_base_is_not_rebased_onto_an_own_record_that_canno
         else:
             assert unchecked(copy, {_ident(held)}) == {_ident(held)}
         assert set(fsck(copy, full=True).broken_commits) <= {first, second, mine}
+
+
+def test_a_push_keeps_the_tracking_refs_of_the_remotes_other_branches(pair):
+    """A push moves its branch's tracking ref and leaves the remote's others as they are (mutation audit round 12)."""
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    with Repository.open(hub_path) as hub:
+        hub.branch("dev", "main")
+    remote.fetch(work, "origin")
+    newer = work.commit(_state(2), message="mine")
+    assert remote.push(work, "origin", "main").refs_moved == [("main", cids[1], newer)]
+    assert work.resolve("origin/main") == newer and work.resolve("origin/dev") == cids[1]
+
+
+def test_a_fetch_reads_only_its_own_remotes_tracking_refs(pair, tmp_path):
+    """A fetch from one remote never takes another's tracking refs for its own (mutation audit round 12)."""
+    work, _, cids = pair
+    remote.push(work, "origin")
+    with Repository.init(tmp_path / "other") as other:  # a remote whose name is as long as origin's
+        theirs = other.commit(_state(5), message="theirs")
+    remote.add(work, "backup", str(tmp_path / "other"))
+    assert remote.fetch(work, "backup").refs_moved == [("backup/main", None, theirs)]
+    assert work.resolve("backup/main") == theirs and work.resolve("origin/main") == cids[1]
