@@ -12,6 +12,7 @@ from ckptstore import Repository
 from ckptstore.errors import CkptError
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.policy import AUTO, ChainCosts, EncodingSettings
+from ckptstore.records import TensorRecord
 from ckptstore.repo import chaincost, fsck
 from ckptstore.repo.config import RepoConfig, RetentionPolicy
 from ckptstore.repo.pruning import _relinks, prune
@@ -39,10 +40,15 @@ def _tensor(repo: Repository, cid: str, path: str = "w") -> str:
     return next(t["tensor"] for t in repo.show(cid)["tensors"] if t["path"] == path)
 
 
-def _base(repo: Repository, cid: str, path: str = "w") -> str:
+def _record(repo: Repository, cid: str, path: str = "w") -> TensorRecord:
+    """The record of `path`'s tensor in commit `cid`, without its chain."""
     tid = _tensor(repo, cid, path)
     with repo.db.read() as tx:
-        return tensor_rows.load_records(tx, {tid}, with_bases=False)[tid].base_id
+        return tensor_rows.load_records(tx, {tid}, with_bases=False)[tid]
+
+
+def _base(repo: Repository, cid: str, path: str = "w") -> str:
+    return _record(repo, cid, path).base_id
 
 
 def test_auto_chains_as_deep_as_the_costs_allow_and_replays_bit_exact(tmp_path, monkeypatch):
@@ -280,3 +286,31 @@ def test_the_machine_key_of_chain_costs_runs_no_subprocess():
                           env=ckpt_env())
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith(f"x{os.cpu_count()}, ckptstore {__import__('ckptstore').__version__}")
+
+
+def test_a_tensor_whose_chunks_only_partly_pay_as_residuals_keeps_its_base(tmp_path):
+    """One chunk coded against the base makes the record need it: a tensor whose first chunk moved a little and whose
+    second holds new values was recorded with no base, and its residual chunk could never be decoded (mutation
+    audit round 11)."""
+    generator = torch.Generator().manual_seed(2)
+    first = torch.randn(32_768, generator=generator)  # two chunks of 64 KiB
+    second = first.clone()
+    second[:16_384] += 1e-5 * torch.randn(16_384, generator=generator)
+    second[16_384:] = torch.randn(16_384, generator=generator)
+    with Repository.init(tmp_path, encoding=EncodingSettings(chunk_bytes=64 << 10)) as repo:
+        c1, c2 = repo.commit({"w": first}), repo.commit({"w": second})
+        assert _base(repo, c2) == _tensor(repo, c1)
+    with Repository.open(tmp_path) as reopened:  # no planes cached: decoded from the records
+        assert_same(second, reopened.checkout(c2)["w"])
+
+
+def test_a_residual_that_does_not_pay_is_recorded_whole_and_the_next_attempt_waits(tmp_path):
+    """An unrelated tensor at the same path is stored as a keyframe with no base, and its miss is counted so that the
+    next residual attempt waits: a base was recorded for every tensor that had a parent, or no miss was counted
+    (mutation audit round 11)."""
+    generator = torch.Generator().manual_seed(4)
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"w": torch.randn(50_000, generator=generator)})
+        record = _record(repo, repo.commit({"w": torch.randn(50_000, generator=generator)}))
+        assert record.base_id is None and record.depth == 0
+        assert record.params.get("residual_misses") == 1 and record.params.get("residual_wait") == 1

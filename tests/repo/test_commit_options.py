@@ -62,3 +62,28 @@ def test_a_too_long_author_from_the_environment_is_refused_naming_it(repo, monke
         repo.commit({"w": torch.ones(3)})
     monkeypatch.setenv("CKPT_AUTHOR", "a" * 255)
     assert repo.commit_info(repo.commit({"w": torch.ones(3)})).author == "a" * 255
+
+
+def _given_back(repo, path) -> bool:
+    """Whether the repository holds `path`'s content as a file a checkout may write over without losing it."""
+    from ckptstore.formats.filemap import file_digest
+    from ckptstore.metadata import files as file_rows
+
+    with repo.db.read() as tx:
+        return bool(file_rows.known_digests(tx, [file_digest(str(path))]))
+
+
+def test_a_lossless_commit_remembers_its_file_and_a_wholly_lossy_one_does_not(repo, tmp_path):
+    """Only a file the commit stores exactly is content the store gives back: flipped, a lossy commit whose every
+    tensor is quantized called its original file saved, for a checkout to overwrite without a word, and a lossless
+    commit's file was called unsaved (mutation audit round 11)."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(5)
+    torch.save({"w": torch.randn(300, 100, generator=generator), "step": 1}, tmp_path / "a.pt")
+    save_file({"w": torch.randn(256, 256, generator=generator) * 0.02}, str(tmp_path / "m.safetensors"))
+    repo.commit(tmp_path / "a.pt")
+    assert _given_back(repo, tmp_path / "a.pt")
+    manifest = repo.manifest(repo.commit(tmp_path / "m.safetensors", lossy="balanced", branch="lossy"))
+    assert manifest.entries["w"].tensor != manifest.sources["w"]  # quantized: no tensor of the file stored exactly
+    assert not _given_back(repo, tmp_path / "m.safetensors")

@@ -141,3 +141,24 @@ def test_a_plain_file_in_a_folder_rewritten_in_place_after_it_was_hashed_is_refu
         out = repo.checkout_to(repo.commit(root / source), tmp_path / "out")
         assert (out / victim.name).read_bytes() == whole
         assert fsck(repo).ok
+
+
+def test_a_plain_file_in_a_folder_only_touched_while_committed_is_kept(tmp_path, monkeypatch):
+    """A folder's plain file whose times changed at the same size (touched, or written again with the same bytes) is
+    no torn save: its bytes are checked against its id and kept. Such a commit was refused as "changed while it was
+    being committed" (mutation audit round 11)."""
+    root = tmp_path / "repo"
+    Repository.init(root).close()
+    source, victim = _folders_blob(root)
+    whole = victim.read_bytes()
+    encode = commit_module._encode_or_keep_whole
+
+    def touched_first(*args, **kwargs):  # the run touches it as the commit encodes
+        stamp = victim.stat()
+        os.utime(victim, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 5_000_000_000))
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(commit_module, "_encode_or_keep_whole", touched_first)
+    with Repository.open(root) as repo:
+        out = repo.checkout_to(repo.commit(root / source), tmp_path / "out")
+        assert (out / victim.name).read_bytes() == whole

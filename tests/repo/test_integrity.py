@@ -799,3 +799,63 @@ def test_a_gc_of_more_than_a_batch_of_dead_tensors_leaves_no_record_naming_a_del
         assert set(tx.column("SELECT id FROM objects")) == held
     assert fsck(repo).ok and gc(repo).objects_removed == 0
     assert_same({"x": torch.zeros(2)}, repo.checkout(kept))
+
+
+def _drifting(count: int, numel: int = 100_000) -> list[dict]:
+    """`count` training steps of one weight "w" (400 KB, packed: a pack of its own per commit), each a small move."""
+    generator = torch.Generator().manual_seed(11)
+    weight = torch.randn(numel, generator=generator)
+    states = []
+    for _ in range(count):
+        weight = weight + 1e-4 * torch.randn(numel, generator=generator)
+        states.append({"w": weight.clone()})
+    return states
+
+
+def test_a_commit_that_stores_lost_objects_again_counts_them_in_stored_bytes(repo, tmp_path):
+    """The objects written again for a record whose objects were lost are bytes the commit stored: it reported next
+    to nothing (mutation audit round 11)."""
+    _checkpoint(tmp_path / "a.pt")
+    c1 = repo.commit(tmp_path / "a.pt")
+    _lose_objects_of(repo, c1, "w")
+    c2 = repo.commit(tmp_path / "a.pt")  # repairs: w is encoded and stored again
+    assert c2 != c1
+    # w, 120 KB of random floats, is most of what either commit stored
+    assert repo.commit_info(c2).stored_bytes > repo.commit_info(c1).stored_bytes // 2
+
+
+def test_a_parent_whose_base_lost_its_objects_is_no_base_of_a_new_commit(repo):
+    """A record is lost where any object down its chain is gone: a parent intact itself but resting on a base whose
+    objects are lost was chained on, and the new commit was recorded unable to be checked out (mutation audit
+    round 11)."""
+    from tests.repo.test_chains import _depths
+
+    first, second, third = _drifting(3)
+    c1, c2 = repo.commit(first), repo.commit(second)
+    assert _depths(repo, c2) == 1  # a residual on c1's w
+    _lose_objects_of(repo, c1, "w")
+    assert_same(third, repo.checkout(repo.commit(third)))
+
+
+def test_a_lost_record_beside_leaves_the_other_records_of_the_parent_to_chain_on(repo):
+    """Only the records whose own chain lost an object are set apart: a chain ends at a keyframe (no base), which is
+    not lost. One lost object among the parent's records made every record lost, and every tensor was keyframed
+    again (mutation audit round 11)."""
+    from tests.repo.test_chains import _depths
+
+    first, second = _drifting(2)
+    beside = torch.randn(400_000, generator=torch.Generator().manual_seed(12))  # 1.6 MB: objects of its own
+    c1 = repo.commit({**first, "x": beside})
+    _lose_objects_of(repo, c1, "x")
+    c2 = repo.commit({**second, "x": beside})
+    assert _depths(repo, c2) == 1  # w still a residual on c1's
+    assert_same({**second, "x": beside}, repo.checkout(c2))
+
+
+def test_a_parent_entry_without_a_tensor_record_is_encoded_whole_not_a_key_error(repo):
+    """A parent's manifest entry whose record rows are gone (damage) is no parent: the next commit encodes that tensor
+    whole; it stopped with a KeyError traceback (mutation audit round 11)."""
+    first, second = _drifting(2)
+    tid = repo.manifest(repo.commit(first)).entries["w"].tensor
+    _sql(repo, f"DELETE FROM tensor_chunks WHERE tensor_id = '{tid}'", f"DELETE FROM tensors WHERE id = '{tid}'")
+    assert_same(second, repo.checkout(repo.commit(second)))
