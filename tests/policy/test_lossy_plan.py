@@ -141,3 +141,79 @@ def test_a_weights_bound_allowance_is_clamped_to_half_and_twice(factor, allowed)
     ctx = PlanContext({}, {}, LEVELS["balanced"], None, None, None, {}, {"model/w": factor}, set(), 1, None)
     assert ctx.weight_bound("model/w") == {"max_error": pytest.approx(allowed)}
 
+
+
+def _doc_value(text: str):
+    """A cell of reference.md's knob table as the knob holds it: True/False, None, or a number such as 1/16."""
+    from fractions import Fraction
+
+    named = {"True": True, "False": False, "None": None}
+    return named[text] if text in named else float(Fraction(text))
+
+
+def test_the_presets_knobs_are_the_ones_reference_md_states():
+    """The enforced bounds and the promised loss are what docs/reference.md's knob table (and `show`) tell the user:
+    a preset drifting from it enforces a looser bound than documented. Each `optimizer / balanced / extreme` row is
+    checked ("-": the knob's default); resume-only has no bounds (mutation audit round 13)."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from ckptstore.policy.levels import LEVELS, LossyLevel
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "reference.md").read_text()
+    defaults = {f.name: f.default for f in dataclasses.fields(LossyLevel)}
+    checked = set()
+    for knob, cells in re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", doc[doc.index("## Lossy knobs"):], re.M):
+        parts = [p.strip() for p in cells.split(" / ")]
+        if knob not in defaults or len(parts) != 3:
+            continue
+        for name, part in zip(("optimizer", "balanced", "extreme"), parts):
+            want, got = defaults[knob] if part == "-" else _doc_value(part), getattr(LEVELS[name], knob)
+            assert got == (pytest.approx(want) if isinstance(want, float) else want), (knob, name)
+        checked.add(knob)
+    assert {"max_weight_error", "max_update_error", "promised_loss_change", "weights_lossy"} <= checked
+    for knob in ("max_weight_error", "max_update_error", "promised_loss_change"):
+        assert not getattr(LEVELS["resume-only"], knob), knob
+
+
+def _integer_knobs() -> list[str]:
+    """The integer knobs that count things (not octaves, which may be negative)."""
+    import dataclasses
+
+    from ckptstore.policy.levels import LossyLevel
+
+    return [f.name for f in dataclasses.fields(LossyLevel)
+            if str(f.type).startswith("int") and not f.name.endswith("log2")]
+
+
+@pytest.mark.parametrize("knob, value", [
+    ("weight_keyframe_step", 0), ("moment_step", 0.0), ("frozen_step", 0), ("embedding_factor", 0),
+    ("prune", 1.5), ("weight_rounding", 2.0), ("moment_rounding", 1.0001),
+    ("max_weight_error", -1e-9), ("fine_drift", -1), *[(knob, -1) for knob in _integer_knobs()],
+])
+def test_knobs_out_of_their_range_are_refused_by_name(knob, value):
+    """Steps and factors must be > 0 (a step of 0 divided by zero at the commit), fractions at most 1 (prune=1.5 put
+    np.partition's index past the chunk; a rounding past 1 widened the dead zone past a step), and counts >= 0: each
+    is refused naming the knob (mutation audit round 13)."""
+    from ckptstore.errors import CkptError
+
+    assert _integer_knobs()
+    with pytest.raises(CkptError, match=knob):
+        level_named("balanced", **{knob: value})
+
+
+def test_parameter_groups_of_different_learning_rates_share_none():
+    """With the pairing uncertain, an unpaired weight takes the learning rate every parameter shares, if any: with
+    two groups (a head at 1e-2, a backbone at 1e-6) either was taken, by set order, and backbone weights were judged
+    fast-moving, coded at the coarser fast steps (mutation audit round 13)."""
+    from ckptstore.policy.lossy_context import build_context
+
+    tensors: dict = {}
+    _adam(tensors, 0, (4, 4), "model/a.weight")
+    _adam(tensors, 1, (4, 4), "model/b.weight")
+    tensors["model/c.weight"] = _t(4, 4, seed=2)
+    pairing = map_optimizer(tensors, None, None, {0: 1e-2, 1: 1e-6})
+    assert not pairing.certain and {s.lr for s in pairing.slots} == {1e-2, 1e-6}
+    ctx = build_context(tensors, {}, level_named("balanced"), EncodingSettings(), pairing, None)
+    assert ctx.shared_lr is None

@@ -299,3 +299,44 @@ def test_with_the_pairing_uncertain_a_buffer_told_by_its_name_stays_lossless():
     roles, _ = _roles_and_plans(tensors, {}, level, pairing)
     assert roles["model/q.parametrizations.weight.0.base"] is Role.LOSSLESS
     assert roles["model/a.weight"] is roles["model/wn.weight_v"] is Role.WEIGHT_KEYFRAME
+
+
+@pytest.mark.parametrize("certain", [True, False])
+def test_a_norm_weight_of_many_entries_stays_bit_exact(certain):
+    """docs/guide.md promises biases and norm weights bit-exact at every level: a 1-D weight past min_elements (a
+    wide LayerNorm's gain) stays lossless whether or not the pairing is certain (mutation audit round 13)."""
+    tensors = {}
+    _adam(tensors, 0, "model/fc.weight", 256, 64)
+    _adam(tensors, 1, "model/norm.weight", 8192)
+    if certain:
+        pairing = map_optimizer(tensors, None, [0, 1], {0: 1e-4, 1: 1e-4})
+    else:  # a model-only checkpoint: every float tensor may be a weight
+        tensors = {k: v for k, v in tensors.items() if k.startswith("model/")}
+        pairing = map_optimizer(tensors)
+    for name in ("balanced", "extreme", "resume-only"):
+        roles = plan_roles(tensors, {}, level_named(name, fisher_allocation=False), SETTINGS, pairing)
+        assert roles["model/norm.weight"] == Role.LOSSLESS, name
+        assert roles["model/fc.weight"] != Role.LOSSLESS, name
+
+
+def test_extremes_pruning_with_double_moments_beside_float_weights(repo, tmp_path):
+    """A float64 v (moments kept in double) is not the importance that weighs extreme's pruning of float32 weights:
+    read as float32-sized entries, it pruned the wrong ones and the restored weight missed extreme's bound
+    (mutation audit round 13)."""
+    import torch
+
+    torch.manual_seed(0)
+    path = tmp_path / "c.pt"
+
+    def commit(w, step):
+        state = {0: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(256, 64, dtype=torch.float64) * 1e-3,
+                     "exp_avg_sq": torch.rand(256, 64, dtype=torch.float64) * 1e-6}}
+        torch.save({"model": {"w": w}, "optimizer": {"state": state, "param_groups": [{"lr": 1e-4, "params": [0]}]}},
+                   path)
+        return repo.commit(path, lossy="extreme")
+
+    w = torch.randn(256, 64)
+    commit(w, 1)
+    moved = w + 0.3 * torch.randn(256, 64)
+    got = repo.checkout(commit(moved, 2))["model"]["w"]
+    assert torch.linalg.norm(got - moved) / torch.linalg.norm(moved) <= 2 * level_named("extreme").max_weight_error

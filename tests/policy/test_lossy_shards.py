@@ -98,3 +98,29 @@ def test_two_half_shards_are_planned_as_their_whole_tensor_is():
             if name in expected:
                 assert np.isclose(plan.params[name], expected[name], rtol=1e-6), (key, name)
     assert len(plans) == 12  # every half of every tensor quantized (each half of 3072 is below min_elements)
+
+
+def test_a_second_optimizers_moment_does_not_take_over_a_slot():
+    """With two optimizers' state for one parameter (an Adam beside a Lion, which keeps exp_avg alone), the later
+    one's exp_avg replaced Adam's in the slot: Lion's momentum was coded as Adam's first moment against the other
+    optimizer's v, a bound that does not hold (mutation audit round 13)."""
+    names = ["model.fc.weight", "adam.state.fc.weight.exp_avg", "adam.state.fc.weight.exp_avg_sq",
+             "lion.state.fc.weight.exp_avg"]
+    slots, _ = pair_by_fqn(names, {})
+    assert slots["model.fc.weight"]["exp_avg"] == "adam.state.fc.weight.exp_avg"
+
+
+def test_a_sharded_commits_fisher_factors_leave_out_vectors_as_a_file_commits_do():
+    """Only matrices enter the Fisher allocation of a sharded commit, as of a file commit: a big bias's v entered it
+    and changed every matrix's factor, so a DCP save planned its weights unlike the same checkpoint committed as a
+    file (mutation audit round 13)."""
+    sizes = {"model.w": (256, 64), "model.b": (8192,), "model.u": (128, 128)}
+    sizes.update({f"optim.state.{p}.{m}": sizes[f"model.{p}"] for p in "wbu" for m in ("exp_avg", "exp_avg_sq")})
+    means = {"model.w": 1.0, "model.b": 1.0, "model.u": 2.0, "optim.state.w.exp_avg_sq": 1e-6,
+             "optim.state.u.exp_avg_sq": 4e-6, "optim.state.b.exp_avg_sq": 1e-2}
+    stats = {}
+    for fqn, shape in sizes.items():
+        n, mean = int(np.prod(shape)), means.get(fqn, 1e-3)
+        stats[Shard(fqn, (0,) * len(shape), shape)] = ShardStats(mean * mean * n, mean * n, n)
+    facts = combine(stats, dict.fromkeys(sizes, F32), sizes, {}, LEVELS["balanced"])
+    assert set(facts.sensitivity) == {"model.w", "model.u"}

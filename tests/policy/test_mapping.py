@@ -99,3 +99,48 @@ def test_buffers_beside_the_parameters_keep_the_ids_pairing():
     tensors = _checkpoint(model, trained)
     for result in (map_optimizer(tensors, ids=list(range(len(trained)))), map_optimizer(tensors)):  # shapes alone too
         assert result.certain and [s.weight for s in result.slots] == [f"model/{k}" for k in trained]
+
+
+def _without_state(tensors: dict, *indices: int, roles=("exp_avg", "exp_avg_sq", "step")) -> dict:
+    """The checkpoint with the given roles of these parameters' state removed (no gradient yet, or no moment)."""
+    return {k: v for k, v in tensors.items()
+            if not any(k == f"optimizer/state/{i}/{role}" for i in indices for role in roles)}
+
+
+def test_names_of_parameters_with_no_state_yet_do_not_shift_the_pairing():
+    """The caller's names list every optimizer parameter, the state only those that had a gradient: pairing them in
+    order would give the second parameter's moments to the first parameter's weight (mutation audit round 13)."""
+    model = {"a.weight": (4, 3), "b.weight": (5, 2)}
+    tensors = _without_state(_checkpoint(model, list(model)), 0)  # a.weight: in the optimizer, no gradient yet
+    result = map_optimizer(tensors, names=list(model))
+    assert [s.weight for s in result.slots] == ["model/b.weight"]
+
+
+def test_ids_of_a_partial_optimizer_do_not_index_the_whole_model():
+    """Ids counted by an optimizer that holds only some of the model's parameters are not positions in the model: a
+    frozen first block was paired, as certain, with the next block's moments; ids past the model's end raised
+    IndexError (mutation audit round 13)."""
+    model = {"b0.weight": (4, 4), "b1.weight": (4, 4), "b2.weight": (4, 4)}
+    result = map_optimizer(_checkpoint(model, ["b1.weight", "b2.weight"]), ids=[0, 1])  # b0 frozen, not optimized
+    assert not result.certain or [s.weight for s in result.slots] == ["model/b1.weight", "model/b2.weight"]
+    longer = map_optimizer(_checkpoint({"a.weight": (4, 4)}, ["a.weight"]), ids=[0, 1, 2])
+    assert [s.weight for s in longer.slots] in (["model/a.weight"], [None])
+
+
+def test_state_without_moments_is_said_so():
+    """A state with no first moment is reported as such, not as ambiguous shapes: `show` explains the pairing with
+    this text (mutation audit round 13)."""
+    tensors = _without_state(_checkpoint({"a.weight": (4, 3)}, ["a.weight"]), 0, roles=("exp_avg",))
+    result = map_optimizer(tensors)
+    assert not result.certain and result.how == "state without moments; weights not paired"
+
+
+def test_a_name_two_tensors_end_with_names_neither():
+    """A name that both a model's tensor and its EMA copy end with is ambiguous: taking the first hit made
+    calibration swap in (and measure) the EMA's tensor and paired the caller's names with the EMA's weight
+    (mutation audit round 13)."""
+    from ckptstore.policy.mapping import paths_of_names
+
+    tensors = _checkpoint({"ema/fc.weight": (4, 3), "fc.weight": (4, 3)}, ["fc.weight"])
+    assert paths_of_names(tensors, ["fc.weight"]) == {}
+    assert map_optimizer(tensors, names=["fc.weight"]).how != "given by the caller"

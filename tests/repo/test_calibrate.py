@@ -271,3 +271,20 @@ def test_with_the_live_model_a_quantized_buffer_is_swapped_in_and_measured_too(t
     fresh.load_state_dict(restored)
     change = (float(loss(fresh).detach()) - original) / original
     assert abs(change) <= limit and recorded == pytest.approx(change * 100, rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.parametrize("attempt", [1, 2, 3])
+def test_each_calibration_retry_halves_every_weight_step_and_the_bound_again(attempt):
+    """Retry n scales every weight step (fast weights' too) and the weight bound by 1/2**n: retries 2 and 3 repeated
+    retry 1's level, so a commit that needed a quarter step went on to lossless weights, and fast weights' keyframe
+    step was never halved (mutation audit round 13)."""
+    from ckptstore.policy.levels import LEVELS
+    from ckptstore.repo.calibrate import ATTEMPTS, tighter
+
+    level = LEVELS["balanced"]
+    assert attempt < ATTEMPTS - 1
+    got = tighter(level, attempt)
+    for knob in ("weight_keyframe_step", "weight_residual_step", "fast_keyframe_step", "fast_residual_step",
+                 "max_weight_error"):
+        assert getattr(got, knob) == pytest.approx(getattr(level, knob) * 0.5**attempt), knob
+    assert got.weights_lossy and not tighter(level, ATTEMPTS - 1).weights_lossy
