@@ -71,20 +71,26 @@ def loss_with_weights(model: Any, loss_fn: Callable[[Any], Any], weights: dict[s
     """`loss_fn(model)` with some parameters or buffers replaced by `weights` (name -> torch tensor), then put back.
 
     How a lossy commit measures what its reconstruction costs on the calibration batch without
-    touching the caller's model: the values are swapped in place and restored, even on error.
+    touching the caller's model: parameters are swapped in place and restored, even on error; a
+    buffer (a fixed projection a level quantized) is swapped by rebinding it to the restored values
+    and bound again to the model's own tensor after: a buffer may be replaced, grown or an expanded
+    view by the time the loss is computed, and nothing is written into it.
     """
     import torch
 
-    named = model_tensors(model)
+    named = dict(model.named_parameters())
     saved = _saved(model)
     was_training = model.training
     model.eval()
+    buffers: dict[str, Any] = {}
     try:
         with torch.no_grad():
             for name in weights.keys() & named.keys():
                 named[name].copy_(weights[name].reshape(named[name].shape))
+            buffers = _rebind_buffers(model, {n: w for n, w in weights.items() if n not in named})
             return finite_loss(calling(loss_fn, model))
     finally:
+        _bind_back(model, buffers)
         _put_back(model, saved)
         model.train(was_training)
 
@@ -94,16 +100,41 @@ def model_tensors(model: Any) -> dict[str, Any]:
     return {**dict(model.named_buffers()), **dict(model.named_parameters())}
 
 
+def _rebind_buffers(model: Any, values: dict[str, Any]) -> dict[str, Any]:
+    """Bind each buffer named in `values` to its value (on the buffer's device, in its dtype).
+
+    Returns the tensors they were bound to, for _bind_back.
+    """
+    current = dict(model.named_buffers())
+    before = {}
+    for name in values.keys() & current.keys():  # one set to None since has nothing to swap
+        old = current[name]
+        before[name] = old
+        _bind(model, name, values[name].reshape(old.shape).to(old.device, old.dtype))
+    return before
+
+
+def _bind_back(model: Any, before: dict[str, Any]) -> None:
+    """The buffers _rebind_buffers swapped, bound to the model's own tensors again (whatever loss_fn made of them)."""
+    for name, tensor in before.items():
+        _bind(model, name, tensor)
+
+
+def _bind(model: Any, name: str, tensor: Any) -> None:
+    prefix, _, leaf = name.rpartition(".")
+    model.get_submodule(prefix)._buffers[leaf] = tensor
+
+
 def _saved(model: Any) -> dict[str, Any]:
-    """Every parameter's and buffer's values (loss_fn may change any), in host memory: not a second model on a GPU."""
-    return {name: value.detach().to("cpu", copy=True) for name, value in model_tensors(model).items()}
+    """Every parameter's values (loss_fn may change any), kept in host memory: on a GPU, not a second model there."""
+    return {name: value.detach().to("cpu", copy=True) for name, value in model.named_parameters()}
 
 
 def _put_back(model: Any, saved: dict[str, Any]) -> None:
-    """The parameters' and buffers' values as they were before the calibration function ran."""
+    """The parameters' values as they were before the calibration function ran."""
     import torch
 
-    named = model_tensors(model)
+    named = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in saved.items():
             named[name].copy_(value)

@@ -47,3 +47,69 @@ def test_step_factors_spend_bits_where_the_loss_is_sensitive():
     assert "d" not in factors  # nothing measured: the level's own step
     assert (factors["a"], factors["b"], factors["c"]) == pytest.approx((2.0, 1.0, 0.5))  # geometric mean 1
     assert step_factors({"x": 1.0, "y": 1e6}) == {"x": 8.0, "y": 1 / 8}  # clamped
+
+
+class _Growing(torch.nn.Module):
+    """A causal mask cache that forward grows (registered anew), as many attention modules keep one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("mask", torch.ones(2, 2).tril(), persistent=False)
+
+    def forward(self, x):
+        if self.mask.shape[0] < x.shape[1]:
+            self.register_buffer("mask", torch.ones(x.shape[1], x.shape[1]).tril(), persistent=False)
+        return self.lin(self.mask[: x.shape[1], : x.shape[1]] @ x)
+
+
+class _Dropping(torch.nn.Module):
+    """A buffer forward frees (set to None), and one that is an expanded view (stride 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("cache", torch.zeros(8), persistent=False)
+        self.register_buffer("scale", torch.ones(1, 8).expand(4, 8), persistent=False)
+
+    def forward(self, x):
+        self.cache = None
+        return self.lin(x) * self.scale[0]
+
+
+def _inference_buffer():
+    """A module whose buffer was made under torch.inference_mode (a statistic computed there)."""
+    model = torch.nn.Module()
+    model.lin = torch.nn.Linear(8, 8)
+    with torch.inference_mode():
+        model.register_buffer("stat", torch.zeros(8))
+    model.forward = lambda x: model.lin(x) + model.stat
+    return model
+
+
+@pytest.mark.parametrize("make", [_Growing, _Dropping, _inference_buffer], ids=["grown", "dropped,expanded",
+                                                                                  "inference-mode"])
+def test_buffers_forward_replaces_or_that_refuse_writes_are_measured_and_left_as_they_were(make):
+    """Saving and writing back every buffer failed on these (reader 40): a measurement swaps a buffer in by binding,
+    and binds the model's own tensor back after; the Fisher pass leaves buffers alone."""
+    from ckptstore.policy.sensitivity import loss_with_weights
+
+    model, x = make(), torch.randn(4, 4, 8)
+    loss = lambda m: m(x).pow(2).mean()  # noqa: E731
+    for _ in range(2):  # after a first run, the buffers are what forward made of them
+        before = dict(model.named_buffers())
+        swapped = {name: torch.full_like(value, 0.5) for name, value in before.items()}
+        assert math.isfinite(loss_with_weights(model, loss, swapped))
+        assert all(now is before[name] for name, now in model.named_buffers())  # the model's own, not copies
+        assert measure_fisher(model, loss)
+
+
+def test_a_swapped_buffer_is_what_the_loss_sees():
+    """The measured loss is that of the restored buffer's values, not of the model's (reader 40's rebinding)."""
+    from ckptstore.policy.sensitivity import loss_with_weights
+
+    model, x = _Growing(), torch.randn(4, 2, 8)
+    loss = lambda m: float(m(x).pow(2).mean())  # noqa: E731
+    zeros = loss_with_weights(model, loss, {"mask": torch.zeros(2, 2)})
+    assert zeros == pytest.approx(float(model.lin.bias.pow(2).mean())) and loss(model) != zeros
+    assert torch.equal(model.mask, torch.ones(2, 2).tril())
