@@ -33,7 +33,8 @@ def log(ctx, revisions, limit, graph, oneline, all_refs, as_json) -> None:
         return emit_json([dict(c.to_json(), **({"pruned": True} if c.pruned else {}))
                           for c in repo.log(revisions, all_refs, limit)])
     if graph or oneline:  # both: the graph, whose lines are one a commit too (as git draws them)
-        for line in repo.log_graph(all_refs, revisions, limit, graph) or ([] if revisions else _unborn_head(repo)):
+        lines = repo.log_graph(all_refs, ref=revisions, limit=limit, lanes=graph)
+        for line in lines or ([] if revisions else _unborn_head(repo)):
             echo(line)
         return None
     labels = repo.decorations()

@@ -97,6 +97,8 @@ def log_graph(repo: Repository, ref: str | Sequence[str] | None = None, all_refs
 
     Without `lanes`, `log --oneline`'s: the same line per commit, without the graph.
     """
+    if not isinstance(all_refs, bool):  # Repository.log_graph's first argument: log_graph("side") listed them all
+        raise TypeError(f"log_graph's all_refs is True or False, not {all_refs!r}: name the ref with ref=")
     history = log(repo, ref, all_refs, limit)
     labels = decorations(repo)
     by_id = {c.id: c for c in history}

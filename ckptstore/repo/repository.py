@@ -266,7 +266,7 @@ class Repository:
 
         return decorations(self)
 
-    def log_graph(self, all_refs: bool = False, ref: str | Sequence[str] | None = None, limit: int | None = None,
+    def log_graph(self, all_refs: bool = False, *, ref: str | Sequence[str] | None = None, limit: int | None = None,
                   lanes: bool = True) -> list[str]:
         """`log --graph` lines of `log(ref, all_refs, limit)`'s commits (`lanes=False`: `log --oneline`'s)."""
         from ckptstore.repo.history import log_graph

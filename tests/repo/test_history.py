@@ -83,6 +83,9 @@ def test_log_cli_takes_revisions_and_a_count_and_graph_lanes_end_where_the_range
     assert len(both) == 4 and all(line.startswith("* ") for line in both), both  # nor one to the shared m1 (reader 39)
     with Repository.open(tmp_path) as repo:
         assert repo.log_graph(True) == repo.log_graph(all_refs=True)  # all_refs stays the first argument
+        assert len(repo.log_graph(ref="side")) == 3
+        with pytest.raises(TypeError, match="ref="):  # not every branch's history, silently (reader 40)
+            repo.log_graph("side")
     text = ckpt_here(tmp_path, "log", "main...side").stdout
     assert text.count("\ncommit ") + text.startswith("commit ") == 4 and ids["m1"] not in text
     oneline = ckpt_here(tmp_path, "log", "--oneline", "--all").stdout.splitlines()
