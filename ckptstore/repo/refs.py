@@ -48,9 +48,23 @@ def check_name(name: str) -> None:
     if _HEX.fullmatch(name) and len(name) >= MIN_PREFIX:
         raise InvalidRefNameError(f"{name!r} reads as a commit id (hex digits) and would hide the commit it "
                                   "abbreviates; choose a name with a letter beyond a-f")
-    if name.endswith("."):  # git refuses it too: `v1...main` would read as v1...main, not v1. .. main
-        raise InvalidRefNameError(f"{name!r} ends with '.', which a range (A..B) would swallow; choose another name")
     check_form(name)
+
+
+def check_made_name(name: str, remotes: Iterable[str], tx: Tx) -> None:
+    """check_new_name and check_range_safe, for a name made here (a branch, a tag, `commit --branch NEW`)."""
+    check_range_safe(name)
+    check_new_name(name, remotes, tx)
+
+
+def check_range_safe(name: str) -> None:
+    """No name ending in '.': `v1...main` would read as v1 ... main, not `v1.` .. main (git refuses them too).
+
+    Only names made here: those an older ckptstore allowed still travel (clone, push, pull), as
+    refusing them there would strand their commits.
+    """
+    if name.endswith("."):
+        raise InvalidRefNameError(f"{name!r} ends with '.', which a range (A..B) would swallow; choose another name")
 
 
 def check_form(name: str, longest: int = MAX_NAME) -> None:
@@ -133,7 +147,7 @@ def _base(tx: Tx, spec: str) -> CommitId:
 def split_range(spec: str) -> tuple[str, str, bool] | None:
     """A range as git writes one, `A..B` or `A...B`, as (A, B, whether three dots); None for a single ref.
 
-    An empty side is HEAD. Names cannot hold `..` nor end with `.` (check_name), so the dots mean a range.
+    An empty side is HEAD. Names cannot hold `..` (check_name), and those made here not end with `.`.
     """
     for dots in ("...", ".."):
         if dots in spec:
@@ -184,7 +198,7 @@ def head(repo: Repository) -> tuple[str | None, CommitId | None]:
 def create(repo: Repository, name: str, start: str, kind: str) -> CommitId:
     """Create a branch or tag `name` at the commit `start` names."""
     with repo.db.write() as tx:
-        check_new_name(name, repo.config.remotes, tx)
+        check_made_name(name, repo.config.remotes, tx)
         if ref_rows.ref_row(tx, name) is not None:
             raise RefExistsError(f"a branch or tag named {name!r} already exists")
         if kind == TAG and head_branch(tx) == name:

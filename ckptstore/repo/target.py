@@ -48,7 +48,7 @@ def commit_target(tx: Tx, branch: str | None, remotes: Iterable[str] = ()) -> St
             return Start(None, refs.head_commit(tx))
     row = ref_rows.ref_row(tx, branch)
     if row is None and branch != refs.head_branch(tx):  # only a name being created must pass today's rules
-        refs.check_new_name(branch, remotes, tx)
+        refs.check_made_name(branch, remotes, tx)
     if row is not None and row.kind != refs.BRANCH:
         raise CkptError(f"{branch!r} is {'a tag' if row.kind == refs.TAG else 'not a branch'}; commits go on branches")
     if row is not None:

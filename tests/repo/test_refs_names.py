@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from ckptstore import Repository
 from ckptstore.cli import cli
 from ckptstore.errors import CkptError, InvalidRefNameError, RefNotFoundError
-from ckptstore.repo.refs import check_name, split_range
+from ckptstore.repo.refs import check_name, check_range_safe, split_range
 from tests.conftest import machine_settings
 
 
@@ -55,6 +55,7 @@ def test_every_accepted_name_reads_back_as_one_side_of_a_range(name):
     """`v1.` was accepted, and `ckpt log v1...main` read as v1 ... main (reader 39): git refuses such names too."""
     try:
         check_name(name)
+        check_range_safe(name)
     except InvalidRefNameError:
         return
     assert split_range(name) is None
@@ -123,3 +124,23 @@ def test_tags_can_be_deleted(repo):
     result = CliRunner().invoke(cli, ["--repo", str(repo.root), "tag", "-d", "gone"])
     assert result.exit_code == 0 and f"Deleted tag gone (was {head[:12]})" in result.output
     assert "gone" not in repo.tags()
+
+
+def test_a_name_ending_in_a_dot_is_not_made_here_but_one_an_older_ckptstore_made_still_clones(tmp_path):
+    """Names made here may not end in '.' (a range would swallow it); an older repository's `release.` cloned into
+    an empty repository with HEAD on an unborn main, without a word (reader 40): it travels as before."""
+    from ckptstore.metadata import refs as ref_rows
+    from ckptstore.repo import remote
+
+    with Repository.init(tmp_path / "old") as old:
+        cid = old.commit({"w": torch.ones(4)})
+        for make in (lambda: old.branch("v2."), lambda: old.tag("t."), lambda: old.commit({"w": torch.ones(4)},
+                                                                                        branch="v3.")):
+            with pytest.raises(InvalidRefNameError, match="ends with '.'"):
+                make()
+        with old.db.write() as tx:  # as an older ckptstore made it
+            ref_rows.insert_ref(tx, "release.", "branch", cid)
+            ref_rows.point_head(tx, "release.", None)
+    with remote.clone(str(tmp_path / "old"), tmp_path / "copy") as copy:
+        assert copy.head() == ("release.", cid) and set(copy.branches()) >= {"release."}
+        assert copy.log("release.")[0].id == cid
