@@ -301,7 +301,8 @@ def _refuse_damaged(tx: Tx, cids: list[CommitId], sender: Repository, pushing: b
     read "metadata has no commit", which sent a user to a `ckpt fsck` here that found nothing.
     """
     where = f"this repository ({_named(sender)})" if pushing else f"the repository at {_named(sender)}"
-    fsck = "Run `ckpt fsck` here" if pushing else "Run `ckpt fsck` in it"
+    fsck = "Run `ckpt fsck` here" if pushing else ("Check that repository: `ckpt fsck` in it, or `ckpt fsck --remote "
+                                                   "NAME` from a repository that has it as a remote")  # a bucket's too
     unrecorded = sorted(set(cids) - transfer.present_commits(tx, cids))
     if unrecorded:
         raise CkptError(f"{where} has no record of commit {unrecorded[0][:12]}, which its refs reach; nothing was "

@@ -611,7 +611,8 @@ def test_a_damaged_commit_record_does_not_travel(pair, tmp_path):
     with Repository.open(hub) as other:
         assert other.log() == [] and fsck(other).ok
     sender = re.escape(str(work.root))
-    with pytest.raises(CkptError, match=f"^the repository at {sender} holds a damaged record .* in it$"):
+    with pytest.raises(CkptError, match=f"^the repository at {sender} holds a damaged record .* `ckpt fsck --remote "
+                                        "NAME` from a repository that has it as a remote$"):
         remote.clone(str(work.root), tmp_path / "copy")
 
 
@@ -628,7 +629,8 @@ def test_a_remote_whose_branch_names_a_commit_it_has_no_record_of_is_named_as_th
         remote.add(fresh, "origin", str(hub))
         sender = re.escape(str(hub))
         with pytest.raises(CkptError, match=f"^the repository at {sender} has no record of commit {cids[-1][:12]}, "
-                                            r"which its refs reach; nothing was sent. Run `ckpt fsck` in it$"):
+                                            r"which its refs reach; nothing was sent. Check that repository: "
+                                            r"`ckpt fsck` in it, or `ckpt fsck --remote NAME`"):
             remote.fetch(fresh, "origin")
         assert fresh.log(all_refs=True) == [] and fsck(fresh).ok
 
