@@ -7,13 +7,14 @@ error costs there. It is what Adam's second moment averages over many batches, s
 batch matters most where there is no second moment (SGD). Estimating the Hessian directly was
 tried and dropped: finite differences drown in rounding on a bfloat16 model, and Hutchinson's
 z^T H z with 4 probes disagreed 2-4x between seeds and came out negative for a third of the
-matrices (docs/benchmarks.md). The model's weights, gradients and train/eval mode are untouched.
+matrices (docs/benchmarks.md). The model's weights, buffers, gradients and train/eval mode are untouched.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ckptstore.errors import CkptError
@@ -34,19 +35,20 @@ def measure_fisher(model: Any, loss_fn: Callable[[Any], Any]) -> dict[str, float
     was_training = model.training
     model.eval()
     try:
-        loss = calling(loss_fn, model)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise CkptError("the calibration function must return the loss as a one-element tensor")
-        if not torch.isfinite(loss.detach()).all():
-            if not all(torch.isfinite(p.detach()).all() for p in model.parameters()):
-                return {}  # a diverged model: its checkpoint is committed lossless, steered by nothing
-            raise CkptError(f"the calibration loss is not finite ({float(loss.detach())}); "
-                            "sensitivity cannot be measured")
-        try:
-            grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
-        except RuntimeError as exc:  # the loss was computed without a graph (torch.no_grad, a detached copy)
-            raise CkptError(f"sensitivity needs the calibration loss's gradients, and torch found none ({exc}); "
-                            "compute the loss with gradients enabled") from None
+        with _buffers_of_the_call(model, {}):
+            loss = calling(loss_fn, model)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise CkptError("the calibration function must return the loss as a one-element tensor")
+            if not torch.isfinite(loss.detach()).all():
+                if not all(torch.isfinite(p.detach()).all() for p in model.parameters()):
+                    return {}  # a diverged model: its checkpoint is committed lossless, steered by nothing
+                raise CkptError(f"the calibration loss is not finite ({float(loss.detach())}); "
+                                "sensitivity cannot be measured")
+            try:
+                grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+            except RuntimeError as exc:  # the loss was computed without a graph (torch.no_grad, a detached copy)
+                raise CkptError(f"sensitivity needs the calibration loss's gradients, and torch found none ({exc}); "
+                                "compute the loss with gradients enabled") from None
     finally:
         model.train(was_training)
         _put_back(model, saved)
@@ -71,10 +73,8 @@ def loss_with_weights(model: Any, loss_fn: Callable[[Any], Any], weights: dict[s
     """`loss_fn(model)` with some parameters or buffers replaced by `weights` (name -> torch tensor), then put back.
 
     How a lossy commit measures what its reconstruction costs on the calibration batch without
-    touching the caller's model: parameters are swapped in place and restored, even on error; a
-    buffer (a fixed projection a level quantized) is swapped by rebinding it to the restored values
-    and bound again to the model's own tensor after: a buffer may be replaced, grown or an expanded
-    view by the time the loss is computed, and nothing is written into it.
+    touching the caller's model: parameters are swapped in place and restored, even on error;
+    buffers are the call's own (_buffers_of_the_call), a quantized one's restored values among them.
     """
     import torch
 
@@ -82,15 +82,12 @@ def loss_with_weights(model: Any, loss_fn: Callable[[Any], Any], weights: dict[s
     saved = _saved(model)
     was_training = model.training
     model.eval()
-    buffers: dict[str, Any] = {}
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _buffers_of_the_call(model, {n: w for n, w in weights.items() if n not in named}):
             for name in weights.keys() & named.keys():
                 named[name].copy_(weights[name].reshape(named[name].shape))
-            buffers = _rebind_buffers(model, {n: w for n, w in weights.items() if n not in named})
             return finite_loss(calling(loss_fn, model))
     finally:
-        _bind_back(model, buffers)
         _put_back(model, saved)
         model.train(was_training)
 
@@ -100,29 +97,36 @@ def model_tensors(model: Any) -> dict[str, Any]:
     return {**dict(model.named_buffers()), **dict(model.named_parameters())}
 
 
-def _rebind_buffers(model: Any, values: dict[str, Any]) -> dict[str, Any]:
-    """Bind each buffer named in `values` to its value (on the buffer's device, in its dtype).
+@contextmanager
+def _buffers_of_the_call(model: Any, values: dict[str, Any]) -> Iterator[None]:
+    """Every buffer slot of `model` bound, for the block, to a tensor of the call's own; the model's own after.
 
-    Returns the tensors they were bound to, for _bind_back.
+    A buffer `values` names gets its restored value (every module holding that tensor sees it), the
+    others a copy. Nothing is written into the model's buffers, so none can fail or be left changed: forward may
+    update them in place (a quantization observer's statistics), replace or grow them (a mask
+    cache); they may be expanded views or inference tensors. A plain attribute holding a view of a
+    buffer is no slot, and keeps reading the model's own.
     """
+    import torch
+
+    slots = [(module, leaf, tensor) for _, module in model.named_modules(remove_duplicate=False)
+             for leaf, tensor in module._buffers.items() if tensor is not None]
     current = dict(model.named_buffers())
-    before = {}
-    for name in values.keys() & current.keys():  # one set to None since has nothing to swap
-        old = current[name]
-        before[name] = old
-        _bind(model, name, values[name].reshape(old.shape).to(old.device, old.dtype))
-    return before
-
-
-def _bind_back(model: Any, before: dict[str, Any]) -> None:
-    """The buffers _rebind_buffers swapped, bound to the model's own tensors again (whatever loss_fn made of them)."""
-    for name, tensor in before.items():
-        _bind(model, name, tensor)
-
-
-def _bind(model: Any, name: str, tensor: Any) -> None:
-    prefix, _, leaf = name.rpartition(".")
-    model.get_submodule(prefix)._buffers[leaf] = tensor
+    own: dict[int, Any] = {}
+    with torch.no_grad():  # every tensor made before any is bound: a failure leaves the model as it was
+        for name in values.keys() & current.keys():
+            old = current[name]
+            own[id(old)] = values[name].reshape(old.shape).to(old.device, old.dtype)
+        for _, _, tensor in slots:
+            if id(tensor) not in own:
+                own[id(tensor)] = tensor.clone()
+    try:
+        for module, leaf, tensor in slots:
+            module._buffers[leaf] = own[id(tensor)]
+        yield
+    finally:
+        for module, leaf, tensor in slots:
+            module._buffers[leaf] = tensor
 
 
 def _saved(model: Any) -> dict[str, Any]:

@@ -90,8 +90,8 @@ def _inference_buffer():
 @pytest.mark.parametrize("make", [_Growing, _Dropping, _inference_buffer], ids=["grown", "dropped,expanded",
                                                                                   "inference-mode"])
 def test_buffers_forward_replaces_or_that_refuse_writes_are_measured_and_left_as_they_were(make):
-    """Saving and writing back every buffer failed on these (reader 40): a measurement swaps a buffer in by binding,
-    and binds the model's own tensor back after; the Fisher pass leaves buffers alone."""
+    """Saving and writing back every buffer failed on these (reader 40): a measurement binds every buffer to a
+    tensor of its own, and the model's own tensors back after; so does the Fisher pass."""
     from ckptstore.policy.sensitivity import loss_with_weights
 
     model, x = make(), torch.randn(4, 4, 8)
@@ -113,3 +113,52 @@ def test_a_swapped_buffer_is_what_the_loss_sees():
     zeros = loss_with_weights(model, loss, {"mask": torch.zeros(2, 2)})
     assert zeros == pytest.approx(float(model.lin.bias.pow(2).mean())) and loss(model) != zeros
     assert torch.equal(model.mask, torch.ones(2, 2).tril())
+
+
+class _Observed(torch.nn.Module):
+    """One table registered in two modules, and a statistic forward updates in place (a quantization observer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Module(), torch.nn.Module()
+        table = torch.ones(8, 8, dtype=torch.bfloat16)
+        self.a.register_buffer("table", table)
+        self.b.register_buffer("table", table)
+        self.register_buffer("seen", torch.zeros(8))
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        self.seen.mul_(0.9).add_(x.detach().abs().mean(0))
+        return self.lin(x @ self.a.table.float() + x @ self.b.table.float())
+
+
+def test_a_buffer_two_modules_hold_is_swapped_in_both_and_in_place_updates_stay_in_the_call():
+    """Rebinding one name of a shared table left the other reading the original: the guard recorded a loss change a
+    quarter of the real one (reader 41, high); an observer's in-place statistics leaked into the live model and
+    the loss it computed (reader 41); the restored values take the buffer's dtype."""
+    from ckptstore.policy.sensitivity import loss_with_weights
+
+    model, x = _Observed(), torch.randn(4, 8)
+    seen, table = model.seen.clone(), model.a.table
+    dtypes = []
+
+    def loss(m):
+        dtypes.append(m.b.table.dtype)
+        return float(m(x).pow(2).mean())
+
+    zeros = loss_with_weights(model, loss, {"a.table": torch.zeros(8, 8)})  # named once: named_buffers dedups
+    assert zeros == pytest.approx(float(model.lin.bias.pow(2).mean()))  # both modules saw the zeros
+    assert dtypes == [torch.bfloat16] and model.a.table is table and model.b.table is table
+    assert measure_fisher(model, lambda m: m(x).pow(2).mean())
+    assert torch.equal(model.seen, seen)  # neither call left its statistics behind
+
+
+def test_restored_values_that_cannot_take_a_buffers_place_leave_every_buffer_as_it_was():
+    """A value of another size raised halfway through the swaps, leaving those before it bound (reader 41)."""
+    from ckptstore.policy.sensitivity import loss_with_weights
+
+    model = _Observed()
+    before = {name: tensor for name, tensor in model.named_buffers(remove_duplicate=False)}
+    with pytest.raises(RuntimeError):
+        loss_with_weights(model, lambda m: 0.0, {"a.table": torch.zeros(8, 8), "seen": torch.zeros(9)})
+    assert all(tensor is before[name] for name, tensor in model.named_buffers(remove_duplicate=False))
