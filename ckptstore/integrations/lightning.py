@@ -98,7 +98,7 @@ def ref_for_path(path: str | os.PathLike, prefix: str = DEFAULT_PREFIX) -> str:
     name = Path(os.fspath(path)).name
     stem = name[: -len(".ckpt")] if name.endswith(".ckpt") else name
     stem = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "_", stem)).lstrip(".") or "_"
-    if stem.endswith(".lock"):
+    if stem.endswith((".lock", ".")):  # refused by git, and here: `x.` in a range would read as `x` and `.`
         stem += "_"
     return f"{prefix}/{stem}"
 

@@ -26,7 +26,7 @@ plugin_module = pytest.importorskip("ckptstore.integrations.lightning")  # Impor
 from ckptstore.errors import BackgroundCommitError, CkptError  # noqa: E402
 from ckptstore.integrations.lightning import CkptstoreCheckpointIO, read_marker, ref_for_path  # noqa: E402
 from ckptstore.repo import Repository, gc  # noqa: E402
-from ckptstore.repo.refs import check_name  # noqa: E402
+from ckptstore.repo.refs import check_name, check_range_safe  # noqa: E402
 from tests.conftest import ckpt_env  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -125,8 +125,10 @@ def assert_same(restored, saved, where: str = "") -> None:
 def test_ref_for_path_is_a_valid_tag_name():
     assert ref_for_path("out/epoch=1-step=20.ckpt") == "lightning/epoch_1-step_20"
     assert ref_for_path("last.ckpt", "run7") == "run7/last"
-    for name in ("epoch=1-val_loss=0.35.ckpt", "last-v1.ckpt", "..x..ckpt", "a b.lock.ckpt", "%%.ckpt", ".ckpt"):
+    for name in ("epoch=1-val_loss=0.35.ckpt", "last-v1.ckpt", "..x..ckpt", "a b.lock.ckpt", "%%.ckpt", ".ckpt",
+                 "x..ckpt"):
         check_name(ref_for_path(name))
+        check_range_safe(ref_for_path(name))  # a tag the plugin makes here
 
 
 def _import_plugin_without(monkeypatch, *missing: str):
