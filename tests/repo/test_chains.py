@@ -314,3 +314,35 @@ def test_a_residual_that_does_not_pay_is_recorded_whole_and_the_next_attempt_wai
         record = _record(repo, repo.commit({"w": torch.randn(50_000, generator=generator)}))
         assert record.base_id is None and record.depth == 0
         assert record.params.get("residual_misses") == 1 and record.params.get("residual_wait") == 1
+
+
+def test_pinned_chain_costs_are_used_as_given_and_nothing_is_measured(tmp_path, monkeypatch):
+    """CKPTSTORE_CHAIN_COSTS, the setting the measurement's own error tells a user to set, is what a repository
+    chains by: ignored, the repository measured its own figures and kept them in its folder (mutation audit
+    round 11)."""
+    pinned = {w: ChainCosts(1e-9, 2e-9, 3e-9, 1) for w in (2, 4)}
+    monkeypatch.setenv(chaincost.ENV, json.dumps({w: [1e-9, 2e-9, 3e-9, 1] for w in pinned}))
+    monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 16)
+    monkeypatch.setattr(chaincost, "_measured", None)
+    assert chaincost.repository_costs(tmp_path) == pinned
+    assert not (tmp_path / chaincost.FILE).exists()
+
+
+def test_a_pinned_cost_of_zero_is_one_clear_error(tmp_path, monkeypatch):
+    """Every pinned cost must be positive: a level that costs nothing chained to the cap (mutation audit round 11)."""
+    monkeypatch.setenv(chaincost.ENV, '{"4": [1e-9, 0, 3e-9, 1]}')
+    with pytest.raises(CkptError, match="positive"):
+        chaincost.repository_costs(tmp_path)
+
+
+def test_the_measured_level_cost_is_per_level(monkeypatch):
+    """The measurement decodes a chain LEVELS deep: a level costs the chain's time over the keyframe's, divided by
+    LEVELS. Undivided, levels cost LEVELS times too much and chains were that much shallower than the machine
+    allows (mutation audit round 11)."""
+    monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 16)
+    times = iter([1.0, 7.0])  # best times of the keyframe, then of the whole chain
+    monkeypatch.setattr(chaincost, "_best", lambda call: next(times))
+    monkeypatch.setattr(chaincost, "torch_load_seconds", lambda version: 2.0)
+    costs = chaincost.measure(4)
+    assert costs.keyframe == pytest.approx(1.0 / (1 << 16)) and costs.load == pytest.approx(2.0 / (1 << 16))
+    assert costs.level == pytest.approx(6.0 / chaincost.LEVELS / (1 << 16))

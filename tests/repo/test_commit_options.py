@@ -87,3 +87,27 @@ def test_a_lossless_commit_remembers_its_file_and_a_wholly_lossy_one_does_not(re
     manifest = repo.manifest(repo.commit(tmp_path / "m.safetensors", lossy="balanced", branch="lossy"))
     assert manifest.entries["w"].tensor != manifest.sources["w"]  # quantized: no tensor of the file stored exactly
     assert not _given_back(repo, tmp_path / "m.safetensors")
+
+
+def test_a_states_raw_bytes_are_its_tensors_bytes(repo):
+    """A state has no file: its raw size is its tensors' bytes, which stats and log divide stored bytes by. It was
+    recorded as 0 (mutation audit round 11)."""
+    cid = repo.commit({"w": torch.randn(100, 100), "b": torch.randn(100, dtype=torch.float64)})
+    assert repo.commit_info(cid).raw_bytes == 100 * 100 * 4 + 100 * 8
+
+
+def test_the_same_values_in_a_legacy_torch_file_of_other_bytes_is_nothing_to_commit(repo, tmp_path):
+    """A lossless commit compares what it stores, not the files' bytes: the legacy torch format writes the same
+    values as other bytes on each save, and a second, identical commit of them was recorded (mutation audit
+    round 11)."""
+    from ckptstore.errors import NothingToCommitError
+
+    w = torch.randn(64, 64)
+    held = [w.clone(), w.clone()]  # both alive: the legacy format keys storages by their addresses
+    for i, tensor in enumerate(held):
+        torch.save({"w": tensor}, tmp_path / f"l{i}.pt", _use_new_zipfile_serialization=False)
+    assert (tmp_path / "l0.pt").read_bytes() != (tmp_path / "l1.pt").read_bytes()  # the set-up
+    repo.commit(tmp_path / "l0.pt")
+    with pytest.raises(NothingToCommitError):
+        repo.commit(tmp_path / "l1.pt")
+    assert len(repo.log()) == 1

@@ -162,3 +162,30 @@ def test_a_plain_file_in_a_folder_only_touched_while_committed_is_kept(tmp_path,
     with Repository.open(root) as repo:
         out = repo.checkout_to(repo.commit(root / source), tmp_path / "out")
         assert (out / victim.name).read_bytes() == whole
+
+
+def test_a_plain_file_in_a_folder_replaced_by_a_shorter_one_while_committed_keeps_the_bytes_read(tmp_path,
+                                                                                                 monkeypatch):
+    """A folder's plain file replaced (renamed over, as a log rotation does) after it was read is no torn save: the
+    commit keeps the bytes it read, which no writer touches. A new file shorter than the old one was refused as
+    "changed while it was being committed" (mutation audit round 11)."""
+    from ckptstore import formats
+
+    root = tmp_path / "repo"
+    Repository.init(root).close()
+    source, victim = _folders_blob(root)
+    whole = victim.read_bytes()
+    reading = formats.read_checkpoint
+
+    def replaced_after_reading(*args, **kwargs):
+        checkpoint = reading(*args, **kwargs)
+        (tmp_path / "new.bin").write_bytes(b"y" * 10)
+        os.replace(tmp_path / "new.bin", victim)
+        return checkpoint
+
+    monkeypatch.setattr(formats, "read_checkpoint", replaced_after_reading)
+    with Repository.open(root) as repo:
+        cid = repo.commit(root / source)
+        monkeypatch.undo()
+        assert (repo.checkout_to(cid, tmp_path / "out") / victim.name).read_bytes() == whole
+        assert fsck(repo).ok

@@ -929,3 +929,140 @@ def test_a_chunk_that_never_keeps_its_bound_is_not_stored_lossy(tmp_path, monkey
             cid = repo.commit(state, "never within", lossy="balanced")
         assert repo.commit_info(cid).lossy is None
         assert_same(repo.checkout(cid), state)
+
+
+def _frozen_group_commits(repo, tmp_path, level, commits=2):
+    """Commits of an Adam run whose second group has lr 0: its weight never moves, its moments do."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    optimizer = torch.optim.Adam([{"params": model[0].parameters(), "lr": 1e-3},
+                                  {"params": model[2].parameters(), "lr": 0.0}])
+    cids = []
+    for i in range(commits):
+        for _ in range(5):
+            x = torch.randn(32, 256)
+            (model(x) - x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / f"frozen-{i}.pt")
+        cids.append(repo.commit(tmp_path / f"frozen-{i}.pt", lossy=level))
+    return cids
+
+
+def test_the_moments_of_a_frozen_weight_commit_at_a_pruning_level(repo, tmp_path):
+    """A weight that did not move keeps its parent's record, so it prunes no moment: its first moment's job took
+    the pruning mask of a weight the commit does not encode, and the second commit failed with a KeyError in the
+    writer (mutation audit round 11)."""
+    cids = _frozen_group_commits(repo, tmp_path, "extreme")
+    assert len(repo.log()) == len(cids) == 2 and fsck(repo).ok
+
+
+def test_the_first_moment_of_a_frozen_weight_is_coded_at_its_fine_step(repo, tmp_path):
+    """A weight that did not move at all is as slow as a weight gets: its first moment is coded at the fine step.
+    It kept the coarse planned step (an update error of 0.35 in place of 0.07 at `balanced`) (mutation audit
+    round 11)."""
+    cids = _frozen_group_commits(repo, tmp_path, "balanced")
+    moment = _steps(repo, cids[1])["optimizer/state/2/exp_avg"]
+    assert moment["codec"] == "normmoment" and moment["rel_error"] < 0.2, moment
+
+
+def test_an_unchanged_exact_weight_is_not_encoded_again_in_a_lossy_child(tmp_path, monkeypatch):
+    """A weight a lossy commit finds unchanged since its lossless parent keeps the parent's exact record unencoded.
+    It was encoded again as a lossy residual of zero: a repeat of the same record whose payload the commit's stored
+    bytes counted (mutation audit round 11)."""
+    from ckptstore.repo import writer
+
+    torch.manual_seed(0)
+    w, u = torch.randn(512, 512), torch.randn(512, 512)
+    encoded = []
+    encode = writer._encode_lossy_chunk
+
+    def spy(job, *args, **kwargs):
+        encoded.append(job.key)
+        return encode(job, *args, **kwargs)
+
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit({"model": {"fc1.weight": w, "fc2.weight": u}})
+        monkeypatch.setattr(writer, "_encode_lossy_chunk", spy)
+        cid = repo.commit({"model": {"fc1.weight": w, "fc2.weight": u + 0.01 * torch.randn_like(u)}}, lossy="balanced")
+        assert encoded and not any("fc1" in key for key in encoded), encoded
+        assert _steps(repo, cid)["model/fc1.weight"]["tensor"] == repo.manifest(cid).sources["model/fc1.weight"]
+
+
+# a fine-tune's pace (the tiny net's lr is a from-scratch one), bounded loosely: the chunk steps are the rules' own
+_FINE_TUNE_PACE = {"lossy": "balanced", "fast_move": 0.0, "max_weight_error": 0.5}
+
+
+def _moved_by_halves(state: dict, first: float, second: float, name: str = "fc1.weight") -> dict:
+    """The checkpoint with the first half of `name`'s entries moved by `first` of its RMS, the rest by `second`."""
+    later = copy.deepcopy(state)
+    flat = later["model"][name].view(-1)
+    rms, half = flat.pow(2).mean().sqrt(), flat.numel() // 2
+    flat[:half] += torch.randn(half) * rms * first
+    flat[half:] += torch.randn(flat.numel() - half) * rms * second
+    return later
+
+
+def test_a_chunk_whose_base_kept_the_planned_step_refines_a_later_small_move(tmp_path):
+    """With fine_grid, a chunk takes its base chunk's step as its lattice only where that step was refined: a chunk
+    whose base was coded at the planned step (a large move) took that coarse step as its lattice, and a later
+    fine-tune-sized move there stayed at it (chunk error 2.6e-2 in place of 1.5e-3) (mutation audit round 11)."""
+    from ckptstore.policy import EncodingSettings
+
+    state = _trained_state()
+    torch.manual_seed(1)
+    second = _moved_by_halves(state, 1e-4, 0.3)
+    third = _moved_by_halves(second, 1e-4, 1e-4)
+    with Repository.init(tmp_path, encoding=EncodingSettings(chunk_bytes=4096)) as repo:
+        repo.commit(state, **_FINE_TUNE_PACE)
+        cids = [repo.commit(second, **_FINE_TUNE_PACE), repo.commit(third, **_FINE_TUNE_PACE)]
+        before, params = _chunk_steps(repo, _steps(repo, cids[0])["model/fc1.weight"])
+        after, _ = _chunk_steps(repo, _steps(repo, cids[1])["model/fc1.weight"])
+    planned = np.float32(params["step"])
+    coarse = [i for i, step in enumerate(before) if step >= planned]
+    assert coarse and len(coarse) < len(before), before  # the set-up: some chunks of the base kept the planned step
+    assert all(after[i] < planned for i in coarse), (before, after, planned)
+
+
+def test_a_first_moment_is_paced_chunk_by_chunk_by_its_weight(tmp_path):
+    """A first moment chunked like its weight takes the fine step in the chunks whose weight chunk was coded finer
+    than planned, and only there: it took the fine step in every chunk once any weight chunk was (mutation audit
+    round 11)."""
+    from ckptstore.policy import EncodingSettings
+
+    state = _trained_state()
+    torch.manual_seed(1)
+    later = _moved_by_halves(_moved(state, 0.0), 1e-4, 0.3)  # new first moments; fc1 moved in its second half
+    index = list(state["model"]).index("fc1.weight")  # TinyNet has no buffers: its parameters' order
+    with Repository.init(tmp_path, encoding=EncodingSettings(chunk_bytes=4096)) as repo:
+        repo.commit(state, **_FINE_TUNE_PACE)
+        shown = _steps(repo, repo.commit(later, **_FINE_TUNE_PACE))
+        weight, weight_params = _chunk_steps(repo, shown["model/fc1.weight"])
+        moment, params = _chunk_steps(repo, shown[f"optimizer/state/{index}/exp_avg"])
+    capped = [step < np.float32(weight_params["step"]) for step in weight]
+    assert any(capped) and not all(capped), weight  # the set-up: the weight's chunks moved unlike
+    assert len(moment) == len(weight) and params["fine_step"] < params["step"], (moment, params)
+    assert [step == np.float32(params["fine_step"]) for step in moment] == capped, (moment, params, weight)
+
+
+def test_two_identical_moments_in_one_commit_restore_as_the_same_values(tmp_path):
+    """Two tensors of one commit with the same reconstruction (layers with equal gradients: equal Adam moments) are
+    one record: the second was given its base's record, and its moment restored as an older moment of another
+    codec, silently, fsck clean (mutation audit round 11)."""
+    torch.manual_seed(0)
+    a, b, c = (torch.nn.Linear(128, 128) for _ in range(3))
+    optimizer = torch.optim.Adam([*a.parameters(), *b.parameters(), *c.parameters()], lr=1e-3)
+    with Repository.init(tmp_path) as repo:
+        for gate in (1.0, 0.0, 0.0):
+            for _ in range(20):
+                x = torch.randn(16, 128)
+                (a(x) + gate * b(x) + gate * c(x) - x).pow(2).mean().backward()  # b and c: equal gradients
+                optimizer.step()
+                optimizer.zero_grad()
+            cid = repo.commit({"model": {"a": a.state_dict(), "b": b.state_dict(), "c": c.state_dict()},
+                               "optimizer": optimizer.state_dict()}, lossy="balanced")
+            shown, restored = _steps(repo, cid), repo.checkout(cid)["optimizer"]["state"]
+            # b's and c's weights (2 and 4): equal second moments, one record; first moments follow each weight
+            assert shown["optimizer/state/4/exp_avg"]["codec"] == "normmoment", gate
+            assert shown["optimizer/state/2/exp_avg_sq"]["tensor"] == shown["optimizer/state/4/exp_avg_sq"]["tensor"]
+            assert torch.equal(restored[2]["exp_avg_sq"], restored[4]["exp_avg_sq"])
