@@ -35,7 +35,7 @@ def measure_fisher(model: Any, loss_fn: Callable[[Any], Any]) -> dict[str, float
     was_training = model.training
     model.eval()
     try:
-        with _buffers_of_the_call(model, {}):
+        with _buffer_slots_kept(model):
             loss = calling(loss_fn, model)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise CkptError("the calibration function must return the loss as a one-element tensor")
@@ -73,8 +73,9 @@ def loss_with_weights(model: Any, loss_fn: Callable[[Any], Any], weights: dict[s
     """`loss_fn(model)` with some parameters or buffers replaced by `weights` (name -> torch tensor), then put back.
 
     How a lossy commit measures what its reconstruction costs on the calibration batch without
-    touching the caller's model: parameters are swapped in place and restored, even on error;
-    buffers are the call's own (_buffers_of_the_call), a quantized one's restored values among them.
+    touching the caller's model. Values are written in place, so that aliases and views of a tensor
+    see them too, and put back from host copies, even on error (_saved); a buffer that refuses
+    writes (an expanded view, an inference tensor) is swapped by binding its slots instead.
     """
     import torch
 
@@ -82,12 +83,20 @@ def loss_with_weights(model: Any, loss_fn: Callable[[Any], Any], weights: dict[s
     saved = _saved(model)
     was_training = model.training
     model.eval()
+    bound: list[tuple[Any, str, Any]] = []
     try:
-        with torch.no_grad(), _buffers_of_the_call(model, {n: w for n, w in weights.items() if n not in named}):
+        with torch.no_grad(), _buffer_slots_kept(model):
+            buffers = dict(model.named_buffers())
+            values = {name: value.reshape(buffers[name].shape).to(buffers[name].device, buffers[name].dtype)
+                      for name, value in weights.items() if name not in named and name in buffers}
             for name in weights.keys() & named.keys():
                 named[name].copy_(weights[name].reshape(named[name].shape))
+            for name, value in values.items():
+                _write_or_bind(model, buffers[name], value, bound, saved)
             return finite_loss(calling(loss_fn, model))
     finally:
+        for module, leaf, tensor in bound:
+            module._buffers[leaf] = tensor
         _put_back(model, saved)
         model.train(was_training)
 
@@ -97,51 +106,80 @@ def model_tensors(model: Any) -> dict[str, Any]:
     return {**dict(model.named_buffers()), **dict(model.named_parameters())}
 
 
-@contextmanager
-def _buffers_of_the_call(model: Any, values: dict[str, Any]) -> Iterator[None]:
-    """Every buffer slot of `model` bound, for the block, to a tensor of the call's own; the model's own after.
+def _write_or_bind(model: Any, tensor: Any, value: Any, bound: list[tuple[Any, str, Any]],
+                   saved: dict[str, tuple[Any, int, Any]]) -> None:
+    """`value` into buffer `tensor` in place, its values kept in `saved` first (as _saved keeps them).
 
-    A buffer `values` names gets its restored value (every module holding that tensor sees it), the
-    others a copy. Nothing is written into the model's buffers, so none can fail or be left changed: forward may
-    update them in place (a quantization observer's statistics), replace or grow them (a mask
-    cache); they may be expanded views or inference tensors. A plain attribute holding a view of a
-    buffer is no slot, and keeps reading the model's own.
+    Where it refuses writes, every slot holding it is bound to `value`; each such slot, and the
+    tensor it held, goes to `bound`, to bind back.
     """
-    import torch
+    if not tensor.is_inference():  # an inference tensor is written in inference mode only
+        saved.setdefault(f"buffer {id(tensor)}", (tensor, tensor._version, tensor.detach().to("cpu", copy=True)))
+        try:
+            tensor.copy_(value)
+            return
+        except RuntimeError:  # an expanded view: one element at several places
+            pass
+    for _, module in model.named_modules(remove_duplicate=False):
+        for leaf, held in list(module._buffers.items()):
+            if held is tensor:
+                bound.append((module, leaf, tensor))
+                module._buffers[leaf] = value
 
-    slots = [(module, leaf, tensor) for _, module in model.named_modules(remove_duplicate=False)
-             for leaf, tensor in module._buffers.items() if tensor is not None]
-    current = dict(model.named_buffers())
-    own: dict[int, Any] = {}
-    with torch.no_grad():  # every tensor made before any is bound: a failure leaves the model as it was
-        for name in values.keys() & current.keys():
-            old = current[name]
-            own[id(old)] = values[name].reshape(old.shape).to(old.device, old.dtype)
-        for _, _, tensor in slots:
-            if id(tensor) not in own:
-                own[id(tensor)] = tensor.clone()
+
+@contextmanager
+def _buffer_slots_kept(model: Any) -> Iterator[None]:
+    """Buffer slots as they were: one empty (None) or absent before the block is so again after.
+
+    A cache forward fills from the values it sees (an inverse of a restored projection) must not
+    stay for the model's next forward; a slot forward replaced (a mask it grew) keeps its new tensor.
+    """
+    empty = [(module, leaf) for _, module in model.named_modules(remove_duplicate=False)
+             for leaf, tensor in module._buffers.items() if tensor is None]
+    keys = {id(module): (module, set(module._buffers)) for _, module in model.named_modules(remove_duplicate=False)}
     try:
-        for module, leaf, tensor in slots:
-            module._buffers[leaf] = own[id(tensor)]
         yield
     finally:
-        for module, leaf, tensor in slots:
-            module._buffers[leaf] = tensor
+        for module, leaf in empty:
+            module._buffers[leaf] = None
+        for module, before in keys.values():
+            for leaf in set(module._buffers) - before:
+                del module._buffers[leaf]
 
 
-def _saved(model: Any) -> dict[str, Any]:
-    """Every parameter's values (loss_fn may change any), kept in host memory: on a GPU, not a second model there."""
-    return {name: value.detach().to("cpu", copy=True) for name, value in model.named_parameters()}
+def _persistent_buffers(model: Any) -> dict[str, Any]:
+    """The buffers a state dict holds (not caches: non-persistent ones are forward's to rebuild), once each."""
+    from torch.nn.parameter import is_lazy
+
+    found: dict[str, Any] = {}
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        for leaf, tensor in module._buffers.items():
+            if tensor is None or leaf in module._non_persistent_buffers_set or is_lazy(tensor) or id(tensor) in seen \
+                    or tensor.is_inference():  # written in inference mode only: not by a calibration function
+                continue
+            seen.add(id(tensor))
+            found[f"{prefix}.{leaf}" if prefix else leaf] = tensor
+    return found
 
 
-def _put_back(model: Any, saved: dict[str, Any]) -> None:
-    """The parameters' values as they were before the calibration function ran."""
+def _saved(model: Any) -> dict[str, tuple[Any, int, Any]]:
+    """Every parameter's and persistent buffer's values (loss_fn may change any), kept in host memory.
+
+    On a GPU, not a second model there. By name: (the tensor, its version counter, its values).
+    """
+    tensors = {**_persistent_buffers(model), **dict(model.named_parameters())}
+    return {name: (tensor, tensor._version, tensor.detach().to("cpu", copy=True)) for name, tensor in tensors.items()}
+
+
+def _put_back(model: Any, saved: dict[str, tuple[Any, int, Any]]) -> None:
+    """The values as they were before the calibration function ran, into each tensor written since."""
     import torch
 
-    named = dict(model.named_parameters())
     with torch.no_grad():
-        for name, value in saved.items():
-            named[name].copy_(value)
+        for tensor, version, value in saved.values():
+            if tensor._version != version:
+                tensor.copy_(value)
 
 
 def calling(calibration: Callable[[Any], Any], argument: Any) -> Any:

@@ -90,18 +90,21 @@ def _inference_buffer():
 @pytest.mark.parametrize("make", [_Growing, _Dropping, _inference_buffer], ids=["grown", "dropped,expanded",
                                                                                   "inference-mode"])
 def test_buffers_forward_replaces_or_that_refuse_writes_are_measured_and_left_as_they_were(make):
-    """Saving and writing back every buffer failed on these (reader 40): a measurement binds every buffer to a
-    tensor of its own, and the model's own tensors back after; so does the Fisher pass."""
+    """Saving and writing back every buffer failed on these (reader 40): a measurement writes a restored value in
+    place where the buffer takes it, binds it where not, and leaves every buffer as it was; so does the Fisher pass."""
     from ckptstore.policy.sensitivity import loss_with_weights
 
     model, x = make(), torch.randn(4, 4, 8)
     loss = lambda m: m(x).pow(2).mean()  # noqa: E731
-    for _ in range(2):  # after a first run, the buffers are what forward made of them
-        before = dict(model.named_buffers())
-        swapped = {name: torch.full_like(value, 0.5) for name, value in before.items()}
+    model(x)  # what forward makes of its buffers (a mask grown, a cache freed) is forward's: the model's state
+    for _ in range(2):
+        before = {name: (value, value.clone()) for name, value in model.named_buffers()}
+        swapped = {name: torch.full_like(value, 0.5) for name, (value, _) in before.items()}
         assert math.isfinite(loss_with_weights(model, loss, swapped))
-        assert all(now is before[name] for name, now in model.named_buffers())  # the model's own, not copies
+        for name, now in model.named_buffers():  # the model's own tensors, or forward's, as they were
+            assert now is before[name][0] and torch.equal(now, before[name][1]), name
         assert measure_fisher(model, loss)
+        assert model(x).shape == (4, 4, 8)
 
 
 def test_a_swapped_buffer_is_what_the_loss_sees():
@@ -162,3 +165,35 @@ def test_restored_values_that_cannot_take_a_buffers_place_leave_every_buffer_as_
     with pytest.raises(RuntimeError):
         loss_with_weights(model, lambda m: 0.0, {"a.table": torch.zeros(8, 8), "seen": torch.zeros(9)})
     assert all(tensor is before[name] for name, tensor in model.named_buffers(remove_duplicate=False))
+
+
+class _Projected(torch.nn.Module):
+    """A projection read through a view held as a plain attribute, and an inverse forward caches in an empty slot."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("proj", torch.eye(8) * 2)
+        self.proj_t = self.proj.T  # a view: no buffer slot of its own
+        self.register_buffer("proj_inv", None)
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if self.proj_inv is None:
+            self.proj_inv = torch.linalg.inv(self.proj)
+        return self.lin(x @ self.proj_t @ self.proj_inv @ self.proj)
+
+
+def test_a_restored_buffer_is_seen_through_views_and_caches_forward_builds_from_it_do_not_stay():
+    """Binding a restored buffer left a view held as a plain attribute reading the original (reader 42: the guard
+    measured 1.41 where the checkout gave 2.49), and a cache forward built from the restored values stayed on the
+    live model (reader 42); values are written in place now, and emptied slots emptied again."""
+    from ckptstore.policy.sensitivity import loss_with_weights
+
+    model, x = _Projected(), torch.randn(4, 8)
+    restored = torch.eye(8) * 3
+    expected = _Projected()
+    expected.load_state_dict(model.state_dict())
+    expected.proj.copy_(restored)
+    loss = lambda m: float(m(x).pow(2).mean())  # noqa: E731
+    assert loss_with_weights(model, loss, {"proj": restored}) == pytest.approx(loss(expected))
+    assert model.proj_inv is None and torch.equal(model.proj, torch.eye(8) * 2) and model.proj_t._base is model.proj
