@@ -103,6 +103,12 @@ def ref_for_path(path: str | os.PathLike, prefix: str = DEFAULT_PREFIX) -> str:
     return f"{prefix}/{stem}"
 
 
+def _tags_of(path: str | os.PathLike, prefix: str) -> list[str]:
+    """ref_for_path's tag, then the one an older ckptstore gave a name ending in '.' (`x..ckpt`: `lightning/x.`)."""
+    tag = ref_for_path(path, prefix)
+    return [tag, tag[:-1]] if tag.endswith("._") else [tag]
+
+
 def read_marker(path: str | os.PathLike) -> dict[str, str] | None:
     """The marker at `path` (ref, commit, repository), or None when `path` is no marker file.
 
@@ -506,8 +512,8 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
 
     def _named_commit(self, spec: str) -> CommitId:
         """The commit a ref or commit id names, or the tag of a checkpoint path whose marker is gone."""
-        tag = ref_for_path(spec, self.prefix)
-        names = [tag] if spec.endswith(".ckpt") or tag == spec else [spec, tag]  # another suffix (final.pt) too
+        tags = _tags_of(spec, self.prefix)
+        names = tags if spec.endswith(".ckpt") or tags[0] == spec else [spec, *tags]  # another suffix (final.pt) too
         for name in names:
             try:
                 return self.repo.resolve(name)
@@ -537,12 +543,12 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
 
     def _remove(self, path: str | os.PathLike) -> None:
         self.settle()
-        ref = ref_for_path(path, self.prefix)
-        try:
-            self.repo.delete_tag(ref)
-        except RefNotFoundError:
-            pass  # never saved here, or already removed: as with a file that is gone
-        self._paths.pop(ref, None)
+        for ref in _tags_of(path, self.prefix):
+            try:
+                self.repo.delete_tag(ref)
+            except RefNotFoundError:
+                pass  # never saved here, or already removed: as with a file that is gone
+            self._paths.pop(ref, None)
         target = Path(path)
         if target.is_symlink() or read_marker(target) is not None:
             target.unlink()  # a plain checkpoint file here is not ours: it stays

@@ -784,3 +784,18 @@ def test_a_fit_run_from_another_trainers_on_exception_raises_its_failed_commit(l
         _fit(lit, Failing(), tmp_path / "a", 1, callbacks=[Fallback()], save_last=False)
     assert "disk is full" in str(outcome.get("b")) and repo.tags() == {}
     repo.close()
+
+
+def test_a_tag_an_older_plugin_gave_a_name_ending_in_a_dot_is_still_found_and_removed(tmp_path):
+    """`x..ckpt` was tagged `lightning/x.` before tags made here could not end in '.'; its tag is now
+    `lightning/x._`, and the older one was neither found by path nor removed with its file (reader 42)."""
+    from ckptstore.metadata import refs as ref_rows
+
+    with Repository.init(tmp_path / "repo") as repo:
+        cid = repo.commit({"w": torch.ones(4)})
+        with repo.db.write() as tx:  # as the older plugin made it
+            ref_rows.insert_ref(tx, "lightning/x.", "tag", cid)
+        io = CkptstoreCheckpointIO(repo=repo, blocking=True)
+        assert io._named_commit(str(tmp_path / "elsewhere" / "x..ckpt")) == cid  # by path, no marker there
+        io.remove_checkpoint(str(tmp_path / "out" / "x..ckpt"))
+        assert "lightning/x." not in repo.tags()
