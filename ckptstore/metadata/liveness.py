@@ -22,7 +22,11 @@ def reachable_commits(tx: Tx) -> set[CommitId]:
 def reached_from(tx: Tx, starts: Iterable[CommitId],
                  parents: Mapping[CommitId, list[CommitId]] | None = None) -> set[CommitId]:
     """`starts` and every commit they reach through parents (`all_parents`, read here unless given)."""
-    parents = all_parents(tx) if parents is None else parents
+    return reached(starts, all_parents(tx) if parents is None else parents)
+
+
+def reached(starts: Iterable[str], parents: Mapping[str, list[str]]) -> set[str]:
+    """`starts` and every commit they reach through `parents` (a walk of the history in memory)."""
     stack, seen = list(starts), set()
     while stack:
         cid = stack.pop()

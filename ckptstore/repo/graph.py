@@ -6,11 +6,12 @@ import heapq
 from collections.abc import Callable, Mapping, Sequence
 
 from ckptstore.errors import CorruptRecordError
+from ckptstore.metadata.liveness import reached
 
 
 def topo_order(tips: Sequence[str], parents: Mapping[str, list[str]], time_of: Callable[[str], float]) -> list[str]:
     """Commits reachable from `tips`, children before parents, newest first among the ready ones."""
-    reachable = reachable_from(tips, parents)
+    reachable = reached(tips, parents)
     children = {cid: 0 for cid in reachable}
     for cid in reachable:
         for parent in parents.get(cid, []):
@@ -31,17 +32,6 @@ def topo_order(tips: Sequence[str], parents: Mapping[str, list[str]], time_of: C
                                  "`ckpt fsck` names the commit whose record does not hash to its id",
                                  outcome="Nothing was listed")
     return order
-
-
-def reachable_from(tips: Sequence[str], parents: Mapping[str, list[str]]) -> set[str]:
-    """`tips` and every commit their parents lead to."""
-    reachable, stack = set(), list(tips)
-    while stack:
-        cid = stack.pop()
-        if cid not in reachable:
-            reachable.add(cid)
-            stack.extend(parents.get(cid, []))
-    return reachable
 
 
 class _Newest:

@@ -11,6 +11,7 @@ from ckptstore.hashing import CommitId
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata.commits import CommitInfo
+from ckptstore.metadata.liveness import reached
 from ckptstore.repo import graph, refs
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ def log(repo: Repository, ref: str | Sequence[str] | None = None, all_refs: bool
                 tips = []
     parents = {c: i.parents for c, i in history.items()}
     order = graph.topo_order(tips, parents, lambda c: history[c].created_at if c in history else 0.0)
-    reaches = [[graph.reachable_from([t], parents) for t in group] for group in hiding]
+    reaches = [[reached([t], parents) for t in group] for group in hiding]
     # a ref or a parent names it: damage for fsck to list, not a KeyError; nor, on a range's hiding side,
     # a walk cut short that would list the commits it hides
     lost = next((c for c in itertools.chain(order, *itertools.chain(*reaches)) if c not in history), None)

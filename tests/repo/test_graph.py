@@ -1,6 +1,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckptstore.metadata.liveness import reached
 from ckptstore.repo.graph import render, topo_order
 
 
@@ -30,12 +31,7 @@ def test_a_lane_joins_its_own_past_the_lanes_between_one_column_a_row():
 
 def _sorted_each_time(tips, parents, time_of):
     """topo_order as it was written first (the ready list sorted again before each pop): the reference order."""
-    reachable, stack = set(), list(tips)
-    while stack:
-        cid = stack.pop()
-        if cid not in reachable:
-            reachable.add(cid)
-            stack.extend(parents.get(cid, []))
+    reachable = reached(tips, parents)
     children = {cid: 0 for cid in reachable}
     for cid in reachable:
         for parent in parents.get(cid, []):
