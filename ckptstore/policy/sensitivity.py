@@ -31,27 +31,20 @@ def measure_fisher(model: Any, loss_fn: Callable[[Any], Any]) -> dict[str, float
     named = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2 and p.is_floating_point() and p.requires_grad]
     if not named:
         return {}
-    saved = _saved(model)
-    was_training = model.training
-    model.eval()
-    try:
-        with _buffer_slots_kept(model):
-            loss = calling(loss_fn, model)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise CkptError("the calibration function must return the loss as a one-element tensor")
-            if not torch.isfinite(loss.detach()).all():
-                if not all(torch.isfinite(p.detach()).all() for p in model.parameters()):
-                    return {}  # a diverged model: its checkpoint is committed lossless, steered by nothing
-                raise CkptError(f"the calibration loss is not finite ({float(loss.detach())}); "
-                                "sensitivity cannot be measured")
-            try:
-                grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
-            except RuntimeError as exc:  # the loss was computed without a graph (torch.no_grad, a detached copy)
-                raise CkptError(f"sensitivity needs the calibration loss's gradients, and torch found none ({exc}); "
-                                "compute the loss with gradients enabled") from None
-    finally:
-        model.train(was_training)
-        _put_back(model, saved)
+    with _model_kept(model):
+        loss = calling(loss_fn, model)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise CkptError("the calibration function must return the loss as a one-element tensor")
+        if not torch.isfinite(loss.detach()).all():
+            if not all(torch.isfinite(p.detach()).all() for p in model.parameters()):
+                return {}  # a diverged model: its checkpoint is committed lossless, steered by nothing
+            raise CkptError(f"the calibration loss is not finite ({float(loss.detach())}); "
+                            "sensitivity cannot be measured")
+        try:
+            grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+        except RuntimeError as exc:  # the loss was computed without a graph (torch.no_grad, a detached copy)
+            raise CkptError(f"sensitivity needs the calibration loss's gradients, and torch found none ({exc}); "
+                            "compute the loss with gradients enabled") from None
     return {name: float(g.double().pow(2).mean()) for (name, _), g in zip(named, grads) if g is not None}
 
 
@@ -73,32 +66,22 @@ def loss_with_weights(model: Any, loss_fn: Callable[[Any], Any], weights: dict[s
     """`loss_fn(model)` with some parameters or buffers replaced by `weights` (name -> torch tensor), then put back.
 
     How a lossy commit measures what its reconstruction costs on the calibration batch without
-    touching the caller's model. Values are written in place, so that aliases and views of a tensor
-    see them too, and put back from host copies, even on error (_saved); a buffer that refuses
-    writes (an expanded view, an inference tensor) is swapped by binding its slots instead.
+    touching the caller's model (_model_kept). Values are written in place, so that aliases, views
+    and plain attributes holding a tensor see them; a buffer that refuses writes (an expanded view,
+    an inference tensor) is bound in every slot holding it instead.
     """
     import torch
 
     named = dict(model.named_parameters())
-    saved = _saved(model)
-    was_training = model.training
-    model.eval()
-    bound: list[tuple[Any, str, Any]] = []
-    try:
-        with torch.no_grad(), _buffer_slots_kept(model):
-            buffers = dict(model.named_buffers())
-            values = {name: value.reshape(buffers[name].shape).to(buffers[name].device, buffers[name].dtype)
-                      for name, value in weights.items() if name not in named and name in buffers}
-            for name in weights.keys() & named.keys():
-                named[name].copy_(weights[name].reshape(named[name].shape))
-            for name, value in values.items():
-                _write_or_bind(model, buffers[name], value, bound, saved)
-            return finite_loss(calling(loss_fn, model))
-    finally:
-        for module, leaf, tensor in bound:
-            module._buffers[leaf] = tensor
-        _put_back(model, saved)
-        model.train(was_training)
+    with _model_kept(model) as saved, torch.no_grad():
+        buffers = dict(model.named_buffers())
+        values = {name: value.reshape(buffers[name].shape).to(buffers[name].device, buffers[name].dtype)
+                  for name, value in weights.items() if name not in named and name in buffers}
+        for name in weights.keys() & named.keys():
+            named[name].copy_(weights[name].reshape(named[name].shape))
+        for name, value in values.items():
+            _write_or_bind(model, buffers[name], value, saved)
+        return finite_loss(calling(loss_fn, model))
 
 
 def model_tensors(model: Any) -> dict[str, Any]:
@@ -106,80 +89,81 @@ def model_tensors(model: Any) -> dict[str, Any]:
     return {**dict(model.named_buffers()), **dict(model.named_parameters())}
 
 
-def _write_or_bind(model: Any, tensor: Any, value: Any, bound: list[tuple[Any, str, Any]],
-                   saved: dict[str, tuple[Any, int, Any]]) -> None:
-    """`value` into buffer `tensor` in place, its values kept in `saved` first (as _saved keeps them).
+@contextmanager
+def _model_kept(model: Any) -> Iterator[dict[int, tuple[Any, Any]]]:
+    """The model in eval mode for the block, and after it as it was; yields the host copies it puts back.
 
-    Where it refuses writes, every slot holding it is bound to `value`; each such slot, and the
-    tensor it held, goes to `bound`, to bind back.
+    As it was: its mode, every buffer slot bound to the tensor it held (an empty one emptied again,
+    one forward added dropped, one forward replaced or grew bound back), and the values of every
+    parameter and persistent buffer, put back from host copies into each whatever happened to the
+    others. The copies come by tensor id, for the caller to add the tensors it writes.
+
+    A calibration function's forward may write buffers in place (a quantization observer's
+    statistics, through `.data` or fused ops that move no version counter), replace them, or build
+    a cache from the restored values: none of it stays on the live model.
     """
-    if not tensor.is_inference():  # an inference tensor is written in inference mode only
-        saved.setdefault(f"buffer {id(tensor)}", (tensor, tensor._version, tensor.detach().to("cpu", copy=True)))
-        try:
-            tensor.copy_(value)
-            return
-        except RuntimeError:  # an expanded view: one element at several places
-            pass
+    import torch
+
+    was_training = model.training
+    slots = [(module, dict(module._buffers)) for _, module in model.named_modules(remove_duplicate=False)]
+    saved = {id(tensor): (tensor, tensor.detach().to("cpu", copy=True)) for tensor in _kept_tensors(model)}
+    model.eval()
+    try:
+        yield saved
+    finally:
+        model.train(was_training)
+        for module, buffers in slots:
+            module._buffers.clear()
+            module._buffers.update(buffers)
+        problem = None
+        with torch.no_grad():
+            for tensor, value in saved.values():  # each on its own: one that cannot be put back stops no other
+                try:
+                    if tensor.shape != value.shape:  # an observer resized it (its first forward)
+                        tensor.resize_(value.shape)
+                    tensor.copy_(value)
+                except RuntimeError as exc:
+                    problem = problem or exc
+        if problem is not None:
+            raise CkptError(f"the calibration left the model's tensors changed where they could not be put "
+                            f"back: {problem}") from problem
+
+
+def _kept_tensors(model: Any) -> list[Any]:
+    """The parameters, then the persistent buffers, once each: what a calibration must leave as it found them.
+
+    Not caches (non-persistent buffers, forward's to rebuild; their slots are bound back), nor lazy,
+    inference or expanded ones, which no calibration function can write in place.
+    """
+    from torch.nn.parameter import is_lazy
+
+    found = {id(p): p for p in model.parameters()}
+    for _, module in model.named_modules():
+        for leaf, tensor in module._buffers.items():
+            if (tensor is not None and leaf not in module._non_persistent_buffers_set and not is_lazy(tensor)
+                    and not tensor.is_inference() and not _overlapping(tensor)):
+                found.setdefault(id(tensor), tensor)
+    return list(found.values())
+
+
+def _overlapping(tensor: Any) -> bool:
+    """Whether one element sits at several places (an expanded view): no in-place write takes it."""
+    return any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape))
+
+
+def _write_or_bind(model: Any, tensor: Any, value: Any, saved: dict[int, tuple[Any, Any]]) -> None:
+    """`value` into buffer `tensor` in place, its values in `saved` first.
+
+    Where it refuses writes, `value` is bound instead in every slot holding it (_model_kept binds them back).
+    """
+    if not tensor.is_inference() and not _overlapping(tensor):
+        saved.setdefault(id(tensor), (tensor, tensor.detach().to("cpu", copy=True)))
+        tensor.copy_(value)
+        return
     for _, module in model.named_modules(remove_duplicate=False):
         for leaf, held in list(module._buffers.items()):
             if held is tensor:
-                bound.append((module, leaf, tensor))
                 module._buffers[leaf] = value
-
-
-@contextmanager
-def _buffer_slots_kept(model: Any) -> Iterator[None]:
-    """Buffer slots as they were: one empty (None) or absent before the block is so again after.
-
-    A cache forward fills from the values it sees (an inverse of a restored projection) must not
-    stay for the model's next forward; a slot forward replaced (a mask it grew) keeps its new tensor.
-    """
-    empty = [(module, leaf) for _, module in model.named_modules(remove_duplicate=False)
-             for leaf, tensor in module._buffers.items() if tensor is None]
-    keys = {id(module): (module, set(module._buffers)) for _, module in model.named_modules(remove_duplicate=False)}
-    try:
-        yield
-    finally:
-        for module, leaf in empty:
-            module._buffers[leaf] = None
-        for module, before in keys.values():
-            for leaf in set(module._buffers) - before:
-                del module._buffers[leaf]
-
-
-def _persistent_buffers(model: Any) -> dict[str, Any]:
-    """The buffers a state dict holds (not caches: non-persistent ones are forward's to rebuild), once each."""
-    from torch.nn.parameter import is_lazy
-
-    found: dict[str, Any] = {}
-    seen: set[int] = set()
-    for prefix, module in model.named_modules():
-        for leaf, tensor in module._buffers.items():
-            if tensor is None or leaf in module._non_persistent_buffers_set or is_lazy(tensor) or id(tensor) in seen \
-                    or tensor.is_inference():  # written in inference mode only: not by a calibration function
-                continue
-            seen.add(id(tensor))
-            found[f"{prefix}.{leaf}" if prefix else leaf] = tensor
-    return found
-
-
-def _saved(model: Any) -> dict[str, tuple[Any, int, Any]]:
-    """Every parameter's and persistent buffer's values (loss_fn may change any), kept in host memory.
-
-    On a GPU, not a second model there. By name: (the tensor, its version counter, its values).
-    """
-    tensors = {**_persistent_buffers(model), **dict(model.named_parameters())}
-    return {name: (tensor, tensor._version, tensor.detach().to("cpu", copy=True)) for name, tensor in tensors.items()}
-
-
-def _put_back(model: Any, saved: dict[str, tuple[Any, int, Any]]) -> None:
-    """The values as they were before the calibration function ran, into each tensor written since."""
-    import torch
-
-    with torch.no_grad():
-        for tensor, version, value in saved.values():
-            if tensor._version != version:
-                tensor.copy_(value)
 
 
 def calling(calibration: Callable[[Any], Any], argument: Any) -> Any:

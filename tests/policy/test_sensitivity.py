@@ -180,6 +180,7 @@ class _Projected(torch.nn.Module):
     def forward(self, x):
         if self.proj_inv is None:
             self.proj_inv = torch.linalg.inv(self.proj)
+            self.register_buffer("built", torch.ones(1), persistent=False)  # a key forward adds
         return self.lin(x @ self.proj_t @ self.proj_inv @ self.proj)
 
 
@@ -197,3 +198,46 @@ def test_a_restored_buffer_is_seen_through_views_and_caches_forward_builds_from_
     loss = lambda m: float(m(x).pow(2).mean())  # noqa: E731
     assert loss_with_weights(model, loss, {"proj": restored}) == pytest.approx(loss(expected))
     assert model.proj_inv is None and torch.equal(model.proj, torch.eye(8) * 2) and model.proj_t._base is model.proj
+    assert measure_fisher(model, lambda m: m(x).pow(2).mean())
+    assert model.proj_inv is None and "built" not in model._buffers  # nor after the Fisher pass (reader 43)
+
+
+class _Stateful(torch.nn.Module):
+    """Buffers forward changes as observers and counters do: through .data and a resize (no version counter
+    moves), out of place (a new tensor in the slot); a cache it grows from a persistent basis."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("running_max", torch.zeros(8))
+        self.register_buffer("per_channel", torch.zeros(0))  # an observer's, sized at its first forward
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("basis", torch.ones(8))
+        self.register_buffer("cache", self.basis.repeat(2, 1), persistent=False)
+
+    def forward(self, x):
+        self.running_max.data = torch.maximum(self.running_max, x.abs().amax(0))
+        self.per_channel.resize_(8).copy_(x.mean(0))
+        self.steps = self.steps + 1
+        if self.cache.shape[0] < x.shape[0]:
+            self.register_buffer("cache", self.basis.repeat(x.shape[0], 1), persistent=False)
+        return self.lin(x) * self.cache[: x.shape[0]]
+
+
+def test_what_forward_does_to_buffers_stays_in_the_measurement():
+    """Restoring only tensors whose version counter moved missed writes through .data and fused observers; a slot
+    forward refilled out of place kept its new tensor; a cache grown from a restored basis stayed; one failed
+    put-back (a resized observer) left the weights lossy (reader 43)."""
+    from ckptstore.policy.sensitivity import _kept_tensors, loss_with_weights
+
+    model, x = _Stateful(), torch.randn(4, 8)
+    before = {name: (tensor, tensor.clone()) for name, tensor in model.named_buffers()}
+    weight = model.lin.weight.detach().clone()
+    loss = lambda m: m(x).pow(2).mean()  # noqa: E731
+    loss_with_weights(model, lambda m: float(loss(m)), {"lin.weight": torch.zeros(8, 8), "basis": torch.zeros(8)})
+    measure_fisher(model, loss)
+    for name, tensor in model.named_buffers():
+        assert tensor is before[name][0] and torch.equal(tensor, before[name][1]), name
+    assert torch.equal(model.lin.weight, weight) and model.training
+    assert all(t is not model.cache for t in _kept_tensors(model))  # a cache is rebuilt, never copied to host
+
