@@ -95,18 +95,23 @@ def ref_for_path(path: str | os.PathLike, prefix: str = DEFAULT_PREFIX) -> str:
     Runs of characters a ref may not hold become `_`, so `dir/epoch=1-step=20.ckpt` is
     `lightning/epoch_1-step_20` and `last.ckpt` is `lightning/last`; the folder is not part of it.
     """
-    name = Path(os.fspath(path)).name
-    stem = name[: -len(".ckpt")] if name.endswith(".ckpt") else name
-    stem = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "_", stem)).lstrip(".") or "_"
+    stem = _stem(path)
     if stem.endswith((".lock", ".")):  # refused by git, and here: `x.` in a range would read as `x` and `.`
         stem += "_"
     return f"{prefix}/{stem}"
 
 
+def _stem(path: str | os.PathLike) -> str:
+    """The file name without `.ckpt`, each run of characters a ref may not hold as `_` (ref_for_path's stem)."""
+    name = Path(os.fspath(path)).name
+    stem = name[: -len(".ckpt")] if name.endswith(".ckpt") else name
+    return re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "_", stem)).lstrip(".") or "_"
+
+
 def _tags_of(path: str | os.PathLike, prefix: str) -> list[str]:
     """ref_for_path's tag, then the one an older ckptstore gave a name ending in '.' (`x..ckpt`: `lightning/x.`)."""
     tag = ref_for_path(path, prefix)
-    return [tag, tag[:-1]] if tag.endswith("._") else [tag]
+    return [tag, tag[:-1]] if _stem(path).endswith(".") else [tag]  # not `x._.ckpt`: its own tag was always x._
 
 
 def read_marker(path: str | os.PathLike) -> dict[str, str] | None:

@@ -797,5 +797,7 @@ def test_a_tag_an_older_plugin_gave_a_name_ending_in_a_dot_is_still_found_and_re
             ref_rows.insert_ref(tx, "lightning/x.", "tag", cid)
         io = CkptstoreCheckpointIO(repo=repo, blocking=True)
         assert io._named_commit(str(tmp_path / "elsewhere" / "x..ckpt")) == cid  # by path, no marker there
+        io.remove_checkpoint(str(tmp_path / "out" / "x._.ckpt"))  # another file, whose tag was always x._
+        assert "lightning/x." in repo.tags()  # reader 43: removing it took x..ckpt's tag too
         io.remove_checkpoint(str(tmp_path / "out" / "x..ckpt"))
         assert "lightning/x." not in repo.tags()
