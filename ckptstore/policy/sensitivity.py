@@ -27,8 +27,10 @@ def measure_fisher(model: Any, loss_fn: Callable[[Any], Any]) -> dict[str, float
     model is in eval mode while it runs, and the gradients go to a separate buffer, not `.grad`.
     """
     import torch
+    from torch.nn.parameter import is_lazy
 
-    named = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2 and p.is_floating_point() and p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters()
+             if not is_lazy(p) and p.dim() >= 2 and p.is_floating_point() and p.requires_grad]
     if not named:
         return {}
     with _model_kept(model):
@@ -93,57 +95,69 @@ def model_tensors(model: Any) -> dict[str, Any]:
 def _model_kept(model: Any) -> Iterator[dict[int, tuple[Any, Any]]]:
     """The model in eval mode for the block, and after it as it was; yields the host copies it puts back.
 
-    As it was: its mode, every buffer slot bound to the tensor it held (an empty one emptied again,
-    one forward added dropped, one forward replaced or grew bound back), and the values of every
-    parameter and persistent buffer, put back from host copies into each whatever happened to the
-    others. The copies come by tensor id, for the caller to add the tensors it writes.
+    As it was: each module's mode, every buffer and parameter slot bound to the tensor it held (an
+    empty one emptied again, one forward added dropped, one forward replaced or grew bound back),
+    and the values of every parameter and persistent buffer, put back from host copies into each
+    whatever happened to the others. The copies come by tensor id, for the caller to add the tensors
+    it writes. A put-back that fails is raised after the rest, or noted on the calibration's own error.
 
     A calibration function's forward may write buffers in place (a quantization observer's
     statistics, through `.data` or fused ops that move no version counter), replace them, or build
     a cache from the restored values: none of it stays on the live model.
     """
+    import sys
+
     import torch
 
-    was_training = model.training
-    slots = [(module, dict(module._buffers)) for _, module in model.named_modules(remove_duplicate=False)]
+    modules = [module for _, module in model.named_modules(remove_duplicate=False)]
+    modes = [(module, module.training) for module in modules]  # each its own: a frozen BatchNorm stays in eval
+    slots = [(module, dict(module._buffers), dict(module._parameters)) for module in modules]
     saved = {id(tensor): (tensor, tensor.detach().to("cpu", copy=True)) for tensor in _kept_tensors(model)}
     model.eval()
     try:
         yield saved
     finally:
-        model.train(was_training)
-        for module, buffers in slots:
-            module._buffers.clear()
-            module._buffers.update(buffers)
+        for module, training in modes:
+            module.training = training
+        for module, buffers, parameters in slots:  # slots forward emptied, added, replaced or grew: as they were
+            for held, was in ((module._buffers, buffers), (module._parameters, parameters)):
+                held.clear()
+                held.update(was)
         problem = None
         with torch.no_grad():
             for tensor, value in saved.values():  # each on its own: one that cannot be put back stops no other
                 try:
-                    if tensor.shape != value.shape:  # an observer resized it (its first forward)
-                        tensor.resize_(value.shape)
-                    tensor.copy_(value)
+                    if tensor.shape != value.shape:  # resized (an observer's first forward, a .data of another shape)
+                        tensor.data = value.to(tensor.device, tensor.dtype)
+                    else:
+                        tensor.copy_(value)
                 except RuntimeError as exc:
                     problem = problem or exc
         if problem is not None:
-            raise CkptError(f"the calibration left the model's tensors changed where they could not be put "
-                            f"back: {problem}") from problem
+            message = f"the calibration left the model's tensors changed where they could not be put back: {problem}"
+            running = sys.exc_info()[1]
+            if running is None:
+                raise CkptError(message) from problem
+            running.add_note(message)  # the calibration's own error goes on: it says what happened first
 
 
 def _kept_tensors(model: Any) -> list[Any]:
     """The parameters, then the persistent buffers, once each: what a calibration must leave as it found them.
 
     Not caches (non-persistent buffers, forward's to rebuild; their slots are bound back), nor lazy,
-    inference or expanded ones, which no calibration function can write in place.
+    meta, inference or expanded ones, which hold no values to keep or take no write in place.
     """
     from torch.nn.parameter import is_lazy
 
-    found = {id(p): p for p in model.parameters()}
+    found = {}
+    for tensor in model.parameters():
+        found.setdefault(id(tensor), tensor)
     for _, module in model.named_modules():
         for leaf, tensor in module._buffers.items():
-            if (tensor is not None and leaf not in module._non_persistent_buffers_set and not is_lazy(tensor)
-                    and not tensor.is_inference() and not _overlapping(tensor)):
+            if tensor is not None and leaf not in module._non_persistent_buffers_set:
                 found.setdefault(id(tensor), tensor)
-    return list(found.values())
+    return [tensor for tensor in found.values() if not (is_lazy(tensor) or tensor.is_meta or tensor.is_inference()
+                                                         or _overlapping(tensor))]
 
 
 def _overlapping(tensor: Any) -> bool:

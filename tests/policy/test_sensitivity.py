@@ -241,3 +241,50 @@ def test_what_forward_does_to_buffers_stays_in_the_measurement():
     assert torch.equal(model.lin.weight, weight) and model.training
     assert all(t is not model.cache for t in _kept_tensors(model))  # a cache is rebuilt, never copied to host
 
+
+class _Refreshed(torch.nn.Module):
+    """A weight forward clips through .data and a head it registers anew, beside a frozen BatchNorm in eval."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Parameter(torch.ones(8))
+        self.norm = torch.nn.BatchNorm1d(8).eval()
+        self.lazy = torch.nn.LazyLinear(8)
+
+    def forward(self, x):
+        self.lin.weight.data.clamp_(-0.01, 0.01)  # moves no version counter
+        self.head = torch.nn.Parameter(self.head.detach() * 2)  # the slot refilled
+        return self.lazy(self.norm(self.lin(x))) * self.head
+
+
+def test_parameters_forward_writes_or_refills_and_each_modules_mode_are_as_they_were():
+    """A weight written through .data or a parameter slot forward refilled kept the measurement's values; every
+    module came back in the top module's mode, a frozen BatchNorm in train mode (reader 44)."""
+    from ckptstore.policy.sensitivity import loss_with_weights
+
+    model, x = _Refreshed().train(), torch.randn(4, 8)
+    model.norm.eval()
+    weight, head = model.lin.weight.detach().clone(), model.head
+    loss = lambda m: m(x).pow(2).mean()  # noqa: E731
+    loss_with_weights(model, lambda m: float(loss(m)), {"lin.weight": torch.zeros(8, 8)})
+    measure_fisher(model, loss)
+    assert torch.equal(model.lin.weight, weight) and model.head is head and torch.equal(head, torch.ones(8))
+    assert model.training and not model.norm.training
+
+
+def test_a_put_back_that_fails_is_noted_on_the_calibrations_own_error_and_the_rest_come_back():
+    """A calibration that resized a weight and raised was reported as the put-back's failure only (reader 44); the
+    other tensors must come back whatever one of them does."""
+    from ckptstore.policy.sensitivity import loss_with_weights
+
+    model = _Stateful()
+    weight = model.lin.weight.detach().clone()
+
+    def breaks(m):
+        m.lin.weight.data = torch.zeros(8, 9)
+        raise ValueError("the user's own")
+
+    with pytest.raises(CkptError, match="the user's own"):
+        loss_with_weights(model, breaks, {"lin.weight": torch.zeros(8, 8)})
+    assert torch.equal(model.lin.weight, weight)
