@@ -288,3 +288,20 @@ def test_a_put_back_that_fails_is_noted_on_the_calibrations_own_error_and_the_re
     with pytest.raises(CkptError, match="the user's own"):
         loss_with_weights(model, breaks, {"lin.weight": torch.zeros(8, 8)})
     assert torch.equal(model.lin.weight, weight)
+
+
+def test_a_tensor_that_cannot_be_put_back_is_reported_after_every_other_is_back():
+    """One failed put-back stopped the rest (reader 43) or could go unsaid (reader 44's mutants)."""
+    from ckptstore.policy.sensitivity import loss_with_weights
+
+    model = _Stateful()
+    bias, running_max = model.lin.bias.detach().clone(), model.running_max.clone()
+
+    def expands(m):  # the first tensor kept, now an expanded view: no write takes it
+        m.lin.weight.data = torch.zeros(1, 1).expand(8, 8)
+        m.running_max.data.fill_(5.0)
+        return 0.0
+
+    with pytest.raises(CkptError, match="could not be put back"):
+        loss_with_weights(model, expands, {"lin.bias": torch.zeros(8)})
+    assert torch.equal(model.lin.bias, bias) and torch.equal(model.running_max, running_max)
