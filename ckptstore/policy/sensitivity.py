@@ -92,53 +92,73 @@ def model_tensors(model: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def _model_kept(model: Any) -> Iterator[dict[int, tuple[Any, Any]]]:
+def _model_kept(model: Any) -> Iterator[dict[int, tuple[Any, Any, tuple[Any, Any]]]]:
     """The model in eval mode for the block, and after it as it was; yields the host copies it puts back.
 
     As it was: each module's mode, every buffer and parameter slot bound to the tensor it held (an
     empty one emptied again, one forward added dropped, one forward replaced or grew bound back),
     and the values of every parameter and persistent buffer, put back from host copies into each
     whatever happened to the others. The copies come by tensor id, for the caller to add the tensors
-    it writes. A put-back that fails is raised after the rest, or noted on the calibration's own error.
+    it writes. A put-back that fails is raised after the rest, in one line with the calibration's own error.
 
     A calibration function's forward may write buffers in place (a quantization observer's
     statistics, through `.data` or fused ops that move no version counter), replace them, or build
     a cache from the restored values: none of it stays on the live model.
     """
-    import sys
-
-    import torch
-
+    was_training = model.training
     modules = [module for _, module in model.named_modules(remove_duplicate=False)]
     modes = [(module, module.training) for module in modules]  # each its own: a frozen BatchNorm stays in eval
-    slots = [(module, dict(module._buffers), dict(module._parameters)) for module in modules]
-    saved = {id(tensor): (tensor, tensor.detach().to("cpu", copy=True)) for tensor in _kept_tensors(model)}
+    slots = [(module, dict(module._buffers), dict(module._parameters), dict(module._modules)) for module in modules]
+    saved = {id(tensor): _host_copy(tensor) for tensor in _kept_tensors(model)}
     model.eval()
+    running: BaseException | None = None
     try:
         yield saved
+    except BaseException as exc:
+        running = exc
+        raise
     finally:
+        model.train(was_training)  # through each module's train(): an override (a LoRA merge) undoes its eval()
         for module, training in modes:
-            module.training = training
-        for module, buffers, parameters in slots:  # slots forward emptied, added, replaced or grew: as they were
-            for held, was in ((module._buffers, buffers), (module._parameters, parameters)):
+            if module.training != training:
+                module.train(training)
+        for module, *was in slots:  # slots forward emptied, added, replaced or grew, submodules it built: as they were
+            for held, before in zip((module._buffers, module._parameters, module._modules), was):
                 held.clear()
-                held.update(was)
+                held.update(before)
         problem = None
-        with torch.no_grad():
-            for tensor, value in saved.values():  # each on its own: one that cannot be put back stops no other
-                try:
-                    if tensor.shape != value.shape:  # resized (an observer's first forward, a .data of another shape)
-                        tensor.data = value.to(tensor.device, tensor.dtype)
-                    else:
-                        tensor.copy_(value)
-                except RuntimeError as exc:
-                    problem = problem or exc
+        for tensor, value, (device, dtype) in saved.values():  # each on its own: a failure stops no other
+            try:
+                _put_back(tensor, value, device, dtype)
+            except RuntimeError as exc:
+                problem = problem or exc
         if problem is not None:
             message = f"the calibration left the model's tensors changed where they could not be put back: {problem}"
-            running = sys.exc_info()[1]
             if running is None:
                 raise CkptError(message) from problem
-            running.add_note(message)  # the calibration's own error goes on: it says what happened first
+            if not isinstance(running, Exception):  # a Ctrl-C goes on as it is
+                running.add_note(message)
+            else:  # one line with both: code that logs str(exc) sees what the calibration left behind
+                raise CkptError(f"{running}; and {message}") from running
+
+
+def _host_copy(tensor: Any) -> tuple[Any, Any, tuple[Any, Any]]:
+    """`tensor`, its values in host memory, and the device and dtype it has now: what _put_back needs."""
+    return tensor, tensor.detach().to("cpu", copy=True), (tensor.device, tensor.dtype)
+
+
+def _put_back(tensor: Any, value: Any, device: Any, dtype: Any) -> None:
+    """`value` into `tensor` as it was: in place, or as its data where a calibration changed what it is.
+
+    Resized, cast, moved or expanded: `m.half()`, an observer's first forward, `.data = ...`.
+    """
+    import torch
+
+    with torch.no_grad():
+        if tensor.shape != value.shape or tensor.dtype != dtype or tensor.device != device or _overlapping(tensor):
+            tensor.data = value.to(device, dtype)
+        else:
+            tensor.copy_(value)
 
 
 def _kept_tensors(model: Any) -> list[Any]:
@@ -165,13 +185,13 @@ def _overlapping(tensor: Any) -> bool:
     return any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape))
 
 
-def _write_or_bind(model: Any, tensor: Any, value: Any, saved: dict[int, tuple[Any, Any]]) -> None:
+def _write_or_bind(model: Any, tensor: Any, value: Any, saved: dict[int, tuple[Any, Any, tuple[Any, Any]]]) -> None:
     """`value` into buffer `tensor` in place, its values in `saved` first.
 
     Where it refuses writes, `value` is bound instead in every slot holding it (_model_kept binds them back).
     """
     if not tensor.is_inference() and not _overlapping(tensor):
-        saved.setdefault(id(tensor), (tensor, tensor.detach().to("cpu", copy=True)))
+        saved.setdefault(id(tensor), _host_copy(tensor))
         tensor.copy_(value)
         return
     for _, module in model.named_modules(remove_duplicate=False):
