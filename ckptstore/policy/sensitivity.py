@@ -34,6 +34,7 @@ def measure_fisher(model: Any, loss_fn: Callable[[Any], Any]) -> dict[str, float
     if not named:
         return {}
     with _model_kept(model):
+        model.eval()
         loss = calling(loss_fn, model)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise CkptError("the calibration function must return the loss as a one-element tensor")
@@ -83,7 +84,8 @@ def loss_with_weights(model: Any, loss_fn: Callable[[Any], Any], weights: dict[s
             named[name].copy_(weights[name].reshape(named[name].shape))
         for name, value in values.items():
             _write_or_bind(model, buffers[name], value, saved)
-        return finite_loss(calling(loss_fn, model))
+        model.eval()  # after the writes: an eval() override (a LoRA merge) works on the restored weights, as it did
+        return finite_loss(calling(loss_fn, model))  # on the original ones the loss is compared with
 
 
 def model_tensors(model: Any) -> dict[str, Any]:
@@ -93,10 +95,11 @@ def model_tensors(model: Any) -> dict[str, Any]:
 
 @contextmanager
 def _model_kept(model: Any) -> Iterator[dict[int, tuple[Any, Any, tuple[Any, Any]]]]:
-    """The model in eval mode for the block, and after it as it was; yields the host copies it puts back.
+    """The model after the block as it was before it; yields the host copies it puts back.
 
-    As it was: each module's mode, every buffer and parameter slot bound to the tensor it held (an
-    empty one emptied again, one forward added dropped, one forward replaced or grew bound back),
+    As it was: each module's mode (the caller sets eval), every buffer and parameter slot bound to
+    the tensor it held (an empty one emptied again, one forward added dropped, one forward replaced
+    or grew bound back),
     and the values of every parameter and persistent buffer, put back from host copies into each
     whatever happened to the others. The copies come by tensor id, for the caller to add the tensors
     it writes. A put-back that fails is raised after the rest, in one line with the calibration's own error.
@@ -105,12 +108,16 @@ def _model_kept(model: Any) -> Iterator[dict[int, tuple[Any, Any, tuple[Any, Any
     statistics, through `.data` or fused ops that move no version counter), replace them, or build
     a cache from the restored values: none of it stays on the live model.
     """
+    import torch
+
+    if isinstance(model, torch.jit.ScriptModule):  # its module dicts take no clear(): nothing could be put back
+        raise CkptError("model= is a TorchScript module: pass the nn.Module it was scripted from")
     was_training = model.training
     modules = [module for _, module in model.named_modules(remove_duplicate=False)]
     modes = [(module, module.training) for module in modules]  # each its own: a frozen BatchNorm stays in eval
     slots = [(module, dict(module._buffers), dict(module._parameters), dict(module._modules)) for module in modules]
+    grads = [(p, p.grad, p.grad.data) for p in model.parameters() if p.grad is not None]  # references: no copy
     saved = {id(tensor): _host_copy(tensor) for tensor in _kept_tensors(model)}
-    model.eval()
     running: BaseException | None = None
     try:
         yield saved
@@ -118,28 +125,58 @@ def _model_kept(model: Any) -> Iterator[dict[int, tuple[Any, Any, tuple[Any, Any
         running = exc
         raise
     finally:
-        model.train(was_training)  # through each module's train(): an override (a LoRA merge) undoes its eval()
-        for module, training in modes:
-            if module.training != training:
-                module.train(training)
-        for module, *was in slots:  # slots forward emptied, added, replaced or grew, submodules it built: as they were
-            for held, before in zip((module._buffers, module._parameters, module._modules), was):
-                held.clear()
-                held.update(before)
-        problem = None
-        for tensor, value, (device, dtype) in saved.values():  # each on its own: a failure stops no other
+        problems: list[BaseException] = []
+        # values before modes: a train() or eval() override derives from the weights it finds (a fused copy, a
+        # LoRA adapter merged in or taken out), and after them again, where an override wrote into them
+        for step in (lambda: _slots_back(slots), lambda: _values_back(saved), lambda: _modes_back(model, was_training,
+                     modes), lambda: _values_back(saved), lambda: _grads_back(grads)):
             try:
-                _put_back(tensor, value, device, dtype)
-            except RuntimeError as exc:
-                problem = problem or exc
-        if problem is not None:
-            message = f"the calibration left the model's tensors changed where they could not be put back: {problem}"
+                step()
+            except Exception as exc:  # each step on its own: one that fails stops none of the others
+                problems.append(exc)
+        if problems:
+            message = f"the calibration left the model changed where it could not be put back: {problems[0]}"
             if running is None:
-                raise CkptError(message) from problem
+                raise CkptError(message) from problems[0]
             if not isinstance(running, Exception):  # a Ctrl-C goes on as it is
                 running.add_note(message)
             else:  # one line with both: code that logs str(exc) sees what the calibration left behind
                 raise CkptError(f"{running}; and {message}") from running
+
+
+def _slots_back(slots: list[tuple[Any, ...]]) -> None:
+    """Buffer, parameter and submodule slots as they were: forward emptied, added, replaced or grew them."""
+    for module, *was in slots:
+        for held, before in zip((module._buffers, module._parameters, module._modules), was):
+            held.clear()
+            held.update(before)
+
+
+def _values_back(saved: dict[int, tuple[Any, Any, tuple[Any, Any]]]) -> None:
+    """Every kept tensor's values, each on its own; the first failure raised after the rest."""
+    problem = None
+    for tensor, value, (device, dtype) in saved.values():
+        try:
+            _put_back(tensor, value, device, dtype)
+        except RuntimeError as exc:
+            problem = problem or exc
+    if problem is not None:
+        raise problem
+
+
+def _modes_back(model: Any, was_training: bool, modes: list[tuple[Any, bool]]) -> None:
+    """Each module's mode, through its train() (an override undoes what its eval() did)."""
+    model.train(was_training)
+    for module, training in modes:
+        if module.training != training:
+            module.train(training)
+
+
+def _grads_back(grads: list[tuple[Any, Any, Any]]) -> None:
+    """Each parameter's gradient as it was: a calibration's `m.half()` rebinds its data too."""
+    for parameter, grad, data in grads:
+        grad.data = data
+        parameter.grad = grad
 
 
 def _host_copy(tensor: Any) -> tuple[Any, Any, tuple[Any, Any]]:
@@ -156,7 +193,7 @@ def _put_back(tensor: Any, value: Any, device: Any, dtype: Any) -> None:
 
     with torch.no_grad():
         if tensor.shape != value.shape or tensor.dtype != dtype or tensor.device != device or _overlapping(tensor):
-            tensor.data = value.to(device, dtype)
+            tensor.data = value.to(device, dtype, copy=True)  # never the host copy itself: a later write would be in it
         else:
             tensor.copy_(value)
 

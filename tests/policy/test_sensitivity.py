@@ -360,3 +360,44 @@ def test_a_calibration_leaves_modes_through_train_dtypes_and_submodules_as_it_fo
     model.eval()
     model.train()
     assert torch.allclose(model[0].weight, weight, atol=1e-6)  # merged and taken out again: rounding only
+
+
+def test_a_merged_adapter_is_measured_with_the_restored_weights_and_nothing_derived_from_lossy_ones_stays():
+    """eval() before the writes measured a LoRA layer without its adapter (an exact reconstruction read -84.5%);
+    train() before the values came back derived from the lossy weights; a train() that raised left them all
+    (reader 46)."""
+    from ckptstore.policy.sensitivity import loss_with_weights
+
+    model, x = torch.nn.Sequential(_Merging()).train(), torch.randn(4, 8)
+    weight = model[0].weight.detach().clone()
+    loss = lambda m: float(m(x).pow(2).mean())  # noqa: E731
+    original = loss_with_weights(model, loss, {})
+    assert loss_with_weights(model, loss, {"0.weight": weight.clone()}) == pytest.approx(original)
+    assert torch.equal(model[0].weight, weight) and not model[0].merged
+
+    refuse = [True]
+    real_train = _Merging.train
+
+    def stubborn(self, mode=True):
+        if mode and refuse[0]:
+            raise RuntimeError("this layer will not train now")
+        return real_train(self, mode)
+
+    model[0].train = stubborn.__get__(model[0])
+    with pytest.raises(CkptError, match="will not train now"):
+        loss_with_weights(model, loss, {"0.weight": torch.zeros(8, 8)})
+    assert torch.equal(model[0].weight, weight)  # not the restored zeros, though its train() failed
+
+
+def test_gradients_a_calibration_cast_come_back_and_torchscript_is_refused():
+    """m.half() in a calibration left .grad float16 (the next optimizer step failed); a TorchScript model's module
+    dicts take no clear(), and the put-back raised a bare AttributeError with the lossy weights left (reader 46)."""
+    from ckptstore.policy.sensitivity import loss_with_weights
+
+    model = torch.nn.Linear(8, 8)
+    model(torch.randn(2, 8)).sum().backward()
+    grad = model.weight.grad.clone()
+    loss_with_weights(model, lambda m: float(m.half().weight.float().sum()), {})
+    assert model.weight.grad.dtype == torch.float32 and torch.equal(model.weight.grad, grad)
+    with pytest.raises(CkptError, match="TorchScript"):
+        loss_with_weights(torch.jit.script(torch.nn.Linear(2, 2)), lambda m: 0.0, {"weight": torch.zeros(2, 2)})
