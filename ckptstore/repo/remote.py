@@ -112,6 +112,13 @@ def set_url(repo: Repository, name: str, url: str, metadata_url: str = "", typed
     repo.db.refuse_writes("remote set-url (it writes .ckpt/config.toml)")
     lazy = named(repo, name).lazy
     remote = dataclasses.replace(_located(repo, name, url, metadata_url, typed_in), lazy=lazy)
+    if lazy and "://" not in remote.url:  # as `clone --lazy` refuses one: else its next read did (round 12b)
+        from ckptstore.repo.repository import REPO_DIR
+
+        there = RepoConfig.load(Path(repo.root, remote.url, REPO_DIR, "config.toml"))
+        if any(r.lazy for r in there.remotes.values()):
+            raise CkptError(f"{url} is itself a lazy clone, holding only what its checkouts read: this lazy clone "
+                            f"needs a whole repository as {name}; point it at the one {url} was cloned from")
 
     def record(config: RepoConfig) -> None:
         if name not in config.remotes:  # removed since this repository was opened

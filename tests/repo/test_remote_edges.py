@@ -1,5 +1,6 @@
 """Clone, pull and push at their edges (repo/remote.py, metadata/transfer.py): what a damaged, crafted or unusual
 origin or work tree makes of them. Each test fails on a mutant that survived the suite (mutation audit round 12b)."""
+import pytest
 import torch
 
 from ckptstore import Repository
@@ -158,17 +159,16 @@ def test_a_pull_that_wrote_no_files_leaves_no_marker_that_a_later_pull_takes_as_
 
 
 def test_a_lazy_clone_pointed_at_another_lazy_clone_says_so_at_its_first_read(tmp_path):
-    """A lazy clone whose origin was set to another lazy
-    clone read that one's bare store, and said an object it never fetched was pruned at the origin."""
-    import pytest
-
+    """A lazy clone whose origin was set to another lazy clone (by hand, or by an older ckptstore's set-url)
+    read that one's bare store, and said an object it never fetched was pruned at the origin."""
     from ckptstore.errors import CorruptObjectError
 
     with Repository.init(tmp_path / "hub") as hub:
         cid = hub.commit({"w": torch.randn(100_000, generator=torch.Generator().manual_seed(0))}, message="one")
     remote.clone(str(tmp_path / "hub"), tmp_path / "second", lazy=True).close()
-    with remote.clone(str(tmp_path / "hub"), tmp_path / "lazy", lazy=True) as lazy:
-        remote.set_url(lazy, "origin", str(tmp_path / "second"))
+    remote.clone(str(tmp_path / "hub"), tmp_path / "lazy", lazy=True).close()
+    config = tmp_path / "lazy" / ".ckpt" / "config.toml"
+    config.write_text(config.read_text().replace(str(tmp_path / "hub"), str(tmp_path / "second")))
     with Repository.open(tmp_path / "lazy") as lazy:
         with pytest.raises(CorruptObjectError, match="is itself a lazy clone"):
             lazy.checkout(cid)
@@ -319,3 +319,18 @@ def test_a_push_sends_no_links_below_an_unchanged_tensor_the_remote_has(tmp_path
         sent = remote.push(clone, "origin")
     with Repository.open(tmp_path / "hub") as hub:
         assert sent.commits == 1 and sent.tensors == 1 and gc(hub).bytes_removed == 0
+
+
+def test_remote_set_url_of_a_lazy_clone_refuses_another_lazy_clone_as_its_origin(tmp_path):
+    """`clone --lazy` refuses a lazy origin; set-url took one, and the clone failed at its next read (mutation
+    audit round 12b, a defect of the code)."""
+    from ckptstore.errors import CkptError
+
+    with Repository.init(tmp_path / "hub") as hub:
+        cid = hub.commit({"w": torch.randn(10_000)}, message="one")
+    remote.clone(str(tmp_path / "hub"), tmp_path / "second", lazy=True).close()
+    with remote.clone(str(tmp_path / "hub"), tmp_path / "lazy", lazy=True) as lazy:
+        with pytest.raises(CkptError, match="is itself a lazy clone"):
+            remote.set_url(lazy, "origin", str(tmp_path / "second"))
+    with Repository.open(tmp_path / "lazy") as lazy:  # still reads from its origin
+        assert lazy.checkout(cid)["w"].shape == (10_000,)
