@@ -116,7 +116,9 @@ def _model_kept(model: Any) -> Iterator[dict[int, tuple[Any, Any, tuple[Any, Any
     modules = [module for _, module in model.named_modules(remove_duplicate=False)]
     modes = [(module, module.training) for module in modules]  # each its own: a frozen BatchNorm stays in eval
     slots = [(module, dict(module._buffers), dict(module._parameters), dict(module._modules)) for module in modules]
-    grads = [(p, p.grad, p.grad.data) for p in model.parameters() if p.grad is not None]  # references: no copy
+    # gradients mid-accumulation, by copy: a calibration may zero them, accumulate into them or cast them
+    grads = [(p, _host_copy(p.grad) if p.grad is not None else None) for p in model.parameters()]
+    overridden = any(type(module).train is not torch.nn.Module.train or "train" in vars(module) for module in modules)
     saved = {id(tensor): _host_copy(tensor) for tensor in _kept_tensors(model)}
     running: BaseException | None = None
     try:
@@ -127,9 +129,13 @@ def _model_kept(model: Any) -> Iterator[dict[int, tuple[Any, Any, tuple[Any, Any
     finally:
         problems: list[BaseException] = []
         # values before modes: a train() or eval() override derives from the weights it finds (a fused copy, a
-        # LoRA adapter merged in or taken out), and after them again, where an override wrote into them
-        for step in (lambda: _slots_back(slots), lambda: _values_back(saved), lambda: _modes_back(model, was_training,
-                     modes), lambda: _values_back(saved), lambda: _grads_back(grads)):
+        # LoRA adapter merged in or taken out), and after them again where one may have written into them
+        steps = [lambda: _slots_back(slots), lambda: _values_back(saved), lambda: _modes_back(model, was_training,
+                                                                                            modes)]
+        if overridden:
+            steps.append(lambda: _values_back(saved))
+        steps.append(lambda: _grads_back(grads))
+        for step in steps:
             try:
                 step()
             except Exception as exc:  # each step on its own: one that fails stops none of the others
@@ -172,10 +178,14 @@ def _modes_back(model: Any, was_training: bool, modes: list[tuple[Any, bool]]) -
             module.train(training)
 
 
-def _grads_back(grads: list[tuple[Any, Any, Any]]) -> None:
-    """Each parameter's gradient as it was: a calibration's `m.half()` rebinds its data too."""
-    for parameter, grad, data in grads:
-        grad.data = data
+def _grads_back(grads: list[tuple[Any, Any]]) -> None:
+    """Each parameter's gradient as it was (None where there was none): the same tensor, with its values."""
+    for parameter, kept in grads:
+        if kept is None:
+            parameter.grad = None
+            continue
+        grad, value, (device, dtype) = kept
+        _put_back(grad, value, device, dtype)
         parameter.grad = grad
 
 

@@ -401,3 +401,67 @@ def test_gradients_a_calibration_cast_come_back_and_torchscript_is_refused():
     assert model.weight.grad.dtype == torch.float32 and torch.equal(model.weight.grad, grad)
     with pytest.raises(CkptError, match="TorchScript"):
         loss_with_weights(torch.jit.script(torch.nn.Linear(2, 2)), lambda m: 0.0, {"weight": torch.zeros(2, 2)})
+
+
+class _Folding(torch.nn.Linear):
+    """eval() folds weight * gain into a cached matrix held as a plain attribute; train() drops it."""
+
+    def __init__(self):
+        super().__init__(8, 8)
+        self.register_buffer("gain", torch.full((8, 1), 2.0))
+        self.folded = None
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.folded = None if mode else (self.weight * self.gain).detach().clone()
+        return self
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight * self.gain if self.folded is None else self.folded, self.bias)
+
+
+def test_what_overrides_and_the_calibration_do_to_folded_copies_modes_and_gradients_does_not_stay():
+    """Reader 47's witnesses of mutants no test caught: an eval-folded copy rebuilt from the lossy weights (modes
+    before values), a train() that wrote and raised (steps stopping at the first failure), a calibration's
+    zero_grad() or backward() (gradients kept by reference), the Fisher pass in train mode (dropout on)."""
+    from ckptstore.policy.sensitivity import loss_with_weights
+
+    x = torch.randn(4, 8)
+    folding = torch.nn.Sequential(_Folding()).eval()
+    before = folding(x).detach().clone()
+    loss_with_weights(folding, lambda m: float(m(x).pow(2).mean()), {"0.weight": folding[0].weight.detach() + 0.5})
+    assert torch.equal(folding(x), before)
+
+    merging = torch.nn.Sequential(_Merging()).train()
+    weight = merging[0].weight.detach().clone()
+    real_train = _Merging.train
+
+    def writes_then_raises(self, mode=True):
+        real_train(self, mode)
+        if mode:
+            raise RuntimeError("taken out, then failed")
+        return self
+
+    merging[0].train = writes_then_raises.__get__(merging[0])
+    with pytest.raises(CkptError, match="then failed"):
+        loss_with_weights(merging, lambda m: 0.0, {"0.weight": torch.zeros(8, 8)})
+    assert torch.equal(merging[0].weight, weight)
+
+    linear = torch.nn.Linear(8, 8)
+    linear(x).sum().backward()
+    grad = linear.weight.grad.clone()
+    def accumulates(m):  # a calibration adapted from a training step
+        with torch.enable_grad():
+            m(x).sum().backward()
+        return 0.0
+
+    for calibration in (lambda m: (m.zero_grad(), 0.0)[1], lambda m: (m.zero_grad(set_to_none=False), 0.0)[1],
+                        accumulates):
+        loss_with_weights(linear, calibration, {})
+        assert torch.equal(linear.weight.grad, grad)
+    assert linear.bias.grad is not None and torch.nn.Linear(2, 2).weight.grad is None
+
+    dropout = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1)).train()
+    seen = []
+    measure_fisher(dropout, lambda m: (seen.append(m.training), m(x).pow(2).mean())[1])
+    assert seen == [False] and dropout.training
