@@ -812,15 +812,28 @@ def _commit(folder, value, name="ck.pt", *args):
     assert ckpt_here(folder, "commit", name, "-m", f"c{value}", *args).returncode == 0
 
 
-def test_a_commit_the_other_side_pruned_travels_again_and_restores_there(tmp_path):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    ckpt_here(tmp_path / "a", "init")
-    ckpt_here(tmp_path / "b", "init")
+def _pushed(tmp_path) -> None:
+    """Work tree a with commits c1-c3 on main, pushed to repository b, its origin."""
+    for side in ("a", "b"):
+        (tmp_path / side).mkdir()
+        ckpt_here(tmp_path / side, "init")
     for value in (1, 2, 3):
         _commit(tmp_path / "a", value)
     assert ckpt_here(tmp_path / "a", "remote", "add", "origin", "../b").returncode == 0
     assert ckpt_here(tmp_path / "a", "push").returncode == 0
+
+
+def _cloned(tmp_path) -> None:
+    """Work tree a with c1 on main, cloned to c, whose files are checked out."""
+    (tmp_path / "a").mkdir()
+    ckpt_here(tmp_path / "a", "init")
+    _commit(tmp_path / "a", 1)
+    assert ckpt_here(tmp_path, "clone", "a", "c").returncode == 0
+    assert ckpt_here(tmp_path / "c", "checkout", "main").returncode == 0
+
+
+def test_a_commit_the_other_side_pruned_travels_again_and_restores_there(tmp_path):
+    _pushed(tmp_path)
     assert ckpt_here(tmp_path / "b", "prune", "--keep-last", "1").returncode == 0  # b drops c2's data, keeps its record
     assert ckpt_here(tmp_path / "a", "branch", "keep", "main~1").returncode == 0
     assert ckpt_here(tmp_path / "a", "push", "origin", "keep").returncode == 0
@@ -837,11 +850,7 @@ def test_a_commit_the_other_side_pruned_travels_again_and_restores_there(tmp_pat
 
 
 def test_a_pull_whose_files_cannot_be_written_leaves_the_branch_where_it_was(tmp_path):
-    (tmp_path / "a").mkdir()
-    ckpt_here(tmp_path / "a", "init")
-    _commit(tmp_path / "a", 1)
-    assert ckpt_here(tmp_path, "clone", "a", "c").returncode == 0
-    assert ckpt_here(tmp_path / "c", "checkout", "main").returncode == 0
+    _cloned(tmp_path)
     before = ckpt_here(tmp_path / "c", "show", "main").stdout.split()[1]
     _commit(tmp_path / "a", 2, "d/ck.pt")
     (tmp_path / "c" / "d").write_text("a file where the pulled commit needs a folder")

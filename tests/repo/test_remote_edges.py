@@ -6,22 +6,13 @@ import torch
 from ckptstore import Repository
 from ckptstore.repo import remote
 from tests.conftest import ckpt_here
-
-
-def _commit(folder, value, name="ck.pt", *args):
-    (folder / name).parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"w": torch.full((256,), float(value))}, folder / name)
-    assert ckpt_here(folder, "commit", name, "-m", f"c{value}", *args).returncode == 0
+from tests.repo.test_remote import _cloned, _commit, _pushed
 
 
 def test_a_pull_onto_an_in_memory_commit_moves_the_branch_and_leaves_the_files(tmp_path):
     """The pull tried to write an
     in-memory commit in place, failed, and moved the branch back: a plain fast-forward refused."""
-    (tmp_path / "a").mkdir()
-    ckpt_here(tmp_path / "a", "init")
-    _commit(tmp_path / "a", 1)
-    assert ckpt_here(tmp_path, "clone", "a", "c").returncode == 0
-    assert ckpt_here(tmp_path / "c", "checkout", "main").returncode == 0
+    _cloned(tmp_path)
     with Repository.open(tmp_path / "a") as a:
         new = a.commit({"w": torch.full((256,), 7.0)}, message="in memory")
     pulled = ckpt_here(tmp_path / "c", "pull")
@@ -141,11 +132,7 @@ def test_a_pull_that_wrote_no_files_leaves_no_marker_that_a_later_pull_takes_as_
     """The user had deleted ck.pt, so
     the pull wrote none; training then wrote ck.pt, and the next pull took the finished one as interrupted, found
     the file changed, and moved main back to the commit before the pull (error: pull stopped)."""
-    (tmp_path / "a").mkdir()
-    ckpt_here(tmp_path / "a", "init")
-    _commit(tmp_path / "a", 1)
-    assert ckpt_here(tmp_path, "clone", "a", "c").returncode == 0
-    assert ckpt_here(tmp_path / "c", "checkout", "main").returncode == 0
+    _cloned(tmp_path)
     (tmp_path / "c" / "ck.pt").unlink()
     _commit(tmp_path / "a", 2)
     assert ckpt_here(tmp_path / "c", "pull").returncode == 0
@@ -177,14 +164,7 @@ def test_a_lazy_clone_pointed_at_another_lazy_clone_says_so_at_its_first_read(tm
 def test_a_push_of_a_branch_at_a_commit_pruned_on_both_sides_leaves_it_pruned_there(tmp_path):
     """A tip pruned here and there was sent as a row
     with no manifest and unmarked there: the remote then held a 'whole' commit with no data (fsck damage)."""
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    ckpt_here(tmp_path / "a", "init")
-    ckpt_here(tmp_path / "b", "init")
-    for value in (1, 2, 3):
-        _commit(tmp_path / "a", value)
-    assert ckpt_here(tmp_path / "a", "remote", "add", "origin", "../b").returncode == 0
-    assert ckpt_here(tmp_path / "a", "push").returncode == 0
+    _pushed(tmp_path)
     for side in ("a", "b"):
         assert ckpt_here(tmp_path / side, "prune", "--keep-last", "1").returncode == 0
     import sqlite3  # `ckpt branch` refuses a pruned commit; a branch left there (raw, or by an older version) is not
