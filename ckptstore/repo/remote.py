@@ -115,10 +115,8 @@ def set_url(repo: Repository, name: str, url: str, metadata_url: str = "", typed
     if lazy and "://" not in remote.url:  # as `clone --lazy` refuses one: else its next read did (round 12b)
         from ckptstore.repo.repository import REPO_DIR
 
-        there = RepoConfig.load(Path(repo.root, remote.url, REPO_DIR, "config.toml"))
-        if any(r.lazy for r in there.remotes.values()):
-            raise CkptError(f"{url} is itself a lazy clone, holding only what its checkouts read: this lazy clone "
-                            f"needs a whole repository as {name}; point it at the one {url} was cloned from")
+        _refuse_lazy_origin(RepoConfig.load(Path(repo.root, remote.url, REPO_DIR, "config.toml")), url,
+                            f"point {name} at the repository {url} was cloned from")
 
     def record(config: RepoConfig) -> None:
         if name not in config.remotes:  # removed since this repository was opened
@@ -240,10 +238,11 @@ def remote_store(remote: RemoteConfig) -> ObjectStore:
     return open_store(config.objects_url or "objects", folder / "tmp", folder, create=not config.objects_url)
 
 
-def _refuse_lazy_origin(config: RepoConfig, url: str) -> None:
+def _refuse_lazy_origin(config: RepoConfig, url: str,
+                        advice: str = "clone it without --lazy, or clone its origin lazily") -> None:
     """A lazy clone holds only what its checkouts read, so it can be no lazy clone's origin."""
     if any(r.lazy for r in config.remotes.values()):
-        raise CkptError(f"{url} is itself a lazy clone: clone it without --lazy, or clone its origin lazily")
+        raise CkptError(f"{url} is itself a lazy clone: {advice}")
 
 
 def fsck_remote(repo: Repository, name: str, full: bool = False) -> FsckReport:
