@@ -99,10 +99,10 @@ def _model_kept(model: Any) -> Iterator[dict[int, tuple[Any, Any, tuple[Any, Any
 
     As it was: each module's mode (the caller sets eval), every buffer and parameter slot bound to
     the tensor it held (an empty one emptied again, one forward added dropped, one forward replaced
-    or grew bound back),
-    and the values of every parameter and persistent buffer, put back from host copies into each
-    whatever happened to the others. The copies come by tensor id, for the caller to add the tensors
-    it writes. A put-back that fails is raised after the rest, in one line with the calibration's own error.
+    or grew bound back), and the values of every parameter, persistent buffer and gradient, put back
+    from host copies into each whatever happened to the others. The copies come by tensor id, for
+    the caller to add the tensors it writes. A put-back that fails is raised after the rest, in one
+    line with the calibration's own error.
 
     A calibration function's forward may write buffers in place (a quantization observer's
     statistics, through `.data` or fused ops that move no version counter), replace them, or build
@@ -112,7 +112,6 @@ def _model_kept(model: Any) -> Iterator[dict[int, tuple[Any, Any, tuple[Any, Any
 
     if isinstance(model, torch.jit.ScriptModule):  # its module dicts take no clear(): nothing could be put back
         raise CkptError("model= is a TorchScript module: pass the nn.Module it was scripted from")
-    was_training = model.training
     modules = [module for _, module in model.named_modules(remove_duplicate=False)]
     modes = [(module, module.training) for module in modules]  # each its own: a frozen BatchNorm stays in eval
     slots = [(module, dict(module._buffers), dict(module._parameters), dict(module._modules)) for module in modules]
@@ -130,8 +129,7 @@ def _model_kept(model: Any) -> Iterator[dict[int, tuple[Any, Any, tuple[Any, Any
         problems: list[BaseException] = []
         # values before modes: a train() or eval() override derives from the weights it finds (a fused copy, a
         # LoRA adapter merged in or taken out), and after them again where one may have written into them
-        steps = [lambda: _slots_back(slots), lambda: _values_back(saved), lambda: _modes_back(model, was_training,
-                                                                                            modes)]
+        steps = [lambda: _slots_back(slots), lambda: _values_back(saved), lambda: _modes_back(modes)]
         if overridden:
             steps.append(lambda: _values_back(saved))
         steps.append(lambda: _grads_back(grads))
@@ -170,8 +168,9 @@ def _values_back(saved: dict[int, tuple[Any, Any, tuple[Any, Any]]]) -> None:
         raise problem
 
 
-def _modes_back(model: Any, was_training: bool, modes: list[tuple[Any, bool]]) -> None:
-    """Each module's mode, through its train() (an override undoes what its eval() did)."""
+def _modes_back(modes: list[tuple[Any, bool]]) -> None:
+    """Each module's mode, the model's (first) over all, through train(): an override undoes what its eval() did."""
+    model, was_training = modes[0]
     model.train(was_training)
     for module, training in modes:
         if module.training != training:
