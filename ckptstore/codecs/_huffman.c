@@ -299,15 +299,8 @@ typedef struct {
     uint8_t *out, *out_end;
 } cursor_t;
 
-/* The bulk of decoding: four streams at once, four lookups per 64-bit load, while every stream
- * has room for the widest step and its next load stays inside the payload. Locals and restrict
- * pointers tell the compiler that the output stores touch neither the table nor the cursors. */
-static void decode_bulk(const uint8_t *payload, const entry_t *restrict table, cursor_t *cursors, uint64_t last_load)
-{
-    const ptrdiff_t room = LOOKUPS_PER_LOAD * SYMBOLS_PER_ENTRY + 3;
-    uint8_t *restrict o0 = cursors[0].out, *restrict o1 = cursors[1].out;
-    uint8_t *restrict o2 = cursors[2].out, *restrict o3 = cursors[3].out;
-    uint64_t b0 = cursors[0].bit, b1 = cursors[1].bit, b2 = cursors[2].bit, b3 = cursors[3].bit;
+/* One lookup of lane i: its next symbols stored (up to four bytes, `count` of them whole), its bit
+ * position and window advanced. */
 #define STEP(i)                                        \
     do {                                               \
         entry_t e = table[w##i & TABLE_MASK];          \
@@ -316,11 +309,21 @@ static void decode_bulk(const uint8_t *payload, const entry_t *restrict table, c
         b##i += e.bits;                                \
         w##i >>= e.bits;                               \
     } while (0)
-    while (cursors[0].out_end - o0 >= room && cursors[1].out_end - o1 >= room && cursors[2].out_end - o2 >= room &&
-           cursors[3].out_end - o3 >= room && b0 <= last_load && b1 <= last_load && b2 <= last_load &&
-           b3 <= last_load) {
-        uint64_t w0 = load64le(payload + (b0 >> 3)) >> (b0 & 7), w1 = load64le(payload + (b1 >> 3)) >> (b1 & 7);
-        uint64_t w2 = load64le(payload + (b2 >> 3)) >> (b2 & 7), w3 = load64le(payload + (b3 >> 3)) >> (b3 & 7);
+#define ROOM (LOOKUPS_PER_LOAD * SYMBOLS_PER_ENTRY + 3) /* output bytes the widest load's steps may store */
+#define HAS_ROOM(c, o, b) ((c)->out_end - (o) >= ROOM && (b) <= last_load)
+#define LOAD(i) (load64le(payload + (b##i >> 3)) >> (b##i & 7))
+
+/* The bulk of decoding: four streams at once, four lookups per 64-bit load, while every stream
+ * has room for the widest step and its next load stays inside the payload. Locals and restrict
+ * pointers tell the compiler that the output stores touch neither the table nor the cursors. */
+static void decode_bulk(const uint8_t *payload, const entry_t *restrict table, cursor_t *cursors, uint64_t last_load)
+{
+    uint8_t *restrict o0 = cursors[0].out, *restrict o1 = cursors[1].out;
+    uint8_t *restrict o2 = cursors[2].out, *restrict o3 = cursors[3].out;
+    uint64_t b0 = cursors[0].bit, b1 = cursors[1].bit, b2 = cursors[2].bit, b3 = cursors[3].bit;
+    while (HAS_ROOM(&cursors[0], o0, b0) && HAS_ROOM(&cursors[1], o1, b1) && HAS_ROOM(&cursors[2], o2, b2) &&
+           HAS_ROOM(&cursors[3], o3, b3)) {
+        uint64_t w0 = LOAD(0), w1 = LOAD(1), w2 = LOAD(2), w3 = LOAD(3);
         for (int k = 0; k < LOOKUPS_PER_LOAD; k++) {
             STEP(0);
             STEP(1);
@@ -328,10 +331,58 @@ static void decode_bulk(const uint8_t *payload, const entry_t *restrict table, c
             STEP(3);
         }
     }
-#undef STEP
     cursors[0].out = o0, cursors[1].out = o1, cursors[2].out = o2, cursors[3].out = o3;
     cursors[0].bit = b0, cursors[1].bit = b1, cursors[2].bit = b2, cursors[3].bit = b3;
 }
+
+/* Two streams at once (y may be NULL: x alone), as decode_bulk, until one of them runs out of room. */
+static void decode_two(const uint8_t *payload, const entry_t *restrict table, cursor_t *x, cursor_t *y,
+                       uint64_t last_load)
+{
+    uint8_t *restrict o0 = x->out;
+    uint64_t b0 = x->bit;
+    if (!y) {
+        while (HAS_ROOM(x, o0, b0)) {
+            uint64_t w0 = LOAD(0);
+            for (int k = 0; k < LOOKUPS_PER_LOAD; k++)
+                STEP(0);
+        }
+    } else {
+        uint8_t *restrict o1 = y->out;
+        uint64_t b1 = y->bit;
+        while (HAS_ROOM(x, o0, b0) && HAS_ROOM(y, o1, b1)) {
+            uint64_t w0 = LOAD(0), w1 = LOAD(1);
+            for (int k = 0; k < LOOKUPS_PER_LOAD; k++) {
+                STEP(0);
+                STEP(1);
+            }
+        }
+        y->out = o1, y->bit = b1;
+    }
+    x->out = o0, x->bit = b0;
+}
+
+/* The streams decode_bulk left with room, two at a time: the four streams of an exponent plane
+ * whose parts differ in entropy (weights, then moments) decode at different rates, and when the
+ * fastest runs out the others have up to three quarters of their rows left, which one symbol
+ * per lookup decoded at half the speed. */
+static void decode_rest(const uint8_t *payload, const entry_t *restrict table, cursor_t *cursors, uint64_t last_load)
+{
+    for (;;) {
+        cursor_t *left[STREAMS];
+        int n = 0;
+        for (int s = 0; s < STREAMS; s++)
+            if (HAS_ROOM(&cursors[s], cursors[s].out, cursors[s].bit))
+                left[n++] = &cursors[s];
+        if (!n)
+            return;
+        decode_two(payload, table, left[0], n > 1 ? left[1] : NULL, last_load);
+    }
+}
+#undef STEP
+#undef ROOM
+#undef HAS_ROOM
+#undef LOAD
 
 /* Decode `payload` into rows bytes at out; returns NULL or what is wrong with the payload. */
 static const char *decode(const uint8_t *payload, size_t size, uint8_t *out, size_t rows)
@@ -359,6 +410,7 @@ static const char *decode(const uint8_t *payload, size_t size, uint8_t *out, siz
     const uint64_t last_load = 8 * (uint64_t)(size - 8); /* a load at a bit <= this stays inside */
 
     decode_bulk(payload, table, cursors, last_load);
+    decode_rest(payload, table, cursors, last_load);
     for (int s = 0; s < STREAMS; s++) {
         cursor_t *c = &cursors[s];
         while (c->out < c->out_end) {
@@ -466,6 +518,13 @@ static size_t runs_size(const uint8_t *src, size_t rows)
     return size + coded_size(value_counts, lengths);
 }
 
+/* Whether any of the eight bytes in x is RUN_TOKEN (0xff): the classic zero-byte test on ~x. */
+static inline int has_run_token(uint64_t x)
+{
+    uint64_t y = ~x;
+    return ((y - 0x0101010101010101ull) & ~y & 0x8080808080808080ull) != 0;
+}
+
 /* Decode a zero-run payload into rows bytes at out, or XOR it into them; NULL or what is wrong. */
 static const char *decode_runs(const uint8_t *payload, size_t size, uint8_t *out, size_t rows, int xor)
 {
@@ -487,8 +546,17 @@ static const char *decode_runs(const uint8_t *payload, size_t size, uint8_t *out
     if (!problem) {
         if (!xor)
             memset(out, 0, rows);
-        size_t pos = 0, j = 0;
-        for (size_t k = 0; k < t; k++) {
+        size_t pos = 0, j = 0, k = 0;
+        /* eight tokens at a time where none is a run token and none can reach past the plane */
+        while (k + 8 <= t && j + 8 <= n && pos + 8 * (RUN_TOKEN + 1) <= rows && !has_run_token(load64le(gaps + k))) {
+            for (int i = 0; i < 8; i++) {
+                pos += gaps[k + i];
+                out[pos++] ^= values[j + i];
+            }
+            k += 8;
+            j += 8;
+        }
+        for (; k < t; k++) {
             pos += gaps[k];
             if (gaps[k] == RUN_TOKEN)
                 continue;

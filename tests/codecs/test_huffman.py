@@ -1,5 +1,7 @@
 """The Huffman plane coder (codecs/_huffman.c): round trips, code limits, and damaged payloads."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -97,3 +99,46 @@ def test_garbage_streams_never_read_outside_the_payload():
         except ValueError:
             refused += 1
     assert refused > 0  # noise decodes to more or fewer bits than the streams hold
+
+
+def _quarters(n: int, order: tuple[int, ...]) -> np.ndarray:
+    """A plane whose four quarters (the four streams' rows) hold planes of very different entropy."""
+    kinds = [_planes(n)[name] for name in ("constant", "geometric", "exponent-like", "uniform")]
+    quarter = -(-n // huffman.STREAMS)
+    return np.concatenate([kinds[k][i * quarter:(i + 1) * quarter] for i, k in enumerate(order)])[:n]
+
+
+@pytest.mark.parametrize("n", [4 * 40 + 3, 100_003])
+def test_streams_that_run_out_at_different_times_decode_exactly(n):
+    """The streams left when the fastest of the four runs out decode two at a time, then alone."""
+    for order in itertools.permutations(range(huffman.STREAMS)):
+        plane = _quarters(n, order)
+        payload = huffman.encode(plane)
+        out = np.empty(n, np.uint8)
+        huffman.decode_into(payload, out)
+        assert out.tobytes() == plane.tobytes(), order
+
+
+def test_mutated_payloads_of_uneven_streams_decode_as_the_reference_does():
+    """Whatever a damaged payload decodes to, or whether it is refused, the native decoder agrees with numpy's."""
+    plane = _quarters(20_000, (3, 0, 2, 1))
+    payload = huffman.encode(plane)
+    refused = 0
+    for seed in range(400):
+        rng = np.random.default_rng(seed)
+        mutated = bytearray(payload)
+        for at in rng.integers(huffman.HEAD_BYTES, len(payload), rng.integers(1, 4)):
+            mutated[at] = int(rng.integers(0, 256))
+        native, reference = np.empty(plane.size, np.uint8), np.empty(plane.size, np.uint8)
+        outcomes = []
+        for out, use_native in ((native, True), (reference, False)):
+            try:
+                huffman.decode_into(bytes(mutated), out, use_native=use_native)
+                outcomes.append("decoded")
+            except ValueError:
+                outcomes.append("refused")
+        assert outcomes[0] == outcomes[1], seed
+        refused += outcomes[0] == "refused"
+        if outcomes[0] == "decoded":
+            assert native.tobytes() == reference.tobytes(), seed
+    assert refused > 0

@@ -98,3 +98,80 @@ def test_mutated_payloads_decode_or_are_refused_without_crashing():
         except ValueError:
             refused += 1
     assert refused > 0
+
+
+def _stretches(n: int, seed: int) -> np.ndarray:
+    """Stretches of every density one after another (dense, sparse, zeros longer than 255), as in an
+    XOR plane of weights, then moments: the decoder's eight-token steps start and stop inside them."""
+    rng = np.random.default_rng(seed)
+    plane, filled = np.zeros(n, np.uint8), 0
+    while filled < n:
+        length = int(rng.integers(1, 3000))
+        density = float(rng.choice([0.0, 0.002, 0.3, 0.9, 1.0]))
+        stretch = plane[filled:filled + length]
+        stretch[...] = np.where(rng.random(stretch.size) < density, rng.integers(1, 256, stretch.size), 0)
+        filled += length
+    return plane
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_stretches_of_every_density_round_trip_exactly(seed):
+    plane = _stretches(int(np.random.default_rng(seed).integers(1, 60_000)), seed)
+    payload = zeroruns.encode(plane)
+    for use_native in (True, False):
+        out = np.full(plane.size, 0x5A, np.uint8)
+        zeroruns.decode_into(payload, out, use_native=use_native)
+        assert out.tobytes() == plane.tobytes(), use_native
+        base = RNG.integers(0, 256, plane.size).astype(np.uint8)
+        into = base.copy()
+        zeroruns.decode_into(payload, into, xor=True, use_native=use_native)
+        assert into.tobytes() == (base ^ plane).tobytes(), use_native
+
+
+GUARD = 8 * 256  # as far past the plane as one eight-token step of the native decoder could reach
+
+
+def test_mutated_payloads_decode_as_the_reference_does():
+    """Whatever a damaged payload decodes to, or whether it is refused, the native decoder agrees with numpy's."""
+    plane = _stretches(30_000, 99)
+    payload = zeroruns.encode(plane)
+    outcomes = {"decoded": 0, "refused": 0}
+    for seed in range(600):
+        rng = np.random.default_rng(seed)
+        mutated = bytearray(payload)
+        for at in rng.integers(zeroruns.RUNS_HEAD, len(payload), rng.integers(1, 4)):
+            mutated[at] = int(rng.integers(0, 256))
+        base = rng.integers(0, 256, plane.size).astype(np.uint8)
+        results = []
+        for use_native in (True, False):
+            guarded = np.concatenate([base, np.full(GUARD, 0xA5, np.uint8)])  # bytes past the plane stay
+            out = guarded[:plane.size]
+            try:
+                zeroruns.decode_into(bytes(mutated), out, xor=True, use_native=use_native)
+                results.append(out.tobytes())
+            except ValueError:
+                results.append(None)
+            assert not np.any(guarded[plane.size:] != 0xA5), (seed, use_native)
+        assert (results[0] is None) == (results[1] is None), seed
+        assert results[0] == results[1], seed
+        outcomes["refused" if results[0] is None else "decoded"] += 1
+    assert min(outcomes.values()) > 0, outcomes
+
+
+def _runs_payload(rows: int, gaps: np.ndarray, values: np.ndarray) -> bytes:
+    """A zero-run payload written by hand from its gap tokens and bytes, which need not agree."""
+    gap_payload = huffman.encode(gaps)
+    head = np.array([rows, values.size, gaps.size, len(gap_payload)], "<u8").tobytes()
+    return head + gap_payload + huffman.encode(values)
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_more_gap_tokens_than_bytes_are_refused(use_native):
+    """Sixteen literal tokens for eight bytes: refused, never read past the bytes (ASan checks the native one)."""
+    payload = _runs_payload(5000, np.zeros(16, np.uint8), np.ones(8, np.uint8))
+    with pytest.raises(ValueError, match="past the plane|do not match"):
+        zeroruns.decode_into(payload, np.zeros(5000, np.uint8), xor=True, use_native=use_native)
+    fitting = _runs_payload(5000, np.zeros(8, np.uint8), np.ones(8, np.uint8))  # the same, agreeing
+    out = np.zeros(5000, np.uint8)
+    zeroruns.decode_into(fitting, out, use_native=use_native)
+    assert out.tolist() == [1] * 8 + [0] * 4992
