@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -15,15 +17,26 @@ def torch_load_seconds(data: np.ndarray, repeats: int = 3) -> float:
     The file holds `data` as 16 tensors, as a checkpoint holds many; the page cache is where a
     checkpoint just written, or read before, sits.
     """
+    with torch_load_timer(data) as load_once:
+        return min(load_once() for _ in range(repeats))
+
+
+@contextmanager
+def torch_load_timer(data: np.ndarray) -> Iterator[Callable[[], float]]:
+    """A function timing one torch.load of a torch.save file of `data` (as above), while the file exists.
+
+    For measurements that take turns with it, so that the machine's load at the time weighs on all alike.
+    """
     import torch
 
     parts = np.array_split(np.ascontiguousarray(data).reshape(-1), 16)
     with tempfile.TemporaryDirectory(prefix="ckpt-loadspeed-") as folder:
         path = Path(folder) / "sample.pt"
         torch.save({f"t{i}": torch.from_numpy(part.copy()) for i, part in enumerate(parts)}, path)
-        best = float("inf")
-        for _ in range(repeats):
+
+        def load_once() -> float:
             start = time.perf_counter()
             torch.load(path, map_location="cpu", weights_only=True)
-            best = min(best, time.perf_counter() - start)
-    return best
+            return time.perf_counter() - start
+
+        yield load_once

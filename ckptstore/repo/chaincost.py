@@ -6,10 +6,11 @@ decode is timed at depth 0 and at `LEVELS`, beside torch.load of the same bytes.
 (fp32, and bf16-like 2-byte values), that gives policy/chaincost.py's `ChainCosts`, timed on one
 thread (checkout decodes chunks on one per CPU, which the rule divides by). It takes 0.4 s, 2-3 s
 in a process that must import torch for it, so a machine measures once and keeps the figures per
-user in `$XDG_CACHE_HOME/ckptstore/chaincost.json`, under the CPU's name and count and this
-version; each repository copies them into `.ckpt/chaincost.json` at its first "auto" commit (again
-on a machine with another CPU count, or when the file is deleted or unreadable). Commits, every
-rank of a sharded commit and prune all chain by the repository's figures (`auto_costs`).
+user in `$XDG_CACHE_HOME/ckptstore/chaincost.json`, under the CPU's name and count, this version and
+the decoders' revision; each repository copies them into `.ckpt/chaincost.json` at its first "auto"
+commit (again on a machine with another CPU count or other decoders, or when the file is deleted or
+unreadable). Commits, every rank of a sharded commit and prune all chain by the repository's figures
+(`auto_costs`).
 `CKPTSTORE_CHAIN_COSTS` (JSON {width: [keyframe, level, load, workers]}, s/byte) pins them.
 """
 
@@ -20,6 +21,7 @@ import math
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,7 +31,7 @@ from ckptstore import __version__
 from ckptstore.codecs import get_codec
 from ckptstore.errors import CkptError
 from ckptstore.formats.atomic import atomic_write
-from ckptstore.formats.loadspeed import torch_load_seconds
+from ckptstore.formats.loadspeed import torch_load_timer
 from ckptstore.policy import AUTO, LOSSLESS_CODEC, ChainCosts
 from ckptstore.repo.config import user_cache
 from ckptstore.repo.forked import ProcessLock
@@ -41,6 +43,10 @@ SAMPLE_BYTES = 4 << 20  # one default chunk: per-call overheads stay small besid
 LEVELS = 6
 STEPS = 10  # optimizer steps between two versions of the sample
 REPEATS = 7
+# Bumped when the native decoders' speed changes (tests/repo/test_chains.py holds their sources' digest):
+# the costs a machine or a repository kept are measured again. 2: the streams the fastest of four leaves
+# decode four lookups per load, and zero runs scatter eight tokens at a time (a level cost half as much).
+DECODERS_REVISION = 2
 ENV = "CKPTSTORE_CHAIN_COSTS"
 FILE = "chaincost.json"
 _lock = ProcessLock()  # held through a measurement (seconds): a worker forked meanwhile gets its own
@@ -71,7 +77,7 @@ def machine_key() -> str:
             name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), name)
     except OSError:
         pass
-    return f"{name} x{os.cpu_count() or 1}, ckptstore {__version__}"
+    return f"{name} x{os.cpu_count() or 1}, ckptstore {__version__}, decoders r{DECODERS_REVISION}"
 
 
 def _machine_costs() -> dict[int, ChainCosts]:
@@ -111,12 +117,13 @@ def repository_costs(folder: Path) -> dict[int, ChainCosts]:
     path = folder / FILE
     try:
         data = json.loads(path.read_text())
-        if data["cpus"] == (os.cpu_count() or 1):
+        if data["cpus"] == (os.cpu_count() or 1) and data.get("decoders") == DECODERS_REVISION:
             return _costs_from(data["costs"])
     except (OSError, ValueError, TypeError, KeyError):
         pass  # missing, unreadable or damaged: measured again and rewritten
     costs = chain_costs()
-    text = json.dumps({"cpus": os.cpu_count() or 1, "measured_at": time.time(), "costs": _costs_json(costs)})
+    text = json.dumps({"cpus": os.cpu_count() or 1, "decoders": DECODERS_REVISION, "measured_at": time.time(),
+                       "costs": _costs_json(costs)})
     try:
         atomic_write(path, lambda handle: handle.write(text.encode()))
     except OSError:
@@ -189,21 +196,37 @@ def measure(width: int) -> ChainCosts:
         payloads.insert(0, codec.encode(newer, older, params))  # newest first, as replay hands them
     nbytes = versions[0].size
     # One thread, best of REPEATS: the machine's capability rather than its load at this moment, which
-    # the repository would keep (timing all CPUs at once chose no chains at all under load).
+    # the repository would keep (timing all CPUs at once chose no chains at all under load). The three
+    # take turns, so that a burst of load weighs on all of them, not on the one it fell in.
     # Into fresh memory each time, as checkout decodes into new tensors (torch.load's page faults too).
-    key = _best(lambda: codec.decode_chain(payloads[-1:], params, nbytes, np.empty(nbytes, dtype=np.uint8)))
-    deep = _best(lambda: codec.decode_chain(payloads, params, nbytes, np.empty(nbytes, dtype=np.uint8)))
+    with torch_load_timer(versions[-1]) as load_once:
+        key, deep, load = _best_in_turns(
+            _timer(lambda: codec.decode_chain(payloads[-1:], params, nbytes, np.empty(nbytes, dtype=np.uint8))),
+            _timer(lambda: codec.decode_chain(payloads, params, nbytes, np.empty(nbytes, dtype=np.uint8))),
+            load_once)
     if not np.array_equal(codec.decode_chain(payloads, params, nbytes), versions[-1]):
         raise CkptError("the chain-cost measurement decoded wrong bytes: the bytegroup codec is broken here; "
                         f"set {ENV} or max_chain to a number to commit without it")
-    load = torch_load_seconds(versions[-1])
     return ChainCosts(key / nbytes, max(0.0, deep - key) / LEVELS / nbytes, load / nbytes, os.cpu_count() or 1)
 
 
-def _best(call) -> float:
-    best = float("inf")
+def _best_in_turns(*timers: Callable[[], float]) -> list[float]:
+    """Each timer's best of REPEATS (each returns the seconds of one run), running them in turn."""
+    best = [float("inf")] * len(timers)
     for _ in range(REPEATS):
+        best = [min(seconds, timer()) for seconds, timer in zip(best, timers)]
+    return best
+
+
+def _timer(call: Callable[[], object]) -> Callable[[], float]:
+    """A function that runs `call` once and returns the seconds it took."""
+    def run() -> float:
         start = time.perf_counter()
         call()
-        best = min(best, time.perf_counter() - start)
-    return best
+        return time.perf_counter() - start
+    return run
+
+
+def _best(call: Callable[[], object]) -> float:
+    """The best of REPEATS runs of `call`, in seconds."""
+    return _best_in_turns(_timer(call))[0]

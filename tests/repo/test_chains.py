@@ -1,8 +1,10 @@
 """Long lossless chains under `max_chain = "auto"`: lengths from measured costs, a user cap, bit-exact replay."""
 
+import hashlib
 import json
 import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -147,7 +149,8 @@ def _keep_costs(repo: Repository, monkeypatch) -> None:
     """The repository keeps FIVE_LEVELS; this process's own measurement would allow no chain at all."""
     monkeypatch.delenv(chaincost.ENV)
     monkeypatch.setattr(chaincost, "_measured", {w: ChainCosts(1e-9, 10e-9, 4.4e-9, 1) for w in (2, 4)})
-    kept = {"cpus": os.cpu_count() or 1, "measured_at": 0.0, "costs": json.loads(FIVE_LEVELS)}
+    kept = {"cpus": os.cpu_count() or 1, "decoders": chaincost.DECODERS_REVISION, "measured_at": 0.0,
+            "costs": json.loads(FIVE_LEVELS)}
     (repo.dir / chaincost.FILE).write_text(json.dumps(kept))
 
 
@@ -285,7 +288,8 @@ def test_the_machine_key_of_chain_costs_runs_no_subprocess():
     done = subprocess.run([sys.executable, "-c", NO_SUBPROCESSES], capture_output=True, text=True, timeout=60,
                           env=ckpt_env())
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().endswith(f"x{os.cpu_count()}, ckptstore {__import__('ckptstore').__version__}")
+    assert done.stdout.strip().endswith(f"x{os.cpu_count()}, ckptstore {__import__('ckptstore').__version__}, "
+                                        f"decoders r{chaincost.DECODERS_REVISION}")
 
 
 def test_a_tensor_whose_chunks_only_partly_pay_as_residuals_keeps_its_base(tmp_path):
@@ -340,9 +344,65 @@ def test_the_measured_level_cost_is_per_level(monkeypatch):
     LEVELS. Undivided, levels cost LEVELS times too much and chains were that much shallower than the machine
     allows (mutation audit round 11)."""
     monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 16)
-    times = iter([1.0, 7.0])  # best times of the keyframe, then of the whole chain
-    monkeypatch.setattr(chaincost, "_best", lambda call: next(times))
-    monkeypatch.setattr(chaincost, "torch_load_seconds", lambda version: 2.0)
+    # best times of the keyframe, of the whole chain and of torch.load
+    monkeypatch.setattr(chaincost, "_best_in_turns", lambda *timers: [1.0, 7.0, 2.0])
     costs = chaincost.measure(4)
     assert costs.keyframe == pytest.approx(1.0 / (1 << 16)) and costs.load == pytest.approx(2.0 / (1 << 16))
     assert costs.level == pytest.approx(6.0 / chaincost.LEVELS / (1 << 16))
+
+
+def test_the_measurement_takes_turns_between_keyframe_chain_and_torch_load(monkeypatch):
+    """A burst of load during one measurement weighs on all three alike: one each per round, not seven in a row.
+    Timed one after the other, a machine's kept level cost read 0.38 ns/byte where its decoders took 0.19."""
+    calls = []
+    monkeypatch.setattr(chaincost, "REPEATS", 3)
+    best = chaincost._best_in_turns(*(lambda name=name, s=s: calls.append(name) or s for name, s in
+                                      (("key", 3.0), ("chain", 1.0), ("load", 2.0))))
+    assert calls == ["key", "chain", "load"] * 3 and best == [3.0, 1.0, 2.0]
+    timed = []
+    monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 16)
+
+    def run_once(*timers):
+        timed.extend(timer() for timer in timers)  # while torch.load's sample file exists
+        return [1.0, 1.0, 1.0]
+
+    monkeypatch.setattr(chaincost, "_best_in_turns", run_once)
+    chaincost.measure(4)
+    assert len(timed) == 3 and all(seconds > 0 for seconds in timed)
+
+
+DECODER_SOURCES = ("_huffman.c", "_planes.c", "_interleave.h", "_simd.h", "_zstd.h")
+# sha256 of the sources above, in that order, at each DECODERS_REVISION
+DECODER_DIGESTS = {2: "a9bab071d626595bbfe3e1ef97bfc78c9f7028d102de51a0af29103d879ad0e7"}
+
+
+def test_the_decoders_revision_follows_their_sources():
+    """Kept chain costs are keyed by DECODERS_REVISION: a decoder made faster or slower under the same revision
+    leaves every machine and repository chaining by its old speed (a kept 0.38 ns/byte level cost chose no
+    chains for fp32 once the decoders took 0.10)."""
+    folder = Path(chaincost.__file__).parents[1] / "codecs"
+    digest = hashlib.sha256(b"".join((folder / name).read_bytes() for name in DECODER_SOURCES)).hexdigest()
+    assert DECODER_DIGESTS.get(chaincost.DECODERS_REVISION) == digest, (
+        "the native decoders changed: if their speed did, bump chaincost.DECODERS_REVISION; then record "
+        f"{digest} for it in DECODER_DIGESTS")
+
+
+def test_costs_kept_for_other_decoders_are_measured_again(tmp_path, monkeypatch):
+    monkeypatch.delenv(chaincost.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 20)
+    monkeypatch.setattr(chaincost, "_measured", None)
+    chaincost.chain_costs()
+    assert chaincost.machine_key().endswith(f"decoders r{chaincost.DECODERS_REVISION}")
+    older = chaincost.machine_key().replace(f"r{chaincost.DECODERS_REVISION}", f"r{chaincost.DECODERS_REVISION - 1}")
+    chaincost.machine_file().write_text(json.dumps({older: {"costs": {"4": [1, 1, 1, 1]}}}))
+    monkeypatch.setattr(chaincost, "_measured", None)
+    assert chaincost.chain_costs()[4] != ChainCosts(1, 1, 1, 1)
+    (tmp_path / "repo").mkdir()
+    kept = {"cpus": os.cpu_count() or 1, "decoders": chaincost.DECODERS_REVISION - 1, "costs": {"4": [1, 1, 1, 1]}}
+    (tmp_path / "repo" / chaincost.FILE).write_text(json.dumps(kept))
+    assert chaincost.repository_costs(tmp_path / "repo")[4] != ChainCosts(1, 1, 1, 1)
+    rewritten = json.loads((tmp_path / "repo" / chaincost.FILE).read_text())
+    assert rewritten["decoders"] == chaincost.DECODERS_REVISION
+    (tmp_path / "repo" / chaincost.FILE).write_text(json.dumps({**kept, "decoders": chaincost.DECODERS_REVISION}))
+    assert chaincost.repository_costs(tmp_path / "repo")[4] == ChainCosts(1, 1, 1, 1)  # this revision's: kept
