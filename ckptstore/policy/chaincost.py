@@ -24,15 +24,16 @@ FALLBACK = 2
 
 @dataclass(frozen=True)
 class ChainCosts:
-    """Seconds per raw byte on one thread: decoding a keyframe chunk, each level on it, torch.load.
+    """Seconds per raw byte on one thread: restoring a keyframe chunk, each level on it, torch.load.
 
-    `workers` threads decode chunks at once at checkout; torch.load reads on one.
+    Checkout's threads decode chunks `workers` times faster than one (measured: fewer than the CPUs);
+    torch.load reads on one.
     """
 
     keyframe: float
     level: float
     load: float
-    workers: int = 1
+    workers: float = 1
 
     def restore_seconds(self, nbytes: int, depth: int) -> float:
         """Modelled time to decode `nbytes` of a tensor at `depth` levels above its keyframe."""

@@ -4,11 +4,11 @@ A synthetic chunk shaped like a fine-tune's AdamW state (weights and both moment
 steps between commits) is encoded as a keyframe and a chain of residuals with the real codec, and its
 decode is timed at depth 0 and at `LEVELS`, beside torch.load of the same bytes. Per element width
 (fp32, and bf16-like 2-byte values), that gives policy/chaincost.py's `ChainCosts`, timed on one
-thread (checkout decodes chunks on one per CPU, which the rule divides by). It takes 0.4 s, 2-3 s
+thread and on every CPU at once (checkout decodes chunks on one per CPU). It takes 0.5 s, 2-3 s
 in a process that must import torch for it, so a machine measures once and keeps the figures per
 user in `$XDG_CACHE_HOME/ckptstore/chaincost.json`, under the CPU's name and count, this version and
-the decoders' revision; each repository copies them into `.ckpt/chaincost.json` at its first "auto"
-commit (again on a machine with another CPU count or other decoders, or when the file is deleted or
+COSTS_REVISION; each repository copies them into `.ckpt/chaincost.json` at its first "auto" commit
+(again on a machine with another CPU count, at another COSTS_REVISION, or when the file is deleted or
 unreadable). Commits, every rank of a sharded commit and prune all chain by the repository's figures
 (`auto_costs`).
 `CKPTSTORE_CHAIN_COSTS` (JSON {width: [keyframe, level, load, workers]}, s/byte) pins them.
@@ -22,6 +22,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ from ckptstore.codecs import get_codec
 from ckptstore.errors import CkptError
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.formats.loadspeed import torch_load_timer
+from ckptstore.hashing import chunk_checksum
 from ckptstore.policy import AUTO, LOSSLESS_CODEC, ChainCosts
 from ckptstore.repo.config import user_cache
 from ckptstore.repo.forked import ProcessLock
@@ -43,10 +45,11 @@ SAMPLE_BYTES = 4 << 20  # one default chunk: per-call overheads stay small besid
 LEVELS = 6
 STEPS = 10  # optimizer steps between two versions of the sample
 REPEATS = 7
-# Bumped when the native decoders' speed changes (tests/repo/test_chains.py holds their sources' digest):
-# the costs a machine or a repository kept are measured again. 2: the streams the fastest of four leaves
-# decode four lookups per load, and zero runs scatter eight tokens at a time (a level cost half as much).
-DECODERS_REVISION = 2
+# Bumped when what a level costs changes, in the native decoders (tests/repo/test_chains.py holds their
+# sources' digest) or in how it is measured: the costs a machine or a repository kept are measured again.
+# 2: the streams the fastest of four leaves decode four lookups per load, zero runs scatter eight tokens
+# at a time (a level costs half as much); 3: the restore's checksum and the threads' measured speedup.
+COSTS_REVISION = 3
 ENV = "CKPTSTORE_CHAIN_COSTS"
 FILE = "chaincost.json"
 _lock = ProcessLock()  # held through a measurement (seconds): a worker forked meanwhile gets its own
@@ -77,7 +80,7 @@ def machine_key() -> str:
             name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), name)
     except OSError:
         pass
-    return f"{name} x{os.cpu_count() or 1}, ckptstore {__version__}, decoders r{DECODERS_REVISION}"
+    return f"{name} x{os.cpu_count() or 1}, ckptstore {__version__}, costs r{COSTS_REVISION}"
 
 
 def _machine_costs() -> dict[int, ChainCosts]:
@@ -117,12 +120,12 @@ def repository_costs(folder: Path) -> dict[int, ChainCosts]:
     path = folder / FILE
     try:
         data = json.loads(path.read_text())
-        if data["cpus"] == (os.cpu_count() or 1) and data.get("decoders") == DECODERS_REVISION:
+        if data["cpus"] == (os.cpu_count() or 1) and data.get("revision") == COSTS_REVISION:
             return _costs_from(data["costs"])
     except (OSError, ValueError, TypeError, KeyError):
         pass  # missing, unreadable or damaged: measured again and rewritten
     costs = chain_costs()
-    text = json.dumps({"cpus": os.cpu_count() or 1, "decoders": DECODERS_REVISION, "measured_at": time.time(),
+    text = json.dumps({"cpus": os.cpu_count() or 1, "revision": COSTS_REVISION, "measured_at": time.time(),
                        "costs": _costs_json(costs)})
     try:
         atomic_write(path, lambda handle: handle.write(text.encode()))
@@ -187,27 +190,31 @@ def _versions(width: int) -> list[np.ndarray]:
 
 
 def measure(width: int) -> ChainCosts:
-    """Time decoding a keyframe chunk and a LEVELS-deep chain of element `width`, and torch.load of it."""
+    """Time restoring a keyframe chunk and a LEVELS-deep chain of element `width`, and torch.load of it."""
     codec = get_codec(LOSSLESS_CODEC)
     params = {"width": width, "level": 1, "chunk_bytes": SAMPLE_BYTES}
     versions = _versions(width)
     payloads = [codec.encode(versions[0], None, params)]
     for older, newer in zip(versions, versions[1:]):
         payloads.insert(0, codec.encode(newer, older, params))  # newest first, as replay hands them
-    nbytes = versions[0].size
-    # One thread, best of REPEATS: the machine's capability rather than its load at this moment, which
-    # the repository would keep (timing all CPUs at once chose no chains at all under load). The three
-    # take turns, so that a burst of load weighs on all of them, not on the one it fell in.
-    # Into fresh memory each time, as checkout decodes into new tensors (torch.load's page faults too).
-    with torch_load_timer(versions[-1]) as load_once:
-        key, deep, load = _best_in_turns(
-            _timer(lambda: codec.decode_chain(payloads[-1:], params, nbytes, np.empty(nbytes, dtype=np.uint8))),
-            _timer(lambda: codec.decode_chain(payloads, params, nbytes, np.empty(nbytes, dtype=np.uint8))),
-            load_once)
+    nbytes, workers = versions[0].size, os.cpu_count() or 1
+
+    def restore(chain: list[bytes]) -> None:  # as checkout restores a chunk: into new memory, checksum checked
+        chunk_checksum(codec.decode_chain(chain, params, nbytes, np.empty(nbytes, dtype=np.uint8)))
+
+    # Best of REPEATS: the machine's capability rather than its load at this moment, which the
+    # repository would keep. The timings take turns, so that a burst of load weighs on all of them,
+    # not on the one it fell in. A keyframe restored on every CPU at once says how much faster
+    # checkout's threads go than one (1.2-1.5x on the 2-core benchmark VM, where the rule assumed 2x).
+    with torch_load_timer(versions[-1]) as load_once, ThreadPoolExecutor(workers) as pool:
+        key, deep, together, load = _best_in_turns(
+            _timer(lambda: restore(payloads[-1:])), _timer(lambda: restore(payloads)),
+            _timer(lambda: list(pool.map(lambda _: restore(payloads[-1:]), range(workers)))), load_once)
     if not np.array_equal(codec.decode_chain(payloads, params, nbytes), versions[-1]):
         raise CkptError("the chain-cost measurement decoded wrong bytes: the bytegroup codec is broken here; "
                         f"set {ENV} or max_chain to a number to commit without it")
-    return ChainCosts(key / nbytes, max(0.0, deep - key) / LEVELS / nbytes, load / nbytes, os.cpu_count() or 1)
+    speedup = min(float(workers), max(1.0, workers * key / together))
+    return ChainCosts(key / nbytes, max(0.0, deep - key) / LEVELS / nbytes, load / nbytes, speedup)
 
 
 def _best_in_turns(*timers: Callable[[], float]) -> list[float]:
