@@ -26,6 +26,8 @@ def torch_load_timer(data: np.ndarray) -> Iterator[Callable[[], float]]:
     """A function timing one torch.load of a torch.save file of `data` (as above), while the file exists.
 
     For measurements that take turns with it, so that the machine's load at the time weighs on all alike.
+    Every load's tensors are kept until the file goes, as a loaded checkpoint is: each load fills new
+    memory (page faults and all) instead of the blocks the allocator would hand back from the last one.
     """
     import torch
 
@@ -34,9 +36,14 @@ def torch_load_timer(data: np.ndarray) -> Iterator[Callable[[], float]]:
         path = Path(folder) / "sample.pt"
         torch.save({f"t{i}": torch.from_numpy(part.copy()) for i, part in enumerate(parts)}, path)
 
+        loaded = []
+
         def load_once() -> float:
             start = time.perf_counter()
-            torch.load(path, map_location="cpu", weights_only=True)
+            loaded.append(torch.load(path, map_location="cpu", weights_only=True))
             return time.perf_counter() - start
 
-        yield load_once
+        try:
+            yield load_once
+        finally:
+            loaded.clear()

@@ -48,8 +48,9 @@ REPEATS = 7
 # Bumped when what a level costs changes, in the native decoders (tests/repo/test_chains.py holds their
 # sources' digest) or in how it is measured: the costs a machine or a repository kept are measured again.
 # 2: the streams the fastest of four leaves decode four lookups per load, zero runs scatter eight tokens
-# at a time (a level costs half as much); 3: the restore's checksum and the threads' measured speedup.
-COSTS_REVISION = 3
+# at a time (a level costs half as much); 3: the restore's checksum and the threads' measured speedup;
+# 4: restores and torch.load fill new memory, as a checkout does.
+COSTS_REVISION = 4
 ENV = "CKPTSTORE_CHAIN_COSTS"
 FILE = "chaincost.json"
 _lock = ProcessLock()  # held through a measurement (seconds): a worker forked meanwhile gets its own
@@ -198,14 +199,19 @@ def measure(width: int) -> ChainCosts:
     for older, newer in zip(versions, versions[1:]):
         payloads.insert(0, codec.encode(newer, older, params))  # newest first, as replay hands them
     nbytes, workers = versions[0].size, os.cpu_count() or 1
+    # Every output is kept until the end, as checkout's tensors are: each restore fills new memory. Freed,
+    # the allocator handed the same block back and no page was faulted, where checkout faults every page
+    # (threads faulting at once contend: 1.0x on two CPUs here, against 1.3-1.5x in reused memory).
+    restored = []
 
     def restore(chain: list[bytes]) -> None:  # as checkout restores a chunk: into new memory, checksum checked
-        chunk_checksum(codec.decode_chain(chain, params, nbytes, np.empty(nbytes, dtype=np.uint8)))
+        restored.append(np.empty(nbytes, dtype=np.uint8))
+        chunk_checksum(codec.decode_chain(chain, params, nbytes, restored[-1]))
 
     # Best of REPEATS: the machine's capability rather than its load at this moment, which the
     # repository would keep. The timings take turns, so that a burst of load weighs on all of them,
     # not on the one it fell in. A keyframe restored on every CPU at once says how much faster
-    # checkout's threads go than one (1.2-1.5x on the 2-core benchmark VM, where the rule assumed 2x).
+    # checkout's threads go than one (1.0-1.5x on the 2-core benchmark VM, where the rule assumed 2x).
     with torch_load_timer(versions[-1]) as load_once, ThreadPoolExecutor(workers) as pool:
         key, deep, together, load = _best_in_turns(
             _timer(lambda: restore(payloads[-1:])), _timer(lambda: restore(payloads)),
