@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import platform
 import time
@@ -45,13 +46,16 @@ SAMPLE_BYTES = 4 << 20  # one default chunk: per-call overheads stay small besid
 LEVELS = 6
 STEPS = 10  # optimizer steps between two versions of the sample
 REPEATS = 7
+HUGE_PAGES_FROM = 4 << 20  # numpy asks for transparent huge pages for buffers this large (checkout's tensors)
+MEASURED_THREADS = 8  # at most this many restore a keyframe at once: a 256-CPU node measures 8, not 256, chunks
 # Bumped when what a level costs changes, in the native decoders (tests/repo/test_chains.py holds their
 # sources' digest) or in how it is measured: the costs a machine or a repository kept are measured again.
 # 2: the streams the fastest of four leaves decode four lookups per load, zero runs scatter eight tokens
 # at a time (a level costs half as much); 3: the restore's checksum and the threads' measured speedup;
 # 4: restores and torch.load fill new memory, as a checkout does; 5: a zero-run level's gaps and bytes
-# go in a buffer each thread keeps (allocated per call, they faulted new pages: 1.9 ns/byte at depth 2).
-COSTS_REVISION = 5
+# go in a buffer each thread keeps (allocated per call, they faulted new pages: 1.9 ns/byte at depth 2);
+# 6: each restore's new pages are a mapping of its own, unmapped at once (kept, they grew with the CPUs).
+COSTS_REVISION = 6
 ENV = "CKPTSTORE_CHAIN_COSTS"
 FILE = "chaincost.json"
 _lock = ProcessLock()  # held through a measurement (seconds): a worker forked meanwhile gets its own
@@ -199,15 +203,21 @@ def measure(width: int) -> ChainCosts:
     payloads = [codec.encode(versions[0], None, params)]
     for older, newer in zip(versions, versions[1:]):
         payloads.insert(0, codec.encode(newer, older, params))  # newest first, as replay hands them
-    nbytes, workers = versions[0].size, os.cpu_count() or 1
-    # Every output is kept until the end, as checkout's tensors are: each restore fills new memory. Freed,
-    # the allocator handed the same block back and no page was faulted, where checkout faults every page
-    # (threads faulting at once contend: 1.0x on two CPUs here, against 1.3-1.5x in reused memory).
-    restored = []
+    nbytes, workers = versions[0].size, min(os.cpu_count() or 1, MEASURED_THREADS)
 
-    def restore(chain: list[bytes]) -> None:  # as checkout restores a chunk: into new memory, checksum checked
-        restored.append(np.empty(nbytes, dtype=np.uint8))
-        chunk_checksum(codec.decode_chain(chain, params, nbytes, restored[-1]))
+    def restore(chain: list[bytes]) -> None:
+        """As checkout restores a chunk: into new pages (its tensors stay), checksum checked.
+
+        A buffer freed and allocated again came back from the allocator with its pages in, where a
+        checkout faults every page (and threads faulting at once contend: 1.0x on two CPUs here,
+        against 1.3-1.5x in reused memory); a mapping of its own gives new pages and goes at once.
+        """
+        with mmap.mmap(-1, nbytes) as pages:
+            if nbytes >= HUGE_PAGES_FROM and hasattr(pages, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+                pages.madvise(mmap.MADV_HUGEPAGE)  # as numpy asks for a tensor's buffer this large
+            out = np.frombuffer(pages, dtype=np.uint8)
+            chunk_checksum(codec.decode_chain(chain, params, nbytes, out))
+            del out  # before the mapping closes
 
     # Best of REPEATS: the machine's capability rather than its load at this moment, which the
     # repository would keep. The timings take turns, so that a burst of load weighs on all of them,

@@ -130,10 +130,11 @@ def test_mutated_payloads_of_uneven_streams_decode_as_the_reference_does():
         for at in rng.integers(huffman.HEAD_BYTES, len(payload), rng.integers(1, 4)):
             mutated[at] = int(rng.integers(0, 256))
         native, reference = np.empty(plane.size, np.uint8), np.empty(plane.size, np.uint8)
+        exact = np.frombuffer(mutated, np.uint8).copy()  # its own allocation: ASan sees a read past its end
         outcomes = []
         for out, use_native in ((native, True), (reference, False)):
             try:
-                huffman.decode_into(bytes(mutated), out, use_native=use_native)
+                huffman.decode_into(exact, out, use_native=use_native)
                 outcomes.append("decoded")
             except ValueError:
                 outcomes.append("refused")
@@ -142,3 +143,19 @@ def test_mutated_payloads_of_uneven_streams_decode_as_the_reference_does():
         if outcomes[0] == "decoded":
             assert native.tobytes() == reference.tobytes(), seed
     assert refused > 0
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (3, 2, 1, 0), (1, 3, 0, 2)])
+def test_a_last_stream_started_late_stops_at_the_payloads_end(order):
+    """The last stream declared 64 bytes shorter starts 64 bytes late and needs more bits than remain: every decoding
+    loop stops its loads at the payload's end (an allocation of exactly its size, where ASan in scripts/fuzz_asan.sh
+    sees one byte past it) and the payload is refused."""
+    plane = _quarters(40_000, order)
+    payload = bytearray(huffman.encode(plane))
+    sizes = np.frombuffer(bytes(payload[huffman.SIZES_AT : huffman.HEAD_BYTES]), "<u4").copy()
+    sizes[2], sizes[3] = sizes[2] + 64, sizes[3] - 64
+    payload[huffman.SIZES_AT : huffman.HEAD_BYTES] = sizes.astype("<u4").tobytes()
+    for use_native in (True, False):
+        with pytest.raises(ValueError, match="past"):
+            huffman.decode_into(np.frombuffer(payload, np.uint8).copy(), np.empty(plane.size, np.uint8),
+                                use_native=use_native)
