@@ -587,18 +587,22 @@ static const char *decode_runs(const uint8_t *payload, size_t size, uint8_t *out
         if (!xor)
             memset(out, 0, rows);
         size_t pos = 0, j = 0, k = 0;
-        /* eight tokens at a time where none is a run token and none can reach past the plane */
-        while (k + 8 <= t && j + 8 <= n && pos + 8 * (RUN_TOKEN + 1) <= rows && !has_run_token(load64le(gaps + k))) {
-            for (int i = 0; i < 8; i++) {
-                pos += gaps[k + i];
-                out[pos++] ^= values[j + i];
+        while (k < t) {
+            /* eight tokens at a time where none is a run token and none can reach past the plane, and
+             * one at a time, checked, where one is (then eight at a time again) */
+            while (k + 8 <= t && j + 8 <= n && pos + 8 * (RUN_TOKEN + 1) <= rows &&
+                   !has_run_token(load64le(gaps + k))) {
+                for (int i = 0; i < 8; i++) {
+                    pos += gaps[k + i];
+                    out[pos++] ^= values[j + i];
+                }
+                k += 8;
+                j += 8;
             }
-            k += 8;
-            j += 8;
-        }
-        for (; k < t; k++) {
+            if (k == t)
+                break;
             pos += gaps[k];
-            if (gaps[k] == RUN_TOKEN)
+            if (gaps[k++] == RUN_TOKEN)
                 continue;
             if (pos >= rows || j >= n) {
                 problem = "zero-run gaps run past the plane";
