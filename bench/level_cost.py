@@ -3,9 +3,9 @@
 Encodes the AdamW-like chunk that `max_chain = "auto"` measures (repo/chaincost.py: a third each of
 weights and both moments, 10 optimizer steps between versions) as a keyframe and six residuals,
 then prints each payload's plane modes, the decode time of the chain at each depth (one thread,
-best of 7, into new memory kept to the end as checkout's tensors are, as torch.load's are) and the
-single-plane decoders' time per row (into one reused plane: the decoders alone), beside torch.load
-of the same bytes.
+best of 7, into new pages with its checksum taken, as checkout restores a chunk; torch.load's
+tensors are new memory too) and the single-plane decoders' time per row (into one reused plane: the
+decoders alone), beside torch.load of the same bytes.
 """
 
 from __future__ import annotations
@@ -30,12 +30,6 @@ def main() -> None:
     nbytes, rows = versions[0].size, versions[0].size // 4
     payloads = [codec.encode(versions[0], None, params)]
     payloads += [codec.encode(newer, older, params) for older, newer in zip(versions, versions[1:])]
-    kept = []  # every chain's output, as a checkout keeps its tensors: each decode faults new pages
-
-    def decode_into_new_memory(chain: list[bytes]) -> None:
-        kept.append(np.empty(nbytes, dtype=np.uint8))
-        codec.decode_chain(chain, params, nbytes, kept[-1])
-
     load = torch_load_seconds(versions[-1]) / nbytes * 1e9
     print(f"AdamW-like fp32 chunk, {nbytes >> 20} MiB; torch.load {load:.3f} ns/byte\n")
     print("| depth | plane modes (share of a raw plane) | chain decode ns/byte | vs torch.load |")
@@ -44,7 +38,8 @@ def main() -> None:
         _, planes = codec._parse(payload)
         modes = ", ".join(f"{MODES[mode]} {length / rows:.2f}" for mode, _, length in planes)
         chain = payloads[depth::-1]
-        seconds = chaincost._best(lambda chain=chain: decode_into_new_memory(chain)) / nbytes * 1e9
+        seconds = chaincost._best(lambda chain=chain: chaincost.restore_into_new_pages(codec, chain, params, nbytes))
+        seconds = seconds / nbytes * 1e9
         print(f"| {depth} | {modes} | {seconds:.3f} | {load / seconds:.2f}x |")
     if huffman.native is None:
         return

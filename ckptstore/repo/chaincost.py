@@ -40,6 +40,7 @@ from ckptstore.repo.config import user_cache
 from ckptstore.repo.forked import ProcessLock
 
 if TYPE_CHECKING:
+    from ckptstore.codecs.base import ChainDecoder
     from ckptstore.repo.repository import Repository
 
 SAMPLE_BYTES = 4 << 20  # one default chunk: per-call overheads stay small beside the bytes
@@ -206,23 +207,12 @@ def measure(width: int) -> ChainCosts:
     nbytes, workers = versions[0].size, min(os.cpu_count() or 1, MEASURED_THREADS)
 
     def restore(chain: list[bytes]) -> None:
-        """As checkout restores a chunk: into new pages (its tensors stay), checksum checked.
-
-        A buffer freed and allocated again came back from the allocator with its pages in, where a
-        checkout faults every page (and threads faulting at once contend: 1.0x on two CPUs here,
-        against 1.3-1.5x in reused memory); a mapping of its own gives new pages and goes at once.
-        """
-        with mmap.mmap(-1, nbytes) as pages:
-            if nbytes >= HUGE_PAGES_FROM and hasattr(pages, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-                pages.madvise(mmap.MADV_HUGEPAGE)  # as numpy asks for a tensor's buffer this large
-            out = np.frombuffer(pages, dtype=np.uint8)
-            chunk_checksum(codec.decode_chain(chain, params, nbytes, out))
-            del out  # before the mapping closes
+        restore_into_new_pages(codec, chain, params, nbytes)
 
     # Best of REPEATS: the machine's capability rather than its load at this moment, which the
     # repository would keep. The timings take turns, so that a burst of load weighs on all of them,
     # not on the one it fell in. A keyframe restored on every CPU at once says how much faster
-    # checkout's threads go than one (1.0-1.5x on the 2-core benchmark VM, where the rule assumed 2x).
+    # checkout's threads go than one (1.3-1.7x on the 2-core benchmark VM, where the rule assumed 2x).
     with torch_load_timer(versions[-1]) as load_once, ThreadPoolExecutor(workers) as pool:
         key, deep, together, load = _best_in_turns(
             _timer(lambda: restore(payloads[-1:])), _timer(lambda: restore(payloads)),
@@ -232,6 +222,21 @@ def measure(width: int) -> ChainCosts:
                         f"set {ENV} or max_chain to a number to commit without it")
     speedup = min(float(workers), max(1.0, workers * key / together))
     return ChainCosts(key / nbytes, max(0.0, deep - key) / LEVELS / nbytes, load / nbytes, speedup)
+
+
+def restore_into_new_pages(codec: ChainDecoder, chain: list[bytes], params: dict, nbytes: int) -> None:
+    """Decode `chain` (newest first) as checkout restores a chunk: into new pages, its checksum taken.
+
+    A buffer freed and allocated again comes back from the allocator with its pages in, where a
+    checkout faults in every page of the tensors it keeps; a mapping of its own gives new pages and
+    goes at once (kept instead, the outputs of a measurement grew with the CPUs: 1.1 GiB at 32).
+    """
+    with mmap.mmap(-1, nbytes) as pages:
+        if nbytes >= HUGE_PAGES_FROM and hasattr(pages, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+            pages.madvise(mmap.MADV_HUGEPAGE)  # as numpy asks for a tensor's buffer this large
+        out = np.frombuffer(pages, dtype=np.uint8)
+        chunk_checksum(codec.decode_chain(chain, params, nbytes, out))
+        del out  # before the mapping closes
 
 
 def _best_in_turns(*timers: Callable[[], float]) -> list[float]:
