@@ -489,6 +489,21 @@ typedef struct {
     size_t size;
 } scratch_t;
 
+/* Under AddressSanitizer each call gets a buffer of exactly its size, so that a read or write past it is
+ * seen (a kept, larger buffer hid them); elsewhere one larger than SCRATCH_KEEP_MAX goes at the next call. */
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define SCRATCH_EXACT 1
+#endif
+#endif
+#if !defined(SCRATCH_EXACT) && defined(__SANITIZE_ADDRESS__)
+#define SCRATCH_EXACT 1
+#endif
+#ifndef SCRATCH_EXACT
+#define SCRATCH_EXACT 0
+#endif
+#define SCRATCH_KEEP_MAX ((size_t)32 << 20) /* a 4 MiB chunk's plane needs about 8 MiB at most */
+
 static pthread_key_t scratch_key;
 static int scratch_key_made; /* 0: not yet, 1: made, -1: pthread_key_create failed (every call: NULL) */
 static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
@@ -513,7 +528,7 @@ static uint8_t *thread_scratch(size_t size)
             return NULL;
         }
     }
-    if (kept->size < size) {
+    if (kept->size < size || (kept->size > size && (SCRATCH_EXACT || kept->size > SCRATCH_KEEP_MAX))) {
         free(kept->data);
         kept->size = (kept->data = malloc(size)) ? size : 0;
     }

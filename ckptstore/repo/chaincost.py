@@ -24,6 +24,7 @@ import platform
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -205,10 +206,7 @@ def measure(width: int) -> ChainCosts:
     for older, newer in zip(versions, versions[1:]):
         payloads.insert(0, codec.encode(newer, older, params))  # newest first, as replay hands them
     nbytes, workers = versions[0].size, min(os.cpu_count() or 1, MEASURED_THREADS)
-
-    def restore(chain: list[bytes]) -> None:
-        restore_into_new_pages(codec, chain, params, nbytes)
-
+    restore = partial(restore_into_new_pages, codec, params=params, nbytes=nbytes)
     # Best of REPEATS: the machine's capability rather than its load at this moment, which the
     # repository would keep. The timings take turns, so that a burst of load weighs on all of them,
     # not on the one it fell in. A keyframe restored on every CPU at once says how much faster
@@ -229,14 +227,17 @@ def restore_into_new_pages(codec: ChainDecoder, chain: list[bytes], params: dict
 
     A buffer freed and allocated again comes back from the allocator with its pages in, where a
     checkout faults in every page of the tensors it keeps; a mapping of its own gives new pages and
-    goes at once (kept instead, the outputs of a measurement grew with the CPUs: 1.1 GiB at 32).
+    is unmapped once nothing holds it (kept instead, a measurement's outputs grew with the CPUs: 1.1
+    GiB at 32). Not closed here: while a decoding error's traceback holds the array, closing raised
+    BufferError in its place.
     """
-    with mmap.mmap(-1, nbytes) as pages:
-        if nbytes >= HUGE_PAGES_FROM and hasattr(pages, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+    pages = mmap.mmap(-1, nbytes)
+    if nbytes >= HUGE_PAGES_FROM and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
             pages.madvise(mmap.MADV_HUGEPAGE)  # as numpy asks for a tensor's buffer this large
-        out = np.frombuffer(pages, dtype=np.uint8)
-        chunk_checksum(codec.decode_chain(chain, params, nbytes, out))
-        del out  # before the mapping closes
+        except OSError:
+            pass  # a kernel without transparent huge pages (EINVAL): numpy ignores it too
+    chunk_checksum(codec.decode_chain(chain, params, nbytes, np.frombuffer(pages, dtype=np.uint8)))
 
 
 def _best_in_turns(*timers: Callable[[], float]) -> list[float]:
