@@ -13,7 +13,6 @@ import argparse
 import random
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ from bench.units import metadata_on_disk
 from bench.workloads import WORKLOADS, MiniLMFineTune, stdlib_lines
 from ckptstore import Repository
 from ckptstore.policy import EncodingSettings, chain_limit
-from ckptstore.repo.chaincost import chain_costs
+from ckptstore.repo.chaincost import _best_in_turns, _timer, chain_costs
 
 
 class MiniLMUnseen(MiniLMFineTune):
@@ -41,17 +40,6 @@ class MiniLMUnseen(MiniLMFineTune):
         random.Random(2).shuffle(examples)
         cut = int(len(examples) * 0.9)
         self.examples = {"train": examples[:cut], "eval": examples[cut:]}
-
-
-def _turns(first, second, repeats: int) -> tuple[float, float]:
-    """Best times of two calls over `repeats` rounds, taking turns (the machine's load hits both alike)."""
-    best = [float("inf"), float("inf")]
-    for _ in range(repeats):
-        for i, call in enumerate((first, second)):
-            start = time.perf_counter()
-            call()
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best[0], best[1]
 
 
 def zipnn_bytes(files: list[Path]) -> int:
@@ -83,8 +71,10 @@ def sweep(files: list[Path], max_chain: int | str, repeats: int) -> dict:
             ratios, depths = [], []
             for path, cid in zip(files, commits):
                 depths.append(max(t["depth"] for t in repo.show(cid)["tensors"]))
-                load, checkout = _turns(lambda p=path: torch.load(p, map_location="cpu", weights_only=True),
-                                        lambda c=cid: repo.checkout(c), repeats)
+                # taking turns, so that the machine's load hits both alike
+                load, checkout = _best_in_turns(
+                    _timer(lambda p=path: torch.load(p, map_location="cpu", weights_only=True)),
+                    _timer(lambda c=cid: repo.checkout(c)), repeats=repeats)
                 ratios.append(load / checkout)
         return {"stored": stored, "ratios": ratios, "depths": depths}
     finally:

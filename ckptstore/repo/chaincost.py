@@ -240,10 +240,10 @@ def restore_into_new_pages(codec: ChainDecoder, chain: list[bytes], params: dict
     chunk_checksum(codec.decode_chain(chain, params, nbytes, np.frombuffer(pages, dtype=np.uint8)))
 
 
-def _best_in_turns(*timers: Callable[[], float]) -> list[float]:
-    """Each timer's best of REPEATS (each returns the seconds of one run), running them in turn."""
+def _best_in_turns(*timers: Callable[[], float], repeats: int | None = None) -> list[float]:
+    """Each timer's best of `repeats` (REPEATS; each returns the seconds of one run), running them in turn."""
     best = [float("inf")] * len(timers)
-    for _ in range(REPEATS):
+    for _ in range(REPEATS if repeats is None else repeats):
         best = [min(seconds, timer()) for seconds, timer in zip(best, timers)]
     return best
 
