@@ -1141,25 +1141,36 @@ def test_a_received_tensor_records_the_depth_of_its_chain_here(tmp_path):
         assert torch.equal(opened.checkout("main")["w"], w)
 
 
+def _clone_of_a_pruned_hub(tmp_path, states: list[dict]) -> Repository:
+    """A clone of repository hub, which holds `states` as steps 1, 2, ... (pushed by a seed) and was pruned to the
+    last after the clone: its prune re-encoded that one as a keyframe."""
+    from ckptstore.repo.config import RetentionPolicy
+    from ckptstore.repo.pruning import prune
+
+    Repository.init(tmp_path / "hub").close()
+    with Repository.init(tmp_path / "seed") as seed:
+        remote.add(seed, "origin", str(tmp_path / "hub"))
+        for step, state in enumerate(states, 1):
+            seed.commit(state, step=step)
+        remote.push(seed, "origin")
+    clone = remote.clone(str(tmp_path / "hub"), tmp_path / "clone")
+    with Repository.open(tmp_path / "hub") as hub:
+        prune(hub, RetentionPolicy(keep_last=1))
+    return clone
+
+
 def test_a_push_after_the_remote_pruned_sends_no_links_below_what_it_has(tmp_path):
     """After the origin's prune re-encoded step 2 as a keyframe, a clone's push of step 3 (a residual on step 2)
     sent step 1's keyframe again: bytes the origin did not need, left there for gc (retention auditor)."""
     from ckptstore.repo import gc
-    from ckptstore.repo.config import RetentionPolicy
-    from ckptstore.repo.pruning import prune
 
     generator = torch.Generator().manual_seed(0)
     w = torch.randn(512, 512, generator=generator)
-    Repository.init(tmp_path / "hub").close()
-    with Repository.init(tmp_path / "seed") as seed:
-        remote.add(seed, "origin", str(tmp_path / "hub"))
-        for step in (1, 2):
-            w = w + 1e-3 * torch.randn(512, 512, generator=generator)
-            seed.commit({"w": w}, step=step)
-        remote.push(seed, "origin")
-    with remote.clone(str(tmp_path / "hub"), tmp_path / "clone") as clone:
-        with Repository.open(tmp_path / "hub") as hub:
-            prune(hub, RetentionPolicy(keep_last=1))
+    states = []
+    for _ in (1, 2):
+        w = w + 1e-3 * torch.randn(512, 512, generator=generator)
+        states.append({"w": w})
+    with _clone_of_a_pruned_hub(tmp_path, states) as clone:
         w = w + 1e-3 * torch.randn(512, 512, generator=generator)
         clone.commit({"w": w}, step=3)
         sent = remote.push(clone, "origin")

@@ -6,7 +6,7 @@ import torch
 from ckptstore import Repository
 from ckptstore.repo import remote
 from tests.conftest import ckpt_here
-from tests.repo.test_remote import _cloned, _commit, _pushed
+from tests.repo.test_remote import _clone_of_a_pruned_hub, _cloned, _commit, _pushed
 
 
 def test_a_pull_onto_an_in_memory_commit_moves_the_branch_and_leaves_the_files(tmp_path):
@@ -277,23 +277,16 @@ def test_a_push_sends_no_links_below_an_unchanged_tensor_the_remote_has(tmp_path
     which the remote holds (re-encoded as a keyframe by its prune), had its chain below sent again: bytes the
     remote did not need, left there for its gc (cost only)."""
     from ckptstore.repo import gc
-    from ckptstore.repo.config import RetentionPolicy
-    from ckptstore.repo.pruning import prune
 
     generator = torch.Generator().manual_seed(0)
     w = torch.randn(512, 512, generator=generator)
     b = torch.randn(512, 512, generator=generator)
-    Repository.init(tmp_path / "hub").close()
-    with Repository.init(tmp_path / "seed") as seed:
-        remote.add(seed, "origin", str(tmp_path / "hub"))
-        for step in (1, 2):
-            w = w + 1e-3 * torch.randn(512, 512, generator=generator)
-            b = b + 1e-3 * torch.randn(512, 512, generator=generator)
-            seed.commit({"w": w, "b": b}, step=step)
-        remote.push(seed, "origin")
-    with remote.clone(str(tmp_path / "hub"), tmp_path / "clone") as clone:
-        with Repository.open(tmp_path / "hub") as hub:
-            prune(hub, RetentionPolicy(keep_last=1))
+    states = []
+    for _ in (1, 2):
+        w = w + 1e-3 * torch.randn(512, 512, generator=generator)
+        b = b + 1e-3 * torch.randn(512, 512, generator=generator)
+        states.append({"w": w, "b": b})
+    with _clone_of_a_pruned_hub(tmp_path, states) as clone:
         w = w + 1e-3 * torch.randn(512, 512, generator=generator)
         clone.commit({"w": w, "b": b}, step=3)  # b as at step 2
         sent = remote.push(clone, "origin")
