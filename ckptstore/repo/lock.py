@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ckptstore.errors import RepoLockedError
@@ -63,6 +63,29 @@ def repo_lock(path: Path, exclusive: bool, wait: bool = True) -> Iterator[None]:
             if held >= 0:
                 _OPEN.discard(held)
                 os.close(held)
+
+
+@contextlib.contextmanager
+def held_alone(path: Path, busy: Callable[[str], Exception]) -> Iterator[None]:
+    """Hold an exclusive flock on `path` for the block, without waiting: `busy(holder's pid)` is raised if taken.
+
+    The holder writes its pid into the file, so that the refusal can name who holds it.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = _lock_file(path)
+    _OPEN.add(fd)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise busy(os.pread(fd, 32, 0).decode(errors="replace").strip() or "?") from None
+        with contextlib.suppress(OSError):  # a lock file another user made read-only: the lock holds without the pid
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        _OPEN.discard(fd)
+        os.close(fd)
 
 
 def _let_go_in_child() -> None:

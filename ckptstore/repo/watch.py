@@ -19,7 +19,8 @@ When a source counts as complete (torch.save, safetensors and Trainer all write 
   stopped, would otherwise vouch for the next save's first files).
 
 The step comes from trainer_state.json's `global_step`, else from the name (`checkpoint-500`,
-`step=1200`, `model_300.pt`: the number after "step", else the last number in the name).
+`step=1200`, `model_300.pt`: the number after "step", else the last number standing alone between
+separators, not an epoch's, a decimal's nor part of a word: `gpt2-final.pt` and `llama-7b.pt` give none).
 
 Nothing is committed twice, across restarts too: each commit's source signature and commit id go into
 `.ckpt/watch/<id>.json` (written atomically, at most once a second and after each scan's commits). A
@@ -56,8 +57,10 @@ from ckptstore.errors import (
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.formats.filemap import file_digest
 from ckptstore.formats.folder import is_temp_name
+from ckptstore.formats.safetensors_file import MAX_HEADER
 from ckptstore.formats.torchfile import zip_not_whole
 from ckptstore.hashing import object_id
+from ckptstore.repo.lock import held_alone
 from ckptstore.state import is_utf8
 
 if TYPE_CHECKING:
@@ -75,8 +78,10 @@ LINKED = "a symbolic link, never committed (the file it points to is, when it is
 SHARD = re.compile(r"-\d{5}-of-\d{5}\.[^.]+$")  # save_pretrained's model-00001-of-00003.safetensors (not fold-1-of-5)
 TRAINING_ARGS = "training_args.bin"  # the Trainer's pickled TrainingArguments beside its checkpoint-N folders
 _STEP = re.compile(r"step[=_-]?(\d+)", re.IGNORECASE)
-# a whole number, not part of a decimal (a metric: val_loss=0.1234), an epoch's (epoch=3) nor a version (last-v1)
-_NUMBER = re.compile(r"(?<!\d)(?<!\d\.)(?<!epoch)(?<!epoch[=_-])(?<!-v)(\d+)(?!\.\d)(?!\d)", re.IGNORECASE)
+# a number standing alone between separators (model_300, ckpt-000123, model.5000), not part of a word (gpt2-final,
+# llama-7b, last-v1), of a decimal or an exponent (val_loss=0.1234, lr=1e-05), an epoch's (epoch=3) nor negative (=-5)
+_NUMBER = re.compile(r"(?:^|(?<=[_\-.= ]))(?<!\d\.)(?<!\d[eE]-)(?<!\d[eE]\+)(?<!=-)(?<!epoch[=_ -])"
+                     r"(\d+)(?!\d)(?!\.\d)(?=$|[_\-.= ])", re.IGNORECASE)
 # the whole state is rewritten: once per commit, a watch over N checkpoints wrote N² records
 SAVE_EVERY_SECONDS = 1.0
 Signature = list[list[Any]]  # [name inside the source, size, mtime_ns] for each of its files
@@ -127,6 +132,18 @@ def watch_folder(repo: Repository, folder: str | os.PathLike, options: WatchOpti
         raise CkptError(f"{folder} is not a folder; `ckpt watch` takes the folder a training job saves into")
     _refuse_inside_a_save(folder)
     repo.db.refuse_writes("watch (it commits)")
+    # One watcher per folder: two would each find a checkpoint not yet committed, and the second's commit
+    # of it could land on top of the newer checkpoints the first committed meanwhile.
+    lock = repo.dir / "watch" / f"{object_id(str(folder).encode())[:16]}.lock"
+    with held_alone(lock, lambda pid: CkptError(
+            f"another `ckpt watch` (process {pid}) is watching {folder} into this repository: stop it first "
+            "(two watchers of one folder would commit its checkpoints twice)")):
+        return _watch(repo, folder, options, stop, say)
+
+
+def _watch(repo: Repository, folder: Path, options: WatchOptions, stop: threading.Event,
+           say: Callable[[str], None]) -> WatchReport:
+    """Scan `folder` every `options.interval` seconds and commit what is complete, until `stop` (see watch_folder)."""
     state = WatchState.load(repo, folder, options.branch)
     committed = BranchSources(repo, options.branch)
     report, before, told = WatchReport(), scan(folder, state), set()
@@ -451,6 +468,8 @@ def _safetensors_incomplete(path: Path, head: bytes) -> str:
     if len(head) < 8:
         return "shorter than a safetensors header"
     length = int.from_bytes(head, "little")
+    if length > MAX_HEADER or size > 8 and _ninth_byte(path) != b"{":
+        return ""  # no safetensors header being written (text, a zip so named): the commit refuses it and says why
     if 8 + length > size:
         return "its header is not written yet"
     with open(path, "rb") as handle:
@@ -467,8 +486,15 @@ def _safetensors_incomplete(path: Path, head: bytes) -> str:
     return "" if 8 + length + max(ends, default=0) <= size else "its tensor data is not all written yet"
 
 
+def _ninth_byte(path: Path) -> bytes:
+    """The byte a safetensors header starts with, "{" (the format requires it)."""
+    with open(path, "rb") as handle:
+        handle.seek(8)
+        return handle.read(1)
+
+
 def step_of(name: str) -> int | None:
-    """The training step a checkpoint's name gives: after "step" or "checkpoint-", else its last whole number.
+    """The training step a checkpoint's name gives: after "step" or "checkpoint-", else its last number standing alone.
 
     Not an epoch's number, a metric's decimals nor Lightning's version: `epoch=3-val_loss=0.12-v1.ckpt`
     gives no step.

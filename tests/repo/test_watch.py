@@ -144,6 +144,10 @@ def test_legacy_and_safetensors_files_a_branch_and_steps_from_names(repo, tmp_pa
     assert [step_of(n) for n in ("epoch=3-val_loss=0.1234.ckpt", "epoch_12.pt", "ckpt_100_loss1.5.pt",
                                  "epoch=0-val_acc=0.95-v1.ckpt", "last-v1.ckpt", "model.5000.pt")] == [
         None, None, 100, None, None, 5000]
+    # a number that is part of a word, an exponent or a negative value is no step either
+    assert [step_of(n) for n in ("gpt2-final.pt", "gpt2-medium-epoch=3.ckpt", "resnet50_epoch10.pt",
+                                 "llama-7b.safetensors", "epoch=3-lr=1e-05.ckpt", "fold2_epoch10.pt", "step=-5.pt",
+                                 "ckpt-000123.pt", "run 42.pt")] == [None, None, None, None, None, None, None, 123, 42]
     with pytest.raises(CkptError, match="past what the metadata holds"):
         repo.commit({"w": torch.ones(4)}, step=1 << 70)
 
@@ -169,6 +173,29 @@ def test_ctrl_c_ends_the_watch_after_the_current_commit_with_exit_code_0(repo, t
     assert len(repo.log()) == 1
 
 
+def test_a_second_watcher_of_one_folder_is_refused_while_the_first_runs(repo, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"w": torch.arange(10.0)}, run / "ckpt-1.pt")
+    first = subprocess.Popen([sys.executable, "-m", "ckptstore", "watch", str(run), "--interval", "0.1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_cli_env(repo))
+    try:
+        lines = []
+        deadline = time.monotonic() + 60
+        while not any("ckpt-1.pt" in line for line in lines) and time.monotonic() < deadline:
+            lines.append(first.stdout.readline())
+        torch.save({"w": torch.arange(11.0)}, run / "ckpt-2.pt")
+        with pytest.raises(CkptError, match=rf"another `ckpt watch` \(process {first.pid}\) is watching"):
+            watch(repo, run, ONCE)  # two watchers: the second's commit of ckpt-1 could land on top of ckpt-2
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=30)
+    finally:
+        first.kill()
+    assert [c.message for c in repo.log()][-1] == "watch: ckpt-1.pt"
+    watch(repo, run, ONCE)  # the first one gone, its lock goes with it
+    assert sorted(c.message for c in repo.log()) == ["watch: ckpt-1.pt", "watch: ckpt-2.pt"]
+
+
 def test_cli_watch_once(repo, tmp_path, monkeypatch):
     run = tmp_path / "run"
     run.mkdir()
@@ -189,7 +216,8 @@ def test_a_newline_or_backslash_in_a_watched_name_is_written_out_not_a_line_of_i
     result = ckpt_here(tmp_path, "watch", "run", "--once", "--interval", "0.05", env=_cli_env(repo))
     lines = result.stdout.splitlines()
     assert result.returncode == 0 and not any(line.startswith("[0123456789ab]") for line in lines), lines
-    assert any(line.endswith("] y\\n[0123456789ab] forged.pt (step 123456789)") for line in lines), lines
+    # its digits are part of a word: no step
+    assert any(line.endswith("] y\\n[0123456789ab] forged.pt") for line in lines), lines
     assert any(line.endswith("] z\\\\n.pt") for line in lines), lines
     assert any(line.startswith("waiting: x\\n[0123456789ab] fake.pt: ") for line in lines), lines
 
@@ -297,6 +325,19 @@ def test_a_safetensors_file_with_a_malformed_header_is_reported_and_the_rest_com
     report = watch(repo, run, ONCE, say=said.append)
     assert [name for name, _, _ in report.committed] == ["model_step3.pt"]
     assert any(line.startswith("odd.safetensors: not committed") for line in said)
+
+
+def test_a_complete_file_named_safetensors_that_is_none_is_reported_not_waited_for(repo, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.safetensors").write_text("this is a note, not tensors\n")
+    torch.save({"w": torch.ones(4)}, run / "renamed.safetensors")  # a zip: its first 8 bytes read as a huge length
+    assert file_incomplete(run / "notes.safetensors") == file_incomplete(run / "renamed.safetensors") == ""
+    said = []
+    report = watch(repo, run, ONCE, say=said.append)
+    assert report.waiting == {}  # both were "its header is not written yet" for ever
+    assert [name for name, _, _ in report.committed] == ["renamed.safetensors"]  # as `ckpt commit` takes it
+    assert [line.split(":")[0] for line in said if ": not committed" in line] == ["notes.safetensors"]
 
 
 def test_a_file_rewritten_back_to_an_earlier_content_is_committed_again(repo, tmp_path):
