@@ -144,6 +144,13 @@ def pruned_ids(tx: Tx) -> set[CommitId]:
     return {CommitId(c) for c in tx.column("SELECT commit_id FROM pruned_commits")}
 
 
+def removed(tx: Tx, cid: CommitId) -> str:
+    """How commit `cid` was removed ("pruned": `ckpt prune`, "deleted": `ckpt gc --prune`), or "" while it is kept."""
+    if tx.first("SELECT 1 FROM commits WHERE id = ?", (cid,)) is None:
+        return "deleted"
+    return "pruned" if tx.first("SELECT 1 FROM pruned_commits WHERE commit_id = ?", (cid,)) is not None else ""
+
+
 def kept_with_manifest(tx: Tx, oid: str) -> bool:
     """Whether a commit that `ckpt prune` has not removed names manifest `oid`."""
     return bool(tx.rows_in("SELECT id FROM commits WHERE manifest_object IN ({ids}) AND id NOT IN "

@@ -12,6 +12,7 @@ from ckptstore.errors import (
     CkptError,
     CorruptRecordError,
     InvalidRefNameError,
+    PrunedCommitError,
     RefExistsError,
     RefNotFoundError,
 )
@@ -259,9 +260,16 @@ def move_head(repo: Repository, cid: CommitId, branch_name: str | None) -> None:
     """HEAD onto `branch_name`, or detached at `cid` when it is None.
 
     A branch that moved (or went) since the checkout read `cid` would put HEAD on a commit whose
-    files are not the ones written: HEAD is then detached at `cid`, with a warning.
+    files are not the ones written: HEAD is then detached at `cid`, with a warning. A commit that
+    prune or `gc --prune` removed meanwhile (checkouts take no lock) is refused: HEAD stays.
     """
     with repo.db.write() as tx:
+        how = commit_rows.removed(tx, cid)
+        if how:
+            by = "`ckpt prune`" if how == "pruned" else "`ckpt gc --prune`"
+            raise PrunedCommitError(f"commit {cid[:12]} was removed by {by} while this checkout wrote its files: "
+                                    "HEAD stays where it was (the files written are that commit's); check out a "
+                                    "kept commit (`ckpt log`)")
         _warn_left_behind(tx, cid)
         row = ref_rows.ref_row(tx, branch_name) if branch_name else None
         if branch_name and (row is None or row.commit_id != cid):
@@ -270,6 +278,17 @@ def move_head(repo: Repository, cid: CommitId, branch_name: str | None) -> None:
                         f"{cid[:12]} (check out {branch_name} again to go to its tip)", RuntimeWarning)
             branch_name = None
         ref_rows.point_head(tx, branch_name, None if branch_name else cid)
+
+
+def finish_head_move(repo: Repository, cid: CommitId, branch_name: str | None) -> None:
+    """`move_head` for the journal of a checkout that died: a commit removed since is warned of, not raised.
+
+    Raised, it would fail the open of the repository that finishes the journal: every command.
+    """
+    try:
+        move_head(repo, cid, branch_name)
+    except PrunedCommitError as exc:
+        warn_caller(f"finishing an interrupted checkout: {exc}", RuntimeWarning)
 
 
 def _warn_left_behind(tx: Tx, going_to: CommitId) -> None:

@@ -52,7 +52,7 @@ class Repository:
                            why, create=create)
         if not self.read_only:
             # a checkout killed among its renames: finished, HEAD moved with it
-            journal.finish_interrupted(self.dir, lambda cid, branch: refs.move_head(self, cid, branch))
+            journal.finish_interrupted(self.dir, lambda cid, branch: refs.finish_head_move(self, cid, branch))
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = os.getpid()
         self._shared_pool = False  # the pool is a warm process's (repo/warm.py): closing leaves it running

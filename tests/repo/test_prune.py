@@ -837,3 +837,46 @@ def test_a_branch_made_at_a_doomed_commit_while_prune_runs_keeps_that_commit(tmp
         assert [repo.commit_info(cid).pruned for cid in cids] == [False, False, False]
         assert_same(repo.checkout("keep"), states[0])
         assert fsck(repo, full=True).ok
+
+
+def test_a_checkout_whose_commit_prune_removes_meanwhile_leaves_head_where_it_was(tmp_path):
+    """HEAD moved onto the pruned commit after the checkout's files were written: fsck called the repository
+    damaged and gc and prune refused until `checkout --force` (auditor)."""
+    with Repository.init(tmp_path) as repo:
+        for i in range(3):
+            torch.save({"w": torch.full((1000,), float(i)) + torch.randn(1000)}, tmp_path / "model.pt")
+            repo.commit(tmp_path / "model.pt")
+        old, tip = repo.log()[-1].id, repo.resolve("main")
+    release = tmp_path / "release"
+    checking_out = subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", old], cwd=tmp_path,
+                                    env=ckpt_env(CKPT_WAIT_AT=f"checkout:renamed={release}"),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_held(release, checking_out)  # the old commit's file is in place; HEAD not moved yet
+        with Repository.open(tmp_path) as repo:
+            assert old in prune(repo, RetentionPolicy(keep_last=1)).pruned
+    finally:
+        release.touch()
+    _, err = checking_out.communicate(timeout=120)
+    assert checking_out.returncode != 0 and "HEAD stays where it was" in err and "Traceback" not in err, err
+    with Repository.open(tmp_path) as repo:
+        assert repo.head() == ("main", tip)
+        assert fsck(repo, full=True).ok
+
+
+def test_a_dead_checkouts_head_move_to_a_commit_gc_deleted_is_warned_of_not_made(tmp_path):
+    from ckptstore.repo import maintenance, refs
+
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"w": torch.ones(10)})
+        repo.branch("side")
+        repo.commit({"w": torch.zeros(10)}, branch="side")
+        gone, tip = repo.resolve("side"), repo.resolve("main")
+        with pytest.warns(RuntimeWarning, match="leaves 1 commit behind"):
+            repo.delete_branch("side")
+        maintenance.gc(repo, prune_unreachable=True)
+        with pytest.raises(PrunedCommitError, match=r"removed by `ckpt gc --prune` while this checkout"):
+            refs.move_head(repo, gone, None)
+        with pytest.warns(RuntimeWarning, match="finishing an interrupted checkout"):
+            refs.finish_head_move(repo, gone, None)  # as the next open finishes a dead checkout's journal
+        assert repo.head() == ("main", tip)
