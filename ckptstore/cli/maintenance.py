@@ -88,7 +88,9 @@ def fsck_command(ctx, full, remote_name) -> None:
         echo(f"{report.unreferenced_objects} objects no intact record names (gc keeps them while there is damage: "
              "they may be what a damaged record lost track of)")
     elif report.unreferenced_objects:
-        echo(f"{report.unreferenced_objects} unreferenced objects (run `ckpt gc` to remove them)")
+        where = "`ckpt gc` there" if remote_name is not None else "`ckpt gc`"  # a local gc leaves the remote's
+        echo(f"{report.unreferenced_objects} unreferenced objects (run {where} to remove them; an interrupted push "
+             "or commit leaves them, and running it again uses them)")
     if not report.ok:
         raise SystemExit(1)
     echo("ok")

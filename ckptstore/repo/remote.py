@@ -479,6 +479,8 @@ def _move_remote_ref(remote: Repository, name: str, branch: str, old: CommitId |
             return
         if old is not None and ref_rows.swap(rtx, branch, ref_rows.BRANCH, old, new):
             return
+        if row is not None and row.kind == ref_rows.BRANCH and row.commit_id == new:
+            return  # another push of this very commit won the race: the branch is where this one moves it
     happened = _what_happened_to(branch, old, row)
     raise ConflictError(f"push to {name} lost a race: while the commits were sent, {happened} (what was sent is not "
                         "sent twice)")

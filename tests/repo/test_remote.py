@@ -1488,6 +1488,54 @@ def test_a_push_does_not_recreate_a_remote_branch_deleted_while_it_sent(pair, mo
     assert work.resolve("origin/exp") == cids[1]  # the tracking ref did not move either
 
 
+def test_fsck_of_a_remote_says_to_collect_its_unreferenced_objects_there(pair, monkeypatch):
+    """`fsck --remote` said "run `ckpt gc`", which collected the local repository and left the remote's (auditor)."""
+    from ckptstore import faults
+
+    work, hub_path, _ = pair
+
+    def dies(name):
+        if name == "transfer:objects-sent":
+            raise KeyboardInterrupt  # the push stops with its objects there and no records
+    monkeypatch.setattr(faults, "point", dies)
+    with pytest.raises(KeyboardInterrupt):
+        remote.push(work, "origin")
+    monkeypatch.undo()
+    checked = ckpt_here(work.root, "fsck", "--remote", "origin")
+    assert checked.returncode == 0 and "unreferenced objects (run `ckpt gc` there to remove them" in checked.stdout
+    assert "(run `ckpt gc` to remove them" in ckpt_here(hub_path, "fsck").stdout  # in the remote itself: plain
+
+
+@pytest.mark.parametrize("branch_there", [False, True])
+def test_a_push_that_another_push_of_the_same_commit_beats_succeeds(pair, monkeypatch, branch_there):
+    """A retried job pushing the commit its first try was still pushing: the branch ended at that commit, but
+    the loser said "lost a race" with exit 3 and set no tracking ref (auditor)."""
+    from ckptstore import faults
+    from ckptstore.metadata import refs as ref_rows
+
+    work, hub_path, cids = pair
+    if branch_there:
+        remote.push(work, "origin")
+    passing = faults.point
+
+    def same_commit_pushed_there(name):  # the other push of this commit lands once our records are sent
+        if name == "transfer:records-sent":
+            with Repository.open(hub_path) as hub, hub.db.write() as tx:
+                if branch_there:
+                    assert ref_rows.swap(tx, "main", ref_rows.BRANCH, cids[1], newest)
+                else:
+                    ref_rows.insert_ref(tx, "main", ref_rows.BRANCH, newest)
+        passing(name)
+
+    newest = work.commit(_state(2), message="c2") if branch_there else cids[1]
+    monkeypatch.setattr(faults, "point", same_commit_pushed_there)
+    remote.push(work, "origin")
+    monkeypatch.undo()
+    assert work.resolve("origin/main") == newest
+    with Repository.open(hub_path) as hub:
+        assert hub.resolve("main") == newest and fsck(hub).ok
+
+
 def test_a_push_whose_new_branch_name_became_a_remote_tag_meanwhile_says_so_not_to_push_again(pair, monkeypatch):
     """A tag made under the branch's name while it sent was called 'its branch was made', with advice to push
     again, which was refused as a tag (reader 27)."""
