@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from ckptstore.errors import CheckpointFormatError
 from ckptstore.formats import SAFETENSORS, TORCH, CheckpointFile, file_state, safetensors_file
 from ckptstore.state import RawTensor, materialize, raw_from_torch
 
@@ -22,14 +23,24 @@ _PREFERENCE = (("model", "safetensors"), ("pytorch_model", "bin"), ("adapter_mod
 
 
 def weight_files(files: list[CheckpointFile]) -> list[CheckpointFile]:
-    """The files holding the model's weights (shards in name order), or [] when the folder has none."""
+    """The files holding the model's weights (shards in name order), or [] when the folder has none.
+
+    A weights file the commit kept as bytes (a torch file that only full unpickling reads) is refused:
+    exporting the folder without it would write a "model" holding none of its weights.
+    """
     groups: dict[tuple[str, str], list[CheckpointFile]] = {}
     for record in files:
         found = _WEIGHTS.match(record.name)
-        if found and record.format in (SAFETENSORS, TORCH):
+        if found:
             groups.setdefault((found["stem"], found["ext"]), []).append(record)
     for group in _PREFERENCE:
         if group in groups:
+            unread = [record.name for record in groups[group] if record.format not in (SAFETENSORS, TORCH)]
+            if unread:
+                raise CheckpointFormatError(
+                    f"{unread[0]} holds the model's weights but was committed as file bytes (reading it needs full "
+                    "unpickling): export cannot take the weights from it; `ckpt checkout REF -o DIR` gives the "
+                    "folder back as it was")
             return sorted(groups[group], key=lambda r: r.name)
     return []
 

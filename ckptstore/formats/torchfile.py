@@ -76,6 +76,10 @@ def refusal_reason(reason: str, global_name: str = "") -> str:
     named = named.removeprefix("builtins.")  # as torch names them
     if named:
         return f"{named} is not among the classes torch.load(weights_only=True) allows"
+    operand = re.search(r"Unsupported operand (\d+)", reason)
+    if operand:  # FRAME (149) first: torch.save(..., pickle_protocol=4 or 5)
+        return (f"its pickle uses opcode {int(operand.group(1))}, which torch.load(weights_only=True) does not read: "
+                "pickle protocol 4 or later")
     lines = re.sub(r"\x1b\[[0-9;]*m", "", reason).strip().splitlines()
     return lines[-1].strip()[:200] if lines else ""
 

@@ -64,6 +64,12 @@ _OPCODES = frozenset({
     "EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET", "BININT", "BININT1", "BININT2", "BINFLOAT", "BINUNICODE",
     "SHORT_BINSTRING", "BINPERSID", "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT", "LONG1",
 })
+# What `torch.save(..., pickle_protocol=3, 4 or 5)` adds, which torch's weights_only loader refuses ("Unsupported
+# operand 149"): bytes as such (protocol 3), framing, a memo put without an index, shorter and longer strings, and a
+# global whose names are strings on the stack, resolved through the same allow-list as GLOBAL's. The Python
+# unpickler reads them; the C walk (_pickscan) takes protocol 2 only, so such pickles never reach the C unpickler.
+_NEWER_PROTOCOL_OPCODES = frozenset({"SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "FRAME", "MEMOIZE",
+                                     "SHORT_BINUNICODE", "BINUNICODE8", "STACK_GLOBAL"})
 
 # Legacy typed storage classes torch.save names, and the dtype each holds
 _STORAGE_DTYPES = {
@@ -457,20 +463,21 @@ class _Resolver:
 
 
 class _Unpickler(_Resolver, pickle._Unpickler):
-    """An unpickler that runs only what torch's weights_only loader would.
+    """An unpickler that runs only what torch's weights_only loader would (and later protocols' plain opcodes).
 
-    Only torch's opcodes and protocol 2; globals from the allow-list; persistent ids only torch's
-    storage records; BUILD only on fresh objects. It is the pure-Python unpickler, because each
-    opcode can be checked before it runs: an opcode outside torch's set has no handler here, so
-    the file goes to torch. `_FastUnpickler` reads the files this one would, faster.
+    Only torch's opcodes (protocol 2) and `_NEWER_PROTOCOL_OPCODES`; globals from the allow-list;
+    persistent ids only torch's storage records; BUILD only on fresh objects. It is the pure-Python
+    unpickler, because each opcode can be checked before it runs: an opcode outside these has no
+    handler here, so the file goes to torch. `_FastUnpickler` reads the files this one would, faster.
     """
 
     dispatch = {code: handler for code, handler in pickle._Unpickler.dispatch.items()
-                if _OPCODE_NAMES.get(code) in _OPCODES}
+                if _OPCODE_NAMES.get(code) in _OPCODES | _NEWER_PROTOCOL_OPCODES}
 
     def load_proto(self) -> None:
-        _need(self.read(1)[0] == 2, "pickle protocol")
-        self.proto = 2
+        protocol = self.read(1)[0]
+        _need(2 <= protocol <= pickle.HIGHEST_PROTOCOL, "pickle protocol")
+        self.proto = protocol
 
     def load_build(self) -> None:
         if not _buildable(self.stack[-2]):

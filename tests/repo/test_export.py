@@ -275,3 +275,26 @@ def test_a_folders_bin_weight_safetensors_has_no_type_for_is_left_out_and_named(
     assert report.tensors == 1 and report.skipped == ["rot", "config.json"]
     back = load_file(tmp_path / "w.safetensors")
     assert list(back) == ["w"] and torch.equal(back["w"], torch.arange(2.0))
+
+
+class _Opaque:
+    """A class no safe loader takes: a weights file holding it is committed as file bytes."""
+
+
+def test_a_weights_file_committed_as_bytes_is_refused_not_exported_without_its_weights(tmp_path):
+    """pytorch_model.bin that needed full unpickling was kept as bytes, and export wrote a "model" of the optimizer's
+    tensors alone with exit 0 (auditor)."""
+    folder = tmp_path / "checkpoint-3"
+    folder.mkdir()
+    torch.save({"embed.weight": torch.randn(8, 3), "extra": _Opaque()}, folder / "pytorch_model.bin")
+    _training_files(folder)
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(folder, step=3)
+        for fmt in ("safetensors", "torch"):
+            with pytest.raises(CkptError, match="pytorch_model.bin holds the model's weights but was committed as "
+                                                "file bytes"):
+                export(repo, "main", fmt, tmp_path / f"w.{fmt}")
+            assert not (tmp_path / f"w.{fmt}").exists()
+        assert export(repo, "main", "safetensors", tmp_path / "all.safetensors", everything=True).tensors == 1
+    result = ckpt_here(tmp_path, "--repo", "repo", "export", "main", "-o", "w.safetensors")
+    assert result.returncode == 1 and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
