@@ -279,6 +279,9 @@ def test_a_newline_in_a_file_or_tensor_name_stays_on_its_line(tmp_path):
     assert status[1:] == ["    modified: a\\nmodified: b.pt/ck.pt"], status
     diff = ckpt_here(tmp_path, "diff", "HEAD~1", "HEAD").stdout.splitlines()
     assert any(line.startswith("  changed w\\nx torch.float32 (4,) rel_l2=1.000e+00") for line in diff), diff
+    back = ckpt_here(tmp_path, "checkout", "HEAD~1", "--force").stdout.splitlines()  # in place: the recorded path
+    assert back[0].startswith("Restored ") and back[0].endswith("/a\\nmodified: b.pt/ck.pt"), back
+    assert not any(line.startswith("modified: b.pt") for line in back), back
 
 
 def test_an_empty_path_or_option_value_is_refused_not_taken_for_the_folder_or_for_none(tmp_path):

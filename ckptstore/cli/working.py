@@ -125,9 +125,10 @@ def checkout(ctx, ref, output, force, only, trust_pickle) -> None:
              f"DCP directory with `ckpt checkout {info.id[:12]} -o DIR`, or load it with CkptStorageReader")
         return
     if only:
-        echo(f"Wrote the part of {info.id[:12]} matching {', '.join(only)} to {dest}; HEAD did not move")
-    else:
-        echo(f"Restored {info.id[:12]} to {dest}")
+        echo(f"Wrote the part of {info.id[:12]} matching {', '.join(map(shown_name, only))} to "
+             f"{shown_name(str(dest))}; HEAD did not move")
+    else:  # the path a commit recorded (a remote's too) may hold a newline: written out, it cannot forge a line
+        echo(f"Restored {info.id[:12]} to {shown_name(str(dest))}")
     rewritten = [] if only else repo.manifest(info.id).rewritten_files()
     if info.source_path is not None and not info.lossy and not only:
         echo("Files are byte for byte as committed" + (", except below." if rewritten else "."))

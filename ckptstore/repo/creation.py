@@ -22,6 +22,7 @@ from ckptstore.repo import owner, refs
 from ckptstore.repo.config import RepoConfig
 from ckptstore.repo.joining import open_over_objects
 from ckptstore.repo.location import REPO_DIR
+from ckptstore.repo.repo_folders import repository_part_holding
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
@@ -33,6 +34,10 @@ def create(root: Path, config: RepoConfig) -> Repository:
     """A new repository at `root` with `config`, HEAD on an unborn branch: its `.ckpt` appears whole or not at all."""
     from ckptstore.repo.repository import Repository
 
+    part = repository_part_holding(root)
+    if part is not None:  # its objects would lie in the other's store, unseen by its fsck and gc
+        raise CkptError(f"{root} is inside {part}, a repository's own folder or object store: make the repository "
+                        "elsewhere")
     final = root / REPO_DIR
     if final.exists():
         raise RepoExistsError(f"{final} already exists")

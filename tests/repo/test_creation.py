@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ckptstore import Repository
-from ckptstore.errors import RepoNotFoundError
+from ckptstore.errors import CkptError, RepoNotFoundError
 from ckptstore.repo import fsck
 from tests.conftest import assert_same, ckpt_env, ckpt_here
 
@@ -182,3 +182,14 @@ def test_ckpt_repo_names_the_python_apis_repository_before_the_one_holding_the_c
     with Repository.open() as repo:  # without it: the repository holding the cwd, which got nothing
         assert Path(repo.root).resolve() == (tmp_path / "cwd_repo").resolve()
         assert repo.log() == []
+
+
+def test_init_inside_a_repositorys_own_folder_or_object_store_is_refused(tmp_path):
+    """`ckpt --repo .ckpt init` and an init in .ckpt/objects made repositories whose objects lay in the outer store,
+    unseen by its fsck and gc (auditor)."""
+    Repository.init(tmp_path).close()
+    for inside in (tmp_path / ".ckpt", tmp_path / ".ckpt" / "objects", tmp_path / ".ckpt" / "objects" / "new"):
+        with pytest.raises(CkptError, match=r"is inside .*\.ckpt(/objects)?, a repository's own folder or object"):
+            Repository.init(inside)
+        assert not (inside / ".ckpt").exists()
+    Repository.init(tmp_path / "run" / "nested").close()  # a repository in another's working folder: fine

@@ -38,3 +38,23 @@ def test_names_past_what_the_metadata_holds_are_refused_alike_on_both_engines(re
     if metadata_backend == "postgresql":  # past its column, a value PostgreSQL refuses is one clear error
         with pytest.raises(CkptError, match="refused a value"), repo.db.write() as tx:
             ref_rows.insert_ref(tx, "z" * 300, ref_rows.BRANCH, repo.log()[0].id)
+
+
+@pytest.mark.parametrize(("spec", "split"), [
+    ("main", ("main", "")), ("main~2^2", ("main", "~2^2")), ("v1~2", ("v1", "~2")), ("exp^", ("exp", "^")),
+    ("1234", ("1234", "")), ("~3", ("", "~3")), ("a~1x", ("a~1x", "")), ("a^0~10", ("a", "^0~10")),
+])
+def test_a_ref_splits_into_its_name_and_ancestry_as_git_reads_it(spec, split):
+    from ckptstore.repo.refs import _split_ancestry
+
+    assert _split_ancestry(spec) == split
+
+
+def test_a_long_ref_argument_is_refused_without_trying_every_split(repo):
+    """A regex split `~1~1...~1x` at every point: 17 s for 32 KB, quadratic (auditor); now one scan."""
+    from ckptstore.errors import RefNotFoundError
+
+    repo.commit({"w": torch.ones(3)})
+    with pytest.raises(RefNotFoundError):
+        repo.resolve("~1" * (1 << 17) + "x")  # 256 KiB: minutes to the old split
+    assert repo.resolve("HEAD" + "^0" * 1000) == repo.resolve("main")
