@@ -9,8 +9,9 @@ import signal
 from collections.abc import Mapping, Sequence
 
 # What `ckpt` says on Ctrl-C, wherever the command ran (here, or in the repository's daemon)
-INTERRUPTED = ("interrupted; an unfinished commit leaves earlier commits intact (`ckpt gc` removes its leftovers), "
-               "an unfinished checkout the files and HEAD as they were or at the commit")
+INTERRUPTED = ("interrupted; nothing half-done is recorded: run the same command again to finish it (a commit, push, "
+               "fetch or clone then stores or sends only what is missing; `ckpt gc` removes what an unfinished one "
+               "left), and an unfinished checkout leaves the files and HEAD as they were or at the commit")
 
 
 class CkptError(Exception):

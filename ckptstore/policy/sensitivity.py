@@ -250,7 +250,7 @@ def calling(calibration: Callable[[Any], Any], argument: Any) -> Any:
     """`calibration(argument)`; a failure in the user's code says so (it is no ckptstore bug)."""
     try:
         return calibration(argument)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # SystemExit (sys.exit, argparse) ended `ckpt commit` with status 0, silent
         name = getattr(calibration, "__qualname__", repr(calibration))
         raise CkptError(f"the calibration function {name} raised {type(exc).__name__}: {exc}") from exc
 
@@ -261,7 +261,7 @@ def finite_loss(loss: Any) -> float:
         if isinstance(loss, str | bytes | bytearray | bool):  # float() reads "1.5" and True: no loss
             raise TypeError
         value = float(loss.detach() if hasattr(loss, "detach") else loss)
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # OverflowError: an int past float's range
         raise CkptError(f"the calibration function must return a loss (a number or a one-element tensor), "
                         f"not {type(loss).__name__}") from None
     if not math.isfinite(value):

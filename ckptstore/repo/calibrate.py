@@ -165,7 +165,7 @@ def function_named(spec: str) -> Callable[[Any], Any]:
             module = importlib.import_module(module_name)
     except ImportError as exc:
         raise CkptError(f"--calibration {spec!r}: cannot import {module_name}: {exc}") from None
-    except Exception as exc:  # the module's own code failed as it loaded (a SyntaxError is one too)
+    except (Exception, SystemExit) as exc:  # the module's own code failed as it loaded (SyntaxError, sys.exit)
         raise CkptError(f"--calibration {spec!r}: importing {module_name} raised {type(exc).__name__}: {exc}"
                         ) from exc
     function = getattr(module, name, None)

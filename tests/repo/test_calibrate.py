@@ -9,7 +9,7 @@ from ckptstore.errors import CkptError
 from ckptstore.formats.torchfile import numpy_safe_globals
 from ckptstore.repo.calibrate import CALIBRATION_METRIC
 from ckptstore.repo.repository import Repository
-from tests.conftest import Trainer
+from tests.conftest import Trainer, ckpt_here
 
 TOKENS = torch.arange(16 * 8).reshape(16, 8) % 64
 # resume-only enforces no bound: with these steps its restored loss is far off, unless the guard tightens
@@ -135,12 +135,27 @@ def test_a_diverged_checkpoint_is_committed_lossless_with_a_calibration_function
     assert CALIBRATION_METRIC not in repo.log()[0].metrics and repo.log()[0].lossy is None
 
 
-@pytest.mark.parametrize("result", ["1.5", b"1.5", True])
+@pytest.mark.parametrize("result", ["1.5", b"1.5", True, 10**400])
 def test_a_calibration_function_returning_text_or_a_flag_is_refused(repo, result):
-    """float() read the string '1.5' as a loss, and the commit recorded a change of 0 (lossy-promises auditor)."""
+    """float() read the string '1.5' as a loss, and the commit recorded a change of 0 (lossy-promises auditor); an
+    int past float's range was an "unexpected OverflowError" (auditor)."""
     with pytest.raises(CkptError, match=f"must return a loss .*not {type(result).__name__}"):
         repo.commit({"w": torch.randn(64, 64)}, lossy="balanced", min_elements=1, calibration=lambda state: result)
     assert repo.head()[1] is None
+
+
+def test_a_calibration_that_exits_is_an_error_not_a_silent_exit(tmp_path):
+    """sys.exit in the calibration (or as its module loads) ended `ckpt commit` with status 0, no word, no commit."""
+    torch.save({"w": torch.randn(128, 128)}, tmp_path / "ck.pt")
+    (tmp_path / "cal.py").write_text("import sys\n\ndef exits(state):\n    sys.exit(0)\n")
+    (tmp_path / "leaves.py").write_text("import sys\nsys.exit(0)\n\ndef loss(state):\n    return 1.0\n")
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    for spec, said in (("cal:exits", "the calibration function exits raised SystemExit"),
+                       ("leaves:loss", "importing leaves raised SystemExit")):
+        done = ckpt_here(tmp_path, "commit", "ck.pt", "--lossy", "balanced", "--calibration", spec,
+                         "--max-loss-change", "0.1%")
+        assert done.returncode == 1 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "commit " not in ckpt_here(tmp_path, "log").stdout
 
 
 def test_a_moment_whose_reconstruction_equals_its_base_is_measured(repo):

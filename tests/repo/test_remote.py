@@ -3,6 +3,7 @@
 import contextlib
 import re
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -191,6 +192,26 @@ def test_an_interrupted_push_leaves_the_remote_consistent_and_resumes(pair, poin
     with Repository.open(hub_path) as hub:
         assert hub.resolve("main") == cids[1]
         assert_same(_state(1), hub.checkout(cids[1]))
+
+
+def test_ctrl_c_in_a_push_says_to_run_it_again_not_to_collect_here(pair):
+    """Ctrl-C in a push said how a commit and a checkout end, and sent the user to a local gc (auditor)."""
+    work, hub_path, cids = pair
+    work.close()
+    release = hub_path.parent / "release"
+    pushing = subprocess.Popen([sys.executable, "-m", "ckptstore", "push"], cwd=work.root, text=True,
+                               env=ckpt_env(CKPT_WAIT_AT=f"transfer:objects-sent={release}"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_until_held(release, pushing)
+        pushing.send_signal(signal.SIGINT)
+        _, err = pushing.communicate(timeout=60)
+    finally:
+        pushing.kill()
+    assert pushing.returncode == 130 and "run the same command again to finish it" in err and "Traceback" not in err
+    assert ckpt_here(work.root, "push").returncode == 0
+    with Repository.open(hub_path) as hub:
+        assert hub.resolve("main") == cids[1] and fsck(hub).ok
 
 
 def test_remote_commands_at_the_cli(tmp_path):
