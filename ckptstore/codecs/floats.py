@@ -137,14 +137,42 @@ def sum_of_squares(values: np.ndarray, block: int = 1 << 16) -> float:
 _NAN_BITS = {"torch.float32": (np.uint32, 0x7F800000, 0x007FFFFF), "torch.float16": (np.uint16, 0x7C00, 0x03FF),
              "torch.bfloat16": (np.uint16, 0x7F80, 0x007F),
              "torch.float64": (np.uint64, 0x7FF0000000000000, 0x000FFFFFFFFFFFFF)}
+NUMPY_PREFIX = "numpy:"  # state.NUMPY_PREFIX: how a numpy array's dtype is recorded (codecs sit below state)
+_IEEE_BITS = {2: _NAN_BITS["torch.float16"], 4: _NAN_BITS["torch.float32"], 8: _NAN_BITS["torch.float64"]}
+_COMPLEX_PARTS = {"torch.complex32": 2, "torch.complex64": 4, "torch.complex128": 8}  # each part an IEEE float
 _SCAN_ELEMENTS = 1 << 22  # a slice at a time: no temporary as large as a multi-GB tensor
+
+
+def _float_bits(dtype: str) -> tuple[np.dtype, int, int] | None:
+    """(word, exponent mask, mantissa mask) of a float or complex dtype's parts, torch's or numpy's; None for others.
+
+    numpy arrays and complex tensors count: a NaN in them kept a commit lossless no more than in a float tensor.
+    """
+    if dtype in _NAN_BITS:
+        unit, exponent, mantissa = _NAN_BITS[dtype]
+        return np.dtype(unit), exponent, mantissa
+    if dtype in _COMPLEX_PARTS:
+        unit, exponent, mantissa = _IEEE_BITS[_COMPLEX_PARTS[dtype]]
+        return np.dtype(unit), exponent, mantissa
+    if not dtype.startswith(NUMPY_PREFIX):
+        return None
+    try:
+        found = np.dtype(dtype[len(NUMPY_PREFIX):])
+    except TypeError:
+        return None
+    part = found.itemsize // 2 if found.kind == "c" else found.itemsize if found.kind == "f" else 0
+    if part not in _IEEE_BITS:  # no float, or long double's 10-byte layout
+        return None
+    unit, exponent, mantissa = _IEEE_BITS[part]
+    return np.dtype(unit).newbyteorder(found.byteorder), exponent, mantissa
 
 
 def holds_nan(dtype: str, data: np.ndarray) -> bool:
     """Whether a float tensor (its bytes) holds a NaN, read from its bit patterns (infinities are not NaN)."""
-    if dtype not in _NAN_BITS:
+    bits = _float_bits(dtype)
+    if bits is None:
         return False
-    unit, exponent, mantissa = _NAN_BITS[dtype]
+    unit, exponent, mantissa = bits
     words = np.asarray(data).view(unit)
     return any((((part := words[at:at + _SCAN_ELEMENTS]) & exponent) == exponent).any()
                and ((part & exponent == exponent) & (part & mantissa != 0)).any()
@@ -153,9 +181,10 @@ def holds_nan(dtype: str, data: np.ndarray) -> bool:
 
 def holds_non_finite(dtype: str, data: np.ndarray) -> bool:
     """Whether a float tensor (its bytes) holds a NaN or an infinity: an exponent with every bit set."""
-    if dtype not in _NAN_BITS:
+    bits = _float_bits(dtype)
+    if bits is None:
         return False
-    unit, exponent, _ = _NAN_BITS[dtype]
+    unit, exponent, _ = bits
     words = np.asarray(data).view(unit)
     return any(((words[at:at + _SCAN_ELEMENTS] & exponent) == exponent).any()
                for at in range(0, words.size, _SCAN_ELEMENTS))

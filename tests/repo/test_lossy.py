@@ -536,6 +536,27 @@ def test_nan_in_a_tensor_the_level_keeps_exact_keeps_the_whole_checkpoint_lossle
         assert_same(repo.checkout(cid), state)
 
 
+@pytest.mark.parametrize("odd", ["numpy_f4", "numpy_big_endian_f8", "complex64"])
+def test_nan_in_a_numpy_array_or_a_complex_tensor_keeps_the_whole_checkpoint_lossless(tmp_path, odd):
+    """Only torch's float dtypes were looked at: a NaN in a numpy array or a complex tensor let the rest be quantized
+    at `balanced`, unsaid (auditor)."""
+    import numpy as np
+
+    from ckptstore.codecs import floats
+    from ckptstore.state import NUMPY_PREFIX
+
+    assert floats.NUMPY_PREFIX == NUMPY_PREFIX  # codecs keep their own copy (they sit below state)
+    torch.manual_seed(0)
+    value = {"numpy_f4": np.array([1.0, np.nan], dtype="<f4"), "numpy_big_endian_f8": np.array([np.nan], dtype=">f8"),
+             "complex64": torch.tensor([1 + 1j, complex(float("nan"), 0.0)], dtype=torch.complex64)}[odd]
+    state = {"model": {"norm.weight": torch.randn(64, 65)}, "extra": value}
+    with Repository.init(tmp_path) as repo:
+        with pytest.warns(RuntimeWarning, match=r"NaN in extra\): committed lossless"):
+            cid = repo.commit(state, lossy="balanced")
+        assert repo.commit_info(cid).lossy is None
+        assert torch.equal(repo.checkout(cid)["model"]["norm.weight"], state["model"]["norm.weight"])
+
+
 def test_a_mask_of_minus_infinity_beside_the_weights_keeps_the_level_and_a_float64_nan_does_not(tmp_path):
     """A causal mask buffer of -inf is no diverged run: every commit went lossless (reader 13); a NaN in a float64
     tensor went unseen."""
