@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ckptstore.errors import CkptError
+from ckptstore.formats import BLOB
 from ckptstore.repo.checkout import restore
 from ckptstore.repo.integrity import entry_records
 from ckptstore.repo.refs import split_range
@@ -126,7 +127,7 @@ def _values(manifest: Manifest) -> dict[str, str]:
 
 def _walk(node: Any, path: str, found: dict[str, str]) -> None:
     kind = node[0] if isinstance(node, list) and node and isinstance(node[0], str) else None
-    if kind in LEAVES_WITH_ENTRY:  # stored as entries: compared as tensors
+    if kind in LEAVES_WITH_ENTRY or kind == BLOB:  # stored as entries (a file kept as bytes too): compared as those
         return
     if kind in CONTAINERS and len(node) > 1 and isinstance(node[1], list):
         found[path or "/"] = kind  # its items are rows of their own: a key added is one row, not two

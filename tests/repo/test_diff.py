@@ -163,3 +163,23 @@ def test_a_tensor_whose_shape_changed_has_no_distance_and_one_that_was_zeros_an_
     shown = CliRunner().invoke(cli, ["--repo", str(tmp_path), "diff", "HEAD~1", "HEAD", "--json"])
     assert shown.exit_code == 0, shown.output
     assert {row["path"]: row["relative_l2"] for row in json.loads(shown.output)} == {"z": "inf", "s": None, "r": None}
+
+
+def test_a_file_kept_as_bytes_added_or_removed_is_one_row_not_also_a_value(tmp_path):
+    """A folder's notes.txt removed and config.json added were each listed twice, once as a changed non-tensor
+    value (auditor)."""
+    from ckptstore.repo.diff import VALUE
+
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"w": torch.ones(4)}, run / "m.pt")
+    (run / "notes.txt").write_text("hi\n")
+    with Repository.init(tmp_path) as repo:
+        repo.commit(run)
+        (run / "notes.txt").unlink()
+        (run / "config.json").write_text("{}\n")
+        repo.commit(run)
+        rows = repo.diff("HEAD~1", "HEAD")
+    assert [row for row in rows if row.dtype == VALUE] == []
+    assert sorted((row.path, row.status) for row in rows if row.status != "unchanged") == [
+        ("config.json/%25blob", "added"), ("notes.txt/%25blob", "removed")]
