@@ -332,7 +332,7 @@ def _encode_checked(repo: Repository, checkpoint: formats.Checkpoint, parent: _P
     """
     for attempt in range(calibrate.ATTEMPTS if guard else 1):
         result = _encode(repo, checkpoint, parent, sources, calibrate.tighter(level, attempt) if attempt else level,
-                         lossy, measured, progress, whole)
+                         lossy, measured, progress, whole, retry=attempt > 0)
         if guard is None:
             return result, None
         restored = {p: result.records.get(p) or parent.by_path[p] for p in result.plans}
@@ -359,8 +359,11 @@ class _Encoded:
 
 def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, sources: Mapping[str, TensorId],
             level: LossyLevel | None, lossy: LossyOptions, measured: dict[str, float] | None,
-            progress: Progress, whole: Set[str] = frozenset()) -> _Encoded:
-    """Plan and encode the checkpoint's new tensors at `level`, those in `whole` lossless; no metadata is written."""
+            progress: Progress, whole: Set[str] = frozenset(), retry: bool = False) -> _Encoded:
+    """Plan and encode the checkpoint's new tensors at `level`, those in `whole` lossless; no metadata is written.
+
+    `retry`: a calibration's tighter attempt, which keeps no lossy reconstruction of the parent's (see encoding_jobs).
+    """
     with repo.db.read() as tx:
         plans, pairing, fisher = (_plan(repo, checkpoint, parent, level, lossy, measured) if level
                                   else ({}, None, None))
@@ -371,7 +374,8 @@ def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, s
             if not plans:
                 raise UnquantizableError("no other tensor it quantizes")
         entries, jobs = encoding_jobs(repo, tx, checkpoint.tensors, sources, parent.by_path, parent.records,
-                                     plans, level, parent.renewed, parent.manifest.sources if parent.manifest else {})
+                                     plans, level, parent.renewed, parent.manifest.sources if parent.manifest else {},
+                                     keep_lossy=not retry)
     progress.start("commit", sum(j.raw.nbytes for j in jobs))
     # a record kept from the parent for the same input keeps the figures the parent measured of it
     remeasured = {p: m for p, m in (parent.manifest.measured if parent.manifest else {}).items()
@@ -541,8 +545,8 @@ def _optimizer_map(checkpoint: formats.Checkpoint, lossy: LossyOptions) -> Optim
 def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], sources: Mapping[str, TensorId],
                   parents: Mapping[str, TensorRecord], chains: Mapping[TensorId, TensorRecord],
                   plans: Mapping[str, LossyPlan], level: LossyLevel | None,
-                  lost: Set[TensorId] = frozenset(), inputs: Mapping[str, TensorId] | None = None
-                  ) -> tuple[dict[str, TensorId], list[Job]]:
+                  lost: Set[TensorId] = frozenset(), inputs: Mapping[str, TensorId] | None = None,
+                  keep_lossy: bool = True) -> tuple[dict[str, TensorId], list[Job]]:
     """Manifest ids known before encoding, and the jobs that encode everything else.
 
     `tensors`, their content ids `sources` and the `parents` they chain on are by path (a
@@ -550,9 +554,11 @@ def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], so
     parent at the chain's limit finds its base, the next residual's anchor). Lossless tensors are
     named by their content and chain as the repository's costs allow (`max_chain = "auto"`:
     repo/chaincost.py); a lossy tensor whose source equals the parent commit's input there keeps the
-    parent's reconstruction; the rest are named after encoding. `inputs`: the parent commit's lossy
-    inputs by path, as its manifest records them (else its records' sources). Commits and sharded
-    commits (repo/sharded.py) both build their jobs here.
+    parent's reconstruction (not with `keep_lossy` False: a calibration's retry at finer steps, which
+    kept the same coarse reconstruction three times over, then fell to lossless weights); the rest are
+    named after encoding. `inputs`: the parent commit's lossy inputs by path, as its manifest records
+    them (else its records' sources). Commits and sharded commits (repo/sharded.py) both build their
+    jobs here.
     """
     entries: dict[str, TensorId] = {}
     reused: dict[str, TensorRecord] = {}
@@ -560,7 +566,7 @@ def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], so
         parent = parents.get(path)
         # the parent's record may be an earlier commit's (a change rounded to nothing), made from that one's input;
         # an input is a lossy record's own claim: a received manifest claimed one for an exact record of other bytes
-        if parent is not None and (parent.id == sources[path] or "source" in parent.params and (
+        if parent is not None and (parent.id == sources[path] or keep_lossy and "source" in parent.params and (
                 (inputs or {}).get(path, parent.params["source"]) == sources[path])):
             entries[path] = parent.id
             reused[path] = parent

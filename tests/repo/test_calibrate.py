@@ -303,3 +303,29 @@ def test_each_calibration_retry_halves_every_weight_step_and_the_bound_again(att
                  "max_weight_error"):
         assert getattr(got, knob) == pytest.approx(getattr(level, knob) * 0.5**attempt), knob
     assert got.weights_lossy and not tighter(level, ATTEMPTS - 1).weights_lossy
+
+
+def test_a_tighter_retry_does_not_keep_the_parents_coarser_reconstruction_of_the_same_bytes(tmp_path):
+    """The same weights committed before at a looser limit: each halved-step retry kept the parent's reconstruction,
+    measured the same loss three times over and fell to lossless weights, 4x larger (auditor)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    batch = torch.randn(64, 96)
+    state = {"model": model.state_dict()}
+    losses = []
+
+    def loss(given):
+        probe = torch.nn.Sequential(torch.nn.Linear(96, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+        probe.load_state_dict(given["model"])
+        losses.append(float(probe(batch).pow(2).mean().detach()))
+        return losses[-1]
+
+    with Repository.init(tmp_path) as repo:
+        repo.commit(state, lossy="extreme", calibration=loss, max_loss_change=0.05)
+        losses.clear()
+        cid = repo.commit(state, lossy="extreme", calibration=loss, max_loss_change=0.003, allow_empty=True)
+        codecs = {row["path"]: row["codec"] for row in repo.show(cid)["tensors"]}
+        change = repo.commit_info(cid).metrics[CALIBRATION_METRIC]
+    assert len(set(losses[1:])) == len(losses) - 1  # each attempt measured a reconstruction of its own
+    assert codecs["model/0.weight"] == codecs["model/2.weight"] == "deadzone"  # not lossless
+    assert abs(change) <= 0.3
