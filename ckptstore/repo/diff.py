@@ -104,7 +104,7 @@ def diff(repo: Repository, a: str, b: str | None = None) -> list[TensorDiff]:
 
 def _value_changes(old: Manifest, new: Manifest) -> list[TensorDiff]:
     """The non-tensor values of the two commits' skeletons that differ, added or removed, by path."""
-    before, after = _values(old), _values(new)
+    before, after = skeleton_values(old), skeleton_values(new)
     rows = []
     for path in sorted(before.keys() | after.keys()):
         if before.get(path) != after.get(path):
@@ -113,8 +113,8 @@ def _value_changes(old: Manifest, new: Manifest) -> list[TensorDiff]:
     return rows
 
 
-def _values(manifest: Manifest) -> dict[str, str]:
-    """Each skeleton leaf that is no tensor as JSON text, and each container's kind, by path."""
+def skeleton_values(manifest: Manifest) -> dict[str, str]:
+    """Each skeleton leaf that is no tensor as JSON text, and each container's kind (CONTAINERS), by path."""
     found: dict[str, str] = {}
     for record in manifest.files:
         if record.skeleton is not None:

@@ -10,6 +10,7 @@ whole state as checkout rebuilds it (torch).
 
 from __future__ import annotations
 
+import json
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -20,7 +21,8 @@ from ckptstore.errors import CkptError
 from ckptstore.formats import hfweights, safetensors_file, torchfile
 from ckptstore.formats.torchcontainer import CONTAINER_PATH
 from ckptstore.repo import sharded, worktree
-from ckptstore.repo.select import aliases, entries_of_file
+from ckptstore.repo.diff import skeleton_values
+from ckptstore.repo.select import CONTAINERS, aliases, entries_of_file
 from ckptstore.state import TORCH_PREFIX, RawTensor, escape, materialize, readable_path
 
 if TYPE_CHECKING:
@@ -78,8 +80,10 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
         raws.update({path: raws[entry] for path, entry in aliases(manifest).items()})  # each tied key its copy
         kept = {p: r for p, r in raws.items() if r.dtype in safetensors_file.SAFETENSORS_DTYPES}
         skipped = [p for p in raws if p not in kept and not _format_own(p)]  # as `show` lists them, for --only
+        skipped += _plain_values(manifest)
         tensors = _by_name(kept)
-        why = "safetensors holds tensors only (these are file bytes, numpy arrays or unsupported dtypes)"
+        why = ("safetensors holds tensors only (these are numbers, text, file bytes, numpy arrays or unsupported "
+               "dtypes)")
         if [record.format for record in manifest.files] == [formats.SAFETENSORS]:
             metadata = safetensors_file.header_metadata(raws[manifest.files[0].skeleton[1]])
     if fmt == "safetensors":
@@ -94,6 +98,20 @@ def export_format(output: str | os.PathLike, given: str | None) -> str:
     if given is not None:
         return given
     return "torch" if os.path.splitext(output)[1].lower() in (".pt", ".pth", ".bin", ".ckpt") else "safetensors"
+
+
+def _plain_values(manifest: Manifest) -> list[str]:
+    """The paths of the numbers and text a state holds (a step, an architecture's name): left out, and said so.
+
+    Not a module's `_metadata` (an OrderedDict attribute: versions load_state_dict reads) nor a format's own nodes.
+    """
+    found = []
+    for path, value in skeleton_values(manifest).items():
+        if value in CONTAINERS or "%attrs" in path.split("/"):
+            continue
+        if not isinstance(json.loads(value), list | dict):
+            found.append(path)
+    return found
 
 
 def _format_own(path: str) -> bool:
