@@ -208,7 +208,12 @@ def test_commits_on_a_detached_head_are_said_so_and_leaving_them_behind_warns(tm
         assert "detached" not in run("commit", "ck.pt").stdout  # on main
         if then:
             run(*then)
+    detached = run("checkout", "best")
+    assert "HEAD is detached at" in detached.stdout and "HEAD is detached" not in run("checkout", "main").stdout
+    assert "HEAD is detached" not in run("checkout", "best", "-o", "copy.pt").stdout  # HEAD did not move
+    assert run("branch").stdout.startswith("* main ")  # on its branch: no detached line
     run("checkout", "best")
+    assert run("branch").stdout.startswith("* (HEAD detached at ")  # as git lists it
     torch.save({"w": torch.full((4,), 9.0)}, tmp_path / "ck.pt")
     made = run("commit", "ck.pt")
     assert "HEAD is detached" in made.stdout and "ckpt branch NAME" in made.stdout

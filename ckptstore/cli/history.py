@@ -93,7 +93,9 @@ def branch(ctx, words, delete) -> None:
         cid = repo.branch(name, start)
         echo(f"Created branch {name} at {cid[:12]}")
     else:
-        current, _ = repo.head()
+        current, at = repo.head()
+        if current is None and at is not None:  # as git lists it: where a detached HEAD is
+            echo(f"* (HEAD detached at {at[:12]})")
         for branch_name, cid in repo.branches().items():
             echo(f"{'*' if branch_name == current else ' '} {shown_name(branch_name)} {cid[:12]}")
 

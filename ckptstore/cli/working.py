@@ -129,6 +129,8 @@ def checkout(ctx, ref, output, force, only, trust_pickle) -> None:
              f"{shown_name(str(dest))}; HEAD did not move")
     else:  # the path a commit recorded (a remote's too) may hold a newline: written out, it cannot forge a line
         echo(f"Restored {info.id[:12]} to {shown_name(str(dest))}")
+        if output is None and repo.head()[0] is None:  # a tag or an id: said as git says it
+            echo(f"HEAD is detached at {info.id[:12]}: `ckpt branch NAME` keeps what you commit from here on a branch")
     rewritten = [] if only else repo.manifest(info.id).rewritten_files()
     if info.source_path is not None and not info.lossy and not only:
         echo("Files are byte for byte as committed" + (", except below." if rewritten else "."))
