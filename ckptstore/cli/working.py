@@ -145,7 +145,7 @@ def checkout(ctx, ref, output, force, only, trust_pickle) -> None:
 
 @cli.command()
 @click.argument("folder", type=PathGiven(exists=True, file_okay=False))
-@click.option("--interval", type=Seconds(), default=10.0, show_default=True,
+@click.option("--interval", type=Seconds(min_open=True), default=10.0, show_default=True,
               help="Seconds between scans; a checkpoint is committed once unchanged across two.")
 @click.option("--branch", multiple=True, callback=given_once,
               help="Commit to this branch (created at HEAD if new); HEAD stays.")

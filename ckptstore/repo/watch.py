@@ -194,7 +194,7 @@ def _is_a_save(folder: Path) -> bool:
     try:
         with os.scandir(folder) as entries:
             return any(entry.name == TRAINER_STATE or GLOBAL_STEP.match(entry.name)
-                       or entry.is_file() and Path(entry.name).suffix in SUFFIXES for entry in entries)
+                       or entry.is_file() and _checkpoint_name(entry.name) for entry in entries)
     except OSError:  # not listable: as named, a save
         return True
 
@@ -314,7 +314,7 @@ def scan(folder: Path, state: WatchState | None = None) -> dict[str, Source]:
             if entry.name.startswith(".") or is_temp_name(entry.name):
                 continue
             if entry.is_symlink():  # Lightning's save_last="link": its target is a checkpoint of its own
-                if TRAINER_FOLDER.match(entry.name) or Path(entry.name).suffix in SUFFIXES:
+                if TRAINER_FOLDER.match(entry.name) or _checkpoint_name(entry.name):
                     found[entry.name] = Source(entry.name, Path(entry.path), [], LINKED)
                 continue
             try:
@@ -346,7 +346,7 @@ def _candidate(entry: os.DirEntry[str], state: WatchState | None) -> Source | No
                           denied=exc)
         handled = state.sources.get(entry.name) if state else None  # a damaged state file: not a dict
         judge = functools.partial(_judge_saved_over, handled=handled) if isinstance(handled, dict) else _judge_folder
-    elif entry.is_file() and Path(entry.name).suffix in SUFFIXES:
+    elif entry.is_file() and _checkpoint_name(entry.name):
         info = entry.stat()
         source = Source(entry.name, Path(entry.path), [["", info.st_size, info.st_mtime_ns]])
         judge = _judge_file
@@ -363,7 +363,7 @@ def _candidate(entry: os.DirEntry[str], state: WatchState | None) -> Source | No
 
 def _passed_over(entry: os.DirEntry[str]) -> str:
     """What an entry the watch takes for no checkpoint of its own is, and what to do instead; "" for others."""
-    if entry.is_file() and SHARD.search(entry.name) and Path(entry.name).suffix in SUFFIXES:
+    if entry.is_file() and SHARD.search(entry.name) and _checkpoint_name(entry.name):
         return ("a part of a sharded save (save_pretrained's shards, with their index): commit the folder that "
                 "holds them all with `ckpt commit`")
     if entry.is_file() and entry.name == TRAINING_ARGS:
@@ -456,7 +456,7 @@ def file_incomplete(path: Path) -> str:
     """Why the checkpoint file at `path` is not complete yet, or "" when its own structure says it is."""
     with open(path, "rb") as handle:
         head = handle.read(8)
-    if path.suffix == ".safetensors":
+    if path.suffix.lower() == ".safetensors":
         return _safetensors_incomplete(path, head)
     if head.startswith(b"PK"):  # a torch.save zip: its central directory and end record are written last
         return zip_not_whole(path)
@@ -486,6 +486,11 @@ def _safetensors_incomplete(path: Path, head: bytes) -> str:
     return "" if 8 + length + max(ends, default=0) <= size else "its tensor data is not all written yet"
 
 
+def _checkpoint_name(name: str) -> bool:
+    """Whether a file so named is a checkpoint file to watch: its suffix one of SUFFIXES, in either case (MODEL.PT)."""
+    return Path(name).suffix.lower() in SUFFIXES
+
+
 def _ninth_byte(path: Path) -> bytes:
     """The byte a safetensors header starts with, "{" (the format requires it)."""
     with open(path, "rb") as handle:
@@ -499,7 +504,7 @@ def step_of(name: str) -> int | None:
     Not an epoch's number, a metric's decimals nor Lightning's version: `epoch=3-val_loss=0.12-v1.ckpt`
     gives no step.
     """
-    stem = name.removesuffix(Path(name).suffix) if Path(name).suffix in SUFFIXES else name
+    stem = name.removesuffix(Path(name).suffix) if _checkpoint_name(name) else name
     found = _STEP.search(stem) or TRAINER_FOLDER.match(stem)
     numbers = [found.group(1)] if found else _NUMBER.findall(stem)
     step = int(numbers[-1]) if numbers else None

@@ -340,6 +340,19 @@ def test_a_complete_file_named_safetensors_that_is_none_is_reported_not_waited_f
     assert [line.split(":")[0] for line in said if ": not committed" in line] == ["notes.safetensors"]
 
 
+def test_upper_case_suffixes_are_watched_and_an_interval_of_zero_is_refused(repo, tmp_path):
+    """MODEL.PT was passed over without a word; `--interval 0` rescanned without pause (auditor)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"w": torch.ones(4)}, run / "MODEL_7.PT")
+    save_file({"w": torch.zeros(4)}, run / "Weights.SafeTensors")
+    report = watch(repo, run, ONCE)
+    assert sorted((name, step) for name, _, step in report.committed) == [("MODEL_7.PT", 7), ("Weights.SafeTensors",
+                                                                                              None)]
+    refused = ckpt_here(tmp_path, "watch", "run", "--interval", "0", env=_cli_env(repo))
+    assert refused.returncode == 2 and "--interval" in refused.stderr and "Traceback" not in refused.stderr
+
+
 def test_a_file_rewritten_back_to_an_earlier_content_is_committed_again(repo, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
