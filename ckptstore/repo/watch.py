@@ -1,7 +1,7 @@
 """`watch_folder` (`ckpt watch`): commit the checkpoints a training job writes into a folder, each once it is complete.
 
 What is watched: the folder's direct children that are checkpoint files (.pt .pth .bin .ckpt .tar
-.safetensors) or Hugging Face Trainer folders named `checkpoint-N`. Hidden names, temporary
+.safetensors, either case) or Hugging Face Trainer folders named `checkpoint-N`. Hidden names, temporary
 files of atomic writers and symlinks are never sources (a symlink so named is reported as such).
 A `checkpoint-N` folder itself, or a folder inside one, is refused: its files are parts of one save, not
 checkpoints.
