@@ -159,8 +159,9 @@ def show(ctx, ref, as_json) -> None:
     for f in data["files"] if data["kind"] != "state" else []:  # an in-memory state's only record has no file
         echo(f"file {shown_name(f['name']) or '.'} [{f['format']}] {size(f['size'])} {f['note']}".rstrip())
     for row in data.get("fidelity", []):
-        bound = (f", at most {row['worst_of_bound']:.0%} of its bound" if row["worst_of_bound"] is not None
-                 else " (no bound)")
+        bound = (" (no bound)" if row["worst_of_bound"] is None
+                 else f", at most {row['worst_of_bound']:.0%} of its bound" if row["bounded"] == row["tensors"]
+                 else f"; the {row['bounded']} with a bound at most {row['worst_of_bound']:.0%} of it")
         echo(f"measured {row['quantity']}: worst {row['worst']:.2e} over {row['tensors']} tensors{bound}")
     if "sharded" in data:  # a DCP commit: its logical tensors, not every shard
         for t in data["sharded"]:

@@ -176,7 +176,7 @@ def fidelity(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not measured:
             continue
         bounded = [t["rel_error"] / t["max_error"] for t in measured if t.get("max_error")]
-        rows.append({"quantity": quantity, "tensors": len(measured),
+        rows.append({"quantity": quantity, "tensors": len(measured), "bounded": len(bounded),
                      "worst": max(t["rel_error"] for t in measured),
                      "worst_of_bound": max(bounded) if bounded else None})
     return rows

@@ -1087,3 +1087,21 @@ def test_two_identical_moments_in_one_commit_restore_as_the_same_values(tmp_path
             assert shown["optimizer/state/4/exp_avg"]["codec"] == "normmoment", gate
             assert shown["optimizer/state/2/exp_avg_sq"]["tensor"] == shown["optimizer/state/4/exp_avg_sq"]["tensor"]
             assert torch.equal(restored[2]["exp_avg_sq"], restored[4]["exp_avg_sq"])
+
+
+def test_show_says_which_of_its_measured_tensors_the_bound_covers(tmp_path):
+    """A frozen weight kept at its `resume-only` reconstruction (no bound) beside a bounded one: show said "worst
+    2.6e-02 over 2 tensors, at most 86% of its bound", the worst being the unbounded one (auditor)."""
+    from click.testing import CliRunner
+
+    from ckptstore.cli import cli
+
+    torch.manual_seed(0)
+    frozen, weight = torch.randn(128, 128), torch.randn(128, 128)
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"frozen": frozen, "w": weight}, lossy="resume-only")
+        cid = repo.commit({"frozen": frozen, "w": weight + 0.05 * torch.randn(128, 128)}, lossy="balanced")
+        (row,) = [r for r in repo.show(cid)["fidelity"] if r["quantity"].startswith("weights")]
+    assert row["tensors"] == 2 and row["bounded"] == 1
+    shown = CliRunner().invoke(cli, ["--repo", str(tmp_path), "show", cid]).output
+    assert "over 2 tensors; the 1 with a bound at most" in shown, shown
