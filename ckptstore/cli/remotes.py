@@ -106,6 +106,17 @@ def clone(ctx: click.Context, url: str, path: str | None, metadata_url: str, laz
     """Make a repository in PATH with remote origin at URL and its branches."""
     if ctx.obj.get("read_only"):
         raise ReadOnlyRepoError("`ckpt clone` writes a repository, and --read-only refuses every write; run it without")
-    target = path or (url.rstrip("/").rsplit("/", 1)[-1] or "clone")
+    target = path or _clone_folder(url)
     with remote_verbs().clone(url, target, metadata_url, lazy) as repo:
         echo(f"Cloned {url} into {repo.root}" + (" (lazily: objects come on first checkout)" if lazy else ""))
+
+
+def _clone_folder(url: str) -> str:
+    """The folder a clone makes where none is given: the remote's own name, as git names it (`hub` for ../hub/.).
+
+    The URL's last part alone was "." for ../hub/., and the clone went into the current folder.
+    """
+    if url.startswith("s3://"):
+        parts = [part for part in url.removeprefix("s3://").split("/") if part not in ("", ".")]
+        return parts[-1] if parts else "clone"
+    return Path(url).resolve().name or "clone"

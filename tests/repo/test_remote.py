@@ -1896,3 +1896,18 @@ def test_a_fetch_reads_only_its_own_remotes_tracking_refs(pair, tmp_path):
     remote.add(work, "backup", str(tmp_path / "other"))
     assert remote.fetch(work, "backup").refs_moved == [("backup/main", None, theirs)]
     assert work.resolve("backup/main") == theirs and work.resolve("origin/main") == cids[1]
+
+
+@pytest.mark.parametrize("spelled", ["hub", "hub/", "hub/.", "./hub/./"])
+def test_a_clone_without_a_folder_makes_one_named_after_the_remote(pair, tmp_path, spelled):
+    """`ckpt clone ../hub/.` took the URL's last part, ".", and made the repository in the current folder (auditor)."""
+    work, hub_path, cids = pair
+    remote.push(work, "origin")
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "notes.txt").write_text("mine\n")
+    cloned = ckpt_here(here, "clone", f"../{spelled}")
+    assert cloned.returncode == 0, cloned.stderr
+    assert not (here / ".ckpt").exists()
+    with Repository.open(here / "hub") as copy:
+        assert copy.resolve("main") == cids[1]
