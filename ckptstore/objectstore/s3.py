@@ -40,6 +40,7 @@ DOWNLOADS_IN_FLIGHT = 16  # objects downloading at once inside read_ahead()
 READ_AHEAD = 64  # objects read ahead and not yet used, at most (64 chunks of 4 MiB: 256 MiB)
 BYTES_IN_FLIGHT = 512 << 20  # encoders wait when this much is queued for upload, so memory stays bounded
 RETRY_SECONDS = 60.0  # how long a request is retried before the error reaches the user; CKPT_S3_RETRY_SECONDS
+MAX_RETRIES = 1 << 16  # no bound of its own: RETRY_SECONDS is (at the longest backoff, 5 s, 60 s is 12-24 tries)
 REQUEST_SECONDS = 300.0  # how long one request (a whole object's transfer) may take; CKPT_S3_REQUEST_SECONDS
 
 
@@ -94,7 +95,10 @@ def _client(bucket: str) -> Any:
         from obstore.auth.boto3 import Boto3CredentialProvider  # needs boto3: only for profiles
 
         provider = Boto3CredentialProvider()
-    retry = {"max_retries": 10, "retry_timeout": timedelta(seconds=_seconds("CKPT_S3_RETRY_SECONDS", RETRY_SECONDS)),
+    # retry_timeout alone bounds the retries: 10 of them, at 0.1-5 s backoff with jitter, ran out in 3-5 s, so a
+    # server restarting for 8 s failed the commit where CKPT_S3_RETRY_SECONDS promises 60 s
+    retrying = timedelta(seconds=_seconds("CKPT_S3_RETRY_SECONDS", RETRY_SECONDS))
+    retry = {"max_retries": MAX_RETRIES, "retry_timeout": retrying,
              "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5),
                          "base": 2}}
     return S3Store(bucket, config=config, client_options=options, retry_config=retry,

@@ -235,3 +235,36 @@ def test_an_object_uploaded_in_other_parts_is_read_back_and_leaves_the_put_check
         proxy.corrupt_uploads = True
         with pytest.raises(StoreUnavailableError, match="the server kept other bytes"):
             repo.commit(_state(6), "altered in transit")
+
+
+@pytest.mark.parametrize("outage", ["down", 503])
+def test_a_server_away_for_seconds_is_retried_as_long_as_the_retry_time_allows(bucket_repo, proxy, monkeypatch,
+                                                                                  outage):
+    """Ten retries at 0.1-5 s ran out after 3-5 s, so a server restarting for 8 s failed the commit where
+    CKPT_S3_RETRY_SECONDS (60 by default) promised a minute (auditor)."""
+    import threading
+    import time
+
+    monkeypatch.setenv("CKPT_S3_RETRY_SECONDS", "60")
+
+    def away_for_six_seconds():
+        if outage == "down":
+            proxy.go_down()
+        else:
+            proxy.reply_with(outage)
+        time.sleep(6)
+        if outage == "down":
+            proxy.come_up()
+        else:
+            proxy.reply_with(None)
+
+    away = threading.Thread(target=away_for_six_seconds)
+    away.start()
+    try:
+        done = ckpt_here(bucket_repo, "commit", "c.pt")
+    finally:
+        away.join()
+    assert done.returncode == 0, done.stderr
+    with Repository.open(bucket_repo) as repo:
+        assert_same(repo.checkout("HEAD"), _state(0))
+        assert fsck(repo, full=True).ok
