@@ -28,6 +28,11 @@ WRITE_LOCK = 0x636B_7074  # "ckpt": the advisory lock every writer (and every sc
 REPO_LOCK = 0x636B_7067  # "ckpg": commits hold it shared from first object to ref moved, gc alone
 LOCK_WAIT = "120s"  # as long as SQLite's busy timeout: a writer gives up after waiting this long
 CONNECT_TIMEOUT_S = 10
+# A server that stops answering mid-command (a network partition) is found by the kernel: keepalives probe an idle
+# link, tcp_user_timeout drops one whose data goes unacknowledged this long. Without them a commit waited forever.
+# Where the URL sets one, its own value stands.
+LINK_CHECKS = {"keepalives": "1", "keepalives_idle": "30", "keepalives_interval": "10", "keepalives_count": "3",
+               "tcp_user_timeout": "60000"}
 # SQLSTATEs worth another try before any statement of ours ran: serialization failure, deadlock,
 # too many connections, the server starting up or shutting down, a connection dropped
 _TRANSIENT_STATES = {"40001", "40P01", "53300", "57P01", "57P02", "57P03", "08000", "08001", "08003", "08004",
@@ -99,10 +104,12 @@ class PostgresBackend:
     def connect(self) -> psycopg.Connection:
         # read-only: the server itself refuses a write, whatever a bug in ckptstore might try
         # added to the URL's own options (a search_path), which a keyword would replace
-        given = str(conninfo_to_dict(self.conninfo).get("options") or "")
+        url_gives = conninfo_to_dict(self.conninfo)
+        given = str(url_gives.get("options") or "")
         options = {"options": f"{given} -c default_transaction_read_only=on".strip()} if self.read_only else {}
+        checks = {name: value for name, value in LINK_CHECKS.items() if name not in url_gives}
         return psycopg.connect(self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
-                               application_name="ckptstore", **options)
+                               application_name="ckptstore", **checks, **options)
 
     def reusable(self, connection: psycopg.Connection) -> bool:
         return not (connection.closed or connection.broken)

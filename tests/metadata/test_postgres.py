@@ -328,3 +328,15 @@ def test_an_upgrade_behind_a_stalled_writer_gives_up_after_the_writers_wait(post
         stalled.execute("ROLLBACK")
     with pytest.warns(RuntimeWarning, match="from 0009 to"), Repository.open(tmp_path) as repo:  # then it goes ahead
         assert repo.db.revision() == HEAD_REVISION
+
+
+def test_connections_ask_the_kernel_to_find_a_server_that_stops_answering(postgres_url):
+    """A link stalled mid-commit (a partition) left the commit waiting forever: no keepalives, no user timeout
+    (auditor). The URL's own settings stand."""
+    from ckptstore.metadata.postgres import LINK_CHECKS, PostgresBackend
+
+    with PostgresBackend(postgres_url, read_only=False).connect() as connection:
+        given = connection.info.get_parameters()
+        assert {name: given.get(name) for name in LINK_CHECKS} == LINK_CHECKS
+    with PostgresBackend(f"{postgres_url}?tcp_user_timeout=5000", read_only=False).connect() as connection:
+        assert connection.info.get_parameters()["tcp_user_timeout"] == "5000"
