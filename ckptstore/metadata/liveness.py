@@ -8,7 +8,7 @@ from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata.commits import all_parents
 from ckptstore.metadata.db import Tx
 from ckptstore.metadata.refs import tip_commits
-from ckptstore.metadata.tables import TABLES
+from ckptstore.metadata.tables import SINCE, TABLES
 from ckptstore.metadata.tensors import dependents
 
 _KEPT = "WHERE id NOT IN (SELECT commit_id FROM pruned_commits)"  # a pruned commit's manifest is gone
@@ -116,7 +116,9 @@ def storage_problems(tx: Tx, limit: int = 10) -> list[str]:
     server checks its own pages, so there only missing tables are found.
     """
     present = tx.backend.tables(tx)
-    missing = [f"table {name} is missing" for name in TABLES if name not in present]
+    revision = tx.scalar("SELECT version_num FROM alembic_version") if "alembic_version" in present else None
+    missing = [f"table {name} is missing" for name in TABLES
+               if name not in present and not (name in SINCE and revision is not None and revision < SINCE[name])]
     return missing + tx.backend.storage_problems(tx, limit)
 
 

@@ -99,3 +99,9 @@ unchecked_tensors = Table(
     Column("tensor_id", ID, primary_key=True),  # a record received from elsewhere, not yet checked (repo/received.py)
     sqlite_with_rowid=False,
 )
+
+repository_identity = Table(
+    "repository_identity", metadata,
+    Column("id", String(32), primary_key=True),  # one random row: what an S3 prefix's owner.json names back
+    sqlite_with_rowid=False,
+)

@@ -17,6 +17,7 @@ they are read whole.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -39,6 +40,8 @@ UPLOADS_IN_FLIGHT = 8  # objects uploading at once inside batch()
 DOWNLOADS_IN_FLIGHT = 16  # objects downloading at once inside read_ahead()
 READ_AHEAD = 64  # objects read ahead and not yet used, at most (64 chunks of 4 MiB: 256 MiB)
 BYTES_IN_FLIGHT = 512 << 20  # encoders wait when this much is queued for upload, so memory stays bounded
+OWNER_KEY = "owner.json"  # beside objects/: which repository's database the prefix belongs to (repo/owner.py)
+MAX_OWNER_RECORD = 64 << 10
 RETRY_SECONDS = 60.0  # how long a request is retried before the error reaches the user; CKPT_S3_RETRY_SECONDS
 MAX_RETRIES = 1 << 16  # no bound of its own: RETRY_SECONDS is (at the longest backoff, 5 s, 60 s is 12-24 tries)
 REQUEST_SECONDS = 300.0  # how long one request (a whole object's transfer) may take; CKPT_S3_REQUEST_SECONDS
@@ -325,6 +328,35 @@ class S3ObjectStore:
 
     def open_ranges(self) -> S3Ranges:
         return S3Ranges(self)
+
+    # ----------------------------------------------------------------- the prefix's owner (repo/owner.py)
+    def owner_record(self) -> dict | str | None:
+        """The prefix's `owner.json`, which names the repository it belongs to; None where there is none.
+
+        One that is no record comes back as its text: it still names someone, so nothing is deleted on its word.
+        """
+        import obstore
+        from obstore.exceptions import NotFoundError
+
+        key = f"{self.prefix}/{OWNER_KEY}" if self.prefix else OWNER_KEY
+        try:
+            with self._errors():
+                data = bytes(obstore.get(self._client, key).bytes())
+        except (NotFoundError, FileNotFoundError):
+            return None
+        try:
+            record = json.loads(data[:MAX_OWNER_RECORD])
+        except (ValueError, RecursionError):
+            record = None
+        return record if isinstance(record, dict) else data[:200].decode(errors="replace")
+
+    def write_owner(self, record: dict) -> None:
+        """Write the prefix's `owner.json`."""
+        import obstore
+
+        key = f"{self.prefix}/{OWNER_KEY}" if self.prefix else OWNER_KEY
+        with self._errors():
+            obstore.put(self._client, key, json.dumps(record).encode())
 
     def has(self, oid: ObjectId) -> bool:
         try:

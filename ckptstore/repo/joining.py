@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from ckptstore.errors import MissingDatabaseError, RepoExistsError, RepoLockedError
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.objectstore import ObjectStore, open_store
+from ckptstore.repo import owner
 from ckptstore.repo.config import RepoConfig
 from ckptstore.repo.location import REPO_DIR
 from ckptstore.repo.refs import ensure_head
@@ -30,9 +31,10 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
 
     `folder`: its `.ckpt` folder where that is not (yet) `root/.ckpt` (init builds it under another name).
 
-    Metadata that holds a repository is joined only where some of its objects are in the prefix;
-    an empty one gets a schema only over a prefix that holds no objects. `joining` (a machine's
-    init): metadata that names no object yet is joined over a prefix that holds some only while a
+    An S3 prefix must name the metadata's repository in its owner.json, or name none (then it is
+    claimed: repo/owner.py). Metadata that holds a repository is joined only where some of its
+    objects are in the prefix; an empty one gets a schema only over a prefix that holds no objects.
+    `joining` (a machine's init): metadata that names no object yet is joined over a prefix that holds some only while a
     commit is in flight there (its first commit's objects); a remote's own interrupted first push
     left objects there that its next push finishes.
     """
@@ -50,6 +52,7 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
         created = Repository(root, config, store=store, create=True, folder=folder)
         try:
             ensure_head(created)
+            owner.bind_prefix(created, made=True)
         except BaseException:
             created.close()
             raise
@@ -65,6 +68,7 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
                                   f"({len(named)} looked for): that metadata belongs with another objects URL "
                                   "(give the --objects URL its repository was made with), or the bucket lost them "
                                   "(emptied or made anew: restore its objects from a backup or a full clone)")
+        owner.bind_prefix(repo)  # the sample's objects may be there in another's prefix too (a shared base model)
     except BaseException:
         repo.close()
         raise

@@ -186,8 +186,10 @@ def test_files_known_to_a_pruned_commit_stay_known_through_later_commits(tmp_pat
 
 def test_an_upgrade_says_older_ckptstores_are_shut_out_and_a_new_repository_says_nothing(tmp_path):
     """Any command of a newer ckptstore upgraded a team's repository without a word: the older machines' next
-    command was refused (auditor). 0010 itself changes no table: it shuts out a ckptstore that knows no owner file."""
+    command was refused (auditor)."""
     import warnings
+
+    from ckptstore.metadata.migrate import downgrade
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -195,8 +197,8 @@ def test_an_upgrade_says_older_ckptstores_are_shut_out_and_a_new_repository_says
     db_path = tmp_path / ".ckpt" / "ckpt.db"
     with sqlite3.connect(db_path) as conn:
         tables = conn.execute("SELECT sql FROM sqlite_master ORDER BY name").fetchall()
-        conn.execute("UPDATE alembic_version SET version_num = '0009'")
-    with pytest.warns(RuntimeWarning, match=r"upgraded the metadata schema of .* from 0009 to 0010: a ckptstore "
+    downgrade(f"sqlite:///{db_path}", "0009")
+    with pytest.warns(RuntimeWarning, match=r"upgraded the metadata schema of .* from 0009 to 0011: a ckptstore "
                                             r"older than this one can no longer open it"):
         Repository.open(tmp_path).close()
     with sqlite3.connect(db_path) as conn:
@@ -298,6 +300,10 @@ def test_every_downgrade_and_upgrade_back_keeps_every_row_an_older_schema_can_ho
         if revision < "0002":
             expected["known_files"] = set()
         after = _rows(path)
+        if revision < "0011":  # the identity is made anew (a prefix's owner.json names the old one: see 0011)
+            assert len(after["repository_identity"]) == 1 and after["repository_identity"] != before[
+                "repository_identity"]
+            expected["repository_identity"] = after["repository_identity"]
         for table in before:
             assert after[table] == expected[table], (revision, table)
         if revision >= "0004":
@@ -352,3 +358,17 @@ def test_a_frozen_lossy_weight_after_an_upgrade_from_before_0009_is_stored_again
         assert all(repo.manifest(cid).entries["frozen"].tensor == listed for cid in cids)
         # the frozen weight's one keyframe (under a byte per value at balanced), then only the trained one's bytes
         assert stored[0] > frozen.numel() // 2 > 10 * max(stored[1:]), stored
+
+
+def test_a_0010_repository_read_where_it_cannot_be_written_is_not_called_damaged(tmp_path):
+    """0011 added the identity only joins and gc read: a read-only open of a 0010 repository reads it, and fsck
+    there does not report the table as missing."""
+    from ckptstore.metadata.migrate import downgrade
+    from ckptstore.repo import fsck
+
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit({"w": torch.ones(4)})
+    downgrade(f"sqlite:///{tmp_path / '.ckpt' / 'ckpt.db'}", "0010")
+    with Repository.open(tmp_path, read_only=True) as repo:
+        assert repo.db.revision() == "0010" and [c.id for c in repo.log()] == [cid]
+        assert fsck(repo, full=True).ok

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ckptstore import Repository
-from ckptstore.errors import CkptError, CorruptObjectError
+from ckptstore.errors import CkptError, CorruptObjectError, RepoExistsError
 from ckptstore.objectstore.s3 import S3ObjectStore
 from ckptstore.repo import fsck, gc
 from tests.conftest import assert_same, ckpt_here
@@ -131,6 +131,9 @@ def test_a_bucket_gone_is_named_as_such_on_upload(tmp_path, s3_server, metadata_
 
     bucket = s3_server.new_bucket()
     with Repository.init(tmp_path, objects_url=f"s3://{bucket}/repo", metadata_url=metadata_url) as repo:
+        from ckptstore.objectstore.fallback import held_here
+
+        obstore.delete(held_here(repo.store)._client, "repo/owner.json")  # S3 deletes an empty bucket only
         urllib.request.urlopen(urllib.request.Request(f"{s3_server.endpoint}/{bucket}", method="DELETE"), timeout=30)
         with pytest.raises(CkptError, match="the bucket does not exist") as raised:
             repo.commit(_state(0))
@@ -177,3 +180,60 @@ def test_gc_leaves_keys_under_objects_that_are_no_object_ids(s3_repo):
     with s3_repo.db.read() as tx:  # the store lists the objects the records name, not the foreign keys
         assert set(s3_repo.store.iter_ids()) == set(tx.column("SELECT id FROM objects"))
     assert_same(_state(0), s3_repo.checkout(kept))
+
+
+def _two_repositories_sharing_a_base(tmp_path, s3_server, postgres_server):
+    """Repositories A and B on their own prefixes and databases, both holding one base checkpoint (a pretrained
+    model's weights: the same objects), B a fine-tune of it besides."""
+    bucket, base = s3_server.new_bucket(), _state(0)
+    made = {}
+    for name in ("a", "b"):
+        url, database = f"s3://{bucket}/{name}", postgres_server.new_database()
+        with Repository.init(tmp_path / name, objects_url=url, metadata_url=database) as repo:
+            repo.commit(base)
+            if name == "b":
+                repo.commit(_state(1))
+        made[name] = (url, database)
+    return made
+
+
+def test_metadata_joined_with_another_repositorys_prefix_is_refused_though_they_share_objects(
+        tmp_path, s3_server, postgres_server):
+    """The join looked for a sample of the metadata's objects in the prefix: A's base model was there in B's
+    prefix too, so A's metadata joined B's prefix, and gc there deleted B's fine-tune (auditor)."""
+    made = _two_repositories_sharing_a_base(tmp_path, s3_server, postgres_server)
+    with pytest.raises(RepoExistsError, match=r"s3://.*/b belongs to another repository: its owner.json names"):
+        Repository.init(tmp_path / "y", objects_url=made["b"][0], metadata_url=made["a"][1])
+    assert not (tmp_path / "y" / ".ckpt").exists()
+    with Repository.open(tmp_path / "b") as b:
+        assert fsck(b, full=True).ok and gc(b).objects_removed == 0
+        assert_same(b.checkout("HEAD"), _state(1))
+    with Repository.init(tmp_path / "x", objects_url=made["a"][0], metadata_url=made["a"][1]) as joined:
+        assert_same(joined.checkout("HEAD"), _state(0))  # its own prefix: joined as before
+
+
+def test_gc_in_a_prefix_that_names_another_repository_deletes_nothing(tmp_path, s3_server, postgres_server):
+    """A config edited to name another repository's prefix: gc would call that one's objects garbage."""
+    made = _two_repositories_sharing_a_base(tmp_path, s3_server, postgres_server)
+    config = tmp_path / "a" / ".ckpt" / "config.toml"
+    config.write_text(config.read_text().replace(made["a"][0], made["b"][0]))
+    with Repository.open(tmp_path / "a") as a, pytest.raises(RepoExistsError, match="belongs to another repository"):
+        gc(a)
+    with Repository.open(tmp_path / "b") as b:
+        assert fsck(b, full=True).ok
+
+
+def test_a_prefix_made_before_owner_records_is_claimed_by_its_own_metadata(tmp_path, s3_url, postgres_url):
+    from ckptstore.metadata.identity import repository_id
+    from ckptstore.objectstore.fallback import held_here
+
+    with Repository.init(tmp_path / "a", objects_url=s3_url, metadata_url=postgres_url) as repo:
+        cid = repo.commit(_state(0))
+        store = held_here(repo.store)
+        obstore.delete(store._client, "repo/owner.json")  # as a prefix made before 0011 is
+        assert store.owner_record() is None
+        with repo.db.read() as tx:
+            mine = repository_id(tx)
+    with Repository.init(tmp_path / "b", objects_url=s3_url, metadata_url=postgres_url) as joined:
+        assert joined.resolve("main") == cid and held_here(joined.store).owner_record()["repository"] == mine
+        assert gc(joined).objects_removed == 0
