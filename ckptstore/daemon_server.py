@@ -238,12 +238,17 @@ class _Daemon:
 
         if not os.path.isdir(request["cwd"]):  # the client's folder is not there for this process (a container's)
             return _HERE
+        if _stopped_while_queued(conn):  # Ctrl-C, or the client gone, while it waited its turn: never started
+            _Output(conn, STDERR).write(f"error: {INTERRUPTED}\n")
+            return 130
         try:
-            with _client_context(request), _interrupt_on_request(conn):
+            with _client_context(request), _interrupt_on_request(conn) as asked:
                 stdout, stderr = _Output(conn, STDOUT), _Output(conn, STDERR)
                 with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
                     try:
                         self.interruptible = True
+                        if asked.is_set():  # Ctrl-C, or the client gone, while it waited its turn: its SIGINT fell
+                            raise KeyboardInterrupt  # before it could count, and the command ran and was recorded
                         cli.main(request["argv"])
                     except SystemExit as exc:
                         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -361,10 +366,27 @@ def _client_context(request: dict[str, Any]) -> Iterator[None]:
         os.chdir(cwd)
 
 
+def _stopped_while_queued(conn: socket.socket) -> bool:
+    """Whether the client sent Ctrl-C (an INTERRUPT frame waits) or went away (end of stream) before its turn.
+
+    Looked at before the command starts: the watcher's SIGINT for a frame already there fell before the
+    command could count it, and a queued commit ran and was recorded though its client said stop, or died.
+    """
+    try:
+        return len(conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)) <= 1
+    except (BlockingIOError, InterruptedError):
+        return False  # nothing from the client: it waits for its command
+    except OSError:
+        return True
+
+
 @contextlib.contextmanager
-def _interrupt_on_request(conn: socket.socket) -> Iterator[None]:
-    """Signal SIGINT to this (the main) thread when the client sends Ctrl-C or goes away mid-command."""
-    done = threading.Event()
+def _interrupt_on_request(conn: socket.socket) -> Iterator[threading.Event]:
+    """Signal SIGINT to this (the main) thread when the client sends Ctrl-C or goes away mid-command.
+
+    The event it gives is set first: one sent before the command started (queued) is seen by the command.
+    """
+    done, asked = threading.Event(), threading.Event()
     lock = threading.Lock()
     main = threading.main_thread().ident
 
@@ -373,12 +395,13 @@ def _interrupt_on_request(conn: socket.socket) -> Iterator[None]:
             receive_frame(conn)  # an INTERRUPT frame, or the connection closing: either stops the command
         with lock:
             if not done.is_set():
+                asked.set()
                 signal.pthread_kill(main, signal.SIGINT)
 
     watcher = threading.Thread(target=watch, name="ckpt-daemon-interrupt", daemon=True)
     watcher.start()
     try:
-        yield
+        yield asked
     finally:
         with lock:
             done.set()

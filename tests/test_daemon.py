@@ -100,6 +100,36 @@ def test_ctrl_c_at_the_client_stops_the_commit_in_the_daemon_and_records_nothing
     assert ckpt(served, "commit", "c.pt").returncode == 0
 
 
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
+def test_a_commit_whose_client_stopped_or_died_while_it_waited_its_turn_never_runs(served, tmp_path, how):
+    """Ctrl-C (or a kill) at a client queued behind another command: its interrupt was seen before the command
+    started and dropped, and the commit ran and was recorded, with exit 0 (auditor: 3 runs of 4)."""
+    _save(served / "a.pt", 1)
+    _save(served / "b.pt", 2)
+    gate = tmp_path / "gate"
+    first = subprocess.Popen([sys.executable, "-m", "ckptstore", "commit", "a.pt", "-m", "A"], cwd=served,
+                             env=ckpt_env(CKPT_WAIT_AT=f"commit:read={gate}"), stdout=subprocess.PIPE, text=True)
+    _wait_for(Path(f"{gate}.reached"))
+    queued = subprocess.Popen([sys.executable, "-m", "ckptstore", "commit", "b.pt", "-m", "B"], cwd=served,
+                              env=ckpt_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_until(lambda: len(list(Path("/proc").glob(f"{queued.pid}/fd/*"))) > 0 and _connected(queued.pid))
+    queued.send_signal(how)
+    time.sleep(1)  # its client sends its Ctrl-C on (or its end of the connection closes) before the first ends
+    gate.touch()
+    _, stderr = queued.communicate(timeout=60)  # the queued one is answered once its turn comes
+    first.communicate(timeout=60)
+    assert first.returncode == 0
+    if how == signal.SIGINT:
+        assert queued.returncode == 130 and stderr.strip().startswith("error: interrupted"), stderr
+    assert [c.message for c in Repository.open(served).log()] == ["A"]
+
+
+def _connected(pid: int) -> bool:
+    """Whether process `pid` holds a Unix socket (the client's connection to the daemon)."""
+    fds = Path(f"/proc/{pid}/fd")
+    return any(os.readlink(fd).startswith("socket:") for fd in fds.iterdir() if fd.is_symlink())
+
+
 def test_a_daemon_killed_mid_commit_is_reported_and_loses_nothing(served):
     _save(served / "a.pt", 4)
     assert ckpt(served, "commit", "a.pt", "-m", "kept").returncode == 0
