@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptstore.errors import CorruptObjectError
+from ckptstore.errors import CorruptObjectError, StoreUnavailableError
 from ckptstore.hashing import ObjectId, is_hex_id, object_id, object_id_of_parts
 from ckptstore.objectstore.base import as_bytes
 
@@ -94,7 +94,7 @@ class LocalObjectStore:
         self.tmp = Path(tmp_dir)
         self.url = self.root.resolve().as_uri()
         self.root.mkdir(parents=True, exist_ok=True)
-        self.tmp.mkdir(parents=True, exist_ok=True)
+        _make_folder(self.tmp)
         if self.tmp.stat().st_dev != self.root.stat().st_dev:
             self.tmp = self.root / "tmp"  # made by the first write: a read-only mount is still readable
         self._batched: list[Path] | None = None
@@ -148,7 +148,7 @@ class LocalObjectStore:
     def _write_through_tmp(self, parts: Sequence[bytes | memoryview], oid: ObjectId, final: Path) -> None:
         """Write the parts to a temp file, flush it (unless batched) and rename it to `final`."""
         final.parent.mkdir(exist_ok=True)
-        self.tmp.mkdir(exist_ok=True)
+        _make_folder(self.tmp)
         temp = self.tmp / f"{oid}.{uuid.uuid4().hex}"
         try:
             with open(temp, "wb", buffering=0) as handle:  # unbuffered: each part goes straight to the file
@@ -303,3 +303,12 @@ def _fsync_path(path: Path) -> None:
 def _fsync_dir(folder: Path) -> None:
     """Make a rename inside `folder` survive a power cut."""
     _fsync_path(folder)
+
+
+def _make_folder(folder: Path) -> None:
+    """`folder` made where missing; a file standing where it should be is damage said as such, not a traceback."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise StoreUnavailableError(f"{folder} is not a folder (a file stands where the store keeps its writes in "
+                                    "progress): move it away and run the command again") from None

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from ckptstore.errors import CorruptObjectError
+from ckptstore.errors import CorruptObjectError, StoreUnavailableError
 from ckptstore.objectstore import LocalObjectStore, MemoryObjectStore, local
 from ckptstore.objectstore.s3 import S3ObjectStore
 from ckptstore.testing.store_contract import ALL_CHECKS, DAMAGE_CHECKS
@@ -418,3 +418,15 @@ def test_a_batch_of_local_objects_is_flushed_once_at_its_end(tmp_path, monkeypat
     if not syncfs_works:  # each file and folder instead
         flushed += [("fsync", final), ("fsync", os.path.dirname(final))]
     assert events[1:] == flushed
+
+
+
+def test_a_file_where_the_stores_temporary_folder_should_be_is_named_as_such(tmp_path):
+    """`.ckpt/tmp` replaced by a file: every commit said "unexpected FileExistsError ... please report it" (auditor)."""
+    store = LocalObjectStore(tmp_path / "objects", tmp_path / "tmp")
+    (tmp_path / "tmp").rmdir()
+    (tmp_path / "tmp").write_text("not a folder\n")
+    with pytest.raises(StoreUnavailableError, match=r"/tmp is not a folder \(a file stands where"):
+        store.put(b"bytes")  # as a running process's next write finds it
+    with pytest.raises(StoreUnavailableError, match=r"/tmp is not a folder"):
+        LocalObjectStore(tmp_path / "objects", tmp_path / "tmp")  # as the next command's open does
