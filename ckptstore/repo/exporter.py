@@ -109,7 +109,11 @@ def _plain_values(manifest: Manifest) -> list[str]:
     for path, value in skeleton_values(manifest).items():
         if value in CONTAINERS or "%attrs" in path.split("/"):
             continue
-        if not isinstance(json.loads(value), list | dict):
+        try:
+            plain = not isinstance(json.loads(value), list | dict)
+        except ValueError:  # a forged manifest's nesting, said as text (diff.skeleton_values): a value all the same
+            plain = True
+        if plain:
             found.append(path)
     return found
 
