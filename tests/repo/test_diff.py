@@ -127,7 +127,10 @@ def test_values_nested_past_pythons_stack_in_a_forged_manifest_differ_without_a_
     for _ in range(5000):
         node = ["list", [node]]
     forged = SimpleNamespace(files=[SimpleNamespace(name="", skeleton=node)])
-    assert diff_module._values(forged)["/"].startswith("nested past Python's stack")
+    assert diff_module.skeleton_values(forged)["/"].startswith("nested past Python's stack")
+    from ckptstore.repo.exporter import _plain_values
+
+    assert _plain_values(forged) == ["/"]  # an export names it as left out, where json.loads raised on its text
 
 
 def test_the_distance_over_slices_whose_later_ones_hold_larger_values_is_right(tmp_path, monkeypatch):
