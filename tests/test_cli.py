@@ -150,7 +150,7 @@ def test_every_writing_command_refuses_up_front_under_read_only(tmp_path):
     before, hub = _files_of(work / ".ckpt"), _files_of(tmp_path / "hub" / ".ckpt")
     try:
         for args in (["commit", "x.pt", "--allow-empty"], ["checkout", "HEAD~1"], ["branch", "b"], ["tag", "t"],
-                     ["gc"], ["prune", "--keep-last", "1"], ["watch", "out", "--once", "--interval", "0"],
+                     ["gc"], ["prune", "--keep-last", "1"], ["watch", "out", "--once", "--interval", "0.05"],
                      ["remote", "add", "o2", "../hub"], ["remote", "remove", "origin"], ["push"], ["fetch"],
                      ["pull"], ["daemon", "start", "--idle", "30"]):
             result = ckpt_here(work, "--read-only", *args)

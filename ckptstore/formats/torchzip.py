@@ -9,7 +9,8 @@ then flattens the result into the same `FlatState` that `state.flatten(torchfile
 gives, with tensor bytes sliced from a memory map of the file. It also tells which storage records
 a stored tensor holds exactly, so torchcontainer.py can give the file back byte for byte.
 
-It models what torch's `weights_only=True` loader accepts and no more: globals from an
+It models what torch's `weights_only=True` loader accepts and no more, but for the plain opcodes of
+pickle protocols 3-5 (which torch's refuses: `_NEWER_PROTOCOL_OPCODES`): globals from an
 allow-list, and BUILD only on fresh objects (never on the shared stand-ins the allow-list hands
 out, which a malicious file could otherwise rewrite for every later file in the process). Whenever it meets
 something it does not model (an unknown global in torch's namespace, an unusual opcode, a

@@ -10,5 +10,6 @@ def repository_id(tx: Tx) -> str:
     """This database's repository id."""
     found = tx.scalar("SELECT id FROM repository_identity")
     if not isinstance(found, str):
-        raise CkptError(f"the metadata holds no repository identity ({found!r}): it is damaged; run `ckpt fsck`")
+        raise CkptError(f"the metadata holds no repository identity ({found!r}): it is damaged; restore it from a "
+                        "backup (nothing was changed)")
     return found

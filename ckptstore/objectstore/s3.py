@@ -338,10 +338,9 @@ class S3ObjectStore:
         import obstore
         from obstore.exceptions import NotFoundError
 
-        key = f"{self.prefix}/{OWNER_KEY}" if self.prefix else OWNER_KEY
         try:
             with self._errors():
-                data = bytes(obstore.get(self._client, key).bytes())
+                data = bytes(obstore.get(self._client, self._owner_key()).bytes())
         except (NotFoundError, FileNotFoundError):
             return None
         try:
@@ -351,12 +350,26 @@ class S3ObjectStore:
         return record if isinstance(record, dict) else data[:200].decode(errors="replace")
 
     def write_owner(self, record: dict) -> None:
-        """Write the prefix's `owner.json`."""
+        """Write the prefix's `owner.json` over whatever is there."""
         import obstore
 
-        key = f"{self.prefix}/{OWNER_KEY}" if self.prefix else OWNER_KEY
         with self._errors():
-            obstore.put(self._client, key, json.dumps(record).encode())
+            obstore.put(self._client, self._owner_key(), json.dumps(record).encode())
+
+    def claim_owner(self, record: dict) -> bool:
+        """Write the prefix's `owner.json` where there is none (a create-only PUT); False where one came first."""
+        import obstore
+        from obstore.exceptions import AlreadyExistsError
+
+        with self._errors():  # which would call the refusal the server's failure: caught inside it
+            try:
+                obstore.put(self._client, self._owner_key(), json.dumps(record).encode(), mode="create")
+            except AlreadyExistsError:
+                return False
+        return True
+
+    def _owner_key(self) -> str:
+        return f"{self.prefix}/{OWNER_KEY}" if self.prefix else OWNER_KEY
 
     def has(self, oid: ObjectId) -> bool:
         try:

@@ -10,7 +10,6 @@ whole state as checkout rebuilds it (torch).
 
 from __future__ import annotations
 
-import json
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -101,21 +100,14 @@ def export_format(output: str | os.PathLike, given: str | None) -> str:
 
 
 def _plain_values(manifest: Manifest) -> list[str]:
-    """The paths of the numbers and text a state holds (a step, an architecture's name): left out, and said so.
+    """The paths of the values a state holds besides tensors (a step, a name, a dtype): left out, and said so.
 
-    Not a module's `_metadata` (an OrderedDict attribute: versions load_state_dict reads) nor a format's own nodes.
+    Not a module's `_metadata` (an OrderedDict attribute: versions load_state_dict reads) nor a file's own root
+    node (a safetensors file's header layout).
     """
-    found = []
-    for path, value in skeleton_values(manifest).items():
-        if value in CONTAINERS or "%attrs" in path.split("/"):
-            continue
-        try:
-            plain = not isinstance(json.loads(value), list | dict)
-        except ValueError:  # a forged manifest's nesting, said as text (diff.skeleton_values): a value all the same
-            plain = True
-        if plain:
-            found.append(path)
-    return found
+    roots = {record.name or "/" for record in manifest.files}
+    return [path for path, value in skeleton_values(manifest).items()
+            if value not in CONTAINERS and path not in roots and "%attrs" not in path.split("/")]
 
 
 def _format_own(path: str) -> bool:

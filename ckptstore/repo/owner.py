@@ -63,8 +63,7 @@ def refuse_anothers(repo: Repository, writing: bool = False) -> None:
     A copy's commit wrote objects that only the copy's records name: the owner's gc deleted them.
     See the module docstring.
     """
-    if not writing:
-        bind_prefix(repo)  # deleting on S3: only in a prefix that names this database
+    bind_prefix(repo)  # on S3: writes and deletions only in a prefix that names this database
     folder = _local_store(repo)
     if folder is None or any(folder.is_relative_to(os.path.realpath(own)) for own in (repo.root, repo.dir)):
         return  # its own by place (a .ckpt linked from elsewhere too)
@@ -88,34 +87,36 @@ def refuse_anothers(repo: Repository, writing: bool = False) -> None:
 def bind_prefix(repo: Repository, made: bool = False) -> None:
     """Raise unless the repository's S3 prefix belongs to its database; a prefix naming none is claimed for it.
 
-    `made`: the metadata was made just now over a prefix holding no objects, so it takes the prefix whatever an
-    init killed before it finished wrote there.
-
     An S3 prefix is named by its URL alone, and metadata joined with another repository's prefix (where the
     objects it sampled were there: both held a pretrained model's) called that one's objects garbage, which
     gc deleted. `owner.json` beside the prefix's objects names the database's random id (migration 0011):
-    a join and every gc or prune check it. Local stores have their `.owner` file instead (above).
+    init, a join and the first write of each process (commit, push, gc, prune) check it, and claim a prefix
+    that names none (one made before 0011) with a create-only PUT, so two claims cannot both win.
+    `made`: the metadata was made just now over a prefix holding no objects; a record of an init of this
+    same folder that was killed before it finished is its own. Local stores have `.owner` files (above).
     """
     store = held_here(repo.store)
-    if not hasattr(store, "owner_record"):
+    if not hasattr(store, "owner_record") or getattr(repo, "_prefix_bound", False):
         return
     from ckptstore.metadata.identity import repository_id
 
     with repo.db.read() as tx:
         mine = repository_id(tx)
-    record = None if made else store.owner_record()
-    if record is None:
-        if not repo.read_only:
-            store.write_owner({"repository": mine, "metadata": repo.db.where})
-        return
-    if isinstance(record, dict) and record.get("repository") == mine:
-        return
-    named = (f"repository {str(record.get('repository'))[:12]} (metadata {record.get('metadata')})"
-             if isinstance(record, dict) else f"something this ckptstore cannot read ({record!r})")
-    raise RepoExistsError(f"{store.url} belongs to another repository: its {OWNER_KEY} names {named}, not this "
-                          f"metadata's ({repo.db.where}, repository {mine[:12]}); nothing was changed. Give the "
-                          "--metadata URL the prefix was made with, or another prefix (if this metadata is that "
-                          f"repository's after a schema downgrade, delete {store.url}/{OWNER_KEY})")
+    ours = {"repository": mine, "metadata": repo.db.where if repo.config.metadata_url else str(repo.root / REPO_DIR)}
+    record = store.owner_record()
+    if record is None and not repo.read_only and not store.claim_owner(ours):
+        record = store.owner_record()  # another claimed it first: its claim decides
+    elif made and isinstance(record, dict) and record.get("metadata") == ours["metadata"]:
+        store.write_owner(ours)  # a killed init of this very folder (new SQLite metadata, a new id) wrote it
+        record = None
+    if isinstance(record, dict) and record.get("repository") != mine or isinstance(record, str):
+        named = (f"repository {str(record.get('repository'))[:12]} (metadata {record.get('metadata')})"
+                 if isinstance(record, dict) else f"something this ckptstore cannot read ({record!r})")
+        raise RepoExistsError(f"{store.url} belongs to another repository: its {OWNER_KEY} names {named}, not this "
+                              f"metadata's ({ours['metadata']}, repository {mine[:12]}); nothing was changed. Give "
+                              "the --metadata URL the prefix was made with, or another prefix (if this metadata is "
+                              f"that repository's after a schema downgrade, delete {store.url}/{OWNER_KEY})")
+    repo._prefix_bound = True  # once per process: the record only ever names one database
 
 
 def marker(folder: Path) -> Path:

@@ -303,10 +303,11 @@ def test_a_weights_file_committed_as_bytes_is_refused_not_exported_without_its_w
 def test_numbers_and_text_left_out_of_a_safetensors_export_are_named(tmp_path):
     """A step, an epoch and an architecture's name were dropped with "1 tensors" and no note (auditor)."""
     model = torch.nn.Linear(3, 2)
-    torch.save({"model": model.state_dict(), "step": 1000, "epoch": 3.5, "arch": "resnet", "seen": (1, "a")},
-               tmp_path / "ck.pt")
+    torch.save({"model": model.state_dict(), "step": 1000, "epoch": 3.5, "arch": "resnet", "seen": (1, "a"),
+                "dtype": torch.float16, "device": torch.device("cpu"), "z": 1 + 2j}, tmp_path / "ck.pt")
     with Repository.init(tmp_path / "repo") as repo:
         repo.commit(tmp_path / "ck.pt")
         report = export(repo, "main", "safetensors", tmp_path / "w.safetensors")
-    assert report.tensors == 2 and sorted(report.skipped) == ["arch", "epoch", "seen/0", "seen/1", "step"]
+    assert report.tensors == 2 and sorted(report.skipped) == ["arch", "device", "dtype", "epoch", "seen/0", "seen/1",
+                                                              "step", "z"]
     assert "numbers, text" in report.why_skipped  # a module's _metadata (versions) is not named

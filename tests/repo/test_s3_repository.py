@@ -223,6 +223,36 @@ def test_gc_in_a_prefix_that_names_another_repository_deletes_nothing(tmp_path, 
         assert fsck(b, full=True).ok
 
 
+def test_an_init_over_a_prefix_another_repository_owns_is_refused_though_it_holds_no_objects_yet(
+        tmp_path, s3_url):
+    """B's init took over the prefix A had just been made on (before A's first commit), and B's gc deleted A's
+    objects after A committed there (review)."""
+    Repository.init(tmp_path / "a", objects_url=s3_url).close()
+    with pytest.raises(RepoExistsError, match="belongs to another repository"):
+        Repository.init(tmp_path / "b", objects_url=s3_url)
+    with Repository.open(tmp_path / "a") as a:
+        a.commit(_state(0))
+        assert_same(a.checkout("HEAD"), _state(0))
+        assert gc(a).objects_removed == 0
+
+
+def test_a_prefix_made_before_owner_records_is_claimed_by_its_owners_next_commit(tmp_path, s3_server,
+                                                                                  postgres_server):
+    """Only a join or a gc claimed an unclaimed prefix: its owner committing on did not, and the first wrong join
+    took it (review)."""
+    import obstore
+
+    from ckptstore.objectstore.fallback import held_here
+
+    made = _two_repositories_sharing_a_base(tmp_path, s3_server, postgres_server)
+    with Repository.open(tmp_path / "b") as b:
+        obstore.delete(held_here(b.store)._client, "b/owner.json")  # as a prefix made before 0011 is
+    with Repository.open(tmp_path / "b") as b:  # a new process: its first write claims the prefix
+        b.commit(_state(2))
+    with pytest.raises(RepoExistsError, match="belongs to another repository"):
+        Repository.init(tmp_path / "y", objects_url=made["b"][0], metadata_url=made["a"][1])
+
+
 def test_a_prefix_made_before_owner_records_is_claimed_by_its_own_metadata(tmp_path, s3_url, postgres_url):
     from ckptstore.metadata.identity import repository_id
     from ckptstore.objectstore.fallback import held_here
