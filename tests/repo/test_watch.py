@@ -152,17 +152,23 @@ def test_legacy_and_safetensors_files_a_branch_and_steps_from_names(repo, tmp_pa
         repo.commit({"w": torch.ones(4)}, step=1 << 70)
 
 
-def test_ctrl_c_ends_the_watch_after_the_current_commit_with_exit_code_0(repo, tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
+def _watching_once_ckpt_1_is_committed(repo, run: Path) -> tuple[subprocess.Popen, list[str]]:
+    """A `ckpt watch` of `run` (holding ckpt-1.pt) in its own process, and its lines up to ckpt-1.pt's commit."""
     torch.save({"w": torch.arange(10.0)}, run / "ckpt-1.pt")
     process = subprocess.Popen([sys.executable, "-m", "ckptstore", "watch", str(run), "--interval", "0.1"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_cli_env(repo))
+    lines = []
+    deadline = time.monotonic() + 60
+    while not any("ckpt-1.pt" in line for line in lines) and time.monotonic() < deadline:
+        lines.append(process.stdout.readline())
+    return process, lines
+
+
+def test_ctrl_c_ends_the_watch_after_the_current_commit_with_exit_code_0(repo, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    process, lines = _watching_once_ckpt_1_is_committed(repo, run)
     try:
-        lines = []
-        deadline = time.monotonic() + 60
-        while not any("ckpt-1.pt" in line for line in lines) and time.monotonic() < deadline:
-            lines.append(process.stdout.readline())
         process.send_signal(signal.SIGINT)
         out, _ = process.communicate(timeout=30)
     finally:
@@ -176,14 +182,8 @@ def test_ctrl_c_ends_the_watch_after_the_current_commit_with_exit_code_0(repo, t
 def test_a_second_watcher_of_one_folder_is_refused_while_the_first_runs(repo, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    torch.save({"w": torch.arange(10.0)}, run / "ckpt-1.pt")
-    first = subprocess.Popen([sys.executable, "-m", "ckptstore", "watch", str(run), "--interval", "0.1"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_cli_env(repo))
+    first, _ = _watching_once_ckpt_1_is_committed(repo, run)
     try:
-        lines = []
-        deadline = time.monotonic() + 60
-        while not any("ckpt-1.pt" in line for line in lines) and time.monotonic() < deadline:
-            lines.append(first.stdout.readline())
         torch.save({"w": torch.arange(11.0)}, run / "ckpt-2.pt")
         with pytest.raises(CkptError, match=rf"another `ckpt watch` \(process {first.pid}\) is watching"):
             watch(repo, run, ONCE)  # two watchers: the second's commit of ckpt-1 could land on top of ckpt-2
