@@ -43,7 +43,7 @@ def init(ctx: click.Context, path: str | None, max_chain: str | None, lossy: str
     where = path or ctx.obj.get("repo") or "."
     with Repository.init(where, encoding=settings, lossy=lossy or "", objects_url=objects_url,
                          metadata_url=metadata_url) as repo:
-        joined = bool(metadata_url) and bool(repo.branches())
+        joined = repo.joined  # a teammate's repository without commits yet too
         echo(f"{'Joined the' if joined else 'Initialized empty'} ckptstore repository in {repo.dir}"
              + (f" (objects in {repo.store.url})" if objects_url else "")
              + (f" (metadata in {repo.db.where})" if metadata_url else "")

@@ -410,7 +410,11 @@ class Database:
             return found
 
     def check_schema(self) -> None:
-        """Bring an empty or older database to HEAD_REVISION; refuse one a newer ckptstore wrote."""
+        """Bring an empty or older database to HEAD_REVISION; refuse one a newer ckptstore wrote.
+
+        `made` says afterwards whether this client made the schema (an empty database), not found one.
+        """
+        self.made = False
         current = self.revision()
         if current == HEAD_REVISION or self.read_only and current in READS_AS_HEAD:
             if not self.read_only:
@@ -434,6 +438,7 @@ class Database:
                 raise
             raise known from exc
         self.backend.accepted(self)
+        self.made = current is None
         if current not in (None, HEAD_REVISION):  # an older ckptstore elsewhere is refused from now on: say so here
             from ckptstore.warn import warn_caller
 

@@ -52,7 +52,7 @@ def create(root: Path, config: RepoConfig) -> Repository:
     except OSError as exc:
         raise CkptError(f"cannot create {final}: {exc.strerror or exc}") from None
     try:
-        _build(root, staging, config)
+        fresh = _build(root, staging, config)
         try:
             os.rename(staging, final)  # atomic: a killed init never leaves a .ckpt without config and schema
         except OSError:
@@ -61,6 +61,7 @@ def create(root: Path, config: RepoConfig) -> Repository:
             raise
         faults.point("init:renamed")
         made = Repository(root, config)
+        made.joined = not fresh  # metadata a teammate's init made (with commits or without)
         owner.claim(made)  # its store names it: a copy's or another repository's gc refuses there
         return made
     except BaseException:
@@ -73,8 +74,11 @@ def create(root: Path, config: RepoConfig) -> Repository:
         raise
 
 
-def _build(root: Path, staging: Path, config: RepoConfig) -> None:
-    """The repository's folder made complete at `staging`: config, then the metadata with HEAD."""
+def _build(root: Path, staging: Path, config: RepoConfig) -> bool:
+    """The repository's folder made complete at `staging`: config, then the metadata with HEAD.
+
+    True where this init made the metadata's schema; False where it found one (it joins that repository).
+    """
     from ckptstore.repo.repository import Repository
 
     faults.point("init:folder-made")
@@ -87,9 +91,11 @@ def _build(root: Path, staging: Path, config: RepoConfig) -> None:
     try:
         owner.refuse_init(repo)  # a store another repository still owns: nothing is left of this init
         refs.ensure_head(repo)
+        fresh = repo.db.made
     finally:
         repo.close()
     faults.point("init:metadata-made")
+    return fresh
 
 
 def remove_leftovers(root: Path) -> None:

@@ -57,6 +57,7 @@ class Repository:
         self._pool_pid = os.getpid()
         self._shared_pool = False  # the pool is a warm process's (repo/warm.py): closing leaves it running
         self._background: Lane | None = None  # commits in the background (repo/background.py)
+        self.joined = False  # set by init where it found the metadata made (a teammate's): it joined, made nothing
 
     @property
     def read_only(self) -> bool:

@@ -141,6 +141,14 @@ def test_gc_on_one_machine_waits_for_a_commit_in_flight_on_another(postgres_url,
         assert_same(state, repo.checkout("HEAD"))
 
 
+def test_joining_a_repository_without_commits_says_it_joined(postgres_url, tmp_path):
+    """A teammate's repository with no commit yet: its second machine's init said "Initialized empty", as if it had
+    made a repository of its own (auditor)."""
+    assert ckpt(tmp_path, "init", "a", "--metadata", postgres_url).stdout.startswith("Initialized empty")
+    joined = ckpt(tmp_path, "init", "b", "--metadata", postgres_url)
+    assert joined.returncode == 0 and joined.stdout.startswith("Joined the ckptstore repository"), joined
+
+
 def test_joining_keeps_the_repository_as_it_is(postgres_url, tmp_path):
     with Repository.init(tmp_path / "a", metadata_url=postgres_url) as repo:
         cid = repo.commit({"w": torch.ones(2)})
