@@ -156,7 +156,6 @@ def split_range(spec: str) -> tuple[str, str, bool] | None:
     return None
 
 
-
 def _split_ancestry(spec: str) -> tuple[str, str]:
     """`spec` as (name, its trailing ~N and ^N), e.g. ("main", "~2^2"); ancestry "" where there is none.
 
@@ -297,7 +296,7 @@ def move_head(repo: Repository, cid: CommitId, branch_name: str | None) -> None:
 def finish_head_move(repo: Repository, cid: CommitId, branch_name: str | None) -> None:
     """`move_head` for the journal of a checkout that died: a commit removed since is warned of, not raised.
 
-    Raised, it would fail the open of the repository that finishes the journal: every command.
+    journal.finish_interrupted would catch it too, but say only that the journal could not be finished.
     """
     try:
         move_head(repo, cid, branch_name)

@@ -455,7 +455,7 @@ def _trainer_state(path: Path) -> Any:
 def file_incomplete(path: Path) -> str:
     """Why the checkpoint file at `path` is not complete yet, or "" when its own structure says it is."""
     with open(path, "rb") as handle:
-        head = handle.read(8)
+        head = handle.read(9)  # a safetensors header's length, and the "{" that starts the header
     if path.suffix.lower() == ".safetensors":
         return _safetensors_incomplete(path, head)
     if head.startswith(b"PK"):  # a torch.save zip: its central directory and end record are written last
@@ -467,8 +467,8 @@ def _safetensors_incomplete(path: Path, head: bytes) -> str:
     size = path.stat().st_size
     if len(head) < 8:
         return "shorter than a safetensors header"
-    length = int.from_bytes(head, "little")
-    if length > MAX_HEADER or size > 8 and _ninth_byte(path) != b"{":
+    length = int.from_bytes(head[:8], "little")
+    if length > MAX_HEADER or len(head) > 8 and head[8:9] != b"{":
         return ""  # no safetensors header being written (text, a zip so named): the commit refuses it and says why
     if 8 + length > size:
         return "its header is not written yet"
@@ -489,13 +489,6 @@ def _safetensors_incomplete(path: Path, head: bytes) -> str:
 def _checkpoint_name(name: str) -> bool:
     """Whether a file so named is a checkpoint file to watch: its suffix one of SUFFIXES, in either case (MODEL.PT)."""
     return Path(name).suffix.lower() in SUFFIXES
-
-
-def _ninth_byte(path: Path) -> bytes:
-    """The byte a safetensors header starts with, "{" (the format requires it)."""
-    with open(path, "rb") as handle:
-        handle.seek(8)
-        return handle.read(1)
 
 
 def step_of(name: str) -> int | None:
