@@ -19,6 +19,7 @@ from ckptstore import faults, formats
 from ckptstore.errors import (
     CheckpointFormatError,
     CkptError,
+    CorruptObjectError,
     NonFiniteError,
     NothingToCommitError,
     UnquantizableError,
@@ -497,7 +498,8 @@ def _parent(repo: Repository, tx: Tx, options: CommitOptions, tensors: Mapping[s
     start = options.start or commit_target(tx, options.branch, repo.config.remotes)
     parent = _Parent(start.target, start.commit, start.new)
     if parent.commit is not None:
-        parent.manifest = repo.read_manifest(commit_rows.manifest_object(tx, parent.commit))
+        parent.manifest = parent_manifest(repo, parent.commit, commit_rows.manifest_object(tx, parent.commit))
+    if parent.manifest is not None:
         ids = {p: e.tensor for p, e in parent.manifest.entries.items() if p in tensors}
         parent.records = tensor_rows.load_records(tx, set(ids.values()))
         parent.by_path = {p: parent.records[t] for p, t in ids.items() if t in parent.records}
@@ -508,6 +510,19 @@ def _parent(repo: Repository, tx: Tx, options: CommitOptions, tensors: Mapping[s
     parent.by_path, parent.false, parent.checked = received.check(repo, tx, set(sources.values()), parent.by_path,
                                                                   parent.records, parent.lost)
     return parent
+
+
+def parent_manifest(repo: Repository, cid: CommitId, oid: ObjectId) -> Manifest | None:
+    """The parent commit's manifest; None, with a warning, where its object is damaged.
+
+    The commit then stores every tensor afresh: a lost parent manifest used to block every commit on its branch.
+    """
+    try:
+        return repo.read_manifest(oid)
+    except CorruptObjectError as exc:
+        warn_caller(f"the parent commit {cid[:12]}'s manifest is damaged (object {oid} is {exc.problem}); this "
+                    "commit stores every tensor whole instead of as residuals on it. Run `ckpt fsck` to see the damage")
+        return None
 
 
 def _plan(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, level: LossyLevel,

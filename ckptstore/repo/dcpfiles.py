@@ -21,7 +21,7 @@ from ckptstore.formats import filemap
 from ckptstore.formats.atomic import changed_while_read, file_stamp
 from ckptstore.hashing import CommitId
 from ckptstore.repo import sharded
-from ckptstore.repo.commit import CommitOptions
+from ckptstore.repo.commit import CommitOptions, parent_manifest
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.progress import Progress
@@ -64,10 +64,10 @@ def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions
             for batch in _batches(items, lambda raw: raw.nbytes):
                 written += sharded.write_shards(repo, parent, batch)
         if parent is not None and not options.allow_empty:
-            before = repo.manifest(parent)
+            before = parent_manifest(repo, parent, repo.commit_info(parent).manifest_object)
             # a shard with a new record for an unchanged entry replaces a record that lied (repo/received.py)
-            if before.dcp is not None and before.entries == {w.key: w.entry for w in written} and all(
-                    w.record is None for w in written):
+            if before is not None and before.dcp is not None and before.entries == {
+                    w.key: w.entry for w in written} and all(w.record is None for w in written):
                 raise NothingToCommitError(f"nothing changed since {parent[:12]}: {path} holds the same shards "
                                            "(use --allow-empty to record it anyway)")
         changed = [p for p, before in stamps.items() if file_stamp(p) != before]

@@ -27,7 +27,7 @@ from ckptstore.policy.lossy_shards import PAIRING, Shard, ShardFacts, plan_shard
 from ckptstore.records import Chunk, TensorRecord
 from ckptstore.replay import ChainSource
 from ckptstore.repo import received
-from ckptstore.repo.commit import CommitOptions, encoding_jobs
+from ckptstore.repo.commit import CommitOptions, encoding_jobs, parent_manifest
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.target import Start, move_ref
@@ -151,7 +151,10 @@ def _parent_records(repo: Repository, parent: CommitId | None, keys: list[str]
     """(the parent's record at each of `keys` it has, every record down their chains)."""
     if parent is None:
         return {}, {}
-    manifest = repo.manifest(parent)
+    with repo.db.read() as tx:
+        manifest = parent_manifest(repo, parent, commit_rows.manifest_object(tx, parent))
+    if manifest is None:
+        return {}, {}
     ids = {k: manifest.entries[k].tensor for k in keys if k in manifest.entries}
     with repo.db.read() as tx:
         chains = tensor_rows.load_records(tx, set(ids.values()))

@@ -64,6 +64,22 @@ def test_a_directory_committed_checked_out_and_committed_again_is_the_same_commi
             repo.commit(tmp_path / "out", "round trip")  # every shard, and the bytes items, came back as stored
 
 
+def test_a_directory_whose_parent_commits_manifest_is_lost_is_committed_whole_with_a_warning(tmp_path):
+    """A lost parent manifest blocked the next DCP directory's commit on its branch (auditor helper 274)."""
+    first, second = _state(), _state()
+    dcp.save(first, storage_writer=dcp.FileSystemWriter(str(tmp_path / "a")))
+    dcp.save(second, storage_writer=dcp.FileSystemWriter(str(tmp_path / "b")))
+    with Repository.init(tmp_path / "repo") as repo:
+        c1 = repo.commit(tmp_path / "a")
+        repo.store.path_of(repo.commit_info(c1).manifest_object).unlink()
+        with pytest.warns(RuntimeWarning, match=rf"the parent commit {c1[:12]}'s manifest is damaged"):
+            c2 = repo.commit(tmp_path / "b")
+        assert repo.commit_info(c2).parents == [c1]
+        loaded = _empty()
+        dcp.load(loaded, storage_reader=CkptStorageReader(repo, c2))
+        assert _same(loaded, second)
+
+
 def test_a_metadata_file_with_objects_beyond_dcps_classes_is_refused_without_running_them(tmp_path, capsys):
     dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "saved")))
     metadata = dcpdir.read_metadata(tmp_path / "saved")

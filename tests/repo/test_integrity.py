@@ -859,3 +859,27 @@ def test_a_parent_entry_without_a_tensor_record_is_encoded_whole_not_a_key_error
     tid = repo.manifest(repo.commit(first)).entries["w"].tensor
     _sql(repo, f"DELETE FROM tensor_chunks WHERE tensor_id = '{tid}'", f"DELETE FROM tensors WHERE id = '{tid}'")
     assert_same(second, repo.checkout(repo.commit(second)))
+
+
+def test_a_lost_parent_manifest_warns_and_the_next_commit_stores_its_tensors_whole(repo, tmp_path):
+    """A parent's manifest removed by hand blocked every commit on its branch with "object … is missing" and no way
+    out (auditor helper 274): the next commit warns, stores every tensor whole and restores bit-exact."""
+    first = _checkpoint(tmp_path / "a.pt", seed=0)
+    second = {**first, "w": first["w"] + 0.01, "step": 2}
+    third = {**first, "w": first["w"] + 0.02, "step": 3}
+    torch.save(second, tmp_path / "b.pt")
+    torch.save(third, tmp_path / "c.pt")
+    c1 = repo.commit(tmp_path / "a.pt")
+    c2 = repo.commit(tmp_path / "b.pt")
+    repo.store.path_of(repo.commit_info(c2).manifest_object).unlink()
+    with pytest.warns(RuntimeWarning, match=rf"the parent commit {c2[:12]}'s manifest is damaged \(object \w+ is "
+                                            r"missing\); this commit stores every tensor whole .* `ckpt fsck`"):
+        c3 = repo.commit(tmp_path / "c.pt")
+    assert repo.resolve("HEAD") == c3 and repo.commit_info(c3).parents == [c2]
+    ids = [entry.tensor for entry in repo.manifest(c3).entries.values()]
+    with repo.db.read() as tx:  # stored whole: no record of the new commit chains on another
+        bases = [tx.rows("SELECT base_id FROM tensors WHERE id = ?", (tid,))[0][0] for tid in ids]
+    assert len(bases) >= 2 and set(bases) == {None}
+    assert set(fsck(repo).broken_commits) == {c2}
+    assert_same(first, repo.checkout(c1))
+    assert_same(third, repo.checkout(c3))
