@@ -66,6 +66,21 @@ def test_a_memo_bomb_is_read_by_the_python_unpickler_without_allocating(tmp_path
     assert torchzip._unpickle(data, archive) == {}  # the pure-Python memo is a dict: one entry
 
 
+
+def test_a_memo_index_padded_out_past_stop_is_not_plain():
+    """The index was bounded by data.pkl's length, bytes after STOP included: zeros a deflated entry holds for free
+    let a 64 KiB file grow the C memo by 1 GiB (auditor helper 278). Now at most the PUTs walked before it."""
+    padded = HEAD + pickle.NONE + pickle.LONG_BINPUT + (60_000).to_bytes(4, "little") + pickle.STOP + bytes(70_000)
+    assert not plain(padded)
+    assert not plain(HEAD + pickle.NONE + pickle.LONG_BINPUT + (1).to_bytes(4, "little") + pickle.STOP)
+    assert plain(HEAD + pickle.NONE + pickle.LONG_BINPUT + (0).to_bytes(4, "little") + pickle.STOP)
+
+
+def test_a_torch_save_pickle_with_long_memo_indices_is_still_plain(tmp_path):
+    """Over 256 memoized objects torch.save's pickler writes LONG_BINPUT, numbering them in order."""
+    archive, data = _archive(tmp_path, state={f"t{i}": torch.full((2,), float(i)) for i in range(300)})
+    assert pickle.LONG_BINPUT in data and plain(data)
+
 def _build_on(global_line, state):
     return HEAD + pickle.GLOBAL + global_line + state + pickle.BUILD + pickle.STOP
 
