@@ -189,10 +189,11 @@ def _slice(root: Path, files: dict[str, np.ndarray], metadata: Metadata, index: 
     if name.is_absolute() or ".." in name.parts:
         raise CheckpointFormatError(f"{root / METADATA} points outside its folder ({info.relative_path})")
     if info.relative_path not in files:
-        file = root / name
-        if file.is_symlink() and not Path(os.path.realpath(file)).is_relative_to(os.path.realpath(root)):
-            raise CheckpointFormatError(f"{file} is a symlink to {os.path.realpath(file)}, outside the DCP directory: "
-                                        "ckptstore follows only links that stay inside; copy the file in instead")
+        file, real = root / name, Path(os.path.realpath(root / name))
+        if not real.is_relative_to(os.path.realpath(root)):  # the file a link, or a folder on its path
+            how = "is a symlink to" if file.is_symlink() else "is, through a symlinked folder,"
+            raise CheckpointFormatError(f"{file} {how} {real}, outside the DCP directory: ckptstore follows only "
+                                        "links that stay inside; copy the file in instead")
         if not file.is_file():
             raise CheckpointFormatError(f"{file} is missing: the DCP directory is incomplete")
         files[info.relative_path] = filemap.array(file)

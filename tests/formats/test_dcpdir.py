@@ -259,6 +259,29 @@ def test_files_the_metadata_does_not_name_are_warned_of_and_a_shard_linked_from_
         dcpdir.read(tmp_path / "saved")
 
 
+
+def test_a_shard_reached_through_a_symlinked_folder_outside_is_refused(tmp_path):
+    """Only the last part of the shard's path was checked: `.metadata` naming `sub/x.distcp`, with `sub` a link to a
+    folder elsewhere, committed a file from outside the directory (auditor helper 278, high)."""
+    dcp.save({"w": torch.arange(8.0)}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "saved")))
+    (tmp_path / "elsewhere").mkdir()
+    shard = next(p for p in (tmp_path / "saved").glob("*.distcp") if p.stat().st_size)
+    shard.rename(tmp_path / "elsewhere" / shard.name)
+    (tmp_path / "saved" / "sub").symlink_to(tmp_path / "elsewhere")
+    with open(tmp_path / "saved" / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    for info in metadata.storage_data.values():
+        info.relative_path = f"sub/{shard.name}"
+    with open(tmp_path / "saved" / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(CheckpointFormatError, match=r"sub/\S+ is, through a symlinked folder, .*elsewhere.*, outside "
+                                                    "the DCP directory"):
+        dcpdir.read(tmp_path / "saved")
+    (tmp_path / "saved" / "sub").unlink()
+    (tmp_path / "saved" / "sub").mkdir()  # the same shard moved in: read
+    (tmp_path / "elsewhere" / shard.name).rename(tmp_path / "saved" / "sub" / shard.name)
+    assert dcpdir.read(tmp_path / "saved")
+
 def test_a_dcp_directory_saved_into_again_while_it_is_committed_is_refused(tmp_path, monkeypatch):
     dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "latest")))
     reading = dcpdir.read
