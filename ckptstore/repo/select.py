@@ -127,17 +127,20 @@ def _prune_file(record: CheckpointFile, root: str, wanted: KeyPatterns) -> tuple
     """The file with only its matched values (None when nothing matched), and the entries they read."""
     if record.format == formats.SAFETENSORS:
         order = [[name, entry] for name, entry in record.skeleton[2] if name is not None and wanted.match(entry)]
-        skeleton = [record.skeleton[0], record.skeleton[1], order] if order else None
+        skeleton = [record.skeleton[0], record.skeleton[1], order] if order else UNMATCHED
         used = {record.skeleton[1], *(entry for _, entry in order)}  # the header: its __metadata__ is kept
     elif record.format == formats.TORCH:
-        skeleton = _Pruner(wanted).prune(record.skeleton, root)
-        used = _entries_in(skeleton)
+        skeleton = _Pruner(wanted).prune(record.skeleton, root)  # a matched value may be None (no scheduler)
+        used = _entries_in(skeleton) if skeleton is not UNMATCHED else set()
     else:  # a blob is one entry: selected whole through its name (or its %blob path), or not at all
-        skeleton = record.skeleton if wanted.match(record.skeleton[1]) else None
-        used = {record.skeleton[1]} if skeleton is not None else set()
-    if skeleton is None:
+        skeleton = record.skeleton if wanted.match(record.skeleton[1]) else UNMATCHED
+        used = {record.skeleton[1]}
+    if skeleton is UNMATCHED:
         return None, set()
     return replace(record, skeleton=skeleton, container=None), used
+
+
+UNMATCHED = object()  # what _Pruner.prune gives where nothing matched: None is a value a state holds
 
 
 class _Pruner:
@@ -147,17 +150,17 @@ class _Pruner:
         self.wanted = wanted
 
     def prune(self, node: Any, path: str) -> Any:
-        """`node` with only matched values, or None when nothing under it matched."""
+        """`node` with only matched values, or UNMATCHED when nothing under it matched (a matched None is kept)."""
         if self.wanted.match(path):
             return node
         if not isinstance(node, list) or node[0] not in CONTAINERS:
-            return None
+            return UNMATCHED
         if node[0] in ("dict", "odict"):
             items = [[k, kept] for k, v in node[1]
-                     if (kept := self.prune(v, item_path(path, k))) is not None]
-            return [node[0], items, *node[2:]] if items else None  # an odict keeps its attrs (module versions)
-        items = [v for i, item in enumerate(node[1]) if (v := self.prune(item, join(path, str(i)))) is not None]
-        return [node[0], items] if items else None
+                     if (kept := self.prune(v, item_path(path, k))) is not UNMATCHED]
+            return [node[0], items, *node[2:]] if items else UNMATCHED  # an odict keeps its attrs (module versions)
+        items = [v for i, item in enumerate(node[1]) if (v := self.prune(item, join(path, str(i)))) is not UNMATCHED]
+        return [node[0], items] if items else UNMATCHED
 
 
 def aliases(manifest: Manifest) -> dict[str, str]:

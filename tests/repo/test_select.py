@@ -219,6 +219,24 @@ def test_none_and_none_spelled_as_text_keys_are_selected_each_by_its_own_path(re
     assert_same(repo.checkout(cid, keys=["layers/%31"]), {"layers": {"1": torch.ones(2)}})  # str "1", as listed
 
 
+
+def test_values_that_are_none_are_selected_like_any_other(repo, tmp_path):
+    """A matched None was taken for "nothing matched": `keys=["*"]` dropped a scheduler that was None, a list lost
+    its None items (so later items moved up) and a param group its `foreach: None` (auditor helper 282, high)."""
+    state = {"model": {"w": torch.ones(2)}, "scaler": None, "epoch": 1, "hist": [0.5, None, 0.25],
+             "groups": [{"lr": 0.1, "foreach": None, "fused": None}]}
+    cid = ckptstore.save(state, repo=repo)
+    assert_same(ckptstore.load(cid, repo=repo, keys=["*"]), state)
+    assert ckptstore.load(cid, repo=repo, keys=["hist.*"]) == {"hist": [0.5, None, 0.25]}
+    assert ckptstore.load(cid, repo=repo, keys=["groups.0.*"]) == {"groups": state["groups"]}
+    assert ckptstore.load(cid, repo=repo, keys=["scaler"]) == {"scaler": None}
+    torch.save(state, tmp_path / "s.pt")
+    repo.commit(tmp_path / "s.pt")
+    result = CliRunner().invoke(cli, ["--repo", str(repo.root), "checkout", "HEAD", "--only", "*",
+                                      "-o", str(tmp_path / "all.pt")])
+    assert result.exit_code == 0, result.output
+    assert_same(torch.load(tmp_path / "all.pt", weights_only=True), state)
+
 def test_a_partial_load_of_a_state_dict_keeps_its_module_versions(repo):
     """A state_dict is an OrderedDict whose _metadata holds its modules' versions (load_state_dict reads them):
     a partial load gave the OrderedDict without it (mutation audit)."""
