@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import Set
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ from ckptstore.errors import CkptError, RepoExistsError
 from ckptstore.repo import owner, refs
 from ckptstore.repo.config import RepoConfig
 from ckptstore.repo.joining import open_over_objects
-from ckptstore.repo.location import REPO_DIR
+from ckptstore.repo.location import DATABASE, REPO_DIR
 from ckptstore.repo.repo_folders import repository_part_holding
 
 if TYPE_CHECKING:
@@ -47,12 +48,12 @@ def create(root: Path, config: RepoConfig) -> Repository:
     made_root = not root.exists()
     staging = root / f"{STAGING}{socket.gethostname()}-{os.getpid()}"
     try:
-        remove_leftovers(root)
+        killed_inits = remove_leftovers(root)
         staging.mkdir(parents=True)
     except OSError as exc:
         raise CkptError(f"cannot create {final}: {exc.strerror or exc}") from None
     try:
-        fresh = _build(root, staging, config)
+        fresh = _build(root, staging, config, killed_inits)
         try:
             os.rename(staging, final)  # atomic: a killed init never leaves a .ckpt without config and schema
         except OSError:
@@ -74,10 +75,11 @@ def create(root: Path, config: RepoConfig) -> Repository:
         raise
 
 
-def _build(root: Path, staging: Path, config: RepoConfig) -> bool:
+def _build(root: Path, staging: Path, config: RepoConfig, killed_inits: Set[str]) -> bool:
     """The repository's folder made complete at `staging`: config, then the metadata with HEAD.
 
     True where this init made the metadata's schema; False where it found one (it joins that repository).
+    `killed_inits`: the repository ids of this folder's earlier inits, killed (an S3 prefix they claimed is ours).
     """
     from ckptstore.repo.repository import Repository
 
@@ -85,7 +87,7 @@ def _build(root: Path, staging: Path, config: RepoConfig) -> bool:
     config.save(staging / "config.toml")
     faults.point("init:config-written")
     if config.objects_url:
-        repo = open_over_objects(root, config, create=True, folder=staging, joining=True)
+        repo = open_over_objects(root, config, create=True, folder=staging, joining=True, killed_inits=killed_inits)
     else:
         repo = Repository(root, config, create=True, folder=staging)
     try:
@@ -98,16 +100,35 @@ def _build(root: Path, staging: Path, config: RepoConfig) -> bool:
     return fresh
 
 
-def remove_leftovers(root: Path) -> None:
-    """Remove the folders that inits on this machine left at `root` when killed (their process is gone)."""
+def remove_leftovers(root: Path) -> set[str]:
+    """Remove the folders that inits on this machine left at `root` when killed (their process is gone).
+
+    Returns the repository ids their SQLite metadata held: an S3 prefix one of them claimed is this folder's own.
+    """
     import shutil
 
-    mine = f"{STAGING}{socket.gethostname()}-"
+    mine, killed = f"{STAGING}{socket.gethostname()}-", set()
     for folder in root.glob(STAGING + "*") if root.is_dir() else ():
         pid = folder.name[len(mine):] if folder.name.startswith(mine) else ""
         # another machine's, or a running init's, stay; one named by this process is an earlier one's with its pid
         if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+            killed |= _repository_ids(folder / DATABASE)
             shutil.rmtree(folder, ignore_errors=True)
+    return killed
+
+
+def _repository_ids(database: Path) -> set[str]:
+    """The repository id a killed init's SQLite file holds, if it got that far (read-only, damage ignored)."""
+    import sqlite3
+
+    if not database.is_file():
+        return set()
+    try:
+        with contextlib.closing(sqlite3.connect(f"{database.as_uri()}?mode=ro", uri=True)) as connection:
+            rows = connection.execute("SELECT id FROM repository_identity").fetchall()
+        return {row[0] for row in rows if isinstance(row[0], str)}
+    except sqlite3.Error:
+        return set()
 
 
 def _alive(pid: int) -> bool:

@@ -7,7 +7,7 @@ anything is written, so the same command can run again once the URLs are right.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,7 +26,7 @@ SAMPLE = 8  # objects the metadata names that are looked for in the prefix: one 
 
 
 def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path | None = None,
-                      joining: bool = False) -> Repository:
+                      joining: bool = False, killed_inits: Set[str] = frozenset()) -> Repository:
     """The repository at `root` whose objects are at `config.objects_url`; `create`: start empty metadata.
 
     `folder`: its `.ckpt` folder where that is not (yet) `root/.ckpt` (init builds it under another name).
@@ -36,7 +36,7 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
     objects are in the prefix; an empty one gets a schema only over a prefix that holds no objects.
     `joining` (a machine's init): metadata that names no object yet is joined over a prefix that holds some only while a
     commit is in flight there (its first commit's objects); a remote's own interrupted first push
-    left objects there that its next push finishes.
+    left objects there that its next push finishes. `killed_inits`: repo/owner.py's bind_prefix.
     """
     from ckptstore.repo.repository import Repository
 
@@ -49,10 +49,11 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
         if not create:
             raise
         _refuse_objects_of_another(store, url)
+        owner.refuse_claimed_prefix(store, killed_inits, config.metadata_url or str(root / REPO_DIR))
         created = Repository(root, config, store=store, create=True, folder=folder)
         try:
             ensure_head(created)
-            owner.bind_prefix(created, made=True)
+            owner.bind_prefix(created, killed_inits)
         except BaseException:
             created.close()
             raise

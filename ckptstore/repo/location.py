@@ -12,6 +12,7 @@ from pathlib import Path
 from ckptstore.errors import RepoNotFoundError
 
 REPO_DIR = ".ckpt"
+DATABASE = "ckpt.db"  # inside REPO_DIR, where no metadata URL is configured
 
 
 def named_root(folder: str | os.PathLike, named_by: str = "CKPT_REPO=") -> Path:

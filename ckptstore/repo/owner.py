@@ -20,15 +20,17 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Set
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptstore.errors import CkptError, RepoExistsError
 from ckptstore.objectstore.fallback import held_here
-from ckptstore.objectstore.s3 import OWNER_KEY
+from ckptstore.objectstore.s3 import OWNER_KEY, S3ObjectStore
 from ckptstore.repo.location import REPO_DIR
 
 if TYPE_CHECKING:
+    from ckptstore.objectstore.base import ObjectStore
     from ckptstore.repo.repository import Repository
 
 SUFFIX = ".owner"  # `.ckpt/objects.owner` for the default store
@@ -63,7 +65,7 @@ def refuse_anothers(repo: Repository, writing: bool = False) -> None:
     A copy's commit wrote objects that only the copy's records name: the owner's gc deleted them.
     See the module docstring.
     """
-    bind_prefix(repo)  # on S3: writes and deletions only in a prefix that names this database
+    bind_prefix(repo, again=not writing)  # on S3: writes and deletions only in a prefix that names this database
     folder = _local_store(repo)
     if folder is None or any(folder.is_relative_to(os.path.realpath(own)) for own in (repo.root, repo.dir)):
         return  # its own by place (a .ckpt linked from elsewhere too)
@@ -84,39 +86,83 @@ def refuse_anothers(repo: Repository, writing: bool = False) -> None:
         _write(repo, folder)  # the same .ckpt, moved on its disk: the name follows it
 
 
-def bind_prefix(repo: Repository, made: bool = False) -> None:
+def bind_prefix(repo: Repository, killed_inits: Set[str] = frozenset(), again: bool = False) -> None:
     """Raise unless the repository's S3 prefix belongs to its database; a prefix naming none is claimed for it.
 
     An S3 prefix is named by its URL alone, and metadata joined with another repository's prefix (where the
     objects it sampled were there: both held a pretrained model's) called that one's objects garbage, which
-    gc deleted. `owner.json` beside the prefix's objects names the database's random id (migration 0011):
-    init, a join and the first write of each process (commit, push, gc, prune) check it, and claim a prefix
-    that names none (one made before 0011) with a create-only PUT, so two claims cannot both win.
-    `made`: the metadata was made just now over a prefix holding no objects; a record of an init of this
-    same folder that was killed before it finished is its own. Local stores have `.owner` files (above).
+    gc deleted. `owner.json` beside the prefix's objects names the database's random id (migration 0011)
+    and, for metadata inside `.ckpt/`, that folder's inode, which a `cp -a` copy (the same id) does not keep:
+    init, a join and the first write of each process (commit, push; gc and prune `again`, each time) check
+    it, and claim a prefix that names none (one made before 0011) with a create-only PUT, so two claims
+    cannot both win. `killed_inits`: ids of this folder's own inits killed before they finished, whose claim
+    is this one's. Local stores have `.owner` files (above).
     """
     store = held_here(repo.store)
-    if not hasattr(store, "owner_record") or getattr(repo, "_prefix_bound", False):
+    if not hasattr(store, "owner_record") or (getattr(repo, "_prefix_bound", False) and not again):
         return
     from ckptstore.metadata.identity import repository_id
 
     with repo.db.read() as tx:
         mine = repository_id(tx)
     ours = {"repository": mine, "metadata": repo.db.where if repo.config.metadata_url else str(repo.root / REPO_DIR)}
+    inode = _own_inode(repo)
+    if inode is not None:
+        ours["inode"] = inode
     record = store.owner_record()
     if record is None and not repo.read_only and not store.claim_owner(ours):
         record = store.owner_record()  # another claimed it first: its claim decides
-    elif made and isinstance(record, dict) and record.get("metadata") == ours["metadata"]:
-        store.write_owner(ours)  # a killed init of this very folder (new SQLite metadata, a new id) wrote it
+    elif isinstance(record, dict) and record.get("repository") in killed_inits:
+        store.write_owner(ours)  # an init of this very folder, killed before it finished, wrote it
         record = None
-    if isinstance(record, dict) and record.get("repository") != mine or isinstance(record, str):
-        named = (f"repository {str(record.get('repository'))[:12]} (metadata {record.get('metadata')})"
-                 if isinstance(record, dict) else f"something this ckptstore cannot read ({record!r})")
-        raise RepoExistsError(f"{store.url} belongs to another repository: its {OWNER_KEY} names {named}, not this "
-                              f"metadata's ({ours['metadata']}, repository {mine[:12]}); nothing was changed. Give "
-                              "the --metadata URL the prefix was made with, or another prefix (if this metadata is "
-                              f"that repository's after a schema downgrade, delete {store.url}/{OWNER_KEY})")
+    if record is not None:
+        _refuse_anothers_prefix(store, record, ours, repo.read_only)
     repo._prefix_bound = True  # once per process: the record only ever names one database
+
+
+def refuse_claimed_prefix(store: ObjectStore, killed_inits: Set[str], metadata: str) -> None:
+    """Before an init makes new metadata over an S3 prefix: refuse one that another repository claimed.
+
+    New metadata has a new id, which no claim names: a schema made first was left behind in the
+    database (a server's) when the claim refused it afterwards.
+    """
+    store = held_here(store)
+    record = store.owner_record() if hasattr(store, "owner_record") else None
+    if record is not None and not (isinstance(record, dict) and record.get("repository") in killed_inits):
+        _refuse_anothers_prefix(store, record, {"repository": "(none yet)", "metadata": metadata}, read_only=True)
+
+
+def _refuse_anothers_prefix(store: S3ObjectStore, record: dict | str, ours: dict, read_only: bool) -> None:
+    """Raise unless `record` (the prefix's owner.json) names `ours`; a record of ours lacking its inode gets it."""
+    url, key = store.url, OWNER_KEY
+    if not isinstance(record, dict):
+        raise RepoExistsError(f"{url}/{key}, which names the repository this prefix belongs to, is damaged "
+                              f"({record!r}): nothing was changed. If the prefix is this repository's (its metadata is "
+                              f"{ours['metadata']}), delete {url}/{key}: the next write claims it again")
+    if record.get("repository") != ours["repository"]:
+        raise RepoExistsError(f"{url} belongs to another repository: its {key} names repository "
+                              f"{str(record.get('repository'))[:12]} (metadata {record.get('metadata')}), not this "
+                              f"metadata's ({ours['metadata']}, repository {ours['repository'][:12]}); nothing was "
+                              "changed. Give the --metadata URL the prefix was made with, or another prefix (if this "
+                              f"metadata is that repository's after a schema downgrade, delete {url}/{key})")
+    if "inode" in ours and record.get("inode", ours["inode"]) != ours["inode"]:
+        raise RepoExistsError(f"{url} belongs to the repository whose .ckpt folder was {record.get('metadata')} "
+                              f"(inode {record.get('inode')}); this one ({ours['metadata']}) is a copy of it or was "
+                              "moved: a copy's objects, recorded only in the copy, would be garbage to the other's gc "
+                              "(and the other's to the copy's), so nothing was changed. `ckpt clone` makes a copy "
+                              "with a prefix of its own. If this repository is that one, moved, and no copy uses "
+                              f"the prefix, delete {url}/{key}: the next write claims it again")
+    if "inode" in ours and "inode" not in record and not read_only:
+        store.write_owner(ours)  # written before inodes were: the first writer names its folder
+
+
+def _own_inode(repo: Repository) -> int | None:
+    """The inode of the `.ckpt/` folder holding the metadata (a SQLite file there), where inodes are kept."""
+    if repo.config.metadata_url:
+        return None  # a configured database: machines joined over it share the prefix
+    from ckptstore.formats.mounts import keeps_inodes
+
+    return os.stat(repo.dir).st_ino if keeps_inodes(repo.dir) else None
 
 
 def marker(folder: Path) -> Path:

@@ -17,7 +17,7 @@ import tomllib
 from ckptstore.errors import CkptError
 from ckptstore.formats.folder import is_temp_name
 from ckptstore.repo import journal
-from ckptstore.repo.location import REPO_DIR
+from ckptstore.repo.location import DATABASE, REPO_DIR
 from ckptstore.repo.owner import SUFFIX as OWNER_SUFFIX
 
 _STORE_FAN = re.compile(r"^[0-9a-f]{2}$")  # a local object store's folders (objects/ab/ab12...)
@@ -69,7 +69,7 @@ def _database_beside(path: Path) -> bool:
     One there that cannot be read (another user's, a link to a disk not mounted) counts; a readable
     file of other bytes does not.
     """
-    database = path / "ckpt.db"
+    database = path / DATABASE
     try:
         with open(database, "rb") as handle:
             return handle.read(len(_SQLITE)) == _SQLITE

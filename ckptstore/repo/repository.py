@@ -18,7 +18,7 @@ from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.objectstore.fallback import FallbackStore, held_here
 from ckptstore.repo import journal, owner, refs, warm
 from ckptstore.repo.config import RepoConfig
-from ckptstore.repo.location import REPO_DIR, find_root, unwritable
+from ckptstore.repo.location import DATABASE, REPO_DIR, find_root, unwritable
 from ckptstore.repo.lock import repo_lock
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ class Repository:
 
             self.store = FallbackStore(self.store, lambda: remote_store(lazy[0].resolved(root)), keep=not read_only)
         # only init (create) may start a schema: an open that finds none must not start a new history
-        self.db = Database(absolute_url(config.metadata_url, root) or f"sqlite:///{self.dir / 'ckpt.db'}", read_only,
+        self.db = Database(absolute_url(config.metadata_url, root) or f"sqlite:///{self.dir / DATABASE}", read_only,
                            why, create=create)
         if not self.read_only:
             # a checkout killed among its renames: finished, HEAD moved with it

@@ -1,6 +1,7 @@
 """A repository whose objects live on S3-compatible storage (moto's server on 127.0.0.1): every verb, bit-exact."""
 
 import copy
+import json
 
 import obstore
 import pytest
@@ -267,3 +268,76 @@ def test_a_prefix_made_before_owner_records_is_claimed_by_its_own_metadata(tmp_p
     with Repository.init(tmp_path / "b", objects_url=s3_url, metadata_url=postgres_url) as joined:
         assert joined.resolve("main") == cid and held_here(joined.store).owner_record()["repository"] == mine
         assert gc(joined).objects_removed == 0
+
+
+def test_an_init_at_the_same_path_elsewhere_cannot_take_over_a_prefix_and_a_bound_process_rechecks_at_gc(
+        tmp_path, s3_url):
+    """An init over a prefix whose owner.json named the same metadata text (one folder path in two containers)
+    overwrote the claim, taken for a killed init of this folder; the owner's running process, bound already,
+    wrote on and the new repository's gc deleted what it wrote (review, high)."""
+    from ckptstore.objectstore.fallback import held_here
+
+    Repository.init(tmp_path / "proj", objects_url=s3_url).close()
+    (tmp_path / "proj").rename(tmp_path / "machine-x")  # machine X's repository; machine Y's init is at proj
+    with Repository.open(tmp_path / "machine-x") as x:
+        gc(x)  # a long-lived process of X: bound to the prefix
+        claim = held_here(x.store).owner_record()
+        with pytest.raises(RepoExistsError, match="belongs to another repository"):
+            Repository.init(tmp_path / "proj", objects_url=s3_url)
+        assert not (tmp_path / "proj" / ".ckpt").exists() and held_here(x.store).owner_record() == claim
+        cid = x.commit(_state(0))
+        assert gc(x).objects_removed == 0
+        assert_same(x.checkout(cid), _state(0))
+        another = json.dumps({**claim, "repository": "0" * 32}).encode()
+        obstore.put(held_here(x.store)._client, "repo/owner.json", another)
+        with pytest.raises(RepoExistsError, match="belongs to another repository"):
+            gc(x)  # bound once, but a gc reads the claim again before it deletes anything
+
+
+def test_a_copy_of_a_repository_is_refused_its_prefix_so_its_gc_deletes_nothing_of_the_original(tmp_path, s3_url):
+    """`cp -a` of a repository with SQLite metadata copies its id: the copy's gc deleted the objects the original
+    committed after the copy (review, high). owner.json names the .ckpt folder's inode too."""
+    import shutil
+
+    with Repository.init(tmp_path / "a", objects_url=s3_url) as a:
+        a.commit(_state(0))
+    shutil.copytree(tmp_path / "a", tmp_path / "copy", symlinks=True)
+    with Repository.open(tmp_path / "a") as a:
+        cid = a.commit(_state(1))
+    with Repository.open(tmp_path / "copy") as copy_, pytest.raises(
+            RepoExistsError, match=r"is a copy of it or was moved: .* nothing was changed. `ckpt clone` makes a copy"):
+        gc(copy_)
+    with Repository.open(tmp_path / "copy") as copy_, pytest.raises(RepoExistsError, match="is a copy of it"):
+        copy_.commit(_state(2))
+    with Repository.open(tmp_path / "a") as a:
+        assert fsck(a, full=True).ok and gc(a).objects_removed == 0
+        assert_same(a.checkout(cid), _state(1))
+
+
+def test_a_damaged_owner_record_is_said_to_be_damaged_not_anothers(tmp_path, s3_url):
+    from ckptstore.objectstore.fallback import held_here
+
+    with Repository.init(tmp_path / "a", objects_url=s3_url) as a:
+        store = held_here(a.store)
+        text = json.dumps(store.owner_record())
+        obstore.put(store._client, "repo/owner.json", text[:-5].encode())
+    with Repository.open(tmp_path / "a") as a, pytest.raises(
+            RepoExistsError, match=r"owner.json, which names the repository this prefix belongs to, is damaged .*: "
+                                   r"nothing was changed. If the prefix is this repository's .* delete s3://"):
+        a.commit(_state(0))
+    obstore.delete(store._client, "repo/owner.json")
+    with Repository.open(tmp_path / "a") as a:
+        cid = a.commit(_state(0))
+        assert held_here(a.store).owner_record()["repository"] == json.loads(text)["repository"]
+        assert_same(a.checkout(cid), _state(0))
+
+
+def test_an_init_refused_a_claimed_prefix_leaves_no_schema_in_its_new_database(tmp_path, s3_server, postgres_url):
+    """The schema was made before the claim refused the init: the next init with that database said it joined a
+    teammate's repository, its own failed init's leftover (review)."""
+    bucket = s3_server.new_bucket()
+    Repository.init(tmp_path / "a", objects_url=f"s3://{bucket}/a").close()
+    with pytest.raises(RepoExistsError, match="belongs to another repository"):
+        Repository.init(tmp_path / "y", objects_url=f"s3://{bucket}/a", metadata_url=postgres_url)
+    with Repository.init(tmp_path / "y", objects_url=f"s3://{bucket}/y", metadata_url=postgres_url) as y:
+        assert not y.joined and y.log() == []
