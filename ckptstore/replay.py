@@ -18,6 +18,7 @@ import numpy as np
 
 from ckptstore import threadlocal
 from ckptstore.codecs import REGISTRY, capabilities, get_codec
+from ckptstore.codecs.base import LevelsNeeded
 from ckptstore.codecs.checked import MALFORMED
 from ckptstore.errors import CodecError, CorruptObjectError, CorruptRecordError
 from ckptstore.hashing import HEX_LENGTH, ObjectId, TensorId, chunk_checksum, tensor_id
@@ -136,8 +137,11 @@ class ChainSource:
             start -= 1
         bottom, chain = levels[start:], capabilities(levels[-1][0].codec).chain
         if len(bottom) > 1 and chain is not None:
-            chain.decode_chain([p for _, p in bottom], bottom[0][0].params, out.size, out)
-            levels = levels[:start]
+            try:
+                chain.decode_chain([p for _, p in bottom], bottom[0][0].params, out.size, out)
+                levels = levels[:start]
+            except LevelsNeeded:  # an old payload whose params are its record's: each level with its own
+                pass
         return _apply(levels, out)
 
     def replay_planes(self, record: TensorRecord, index: int) -> list[np.ndarray] | None:

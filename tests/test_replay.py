@@ -247,3 +247,33 @@ def test_a_base_of_another_size_is_a_chain_problem():
     assert chain_problem(same, records) is None and chain_problem(m_on_v, records) is None
     assert chain_problem(other, records) == (f"its base tensor {'k' * 64} holds 4096 bytes of torch.bfloat16, not "
                                              "1525 of bytes")
+
+
+def test_a_version_1_deadzone_chain_decodes_each_level_with_its_own_records_step():
+    """Version-1 payloads kept their step in their record's params, and keyframe and residual steps differ: the
+    one-pass chain decode read every level's step from the newest record's params, so an older repository's lossy
+    chain came back as a false "metadata damaged" (auditor helper 277)."""
+    from ckptstore.codecs import deadzone, get_codec
+    from ckptstore.hashing import chunk_checksum
+    from ckptstore.objectstore.memory import MemoryObjectStore
+    from ckptstore.records import Chunk, TensorRecord
+
+    codec, rng = get_codec("deadzone"), np.random.default_rng(0)
+    first = rng.standard_normal(256).astype(np.float32)
+    second = first + rng.standard_normal(256).astype(np.float32) * np.float32(0.05)
+    key_params, residual_params = ({"dtype": "torch.float32", "step": step, "rounding": 0.5} for step in (0.09, 0.012))
+    key_payload, key_values = codec.encode_lossy(first.view(np.uint8), None, key_params)
+    residual_payload, values = codec.encode_lossy(second.view(np.uint8), key_values, residual_params)
+    assert deadzone._HEAD_V1.size == 4  # version 1: magic and has-base, no step
+    as_v1 = lambda p: deadzone.MAGIC_V1 + p[3:4] + p[deadzone._HEAD.size:]  # noqa: E731
+    store = MemoryObjectStore()
+    key = TensorRecord("k" * 64, "torch.float32", (256,), "deadzone", key_params, None, 0, 1024, 0,
+                       [Chunk(store.put(as_v1(key_payload)), 1024, checksum=chunk_checksum(key_values))])
+    residual = TensorRecord("r" * 64, "torch.float32", (256,), "deadzone", residual_params, key.id, 1, 1024, 0,
+                            [Chunk(store.put(as_v1(residual_payload)), 1024, checksum=chunk_checksum(values))])
+    source = ChainSource(store, {key.id: key, residual.id: residual})
+    out = ChainSource.decode_levels(source.levels(residual, 0), np.empty(1024, np.uint8))
+    assert out.tobytes() == values.tobytes()
+    with ThreadPoolExecutor(2) as pool:
+        restored = replay(source, [residual], pool)
+    assert restored[residual.id].tobytes() == values.tobytes()

@@ -29,6 +29,13 @@ class Codec(Protocol):
         """True when `decode` of this payload reads the base chunk."""
 
 
+class LevelsNeeded(Exception):
+    """Raised by `decode_chain` where a level below the newest needs its own record's params.
+
+    A version-1 payload kept its step there: the caller decodes that chain level by level instead.
+    """
+
+
 @runtime_checkable
 class ChainDecoder(Protocol):
     """Decodes a whole chain of its own payloads (newest first) in one pass.

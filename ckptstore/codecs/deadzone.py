@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ckptstore.codecs import codebook
+from ckptstore.codecs.base import LevelsNeeded
 from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols
 from ckptstore.codecs.floats import from_float32, itemsize, overflows, round_to_bfloat16, rounding_error, to_float32
 from ckptstore.errors import CodecError, NonFiniteError, UnquantizableError
@@ -201,6 +202,8 @@ class DeadZoneCodec:
         """
         dtype = params["dtype"]
         values, count = None, nbytes // itemsize(dtype)
+        if any(payload[:3] == MAGIC_V1 for payload in payloads[1:]):
+            raise LevelsNeeded("deadzone: a version-1 level below the newest kept its step in its own record")
         for position, payload in enumerate(reversed(payloads)):
             has_base, step, header = self._head(payload, params)
             if has_base != (values is not None):
