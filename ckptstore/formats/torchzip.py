@@ -67,7 +67,8 @@ _OPCODES = frozenset({
 })
 # What `torch.save(..., pickle_protocol=3, 4 or 5)` adds, which torch's weights_only loader refuses ("Unsupported
 # operand 149"): bytes as such (protocol 3), framing, a memo put without an index, shorter and longer strings, and a
-# global whose names are strings on the stack, resolved through the same allow-list as GLOBAL's. The Python
+# global whose names are strings on the stack, resolved through the same allow-list as GLOBAL's; a set's items
+# (ADDITEMS, with builtins.set's check; FROZENSET is refused as protocol 2's frozenset global is). The Python
 # unpickler reads them; the C walk (_pickscan) takes protocol 2 only, so such pickles never reach the C unpickler.
 _NEWER_PROTOCOL_OPCODES = frozenset({"SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "FRAME", "MEMOIZE",
                                      "SHORT_BINUNICODE", "BINUNICODE8", "STACK_GLOBAL"})
@@ -488,8 +489,18 @@ class _Unpickler(_Resolver, pickle._Unpickler):
             _need(problem is None, problem or "")
         super().load_build()
 
+    def load_additems(self) -> None:  # protocol 4's set: EMPTY_SET, then its items
+        items = self.pop_mark()
+        _need(type(self.stack[-1]) is set, "ADDITEMS on a non-set")
+        self.stack[-1].update(_plain_set(items))
+
+    def load_frozenset(self) -> None:  # refused as protocol 2's builtins.frozenset global is, by name
+        raise _Refused("frozenset")
+
     dispatch[pickle.PROTO[0]] = load_proto
     dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.ADDITEMS[0]] = load_additems
+    dispatch[pickle.FROZENSET[0]] = load_frozenset
 
 
 class _FastUnpickler(_Resolver, pickle.Unpickler):
