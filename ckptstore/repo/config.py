@@ -11,7 +11,7 @@ from typing import Any
 
 import tomllib
 
-from ckptstore.errors import CkptError
+from ckptstore.errors import CkptError, shown_name
 from ckptstore.policy import LEVELS, EncodingSettings
 
 LOSSY_LEVELS = tuple(LEVELS)  # names `--lossy` accepts
@@ -174,6 +174,8 @@ class RepoConfig:
                    core.get("objects_url", ""), remotes, retention)
 
     def save(self, path: Path) -> None:
+        """Write the config to `path` atomically; an existing file keeps its comments and layout."""
+        self._refuse_not_utf8()
         # json.dumps writes a TOML basic string: same quoting and escapes.
         lines = ["[core]", f"objects_url = {json.dumps(self.objects_url)}",
                  f"metadata_url = {json.dumps(self.metadata_url)}", f"threads = {self.threads}",
@@ -192,6 +194,22 @@ class RepoConfig:
         from ckptstore.formats.atomic import atomic_write
 
         atomic_write(path, lambda handle: handle.write(text.encode()))  # a crash never leaves half a config
+
+    def _refuse_not_utf8(self) -> None:
+        """Refuse a URL or folder whose name is not UTF-8 (os.fsdecode's surrogates): TOML cannot hold it.
+
+        Written as an escape, no command could read the config again (and init said it made the repository).
+        """
+        named = [("objects", self.objects_url), ("metadata", self.metadata_url)] + [
+            (f"remote {name}", url) for name, remote in self.remotes.items()
+            for url in (remote.url, remote.metadata_url)]
+        for what, text in named:
+            try:
+                text.encode()
+            except UnicodeEncodeError:
+                raise CkptError(f"the {what} location '{shown_name(text)}' holds bytes that are not UTF-8; a "
+                                "repository's config records it as UTF-8 text: rename that folder, or give "
+                                "another; nothing was changed") from None
 
 
 def _into_existing(old: str, new: str) -> str:

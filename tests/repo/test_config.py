@@ -54,6 +54,27 @@ def test_a_config_that_is_not_utf8_is_one_error(tmp_path):
     assert "unexpected" not in failed.stderr
 
 
+
+@pytest.mark.parametrize("how", ["objects", "metadata", "clone", "remote"])
+def test_a_location_whose_name_is_not_utf8_is_refused_before_any_config_holds_it(tmp_path, how):
+    """Written as an escape TOML refuses: init said it made the repository that no command could then open, a clone
+    left a half-made one, and `remote add` ended in an unexpected error (auditor helper 279, high)."""
+    odd = os.fsdecode(b"odd\xfd")
+    ckpt_here(tmp_path, "init", "src").check_returncode()
+    ckpt_here(tmp_path, "init", odd).check_returncode()  # a folder's own name need not be UTF-8: no config holds it
+    args = {"objects": ["init", "--objects", odd + "-objects", "r"],
+            "metadata": ["init", "--metadata", f"sqlite:///{tmp_path}/{odd}/x.db", "r"],
+            "clone": ["clone", odd, "r"], "remote": ["--repo", "src", "remote", "add", "o", str(tmp_path / odd)]}[how]
+    before = (tmp_path / "src" / ".ckpt" / "config.toml").read_bytes()
+    result = ckpt_here(tmp_path, *args)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "location" in result.stderr and "odd\\xfd" in result.stderr
+    assert "holds bytes that are not UTF-8" in result.stderr
+    assert "nothing was changed" in result.stderr
+    assert not (tmp_path / "r").exists()
+    assert (tmp_path / "src" / ".ckpt" / "config.toml").read_bytes() == before
+    assert ckpt_here(tmp_path, "--repo", "src", "log").returncode == 0
+
 def test_init_takes_lossy_none_as_commit_does(tmp_path):
     assert ckpt_here(tmp_path, "init", "--lossy", "none").returncode == 0
     assert RepoConfig.load(tmp_path / ".ckpt" / "config.toml").lossy == "none"
