@@ -250,11 +250,25 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
                             f"symlinked folder inside {dest}); remove the link or check out elsewhere with -o PATH")
         plan.files.append((record, target))
         needed.update(target.parents)
+    _refuse_a_file_that_is_a_folder(plan, needed)
     if exact and dest.is_dir():
         _scan(dest, {t for _, t in plan.files}, needed, _kept_in(repo, dest), plan)
     elif not exact:
         _refuse_files_in_the_way(plan, dest)
     return plan
+
+
+
+def _refuse_a_file_that_is_a_folder(plan: CheckoutPlan, needed: set[Path]) -> None:
+    """Refuse, before anything is written, a commit naming a file and another inside it (`a` and `a/b`).
+
+    No commit made here holds that, but a received one may: its checkout stopped midway, half written.
+    """
+    both = next((record.name for record, target in plan.files if target in needed), None)
+    if both is not None:
+        inside = next(record.name for record, _ in plan.files if record.name.startswith(both + "/"))
+        raise CkptError(f"the commit names both a file {both} and a file {inside} inside it, which no folder can "
+                        "hold: it is damaged (or was made by another tool); nothing was written")
 
 
 BESIDE_LISTED = 100  # files_beside stops looking once it has found this many

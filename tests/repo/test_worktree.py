@@ -1389,3 +1389,41 @@ def test_status_lists_a_committed_folders_files_its_commit_does_not_hold(tmp_pat
         Repository.init(folder / "nested").close()
         states = {f["path"]: f["state"] for f in repo.status()["files"]}
     assert states == {"run/model.pt": "unchanged", "run/notes.txt": "untracked", "run/sub/more.txt": "untracked"}
+
+
+def test_a_commit_naming_a_file_and_a_file_inside_it_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A received commit naming `a` and `a/b` (no commit made here does) failed midway with an unexpected
+    FileExistsError: an in-place checkout had deleted a file of HEAD's and written `a` (auditor helper 278)."""
+    from ckptstore.repo import manifest as manifests
+
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    (folder / "old.txt").write_bytes(b"HEAD's file")
+    written = manifests.Manifest.to_record
+
+    def forged(self):
+        record = written(self)
+        for f in record["files"]:
+            f["name"] = "a/b" if f["name"] == "x/b" else f["name"]
+        return record
+
+    with Repository.init(tmp_path) as repo:
+        first = repo.commit(folder)
+        (folder / "old.txt").unlink()
+        (folder / "x").mkdir()
+        (folder / "a").write_bytes(b"file a")
+        (folder / "x" / "b").write_bytes(b"file x/b")
+        with monkeypatch.context() as patched:
+            patched.setattr(manifests.Manifest, "to_record", forged)
+            bad = repo.commit(folder)
+        with pytest.raises(CkptError, match=r"names both a file a and a file a/b inside it, .* nothing was written"):
+            repo.checkout_to(bad, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+    shutil.rmtree(folder)
+    ckpt_here(tmp_path, "checkout", first).check_returncode()
+    result = ckpt_here(tmp_path, "checkout", bad)
+    assert result.returncode == 1 and "nothing was written" in result.stderr, result.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["old.txt"]
+    assert (folder / "old.txt").read_bytes() == b"HEAD's file"
+    with Repository.open(tmp_path) as repo:
+        assert repo.resolve("HEAD") == first
