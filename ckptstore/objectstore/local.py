@@ -31,10 +31,18 @@ def open_object(path: Path, oid: ObjectId) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise CorruptObjectError(oid, "missing") from None
+    except NotADirectoryError:  # fsck lists it with the rest of the damage, not crash on it
+        raise CorruptObjectError(oid, fan_file_damage(path)) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise CorruptObjectError(oid, "damaged: a folder, pipe or device stands where its file should be")
     return fd
+
+
+def fan_file_damage(path: Path) -> str:
+    """What a file standing at an object's fan-out folder is: the objects that folder held are lost."""
+    return (f"damaged: a file stands where its folder {path.parent} should be (the objects it held are lost; move "
+            "the file away)")
 
 
 class FileRanges:
@@ -147,7 +155,12 @@ class LocalObjectStore:
 
     def _write_through_tmp(self, parts: Sequence[bytes | memoryview], oid: ObjectId, final: Path) -> None:
         """Write the parts to a temp file, flush it (unless batched) and rename it to `final`."""
-        final.parent.mkdir(exist_ok=True)
+        try:
+            final.parent.mkdir(exist_ok=True)
+        except FileExistsError:  # a file in the fan-out folder's place: said as such, not a traceback
+            raise StoreUnavailableError(f"{final.parent} is not a folder (a file stands where the store keeps the "
+                                        f"objects whose ids begin with {final.parent.name}): move it away and run "
+                                        "the command again") from None
         _make_folder(self.tmp)
         temp = self.tmp / f"{oid}.{uuid.uuid4().hex}"
         try:
@@ -211,7 +224,7 @@ class LocalObjectStore:
         path = self.path_of(oid)
         try:
             path.unlink()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # not there (its fan-out folder a file: damage fsck lists)
             pass
         except IsADirectoryError:  # damage under an object's name (see has): gc clears it, not stop at it
             shutil.rmtree(path)
@@ -228,7 +241,7 @@ class LocalObjectStore:
         for oid in self.iter_ids():
             try:
                 yield oid, self.path_of(oid).stat().st_size
-            except FileNotFoundError:  # deleted since it was listed
+            except (FileNotFoundError, NotADirectoryError):  # deleted since it was listed (or its folder replaced)
                 continue
 
     def size(self, oid: ObjectId) -> int:
@@ -236,6 +249,8 @@ class LocalObjectStore:
             return self.path_of(oid).stat().st_size
         except FileNotFoundError:
             raise CorruptObjectError(oid, "missing") from None
+        except NotADirectoryError:
+            raise CorruptObjectError(oid, fan_file_damage(self.path_of(oid))) from None
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:

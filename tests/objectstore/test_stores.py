@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from ckptstore.errors import CorruptObjectError, StoreUnavailableError
+from ckptstore.errors import CkptError, CorruptObjectError, StoreUnavailableError
 from ckptstore.objectstore import LocalObjectStore, MemoryObjectStore, local
 from ckptstore.objectstore.s3 import S3ObjectStore
 from ckptstore.testing.store_contract import ALL_CHECKS, DAMAGE_CHECKS
@@ -430,3 +430,44 @@ def test_a_file_where_the_stores_temporary_folder_should_be_is_named_as_such(tmp
         store.put(b"bytes")  # as a running process's next write finds it
     with pytest.raises(StoreUnavailableError, match=r"/tmp is not a folder"):
         LocalObjectStore(tmp_path / "objects", tmp_path / "tmp")  # as the next command's open does
+
+
+def test_a_file_where_an_objects_fan_out_folder_should_be_is_damage_named_as_such(tmp_path):
+    """`objects/ab` replaced by a file: fsck, checkout, commit and gc all said "unexpected NotADirectoryError ...
+    please report it", fsck too, which is there to list damage (auditor helper 281)."""
+    import shutil
+
+    import torch
+
+    from ckptstore import Repository
+    from ckptstore.repo import fsck, gc
+
+    with Repository.init(tmp_path) as repo:
+        state = {"w": torch.arange(1000.0)}
+        cid = repo.commit(state)
+        with repo.db.read() as tx:
+            from ckptstore.metadata import tensors as tensor_rows
+
+            record = next(iter(tensor_rows.load_records(tx, [repo.manifest(cid).entries["w"].tensor]).values()))
+        oid = record.chunks[0].object_id
+        fan = repo.store.path_of(oid).parent
+        held = {fan.name + item.name: item.read_bytes() for item in fan.iterdir()}
+        shutil.rmtree(fan)
+        fan.write_text("not a folder\n")
+        store = repo.store
+        for read in (store.get, store.view, store.size, lambda o: store.open_ranges().read(o, 0, 8)):
+            with pytest.raises(CorruptObjectError, match=f"a file stands where its folder {fan} should be"):
+                read(oid)
+        with pytest.raises(CorruptObjectError, match=oid):
+            repo.checkout(cid)
+        assert "a file stands where its folder" in fsck(repo).damaged_objects[oid] and not repo.store.has(oid)
+        assert oid not in set(repo.store.iter_ids())
+        repo.store.delete(oid)  # nothing to delete there: not a crash either
+        with pytest.raises(StoreUnavailableError, match=rf"{fan} is not a folder \(a file stands where .*move it away"):
+            repo.store.put(held[oid])
+        with pytest.raises(CkptError, match=f"gc refused to delete anything.*object {oid}: needed"):
+            gc(repo)
+        assert fan.read_text() == "not a folder\n"  # the file is left to its owner
+        fan.unlink()  # moved away, as the error says: the lost objects are written again
+        assert all(repo.store.put(data) == held_oid for held_oid, data in held.items())
+        assert fsck(repo).ok and torch.equal(repo.checkout(cid)["w"], state["w"])
