@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import shutil
@@ -137,7 +138,7 @@ class LocalObjectStore:
         if self._holds(final, parts, oid):
             return oid
         if final.is_dir() and not final.is_symlink():
-            final.rmdir()  # an empty folder standing there (damage): a full one stops the write, named
+            _remove_empty_folder(final)
         for attempt in range(_WRITE_ATTEMPTS):
             try:
                 self._write_through_tmp(parts, oid, final)
@@ -318,6 +319,21 @@ def _fsync_path(path: Path) -> None:
 def _fsync_dir(folder: Path) -> None:
     """Make a rename inside `folder` survive a power cut."""
     _fsync_path(folder)
+
+
+def _remove_empty_folder(final: Path) -> None:
+    """An empty folder standing where an object's file goes (damage) removed; a full one stops the write, named.
+
+    What a full one holds is nobody's object, and may be someone's files: it is moved away by hand, not deleted.
+    """
+    try:
+        final.rmdir()
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        raise StoreUnavailableError(f"{final} is a folder holding files, where the store keeps the file of object "
+                                    f"{final.parent.name}{final.name}: move it away and run the command again"
+                                    ) from None
 
 
 def _make_folder(folder: Path) -> None:

@@ -471,3 +471,19 @@ def test_a_file_where_an_objects_fan_out_folder_should_be_is_damage_named_as_suc
         fan.unlink()  # moved away, as the error says: the lost objects are written again
         assert all(repo.store.put(data) == held_oid for held_oid, data in held.items())
         assert fsck(repo).ok and torch.equal(repo.checkout(cid)["w"], state["w"])
+
+
+def test_a_folder_holding_files_where_an_object_is_written_stops_the_write_named(tmp_path):
+    """A non-empty folder at an object's path made every commit of that object (the same checkpoint again) fail
+    with "unexpected OSError: [Errno 39] Directory not empty ... please report it" (auditor helper 281)."""
+    store = LocalObjectStore(tmp_path / "objects", tmp_path / "tmp")
+    oid = store.put(b"the manifest")
+    path = store.path_of(oid)
+    path.unlink()
+    path.mkdir()
+    (path / "someones").write_text("kept\n")
+    with pytest.raises(StoreUnavailableError, match=rf"{path} is a folder holding files, .* move it away"):
+        store.put(b"the manifest")
+    assert (path / "someones").read_text() == "kept\n" and list(store.tmp.iterdir()) == []  # nothing deleted
+    path.rename(tmp_path / "moved")
+    assert store.put(b"the manifest") == oid and store.get(oid) == b"the manifest"
