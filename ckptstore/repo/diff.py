@@ -15,7 +15,7 @@ from ckptstore.formats import BLOB
 from ckptstore.repo.checkout import restore
 from ckptstore.repo.integrity import entry_records
 from ckptstore.repo.refs import split_range
-from ckptstore.repo.select import CONTAINERS, LEAVES_WITH_ENTRY, item_path
+from ckptstore.repo.select import CONTAINERS, LEAVES_WITH_ENTRY, aliases, item_path
 from ckptstore.repo.sharded import gather, is_sharded
 from ckptstore.state import (
     BYTES_DTYPE,
@@ -83,23 +83,34 @@ def diff(repo: Repository, a: str, b: str | None = None) -> list[TensorDiff]:
     if is_sharded(old) or is_sharded(new):
         return _mixed_diff(repo, old, new)
     resplit = _same_file_containers(old, new)
-    changed = [p for p in new.entries if p in old.entries and new.entries[p].tensor != old.entries[p].tensor
+    old_at, new_at = _stored_at(old), _stored_at(new)
+    changed = [p for p in new_at if p in old_at and new.entries[new_at[p]].tensor != old.entries[old_at[p]].tensor
                and p not in resplit]
-    old_raw, new_raw = restore(repo, old, paths=changed), restore(repo, new, paths=changed)
+    old_raw = restore(repo, old, paths=sorted({old_at[p] for p in changed}))
+    new_raw = restore(repo, new, paths=sorted({new_at[p] for p in changed}))
     records = entry_records(repo, new)
     result = []
-    for path in sorted(set(old.entries) | set(new.entries)):
-        entry = new.entries.get(path) or old.entries[path]
-        stored = records[entry.tensor].stored_bytes if path in new.entries else 0
+    for path in sorted(old_at.keys() | new_at.keys()):
+        entry = new.entries[new_at[path]] if path in new_at else old.entries[old_at[path]]
+        stored = records[entry.tensor].stored_bytes if path in new.entries else 0  # a tied path's under its entry's
         status, rel = "unchanged", 0.0
-        if path not in old.entries:
+        if path not in old_at:
             status, rel = "added", None
-        elif path not in new.entries:
+        elif path not in new_at:
             status, rel = "removed", None
-        elif path in old_raw and not (old.dcp and new.dcp and _same_plain_value(path, old_raw[path], new_raw[path])):
-            status, rel = "changed", relative_l2(old_raw[path], new_raw[path])
+        elif path in changed:
+            before, after = old_raw[old_at[path]], new_raw[new_at[path]]
+            if not (old.dcp and new.dcp and _same_plain_value(path, before, after)):
+                status, rel = "changed", relative_l2(before, after)
         result.append(TensorDiff(path, status, entry.dtype, entry.shape, rel, stored))
     return result + _value_changes(old, new)
+
+
+def _stored_at(manifest: Manifest) -> dict[str, str]:
+    """Each tensor path of the commit and the entry holding its bytes: itself, or for a tied one its first path."""
+    found = {path: path for path in manifest.entries}
+    found.update((path, entry) for path, entry in aliases(manifest).items() if entry in manifest.entries)
+    return found
 
 
 def _value_changes(old: Manifest, new: Manifest) -> list[TensorDiff]:

@@ -186,3 +186,25 @@ def test_a_file_kept_as_bytes_added_or_removed_is_one_row_not_also_a_value(tmp_p
     assert [row for row in rows if row.dtype == VALUE] == []
     assert sorted((row.path, row.status) for row in rows if row.status != "unchanged") == [
         ("config.json/%25blob", "added"), ("notes.txt/%25blob", "removed")]
+
+
+def test_a_tied_tensor_is_compared_at_its_own_path_whichever_side_ties_it(tmp_path):
+    """A tied path has no entry of its own (its skeleton names the first path): diff called it added or removed
+    though both commits held it, and hid its change where both tied it (auditor helper 282)."""
+    import ckptstore
+    from ckptstore.repo.diff import diff
+
+    emb = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    with Repository.init(tmp_path) as repo:
+        tied = ckptstore.save({"embed.weight": emb, "lm_head.weight": emb}, repo=repo)
+        untied = ckptstore.save({"embed.weight": emb, "lm_head.weight": emb + 1}, repo=repo)
+        retied = ckptstore.save({"embed.weight": emb * 2, "lm_head.weight": emb * 2}, repo=repo)
+        rows = lambda a, b: {r.path: (r.status, r.relative_l2) for r in diff(repo, a, b)}  # noqa: E731
+        norm = lambda t: float(torch.linalg.vector_norm(t))  # noqa: E731
+        for a, b, before in ((tied, untied, emb), (untied, tied, emb + 1)):  # relative to the older side
+            assert rows(a, b)["embed.weight"] == ("unchanged", 0.0)
+            status, rel = rows(a, b)["lm_head.weight"]
+            assert status == "changed" and math.isclose(rel, norm(torch.ones(4, 3)) / norm(before), rel_tol=1e-5)
+        assert {path: status for path, (status, _) in rows(tied, retied).items()} == {
+            "embed.weight": "changed", "lm_head.weight": "changed"}
+        assert rows(tied, retied)["lm_head.weight"][1] == rows(tied, retied)["embed.weight"][1] == 1.0
