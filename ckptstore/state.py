@@ -289,7 +289,10 @@ def materialize(raw: RawTensor, device: str | None = None) -> Any:
     if raw.dtype == BYTES_DTYPE:
         return raw.data.tobytes()
     if raw.dtype.startswith(NUMPY_PREFIX):
-        return raw.data.view(np.dtype(raw.dtype[len(NUMPY_PREFIX) :])).reshape(raw.shape)
+        dtype = np.dtype(raw.dtype[len(NUMPY_PREFIX) :])
+        if dtype.itemsize == 0:  # a record of no fields: no bytes to view, the shape alone
+            return np.zeros(raw.shape, dtype)
+        return raw.data.view(dtype).reshape(raw.shape)
     torch = _torch()
     data = raw.data if raw.data.flags.writeable else raw.data.copy()
     same = _NUMPY_OF_TORCH.get(raw.dtype)

@@ -614,3 +614,18 @@ def test_the_sign_and_payload_of_a_nan_among_plain_values_survive():
     assert struct.pack("<d", back["plain"]) == struct.pack("<d", float("nan")) and back["inf"] == float("-inf")
     old_skeleton = ["float", "nan"]  # as written before the bits were kept: the plain NaN
     assert math.isnan(unflatten(old_skeleton, lambda p: None))
+
+
+def test_numpy_records_wider_than_255_bytes_or_of_no_bytes_round_trip(repo):
+    """A lossless payload's header names its byte planes in one byte: a <U300 or S256 array failed with a struct
+    error, and a record of no fields (itemsize 0) with a ZeroDivisionError (auditor helper 277)."""
+    wide = {"u": np.array(["x" * 300, "y"] * 4), "s": np.array([b"a" * 256, b"b"] * 3),
+            "r": np.arange(4 * 40, dtype="<f8").view([("a", "<f8", (40,))]).reshape(4)}
+    first = repo.commit({**wide, "none": np.zeros(5, dtype=[])})
+    second = repo.commit({**wide, "u": np.array(["x" * 300, "z"] * 4), "none": np.zeros(5, dtype=[])})  # residuals
+    for cid, u in ((first, wide["u"]), (second, np.array(["x" * 300, "z"] * 4))):
+        back = repo.checkout(cid)
+        assert back["u"].dtype == u.dtype and back["u"].tobytes() == u.tobytes()
+        assert back["s"].dtype == wide["s"].dtype and back["s"].tobytes() == wide["s"].tobytes()
+        assert back["r"].tobytes() == wide["r"].tobytes() and back["r"].dtype.itemsize == 320  # raw records
+        assert back["none"].shape == (5,) and back["none"].dtype.itemsize == 0

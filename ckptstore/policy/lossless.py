@@ -9,6 +9,8 @@ from ckptstore.errors import CkptError
 from ckptstore.policy.chaincost import AUTO, ChainCosts, chain_limit
 from ckptstore.records import TensorRecord
 
+MAX_WIDTH = 255  # byte planes a lossless payload's header can name (one byte)
+
 LOSSLESS_CODEC = "bytegroup"
 
 
@@ -62,9 +64,10 @@ def plan_tensor(dtype: str, nbytes: int, itemsize: int, parent: TensorRecord | N
     did not pay (Adam's first moment, typically) skips the attempt for a while: 1, 2, then 4
     commits after each consecutive miss, then tries again.
     """
-    chunk_bytes = max(itemsize, settings.chunk_bytes // itemsize * itemsize)
-    params: dict[str, Any] = {"width": itemsize, "level": settings.zstd_level, "chunk_bytes": chunk_bytes}
-    limit = chain_limit(settings.max_chain, itemsize, costs)
+    width = itemsize if 0 < itemsize <= MAX_WIDTH else 1  # numpy's wide records (a <U300) and empty ones as bytes
+    chunk_bytes = max(itemsize, settings.chunk_bytes // max(itemsize, 1) * max(itemsize, 1))
+    params: dict[str, Any] = {"width": width, "level": settings.zstd_level, "chunk_bytes": chunk_bytes}
+    limit = chain_limit(settings.max_chain, width, costs)
     base = parent if parent is not None and limit >= 1 and nbytes > 0 and _same_layout(parent, dtype, nbytes) else None
     if base is not None and base.depth + 1 > limit:
         base = anchor if (anchor is not None and anchor.id == base.base_id and anchor.depth == limit - 1
