@@ -198,7 +198,8 @@ def diff(ctx, a, b, as_json, show_all) -> None:
             echo(f"{row.status:>9} {shown_name(row.path)} (a non-tensor value)")
             continue
         rel = "" if row.relative_l2 is None else f" rel_l2={row.relative_l2:.3e}"
-        echo(f"{row.status:>9} {shown_name(row.path)} {row.dtype} {tuple(row.shape)}{rel} "
+        was = f"{row.was[0]} {row.was[1]} -> " if row.was else ""
+        echo(f"{row.status:>9} {shown_name(row.path)} {was}{row.dtype} {tuple(row.shape)}{rel} "
              f"stored={size(row.stored_bytes)}")
     tensors = [r for r in rows if not r.is_value]
     values = len(rows) - len(tensors)

@@ -53,6 +53,7 @@ class TensorDiff:
     shape: tuple[int, ...]
     relative_l2: float | None
     stored_bytes: int
+    was: tuple[str, tuple[int, ...]] | None = None  # the older commit's dtype and shape, where they changed
 
     @property
     def is_value(self) -> bool:
@@ -65,7 +66,8 @@ class TensorDiff:
         if rel is not None and not math.isfinite(rel):
             rel = str(rel)
         return {"path": self.path, "status": self.status, "dtype": self.dtype, "shape": list(self.shape),
-                "relative_l2": rel, "stored_bytes": self.stored_bytes}
+                "relative_l2": rel, "stored_bytes": self.stored_bytes,
+                "old_dtype": self.was[0] if self.was else None, "old_shape": list(self.was[1]) if self.was else None}
 
 
 def diff(repo: Repository, a: str, b: str | None = None) -> list[TensorDiff]:
@@ -93,7 +95,7 @@ def diff(repo: Repository, a: str, b: str | None = None) -> list[TensorDiff]:
     for path in sorted(old_at.keys() | new_at.keys()):
         entry = new.entries[new_at[path]] if path in new_at else old.entries[old_at[path]]
         stored = records[entry.tensor].stored_bytes if path in new.entries else 0  # a tied path's under its entry's
-        status, rel = "unchanged", 0.0
+        status, rel, was = "unchanged", 0.0, None
         if path not in old_at:
             status, rel = "added", None
         elif path not in new_at:
@@ -102,7 +104,10 @@ def diff(repo: Repository, a: str, b: str | None = None) -> list[TensorDiff]:
             before, after = old_raw[old_at[path]], new_raw[new_at[path]]
             if not (old.dcp and new.dcp and _same_plain_value(path, before, after)):
                 status, rel = "changed", relative_l2(before, after)
-        result.append(TensorDiff(path, status, entry.dtype, entry.shape, rel, stored))
+            older = old.entries[old_at[path]]
+            if (older.dtype, tuple(older.shape)) != (entry.dtype, tuple(entry.shape)):
+                was = (older.dtype, tuple(older.shape))
+        result.append(TensorDiff(path, status, entry.dtype, entry.shape, rel, stored, was))
     return result + _value_changes(old, new)
 
 

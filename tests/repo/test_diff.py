@@ -208,3 +208,20 @@ def test_a_tied_tensor_is_compared_at_its_own_path_whichever_side_ties_it(tmp_pa
         assert {path: status for path, (status, _) in rows(tied, retied).items()} == {
             "embed.weight": "changed", "lm_head.weight": "changed"}
         assert rows(tied, retied)["lm_head.weight"][1] == rows(tied, retied)["embed.weight"][1] == 1.0
+
+
+def test_a_dtype_or_shape_change_is_said_with_what_it_was(tmp_path):
+    """diff showed only the newer dtype and shape: a float32 -> bfloat16 cast read as a change of nothing (auditor)."""
+    from tests.conftest import ckpt_here
+
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"w": torch.ones(4)})
+        repo.commit({"w": torch.ones(4, dtype=torch.bfloat16)})
+        repo.commit({"w": torch.ones(2, 2, dtype=torch.bfloat16)})
+        (cast,) = repo.diff("HEAD~2", "HEAD~1")
+        (reshaped,) = repo.diff("HEAD~1", "HEAD")
+        (same,) = repo.diff("HEAD~2", "HEAD~2")
+    assert cast.was == ("torch.float32", (4,)) and reshaped.was == ("torch.bfloat16", (4,)) and same.was is None
+    assert reshaped.to_json()["old_dtype"] == "torch.bfloat16" and reshaped.to_json()["old_shape"] == [4]
+    out = ckpt_here(tmp_path, "diff", "HEAD~2", "HEAD~1").stdout
+    assert "changed w torch.float32 (4,) -> torch.bfloat16 (4,) rel_l2=" in out, out
