@@ -17,7 +17,7 @@ from ckptstore.cli.params import (
     metric_values,
     percentage,
 )
-from ckptstore.errors import ReadOnlyRepoError, RetentionError, listing, shown_name
+from ckptstore.errors import ConflictError, ReadOnlyRepoError, RetentionError, listing, shown_name
 from ckptstore.repo import EncodingSettings, Repository, subject
 
 
@@ -173,6 +173,9 @@ def watch(ctx, folder, interval, branch, lossy, once) -> None:
         echo(f"waiting: {name}: {why}")
     how = "stopped on Ctrl-C" if report.stopped else "done"
     echo(f"{how}: {len(report.committed)} checkpoint(s) committed")
+    if once and report.conflicted:  # a scan to come would have tried them again: --once has none
+        raise ConflictError(f"{', '.join(report.conflicted)}: not committed, another writer moved the branch "
+                            "meanwhile; run `ckpt watch --once` again to commit them on top")
 
 
 @cli.command("export")

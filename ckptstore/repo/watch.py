@@ -117,6 +117,7 @@ class WatchReport:
     committed: list[tuple[str, str, int | None]] = field(default_factory=list)
     waiting: dict[str, str] = field(default_factory=dict)
     stopped: bool = False
+    conflicted: list[str] = field(default_factory=list)  # not committed in the last pass: another writer moved it
 
 
 def watch_folder(repo: Repository, folder: str | os.PathLike, options: WatchOptions | None = None,
@@ -156,6 +157,7 @@ def _watch(repo: Repository, folder: Path, options: WatchOptions, stop: threadin
                 say(f"{shown_name(source.name)}: not committed: {source.incomplete}")
                 told.add(source.name)
         ready = [s for s in now.values() if _ready(s, before.get(s.name), state)]
+        report.conflicted = []
         for source in sorted(ready, key=lambda s: (s.step is None, s.step or 0, s.name)):
             if stop.is_set():
                 break
@@ -229,6 +231,7 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, comm
         return
     except ConflictError as exc:  # another writer moved the branch: the next scan tries again
         say(f"{shown}: {_why(exc)}")
+        report.conflicted.append(shown)
         return
     except (CheckpointFormatError, UnsupportedStateError, FileNotFoundError, UnicodeEncodeError,
             PermissionError) as exc:  # UnicodeEncodeError: a folder above whose name is not UTF-8

@@ -206,6 +206,28 @@ def test_cli_watch_once(repo, tmp_path, monkeypatch):
     assert "a.pt" in result.output and "done: 1 checkpoint(s) committed" in result.output
 
 
+
+def test_watch_once_whose_commit_met_another_writer_exits_3_naming_what_it_left(repo, tmp_path):
+    """--once exited 0 after a checkpoint lost its commit to another writer: nothing said it stayed uncommitted
+    (auditor helper 268, left low at stop 61)."""
+    from tests.conftest import wait_until_held
+
+    run, gate = tmp_path / "run", tmp_path / "gate"
+    run.mkdir()
+    torch.save({"w": torch.ones(3)}, run / "a.pt")
+    watching = subprocess.Popen([sys.executable, "-m", "ckptstore", "watch", str(run), "--once", "--interval", "0.05"],
+                                cwd=tmp_path, env={**ckpt_env(), "CKPT_WAIT_AT": f"commit:manifest-written={gate}"},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until_held(gate, watching)
+    other = repo.commit({"w": torch.zeros(3)})  # another writer moves the branch meanwhile
+    gate.touch()
+    out, err = watching.communicate(timeout=120)
+    assert watching.returncode == 3, (out, err)
+    assert "a.pt: not committed, another writer moved the branch meanwhile; run `ckpt watch --once` again" in err
+    assert [c.id for c in repo.log()] == [other]
+    assert ckpt_here(tmp_path, "watch", str(run), "--once", "--interval", "0.05").returncode == 0
+    assert [c.message for c in repo.log()][0] == "watch: a.pt"
+
 def test_a_newline_or_backslash_in_a_watched_name_is_written_out_not_a_line_of_its_own(repo, tmp_path):
     """A file "x\\n[0123456789ab] fake.pt" printed "waiting: x", then a line that looked like a commit (auditor)."""
     run = tmp_path / "run"
