@@ -12,7 +12,8 @@ wrote it anew) is left as it is, and its temporary file removed: nothing of the 
 to a late rename. A checkout in place also moves HEAD once its renames are done; the journal
 names that move, so HEAD and the files agree however the checkout ended (Ctrl-C finishes the
 renames and moves HEAD; a process that finishes a dead one's renames moves it too, unless it had
-to leave a rename undone). A journal written in another place (the repository was copied or moved
+to leave a rename undone; a failure, such as a full disk, after the first rename keeps the journal for
+the next command to finish, as after a kill). A journal written in another place (the repository was copied or moved
 since) is dropped with a warning: its paths name the old place.
 """
 
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptstore.errors import CkptError
+from ckptstore.errors import CkptError, PrunedCommitError
 from ckptstore.warn import warn_caller
 
 FOLDER = "journals"
@@ -57,6 +58,7 @@ def renaming(repo_dir: Path | None, renames: Sequence[tuple[Path, Path]], deleti
             "deletions": [[str(p), _stamp(p)] for p in deletions],
             "head": [head.commit, head.branch] if head is not None else None}
     fd, path = _write(repo_dir, plan) if repo_dir is not None else (None, None)
+    kept = False
     try:
         yield
         if head is not None:
@@ -65,10 +67,46 @@ def renaming(repo_dir: Path | None, renames: Sequence[tuple[Path, Path]], deleti
         if _carry_out(plan) and head is not None:
             head.move(head.commit, head.branch)
         raise
+    except PrunedCommitError:  # HEAD's move refused for good (its commit removed meanwhile): the error says so
+        raise
+    except Exception as exc:
+        if not _begun(plan):  # nothing replaced or deleted yet: the folder is as it was
+            raise
+        # a full disk (a folder's mkdir), EIO (a sync), HEAD's database write: the folder holds files of both
+        # commits, so the journal stays for the next command to finish, as after a kill
+        kept = fd is not None
+        raise CheckoutInterruptedError(exc, kept) from exc
     finally:
         if fd is not None:
-            path.unlink(missing_ok=True)
+            if not kept:
+                path.unlink(missing_ok=True)
             os.close(fd)
+
+
+class CheckoutInterruptedError(CkptError):
+    """A failure after a checkout began replacing files; `journal_kept`: its journal (and staged files) stay."""
+
+    def __init__(self, cause: Exception, journal_kept: bool) -> None:
+        self.journal_kept = journal_kept
+        then = ("run any ckpt command (e.g. `ckpt status`) to finish it" if journal_kept else
+                "the folder holds files of both commits: check it out again")
+        super().__init__(f"the checkout was interrupted after it began replacing files: {_what_failed(cause)}; {then}")
+
+
+def _what_failed(exc: Exception) -> str:
+    """The failure in a few words, without a full disk's "nothing was lost: the write is undone" (not so here)."""
+    from ckptstore.errors import explain
+
+    said = explain(exc)
+    if said is None and isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    return str(said or exc).split("; nothing was lost", 1)[0]
+
+
+def _begun(plan: dict) -> bool:
+    """Whether the plan's steps began: a file it deletes is gone, or a staged file was renamed into place."""
+    return (any(stamp is not None and _stamp(deleted) is None for deleted, stamp in plan["deletions"])
+            or any(not Path(staging).exists() for staging, _, _ in plan["renames"]))
 
 
 def _write(repo_dir: Path, plan: dict) -> tuple[int | None, Path | None]:

@@ -223,6 +223,7 @@ def write_selection(repo: Repository, selection: Selection, plan: CheckoutPlan,
     into place are journalled (repo/journal.py; none in a read-only repository).
     """
     from ckptstore.formats.atomic import temp_beside
+    from ckptstore.repo.journal import CheckoutInterruptedError
     from ckptstore.repo.worktree import (
         move_into_place,
         refuse_changed_meanwhile,
@@ -254,6 +255,10 @@ def write_selection(repo: Repository, selection: Selection, plan: CheckoutPlan,
                 set_mode(staging, record.mode)
         refuse_changed_meanwhile(repo, plan)  # a -o plan has no extras: it deletes nothing
         move_into_place(None if repo.read_only else repo.dir, staged)
+    except CheckoutInterruptedError as exc:
+        if exc.journal_kept:  # the files it still renames: the next command finishes the checkout with them
+            staged.clear()
+        raise
     finally:
         for staging, _ in staged:
             staging.unlink(missing_ok=True)

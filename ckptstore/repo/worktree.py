@@ -376,7 +376,8 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
     HEAD's move once the files are in place (a checkout in place; see journal.py).
 
     A failure while writing (a full disk) leaves the folder as it was, never one file of each
-    commit. Each file's digest is recorded before it is renamed into place: another checkout
+    commit; one after the renames began keeps their journal, for the next command to finish
+    (journal.CheckoutInterruptedError). Each file's digest is recorded before it is renamed into place: another checkout
     that finds it there knows it.
     """
     refuse_folders_in_the_way(plan)
@@ -389,6 +390,10 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
                            target))
         refuse_changed_meanwhile(repo, plan)
         move_into_place(None if repo.read_only else repo.dir, staged, plan.extras, plan.folders, head)
+    except journal.CheckoutInterruptedError as exc:
+        if exc.journal_kept:  # the files it still renames: the next command finishes the checkout with them
+            staged.clear()
+        raise
     finally:
         for staging, _ in staged:
             staging.unlink(missing_ok=True)

@@ -605,6 +605,19 @@ def test_a_folder_checkout_killed_among_its_renames_is_finished_by_the_next_comm
     _at_first_commit(tmp_path, folder, first)
 
 
+def test_a_folder_checkout_that_fails_among_its_renames_keeps_its_journal_for_the_next_command(tmp_path):
+    """A failure (a full disk) after the first rename left files of both commits, deleted the journal and the staged
+    files, and said "the interrupted write is undone": the journal now stays, and the next command finishes it."""
+    folder, first = _two_folder_commits(tmp_path)
+    failed = subprocess.run([sys.executable, "-m", "ckptstore", "checkout", first[:12]], cwd=tmp_path,
+                            env=ckpt_env(CKPT_FAIL_AT="checkout:renamed"), capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr
+    assert "undone" not in failed.stderr and "run any ckpt command" in failed.stderr, failed.stderr
+    assert sorted(_values(folder).values()) == [1.0, 12.0, 13.0]  # one file of the first commit, two of the second
+    assert len(list((tmp_path / ".ckpt" / "journals").glob("*.json"))) == 1
+    _at_first_commit(tmp_path, folder, first)
+
+
 def _checkout_held_after_its_first_rename(root, commit: str, release) -> subprocess.Popen:
     """`ckpt checkout COMMIT` in a process of its own, held after its first rename until `release` exists."""
     return subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", commit[:12]], cwd=root,
