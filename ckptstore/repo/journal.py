@@ -52,7 +52,7 @@ def renaming(repo_dir: Path | None, renames: Sequence[tuple[Path, Path]], deleti
     The block ends with the renames durable (its folders synced), then `head` is moved: the
     journal goes after both. With `repo_dir` None (a read-only repository), or where `.ckpt/`
     cannot take a journal (a full disk: `checkout -o` elsewhere still works), the block runs
-    without one.
+    without one; a file where `.ckpt/journals/` belongs is refused (CkptError), nothing touched.
     """
     plan = {"root": str(repo_dir), "renames": [[str(a), str(b), _stamp(b)] for a, b in renames],
             "deletions": [[str(p), _stamp(p)] for p in deletions],
@@ -115,6 +115,10 @@ def _write(repo_dir: Path, plan: dict) -> tuple[int | None, Path | None]:
 
     folder = repo_dir / FOLDER
     temp, fd = folder / f".{secrets.token_hex(8)}.tmp", None
+    if os.path.lexists(folder) and not folder.is_dir():  # damage, not a full disk: running unjournalled would let a
+        # kill among the renames leave HEAD and the files disagreeing, where moving the file away is one step
+        raise CkptError(f"{folder} is not a folder (a file stands where checkouts keep their journals): move it "
+                        "away and run the command again")
     try:
         folder.mkdir(exist_ok=True)
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides who may finish it
@@ -128,7 +132,8 @@ def _write(repo_dir: Path, plan: dict) -> tuple[int | None, Path | None]:
     except OSError:
         if fd is not None:
             os.close(fd)
-        temp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the error that stopped the journal may stop this too
+            temp.unlink(missing_ok=True)
         return None, None
 
 

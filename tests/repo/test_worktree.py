@@ -618,6 +618,22 @@ def test_a_folder_checkout_that_fails_among_its_renames_keeps_its_journal_for_th
     _at_first_commit(tmp_path, folder, first)
 
 
+def test_a_file_where_the_journals_folder_belongs_is_one_clear_error_and_the_checkout_touches_nothing(tmp_path):
+    """It was "unexpected NotADirectoryError" (the temporary journal's cleanup failed as the write had)."""
+    from ckptstore import Repository
+
+    folder, first = _two_folder_commits(tmp_path)
+    second = _second_commit(tmp_path)
+    shutil.rmtree(tmp_path / ".ckpt" / "journals", ignore_errors=True)
+    (tmp_path / ".ckpt" / "journals").write_text("x")
+    before = _files(folder)
+    with Repository.open(tmp_path) as repo:
+        with pytest.raises(CkptError, match=r"journals is not a folder .*move it away"):
+            repo.checkout_to(first)
+        assert repo.head() == ("main", second)
+    assert _files(folder) == before  # no file replaced, no staged file left
+
+
 def _checkout_held_after_its_first_rename(root, commit: str, release) -> subprocess.Popen:
     """`ckpt checkout COMMIT` in a process of its own, held after its first rename until `release` exists."""
     return subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", commit[:12]], cwd=root,
