@@ -42,11 +42,12 @@ class FsckReport:
     unchecked: list[str] = field(default_factory=list)  # a lazy clone's objects not held here, its origin unreachable
     unchecked_why: str = ""
     newer: list[str] = field(default_factory=list)  # commits a newer ckptstore wrote: their manifests not read here
+    unreadable: dict[str, str] = field(default_factory=dict)  # objects this user may not read: their paths
 
     @property
     def ok(self) -> bool:
         return not (self.damaged_objects or self.missing_records or self.damaged_records or self.unchecked
-                    or self.newer)
+                    or self.newer or self.unreadable)
 
 
 def gc(repo: Repository, prune_unreachable: bool = False, wait: bool = True) -> GcReport:
@@ -197,6 +198,8 @@ def _check_objects(repo: Repository, live_objects: Iterable[ObjectId], report: F
                 raise
             report.unchecked.append(oid)
             report.unchecked_why, store = str(exc), held_here(repo.store)
+        except PermissionError as exc:  # another user's file (their umask): said, and the rest still checked
+            report.unreadable[oid] = exc.filename or str(exc)
         except CorruptObjectError as exc:
             if store is repo.store or exc.problem != "missing":
                 report.damaged_objects[oid] = exc.problem
@@ -212,6 +215,7 @@ def _forget_what_was_removed(repo: Repository, report: FsckReport) -> None:
         _, needed = liveness.live(tx)
         tensors = liveness.recorded_tensors(tx) | liveness.referenced_tensors(tx)
     report.damaged_objects = {oid: why for oid, why in report.damaged_objects.items() if oid in needed}
+    report.unreadable = {oid: path for oid, path in report.unreadable.items() if oid in needed}
     report.broken_commits = {cid: oids for cid, oids in report.broken_commits.items() if cid in commits}
     report.missing_records = [tid for tid in report.missing_records if tid in tensors]
     kept = {"commit": rows, "tensor": tensors}
@@ -233,7 +237,8 @@ def _replay_all(repo: Repository, manifests: list, report: FsckReport) -> None:
     """Fsck --full: replay every commit's tensors, checking each against its id."""
     from ckptstore.repo.checkout import restore
 
-    unchecked = set(repo.commits_needing(report.unchecked)) if report.unchecked else set()
+    not_read = [*report.unchecked, *report.unreadable]
+    unchecked = set(repo.commits_needing(not_read)) if not_read else set()
     for cid, manifest_oid in manifests:
         if manifest_oid in report.damaged_objects or cid in report.broken_commits or cid in unchecked:
             continue

@@ -4,6 +4,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import os
 import re
 import sqlite3
 import subprocess
@@ -399,6 +400,35 @@ def _lose_objects_of(repo, cid, path):
     with repo.db.read() as tx:
         for (oid,) in tx.rows("SELECT object_id FROM tensor_chunks WHERE tensor_id = ?", (tensor,)):
             repo.store.path_of(oid).unlink(missing_ok=True)
+
+
+def _object_of(repo, cid):
+    """The path of the one object that commit `cid`'s tensor `w` is stored in."""
+    tensor = repo.manifest(cid).entries["w"].tensor
+    with repo.db.read() as tx:
+        (oid,), = tx.rows("SELECT DISTINCT object_id FROM tensor_chunks WHERE tensor_id = ?", (tensor,))
+    return repo.store.path_of(oid)
+
+
+def test_fsck_reports_an_object_this_user_may_not_read_and_goes_on_to_find_the_damage(tmp_path):
+    """One object another user's umask kept from this one stopped fsck with a permission error: a truncated object
+    checked after it went unreported (auditor helper 281)."""
+    with Repository.init(tmp_path) as repo:
+        denied, cut = (_object_of(repo, repo.commit({"w": torch.randn(1 << 16, generator=torch.Generator()
+                                                                      .manual_seed(seed))})) for seed in (1, 2))
+    denied.chmod(0)
+    cut.chmod(0o644)
+    with open(cut, "r+b") as handle:
+        handle.truncate(1000)
+    as_a_user = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+    try:
+        result = subprocess.run([*as_a_user, sys.executable, "-m", "ckptstore", "fsck"], cwd=tmp_path, env=ckpt_env(),
+                                capture_output=True, text=True, timeout=120)
+    finally:
+        denied.chmod(0o444)
+    assert result.returncode == 1 and "error:" not in result.stderr, result.stderr
+    assert f"unreadable object {denied.parent.name}{denied.name}: permission denied on {denied}" in result.stdout
+    assert f"damaged object {cut.parent.name}{cut.name}: corrupted" in result.stdout, result.stdout
 
 
 def test_the_next_step_after_a_lost_record_is_encoded_whole_at_every_level(repo):
