@@ -252,8 +252,7 @@ class ReadOnlyRepoError(CkptError):
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _DISK_FULL_WORDS = ("database or disk is full", "no space left on device", "file write failed")
 _NOTHING_LOST = ("nothing was lost: the interrupted write is undone and earlier commits are intact. {remedy} and run "
-                 "the command again (once there is room for its database write, `ckpt gc` also removes what "
-                 "interrupted commits left)")
+                 "the command again (`ckpt gc` removes what interrupted commits left, on a full disk too)")
 
 
 def disk_full(detail: str) -> DiskFullError:

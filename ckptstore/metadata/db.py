@@ -343,6 +343,11 @@ class Database:
                     self.backend.rollback(connection)
             self._release(connection)
 
+    @property
+    def full(self) -> bool:
+        """Whether it is read-only for want of room (as it was found last: refuse_writes looks again)."""
+        return self.read_only and self._full
+
     def refuse_writes(self, what: str = "this command") -> None:
         """Raise ReadOnlyRepoError when the database was opened read-only (or the disk is full still)."""
         if self.read_only and self._full:  # read-only for want of room: is there some now?

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, CorruptObjectError, StoreUnavailableError
+from ckptstore.errors import CkptError, CorruptObjectError, ReadOnlyRepoError, StoreUnavailableError
 from ckptstore.hashing import ObjectId
 from ckptstore.metadata import liveness
 from ckptstore.objectstore.fallback import held_here
@@ -59,8 +62,48 @@ def gc(repo: Repository, prune_unreachable: bool = False, wait: bool = True) -> 
     records that say what the remaining commits need are damaged: what they lost track of may
     be the only copy. `wait` False: RepoLockedError at once instead of waiting.
     """
+    cleared = clear_tmp_for_room(repo, "gc", wait)
     with repo.lock(exclusive=True, wait=wait):
-        return collect(repo, prune_unreachable)
+        report = collect(repo, prune_unreachable)
+    report.temp_files_removed += cleared
+    return report
+
+
+def clear_tmp_for_room(repo: Repository, verb: str, wait: bool = True) -> int:
+    """On a full disk, remove the store's leftovers of interrupted writes before gc or prune; returns how many.
+
+    The database is read-only while its disk is full (metadata/db.py), so gc, whose first step
+    clears them, was refused, though a killed commit's leftovers are often what filled the disk.
+    Cleared under the exclusive file lock (no write is in progress), then the disk is looked at
+    again; still full, the refusal names what was cleared.
+    """
+    if not repo.db.full:
+        return 0
+    from ckptstore.repo import owner
+    from ckptstore.repo.lock import repo_lock
+
+    owner.refuse_anothers(repo)  # deletes only in its own store, as gc itself
+    tmp = getattr(held_here(repo.store), "tmp", None)
+    with repo_lock(repo.dir / "lock", exclusive=True, wait=wait):
+        size = _bytes_under(tmp)
+        removed = repo.store.clear_tmp()
+    try:
+        repo.db.refuse_writes(verb)
+    except ReadOnlyRepoError as exc:
+        raise ReadOnlyRepoError(f"{exc}. {verb} first removed what interrupted writes left in {tmp or 'the store'} "
+                                f"({removed} file(s), {size:,} bytes), and the disk is still full: free some space "
+                                "there and run it again") from None
+    return removed
+
+
+def _bytes_under(folder: Path | None) -> int:
+    """The bytes of the files under `folder` (none where it is missing)."""
+    total = 0
+    for parent, _, files in os.walk(folder) if folder is not None else ():
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(parent, name)).st_size
+    return total
 
 
 def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:

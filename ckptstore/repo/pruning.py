@@ -98,6 +98,9 @@ def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool
             kept, bases = retention_rows.listed_tensors(tx, gone), retention_rows.all_bases(tx)
             report.pruned, report.tensors_reencoded = sorted(gone), len(_relinks(kept, bases))
         return report
+    from ckptstore.repo.maintenance import clear_tmp_for_room
+
+    clear_tmp_for_room(repo, "prune", wait)  # a full disk's leftovers first: the prune's database write needs room
     with repo.lock(exclusive=True, wait=wait):
         with repo.db.read() as tx:
             gone = _doomed(tx, policy)

@@ -647,6 +647,26 @@ def test_gc_of_a_repository_with_a_lost_manifest_still_collects_its_garbage(tmp_
         assert_same({"w": torch.randn(50_000, generator=torch.Generator().manual_seed(0))}, repo.checkout(kept))
 
 
+def test_gc_on_a_disk_that_leftovers_of_killed_commits_filled_clears_them_and_runs(tmp_path):
+    """The database goes read-only on a full disk, and gc (whose first step clears `.ckpt/tmp`) was refused with
+    it: the leftovers that filled the disk stayed for good (auditor helper 281)."""
+    from tests.test_cli_errors import fill, small_disk
+
+    with small_disk(tmp_path / "disk", "3m") as mounted:
+        if not mounted:
+            pytest.skip("needs a tmpfs to fill (root)")
+        root = tmp_path / "disk" / "repo"
+        with Repository.init(root) as repo:
+            kept = repo.commit({"w": torch.arange(1000.0)})
+        fill(root / ".ckpt" / "tmp" / "leftover")  # what a commit killed while writing an object left, up to full
+        with Repository.open(root) as repo:
+            assert repo.read_only  # for want of room
+            assert gc(repo).temp_files_removed == 1
+            assert not list((root / ".ckpt" / "tmp").iterdir())
+            assert torch.equal(repo.checkout(kept)["w"], torch.arange(1000.0))
+            repo.commit({"w": torch.ones(10)})  # room again: writes go on
+
+
 def test_gc_deletes_the_garbage_it_may_and_warns_of_what_it_may_not(tmp_path, monkeypatch):
     """One object of another user's (their umask) stopped gc at it: every later gc and prune failed there and the
     rest of the garbage stayed for good (auditor)."""

@@ -587,6 +587,32 @@ def test_a_full_disk_in_the_policy_prune_after_a_commit_says_the_commit_was_reco
         assert torch.equal(repo.checkout("HEAD")["w"], weight)
 
 
+def test_prune_on_a_full_disk_clears_what_interrupted_writes_left_and_says_so_if_still_full(tmp_path):
+    """The full disk's read-only database refused prune before it cleared `.ckpt/tmp`: the leftovers stayed, and
+    the refusal never said where the room had gone (auditor helper 281)."""
+    from ckptstore.errors import ReadOnlyRepoError
+    from tests.test_cli_errors import fill, small_disk
+
+    with small_disk(tmp_path / "disk", "3m") as mounted:
+        if not mounted:
+            pytest.skip("needs a tmpfs to fill (root)")
+        root = tmp_path / "disk" / "repo"
+        with Repository.init(root) as repo:
+            for step in range(2):
+                repo.commit({"w": torch.full((1000,), float(step))})
+        (root / ".ckpt" / "tmp" / "leftover").write_bytes(b"x")  # freeing its page leaves the disk full still
+        fill(tmp_path / "disk" / "filler")
+        with Repository.open(root) as repo:
+            with pytest.raises(ReadOnlyRepoError, match=r"prune first removed what interrupted writes left in "
+                                                        r".*/\.ckpt/tmp \(1 file\(s\), 1 bytes\), and the disk is "
+                                                        r"still full"):
+                prune(repo, RetentionPolicy(keep_last=1))
+        assert not list((root / ".ckpt" / "tmp").iterdir())
+        (tmp_path / "disk" / "filler").unlink()
+        with Repository.open(root) as repo:
+            assert len(prune(repo, RetentionPolicy(keep_last=1)).pruned) == 1  # room again: it prunes
+
+
 def _drifting_commits(repo: Repository, steps: int) -> tuple[list[str], torch.Tensor]:
     """`steps` commits (c0, c1, ...) of a weight whose next 100 elements move by 1.0 each: a residual chain.
 
