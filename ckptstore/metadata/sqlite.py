@@ -281,4 +281,7 @@ class SqliteBackend:
         return "Restore .ckpt/ckpt.db from a backup"
 
     def repository(self) -> str:
-        return f"the repository at {self.path.parent.parent}"
+        """The repository whose `.ckpt` holds the file; one kept elsewhere (sqlite:////PATH) is named by its file."""
+        if self.path.parent.name == ".ckpt":
+            return f"the repository at {self.path.parent.parent}"
+        return f"the metadata at {self.path}"

@@ -13,6 +13,7 @@ from ckptstore.errors import RepoNotFoundError
 
 REPO_DIR = ".ckpt"
 DATABASE = "ckpt.db"  # inside REPO_DIR, where no metadata URL is configured
+SQLITE_PREFIX = "sqlite:///"  # metadata/sqlite.py's, not imported: the launcher imports this module, and nothing heavy
 
 
 def named_root(folder: str | os.PathLike, named_by: str = "CKPT_REPO=") -> Path:
@@ -48,9 +49,20 @@ def find_root(start: str | os.PathLike | None = None) -> Path:
     raise RepoNotFoundError(f"no ckptstore repository in {here} or any parent; run `ckpt init` first")
 
 
-def unwritable(folder: Path) -> str:
-    """Why this process cannot write the repository folder `folder` (its database included), or ""."""
-    for path in (folder, *(folder / f"ckpt.db{end}" for end in ("", "-wal", "-shm"))):
+def unwritable(folder: Path, metadata_url: str = "") -> str:
+    """Why this process cannot write the repository folder `folder` or its SQLite database, or "".
+
+    The database is `folder`'s ckpt.db unless the config's `metadata_url` names a SQLite file
+    elsewhere (relative to the repository's folder, as recorded): there SQLite writes beside its
+    file (-wal, -shm), so that file's folder must be writable too. A server's is not checked here.
+    """
+    database = folder / DATABASE
+    if metadata_url.startswith(SQLITE_PREFIX):
+        database = folder.parent / metadata_url[len(SQLITE_PREFIX):]  # an absolute path replaces the base
+    elif metadata_url:
+        database = None
+    beside = [] if database is None else [database.parent, *(Path(f"{database}{end}") for end in ("", "-wal", "-shm"))]
+    for path in dict.fromkeys([folder, *beside]):
         if path.exists() and not os.access(path, os.W_OK):
             return f"{path} is not writable{_owned_by(path)}"
     return ""

@@ -90,14 +90,14 @@ class Repository:
     def open(cls, path: str | os.PathLike | None = None, read_only: bool | None = None) -> Repository:
         """Open the repository at or above `path` (or CKPT_REPO, or the cwd); upgrades its schema.
 
-        `read_only` None: read-only exactly when this process may not write its `.ckpt` folder
-        (a read-only mount, another user's files). Read-only, opening writes nothing and every
-        writing verb raises ReadOnlyRepoError before it starts.
+        `read_only` None: read-only exactly when this process may not write its `.ckpt` folder or
+        its SQLite database, wherever that is (a read-only mount, another user's files). Read-only,
+        opening writes nothing and every writing verb raises ReadOnlyRepoError before it starts.
         """
         root = find_root(path)
-        why = "opened with --read-only" if read_only else unwritable(root / REPO_DIR)
-        return cls(root, RepoConfig.load(root / REPO_DIR / "config.toml"),
-                   read_only=bool(why) if read_only is None else read_only, why=why)
+        config = RepoConfig.load(root / REPO_DIR / "config.toml")
+        why = "opened with --read-only" if read_only else unwritable(root / REPO_DIR, config.metadata_url)
+        return cls(root, config, read_only=bool(why) if read_only is None else read_only, why=why)
 
     def own_folders(self) -> list[Path]:
         """Its `.ckpt/` and its local object store wherever objects_url put it (never content), links resolved.

@@ -169,3 +169,22 @@ def test_an_unwritable_copy_whose_log_holds_commits_but_lost_its_shared_memory_f
     with unwritable(tmp_path / "r") as view:
         one_error_line(run(view, "log"), "ckpt.db-shm is missing", "writable")
     assert "late" in run(tmp_path / "r", "branch").stdout  # where it can be written, the commit is there
+
+
+def test_a_database_kept_outside_the_repository_in_an_unwritable_folder_is_read_and_that_folder_named(tmp_path):
+    """metadata_url = sqlite:////ABS/PATH (the docs allow it): `.ckpt` writable, the database's folder not.
+
+    Only `.ckpt` was checked: the open went on writable, and log failed blaming `.ckpt`.
+    """
+    (tmp_path / "meta").mkdir()
+    with Repository.init(tmp_path / "r", metadata_url=f"sqlite:///{tmp_path / 'meta' / 'ckpt.db'}") as repo:
+        repo.commit({"w": torch.ones(4)}, step=1, message="kept elsewhere")
+    config = tmp_path / "r" / ".ckpt" / "config.toml"
+    with unwritable(tmp_path / "meta") as view:
+        config.write_text(config.read_text().replace(str(tmp_path / "meta"), str(view)))
+        assert "kept elsewhere" in run(tmp_path / "r", "log", "--oneline").stdout
+        torch.save({"w": torch.zeros(4)}, tmp_path / "r" / "c.pt")
+        one_error_line(run(tmp_path / "r", "commit", "c.pt"),
+                       f"write to the metadata at {view / 'ckpt.db'}, which is read-only", f"({view} is not writable)")
+        with Repository.open(tmp_path / "r") as repo:
+            assert repo.read_only and [c.message for c in repo.log()] == ["kept elsewhere"]

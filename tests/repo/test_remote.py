@@ -1222,7 +1222,7 @@ def test_a_push_to_a_remote_on_a_read_only_file_system_names_the_remote(pair, mo
     monkeypatch.undo()
     from ckptstore.repo import repository  # one found read-only on open is refused before anything is sent
 
-    monkeypatch.setattr(repository, "unwritable", lambda folder: f"{folder} is not writable" if hub_path in
+    monkeypatch.setattr(repository, "unwritable", lambda folder, *_: f"{folder} is not writable" if hub_path in
                         folder.parents or folder == hub_path / ".ckpt" else "")
     with pytest.raises(ReadOnlyRepoError, match=rf"push to origin refused: the remote \({hub_path}\) cannot be "
                                                 r"written from here \(.*is not writable\); nothing was sent"):
@@ -1230,7 +1230,7 @@ def test_a_push_to_a_remote_on_a_read_only_file_system_names_the_remote(pair, mo
     assert _object_files(hub_path) == []
     monkeypatch.undo()
     remote.push(work, "origin")
-    monkeypatch.setattr(repository, "unwritable", lambda folder: f"{folder} is not writable" if hub_path in
+    monkeypatch.setattr(repository, "unwritable", lambda folder, *_: f"{folder} is not writable" if hub_path in
                         folder.parents or folder == hub_path / ".ckpt" else "")
     again = remote.push(work, "origin")  # nothing to send: no write, so no refusal (reader 11)
     assert (again.commits, again.objects, again.refs_moved) == (0, 0, [])
