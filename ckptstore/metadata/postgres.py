@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,17 @@ def describe(url: str) -> str:
     port = str(parts.get("port") or "5432")
     user = f"{parts['user']}@" if parts.get("user") else ""
     return f"postgresql://{user}{host}:{port}/{parts.get('dbname') or ''}"
+
+
+def search_path(url: str) -> str:
+    """The search_path a URL's options set (`?options=-csearch_path%3DNAME`), or "" where it sets none.
+
+    libpq passes the options to the server as its command line: `-c NAME=VALUE` (a space optional) or
+    `--NAME=VALUE`, a backslash keeping a space; the last one given wins.
+    """
+    options = str(conninfo_to_dict(libpq_url(url)).get("options") or "")
+    found = re.findall(r"(?:-c\s*|--)search_path=((?:\\.|\S)+)", options)
+    return re.sub(r"\\(.)", r"\1", found[-1]) if found else ""
 
 
 @functools.lru_cache(maxsize=512)
@@ -166,6 +178,8 @@ class PostgresBackend:
         text = " ".join(str(exc).split())
         lowered = text.lower()
         at = f"PostgreSQL at {self.server}"
+        if isinstance(exc, pg_errors.InvalidSchemaName):  # "no schema has been selected to create in"
+            return self.no_schema(search_path(self.conninfo))
         if isinstance(exc, pg_errors.ReadOnlySqlTransaction):
             return ReadOnlyRepoError(f"{self.where} is read-only here ({text}); reading commands work")
         if isinstance(exc, pg_errors.DiskFull):
@@ -233,8 +247,27 @@ class PostgresBackend:
         return " (or a schema of its own in it: CREATE SCHEMA NAME, then add ?options=-csearch_path%3DNAME to the URL)"
 
     def tables(self, tx: Tx) -> set[str]:
-        return {str(row[0]) for row in tx.rows("SELECT tablename FROM pg_catalog.pg_tables "
-                                               "WHERE schemaname = current_schema()")}
+        """Our schema's tables; a search_path naming no schema that exists (a mistyped name) is refused.
+
+        Without a schema, the tables were looked for nowhere: an open said the database was empty,
+        an init failed on its first CREATE TABLE.
+        """
+        schema, path, names = tx.first("SELECT current_schema(), current_setting('search_path'), ARRAY(SELECT "
+                                       "tablename::text FROM pg_catalog.pg_tables WHERE schemaname = current_schema())")
+        if schema is None:
+            raise self.no_schema(path)
+        return {str(name) for name in names}
+
+    def no_schema(self, path: str) -> CkptError:
+        """The search_path `path` names no schema that exists in this database: which one to make, or fix."""
+        names = [name.strip().strip('"') for name in path.split(",") if name.strip()]
+        on = f"database {self.dbname!r} on PostgreSQL at {self.server}"
+        if len(names) == 1:
+            return CkptError(f"schema {names[0]!r} does not exist in {on}: CREATE SCHEMA {names[0]} there, or fix "
+                             "the search_path in the metadata URL (?options=-csearch_path%3DNAME)")
+        return CkptError(f"no schema of the search_path ({path or 'the server default'}) exists in {on}: create one "
+                         "(CREATE SCHEMA NAME), or fix the search_path in the metadata URL "
+                         "(?options=-csearch_path%3DNAME)")
 
     def storage_problems(self, tx: Tx, limit: int) -> list[str]:
         return []  # the server checks its own pages; amcheck would need superuser rights we do not ask for

@@ -217,6 +217,36 @@ def test_a_schema_of_its_own_named_in_the_url_holds_when_opened_read_only(postgr
 
 
 
+def test_a_search_path_naming_a_schema_that_does_not_exist_is_named_with_its_database(postgres_server, tmp_path):
+    """A mistyped schema name (own_place's advice: CREATE SCHEMA, then search_path): init said "unexpected
+    ProgrammingError ... please report it", an open that the database held no schema."""
+    from psycopg import errors as pg_errors
+
+    from ckptstore.metadata.postgres import PostgresBackend
+    from tests.conftest import ckpt_here
+
+    name = postgres_server.new_database().rsplit("/", 1)[1]
+    postgres_server.execute("CREATE SCHEMA ckpt", database=name)
+    said_missing = (f"schema 'ckpt2' does not exist in database '{name}' on PostgreSQL at "
+                    f"127.0.0.1:{postgres_server.port}")
+    mistyped = postgres_server.url(name) + "?options=-csearch_path%3Dckpt2"
+    said = ckpt_here(tmp_path, "init", "r", "--metadata", mistyped)
+    assert said.returncode == 1 and said.stderr == f"error: {said_missing}: CREATE SCHEMA ckpt2 there, or fix the " \
+                                                   "search_path in the metadata URL (?options=-csearch_path%3DNAME)\n"
+    assert not (tmp_path / "r").exists()
+    url = postgres_server.url(name) + "?options=-csearch_path%3Dckpt"
+    with Repository.init(tmp_path / "r", metadata_url=url) as repo:
+        repo.commit({"w": torch.ones(2)})
+    config = tmp_path / "r" / ".ckpt" / "config.toml"
+    config.write_text(config.read_text().replace(url, mistyped))
+    for flags in ([], ["--read-only"]):
+        said = ckpt_here(tmp_path / "r", *flags, "log")
+        assert said.returncode == 1 and said.stderr.startswith(f"error: {said_missing}:"), said.stderr
+    # a schema dropped under a running init: the server's own error is said the same way
+    raised = pg_errors.InvalidSchemaName("no schema has been selected to create in")
+    assert str(PostgresBackend(mistyped, False).explain(raised)).startswith(said_missing)
+
+
 def test_a_reading_command_behind_a_table_lock_gives_up_with_one_line(postgres_url, tmp_path, monkeypatch):
     """A schema change elsewhere holding a table exclusively: `ckpt log` waited forever; it waits as writers do."""
     import psycopg
