@@ -35,11 +35,11 @@ def _sqlite_begin(conn: Connection) -> None:
 
 
 def _postgres_begin(conn: Connection) -> None:
-    from ckptstore.metadata.postgres import LOCK_WAIT, WRITE_LOCK
+    from ckptstore.metadata.postgres import LOCK_WAIT, WRITE_LOCK, schema_key
 
     # bounded as a writer's wait is: an upgrade behind a teammate's stalled transaction waited forever, silent
     conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{LOCK_WAIT}'")
-    conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({WRITE_LOCK})")
+    conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({schema_key(WRITE_LOCK)})")  # the schema's, as writers
 
 
 def make_engine(url: str) -> Engine:

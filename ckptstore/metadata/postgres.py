@@ -2,7 +2,8 @@
 
 Writers serialize on one advisory lock taken first in their transaction (SQLite's BEGIN IMMEDIATE):
 two committers queue instead of failing halfway, and each sees the other's rows once it holds the
-lock (READ COMMITTED). Readers get a REPEATABLE READ, READ ONLY snapshot. psycopg is imported
+lock (READ COMMITTED). The locks are the schema's: repositories in other schemas of one database
+never wait for each other. Readers get a REPEATABLE READ, READ ONLY snapshot. psycopg is imported
 here only, when a `postgresql://` URL is opened.
 """
 
@@ -29,6 +30,19 @@ WRITE_LOCK = 0x636B_7074  # "ckpt": the advisory lock every writer (and every sc
 REPO_LOCK = 0x636B_7067  # "ckpg": commits hold it shared from first object to ref moved, gc alone
 LOCK_WAIT = "120s"  # as long as SQLite's busy timeout: a writer gives up after waiting this long
 CONNECT_TIMEOUT_S = 10
+
+
+def schema_key(key: int) -> str:
+    """SQL for advisory lock `key` of the session's schema, so repositories in other schemas never wait on each other.
+
+    In `public` the key itself, as every ckptstore before took it in any schema: an older process still running on
+    a repository there is excluded. Elsewhere the key beside the schema's oid, unique in its database (the lock's
+    scope); an older process on such a schema takes the bare key, so upgrade all the machines sharing it together.
+    """
+    return (f"COALESCE((SELECT CASE WHEN n.nspname = 'public' THEN {key} ELSE {key}::bigint << 32 | n.oid::bigint "
+            f"END FROM pg_catalog.pg_namespace n WHERE n.nspname = current_schema()), {key})")
+
+
 # A server that stops answering mid-command (a network partition) is found by the kernel: keepalives probe an idle
 # link, tcp_user_timeout drops one whose data goes unacknowledged this long. Without them a commit waited forever.
 # Where the URL sets one, its own value stands.
@@ -56,7 +70,10 @@ def sqlalchemy_url(url: str) -> str:
 
 
 def describe(url: str) -> str:
-    """The server and database a URL names, for messages: `postgresql://user@host:port/db`, never a password."""
+    """The server, database and schema a URL names, for messages: `postgresql://user@host:port/db`, never a password.
+
+    A search_path the URL sets follows, ` (search_path NAME)`: repositories in two schemas of one database differ.
+    """
     try:
         parts = conninfo_to_dict(libpq_url(url))
     except psycopg.Error:
@@ -65,7 +82,8 @@ def describe(url: str) -> str:
     host = str(parts.get("host") or parts.get("hostaddr") or "localhost")
     port = str(parts.get("port") or "5432")
     user = f"{parts['user']}@" if parts.get("user") else ""
-    return f"postgresql://{user}{host}:{port}/{parts.get('dbname') or ''}"
+    schema = f" (search_path {search_path(url)})" if search_path(url) else ""
+    return f"postgresql://{user}{host}:{port}/{parts.get('dbname') or ''}{schema}"
 
 
 def search_path(url: str) -> str:
@@ -129,7 +147,7 @@ class PostgresBackend:
     def begin(self, connection: psycopg.Connection, write: bool) -> None:
         if write:  # one round trip: begin, bound the wait, queue behind any other writer
             connection.execute(f"BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{LOCK_WAIT}'; "
-                               f"SELECT pg_advisory_xact_lock({WRITE_LOCK})")
+                               f"SELECT pg_advisory_xact_lock({schema_key(WRITE_LOCK)})")
         else:  # bounded too: a schema upgrade or an ALTER elsewhere holds its tables exclusively
             connection.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; "
                                f"SET LOCAL lock_timeout = '{LOCK_WAIT}'")
@@ -238,7 +256,8 @@ class PostgresBackend:
 
     def lock_statement(self, exclusive: bool, wait: bool) -> str | None:
         name = f"pg_{'' if wait else 'try_'}advisory_lock{'' if exclusive else '_shared'}"
-        return f"SELECT {name}({REPO_LOCK})"  # pg_advisory_lock returns void (None); the try_ forms a boolean
+        # pg_advisory_lock returns void (None); the try_ forms a boolean
+        return f"SELECT {name}({schema_key(REPO_LOCK)})"
 
     def accepted(self, db: Database) -> None:
         """Nothing to settle on a server once the schema is ours."""

@@ -247,6 +247,46 @@ def test_a_search_path_naming_a_schema_that_does_not_exist_is_named_with_its_dat
     assert str(PostgresBackend(mistyped, False).explain(raised)).startswith(said_missing)
 
 
+def test_repositories_in_two_schemas_of_one_database_lock_apart_and_are_named_apart(postgres_server, tmp_path,
+                                                                                    monkeypatch):
+    """The advice is a schema per repository, but every lock was the database's: a commit in one stalled gc in the
+    other, writers of both queued on one lock, and messages named the same database for both."""
+    import psycopg
+
+    from ckptstore.errors import RepoLockedError
+    from ckptstore.metadata import postgres
+    from ckptstore.repo.joining import _commit_in_flight
+
+    monkeypatch.setattr(postgres, "LOCK_WAIT", "2s")
+    name = postgres_server.new_database().rsplit("/", 1)[1]
+    postgres_server.execute("CREATE SCHEMA sa", "CREATE SCHEMA sb", database=name)
+    urls = {schema: f"{postgres_server.url(name)}?options=-csearch_path%3D{schema}" for schema in ("sa", "sb",
+                                                                                                   "public")}
+    repos = {schema: Repository.init(tmp_path / schema, metadata_url=url) for schema, url in urls.items()}
+    try:
+        assert repos["sa"].db.where == f"postgresql://postgres@127.0.0.1:{postgres_server.port}/{name} (search_path sa)"
+        with repos["sa"].lock():  # a commit in flight in sa
+            assert _commit_in_flight(repos["sa"]) and not _commit_in_flight(repos["sb"])
+            with repos["sb"].lock(exclusive=True, wait=False):  # gc in sb runs
+                pass
+            with pytest.raises(RepoLockedError, match=r"\(search_path sa\) is busy"), Repository.open(tmp_path / "sa") \
+                    as again, again.db.repository_lock(exclusive=True, wait=False):  # another machine's gc in sa waits
+                pass
+        with repos["sa"].db.write() as tx:  # a writer in sa holds the writers' lock: one in sb is not held up
+            tx.execute("UPDATE refs SET name = name WHERE 1 = 0")
+            repos["sb"].commit({"w": torch.ones(2)})
+        # in public, the database-wide key stands: a commit of an older ckptstore still running there excludes gc
+        with psycopg.connect(postgres_server.url(name), autocommit=True) as older:
+            older.execute(f"SELECT pg_advisory_lock_shared({postgres.REPO_LOCK})")
+            with pytest.raises(RepoLockedError, match="is busy"), repos["public"].lock(exclusive=True, wait=False):
+                pass
+            with repos["sa"].lock(exclusive=True, wait=False):
+                pass
+    finally:
+        for repo in repos.values():
+            repo.close()
+
+
 def test_a_reading_command_behind_a_table_lock_gives_up_with_one_line(postgres_url, tmp_path, monkeypatch):
     """A schema change elsewhere holding a table exclusively: `ckpt log` waited forever; it waits as writers do."""
     import psycopg
