@@ -44,7 +44,10 @@ def ensure_head(repo: Repository) -> None:
 
 
 def check_name(name: str) -> None:
-    """Reject names git would reject, and names that read as something else (HEAD, a commit id prefix)."""
+    """Reject names git would reject, and names that read as something else (HEAD, a commit id prefix).
+
+    Git's rules on each `/`-separated part are check_parts', for names made here only.
+    """
     if _HEX.fullmatch(name) and len(name) >= MIN_PREFIX:
         raise InvalidRefNameError(f"{name!r} reads as a commit id (hex digits) and would hide the commit it "
                                   "abbreviates; choose a name with a letter beyond a-f")
@@ -52,8 +55,9 @@ def check_name(name: str) -> None:
 
 
 def check_made_name(name: str, remotes: Iterable[str], tx: Tx) -> None:
-    """check_new_name and check_range_safe, for a name made here (a branch, a tag, `commit --branch NEW`)."""
+    """check_new_name, check_range_safe and check_parts, for a name made here (a branch, a tag, commit --branch)."""
     check_range_safe(name)
+    check_parts(name)
     check_new_name(name, remotes, tx)
 
 
@@ -65,6 +69,18 @@ def check_range_safe(name: str) -> None:
     """
     if name.endswith("."):
         raise InvalidRefNameError(f"{name!r} ends with '.', which a range (A..B) would swallow; choose another name")
+
+
+def check_parts(name: str) -> None:
+    """No `/`-separated part starting with '.' or ending with '.lock' (`a/.b`, `a/./b`, `a.lock/b`): git refuses them.
+
+    Only names made here, as check_range_safe: those an older ckptstore allowed are still read, fsck'd
+    and sent as before (check_form, which applies these rules to the whole name only).
+    """
+    for part in name.split("/"):
+        if part.startswith(".") or part.endswith(".lock"):
+            raise InvalidRefNameError(f"{name!r} has a part {part!r} that starts with '.' or ends with '.lock', which "
+                                      "git refuses in any part of a name; choose another name")
 
 
 def check_form(name: str, longest: int = MAX_NAME) -> None:

@@ -144,3 +144,28 @@ def test_a_name_ending_in_a_dot_is_not_made_here_but_one_an_older_ckptstore_made
     with remote.clone(str(tmp_path / "old"), tmp_path / "copy") as copy:
         assert copy.head() == ("release.", cid) and set(copy.branches()) >= {"release."}
         assert copy.log("release.")[0].id == cid
+
+
+@pytest.mark.parametrize("name", ["c.lock/d", "y/.hidden", "c/./d"])
+def test_a_part_git_refuses_is_not_made_here_but_a_branch_an_older_ckptstore_made_so_still_works(tmp_path, name):
+    """git refuses a part starting with '.' or ending in '.lock' anywhere in a name; only the whole name was
+    checked, so `c.lock/d`, `y/.hidden` and `c/./d` were made. A branch made so before still reads, takes commits,
+    passes fsck and is deleted."""
+    from ckptstore.metadata import refs as ref_rows
+    from ckptstore.repo import fsck
+
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit({"w": torch.ones(4)})
+        part = next(p for p in name.split("/") if p.startswith(".") or p.endswith(".lock"))
+        for make in (lambda: repo.branch(name), lambda: repo.tag(name),
+                     lambda: repo.commit({"w": torch.zeros(4)}, branch=name)):
+            with pytest.raises(InvalidRefNameError, match=f"has a part '{part}' that starts with '.' or ends with"):
+                make()
+        assert name not in repo.branches() and name not in repo.tags() and [c.id for c in repo.log()] == [cid]
+        with repo.db.write() as tx:  # as an older ckptstore made it
+            ref_rows.insert_ref(tx, name, "branch", cid)
+        assert repo.resolve(name) == cid and fsck(repo).ok
+        second = repo.commit({"w": torch.zeros(4)}, branch=name)
+        assert repo.resolve(name) == second and [c.id for c in repo.log(name)] == [second, cid]
+        assert repo.delete_branch(name) == second
+        assert name not in repo.branches()
