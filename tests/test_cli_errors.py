@@ -267,6 +267,20 @@ def test_repo_and_ckpt_repo_name_the_repository_itself_never_one_above_it(tmp_pa
         assert repo.log() == []  # nothing landed in the repository above
 
 
+def test_an_empty_repo_or_ckpt_repo_is_refused_not_taken_for_the_repository_above(tmp_path):
+    """`ckpt --repo "$UNSET" prune` pruned the repository above the current folder, `--repo "" init` made one in
+    it (auditor helper 279)."""
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    (tmp_path / "work").mkdir()
+    for args, env, named in ((["--repo", "", "log"], {}, "'--repo'"), (["--repo", "", "init"], {}, "'--repo'"),
+                             (["log"], {"CKPT_REPO": ""}, "CKPT_REPO")):
+        out = ckpt_here(tmp_path / "work", *args, env=env)
+        assert out.returncode == 2 and out.stdout == "", (args, out)
+        assert out.stderr.startswith(f"error: Invalid value for {named}: is empty (a variable not set?)"), out.stderr
+    assert not (tmp_path / "work" / ".ckpt").exists()
+    assert ckpt_here(tmp_path / "work", "--repo", "..", "log", env={"CKPT_REPO": ""}).returncode == 0  # typed wins
+
+
 def test_read_only_init_writes_nothing_and_bare_groups_print_their_help(tmp_path):
     refused = CliRunner().invoke(cli, ["--read-only", "init", str(tmp_path / "r")])
     assert isinstance(refused.exception, ReadOnlyRepoError) and not (tmp_path / "r").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import click
 
 from ckptstore.cli.output import echo
+from ckptstore.cli.params import PathGiven
 from ckptstore.errors import RepoLockedError
 from ckptstore.repo import Repository, named_root
 
@@ -27,6 +29,17 @@ def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> N
         ctx.exit()
 
 
+def _repo_set(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--repo as typed (PathGiven refuses ""), or an empty CKPT_REPO refused: click reads that one as unset.
+
+    Either way `ckpt --repo "$UNSET" prune` worked on whichever repository sat above the current folder.
+    """
+    if value is None and os.environ.get("CKPT_REPO") == "" and not ctx.resilient_parsing:
+        raise click.BadParameter("is empty (a variable not set?): set it to a path, or unset it", ctx, param,
+                                 param_hint="CKPT_REPO")
+    return value
+
+
 class _Command(click.Command):
     """A command whose --help is written as all output is: a stdout that refuses it fails as `ckpt log`'s does."""
 
@@ -43,8 +56,8 @@ class _Group(_Command, click.Group):
 
 
 @click.group(cls=_Group)
-@click.option("--repo", envvar="CKPT_REPO", help="Repository folder (that folder itself; default: the one at or above "
-                                                 "the current folder).")
+@click.option("--repo", envvar="CKPT_REPO", type=PathGiven(), callback=_repo_set,
+              help="Repository folder (that folder itself; default: the one at or above the current folder).")
 @click.option("--read-only", is_flag=True, help="Open the repository without writing to it.")
 @click.option("--debug", is_flag=True, help="Print the traceback of an error.")
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
@@ -53,7 +66,7 @@ class _Group(_Command, click.Group):
 def cli(ctx: click.Context, repo: str | None, read_only: bool, debug: bool) -> None:
     """A git-like store for training checkpoints (read-only where its folder cannot be written)."""
     from_env = ctx.get_parameter_source("repo") is click.core.ParameterSource.ENVIRONMENT
-    ctx.obj = {"repo": repo or None, "named_by": "CKPT_REPO=" if from_env else "--repo ", "read_only": read_only}
+    ctx.obj = {"repo": repo, "named_by": "CKPT_REPO=" if from_env else "--repo ", "read_only": read_only}
 
 
 def folder_named(ctx: click.Context) -> Path | None:
