@@ -28,6 +28,7 @@ import hashlib
 import importlib.machinery
 import json
 import os
+import re
 import socket
 import stat
 import struct
@@ -228,7 +229,7 @@ def _echo_reply(conn: socket.socket) -> int | None:
             channel, payload = b"", b""
         if channel in (STDOUT, STDERR):
             failed = _echo(sys.stdout if channel == STDOUT else sys.stderr, payload)
-            refused = refused or (failed if channel == STDOUT else None)
+            refused = refused or (_summary_refused(failed, payload) if channel == STDOUT and failed else None)
         elif channel == END:
             reply = json.loads(payload)
             if reply.get("stale"):
@@ -239,6 +240,15 @@ def _echo_reply(conn: socket.socket) -> int | None:
         else:
             raise DaemonGone("the ckpt daemon stopped in the middle of the command; earlier commits are "
                              "intact (`ckpt log` shows whether this one was recorded)")
+
+
+def _summary_refused(error: OutputError, payload: bytes) -> OutputError:
+    """The refusal of a commit's summary (only commits are forwarded): the recorded commit's id said, as the CLI does.
+
+    Said as "cannot write the output", a recorded commit read as failed and its retry found nothing changed.
+    """
+    summary = re.match(rb"\[([0-9a-f]{12})\]", payload)  # its first line: [ID] SUBJECT (sizes)
+    return OutputError(error.cause, recorded=f"commit {summary.group(1).decode()}") if summary else error
 
 
 def _refused_output(error: OutputError) -> int:

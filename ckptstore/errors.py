@@ -232,12 +232,16 @@ class BackgroundCommitError(CkptError):
 class OutputError(CkptError):
     """The command's standard output could not be written (its reader left, its disk is full): not the repository's."""
 
-    def __init__(self, cause: OSError) -> None:
+    def __init__(self, cause: OSError, recorded: str = "") -> None:
+        """`recorded`: what the command kept before its output failed (`commit ID`), said even to a reader gone."""
+        self.cause = cause
         self.errno = cause.errno
         # a reader gone (`ckpt log | head -1`) ends quietly with SIGPIPE's status, as git does
-        self.quiet = cause.errno == errno.EPIPE
-        self.exit_code = 128 + signal.SIGPIPE if self.quiet else 1
-        super().__init__(f"cannot write the output: {cause.strerror or cause}")
+        self.quiet = cause.errno == errno.EPIPE and not recorded
+        self.exit_code = 128 + signal.SIGPIPE if cause.errno == errno.EPIPE else 1
+        reason = cause.strerror or cause
+        super().__init__(f"{recorded} was recorded; its summary could not be written ({reason})" if recorded
+                         else f"cannot write the output: {reason}")
 
     @classmethod
     def closed(cls) -> OutputError:

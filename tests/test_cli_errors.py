@@ -404,6 +404,29 @@ def test_an_output_that_cannot_be_written_is_not_called_the_repository_disk(tmp_
     assert "disk is full" not in result.stderr and "ckpt gc" not in result.stderr
 
 
+def test_a_recorded_commit_whose_summary_cannot_be_written_says_its_id_on_stderr(tmp_path):
+    """A full, closed or abandoned stdout ended a recorded commit with a bare "cannot write the output": read as a
+    failed commit, its id lost, and the retry said "nothing changed" (auditor helper 279)."""
+    assert run(tmp_path, "init").returncode == 0
+    reader, writer = os.pipe()
+    os.close(reader)
+    for count, (stdout, code, why) in enumerate((("/dev/full", 1, "No space left on device"),
+                                                 (">&-", 1, "standard output is closed"),
+                                                 (writer, 141, "Broken pipe")), start=1):
+        torch.save({"w": torch.full((8,), float(count))}, tmp_path / "c.pt")
+        if stdout == ">&-":
+            result = subprocess.run(f"{sys.executable} -m ckptstore commit c.pt >&-", shell=True, cwd=tmp_path,
+                                    text=True, stderr=subprocess.PIPE, env=ckpt_env(), timeout=120)
+        else:
+            with open(stdout, "w") if isinstance(stdout, str) else contextlib.nullcontext(stdout) as out:
+                result = _output_to(tmp_path, out, "commit", "c.pt")
+        with Repository.open(tmp_path) as repo:
+            head, commits = repo.head()[1], len(repo.log())
+        assert (result.returncode, commits) == (code, count), (stdout, result.stderr)
+        assert result.stderr == f"error: commit {head} was recorded; its summary could not be written ({why})\n"
+    os.close(writer)
+
+
 def test_an_output_that_cannot_be_written_names_the_output_not_the_repository(tmp_path):
     """-o on a read-only file system, or in a folder where no file can be made (/dev/fd), is the output's problem."""
     from tests.conftest import ckpt_here

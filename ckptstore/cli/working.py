@@ -17,7 +17,7 @@ from ckptstore.cli.params import (
     metric_values,
     percentage,
 )
-from ckptstore.errors import ConflictError, ReadOnlyRepoError, RetentionError, listing, shown_name
+from ckptstore.errors import ConflictError, OutputError, ReadOnlyRepoError, RetentionError, listing, shown_name
 from ckptstore.repo import EncodingSettings, Repository, subject
 
 
@@ -91,18 +91,29 @@ def _say_committed(repo: Repository, cid: str, message: str | None, branch: str 
     """Print a recorded commit's summary (id, level, subject, sizes) and whether it is on no branch.
 
     The commit is recorded: a database that stops answering now (a server gone) costs the sizes
-    and the note, never the id, nor an error that would say the commit failed.
+    and the note, never the id, nor an error that would say the commit failed; a stdout that
+    refuses the summary (full, closed, its reader gone) gets the id said on stderr instead.
     """
+    try:
+        for line in _committed_lines(repo, cid, message, branch):
+            echo(line)
+    except OutputError as exc:  # read as "commit failed", a retry found nothing changed and the id was lost
+        raise OutputError(exc.cause, recorded=f"commit {cid}") from None
+
+
+def _committed_lines(repo: Repository, cid: str, message: str | None, branch: str | None) -> list[str]:
+    """The lines of `_say_committed`: with the sizes and the note where the database still answers."""
     try:
         info = repo.commit_info(cid)
         detached = branch is None and repo.head()[0] is None
     except Exception:  # noqa: BLE001 - whatever the database says, what matters was recorded
-        echo(f"[{cid[:12]}] {subject(message)}  (its sizes could not be read)")
-        return
+        return [f"[{cid[:12]}] {subject(message)}  (its sizes could not be read)"]
     mode = f" lossy:{info.lossy}" if info.lossy else ""
-    echo(f"[{cid[:12]}]{mode} {subject(message)}  ({size(info.raw_bytes)} -> {size(info.stored_bytes)} new)")
+    lines = [f"[{cid[:12]}]{mode} {subject(message)}  ({size(info.raw_bytes)} -> {size(info.stored_bytes)} new)"]
     if detached:
-        echo(f"note: HEAD is detached, so this commit is on no branch; to keep it: ckpt branch NAME {cid[:12]}")
+        lines.append(f"note: HEAD is detached, so this commit is on no branch; to keep it: ckpt branch NAME "
+                     f"{cid[:12]}")
+    return lines
 
 
 @cli.command()
