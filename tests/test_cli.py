@@ -1,6 +1,7 @@
 """The CLI as a user runs it: real subprocesses for exit codes and messages, CliRunner for flows."""
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -287,6 +288,27 @@ def test_a_newline_in_a_file_or_tensor_name_stays_on_its_line(tmp_path):
     back = ckpt_here(tmp_path, "checkout", "HEAD~1", "--force").stdout.splitlines()  # in place: the recorded path
     assert back[0].startswith("Restored ") and back[0].endswith("/a\\nmodified: b.pt/ck.pt"), back
     assert not any(line.startswith("modified: b.pt") for line in back), back
+
+
+def test_init_export_remote_and_clone_write_out_a_newline_and_bytes_not_utf8_in_paths(tmp_path):
+    """init, export -o, remote add/set-url/list and clone printed their folder or URL raw: a newline split the line,
+    a byte not UTF-8 showed as \\udcfd where the reference says \\xfd (auditor helper 279)."""
+    odd, hub = os.fsdecode(b"in\xfd"), "nl\nhub"
+    lines = lambda out: (out.returncode, out.stdout.splitlines())
+    assert lines(ckpt_here(tmp_path, "init", odd)) == (0, [f"Initialized empty ckptstore repository in {tmp_path}/in"
+                                                          "\\xfd/.ckpt"])
+    assert lines(ckpt_here(tmp_path, "init", hub)) == (0, [f"Initialized empty ckptstore repository in {tmp_path}/nl"
+                                                          "\\nhub/.ckpt"])
+    torch.save({"w": torch.ones(2)}, tmp_path / hub / "c.pt")
+    assert ckpt_here(tmp_path / hub, "commit", "c.pt").returncode == 0
+    for name, shown in (("a\nb.pt", "a\\nb.pt"), (os.fsdecode(b"e\xfd.pt"), "e\\xfd.pt")):
+        code, said = lines(ckpt_here(tmp_path / hub, "export", "HEAD", "-o", name))
+        assert code == 0 and len(said) == 1 and f" to {shown}: 1 tensors (torch)" in said[0], said
+    for verb in ("add", "set-url"):
+        assert lines(ckpt_here(tmp_path / odd, "remote", verb, "o", f"../{hub}")) == (0, ["remote o: ../nl\\nhub"])
+    assert lines(ckpt_here(tmp_path / odd, "remote", "list")) == (0, ["o\t../nl\\nhub"])
+    for folder, shown in (("cl\nx", "cl\\nx"), (os.fsdecode(b"cl\xfe"), "cl\\xfe")):
+        assert lines(ckpt_here(tmp_path, "clone", hub, folder)) == (0, [f"Cloned nl\\nhub into {tmp_path}/{shown}"])
 
 
 def test_an_empty_path_or_option_value_is_refused_not_taken_for_the_folder_or_for_none(tmp_path):

@@ -10,7 +10,7 @@ import click
 from ckptstore.cli.group import cli, open_repo, remote_verbs
 from ckptstore.cli.output import echo, size
 from ckptstore.cli.params import PathGiven, UrlGiven
-from ckptstore.errors import ReadOnlyRepoError
+from ckptstore.errors import ReadOnlyRepoError, shown_name
 
 
 @cli.group()
@@ -26,7 +26,7 @@ def remote() -> None:
 def remote_add(ctx, name: str, url: str, metadata_url: str) -> None:
     """Add remote NAME at URL (a repository folder, or s3://BUCKET/PREFIX with --metadata)."""
     added = remote_verbs().add(open_repo(ctx), name, url, metadata_url, typed_in=Path.cwd())
-    echo(f"remote {name}: {added.url}")
+    echo(f"remote {name}: {shown_name(added.url)}")
 
 
 @remote.command("set-url")
@@ -37,7 +37,7 @@ def remote_add(ctx, name: str, url: str, metadata_url: str) -> None:
 def remote_set_url(ctx, name: str, url: str, metadata_url: str) -> None:
     """Point remote NAME at URL (its repository moved); its tracking refs stay."""
     moved = remote_verbs().set_url(open_repo(ctx), name, url, metadata_url, typed_in=Path.cwd())
-    echo(f"remote {name}: {moved.url}")
+    echo(f"remote {name}: {shown_name(moved.url)}")
 
 
 @remote.command("remove")
@@ -53,7 +53,8 @@ def remote_remove(ctx, name: str) -> None:
 def remote_list(ctx) -> None:
     """List remotes and their URLs."""
     for name, where in sorted(open_repo(ctx).config.remotes.items()):
-        echo(f"{name}\t{where.url}" + (f" (metadata {where.metadata_url})" if where.metadata_url else ""))
+        echo(f"{shown_name(name)}\t{shown_name(where.url)}"
+             + (f" (metadata {shown_name(where.metadata_url)})" if where.metadata_url else ""))
 
 
 def _moved(report: Any, verb: str = "received") -> None:
@@ -108,7 +109,8 @@ def clone(ctx: click.Context, url: str, path: str | None, metadata_url: str, laz
         raise ReadOnlyRepoError("`ckpt clone` writes a repository, and --read-only refuses every write; run it without")
     target = path or _clone_folder(url)
     with remote_verbs().clone(url, target, metadata_url, lazy) as repo:
-        echo(f"Cloned {url} into {repo.root}" + (" (lazily: objects come on first checkout)" if lazy else ""))
+        echo(f"Cloned {shown_name(url)} into {shown_name(str(repo.root))}"
+             + (" (lazily: objects come on first checkout)" if lazy else ""))
 
 
 def _clone_folder(url: str) -> str:

@@ -44,9 +44,10 @@ def init(ctx: click.Context, path: str | None, max_chain: str | None, lossy: str
     with Repository.init(where, encoding=settings, lossy=lossy or "", objects_url=objects_url,
                          metadata_url=metadata_url) as repo:
         joined = repo.joined  # a teammate's repository without commits yet too
-        echo(f"{'Joined the' if joined else 'Initialized empty'} ckptstore repository in {repo.dir}"
-             + (f" (objects in {repo.store.url})" if objects_url else "")
-             + (f" (metadata in {repo.db.where})" if metadata_url else "")
+        echo(f"{'Joined the' if joined else 'Initialized empty'} ckptstore repository in "
+             f"{shown_name(str(repo.dir))}"  # a folder's newline or bytes not UTF-8, as every name prints
+             + (f" (objects in {shown_name(repo.store.url)})" if objects_url else "")
+             + (f" (metadata in {shown_name(str(repo.db.where))})" if metadata_url else "")
              + (f" (commits are lossy: {lossy})" if lossy and lossy != "none" else ""))
 
 
@@ -181,7 +182,7 @@ def watch(ctx, folder, interval, branch, lossy, once) -> None:
     finally:
         signal.signal(signal.SIGINT, previous)
     for name, why in sorted(report.waiting.items()):
-        echo(f"waiting: {name}: {why}")
+        echo(f"waiting: {shown_name(name)}: {why}")
     how = "stopped on Ctrl-C" if report.stopped else "done"
     echo(f"{how}: {len(report.committed)} checkpoint(s) committed")
     if once and report.conflicted:  # a scan to come would have tried them again: --once has none
@@ -207,7 +208,7 @@ def export_command(ctx, ref, fmt, output, everything) -> None:
 
     fmt = export_format(output, fmt)
     report = export(open_repo(ctx), ref, fmt, output, everything)
-    echo(f"Wrote {report.commit[:12]} to {output}: {report.tensors} tensors ({fmt})")
+    echo(f"Wrote {report.commit[:12]} to {shown_name(output)}: {report.tensors} tensors ({fmt})")
     if report.skipped:
         count = len(report.skipped)
         names = listing([shown_name(name) for name in report.skipped], 5)
