@@ -188,14 +188,16 @@ def test_show_of_a_lossy_commit_without_optimizer_state_says_no_importance_was_e
 
 
 def test_show_of_an_in_memory_commit_lists_no_file(tmp_path):
-    """It printed `file . [torch] 0 B` for a state that never was a file (auditor)."""
+    """It printed `file . [torch] 0 B` for a state that never was a file (auditor), and `source None`, `step None`,
+    `Step:   None` where stats prints `-` (auditor helper 279)."""
     from ckptstore import Repository
 
     with Repository.init(tmp_path) as repo:
         repo.commit({"w": torch.ones(3)})
     torch.save({"w": torch.zeros(3)}, tmp_path / "c.pt")
     shown = ckpt_here(tmp_path, "show").stdout
-    assert "source None" in shown and "\nfile " not in shown and "w  torch.float32 (3,)" in shown
+    assert "step -  metrics {}  source -\n" in shown and "\nfile " not in shown and "w  torch.float32 (3,)" in shown
+    assert "\nStep:   -\n" in ckpt_here(tmp_path, "log").stdout and "None" not in shown
     assert ckpt_here(tmp_path, "commit", "c.pt").returncode == 0
     assert "\nfile . [torch] " in ckpt_here(tmp_path, "show").stdout  # a file's commit still lists it
 

@@ -46,7 +46,8 @@ def log(ctx, revisions, limit, graph, oneline, all_refs, as_json) -> None:
         when = commit_time(info.created_at)
         lossy = f"\nLossy:  {info.lossy}" if info.lossy else ""
         lossy += "\nPruned: its tensors were removed by `ckpt prune`" if info.pruned else ""
-        echo(f"commit {info.id}{deco}\nDate:   {when}\nStep:   {info.step}{lossy}")
+        step = "-" if info.step is None else info.step  # as stats shows it: no Python None in text output
+        echo(f"commit {info.id}{deco}\nDate:   {when}\nStep:   {step}{lossy}")
         if info.metrics:
             echo("Metrics: " + ", ".join(f"{shown_name(k)}={v:g}" for k, v in info.metrics.items()))
         echo(f"\n{indented(info.message)}\n")
@@ -148,7 +149,8 @@ def show(ctx, ref, as_json) -> None:
     if as_json:
         return emit_json(data)
     echo(f"commit {data['id']}\nparents {' '.join(p[:12] for p in data['parents']) or '-'}")
-    echo(f"step {data['step']}  metrics {data['metrics']}  source {shown_name(str(data['source_path']))}")
+    step, source = ("-" if data[key] is None else data[key] for key in ("step", "source_path"))  # as stats: "-"
+    echo(f"step {step}  metrics {data['metrics']}  source {shown_name(str(source))}")
     if data.get("pruned"):  # its row stays for the history; its tensors and their bytes are gone
         echo(f"pruned by `ckpt prune`: its tensors are gone{' (it was lossy)' if data.get('lossy') else ''}")
     elif data.get("lossy"):
