@@ -567,6 +567,19 @@ def test_every_error_writes_a_names_bytes_that_are_not_utf8_as_the_reference_say
         assert out.returncode != 0 and said in stderr and ("udc" not in stderr or b"udc" in args[1]), stderr
 
 
+def test_a_ref_holding_bytes_not_utf8_is_an_unknown_ref_not_a_file_to_rename(tmp_path):
+    """`ckpt show $'v\\xff'` said "rename the file, or pass the text in UTF-8": there is no file, and no ref can
+    have that name (auditor helper 279)."""
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"w": torch.ones(2)})
+    ref = os.fsdecode(b"v\xff")
+    for args, detail in ((["show", ref], ""), (["checkout", ref], ""), (["diff", "HEAD", ref], ""),
+                         (["log", f"HEAD..{ref}"], ""), (["tag", "t", ref], ""),
+                         (["branch", "-d", ref], " (no such branch)")):
+        out = ckpt_here(tmp_path, *args)
+        assert (out.returncode, out.stderr) == (1, f"error: unknown ref 'v\\xff'{detail}.\n"), (args, out.stderr)
+
+
 @pytest.mark.parametrize("typed, said", [
     (["switch", "main"], "No such command 'switch': `ckpt checkout BRANCH` switches branch"),
     (["remote", "rename", "a", "b"], "No such command 'rename': `ckpt remote add NEW URL`, then `ckpt remote remove"),

@@ -22,9 +22,23 @@ class RefRow(NamedTuple):
 
 
 def ref_row(tx: Tx, name: str) -> RefRow | None:
-    """The ref called `name`, or None."""
+    """The ref called `name`, or None: also for a name holding bytes that are not UTF-8, as every stored one is text.
+
+    Sent to the database, such a name failed as a file's would ("rename the file"), not as an unknown ref.
+    """
+    if not name.isascii() and not _is_utf8(name):
+        return None
     row = tx.first("SELECT name, kind, commit_id, target FROM refs WHERE name = ?", (name,))
     return RefRow(*row) if row else None
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether `text` holds no surrogate os.fsdecode made of a byte that is not UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def refs_of_kind(tx: Tx, kind: str) -> dict[str, CommitId]:
