@@ -225,12 +225,32 @@ def test_os_failures_below_ckptstore_are_explained():
 
 def test_init_takes_a_max_chain_count_or_auto_and_refuses_anything_else(tmp_path):
     bad = run(tmp_path, "init", "bad", "--max-chain", "often")
-    assert bad.returncode == 1 and bad.stderr.count("error:") == 1 and "max_chain" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.count("error:") == 1 and "max_chain" in bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "bad" / ".ckpt").exists()
     assert run(tmp_path, "init", "capped", "--max-chain", "3").returncode == 0
     assert run(tmp_path, "init", "auto").returncode == 0
     with Repository.open(tmp_path / "capped") as capped, Repository.open(tmp_path / "auto") as auto:
         assert capped.config.encoding.max_chain == 3 and auto.config.encoding.max_chain == "auto"
+
+
+def test_a_wrong_option_value_exits_2_as_its_siblings_do(tmp_path):
+    """`init --max-chain -1`, `commit --max-loss-change 0.1`, `--knob foo=1`, `--branch ''` and `checkout --only ''`
+    exited 1 where `--lossy bogus`, `--metric x` and `-o ''` exit 2, as the reference says (auditor helper 279)."""
+    torch.save({"w": torch.ones(4)}, tmp_path / "c.pt")
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    assert ckpt_here(tmp_path, "commit", "c.pt").returncode == 0
+    for args, said in ((["init", "x", "--max-chain", "-1"], "'--max-chain': max_chain must be 'auto' or a count"),
+                       (["commit", "c.pt", "--max-loss-change", "0.1"], "--max-loss-change: '0.1': write it as a "),
+                       (["commit", "c.pt", "--max-loss-change", "-1%"], "--max-loss-change: '-1%': must be"),
+                       (["commit", "c.pt", "--knob", "foo=1"], "--knob: unknown lossy knob 'foo'"),
+                       (["commit", "c.pt", "--lossy", "balanced", "--knob", "prun=1"], "--knob: unknown lossy knob"),
+                       (["commit", "c.pt", "--branch", ""], "'--branch': is empty (a variable not set?)"),
+                       (["watch", ".", "--once", "--branch", ""], "'--branch': is empty (a variable not set?)"),
+                       (["checkout", "HEAD", "-o", "o.pt", "--only", ""], "'--only': is empty (a variable not set?)")):
+        out = ckpt_here(tmp_path, *args)
+        assert out.returncode == 2 and out.stderr.startswith(f"error: Invalid value for {said}"), (args, out.stderr)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "o.pt").exists()
+    assert ckpt_here(tmp_path, "log").stdout.count("commit ") == 1  # none of them committed
 
 
 def test_init_makes_the_repository_that_repo_or_ckpt_repo_names_and_a_path_given_wins(tmp_path, monkeypatch):

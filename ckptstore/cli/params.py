@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ckptstore.errors import CkptError
-from ckptstore.repo import LOSSY_LEVELS
+from ckptstore.repo import LOSSY_LEVELS, EncodingSettings
 
 LEVEL_NAMES = list(LOSSY_LEVELS)
 
@@ -47,6 +47,30 @@ class UrlGiven(click.types.StringParamType):
         return super().convert(value, param, ctx)
 
 
+class TextGiven(click.types.StringParamType):
+    """A name or pattern that is not empty: `--branch ""` and `--only ""` failed later, exit 1, unlike `-o ""`."""
+
+    name = "text"
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value:
+            self.fail(f"is empty (a variable not set?): pass {self.what}", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+def max_chain_value(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--max-chain checked by the setting's own rule before anything is made: a wrong one exits 2, as --lossy's."""
+    if value is not None:
+        try:
+            EncodingSettings(max_chain=value)
+        except CkptError as exc:
+            raise click.BadParameter(str(exc), ctx, param) from None
+    return value
+
+
 def given_once(ctx: click.Context, param: click.Parameter, values: tuple[Any, ...]) -> Any:
     """The value of a `multiple=True` option meant once: given twice, the last no longer wins unsaid."""
     if len(values) > 1:
@@ -67,7 +91,17 @@ def knob_values(values: tuple[str, ...]) -> dict[str, Any]:
             knobs[key] = json.loads(value)
         except json.JSONDecodeError:
             knobs[key] = value
+    if knobs:  # a typo is a usage error (exit 2) whether or not a lossy level was given
+        from ckptstore.repo import check_knobs  # loads the commit layer: only with --knob
+
+        try:
+            check_knobs(knobs)
+        except CkptError as exc:
+            raise click.BadParameter(str(exc), param_hint="--knob") from None
     return knobs
+
+
+_LOSS = "--max-loss-change"
 
 
 def percentage(text: str | None) -> float | None:
@@ -77,12 +111,12 @@ def percentage(text: str | None) -> float | None:
     try:
         value = float(text.removesuffix("%")) / 100
     except ValueError:
-        raise CkptError(f"--max-loss-change {text!r}: expected a percentage such as 0.1%") from None
+        raise click.BadParameter(f"{text!r}: expected a percentage such as 0.1%", param_hint=_LOSS) from None
     if not text.endswith("%"):
-        raise CkptError(f"--max-loss-change {text!r}: write it as a percentage, {text}% or {float(text) * 100:g}%, "
-                        "so it cannot be read 100 times too loose or too tight")
+        raise click.BadParameter(f"{text!r}: write it as a percentage, {text}% or {float(text) * 100:g}%, so it "
+                                 "cannot be read 100 times too loose or too tight", param_hint=_LOSS)
     if not value >= 0:
-        raise CkptError(f"--max-loss-change {text!r}: must be zero or more")
+        raise click.BadParameter(f"{text!r}: must be zero or more", param_hint=_LOSS)
     return value
 
 

@@ -12,8 +12,10 @@ from ckptstore.cli.params import (
     LEVEL_NAMES,
     PathGiven,
     Seconds,
+    TextGiven,
     given_once,
     knob_values,
+    max_chain_value,
     metric_values,
     percentage,
 )
@@ -23,7 +25,7 @@ from ckptstore.repo import EncodingSettings, Repository, subject
 
 @cli.command()
 @click.argument("path", required=False, type=PathGiven(file_okay=False))
-@click.option("--max-chain", metavar="N|auto",
+@click.option("--max-chain", metavar="N|auto", callback=max_chain_value,
               help="Longest delta chain before a keyframe (default auto: as long as checkout stays faster "
                    "than torch.load, by measured decode costs).")
 @click.option("--lossy", "lossy", type=click.Choice([*LEVEL_NAMES, "none"]), help="Default lossy level for commits.")
@@ -57,7 +59,7 @@ def init(ctx: click.Context, path: str | None, max_chain: str | None, lossy: str
 @click.option("--step", type=click.IntRange(-(1 << 63), (1 << 63) - 1), multiple=True, callback=given_once,
               help="Training step of this checkpoint.")
 @click.option("--metric", "metrics", multiple=True, help="KEY=NUMBER, repeatable.")
-@click.option("--branch", multiple=True, callback=given_once,
+@click.option("--branch", type=TextGiven("a branch name"), multiple=True, callback=given_once,
               help="Commit to this branch (created at HEAD if new); HEAD stays.")
 @click.option("--allow-empty", is_flag=True, help="Record a commit even if nothing changed.")
 @click.option("--trust-pickle", is_flag=True, help="Unpickle arbitrary objects in PATH (only for files you trust).")
@@ -121,7 +123,7 @@ def _committed_lines(repo: Repository, cid: str, message: str | None, branch: st
 @click.argument("ref")
 @click.option("-o", "--output", type=PathGiven(), help="Write the checkpoint here; HEAD does not move.")
 @click.option("--force", is_flag=True, help="Overwrite files whose content is not in the store.")
-@click.option("--only", "only", multiple=True, metavar="PATTERN",
+@click.option("--only", "only", type=TextGiven("a pattern such as 'model.*'"), multiple=True, metavar="PATTERN",
               help="Write only the values whose paths match (glob, e.g. 'model.*'; repeatable; needs -o).")
 @click.option("--trust-pickle", is_flag=True,
               help="Write a sharded commit's pickled non-tensor items as stored (committed with --trust-pickle).")
@@ -159,7 +161,7 @@ def checkout(ctx, ref, output, force, only, trust_pickle) -> None:
 @click.argument("folder", type=PathGiven(exists=True, file_okay=False))
 @click.option("--interval", type=Seconds(min_open=True), default=10.0, show_default=True,
               help="Seconds between scans; a checkpoint is committed once unchanged across two.")
-@click.option("--branch", multiple=True, callback=given_once,
+@click.option("--branch", type=TextGiven("a branch name"), multiple=True, callback=given_once,
               help="Commit to this branch (created at HEAD if new); HEAD stays.")
 @click.option("--lossy", type=click.Choice([*LEVEL_NAMES, "none"]), help="Lossy level of the commits.")
 @click.option("--once", is_flag=True, help="Scan twice, --interval apart, commit what is complete, and exit.")

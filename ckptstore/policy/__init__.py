@@ -1,7 +1,7 @@
 """Per tensor: which codec, keyframe or residual, and (in lossy modes) how many bits."""
 
 from ckptstore.policy.chaincost import AUTO, ChainCosts, chain_limit
-from ckptstore.policy.levels import LEVELS, LossyLevel, level_named
+from ckptstore.policy.levels import LEVELS, LossyLevel, check_knobs, level_named
 from ckptstore.policy.lossless import (
     LOSSLESS_CODEC,
     EncodePlan,
@@ -13,4 +13,4 @@ from ckptstore.policy.lossless import (
 )
 
 __all__ = ["AUTO", "LEVELS", "LOSSLESS_CODEC", "ChainCosts", "EncodePlan", "EncodingSettings", "LossyLevel",
-           "after_attempt", "cycle_after", "chain_limit", "chunk_sizes", "level_named", "plan_tensor"]
+           "after_attempt", "cycle_after", "chain_limit", "check_knobs", "chunk_sizes", "level_named", "plan_tensor"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -172,6 +173,16 @@ LEVELS: dict[str, LossyLevel] = {
 }
 
 
+def check_knobs(names: Iterable[str]) -> None:
+    """Refuse a name that is no lossy knob, saying the nearest: also `ckpt commit --knob`'s check of what was typed."""
+    knobs = sorted(f.name for f in fields(LossyLevel) if f.name != "name")  # the level's own name is no knob
+    unknown = sorted(set(names) - set(knobs))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], knobs, n=1)
+        raise CkptError(f"unknown lossy knob {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                        + "; the knobs are listed in docs/reference.md#lossy-knobs")
+
+
 def level_named(name: str | LossyLevel | None, /, **overrides: Any) -> LossyLevel | None:
     """The preset called `name` (None: lossless), with any knobs overridden."""
     if name is None or name in ("", "none", "lossless"):
@@ -180,10 +191,5 @@ def level_named(name: str | LossyLevel | None, /, **overrides: Any) -> LossyLeve
         return None
     if not isinstance(name, LossyLevel) and name not in LEVELS:
         raise CkptError(f"unknown lossy level {name!r}; choose one of none, {', '.join(LEVELS)}")
-    knobs = sorted(f.name for f in fields(LossyLevel) if f.name != "name")  # the level's own name is no knob
-    unknown = sorted(set(overrides) - set(knobs))
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], knobs, n=1)
-        raise CkptError(f"unknown lossy knob {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-                        + "; the knobs are listed in docs/reference.md#lossy-knobs")
+    check_knobs(overrides)
     return replace(name if isinstance(name, LossyLevel) else LEVELS[name], **overrides)

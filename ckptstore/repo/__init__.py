@@ -6,12 +6,14 @@ from typing import Any
 
 __all__ = ["LOSSY_LEVELS", "CommitOptions", "EncodingSettings", "FsckReport", "GcReport", "LossyOptions", "Manifest",
            "PruneReport", "Repository", "RetentionPolicy", "TensorDiff", "WatchOptions", "export", "export_format",
-           "find_root", "named_root", "fsck", "subject", "function_named", "gc", "prune", "keep_warm", "watch_folder"]
+           "find_root", "named_root", "fsck", "check_knobs", "subject", "function_named", "gc", "prune", "keep_warm",
+           "watch_folder"]
 
 _WHERE = {
     "Repository": "repository", "find_root": "location", "named_root": "location", "Manifest": "manifest",
     "TensorDiff": "diff",
-    "CommitOptions": "commit", "LossyOptions": "commit", "FsckReport": "maintenance", "GcReport": "maintenance",
+    "CommitOptions": "commit", "LossyOptions": "commit", "check_knobs": "commit",
+    "FsckReport": "maintenance", "GcReport": "maintenance",
     "fsck": "maintenance", "gc": "maintenance", "LOSSY_LEVELS": "config", "EncodingSettings": "config",
     "function_named": "calibrate", "export": "exporter", "export_format": "exporter", "WatchOptions": "watch",
     "watch_folder": "watch",

@@ -38,6 +38,7 @@ from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.metadata.commits import CommitInfo
 from ckptstore.objectstore.base import lacking, tells_lacking
 from ckptstore.policy import LossyLevel, level_named
+from ckptstore.policy import check_knobs as check_knobs  # `ckpt commit --knob`'s, through ckptstore.repo
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource
 from ckptstore.repo import calibrate, chaincost, received
