@@ -184,7 +184,7 @@ def watch(ctx, folder, interval, branch, lossy, once) -> None:
     finally:
         signal.signal(signal.SIGINT, previous)
     for name, why in sorted(report.waiting.items()):
-        echo(f"waiting: {shown_name(name)}: {why}")
+        echo(f"waiting: {name}: {why}")  # shown names already (watch.py)
     how = "stopped on Ctrl-C" if report.stopped else "done"
     echo(f"{how}: {len(report.committed)} checkpoint(s) committed")
     if once and report.conflicted:  # a scan to come would have tried them again: --once has none
