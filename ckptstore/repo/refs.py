@@ -48,7 +48,7 @@ def check_name(name: str) -> None:
 
     Git's rules on each `/`-separated part are check_parts', for names made here only.
     """
-    if _HEX.fullmatch(name) and len(name) >= MIN_PREFIX:
+    if _HEX.fullmatch(name.lower()) and len(name) >= MIN_PREFIX:
         raise InvalidRefNameError(f"{name!r} reads as a commit id (hex digits) and would hide the commit it "
                                   "abbreviates; choose a name with a letter beyond a-f")
     check_form(name)
@@ -136,12 +136,13 @@ def _base(tx: Tx, spec: str) -> CommitId:
             raise RefNotFoundError(spec, detail=" (no commits yet)")
         return cid
     row = ref_rows.ref_row(tx, spec)
-    if row is not None and row.kind not in (BRANCH, TAG):
-        row = None
+    if row is not None and row.kind not in (BRANCH, TAG) and not (row.kind == ref_rows.REMOTE
+                                                                  and spec.startswith("remotes/")):
+        row = None  # a remote-tracking ref is ORIGIN/BRANCH, or git's remotes/ORIGIN/BRANCH
     if row is None and "/" in spec:  # ORIGIN/BRANCH: a remote-tracking ref
         row = ref_rows.ref_row(tx, f"remotes/{spec}")
-    if _HEX.fullmatch(spec) and len(spec) >= MIN_PREFIX:
-        matches = commit_rows.with_prefix(tx, spec)
+    if _HEX.fullmatch(spec.lower()) and len(spec) >= MIN_PREFIX:  # git reads A-F in an id as a-f
+        matches = commit_rows.with_prefix(tx, spec.lower())
         if row is not None and matches and matches != [row.commit_id]:
             # a ref an older ckptstore accepted: neither reading may win silently
             raise AmbiguousRefError(f"{spec!r} names both the {row.kind} {spec!r} and commit {matches[0][:12]}; "

@@ -58,3 +58,19 @@ def test_a_long_ref_argument_is_refused_without_trying_every_split(repo):
     with pytest.raises(RefNotFoundError):
         repo.resolve("~1" * (1 << 17) + "x")  # 256 KiB: minutes to the old split
     assert repo.resolve("HEAD" + "^0" * 1000) == repo.resolve("main")
+
+
+def test_an_upper_case_id_prefix_and_gits_remotes_spelling_name_what_git_would(tmp_path):
+    """`F85ED7D8` was an unknown ref (and could be made a branch, hiding the commit), and `remotes/origin/main` was
+    not read as git reads it (auditor helper 279; left low at stop 61)."""
+    from ckptstore.errors import InvalidRefNameError
+    from ckptstore.repo import remote
+
+    with Repository.init(tmp_path / "origin") as origin:
+        cid = origin.commit({"w": torch.ones(2)})
+    with remote.clone(str(tmp_path / "origin"), tmp_path / "mine") as mine:
+        assert mine.resolve(cid[:8].upper()) == cid and mine.resolve(cid.upper()) == cid
+        with pytest.raises(InvalidRefNameError, match="reads as a commit id"):
+            mine.branch(cid[:8].upper())
+        assert mine.resolve("remotes/origin/main") == mine.resolve("origin/main") == cid
+        assert mine.resolve("remotes/origin/main~0") == cid
