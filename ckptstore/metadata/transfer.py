@@ -55,6 +55,14 @@ def present_tensors(tx: Tx, tids: Iterable[TensorId]) -> set[TensorId]:
     return {TensorId(r[0]) for r in tx.rows_in("SELECT id FROM tensors WHERE id IN ({ids})", tids)}
 
 
+def chunk_objects(tx: Tx, tids: Iterable[TensorId]) -> dict[TensorId, frozenset[str]]:
+    """The objects each of `tids` is recorded in (its chunks')."""
+    found: dict[TensorId, set[str]] = {}
+    for tid, oid in tx.rows_in("SELECT tensor_id, object_id FROM tensor_chunks WHERE tensor_id IN ({ids})", tids):
+        found.setdefault(TensorId(tid), set()).add(str(oid))
+    return {tid: frozenset(oids) for tid, oids in found.items()}
+
+
 def ancestors(tx: Tx, tips: Iterable[CommitId], stop: set[CommitId] = frozenset()) -> list[CommitId]:
     """Commits reachable from `tips` through parents, not walking past those in `stop`; oldest first."""
     parents = all_parents(tx)

@@ -38,12 +38,13 @@ from ckptstore.errors import (
     explain,
 )
 from ckptstore.formats.atomic import atomic_write
-from ckptstore.hashing import CommitId, ObjectId
+from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata import absolute_url, transfer
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.objectstore import ObjectStore, open_store
+from ckptstore.objectstore.base import lacking
 from ckptstore.objectstore.fallback import held_here
 from ckptstore.repo import refs
 from ckptstore.repo.config import RemoteConfig, RepoConfig, edit_config, user_cache
@@ -279,8 +280,10 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
         if not missing:
             return report, tips
         _refuse_damaged(tx, missing, source, pushing)
-        tensors = transfer.tensors_of(tx, missing, lambda tids: transfer.present_tensors(ttx, tids))
+        tensors = transfer.tensors_of(tx, missing, _present_whole(tx, ttx, target))
         found = transfer.records(tx, missing, tensors)
+        stale = transfer.present_tensors(ttx, tensors)  # recorded there, in objects gone everywhere: replaced
+        anew = list(tensor_rows.load_records(tx, stale, with_bases=False).values()) if stale else []
     wanted = [oid for oid in found.objects if not lazy or oid in found.manifests]
     report.objects, report.object_bytes = _send_objects(source, target, wanted, pushing)
     faults.point("transfer:objects-sent")
@@ -290,6 +293,8 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
 
         remember_fetched(target.dir, outside)
     with target.db.write() as ttx:
+        if anew:
+            tensor_rows.replace_records(ttx, anew, found.objects)
         transfer.insert(ttx, found)
         # their claims are the sender's (a push's too): repo/received.py. The records a received commit names and
         # this side holds already are listed too: its manifest's inputs would decide a lossy commit's reuse of them
@@ -298,6 +303,26 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
     faults.point("transfer:records-sent")
     report.commits, report.tensors = len(missing), len(tensors)
     return report, tips
+
+
+def _present_whole(tx: Tx, ttx: Tx, target: Repository) -> Callable[[set[TensorId]], set[TensorId]]:
+    """Which tensors `target` records in objects it holds, or in the same objects as the source (`tx`).
+
+    A lazy clone keeps records whose objects it never read: where the origin re-encoded such a tensor
+    (its prune) or collected it and committed it anew, the clone's record names objects gone
+    everywhere, and a commit fetched later that names the tensor could not be restored there. Such a
+    record is not "present": the source's is sent and takes its place.
+    """
+    local = held_here(target.store)
+
+    def present(tids: set[TensorId]) -> set[TensorId]:
+        here = transfer.present_tensors(ttx, tids)
+        mine, theirs = transfer.chunk_objects(ttx, here), transfer.chunk_objects(tx, here)
+        differ = {t for t in here if mine.get(t, frozenset()) != theirs.get(t, frozenset())}
+        gone = lacking(local, {oid for t in differ for oid in mine.get(t, ())}) if differ else set()
+        return here - {t for t in differ if mine.get(t, frozenset()) & gone}
+
+    return present
 
 
 def _refuse_damaged(tx: Tx, cids: list[CommitId], sender: Repository, pushing: bool) -> None:

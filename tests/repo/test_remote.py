@@ -1911,3 +1911,33 @@ def test_a_clone_without_a_folder_makes_one_named_after_the_remote(pair, tmp_pat
     assert not (here / ".ckpt").exists()
     with Repository.open(here / "hub") as copy:
         assert copy.resolve("main") == cids[1]
+
+
+@pytest.mark.parametrize("lazy_fetch", [True, False])
+def test_a_tensor_the_origin_stored_anew_reaches_a_lazy_clone_in_its_new_objects(tmp_path, lazy_fetch):
+    """The origin collected a branch's tensor, then committed the same bytes on main in other objects: a lazy clone
+    kept its record of the old objects (gone everywhere), so the fetched main could not be restored there, nor after a
+    pull, and fsck called it broken (model-based audit, helper 288, high)."""
+    from ckptstore.repo import gc
+
+    g = torch.Generator().manual_seed(1)
+    w0, w2 = torch.randn(5000, generator=g), torch.randn(5000, generator=g)
+    w1 = w0.clone()
+    w1[7] += 1.0  # a residual against w0 where it is first stored
+    with Repository.init(tmp_path / "origin") as origin:
+        origin.commit({"w": w0, "step": 0})
+        origin.branch("dev")
+        origin.commit({"w": w2, "step": 1})
+        origin.commit({"w": w1, "step": 2}, branch="dev")
+    with remote.clone(str(tmp_path / "origin"), tmp_path / "lazy", lazy=True) as clone:
+        clone.delete_branch("dev")
+        with Repository.open(tmp_path / "origin") as origin:
+            origin.delete_branch("dev")
+            assert gc(origin, prune_unreachable=True).commits_removed == 1
+            y = origin.commit({"w": w1, "step": 3})  # the same tensor again, now on w2's chain
+        report = remote.fetch(clone, "origin", lazy=lazy_fetch)
+        assert clone.resolve("origin/main") == y and report.tensors >= 1
+        assert_same(clone.checkout("origin/main"), {"w": w1, "step": 3})
+        assert fsck(clone).ok
+        remote.pull(clone, "origin")
+        assert_same(clone.checkout("main"), {"w": w1, "step": 3})
