@@ -356,6 +356,13 @@ class S3ObjectStore:
         with self._errors():
             obstore.put(self._client, self._owner_key(), json.dumps(record).encode())
 
+    def delete_owner(self) -> None:
+        """Delete the prefix's `owner.json` (a claim its failed init leaves behind)."""
+        import obstore
+
+        with self._errors():
+            obstore.delete(self._client, self._owner_key())
+
     def claim_owner(self, record: dict) -> bool:
         """Write the prefix's `owner.json` where there is none (a create-only PUT); False where one came first."""
         import obstore

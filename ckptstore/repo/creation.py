@@ -68,6 +68,7 @@ def create(root: Path, config: RepoConfig) -> Repository:
     except BaseException:
         import shutil  # only here: it imports the compression modules
 
+        _withdraw_claim(config, staging)
         shutil.rmtree(staging, ignore_errors=True)
         if made_root:
             with contextlib.suppress(OSError):  # only if nothing else arrived there meanwhile
@@ -115,6 +116,16 @@ def remove_leftovers(root: Path) -> set[str]:
             killed |= _repository_ids(folder / DATABASE)
             shutil.rmtree(folder, ignore_errors=True)
     return killed
+
+
+def _withdraw_claim(config: RepoConfig, staging: Path) -> None:
+    """Give back the S3 prefix this failed init claimed for the metadata it made in `staging` (removed next)."""
+    ids = _repository_ids(staging / DATABASE) if config.objects_url else set()
+    if ids:
+        from ckptstore.objectstore import open_store
+
+        with contextlib.suppress(Exception):  # the failure that got here may be the bucket's: its claim stays
+            owner.withdraw_claim(open_store(config.objects_url, staging / "tmp", staging), ids)
 
 
 def _repository_ids(database: Path) -> set[str]:

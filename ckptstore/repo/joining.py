@@ -49,7 +49,7 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
         if not create:
             raise
         _refuse_objects_of_another(store, url)
-        owner.refuse_claimed_prefix(store, killed_inits, config.metadata_url or str(root / REPO_DIR))
+        owner.refuse_claimed_prefix(store, killed_inits)
         created = Repository(root, config, store=store, create=True, folder=folder)
         try:
             ensure_head(created)

@@ -120,7 +120,7 @@ def bind_prefix(repo: Repository, killed_inits: Set[str] = frozenset(), again: b
     repo._prefix_bound = True  # once per process: the record only ever names one database
 
 
-def refuse_claimed_prefix(store: ObjectStore, killed_inits: Set[str], metadata: str) -> None:
+def refuse_claimed_prefix(store: ObjectStore, killed_inits: Set[str]) -> None:
     """Before an init makes new metadata over an S3 prefix: refuse one that another repository claimed.
 
     New metadata has a new id, which no claim names: a schema made first was left behind in the
@@ -128,8 +128,24 @@ def refuse_claimed_prefix(store: ObjectStore, killed_inits: Set[str], metadata: 
     """
     store = held_here(store)
     record = store.owner_record() if hasattr(store, "owner_record") else None
-    if record is not None and not (isinstance(record, dict) and record.get("repository") in killed_inits):
-        _refuse_anothers_prefix(store, record, {"repository": "(none yet)", "metadata": metadata}, read_only=True)
+    if record is None or isinstance(record, dict) and record.get("repository") in killed_inits:
+        return
+    named = (f"repository {str(record.get('repository'))[:12]} (metadata {record.get('metadata')})"
+             if isinstance(record, dict) else f"something this ckptstore cannot read ({record!r})")
+    raise RepoExistsError(f"{store.url} belongs to another repository: its {OWNER_KEY} names {named}; nothing was "
+                          "made. Join that repository (its --metadata URL), or give this one another prefix")
+
+
+def withdraw_claim(store: ObjectStore, ids: Set[str]) -> None:
+    """Delete the prefix's owner.json where it names one of `ids`, the ids of metadata a failed init made.
+
+    No repository was made, but its claim stayed, for a database it removed: every later init was refused.
+    """
+    store = held_here(store)
+    if ids and hasattr(store, "owner_record"):
+        record = store.owner_record()
+        if isinstance(record, dict) and record.get("repository") in ids:
+            store.delete_owner()
 
 
 def _refuse_anothers_prefix(store: S3ObjectStore, record: dict | str, ours: dict, read_only: bool) -> None:

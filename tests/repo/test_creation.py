@@ -193,3 +193,18 @@ def test_init_inside_a_repositorys_own_folder_or_object_store_is_refused(tmp_pat
             Repository.init(inside)
         assert not (inside / ".ckpt").exists()
     Repository.init(tmp_path / "run" / "nested").close()  # a repository in another's working folder: fine
+
+
+@pytest.mark.parametrize("step", STEPS[2:3])  # after the metadata and the S3 claim are made, before the rename
+def test_an_s3_init_that_fails_after_its_claim_gives_the_prefix_back(tmp_path, step, s3_url):
+    """The failure's handler removed the half-made folder, and with it the id its claim named: every later init of
+    the folder over that prefix was refused as another repository's (review helper 289)."""
+    where = tmp_path / "repo"
+    failed = ckpt_here(tmp_path, "init", "--objects", s3_url, str(where), env={"CKPT_FAIL_AT": step})
+    assert failed.returncode == 1 and "injected at" in failed.stderr, failed.stderr
+    again = ckpt_here(tmp_path, "init", "--objects", s3_url, str(where))
+    assert again.returncode == 0, again.stderr
+    with Repository.open(where) as repo:
+        cid = repo.commit({"w": torch.arange(100.0)})
+        assert_same({"w": torch.arange(100.0)}, repo.checkout(cid))
+    _whole(where)

@@ -341,3 +341,15 @@ def test_an_init_refused_a_claimed_prefix_leaves_no_schema_in_its_new_database(t
         Repository.init(tmp_path / "y", objects_url=f"s3://{bucket}/a", metadata_url=postgres_url)
     with Repository.init(tmp_path / "y", objects_url=f"s3://{bucket}/y", metadata_url=postgres_url) as y:
         assert not y.joined and y.log() == []
+
+
+def test_the_refusal_of_a_claimed_prefix_never_shows_the_metadata_password(tmp_path, s3_url, postgres_server):
+    """The init's refusal printed the raw --metadata URL, password and all (review helper 289)."""
+    from ckptstore.testing.postgres_server import PASSWORD, PASSWORD_USER
+
+    Repository.init(tmp_path / "a", objects_url=s3_url).close()
+    name = postgres_server.new_database().rsplit("/", 1)[1]
+    with pytest.raises(RepoExistsError, match="belongs to another repository: .* nothing was made") as info:
+        Repository.init(tmp_path / "y", objects_url=s3_url,
+                        metadata_url=postgres_server.url(name, user=PASSWORD_USER, password=PASSWORD))
+    assert PASSWORD not in str(info.value) and not (tmp_path / "y" / ".ckpt").exists()
