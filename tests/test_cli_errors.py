@@ -299,6 +299,10 @@ def test_an_empty_repo_or_ckpt_repo_is_refused_not_taken_for_the_repository_abov
         assert out.stderr.startswith(f"error: Invalid value for {named}: is empty (a variable not set?)"), out.stderr
     assert not (tmp_path / "work" / ".ckpt").exists()
     assert ckpt_here(tmp_path / "work", "--repo", "..", "log", env={"CKPT_REPO": ""}).returncode == 0  # typed wins
+    # commands that open no repository are not refused an empty CKPT_REPO (review helper 289)
+    assert ckpt_here(tmp_path / "work", "log", "--help", env={"CKPT_REPO": ""}).returncode == 0
+    assert ckpt_here(tmp_path / "work", "init", "new", env={"CKPT_REPO": ""}).returncode == 0
+    assert (tmp_path / "work" / "new" / ".ckpt").is_dir()
 
 
 def test_read_only_init_writes_nothing_and_bare_groups_print_their_help(tmp_path):

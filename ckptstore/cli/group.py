@@ -29,17 +29,6 @@ def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> N
         ctx.exit()
 
 
-def _repo_set(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """--repo as typed (PathGiven refuses ""), or an empty CKPT_REPO refused: click reads that one as unset.
-
-    Either way `ckpt --repo "$UNSET" prune` worked on whichever repository sat above the current folder.
-    """
-    if value is None and os.environ.get("CKPT_REPO") == "" and not ctx.resilient_parsing:
-        raise click.BadParameter("is empty (a variable not set?): set it to a path, or unset it", ctx, param,
-                                 param_hint="CKPT_REPO")
-    return value
-
-
 class _Command(click.Command):
     """A command whose --help is written as all output is: a stdout that refuses it fails as `ckpt log`'s does."""
 
@@ -56,7 +45,7 @@ class _Group(_Command, click.Group):
 
 
 @click.group(cls=_Group)
-@click.option("--repo", envvar="CKPT_REPO", type=PathGiven(), callback=_repo_set,
+@click.option("--repo", envvar="CKPT_REPO", type=PathGiven(),
               help="Repository folder (that folder itself; default: the one at or above the current folder).")
 @click.option("--read-only", is_flag=True, help="Open the repository without writing to it.")
 @click.option("--debug", is_flag=True, help="Print the traceback of an error.")
@@ -70,8 +59,16 @@ def cli(ctx: click.Context, repo: str | None, read_only: bool, debug: bool) -> N
 
 
 def folder_named(ctx: click.Context) -> Path | None:
-    """The repository folder --repo or CKPT_REPO names (never one above it), or None: search up from here."""
+    """The repository folder --repo or CKPT_REPO names (never one above it), or None: search up from here.
+
+    An empty --repo is refused as typed (PathGiven); an empty CKPT_REPO, which click reads as unset, here, by the
+    commands that open a repository (not `init PATH`, not --help): `CKPT_REPO="$UNSET" ckpt prune` worked on
+    whichever repository sat above the current folder.
+    """
     folder = ctx.obj.get("repo")
+    if folder is None and os.environ.get("CKPT_REPO") == "":
+        raise click.BadParameter("is empty (a variable not set?): set it to a path, or unset it",
+                                 param_hint="CKPT_REPO")
     return named_root(folder, ctx.obj["named_by"]) if folder else None
 
 

@@ -79,8 +79,8 @@ def fsck_command(ctx, full, remote_name) -> None:
     for tid in report.missing_records:
         echo(f"missing tensor record {tid}")
     for oid, path in report.unreadable.items():
-        echo(f"unreadable object {oid}: permission denied on {path}; ask for access, or run fsck as a user who may "
-             "read it")
+        echo(f"unreadable object {oid}: permission denied on {shown_name(path)}; ask for access, or run fsck as a "
+             "user who may read it")
     if report.unchecked:
         echo(f"{len(report.unchecked)} objects not held here were not checked: {report.unchecked_why}")
     damaged = report.damaged_objects or report.missing_records or report.damaged_records

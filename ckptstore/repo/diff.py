@@ -86,8 +86,8 @@ def diff(repo: Repository, a: str, b: str | None = None) -> list[TensorDiff]:
         return _mixed_diff(repo, old, new)
     resplit = _same_file_containers(old, new)
     old_at, new_at = _stored_at(old), _stored_at(new)
-    changed = [p for p in new_at if p in old_at and new.entries[new_at[p]].tensor != old.entries[old_at[p]].tensor
-               and p not in resplit]
+    changed = {p for p in new_at if p in old_at and new.entries[new_at[p]].tensor != old.entries[old_at[p]].tensor
+               and p not in resplit}
     old_raw = restore(repo, old, paths=sorted({old_at[p] for p in changed}))
     new_raw = restore(repo, new, paths=sorted({new_at[p] for p in changed}))
     records = entry_records(repo, new)

@@ -304,6 +304,9 @@ def _manifest_entries(store: ObjectStore, commits: dict[CommitId, commit_rows.Co
             found.newer_manifests[cid] = info.manifest_object
             found.unreadable_manifests.add(info.manifest_object)
             continue
+        except PermissionError:  # another user's file: fsck's object check says it, and goes on to the rest
+            found.unreadable_manifests.add(info.manifest_object)
+            continue
         except (CorruptObjectError, CkptError) as exc:
             found.unreadable_manifests.add(info.manifest_object)
             if isinstance(exc, UnreadableManifestError):  # its bytes whole: a lost or changed object is said as one

@@ -410,12 +410,16 @@ def _object_of(repo, cid):
     return repo.store.path_of(oid)
 
 
-def test_fsck_reports_an_object_this_user_may_not_read_and_goes_on_to_find_the_damage(tmp_path):
+@pytest.mark.parametrize("which", ["tensor", "manifest"])
+def test_fsck_reports_an_object_this_user_may_not_read_and_goes_on_to_find_the_damage(tmp_path, which):
     """One object another user's umask kept from this one stopped fsck with a permission error: a truncated object
-    checked after it went unreported (auditor helper 281)."""
+    checked after it went unreported (auditor helper 281; a manifest, review helper 289)."""
     with Repository.init(tmp_path) as repo:
-        denied, cut = (_object_of(repo, repo.commit({"w": torch.randn(1 << 16, generator=torch.Generator()
-                                                                      .manual_seed(seed))})) for seed in (1, 2))
+        first, second = (repo.commit({"w": torch.randn(1 << 16, generator=torch.Generator().manual_seed(seed))})
+                         for seed in (1, 2))
+        denied = (_object_of(repo, first) if which == "tensor"
+                  else repo.store.path_of(repo.commit_info(first).manifest_object))
+        cut = _object_of(repo, second)
     denied.chmod(0)
     cut.chmod(0o644)
     with open(cut, "r+b") as handle:
