@@ -87,7 +87,7 @@ def _build(root: Path, staging: Path, config: RepoConfig, killed_inits: Set[str]
     faults.point("init:folder-made")
     config.save(staging / "config.toml")
     faults.point("init:config-written")
-    if config.objects_url:
+    if config.objects_url or config.metadata_url:  # either may be another repository's: checked before joined
         repo = open_over_objects(root, config, create=True, folder=staging, joining=True, killed_inits=killed_inits)
     else:
         repo = Repository(root, config, create=True, folder=staging)

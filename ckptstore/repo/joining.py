@@ -29,6 +29,9 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
                       joining: bool = False, killed_inits: Set[str] = frozenset()) -> Repository:
     """The repository at `root` whose objects are at `config.objects_url`; `create`: start empty metadata.
 
+    Also an init's with metadata on a server (or a SQLite file elsewhere) and objects in its own `.ckpt/`: that
+    metadata, another folder's, names objects this one lacks, and was joined unchecked.
+
     `folder`: its `.ckpt` folder where that is not (yet) `root/.ckpt` (init builds it under another name).
 
     An S3 prefix must name the metadata's repository in its owner.json, or name none (then it is
@@ -40,9 +43,9 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
     """
     from ckptstore.repo.repository import Repository
 
-    url = config.objects_url
     folder = folder or root / REPO_DIR
-    store = open_store(url, folder / "tmp", folder)
+    store = open_store(config.objects_url or "objects", folder / "tmp", folder)  # the default: .ckpt/objects
+    url = config.objects_url or store.url
     try:
         repo = Repository(root, config, store=store, folder=folder)
     except MissingDatabaseError:
@@ -64,6 +67,11 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
         if joining and not named:
             _refuse_objects_of_another(store, url, unless=lambda: _commit_in_flight(repo))
         if named and not any(store.has(o) for o in named):
+            if not config.objects_url:  # this folder's own objects: none yet, the metadata is another folder's
+                raise RepoExistsError(f"the metadata {repo.db.where} holds a repository whose objects are elsewhere "
+                                      "(this new folder's .ckpt/objects has none of them): join it with --objects "
+                                      "naming those objects (a shared folder or bucket), or give this repository "
+                                      "metadata of its own; nothing was made")
             next(iter(store.iter_ids()), None)  # a bucket that does not exist says so, rather than "none of them"
             raise RepoExistsError(f"{url} holds none of the objects that the metadata {repo.db.where} names "
                                   f"({len(named)} looked for): that metadata belongs with another objects URL "

@@ -19,7 +19,7 @@ import torch
 
 from ckptstore import Repository
 from ckptstore.errors import CkptError, RepoNotFoundError
-from ckptstore.repo import fsck
+from ckptstore.repo import fsck, gc
 from tests.conftest import assert_same, ckpt_env, ckpt_here
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,3 +208,20 @@ def test_an_s3_init_that_fails_after_its_claim_gives_the_prefix_back(tmp_path, s
         cid = repo.commit({"w": torch.arange(100.0)})
         assert_same({"w": torch.arange(100.0)}, repo.checkout(cid))
     _whole(where)
+
+
+@pytest.mark.parametrize("where", ["postgresql", "sqlite file elsewhere"])
+def test_an_init_joining_metadata_whose_objects_are_in_another_folder_is_refused(tmp_path, where, request):
+    """A second folder's init with only --metadata joined the first's database unchecked: its first commit stored
+    everything in its own .ckpt/objects, recorded a commit no other folder could restore, and the first
+    repository's fsck failed and its gc refused from then on (model-based audit helper 287, high)."""
+    url = request.getfixturevalue("postgres_url") if where == "postgresql" else f"sqlite:///{tmp_path}/shared.db"
+    with Repository.init(tmp_path / "a", metadata_url=url) as a:
+        cid = a.commit({"w": torch.arange(100.0)})
+    refused = ckpt_here(tmp_path, "init", "--metadata", url, str(tmp_path / "b"))
+    assert refused.returncode == 1, refused.stderr
+    assert "holds a repository whose objects are elsewhere" in refused.stderr and "nothing was made" in refused.stderr
+    assert not (tmp_path / "b" / ".ckpt").exists()
+    with Repository.open(tmp_path / "a") as a:
+        assert fsck(a, full=True).ok and gc(a).objects_removed == 0
+        assert_same({"w": torch.arange(100.0)}, a.checkout(cid))

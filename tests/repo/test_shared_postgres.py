@@ -150,11 +150,13 @@ def test_joining_a_repository_without_commits_says_it_joined(postgres_url, tmp_p
 
 
 def test_joining_keeps_the_repository_as_it_is(postgres_url, tmp_path):
-    with Repository.init(tmp_path / "a", metadata_url=postgres_url) as repo:
+    team_objects = f"file://{tmp_path / 'team-objects'}"  # a folder of objects each machine sees (objects of its
+    # own .ckpt/ would hold none of the commits: such a join is refused, tests/repo/test_creation.py)
+    with Repository.init(tmp_path / "a", objects_url=team_objects, metadata_url=postgres_url) as repo:
         cid = repo.commit({"w": torch.ones(2)})
         repo.branch("side")
         repo.checkout_to("side", tmp_path / "out.pt")
-    result = ckpt(tmp_path, "init", "b", "--metadata", postgres_url)
+    result = ckpt(tmp_path, "init", "b", "--metadata", postgres_url, "--objects", team_objects)
     assert result.returncode == 0 and result.stdout.startswith("Joined the ckptstore repository"), result
     with Repository.open(tmp_path / "b") as repo:
         assert repo.branches() == {"main": cid, "side": cid} and repo.head() == ("main", cid)
