@@ -55,6 +55,16 @@ def atomic_write(path: str | os.PathLike, fill: Callable[[BinaryIO], None], mode
         temp.unlink(missing_ok=True)
 
 
+def missing_parent(dest: Path) -> str | None:
+    """Why `dest` cannot be written into its folder: that folder missing, or a file standing on its path; else None."""
+    if dest.parent.is_dir():
+        return None
+    standing = next((p for p in dest.parents if p.exists() or p.is_symlink()), None)
+    if standing is not None and not standing.is_dir():
+        return f"{standing} is a file, not a folder; pass another -o path"
+    return f"directory {dest.parent} does not exist; create it first or pass another -o path"
+
+
 def sync_dir(folder: str | os.PathLike) -> None:
     """Fsync a directory so that a rename in it survives a crash (where the platform allows)."""
     try:

@@ -40,7 +40,7 @@ from ckptstore.errors import (
     listing,
 )
 from ckptstore.formats import dcpmeta, filemap
-from ckptstore.formats.atomic import atomic_write
+from ckptstore.formats.atomic import atomic_write, missing_parent
 from ckptstore.formats.dtypestate import bad_dtype_state
 from ckptstore.formats.torchfile import numpy_safe_globals, refusal_reason
 from ckptstore.state import RawTensor, flatten, materialize, raw_from_bytes, raw_from_torch, unflatten
@@ -287,8 +287,8 @@ def write(dest: str | os.PathLike, dcp: dict[str, Any], items: Iterable[tuple[st
             storage[index] = _StorageInfo(DATA_FILE, offset, len(blob))
             offset += len(blob)
 
-    if not dest.parent.is_dir():
-        raise CheckpointFormatError(f"directory {dest.parent} does not exist; create it first or pass another -o path")
+    if missing_parent(dest):
+        raise CheckpointFormatError(missing_parent(dest))
     made = not dest.exists()
     dest.mkdir(exist_ok=True)
     try:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults
 from ckptstore.errors import CkptError, CorruptRecordError, DirtyWorktreeError, listing, shown_name
+from ckptstore.formats.atomic import missing_parent
 from ckptstore.formats.filemap import file_digest
 from ckptstore.formats.folder import set_mode
 from ckptstore.hashing import CommitId
@@ -121,8 +122,9 @@ def _refusal(unsaved: list[tuple[str, Path]], originals: list[Path], cid: str) -
 
 
 def _refuse_missing_parent(dest: Path) -> None:
-    if not dest.parent.is_dir():
-        raise CkptError(f"directory {dest.parent} does not exist; create it first or pass another -o path")
+    problem = missing_parent(dest)
+    if problem:
+        raise CkptError(problem)
 
 
 def own_folder_holding(repo: Repository, path: str | os.PathLike) -> Path | None:

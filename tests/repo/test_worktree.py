@@ -170,6 +170,12 @@ def test_output_into_a_missing_directory_is_a_one_line_error(repo, tmp_path):
     assert proc.returncode == 1 and err.strip().count("\n") == 0
     assert err.startswith(f"error: directory {tmp_path / 'missing'} does not exist"), err
     assert not (tmp_path / "missing").exists()
+    (tmp_path / "ck.pt").write_bytes(b"a file")  # not a folder: it was said not to exist (auditor helper 279)
+    for output in (tmp_path / "ck.pt" / "x.pt", tmp_path / "ck.pt" / "sub" / "x.pt"):
+        said = ckpt_here(repo.root, "checkout", "HEAD", "-o", str(output))
+        assert said.returncode == 1 and said.stderr == f"error: {tmp_path / 'ck.pt'} is a file, not a folder; pass " \
+            "another -o path\n", said.stderr
+    assert (tmp_path / "ck.pt").read_bytes() == b"a file"
 
 
 def test_output_inside_the_repositorys_own_folders_is_refused_up_front(repo, tmp_path):
