@@ -26,7 +26,7 @@ from ckptstore.errors import CkptError
 from ckptstore.formats import CheckpointFile
 from ckptstore.formats.folder import set_mode
 from ckptstore.repo.manifest import Manifest
-from ckptstore.state import RawTensor, escape, join, join_key, unflatten
+from ckptstore.state import RawTensor, escape, join, join_key, readable_path, unflatten
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
@@ -90,15 +90,34 @@ def select(manifest: Manifest, keys: Iterable[str], commit: str = "") -> Selecti
 def _as_written(manifest: Manifest, wanted: KeyPatterns) -> KeyPatterns:
     """`wanted`, each pattern that names a path of `manifest` as written taken literally.
 
-    A path copied from `ckpt show` selects itself, glob characters and all ("emb[1]", not "emb1").
+    A path copied from `ckpt show` selects itself, glob characters and all ("emb[1]", not "emb1"); one that
+    matches nothing as given but is a path's own text (a key "acc%" or "1", stored escaped as "acc%25" and
+    "%31") selects that path.
     """
+    readable: dict[str, str | None] = {}
+    for path in _paths(manifest):
+        key = _level(readable_path(path))
+        readable[key] = path if readable.get(key, path) == path else None  # two paths reading alike: neither
+
     def literal(pattern: str) -> str:
-        if not any(c in pattern for c in "*?["):
-            return pattern
         escaped = glob.escape(pattern)
-        return escaped if _selected_files(manifest, KeyPatterns((escaped,)))[0] else pattern
+        if escaped != pattern and _selected_files(manifest, KeyPatterns((escaped,)))[0]:
+            return escaped  # the path as written first: "emb[1]" is that key, not a glob matching "emb1"
+        spelled = readable.get(_level(pattern))
+        if spelled and not _selected_files(manifest, KeyPatterns((pattern,)))[0]:
+            return glob.escape(spelled)
+        return pattern
 
     return KeyPatterns(tuple(map(literal, wanted.patterns)))
+
+
+def _paths(manifest: Manifest) -> set[str]:
+    """Every path of the commit and each level above it (entries, tied paths, a folder's files)."""
+    found = set()
+    for path in [*manifest.entries, *aliases(manifest)]:
+        parts = path.split("/")
+        found.update("/".join(parts[:n]) for n in range(1, len(parts) + 1))
+    return found
 
 
 def _selected_files(manifest: Manifest, wanted: KeyPatterns) -> tuple[list[CheckpointFile], set[str], set[str]]:

@@ -271,3 +271,25 @@ def test_a_file_in_a_subfolder_of_a_committed_folder_is_selected_by_its_path(rep
     cid = repo.commit(folder)
     assert_same(repo.checkout(cid, keys=["sub/opt.pt"]), {"sub/opt.pt": {"state": {"m": torch.ones(2)}, "lr": 0.1}})
     assert_same(repo.checkout(cid, keys=["sub/opt.pt.state.*"]), {"sub/opt.pt": {"state": {"m": torch.ones(2)}}})
+
+
+def test_a_key_is_selected_by_its_own_text_though_stored_escaped(repo, tmp_path):
+    """Keys "acc%" and "1" are stored as "acc%25" and "%31": only those spellings selected them, and a folder's
+    file "ü 50%.pt" was "no path matches" (auditor helper 282)."""
+    state = {"metrics": {"acc%": torch.ones(1), "1": torch.zeros(1), "emb[1]": torch.full((1,), 2.0),
+                         "emb1": torch.full((1,), 3.0)}}
+    cid = ckptstore.save(state, repo=repo)
+    assert_same(ckptstore.load(cid, repo=repo, keys=["metrics.acc%"]), {"metrics": {"acc%": torch.ones(1)}})
+    assert_same(ckptstore.load(cid, repo=repo, keys=["metrics.1"]), {"metrics": {"1": torch.zeros(1)}})
+    assert_same(ckptstore.load(cid, repo=repo, keys=["metrics.acc%25"]), {"metrics": {"acc%": torch.ones(1)}})
+    assert_same(ckptstore.load(cid, repo=repo, keys=["metrics.emb[1]"]),  # as written first, not a glob
+                {"metrics": {"emb[1]": torch.full((1,), 2.0)}})
+    folder = tmp_path / "run"
+    (folder / "sub").mkdir(parents=True)
+    torch.save({"w": torch.ones(2)}, folder / "sub" / "ü 50%.pt")
+    torch.save({"w": torch.zeros(2)}, folder / "other.pt")
+    repo.commit(folder)
+    result = CliRunner().invoke(cli, ["--repo", str(repo.root), "checkout", "HEAD", "--only", "sub/ü 50%.pt",
+                                      "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in (tmp_path / "out").rglob("*.pt")] == ["ü 50%.pt"]
