@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptstore import formats
+from ckptstore import faults, formats
 from ckptstore.errors import CkptError, CorruptRecordError, listing
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import commits as commit_rows
@@ -62,8 +62,11 @@ def _checkout(repo: Repository, ref: str, device: str | None, progress: Progress
     Its manifest, records and buffers are freed on return, before collections resume, so the
     first collection sees only the returned state.
     """
-    cid = repo.resolve(ref)
-    manifest = repo.manifest(cid)
+    with repo.db.read() as tx:  # one snapshot: a gc --prune between the two read the commit's row as damage
+        cid = refs.resolve(tx, ref)
+        info = commit_rows.commit_info(tx, cid)
+    faults.point("checkout:resolved")  # tests run a gc --prune here
+    manifest = integrity.kept_manifest(repo, info)
     _refuse_sharded(cid, manifest)
     if keys is not None:
         manifest = select(manifest, keys, cid).manifest
@@ -95,7 +98,8 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
         name = ref.strip()
         row = ref_rows.ref_row(tx, name)
         branch = refs.head_branch(tx) if name == refs.HEAD else name if row and row.kind == refs.BRANCH else None
-    manifest = repo.read_manifest(commit_rows.readable_manifest(info))
+    faults.point("checkout:resolved")
+    manifest = integrity.kept_manifest(repo, info)
     if manifest.dcp is not None:  # a sharded commit: a DCP directory that plain dcp.load reads
         if keys is not None:
             raise CkptError(f"commit {cid[:12]} is a sharded (torch.distributed.checkpoint) commit: check it out "

@@ -49,7 +49,7 @@ from ckptstore.repo.planecache import cache_of
 from ckptstore.repo.progress import NoProgress, Progress
 from ckptstore.repo.pruning import after_commit
 from ckptstore.repo.repo_folders import nested_repositories, repository_part_holding
-from ckptstore.repo.target import Start, commit_target, default_author, move_ref
+from ckptstore.repo.target import Start, commit_target, conflict, default_author, move_ref
 from ckptstore.repo.worktree import own_folder_holding
 from ckptstore.repo.writer import Job, encode_jobs, lossless_jobs
 from ckptstore.state import RawTensor, escape, readable_path, shared_view_paths
@@ -498,6 +498,9 @@ def _parent(repo: Repository, tx: Tx, options: CommitOptions, tensors: Mapping[s
     """
     start = options.start or commit_target(tx, options.branch, repo.config.remotes)
     parent = _Parent(start.target, start.commit, start.new)
+    if parent.commit is not None and options.start is not None and commit_rows.removed(tx, parent.commit):
+        conflict(tx, start)  # fixed when a background commit was called: its branch moved or went, and gc or prune
+        # removed the commit meanwhile (read as "metadata has no commit", damage that was not there)
     if parent.commit is not None:
         parent.manifest = parent_manifest(repo, parent.commit, commit_rows.manifest_object(tx, parent.commit))
     if parent.manifest is not None:

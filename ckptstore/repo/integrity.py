@@ -126,6 +126,22 @@ def replay_current(repo: Repository, manifest: Manifest, paths: list[str],
         raise exc.needed_by(repo.commits_needing(exc.object_ids)) from None
 
 
+def kept_manifest(repo: Repository, info: commit_rows.CommitInfo) -> Manifest:
+    """The manifest of commit `info`, read as readers do (no lock).
+
+    A prune or `gc --prune` that removed the commit since its row was read is PrunedCommitError, not damage:
+    its manifest object went with it, on purpose.
+    """
+    oid = commit_rows.readable_manifest(info)
+    try:
+        return repo.read_manifest(oid)
+    except CorruptObjectError:
+        with repo.db.read() as tx:
+            if commit_rows.kept_with_manifest(tx, oid):
+                raise
+        raise _pruned_meanwhile() from None
+
+
 def _pruned_since_read(repo: Repository, manifest: Manifest) -> bool:
     """Whether no commit keeps the manifest read: pruned, or deleted by `gc --prune`.
 

@@ -77,10 +77,10 @@ def move_ref(tx: Tx, start: Start, new: CommitId) -> None:
     else:
         moved = expected is not None and ref_rows.swap(tx, target, refs.BRANCH, expected, new)
     if not moved:
-        _conflict(tx, start)
+        conflict(tx, start)
 
 
-def _conflict(tx: Tx, start: Start) -> None:
+def conflict(tx: Tx, start: Start) -> None:
     """Raise the ConflictError that says what became of the ref this commit was to move."""
     now = ref_rows.ref_row(tx, start.target or refs.HEAD)
     began = f"it started from {start.commit[:12] if start.commit else 'an unborn branch'}"

@@ -852,3 +852,31 @@ def test_a_background_commit_whose_thread_fails_before_committing_still_resolves
             with pytest.raises(BackgroundCommitError, match="out of memory"):  # nobody saw it: the next call says it
                 repo.commit({"w": torch.ones(8)}, blocking=False)
         assert repo.commit({"w": torch.ones(8)}, blocking=False).result(timeout=60) == repo.log()[0].id
+
+
+@pytest.mark.both_backends
+@pytest.mark.parametrize("how", ["deleted and collected", "pruned"])
+def test_a_background_commit_whose_start_was_removed_meanwhile_is_a_conflict_not_damage(repo, hold, how):
+    """Its start is fixed at the call; another process deleting the branch and `gc --prune`-ing it (or pruning the
+    start commit) before the thread ran made it fail with "metadata has no commit …; run `ckpt fsck`" or a
+    checkout's PrunedCommitError, where teams.md promises the conflict (model-based audit helper 290)."""
+    from ckptstore.errors import ConflictError
+    from ckptstore.repo import gc, prune
+    from ckptstore.repo.config import RetentionPolicy
+
+    repo.commit({"w": torch.zeros(8)}, "m")
+    repo.branch("x")
+    repo.commit({"w": torch.ones(8)}, "x1", branch="x")
+    handle = repo.commit({"w": torch.full((8,), 2.0)}, "x2", branch="x", blocking=False)
+    _wait_reached(hold)
+    with Repository.open(repo.root) as other:  # another process's view of the repository
+        if how == "pruned":
+            other.commit({"w": torch.full((8,), 3.0)}, "x3", branch="x")
+            assert len(prune(other, RetentionPolicy(keep_last=1)).pruned) >= 1
+        else:
+            other.delete_branch("x")
+            assert gc(other, prune_unreachable=True).commits_removed == 1
+    hold.touch()
+    with pytest.raises(ConflictError, match="while this commit was being written .* nothing was recorded"):
+        handle.result(timeout=120)
+    assert fsck(repo, full=True).ok

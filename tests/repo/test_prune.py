@@ -34,7 +34,7 @@ from ckptstore import Repository
 from ckptstore.cli import cli
 from ckptstore.errors import CkptError, NothingToCommitError, PrunedCommitError, UnknownMetricError
 from ckptstore.policy import EncodingSettings
-from ckptstore.repo import fsck, remote
+from ckptstore.repo import fsck, gc, remote
 from ckptstore.repo.config import RepoConfig, RetentionPolicy
 from ckptstore.repo.pruning import prune
 from ckptstore.repo.retention import History, doomed
@@ -367,15 +367,16 @@ def test_a_checkout_that_read_its_records_before_a_prune_still_restores_bit_exac
     assert_same(want, torch.load(tmp_path / "tip.pt", weights_only=False))  # written by this test just now (RNG state)
 
 
+@pytest.mark.parametrize("point", ["checkout:records-read", "checkout:resolved"])  # resolved: helper 290
 @pytest.mark.parametrize("remover", [["prune", "--keep-last", "1"], ["gc", "--prune"]])
-def test_a_checkout_of_a_commit_removed_while_it_runs_says_so_not_damage(tmp_path, remover):
+def test_a_checkout_of_a_commit_removed_while_it_runs_says_so_not_damage(tmp_path, remover, point):
     with Repository.init(tmp_path) as repo:
         cids = _train(repo, commits=3)
         if remover[0] == "gc":  # gc --prune removes an unreachable commit: one on a deleted branch
             cids = [repo.commit(Trainer(seed=9).state(), branch="side")]
             repo.delete_branch("side")
     release = tmp_path / "release"
-    env = ckpt_env(CKPT_WAIT_AT=f"checkout:records-read={release}")
+    env = ckpt_env(CKPT_WAIT_AT=f"{point}={release}")
     reading = subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", cids[0], "-o", "old.pt"],
                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -906,3 +907,28 @@ def test_a_dead_checkouts_head_move_to_a_commit_gc_deleted_is_warned_of_not_made
         with pytest.warns(RuntimeWarning, match="finishing an interrupted checkout"):
             refs.finish_head_move(repo, gone, None)  # as the next open finishes a dead checkout's journal
         assert repo.head() == ("main", tip)
+
+
+def test_an_in_memory_checkout_whose_commit_gc_removes_after_its_ref_resolved_says_so(tmp_path, monkeypatch):
+    """The ref resolved, then `gc --prune` elsewhere removed the commit before its manifest was read: "metadata has no
+    commit …; run `ckpt fsck`", damage that was not there (model-based audit helper 290)."""
+    from ckptstore import faults
+    from ckptstore.errors import PrunedCommitError
+
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"w": torch.zeros(5000)})
+        side = repo.commit({"w": torch.ones(5000)}, branch="side")
+        passing = faults.point
+
+        def another_process_collects(name):
+            if name == "checkout:resolved":
+                monkeypatch.setattr(faults, "point", passing)
+                with Repository.open(tmp_path) as other:
+                    other.delete_branch("side")
+                    assert gc(other, prune_unreachable=True).commits_removed == 1
+            passing(name)
+
+        monkeypatch.setattr(faults, "point", another_process_collects)
+        with pytest.raises(PrunedCommitError, match="removed by `ckpt prune` or `ckpt gc --prune` while this command"):
+            repo.checkout(side)
+        assert fsck(repo).ok
