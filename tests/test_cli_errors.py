@@ -303,6 +303,8 @@ def test_an_empty_repo_or_ckpt_repo_is_refused_not_taken_for_the_repository_abov
     assert ckpt_here(tmp_path / "work", "log", "--help", env={"CKPT_REPO": ""}).returncode == 0
     assert ckpt_here(tmp_path / "work", "init", "new", env={"CKPT_REPO": ""}).returncode == 0
     assert (tmp_path / "work" / "new" / ".ckpt").is_dir()
+    bare = ckpt_here(tmp_path / "work", "init", env={"CKPT_REPO": ""})  # no PATH: CKPT_REPO would name it (helper 291)
+    assert bare.returncode == 2 and "CKPT_REPO: is empty" in bare.stderr and not (tmp_path / "work" / ".ckpt").exists()
 
 
 def test_read_only_init_writes_nothing_and_bare_groups_print_their_help(tmp_path):

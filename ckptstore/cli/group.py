@@ -65,11 +65,17 @@ def folder_named(ctx: click.Context) -> Path | None:
     commands that open a repository (not `init PATH`, not --help): `CKPT_REPO="$UNSET" ckpt prune` worked on
     whichever repository sat above the current folder.
     """
+    folder = repo_given(ctx)
+    return named_root(folder, ctx.obj["named_by"]) if folder else None
+
+
+def repo_given(ctx: click.Context) -> str | None:
+    """--repo or CKPT_REPO as given, or None; an empty CKPT_REPO (click reads it as unset) is refused."""
     folder = ctx.obj.get("repo")
     if folder is None and os.environ.get("CKPT_REPO") == "":
         raise click.BadParameter("is empty (a variable not set?): set it to a path, or unset it",
                                  param_hint="CKPT_REPO")
-    return named_root(folder, ctx.obj["named_by"]) if folder else None
+    return folder
 
 
 def open_repo(ctx: click.Context) -> Repository:

@@ -6,7 +6,7 @@ import signal
 
 import click
 
-from ckptstore.cli.group import cli, open_repo
+from ckptstore.cli.group import cli, open_repo, repo_given
 from ckptstore.cli.output import BarProgress, echo, size
 from ckptstore.cli.params import (
     LEVEL_NAMES,
@@ -42,7 +42,7 @@ def init(ctx: click.Context, path: str | None, max_chain: str | None, lossy: str
     if ctx.obj.get("read_only"):
         raise ReadOnlyRepoError("`ckpt init` writes a repository, and --read-only refuses every write; run it without")
     settings = EncodingSettings() if max_chain is None else EncodingSettings(max_chain=max_chain)
-    where = path or ctx.obj.get("repo") or "."
+    where = path or repo_given(ctx) or "."
     with Repository.init(where, encoding=settings, lossy=lossy or "", objects_url=objects_url,
                          metadata_url=metadata_url) as repo:
         joined = repo.joined  # a teammate's repository without commits yet too

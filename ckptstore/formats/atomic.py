@@ -60,6 +60,9 @@ def missing_parent(dest: Path) -> str | None:
     if dest.parent.is_dir():
         return None
     standing = next((p for p in dest.parents if p.exists() or p.is_symlink()), None)
+    if standing is not None and standing.is_symlink() and not standing.exists():
+        return f"{standing} is a symlink to {os.readlink(standing)}, which does not exist; create it first or pass " \
+               "another -o path"
     if standing is not None and not standing.is_dir():
         return f"{standing} is a file, not a folder; pass another -o path"
     return f"directory {dest.parent} does not exist; create it first or pass another -o path"

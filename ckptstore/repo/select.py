@@ -14,6 +14,7 @@ with one left out still reads its own entry.
 
 from __future__ import annotations
 
+import functools
 import glob
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -94,16 +95,24 @@ def _as_written(manifest: Manifest, wanted: KeyPatterns) -> KeyPatterns:
     matches nothing as given but is a path's own text (a key "acc%" or "1", stored escaped as "acc%25" and
     "%31") selects that path.
     """
-    readable: dict[str, str | None] = {}
-    for path in _paths(manifest):
-        key = _level(readable_path(path))
-        readable[key] = path if readable.get(key, path) == path else None  # two paths reading alike: neither
+    paths = _paths(manifest)
+    written = {_level(path) for path in paths}
+
+    @functools.cache
+    def readable() -> dict[str, str | None]:  # made only for a pattern that names no path as stored
+        found: dict[str, str | None] = {}
+        for path in paths:
+            key = _level(readable_path(path))
+            found[key] = path if found.get(key, path) == path else None  # two paths reading alike: neither
+        return found
 
     def literal(pattern: str) -> str:
         escaped = glob.escape(pattern)
         if escaped != pattern and _selected_files(manifest, KeyPatterns((escaped,)))[0]:
             return escaped  # the path as written first: "emb[1]" is that key, not a glob matching "emb1"
-        spelled = readable.get(_level(pattern))
+        if _level(pattern) in written:  # a path as stored (most patterns): nothing more to look up
+            return pattern
+        spelled = readable().get(_level(pattern))
         if spelled and not _selected_files(manifest, KeyPatterns((pattern,)))[0]:
             return glob.escape(spelled)
         return pattern

@@ -84,6 +84,10 @@ def conflict(tx: Tx, start: Start) -> None:
     """Raise the ConflictError that says what became of the ref this commit was to move."""
     now = ref_rows.ref_row(tx, start.target or refs.HEAD)
     began = f"it started from {start.commit[:12] if start.commit else 'an unborn branch'}"
+    if now is None and start.new:  # never made: what it was to start from went (only a removed start gets here)
+        raise ConflictError(f"{start.target} was to be made at {(start.commit or '')[:12]}, which `ckpt prune` or "
+                            "`ckpt gc --prune` removed while this commit was being written; nothing was recorded. "
+                            f"Commit again to make {start.target} at HEAD")
     if now is None:
         raise ConflictError(f"{start.target} was deleted while this commit was being written ({began}); nothing "
                             f"was recorded. Commit again to make {start.target} anew at HEAD, or to another branch "

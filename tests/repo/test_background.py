@@ -880,3 +880,23 @@ def test_a_background_commit_whose_start_was_removed_meanwhile_is_a_conflict_not
     with pytest.raises(ConflictError, match="while this commit was being written .* nothing was recorded"):
         handle.result(timeout=120)
     assert fsck(repo, full=True).ok
+
+
+
+def test_a_background_commit_to_a_new_branch_whose_start_was_pruned_meanwhile_says_so(repo, hold):
+    """It said the new branch "was deleted", a branch that never was (review helper 291)."""
+    from ckptstore.errors import ConflictError
+    from ckptstore.repo import prune
+    from ckptstore.repo.config import RetentionPolicy
+
+    start = repo.commit({"w": torch.zeros(8)}, "m")
+    handle = repo.commit({"w": torch.ones(8)}, "f", branch="feat", blocking=False)
+    _wait_reached(hold)
+    with Repository.open(repo.root) as other:
+        other.commit({"w": torch.full((8,), 2.0)}, "m2")
+        assert start in prune(other, RetentionPolicy(keep_last=1)).pruned
+    hold.touch()
+    with pytest.raises(ConflictError, match=rf"feat was to be made at {start[:12]}, which `ckpt prune` or `ckpt gc "
+                                            r"--prune` removed while this commit was being written; nothing was"):
+        handle.result(timeout=120)
+    assert "feat" not in repo.branches()

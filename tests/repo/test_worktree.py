@@ -176,6 +176,10 @@ def test_output_into_a_missing_directory_is_a_one_line_error(repo, tmp_path):
         assert said.returncode == 1 and said.stderr == f"error: {tmp_path / 'ck.pt'} is a file, not a folder; pass " \
             "another -o path\n", said.stderr
     assert (tmp_path / "ck.pt").read_bytes() == b"a file"
+    (tmp_path / "later").symlink_to(tmp_path / "not-made-yet")  # a link to a folder not made yet (helper 291)
+    said = ckpt_here(repo.root, "checkout", "HEAD", "-o", str(tmp_path / "later" / "x.pt"))
+    assert said.returncode == 1 and f"{tmp_path / 'later'} is a symlink to {tmp_path / 'not-made-yet'}, which does " \
+        "not exist; create it first" in said.stderr, said.stderr
 
 
 def test_output_inside_the_repositorys_own_folders_is_refused_up_front(repo, tmp_path):
