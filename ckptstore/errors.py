@@ -154,6 +154,15 @@ def shown_controls(text: str) -> str:
     return CONTROL_CHARACTERS.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
 
 
+
+def is_utf8(name: str) -> bool:
+    """Whether `name` is UTF-8 text: os.fsdecode gives surrogates for the bytes of one that is not, json a lone one."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
 def shown_name(text: str) -> str:
     r"""A file or tensor name for a line of its own: a backslash as \\, a newline as \n, bytes not UTF-8 as \xNN.
 

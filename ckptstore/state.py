@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ckptstore.errors import CorruptRecordError, DeviceUnavailableError, UnsupportedStateError, listing
+from ckptstore.errors import is_utf8 as is_utf8  # formats and watch import it from here
 from ckptstore.warn import warn_caller
 
 BYTES_DTYPE = "bytes"
@@ -86,15 +87,6 @@ def torch_dtype(name: str):
     if not isinstance(dtype, torch.dtype):
         raise UnsupportedStateError(f"dtype {name!r} is not known to this torch {torch.__version__}")
     return dtype
-
-
-def is_utf8(name: str) -> bool:
-    """Whether `name` is UTF-8 text: os.fsdecode gives surrogates for the bytes of one that is not, json a lone one."""
-    try:
-        name.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def escape(key: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ckptstore.errors import is_utf8
 from ckptstore.hashing import CommitId
 from ckptstore.metadata.db import Tx
 
@@ -26,19 +27,10 @@ def ref_row(tx: Tx, name: str) -> RefRow | None:
 
     Sent to the database, such a name failed as a file's would ("rename the file"), not as an unknown ref.
     """
-    if not name.isascii() and not _is_utf8(name):
+    if not name.isascii() and not is_utf8(name):
         return None
     row = tx.first("SELECT name, kind, commit_id, target FROM refs WHERE name = ?", (name,))
     return RefRow(*row) if row else None
-
-
-def _is_utf8(text: str) -> bool:
-    """Whether `text` holds no surrogate os.fsdecode made of a byte that is not UTF-8."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def refs_of_kind(tx: Tx, kind: str) -> dict[str, CommitId]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import tomllib
 
-from ckptstore.errors import CkptError, shown_name
+from ckptstore.errors import CkptError, is_utf8, shown_name
 from ckptstore.policy import LEVELS, EncodingSettings
 
 LOSSY_LEVELS = tuple(LEVELS)  # names `--lossy` accepts
@@ -204,12 +204,10 @@ class RepoConfig:
             (f"remote {name}", url) for name, remote in self.remotes.items()
             for url in (remote.url, remote.metadata_url)]
         for what, text in named:
-            try:
-                text.encode()
-            except UnicodeEncodeError:
+            if not is_utf8(text):
                 raise CkptError(f"the {what} location '{shown_name(text)}' holds bytes that are not UTF-8; a "
                                 "repository's config records it as UTF-8 text: rename that folder, or give "
-                                "another; nothing was changed") from None
+                                "another; nothing was changed")
 
 
 def _into_existing(old: str, new: str) -> str:
