@@ -244,6 +244,8 @@ def test_a_wrong_option_value_exits_2_as_its_siblings_do(tmp_path):
                        (["commit", "c.pt", "--max-loss-change", "-1%"], "--max-loss-change: '-1%': must be"),
                        (["commit", "c.pt", "--knob", "foo=1"], "--knob: unknown lossy knob 'foo'"),
                        (["commit", "c.pt", "--lossy", "balanced", "--knob", "prun=1"], "--knob: unknown lossy knob"),
+                       (["commit", "c.pt", "--lossy", "balanced", "--knob", "prune=2"],  # a value (helper 293)
+                        "--knob: lossy knob prune=2: expected a number in [0, 1]"),
                        (["commit", "c.pt", "--branch", ""], "'--branch': is empty (a variable not set?)"),
                        (["watch", ".", "--once", "--branch", ""], "'--branch': is empty (a variable not set?)"),
                        (["checkout", "HEAD", "-o", "o.pt", "--only", ""], "'--only': is empty (a variable not set?)")):

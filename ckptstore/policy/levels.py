@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -173,14 +173,19 @@ LEVELS: dict[str, LossyLevel] = {
 }
 
 
-def check_knobs(names: Iterable[str]) -> None:
-    """Refuse a name that is no lossy knob, saying the nearest: also `ckpt commit --knob`'s check of what was typed."""
+def check_knobs(given: Iterable[str] | Mapping[str, Any]) -> None:
+    """Refuse a name that is no lossy knob, saying the nearest, and (given values) a value no level takes.
+
+    Also `ckpt commit --knob`'s check of what was typed, before the level is known.
+    """
     knobs = sorted(f.name for f in fields(LossyLevel) if f.name != "name")  # the level's own name is no knob
-    unknown = sorted(set(names) - set(knobs))
+    unknown = sorted(set(given) - set(knobs))
     if unknown:
         close = difflib.get_close_matches(unknown[0], knobs, n=1)
         raise CkptError(f"unknown lossy knob {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
                         + "; the knobs are listed in docs/reference.md#lossy-knobs")
+    if isinstance(given, Mapping):
+        replace(next(iter(LEVELS.values())), **given)  # each value checked as any level checks it (__post_init__)
 
 
 def level_named(name: str | LossyLevel | None, /, **overrides: Any) -> LossyLevel | None:

@@ -95,24 +95,23 @@ def _as_written(manifest: Manifest, wanted: KeyPatterns) -> KeyPatterns:
     matches nothing as given but is a path's own text (a key "acc%" or "1", stored escaped as "acc%25" and
     "%31") selects that path.
     """
-    paths = _paths(manifest)
-    written = {_level(path) for path in paths}
+    entries = {_level(path) for path in _prefixes(manifest.entries)}  # cheap: most patterns name one of these
 
     @functools.cache
-    def readable() -> dict[str, str | None]:  # made only for a pattern that names no path as stored
-        found: dict[str, str | None] = {}
+    def readable() -> tuple[set[str], dict[str, str | None]]:  # every path, as stored and as read: made only for a
+        paths, found = _paths(manifest), {}  # pattern that names no entry (walking every skeleton costs)
         for path in paths:
             key = _level(readable_path(path))
             found[key] = path if found.get(key, path) == path else None  # two paths reading alike: neither
-        return found
+        return {_level(path) for path in paths}, found
 
     def literal(pattern: str) -> str:
         escaped = glob.escape(pattern)
         if escaped != pattern and _selected_files(manifest, KeyPatterns((escaped,)))[0]:
             return escaped  # the path as written first: "emb[1]" is that key, not a glob matching "emb1"
-        if _level(pattern) in written:  # a path as stored (most patterns): nothing more to look up
+        if _level(pattern) in entries or _level(pattern) in readable()[0]:  # a path as stored: nothing to look up
             return pattern
-        spelled = readable().get(_level(pattern))
+        spelled = readable()[1].get(_level(pattern))
         if spelled and not _selected_files(manifest, KeyPatterns((pattern,)))[0]:
             return glob.escape(spelled)
         return pattern
@@ -121,9 +120,31 @@ def _as_written(manifest: Manifest, wanted: KeyPatterns) -> KeyPatterns:
 
 
 def _paths(manifest: Manifest) -> set[str]:
-    """Every path of the commit and each level above it (entries, tied paths, a folder's files)."""
+    """Every path of the commit and each level above it.
+
+    Entries, a folder's files, and every value of a torch file's skeleton: tied tensors, and values that are
+    no tensor (a step, a metric, None).
+    """
+    found = _prefixes(manifest.entries)
+    for record in manifest.files:
+        if record.format != formats.TORCH:
+            continue
+        stack = [(record.skeleton, escape(record.name) if manifest.kind == "folder" else "")]
+        while stack:
+            node, path = stack.pop()
+            if path:
+                found.add(path)
+            if isinstance(node, list) and node and node[0] in ("dict", "odict"):
+                stack.extend((v, item_path(path, k)) for k, v in node[1])
+            elif isinstance(node, list) and node and node[0] in CONTAINERS:
+                stack.extend((v, join(path, str(i))) for i, v in enumerate(node[1]))
+    return found
+
+
+def _prefixes(paths: Iterable[str]) -> set[str]:
+    """Each path and each level above it."""
     found = set()
-    for path in [*manifest.entries, *aliases(manifest)]:
+    for path in paths:
         parts = path.split("/")
         found.update("/".join(parts[:n]) for n in range(1, len(parts) + 1))
     return found

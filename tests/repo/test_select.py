@@ -284,6 +284,9 @@ def test_a_key_is_selected_by_its_own_text_though_stored_escaped(repo, tmp_path)
     assert_same(ckptstore.load(cid, repo=repo, keys=["metrics.acc%25"]), {"metrics": {"acc%": torch.ones(1)}})
     assert_same(ckptstore.load(cid, repo=repo, keys=["metrics.emb[1]"]),  # as written first, not a glob
                 {"metrics": {"emb[1]": torch.full((1,), 2.0)}})
+    values = ckptstore.save({"model": {"w": torch.ones(3)}, "acc%": 0.5, "1": 7}, repo=repo)  # no tensor (helper 293)
+    assert_same(ckptstore.load(values, repo=repo, keys=["model.*", "acc%", "1"]),
+                {"model": {"w": torch.ones(3)}, "acc%": 0.5, "1": 7})
     folder = tmp_path / "run"
     (folder / "sub").mkdir(parents=True)
     torch.save({"w": torch.ones(2)}, folder / "sub" / "ü 50%.pt")
