@@ -21,7 +21,7 @@ from ckptstore import faults
 from ckptstore.errors import CkptError, RepoExistsError
 from ckptstore.repo import owner, refs
 from ckptstore.repo.config import RepoConfig
-from ckptstore.repo.joining import open_over_objects
+from ckptstore.repo.joining import MADE_ID, open_over_objects
 from ckptstore.repo.location import DATABASE, REPO_DIR
 from ckptstore.repo.repo_folders import repository_part_holding
 
@@ -54,6 +54,7 @@ def create(root: Path, config: RepoConfig) -> Repository:
         raise CkptError(f"cannot create {final}: {exc.strerror or exc}") from None
     try:
         fresh = _build(root, staging, config, killed_inits)
+        (staging / MADE_ID).unlink(missing_ok=True)  # only a killed init's half-made folder keeps it
         try:
             os.rename(staging, final)  # atomic: a killed init never leaves a .ckpt without config and schema
         except OSError:
@@ -69,7 +70,12 @@ def create(root: Path, config: RepoConfig) -> Repository:
         import shutil  # only here: it imports the compression modules
 
         _withdraw_claim(config, staging)
-        shutil.rmtree(staging, ignore_errors=True)
+        if config.metadata_url and (staging / MADE_ID).is_file():  # its metadata stays: the next init takes it up
+            for part in staging.iterdir():
+                if part.name != MADE_ID:
+                    shutil.rmtree(part, ignore_errors=True) if part.is_dir() else part.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(staging, ignore_errors=True)
         if made_root:
             with contextlib.suppress(OSError):  # only if nothing else arrived there meanwhile
                 root.rmdir()
@@ -129,9 +135,11 @@ def _withdraw_claim(config: RepoConfig, staging: Path) -> None:
 
 
 def _repository_ids(database: Path) -> set[str]:
-    """The repository id a killed init's SQLite file holds, if it got that far (read-only, damage ignored)."""
+    """The repository id a killed init's SQLite file holds, or its note of a server's, if it got that far."""
     import sqlite3
 
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        return {(database.parent / MADE_ID).read_text().strip()}
     if not database.is_file():
         return set()
     try:

@@ -56,12 +56,15 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
         created = Repository(root, config, store=store, create=True, folder=folder)
         try:
             ensure_head(created)
+            _note_made(created, folder)
             owner.bind_prefix(created, killed_inits)
         except BaseException:
             created.close()
             raise
         return created
     try:
+        if joining and not config.objects_url:
+            _refuse_a_join_without_objects(repo, killed_inits)
         with repo.db.read() as tx:
             named = tensor_rows.some_objects(tx, SAMPLE)
         if joining and not named:
@@ -82,6 +85,39 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
         repo.close()
         raise
     return repo
+
+
+MADE_ID = "made-id"  # in an init's half-made folder: the id of the metadata it made (a server's keeps no file there)
+
+
+def _note_made(repo: Repository, folder: Path) -> None:
+    """Write the id of the metadata this init made into its half-made folder.
+
+    Killed (or failed, where the metadata outlives the folder), the next init of the same folder finds its
+    own; repo/creation.py removes the file before the folder becomes `.ckpt`.
+    """
+    from ckptstore.metadata.identity import repository_id
+
+    with repo.db.read() as tx:
+        (folder / MADE_ID).write_text(repository_id(tx))
+
+
+def _refuse_a_join_without_objects(repo: Repository, killed_inits: Set[str]) -> None:
+    """Refuse to join existing metadata with objects in this new folder's own `.ckpt/`, even before its first commit.
+
+    Each folder would keep its objects where no other can read them, over one set of records: the first commit
+    from either broke the other's fsck and gc. Every machine joins with both URLs. Only this folder's own init,
+    killed after it made the metadata, may take it up again.
+    """
+    from ckptstore.metadata.identity import repository_id
+
+    with repo.db.read() as tx:
+        made = repository_id(tx)
+    if made not in killed_inits:
+        raise RepoExistsError(f"the metadata {repo.db.where} already holds a repository, whose objects are not in "
+                              "this new folder's .ckpt/objects: join it with --objects too, naming the objects "
+                              "folder or bucket it was made with (every machine joins with both URLs), or give "
+                              "this repository metadata of its own; nothing was made")
 
 
 def _refuse_objects_of_another(store: ObjectStore, url: str, unless: Callable[[], bool] = lambda: False) -> None:

@@ -216,12 +216,31 @@ def test_an_init_joining_metadata_whose_objects_are_in_another_folder_is_refused
     everything in its own .ckpt/objects, recorded a commit no other folder could restore, and the first
     repository's fsck failed and its gc refused from then on (model-based audit helper 287, high)."""
     url = request.getfixturevalue("postgres_url") if where == "postgresql" else f"sqlite:///{tmp_path}/shared.db"
-    with Repository.init(tmp_path / "a", metadata_url=url) as a:
-        cid = a.commit({"w": torch.arange(100.0)})
-    refused = ckpt_here(tmp_path, "init", "--metadata", url, str(tmp_path / "b"))
-    assert refused.returncode == 1, refused.stderr
-    assert "holds a repository whose objects are elsewhere" in refused.stderr and "nothing was made" in refused.stderr
-    assert not (tmp_path / "b" / ".ckpt").exists()
+    Repository.init(tmp_path / "a", metadata_url=url).close()
+    for joiner, value in (("b", 100.0), ("c", 101.0)):  # before its first commit too (docs audit helper 293)
+        refused = ckpt_here(tmp_path, "init", "--metadata", url, str(tmp_path / joiner))
+        assert refused.returncode == 1, refused.stderr
+        assert "already holds a repository, whose objects are not in this new folder's .ckpt/objects: join it with " \
+               "--objects too" in refused.stderr and "nothing was made" in refused.stderr, refused.stderr
+        assert not (tmp_path / joiner / ".ckpt").exists()
+        with Repository.open(tmp_path / "a") as a:
+            cid = a.commit({"w": torch.full((100,), value)})
     with Repository.open(tmp_path / "a") as a:
         assert fsck(a, full=True).ok and gc(a).objects_removed == 0
-        assert_same({"w": torch.arange(100.0)}, a.checkout(cid))
+        assert_same({"w": torch.full((100,), 101.0)}, a.checkout(cid))
+
+
+
+def test_a_postgresql_init_that_failed_after_making_its_schema_is_taken_up_by_the_next_init(tmp_path, postgres_url):
+    """Its schema outlives the half-made folder; the next init of the same folder must not be refused it as another
+    repository's (the join check of objects in the folder's own .ckpt)."""
+    where = tmp_path / "repo"
+    failed = ckpt_here(tmp_path, "init", "--metadata", postgres_url, str(where),
+                       env={"CKPT_FAIL_AT": "init:metadata-made"})
+    assert failed.returncode == 1 and "injected at" in failed.stderr, failed.stderr
+    again = ckpt_here(tmp_path, "init", "--metadata", postgres_url, str(where))
+    assert again.returncode == 0, again.stderr
+    assert [p.name for p in where.iterdir()] == [".ckpt"]  # the failed init's note went with its leftover
+    with Repository.open(where) as repo:
+        cid = repo.commit({"w": torch.arange(100.0)})
+        assert_same({"w": torch.arange(100.0)}, repo.checkout(cid))

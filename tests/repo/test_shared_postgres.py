@@ -144,8 +144,9 @@ def test_gc_on_one_machine_waits_for_a_commit_in_flight_on_another(postgres_url,
 def test_joining_a_repository_without_commits_says_it_joined(postgres_url, tmp_path):
     """A teammate's repository with no commit yet: its second machine's init said "Initialized empty", as if it had
     made a repository of its own (auditor)."""
-    assert ckpt(tmp_path, "init", "a", "--metadata", postgres_url).stdout.startswith("Initialized empty")
-    joined = ckpt(tmp_path, "init", "b", "--metadata", postgres_url)
+    objects = ["--objects", f"file://{tmp_path / 'team-objects'}"]  # both URLs: the objects each machine sees
+    assert ckpt(tmp_path, "init", "a", "--metadata", postgres_url, *objects).stdout.startswith("Initialized empty")
+    joined = ckpt(tmp_path, "init", "b", "--metadata", postgres_url, *objects)
     assert joined.returncode == 0 and joined.stdout.startswith("Joined the ckptstore repository"), joined
 
 
