@@ -101,10 +101,7 @@ def bind_prefix(repo: Repository, killed_inits: Set[str] = frozenset(), again: b
     store = held_here(repo.store)
     if not hasattr(store, "owner_record") or (getattr(repo, "_prefix_bound", False) and not again):
         return
-    from ckptstore.metadata.identity import repository_id
-
-    with repo.db.read() as tx:
-        mine = repository_id(tx)
+    mine = _database_id(repo)
     ours = {"repository": mine, "metadata": repo.db.where if repo.config.metadata_url else str(repo.root / REPO_DIR)}
     inode = _own_inode(repo)
     if inode is not None:
@@ -245,13 +242,34 @@ def _owner_there(record: dict | None) -> bool:
 
 
 def _same_database(record: dict, repo: Repository) -> bool:
-    """Both repositories keep their records in one configured database (joined): what one needs, the other sees."""
-    return bool(repo.config.metadata_url) and record.get("metadata") == repo.db.url
+    """Both repositories keep their records in one configured database (joined): what one needs, the other sees.
+
+    By the database's id (schema 0011): the URL's text differs between machines that reach one database
+    (a password in PGPASSWORD, `localhost` for `127.0.0.1`). A record written before names the URL only.
+    """
+    if not repo.config.metadata_url:
+        return False
+    if "id" in record:
+        return record["id"] == _database_id(repo)
+    return record.get("metadata") == repo.db.url
+
+
+def _database_id(repo: Repository) -> str:
+    from ckptstore.metadata.identity import repository_id
+
+    with repo.db.read() as tx:
+        return repository_id(tx)
 
 
 def _write(repo: Repository, folder: Path) -> None:
-    record = {"repository": os.path.realpath(repo.root), "metadata": repo.db.url if repo.config.metadata_url else "",
-              "inode": os.stat(repo.dir).st_ino}
+    """Name this repository beside its store: its folder and inode, and a configured database's id and place.
+
+    The place without a password: the file lies beside objects others may read.
+    """
+    where = repo.db.where if repo.config.metadata_url else ""
+    record = {"repository": os.path.realpath(repo.root), "metadata": where, "inode": os.stat(repo.dir).st_ino}
+    if repo.config.metadata_url:
+        record["id"] = _database_id(repo)
     temp = folder.with_name(f".{folder.name}{SUFFIX}.{os.getpid()}.tmp")  # not formats.atomic: numpy
     try:
         temp.write_text(json.dumps(record))

@@ -286,3 +286,24 @@ def test_a_copy_of_a_repository_whose_objects_live_outside_it_cannot_commit_into
         original.commit(_state(2))
         gc(original)
         assert fsck(original).ok
+
+
+def test_a_join_spelling_the_database_url_otherwise_is_one_database_and_no_password_lies_beside_the_store(
+        tmp_path, postgres_server, monkeypatch):
+    """The store's owner record named the URL's text, password and all (mode 0644, beside shared objects), and a
+    machine with its password in PGPASSWORD (as teams.md advises) was refused the join (docs audit helper 293)."""
+    from ckptstore.testing.postgres_server import PASSWORD, PASSWORD_USER
+
+    name = postgres_server.new_database().rsplit("/", 1)[1]
+    postgres_server.execute(f"ALTER DATABASE {name} OWNER TO {PASSWORD_USER}", database=name)
+    store = str(tmp_path / "objects")
+    with Repository.init(tmp_path / "a", objects_url=store,
+                         metadata_url=postgres_server.url(name, user=PASSWORD_USER, password=PASSWORD)) as first:
+        cid = first.commit(_state(0))
+    record = (tmp_path / "objects.owner").read_text()
+    assert PASSWORD not in record and json.loads(record)["id"]
+    monkeypatch.setenv("PGPASSWORD", PASSWORD)
+    with Repository.init(tmp_path / "b", objects_url=store, metadata_url=postgres_server.url(name, user=PASSWORD_USER)
+                         ) as second:
+        assert second.joined and gc(second).objects_removed == 0
+        assert_same(_state(0), second.checkout(cid))
