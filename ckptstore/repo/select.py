@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import glob
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -125,20 +125,7 @@ def _paths(manifest: Manifest) -> set[str]:
     Entries, a folder's files, and every value of a torch file's skeleton: tied tensors, and values that are
     no tensor (a step, a metric, None).
     """
-    found = _prefixes(manifest.entries)
-    for record in manifest.files:
-        if record.format != formats.TORCH:
-            continue
-        stack = [(record.skeleton, escape(record.name) if manifest.kind == "folder" else "")]
-        while stack:
-            node, path = stack.pop()
-            if path:
-                found.add(path)
-            if isinstance(node, list) and node and node[0] in ("dict", "odict"):
-                stack.extend((v, item_path(path, k)) for k, v in node[1])
-            elif isinstance(node, list) and node and node[0] in CONTAINERS:
-                stack.extend((v, join(path, str(i))) for i, v in enumerate(node[1]))
-    return found
+    return _prefixes(manifest.entries) | {path for _, path in _skeleton_nodes(manifest) if path}
 
 
 def _prefixes(paths: Iterable[str]) -> set[str]:
@@ -218,22 +205,25 @@ def aliases(manifest: Manifest) -> dict[str, str]:
     Tied weights (`head.weight` is `embed.weight`) are one entry in two places: the entries name
     the first only.
     """
-    found: dict[str, str] = {}
+    return {path: node[1] for node, path in _skeleton_nodes(manifest)
+            if isinstance(node, list) and node and node[0] == "tensor" and node[1] != path}
+
+
+def _skeleton_nodes(manifest: Manifest) -> Iterator[tuple[Any, str]]:
+    """Every node of the commit's torch files' skeletons with the path flatten gave it."""
     for record in manifest.files:
         if record.format != formats.TORCH:
             continue
         stack = [(record.skeleton, escape(record.name) if manifest.kind == "folder" else "")]
         while stack:
             node, path = stack.pop()
+            yield node, path
             if not isinstance(node, list) or not node or not isinstance(node[0], str):
                 continue
-            if node[0] == "tensor" and node[1] != path:
-                found[path] = node[1]
-            elif node[0] in ("dict", "odict"):
+            if node[0] in ("dict", "odict"):
                 stack.extend((v, item_path(path, k)) for k, v in node[1])
             elif node[0] in CONTAINERS:
                 stack.extend((v, join(path, str(i))) for i, v in enumerate(node[1]))
-    return found
 
 
 def item_path(path: str, key: Any) -> str:
