@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptstore.errors import MissingDatabaseError, RepoExistsError, RepoLockedError
+from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.repo import owner
@@ -107,13 +108,15 @@ def _refuse_a_join_without_objects(repo: Repository, killed_inits: Set[str]) -> 
 
     Each folder would keep its objects where no other can read them, over one set of records: the first commit
     from either broke the other's fsck and gc. Every machine joins with both URLs. Only this folder's own init,
-    killed after it made the metadata, may take it up again.
+    killed after it made the metadata, may take it up again; and a schema that no init made a repository in
+    (made by its migrations alone, a database administrator's) is anyone's first.
     """
     from ckptstore.metadata.identity import repository_id
 
     with repo.db.read() as tx:
         made = repository_id(tx)
-    if made not in killed_inits:
+        initialized = ref_rows.ref_row(tx, ref_rows.HEAD) is not None  # a schema alone (no HEAD): no one's yet
+    if initialized and made not in killed_inits:
         raise RepoExistsError(f"the metadata {repo.db.where} already holds a repository, whose objects are not in "
                               "this new folder's .ckpt/objects: join it with --objects too, naming the objects "
                               "folder or bucket it was made with (every machine joins with both URLs), or give "
