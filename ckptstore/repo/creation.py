@@ -22,7 +22,7 @@ from ckptstore.errors import CkptError, RepoExistsError
 from ckptstore.repo import owner, refs
 from ckptstore.repo.config import RepoConfig
 from ckptstore.repo.joining import MADE_ID, open_over_objects
-from ckptstore.repo.location import DATABASE, REPO_DIR
+from ckptstore.repo.location import REPO_DIR
 from ckptstore.repo.repo_folders import repository_part_holding
 
 if TYPE_CHECKING:
@@ -72,8 +72,10 @@ def create(root: Path, config: RepoConfig) -> Repository:
         _withdraw_claim(config, staging)
         if config.metadata_url and (staging / MADE_ID).is_file():  # its metadata stays: the next init takes it up
             for part in staging.iterdir():
-                if part.name != MADE_ID:
-                    shutil.rmtree(part, ignore_errors=True) if part.is_dir() else part.unlink(missing_ok=True)
+                if part.is_dir():
+                    shutil.rmtree(part, ignore_errors=True)
+                elif part.name != MADE_ID:
+                    part.unlink(missing_ok=True)
         else:
             shutil.rmtree(staging, ignore_errors=True)
         if made_root:
@@ -110,7 +112,8 @@ def _build(root: Path, staging: Path, config: RepoConfig, killed_inits: Set[str]
 def remove_leftovers(root: Path) -> set[str]:
     """Remove the folders that inits on this machine left at `root` when killed (their process is gone).
 
-    Returns the repository ids their SQLite metadata held: an S3 prefix one of them claimed is this folder's own.
+    Returns the ids of the metadata they made (joining.MADE_ID): an S3 prefix one of them claimed, or a
+    database one of them made, is this folder's own.
     """
     import shutil
 
@@ -119,14 +122,14 @@ def remove_leftovers(root: Path) -> set[str]:
         pid = folder.name[len(mine):] if folder.name.startswith(mine) else ""
         # another machine's, or a running init's, stay; one named by this process is an earlier one's with its pid
         if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
-            killed |= _repository_ids(folder / DATABASE)
+            killed |= _made_ids(folder)
             shutil.rmtree(folder, ignore_errors=True)
     return killed
 
 
 def _withdraw_claim(config: RepoConfig, staging: Path) -> None:
     """Give back the S3 prefix this failed init claimed for the metadata it made in `staging` (removed next)."""
-    ids = _repository_ids(staging / DATABASE) if config.objects_url else set()
+    ids = _made_ids(staging) if config.objects_url else set()
     if ids:
         from ckptstore.objectstore import open_store
 
@@ -134,19 +137,11 @@ def _withdraw_claim(config: RepoConfig, staging: Path) -> None:
             owner.withdraw_claim(open_store(config.objects_url, staging / "tmp", staging), ids)
 
 
-def _repository_ids(database: Path) -> set[str]:
-    """The repository id a killed init's SQLite file holds, or its note of a server's, if it got that far."""
-    import sqlite3
-
-    with contextlib.suppress(OSError, UnicodeDecodeError):
-        return {(database.parent / MADE_ID).read_text().strip()}
-    if not database.is_file():
-        return set()
+def _made_ids(folder: Path) -> set[str]:
+    """The id an init's half-made `folder` notes of the metadata it made (written before any claim or HEAD)."""
     try:
-        with contextlib.closing(sqlite3.connect(f"{database.as_uri()}?mode=ro", uri=True)) as connection:
-            rows = connection.execute("SELECT id FROM repository_identity").fetchall()
-        return {row[0] for row in rows if isinstance(row[0], str)}
-    except sqlite3.Error:
+        return {(folder / MADE_ID).read_text().strip()}
+    except (OSError, UnicodeDecodeError):
         return set()
 
 

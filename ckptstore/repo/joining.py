@@ -56,8 +56,8 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
         owner.refuse_claimed_prefix(store, killed_inits)
         created = Repository(root, config, store=store, create=True, folder=folder)
         try:
+            _note_made(created, folder)  # first: a kill after it finds the note; before it, no HEAD and no claim
             ensure_head(created)
-            _note_made(created, folder)
             owner.bind_prefix(created, killed_inits)
         except BaseException:
             created.close()
