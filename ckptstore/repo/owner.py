@@ -127,8 +127,7 @@ def refuse_claimed_prefix(store: ObjectStore, killed_inits: Set[str]) -> None:
     record = store.owner_record() if hasattr(store, "owner_record") else None
     if record is None or isinstance(record, dict) and record.get("repository") in killed_inits:
         return
-    named = (f"repository {str(record.get('repository'))[:12]} (metadata {record.get('metadata')})"
-             if isinstance(record, dict) else f"something this ckptstore cannot read ({record!r})")
+    named = _claimant(record) if isinstance(record, dict) else f"something this ckptstore cannot read ({record!r})"
     raise RepoExistsError(f"{store.url} belongs to another repository: its {OWNER_KEY} names {named}; nothing was "
                           "made. Join that repository (its --metadata URL), or give this one another prefix")
 
@@ -153,8 +152,7 @@ def _refuse_anothers_prefix(store: S3ObjectStore, record: dict | str, ours: dict
                               f"({record!r}): nothing was changed. If the prefix is this repository's (its metadata is "
                               f"{ours['metadata']}), delete {url}/{key}: the next write claims it again")
     if record.get("repository") != ours["repository"]:
-        raise RepoExistsError(f"{url} belongs to another repository: its {key} names repository "
-                              f"{str(record.get('repository'))[:12]} (metadata {record.get('metadata')}), not this "
+        raise RepoExistsError(f"{url} belongs to another repository: its {key} names {_claimant(record)}, not this "
                               f"metadata's ({ours['metadata']}, repository {ours['repository'][:12]}); nothing was "
                               "changed. Give the --metadata URL the prefix was made with, or another prefix (if this "
                               f"metadata is that repository's after a schema downgrade, delete {url}/{key})")
@@ -167,6 +165,11 @@ def _refuse_anothers_prefix(store: S3ObjectStore, record: dict | str, ours: dict
                               f"the prefix, delete {url}/{key}: the next write claims it again")
     if "inode" in ours and "inode" not in record and not read_only:
         store.write_owner(ours)  # written before inodes were: the first writer names its folder
+
+
+def _claimant(record: dict) -> str:
+    """The repository an owner.json names, for a refusal: its id's start and where its metadata is."""
+    return f"repository {str(record.get('repository'))[:12]} (metadata {record.get('metadata')})"
 
 
 def _own_inode(repo: Repository) -> int | None:
