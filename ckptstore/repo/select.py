@@ -19,7 +19,6 @@ import glob
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import formats
@@ -262,20 +261,19 @@ def write_selection(repo: Repository, selection: Selection, plan: CheckoutPlan,
     into place are journalled (repo/journal.py; none in a read-only repository).
     """
     from ckptstore.formats.atomic import temp_beside
-    from ckptstore.repo.journal import CheckoutInterruptedError
     from ckptstore.repo.worktree import (
         move_into_place,
         refuse_changed_meanwhile,
         refuse_folders_in_the_way,
         refuse_names_folded_together,
+        staging_files,
         sweep_stale_temps,
     )
 
     refuse_folders_in_the_way(plan)
     refuse_names_folded_together(plan)
     sweep_stale_temps([target for _, target in plan.files])
-    staged: list[tuple[Path, Path]] = []
-    try:
+    with staging_files() as staged:
         for record, target in plan.files:
             target.parent.mkdir(parents=True, exist_ok=True)
             staging, handle = temp_beside(target, "new-")
@@ -294,10 +292,3 @@ def write_selection(repo: Repository, selection: Selection, plan: CheckoutPlan,
                 set_mode(staging, record.mode)
         refuse_changed_meanwhile(repo, plan)  # a -o plan has no extras: it deletes nothing
         move_into_place(None if repo.read_only else repo.dir, staged)
-    except CheckoutInterruptedError as exc:
-        if exc.journal_kept:  # the files it still renames: the next command finishes the checkout with them
-            staged.clear()
-        raise
-    finally:
-        for staging, _ in staged:
-            staging.unlink(missing_ok=True)

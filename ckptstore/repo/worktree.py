@@ -15,7 +15,7 @@ import os
 import stat
 import time
 import unicodedata
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -379,21 +379,32 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
 
     A failure while writing (a full disk) leaves the folder as it was, never one file of each
     commit; one after the renames began keeps their journal, for the next command to finish
-    (journal.CheckoutInterruptedError). Each file's digest is recorded before it is renamed into place: another checkout
-    that finds it there knows it.
+    (staging_files). Each file's digest is recorded before it is renamed into place: another
+    checkout that finds it there knows it.
     """
     refuse_folders_in_the_way(plan)
     refuse_names_folded_together(plan)
     sweep_stale_temps([target for _, target in plan.files])
-    staged: list[tuple[Path, Path]] = []
-    try:
+    with staging_files() as staged:
         for record, target in plan.files:
             staged.append((_stage(repo, cid, record, target, value_of, raw_of, exact, plan.digests.get(record.name)),
                            target))
         refuse_changed_meanwhile(repo, plan)
         move_into_place(None if repo.read_only else repo.dir, staged, plan.extras, plan.folders, head)
+
+
+@contextlib.contextmanager
+def staging_files() -> Iterator[list[tuple[Path, Path]]]:
+    """A list for (staged file, its target) pairs, whose staged files are removed when the block ends.
+
+    Not where a failure after the renames began kept their journal (journal.CheckoutInterruptedError): the
+    next command finishes the checkout with them.
+    """
+    staged: list[tuple[Path, Path]] = []
+    try:
+        yield staged
     except journal.CheckoutInterruptedError as exc:
-        if exc.journal_kept:  # the files it still renames: the next command finishes the checkout with them
+        if exc.journal_kept:
             staged.clear()
         raise
     finally:
