@@ -44,13 +44,23 @@ PACKED = {"F4": 2}
 # ("%25header", which a tensor named "%header" took), and older skeletons still name their own entries
 HEADER_PATH = "%header"
 MAX_HEADER = 100 << 20
+HEADER_PEEK = 4096  # header bytes read to find its "{" past any leading whitespace
+
+
+def header_start(head: bytes) -> bytes:
+    """The first byte of a safetensors header past any JSON whitespace (b"" if none is read yet): b"{" in one.
+
+    The safetensors library reads a header padded with leading spaces, so it is one; `head` holds the 8-byte
+    length and up to HEADER_PEEK bytes of the header.
+    """
+    return head[8:8 + int.from_bytes(head[:8], "little")].lstrip(b" \t\r\n")[:1]
 
 
 def looks_like_safetensors(path: str | os.PathLike) -> bool:
     """An 8-byte little-endian header length followed by a JSON object."""
     with open(path, "rb") as handle:
-        head = handle.read(9)
-    if len(head) < 9 or head[8:9] != b"{":
+        head = handle.read(8 + HEADER_PEEK)
+    if header_start(head) != b"{":
         return False
     return struct.unpack("<Q", head[:8])[0] <= min(MAX_HEADER, os.path.getsize(path) - 8)
 

@@ -57,7 +57,7 @@ from ckptstore.errors import (
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.formats.filemap import file_digest
 from ckptstore.formats.folder import is_temp_name
-from ckptstore.formats.safetensors_file import MAX_HEADER
+from ckptstore.formats.safetensors_file import HEADER_PEEK, MAX_HEADER, header_start
 from ckptstore.formats.torchfile import zip_not_whole
 from ckptstore.hashing import object_id
 from ckptstore.repo.lock import held_alone
@@ -458,7 +458,7 @@ def _trainer_state(path: Path) -> Any:
 def file_incomplete(path: Path) -> str:
     """Why the checkpoint file at `path` is not complete yet, or "" when its own structure says it is."""
     with open(path, "rb") as handle:
-        head = handle.read(9)  # a safetensors header's length, and the "{" that starts the header
+        head = handle.read(8 + HEADER_PEEK)  # a safetensors header's length, and the "{" that starts the header
     if path.suffix.lower() == ".safetensors":
         return _safetensors_incomplete(path, head)
     if head.startswith(b"PK"):  # a torch.save zip: its central directory and end record are written last
@@ -471,7 +471,7 @@ def _safetensors_incomplete(path: Path, head: bytes) -> str:
     if len(head) < 8:
         return "shorter than a safetensors header"
     length = int.from_bytes(head[:8], "little")
-    if length > MAX_HEADER or len(head) > 8 and head[8:9] != b"{":
+    if length > MAX_HEADER or header_start(head) not in (b"", b"{"):
         return ""  # no safetensors header being written (text, a zip so named): the commit refuses it and says why
     if 8 + length > size:
         return "its header is not written yet"

@@ -167,3 +167,23 @@ def test_every_dtype_safetensors_writes_loads_and_exports_with_its_dtype_and_bit
         for name, tensor in state.items():
             assert back[name].dtype == tensor.dtype and back[name].shape == tensor.shape, name
             assert torch.equal(bits(back[name]), bits(tensor)), name
+
+
+def test_a_header_padded_with_leading_whitespace_is_read_as_the_safetensors_library_reads_it(tmp_path):
+    """It was "not a checkpoint" here while safetensors.torch.load_file reads it (stop 61's Left list)."""
+    from safetensors.torch import load_file
+
+    from ckptstore.repo.watch import file_incomplete
+
+    header = b' \n\t{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}'
+    write_raw(tmp_path / "m.safetensors", header, np.array([1.5, -2.0], np.float32).tobytes())
+    assert load_file(tmp_path / "m.safetensors")["a"].tolist() == [1.5, -2.0]
+    checkpoint = formats.read_checkpoint(tmp_path / "m.safetensors")
+    assert np.asarray(checkpoint.tensors["a"].data).tobytes() == np.array([1.5, -2.0], np.float32).tobytes()
+    formats.write_file(checkpoint.files[0], tmp_path / "back.safetensors", None, lambda p: checkpoint.tensors[p])
+    assert (tmp_path / "back.safetensors").read_bytes() == (tmp_path / "m.safetensors").read_bytes()
+    assert file_incomplete(tmp_path / "m.safetensors") == ""
+    write_raw(tmp_path / "half.safetensors", header, b"")  # its header written, not yet its data
+    assert file_incomplete(tmp_path / "half.safetensors") == "its tensor data is not all written yet"
+    write_raw(tmp_path / "text.safetensors", b"   [1, 2]", b"")
+    assert not safetensors_file.looks_like_safetensors(tmp_path / "text.safetensors")
