@@ -247,14 +247,23 @@ def _owner_there(record: dict | None) -> bool:
 def _same_database(record: dict, repo: Repository) -> bool:
     """Both repositories keep their records in one configured database (joined): what one needs, the other sees.
 
-    By the database's id (schema 0011): the URL's text differs between machines that reach one database
-    (a password in PGPASSWORD, `localhost` for `127.0.0.1`). A record written before names the URL only.
+    By the database's id (schema 0011) and its place: the URL's text differs between machines that reach one
+    database (a password in PGPASSWORD, `localhost` for `127.0.0.1`), so a server's database counts by its name
+    and schema, a SQLite file by its path. A copy keeps the id (`cp -a` of a project holding its SQLite file,
+    a restored dump), not the place. A record written before names the URL only.
     """
     if not repo.config.metadata_url:
         return False
     if "id" in record:
-        return record["id"] == _database_id(repo)
+        return record["id"] == _database_id(repo) and _place(str(record.get("metadata"))) == _place(repo.db.where)
     return record.get("metadata") == repo.db.url
+
+
+def _place(where: str) -> str:
+    """What names a database whichever way a machine reaches it: a server's database and schema, or a file's path."""
+    if where.startswith("postgresql://"):
+        return where.split("/", 3)[-1]  # "DB (search_path NAME)", after the user, host and port
+    return os.path.realpath(where)
 
 
 def _database_id(repo: Repository) -> str:

@@ -307,3 +307,24 @@ def test_a_join_spelling_the_database_url_otherwise_is_one_database_and_no_passw
                          ) as second:
         assert second.joined and gc(second).objects_removed == 0
         assert_same(_state(0), second.checkout(cid))
+
+
+def test_a_copy_of_a_project_holding_its_sqlite_file_cannot_collect_or_write_the_shared_store(tmp_path):
+    """The copy's database is a copy (the same id), so the owner record's id let its gc into the original's store,
+    which deleted the original's later commits (reviewer helper 295, of 828b5e3)."""
+    project = tmp_path / "a"
+    project.mkdir()
+    with Repository.init(project, objects_url=str(tmp_path / "objects"),
+                         metadata_url=f"sqlite:///{project / 'meta.db'}") as original:
+        original.commit(_state(0))
+    shutil.copytree(project, tmp_path / "b", symlinks=True)
+    with Repository.open(project) as original:
+        later = original.commit(_state(1))
+    with Repository.open(tmp_path / "b") as copy:
+        with pytest.raises(CkptError, match=r"belongs to the repository at .*/a, not this one"):
+            gc(copy)
+        with pytest.raises(CkptError, match="nothing was written"):
+            copy.commit(_state(2))
+    with Repository.open(project) as original:
+        assert fsck(original).ok
+        assert_same(_state(1), original.checkout(later))
