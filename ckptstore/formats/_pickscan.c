@@ -5,9 +5,10 @@
  * faster but runs every opcode it knows, and sizes its memo by the largest index a PUT
  * names (LONG_BINPUT 0xffffffff would ask for 32 GiB). This walk says yes only to a protocol-2
  * pickle whose every opcode up to STOP is in `allowed` (a 256-byte table made in Python from the
- * same opcode set), with every argument inside the data and every memo index at most the number
- * of PUTs before it (as Python's pickler numbers them: the memo then grows with the pickle's own
- * opcodes, not with bytes after STOP, which a deflated zip entry pads out for free);
+ * same opcode set), with every argument inside the data and every PUT's memo index one already
+ * stored or the next one (as Python's pickler numbers them: the memo then grows by one entry per
+ * PUT of a new index, each a distinct opcode, not with a PUT repeated, which a deflated zip entry
+ * packs a thousand to the byte, nor with bytes after STOP);
  * anything else is read by the Python unpickler exactly as before. Opcodes whose argument layout
  * this file does not know are refused whatever `allowed` says.
  */
@@ -21,9 +22,8 @@ static uint32_t le32(const uint8_t *p)
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-/* Bytes after the opcode at `p` (or -1 where the layout is unknown, runs past `end`, or a LONG_BINPUT's
- * index is above `puts`, the PUTs walked before it). */
-static Py_ssize_t arg_length(const uint8_t *p, const uint8_t *end, Py_ssize_t puts)
+/* Bytes after the opcode at `p` (or -1 where the layout is unknown, or runs past `end`). */
+static Py_ssize_t arg_length(const uint8_t *p, const uint8_t *end)
 {
     const uint8_t *arg = p + 1;
     Py_ssize_t left = end - arg;
@@ -38,10 +38,8 @@ static Py_ssize_t arg_length(const uint8_t *p, const uint8_t *end, Py_ssize_t pu
         return left >= 1 ? 1 : -1;
     case 'M':
         return left >= 2 ? 2 : -1;
-    case 'J': case 'j':
+    case 'J': case 'j': case 'r':
         return left >= 4 ? 4 : -1;
-    case 'r': /* LONG_BINPUT: the C memo grows to twice the index */
-        return left >= 4 && (Py_ssize_t)le32(arg) <= puts ? 4 : -1;
     case 'G':
         return left >= 8 ? 8 : -1;
     case 'U': case 0x8a: /* SHORT_BINSTRING, LONG1: a length byte */
@@ -68,7 +66,7 @@ static PyObject *plain(PyObject *self, PyObject *args)
     int ok = 0;
     if (allowed.len == 256 && data.len >= 2) {
         const uint8_t *p = data.buf, *end = p + data.len, *table = allowed.buf;
-        Py_ssize_t puts = 0;
+        uint64_t next_index = 0; /* one past the highest memo index a PUT stored so far */
         ok = p[0] == 0x80 && p[1] == 2;
         p += 2;
         while (ok) {
@@ -78,9 +76,13 @@ static PyObject *plain(PyObject *self, PyObject *args)
             }
             if (*p == '.')
                 break;
-            Py_ssize_t n = arg_length(p, end, puts);
+            Py_ssize_t n = arg_length(p, end);
             ok = n >= 0;
-            puts += *p == 'q' || *p == 'r';
+            if (ok && (*p == 'q' || *p == 'r')) { /* the C memo grows to twice the index a PUT names */
+                uint64_t index = *p == 'q' ? p[1] : le32(p + 1);
+                ok = index <= next_index;
+                next_index += index == next_index;
+            }
             p += 1 + (n > 0 ? n : 0);
         }
     }

@@ -76,6 +76,16 @@ def test_a_memo_index_padded_out_past_stop_is_not_plain():
     assert plain(HEAD + pickle.NONE + pickle.LONG_BINPUT + (0).to_bytes(4, "little") + pickle.STOP)
 
 
+def test_a_memo_index_reached_by_one_put_repeated_is_not_plain():
+    """Counting PUTs let `BINPUT 0` a million times (2 MB that deflate packs into 2 KB) buy LONG_BINPUT 1000000:
+    a 47 KB file committed at 466 MB (reviewer helper 295, of 1301b40). A PUT names an index stored or the next."""
+    repeated = HEAD + pickle.NONE + (pickle.BINPUT + b"\x00") * 1000 + pickle.LONG_BINPUT + (1000).to_bytes(4, "little")
+    assert not plain(repeated + pickle.STOP)
+    assert not plain(HEAD + pickle.NONE + pickle.BINPUT + b"\x05" + pickle.STOP)  # a gap: Python's pickler makes none
+    in_order = HEAD + pickle.NONE + b"".join(pickle.BINPUT + bytes([i]) for i in range(256))
+    assert plain(in_order + pickle.LONG_BINPUT + (256).to_bytes(4, "little") + pickle.BINPUT + b"\x07" + pickle.STOP)
+
+
 def test_a_torch_save_pickle_with_long_memo_indices_is_still_plain(tmp_path):
     """Over 256 memoized objects torch.save's pickler writes LONG_BINPUT, numbering them in order."""
     archive, data = _archive(tmp_path, state={f"t{i}": torch.full((2,), float(i)) for i in range(300)})
