@@ -18,7 +18,7 @@ from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.repo import owner
 from ckptstore.repo.config import RepoConfig
 from ckptstore.repo.location import REPO_DIR
-from ckptstore.repo.refs import ensure_head
+from ckptstore.repo.refs import ensure_head, head_made
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
@@ -65,7 +65,7 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
         return created
     try:
         if joining and not config.objects_url:
-            _refuse_a_join_without_objects(repo, killed_inits)
+            _refuse_a_join_without_objects(repo, killed_inits, folder)
         with repo.db.read() as tx:
             named = tensor_rows.some_objects(tx, SAMPLE)
         if joining and not named:
@@ -103,20 +103,24 @@ def _note_made(repo: Repository, folder: Path) -> None:
         (folder / MADE_ID).write_text(repository_id(tx))
 
 
-def _refuse_a_join_without_objects(repo: Repository, killed_inits: Set[str]) -> None:
+def _refuse_a_join_without_objects(repo: Repository, killed_inits: Set[str], folder: Path) -> None:
     """Refuse to join existing metadata with objects in this new folder's own `.ckpt/`, even before its first commit.
 
     Each folder would keep its objects where no other can read them, over one set of records: the first commit
     from either broke the other's fsck and gc. Every machine joins with both URLs. Only this folder's own init,
     killed after it made the metadata, may take it up again; and a schema that no init made a repository in
-    (made by its migrations alone, a database administrator's) is anyone's first.
+    (made by its migrations alone, a database administrator's) is the first init's: it notes the id, then puts
+    HEAD there, in one transaction, so a second init at once is refused and a killed one is taken up here.
     """
     from ckptstore.metadata.identity import repository_id
 
-    with repo.db.read() as tx:
+    with repo.db.write() as tx:
         made = repository_id(tx)
-        initialized = ref_rows.ref_row(tx, ref_rows.HEAD) is not None  # a schema alone (no HEAD): no one's yet
-    if initialized and made not in killed_inits:
+        if ref_rows.ref_row(tx, ref_rows.HEAD) is None:  # a schema alone: no one's yet
+            (folder / MADE_ID).write_text(made)  # first, as _note_made: a kill after HEAD finds it
+            head_made(tx)
+            return
+    if made not in killed_inits:
         raise RepoExistsError(f"the metadata {repo.db.where} already holds a repository, whose objects are not in "
                               "this new folder's .ckpt/objects: join it with --objects too, naming the objects "
                               "folder or bucket it was made with (every machine joins with both URLs), or give "

@@ -39,8 +39,15 @@ MAX_NAME = 200  # the metadata keeps 255 characters: room for a remote-tracking 
 def ensure_head(repo: Repository) -> None:
     """HEAD on the unborn default branch, where new metadata has none yet (init, a remote made by push)."""
     with repo.db.write() as tx:
-        if ref_rows.ref_row(tx, HEAD) is None:
-            ref_rows.insert_ref(tx, HEAD, HEAD_KIND, target=DEFAULT_BRANCH)
+        head_made(tx)
+
+
+def head_made(tx: Tx) -> bool:
+    """Put HEAD on the unborn default branch where the metadata has none; True where it had none."""
+    if ref_rows.ref_row(tx, HEAD) is not None:
+        return False
+    ref_rows.insert_ref(tx, HEAD, HEAD_KIND, target=DEFAULT_BRANCH)
+    return True
 
 
 def check_name(name: str) -> None:

@@ -244,3 +244,24 @@ def test_a_postgresql_init_that_failed_after_making_its_schema_is_taken_up_by_th
     with Repository.open(where) as repo:
         cid = repo.commit({"w": torch.arange(100.0)})
         assert_same({"w": torch.arange(100.0)}, repo.checkout(cid))
+
+
+@pytest.mark.parametrize("step", ["init:metadata-made", "init:config-written"])
+def test_an_init_killed_over_a_schema_its_migrations_alone_made_is_taken_up_and_no_other_folder_joins(
+        tmp_path, step):
+    """Such a schema is the first init's; one killed after it wrote HEAD there left no note of it, and every later
+    init of the same folder was refused as joining another's repository (reviewer helper 295, of ef1776f)."""
+    from ckptstore.metadata.migrate import upgrade
+
+    url = f"sqlite:///{tmp_path / 'meta.db'}"
+    upgrade(url)
+    killed = _ckpt(tmp_path, "init", "--metadata", url, str(tmp_path / "a"), crash_at=step)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    again = ckpt_here(tmp_path, "init", "--metadata", url, str(tmp_path / "a"))
+    assert again.returncode == 0, again.stderr
+    other = ckpt_here(tmp_path, "init", "--metadata", url, str(tmp_path / "b"))
+    assert other.returncode == 1 and "already holds a repository" in other.stderr, other.stderr
+    with Repository.open(tmp_path / "a") as repo:
+        cid = repo.commit({"w": torch.arange(100.0)})
+        assert_same({"w": torch.arange(100.0)}, repo.checkout(cid))
+    _whole(tmp_path / "a")
