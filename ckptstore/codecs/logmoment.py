@@ -29,6 +29,17 @@ _HEAD = struct.Struct("<3sBiI")
 DECODES = ("LG1:keyframe", "LG1:residual", "chain")
 
 
+K_RANGE = range(-30, 21)  # grids a payload may name: past the knob's -6..12, and 2**20 table entries at most
+
+
+def grid_of(params: dict[str, Any]) -> int:
+    """A record's k, refused outside K_RANGE: decoding allocates 2**k floats, and params may come from a remote."""
+    k = params["k"]
+    if type(k) is not int or k not in K_RANGE:
+        raise CodecError(f"log2moment: a grid of 2**{k!r} levels per octave is none a level writes")
+    return k
+
+
 def _table(k: int) -> np.ndarray:
     return np.exp2(np.arange(1 << k, dtype=np.float64) / (1 << k)).astype(np.float32)
 
@@ -73,7 +84,7 @@ class LogMomentCodec:
 
     def encode_lossy(self, data: np.ndarray, base: np.ndarray | None, params: dict[str, Any],
                      hints: dict[str, Any] | None = None) -> tuple[bytes, np.ndarray]:
-        k = int(params["k"])
+        k = grid_of(params)
         values = to_float32(data, params["dtype"])
         if not np.isfinite(values).all():
             raise NonFiniteError("log2moment: non-finite values cannot be quantized")
@@ -109,7 +120,7 @@ class LogMomentCodec:
         with np.errstate(divide="ignore", invalid="ignore"):
             error = np.where(zero, np.where(got == 0, 0.0, np.inf), np.abs(np.log2(got / np.where(zero, 1, values))))
         relative = rounding_error(np.ones(1, np.float32), dtype)[0]
-        bound = 2.0 ** -(int(params["k"]) + 1) + 2 * relative + 2.0**-20
+        bound = 2.0 ** -(grid_of(params) + 1) + 2 * relative + 2.0**-20
         return error, np.where(zero, 0.0, bound)
 
     @staticmethod
@@ -118,7 +129,7 @@ class LogMomentCodec:
             return np.full(count, median, dtype=np.int64), np.zeros(count, dtype=bool)
         previous = to_float32(base, params["dtype"])
         usable = previous > 0
-        return np.where(usable, levels_of(previous, int(params["k"])), median), usable
+        return np.where(usable, levels_of(previous, grid_of(params)), median), usable
 
     @staticmethod
     def _reconstruct(levels: np.ndarray, zero: np.ndarray, params: dict[str, Any], encoding: bool = False
@@ -128,10 +139,10 @@ class LogMomentCodec:
         `encoding`: refused where a level's value is beyond the dtype (a second moment would come
         back as zero or infinity), so that none is ever stored.
         """
-        values = values_of(levels, int(params["k"]))
+        values = values_of(levels, grid_of(params))
         dtype = params["dtype"]
         if encoding and (overflows(values, dtype) or underflows(values[~zero], dtype)):
-            raise UnquantizableError(f"log2moment: rounded to this level's grid of 2**{int(params['k'])} levels per "
+            raise UnquantizableError(f"log2moment: rounded to this level's grid of 2**{grid_of(params)} levels per "
                                      f"octave, some second-moment values become zero or infinity in "
                                      f"{dtype.removeprefix('torch.')}")
         values[zero] = 0
@@ -189,7 +200,7 @@ class LogMomentCodec:
         when levels are whole octaves (k <= 0): its values are then powers of two, which bfloat16
         holds exactly over float32's whole exponent range.
         """
-        dtype, k = params["dtype"], int(params["k"])
+        dtype, k = params["dtype"], grid_of(params)
         if not (dtype == "torch.float32" or (dtype == "torch.bfloat16" and k <= 0)):
             return self._level_by_level(payloads, params, nbytes, out)
         count, scale = nbytes // itemsize(dtype), 2.0 ** -k

@@ -541,3 +541,18 @@ def test_a_keyframe_chunk_keeps_its_planned_step_whatever_its_own_rms():
     params = {"dtype": "torch.float32", "step": 0.01, "relative_step": 0.2, "settled_step": 1.0}
     payload, _ = DeadZoneCodec().encode_lossy(data.view(np.uint8), None, params)
     assert DeadZoneCodec().step_of(payload) == np.float32(0.01)
+
+
+@pytest.mark.parametrize("k", [26, 40, -64, 2.0, "2", True])
+def test_a_log2moment_grid_no_level_writes_is_refused_before_anything_is_allocated(k):
+    """A record's k sized a 2**k-entry table: k=26 took 1 GB and 22 s for a 16-byte chunk, and a fetched record's
+    params come from the remote (auditor helper 299)."""
+    codec = get_codec("log2moment")
+    values = np.array([1.0, 2.0, 0.5, 4.0], np.float32)
+    payload = codec.encode(values.view(np.uint8), None, {"dtype": "torch.float32", "k": 2})
+    with pytest.raises(CodecError, match="levels per octave is none a level writes"):
+        codec.decode(payload, None, {"dtype": "torch.float32", "k": k}, values.nbytes)
+    with pytest.raises(CodecError, match="levels per octave is none a level writes"):
+        codec.decode_chain([payload], {"dtype": "torch.float32", "k": k}, values.nbytes)
+    assert codec.decode(payload, None, {"dtype": "torch.float32", "k": 2}, values.nbytes).view(np.float32).tolist() \
+        == values.tolist()
