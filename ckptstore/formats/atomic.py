@@ -6,8 +6,10 @@ half-written file: the path always holds one writer's complete bytes (the last r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -38,9 +40,11 @@ def temp_beside(path: str | os.PathLike, tag: str = "") -> tuple[Path, BinaryIO]
 def atomic_write(path: str | os.PathLike, fill: Callable[[BinaryIO], None], mode: int | None = None) -> None:
     """Call `fill(handle)` on a temporary file, then atomically move it to `path`.
 
-    A crash or error leaves `path` as it was, never half-written; `mode` sets its permission bits.
+    A crash or error leaves `path` as it was, never half-written; `mode` sets its permission bits, which are
+    otherwise those of the file it replaces (an owner-only weights file stays owner-only), or the umask's.
     """
     path = Path(path)
+    kept = None if mode is not None else _mode_of(path)
     temp, handle = temp_beside(path)
     try:
         with handle:
@@ -49,20 +53,45 @@ def atomic_write(path: str | os.PathLike, fill: Callable[[BinaryIO], None], mode
             os.fsync(handle.fileno())
         if mode is not None:
             os.chmod(temp, mode)
+        elif kept is not None:
+            with contextlib.suppress(OSError):  # a file system that keeps no modes: the new file has its own
+                os.chmod(temp, kept)
         os.replace(temp, path)
         sync_dir(path.parent)
     finally:
         temp.unlink(missing_ok=True)
 
 
+def _mode_of(path: Path) -> int | None:
+    """The read, write and execute bits of the file at `path` (never setuid, setgid or sticky), None if none is."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode) & 0o777
+    except OSError:
+        return None
+
+
 def missing_parent(dest: Path) -> str | None:
     """Why `dest` cannot be written into its folder: that folder missing, or a file standing on its path; else None."""
     if dest.parent.is_dir():
         return None
+    return _why_missing(dest)
+
+
+def missing_folder(dest: Path) -> str | None:
+    """Why a folder output at `dest` cannot be made or written into (see missing_parent), a dangling link there too."""
+    if dest.is_symlink() and not dest.exists():
+        return _dangling(dest)
+    return missing_parent(dest)
+
+
+def _dangling(link: Path) -> str:
+    return f"{link} is a symlink to {os.readlink(link)}, which does not exist; create it first or pass another -o path"
+
+
+def _why_missing(dest: Path) -> str:
     standing = next((p for p in dest.parents if p.exists() or p.is_symlink()), None)
     if standing is not None and standing.is_symlink() and not standing.exists():
-        return f"{standing} is a symlink to {os.readlink(standing)}, which does not exist; create it first or pass " \
-               "another -o path"
+        return _dangling(standing)
     if standing is not None and not standing.is_dir():
         return f"{standing} is a file, not a folder; pass another -o path"
     return f"directory {dest.parent} does not exist; create it first or pass another -o path"

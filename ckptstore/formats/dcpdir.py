@@ -40,8 +40,9 @@ from ckptstore.errors import (
     listing,
 )
 from ckptstore.formats import dcpmeta, filemap
-from ckptstore.formats.atomic import atomic_write, missing_parent
+from ckptstore.formats.atomic import atomic_write, missing_folder
 from ckptstore.formats.dtypestate import bad_dtype_state
+from ckptstore.formats.folder import is_temp_name
 from ckptstore.formats.torchfile import numpy_safe_globals, refusal_reason
 from ckptstore.state import RawTensor, flatten, materialize, raw_from_bytes, raw_from_torch, unflatten
 from ckptstore.warn import warn_caller
@@ -271,9 +272,9 @@ def write(dest: str | os.PathLike, dcp: dict[str, Any], items: Iterable[tuple[st
     leaves a directory that `dcp.load` would take as whole.
     """
     dest = Path(dest)
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+    if dest.exists() and (not dest.is_dir() or any(not is_temp_name(p.name) for p in dest.iterdir())):
         raise CheckpointFormatError(f"{dest} exists and is not an empty folder; a DCP checkpoint is written into a "
-                                    "new folder: pass another -o")
+                                    "new folder: pass another -o")  # a killed checkout's temporary files count as none
     metadata = dcpmeta.from_json(dcp, where)
     index_of = {key: index for index, key in metadata.storage_data.items()}
     storage: dict[MetadataIndex, _StorageInfo] = {}
@@ -287,8 +288,8 @@ def write(dest: str | os.PathLike, dcp: dict[str, Any], items: Iterable[tuple[st
             storage[index] = _StorageInfo(DATA_FILE, offset, len(blob))
             offset += len(blob)
 
-    if missing_parent(dest):
-        raise CheckpointFormatError(missing_parent(dest))
+    if missing_folder(dest):
+        raise CheckpointFormatError(missing_folder(dest))
     made = not dest.exists()
     dest.mkdir(exist_ok=True)
     try:

@@ -27,6 +27,7 @@ from ckptstore.repo.manifest import Entry, Manifest
 from ckptstore.repo.progress import Progress
 from ckptstore.repo.pruning import after_commit
 from ckptstore.repo.target import start_now
+from ckptstore.repo.worktree import sweep_stale_temps
 from ckptstore.state import RawTensor
 
 T = TypeVar("T")
@@ -102,7 +103,9 @@ def checkout_dir(repo: Repository, cid: CommitId, manifest_oid: str, manifest: M
     problem = sharded.dcp_problem(manifest)
     if problem is not None:
         raise CkptError(f"commit {cid[:12]} cannot be written as a DCP directory: {problem}; run `ckpt fsck`")
-    return dcpdir.write(dest, manifest.dcp, _restored(repo, manifest, progress), manifest_oid, trust_pickle)
+    written = dcpdir.write(dest, manifest.dcp, _restored(repo, manifest, progress), manifest_oid, trust_pickle)
+    sweep_stale_temps([written / dcpdir.DATA_FILE, written / dcpdir.METADATA])  # a killed checkout's, an hour old
+    return written
 
 
 def _restored(repo: Repository, manifest: Manifest, progress: Progress | None) -> Iterator[tuple[str, RawTensor]]:

@@ -54,6 +54,7 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
     cid = repo.resolve(ref)
     worktree.refuse_own_folders(repo, output)
     output = worktree.check_output_file(output)
+    worktree.sweep_stale_temps([output])  # a killed export's file, as large as this one, an hour old
     manifest = repo.manifest(cid)
     weight_files = [] if everything or manifest.kind != "folder" else hfweights.weight_files(manifest.files)
     metadata = None

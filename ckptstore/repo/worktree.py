@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults
 from ckptstore.errors import CkptError, CorruptRecordError, DirtyWorktreeError, listing, shown_name
-from ckptstore.formats.atomic import missing_parent
+from ckptstore.formats.atomic import missing_folder, missing_parent
 from ckptstore.formats.filemap import file_digest
 from ckptstore.formats.folder import set_mode
 from ckptstore.hashing import CommitId
@@ -65,7 +65,7 @@ def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool,
     cannot or must not write.
     """
     if output:
-        _refuse_missing_parent(dest)
+        _refuse_missing_parent(dest, folder=manifest.kind == "folder")
     if manifest.kind != "folder":
         if output:
             dest = regular_file(dest)
@@ -121,8 +121,8 @@ def _refusal(unsaved: list[tuple[str, Path]], originals: list[Path], cid: str) -
     return f"checkout would {' and '.join(said)}", advice
 
 
-def _refuse_missing_parent(dest: Path) -> None:
-    problem = missing_parent(dest)
+def _refuse_missing_parent(dest: Path, folder: bool = False) -> None:
+    problem = missing_folder(dest) if folder else missing_parent(dest)
     if problem:
         raise CkptError(problem)
 
@@ -178,7 +178,11 @@ def regular_file(dest: Path) -> Path:
         return dest
     if _names_a_descriptor(dest):  # renamed over, /dev/stdout itself became a file (as root)
         raise CkptError(f"{dest} names an open descriptor, not a file: pass the path of a file to write")
-    return Path(os.path.realpath(dest))
+    real = Path(os.path.realpath(dest))
+    if not real.parent.is_dir():
+        raise CkptError(f"{dest} is a symlink to {os.readlink(dest)}, whose folder {real.parent} does not exist; "
+                        "create it first or pass another -o path")
+    return real
 
 
 def _names_a_descriptor(dest: Path) -> bool:

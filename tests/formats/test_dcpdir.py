@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import pickle
 
 import pytest
@@ -15,6 +16,7 @@ from ckptstore.cli import cli
 from ckptstore.dcp import CkptStorageReader
 from ckptstore.errors import CheckpointFormatError, CorruptRecordError, NothingToCommitError, PickledObjectsError
 from ckptstore.formats import dcpdir
+from tests.conftest import ckpt_here
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -375,3 +377,35 @@ def test_a_non_tensor_item_a_checkout_could_not_write_back_is_refused_at_commit_
     again = {"w": torch.zeros(4), "best_metric": None}
     dcp.load(again, storage_reader=dcp.FileSystemReader(str(tmp_path / "out")))
     assert again["best_metric"] == 0.25 and torch.equal(again["w"], torch.ones(4))
+
+
+def test_a_directory_checked_out_through_a_dangling_symlink_is_refused_in_one_line(tmp_path):
+    """`checkout -o LINK` of a sharded commit, LINK leading nowhere: "unexpected FileExistsError" (auditor 301)."""
+    dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "saved")))
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(tmp_path / "saved")
+    (tmp_path / "dang").symlink_to(tmp_path / "nowhere")
+    said = ckpt_here(tmp_path / "repo", "checkout", "HEAD", "-o", str(tmp_path / "dang"))
+    assert said.returncode == 1 and said.stderr == f"error: {tmp_path / 'dang'} is a symlink to " \
+        f"{tmp_path / 'nowhere'}, which does not exist; create it first or pass another -o path\n", said.stderr
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_a_folder_holding_only_a_killed_checkouts_temporary_file_is_written_and_an_old_one_removed(tmp_path):
+    """`checkout -o DIR` killed while it wrote left `.__0_0.distcp.<hex>.ckpt-tmp`, and every later checkout into DIR
+    was refused ("not an empty folder") until it was removed by hand (auditor helper 301)."""
+    state = {"w": torch.randn(40, 8), "ids": torch.arange(7)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "saved")))
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(tmp_path / "saved")
+    out = tmp_path / "out"
+    out.mkdir()
+    leftover = out / f".{dcpdir.DATA_FILE}.0123456789abcdef.ckpt-tmp"
+    leftover.write_bytes(bytes(1000))
+    os.utime(leftover, (0, 0))
+    said = ckpt_here(tmp_path / "repo", "checkout", "HEAD", "-o", str(out))
+    assert said.returncode == 0, said.stderr
+    assert not leftover.exists() and sorted(p.name for p in out.iterdir()) == [dcpdir.METADATA, dcpdir.DATA_FILE]
+    loaded = {"w": torch.zeros(40, 8), "ids": torch.zeros(7, dtype=torch.int64)}
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(out)))
+    assert all(torch.equal(loaded[k], state[k]) for k in state)

@@ -311,3 +311,23 @@ def test_numbers_and_text_left_out_of_a_safetensors_export_are_named(tmp_path):
     assert report.tensors == 2 and sorted(report.skipped) == ["arch", "device", "dtype", "epoch", "seen/0", "seen/1",
                                                               "step", "z"]
     assert "numbers, text" in report.why_skipped  # a module's _metadata (versions) is not named
+
+
+def test_an_export_over_a_file_keeps_its_mode_and_removes_a_killed_exports_leftover(tmp_path):
+    """An owner-only file became world-readable (the umask's mode), and a killed export's temporary file, as large
+    as the checkpoint, stayed for ever: checkouts swept theirs, exports did not (auditor helper 301)."""
+    with Repository.init(tmp_path / "repo") as repo:
+        save_file({"w": torch.arange(12.0)}, tmp_path / "m.safetensors")
+        repo.commit(tmp_path / "m.safetensors")
+        out = tmp_path / "out.safetensors"
+        out.write_bytes(b"old")
+        out.chmod(0o600)
+        stale = tmp_path / ".out.safetensors.0123456789abcdef.ckpt-tmp"
+        fresh = tmp_path / ".out.safetensors.fedcba9876543210.ckpt-tmp"  # another export may be writing it now
+        for leftover in (stale, fresh):
+            leftover.write_bytes(bytes(100))
+        os.utime(stale, (0, 0))
+        export(repo, "HEAD", "safetensors", out)
+    assert (out.stat().st_mode & 0o777) == 0o600
+    assert load_file(out)["w"].equal(torch.arange(12.0))
+    assert not stale.exists() and fresh.exists()

@@ -1466,3 +1466,19 @@ def test_a_commit_naming_a_file_and_a_file_inside_it_is_refused_before_anything_
     assert (folder / "old.txt").read_bytes() == b"HEAD's file"
     with Repository.open(tmp_path) as repo:
         assert repo.resolve("HEAD") == first
+
+
+def test_output_through_a_dangling_symlink_is_a_one_line_error_before_any_work(repo, tmp_path):
+    """A folder commit's `checkout -o LINK` decoded everything, then stopped with "unexpected FileExistsError";
+    export blamed /dev/fd or /proc (auditor helper 301)."""
+    make_trainer_folder(repo.root / "ck")
+    repo.commit(repo.root / "ck")
+    (tmp_path / "dang").symlink_to(tmp_path / "nowhere" / "x")
+    said = ckpt_here(repo.root, "checkout", "HEAD", "-o", str(tmp_path / "dang"))
+    assert said.returncode == 1 and said.stderr == f"error: {tmp_path / 'dang'} is a symlink to " \
+        f"{tmp_path / 'nowhere' / 'x'}, which does not exist; create it first or pass another -o path\n", said.stderr
+    said = ckpt_here(repo.root, "export", "HEAD", "-o", str(tmp_path / "dang"))
+    assert said.returncode == 1 and said.stderr == f"error: {tmp_path / 'dang'} is a symlink to " \
+        f"{tmp_path / 'nowhere' / 'x'}, whose folder {tmp_path / 'nowhere'} does not exist; create it first or pass " \
+        "another -o path\n", said.stderr
+    assert not (tmp_path / "nowhere").exists()
