@@ -420,22 +420,26 @@ def _judge_saved_over(source: Source, handled: dict[str, Any]) -> Source:
     """A Trainer folder saved over a version handled before: files rewritten since need a new trainer_state.json.
 
     The old trainer_state.json still parses while Trainer writes new weights and optimizer state
-    over the old ones, whatever their names (adapters, FSDP shards, DeepSpeed folders). Files only
-    added (a callback's), or written just after the new trainer_state.json (an older Trainer's
-    rng_state.pth), count at once; one written more than 5 s after it is the next save's.
+    over the old ones, whatever their names (adapters, FSDP shards, DeepSpeed folders). A file gone
+    is a new save's doing (save_pretrained deletes the old weights' names before writing its own).
+    Files only added within 5 s of trainer_state.json (a callback's, an older Trainer's
+    rng_state.pth) count at once; one written later, or rewritten later, is the next save's.
     """
     source = _judge_folder(source)
     before = {entry[0]: entry for entry in handled.get("signature") or [] if isinstance(entry, list) and entry}
     now = {entry[0]: entry for entry in source.signature}
     rewritten = [name for name, entry in now.items() if name != TRAINER_STATE and before.get(name, entry) != entry]
-    if source.incomplete or not rewritten:
+    added = [name for name in now if name not in before and name != TRAINER_STATE]
+    gone = [name for name in before if name not in now and name != TRAINER_STATE]
+    if source.incomplete or not (rewritten or added or gone):
         return source
-    if before.get(TRAINER_STATE) == now.get(TRAINER_STATE):
-        source.incomplete = (f"saved over in place: {shown_name(rewritten[0])} is new, its {TRAINER_STATE} still "
-                             "the earlier one's")
+    state_unchanged = before.get(TRAINER_STATE) == now.get(TRAINER_STATE)
+    if state_unchanged and (rewritten or gone):
+        changed = f"{shown_name(rewritten[0])} is new" if rewritten else f"{shown_name(gone[0])} is gone"
+        source.incomplete = f"saved over in place: {changed}, its {TRAINER_STATE} still the earlier one's"
     elif TRAINER_STATE in now:  # a save the watch missed (it was stopped) must not vouch for the next one's files
         state_time = now[TRAINER_STATE][2]
-        late = [name for name in rewritten if now[name][2] - state_time > SAME_SAVE_NS]
+        late = [name for name in rewritten + added if now[name][2] - state_time > SAME_SAVE_NS]
         if late:
             source.incomplete = (f"saved over in place: {shown_name(late[0])} was written more than "
                                  f"{SAME_SAVE_NS // 10**9} s after {TRAINER_STATE}, by a later save")

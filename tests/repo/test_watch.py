@@ -636,6 +636,44 @@ def test_a_file_added_to_a_committed_trainer_folder_is_committed_with_it(repo, t
     assert_same(repo.checkout("HEAD")["extra_state.pt"], {"ema": torch.ones(3)})
 
 
+def test_a_save_over_in_place_under_new_weight_names_waits_for_its_trainer_state(repo, tmp_path):
+    """save_pretrained deleted pytorch_model.bin and wrote model.safetensors: that went in with the old
+    optimizer and step, the new name taken for a callback's file (auditor)."""
+    run, trainer = tmp_path / "run", Trainer()
+    folder = run / "checkpoint-4"
+    folder.mkdir(parents=True)
+    torch.save(trainer.model.state_dict(), folder / "pytorch_model.bin")
+    torch.save(trainer.optimizer.state_dict(), folder / "optimizer.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
+    assert len(watch(repo, run, ONCE).committed) == 1
+    trainer.train(1)
+    (folder / "pytorch_model.bin").unlink()
+    save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, folder / "model.safetensors")
+    report = watch(repo, run, ONCE)
+    assert report.committed == [] and "pytorch_model.bin is gone" in report.waiting["checkpoint-4"]
+    torch.save(trainer.optimizer.state_dict(), folder / "optimizer.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 5}))
+    assert len(watch(repo, run, ONCE).committed) == 1
+    restored = repo.checkout("HEAD")
+    assert sorted(restored) == ["model.safetensors", "optimizer.pt", "trainer_state.json"]
+    assert_same(restored["optimizer.pt"], trainer.optimizer.state_dict())
+
+
+def test_a_file_added_long_after_an_unchanged_trainer_state_is_taken_for_a_new_saves(repo, tmp_path):
+    """A new save's first file under a new name, nothing deleted yet, was committed with the old step's files."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _trainer_folder(run / "checkpoint-100", Trainer())
+    earlier = time.time() - 20  # the save 20 s ago: a callback of it would have written by now
+    for path in (run / "checkpoint-100").iterdir():
+        os.utime(path, (earlier, earlier))
+    assert len(watch(repo, run, ONCE).committed) == 1
+    torch.save({"w": torch.ones(3)}, run / "checkpoint-100" / "pytorch_model.bin")
+    report = watch(repo, run, ONCE)
+    assert report.committed == [] and "pytorch_model.bin was written more than 5 s after" in \
+        report.waiting["checkpoint-100"]
+
+
 def test_the_watch_state_forgets_sources_a_rotation_deleted_and_still_commits_nothing_twice(repo, tmp_path):
     """It kept every checkpoint ever seen, and rewrote them all after each commit: O(run) per commit (auditor)."""
     run = tmp_path / "run"
