@@ -85,7 +85,8 @@ class CkptCallback(TrainerCallback):
         branch: commit to this branch (created at HEAD if new) instead of HEAD's.
         keep_folders: once a folder's commit is recorded, delete the committed `checkpoint-*`
             folders except the newest K on disk (None: delete nothing). Never deletes a folder
-            this callback did not commit, nor the Trainer's best model checkpoint.
+            this callback did not commit, nor one committed lossy (warned of once: the store holds no
+            exact copy of it), nor the Trainer's best model checkpoint.
         blocking: commit before training goes on (True), or in the background while it does
             (False, the default; see the module's docstring for when it waits). `calibration=`
             runs the live model, so it always commits blocking.
@@ -101,6 +102,7 @@ class CkptCallback(TrainerCallback):
         self.repo, self.lossy, self.branch, self.keep_folders, self.knobs = repo, lossy, branch, keep_folders, knobs
         self.blocking = blocking or knobs.get("calibration") is not None
         self.committed: dict[Path, CommitId] = {}  # folders this callback committed (resolved), and their commits
+        self._lossy: set[Path] = set()  # committed folders whose commit is lossy: the only exact copy, never deleted
         self._saved: _Saved | None = None  # a save whose commit has not begun
         self._pending: tuple[Path, CommitId | BackgroundCommit] | None = None  # the latest commit, not yet settled
         self._opened: Repository | None = None  # the repository opened from a path, kept open for commits in flight
@@ -275,13 +277,27 @@ class CkptCallback(TrainerCallback):
         self._pending = None
         self.committed[folder.resolve()] = result
         self._output_dir = folder.parent
+        if self.keep_folders is not None:
+            self._note_lossy(folder, result)
         self._prune(state)
+
+    def _note_lossy(self, folder: Path, commit: CommitId) -> None:
+        """Spare `folder` from keep_folders when its commit is lossy: the store holds no exact copy of it."""
+        level = self._repository().commit_info(commit).lossy
+        if not level:
+            return
+        if not self._lossy:
+            warn_caller(f"[keep_folders] {folder.name} was committed lossy ({level}), so it is kept on disk as the "
+                        "only exact copy; keep_folders deletes only folders committed byte for byte: pass "
+                        "lossy='none' to commit them so", RuntimeWarning)
+        self._lossy.add(folder.resolve())
 
     def _prune(self, state: TrainerState) -> None:
         """`keep_folders`: delete the older committed folders no other CkptCallback has yet to commit."""
         if self.keep_folders is None or self._prune_at_end or self._output_dir is None:
             return
         held = {folder.resolve() for other in list(_ALL) if other is not self for folder in other._holds()}
+        held |= self._lossy
         remove_committed_folders(self._output_dir, self.committed, self.keep_folders, state.best_model_checkpoint,
                                  state.global_step, held)
 

@@ -712,6 +712,26 @@ def test_keep_folders_deletes_no_folder_another_ckpt_callback_has_yet_to_commit(
     assert not list((tmp_path / "out").iterdir())
 
 
+@pytest.mark.parametrize("lossy", [None, "balanced"])
+def test_keep_folders_keeps_each_folder_committed_lossy_and_warns_once(tmp_path, lossy):
+    """keep_folders deleted folders committed at the repository's default lossy level, or lossy=: the only exact
+    copy went, and a resume from the store no longer continued exactly (auditor helper 296)."""
+    Repository.init(tmp_path / "repo", lossy="balanced" if lossy is None else "").close()
+    recorder = FolderBytes()
+    callbacks = [recorder, CkptCallback(tmp_path / "repo", lossy=lossy, keep_folders=1, min_elements=1)]
+    with pytest.warns(RuntimeWarning, match=r"checkpoint-2 was committed lossy \(balanced\)") as caught:
+        _trainer(tmp_path / "out", callbacks, steps=6).train()
+    assert sum("committed lossy" in str(w.message) for w in caught) == 1
+    for step in (2, 4, 6):
+        assert _digests(tmp_path / "out" / f"checkpoint-{step}") == recorder.saved[step]
+
+
+def test_keep_folders_deletes_folders_committed_lossless_in_a_lossy_default_repository(tmp_path):
+    Repository.init(tmp_path / "repo", lossy="balanced").close()
+    _trainer(tmp_path / "out", [CkptCallback(tmp_path / "repo", lossy="none", keep_folders=1)], steps=6).train()
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["checkpoint-6"]
+
+
 @pytest.mark.parametrize("best", [True, False])
 def test_the_last_save_of_a_save_total_limit_1_run_is_pruned_only_once_training_ends(tmp_path, best):
     """With keep_folders=0 the last folder was deleted inside on_save, under a later callback's own on_save:
