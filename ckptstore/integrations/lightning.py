@@ -25,6 +25,7 @@ derives from the CheckpointIO of each package installed; either may be missing.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import math
 import os
@@ -94,10 +95,16 @@ def ref_for_path(path: str | os.PathLike, prefix: str = DEFAULT_PREFIX) -> str:
 
     Runs of characters a ref may not hold become `_`, so `dir/epoch=1-step=20.ckpt` is
     `lightning/epoch_1-step_20` and `last.ckpt` is `lightning/last`; the folder is not part of it.
+    A name too long for a tag keeps its start and ends in `-` and 12 hex digits of the whole name's
+    digest, so it still fits (a tag made after its commit was refused, with training stopped).
     """
     stem = _stem(path)
     if stem.endswith((".lock", ".")):  # refused by git, and here: `x.` in a range would read as `x` and `.`
         stem += "_"
+    room = ref_names.MAX_NAME - len(prefix) - 1
+    if len(stem) > room:
+        digest = hashlib.sha256(Path(os.fspath(path)).name.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+        stem = f"{stem[: max(room - 13, 0)]}-{digest}"
     return f"{prefix}/{stem}"
 
 
@@ -111,7 +118,8 @@ def _stem(path: str | os.PathLike) -> str:
 def _tags_of(path: str | os.PathLike, prefix: str) -> list[str]:
     """ref_for_path's tag, then the one an older ckptstore gave a name ending in '.' (`x..ckpt`: `lightning/x.`)."""
     tag = ref_for_path(path, prefix)
-    return [tag, tag[:-1]] if _stem(path).endswith(".") else [tag]  # not `x._.ckpt`: its own tag was always x._
+    # not `x._.ckpt`: its own tag was always x._; nor a name too long, whose tag no older ckptstore could make
+    return [tag, tag[:-1]] if _stem(path).endswith(".") and tag.endswith("._") else [tag]
 
 
 def read_marker(path: str | os.PathLike) -> dict[str, str] | None:
@@ -402,6 +410,11 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
     def _claim(self, path: str | os.PathLike) -> str:
         """The tag for `path`, refusing a second path that maps to the same tag in this run, or another run's tag."""
         ref = ref_for_path(path, self.prefix)
+        try:  # before the commit: a tag refused after it left a commit unnamed and stopped training
+            ref_names.check_name(ref)
+        except CkptError as exc:
+            raise CkptError(f"checkpoint {os.fspath(path)!r} cannot be tagged: {exc}; pass a shorter "
+                            "CkptstoreCheckpointIO(prefix=...)") from None
         where = os.path.abspath(os.fspath(path))
         claimed = self._paths.get(ref)
         if claimed is None:

@@ -131,6 +131,31 @@ def test_ref_for_path_is_a_valid_tag_name():
         check_range_safe(ref_for_path(name))  # a tag the plugin makes here
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_file_name_too_long_for_a_tag_is_committed_tagged_and_loads(tmp_path, blocking):
+    """A 206-character name was committed, then its 211-character tag refused: InvalidRefNameError out of
+    Lightning's save, and in the background a marker naming no commit (auditor helper 296)."""
+    repo = Repository.init(tmp_path / "store")
+    plugin = CkptstoreCheckpointIO(repo, blocking=blocking)
+    stem = "epoch=3-step=120-" + "-".join(f"val_metric_{i}=0.{i:04d}" for i in range(11))
+    state = {"state_dict": {"w": torch.arange(4.0)}, "global_step": 120, "epoch": 3}
+    paths = [tmp_path / f"{stem}{end}.ckpt" for end in ("a", "b")]  # alike but for their last character
+    for path in paths:
+        plugin.save_checkpoint(state, path)
+    plugin.teardown()
+    tags = [ref_for_path(path) for path in paths]
+    assert len(set(tags)) == 2 and all(len(tag) <= 200 for tag in tags)
+    for path, tag in zip(paths, tags):
+        assert read_marker(path)["commit"] == repo.tags()[tag]
+        assert_same(CkptstoreCheckpointIO(repo).load_checkpoint(path), state)
+    commits = len(repo.log("HEAD"))
+    with pytest.raises(CkptError, match="cannot be tagged: .* pass a shorter CkptstoreCheckpointIO\\(prefix"):
+        CkptstoreCheckpointIO(repo, prefix="p" * 199, blocking=blocking).save_checkpoint(
+            {**state, "global_step": 121}, tmp_path / "last.ckpt")
+    assert len(repo.log("HEAD")) == commits and not (tmp_path / "last.ckpt").exists()  # refused before the commit
+    repo.close()
+
+
 def _import_plugin_without(monkeypatch, *missing: str):
     """A fresh copy of the plugin module, imported as if the modules `missing` were not installed."""
     for name in missing:
