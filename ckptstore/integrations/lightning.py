@@ -336,13 +336,21 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
 
         Told at the first save that goes on from the loaded commit (a later step), not at the load:
         `trainer.test(ckpt_path="best")` loads such commits without resuming anything. A new branch
-        began at HEAD (the old run's tip), unsaid, whatever commit the run resumed from.
+        began at HEAD (the old run's tip), unsaid, whatever commit the run resumed from; it starts at
+        the loaded commit at any save, as a save at the loaded step itself (an export, an on-exception
+        save) used up the load and left it to begin at HEAD.
         """
-        loaded, self._loaded = self._loaded, None
-        if loaded is None or not isinstance(step, int) or loaded[1] is None or step <= loaded[1]:
+        loaded = self._loaded
+        if loaded is None:
             return
         if self.branch is not None and self.branch not in self.repo.branches():
             self.repo.branch(self.branch, loaded[0])
+            self._loaded = None
+            return
+        if isinstance(step, int) and loaded[1] is not None and step <= loaded[1]:
+            return  # not going on from it yet: a later save still says where its commits go
+        self._loaded = None
+        if not isinstance(step, int) or loaded[1] is None:
             return
         branch = self.branch or self.repo.head()[0]
         tip = self.repo.branches().get(branch) if branch else None

@@ -672,6 +672,24 @@ def test_a_new_branch_of_a_resumed_run_starts_at_the_commit_it_resumed_from(tmp_
     repo.close()
 
 
+def test_a_save_at_the_loaded_step_still_starts_a_new_branch_at_the_loaded_commit(tmp_path):
+    """A save right after the load (trainer.save_checkpoint, an on-exception save), at the loaded step 2, used up
+    the load: "retry" began at the old run's tip, step 8, and its next commit followed it (auditor helper 296)."""
+    repo = Repository.init(tmp_path / "store")
+    _save_steps(CkptstoreCheckpointIO(repo, blocking=True), tmp_path, (2, 4, 8))
+    early = repo.resolve("lightning/step_2")
+    retry = CkptstoreCheckpointIO(repo, branch="retry", prefix="retry", blocking=True)
+    loaded = retry.load_checkpoint(early)
+    retry.save_checkpoint(loaded, tmp_path / "r" / "resumed-copy.ckpt")
+    _save_steps(retry, tmp_path / "r", (3,))
+    assert [c.step for c in repo.log("retry")] == [3, 2] and repo.commit_info("retry").parents == [early]
+    resumed = CkptstoreCheckpointIO(repo, blocking=True)  # on main, behind its tip: said at the step that goes on
+    resumed.save_checkpoint(resumed.load_checkpoint(early), tmp_path / "m" / "resumed-copy.ckpt")
+    with pytest.warns(RuntimeWarning, match=f"resumed from commit {early[:12]} .* not the tip of branch 'main'"):
+        _save_steps(resumed, tmp_path / "m", (3,))
+    repo.close()
+
+
 def test_load_from_checkpoint_builds_the_module_from_a_marker_path(lit, trained):
     """`Tiny.load_from_checkpoint(best_model_path)` read the JSON marker with torch.load and told the user to
     unpickle it with weights_only=False (Lightning auditor)."""
