@@ -166,6 +166,8 @@ def _prune_file(record: CheckpointFile, root: str, wanted: KeyPatterns) -> tuple
         used = {record.skeleton[1], *(entry for _, entry in order)}  # the header: its __metadata__ is kept
     elif record.format == formats.TORCH:
         skeleton = _Pruner(wanted).prune(record.skeleton, root)  # a matched value may be None (no scheduler)
+        if skeleton is not UNMATCHED:
+            skeleton = _carry_views(record.skeleton, skeleton)
         used = _entries_in(skeleton) if skeleton is not UNMATCHED else set()
     else:  # a blob is one entry: selected whole through its name (or its %blob path), or not at all
         skeleton = record.skeleton if wanted.match(record.skeleton[1]) else UNMATCHED
@@ -198,6 +200,48 @@ class _Pruner:
         return [node[0], items] if items else UNMATCHED
 
 
+def _carry_views(whole: Any, pruned: Any) -> Any:
+    """`pruned`, each tensor whose node placing it in a shared storage it dropped placed there by its first node kept.
+
+    flatten writes a tensor's `view` on its first node only, a later reference to it being a bare
+    ["tensor", path]; without this, keys ["same", "t"] of {"base": b, "same": b, "t": b.t()} read
+    `same` standalone, no longer sharing `t`'s storage. Old commits are read the same way: no format change.
+    """
+    placed = {node[1]: node[2]["view"] for node, _ in _nodes_below(whole, "") if _has_view(node)}
+    if placed:
+        for node, _ in _nodes_below(pruned, ""):
+            if _has_view(node):
+                placed.pop(node[1], None)  # kept: it places the tensor itself
+    return _with_views(pruned, placed) if placed else pruned
+
+
+def _has_view(node: Any) -> bool:
+    """True for a tensor node that places its tensor in a storage other views share (state.mark_shared_views)."""
+    return (isinstance(node, list) and node[:1] == ["tensor"] and len(node) > 2 and isinstance(node[2], dict)
+            and "view" in node[2])
+
+
+def _with_views(node: Any, placed: dict[str, list]) -> Any:
+    """`node` with the first reference to each tensor of `placed` given its view, copied where it changes.
+
+    First in the order checkout decodes them (items, then an OrderedDict's attrs); `placed` loses those it gave.
+    """
+    if not placed or not isinstance(node, list) or not node or not isinstance(node[0], str):
+        return node
+    if node[0] == "tensor":
+        view = placed.pop(node[1], None)
+        return node if view is None else ["tensor", node[1], {**(node[2] if len(node) > 2 else {}), "view": view}]
+    if node[0] in ("dict", "odict"):
+        items = [[key, _with_views(value, placed)] for key, value in node[1]]
+        extras = node[2:]
+        if extras and isinstance(extras[0], dict) and "attrs" in extras[0]:
+            extras = [{**extras[0], "attrs": [[name, _with_views(v, placed)] for name, v in extras[0]["attrs"]]}]
+        return [node[0], items, *extras]
+    if node[0] in CONTAINERS:
+        return [node[0], [_with_views(item, placed) for item in node[1]]]
+    return node
+
+
 def aliases(manifest: Manifest) -> dict[str, str]:
     """The paths at which a torch file holds a tensor stored under another path, and that path.
 
@@ -211,18 +255,22 @@ def aliases(manifest: Manifest) -> dict[str, str]:
 def _skeleton_nodes(manifest: Manifest) -> Iterator[tuple[Any, str]]:
     """Every node of the commit's torch files' skeletons with the path flatten gave it."""
     for record in manifest.files:
-        if record.format != formats.TORCH:
+        if record.format == formats.TORCH:
+            yield from _nodes_below(record.skeleton, escape(record.name) if manifest.kind == "folder" else "")
+
+
+def _nodes_below(skeleton: Any, root: str) -> Iterator[tuple[Any, str]]:
+    """Every node of one torch skeleton (in no set order) with the path flatten gave it, `root` its own."""
+    stack = [(skeleton, root)]
+    while stack:
+        node, path = stack.pop()
+        yield node, path
+        if not isinstance(node, list) or not node or not isinstance(node[0], str):
             continue
-        stack = [(record.skeleton, escape(record.name) if manifest.kind == "folder" else "")]
-        while stack:
-            node, path = stack.pop()
-            yield node, path
-            if not isinstance(node, list) or not node or not isinstance(node[0], str):
-                continue
-            if node[0] in ("dict", "odict"):
-                stack.extend((v, item_path(path, k)) for k, v in node[1])
-            elif node[0] in CONTAINERS:
-                stack.extend((v, join(path, str(i))) for i, v in enumerate(node[1]))
+        if node[0] in ("dict", "odict"):
+            stack.extend((v, item_path(path, k)) for k, v in node[1])
+        elif node[0] in CONTAINERS:
+            stack.extend((v, join(path, str(i))) for i, v in enumerate(node[1]))
 
 
 def item_path(path: str, key: Any) -> str:

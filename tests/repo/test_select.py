@@ -296,3 +296,20 @@ def test_a_key_is_selected_by_its_own_text_though_stored_escaped(repo, tmp_path)
                                       "-o", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert [p.name for p in (tmp_path / "out").rglob("*.pt")] == ["ü 50%.pt"]
+
+
+def test_a_partial_load_keeps_views_sharing_a_storage_whose_first_holder_is_left_out(repo, tmp_path):
+    """flatten marks only a tensor's first node with its view: keys=["same", "t"] of {"base": b, "same": b,
+    "t": b.t()} read `same` standalone, so a change to it no longer showed in `t` (auditor helper 300)."""
+    b = torch.arange(6.0).reshape(2, 3)
+    state = {"base": b, "same": b, "t": b.t(), "model": {"w": b, "wt": b.t()}}
+    cid = repo.commit(state)
+    torch.save(state, tmp_path / "s.pt")
+    repo.checkout_to(repo.commit(tmp_path / "s.pt"), tmp_path / "part.pt", keys=["same", "t"])
+    written = torch.load(tmp_path / "part.pt", weights_only=True)
+    for got, same, t in ((repo.checkout(cid, keys=["same", "t"]), "same", "t"),
+                         (repo.checkout(cid, keys=["model"])["model"], "w", "wt"), (written, "same", "t")):
+        assert_same(got[t], b.t())
+        assert got[same].untyped_storage().data_ptr() == got[t].untyped_storage().data_ptr()
+        got[same][0, 1] = 100.0
+        assert got[t][1, 0].item() == 100.0
