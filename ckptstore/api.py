@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptstore import formats
 from ckptstore.errors import CkptError
 from ckptstore.hashing import CommitId
 from ckptstore.repo import Repository
@@ -95,15 +96,30 @@ def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = 
     or load there waits for it (and raises its failure), as calls on one Repository do.
     """
     _warn_off_rank_zero()
+    state = _in_memory(obj)
 
     def run(r: Repository) -> CommitId | BackgroundCommit:
-        return r.commit(obj, message=message, step=step, metrics=metrics, branch=branch, lossy=lossy, model=model,
+        return r.commit(state, message=message, step=step, metrics=metrics, branch=branch, lossy=lossy, model=model,
                         optimizer=optimizer, calibration=calibration, max_loss_change=max_loss_change,
                         blocking=blocking, buffer_budget=buffer_budget, **knobs)
 
     if blocking or isinstance(repo, Repository):
         return with_repo(repo, run)
     return run(_keep(given_root(repo)))
+
+
+def _in_memory(obj: Any) -> Any:
+    """`obj` as a state to commit: a str is a value, as torch.save stores it; Repository.commit reads one as a path.
+
+    save("") committed the current folder's files and save("step 5") failed with "step 5 does not exist".
+    """
+    if isinstance(obj, str):
+        return formats.from_state(obj)  # flattened here: a Checkpoint is what commit takes as a state, never a path
+    if isinstance(obj, os.PathLike):  # stored only through pickle; what the caller meant is one of two things
+        raise CkptError(f"ckptstore.save({obj!r}): a path object is no value ckptstore stores; to commit the file "
+                        "or folder there use Repository.commit(path) or `ckpt commit PATH`, to store its text save "
+                        "str(path)")
+    return obj
 
 
 def _warn_off_rank_zero() -> None:

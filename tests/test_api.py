@@ -1,10 +1,11 @@
-"""The module-level API (ckptstore/api.py) in a torch.distributed job."""
+"""The module-level API (ckptstore/api.py): values as torch.save takes them, and in a torch.distributed job."""
 
 import os
 import socket
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -47,3 +48,16 @@ def test_a_save_off_rank_zero_of_a_distributed_job_is_warned_of(tmp_path):
     assert said.startswith("ckptstore.save on rank 1 of 2: where every rank commits to one branch"), said
     with Repository.open(tmp_path / "repo") as repo:
         assert len(repo.log()) == 1
+
+
+def test_save_stores_a_str_as_its_value_not_as_a_path(repo, tmp_path, monkeypatch):
+    """save("") committed the current folder's files and save("step 5") failed with "step 5 does not exist":
+    Repository.commit's path reading took the object (auditor helper 300)."""
+    (tmp_path / "notes.txt").write_text("unrelated file\n")
+    monkeypatch.chdir(tmp_path)
+    for text in ("", "step 5", "notes.txt"):
+        assert ckptstore.load(ckptstore.save(text, repo=repo), repo=repo) == text
+    handle = ckptstore.save(".", repo=repo, message="in the background", blocking=False)
+    assert ckptstore.load(handle.result(), repo=repo) == "."
+    with pytest.raises(ckptstore.errors.CkptError, match=r"no value ckptstore stores; to commit the file or folder"):
+        ckptstore.save(tmp_path / "notes.txt", repo=repo)

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ckptstore import faults
 from ckptstore.errors import (
     BackgroundCommitError,
@@ -41,6 +43,7 @@ from ckptstore.errors import (
     RetentionError,
     explain,
 )
+from ckptstore.formats import Checkpoint
 from ckptstore.formats.snapshot import HostBuffers, snapshot
 from ckptstore.hashing import CommitId
 from ckptstore.repo import planecache
@@ -315,6 +318,9 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
             try:
                 if isinstance(source, (str, os.PathLike)):  # the caller's folder now, not the thread's later
                     checkpoint = Path(source).absolute()
+                elif isinstance(source, Checkpoint):  # flattened by the caller (save of a str): its bytes copied now
+                    checkpoint = replace(source, tensors={p: replace(raw, data=np.array(raw.data, copy=True))
+                                                          for p, raw in source.tensors.items()})
                 else:
                     with no_cyclic_gc():  # as in a commit: a full collection in the snapshot would stall the caller
                         checkpoint, lent = snapshot(source, lane.buffers)
