@@ -9,7 +9,8 @@ commit the first level is the file's name: "model.safetensors", "optimizer.pt.st
 Selecting prunes the manifest: each file's skeleton keeps only the matched values (and the
 containers leading to them; a list keeps its matched items, in order), and the entries are only
 those the kept values read, so checkout replays only their chains. A tensor that shares storage
-with one left out still reads its own entry.
+with one left out still reads its own entry. An OrderedDict's attributes lie under
+"<path>/%attrs/<name>": one selected alone comes back on its OrderedDict, emptied of items.
 """
 
 from __future__ import annotations
@@ -195,7 +196,11 @@ class _Pruner:
         if node[0] in ("dict", "odict"):
             items = [[k, kept] for k, v in node[1]
                      if (kept := self.prune(v, item_path(path, k))) is not UNMATCHED]
-            return [node[0], items, *node[2:]] if items else UNMATCHED  # an odict keeps its attrs (module versions)
+            if items:
+                return [node[0], items, *node[2:]]  # an odict keeps its attrs (module versions)
+            attrs = [[name, kept] for name, v in _attrs(node)
+                     if (kept := self.prune(v, attr_path(path, name))) is not UNMATCHED]
+            return [node[0], [], {**node[2], "attrs": attrs}] if attrs else UNMATCHED  # only those selected
         items = [v for i, item in enumerate(node[1]) if (v := self.prune(item, join(path, str(i)))) is not UNMATCHED]
         return [node[0], items] if items else UNMATCHED
 
@@ -269,6 +274,7 @@ def _nodes_below(skeleton: Any, root: str) -> Iterator[tuple[Any, str]]:
             continue
         if node[0] in ("dict", "odict"):
             stack.extend((v, item_path(path, k)) for k, v in node[1])
+            stack.extend((v, attr_path(path, name)) for name, v in _attrs(node))
         elif node[0] in CONTAINERS:
             stack.extend((v, join(path, str(i))) for i, v in enumerate(node[1]))
 
@@ -276,6 +282,17 @@ def _nodes_below(skeleton: Any, root: str) -> Iterator[tuple[Any, str]]:
 def item_path(path: str, key: Any) -> str:
     """The path flatten gave the dict item below `path` whose key the skeleton holds as `key` (a tuple's too)."""
     return join_key(path, unflatten(key, _no_lookup))
+
+
+def attr_path(path: str, name: str) -> str:
+    """The path flatten gave the attribute `name` of the OrderedDict at `path` (`ckpt show` lists it)."""
+    return join(f"{path}/%attrs" if path else "%attrs", name)
+
+
+def _attrs(node: list) -> list:
+    """The [name, value] attributes of an OrderedDict's skeleton node (state_dict()._metadata); none for others."""
+    extras = node[2] if node[0] == "odict" and len(node) > 2 and isinstance(node[2], dict) else {}
+    return extras.get("attrs", [])
 
 
 def _no_lookup(path: str) -> Any:

@@ -313,3 +313,25 @@ def test_a_partial_load_keeps_views_sharing_a_storage_whose_first_holder_is_left
         assert got[same].untyped_storage().data_ptr() == got[t].untyped_storage().data_ptr()
         got[same][0, 1] = 100.0
         assert got[t][1, 0].item() == 100.0
+
+
+def test_an_ordered_dicts_attribute_that_show_lists_is_selected_by_its_path(repo, tmp_path):
+    """`ckpt show` lists od/%attrs/extra, but --only and keys= of it found "no path of commit ... matches": the
+    pruner never looked inside an OrderedDict's attributes (auditor helper 300)."""
+    from collections import OrderedDict
+
+    od = OrderedDict(a=torch.ones(2))
+    od.extra, od.versions = torch.arange(3), {"": {"version": 1}}
+    repo.commit({"od": od, "step": 4})
+    runner = CliRunner()
+    assert "od/%attrs/extra" in runner.invoke(cli, ["--repo", str(repo.root), "show", "HEAD"]).output
+    got = repo.checkout("HEAD", keys=["od/%attrs/extra", "od.%attrs.versions.*"])
+    assert list(got) == ["od"] and type(got["od"]) is OrderedDict and not got["od"]
+    assert vars(got["od"]).keys() == {"extra", "versions"} and got["od"].versions == od.versions
+    assert_same(got["od"].extra, torch.arange(3))
+    result = runner.invoke(cli, ["--repo", str(repo.root), "checkout", "HEAD", "--only", "od/%attrs/extra",
+                                 "-o", str(tmp_path / "x.pt")])
+    assert result.exit_code == 0, result.output
+    written = torch.load(tmp_path / "x.pt", weights_only=True)["od"]
+    assert vars(written).keys() == {"extra"} and not written
+    assert_same(written.extra, torch.arange(3))
