@@ -410,6 +410,7 @@ class _Flattener:
         # storage -> [(node, storage bytes, offset, stride)] of each distinct view stored
         self.views: dict[Any, list[tuple[list, int, int, tuple[int, ...]]]] = {}
         self.shared: dict[int, str] = {}  # id of a bytes or ndarray leaf -> its path, so repeats alias
+        self.keyless: dict[int, str] = {}  # id of a tensor with no bytes to key it by (numel 0) -> its path
         self.view_bytes: dict[int, int] = {}  # storage address -> bytes its views have taken so far
         self.seen: set[int] = set()  # ids of the containers walked so far
         self.owners: dict[str, list[int]] = {}  # path -> ids of the distinct Parameters (or grad tensors) on it
@@ -444,6 +445,13 @@ class _Flattener:
             extras["object"] = number
         node.append(extras)
         return node
+
+    def first_keyless(self, value: Any, path: str) -> str:
+        """Where the tensor `value`, which has no bytes to key it by (numel 0), was first met: `path` if never.
+
+        One empty Parameter tied at two paths is one object, as torch.load gives it; two empty tensors stay two.
+        """
+        return self.keyless.setdefault(id(value), path)  # `value` lives in the state until flatten returns
 
     def enter(self, container: Any, path: str, items: int) -> None:
         """Charge a container's items against the bounds, one level deeper; raise past a bound.
@@ -493,6 +501,8 @@ class _Flattener:
             )
         if key is not None and key in self.aliases:
             node = ["tensor", self.aliases[key]]
+        elif key is None and (first := self.first_keyless(value, path)) != path:
+            node = ["tensor", first]
         else:
             if key is not None:  # before the copy: an expand() of a scalar could ask for terabytes
                 self.count_view(key[0], storage_nbytes, value.numel() * value.element_size(), path)

@@ -629,3 +629,16 @@ def test_numpy_records_wider_than_255_bytes_or_of_no_bytes_round_trip(repo):
         assert back["s"].dtype == wide["s"].dtype and back["s"].tobytes() == wide["s"].tobytes()
         assert back["r"].tobytes() == wide["r"].tobytes() and back["r"].dtype.itemsize == 320  # raw records
         assert back["none"].shape == (5,) and back["none"].dtype.itemsize == 0
+
+
+def test_one_empty_tensor_at_two_paths_comes_back_as_one_object_from_a_state_and_a_file(repo, tmp_path):
+    """Aliases were keyed by storage only for a tensor with elements: an empty Parameter tied at two paths came back
+    as two objects, where torch.load gives one (auditor helper 300)."""
+    tied, empty = torch.nn.Parameter(torch.empty(0, 4)), torch.empty(0)
+    state = {"embed": tied, "head": tied, "a": empty, "b": empty, "other": torch.empty(0)}
+    torch.save(state, tmp_path / "s.pt")
+    for back in (repo.checkout(repo.commit(state)), repo.checkout(repo.commit(tmp_path / "s.pt"))):
+        assert back["embed"] is back["head"] and isinstance(back["head"], torch.nn.Parameter)
+        assert back["a"] is back["b"] and back["other"] is not back["a"]
+        assert back["head"].shape == (0, 4) and back["head"].requires_grad
+    assert set(repo.manifest(repo.resolve("HEAD")).entries) == {"embed", "a", "other", "%container"}

@@ -597,6 +597,8 @@ class _StandInFlattener(_Flattener):
             key = (storage.key, value.offset, value.shape, value.stride, value.dtype)
         if key is not None and key in self.aliases:
             node = ["tensor", self.aliases[key]]
+        elif key is None and (first := self.first_keyless(value, path)) != path:  # pickle's memo: one stand-in
+            node = ["tensor", first]
         else:
             if key is not None:  # before the copy: an expand() of one element could ask for terabytes
                 self.count_view(storage.key, storage.nbytes, math.prod(value.shape) * TORCH_ITEMSIZE[value.dtype], path)
