@@ -110,6 +110,27 @@ INT64_END = 1 << 63  # sizes, strides and offsets at or past this fit no reader'
 _INT_LIKE = re.compile(r"-?(?:0|[1-9][0-9]*)")
 
 
+def tuple_nesting(value: Any, limit: int) -> int:
+    """How deep tuples nest in `value` (0: none), to `limit` + 1 at most, by a loop, before anything recurses."""
+    # CPython 3.11 hashes a nested tuple recursively with no guard: a million-deep key would overflow the C stack
+    heights: dict[int, int] = {}  # id -> nesting of each tuple measured (shared ones once); `value` keeps them alive
+    frames = [[value, iter(value), 1]] if isinstance(value, tuple) else []  # [tuple, items left, nesting so far]
+    while frames:
+        frame = frames[-1]
+        for item in frame[1]:
+            if isinstance(item, tuple) and id(item) not in heights:
+                if len(frames) >= limit:
+                    return limit + 1
+                frames.append([item, iter(item), 1])
+                break
+            frame[2] = max(frame[2], heights.get(id(item), 0) + 1)
+        else:
+            heights[id(frames.pop()[0])] = frame[2]
+            if frames:
+                frames[-1][2] = max(frames[-1][2], frame[2] + 1)
+    return heights.get(id(value), 0)
+
+
 def _storable_key(key: Any) -> bool:
     """Whether a dict key has a path component: a str, int, float, bool or None, or a tuple of such keys."""
     if isinstance(key, tuple):

@@ -1,16 +1,23 @@
-/* A walk over a pickle's opcodes that runs nothing: may the C unpickler load it? (formats/torchzip.py)
+/* A walk over a pickle's opcodes that runs nothing: may the C unpickler load it, and may any reader? (torchzip.py)
  *
  * The restricted reader runs torch.save's data.pkl on the pure-Python unpickler, whose dispatch
- * table holds only the opcodes torch's weights_only loader implements. The C unpickler is about
- * faster but runs every opcode it knows, and sizes its memo by the largest index a PUT
- * names (LONG_BINPUT 0xffffffff would ask for 32 GiB). This walk says yes only to a protocol-2
- * pickle whose every opcode up to STOP is in `allowed` (a 256-byte table made in Python from the
- * same opcode set), with every argument inside the data and every PUT's memo index one already
- * stored or the next one (as Python's pickler numbers them: the memo then grows by one entry per
- * PUT of a new index, each a distinct opcode, not with a PUT repeated, which a deflated zip entry
- * packs a thousand to the byte, nor with bytes after STOP);
- * anything else is read by the Python unpickler exactly as before. Opcodes whose argument layout
- * this file does not know are refused whatever `allowed` says.
+ * table holds only the opcodes torch's weights_only loader implements (and later protocols' plain
+ * ones). The C unpickler is faster but runs every opcode it knows, and sizes its memo by the
+ * largest index a PUT names (LONG_BINPUT 0xffffffff would ask for 32 GiB). This walk answers
+ * "plain" only to a protocol-2 pickle whose every opcode up to STOP is one of torch's (1 in
+ * `table`, a 256-byte table made in Python from the same opcode sets), with every argument inside
+ * the data and every PUT's memo index one already stored or the next one (as Python's pickler
+ * numbers them: the memo then grows by one entry per PUT of a new index, each a distinct opcode,
+ * not with a PUT repeated, which a deflated zip entry packs a thousand to the byte, nor with bytes
+ * after STOP); anything else is "other", read by the Python unpickler exactly as before.
+ *
+ * It answers "too deep" where a tuple nests more than `max_depth` deep anywhere any reader would
+ * go (torch's opcodes and those only the Python reader runs, 2 in `table`, up to where both stop):
+ * CPython 3.11 hashes a tuple recursively without a guard, so a dict key of a million nested
+ * tuples (a 1 KB deflated zip) overflows the C stack in every unpickler, torch's included. Lists,
+ * dicts and sets end that recursion (they are not hashable), so only direct tuple nesting counts;
+ * calls and BUILD are taken to be as deep as their operands. Opcodes whose argument layout this
+ * file does not know stop the walk whatever `table` says.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,21 +37,25 @@ static Py_ssize_t arg_length(const uint8_t *p, const uint8_t *end)
     switch (*p) {
     case '.': case 0x81: case 'R': case 'b': case 'a': case 'e': case 's': case 'u': case '(': case 't':
     case 0x85: case 0x86: case 0x87: case 'N': case 0x88: case 0x89: case ')': case ']': case '}':
-    case 0x8f: case 'Q':
+    case 0x8f: case 'Q': case 0x90: case 0x93: case 0x94:
         return 0;
-    case 0x80: /* PROTO: only 2, as the Python reader's load_proto */
-        return left >= 1 && arg[0] == 2 ? 1 : -1;
-    case 'K': case 'h': case 'q': /* BININT1, BINGET, BINPUT: one byte */
+    case 0x80: case 'K': case 'h': case 'q': /* PROTO, BININT1, BINGET, BINPUT: one byte */
         return left >= 1 ? 1 : -1;
     case 'M':
         return left >= 2 ? 2 : -1;
     case 'J': case 'j': case 'r':
         return left >= 4 ? 4 : -1;
-    case 'G':
+    case 'G': case 0x95: /* BINFLOAT, FRAME */
         return left >= 8 ? 8 : -1;
-    case 'U': case 0x8a: /* SHORT_BINSTRING, LONG1: a length byte */
+    case 0x8d: case 0x8e: { /* BINUNICODE8, BINBYTES8: an 8-byte length */
+        if (left < 8)
+            return -1;
+        uint64_t length = (uint64_t)le32(arg) | (uint64_t)le32(arg + 4) << 32;
+        return length <= (uint64_t)(left - 8) ? 8 + (Py_ssize_t)length : -1;
+    }
+    case 'U': case 0x8a: case 'C': case 0x8c: /* SHORT_BINSTRING, LONG1, SHORT_BINBYTES, SHORT_BINUNICODE: a length byte */
         return left >= 1 && left - 1 >= arg[0] ? 1 + arg[0] : -1;
-    case 'X': /* BINUNICODE: a 4-byte length */
+    case 'X': case 'B': /* BINUNICODE, BINBYTES: a 4-byte length */
         return left >= 4 && (uint64_t)le32(arg) <= (uint64_t)(left - 4) ? 4 + (Py_ssize_t)le32(arg) : -1;
     case 'c': { /* GLOBAL: two newline-terminated lines */
         const uint8_t *first = memchr(arg, '\n', (size_t)left);
@@ -58,42 +69,177 @@ static Py_ssize_t arg_length(const uint8_t *p, const uint8_t *end)
     }
 }
 
-static PyObject *plain(PyObject *self, PyObject *args)
+/* Growable arrays of the walk's bookkeeping; a failed allocation raises MemoryError. */
+typedef struct {
+    uint32_t *items;
+    Py_ssize_t len, cap;
+} Depths;
+
+static int depths_push(Depths *d, uint32_t value)
 {
-    Py_buffer data, allowed;
-    if (!PyArg_ParseTuple(args, "y*y*", &data, &allowed))
-        return NULL;
-    int ok = 0;
-    if (allowed.len == 256 && data.len >= 2) {
-        const uint8_t *p = data.buf, *end = p + data.len, *table = allowed.buf;
-        uint64_t next_index = 0; /* one past the highest memo index a PUT stored so far */
-        ok = p[0] == 0x80 && p[1] == 2;
-        p += 2;
-        while (ok) {
-            if (p >= end || !table[*p]) {
-                ok = 0;
-                break;
-            }
-            if (*p == '.')
-                break;
-            Py_ssize_t n = arg_length(p, end);
-            ok = n >= 0;
-            if (ok && (*p == 'q' || *p == 'r')) { /* the C memo grows to twice the index a PUT names */
-                uint64_t index = *p == 'q' ? p[1] : le32(p + 1);
-                ok = index <= next_index;
-                next_index += index == next_index;
-            }
-            p += 1 + (n > 0 ? n : 0);
+    if (d->len == d->cap) {
+        Py_ssize_t cap = d->cap ? 2 * d->cap : 256;
+        uint32_t *grown = PyMem_Realloc(d->items, (size_t)cap * sizeof(uint32_t));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
         }
+        d->items = grown;
+        d->cap = cap;
+    }
+    d->items[d->len++] = value;
+    return 0;
+}
+
+enum verdict { PLAIN, OTHER, TOO_DEEP, FAILED };
+
+/* The walk's state: the depth of tuple nesting of each value on the unpickler's stack, where its
+ * MARKs stand, and the depth each memo index holds (dense while every PUT names an index stored
+ * or the next one; after any other, a GET is taken to be as deep as anything seen so far). */
+typedef struct {
+    Depths stack, marks, memo;
+    uint32_t deepest; /* the deepest value pushed so far: a bound on any value a GET can fetch */
+    int memo_dense;
+    int plain;
+} Walk;
+
+static Py_ssize_t above_mark(const Walk *w)
+{
+    return w->stack.len - (w->marks.len ? (Py_ssize_t)w->marks.items[w->marks.len - 1] : 0);
+}
+
+static uint32_t max_of_top(Walk *w, Py_ssize_t count)
+{
+    uint32_t most = 0;
+    for (Py_ssize_t i = w->stack.len - count; i < w->stack.len; i++)
+        most = w->stack.items[i] > most ? w->stack.items[i] : most;
+    return most;
+}
+
+/* Replace the top `count` values by one of `depth`; -1 on failure. */
+static int replace_top(Walk *w, Py_ssize_t count, uint32_t depth)
+{
+    w->stack.len -= count;
+    w->deepest = depth > w->deepest ? depth : w->deepest;
+    return depths_push(&w->stack, depth);
+}
+
+/* Apply one opcode's effect on the depths: 1 to go on, 0 where either unpickler would stop here
+ * (underflow, a GET of an index never PUT), TOO_DEEP-style -2 for a tuple past `max_depth`, -1 on failure. */
+static int step(Walk *w, const uint8_t *p, uint32_t max_depth)
+{
+    Py_ssize_t above = above_mark(w);
+    switch (*p) {
+    case 't': case 0x85: case 0x86: case 0x87: { /* TUPLE, TUPLE1-3: one deeper than their deepest item */
+        Py_ssize_t count = *p == 't' ? above : *p - 0x84;
+        if (*p == 't') {
+            if (!w->marks.len)
+                return 0;
+            w->marks.len--;
+        } else if (above < count) {
+            return 0;
+        }
+        uint32_t depth = max_of_top(w, count) + 1;
+        if (depth > max_depth)
+            return -2;
+        return replace_top(w, count, depth) < 0 ? -1 : 1;
+    }
+    case ')':
+        return replace_top(w, 0, 1) < 0 ? -1 : 1;
+    case '(':
+        return depths_push(&w->marks, (uint32_t)w->stack.len) < 0 ? -1 : 1;
+    case 'a': case 's': /* APPEND, SETITEM: items go into a list or dict, which no hash walks into */
+        if (above < (*p == 'a' ? 2 : 3))
+            return 0;
+        w->stack.len -= *p == 'a' ? 1 : 2;
+        return 1;
+    case 'e': case 'u': case 0x90: /* APPENDS, SETITEMS, ADDITEMS: up to the MARK, into the value below it */
+        if (!w->marks.len)
+            return 0;
+        w->stack.len = (Py_ssize_t)w->marks.items[--w->marks.len];
+        return above_mark(w) >= 1;
+    case 'R': case 0x81: case 'b': case 0x93: /* REDUCE, NEWOBJ, BUILD, STACK_GLOBAL: as deep as their operands */
+        if (above < 2)
+            return 0;
+        return replace_top(w, 2, max_of_top(w, 2)) < 0 ? -1 : 1;
+    case 'Q': /* BINPERSID */
+        return above >= 1;
+    case 'q': case 'r': case 0x94: { /* BINPUT, LONG_BINPUT, MEMOIZE */
+        if (above < 1)
+            return 0;
+        uint64_t index = *p == 'q' ? p[1] : *p == 'r' ? le32(p + 1) : (uint64_t)w->memo.len;
+        if (!w->memo_dense || index > (uint64_t)w->memo.len) { /* Python's pickler makes no gap */
+            w->memo_dense = 0;
+            w->plain = 0;
+            return 1;
+        }
+        uint32_t top = w->stack.items[w->stack.len - 1];
+        if (index < (uint64_t)w->memo.len) {
+            w->memo.items[index] = top;
+            return 1;
+        }
+        return depths_push(&w->memo, top) < 0 ? -1 : 1;
+    }
+    case 'h': case 'j': { /* BINGET, LONG_BINGET */
+        uint64_t index = *p == 'h' ? p[1] : le32(p + 1);
+        if (w->memo_dense && index >= (uint64_t)w->memo.len)
+            return 0;
+        uint32_t depth = w->memo_dense ? w->memo.items[index] : w->deepest;
+        return depths_push(&w->stack, depth) < 0 ? -1 : 1;
+    }
+    case '.': case 0x80: case 0x95: /* STOP (the caller ends there), PROTO, FRAME */
+        return 1;
+    default: /* every other opcode either reader runs pushes a value that nests nothing */
+        return replace_top(w, 0, 0) < 0 ? -1 : 1;
+    }
+}
+
+/* The loop: each opcode the table lets either reader run, up to STOP or where both readers would stop. */
+static enum verdict walk_opcodes(Walk *w, const uint8_t *p, const uint8_t *end, const uint8_t *table,
+                                 uint32_t max_depth)
+{
+    for (; p < end && table[*p]; ) {
+        Py_ssize_t n = arg_length(p, end);
+        if (n < 0)
+            return OTHER;
+        w->plain &= table[*p] == 1 && (*p != 0x80 || p[1] == 2); /* protocol 2 only, as torch's reader */
+        if (*p == '.')
+            return w->plain ? PLAIN : OTHER;
+        int stepped = step(w, p, max_depth);
+        if (stepped <= 0)
+            return stepped == 0 ? OTHER : stepped == -2 ? TOO_DEEP : FAILED;
+        p += 1 + n;
+    }
+    return OTHER;
+}
+
+static PyObject *walk(PyObject *self, PyObject *args)
+{
+    static const char *const answers[] = {"plain", "other", "too deep"};
+    Py_buffer data, table;
+    unsigned int max_depth;
+    if (!PyArg_ParseTuple(args, "y*y*I", &data, &table, &max_depth))
+        return NULL;
+    enum verdict verdict = OTHER;
+    if (table.len != 256) {
+        PyErr_SetString(PyExc_ValueError, "the opcode table has 256 entries");
+        verdict = FAILED;
+    } else {
+        const uint8_t *p = data.buf;
+        Walk w = {.memo_dense = 1, .plain = data.len >= 2 && p[0] == 0x80 && p[1] == 2};
+        verdict = walk_opcodes(&w, p, p + data.len, table.buf, max_depth);
+        PyMem_Free(w.stack.items);
+        PyMem_Free(w.marks.items);
+        PyMem_Free(w.memo.items);
     }
     PyBuffer_Release(&data);
-    PyBuffer_Release(&allowed);
-    return PyBool_FromLong(ok);
+    PyBuffer_Release(&table);
+    return verdict == FAILED ? NULL : PyUnicode_FromString(answers[verdict]);
 }
 
 static PyMethodDef methods[] = {
-    {"plain", plain, METH_VARARGS,
-     "plain(data, allowed) -> bool: a protocol-2 pickle of allowed opcodes only, arguments in bounds, up to STOP."},
+    {"walk", walk, METH_VARARGS,
+     "walk(data, table, max_depth) -> 'plain', 'other' or 'too deep' (a tuple nested past max_depth)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -15,8 +15,9 @@ allow-list, and BUILD only on fresh objects (never on the shared stand-ins the a
 out, which a malicious file could otherwise rewrite for every later file in the process). Whenever it meets
 something it does not model (an unknown global in torch's namespace, an unusual opcode, a
 big-endian file, a stride it cannot prove in bounds) `read` returns None and the caller falls back
-to torch, so results and error messages are the same on both paths. The one verdict it gives
-itself is a refusal: a global that torch's loader refuses too, with the same error.
+to torch, so results and error messages are the same on both paths. The verdicts it gives
+itself are refusals: a global that torch's loader refuses too, with the same error, and tuples
+nested so deep that hashing one would crash every unpickler, torch's included (`_TooDeep`).
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ from ckptstore.formats.torchfile import numpy_safe_globals, refused
 from ckptstore.state import (
     BOOKKEEPING_ATTRIBUTES,
     INT64_END,
+    MAX_DEPTH,
     TORCH_ITEMSIZE,
     TORCH_PREFIX,
     FlatState,
     RawTensor,
     _Flattener,
     element_unit,
+    tuple_nesting,
 )
 
 # The last line of every refusal of torch's weights_only loader; torchfile.refused keeps only it
@@ -101,6 +104,10 @@ class _Fallback(Exception):
 
 class _Refused(Exception):
     """A global that torch's weights_only loader refuses as well."""
+
+
+class _TooDeep(Exception):
+    """Tuples nested past MAX_DEPTH: hashing one (a dict key) overflows the C stack in every unpickler, torch's too."""
 
 
 class _Damaged(Exception):
@@ -247,9 +254,17 @@ def _latin1(text: Any, encoding: Any = "utf-8") -> bytes:
     return text.encode("latin1")
 
 
+def _refuse_deep_tuple(value: Any) -> None:
+    """Refuse a value about to be hashed (a dict key, a set item) whose tuples nest past MAX_DEPTH."""
+    if isinstance(value, tuple) and tuple_nesting(value, MAX_DEPTH) > MAX_DEPTH:
+        raise _TooDeep
+
+
 def _plain_set(items: Any = ()) -> set:
     # sets of anything but plain values sort differently (or fail differently) on the torch path
     _need(type(items) in (list, tuple), "set argument")
+    for item in items:  # before any fallback: torch's set() would hash it
+        _refuse_deep_tuple(item)
     _need(all(type(i) in (str, int, float, bool, bytes, type(None)) for i in items), "set of non-scalars")
     return set(items)
 
@@ -489,6 +504,15 @@ class _Unpickler(_Resolver, pickle._Unpickler):
             _need(problem is None, problem or "")
         super().load_build()
 
+    def load_setitem(self) -> None:  # the key is hashed: see _TooDeep
+        _refuse_deep_tuple(self.stack[-2])
+        super().load_setitem()
+
+    def load_setitems(self) -> None:  # self.stack holds the items above the MARK, keys first
+        for key in self.stack[::2]:
+            _refuse_deep_tuple(key)
+        super().load_setitems()
+
     def load_additems(self) -> None:  # protocol 4's set: EMPTY_SET, then its items
         items = self.pop_mark()
         _need(type(self.stack[-1]) is set, "ADDITEMS on a non-set")
@@ -499,12 +523,14 @@ class _Unpickler(_Resolver, pickle._Unpickler):
 
     dispatch[pickle.PROTO[0]] = load_proto
     dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.SETITEM[0]] = load_setitem
+    dispatch[pickle.SETITEMS[0]] = load_setitems
     dispatch[pickle.ADDITEMS[0]] = load_additems
     dispatch[pickle.FROZENSET[0]] = load_frozenset
 
 
 class _FastUnpickler(_Resolver, pickle.Unpickler):
-    """The C unpickler with the same hooks, for pickles `_pickscan.plain` found plain (see `_unpickle`).
+    """The C unpickler with the same hooks, for pickles `_pickscan.walk` found plain (see `_unpickle`).
 
     It runs every opcode it knows, so it is only given pickles whose opcodes are all torch's, with
     memo indices bounded; BUILD on a shared object is refused by the object itself (`_Global`,
@@ -512,18 +538,24 @@ class _FastUnpickler(_Resolver, pickle.Unpickler):
     """
 
 
-# _pickscan's table of the opcodes torch runs: byte value -> 1 when allowed
-_ALLOWED_OPCODES = bytes(int(_OPCODE_NAMES.get(code) in _OPCODES) for code in range(256))
+# _pickscan's table: byte value -> 1 for the opcodes torch runs (a plain pickle has only these), 2 for those only
+# the Python unpickler runs (walked for tuple depth, never plain), 0 for those no reader runs (the walk stops)
+_WALK_TABLE = bytes(1 if _OPCODE_NAMES.get(code) in _OPCODES else 2 if code in _Unpickler.dispatch else 0
+                    for code in range(256))
 
 
 def _unpickle(data: bytes, archive: _Archive) -> Any:
     """data.pkl's object: on the C unpickler when the pickle is plain, else (or when that fails) on the Python one.
 
     The Python unpickler gives every verdict (fallback reasons, refusals): the C one only ever
-    supplies a result that the Python one would have given too, faster.
+    supplies a result that the Python one would have given too, faster. The walk alone refuses tuples
+    nested past MAX_DEPTH, before any unpickler (torch's, the fallback, included) would hash one.
     """
+    verdict = "other" if _pickscan is None else _pickscan.walk(data, _WALK_TABLE, MAX_DEPTH)
+    if verdict == "too deep":  # refused before any unpickler (or torch's, the fallback) hashes it
+        raise _TooDeep
     # the C unpickler hands a dtype's state to numpy unchecked: a pickle naming numpy goes the Python way
-    if _pickscan is not None and b"numpy" not in data and _pickscan.plain(data, _ALLOWED_OPCODES):
+    if verdict == "plain" and b"numpy" not in data:
         try:
             return _FastUnpickler(data, archive).load()
         except Exception:  # noqa: BLE001,S110 - the Python unpickler below says why, as before
@@ -664,6 +696,10 @@ def read_with_covers(path: str | Path, prefix: str = "", on_fallback: Callable[[
         return _load(path, prefix)
     except _Refused as exc:
         raise refused(path, TORCH_REFUSAL, str(exc)) from None
+    except _TooDeep:
+        raise CheckpointFormatError(f"{path} is refused: its pickle nests tuples more than {MAX_DEPTH} deep, which "
+                                    "could crash Python (a crafted file?); save the state without such nesting"
+                                    ) from None
     except _Damaged as exc:
         raise CheckpointFormatError(f"{path} is not a readable torch.save file (truncated or corrupted?): {exc}"
                                     ) from None

@@ -1,4 +1,4 @@
-"""The C unpickler fast path of torchzip: what `_pickscan.plain` lets through, and that it never changes a verdict."""
+"""The C unpickler fast path of torchzip: what `_pickscan.walk` lets through, and that it never changes a verdict."""
 
 import pickle
 import random
@@ -15,8 +15,12 @@ pytestmark = pytest.mark.skipif(torchzip._pickscan is None, reason="built withou
 HEAD = pickle.PROTO + b"\x02"
 
 
+def walk(data):
+    return torchzip._pickscan.walk(data, torchzip._WALK_TABLE, torchzip.MAX_DEPTH)
+
+
 def plain(data):
-    return torchzip._pickscan.plain(data, torchzip._ALLOWED_OPCODES)
+    return walk(data) == "plain"
 
 
 def _archive(tmp_path, data=b"", state=None):
@@ -132,3 +136,54 @@ def test_damaged_pickles_get_the_verdict_of_the_python_unpickler(tmp_path):
         assert outcome(lambda d: torchzip._unpickle(d, archive), damaged) == outcome(
             lambda d: torchzip._Unpickler(d, archive).load(), damaged)
     assert checked > 50  # the fast path was exercised, not only refused
+
+
+def _nested(depth):
+    value = {"w": torch.ones(2), "p": torch.nn.Parameter(torch.zeros(3)), "s": {1, "a"}, "z": torch.Size([2, 3])}
+    for level in range(depth):
+        value = [value, (level, (1.5, "x"))] if level % 3 else OrderedDict(k=(value,), v=(None, level))
+    return value
+
+
+def test_real_nesting_tuples_storage_args_and_sets_stay_plain_and_read_alike(tmp_path):
+    """The tuple-depth walk refuses nothing a real file holds: tuples in tuples, storage args, containers 60 deep."""
+    archive, data = _archive(tmp_path, state={"m": torch.nn.Linear(3, 2).state_dict(), "deep": _nested(60),
+                                              ((1, (2, (3,))), "k"): torch.arange(4)})
+    assert walk(data) == "plain"
+    fast = torchzip._StandInFlattener().flatten(torchzip._FastUnpickler(data, archive).load(), "")
+    slow = torchzip._StandInFlattener().flatten(torchzip._Unpickler(data, archive).load(), "")
+    assert fast.skeleton == slow.skeleton
+    assert {k: v.data.tobytes() for k, v in fast.tensors.items()} == {
+        k: v.data.tobytes() for k, v in slow.tensors.items()}
+
+
+def _tuples(depth):
+    return pickle.NONE + pickle.TUPLE1 * depth
+
+
+@pytest.mark.parametrize("body", [
+    _tuples(201),
+    pickle.EMPTY_DICT + _tuples(10**6) + pickle.BININT1 + b"\x01" + pickle.SETITEM,  # the 1.5 KB crash
+    _tuples(150) + pickle.BINPUT + b"\x00" + pickle.BINGET + b"\x00" + pickle.TUPLE1 * 60,  # through the memo
+    _tuples(150) + pickle.MEMOIZE + pickle.BINGET + b"\x00" + pickle.TUPLE1 * 60,  # protocol 4's memo
+    _tuples(150) + pickle.LONG_BINPUT + (9).to_bytes(4, "little") + pickle.LONG_BINGET + (9).to_bytes(4, "little")
+    + pickle.TUPLE1 * 60,  # a gap in the memo: any GET is taken as deep as the deepest value so far
+    pickle.GLOBAL + b"collections\nOrderedDict\n" + _tuples(150) + pickle.REDUCE + pickle.TUPLE1 * 60,
+    pickle.MARK + _tuples(100) + _tuples(201) + pickle.TUPLE,
+    pickle.SHORT_BINUNICODE + b"\x01a" + pickle.EMPTY_SET + pickle.MARK + _tuples(201) + pickle.ADDITEMS,
+])
+@pytest.mark.parametrize("head", [HEAD, pickle.PROTO + b"\x04", pickle.PROTO + b"\x06"])
+def test_tuples_nested_past_the_depth_limit_are_too_deep_wherever_a_reader_would_go(body, head):
+    """A tuple more than MAX_DEPTH deep, past which CPython 3.11's tuple hash overflows the C stack (auditor
+    helper 299): found in any pickle any reader (the C one, the Python one, torch.load) would run that far."""
+    assert walk(head + body + pickle.STOP) == "too deep"
+
+
+def test_the_walk_stops_where_every_reader_stops():
+    """Past an opcode no reader runs, a stack underflow or a GET of an index never PUT, nothing is read."""
+    assert walk(HEAD + _tuples(200) + pickle.STOP) == "plain"
+    assert walk(HEAD + pickle.DUP + _tuples(201) + pickle.STOP) == "other"
+    assert walk(HEAD + pickle.FROZENSET + _tuples(201) + pickle.STOP) == "other"  # the Python reader refuses it
+    assert walk(HEAD + pickle.TUPLE2 + _tuples(201) + pickle.STOP) == "other"
+    assert walk(HEAD + pickle.NONE + pickle.MARK + pickle.TUPLE1 + _tuples(201) + pickle.STOP) == "other"
+    assert walk(HEAD + pickle.BINGET + b"\x00" + _tuples(201) + pickle.STOP) == "other"

@@ -407,6 +407,39 @@ def test_sets_bytes_and_complex_like_torch(tmp_path):
     assert fast.skeleton == slow.skeleton == ["dict", [["c", ["complex", 1.0, 2.0]]]]
 
 
+_MILLION_DEEP = pickle.NONE + pickle.TUPLE1 * 1_000_000  # 1 MB of pickle, 1 KB deflated
+_DEEP_PICKLES = {
+    "dict key": pickle.EMPTY_DICT + _MILLION_DEEP + pickle.BININT1 + b"\x01" + pickle.SETITEM,
+    "set item": pickle.GLOBAL + b"builtins\nset\n" + pickle.EMPTY_LIST + _MILLION_DEEP + pickle.APPEND
+    + pickle.TUPLE1 + pickle.REDUCE,
+}
+
+
+@pytest.mark.parametrize("what", sorted(_DEEP_PICKLES))
+@pytest.mark.parametrize("protocol, c_walk", [(2, True), (2, False), (6, True)])  # 6: the Python reader leaves it
+def test_tuples_a_million_deep_are_refused_not_a_crash(tmp_path, what, protocol, c_walk):
+    """{((((None,),),)…): 1} in a 1.5 KB file segfaulted `ckpt commit` (auditor helper 299): CPython 3.11 hashes a
+    tuple recursively with no guard, in the C unpickler, the Python one and torch.load's. Now refused, naming why."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
+    data = pickle.PROTO + bytes([protocol]) + _DEEP_PICKLES[what] + pickle.STOP
+    _replace_pickle(tmp_path / "a.pt", tmp_path / "deep.pt", data)
+    script = textwrap.dedent(f"""
+        from ckptstore import formats
+        from ckptstore.errors import CkptError
+        from ckptstore.formats import torchzip
+        if not {c_walk}:
+            torchzip._pickscan = None  # built without a C compiler: the Python unpickler checks what it hashes
+        try:
+            formats.read_checkpoint({str(tmp_path / "deep.pt")!r})
+        except CkptError as exc:
+            print(type(exc).__name__, exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ckpt_env(), timeout=300)
+    assert out.returncode == 0, f"died with {out.returncode}: {out.stderr[-2000:]}"
+    assert out.stdout.startswith(f"CheckpointFormatError {tmp_path / 'deep.pt'} is refused: its pickle nests tuples "
+                                 "more than 200 deep"), out.stdout
+
+
 def _build_on_shared_globals(path):
     """A pickle that BUILDs new attributes onto the storage type and dtype the allow-list hands out."""
     def text(value):
