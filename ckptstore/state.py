@@ -605,6 +605,8 @@ class _Flattener:
         self.enter(value, path, 2 * len(value))
         items = []
         for key, item in value.items():
+            if isinstance(key, tuple) and (room := MAX_DEPTH - self.depth) < tuple_nesting(key, room):  # before walks
+                raise _limit(path, f"nests containers more than {MAX_DEPTH} deep (a dict key's tuples nest past it)")
             if not _storable_key(key):
                 raise UnsupportedStateError(
                     f"{path or '<root>'}: a dict key of type {type(key).__name__} ({key!r:.60}): ckptstore keeps "

@@ -106,6 +106,36 @@ def test_key_collisions_survive_a_repository_round_trip(tmp_path):
     assert_same(state, back)
 
 
+def _tuples(depth):
+    key = None
+    for _ in range(depth):
+        key = (key,)
+    return key
+
+
+def test_a_dict_key_of_tuples_50000_deep_is_refused_at_the_depth_limit_not_as_folders(tmp_path):
+    """_storable_key recursed into such a key: a RecursionError, which `ckpt` told as "folders nested too deeply"
+    for one file or an in-memory state (auditor helper 299). Now the depth limit's error, naming the key."""
+    from ckptstore import Repository
+
+    deep = {"model": {_tuples(50_000): torch.ones(1)}}
+    with pytest.raises(UnsupportedStateError, match="model: the state nests containers more than 200 deep "
+                                                    "\\(a dict key's tuples nest past it\\)"):
+        flatten(deep)
+    with Repository.init(tmp_path) as repo, pytest.raises(UnsupportedStateError, match="a dict key's tuples"):
+        repo.commit(deep, message="deep key")
+    with pytest.raises(UnsupportedStateError, match="a dict key's tuples"):  # 150 levels below 60 of dicts
+        flatten(_nested_dicts(60, {_tuples(150): 1}))
+    shallow = {"a": {_tuples(150): torch.ones(1)}}
+    assert_same(shallow, _round_trip(shallow))
+
+
+def _nested_dicts(depth, leaf):
+    for _ in range(depth):
+        leaf = {"d": leaf}
+    return leaf
+
+
 def test_ordinary_paths_are_unchanged():
     """Lossy policies pair moments with weights by path and stored chains continue by path."""
     state = {"model": {"layer.0.weight": torch.zeros(2), "None": torch.zeros(2), "1.5": torch.zeros(2)},
