@@ -112,12 +112,16 @@ def plans_without(plans: Mapping[str, LossyPlan], whole: Set[str]) -> dict[str, 
     """`plans` less the tensors in `whole` and every tensor coded with one of them, lossless too.
 
     A first moment is coded against its second moment (`sibling`), a moment may take its weight's
-    mask or pace: without its partner's reconstruction it has nothing to be coded with.
+    mask or pace: without its partner's reconstruction it has nothing to be coded with. And a
+    dropped first moment's second moment goes too: only m's codec bounds the update m / sqrt(v),
+    which an exact m beside a lossy v missed by up to v's grid factor.
     """
     dropped = set(whole)
     while True:
         more = {path for path, plan in plans.items() if path not in dropped
                 and {plan.sibling, plan.mask_from, plan.paced_by} & dropped}
+        more |= {plan.sibling for path, plan in plans.items() if path in dropped
+                 and plan.sibling in plans and plan.sibling not in dropped}
         if not more:
             return {path: plan for path, plan in plans.items() if path not in dropped}
         dropped |= more

@@ -113,25 +113,32 @@ def _sgd_momentum(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
 
 
 def _second_moment(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
-    """Lossy from the smallest moment size on, where a first moment is there to be coded against it.
+    """Lossy from the smallest moment size on, where its first moment will be coded against it.
 
+    Only the first moment's codec bounds the restored update m / sqrt(v): beside an exact m, a v on
+    the level's grid moved the update by up to the grid's factor (2.7x `max_update_error` at extreme),
+    unmeasured. So v is lossless wherever m will be: kept exact, or of another item size or shape
+    (their chunks must line up; a factored second moment, Adafactor's rows, has another shape).
     Not with amsgrad: its max_exp_avg_sq stays exact, and a v restored above it (half the entries,
     up to 4x at balanced) would raise the max for good on the first step resumed.
     """
     slot: ParamSlots | None = subject.slot
     big = eligible(subject.raw, ctx.level, ctx.moment_min, ctx.elements.get(subject.path))
-    if big and slot is not None and slot.exp_avg is not None and not slot.amsgrad:
+    if big and slot is not None and _codable_first_moment(ctx, slot.exp_avg, subject.raw) and not slot.amsgrad:
         return Role.ADAM_SECOND_MOMENT, subject
     return Role.LOSSLESS, subject
 
 
-def _first_moment(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
-    """Lossy where its second moment is, of the same shape and item size (their chunks line up).
+def _codable_first_moment(ctx: PlanContext, first: str | None, second: RawTensor) -> bool:
+    """Whether the first moment `first` can be coded against this second moment: present, not kept exact, lined up."""
+    m = ctx.tensors.get(first) if first is not None else None
+    return (m is not None and first not in ctx.keep_exact and m.itemsize == second.itemsize
+            and m.shape == second.shape)
 
-    A factored second moment (Adafactor's rows, Adam-mini's blocks) has another shape: lossless.
-    """
+
+def _first_moment(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
+    """Lossy where its second moment is (planned only where the two line up: `_second_moment`)."""
     second = subject.slot.exp_avg_sq if subject.slot is not None else None
-    if (second in ctx.plans and subject.raw.itemsize == ctx.tensors[second].itemsize
-            and subject.raw.shape == ctx.tensors[second].shape):
+    if second in ctx.plans:
         return Role.ADAM_FIRST_MOMENT, subject
     return Role.LOSSLESS, subject

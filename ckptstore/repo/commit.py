@@ -278,7 +278,7 @@ def _encode_or_keep_whole(repo: Repository, checkpoint: formats.Checkpoint, pare
                           sources: Mapping[str, TensorId], level: LossyLevel | None, lossy: LossyOptions,
                           measured: dict[str, float] | None, progress: Progress, guard: calibrate.LossGuard | None
                           ) -> tuple[_Encoded, float | None, LossyLevel | None]:
-    """`_encode_checked`, with the tensors the level cannot quantize (and those coded with them) lossless.
+    """`_encode_checked`, with the tensors the level cannot quantize (and those coded or paired with them) lossless.
 
     A float16 second moment that a level's grid would round to zero, say, is kept whole while the rest
     of the checkpoint keeps its level. NaN or infinite values (a diverged run), or no quantizable
@@ -297,8 +297,8 @@ def _encode_or_keep_whole(repo: Repository, checkpoint: formats.Checkpoint, pare
                 continue
             if whole:
                 warn_caller(f"{len(whole)} tensor(s) cannot be quantized at level {level.name!r} "
-                            f"({with_reasons(whole)}): they and the optimizer state coded with them are stored "
-                            "lossless, the rest at the level", RuntimeWarning)
+                            f"({with_reasons(whole)}): they, the optimizer state coded with them and an Adam "
+                            "moment's other moment are stored lossless, the rest at the level", RuntimeWarning)
             return done, change, level
         raise UnquantizableError("more tensors each time")
     except UnquantizableError as exc:  # a diverged run's checkpoint, say, is still worth keeping: whole

@@ -106,8 +106,8 @@ def _encode_shards(repo: Repository, shards: Mapping[str, RawTensor], ids: Mappi
             continue
         if whole:
             warn_caller(f"{len(whole)} shard(s) cannot be quantized at level {level.name!r} ({with_reasons(whole)}): "
-                        "stored lossless with the optimizer state coded with them, the rest at the level",
-                        RuntimeWarning)
+                        "stored lossless with the optimizer state coded with them and an Adam moment's other moment, "
+                        "the rest at the level", RuntimeWarning)
         return entries, records, sizes, plans
 
 

@@ -625,6 +625,37 @@ def test_a_float16_adam_group_whose_second_moment_underflowed_keeps_its_moments_
         assert _rel(restored["optimizer"]["state"][0]["exp_avg"], moments[0]["exp_avg"]) < 0.5
 
 
+@pytest.mark.parametrize("why", ["zeros-in-v", "bfloat16-v"])
+def test_a_first_moment_kept_lossless_keeps_the_restored_update_within_the_levels_bound(tmp_path, why):
+    """m exact beside v on extreme's grid: m / sqrt(v') was off by 2.7x `max_update_error`, measured nowhere.
+
+    m stays exact where v has zeros under its nonzero entries (no level for m / sqrt(v)) or another item size.
+    """
+    from ckptstore.policy import level_named
+
+    generator = torch.Generator().manual_seed(0)
+    m = torch.randn(128, 64, generator=generator) * 1e-3
+    v = torch.full((128, 64), 2.0**-12.25) * (1 + 0.01 * torch.rand(128, 64, generator=generator))
+    if why == "zeros-in-v":
+        v.view(-1)[:10] = 0
+    else:
+        v = v.bfloat16()
+    state = {"model": {"w": torch.randn(128, 64, generator=generator) * 0.05},
+             "optimizer": {"state": {0: {"step": torch.tensor(10.0), "exp_avg": m, "exp_avg_sq": v}},
+                           "param_groups": [{"lr": 1e-3, "params": [0]}]}}
+    with Repository.init(tmp_path) as repo, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cid = repo.commit(state, lossy="extreme")
+        assert repo.commit_info(cid).lossy == "extreme"
+        restored = repo.checkout(cid)
+    back = restored["optimizer"]["state"][0]
+    kept = v > 0
+    update = m.double()[kept] / v.double()[kept].sqrt()
+    restored_update = back["exp_avg"].double()[kept] / back["exp_avg_sq"].double()[kept].sqrt()
+    assert _rel(restored_update, update) <= level_named("extreme").max_update_error
+    assert 0 < _rel(restored["model"]["w"], state["model"]["w"]) < 0.1  # the weight keeps the level
+
+
 def test_extreme_keeps_sqrt_v_within_its_factor_on_a_chained_commit(tmp_path):
     """The level's promise per entry, on a residual commit too: v is never pruned to its parent's value."""
     torch.manual_seed(0)
