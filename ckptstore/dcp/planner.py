@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from ckptstore.codecs.floats import LOSSY_DTYPES
+from ckptstore.policy.lossy_shards import shard_sample
 
 STATS_KEY = "ckptstore-shard-stats"
 _GROUP_FIELD = re.compile(r"^((?:.*\.)?param_groups\.\d+)\.(lr|params)$")
@@ -46,8 +47,9 @@ class CkptSavePlanner(DefaultSavePlanner):
                 continue
             values = tensor.detach().reshape(-1).to(torch.float64)
             chunk = item.tensor_data.chunk
+            sample = shard_sample(values.numpy(), chunk.offsets, chunk.sizes, item.tensor_data.size)
             stats.append([item.index.fqn, list(chunk.offsets), list(chunk.sizes), float(torch.dot(values, values)),
-                          float(values.sum()), int(values.numel())])
+                          float(values.sum()), int(values.numel()), [list(sample), list(sample.values())]])
         self.plan = dataclasses.replace(plan, storage_data={STATS_KEY: stats, "lrs": self._lrs()})
         return self.plan
 

@@ -204,8 +204,9 @@ def _facts(plans: list[SavePlan], level: LossyLevel) -> ShardFacts:
             raise CkptError("a lossy CkptStorageWriter plans each tensor from the whole tensor's statistics, which "
                             "only its planner gathers: call dcp.save(..., planner=ckptstore.dcp.CkptSavePlanner()) "
                             "on every rank")
-        for fqn, offsets, shard_sizes, sum_sq, total, count in data[STATS_KEY]:
-            stats[Shard(fqn, tuple(offsets), tuple(shard_sizes))] = ShardStats(sum_sq, total, count)
+        for fqn, offsets, shard_sizes, sum_sq, total, count, (positions, values) in data[STATS_KEY]:
+            stats[Shard(fqn, tuple(offsets), tuple(shard_sizes))] = ShardStats(sum_sq, total, count,
+                                                                               dict(zip(positions, values)))
         lrs = lrs or dict(data.get("lrs") or {})
         for item in plan.items:
             names.add(item.index.fqn)

@@ -85,4 +85,8 @@ def plan_context(ctx: PlanContext) -> tuple[dict[str, LossyPlan], dict[str, Role
             roles[path] = role
             if role is not Role.LOSSLESS:
                 ctx.plans[path] = ROLE_PLANNERS[role](ctx, subject)
+    for path, plan in ctx.plans.items():
+        if plan.codec == "deadzone" and plan.params.get("max_error"):
+            # every chunk judges its bulk by the whole tensor's scale: a chunk's own let the matrix's bulk miss
+            plan.params["bulk_median"] = ctx.bulk_median(path)
     return ctx.plans, {path: roles[path] for path in ctx.tensors}

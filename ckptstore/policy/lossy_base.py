@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ckptstore.codecs.floats import LOSSY_DTYPES, to_float32
+from ckptstore.policy import fidelity
 from ckptstore.policy.levels import LossyLevel
 from ckptstore.policy.lossless import EncodingSettings
 from ckptstore.policy.mapping import ParamSlots
@@ -75,6 +76,13 @@ def rms(raw: RawTensor) -> float:
         wide = values.astype(np.float64)
         squares += float(np.dot(wide, wide))
     return math.sqrt(squares / count)
+
+
+def bulk_median(raw: RawTensor) -> float:
+    """The median nonzero magnitude of a float tensor, sampled (fidelity.sample_positions): its bulk's scale."""
+    positions = fidelity.sample_positions(raw.data.size // raw.itemsize)
+    picked = np.ascontiguousarray(raw.data.reshape(-1, raw.itemsize)[positions]).reshape(-1)
+    return fidelity.median_nonzero(to_float32(picked, raw.dtype))
 
 
 def whole_numbers(raw: RawTensor, sample: int = 4096) -> bool:

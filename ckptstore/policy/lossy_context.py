@@ -17,7 +17,7 @@ import numpy as np
 from ckptstore.codecs.floats import LOSSY_DTYPES, to_float32
 from ckptstore.policy.levels import LossyLevel
 from ckptstore.policy.lossless import EncodingSettings
-from ckptstore.policy.lossy_base import LossyPlan, eligible, rms
+from ckptstore.policy.lossy_base import LossyPlan, bulk_median, eligible, rms
 from ckptstore.policy.mapping import OptimizerMap, ParamSlots
 from ckptstore.policy.sensitivity import step_factors
 from ckptstore.records import TensorRecord
@@ -66,10 +66,17 @@ class PlanContext:
     elements: Mapping[str, int] = field(default_factory=dict)  # a shard's whole tensor's count (lossy_shards)
     keep_exact: Set[str] = frozenset()  # paths kept lossless whatever their role (views sharing a storage)
     optimizer_state: Set[str] = frozenset()  # paths inside an optimizer's `state`: never taken for weights
+    medians: dict[str, float] = field(default_factory=dict)  # bulk medians by path (a shard's: its whole tensor's)
 
     def optimizer_role(self, path: str) -> tuple[str | None, ParamSlots | None]:
         """The path's role in the optimizer ("weight", "exp_avg", ...) and its slots, or (None, None)."""
         return self.slots.get(path, (None, None))
+
+    def bulk_median(self, path: str) -> float:
+        """The tensor's median nonzero magnitude, which its chunks judge their bulk by (fidelity.bulk_error)."""
+        if path not in self.medians:
+            self.medians[path] = bulk_median(self.tensors[path])
+        return self.medians[path]
 
     def step_factor(self, path: str) -> float:
         """How much coarser than the level's step a weight is quantized: finer for embeddings, by Fisher."""

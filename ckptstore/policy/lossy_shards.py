@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ckptstore.codecs.floats import LOSSY_DTYPES
+from ckptstore.policy import fidelity
 from ckptstore.policy.levels import LossyLevel
 from ckptstore.policy.lossless import EncodingSettings
 from ckptstore.policy.lossy import LossyPlan, Role, eligible, plan_context
@@ -64,13 +65,14 @@ class ShardStats:
     sum_sq: float
     total: float
     count: int
+    sample: dict[int, float] = field(default_factory=dict)  # its entries at the whole tensor's sample positions
 
 
 @dataclass
 class ShardFacts:
     """What every rank needs to plan its shards as whole tensors, computed once by the coordinator.
 
-    `rms` and `mean` are per float tensor (by FQN), `elements` its global element count, `slots`
+    `rms`, `mean` and `median` are per float tensor (by FQN), `elements` its global element count, `slots`
     each weight's optimizer state by role, `lrs` each weight's learning rate, `sensitivity` its
     Fisher step factor; `moment_min` and `shared_lr` as in PlanContext; `state` every optimizer
     state tensor.
@@ -85,6 +87,7 @@ class ShardFacts:
     moment_min: int = 0
     shared_lr: float | None = None
     state: list[str] = field(default_factory=list)  # every optimizer state tensor's FQN, paired or not
+    median: dict[str, float] = field(default_factory=dict)  # bulk median per float tensor (PlanContext.bulk_median)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -210,7 +213,7 @@ def combine(stats: Mapping[Shard, ShardStats], dtypes: Mapping[str, str], sizes:
     floats = {f: v for f, v in sums.items() if v[2] and dtypes.get(f) in LOSSY_DTYPES}
     facts = ShardFacts(rms={f: _f32(math.sqrt(v[0] / v[2])) for f, v in floats.items()},
                        mean={f: _f32(v[1] / v[2]) for f, v in floats.items()},
-                       elements={f: math.prod(sizes[f]) for f in sizes})
+                       elements={f: math.prod(sizes[f]) for f in sizes}, median=_medians(stats, sizes, floats))
     facts.state = state_names(dtypes, optimizers, param_lrs)
     facts.slots, facts.lrs = pair_by_fqn(dtypes, param_lrs, facts.state)
     states = [state for slot in facts.slots.values() for role, state in slot.items() if role in MOMENTS]
@@ -220,6 +223,35 @@ def combine(stats: Mapping[Shard, ShardStats], dtypes: Mapping[str, str], sizes:
     if level.fisher_allocation:
         facts.sensitivity = _fisher(facts, sizes, dtypes, level)
     return facts
+
+
+def _medians(stats: Mapping[Shard, ShardStats], sizes: Mapping[str, tuple[int, ...]],
+             floats: Iterable[str]) -> dict[str, float]:
+    """Each float tensor's bulk median from its shards' samples: the value a commit of the whole tensor plans."""
+    found: dict[str, dict[int, float]] = {}
+    for shard, shard_stats in stats.items():
+        found.setdefault(shard.fqn, {}).update(shard_stats.sample)
+    medians = {}
+    for fqn in floats:
+        sampled = found.get(fqn, {})
+        positions = fidelity.sample_positions(math.prod(sizes.get(fqn, ())))
+        medians[fqn] = fidelity.median_nonzero(np.array([sampled[p] for p in positions.tolist() if p in sampled]))
+    return medians
+
+
+def shard_sample(values: np.ndarray, offsets: Iterable[int], sizes: Iterable[int],
+                 whole: Iterable[int]) -> dict[int, float]:
+    """A shard's entries (`values`, flat) at its whole tensor's sample positions (fidelity.sample_positions)."""
+    whole, offsets, sizes = tuple(whole), tuple(offsets), tuple(sizes)
+    if not whole:  # a 0-d tensor: not a weight's
+        return {}
+    positions = np.unique(fidelity.sample_positions(math.prod(whole)))
+    index = np.unravel_index(positions, whole)
+    inside = np.ones(positions.size, dtype=bool)
+    for axis, (start, size) in enumerate(zip(offsets, sizes)):
+        inside &= (index[axis] >= start) & (index[axis] < start + size)
+    local = np.ravel_multi_index(tuple(index[axis][inside] - offsets[axis] for axis in range(len(whole))), sizes)
+    return dict(zip(positions[inside].tolist(), np.asarray(values, dtype=np.float64)[local].tolist()))
 
 
 def _f32(value: float) -> float:
@@ -262,7 +294,8 @@ def plan_shards(tensors: Mapping[str, RawTensor], shards: Mapping[str, Shard], f
                       {k: facts.sensitivity[s.fqn] for k, s in shards.items() if s.fqn in facts.sensitivity},
                       {state.shape for state in states}, facts.moment_min, facts.shared_lr,
                       elements={k: facts.elements.get(s.fqn, 0) for k, s in shards.items()},
-                      optimizer_state={k for k, s in shards.items() if s.fqn in state_fqns})
+                      optimizer_state={k for k, s in shards.items() if s.fqn in state_fqns},
+                      medians={k: facts.median[s.fqn] for k, s in shards.items() if s.fqn in facts.median})
     return plan_context(ctx)
 
 

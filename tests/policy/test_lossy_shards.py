@@ -6,7 +6,7 @@ import numpy as np
 
 from ckptstore.policy import LEVELS, EncodingSettings
 from ckptstore.policy.lossy import plan_lossy
-from ckptstore.policy.lossy_shards import Shard, ShardStats, combine, pair_by_fqn, plan_shards
+from ckptstore.policy.lossy_shards import Shard, ShardStats, combine, pair_by_fqn, plan_shards, shard_sample
 from ckptstore.policy.mapping import map_optimizer
 from ckptstore.state import RawTensor
 
@@ -98,6 +98,32 @@ def test_two_half_shards_are_planned_as_their_whole_tensor_is():
             if name in expected:
                 assert np.isclose(plan.params[name], expected[name], rtol=1e-6), (key, name)
     assert len(plans) == 12  # every half of every tensor quantized (each half of 3072 is below min_elements)
+
+
+def test_shards_judge_their_bulk_by_their_whole_tensors_median_as_a_file_commit_does():
+    """Trained rows in one shard, near-init rows in the other: a shard's own median is not the matrix's."""
+    rng = np.random.default_rng(0)
+    whole = {"model.w": np.concatenate([rng.normal(0, 0.1, (64, 96)), rng.normal(0, 1e-4, (128, 96))]),
+             "optim.state.w.exp_avg": rng.normal(0, 1e-3, (192, 96)),
+             "optim.state.w.exp_avg_sq": rng.uniform(1e-8, 1e-6, (192, 96))}
+    level = LEVELS["balanced"]
+    tensors = {"model/w": _raw(whole["model.w"])}
+    ordinary = plan_lossy(tensors, {}, level, EncodingSettings(), map_optimizer(tensors))["model/w"].params
+    stats, pieces, places = {}, {}, {}
+    for fqn, values in whole.items():
+        for start, stop in ((0, 64), (64, 192)):
+            shard = Shard(fqn, (start, 0), values[start:stop].shape)
+            x = values[start:stop].astype(np.float32).astype(np.float64).reshape(-1)
+            stats[shard] = ShardStats(float(x @ x), float(x.sum()), x.size,
+                                      shard_sample(x, shard.offsets, shard.sizes, values.shape))
+            pieces[f"{fqn}@{start}"], places[f"{fqn}@{start}"] = _raw(values[start:stop]), shard
+    facts = combine(stats, dict.fromkeys(whole, F32), {k: v.shape for k, v in whole.items()}, {"w": 1e-3}, level)
+    plans, _ = plan_shards(pieces, places, facts, {}, level, EncodingSettings())
+    magnitude = np.abs(whole["model.w"].astype(np.float32))
+    for start in (0, 64):
+        median = plans[f"model.w@{start}"].params["bulk_median"]
+        assert median == ordinary["bulk_median"]  # the same sampled entries, read whole or shard by shard
+        assert 0.8 < median / np.median(magnitude) < 1.25  # the matrix's, not a shard's (0.1 or 1e-4)
 
 
 def test_a_second_optimizers_moment_does_not_take_over_a_slot():
