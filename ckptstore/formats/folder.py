@@ -55,6 +55,11 @@ class FolderFile:
     mode: int | None  # None: its file system keeps none (FAT, exFAT)
 
 
+def is_git_name(name: str) -> bool:
+    """True for `.git` (a folder, or a worktree's pointer file) in any case: git runs what its config and hooks say."""
+    return name.lower() == ".git"
+
+
 def is_temp_name(name: str) -> bool:
     """True for the name of an atomic writer's temporary file."""
     return _TEMP_NAME.match(name) is not None
@@ -92,6 +97,10 @@ def _walk(folder: Path, prefix: str, real: Path, stack: list[Path], real_root: P
         listed = sorted(entries, key=lambda e: e.name)
     for entry in listed:
         path, name = Path(entry.path), prefix + entry.name
+        if is_git_name(entry.name):
+            warn_caller(f"left {path} out of the commit: git's own files are no checkpoint, and a checkout never "
+                        "writes them (their config and hooks run commands)")
+            continue
         if entry.is_symlink():
             if Path(os.path.realpath(path)) in skipped:
                 continue  # the repository's own folder linked in (a .ckpt moved to another disk) is no content

@@ -24,7 +24,7 @@ from ckptstore import faults
 from ckptstore.errors import CkptError, CorruptRecordError, DirtyWorktreeError, listing, shown_name
 from ckptstore.formats.atomic import missing_folder, missing_parent
 from ckptstore.formats.filemap import file_digest
-from ckptstore.formats.folder import set_mode
+from ckptstore.formats.folder import is_git_name, set_mode
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import files as file_rows
 from ckptstore.repo import journal
@@ -238,6 +238,10 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
         parts = PurePosixPath(record.name).parts
         if not parts or record.name.startswith("/") or ".." in parts or "\0" in record.name:
             raise CkptError(f"the commit names a file {record.name!r} outside its folder; refusing to write it")
+        if any(is_git_name(part) for part in parts):  # a remote's commit could plant a config whose hooks run
+            raise CkptError(f"the commit holds {record.name!r}, one of git's own files, whose config and hooks run "
+                            "commands: ckptstore never writes them (commits leave .git out); check out the other "
+                            "files with --only PATTERN")
         target = dest.joinpath(*parts)
         _refuse_links_out(target, dest, real_dest)
         # in place, links in the way are removed first; with -o they are followed, to where they lead

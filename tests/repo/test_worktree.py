@@ -303,7 +303,9 @@ def test_diff_of_safetensors_whose_metadata_changed(repo):
 
 
 @pytest.mark.parametrize("name, message", [("../escape.json", "outside its folder"), ("/etc/x", "outside its folder"),
-                                           (".ckpt/ckpt.db", "repository's own .ckpt/")])
+                                           (".ckpt/ckpt.db", "repository's own .ckpt/"),
+                                           (".git/config", "one of git's own files"),  # a remote's: hooks ran
+                                           ("sub/.GIT/hooks/post-checkout", "one of git's own files")])
 def test_file_names_a_commit_may_not_write(repo, name, message):
     """A manifest from elsewhere (or from before commits left out .ckpt/) never writes outside its folder."""
     from ckptstore.formats import CheckpointFile
@@ -314,6 +316,22 @@ def test_file_names_a_commit_may_not_write(repo, name, message):
                                    CheckpointFile(name, "blob", ["blob", "b"])], {}, {})
     with pytest.raises(CkptError, match=message):
         plan_checkout(repo, manifest, repo.root, force=True, output=False)
+    if "git" in message:  # with -o too (auditor helper 308: a clone's `checkout -o DIR` wrote a working .git/)
+        with pytest.raises(CkptError, match=message):
+            plan_checkout(repo, manifest, repo.root / "out", force=False, output=True)
+
+
+def test_a_folder_commit_leaves_git_s_own_files_out_and_says_so(repo):
+    """A folder holding a git clone (a model from a hub) committed its .git/; no checkout writes one back."""
+    make_trainer_folder(repo.root / "ck")
+    (repo.root / "ck" / ".git" / "hooks").mkdir(parents=True)
+    (repo.root / "ck" / ".git" / "config").write_text("[core]\n")
+    (repo.root / "ck" / "sub").mkdir()
+    (repo.root / "ck" / "sub" / ".Git").write_text("gitdir: elsewhere\n")
+    with pytest.warns(RuntimeWarning, match="git.s own files are no checkpoint"):
+        cid = repo.commit(repo.root / "ck")
+    names = [record.name for record in repo.manifest(cid).files]
+    assert names and not [name for name in names if ".git" in name.lower()]
 
 
 _NAMES = st.lists(st.sampled_from("abc"), min_size=1, max_size=3).map("/".join)
