@@ -362,6 +362,39 @@ class _Encoded:
 def _encode(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, sources: Mapping[str, TensorId],
             level: LossyLevel | None, lossy: LossyOptions, measured: dict[str, float] | None,
             progress: Progress, whole: Set[str] = frozenset(), retry: bool = False) -> _Encoded:
+    """`_encode_once`, again without the parent's records whose objects it found damaged (`_set_apart`).
+
+    A commit checks only that the parent's objects are there, not their hashes (that would read every
+    reused object on every commit): a flipped byte shows when a base is decoded, and blocked the branch.
+    """
+    while True:
+        try:
+            return _encode_once(repo, checkpoint, parent, sources, level, lossy, measured, progress, whole, retry)
+        except CorruptObjectError as exc:
+            _set_apart(repo, parent, exc)  # re-raises where no record of the parent needs the object
+
+
+def _set_apart(repo: Repository, parent: _Parent, error: CorruptObjectError) -> None:
+    """The parent's records that need an object `error` names, set apart as lost (their tensors are stored whole).
+
+    `error` itself where none does: the damage is elsewhere, and each call sets at least one record apart.
+    """
+    with repo.db.read() as tx:
+        lost = lost_records(repo, tx, {r.id for r in parent.by_path.values()}, parent.records, set(error.object_ids))
+    if not lost:
+        raise error
+    paths = sorted(p for p, r in parent.by_path.items() if r.id in lost)
+    more = " and more" if len(paths) > 3 else ""
+    warn_caller(f"the parent commit {(parent.commit or '')[:12]}'s tensor(s) {', '.join(map(repr, paths[:3]))}{more} "
+                f"need a damaged object ({error.object_id} is {error.problem}): this commit stores them whole instead "
+                "of as residuals on them. Run `ckpt fsck` to see the damage")
+    parent.lost |= lost
+    parent.by_path = {p: r for p, r in parent.by_path.items() if r.id not in lost}
+
+
+def _encode_once(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, sources: Mapping[str, TensorId],
+                 level: LossyLevel | None, lossy: LossyOptions, measured: dict[str, float] | None,
+                 progress: Progress, whole: Set[str] = frozenset(), retry: bool = False) -> _Encoded:
     """Plan and encode the checkpoint's new tensors at `level`, those in `whole` lossless; no metadata is written.
 
     `retry`: a calibration's tighter attempt, which keeps no lossy reconstruction of the parent's (see encoding_jobs).
@@ -606,21 +639,22 @@ def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], so
     return entries, jobs
 
 
-def lost_records(repo: Repository, tx: Tx, ids: set[TensorId], known: Mapping[TensorId, TensorRecord]
-                 ) -> set[TensorId]:
-    """The recorded `ids` whose chains need an object the store lacks, where it can tell cheaply.
+def lost_records(repo: Repository, tx: Tx, ids: set[TensorId], known: Mapping[TensorId, TensorRecord],
+                 damaged: Set[ObjectId] = frozenset()) -> set[TensorId]:
+    """The recorded `ids` whose chains need an object the store lacks (where it can tell cheaply) or in `damaged`.
 
     A commit reusing or chaining on such a record would be recorded broken; encoding the tensor
     again (the commit has its bytes) gives the record objects again, and every commit that names
     it is whole. `known`: records loaded already (with their chains).
     """
-    if not tells_lacking(repo.store):  # a bucket: no request per object on every commit
+    if not damaged and not tells_lacking(repo.store):  # a bucket: no request per object on every commit
         return set()
     records = dict(known)
     unknown = ids - set(known)
     if unknown:
         records.update(tensor_rows.load_records(tx, unknown, problems={}))
-    missing = lacking(repo.store, {chunk.object_id for record in records.values() for chunk in record.chunks})
+    objects = {chunk.object_id for record in records.values() for chunk in record.chunks}
+    missing = lacking(repo.store, objects) | (objects & damaged)
     if not missing:
         return set()
 

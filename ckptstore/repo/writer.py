@@ -18,7 +18,7 @@ import numpy as np
 
 from ckptstore.codecs import capabilities, capped, chunk_step, get_codec, to_float32
 from ckptstore.codecs.planes import group
-from ckptstore.errors import NonFiniteError, UnquantizableError, UnquantizableTensorsError
+from ckptstore.errors import CorruptObjectError, NonFiniteError, UnquantizableError, UnquantizableTensorsError
 from ckptstore.hashing import ObjectId, TensorId, chunk_checksum, tensor_id_of_parts
 from ckptstore.objectstore.base import put_parts
 from ckptstore.objectstore.pack import PACK_BELOW, PackSlot, PackWriter
@@ -368,11 +368,15 @@ def _packed_results(ordered: list[Job], futures: dict[str, list[Future]], packer
     repeats: set[str] = set()
     unquantizable: dict[str, str] = {}
     raised: set[int] = set()  # a job coded with a failed one re-raises its error: named once, by its own job
+    damaged: CorruptObjectError | None = None
     for job in ordered:
         try:
             results_of[job.key] = [f.result() for f in futures[job.key]]
         except NonFiniteError:
             raise  # a diverged run: the whole checkpoint is kept lossless
+        except CorruptObjectError as exc:  # a base's object: raised once every task is done (the commit encodes again)
+            damaged = damaged or exc
+            continue
         except UnquantizableError as exc:
             if id(exc) not in raised:
                 raised.add(id(exc))
@@ -391,6 +395,8 @@ def _packed_results(ordered: list[Job], futures: dict[str, list[Future]], packer
                     result.slot, result.payload = packer.add(result.payload), None
         if on_bytes:
             on_bytes(job.raw.nbytes)
+    if damaged is not None:
+        raise damaged
     if unquantizable:
         raise UnquantizableTensorsError(unquantizable)
     packer.close()

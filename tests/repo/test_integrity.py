@@ -459,10 +459,12 @@ def test_the_next_step_after_a_lost_record_is_encoded_whole_at_every_level(repo)
 
 
 @pytest.mark.parametrize("numel", [1 << 19, 1 << 14], ids=["own-object", "packed"])
-def test_a_commit_over_a_damaged_parent_object_is_refused_not_encoded_against_it(tmp_path, metadata_url, numel):
+def test_a_commit_over_a_damaged_parent_object_stores_the_tensor_whole_not_encoded_against_it(tmp_path, metadata_url,
+                                                                                               numel):
     """A commit's residual reads its parent's payloads with no chunk checksum of the base checked: the object's
     hash is their only guard, and with it skipped (for an object of its own, or a pack) a damaged parent was
-    encoded against (mutation audit round 8)."""
+    encoded against (mutation audit round 8). Refused, it blocked every later commit on the branch (auditor
+    helper 302): the commit warns, stores the tensor whole, and restores bit-exact."""
     base = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     moved = base.clone()
     moved[:100] += 1e-3
@@ -479,9 +481,18 @@ def test_a_commit_over_a_damaged_parent_object_is_refused_not_encoded_against_it
     path.chmod(0o644)
     path.write_bytes(bytes(data))
     with Repository.open(tmp_path / "r") as repo:  # as a new process: no planes cached, the base read from the store
-        with pytest.raises(CorruptObjectError, match=oid):
-            repo.commit({"w": moved})
-        assert repo.resolve("main") == first
+        with pytest.warns(RuntimeWarning, match=rf"parent commit {first[:12]}'s tensor\(s\) 'w' need a damaged "
+                                                rf"object \({oid} is corrupted .* stores them whole"):
+            second = repo.commit({"w": moved})
+        assert repo.resolve("main") == second and repo.commit_info(second).parents == [first]
+        new = repo.manifest(second).entries["w"].tensor
+        with repo.db.read() as tx:  # whole: no residual on the damaged record
+            assert tx.rows("SELECT base_id FROM tensors WHERE id = ?", (new,)) == [(None,)]
+        assert torch.equal(repo.checkout(second)["w"], moved)
+        assert set(fsck(repo).broken_commits) == {first}
+        third = moved.clone()
+        third[:100] += 1e-3
+        assert torch.equal(repo.checkout(repo.commit({"w": third}))["w"], third)  # the branch goes on
 
 
 def test_damaged_head_and_branch_rows_are_found_by_fsck_and_named_by_every_verb(tmp_path):
