@@ -13,7 +13,7 @@ __all__ = ["LocalObjectStore", "MappedObjects", "MemoryObjectStore", "ObjectStor
            "read_whole"]
 
 
-def open_store(url: str, scratch: Path, base: Path, create: bool = True) -> ObjectStore:
+def open_store(url: str, scratch: Path, base: Path, create: bool = True, read_only: bool = False) -> ObjectStore:
     """The store a URL names: a local folder (a path, relative to `base`, or an absolute file:// URL) or a bucket.
 
     `s3://BUCKET/PREFIX` keeps the objects on S3-compatible storage (objectstore/s3.py).
@@ -22,7 +22,7 @@ def open_store(url: str, scratch: Path, base: Path, create: bool = True) -> Obje
     in-memory store is made directly (MemoryObjectStore), never from a configured URL: it would
     forget every object when the process exits while the metadata remembers them. A local folder
     that is missing is made only with `create` (init); opened, it is said missing, never made anew
-    empty (a typo in objects_url, or a disk not mounted).
+    empty (a typo in objects_url, or a disk not mounted). `read_only`: a local store lists no damage it reads.
     """
     if url.startswith("file://"):
         from urllib.parse import unquote, urlparse
@@ -31,7 +31,7 @@ def open_store(url: str, scratch: Path, base: Path, create: bool = True) -> Obje
         path = Path(unquote(parsed.path))
         if parsed.netloc not in ("", "localhost") or not path.is_absolute():
             raise CkptError(f"object store URL {url!r} must name an absolute local folder, e.g. file:///data/objects")
-        return _local(url, path, scratch, create)
+        return _local(url, path, scratch, create, read_only)
     if url.startswith("s3://"):
         from ckptstore.objectstore.s3 import S3ObjectStore  # the S3 client only for repositories on a bucket
 
@@ -39,13 +39,13 @@ def open_store(url: str, scratch: Path, base: Path, create: bool = True) -> Obje
     if "://" in url:
         raise CkptError(f"object store URL {url!r} is not supported; use a local folder, a file:// URL or "
                         "s3://BUCKET/PREFIX")
-    return _local(url, base / url, scratch, create)
+    return _local(url, base / url, scratch, create, read_only)
 
 
-def _local(url: str, path: Path, scratch: Path, create: bool) -> ObjectStore:
+def _local(url: str, path: Path, scratch: Path, create: bool, read_only: bool) -> ObjectStore:
     if path.exists() and not path.is_dir():
         raise CkptError(f"objects_url {url!r} names {path}, which is a file, not a folder of objects")
     if not create and not path.exists():
         raise CkptError(f"objects_url {url!r} names {path}, which does not exist (a typo, or a disk not mounted?): "
                         "the repository's objects are where it was made")
-    return LocalObjectStore(path, scratch)
+    return LocalObjectStore(path, scratch, read_only)

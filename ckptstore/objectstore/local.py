@@ -18,6 +18,8 @@ from typing import Any
 from ckptstore.errors import CorruptObjectError, StoreUnavailableError
 from ckptstore.hashing import ObjectId, is_hex_id, object_id, object_id_of_parts
 from ckptstore.objectstore.base import as_bytes
+from ckptstore.objectstore.damagelist import NAME as DAMAGE_LIST
+from ckptstore.objectstore.damagelist import DamageList
 
 _WRITE_ATTEMPTS = 3  # a temp file a concurrent gc removed is written again this often in all
 
@@ -95,10 +97,11 @@ class LocalObjectStore:
 
     Objects are renamed from the temp folder into place, and a rename cannot cross filesystems:
     where the objects folder is on another one (a bigger disk, or a symlink to it), its own `tmp/`
-    (a name no object folder has) holds the writes instead.
+    (a name no object folder has) holds the writes instead. Objects a read found corrupted are
+    listed in its `damaged` file (damagelist.py) until written anew; `read_only` lists none.
     """
 
-    def __init__(self, objects_dir: str | os.PathLike, tmp_dir: str | os.PathLike) -> None:
+    def __init__(self, objects_dir: str | os.PathLike, tmp_dir: str | os.PathLike, read_only: bool = False) -> None:
         self.root = Path(objects_dir)
         self.tmp = Path(tmp_dir)
         self.url = self.root.resolve().as_uri()
@@ -106,6 +109,7 @@ class LocalObjectStore:
         _make_folder(self.tmp)
         if self.tmp.stat().st_dev != self.root.stat().st_dev:
             self.tmp = self.root / "tmp"  # made by the first write: a read-only mount is still readable
+        self.damage = DamageList(self.root / DAMAGE_LIST, lambda: self.tmp, notes=not read_only)
         self._batched: list[Path] | None = None
 
     def path_of(self, oid: ObjectId) -> Path:
@@ -136,6 +140,7 @@ class LocalObjectStore:
     def _put(self, parts: Sequence[bytes | memoryview], oid: ObjectId) -> ObjectId:
         final = self.path_of(oid)
         if self._holds(final, parts, oid):
+            self.damage.discard([oid])  # its exact bytes, compared: whole again (another writer's rewrite)
             return oid
         if final.is_dir() and not final.is_symlink():
             _remove_empty_folder(final)
@@ -152,6 +157,7 @@ class LocalObjectStore:
             self._batched.append(final)
         else:
             _fsync_dir(final.parent)
+            self.damage.discard([oid])  # written anew from bytes that hash to its id, and durable
         return oid
 
     def _write_through_tmp(self, parts: Sequence[bytes | memoryview], oid: ObjectId, final: Path) -> None:
@@ -191,6 +197,7 @@ class LocalObjectStore:
         with open(open_object(self.path_of(oid), oid), "rb") as handle:
             data = handle.read()
         if verify and object_id(data) != oid:
+            self.damage.add(oid)
             raise CorruptObjectError(oid, f"corrupted (its {len(data)} bytes do not match its hash)")
         return data
 
@@ -208,6 +215,7 @@ class LocalObjectStore:
         finally:
             os.close(fd)
         if verify and object_id(data) != oid:
+            self.damage.add(oid)
             raise CorruptObjectError(oid, f"corrupted (its {len(data)} bytes do not match its hash)")
         return data
 
@@ -219,10 +227,13 @@ class LocalObjectStore:
         return self.path_of(oid).is_file()  # a folder or device there is damage: the object is written anew
 
     def lacking(self, oids: Iterable[ObjectId]) -> set[ObjectId]:
-        return {oid for oid in oids if not self.has(oid)}
+        """The `oids` not here, or listed as damaged: a commit stores their tensors again rather than reuse them."""
+        oids = set(oids)
+        return {oid for oid in oids if not self.has(oid)} | (oids & self.damage.ids())
 
     def delete(self, oid: ObjectId) -> None:
         path = self.path_of(oid)
+        self.damage.discard([oid])
         try:
             path.unlink()
         except (FileNotFoundError, NotADirectoryError):  # not there (its fan-out folder a file: damage fsck lists)
@@ -269,6 +280,8 @@ class LocalObjectStore:
                     _fsync_path(path)
                 for folder in {path.parent for path in written}:
                     _fsync_dir(folder)
+            if written:  # durable now: objects written anew leave the damage list
+                self.damage.discard(ObjectId(path.parent.name + path.name) for path in written)
 
     def clear_tmp(self) -> int:
         """Remove leftovers of interrupted writes; returns how many were removed."""

@@ -235,8 +235,10 @@ def remote_store(remote: RemoteConfig) -> ObjectStore:
         raise CkptError(f"{remote.url} holds no repository any more (no {REPO_DIR}/ folder there)")
     config = RepoConfig.load(folder / "config.toml")
     _refuse_lazy_origin(config, remote.url)
-    # a configured folder that is gone is said so, never made anew empty in the origin's place
-    return open_store(config.objects_url or "objects", folder / "tmp", folder, create=not config.objects_url)
+    # a configured folder that is gone is said so, never made anew empty in the origin's place; read only: the
+    # damage it finds is not listed in another repository's store
+    return open_store(config.objects_url or "objects", folder / "tmp", folder, create=not config.objects_url,
+                      read_only=True)
 
 
 def _refuse_lazy_origin(config: RepoConfig, url: str,

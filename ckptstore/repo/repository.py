@@ -40,8 +40,8 @@ class Repository:
         self.config = config
         objects = config.objects_url or "objects"  # a relative path is relative to .ckpt/
         # a configured folder that is gone is said so on open, not made anew (only init makes one)
-        self.store = store if store is not None else open_store(objects, self.dir / "tmp", self.dir,
-                                                                create=create or not config.objects_url)
+        self.store = store if store is not None else open_store(
+            objects, self.dir / "tmp", self.dir, create=create or not config.objects_url, read_only=read_only)
         lazy = [remote for remote in config.remotes.values() if remote.lazy]
         if lazy and store is None:  # a lazy clone: objects not here yet come from the remote on first read
             from ckptstore.repo.remote import remote_store

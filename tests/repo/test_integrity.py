@@ -353,6 +353,44 @@ def test_committing_the_same_tensors_again_repairs_records_whose_objects_were_lo
         assert_same(state, repo.checkout(cid))
 
 
+@pytest.mark.parametrize("found_by", ["fsck", "checkout", "commit"])
+@pytest.mark.parametrize("path", ["w", "b"], ids=["own-object", "packed"])
+def test_committing_the_file_again_repairs_an_object_a_read_found_corrupted(repo, tmp_path, found_by, path):
+    """A flipped byte under the right name passed the commit's presence check: committing the file again said
+    "nothing changed", and --allow-empty recorded a commit needing the damaged object (auditor helper 302). A
+    read that finds it lists it (objects/damaged); the next commit stores the tensor again and repairs it."""
+    first = _checkpoint(tmp_path / "a.pt", seed=0)
+    c1 = repo.commit(tmp_path / "a.pt")
+    tensor = repo.manifest(c1).entries[path].tensor
+    with repo.db.read() as tx:
+        (oid, offset, length), = tx.rows('SELECT object_id, "offset", length FROM tensor_chunks WHERE tensor_id = ?',
+                                         (tensor,))
+    damaged = repo.store.path_of(oid)
+    data = bytearray(damaged.read_bytes())
+    data[(offset or 0) + (length or len(data)) // 2] ^= 0x40
+    damaged.chmod(0o644)
+    damaged.write_bytes(bytes(data))
+    with Repository.open(repo.root, read_only=True) as reader:  # a read-only open writes nothing, the list neither
+        assert c1 in fsck(reader).broken_commits
+    assert repo.store.damage.ids() == frozenset()
+    if found_by == "fsck":
+        assert set(fsck(repo).broken_commits) == {c1}
+    elif found_by == "checkout":
+        with pytest.raises(CorruptObjectError, match=oid):
+            repo.checkout(c1)
+    else:  # a child commit decoding it as its base (a new process's: no planes cached)
+        with Repository.open(repo.root) as fresh, pytest.warns(RuntimeWarning, match="need a damaged object"):
+            fresh.commit({**first, path: first[path] + 1e-3})
+    assert repo.store.damage.ids() == {oid}
+    c2 = repo.commit(tmp_path / "a.pt")  # not "nothing changed": it stores the tensor again
+    gc(repo)  # a pack written anew with other payloads than the damaged one: that one is garbage, deleted
+    assert repo.store.damage.ids() == frozenset() and not (repo.store.root / "damaged").exists()
+    report = fsck(repo, full=True)
+    assert report.ok, report
+    for cid in (c1, c2):
+        assert_same(first, repo.checkout(cid))
+
+
 def test_committing_heads_file_again_repairs_head_instead_of_saying_nothing_changed(repo, tmp_path):
     """The guide's recovery: the file on disk is usually HEAD's own, so its commit equals its parent's content."""
     first = _checkpoint(tmp_path / "a.pt", seed=0)
