@@ -300,11 +300,11 @@ def _no_room(exc: OSError) -> DiskFullError:
     where = f" writing {exc.filename}" if exc.filename else ""
     if exc.errno == errno.ENOSPC and (held := no_inodes_left(exc.filename)):
         return inodes_used_up(held)
-    tell = _file_too_large if exc.errno == errno.EFBIG else disk_full
+    tell = file_too_large if exc.errno == errno.EFBIG else disk_full
     return tell(f"{exc.strerror or exc}{where}")
 
 
-def _file_too_large(detail: str) -> DiskFullError:
+def file_too_large(detail: str) -> DiskFullError:
     """EFBIG: freeing space cannot help; the limit is the process's (`ulimit -f`) or the file system's largest file."""
     return DiskFullError(f"a file reached the largest size allowed here ({detail}): the process's file-size limit "
                          "(`ulimit -f`) or the file system's largest file; "

@@ -154,6 +154,21 @@ def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path):
         assert_intact(repo, states)
 
 
+def test_a_file_size_limit_below_the_database_is_said_as_such_not_as_a_failing_disk(tmp_path):
+    """SQLite says "disk I/O error" of a write `ulimit -f` refused: it was sent to fsck as possible damage
+    (auditor helper 302); a database or -wal at the limit is the file-size limit's one line."""
+    states = {"main": checkpoint(tmp_path / "a.pt", 1000, 1)}
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(tmp_path / "a.pt")
+    checkpoint(tmp_path / "b.pt", 1000, 2)
+    database = tmp_path / "repo" / ".ckpt" / "ckpt.db"
+    assert database.stat().st_size > 1024
+    failed = run(tmp_path / "repo", "commit", str(tmp_path / "b.pt"), fsize=1024)  # `ulimit -f 1`
+    one_error_line(failed, "largest size allowed here", "`ulimit -f`", str(database), "nothing was lost")
+    assert failed.returncode == 1 and "could not be read or written" not in failed.stderr
+    assert_intact(tmp_path / "repo", states)
+
+
 def test_commits_that_run_out_of_disk_at_any_point_lose_nothing(tmp_path):
     """With the disk filled to leave a little less room each time, a commit either completes or fails
     in one disk-full line; either way every earlier commit reads back bit for bit."""

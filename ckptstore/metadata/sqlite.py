@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import sqlite3
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ from ckptstore.errors import (
     ReadOnlyRepoError,
     disk_full,
     explain,
+    file_too_large,
     inodes_used_up,
     no_inodes_left,
 )
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 
 BUSY_TIMEOUT_MS = 120_000
 LOW_SPACE = 1 << 20  # free bytes under which an I/O error writing the database means "disk full"
+PAGE_WRITE = 1 << 16  # SQLite's largest page: a file this near the file-size limit cannot take another
 PREFIX = "sqlite:///"
 # "no such column/table": the schema was checked on open, so a table or column it lacks now is damage
 _DAMAGE_WORDS = ("malformed", "not a database", "could not decode", "disk i/o error", "corrupt", "no such column",
@@ -156,7 +159,9 @@ class SqliteBackend:
             if connection is not None:
                 connection.close()
             wal = self.path.with_name(self.path.name + "-wal")
-            if not isinstance(self.explain(exc), DiskFullError) or (wal.exists() and wal.stat().st_size):
+            # a file-size limit is no full disk: it is said as itself, not as "the disk is full" of a read-only open
+            full = isinstance(self.explain(exc), DiskFullError) and self._past_size_limit(exc) is None
+            if not full or (wal.exists() and wal.stat().st_size):
                 raise
         self.disk_full = True
         return connect_sqlite(self.path, read_only=True, immutable=True)
@@ -195,6 +200,8 @@ class SqliteBackend:
         driver = getattr(exc, "orig", None) or exc  # SQLAlchemy's wrapping (a schema upgrade's) of SQLite's error
         text = str(driver).lower()
         if isinstance(driver, sqlite3.OperationalError) and "disk i/o error" in text:
+            if (too_large := self._past_size_limit(driver)) is not None:
+                return too_large
             import shutil  # only here: it imports the compression modules
 
             with contextlib.suppress(OSError):
@@ -207,6 +214,21 @@ class SqliteBackend:
                              f"{BUSY_TIMEOUT_MS // 1000} s; nothing was changed: run the command again once it is done "
                              "(a process stuck with the file open, such as an sqlite3 shell, holds it)")
         return explain(exc)
+
+    def _past_size_limit(self, driver: BaseException) -> DiskFullError | None:
+        """File too large, where the database or its -wal or -shm file is at this process's file-size limit.
+
+        SQLite says "disk I/O error" of a write refused for `ulimit -f` (EFBIG) as of a failing disk: that
+        sent the user to `ckpt fsck` for damage that is not there.
+        """
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if soft == resource.RLIM_INFINITY:
+            return None
+        for path in (self.path, Path(f"{self.path}-wal"), Path(f"{self.path}-shm")):
+            with contextlib.suppress(OSError):
+                if path.stat().st_size + PAGE_WRITE > soft:
+                    return file_too_large(f"SQLite: {driver} writing {path}")
+        return None
 
     def _unopenable(self) -> CkptError:
         """Why SQLite could not open the file, as far as the file system tells."""
@@ -232,6 +254,8 @@ class SqliteBackend:
         if not is_damage(exc):
             return None
         if "disk i/o error" in str(exc).lower():  # a failing disk or file system, or a damaged file: not known
+            if (too_large := self._past_size_limit(exc)) is not None:
+                return too_large
             return CorruptDatabaseError(
                 f"the metadata database {self.path} could not be read or written (SQLite: {exc}); nothing was "
                 "changed. Check the disk and file system (space, mount, permissions) and run it again; if it "
