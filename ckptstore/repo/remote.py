@@ -44,8 +44,8 @@ from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.objectstore import ObjectStore, open_store
-from ckptstore.objectstore.base import lacking
-from ckptstore.objectstore.fallback import held_here
+from ckptstore.objectstore.base import lacking, tells_lacking
+from ckptstore.objectstore.fallback import FallbackStore, held_here
 from ckptstore.repo import refs
 from ckptstore.repo.config import RemoteConfig, RepoConfig, edit_config, user_cache
 from ckptstore.warn import warn_caller
@@ -313,7 +313,9 @@ def _present_whole(tx: Tx, ttx: Tx, target: Repository) -> Callable[[set[TensorI
     A lazy clone keeps records whose objects it never read: where the origin re-encoded such a tensor
     (its prune) or collected it and committed it anew, the clone's record names objects gone
     everywhere, and a commit fetched later that names the tensor could not be restored there. Such a
-    record is not "present": the source's is sent and takes its place.
+    record is not "present": the source's is sent and takes its place. Objects its origin still
+    holds are not gone: another remote's record of the same id (a false one would break the clone's
+    own commits) never replaces one the origin can fill in.
     """
     local = held_here(target.store)
 
@@ -322,9 +324,26 @@ def _present_whole(tx: Tx, ttx: Tx, target: Repository) -> Callable[[set[TensorI
         mine, theirs = transfer.chunk_objects(ttx, here), transfer.chunk_objects(tx, here)
         differ = {t for t in here if mine.get(t, frozenset()) != theirs.get(t, frozenset())}
         gone = lacking(local, {oid for t in differ for oid in mine.get(t, ())}) if differ else set()
+        if gone and isinstance(target.store, FallbackStore):
+            gone = _lacking_at_origin(target.store, gone)
         return here - {t for t in differ if mine.get(t, frozenset()) & gone}
 
     return present
+
+
+def _lacking_at_origin(store: FallbackStore, oids: set[ObjectId]) -> set[ObjectId]:
+    """Which of `oids` (not held here) a lazy clone's origin lacks too; an origin that cannot be asked lacks none.
+
+    Only a record whose objects are gone everywhere may be replaced: one the origin cannot be asked
+    about is kept (nothing the clone could read is overwritten on another repository's word).
+    """
+    try:
+        origin = store.source(min(oids))
+        if tells_lacking(origin):
+            return origin.lacking(oids)
+        return {oid for oid in oids if not origin.has(oid)}  # a bucket, asked per object: only records that differ
+    except (CorruptObjectError, StoreUnavailableError):
+        return set()
 
 
 def _refuse_damaged(tx: Tx, cids: list[CommitId], sender: Repository, pushing: bool) -> None:
@@ -560,10 +579,14 @@ def fetch(repo: Repository, name: str, lazy: bool | None = None) -> TransferRepo
 
     Tracking refs of branches deleted there go. The refs are set under the repository's lock, with
     the copy, so a gc here never collects what was just fetched; the remote's is held too. `lazy`
-    (default: as the repository was cloned) brings records and manifests only.
+    (default: as the repository was cloned) brings records and manifests only; only from the lazy
+    origin, the one remote whose objects a lazy clone reads in on first use.
     """
     remote_config = named(repo, name)
     lazy = remote_config.lazy if lazy is None else lazy
+    if lazy and not remote_config.lazy:
+        raise CkptError(f"remote {name!r} is not this repository's lazy origin: a lazy fetch from it would record "
+                        "commits whose objects nothing here reads in; fetch it without lazy=True")
     with open_remote(remote_config, name) as remote, repo.lock(), _held_there(remote, name):
         try:
             report, branches = _copy(remote, repo, None, lazy=lazy, keep=lambda tips: _well_named(name, tips))

@@ -1941,3 +1941,33 @@ def test_a_tensor_the_origin_stored_anew_reaches_a_lazy_clone_in_its_new_objects
         assert fsck(clone).ok
         remote.pull(clone, "origin")
         assert_same(clone.checkout("main"), {"w": w1, "step": 3})
+
+
+def test_a_second_remote_never_replaces_a_lazy_clones_record_its_origin_holds(tmp_path):
+    """A hostile remote recorded the origin's tensor in another tensor's chunks and committed on it: fetching it into a
+    lazy clone that had not read the tensor yet replaced the clone's record, so the origin's own commit could not be
+    checked out there, and plain fsck said ok (auditor helper 308, high)."""
+    w, v = torch.randn(4096, generator=torch.Generator().manual_seed(3)), torch.ones(4096)
+    with Repository.init(tmp_path / "origin") as origin:
+        mine = origin.commit({"w": w}, message="origin's")
+    shutil.copytree(tmp_path / "origin", tmp_path / "evil")
+    with Repository.open(tmp_path / "evil") as evil:
+        theirs = evil.commit({"w": w, "v": v}, message="innocent")
+        tw, tv = (evil.manifest(theirs).entries[name].tensor for name in ("w", "v"))
+    db = sqlite3.connect(tmp_path / "evil" / ".ckpt" / "ckpt.db")
+    columns = 'position, object_id, raw_bytes, "offset", length, checksum'
+    db.execute("DELETE FROM tensor_chunks WHERE tensor_id = ?", (tw,))
+    db.execute(f"INSERT INTO tensor_chunks (tensor_id, {columns}) SELECT ?, {columns} FROM tensor_chunks "
+               "WHERE tensor_id = ?", (tw, tv))
+    db.execute("UPDATE tensors SET codec = (SELECT codec FROM tensors WHERE id = ?), params = (SELECT params FROM "
+               "tensors WHERE id = ?) WHERE id = ?", (tv, tv, tw))
+    db.commit()
+    db.close()
+    with remote.clone(str(tmp_path / "origin"), tmp_path / "lazy", lazy=True) as clone:
+        remote.add(clone, "evil", str(tmp_path / "evil"))
+        with pytest.raises(CkptError, match="not this repository's lazy origin"):  # its objects would come from nowhere
+            remote.fetch(clone, "evil", lazy=True)
+        assert remote.fetch(clone, "evil").commits == 1
+        assert_same(clone.checkout(mine), {"w": w})
+        assert_same(clone.checkout("evil/main"), {"w": w, "v": v})  # w read through the origin, which holds it
+        assert fsck(clone, full=True).ok
