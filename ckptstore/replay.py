@@ -22,7 +22,8 @@ from ckptstore.codecs.base import LevelsNeeded
 from ckptstore.codecs.checked import MALFORMED
 from ckptstore.errors import CodecError, CorruptObjectError, CorruptRecordError
 from ckptstore.hashing import HEX_LENGTH, ObjectId, TensorId, chunk_checksum, tensor_id
-from ckptstore.objectstore.base import ObjectStore, RangeReader, read_whole, reading_ahead
+from ckptstore.objectstore.base import ObjectStore, RangeReader, read_whole, reading_ahead, tells_lacking
+from ckptstore.objectstore.fallback import held_here
 from ckptstore.objectstore.pack import PackReader, check_range
 from ckptstore.records import Chunk, TensorRecord
 
@@ -225,7 +226,7 @@ def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
     futures, jobs = [], []
     ordered = _bases_first(records)
     for record in ordered:
-        problem = _record_problem(record)  # before its buffer is allocated: the sizes must add up
+        problem = _record_problem(record) or _claim_problem(source, record)  # before its buffer is allocated
         if problem is not None:
             raise CorruptRecordError(f"tensor {record.id}", problem, tensors=[record.id])
         buffer = outputs[record.id] = np.empty(record.raw_bytes, dtype=np.uint8)
@@ -324,6 +325,41 @@ def _record_problem(record: TensorRecord) -> str | None:
         covered += chunk.raw_bytes
     if covered != record.raw_bytes:
         return f"its {len(record.chunks)} chunk records cover {covered} of its {record.raw_bytes} bytes"
+    return None
+
+
+# A real chunk decodes to at most ~20x its payload, except planes of zeros or of one value, which code to a few
+# hundred bytes whatever their size: beyond this ratio (and this slack), the payload's own header must say so.
+# A record under CLAIM_RECORD is taken on its word: a buffer that size is no harm, and small tensors cost nothing.
+CLAIM_RATIO = 64
+CLAIM_SLACK = 64 << 10
+CLAIM_RECORD = 64 << 20
+
+
+def _claim_problem(source: ChainSource, record: TensorRecord) -> str | None:
+    """Why `record` claims more bytes than its stored payloads decode to, or None: before its buffer is taken.
+
+    A false record of a few KiB claiming terabytes made checkout, diff and `fsck --full` fail "out of
+    memory". A chunk within CLAIM_RATIO of its payload's size is taken on its word (no object read);
+    beyond it, the payload is read once and must declare that size (a codec that cannot say, or a
+    bucket's whole object, not asked its size per chunk, is believed: a real tensor is never refused).
+    """
+    declares, checked = capabilities(record.codec).declares, set()
+    if record.raw_bytes <= CLAIM_RECORD or declares is None:
+        return None
+    sized = tells_lacking(held_here(source.store))  # a folder says an object's size with a stat
+    for index, chunk in enumerate(record.chunks):
+        place = (chunk.object_id, chunk.offset, chunk.length, chunk.raw_bytes)
+        if chunk.raw_bytes <= CLAIM_SLACK or place in checked or (chunk.length is None and not sized):
+            continue
+        checked.add(place)
+        stored = chunk.length if chunk.length is not None else source.store.size(chunk.object_id)
+        if chunk.raw_bytes <= CLAIM_RATIO * stored + CLAIM_SLACK:
+            continue
+        declared = declares.declared_bytes(source.payload(chunk))
+        if declared is not None and declared != chunk.raw_bytes:
+            return (f"chunk {index} claims {chunk.raw_bytes} bytes, but its stored payload ({stored} bytes of "
+                    f"object {chunk.object_id[:12]}) decodes to {declared}")
     return None
 
 

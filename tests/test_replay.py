@@ -277,3 +277,24 @@ def test_a_version_1_deadzone_chain_decodes_each_level_with_its_own_records_step
     with ThreadPoolExecutor(2) as pool:
         restored = replay(source, [residual], pool)
     assert restored[residual.id].tobytes() == values.tobytes()
+
+
+def test_a_record_claiming_far_more_than_its_payload_decodes_to_is_damage_before_any_allocation(repo):
+    """A received record of a 16 KiB tensor claiming 1 PiB: replay allocated from the claim ('out of memory: Unable to
+    allocate', and fsck --full stopped there), or decoding failed naming neither tensor nor commit (auditor helper
+    308). The payload's own header says what it decodes to; a real all-zero tensor's tiny payloads still pass."""
+    cid = repo.commit({"w": torch.randn(4096, generator=torch.Generator().manual_seed(0)),
+                       "z": torch.zeros(80 << 20, dtype=torch.uint8)})  # 20 chunks of zeros, ~370 bytes each
+    tw, tz = (repo.manifest(cid).entries[name].tensor for name in ("w", "z"))
+    with repo.db.read() as tx:
+        records = tensor_rows.load_records(tx, [tw, tz])
+    claimed = 1 << 50
+    false = dataclasses.replace(records[tw], raw_bytes=claimed,
+                                chunks=[dataclasses.replace(records[tw].chunks[0], raw_bytes=claimed)])
+    with ThreadPoolExecutor(2) as pool:
+        with pytest.raises(CorruptRecordError, match=f"chunk 0 claims {claimed} bytes, but its stored payload .* "
+                                                     "decodes to 16384") as caught:
+            replay(ChainSource(repo.store, {tw: false}), [false], pool)
+        assert caught.value.tensors == [tw]
+        zeros = replay(ChainSource(repo.store, records), [records[tz]], pool)[tz]
+    assert zeros.size == 80 << 20 and not zeros.any()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckptstore.codecs.base import ChainDecoder, Codec, LossyCodec, PlaneCodec, SteppedCodec
+from ckptstore.codecs.base import ChainDecoder, Codec, DeclaresSize, LossyCodec, PlaneCodec, SteppedCodec
 from ckptstore.codecs.bytegroup import ByteGroupCodec
 from ckptstore.codecs.deadzone import DeadZoneCodec, capped, chunk_step
 from ckptstore.codecs.floats import to_float32
@@ -26,6 +26,7 @@ class Capabilities:
     planes: PlaneCodec | None
     lossy: LossyCodec | None
     stepped: SteppedCodec | None
+    declares: DeclaresSize | None
 
 
 REGISTRY: dict[str, Codec] = {}
@@ -43,6 +44,7 @@ def register(codec: Codec) -> Codec:
         planes=codec if isinstance(codec, PlaneCodec) else None,
         lossy=codec if isinstance(codec, LossyCodec) else None,
         stepped=codec if isinstance(codec, SteppedCodec) else None,
+        declares=codec if isinstance(codec, DeclaresSize) else None,
     )
     return codec
 

@@ -78,3 +78,11 @@ class SteppedCodec(Protocol):
 
     def step_of(self, payload: bytes) -> float:
         """The step `payload` was quantized with."""
+
+
+@runtime_checkable
+class DeclaresSize(Protocol):
+    """A codec whose payloads say how many raw bytes they decode to (checked before a buffer is taken)."""
+
+    def declared_bytes(self, payload: bytes | memoryview) -> int | None:
+        """The raw size `payload` declares, or None where it does not say."""
