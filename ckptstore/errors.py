@@ -112,6 +112,29 @@ class UnsupportedStateError(CkptError):
     """A value inside a checkpoint that ckptstore cannot store without pickle."""
 
 
+class MalformedSkeletonError(CkptError):
+    """A stored skeleton that no flatten wrote (damaged, or forged by a remote): it does not rebuild into a state.
+
+    Raised where skeletons are walked (state.unflatten, repo.select), which know no commit; the repo
+    layer names the commit and its manifest (repo.manifest.rebuilding_files).
+    """
+
+    # what a walk raises on a node of the wrong shape (a list as a dict key, `[]`), or nested past the stack
+    WALK_ERRORS = (TypeError, ValueError, IndexError, KeyError, AttributeError, RecursionError)
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+        super().__init__(f"a stored state's structure is damaged or forged ({problem}): it cannot be rebuilt; use "
+                         "another commit, or a sound copy of this one")
+
+    @classmethod
+    def of(cls, exc: BaseException) -> MalformedSkeletonError:
+        """What walking a skeleton raised (one of WALK_ERRORS), said as its damage in one line."""
+        if isinstance(exc, RecursionError):  # flatten nests at most state.MAX_DEPTH levels: far from the stack's end
+            return cls("it nests deeper than any state ckptstore writes")
+        return cls(f"{exc!r:.200}")  # repr: one line, control characters escaped
+
+
 class DeviceUnavailableError(CkptError):
     """A checkout to a device (map_location) this machine or this torch build cannot use."""
 

@@ -21,7 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.errors import CorruptRecordError, DeviceUnavailableError, UnsupportedStateError, listing
+from ckptstore.errors import (
+    CorruptRecordError,
+    DeviceUnavailableError,
+    MalformedSkeletonError,
+    UnsupportedStateError,
+    listing,
+)
 from ckptstore.errors import is_utf8 as is_utf8  # formats and watch import it from here
 from ckptstore.warn import warn_caller
 
@@ -620,8 +626,10 @@ class _Flattener:
         node = self._mapping(value, path)
         attrs = vars(value) if isinstance(value, OrderedDict) and hasattr(value, "__dict__") else {}
         if attrs:
-            if not all(type(name) is str for name in attrs):
-                raise UnsupportedStateError(f"{path or '<root>'}: an OrderedDict attribute not named by a string")
+            odd = next((name for name in attrs if not plain_attribute(name)), None)
+            if odd is not None:  # what unflatten would refuse to set again
+                raise UnsupportedStateError(f"{path or '<root>'}: an OrderedDict attribute named {odd!r:.60}: "
+                                            "ckptstore keeps those named by identifiers, no dunders; remove it")
             # "%attrs" is no escaped key (escape turns every "%" into "%25"), so no path collides
             where = f"{path}/%attrs" if path else "%attrs"
             node.append({"attrs": [[name, self.encode(item, join(where, name))] for name, item in attrs.items()]})
@@ -784,9 +792,19 @@ def shared_view_paths(skeleton: Any) -> set[str]:
 def unflatten(skeleton: Any, lookup: Callable[[str], Any]) -> Any:
     """Rebuild the nested object; `lookup(path)` returns the materialized tensor for a path.
 
-    Paths that occur twice (tensors that shared storage) resolve to the same object.
+    Paths that occur twice (tensors that shared storage) resolve to the same object. A skeleton no
+    flatten wrote (damaged, or a remote's forgery) is MalformedSkeletonError: found as it is decoded,
+    with no pass of its own over a large state.
     """
-    return _Unflattener(lookup).decode(skeleton)
+    try:
+        return _Unflattener(lookup).decode(skeleton)
+    except MalformedSkeletonError.WALK_ERRORS as exc:
+        raise MalformedSkeletonError.of(exc) from None
+
+
+def plain_attribute(name: Any) -> bool:
+    """Whether a rebuilt OrderedDict may be given attribute `name` (`_metadata`): no dunder (`__class__`)."""
+    return type(name) is str and name.isidentifier() and not (name.startswith("__") and name.endswith("__"))
 
 
 def _scatter(torch: Any, storage: Any, value: Any, offset: int, stride: list[int]) -> None:
@@ -874,9 +892,10 @@ class _Unflattener:
             return dict(pairs)
         result = OrderedDict(pairs)
         for name, value in (node[2].get("attrs", []) if len(node) > 2 else []):
+            if not plain_attribute(name):
+                raise ValueError(f"an OrderedDict attribute named {name!r:.60}")
             setattr(result, name, self.decode(value))  # state_dict._metadata, for load_state_dict
         return result
-
 
 
 def _npbits(node: list) -> np.generic:

@@ -672,3 +672,15 @@ def test_one_empty_tensor_at_two_paths_comes_back_as_one_object_from_a_state_and
         assert back["a"] is back["b"] and back["other"] is not back["a"]
         assert back["head"].shape == (0, 4) and back["head"].requires_grad
     assert set(repo.manifest(repo.resolve("HEAD")).entries) == {"embed", "a", "other", "%container"}
+
+
+@pytest.mark.parametrize("name", ["__reduce_ex__", "__len__", "a b", "1st"])
+def test_an_ordered_dict_attribute_unflatten_would_not_set_again_is_refused(name):
+    """unflatten sets a stored attribute only where its name is an identifier and no dunder (a forged `__class__`
+    retyped the state): flatten refuses to store any other, so every commit it makes checks out."""
+    state = OrderedDict(w=torch.ones(2))
+    state._metadata = {"": {"version": 1}}
+    assert _round_trip(state)._metadata == {"": {"version": 1}}
+    setattr(state, name, 1)
+    with pytest.raises(UnsupportedStateError, match="an OrderedDict attribute named"):
+        flatten(state)

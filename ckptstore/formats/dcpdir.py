@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from ckptstore.errors import (
     CheckpointFormatError,
     CorruptRecordError,
+    MalformedSkeletonError,
     PickledObjectsError,
     UnsupportedStateError,
     listing,
@@ -376,5 +377,6 @@ def _from_skeleton(fqn: str, text: bytes) -> Any:
 
     try:
         return unflatten(json.loads(text), no_tensors)
-    except (ValueError, TypeError, KeyError, RecursionError) as exc:
-        raise CorruptRecordError(f"bytes item {fqn}", f"its stored skeleton does not parse ({exc})") from None
+    except (ValueError, RecursionError, MalformedSkeletonError) as exc:  # the first two: JSON that does not parse
+        problem = exc.problem if isinstance(exc, MalformedSkeletonError) else exc
+        raise CorruptRecordError(f"bytes item {fqn}", f"its stored skeleton does not parse ({problem})") from None

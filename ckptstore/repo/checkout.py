@@ -16,7 +16,7 @@ from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource, replay
 from ckptstore.repo import integrity, journal, received, refs, worktree
 from ckptstore.repo.gcpause import no_cyclic_gc
-from ckptstore.repo.manifest import Manifest
+from ckptstore.repo.manifest import Manifest, rebuilding_files
 from ckptstore.repo.progress import NoProgress, Progress
 from ckptstore.repo.select import select, write_selection
 from ckptstore.state import RawTensor, check_device, materialize
@@ -68,12 +68,13 @@ def _checkout(repo: Repository, ref: str, device: str | None, progress: Progress
     faults.point("checkout:resolved")  # tests run a gc --prune here
     manifest = integrity.kept_manifest(repo, info)
     _refuse_sharded(cid, manifest)
-    if keys is not None:
-        manifest = select(manifest, keys, cid).manifest
-    on_device = _restore_on_device(repo, manifest, device, progress) if is_accelerator(device) else {}
-    raws = restore(repo, manifest, progress, [p for p in manifest.entries if p not in on_device])
-    return formats.to_state(manifest.kind, manifest.files,
-                            lambda p: on_device[p] if p in on_device else materialize(raws[p], device))
+    with rebuilding_files(cid, manifest):
+        if keys is not None:
+            manifest = select(manifest, keys, cid).manifest
+        on_device = _restore_on_device(repo, manifest, device, progress) if is_accelerator(device) else {}
+        raws = restore(repo, manifest, progress, [p for p in manifest.entries if p not in on_device])
+        return formats.to_state(manifest.kind, manifest.files,
+                                lambda p: on_device[p] if p in on_device else materialize(raws[p], device))
 
 
 def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = None, force: bool = False,
@@ -84,10 +85,9 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
     Without `output`, writes to the path it was committed from and moves HEAD (like git
     checkout), refusing to overwrite files whose content is not in the store unless `force`; a
     sharded commit has no such path: HEAD moves and nothing is written.
-    With `output` (whose parent folder must exist), only writes there. A folder ends up holding
-    exactly the commit's files (worktree.plan_checkout says what is removed and what is refused).
-    With `keys`, only the matching part is written, to `output` (required); see `_write_selected`.
-    `trust_pickle`: see Repository.checkout_to.
+    With `output` (whose parent folder must exist), only writes there. A folder ends up holding exactly the
+    commit's files (worktree.plan_checkout says what is removed and what is refused). With `keys`, only the
+    matching part is written, to `output` (required); see `_write_selected`. `trust_pickle`: see Repository.checkout_to.
     """
     if output is not None:
         worktree.refuse_own_folders(repo, output)
@@ -127,8 +127,9 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
     with no_cyclic_gc():
         raws = restore(repo, manifest, progress)
     head = None if output is not None else journal.HeadMove(cid, branch, lambda c, b: refs.move_head(repo, c, b))
-    worktree.write_checkout(repo, cid, plan, lambda p: materialize(raws[p]), lambda p: raws[p],
-                            exact=not manifest.lossy, head=head)
+    with rebuilding_files(cid, manifest):
+        worktree.write_checkout(repo, cid, plan, lambda p: materialize(raws[p]), lambda p: raws[p],
+                                exact=not manifest.lossy, head=head)
     if output is None and branch is not None:
         from ckptstore.repo.remote import pull_written
 
@@ -159,14 +160,15 @@ def _write_selected(repo: Repository, cid: CommitId, manifest: Manifest, keys: I
     if output is None:
         raise CkptError(f"a partial checkout of {cid[:12]} writes only part of the checkpoint: pass -o PATH "
                         "(it never overwrites the files the commit came from)")
-    selection = select(manifest, keys, cid)
-    if selection.manifest.kind != "folder":
-        worktree.refuse_folder_spelling(output)
-    plan = worktree.plan_checkout(repo, selection.manifest, Path(output), force, output=True, cid=cid)
-    with no_cyclic_gc():
-        raws = restore(repo, selection.manifest, progress)
-    write_selection(repo, selection, plan, lambda p: materialize(raws[p]), lambda p: raws[p],
-                    exact=not manifest.lossy)
+    with rebuilding_files(cid, manifest):  # select walks the skeletons, write_selection rebuilds them
+        selection = select(manifest, keys, cid)
+        if selection.manifest.kind != "folder":
+            worktree.refuse_folder_spelling(output)
+        plan = worktree.plan_checkout(repo, selection.manifest, Path(output), force, output=True, cid=cid)
+        with no_cyclic_gc():
+            raws = restore(repo, selection.manifest, progress)
+        write_selection(repo, selection, plan, lambda p: materialize(raws[p]), lambda p: raws[p],
+                        exact=not manifest.lossy)
     return plan.dest
 
 

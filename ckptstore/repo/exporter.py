@@ -21,6 +21,7 @@ from ckptstore.formats import hfweights, safetensors_file, torchfile
 from ckptstore.formats.torchcontainer import CONTAINER_PATH
 from ckptstore.repo import sharded, worktree
 from ckptstore.repo.diff import skeleton_values
+from ckptstore.repo.manifest import rebuilding_files
 from ckptstore.repo.select import CONTAINERS, aliases, entries_of_file
 from ckptstore.state import TORCH_PREFIX, RawTensor, escape, materialize, readable_path
 
@@ -62,11 +63,13 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
         tensors, skipped = sharded.gather(repo, manifest)
         why = "DCP keeps non-tensor state as separate items: load them with dcp.load and CkptStorageReader"
     elif weight_files and fmt == "torch" and {record.format for record in weight_files} == {formats.TORCH}:
-        state, skipped = _torch_weights(repo, manifest, weight_files)
+        with rebuilding_files(cid, manifest):
+            state, skipped = _torch_weights(repo, manifest, weight_files)
         torchfile.save(state, output)
         return ExportReport(cid, len(state), skipped, WEIGHTS_ONLY if skipped else "")
     elif weight_files:
-        tensors, skipped, own = _weights(repo, manifest, weight_files)
+        with rebuilding_files(cid, manifest):
+            tensors, skipped, own = _weights(repo, manifest, weight_files)
         metadata = {**own, "format": "pt"}  # transformers before 4.40 refuses a weights file without it
         why = WEIGHTS_ONLY
     elif fmt == "torch":

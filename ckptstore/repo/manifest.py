@@ -7,10 +7,12 @@ reader refuses a version it does not know instead of guessing at fields it has n
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.errors import CkptError, CorruptObjectError
+from ckptstore.errors import CkptError, CorruptObjectError, MalformedSkeletonError
 from ckptstore.formats import CheckpointFile
 from ckptstore.hashing import ObjectId, TensorId
 
@@ -31,6 +33,20 @@ class ManifestVersionError(CkptError):
 
 class UnreadableManifestError(CorruptObjectError):
     """An object read whole (its hash holds) whose bytes are no manifest: damaged or forged where it was made."""
+
+
+@contextmanager
+def rebuilding_files(cid: str, manifest: Manifest) -> Iterator[None]:
+    """Rebuild commit `cid`'s files from `manifest`: a skeleton that does not decode is its manifest's damage.
+
+    The manifest's checks leave skeletons alone (a pass of their own over a large state would slow
+    every checkout): what unflatten finds is said here, as a damaged manifest naming the commit.
+    """
+    try:
+        yield
+    except MalformedSkeletonError as exc:
+        raise UnreadableManifestError(manifest.oid or "manifest", f"a manifest whose stored structure of a file "
+                                      f"is damaged or forged ({exc.problem})", [cid]) from None
 
 
 @dataclass

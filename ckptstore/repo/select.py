@@ -23,7 +23,7 @@ from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import formats
-from ckptstore.errors import CkptError
+from ckptstore.errors import CkptError, MalformedSkeletonError
 from ckptstore.formats import CheckpointFile
 from ckptstore.formats.folder import set_mode
 from ckptstore.repo.manifest import Manifest
@@ -77,8 +77,12 @@ def select(manifest: Manifest, keys: Iterable[str], commit: str = "") -> Selecti
 
     Raises NothingSelectedError when nothing matches.
     """
-    wanted = _as_written(manifest, KeyPatterns(tuple(keys) if not isinstance(keys, str) else (keys,)))
-    files, entries, partial = _selected_files(manifest, wanted)
+    patterns = KeyPatterns(tuple(keys) if not isinstance(keys, str) else (keys,))
+    try:  # skeletons walked as stored: one that no flatten wrote (a remote's forgery) is damage, not a crash
+        wanted = _as_written(manifest, patterns)
+        files, entries, partial = _selected_files(manifest, wanted)
+    except MalformedSkeletonError.WALK_ERRORS as exc:
+        raise MalformedSkeletonError.of(exc) from None
     if not files:
         raise NothingSelectedError(f"no path of commit {commit[:12] or '(this commit)'} matches "
                                    f"{', '.join(wanted.patterns)}; `ckpt show {commit[:12] or 'REF'}` lists its "
@@ -296,7 +300,7 @@ def _attrs(node: list) -> list:
 
 
 def _no_lookup(path: str) -> Any:
-    raise CkptError(f"a dict key in the skeleton refers to stored data at {path!r}: the manifest is damaged")
+    raise MalformedSkeletonError(f"a dict key refers to stored data at {path!r:.200}")
 
 
 def _entries_in(node: Any) -> set[str]:

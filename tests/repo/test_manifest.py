@@ -145,3 +145,71 @@ def test_a_checkpoint_with_an_empty_tensor_commits_and_checks_out(repo, tmp_path
     cid = repo.commit(tmp_path / "a.pt")
     assert repo.manifest(cid).entries["empty"].shape == (0, 8)
     assert repo.checkout(cid)["empty"].shape == (0, 8)
+
+
+def _nested_lists(depth):
+    node = ["list", [1]]
+    for _ in range(depth):
+        node = ["list", [node]]
+    return node
+
+
+FORGED_SKELETONS = {  # a remote's files[].skeleton that no flatten wrote
+    "list-as-dict-key": ["dict", [[["list", []], 1], ["w", ["tensor", "w"]]]],
+    "list-in-a-set": ["dict", [["s", ["set", [["list", [1]]]]], ["w", ["tensor", "w"]]]],
+    "class-attribute": ["odict", [["w", ["tensor", "w"]]], {"attrs": [["__class__", 1]]}],
+    "dunder-attribute": ["odict", [["w", ["tensor", "w"]]], {"attrs": [["__reduce_ex__", 1]]}],
+    "number-attribute": ["odict", [["w", ["tensor", "w"]]], {"attrs": [[5, 1]]}],
+    "empty-node": ["dict", [["w", ["tensor", "w"]], ["x", []]]],
+    "no-datetime": ["dict", [["w", ["tensor", "w"]], ["x", ["npscalar", "M8[s]", "abc"]]]],
+    "no-such-entry": ["dict", [["w", ["tensor", "nope"]]]],
+    "too-deep": ["dict", [["w", ["tensor", "w"]], ["x", _nested_lists(420)]]],
+}
+
+
+@pytest.mark.parametrize("forgery", FORGED_SKELETONS)
+def test_a_forged_skeleton_is_a_damaged_manifest_naming_the_commit(repo, tmp_path, monkeypatch, forgery):
+    """A remote's manifest whose skeleton no flatten wrote (a list as a dict key, `__class__` set as an OrderedDict's
+    attribute, 420 nested lists): checkout and export ended in "unexpected TypeError ... please report it", or in
+    "folders nested too deeply" (hostile-input auditor)."""
+    import torch
+
+    from ckptstore.repo.exporter import export
+    from ckptstore.repo.manifest import UnreadableManifestError
+
+    written = Manifest.to_record
+
+    def forged(self):
+        record = written(self)
+        record["files"][0]["skeleton"] = FORGED_SKELETONS[forgery]
+        return record
+
+    with monkeypatch.context() as forging:
+        forging.setattr(Manifest, "to_record", forged)
+        cid = repo.commit({"w": torch.ones(4), "x": 1})
+    for read in (lambda: repo.checkout(cid), lambda: repo.checkout(cid, keys=["*"]),
+                 lambda: repo.checkout_to(cid, tmp_path / "out.pt"),
+                 lambda: export(repo, cid, "torch", tmp_path / "e.pt")):
+        with pytest.raises(UnreadableManifestError, match=f"stored structure .* needed by commits {cid[:12]}") as info:
+            read()
+        assert type(info.value) is UnreadableManifestError and "\n" not in str(info.value)
+    assert not (tmp_path / "out.pt").exists() and not (tmp_path / "e.pt").exists()
+
+
+def test_a_state_nested_as_deep_as_flatten_allows_checks_out_and_exports(repo, tmp_path):
+    """The walk's depth is bounded by the stack, not counted: states at flatten's bound still rebuild."""
+    import torch
+
+    from ckptstore.repo.exporter import export
+    from ckptstore.state import MAX_DEPTH
+
+    state = torch.arange(3)
+    for i in range(MAX_DEPTH):
+        state = {"k": state} if i % 2 else [state]
+    cid = repo.commit(state)
+    again = repo.checkout_to(cid, tmp_path / "out.pt")
+    export(repo, cid, "torch", tmp_path / "e.pt")
+    for loaded in (repo.checkout(cid), torch.load(again), torch.load(tmp_path / "e.pt")):
+        for i in reversed(range(MAX_DEPTH)):
+            loaded = loaded["k"] if i % 2 else loaded[0]
+        assert torch.equal(loaded, torch.arange(3))
