@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore import faults, formats
 from ckptstore.errors import CkptError, CorruptRecordError, listing
+from ckptstore.formats.devices import check_device
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
@@ -19,7 +20,7 @@ from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.manifest import Manifest, rebuilding_files
 from ckptstore.repo.progress import NoProgress, Progress
 from ckptstore.repo.select import select, write_selection
-from ckptstore.state import RawTensor, check_device, materialize
+from ckptstore.state import RawTensor, materialize
 from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
