@@ -87,7 +87,7 @@ class DamageList:
     def _locked(self) -> Iterator[int]:
         """A descriptor of the list (made if missing), appending, flocked: the file the path names once locked."""
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)  # the umask decides, as for objects
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 if _same_file(fd, self.path):  # else a rewrite replaced it meanwhile: lock the new one

@@ -37,6 +37,7 @@ from ckptstore.metadata import files as file_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.metadata.commits import CommitInfo
 from ckptstore.objectstore.base import lacking, tells_lacking
+from ckptstore.objectstore.fallback import held_here
 from ckptstore.policy import LossyLevel, level_named
 from ckptstore.policy import check_knobs as check_knobs  # `ckpt commit --knob`'s, through ckptstore.repo
 from ckptstore.records import TensorRecord
@@ -645,8 +646,11 @@ def lost_records(repo: Repository, tx: Tx, ids: set[TensorId], known: Mapping[Te
 
     A commit reusing or chaining on such a record would be recorded broken; encoding the tensor
     again (the commit has its bytes) gives the record objects again, and every commit that names
-    it is whole. `known`: records loaded already (with their chains).
+    it is whole. `known`: records loaded already (with their chains). The objects a read here found
+    corrupted count too (the local store's damage list; a lazy clone's, whose store tells no lack).
     """
+    listed = getattr(held_here(repo.store), "damage", None)
+    damaged = set(damaged) | (listed.ids() if listed is not None else set())
     if not damaged and not tells_lacking(repo.store):  # a bucket: no request per object on every commit
         return set()
     records = dict(known)

@@ -986,3 +986,43 @@ def test_a_lost_parent_manifest_warns_and_the_next_commit_stores_its_tensors_who
     assert set(fsck(repo).broken_commits) == {c2}
     assert_same(first, repo.checkout(c1))
     assert_same(third, repo.checkout(c3))
+
+
+def test_a_lazy_clone_stores_again_an_object_a_read_found_corrupted(tmp_path):
+    """A lazy clone's store tells no lack (objects not read yet are normal there), so the damage list went unread:
+    committing the file again reused the corrupted object, "0 B new", exit 0, unrestorable (reviewer helper 316)."""
+    from ckptstore.repo import remote
+
+    state = _checkpoint(tmp_path / "a.pt", seed=0)
+    with Repository.init(tmp_path / "origin") as origin:
+        origin.commit(tmp_path / "a.pt")
+    remote.clone(str(tmp_path / "origin"), tmp_path / "lazy", lazy=True).close()
+    with Repository.open(tmp_path / "lazy") as lazy:
+        first = lazy.resolve("HEAD")
+        assert_same(state, lazy.checkout(first))  # its objects read in, now held here
+        local = lazy.store.local
+        held = max((p for p in local.root.rglob("*") if p.is_file() and len(p.parent.name) == 2),
+                   key=lambda p: p.stat().st_size)
+        data = bytearray(held.read_bytes())
+        data[len(data) // 2] ^= 1
+        held.chmod(0o644)
+        held.write_bytes(bytes(data))
+        assert first in fsck(lazy).broken_commits and local.damage.ids()
+        again = lazy.commit(tmp_path / "a.pt", allow_empty=True)
+        assert not local.damage.ids()
+        for cid in (first, again):
+            assert_same(state, lazy.checkout(cid))
+
+
+def test_the_damage_list_is_made_as_the_umask_says_so_a_teammate_can_clear_it(tmp_path):
+    """It was made 0644 whatever the umask: in a group-shared store a teammate's rewrite of the object could not
+    take the id off, and every commit re-encoded its tensor (reviewer helper 316)."""
+    from ckptstore.objectstore.damagelist import DamageList
+
+    old = os.umask(0o002)
+    try:
+        listed = DamageList(tmp_path / "damaged", lambda: tmp_path / "tmp")
+        listed.add("ab" * 32)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "damaged").stat().st_mode & 0o777 == 0o664
