@@ -114,12 +114,14 @@ def _refuse_a_join_without_objects(repo: Repository, killed_inits: Set[str], fol
     """
     from ckptstore.metadata.identity import repository_id
 
-    with repo.db.write() as tx:
-        made = repository_id(tx)
-        if ref_rows.ref_row(tx, ref_rows.HEAD) is None:  # a schema alone: no one's yet
-            (folder / MADE_ID).write_text(made)  # first, as _note_made: a kill after HEAD finds it
-            head_made(tx)
-            return
+    with repo.db.read() as tx:
+        made, alone = repository_id(tx), ref_rows.ref_row(tx, ref_rows.HEAD) is None
+    if alone:  # a schema alone, no one's yet: taken under the write lock, where a second init at once waits
+        with repo.db.write() as tx:
+            if ref_rows.ref_row(tx, ref_rows.HEAD) is None:
+                (folder / MADE_ID).write_text(made)  # first, as _note_made: a kill after HEAD finds it
+                head_made(tx)
+                return
     if made not in killed_inits:
         raise RepoExistsError(f"the metadata {repo.db.where} already holds a repository, whose objects are not in "
                               "this new folder's .ckpt/objects: join it with --objects too, naming the objects "
