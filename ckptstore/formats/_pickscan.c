@@ -101,6 +101,7 @@ typedef struct {
     uint32_t deepest; /* the deepest value pushed so far: a bound on any value a GET can fetch */
     int memo_dense;
     int plain;
+    int whole; /* the walk got to the pickle's STOP */
 } Walk;
 
 static Py_ssize_t above_mark(const Walk *w)
@@ -194,17 +195,21 @@ static int step(Walk *w, const uint8_t *p, uint32_t max_depth)
     }
 }
 
-/* The loop: each opcode the table lets either reader run, up to STOP or where both readers would stop. */
+/* The loop: each opcode the table lets either reader run, up to STOP or where both readers would stop.
+ * `*at` is left where the walk ended: one past the STOP, or at the opcode it went no further than. */
 static enum verdict walk_opcodes(Walk *w, const uint8_t *p, const uint8_t *end, const uint8_t *table,
-                                 uint32_t max_depth)
+                                 uint32_t max_depth, const uint8_t **at)
 {
-    for (; p < end && table[*p]; ) {
+    for (*at = p; p < end && table[*p]; *at = p) {
         Py_ssize_t n = arg_length(p, end);
         if (n < 0)
             return OTHER;
         w->plain &= table[*p] == 1 && (*p != 0x80 || p[1] == 2); /* protocol 2 only, as torch's reader */
-        if (*p == '.')
+        if (*p == '.') {
+            *at = p + 1;
+            w->whole = 1;
             return w->plain ? PLAIN : OTHER;
+        }
         int stepped = step(w, p, max_depth);
         if (stepped <= 0)
             return stepped == 0 ? OTHER : stepped == -2 ? TOO_DEEP : FAILED;
@@ -213,33 +218,58 @@ static enum verdict walk_opcodes(Walk *w, const uint8_t *p, const uint8_t *end, 
     return OTHER;
 }
 
-static PyObject *walk(PyObject *self, PyObject *args)
+/* The verdict on the pickle that starts at `start` in `data`; with `with_end` (walk_from), also the offset where
+ * the walk ended (one past the pickle's STOP, or the opcode it went no further than) and whether at a STOP. */
+static PyObject *walk_at(PyObject *args, int with_end)
 {
     static const char *const answers[] = {"plain", "other", "too deep"};
     Py_buffer data, table;
     unsigned int max_depth;
-    if (!PyArg_ParseTuple(args, "y*y*I", &data, &table, &max_depth))
+    Py_ssize_t start = 0, ended = 0;
+    int whole = 0;
+    if (!PyArg_ParseTuple(args, with_end ? "y*y*In" : "y*y*I", &data, &table, &max_depth, &start))
         return NULL;
     enum verdict verdict = OTHER;
-    if (table.len != 256) {
-        PyErr_SetString(PyExc_ValueError, "the opcode table has 256 entries");
+    if (table.len != 256 || start < 0 || start > data.len) {
+        PyErr_SetString(PyExc_ValueError, table.len != 256 ? "the opcode table has 256 entries"
+                                                           : "the start lies outside the data");
         verdict = FAILED;
     } else {
-        const uint8_t *p = data.buf;
-        Walk w = {.memo_dense = 1, .plain = data.len >= 2 && p[0] == 0x80 && p[1] == 2};
-        verdict = walk_opcodes(&w, p, p + data.len, table.buf, max_depth);
+        const uint8_t *base = data.buf, *p = base + start, *at = p;
+        Walk w = {.memo_dense = 1, .plain = data.len - start >= 2 && p[0] == 0x80 && p[1] == 2};
+        verdict = walk_opcodes(&w, p, base + data.len, table.buf, max_depth, &at);
+        ended = at - base;
+        whole = w.whole;
         PyMem_Free(w.stack.items);
         PyMem_Free(w.marks.items);
         PyMem_Free(w.memo.items);
     }
     PyBuffer_Release(&data);
     PyBuffer_Release(&table);
-    return verdict == FAILED ? NULL : PyUnicode_FromString(answers[verdict]);
+    if (verdict == FAILED)
+        return NULL;
+    if (!with_end)
+        return PyUnicode_FromString(answers[verdict]);
+    return Py_BuildValue("(snO)", answers[verdict], ended, whole ? Py_True : Py_False);
+}
+
+static PyObject *walk(PyObject *self, PyObject *args)
+{
+    return walk_at(args, 0);
+}
+
+static PyObject *walk_from(PyObject *self, PyObject *args)
+{
+    return walk_at(args, 1);
 }
 
 static PyMethodDef methods[] = {
     {"walk", walk, METH_VARARGS,
      "walk(data, table, max_depth) -> 'plain', 'other' or 'too deep' (a tuple nested past max_depth)."},
+    {"walk_from", walk_from, METH_VARARGS,
+     "walk_from(data, table, max_depth, start) -> (verdict, end, whole): walk's verdict on the pickle at `start` of "
+     "a stream of pickles, where the walk ended (one past the STOP, or the opcode it went no further than) and "
+     "whether it got to the STOP."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -23,6 +23,7 @@ nested so deep that hashing one would crash every unpickler, torch's included (`
 from __future__ import annotations
 
 import math
+import mmap
 import pickle
 import pickletools
 import struct
@@ -563,6 +564,32 @@ def _unpickle(data: bytes, archive: _Archive) -> Any:
     return _Unpickler(data, archive).load()
 
 
+def legacy_pickles(path: Path, count: int = 5) -> bytes | None:
+    """A legacy torch.save stream's first `count` pickles, as far as the walk follows them, or None without the walk.
+
+    Raises the CheckpointFormatError of `_TooDeep` where one nests tuples past MAX_DEPTH, before
+    torch.load (which reads a legacy file itself) hashes such a key. torch.load reads no opcode
+    past where the walk stops, so the bytes returned hold all it would run of them.
+    """
+    if _pickscan is None:
+        return None
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        end = 0
+        for _ in range(count):
+            verdict, end, whole = _pickscan.walk_from(data, _WALK_TABLE, MAX_DEPTH, end)
+            if verdict == "too deep":
+                raise too_deep(path)
+            if not whole:
+                break
+        return data[:end]
+
+
+def too_deep(path: str | Path) -> CheckpointFormatError:
+    """The refusal of a file whose pickle nests tuples past MAX_DEPTH (`_TooDeep`)."""
+    return CheckpointFormatError(f"{path} is refused: its pickle nests tuples more than {MAX_DEPTH} deep, which "
+                                 "could crash Python (a crafted file?); save the state without such nesting")
+
+
 def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     expected, contiguous = 1, True
     for n, s in zip(reversed(shape), reversed(stride)):
@@ -697,9 +724,7 @@ def read_with_covers(path: str | Path, prefix: str = "", on_fallback: Callable[[
     except _Refused as exc:
         raise refused(path, TORCH_REFUSAL, str(exc)) from None
     except _TooDeep:
-        raise CheckpointFormatError(f"{path} is refused: its pickle nests tuples more than {MAX_DEPTH} deep, which "
-                                    "could crash Python (a crafted file?); save the state without such nesting"
-                                    ) from None
+        raise too_deep(path) from None
     except _Damaged as exc:
         raise CheckpointFormatError(f"{path} is not a readable torch.save file (truncated or corrupted?): {exc}"
                                     ) from None

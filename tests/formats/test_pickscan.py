@@ -187,3 +187,19 @@ def test_the_walk_stops_where_every_reader_stops():
     assert walk(HEAD + pickle.TUPLE2 + _tuples(201) + pickle.STOP) == "other"
     assert walk(HEAD + pickle.NONE + pickle.MARK + pickle.TUPLE1 + _tuples(201) + pickle.STOP) == "other"
     assert walk(HEAD + pickle.BINGET + b"\x00" + _tuples(201) + pickle.STOP) == "other"
+
+
+def test_walk_from_walks_one_pickle_of_a_stream_and_says_where_it_ended():
+    """A legacy torch.save file is a stream of pickles: each is walked from where the one before it stopped."""
+    first, second = pickle.dumps(1, protocol=2), pickle.dumps({"a": (1, 2)}, protocol=2)
+    stream = first + second + b"\x00" * 10  # tensor bytes follow a legacy file's pickles
+    table, depth = torchzip._WALK_TABLE, torchzip.MAX_DEPTH
+    assert torchzip._pickscan.walk_from(stream, table, depth, 0) == ("plain", len(first), True)
+    assert torchzip._pickscan.walk_from(stream, table, depth, len(first)) == ("plain", len(first + second), True)
+    assert torchzip._pickscan.walk_from(stream, table, depth, len(first + second)) == ("other", len(first + second),
+                                                                                      False)
+    assert torchzip._pickscan.walk_from(HEAD + pickle.NONE + pickle.DUP, table, depth, 0) == ("other", 3, False)
+    assert torchzip._pickscan.walk_from(first + HEAD + _tuples(201) + pickle.STOP, table, depth, len(first))[0] == (
+        "too deep")
+    with pytest.raises(ValueError, match="outside"):
+        torchzip._pickscan.walk_from(first, table, depth, len(first) + 1)

@@ -440,6 +440,48 @@ def test_tuples_a_million_deep_are_refused_not_a_crash(tmp_path, what, protocol,
                                  "more than 200 deep"), out.stdout
 
 
+def _read_in_a_subprocess(path):
+    """read_checkpoint(path) in a child: what it printed (the error's type and text), or why it died."""
+    script = textwrap.dedent(f"""
+        from ckptstore import formats
+        from ckptstore.errors import CkptError
+        try:
+            formats.read_checkpoint({str(path)!r})
+        except CkptError as exc:
+            print(type(exc).__name__, exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ckpt_env(), timeout=300)
+    assert out.returncode == 0, f"died with {out.returncode}: {out.stderr[-2000:]}"
+    return out.stdout
+
+
+def _legacy_file(path, state=pickle.EMPTY_DICT, keys=pickle.EMPTY_LIST):
+    """A legacy (pre-zip) torch.save stream: magic number, protocol version, system info, state, storage keys."""
+    system = {"protocol_version": 1001, "little_endian": True, "type_sizes": {"short": 2, "int": 4, "long": 4}}
+    head = b"".join(pickle.dumps(value, protocol=2) for value in (0x1950A86A20F9469CFC6C, 1001, system))
+    path.write_bytes(head + b"".join(pickle.PROTO + b"\x02" + body + pickle.STOP for body in (state, keys)))
+
+
+@pytest.mark.parametrize("where", ["state", "storage keys"])
+def test_a_legacy_file_with_tuples_a_million_deep_is_refused_not_a_crash(tmp_path, where):
+    """A legacy torch.save file went straight to torch.load (and the numpy dtype dry run before it): the
+    million-deep tuple key the zip reader refuses segfaulted it there (auditor helper 299). Its pickles are now
+    walked first, and refused with the zip reader's error."""
+    deep = pickle.NONE + pickle.TUPLE1 * 1_000_000
+    if where == "state":
+        _legacy_file(tmp_path / "deep.pt", state=pickle.EMPTY_DICT + deep + pickle.BININT1 + b"\x01" + pickle.SETITEM)
+    else:
+        _legacy_file(tmp_path / "deep.pt", keys=pickle.EMPTY_LIST + deep + pickle.APPEND)
+    assert _read_in_a_subprocess(tmp_path / "deep.pt").startswith(
+        f"CheckpointFormatError {tmp_path / 'deep.pt'} is refused: its pickle nests tuples more than 200 deep")
+    _legacy_file(tmp_path / "ok.pt", state=pickle.EMPTY_DICT + pickle.NONE + pickle.TUPLE1 * 150 + pickle.BININT1
+                 + b"\x01" + pickle.SETITEM)
+    assert formats.read_checkpoint(tmp_path / "ok.pt").files[0].skeleton  # 150 deep: read as before
+    state = {"w": torch.arange(4.0), "n": np.arange(3), ((1, (2,)), "k"): torch.ones(2), "s": {"a", 1}}
+    torch.save(state, tmp_path / "real.pt", _use_new_zipfile_serialization=False)
+    assert_same(torchfile.load(tmp_path / "real.pt"), state)
+
+
 def _build_on_shared_globals(path):
     """A pickle that BUILDs new attributes onto the storage type and dtype the allow-list hands out."""
     def text(value):
