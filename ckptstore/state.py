@@ -28,6 +28,7 @@ from ckptstore.errors import (
     listing,
 )
 from ckptstore.errors import is_utf8 as is_utf8  # formats and watch import it from here
+from ckptstore.formats.tuplecost import key_nesting
 from ckptstore.warn import warn_caller
 
 BYTES_DTYPE = "bytes"
@@ -113,27 +114,6 @@ INT64_END = 1 << 63  # sizes, strides and offsets at or past this fit no reader'
 
 # str keys that read as an int key's digits; only these (and "") are marked, so ordinary paths stay
 _INT_LIKE = re.compile(r"-?(?:0|[1-9][0-9]*)")
-
-
-def tuple_nesting(value: Any, limit: int) -> int:
-    """How deep tuples nest in `value` (0: none), to `limit` + 1 at most, by a loop, before anything recurses."""
-    # CPython 3.11 hashes a nested tuple recursively with no guard: a million-deep key would overflow the C stack
-    heights: dict[int, int] = {}  # id -> nesting of each tuple measured (shared ones once); `value` keeps them alive
-    frames = [[value, iter(value), 1]] if isinstance(value, tuple) else []  # [tuple, items left, nesting so far]
-    while frames:
-        frame = frames[-1]
-        for item in frame[1]:
-            if isinstance(item, tuple) and id(item) not in heights:
-                if len(frames) >= limit:
-                    return limit + 1
-                frames.append([item, iter(item), 1])
-                break
-            frame[2] = max(frame[2], heights.get(id(item), 0) + 1)
-        else:
-            heights[id(frames.pop()[0])] = frame[2]
-            if frames:
-                frames[-1][2] = max(frames[-1][2], frame[2] + 1)
-    return heights.get(id(value), 0)
 
 
 def _storable_key(key: Any) -> bool:
@@ -576,7 +556,7 @@ class _Flattener:
         self.enter(value, path, 2 * len(value))
         items = []
         for key, item in value.items():
-            if isinstance(key, tuple) and (room := MAX_DEPTH - self.depth) < tuple_nesting(key, room):  # before walks
+            if isinstance(key, tuple) and (room := MAX_DEPTH - self.depth) < key_nesting(key, room, path):  # first
                 raise _limit(path, f"nests containers more than {MAX_DEPTH} deep (a dict key's tuples nest past it)")
             if not _storable_key(key):
                 raise UnsupportedStateError(

@@ -1,6 +1,9 @@
 import json
 import math
 import random
+import subprocess
+import sys
+import textwrap
 from collections import OrderedDict
 
 import numpy as np
@@ -128,6 +131,30 @@ def test_a_dict_key_of_tuples_50000_deep_is_refused_at_the_depth_limit_not_as_fo
         flatten(_nested_dicts(60, {_tuples(150): 1}))
     shallow = {"a": {_tuples(150): torch.ones(1)}}
     assert_same(shallow, _round_trip(shallow))
+
+
+def test_a_dict_key_of_shared_tuples_is_refused_before_flatten_walks_it():
+    """A key t = (t, t) 25 levels over is hashed by visiting 2**26 items (half a second in C), but flatten's
+    _storable_key and encoding walked it item by item in Python (a minute, before an unrelated error; a hang
+    further up). Now measured by a loop over its distinct tuples and refused at once, naming why."""
+    script = textwrap.dedent("""
+        from ckptstore.errors import UnsupportedStateError
+        from ckptstore.state import flatten
+        key = None
+        for _ in range(25):
+            key = (key, key)
+        state = {"model": {key: 1}}  # hashed once here, in C
+        try:
+            flatten(state)
+        except UnsupportedStateError as exc:
+            print(exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ckpt_env(), timeout=20)
+    assert out.stdout.startswith("model: a dict key's tuples hold shared tuples so often that hashing it visits more "
+                                 "than 10,000,000 items"), out.stdout + out.stderr[-2000:]
+    shared = (1, "x")
+    key = ((shared, shared), (shared, shared))  # sharing within the bound: stored as before
+    assert list(flatten({"a": {key: torch.ones(1)}}).tensors) == [join_key("a", key)]
 
 
 def _nested_dicts(depth, leaf):

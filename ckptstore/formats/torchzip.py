@@ -17,7 +17,8 @@ something it does not model (an unknown global in torch's namespace, an unusual 
 big-endian file, a stride it cannot prove in bounds) `read` returns None and the caller falls back
 to torch, so results and error messages are the same on both paths. The verdicts it gives
 itself are refusals: a global that torch's loader refuses too, with the same error, and tuples
-nested so deep that hashing one would crash every unpickler, torch's included (`_TooDeep`).
+nested so deep that hashing one would crash every unpickler, torch's included, or sharing tuples
+so often that hashing one would never end (`_TooCostly`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from ckptstore.errors import CheckpointFormatError, UnsupportedStateError
 from ckptstore.formats import filemap
 from ckptstore.formats.dtypestate import dtype_state_problem
 from ckptstore.formats.torchfile import numpy_safe_globals, refused
+from ckptstore.formats.tuplecost import MAX_VISITS, tuple_cost
 from ckptstore.state import (
     BOOKKEEPING_ATTRIBUTES,
     INT64_END,
@@ -53,7 +55,6 @@ from ckptstore.state import (
     RawTensor,
     _Flattener,
     element_unit,
-    tuple_nesting,
 )
 
 # The last line of every refusal of torch's weights_only loader; torchfile.refused keeps only it
@@ -107,8 +108,12 @@ class _Refused(Exception):
     """A global that torch's weights_only loader refuses as well."""
 
 
-class _TooDeep(Exception):
-    """Tuples nested past MAX_DEPTH: hashing one (a dict key) overflows the C stack in every unpickler, torch's too."""
+class _TooCostly(Exception):
+    """A tuple that hashing (as a dict key) would crash on or never finish, in every unpickler, torch's too.
+
+    Its argument is the walk's verdict: "too deep" (nested past MAX_DEPTH: the C stack overflows) or
+    "too big" (a hash would visit more than MAX_VISITS items, shared tuples counted each time).
+    """
 
 
 class _Damaged(Exception):
@@ -256,9 +261,11 @@ def _latin1(text: Any, encoding: Any = "utf-8") -> bytes:
 
 
 def _refuse_deep_tuple(value: Any) -> None:
-    """Refuse a value about to be hashed (a dict key, a set item) whose tuples nest past MAX_DEPTH."""
-    if isinstance(value, tuple) and tuple_nesting(value, MAX_DEPTH) > MAX_DEPTH:
-        raise _TooDeep
+    """Refuse a value about to be hashed (a dict key, a set item) whose tuples cost too much to hash (_TooCostly)."""
+    if isinstance(value, tuple):
+        nesting, visits = tuple_cost(value, MAX_DEPTH)
+        if nesting > MAX_DEPTH or visits > MAX_VISITS:
+            raise _TooCostly("too deep" if nesting > MAX_DEPTH else "too big")
 
 
 def _plain_set(items: Any = ()) -> set:
@@ -505,7 +512,7 @@ class _Unpickler(_Resolver, pickle._Unpickler):
             _need(problem is None, problem or "")
         super().load_build()
 
-    def load_setitem(self) -> None:  # the key is hashed: see _TooDeep
+    def load_setitem(self) -> None:  # the key is hashed: see _TooCostly
         _refuse_deep_tuple(self.stack[-2])
         super().load_setitem()
 
@@ -550,11 +557,11 @@ def _unpickle(data: bytes, archive: _Archive) -> Any:
 
     The Python unpickler gives every verdict (fallback reasons, refusals): the C one only ever
     supplies a result that the Python one would have given too, faster. The walk alone refuses tuples
-    nested past MAX_DEPTH, before any unpickler (torch's, the fallback, included) would hash one.
+    too costly to hash (_TooCostly), before any unpickler (torch's, the fallback, included) would hash one.
     """
-    verdict = "other" if _pickscan is None else _pickscan.walk(data, _WALK_TABLE, MAX_DEPTH)
-    if verdict == "too deep":  # refused before any unpickler (or torch's, the fallback) hashes it
-        raise _TooDeep
+    verdict = "other" if _pickscan is None else _pickscan.walk(data, _WALK_TABLE, MAX_DEPTH, MAX_VISITS)
+    if verdict in ("too deep", "too big"):  # refused before any unpickler (or torch's, the fallback) hashes it
+        raise _TooCostly(verdict)
     # the C unpickler hands a dtype's state to numpy unchecked: a pickle naming numpy goes the Python way
     if verdict == "plain" and b"numpy" not in data:
         try:
@@ -567,7 +574,7 @@ def _unpickle(data: bytes, archive: _Archive) -> Any:
 def legacy_pickles(path: Path, count: int = 5) -> bytes | None:
     """A legacy torch.save stream's first `count` pickles, as far as the walk follows them, or None without the walk.
 
-    Raises the CheckpointFormatError of `_TooDeep` where one nests tuples past MAX_DEPTH, before
+    Raises the CheckpointFormatError of `_TooCostly` where one builds a tuple too costly to hash, before
     torch.load (which reads a legacy file itself) hashes such a key. torch.load reads no opcode
     past where the walk stops, so the bytes returned hold all it would run of them.
     """
@@ -576,18 +583,22 @@ def legacy_pickles(path: Path, count: int = 5) -> bytes | None:
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
         end = 0
         for _ in range(count):
-            verdict, end, whole = _pickscan.walk_from(data, _WALK_TABLE, MAX_DEPTH, end)
-            if verdict == "too deep":
-                raise too_deep(path)
+            verdict, end, whole = _pickscan.walk_from(data, _WALK_TABLE, MAX_DEPTH, MAX_VISITS, end)
+            if verdict in ("too deep", "too big"):
+                raise too_costly(path, verdict)
             if not whole:
                 break
         return data[:end]
 
 
-def too_deep(path: str | Path) -> CheckpointFormatError:
-    """The refusal of a file whose pickle nests tuples past MAX_DEPTH (`_TooDeep`)."""
-    return CheckpointFormatError(f"{path} is refused: its pickle nests tuples more than {MAX_DEPTH} deep, which "
-                                 "could crash Python (a crafted file?); save the state without such nesting")
+def too_costly(path: str | Path, verdict: str) -> CheckpointFormatError:
+    """The refusal of a file whose pickle builds a tuple too costly to hash (`_TooCostly`, with the walk's verdict)."""
+    if verdict == "too deep":
+        return CheckpointFormatError(f"{path} is refused: its pickle nests tuples more than {MAX_DEPTH} deep, which "
+                                     "could crash Python (a crafted file?); save the state without such nesting")
+    return CheckpointFormatError(f"{path} is refused: its pickle builds a tuple whose hash would visit more than "
+                                 f"{MAX_VISITS:,} items (tuples shared within tuples), which could hang Python (a "
+                                 "crafted file?); save the state without such tuples")
 
 
 def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -723,8 +734,8 @@ def read_with_covers(path: str | Path, prefix: str = "", on_fallback: Callable[[
         return _load(path, prefix)
     except _Refused as exc:
         raise refused(path, TORCH_REFUSAL, str(exc)) from None
-    except _TooDeep:
-        raise too_deep(path) from None
+    except _TooCostly as exc:
+        raise too_costly(path, str(exc)) from None
     except _Damaged as exc:
         raise CheckpointFormatError(f"{path} is not a readable torch.save file (truncated or corrupted?): {exc}"
                                     ) from None

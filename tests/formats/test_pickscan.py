@@ -16,7 +16,7 @@ HEAD = pickle.PROTO + b"\x02"
 
 
 def walk(data):
-    return torchzip._pickscan.walk(data, torchzip._WALK_TABLE, torchzip.MAX_DEPTH)
+    return torchzip._pickscan.walk(data, torchzip._WALK_TABLE, torchzip.MAX_DEPTH, torchzip.MAX_VISITS)
 
 
 def plain(data):
@@ -193,13 +193,47 @@ def test_walk_from_walks_one_pickle_of_a_stream_and_says_where_it_ended():
     """A legacy torch.save file is a stream of pickles: each is walked from where the one before it stopped."""
     first, second = pickle.dumps(1, protocol=2), pickle.dumps({"a": (1, 2)}, protocol=2)
     stream = first + second + b"\x00" * 10  # tensor bytes follow a legacy file's pickles
-    table, depth = torchzip._WALK_TABLE, torchzip.MAX_DEPTH
-    assert torchzip._pickscan.walk_from(stream, table, depth, 0) == ("plain", len(first), True)
-    assert torchzip._pickscan.walk_from(stream, table, depth, len(first)) == ("plain", len(first + second), True)
-    assert torchzip._pickscan.walk_from(stream, table, depth, len(first + second)) == ("other", len(first + second),
+    table, limits = torchzip._WALK_TABLE, (torchzip.MAX_DEPTH, torchzip.MAX_VISITS)
+    assert torchzip._pickscan.walk_from(stream, table, *limits, 0) == ("plain", len(first), True)
+    assert torchzip._pickscan.walk_from(stream, table, *limits, len(first)) == ("plain", len(first + second), True)
+    assert torchzip._pickscan.walk_from(stream, table, *limits, len(first + second)) == ("other", len(first + second),
                                                                                       False)
-    assert torchzip._pickscan.walk_from(HEAD + pickle.NONE + pickle.DUP, table, depth, 0) == ("other", 3, False)
-    assert torchzip._pickscan.walk_from(first + HEAD + _tuples(201) + pickle.STOP, table, depth, len(first))[0] == (
+    assert torchzip._pickscan.walk_from(HEAD + pickle.NONE + pickle.DUP, table, *limits, 0) == ("other", 3, False)
+    assert torchzip._pickscan.walk_from(first + HEAD + _tuples(201) + pickle.STOP, table, *limits, len(first))[0] == (
         "too deep")
     with pytest.raises(ValueError, match="outside"):
-        torchzip._pickscan.walk_from(first, table, depth, len(first) + 1)
+        torchzip._pickscan.walk_from(first, table, *limits, len(first) + 1)
+
+
+def _shared(levels, put=pickle.BINPUT + b"\x00", get=pickle.BINGET + b"\x00"):
+    """t = (t, t), `levels` times, through the memo: `levels` deep, and a hash of it visits 2**(levels + 1) - 1."""
+    return pickle.NONE + put + (get + pickle.TUPLE2 + put) * levels
+
+
+@pytest.mark.parametrize("body", [
+    _shared(60),  # the 250-byte hang
+    pickle.EMPTY_DICT + _shared(60) + pickle.BININT1 + b"\x01" + pickle.SETITEM,
+    _shared(23),  # 2**24 - 1 visits: past 10**7
+    _shared(60, pickle.LONG_BINPUT + b"\x00" * 4, pickle.LONG_BINGET + b"\x00" * 4),
+    pickle.NONE + pickle.MEMOIZE + b"".join(pickle.BINGET + bytes([i]) + pickle.TUPLE2 + pickle.MEMOIZE
+                                            for i in range(60)),  # protocol 4's memo, a new index each time
+    pickle.NONE + pickle.BINPUT + b"\x00" + (pickle.MARK + (pickle.BINGET + b"\x00") * 3 + pickle.TUPLE + pickle.BINPUT
+                                             + b"\x00") * 40,  # (t, t, t)
+    pickle.NONE + pickle.LONG_BINPUT + (9).to_bytes(4, "little")
+    + ((pickle.LONG_BINGET + (9).to_bytes(4, "little")) * 2 + pickle.TUPLE2) * 60,  # a gap: any GET the biggest yet
+    pickle.GLOBAL + b"collections\nOrderedDict\n" + _shared(60) + pickle.TUPLE1 + pickle.REDUCE,
+])
+@pytest.mark.parametrize("head", [HEAD, pickle.PROTO + b"\x04"])
+def test_tuples_whose_hash_visits_too_many_items_are_too_big(body, head):
+    """A tuple only 60 deep whose hash visits 2**61 items, as shared tuples are hashed wherever they occur: the
+    walk called it plain and every reader hung hashing it as a dict key (auditor helper 299). Now "too big"."""
+    assert walk(head + body + pickle.STOP) == "too big"
+
+
+def test_tuples_shared_within_bounds_and_lists_of_them_stay_plain():
+    """A tuple shared 20 levels over (2**21 visits) is within the bound; lists and dicts end the count as the hash
+    does, so many shared tuples in a list are not summed."""
+    assert walk(HEAD + _shared(20) + pickle.STOP) == "plain"
+    many = pickle.EMPTY_LIST + _shared(20) + (pickle.BINGET + b"\x00" + pickle.APPEND) * 100 + pickle.APPEND
+    assert walk(HEAD + many + pickle.STOP) == "plain"
+    assert walk(HEAD + pickle.EMPTY_LIST + _shared(20) + pickle.APPEND + pickle.TUPLE1 + pickle.STOP) == "plain"

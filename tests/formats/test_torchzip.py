@@ -482,6 +482,40 @@ def test_a_legacy_file_with_tuples_a_million_deep_is_refused_not_a_crash(tmp_pat
     assert_same(torchfile.load(tmp_path / "real.pt"), state)
 
 
+_SHARED_60 = pickle.NONE + pickle.BINPUT + b"\x00" + (pickle.BINGET + b"\x00" + pickle.TUPLE2 + pickle.BINPUT
+                                                  + b"\x00") * 60  # t = (t, t), 60 times: the one on the stack twice
+_SHARED_KEY = pickle.EMPTY_DICT + _SHARED_60 + pickle.BININT1 + b"\x01" + pickle.SETITEM
+
+
+@pytest.mark.parametrize("make", ["zip", "zip without the C walk", "zip protocol 4", "legacy"])
+def test_a_tuple_key_whose_hash_visits_2_to_the_61_items_is_refused_not_a_hang(tmp_path, make):
+    """A 250-byte data.pkl building t = (t, t) 60 times through the memo, then {t: 1}: only 60 deep, so the walk
+    called it plain, and hashing it (the unpickler's dict, torch.load's too) visits 2**61 items: read_checkpoint
+    never finished (auditor helper 299). Now refused, naming why, by the walk and by the Python unpickler."""
+    path = tmp_path / "shared.pt"
+    if make == "legacy":
+        _legacy_file(path, state=_SHARED_KEY)
+    else:
+        torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
+        _replace_pickle(tmp_path / "a.pt", path, pickle.PROTO + (b"\x04" if "4" in make else b"\x02") + _SHARED_KEY
+                        + pickle.STOP)
+    script = textwrap.dedent(f"""
+        from ckptstore import formats
+        from ckptstore.errors import CkptError
+        from ckptstore.formats import torchzip
+        if {"without" in make}:
+            torchzip._pickscan = None  # built without a C compiler: the Python unpickler checks what it hashes
+        try:
+            formats.read_checkpoint({str(path)!r})
+        except CkptError as exc:
+            print(type(exc).__name__, exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ckpt_env(), timeout=60)
+    assert out.returncode == 0, f"died with {out.returncode}: {out.stderr[-2000:]}"
+    assert out.stdout.startswith(f"CheckpointFormatError {path} is refused: its pickle builds a tuple whose hash "
+                                 "would visit more than 10,000,000 items"), out.stdout
+
+
 def _build_on_shared_globals(path):
     """A pickle that BUILDs new attributes onto the storage type and dtype the allow-list hands out."""
     def text(value):
