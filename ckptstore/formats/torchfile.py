@@ -110,7 +110,7 @@ def load(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
     mmap = _mappable(path)
     if trust_pickle:
         return _adopted(path, mmap, _load_trusted(torch, path, mmap))
-    walked = _walked_legacy(path)
+    walked = _walked(path)  # a crafted tuple key crashed Python in the dry run below, or in torch.load
     with open(path, "rb") as handle:  # a legacy file is five pickles: magic, protocol, system, state, storages
         problem = bad_dtype_state(handle if walked is None else walked, pickles=5)
     if problem is not None:
@@ -127,19 +127,11 @@ def load(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
         ) from None
 
 
-def _walked_legacy(path: Path) -> bytes | None:
-    """A legacy file's pickles, as far as torch.load would read them, once walked (None for a zip, or with no walk).
-
-    torch.load reads a legacy file with no reader of ours first: tuples nested a million deep in it
-    crashed Python there (CPython 3.11 hashes them without a guard), so they are refused before it
-    runs, with the zip reader's error.
-    """
-    with open(path, "rb") as handle:
-        if handle.read(len(ZIP_MAGIC)) == ZIP_MAGIC:
-            return None
+def _walked(path: Path) -> bytes | None:
+    """The file's pickles as far as torch.load would read them, once walked (torchzip.walked_pickles)."""
     from ckptstore.formats import torchzip  # it imports this module
 
-    return torchzip.legacy_pickles(path)
+    return torchzip.walked_pickles(path)
 
 
 def _adopted(path: Path, mapped: bool, state: Any) -> Any:

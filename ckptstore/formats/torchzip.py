@@ -591,6 +591,32 @@ def legacy_pickles(path: Path, count: int = 5) -> bytes | None:
         return data[:end]
 
 
+def walked_pickles(path: Path) -> bytes | None:
+    """A torch.save file's pickles as far as the walk follows them (a zip's data.pkl, a legacy file's five).
+
+    For torch.load's path (a fallback, or a legacy file): its numpy dry run (dtypestate) runs every
+    opcode, DUP and POP too, where the walk stops, so it gets only these bytes; the walk refuses a tuple
+    too costly to hash first. None without the walk, or for a zip whose data.pkl cannot be read here.
+    """
+    if _pickscan is None:
+        return None
+    with open(path, "rb") as handle:
+        if handle.read(4) != b"PK\x03\x04":
+            return legacy_pickles(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            name = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+            data = archive.read(name) if name else None
+    except (zipfile.BadZipFile, OSError, ValueError, RuntimeError, EOFError):
+        return None
+    if data is None:
+        return None
+    verdict, end, _ = _pickscan.walk_from(data, _WALK_TABLE, MAX_DEPTH, MAX_VISITS, 0)
+    if verdict in ("too deep", "too big"):
+        raise too_costly(path, verdict)
+    return data[:end]
+
+
 def too_costly(path: str | Path, verdict: str) -> CheckpointFormatError:
     """The refusal of a file whose pickle builds a tuple too costly to hash (`_TooCostly`, with the walk's verdict)."""
     if verdict == "too deep":

@@ -440,6 +440,19 @@ def test_tuples_a_million_deep_are_refused_not_a_crash(tmp_path, what, protocol,
                                  "more than 200 deep"), out.stdout
 
 
+@pytest.mark.parametrize("stop", [pickle.POP, pickle.DUP + pickle.POP])
+def test_a_pickle_naming_numpy_past_an_opcode_the_walk_stops_at_is_refused_not_a_crash(tmp_path, stop):
+    """The walk stopped at DUP or POP ("other"), the Python reader fell back to torch.load's path, and there the
+    numpy dry run (dtypestate), which runs every opcode, hashed the million-deep key: a segfault (fixer 312).
+    Now the dry run reads only what the walk followed."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
+    data = (pickle.PROTO + b"\x02" + pickle.SHORT_BINSTRING + b"\x05numpy" + stop + pickle.EMPTY_DICT + _MILLION_DEEP
+            + pickle.BININT1 + b"\x01" + pickle.SETITEM + pickle.STOP)
+    _replace_pickle(tmp_path / "a.pt", tmp_path / "deep.pt", data)
+    said = _read_in_a_subprocess(tmp_path / "deep.pt")
+    assert said.startswith("PickledObjectsError") and "does not read" in said, said  # a clean refusal, no crash
+
+
 def _read_in_a_subprocess(path):
     """read_checkpoint(path) in a child: what it printed (the error's type and text), or why it died."""
     script = textwrap.dedent(f"""
