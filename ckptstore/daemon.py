@@ -15,7 +15,10 @@ changes under it (every request carries the code's fingerprint, and a stale daem
 The daemon takes `.ckpt/daemon.lock` (one daemon per repository) and writes where it listens to
 `.ckpt/daemon.json`; its socket lives in a private folder of the user's (a Unix socket's path is
 limited to 107 bytes, and a repository's is not). Clients check both ends: the folder is the
-user's own with mode 0700, and the process listening runs as the same user.
+user's own with mode 0700, and the process listening runs as the same user. The daemon checks the
+client: every request carries the random token daemon.json holds (mode 0600), so only a process that
+can read the repository's .ckpt folder, in the daemon's file system, is served; the same uid in
+another container sharing /tmp is not. And it runs only what the launcher forwards (`forwardable`).
 
 This module is the client's side and the wire format; the launcher imports it in every `ckpt
 commit` process, so it imports only what a client needs. The serving process is daemon_server.py.
@@ -66,6 +69,39 @@ def lock_path(root: Path) -> Path:
 def address_path(root: Path) -> Path:
     """Where the running daemon says it listens (JSON: socket, pid)."""
     return root / ".ckpt" / "daemon.json"
+
+
+# A calibration function, and the classes --trust-pickle unpickles, are the user's code: they are imported in
+# the user's own process, with its sys.path and fresh, never a daemon's old copy
+_LOCAL_OPTIONS = ("--calibration", "--trust-pickle")
+
+
+def command_of(argv: list[str]) -> tuple[str | None, str | None]:
+    """The subcommand `argv` names and the repository folder its --repo gives, past the global options.
+
+    None for the command where another option comes first (--read-only, --help): such a run stays here.
+    """
+    repo, index = None, 0
+    while index < len(argv) and argv[index].startswith("-"):
+        option, joined, value = argv[index].partition("=")
+        if option == "--repo" and not joined and index + 1 < len(argv):
+            repo, index = argv[index + 1], index + 2
+        elif option == "--repo" and joined:  # --repo=PATH (--repo= is empty, as click reads it)
+            repo, index = value or None, index + 1
+        elif option == "--debug" and not joined:
+            index += 1
+        else:
+            return None, repo
+    return (argv[index] if index < len(argv) else None), repo
+
+
+def forwardable(argv: Any) -> bool:
+    """Whether `argv` is a command a daemon runs: a `commit` importing none of the user's code.
+
+    The launcher forwards only these, and the daemon refuses the rest: a request is no proof that a launcher sent it.
+    """
+    return (isinstance(argv, list) and all(isinstance(arg, str) for arg in argv) and command_of(argv)[0] == "commit"
+            and not any(arg.startswith(_LOCAL_OPTIONS) for arg in argv))
 
 
 def read_address(root: Path) -> dict[str, Any]:
@@ -166,11 +202,15 @@ def same_user(conn: socket.socket) -> bool:
     return uid == os.getuid()
 
 
-def _connect(root: Path) -> socket.socket | None:
-    """A connection to `root`'s daemon, or None when none listens (or its socket is not safely this user's)."""
+def _connect(root: Path) -> tuple[socket.socket, str | None] | None:
+    """A connection to `root`'s daemon and the token its requests carry; None when none listens, or not safely.
+
+    Not safely: its socket is not this user's. An older daemon's address file holds no token: it is asked
+    anyway, and steps aside as stale.
+    """
     try:
         where = read_address(root)
-        path = Path(where["socket"])
+        path, token = Path(where["socket"]), where.get("token")
         _check_private(path.parent)
     except (OSError, ValueError, KeyError, TypeError, CkptError):
         return None
@@ -182,7 +222,7 @@ def _connect(root: Path) -> socket.socket | None:
     except OSError:
         conn.close()
         return None
-    return conn
+    return conn, token if isinstance(token, str) else None
 
 
 def _umask() -> int:
@@ -197,12 +237,13 @@ def forward(root: Path, argv: list[str]) -> int | None:
     None when no daemon is running, or the daemon did not take the command (it is stopping, or
     runs other code): run it here. Raises DaemonGone when the daemon disappears mid-command.
     """
-    conn = _connect(root)
-    if conn is None:
+    connected = _connect(root)
+    if connected is None:
         return None
+    conn, token = connected
     with conn:
         request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": _umask(),
-                   "code": code_fingerprint(), "root": str(root.resolve())}
+                   "code": code_fingerprint(), "root": str(root.resolve()), "token": token}
         try:
             send_frame(conn, REQUEST, json.dumps(request).encode())
         except OSError:
@@ -285,12 +326,13 @@ def _echo(stream: Any, payload: bytes) -> OutputError | None:
 
 def _ask(root: Path, op: str) -> dict[str, Any] | None:
     """A control request's reply (`status`, `stop`), or None when no daemon listens."""
-    conn = _connect(root)
-    if conn is None:
+    connected = _connect(root)
+    if connected is None:
         return None
+    conn, token = connected
     with conn:
         try:
-            send_frame(conn, REQUEST, json.dumps({"op": op, "root": str(root.resolve())}).encode())
+            send_frame(conn, REQUEST, json.dumps({"op": op, "root": str(root.resolve()), "token": token}).encode())
             channel, payload = receive_frame(conn)
         except OSError:
             return None

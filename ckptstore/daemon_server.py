@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hmac
 import io
 import json
 import os
 import queue
+import secrets
 import signal
 import socket
 import sys
@@ -38,6 +40,7 @@ from ckptstore.daemon import (
     STDOUT,
     address_path,
     code_fingerprint,
+    forwardable,
     lock_path,
     log_path,
     private_folder,
@@ -79,6 +82,7 @@ class _Daemon:
         self.root, self.idle = root.resolve(), idle
         self.identity = _identity(self.root)  # the repository's .ckpt folder: the same one however it is named
         self.code = code_fingerprint()
+        self.token = secrets.token_hex(32)  # in daemon.json, mode 0600: a request that lacks it is no client of ours
         self.started, self.served, self.last_command = time.time(), 0, time.monotonic()
         self.running = True  # taking commands; once False, a stop is under way
         self.closing = False  # the accepting thread ends
@@ -108,7 +112,7 @@ class _Daemon:
             try:
                 listener.bind(str(path))
                 listener.listen(16)
-                _write_address(self.root, path)
+                _write_address(self.root, path, self.token)
                 self.last_command = time.monotonic()  # idle time counts from here, not from before the warm-up
                 accepting.start()
                 self._run_commands()
@@ -185,9 +189,15 @@ class _Daemon:
             channel, payload = receive_frame(conn)
             conn.settimeout(None)
             request = json.loads(payload) if channel == REQUEST else None
-            if not isinstance(request, dict) or not isinstance(root := request.get("root", str(self.root)), str):
+            if not isinstance(request, dict) or not isinstance(root := request.get("root"), str) \
+                    or not isinstance(token := request.get("token"), str):
                 return None  # sent what no client sends
-            if root != str(self.root) or _identity(Path(root)) != self.identity:
+            if not hmac.compare_digest(token.encode(errors="surrogatepass"), self.token.encode()):
+                # not one who read our address file: the same uid in another container sharing the socket folder
+                # (its own repository's stale daemon.json naming a socket this one reuses), or worse. It learns
+                # nothing of ours, and runs its command itself, with its own rights.
+                _run_in_client(conn)
+            elif root != str(self.root) or _identity(Path(root)) != self.identity:
                 # a stale address file led another repository's client here (a reused pid, or one made anew where
                 # this one was): not its daemon. Its own repository moved (the same .ckpt, named anew) or went:
                 # it steps aside, so that a daemon can start for it where it is now.
@@ -198,6 +208,8 @@ class _Daemon:
                 if request["op"] == "stop":
                     self.stop()
                 send_frame(conn, END, json.dumps(self.status()).encode())
+            elif not forwardable(request.get("argv")):  # what the launcher runs in its own process, or no command
+                _run_in_client(conn)
             else:
                 return request
         except (OSError, ValueError):  # the client left, or sent what no client sends: serve the next one
@@ -317,12 +329,23 @@ def _sweep(folder: Path) -> None:
             probe.close()
 
 
-def _write_address(root: Path, path: Path) -> None:
-    """Say where this daemon listens, all at once (a client never reads half of it)."""
+def _write_address(root: Path, path: Path, token: str) -> None:
+    """Say where this daemon listens and the token its clients send, all at once (a client never reads half of it).
+
+    Readable by its owner only (the token admits a client), written to a new file of a random name: in a group's
+    repository another member can plant a link at any name there is to guess, and a write would follow it.
+    """
     target = address_path(root)
-    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-    partial.write_text(json.dumps({"socket": str(path), "pid": os.getpid()}))
-    os.replace(partial, target)
+    partial = target.with_name(f"{target.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with open(fd, "w") as file:
+            file.write(json.dumps({"socket": str(path), "pid": os.getpid(), "token": token}))
+        os.replace(partial, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        raise
 
 
 def _turn_away(listener: socket.socket, commands: queue.Queue) -> None:

@@ -1,6 +1,6 @@
 """The `ckpt` command: `ckpt commit` runs in the repository's daemon when one is running, all else here.
 
-Only the standard library and two small ckptstore modules load before that choice, so a
+Only the standard library and a few small ckptstore modules load before that choice, so a
 forwarded commit starts in milliseconds (ckptstore/daemon.py).
 """
 
@@ -19,35 +19,15 @@ def main() -> None:
 
 
 def _launch(argv: list[str]) -> None:
-    command, repo = _command_of(argv)
-    # A calibration function, and the classes --trust-pickle unpickles, are the user's code: they are
-    # imported here, with the caller's sys.path and fresh, never a daemon's old copy
-    if command == "commit" and not any(arg.startswith(("--calibration", "--trust-pickle")) for arg in argv):
-        code = _in_daemon(argv, repo)
+    from ckptstore.daemon import command_of, forwardable  # the standard library only: the choice stays fast
+
+    if forwardable(argv):  # a commit that imports none of the user's code (daemon.py)
+        code = _in_daemon(argv, command_of(argv)[1])
         if code is not None:
             sys.exit(code)
     from ckptstore.cli import main as run_here
 
     run_here(argv)
-
-
-def _command_of(argv: list[str]) -> tuple[str | None, str | None]:
-    """The subcommand `argv` names and the repository folder its --repo gives, past the global options.
-
-    None for the command where another option comes first (--read-only, --help): such a run stays here.
-    """
-    repo, index = None, 0
-    while index < len(argv) and argv[index].startswith("-"):
-        option, joined, value = argv[index].partition("=")
-        if option == "--repo" and not joined and index + 1 < len(argv):
-            repo, index = argv[index + 1], index + 2
-        elif option == "--repo" and joined:  # --repo=PATH (--repo= is empty, as click reads it)
-            repo, index = value or None, index + 1
-        elif option == "--debug" and not joined:
-            index += 1
-        else:
-            return None, repo
-    return (argv[index] if index < len(argv) else None), repo
 
 
 def _in_daemon(argv: list[str], repo: str | None) -> int | None:

@@ -367,13 +367,14 @@ def test_a_daemon_of_a_repository_made_anew_leaves_the_new_daemons_address(tmp_p
     root.mkdir()
     assert ckpt(root, "init").returncode == 0 and ckpt(root, "daemon", "start", "--idle", "60").returncode == 0
     old = daemon.status(root.resolve())["pid"]
-    old_socket = json.loads((root / ".ckpt" / "daemon.json").read_text())["socket"]
+    old_address = json.loads((root / ".ckpt" / "daemon.json").read_text())
     shutil.rmtree(root / ".ckpt")
     assert ckpt(root, "init").returncode == 0 and ckpt(root, "daemon", "start", "--idle", "60").returncode == 0
     new = daemon.status(root.resolve())["pid"]
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:  # any request: its repository is gone
-        conn.connect(old_socket)
-        daemon.send_frame(conn, daemon.REQUEST, json.dumps({"op": "status", "root": str(root.resolve())}).encode())
+        conn.connect(old_address["socket"])
+        request = {"op": "status", "root": str(root.resolve()), "token": old_address["token"]}
+        daemon.send_frame(conn, daemon.REQUEST, json.dumps(request).encode())
         assert json.loads(daemon.receive_frame(conn)[1]) == {"here": True}
     _wait_until(lambda: not Path(f"/proc/{old}").exists() or "zombie" in Path(f"/proc/{old}/status").read_text())
     assert (daemon.status(root.resolve()) or {}).get("pid") == new  # its address file was removed by the old one
@@ -409,7 +410,7 @@ def test_a_checkpoint_cut_short_while_the_daemon_commits_it_is_refused_and_the_d
 
 
 def test_the_launcher_reads_the_command_and_its_repository_past_the_global_options():
-    from ckptstore.launch import _command_of
+    from ckptstore.daemon import command_of as _command_of
 
     assert _command_of(["--repo", "r", "--debug", "commit", "a.pt"]) == ("commit", "r")
     assert _command_of(["--repo=r", "commit"]) == ("commit", "r")
@@ -529,7 +530,7 @@ def test_a_ctrl_c_whose_command_never_started_in_the_daemon_is_not_run_in_the_cl
             raise KeyboardInterrupt
         return None  # the daemon's `here`: it never ran the command
 
-    monkeypatch.setattr(daemon, "_connect", lambda root: b)
+    monkeypatch.setattr(daemon, "_connect", lambda root: (b, "token"))
     monkeypatch.setattr(daemon, "_echo_reply", echo)
     with a, pytest.raises(KeyboardInterrupt):
         daemon.forward(tmp_path, ["commit", "x.pt"])
@@ -590,7 +591,7 @@ def test_a_daemon_that_answers_here_to_status_is_no_running_daemon(monkeypatch, 
 
     server = threading.Thread(target=serve)
     server.start()
-    monkeypatch.setattr(daemon, "_connect", lambda root: b)
+    monkeypatch.setattr(daemon, "_connect", lambda root: (b, "token"))
     try:
         assert daemon.status(tmp_path) is None
     finally:
@@ -654,3 +655,45 @@ def test_objects_a_commit_writes_in_the_daemon_get_the_clients_umask(served):
     assert _served_count(served) == 1
     written = [p for p in objects.rglob("*") if p.is_file() and p not in before]
     assert written and all(p.stat().st_mode & 0o077 == 0 for p in written), [oct(p.stat().st_mode) for p in written]
+
+
+def _ask_socket(where: str, request: dict) -> list[tuple[bytes, bytes]]:
+    """The frames the daemon listening at `where` answers `request` with, up to its end or the connection's."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(where)
+        conn.settimeout(60)
+        daemon.send_frame(conn, daemon.REQUEST, json.dumps(request).encode())
+        frames = []
+        while not frames or frames[-1][0] not in (b"", daemon.END):
+            frames.append(daemon.receive_frame(conn))
+    return frames
+
+
+def test_a_client_without_the_daemons_token_or_asking_what_no_launcher_forwards_is_not_served(served, tmp_path):
+    """Any process of this uid that reached the socket was served: the same uid in another container sharing /tmp,
+    which cannot see the repository, was told its path by `status` (no root: the daemon's own was filled in), and
+    had the daemon commit a file it could not read, check it out to a shared folder, and run its code through
+    --calibration (auditor helper 313). Now a request carries the token of daemon.json (0600), and only a forwarded
+    `commit` runs."""
+    address = json.loads(daemon.address_path(served).read_text())
+    assert daemon.address_path(served).stat().st_mode & 0o777 == 0o600
+    _save(tmp_path / "secret.pt", 1)
+    (tmp_path / "evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n\ndef f(*args):\n    pass\n")
+    root = str(served.resolve())
+    base = {"cwd": str(tmp_path), "env": {"PATH": os.environ["PATH"]}, "umask": 0o022,
+            "code": daemon.code_fingerprint(), "root": root}
+    commit = ["--repo", root, "commit", "secret.pt", "-m", "stolen"]
+    closed, here = [(b"", b"")], [(daemon.END, b'{"here": true}')]
+    assert _ask_socket(address["socket"], {"op": "status"}) == closed  # no root, no token: not a client's request
+    for token in ("0" * 64, address["token"][:-1] + "x"):  # another daemon's, nearly ours
+        assert _ask_socket(address["socket"], {"op": "status", "root": root, "token": token}) == here
+        assert _ask_socket(address["socket"], {**base, "argv": commit, "token": token}) == here
+    assert _ask_socket(address["socket"], {**base, "argv": commit, "root": None, "token": address["token"]}) == closed
+    assert _ask_socket(address["socket"], {**base, "argv": commit, "token": address["token"]})[-1] == (
+        daemon.END, b'{"code": 0}')  # the client that read daemon.json is served
+    for argv in (["--repo", root, "checkout", "HEAD", "-o", str(tmp_path / "out.pt")],
+                 [*commit, "--lossy", "balanced", "--calibration", f"{tmp_path / 'evil.py'}:f", "--allow-empty"],
+                 ["--repo", root, "commit", "secret.pt", "--trust-pickle"], "commit secret.pt"):
+        assert _ask_socket(address["socket"], {**base, "argv": argv, "token": address["token"]}) == here, argv
+    assert not (tmp_path / "out.pt").exists() and not (tmp_path / "ran").exists()
+    assert [c.message for c in Repository.open(served).log()] == ["stolen"] and _served_count(served) == 1
