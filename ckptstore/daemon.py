@@ -125,6 +125,10 @@ def read_address(root: Path) -> dict[str, Any]:
 
 
 SOCKET_PATH_BYTES = 107  # a Unix socket's path, at most (sun_path is 108 bytes with its NUL)
+# A socket's name: its daemon's pid and a random nonce. Pids repeat across containers that share the folder (/tmp):
+# by pid alone, one container's stale daemon.json named another's live socket, and a daemon could not bind its own.
+SOCKET_NONCE_HEX = 12  # 48 bits: no secret (the token is), only unlike any other daemon's of that pid
+LONGEST_SOCKET_NAME = f"4194304-{'0' * SOCKET_NONCE_HEX}.sock"
 
 
 def private_folder() -> Path:
@@ -136,7 +140,7 @@ def private_folder() -> Path:
     uid = os.getuid()
     for parent in (os.environ.get("XDG_RUNTIME_DIR"), os.environ.get("TMPDIR"), "/tmp"):
         base = Path(parent or "/tmp") / f"ckptstore-{uid}"
-        if len(os.fsencode(base / "4194304.sock")) <= SOCKET_PATH_BYTES and base.parent.is_dir():
+        if len(os.fsencode(base / LONGEST_SOCKET_NAME)) <= SOCKET_PATH_BYTES and base.parent.is_dir():
             break
     base.mkdir(mode=0o700, exist_ok=True)
     _check_private(base)

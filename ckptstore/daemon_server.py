@@ -36,6 +36,7 @@ from ckptstore.daemon import (
     DEFAULT_IDLE_SECONDS,
     END,
     REQUEST,
+    SOCKET_NONCE_HEX,
     STDERR,
     STDOUT,
     address_path,
@@ -105,7 +106,7 @@ class _Daemon:
             _lock_or_refuse(lock, self.root)
             folder = private_folder()
             _sweep(folder)
-            path = folder / f"{os.getpid()}.sock"
+            path = folder / f"{os.getpid()}-{secrets.token_hex(SOCKET_NONCE_HEX // 2)}.sock"  # daemon.py says why
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             accepting = threading.Thread(target=self._accept, args=(listener,), name="ckpt-daemon-accept",
                                          daemon=True)

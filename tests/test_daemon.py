@@ -390,9 +390,9 @@ def test_the_socket_folder_is_the_first_that_exists_and_leaves_room_for_a_socket
     deep.mkdir()
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(deep))
     assert daemon.private_folder() == tmp_path / f"ckptstore-{os.getuid()}"
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "short"))
-    (tmp_path / "short").mkdir()
-    assert daemon.private_folder() == tmp_path / "short" / f"ckptstore-{os.getuid()}"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "s"))  # room for a pid and a nonce
+    (tmp_path / "s").mkdir()
+    assert daemon.private_folder() == tmp_path / "s" / f"ckptstore-{os.getuid()}"
 
 
 def test_a_checkpoint_cut_short_while_the_daemon_commits_it_is_refused_and_the_daemon_serves_on(served):
@@ -697,3 +697,27 @@ def test_a_client_without_the_daemons_token_or_asking_what_no_launcher_forwards_
         assert _ask_socket(address["socket"], {**base, "argv": argv, "token": address["token"]}) == here, argv
     assert not (tmp_path / "out.pt").exists() and not (tmp_path / "ran").exists()
     assert [c.message for c in Repository.open(served).log()] == ["stolen"] and _served_count(served) == 1
+
+
+def test_a_daemon_whose_pid_another_containers_live_daemon_has_listens_on_a_socket_of_its_own(tmp_path):
+    """Sockets were named by pid alone, and pids repeat across containers sharing the socket folder (/tmp): a daemon
+    whose pid another container's live daemon had could not bind, and where that one had died leaving its
+    daemon.json, the other container's `ckpt commit` reached this daemon (auditor helper 313)."""
+    root = tmp_path / "repo"
+    Repository.init(root).close()
+    taken = daemon.private_folder() / "4242.sock"
+    serve = "import os; os.getpid = lambda: 4242; from ckptstore.daemon_server import main; main()"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other:  # the other container's daemon, pid 4242 there
+        other.bind(str(taken))
+        other.listen()
+        process = subprocess.Popen([sys.executable, "-c", serve, str(root), "--idle", "60"], env=ckpt_env(),
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            _wait_until(lambda: daemon.status(root.resolve()) is not None or process.poll() is not None, 60)
+            assert (daemon.status(root.resolve()) or {}).get("pid") == 4242, process.poll() and process.stdout.read()
+            where = Path(json.loads(daemon.address_path(root).read_text())["socket"])
+            assert where.name.startswith("4242-") and where != taken
+        finally:
+            daemon.stop(root.resolve())
+            process.wait(timeout=60)
+            taken.unlink()
