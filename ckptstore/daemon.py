@@ -27,6 +27,7 @@ commit` process, so it imports only what a client needs. The serving process is 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.machinery
 import json
@@ -102,6 +103,27 @@ def forwardable(argv: Any) -> bool:
     """
     return (isinstance(argv, list) and all(isinstance(arg, str) for arg in argv) and command_of(argv)[0] == "commit"
             and not any(arg.startswith(_LOCAL_OPTIONS) for arg in argv))
+
+
+def open_own_file(path: Path, flags: int, mode: int = 0o666) -> int:
+    """A descriptor of the regular file `path` (os.open's `flags`), never through a symbolic link; else one line.
+
+    In a group's repository another member may write to .ckpt/ (repo/lock.py makes it so) and plant a link to a
+    file of the owner's where the owner's daemon opens its lock or log: followed, the open truncated or appended
+    to that file. Callers pass no O_TRUNC either: a hard link planted there loses nothing.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode)  # non-blocking: a pipe there would hang it
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENXIO):  # a link (O_NOFOLLOW), a pipe without a reader
+            raise
+        fd = None
+    if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd is not None:
+            os.close(fd)
+        raise CkptError(f"{path} is {'a symbolic link' if os.path.islink(path) else 'no regular file'}, put there by "
+                        "someone who may write to .ckpt/; the ckpt daemon will not use it (remove it and start again)")
+    return fd
 
 
 def read_address(root: Path) -> dict[str, Any]:
@@ -423,7 +445,7 @@ def start(root: Path, idle: float | None = None) -> dict[str, Any]:
     private_folder()  # refused here, with its reason, rather than in the daemon's log
     log = log_path(root)
     idle = DEFAULT_IDLE_SECONDS if idle is None else idle
-    with open(log, "ab") as output:
+    with open(open_own_file(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as output:
         process = subprocess.Popen([sys.executable, "-m", "ckptstore.daemon_server", str(root), "--idle", str(idle)],
                                    cwd=root, stdin=subprocess.DEVNULL, stdout=output, stderr=output,
                                    start_new_session=True)  # the terminal's Ctrl-C is for the client only
@@ -437,7 +459,8 @@ def start(root: Path, idle: float | None = None) -> dict[str, Any]:
                     process.wait(timeout=5)
             return running
         if process.poll() is not None and status(root) is None:
-            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+            with open(open_own_file(log, os.O_RDONLY), "rb") as written:
+                tail = written.read().decode(errors="replace").strip().splitlines()[-3:]
             raise CkptError(f"the ckpt daemon exited at start ({' / '.join(tail) or 'no output'}; see {log})")
         time.sleep(0.02)
     process.kill()

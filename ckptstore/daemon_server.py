@@ -44,7 +44,9 @@ from ckptstore.daemon import (
     forwardable,
     lock_path,
     log_path,
+    open_own_file,
     private_folder,
+    read_address,
     receive_frame,
     same_user,
     send_frame,
@@ -102,7 +104,8 @@ class _Daemon:
         keep_warm(self.root)
         os.chdir("/")  # its start folder may be deleted (the repository restored from a copy): not needed here
         signal.signal(signal.SIGINT, self._on_interrupt)
-        with open(lock_path(self.root), "w") as lock:
+        # neither truncated (it held a link's target's data) nor through a link: daemon.py's open_own_file says why
+        with open(open_own_file(lock_path(self.root), os.O_RDWR | os.O_CREAT), "rb", buffering=0) as lock:
             _lock_or_refuse(lock, self.root)
             folder = private_folder()
             _sweep(folder)
@@ -295,7 +298,7 @@ def _identity(root: Path) -> tuple[int, int] | None:
 def _remove_address(root: Path, path: Path) -> None:
     """Remove `root`'s address file if it still names this daemon's socket (a repository made anew has its own)."""
     with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-        if json.loads(address_path(root).read_text())["socket"] == str(path):
+        if read_address(root)["socket"] == str(path):  # read through no link, nor hung on a pipe
             address_path(root).unlink()
 
 

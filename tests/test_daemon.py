@@ -721,3 +721,30 @@ def test_a_daemon_whose_pid_another_containers_live_daemon_has_listens_on_a_sock
             daemon.stop(root.resolve())
             process.wait(timeout=60)
             taken.unlink()
+
+
+def test_daemon_start_follows_no_link_a_group_member_planted_in_ckpt(tmp_path, monkeypatch):
+    """In a group's repository a member may write to .ckpt/: links planted at daemon.lock, daemon.log and the
+    address file's temporary name (by pid, guessable) had the owner's `daemon start` truncate, append to and
+    overwrite the owner's files they named (auditor helper 313). Now it refuses, in one line, and they are intact."""
+    from ckptstore import daemon_server
+
+    root = tmp_path / "repo"
+    Repository.init(root).close()
+    victims = {name: tmp_path / f"{name}.victim" for name in ("daemon.lock", "daemon.log", "tmp")}
+    for name, victim in victims.items():
+        victim.write_text(f"the owner's {name} data\n")
+    for name in ("daemon.lock", "daemon.log"):  # one link at a time: the log is opened first
+        for planted in ("daemon.lock", "daemon.log"):
+            (root / ".ckpt" / planted).unlink(missing_ok=True)
+        (root / ".ckpt" / name).symlink_to(victims[name])
+        refused = ckpt(root, "daemon", "start", "--idle", "30")
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+        assert f"{root / '.ckpt' / name} is a symbolic link" in refused.stderr and \
+            refused.stderr.count("\n") == 1, refused.stderr
+        assert daemon.status(root.resolve()) is None
+    (root / ".ckpt" / f"daemon.json.{os.getpid()}.tmp").symlink_to(victims["tmp"])
+    daemon_server._write_address(root, Path("/nowhere/1.sock"), "a token")
+    assert json.loads(daemon.address_path(root).read_text())["token"] == "a token"
+    assert {name: victim.read_text() for name, victim in victims.items()} == {
+        name: f"the owner's {name} data\n" for name in victims}
