@@ -277,9 +277,11 @@ def _commit_problems(tx: Tx, commits: dict[CommitId, commit_rows.CommitInfo], fo
         found.problems["ref HEAD"] = "its record is missing"
     elif head is not None and kinds.get(head, "branch") != "branch":  # on a branch, or on a branch not yet born
         found.problems["ref HEAD"] = f"it is on {head!r}, which is a {kinds[head]}, not a branch"
-    for name, kind, cid, _ in refs:
+    for name, kind, cid, target in refs:
         if kind not in ("branch", "tag", "head", "remote") or (kind == "head") != (name == "HEAD"):
             found.problems[f"ref {name}"] = f"it is of kind {kind!r}"
+        elif kind == "head" and cid is None and not target:  # read as neither on a branch nor detached
+            found.problems[f"ref {name}"] = "it names no branch and no commit"
         elif cid is not None and cid not in commits:
             found.problems[f"ref {name}"] = f"it points at commit {cid}, which has no record"
         elif cid is not None and commits[cid].pruned and kind in ("branch", "head"):  # prune keeps what they name

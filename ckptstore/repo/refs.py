@@ -119,9 +119,18 @@ def check_new_name(name: str, remotes: Iterable[str], tx: Tx) -> None:
                                   "another name")
 
 
+def _head_row(tx: Tx) -> ref_rows.RefRow | None:
+    """HEAD's row, or None where it has none; one naming no branch and no commit is damage, not an unborn branch."""
+    head_row = ref_rows.ref_row(tx, HEAD)
+    if head_row is not None and not head_row.commit_id and not head_row.target:
+        raise CorruptRecordError("ref HEAD", "it names no branch and no commit",
+                                 outcome="Check out a branch (`ckpt checkout BRANCH`) to set it again")
+    return head_row
+
+
 def head_commit(tx: Tx) -> CommitId | None:
     """The commit HEAD points at (through its branch), or None on an unborn branch."""
-    head_row = ref_rows.ref_row(tx, HEAD)
+    head_row = _head_row(tx)
     if head_row is None:
         return None
     if head_row.commit_id:
@@ -132,7 +141,7 @@ def head_commit(tx: Tx) -> CommitId | None:
 
 def head_branch(tx: Tx) -> str | None:
     """The branch HEAD is on, or None when HEAD is detached."""
-    head_row = ref_rows.ref_row(tx, HEAD)
+    head_row = _head_row(tx)
     return head_row.target if head_row is not None and not head_row.commit_id else None
 
 

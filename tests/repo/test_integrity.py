@@ -559,6 +559,21 @@ def test_damaged_head_and_branch_rows_are_found_by_fsck_and_named_by_every_verb(
         assert "ref main" in fsck(repo).damaged_records
 
 
+def test_a_head_row_naming_no_branch_and_no_commit_is_damage_fsck_lists_and_every_verb_names(repo, tmp_path):
+    """HEAD's target and commit both NULL: status, log, branch, tag and stats said "unexpected AttributeError …
+    please report it", and fsck said ok (damaged-metadata audit, helper 314)."""
+    _checkpoint(tmp_path / "model.pt")
+    repo.commit(tmp_path / "model.pt")
+    _sql(repo, "UPDATE refs SET target = NULL, commit_id = NULL WHERE name = 'HEAD'")
+    assert fsck(repo).damaged_records == {"ref HEAD": "it names no branch and no commit"}
+    for verb in (["status"], ["log"], ["branch"], ["tag", "v2"], ["stats"]):
+        result = ckpt_here(tmp_path, *verb)
+        assert result.returncode == 1, verb
+        assert "ref HEAD is damaged: it names no branch and no commit" in result.stderr, (verb, result.stderr)
+    assert ckpt_here(tmp_path, "checkout", "main").returncode == 0  # the repair the message names
+    assert fsck(repo).ok
+
+
 def test_fsck_of_a_new_repository_whose_head_is_on_a_branch_not_yet_born_finds_nothing(repo):
     """HEAD on `main` before its first commit, a branch with no row yet: taken for a ref of another kind, fsck of
     a new repository failed with a KeyError (mutation audit round 8)."""
