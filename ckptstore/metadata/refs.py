@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ckptstore.errors import is_utf8
+from ckptstore.errors import CorruptRecordError, is_utf8
 from ckptstore.hashing import CommitId
 from ckptstore.metadata.db import Tx
 
@@ -33,10 +33,27 @@ def ref_row(tx: Tx, name: str) -> RefRow | None:
     return RefRow(*row) if row else None
 
 
-def refs_of_kind(tx: Tx, kind: str) -> dict[str, CommitId]:
-    """Branches or tags by name, sorted by code point (here, not by the server: its collation may be a language's)."""
-    return {name: CommitId(cid) for name, cid in
-            sorted(tx.rows("SELECT name, commit_id FROM refs WHERE kind = ?", (kind,)))}
+def refs_of_kind(tx: Tx, kind: str, pointing_nowhere: list[str] | None = None) -> dict[str, CommitId]:
+    """Branches or tags by name, sorted by code point (here, not by the server: its collation may be a language's).
+
+    A row naming no commit is damage (fsck lists it), not a commit None: CorruptRecordError, or, where
+    `pointing_nowhere` is given, its name goes there and the rest are returned (log's labels).
+    """
+    found: dict[str, CommitId] = {}
+    for name, cid in sorted(tx.rows("SELECT name, commit_id FROM refs WHERE kind = ?", (kind,))):
+        if cid:
+            found[name] = CommitId(cid)
+        elif pointing_nowhere is None:
+            raise nowhere(name)
+        else:
+            pointing_nowhere.append(name)
+    return found
+
+
+def nowhere(name: str) -> CorruptRecordError:
+    """The damage of ref `name`, whose row names no commit."""
+    return CorruptRecordError(f"ref {name}", "it points at no commit",
+                              outcome="Nothing was read from it; restore the metadata from a backup")
 
 
 def names(tx: Tx, kinds: tuple[str, ...] = (BRANCH, TAG)) -> list[str]:

@@ -74,8 +74,9 @@ def decorations(repo: Repository) -> dict[CommitId, list[str]]:
     labels: dict[CommitId, list[str]] = {}
     with repo.db.read() as tx:
         branch, head = refs.head_branch(tx), refs.head_commit(tx)
-        branches, tags = ref_rows.refs_of_kind(tx, refs.BRANCH), ref_rows.refs_of_kind(tx, refs.TAG)
-        tracking = ref_rows.refs_of_kind(tx, ref_rows.REMOTE)
+        damaged: list[str] = []  # fsck names them; a log of other refs goes on without their labels
+        branches, tags = ref_rows.refs_of_kind(tx, refs.BRANCH, damaged), ref_rows.refs_of_kind(tx, refs.TAG, damaged)
+        tracking = ref_rows.refs_of_kind(tx, ref_rows.REMOTE, damaged)
     for name, cid in branches.items():
         labels.setdefault(cid, []).append(f"HEAD -> {shown_name(name)}" if name == branch else shown_name(name))
     for name, cid in tracking.items():

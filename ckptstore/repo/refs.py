@@ -168,6 +168,8 @@ def _base(tx: Tx, spec: str) -> CommitId:
         if len(matches) > 1:
             raise AmbiguousRefError(f"commit prefix {spec!r} matches {len(matches)} commits; give more digits")
     if row is not None:
+        if not row.commit_id:
+            raise ref_rows.nowhere(row.name)
         return CommitId(row.commit_id)
     tracking = [name.removeprefix("remotes/") for name in ref_rows.names(tx, (ref_rows.REMOTE,))
                 if name.endswith(f"/{spec}")]

@@ -51,6 +51,8 @@ def commit_target(tx: Tx, branch: str | None, remotes: Iterable[str] = ()) -> St
         refs.check_made_name(branch, remotes, tx)
     if row is not None and row.kind != refs.BRANCH:
         raise CkptError(f"{branch!r} is {'a tag' if row.kind == refs.TAG else 'not a branch'}; commits go on branches")
+    if row is not None and not row.commit_id:  # not an unborn branch: a commit there would drop its history
+        raise ref_rows.nowhere(branch)
     if row is not None:
         return Start(branch, CommitId(row.commit_id))
     return Start(branch, refs.head_commit(tx) if branch != refs.head_branch(tx) else None, new=True)

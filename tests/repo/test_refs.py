@@ -74,3 +74,21 @@ def test_an_upper_case_id_prefix_and_gits_remotes_spelling_name_what_git_would(t
             mine.branch(cid[:8].upper())
         assert mine.resolve("remotes/origin/main") == mine.resolve("origin/main") == cid
         assert mine.resolve("remotes/origin/main~0") == cid
+
+
+def test_a_branch_row_naming_no_commit_is_damage_the_listing_checkout_and_commit_name(repo, tmp_path):
+    """A branch row whose commit_id is NULL: `ckpt branch` said "unexpected TypeError … please report it",
+    checkout "metadata has no commit None" (damaged-metadata audit, helper 314). A log of HEAD goes on."""
+    from tests.conftest import ckpt_here
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
+    first = repo.commit(tmp_path / "m.pt")
+    repo.branch("side")
+    with repo.db.write() as tx:
+        tx.execute("UPDATE refs SET commit_id = NULL WHERE name = 'side'")
+    for verb in (["branch"], ["checkout", "side"], ["commit", "m.pt", "-m", "x", "--branch", "side"]):
+        result = ckpt_here(tmp_path, *verb)
+        assert result.returncode == 1, verb
+        assert result.stderr.startswith("error: the metadata of ref side is damaged: it points at no commit."), verb
+    log = ckpt_here(tmp_path, "log", "--oneline")
+    assert log.returncode == 0 and first[:12] in log.stdout
