@@ -94,6 +94,13 @@ class Backend(Protocol):
     def repository(self) -> str: ...
 
 
+def _tables_refused(exc: BaseException) -> bool:
+    """Whether a failed upgrade met a table, column or index that its revision should not have had yet (or lacked)."""
+    text = str(getattr(exc, "orig", None) or exc).lower()
+    return any(words in text for words in ("already exists", "duplicate column", "no such table", "no such column",
+                                           "does not exist"))
+
+
 def open_backend(url: str, read_only: bool = False) -> Backend:
     """The backend for a metadata URL: `sqlite:///PATH` or `postgresql://USER@HOST:PORT/DB` (psycopg)."""
     if url.startswith(POSTGRES_SCHEMES):
@@ -439,9 +446,11 @@ class Database:
         except Exception as exc:  # SQLAlchemy's wrapping of the driver's error (a server gone away meanwhile)
             self._known(self.revision())  # a newer ckptstore upgraded it meanwhile: Alembic cannot find its revision
             known = self.backend.explain(exc)
-            if known is None:
-                raise
-            raise known from exc
+            if known is not None:
+                raise known from exc
+            if current is not None and _tables_refused(exc):  # the steps after `current` were applied already
+                raise self._mismatched(current, exc) from exc
+            raise
         self.backend.accepted(self)
         self.made = current is None
         if current not in (None, HEAD_REVISION):  # an older ckptstore elsewhere is refused from now on: say so here
@@ -457,6 +466,16 @@ class Database:
         if revision is not None and revision not in KNOWN_REVISIONS:
             raise CkptError(f"{self.where} has metadata schema {revision!r}, written by a newer ckptstore; "
                             "upgrade ckptstore to open it")
+
+    def _mismatched(self, recorded: str, exc: BaseException) -> CorruptDatabaseError:
+        """An upgrade from `recorded` that the tables refused: the revision row does not say what they are."""
+        cause = " ".join(str(getattr(exc, "orig", None) or exc).split())[:200]
+        return CorruptDatabaseError(
+            f"the metadata database {self.where} records schema revision {recorded!r}, but its tables are not that "
+            f"revision's: upgrading them failed ({cause}). Its alembic_version row was rewritten, or an old one "
+            f"restored over newer tables; the commits and refs are untouched. Set the row back to the revision the "
+            f"tables are at (this ckptstore's is {HEAD_REVISION!r}: UPDATE alembic_version SET version_num = "
+            f"'{HEAD_REVISION}'), or restore the database from a backup")
 
     def _foreign(self, what: str) -> CkptError:
         return CkptError(f"the metadata database {self.where} {what}: it is not ckptstore's, and nothing was "

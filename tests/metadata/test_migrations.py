@@ -77,6 +77,30 @@ def test_a_schema_taken_back_while_a_process_ran_is_said_so_and_written_nothing(
             assert tx.column("SELECT id FROM commits") == [first]
 
 
+def test_a_revision_row_taken_back_over_newer_tables_is_named_with_what_to_do_and_changes_nothing(tmp_path,
+                                                                                                  metadata_url):
+    """alembic_version rewritten to 0005 over 0011's tables: every command, fsck too, said "unexpected
+    OperationalError … table pruned_commits already exists … please report it" (damaged-metadata audit, helper 314)."""
+    from tests.conftest import ckpt_here
+
+    with Repository.init(tmp_path, metadata_url=metadata_url) as repo:
+        first = repo.commit({"w": torch.zeros(4)}, message="before")
+        with repo.db.write() as tx:
+            tx.execute("UPDATE alembic_version SET version_num = '0005'")
+    for verb in ("status", "fsck"):
+        result = ckpt_here(tmp_path, verb)
+        assert result.returncode == 1
+        assert "records schema revision '0005', but its tables are not that revision's" in result.stderr
+        assert f"UPDATE alembic_version SET version_num = '{HEAD_REVISION}'" in result.stderr
+    from ckptstore.metadata.migrate import make_engine
+
+    engine = make_engine(metadata_url or f"sqlite:///{tmp_path / '.ckpt' / 'ckpt.db'}")
+    with engine.connect() as conn:  # the refused upgrade left the row and the commits as they were
+        assert conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar() == "0005"
+        assert [row[0] for row in conn.exec_driver_sql("SELECT id FROM commits")] == [first]
+    engine.dispose()
+
+
 def test_a_newer_ckptstore_upgrading_between_our_check_and_our_upgrade_is_the_same_refusal(tmp_path, monkeypatch):
     from ckptstore.metadata import migrate
 
