@@ -92,6 +92,7 @@ MAX_THREADS = 1024  # encoding threads: past the cores of any one machine, and e
 SECTIONS = ("core", "encoding", "remotes", "retention")
 CORE_KEYS = ("objects_url", "metadata_url", "threads", "lossy")
 ENCODING_KEYS = ("max_chain", "chunk_bytes", "zstd_level")
+REMOTE_KEYS = ("url", "metadata_url", "lazy")
 
 
 def _unknown(table: Any, where: str, known: tuple[str, ...]) -> str:
@@ -101,12 +102,30 @@ def _unknown(table: Any, where: str, known: tuple[str, ...]) -> str:
         if extra else ""
 
 
-def _remote(section: Any) -> RemoteConfig:
-    """A [remotes.NAME] section, its values of the types written (lazy = "false" is no boolean)."""
+def _remote(name: str, section: Any) -> RemoteConfig:
+    """A [remotes.NAME] section, its values of the types written (lazy = "false" is no boolean).
+
+    A misspelt key is refused as in the other sections: `metdata_url` ignored sent pushes without the database.
+    """
+    where = f"[remotes.{name}] "
+    if not isinstance(section, dict):
+        raise CkptError(f"{where}must be a table of settings (url = ...), not {section!r}")
+    problem = _unknown(section, where, REMOTE_KEYS)
+    if problem:
+        raise CkptError(problem)
+    if "url" not in section:
+        raise CkptError(f"{where}needs url (the remote's folder or URL)")
     url, metadata_url, lazy = section["url"], section.get("metadata_url", ""), section.get("lazy", False)
     if not isinstance(url, str) or not isinstance(metadata_url, str) or not isinstance(lazy, bool):
-        raise TypeError(f"needs url and metadata_url strings and lazy true or false, not {dict(section)!r}")
+        raise CkptError(f"{where}needs url and metadata_url strings and lazy true or false, not {section!r}")
     return RemoteConfig(url, metadata_url, lazy)
+
+
+def _remotes(section: Any) -> dict[str, RemoteConfig]:
+    """config.toml's remotes: [remotes.NAME] tables, each checked (`remotes = 5` is no table of them)."""
+    if not isinstance(section, dict):
+        raise CkptError(f"[remotes] must hold [remotes.NAME] tables, not {section!r}")
+    return {name: _remote(name, remote) for name, remote in section.items()}
 
 
 def _core_problem(core: Any) -> str:
@@ -150,16 +169,15 @@ class RepoConfig:
             problem = _core_problem(data.get("core", {}))
             problem = f"[core] {problem}" if problem else (
                 _unknown(data, "", SECTIONS) or _unknown(data.get("encoding"), "[encoding] ", ENCODING_KEYS))
+            if not problem and not isinstance(data.get("encoding", {}), dict):  # `encoding = "x"`, not [encoding]
+                problem = f"[encoding] must be a table of settings, not {data['encoding']!r}"
             if problem:
                 raise CkptError(problem)
             encoding = EncodingSettings(**data.get("encoding", {}))
+            remotes = _remotes(data.get("remotes", {}))
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, TypeError, ValueError, CkptError) as exc:
             raise CkptError(f"cannot read {path}: {exc}") from None
         core = data.get("core", {})
-        try:
-            remotes = {name: _remote(r) for name, r in data.get("remotes", {}).items()}
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise CkptError(f"cannot read {path}: a [remotes.NAME] section {exc}") from None
         section = data.get("retention", {})
         known = {f.name for f in fields(RetentionPolicy)}
         if not isinstance(section, dict) or section.keys() - known:

@@ -21,11 +21,19 @@ def _with(tmp_path, text: str | bytes):
 
 @pytest.mark.parametrize("added, said", [
     ('\n[core2]\nx = 1\n', r"unknown key 'core2' \(a typo, or a newer ckptstore's\?\); the keys are core, encoding"),
-    ('\n[remotes.origin]\nurl = "../o"\nlazy = "false"\n', r"\[remotes.NAME\] section needs .* lazy true or false"),
-    ('\n[remotes.origin]\nurl = 5\n', r"\[remotes.NAME\] section needs url and metadata_url strings"),
+    ('\n[remotes.origin]\nurl = "../o"\nlazy = "false"\n', r"\[remotes.origin\] needs .* lazy true or false"),
+    ('\n[remotes.origin]\nurl = 5\n', r"\[remotes.origin\] needs url and metadata_url strings"),
+    ('\n[remotes.r]\nurl = "../o"\nmetdata_url = "sqlite:///x.db"\n',
+     r"\[remotes.r\] unknown key 'metdata_url' \(a typo, or a newer ckptstore's\?\); the keys are url, metadata_url"),
+    ('\n[remotes.r]\nmetadata_url = ""\n', r"\[remotes.r\] needs url \(the remote's folder or URL\)$"),
+    (b'remotes = 5\n', r"\[remotes\] must hold \[remotes.NAME\] tables, not 5$"),
+    (b'encoding = "x"\n', r"\[encoding\] must be a table of settings, not 'x'$"),
+    ('\n[remotes]\nr = "../o"\n', r"\[remotes.r\] must be a table of settings \(url = ...\), not '../o'$"),
 ])
 def test_unknown_sections_and_values_of_the_wrong_type_are_refused(tmp_path, added, said):
-    """A misspelt section was ignored, and lazy = "false" (a string) read as true (auditor)."""
+    """A misspelt section was ignored, and lazy = "false" (a string) read as true (auditor). A misspelt key in
+    [remotes.NAME] was ignored (push went without the database named), and a remote with no url or `remotes = 5`
+    spoke Python's KeyError and AttributeError, `encoding = "x"` its TypeError (damaged-metadata audit, helper 314)."""
     with pytest.raises(CkptError, match=f"cannot read .*config.toml: .*{said}"):
         RepoConfig.load(_with(tmp_path, added))
 
