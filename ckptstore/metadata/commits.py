@@ -108,6 +108,17 @@ def _info(row: tuple, parents: list[CommitId]) -> CommitInfo:
                       kind, source, raw, stored, parents, lossy)
 
 
+def _info_noting(row: tuple, parents: list[CommitId], unparsed: dict[str, str] | None) -> CommitInfo:
+    """`_info` of `row`; one whose metrics do not parse is noted in `unparsed` and read with none (None: raised)."""
+    try:
+        return _info(row, parents)
+    except CorruptRecordError as exc:
+        if unparsed is None:
+            raise
+        unparsed[exc.what] = exc.problem
+        return _info((*row[:6], "{}", *row[7:]), parents)
+
+
 def _metrics(cid: str, text: Any) -> dict[str, Any]:
     """A commit row's metrics column, parsed; a damaged one is the commit's damage."""
     try:
@@ -124,10 +135,14 @@ def all_parents(tx: Tx) -> dict[CommitId, list[CommitId]]:
     return parents
 
 
-def all_commits(tx: Tx) -> dict[CommitId, CommitInfo]:
-    """Every commit with its parents."""
+def all_commits(tx: Tx, unparsed: dict[str, str] | None = None) -> dict[CommitId, CommitInfo]:
+    """Every commit with its parents.
+
+    A row whose metrics do not parse is CorruptRecordError; where `unparsed` is given, its problem goes
+    there instead (by "commit ID") and the row is read with no metrics, so fsck lists it and checks the rest.
+    """
     parents, pruned = all_parents(tx), pruned_ids(tx)
-    found = {CommitId(row[0]): _info(row, parents.get(row[0], []))
+    found = {CommitId(row[0]): _info_noting(row, parents.get(row[0], []), unparsed)
              for row in tx.rows(f"SELECT {_COLUMNS} FROM commits")}
     for cid in pruned & found.keys():
         found[cid].pruned = True

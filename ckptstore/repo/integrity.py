@@ -203,8 +203,10 @@ def check_metadata(tx: Tx, store: ObjectStore, pruned_ids: bool = True) -> Findi
     storage = liveness.storage_problems(tx)
     if storage:  # tables gone, and what SQLite's own integrity check finds
         found.problems["database"] = "; ".join(storage)
-    commits = commit_rows.all_commits(tx)
+    unparsed: dict[str, str] = {}
+    commits = commit_rows.all_commits(tx, unparsed)
     _commit_problems(tx, commits, found, pruned_ids)
+    found.problems.update(unparsed)  # the cause, not the id mismatch that reading such a row without metrics makes
     listed = liveness.commit_tensor_lists(tx)
     for cid in sorted((c for c, info in commits.items() if info.pruned and listed.get(c)), key=str):
         found.problems.setdefault(f"commit {cid}", "it is marked pruned, yet its rows (commit_tensors) list tensors")

@@ -574,6 +574,20 @@ def test_a_head_row_naming_no_branch_and_no_commit_is_damage_fsck_lists_and_ever
     assert fsck(repo).ok
 
 
+def test_a_commit_row_whose_metrics_do_not_parse_is_one_finding_and_fsck_checks_the_rest(repo):
+    """commits.metrics = '{': fsck stopped at that row with one error telling the user to run fsck, instead of
+    listing it and checking the rest (damaged-metadata audit, helper 314). gc still refuses."""
+    first = repo.commit({"w": torch.zeros(4)}, metrics={"loss": 1.0})
+    second = repo.commit({"w": torch.ones(4)})
+    _sql(repo, f"UPDATE commits SET metrics = '{{' WHERE id = '{first}'",
+         f"UPDATE commits SET message = 'forged' WHERE id = '{second}'")
+    report = fsck(repo)
+    assert report.damaged_records[f"commit {first}"] == "its metrics '{' do not parse"
+    assert "does not hash to its id" in report.damaged_records[f"commit {second}"]
+    with pytest.raises(CkptError, match="gc refused to delete anything"):
+        gc(repo)
+
+
 def test_fsck_of_a_new_repository_whose_head_is_on_a_branch_not_yet_born_finds_nothing(repo):
     """HEAD on `main` before its first commit, a branch with no row yet: taken for a ref of another kind, fsck of
     a new repository failed with a KeyError (mutation audit round 8)."""
