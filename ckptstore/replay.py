@@ -20,7 +20,7 @@ from ckptstore import threadlocal
 from ckptstore.codecs import REGISTRY, capabilities, get_codec
 from ckptstore.codecs.base import LevelsNeeded
 from ckptstore.codecs.checked import MALFORMED
-from ckptstore.errors import CodecError, CorruptObjectError, CorruptRecordError
+from ckptstore.errors import CodecError, CorruptObjectError, CorruptRecordError, StoreUnavailableError
 from ckptstore.hashing import HEX_LENGTH, ObjectId, TensorId, chunk_checksum, tensor_id
 from ckptstore.objectstore.base import ObjectStore, RangeReader, read_whole, reading_ahead, tells_lacking
 from ckptstore.objectstore.fallback import held_here
@@ -66,8 +66,11 @@ class ChainSource:
         """What is damaged behind a failed replay of `record`: an object (CorruptObjectError) or a record.
 
         Every object of the record's chain is verified first; when they all are sound, the records
-        are what is damaged (CorruptRecordError), or `error` itself is returned.
+        are what is damaged (CorruptRecordError), or `error` itself is returned. A store that could
+        not be read is no damage: that error is returned without reading the store again.
         """
+        if isinstance(error, StoreUnavailableError):  # reading again would spend the store's retry budget again
+            return error
         seen: set[str] = set()
         current: TensorRecord | None = record
         while current is not None and current.id not in seen:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ckptstore import Repository
-from ckptstore.errors import CorruptObjectError, CorruptRecordError
+from ckptstore.errors import CorruptObjectError, CorruptRecordError, StoreUnavailableError
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.objectstore import pack
 from ckptstore.replay import ChainSource, one_coding, replay, run_here_and_on
@@ -132,6 +132,16 @@ def test_verified_replay_hashes_tensors_not_objects_and_still_names_a_damaged_ob
         path.write_bytes(bytes(data))
         with pytest.raises(CorruptObjectError, match=oid):
             replay(ChainSource(store, records), [records[tid]], pool)
+
+
+def test_a_replay_that_could_not_read_its_store_is_not_diagnosed_by_reading_it_again(repo):
+    """The diagnosis of a lazy checkout whose origin was down fetched each object of the chain once more, each for
+    the whole retry budget, only to end in the same error (auditor)."""
+    tid, records = _records_of(repo, [{"w": torch.arange(100.0)}])
+    store = _CountingStore(repo.store)
+    down = StoreUnavailableError("object abc is not held here, and the origin it comes from cannot be read")
+    assert ChainSource(store, records).diagnose(records[tid], down) is down
+    assert store.reads == []
 
 
 def _records_of(repo, states):

@@ -19,6 +19,8 @@ class FallbackStore:
     Writes, listings and deletes see only `local`: gc and commits work on what is here. The
     source is opened on the first miss, so a checkout of objects already here never connects.
     `keep=False` (a read-only repository): what is read from the source is not written here.
+    A source found unavailable stays so for this store's life (the command): each object's read
+    would otherwise spend the whole retry budget again, one after another (hours for a checkout).
     """
 
     def __init__(self, local: ObjectStore, source: Callable[[], ObjectStore], keep: bool = True) -> None:
@@ -29,6 +31,7 @@ class FallbackStore:
         self._source: ObjectStore | None = None
         self._lock = threading.Lock()
         self._copying: dict[ObjectId, list] = {}  # [lock, threads using it] by object being copied
+        self._unavailable: StoreUnavailableError | None = None  # why the source could not be read, once it failed
 
     def source(self, oid: ObjectId) -> ObjectStore:
         """The source, opened on first use; one that cannot be opened makes `oid` (being read) lacking."""
@@ -46,10 +49,7 @@ class FallbackStore:
         """The object's bytes from the source, verified against its id."""
         source = self.source(oid)
         try:
-            return source.get(oid)  # get verifies the bytes against the id
-        except StoreUnavailableError as exc:  # the command needed the origin: say so, not only that S3 is down
-            raise StoreUnavailableError(f"object {oid[:12]} is not held here, and the origin it comes from cannot "
-                                        f"be read: {exc}") from None
+            return self.reading_source(oid, lambda: source.get(oid))  # get verifies the bytes against the id
         except CorruptObjectError as exc:
             if exc.problem != "missing":
                 raise
@@ -58,6 +58,17 @@ class FallbackStore:
                                           "holds it: a prune there re-encodes the commits it keeps under new "
                                           "objects, which this clone's records do not name (clone it again to "
                                           "read them), and a gc there deletes those of removed commits") from None
+
+    def reading_source(self, oid: ObjectId, read: Callable[[], Any]) -> Any:
+        """`read()` of the source for `oid`; once the source was unavailable, that error at once, without trying."""
+        if self._unavailable is None:
+            try:
+                return read()
+            except StoreUnavailableError as exc:  # its retry budget is spent: the next read would spend it again
+                self._unavailable = exc
+        # the command needed the origin: say so, not only that S3 is down
+        raise StoreUnavailableError(f"object {oid[:12]} is not held here, and the origin it comes from cannot "
+                                    f"be read: {self._unavailable}") from None
 
     def _filled(self, read: Callable[[], Any], oid: ObjectId, held: Callable[[bytes], Any]) -> Any:
         """`read()` of the local store; a missing object is copied here first (or, not kept, `held(its bytes)`).
@@ -160,7 +171,8 @@ class FillingRanges:
                 raise
         if self._source is None:  # unverified, as range reads are: the replay checks each chunk's checksum
             self._source = self._store.source(oid).open_ranges()
-        return self._source.read(oid, offset, length, into)
+        source = self._source
+        return self._store.reading_source(oid, lambda: source.read(oid, offset, length, into))
 
     def close(self) -> None:
         self._ranges.close()

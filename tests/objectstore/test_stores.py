@@ -367,6 +367,49 @@ def test_threads_of_a_lazy_clone_that_keeps_nothing_read_the_origin_side_by_side
     assert got == [b"x" * 4096] * 3 and not together.broken and not store.local.has(oid)
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_lazy_clone_whose_origin_is_unavailable_tries_it_once_not_once_per_object(tmp_path, keep):
+    """Each thread waiting for a pack, and each later object, tried the origin again after the last had spent the
+    whole retry budget: a checkout of 40 small tensors took 51 s at CKPT_S3_RETRY_SECONDS=1, hours at 60 (auditor)."""
+    import threading
+    import time
+
+    from ckptstore.objectstore.fallback import FallbackStore
+
+    origin = LocalObjectStore(tmp_path / "origin", tmp_path / "origin-tmp")
+    oids = [origin.put(bytes([i]) * 4096) for i in range(3)]
+    tries = []
+
+    def down(wanted, *_args, **_kwargs):
+        tries.append(wanted)
+        time.sleep(0.3)  # the retry budget being spent: long enough for every thread to miss the object meanwhile
+        raise StoreUnavailableError("S3 store s3://b/p: cannot reach it")
+
+    origin.get = down
+    origin.open_ranges = lambda: type("Ranges", (), {"read": staticmethod(down), "close": lambda self: None})()
+    store = FallbackStore(LocalObjectStore(tmp_path / "here", tmp_path / "here-tmp"), lambda: origin, keep=keep)
+    failures = []
+
+    def read(i):
+        ranges = store.open_ranges()
+        try:
+            ranges.read(oids[0], i * 10, 10)
+        except StoreUnavailableError as exc:
+            failures.append(str(exc))
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for oid in oids[1:]:  # later objects of the same command
+        with pytest.raises(StoreUnavailableError, match=f"object {oid[:12]} is not held here.*cannot reach it"):
+            store.get(oid)
+    assert len(failures) == 6 and all("cannot reach it" in failure for failure in failures)
+    assert len(tries) <= (1 if keep else 6)  # not kept: threads already reading side by side each tried once
+    assert tries[0] == oids[0] and oids[1] not in tries and oids[2] not in tries
+
+
 def _durability_events(monkeypatch, syncfs_works: bool = True) -> list[tuple[str, ...]]:
     """What reaches the disk, in order: each fsync (of the file or folder it names), rename and syncfs."""
     events = []

@@ -165,6 +165,24 @@ def test_fsck_of_a_lazy_clone_whose_origin_is_down_checks_what_is_held_here_and_
     assert said.returncode == 1 and f"{len(report.unchecked)} objects not held here were not checked" in said.stdout
 
 
+def test_a_lazy_checkout_whose_origin_is_down_stops_after_one_retry_budget(tmp_path, s3_url, proxy, monkeypatch):
+    """Each packed tensor's read tried the origin again, one after another, each for the whole retry budget, and the
+    diagnosis once more: (tensors + 1) x CKPT_S3_RETRY_SECONDS before the one-line error (auditor)."""
+    from ckptstore.repo import remote
+
+    assert ckpt_here(tmp_path, "init", "hub", "--objects", s3_url).returncode == 0
+    with Repository.open(tmp_path / "hub") as hub:
+        hub.commit({f"layer{i}.bias": torch.randn(256, generator=torch.Generator().manual_seed(i)) for i in range(12)})
+    remote.clone(str(tmp_path / "hub"), tmp_path / "lazy", lazy=True).close()
+    tries, real_get = [], S3ObjectStore.get
+    monkeypatch.setattr(S3ObjectStore, "get", lambda store, oid, *a: tries.append(oid) or real_get(store, oid, *a))
+    proxy.go_down()
+    said = ckpt_here(tmp_path / "lazy", "checkout", "main", "-o", str(tmp_path / "out.pt"))
+    _one_line_error(said, "is not held here, and the origin it comes from cannot be read", "cannot reach")
+    assert len(tries) == 1, tries  # one retry budget spent, not one per packed tensor
+    assert not (tmp_path / "out.pt").exists()
+
+
 def test_a_remote_whose_database_cannot_be_reached_is_named(tmp_path, s3_url):
     """"cannot reach PostgreSQL at …" named neither the remote nor where its URL is set (auditor)."""
     from ckptstore.testing.net import free_port
