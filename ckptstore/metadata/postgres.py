@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,9 @@ WRITE_LOCK = 0x636B_7074  # "ckpt": the advisory lock every writer (and every sc
 REPO_LOCK = 0x636B_7067  # "ckpg": commits hold it shared from first object to ref moved, gc alone
 LOCK_WAIT = "120s"  # as long as SQLite's busy timeout: a writer gives up after waiting this long
 CONNECT_TIMEOUT_S = 10
+# how long the server may take to answer one round trip (CKPT_PG_REQUEST_SECONDS): generous, so the big
+# transaction of a many-rank commit is never cut; a writer's wait in the queue for the write lock comes on top
+REQUEST_SECONDS = 300.0
 
 
 def schema_key(key: int) -> str:
@@ -48,6 +52,68 @@ def schema_key(key: int) -> str:
 # Where the URL sets one, its own value stands.
 LINK_CHECKS = {"keepalives": "1", "keepalives_idle": "30", "keepalives_interval": "10", "keepalives_count": "3",
                "tcp_user_timeout": "60000"}
+
+
+def request_seconds() -> float:
+    """CKPT_PG_REQUEST_SECONDS, else REQUEST_SECONDS; at least a second. Anything but a number of seconds is refused."""
+    text = os.environ.get("CKPT_PG_REQUEST_SECONDS", "").strip()
+    if not text:
+        return REQUEST_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 <= seconds < 10**9:  # NaN fails it too
+        raise CkptError(f"CKPT_PG_REQUEST_SECONDS={text!r}: give a number of seconds (0 to 10^9)")
+    return max(1.0, seconds)
+
+
+class Unanswered(psycopg.OperationalError):
+    """The server took longer than CKPT_PG_REQUEST_SECONDS to answer; the connection was closed."""
+
+
+class NoDeadline(str):
+    """A statement that may wait as long as it must: the repository lock, which a commit holds waiting out a gc."""
+
+
+class AnsweringConnection(psycopg.Connection):
+    """A connection on which each round trip must be answered within `limit` seconds (`extra` more, or None: no end).
+
+    Keepalives and tcp_user_timeout find a dead link, not a server (or a pooler in front of a dead
+    one) that acknowledges and never answers: a command waited on it for ever. psycopg's own wait
+    takes the deadline, so it costs no thread and nothing per statement.
+    """
+
+    limit: float = REQUEST_SECONDS
+    extra: float | None = 0.0
+
+    def wait(self, gen: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.extra is None or args[1:] or "timeout" in kwargs:  # a caller's own deadline stands
+            return super().wait(gen, *args, **kwargs)
+        seconds = self.limit + self.extra
+        try:
+            return super().wait(gen, *args, timeout=seconds, **kwargs)
+        except pg_errors._WaitTimeout:  # psycopg's for `timeout`: private, but the one it raises
+            self.pgconn.finish()  # cut mid-statement: the connection is in no state to be used again
+            waits = f", plus {self.extra:g} s that this statement may wait for a lock" if self.extra else ""
+            raise Unanswered(f"no answer in {seconds:g} s: CKPT_PG_REQUEST_SECONDS={self.limit:g}{waits}") from None
+
+    @contextlib.contextmanager
+    def allowing(self, extra: float | None) -> Any:
+        """Round trips in this block get `extra` seconds more (None: no deadline)."""
+        self.extra = extra
+        try:
+            yield
+        finally:
+            self.extra = 0.0
+
+    def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(query, NoDeadline):
+            with self.allowing(None):
+                return super().execute(query, *args, **kwargs)
+        return super().execute(query, *args, **kwargs)
+
+
 # SQLSTATEs worth another try before any statement of ours ran: serialization failure, deadlock,
 # too many connections, the server starting up or shutting down, a connection dropped
 _TRANSIENT_STATES = {"40001", "40P01", "53300", "57P01", "57P02", "57P03", "08000", "08001", "08003", "08004",
@@ -130,6 +196,7 @@ class PostgresBackend:
         self.server = f"{parts.get('host') or parts.get('hostaddr') or 'localhost'}:{parts.get('port') or 5432}"
         self.user = str(parts.get("user") or "")
         self.dbname = str(parts.get("dbname") or "")
+        self.request_seconds = request_seconds()
 
     def connect(self) -> psycopg.Connection:
         # read-only: the server itself refuses a write, whatever a bug in ckptstore might try
@@ -138,16 +205,19 @@ class PostgresBackend:
         given = str(url_gives.get("options") or "")
         options = {"options": f"{given} -c default_transaction_read_only=on".strip()} if self.read_only else {}
         checks = {name: value for name, value in LINK_CHECKS.items() if name not in url_gives}
-        return psycopg.connect(self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
-                               application_name="ckptstore", **checks, **options)
+        connection = AnsweringConnection.connect(self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
+                                                 application_name="ckptstore", **checks, **options)
+        connection.limit = self.request_seconds
+        return connection
 
     def reusable(self, connection: psycopg.Connection) -> bool:
         return not (connection.closed or connection.broken)
 
     def begin(self, connection: psycopg.Connection, write: bool) -> None:
-        if write:  # one round trip: begin, bound the wait, queue behind any other writer
-            connection.execute(f"BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{LOCK_WAIT}'; "
-                               f"SELECT pg_advisory_xact_lock({schema_key(WRITE_LOCK)})")
+        if write:  # one round trip: begin, bound the wait, queue behind any other writer (the queue's wait on top)
+            with connection.allowing(float(LOCK_WAIT.removesuffix("s"))):
+                connection.execute(f"BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{LOCK_WAIT}'; "
+                                   f"SELECT pg_advisory_xact_lock({schema_key(WRITE_LOCK)})")
         else:  # bounded too: a schema upgrade or an ALTER elsewhere holds its tables exclusively
             connection.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; "
                                f"SET LOCAL lock_timeout = '{LOCK_WAIT}'")
@@ -172,6 +242,8 @@ class PostgresBackend:
         """Whether trying again may succeed: the server restarting or busy, a connection dropped, a lost race."""
         if getattr(exc, "sqlstate", None) in _TRANSIENT_STATES:
             return True
+        if isinstance(exc, Unanswered):  # another try would wait the whole limit again
+            return False
         text = str(exc).lower()
         return (isinstance(exc, psycopg.OperationalError) and getattr(exc, "sqlstate", None) is None
                 and not any(word in text for word in _PERMANENT_WORDS))
@@ -196,6 +268,9 @@ class PostgresBackend:
         text = " ".join(str(exc).split())
         lowered = text.lower()
         at = f"PostgreSQL at {self.server}"
+        if isinstance(exc, Unanswered):
+            return CkptError(f"{at} did not answer ({text}): the server, or a pooler in front of it, hangs; nothing "
+                             "was changed by the interrupted transaction: run the command again once it answers")
         if isinstance(exc, pg_errors.InvalidSchemaName):  # "no schema has been selected to create in"
             return self.no_schema(search_path(self.conninfo))
         if isinstance(exc, pg_errors.ReadOnlySqlTransaction):
@@ -256,8 +331,9 @@ class PostgresBackend:
 
     def lock_statement(self, exclusive: bool, wait: bool) -> str | None:
         name = f"pg_{'' if wait else 'try_'}advisory_lock{'' if exclusive else '_shared'}"
-        # pg_advisory_lock returns void (None); the try_ forms a boolean
-        return f"SELECT {name}({schema_key(REPO_LOCK)})"
+        # pg_advisory_lock returns void (None); the try_ forms a boolean. Waiting, it waits out a gc however long.
+        statement = f"SELECT {name}({schema_key(REPO_LOCK)})"
+        return NoDeadline(statement) if wait else statement
 
     def accepted(self, db: Database) -> None:
         """Nothing to settle on a server once the schema is ours."""

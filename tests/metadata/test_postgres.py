@@ -410,3 +410,109 @@ def test_connections_ask_the_kernel_to_find_a_server_that_stops_answering(postgr
         assert {name: given.get(name) for name in LINK_CHECKS} == LINK_CHECKS
     with PostgresBackend(f"{postgres_url}?tcp_user_timeout=5000", read_only=False).connect() as connection:
         assert connection.info.get_parameters()["tcp_user_timeout"] == "5000"
+
+
+@pytest.fixture
+def stalling(postgres_server, postgres_url, monkeypatch):
+    """(proxy, URL through it): a server that can stop answering while its connections stay open; 1 s per answer."""
+    from ckptstore.testing.fault_proxy import FaultProxy
+
+    monkeypatch.setenv("CKPT_PG_REQUEST_SECONDS", "1")
+    with FaultProxy(postgres_server.port) as proxy:
+        try:
+            yield proxy, postgres_url.replace(f":{postgres_server.port}/", f":{proxy.port}/")
+        finally:
+            proxy.stalled = False  # what was held goes on, so nothing waits on it after the test
+
+
+def _raised_within(seconds: float, work) -> BaseException | None:
+    """What `work()` raised (None: nothing), run in a thread given `seconds`: a hang fails the test, not hangs it."""
+    outcome: list[BaseException | None] = []
+
+    def run():
+        try:
+            work()
+        except BaseException as exc:  # handed to the test
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still waiting for the server after {seconds} s"
+    return outcome[0]
+
+
+def test_a_server_that_stops_answering_stops_the_command_after_the_request_limit(stalling, tmp_path, monkeypatch):
+    """A hung server (or a pooler in front of a dead one) keeps the link open and ACKs: keepalives and
+    tcp_user_timeout never fire, and push waited in BEGIN for ever (auditor)."""
+    from ckptstore.metadata import postgres
+
+    proxy, url = stalling
+    monkeypatch.setattr(postgres, "LOCK_WAIT", "1s")  # a writer's begin may wait this long on the write lock too
+    with Repository.init(tmp_path, metadata_url=url) as repo:
+        cid = repo.commit({"w": torch.ones(3)})
+        proxy.stalled = True
+        started = time.monotonic()
+        said = _raised_within(30, lambda: repo.tag("t1", cid))
+        assert time.monotonic() - started < 10  # one limit (and the lock wait), not one per retry of the begin
+        assert isinstance(said, CkptError) and "did not answer" in str(said), said
+        assert "CKPT_PG_REQUEST_SECONDS" in str(said) and "nothing was changed" in str(said)
+        proxy.stalled = False
+        assert repo.tags() == {}  # the cut connection was not pooled: the next transaction works
+        repo.tag("t1", cid)
+        assert repo.tags() == {"t1": cid}
+
+
+def test_a_server_that_stops_answering_at_commit_says_the_change_may_or_may_not_have_been_recorded(
+        stalling, tmp_path, monkeypatch):
+    """The COMMIT went out before the silence: it may have been recorded, so "nothing was changed" could be false."""
+    from ckptstore.metadata import postgres
+
+    proxy, url = stalling
+    real = postgres.PostgresBackend.commit
+
+    def stalled_commit(backend, connection):
+        proxy.stalled = True
+        return real(backend, connection)
+
+    with Repository.init(tmp_path, metadata_url=url) as repo:
+        cid = repo.commit({"w": torch.ones(3)})
+        monkeypatch.setattr(postgres.PostgresBackend, "commit", stalled_commit)
+        said = _raised_within(30, lambda: repo.tag("t1", cid))
+        assert isinstance(said, CkptError), said
+        assert "may or may not have been recorded" in str(said) and "CKPT_PG_REQUEST_SECONDS" in str(said)
+
+
+def test_lock_waits_longer_than_the_request_limit_are_not_cut(stalling, postgres_url, tmp_path):
+    """A writer queued behind another (bounded by LOCK_WAIT on the server) and a commit's repository lock behind a
+    gc (unbounded, as documented) wait longer than one answer may take."""
+    import psycopg
+
+    from ckptstore.metadata import postgres
+
+    _, url = stalling
+    with Repository.init(tmp_path, metadata_url=url) as repo:
+        cid = repo.commit({"w": torch.ones(3)})
+        for lock in (f"pg_advisory_xact_lock({postgres.WRITE_LOCK})", f"pg_advisory_lock({postgres.REPO_LOCK})"):
+            with psycopg.connect(postgres_url, autocommit=True) as holder:
+                holder.execute("BEGIN")
+                holder.execute(f"SELECT {lock}")  # another writer mid-transaction; a gc
+                let_go = threading.Timer(2.5, holder.close)
+                let_go.start()
+                started = time.monotonic()
+                if "xact" in lock:
+                    assert _raised_within(60, lambda: repo.tag("t1", cid)) is None
+                else:
+                    assert _raised_within(60, lambda: repo.db.repository_lock().__enter__()) is None
+                assert time.monotonic() - started > 2, lock  # it did wait, past the 1 s limit
+                let_go.join()
+
+
+def test_a_request_limit_that_is_no_number_of_seconds_is_refused(postgres_url, monkeypatch):
+    from ckptstore.metadata.postgres import PostgresBackend
+
+    monkeypatch.setenv("CKPT_PG_REQUEST_SECONDS", "5m")
+    with pytest.raises(CkptError, match="CKPT_PG_REQUEST_SECONDS='5m': give a number of seconds"):
+        PostgresBackend(postgres_url, read_only=False)
