@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -12,6 +13,8 @@ from ckptstore.errors import CkptError, CorruptObjectError, DiskFullError, Store
 from ckptstore.hashing import ObjectId
 from ckptstore.objectstore.base import ObjectStore, RangeReader, delivered, read_whole
 
+UNAVAILABLE_FOR = 60.0  # seconds a source found unavailable is not asked again (about S3's default retry budget)
+
 
 class FallbackStore:
     """`local`, except that reading an object it lacks first copies it from `source()` (verified on the way).
@@ -19,8 +22,9 @@ class FallbackStore:
     Writes, listings and deletes see only `local`: gc and commits work on what is here. The
     source is opened on the first miss, so a checkout of objects already here never connects.
     `keep=False` (a read-only repository): what is read from the source is not written here.
-    A source found unavailable stays so for this store's life (the command): each object's read
-    would otherwise spend the whole retry budget again, one after another (hours for a checkout).
+    A source found unavailable stays so for UNAVAILABLE_FOR seconds: each object's read would otherwise
+    spend the whole retry budget again, one after another (hours for a checkout); a store kept open
+    for a training run's saves (ckptstore.save) asks again after that, not never.
     """
 
     def __init__(self, local: ObjectStore, source: Callable[[], ObjectStore], keep: bool = True) -> None:
@@ -31,7 +35,7 @@ class FallbackStore:
         self._source: ObjectStore | None = None
         self._lock = threading.Lock()
         self._copying: dict[ObjectId, list] = {}  # [lock, threads using it] by object being copied
-        self._unavailable: StoreUnavailableError | None = None  # why the source could not be read, once it failed
+        self._unavailable: tuple[StoreUnavailableError, float] | None = None  # why the source failed, and when
 
     def source(self, oid: ObjectId) -> ObjectStore:
         """The source, opened on first use; one that cannot be opened makes `oid` (being read) lacking."""
@@ -61,14 +65,15 @@ class FallbackStore:
 
     def reading_source(self, oid: ObjectId, read: Callable[[], Any]) -> Any:
         """`read()` of the source for `oid`; once the source was unavailable, that error at once, without trying."""
-        if self._unavailable is None:
+        failed = self._unavailable
+        if failed is None or time.monotonic() - failed[1] > UNAVAILABLE_FOR:
             try:
                 return read()
             except StoreUnavailableError as exc:  # its retry budget is spent: the next read would spend it again
-                self._unavailable = exc
+                failed = self._unavailable = exc, time.monotonic()
         # the command needed the origin: say so, not only that S3 is down
         raise StoreUnavailableError(f"object {oid[:12]} is not held here, and the origin it comes from cannot "
-                                    f"be read: {self._unavailable}") from None
+                                    f"be read: {failed[0]}") from None
 
     def _filled(self, read: Callable[[], Any], oid: ObjectId, held: Callable[[bytes], Any]) -> Any:
         """`read()` of the local store; a missing object is copied here first (or, not kept, `held(its bytes)`).

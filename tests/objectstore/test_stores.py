@@ -530,3 +530,28 @@ def test_a_folder_holding_files_where_an_object_is_written_stops_the_write_named
     assert (path / "someones").read_text() == "kept\n" and list(store.tmp.iterdir()) == []  # nothing deleted
     path.rename(tmp_path / "moved")
     assert store.put(b"the manifest") == oid and store.get(oid) == b"the manifest"
+
+
+def test_an_origin_found_unavailable_is_asked_again_once_a_while_has_passed(tmp_path, monkeypatch):
+    """Remembered for the store's life, one outage failed every later save of a training run that keeps its
+    repository open (ckptstore.save) until it restarted; now for UNAVAILABLE_FOR seconds."""
+    from ckptstore.objectstore import fallback
+
+    origin = LocalObjectStore(tmp_path / "origin", tmp_path / "origin-tmp")
+    oid = origin.put(b"y" * 4096)
+    real_get, down = origin.get, [True]
+
+    def get(wanted, *args, **kwargs):
+        if down[0]:
+            raise StoreUnavailableError("S3 store s3://b/p: cannot reach it")
+        return real_get(wanted, *args, **kwargs)
+
+    origin.get = get
+    store = fallback.FallbackStore(LocalObjectStore(tmp_path / "here", tmp_path / "here-tmp"), lambda: origin)
+    with pytest.raises(StoreUnavailableError, match="cannot reach it"):
+        store.get(oid)
+    down[0] = False
+    with pytest.raises(StoreUnavailableError, match="cannot reach it"):  # within the while: not asked again
+        store.get(oid)
+    monkeypatch.setattr(fallback, "UNAVAILABLE_FOR", 0.0)
+    assert store.get(oid) == b"y" * 4096
