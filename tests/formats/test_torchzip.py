@@ -423,21 +423,9 @@ def test_tuples_a_million_deep_are_refused_not_a_crash(tmp_path, what, protocol,
     torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
     data = pickle.PROTO + bytes([protocol]) + _DEEP_PICKLES[what] + pickle.STOP
     _replace_pickle(tmp_path / "a.pt", tmp_path / "deep.pt", data)
-    script = textwrap.dedent(f"""
-        from ckptstore import formats
-        from ckptstore.errors import CkptError
-        from ckptstore.formats import torchzip
-        if not {c_walk}:
-            torchzip._pickscan = None  # built without a C compiler: the Python unpickler checks what it hashes
-        try:
-            formats.read_checkpoint({str(tmp_path / "deep.pt")!r})
-        except CkptError as exc:
-            print(type(exc).__name__, exc)
-    """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ckpt_env(), timeout=300)
-    assert out.returncode == 0, f"died with {out.returncode}: {out.stderr[-2000:]}"
-    assert out.stdout.startswith(f"CheckpointFormatError {tmp_path / 'deep.pt'} is refused: its pickle nests tuples "
-                                 "more than 200 deep"), out.stdout
+    said = _read_in_a_subprocess(tmp_path / "deep.pt", c_walk=c_walk)
+    assert said.startswith(f"CheckpointFormatError {tmp_path / 'deep.pt'} is refused: its pickle nests tuples "
+                           "more than 200 deep"), said
 
 
 @pytest.mark.parametrize("stop", [pickle.POP, pickle.DUP + pickle.POP])
@@ -453,17 +441,24 @@ def test_a_pickle_naming_numpy_past_an_opcode_the_walk_stops_at_is_refused_not_a
     assert said.startswith("PickledObjectsError") and "does not read" in said, said  # a clean refusal, no crash
 
 
-def _read_in_a_subprocess(path):
-    """read_checkpoint(path) in a child: what it printed (the error's type and text), or why it died."""
+def _read_in_a_subprocess(path, c_walk=True, timeout=300):
+    """read_checkpoint(path) in a child: what it printed (the error's type and text), or why it died.
+
+    Without `c_walk`, as built without a C compiler: the Python unpickler checks what it hashes.
+    """
     script = textwrap.dedent(f"""
         from ckptstore import formats
         from ckptstore.errors import CkptError
+        from ckptstore.formats import torchzip
+        if not {c_walk}:
+            torchzip._pickscan = None
         try:
             formats.read_checkpoint({str(path)!r})
         except CkptError as exc:
             print(type(exc).__name__, exc)
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ckpt_env(), timeout=300)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ckpt_env(),
+                         timeout=timeout)
     assert out.returncode == 0, f"died with {out.returncode}: {out.stderr[-2000:]}"
     return out.stdout
 
@@ -512,21 +507,9 @@ def test_a_tuple_key_whose_hash_visits_2_to_the_61_items_is_refused_not_a_hang(t
         torch.save({"w": torch.ones(2)}, tmp_path / "a.pt")
         _replace_pickle(tmp_path / "a.pt", path, pickle.PROTO + (b"\x04" if "4" in make else b"\x02") + _SHARED_KEY
                         + pickle.STOP)
-    script = textwrap.dedent(f"""
-        from ckptstore import formats
-        from ckptstore.errors import CkptError
-        from ckptstore.formats import torchzip
-        if {"without" in make}:
-            torchzip._pickscan = None  # built without a C compiler: the Python unpickler checks what it hashes
-        try:
-            formats.read_checkpoint({str(path)!r})
-        except CkptError as exc:
-            print(type(exc).__name__, exc)
-    """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ckpt_env(), timeout=60)
-    assert out.returncode == 0, f"died with {out.returncode}: {out.stderr[-2000:]}"
-    assert out.stdout.startswith(f"CheckpointFormatError {path} is refused: its pickle builds a tuple whose hash "
-                                 "would visit more than 10,000,000 items"), out.stdout
+    said = _read_in_a_subprocess(path, c_walk="without" not in make, timeout=60)
+    assert said.startswith(f"CheckpointFormatError {path} is refused: its pickle builds a tuple whose hash "
+                           "would visit more than 10,000,000 items"), said
 
 
 def _build_on_shared_globals(path):
