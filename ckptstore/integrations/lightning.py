@@ -30,6 +30,7 @@ import json
 import math
 import os
 import re
+import secrets
 import sys
 import threading
 import warnings
@@ -149,7 +150,7 @@ def write_marker(path: str | os.PathLike, repo_root: Path, ref: str, cid: Commit
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     body = {"format": MARKER_FORMAT, "repository": str(repo_root), "ref": ref, "commit": cid}
-    temp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    temp = target.with_name(f".ckpt-marker.{secrets.token_hex(8)}.tmp")  # not the name's: 255 bytes fit no longer one
     temp.write_text(json.dumps(body, indent=1) + "\n")
     if target.is_symlink():  # save_last="link" left a link here: replace the link, not the file it names
         target.unlink()

@@ -29,7 +29,7 @@ from ckptstore.errors import (
 from ckptstore.formats import filemap
 from ckptstore.formats.atomic import changed_while_read, file_stamp
 from ckptstore.formats.dcpmeta import is_dcp_dir
-from ckptstore.formats.folder import folder_files
+from ckptstore.formats.folder import folder_files, is_git_name
 from ckptstore.hashing import CommitId, ObjectId, TensorId, bytes_digest, tensor_id
 from ckptstore.metadata import Tx
 from ckptstore.metadata import commits as commit_rows
@@ -452,6 +452,10 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
     own = own_folder_holding(repo, path)
     if own is not None:  # its .ckpt/, or its object store where objects_url put it outside
         raise CheckpointFormatError(f"{path} is inside the repository's own {own.name}/ folder")
+    recorded = path.relative_to(repo.root) if path.is_relative_to(repo.root) else path  # as worktree reads it back
+    if any(is_git_name(part) for part in recorded.parts):  # no checkout writes git's files: formats/folder.py
+        raise CheckpointFormatError(f"{path} is inside a .git folder, git's own files: a checkpoint is no part of "
+                                    "them, and no checkout would write it back there; move it out first")
     other = repository_part_holding(Path(source))  # as given, and resolved: a link may hide what it leads to
     if other is not None:  # a checkout of it would roll that repository back
         raise CheckpointFormatError(f"{path} is inside {other}, another repository's own folder or object store: a "

@@ -321,6 +321,16 @@ def test_file_names_a_commit_may_not_write(repo, name, message):
             plan_checkout(repo, manifest, repo.root / "out", force=False, output=True)
 
 
+def test_a_path_inside_a_git_folder_is_refused_at_commit_not_called_forged_at_checkout(repo):
+    """`ckpt commit f/.git/m.pt` was recorded, then its checkout in place refused as "forged" (docs audit 320)."""
+    (repo.root / "f" / ".Git").mkdir(parents=True)
+    torch.save({"w": torch.ones(2)}, repo.root / "f" / ".Git" / "m.pt")
+    for path in (repo.root / "f" / ".Git" / "m.pt", repo.root / "f" / ".Git"):
+        with pytest.raises(CheckpointFormatError, match="is inside a .git folder, git's own files"):
+            repo.commit(path)
+    assert repo.head()[1] is None  # nothing was recorded
+
+
 def test_a_folder_commit_leaves_git_s_own_files_out_and_says_so(repo):
     """A folder holding a git clone (a model from a hub) committed its .git/; no checkout writes one back."""
     make_trainer_folder(repo.root / "ck")
