@@ -76,6 +76,21 @@ class NoDeadline(str):
     """A statement that may wait as long as it must: the repository lock, which a commit holds waiting out a gc."""
 
 
+def _wait_timeout() -> type[BaseException] | None:
+    """What psycopg's Connection.wait raises past its `timeout` (3.3 on); None where it takes none (3.1, 3.2).
+
+    Older versions read `timeout` as the poll interval (3.1) or refuse it (3.2): there, no deadline.
+    """
+    import inspect
+
+    takes = "timeout" in inspect.signature(psycopg.Connection.wait).parameters
+    found = getattr(pg_errors, "_WaitTimeout", None)
+    return found if takes and isinstance(found, type) and issubclass(found, BaseException) else None
+
+
+_WAIT_TIMEOUT = _wait_timeout()
+
+
 class AnsweringConnection(psycopg.Connection):
     """A connection on which each round trip must be answered within `limit` seconds (`extra` more, or None: no end).
 
@@ -88,12 +103,12 @@ class AnsweringConnection(psycopg.Connection):
     extra: float | None = 0.0
 
     def wait(self, gen: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.extra is None or args[1:] or "timeout" in kwargs:  # a caller's own deadline stands
+        if self.extra is None or args[1:] or "timeout" in kwargs or _WAIT_TIMEOUT is None:  # a caller's own stands
             return super().wait(gen, *args, **kwargs)
         seconds = self.limit + self.extra
         try:
             return super().wait(gen, *args, timeout=seconds, **kwargs)
-        except pg_errors._WaitTimeout:  # psycopg's for `timeout`: private, but the one it raises
+        except _WAIT_TIMEOUT:  # psycopg's for `timeout`: private, but the one it raises
             self.pgconn.finish()  # cut mid-statement: the connection is in no state to be used again
             waits = f", plus {self.extra:g} s that this statement may wait for a lock" if self.extra else ""
             raise Unanswered(f"no answer in {seconds:g} s: CKPT_PG_REQUEST_SECONDS={self.limit:g}{waits}") from None

@@ -516,3 +516,23 @@ def test_a_request_limit_that_is_no_number_of_seconds_is_refused(postgres_url, m
     monkeypatch.setenv("CKPT_PG_REQUEST_SECONDS", "5m")
     with pytest.raises(CkptError, match="CKPT_PG_REQUEST_SECONDS='5m': give a number of seconds"):
         PostgresBackend(postgres_url, read_only=False)
+
+
+def test_a_psycopg_whose_wait_takes_no_deadline_runs_commands_without_one(tmp_path, postgres_url, monkeypatch):
+    """pyproject allows psycopg 3.1 on: 3.2's Connection.wait refuses `timeout` and has no _WaitTimeout, so every
+    statement ended in "unexpected AttributeError" (reviewer helper 321). Such a psycopg gets no deadline."""
+    import psycopg
+
+    from ckptstore.metadata import postgres
+
+    real = psycopg.Connection.wait
+
+    def wait_of_3_2(self, gen, interval=0.1):
+        return real(self, gen, interval)
+
+    monkeypatch.setattr(psycopg.Connection, "wait", wait_of_3_2)
+    monkeypatch.setattr(postgres, "_WAIT_TIMEOUT", postgres._wait_timeout())
+    assert postgres._WAIT_TIMEOUT is None
+    with Repository.init(tmp_path / "r", metadata_url=postgres_url) as repo:
+        cid = repo.commit({"w": torch.arange(10.0)})
+        assert_same({"w": torch.arange(10.0)}, repo.checkout(cid))
