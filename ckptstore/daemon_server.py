@@ -193,11 +193,13 @@ class _Daemon:
             channel, payload = receive_frame(conn)
             conn.settimeout(None)
             request = json.loads(payload) if channel == REQUEST else None
-            if not isinstance(request, dict) or not isinstance(root := request.get("root"), str) \
-                    or not isinstance(token := request.get("token"), str):
+            if not isinstance(request, dict) or not isinstance(request.get("root"), str):
                 return None  # sent what no client sends
-            if not hmac.compare_digest(token.encode(errors="surrogatepass"), self.token.encode()):
-                # not one who read our address file: the same uid in another container sharing the socket folder
+            root, token = request["root"], request.get("token")
+            if not isinstance(token, str) or not hmac.compare_digest(token.encode(errors="surrogatepass"),
+                                                                     self.token.encode()):
+                # an older ckptstore's client (another venv) sends none: it runs its command itself, as does
+                # one who did not read our address file: the same uid in another container sharing the socket folder
                 # (its own repository's stale daemon.json naming a socket this one reuses), or worse. It learns
                 # nothing of ours, and runs its command itself, with its own rights.
                 _run_in_client(conn)

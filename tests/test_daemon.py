@@ -685,7 +685,10 @@ def test_a_client_without_the_daemons_token_or_asking_what_no_launcher_forwards_
     commit = ["--repo", root, "commit", "secret.pt", "-m", "stolen"]
     closed, here = [(b"", b"")], [(daemon.END, b'{"here": true}')]
     assert _ask_socket(address["socket"], {"op": "status"}) == closed  # no root, no token: not a client's request
-    for token in ("0" * 64, address["token"][:-1] + "x"):  # another daemon's, nearly ours
+    for token in ("0" * 64, address["token"][:-1] + "x", None):  # another daemon's, nearly ours, an older client's
+        if token is None:  # a pre-token ckptstore (another venv) runs its commit itself: it was cut off mid-command
+            assert _ask_socket(address["socket"], {**base, "argv": commit}) == here  # (reviewer helper 321)
+            continue
         assert _ask_socket(address["socket"], {"op": "status", "root": root, "token": token}) == here
         assert _ask_socket(address["socket"], {**base, "argv": commit, "token": token}) == here
     assert _ask_socket(address["socket"], {**base, "argv": commit, "root": None, "token": address["token"]}) == closed
