@@ -94,11 +94,24 @@ class Backend(Protocol):
     def repository(self) -> str: ...
 
 
-def _tables_refused(exc: BaseException) -> bool:
-    """Whether a failed upgrade met a table, column or index that its revision should not have had yet (or lacked)."""
-    text = str(getattr(exc, "orig", None) or exc).lower()
-    return any(words in text for words in ("already exists", "duplicate column", "no such table", "no such column",
-                                           "does not exist"))
+# PostgreSQL's duplicate table, column and object (an index); SQLite says so in words only
+_DUPLICATE_STATES = {"42P07", "42701", "42710"}
+_MISSING_STATES = {"42P01", "42703"}  # undefined table, undefined column
+
+
+def _tables_refused(exc: BaseException) -> str | None:
+    """What a failed upgrade met: "newer", "missing" or None (something else: not the tables' doing).
+
+    "newer": a table, column or index its steps make was there already; "missing": one an older revision made was not.
+    """
+    driver = getattr(exc, "orig", None) or exc
+    state, text = getattr(driver, "sqlstate", None), str(driver).lower()
+    if state in _DUPLICATE_STATES or state is None and (text.startswith(("table ", "index ")) and
+                                                        "already exists" in text or "duplicate column" in text):
+        return "newer"
+    if state in _MISSING_STATES or state is None and text.startswith(("no such table", "no such column")):
+        return "missing"
+    return None
 
 
 def open_backend(url: str, read_only: bool = False) -> Backend:
@@ -448,8 +461,9 @@ class Database:
             known = self.backend.explain(exc)
             if known is not None:
                 raise known from exc
-            if current is not None and _tables_refused(exc):  # the steps after `current` were applied already
-                raise self._mismatched(current, exc) from exc
+            refused = _tables_refused(exc) if current is not None else None
+            if refused is not None:  # "newer": the steps after `current` were applied already; "missing": damage
+                raise self._mismatched(current, exc, refused) from exc
             raise
         self.backend.accepted(self)
         self.made = current is None
@@ -467,9 +481,14 @@ class Database:
             raise CkptError(f"{self.where} has metadata schema {revision!r}, written by a newer ckptstore; "
                             "upgrade ckptstore to open it")
 
-    def _mismatched(self, recorded: str, exc: BaseException) -> CorruptDatabaseError:
-        """An upgrade from `recorded` that the tables refused: the revision row does not say what they are."""
+    def _mismatched(self, recorded: str, exc: BaseException, refused: str) -> CorruptDatabaseError:
+        """An upgrade from `recorded` that the tables refused: tables newer than the row says, or some missing."""
         cause = " ".join(str(getattr(exc, "orig", None) or exc).split())[:200]
+        if refused == "missing":  # a table or column revision `recorded` has is gone: no row to set right
+            return CorruptDatabaseError(
+                f"the metadata database {self.where} records schema revision {recorded!r}, but a table or column "
+                f"of that revision is missing: upgrading it failed ({cause}); nothing was changed. It is damaged: "
+                "restore it from a backup")
         return CorruptDatabaseError(
             f"the metadata database {self.where} records schema revision {recorded!r}, but its tables are not that "
             f"revision's: upgrading them failed ({cause}). Its alembic_version row was rewritten, or an old one "

@@ -8,7 +8,7 @@ from ckptstore import Repository
 from ckptstore.errors import CkptError
 from ckptstore.metadata import Database
 from ckptstore.metadata.db import HEAD_REVISION, KNOWN_REVISIONS
-from ckptstore.metadata.migrate import head_revision, upgrade
+from ckptstore.metadata.migrate import downgrade, head_revision, upgrade
 from ckptstore.repo.config import RepoConfig
 
 pytestmark = pytest.mark.both_backends
@@ -396,3 +396,19 @@ def test_a_0010_repository_read_where_it_cannot_be_written_is_not_called_damaged
     with Repository.open(tmp_path, read_only=True) as repo:
         assert repo.db.revision() == "0010" and [c.id for c in repo.log()] == [cid]
         assert fsck(repo, full=True).ok
+
+
+def test_an_old_revision_missing_one_of_its_tables_is_called_damaged_not_a_rewritten_row(tmp_path):
+    """A genuine 0008 database that lost its tensors table was said to have a rewritten revision row, with advice to
+    set it to the newest revision: three migrations skipped over a damaged schema (reviewer helper 321)."""
+    from tests.conftest import ckpt_here
+
+    url = f"sqlite:///{tmp_path / '.ckpt' / 'ckpt.db'}"
+    Repository.init(tmp_path).close()
+    downgrade(url, "0008")
+    with sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db") as conn:
+        conn.execute("DROP TABLE tensors")
+    result = ckpt_here(tmp_path, "log")
+    assert result.returncode == 1 and "records schema revision '0008', but a table or column of that revision is " \
+        "missing" in result.stderr and "restore it from a backup" in result.stderr, result.stderr
+    assert "UPDATE alembic_version" not in result.stderr
