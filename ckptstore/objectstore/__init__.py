@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ckptstore.errors import CkptError
@@ -24,6 +25,16 @@ def open_store(url: str, scratch: Path, base: Path, create: bool = True, read_on
     that is missing is made only with `create` (init); opened, it is said missing, never made anew
     empty (a typo in objects_url, or a disk not mounted). `read_only`: a local store lists no damage it reads.
     """
+    path = local_folder(url, base)
+    if path is None:
+        from ckptstore.objectstore.s3 import S3ObjectStore  # the S3 client only for repositories on a bucket
+
+        return S3ObjectStore(url)
+    return _local(url, path, scratch, create, read_only)
+
+
+def local_folder(url: str, base: Path) -> Path | None:
+    """The folder a local store's URL names (a path relative to `base`, or a file:// URL); None for a bucket."""
     if url.startswith("file://"):
         from urllib.parse import unquote, urlparse
 
@@ -31,18 +42,24 @@ def open_store(url: str, scratch: Path, base: Path, create: bool = True, read_on
         path = Path(unquote(parsed.path))
         if parsed.netloc not in ("", "localhost") or not path.is_absolute():
             raise CkptError(f"object store URL {url!r} must name an absolute local folder, e.g. file:///data/objects")
-        return _local(url, path, scratch, create, read_only)
+        return path
     if url.startswith("s3://"):
-        from ckptstore.objectstore.s3 import S3ObjectStore  # the S3 client only for repositories on a bucket
-
-        return S3ObjectStore(url)
+        return None
     if "://" in url:
         raise CkptError(f"object store URL {url!r} is not supported; use a local folder, a file:// URL or "
                         "s3://BUCKET/PREFIX")
-    return _local(url, base / url, scratch, create, read_only)
+    return base / url
 
 
 def _local(url: str, path: Path, scratch: Path, create: bool, read_only: bool) -> ObjectStore:
+    real, temporary = Path(os.path.realpath(path)), Path(os.path.realpath(scratch))
+    if real.is_relative_to(temporary) or temporary.is_relative_to(real):
+        # tmp/ is emptied by gc (its first step deleted every object), and a store holding the repository's
+        # own folder (`..`, `/`) would take the work tree's files for its own
+        where = "lies in the repository's folder of temporary files" if real.is_relative_to(temporary) else \
+            "holds the repository's own folder"
+        raise CkptError(f"objects_url {url!r} names {real}, which {where}: give the objects a folder of their own, "
+                        "or leave --objects out to keep them in .ckpt/objects")
     if path.exists() and not path.is_dir():
         raise CkptError(f"objects_url {url!r} names {path}, which is a file, not a folder of objects")
     if not create and not path.exists():

@@ -7,14 +7,15 @@ anything is written, so the same command can run again once the URLs are right.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Set
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckptstore.errors import MissingDatabaseError, RepoExistsError, RepoLockedError
+from ckptstore.errors import CkptError, MissingDatabaseError, RepoExistsError, RepoLockedError
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata import tensors as tensor_rows
-from ckptstore.objectstore import ObjectStore, open_store
+from ckptstore.objectstore import ObjectStore, local_folder, open_store
 from ckptstore.repo import owner
 from ckptstore.repo.config import RepoConfig
 from ckptstore.repo.location import REPO_DIR
@@ -45,6 +46,7 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
     from ckptstore.repo.repository import Repository
 
     folder = folder or root / REPO_DIR
+    _refuse_objects_in_the_repository_folder(root, config, folder)
     store = open_store(config.objects_url or "objects", folder / "tmp", folder)  # the default: .ckpt/objects
     url = config.objects_url or store.url
     try:
@@ -86,6 +88,19 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
         repo.close()
         raise
     return repo
+
+
+def _refuse_objects_in_the_repository_folder(root: Path, config: RepoConfig, folder: Path) -> None:
+    """Refuse, before it is made, an init's objects folder inside the `.ckpt` it is making (`folder` is a staging one).
+
+    Made there, it stood in the way of the rename that finishes the init: "already exists", a half-made
+    `.ckpt` left behind, and no command worked in the folder after.
+    """
+    path = local_folder(config.objects_url, folder) if config.objects_url else None
+    final = Path(os.path.realpath(root / REPO_DIR))
+    if path is not None and folder != root / REPO_DIR and Path(os.path.realpath(path)).is_relative_to(final):
+        raise CkptError(f"objects_url {config.objects_url!r} names a folder inside {final}, which this init makes: "
+                        "leave --objects out to keep the objects in .ckpt/objects")
 
 
 MADE_ID = "made-id"  # in an init's half-made folder: the id of the metadata it made (a server's keeps no file there)

@@ -8,6 +8,7 @@ Metadata on PostgreSQL (outside the folder) and objects on S3 must tolerate the 
 
 from __future__ import annotations
 
+import shutil
 import signal
 import socket
 import subprocess
@@ -265,3 +266,32 @@ def test_an_init_killed_over_a_schema_its_migrations_alone_made_is_taken_up_and_
         cid = repo.commit({"w": torch.arange(100.0)})
         assert_same({"w": torch.arange(100.0)}, repo.checkout(cid))
     _whole(tmp_path / "a")
+
+
+@pytest.mark.parametrize("objects", ["tmp", "tmp/sub", "..", ".", "/", "final .ckpt/objects"])
+def test_an_objects_folder_in_the_repositorys_own_temporary_folder_or_holding_it_is_refused(tmp_path, objects):
+    """`init --objects tmp` made the store .ckpt/tmp, which gc empties first: every object deleted (CLI fuzz helper
+    323); `..` or `/` held the work tree, `/` ended in "unexpected ValueError", and `.ckpt/objects` named
+    outright left a half-made .ckpt in which no command worked."""
+    where = tmp_path / "repo"
+    url = f"file://{where / '.ckpt' / 'objects'}" if objects.startswith("final") else objects
+    said = ckpt_here(tmp_path, "init", "--objects", url, str(where))
+    assert said.returncode == 1 and said.stderr.count("\n") == 1 and "objects_url" in said.stderr, said.stderr
+    assert "unexpected" not in said.stderr and not (where / ".ckpt").exists()
+    assert ckpt_here(tmp_path, "init", str(where)).returncode == 0  # the folder is as it was: an init works
+
+
+def test_a_config_naming_the_temporary_folder_as_the_store_is_refused_before_gc_empties_it(tmp_path):
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit({"w": torch.arange(100.0)})
+    objects = tmp_path / ".ckpt" / "objects"
+    shutil.copytree(objects, tmp_path / ".ckpt" / "tmp" / "store")
+    config = tmp_path / ".ckpt" / "config.toml"
+    config.write_text(config.read_text().replace('objects_url = ""', 'objects_url = "tmp/store"'))
+    said = ckpt_here(tmp_path, "gc")
+    assert said.returncode == 1 and "lies in the repository's folder of temporary files" in said.stderr, said.stderr
+    assert sorted(p.name for p in (tmp_path / ".ckpt" / "tmp" / "store").rglob("*") if p.is_file()) == sorted(
+        p.name for p in objects.rglob("*") if p.is_file())
+    config.write_text(config.read_text().replace('objects_url = "tmp/store"', 'objects_url = ""'))
+    with Repository.open(tmp_path) as repo:
+        assert_same({"w": torch.arange(100.0)}, repo.checkout(cid))
