@@ -268,6 +268,8 @@ def test_a_wrong_option_value_exits_2_as_its_siblings_do(tmp_path):
         assert out.returncode == 2 and out.stderr.startswith(f"error: Invalid value for {said}"), (args, out.stderr)
     assert not (tmp_path / "x").exists() and not (tmp_path / "o.pt").exists()
     assert ckpt_here(tmp_path, "log").stdout.count("commit ") == 1  # none of them committed
+    out = ckpt_here(tmp_path, "checkout", "HEAD", "--only", "w")  # a wrong pairing too (CLI fuzz helper 323)
+    assert out.returncode == 2 and "--only writes part of a commit, so it needs -o PATH" in out.stderr, out.stderr
 
 
 def test_init_makes_the_repository_that_repo_or_ckpt_repo_names_and_a_path_given_wins(tmp_path, monkeypatch):

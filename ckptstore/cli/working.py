@@ -130,6 +130,9 @@ def _committed_lines(repo: Repository, cid: str, message: str | None, branch: st
 @click.pass_context
 def checkout(ctx, ref, output, force, only, trust_pickle) -> None:
     """Restore the checkpoint at REF and move HEAD to it (a lossless commit: files byte for byte, except below)."""
+    if only and output is None:  # a wrong pairing of options: exit 2, as a wrong option is
+        raise click.UsageError("--only writes part of a commit, so it needs -o PATH (it never overwrites the files "
+                               "the commit came from)")
     repo = open_repo(ctx)
     info = repo.commit_info(ref)  # before HEAD moves: a ref like HEAD~1 names another commit afterwards
     dest = repo.checkout_to(ref, output, force=force, progress=BarProgress(), keys=list(only) or None,
