@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -278,21 +278,23 @@ def _collect(source: ChainSource, futures: list, on_chunk: Callable[[int], None]
             on_chunk(size)
 
 
-def chain_problem(record: TensorRecord, records: Mapping[TensorId, TensorRecord]) -> str | None:
+def chain_problem(record: TensorRecord, records: Mapping[TensorId, TensorRecord],
+                  held: Container[TensorId] = frozenset()) -> str | None:
     """Why `record` or a record down its chain cannot be replayed exactly, or None when every byte is accounted for.
 
     Each record's chunks must cover its bytes exactly, and each base must be recorded, the chain
     ending without looping. Replaying over records that fail this would hand out whatever memory
     the buffer held where a chunk is missing. (A base's depth need not be one less: a tensor
     recorded earlier keeps its first record, while a residual against it counted the depth of
-    the record this commit would have written.)
+    the record this commit would have written.) A base in `held` ends the chain: a push or fetch does
+    not send it, the other side holding it already.
     """
     seen: set[TensorId] = set()
     current: TensorRecord | None = record
     while current is not None:
         seen.add(current.id)
         problem, base = _record_problem(current), None
-        if problem is None and current.base_id is not None:
+        if problem is None and current.base_id is not None and current.base_id not in held:
             base = records.get(current.base_id)
             if base is None:
                 problem = f"its base tensor {current.base_id} has no record"

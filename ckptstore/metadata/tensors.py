@@ -11,10 +11,12 @@ from ckptstore.hashing import ObjectId, TensorId
 from ckptstore.metadata.db import Tx
 from ckptstore.records import Chunk, TensorRecord
 
+RECORD_COLUMNS = ("id", "dtype", "shape", "codec", "params", "base_id", "depth", "raw_bytes", "stored_bytes")
+CHUNK_COLUMNS = ("tensor_id", "position", "object_id", "raw_bytes", "offset", "length", "checksum")
 _RECORDS = ("SELECT id, dtype, shape, codec, params, base_id, depth, raw_bytes, stored_bytes "
-            "FROM tensors WHERE id IN ({ids})")
+            "FROM tensors WHERE id IN ({ids})")  # RECORD_COLUMNS
 _CHUNKS = ('SELECT tensor_id, position, object_id, raw_bytes, "offset", length, checksum FROM tensor_chunks '
-           "WHERE tensor_id IN ({ids}) ORDER BY tensor_id, position")
+           "WHERE tensor_id IN ({ids}) ORDER BY tensor_id, position")  # CHUNK_COLUMNS
 
 
 def load_records(tx: Tx, ids: Iterable[TensorId], with_bases: bool = True,
@@ -43,10 +45,26 @@ def load_records(tx: Tx, ids: Iterable[TensorId], with_bases: bool = True,
     return found
 
 
+def parse_records(rows: Iterable[tuple], chunk_rows: Iterable[tuple], problems: dict[TensorId, str]
+                  ) -> dict[TensorId, TensorRecord]:
+    """Records from rows already read, made as load_records makes them: what push and fetch check before sending.
+
+    `rows` hold RECORD_COLUMNS; `chunk_rows` CHUNK_COLUMNS, by tensor and position. A damaged one goes to `problems`.
+    """
+    chunks, parsed = _chunk_lists(chunk_rows, problems), {}
+    records = (_record(row, chunks, parsed, problems) for row in rows)
+    return {record.id: record for record in records if record is not None and record.id not in problems}
+
+
 def _chunks(tx: Tx, batch: list[TensorId], problems: dict[TensorId, str]) -> dict[str, list[Chunk]]:
     """The chunks of the tensors in `batch` in order; a tensor whose positions skip or repeat goes to `problems`."""
+    return _chunk_lists(tx.rows_in(_CHUNKS, batch), problems)
+
+
+def _chunk_lists(rows: Iterable[tuple], problems: dict[TensorId, str]) -> dict[str, list[Chunk]]:
+    """Chunk rows (by tensor and position) as each tensor's list; positions that skip or repeat go to `problems`."""
     chunks: dict[str, list[Chunk]] = {}
-    for tensor, position, object_id, raw_bytes, offset, length, checksum in tx.rows_in(_CHUNKS, batch):
+    for tensor, position, object_id, raw_bytes, offset, length, checksum in rows:
         listed = chunks.setdefault(tensor, [])
         if position != len(listed):
             problems.setdefault(TensorId(tensor), f"its chunk records jump to position {position!r} after "

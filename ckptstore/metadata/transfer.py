@@ -10,8 +10,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ckptstore.hashing import CommitId, ObjectId, TensorId
+from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.metadata.commits import all_parents
 from ckptstore.metadata.db import Tx
+from ckptstore.records import TensorRecord
 
 # (table, the column its rows are selected by), in an order that inserts parents before children
 COMMIT_TABLES = (("commits", "id"), ("commit_parents", "commit_id"), ("commit_tensors", "commit_id"),
@@ -32,6 +34,18 @@ class RecordSet:
         columns, rows = self.rows[table]
         at = columns.index(name)
         return {row[at] for row in rows}
+
+    def projected(self, table: str, names: tuple[str, ...]) -> list[tuple]:
+        """The rows of `table` with columns `names`, in that order."""
+        columns, rows = self.rows[table]
+        at = [columns.index(name) for name in names]
+        return [tuple(row[i] for i in at) for row in rows]
+
+    def tensor_records(self, problems: dict[TensorId, str]) -> dict[TensorId, TensorRecord]:
+        """The tensor records these rows make, read as a database's are; damaged ones go to `problems`."""
+        chunks = sorted(self.projected("tensor_chunks", tensor_rows.CHUNK_COLUMNS),
+                        key=lambda row: (str(row[0]), row[1] if type(row[1]) is int else -1))  # a damaged one: text
+        return tensor_rows.parse_records(self.projected("tensors", tensor_rows.RECORD_COLUMNS), chunks, problems)
 
 
 def present_commits(tx: Tx, cids: Iterable[CommitId]) -> set[CommitId]:

@@ -28,6 +28,7 @@ from ckptstore.state import RawTensor
 
 if TYPE_CHECKING:
     from ckptstore.metadata import Tx
+    from ckptstore.metadata.transfer import RecordSet
     from ckptstore.objectstore import ObjectStore
     from ckptstore.repo.manifest import Entry, Manifest
     from ckptstore.repo.repository import Repository
@@ -175,6 +176,53 @@ def naming_commits(repo: Repository, error: CorruptRecordError) -> CorruptRecord
     """`error`, naming the commits that need the damaged tensors (where the rows that say so survive)."""
     with repo.db.read() as tx:
         return error.needed_by(liveness.commits_with_tensors(tx, set(error.tensors)) or error.commits)
+
+
+def sent_damage(found: RecordSet, sending: set[TensorId], commits: list[CommitId],
+                manifest_entries: Callable[[ObjectId], int]) -> tuple[CommitId | None, str] | None:
+    """The first of `commits` that the records in `found` could not restore on the other side, and why; None if none.
+
+    What push and fetch check before anything is sent, from the rows loaded for sending alone (fsck's
+    checks, on what moves): every tensor that moves (`sending`: those the commits name and their bases,
+    less what the other side holds) has a record that parses, whose chunks cover its bytes and whose
+    chain ends in a record that moves or is there. A kept commit whose rows list no tensor would move
+    without any: its manifest is asked how many it names (`manifest_entries`, only for those).
+    """
+    damaged: dict[TensorId, str] = {}
+    records = found.tensor_records(damaged)
+    held = {r.base_id for r in records.values() if r.base_id is not None} - sending
+    for tid in sorted(sending - damaged.keys(), key=str):
+        problem = chain_problem(records[tid], records, held) if tid in records else "it has no record"
+        if problem is not None:
+            damaged[tid] = problem
+    listed: dict[str, list[str]] = {}
+    for cid, tid in found.projected("commit_tensors", ("commit_id", "tensor_id")):
+        listed.setdefault(cid, []).append(tid)
+    pruned = found.column("pruned_commits", "commit_id")
+    manifests = dict(found.projected("commits", ("id", "manifest_object")))
+    for cid in commits:
+        if cid not in pruned and not listed.get(cid) and (named := manifest_entries(manifests[cid])):
+            return cid, f"its rows (commit_tensors) list no tensors, its manifest lists {named}"
+        for tid in sorted(listed.get(cid, ()), key=str):  # a damaged row's id may not be text
+            hit = _first_damaged(tid, records, damaged)
+            if hit is not None:
+                return cid, f"tensor {hit}: {damaged[hit]}"
+    first = min(damaged, key=str, default=None)
+    return None if first is None else (None, f"tensor {first}: {damaged[first]}")
+
+
+def _first_damaged(tid: TensorId, records: dict[TensorId, TensorRecord], damaged: dict[TensorId, str]
+                   ) -> TensorId | None:
+    """The first tensor in `damaged` down `tid`'s chain (itself included), or None."""
+    seen: set[TensorId] = set()
+    current: TensorId | None = tid
+    while current is not None and current not in seen:  # `seen`: a forged loop ends the walk
+        if current in damaged:
+            return current
+        seen.add(current)
+        record = records.get(current)
+        current = record.base_id if record is not None else None
+    return None
 
 
 @dataclass

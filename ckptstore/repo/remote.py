@@ -46,7 +46,7 @@ from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.objectstore.base import lacking, tells_lacking
 from ckptstore.objectstore.fallback import FallbackStore, held_here
-from ckptstore.repo import refs
+from ckptstore.repo import integrity, refs
 from ckptstore.repo.config import RemoteConfig, RepoConfig, edit_config, user_cache
 from ckptstore.warn import warn_caller
 
@@ -284,6 +284,7 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
         _refuse_damaged(tx, missing, source, pushing)
         tensors = transfer.tensors_of(tx, missing, _present_whole(tx, ttx, target))
         found = transfer.records(tx, missing, tensors)
+        _refuse_damaged_records(found, tensors, missing, source, pushing)
         stale = transfer.present_tensors(ttx, tensors)  # recorded there, in objects gone everywhere: replaced
         anew = list(tensor_rows.load_records(tx, stale, with_bases=False).values()) if stale else []
     wanted = [oid for oid in found.objects if not lazy or oid in found.manifests]
@@ -346,15 +347,24 @@ def _lacking_at_origin(store: FallbackStore, oids: set[ObjectId]) -> set[ObjectI
         return set()
 
 
+def _where(sender: Repository, pushing: bool) -> str:
+    """How a refusal names the repository whose damage stays where it is."""
+    return f"this repository ({_named(sender)})" if pushing else f"the repository at {_named(sender)}"
+
+
+def _fsck_advice(pushing: bool) -> str:
+    """Where the user runs fsck on the sender's damage (a bucket's too, through a repository that names it)."""
+    return "Run `ckpt fsck` here" if pushing else ("Check that repository: `ckpt fsck` in it, or `ckpt fsck --remote "
+                                                   "NAME` from a repository that has it as a remote")
+
+
 def _refuse_damaged(tx: Tx, cids: list[CommitId], sender: Repository, pushing: bool) -> None:
     """Every commit record that would move must be there and hash to its id, as every object must.
 
     Damage stays where it is, and the message names the repository that holds it: a missing record
     read "metadata has no commit", which sent a user to a `ckpt fsck` here that found nothing.
     """
-    where = f"this repository ({_named(sender)})" if pushing else f"the repository at {_named(sender)}"
-    fsck = "Run `ckpt fsck` here" if pushing else ("Check that repository: `ckpt fsck` in it, or `ckpt fsck --remote "
-                                                   "NAME` from a repository that has it as a remote")  # a bucket's too
+    where, fsck = _where(sender, pushing), _fsck_advice(pushing)
     unrecorded = sorted(set(cids) - transfer.present_commits(tx, cids))
     if unrecorded:
         raise CkptError(f"{where} has no record of commit {unrecorded[0][:12]}, which its refs reach; nothing was "
@@ -365,6 +375,26 @@ def _refuse_damaged(tx: Tx, cids: list[CommitId], sender: Repository, pushing: b
         except CorruptRecordError as exc:
             raise CkptError(f"{where} holds a damaged record of commit {cid[:12]} ({exc.problem}); nothing was "
                             f"sent. {fsck}") from None
+
+
+def _refuse_damaged_records(found: transfer.RecordSet, tensors: set[TensorId], cids: list[CommitId],
+                            sender: Repository, pushing: bool) -> None:
+    """Every tensor record that would move must restore its commits there, checked from the rows loaded to send.
+
+    A lost or damaged record moved, and broke the other side's commits, fsck and gc (exit 0 here).
+    """
+    def manifest_entries(oid: ObjectId) -> int:
+        try:
+            return len(sender.read_manifest(oid).entries)
+        except CkptError:  # an unreadable manifest is an object's damage: sending it says so
+            return 0
+
+    damage = integrity.sent_damage(found, tensors, cids, manifest_entries)
+    if damage is not None:
+        cid, problem = damage
+        needed = f" that commit {cid[:12]} needs" if cid else ""
+        raise CkptError(f"{_where(sender, pushing)} holds damaged records{needed} ({problem}); nothing was sent. "
+                        f"{_fsck_advice(pushing)}")
 
 
 def _whole_on(store: ObjectStore, oid: ObjectId, data: Callable[[], bytes]) -> bool:

@@ -637,6 +637,43 @@ def test_a_damaged_commit_record_does_not_travel(pair, tmp_path):
         remote.clone(str(work.root), tmp_path / "copy")
 
 
+_RECORD_DAMAGE = {  # what a lost row or a damaged page leaves of the first commit's tensor record
+    "base record lost": "DELETE FROM tensors WHERE id = :tid",
+    "chunk rows lost": "DELETE FROM tensor_chunks WHERE tensor_id = :tid",
+    "commit's tensor list lost": "DELETE FROM commit_tensors WHERE commit_id = :cid",
+    "shape unparseable": "UPDATE tensors SET shape = '[[' WHERE id = :tid",
+}
+
+
+@pytest.mark.parametrize("damage", sorted(_RECORD_DAMAGE))
+def test_damaged_tensor_records_do_not_travel(tmp_path, damage):
+    """Push and fetch sent a history fsck here called broken (rc 0), and broke the healthy side's commits, fsck and
+    gc: the records that move are checked as fsck checks them, before anything is sent (auditor helper 314)."""
+    Repository.init(tmp_path / "hub").close()
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 256, generator=generator)
+    with Repository.init(tmp_path / "work") as work:
+        remote.add(work, "origin", str(tmp_path / "hub"))
+        first = work.commit({"w": w}, "keyframe")
+        work.commit({"w": w + 1e-3 * torch.randn(256, 256, generator=generator)}, "a residual on it")
+        tid = work.manifest(first).entries["w"].tensor
+        with contextlib.closing(sqlite3.connect(work.dir / "ckpt.db")) as db, db:
+            assert db.execute("SELECT COUNT(*) FROM tensors WHERE base_id = ?", (tid,)).fetchone()[0] == 1
+            db.execute(_RECORD_DAMAGE[damage], {"tid": tid, "cid": first})
+        assert not fsck(work).ok
+        with pytest.raises(CkptError, match=f"^this repository .* holds damaged records that commit {first[:12]} "
+                                            r"needs \(.*\); nothing was sent. Run `ckpt fsck` here$"):
+            remote.push(work, "origin")
+    with Repository.open(tmp_path / "hub") as hub:
+        assert hub.log(all_refs=True) == [] and fsck(hub).ok and not _object_files(tmp_path / "hub")
+    with Repository.init(tmp_path / "fresh") as fresh:
+        remote.add(fresh, "origin", str(tmp_path / "work"))
+        with pytest.raises(CkptError, match=f"^the repository at .* holds damaged records that commit {first[:12]} "
+                                            r"needs .*nothing was sent. Check that repository"):
+            remote.fetch(fresh, "origin")
+        assert fresh.log(all_refs=True) == [] and fsck(fresh).ok and not _object_files(tmp_path / "fresh")
+
+
 def test_a_remote_whose_branch_names_a_commit_it_has_no_record_of_is_named_as_the_damaged_one(pair, tmp_path):
     """The fetch said "metadata has no commit X; run `ckpt fsck`", read as this repository's damage, and fsck here
     found nothing: the message meant for it was never reached (mutation audit round 12)."""
