@@ -123,31 +123,59 @@ def open_backend(url: str, read_only: bool = False) -> Backend:
     return SqliteBackend(url, read_only)
 
 
+ORIGIN = "_ckpt_backend"  # the attribute a driver error carries: the backend of the transaction that raised it
+
+
 class Tx:
-    """One open transaction: run statements, read rows."""
+    """One open transaction: run statements, read rows.
+
+    A driver error raised here is marked with this transaction's backend (ORIGIN): a transaction
+    opened inside another database's (push and fetch read both) is then not taken for that one's.
+    """
 
     def __init__(self, connection: Any, backend: Backend) -> None:
         self._connection = connection
         self.backend = backend
 
+    def _mark(self, exc: BaseException) -> None:
+        """Say that `exc` came from this transaction's database, unless a statement nearer to it said so first."""
+        if not hasattr(exc, ORIGIN):
+            setattr(exc, ORIGIN, self.backend)
+
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
-        return self._connection.execute(self.backend.prepare(sql), params)
+        try:
+            return self._connection.execute(self.backend.prepare(sql), params)
+        except (*self.backend.errors, *self.backend.damage_errors) as exc:
+            self._mark(exc)
+            raise
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
-        self.backend.executemany(self._connection, self.backend.prepare(sql), rows)
+        try:
+            self.backend.executemany(self._connection, self.backend.prepare(sql), rows)
+        except (*self.backend.errors, *self.backend.damage_errors) as exc:
+            self._mark(exc)
+            raise
 
     def rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
-        return self.execute(sql, params).fetchall()
+        try:  # fetching reads the pages: where a damaged one is found
+            return self.execute(sql, params).fetchall()
+        except (*self.backend.errors, *self.backend.damage_errors) as exc:
+            self._mark(exc)
+            raise
 
     def first(self, sql: str, params: Sequence[Any] = ()) -> tuple | None:
-        return self.execute(sql, params).fetchone()
+        try:
+            return self.execute(sql, params).fetchone()
+        except (*self.backend.errors, *self.backend.damage_errors) as exc:
+            self._mark(exc)
+            raise
 
     def scalar(self, sql: str, params: Sequence[Any] = ()) -> Any:
         row = self.first(sql, params)
         return row[0] if row else None
 
     def column(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
-        return [row[0] for row in self.execute(sql, params)]
+        return [row[0] for row in self.rows(sql, params)]
 
     def rows_in(self, sql: str, ids: Iterable[str], params: Sequence[Any] = ()) -> list[tuple]:
         """`sql` with `{ids}` standing for a list of placeholders, run over `ids` in batches."""
@@ -331,11 +359,17 @@ class Database:
 
     @contextlib.contextmanager
     def _transaction(self, write: bool) -> Iterator[Tx]:
-        """A transaction; the engine's errors come out as CkptError where their cause is known."""
+        """A transaction; the engine's errors come out as CkptError where their cause is known.
+
+        Only errors of this database: one marked as another's (Tx) passes through untouched, or a push's
+        damaged sender was reported as its healthy receiver, to be restored from a backup.
+        """
         try:
             with self._raw_transaction(write) as tx:
                 yield tx
         except (*self.backend.errors, *self.backend.damage_errors) as exc:
+            if getattr(exc, ORIGIN, self.backend) is not self.backend:
+                raise  # another database's, read inside this transaction's block: its own transaction says so
             known = self.backend.explain(exc) if isinstance(exc, self.backend.errors) else None
             if known is not None:
                 raise known from exc

@@ -674,6 +674,37 @@ def test_damaged_tensor_records_do_not_travel(tmp_path, damage):
         assert fresh.log(all_refs=True) == [] and fsck(fresh).ok and not _object_files(tmp_path / "fresh")
 
 
+def _zero_commits_page(repo_path):
+    """Overwrite the page that holds the commits table of a closed repository's database with zeros."""
+    with contextlib.closing(sqlite3.connect(repo_path / ".ckpt" / "ckpt.db")) as db:
+        size = db.execute("PRAGMA page_size").fetchone()[0]
+        root = db.execute("SELECT rootpage FROM sqlite_master WHERE name = 'commits'").fetchone()[0]
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    with open(repo_path / ".ckpt" / "ckpt.db", "r+b") as file:
+        file.seek((root - 1) * size)
+        file.write(bytes(size))
+
+
+def test_a_damaged_database_on_one_side_of_a_transfer_is_named_as_that_sides(pair, tmp_path):
+    """The sender's damaged database was reported as the healthy receiver's, with advice to restore that one from a
+    backup: each transaction now says only what its own connection raised (auditor helper 314)."""
+    work, hub, _ = pair
+    work.close()
+    _zero_commits_page(tmp_path / "work")
+    pushed = ckpt_here(tmp_path / "work", "push", "origin", "main")
+    assert pushed.returncode == 1 and "Traceback" not in pushed.stderr
+    assert f"the metadata database {tmp_path / 'work' / '.ckpt' / 'ckpt.db'} is damaged" in pushed.stderr
+    assert str(hub) not in pushed.stderr
+    assert ckpt_here(hub, "fsck").returncode == 0
+    assert ckpt_here(tmp_path, "init", "fresh").returncode == 0
+    assert ckpt_here(tmp_path / "fresh", "remote", "add", "d", str(tmp_path / "work")).returncode == 0
+    fetched = ckpt_here(tmp_path / "fresh", "fetch", "d")
+    assert fetched.returncode == 1 and "Traceback" not in fetched.stderr
+    assert f"the metadata database {tmp_path / 'work' / '.ckpt' / 'ckpt.db'} is damaged" in fetched.stderr
+    assert str(tmp_path / "fresh") not in fetched.stderr
+    assert ckpt_here(tmp_path / "fresh", "fsck").returncode == 0
+
+
 def test_a_remote_whose_branch_names_a_commit_it_has_no_record_of_is_named_as_the_damaged_one(pair, tmp_path):
     """The fetch said "metadata has no commit X; run `ckpt fsck`", read as this repository's damage, and fsck here
     found nothing: the message meant for it was never reached (mutation audit round 12)."""
