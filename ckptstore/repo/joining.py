@@ -35,7 +35,6 @@ def open_over_objects(root: Path, config: RepoConfig, create: bool, folder: Path
     metadata, another folder's, names objects this one lacks, and was joined unchecked.
 
     `folder`: its `.ckpt` folder where that is not (yet) `root/.ckpt` (init builds it under another name).
-
     An S3 prefix must name the metadata's repository in its owner.json, or name none (then it is
     claimed: repo/owner.py). Metadata that holds a repository is joined only where some of its
     objects are in the prefix; an empty one gets a schema only over a prefix that holds no objects.
