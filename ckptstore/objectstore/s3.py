@@ -41,6 +41,7 @@ DOWNLOADS_IN_FLIGHT = 16  # objects downloading at once inside read_ahead()
 READ_AHEAD = 64  # objects read ahead and not yet used, at most (64 chunks of 4 MiB: 256 MiB)
 BYTES_IN_FLIGHT = 512 << 20  # encoders wait when this much is queued for upload, so memory stays bounded
 OWNER_KEY = "owner.json"  # beside objects/: which repository's database the prefix belongs to (repo/owner.py)
+DAMAGED = "damaged/"  # beside objects/: an empty marker per object a verified read found corrupted (_Damage)
 MAX_OWNER_RECORD = 64 << 10
 RETRY_SECONDS = 60.0  # how long a request is retried before the error reaches the user; CKPT_S3_RETRY_SECONDS
 MAX_RETRIES = 1 << 16  # no bound of its own: RETRY_SECONDS is (at the longest backoff, 5 s, 60 s is 12-24 tries)
@@ -171,6 +172,7 @@ class S3ObjectStore:
         self._ahead: _ReadAhead | None = None
         self._etags_differ = False  # its ETags proved to be no MD5 of the bytes (see _upload, holds)
         self._etag_verdict = threading.Lock()
+        self.damage = _Damage(self)
 
     def key(self, oid: ObjectId) -> str:
         """The object's key in the bucket."""
@@ -214,9 +216,11 @@ class S3ObjectStore:
 
         data = as_bytes(data)
         if self.holds(oid, lambda: data):
+            self.damage.discard([oid])  # its exact bytes are there: whole again (another machine's rewrite)
             return
         stored = self.call(obstore.put, oid, data, use_multipart=len(data) > SINGLE_PUT, chunk_size=PART,
                            max_concurrency=PARTS_IN_FLIGHT)
+        self.damage.discard([oid])
         tag = (stored.get("e_tag") or "").strip('"')
         if not tag or self._etags_differ or tag == etag(data):
             return
@@ -281,6 +285,7 @@ class S3ObjectStore:
 
         with contextlib.suppress(CorruptObjectError):
             self.call(obstore.delete, oid)
+        self.damage.discard([oid])
 
     def clear_tmp(self) -> int:
         """Nothing to clear: a PUT that did not complete left no object.
@@ -322,6 +327,7 @@ class S3ObjectStore:
         # the body streams in .bytes(): read inside call's error mapping, so a server lost mid-body is one line
         data = memoryview(self.call(lambda client, key: obstore.get(client, key).bytes(), oid))
         if object_id(data) != oid:
+            self.damage.add(oid)
             raise CorruptObjectError(oid, f"corrupted (the {len(data)} bytes {self.url} returned do not match "
                                           "its hash)")
         return data
@@ -402,6 +408,53 @@ class S3ObjectStore:
                     name = item["path"][len(self._objects):].replace("/", "")
                     if is_hex_id(name):
                         yield ObjectId(name), int(item["size"])
+
+
+class _Damage:
+    """The bucket's list of objects a verified read found corrupted, as damaged/OID markers every machine sees.
+
+    As a local store's damagelist.py: a commit stores such objects' tensors again instead of reusing a
+    record (committing the file again reused the corrupted object, "0 B new"), and the put of an
+    object's exact bytes takes its marker off. `ids` lists them (one request, at each commit); the
+    markers this process knows of are what a put or a delete removes. Best effort: a bucket this
+    process may not write to keeps none, and the read's error still says the damage.
+    """
+
+    def __init__(self, store: S3ObjectStore) -> None:
+        self._store = store
+        self._prefix = f"{store.prefix}/{DAMAGED}" if store.prefix else DAMAGED
+        self._known: set[ObjectId] = set()
+        self._lock = threading.Lock()
+
+    def ids(self) -> frozenset[ObjectId]:
+        """The objects marked damaged now (an empty set where the bucket cannot be listed)."""
+        import obstore
+
+        found: set[ObjectId] = set()
+        with contextlib.suppress(Exception):  # noqa: BLE001 - a listing refused: nothing to go by, as a local store
+            for page in obstore.list(self._store._client, prefix=self._prefix, chunk_size=1000):
+                found.update(ObjectId(name) for item in page if is_hex_id(name := item["path"][len(self._prefix):]))
+        with self._lock:
+            self._known = set(found)
+        return frozenset(found)
+
+    def add(self, oid: ObjectId) -> None:
+        import obstore
+
+        with contextlib.suppress(Exception):  # noqa: BLE001 - best effort (see the class)
+            obstore.put(self._store._client, self._prefix + oid, b"")
+            with self._lock:
+                self._known.add(oid)
+
+    def discard(self, oids: Iterable[ObjectId]) -> None:
+        import obstore
+
+        with self._lock:
+            gone = self._known & set(oids)
+            self._known -= gone
+        for oid in gone:
+            with contextlib.suppress(Exception):  # noqa: BLE001 - best effort (see the class)
+                obstore.delete(self._store._client, self._prefix + oid)
 
 
 class _ReadAhead:

@@ -1055,3 +1055,27 @@ def test_the_damage_list_is_made_as_the_umask_says_so_a_teammate_can_clear_it(tm
     finally:
         os.umask(old)
     assert (tmp_path / "damaged").stat().st_mode & 0o777 == 0o664
+
+
+def test_on_a_bucket_committing_the_file_again_repairs_an_object_a_read_found_corrupted(tmp_path, s3_url):
+    """The damage list was a local store's alone: on S3 a recommit after fsck reused the corrupted object ("0 B
+    new", exit 0, unrestorable), against guide.md's recovery (shared-repository random tester helper 322). The
+    bucket keeps damaged/OID markers every machine sees."""
+    import obstore
+
+    state = _checkpoint(tmp_path / "a.pt", seed=0)
+    with Repository.init(tmp_path / "r", objects_url=s3_url) as repo:
+        first = repo.commit(tmp_path / "a.pt")
+        store = repo.store
+        with repo.db.read() as tx:
+            oids = tx.column("SELECT DISTINCT object_id FROM tensor_chunks")
+        oid = max(oids, key=store.size)
+        data = bytearray(store.get(oid))
+        data[len(data) // 2] ^= 0x40
+        obstore.put(store._client, store.key(oid), bytes(data))
+        assert first in fsck(repo).broken_commits and store.damage.ids() == {oid}
+        again = repo.commit(tmp_path / "a.pt", allow_empty=True)
+        assert store.damage.ids() == frozenset()
+        assert fsck(repo, full=True).ok
+        for cid in (first, again):
+            assert_same(state, repo.checkout(cid))
