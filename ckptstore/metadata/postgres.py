@@ -34,6 +34,7 @@ CONNECT_TIMEOUT_S = 10
 # how long the server may take to answer one round trip (CKPT_PG_REQUEST_SECONDS): generous, so the big
 # transaction of a many-rank commit is never cut; a writer's wait in the queue for the write lock comes on top
 REQUEST_SECONDS = 300.0
+EXECUTEMANY_ROWS = 5000  # rows sent in one pipelined batch, under one deadline (5,000: well under a second here)
 
 
 def schema_key(key: int) -> str:
@@ -267,8 +268,14 @@ class PostgresBackend:
         return to_psycopg(sql)
 
     def executemany(self, connection: psycopg.Connection, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        """Send `rows` in batches of EXECUTEMANY_ROWS, each under its own request deadline (AnsweringConnection).
+
+        psycopg pipelines a batch in one wait: a commit's 150,000 rows in one took longer than a low limit.
+        """
+        rows = list(rows)
         with connection.cursor() as cursor:
-            cursor.executemany(sql, list(rows))
+            for start in range(0, len(rows), EXECUTEMANY_ROWS):
+                cursor.executemany(sql, rows[start:start + EXECUTEMANY_ROWS])
 
     def explain(self, exc: BaseException) -> CkptError | None:
         """Psycopg's error (or one wrapping it, as SQLAlchemy's do) as a CkptError naming the server, or None."""

@@ -536,3 +536,16 @@ def test_a_psycopg_whose_wait_takes_no_deadline_runs_commands_without_one(tmp_pa
     with Repository.init(tmp_path / "r", metadata_url=postgres_url) as repo:
         cid = repo.commit({"w": torch.arange(10.0)})
         assert_same({"w": torch.arange(10.0)}, repo.checkout(cid))
+
+
+def test_many_rows_go_in_batches_each_under_its_own_deadline(tmp_path, postgres_url, monkeypatch):
+    """psycopg pipelines an executemany in one wait: a commit's 150,000 rows were one round trip to the deadline,
+    and a busy but healthy server was called hung at CKPT_PG_REQUEST_SECONDS=1 (random tester helper 322)."""
+    from ckptstore.metadata import postgres
+
+    monkeypatch.setattr(postgres, "EXECUTEMANY_ROWS", 3)  # every insert of this commit in several batches
+    state = {f"t{i}": torch.full((4,), float(i)) for i in range(20)}
+    with Repository.init(tmp_path / "r", metadata_url=postgres_url) as repo:
+        cid = repo.commit(state)
+        assert_same(state, repo.checkout(cid))
+        assert fsck(repo, full=True).ok
