@@ -381,18 +381,25 @@ def test_a_daemon_of_a_repository_made_anew_leaves_the_new_daemons_address(tmp_p
     ckpt(root, "daemon", "stop")
 
 
-def test_the_socket_folder_is_the_first_that_exists_and_leaves_room_for_a_socket(tmp_path, monkeypatch):
+def test_the_socket_folder_is_the_first_that_exists_and_leaves_room_for_a_socket(monkeypatch):
     """A batch node inheriting the login node's XDG_RUNTIME_DIR, or a deep one: 'unexpected FileNotFoundError'."""
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "no" / "such"))
-    assert daemon.private_folder() == tmp_path / f"ckptstore-{os.getuid()}"
-    deep = tmp_path / ("d" * 100)
-    deep.mkdir()
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(deep))
-    assert daemon.private_folder() == tmp_path / f"ckptstore-{os.getuid()}"
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "s"))  # room for a pid and a nonce
-    (tmp_path / "s").mkdir()
-    assert daemon.private_folder() == tmp_path / "s" / f"ckptstore-{os.getuid()}"
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="ck", dir="/tmp"))  # short: pytest's own (under xdist) leaves no room
+    try:
+        monkeypatch.setenv("TMPDIR", str(base))
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(base / "no" / "such"))
+        assert daemon.private_folder() == base / f"ckptstore-{os.getuid()}"
+        deep = base / ("d" * 100)
+        deep.mkdir()
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(deep))
+        assert daemon.private_folder() == base / f"ckptstore-{os.getuid()}"
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(base / "s"))  # room for a pid and a nonce
+        (base / "s").mkdir()
+        assert daemon.private_folder() == base / "s" / f"ckptstore-{os.getuid()}"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_a_checkpoint_cut_short_while_the_daemon_commits_it_is_refused_and_the_daemon_serves_on(served):

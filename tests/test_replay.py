@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ckptstore import Repository
-from ckptstore.errors import CorruptObjectError, CorruptRecordError, StoreUnavailableError
+from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError, StoreUnavailableError
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.objectstore import pack
 from ckptstore.replay import ChainSource, one_coding, replay, run_here_and_on
@@ -79,14 +79,18 @@ def test_a_received_chain_whose_bases_loop_makes_a_commit_encode_anew_not_hang(t
     with Repository.init(tmp_path / "origin") as origin:
         a = origin.manifest(origin.commit({"w": w0})).entries["w"].tensor
         b = origin.manifest(origin.commit({"w": w1})).entries["w"].tensor
-    received_lie(tmp_path / "origin" / ".ckpt", a, b, listed=False)  # a holds b's residual chunks...
-    with contextlib.closing(sqlite3.connect(tmp_path / "origin" / ".ckpt" / "ckpt.db")) as db, db:
-        assert db.execute("SELECT base_id FROM tensors WHERE id = ?", (b,)).fetchone()[0] == a
-        db.execute("UPDATE tensors SET base_id = ?, depth = 1 WHERE id = ?", (b, a))  # ...and rests on b
+    remote.clone(str(tmp_path / "origin"), tmp_path / "copy").close()
+    for folder in (tmp_path / "origin", tmp_path / "copy"):  # the copy as a crafted remote's fetch left it
+        received_lie(folder / ".ckpt", a, b, listed=folder.name == "copy")  # a holds b's residual chunks...
+        with contextlib.closing(sqlite3.connect(folder / ".ckpt" / "ckpt.db")) as db, db:
+            assert db.execute("SELECT base_id FROM tensors WHERE id = ?", (b,)).fetchone()[0] == a
+            db.execute("UPDATE tensors SET base_id = ?, depth = 1 WHERE id = ?", (b, a))  # ...and rests on b
+    with pytest.raises(CkptError, match="its chain loops back"):  # such records no longer travel (helper 314)
+        remote.clone(str(tmp_path / "origin"), tmp_path / "second")
     restored = []
 
     def commit_in_a_clone():
-        with remote.clone(str(tmp_path / "origin"), tmp_path / "copy") as copy:
+        with Repository.open(tmp_path / "copy") as copy:
             restored.append(copy.checkout(copy.commit({"w": w2}))["w"])
 
     worker = threading.Thread(target=commit_in_a_clone, daemon=True)
