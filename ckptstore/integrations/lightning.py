@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptstore.errors import BackgroundCommitError, CkptError, NothingToCommitError, RefNotFoundError, RetentionError
+from ckptstore.formats.atomic import TEMP_SUFFIX
 from ckptstore.hashing import CommitId
 from ckptstore.integrations.unchanged import head_if_unchanged
 from ckptstore.repo import Repository
@@ -150,7 +151,8 @@ def write_marker(path: str | os.PathLike, repo_root: Path, ref: str, cid: Commit
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     body = {"format": MARKER_FORMAT, "repository": str(repo_root), "ref": ref, "commit": cid}
-    temp = target.with_name(f".ckpt-marker.{secrets.token_hex(8)}.tmp")  # not the name's: 255 bytes fit no longer one
+    # not the name's (255 bytes fit no longer one), and one a folder commit leaves out as a writer's leftover
+    temp = target.with_name(f".ckpt-marker.{secrets.token_hex(8)}{TEMP_SUFFIX}")
     temp.write_text(json.dumps(body, indent=1) + "\n")
     if target.is_symlink():  # save_last="link" left a link here: replace the link, not the file it names
         target.unlink()

@@ -215,7 +215,7 @@ class S3ObjectStore:
         import obstore
 
         data = as_bytes(data)
-        if self.holds(oid, lambda: data):
+        if not self.damage.known(oid) and self.holds(oid, lambda: data):  # a damaged one: its ETag may be stale
             self.damage.discard([oid])  # its exact bytes are there: whole again (another machine's rewrite)
             return
         stored = self.call(obstore.put, oid, data, use_multipart=len(data) > SINGLE_PUT, chunk_size=PART,
@@ -437,6 +437,11 @@ class _Damage:
         with self._lock:
             self._known = set(found)
         return frozenset(found)
+
+    def known(self, oid: ObjectId) -> bool:
+        """Whether this process found `oid` marked (a put then writes it whatever its ETag says)."""
+        with self._lock:
+            return oid in self._known
 
     def add(self, oid: ObjectId) -> None:
         import obstore

@@ -845,3 +845,18 @@ def test_a_tag_an_older_plugin_gave_a_name_ending_in_a_dot_is_still_found_and_re
         assert "lightning/x." in repo.tags()  # reader 43: removing it took x..ckpt's tag too
         io.remove_checkpoint(str(tmp_path / "out" / "x..ckpt"))
         assert "lightning/x." not in repo.tags()
+
+
+def test_a_markers_temporary_file_left_by_a_crash_is_one_a_folder_commit_leaves_out(tmp_path, monkeypatch):
+    """It was `.ckpt-marker.<hex>.tmp` (and before, `.<name>.<pid>.tmp`): a folder committed later held it."""
+    from ckptstore.formats.folder import is_temp_name
+    from ckptstore.integrations.lightning import write_marker
+
+    def crash(*_):
+        raise OSError("killed")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        write_marker(tmp_path / "last.ckpt", tmp_path, "lightning/last", None)
+    left = [p.name for p in tmp_path.iterdir()]
+    assert left and all(is_temp_name(name) for name in left), left
