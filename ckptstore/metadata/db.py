@@ -126,6 +126,26 @@ def open_backend(url: str, read_only: bool = False) -> Backend:
 ORIGIN = "_ckpt_backend"  # the attribute a driver error carries: the backend of the transaction that raised it
 
 
+class _Marking:
+    """A block whose driver errors are marked with `backend` (ORIGIN), unless a statement nearer to them said so.
+
+    A class, not a generator: it wraps every statement a transaction runs.
+    """
+
+    __slots__ = ("_backend", "_errors")
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend, self._errors = backend, (*backend.errors, *backend.damage_errors)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: BaseException | None, traceback: Any) -> bool:
+        if isinstance(exc, self._errors) and not hasattr(exc, ORIGIN):
+            setattr(exc, ORIGIN, self._backend)
+        return False
+
+
 class Tx:
     """One open transaction: run statements, read rows.
 
@@ -136,39 +156,23 @@ class Tx:
     def __init__(self, connection: Any, backend: Backend) -> None:
         self._connection = connection
         self.backend = backend
-
-    def _mark(self, exc: BaseException) -> None:
-        """Say that `exc` came from this transaction's database, unless a statement nearer to it said so first."""
-        if not hasattr(exc, ORIGIN):
-            setattr(exc, ORIGIN, self.backend)
+        self._marking = _Marking(backend)
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
-        try:
+        with self._marking:
             return self._connection.execute(self.backend.prepare(sql), params)
-        except (*self.backend.errors, *self.backend.damage_errors) as exc:
-            self._mark(exc)
-            raise
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
-        try:
+        with self._marking:
             self.backend.executemany(self._connection, self.backend.prepare(sql), rows)
-        except (*self.backend.errors, *self.backend.damage_errors) as exc:
-            self._mark(exc)
-            raise
 
     def rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
-        try:  # fetching reads the pages: where a damaged one is found
+        with self._marking:  # fetching reads the pages: where a damaged one is found
             return self.execute(sql, params).fetchall()
-        except (*self.backend.errors, *self.backend.damage_errors) as exc:
-            self._mark(exc)
-            raise
 
     def first(self, sql: str, params: Sequence[Any] = ()) -> tuple | None:
-        try:
+        with self._marking:
             return self.execute(sql, params).fetchone()
-        except (*self.backend.errors, *self.backend.damage_errors) as exc:
-            self._mark(exc)
-            raise
 
     def scalar(self, sql: str, params: Sequence[Any] = ()) -> Any:
         row = self.first(sql, params)
