@@ -11,6 +11,7 @@ torch's own loader reads, and by `dtype_state_problem` in torchzip's unpickler.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import zipfile
 from typing import IO, Any
@@ -109,6 +110,16 @@ class _DryRun(pickle._Unpickler):  # the pure-Python one: its find_class and BUI
         return _Opaque()
 
 
+def zipped_pickle(source: str | os.PathLike | IO[bytes]) -> bytes | None:
+    """A torch.save zip's data.pkl, or None where the zip, or that member, cannot be read."""
+    try:
+        with zipfile.ZipFile(source) as archive:
+            name = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+            return archive.read(name) if name else None
+    except (zipfile.BadZipFile, OSError, ValueError, RuntimeError, EOFError):
+        return None
+
+
 def bad_dtype_state(source: bytes | IO[bytes], pickles: int = 1) -> str | None:
     """Why a numpy dtype in the first `pickles` pickles of `source` would be built from a state numpy crashes on.
 
@@ -119,12 +130,7 @@ def bad_dtype_state(source: bytes | IO[bytes], pickles: int = 1) -> str | None:
     start = handle.tell()
     if handle.read(4) == b"PK\x03\x04":
         handle.seek(start)
-        try:
-            with zipfile.ZipFile(handle) as archive:
-                name = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
-                handle = io.BytesIO(archive.read(name) if name else b"")
-        except (zipfile.BadZipFile, OSError, ValueError, RuntimeError, EOFError):
-            return None
+        handle = io.BytesIO(zipped_pickle(handle) or b"")  # none read: no numpy global, so None below
     else:
         handle.seek(start)
     if isinstance(handle, io.BytesIO) and b"numpy" not in handle.getvalue():

@@ -42,7 +42,7 @@ import numpy as np
 
 from ckptstore.errors import CheckpointFormatError, UnsupportedStateError
 from ckptstore.formats import filemap
-from ckptstore.formats.dtypestate import dtype_state_problem
+from ckptstore.formats.dtypestate import dtype_state_problem, zipped_pickle
 from ckptstore.formats.torchfile import numpy_safe_globals, refused
 from ckptstore.formats.tuplecost import MAX_VISITS, tuple_cost
 from ckptstore.state import (
@@ -603,12 +603,7 @@ def walked_pickles(path: Path) -> bytes | None:
     with open(path, "rb") as handle:
         if handle.read(4) != b"PK\x03\x04":
             return legacy_pickles(path)
-    try:
-        with zipfile.ZipFile(path) as archive:
-            name = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
-            data = archive.read(name) if name else None
-    except (zipfile.BadZipFile, OSError, ValueError, RuntimeError, EOFError):
-        return None
+    data = zipped_pickle(path)
     if data is None:
         return None
     verdict, end, _ = _pickscan.walk_from(data, _WALK_TABLE, MAX_DEPTH, MAX_VISITS, 0)
