@@ -595,7 +595,7 @@ def committed_from(repo: Repository, cid: CommitId, source_path: str, writing: b
     if "\0" in source_path or not path.is_absolute() and ".." in path.parts:
         raise CkptError(f"commit {cid[:12]} names its files as {source_path!r}, outside this work tree: it was not "
                         "made by ckptstore here; write it elsewhere with -o PATH")
-    if writing and any(part.lower() == ".git" for part in path.parts):  # git's own files: hooks run on checkout
+    if writing and any(is_git_name(part) for part in path.parts):  # git's own files: hooks run on checkout
         raise CkptError(f"commit {cid[:12]} names its files as {source_path!r}, inside a .git folder, where a "
                         "checkpoint never lies: it was forged; write it elsewhere with -o PATH")
     if writing and path.is_absolute() and not Path(path).is_relative_to(repo.root) and (
