@@ -242,9 +242,8 @@ def _with_views(node: Any, placed: dict[str, list]) -> Any:
         return node if view is None else ["tensor", node[1], {**(node[2] if len(node) > 2 else {}), "view": view}]
     if node[0] in ("dict", "odict"):
         items = [[key, _with_views(value, placed)] for key, value in node[1]]
-        extras = node[2:]
-        if extras and isinstance(extras[0], dict) and "attrs" in extras[0]:
-            extras = [{**extras[0], "attrs": [[name, _with_views(v, placed)] for name, v in extras[0]["attrs"]]}]
+        attrs = _attrs(node)
+        extras = [{**node[2], "attrs": [[name, _with_views(v, placed)] for name, v in attrs]}] if attrs else node[2:]
         return [node[0], items, *extras]
     if node[0] in CONTAINERS:
         return [node[0], [_with_views(item, placed) for item in node[1]]]
