@@ -134,6 +134,7 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
         report.tensors_removed = len(dead_tensors)
         liveness.forget_objects_except(tx, live_objects)
     faults.point("gc:db-committed")
+    _forget_damage_of_absent(repo, stored.keys())
     refused: list[PermissionError] = []
     for oid, size in stored.items():
         if oid not in live_objects and oid not in findings.unreadable_manifests:
@@ -149,6 +150,17 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
     if refused:
         _say_left(refused)
     return report
+
+
+def _forget_damage_of_absent(repo: Repository, stored: Iterable[ObjectId]) -> None:
+    """Take off damage marks of objects not stored, and learn the others', so each delete below takes its own off.
+
+    A bucket's markers are removed by the process that listed them: another machine's marker of an
+    object gc deletes (or an earlier gc did) stayed, and each later commit loaded the records it reused.
+    """
+    damage = getattr(held_here(repo.store), "damage", None)
+    if damage is not None:
+        damage.discard(damage.ids() - set(stored))
 
 
 def _say_left(refused: list[PermissionError]) -> None:

@@ -67,6 +67,25 @@ def test_gc_removes_only_what_no_commit_needs(s3_repo):
     assert fsck(s3_repo).ok
 
 
+def test_gc_takes_off_damage_markers_another_process_wrote_for_what_it_deletes(s3_repo, s3_url):
+    """gc removed only the markers its own process had listed: another machine's marker of an object gc deleted
+    (or an earlier gc had) stayed for ever, and every later commit loaded the records it reused to check them."""
+    s3_repo.commit(_state(0))
+    on_main = set(s3_repo.store.iter_ids())
+    s3_repo.branch("side")
+    s3_repo.commit(_state(1), branch="side")
+    side_only = sorted(set(s3_repo.store.iter_ids()) - on_main)
+    another_machine = S3ObjectStore(s3_url)
+    long_gone = "ab" * 32  # an object an earlier gc deleted before this marker's writer learned of it
+    for oid in (side_only[0], long_gone):
+        another_machine.damage.add(oid)
+    assert another_machine.damage.ids() == {side_only[0], long_gone}
+    s3_repo.delete_branch("side")
+    gc(s3_repo, prune_unreachable=True)
+    assert not s3_repo.store.has(side_only[0])
+    assert S3ObjectStore(s3_url).damage.ids() == set()
+
+
 def test_wrong_bytes_from_the_bucket_are_refused_with_the_object_named(s3_repo):
     cid = s3_repo.commit(_state(0))
     manifest = s3_repo.manifest(cid)
