@@ -639,3 +639,25 @@ def test_git_words_get_what_ckpt_offers_and_no_destructive_guess(tmp_path, typed
     assert ckpt_here(tmp_path, "init").returncode == 0
     out = ckpt_here(tmp_path, *typed)
     assert out.returncode == 2 and out.stderr.startswith(f"error: {said}"), out.stderr
+
+
+def test_a_knob_or_a_loss_bound_with_nothing_to_tune_is_a_usage_error_and_commits_nothing(tmp_path):
+    """`commit --knob` at a lossless level and `--max-loss-change` without `--calibration` exited 1, as a failure
+    does; they are usage errors: exit 2 naming the missing option. A repository whose default level is lossy takes
+    `--knob` alone (auditor's CLI gaps, fixer helper 327)."""
+    torch.save({"w": torch.randn(5000)}, tmp_path / "c.pt")
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    for args, said in ((["--knob", "prune=0.1"], "--knob tunes a lossy level, and this commit is lossless (the "
+                        "repository's default level): give --lossy LEVEL"),
+                       (["--lossy", "none", "--knob", "prune=0.1"], "lossless (--lossy none): give --lossy LEVEL"),
+                       (["--lossy", "balanced", "--max-loss-change", "0.1%"], "--max-loss-change bounds the loss "
+                        "that --calibration measures: give --calibration MODULE:FUNCTION too"),
+                       (["--calibration", "no_such_module:f", "--max-loss-change", "0%"],
+                        "--max-loss-change tunes a lossy level")):
+        out = ckpt_here(tmp_path, "commit", "c.pt", *args)
+        assert out.returncode == 2, (args, out.stderr)
+        one_error_line(out, said)
+    assert "commit " not in ckpt_here(tmp_path, "log").stdout
+    assert ckpt_here(tmp_path, "init", "lossy", "--lossy", "balanced").returncode == 0
+    out = ckpt_here(tmp_path, "--repo", "lossy", "commit", "c.pt", "--knob", "prune=0.1")
+    assert out.returncode == 0 and "lossy:balanced" in out.stdout, out.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from typing import Any
 
 import click
 
@@ -79,15 +80,34 @@ def commit(ctx, path, messages, step, metrics, branch, allow_empty, trust_pickle
 
     message = "\n\n".join(messages)  # as git joins -m's: the second one kept the first out of the commit
     repo = open_repo(ctx)
+    knob_settings, loss_change = knob_values(knobs), percentage(max_loss_change)  # a typo in them is named first
+    _lossy_options_apply(lossy, repo.config.lossy, knob_settings, calibration, loss_change)
     try:
         cid = repo.commit(path, message=message, step=step, metrics=metric_values(metrics), branch=branch,
                           allow_empty=allow_empty, trust_pickle=trust_pickle, progress=BarProgress(),
                           lossy=lossy, calibration=function_named(calibration) if calibration is not None else None,
-                          max_loss_change=percentage(max_loss_change), knobs=knob_values(knobs))
+                          max_loss_change=loss_change, knobs=knob_settings)
     except RetentionError as exc:  # recorded: a script reading the id from stdout gets it, then the error
         _say_committed(repo, exc.commit_id, message, branch)
         raise
     _say_committed(repo, cid, message, branch)
+
+
+def _lossy_options_apply(lossy: str | None, default: str, knobs: dict[str, Any], calibration: str | None,
+                         max_loss_change: float | None) -> None:
+    """Refuse as usage errors (exit 2, before anything is read or written) lossy options with nothing to act on.
+
+    Without --lossy the repository's `default` level decides whether a knob applies: known once it is open.
+    """
+    if max_loss_change is not None and calibration is None:
+        raise click.UsageError("--max-loss-change bounds the loss that --calibration measures: give --calibration "
+                               "MODULE:FUNCTION too")
+    given = [name for name, value in (("--knob", knobs), ("--max-loss-change", max_loss_change is not None))
+             if value]
+    if given and (default if lossy is None else lossy) in ("", "none", "lossless"):
+        why = "--lossy none" if lossy is not None else "the repository's default level"
+        raise click.UsageError(f"{' and '.join(given)} {'tune' if len(given) > 1 else 'tunes'} a lossy level, and "
+                               f"this commit is lossless ({why}): give --lossy LEVEL")
 
 
 def _say_committed(repo: Repository, cid: str, message: str | None, branch: str | None) -> None:
