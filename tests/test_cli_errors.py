@@ -661,3 +661,24 @@ def test_a_knob_or_a_loss_bound_with_nothing_to_tune_is_a_usage_error_and_commit
     assert ckpt_here(tmp_path, "init", "lossy", "--lossy", "balanced").returncode == 0
     out = ckpt_here(tmp_path, "--repo", "lossy", "commit", "c.pt", "--knob", "prune=0.1")
     assert out.returncode == 0 and "lossy:balanced" in out.stdout, out.stderr
+
+
+def test_metadata_for_a_folder_remote_is_refused_not_recorded_unused(tmp_path):
+    """`clone --metadata URL SRC DIR` with SRC a repository folder recorded the URL and never read it (a folder names
+    its own database), as `remote add` and `set-url` did: exit 2 saying when --metadata applies, nothing made."""
+    assert ckpt_here(tmp_path, "init", "src").returncode == 0
+    assert ckpt_here(tmp_path, "init", "work").returncode == 0
+    db = f"sqlite:///{tmp_path / 'other.db'}"
+    for cwd, args in ((tmp_path, ["clone", "--metadata", db, "src", "dst"]),
+                      (tmp_path / "work", ["remote", "add", "hub", "../src", "--metadata", db])):
+        out = ckpt_here(cwd, *args)
+        assert out.returncode == 2, (args, out.stderr)
+        one_error_line(out, "--metadata names the database of a remote whose objects are at a URL (s3://, file://)",
+                       "is a repository folder, which names its own: leave --metadata out")
+    assert not (tmp_path / "dst").exists() and not (tmp_path / "other.db").exists()
+    assert ckpt_here(tmp_path / "work", "remote", "add", "hub", "../src").returncode == 0
+    out = ckpt_here(tmp_path / "work", "remote", "set-url", "hub", "../src", "--metadata", db)
+    assert out.returncode == 2 and "leave --metadata out" in out.stderr, out.stderr
+    with Repository.open(tmp_path / "work") as work:
+        assert work.config.remotes["hub"].metadata_url == ""  # not recorded by the refused set-url
+    assert ckpt_here(tmp_path, "clone", "src", "dst").returncode == 0  # without --metadata, as ever

@@ -21,22 +21,24 @@ def remote() -> None:
 @remote.command("add")
 @click.argument("name")
 @click.argument("url")
-@click.option("--metadata", "metadata_url", default="", help="The remote's database, for an s3:// URL.")
+@click.option("--metadata", "metadata_url", default="",
+              help="The remote's database, for an s3:// or file:// URL (a repository folder names its own).")
 @click.pass_context
 def remote_add(ctx, name: str, url: str, metadata_url: str) -> None:
     """Add remote NAME at URL (a repository folder, or s3://BUCKET/PREFIX with --metadata)."""
-    added = remote_verbs().add(open_repo(ctx), name, url, metadata_url, typed_in=Path.cwd())
+    added = remote_verbs().add(open_repo(ctx), name, url, _metadata_of(url, metadata_url), typed_in=Path.cwd())
     echo(f"remote {name}: {shown_name(added.url)}")
 
 
 @remote.command("set-url")
 @click.argument("name")
 @click.argument("url")
-@click.option("--metadata", "metadata_url", default="", help="The remote's database, for an s3:// URL.")
+@click.option("--metadata", "metadata_url", default="",
+              help="The remote's database, for an s3:// or file:// URL (a repository folder names its own).")
 @click.pass_context
 def remote_set_url(ctx, name: str, url: str, metadata_url: str) -> None:
     """Point remote NAME at URL (its repository moved); its tracking refs stay."""
-    moved = remote_verbs().set_url(open_repo(ctx), name, url, metadata_url, typed_in=Path.cwd())
+    moved = remote_verbs().set_url(open_repo(ctx), name, url, _metadata_of(url, metadata_url), typed_in=Path.cwd())
     echo(f"remote {name}: {shown_name(moved.url)}")
 
 
@@ -55,6 +57,18 @@ def remote_list(ctx) -> None:
     for name, where in sorted(open_repo(ctx).config.remotes.items()):
         echo(f"{shown_name(name)}\t{shown_name(where.url)}"
              + (f" (metadata {shown_name(where.metadata_url)})" if where.metadata_url else ""))
+
+
+def _metadata_of(url: str, metadata_url: str) -> str:
+    """--metadata as given, refused (exit 2) for a folder remote: it was recorded and never read.
+
+    A repository folder names its own database in its .ckpt/config.toml; only objects at a URL need one.
+    """
+    if metadata_url and "://" not in url:
+        raise click.UsageError(f"--metadata names the database of a remote whose objects are at a URL (s3://, "
+                               f"file://); {shown_name(url)} is a repository folder, which names its own: leave "
+                               "--metadata out")
+    return metadata_url
 
 
 def _moved(report: Any, verb: str = "received") -> None:
@@ -100,13 +114,15 @@ def pull(ctx, name: str, branch: str | None) -> None:
 @cli.command()
 @click.argument("url", type=UrlGiven())
 @click.argument("path", required=False, type=PathGiven())
-@click.option("--metadata", "metadata_url", default="", help="The remote's database, for an s3:// URL.")
+@click.option("--metadata", "metadata_url", default="",
+              help="The remote's database, for an s3:// or file:// URL (a repository folder names its own).")
 @click.option("--lazy", is_flag=True, help="Fetch commit records now and objects when a checkout needs them.")
 @click.pass_context
 def clone(ctx: click.Context, url: str, path: str | None, metadata_url: str, lazy: bool) -> None:
     """Make a repository in PATH with remote origin at URL and its branches."""
     if ctx.obj.get("read_only"):
         raise ReadOnlyRepoError("`ckpt clone` writes a repository, and --read-only refuses every write; run it without")
+    metadata_url = _metadata_of(url, metadata_url)
     target = path or _clone_folder(url)
     with remote_verbs().clone(url, target, metadata_url, lazy) as repo:
         echo(f"Cloned {shown_name(url)} into {shown_name(str(repo.root))}"
