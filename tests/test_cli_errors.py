@@ -682,3 +682,30 @@ def test_metadata_for_a_folder_remote_is_refused_not_recorded_unused(tmp_path):
     with Repository.open(tmp_path / "work") as work:
         assert work.config.remotes["hub"].metadata_url == ""  # not recorded by the refused set-url
     assert ckpt_here(tmp_path, "clone", "src", "dst").returncode == 0  # without --metadata, as ever
+
+
+def test_a_range_and_a_commit_a_device_as_database_and_a_symlink_loop_are_each_said_as_what_they_are(tmp_path):
+    """`diff A..B C` said "unknown ref 'A..B'" (exit 1), `init --metadata sqlite:////dev/zero` that the repository's
+    database held no schema, `watch LOOP` that the folder did not exist, and a loop inside a checkpoint folder was
+    "a symlink to a, which does not exist" (auditor's CLI gaps, fixer helper 327)."""
+    torch.save({"w": torch.ones(4)}, tmp_path / "c.pt")
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    assert ckpt_here(tmp_path, "commit", "c.pt").returncode == 0
+    out = ckpt_here(tmp_path, "diff", "HEAD..HEAD", "HEAD")
+    assert out.returncode == 2
+    one_error_line(out, "'HEAD..HEAD' is a range, which names both commits: give it alone (`ckpt diff A..B`) or two "
+                        "commits (`ckpt diff A B`)")
+    out = ckpt_here(tmp_path, "init", "z", "--metadata", "sqlite:////dev/zero")
+    assert out.returncode == 1 and not (tmp_path / "z").exists()
+    one_error_line(out, "the metadata URL names /dev/zero, which is not a file (a device, FIFO or socket)")
+    (tmp_path / "loop").symlink_to("loop")
+    out = ckpt_here(tmp_path, "watch", "loop", "--once")
+    assert out.returncode == 2
+    one_error_line(out, "'loop' is or passes through a symlink that leads back to itself (a loop)")
+    save = tmp_path / "runs" / "checkpoint-2"
+    save.mkdir(parents=True)
+    (save / "trainer_state.json").write_text('{"global_step": 2}')
+    (save / "a").symlink_to("a")
+    out = ckpt_here(tmp_path, "watch", "runs", "--once", "--interval", "0.1")
+    assert out.returncode == 0 and "checkpoint-2: not committed: " in out.stdout, out.stdout + out.stderr
+    assert "/checkpoint-2/a is a symlink that leads back to itself (a loop): remove or repoint it" in out.stdout

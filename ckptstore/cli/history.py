@@ -190,6 +190,10 @@ def diff(ctx, a, b, as_json, show_all) -> None:
 
     A alone may be a range, A..B.
     """
+    ranged = next((spec for spec in (a, b) if b is not None and ".." in spec), None)  # no ref name holds ".."
+    if ranged is not None:  # it was looked up as one ref: "unknown ref 'A..B'"
+        raise click.UsageError(f"{ranged!r} is a range, which names both commits: give it alone (`ckpt diff A..B`) "
+                               "or two commits (`ckpt diff A B`), not a range and another commit")
     rows = open_repo(ctx).diff(a, b)
     if as_json:
         return emit_json([r.to_json() for r in rows])

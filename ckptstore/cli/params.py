@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 from typing import Any
 
 import click
@@ -33,7 +35,19 @@ class PathGiven(click.Path):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and not value:
             self.fail("is empty (a variable not set?): pass a path", param, ctx)
+        if self.exists and isinstance(value, str) and _loops(value):  # click said "does not exist" of it
+            self.fail(f"{value!r} is or passes through a symlink that leads back to itself (a loop): remove or "
+                      "repoint it", param, ctx)
         return super().convert(value, param, ctx)
+
+
+def _loops(path: str) -> bool:
+    """Whether following `path` runs into a symlink loop (ELOOP)."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
 
 
 class UrlGiven(click.types.StringParamType):

@@ -127,12 +127,24 @@ def _link_target(path: Path, real_root: Path, skipped: set[Path]) -> Path:
     """Where the symlink at `path` leads, when that is an existing place inside the folder."""
     target = Path(os.path.realpath(path))
     if not target.exists():
+        if _loops(path):  # realpath stops at a loop, which was said as a missing file
+            raise CheckpointFormatError(f"{path} is a symlink that leads back to itself (a loop): remove or "
+                                        "repoint it")
         raise CheckpointFormatError(f"{path} is a symlink to {os.readlink(path)}, which does not exist: "
                                     "remove the dangling link or point it at a file inside the folder")
     if not target.is_relative_to(real_root) or any(target.is_relative_to(s) for s in skipped):
         raise CheckpointFormatError(f"{path} is a symlink to {target}, outside the checkpoint folder {real_root}: "
                                     "ckptstore follows only links that stay inside; copy the file in instead")
     return target
+
+
+def _loops(path: Path) -> bool:
+    """Whether following the symlink at `path` runs into a loop (ELOOP), not into a missing file."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
 
 
 def _kind(mode: int) -> str:

@@ -10,6 +10,7 @@ import contextlib
 import os
 import resource
 import sqlite3
+import stat
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -110,6 +111,20 @@ def connect_sqlite(path: Path, read_only: bool = False, immutable: bool = False)
     return connection
 
 
+def _refuse_special_file(path: Path) -> None:
+    """Refuse a device, FIFO or socket named as the database: SQLite read /dev/zero as an empty database.
+
+    `init --metadata sqlite:////dev/zero` then failed saying the repository's database held no schema.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # missing (made anew), or unreadable: connecting says which
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a folder is said as one where SQLite fails on it
+        raise CkptError(f"the metadata URL names {path}, which is not a file (a device, FIFO or socket), so no "
+                        "SQLite database: give the path of a database file, new or existing")
+
+
 def _make_with_umask(path: Path) -> None:
     """Make the database file as the umask says (SQLite makes it 0644): its -wal and -shm files take its modes.
 
@@ -138,6 +153,7 @@ class SqliteBackend:
     def __init__(self, url: str, read_only: bool) -> None:
         self.path = sqlite_path(url)
         self.where = str(self.path)
+        _refuse_special_file(self.path)
         self.read_only = read_only
         self.disk_full = False  # no room even to read (see connect): read as immutable, write nothing
 
