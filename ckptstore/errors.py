@@ -489,6 +489,18 @@ class CorruptRecordError(CkptError):
         return CorruptRecordError(self.what, self.problem, commits, self.tensors, self.outcome)
 
 
+class DamageListedPastError(CkptError):
+    """A listing (`ckpt log`, `stats`, `branch`, `tag`) that went on past damaged records, each warned of: exit 1.
+
+    So a script notices what was left out, and one damaged branch does not hide the rest of the history.
+    """
+
+    def __init__(self, count: int) -> None:
+        super().__init__(f"{count} damaged record{'s' * (count != 1)} of the metadata (warned of above) "
+                         f"{'were' if count != 1 else 'was'} left out or shown in part; the rest was listed. Run "
+                         "`ckpt fsck` to list all damage")
+
+
 class CorruptDatabaseError(CkptError):
     """The metadata database file itself is damaged: SQLite cannot read its pages or their text."""
 

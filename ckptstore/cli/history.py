@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import datetime
+import warnings
 from collections.abc import Callable, Mapping
 
 import click
 
 from ckptstore.cli.group import cli, open_repo
 from ckptstore.cli.output import echo, emit_json, indented, size
-from ckptstore.errors import listing, shown_name
-from ckptstore.repo import subject
+from ckptstore.errors import DamageListedPastError, listing, shown_name
+from ckptstore.repo import log as listed_log
+from ckptstore.repo import log_graph, subject
+from ckptstore.repo import stats as listed_stats
 
 
 @cli.command()
@@ -28,17 +31,22 @@ def log(ctx, revisions, limit, graph, oneline, all_refs, as_json) -> None:
     """
     if (graph or oneline) and as_json:  # --graph was dropped without a word
         raise click.UsageError(f"--{'graph' if graph else 'oneline'} writes text; --json lists the commits: choose one")
-    repo = open_repo(ctx)
+    repo, damage = open_repo(ctx), {}
     if as_json:
-        return emit_json([dict(c.to_json(), **({"pruned": True} if c.pruned else {}))
-                          for c in repo.log(revisions, all_refs, limit)])
-    if graph or oneline:  # both: the graph, whose lines are one a commit too (as git draws them)
-        lines = repo.log_graph(all_refs, ref=revisions, limit=limit, lanes=graph)
+        emit_json([dict(c.to_json(), **({"pruned": True} if c.pruned else {}))
+                   for c in listed_log(repo, revisions, all_refs, limit, damage)])
+    elif graph or oneline:  # both: the graph, whose lines are one a commit too (as git draws them)
+        lines = log_graph(repo, revisions, all_refs, limit, lanes=graph, damage=damage)
         for line in lines or ([] if revisions else _unborn_head(repo)):
             echo(line)
-        return None
+    else:
+        _full_log(repo, listed_log(repo, revisions, all_refs, limit, damage), bool(revisions))
+    damage_listed_past(damage)
+
+
+def _full_log(repo, commits: list, revisions: bool) -> None:
+    """`ckpt log`'s lines without --oneline or --graph: a header, the metrics and the message of each commit."""
     labels = repo.decorations()
-    commits = repo.log(revisions, all_refs, limit)
     for line in [] if commits or revisions else _unborn_head(repo):
         echo(line)
     for info in commits:
@@ -51,7 +59,14 @@ def log(ctx, revisions, limit, graph, oneline, all_refs, as_json) -> None:
         if info.metrics:
             echo("Metrics: " + ", ".join(f"{shown_name(k)}={v:g}" for k, v in info.metrics.items()))
         echo(f"\n{indented(info.message)}\n")
-    return None
+
+
+def damage_listed_past(damage: Mapping[str, str]) -> None:
+    """One warning line per damaged record a listing went past (the rest was listed), then exit 1 so scripts notice."""
+    for what, problem in damage.items():
+        warnings.warn(f"the metadata of {shown_name(what)} is damaged: {problem}", RuntimeWarning, stacklevel=1)
+    if damage:
+        raise DamageListedPastError(len(damage))
 
 
 def commit_time(seconds: float) -> str:
@@ -220,9 +235,11 @@ def diff(ctx, a, b, as_json, show_all) -> None:
 @click.pass_context
 def stats(ctx, as_json) -> None:
     """Per commit raw bytes, newly stored bytes and ratio; totals."""
-    data = open_repo(ctx).stats()
+    damage: dict[str, str] = {}
+    data = listed_stats(open_repo(ctx), damage)
     if as_json:
-        return emit_json(data)
+        emit_json(data)
+        return damage_listed_past(damage)
     echo(f"{'commit':<12} {'step':>8} {'raw':>12} {'stored':>12} {'ratio':>8}  message")
     for row in data["commits"]:
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"  # "-": nothing new stored
@@ -234,4 +251,4 @@ def stats(ctx, as_json) -> None:
     echo(f"total: {kept} commits{pruned}, {size(data['raw_bytes'])} of checkpoints in "
          f"{size(data['stored_bytes'])} on disk ({size(data['objects_bytes'])} objects, "
          f"{size(data['metadata_bytes'])} metadata), {data['ratio']:.2f}x")
-    return None
+    return damage_listed_past(damage)

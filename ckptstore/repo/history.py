@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ckptstore.errors import CorruptRecordError, RefNotFoundError, shown_name
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import commits as commit_rows
+from ckptstore.metadata import liveness
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata.commits import CommitInfo
 from ckptstore.metadata.liveness import reached
@@ -21,19 +22,21 @@ if TYPE_CHECKING:
 
 
 def log(repo: Repository, ref: str | Sequence[str] | None = None, all_refs: bool = False,
-        limit: int | None = None) -> list[CommitInfo]:
+        limit: int | None = None, damage: dict[str, str] | None = None) -> list[CommitInfo]:
     """Commits reachable from `ref` (default HEAD; one ref or several) or from every ref, newest first.
 
     A ref may be a range as git reads one: `A..B`, the commits B leads to that A does not, or `A...B`,
-    those one of them leads to and not both. `limit`: the newest that many only.
+    those one of them leads to and not both. `limit`: the newest that many only. A damaged ref or commit
+    row is CorruptRecordError; where `damage` is given, it is noted there (what, then the problem and what to
+    do) and the rest is listed: one damaged branch hid the whole history of `ckpt log --all` and `ckpt stats`.
     """
     specs = [ref] if isinstance(ref, str) else list(ref or [])
+    tolerant, noted, unparsed = damage is not None, {}, {}
     with repo.db.read() as tx:
-        history = commit_rows.all_commits(tx)
+        history = commit_rows.all_commits(tx, unparsed if tolerant else None)
         tips, hiding = _revisions(tx, specs)
         if all_refs:
-            head = refs.head_commit(tx)
-            tips += ref_rows.tip_commits(tx) + ([head] if head else [])
+            tips += _ref_tips(tx, history, noted if tolerant else None)
         elif not specs:
             try:
                 tips = [refs.resolve(tx, refs.HEAD)]
@@ -43,12 +46,56 @@ def log(repo: Repository, ref: str | Sequence[str] | None = None, all_refs: bool
     order = graph.topo_order(tips, parents, lambda c: history[c].created_at if c in history else 0.0)
     reaches = [[reached([t], parents) for t in group] for group in hiding]
     # a ref or a parent names it: damage for fsck to list, not a KeyError; nor, on a range's hiding side,
-    # a walk cut short that would list the commits it hides
-    lost = next((c for c in itertools.chain(order, *itertools.chain(*reaches)) if c not in history), None)
-    if lost is not None:
-        raise CorruptRecordError(f"commit {lost}", "a ref or a commit names it, but it has no record")
+    # a walk cut short that would list the commits it hides (so that is refused even where `damage` is given)
+    lost = [c for c in order if c not in history]
+    hiding_lost = next((c for c in itertools.chain(*itertools.chain(*reaches)) if c not in history), None)
+    if hiding_lost is not None or (lost and not tolerant):
+        raise CorruptRecordError(f"commit {lost[0] if lost else hiding_lost}", "a ref or a commit names it, but it "
+                                 "has no record")
+    for cid in lost:
+        noted.setdefault(f"commit {cid}", f"a ref or a commit names it, but it has no record; the history behind it "
+                                          f"was left out: {_RESTORE}")
     hidden = set().union(*(set.intersection(*group) for group in reaches))
-    return [history[c] for c in order if c not in hidden][:limit]
+    listed = [history[c] for c in order if c not in hidden and c in history][:limit]
+    if damage is not None:  # a commit row that does not parse is warned of where it is listed, not elsewhere
+        damage.update({**_unparsed_damage(unparsed, [c.id for c in listed]), **noted})
+    return listed
+
+
+def _unparsed_damage(unparsed: dict[str, str], listed: list[CommitId]) -> dict[str, str]:
+    """The damage of the commits in `listed` whose rows `all_commits` noted as not parsing (read with no metrics)."""
+    return {f"commit {cid}": f"{unparsed[f'commit {cid}']}; it is listed without its metrics: {_RESTORE}"
+            for cid in listed if f"commit {cid}" in unparsed}
+
+
+_RESTORE = "restore the metadata from a backup (`ckpt fsck` lists all damage)"
+
+
+def _ref_tips(tx: Tx, history: dict[CommitId, CommitInfo], damage: dict[str, str] | None) -> list[CommitId]:
+    """The commits every ref names (`log --all`), HEAD's too.
+
+    With `damage`, a ref naming no commit, or one that has no record, is noted there with what to do, and left out.
+    """
+    if damage is None:
+        head = refs.head_commit(tx)
+        return ref_rows.tip_commits(tx) + ([head] if head else [])
+    tips = []
+    for name, kind, cid, target in liveness.all_refs(tx):
+        if kind == refs.HEAD_KIND and target and not cid:  # on a branch: that branch's row is read as one
+            continue
+        if cid in history:
+            tips.append(cid)
+        elif kind in (refs.BRANCH, refs.TAG, refs.HEAD_KIND, ref_rows.REMOTE):
+            damage[f"ref {name}"] = _ref_damage(name, kind, cid)
+    return tips
+
+
+def _ref_damage(name: str, kind: str, cid: str | None) -> str:
+    """What is wrong with ref `name` (kind `kind`), which names commit `cid` that has no record (None: no commit)."""
+    problem = "it points at no commit" if cid is None else f"it points at commit {cid}, which has no record"
+    fix = {refs.BRANCH: f"delete it with `ckpt branch -d {name}`", refs.TAG: f"delete it with `ckpt tag -d {name}`",
+           refs.HEAD_KIND: "check out a branch (`ckpt checkout BRANCH`)"}.get(kind, "fetch its remote again")
+    return f"{problem}; it was left out: {fix}, or {_RESTORE}"
 
 
 def _revisions(tx: Tx, specs: Sequence[str]) -> tuple[list[CommitId], list[list[CommitId]]]:
@@ -94,14 +141,14 @@ def subject(message: str) -> str:
 
 
 def log_graph(repo: Repository, ref: str | Sequence[str] | None = None, all_refs: bool = False,
-              limit: int | None = None, lanes: bool = True) -> list[str]:
+              limit: int | None = None, lanes: bool = True, damage: dict[str, str] | None = None) -> list[str]:
     """`log --graph` lines, of the commits `log` lists (lanes end where a range or the limit leaves a parent out).
 
-    Without `lanes`, `log --oneline`'s: the same line per commit, without the graph.
+    Without `lanes`, `log --oneline`'s: the same line per commit, without the graph. `damage`: as `log`'s.
     """
     if not isinstance(all_refs, bool):  # Repository.log_graph's first argument: log_graph("side") listed them all
         raise TypeError(f"log_graph's all_refs is True or False, not {all_refs!r}: name the ref with ref=")
-    history = log(repo, ref, all_refs, limit)
+    history = log(repo, ref, all_refs, limit, damage)
     labels = decorations(repo)
     by_id = {c.id: c for c in history}
 
@@ -189,11 +236,16 @@ def _history_order(every: dict[CommitId, CommitInfo]) -> list[CommitId]:
                             lambda cid: every[cid].created_at)
 
 
-def stats(repo: Repository) -> dict[str, Any]:
-    """Per commit raw and newly stored bytes, and totals against what is on disk (objects and metadata)."""
-    reachable = log(repo, all_refs=True)
+def stats(repo: Repository, damage: dict[str, str] | None = None) -> dict[str, Any]:
+    """Per commit raw and newly stored bytes, and totals against what is on disk (objects and metadata).
+
+    `damage`: as `log`'s, damaged refs and commit rows noted there, the rest counted (not one error for all).
+    """
+    reachable, unparsed = log(repo, all_refs=True, damage=damage), {}
     with repo.db.read() as tx:
-        every = commit_rows.all_commits(tx)
+        every = commit_rows.all_commits(tx, None if damage is None else unparsed)
+    if damage is not None:  # every commit is listed, those no ref reaches too
+        damage.update(_unparsed_damage(unparsed, list(every)))
     # a pruned commit's row stays for the history; its checkpoint is gone, so the totals leave it out
     rows = [{"id": c.id, "step": c.step, "message": c.message, "raw_bytes": c.raw_bytes,
              "stored_bytes": c.stored_bytes, "pruned": c.pruned,

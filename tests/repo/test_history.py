@@ -127,3 +127,45 @@ def test_a_range_whose_hiding_side_runs_through_a_commit_with_no_record_is_refus
             with pytest.raises(CorruptRecordError, match=ids["m2"]):
                 repo.log(spec)
         assert [c.id for c in repo.log("side")] == [ids["s2"], ids["s1"], ids["m1"]]  # an undamaged history lists
+
+
+def _damaged_refs_and_a_commit_row(repo, tmp_path) -> dict[str, str]:
+    """A repository whose branch side names no commit, tag v1 a commit with no record, branch other a garbled id and
+    branch exp's own commit a row whose metrics do not parse (rows written as another client would), by name."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
+    ids = {"first": repo.commit(tmp_path / "m.pt")}
+    for name in ("side", "other", "exp"):
+        repo.branch(name)
+    repo.tag("v1")
+    ids["exp"] = repo.commit({"w": torch.full((2,), 3.0)}, branch="exp", message="on exp")
+    ids["second"] = repo.commit({"w": torch.zeros(2)}, message="second")
+    with repo.db.write() as tx:
+        tx.execute("UPDATE refs SET commit_id = NULL WHERE name = 'side'")
+        tx.execute("UPDATE refs SET commit_id = ? WHERE name = 'v1'", ("ab" * 32,))
+        tx.execute("UPDATE refs SET commit_id = 'zz!!' WHERE name = 'other'")
+        tx.execute("UPDATE commits SET metrics = '{bad' WHERE id = ?", (ids["exp"],))
+    return ids
+
+
+@pytest.mark.both_backends
+def test_log_all_and_stats_list_every_readable_commit_past_damaged_refs_and_rows_and_exit_1(repo, tmp_path):
+    """One branch naming no commit, or a commit with no record, or one commit row that did not parse made
+    `ckpt log --all` and `ckpt stats` one error and nothing listed (a gap left open); `ckpt log`
+    of main failed on exp's row, which it does not list (fixer helper 326)."""
+    ids = _damaged_refs_and_a_commit_row(repo, tmp_path)
+    for verb in (["log", "--all", "--oneline"], ["log", "--all"], ["log", "--all", "--json"], ["stats"]):
+        result = ckpt_here(tmp_path, *verb)
+        assert result.returncode == 1, (verb, result.stderr)
+        assert all(cid[:12] in result.stdout for cid in ids.values()), (verb, result.stdout)
+        warnings, last = result.stderr.splitlines()[:-1], result.stderr.splitlines()[-1]
+        assert len(warnings) == 4 and all(line.startswith("warning: the metadata of ") for line in warnings), warnings
+        said = dict(line.removeprefix("warning: the metadata of ").split(" is damaged: ", 1) for line in warnings)
+        assert said["ref side"].startswith("it points at no commit") and "`ckpt branch -d side`" in said["ref side"]
+        assert f"commit {'ab' * 32}, which has no record" in said["ref v1"] and "`ckpt tag -d v1`" in said["ref v1"]
+        assert "commit zz!!, which has no record" in said["ref other"], said
+        assert "its metrics '{bad' do not parse" in said[f"commit {ids['exp']}"], said
+        assert last == ("error: 4 damaged records of the metadata (warned of above) were left out or shown in part; "
+                        "the rest was listed. Run `ckpt fsck` to list all damage"), last
+    main = ckpt_here(tmp_path, "log", "--oneline")
+    assert main.returncode == 0 and main.stderr == "", main.stderr
+    assert [line[:12] for line in main.stdout.splitlines()] == [ids["second"][:12], ids["first"][:12]]
