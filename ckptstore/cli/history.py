@@ -11,8 +11,8 @@ import click
 from ckptstore.cli.group import cli, open_repo
 from ckptstore.cli.output import echo, emit_json, indented, size
 from ckptstore.errors import DamageListedPastError, listing, shown_name
+from ckptstore.repo import listed_refs, log_graph, subject
 from ckptstore.repo import log as listed_log
-from ckptstore.repo import log_graph, subject
 from ckptstore.repo import stats as listed_stats
 
 
@@ -37,17 +37,17 @@ def log(ctx, revisions, limit, graph, oneline, all_refs, as_json) -> None:
                    for c in listed_log(repo, revisions, all_refs, limit, damage)])
     elif graph or oneline:  # both: the graph, whose lines are one a commit too (as git draws them)
         lines = log_graph(repo, revisions, all_refs, limit, lanes=graph, damage=damage)
-        for line in lines or ([] if revisions else _unborn_head(repo)):
+        for line in lines or ([] if revisions else _unborn_head(repo, damage)):
             echo(line)
     else:
-        _full_log(repo, listed_log(repo, revisions, all_refs, limit, damage), bool(revisions))
+        _full_log(repo, listed_log(repo, revisions, all_refs, limit, damage), bool(revisions), damage)
     damage_listed_past(damage)
 
 
-def _full_log(repo, commits: list, revisions: bool) -> None:
+def _full_log(repo, commits: list, revisions: bool, damage: dict[str, str]) -> None:
     """`ckpt log`'s lines without --oneline or --graph: a header, the metrics and the message of each commit."""
     labels = repo.decorations()
-    for line in [] if commits or revisions else _unborn_head(repo):
+    for line in [] if commits or revisions else _unborn_head(repo, damage):
         echo(line)
     for info in commits:
         deco = f" ({', '.join(labels[info.id])})" if info.id in labels else ""
@@ -81,13 +81,13 @@ def commit_time(seconds: float) -> str:
         return f"@{seconds}"
 
 
-def _unborn_head(repo) -> list[str]:
+def _unborn_head(repo, damage: dict[str, str]) -> list[str]:
     """A line where HEAD's branch has no commits but others have (a sharded save to its own branch).
 
-    An empty log said nothing of them.
+    An empty log said nothing of them. A branch naming no commit is noted in `damage`, not an error.
     """
     branch, head = repo.head()
-    others = sorted(repo.branches())
+    others = sorted(listed_refs(repo, "branch", damage))
     if head is not None or not others:
         return []
     return [f"note: HEAD's branch {branch!r} has no commits yet; {listing(others, 5)} "
@@ -112,8 +112,10 @@ def branch(ctx, words, delete) -> None:
         current, at = repo.head()
         if current is None and at is not None:  # as git lists it: where a detached HEAD is
             echo(f"* (HEAD detached at {at[:12]})")
-        for branch_name, cid in repo.branches().items():
+        damage: dict[str, str] = {}
+        for branch_name, cid in listed_refs(repo, "branch", damage).items():
             echo(f"{'*' if branch_name == current else ' '} {shown_name(branch_name)} {cid[:12]}")
+        damage_listed_past(damage)
 
 
 @cli.command()
@@ -130,8 +132,10 @@ def tag(ctx, words, delete) -> None:
         name, ref = _name_and_target(words, "REF")
         echo(f"Tagged {repo.tag(name, ref)[:12]} as {name}")
     else:
-        for tag_name, cid in repo.tags().items():
+        damage: dict[str, str] = {}
+        for tag_name, cid in listed_refs(repo, "tag", damage).items():
             echo(f"{shown_name(tag_name)} {cid[:12]}")
+        damage_listed_past(damage)
 
 
 def _name_and_target(words: tuple[str, ...], target: str) -> tuple[str, str]:

@@ -54,7 +54,7 @@ def log(repo: Repository, ref: str | Sequence[str] | None = None, all_refs: bool
                                  "has no record")
     for cid in lost:
         noted.setdefault(f"commit {cid}", f"a ref or a commit names it, but it has no record; the history behind it "
-                                          f"was left out: {_RESTORE}")
+                                          f"was left out: {refs.RESTORE_METADATA}")
     hidden = set().union(*(set.intersection(*group) for group in reaches))
     listed = [history[c] for c in order if c not in hidden and c in history][:limit]
     if damage is not None:  # a commit row that does not parse is warned of where it is listed, not elsewhere
@@ -64,11 +64,8 @@ def log(repo: Repository, ref: str | Sequence[str] | None = None, all_refs: bool
 
 def _unparsed_damage(unparsed: dict[str, str], listed: list[CommitId]) -> dict[str, str]:
     """The damage of the commits in `listed` whose rows `all_commits` noted as not parsing (read with no metrics)."""
-    return {f"commit {cid}": f"{unparsed[f'commit {cid}']}; it is listed without its metrics: {_RESTORE}"
+    return {f"commit {cid}": f"{unparsed[f'commit {cid}']}; it is listed without its metrics: {refs.RESTORE_METADATA}"
             for cid in listed if f"commit {cid}" in unparsed}
-
-
-_RESTORE = "restore the metadata from a backup (`ckpt fsck` lists all damage)"
 
 
 def _ref_tips(tx: Tx, history: dict[CommitId, CommitInfo], damage: dict[str, str] | None) -> list[CommitId]:
@@ -86,16 +83,8 @@ def _ref_tips(tx: Tx, history: dict[CommitId, CommitInfo], damage: dict[str, str
         if cid in history:
             tips.append(cid)
         elif kind in (refs.BRANCH, refs.TAG, refs.HEAD_KIND, ref_rows.REMOTE):
-            damage[f"ref {name}"] = _ref_damage(name, kind, cid)
+            damage[f"ref {name}"] = refs.damage_of(name, kind, cid)
     return tips
-
-
-def _ref_damage(name: str, kind: str, cid: str | None) -> str:
-    """What is wrong with ref `name` (kind `kind`), which names commit `cid` that has no record (None: no commit)."""
-    problem = "it points at no commit" if cid is None else f"it points at commit {cid}, which has no record"
-    fix = {refs.BRANCH: f"delete it with `ckpt branch -d {name}`", refs.TAG: f"delete it with `ckpt tag -d {name}`",
-           refs.HEAD_KIND: "check out a branch (`ckpt checkout BRANCH`)"}.get(kind, "fetch its remote again")
-    return f"{problem}; it was left out: {fix}, or {_RESTORE}"
 
 
 def _revisions(tx: Tx, specs: Sequence[str]) -> tuple[list[CommitId], list[list[CommitId]]]:

@@ -271,6 +271,32 @@ def tag(repo: Repository, name: str, ref: str = HEAD) -> CommitId:
     return create(repo, name, ref, TAG)
 
 
+RESTORE_METADATA = "restore the metadata from a backup (`ckpt fsck` lists all damage)"
+
+
+def damage_of(name: str, kind: str, cid: str | None) -> str:
+    """What is wrong with ref `name` (of `kind`), which names commit `cid` that has no record (None: no commit).
+
+    As a listing that went past it warns of it: the problem, and the command that deletes it.
+    """
+    problem = "it points at no commit" if cid is None else f"it points at commit {cid}, which has no record"
+    fix = {BRANCH: f"delete it with `ckpt branch -d {name}`", TAG: f"delete it with `ckpt tag -d {name}`",
+           HEAD_KIND: "check out a branch (`ckpt checkout BRANCH`)"}.get(kind, "fetch its remote again")
+    return f"{problem}; it was left out: {fix}, or {RESTORE_METADATA}"
+
+
+def listed_refs(repo: Repository, kind: str, damage: dict[str, str]) -> dict[str, CommitId]:
+    """The branches or tags (`kind`) by name; one whose row names no commit is noted in `damage` and left out.
+
+    `Repository.branches()` raises on it instead: `ckpt branch` listed nothing for one damaged branch.
+    """
+    nowhere: list[str] = []
+    with repo.db.read() as tx:
+        found = ref_rows.refs_of_kind(tx, kind, nowhere)
+    damage.update({f"ref {name}": damage_of(name, kind, None) for name in nowhere})
+    return found
+
+
 def _existing(tx: Tx, name: str, kind: str) -> ref_rows.RefRow:
     row = ref_rows.ref_row(tx, name)
     if row is not None and row.kind in (BRANCH, TAG) and row.kind != kind:

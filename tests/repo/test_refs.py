@@ -86,9 +86,35 @@ def test_a_branch_row_naming_no_commit_is_damage_the_listing_checkout_and_commit
     repo.branch("side")
     with repo.db.write() as tx:
         tx.execute("UPDATE refs SET commit_id = NULL WHERE name = 'side'")
-    for verb in (["branch"], ["checkout", "side"], ["commit", "m.pt", "-m", "x", "--branch", "side"]):
+    for verb in (["checkout", "side"], ["commit", "m.pt", "-m", "x", "--branch", "side"]):  # `branch`: the next test
         result = ckpt_here(tmp_path, *verb)
         assert result.returncode == 1, verb
         assert result.stderr.startswith("error: the metadata of ref side is damaged: it points at no commit."), verb
     log = ckpt_here(tmp_path, "log", "--oneline")
     assert log.returncode == 0 and first[:12] in log.stdout
+
+
+def test_the_branch_and_tag_listings_go_past_a_ref_naming_no_commit_and_show_and_status_ignore_it(repo, tmp_path):
+    """`ckpt branch` (and `ckpt tag`) with one row naming no commit listed nothing, one error (a gap left open by
+    helper 314's fix): now the rest is listed, the damaged one warned of with the command that deletes it, exit 1."""
+    from tests.conftest import ckpt_here
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
+    first = repo.commit(tmp_path / "m.pt")
+    for make, name in ((repo.branch, "side"), (repo.branch, "zeta"), (repo.tag, "v1"), (repo.tag, "v2")):
+        make(name)
+    with repo.db.write() as tx:
+        tx.execute("UPDATE refs SET commit_id = NULL WHERE name IN ('side', 'v1')")
+    listings = {"branch": (["* main", "  zeta"], "side"), "tag": (["v2"], "v1")}
+    for verb, (names, damaged) in listings.items():
+        result = ckpt_here(tmp_path, verb)
+        assert result.returncode == 1, result.stderr
+        assert result.stdout.splitlines() == [f"{name} {first[:12]}" for name in names], result.stdout
+        warning, error = result.stderr.splitlines()
+        assert warning == (f"warning: the metadata of ref {damaged} is damaged: it points at no commit; it was left "
+                           f"out: delete it with `ckpt {verb} -d {damaged}`, or restore the metadata from a backup "
+                           "(`ckpt fsck` lists all damage)"), warning
+        assert error.startswith("error: 1 damaged record of the metadata (warned of above) was left out"), error
+    for verb in (["show"], ["status"], ["log"]):  # they read no damaged ref: as before, no word of it
+        result = ckpt_here(tmp_path, *verb)
+        assert result.returncode == 0 and result.stderr == "" and first[:12] in result.stdout, (verb, result.stderr)
