@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import datetime
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import click
 
 from ckptstore.cli.group import cli, open_repo
 from ckptstore.cli.output import echo, emit_json, indented, size
 from ckptstore.errors import DamageListedPastError, listing, shown_name
-from ckptstore.repo import listed_refs, log_graph, subject
+from ckptstore.repo import listed_refs, log_graph, remove_ref, subject
 from ckptstore.repo import log as listed_log
 from ckptstore.repo import stats as listed_stats
 
@@ -102,8 +102,8 @@ def branch(ctx, words, delete) -> None:
     """List branches, create NAME at START (default HEAD), or delete some with -d."""
     repo = open_repo(ctx)
     if delete:
-        for gone in _to_delete([*delete, *words], repo.branches(), repo.delete_branch, repo.head()[0]):
-            echo(f"Deleted branch {gone} (was {repo.delete_branch(gone)[:12]})")
+        for gone in _to_delete([*delete, *words], _deletable(repo, "branch"), repo.delete_branch, repo.head()[0]):
+            echo(_deleted("branch", gone, remove_ref(repo, gone, "branch")))
     elif words:  # "" is a (bad) name, not a request for the listing
         name, start = _name_and_target(words, "START")
         cid = repo.branch(name, start)
@@ -126,8 +126,8 @@ def tag(ctx, words, delete) -> None:
     """List tags, tag REF (default HEAD) as NAME, or delete some with -d."""
     repo = open_repo(ctx)
     if delete:
-        for gone in _to_delete([*delete, *words], repo.tags(), repo.delete_tag, None):
-            echo(f"Deleted tag {gone} (was {repo.delete_tag(gone)[:12]})")
+        for gone in _to_delete([*delete, *words], _deletable(repo, "tag"), repo.delete_tag, None):
+            echo(_deleted("tag", gone, remove_ref(repo, gone, "tag")))
     elif words:
         name, ref = _name_and_target(words, "REF")
         echo(f"Tagged {repo.tag(name, ref)[:12]} as {name}")
@@ -145,7 +145,21 @@ def _name_and_target(words: tuple[str, ...], target: str) -> tuple[str, str]:
     return words[0], words[1] if len(words) > 1 else "HEAD"
 
 
-def _to_delete(names: list[str], known: Mapping[str, str], delete: Callable[[str], object],
+def _deletable(repo, kind: str) -> set[str]:
+    """The branches or tags (`kind`) -d may delete: those whose row names no commit too (deleting is the way out)."""
+    damaged: dict[str, str] = {}
+    return set(listed_refs(repo, kind, damaged)) | {what.removeprefix("ref ") for what in damaged}
+
+
+def _deleted(kind: str, name: str, gone) -> str:
+    """`Deleted branch NAME (was ID)`, as git says it; a damaged ref's line says the commit it named was not found."""
+    if gone.commit_id is None:
+        return f"Deleted {kind} {name} (it named no commit: its row was damaged)"
+    missing = "" if gone.recorded else ", a commit not found in the metadata"
+    return f"Deleted {kind} {name} (was {gone.commit_id[:12]}{missing})"
+
+
+def _to_delete(names: list[str], known: Collection[str], delete: Callable[[str], object],
                current: str | None) -> list[str]:
     """The names -d deletes, each once: `ckpt branch -d a b` and `-d a -d b` delete both, as git does.
 

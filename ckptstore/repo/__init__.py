@@ -7,7 +7,7 @@ from typing import Any
 __all__ = ["LOSSY_LEVELS", "CommitOptions", "EncodingSettings", "FsckReport", "GcReport", "LossyOptions", "Manifest",
            "PruneReport", "Repository", "RetentionPolicy", "TensorDiff", "WatchOptions", "export", "export_format",
            "find_root", "named_root", "fsck", "check_knobs", "subject", "function_named", "gc", "prune", "keep_warm",
-           "watch_folder", "log", "log_graph", "stats", "listed_refs"]
+           "watch_folder", "log", "log_graph", "stats", "listed_refs", "remove_ref"]
 
 _WHERE = {
     "Repository": "repository", "find_root": "location", "named_root": "location", "Manifest": "manifest",
@@ -19,7 +19,7 @@ _WHERE = {
     "watch_folder": "watch",
     "prune": "pruning", "keep_warm": "warm", "PruneReport": "pruning", "RetentionPolicy": "config",
     "subject": "history", "log": "history", "log_graph": "history", "stats": "history",  # cli: with `damage`
-    "listed_refs": "refs",
+    "listed_refs": "refs", "remove_ref": "refs",
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ckptstore.errors import (
     AmbiguousRefError,
@@ -307,27 +307,42 @@ def _existing(tx: Tx, name: str, kind: str) -> ref_rows.RefRow:
     return row
 
 
-def delete_tag(repo: Repository, name: str) -> CommitId:
-    """Remove tag `name` (its commit stays until `gc --prune` if nothing else reaches it, which is warned of)."""
-    with repo.db.write() as tx:
-        row = _existing(tx, name, TAG)
-        ref_rows.delete_ref(tx, name)
-        _warn_unreached(tx, CommitId(row.commit_id), ref_rows.tip_commits(tx), f"deleting tag {name}")
-        return CommitId(row.commit_id)
+class Deleted(NamedTuple):
+    """A ref `remove_ref` deleted: the commit its row named (None: none), and whether the metadata holds it."""
+
+    commit_id: CommitId | None
+    recorded: bool
 
 
-def delete_branch(repo: Repository, name: str) -> CommitId:
-    """Remove branch `name` (its commits stay until `gc --prune`; those nothing else reaches are warned of).
+def remove_ref(repo: Repository, name: str, kind: str) -> Deleted:
+    """Remove branch or tag `name` (`kind`): not the branch HEAD is on; its commits stay until `gc --prune`.
 
-    Not the branch HEAD is on.
+    Those nothing else reaches are warned of. A damaged ref, naming no commit or one with no record, is
+    deleted too (the way out `ckpt log --all` names), with no warning of commits it cannot leave behind.
     """
     with repo.db.write() as tx:
-        row = _existing(tx, name, BRANCH)
-        if head_branch(tx) == name:
+        row = _existing(tx, name, kind)
+        if kind == BRANCH and head_branch(tx) == name:
             raise CkptError(f"cannot delete branch {name!r}: HEAD is on it; check out another ref first")
         ref_rows.delete_ref(tx, name)
-        _warn_unreached(tx, CommitId(row.commit_id), ref_rows.tip_commits(tx), f"deleting branch {name}")
-        return CommitId(row.commit_id)
+        cid = CommitId(row.commit_id) if row.commit_id else None
+        recorded = cid is not None and commit_rows.removed(tx, cid) != "deleted"
+        if recorded:
+            _warn_unreached(tx, cid, ref_rows.tip_commits(tx), f"deleting {kind} {name}")
+        return Deleted(cid, recorded)
+
+
+def delete_tag(repo: Repository, name: str) -> CommitId | None:
+    """Remove tag `name` (its commit stays until `gc --prune` if nothing else reaches it, which is warned of)."""
+    return remove_ref(repo, name, TAG).commit_id
+
+
+def delete_branch(repo: Repository, name: str) -> CommitId | None:
+    """Remove branch `name` (its commits stay until `gc --prune`; those nothing else reaches are warned of).
+
+    Not the branch HEAD is on. None: its row named no commit (damage), deleted all the same.
+    """
+    return remove_ref(repo, name, BRANCH).commit_id
 
 
 def move_head(repo: Repository, cid: CommitId, branch_name: str | None) -> None:

@@ -201,11 +201,11 @@ class Repository:
         """Create tag `name` at `ref`; tags never move."""
         return refs.tag(self, name, ref)
 
-    def delete_branch(self, name: str) -> CommitId:
+    def delete_branch(self, name: str) -> CommitId | None:
         """Remove branch `name` (its commits stay until `gc --prune`); not the branch HEAD is on."""
         return refs.delete_branch(self, name)
 
-    def delete_tag(self, name: str) -> CommitId:
+    def delete_tag(self, name: str) -> CommitId | None:
         """Remove tag `name` (its commit stays until `gc --prune` if nothing else reaches it)."""
         return refs.delete_tag(self, name)
 

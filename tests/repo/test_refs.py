@@ -118,3 +118,31 @@ def test_the_branch_and_tag_listings_go_past_a_ref_naming_no_commit_and_show_and
     for verb in (["show"], ["status"], ["log"]):  # they read no damaged ref: as before, no word of it
         result = ckpt_here(tmp_path, *verb)
         assert result.returncode == 0 and result.stderr == "" and first[:12] in result.stdout, (verb, result.stderr)
+
+
+def test_branch_and_tag_d_delete_a_ref_naming_no_commit_or_a_lost_one_and_nothing_else(repo, tmp_path):
+    """`ckpt branch -d side` of a row naming no commit failed on the listing it reads first (the way out of the
+    damage `ckpt log --all` names), and one naming a lost commit warned that `ckpt gc --prune` would delete it, to
+    be kept with `ckpt branch NAME zz!!` (fixer helper 326)."""
+    from tests.conftest import ckpt_here
+
+    first = repo.commit({"w": torch.ones(2)})
+    for make, name in ((repo.branch, "side"), (repo.branch, "other"), (repo.branch, "kept"), (repo.tag, "v0"),
+                       (repo.tag, "v1"), (repo.tag, "v2")):
+        make(name)
+    with repo.db.write() as tx:
+        tx.execute("UPDATE refs SET commit_id = NULL WHERE name IN ('side', 'v0')")
+        tx.execute("UPDATE refs SET commit_id = 'zz!!' WHERE name = 'other'")
+        tx.execute("UPDATE refs SET commit_id = ? WHERE name = 'v1'", ("ab" * 32,))
+    said = {"branch": ["Deleted branch side (it named no commit: its row was damaged)",
+                       "Deleted branch other (was zz!!, a commit not found in the metadata)"],
+            "tag": ["Deleted tag v0 (it named no commit: its row was damaged)",
+                    f"Deleted tag v1 (was {'ab' * 6}, a commit not found in the metadata)"]}
+    for verb, names in (("branch", ["side", "other"]), ("tag", ["v0", "v1"])):
+        result = ckpt_here(tmp_path, verb, "-d", *names)
+        assert (result.returncode, result.stderr) == (0, ""), result.stderr
+        assert result.stdout.splitlines() == said[verb], result.stdout
+    with repo.db.read() as tx:
+        assert sorted(tx.column("SELECT name FROM refs")) == ["HEAD", "kept", "main", "v2"]
+        assert tx.column("SELECT id FROM commits") == [first]
+    assert ckpt_here(tmp_path, "log", "--all").returncode == 0
