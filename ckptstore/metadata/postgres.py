@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -77,19 +78,18 @@ class NoDeadline(str):
     """A statement that may wait as long as it must: the repository lock, which a commit holds waiting out a gc."""
 
 
-def _wait_timeout() -> type[BaseException] | None:
-    """What psycopg's Connection.wait raises past its `timeout` (3.3 on); None where it takes none (3.1, 3.2).
+# the first psycopg whose Connection.wait takes a deadline (`timeout`, raising _WaitTimeout): 3.1 read `timeout`
+# as its poll interval, 3.2 to 3.3.5 refused it; pyproject.toml's postgres extra asks for the same
+PSYCOPG_NEEDED = "psycopg[binary]>=3.3.6"
 
-    Older versions read `timeout` as the poll interval (3.1) or refuse it (3.2): there, no deadline.
-    """
-    import inspect
 
+def psycopg_too_old() -> str:
+    """Why this psycopg cannot bound a round trip ("" where it can): a command on it could wait for ever."""
     takes = "timeout" in inspect.signature(psycopg.Connection.wait).parameters
-    found = getattr(pg_errors, "_WaitTimeout", None)
-    return found if takes and isinstance(found, type) and issubclass(found, BaseException) else None
-
-
-_WAIT_TIMEOUT = _wait_timeout()
+    if takes and isinstance(getattr(pg_errors, "_WaitTimeout", None), type):
+        return ""
+    return (f"psycopg {psycopg.__version__} is too old for a PostgreSQL repository (it cannot bound a wait for the "
+            f"server): pip install '{PSYCOPG_NEEDED}'")
 
 
 class AnsweringConnection(psycopg.Connection):
@@ -104,12 +104,12 @@ class AnsweringConnection(psycopg.Connection):
     extra: float | None = 0.0
 
     def wait(self, gen: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.extra is None or args[1:] or "timeout" in kwargs or _WAIT_TIMEOUT is None:  # a caller's own stands
+        if self.extra is None or args[1:] or "timeout" in kwargs:  # a caller's own stands
             return super().wait(gen, *args, **kwargs)
         seconds = self.limit + self.extra
         try:
             return super().wait(gen, *args, timeout=seconds, **kwargs)
-        except _WAIT_TIMEOUT:  # psycopg's for `timeout`: private, but the one it raises
+        except pg_errors._WaitTimeout:  # psycopg's for `timeout`: private, but the one it raises
             self.pgconn.finish()  # cut mid-statement: the connection is in no state to be used again
             waits = f", plus {self.extra:g} s that this statement may wait for a lock" if self.extra else ""
             raise Unanswered(f"no answer in {seconds:g} s: CKPT_PG_REQUEST_SECONDS={self.limit:g}{waits}") from None
@@ -205,6 +205,8 @@ class PostgresBackend:
     damage_errors: tuple[type[BaseException], ...] = (psycopg.Error,)
 
     def __init__(self, url: str, read_only: bool) -> None:
+        if too_old := psycopg_too_old():  # refused before any connection: every round trip needs its deadline
+            raise CkptError(too_old)
         self.where = describe(url)
         self.conninfo = libpq_url(url)
         self.read_only = read_only

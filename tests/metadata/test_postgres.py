@@ -518,10 +518,12 @@ def test_a_request_limit_that_is_no_number_of_seconds_is_refused(postgres_url, m
         PostgresBackend(postgres_url, read_only=False)
 
 
-def test_a_psycopg_whose_wait_takes_no_deadline_runs_commands_without_one(tmp_path, postgres_url, monkeypatch):
-    """pyproject allows psycopg 3.1 on: 3.2's Connection.wait refuses `timeout` and has no _WaitTimeout, so every
-    statement ended in "unexpected AttributeError" (reviewer helper 321). Such a psycopg gets no deadline."""
+def test_a_psycopg_whose_wait_takes_no_deadline_is_refused_naming_the_one_to_install(tmp_path, postgres_url,
+                                                                                      monkeypatch):
+    """pyproject allowed psycopg 3.1 on, but only 3.3.6's Connection.wait takes a deadline: on an older one every
+    command ran with none, and a hung server held it for ever (fixer helper 328). It is refused, naming pyproject's."""
     import psycopg
+    import tomllib
 
     from ckptstore.metadata import postgres
 
@@ -531,11 +533,10 @@ def test_a_psycopg_whose_wait_takes_no_deadline_runs_commands_without_one(tmp_pa
         return real(self, gen, interval)
 
     monkeypatch.setattr(psycopg.Connection, "wait", wait_of_3_2)
-    monkeypatch.setattr(postgres, "_WAIT_TIMEOUT", postgres._wait_timeout())
-    assert postgres._WAIT_TIMEOUT is None
-    with Repository.init(tmp_path / "r", metadata_url=postgres_url) as repo:
-        cid = repo.commit({"w": torch.arange(10.0)})
-        assert_same({"w": torch.arange(10.0)}, repo.checkout(cid))
+    with pytest.raises(CkptError, match=r"psycopg .* is too old .*: pip install 'psycopg\[binary\]>=3.3.6'"):
+        Repository.init(tmp_path / "r", metadata_url=postgres_url)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["postgres"] == [postgres.PSYCOPG_NEEDED]  # the floor installed is the one asked for
 
 
 def test_many_rows_go_in_batches_each_under_its_own_deadline(tmp_path, postgres_url, monkeypatch):
