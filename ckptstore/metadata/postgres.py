@@ -14,6 +14,7 @@ import functools
 import inspect
 import os
 import re
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +34,7 @@ REPO_LOCK = 0x636B_7067  # "ckpg": commits hold it shared from first object to r
 LOCK_WAIT = "120s"  # as long as SQLite's busy timeout: a writer gives up after waiting this long
 CONNECT_TIMEOUT_S = 10
 # how long the server may take to answer one round trip (CKPT_PG_REQUEST_SECONDS): generous, so the big
-# transaction of a many-rank commit is never cut; a writer's wait in the queue for the write lock comes on top
+# transaction of a many-rank commit is never cut; a writer queues for the write lock in waits of half of it
 REQUEST_SECONDS = 300.0
 EXECUTEMANY_ROWS = 5000  # rows sent in one pipelined batch, under one deadline (5,000: well under a second here)
 
@@ -93,7 +94,7 @@ def psycopg_too_old() -> str:
 
 
 class AnsweringConnection(psycopg.Connection):
-    """A connection on which each round trip must be answered within `limit` seconds (`extra` more, or None: no end).
+    """A connection on which each round trip must be answered within `limit` seconds (a NoDeadline statement: no end).
 
     Keepalives and tcp_user_timeout find a dead link, not a server (or a pooler in front of a dead
     one) that acknowledges and never answers: a command waited on it for ever. psycopg's own wait
@@ -101,33 +102,25 @@ class AnsweringConnection(psycopg.Connection):
     """
 
     limit: float = REQUEST_SECONDS
-    extra: float | None = 0.0
+    unbounded = False  # while a NoDeadline statement runs
 
     def wait(self, gen: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.extra is None or args[1:] or "timeout" in kwargs:  # a caller's own stands
+        if self.unbounded or args[1:] or "timeout" in kwargs:  # a caller's own stands
             return super().wait(gen, *args, **kwargs)
-        seconds = self.limit + self.extra
         try:
-            return super().wait(gen, *args, timeout=seconds, **kwargs)
+            return super().wait(gen, *args, timeout=self.limit, **kwargs)
         except pg_errors._WaitTimeout:  # psycopg's for `timeout`: private, but the one it raises
             self.pgconn.finish()  # cut mid-statement: the connection is in no state to be used again
-            waits = f", plus {self.extra:g} s that this statement may wait for a lock" if self.extra else ""
-            raise Unanswered(f"no answer in {seconds:g} s: CKPT_PG_REQUEST_SECONDS={self.limit:g}{waits}") from None
-
-    @contextlib.contextmanager
-    def allowing(self, extra: float | None) -> Any:
-        """Round trips in this block get `extra` seconds more (None: no deadline)."""
-        self.extra = extra
-        try:
-            yield
-        finally:
-            self.extra = 0.0
+            raise Unanswered(f"no answer in {self.limit:g} s: CKPT_PG_REQUEST_SECONDS={self.limit:g}") from None
 
     def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(query, NoDeadline):
-            with self.allowing(None):
-                return super().execute(query, *args, **kwargs)
-        return super().execute(query, *args, **kwargs)
+        if not isinstance(query, NoDeadline):
+            return super().execute(query, *args, **kwargs)
+        self.unbounded = True
+        try:
+            return super().execute(query, *args, **kwargs)
+        finally:
+            self.unbounded = False
 
 
 # SQLSTATEs worth another try before any statement of ours ran: serialization failure, deadlock,
@@ -232,13 +225,32 @@ class PostgresBackend:
         return not (connection.closed or connection.broken)
 
     def begin(self, connection: psycopg.Connection, write: bool) -> None:
-        if write:  # one round trip: begin, bound the wait, queue behind any other writer (the queue's wait on top)
-            with connection.allowing(float(LOCK_WAIT.removesuffix("s"))):
-                connection.execute(f"BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{LOCK_WAIT}'; "
-                                   f"SELECT pg_advisory_xact_lock({schema_key(WRITE_LOCK)})")
+        if write:
+            self._queue_for_the_write_lock(connection)
         else:  # bounded too: a schema upgrade or an ALTER elsewhere holds its tables exclusively
             connection.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; "
                                f"SET LOCAL lock_timeout = '{LOCK_WAIT}'")
+
+    def _queue_for_the_write_lock(self, connection: psycopg.Connection) -> None:
+        """Begin and queue behind any other writer for up to LOCK_WAIT, in waits the server ends within the limit.
+
+        One wait for all of LOCK_WAIT would give a server that stops answering as long as a writer ahead of us:
+        a hang was found after the limit plus 120 s. Each wait here is cut by lock_timeout at half the limit
+        and answered, and queues again (from a savepoint) until LOCK_WAIT is spent: the server's error says so.
+        """
+        deadline = time.monotonic() + float(LOCK_WAIT.removesuffix("s"))
+        start = "BEGIN ISOLATION LEVEL READ COMMITTED; SAVEPOINT write_lock"
+        while True:
+            wait_ms = max(1, round(1000 * min(self.request_seconds / 2, deadline - time.monotonic())))  # 0: no end
+            try:
+                connection.execute(f"{start}; SET LOCAL lock_timeout = '{wait_ms}ms'; "
+                                   f"SELECT pg_advisory_xact_lock({schema_key(WRITE_LOCK)}); RELEASE SAVEPOINT "
+                                   f"write_lock; SET LOCAL lock_timeout = '{LOCK_WAIT}'")
+                return
+            except pg_errors.LockNotAvailable:
+                if time.monotonic() >= deadline:
+                    raise
+            start = "ROLLBACK TO SAVEPOINT write_lock"  # the transaction goes on; the lock is queued for again
 
     def commit(self, connection: psycopg.Connection) -> None:
         try:
