@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -103,6 +105,7 @@ class AnsweringConnection(psycopg.Connection):
 
     limit: float = REQUEST_SECONDS
     unbounded = False  # while a NoDeadline statement runs
+    cut = False  # a round trip outlived the limit and the connection was closed
 
     def wait(self, gen: Any, *args: Any, **kwargs: Any) -> Any:
         if self.unbounded or args[1:] or "timeout" in kwargs:  # a caller's own stands
@@ -111,6 +114,7 @@ class AnsweringConnection(psycopg.Connection):
             return super().wait(gen, *args, timeout=self.limit, **kwargs)
         except pg_errors._WaitTimeout:  # psycopg's for `timeout`: private, but the one it raises
             self.pgconn.finish()  # cut mid-statement: the connection is in no state to be used again
+            self.cut = True
             raise Unanswered(f"no answer in {self.limit:g} s: CKPT_PG_REQUEST_SECONDS={self.limit:g}") from None
 
     def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
@@ -121,6 +125,22 @@ class AnsweringConnection(psycopg.Connection):
             return super().execute(query, *args, **kwargs)
         finally:
             self.unbounded = False
+
+
+class _PipelineCutNoise(logging.Filter):
+    """Drops psycopg's "error ignored terminating <Pipeline>" logged in this thread once `connection` was cut.
+
+    A deadline cutting an executemany's pipeline leaves psycopg unable to end it, and it logs so (to stderr, where
+    nothing configures logging) above the one line a CLI user gets for the Unanswered that follows.
+    """
+
+    def __init__(self, connection: psycopg.Connection) -> None:
+        super().__init__()
+        self.connection, self.thread = connection, threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (getattr(self.connection, "cut", False) and record.thread == self.thread
+                    and str(record.msg).startswith("error ignored terminating"))
 
 
 # SQLSTATEs worth another try before any statement of ours ran: serialization failure, deadlock,
@@ -287,9 +307,15 @@ class PostgresBackend:
         psycopg pipelines a batch in one wait: a commit's 150,000 rows in one took longer than a low limit.
         """
         rows = list(rows)
-        with connection.cursor() as cursor:
-            for start in range(0, len(rows), EXECUTEMANY_ROWS):
-                cursor.executemany(sql, rows[start:start + EXECUTEMANY_ROWS])
+        quiet = _PipelineCutNoise(connection)
+        psycopg_log = logging.getLogger("psycopg")
+        psycopg_log.addFilter(quiet)
+        try:
+            with connection.cursor() as cursor:
+                for start in range(0, len(rows), EXECUTEMANY_ROWS):
+                    cursor.executemany(sql, rows[start:start + EXECUTEMANY_ROWS])
+        finally:
+            psycopg_log.removeFilter(quiet)
 
     def explain(self, exc: BaseException) -> CkptError | None:
         """Psycopg's error (or one wrapping it, as SQLAlchemy's do) as a CkptError naming the server, or None."""

@@ -498,6 +498,43 @@ def test_a_writer_queued_longer_than_lock_wait_gives_up_with_one_line(stalling, 
         assert "for 3s" in str(said)
 
 
+CUT_BATCH_SCRIPT = """
+import os, socket, sys
+from ckptstore.cli import main
+from ckptstore.metadata import postgres
+real = postgres.PostgresBackend.executemany
+def told(backend, connection, *args):
+    with socket.socket(fileno=os.dup(connection.pgconn.socket)) as link:  # the batch fills it: psycopg waits to send
+        link.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    print("batch", flush=True)
+    sys.stdin.readline()  # the test stalls the server now
+    return real(backend, connection, *args)
+postgres.PostgresBackend.executemany = told
+main(sys.argv[1:])
+"""
+
+
+def test_a_deadline_that_cuts_a_batch_shows_the_cli_user_one_line(stalling, tmp_path):
+    """A server that stopped answering mid-executemany: psycopg's pipeline logged "error ignored terminating
+    <psycopg.Pipeline ...>" to stderr above ckptstore's own line (fixer helper 328). Only ours is shown now."""
+    proxy, url = stalling
+    Repository.init(tmp_path, metadata_url=url).close()
+    torch.save({f"t{i}": torch.full((4,), float(i)) for i in range(3000)}, tmp_path / "m.pt")  # rows that fill the link
+    commit = subprocess.Popen([sys.executable, "-c", CUT_BATCH_SCRIPT, "commit", "m.pt"], cwd=tmp_path,
+                              env=ckpt_env(CKPT_PG_REQUEST_SECONDS="1"), text=True, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert commit.stdout.readline() == "batch\n"
+        proxy.stalled = True
+        commit.stdin.write("go\n")
+        commit.stdin.flush()
+        _, err = commit.communicate(timeout=60)
+    finally:
+        commit.kill()
+    assert commit.returncode == 1 and err.count("\n") == 1, err
+    assert "did not answer" in err and "error ignored" not in err and "Traceback" not in err
+
+
 def test_a_server_that_stops_answering_at_commit_says_the_change_may_or_may_not_have_been_recorded(
         stalling, tmp_path, monkeypatch):
     """The COMMIT went out before the silence: it may have been recorded, so "nothing was changed" could be false."""
