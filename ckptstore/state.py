@@ -771,6 +771,16 @@ def _scatter(torch: Any, storage: Any, value: Any, offset: int, stride: list[int
     flat[places.reshape(-1).to(value.device)] = value.reshape(-1)
 
 
+def check_view(shape: tuple[int, ...], itemsize: int, storage: str, nbytes: int, offset: int, stride: list[int]
+               ) -> None:
+    """CorruptRecordError unless a view of `shape` at `offset` by `stride` lies inside its storage of `nbytes`."""
+    # elements up to the view's last one; a damaged record must not place it outside its storage
+    end = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if math.prod(shape) else offset
+    if not (offset >= 0 and min(stride, default=0) >= 0 and end * itemsize <= nbytes):
+        raise CorruptRecordError(f"the view at {storage}", f"it does not fit its storage of {nbytes} bytes "
+                                 f"(offset {offset}, shape {shape}, strides {stride})")
+
+
 class _Unflattener:
     """One skeleton's decoding: the lookup, and a cache so shared paths give one object."""
 
@@ -814,11 +824,7 @@ class _Unflattener:
     def view(self, value: Any, storage: str, nbytes: int, offset: int, stride: list[int]) -> Any:
         """`value` placed as a view of the storage named `storage`, which other views share."""
         torch = _torch()
-        # elements up to the view's last one; a damaged record must not place it outside its storage
-        end = offset + 1 + sum((n - 1) * s for n, s in zip(value.shape, stride)) if value.numel() else offset
-        if not (offset >= 0 and min(stride, default=0) >= 0 and end * value.element_size() <= nbytes):
-            raise CorruptRecordError(f"the view at {storage}", f"it does not fit its storage of {nbytes} bytes "
-                                     f"(offset {offset}, shape {tuple(value.shape)}, strides {stride})")
+        check_view(tuple(value.shape), value.element_size(), storage, nbytes, offset, stride)
         if storage not in self.storages:
             # zeros, not empty: bytes no view covers are written out by torch.save and must not be stale memory
             self.storages[storage] = torch.zeros(nbytes, dtype=torch.uint8, device=value.device).untyped_storage()
@@ -841,6 +847,14 @@ class _Unflattener:
                 raise ValueError(f"an OrderedDict attribute named {name!r:.60}")
             setattr(result, name, self.decode(value))  # state_dict._metadata, for load_state_dict
         return result
+
+
+def _device(text: Any) -> Any:
+    """torch.device(`text`); a string torch does not take is ValueError, a forged skeleton's damage (not a crash)."""
+    try:
+        return _torch().device(text)
+    except RuntimeError as exc:
+        raise ValueError(f"no torch device {text!r:.60}: {exc}") from None
 
 
 def _npbits(node: list) -> np.generic:
@@ -869,6 +883,6 @@ _DECODERS: dict[str, Callable[[_Unflattener, list], Any]] = {
     "npbits": lambda u, node: _npbits(node),
     "size": lambda u, node: _torch().Size(node[1]),
     "dtype": lambda u, node: torch_dtype(node[1]),
-    "device": lambda u, node: _torch().device(node[1]),
+    "device": lambda u, node: _device(node[1]),
     "npdtype": lambda u, node: np.dtype(node[1]),
 }

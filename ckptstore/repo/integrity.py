@@ -234,6 +234,7 @@ class Findings:
     unreadable_manifests: set[ObjectId] = field(default_factory=set)
     # commits whose manifests a newer ckptstore wrote (a version this one does not read): not damage, unchecked
     newer_manifests: dict[CommitId, ObjectId] = field(default_factory=dict)
+    manifests: dict[CommitId, Manifest] = field(default_factory=dict)  # those read, for fsck's skeleton pass
 
 
 def check_metadata(tx: Tx, store: ObjectStore, pruned_ids: bool = True) -> Findings:
@@ -274,6 +275,31 @@ def check_metadata(tx: Tx, store: ObjectStore, pruned_ids: bool = True) -> Findi
             found.problems[f"tensor {tid}"] = problem
     _entry_problems(entries, records, found)
     return found
+
+
+def skeleton_problems(manifests: dict[CommitId, Manifest]) -> dict[str, str]:
+    """Commits whose files' stored structures (skeletons) checkout would refuse: damaged, or forged where made.
+
+    Each torch file's skeleton is decoded as checkout decodes it, its tensors standing in by their
+    manifest entries: no tensor is read, so a pass over every commit stays cheap.
+    """
+    from ckptstore.formats import TORCH
+    from ckptstore.formats.skeletons import check_state_skeleton
+
+    problems: dict[str, str] = {}
+    for cid, manifest in sorted(manifests.items(), key=_by_key):
+        for record in manifest.files:
+            try:
+                if record.format == TORCH:
+                    check_state_skeleton(record.skeleton, manifest.entries.__getitem__)
+            except CkptError as exc:
+                what = f"file {record.name!r}" if record.name else "file"
+                why = (f"{exc.what}: {exc.problem}" if isinstance(exc, CorruptRecordError)
+                       else getattr(exc, "problem", exc))  # MalformedSkeletonError's, or an unknown tag's message
+                problems[f"commit {cid}"] = (f"its manifest's stored structure of its {what} is damaged or forged "
+                                             f"({why}): checkout cannot rebuild it")
+                break
+    return problems
 
 
 def _entry_problems(entries: dict[CommitId, dict[str, Entry]], records: dict[TensorId, TensorRecord],
@@ -381,7 +407,7 @@ def _manifest_entries(store: ObjectStore, commits: dict[CommitId, commit_rows.Co
                 found.problems.setdefault(f"commit {cid}", f"its manifest {info.manifest_object} does not read: "
                                                            f"{exc.problem}")
             continue
-        entries[cid] = manifest.entries
+        entries[cid], found.manifests[cid] = manifest.entries, manifest
         if manifest.dcp is not None:
             from ckptstore.repo.sharded import dcp_problem
 

@@ -846,6 +846,57 @@ def test_a_manifest_entry_that_is_not_its_record_breaks_that_commit_alone(tmp_pa
         assert torch.equal(repo.checkout(mine)["a"], a)
 
 
+FSCK_FORGED_SKELETONS = {  # a received manifest's torch skeleton that checkout refuses: fsck said ok
+    "list-as-dict-key": ["dict", [[["list", []], 1], ["w", ["tensor", "w"]]]],
+    "dunder-attribute": ["odict", [["w", ["tensor", "w"]]], {"attrs": [["__reduce_ex__", 1]]}],
+    "no-such-entry": ["dict", [["w", ["tensor", "nope"]]]],
+    "view-past-its-storage": ["dict", [["w", ["tensor", "w", {"view": ["w", 4, 0, [1]]}]]]],
+    "no-such-device": ["dict", [["w", ["tensor", "w"]], ["d", ["device", "bogus"]]]],
+    "unknown-tag": ["dict", [["w", ["tensor", "w"]], ["x", ["frobnicated", 1]]]],
+}
+
+
+@pytest.mark.parametrize("forgery", FSCK_FORGED_SKELETONS)
+def test_fsck_decodes_every_commits_skeleton_and_names_a_forged_one(tmp_path, monkeypatch, forgery):
+    """A received manifest whose skeleton does not rebuild was found only at checkout: fsck said the repository was
+    ok (notes: left open). fsck decodes each skeleton as checkout does, tensors standing in, and names the commit."""
+    from ckptstore.repo import manifest as manifests
+
+    written = manifests.Manifest.to_record
+
+    def forged(self):
+        record = written(self)
+        record["files"][0]["skeleton"] = FSCK_FORGED_SKELETONS[forgery]
+        return record
+
+    with Repository.init(tmp_path / "r") as repo:
+        good = repo.commit({"w": torch.ones(4), "x": 1})
+        with monkeypatch.context() as forging:
+            forging.setattr(manifests.Manifest, "to_record", forged)
+            liar = repo.commit({"w": torch.ones(4), "x": 2})
+        with pytest.raises(CkptError):
+            repo.checkout(liar)
+        report = fsck(repo)
+        assert list(report.broken_commits) == [liar] and not report.ok, report
+        assert "stored structure of its file is damaged or forged" in report.damaged_records[f"commit {liar}"]
+        assert "\n" not in report.damaged_records[f"commit {liar}"]
+        assert repo.checkout(good)["x"] == 1
+    said = ckpt_here(tmp_path / "r", "fsck")
+    assert said.returncode == 1 and liar in said.stdout and "Traceback" not in said.stdout + said.stderr, said
+
+
+def test_fsck_of_sound_skeletons_reads_no_tensor_and_loads_no_torch(tmp_path):
+    """The skeleton pass decodes structures only: a state of tensors, views and parameters passes without torch."""
+    base = torch.arange(12, dtype=torch.float32)
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit({"w": base, "t": base.view(3, 4).t(), "p": torch.nn.Parameter(torch.ones(2)), "n": [1, {2}]})
+        assert fsck(repo).ok
+    script = ("import sys; from ckptstore import Repository; from ckptstore.repo import fsck; "
+              f"r = Repository.open({str(repo.root)!r}); print(fsck(r).ok, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=ckpt_env())
+    assert out.stdout.split() == ["True", "False"], (cid, out.stderr)
+
+
 def test_a_commit_whose_parents_row_is_lost_is_damage_and_gc_deletes_none_of_the_parents_objects(repo):
     """A commit whose parent's rows were all lost: fsck said ok, and gc deleted the parent's manifest and the
     tensors only it needed (mutation audit)."""

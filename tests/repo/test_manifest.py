@@ -163,6 +163,7 @@ FORGED_SKELETONS = {  # a remote's files[].skeleton that no flatten wrote
     "empty-node": ["dict", [["w", ["tensor", "w"]], ["x", []]]],
     "no-datetime": ["dict", [["w", ["tensor", "w"]], ["x", ["npscalar", "M8[s]", "abc"]]]],
     "no-such-entry": ["dict", [["w", ["tensor", "nope"]]]],
+    "no-such-device": ["dict", [["w", ["tensor", "w"]], ["x", ["device", "bogus"]]]],  # torch's RuntimeError
     "too-deep": ["dict", [["w", ["tensor", "w"]], ["x", _nested_lists(420)]]],
 }
 
