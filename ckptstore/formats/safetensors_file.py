@@ -11,12 +11,13 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ckptstore.errors import CheckpointFormatError, UnsupportedStateError, listing
+from ckptstore.errors import CheckpointFormatError, MalformedSkeletonError, UnsupportedStateError, listing
 from ckptstore.formats import filemap
 from ckptstore.formats.atomic import write_parts
 from ckptstore.state import (
@@ -167,7 +168,53 @@ def _gap(tensors: dict[str, RawTensor], prefix: str, span: np.ndarray, index: in
 def write(path: str | os.PathLike, skeleton: Any, raw_of) -> None:
     """Write the file back byte for byte; `raw_of(path)` returns each entry's RawTensor."""
     _, header_path, order = skeleton
+    check_header(skeleton, raw_of(header_path).data.tobytes(), raw_of)  # a forged manifest's file is not written
     write_parts(path, (raw_of(entry).data for entry in [header_path, *(e for _, e in order)]))
+
+
+def check_header(skeleton: Any, header: bytes, entry_of: Callable[[str], Any]) -> None:
+    """MalformedSkeletonError unless the stored `header` describes exactly the entries `skeleton` writes after it.
+
+    `entry_of(path)` gives an entry's dtype and shape. A forged manifest could pair a header with other
+    entries: the file written would name offsets past its data or tensors sharing bytes, or checkout's
+    state would give one tensor's values under another's name. The header is read as `read` reads a file.
+    """
+    _, _, order = skeleton
+    written = [(name, entry_of(entry)) for name, entry in order]
+    sizes = [_entry_bytes(entry) for _, entry in written]
+    label = Path("the stored header")
+    try:
+        parsed, start = _header(label, np.frombuffer(header, dtype=np.uint8), len(header) + sum(sizes))
+        if start != len(header):
+            raise CheckpointFormatError(f"{label} holds {len(header)} bytes where its length says {start}")
+        spans = sorted(_span(label, name, info, sum(sizes)) for name, info in parsed.items() if name != "__metadata__")
+    except CheckpointFormatError as exc:
+        raise MalformedSkeletonError(str(exc)) from None
+    described, cursor = [], 0
+    for begin, end, name, dtype, shape in spans:
+        if begin < cursor:
+            raise MalformedSkeletonError(f"its header has tensor {name!r:.60} overlap the one before it")
+        if begin > cursor:
+            described.append((None, BYTES_DTYPE, (begin - cursor,)))
+        kind = DTYPES.get(dtype, BYTES_DTYPE) if shape is not None else BYTES_DTYPE
+        described.append((name, kind, shape if kind != BYTES_DTYPE else (end - begin,)))
+        cursor = end
+    if cursor < sum(sizes):
+        described.append((None, BYTES_DTYPE, (sum(sizes) - cursor,)))
+    stored = [(name, entry.dtype, tuple(entry.shape)) for name, entry in written]
+    if described != stored:
+        first = next((i for i, (a, b) in enumerate(zip(described, stored)) if a != b), min(len(described), len(stored)))
+        raise MalformedSkeletonError(f"its header describes {described[first] if first < len(described) else 'no'} "
+                                     f"part {first} of the data, its skeleton writes "
+                                     f"{stored[first] if first < len(stored) else 'none'} there")
+
+
+def _entry_bytes(entry: Any) -> int:
+    """The bytes a safetensors entry writes: a torch dtype's elements, or its bytes."""
+    itemsize = 1 if entry.dtype == BYTES_DTYPE else TORCH_ITEMSIZE.get(entry.dtype)
+    if itemsize is None:
+        raise MalformedSkeletonError(f"a safetensors entry of dtype {entry.dtype!r:.40}, which no header names")
+    return itemsize * math.prod(entry.shape)
 
 
 def header_metadata(header: RawTensor) -> dict[str, str] | None:

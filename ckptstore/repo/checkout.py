@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ckptstore import faults, formats
 from ckptstore.errors import CkptError, CorruptRecordError, listing
 from ckptstore.formats.devices import check_device
+from ckptstore.formats.skeletons import check_headers
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
@@ -70,10 +71,13 @@ def _checkout(repo: Repository, ref: str, device: str | None, progress: Progress
     manifest = integrity.kept_manifest(repo, info)
     _refuse_sharded(cid, manifest)
     with rebuilding_files(cid, manifest):
+        whole = manifest
         if keys is not None:
             manifest = select(manifest, keys, cid).manifest
         on_device = _restore_on_device(repo, manifest, device, progress) if is_accelerator(device) else {}
         raws = restore(repo, manifest, progress, [p for p in manifest.entries if p not in on_device])
+        # the state takes a safetensors file's names from its skeleton: they must be the ones its header gives
+        check_headers(whole.files, whole.entries.__getitem__, lambda p: raws[p].data.tobytes() if p in raws else None)
         return formats.to_state(manifest.kind, manifest.files,
                                 lambda p: on_device[p] if p in on_device else materialize(raws[p], device))
 

@@ -27,6 +27,7 @@ from ckptstore.repo import refs as ref_names
 from ckptstore.state import RawTensor
 
 if TYPE_CHECKING:
+    from ckptstore.formats import CheckpointFile
     from ckptstore.metadata import Tx
     from ckptstore.metadata.transfer import RecordSet
     from ckptstore.objectstore import ObjectStore
@@ -277,21 +278,20 @@ def check_metadata(tx: Tx, store: ObjectStore, pruned_ids: bool = True) -> Findi
     return found
 
 
-def skeleton_problems(manifests: dict[CommitId, Manifest]) -> dict[str, str]:
+def skeleton_problems(repo: Repository, manifests: dict[CommitId, Manifest]) -> dict[str, str]:
     """Commits whose files' stored structures (skeletons) checkout would refuse: damaged, or forged where made.
 
     Each torch file's skeleton is decoded as checkout decodes it, its tensors standing in by their
-    manifest entries: no tensor is read, so a pass over every commit stays cheap.
+    manifest entries, and each safetensors or blob skeleton checked as checkout checks it: no tensor is
+    read but a safetensors file's header (a few kilobytes, each distinct one once), so a pass over every
+    commit stays cheap.
     """
-    from ckptstore.formats import TORCH
-    from ckptstore.formats.skeletons import check_state_skeleton
-
     problems: dict[str, str] = {}
+    headers: dict[TensorId, bytes | None] = {}
     for cid, manifest in sorted(manifests.items(), key=_by_key):
         for record in manifest.files:
             try:
-                if record.format == TORCH:
-                    check_state_skeleton(record.skeleton, manifest.entries.__getitem__)
+                _check_skeleton(repo, manifest, record, headers)
             except CkptError as exc:
                 what = f"file {record.name!r}" if record.name else "file"
                 why = (f"{exc.what}: {exc.problem}" if isinstance(exc, CorruptRecordError)
@@ -300,6 +300,33 @@ def skeleton_problems(manifests: dict[CommitId, Manifest]) -> dict[str, str]:
                                              f"({why}): checkout cannot rebuild it")
                 break
     return problems
+
+
+def _check_skeleton(repo: Repository, manifest: Manifest, record: CheckpointFile,
+                    headers: dict[TensorId, bytes | None]) -> None:
+    """Raise what checkout would of `record`'s skeleton; a safetensors header is read once per tensor id."""
+    from ckptstore.formats import SAFETENSORS, TORCH
+    from ckptstore.formats.skeletons import check_file_layout, check_headers, check_state_skeleton
+
+    entry_of = manifest.entries.__getitem__
+    check_file_layout(record, entry_of)
+    if record.format == TORCH:
+        check_state_skeleton(record.skeleton, entry_of)
+    elif record.format == SAFETENSORS:
+        tid = entry_of(record.skeleton[1]).tensor
+        if tid not in headers:
+            headers[tid] = _header_bytes(repo, manifest, record.skeleton[1])
+        check_headers([record], entry_of, lambda _: headers[tid])
+
+
+def _header_bytes(repo: Repository, manifest: Manifest, path: str) -> bytes | None:
+    """The stored bytes at `path` (a safetensors header); None where they do not restore (fsck says why)."""
+    from ckptstore.repo.checkout import restore
+
+    try:
+        return restore(repo, manifest, paths=[path])[path].data.tobytes()
+    except CkptError:  # a lost object or a damaged record: the object and record checks report it
+        return None
 
 
 def _entry_problems(entries: dict[CommitId, dict[str, Entry]], records: dict[TensorId, TensorRecord],

@@ -224,7 +224,7 @@ def fsck(repo: Repository, full: bool = False) -> FsckReport:
         manifests = liveness.commit_manifests(tx)
         report.missing_records = sorted(liveness.referenced_tensors(tx) - liveness.recorded_tensors(tx), key=str)
     report.damaged_records, report.newer = findings.problems, list(findings.newer_manifests)
-    for what, problem in integrity.skeleton_problems(findings.manifests).items():
+    for what, problem in integrity.skeleton_problems(repo, findings.manifests).items():
         report.damaged_records.setdefault(what, problem)
     _check_objects(repo, live_objects, report)
     report.unreferenced_objects = sum(1 for oid in repo.store.iter_ids() if oid not in live_objects)

@@ -39,10 +39,15 @@ class UnreadableManifestError(CorruptObjectError):
 def rebuilding_files(cid: str, manifest: Manifest) -> Iterator[None]:
     """Rebuild commit `cid`'s files from `manifest`: a skeleton that does not decode is its manifest's damage.
 
-    The manifest's checks leave skeletons alone (a pass of their own over a large state would slow
-    every checkout): what unflatten finds is said here, as a damaged manifest naming the commit.
+    The manifest's checks leave torch skeletons alone (a pass of their own over a large state would slow
+    every checkout): what unflatten finds is said here, as a damaged manifest naming the commit. A
+    safetensors or blob file's skeleton, one pass over its entries, is checked first.
     """
+    from ckptstore.formats.skeletons import check_file_layout
+
     try:
+        for record in manifest.files:
+            check_file_layout(record, manifest.entries.__getitem__)
         yield
     except MalformedSkeletonError as exc:
         raise UnreadableManifestError(manifest.oid or "manifest", f"a manifest whose stored structure of a file "

@@ -885,6 +885,86 @@ def test_fsck_decodes_every_commits_skeleton_and_names_a_forged_one(tmp_path, mo
     assert said.returncode == 1 and liar in said.stdout and "Traceback" not in said.stdout + said.stderr, said
 
 
+def _safetensors_header(entries):
+    """A safetensors header's bytes (its length, then its JSON) naming `entries`: {name: (offset, end)} of F32 data."""
+    text = json.dumps({n: {"dtype": "F32", "shape": [(e - b) // 4], "data_offsets": [b, e]}
+                       for n, (b, e) in entries.items()}).encode()
+    return len(text).to_bytes(8, "little") + text
+
+
+FORGED_HEADERS = {  # a's and b's data are 16 bytes each, 32 in all
+    "overlapping-tensors": _safetensors_header({"a": (0, 16), "b": (8, 24)}),
+    "offsets-past-the-data": _safetensors_header({"a": (0, 16), "b": (16, 48)}),
+    "enormous-length": (1 << 40).to_bytes(8, "little") + b"{}",
+}
+
+
+def _forge_folder_file(record, forgery):
+    """Forge a folder commit's manifest record: its safetensors or blob skeleton, with the file digests dropped."""
+    files = {f["name"]: f for f in record["files"]}
+    weights, notes, held = files["model.safetensors"], files["notes.txt"], files["h.pt"]
+    for f in files.values():
+        f["digest"] = None  # a forger drops what would tell the written bytes wrong
+    order = weights["skeleton"][2]
+    if forgery in FORGED_HEADERS:  # the header: h.pt's bytes value, stored as its own entry
+        weights["skeleton"][1] = held["skeleton"][1][[k for k, _ in held["skeleton"][1]].index(forgery)][1][1]
+    elif forgery == "names-swapped":
+        order[0][0], order[1][0] = order[1][0], order[0][0]
+    elif forgery == "order-names-no-entry":
+        order[0][1] = "nope"
+    elif forgery == "one-entry-twice":
+        order[1][1] = order[0][1]
+    elif forgery == "blob-names-a-tensor":
+        notes["skeleton"][1] = order[0][1]
+    elif forgery == "blob-no-list":
+        notes["skeleton"] = 7
+
+
+@pytest.mark.parametrize("forgery", [*FORGED_HEADERS, "names-swapped", "order-names-no-entry", "one-entry-twice",
+                                     "blob-names-a-tensor", "blob-no-list"])
+def test_a_forged_safetensors_or_blob_skeleton_is_refused_by_checkout_and_named_by_fsck(tmp_path, monkeypatch,
+                                                                                       forgery):
+    """A received folder commit whose safetensors skeleton pairs its header with other entries (tensors overlapping
+    or past the data, names swapped) or whose blob names a tensor: checkout wrote the file or handed out the state
+    (a KeyError or TypeError where it named no entry) and fsck said ok (notes: left open). Checkout refuses it in
+    one line naming the commit, writing nothing; fsck names the commit."""
+    from safetensors.torch import save_file
+
+    from ckptstore.repo import manifest as manifests
+
+    src = tmp_path / "model"
+    src.mkdir()
+    save_file({"a": torch.arange(4, dtype=torch.float32), "b": torch.ones(4)}, src / "model.safetensors")
+    (src / "notes.txt").write_bytes(b"hello")
+    torch.save(FORGED_HEADERS, src / "h.pt")
+    written = manifests.Manifest.to_record
+
+    def forged(self):
+        record = written(self)
+        _forge_folder_file(record, forgery)
+        return record
+
+    with Repository.init(tmp_path / "r") as repo:
+        good = repo.commit(src)
+        torch.save({**FORGED_HEADERS, "x": b"1"}, src / "h.pt")
+        with monkeypatch.context() as forging:
+            forging.setattr(manifests.Manifest, "to_record", forged)
+            liar = repo.commit(src)
+        for read in (lambda: repo.checkout(liar), lambda: repo.checkout_to(liar, tmp_path / "out")):
+            with pytest.raises(manifests.UnreadableManifestError, match=f"stored structure .* commits {liar[:12]}"
+                               ) as info:
+                read()
+            assert "\n" not in str(info.value)
+        assert not (tmp_path / "out").exists()
+        report = fsck(repo)
+        assert list(report.broken_commits) == [liar], report
+        assert "stored structure of its file 'model.safetensors'" in report.damaged_records[f"commit {liar}"] or \
+            "stored structure of its file 'notes.txt'" in report.damaged_records[f"commit {liar}"], report
+        assert torch.equal(repo.checkout(good)["model.safetensors"]["a"], torch.arange(4, dtype=torch.float32))
+        assert repo.checkout_to(good, tmp_path / "sound").joinpath("model.safetensors").read_bytes() == \
+            (src / "model.safetensors").read_bytes()
+
+
 def test_fsck_of_sound_skeletons_reads_no_tensor_and_loads_no_torch(tmp_path):
     """The skeleton pass decodes structures only: a state of tensors, views and parameters passes without torch."""
     base = torch.arange(12, dtype=torch.float32)
