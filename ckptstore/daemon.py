@@ -369,7 +369,8 @@ def _ask(root: Path, op: str) -> dict[str, Any] | None:
 def anothers(root: Path) -> dict[str, Any] | None:
     """The daemon serving `root` for another user, where one runs (its pid, uid, address file), else None.
 
-    `certain` is False where its lock could not be checked (a lock this user may not open).
+    `certain` is False where its lock could not be checked (a lock this user may not open); `damaged` says what
+    stands at the lock's path where that is a symbolic link or no regular file (no daemon can hold it).
 
     A daemon serves only the user who started it (its socket is in that user's private folder), and
     one runs per repository: another user's `status` saw none and their `start` failed on its log.
@@ -389,21 +390,32 @@ def anothers(root: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):  # made under umask 077 (its pid is its owner's to read), or forged
         where = {}
     other = {"pid": where.get("pid"), "uid": owner, "certain": True, "address": str(address)}
-    try:
-        with open(lock_path(root), "rb") as lock:
+    lock_file = lock_path(root)
+    try:  # never through a link, never waiting on a pipe: another user who may write to .ckpt/ can plant either
+        with open(lock_file, "rb", opener=_unfollowed) as lock:
+            if not stat.S_ISREG(os.fstat(lock.fileno()).st_mode):
+                return {**other, "damaged": f"{lock_file} is no regular file"}
             fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:  # held: its daemon runs
         return other
     except PermissionError:  # a lock this user may not open: cannot tell, and a daemon of this user's could not take it
         return {**other, "certain": False}
-    except OSError:  # no lock file: no daemon holds it
-        return None
+    except OSError as exc:  # no lock file: no daemon holds it; nor a link (ELOOP under O_NOFOLLOW)
+        return {**other, "damaged": f"{lock_file} is a symbolic link"} if exc.errno == errno.ELOOP else None
     return None  # its lock is free: that daemon is gone
+
+
+def _unfollowed(path: str, flags: int) -> int:
+    """os.open of `path` neither through a symbolic link nor blocking (a pipe with no writer would hang a read)."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
 
 
 def anothers_line(other: dict[str, Any]) -> str:
     """What to tell a user about another user's daemon serving the repository (or perhaps serving it)."""
     pid = f" {other['pid']}" if other.get("pid") else ""
+    if other.get("damaged"):  # no daemon can hold such a lock (daemon_server opens it through open_own_file)
+        return (f"no ckpt daemon is running: its lock file {other['damaged']}, put there by someone who may write to "
+                f".ckpt/; remove it and {other['address']}")
     if not other.get("certain", True):
         return (f"ckpt daemon{pid} of another user (uid {other['uid']}) may serve this repository: its lock cannot "
                 f"be checked by you. If it is gone (killed, rebooted), remove {other['address']}; your commands run "
@@ -432,7 +444,8 @@ def start(root: Path, idle: float | None = None) -> dict[str, Any]:
     running = status(root)
     other = anothers(root) if running is None else None
     if other is not None:
-        raise CkptError(f"{anothers_line(other)}; one daemon serves a repository at a time")
+        raise CkptError(anothers_line(other) if other.get("damaged") else
+                        f"{anothers_line(other)}; one daemon serves a repository at a time")
     deadline = time.monotonic() + START_TIMEOUT_SECONDS
     while running is not None and running.get("stopping") and time.monotonic() < deadline:
         time.sleep(0.05)  # stopped, and ending the command in progress: a new one starts once it is gone

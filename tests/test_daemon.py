@@ -492,6 +492,28 @@ def test_an_address_file_that_is_no_file_or_nested_past_reading_is_no_daemon(tmp
     assert result.returncode == 0 and "for another user (uid 65534)" in result.stdout, result
 
 
+def test_a_pipe_or_link_at_another_users_daemon_lock_is_said_in_one_line_without_hanging(tmp_path):
+    """A pipe planted at .ckpt/daemon.lock (or a link to one) beside another user's address file hung every other
+    user's `daemon status`: the lock was opened following links and blocking (fixer helper 329)."""
+    Repository.init(tmp_path / "repo").close()
+    address, lock = daemon.address_path(tmp_path / "repo"), daemon.lock_path(tmp_path / "repo")
+    address.write_text(json.dumps({"socket": "/run/user/65534/ckpt/4242.sock", "pid": 4242}))
+    os.chown(address, 65534, 65534)
+    os.mkfifo(tmp_path / "pipe")
+    for planted, what in ((lambda: os.mkfifo(lock), "no regular file"),
+                          (lambda: lock.symlink_to(tmp_path / "pipe"), "a symbolic link")):
+        lock.unlink(missing_ok=True)
+        planted()
+        status = ckpt_here(tmp_path / "repo", "daemon", "status", timeout=10)
+        assert status.returncode == 0 and status.stdout == (
+            f"no ckpt daemon is running: its lock file {lock} is {what}, put there by someone who may write to "
+            f".ckpt/; remove it and {address}\n"), status
+        stopped = ckpt_here(tmp_path / "repo", "daemon", "stop", timeout=10)
+        assert stopped.returncode == 0 and stopped.stdout == status.stdout, stopped
+        started = ckpt_here(tmp_path / "repo", "daemon", "start", timeout=10)
+        assert started.returncode == 1 and started.stderr == f"error: {status.stdout}", started
+
+
 def test_a_socket_folder_others_may_enter_is_refused(tmp_path):
     """A 0755 folder for the socket was used: another user could reach the socket (mutation audit round 10)."""
     from ckptstore.errors import CkptError

@@ -56,9 +56,10 @@ def daemon_stop(ctx) -> None:
     client, root = _daemons(), _daemon_root(ctx)
     state = client.stop(root)
     other = None if state else client.anothers(root)
-    if other is not None:
+    if other is not None and not other.get("damaged"):
         raise CkptError(f"{client.anothers_line(other)}; only that user can stop it")
-    echo(f"stopped ckpt daemon {state['pid']}" if state else "no ckpt daemon was running")
+    echo(f"stopped ckpt daemon {state['pid']}" if state else client.anothers_line(other) if other else
+         "no ckpt daemon was running")
 
 
 @daemon.command("status")
