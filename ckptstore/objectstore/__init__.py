@@ -30,7 +30,7 @@ def open_store(url: str, scratch: Path, base: Path, create: bool = True, read_on
         from ckptstore.objectstore.s3 import S3ObjectStore  # the S3 client only for repositories on a bucket
 
         return S3ObjectStore(url)
-    return _local(url, path, scratch, create, read_only)
+    return _local(url, path, scratch, base, create, read_only)
 
 
 def local_folder(url: str, base: Path) -> Path | None:
@@ -51,13 +51,15 @@ def local_folder(url: str, base: Path) -> Path | None:
     return base / url
 
 
-def _local(url: str, path: Path, scratch: Path, create: bool, read_only: bool) -> ObjectStore:
+def _local(url: str, path: Path, scratch: Path, base: Path, create: bool, read_only: bool) -> ObjectStore:
     real, temporary = Path(os.path.realpath(path)), Path(os.path.realpath(scratch))
     if real.is_relative_to(temporary) or temporary.is_relative_to(real):
         # tmp/ is emptied by gc (its first step deleted every object), and a store holding the repository's
         # own folder (`..`, `/`) would take the work tree's files for its own
         where = "lies in the repository's folder of temporary files" if real.is_relative_to(temporary) else \
             "holds the repository's own folder"
+        if not create:  # a repository made so before init refused it: its objects are there, and must move
+            raise CkptError(_misplaced_store_line(url, real, base, where, real.is_relative_to(temporary)))
         raise CkptError(f"objects_url {url!r} names {real}, which {where}: give the objects a folder of their own, "
                         "or leave --objects out to keep them in .ckpt/objects")
     if path.exists() and not path.is_dir():
@@ -66,3 +68,18 @@ def _local(url: str, path: Path, scratch: Path, create: bool, read_only: bool) -
         raise CkptError(f"objects_url {url!r} names {path}, which does not exist (a typo, or a disk not mounted?): "
                         "the repository's objects are where it was made")
     return LocalObjectStore(path, scratch, read_only)
+
+
+def _misplaced_store_line(url: str, real: Path, base: Path, where: str, in_temporary: bool) -> str:
+    """How to recover a repository whose config names such a store (made before init refused it), in one line.
+
+    Its objects are real and its commits need them: the line says where they are now and where they can go,
+    as the repository cannot be opened (nor gc run) until they have a folder of their own.
+    """
+    config, default = base / "config.toml", base / "objects"
+    move = (f"move the folder {real} out of {base / 'tmp'}, e.g. to {default}" if in_temporary else
+            f"move its object folders (the two-hex-digit ones, and 'damaged' if there) into a folder of their own, "
+            f"e.g. {default}")
+    return (f"objects_url {url!r} in {config} names {real}, which {where}: {move}, then set objects_url in {config} "
+            f"to that folder's absolute path or a path below the repository relative to {base} "
+            f"(\"objects\" for {default})")

@@ -555,3 +555,38 @@ def test_an_origin_found_unavailable_is_asked_again_once_a_while_has_passed(tmp_
         store.get(oid)
     monkeypatch.setattr(fallback, "UNAVAILABLE_FOR", 0.0)
     assert store.get(oid) == b"y" * 4096
+
+
+@pytest.mark.parametrize("objects", ["..", "."])
+def test_a_repository_made_with_its_own_folder_as_the_store_is_told_how_to_move_it(tmp_path, objects):
+    """A repository made with objects_url `..` or `.` (before init refused them) could not be opened, and the line
+    said only to give the objects a folder of their own, as to an init: not where they are, nor where its config
+    is (fixer helper 329). Following the line, the repository opens and its commit restores bit-exact."""
+    import shutil
+
+    import torch
+
+    from ckptstore import Repository
+    from tests.conftest import assert_same, ckpt_here
+
+    state = {"w": torch.randn(1000, generator=torch.Generator().manual_seed(7))}
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit(state)
+    dot_ckpt, config = tmp_path / ".ckpt", tmp_path / ".ckpt" / "config.toml"
+    where = (dot_ckpt / objects).resolve()
+    fans = [folder.name for folder in (dot_ckpt / "objects").iterdir()]
+    for name in fans:  # the objects as such an init left them: in the folder objects_url names
+        shutil.move(dot_ckpt / "objects" / name, where / name)
+    (dot_ckpt / "objects").rmdir()
+    config.write_text(config.read_text().replace('objects_url = ""', f'objects_url = "{objects}"'))
+    said = ckpt_here(tmp_path, "log")
+    assert said.returncode == 1 and said.stderr.count("\n") == 1, said.stderr
+    assert f"in {config} names {where}, which holds the repository's own folder: move its object folders" \
+           in said.stderr and f"set objects_url in {config} to" in said.stderr, said.stderr
+    (dot_ckpt / "objects").mkdir()  # as the line says
+    for name in fans:
+        shutil.move(where / name, dot_ckpt / "objects" / name)
+    config.write_text(config.read_text().replace(f'objects_url = "{objects}"', 'objects_url = "objects"'))
+    assert ckpt_here(tmp_path, "log").returncode == 0
+    with Repository.open(tmp_path) as repo:
+        assert_same(state, repo.checkout(cid))
