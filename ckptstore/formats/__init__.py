@@ -59,6 +59,7 @@ class Checkpoint:
     kind: str
     files: list[CheckpointFile]
     tensors: dict[str, RawTensor] = field(default_factory=dict)
+    empty_folders: list[str] = field(default_factory=list)  # a folder's sub-folders holding no file (folder.py)
 
 
 def kind_on_disk(path: Path, shown: str | os.PathLike | None = None) -> str:

@@ -24,7 +24,7 @@ from ckptstore.formats import (
     torchzip,
 )
 from ckptstore.formats.atomic import write_parts
-from ckptstore.formats.folder import file_mode, folder_files
+from ckptstore.formats.folder import file_mode, folder_listing
 from ckptstore.state import RawTensor, escape, flatten, join, raw_from_bytes, unflatten
 
 
@@ -90,18 +90,20 @@ def read_checkpoint(path: str | os.PathLike, trust_pickle: bool = False,
                     exclude: Iterable[str | os.PathLike] = ()) -> Checkpoint:
     """Read a checkpoint file or folder from disk without copying tensor data where avoidable.
 
-    A folder's files are those `folder.folder_files` finds (its links policy), less the folders in
-    `exclude` (the repository's own directory); every file's permission bits are recorded.
+    A folder's files are those `folder.folder_listing` finds (its links policy), less the folders in
+    `exclude` (the repository's own directory); every file's permission bits are recorded, and its
+    folders that hold no file are listed (a checkout makes them again).
     """
     path = Path(path)
     if kind_on_disk(path) == "file":
         record, tensors = _read_file(path, "", trust_pickle, in_folder=False)
         record.mode = file_mode(path, path.stat())
         return Checkpoint("file", [record], tensors)
-    found = folder_files(path, exclude)
+    listing = folder_listing(path, exclude)
+    found = listing.files
     if not found:
         raise CheckpointFormatError(f"{path} is an empty folder, not a checkpoint")
-    checkpoint = Checkpoint("folder", [])
+    checkpoint = Checkpoint("folder", [], empty_folders=listing.empty_folders)
     filemap.allow_open_files(len(found))  # the files' maps stay open until the commit is recorded
     for item in found:
         record, tensors = _read_file(item.path, item.name, trust_pickle, in_folder=True)

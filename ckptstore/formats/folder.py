@@ -4,7 +4,8 @@ A symlink whose target stays inside the folder is followed: a link to a file is 
 file's content, a link to a folder as the files under it (checkout writes plain files and folders).
 A link leading out of the folder, a dangling link, a link loop, and a FIFO, socket or device are
 refused with a CheckpointFormatError naming the path: none of them can be stored faithfully, and
-skipping them would make a commit that silently lacks part of the checkpoint.
+skipping them would make a commit that silently lacks part of the checkpoint. Folders holding no
+file are listed too (a trainer's `runs/`, an `optimizer/` placeholder): a checkout makes them again.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import re
 import stat
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptstore.errors import CheckpointFormatError
@@ -68,21 +69,35 @@ def is_temp_name(name: str) -> bool:
 MAX_LINKED_FOLDERS = 1_000
 
 
+@dataclass
+class FolderListing:
+    """What a checkpoint folder holds: its files, and its folders that hold no file (names inside it, sorted)."""
+
+    files: list[FolderFile] = field(default_factory=list)
+    # only the innermost: `a/b` stands for `a` too; one holding nothing but what commits leave out (.git) counts
+    empty_folders: list[str] = field(default_factory=list)
+
+
 def folder_files(root: str | os.PathLike, exclude: Iterable[str | os.PathLike] = ()) -> list[FolderFile]:
-    """The files under `root`, sorted by name, links followed per the module's policy.
+    """The files under `root`, sorted by name, links followed per the module's policy (see `folder_listing`)."""
+    return folder_listing(root, exclude).files
+
+
+def folder_listing(root: str | os.PathLike, exclude: Iterable[str | os.PathLike] = ()) -> FolderListing:
+    """The files under `root` and its folders that hold none, sorted by name, links followed per the module's policy.
 
     Folders in `exclude` (a repository's own `.ckpt/`) are left out, and a link into one is refused.
     """
     root = Path(root)
     real_root = Path(os.path.realpath(root))
     skipped = {Path(os.path.realpath(p)) for p in exclude}
-    found: list[FolderFile] = []
+    found = FolderListing()
     _walk(root, "", real_root, [real_root], real_root, skipped, found, [0])
-    return sorted(found, key=lambda f: f.name)
+    return FolderListing(sorted(found.files, key=lambda f: f.name), sorted(found.empty_folders))
 
 
 def _walk(folder: Path, prefix: str, real: Path, stack: list[Path], real_root: Path, skipped: set[Path],
-          found: list[FolderFile], linked: list[int]) -> None:
+          found: FolderListing, linked: list[int]) -> None:
     """Add the files under `folder` (whose resolved path is `real`; `stack`: resolved folders walked into).
 
     `linked` holds how many folders the walk has entered through a link so far.
@@ -114,10 +129,13 @@ def _walk(folder: Path, prefix: str, real: Path, stack: list[Path], real_root: P
             if target in stack:
                 raise CheckpointFormatError(f"{path} is a symlink to {target}, a folder that holds the link: "
                                             "following it would never end; remove the link")
+            before = len(found.files) + len(found.empty_folders)
             _walk(path, name + "/", target, [*stack, target], real_root, skipped, found, linked)
+            if len(found.files) + len(found.empty_folders) == before:  # nothing under it: kept as a folder
+                found.empty_folders.append(name)
         elif stat.S_ISREG(info.st_mode):
             if not is_temp_name(entry.name):
-                found.append(FolderFile(name, path, file_mode(target, info)))
+                found.files.append(FolderFile(name, path, file_mode(target, info)))
         else:
             raise CheckpointFormatError(f"{path} is a {_kind(info.st_mode)}, not a regular file: a checkpoint "
                                         "folder holds files and folders only; move it out of the folder")

@@ -210,7 +210,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
             p: Entry(entries[p], raw.dtype, raw.shape) for p, raw in checkpoint.tensors.items()
         }, digests, level.name if level else None, done.pairing,
             _importance_note(done.fisher, done.plans, done.pairing), measured=done.remeasured,
-            sources={p: sources[p] for p in done.plans})
+            sources={p: sources[p] for p in done.plans}, empty_folders=checkpoint.empty_folders)
         if not options.allow_empty:
             _refuse_unchanged(manifest, parent, level)
         manifest_bytes = manifest.to_bytes()

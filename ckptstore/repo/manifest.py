@@ -81,6 +81,8 @@ class Manifest:
     # the input's tensor id of each entry the commit quantized: its record may be an earlier commit's (the change
     # rounded to nothing), whose own `source` is that commit's input, so an identical re-commit is told by this
     sources: dict[str, TensorId] = field(default_factory=dict)
+    # a folder commit's sub-folders that hold no file, which a checkout makes again (absent before: none made)
+    empty_folders: list[str] = field(default_factory=list)
     oid: str | None = field(default=None, compare=False)  # the object it was read from (None: made here)
 
     def to_record(self) -> dict[str, Any]:
@@ -104,6 +106,8 @@ class Manifest:
                 record["measured_as"] = codecs
         if self.sources:  # lossy commits only: lossless manifests keep their bytes
             record["sources"] = self.sources
+        if self.empty_folders:  # still version 1: a reader older than it checks the files out, as it always did
+            record["empty_folders"] = self.empty_folders
         return record
 
     def to_bytes(self) -> bytes:
@@ -130,7 +134,8 @@ class Manifest:
         measured = {path: [*m, codecs[path]] if path in codecs else m
                     for path, m in (record.get("measured") or {}).items()}
         return cls(record["kind"], files, entries, digests, record.get("lossy"), record.get("pairing"),
-                   record.get("importance"), dcp, measured, dict(record.get("sources") or {}))
+                   record.get("importance"), dcp, measured, dict(record.get("sources") or {}),
+                   list(record.get("empty_folders") or []))
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview, oid: ObjectId | str = "manifest") -> Manifest:
@@ -162,7 +167,8 @@ class Manifest:
     def same_content(self, other: Manifest) -> bool:
         """True when both hold the same files and tensors (what "nothing changed" means)."""
         return (self.kind == other.kind and self.entries == other.entries and self.dcp == other.dcp
-                and [f.to_json() for f in self.files] == [f.to_json() for f in other.files])
+                and [f.to_json() for f in self.files] == [f.to_json() for f in other.files]
+                and self.empty_folders == other.empty_folders)
 
 
 def _optional_str(value: Any, what: str) -> None:
@@ -234,6 +240,9 @@ def _check_record(record: dict[str, Any]) -> None:
         raise TypeError(f"measured is {measured!r}")
     for key in ("measured_as", "sources"):
         _text_by_path(record.get(key) or {}, key)
+    folders = record.get("empty_folders") or []
+    if not isinstance(folders, list) or not all(isinstance(name, str) for name in folders):
+        raise TypeError(f"empty_folders is {folders!r}")
     for path, entry in entries.items():
         tensor, dtype, shape = entry
         if not (isinstance(tensor, str) and isinstance(dtype, str) and isinstance(shape, list)):

@@ -88,7 +88,8 @@ def select(manifest: Manifest, keys: Iterable[str], commit: str = "") -> Selecti
                                    f"{', '.join(wanted.patterns)}; `ckpt show {commit[:12] or 'REF'}` lists its "
                                    "paths (match them with '.' or '/' between levels, e.g. 'model.*')")
     pruned = replace(manifest, files=files, entries={p: e for p, e in manifest.entries.items() if p in entries},
-                     digests={n: d for n, d in manifest.digests.items() if n not in partial})
+                     digests={n: d for n, d in manifest.digests.items() if n not in partial},
+                     empty_folders=[])  # files selected alone: the folders that hold none are no path of theirs
     return Selection(pruned, partial)
 
 

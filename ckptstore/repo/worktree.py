@@ -48,6 +48,7 @@ class CheckoutPlan:
     files: list[tuple[CheckpointFile, Path]]
     extras: list[Path] = field(default_factory=list)  # files and links the commit does not have
     folders: list[Path] = field(default_factory=list)  # folders it does not have, deepest first
+    made: list[Path] = field(default_factory=list)  # its folders that hold no file, made once the files are placed
     seen: dict[Path, tuple[int, ...] | None] = field(default_factory=dict)  # targets and extras as checked
     # the digest each file written must have (a lossless commit's files written byte for byte): a forged manifest
     # (a remote's: its hash is its own bytes') could rebuild other bytes, said to be the committed ones
@@ -235,13 +236,7 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
     # (an -o destination was, before any work, by refuse_own_folders)
     others: dict[Path, Path | None] = {dest: repository_part_holding(dest) if exact else None}
     for record in manifest.files:
-        parts = PurePosixPath(record.name).parts
-        if not parts or record.name.startswith("/") or ".." in parts or "\0" in record.name:
-            raise CkptError(f"the commit names a file {record.name!r} outside its folder; refusing to write it")
-        if any(is_git_name(part) for part in parts):  # a remote's commit could plant a config whose hooks run
-            raise CkptError(f"the commit holds {record.name!r}, one of git's own files, whose config and hooks run "
-                            "commands: ckptstore never writes them (commits leave .git out); check out the other "
-                            "files with --only PATTERN")
+        parts = _safe_parts(record.name)
         target = dest.joinpath(*parts)
         _refuse_links_out(target, dest, real_dest)
         # in place, links in the way are removed first; with -o they are followed, to where they lead
@@ -260,6 +255,7 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
                             f"symlinked folder inside {dest}); remove the link or check out elsewhere with -o PATH")
         plan.files.append((record, target))
         needed.update(target.parents)
+    _plan_empty_folders(repo, manifest, plan, real_dest, exact, needed)
     _refuse_a_file_that_is_a_folder(plan, needed)
     if exact and dest.is_dir():
         _scan(dest, {t for _, t in plan.files}, needed, _kept_in(repo, dest), plan)
@@ -267,6 +263,44 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
         _refuse_files_in_the_way(plan, dest)
     return plan
 
+
+def _safe_parts(name: str, what: str = "file") -> tuple[str, ...]:
+    """The parts of a commit's file or folder name; refused where it leads out of the folder or into git's files."""
+    parts = PurePosixPath(name).parts
+    if not parts or name.startswith("/") or ".." in parts or "\0" in name:
+        raise CkptError(f"the commit names a {what} {name!r} outside its folder; refusing to write it")
+    if any(is_git_name(part) for part in parts):  # a remote's commit could plant a config whose hooks run
+        raise CkptError(f"the commit holds {name!r}, one of git's own files, whose config and hooks run "
+                        "commands: ckptstore never writes them (commits leave .git out); check out the other "
+                        "files with --only PATTERN")
+    return parts
+
+
+def _plan_empty_folders(repo: Repository, manifest: Manifest, plan: CheckoutPlan, real_dest: Path, exact: bool,
+                        needed: set[Path]) -> None:
+    """Add the commit's folders that hold no file to `plan.made`, refused as its files' names are.
+
+    A trainer expects its `runs/` or an `optimizer/` placeholder; a manifest written before they were
+    recorded lists none, and its checkout makes none, as before.
+    """
+    dest, files, own = plan.dest, {target for _, target in plan.files}, repo.own_folders()
+    for name in manifest.empty_folders:
+        target = dest.joinpath(*_safe_parts(name, "folder"))
+        # with -o a link standing there would be followed (a checkout in place removes it, as for files)
+        _refuse_links_out(target, dest, real_dest, itself=not exact)
+        real = real_dest.joinpath(*target.relative_to(dest).parts) if exact else Path(os.path.realpath(target))
+        inside = _holding(own, real)
+        other = repository_part_holding(target, below=dest)
+        if inside is not None or other is not None:
+            where = f"the repository's own {inside.name}/" if inside else f"{other}, another repository's own folder"
+            raise CkptError(f"the commit holds the folder {name}, which would be made inside {where}: check it out "
+                            "elsewhere with -o PATH")
+        clash = next((p for p in (target, *target.parents) if p in files), None)
+        if clash is not None:
+            raise CkptError(f"the commit names both a file {clash.relative_to(dest)} and a folder {name}, which no "
+                            "folder can hold: it is damaged (or was made by another tool); nothing was written")
+        plan.made.append(target)
+        needed.update((target, *target.parents))
 
 
 def _refuse_a_file_that_is_a_folder(plan: CheckoutPlan, needed: set[Path]) -> None:
@@ -301,16 +335,17 @@ def files_beside(plan: CheckoutPlan) -> list[str]:
 
 def _refuse_files_in_the_way(plan: CheckoutPlan, dest: Path) -> None:
     """With -o nothing is deleted: a file where the commit needs a folder is an error, not a loss."""
-    for _, target in plan.files:
-        for folder in target.parents:
+    needed = [*(target.parent for _, target in plan.files), *plan.made]
+    for target in needed:
+        for folder in (target, *target.parents):
             if folder.is_relative_to(dest) and folder != dest and os.path.lexists(folder) and not folder.is_dir():
                 raise CkptError(f"{folder} is a file where the commit has a folder; move it away or check out "
                                 "elsewhere with -o PATH")
 
 
-def _refuse_links_out(target: Path, dest: Path, real_dest: Path) -> None:
-    """Refuse a target reached through a symlinked folder that leads out of `dest`."""
-    for folder in reversed(target.parents):
+def _refuse_links_out(target: Path, dest: Path, real_dest: Path, itself: bool = False) -> None:
+    """Refuse a target reached through a symlinked folder that leads out of `dest` (`itself`: a folder to make)."""
+    for folder in [*reversed(target.parents), *([target] if itself else [])]:
         if folder.is_relative_to(dest) and folder != dest and folder.is_symlink():
             real = Path(os.path.realpath(folder))
             if not real.is_relative_to(real_dest):
@@ -398,7 +433,7 @@ def write_checkout(repo: Repository, cid: CommitId, plan: CheckoutPlan, value_of
             staged.append((_stage(repo, cid, record, target, value_of, raw_of, exact, plan.digests.get(record.name)),
                            target))
         refuse_changed_meanwhile(repo, plan)
-        move_into_place(None if repo.read_only else repo.dir, staged, plan.extras, plan.folders, head)
+        move_into_place(None if repo.read_only else repo.dir, staged, plan.extras, plan.folders, head, plan.made)
 
 
 @contextlib.contextmanager
@@ -487,8 +522,11 @@ def refuse_changed_meanwhile(repo: Repository, plan: CheckoutPlan) -> None:
 
 
 def move_into_place(journal_dir: Path | None, staged: list[tuple[Path, Path]], extras: Sequence[Path] = (),
-                    folders: Iterable[Path] = (), head: journal.HeadMove | None = None) -> None:
-    """Delete `extras` (and `folders`, once empty), rename each staged file onto its target, sync, move `head`.
+                    folders: Iterable[Path] = (), head: journal.HeadMove | None = None,
+                    made: Sequence[Path] = ()) -> None:
+    """Delete `extras` (and `folders`, once empty), rename each staged file onto its target, make `made`, move `head`.
+
+    `made`: the commit's folders that hold no file. Everything is synced before `head` moves.
 
     Journalled in `journal_dir` (repo/journal.py; None: a read-only repository, none): a process
     killed among these steps is finished by the next.
@@ -507,7 +545,10 @@ def move_into_place(journal_dir: Path | None, staged: list[tuple[Path, Path]], e
             target.parent.mkdir(parents=True, exist_ok=True)  # where a file the commit lacks stood, maybe
             os.replace(staging, target)
             faults.point("checkout:renamed")
-        for folder in {target.parent for _, target in staged}:  # durable before the journal goes
+        for folder in made:
+            folder.mkdir(parents=True, exist_ok=True)
+        # durable before the journal goes
+        for folder in {target.parent for _, target in staged} | {folder.parent for folder in made}:
             sync_dir(folder)
 
 

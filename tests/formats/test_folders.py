@@ -223,3 +223,17 @@ def test_a_file_system_without_modes_records_none_and_a_refused_chmod_is_a_warni
     with pytest.warns(RuntimeWarning, match="this file system keeps no file modes"):
         repo.checkout_to(with_mode, tmp_path / "again")
     assert torch.load(tmp_path / "again" / "model.pt", weights_only=True)["w"].equal(torch.ones(3))
+
+
+def test_a_folders_sub_folders_holding_no_file_are_listed_innermost_only(tmp_path):
+    """Empty sub-folders were dropped from folder commits (a trainer's `runs/`; fixer helper 329)."""
+    from ckptstore.formats.folder import folder_listing
+
+    for folder in ("runs", "optimizer/shards", "logs/.git", "full"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "full" / "w.bin").write_bytes(b"x")
+    (tmp_path / "linked").symlink_to(tmp_path / "runs")
+    with pytest.warns(RuntimeWarning, match="git's own files"):
+        listing = folder_listing(tmp_path)
+    assert [f.name for f in listing.files] == ["full/w.bin"]
+    assert listing.empty_folders == ["linked", "logs", "optimizer/shards", "runs"]

@@ -36,6 +36,19 @@ def test_a_lossy_commits_inputs_round_trip_and_a_manifest_without_them_reads_wit
     assert Manifest.from_bytes(inputs.to_bytes()).sources == {"w": "b" * 64}
 
 
+def test_a_folders_empty_folders_round_trip_in_version_1_and_a_manifest_without_them_reads_with_none():
+    """A folder commit's sub-folders holding no file were not recorded (fixer helper 329); older manifests have none,
+    and a manifest with none keeps the bytes older readers read."""
+    plain = Manifest("folder", [], {"w": Entry("a" * 64, "torch.float32", (2, 3))}, {})
+    assert "empty_folders" not in plain.to_record() and Manifest.from_bytes(plain.to_bytes()).empty_folders == []
+    folders = Manifest("folder", [], plain.entries, {}, empty_folders=["optimizer", "runs/a"])
+    assert folders.to_record()["version"] == 1 and not folders.same_content(plain)
+    assert Manifest.from_bytes(folders.to_bytes()).empty_folders == ["optimizer", "runs/a"]
+    for forged in ("runs", ["runs", 1]):
+        with pytest.raises(CorruptObjectError, match="empty_folders"):
+            Manifest.from_bytes(_stored(dict(_record(1), empty_folders=forged)), "e" * 64)
+
+
 @pytest.mark.parametrize("sources", [["w"], {"w": 1}])
 def test_inputs_of_the_wrong_shape_are_a_damaged_manifest(sources):
     with pytest.raises(CorruptObjectError, match="sources"):

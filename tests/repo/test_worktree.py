@@ -1510,3 +1510,59 @@ def test_output_through_a_dangling_symlink_is_a_one_line_error_before_any_work(r
         f"{tmp_path / 'nowhere' / 'x'}, whose folder {tmp_path / 'nowhere'} does not exist; create it first or pass " \
         "another -o path\n", said.stderr
     assert not (tmp_path / "nowhere").exists()
+
+
+def test_a_folder_commits_empty_sub_folders_come_back_at_checkout(tmp_path):
+    """A folder commit dropped its sub-folders that held no file (a trainer's `runs/`, an `optimizer/` placeholder):
+    no checkout made them again, and one in place removed them (fixer helper 329)."""
+    folder = tmp_path / "ck"
+    for empty in ("runs", "optimizer/shards", "only_git/.git"):
+        (folder / empty).mkdir(parents=True)
+    torch.save({"w": torch.arange(4.0)}, folder / "model.pt")
+    with Repository.init(tmp_path) as repo, pytest.warns(RuntimeWarning, match="only_git/.git out of the commit"):
+        cid = repo.commit(folder)
+    assert ckpt_here(tmp_path, "checkout", cid, "-o", "out").returncode == 0
+    shutil.rmtree(folder / "runs")
+    assert ckpt_here(tmp_path, "checkout", cid, "--force").returncode == 0  # in place
+    for where in (tmp_path / "out", folder):
+        made = sorted(p.relative_to(where).as_posix() for p in where.rglob("*") if p.is_dir())
+        assert made == ["only_git", "optimizer", "optimizer/shards", "runs"], (where, made)
+        assert not any((where / "runs").iterdir()) and not (where / "only_git" / ".git").exists()
+    with Repository.open(tmp_path) as repo:
+        assert repo.manifest(cid).empty_folders == ["only_git", "optimizer/shards", "runs"]
+
+
+@pytest.mark.parametrize("name, message", [("../escape", "folder '../escape' outside its folder"),
+                                           ("/etc/x", "folder '/etc/x' outside its folder"),
+                                           ("sub/.git/hooks", "one of git's own files"),
+                                           (".ckpt/objects/zz", "made inside the repository's own .ckpt/"),
+                                           ("model.pt/inside", "names both a file model.pt and a folder")])
+def test_empty_folder_names_a_commit_may_not_make_are_refused(repo, name, message):
+    """A received manifest's empty folders are refused as its files' names are: outside, git's, the repository's."""
+    from ckptstore.formats import CheckpointFile
+    from ckptstore.repo.manifest import Manifest
+    from ckptstore.repo.worktree import plan_checkout
+
+    manifest = Manifest("folder", [CheckpointFile("model.pt", "blob", ["blob", "a"])], {}, {}, empty_folders=[name])
+    for dest, output in ((repo.root, False), (repo.root / "out", True))[:1 if ".ckpt" in name else 2]:
+        with pytest.raises(CkptError, match=message):  # with -o, out/.ckpt is no repository's own
+            plan_checkout(repo, manifest, dest, force=True, output=output)
+    assert not (repo.root / "out").exists()
+
+
+def test_an_empty_folder_is_never_made_through_a_link_out_of_an_output_folder(repo, tmp_path):
+    from ckptstore.formats import CheckpointFile
+    from ckptstore.repo.manifest import Manifest
+    from ckptstore.repo.worktree import plan_checkout
+
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "runs").symlink_to(tmp_path / "elsewhere")
+    manifest = Manifest("folder", [CheckpointFile("m.json", "blob", ["blob", "a"])], {}, {}, empty_folders=["runs/a"])
+    with pytest.raises(CkptError, match="is a symlink to .*elsewhere, outside"):
+        plan_checkout(repo, manifest, tmp_path / "out", force=True, output=True)
+    (tmp_path / "out" / "runs").unlink()
+    (tmp_path / "out" / "runs").symlink_to(tmp_path / "elsewhere")
+    manifest.empty_folders = ["runs"]
+    with pytest.raises(CkptError, match="is a symlink to .*elsewhere, outside"):
+        plan_checkout(repo, manifest, tmp_path / "out", force=True, output=True)
