@@ -411,7 +411,7 @@ def _encode_once(repo: Repository, checkpoint: formats.Checkpoint, parent: _Pare
                 raise UnquantizableError("no other tensor it quantizes")
         entries, jobs = encoding_jobs(repo, tx, checkpoint.tensors, sources, parent.by_path, parent.records,
                                      plans, level, parent.renewed, parent.manifest.sources if parent.manifest else {},
-                                     keep_lossy=not retry)
+                                     keep_lossy=not retry, figures=parent.manifest.measured if parent.manifest else {})
     progress.start("commit", sum(j.raw.nbytes for j in jobs))
     # a record kept from the parent for the same input keeps the figures the parent measured of it
     remeasured = {p: m for p, m in (parent.manifest.measured if parent.manifest else {}).items()
@@ -603,7 +603,8 @@ def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], so
                   parents: Mapping[str, TensorRecord], chains: Mapping[TensorId, TensorRecord],
                   plans: Mapping[str, LossyPlan], level: LossyLevel | None,
                   lost: Set[TensorId] = frozenset(), inputs: Mapping[str, TensorId] | None = None,
-                  keep_lossy: bool = True) -> tuple[dict[str, TensorId], list[Job]]:
+                  keep_lossy: bool = True, figures: Mapping[str, list] | None = None
+                  ) -> tuple[dict[str, TensorId], list[Job]]:
     """Manifest ids known before encoding, and the jobs that encode everything else.
 
     `tensors`, their content ids `sources` and the `parents` they chain on are by path (a
@@ -614,8 +615,9 @@ def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], so
     parent's reconstruction (not with `keep_lossy` False: a calibration's retry at finer steps, which
     kept the same coarse reconstruction three times over, then fell to lossless weights); the rest are
     named after encoding. `inputs`: the parent commit's lossy inputs by path, as its manifest records
-    them (else its records' sources). Commits and sharded commits (repo/sharded.py) both build their
-    jobs here.
+    them (else its records' sources); `figures`: the [error, bound] it measured of records it kept (its
+    manifest's `measured`). A kept reconstruction must meet this commit's error bound (`_meets_bound`).
+    Commits and sharded commits (repo/sharded.py) both build their jobs here.
     """
     entries: dict[str, TensorId] = {}
     reused: dict[str, TensorRecord] = {}
@@ -624,7 +626,8 @@ def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], so
         # the parent's record may be an earlier commit's (a change rounded to nothing), made from that one's input;
         # an input is a lossy record's own claim: a received manifest claimed one for an exact record of other bytes
         if parent is not None and (parent.id == sources[path] or keep_lossy and "source" in parent.params and (
-                (inputs or {}).get(path, parent.params["source"]) == sources[path])):
+                (inputs or {}).get(path, parent.params["source"]) == sources[path])
+                and _meets_bound(parent, plans[path], (figures or {}).get(path))):
             entries[path] = parent.id
             reused[path] = parent
     lossless = [p for p in tensors if p not in plans]
@@ -642,6 +645,23 @@ def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], so
     jobs += [lossy_job(plan, tensors, sources[path], level, plans, reused)
              for path, plan in plans.items() if path not in reused]
     return entries, jobs
+
+
+def _meets_bound(record: TensorRecord, plan: LossyPlan, figures: list | None) -> bool:
+    """Whether a lossy record kept for an unchanged input holds the error bound this commit's plan asks.
+
+    The input's bytes name the record, so a finer knob (`--knob max_weight_error=...`) on the same tensors
+    kept the coarser reconstruction and did nothing, unsaid. Kept where its recorded bound is no looser, or
+    its measured error (`figures`: the parent commit's, where it kept an earlier record) is within the new
+    one; else encoded again, on the old reconstruction as its base.
+    """
+    bound = plan.params.get("max_error")
+    if not bound:
+        return True
+    error, kept_bound = figures[:2] if figures else (record.params.get("rel_error"), record.params.get("max_error"))
+    if kept_bound is not None and kept_bound <= bound * (1 + 1e-9):  # the same level's bound, as float math gave it
+        return True
+    return error is not None and error <= bound
 
 
 def lost_records(repo: Repository, tx: Tx, ids: set[TensorId], known: Mapping[TensorId, TensorRecord],

@@ -1152,8 +1152,30 @@ def test_show_says_which_of_its_measured_tensors_the_bound_covers(tmp_path):
     frozen, weight = torch.randn(128, 128), torch.randn(128, 128)
     with Repository.init(tmp_path) as repo:
         repo.commit({"frozen": frozen, "w": weight}, lossy="resume-only")
-        cid = repo.commit({"frozen": frozen, "w": weight + 0.05 * torch.randn(128, 128)}, lossy="balanced")
+        # a bound its kept error (2.6e-2) holds: under a finer one it is encoded again (test_a_finer_bound_...)
+        cid = repo.commit({"frozen": frozen, "w": weight + 0.05 * torch.randn(128, 128)}, lossy="balanced",
+                          max_weight_error=0.1)
         (row,) = [r for r in repo.show(cid)["fidelity"] if r["quantity"].startswith("weights")]
     assert row["tensors"] == 2 and row["bounded"] == 1
     shown = CliRunner().invoke(cli, ["--repo", str(tmp_path), "show", cid]).output
     assert "over 2 tensors; the 1 with a bound at most" in shown, shown
+
+
+def test_a_finer_bound_on_unchanged_tensors_is_kept_not_the_coarser_stored_reconstruction(repo, tmp_path):
+    """Committing the same file again with `--knob max_weight_error=...` kept the coarser record made for those bytes
+    (content addressing by the input), so the stricter bound did nothing and nothing said so (fixer helper 329)."""
+    (path, first), = _run(repo, tmp_path, "balanced", commits=1)
+    original = _load(path)["model"]
+    coarse = {name: _rel(repo.checkout(first)["model"][name], original[name]) for name in LOSSY_WEIGHTS}
+    assert min(coarse.values()) > 1e-3  # the level's own reconstruction: the finer bound below asks more
+    result = CliRunner().invoke(cli, ["--repo", str(repo.root), "commit", str(path), "--lossy", "balanced",
+                                      "--knob", "max_weight_error=0.0005"])
+    assert result.exit_code == 0, result.output
+    finer = repo.resolve("HEAD")
+    assert finer != first and repo.manifest(finer).entries != repo.manifest(first).entries
+    restored, shown = repo.checkout(finer)["model"], _steps(repo, finer)
+    for name in LOSSY_WEIGHTS:  # the bound is the knob times the weight's allowance, at most 2
+        bound = shown[f"model/{name}"]["max_error"]
+        assert bound <= 0.0005 * 2 and _rel(restored[name], original[name]) <= bound * 1.001 < coarse[name], name
+    with pytest.raises(NothingToCommitError):  # the level's looser bound again: the finer record holds it
+        repo.commit(path, lossy="balanced")
