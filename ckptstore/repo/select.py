@@ -84,6 +84,11 @@ def select(manifest: Manifest, keys: Iterable[str], commit: str = "") -> Selecti
     except MalformedSkeletonError.WALK_ERRORS as exc:
         raise MalformedSkeletonError.of(exc) from None
     if not files:
+        own = [p for p in wanted.patterns if p in manifest.entries]  # copied from `ckpt show`, which lists them
+        if own:
+            raise NothingSelectedError(f"{', '.join(own)} is the file format's own entry (its container or header "
+                                       "bytes, which `ckpt show` lists beside the tensors), not a value of the "
+                                       "checkpoint: select values, e.g. 'model.*', or check out the whole file")
         raise NothingSelectedError(f"no path of commit {commit[:12] or '(this commit)'} matches "
                                    f"{', '.join(wanted.patterns)}; `ckpt show {commit[:12] or 'REF'}` lists its "
                                    "paths (match them with '.' or '/' between levels, e.g. 'model.*')")

@@ -13,7 +13,7 @@ from ckptstore.cli import cli
 from ckptstore.errors import CkptError
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.repo.select import NothingSelectedError
-from tests.conftest import Trainer, assert_same
+from tests.conftest import Trainer, assert_same, ckpt_here
 
 
 class CountingStore:
@@ -168,6 +168,18 @@ def test_cli_checkout_only_writes_the_selected_sub_state(repo, tmp_path, monkeyp
     refused = runner.invoke(cli, ["checkout", cid, "--only", "model.*"])
     assert refused.exit_code == 2 and "it needs -o PATH" in refused.output, refused.output  # a usage error
     assert repo.head()[1] == cid
+
+
+def test_a_formats_own_entry_that_show_lists_is_named_as_such_when_selected(repo, tmp_path):
+    """`ckpt show` lists a torch file's `%container` (and a safetensors file's `%header`) among its paths; selecting
+    it said "no path matches" and sent the user back to `ckpt show`, the listing they had copied it from."""
+    cid, _ = _commits(repo, tmp_path, n=1)
+    listed = ckpt_here(tmp_path, "show", cid)
+    assert "%container" in listed.stdout, listed.stdout
+    refused = ckpt_here(tmp_path, "checkout", cid, "--only", "%container", "-o", "part.pt")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert "%container is the file format's own entry" in refused.stderr, refused.stderr
+    assert not (tmp_path / "part.pt").exists()
 
 
 def test_a_partial_folder_checkout_that_fails_midway_leaves_the_folder_as_it_was(repo, tmp_path, monkeypatch):
