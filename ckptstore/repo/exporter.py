@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ckptstore import formats
 from ckptstore.errors import CkptError
 from ckptstore.formats import hfweights, safetensors_file, torchfile
+from ckptstore.formats.skeletons import check_headers
 from ckptstore.formats.torchcontainer import CONTAINER_PATH
 from ckptstore.repo import sharded, worktree
 from ckptstore.repo.diff import skeleton_values
@@ -175,11 +176,17 @@ def _torch_weights(repo: Repository, manifest: Manifest, files: list[CheckpointF
 
 
 def _decoded(repo: Repository, manifest: Manifest, files: list[CheckpointFile]) -> dict[str, RawTensor]:
-    """The entries of `files`, decoded (only theirs)."""
+    """The entries of `files`, decoded (only theirs), each safetensors header checked against them as checkout does.
+
+    A forged manifest's skeleton could name a header's tensors in another order: its weights would be exported
+    under each other's names (MalformedSkeletonError, said by rebuilding_files as the commit's damage).
+    """
     from ckptstore.repo.checkout import restore
 
     wanted = set().union(*(entries_of_file(manifest, escape(record.name)) for record in files))
-    return restore(repo, manifest, paths=[p for p in manifest.entries if p in wanted])
+    raws = restore(repo, manifest, paths=[p for p in manifest.entries if p in wanted])
+    check_headers(files, manifest.entries.__getitem__, lambda p: raws[p].data.tobytes() if p in raws else None)
+    return raws
 
 
 def _not_flat(record: CheckpointFile) -> CkptError:

@@ -331,3 +331,37 @@ def test_an_export_over_a_file_keeps_its_mode_and_removes_a_killed_exports_lefto
     assert (out.stat().st_mode & 0o777) == 0o600
     assert load_file(out)["w"].equal(torch.arange(12.0))
     assert not stale.exists() and fresh.exists()
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_a_forged_safetensors_header_with_names_swapped_is_refused_not_exported_under_the_wrong_names(tmp_path, fmt):
+    """A received manifest whose model.safetensors skeleton swaps two tensors' names (the header says otherwise) was
+    exported with each name's values under the other's: export ran none of checkout's header check (fixer helper
+    325 left it open). It is the one-line damaged-manifest error naming the commit, and nothing is written."""
+    from ckptstore.repo import manifest as manifests
+
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    save_file({"a": torch.arange(4, dtype=torch.float32), "b": torch.ones(4)}, folder / "model.safetensors")
+    written = manifests.Manifest.to_record
+
+    def forged(self):
+        record = written(self)
+        (weights,) = [f for f in record["files"] if f["name"] == "model.safetensors"]
+        weights["digest"] = None  # a forger drops what would tell the written bytes wrong
+        order = weights["skeleton"][2]
+        order[0][0], order[1][0] = order[1][0], order[0][0]
+        return record
+
+    out = tmp_path / "w.out"
+    with Repository.init(tmp_path / "repo") as repo:
+        with pytest.MonkeyPatch.context() as forging:
+            forging.setattr(manifests.Manifest, "to_record", forged)
+            liar = repo.commit(folder)
+        with pytest.raises(manifests.UnreadableManifestError, match=f"stored structure .* commits {liar[:12]}") as info:
+            export(repo, liar, fmt, out)
+        assert "\n" not in str(info.value)
+    assert not out.exists() and list(tmp_path.glob(".w.out.*")) == []
+    said = ckpt_here(tmp_path / "repo", "export", liar, "-o", str(out), "--format", fmt)
+    assert said.returncode == 1 and liar[:12] in said.stdout + said.stderr, said
+    assert "Traceback" not in said.stdout + said.stderr and not out.exists()
