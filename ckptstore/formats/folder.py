@@ -16,7 +16,7 @@ import re
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from ckptstore.errors import CheckpointFormatError
 from ckptstore.formats.atomic import TEMP_SUFFIX
@@ -59,6 +59,23 @@ class FolderFile:
 def is_git_name(name: str) -> bool:
     """True for `.git` (a folder, or a worktree's pointer file) in any case: git runs what its config and hooks say."""
     return name.lower() == ".git"
+
+
+LEADS_OUT = "it leads outside the folder"
+
+
+def unwritable_name(name: str) -> str | None:
+    """Why no checkout writes a folder commit's file or folder `name`, or None; fsck names a commit holding one.
+
+    A manifest received from elsewhere could name a place outside the folder (LEADS_OUT: absolute, `..`, a
+    NUL) or git's own files, whose config and hooks run commands.
+    """
+    parts = PurePosixPath(name).parts
+    if not parts or name.startswith("/") or ".." in parts or "\0" in name:
+        return LEADS_OUT
+    if any(is_git_name(part) for part in parts):
+        return "it is one of git's own files, whose config and hooks run commands"
+    return None
 
 
 def is_temp_name(name: str) -> bool:

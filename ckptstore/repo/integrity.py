@@ -284,11 +284,15 @@ def skeleton_problems(repo: Repository, manifests: dict[CommitId, Manifest]) -> 
     Each torch file's skeleton is decoded as checkout decodes it, its tensors standing in by their
     manifest entries, and each safetensors or blob skeleton checked as checkout checks it: no tensor is
     read but a safetensors file's header (a few kilobytes, each distinct one once), so a pass over every
-    commit stays cheap.
+    commit stays cheap. A folder commit's file and empty-folder names are checked by checkout's rule first.
     """
     problems: dict[str, str] = {}
     headers: dict[TensorId, bytes | None] = {}
     for cid, manifest in sorted(manifests.items(), key=_by_key):
+        unwritable = _unwritable_name(manifest)
+        if unwritable is not None:
+            problems[f"commit {cid}"] = unwritable
+            continue
         for record in manifest.files:
             try:
                 _check_skeleton(repo, manifest, record, headers)
@@ -300,6 +304,21 @@ def skeleton_problems(repo: Repository, manifests: dict[CommitId, Manifest]) -> 
                                              f"({why}): checkout cannot rebuild it")
                 break
     return problems
+
+
+def _unwritable_name(manifest: Manifest) -> str | None:
+    """Why checkout refuses a folder commit's file or empty-folder name (outside the folder, git's), or None."""
+    from ckptstore.formats.folder import unwritable_name
+
+    if manifest.kind != "folder":  # a lone file's name is "", written where it was committed from
+        return None
+    named = [("file", record.name) for record in manifest.files] + [("folder", n) for n in manifest.empty_folders]
+    for what, name in named:
+        why = unwritable_name(name)
+        if why is not None:
+            return (f"its manifest names the {what} {name!r:.80}, which checkout refuses to write ({why}): it is "
+                    "damaged or forged")
+    return None
 
 
 def _check_skeleton(repo: Repository, manifest: Manifest, record: CheckpointFile,

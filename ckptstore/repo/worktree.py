@@ -24,7 +24,7 @@ from ckptstore import faults
 from ckptstore.errors import CkptError, CorruptRecordError, DirtyWorktreeError, listing, shown_name
 from ckptstore.formats.atomic import missing_folder, missing_parent
 from ckptstore.formats.filemap import file_digest
-from ckptstore.formats.folder import is_git_name, set_mode
+from ckptstore.formats.folder import LEADS_OUT, is_git_name, set_mode, unwritable_name
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import files as file_rows
 from ckptstore.repo import journal
@@ -266,14 +266,14 @@ def _plan_folder(repo: Repository, manifest: Manifest, dest: Path, exact: bool) 
 
 def _safe_parts(name: str, what: str = "file") -> tuple[str, ...]:
     """The parts of a commit's file or folder name; refused where it leads out of the folder or into git's files."""
-    parts = PurePosixPath(name).parts
-    if not parts or name.startswith("/") or ".." in parts or "\0" in name:
+    why = unwritable_name(name)  # fsck's skeleton pass asks the same of every folder commit
+    if why == LEADS_OUT:
         raise CkptError(f"the commit names a {what} {name!r} outside its folder; refusing to write it")
-    if any(is_git_name(part) for part in parts):  # a remote's commit could plant a config whose hooks run
+    if why is not None:  # a remote's commit could plant a config whose hooks run
         raise CkptError(f"the commit holds {name!r}, one of git's own files, whose config and hooks run "
                         "commands: ckptstore never writes them (commits leave .git out); check out the other "
                         "files with --only PATTERN")
-    return parts
+    return PurePosixPath(name).parts
 
 
 def _plan_empty_folders(repo: Repository, manifest: Manifest, plan: CheckoutPlan, real_dest: Path, exact: bool,

@@ -965,6 +965,55 @@ def test_a_forged_safetensors_or_blob_skeleton_is_refused_by_checkout_and_named_
             (src / "model.safetensors").read_bytes()
 
 
+UNWRITABLE_NAMES = {  # a received folder commit's name that checkout refuses: fsck said ok (fixer helper 329)
+    "file-up-and-out": ("file", "../x.json"),
+    "file-absolute": ("file", "/etc/x.json"),
+    "file-with-a-nul": ("file", "a\0b.json"),
+    "file-in-git": ("file", "sub/.Git/config"),
+    "folder-up-and-out": ("folder", "../runs"),
+    "folder-absolute": ("folder", "/tmp/runs"),
+    "folder-in-git": ("folder", ".git/hooks"),
+}
+
+
+@pytest.mark.parametrize("forgery", UNWRITABLE_NAMES)
+def test_a_folder_commits_name_checkout_refuses_to_write_is_named_by_fsck(tmp_path, monkeypatch, forgery):
+    """A folder commit's file or empty-folder name leading out of the folder, or into git's files, was refused by
+    checkout in one line while fsck said ok. fsck's skeleton pass checks every name by checkout's rule."""
+    from ckptstore.repo import manifest as manifests
+
+    what, name = UNWRITABLE_NAMES[forgery]
+    src = tmp_path / "model"
+    (src / "runs").mkdir(parents=True)
+    (src / "notes.txt").write_bytes(b"hello")
+    written = manifests.Manifest.to_record
+
+    def forged(self):
+        record = written(self)
+        if what == "file":
+            record["files"][0]["name"] = name
+        else:
+            record["empty_folders"] = [name]
+        return record
+
+    with Repository.init(tmp_path / "r") as repo:
+        good = repo.commit(src)
+        (src / "notes.txt").write_bytes(b"hello again")
+        with monkeypatch.context() as forging:
+            forging.setattr(manifests.Manifest, "to_record", forged)
+            liar = repo.commit(src)
+        with pytest.raises(CkptError) as refused:
+            repo.checkout_to(liar, tmp_path / "out")
+        assert "\n" not in str(refused.value) and not (tmp_path / "out").exists()
+        report = fsck(repo)
+        assert list(report.broken_commits) == [liar] and not report.ok, report
+        line = report.damaged_records[f"commit {liar}"]
+        assert f"names the {what} {name!r}, which checkout refuses to write" in line and "\n" not in line, line
+        assert repo.checkout_to(good, tmp_path / "sound").joinpath("notes.txt").read_bytes() == b"hello"
+    said = ckpt_here(tmp_path / "r", "fsck")
+    assert said.returncode == 1 and liar in said.stdout and "Traceback" not in said.stdout + said.stderr, said
+
+
 def test_fsck_of_sound_skeletons_reads_no_tensor_and_loads_no_torch(tmp_path):
     """The skeleton pass decodes structures only: a state of tensors, views and parameters passes without torch."""
     base = torch.arange(12, dtype=torch.float32)
