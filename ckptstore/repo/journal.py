@@ -7,13 +7,14 @@ optimizer). Before them, the plan goes to `.ckpt/journals/` (durably); the check
 flock on it until the renames are durable and the journal is removed. The next process that
 opens the repository for writing finds journals whose lock is free (their process died) and
 carries out what is left: renames whose temporary file is still there, deletions of what is
-still there. A target or a file to delete that changed since the journal was written (the user
-wrote it anew) is left as it is, and its temporary file removed: nothing of the user's is lost
-to a late rename. A checkout in place also moves HEAD once its renames are done; the journal
-names that move, so HEAD and the files agree however the checkout ended (Ctrl-C finishes the
-renames and moves HEAD; a process that finishes a dead one's renames moves it too, unless it had
-to leave a rename undone; a failure, such as a full disk, after the first rename keeps the journal for
-the next command to finish, as after a kill). A journal written in another place (the repository was copied or moved
+still there, the commit's folders that hold no file (an older journal names none). A target or
+a file to delete that changed since the journal was written (the user wrote it anew) is left as
+it is, and its temporary file removed: nothing of the user's is lost to a late rename. A
+checkout in place also moves HEAD once its renames are done; the journal names that move, so
+HEAD and the files agree however the checkout ended (Ctrl-C finishes the renames and moves HEAD;
+a process that finishes a dead one's renames moves it too, unless it had to leave a rename
+undone; a failure, such as a full disk, after the first rename keeps the journal for the next
+command to finish, as after a kill). A journal written in another place (the repository was copied or moved
 since) is dropped with a warning: its paths name the old place.
 """
 
@@ -46,8 +47,10 @@ class HeadMove:
 
 @contextlib.contextmanager
 def renaming(repo_dir: Path | None, renames: Sequence[tuple[Path, Path]], deletions: Sequence[Path],
-             head: HeadMove | None = None) -> Iterator[None]:
-    """Hold a durable journal of `renames` (temporary file, target) and `deletions` for the length of the block.
+             head: HeadMove | None = None, made: Sequence[Path] = ()) -> Iterator[None]:
+    """Hold a durable journal of `renames` (temporary file, target), `deletions` and folders `made` for the block.
+
+    `made`: the commit's folders that hold no file, made after the renames (a trainer's `runs/`).
 
     The block ends with the renames durable (its folders synced), then `head` is moved: the
     journal goes after both. With `repo_dir` None (a read-only repository), or where `.ckpt/`
@@ -56,7 +59,8 @@ def renaming(repo_dir: Path | None, renames: Sequence[tuple[Path, Path]], deleti
     """
     plan = {"root": str(repo_dir), "renames": [[str(a), str(b), _stamp(b)] for a, b in renames],
             "deletions": [[str(p), _stamp(p)] for p in deletions],
-            "head": [head.commit, head.branch] if head is not None else None}
+            "head": [head.commit, head.branch] if head is not None else None,
+            "made": [str(folder) for folder in made]}
     fd, path = _write(repo_dir, plan) if repo_dir is not None else (None, None)
     kept = False
     try:
@@ -181,7 +185,10 @@ def _finish(path: Path, repo_dir: Path, move_head: MoveHead | None) -> int:
 
 
 def _carry_out(plan: dict) -> bool:
-    """The plan's deletions and renames, each where its target is as the journal found it; False if one was not."""
+    """The plan's deletions, renames and folders made, each where its target is as the journal found it.
+
+    False if one was not: a target written anew, or a file standing where a folder is made (the user's: kept).
+    """
     whole = True
     for deleted, stamp in plan["deletions"]:
         if _stamp(deleted) == stamp:
@@ -194,6 +201,11 @@ def _carry_out(plan: dict) -> bool:
             os.replace(staging, target)
         else:
             Path(staging).unlink(missing_ok=True)
+            whole = False
+    for folder in plan.get("made") or []:  # none in a journal of an earlier version
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
             whole = False
     return whole
 

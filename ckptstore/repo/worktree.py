@@ -533,7 +533,7 @@ def move_into_place(journal_dir: Path | None, staged: list[tuple[Path, Path]], e
     """
     from ckptstore.formats.atomic import sync_dir
 
-    with journal.renaming(journal_dir, staged, extras, head):
+    with journal.renaming(journal_dir, staged, extras, head, made):
         for path in extras:
             path.unlink(missing_ok=True)
         for folder in folders:

@@ -643,6 +643,50 @@ def test_a_folder_checkout_killed_among_its_renames_is_finished_by_the_next_comm
     _at_first_commit(tmp_path, folder, first)
 
 
+def test_a_folder_checkout_killed_after_its_renames_makes_the_commits_empty_folders_when_finished(tmp_path):
+    """A checkout in place killed among its renames was finished by the next command, but the commit's empty folders
+    (a trainer's runs/) were not made: the journal did not name them. It does, and the finishing step makes them."""
+    from ckptstore import Repository
+
+    folder = tmp_path / "run"
+    for empty in ("runs", "optimizer/shards"):
+        (folder / empty).mkdir(parents=True)
+    for name, seed in _SEEDS.items():
+        torch.save({"w": torch.full((8,), float(seed))}, folder / name)
+    with Repository.init(tmp_path) as repo:
+        first = repo.commit(folder)
+        shutil.rmtree(folder / "runs")
+        shutil.rmtree(folder / "optimizer")
+        for name, seed in _SEEDS.items():
+            torch.save({"w": torch.full((8,), float(seed + 10))}, folder / name)
+        repo.commit(folder)
+    killed = subprocess.run([sys.executable, "-m", "ckptstore", "checkout", first[:12]], cwd=tmp_path,
+                            env=ckpt_env(CKPT_CRASH_AT="checkout:renamed"),
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    assert not (folder / "runs").exists() and not (folder / "optimizer").exists()  # killed before it made them
+    with Repository.open(tmp_path) as repo:  # any command that opens the repository for writing finishes it
+        assert repo.head() == (None, first)
+    assert _values(folder) == {name: float(seed) for name, seed in _SEEDS.items()}
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_dir()) == \
+        ["optimizer", "optimizer/shards", "runs"]
+    assert not any((folder / "runs").iterdir()) and not list((tmp_path / ".ckpt" / "journals").iterdir())
+
+
+def test_a_journal_of_an_earlier_version_naming_no_folders_to_make_is_still_finished(tmp_path):
+    """Journals written before they named the empty folders to make are carried out as before."""
+    from ckptstore.repo import journal
+
+    (tmp_path / "journals").mkdir()
+    (tmp_path / "run").mkdir()
+    staged, target = tmp_path / "run" / ".a.pt.tmp", tmp_path / "run" / "a.pt"
+    staged.write_bytes(b"new")
+    plan = {"root": str(tmp_path), "renames": [[str(staged), str(target), None]], "deletions": [], "head": None}
+    (tmp_path / "journals" / "0123.json").write_text(json.dumps(plan))
+    assert journal.finish_interrupted(tmp_path) == 1
+    assert target.read_bytes() == b"new" and not staged.exists() and not list((tmp_path / "journals").iterdir())
+
+
 def test_a_folder_checkout_that_fails_among_its_renames_keeps_its_journal_for_the_next_command(tmp_path):
     """A failure (a full disk) after the first rename left files of both commits, deleted the journal and the staged
     files, and said "the interrupted write is undone": the journal now stays, and the next command finishes it."""
