@@ -279,7 +279,8 @@ def damage_of(name: str, kind: str, cid: str | None) -> str:
 
     As a listing that went past it warns of it: the problem, and the command that deletes it.
     """
-    problem = "it points at no commit" if cid is None else f"it points at commit {cid}, which has no record"
+    problem = ("it names no branch and no commit" if kind == HEAD_KIND  # on a branch, that branch's row is read
+               else "it points at no commit") if cid is None else f"it points at commit {cid}, which has no record"
     fix = {BRANCH: f"delete it with `ckpt branch -d {name}`", TAG: f"delete it with `ckpt tag -d {name}`",
            HEAD_KIND: "check out a branch (`ckpt checkout BRANCH`)"}.get(kind, "fetch its remote again")
     return f"{problem}; it was left out: {fix}, or {RESTORE_METADATA}"
