@@ -122,6 +122,174 @@ def test_manifest_v1_bytes_decode_to_their_record():
     assert {p: [e.tensor, e.dtype, list(e.shape)] for p, e in manifest.entries.items()} == record["entries"]
 
 
+def _manifest_fixture(name: str) -> tuple[Path, dict, bytes, dict]:
+    """A frozen manifest case: its folder, case.json, stored bytes, and the JSON record those bytes hold."""
+    folder = ROOT / "manifest" / name
+    meta = json.loads((folder / "case.json").read_text())
+    data = (folder / meta["bytes"]).read_bytes()
+    record = json.loads(zstandard.ZstdDecompressor().decompress(data))
+    assert record == meta["record"]  # the bytes are the ones frozen beside their record
+    return folder, meta, data, record
+
+
+def _ids(record: dict) -> dict[str, str]:
+    """Each entry's tensor id as frozen in the record: hashes, not worth spelling out in the tests."""
+    return {path: tensor for path, (tensor, _, _) in record["entries"].items()}
+
+
+def _rebuilt(folder: Path, meta: dict, manifest, dest: Path, exact: bool) -> dict:
+    """Write the manifest's one file as checkout does, from the tensors frozen as checkout replayed them.
+
+    Returns those tensors by path (the raw bytes, shaped by the manifest's entries, as checkout shapes them).
+    """
+    from ckptstore.formats.checkpoint_io import write_file
+    from ckptstore.state import RawTensor
+
+    raws = {path: RawTensor(manifest.entries[path].dtype, manifest.entries[path].shape,
+                            np.fromfile(folder / name, np.uint8)) for path, name in meta["tensors"].items()}
+    (record,) = manifest.files
+    write_file(record, dest, lambda path: pytest.fail(f"a container file asked for {path}'s value"),
+               raws.__getitem__, exact)
+    assert dest.read_bytes() == (folder / meta["expected"]).read_bytes()
+    return raws
+
+
+def test_manifest_v2_sharded_bytes_decode_to_their_dcp_metadata():
+    """Version 2 (a sharded commit, one process through CkptStorageWriter): the `dcp` section and shard entries."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from ckptstore.dcp import meta as dcp_meta
+    from ckptstore.repo import Manifest
+    from ckptstore.repo.manifest import Entry
+    from ckptstore.repo.sharded import dcp_problem
+
+    _, _, data, record = _manifest_fixture("v2-sharded")
+    ids = _ids(record)
+    plain = {"layout": "torch.strided", "memory_format": "torch.contiguous_format", "pin_memory": False,
+             "requires_grad": False, "type": "tensor"}
+    dcp = {"version": 1, "dcp_version": None, "storage_meta": None, "items": [
+        dict(plain, fqn="w", dtype="torch.float32", size=[2, 3], chunks=[[[0, 0], [2, 3], "w/%shard/0,0/2,3"]]),
+        dict(plain, fqn="n", dtype="torch.int64", size=[4], chunks=[[[0], [4], "n/%shard/0/4"]]),
+        {"fqn": "note.text", "key": "note.text/%bytes", "type": "bytes"},
+        {"fqn": "note.k", "key": "note.k/%bytes", "type": "bytes"}],
+        "planner_data": ["dict", [["w", ["tuple", ["w"]]], ["n", ["tuple", ["n"]]],
+                                  ["note.text", ["tuple", ["note", "text"]]], ["note.k", ["tuple", ["note", "k"]]]]]}
+    entries = {"w/%shard/0,0/2,3": Entry(ids["w/%shard/0,0/2,3"], "torch.float32", (2, 3)),
+               "n/%shard/0/4": Entry(ids["n/%shard/0/4"], "torch.int64", (4,)),
+               "note.text/%bytes": Entry(ids["note.text/%bytes"], "bytes", (22,)),
+               "note.k/%bytes": Entry(ids["note.k/%bytes"], "bytes", (19,))}
+    manifest = Manifest.from_bytes(data)
+    assert record["version"] == 2 and manifest == Manifest("dcp", [], entries, {}, dcp=dcp)
+    assert dcp_problem(manifest) is None
+    tensor = {fqn: TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(size),
+                                         [ChunkStorageMetadata(torch.Size([0] * len(size)), torch.Size(size))])
+              for fqn, dtype, size in (("w", torch.float32, [2, 3]), ("n", torch.int64, [4]))}
+    assert dcp_meta.from_json(manifest.dcp, manifest.oid) == Metadata(
+        state_dict_metadata={**tensor, "note.text": BytesStorageMetadata(), "note.k": BytesStorageMetadata()},
+        planner_data={"w": ("w",), "n": ("n",), "note.text": ("note", "text"), "note.k": ("note", "k")},
+        storage_data={MetadataIndex("w", [0, 0]): "w/%shard/0,0/2,3", MetadataIndex("n", [0]): "n/%shard/0/4",
+                      MetadataIndex("note.text"): "note.text/%bytes", MetadataIndex("note.k"): "note.k/%bytes"})
+
+
+def test_manifest_v3_permuted_splices_rebuild_the_committed_file_to_the_bit(tmp_path):
+    """Version 3: a splice's sixth field puts a transposed and a channels_last fp16 record back in the file's order."""
+    import torch
+
+    from ckptstore.formats import CheckpointFile
+    from ckptstore.formats.checkpoint_io import file_state
+    from ckptstore.formats.filemap import file_digest
+    from ckptstore.repo import Manifest
+    from ckptstore.repo.manifest import Entry
+    from ckptstore.state import materialize
+
+    folder, meta, data, record = _manifest_fixture("v3-permuted-splice")
+    ids = _ids(record)
+    skeleton = ["dict", [["half.weight", ["tensor", "half.weight"]], ["conv.weight", ["tensor", "conv.weight"]],
+                         ["plain", ["tensor", "plain"]], ["shape", ["size", [4, 3]]], ["step", 5]]]
+    container = {"entry": "%container", "size": 1963, "splices": [
+        [768, 24, "half.weight", 2728428408, [1514, 772], [1, 0]],
+        [872, 48, "conv.weight", 2382659317, [1568, 876], [0, 2, 3, 1]],
+        [952, 8, "plain", 3921356690, [1622, 956]]]}
+    entries = {"%container": Entry(ids["%container"], "bytes", (1883,)),
+               "conv.weight": Entry(ids["conv.weight"], "torch.float16", (2, 3, 2, 2)),
+               "half.weight": Entry(ids["half.weight"], "torch.float16", (4, 3)),
+               "plain": Entry(ids["plain"], "torch.float16", (4,))}
+    files = [CheckpointFile("", "torch", skeleton, 1963, mode=0o644, container=container)]
+    manifest = Manifest.from_bytes(data)
+    assert record["version"] == 3
+    assert manifest == Manifest("file", files, entries, {"": record["files"][0]["digest"]})
+    raws = _rebuilt(folder, meta, manifest, tmp_path / "a.pt", exact=True)
+    assert file_digest(tmp_path / "a.pt") == manifest.digests[""]  # the committed file, byte for byte
+    values = {"half.weight": torch.arange(12, dtype=torch.float16).reshape(3, 4).t(),
+              "conv.weight": torch.arange(24, dtype=torch.float16).reshape(2, 3, 2, 2)
+              .contiguous(memory_format=torch.channels_last), "plain": torch.arange(4, dtype=torch.float16)}
+    loaded = torch.load(tmp_path / "a.pt", weights_only=True)
+    state = file_state(manifest.files[0], lambda path: materialize(raws[path]))
+    for key, value in values.items():
+        assert torch.equal(loaded[key], value) and loaded[key].stride() == value.stride()
+        assert torch.equal(state[key], value)
+    assert type(state["shape"]) is torch.Size and state["shape"] == loaded["shape"] == (4, 3)
+    assert state["step"] == loaded["step"] == 5
+
+
+def test_manifest_v1_optional_fields_decode_and_the_lossy_file_is_rebuilt_to_the_bit(tmp_path):
+    """Version 1 with container splices, mode, sources, measured(_as) and empty_folders: a lossy folder commit."""
+    import torch
+
+    from ckptstore.formats import CheckpointFile
+    from ckptstore.formats.checkpoint_io import file_state
+    from ckptstore.repo import Manifest
+    from ckptstore.repo.manifest import Entry
+    from ckptstore.state import materialize
+
+    folder, meta, data, record = _manifest_fixture("v1-optional-fields")
+    ids = _ids(record)
+    weight, state_0 = "model.pt/model/weight", "model.pt/optimizer/state/0"
+    group = [["lr", 0.001], ["betas", ["tuple", [0.9, 0.999]]], ["eps", 1e-08], ["weight_decay", 0],
+             ["amsgrad", False], ["maximize", False], ["foreach", None], ["capturable", False],
+             ["differentiable", False], ["fused", None], ["decoupled_weight_decay", False], ["params", ["list", [0]]]]
+    moments = [[name, ["tensor", f"{state_0}/{name}"]] for name in ("step", "exp_avg", "exp_avg_sq")]
+    skeleton = ["dict", [
+        ["model", ["odict", [["weight", ["tensor", weight]]],
+                   {"attrs": [["_metadata", ["odict", [["", ["dict", [["version", 1]]]]]]]]}]],
+        ["optimizer", ["dict", [["state", ["dict", [[0, ["dict", moments]]]]],
+                                ["param_groups", ["list", [["dict", group]]]]]]],
+        ["shape", ["size", [8, 16]]]]]
+    container = {"entry": "model.pt/%container", "size": 4105, "splices": [
+        [1344, 512, weight, 3002305588, [2118, 1348]], [1408, 4, f"{state_0}/step", 1469619852, [2176, 1412]],
+        [1532, 512, f"{state_0}/exp_avg", 2675912588, [2234, 1536]],
+        [1596, 512, f"{state_0}/exp_avg_sq", 1318519590, [2292, 1600]]]}
+    entries = {"model.pt/%container": Entry(ids["model.pt/%container"], "bytes", (2565,)),
+               weight: Entry(ids[weight], "torch.float32", (8, 16)),
+               f"{state_0}/exp_avg": Entry(ids[f"{state_0}/exp_avg"], "torch.float32", (8, 16)),
+               f"{state_0}/exp_avg_sq": Entry(ids[f"{state_0}/exp_avg_sq"], "torch.float32", (8, 16)),
+               f"{state_0}/step": Entry(ids[f"{state_0}/step"], "torch.float32", ())}
+    quantized = (weight, f"{state_0}/exp_avg", f"{state_0}/exp_avg_sq")
+    files = [CheckpointFile("model.pt", "torch", skeleton, 4105, mode=0o640, container=container)]
+    expected = Manifest("folder", files, entries, {"model.pt": record["files"][0]["digest"]}, lossy="balanced",
+                        pairing="optimizer order matches the model's",
+                        measured={weight: [0.004595486344989046, 0.020000000000000004, "deadzone"]},
+                        sources={path: record["sources"][path] for path in quantized}, empty_folders=["runs"])
+    manifest = Manifest.from_bytes(data)
+    assert record["version"] == 1 and manifest == expected
+    assert all(manifest.sources[path] != manifest.entries[path].tensor for path in quantized)  # each one quantized
+    raws = _rebuilt(folder, meta, manifest, tmp_path / "model.pt", exact=False)  # CRCs of the lossy values
+    loaded = torch.load(tmp_path / "model.pt", weights_only=True)
+    state = file_state(manifest.files[0], lambda path: materialize(raws[path]))
+    assert type(state["shape"]) is torch.Size and state["shape"] == loaded["shape"] == (8, 16)
+    assert state["model"]._metadata == {"": {"version": 1}} and state["optimizer"]["state"][0]["step"] == 2
+    assert torch.equal(loaded["model"]["weight"], state["model"]["weight"])
+    assert loaded["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
+
+
 def test_the_generator_never_overwrites_a_fixture(tmp_path):
     import importlib.util
 
