@@ -89,7 +89,8 @@ class Backend(Protocol):
     def storage_problems(self, tx: Tx, limit: int) -> list[str]: ...
     def size_on_disk(self, db: Database) -> int: ...
     def executemany(self, connection: Any, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
-    def lock_statement(self, exclusive: bool, wait: bool) -> str | None: ...
+    repository_locks: bool
+    def lock_repository(self, connection: Any, exclusive: bool, wait: bool) -> bool: ...
     def no_revision(self) -> str: ...
     def repository(self) -> str: ...
 
@@ -315,21 +316,20 @@ class Database:
         A SQLite repository has its file lock (repo/lock.py) and needs nothing more. On a server
         the lock lives in a session of its own, so it goes when the process does, as a flock would.
         """
-        statement = self.backend.lock_statement(exclusive, wait)
-        if statement is None:
+        if not self.backend.repository_locks:
             yield
             return
         connection = None
         try:
             connection = self._retrying(self.backend.connect)
-            held = connection.execute(statement).fetchone()[0]
+            held = self.backend.lock_repository(connection, exclusive, wait)
         except self.backend.errors as exc:
             if connection is not None:
                 connection.close()
             raise (self.backend.explain(exc) or CkptError(f"cannot take the repository lock on {self.where}: "
                                                           f"{exc}")) from exc
         try:
-            if held is False:
+            if not held:
                 raise RepoLockedError(f"{self.where} is busy: a ckpt process (here or on another machine sharing it) "
                                       "is committing or collecting garbage; try again when it finishes")
             self._lock_sessions.append(connection)

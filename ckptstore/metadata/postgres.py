@@ -27,12 +27,14 @@ from psycopg.pq import TransactionStatus
 
 from ckptstore.errors import CkptError, CorruptDatabaseError, ReadOnlyRepoError, disk_full
 from ckptstore.metadata.tables import TABLES
+from ckptstore.warn import LOCK_NOTICE_S, holder_named, process_tag, warn_caller
 
 if TYPE_CHECKING:
     from ckptstore.metadata.db import Database, Tx
 
 WRITE_LOCK = 0x636B_7074  # "ckpt": the advisory lock every writer (and every schema upgrade) takes first
 REPO_LOCK = 0x636B_7067  # "ckpg": commits hold it shared from first object to ref moved, gc alone
+APP_PREFIX = "ckptstore "  # application_name: this prefix, then `process_tag()`, so a waiter elsewhere names us
 LOCK_WAIT = "120s"  # as long as SQLite's busy timeout: a writer gives up after waiting this long
 CONNECT_TIMEOUT_S = 10
 # how long the server may take to answer one round trip (CKPT_PG_REQUEST_SECONDS): generous, so the big
@@ -210,6 +212,14 @@ def to_psycopg(sql: str) -> str:
     return "".join(out)
 
 
+def _session_named(application_name: str | None, server_pid: int) -> str:
+    """A session holding a lock, by the process a ckptstore names in its application_name, else by what there is."""
+    if application_name and application_name.startswith(APP_PREFIX):
+        return holder_named(application_name[len(APP_PREFIX):])
+    client = repr(application_name) if application_name else "another client"
+    return f"a session of {client} (server pid {server_pid})"
+
+
 class PostgresBackend:
     """One database on a PostgreSQL server, through psycopg with autocommit off by our own BEGIN."""
 
@@ -237,7 +247,8 @@ class PostgresBackend:
         options = {"options": f"{given} -c default_transaction_read_only=on".strip()} if self.read_only else {}
         checks = {name: value for name, value in LINK_CHECKS.items() if name not in url_gives}
         connection = AnsweringConnection.connect(self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
-                                                 application_name="ckptstore", **checks, **options)
+                                                 application_name=(APP_PREFIX + process_tag())[:63],  # the most kept
+                                                 **checks, **options)
         connection.limit = self.request_seconds
         return connection
 
@@ -391,11 +402,52 @@ class PostgresBackend:
                                         f"{' '.join(str(exc).split())}. Restore it from a backup (pg_dump)")
         return None
 
-    def lock_statement(self, exclusive: bool, wait: bool) -> str | None:
-        name = f"pg_{'' if wait else 'try_'}advisory_lock{'' if exclusive else '_shared'}"
-        # pg_advisory_lock returns void (None); the try_ forms a boolean. Waiting, it waits out a gc however long.
-        statement = f"SELECT {name}({schema_key(REPO_LOCK)})"
-        return NoDeadline(statement) if wait else statement
+    repository_locks = True  # the repository lock lives on the server, for every machine sharing it
+
+    def lock_repository(self, connection: psycopg.Connection, exclusive: bool, wait: bool) -> bool:
+        """Take the repository lock in `connection`'s session; False where it is held and `wait` is False.
+
+        Waiting, it waits out a gc however long; once it has waited LOCK_NOTICE_S (a first wait the server
+        ends by lock_timeout), a warning names the holders, and the wait goes on unbounded. Free, one round trip.
+        """
+        mode = "" if exclusive else "_shared"
+        if connection.execute(f"SELECT pg_try_advisory_lock{mode}({schema_key(REPO_LOCK)})").fetchone()[0]:
+            return True
+        if not wait:
+            return False
+        take = f"SELECT pg_advisory_lock{mode}({schema_key(REPO_LOCK)})"
+        try:  # a failed statement's SET is undone with it: the session's lock_timeout stays the server's
+            connection.execute(NoDeadline(f"SET lock_timeout = '{round(LOCK_NOTICE_S * 1000)}ms'; {take}"))
+            return True
+        except pg_errors.LockNotAvailable:
+            pass
+        warn_caller(self._lock_waiting_line(connection, exclusive))
+        connection.execute(NoDeadline(f"SET lock_timeout = 0; {take}"))
+        return True
+
+    def _lock_waiting_line(self, connection: psycopg.Connection, exclusive: bool) -> str:
+        """What a command waiting for the repository lock waits for: its holders (and a gc queued first), by name.
+
+        The sessions are found in pg_locks (a bigint key shows as classid, objid), named by the application_name
+        each ckptstore sets (`connect`); its command, pid and host are readable by every user of the server.
+        """
+        rows = connection.execute(
+            "SELECT l.granted, l.mode = 'ExclusiveLock', a.application_name, l.pid FROM pg_catalog.pg_locks l "
+            "LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
+            "AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) "
+            f"AND l.objsubid = 1 AND (l.classid::bigint << 32 | l.objid::bigint) = {schema_key(REPO_LOCK)} "
+            "AND l.pid <> pg_backend_pid() ORDER BY l.granted DESC, l.pid").fetchall()
+        alone = [_session_named(app, pid) for granted, sole, app, pid in rows if granted and sole]
+        shared = [_session_named(app, pid) for granted, sole, app, pid in rows if granted and not sole]
+        queued = [_session_named(app, pid) for granted, sole, app, pid in rows if not granted and sole]
+        if alone:
+            held = f"{alone[0]} holds it alone (a gc or prune)"
+        elif shared:
+            held = f"{len(shared)} commit(s) in flight hold it shared: {', '.join(shared[:3])}"
+        else:
+            held = "its holder just let it go"
+        ahead = f", and {queued[0]} (a gc or prune) queues for it first" if queued and not exclusive else ""
+        return f"waiting for the repository lock on {self.where}: {held}{ahead}; this command goes on once it is free"
 
     def accepted(self, db: Database) -> None:
         """Nothing to settle on a server once the schema is ours."""

@@ -280,8 +280,10 @@ class SqliteBackend:
                                     "changed. Restore .ckpt/ckpt.db from a backup; `ckpt fsck` lists what the "
                                     "objects still hold once it opens")
 
-    def lock_statement(self, exclusive: bool, wait: bool) -> str | None:
-        return None  # the repository's file lock (repo/lock.py) covers every process that can open the file
+    repository_locks = False  # the repository's file lock (repo/lock.py) covers every process that can open the file
+
+    def lock_repository(self, connection: Any, exclusive: bool, wait: bool) -> bool:
+        raise NotImplementedError("a SQLite repository has no lock in its database (repository_locks)")
 
     def accepted(self, db: Database) -> None:
         """Our schema, opened to write: the file in WAL (connect_sqlite set it only on an empty file).

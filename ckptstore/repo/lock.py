@@ -3,7 +3,8 @@
 So gc never deletes objects that a commit in flight has written but not yet recorded. A gate
 lock in front keeps gc from starving: a flock shared by overlapping committers might never
 be free, so a gc takes the gate first, and commits pass the gate (briefly, alone) before they
-take their shared lock; commits that start while a gc waits queue behind it.
+take their shared lock; commits that start while a gc waits queue behind it. The exclusive holder
+records itself in the gate file, so that a command waiting for it names who it waits for.
 """
 
 from __future__ import annotations
@@ -11,23 +12,63 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ckptstore.errors import RepoLockedError
+from ckptstore.warn import LOCK_NOTICE_S, holder_named, process_tag, warn_caller
+
+_RETRY_S = 0.05  # how often a wait tries the lock again until it says so (then it blocks)
 
 
-def _flock(fd: int, flags: int, wait: bool, path: Path) -> None:
+def _flock(fd: int, flags: int, wait: bool, path: Path, waiting: Callable[[], str]) -> None:
+    """Lock `fd` (flock); past LOCK_NOTICE_S of waiting, `waiting()`'s line says for what, and the wait goes on.
+
+    Tried without blocking first (one call, as before, when the lock is free), then again every _RETRY_S
+    until the notice is due: a blocking flock cannot be timed, and a commit behind a long gc hung silently.
+    """
+    said_at = time.monotonic() + LOCK_NOTICE_S
+    while True:
+        try:
+            fcntl.flock(fd, flags | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if not wait:
+                raise RepoLockedError(f"{path.parent} is busy: another ckpt process is committing or collecting "
+                                      "garbage; try again when it finishes") from None
+        if time.monotonic() >= said_at:
+            break
+        time.sleep(_RETRY_S)
+    warn_caller(waiting())
+    fcntl.flock(fd, flags)
+
+
+def _held_alone_by(gate: int, path: Path) -> str:
+    """The line of a command waiting behind the lock's exclusive holder, named as it recorded itself in the gate."""
     try:
-        fcntl.flock(fd, flags if wait else flags | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise RepoLockedError(
-            f"{path.parent} is busy: another ckpt process is committing or collecting garbage; "
-            "try again when it finishes"
-        ) from None
+        tag = os.pread(gate, 512, 0).decode(errors="replace").strip()
+    except OSError:
+        tag = ""
+    who = holder_named(tag) if tag else "a ckpt gc or prune (it did not record which process)"
+    return (f"waiting for the repository lock of {path.parent}: {who} holds it alone, or is next in line for it "
+            "(a gc or prune); this command goes on once it finishes")
+
+
+def _held_by_commits(path: Path) -> str:
+    """The line of a gc or prune waiting for the commits in flight, which hold the lock shared."""
+    return (f"waiting for the repository lock of {path.parent}: commits in flight hold it (shared); "
+            "this command starts once they finish, and commits started meanwhile wait for it")
 
 
 _OPEN: set[int] = set()  # the descriptors of the locks held (or being taken) in this process
+
+
+def _record_holder(gate: int, tag: str) -> None:
+    """Write `tag` (this process, or "" on letting go) into the gate file, where waiters read who holds the lock."""
+    with contextlib.suppress(OSError):  # a gate file another user made read-only: the lock holds unnamed
+        os.ftruncate(gate, 0)
+        os.pwrite(gate, tag.encode(), 0)
 
 
 def _lock_file(path: Path) -> int:
@@ -47,18 +88,24 @@ def repo_lock(path: Path, exclusive: bool, wait: bool = True) -> Iterator[None]:
     """Hold a shared or exclusive flock on `path` for the duration of the block."""
     gate = _lock_file(path.with_name(path.name + ".gate"))
     _OPEN.add(gate)
-    fd = -1
+    fd, recorded = -1, False
     try:
         fd = _lock_file(path)
         _OPEN.add(fd)
-        _flock(gate, fcntl.LOCK_EX, wait, path)
+        _flock(gate, fcntl.LOCK_EX, wait, path, lambda: _held_alone_by(gate, path))
+        if exclusive:
+            _record_holder(gate, process_tag())
+            recorded = True
         try:
-            _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, wait, path)
+            _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, wait, path,
+                   lambda: _held_by_commits(path) if exclusive else _held_alone_by(gate, path))
         finally:
             if not exclusive:
                 fcntl.flock(gate, fcntl.LOCK_UN)
         yield
     finally:
+        if recorded:
+            _record_holder(gate, "")  # let go: a waiter finds no stale name
         for held in (fd, gate):
             if held >= 0:
                 _OPEN.discard(held)

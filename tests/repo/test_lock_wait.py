@@ -1,0 +1,169 @@
+"""A command waiting for the repository lock says so, naming who holds it: a commit behind a long gc hung silently.
+
+Every command here is a real `ckpt` process: a gc (or a commit) held at a fault point while it holds the lock,
+and a second command started beside it, in the same folder or on another "machine" sharing the PostgreSQL database.
+"""
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore import Repository
+from tests.conftest import assert_same, ckpt_env, ckpt_here, wait_until_held
+
+WAITING = "waiting for the repository lock"
+SAID_WITHIN_S = 30.0  # the line is due 2 s into the wait; the rest is a loaded machine starting python and torch
+
+
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _none_left_running():
+    """A failed test's processes (a gc held at its fault point for ever) are ended, not left holding the lock."""
+    yield
+    while _STARTED:
+        process = _STARTED.pop()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+class Running:
+    """`ckpt ARGS` in a process of its own, its stderr read as it comes, so a test sees a line mid-wait."""
+
+    def __init__(self, cwd: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "ckptstore", *args], cwd=cwd,
+                                        env=ckpt_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+        _STARTED.append(self.process)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            self.lines.append(line)
+
+    def line_with(self, words: str, timeout: float = SAID_WITHIN_S) -> str:
+        """The first stderr line holding `words`, waited for while the process runs."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [line for line in self.lines if words in line]
+            if found:
+                return found[0]
+            assert self.process.poll() is None, "".join(self.lines)
+            time.sleep(0.05)
+        raise AssertionError(f"no line with {words!r} within {timeout:.0f} s; stderr so far: {''.join(self.lines)!r}")
+
+    def finish(self) -> tuple[int, str, str]:
+        out = self.process.stdout.read()
+        code = self.process.wait(timeout=300)
+        self.reader.join(timeout=60)
+        return code, out, "".join(self.lines)
+
+
+def _held_at(point: str, release: Path, cwd: Path, *args: str) -> Running:
+    """`ckpt ARGS` stopped at fault `point` (holding the lock) until `release` exists."""
+    running = Running(cwd, *args, env={"CKPT_WAIT_AT": f"{point}={release}"})
+    wait_until_held(release, running.process)
+    return running
+
+
+def _checkpoint(folder: Path, seed: int) -> dict:
+    state = {"w": torch.randn(30_000, generator=torch.Generator().manual_seed(seed)), "step": seed}
+    torch.save(state, folder / "model.pt")
+    return state
+
+
+def _restores(folder: Path, state: dict) -> None:
+    """The branch's last commit checks out to `state`, bit for bit."""
+    result = ckpt_here(folder, "checkout", "main", "-o", str(folder / "out.pt"))
+    assert result.returncode == 0, result.stderr
+    assert_same(state, torch.load(folder / "out.pt", weights_only=True))
+
+
+@pytest.mark.both_backends
+def test_a_commit_waiting_for_a_gc_says_so_naming_it_then_commits_when_the_gc_ends(tmp_path, metadata_url):
+    Repository.init(tmp_path, metadata_url=metadata_url).close()
+    _checkpoint(tmp_path, 1)
+    assert ckpt_here(tmp_path, "commit", "model.pt", "-m", "first").returncode == 0
+    release = tmp_path / "release"
+    gc = _held_at("gc:tmp-cleared", release, tmp_path, "gc")
+    state = _checkpoint(tmp_path, 2)
+    commit = Running(tmp_path, "commit", "model.pt", "-m", "behind the gc")
+    line = commit.line_with(WAITING)
+    assert line.startswith("warning: ") and f"`ckpt gc` (pid {gc.process.pid} on " in line, line
+    assert commit.process.poll() is None  # it waits, unbounded, while the gc holds the lock
+    release.touch()
+    assert gc.finish()[0] == 0
+    code, _, err = commit.finish()
+    assert code == 0 and err.count(WAITING) == 1, err
+    _restores(tmp_path, state)
+    assert WAITING not in ckpt_here(tmp_path, "gc").stderr  # a free lock: not a word
+
+
+@pytest.mark.both_backends
+def test_a_gc_waiting_for_a_commit_in_flight_says_so(tmp_path, metadata_url):
+    Repository.init(tmp_path, metadata_url=metadata_url).close()
+    state = _checkpoint(tmp_path, 3)
+    release = tmp_path / "release"
+    commit = _held_at("commit:objects-written", release, tmp_path, "commit", "model.pt")
+    gc = Running(tmp_path, "gc")
+    line = gc.line_with(f"{WAITING} of {tmp_path / '.ckpt'}")  # after gc's own line, said at once, naming no one
+    assert line.startswith("warning: ") and "commits in flight hold it (shared)" in line, line
+    release.touch()
+    assert commit.finish()[0] == 0
+    code, _, err = gc.finish()
+    assert code == 0, err
+    _restores(tmp_path, state)  # the gc waited: the commit's objects are all there
+
+
+def _machines(tmp_path: Path, url: str) -> list[Path]:
+    """Two folders joined to one repository: the metadata at `url`, the objects in one shared folder."""
+    folders = []
+    for name in ("machine-a", "machine-b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        result = ckpt_here(folder, "init", "--objects", f"file://{tmp_path / 'objects'}", "--metadata", url)
+        assert result.returncode == 0, result.stderr
+        folders.append(folder)
+    return folders
+
+
+def test_a_commit_on_another_machine_waiting_for_a_gc_names_it_from_the_server(tmp_path, postgres_url):
+    """No file lock is shared here: only PostgreSQL's advisory lock, whose holder is found in pg_stat_activity."""
+    here, there = _machines(tmp_path, postgres_url)
+    release = tmp_path / "release"
+    gc = _held_at("gc:tmp-cleared", release, here, "gc")
+    state = _checkpoint(there, 4)
+    commit = Running(there, "commit", "model.pt", "-m", "behind a gc elsewhere")
+    line = commit.line_with(WAITING)
+    assert "postgresql://" in line and f"`ckpt gc` (pid {gc.process.pid} on " in line, line
+    assert "holds it alone" in line and commit.process.poll() is None, line
+    release.touch()
+    assert gc.finish()[0] == 0
+    code, _, err = commit.finish()
+    assert code == 0 and err.count(WAITING) == 1, err
+    _restores(there, state)
+    assert WAITING not in ckpt_here(here, "gc").stderr
+
+
+def test_a_gc_waiting_for_a_commit_on_another_machine_names_the_commit(tmp_path, postgres_url):
+    here, there = _machines(tmp_path, postgres_url)
+    state = _checkpoint(there, 5)
+    release = tmp_path / "release"
+    commit = _held_at("commit:objects-written", release, there, "commit", "model.pt")
+    gc = Running(here, "gc")
+    line = gc.line_with(f"{WAITING} on postgresql://")  # after gc's own line, said at once, naming no one
+    assert f"1 commit(s) in flight hold it shared: `ckpt commit` (pid {commit.process.pid} on " in line, line
+    release.touch()
+    assert commit.finish()[0] == 0
+    code, _, err = gc.finish()
+    assert code == 0, err
+    _restores(there, state)
