@@ -114,11 +114,13 @@ def folder_listing(root: str | os.PathLike, exclude: Iterable[str | os.PathLike]
 
 
 def _walk(folder: Path, prefix: str, real: Path, stack: list[Path], real_root: Path, skipped: set[Path],
-          found: FolderListing, linked: list[int]) -> None:
+          found: FolderListing, linked: list[int]) -> bool:
     """Add the files under `folder` (whose resolved path is `real`; `stack`: resolved folders walked into).
 
-    `linked` holds how many folders the walk has entered through a link so far.
+    `linked` holds how many folders the walk has entered through a link so far. True where something under
+    `folder` was left out as excluded: a folder holding only a repository is no empty folder of the commit.
     """
+    excluded_here = False
     if folder.is_symlink():
         linked[0] += 1
         if linked[0] > MAX_LINKED_FOLDERS:  # links fanning out (a/{x,y} -> b ...) list 2**n paths
@@ -135,20 +137,23 @@ def _walk(folder: Path, prefix: str, real: Path, stack: list[Path], real_root: P
             continue
         if entry.is_symlink():
             if Path(os.path.realpath(path)) in skipped:
+                excluded_here = True
                 continue  # the repository's own folder linked in (a .ckpt moved to another disk) is no content
             target = _link_target(path, real_root, skipped)
             info = os.stat(target)
         else:
             target, info = real / entry.name, entry.stat(follow_symlinks=False)
             if target in skipped:
+                excluded_here = True
                 continue
         if stat.S_ISDIR(info.st_mode):
             if target in stack:
                 raise CheckpointFormatError(f"{path} is a symlink to {target}, a folder that holds the link: "
                                             "following it would never end; remove the link")
             before = len(found.files) + len(found.empty_folders)
-            _walk(path, name + "/", target, [*stack, target], real_root, skipped, found, linked)
-            if len(found.files) + len(found.empty_folders) == before:  # nothing under it: kept as a folder
+            held_excluded = _walk(path, name + "/", target, [*stack, target], real_root, skipped, found, linked)
+            excluded_here |= held_excluded
+            if len(found.files) + len(found.empty_folders) == before and not held_excluded:  # kept as a folder
                 found.empty_folders.append(name)
         elif stat.S_ISREG(info.st_mode):
             if not is_temp_name(entry.name):
@@ -156,6 +161,7 @@ def _walk(folder: Path, prefix: str, real: Path, stack: list[Path], real_root: P
         else:
             raise CheckpointFormatError(f"{path} is a {_kind(info.st_mode)}, not a regular file: a checkpoint "
                                         "folder holds files and folders only; move it out of the folder")
+    return excluded_here
 
 
 def _link_target(path: Path, real_root: Path, skipped: set[Path]) -> Path:

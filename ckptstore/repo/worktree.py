@@ -695,7 +695,27 @@ def status(repo: Repository) -> dict[str, Any]:
         report["files"].append(item)
     if manifest.kind == "folder" and base.is_dir():  # what a checkout in place deletes, or refuses to
         report["files"] += [{"path": _relative(repo, p), "state": "untracked"} for p in _untracked(repo, base, paths)]
+        report["files"] += _empty_folder_states(repo, manifest.empty_folders, base)
     return report
+
+
+def _empty_folder_states(repo: Repository, committed: list[str], base: Path) -> list[dict[str, str]]:
+    """The commit's folders that hold no file and are gone ("missing"), and such folders it lacks ("untracked").
+
+    A commit records them: status said "unchanged" of a folder whose `runs/` was removed, and commit then
+    recorded a change.
+    """
+    from ckptstore.errors import CheckpointFormatError
+    from ckptstore.formats.folder import folder_listing
+
+    try:  # the listing a commit of the folder would make
+        now = folder_listing(base, _kept_in(repo, base)).empty_folders
+    except (CheckpointFormatError, OSError):  # a link out, a FIFO: commit says so; status lists the rest
+        now = committed
+    states = {name: "missing" for name in committed if not base.joinpath(*PurePosixPath(name).parts).is_dir()}
+    states.update({name: "untracked" for name in now if name not in committed})
+    return [{"path": _relative(repo, base.joinpath(*PurePosixPath(name).parts)) + "/", "state": state}
+            for name, state in sorted(states.items())]
 
 
 def _relative(repo: Repository, path: Path) -> str:

@@ -237,3 +237,16 @@ def test_a_folders_sub_folders_holding_no_file_are_listed_innermost_only(tmp_pat
         listing = folder_listing(tmp_path)
     assert [f.name for f in listing.files] == ["full/w.bin"]
     assert listing.empty_folders == ["linked", "logs", "optimizer/shards", "runs"]
+
+
+def test_a_folder_holding_only_what_a_commit_excludes_is_no_empty_folder_of_it(tmp_path):
+    """A sub-folder holding only a repository (its .ckpt excluded, as commit and status exclude them) was listed
+    as an empty folder: a commit recorded it and status called it untracked (the last read of this stop)."""
+    from ckptstore.formats.folder import folder_listing
+
+    (tmp_path / "nested" / ".ckpt").mkdir(parents=True)
+    (tmp_path / "deeper" / "repo" / ".ckpt").mkdir(parents=True)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "w.bin").write_bytes(b"x")
+    listing = folder_listing(tmp_path, [tmp_path / "nested" / ".ckpt", tmp_path / "deeper" / "repo" / ".ckpt"])
+    assert listing.empty_folders == ["runs"]

@@ -1576,6 +1576,22 @@ def test_a_folder_commits_empty_sub_folders_come_back_at_checkout(tmp_path):
         assert repo.manifest(cid).empty_folders == ["only_git", "optimizer/shards", "runs"]
 
 
+def test_status_says_a_committed_empty_folder_is_gone_and_a_new_one_is_there_as_commit_sees_them(tmp_path):
+    """Status said "unchanged" of a folder whose committed empty `runs/` was removed, and the next commit recorded
+    a change (reviewer helper 338): empty folders are part of a folder commit's content."""
+    folder = tmp_path / "run"
+    (folder / "runs").mkdir(parents=True)
+    torch.save({"w": torch.ones(3)}, folder / "model.pt")
+    with Repository.init(tmp_path) as repo:
+        repo.commit(folder)
+        assert {f["path"]: f["state"] for f in repo.status()["files"]} == {"run/model.pt": "unchanged"}
+        (folder / "runs").rmdir()
+        (folder / "logs" / "tb").mkdir(parents=True)
+        states = {f["path"]: f["state"] for f in repo.status()["files"]}
+        assert states == {"run/model.pt": "unchanged", "run/runs/": "missing", "run/logs/tb/": "untracked"}
+        assert repo.commit(folder) != repo.log()[1].id  # commit sees the same change
+
+
 @pytest.mark.parametrize("name, message", [("../escape", "folder '../escape' outside its folder"),
                                            ("/etc/x", "folder '/etc/x' outside its folder"),
                                            ("sub/.git/hooks", "one of git's own files"),
