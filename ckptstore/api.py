@@ -28,6 +28,9 @@ RepoLike = Repository | str | os.PathLike | None
 # commit (and raises its failure) instead of racing it on the branch. Once idle, a kept repository
 # is closed and the next call opens the folder afresh (it may have been made anew meanwhile).
 _KEPT: dict[Path, Repository] = {}
+# The calls and background commits using each kept repository now: a thread that took it is about to
+# commit or check out on it, so another thread that finds it idle must not close it under that call.
+_USERS: dict[Path, int] = {}
 _KEPT_LOCK = ProcessLock()
 
 
@@ -35,34 +38,76 @@ def _close_kept() -> None:
     with _KEPT_LOCK:
         kept = list(_KEPT.values())
         _KEPT.clear()
+        _USERS.clear()
     for repository in kept:
         repository.close()
 
 
-def _kept(root: Path) -> Repository | None:
-    """The kept repository of the folder at `root` while it is busy; an idle one is closed and forgotten."""
+def _forget_users_in_child() -> None:
+    """A forked child has none of the parent's threads or commit threads: none of their uses will end there."""
+    _USERS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_users_in_child)
+
+
+def _take_kept(root: Path) -> Repository | None:
+    """The folder's kept repository, now used by the caller until `_let_go`; an idle one is closed and forgotten.
+
+    Idle: nobody uses it, and no commit of it is in flight or failed unseen. Found and taken under one lock: a
+    thread closing it between another's finding it and committing on it lost that commit.
+    """
     from ckptstore.repo.background import busy  # the snapshot machinery: only once a background save ran
 
     with _KEPT_LOCK:
         kept = _KEPT.get(root)
-        if kept is None or busy(kept):
+        if kept is None:
+            return None
+        if _USERS.get(root, 0) > 0 or busy(kept):
+            _USERS[root] = _USERS.get(root, 0) + 1
             return kept
         del _KEPT[root]
+        _USERS.pop(root, None)
     kept.close()
     return None
 
 
+def _let_go(root: Path, repository: Repository) -> None:
+    """One use of the folder's kept repository ended (a call returned, or a background commit finished)."""
+    with _KEPT_LOCK:
+        if _KEPT.get(root) is repository and _USERS.get(root, 0) > 0:  # the exit or a fork forgot it meanwhile
+            _USERS[root] -= 1
+
+
 def _keep(root: Path) -> Repository:
-    """The folder's busy repository, or one opened now and kept for the background save about to start."""
-    kept = _kept(root)
+    """The folder's kept repository, or one opened now and kept for the background save about to start, now used."""
+    kept = _take_kept(root)
     if kept is not None:
         return kept
     opened = Repository.open(root)
     with _KEPT_LOCK:
-        if not _KEPT:
-            atexit.register(_close_kept)
-        _KEPT[root] = opened
-    return opened
+        kept = _KEPT.get(root)  # another thread's first save kept one meanwhile: one object, one lane per folder
+        if kept is None:
+            if not _KEPT:
+                atexit.register(_close_kept)
+            _KEPT[root] = kept = opened
+        _USERS[root] = _USERS.get(root, 0) + 1
+    if kept is not opened:
+        opened.close()
+    return kept
+
+
+def _save_in_background(root: Path, run: Callable[[Repository], Any]) -> BackgroundCommit:
+    """`run` on the folder's kept repository, which its commit goes on using until it finishes."""
+    kept = _keep(root)
+    try:
+        handle = run(kept)
+        with _KEPT_LOCK:
+            _USERS[root] = _USERS.get(root, 0) + 1
+        handle.when_done(lambda _: _let_go(root, kept))  # at once where it already finished
+        return handle
+    finally:
+        _let_go(root, kept)
 
 
 def with_repo(repo: RepoLike, fn: Callable[[Repository], Any]) -> Any:
@@ -73,11 +118,14 @@ def with_repo(repo: RepoLike, fn: Callable[[Repository], Any]) -> Any:
     if isinstance(repo, Repository):
         return fn(repo)
     root = given_root(repo)
-    kept = _kept(root) if _KEPT else None
-    if kept is not None:
+    kept = _take_kept(root) if _KEPT else None
+    if kept is None:
+        with Repository.open(root) as opened:
+            return fn(opened)
+    try:
         return fn(kept)
-    with Repository.open(root) as opened:
-        return fn(opened)
+    finally:
+        _let_go(root, kept)
 
 
 def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = None,
@@ -105,7 +153,7 @@ def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = 
 
     if blocking or isinstance(repo, Repository):
         return with_repo(repo, run)
-    return run(_keep(given_root(repo)))
+    return _save_in_background(given_root(repo), run)
 
 
 def _in_memory(obj: Any) -> Any:

@@ -2,6 +2,7 @@
 
 import os
 import socket
+import threading
 import warnings
 from pathlib import Path
 
@@ -11,6 +12,9 @@ import torch.multiprocessing as mp
 
 import ckptstore
 from ckptstore import Repository
+from ckptstore.errors import BackgroundCommitError
+from ckptstore.repo.background import BackgroundCommitWarning
+from tests.conftest import assert_same
 
 
 def _save_on(rank: int, root: str, port: int) -> None:
@@ -61,3 +65,112 @@ def test_save_stores_a_str_as_its_value_not_as_a_path(repo, tmp_path, monkeypatc
     assert ckptstore.load(handle.result(), repo=repo) == "."
     with pytest.raises(ckptstore.errors.CkptError, match=r"no value ckptstore stores; to commit the file or folder"):
         ckptstore.save(tmp_path / "notes.txt", repo=repo)
+
+
+def _in_thread(fn, *args):
+    """Run `fn(*args)` on a thread; the returned list gets its result or exception once the thread ends."""
+    outcome: list = []
+
+    def run():
+        try:
+            outcome.append(fn(*args))
+        except Exception as exc:  # noqa: BLE001 - what the test reports
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_load_on_another_thread_does_not_close_the_repository_a_background_save_by_path_is_using(
+        tmp_path, monkeypatch):
+    """A load that found the folder's kept repository idle closed it while a save on another thread was about to
+    commit on it: "saves 30, commits recorded 6", the rest failed on a closed database (auditor helper 334)."""
+    root = tmp_path / "repo"
+    Repository.init(root).close()
+    first = ckptstore.save({"w": torch.zeros(4)}, root, message="first", blocking=False).result()  # kept, now idle
+    taken, loaded = threading.Event(), threading.Event()
+    commit = Repository.commit
+
+    def commit_once_loaded(self, *args, **kwargs):
+        taken.set()  # the race widened: the save holds the kept repository while the other thread loads
+        loaded.wait(20)
+        return commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(Repository, "commit", commit_once_loaded)
+    saver, saved = _in_thread(lambda: ckptstore.save({"w": torch.ones(4)}, root, message="second", blocking=False))
+    assert taken.wait(20)
+    assert_same(ckptstore.load("HEAD", root), {"w": torch.zeros(4)})
+    loaded.set()
+    saver.join(60)
+    monkeypatch.undo()
+    assert not isinstance(saved[0], Exception), saved
+    second = saved[0].result()
+    with Repository.open(root) as repo:
+        assert [(c.id, c.message) for c in repo.log()] == [(second, "second"), (first, "first")]
+    assert_same(ckptstore.load("HEAD", root), {"w": torch.ones(4)})
+
+
+def test_two_threads_first_background_saves_by_path_go_through_one_repository(tmp_path, monkeypatch):
+    """Neither found a kept repository, each opened one and the later replaced the earlier: two lanes raced for the
+    branch (8 of 10 saves landed) and one repository was never closed (auditor helper 334)."""
+    root = tmp_path / "repo"
+    Repository.init(root).close()
+    both_opening = threading.Barrier(2, timeout=20)
+    open_repository, commit = Repository.open.__func__, Repository.commit
+    committed_on = []
+
+    def open_with_the_other(cls, *args, **kwargs):
+        both_opening.wait()  # the race widened: each thread opens the folder before either keeps it
+        return open_repository(cls, *args, **kwargs)
+
+    def commit_recording(self, *args, **kwargs):
+        committed_on.append(self)
+        return commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(Repository, "open", classmethod(open_with_the_other))
+    monkeypatch.setattr(Repository, "commit", commit_recording)
+    values = (1.0, 2.0)
+    savers = [_in_thread(lambda v: ckptstore.save({"w": torch.full((4,), v)}, root, message=str(v), blocking=False),
+                         value) for value in values]
+    for thread, _ in savers:
+        thread.join(60)
+    monkeypatch.undo()
+    ids = [saved[0].result() for _, saved in savers]
+    assert committed_on[0] is committed_on[1]  # one object, one lane: the second commit waited for the first
+    with Repository.open(root) as repo:
+        assert sorted(c.message for c in repo.log()) == ["1.0", "2.0"]
+        for value, cid in zip(values, ids, strict=True):
+            assert_same(repo.checkout(cid), {"w": torch.full((4,), value)})
+
+
+def test_a_failed_background_save_by_path_is_raised_by_the_next_save_while_another_thread_loads(
+        tmp_path, monkeypatch):
+    """The warning says the next commit call raises the failure: it did not where a load on another thread had
+    closed the repository the failure was kept in (auditor helper 334)."""
+    root = tmp_path / "repo"
+    Repository.init(root).close()
+    ckptstore.save({"w": torch.zeros(4)}, root)
+    stop = threading.Event()
+
+    def load_until_stopped():
+        loads = 0
+        while not stop.is_set():
+            ckptstore.load("HEAD", root)
+            loads += 1
+        return loads
+
+    loader, loaded = _in_thread(load_until_stopped)
+    monkeypatch.setenv("CKPT_FAIL_AT", "commit:objects-written")
+    with pytest.warns(BackgroundCommitWarning, match="the next commit call raises it"):
+        handle = ckptstore.save({"w": torch.ones(4)}, root, message="fails", blocking=False)
+        handle.wait()
+    monkeypatch.delenv("CKPT_FAIL_AT")
+    try:
+        with pytest.raises(BackgroundCommitError, match="disk is full"):
+            ckptstore.save({"w": torch.full((4,), 2.0)}, root, message="after")
+    finally:
+        stop.set()
+        loader.join(60)
+    assert isinstance(loaded[0], int), loaded
+    assert_same(ckptstore.load("HEAD", root), {"w": torch.zeros(4)})
