@@ -48,6 +48,7 @@ from ckptstore.formats.snapshot import HostBuffers, snapshot
 from ckptstore.hashing import CommitId
 from ckptstore.repo import planecache
 from ckptstore.repo.commit import CommitOptions, LossyOptions, commit, param_names_of
+from ckptstore.repo.forked import ProcessLock
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.target import start_now
 from ckptstore.warn import caller_origin, warn_caller, warnings_at
@@ -162,6 +163,7 @@ BACKGROUND_NICE = 10  # how much lower a background commit's threads run than th
 _LIVE: set[BackgroundCommit] = set()  # in flight in this process: the exit waits for them
 _LANES: weakref.WeakSet[Lane] = weakref.WeakSet()  # every lane of this process, for a forked child to reset
 _registered = threading.Lock()
+_LANE_MADE = ProcessLock()  # held while a repository's lane is made (lane_of)
 _hooked: list[bool] = []
 _EXITING = threading.Event()  # the interpreter is ending: a failure has no next commit call to raise it
 _WAITING = threading.Event()  # the exit is waiting for the commits in flight (_at_exit)
@@ -269,11 +271,15 @@ def busy(repo: Repository) -> bool:
 
 
 def lane_of(repo: Repository) -> Lane:
-    """The repository's lane, made on first use."""
-    if repo._background is None:
-        repo._background = Lane()
-        _LANES.add(repo._background)
-    return repo._background
+    """The repository's lane, made once: two threads' first commits each made one and raced for the branch."""
+    lane = repo._background
+    if lane is None:
+        with _LANE_MADE:
+            if repo._background is None:  # another thread's first commit may have made it while this one waited
+                repo._background = Lane()
+                _LANES.add(repo._background)
+            lane = repo._background
+    return lane
 
 
 def wait_in_flight(repo: Repository) -> None:

@@ -145,6 +145,42 @@ def test_threads_committing_through_one_repository_take_turns(repo, monkeypatch,
     assert_same(repo.checkout("main"), {"w": torch.full((64,), 2.0)})
 
 
+def test_two_threads_first_commits_on_a_fresh_repository_take_turns(tmp_path, monkeypatch):
+    """Both found no lane and each made one: their commits raced for the branch and one was lost as "another
+    Repository object" (auditor helper 334)."""
+    both_making = threading.Barrier(2, timeout=2)
+    make_lane = background.Lane.__init__
+
+    def make_lane_beside_the_other(lane):
+        make_lane(lane)
+        try:  # the race widened: a second thread that found no lane makes its own meanwhile (not where it waits)
+            both_making.wait()
+        except threading.BrokenBarrierError:
+            pass
+
+    monkeypatch.setattr(background.Lane, "__init__", make_lane_beside_the_other)
+    results: dict[str, object] = {}
+    start = threading.Barrier(2, timeout=20)
+    with Repository.init(tmp_path / "repo") as repo:
+        def commit(name: str, value: float) -> None:
+            start.wait()
+            try:
+                results[name] = repo.commit({"w": torch.full((256, 256), value)}, name)
+            except Exception as exc:  # noqa: BLE001 - what the test reports
+                results[name] = exc
+
+        threads = [threading.Thread(target=commit, args=(name, value)) for name, value in (("one", 1.0), ("two", 2.0))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        log = repo.log()
+        assert sorted(c.message for c in log) == ["one", "two"], results
+        assert log[0].parents == [log[1].id]
+        for name, value in (("one", 1.0), ("two", 2.0)):
+            assert_same(repo.checkout(results[name]), {"w": torch.full((256, 256), value)})
+
+
 def test_failure_is_raised_by_result_and_leaves_the_repository_as_it_was(repo, trainer, monkeypatch):
     first = repo.commit(trainer.state(), "kept")
     before = (repo.branches(), [c.id for c in repo.log()])
