@@ -411,8 +411,20 @@ def _in_the_store(repo: Repository, folder: Path) -> bool:
     return bool(holders) and bool(set.intersection(*holders))
 
 
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) leaves the parent's waiting saves to the parent.
+
+    Its exit hook committed them too, racing the parent's: the loser said 'was not committed'.
+    """
+    for callback in list(_WAITING):
+        callback._saved = None
+    _WAITING.clear()
+    _COMMITTING.clear()
+
+
 # before the thread pools stop at exit (atexit.register runs after: a commit could not start its pool)
 getattr(threading, "_register_atexit", atexit.register)(_commit_the_waiting)
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _result_of(handle: BackgroundCommit, folder: Path, repo: Repository, branch: str | None) -> CommitId:

@@ -621,6 +621,38 @@ def test_a_failed_runs_waiting_save_is_committed_before_the_next_runs_commits(tm
             tmp_path / "one" / "checkpoint-2")
 
 
+def _a_dataloader_worker() -> None:
+    torch.set_num_threads(1)  # before any torch op in a forked child: OpenMP deadlocks otherwise
+
+
+def test_a_forked_worker_leaves_the_parents_waiting_save_to_the_parent(tmp_path):
+    """Each DataLoader worker forked after a failed step (trainer.evaluate()) committed the waiting checkpoint-2 at
+    its exit too, racing the parent: the loser said it 'was not committed' (auditor 334)."""
+    import multiprocessing
+
+    from ckptstore.integrations import hf
+
+    Repository.init(tmp_path / "repo").close()
+    failing = _trainer(tmp_path / "out", [CkptCallback(tmp_path / "repo")], steps=8)
+    failing.train_dataset = FailsAfter(12)
+    with pytest.raises(RuntimeError, match="corrupt sample"):
+        failing.train()
+    worker = multiprocessing.get_context("fork").Process(target=_a_dataloader_worker)
+    try:
+        worker.start()
+        worker.join(timeout=120)
+        assert worker.exitcode == 0
+        with Repository.open(tmp_path / "repo") as repo:
+            assert repo.branches() == {}  # the worker's exit committed nothing
+    finally:
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+        hf._commit_the_waiting()  # the parent's exit hook, run now: the save is the parent's to commit
+    with Repository.open(tmp_path / "repo") as repo:
+        assert [c.step for c in repo.log("main")] == [2]
+
+
 def test_a_resume_from_a_linked_folder_with_keep_folders_removes_the_link_and_keeps_its_target(tmp_path):
     """keep_folders called rmtree on the resumed checkpoint-2, a link to a folder elsewhere: OSError ended
     training (hostile-input auditor)."""
