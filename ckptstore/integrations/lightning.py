@@ -73,6 +73,7 @@ if not _CHECKPOINT_IO_BASES:
 
 
 _UNSETTLED: weakref.WeakSet[CkptstoreCheckpointIO] = weakref.WeakSet()  # plugins with a commit not yet settled
+_PLUGINS: weakref.WeakSet[CkptstoreCheckpointIO] = weakref.WeakSet()  # every plugin: a forked child renews each
 
 
 def _settle_at_exit() -> None:
@@ -89,7 +90,19 @@ def _settle_at_exit() -> None:
             warnings.warn(f"ckptstore: at exit, {exc}", RuntimeWarning, stacklevel=1)
 
 
+def _forget_in_child() -> None:
+    """A forked child has none of the parent's commit threads: it leaves the commits in flight to the parent.
+
+    Its exit waited for ever to settle one (a future only the parent's thread resolves), and a lock
+    another thread of the parent held at the fork stayed held in it.
+    """
+    for plugin in list(_PLUGINS):
+        plugin._pending, plugin._lock = None, threading.RLock()
+    _UNSETTLED.clear()
+
+
 atexit.register(_settle_at_exit)
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def ref_for_path(path: str | os.PathLike, prefix: str = DEFAULT_PREFIX) -> str:
@@ -257,6 +270,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
         # AsyncCheckpointIO saves on its thread while the trainer's removes and loads come from the main one
         self._lock = threading.RLock()
         self._loaded: tuple[CommitId, int | None] | None = None  # the commit load_checkpoint gave last, its step
+        _PLUGINS.add(self)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (ddp_spawn sends the plugin to each process) as the repository's folder, reopened there."""
@@ -268,6 +282,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _lock=threading.RLock())
+        _PLUGINS.add(self)
 
     @property
     def repo(self) -> Repository:

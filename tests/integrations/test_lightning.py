@@ -563,6 +563,60 @@ def test_a_save_outside_fit_gets_its_tag_and_marker_when_the_process_ends(tmp_pa
         assert torch.equal(repo.checkout("lightning/final")["state_dict"]["w"], torch.arange(4.0))
 
 
+def _exit_of_a_forked_child(plugin: CkptstoreCheckpointIO) -> None:
+    """In a forked child: its exit's settling, then the plugin's lock, each under 30 s; never returns."""
+    from ckptstore.integrations import lightning
+
+    code = 1
+    try:
+        torch.set_num_threads(1)  # before any torch op in a forked child: OpenMP deadlocks otherwise
+        done = threading.Thread(target=lightning._settle_at_exit, daemon=True)  # what its atexit runs
+        done.start()
+        done.join(timeout=30)
+        code = 2 if done.is_alive() else 3 if not plugin._lock.acquire(timeout=30) else 0
+    finally:
+        os._exit(code)
+
+
+def test_a_raw_forked_child_exits_though_the_parents_save_is_in_flight(tmp_path, monkeypatch):
+    """A child os.fork()ed while a save's commit ran waited for ever at its exit to settle that commit, whose
+    future only the parent's thread resolves; a lock another thread held stayed held in it (auditor 334)."""
+    repo = Repository.init(tmp_path / "store")
+    plugin = CkptstoreCheckpointIO(repo)
+    release, taken, free = tmp_path / "release", threading.Event(), threading.Event()
+    monkeypatch.setenv("CKPT_WAIT_AT", f"background:start={release}")
+    holder = threading.Thread(target=lambda: [plugin._lock.acquire(), taken.set(), free.wait(), plugin._lock.release()])
+    child = None
+    try:
+        plugin.save_checkpoint({"state_dict": {"w": torch.arange(4.0)}, "global_step": 1}, tmp_path / "a.ckpt")
+        holder.start()
+        assert taken.wait(timeout=30)
+        child = os.fork()
+        if child == 0:
+            _exit_of_a_forked_child(plugin)
+        free.set()
+        deadline, ended = time.monotonic() + 90, (0, 0)
+        while ended == (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            ended = os.waitpid(child, os.WNOHANG)
+        child = None if ended != (0, 0) else child  # reaped: nothing to kill
+        assert ended != (0, 0), "the child never exited"
+        assert os.waitstatus_to_exitcode(ended[1]) == 0, "2: its exit waited for the commit; 3: the lock stayed held"
+    finally:
+        free.set()
+        release.touch()
+        if child:
+            try:
+                os.kill(child, 9)
+                os.waitpid(child, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+    monkeypatch.delenv("CKPT_WAIT_AT")
+    plugin.teardown()  # the parent settles its own save
+    assert repo.resolve("lightning/a") == read_marker(tmp_path / "a.ckpt")["commit"]
+    repo.close()
+
+
 def test_a_file_of_forged_nesting_at_a_checkpoint_path_is_no_marker(tmp_path):
     (tmp_path / "x.ckpt").write_text('{"a": ' + "[" * 3000)  # within the marker size, past json's nesting
     assert read_marker(tmp_path / "x.ckpt") is None
