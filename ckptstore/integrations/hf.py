@@ -147,9 +147,7 @@ class CkptCallback(TrainerCallback):
         self._saved = _Saved(folder, state.global_step, latest_metrics(state.log_history, state.global_step),
                              blocking, args, state)
         _WAITING.add(self)
-        if not _SIGTERM_HOOKED:  # a SIGTERM before the next hook: commit it at the exit
-            background.end_on_sigterm_after(_holding)
-            _SIGTERM_HOOKED.append(True)
+        background.end_on_sigterm_after(_holding)  # a SIGTERM before the next hook: commit it at the exit
 
     def _begin(self, blocking: bool | None = None) -> None:
         """Begin the commit of the folder on_save noted, if any: every callback's on_save has written it by now."""
@@ -325,7 +323,6 @@ _ALL: weakref.WeakSet[CkptCallback] = weakref.WeakSet()  # every callback: keep_
 
 
 _COMMITTING: list[CkptCallback] = []  # callbacks inside a commit they began (a blocking one may be interrupted)
-_SIGTERM_HOOKED: list[bool] = []
 
 
 def _holding() -> bool:

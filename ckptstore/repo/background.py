@@ -225,7 +225,6 @@ def _hook_exit() -> None:
         if not _hooked:
             # atexit.register runs after the pools stopped: only a fallback for a Python without this hook
             getattr(threading, "_register_atexit", atexit.register)(_at_exit)
-            os.register_at_fork(after_in_child=_forget_in_child)
             _hooked.append(True)
     _hook_sigterm()
 
@@ -260,8 +259,9 @@ def end_on_sigterm_after(holds: Callable[[], bool]) -> None:
 
     For a commit an integration makes in its own exit hook (a Trainer save whose next hook never came).
     """
-    _OTHER_WORK.append(holds)
-    _hook_sigterm()
+    if holds not in _OTHER_WORK:  # called at each save: its hook is kept once
+        _OTHER_WORK.append(holds)
+    _hook_sigterm()  # again in a forked child, which started with the default (_forget_in_child)
 
 
 def busy(repo: Repository) -> bool:
@@ -293,6 +293,17 @@ def _forget_in_child() -> None:
     _LIVE.clear()
     for lane in list(_LANES):  # the parent's failures are the parent's to tell, not each worker's at its exit
         lane.current, lane.pool, lane.mutex, lane.failed = None, None, threading.Lock(), None
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        # nothing in flight here: the default again, as before ckptstore set it (_hook_sigterm sets it only over
+        # SIG_DFL), so a child blocked in native code (where a Python handler never runs) still dies of kill -TERM
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except ValueError:  # not the main thread: cannot happen after a fork, whose thread becomes the main one
+            pass
+
+
+# at import, not at the first commit: a waiting hf save installs _on_sigterm with no commit of its own
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def commit_in_background(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOptions,

@@ -744,6 +744,37 @@ def test_a_process_forked_while_a_commit_is_in_flight_exits(tmp_path, hold):
     assert not alive and child.exitcode == 0
 
 
+def _sigterm_in_a_forked_child() -> None:
+    """Exit 0 when the child starts with SIGTERM's default and its own waiting work sets ckptstore's handler again."""
+    torch.set_num_threads(1)  # before any torch op in a forked child: OpenMP deadlocks otherwise
+    inherited = signal.getsignal(signal.SIGTERM)
+    background.end_on_sigterm_after(lambda: False)  # the child's own hf save waiting to be committed
+    sys.exit(0 if inherited is signal.SIG_DFL and signal.getsignal(signal.SIGTERM) is background._on_sigterm else 1)
+
+
+def test_a_forked_child_with_nothing_in_flight_gets_sigterms_default_back(tmp_path):
+    """The parent's handler stayed installed in each forked child: a child blocked in native code, where a Python
+    handler never runs, ignored kill -TERM (auditor 334)."""
+    import multiprocessing
+
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a program that set no handler of its own
+    child = None
+    try:
+        with Repository.init(tmp_path / "repo") as repo:
+            repo.commit({"w": torch.ones(4)}, blocking=False).result()
+        assert signal.getsignal(signal.SIGTERM) is background._on_sigterm  # the parent's, for its commits
+        child = multiprocessing.get_context("fork").Process(target=_sigterm_in_a_forked_child)
+        child.start()
+        child.join(timeout=60)
+        assert child.exitcode == 0
+        assert signal.getsignal(signal.SIGTERM) is background._on_sigterm  # the parent keeps it
+    finally:
+        if child is not None and child.is_alive():
+            child.kill()
+            child.join()
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_load_after_a_failed_background_save_leaves_the_failure_to_the_next_save(tmp_path, monkeypatch):
     """load waits for the save, reads what is there, and does not take the failure the next save must raise."""
     Repository.init(tmp_path / "repo").close()
