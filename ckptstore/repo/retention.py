@@ -9,7 +9,7 @@ protect its commit). A commit on several branches is kept when any branch's rule
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ckptstore.errors import UnknownMetricError
@@ -28,11 +28,12 @@ class History:
     pruned: set[CommitId] = field(default_factory=set)
 
 
-def first_parent_chain(tip: CommitId, parents: Mapping[CommitId, list[CommitId]]) -> list[CommitId]:
-    """`tip` and its first parents down to the branch's first commit, newest first."""
+def first_parent_chain(tip: CommitId, parents: Mapping[CommitId, list[CommitId]],
+                       limit: int | None = None) -> list[CommitId]:
+    """`tip` and its first parents down to the branch's first commit, newest first (the newest `limit` only)."""
     chain, seen = [], set()
     current: CommitId | None = tip
-    while current is not None and current not in seen:
+    while current is not None and current not in seen and (limit is None or len(chain) < limit):
         chain.append(current)
         seen.add(current)
         ancestors = parents.get(current) or []
@@ -68,7 +69,95 @@ def _finite(value: object) -> bool:
 
 
 def doomed(history: History, policy: RetentionPolicy) -> set[CommitId]:
-    """The commits the policy removes (none pruned already, none protected, none off every branch's chain)."""
+    """The commits the policy removes (none pruned already, none protected, none off every branch's chain).
+
+    Run after every commit: each commit's first-parent chain is walked once for all branches (`_ChainFacts`),
+    not once per branch, which cost branches x history per commit.
+    """
+    facts = _ChainFacts.of(history, policy)
+    if facts is None:  # a first-parent loop (forged rows): each branch walked alone, as the rules read it
+        return _doomed_by_branch(history, policy)
+    best = policy.best()
+    kept: set[CommitId] = set(history.protected)
+    unranked: set[CommitId] = set()
+    for tip in history.branches.values():
+        kept.update(first_parent_chain(tip, history.parents, policy.keep_last))
+        if best is not None:
+            if facts.best.get(tip) is not None:
+                kept.add(facts.best[tip])
+            elif not (policy.keep_last or policy.keep_every):
+                unranked.update(facts.chain_of(tip))  # keep_best alone, nothing to rank on this branch yet
+    if policy.keep_every:
+        kept.update(cid for cid, depth in facts.depth.items() if depth % policy.keep_every == 0)
+    return _checked_gone(set(facts.depth) - kept - history.pruned, history, best) - unranked
+
+
+@dataclass
+class _ChainFacts:
+    """Per commit on some branch's first-parent chain: its position from the first commit, and its chain's best.
+
+    A commit's chain below it is the same whichever branch reaches it, so both are worked out once
+    per commit, the shared part of the branches' chains once for all of them.
+    """
+
+    depth: dict[CommitId, int]
+    best: dict[CommitId, CommitId | None]  # the oldest commit scoring the chain's best value, up to this one
+    parents: Mapping[CommitId, list[CommitId]]
+
+    @classmethod
+    def of(cls, history: History, policy: RetentionPolicy) -> _ChainFacts | None:
+        """The facts of every commit the branches' chains hold; None where a chain loops."""
+        facts = cls({}, {}, history.parents)
+        score = _scorer(history, policy)
+        for tip in history.branches.values():
+            path, current, longest = [], tip, len(history.parents) + 1  # longer than that: it came round again
+            while current is not None and current not in facts.depth:
+                if len(path) > longest:
+                    return None
+                path.append(current)
+                ancestors = history.parents.get(current) or []
+                current = ancestors[0] if ancestors else None
+            start = -1 if current is None else facts.depth[current]
+            facts.depth.update(zip(path, range(start + len(path), start, -1)))  # the tip is the deepest
+            if score is not None:
+                below = None if current is None else facts.best[current]
+                for cid in reversed(path):
+                    facts.best[cid] = below = _better(cid, below, score)
+        return facts
+
+    def chain_of(self, tip: CommitId) -> list[CommitId]:
+        return first_parent_chain(tip, self.parents)
+
+
+def _scorer(history: History, policy: RetentionPolicy) -> Callable[[CommitId], float | None] | None:
+    """A commit's keep_best score, made comparable the larger the better (None where it has none); None: no rule."""
+    best = policy.best()
+    if best is None:
+        return None
+    name, way = best
+
+    def score(cid: CommitId) -> float | None:
+        value = history.metrics.get(cid, {}).get(name)
+        if cid in history.pruned or not _finite(value):
+            return None
+        return -float(value) if way == "min" else float(value)
+
+    return score
+
+
+def _better(cid: CommitId, best_below: CommitId | None, score: Callable[[CommitId], float | None]) -> CommitId | None:
+    """`cid` where it scores strictly better than the best below it (the older one keeps a tie), else that one."""
+    own = score(cid)
+    if own is None:
+        return best_below
+    if best_below is None:
+        return cid
+    below = score(best_below)
+    return cid if below is None or own > below else best_below
+
+
+def _doomed_by_branch(history: History, policy: RetentionPolicy) -> set[CommitId]:
+    """`doomed`'s rules applied to each branch's chain walked alone (a chain that loops ends where it does)."""
     candidates: set[CommitId] = set()
     kept: set[CommitId] = set(history.protected)
     unranked: set[CommitId] = set()
@@ -80,9 +169,13 @@ def doomed(history: History, policy: RetentionPolicy) -> set[CommitId]:
         if best is not None and not (policy.keep_last or policy.keep_every) and not any(
                 _finite(history.metrics.get(cid, {}).get(best[0])) for cid in chain if cid not in history.pruned):
             unranked.update(chain)  # keep_best alone, and nothing to rank on this branch yet: none of it goes
-    gone = candidates - kept - history.pruned
-    # a metric no commit has is a misspelt name or one not logged yet: keep_best must not quietly keep nothing
+    return _checked_gone(candidates - kept - history.pruned, history, best) - unranked
+
+
+def _checked_gone(gone: set[CommitId], history: History, best: tuple[str, str] | None) -> set[CommitId]:
+    """`gone`, unless keep_best names a metric no commit has (misspelt, or not logged yet): then an error."""
+    # keep_best must not quietly keep nothing
     if best is not None and gone and not any(_finite(m.get(best[0])) for m in history.metrics.values()):
         raise UnknownMetricError(f"keep_best: no commit has a finite value of metric {best[0]!r}, so nothing was "
                                  "pruned; check the name against `ckpt show`'s metrics")
-    return gone - unranked
+    return gone
