@@ -22,18 +22,37 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _origin = threading.local()  # in a background commit's thread: where the user's call that started it is
 
 
+# @contextmanager's __enter__ and __exit__, between a `with` in ckptstore (or the user's) and ckptstore's generator:
+# a warning there pointed at contextlib.py, not at the user's save or commit
+_CONTEXTLIB = contextlib.__file__
+
+
 def _outside(frame: FrameType | None, level: int) -> tuple[FrameType | None, int]:
-    """The first frame from `frame` outward that is neither ckptstore's nor torch's (DCP calls ours), and its level."""
+    """The first frame from `frame` outward that is neither ckptstore's, torch's (DCP calls ours) nor contextlib's."""
     torch = sys.modules.get("torch")
     inside = (_PACKAGE, os.path.dirname(torch.__file__) + os.sep) if getattr(torch, "__file__", None) else (_PACKAGE,)
-    while frame is not None and frame.f_code.co_filename.startswith(inside):
+    while frame is not None and (frame.f_code.co_filename.startswith(inside)
+                                 or frame.f_code.co_filename == _CONTEXTLIB):
         frame, level = frame.f_back, level + 1
     return frame, level
 
 
+def _thread_origin(frame: FrameType | None) -> tuple[str, int, dict[str, Any]] | None:
+    """A background thread's saved origin where `frame`, the first outside ckptstore, is the thread's own start."""
+    where = getattr(_origin, "where", None)
+    if where is not None and (frame is None or frame.f_globals.get("__name__") == "threading"):
+        return where
+    return None
+
+
 def caller_origin() -> tuple[str, int, dict[str, Any]] | None:
-    """Where the user's call that reached here is (file, line, module globals): a thread started here warns there."""
+    """Where the user's call that reached here is (file, line, module globals): a thread started here warns there.
+
+    Called in a background commit's thread, that is the call that started the commit (its saved origin).
+    """
     frame, _ = _outside(sys._getframe(1), 0)
+    if (where := _thread_origin(frame)) is not None:
+        return where
     return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
 
 
@@ -50,8 +69,8 @@ def warnings_at(origin: tuple[str, int, dict[str, Any]] | None) -> Iterator[None
 def warn_caller(message: str, category: type[Warning] = RuntimeWarning) -> None:
     """Warn at the user's line: the first frame outside ckptstore and torch, or a background thread's origin."""
     frame, level = _outside(sys._getframe(1), 2)
-    where = getattr(_origin, "where", None)
-    if where is not None and (frame is None or frame.f_globals.get("__name__") == "threading"):
+    where = _thread_origin(frame)
+    if where is not None:
         filename, lineno, module_globals = where
         # code from `python -c`, stdin or a REPL has no source to show: asking its loader for it raises
         source_of = None if filename.startswith("<") else module_globals

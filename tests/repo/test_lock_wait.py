@@ -167,3 +167,49 @@ def test_a_gc_waiting_for_a_commit_on_another_machine_names_the_commit(tmp_path,
     code, _, err = gc.finish()
     assert code == 0, err
     _restores(there, state)
+
+
+def _gate_held_until_let_go(repo_root: Path) -> tuple[threading.Event, threading.Thread]:
+    """The folder's lock gate held alone, as a gc holds it, by a descriptor of this process, until the event is set."""
+    import fcntl
+    import os
+
+    gate = os.open(repo_root / ".ckpt" / "lock.gate", os.O_RDWR | os.O_CREAT, 0o666)
+    fcntl.flock(gate, fcntl.LOCK_EX)
+    let_go = threading.Event()
+
+    def hold() -> None:
+        let_go.wait(timeout=60)
+        os.close(gate)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    return let_go, holder
+
+
+def _lock_warnings(caught: list) -> list:
+    return [said for said in caught if WAITING in str(said.message)]
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["commit", "background-commit"])
+def test_the_lock_waiting_warning_points_at_the_users_commit_line(tmp_path, monkeypatch, blocking):
+    """It pointed at contextlib.py:137, the @contextmanager between the user's call and the lock (reviewer 343)."""
+    import warnings
+
+    import ckptstore
+    from ckptstore.repo import lock
+
+    monkeypatch.setattr(lock, "LOCK_NOTICE_S", 0.2)
+    Repository.init(tmp_path).close()
+    let_go, holder = _gate_held_until_let_go(tmp_path)
+    threading.Timer(1.0, let_go.set).start()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        saved = ckptstore.save({"w": torch.ones(4)}, repo=tmp_path, message="behind a gc", blocking=blocking)
+        if not blocking:
+            saved.result(timeout=60)  # the background commit's thread said it, pointing at the save that started it
+    holder.join(timeout=60)
+    said = _lock_warnings(caught)
+    assert len(said) == 1, [str(w.message) for w in caught]
+    assert (said[0].filename, said[0].lineno) == (__file__, line), (said[0].filename, said[0].lineno)
