@@ -27,7 +27,7 @@ from psycopg.pq import TransactionStatus
 
 from ckptstore.errors import CkptError, CorruptDatabaseError, ReadOnlyRepoError, disk_full
 from ckptstore.metadata.tables import TABLES
-from ckptstore.warn import LOCK_NOTICE_S, holder_named, process_tag, warn_caller
+from ckptstore.warn import LOCK_NOTICE_S, caller_origin, holder_named, process_tag, warn_caller, warnings_at
 
 if TYPE_CHECKING:
     from ckptstore.metadata.db import Database, Tx
@@ -220,6 +220,35 @@ def _session_named(application_name: str | None, server_pid: int) -> str:
     return f"a session of {client} (server pid {server_pid})"
 
 
+class _LockNotice:
+    """The one warning of a wait for the repository lock, LOCK_NOTICE_S into it, unless the lock comes first.
+
+    Said from a timer's thread, since the waiting thread is blocked in its request (which must stay in the
+    server's queue), pointing at the user's call that waits (or the background commit's origin).
+    """
+
+    def __init__(self, backend: PostgresBackend, waiter_pid: int, exclusive: bool) -> None:
+        self.backend, self.waiter_pid, self.exclusive = backend, waiter_pid, exclusive
+        self.origin = caller_origin()  # taken in the waiting thread: the timer's own frames name no user line
+        self.timer = threading.Timer(LOCK_NOTICE_S, self._say)
+        self.timer.name, self.timer.daemon = "ckpt-lock-notice", True  # never what keeps a process alive
+        self.timer.start()
+
+    def _say(self) -> None:
+        try:
+            line = self.backend.lock_waiting_line(self.waiter_pid, self.exclusive)
+        except (*self.backend.errors, OSError) as exc:  # the wait goes on: say so, without its holders
+            line = (f"waiting for the repository lock on {self.backend.where} (its holders could not be looked "
+                    f"up: {' '.join(str(exc).split())[:200]}); this command goes on once it is free")
+        with warnings_at(self.origin):
+            warn_caller(line)
+
+    def stop(self) -> None:
+        """The wait is over: no warning from now on; one being looked up is waited for, its connection closed."""
+        self.timer.cancel()
+        self.timer.join()
+
+
 class PostgresBackend:
     """One database on a PostgreSQL server, through psycopg with autocommit off by our own BEGIN."""
 
@@ -407,36 +436,36 @@ class PostgresBackend:
     def lock_repository(self, connection: psycopg.Connection, exclusive: bool, wait: bool) -> bool:
         """Take the repository lock in `connection`'s session; False where it is held and `wait` is False.
 
-        Waiting, it waits out a gc however long; once it has waited LOCK_NOTICE_S (a first wait the server
-        ends by lock_timeout), a warning names the holders, and the wait goes on unbounded. Free, one round trip.
+        Waiting, it waits out a gc however long, in one request that stays in the server's queue: a wait
+        cut (lock_timeout) to say so re-queued at the back, and commits that came after a waiting gc
+        overtook it. LOCK_NOTICE_S into the wait, a warning names the holders (`_LockNotice`). Free, one round trip.
         """
         mode = "" if exclusive else "_shared"
         if connection.execute(f"SELECT pg_try_advisory_lock{mode}({schema_key(REPO_LOCK)})").fetchone()[0]:
             return True
         if not wait:
             return False
-        take = f"SELECT pg_advisory_lock{mode}({schema_key(REPO_LOCK)})"
-        try:  # a failed statement's SET is undone with it: the session's lock_timeout stays the server's
-            connection.execute(NoDeadline(f"SET lock_timeout = '{round(LOCK_NOTICE_S * 1000)}ms'; {take}"))
-            return True
-        except pg_errors.LockNotAvailable:
-            pass
-        warn_caller(self._lock_waiting_line(connection, exclusive))
-        connection.execute(NoDeadline(f"SET lock_timeout = 0; {take}"))
+        notice = _LockNotice(self, connection.info.backend_pid, exclusive)
+        try:
+            connection.execute(NoDeadline(f"SELECT pg_advisory_lock{mode}({schema_key(REPO_LOCK)})"))
+        finally:
+            notice.stop()
         return True
 
-    def _lock_waiting_line(self, connection: psycopg.Connection, exclusive: bool) -> str:
+    def lock_waiting_line(self, waiter_pid: int, exclusive: bool) -> str:
         """What a command waiting for the repository lock waits for: its holders (and a gc queued first), by name.
 
-        The sessions are found in pg_locks (a bigint key shows as classid, objid), named by the application_name
-        each ckptstore sets (`connect`); its command, pid and host are readable by every user of the server.
+        Looked up on a short connection of its own (the waiter's session is in its request), in pg_locks
+        (a bigint key shows as classid, objid), the sessions named by the application_name each ckptstore
+        sets (`connect`); its command, pid and host are readable by every user of the server.
         """
-        rows = connection.execute(
-            "SELECT l.granted, l.mode = 'ExclusiveLock', a.application_name, l.pid FROM pg_catalog.pg_locks l "
-            "LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
-            "AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) "
-            f"AND l.objsubid = 1 AND (l.classid::bigint << 32 | l.objid::bigint) = {schema_key(REPO_LOCK)} "
-            "AND l.pid <> pg_backend_pid() ORDER BY l.granted DESC, l.pid").fetchall()
+        with self.connect() as connection:
+            rows = connection.execute(
+                "SELECT l.granted, l.mode = 'ExclusiveLock', a.application_name, l.pid FROM pg_catalog.pg_locks l "
+                "LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
+                "AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) "
+                f"AND l.objsubid = 1 AND (l.classid::bigint << 32 | l.objid::bigint) = {schema_key(REPO_LOCK)} "
+                "AND l.pid <> %s ORDER BY l.granted DESC, l.pid", (waiter_pid,)).fetchall()
         alone = [_session_named(app, pid) for granted, sole, app, pid in rows if granted and sole]
         shared = [_session_named(app, pid) for granted, sole, app, pid in rows if granted and not sole]
         queued = [_session_named(app, pid) for granted, sole, app, pid in rows if not granted and sole]

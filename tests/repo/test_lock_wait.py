@@ -213,3 +213,63 @@ def test_the_lock_waiting_warning_points_at_the_users_commit_line(tmp_path, monk
     said = _lock_warnings(caught)
     assert len(said) == 1, [str(w.message) for w in caught]
     assert (said[0].filename, said[0].lineno) == (__file__, line), (said[0].filename, said[0].lineno)
+
+
+def _waiting_for_the_lock(monitor, count: int) -> None:
+    """Wait until `count` sessions are queued for an advisory lock (the repository lock: the only one taken here)."""
+    deadline = time.monotonic() + SAID_WITHIN_S
+    while time.monotonic() < deadline:
+        queued = monitor.execute("SELECT count(*) FROM pg_catalog.pg_locks WHERE locktype = 'advisory' "
+                                 "AND NOT granted").fetchone()[0]
+        if queued >= count:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"fewer than {count} sessions queued for the repository lock")
+
+
+def test_a_commit_that_asks_while_a_gc_waits_on_the_server_queues_behind_it(tmp_path, postgres_url):
+    """The server queues a shared request behind a waiting gc (format.md); the wait was cut at 2 s (lock_timeout) to
+    say so, which took the gc out of the queue: the commit behind it got the lock first (reviewer 343)."""
+    import warnings
+
+    import psycopg
+
+    from ckptstore.warn import LOCK_NOTICE_S
+
+    repos = [Repository.init(tmp_path / name, metadata_url=postgres_url, objects_url=f"file://{tmp_path / 'objects'}")
+             for name in ("a", "b", "c")]
+    granted: list[str] = []
+    let_go = threading.Event()
+
+    def hold(repo: Repository, name: str, exclusive: bool, until: threading.Event | None = None) -> None:
+        with repo.db.repository_lock(exclusive=exclusive):
+            granted.append(name)
+            if until is not None:
+                until.wait(timeout=60)
+
+    with psycopg.connect(postgres_url, autocommit=True) as monitor, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = threading.Thread(target=hold, args=(repos[0], "C1", False, let_go), daemon=True)
+        gc = threading.Thread(target=hold, args=(repos[1], "G", True), daemon=True)
+        second = threading.Thread(target=hold, args=(repos[2], "C2", False), daemon=True)
+        try:
+            first.start()
+            while not granted:
+                time.sleep(0.01)
+            gc.start()
+            _waiting_for_the_lock(monitor, 1)
+            second.start()
+            _waiting_for_the_lock(monitor, 2)
+            time.sleep(LOCK_NOTICE_S + 1.0)  # past each waiter's notice
+            assert granted == ["C1"], granted  # the commit behind the gc waits for it
+        finally:
+            let_go.set()
+            for thread in (first, gc, second):
+                thread.join(timeout=60)
+    for repo in repos:
+        repo.close()
+    assert granted == ["C1", "G", "C2"], granted
+    said = _lock_warnings(caught)
+    assert len(said) == 2 and all(w.filename == __file__ for w in said), [(w.filename, str(w.message)) for w in said]
+    assert "1 commit(s) in flight hold it shared" in str(said[0].message), said[0].message
+    assert "(a gc or prune) queues for it first" in str(said[1].message), said[1].message
