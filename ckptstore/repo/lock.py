@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,13 +48,39 @@ def _flock(fd: int, flags: int, wait: bool, path: Path, waiting: Callable[[], st
 
 def _held_alone_by(gate: int, path: Path) -> str:
     """The line of a command waiting behind the lock's exclusive holder, named as it recorded itself in the gate."""
-    try:
-        tag = os.pread(gate, 512, 0).decode(errors="replace").strip()
-    except OSError:
-        tag = ""
+    tag = _recorded_holder(gate)
     who = holder_named(tag) if tag else "a ckpt gc or prune (it did not record which process)"
     return (f"waiting for the repository lock of {path.parent}: {who} holds it alone, or is next in line for it "
             "(a gc or prune); this command goes on once it finishes")
+
+
+def _recorded_holder(gate: int) -> str:
+    """The `process_tag` the gate file holds; "" where none, or where it names a process of this host that is gone.
+
+    A gc killed -9 leaves its name there, and a gc after it that cannot rewrite the file (another
+    user's) holds the lock unnamed: the dead one was blamed for it.
+    """
+    try:
+        tag = os.pread(gate, 512, 0).decode(errors="replace").strip()
+    except OSError:
+        return ""
+    found = re.match(r"(\d+)@(\S+)", tag)
+    if found is not None and found[2] == socket.gethostname() and not _alive(int(found[1])):
+        return ""
+    return tag
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` of this host exists (another user's too: signal 0 checks, sends nothing)."""
+    if pid <= 0:  # 0 would signal our own process group: no holder records that
+        return False
+    try:
+        os.kill(pid, 0)
+    except PermissionError:  # another user's process: there
+        return True
+    except (ProcessLookupError, OverflowError):
+        return False
+    return True
 
 
 def _held_by_commits(path: Path) -> str:

@@ -273,3 +273,29 @@ def test_a_commit_that_asks_while_a_gc_waits_on_the_server_queues_behind_it(tmp_
     assert len(said) == 2 and all(w.filename == __file__ for w in said), [(w.filename, str(w.message)) for w in said]
     assert "1 commit(s) in flight hold it shared" in str(said[0].message), said[0].message
     assert "(a gc or prune) queues for it first" in str(said[1].message), said[1].message
+
+
+def test_a_waiter_does_not_blame_a_dead_gc_whose_name_was_left_in_the_gate(tmp_path, monkeypatch):
+    """A gc killed -9 leaves `PID@HOST ckpt gc` in lock.gate; a holder after it that cannot rewrite the file (another
+    user's) holds the lock unnamed, and a waiting commit named the dead pid (reviewer 343). A tag naming a process of
+    this host that is gone is not believed."""
+    import socket
+    import warnings
+
+    from ckptstore.repo import lock
+
+    monkeypatch.setattr(lock, "LOCK_NOTICE_S", 0.2)
+    Repository.init(tmp_path).close()
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(ended.stdout)
+    let_go, holder = _gate_held_until_let_go(tmp_path)  # the holder after it, which records nothing
+    (tmp_path / ".ckpt" / "lock.gate").write_text(f"{dead}@{socket.gethostname()} ckpt gc")
+    threading.Timer(1.0, let_go.set).start()
+    with warnings.catch_warnings(record=True) as caught, Repository.open(tmp_path) as repo:
+        warnings.simplefilter("always")
+        repo.commit({"w": torch.ones(4)}, message="behind a gc")
+    holder.join(timeout=60)
+    said = _lock_warnings(caught)
+    assert len(said) == 1, [str(w.message) for w in caught]
+    line = str(said[0].message)
+    assert f"pid {dead}" not in line and "a ckpt gc or prune (it did not record which process) holds it" in line, line
