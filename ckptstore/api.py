@@ -23,10 +23,10 @@ if TYPE_CHECKING:
 RepoLike = Repository | str | os.PathLike | None
 
 
-# Repositories a background save opened by path, kept while one of their commits is in flight (or
-# failed unseen): one repository object per folder means one lane, so the next call waits for that
-# commit (and raises its failure) instead of racing it on the branch. Once idle, a kept repository
-# is closed and the next call opens the folder afresh (it may have been made anew meanwhile).
+# Repositories opened by path, kept while a call uses them or one of their background commits is in
+# flight (or failed unseen): one repository object per folder means one lane, so each save there waits
+# for the commit before it (and raises its failure) instead of racing it on the branch. Once idle, a kept
+# repository is closed and the next call opens the folder afresh (it may have been made anew meanwhile).
 _KEPT: dict[Path, Repository] = {}
 # The calls and background commits using each kept repository now: a thread that took it is about to
 # commit or check out on it, so another thread that finds it idle must not close it under that call.
@@ -57,7 +57,7 @@ def _take_kept(root: Path) -> Repository | None:
     Idle: nobody uses it, and no commit of it is in flight or failed unseen. Found and taken under one lock: a
     thread closing it between another's finding it and committing on it lost that commit.
     """
-    from ckptstore.repo.background import busy  # the snapshot machinery: only once a background save ran
+    from ckptstore.repo.background import busy  # the snapshot machinery, loaded when first used
 
     with _KEPT_LOCK:
         kept = _KEPT.get(root)
@@ -72,15 +72,31 @@ def _take_kept(root: Path) -> Repository | None:
     return None
 
 
-def _let_go(root: Path, repository: Repository) -> None:
-    """One use of the folder's kept repository ended (a call returned, or a background commit finished)."""
+def _let_go(root: Path, repository: Repository, close_idle: bool = False) -> None:
+    """One use of the folder's kept repository ended (a call returned, or a background commit finished).
+
+    With `close_idle` (a call returned), one now idle is closed at once, as a repository a call opened for
+    itself was; a background commit's thread leaves it to the next call, which closes it if still idle.
+    """
+    from ckptstore.repo.background import busy
+
     with _KEPT_LOCK:
-        if _KEPT.get(root) is repository and _USERS.get(root, 0) > 0:  # the exit or a fork forgot it meanwhile
-            _USERS[root] -= 1
+        if _KEPT.get(root) is not repository or _USERS.get(root, 0) == 0:  # the exit or a fork forgot it meanwhile
+            return
+        _USERS[root] -= 1
+        if not close_idle or _USERS[root] > 0 or busy(repository):
+            return
+        del _KEPT[root]
+        del _USERS[root]
+    repository.close()
 
 
-def _keep(root: Path) -> Repository:
-    """The folder's kept repository, or one opened now and kept for the background save about to start, now used."""
+def _use(root: Path) -> Repository:
+    """The folder's kept repository, or one opened now and kept, used by the caller until `_let_go`.
+
+    Every call by path on a folder goes through one object while anyone uses it: a blocking save that opened
+    its own beside a background save's kept one committed on a second lane and raced it for the branch.
+    """
     kept = _take_kept(root)
     if kept is not None:
         return kept
@@ -99,7 +115,7 @@ def _keep(root: Path) -> Repository:
 
 def _save_in_background(root: Path, run: Callable[[Repository], Any]) -> BackgroundCommit:
     """`run` on the folder's kept repository, which its commit goes on using until it finishes."""
-    kept = _keep(root)
+    kept = _use(root)
     try:
         handle = run(kept)
         with _KEPT_LOCK:
@@ -107,25 +123,23 @@ def _save_in_background(root: Path, run: Callable[[Repository], Any]) -> Backgro
         handle.when_done(lambda _: _let_go(root, kept))  # at once where it already finished
         return handle
     finally:
-        _let_go(root, kept)
+        _let_go(root, kept, close_idle=True)
 
 
 def with_repo(repo: RepoLike, fn: Callable[[Repository], Any]) -> Any:
-    """`fn(repo)` for an open Repository as it is, or for the one at that path (or here), opened and closed.
+    """`fn(repo)` for an open Repository as it is, or for the folder's repository at that path (or here).
 
-    Where a background save's commit on that folder is still in flight, the call goes through its repository.
+    By path, the call goes through the repository every other call there uses meanwhile (a background save's
+    commit in flight, another thread's save), so its commit waits on that one lane; it is closed once idle.
     """
     if isinstance(repo, Repository):
         return fn(repo)
     root = given_root(repo)
-    kept = _take_kept(root) if _KEPT else None
-    if kept is None:
-        with Repository.open(root) as opened:
-            return fn(opened)
+    used = _use(root)
     try:
-        return fn(kept)
+        return fn(used)
     finally:
-        _let_go(root, kept)
+        _let_go(root, used, close_idle=True)
 
 
 def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = None,

@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 import ckptstore
-from ckptstore import Repository
+from ckptstore import Repository, faults
 from ckptstore.errors import BackgroundCommitError
 from ckptstore.repo.background import BackgroundCommitWarning
 from tests.conftest import assert_same
@@ -174,3 +174,49 @@ def test_a_failed_background_save_by_path_is_raised_by_the_next_save_while_anoth
         loader.join(60)
     assert isinstance(loaded[0], int), loaded
     assert_same(ckptstore.load("HEAD", root), {"w": torch.zeros(4)})
+
+
+
+def test_a_blocking_save_and_a_background_save_by_path_on_two_threads_both_land(tmp_path, monkeypatch):
+    """A blocking save that found no kept repository opened its own beside the one the other thread's background save
+    kept: two lanes, one branch, and one of the saves failed with ConflictError ("47 of 50", reviewer helper 343)."""
+    root = tmp_path / "repo"
+    Repository.init(root).close()
+    commit, point = Repository.commit, faults.point
+    blocking_holds, background_entered, background_started = threading.Event(), threading.Event(), threading.Event()
+    committed_on: dict[bool, Repository] = {}
+    started: list = []  # the background save's handle
+
+    def commit_recording(self, *args, **kwargs):
+        blocking = kwargs.get("blocking", True)
+        committed_on[blocking] = self
+        if blocking:
+            return commit(self, *args, **kwargs)
+        background_entered.set()
+        started.append(commit(self, *args, **kwargs))
+        background_started.set()
+        return started[0]
+
+    def hold_the_blocking_save(name):
+        if name == "commit:manifest-written" and threading.current_thread() is saver:
+            # the race widened: the blocking commit has read main's tip when the background save starts
+            blocking_holds.set()
+            assert background_entered.wait(20)
+            if committed_on[False] is not committed_on[True]:  # another lane: it moves main first (one lane: it waits)
+                assert background_started.wait(20)
+                started[0].wait()
+        point(name)
+
+    monkeypatch.setattr(Repository, "commit", commit_recording)
+    monkeypatch.setattr(faults, "point", hold_the_blocking_save)
+    saver, saved = _in_thread(lambda: ckptstore.save({"v": torch.full((4,), 2.0)}, root, message="blocking"))
+    assert blocking_holds.wait(20)
+    background = ckptstore.save({"w": torch.full((4,), 1.0)}, root, message="background", blocking=False).result()
+    saver.join(60)
+    monkeypatch.undo()
+    assert not isinstance(saved[0], Exception), saved
+    assert committed_on[False] is committed_on[True]  # one object, one lane: the background commit waited
+    with Repository.open(root) as repo:
+        assert sorted(c.message for c in repo.log()) == ["background", "blocking"]
+        assert_same(repo.checkout(background), {"w": torch.full((4,), 1.0)})
+        assert_same(repo.checkout(saved[0]), {"v": torch.full((4,), 2.0)})
