@@ -32,6 +32,9 @@ _KEPT: dict[Path, Repository] = {}
 # commit or check out on it, so another thread that finds it idle must not close it under that call.
 _USERS: dict[Path, int] = {}
 _KEPT_LOCK = ProcessLock()
+# Whether _close_kept is registered with atexit: once per process (a forked child inherits the hook with
+# the flag). Registering whenever _KEPT was empty added one more callback at each save after an idle spell.
+_close_kept_hooked: list[bool] = []
 
 
 def _close_kept() -> None:
@@ -104,8 +107,9 @@ def _use(root: Path) -> Repository:
     with _KEPT_LOCK:
         kept = _KEPT.get(root)  # another thread's first save kept one meanwhile: one object, one lane per folder
         if kept is None:
-            if not _KEPT:
+            if not _close_kept_hooked:
                 atexit.register(_close_kept)
+                _close_kept_hooked.append(True)
             _KEPT[root] = kept = opened
         _USERS[root] = _USERS.get(root, 0) + 1
     if kept is not opened:

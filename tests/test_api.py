@@ -1,5 +1,6 @@
 """The module-level API (ckptstore/api.py): values as torch.save takes them, and in a torch.distributed job."""
 
+import atexit
 import os
 import socket
 import threading
@@ -220,3 +221,15 @@ def test_a_blocking_save_and_a_background_save_by_path_on_two_threads_both_land(
         assert sorted(c.message for c in repo.log()) == ["background", "blocking"]
         assert_same(repo.checkout(background), {"w": torch.full((4,), 1.0)})
         assert_same(repo.checkout(saved[0]), {"v": torch.full((4,), 2.0)})
+
+
+def test_background_saves_by_path_register_the_exit_hook_once(tmp_path):
+    """Each background save after the folder's kept repository went idle registered _close_kept with atexit again:
+    20 saves, 20 more exit callbacks (reviewer helper 343)."""
+    root = tmp_path / "repo"
+    Repository.init(root).close()
+    before = atexit._ncallbacks()
+    for step in range(5):  # each waited on: the next save finds the kept repository idle, closes it, keeps a new one
+        ckptstore.save({"w": torch.full((4,), float(step))}, root, step=step, blocking=False).result()
+    assert atexit._ncallbacks() - before <= 1  # one where no earlier test's save registered it
+    assert_same(ckptstore.load("HEAD", root), {"w": torch.full((4,), 4.0)})
