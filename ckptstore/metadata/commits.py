@@ -149,19 +149,6 @@ def all_commits(tx: Tx, unparsed: dict[str, str] | None = None) -> dict[CommitId
     return found
 
 
-def kept_commits(tx: Tx) -> dict[CommitId, CommitInfo]:
-    """The commits `ckpt prune` has not removed, with their parents: what a check of the kept history reads.
-
-    A long run's pruned rows are left unread (the retention run after each commit checks what it keeps).
-    """
-    parents: dict[CommitId, list[CommitId]] = {}
-    for cid, parent in tx.rows("SELECT commit_id, parent_id FROM commit_parents WHERE commit_id NOT IN "
-                               "(SELECT commit_id FROM pruned_commits) ORDER BY commit_id, position"):
-        parents.setdefault(CommitId(cid), []).append(CommitId(parent))
-    return {CommitId(row[0]): _info(row, parents.get(row[0], [])) for row in tx.rows(
-        f"SELECT {_COLUMNS} FROM commits WHERE id NOT IN (SELECT commit_id FROM pruned_commits)")}
-
-
 def all_metrics(tx: Tx) -> dict[CommitId, dict[str, Any]]:
     """Every commit's metrics, without building whole commit records (retention after each commit reads them)."""
     return {CommitId(cid): _metrics(cid, metrics) for cid, metrics in tx.rows("SELECT id, metrics FROM commits")}

@@ -94,15 +94,6 @@ def forget_objects_except(tx: Tx, keep: set[ObjectId]) -> None:
     tx.execute_in("DELETE FROM objects WHERE id IN ({ids})", dead)
 
 
-def forget_objects(tx: Tx, dead: set[ObjectId]) -> dict[ObjectId, int]:
-    """Drop the size rows of `dead` objects; the sizes they recorded."""
-    ordered = sorted(dead, key=str)
-    sizes = {ObjectId(o): n for o, n in tx.rows_in("SELECT id, size FROM objects WHERE id IN ({ids})", ordered)
-             if isinstance(n, int)}  # a size that is no number is damage fsck reports: not counted
-    tx.execute_in("DELETE FROM objects WHERE id IN ({ids})", ordered)
-    return sizes
-
-
 def commit_tensor_lists(tx: Tx) -> dict[CommitId, set[TensorId]]:
     """The tensors each commit's rows (commit_tensors) list."""
     listed: dict[CommitId, set[TensorId]] = {}

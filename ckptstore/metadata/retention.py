@@ -14,16 +14,6 @@ def listed_tensors(tx: Tx, except_commits: Iterable[CommitId] = ()) -> set[Tenso
     return {TensorId(t) for c, t in tx.rows("SELECT commit_id, tensor_id FROM commit_tensors") if c not in left_out}
 
 
-def used_by(tx: Tx, commits: Iterable[CommitId]) -> tuple[set[TensorId], set[ObjectId]]:
-    """The tensors `commits` list (commit_tensors) and their manifest objects: what pruning them may free."""
-    ordered = sorted(set(commits), key=str)
-    tensors = {TensorId(r[0]) for r in tx.rows_in("SELECT tensor_id FROM commit_tensors WHERE commit_id IN ({ids})",
-                                                  ordered)}
-    manifests = {ObjectId(r[0]) for r in tx.rows_in("SELECT manifest_object FROM commits WHERE id IN ({ids})",
-                                                    ordered)}
-    return tensors, manifests
-
-
 def all_bases(tx: Tx) -> dict[TensorId, TensorId | None]:
     """Every tensor record's base (None for a keyframe)."""
     return {TensorId(t): TensorId(b) if b else None for t, b in tx.rows("SELECT id, base_id FROM tensors")}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -238,7 +238,7 @@ class Findings:
     manifests: dict[CommitId, Manifest] = field(default_factory=dict)  # those read, for fsck's skeleton pass
 
 
-def check_metadata(tx: Tx, store: ObjectStore, pruned_ids: bool = True, kept_only: bool = False) -> Findings:
+def check_metadata(tx: Tx, store: ObjectStore, pruned_ids: bool = True) -> Findings:
     """Every disagreement among commits, refs, tensor records and manifests.
 
     Commit ids are recomputed from their rows; each readable manifest (its id is its hash, checked
@@ -248,18 +248,14 @@ def check_metadata(tx: Tx, store: ObjectStore, pruned_ids: bool = True, kept_onl
     ids of pruned commits, for a gc that decides by the rows of what is live alone: it need not
     hash a long run's history each time. Where parents decide (prune's positions, unreachable
     commits), a pruned commit's damaged parent row would move what goes: those check them.
-    `kept_only`: the rows of commits not pruned alone, and no scan of the whole database file, for
-    the retention run after each commit (it removes kept commits only; the rows it reads stay a
-    policy's worth, where a long run's pruned rows made each commit cost the whole history).
     """
     found = Findings()
-    storage = [] if kept_only else liveness.storage_problems(tx)
+    storage = liveness.storage_problems(tx)
     if storage:  # tables gone, and what SQLite's own integrity check finds
         found.problems["database"] = "; ".join(storage)
     unparsed: dict[str, str] = {}
-    commits = commit_rows.kept_commits(tx) if kept_only else commit_rows.all_commits(tx, unparsed)
-    recorded = liveness.commit_ids(tx) if kept_only else commits.keys()  # what parents and refs may name
-    _commit_problems(tx, commits, found, pruned_ids, recorded)
+    commits = commit_rows.all_commits(tx, unparsed)
+    _commit_problems(tx, commits, found, pruned_ids)
     found.problems.update(unparsed)  # the cause, not the id mismatch that reading such a row without metrics makes
     listed = liveness.commit_tensor_lists(tx)
     for cid in sorted((c for c, info in commits.items() if info.pruned and listed.get(c)), key=str):
@@ -387,18 +383,14 @@ def _range_problem(record: TensorRecord, sizes: dict[ObjectId, int]) -> str | No
 
 
 def _commit_problems(tx: Tx, commits: dict[CommitId, commit_rows.CommitInfo], found: Findings,
-                     pruned_ids: bool = True, recorded: Collection[CommitId] | None = None) -> None:
-    """Commits whose rows do not hash to their ids or name parents that have no record; refs to no commit.
-
-    `recorded`: every commit that has a row, where `commits` holds only those checked (default: the same).
-    """
-    recorded = commits.keys() if recorded is None else recorded
+                     pruned_ids: bool = True) -> None:
+    """Commits whose rows do not hash to their ids or name parents that have no record; refs to no commit."""
     for cid, info in sorted(commits.items(), key=_by_key):
         problem = info.id_problem() if pruned_ids or not info.pruned else None
         if problem is not None:
             found.problems[f"commit {cid}"] = problem
         for parent in info.parents:
-            if parent not in recorded:
+            if parent not in commits:
                 found.problems.setdefault(f"commit {cid}", f"its parent {parent} has no record")
     refs = liveness.all_refs(tx)
     kinds = {name: kind for name, kind, _, _ in refs}
@@ -412,10 +404,9 @@ def _commit_problems(tx: Tx, commits: dict[CommitId, commit_rows.CommitInfo], fo
             found.problems[f"ref {name}"] = f"it is of kind {kind!r}"
         elif kind == "head" and cid is None and not target:  # read as neither on a branch nor detached
             found.problems[f"ref {name}"] = "it names no branch and no commit"
-        elif cid is not None and cid not in recorded:
+        elif cid is not None and cid not in commits:
             found.problems[f"ref {name}"] = f"it points at commit {cid}, which has no record"
-        elif cid is not None and (cid not in commits or commits[cid].pruned) and kind in ("branch", "head"):
-            # prune keeps what they name (recorded, and not among `commits`: pruned, where those are the kept)
+        elif cid is not None and commits[cid].pruned and kind in ("branch", "head"):  # prune keeps what they name
             found.problems[f"ref {name}"] = f"it points at commit {cid}, which is marked pruned"
         elif kind != "head" and cid is None:
             found.problems[f"ref {name}"] = "it points at no commit"

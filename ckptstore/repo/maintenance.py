@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from ckptstore import faults
 from ckptstore.errors import CkptError, CorruptObjectError, ReadOnlyRepoError, StoreUnavailableError
-from ckptstore.hashing import ObjectId, TensorId
+from ckptstore.hashing import ObjectId
 from ckptstore.metadata import liveness
 from ckptstore.objectstore.fallback import held_here
 from ckptstore.warn import warn_caller
@@ -135,46 +135,21 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
         liveness.forget_objects_except(tx, live_objects)
     faults.point("gc:db-committed")
     _forget_damage_of_absent(repo, stored.keys())
-    _delete_objects(repo, {oid: size for oid, size in stored.items()
-                           if oid not in live_objects and oid not in findings.unreadable_manifests}, report)
-    return report
-
-
-def collect_freed(repo: Repository, tensors: set[TensorId], objects: set[ObjectId]) -> GcReport:
-    """`collect` of what one prune may have freed alone (`tensors`, `objects`), for the policy after each commit.
-
-    The store is not listed (two LISTs of a bucket per checkpoint, growing with it); other garbage
-    (an interrupted write's leftovers) waits for `ckpt gc`. The caller holds the repository lock
-    exclusively; whatever some commit still needs stays, as in `collect`.
-    """
-    report = GcReport()
-    with repo.db.write() as tx:
-        live_tensors, live_objects = liveness.live(tx)
-        dead_tensors = tensors - live_tensors
-        liveness.delete_tensors(tx, dead_tensors)
-        report.tensors_removed = len(dead_tensors)
-        dead = objects - live_objects
-        sizes = liveness.forget_objects(tx, dead)
-    faults.point("gc:db-committed")
-    _delete_objects(repo, {oid: sizes.get(oid, 0) for oid in dead}, report)
-    return report
-
-
-def _delete_objects(repo: Repository, garbage: dict[ObjectId, int], report: GcReport) -> None:
-    """Delete `garbage` (object: size) from the store, counting it in `report`; another user's files stay, said."""
     refused: list[PermissionError] = []
-    for oid, size in garbage.items():
-        repo.db.confirm_locks(deleting=True)  # one query on a shared database; nothing on a local one
-        try:
-            repo.store.delete(oid)
-        except PermissionError as exc:  # another user's folder (their umask): the rest of the garbage still goes
-            refused.append(exc)
-            continue
-        faults.point("gc:object-deleted")
-        report.bytes_removed += size
-        report.objects_removed += 1
+    for oid, size in stored.items():
+        if oid not in live_objects and oid not in findings.unreadable_manifests:
+            repo.db.confirm_locks(deleting=True)  # one query on a shared database; nothing on a local one
+            try:
+                repo.store.delete(oid)
+            except PermissionError as exc:  # another user's folder (their umask): the rest of the garbage still goes
+                refused.append(exc)
+                continue
+            faults.point("gc:object-deleted")
+            report.bytes_removed += size
+            report.objects_removed += 1
     if refused:
         _say_left(refused)
+    return report
 
 
 def _forget_damage_of_absent(repo: Repository, stored: Iterable[ObjectId]) -> None:

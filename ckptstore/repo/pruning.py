@@ -108,15 +108,13 @@ def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool
                 return report
             if not only_if_doomed:  # a listing of the whole store: not after every commit
                 report.bytes_before = _store_bytes(repo)
-            _refuse_damage(repo, tx, kept_only=only_if_doomed)
+            _refuse_damage(repo, tx)
             layout = _layout(tx, gone)
             relinks = _relinks(layout.kept, layout.bases)
             records = tensor_rows.load_records(tx, set(relinks) | {b for b in relinks.values() if b})
-            used = retention_rows.used_by(tx, gone) if only_if_doomed else None
         new_records, sizes = _reencode(repo, relinks, records, layout)
         staying = _live(layout, {r.id: r.base_id for r in new_records}) - {r.id for r in new_records}
         moved, moved_sizes = compact(repo, layout.chunks, staying)
-        freed = None if used is None else _freed(used, layout, {r.id for r in new_records + moved})
         faults.point("prune:objects-written")
         with repo.db.write() as tx:
             if _doomed(tx, policy) != gone:
@@ -126,23 +124,19 @@ def prune(repo: Repository, policy: RetentionPolicy | None = None, dry_run: bool
             tensor_rows.replace_records(tx, new_records + moved, {**sizes, **moved_sizes})
             _record_depths(tx, layout, new_records, staying)
         faults.point("prune:db-committed")
-        collected = _clean_up(repo, len(gone), freed)
+        collected = _clean_up(repo, len(gone))
     report.pruned, report.tensors_reencoded = sorted(gone), len(new_records)
     report.objects_removed, report.tensors_removed = collected.objects_removed, collected.tensors_removed
     report.bytes_after = _store_bytes(repo) if not only_if_doomed else None
     return report
 
 
-def _clean_up(repo: Repository, pruned: int, freed: tuple[set[TensorId], set[ObjectId]] | None = None) -> GcReport:
-    """Collect after a recorded prune: a failure says the prune stands and `ckpt gc` finishes it.
-
-    `freed`: the tensors and objects the prune's removed commits used, the only ones looked at (the
-    policy after each commit); None: gc's whole collection, the store listed.
-    """
-    from ckptstore.repo.maintenance import collect, collect_freed
+def _clean_up(repo: Repository, pruned: int) -> GcReport:
+    """Collect after a recorded prune: a failure says the prune stands and `ckpt gc` finishes it."""
+    from ckptstore.repo.maintenance import collect
 
     try:
-        return collect(repo) if freed is None else collect_freed(repo, *freed)
+        return collect(repo)
     except LostLockError as exc:
         raise LostLockError(f"the prune of {pruned} commit(s) was recorded, but the repository lock on "
                             f"{repo.db.where} was lost before its clean-up ({exc.ended}): run `ckpt gc` to "
@@ -198,45 +192,21 @@ def _doomed(tx: Tx, policy: RetentionPolicy) -> set[CommitId]:
     return doomed(history, policy)
 
 
-def _refuse_damage(repo: Repository, tx: Tx, kept_only: bool = False) -> None:
-    """Re-encode and delete nothing while the records that say what kept commits need are damaged (as gc).
-
-    `kept_only` (the policy after each commit): the commits not pruned yet alone, those it removes
-    among them, and no listing of the store. Their rows, manifests and tensor records are what
-    says which tensors and objects the removal frees; a lost object it re-encodes from stops it
-    before anything is recorded. A full `ckpt prune` or `ckpt gc` checks everything.
-    """
+def _refuse_damage(repo: Repository, tx: Tx) -> None:
+    """Re-encode and delete nothing while the records that say what kept commits need are damaged (as gc)."""
     from ckptstore.repo import integrity
     from ckptstore.repo.maintenance import missing_objects, refusal, refuse_newer
 
-    # a full check reads pruned rows too: their parents place what is kept
-    findings = integrity.check_metadata(tx, repo.store, kept_only=kept_only)
+    findings = integrity.check_metadata(tx, repo.store)  # pruned rows too: their parents place what is kept
     problems = dict(findings.problems)  # and a kept commit's manifest or object lost: prune would keep nothing whole
     newer = set(findings.newer_manifests.values())  # unread, but no damage: said apart, once there is none
     problems.update({f"manifest {oid}": "unreadable" for oid in sorted(findings.unreadable_manifests, key=str)
                      if oid not in newer})
-    if not kept_only:
-        _, live_objects = liveness.live(tx, findings.named_tensors)
-        problems.update(missing_objects(repo, live_objects - findings.unreadable_manifests, repo.store.iter_ids()))
+    _, live_objects = liveness.live(tx, findings.named_tensors)
+    problems.update(missing_objects(repo, live_objects - findings.unreadable_manifests, repo.store.iter_ids()))
     if problems:
         raise refusal(problems, repo.db.where, "prune")
     refuse_newer(list(findings.newer_manifests), "prune")
-
-
-def _freed(used: tuple[set[TensorId], set[ObjectId]], layout: _Layout, rewritten: set[TensorId]
-           ) -> tuple[set[TensorId], set[ObjectId]]:
-    """What the prune may have freed, for `collect_freed` to delete where no commit needs it.
-
-    The removed commits' tensors, those it wrote anew (`rewritten`), and the old chains below both;
-    their old objects, and the removed commits' manifests.
-    """
-    listed, manifests = used
-    tensors, frontier = listed | rewritten, listed | rewritten
-    while frontier:
-        frontier = {b for t in frontier if (b := layout.bases.get(t))} - tensors
-        tensors |= frontier
-    objects = {oid for t in tensors for oid, _ in layout.chunks.get(t, [])}
-    return tensors, objects | manifests
 
 
 def _relinks(kept: set[TensorId], bases: Mapping[TensorId, TensorId | None]) -> dict[TensorId, TensorId | None]:

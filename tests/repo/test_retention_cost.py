@@ -1,22 +1,17 @@
-"""The [retention] policy after each commit: its work is a policy's worth, not the whole history's (auditor 333).
+"""The [retention] policy after each commit: what it walks, and what it must refuse (auditor 333, reviewer 347).
 
 Counted, not timed: commit rows hashed, store listings, first-parent steps walked.
 """
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from ckptstore import Repository
 from ckptstore.errors import RetentionError
-from ckptstore.metadata.commits import CommitInfo
-from ckptstore.objectstore.local import LocalObjectStore
-from ckptstore.repo import fsck, gc
 from ckptstore.repo.config import RetentionPolicy
 from ckptstore.repo.retention import History, _doomed_by_branch, doomed
-from tests.conftest import Trainer, assert_same
+from tests.conftest import assert_same
 
 
 class _CountedParents(dict):
@@ -34,42 +29,8 @@ def _with_policy(root, line: str) -> None:
         config.write(f"\n[retention]\n{line}\n")
 
 
-def test_the_policy_after_a_commit_hashes_only_kept_commits_and_lists_no_store(tmp_path, monkeypatch):
-    """Every commit hashed every commit row ever made (pruned ones too) twice and listed the store twice."""
-    trainer = Trainer()
-    with Repository.init(tmp_path) as repo:
-        for _ in range(40):
-            trainer.train(1)
-            repo.commit(trainer.state())
-    _with_policy(tmp_path, "keep_last = 3")
-    with Repository.open(tmp_path) as repo:
-        trainer.train(1)
-        repo.commit(trainer.state())  # the one-off prune of the history before the policy
-        hashed, listed = [0], [0]
-        computed, iter_ids, iter_sizes = CommitInfo.computed_id, LocalObjectStore.iter_ids, LocalObjectStore.iter_sizes
-        monkeypatch.setattr(CommitInfo, "computed_id", lambda *a, **k: (hashed.__setitem__(0, hashed[0] + 1),
-                                                                        computed(*a, **k))[1])
-        monkeypatch.setattr(LocalObjectStore, "iter_ids", lambda s: (listed.__setitem__(0, listed[0] + 1),
-                                                                     iter_ids(s))[1])
-        monkeypatch.setattr(LocalObjectStore, "iter_sizes", lambda s: (listed.__setitem__(0, listed[0] + 1),
-                                                                       iter_sizes(s))[1])
-        states = []
-        for _ in range(3):
-            trainer.train(1)
-            states.append(copy.deepcopy(trainer.state()))
-            repo.commit(states[-1])
-        assert listed[0] == 0
-        assert hashed[0] <= 3 * (3 + 1) * 2  # per commit: the kept and the doomed one (two spellings of a step)
-        monkeypatch.undo()
-        assert [info.pruned for info in repo.log()] == [False] * 3 + [True] * 41
-        for cid, state in zip([c.id for c in repo.log()][:3], reversed(states)):
-            assert_same(state, repo.checkout(cid))
-        assert fsck(repo).ok
-        assert gc(repo).objects_removed == 0  # what the prunes freed went with them, though no store was listed
-
-
 def test_the_policy_after_a_commit_still_refuses_a_kept_commit_whose_rows_were_lost(tmp_path):
-    """The check limited to kept commits still compares their manifests with their rows: lost rows delete nothing."""
+    """The policy after a commit compares kept commits' manifests with their rows: lost rows delete nothing."""
     states = [{"w": torch.full((3000,), float(i)), "b": torch.zeros(8)} for i in range(4)]
     with Repository.init(tmp_path) as repo:
         cids = [repo.commit(state) for state in states[:3]]
@@ -89,6 +50,51 @@ def test_the_policy_after_a_commit_still_refuses_a_kept_commit_whose_rows_were_l
                            [(cids[2], e.tensor) for e in repo.manifest(cids[2]).entries.values()])
         for cid, state in zip(cids, states):
             assert_same(state, repo.checkout(cid))
+
+
+def test_the_policy_after_a_commit_refuses_where_a_pruned_commits_parent_row_was_lost(tmp_path):
+    """Pruned rows place keep_every's positions: a check of kept commits alone (7bcf20e, reverted) let a lost
+    parent row of a pruned commit shift them, and the next commit deleted commits keep_every keeps (reviewer 347)."""
+    generator = torch.Generator().manual_seed(0)
+    states = [{"w": torch.randn(5000, generator=generator)} for _ in range(7)]
+    Repository.init(tmp_path).close()
+    _with_policy(tmp_path, "keep_every = 2\nkeep_last = 1")
+    with Repository.open(tmp_path) as repo:
+        cids = [repo.commit(state) for state in states[:6]]
+        kept = [cid for cid in cids if not repo.commit_info(cid).pruned]
+        with repo.db.write() as tx:
+            tx.execute(f"DELETE FROM commit_parents WHERE commit_id = '{cids[1]}'")
+        try:
+            repo.commit(states[6])
+        except RetentionError as exc:
+            assert "prune refused to delete anything: the repository is damaged" in str(exc)
+        else:
+            raise AssertionError("the policy pruned a repository whose pruned commit lost its parent row")
+        with repo.db.read() as tx:
+            pruned = {row[0] for row in tx.rows("SELECT commit_id FROM pruned_commits")}
+        assert [cid for cid in cids if cid not in pruned] == kept
+
+
+def test_the_policy_after_a_commit_refuses_where_a_kept_commits_object_was_lost(tmp_path):
+    """A kept commit's object lost on disk: skipping the store listing (7bcf20e, reverted) deleted the older,
+    whole commit while the broken one stayed, and said nothing (reviewer 347)."""
+    states = [{"w": torch.full((3000,), float(i))} for i in range(3)]
+    with Repository.init(tmp_path) as repo:
+        first, second = repo.commit(states[0]), repo.commit(states[1])
+        lost = {oid for oid in repo.store.iter_ids()} - {repo.commit_info(first).manifest_object}
+        lost = [oid for oid in lost if repo.commits_needing([oid]) == [second]]
+        assert lost
+        for oid in lost:
+            repo.store.path_of(oid).unlink()
+    _with_policy(tmp_path, "keep_last = 2")
+    with Repository.open(tmp_path) as repo:
+        try:
+            repo.commit(states[2])
+        except RetentionError as exc:
+            assert "an object they need is lost" in str(exc) or "not in the store" in str(exc), str(exc)
+        else:
+            raise AssertionError("the policy pruned a repository whose kept commit lost an object")
+        assert_same(states[0], repo.checkout(first))
 
 
 def test_doomed_walks_each_first_parent_chain_once_for_all_branches():
