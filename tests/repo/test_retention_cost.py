@@ -1,6 +1,6 @@
 """The [retention] policy after each commit: what it walks, and what it must refuse (auditor 333, reviewer 347).
 
-Counted, not timed: commit rows hashed, store listings, first-parent steps walked.
+Counted, not timed: first-parent steps walked; and the damage a check of kept commits alone let through.
 """
 
 from __future__ import annotations
