@@ -315,6 +315,18 @@ def s3_url(s3_server) -> str:
 
 
 @pytest.fixture
+def http_proxy(s3_server, monkeypatch):
+    """An HTTP proxy in front of the session's S3 server that alters requests by rule (testing/http_fault_proxy.py);
+    clients made in and below the test talk through it."""
+    from ckptstore.testing.http_fault_proxy import HttpFaultProxy
+
+    with HttpFaultProxy(s3_server.port) as running:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", running.endpoint)
+        monkeypatch.setenv("CKPT_S3_RETRY_SECONDS", "2")
+        yield running
+
+
+@pytest.fixture
 def trainer() -> Trainer:
     return Trainer()
 

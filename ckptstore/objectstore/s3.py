@@ -503,7 +503,12 @@ class _ReadAhead:
 
 
 class _Uploads:
-    """Uploads in flight inside one batch(): bounded in count and bytes, errors kept for the block's end."""
+    """Uploads in flight inside one batch(): bounded in count and bytes; the first failure ends the batch.
+
+    Under a lasting outage each queued upload spent a whole retry budget of its own, eight at a time, so a
+    commit failed after (objects / 8) x CKPT_S3_RETRY_SECONDS: once one upload has failed, those queued are
+    dropped and every later submit raises that failure; the uploads in flight may finish.
+    """
 
     def __init__(self, store: S3ObjectStore) -> None:
         self._store = store
@@ -512,30 +517,45 @@ class _Uploads:
         self._room = threading.Condition()
         self._queued = 0
         self._submitted: set[ObjectId] = set()
+        self._failed: BaseException | None = None  # the first upload's failure: what the batch raises
 
     def submit(self, oid: ObjectId, data: bytes | memoryview) -> None:
+        self._raise_failure()
         if oid in self._submitted:
             return
         self._submitted.add(oid)
         data = data if isinstance(data, bytes) else bytes(data)  # the caller may reuse its buffer
-        with self._room:
-            self._room.wait_for(lambda: self._queued == 0 or self._queued + len(data) <= BYTES_IN_FLIGHT)
+        with self._room:  # a failure wakes it too: the uploads dropped never give their room back
+            self._room.wait_for(lambda: self._failed is not None or self._queued == 0
+                                or self._queued + len(data) <= BYTES_IN_FLIGHT)
+            self._raise_failure()
             self._queued += len(data)
         self._futures.append(self._pool.submit(self._run, oid, data))
 
     def _run(self, oid: ObjectId, data: bytes) -> None:
         try:
-            self._store._upload(oid, data)
+            if self._failed is None:  # else queued behind a failure, and not dropped in time: not tried
+                self._store._upload(oid, data)
+        except BaseException as exc:
+            with self._room:
+                if self._failed is None:
+                    self._failed = exc
+            for future in list(self._futures):  # those not started yet; a running one is not cancelled
+                future.cancel()
+            raise
         finally:
             with self._room:
                 self._queued -= len(data)
                 self._room.notify_all()
 
+    def _raise_failure(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
     def wait(self, raise_errors: bool) -> None:
         self._pool.shutdown(wait=True)
         if raise_errors:
-            for future in self._futures:
-                future.result()
+            self._raise_failure()
 
 
 def _holds(found: dict[str, Any], data: bytes | memoryview) -> bool:

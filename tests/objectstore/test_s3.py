@@ -1,6 +1,7 @@
 """What only the S3 store does: multipart uploads, ETag checks of existing names, one-line errors when unreachable."""
 
 import os
+import time
 
 import obstore
 import pytest
@@ -88,6 +89,23 @@ def test_batched_uploads_all_land_and_report_the_first_failure(s3_url, monkeypat
     with pytest.raises(StoreUnavailableError, match="cannot reach"), broken.batch():
         broken.put(b"never stored")
     assert not store.has(object_id(b"never stored"))
+
+
+def test_a_batch_under_a_lasting_outage_fails_after_one_retry_budget_not_one_per_queued_object(s3_url, http_proxy):
+    """Every queued upload spent a whole retry budget of its own, eight at a time: 40 puts under a lasting 503
+    SlowDown failed after five budgets, each object's requests refused in turn (auditor)."""
+    store = S3ObjectStore(s3_url)
+    http_proxy.rules = [dict(kind="status", code=503, s3code="SlowDown", path="/objects/")]
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailableError, match="failed"), store.batch():
+        for i in range(40):
+            store.put(os.urandom(10_000 + i))
+    took = time.monotonic() - started
+    asked = {path for _, path, _ in http_proxy.log}
+    assert 0 < len(asked) <= s3.UPLOADS_IN_FLIGHT, len(asked)  # those in flight at the first failure, no more
+    assert took < 3 * 2, took  # about one CKPT_S3_RETRY_SECONDS (2 s here), as docs/teams.md says
+    http_proxy.rules = []
+    assert not list(store.iter_ids())  # nothing half stored, nothing recorded: the store is as it was
 
 
 def test_an_unreachable_bucket_is_one_line_at_the_cli(tmp_path, s3_url, monkeypatch):
