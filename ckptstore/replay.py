@@ -42,6 +42,7 @@ class ChainSource:
     pack_cache_bytes: int = 256 << 20
     verify_objects: bool = True
     ranges: RangeReader | None = None
+    last_try: bool = False  # replay's second try: a failure on sound objects is the records' (see diagnose)
     packs: PackReader = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -67,7 +68,10 @@ class ChainSource:
 
         Every object of the record's chain is verified first; when they all are sound, the records
         are what is damaged (CorruptRecordError), or `error` itself is returned. A store that could
-        not be read is no damage: that error is returned without reading the store again.
+        not be read is no damage: that error is returned without reading the store again. Bytes that
+        did not match where every object now reads back sound may have been damaged on their way (a
+        network store's two reads running): unless this is the last try, ReadAgain, and `replay` tries
+        once more before blaming the records.
         """
         if isinstance(error, StoreUnavailableError):  # reading again would spend the store's retry budget again
             return error
@@ -80,6 +84,8 @@ class ChainSource:
                     seen.add(chunk.object_id)
                     self.store.get(chunk.object_id)
             current = self.records.get(current.base_id) if current.base_id else None
+        if isinstance(error, CorruptObjectError) and not self.last_try:
+            return ReadAgain(error)
         if isinstance(error, CorruptObjectError):  # bytes that decoded wrong from sound objects: the record's fault
             return CorruptRecordError(f"tensor {record.id}", f"{error.problem}, though every object of its chain is "
                                       "sound (`ckpt fsck --full` checks records)", tensors=[record.id])
@@ -201,6 +207,14 @@ def _coding_params(params: dict, decoding: tuple[str, ...] | None) -> dict:
     return {k: v for k, v in params.items() if k not in BOOKKEEPING}
 
 
+class ReadAgain(Exception):  # noqa: N818 - no error the user sees: `replay` catches it and tries once more
+    """A replay failed on bytes that did not match, and every object of the chain reads back sound now."""
+
+    def __init__(self, error: CorruptObjectError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
            verify: bool = True, on_chunk: Callable[[int], None] | None = None,
            by_id: bool = False) -> dict[TensorId, np.ndarray]:
@@ -210,8 +224,20 @@ def replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
     after it is replayed, and tensors whose chunks have none (written before schema 0005), or all
     tensors with `by_id`, by hashing them whole against their tensor id (blake3). Objects are then
     read without hashing them too; only a failure verifies the chain's objects to name the
-    damaged one.
+    damaged one. A failure whose objects all read back sound then (bytes damaged in transit, see
+    `diagnose`) is replayed once more before the records are called damaged.
     """
+    wanted = list(wanted)  # a second try iterates it again
+    tries = _reported_once(on_chunk)
+    try:
+        return _replay_verifying(source, wanted, pool, verify, tries(), by_id)
+    except ReadAgain:
+        return _replay_verifying(replace(source, last_try=True), wanted, pool, verify, tries(), by_id)
+
+
+def _replay_verifying(source: ChainSource, wanted: list[TensorRecord], pool: Executor, verify: bool,
+                      on_chunk: Callable[[int], None] | None, by_id: bool) -> dict[TensorId, np.ndarray]:
+    """One try of `replay` (a second try's `source` is a copy, whose pack reader kept no failed read of the first)."""
     if not verify:
         return _replay(source, wanted, pool, verify, on_chunk, by_id)
     ranges = source.store.open_ranges()
@@ -219,6 +245,26 @@ def replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor,
         return _replay(replace(source, verify_objects=False, ranges=ranges), wanted, pool, verify, on_chunk, by_id)
     finally:
         ranges.close()
+
+
+def _reported_once(on_chunk: Callable[[int], None] | None) -> Callable[[], Callable[[int], None] | None]:
+    """A maker of `on_chunk` for each of replay's tries: bytes an earlier try reported are not reported again.
+
+    Each try reports its chunks in the same order, so its progress is the bytes past what was reported before.
+    """
+    reported = 0
+
+    def one_try() -> Callable[[int], None] | None:
+        done = 0
+
+        def report(size: int) -> None:
+            nonlocal done, reported
+            done += size
+            if done > reported:
+                on_chunk(done - reported)
+                reported = done
+        return report if on_chunk is not None else None
+    return one_try
 
 
 def _replay(source: ChainSource, wanted: Iterable[TensorRecord], pool: Executor, verify: bool,

@@ -41,7 +41,7 @@ DOWNLOADS_IN_FLIGHT = 16  # objects downloading at once inside read_ahead()
 READ_AHEAD = 64  # objects read ahead and not yet used, at most (64 chunks of 4 MiB: 256 MiB)
 BYTES_IN_FLIGHT = 512 << 20  # encoders wait when this much is queued for upload, so memory stays bounded
 OWNER_KEY = "owner.json"  # beside objects/: which repository's database the prefix belongs to (repo/owner.py)
-DAMAGED = "damaged/"  # beside objects/: an empty marker per object a verified read found corrupted (_Damage)
+DAMAGED = "damaged/"  # beside objects/: an empty marker per object two verified reads found corrupted (_Damage)
 MAX_OWNER_RECORD = 64 << 10
 RETRY_SECONDS = 60.0  # how long a request is retried before the error reaches the user; CKPT_S3_RETRY_SECONDS
 MAX_RETRIES = 1 << 16  # no bound of its own: RETRY_SECONDS is (at the longest backoff, 5 s, 60 s is 12-24 tries)
@@ -322,15 +322,28 @@ class S3ObjectStore:
             ahead.close()
 
     def _fetch(self, oid: ObjectId) -> memoryview:
+        """The bytes of `oid`, verified; bytes that do not match are read once more before `oid` is called corrupted.
+
+        Bytes can be damaged on their way (a gateway's short body with a Content-Length that says so, a
+        flipped bit), and a damaged/ marker counts for every machine using the bucket: only a second read
+        that does not match either marks it. A read that matches takes off a marker this process knows of.
+        """
+        data = self._get(oid)
+        if object_id(data) != oid:
+            data = self._get(oid)
+            if object_id(data) != oid:
+                self.damage.add(oid)
+                raise CorruptObjectError(oid, f"corrupted (the {len(data)} bytes {self.url} returned do not match "
+                                              "its hash, also when read again)")
+        self.damage.discard([oid])  # its exact bytes are there: a marker set on a read damaged in transit is false
+        return data
+
+    def _get(self, oid: ObjectId) -> memoryview:
+        """The bytes the bucket returns for `oid`, unverified."""
         import obstore
 
         # the body streams in .bytes(): read inside call's error mapping, so a server lost mid-body is one line
-        data = memoryview(self.call(lambda client, key: obstore.get(client, key).bytes(), oid))
-        if object_id(data) != oid:
-            self.damage.add(oid)
-            raise CorruptObjectError(oid, f"corrupted (the {len(data)} bytes {self.url} returned do not match "
-                                          "its hash)")
-        return data
+        return memoryview(self.call(lambda client, key: obstore.get(client, key).bytes(), oid))
 
     def open_ranges(self) -> S3Ranges:
         return S3Ranges(self)
@@ -411,12 +424,13 @@ class S3ObjectStore:
 
 
 class _Damage:
-    """The bucket's list of objects a verified read found corrupted, as damaged/OID markers every machine sees.
+    """The bucket's list of objects two verified reads running found corrupted, as damaged/OID markers all can see.
 
     As a local store's damagelist.py: a commit stores such objects' tensors again instead of reusing a
     record (committing the file again reused the corrupted object, "0 B new"), and the put of an
-    object's exact bytes takes its marker off. `ids` lists them (one request, at each commit); the
-    markers this process knows of are what a put or a delete removes. Best effort: a bucket this
+    object's exact bytes, or a verified read that matches (the marker came of reads damaged in transit), takes
+    its marker off. `ids` lists them (one request, at each commit); the markers this process knows of
+    are what a put, a delete or a sound read removes. Best effort: a bucket this
     process may not write to keeps none, and the read's error still says the damage.
     """
 

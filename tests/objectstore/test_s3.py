@@ -108,6 +108,31 @@ def test_a_batch_under_a_lasting_outage_fails_after_one_retry_budget_not_one_per
     assert not list(store.iter_ids())  # nothing half stored, nothing recorded: the store is as it was
 
 
+@pytest.mark.parametrize("fault", ["flip", "short"])
+def test_one_read_damaged_in_transit_is_read_again_and_marks_nothing(s3_url, http_proxy, fault):
+    """One flipped bit, or a body cut short with a Content-Length that says so (a faulty gateway), marked the object
+    damaged for every machine using the bucket and failed the read, with no second read (auditor)."""
+    store = S3ObjectStore(s3_url)
+    data = os.urandom(300_000)
+    oid = store.put(data)
+    http_proxy.rules = [dict(kind=fault, method="GET", path="/objects/", times=1)]
+    assert store.get(oid) == data
+    assert len(http_proxy.log) == 1 and S3ObjectStore(s3_url).damage.ids() == set()
+
+
+def test_an_object_that_reads_wrong_twice_is_marked_and_a_sound_read_takes_the_mark_off(s3_url, http_proxy):
+    store = S3ObjectStore(s3_url)
+    data = os.urandom(300_000)
+    oid = store.put(data)
+    obstore.put(store._client, store.key(oid), data[::-1])  # damaged in the bucket: every read gives these bytes
+    with pytest.raises(CorruptObjectError, match="also when read again"):
+        store.get(oid)
+    assert S3ObjectStore(s3_url).damage.ids() == {oid}
+    obstore.put(store._client, store.key(oid), data)  # made whole by another tool, not by this store's put
+    assert store.get(oid) == data  # its exact bytes, verified: the marker is false now
+    assert S3ObjectStore(s3_url).damage.ids() == set()
+
+
 def test_an_unreachable_bucket_is_one_line_at_the_cli(tmp_path, s3_url, monkeypatch):
     torch.save({"w": torch.ones(4)}, tmp_path / "c.pt")
     assert ckpt_here(tmp_path, "init", "--objects", s3_url).returncode == 0

@@ -286,3 +286,16 @@ def test_a_server_away_for_seconds_is_retried_as_long_as_the_retry_time_allows(b
     with Repository.open(bucket_repo) as repo:
         assert_same(repo.checkout("HEAD"), _state(0))
         assert fsck(repo, full=True).ok
+
+
+def test_a_read_damaged_in_transit_twice_running_is_replayed_once_more_not_blamed_on_the_records(tmp_path, s3_url,
+                                                                                                   http_proxy):
+    """Wrong bytes from a read, where every object of the chain then read back sound, blamed the tensor's records
+    ("the metadata of tensor … is damaged") and failed the checkout: the damage was a read's, in transit (auditor)."""
+    with Repository.init(tmp_path / "work", objects_url=s3_url) as repo:
+        cid = repo.commit(_state(0))
+        victim = max(repo.store.iter_sizes(), key=lambda item: item[1])[0]  # a tensor's chunk, not the manifest
+        http_proxy.rules = [dict(kind="flip", method="GET", path=victim[2:], times=2)]  # both of the store's reads
+        assert_same(_state(0), repo.checkout(cid))
+        assert [kind for _, _, kind in http_proxy.log] == ["flip", "flip"]
+        assert S3ObjectStore(s3_url).damage.ids() == set() and fsck(repo).ok  # its marker taken off by a sound read
