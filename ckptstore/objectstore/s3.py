@@ -85,7 +85,7 @@ def _client(bucket: str) -> Any:
     # the client's timeout covers a request's whole transfer, not only a silence: a 64 MiB PUT among
     # eight at once on a slow link needs minutes, so a stalled server is only found that late unless
     # the user, knowing the link, sets CKPT_S3_REQUEST_SECONDS lower
-    request = max(1.0, _seconds("CKPT_S3_REQUEST_SECONDS", REQUEST_SECONDS))
+    request = _request_seconds()
     options: dict[str, Any] = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=request)}
     _check_endpoint()
     if _endpoint().startswith("http://"):
@@ -107,6 +107,11 @@ def _client(bucket: str) -> Any:
                          "base": 2}}
     return S3Store(bucket, config=config, client_options=options, retry_config=retry,
                    credential_provider=provider)
+
+
+def _request_seconds() -> float:
+    """How long one request may take (CKPT_S3_REQUEST_SECONDS, at least a second)."""
+    return max(1.0, _seconds("CKPT_S3_REQUEST_SECONDS", REQUEST_SECONDS))
 
 
 def _check_endpoint() -> None:
@@ -607,9 +612,15 @@ def unavailable(url: str, exc: BaseException) -> StoreUnavailableError:
     """The client's error as one line naming the store, what happened and what to do."""
     from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
 
+    dump = str(exc)  # the client's dump of its state is all that tells a request timed out from a refused connection
     text = _said(exc)
     endpoint = _endpoint() or "the default AWS endpoint"
-    if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)) or any(
+    # said only where the client did ask again: a missing Content-Length, or a 403, is not retried
+    again = ", also when asked again" if re.search(r"after [1-9]\d* retries", text) else ""
+    if any(code in dump for code in ("ExpiredToken", "TokenRefreshRequired")):  # refused, but the keys are right
+        advice = ("the session token expired: refresh AWS_SESSION_TOKEN (with AWS_ACCESS_KEY_ID and "
+                  "AWS_SECRET_ACCESS_KEY), or the credentials of the profile AWS_PROFILE names")
+    elif isinstance(exc, (PermissionDeniedError, UnauthenticatedError)) or any(
             word in text for word in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403 Forbidden")):
         advice = ("the credentials were refused: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) "
                   "and the bucket's permissions")
@@ -618,10 +629,13 @@ def unavailable(url: str, exc: BaseException) -> StoreUnavailableError:
             f"S3 store {url}: the bucket does not exist: check the URL. If it held this repository's objects, they "
             "went with it, and a new empty bucket brings none back: restore it from a backup (`ckpt fsck` then "
             f"lists what is still missing); for a new repository, create it ({_short(text)})")
+    elif "kind: Timeout" in dump:  # connected, and no whole answer in time (obstore says "error sending request")
+        advice = (f"{endpoint} did not answer within CKPT_S3_REQUEST_SECONDS ({_request_seconds():g} s){again}: check "
+                  "that it is up, or give a slow link more time with CKPT_S3_REQUEST_SECONDS")
     elif "error sending request" in text or "connection refused" in text.lower():
         advice = f"cannot reach {endpoint}: check that it is up and that AWS_ENDPOINT_URL names it"
     else:
-        advice = f"the server at {endpoint} failed, also when asked again"
+        advice = f"the server at {endpoint} failed{again}"
     return StoreUnavailableError(f"S3 store {url}: {advice}. Nothing was lost: run the command again once it is "
                                  f"fixed; it resumes where it stopped ({_short(text)})")
 

@@ -133,6 +133,28 @@ def test_an_object_that_reads_wrong_twice_is_marked_and_a_sound_read_takes_the_m
     assert S3ObjectStore(s3_url).damage.ids() == set()
 
 
+@pytest.mark.parametrize(("rule", "said", "not_said"), [
+    # a request timeout was "cannot reach …: check that AWS_ENDPOINT_URL names it" (obstore: "error sending request")
+    (dict(kind="delay", seconds=2.5), "did not answer within CKPT_S3_REQUEST_SECONDS (1 s)", "cannot reach"),
+    # an expired session token was "the credentials were refused: check AWS_ACCESS_KEY_ID …"
+    (dict(kind="status", code=403, s3code="ExpiredToken"), "the session token expired: refresh AWS_SESSION_TOKEN",
+     "refused"),
+    (dict(kind="status", code=403, s3code="TokenRefreshRequired"), "the session token expired", "refused"),
+    # an answer obstore never retried (no Content-Length) was said to have failed "also when asked again"
+    (dict(kind="no_length"), "failed. Nothing was lost", "asked again"),
+    (dict(kind="status", code=503, s3code="SlowDown"), "failed, also when asked again", "cannot reach"),
+])
+def test_a_failed_read_says_what_happened(s3_url, http_proxy, monkeypatch, rule, said, not_said):
+    monkeypatch.setenv("CKPT_S3_REQUEST_SECONDS", "1")
+    monkeypatch.setenv("CKPT_S3_RETRY_SECONDS", "1.5")
+    store = S3ObjectStore(s3_url)
+    oid = store.put(os.urandom(100_000))
+    http_proxy.rules = [dict(rule, method="GET", path="/objects/")]
+    with pytest.raises(StoreUnavailableError) as failed:
+        store.get(oid)
+    assert said in str(failed.value) and not_said not in str(failed.value), str(failed.value)
+
+
 def test_an_unreachable_bucket_is_one_line_at_the_cli(tmp_path, s3_url, monkeypatch):
     torch.save({"w": torch.ones(4)}, tmp_path / "c.pt")
     assert ckpt_here(tmp_path, "init", "--objects", s3_url).returncode == 0
