@@ -617,7 +617,8 @@ def unavailable(url: str, exc: BaseException) -> StoreUnavailableError:
     endpoint = _endpoint() or "the default AWS endpoint"
     # said only where the client did ask again: a missing Content-Length, or a 403, is not retried
     again = ", also when asked again" if re.search(r"after [1-9]\d* retries", text) else ""
-    if any(code in dump for code in ("ExpiredToken", "TokenRefreshRequired")):  # refused, but the keys are right
+    # the response's error code, not a name in the URL (a prefix "ExpiredTokenTest" made every error an expiry)
+    if re.search(r"<Code>(ExpiredToken|TokenRefreshRequired)</Code>", dump):  # refused, but the keys are right
         advice = ("the session token expired: refresh AWS_SESSION_TOKEN (with AWS_ACCESS_KEY_ID and "
                   "AWS_SECRET_ACCESS_KEY), or the credentials of the profile AWS_PROFILE names")
     elif isinstance(exc, (PermissionDeniedError, UnauthenticatedError)) or any(

@@ -155,6 +155,20 @@ def test_a_failed_read_says_what_happened(s3_url, http_proxy, monkeypatch, rule,
     assert said in str(failed.value) and not_said not in str(failed.value), str(failed.value)
 
 
+def test_an_error_code_in_the_repositorys_name_is_not_taken_for_the_servers(s3_server, http_proxy, monkeypatch):
+    """A prefix naming a run "ExpiredTokenTest" made every error of its repository an expired session token (the
+    name is in the request's URL): a lasting 503 and a missing bucket were both told so (reviewer helper 348)."""
+    monkeypatch.setenv("CKPT_S3_RETRY_SECONDS", "1")
+    http_proxy.rules = [dict(kind="status", code=503, s3code="SlowDown", method="PUT")]
+    with pytest.raises(StoreUnavailableError) as failed:
+        S3ObjectStore(f"s3://{s3_server.new_bucket()}/ExpiredTokenTest").put(os.urandom(1000))
+    assert "failed, also when asked again" in str(failed.value) and "session token" not in str(failed.value)
+    http_proxy.rules = []
+    with pytest.raises(StoreUnavailableError) as failed:
+        S3ObjectStore("s3://no-such-bucket-348/TokenRefreshRequired-runs").put(b"x")
+    assert "the bucket does not exist" in str(failed.value), str(failed.value)
+
+
 def test_an_unreachable_bucket_is_one_line_at_the_cli(tmp_path, s3_url, monkeypatch):
     torch.save({"w": torch.ones(4)}, tmp_path / "c.pt")
     assert ckpt_here(tmp_path, "init", "--objects", s3_url).returncode == 0
