@@ -32,6 +32,10 @@ _KEPT: dict[Path, Repository] = {}
 # commit or check out on it, so another thread that finds it idle must not close it under that call.
 _USERS: dict[Path, int] = {}
 _KEPT_LOCK = ProcessLock()
+# Kept repositories whose folder was made anew while a call used them (a folder's repository named by its
+# `.ckpt` folder's identity), by id: closed by their last user; the folder's next call opens the new one.
+_STALE: dict[int, tuple[Repository, int]] = {}
+_KEPT_IDENTITY: dict[Path, tuple[int, int] | None] = {}  # each kept repository's `.ckpt` when it was opened
 # Whether _close_kept is registered with atexit: once per process (a forked child inherits the hook with
 # the flag). Registering whenever _KEPT was empty added one more callback at each save after an idle spell.
 _close_kept_hooked: list[bool] = []
@@ -39,9 +43,10 @@ _close_kept_hooked: list[bool] = []
 
 def _close_kept() -> None:
     with _KEPT_LOCK:
-        kept = list(_KEPT.values())
+        kept = [*_KEPT.values(), *(repository for repository, _ in _STALE.values())]
         _KEPT.clear()
         _USERS.clear()
+        _STALE.clear()
     for repository in kept:
         repository.close()
 
@@ -49,16 +54,27 @@ def _close_kept() -> None:
 def _forget_users_in_child() -> None:
     """A forked child has none of the parent's threads or commit threads: none of their uses will end there."""
     _USERS.clear()
+    _STALE.clear()
 
 
 os.register_at_fork(after_in_child=_forget_users_in_child)
+
+
+def _identity(folder: Path) -> tuple[int, int] | None:
+    """The `.ckpt` folder's device and inode: a folder deleted and made again by init is another repository."""
+    try:
+        found = os.stat(folder)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
 
 
 def _take_kept(root: Path) -> Repository | None:
     """The folder's kept repository, now used by the caller until `_let_go`; an idle one is closed and forgotten.
 
     Idle: nobody uses it, and no commit of it is in flight or failed unseen. Found and taken under one lock: a
-    thread closing it between another's finding it and committing on it lost that commit.
+    thread closing it between another's finding it and committing on it lost that commit. One whose folder
+    was made anew meanwhile is never handed out: a save there went into the deleted database, unsaid.
     """
     from ckptstore.repo.background import busy  # the snapshot machinery, loaded when first used
 
@@ -66,11 +82,15 @@ def _take_kept(root: Path) -> Repository | None:
         kept = _KEPT.get(root)
         if kept is None:
             return None
-        if _USERS.get(root, 0) > 0 or busy(kept):
+        same = _identity(kept.dir) == _KEPT_IDENTITY.get(root)
+        if same and (_USERS.get(root, 0) > 0 or busy(kept)):
             _USERS[root] = _USERS.get(root, 0) + 1
             return kept
         del _KEPT[root]
-        _USERS.pop(root, None)
+        users = _USERS.pop(root, 0)
+        if users > 0 or busy(kept):  # its users finish with it; the last closes it (_let_go)
+            _STALE[id(kept)] = (kept, users)
+            return None
     kept.close()
     return None
 
@@ -84,13 +104,20 @@ def _let_go(root: Path, repository: Repository, close_idle: bool = False) -> Non
     from ckptstore.repo.background import busy
 
     with _KEPT_LOCK:
-        if _KEPT.get(root) is not repository or _USERS.get(root, 0) == 0:  # the exit or a fork forgot it meanwhile
+        if id(repository) in _STALE:  # its folder was made anew: the last user closes it
+            users = _STALE[id(repository)][1] - 1
+            _STALE[id(repository)] = (repository, users)
+            if users > 0 or busy(repository):
+                return
+            del _STALE[id(repository)]
+        elif _KEPT.get(root) is not repository or _USERS.get(root, 0) == 0:  # the exit or a fork forgot it meanwhile
             return
-        _USERS[root] -= 1
-        if not close_idle or _USERS[root] > 0 or busy(repository):
-            return
-        del _KEPT[root]
-        del _USERS[root]
+        else:
+            _USERS[root] -= 1
+            if not close_idle or _USERS[root] > 0 or busy(repository):
+                return
+            del _KEPT[root]
+            del _USERS[root]
     repository.close()
 
 
@@ -110,7 +137,8 @@ def _use(root: Path) -> Repository:
             if not _close_kept_hooked:
                 atexit.register(_close_kept)
                 _close_kept_hooked.append(True)
-            _KEPT[root] = kept = opened
+            _KEPT[root], _KEPT_IDENTITY[root] = opened, _identity(opened.dir)
+            kept = opened
         _USERS[root] = _USERS.get(root, 0) + 1
     if kept is not opened:
         opened.close()

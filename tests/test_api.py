@@ -112,6 +112,40 @@ def test_a_load_on_another_thread_does_not_close_the_repository_a_background_sav
     assert_same(ckptstore.load("HEAD", root), {"w": torch.ones(4)})
 
 
+def test_a_save_by_path_into_a_folder_made_anew_while_another_thread_loads_lands_in_the_new_repository(
+        tmp_path, monkeypatch):
+    """A load in progress kept the folder's repository; the folder was deleted and made anew by init, and a save
+    by path was handed the old object: it returned an id, wrote into the deleted database and warned of a damaged
+    parent, and the new repository held nothing (reviewer helper 348, of a260ee9)."""
+    import shutil
+
+    root = tmp_path / "repo"
+    Repository.init(root).close()
+    ckptstore.save({"old": torch.ones(3)}, root)
+    loading, remade = threading.Event(), threading.Event()
+    checkout = Repository.checkout
+
+    def checkout_once_remade(self, *args, **kwargs):
+        loading.set()  # the race widened: the load holds the folder's repository while the folder is made anew
+        remade.wait(20)
+        return checkout(self, *args, **kwargs)
+
+    monkeypatch.setattr(Repository, "checkout", checkout_once_remade)
+    loader, _ = _in_thread(lambda: ckptstore.load(repo=root))
+    assert loading.wait(20)
+    monkeypatch.undo()
+    shutil.rmtree(root)
+    Repository.init(root).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "the parent commit's manifest is damaged"
+        cid = ckptstore.save({"new": torch.arange(5.0)}, root, message="after init")
+    remade.set()
+    loader.join(60)
+    with Repository.open(root) as repo:
+        assert [c.id for c in repo.log()] == [cid]
+    assert_same(ckptstore.load(repo=root), {"new": torch.arange(5.0)})
+
+
 def test_two_threads_first_background_saves_by_path_go_through_one_repository(tmp_path, monkeypatch):
     """Neither found a kept repository, each opened one and the later replaced the earlier: two lanes raced for the
     branch (8 of 10 saves landed) and one repository was never closed (auditor helper 334)."""
