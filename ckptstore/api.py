@@ -60,13 +60,17 @@ def _forget_users_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_users_in_child)
 
 
-def _identity(folder: Path) -> tuple[int, int] | None:
-    """The `.ckpt` folder's device and inode: a folder deleted and made again by init is another repository."""
+def _identity(repository: Repository) -> tuple[tuple[int, int], ...] | None:
+    """The device and inode of the `.ckpt` folder and of a SQLite database file: init there again makes others.
+
+    The open connection pins the old database file's inode, so a new one cannot reuse it (a folder's can).
+    """
+    database = repository.db.where
     try:
-        found = os.stat(folder)
+        return tuple((found.st_dev, found.st_ino) for found in map(
+            os.stat, [repository.dir, *([database] if os.path.isabs(database) else [])]))
     except OSError:
         return None
-    return found.st_dev, found.st_ino
 
 
 def _take_kept(root: Path) -> Repository | None:
@@ -76,21 +80,23 @@ def _take_kept(root: Path) -> Repository | None:
     thread closing it between another's finding it and committing on it lost that commit. One whose folder
     was made anew meanwhile is never handed out: a save there went into the deleted database, unsaid.
     """
-    from ckptstore.repo.background import busy  # the snapshot machinery, loaded when first used
+    from ckptstore.repo.background import busy, forget_failure  # the snapshot machinery, loaded when first used
 
     with _KEPT_LOCK:
         kept = _KEPT.get(root)
         if kept is None:
             return None
-        same = _identity(kept.dir) == _KEPT_IDENTITY.get(root)
+        same = _identity(kept) == _KEPT_IDENTITY.get(root)
         if same and (_USERS.get(root, 0) > 0 or busy(kept)):
             _USERS[root] = _USERS.get(root, 0) + 1
             return kept
         del _KEPT[root]
         users = _USERS.pop(root, 0)
-        if users > 0 or busy(kept):  # its users finish with it; the last closes it (_let_go)
+        if users > 0:  # its users (a background commit among them) finish with it; the last closes it (_let_go)
             _STALE[id(kept)] = (kept, users)
             return None
+    if not same:
+        forget_failure(kept)  # warned of where it failed: no later call on this folder can raise it
     kept.close()
     return None
 
@@ -101,15 +107,16 @@ def _let_go(root: Path, repository: Repository, close_idle: bool = False) -> Non
     With `close_idle` (a call returned), one now idle is closed at once, as a repository a call opened for
     itself was; a background commit's thread leaves it to the next call, which closes it if still idle.
     """
-    from ckptstore.repo.background import busy
+    from ckptstore.repo.background import busy, forget_failure
 
     with _KEPT_LOCK:
         if id(repository) in _STALE:  # its folder was made anew: the last user closes it
             users = _STALE[id(repository)][1] - 1
             _STALE[id(repository)] = (repository, users)
-            if users > 0 or busy(repository):
+            if users > 0:
                 return
             del _STALE[id(repository)]
+            forget_failure(repository)  # warned of where it failed: no later call on this folder can raise it
         elif _KEPT.get(root) is not repository or _USERS.get(root, 0) == 0:  # the exit or a fork forgot it meanwhile
             return
         else:
@@ -137,7 +144,7 @@ def _use(root: Path) -> Repository:
             if not _close_kept_hooked:
                 atexit.register(_close_kept)
                 _close_kept_hooked.append(True)
-            _KEPT[root], _KEPT_IDENTITY[root] = opened, _identity(opened.dir)
+            _KEPT[root], _KEPT_IDENTITY[root] = opened, _identity(opened)
             kept = opened
         _USERS[root] = _USERS.get(root, 0) + 1
     if kept is not opened:

@@ -146,6 +146,45 @@ def test_a_save_by_path_into_a_folder_made_anew_while_another_thread_loads_lands
     assert_same(ckptstore.load(repo=root), {"new": torch.arange(5.0)})
 
 
+def test_a_repository_of_a_folder_made_anew_is_closed_when_its_failed_background_commit_ends(tmp_path, monkeypatch):
+    """Its background commit failed (warned of) after the folder was made anew: the old repository stayed open
+    on the deleted database until the exit, which then told the failure a second time (reviewer helper 349)."""
+    import shutil
+    import time
+
+    from ckptstore import api
+
+    root, release = tmp_path / "repo", tmp_path / "release"
+    Repository.init(root).close()
+    monkeypatch.setenv("CKPT_WAIT_AT", f"background:start={release}")
+    monkeypatch.setenv("CKPT_FAIL_AT", "background:start")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BackgroundCommitWarning)  # the failure is warned of from its thread
+        handle = ckptstore.save({"w": torch.ones(4)}, root, blocking=False)
+        deadline = time.monotonic() + 30
+        while not Path(f"{release}.reached").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        shutil.rmtree(root / ".ckpt")
+        Repository.init(root).close()
+        monkeypatch.delenv("CKPT_WAIT_AT")
+        cid = ckptstore.save({"w": torch.full((4,), 2.0)}, root)  # a blocking commit passes no background:start
+        release.touch()
+        handle.wait()
+        monkeypatch.delenv("CKPT_FAIL_AT")
+        deadline = time.monotonic() + 30
+        while api._STALE and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert handle.failure() is not None and not api._STALE
+    import gc
+
+    gc.collect()  # a closed database's last connection goes with its cycle
+    held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.islink(f"/proc/self/fd/{fd}")]
+    assert not [name for name in held if str(root) in name and "(deleted)" in name], held
+    with Repository.open(root) as repo:
+        assert [c.id for c in repo.log()] == [cid]
+
+
 def test_two_threads_first_background_saves_by_path_go_through_one_repository(tmp_path, monkeypatch):
     """Neither found a kept repository, each opened one and the later replaced the earlier: two lanes raced for the
     branch (8 of 10 saves landed) and one repository was never closed (auditor helper 334)."""

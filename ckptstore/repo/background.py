@@ -270,6 +270,17 @@ def busy(repo: Repository) -> bool:
     return lane is not None and (lane.failed is not None or (lane.current is not None and not lane.current.done()))
 
 
+def forget_failure(repo: Repository) -> None:
+    """Mark `repo`'s failed background commit seen: no call will use it again (its folder was made anew).
+
+    Its failure was warned of where it happened; closing the repository, or the exit, then says nothing more.
+    """
+    lane = repo._background
+    if lane is not None and lane.failed is not None:
+        lane.failed._observed = True
+        lane.failed = None
+
+
 def lane_of(repo: Repository) -> Lane:
     """The repository's lane, made once: two threads' first commits each made one and raced for the branch."""
     lane = repo._background
