@@ -340,13 +340,14 @@ class Database:
             with contextlib.suppress(*self.backend.errors):
                 connection.close()  # ending the session releases the lock
 
-    def confirm_locks(self, deleting: bool = False) -> None:
-        """Every repository lock this process took is still held: before a write commits, and before gc deletes.
+    def confirm_locks(self, deleting: bool = False, deleted: str | None = None) -> None:
+        """Every repository lock this process took is still held: before a write commits, and around gc's deletes.
 
         A session cut while idle (the server restarted, an operator or a timeout ended it) lets a gc
         on another machine delete what this command wrote; its record must then not be written.
         A gc whose lock went may be deleting an object that a commit elsewhere has just found
-        present and will not upload again (`deleting`): it must stop.
+        present and will not upload again (`deleting`): it must stop, and say which object it was
+        deleting then (`deleted`, a delete retried against a throttling store can last a minute).
         """
         for connection in list(self._lock_sessions):
             try:
@@ -354,9 +355,11 @@ class Database:
             except self.backend.errors as exc:
                 ended = f"its session ended: {' '.join(str(exc).split())[:160]}"
                 if deleting:
+                    risk = (f" A commit made elsewhere while object {deleted} was being deleted may need it: run "
+                            "`ckpt fsck`, and commit again the files of a commit it names broken." if deleted else "")
                     raise LostLockError(f"lost the repository lock on {self.where} while deleting unreachable objects "
-                                        f"({ended}); deleting stopped, so no commit made elsewhere meanwhile loses an "
-                                        "object: run the command again to finish", ended) from None
+                                        f"({ended}); deleting stopped.{risk} Run the command again to finish",
+                                        ended) from None
                 raise LostLockError(f"lost the repository lock on {self.where} while this command ran ({ended}); a "
                                     "gc elsewhere may have removed what it wrote, so nothing was recorded: run the "
                                     "command again", ended) from None

@@ -136,17 +136,20 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
     faults.point("gc:db-committed")
     _forget_damage_of_absent(repo, stored.keys())
     refused: list[PermissionError] = []
+    deleted = None  # the lock lost during a delete (retried for a minute on a throttling bucket) is said with it
     for oid, size in stored.items():
         if oid not in live_objects and oid not in findings.unreadable_manifests:
-            repo.db.confirm_locks(deleting=True)  # one query on a shared database; nothing on a local one
+            repo.db.confirm_locks(deleting=True, deleted=deleted)  # one query on a shared database; none on a local
             try:
                 repo.store.delete(oid)
             except PermissionError as exc:  # another user's folder (their umask): the rest of the garbage still goes
                 refused.append(exc)
                 continue
+            deleted = oid
             faults.point("gc:object-deleted")
             report.bytes_removed += size
             report.objects_removed += 1
+    repo.db.confirm_locks(deleting=True, deleted=deleted)  # and after the last: a gc that lost it did not end well
     if refused:
         _say_left(refused)
     return report

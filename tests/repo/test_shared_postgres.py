@@ -284,6 +284,32 @@ def test_a_gc_whose_lock_session_was_cut_stops_deleting_before_a_commit_elsewher
         assert_same(state, other.checkout("y")) and fsck(other).ok
 
 
+def test_a_gc_whose_lock_session_ended_during_a_delete_names_that_object_and_fsck(postgres_server, postgres_url,
+                                                                                    tmp_path, monkeypatch):
+    """A delete under way when the lock went (a throttling bucket retries one for a minute) can remove an object a
+    commit elsewhere found present meanwhile: gc said "no commit made elsewhere meanwhile loses an object", and a
+    gc whose last delete was the one said nothing at all (auditor helper 350)."""
+    import pytest
+
+    from ckptstore.errors import LostLockError
+    from ckptstore.repo.maintenance import gc
+
+    state = {"w": torch.randn(50_000, generator=torch.Generator().manual_seed(2))}
+    with Repository.init(tmp_path, objects_url=f"file://{tmp_path / 'objects'}", metadata_url=postgres_url) as repo:
+        repo.commit({"w": torch.zeros(100)})
+        repo.branch("x")
+        repo.commit(state, branch="x")
+        repo.delete_branch("x")  # its objects are garbage now
+        deleted, delete = [], repo.store.delete
+        monkeypatch.setattr(repo.store, "delete", lambda oid: (deleted.append(oid), delete(oid))[1])
+        _cut_the_lock_session_at("gc:object-deleted", postgres_server, monkeypatch)
+        with pytest.raises(LostLockError) as lost:
+            gc(repo, prune_unreachable=True)
+        monkeypatch.undo()
+    assert deleted and f"object {deleted[-1]} was being deleted" in str(lost.value) and "ckpt fsck" in str(lost.value)
+    assert "no commit made elsewhere meanwhile loses" not in str(lost.value)
+
+
 def test_a_prune_whose_lock_session_was_cut_after_it_was_recorded_says_so(postgres_server, postgres_url, tmp_path,
                                                                           monkeypatch):
     """It said "nothing was recorded" of a prune its database had recorded; only the clean-up was left."""
