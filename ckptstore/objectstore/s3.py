@@ -623,8 +623,11 @@ def unavailable(url: str, exc: BaseException) -> StoreUnavailableError:
                   "AWS_SECRET_ACCESS_KEY), or the credentials of the profile AWS_PROFILE names")
     elif isinstance(exc, (PermissionDeniedError, UnauthenticatedError)) or any(
             word in text for word in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403 Forbidden")):
+        # a HEAD's refusal has no body to name its code: with a session token, it may be the token's expiry
+        expired = (" (or, with AWS_SESSION_TOKEN set, the session token expired: refresh it)"
+                   if os.environ.get("AWS_SESSION_TOKEN") and "<Code>" not in dump else "")
         advice = ("the credentials were refused: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) "
-                  "and the bucket's permissions")
+                  f"and the bucket's permissions{expired}")
     elif "NoSuchBucket" in text:  # no "nothing was lost": a bucket gone took the objects in it along
         return StoreUnavailableError(
             f"S3 store {url}: the bucket does not exist: check the URL. If it held this repository's objects, they "

@@ -169,6 +169,18 @@ def test_an_error_code_in_the_repositorys_name_is_not_taken_for_the_servers(s3_s
     assert "the bucket does not exist" in str(failed.value), str(failed.value)
 
 
+def test_a_refused_head_with_a_session_token_set_names_the_tokens_expiry(s3_url, http_proxy, monkeypatch):
+    """An expired token refuses every request, and each upload asks HEAD first, whose 403 has no body naming
+    ExpiredToken: a commit said only "the credentials were refused: check AWS_ACCESS_KEY_ID" (reviewer 349)."""
+    monkeypatch.setenv("CKPT_S3_RETRY_SECONDS", "1")
+    store = S3ObjectStore(s3_url)
+    http_proxy.rules = [dict(kind="status", code=403, s3code="ExpiredToken")]
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "a-token")
+    with pytest.raises(StoreUnavailableError) as failed:
+        store.put(os.urandom(1000))
+    assert "the session token expired" in str(failed.value), str(failed.value)
+
+
 def test_an_unreachable_bucket_is_one_line_at_the_cli(tmp_path, s3_url, monkeypatch):
     torch.save({"w": torch.ones(4)}, tmp_path / "c.pt")
     assert ckpt_here(tmp_path, "init", "--objects", s3_url).returncode == 0
