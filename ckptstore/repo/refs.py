@@ -287,15 +287,19 @@ def damage_of(name: str, kind: str, cid: str | None) -> str:
 
 
 def listed_refs(repo: Repository, kind: str, damage: dict[str, str]) -> dict[str, CommitId]:
-    """The branches or tags (`kind`) by name; one whose row names no commit is noted in `damage` and left out.
+    """The branches or tags (`kind`) by name; one whose row names no commit, or one with no record, is noted in
+    `damage` and left out, as `ckpt log --all` does.
 
     `Repository.branches()` raises on it instead: `ckpt branch` listed nothing for one damaged branch.
     """
     nowhere: list[str] = []
     with repo.db.read() as tx:
         found = ref_rows.refs_of_kind(tx, kind, nowhere)
+        recorded = liveness.commit_ids(tx) if found else set()
     damage.update({f"ref {name}": damage_of(name, kind, None) for name in nowhere})
-    return found
+    lost = {name: cid for name, cid in found.items() if cid not in recorded}
+    damage.update({f"ref {name}": damage_of(name, kind, cid) for name, cid in lost.items()})
+    return {name: cid for name, cid in found.items() if name not in lost}
 
 
 def _existing(tx: Tx, name: str, kind: str) -> ref_rows.RefRow:

@@ -120,6 +120,21 @@ def test_the_branch_and_tag_listings_go_past_a_ref_naming_no_commit_and_show_and
         assert result.returncode == 0 and result.stderr == "" and first[:12] in result.stdout, (verb, result.stderr)
 
 
+def test_the_branch_listing_warns_of_a_branch_naming_a_commit_with_no_record_as_log_all_does(repo, tmp_path):
+    """`ckpt branch` listed a branch naming a commit with no record silently (exit 0) where `ckpt log --all`
+    warned of it and exited 1 (reviewer helper 349)."""
+    from tests.conftest import ckpt_here
+
+    first = repo.commit({"w": torch.ones(2)})
+    repo.branch("side")
+    with repo.db.write() as tx:
+        tx.execute(f"UPDATE refs SET commit_id = '{'ab' * 32}' WHERE name = 'side'")
+    result = ckpt_here(tmp_path, "branch")
+    assert result.returncode == 1 and result.stdout.splitlines() == [f"* main {first[:12]}"], result.stdout
+    assert f"ref side is damaged: it points at commit {'ab' * 32}, which has no record" in result.stderr
+    assert ckpt_here(tmp_path, "branch", "-d", "side").returncode == 0 and repo.branches() == {"main": first}
+
+
 def test_branch_and_tag_d_delete_a_ref_naming_no_commit_or_a_lost_one_and_nothing_else(repo, tmp_path):
     """`ckpt branch -d side` of a row naming no commit failed on the listing it reads first (the way out of the
     damage `ckpt log --all` names), and one naming a lost commit warned that `ckpt gc --prune` would delete it, to
