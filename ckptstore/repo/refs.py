@@ -287,10 +287,10 @@ def damage_of(name: str, kind: str, cid: str | None) -> str:
 
 
 def listed_refs(repo: Repository, kind: str, damage: dict[str, str]) -> dict[str, CommitId]:
-    """The branches or tags (`kind`) by name; one whose row names no commit, or one with no record, is noted in
-    `damage` and left out, as `ckpt log --all` does.
+    """The branches or tags (`kind`) by name; a damaged one is noted in `damage` and left out, as `log --all` does.
 
-    `Repository.branches()` raises on it instead: `ckpt branch` listed nothing for one damaged branch.
+    Damaged: its row names no commit, or a commit with no record. `Repository.branches()` raises on the
+    first instead: `ckpt branch` listed nothing for one damaged branch.
     """
     nowhere: list[str] = []
     with repo.db.read() as tx:
