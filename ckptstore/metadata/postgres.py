@@ -26,8 +26,9 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 
 from ckptstore.errors import CkptError, CorruptDatabaseError, ReadOnlyRepoError, disk_full
+from ckptstore.holders import LOCK_NOTICE_S, holder_named, process_tag
 from ckptstore.metadata.tables import TABLES
-from ckptstore.warn import LOCK_NOTICE_S, caller_origin, holder_named, process_tag, warn_caller, warnings_at
+from ckptstore.warn import caller_origin, warn_caller, warnings_at
 
 if TYPE_CHECKING:
     from ckptstore.metadata.db import Database, Tx

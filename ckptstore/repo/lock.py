@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ckptstore.errors import RepoLockedError
-from ckptstore.warn import LOCK_NOTICE_S, holder_named, process_tag, warn_caller
+from ckptstore.holders import LOCK_NOTICE_S, holder_named, process_tag
+from ckptstore.warn import warn_caller
 
 _RETRY_S = 0.05  # how often a wait tries the lock again until it says so (then it blocks)
 

@@ -234,7 +234,7 @@ def test_a_commit_that_asks_while_a_gc_waits_on_the_server_queues_behind_it(tmp_
 
     import psycopg
 
-    from ckptstore.warn import LOCK_NOTICE_S
+    from ckptstore.holders import LOCK_NOTICE_S
 
     repos = [Repository.init(tmp_path / name, metadata_url=postgres_url, objects_url=f"file://{tmp_path / 'objects'}")
              for name in ("a", "b", "c")]
