@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ckptstore"
 
 # layer -> module name prefixes (relative to ckptstore)
 LAYERS = {
-    "base": ("errors", "faults", "hashing", "holders", "records", "threadlocal", "warn"),
+    "base": ("errors", "faults", "hashing", "holders", "paths", "records", "threadlocal", "warn"),
     "storage": ("objectstore",),
     "coding": ("codecs",),
     "state": ("state", "formats"),
@@ -129,7 +129,7 @@ def test_the_cli_uses_only_the_repository_layers_public_names(module):
     path = PACKAGE / module.replace(".", "/")
     imported = _imports(module, path / "__init__.py" if path.is_dir() else path.with_suffix(".py"))
     ours = {m for m in imported if m.startswith("ckptstore") and not m.startswith("ckptstore.cli.")}
-    assert ours <= {"ckptstore.errors", "ckptstore.repo", "ckptstore.cli", "ckptstore.daemon"}
+    assert ours <= {"ckptstore.errors", "ckptstore.paths", "ckptstore.repo", "ckptstore.cli", "ckptstore.daemon"}
 
 
 def test_the_checker_sees_a_violation(tmp_path):

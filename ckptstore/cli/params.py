@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import math
-import os
 from typing import Any
 
 import click
 
 from ckptstore.errors import CkptError
+from ckptstore.paths import symlink_loops
 from ckptstore.repo import LOSSY_LEVELS, EncodingSettings
 
 LEVEL_NAMES = list(LOSSY_LEVELS)
@@ -35,19 +34,10 @@ class PathGiven(click.Path):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and not value:
             self.fail("is empty (a variable not set?): pass a path", param, ctx)
-        if self.exists and isinstance(value, str) and _loops(value):  # click said "does not exist" of it
+        if self.exists and isinstance(value, str) and symlink_loops(value):  # click said "does not exist" of it
             self.fail(f"{value!r} is or passes through a symlink that leads back to itself (a loop): remove or "
                       "repoint it", param, ctx)
         return super().convert(value, param, ctx)
-
-
-def _loops(path: str) -> bool:
-    """Whether following `path` runs into a symlink loop (ELOOP)."""
-    try:
-        os.stat(path)
-    except OSError as exc:
-        return exc.errno == errno.ELOOP
-    return False
 
 
 class UrlGiven(click.types.StringParamType):

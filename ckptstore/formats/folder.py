@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath
 from ckptstore.errors import CheckpointFormatError
 from ckptstore.formats.atomic import TEMP_SUFFIX
 from ckptstore.formats.mounts import keeps_modes
+from ckptstore.paths import symlink_loops
 from ckptstore.warn import warn_caller
 
 # the temporary files of formats.atomic: a writer's leftovers after a crash, never checkpoint content
@@ -168,7 +169,7 @@ def _link_target(path: Path, real_root: Path, skipped: set[Path]) -> Path:
     """Where the symlink at `path` leads, when that is an existing place inside the folder."""
     target = Path(os.path.realpath(path))
     if not target.exists():
-        if _loops(path):  # realpath stops at a loop, which was said as a missing file
+        if symlink_loops(path):  # realpath stops at a loop, which was said as a missing file
             raise CheckpointFormatError(f"{path} is a symlink that leads back to itself (a loop): remove or "
                                         "repoint it")
         raise CheckpointFormatError(f"{path} is a symlink to {os.readlink(path)}, which does not exist: "
@@ -177,15 +178,6 @@ def _link_target(path: Path, real_root: Path, skipped: set[Path]) -> Path:
         raise CheckpointFormatError(f"{path} is a symlink to {target}, outside the checkpoint folder {real_root}: "
                                     "ckptstore follows only links that stay inside; copy the file in instead")
     return target
-
-
-def _loops(path: Path) -> bool:
-    """Whether following the symlink at `path` runs into a loop (ELOOP), not into a missing file."""
-    try:
-        os.stat(path)
-    except OSError as exc:
-        return exc.errno == errno.ELOOP
-    return False
 
 
 def _kind(mode: int) -> str:
