@@ -60,17 +60,22 @@ def _forget_users_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_users_in_child)
 
 
-def _identity(repository: Repository) -> tuple[tuple[int, int], ...] | None:
-    """The device and inode of the `.ckpt` folder and of a SQLite database file: init there again makes others.
+def _identity(repository: Repository) -> tuple[object, ...] | None:
+    """What init there again changes: the `.ckpt` folder's and a SQLite file's device and inode, and its config.
 
-    The open connection pins the old database file's inode, so a new one cannot reuse it (a folder's can).
+    The open connection pins the old database file's inode, so a new one cannot reuse it (a folder's can,
+    at once on ext4); a server's database is named by the config's URLs, which init writes anew (its other
+    keys may change under a repository, `ckpt remote add` writes there).
     """
+    import tomllib
+
     database = repository.db.where
     try:
-        return tuple((found.st_dev, found.st_ino) for found in map(
-            os.stat, [repository.dir, *([database] if os.path.isabs(database) else [])]))
-    except OSError:
+        places = [os.stat(place) for place in [repository.dir, *([database] if os.path.isabs(database) else [])]]
+        core = tomllib.loads((repository.dir / "config.toml").read_text()).get("core", {})
+    except (OSError, ValueError):  # gone, or no config one can read: not the repository it was
         return None
+    return (*((found.st_dev, found.st_ino) for found in places), core.get("metadata_url"), core.get("objects_url"))
 
 
 def _take_kept(root: Path) -> Repository | None:

@@ -185,6 +185,54 @@ def test_a_repository_of_a_folder_made_anew_is_closed_when_its_failed_background
         assert [c.id for c in repo.log()] == [cid]
 
 
+def test_a_folder_made_anew_with_another_postgresql_database_is_another_repository_though_its_inode_came_back(
+        tmp_path, postgres_server):
+    """On PostgreSQL only the `.ckpt` folder's inode told the old repository from the new, and ext4 gives it back
+    at once after an rmtree: a save by path went into the old database (reviewer helper 351, of 6a1e331). The
+    inode coming back is made certain here by writing the new config in place."""
+    from ckptstore import api
+
+    root = tmp_path / "repo"
+    with Repository.init(root, metadata_url=postgres_server.new_database()) as old:
+        before = api._identity(old)
+        config = root / ".ckpt" / "config.toml"
+        config.write_text(config.read_text().replace(old.config.metadata_url, postgres_server.new_database()))
+        assert api._identity(old) != before
+
+
+def test_a_failure_a_warnings_filter_swallowed_is_not_forgotten_with_its_remade_folder(tmp_path, monkeypatch):
+    """An error filter on BackgroundCommitWarning swallowed the warning; forgetting the failure of the folder's old
+    repository then left the exit nothing to say of the lost checkpoint (reviewer helper 351, of 6a1e331)."""
+    import shutil
+    import time
+
+    from ckptstore import api
+
+    root, release = tmp_path / "repo", tmp_path / "release"
+    Repository.init(root).close()
+    monkeypatch.setenv("CKPT_WAIT_AT", f"background:start={release}")
+    monkeypatch.setenv("CKPT_FAIL_AT", "background:start")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BackgroundCommitWarning)
+        handle = ckptstore.save({"w": torch.ones(4)}, root, blocking=False)
+        old = next(iter(api._KEPT.values()))
+        deadline = time.monotonic() + 30
+        while not Path(f"{release}.reached").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        shutil.rmtree(root / ".ckpt")
+        Repository.init(root).close()
+        monkeypatch.delenv("CKPT_WAIT_AT")
+        ckptstore.save({"w": torch.full((4,), 2.0)}, root)
+        release.touch()
+        handle.wait()
+        monkeypatch.delenv("CKPT_FAIL_AT")
+        deadline = time.monotonic() + 30
+        while api._STALE and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert not handle.warned and old._background.failed is handle  # left for the exit to tell
+    old._background.failed = None  # told here instead: the test's own process exits quietly
+
+
 def test_two_threads_first_background_saves_by_path_go_through_one_repository(tmp_path, monkeypatch):
     """Neither found a kept repository, each opened one and the later replaced the earlier: two lanes raced for the
     branch (8 of 10 saves landed) and one repository was never closed (auditor helper 334)."""

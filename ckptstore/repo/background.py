@@ -273,10 +273,11 @@ def busy(repo: Repository) -> bool:
 def forget_failure(repo: Repository) -> None:
     """Mark `repo`'s failed background commit seen: no call will use it again (its folder was made anew).
 
-    Its failure was warned of where it happened; closing the repository, or the exit, then says nothing more.
+    A failure warned of where it happened is not told again by closing the repository, or at the exit; one a
+    warnings filter swallowed (an error filter) is left for the exit to tell.
     """
     lane = repo._background
-    if lane is not None and lane.failed is not None:
+    if lane is not None and lane.failed is not None and lane.failed.warned:  # one not warned of: the exit says it
         lane.failed._observed = True
         lane.failed = None
 

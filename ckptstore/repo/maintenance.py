@@ -149,9 +149,10 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
             faults.point("gc:object-deleted")
             report.bytes_removed += size
             report.objects_removed += 1
-    repo.db.confirm_locks(deleting=True, deleted=deleted)  # and after the last: a gc that lost it did not end well
     if refused:
         _say_left(refused)
+    if deleted is not None:  # and after the last delete: a gc that lost the lock during it did not end well
+        repo.db.confirm_locks(deleting=True, deleted=deleted)
     return report
 
 

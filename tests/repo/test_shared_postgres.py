@@ -324,12 +324,49 @@ def test_a_prune_whose_lock_session_was_cut_after_it_was_recorded_says_so(postgr
         states = [{"w": torch.randn(20_000, generator=torch.Generator().manual_seed(i))} for i in range(3)]
         cids = [repo.commit(state) for state in states]
         _cut_the_lock_session_at("prune:db-committed", postgres_server, monkeypatch)
-        with pytest.raises(LostLockError, match="the prune of 2 commit.s. was recorded, but .* run `ckpt gc`"):
+        with pytest.raises(LostLockError, match="the prune of 2 commit.s. was recorded, but .*`ckpt gc` deletes"):
             prune(repo, RetentionPolicy(keep_last=1))
         monkeypatch.undo()
         assert [repo.commit_info(c).pruned for c in cids] == [True, True, False]
         assert gc(repo).objects_removed > 0 and fsck(repo).ok
         assert_same(states[2], repo.checkout(cids[2]))
+
+
+def test_a_prune_whose_lock_went_during_its_clean_up_keeps_gcs_line_naming_the_object(postgres_server, postgres_url,
+                                                                                       tmp_path, monkeypatch):
+    """Prune rewrote gc's lost-lock line as "lost before its clean-up", dropping the object being deleted and the
+    advice to run fsck that 0ba727a added (reviewer helper 351)."""
+    import pytest
+
+    from ckptstore.errors import LostLockError
+    from ckptstore.repo.config import RetentionPolicy
+    from ckptstore.repo.pruning import prune
+
+    with Repository.init(tmp_path, objects_url=f"file://{tmp_path / 'objects'}", metadata_url=postgres_url) as repo:
+        for seed in range(3):
+            repo.commit({"w": torch.randn(20_000, generator=torch.Generator().manual_seed(seed))})
+        deleted, delete = [], repo.store.delete
+        monkeypatch.setattr(repo.store, "delete", lambda oid: (deleted.append(oid), delete(oid))[1])
+        _cut_the_lock_session_at("gc:object-deleted", postgres_server, monkeypatch)
+        with pytest.raises(LostLockError) as lost:
+            prune(repo, RetentionPolicy(keep_last=1))
+        monkeypatch.undo()
+    said = str(lost.value)
+    assert "the prune of 2 commit(s) was recorded" in said and f"object {deleted[-1]}" in said and "ckpt fsck" in said
+
+
+def test_a_gc_with_nothing_to_delete_ends_well_though_its_lock_went_after_its_write(postgres_server, postgres_url,
+                                                                                   tmp_path, monkeypatch):
+    """0ba727a confirmed the lock after the loop even where nothing was deleted: a gc whose work was done failed
+    with "deleting stopped, run the command again" (reviewer helper 351)."""
+    from ckptstore.repo.maintenance import gc
+
+    with Repository.init(tmp_path, objects_url=f"file://{tmp_path / 'objects'}", metadata_url=postgres_url) as repo:
+        cid = repo.commit({"w": torch.ones(100)})
+        _cut_the_lock_session_at("gc:db-committed", postgres_server, monkeypatch)
+        assert gc(repo).objects_removed == 0
+        monkeypatch.undo()
+        assert_same({"w": torch.ones(100)}, repo.checkout(cid))
 
 
 def test_a_stopped_server_is_one_clear_line_and_the_command_works_once_it_is_back(tmp_path):
