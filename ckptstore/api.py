@@ -75,7 +75,9 @@ def _identity(repository: Repository) -> tuple[object, ...] | None:
         core = tomllib.loads((repository.dir / "config.toml").read_text()).get("core", {})
     except (OSError, ValueError):  # gone, or no config one can read: not the repository it was
         return None
-    return (*((found.st_dev, found.st_ino) for found in places), core.get("metadata_url"), core.get("objects_url"))
+    # as RepoConfig reads them: a key left out is "" (`ckpt remote add` writes it so, under a commit in flight)
+    return (*((found.st_dev, found.st_ino) for found in places), core.get("metadata_url") or "",
+            core.get("objects_url") or "")
 
 
 def _take_kept(root: Path) -> Repository | None:

@@ -238,11 +238,14 @@ class RetentionError(CkptError):
 
 
 class LostLockError(CkptError):
-    """The session that held a repository lock on a shared database ended while the command ran (`ended`: how)."""
+    """The session that held a repository lock on a shared database ended while the command ran (`ended`: how).
 
-    def __init__(self, message: str, ended: str) -> None:
+    `deleting`: it ended while gc deleted (its line names what to check); else before anything was deleted.
+    """
+
+    def __init__(self, message: str, ended: str, deleting: bool = False) -> None:
         super().__init__(message)
-        self.ended = ended
+        self.ended, self.deleting = ended, deleting
 
 
 class RepoLockedError(CkptError):

@@ -200,6 +200,22 @@ def test_a_folder_made_anew_with_another_postgresql_database_is_another_reposito
         assert api._identity(old) != before
 
 
+def test_a_config_rewritten_with_its_default_urls_spelt_out_is_the_same_repository(tmp_path):
+    """A config leaving out metadata_url and objects_url (their defaults) was read as None, and `ckpt remote add`
+    writes them as "": the folder's repository was taken for one made anew under a commit in flight, and a second
+    lane raced it for the branch (reviewer helper 352, of 42097e8)."""
+    from ckptstore import api
+
+    root = tmp_path / "repo"
+    Repository.init(root).close()
+    config = root / ".ckpt" / "config.toml"
+    config.write_text('[core]\nlossy = ""\n')
+    with Repository.open(root) as repo:
+        before = api._identity(repo)
+        config.write_text('[core]\nlossy = ""\nmetadata_url = ""\nobjects_url = ""\n')
+        assert api._identity(repo) == before
+
+
 def test_a_failure_a_warnings_filter_swallowed_is_not_forgotten_with_its_remade_folder(tmp_path, monkeypatch):
     """An error filter on BackgroundCommitWarning swallowed the warning; forgetting the failure of the folder's old
     repository then left the exit nothing to say of the lost checkpoint (reviewer helper 351, of 6a1e331)."""

@@ -359,7 +359,7 @@ class Database:
                             "`ckpt fsck`, and commit again the files of a commit it names broken." if deleted else "")
                     raise LostLockError(f"lost the repository lock on {self.where} while deleting unreachable objects "
                                         f"({ended}); deleting stopped.{risk} Run the command again to finish",
-                                        ended) from None
+                                        ended, deleting=True) from None
                 raise LostLockError(f"lost the repository lock on {self.where} while this command ran ({ended}); a "
                                     "gc elsewhere may have removed what it wrote, so nothing was recorded: run the "
                                     "command again", ended) from None

@@ -137,9 +137,13 @@ def _clean_up(repo: Repository, pruned: int) -> GcReport:
 
     try:
         return collect(repo)
-    except LostLockError as exc:  # gc's own line names an object deleted as the lock went, and says to run fsck
-        raise LostLockError(f"the prune of {pruned} commit(s) was recorded, but its clean-up stopped: {exc} (`ckpt "
-                            "gc` deletes what the prune freed)", exc.ended) from None
+    except LostLockError as exc:
+        if exc.deleting:  # gc's own line names an object deleted as the lock went, and says to run fsck
+            raise LostLockError(f"the prune of {pruned} commit(s) was recorded, but its clean-up stopped: {exc} "
+                                "(`ckpt gc` deletes what the prune freed)", exc.ended, deleting=True) from None
+        raise LostLockError(f"the prune of {pruned} commit(s) was recorded, but the repository lock on "
+                            f"{repo.db.where} was lost before its clean-up ({exc.ended}): run `ckpt gc` to "
+                            "delete what it freed", exc.ended) from None
     except Exception as exc:  # a full disk in gc's own write: "nothing changed" would be untrue
         said = explain(exc)
         if said is None:

@@ -324,8 +324,10 @@ def test_a_prune_whose_lock_session_was_cut_after_it_was_recorded_says_so(postgr
         states = [{"w": torch.randn(20_000, generator=torch.Generator().manual_seed(i))} for i in range(3)]
         cids = [repo.commit(state) for state in states]
         _cut_the_lock_session_at("prune:db-committed", postgres_server, monkeypatch)
-        with pytest.raises(LostLockError, match="the prune of 2 commit.s. was recorded, but .*`ckpt gc` deletes"):
+        with pytest.raises(LostLockError, match="the prune of 2 commit.s. was recorded, but the repository lock .* "
+                                                "was lost before its clean-up .*: run `ckpt gc`") as lost:
             prune(repo, RetentionPolicy(keep_last=1))
+        assert "nothing was recorded" not in str(lost.value)  # gc's line for a lock lost before it deleted
         monkeypatch.undo()
         assert [repo.commit_info(c).pruned for c in cids] == [True, True, False]
         assert gc(repo).objects_removed > 0 and fsck(repo).ok
