@@ -242,8 +242,8 @@ def test_a_failure_a_warnings_filter_swallowed_is_not_forgotten_with_its_remade_
         release.touch()
         handle.wait()
         monkeypatch.delenv("CKPT_FAIL_AT")
-        deadline = time.monotonic() + 30
-        while api._STALE and time.monotonic() < deadline:
+        deadline = time.monotonic() + 30  # the commit's thread tells its failure after the handle resolves
+        while (api._STALE or old._background.failed is None) and time.monotonic() < deadline:
             time.sleep(0.02)
     assert not handle.warned and old._background.failed is handle  # left for the exit to tell
     old._background.failed = None  # told here instead: the test's own process exits quietly
