@@ -1,6 +1,7 @@
 """The module-level API (ckptstore/api.py): values as torch.save takes them, and in a torch.distributed job."""
 
 import atexit
+import contextlib
 import os
 import socket
 import threading
@@ -177,10 +178,18 @@ def test_a_repository_of_a_folder_made_anew_is_closed_when_its_failed_background
     assert handle.failure() is not None and not api._STALE
     import gc
 
-    gc.collect()  # a closed database's last connection goes with its cycle
-    held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
-            if os.path.islink(f"/proc/self/fd/{fd}")]
-    assert not [name for name in held if str(root) in name and "(deleted)" in name], held
+    def deleted_files_held() -> list[str]:
+        gc.collect()  # a closed database's last connection goes with its cycle
+        held = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # closed meanwhile
+                held.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return [name for name in held if str(root) in name and "(deleted)" in name]
+
+    deadline = time.monotonic() + 30  # the commit's thread lets its connection go once its transaction has ended
+    while deleted_files_held() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not deleted_files_held()
     with Repository.open(root) as repo:
         assert [c.id for c in repo.log()] == [cid]
 
