@@ -69,6 +69,13 @@ def test_save_stores_a_str_as_its_value_not_as_a_path(repo, tmp_path, monkeypatc
         ckptstore.save(tmp_path / "notes.txt", repo=repo)
 
 
+def _stale_of(root: Path) -> list:
+    """The repositories of the folder at `root` kept as made anew and not closed yet (other tests keep their own)."""
+    from ckptstore import api
+
+    return [repo for repo, _ in api._STALE.values() if repo.root == root.resolve()]
+
+
 def _in_thread(fn, *args):
     """Run `fn(*args)` on a thread; the returned list gets its result or exception once the thread ends."""
     outcome: list = []
@@ -153,7 +160,6 @@ def test_a_repository_of_a_folder_made_anew_is_closed_when_its_failed_background
     import shutil
     import time
 
-    from ckptstore import api
 
     root, release = tmp_path / "repo", tmp_path / "release"
     Repository.init(root).close()
@@ -173,9 +179,9 @@ def test_a_repository_of_a_folder_made_anew_is_closed_when_its_failed_background
         handle.wait()
         monkeypatch.delenv("CKPT_FAIL_AT")
         deadline = time.monotonic() + 30
-        while api._STALE and time.monotonic() < deadline:
+        while _stale_of(root) and time.monotonic() < deadline:
             time.sleep(0.02)
-    assert handle.failure() is not None and not api._STALE
+    assert handle.failure() is not None and not _stale_of(root)
     import gc
 
     def deleted_files_held() -> list[str]:
@@ -240,7 +246,7 @@ def test_a_failure_a_warnings_filter_swallowed_is_not_forgotten_with_its_remade_
     with warnings.catch_warnings():
         warnings.simplefilter("error", BackgroundCommitWarning)
         handle = ckptstore.save({"w": torch.ones(4)}, root, blocking=False)
-        old = next(iter(api._KEPT.values()))
+        old = api._KEPT[root.resolve()]  # this test's: other tests of the process may keep theirs
         deadline = time.monotonic() + 30
         while not Path(f"{release}.reached").exists() and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -252,7 +258,7 @@ def test_a_failure_a_warnings_filter_swallowed_is_not_forgotten_with_its_remade_
         handle.wait()
         monkeypatch.delenv("CKPT_FAIL_AT")
         deadline = time.monotonic() + 30  # the commit's thread tells its failure after the handle resolves
-        while (api._STALE or old._background.failed is None) and time.monotonic() < deadline:
+        while (_stale_of(root) or old._background.failed is None) and time.monotonic() < deadline:
             time.sleep(0.02)
     assert not handle.warned and old._background.failed is handle  # left for the exit to tell
     old._background.failed = None  # told here instead: the test's own process exits quietly
