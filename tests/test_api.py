@@ -154,35 +154,53 @@ def test_a_save_by_path_into_a_folder_made_anew_while_another_thread_loads_lands
     assert_same(ckptstore.load(repo=root), {"new": torch.arange(5.0)})
 
 
-def test_a_repository_of_a_folder_made_anew_is_closed_when_its_failed_background_commit_ends(tmp_path, monkeypatch):
-    """Its background commit failed (warned of) after the folder was made anew: the old repository stayed open
-    on the deleted database until the exit, which then told the failure a second time (reviewer helper 349)."""
-    import shutil
+def _eventually(condition, seconds: float = 30.0) -> bool:
+    """Whether `condition()` holds within `seconds`, asked every 20 ms (a background commit's thread goes its way)."""
     import time
 
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
 
-    root, release = tmp_path / "repo", tmp_path / "release"
+
+def _failed_save_beside_a_remade_folder(root: Path, monkeypatch, warning_action: str):
+    """A background save by path held at its start while the folder is made anew and saved to by path, then failing.
+
+    Returns its handle, the repository it was kept in, and the commit the new folder got. `warning_action` is the
+    filter its BackgroundCommitWarning meets ("ignore", or "error": a filter that swallows it).
+    """
+    import shutil
+
+    from ckptstore import api
+
     Repository.init(root).close()
+    release = root.parent / "release"
     monkeypatch.setenv("CKPT_WAIT_AT", f"background:start={release}")
     monkeypatch.setenv("CKPT_FAIL_AT", "background:start")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", BackgroundCommitWarning)  # the failure is warned of from its thread
+        warnings.simplefilter(warning_action, BackgroundCommitWarning)
         handle = ckptstore.save({"w": torch.ones(4)}, root, blocking=False)
-        deadline = time.monotonic() + 30
-        while not Path(f"{release}.reached").exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        kept = api._KEPT[root.resolve()]  # this test's: other tests of the process may keep theirs
+        assert _eventually(Path(f"{release}.reached").exists)
         shutil.rmtree(root / ".ckpt")
         Repository.init(root).close()
         monkeypatch.delenv("CKPT_WAIT_AT")
         cid = ckptstore.save({"w": torch.full((4,), 2.0)}, root)  # a blocking commit passes no background:start
         release.touch()
-        handle.wait()
+        handle.wait()  # its failure is told (or left to the exit) before the handle resolves
         monkeypatch.delenv("CKPT_FAIL_AT")
-        deadline = time.monotonic() + 30
-        while _stale_of(root) and time.monotonic() < deadline:
-            time.sleep(0.02)
-    assert handle.failure() is not None and not _stale_of(root)
+    return handle, kept, cid
+
+
+def test_a_repository_of_a_folder_made_anew_is_closed_when_its_failed_background_commit_ends(tmp_path, monkeypatch):
+    """Its background commit failed (warned of) after the folder was made anew: the old repository stayed open
+    on the deleted database until the exit, which then told the failure a second time (reviewer helper 349)."""
     import gc
+
+    root = tmp_path / "repo"
+    handle, _, cid = _failed_save_beside_a_remade_folder(root, monkeypatch, "ignore")
+    assert handle.failure() is not None and _eventually(lambda: not _stale_of(root))
 
     def deleted_files_held() -> list[str]:
         gc.collect()  # a closed database's last connection goes with its cycle
@@ -192,10 +210,8 @@ def test_a_repository_of_a_folder_made_anew_is_closed_when_its_failed_background
                 held.append(os.readlink(f"/proc/self/fd/{fd}"))
         return [name for name in held if str(root) in name and "(deleted)" in name]
 
-    deadline = time.monotonic() + 30  # the commit's thread lets its connection go once its transaction has ended
-    while deleted_files_held() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not deleted_files_held()
+    # the commit's thread lets its connection go once its transaction has ended
+    assert _eventually(lambda: not deleted_files_held())
     with Repository.open(root) as repo:
         assert [c.id for c in repo.log()] == [cid]
 
@@ -234,32 +250,10 @@ def test_a_config_rewritten_with_its_default_urls_spelt_out_is_the_same_reposito
 def test_a_failure_a_warnings_filter_swallowed_is_not_forgotten_with_its_remade_folder(tmp_path, monkeypatch):
     """An error filter on BackgroundCommitWarning swallowed the warning; forgetting the failure of the folder's old
     repository then left the exit nothing to say of the lost checkpoint (reviewer helper 351, of 6a1e331)."""
-    import shutil
-    import time
-
-    from ckptstore import api
-
-    root, release = tmp_path / "repo", tmp_path / "release"
-    Repository.init(root).close()
-    monkeypatch.setenv("CKPT_WAIT_AT", f"background:start={release}")
-    monkeypatch.setenv("CKPT_FAIL_AT", "background:start")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", BackgroundCommitWarning)
-        handle = ckptstore.save({"w": torch.ones(4)}, root, blocking=False)
-        old = api._KEPT[root.resolve()]  # this test's: other tests of the process may keep theirs
-        deadline = time.monotonic() + 30
-        while not Path(f"{release}.reached").exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        shutil.rmtree(root / ".ckpt")
-        Repository.init(root).close()
-        monkeypatch.delenv("CKPT_WAIT_AT")
-        ckptstore.save({"w": torch.full((4,), 2.0)}, root)
-        release.touch()
-        handle.wait()
-        monkeypatch.delenv("CKPT_FAIL_AT")
-        deadline = time.monotonic() + 30  # the commit's thread tells its failure after the handle resolves
-        while (_stale_of(root) or old._background.failed is None) and time.monotonic() < deadline:
-            time.sleep(0.02)
+    root = tmp_path / "repo"
+    handle, old, _ = _failed_save_beside_a_remade_folder(root, monkeypatch, "error")
+    # the commit's thread tells its failure after the handle resolves
+    _eventually(lambda: not _stale_of(root) and old._background.failed is not None)
     assert not handle.warned and old._background.failed is handle  # left for the exit to tell
     old._background.failed = None  # told here instead: the test's own process exits quietly
 
