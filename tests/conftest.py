@@ -104,6 +104,15 @@ def wait_until_held(release: Path, process: subprocess.Popen, timeout: float = 1
         time.sleep(0.02)
 
 
+def end_left_running(started: list[subprocess.Popen]) -> None:
+    """Kill and reap the processes in `started` still running (a failed test's child held at a fault point for ever)."""
+    while started:
+        process = started.pop()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def ckpt_here(cwd: str | os.PathLike, *args: str, env: dict[str, str] | None = None,
               timeout: float = 300) -> subprocess.CompletedProcess:
     """`ckpt ARGS` typed in `cwd`, run by this process's `ckptstore.cli.main`: the exit code and output a shell gets.

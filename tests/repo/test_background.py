@@ -24,7 +24,7 @@ from ckptstore import Repository
 from ckptstore.errors import BackgroundCommitError, CkptError, ConflictError, DiskFullError
 from ckptstore.repo import background, fsck
 from ckptstore.repo.background import BackgroundCommitWarning
-from tests.conftest import Trainer, assert_same, ckpt_env
+from tests.conftest import Trainer, assert_same, ckpt_env, end_left_running
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -372,11 +372,7 @@ SPAWNED: list[subprocess.Popen] = []
 def _no_child_outlives_its_test():
     """A test that fails while its child waits at a hold point must not leave the child waiting forever."""
     yield
-    while SPAWNED:
-        child = SPAWNED.pop()
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+    end_left_running(SPAWNED)
 
 
 def _child(root: Path, steps: int, mode: str, env: dict | None = None) -> subprocess.Popen:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckptstore import Repository
-from tests.conftest import assert_same, ckpt_env, ckpt_here, wait_until_held
+from tests.conftest import assert_same, ckpt_env, ckpt_here, end_left_running, wait_until_held
 
 WAITING = "waiting for the repository lock"
 SAID_WITHIN_S = 30.0  # the line is due 2 s into the wait; the rest is a loaded machine starting python and torch
@@ -27,11 +27,7 @@ _STARTED: list[subprocess.Popen] = []
 def _none_left_running():
     """A failed test's processes (a gc held at its fault point for ever) are ended, not left holding the lock."""
     yield
-    while _STARTED:
-        process = _STARTED.pop()
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    end_left_running(_STARTED)
 
 
 class Running:
