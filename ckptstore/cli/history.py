@@ -10,7 +10,7 @@ import click
 
 from ckptstore.cli.group import cli, open_repo
 from ckptstore.cli.output import echo, emit_json, indented, size
-from ckptstore.errors import DamageListedPastError, listing, shown_name
+from ckptstore.errors import CorruptRecordError, DamageListedPastError, listing, shown_name
 from ckptstore.repo import listed_refs, log_graph, remove_ref, subject
 from ckptstore.repo import log as listed_log
 from ckptstore.repo import stats as listed_stats
@@ -109,13 +109,22 @@ def branch(ctx, words, delete) -> None:
         cid = repo.branch(name, start)
         echo(f"Created branch {name} at {cid[:12]}")
     else:
-        current, at = repo.head()
+        damage: dict[str, str] = {}
+        current, at = _head_or_damage(repo, damage)
         if current is None and at is not None:  # as git lists it: where a detached HEAD is
             echo(f"* (HEAD detached at {at[:12]})")
-        damage: dict[str, str] = {}
         for branch_name, cid in listed_refs(repo, "branch", damage).items():
             echo(f"{'*' if branch_name == current else ' '} {shown_name(branch_name)} {cid[:12]}")
         damage_listed_past(damage)
+
+
+def _head_or_damage(repo, damage: dict[str, str]) -> tuple[str | None, str | None]:
+    """HEAD's branch and commit; a damaged HEAD row is noted in `damage` (none starred): it hid every branch."""
+    try:
+        return repo.head()
+    except CorruptRecordError as exc:
+        damage[exc.what] = f"{exc.problem}; no branch is starred as HEAD's: check out a branch (`ckpt checkout BRANCH`)"
+        return None, None
 
 
 @cli.command()

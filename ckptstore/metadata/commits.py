@@ -102,21 +102,43 @@ class CommitInfo:
         return self
 
 
+# the places in a row of _COLUMNS of the columns that hold numbers (SQLite keeps any value in any column)
+_NUMBERS = {4: "created_at", 5: "step", 9: "raw_bytes", 10: "stored_bytes"}
+
+
 def _info(row: tuple, parents: list[CommitId]) -> CommitInfo:
     cid, manifest, message, author, created, step, metrics, kind, source, raw, stored, lossy = row
+    for place, column in _NUMBERS.items():  # a text there ended stats and log in "unexpected TypeError"
+        if _no_number(row[place], column):
+            raise CorruptRecordError(f"commit {cid}", f"its {column} {row[place]!r} is not a number", [cid])
     return CommitInfo(CommitId(cid), ObjectId(manifest), message, author, created, step, _metrics(cid, metrics),
                       kind, source, raw, stored, parents, lossy)
 
 
+def _no_number(value: Any, column: str) -> bool:
+    """Whether `value`, read from `column`, is not the number a commit record holds there (a step may be None)."""
+    return not (value is None and column == "step") and (isinstance(value, bool) or
+                                                          not isinstance(value, (int, float)))
+
+
 def _info_noting(row: tuple, parents: list[CommitId], unparsed: dict[str, str] | None) -> CommitInfo:
-    """`_info` of `row`; one whose metrics do not parse is noted in `unparsed` and read with none (None: raised)."""
+    """`_info` of `row`; one whose metrics or numbers do not parse is noted in `unparsed` (None: raised).
+
+    It is read without them: no metrics, no step, 0 for a time or a size.
+    """
     try:
         return _info(row, parents)
     except CorruptRecordError as exc:
         if unparsed is None:
             raise
         unparsed[exc.what] = exc.problem
-        return _info((*row[:6], "{}", *row[7:]), parents)
+        stand_ins = {place: None if column == "step" else 0 for place, column in _NUMBERS.items()
+                     if _no_number(row[place], column)}
+        try:
+            _metrics(row[0], row[6])
+        except CorruptRecordError:
+            stand_ins[6] = "{}"
+        return _info(tuple(stand_ins.get(place, value) for place, value in enumerate(row)), parents)
 
 
 def _metrics(cid: str, text: Any) -> dict[str, Any]:

@@ -63,8 +63,8 @@ def log(repo: Repository, ref: str | Sequence[str] | None = None, all_refs: bool
 
 
 def _unparsed_damage(unparsed: dict[str, str], listed: list[CommitId]) -> dict[str, str]:
-    """The damage of the commits in `listed` whose rows `all_commits` noted as not parsing (read with no metrics)."""
-    return {f"commit {cid}": f"{unparsed[f'commit {cid}']}; it is listed without its metrics: {refs.RESTORE_METADATA}"
+    """The damage of the commits in `listed` whose rows `all_commits` noted as not parsing (read without it)."""
+    return {f"commit {cid}": f"{unparsed[f'commit {cid}']}; it is listed without that value: {refs.RESTORE_METADATA}"
             for cid in listed if f"commit {cid}" in unparsed}
 
 
@@ -109,7 +109,10 @@ def decorations(repo: Repository) -> dict[CommitId, list[str]]:
     """
     labels: dict[CommitId, list[str]] = {}
     with repo.db.read() as tx:
-        branch, head = refs.head_branch(tx), refs.head_commit(tx)
+        try:
+            branch, head = refs.head_branch(tx), refs.head_commit(tx)
+        except CorruptRecordError:  # a damaged HEAD row (a listing warns of it): the other refs keep their labels
+            branch, head = None, None
         damaged: list[str] = []  # fsck names them; a log of other refs goes on without their labels
         branches, tags = ref_rows.refs_of_kind(tx, refs.BRANCH, damaged), ref_rows.refs_of_kind(tx, refs.TAG, damaged)
         tracking = ref_rows.refs_of_kind(tx, ref_rows.REMOTE, damaged)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from ckptstore.errors import (
     AmbiguousRefError,
@@ -15,6 +15,7 @@ from ckptstore.errors import (
     PrunedCommitError,
     RefExistsError,
     RefNotFoundError,
+    shown_name,
 )
 from ckptstore.hashing import CommitId
 from ckptstore.metadata import Tx, liveness
@@ -25,6 +26,8 @@ from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
     from ckptstore.repo.repository import Repository
+
+Listed = TypeVar("Listed")
 
 __all__ = ["BRANCH", "DEFAULT_BRANCH", "HEAD", "HEAD_KIND", "TAG", "branch", "check_name", "delete_branch",
            "delete_tag", "ensure_head", "head", "head_branch", "head_commit", "resolve", "tag"]
@@ -289,8 +292,8 @@ def damage_of(name: str, kind: str, cid: str | None) -> str:
 def listed_refs(repo: Repository, kind: str, damage: dict[str, str]) -> dict[str, CommitId]:
     """The branches or tags (`kind`) by name; a damaged one is noted in `damage` and left out, as `log --all` does.
 
-    Damaged: its row names no commit, or a commit with no record. `Repository.branches()` raises on the
-    first instead: `ckpt branch` listed nothing for one damaged branch.
+    Damaged: its row names no commit, or a commit with no record (`ckpt branch` listed nothing for one).
+    `Repository.branches()` and `tags()` read it through `sound_part`.
     """
     nowhere: list[str] = []
     with repo.db.read() as tx:
@@ -300,6 +303,24 @@ def listed_refs(repo: Repository, kind: str, damage: dict[str, str]) -> dict[str
     lost = {name: cid for name, cid in found.items() if cid not in recorded}
     damage.update({f"ref {name}": damage_of(name, kind, cid) for name, cid in lost.items()})
     return {name: cid for name, cid in found.items() if name not in lost}
+
+
+def sound_part(listing: Callable[..., Listed], *args: Any) -> Listed:
+    """What `listing(*args, damage=...)` (log, stats, listed_refs) finds sound, warning once of the damage it went past.
+
+    The Python calls behind `ckpt log`, `stats` and `branch` go past damaged rows as those do: a notebook
+    listing a repository with one damaged branch got an error and nothing. Where nothing sound is left
+    to return, the first damage is raised.
+    """
+    damage: dict[str, str] = {}
+    found = listing(*args, damage=damage)
+    if damage and not found:
+        what, problem = next(iter(damage.items()))
+        raise CorruptRecordError(what, problem, outcome="Nothing sound was left to list")
+    if damage:
+        warn_caller("; ".join(f"the metadata of {shown_name(what)} is damaged: {problem}"
+                              for what, problem in damage.items()) + "; the rest was listed")
+    return found
 
 
 def _existing(tx: Tx, name: str, kind: str) -> ref_rows.RefRow:

@@ -13,7 +13,6 @@ from ckptstore.errors import CkptError, CorruptObjectError
 from ckptstore.hashing import CommitId, ObjectId
 from ckptstore.metadata import Database, absolute_url, kept_url
 from ckptstore.metadata import commits as commit_rows
-from ckptstore.metadata import refs as ref_rows
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.objectstore.fallback import FallbackStore, held_here
 from ckptstore.repo import journal, owner, refs, warm
@@ -186,12 +185,12 @@ class Repository:
         return refs.head(self)
 
     def branches(self) -> dict[str, CommitId]:
-        with self.db.read() as tx:
-            return ref_rows.refs_of_kind(tx, refs.BRANCH)
+        """Branches by name; a damaged one (naming no commit, or one with no record) is left out with a warning."""
+        return refs.sound_part(refs.listed_refs, self, refs.BRANCH)
 
     def tags(self) -> dict[str, CommitId]:
-        with self.db.read() as tx:
-            return ref_rows.refs_of_kind(tx, refs.TAG)
+        """Tags by name; a damaged one is left out with a warning, as `branches`."""
+        return refs.sound_part(refs.listed_refs, self, refs.TAG)
 
     def branch(self, name: str, start: str = "HEAD") -> CommitId:
         """Create branch `name` at `start`; HEAD does not move."""
@@ -259,7 +258,7 @@ class Repository:
         """Commits reachable from `ref` (default HEAD; a ref, `A..B`, `A...B` or several) or every ref, newest first."""
         from ckptstore.repo.history import log
 
-        return log(self, ref, all_refs, limit)
+        return refs.sound_part(log, self, ref, all_refs, limit)  # damaged rows: warned of, the rest listed
 
     def decorations(self) -> dict[CommitId, list[str]]:
         """Ref names by commit, with `HEAD -> branch` like git."""
@@ -272,7 +271,7 @@ class Repository:
         """`log --graph` lines of `log(ref, all_refs, limit)`'s commits (`lanes=False`: `log --oneline`'s)."""
         from ckptstore.repo.history import log_graph
 
-        return log_graph(self, ref, all_refs, limit, lanes)
+        return refs.sound_part(log_graph, self, ref, all_refs, limit, lanes)
 
     def show(self, ref: str = "HEAD") -> dict[str, Any]:
         """A commit's metadata and its files and tensors."""
@@ -284,7 +283,7 @@ class Repository:
         """Per commit raw and newly stored bytes, and totals against what is stored."""
         from ckptstore.repo.history import stats
 
-        return stats(self)
+        return refs.sound_part(stats, self)  # damaged rows: warned of, the rest counted
 
     def diff(self, a: str, b: str | None = None) -> list[TensorDiff]:
         """Per tensor path: added, removed, changed or unchanged, with the relative L2 change (`a` alone: `A..B`)."""

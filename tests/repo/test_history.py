@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ckptstore import Repository
-from ckptstore.errors import RefNotFoundError
+from ckptstore.errors import CorruptRecordError, RefNotFoundError
 from tests.conftest import ckpt_here
 
 
@@ -112,7 +112,7 @@ def test_diff_of_a_range_is_the_diff_of_its_two_ends_and_one_ref_alone_is_refuse
 
 def test_a_range_whose_hiding_side_runs_through_a_commit_with_no_record_is_refused_not_listed_wrong(tmp_path):
     """`ckpt log main..side` with m2's record gone listed m1 as side's own: the walk of what main hides stopped at
-    m2, while `ckpt log main` refused the same history (reader 39)."""
+    m2, while `ckpt log main` refused the same history (reader 39); `ckpt log main` now lists m3 and warns."""
     import contextlib
     import sqlite3
 
@@ -123,9 +123,12 @@ def test_a_range_whose_hiding_side_runs_through_a_commit_with_no_record_is_refus
     with contextlib.closing(sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db")) as db, db:
         db.execute("DELETE FROM commits WHERE id = ?", (ids["m2"],))
     with Repository.open(tmp_path) as repo:
-        for spec in ("main..side", "main...side", "main"):
+        for spec in ("main..side", "main...side"):
             with pytest.raises(CorruptRecordError, match=ids["m2"]):
                 repo.log(spec)
+        # main alone: what is above m2, with a warning that the rest was left out, as `ckpt log main` lists it
+        with pytest.warns(RuntimeWarning, match=f"commit {ids['m2']} is damaged: .*the history behind it was left"):
+            assert [c.id for c in repo.log("main")] == [ids["m3"]]
         assert [c.id for c in repo.log("side")] == [ids["s2"], ids["s1"], ids["m1"]]  # an undamaged history lists
 
 
@@ -169,3 +172,62 @@ def test_log_all_and_stats_list_every_readable_commit_past_damaged_refs_and_rows
     main = ckpt_here(tmp_path, "log", "--oneline")
     assert main.returncode == 0 and main.stderr == "", main.stderr
     assert [line[:12] for line in main.stdout.splitlines()] == [ids["second"][:12], ids["first"][:12]]
+
+
+def _sql(repo, *statements):
+    """Damage the metadata as a bad tool or a bad hand would: raw statements, in one transaction."""
+    with repo.db.write() as tx:
+        for statement in statements:
+            tx.execute(statement)
+
+
+@pytest.mark.both_backends
+def test_the_python_listings_go_past_damaged_rows_with_one_warning_as_the_cli_does(repo):
+    """One branch naming no commit, a tag naming a lost one, a commit's metrics and HEAD's row damaged:
+    `Repository.log(all_refs=True)`, `stats()` and `branches()` raised on the first, where `ckpt log --all`,
+    `stats` and `branch` listed the rest (auditor helper 354). Now they return what is sound and warn once."""
+    first = repo.commit({"w": torch.zeros(4)}, metrics={"loss": 1.0}, step=1)
+    second = repo.commit({"w": torch.ones(4)}, step=2)
+    repo.branch("side", first)
+    repo.branch("lost", first)
+    repo.tag("v1", first)
+    _sql(repo, "UPDATE refs SET commit_id = NULL WHERE name = 'lost'",
+         f"UPDATE refs SET commit_id = '{'a' * 64}' WHERE name = 'v1'",
+         f"UPDATE commits SET metrics = '{{' WHERE id = '{first}'",
+         "UPDATE refs SET target = NULL, commit_id = NULL WHERE name = 'HEAD'")
+    with pytest.warns(RuntimeWarning) as told:
+        assert [c.id for c in repo.log(all_refs=True)] == [second, first]
+    assert len(told) == 1, [str(w.message) for w in told]
+    said = str(told[0].message)
+    for what in ("ref lost is damaged: it points at no commit", f"ref v1 is damaged: it points at commit {'a' * 64}",
+                 f"commit {first} is damaged: its metrics '{{' do not parse", "ref HEAD is damaged", "`ckpt fsck`"):
+        assert what in said, said
+    with pytest.warns(RuntimeWarning, match="ref lost is damaged"):
+        assert [row["id"] for row in repo.stats()["commits"]] == [first, second]
+    with pytest.warns(RuntimeWarning, match="ref lost is damaged: it points at no commit") as told:
+        assert repo.branches() == {"main": second, "side": first}
+    assert len(told) == 1 and "v1" not in str(told[0].message)
+    with pytest.raises(CorruptRecordError, match=f"ref v1 is damaged: it points at commit {'a' * 64}"):
+        repo.tags()  # its only tag is damaged: nothing sound to return
+    with pytest.raises(CorruptRecordError, match="ref HEAD is damaged: it names no branch and no commit"):
+        repo.log()  # HEAD's history: nothing sound to list
+    with pytest.warns(RuntimeWarning, match="metrics"):
+        assert [c.id for c in repo.log("side")] == [first]
+
+
+def test_a_commit_row_whose_numbers_are_text_is_listed_past_not_an_unexpected_type_error(tmp_path):
+    """SQLite keeps text in a number column: stats ended in "unexpected TypeError" (its raw_bytes 'x'), and
+    `ckpt log` at its created_at (auditor helper 354). Now the row is damage named, listed without the value."""
+    with Repository.init(tmp_path) as repo:
+        first = repo.commit({"w": torch.zeros(4)}, step=1)
+        second = repo.commit({"w": torch.ones(4)}, step=2)
+        _sql(repo, f"UPDATE commits SET raw_bytes = 'x', created_at = 'y' WHERE id = '{first}'")
+        with pytest.warns(RuntimeWarning, match=f"commit {first} is damaged: its created_at 'y' is not a number"):
+            data = repo.stats()
+        assert [row["raw_bytes"] for row in data["commits"]] == [0, 16] and data["raw_bytes"] == 16
+    for verb in (["stats"], ["log"]):
+        result = ckpt_here(tmp_path, *verb)
+        assert result.returncode == 1 and "unexpected" not in result.stderr, (verb, result.stderr)
+        assert f"warning: the metadata of commit {first} is damaged: its created_at 'y' is not a number" \
+            in result.stderr, (verb, result.stderr)
+        assert second[:12] in result.stdout and first[:12] in result.stdout, (verb, result.stdout)
