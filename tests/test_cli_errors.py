@@ -491,8 +491,9 @@ def test_an_output_that_cannot_be_written_names_the_output_not_the_repository(tm
 
 
 @pytest.mark.parametrize("verb", [["gc"], ["prune", "--keep-last", "1"]])
-def test_gc_and_prune_say_that_they_wait_for_the_repository_lock(tmp_path, verb):
-    """A sharded save whose ranks failed keeps its lock until that process saves again: gc waited without a word."""
+def test_gc_and_prune_say_once_that_they_wait_for_the_repository_lock(tmp_path, verb):
+    """A sharded save whose ranks failed keeps its lock until that process saves again: gc waited without a word.
+    Then it said so twice: its own line at once, and the lock's 2 s in (auditor helper 354). Now the lock's alone."""
     import threading
 
     with Repository.init(tmp_path) as repo:
@@ -500,10 +501,13 @@ def test_gc_and_prune_say_that_they_wait_for_the_repository_lock(tmp_path, verb)
         repo.commit({"w": torch.ones(3)})
         lock = repo.lock()
         lock.__enter__()  # what a commit in flight holds
-        threading.Timer(1.0, lock.__exit__, (None, None, None)).start()
+        threading.Timer(3.0, lock.__exit__, (None, None, None)).start()  # past the 2 s notice
         result = ckpt_here(tmp_path, *verb)
     assert result.returncode == 0, result.stderr
-    assert result.stderr.startswith("waiting for the repository lock: another ckpt process holds it (a commit")
+    assert result.stderr.splitlines() == [
+        f"warning: waiting for the repository lock of {tmp_path / '.ckpt'}: commits in flight hold it (shared), or a "
+        "sharded save whose ranks failed, until its process saves again or exits; this command starts once they "
+        "finish, and commits started meanwhile wait for it"], result.stderr
     assert result.stdout.startswith("removed ")
 
 

@@ -1,9 +1,8 @@
-"""The `ckpt` group, its options, and what every command uses: the repository it names, waiting for the lock."""
+"""The `ckpt` group, its options, and what every command uses: the repository it names."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,6 @@ import click
 
 from ckptstore.cli.output import echo
 from ckptstore.cli.params import PathGiven
-from ckptstore.errors import RepoLockedError
 from ckptstore.repo import Repository, named_root
 
 
@@ -90,14 +88,3 @@ def remote_verbs() -> Any:
     from ckptstore.repo import remote
 
     return remote
-
-
-def saying_it_waits(run: Callable[[bool], Any]) -> Any:
-    """`run(wait=False)`; when the repository lock is taken, say so on stderr, then wait for it: no silent hang."""
-    try:
-        return run(False)
-    except RepoLockedError:
-        click.echo("waiting for the repository lock: another ckpt process holds it (a commit, push, fetch, gc or "
-                   "prune in flight; a sharded save whose ranks failed, until its process saves again or exits)",
-                   err=True)
-        return run(True)

@@ -86,8 +86,9 @@ def _alive(pid: int) -> bool:
 
 def _held_by_commits(path: Path) -> str:
     """The line of a gc or prune waiting for the commits in flight, which hold the lock shared."""
-    return (f"waiting for the repository lock of {path.parent}: commits in flight hold it (shared); "
-            "this command starts once they finish, and commits started meanwhile wait for it")
+    return (f"waiting for the repository lock of {path.parent}: commits in flight hold it (shared), or a sharded "
+            "save whose ranks failed, until its process saves again or exits; this command starts once they finish, "
+            "and commits started meanwhile wait for it")
 
 
 _OPEN: set[int] = set()  # the descriptors of the locks held (or being taken) in this process

@@ -111,7 +111,7 @@ def test_a_gc_waiting_for_a_commit_in_flight_says_so(tmp_path, metadata_url):
     release = tmp_path / "release"
     commit = _held_at("commit:objects-written", release, tmp_path, "commit", "model.pt")
     gc = Running(tmp_path, "gc")
-    line = gc.line_with(f"{WAITING} of {tmp_path / '.ckpt'}")  # after gc's own line, said at once, naming no one
+    line = gc.line_with(f"{WAITING} of {tmp_path / '.ckpt'}")  # its one line, 2 s into the wait
     assert line.startswith("warning: ") and "commits in flight hold it (shared)" in line, line
     release.touch()
     assert commit.finish()[0] == 0
