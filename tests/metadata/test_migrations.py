@@ -1,5 +1,8 @@
 import contextlib
+import json
+import shutil
 import sqlite3
+from pathlib import Path
 
 import pytest
 import torch
@@ -412,3 +415,101 @@ def test_an_old_revision_missing_one_of_its_tables_is_called_damaged_not_a_rewri
     assert result.returncode == 1 and "records schema revision '0008', but a table or column of that revision is " \
         "missing" in result.stderr and "restore it from a backup" in result.stderr, result.stderr
     assert "UPDATE alembic_version" not in result.stderr
+
+
+OLD_REPOSITORIES = Path(__file__).resolve().parents[1] / "fixtures" / "old_repositories"
+
+
+def _revisions() -> list[str]:
+    """Every revision the migration scripts hold, oldest first: one added later is covered as it lands."""
+    from alembic.script import ScriptDirectory
+
+    from ckptstore.metadata.migrate import migrations_dir
+
+    return sorted(script.revision for script in ScriptDirectory(str(migrations_dir())).walk_revisions())
+
+
+def _frozen_rows(revision: str) -> tuple[Path, dict]:
+    """The repository the newest release at or before `revision` wrote (make_old_repositories.py froze them).
+
+    Before 0002 no release was made: 0001 holds the 0002 release's rows, less known_files it had no table for.
+    """
+    frozen = sorted(p for p in OLD_REPOSITORIES.iterdir() if p.name <= max(revision, "0002"))[-1]
+    return frozen, json.loads((frozen / "rows.json").read_text())
+
+
+def _old_repository(root: Path, url: str, revision: str) -> tuple[Path, dict]:
+    """A repository whose database was made at `revision` and holds, by plain SQL, what an old release wrote.
+
+    Returns the frozen folder and its record (rows.json).
+    """
+    from sqlalchemy import inspect, text
+
+    from ckptstore.metadata.migrate import make_engine
+
+    frozen, data = _frozen_rows(revision)
+    (root / ".ckpt").mkdir()
+    for saved in (frozen / "objects").iterdir():  # <id>.bin, put back at objects/ab/cdef...
+        (root / ".ckpt" / "objects" / saved.name[:2]).mkdir(parents=True, exist_ok=True)
+        shutil.copy(saved, root / ".ckpt" / "objects" / saved.name[:2] / saved.stem[2:])
+    config = data["config_toml"]  # as the release wrote it
+    (root / ".ckpt" / "config.toml").write_text(config.replace('metadata_url = ""', f'metadata_url = "{url}"'))
+    url = url or f"sqlite:///{root / '.ckpt' / 'ckpt.db'}"
+    upgrade(url, revision)
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            tables = set(inspect(conn).get_table_names())
+            assert revision < data["revision"] or set(data["tables"]) <= tables  # no row left out, but 0001's
+            for table, found in data["tables"].items():
+                if table in tables:
+                    columns = ", ".join(f'"{c}"' for c in found["columns"])
+                    values = ", ".join(f":c{i}" for i in range(len(found["columns"])))
+                    conn.execute(text(f"INSERT INTO {table} ({columns}) VALUES ({values})"),
+                                 [{f"c{i}": v for i, v in enumerate(row)} for row in found["rows"]])
+    finally:
+        engine.dispose()
+    return frozen, data
+
+
+@pytest.mark.parametrize("revision", _revisions())
+def test_a_repository_written_at_each_revision_restores_every_commit_bit_exact_when_opened_and_takes_new_ones(
+        tmp_path, metadata_url, revision):
+    """Repositories of schemas 0001-0004, the first releases', were never opened by a newer ckptstore in a test
+    (auditor helper 355): the rows and objects those releases wrote, frozen, at each revision the scripts hold."""
+    import warnings
+
+    from safetensors.torch import load_file
+
+    from ckptstore.repo import fsck
+    from tests.conftest import assert_same
+    from tests.fixtures.make_old_repositories import flat_state
+
+    frozen, data = _old_repository(tmp_path, metadata_url, revision)
+    commits = data["commits"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "upgraded the metadata schema": its own test
+        repo = Repository.open(tmp_path)
+    with repo:
+        assert repo.db.revision() == HEAD_REVISION
+        assert repo.resolve("v1") == commits["first"]["id"] and repo.resolve("side") == commits["a file"]["id"]
+        for commit in commits.values():
+            assert flat_state(repo.checkout(commit["id"])) == commit["state"], commit
+        committed = shutil.copy(frozen / "file.bin", tmp_path / "file.safetensors")  # the user kept it
+        if revision < "0002":  # no known files yet: its content is not known to be stored
+            with pytest.raises(CkptError, match="file.safetensors"):
+                repo.checkout_to(commits["a file"]["id"], committed)
+        else:  # known: checkout may overwrite it
+            repo.checkout_to(commits["a file"]["id"], committed)
+        assert flat_state(load_file(committed)) == commits["a file"]["state"]
+        old_head, state = repo.resolve("main"), repo.checkout("main")
+        state["w"] = state["w"] + 0.001
+        new = repo.commit(state, message="today's", step=3)
+        assert repo.commit_info(new).parents == [old_head]
+        lossy = repo.commit(dict(state, b=state["b"] * 2), message="today's lossy", lossy="balanced")
+        for commit in commits.values():
+            assert flat_state(repo.checkout(commit["id"])) == commit["state"], commit
+        assert_same(state, repo.checkout(new))
+        report = fsck(repo, full=True)
+        assert report.ok and not report.unreferenced_objects, report
+        assert [c.id for c in repo.log()][:2] == [lossy, new]
