@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 METADATA_NAME = 255  # the longest name the metadata keeps (refs.MAX_NAME leaves room below it for remotes/)
 _NO_DATA = np.empty(0, dtype=np.uint8)
+MANIFESTS_KEPT = 64 << 20  # bytes of the manifests read to check a transfer that are kept to send, not read again
 
 
 def _by_key(item: tuple) -> str:
@@ -180,14 +182,16 @@ def naming_commits(repo: Repository, error: CorruptRecordError) -> CorruptRecord
 
 
 def sent_damage(found: RecordSet, sending: set[TensorId], commits: list[CommitId],
-                manifest_entries: Callable[[ObjectId], int]) -> tuple[CommitId | None, str] | None:
+                manifest_tensors: dict[ObjectId, set[TensorId]]) -> tuple[CommitId | None, str] | None:
     """The first of `commits` that the records in `found` could not restore on the other side, and why; None if none.
 
     What push and fetch check before anything is sent, from the rows loaded for sending alone (fsck's
     checks, on what moves): every tensor that moves (`sending`: those the commits name and their bases,
     less what the other side holds) has a record that parses, whose chunks cover its bytes and whose
-    chain ends in a record that moves or is there. A kept commit whose rows list no tensor would move
-    without any: its manifest is asked how many it names (`manifest_entries`, only for those).
+    chain ends in a record that moves or is there. A kept commit's rows must list the tensors its
+    manifest names (`manifest_tensors`, by manifest id; one that did not read is missing and unchecked
+    here: sending its object says so): rows partly lost moved as they were, and the commit there
+    could not be restored.
     """
     damaged: dict[TensorId, str] = {}
     records = found.tensor_records(damaged)
@@ -202,14 +206,51 @@ def sent_damage(found: RecordSet, sending: set[TensorId], commits: list[CommitId
     pruned = found.column("pruned_commits", "commit_id")
     manifests = dict(found.projected("commits", ("id", "manifest_object")))
     for cid in commits:
-        if cid not in pruned and not listed.get(cid) and (named := manifest_entries(manifests[cid])):
-            return cid, f"its rows (commit_tensors) list no tensors, its manifest lists {named}"
+        named = manifest_tensors.get(manifests[cid]) if cid not in pruned else None
+        if named is not None and set(listed.get(cid, ())) != named:
+            return cid, _listing_problem(set(listed.get(cid, ())), named)
         for tid in sorted(listed.get(cid, ()), key=str):  # a damaged row's id may not be text
             hit = _first_damaged(tid, records, damaged)
             if hit is not None:
                 return cid, f"tensor {hit}: {damaged[hit]}"
     first = min(damaged, key=str, default=None)
     return None if first is None else (None, f"tensor {first}: {damaged[first]}")
+
+
+def manifests_read(sender: Repository, manifests: set[ObjectId]
+                   ) -> tuple[dict[ObjectId, set[TensorId]], dict[ObjectId, bytes]]:
+    """The tensors each of `manifests` names, and the bytes of those kept for sending (up to MANIFESTS_KEPT).
+
+    Read on the sender's threads, so a bucket's round trips overlap; the bytes kept are not read again
+    to be sent. One that does not read is left out: it is an object's damage, which sending it says.
+    """
+    from ckptstore.repo.manifest import Manifest
+
+    kept: dict[ObjectId, bytes] = {}
+    room = [MANIFESTS_KEPT]
+    keeping = threading.Lock()
+
+    def named(oid: ObjectId) -> set[TensorId] | None:
+        try:
+            data = sender.read_object(oid)
+            tids = {entry.tensor for entry in Manifest.from_bytes(data, oid).entries.values()}
+        except CkptError:
+            return None
+        with keeping:
+            if len(data) <= room[0]:
+                room[0] -= len(data)
+                kept[oid] = data
+        return tids
+
+    oids = sorted(manifests)
+    return {oid: tids for oid, tids in zip(oids, sender.pool.map(named, oids)) if tids is not None}, kept
+
+
+def _listing_problem(rows: set[str], named: set[TensorId]) -> str:
+    """How a commit's rows (commit_tensors) disagree with its manifest, as counts and one tensor as example."""
+    lost, extra = sorted(named - rows, key=str), sorted(rows - named, key=str)
+    example = f"tensor {lost[0]} is not listed" if lost else f"tensor {extra[0]} is not in the manifest"
+    return f"its rows (commit_tensors) list {len(rows)} tensors, its manifest {len(named)}: {example}"
 
 
 def _first_damaged(tid: TensorId, records: dict[TensorId, TensorRecord], damaged: dict[TensorId, str]

@@ -284,11 +284,11 @@ def _copy(source: Repository, target: Repository, tips: dict[str, CommitId] | No
         _refuse_damaged(tx, missing, source, pushing)
         tensors = transfer.tensors_of(tx, missing, _present_whole(tx, ttx, target))
         found = transfer.records(tx, missing, tensors)
-        _refuse_damaged_records(found, tensors, missing, source, pushing)
+        read = _refuse_damaged_records(found, tensors, missing, source, pushing)
         stale = transfer.present_tensors(ttx, tensors)  # recorded there, in objects gone everywhere: replaced
         anew = list(tensor_rows.load_records(tx, stale, with_bases=False).values()) if stale else []
     wanted = [oid for oid in found.objects if not lazy or oid in found.manifests]
-    report.objects, report.object_bytes = _send_objects(source, target, wanted, pushing)
+    report.objects, report.object_bytes = _send_objects(source, target, wanted, pushing, read)
     faults.point("transfer:objects-sent")
     outside = transfer.outside_work_tree(found)
     if outside and target.dir.is_dir():  # before the records: a kill between leaves them unlisted never
@@ -378,23 +378,20 @@ def _refuse_damaged(tx: Tx, cids: list[CommitId], sender: Repository, pushing: b
 
 
 def _refuse_damaged_records(found: transfer.RecordSet, tensors: set[TensorId], cids: list[CommitId],
-                            sender: Repository, pushing: bool) -> None:
+                            sender: Repository, pushing: bool) -> dict[ObjectId, bytes]:
     """Every tensor record that would move must restore its commits there, checked from the rows loaded to send.
 
-    A lost or damaged record moved, and broke the other side's commits, fsck and gc (exit 0 here).
+    A lost or damaged record moved, and broke the other side's commits, fsck and gc (exit 0 here); so did
+    a commit whose rows lost some of the tensors its manifest names. Returns manifests' bytes read to check.
     """
-    def manifest_entries(oid: ObjectId) -> int:
-        try:
-            return len(sender.read_manifest(oid).entries)
-        except CkptError:  # an unreadable manifest is an object's damage: sending it says so
-            return 0
-
-    damage = integrity.sent_damage(found, tensors, cids, manifest_entries)
+    named, kept = integrity.manifests_read(sender, found.manifests)
+    damage = integrity.sent_damage(found, tensors, cids, named)
     if damage is not None:
         cid, problem = damage
         needed = f" that commit {cid[:12]} needs" if cid else ""
         raise CkptError(f"{_where(sender, pushing)} holds damaged records{needed} ({problem}); nothing was sent. "
                         f"{_fsck_advice(pushing)}")
+    return kept
 
 
 def _whole_on(store: ObjectStore, oid: ObjectId, data: Callable[[], bytes]) -> bool:
@@ -410,17 +407,23 @@ def _whole_on(store: ObjectStore, oid: ObjectId, data: Callable[[], bytes]) -> b
         return False
 
 
-def _send_objects(source: Repository, target: Repository, wanted: list[ObjectId], pushing: bool
-                  ) -> tuple[int, int]:
-    """Copy the `wanted` objects `target` lacks whole, each verified on reading; returns (objects, bytes)."""
+def _send_objects(source: Repository, target: Repository, wanted: list[ObjectId], pushing: bool,
+                  read: dict[ObjectId, bytes]) -> tuple[int, int]:
+    """Copy the `wanted` objects `target` lacks whole, each verified on reading; returns (objects, bytes).
+
+    `read`: objects' bytes read (and verified) already, which are not read again.
+    """
+    def data_of(oid: ObjectId) -> bytes:
+        return read[oid] if oid in read else source.read_object(oid)
+
     oids = sorted(wanted)
     here = held_here(target.store)  # a lazy clone: what it holds, not what its origin could fill in
-    held = source.pool.map(lambda oid: _whole_on(here, oid, lambda: source.read_object(oid)), oids)
+    held = source.pool.map(lambda oid: _whole_on(here, oid, lambda: data_of(oid)), oids)
     absent = [oid for oid, whole in zip(oids, held) if not whole]
 
     def send(oid: ObjectId) -> int:
         try:
-            data = source.read_object(oid)  # verified against its id
+            data = data_of(oid)  # verified against its id
         except CorruptObjectError as exc:  # the damage is the sender's: say where, not "run fsck" here
             raise SentObjectError(oid, exc.problem, _named(source), pushing) from None
         target.store.put(data)

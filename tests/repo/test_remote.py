@@ -547,11 +547,8 @@ def test_in_a_shared_repository_a_record_one_machine_fetched_is_checked_by_anoth
     with Repository.init(tmp_path / "origin") as origin:
         made = origin.commit({"v": torch.arange(16.0)}, "arange")
         honest = origin.manifest(made).entries["v"].tensor
+        origin.commit({"v": torch.arange(16.0), "z": zeros}, "zeros")  # reachable: a fetch sends its record
     received_lie(tmp_path / "origin" / ".ckpt", poisoned, honest, listed=False)
-    db = sqlite3.connect(tmp_path / "origin" / ".ckpt" / "ckpt.db")
-    db.execute("INSERT INTO commit_tensors VALUES (?, ?)", (made, poisoned))  # reachable: a fetch sends it
-    db.commit()
-    db.close()
     shared = {"metadata_url": f"sqlite:///{tmp_path}/shared.db", "objects_url": str(tmp_path / "objects")}
     Repository.init(tmp_path / "A", **shared).close()
     with Repository.init(tmp_path / "B", **shared) as b:
@@ -672,6 +669,51 @@ def test_damaged_tensor_records_do_not_travel(tmp_path, damage):
                                             r"needs .*nothing was sent. Check that repository"):
             remote.fetch(fresh, "origin")
         assert fresh.log(all_refs=True) == [] and fsck(fresh).ok and not _object_files(tmp_path / "fresh")
+
+
+def _lose_one_listed_tensor(database, cid):
+    """Delete one of commit `cid`'s commit_tensors rows in the SQLite file `database`; returns the tensor it listed."""
+    with contextlib.closing(sqlite3.connect(database)) as db, db:
+        listed = sorted(t for (t,) in db.execute("SELECT tensor_id FROM commit_tensors WHERE commit_id = ?", (cid,)))
+        assert len(listed) == 2
+        db.execute("DELETE FROM commit_tensors WHERE commit_id = ? AND tensor_id = ?", (cid, listed[0]))
+    return listed[0]
+
+
+@pytest.mark.parametrize("kind", ["folder", "bucket"])
+def test_a_commit_whose_tensor_list_lost_some_rows_does_not_travel(tmp_path, request, kind):
+    """A commit whose commit_tensors rows were partly lost was pushed and fetched as it was: the other side held a
+    commit it could not restore. Its rows are checked against its manifest first (auditor helper 356)."""
+    url, database = str(tmp_path / "hub"), tmp_path / "hub" / ".ckpt" / "ckpt.db"
+    if kind == "bucket":
+        url, database = request.getfixturevalue("s3_url"), tmp_path / "hub.db"
+    else:
+        Repository.init(url).close()
+    with Repository.init(tmp_path / "work") as work:
+        remote.add(work, "origin", url, f"sqlite:///{database}" if kind == "bucket" else "")
+        cids = [work.commit(_state(seed), message=f"c{seed}") for seed in range(2)]
+        remote.push(work, "origin")
+        with remote.open_remote(remote.named(work, "origin")) as hub:
+            sent = sorted(hub.store.iter_ids())
+        lost = _lose_one_listed_tensor(database, cids[0])  # the hub's: a fetch from it must refuse
+        with Repository.init(tmp_path / "fresh") as fresh:
+            remote.add(fresh, "origin", url, f"sqlite:///{database}" if kind == "bucket" else "")
+            with pytest.raises(CkptError, match=rf"^the repository at .* holds damaged records that commit "
+                                                rf"{cids[0][:12]} needs \(its rows \(commit_tensors\) list 1 "
+                                                rf"tensors, its manifest 2: tensor {lost} is not listed\); nothing "
+                                                r"was sent. Check that repository: `ckpt fsck` in it"):
+                remote.fetch(fresh, "origin")
+            assert fresh.log(all_refs=True) == [] and not _object_files(fresh.root)
+        third = work.commit(_state(2), message="c2")
+        lost = _lose_one_listed_tensor(work.dir / "ckpt.db", third)
+        assert not fsck(work).ok
+        with pytest.raises(CkptError, match=rf"^this repository .* holds damaged records that commit {third[:12]} "
+                                            rf"needs \(its rows \(commit_tensors\) list 1 tensors, its manifest 2: "
+                                            rf"tensor {lost} is not listed\); nothing was sent. Run `ckpt fsck` "
+                                            r"here$"):
+            remote.push(work, "origin")
+        with remote.open_remote(remote.named(work, "origin")) as hub:
+            assert hub.resolve("main") == cids[1] and sorted(hub.store.iter_ids()) == sent
 
 
 def _zero_commits_page(repo_path):
