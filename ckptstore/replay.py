@@ -407,10 +407,11 @@ def _claim_problem(source: ChainSource, record: TensorRecord) -> str | None:
         stored = chunk.length if chunk.length is not None else source.store.size(chunk.object_id)
         if chunk.raw_bytes <= CLAIM_RATIO * stored + CLAIM_SLACK:
             continue
-        declared = declares.declared_bytes(source.payload(chunk))
-        if declared is not None and declared != chunk.raw_bytes:
+        declared = declares.declared_bytes(source.payload(chunk), record.params)
+        if declared is not None and not declared[0] <= chunk.raw_bytes <= declared[1]:
+            fewest, most = declared
             return (f"chunk {index} claims {chunk.raw_bytes} bytes, but its stored payload ({stored} bytes of "
-                    f"object {chunk.object_id[:12]}) decodes to {declared}")
+                    f"object {chunk.object_id[:12]}) decodes to {fewest if fewest == most else f'{fewest}-{most}'}")
     return None
 
 

@@ -312,3 +312,46 @@ def test_a_record_claiming_far_more_than_its_payload_decodes_to_is_damage_before
         assert caught.value.tensors == [tw]
         zeros = replay(ChainSource(repo.store, records), [records[tz]], pool)[tz]
     assert zeros.size == 80 << 20 and not zeros.any()
+
+
+def _lossy_record(store, name, codec_id, params, values, base=None, base_values=None, claimed=None):
+    """A one-chunk record of `values` coded by `codec_id` (against `base`'s reconstruction), claiming `claimed` bytes."""
+    from ckptstore.codecs import get_codec
+    from ckptstore.hashing import chunk_checksum
+    from ckptstore.records import Chunk, TensorRecord
+
+    payload, rebuilt = get_codec(codec_id).encode_lossy(values.view(np.uint8), base_values, params)
+    size = claimed or values.nbytes
+    record = TensorRecord(name * 64, "torch.float32", (size // 4,), codec_id, params, base and base.id,
+                          1 if base else 0, size, 0, [Chunk(store.put(payload), size, checksum=chunk_checksum(rebuilt))])
+    return record, rebuilt
+
+
+def test_a_lossy_record_claiming_far_more_than_its_payload_decodes_to_is_damage_before_any_allocation():
+    """Deadzone, log2moment and normmoment payloads did not say their sizes: a forged record (a hostile remote's,
+    its bytes hashing right) of a 16 KiB tensor claiming 1 PiB was believed up to the allocation. Their payloads' own
+    symbol counts bound the claim now, as a lossless one's header does; real zero tensors still pass (auditor helper
+    356)."""
+    from ckptstore.objectstore.memory import MemoryObjectStore
+
+    store, rng, claimed = MemoryObjectStore(), np.random.default_rng(0), 1 << 50
+    weights, second = rng.standard_normal(4096).astype(np.float32), rng.random(4096).astype(np.float32)
+    v, v_values = _lossy_record(store, "v", "log2moment", {"dtype": "torch.float32", "k": 4}, second)
+    forged = [_lossy_record(store, "w", "deadzone", {"dtype": "torch.float32", "step": 0.01}, weights,
+                            claimed=claimed)[0],
+              _lossy_record(store, "l", "log2moment", {"dtype": "torch.float32", "k": 4}, second, claimed=claimed)[0],
+              _lossy_record(store, "m", "normmoment", {"dtype": "torch.float32", "v_dtype": "torch.float32",
+                                                       "step": 0.01, "eps": 1e-8}, weights, v, v_values,
+                            claimed=claimed)[0]]
+    with ThreadPoolExecutor(2) as pool:
+        for record in forged:
+            with pytest.raises(CorruptRecordError, match=f"chunk 0 claims {claimed} bytes, but its stored payload "
+                                                         r".* decodes to 16384\. Nothing was restored") as caught:
+                replay(ChainSource(store, {v.id: v, record.id: record}), [record], pool)
+            assert caught.value.tensors == [record.id]
+        zeros = np.zeros((80 << 20) // 4, np.float32)  # real: a few hundred bytes for 80 MiB, each size declared
+        for name, codec_id, params in [("z", "deadzone", {"dtype": "torch.float32", "step": 0.01}),
+                                       ("y", "log2moment", {"dtype": "torch.float32", "k": 4})]:
+            real = _lossy_record(store, name, codec_id, params, zeros)[0]
+            assert store.size(real.chunks[0].object_id) * 64 < real.raw_bytes
+            assert not replay(ChainSource(store, {real.id: real}), [real], pool)[real.id].any()

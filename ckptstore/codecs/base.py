@@ -84,5 +84,5 @@ class SteppedCodec(Protocol):
 class DeclaresSize(Protocol):
     """A codec whose payloads say how many raw bytes they decode to (checked before a buffer is taken)."""
 
-    def declared_bytes(self, payload: bytes | memoryview) -> int | None:
-        """The raw size `payload` declares, or None where it does not say."""
+    def declared_bytes(self, payload: bytes | memoryview, params: dict[str, Any]) -> tuple[int, int] | None:
+        """The fewest and most raw bytes `payload` decodes to with `params` (equal: exact); None: it does not say."""

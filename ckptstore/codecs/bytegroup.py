@@ -262,8 +262,8 @@ class ByteGroupCodec:
             raise CodecError(f"bytegroup: payload is {len(payload)} bytes, header says {offset}")
         return width, planes
 
-    def declared_bytes(self, payload: bytes | memoryview) -> int | None:
-        """The raw size `payload` says it decodes to (width x its first plane's rows); None where it does not say.
+    def declared_bytes(self, payload: bytes | memoryview, params: dict[str, Any]) -> tuple[int, int] | None:
+        """The raw size `payload` says it decodes to (width x its first plane's rows), twice; None: it does not say.
 
         Zero and constant planes code to a few hundred bytes whatever their size, so only a payload's
         own word bounds a record's claim before a buffer that large is taken (replay.py).
@@ -275,15 +275,16 @@ class ByteGroupCodec:
         mode, offset, length = planes[0]
         plane = bytes(memoryview(payload)[offset : offset + length])
         if mode == RAW:
-            return width * length
+            return width * length, width * length
         if mode in RUNS_MODES or mode in HUF_MODES:  # rows: a u64 at the start of its header, or after the lengths
             at = 0 if mode in RUNS_MODES else huffman.ROWS_AT
-            return width * int.from_bytes(plane[at : at + 8], "little") if len(plane) >= at + 8 else None
+            rows = int.from_bytes(plane[at : at + 8], "little") if len(plane) >= at + 8 else None
+            return (width * rows, width * rows) if rows is not None else None
         try:
             rows = zstandard.frame_content_size(plane)
         except zstandard.ZstdError:
             return None
-        return width * rows if rows >= 0 else None
+        return (width * rows, width * rows) if rows >= 0 else None
 
     def needs_base(self, payload: bytes) -> bool:
         """True when a plane is XOR-coded; read off the plane modes, every chunk's first question.

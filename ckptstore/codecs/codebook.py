@@ -105,6 +105,12 @@ def head(payload: bytes | memoryview) -> tuple[int, float]:
     return has_base, step
 
 
+def stream_start(payload: bytes | memoryview) -> int:
+    """Where a codebook payload's index stream starts: after its header and its table of centroids."""
+    head(payload)
+    return _HEAD.size + 4 * _HEAD.unpack_from(payload)[3]
+
+
 def decode_update(payload: bytes | memoryview, limit: int | None = None) -> np.ndarray:
     """The float32 values (keyframe) or update (residual) a codebook payload holds (at most `limit`)."""
     head(payload)

@@ -25,7 +25,7 @@ import numpy as np
 
 from ckptstore.codecs import codebook
 from ckptstore.codecs.base import LevelsNeeded
-from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols
+from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols, symbol_count
 from ckptstore.codecs.floats import from_float32, itemsize, overflows, round_to_bfloat16, rounding_error, to_float32
 from ckptstore.errors import CodecError, NonFiniteError, UnquantizableError
 
@@ -192,6 +192,20 @@ class DeadZoneCodec:
         if len(payload) >= _HEAD_V1.size and payload[:3] == MAGIC_V1:
             return _HEAD_V1.unpack_from(payload)[1], params.get("step", 0.0), _HEAD_V1.size
         raise CodecError("deadzone: payload does not start with a valid header")
+
+    def declared_bytes(self, payload: bytes | memoryview, params: dict[str, Any]) -> tuple[int, int] | None:
+        """The raw size `payload` says it decodes to: its symbol stream's count (one per value) times the dtype's size.
+
+        Every layout (DZ1, DZ2, CB1) holds one symbol per value, so a record claiming far more bytes than
+        its payload decodes to is refused before its buffer is taken (replay.py), as a lossless one is.
+        """
+        try:
+            header = self._head(payload, {})[2] or codebook.stream_start(payload)
+            size = itemsize(params["dtype"])
+        except (CodecError, KeyError, TypeError):  # no payload of ours, or a damaged record's params: it does not say
+            return None
+        values = symbol_count(memoryview(payload)[header:])
+        return None if values is None else (values * size, values * size)
 
     def decode_chain(self, payloads: list[bytes], params: dict[str, Any], nbytes: int,
                      out: np.ndarray | None = None) -> np.ndarray:

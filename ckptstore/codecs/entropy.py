@@ -304,6 +304,13 @@ def decode_sparse(payload: bytes | memoryview, dtype: type = np.int32, limit: in
     return None
 
 
+def symbol_count(payload: bytes | memoryview) -> int | None:
+    """How many symbols a stream's header says it holds, read without decoding it; None where it is no stream."""
+    if len(payload) < _HEAD.size or bytes(payload[:3]) != MAGIC:
+        return None
+    return _HEAD.unpack_from(payload)[2]
+
+
 def _header(payload: bytes | memoryview, limit: int | None = None) -> tuple[int, int]:
     """(method, symbol count) of a stream, checked to be one (of at most `limit` symbols, when given)."""
     if len(payload) < _HEAD.size:

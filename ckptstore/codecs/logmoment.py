@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols
+from ckptstore.codecs.entropy import decode_sparse, decode_symbols, encode_symbols, symbol_count
 from ckptstore.codecs.floats import from_float32, itemsize, overflows, rounding_error, to_float32, underflows
 from ckptstore.errors import CodecError, NonFiniteError, UnquantizableError
 from ckptstore.threadlocal import decompress_at_most
@@ -165,6 +165,24 @@ class LogMomentCodec:
             raise CodecError(f"log2moment: zero mask does not decompress: {exc}") from None
         stream = memoryview(payload)[_HEAD.size + mask_length :]
         return bool(has_base), median, np.frombuffer(bits, dtype=np.uint8), stream
+
+    def declared_bytes(self, payload: bytes | memoryview, params: dict[str, Any]) -> tuple[int, int] | None:
+        """The fewest and most raw bytes `payload` says it decodes to, from its zero mask's and stream's sizes.
+
+        The mask holds one bit per value (its zstd frame declares its bytes: a count within 7 of eight
+        times that), the stream one symbol per value that is not zero: no fewer values than it holds.
+        Checked before a record's buffer is taken (replay.py): a forged record cannot claim far more.
+        """
+        try:
+            _, _, mask_length = self._head(payload)
+            size = itemsize(params["dtype"])
+            mask_bytes = zstandard.frame_content_size(bytes(payload[_HEAD.size : _HEAD.size + mask_length]))
+        except (CodecError, KeyError, TypeError, zstandard.ZstdError):  # not ours, or a damaged record's params
+            return None
+        nonzero = symbol_count(memoryview(payload)[_HEAD.size + mask_length :])
+        if nonzero is None or mask_bytes < 0:  # a mask frame that does not say its size: neither does the payload
+            return None
+        return max(nonzero, 8 * mask_bytes - 7) * size, 8 * mask_bytes * size
 
     @staticmethod
     def _residual(packed: np.ndarray, stream: memoryview, count: int) -> tuple[np.ndarray, np.ndarray]:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ckptstore.codecs.deadzone import dequantize, finite, quantize
-from ckptstore.codecs.entropy import decode_symbols, encode_symbols
+from ckptstore.codecs.entropy import decode_symbols, encode_symbols, symbol_count
 from ckptstore.codecs.floats import from_float32, itemsize, rounding_error, sum_of_squares, to_float32
 from ckptstore.errors import CodecError, NonFiniteError
 
@@ -103,6 +103,19 @@ class NormalizedMomentCodec:
         if payload[:3] == MAGIC_V1:
             return params.get("step", 0.0), 3
         raise CodecError("normmoment: payload does not start with a valid header")
+
+    def declared_bytes(self, payload: bytes | memoryview, params: dict[str, Any]) -> tuple[int, int] | None:
+        """The raw size `payload` says it decodes to: its symbol stream's count (one per value) times the dtype's size.
+
+        Checked before a record's buffer is taken (replay.py): a forged record cannot claim far more.
+        """
+        try:
+            header = self._head(payload, {})[1]
+            size = itemsize(params["dtype"])
+        except (CodecError, KeyError, TypeError):  # no payload of ours, or a damaged record's params: it does not say
+            return None
+        values = symbol_count(memoryview(payload)[header:])
+        return None if values is None else (values * size, values * size)
 
     def decode(self, payload: bytes, base: np.ndarray | None, params: dict[str, Any], nbytes: int) -> np.ndarray:
         step, header = self._head(payload, params)
