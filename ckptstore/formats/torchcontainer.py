@@ -151,6 +151,23 @@ def _split(data: mmap.mmap, size: int, zf: zipfile.ZipFile, prefix: str, tensors
     return {"entry": container_path(prefix), "size": size, "splices": splices}, raw_from_bytes(blob)
 
 
+def left_in_container(skeleton: Any, record: dict[str, Any]) -> set[str]:
+    """A torch.save zip's tensor paths that no splice writes back: their record stays in the container.
+
+    Checkout to a file writes such a record's committed bytes (a partly viewed or deflated one), while
+    a checkout into memory reads the tensor's own entry: a lossy commit keeps these exact so both agree.
+    """
+    spliced = {splice[2] for splice in record.get("splices", [])}
+    found, stack = set(), [skeleton]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            if node[:1] == ["tensor"] and len(node) > 1 and isinstance(node[1], str) and node[1] not in spliced:
+                found.add(node[1])
+            stack.extend(node)
+    return found
+
+
 def write(dest: str | os.PathLike, record: dict[str, Any], raw_of: Callable[[str], RawTensor],
           exact: bool = False) -> None:
     """Write the file back: the container with each storage record's tensor spliced in and its CRC-32 filled in.

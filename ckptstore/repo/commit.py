@@ -30,6 +30,7 @@ from ckptstore.formats import filemap
 from ckptstore.formats.atomic import changed_while_read, file_stamp
 from ckptstore.formats.dcpmeta import is_dcp_dir
 from ckptstore.formats.folder import folder_files, is_git_name
+from ckptstore.formats.torchcontainer import left_in_container
 from ckptstore.hashing import CommitId, ObjectId, TensorId, bytes_digest, tensor_id
 from ckptstore.metadata import Tx
 from ckptstore.metadata import commits as commit_rows
@@ -582,6 +583,8 @@ def _plan(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, lev
         fisher = {path: fisher[name] for name, path in paths_of_names(checkpoint.tensors, list(fisher)).items()}
     # a view sharing its storage with another view: quantizing one would change the other
     shared = {path for f in checkpoint.files for path in shared_view_paths(f.skeleton)}
+    # a tensor whose record its file's container keeps: `ckpt checkout -o` writes that record's committed bytes
+    shared |= {path for f in checkpoint.files if f.container for path in left_in_container(f.skeleton, f.container)}
     optimizer_state = {path for f in checkpoint.files for path in optimizer_state_paths(f.skeleton)}
     plans = plan_lossy(checkpoint.tensors, parent.by_path, level, repo.config.encoding, optimizer_map, fisher,
                        shared, optimizer_state)

@@ -1179,3 +1179,36 @@ def test_a_finer_bound_on_unchanged_tensors_is_kept_not_the_coarser_stored_recon
         assert bound <= 0.0005 * 2 and _rel(restored[name], original[name]) <= bound * 1.001 < coarse[name], name
     with pytest.raises(NothingToCommitError):  # the level's looser bound again: the finer record holds it
         repo.commit(path, lossy="balanced")
+
+
+def _partial_views() -> dict:
+    """Tensors that view only part of their storage record: torch.save writes the whole record."""
+    gen = torch.Generator().manual_seed(0)
+    return {"wte.weight": (torch.randn(1032, 64, generator=gen) * 0.02)[:1000],  # vocab trimmed from its padding
+            "off.weight": (torch.randn(400, 30, generator=gen) * 0.05)[100:300],
+            "step.weight": (torch.randn(400, 30, generator=gen) * 0.05)[::2],
+            "exp.weight": (torch.randn(1, 300, generator=gen) * 0.05).expand(200, 300),
+            "other.weight": torch.randn(200, 300, generator=gen) * 0.05}
+
+
+def test_a_tensor_viewing_part_of_its_record_restores_the_same_from_the_file_and_in_memory(tmp_path, monkeypatch):
+    """Its record stays in the container, which `checkout -o` writes: a lossy commit keeps the tensor exact."""
+    import ckptstore
+
+    monkeypatch.chdir(tmp_path)
+    torch.save(_partial_views(), "ck.pt")
+    original = _load("ck.pt")
+    run = lambda *args: CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    assert run("init").exit_code == 0
+    assert run("commit", "ck.pt", "--lossy", "balanced", "-m", "lossy").exit_code == 0
+    assert run("checkout", "HEAD", "-o", "out.pt").exit_code == 0
+    from_file, loaded = _load("out.pt"), ckptstore.load("HEAD", repo=".")
+    with Repository.open(tmp_path) as repo:
+        in_memory = repo.checkout("HEAD")
+    for name in ("wte.weight", "off.weight", "step.weight", "exp.weight"):
+        for restored in (from_file, loaded, in_memory):
+            assert_same(restored[name], original[name])
+    assert 0 < _rel(loaded["other.weight"], original["other.weight"]) < 0.25  # the level still holds elsewhere
+    assert_same(from_file["other.weight"], loaded["other.weight"])
+    show = {line.split()[0]: line for line in run("show", "HEAD").output.splitlines() if ".weight" in line}
+    assert "rel.err" not in show["wte.weight"] and "rel.err" in show["other.weight"]
