@@ -77,10 +77,10 @@ def _read_torch_file(path: Path, name: str, prefix: str, size: int, trust_pickle
         raise CheckpointFormatError(f"{path} is not a whole torch.save file: {why} (cut off or damaged?)")
     # torch-free where the file is plain training state; torch's loader for everything else
     found = None if trust_pickle else torchzip.read_with_covers(path, prefix)
-    flat, covers, orders = found if found is not None else (flatten(torchfile.load(path, trust_pickle), prefix),
-                                                            None, {})
+    flat, covers, orders, parts = found if found is not None else (
+        flatten(torchfile.load(path, trust_pickle), prefix), None, {}, {})
     record = CheckpointFile(name, TORCH, flat.skeleton, size)
-    split = torchcontainer.split(path, prefix, flat.tensors, covers, orders) if is_zip else None
+    split = torchcontainer.split(path, prefix, flat.tensors, covers, orders, parts) if is_zip else None
     if split is not None:
         record.container, flat.tensors[record.container["entry"]] = split
     return record, flat.tensors

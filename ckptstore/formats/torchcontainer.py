@@ -96,26 +96,30 @@ def _match_by_content(data: mmap.mmap, records: dict[str, tuple[int, int]], tens
 
 
 def split(path: Path, prefix: str, tensors: dict[str, RawTensor], covers: dict[str, str] | None,
-          orders: dict[str, list[int]] | None = None) -> tuple[dict[str, Any], RawTensor] | None:
+          orders: dict[str, list[int]] | None = None, parts: dict[str, tuple[int, int]] | None = None
+          ) -> tuple[dict[str, Any], RawTensor] | None:
     """The container record and bytes of a torch.save zip; None where the zip cannot be split.
 
     `covers` maps a stored record's name to a tensor path holding exactly its bytes (the
     torch-free reader knows it from the tensors' views), in the order of dimensions `orders` gives
     where the record holds them permuted; without it, records are matched to the tensors by size
-    and then content.
+    and then content. `parts` gives (offset, length) in the record of the bytes its tensor holds
+    where that is only part of it (a trimmed vocab): only those are cut, and the record's CRC stays
+    in the container, so the tensor is kept exact (`left_in_container`) and not stored twice.
     """
     data = filemap.open_map(path)
     if data is None:
         return None
     size = len(data)
     try:
-        return _split(data, size, zipfile.ZipFile(path), prefix, tensors, covers, orders or {})
+        return _split(data, size, zipfile.ZipFile(path), prefix, tensors, covers, orders or {}, parts or {})
     except ZIP_ERRORS:
         return None
 
 
 def _split(data: mmap.mmap, size: int, zf: zipfile.ZipFile, prefix: str, tensors: dict[str, RawTensor],
-           covers: dict[str, str] | None, orders: dict[str, list[int]]) -> tuple[dict[str, Any], RawTensor] | None:
+           covers: dict[str, str] | None, orders: dict[str, list[int]], parts: dict[str, tuple[int, int]]
+           ) -> tuple[dict[str, Any], RawTensor] | None:
     with zf:
         infos = zf.infolist()
         spans = {i.filename: _record(data, i, c) for i, c in zip(infos, _central_offsets(data, zf))
@@ -123,7 +127,12 @@ def _split(data: mmap.mmap, size: int, zf: zipfile.ZipFile, prefix: str, tensors
     if covers is None:
         storages = {n: s[:2] for n, s in spans.items() if "/data/" in n and "/" not in n.split("/data/", 1)[0]}
         covers = _match_by_content(data, storages, tensors)
-    cut = sorted((spans[name], tensor_path, name) for name, tensor_path in covers.items() if name in spans)
+    for name, (offset, length) in parts.items():
+        if name in spans:  # only the tensor's bytes are cut; one past the record's end keeps it whole
+            start, end, crc, places = spans[name]
+            spans[name] = (start + offset, start + offset + length, crc, places) if offset + length <= end - start \
+                else None
+    cut = sorted((spans[name], tensor_path, name) for name, tensor_path in covers.items() if spans.get(name))
     ends, at = [], 0
     for (start, end, _, _), _, _ in cut:
         if start < at or end > size:
@@ -141,7 +150,7 @@ def _split(data: mmap.mmap, size: int, zf: zipfile.ZipFile, prefix: str, tensors
     def inside(offset: int) -> int:  # an offset of the file, in the container (no CRC lies in a cut record)
         return offset - lengths[bisect.bisect_right(ends, offset)]
 
-    splices = [[inside(start), end - start, tensor_path, crc, [inside(p) for p in places]]
+    splices = [[inside(start), end - start, tensor_path, crc, [] if name in parts else [inside(p) for p in places]]
                + ([orders[name]] if name in orders else []) for (start, end, crc, places), tensor_path, name in cut]
     bounds = [0, *[x for (start, end, _, _), _, _ in cut for x in (start, end)], size]
     blob = bytearray().join(data[bounds[i] : bounds[i + 1]] for i in range(0, len(bounds), 2))
@@ -152,12 +161,13 @@ def _split(data: mmap.mmap, size: int, zf: zipfile.ZipFile, prefix: str, tensors
 
 
 def left_in_container(skeleton: Any, record: dict[str, Any]) -> set[str]:
-    """A torch.save zip's tensor paths that no splice writes back: their record stays in the container.
+    """A torch.save zip's tensor paths whose record's bytes or CRC the container keeps as committed.
 
-    Checkout to a file writes such a record's committed bytes (a partly viewed or deflated one), while
-    a checkout into memory reads the tensor's own entry: a lossy commit keeps these exact so both agree.
+    Checkout to a file writes such a record's committed bytes (a partly viewed or deflated one), or
+    its committed CRC (a splice of part of a record fills in none), while a checkout into memory reads
+    the tensor's own entry: a lossy commit keeps these exact so both agree.
     """
-    spliced = {splice[2] for splice in record.get("splices", [])}
+    spliced = {splice[2] for splice in record.get("splices", []) if splice[4]}
     found, stack = set(), [skeleton]
     while stack:
         node = stack.pop()

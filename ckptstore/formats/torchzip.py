@@ -664,13 +664,16 @@ class _StandInFlattener(_Flattener):
     It also notes, for each stored record, a tensor path whose bytes are exactly the record's
     (`covers`), which lets the file be rebuilt from its container and its tensors; a tensor that
     views the whole record in another order of its dimensions (channels_last, a transpose) covers
-    it too, with that order (`orders`: the record holds the tensor's dimensions permuted so).
+    it too, with that order (`orders`: the record holds the tensor's dimensions permuted so). A
+    contiguous tensor that views only part of its record (a trimmed vocab) covers that part
+    (`parts`: its offset and length in the record), where no tensor covers the whole record.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.covers: dict[str, str] = {}
         self.orders: dict[str, list[int]] = {}
+        self.parts: dict[str, tuple[int, int]] = {}
 
     def encode_other(self, value: Any, path: str) -> Any:
         if isinstance(value, Tensor):
@@ -698,13 +701,23 @@ class _StandInFlattener(_Flattener):
             if key is not None:
                 self.aliases[key] = path
                 self.views.setdefault(storage.key, []).append((node, storage.nbytes, value.offset, value.stride))
-                order = _dense_order(value.shape, value.stride)
-                if (storage.member and not value.offset and self.tensors[path].nbytes == storage.nbytes
-                        and order is not None and storage.member not in self.covers):
-                    self.covers[storage.member] = path
-                    if order != sorted(order):
-                        self.orders[storage.member] = order
+                self.note_cover(value, path)
         return self.tensor_extras(node, value.requires_grad, isinstance(value, Parameter), value)
+
+    def note_cover(self, value: Tensor, path: str) -> None:
+        """Note the record's bytes this new tensor holds: all of them, else (contiguous) a part of them."""
+        member, nbytes = value.storage.member, self.tensors[path].nbytes
+        order = _dense_order(value.shape, value.stride)
+        if not member or order is None or (member in self.covers and member not in self.parts):
+            return
+        if not value.offset and nbytes == value.storage.nbytes:  # the whole record, in place of a part
+            self.covers[member] = path
+            self.parts.pop(member, None)
+            if order != sorted(order):
+                self.orders[member] = order
+        elif member not in self.covers and _contiguous(value.shape, value.stride):
+            self.covers[member] = path
+            self.parts[member] = (value.offset * TORCH_ITEMSIZE[value.dtype], nbytes)
 
 
 def _added_to_torch(full_name: str) -> bool:
@@ -719,7 +732,8 @@ def _added_to_torch(full_name: str) -> bool:
     return full_name in names
 
 
-def _load(path: Path, prefix: str) -> tuple[FlatState, dict[str, str], dict[str, list[int]]]:
+def _load(path: Path, prefix: str
+          ) -> tuple[FlatState, dict[str, str], dict[str, list[int]], dict[str, tuple[int, int]]]:
     size = path.stat().st_size
     with zipfile.ZipFile(path) as zf, open(path, "rb") as handle:
         archive = _Archive(zf, handle, size)
@@ -730,7 +744,7 @@ def _load(path: Path, prefix: str) -> tuple[FlatState, dict[str, str], dict[str,
         _need(data is not None, "data.pkl")
         obj = _unpickle(data, archive)
     flattener = _StandInFlattener()
-    return flattener.flatten(obj, prefix), flattener.covers, flattener.orders
+    return flattener.flatten(obj, prefix), flattener.covers, flattener.orders, flattener.parts
 
 
 def read(path: str | Path, prefix: str = "", on_fallback: Callable[[str], None] | None = None) -> FlatState | None:
@@ -745,10 +759,11 @@ def read(path: str | Path, prefix: str = "", on_fallback: Callable[[str], None] 
 
 
 def read_with_covers(path: str | Path, prefix: str = "", on_fallback: Callable[[str], None] | None = None
-                     ) -> tuple[FlatState, dict[str, str], dict[str, list[int]]] | None:
+                     ) -> tuple[FlatState, dict[str, str], dict[str, list[int]], dict[str, tuple[int, int]]] | None:
     """`read`, and for each stored storage record (by its name in the zip) a tensor path holding exactly its bytes.
 
-    With them, the order of a tensor's dimensions where its record holds them permuted (_StandInFlattener).
+    With them, the order of a tensor's dimensions where its record holds them permuted, and the
+    part of the record a tensor holds where it holds only part of it (_StandInFlattener).
     """
     path = Path(path)
     try:
