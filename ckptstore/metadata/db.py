@@ -46,11 +46,12 @@ from ckptstore.metadata.tables import TABLES
 __all__ = ["BATCH", "BUSY_TIMEOUT_MS", "HEAD_REVISION", "KNOWN_REVISIONS", "Backend", "Database", "Tx",
            "connect_sqlite", "is_damage", "open_backend", "read_only_uri", "sqlite_path"]
 
-HEAD_REVISION = "0011"  # the newest migration in migrations/versions; a test keeps the two in step
-KNOWN_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011")
+HEAD_REVISION = "0012"  # the newest migration in migrations/versions; a test keeps the two in step
+KNOWN_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010", "0011",
+                   "0012")
 # revisions a read-only open reads as they are: their tables are HEAD_REVISION's but for those tables.SINCE lists,
-# which only writers read (0010 changed no table; 0011 added the identity a join or a gc checks)
-READS_AS_HEAD = ("0009", "0010")
+# which only writers read (0010 changed no table; 0011 added the identity a join or a gc checks; 0012 gc's lease)
+READS_AS_HEAD = ("0009", "0010", "0011")
 BATCH = 500  # ids per IN (...) list: SQLite allows 32766 parameters, PostgreSQL 65535
 RETRY_DELAYS = (0.1, 0.2, 0.4, 0.8, 1.6)  # seconds between tries to begin a transaction (a server restarting)
 POSTGRES_SCHEMES = ("postgresql://", "postgresql+psycopg://", "postgres://")

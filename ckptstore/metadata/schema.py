@@ -105,3 +105,10 @@ repository_identity = Table(
     Column("id", String(32), primary_key=True),  # one random row: what an S3 prefix's owner.json names back
     sqlite_with_rowid=False,
 )
+
+gc_lease = Table(
+    "gc_lease", metadata,
+    Column("id", Integer, primary_key=True),  # one row (1): until when a gc's delete may land (repo/maintenance.py)
+    Column("expires_at", Float, nullable=False),  # seconds since the epoch on the database's clock; 0: none
+    sqlite_with_rowid=False,
+)

@@ -5,6 +5,7 @@ the two in step.
 """
 
 TABLES = ("alembic_version", "commits", "commit_parents", "refs", "tensors", "tensor_chunks", "objects",
-          "commit_tensors", "known_files", "pruned_commits", "unchecked_tensors", "repository_identity")
+          "commit_tensors", "known_files", "pruned_commits", "unchecked_tensors", "repository_identity",
+          "gc_lease")
 # tables a later revision added that only writers read: a database read where it cannot be upgraded may lack them
-SINCE = {"repository_identity": "0011"}
+SINCE = {"repository_identity": "0011", "gc_lease": "0012"}

@@ -225,7 +225,7 @@ def test_an_upgrade_says_older_ckptstores_are_shut_out_and_a_new_repository_says
     with sqlite3.connect(db_path) as conn:
         tables = conn.execute("SELECT sql FROM sqlite_master ORDER BY name").fetchall()
     downgrade(f"sqlite:///{db_path}", "0009")
-    with pytest.warns(RuntimeWarning, match=r"upgraded the metadata schema of .* from 0009 to 0011: a ckptstore "
+    with pytest.warns(RuntimeWarning, match=r"upgraded the metadata schema of .* from 0009 to 0012: a ckptstore "
                                             r"older than this one can no longer open it"):
         Repository.open(tmp_path).close()
     with sqlite3.connect(db_path) as conn:
@@ -399,6 +399,24 @@ def test_a_0010_repository_read_where_it_cannot_be_written_is_not_called_damaged
     with Repository.open(tmp_path, read_only=True) as repo:
         assert repo.db.revision() == "0010" and [c.id for c in repo.log()] == [cid]
         assert fsck(repo, full=True).ok
+
+
+def test_a_0011_repository_read_where_it_cannot_be_written_lacks_only_the_gc_lease_and_is_not_called_damaged(
+        tmp_path):
+    """0012 added gc's delete lease, which only writers read: a read-only open of a 0011 repository reads it as it is,
+    and fsck there does not report the table as missing; opened to write, it is upgraded with its one row."""
+    from ckptstore.metadata.migrate import downgrade
+    from ckptstore.repo import fsck
+
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit({"w": torch.ones(4)})
+    downgrade(f"sqlite:///{tmp_path / '.ckpt' / 'ckpt.db'}", "0011")
+    with Repository.open(tmp_path, read_only=True) as repo:
+        assert repo.db.revision() == "0011" and [c.id for c in repo.log()] == [cid]
+        assert fsck(repo, full=True).ok
+    with pytest.warns(RuntimeWarning, match="from 0011 to 0012"), Repository.open(tmp_path) as repo:
+        with repo.db.read() as tx:
+            assert tx.rows("SELECT id, expires_at FROM gc_lease") == [(1, 0.0)]
 
 
 def test_an_old_revision_missing_one_of_its_tables_is_called_damaged_not_a_rewritten_row(tmp_path):
