@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import math
 import os
 import re
 import signal
@@ -24,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from ckptstore import faults
 from ckptstore.errors import (
     CkptError,
     CorruptDatabaseError,
@@ -52,6 +54,7 @@ KNOWN_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008
 # revisions a read-only open reads as they are: their tables are HEAD_REVISION's but for those tables.SINCE lists,
 # which only writers read (0010 changed no table; 0011 added the identity a join or a gc checks; 0012 gc's lease)
 READS_AS_HEAD = ("0009", "0010", "0011")
+LEASE_POLL_S = 10.0  # how often a wait for gc's delete lease reads it again (its session kept busy meanwhile)
 BATCH = 500  # ids per IN (...) list: SQLite allows 32766 parameters, PostgreSQL 65535
 RETRY_DELAYS = (0.1, 0.2, 0.4, 0.8, 1.6)  # seconds between tries to begin a transaction (a server restarting)
 POSTGRES_SCHEMES = ("postgresql://", "postgresql+psycopg://", "postgres://")
@@ -92,6 +95,8 @@ class Backend(Protocol):
     def executemany(self, connection: Any, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
     repository_locks: bool
     def lock_repository(self, connection: Any, exclusive: bool, wait: bool) -> bool: ...
+    def renew_gc_lease(self, connection: Any, seconds: float) -> None: ...
+    def gc_lease_left(self, connection: Any) -> float: ...
     def no_revision(self) -> str: ...
     def repository(self) -> str: ...
 
@@ -233,6 +238,7 @@ class Database:
         self._guard = threading.Lock()
         self._writing = threading.local()
         self._lock_sessions: list[Any] = []  # the sessions holding repository_lock now
+        self._held_alone: list[Any] = []  # those of them holding it exclusively (gc, prune): they renew gc's lease
         self._closed = False
         self._create = create
         _OPEN.add(self)
@@ -258,7 +264,7 @@ class Database:
         thread held at the fork would never be released here: the child gets fresh ones.
         """
         _INHERITED.extend([*self._idle, *self._lock_sessions])
-        self._idle, self._lock_sessions = [], []
+        self._idle, self._lock_sessions, self._held_alone = [], [], []
         self._guard, self._writing = threading.Lock(), threading.local()
 
     def _acquire(self) -> Any:
@@ -334,36 +340,76 @@ class Database:
                 raise RepoLockedError(f"{self.where} is busy: a ckpt process (here or on another machine sharing it) "
                                       "is committing or collecting garbage; try again when it finishes")
             self._lock_sessions.append(connection)
+            if exclusive:
+                self._held_alone.append(connection)
+            self._wait_out_gc_lease(connection)
             yield
         finally:
-            with contextlib.suppress(ValueError):
-                self._lock_sessions.remove(connection)
+            for held_by in (self._lock_sessions, self._held_alone):
+                with contextlib.suppress(ValueError):
+                    held_by.remove(connection)
             with contextlib.suppress(*self.backend.errors):
                 connection.close()  # ending the session releases the lock
 
-    def confirm_locks(self, deleting: bool = False, deleted: str | None = None) -> None:
+    def confirm_locks(self, deleting: bool = False, deleted: str | None = None, lease_s: float | None = None) -> None:
         """Every repository lock this process took is still held: before a write commits, and around gc's deletes.
 
         A session cut while idle (the server restarted, an operator or a timeout ended it) lets a gc
         on another machine delete what this command wrote; its record must then not be written.
         A gc whose lock went may be deleting an object that a commit elsewhere has just found
         present and will not upload again (`deleting`): it must stop, and say which object it was
-        deleting then (`deleted`, a delete retried against a throttling store can last a minute).
+        deleting then (`deleted`, a delete retried against a throttling store can last minutes).
+        `lease_s`: in the same round trip, on the exclusive lock's own session (one that ended cannot), gc's
+        delete lease is set to the database's clock plus that: what a delete sent next may take to land (0: its
+        deletes ended). Whoever takes the lock while the lease is live waits it out (`_wait_out_gc_lease`).
         """
         for connection in list(self._lock_sessions):
             try:
-                connection.execute("SELECT 1")
+                if lease_s is not None and connection in self._held_alone:
+                    self.backend.renew_gc_lease(connection, lease_s)
+                else:
+                    connection.execute("SELECT 1")
             except self.backend.errors as exc:
                 ended = f"its session ended: {' '.join(str(exc).split())[:160]}"
                 if deleting:
-                    risk = (f" A commit made elsewhere while object {deleted} was being deleted may need it: run "
-                            "`ckpt fsck`, and commit again the files of a commit it names broken." if deleted else "")
+                    risk = ""
+                    if lease_s is not None:  # its lease holds them off: no delete it sent lands after they look
+                        risk = " Commits elsewhere wait until a delete it sent can no longer land, so none loses it."
+                    elif deleted:  # a local folder's: no lease
+                        risk = (f" A commit made elsewhere while object {deleted} was being deleted may need it: run "
+                                "`ckpt fsck`, and commit again the files of a commit it names broken.")
                     raise LostLockError(f"lost the repository lock on {self.where} while deleting unreachable objects "
                                         f"({ended}); deleting stopped.{risk} Run the command again to finish",
                                         ended, deleting=True) from None
                 raise LostLockError(f"lost the repository lock on {self.where} while this command ran ({ended}); a "
                                     "gc elsewhere may have removed what it wrote, so nothing was recorded: run the "
                                     "command again", ended) from None
+
+    def _wait_out_gc_lease(self, connection: Any) -> None:
+        """With the repository lock just taken: wait while a gc that lost its lock may still have a delete in flight.
+
+        gc renews its lease before each delete, on its lock's own session (`confirm_locks`); one whose session
+        ended meanwhile (a restart, an idle timeout) may have a delete retried against a throttling bucket that
+        lands minutes later, removing an object this command would find present (and not upload) or upload anew.
+        Once the lease ends no such delete can land, and none renews it while we hold the lock: the wait is
+        bounded by what is read now. One query; no wait unless a gc lost its lock.
+        """
+        try:
+            left = self.backend.gc_lease_left(connection)
+            if left <= 0:
+                return
+            from ckptstore.warn import warn_caller
+
+            warn_caller(f"waiting {math.ceil(left)} s before going on: a gc on {self.where} lost its repository lock "
+                        "while deleting unreachable objects, and a delete it sent may land until then; this command "
+                        "then goes on by itself")
+            faults.point("lock:gc-lease-wait")
+            while left > 0:
+                time.sleep(min(left, LEASE_POLL_S))
+                left = self.backend.gc_lease_left(connection)
+        except self.backend.errors as exc:
+            raise (self.backend.explain(exc) or CkptError(f"cannot read gc's delete lease on {self.where}: "
+                                                          f"{' '.join(str(exc).split())[:160]}")) from exc
 
     @contextlib.contextmanager
     def _transaction(self, write: bool) -> Iterator[Tx]:

@@ -453,6 +453,21 @@ class PostgresBackend:
             notice.stop()
         return True
 
+    def renew_gc_lease(self, connection: psycopg.Connection, seconds: float) -> None:
+        """Set gc's delete lease (migration 0012) to the database's clock plus `seconds`, in `connection`'s session.
+
+        Called on the exclusive lock's session: one that ended cannot renew it, and its error says the lock went.
+        """
+        connection.execute("INSERT INTO gc_lease (id, expires_at) VALUES (1, extract(epoch FROM clock_timestamp())"
+                           "::float8 + %s) ON CONFLICT (id) DO UPDATE SET expires_at = excluded.expires_at",
+                           (float(seconds),))
+
+    def gc_lease_left(self, connection: psycopg.Connection) -> float:
+        """Seconds until gc's delete lease ends, on the database's clock (0 or less: none is live)."""
+        row = connection.execute("SELECT max(expires_at) - extract(epoch FROM clock_timestamp())::float8 "
+                                 "FROM gc_lease").fetchone()
+        return 0.0 if row is None or row[0] is None else float(row[0])
+
     def lock_waiting_line(self, waiter_pid: int, exclusive: bool) -> str:
         """What a command waiting for the repository lock waits for: its holders (and a gc queued first), by name.
 

@@ -285,6 +285,12 @@ class SqliteBackend:
     def lock_repository(self, connection: Any, exclusive: bool, wait: bool) -> bool:
         raise NotImplementedError("a SQLite repository has no lock in its database (repository_locks)")
 
+    def renew_gc_lease(self, connection: Any, seconds: float) -> None:
+        raise NotImplementedError("a SQLite repository's gc holds a file lock, which it cannot lose: no lease")
+
+    def gc_lease_left(self, connection: Any) -> float:
+        raise NotImplementedError("a SQLite repository's gc holds a file lock, which it cannot lose: no lease")
+
     def accepted(self, db: Database) -> None:
         """Our schema, opened to write: the file in WAL (connect_sqlite set it only on an empty file).
 

@@ -46,6 +46,7 @@ MAX_OWNER_RECORD = 64 << 10
 RETRY_SECONDS = 60.0  # how long a request is retried before the error reaches the user; CKPT_S3_RETRY_SECONDS
 MAX_RETRIES = 1 << 16  # no bound of its own: RETRY_SECONDS is (at the longest backoff, 5 s, 60 s is 12-24 tries)
 REQUEST_SECONDS = 300.0  # how long one request (a whole object's transfer) may take; CKPT_S3_REQUEST_SECONDS
+MAX_BACKOFF_S = 5.0  # the longest wait between two tries of a request
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -103,7 +104,7 @@ def _client(bucket: str) -> Any:
     # server restarting for 8 s failed the commit where CKPT_S3_RETRY_SECONDS promises 60 s
     retrying = timedelta(seconds=_seconds("CKPT_S3_RETRY_SECONDS", RETRY_SECONDS))
     retry = {"max_retries": MAX_RETRIES, "retry_timeout": retrying,
-             "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5),
+             "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=MAX_BACKOFF_S),
                          "base": 2}}
     return S3Store(bucket, config=config, client_options=options, retry_config=retry,
                    credential_provider=provider)
@@ -164,6 +165,10 @@ class S3ObjectStore:
         self.bucket, self.prefix = parse_url(url)
         self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self._objects = f"{self.prefix}/objects/" if self.prefix else "objects/"
+        # the longest a delete sent now may take to land, as the client below is set up: its last try starts within
+        # the retry budget (after at most one backoff) and takes at most one request's limit (gc's lease, maintenance)
+        self.delete_lands_within = (_seconds("CKPT_S3_RETRY_SECONDS", RETRY_SECONDS) + MAX_BACKOFF_S
+                                    + _request_seconds())
         try:
             self._client = _client(self.bucket)
         except CkptError:

@@ -137,9 +137,11 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
     _forget_damage_of_absent(repo, stored.keys())
     refused: list[PermissionError] = []
     deleted = None  # the lock lost during a delete (retried for a minute on a throttling bucket) is said with it
+    lease = delete_lease(repo)
     for oid, size in stored.items():
         if oid not in live_objects and oid not in findings.unreadable_manifests:
-            repo.db.confirm_locks(deleting=True, deleted=deleted)  # one query on a shared database; none on a local
+            # one query on a shared database (the lease renewed in it); none on a local
+            repo.db.confirm_locks(deleting=True, deleted=deleted, lease_s=lease)
             try:
                 repo.store.delete(oid)
             except PermissionError as exc:  # another user's folder (their umask): the rest of the garbage still goes
@@ -151,9 +153,24 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
             report.objects_removed += 1
     if refused:
         _say_left(refused)
-    if deleted is not None:  # and after the last delete: a gc that lost the lock during it did not end well
-        repo.db.confirm_locks(deleting=True, deleted=deleted)
+    if deleted is not None or refused and lease is not None:  # a gc that lost the lock during its last delete
+        # did not end well; one that did ends its lease, so that no commit waits for it
+        repo.db.confirm_locks(deleting=True, deleted=deleted, lease_s=None if lease is None else 0.0)
     return report
+
+
+LEASE_MARGIN_S = 10.0  # past the store's own bound: a delete sent a moment after its lease was renewed
+
+
+def delete_lease(repo: Repository) -> float | None:
+    """Seconds gc's delete lease runs past each renewal: the longest a delete may take to land; None for none.
+
+    A bucket's delete is retried, and can land minutes after it was sent: a gc whose lock went meanwhile
+    leaves commits elsewhere to wait that out (metadata/db.py). A local folder's delete lands at once, and
+    a local (SQLite) gc's file lock cannot be lost: no lease, and no cost.
+    """
+    lands_within = getattr(held_here(repo.store), "delete_lands_within", None)
+    return None if lands_within is None else lands_within + LEASE_MARGIN_S
 
 
 def _forget_damage_of_absent(repo: Repository, stored: Iterable[ObjectId]) -> None:

@@ -620,3 +620,35 @@ def test_many_rows_go_in_batches_each_under_its_own_deadline(tmp_path, postgres_
         cid = repo.commit(state)
         assert_same(state, repo.checkout(cid))
         assert fsck(repo, full=True).ok
+
+
+def test_a_lock_taken_while_a_gcs_delete_lease_is_live_waits_it_out_and_one_run_out_costs_nothing(postgres_url):
+    """A gc that lost its lock may have a delete in flight until its lease ends: whoever takes the lock meanwhile
+    waits, saying why once; a lease that ran out (its gc killed long ago) is not waited for."""
+    import warnings
+
+    import psycopg
+
+    def lease(seconds: float) -> None:
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute("UPDATE gc_lease SET expires_at = extract(epoch FROM clock_timestamp())::float8 + %s",
+                         (seconds,))
+
+    db = Database(postgres_url)
+    try:
+        for exclusive in (False, True):
+            lease(3)
+            started = time.monotonic()
+            with pytest.warns(RuntimeWarning, match=r"waiting [34] s before going on: a gc on .* lost its "
+                                                    r"repository lock while deleting") as said:
+                with db.repository_lock(exclusive=exclusive):
+                    waited = time.monotonic() - started
+            assert 2.5 < waited < 30 and len(said) == 1
+        lease(-1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            started = time.monotonic()
+            with db.repository_lock():
+                assert time.monotonic() - started < 2
+    finally:
+        db.close()

@@ -255,3 +255,13 @@ def test_an_environment_the_client_cannot_be_made_from_is_one_error_naming_the_v
         return
     with pytest.raises(CkptError, match=said):
         S3ObjectStore("s3://bucket/prefix")
+
+
+def test_a_delete_is_bounded_by_the_retry_budget_one_backoff_and_one_requests_limit(s3_url, monkeypatch):
+    """What gc's delete lease is made of (repo/maintenance.py): the settings the client itself was made with."""
+    monkeypatch.setenv("CKPT_S3_RETRY_SECONDS", "7")
+    monkeypatch.setenv("CKPT_S3_REQUEST_SECONDS", "11")
+    assert S3ObjectStore(s3_url).delete_lands_within == 7 + s3.MAX_BACKOFF_S + 11
+    monkeypatch.delenv("CKPT_S3_RETRY_SECONDS")
+    monkeypatch.delenv("CKPT_S3_REQUEST_SECONDS")
+    assert S3ObjectStore(s3_url).delete_lands_within == s3.RETRY_SECONDS + s3.MAX_BACKOFF_S + s3.REQUEST_SECONDS

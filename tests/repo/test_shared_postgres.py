@@ -310,6 +310,107 @@ def test_a_gc_whose_lock_session_ended_during_a_delete_names_that_object_and_fsc
     assert "no commit made elsewhere meanwhile loses" not in str(lost.value)
 
 
+def _chunk_objects(repo) -> set[str]:
+    with repo.db.read() as tx:
+        return set(tx.column("SELECT object_id FROM tensor_chunks"))
+
+
+def test_a_gc_whose_lock_went_during_a_slow_delete_holds_a_commit_elsewhere_until_the_delete_has_landed(
+        postgres_server, postgres_url, s3_url, tmp_path, monkeypatch):
+    """A delete retried against a throttling bucket landed after gc's lock session had ended: a commit on another
+    machine, made meanwhile, found the object present, uploaded nothing, recorded it, and lost it; only fsck found
+    it (auditor, high). gc's delete lease now holds that commit until the delete can no longer land: it then
+    finds the object gone, uploads it again, and loses nothing."""
+    import threading
+
+    from ckptstore import faults
+    from ckptstore.errors import LostLockError
+    from ckptstore.objectstore.fallback import held_here
+    from ckptstore.repo import maintenance
+
+    state = {"w": torch.randn(50_000, generator=torch.Generator().manual_seed(3))}
+    monkeypatch.setattr(maintenance, "LEASE_MARGIN_S", 0.0, raising=False)
+    with Repository.init(tmp_path / "a", objects_url=s3_url, metadata_url=postgres_url) as repo, \
+            Repository.init(tmp_path / "b", objects_url=s3_url, metadata_url=postgres_url) as other:
+        held_here(repo.store).delete_lands_within = 6.0  # the test's delete lands within a second or two
+        kept = repo.commit({"w": torch.zeros(100)})
+        before = _chunk_objects(repo)
+        repo.branch("x")
+        repo.commit(state, branch="x")
+        needed = _chunk_objects(repo) - before
+        repo.delete_branch("x")  # its objects are garbage now
+        other.branch("y", kept)
+        made, reached, waited = {}, threading.Event(), []
+
+        def commit_elsewhere():
+            try:
+                made["y"] = other.commit(state, branch="y")  # the same bytes: it finds the objects present
+            finally:
+                reached.set()
+
+        passing = faults.point
+
+        def at(name):
+            if name == "lock:gc-lease-wait":
+                waited.append(name)
+                reached.set()  # holding off: the delete lands now
+            passing(name)
+
+        monkeypatch.setattr(faults, "point", at)
+        committing = threading.Thread(target=commit_elsewhere)
+        delete = repo.store.delete
+
+        def slow_delete(oid):
+            if oid in needed and not committing.ident:  # the first of the needed objects
+                postgres_server.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = "
+                                        f"'advisory' AND objid = {REPO_LOCK} AND granted")  # gc's lock session
+                committing.start()
+                assert reached.wait(120)
+            delete(oid)  # lands after the commit elsewhere looked (or, held off, before it does)
+
+        monkeypatch.setattr(repo.store, "delete", slow_delete)
+        with pytest.raises(LostLockError) as lost:
+            maintenance.gc(repo, prune_unreachable=True)
+        committing.join(120)
+        monkeypatch.undo()
+        report = fsck(other)
+        assert report.ok, report  # before: the object y's record names was deleted after y found it present
+        assert_same(state, other.checkout(made["y"]))
+        assert waited and "deleting stopped. Commits elsewhere wait until a delete it sent can no longer land, so " \
+            "none loses it. Run the command again" in str(lost.value)
+
+
+def test_a_gc_that_ends_well_ends_its_delete_lease_and_a_commit_after_it_does_not_wait(postgres_url, s3_url,
+                                                                                      tmp_path, monkeypatch):
+    """Each delete renews the lease to the database's clock plus what a delete may take; the last ends it."""
+    import warnings
+
+    from ckptstore.objectstore.fallback import held_here
+    from ckptstore.repo import maintenance
+
+    def lease_left() -> float:
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            return conn.execute("SELECT expires_at - extract(epoch FROM clock_timestamp())::float8 "
+                                "FROM gc_lease").fetchone()[0]
+
+    with Repository.init(tmp_path, objects_url=s3_url, metadata_url=postgres_url) as repo:
+        repo.commit({"w": torch.zeros(100)})
+        repo.branch("x")
+        repo.commit({"w": torch.randn(50_000)}, branch="x")
+        repo.delete_branch("x")
+        bound = held_here(repo.store).delete_lands_within
+        seen, delete = [], repo.store.delete
+        monkeypatch.setattr(repo.store, "delete", lambda oid: (seen.append(lease_left()), delete(oid))[1])
+        assert maintenance.gc(repo, prune_unreachable=True).objects_removed == len(seen) > 0
+        lease = bound + maintenance.LEASE_MARGIN_S
+        assert all(lease - 30 < left <= lease for left in seen), (seen, lease)
+        assert lease_left() <= 0
+        monkeypatch.undo()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a wait for a lease would warn
+            repo.commit({"w": torch.ones(100)})
+
+
 def test_a_prune_whose_lock_session_was_cut_after_it_was_recorded_says_so(postgres_server, postgres_url, tmp_path,
                                                                           monkeypatch):
     """It said "nothing was recorded" of a prune its database had recorded; only the clean-up was left."""
