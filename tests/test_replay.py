@@ -315,7 +315,7 @@ def test_a_record_claiming_far_more_than_its_payload_decodes_to_is_damage_before
 
 
 def _lossy_record(store, name, codec_id, params, values, base=None, base_values=None, claimed=None):
-    """A one-chunk record of `values` coded by `codec_id` (against `base`'s reconstruction), claiming `claimed` bytes."""
+    """A one-chunk record of `values` coded by `codec_id` (against `base`'s reconstruction) claiming `claimed` bytes."""
     from ckptstore.codecs import get_codec
     from ckptstore.hashing import chunk_checksum
     from ckptstore.records import Chunk, TensorRecord
@@ -323,7 +323,8 @@ def _lossy_record(store, name, codec_id, params, values, base=None, base_values=
     payload, rebuilt = get_codec(codec_id).encode_lossy(values.view(np.uint8), base_values, params)
     size = claimed or values.nbytes
     record = TensorRecord(name * 64, "torch.float32", (size // 4,), codec_id, params, base and base.id,
-                          1 if base else 0, size, 0, [Chunk(store.put(payload), size, checksum=chunk_checksum(rebuilt))])
+                          1 if base else 0, size, 0,
+                          [Chunk(store.put(payload), size, checksum=chunk_checksum(rebuilt))])
     return record, rebuilt
 
 
