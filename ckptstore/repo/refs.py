@@ -293,7 +293,6 @@ def listed_refs(repo: Repository, kind: str, damage: dict[str, str]) -> dict[str
     """The branches or tags (`kind`) by name; a damaged one is noted in `damage` and left out, as `log --all` does.
 
     Damaged: its row names no commit, or a commit with no record (`ckpt branch` listed nothing for one).
-    `Repository.branches()` and `tags()` read it through `sound_part`.
     """
     nowhere: list[str] = []
     with repo.db.read() as tx:
@@ -305,8 +304,18 @@ def listed_refs(repo: Repository, kind: str, damage: dict[str, str]) -> dict[str
     return {name: cid for name, cid in found.items() if name not in lost}
 
 
+def stored_refs(repo: Repository, kind: str) -> dict[str, CommitId]:
+    """The branches or tags (`kind`) by name as their rows hold them; a row naming no commit raises.
+
+    Not `listed_refs`: the integrations ask whether a name is taken and mend a tag naming a lost commit
+    by deleting and making it again, which a listing that leaves it out turned into "already exists".
+    """
+    with repo.db.read() as tx:
+        return ref_rows.refs_of_kind(tx, kind)
+
+
 def sound_part(listing: Callable[..., Listed], *args: Any) -> Listed:
-    """What `listing(*args, damage=...)` (log, stats, listed_refs) finds sound, warning once of the damage it went past.
+    """What `listing(*args, damage=...)` (log, stats) finds sound, warning once of the damage it went past.
 
     The Python calls behind `ckpt log`, `stats` and `branch` go past damaged rows as those do: a notebook
     listing a repository with one damaged branch got an error and nothing. Where nothing sound is left

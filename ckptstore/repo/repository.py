@@ -185,12 +185,12 @@ class Repository:
         return refs.head(self)
 
     def branches(self) -> dict[str, CommitId]:
-        """Branches by name; a damaged one (naming no commit, or one with no record) is left out with a warning."""
-        return refs.sound_part(refs.listed_refs, self, refs.BRANCH)
+        """Branches by name as their rows hold them (refs.stored_refs)."""
+        return refs.stored_refs(self, refs.BRANCH)
 
     def tags(self) -> dict[str, CommitId]:
-        """Tags by name; a damaged one is left out with a warning, as `branches`."""
-        return refs.sound_part(refs.listed_refs, self, refs.TAG)
+        """Tags by name as their rows hold them (refs.stored_refs)."""
+        return refs.stored_refs(self, refs.TAG)
 
     def branch(self, name: str, start: str = "HEAD") -> CommitId:
         """Create branch `name` at `start`; HEAD does not move."""

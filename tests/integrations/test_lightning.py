@@ -914,3 +914,26 @@ def test_a_markers_temporary_file_left_by_a_crash_is_one_a_folder_commit_leaves_
         write_marker(tmp_path / "last.ckpt", tmp_path, "lightning/last", None)
     left = [p.name for p in tmp_path.iterdir()]
     assert left and all(is_temp_name(name) for name in left), left
+
+
+def test_a_tag_naming_a_lost_commit_is_made_again_at_the_next_save_of_its_path(tmp_path):
+    """A damaged `lightning/last` row (naming a commit with no record) beside a sound tag: the plugin's next save
+    deleted and re-made it until f3bbdb6 left damaged tags out of `tags()`; then the save raised "already exists"
+    after storing its commit, untagged (reviewer helper 361). `tags()` gives the rows as held again."""
+    import sqlite3
+
+    Repository.init(tmp_path).close()
+    plugin = CkptstoreCheckpointIO(tmp_path, markers=False, blocking=True)
+    path = str(tmp_path / "ckpts" / "last.ckpt")
+    plugin.save_checkpoint({"state_dict": {"w": torch.zeros(8)}, "global_step": 1}, path)
+    with Repository.open(tmp_path) as repo:
+        repo.tag("keep", "HEAD")
+        ref = next(name for name in repo.tags() if name != "keep")
+    with sqlite3.connect(tmp_path / ".ckpt" / "ckpt.db") as conn:
+        conn.execute("UPDATE refs SET commit_id = ? WHERE name = ?", ("ab" * 32, ref))
+    state = {"state_dict": {"w": torch.ones(8)}, "global_step": 2}
+    plugin.save_checkpoint(state, path)
+    with Repository.open(tmp_path) as repo:
+        tip = repo.tags()[ref]
+        assert tip == repo.log()[0].id != "ab" * 32
+    assert_same(CkptstoreCheckpointIO(tmp_path).load_checkpoint(path)["state_dict"], state["state_dict"])

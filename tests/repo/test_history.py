@@ -184,7 +184,7 @@ def _sql(repo, *statements):
 @pytest.mark.both_backends
 def test_the_python_listings_go_past_damaged_rows_with_one_warning_as_the_cli_does(repo):
     """One branch naming no commit, a tag naming a lost one, a commit's metrics and HEAD's row damaged:
-    `Repository.log(all_refs=True)`, `stats()` and `branches()` raised on the first, where `ckpt log --all`,
+    `Repository.log(all_refs=True)` and `stats()` raised on the first, where `ckpt log --all`,
     `stats` and `branch` listed the rest (auditor helper 354). Now they return what is sound and warn once."""
     first = repo.commit({"w": torch.zeros(4)}, metrics={"loss": 1.0}, step=1)
     second = repo.commit({"w": torch.ones(4)}, step=2)
@@ -204,11 +204,8 @@ def test_the_python_listings_go_past_damaged_rows_with_one_warning_as_the_cli_do
         assert what in said, said
     with pytest.warns(RuntimeWarning, match="ref lost is damaged"):
         assert [row["id"] for row in repo.stats()["commits"]] == [first, second]
-    with pytest.warns(RuntimeWarning, match="ref lost is damaged: it points at no commit") as told:
-        assert repo.branches() == {"main": second, "side": first}
-    assert len(told) == 1 and "v1" not in str(told[0].message)
-    with pytest.raises(CorruptRecordError, match=f"ref v1 is damaged: it points at commit {'a' * 64}"):
-        repo.tags()  # its only tag is damaged: nothing sound to return
+    # branches() and tags() give the rows as held: a plugin mends a tag naming a lost commit by its name
+    assert repo.tags() == {"v1": "a" * 64}
     with pytest.raises(CorruptRecordError, match="ref HEAD is damaged: it names no branch and no commit"):
         repo.log()  # HEAD's history: nothing sound to list
     with pytest.warns(RuntimeWarning, match="metrics"):
