@@ -60,6 +60,17 @@ def schema_key(key: int) -> str:
 # Where the URL sets one, its own value stands.
 LINK_CHECKS = {"keepalives": "1", "keepalives_idle": "30", "keepalives_interval": "10", "keepalives_count": "3",
                "tcp_user_timeout": "60000"}
+# The server's side of the link, sent as `-c` options: a client gone in a partition (its close lost) was found by
+# the OS's keepalive only, after about two hours, its sessions holding the write and repository locks meanwhile.
+# These find it in about a minute, as the client finds the server. Where the URL's options or PGOPTIONS set one,
+# its own value stands; a pooler that refuses them (pgbouncer) gets them by SET once connected.
+SERVER_LINK_CHECKS = {"tcp_keepalives_idle": "30", "tcp_keepalives_interval": "10", "tcp_keepalives_count": "3",
+                      "tcp_user_timeout": "60000"}
+# A write transaction left idle this many request limits is ended by the server, freeing the write lock: a client
+# stopped, or gone behind a middlebox that keeps the server's link alive. Statements in one follow each other at
+# once; one that reads the object store between them lifts it (`Tx.may_idle`). Lock sessions idle outside any
+# transaction, for the minutes a commit uploads, and have no idle limit.
+IDLE_WRITE_LIMITS = 3
 
 
 def request_seconds() -> float:
@@ -184,6 +195,17 @@ def describe(url: str) -> str:
     return f"postgresql://{user}{host}:{port}/{parts.get('dbname') or ''}{schema}"
 
 
+def options_named(options: str) -> set[str]:
+    """The settings a libpq `options` string sets (`-c NAME=VALUE`, `-cNAME=VALUE` or `--NAME=VALUE`)."""
+    return {name.replace("-", "_") for name in re.findall(r"(?:-c\s*|--)([\w.-]+)=", options)}
+
+
+def _startup_option_refused(exc: psycopg.OperationalError) -> bool:
+    """Whether a connect failed on a `-c` option: a pooler's "unsupported startup parameter", an older server's name."""
+    text = str(exc).lower()
+    return "startup parameter" in text or "unrecognized configuration parameter" in text
+
+
 def search_path(url: str) -> str:
     """The search_path a URL's options set (`?options=-csearch_path%3DNAME`), or "" where it sets none.
 
@@ -268,19 +290,45 @@ class PostgresBackend:
         self.user = str(parts.get("user") or "")
         self.dbname = str(parts.get("dbname") or "")
         self.request_seconds = request_seconds()
+        # the URL's own options (a search_path), else PGOPTIONS: an `options` keyword replaces both, so ours go after
+        self.given_options = str(parts.get("options") or os.environ.get("PGOPTIONS") or "").strip()
+        self.server_checks = {name: value for name, value in SERVER_LINK_CHECKS.items()
+                              if name not in options_named(self.given_options)}
+        self.idle_limit = "" if "idle_in_transaction_session_timeout" in options_named(self.given_options) else \
+            f"{round(1000 * IDLE_WRITE_LIMITS * self.request_seconds)}ms"
+        self.server_checks_refused = False  # a pooler refused them as startup options: SET once connected
 
     def connect(self) -> psycopg.Connection:
-        # read-only: the server itself refuses a write, whatever a bug in ckptstore might try
-        # added to the URL's own options (a search_path), which a keyword would replace
         url_gives = conninfo_to_dict(self.conninfo)
-        given = str(url_gives.get("options") or "")
-        options = {"options": f"{given} -c default_transaction_read_only=on".strip()} if self.read_only else {}
+        ours = [f"-c {name}={value}" for name, value in self.server_checks.items() if not self.server_checks_refused]
+        # read-only: the server itself refuses a write, whatever a bug in ckptstore might try
+        read_only = ["-c default_transaction_read_only=on"] if self.read_only else []
+        options = " ".join([self.given_options, *ours, *read_only]).strip()
         checks = {name: value for name, value in LINK_CHECKS.items() if name not in url_gives}
-        connection = AnsweringConnection.connect(self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
-                                                 application_name=(APP_PREFIX + process_tag())[:63],  # the most kept
-                                                 **checks, **options)
+        try:
+            connection = AnsweringConnection.connect(
+                self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
+                application_name=(APP_PREFIX + process_tag())[:63],  # the most kept
+                **checks, **({"options": options} if options else {}))
+        except psycopg.OperationalError as exc:
+            if not ours or not _startup_option_refused(exc):
+                raise
+            self.server_checks_refused = True
+            return self.connect()
         connection.limit = self.request_seconds
+        if self.server_checks_refused:
+            self._set_server_checks(connection)
         return connection
+
+    def _set_server_checks(self, connection: psycopg.Connection) -> None:
+        """SERVER_LINK_CHECKS by SET, where a pooler refused them as startup options; one the server lacks is skipped.
+
+        Behind a pooler they reach the server session it lends, whose link is the pooler's to watch.
+        """
+        for name, value in self.server_checks.items():
+            with contextlib.suppress(pg_errors.UndefinedObject, pg_errors.InvalidParameterValue,
+                                     pg_errors.CantChangeRuntimeParam):
+                connection.execute(f"SET {name} = {value}")
 
     def reusable(self, connection: psycopg.Connection) -> bool:
         return not (connection.closed or connection.broken)
@@ -306,12 +354,21 @@ class PostgresBackend:
             try:
                 connection.execute(f"{start}; SET LOCAL lock_timeout = '{wait_ms}ms'; "
                                    f"SELECT pg_advisory_xact_lock({schema_key(WRITE_LOCK)}); RELEASE SAVEPOINT "
-                                   f"write_lock; SET LOCAL lock_timeout = '{LOCK_WAIT}'")
+                                   f"write_lock; SET LOCAL lock_timeout = '{LOCK_WAIT}'{self._idle_limit_sql()}")
                 return
             except pg_errors.LockNotAvailable:
                 if time.monotonic() >= deadline:
                     raise
             start = "ROLLBACK TO SAVEPOINT write_lock"  # the transaction goes on; the lock is queued for again
+
+    def _idle_limit_sql(self) -> str:
+        """The statement giving a write transaction its idle limit (IDLE_WRITE_LIMITS), after a "; ", or ""."""
+        return f"; SET LOCAL idle_in_transaction_session_timeout = '{self.idle_limit}'" if self.idle_limit else ""
+
+    def allow_idle(self, connection: psycopg.Connection) -> None:
+        """Lift the idle limit for the rest of this transaction: it reads the object store between statements."""
+        if self.idle_limit:
+            connection.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
 
     def commit(self, connection: psycopg.Connection) -> None:
         try:
@@ -374,6 +431,9 @@ class PostgresBackend:
         if isinstance(exc, Unanswered):
             return CkptError(f"{at} did not answer ({text}): the server, or a pooler in front of it, hangs; nothing "
                              "was changed by the interrupted transaction: run the command again once it answers")
+        if isinstance(exc, pg_errors.IdleInTransactionSessionTimeout):  # IDLE_WRITE_LIMITS: a stalled client
+            return CkptError(f"{at} ended a write transaction of this command that sat idle for {self.idle_limit} "
+                             "(3 times CKPT_PG_REQUEST_SECONDS); nothing was changed: run the command again")
         if isinstance(exc, pg_errors.InvalidSchemaName):  # "no schema has been selected to create in"
             return self.no_schema(search_path(self.conninfo))
         if isinstance(exc, pg_errors.ReadOnlySqlTransaction):

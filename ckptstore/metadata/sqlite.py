@@ -190,6 +190,9 @@ class SqliteBackend:
     def begin(self, connection: sqlite3.Connection, write: bool) -> None:
         connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")
 
+    def allow_idle(self, connection: sqlite3.Connection) -> None:
+        """Nothing to lift: a SQLite transaction has no idle limit."""
+
     def commit(self, connection: sqlite3.Connection) -> None:
         connection.commit()
 

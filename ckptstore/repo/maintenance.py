@@ -116,6 +116,7 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
     report.temp_files_removed = repo.store.clear_tmp()
     faults.point("gc:tmp-cleared")
     with repo.db.write() as tx:
+        tx.may_idle()  # it reads manifests and lists the store in it: minutes on a big bucket
         if prune_unreachable:
             doomed = liveness.commit_ids(tx) - liveness.reachable_commits(tx)
             liveness.delete_commits(tx, doomed)

@@ -75,6 +75,8 @@ def taken_over(repo: Repository, tx: Tx, ours: Sequence[TensorRecord]) -> tuple[
     recorded = tensor_rows.load_records(tx, listed, problems=damaged)
     alike = {tid for tid in listed & recorded.keys() if recorded[tid].cut() == mine[tid].cut()}
     otherwise = (listed & recorded.keys()) - alike
+    if otherwise:  # decoded from the store, in the commit's write transaction
+        tx.may_idle()
     false = false_claims(repo, recorded, otherwise) if otherwise else set()
     sourced = {tid for tid in otherwise - false if recorded[tid].params.get("source") == mine[tid].params.get("source")}
     _keep_what_rests_on(repo, tx, recorded, (alike | false) & recorded.keys(), mine)

@@ -412,6 +412,44 @@ def test_connections_ask_the_kernel_to_find_a_server_that_stops_answering(postgr
         assert connection.info.get_parameters()["tcp_user_timeout"] == "5000"
 
 
+def _server_settings(connection, names) -> dict[str, str]:
+    """The session's values of settings `names`, as the server keeps them (milliseconds as a number)."""
+    return dict(connection.execute("SELECT name, setting FROM pg_catalog.pg_settings WHERE name = ANY(%s)",
+                                   (list(names),)).fetchall())
+
+
+def test_the_server_is_asked_to_find_a_client_gone_in_a_partition_and_the_urls_own_settings_stand(postgres_url,
+                                                                                                    monkeypatch):
+    """Keepalives were the client's only: the server found a client gone in a partition after the OS's two hours,
+    its sessions holding the write and repository locks (auditor 357). The URL's options and PGOPTIONS stand."""
+    from ckptstore.metadata.postgres import SERVER_LINK_CHECKS, PostgresBackend
+
+    with PostgresBackend(postgres_url, read_only=False).connect() as connection:
+        assert _server_settings(connection, SERVER_LINK_CHECKS) == SERVER_LINK_CHECKS
+    url = f"{postgres_url}?options=-c%20tcp_keepalives_idle%3D7%20-csearch_path%3Dpublic"
+    monkeypatch.setenv("PGOPTIONS", "-c tcp_keepalives_count=5")  # libpq reads it only where the URL gives none
+    with PostgresBackend(url, read_only=True).connect() as connection:
+        assert _server_settings(connection, SERVER_LINK_CHECKS) == {**SERVER_LINK_CHECKS, "tcp_keepalives_idle": "7"}
+        assert connection.execute("SHOW default_transaction_read_only").fetchone()[0] == "on"
+    with PostgresBackend(postgres_url, read_only=False).connect() as connection:
+        assert _server_settings(connection, SERVER_LINK_CHECKS) == {**SERVER_LINK_CHECKS, "tcp_keepalives_count": "5"}
+
+
+def test_a_server_or_pooler_that_refuses_a_link_setting_at_startup_gets_them_set_once_connected(postgres_url,
+                                                                                                 monkeypatch):
+    """pgbouncer refuses unknown startup options ("unsupported startup parameter"), a server older than one of them
+    its name: the connection is made without them and each is SET, one the server lacks skipped."""
+    from ckptstore.metadata import postgres
+
+    monkeypatch.setattr(postgres, "SERVER_LINK_CHECKS", {**postgres.SERVER_LINK_CHECKS, "ckpt_no_such_setting": "1"})
+    backend = postgres.PostgresBackend(postgres_url, read_only=False)
+    for _ in range(2):  # the second connects without them at once
+        with backend.connect() as connection:
+            assert backend.server_checks_refused
+            assert _server_settings(connection, ["tcp_keepalives_idle", "tcp_user_timeout"]) == {
+                "tcp_keepalives_idle": "30", "tcp_user_timeout": "60000"}
+
+
 @pytest.fixture
 def stalling(postgres_server, postgres_url, monkeypatch):
     """(proxy, URL through it): a server that can stop answering while its connections stay open; 1 s per answer."""
@@ -650,5 +688,72 @@ def test_a_lock_taken_while_a_gcs_delete_lease_is_live_waits_it_out_and_one_run_
             started = time.monotonic()
             with db.repository_lock():
                 assert time.monotonic() - started < 2
+    finally:
+        db.close()
+
+
+def test_a_write_cut_off_by_a_partition_lets_go_of_the_write_lock_on_the_server_and_lock_sessions_stay(stalling,
+                                                                                                        postgres_url):
+    """A partition mid-write left the gone client's session idle in its transaction, holding the write lock: every
+    write from any machine waited 120 s and failed, for about two hours (auditor 357). The server now ends a write
+    transaction idle for 3 request limits (3 s here); a lock session, idle outside any transaction while a commit
+    uploads, keeps its lock."""
+    import psycopg
+
+    from ckptstore.metadata.postgres import WRITE_LOCK, schema_key
+
+    proxy, url = stalling
+    db = Database(url)
+    try:
+        with db.repository_lock():  # a commit's shared lock, idle while it uploads
+            with pytest.raises(CkptError, match="did not answer"), db.write() as tx:
+                tx.execute("INSERT INTO refs (name, kind, commit_id) VALUES ('a', 'branch', ?)", ("1" * 64,))
+                proxy.stalled = True  # the partition: the next statement, and the close, never reach the server
+                tx.scalar("SELECT 1")
+            cut_off = time.monotonic()
+            with psycopg.connect(postgres_url, autocommit=True) as other:
+                while not other.execute(f"SELECT pg_try_advisory_xact_lock({schema_key(WRITE_LOCK)})").fetchone()[0]:
+                    assert time.monotonic() - cut_off < 10, "the gone client's session still holds the write lock"
+                    time.sleep(0.2)
+            proxy.stalled = False
+            db.confirm_locks()  # its session idled past the write limit, and holds the repository lock still
+        with db.read() as tx:
+            assert tx.column("SELECT name FROM refs") == []  # the cut-off write recorded nothing
+    finally:
+        db.close()
+
+
+def test_a_gc_that_lists_a_slow_store_in_its_write_transaction_is_not_ended_by_the_idle_limit(postgres_url, tmp_path,
+                                                                                              monkeypatch):
+    """gc reads manifests and lists the store inside its write transaction, minutes on a big bucket: the write
+    transactions' idle limit (3 request limits: 3 s here) must not end it."""
+    from ckptstore.repo import maintenance
+
+    monkeypatch.setenv("CKPT_PG_REQUEST_SECONDS", "1")
+    with Repository.init(tmp_path, metadata_url=postgres_url) as repo:
+        repo.commit({"w": torch.ones(3)})
+        listing = type(repo.store).iter_sizes
+
+        def slow_listing(store):  # a big bucket's listing
+            time.sleep(4)
+            yield from listing(store)
+
+        monkeypatch.setattr(type(repo.store), "iter_sizes", slow_listing)
+        maintenance.gc(repo)
+        assert fsck(repo).ok
+
+
+def test_a_write_transaction_left_idle_past_its_limit_is_ended_with_one_line(postgres_url, monkeypatch):
+    """A client stopped mid-write lets go of the write lock after 3 request limits; the error says so in a line."""
+    monkeypatch.setenv("CKPT_PG_REQUEST_SECONDS", "1")
+    db = Database(postgres_url)
+    try:
+        with pytest.raises(CkptError, match=r"ended a write transaction of this command that sat idle for 3000ms .*"
+                                            r"nothing was changed: run the command again"), db.write() as tx:
+            tx.execute("INSERT INTO refs (name, kind, commit_id) VALUES ('a', 'branch', ?)", ("1" * 64,))
+            time.sleep(3.5)
+            tx.scalar("SELECT 1")
+        with db.read() as tx:
+            assert tx.column("SELECT name FROM refs") == []
     finally:
         db.close()
