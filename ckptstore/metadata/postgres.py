@@ -370,10 +370,13 @@ class PostgresBackend:
         if self.idle_limit:
             connection.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
 
-    def commit(self, connection: psycopg.Connection) -> None:
+    def commit(self, connection: psycopg.Connection, write: bool) -> None:
+        """COMMIT; a link lost then leaves a write's outcome unknown, and is a lost connection to a read."""
         try:
             connection.execute("COMMIT")
         except psycopg.OperationalError as exc:  # the server may have committed before the link broke
+            if not write:
+                raise
             raise CkptError(f"lost the connection to PostgreSQL at {self.server} while committing "
                             f"({' '.join(str(exc).split())[:200]}); the change may or may not have been recorded: "
                             "check with `ckpt log` (and `ckpt fsck`) before running the command again") from exc

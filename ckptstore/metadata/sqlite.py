@@ -193,7 +193,7 @@ class SqliteBackend:
     def allow_idle(self, connection: sqlite3.Connection) -> None:
         """Nothing to lift: a SQLite transaction has no idle limit."""
 
-    def commit(self, connection: sqlite3.Connection) -> None:
+    def commit(self, connection: sqlite3.Connection, write: bool) -> None:
         connection.commit()
 
     def rollback(self, connection: sqlite3.Connection) -> None:

@@ -345,19 +345,20 @@ def test_opening_a_database_with_no_schema_is_refused_and_writes_nothing(postgre
         assert [c.id for c in repo.log()] == [cid] and fsck(repo).ok
 
 
-def test_a_connection_lost_at_commit_says_the_change_may_or_may_not_have_been_recorded(postgres_url, tmp_path,
-                                                                                        monkeypatch):
-    """The server may have committed before the link broke: "nothing was changed, run it again" could be false."""
+def test_a_connection_lost_at_commit_says_a_write_may_or_may_not_be_recorded_and_a_read_changed_nothing(
+        postgres_url, tmp_path, monkeypatch):
+    """The server may have committed before the link broke: "nothing was changed, run it again" could be false.
+    A read-only transaction's COMMIT records nothing: it was told to check `ckpt log` too (auditor 357)."""
     import psycopg
 
     from ckptstore.metadata import postgres
 
     real = postgres.PostgresBackend.commit
 
-    def cut(backend, connection):  # the link breaks as COMMIT goes out (here: just before, so nothing was recorded)
+    def cut(backend, connection, *write):  # the link breaks as COMMIT goes out (here: just before: nothing recorded)
         with psycopg.connect(backend.conninfo, autocommit=True) as other:
             other.execute("SELECT pg_terminate_backend(%s)", (connection.info.backend_pid,))
-        return real(backend, connection)
+        return real(backend, connection, *write)
 
     with Repository.init(tmp_path, metadata_url=postgres_url) as repo:
         cid = repo.commit({"w": torch.ones(3)})
@@ -366,6 +367,10 @@ def test_a_connection_lost_at_commit_says_the_change_may_or_may_not_have_been_re
                                             r"change may or may not have been recorded: check with `ckpt log`") as lost:
             repo.tag("t1", cid)
         assert "nothing was changed" not in str(lost.value)
+        with pytest.raises(CkptError, match=r"lost the connection to PostgreSQL at .*nothing was changed by the "
+                                            r"interrupted transaction: run the command again") as lost:
+            repo.tags()  # a read's COMMIT: nothing could have been recorded (auditor 357)
+        assert "may or may not" not in str(lost.value)
         monkeypatch.undo()
         assert repo.tags() == {}  # the server rolled back: the tag can be made again
         repo.tag("t1", cid)
@@ -581,9 +586,9 @@ def test_a_server_that_stops_answering_at_commit_says_the_change_may_or_may_not_
     proxy, url = stalling
     real = postgres.PostgresBackend.commit
 
-    def stalled_commit(backend, connection):
+    def stalled_commit(backend, connection, *write):
         proxy.stalled = True
-        return real(backend, connection)
+        return real(backend, connection, *write)
 
     with Repository.init(tmp_path, metadata_url=url) as repo:
         cid = repo.commit({"w": torch.ones(3)})
