@@ -126,6 +126,7 @@ class Lane:
 
     def __init__(self) -> None:
         self.mutex = threading.Lock()  # held by a blocking commit throughout, by a background one while it starts
+        self.owner: int | None = None  # the thread holding the mutex: a commit of its own inside waits on itself
         self.current: BackgroundCommit | None = None
         self.failed: BackgroundCommit | None = None
         self.buffers = HostBuffers()
@@ -304,7 +305,7 @@ def _forget_in_child() -> None:
     """A forked child (a DataLoader worker) has none of the parent's commit threads: nothing to wait for at its exit."""
     _LIVE.clear()
     for lane in list(_LANES):  # the parent's failures are the parent's to tell, not each worker's at its exit
-        lane.current, lane.pool, lane.mutex, lane.failed = None, None, threading.Lock(), None
+        lane.current, lane.pool, lane.mutex, lane.owner, lane.failed = None, None, threading.Lock(), None, None
     if signal.getsignal(signal.SIGTERM) is _on_sigterm:
         # nothing in flight here: the default again, as before ckptstore set it (_hook_sigterm sets it only over
         # SIG_DFL), so a child blocked in native code (where a Python handler never runs) still dies of kill -TERM
@@ -330,10 +331,9 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
                         "commit with blocking=True to calibrate, or without calibration= in the background")
     repo.db.refuse_writes()  # a read-only repository says so here, not in a warning later
     _hook_exit()
-    lane = lane_of(repo)
-    held: list[int] = []
+    hold = _SignalHold(options, "that commit is in flight, after the background commit before it")
     try:
-        with lane.mutex:
+        with _lane_held(repo, hold) as lane:
             waited = lane.settle()
             start = time.perf_counter()
             # the branch and its tip as they are now: a checkout or a deleted branch meanwhile must not redirect it
@@ -357,14 +357,14 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
                                                                "snapshot_s": time.perf_counter() - start})
                 handle._thread = threading.Thread(target=_work, name="ckpt-background-commit", args=(
                     repo, lane, handle, checkpoint, lent, options, lossy, progress, caller_origin()))
-                with _signals_held(held):
-                    _start(lane, handle)
+                hold.everything = True  # from here Ctrl-C waits too: its exception must not cut _start in two
+                _start(lane, handle)
             except BaseException:  # no thread took the snapshot (Ctrl-C after it, or none could start): free it
                 if handle is None or lane.current is not handle:
                     lane.buffers.give_back(lent)
                 raise
     finally:
-        _raise_again(held)  # outside the mutex: a handler that commits (a requeue's save) must not wait on it
+        _raise_again(hold.held)  # outside the mutex: a handler that commits (a requeue's save) must not wait on it
     return handle
 
 
@@ -382,16 +382,81 @@ def _start(lane: Lane, handle: BackgroundCommit) -> None:
         raise
 
 
-@contextmanager
-def _signals_held(held: list[int]) -> Iterator[None]:
-    """Hold every signal a Python handler answers until the block ends; their numbers go to `held`.
+class _SignalHold:
+    """The signals a commit call holds on the main thread while it holds its repository's lane (_lane_held)."""
 
-    A handler's exception (Ctrl-C's, SIGTERM's from _on_sigterm, a program's alarm) raised while a
-    commit was put in flight left a handle no thread would resolve (the next commit call and the exit
-    waited forever), or a thread its caller believed called off, writing from buffers the next
-    snapshot reuses. Every one, not a set: any handler may raise (a grid engine's SIGXCPU, a profiler's
-    timer). The caller raises them again (_raise_again) once it holds no lock. Python runs handlers in
-    the main thread only. (A C-level handler installed over a Python one, faulthandler's, is lost.)
+    def __init__(self, options: CommitOptions, until: str) -> None:
+        self.held: list[int] = []  # raised again by the caller once it holds no lock (_raise_again)
+        self.everything = False  # while a commit is put in flight: Ctrl-C's and ckptstore's own handlers wait too
+        self.options = options  # the commit stderr names at the first signal held
+        self.until = until
+        self.told = False
+
+    def tell(self, signum: int) -> None:
+        """Say once on stderr that a signal waits: a blocking commit of a large state takes minutes."""
+        if self.told:
+            return
+        self.told = True
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:  # a real-time signal has no name
+            name = f"signal {signum}"
+        try:
+            print(f"{name} came during the commit {_describe(self.options)}: its handler runs once {self.until}; "
+                  "kill -9 abandons the commit (nothing of it is recorded then)", file=sys.stderr, flush=True)
+        except Exception:  # stderr closed, or the signal landed inside a write to it: held all the same
+            pass
+
+
+def _only_interrupts(handler: Callable[..., Any]) -> bool:
+    """Whether `handler` only raises or takes note (Ctrl-C's default, ckptstore's own): it never commits.
+
+    Such a handler runs at once inside a commit call, as it always did: Ctrl-C stops a blocking commit
+    (nothing recorded), the daemon's client's Ctrl-C too, and `ckpt watch`'s second Ctrl-C. Ours by its
+    file: the daemon runs its module as __main__.
+    """
+    if handler is signal.default_int_handler:
+        return True
+    code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+    return code is not None and os.path.realpath(code.co_filename).startswith(_PACKAGE)
+
+
+_PACKAGE = os.path.realpath(Path(__file__).parents[1]) + os.sep  # ckptstore/
+
+
+@contextmanager
+def _lane_held(repo: Repository, hold: _SignalHold) -> Iterator[Lane]:
+    """`repo`'s lane with its mutex taken; on the main thread the program's signal handlers wait meanwhile.
+
+    Python runs a handler on the main thread wherever it is: one that commits (a SIGTERM's or a requeue's last
+    save, then sys.exit) inside a commit call waited on the mutex that call held, until SIGKILL. Held, it runs
+    once the caller lets go (_raise_again), its commit after the call's. A commit reaching the lane its own
+    thread holds (a calibration function's, a handler set meanwhile) fails at once instead of waiting on itself.
+    """
+    with _signals_held(hold):
+        lane = lane_of(repo)
+        if lane.owner == threading.get_ident():
+            raise CkptError("a commit to this repository from inside this thread's own commit to it (a signal handler "
+                            "or calibration function that commits) would wait for itself: commit once that call "
+                            "has returned")
+        with lane.mutex:
+            lane.owner = threading.get_ident()
+            try:
+                yield lane
+            finally:
+                lane.owner = None
+
+
+@contextmanager
+def _signals_held(hold: _SignalHold) -> Iterator[None]:
+    """Hold the signals a Python handler answers until the block ends; their numbers go to `hold.held`.
+
+    Those whose handler only interrupts run at once, unless `hold.everything`: a handler's exception (Ctrl-C's,
+    SIGTERM's from _on_sigterm, a program's alarm) raised while a commit was put in flight left a handle no
+    thread would resolve (the next commit call and the exit waited forever), or a thread its caller believed
+    called off, writing from buffers the next snapshot reuses. Every signal, not a set: any handler may raise or
+    commit (a grid engine's SIGXCPU, a profiler's timer). Python runs handlers in the main thread only. (A
+    C-level handler installed over a Python one, faulthandler's, is lost.)
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -399,10 +464,11 @@ def _signals_held(held: list[int]) -> Iterator[None]:
     handlers: dict[int, Callable[..., Any]] = {}
     holding = [True]
 
-    def hold(signum: int, frame: Any) -> None:
-        if holding[0]:
-            held.append(signum)
-        else:  # the block is over, this handler not put back (a restored handler's exception cut that short)
+    def held_back(signum: int, frame: Any) -> None:
+        if holding[0] and (hold.everything or not _only_interrupts(handlers[signum])):
+            hold.held.append(signum)
+            hold.tell(signum)
+        else:  # one that only interrupts, or the block is over and this handler not put back (an exception meanwhile)
             handlers[signum](signum, frame)
 
     try:
@@ -410,7 +476,7 @@ def _signals_held(held: list[int]) -> Iterator[None]:
             handler = signal.getsignal(signum)
             if callable(handler):
                 handlers[signum] = handler
-                signal.signal(signum, hold)
+                signal.signal(signum, held_back)
         yield
     finally:
         try:
@@ -441,10 +507,13 @@ def commit_call(repo: Repository, source: Any, options: CommitOptions, lossy: Lo
     """`Repository.commit`: in the background, or now once the commit in flight is done (raising its unseen failure)."""
     if not blocking:
         return commit_in_background(repo, source, options, lossy, progress, buffer_budget)
-    lane = lane_of(repo)
-    with lane.mutex:  # threads sharing the repository commit one at a time, as their background commits do
-        lane.settle()
-        return commit(repo, source, options, lossy, progress)
+    hold = _SignalHold(options, "that commit is written")
+    try:
+        with _lane_held(repo, hold) as lane:  # threads sharing the repository commit one at a time, as in background
+            lane.settle()
+            return commit(repo, source, options, lossy, progress)
+    finally:
+        _raise_again(hold.held)  # outside the mutex: a handler that commits follows this commit
 
 
 def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: Any, lent: list[Any],

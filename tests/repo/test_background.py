@@ -963,3 +963,98 @@ def test_a_background_commit_to_a_new_branch_whose_start_was_pruned_meanwhile_sa
                                             r"--prune` removed while this commit was being written; nothing was"):
         handle.result(timeout=120)
     assert "feat" not in repo.branches()
+
+
+SAVES_IN_ITS_SIGTERM_HANDLER = """
+import os, signal, sys, threading, time, torch
+import ckptstore
+root, mode, release = sys.argv[1], sys.argv[2], sys.argv[3]
+state = {"w": torch.arange(4096, dtype=torch.float32)}
+
+def last_save(signum, frame):  # a requeue script's: save a last checkpoint, then exit
+    ckptstore.save({"w": state["w"] + 1}, root, step=99)
+    sys.exit(0)
+
+def sigterm_once_the_save_waits(where):  # the signal lands while the loop's save holds the repository
+    frames = lambda: sys._current_frames().get(threading.main_thread().ident)
+    while True:
+        frame = frames()
+        while frame is not None and frame.f_code.co_name != where:
+            frame = frame.f_back
+        if frame is not None:
+            break
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+    open(release, "w").close()
+
+signal.signal(signal.SIGTERM, last_save)
+if mode == "blocking":
+    ckptstore.save(state, root, step=1)
+    os.environ["CKPT_WAIT_AT"] = f"commit:objects-written={release}"  # the loop's next commit waits there
+    threading.Thread(target=sigterm_once_the_save_waits, args=("_wait",), daemon=True).start()
+else:
+    os.environ["CKPT_WAIT_AT"] = f"background:start={release}"  # step 1's thread waits: step 2's save waits on it
+    ckptstore.save(state, root, step=1, blocking=False)
+    threading.Thread(target=sigterm_once_the_save_waits, args=("settle",), daemon=True).start()
+state["w"] = state["w"] * 2
+ckptstore.save(state, root, step=2, blocking=mode == "blocking")
+print("the loop went on", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["blocking", "background"])
+def test_a_sigterm_handler_that_saves_during_the_loops_save_saves_after_it(tmp_path, mode):
+    """A SIGTERM handler saving a last checkpoint, run while the loop's save held the repository's lane (a blocking
+    commit, or a background save waiting for the one before), waited on that lane until SIGKILL (auditor 358).
+    Held until the loop's save lets go, it runs then: both are recorded, the handler's on top, and stderr says so."""
+    Repository.init(tmp_path / "r").close()
+    child = subprocess.Popen([sys.executable, "-c", SAVES_IN_ITS_SIGTERM_HANDLER, str(tmp_path / "r"), mode,
+                              str(tmp_path / "release")], cwd=ROOT, env=ckpt_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    SPAWNED.append(child)
+    try:
+        out, err = child.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the handler's save still waited after 120 s") from None
+    assert child.returncode == 0 and out == "", err
+    assert "SIGTERM came during the commit at step 2" in err and "Traceback" not in err
+    base = torch.arange(4096, dtype=torch.float32)
+    with Repository.open(tmp_path / "r") as repo:
+        log = repo.log()
+        assert [c.step for c in log] == [99, 2, 1] and log[0].parents == [log[1].id]
+        assert_same(repo.checkout(log[1].id), {"w": base * 2})
+        assert_same(repo.checkout(log[0].id), {"w": base * 2 + 1})
+        assert fsck(repo).ok
+
+
+COMMITS_IN_ITS_CALIBRATION = """
+import sys, torch
+from ckptstore import Repository
+from ckptstore.errors import CkptError
+with Repository.open(sys.argv[1]) as repo:
+    def saving(state):  # runs inside the outer commit, which holds the repository
+        repo.commit({"w": torch.zeros(8)}, "inner")
+        return 1.0
+    try:
+        repo.commit({"w": torch.randn(65536)}, "outer", lossy="balanced", calibration=saving, max_loss_change=0.01)
+    except CkptError as exc:
+        print(exc)
+    print([c.message for c in repo.log()])
+"""
+
+
+def test_a_commit_from_inside_the_same_threads_commit_fails_at_once_instead_of_waiting_on_itself(tmp_path):
+    """A commit reaching the lane its own thread held (a calibration function's, a signal handler ckptstore could
+    not hold) waited on it for good (auditor 358): it is refused at once, and the outer commit records nothing."""
+    Repository.init(tmp_path).close()
+    child = subprocess.Popen([sys.executable, "-c", COMMITS_IN_ITS_CALIBRATION, str(tmp_path)], cwd=ROOT,
+                             env=ckpt_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    SPAWNED.append(child)
+    try:
+        out, err = child.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the inner commit still waited after 120 s") from None
+    assert child.returncode == 0, err
+    assert "calibration function saving raised CkptError" in out and "would wait for itself" in out
+    assert out.splitlines()[-1] == "[]"
