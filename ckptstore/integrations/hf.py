@@ -344,12 +344,20 @@ def _commit_waiting(callbacks: list[CkptCallback], say: Callable[[str], None]) -
 
 
 def _commit_the_waiting() -> None:
-    """At exit, commit the saves whose next hook never came: the step after failed, or Ctrl-C."""
+    """At exit, commit the saves whose next hook never came: the step after failed, or Ctrl-C.
+
+    Ctrl-C or a second SIGTERM meanwhile ends it: the folders committed stay recorded, the rest stay on disk,
+    and the exit status stays as set (143 after the SIGTERM that began the exit). A SystemExit out of an
+    exit hook was printed as a traceback and skipped the hooks after it.
+    """
     try:
         _commit_waiting(list(_WAITING), lambda line: print(f"ckptstore: {line}", file=sys.stderr))
-    except KeyboardInterrupt:  # at exit, not raised: the folders stay on disk
-        print("ckptstore: interrupted while committing saved checkpoint folders at exit; commit them with "
-              "`ckpt commit`", file=sys.stderr)
+    except (KeyboardInterrupt, SystemExit):  # at exit, not raised: the folders stay on disk
+        left = sorted({str(callback._saved.folder) for callback in _WAITING if callback._saved})
+        _WAITING.clear()  # given up: a SIGTERM from here ends the process as its default would (_on_sigterm)
+        print(f"ckptstore: interrupted while committing saved checkpoint folders at exit; not committed: "
+              f"{', '.join(left) or 'none'}; they stay on disk: commit them with `ckpt commit`, or resume from "
+              "them", file=sys.stderr)
 
 
 def _resumed_from(folder: Path, state: TrainerState, model: Any) -> bool:

@@ -877,6 +877,68 @@ def test_a_sigterm_inside_a_blocking_commit_leaves_it_to_the_exit_which_commits_
         assert [c.step for c in repo.log("main")] == [2] and [c.step for c in repo.log("lossy")][0] == 2
 
 
+_TERMINATED_TWICE = """
+import os
+import sys
+import time
+from pathlib import Path
+from transformers import TrainerCallback
+from ckptstore.integrations.hf import CkptCallback
+from tests.integrations.test_hf import _trainer
+
+
+class SlowUpload(TrainerCallback):  # a callback copying checkpoint-N away in its on_save
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == 4:
+            os.environ["CKPT_WAIT_AT"] = f"commit:read={root / 'gate'}"  # the exit's commit of it waits there
+            (root / "uploading").touch()
+            time.sleep(60)
+
+
+root = Path(sys.argv[1])
+callbacks = [CkptCallback(root / "repo"), CkptCallback(root / "repo", branch="lossy", lossy="balanced", min_elements=1),
+             SlowUpload()]
+_trainer(root / "out", callbacks, steps=8).train()
+"""
+
+
+def test_a_second_sigterm_while_the_exit_commits_the_waiting_saves_leaves_them_on_disk_without_a_traceback(
+        tmp_path):
+    """The SystemExit of a second SIGTERM (a scheduler's) while the exit hook committed the saves the first one
+    left waiting escaped the hook: Python printed it as a traceback through ckptstore and skipped the hooks
+    after it (auditor 358). The exit now says which folders it left, and ends with the first SIGTERM's 143."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from ckptstore.repo import fsck
+    from tests.conftest import ckpt_env, end_left_running
+
+    Repository.init(tmp_path / "repo").close()
+    job = subprocess.Popen([sys.executable, "-c", _TERMINATED_TWICE, str(tmp_path)], env=ckpt_env(),
+                           cwd=Path(__file__).parents[2], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "uploading").exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        job.send_signal(signal.SIGTERM)  # the exit begins, and commits checkpoint-4 in its hook
+        while not (tmp_path / "gate.reached").exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        job.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        (tmp_path / "gate").touch()
+        _, err = job.communicate(timeout=120)
+    finally:
+        end_left_running([job])
+    assert job.returncode == 143 and "Traceback" not in err, err
+    assert f"not committed: {tmp_path / 'out' / 'checkpoint-4'}; they stay on disk" in err
+    assert (tmp_path / "out" / "checkpoint-4" / "trainer_state.json").exists()
+    with Repository.open(tmp_path / "repo") as repo:
+        assert [c.step for c in repo.log("main")] == [2] and [c.step for c in repo.log("lossy")] == [2]
+        assert fsck(repo).ok
+
+
 def test_a_wrong_repository_is_said_when_training_begins(tmp_path):
     """A path naming no repository was said at the first save, after its steps had run (DDP integrations auditor)."""
     from ckptstore.errors import RepoNotFoundError
