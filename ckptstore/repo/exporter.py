@@ -75,8 +75,11 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
         why = WEIGHTS_ONLY
     elif fmt == "torch":
         torchfile.save(repo.checkout(cid), output)
-        # a torch.save file's entries also hold its other records (bytes), and states numpy arrays
-        return ExportReport(cid, sum(entry.dtype.startswith(TORCH_PREFIX) for entry in manifest.entries.values()))
+        # a torch.save file's entries also hold its other records (bytes), and states numpy arrays; a tied key is
+        # one entry but a tensor of the file written, as the safetensors export counts it
+        torch_entries = {path for path, entry in manifest.entries.items() if entry.dtype.startswith(TORCH_PREFIX)}
+        tied = sum(target in torch_entries for target in aliases(manifest).values())
+        return ExportReport(cid, len(torch_entries) + tied)
     else:
         from ckptstore.repo.checkout import restore
 

@@ -365,3 +365,16 @@ def test_a_forged_safetensors_header_with_names_swapped_is_refused_not_exported_
     said = ckpt_here(tmp_path / "repo", "export", liar, "-o", str(out), "--format", fmt)
     assert said.returncode == 1 and liar[:12] in said.stdout + said.stderr, said
     assert "Traceback" not in said.stdout + said.stderr and not out.exists()
+
+
+def test_a_torch_export_of_tied_weights_counts_each_key_it_writes_as_the_safetensors_export_does(tmp_path):
+    """`emb.weight` is `head.weight`: the torch export said 2 tensors for a file holding 3, the safetensors one 3
+    (auditor helper 369)."""
+    shared = torch.randn(50, 8)
+    torch.save({"emb.weight": shared, "head.weight": shared, "b": torch.zeros(8)}, tmp_path / "tied.pt")
+    with Repository.init(tmp_path / "repo") as repo:
+        repo.commit(tmp_path / "tied.pt")
+        as_torch = export(repo, "main", "torch", tmp_path / "x.pt")
+        as_safetensors = export(repo, "main", "safetensors", tmp_path / "x.safetensors")
+    written = torch.load(tmp_path / "x.pt", weights_only=True)
+    assert as_torch.tensors == as_safetensors.tensors == len(written) == len(load_file(tmp_path / "x.safetensors"))
