@@ -506,3 +506,76 @@ def test_a_command_run_in_a_subfolder_of_the_work_tree_finds_the_repository_abov
     with Repository.open(tmp_path) as repo:
         assert [c.message for c in repo.log()] == ["from a subfolder"]
         assert torch.equal(repo.checkout("HEAD")["w"], torch.ones(4))
+
+
+@pytest.fixture
+def hanging_metadata(postgres_server, postgres_url, monkeypatch):
+    """(proxy, URL through it) of a PostgreSQL database that can stop answering (`proxy.stalled`); 1 s per answer."""
+    from ckptstore.testing.fault_proxy import FaultProxy
+
+    monkeypatch.setenv("CKPT_PG_REQUEST_SECONDS", "1")
+    with FaultProxy(postgres_server.port) as proxy:
+        try:
+            yield proxy, postgres_url.replace(f":{postgres_server.port}/", f":{proxy.port}/")
+        finally:
+            proxy.stalled = False  # what was held goes on, so nothing waits on it after the test
+
+
+def _then_hang(monkeypatch, owner, name: str, proxy) -> None:
+    """Make `owner.name` do its work, then stop the database answering: what the command reads after it fails."""
+    real = getattr(owner, name)
+
+    def work_then_hang(*args, **kwargs):
+        done = real(*args, **kwargs)
+        proxy.stalled = True
+        return done
+
+    monkeypatch.setattr(owner, name, work_then_hang)
+
+
+def test_a_checkout_done_before_the_database_hung_exits_0_and_warns_what_it_could_not_report(hanging_metadata,
+                                                                                             tmp_path, monkeypatch):
+    """The reads for the report (HEAD detached? files rewritten?) ran after HEAD had moved and the file was written:
+    their error exited 1 saying nothing was changed, under "Restored" (auditor 364)."""
+    from ckptstore import Repository
+
+    proxy, url = hanging_metadata
+    assert ckpt_here(tmp_path, "init", "--metadata", url).returncode == 0
+    torch.save({"w": torch.zeros(4)}, tmp_path / "a.pt")
+    assert ckpt_here(tmp_path, "commit", "a.pt", "-m", "on main").returncode == 0
+    main_bytes = (tmp_path / "a.pt").read_bytes()
+    for args in (("branch", "side"), ("checkout", "side")):
+        assert ckpt_here(tmp_path, *args).returncode == 0
+    torch.save({"w": torch.ones(4)}, tmp_path / "a.pt")
+    assert ckpt_here(tmp_path, "commit", "a.pt", "-m", "on side").returncode == 0
+    _then_hang(monkeypatch, Repository, "checkout_to", proxy)
+    result = ckpt_here(tmp_path, "checkout", "main")
+    assert result.returncode == 0 and result.stdout.startswith("Restored "), result.stderr
+    assert result.stderr == ("warning: the checkout is done, but whether HEAD is detached and which files were "
+                             f"rewritten could not be read: `ckpt status` and `ckpt show {result.stdout[9:21]}` say "
+                             "so once the metadata answers\n")
+    proxy.stalled = False
+    assert (tmp_path / "a.pt").read_bytes() == main_bytes
+    assert ckpt_here(tmp_path, "status").stdout.startswith("On branch main at ")
+
+
+def test_a_pull_done_before_the_database_hung_exits_0(hanging_metadata, tmp_path, monkeypatch):
+    """HEAD's branch was read for the report after the branch had moved: a hung server then exited 1 saying
+    nothing was changed (auditor 364). It is read before."""
+    from ckptstore.repo import remote
+
+    proxy, url = hanging_metadata
+    hub, here = tmp_path / "hub", tmp_path / "here"
+    hub.mkdir()
+    assert ckpt_here(hub, "init").returncode == 0
+    torch.save({"w": torch.ones(4)}, hub / "a.pt")
+    assert ckpt_here(hub, "commit", "a.pt", "-m", "at the hub").returncode == 0
+    here.mkdir()
+    for args in (("init", "--metadata", url), ("remote", "add", "origin", str(hub))):
+        assert ckpt_here(here, *args).returncode == 0
+    _then_hang(monkeypatch, remote, "pull", proxy)
+    result = ckpt_here(here, "pull", "origin", "main")
+    assert result.returncode == 0 and result.stdout.splitlines()[-1].startswith("fast-forwarded main to "), (
+        result.stderr)
+    proxy.stalled = False
+    assert json.loads(ckpt_here(here, "log", "--json").stdout)[0]["message"] == "at the hub"

@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import math
 import sys
-from typing import Any
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
-from ckptstore.errors import OutputError, shown_controls
+from ckptstore.errors import CkptError, OutputError, shown_controls
+
+T = TypeVar("T")
 
 
 class BarProgress:
@@ -81,3 +85,15 @@ def emit_json(data: Any) -> None:
 def indented(message: str) -> str:
     """A commit message under its header, every line indented as git indents it."""
     return "\n".join("    " + line for line in message.split("\n"))
+
+
+def read_after_work(read: Callable[[], T], done: str, missing: str, then: str) -> T | None:
+    """`read()` for a command's report once its work is `done`; None, with a warning saying so, where it fails.
+
+    The work stands (HEAD moved, files written): the read's error exited 1 saying that nothing was changed.
+    """
+    try:
+        return read()
+    except CkptError:  # the database or store failed after the work, not during it
+        warnings.warn(f"{done} is done, but {missing} could not be read: {then}", RuntimeWarning, stacklevel=2)
+        return None

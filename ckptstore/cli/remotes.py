@@ -102,9 +102,9 @@ def fetch(ctx, name: str) -> None:
 def pull(ctx, name: str, branch: str | None) -> None:
     """Fetch from NAME, then fast-forward BRANCH (default: HEAD's) to NAME/BRANCH."""
     repo = open_repo(ctx)
+    head = repo.head()[0]  # before: once the branch moved, a failed read exited 1 saying nothing was changed
     report, moved = remote_verbs().pull(repo, name, branch)
     _moved(report)
-    head = repo.head()[0]
     pulled = branch or head
     elsewhere = f"; HEAD stays on {head or 'its commit'}: `ckpt checkout {pulled}` writes its files" if (
         moved and pulled != head) else ""

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from ckptstore.cli.group import cli, open_repo, repo_given
-from ckptstore.cli.output import BarProgress, echo, size
+from ckptstore.cli.output import BarProgress, echo, read_after_work, size
 from ckptstore.cli.params import (
     LEVEL_NAMES,
     PathGiven,
@@ -166,10 +166,14 @@ def checkout(ctx, ref, output, force, only, trust_pickle) -> None:
              f"{shown_name(str(dest))}; HEAD did not move")
     else:  # the path a commit recorded (a remote's too) may hold a newline: written out, it cannot forge a line
         echo(f"Restored {info.id[:12]} to {shown_name(str(dest))}")
-        if output is None and repo.head()[0] is None:  # a tag or an id: said as git says it
-            echo(f"HEAD is detached at {info.id[:12]}: `ckpt branch NAME` keeps what you commit from here on a branch")
-    rewritten = [] if only else repo.manifest(info.id).rewritten_files()
-    if info.source_path is not None and not info.lossy and not only:
+    # read in one go (a hung server costs one request limit, not two), and not as the checkout's failure: it is done
+    detached, rewritten = (False, []) if only else read_after_work(
+        lambda: (output is None and repo.head()[0] is None, repo.manifest(info.id).rewritten_files()),
+        "the checkout", "whether HEAD is detached and which files were rewritten",
+        f"`ckpt status` and `ckpt show {info.id[:12]}` say so once the metadata answers") or (False, None)
+    if detached:  # a tag or an id: said as git says it
+        echo(f"HEAD is detached at {info.id[:12]}: `ckpt branch NAME` keeps what you commit from here on a branch")
+    if info.source_path is not None and not info.lossy and not only and rewritten is not None:
         echo("Files are byte for byte as committed" + (", except below." if rewritten else "."))
     if info.source_path is not None and rewritten:
         names = ", ".join(shown_name(name or str(dest)) for name in rewritten)
