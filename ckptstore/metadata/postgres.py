@@ -141,11 +141,12 @@ class AnsweringConnection(psycopg.Connection):
             self.unbounded = False
 
 
-class _PipelineCutNoise(logging.Filter):
-    """Drops psycopg's "error ignored terminating <Pipeline>" logged in this thread once `connection` was cut.
+class _LostPipelineNoise(logging.Filter):
+    """Drops psycopg's "error ignored terminating <Pipeline>" logged in this thread once `connection` is lost.
 
-    A deadline cutting an executemany's pipeline leaves psycopg unable to end it, and it logs so (to stderr, where
-    nothing configures logging) above the one line a CLI user gets for the Unanswered that follows.
+    A link that broke (a reset, a server gone) or a deadline that cut it in an executemany's pipeline leaves
+    psycopg unable to end it, and it logs so (to stderr, where nothing configures logging) above the one line
+    a CLI user gets for the error that follows; psycopg's other records pass.
     """
 
     def __init__(self, connection: psycopg.Connection) -> None:
@@ -153,7 +154,7 @@ class _PipelineCutNoise(logging.Filter):
         self.connection, self.thread = connection, threading.get_ident()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (getattr(self.connection, "cut", False) and record.thread == self.thread
+        return not (self.connection.closed and record.thread == self.thread  # closed: broken, or cut by a deadline
                     and str(record.msg).startswith("error ignored terminating"))
 
 
@@ -408,7 +409,7 @@ class PostgresBackend:
         psycopg pipelines a batch in one wait: a commit's 150,000 rows in one took longer than a low limit.
         """
         rows = list(rows)
-        quiet = _PipelineCutNoise(connection)
+        quiet = _LostPipelineNoise(connection)
         psycopg_log = logging.getLogger("psycopg")
         psycopg_log.addFilter(quiet)
         try:

@@ -578,6 +578,31 @@ def test_a_deadline_that_cuts_a_batch_shows_the_cli_user_one_line(stalling, tmp_
     assert "did not answer" in err and "error ignored" not in err and "Traceback" not in err
 
 
+def test_a_link_broken_in_a_batch_logs_nothing_above_the_error_and_other_psycopg_lines_pass(postgres_server,
+                                                                                             postgres_url, caplog):
+    """A link reset while an executemany's rows went (no deadline cut it): psycopg logged "error ignored terminating
+    <psycopg.Pipeline [BAD]>: the connection is lost" above the CLI user's one error line (auditor 364)."""
+    import logging
+
+    import psycopg
+
+    from ckptstore.metadata import postgres
+    from ckptstore.testing.fault_proxy import FaultProxy
+
+    with FaultProxy(postgres_server.port) as proxy:
+        backend = postgres.PostgresBackend(postgres_url.replace(f":{postgres_server.port}/", f":{proxy.port}/"),
+                                           read_only=False)
+        with backend.connect() as connection:
+            connection.execute("CREATE TEMP TABLE sent (a text)")
+            proxy.down_after(1000)  # the link goes while the batch is on its way
+            with caplog.at_level(logging.WARNING, logger="psycopg"), pytest.raises(psycopg.OperationalError):
+                backend.executemany(connection, backend.prepare("INSERT INTO sent VALUES (?)"), [("x" * 100,)] * 3000)
+            assert connection.broken and not connection.cut
+    assert [record.getMessage() for record in caplog.records if record.name.startswith("psycopg")] == []
+    other = logging.LogRecord("psycopg", logging.WARNING, __file__, 0, "some other warning", None, None)
+    assert postgres._LostPipelineNoise(connection).filter(other)
+
+
 def test_a_server_that_stops_answering_at_commit_says_the_change_may_or_may_not_have_been_recorded(
         stalling, tmp_path, monkeypatch):
     """The COMMIT went out before the silence: it may have been recorded, so "nothing was changed" could be false."""
