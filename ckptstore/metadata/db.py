@@ -165,15 +165,22 @@ class Tx:
         self._connection = connection
         self.backend = backend
         self._marking = _Marking(backend)
+        self._may_idle = False
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
         with self._marking:
             return self._connection.execute(self.backend.prepare(sql), params)
 
     def may_idle(self) -> None:
-        """This write transaction reads the object store between statements: no idle limit ends it (PostgreSQL)."""
+        """This write transaction reads the object store between statements: no idle limit ends it (PostgreSQL).
+
+        Once per transaction: each function that reads the store in one may say so without a round trip more.
+        """
+        if self._may_idle:
+            return
         with self._marking:
             self.backend.allow_idle(self._connection)
+        self._may_idle = True
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         with self._marking:

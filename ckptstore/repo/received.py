@@ -75,9 +75,7 @@ def taken_over(repo: Repository, tx: Tx, ours: Sequence[TensorRecord]) -> tuple[
     recorded = tensor_rows.load_records(tx, listed, problems=damaged)
     alike = {tid for tid in listed & recorded.keys() if recorded[tid].cut() == mine[tid].cut()}
     otherwise = (listed & recorded.keys()) - alike
-    if otherwise:  # decoded from the store, in the commit's write transaction
-        tx.may_idle()
-    false = false_claims(repo, recorded, otherwise) if otherwise else set()
+    false = false_claims(repo, recorded, otherwise, writing=tx) if otherwise else set()
     sourced = {tid for tid in otherwise - false if recorded[tid].params.get("source") == mine[tid].params.get("source")}
     _keep_what_rests_on(repo, tx, recorded, (alike | false) & recorded.keys(), mine)
     return (listed - recorded.keys()) | alike | false, sourced
@@ -94,15 +92,15 @@ def _keep_what_rests_on(repo: Repository, tx: Tx, recorded: Mapping[TensorId, Te
     takes the false one's. Else they stay on it (and no longer decode, as before).
     """
     for tid in sorted(tensor_rows.resting_on(tx, replaced)):
-        held = _id_of_what_it_holds(repo, recorded, recorded[tid])
+        held = _id_of_what_it_holds(repo, tx, recorded, recorded[tid])
         if held in (None, tid):
             continue
         # as it is now: an earlier move in this loop may have rebased it (two lies, one on the other)
         rows = replace(tensor_rows.load_records(tx, [tid], with_bases=False)[tid], id=held)
         there = tensor_rows.load_records(tx, [held], problems={})  # with its chain
         target = there.get(held) or mine.get(held)
-        if target is not None and (target.cut() != rows.cut() or (
-                held in there and tensor_rows.unchecked_among(tx, [held]) and false_claims(repo, there, {held}))):
+        if target is not None and (target.cut() != rows.cut() or (held in there and tensor_rows.unchecked_among(
+                tx, [held]) and false_claims(repo, there, {held}, writing=tx))):
             continue
         if held not in there:  # ours of that id, if any, gives way: inserted after, it is ignored
             tensor_rows.insert_records(tx, [rows], {})
@@ -115,9 +113,13 @@ def _keep_what_rests_on(repo: Repository, tx: Tx, recorded: Mapping[TensorId, Te
         tensor_rows.rebase(tx, tid, held)
 
 
-def _id_of_what_it_holds(repo: Repository, records: Mapping[TensorId, TensorRecord], record: TensorRecord
-                         ) -> TensorId | None:
-    """The id of the bytes `record` decodes to (its objects verified), or None where it does not decode."""
+def _id_of_what_it_holds(repo: Repository, writing: Tx, records: Mapping[TensorId, TensorRecord],
+                         record: TensorRecord) -> TensorId | None:
+    """The id of the bytes `record` decodes to (its objects verified), or None where it does not decode.
+
+    It reads the store inside the commit's write transaction (`writing`), whose idle limit is lifted for it.
+    """
+    writing.may_idle()
     try:
         out = replay(ChainSource(repo.store, records), [record], repo.pool, verify=False)[record.id]
     except (CkptError, KeyError, ValueError):
@@ -130,12 +132,16 @@ def off_the_list(records: Mapping[TensorId, TensorRecord], true: Set[TensorId]) 
     return {tid for tid in true if "source" not in records[tid].params}
 
 
-def false_claims(repo: Repository, records: Mapping[TensorId, TensorRecord], ids: Set[TensorId]) -> set[TensorId]:
+def false_claims(repo: Repository, records: Mapping[TensorId, TensorRecord], ids: Set[TensorId],
+                 writing: Tx | None = None) -> set[TensorId]:
     """Those of `ids` (received, recorded: `records` holds them with their chains) that do not decode to their id.
 
     Decoded one at a time, so a commit's memory grows by its largest tensor, not by all of them; a
     record that cannot be decoded at all (an object gone) is as good as false: it is encoded again.
+    Called inside a write transaction (`writing`), it lifts that one's idle limit: it reads the store there.
     """
+    if writing is not None and ids:
+        writing.may_idle()
     false = set()
     source = ChainSource(repo.store, records)
     for tid in sorted(ids):
