@@ -399,11 +399,12 @@ class Database:
                                     "command again", ended) from None
 
     def _wait_out_gc_lease(self, connection: Any) -> None:
-        """With the repository lock just taken: wait while a gc that lost its lock may still have a delete in flight.
+        """With the repository lock just taken: wait while a gc that stopped mid-delete may still have one in flight.
 
         gc renews its lease before each delete, on its lock's own session (`confirm_locks`); one whose session
-        ended meanwhile (a restart, an idle timeout) may have a delete retried against a throttling bucket that
-        lands minutes later, removing an object this command would find present (and not upload) or upload anew.
+        ended meanwhile (a restart, an idle timeout), or that was stopped during a delete (Ctrl-C, an error out
+        of it), may have a delete retried against a throttling bucket that lands minutes later, removing an
+        object this command would find present (and not upload) or upload anew.
         Once the lease ends no such delete can land, and none renews it while we hold the lock: the wait is
         bounded by what is read now. One query; no wait unless a gc lost its lock.
         """
@@ -413,9 +414,9 @@ class Database:
                 return
             from ckptstore.warn import warn_caller
 
-            warn_caller(f"waiting {math.ceil(left)} s before going on: a gc on {self.where} lost its repository lock "
-                        "while deleting unreachable objects, and a delete it sent may land until then; this command "
-                        "then goes on by itself")
+            warn_caller(f"waiting {math.ceil(left)} s before going on: a gc on {self.where} stopped while deleting "
+                        "unreachable objects (its lock lost, or the command interrupted mid-delete), and a delete it "
+                        "sent may land until then; this command then goes on by itself")
             faults.point("lock:gc-lease-wait")
             while left > 0:
                 time.sleep(min(left, LEASE_POLL_S))

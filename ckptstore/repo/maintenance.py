@@ -136,28 +136,48 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
         liveness.forget_objects_except(tx, live_objects)
     faults.point("gc:db-committed")
     _forget_damage_of_absent(repo, stored.keys())
+    _delete_garbage(repo, {oid: size for oid, size in stored.items()
+                           if oid not in live_objects and oid not in findings.unreadable_manifests}, report)
+    return report
+
+
+def _delete_garbage(repo: Repository, garbage: dict[ObjectId, int], report: GcReport) -> None:
+    """Delete `garbage` (object: size), renewing gc's delete lease before each delete and ending it after.
+
+    The lease ends however this stops (Ctrl-C, SIGTERM, any error) unless a delete may still land: the error
+    came out of a delete (one retried against a throttling bucket lands minutes later), or the lock's session
+    is gone (which alone may end it). Else every writer on every machine would wait it out, minutes, for nothing.
+    """
     refused: list[PermissionError] = []
     deleted = None  # the lock lost during a delete (retried for a minute on a throttling bucket) is said with it
     lease = delete_lease(repo)
-    for oid, size in stored.items():
-        if oid not in live_objects and oid not in findings.unreadable_manifests:
+    sending = False  # a delete was sent and has not returned: it may land after this stops
+    try:
+        for oid, size in garbage.items():
             # one query on a shared database (the lease renewed in it); none on a local
             repo.db.confirm_locks(deleting=True, deleted=deleted, lease_s=lease)
+            sending = True
             try:
                 repo.store.delete(oid)
             except PermissionError as exc:  # another user's folder (their umask): the rest of the garbage still goes
+                sending = False  # refused: nothing in flight
                 refused.append(exc)
                 continue
+            sending = False
             deleted = oid
             faults.point("gc:object-deleted")
             report.bytes_removed += size
             report.objects_removed += 1
+    except BaseException:
+        if lease is not None and not sending:
+            with contextlib.suppress(CkptError):  # its session gone: the lease runs out, and no delete outlasts it
+                repo.db.confirm_locks(deleting=True, lease_s=0.0)
+        raise
     if refused:
         _say_left(refused)
     if deleted is not None or refused and lease is not None:  # a gc that lost the lock during its last delete
         # did not end well; one that did ends its lease, so that no commit waits for it
         repo.db.confirm_locks(deleting=True, deleted=deleted, lease_s=None if lease is None else 0.0)
-    return report
 
 
 LEASE_MARGIN_S = 10.0  # past the store's own bound: a delete sent a moment after its lease was renewed

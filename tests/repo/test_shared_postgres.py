@@ -411,6 +411,54 @@ def test_a_gc_that_ends_well_ends_its_delete_lease_and_a_commit_after_it_does_no
             repo.commit({"w": torch.ones(100)})
 
 
+def _lease_left(url: str) -> float:
+    """Seconds gc's delete lease still runs on the database's clock (<= 0: none)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute("SELECT expires_at - extract(epoch FROM clock_timestamp())::float8 FROM gc_lease"
+                            ).fetchone()[0]
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c between deletes", "error between deletes", "ctrl-c mid-delete"])
+def test_a_gc_stopped_between_deletes_ends_its_delete_lease_and_one_stopped_mid_delete_keeps_it(
+        postgres_url, s3_url, tmp_path, monkeypatch, stop):
+    """Ctrl-C (or any error) of a gc after a delete returned left its lease live: every writer on every machine
+    waited 6 minutes, told the gc had lost its lock (reviewer 366). No delete is in flight there: the lease ends,
+    and a commit goes on at once. One stopped inside a delete (it may land later) keeps it."""
+    import warnings
+
+    from ckptstore import faults
+    from ckptstore.errors import DiskFullError
+    from ckptstore.repo import maintenance
+
+    with Repository.init(tmp_path, objects_url=s3_url, metadata_url=postgres_url) as repo:
+        repo.commit({"w": torch.zeros(100)})
+        repo.branch("x")
+        repo.commit({"w": torch.randn(50_000)}, branch="x")
+        repo.delete_branch("x")  # its chunk and manifest are garbage: two deletes at least
+        if stop == "error between deletes":
+            monkeypatch.setenv("CKPT_FAIL_AT", "gc:object-deleted")
+        elif stop == "ctrl-c between deletes":
+            monkeypatch.setattr(faults, "point", lambda name: _raise(KeyboardInterrupt())
+                                if name == "gc:object-deleted" else None)
+        else:
+            monkeypatch.setattr(repo.store, "delete", lambda oid: _raise(KeyboardInterrupt()))
+        with pytest.raises(DiskFullError if stop.startswith("error") else KeyboardInterrupt):
+            maintenance.gc(repo, prune_unreachable=True)
+        monkeypatch.undo()
+        if stop == "ctrl-c mid-delete":
+            assert _lease_left(postgres_url) > 300  # the delete it sent may land until then: writers wait
+            return
+        assert _lease_left(postgres_url) <= 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a wait for a lease would warn
+            repo.commit({"w": torch.ones(100)})
+        assert maintenance.gc(repo).objects_removed > 0 and fsck(repo).ok
+
+
+def _raise(exc: BaseException):
+    raise exc
+
+
 def test_a_prune_whose_lock_session_was_cut_after_it_was_recorded_says_so(postgres_server, postgres_url, tmp_path,
                                                                           monkeypatch):
     """It said "nothing was recorded" of a prune its database had recorded; only the clean-up was left."""
