@@ -87,7 +87,9 @@ def add(repo: Repository, name: str, url: str, metadata_url: str = "", typed_in:
         raise CkptError(f"{name!r} is not a valid remote name (letters, digits, . _ -)") from None
     if name in repo.config.remotes:
         raise _taken(name, repo.config.remotes[name].url)
-    hidden = sorted(ref for ref in [*repo.branches(), *repo.tags()] if ref.startswith(f"{name}/"))
+    with repo.db.read() as tx:  # names only: a damaged branch or tag row elsewhere is no reason to refuse
+        taken = ref_rows.names(tx, (ref_rows.BRANCH, ref_rows.TAG))
+    hidden = sorted(ref for ref in taken if ref.startswith(f"{name}/"))
     if hidden:
         raise CkptError(f"{hidden[0]!r} would hide remote {name!r}'s tracking ref of that name; rename it, or "
                         "choose another remote name")
@@ -869,8 +871,9 @@ def _interrupted_clone_of(path: str | os.PathLike, remote: RemoteConfig) -> bool
         return False
     with Repository.open(path) as existing:
         origin = existing.config.remotes.get("origin")
-        if origin is None or (origin.url, origin.metadata_url) != (remote.url, remote.metadata_url) or \
-                existing.branches():
+        with existing.db.read() as tx:  # any branch, damaged too: a clone makes its branches last
+            branched = bool(ref_rows.names(tx, (ref_rows.BRANCH,)))
+        if origin is None or (origin.url, origin.metadata_url) != (remote.url, remote.metadata_url) or branched:
             raise RepoExistsError(f"{Path(path).resolve() / REPO_DIR} already exists; clone into a new folder")
         if origin.lazy != remote.lazy:  # resuming it the other way would silently keep its first kind
             kind, flag = ("a lazy", "with") if origin.lazy else ("a full", "without")

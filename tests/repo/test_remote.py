@@ -1020,6 +1020,37 @@ def test_a_local_branch_never_hides_a_remote_tracking_ref(pair, tmp_path):
         assert copy.resolve("origin/x") == cids[1] and "origin/x" not in copy.branches()
 
 
+def _damaged_ref(repo_dir, name: str, kind: str) -> None:
+    """A `kind` row named `name` that points at no commit: damage its listings warn of."""
+    with contextlib.closing(sqlite3.connect(repo_dir / "ckpt.db")) as db, db:
+        db.execute("INSERT INTO refs (name, kind, commit_id) VALUES (?, ?, NULL)", (name, kind))
+
+
+def test_remote_add_is_not_refused_for_an_unrelated_damaged_branch_or_tag(pair, tmp_path):
+    """A branch or tag row naming no commit made every `remote add` fail on its damage (reviewer 366): only names
+    are needed, and a damaged one still hides a tracking ref."""
+    work, hub_path, _ = pair
+    _damaged_ref(work.dir, "bad", "branch")
+    _damaged_ref(work.dir, "t-bad", "tag")
+    assert remote.add(work, "up", str(hub_path)).url == str(hub_path)
+    _damaged_ref(work.dir, "other/x", "branch")
+    with pytest.raises(CkptError, match="'other/x' would hide remote 'other'"):
+        remote.add(work, "other", str(hub_path))
+
+
+def test_a_clone_into_a_repository_with_a_damaged_branch_says_it_exists(pair, tmp_path):
+    """A repository whose origin is the clone's URL and that holds a branch row naming no commit is no interrupted
+    clone (a clone makes its branches last): the clone said the branch was damaged, not that it exists."""
+    from ckptstore.errors import RepoExistsError
+
+    work, hub_path, _ = pair
+    with Repository.init(tmp_path / "copy") as copy:
+        remote.add(copy, "origin", str(hub_path))
+    _damaged_ref(tmp_path / "copy" / ".ckpt", "bad", "branch")
+    with pytest.raises(RepoExistsError, match="already exists; clone into a new folder"):
+        remote.clone(str(hub_path), tmp_path / "copy")
+
+
 def test_remote_add_takes_a_relative_folder_from_where_it_is_typed_and_keeps_it_relative_to_the_root(tmp_path):
     (tmp_path / "a" / "sub").mkdir(parents=True)
     (tmp_path / "a" / "backup").mkdir()
