@@ -559,9 +559,11 @@ def test_a_checkout_done_before_the_database_hung_exits_0_and_warns_what_it_coul
     assert ckpt_here(tmp_path, "status").stdout.startswith("On branch main at ")
 
 
-def test_a_pull_done_before_the_database_hung_exits_0(hanging_metadata, tmp_path, monkeypatch):
+@pytest.mark.parametrize("hung_after", ["pull", "_update_worktree"])
+def test_a_pull_done_before_the_database_hung_exits_0(hanging_metadata, tmp_path, monkeypatch, hung_after):
     """HEAD's branch was read for the report after the branch had moved: a hung server then exited 1 saying
-    nothing was changed (auditor 364). It is read before."""
+    nothing was changed (auditor 364). It is read before; so is whether the commits are sharded, which the pull
+    itself read once the files were written (reviewer 373)."""
     from ckptstore.repo import remote
 
     proxy, url = hanging_metadata
@@ -573,7 +575,7 @@ def test_a_pull_done_before_the_database_hung_exits_0(hanging_metadata, tmp_path
     here.mkdir()
     for args in (("init", "--metadata", url), ("remote", "add", "origin", str(hub))):
         assert ckpt_here(here, *args).returncode == 0
-    _then_hang(monkeypatch, remote, "pull", proxy)
+    _then_hang(monkeypatch, remote, hung_after, proxy)
     result = ckpt_here(here, "pull", "origin", "main")
     assert result.returncode == 0 and result.stdout.splitlines()[-1].startswith("fast-forwarded main to "), (
         result.stderr)

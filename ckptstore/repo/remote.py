@@ -703,6 +703,8 @@ def pull(repo: Repository, name: str, branch: str | None = None) -> tuple[Transf
                             f"theirs`), or send yours to a new branch there (`ckpt push {name} NEW`, after `ckpt "
                             f"branch NEW {branch}`)")
     at_head = branch == refs.head(repo)[0]
+    # read before the branch moves: a database lost once the files are written must not fail the pull
+    unwritten_dcp = _unwritten_dcp(repo, branch, old, new) if at_head else None
     if at_head:  # until its files are written, the next pull knows this one is not over
         atomic_write(repo.dir / PULLING, lambda out: out.write(json.dumps([branch, old, new]).encode()))
     with repo.db.write() as tx:
@@ -712,24 +714,25 @@ def pull(repo: Repository, name: str, branch: str | None = None) -> tuple[Transf
             raise ConflictError(f"{branch!r} moved while pulling; run the pull again")
     if at_head:
         _update_worktree(repo, branch, old, new)
-        _tell_unwritten_dcp(repo, branch, old, new)
+        if unwritten_dcp:
+            warn_caller(unwritten_dcp, RuntimeWarning)
     return report, new
 
 
-def _tell_unwritten_dcp(repo: Repository, branch: str, old: CommitId | None, new: CommitId) -> None:
-    """Warn where a pull wrote nothing in place because a sharded commit has no files here.
+def _unwritten_dcp(repo: Repository, branch: str, old: CommitId | None, new: CommitId) -> str | None:
+    """The warning for a pull that writes nothing in place because a sharded commit has no files here; or None.
 
     A DCP directory committed with `ckpt commit DIR` still holds the old checkpoint: training on from
     it, the next commit would undo the pull without a word.
     """
     if repo.commit_info(new).sharded:
-        warn_caller(f"{branch} now points at {new[:12]}, a sharded (DCP) commit, which is never written in place: "
-                    f"a DCP directory committed here still holds the checkpoint it held; before training on from "
-                    f"it, write {new[:12]} with `ckpt checkout {new[:12]} -o NEWDIR` or load it with "
-                    "CkptStorageReader", RuntimeWarning)
-    elif old is not None and repo.commit_info(old).sharded:
-        warn_caller(f"{branch} now points at {new[:12]}, whose files were not written: HEAD was on a sharded (DCP) "
-                    f"commit, which has no files here; write them with `ckpt checkout {branch}`", RuntimeWarning)
+        return (f"{branch} now points at {new[:12]}, a sharded (DCP) commit, which is never written in place: "
+                f"a DCP directory committed here still holds the checkpoint it held; before training on from "
+                f"it, write {new[:12]} with `ckpt checkout {new[:12]} -o NEWDIR` or load it with CkptStorageReader")
+    if old is not None and repo.commit_info(old).sharded:
+        return (f"{branch} now points at {new[:12]}, whose files were not written: HEAD was on a sharded (DCP) "
+                f"commit, which has no files here; write them with `ckpt checkout {branch}`")
+    return None
 
 
 def _end_interrupted_pull(repo: Repository) -> None:
