@@ -408,13 +408,16 @@ class _SignalHold:
             pass
 
 
-def _only_interrupts(handler: Callable[..., Any]) -> bool:
-    """Whether `handler` only raises or takes note (Ctrl-C's default, ckptstore's own): it never commits.
+def _only_interrupts(signum: int, handler: Callable[..., Any]) -> bool:
+    """Whether `handler` of `signum` only raises or takes note (Ctrl-C's default, ckptstore's own): it never commits.
 
     Such a handler runs at once inside a commit call, as it always did: Ctrl-C stops a blocking commit
     (nothing recorded), the daemon's client's Ctrl-C too, and `ckpt watch`'s second Ctrl-C. Ours by its
-    file: the daemon runs its module as __main__.
+    file: the daemon runs its module as __main__. A held_back (another block's, or one the program kept and
+    set again) is judged by the handler it runs: by its file it is ours, and a saving handler ran inside a commit.
     """
+    while hasattr(handler, "holding_for"):
+        handler = handler.holding_for[signum]
     if handler is signal.default_int_handler:
         return True
     code = getattr(getattr(handler, "__func__", handler), "__code__", None)
@@ -465,12 +468,13 @@ def _signals_held(hold: _SignalHold) -> Iterator[None]:
     holding = [True]
 
     def held_back(signum: int, frame: Any) -> None:
-        if holding[0] and (hold.everything or not _only_interrupts(handlers[signum])):
+        if holding[0] and (hold.everything or not _only_interrupts(signum, handlers[signum])):
             hold.held.append(signum)
             hold.tell(signum)
-        else:  # one that only interrupts, or the block is over and this handler not put back (an exception meanwhile)
+        else:  # one that only interrupts, or the block is over and this handler not put back (the program kept it)
             handlers[signum](signum, frame)
 
+    held_back.holding_for = handlers  # type: ignore[attr-defined]  # for _only_interrupts: not ckptstore's own
     try:
         for signum in signal.valid_signals():
             handler = signal.getsignal(signum)
@@ -480,10 +484,42 @@ def _signals_held(hold: _SignalHold) -> Iterator[None]:
         yield
     finally:
         try:
-            for signum, handler in handlers.items():  # still holding: a signal meanwhile waits with the others
-                signal.signal(signum, handler)
+            _put_back(handlers, held_back)  # still holding: a signal meanwhile waits with the others
         finally:
             holding[0] = False
+
+
+def _put_back(handlers: dict[int, Callable[..., Any]], held_back: Callable[..., Any]) -> None:
+    """Put each of `handlers` back where `held_back` still stands, every one though a handler raises meanwhile.
+
+    A handler the program set during the block (a calibration function's, `ckpt watch`'s second Ctrl-C) is the
+    program's choice: it stays. signal.signal runs pending handlers before it sets one: an alarm's Timeout there
+    stopped the loop, and a handler left held_back ran inside the next commit (its save refused). Each is tried
+    again; the first exception is raised once all are back, a later one noted on it.
+    """
+    error: BaseException | None = None
+    for signum, handler in handlers.items():
+        for _ in range(_PUT_BACK_TRIES):
+            try:
+                if signal.getsignal(signum) is held_back:
+                    signal.signal(signum, handler)
+                break
+            except BaseException as exc:  # from a pending handler, this one not set yet: try it again
+                error = _first_kept(error, exc)
+    if error is not None:
+        raise error
+
+
+_PUT_BACK_TRIES = 16  # each failed try ran a handler that raised: 16 in a row would take a signal storm
+
+
+def _first_kept(error: BaseException | None, exc: BaseException) -> BaseException:
+    """The first of the exceptions handlers raised in a row (it propagates); a later one is noted on it, not lost."""
+    if error is None:
+        return exc
+    if exc is not error:
+        error.add_note(f"then, in another signal handler: {type(exc).__name__}: {exc}")
+    return error
 
 
 def _raise_again(signums: list[int]) -> None:
