@@ -364,7 +364,7 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
                     lane.buffers.give_back(lent)
                 raise
     finally:
-        _raise_again(hold.held)  # outside the mutex: a handler that commits (a requeue's save) must not wait on it
+        _run_held(hold.held)  # outside the mutex: a handler that commits (a requeue's save) must not wait on it
     return handle
 
 
@@ -386,11 +386,22 @@ class _SignalHold:
     """The signals a commit call holds on the main thread while it holds its repository's lane (_lane_held)."""
 
     def __init__(self, options: CommitOptions, until: str) -> None:
-        self.held: list[int] = []  # raised again by the caller once it holds no lock (_raise_again)
+        # each signal held, with the handler it came to, in arrival order: run by the caller holding no lock (_run_held)
+        self.held: list[tuple[int, Callable[..., Any]]] = []
         self.everything = False  # while a commit is put in flight: Ctrl-C's and ckptstore's own handlers wait too
         self.options = options  # the commit stderr names at the first signal held
         self.until = until
         self.told = False
+
+    def keep(self, signum: int, handler: Callable[..., Any]) -> None:
+        """Hold this arrival of `signum` for `handler`: a second Ctrl-C to a handler that counts them is no first.
+
+        Arrivals past _ARRIVALS_KEPT of one signal are merged, as the kernel merges a pending one: a timer's during a
+        minutes-long commit would otherwise run its handler thousands of times in a row.
+        """
+        if sum(1 for held, _ in self.held if held == signum) < _ARRIVALS_KEPT:
+            self.held.append((signum, handler))
+        self.tell(signum)
 
     def tell(self, signum: int) -> None:
         """Say once on stderr that a signal waits: a blocking commit of a large state takes minutes."""
@@ -406,6 +417,9 @@ class _SignalHold:
                   "kill -9 abandons the commit (nothing of it is recorded then)", file=sys.stderr, flush=True)
         except Exception:  # stderr closed, or the signal landed inside a write to it: held all the same
             pass
+
+
+_ARRIVALS_KEPT = 3  # of one signal: a person's presses (a second Ctrl-C, a third) each reach the handler
 
 
 def _only_interrupts(signum: int, handler: Callable[..., Any]) -> bool:
@@ -433,7 +447,7 @@ def _lane_held(repo: Repository, hold: _SignalHold) -> Iterator[Lane]:
 
     Python runs a handler on the main thread wherever it is: one that commits (a SIGTERM's or a requeue's last
     save, then sys.exit) inside a commit call waited on the mutex that call held, until SIGKILL. Held, it runs
-    once the caller lets go (_raise_again), its commit after the call's. A commit reaching the lane its own
+    once the caller lets go (_run_held), its commit after the call's. A commit reaching the lane its own
     thread holds (a calibration function's, a handler set meanwhile) fails at once instead of waiting on itself.
     """
     with _signals_held(hold):
@@ -469,8 +483,7 @@ def _signals_held(hold: _SignalHold) -> Iterator[None]:
 
     def held_back(signum: int, frame: Any) -> None:
         if holding[0] and (hold.everything or not _only_interrupts(signum, handlers[signum])):
-            hold.held.append(signum)
-            hold.tell(signum)
+            hold.keep(signum, handlers[signum])
         else:  # one that only interrupts, or the block is over and this handler not put back (the program kept it)
             handlers[signum](signum, frame)
 
@@ -522,20 +535,23 @@ def _first_kept(error: BaseException | None, exc: BaseException) -> BaseExceptio
     return error
 
 
-def _raise_again(signums: list[int]) -> None:
-    """Raise `signums` in this thread, all pending at once: each handler runs, though an earlier one raises."""
-    if not signums:
-        return
-    if not hasattr(signal, "pthread_sigmask"):  # Windows: one after the other
-        for signum in dict.fromkeys(signums):
-            signal.raise_signal(signum)
-        return
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(signums))
-    try:
-        for signum in dict.fromkeys(signums):
-            signal.raise_signal(signum)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+def _run_held(held: list[tuple[int, Callable[..., Any]]]) -> None:
+    """Run each held signal's handler, once per arrival in arrival order: each runs though an earlier one raises.
+
+    Called, not raised again: a raised signal wrote set_wakeup_fd's descriptor a second time (asyncio ran its
+    callback twice), and pending ones came merged, by number. Each goes to the handler it came to: a handler set
+    since (`ckpt watch`'s Ctrl-C default) came after it. The frame is the commit call's, where it runs now. The
+    first exception propagates once all have run (as the first would have, had it run then), a later one noted on it.
+    """
+    frame = sys._getframe(1)
+    error: BaseException | None = None
+    for signum, handler in held:
+        try:
+            handler(signum, frame)
+        except BaseException as exc:
+            error = _first_kept(error, exc)
+    if error is not None:
+        raise error
 
 
 def commit_call(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOptions,
@@ -549,7 +565,7 @@ def commit_call(repo: Repository, source: Any, options: CommitOptions, lossy: Lo
             lane.settle()
             return commit(repo, source, options, lossy, progress)
     finally:
-        _raise_again(hold.held)  # outside the mutex: a handler that commits follows this commit
+        _run_held(hold.held)  # outside the mutex: a handler that commits follows this commit
 
 
 def _work(repo: Repository, lane: Lane, handle: BackgroundCommit, checkpoint: Any, lent: list[Any],

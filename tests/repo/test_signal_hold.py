@@ -130,3 +130,108 @@ def test_a_saving_sigterm_handler_waits_for_the_commit_after_an_alarm_cut_the_pu
     assert "SIGTERM came during the commit at step 2" in done.stderr and "Traceback" not in done.stderr
     with Repository.open(tmp_path) as repo:
         assert [c.step for c in repo.log()] == [99, 2, 1]
+
+
+def _commit_calibrated_by(calibrate, root: Path) -> None:
+    """A blocking commit whose calibration function (run inside it, signals held) calls `calibrate` once."""
+    calls = []
+
+    def calibration(state):  # called more than once (the state as it was, then as it would be restored)
+        if not calls:
+            calls.append(calibrate())
+        return 1.0
+
+    with Repository.init(root) as repo:
+        repo.commit({"w": torch.randn(4096)}, "c", lossy="balanced", calibration=calibration, max_loss_change=0.5)
+
+
+def test_signals_held_during_a_commit_reach_their_handlers_once_each_in_the_order_they_came(tmp_path):
+    """Held signals were raised again merged and by number: SIGUSR2, Ctrl-C, Ctrl-C to a handler that stops at the
+    second press ran Ctrl-C's handler once, then SIGUSR2's; the second press was lost (reviewer 367)."""
+    ran = []
+
+    def on_int(signum, frame):  # first press: stop after this step; second press: stop now
+        ran.append("SIGINT")
+        if ran.count("SIGINT") == 2:
+            raise KeyboardInterrupt("second Ctrl-C")
+
+    def press_keys():
+        for signum in (signal.SIGUSR2, signal.SIGINT, signal.SIGINT):
+            signal.raise_signal(signum)  # its handler runs before raise_signal returns: held, one arrival each
+
+    before = {signal.SIGINT: signal.signal(signal.SIGINT, on_int),
+              signal.SIGUSR2: signal.signal(signal.SIGUSR2, lambda signum, frame: ran.append("SIGUSR2"))}
+    try:
+        with pytest.raises(KeyboardInterrupt, match="second Ctrl-C"):
+            _commit_calibrated_by(press_keys, tmp_path)
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+    assert ran == ["SIGUSR2", "SIGINT", "SIGINT"]
+    with Repository.open(tmp_path) as repo:
+        assert [c.message for c in repo.log()] == ["c"]  # the commit was written before the handlers ran
+
+
+def test_a_signal_that_keeps_coming_during_a_commit_reaches_its_handler_three_times_not_each_time(tmp_path):
+    """A timer's signal during a minutes-long commit would run its handler thousands of times in a row once it is
+    done: past three arrivals of one signal they are merged, as the kernel merges a pending signal."""
+    ran = []
+
+    def timer_fires_five_times():
+        for _ in range(5):
+            signal.raise_signal(signal.SIGUSR2)
+
+    before = signal.signal(signal.SIGUSR2, lambda signum, frame: ran.append(signum))
+    try:
+        _commit_calibrated_by(timer_fires_five_times, tmp_path)
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+    assert ran == [signal.SIGUSR2] * 3
+
+
+def test_a_held_signal_goes_to_the_handler_it_came_to_not_one_set_after_it(tmp_path):
+    """A held signal was raised again to whatever handler stood once the commit was done; one the program set after
+    the signal came (`ckpt watch` sets Ctrl-C's default at the first press) got it. Held, it runs as it came."""
+    ran = []
+
+    def signal_then_new_handler():
+        signal.raise_signal(signal.SIGUSR2)
+        signal.signal(signal.SIGUSR2, lambda signum, frame: ran.append("set after it came"))
+
+    before = signal.signal(signal.SIGUSR2, lambda signum, frame: ran.append("the handler it came to"))
+    try:
+        _commit_calibrated_by(signal_then_new_handler, tmp_path)
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+    assert ran == ["the handler it came to"]
+
+
+CALLBACK_OF_AN_ASYNCIO_PROGRAM = """
+import asyncio, signal, sys, torch
+import ckptstore
+calls = []
+
+def signal_during_the_save(state, raised=[]):
+    if not raised:  # called more than once
+        raised.append(signal.raise_signal(signal.SIGUSR1))
+    return 1.0
+
+async def main():
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: calls.append(1))
+    ckptstore.save({"w": torch.randn(4096)}, sys.argv[1], step=1, lossy="balanced",
+                   calibration=signal_during_the_save, max_loss_change=0.5)  # blocking, on the loop's thread
+    for _ in range(5):  # a few turns of the loop: each byte of its wakeup fd is one callback
+        await asyncio.sleep(0.02)
+    print(len(calls))
+
+asyncio.run(main())
+"""
+
+
+def test_a_signal_held_during_a_commit_reaches_an_asyncio_programs_callback_once(tmp_path):
+    """asyncio's add_signal_handler is told of a signal through set_wakeup_fd, which the interpreter writes as the
+    signal arrives; raising a held signal again wrote it a second time: the callback ran twice (reviewer 367)."""
+    Repository.init(tmp_path).close()
+    done = _run_child(CALLBACK_OF_AN_ASYNCIO_PROGRAM, str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "1\n"
