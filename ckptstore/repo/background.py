@@ -401,7 +401,8 @@ class _SignalHold:
         """
         if sum(1 for held, _ in self.held if held == signum) < _ARRIVALS_KEPT:
             self.held.append((signum, handler))
-        self.tell(signum)
+        if signum not in _INFORMING:  # one that only informs waits only a moment (hold.everything): nothing to say
+            self.tell(signum)
 
     def tell(self, signum: int) -> None:
         """Say once on stderr that a signal waits: a blocking commit of a large state takes minutes."""
@@ -420,6 +421,17 @@ class _SignalHold:
 
 
 _ARRIVALS_KEPT = 3  # of one signal: a person's presses (a second Ctrl-C, a third) each reach the handler
+# Signals that only inform (a child ended, the terminal resized, a profiler's tick): their handlers run at once, as
+# before commits held signals. torch sets one for SIGCHLD with DataLoader workers: held, every commit during which
+# a child ended said on stderr that kill -9 abandons it.
+_INFORMING = frozenset(getattr(signal, name) for name in ("SIGCHLD", "SIGWINCH", "SIGPROF", "SIGVTALRM", "SIGURG",
+                                                          "SIGCONT") if hasattr(signal, name))
+_SIGNUMS = tuple(signal.valid_signals())  # once: the call makes an enum member of each (0.1 ms a commit)
+
+
+def _waits(signum: int, handler: Callable[..., Any]) -> bool:
+    """Whether `handler` of `signum` waits for the commit call: all but those that only inform or only interrupt."""
+    return signum not in _INFORMING and not _only_interrupts(signum, handler)
 
 
 def _only_interrupts(signum: int, handler: Callable[..., Any]) -> bool:
@@ -466,14 +478,14 @@ def _lane_held(repo: Repository, hold: _SignalHold) -> Iterator[Lane]:
 
 @contextmanager
 def _signals_held(hold: _SignalHold) -> Iterator[None]:
-    """Hold the signals a Python handler answers until the block ends; their numbers go to `hold.held`.
+    """Hold the signals a Python handler answers until the block ends; each arrival goes to `hold.held`.
 
-    Those whose handler only interrupts run at once, unless `hold.everything`: a handler's exception (Ctrl-C's,
-    SIGTERM's from _on_sigterm, a program's alarm) raised while a commit was put in flight left a handle no
-    thread would resolve (the next commit call and the exit waited forever), or a thread its caller believed
-    called off, writing from buffers the next snapshot reuses. Every signal, not a set: any handler may raise or
-    commit (a grid engine's SIGXCPU, a profiler's timer). Python runs handlers in the main thread only. (A
-    C-level handler installed over a Python one, faulthandler's, is lost.)
+    Those that only inform, or whose handler only interrupts, run at once, unless `hold.everything`: a handler's
+    exception (Ctrl-C's, SIGTERM's from _on_sigterm, a program's alarm, torch's SIGCHLD's) raised while a commit
+    was put in flight left a handle no thread would resolve (the next commit call and the exit waited forever),
+    or a thread its caller believed called off, writing from buffers the next snapshot reuses. Every signal, not
+    a set: any handler may raise or commit (a grid engine's SIGXCPU, a profiler's timer). Python runs handlers in
+    the main thread only. (A C-level handler installed over a Python one, faulthandler's, is lost.)
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -482,14 +494,15 @@ def _signals_held(hold: _SignalHold) -> Iterator[None]:
     holding = [True]
 
     def held_back(signum: int, frame: Any) -> None:
-        if holding[0] and (hold.everything or not _only_interrupts(signum, handlers[signum])):
-            hold.keep(signum, handlers[signum])
-        else:  # one that only interrupts, or the block is over and this handler not put back (the program kept it)
-            handlers[signum](signum, frame)
+        handler = handlers[signum]
+        if holding[0] and (hold.everything or _waits(signum, handler)):
+            hold.keep(signum, handler)
+        else:  # one that informs or only interrupts, or the block is over and this handler was kept (the program's)
+            handler(signum, frame)
 
     held_back.holding_for = handlers  # type: ignore[attr-defined]  # for _only_interrupts: not ckptstore's own
     try:
-        for signum in signal.valid_signals():
+        for signum in _SIGNUMS:
             handler = signal.getsignal(signum)
             if callable(handler):
                 handlers[signum] = handler

@@ -235,3 +235,22 @@ def test_a_signal_held_during_a_commit_reaches_an_asyncio_programs_callback_once
     done = _run_child(CALLBACK_OF_AN_ASYNCIO_PROGRAM, str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert done.stdout == "1\n"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGCHLD, signal.SIGWINCH], ids=["a child ended", "the terminal resized"])
+def test_a_signal_that_only_informs_reaches_its_handler_during_the_commit_and_is_not_said(tmp_path, capsys, signum):
+    """torch sets a SIGCHLD handler with DataLoader workers: held, every commit during which any child ended said on
+    stderr that SIGCHLD waited and that kill -9 abandons the commit (reviewer 367). It runs at once, said nowhere."""
+    ran, inside = [], []
+
+    def child_ends():
+        signal.raise_signal(signum)
+        inside.append(list(ran))  # what had run by then, still inside the commit
+
+    before = signal.signal(signum, lambda signum, frame: ran.append(signum))
+    try:
+        _commit_calibrated_by(child_ends, tmp_path)
+    finally:
+        signal.signal(signum, before)
+    assert inside == [[signum]] and ran == [signum]
+    assert "came during the commit" not in capsys.readouterr().err
