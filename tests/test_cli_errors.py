@@ -688,6 +688,18 @@ def test_metadata_for_a_folder_remote_is_refused_not_recorded_unused(tmp_path):
     assert ckpt_here(tmp_path, "clone", "src", "dst").returncode == 0  # without --metadata, as ever
 
 
+def test_a_file_path_given_to_diff_is_said_to_be_a_file_not_a_range(tmp_path):
+    """`ckpt diff HEAD ../x.pt` said "'../x.pt' is a range, which names both commits" (auditor helper 368)."""
+    torch.save({"w": torch.ones(4)}, tmp_path / "x.pt")
+    (tmp_path / "r").mkdir()
+    assert ckpt_here(tmp_path / "r", "init").returncode == 0
+    assert ckpt_here(tmp_path / "r", "commit", "../x.pt").returncode == 0
+    for args in (("HEAD", "../x.pt"), ("../x.pt",)):
+        out = ckpt_here(tmp_path / "r", "diff", *args)
+        assert out.returncode == 2, out.stderr
+        one_error_line(out, "'../x.pt' is a file: `ckpt diff` compares commits; commit it first")
+
+
 def test_a_range_and_a_commit_a_device_as_database_and_a_symlink_loop_are_each_said_as_what_they_are(tmp_path):
     """`diff A..B C` said "unknown ref 'A..B'" (exit 1), `init --metadata sqlite:////dev/zero` that the repository's
     database held no schema, `watch LOOP` that the folder did not exist, and a loop inside a checkpoint folder was
