@@ -201,11 +201,9 @@ class DeadZoneCodec:
         """
         try:
             header = self._head(payload, {})[2] or codebook.stream_start(payload)
-            size = itemsize(params["dtype"])
-        except (CodecError, KeyError, TypeError):  # no payload of ours, or a damaged record's params: it does not say
+        except CodecError:  # no payload of ours: it does not say
             return None
-        values = symbol_count(memoryview(payload)[header:])
-        return None if values is None else (values * size, values * size)
+        return stream_declares(payload, header, params)
 
     def decode_chain(self, payloads: list[bytes], params: dict[str, Any], nbytes: int,
                      out: np.ndarray | None = None) -> np.ndarray:
@@ -270,3 +268,16 @@ class DeadZoneCodec:
         if out.size != nbytes:
             raise CodecError(f"deadzone: decoded {out.size} bytes, expected {nbytes}")
         return out
+
+
+def stream_declares(payload: bytes | memoryview, start: int, params: dict[str, Any]) -> tuple[int, int] | None:
+    """The raw bytes a payload whose symbol stream (one symbol per value) starts at `start` decodes to, twice.
+
+    None where the stream or the record's dtype does not say (a damaged record's params).
+    """
+    try:
+        size = itemsize(params["dtype"])
+    except (KeyError, TypeError):
+        return None
+    values = symbol_count(memoryview(payload)[start:])
+    return None if values is None else (values * size, values * size)

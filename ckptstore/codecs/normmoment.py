@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.codecs.deadzone import dequantize, finite, quantize
-from ckptstore.codecs.entropy import decode_symbols, encode_symbols, symbol_count
+from ckptstore.codecs.deadzone import dequantize, finite, quantize, stream_declares
+from ckptstore.codecs.entropy import decode_symbols, encode_symbols
 from ckptstore.codecs.floats import from_float32, itemsize, rounding_error, sum_of_squares, to_float32
 from ckptstore.errors import CodecError, NonFiniteError
 
@@ -111,11 +111,9 @@ class NormalizedMomentCodec:
         """
         try:
             header = self._head(payload, {})[1]
-            size = itemsize(params["dtype"])
-        except (CodecError, KeyError, TypeError):  # no payload of ours, or a damaged record's params: it does not say
+        except CodecError:  # no payload of ours: it does not say
             return None
-        values = symbol_count(memoryview(payload)[header:])
-        return None if values is None else (values * size, values * size)
+        return stream_declares(payload, header, params)
 
     def decode(self, payload: bytes, base: np.ndarray | None, params: dict[str, Any], nbytes: int) -> np.ndarray:
         step, header = self._head(payload, params)
