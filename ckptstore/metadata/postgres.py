@@ -437,7 +437,8 @@ class PostgresBackend:
                              "was changed by the interrupted transaction: run the command again once it answers")
         if isinstance(exc, pg_errors.IdleInTransactionSessionTimeout):  # IDLE_WRITE_LIMITS: a stalled client
             return CkptError(f"{at} ended a write transaction of this command that sat idle for {self.idle_limit} "
-                             "(3 times CKPT_PG_REQUEST_SECONDS); nothing was changed: run the command again")
+                             f"({IDLE_WRITE_LIMITS} times CKPT_PG_REQUEST_SECONDS); nothing was changed: run the "
+                             "command again")
         if isinstance(exc, pg_errors.InvalidSchemaName):  # "no schema has been selected to create in"
             return self.no_schema(search_path(self.conninfo))
         if isinstance(exc, pg_errors.ReadOnlySqlTransaction):
