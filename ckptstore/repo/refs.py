@@ -317,9 +317,9 @@ def stored_refs(repo: Repository, kind: str) -> dict[str, CommitId]:
 def sound_part(listing: Callable[..., Listed], *args: Any) -> Listed:
     """What `listing(*args, damage=...)` (log, stats) finds sound, warning once of the damage it went past.
 
-    The Python calls behind `ckpt log`, `stats` and `branch` go past damaged rows as those do: a notebook
-    listing a repository with one damaged branch got an error and nothing. Where nothing sound is left
-    to return, the first damage is raised.
+    The Python calls behind `ckpt log` and `stats` go past damaged rows as those do: a notebook listing
+    a repository with one damaged ref or commit row got an error and nothing. Where nothing sound is
+    left to return, the first damage is raised.
     """
     damage: dict[str, str] = {}
     found = listing(*args, damage=damage)
