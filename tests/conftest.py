@@ -290,6 +290,19 @@ def postgres_url(postgres_server):
 
 
 @pytest.fixture
+def stalling(postgres_server, postgres_url, monkeypatch):
+    """(proxy, URL through it): a server that can stop answering while its connections stay open; 1 s per answer."""
+    from ckptstore.testing.fault_proxy import FaultProxy
+
+    monkeypatch.setenv("CKPT_PG_REQUEST_SECONDS", "1")
+    with FaultProxy(postgres_server.port) as proxy:
+        try:
+            yield proxy, postgres_url.replace(f":{postgres_server.port}/", f":{proxy.port}/")
+        finally:
+            proxy.stalled = False  # what was held goes on, so nothing waits on it after the test
+
+
+@pytest.fixture
 def metadata_backend(request) -> str:
     return getattr(request, "param", "sqlite")
 

@@ -508,19 +508,6 @@ def test_a_command_run_in_a_subfolder_of_the_work_tree_finds_the_repository_abov
         assert torch.equal(repo.checkout("HEAD")["w"], torch.ones(4))
 
 
-@pytest.fixture
-def hanging_metadata(postgres_server, postgres_url, monkeypatch):
-    """(proxy, URL through it) of a PostgreSQL database that can stop answering (`proxy.stalled`); 1 s per answer."""
-    from ckptstore.testing.fault_proxy import FaultProxy
-
-    monkeypatch.setenv("CKPT_PG_REQUEST_SECONDS", "1")
-    with FaultProxy(postgres_server.port) as proxy:
-        try:
-            yield proxy, postgres_url.replace(f":{postgres_server.port}/", f":{proxy.port}/")
-        finally:
-            proxy.stalled = False  # what was held goes on, so nothing waits on it after the test
-
-
 def _then_hang(monkeypatch, owner, name: str, proxy) -> None:
     """Make `owner.name` do its work, then stop the database answering: what the command reads after it fails."""
     real = getattr(owner, name)
@@ -533,13 +520,13 @@ def _then_hang(monkeypatch, owner, name: str, proxy) -> None:
     monkeypatch.setattr(owner, name, work_then_hang)
 
 
-def test_a_checkout_done_before_the_database_hung_exits_0_and_warns_what_it_could_not_report(hanging_metadata,
+def test_a_checkout_done_before_the_database_hung_exits_0_and_warns_what_it_could_not_report(stalling,
                                                                                              tmp_path, monkeypatch):
     """The reads for the report (HEAD detached? files rewritten?) ran after HEAD had moved and the file was written:
     their error exited 1 saying nothing was changed, under "Restored" (auditor 364)."""
     from ckptstore import Repository
 
-    proxy, url = hanging_metadata
+    proxy, url = stalling
     assert ckpt_here(tmp_path, "init", "--metadata", url).returncode == 0
     torch.save({"w": torch.zeros(4)}, tmp_path / "a.pt")
     assert ckpt_here(tmp_path, "commit", "a.pt", "-m", "on main").returncode == 0
@@ -560,13 +547,13 @@ def test_a_checkout_done_before_the_database_hung_exits_0_and_warns_what_it_coul
 
 
 @pytest.mark.parametrize("hung_after", ["pull", "_update_worktree"])
-def test_a_pull_done_before_the_database_hung_exits_0(hanging_metadata, tmp_path, monkeypatch, hung_after):
+def test_a_pull_done_before_the_database_hung_exits_0(stalling, tmp_path, monkeypatch, hung_after):
     """HEAD's branch was read for the report after the branch had moved: a hung server then exited 1 saying
     nothing was changed (auditor 364). It is read before; so is whether the commits are sharded, which the pull
     itself read once the files were written (reviewer 373)."""
     from ckptstore.repo import remote
 
-    proxy, url = hanging_metadata
+    proxy, url = stalling
     hub, here = tmp_path / "hub", tmp_path / "here"
     hub.mkdir()
     assert ckpt_here(hub, "init").returncode == 0

@@ -455,19 +455,6 @@ def test_a_server_or_pooler_that_refuses_a_link_setting_at_startup_gets_them_set
                 "tcp_keepalives_idle": "30", "tcp_user_timeout": "60000"}
 
 
-@pytest.fixture
-def stalling(postgres_server, postgres_url, monkeypatch):
-    """(proxy, URL through it): a server that can stop answering while its connections stay open; 1 s per answer."""
-    from ckptstore.testing.fault_proxy import FaultProxy
-
-    monkeypatch.setenv("CKPT_PG_REQUEST_SECONDS", "1")
-    with FaultProxy(postgres_server.port) as proxy:
-        try:
-            yield proxy, postgres_url.replace(f":{postgres_server.port}/", f":{proxy.port}/")
-        finally:
-            proxy.stalled = False  # what was held goes on, so nothing waits on it after the test
-
-
 def _raised_within(seconds: float, work) -> BaseException | None:
     """What `work()` raised (None: nothing), run in a thread given `seconds`: a hang fails the test, not hangs it."""
     outcome: list[BaseException | None] = []
