@@ -96,7 +96,8 @@ class Backend(Protocol):
     def executemany(self, connection: Any, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
     repository_locks: bool
     def lock_repository(self, connection: Any, exclusive: bool, wait: bool) -> bool: ...
-    def renew_gc_lease(self, connection: Any, seconds: float) -> None: ...
+    def renew_gc_lease(self, connection: Any, seconds: float) -> float: ...
+    def end_gc_lease(self, connection: Any, written: float) -> bool: ...
     def gc_lease_left(self, connection: Any) -> float: ...
     def no_revision(self) -> str: ...
     def repository(self) -> str: ...
@@ -252,6 +253,7 @@ class Database:
         self._writing = threading.local()
         self._lock_sessions: list[Any] = []  # the sessions holding repository_lock now
         self._held_alone: list[Any] = []  # those of them holding it exclusively (gc, prune): they renew gc's lease
+        self._lease_written: float | None = None  # gc's delete lease as this process last set it (none: not yet)
         self._closed = False
         self._create = create
         _OPEN.add(self)
@@ -375,18 +377,23 @@ class Database:
         `lease_s`: in the same round trip, on the exclusive lock's own session (one that ended cannot), gc's
         delete lease is set to the database's clock plus that: what a delete sent next may take to land (0: its
         deletes ended). Whoever takes the lock while the lease is live waits it out (`_wait_out_gc_lease`).
+        gc passes it only with no delete in flight (before one is sent, after the last returned): a lock found
+        lost then has its lease ended from a fresh session (`_end_lost_gc_lease`), or every writer waits minutes.
         """
         for connection in list(self._lock_sessions):
             try:
                 if lease_s is not None and connection in self._held_alone:
-                    self.backend.renew_gc_lease(connection, lease_s)
+                    self._lease_written = self.backend.renew_gc_lease(connection, lease_s)
                 else:
                     connection.execute("SELECT 1")
             except self.backend.errors as exc:
                 ended = f"its session ended: {' '.join(str(exc).split())[:160]}"
                 if deleting:
                     risk = ""
-                    if lease_s is not None:  # its lease holds them off: no delete it sent lands after they look
+                    if lease_s is not None and self._end_lost_gc_lease():
+                        risk = " No delete it sent is in flight and its delete lease was ended: commits elsewhere " \
+                               "do not wait."
+                    elif lease_s is not None:  # its lease holds them off: no delete it sent lands after they look
                         risk = " Commits elsewhere wait until a delete it sent can no longer land, so none loses it."
                     elif deleted:  # a local folder's: no lease
                         risk = (f" A commit made elsewhere while object {deleted} was being deleted may need it: run "
@@ -397,6 +404,24 @@ class Database:
                 raise LostLockError(f"lost the repository lock on {self.where} while this command ran ({ended}); a "
                                     "gc elsewhere may have removed what it wrote, so nothing was recorded: run the "
                                     "command again", ended) from None
+
+    def _end_lost_gc_lease(self) -> bool:
+        """End gc's delete lease from a fresh session, its lock's session gone and no delete in flight: whether it did.
+
+        Only if it still holds what this process last set: a renewal whose answer was lost (it may have set a
+        value never seen here) or another gc that took the lock since wrote one not ours to end. Best effort:
+        a server out of reach leaves it to run out, which only costs writers a wait.
+        """
+        if self._lease_written is None:
+            return False
+        try:
+            with contextlib.closing(self.backend.connect()) as connection:
+                if not self.backend.end_gc_lease(connection, self._lease_written):
+                    return False
+        except self.backend.errors:
+            return False
+        self._lease_written = 0.0  # what it holds now: a second try says it is ended still, unless rewritten
+        return True
 
     def _wait_out_gc_lease(self, connection: Any) -> None:
         """With the repository lock just taken: wait while a gc that stopped mid-delete may still have one in flight.

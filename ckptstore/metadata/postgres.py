@@ -518,14 +518,24 @@ class PostgresBackend:
             notice.stop()
         return True
 
-    def renew_gc_lease(self, connection: psycopg.Connection, seconds: float) -> None:
+    def renew_gc_lease(self, connection: psycopg.Connection, seconds: float) -> float:
         """Set gc's delete lease (migration 0012) to the database's clock plus `seconds`, in `connection`'s session.
 
         Called on the exclusive lock's session: one that ended cannot renew it, and its error says the lock went.
+        Returns the value set, which alone lets `end_gc_lease` tell this lease from one written since.
         """
-        connection.execute("INSERT INTO gc_lease (id, expires_at) VALUES (1, extract(epoch FROM clock_timestamp())"
-                           "::float8 + %s) ON CONFLICT (id) DO UPDATE SET expires_at = excluded.expires_at",
-                           (float(seconds),))
+        return float(connection.execute(
+            "INSERT INTO gc_lease (id, expires_at) VALUES (1, extract(epoch FROM clock_timestamp())::float8 + %s) "
+            "ON CONFLICT (id) DO UPDATE SET expires_at = excluded.expires_at RETURNING expires_at",
+            (float(seconds),)).fetchone()[0])
+
+    def end_gc_lease(self, connection: psycopg.Connection, written: float) -> bool:
+        """End gc's delete lease if it still holds `written` (what `renew_gc_lease` set): whether it did.
+
+        A compare-and-swap, from any session: a lease written since (another gc's) is not this one's to end.
+        """
+        return connection.execute("UPDATE gc_lease SET expires_at = 0 WHERE id = 1 AND expires_at = %s "
+                                  "RETURNING id", (float(written),)).fetchone() is not None
 
     def gc_lease_left(self, connection: psycopg.Connection) -> float:
         """Seconds until gc's delete lease ends, on the database's clock (0 or less: none is live)."""

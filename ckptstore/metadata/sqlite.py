@@ -288,7 +288,10 @@ class SqliteBackend:
     def lock_repository(self, connection: Any, exclusive: bool, wait: bool) -> bool:
         raise NotImplementedError("a SQLite repository has no lock in its database (repository_locks)")
 
-    def renew_gc_lease(self, connection: Any, seconds: float) -> None:
+    def renew_gc_lease(self, connection: Any, seconds: float) -> float:
+        raise NotImplementedError("a SQLite repository's gc holds a file lock, which it cannot lose: no lease")
+
+    def end_gc_lease(self, connection: Any, written: float) -> bool:
         raise NotImplementedError("a SQLite repository's gc holds a file lock, which it cannot lose: no lease")
 
     def gc_lease_left(self, connection: Any) -> float:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, CorruptObjectError, ReadOnlyRepoError, StoreUnavailableError
+from ckptstore.errors import CkptError, CorruptObjectError, LostLockError, ReadOnlyRepoError, StoreUnavailableError
 from ckptstore.hashing import ObjectId
 from ckptstore.metadata import liveness
 from ckptstore.objectstore.fallback import held_here
@@ -144,9 +144,10 @@ def collect(repo: Repository, prune_unreachable: bool = False) -> GcReport:
 def _delete_garbage(repo: Repository, garbage: dict[ObjectId, int], report: GcReport) -> None:
     """Delete `garbage` (object: size), renewing gc's delete lease before each delete and ending it after.
 
-    The lease ends however this stops (Ctrl-C, SIGTERM, any error) unless a delete may still land: the error
-    came out of a delete (one retried against a throttling bucket lands minutes later), or the lock's session
-    is gone (which alone may end it). Else every writer on every machine would wait it out, minutes, for nothing.
+    The lease ends however this stops (Ctrl-C, SIGTERM, any error, the lock lost) unless a delete may still land:
+    the error came out of a delete (one retried against a throttling bucket lands minutes later). With the lock's
+    session gone it is ended from another, only if no other gc wrote one since (`Database.confirm_locks`).
+    Else every writer on every machine would wait it out, minutes, for nothing.
     """
     refused: list[PermissionError] = []
     deleted = None  # the lock lost during a delete (retried for a minute on a throttling bucket) is said with it
@@ -168,9 +169,11 @@ def _delete_garbage(repo: Repository, garbage: dict[ObjectId, int], report: GcRe
             faults.point("gc:object-deleted")
             report.bytes_removed += size
             report.objects_removed += 1
+    except LostLockError:
+        raise  # found at a renewal, between deletes: confirm_locks ended the lease already where it could
     except BaseException:
         if lease is not None and not sending:
-            with contextlib.suppress(CkptError):  # its session gone: the lease runs out, and no delete outlasts it
+            with contextlib.suppress(CkptError):  # its session gone: ended from another where it is still ours
                 repo.db.confirm_locks(deleting=True, lease_s=0.0)
         raise
     if refused:
