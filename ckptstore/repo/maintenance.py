@@ -169,18 +169,21 @@ def _delete_garbage(repo: Repository, garbage: dict[ObjectId, int], report: GcRe
             faults.point("gc:object-deleted")
             report.bytes_removed += size
             report.objects_removed += 1
+        if refused:
+            _say_left(refused)
+        if deleted is not None or refused and lease is not None:  # a gc that lost the lock during its last delete
+            # did not end well; one that did ends its lease, so that no commit waits for it (a Ctrl-C in this
+            # round trip too: it is in the try, and the except below ends it)
+            repo.db.confirm_locks(deleting=True, deleted=deleted, lease_s=None if lease is None else 0.0)
     except LostLockError:
         raise  # found at a renewal, between deletes: confirm_locks ended the lease already where it could
     except BaseException:
         if lease is not None and not sending:
-            with contextlib.suppress(CkptError):  # its session gone: ended from another where it is still ours
+            # best effort, the original exception said whatever this meets (its session gone: ended from another
+            # where it is still ours)
+            with contextlib.suppress(Exception):
                 repo.db.confirm_locks(deleting=True, lease_s=0.0)
         raise
-    if refused:
-        _say_left(refused)
-    if deleted is not None or refused and lease is not None:  # a gc that lost the lock during its last delete
-        # did not end well; one that did ends its lease, so that no commit waits for it
-        repo.db.confirm_locks(deleting=True, deleted=deleted, lease_s=None if lease is None else 0.0)
 
 
 LEASE_MARGIN_S = 10.0  # past the store's own bound: a delete sent a moment after its lease was renewed

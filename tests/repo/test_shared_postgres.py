@@ -493,6 +493,38 @@ def test_a_gc_whose_lock_session_ended_between_deletes_ends_its_own_delete_lease
         assert maintenance.gc(repo).objects_removed > 0 and fsck(repo).ok
 
 
+def test_a_ctrl_c_in_gcs_final_lease_ending_round_trip_still_ends_its_delete_lease(postgres_url, s3_url, tmp_path,
+                                                                                    monkeypatch):
+    """The round trip ending the lease after the last delete sat outside the loop's try: a Ctrl-C in it left the
+    lease running its full length, 6 minutes of waiting for every writer (reviewer helper 373). No delete is in
+    flight there: it is ended all the same, and the Ctrl-C still comes out."""
+    import warnings
+
+    from ckptstore.repo import maintenance
+
+    with Repository.init(tmp_path, objects_url=s3_url, metadata_url=postgres_url) as repo:
+        repo.commit({"w": torch.zeros(100)})
+        repo.branch("x")
+        repo.commit({"w": torch.randn(50_000)}, branch="x")
+        repo.delete_branch("x")
+        renew, interrupted = repo.db.backend.renew_gc_lease, []
+
+        def ctrl_c_at_the_end(connection, seconds):
+            if seconds == 0.0 and not interrupted:  # the first try to end it: the user's Ctrl-C lands in it
+                interrupted.append(seconds)
+                raise KeyboardInterrupt
+            return renew(connection, seconds)
+
+        monkeypatch.setattr(repo.db.backend, "renew_gc_lease", ctrl_c_at_the_end)
+        with pytest.raises(KeyboardInterrupt):
+            maintenance.gc(repo, prune_unreachable=True)
+        monkeypatch.undo()
+        assert interrupted and _lease_left(postgres_url) <= 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a wait for a lease would warn
+            repo.commit({"w": torch.ones(100)})
+
+
 def _raise(exc: BaseException):
     raise exc
 
