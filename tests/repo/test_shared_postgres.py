@@ -217,16 +217,21 @@ def test_a_machine_joins_while_the_first_commit_uploads(postgres_server, tmp_pat
         assert_same({"w": torch.ones(5000)}, joined.checkout(done["cid"]))
 
 
-def _cut_the_lock_session_at(point: str, server, monkeypatch, then=lambda: None) -> None:
-    """At fault point `point`, end the session holding the repository lock (as a restart would), then `then()`."""
+def _cut_the_lock_session_at(point: str, server, url: str, monkeypatch, then=lambda: None) -> None:
+    """At fault point `point`, end the session holding the repository lock (as a restart would), then `then()`.
+
+    Only in the database at `url`: under xdist another test's gc on the same server holds the same lock key.
+    """
     from ckptstore import faults
 
     passing = faults.point
+    database = url.rsplit("/", 1)[1].split("?")[0]
 
     def cut(name):
         if name == point:
             server.execute(f"SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND objid = "
-                           f"{REPO_LOCK} AND granted")
+                           f"{REPO_LOCK} AND granted AND database = (SELECT oid FROM pg_database WHERE datname = "
+                           f"'{database}')")
             then()
         passing(name)
 
@@ -241,7 +246,8 @@ def test_a_commit_whose_lock_session_was_cut_records_nothing(postgres_server, po
 
     with Repository.init(tmp_path, objects_url=f"file://{tmp_path / 'objects'}", metadata_url=postgres_url) as repo:
         first = repo.commit({"w": torch.zeros(100)})
-        _cut_the_lock_session_at("commit:manifest-written", postgres_server, monkeypatch)  # between objects and record
+        # between objects and record
+        _cut_the_lock_session_at("commit:manifest-written", postgres_server, postgres_url, monkeypatch)
         with pytest.raises(CkptError, match="lost the repository lock .* nothing was recorded"):
             repo.commit({"w": torch.ones(100)})
         monkeypatch.undo()
@@ -274,7 +280,7 @@ def test_a_gc_whose_lock_session_was_cut_stops_deleting_before_a_commit_elsewher
                 other.branch("y", kept)
                 made["y"] = other.commit(state, branch="y")
 
-        _cut_the_lock_session_at("gc:db-committed", postgres_server, monkeypatch, then=commit_elsewhere)
+        _cut_the_lock_session_at("gc:db-committed", postgres_server, postgres_url, monkeypatch, then=commit_elsewhere)
         with pytest.raises(CkptError, match="lost the repository lock .* deleting stopped"):
             gc(repo, prune_unreachable=True)
         monkeypatch.undo()
@@ -302,7 +308,7 @@ def test_a_gc_whose_lock_session_ended_during_a_delete_names_that_object_and_fsc
         repo.delete_branch("x")  # its objects are garbage now
         deleted, delete = [], repo.store.delete
         monkeypatch.setattr(repo.store, "delete", lambda oid: (deleted.append(oid), delete(oid))[1])
-        _cut_the_lock_session_at("gc:object-deleted", postgres_server, monkeypatch)
+        _cut_the_lock_session_at("gc:object-deleted", postgres_server, postgres_url, monkeypatch)
         with pytest.raises(LostLockError) as lost:
             gc(repo, prune_unreachable=True)
         monkeypatch.undo()
@@ -476,7 +482,7 @@ def test_a_gc_whose_lock_session_ended_between_deletes_ends_its_own_delete_lease
         repo.branch("x")
         repo.commit({"w": torch.randn(50_000)}, branch="x")
         repo.delete_branch("x")  # its chunk and manifest are garbage: two deletes at least
-        _cut_the_lock_session_at("gc:object-deleted", postgres_server, monkeypatch,
+        _cut_the_lock_session_at("gc:object-deleted", postgres_server, postgres_url, monkeypatch,
                                  then=another_gcs_lease if since != "nothing" else lambda: None)
         with pytest.raises(LostLockError) as lost:
             maintenance.gc(repo, prune_unreachable=True)
@@ -542,7 +548,7 @@ def test_a_prune_whose_lock_session_was_cut_after_it_was_recorded_says_so(postgr
     with Repository.init(tmp_path, objects_url=f"file://{tmp_path / 'objects'}", metadata_url=postgres_url) as repo:
         states = [{"w": torch.randn(20_000, generator=torch.Generator().manual_seed(i))} for i in range(3)]
         cids = [repo.commit(state) for state in states]
-        _cut_the_lock_session_at("prune:db-committed", postgres_server, monkeypatch)
+        _cut_the_lock_session_at("prune:db-committed", postgres_server, postgres_url, monkeypatch)
         with pytest.raises(LostLockError, match="the prune of 2 commit.s. was recorded, but the repository lock .* "
                                                 "was lost before its clean-up .*: run `ckpt gc`") as lost:
             prune(repo, RetentionPolicy(keep_last=1))
@@ -568,7 +574,7 @@ def test_a_prune_whose_lock_went_during_its_clean_up_keeps_gcs_line_naming_the_o
             repo.commit({"w": torch.randn(20_000, generator=torch.Generator().manual_seed(seed))})
         deleted, delete = [], repo.store.delete
         monkeypatch.setattr(repo.store, "delete", lambda oid: (deleted.append(oid), delete(oid))[1])
-        _cut_the_lock_session_at("gc:object-deleted", postgres_server, monkeypatch)
+        _cut_the_lock_session_at("gc:object-deleted", postgres_server, postgres_url, monkeypatch)
         with pytest.raises(LostLockError) as lost:
             prune(repo, RetentionPolicy(keep_last=1))
         monkeypatch.undo()
@@ -584,7 +590,7 @@ def test_a_gc_with_nothing_to_delete_ends_well_though_its_lock_went_after_its_wr
 
     with Repository.init(tmp_path, objects_url=f"file://{tmp_path / 'objects'}", metadata_url=postgres_url) as repo:
         cid = repo.commit({"w": torch.ones(100)})
-        _cut_the_lock_session_at("gc:db-committed", postgres_server, monkeypatch)
+        _cut_the_lock_session_at("gc:db-committed", postgres_server, postgres_url, monkeypatch)
         assert gc(repo).objects_removed == 0
         monkeypatch.undo()
         assert_same({"w": torch.ones(100)}, repo.checkout(cid))
@@ -682,7 +688,7 @@ def test_a_push_whose_lock_session_on_the_remote_was_cut_says_the_branch_was_not
     with Repository.init(tmp_path / "work") as work:
         remote.add(work, "origin", str(tmp_path / "hub"))
         cid = work.commit(state)
-        _cut_the_lock_session_at("transfer:records-sent", postgres_server, monkeypatch)
+        _cut_the_lock_session_at("transfer:records-sent", postgres_server, postgres_url, monkeypatch)
         with pytest.raises(LostLockError, match="push to origin stopped: .* 'main' was not moved there. Run the push"):
             remote.push(work, "origin")
         monkeypatch.undo()
@@ -705,7 +711,7 @@ def test_a_fetch_whose_lock_session_here_was_cut_says_no_tracking_ref_moved(post
     with Repository.init(tmp_path / "work", objects_url=f"file://{tmp_path / 'objects'}",
                          metadata_url=postgres_url) as work:
         remote.add(work, "origin", str(tmp_path / "hub"))
-        _cut_the_lock_session_at("transfer:records-sent", postgres_server, monkeypatch)
+        _cut_the_lock_session_at("transfer:records-sent", postgres_server, postgres_url, monkeypatch)
         with pytest.raises(LostLockError, match="fetch from origin stopped: .* no origin/BRANCH ref was moved"):
             remote.fetch(work, "origin")
         monkeypatch.undo()
