@@ -51,7 +51,8 @@ class CkptStorageWriter(StorageWriter):
 
     `dcp.async_save(state, storage_writer=writer)` works as `dcp.save` does: DCP's default stager
     copies the state first, and the commit is recorded on the save's own thread; one writer makes
-    one save at a time (wait for the future before reusing it).
+    one save at a time (wait for the future before reusing it). With torch's process checkpointer the
+    commit is made in that process, and `commit_id` stays None in this one.
     """
 
     def __init__(self, repo_or_path: Any, branch: str | None = None, message: str = "", step: int | None = None,
