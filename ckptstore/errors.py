@@ -17,27 +17,20 @@ INTERRUPTED = ("interrupted; nothing half-done is recorded: run the same command
 class CkptError(Exception):
     """Base class of all ckptstore errors; the CLI prints these without a traceback.
 
-    Pickled with the arguments it was made with: DCP hands a rank's exception to the others pickled, and a
-    subclass whose __init__ takes more than the message came back as a TypeError (a rank then waited in a
-    collective for its group's timeout, the real message lost).
+    Pickled as it stands (its message and attributes), without running its __init__ again: DCP hands a
+    rank's exception to the others pickled, and a subclass whose __init__ takes more than the message came
+    back as a TypeError (a rank then waited in a collective for its group's timeout, the real message lost).
     """
 
     exit_code = 1
 
-    def __new__(cls, *args: object, **kwargs: object) -> CkptError:
-        made = super().__new__(cls, *args)
-        made._made_with = (args, kwargs)
-        return made
-
     def __reduce__(self) -> tuple:
-        args, kwargs = getattr(self, "_made_with", (self.args, {}))
-        state = {name: value for name, value in self.__dict__.items() if name != "_made_with"}
-        return _rebuilt, (type(self), args, kwargs, self.args, state)
+        return _rebuilt, (type(self), self.args, self.__dict__)
 
 
-def _rebuilt(cls: type[CkptError], args: tuple, kwargs: dict, said: tuple, state: dict) -> CkptError:
-    """A CkptError unpickled: made again as it was made, with the message and attributes it had when pickled."""
-    error = cls(*args, **kwargs)
+def _rebuilt(cls: type[CkptError], said: tuple, state: dict) -> CkptError:
+    """A CkptError unpickled: its message and attributes as they were when it was pickled."""
+    error = cls.__new__(cls, *said)
     error.args = said
     error.__dict__.update(state)
     return error

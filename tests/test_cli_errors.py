@@ -698,6 +698,7 @@ def test_a_file_path_given_to_diff_is_said_to_be_a_file_not_a_range(tmp_path):
         out = ckpt_here(tmp_path / "r", "diff", *args)
         assert out.returncode == 2, out.stderr
         one_error_line(out, "'../x.pt' is a file: `ckpt diff` compares commits; commit it first")
+    assert ckpt_here(tmp_path / "r", "diff", "..").returncode == 0  # HEAD..HEAD, though `..` is a folder here
 
 
 def test_a_range_and_a_commit_a_device_as_database_and_a_symlink_loop_are_each_said_as_what_they_are(tmp_path):

@@ -86,7 +86,11 @@ def test_a_damaged_record_named_with_its_commits_keeps_what_it_says_was_done():
 
 
 def _every_error_class() -> list[type]:
-    """CkptError and every subclass ckptstore.errors defines."""
+    """CkptError and every subclass ckptstore defines (in errors.py, and the few beside the code raising them)."""
+    import ckptstore.daemon
+    import ckptstore.repo.journal
+    import ckptstore.repo.manifest
+    import ckptstore.repo.select  # noqa: F401
     from ckptstore import errors
 
     found, stack = [], [errors.CkptError]
@@ -94,12 +98,24 @@ def _every_error_class() -> list[type]:
         cls = stack.pop()
         found.append(cls)
         stack.extend(cls.__subclasses__())
-    return sorted({cls for cls in found if cls.__module__ == errors.__name__}, key=lambda cls: cls.__name__)
+    return sorted({cls for cls in found if cls.__module__.startswith("ckptstore.")}, key=lambda cls: cls.__qualname__)
+
+
+class _Unpicklable(OSError):
+    """A cause holding what pickle refuses (a lock): the error it caused must still travel."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        import threading
+
+        self.lock = threading.Lock()
 
 
 def _made(cls: type):
     """An instance of `cls`, made with the arguments its __init__ takes (a message where it takes only that)."""
     from ckptstore import errors as e
+    from ckptstore.repo.journal import CheckoutInterruptedError
+    from ckptstore.repo.manifest import UnreadableManifestError
 
     special = {
         e.CorruptObjectError: lambda: e.CorruptObjectError(["ab" * 32, "cd" * 32], "missing", ["ef" * 32]),
@@ -108,12 +124,14 @@ def _made(cls: type):
         e.MalformedSkeletonError: lambda: e.MalformedSkeletonError("a list as a dict key"),
         e.DirtyWorktreeError: lambda: e.DirtyWorktreeError("a.pt changed", "commit it first"),
         e.UnquantizableTensorsError: lambda: e.UnquantizableTensorsError({"exp_avg": "values up to 1e11"}),
-        e.RetentionError: lambda: e.RetentionError("ab" * 32, "the bucket refused"),
+        e.RetentionError: lambda: e.RetentionError("ab" * 32, _Unpicklable("the bucket refused")),
         e.LostLockError: lambda: e.LostLockError("lost the lock", "its session ended", deleting=True),
         e.OutputError: lambda: e.OutputError(OSError(28, "No space left on device"), "commit ab12"),
         e.CorruptRecordError: lambda: e.CorruptRecordError("ref x", "it points at no commit", ["ab" * 32],
                                                            outcome="Nothing was read"),
         e.DamageListedPastError: lambda: e.DamageListedPastError(2),
+        CheckoutInterruptedError: lambda: CheckoutInterruptedError(_Unpicklable("the disk went away"), True),
+        UnreadableManifestError: lambda: UnreadableManifestError("ab" * 32, "is no manifest"),
     }
     return special[cls]() if cls in special else cls("what went wrong, and what to do")
 
@@ -125,7 +143,7 @@ def test_every_error_comes_back_from_pickle_as_itself():
     import pickle
 
     classes = _every_error_class()
-    assert len(classes) > 30
+    assert len(classes) > 35
     for cls in classes:
         error = _made(cls)
         error.add_note("a note added after it was made")

@@ -233,7 +233,7 @@ def diff(ctx, a, b, as_json, show_all) -> None:
 
     A alone may be a range, A..B.
     """
-    path = next((spec for spec in (a, b) if spec and ".." in spec and os.path.exists(spec)), None)
+    path = next((spec for spec in (a, b) if spec and ".." in spec and os.path.isfile(spec)), None)  # not `..`
     if path is not None:  # `ckpt diff HEAD ../x.pt` was called a range, and `ckpt diff ../x.pt` one to '/x.pt'
         raise click.UsageError(f"{path!r} is a file: `ckpt diff` compares commits; commit it first (`ckpt commit "
                                f"{path}`), then diff the commits")
