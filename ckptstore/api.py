@@ -161,15 +161,18 @@ def _use(root: Path) -> Repository:
 
 def _save_in_background(root: Path, run: Callable[[Repository], Any]) -> BackgroundCommit:
     """`run` on the folder's kept repository, which its commit goes on using until it finishes."""
-    kept = _use(root)
-    try:
-        handle = run(kept)
-        with _KEPT_LOCK:
-            _USERS[root] = _USERS.get(root, 0) + 1
-        handle.when_done(lambda _: _let_go(root, kept))  # at once where it already finished
-        return handle
-    finally:
-        _let_go(root, kept, close_idle=True)
+    from ckptstore.repo.background import signals_waiting
+
+    with signals_waiting():  # as in with_repo: a handler that saves by path would take the kept ones' lock again
+        kept = _use(root)
+        try:
+            handle = run(kept)
+            with _KEPT_LOCK:
+                _USERS[root] = _USERS.get(root, 0) + 1
+            handle.when_done(lambda _: _let_go(root, kept))  # at once where it already finished
+            return handle
+        finally:
+            _let_go(root, kept, close_idle=True)
 
 
 def with_repo(repo: RepoLike, fn: Callable[[Repository], Any]) -> Any:
@@ -180,12 +183,15 @@ def with_repo(repo: RepoLike, fn: Callable[[Repository], Any]) -> Any:
     """
     if isinstance(repo, Repository):
         return fn(repo)
+    from ckptstore.repo.background import signals_waiting  # the snapshot machinery, loaded when first used
+
     root = given_root(repo)
-    used = _use(root)
-    try:
-        return fn(used)
-    finally:
-        _let_go(root, used, close_idle=True)
+    with signals_waiting():  # a SIGTERM handler that saves by path takes the lock of the kept repositories again
+        used = _use(root)
+        try:
+            return fn(used)
+        finally:
+            _let_go(root, used, close_idle=True)
 
 
 def save(obj: Any, repo: RepoLike = None, message: str = "", step: int | None = None,

@@ -330,10 +330,10 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
         raise CkptError("a calibration function runs the live model, which training changes meanwhile: "
                         "commit with blocking=True to calibrate, or without calibration= in the background")
     repo.db.refuse_writes()  # a read-only repository says so here, not in a warning later
-    _hook_exit()
     hold = _SignalHold(options, "that commit is in flight, after the background commit before it")
     try:
         with _lane_held(repo, hold) as lane:
+            _hook_exit()  # its lock taken with signals held: a saving handler takes it again
             waited = lane.settle()
             start = time.perf_counter()
             # the branch and its tip as they are now: a checkout or a deleted branch meanwhile must not redirect it
@@ -385,7 +385,7 @@ def _start(lane: Lane, handle: BackgroundCommit) -> None:
 class _SignalHold:
     """The signals a commit call holds on the main thread while it holds its repository's lane (_lane_held)."""
 
-    def __init__(self, options: CommitOptions, until: str) -> None:
+    def __init__(self, options: CommitOptions | None, until: str) -> None:
         # each signal held, with the handler it came to, in arrival order: run by the caller holding no lock (_run_held)
         self.held: list[tuple[int, Callable[..., Any]]] = []
         self.everything = False  # while a commit is put in flight: Ctrl-C's and ckptstore's own handlers wait too
@@ -421,17 +421,20 @@ class _SignalHold:
 
 
 _ARRIVALS_KEPT = 3  # of one signal: a person's presses (a second Ctrl-C, a third) each reach the handler
-# Signals that only inform (a child ended, the terminal resized, a profiler's tick): their handlers run at once, as
-# before commits held signals. torch sets one for SIGCHLD with DataLoader workers: held, every commit during which
-# a child ended said on stderr that kill -9 abandons it.
+# Signals that only inform (a child ended, the terminal resized, a profiler's tick): held without a word. torch sets
+# one for SIGCHLD with DataLoader workers: every commit during which a child ended said that kill -9 abandons it.
 _INFORMING = frozenset(getattr(signal, name) for name in ("SIGCHLD", "SIGWINCH", "SIGPROF", "SIGVTALRM", "SIGURG",
                                                           "SIGCONT") if hasattr(signal, name))
 _SIGNUMS = tuple(signal.valid_signals())  # once: the call makes an enum member of each (0.1 ms a commit)
 
 
 def _waits(signum: int, handler: Callable[..., Any]) -> bool:
-    """Whether `handler` of `signum` waits for the commit call: all but those that only inform or only interrupt."""
-    return signum not in _INFORMING and not _only_interrupts(signum, handler)
+    """Whether `handler` of `signum` waits for the commit call: all but those that only interrupt.
+
+    One that only informs waits too, unsaid (`keep`): torch's SIGCHLD handler raises when a DataLoader
+    worker died, and run at once inside a blocking commit it threw that commit away.
+    """
+    return not _only_interrupts(signum, handler)
 
 
 def _only_interrupts(signum: int, handler: Callable[..., Any]) -> bool:
@@ -513,6 +516,22 @@ def _signals_held(hold: _SignalHold) -> Iterator[None]:
             _put_back(handlers, held_back)  # still holding: a signal meanwhile waits with the others
         finally:
             holding[0] = False
+
+
+@contextmanager
+def signals_waiting() -> Iterator[None]:
+    """The program's signal handlers wait while the block runs, and run after it: for a lock a saving handler takes.
+
+    `ckptstore.save` by path holds the lock of its kept repositories a moment: a SIGTERM handler that saved
+    took it again, on the same thread, and waited on itself until SIGKILL. Too short to say anything of.
+    """
+    hold = _SignalHold(None, "")
+    hold.told = True
+    try:
+        with _signals_held(hold):
+            yield
+    finally:
+        _run_held(hold.held)
 
 
 def _put_back(handlers: dict[int, Callable[..., Any]], held_back: Callable[..., Any]) -> None:
