@@ -233,9 +233,12 @@ def diff(ctx, a, b, as_json, show_all) -> None:
 
     A alone may be a range, A..B.
     """
-    path = next((spec for spec in (a, b) if spec and ".." in spec and os.path.isfile(spec)), None)  # not `..`
-    if path is not None:  # `ckpt diff HEAD ../x.pt` was called a range, and `ckpt diff ../x.pt` one to '/x.pt'
-        raise click.UsageError(f"{path!r} is a file: `ckpt diff` compares commits; commit it first (`ckpt commit "
+    # `ckpt diff HEAD ../x.pt` was called a range, and `ckpt diff ../x.pt` one to '/x.pt'; `..` stays HEAD..HEAD
+    path = next((spec for spec in (a, b) if spec and ".." in spec and spec.strip("./") and os.path.exists(spec)),
+                None)
+    if path is not None:
+        kind = "a folder" if os.path.isdir(path) else "a file"
+        raise click.UsageError(f"{path!r} is {kind}: `ckpt diff` compares commits; commit it first (`ckpt commit "
                                f"{path}`), then diff the commits")
     ranged = next((spec for spec in (a, b) if b is not None and ".." in spec), None)  # no ref name holds ".."
     if ranged is not None:  # it was looked up as one ref: "unknown ref 'A..B'"

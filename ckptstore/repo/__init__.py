@@ -28,5 +28,10 @@ def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
+    import sys
 
-    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    found = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    if name == "Repository" and "torch" in sys.modules:  # a training process: the commit machinery now, not in
+        # its first commit, where a SIGTERM handler that saves found it half-imported (ImportError, checkpoint lost)
+        importlib.import_module(f"{__name__}.background")
+    return found
