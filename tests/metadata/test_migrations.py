@@ -387,33 +387,30 @@ def test_a_frozen_lossy_weight_after_an_upgrade_from_before_0009_is_stored_again
         assert stored[0] > frozen.numel() // 2 > 10 * max(stored[1:]), stored
 
 
-def test_a_0010_repository_read_where_it_cannot_be_written_is_not_called_damaged(tmp_path):
-    """0011 added the identity only joins and gc read: a read-only open of a 0010 repository reads it, and fsck
-    there does not report the table as missing."""
+def _read_where_it_cannot_be_written(root, revision: str) -> None:
+    """A repository taken back to `revision`, opened read-only: it reads its commit, and fsck finds no damage."""
     from ckptstore.metadata.migrate import downgrade
     from ckptstore.repo import fsck
 
-    with Repository.init(tmp_path) as repo:
+    with Repository.init(root) as repo:
         cid = repo.commit({"w": torch.ones(4)})
-    downgrade(f"sqlite:///{tmp_path / '.ckpt' / 'ckpt.db'}", "0010")
-    with Repository.open(tmp_path, read_only=True) as repo:
-        assert repo.db.revision() == "0010" and [c.id for c in repo.log()] == [cid]
+    downgrade(f"sqlite:///{root / '.ckpt' / 'ckpt.db'}", revision)
+    with Repository.open(root, read_only=True) as repo:
+        assert repo.db.revision() == revision and [c.id for c in repo.log()] == [cid]
         assert fsck(repo, full=True).ok
+
+
+def test_a_0010_repository_read_where_it_cannot_be_written_is_not_called_damaged(tmp_path):
+    """0011 added the identity only joins and gc read: a read-only open of a 0010 repository reads it, and fsck
+    there does not report the table as missing."""
+    _read_where_it_cannot_be_written(tmp_path, "0010")
 
 
 def test_a_0011_repository_read_where_it_cannot_be_written_lacks_only_the_gc_lease_and_is_not_called_damaged(
         tmp_path):
     """0012 added gc's delete lease, which only writers read: a read-only open of a 0011 repository reads it as it is,
     and fsck there does not report the table as missing; opened to write, it is upgraded with its one row."""
-    from ckptstore.metadata.migrate import downgrade
-    from ckptstore.repo import fsck
-
-    with Repository.init(tmp_path) as repo:
-        cid = repo.commit({"w": torch.ones(4)})
-    downgrade(f"sqlite:///{tmp_path / '.ckpt' / 'ckpt.db'}", "0011")
-    with Repository.open(tmp_path, read_only=True) as repo:
-        assert repo.db.revision() == "0011" and [c.id for c in repo.log()] == [cid]
-        assert fsck(repo, full=True).ok
+    _read_where_it_cannot_be_written(tmp_path, "0011")
     with pytest.warns(RuntimeWarning, match="from 0011 to 0012"), Repository.open(tmp_path) as repo:
         with repo.db.read() as tx:
             assert tx.rows("SELECT id, expires_at FROM gc_lease") == [(1, 0.0)]
