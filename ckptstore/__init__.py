@@ -19,6 +19,7 @@ _WHERE = {"CkptError": "ckptstore.errors", "Repository": "ckptstore.repo", "load
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
+    from ckptstore.repo.signalhold import loading_held
 
-    return getattr(importlib.import_module(_WHERE[name]), name)
+    with loading_held(_WHERE[name]) as module:  # a handler that saves, landing mid-import, found it half-imported
+        return getattr(module, name)

@@ -15,6 +15,7 @@ from ckptstore.hashing import CommitId
 from ckptstore.repo import Repository
 from ckptstore.repo.forked import ProcessLock
 from ckptstore.repo.location import given_root
+from ckptstore.repo.signalhold import loading_held, signals_waiting
 from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
@@ -161,8 +162,6 @@ def _use(root: Path) -> Repository:
 
 def _save_in_background(root: Path, run: Callable[[Repository], Any]) -> BackgroundCommit:
     """`run` on the folder's kept repository, which its commit goes on using until it finishes."""
-    from ckptstore.repo.background import signals_waiting
-
     with signals_waiting():  # as in with_repo: a handler that saves by path would take the kept ones' lock again
         kept = _use(root)
         try:
@@ -183,8 +182,6 @@ def with_repo(repo: RepoLike, fn: Callable[[Repository], Any]) -> Any:
     """
     if isinstance(repo, Repository):
         return fn(repo)
-    from ckptstore.repo.background import signals_waiting  # the snapshot machinery, loaded when first used
-
     root = given_root(repo)
     with signals_waiting():  # a SIGTERM handler that saves by path takes the lock of the kept repositories again
         used = _use(root)
@@ -259,9 +256,8 @@ def load(ref: str = "HEAD", repo: RepoLike = None, map_location: str | None = No
     device = str(map_location) if map_location is not None else None
 
     def run(r: Repository) -> Any:
-        from ckptstore.repo.background import wait_in_flight
-
-        wait_in_flight(r)  # a save(blocking=False) still writing there: load reads what it writes
+        with loading_held("ckptstore.repo.background") as background:
+            background.wait_in_flight(r)  # a save(blocking=False) still writing there: load reads what it writes
         return r.checkout(ref, device=device, keys=keys)
 
     return with_repo(repo, run)

@@ -701,6 +701,8 @@ def test_a_file_path_given_to_diff_is_said_to_be_a_file_not_a_range(tmp_path):
     assert ckpt_here(tmp_path / "r", "diff", "..").returncode == 0  # HEAD..HEAD, though `..` is a folder here
     (tmp_path / "run").mkdir()  # a checkpoint folder, by path: said as one (reviewer helper 378)
     one_error_line(ckpt_here(tmp_path / "r", "diff", "HEAD", "../run"), "'../run' is a folder: `ckpt diff` compares")
+    for parent in ("../", "./..", "../.."):  # only dots and slashes, still a folder (reviewer helper 379)
+        one_error_line(ckpt_here(tmp_path / "r", "diff", parent), f"{parent!r} is a folder: `ckpt diff` compares")
 
 
 def test_a_range_and_a_commit_a_device_as_database_and_a_symlink_loop_are_each_said_as_what_they_are(tmp_path):

@@ -185,18 +185,3 @@ def test_ckpt_status_loads_neither_numpy_nor_torch(tmp_path):
                                                       ["modified:", "checkpoint-1/trainer_state.json"]]
     assert loaded.split() == []
 
-
-def test_a_training_process_gets_the_commit_machinery_with_its_repository_not_in_its_first_commit():
-    """A SIGTERM handler that saves, landing while the first commit imported repo.background, found it half-imported
-    (ImportError) and the last checkpoint was lost (reviewer helper 378). With torch loaded (a training process),
-    `Repository` brings it; without (the CLI), it stays unloaded."""
-    import subprocess
-    import sys
-
-    def loaded(first: str) -> str:
-        script = (f"{first}import sys\nfrom ckptstore.repo import Repository\n"
-                  "print('ckptstore.repo.background' in sys.modules)")
-        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-
-    assert loaded("import torch\n").strip() == "True"
-    assert loaded("").strip() == "False"

@@ -234,8 +234,8 @@ def diff(ctx, a, b, as_json, show_all) -> None:
     A alone may be a range, A..B.
     """
     # `ckpt diff HEAD ../x.pt` was called a range, and `ckpt diff ../x.pt` one to '/x.pt'; `..` stays HEAD..HEAD
-    path = next((spec for spec in (a, b) if spec and ".." in spec and spec.strip("./") and os.path.exists(spec)),
-                None)
+    path = next((spec for spec in (a, b)
+                 if spec and ".." in spec and spec not in ("..", "...") and os.path.exists(spec)), None)
     if path is not None:
         kind = "a folder" if os.path.isdir(path) else "a file"
         raise click.UsageError(f"{path!r} is {kind}: `ckpt diff` compares commits; commit it first (`ckpt commit "

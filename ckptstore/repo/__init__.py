@@ -27,11 +27,7 @@ def __getattr__(name: str) -> Any:
     """Public names load their module on first use, so `import ckptstore.repo` costs nothing."""
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    import sys
+    from ckptstore.repo.signalhold import loading_held
 
-    found = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-    if name == "Repository" and "torch" in sys.modules:  # a training process: the commit machinery now, not in
-        # its first commit, where a SIGTERM handler that saves found it half-imported (ImportError, checkpoint lost)
-        importlib.import_module(f"{__name__}.background")
-    return found
+    with loading_held(f"{__name__}.{_WHERE[name]}") as module:  # as in ckptstore.__getattr__
+        return getattr(module, name)

@@ -556,7 +556,7 @@ def test_a_held_signal_whose_handler_commits_runs_once_the_call_lets_go_of_the_r
         assert [c.message for c in repo.log()] == ["saved", "background"]
 
 
-@pytest.mark.parametrize("where", ["caller_origin", "_describe"])
+@pytest.mark.parametrize("where", ["caller_origin", "describe"])
 def test_a_ctrl_c_after_the_snapshot_before_the_commit_is_in_flight_gives_its_buffers_back(repo, monkeypatch,
                                                                                            where):
     """A Ctrl-C between the snapshot and the commit's start ended the call with no commit, and its host buffers

@@ -1,4 +1,4 @@
-"""The program's signal handlers held while a commit call holds its repository (repo/background.py: _signals_held).
+"""The program's signal handlers held while a commit call runs (repo/signalhold.py: signals_held).
 
 A handler that saves must not run inside a commit (it would wait on the lane that commit holds): it waits and runs
 once the call lets go. Holding them must change nothing else: the handlers the program sets, the order and number
@@ -294,3 +294,57 @@ def test_a_saving_sigterm_handler_during_a_save_by_path_holding_its_kept_reposit
     with Repository.open(tmp_path) as repo:
         assert [c.step for c in repo.log()] == [99, 1, 0]
         assert torch.equal(repo.checkout("HEAD")["w"], torch.full((8,), 99.0))
+
+
+SIGTERM_WHILE_THE_FIRST_SAVE_IMPORTS = """
+import os, signal, sys
+import ckptstore  # before torch, as isort orders them
+from ckptstore import Repository
+mode, root = sys.argv[1], sys.argv[2]
+if mode == "numpy":  # a trainer of numpy arrays: torch is never loaded
+    import numpy as np
+    state = lambda v: {"w": np.full(8, v, dtype=np.float32)}
+else:
+    import torch
+    state = lambda v: {"w": torch.full((8,), v)}
+repo = Repository.open(root) if mode in ("torch", "numpy") else None
+half = "ckptstore.api" if mode == "by attribute" else "ckptstore.repo.background"
+
+class SigtermMidImport:  # the scheduler's SIGTERM, landing while the first save imports `half`
+    fired = False
+
+    def find_spec(self, name, path=None, target=None):
+        module = sys.modules.get(half)
+        if not self.fired and module is not None and module.__spec__._initializing:
+            SigtermMidImport.fired = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+def last_save(signum, frame):  # a requeue script's: save a last checkpoint, then exit
+    if repo is not None:
+        repo.commit(state(99.0), step=99)
+    else:
+        ckptstore.save(state(99.0), root, step=99)
+    sys.exit(7)
+
+sys.meta_path.insert(0, SigtermMidImport())
+signal.signal(signal.SIGTERM, last_save)
+if repo is not None:
+    repo.commit(state(1.0), step=1)
+else:
+    ckptstore.save(state(1.0), root, step=1)
+print("the loop went on", SigtermMidImport.fired)
+"""
+
+
+@pytest.mark.parametrize("mode", ["by path", "by attribute", "torch", "numpy"])
+def test_a_saving_sigterm_handler_landing_while_the_first_save_imports_the_commit_machinery_saves(tmp_path, mode):
+    """A SIGTERM handler that saves, landing while a process's first save imported repo.background (or ckptstore.api,
+    for `ckptstore.save` looked up then), found it half-imported: ImportError, and both checkpoints were lost
+    (reviewers 378, 379: whatever the order of the program's imports). Its save now comes after the first one's;
+    where the signal landed while `ckptstore.save` itself was looked up, before that save began, as it would have."""
+    Repository.init(tmp_path).close()
+    done = _run_child(SIGTERM_WHILE_THE_FIRST_SAVE_IMPORTS, mode, str(tmp_path), timeout=90)
+    assert done.returncode == 7 and "the loop went on" not in done.stdout and "Traceback" not in done.stderr, done
+    with Repository.open(tmp_path) as repo:
+        assert [c.step for c in repo.log()] == ([99] if mode == "by attribute" else [99, 1])
+        assert repo.checkout("HEAD")["w"].tolist() == [99.0] * 8
