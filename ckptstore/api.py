@@ -15,7 +15,7 @@ from ckptstore.hashing import CommitId
 from ckptstore.repo import Repository
 from ckptstore.repo.forked import ProcessLock
 from ckptstore.repo.location import given_root
-from ckptstore.repo.signalhold import loading_held, signals_waiting
+from ckptstore.repo.signalhold import signals_waiting
 from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
@@ -256,8 +256,9 @@ def load(ref: str = "HEAD", repo: RepoLike = None, map_location: str | None = No
     device = str(map_location) if map_location is not None else None
 
     def run(r: Repository) -> Any:
-        with loading_held("ckptstore.repo.background") as background:
-            background.wait_in_flight(r)  # a save(blocking=False) still writing there: load reads what it writes
+        from ckptstore.repo.background import wait_in_flight
+
+        wait_in_flight(r)  # a save(blocking=False) still writing there: load reads what it writes
         return r.checkout(ref, device=device, keys=keys)
 
     return with_repo(repo, run)

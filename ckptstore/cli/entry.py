@@ -15,6 +15,7 @@ import click
 from ckptstore.cli.group import cli
 from ckptstore.cli.habits import git_habit, typed_command
 from ckptstore.errors import INTERRUPTED, OutputError, explain, shown_controls
+from ckptstore.repo import warm
 
 # repr() of a surrogate os.fsdecode made of a byte: inside a quoted name, not after an escaped backslash (a
 # name typed with the text \udc80 in it reads as \\udc80 there)
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     Every failure prints one `error:` line (a traceback too with --debug) and exits with its code.
     """
     argv = sys.argv[1:] if argv is None else argv
+    warm.LOAD_ON_OPEN = False  # the CLI sets no handler that saves: `ckpt status` loads neither numpy nor torch
     debug = _asks_debug(argv)  # the group's flag; read here, where the traceback is printed
     for stream in (sys.stdout, sys.stderr):  # a name that is no valid text (a lone surrogate) prints escaped
         if isinstance(stream, io.TextIOWrapper):

@@ -234,8 +234,10 @@ def diff(ctx, a, b, as_json, show_all) -> None:
     A alone may be a range, A..B.
     """
     # `ckpt diff HEAD ../x.pt` was called a range, and `ckpt diff ../x.pt` one to '/x.pt'; `..` stays HEAD..HEAD
-    path = next((spec for spec in (a, b)
-                 if spec and ".." in spec and spec not in ("..", "...") and os.path.exists(spec)), None)
+    path = next((spec for spec in (a, b) if spec and spec not in ("..", "...") and (
+        ".." in spec and os.path.exists(spec) or spec.startswith(("/", "./", "../")))), None)  # no ref begins so
+    if path is not None and not os.path.exists(path):
+        raise click.UsageError(f"{path!r} is neither a commit nor a file or folder here: `ckpt diff` compares commits")
     if path is not None:
         kind = "a folder" if os.path.isdir(path) else "a file"
         raise click.UsageError(f"{path!r} is {kind}: `ckpt diff` compares commits; commit it first (`ckpt commit "

@@ -19,7 +19,6 @@ from ckptstore.repo import journal, owner, refs, warm
 from ckptstore.repo.config import RepoConfig
 from ckptstore.repo.location import DATABASE, REPO_DIR, find_root, unwritable
 from ckptstore.repo.lock import repo_lock
-from ckptstore.repo.signalhold import loading_held
 
 if TYPE_CHECKING:
     from ckptstore.metadata.commits import CommitInfo
@@ -58,6 +57,7 @@ class Repository:
         self._shared_pool = False  # the pool is a warm process's (repo/warm.py): closing leaves it running
         self._background: Lane | None = None  # commits in the background (repo/background.py)
         self.joined = False  # set by init where it found the metadata made (a teammate's): it joined, made nothing
+        warm.load_machinery()  # before the program's first call: a handler that saves finds no half-imported module
 
     @property
     def read_only(self) -> bool:
@@ -223,16 +223,16 @@ class Repository:
         (how lossy it is) and `repo.background` (`blocking=False`, `buffer_budget`) for every argument.
         Lossy knobs come as `knobs` (a mapping: any name, checked as a knob) or as keyword arguments.
         """
-        with loading_held("ckptstore.repo.background") as background:  # the first call: a saving handler waits
-            from ckptstore.repo.commit import CommitOptions, LossyOptions
-            both = sorted(set(knobs or {}) & set(more_knobs))
-            if both:
-                raise CkptError(f"lossy knob {both[0]!r} is given twice, in knobs= and as an argument")
-            options = CommitOptions(message, step, dict(metrics or {}), branch, allow_empty, trust_pickle, author)
-            lossy_options = LossyOptions(lossy, {**(knobs or {}), **more_knobs}, model, optimizer, calibration,
-                                         max_loss_change)
-            return background.commit_call(self, state_or_path, options, lossy_options, progress, blocking,
-                                          buffer_budget)
+        from ckptstore.repo.background import commit_call
+        from ckptstore.repo.commit import CommitOptions, LossyOptions
+
+        both = sorted(set(knobs or {}) & set(more_knobs))
+        if both:
+            raise CkptError(f"lossy knob {both[0]!r} is given twice, in knobs= and as an argument")
+        options = CommitOptions(message, step, dict(metrics or {}), branch, allow_empty, trust_pickle, author)
+        lossy_options = LossyOptions(lossy, {**(knobs or {}), **more_knobs}, model, optimizer, calibration,
+                                     max_loss_change)
+        return commit_call(self, state_or_path, options, lossy_options, progress, blocking, buffer_budget)
 
     def checkout(self, ref: str = "HEAD", device: str | None = None, progress: Progress | None = None,
                  keys: Iterable[str] | None = None) -> Any:

@@ -2,8 +2,8 @@
 
 Python runs a handler on the main thread wherever that thread is: one that commits (a SIGTERM's last
 save) inside a commit call waited on a lock the call held, until SIGKILL, or found the commit
-machinery half-imported. Standard library only, so that a first call can hold signals before it
-imports anything of the commit machinery (`loading_held`).
+machinery half-imported. Standard library only: signals are held before the commit machinery is
+imported (`loading_held`, repo/warm.py's `load_machinery`).
 """
 
 from __future__ import annotations
@@ -211,17 +211,20 @@ def describe(options: CommitOptions) -> str:
     return " ".join(parts) or "(no step, no message)"
 
 
+def loaded(name: str) -> bool:
+    """Whether module `name` is imported whole: not missing, nor half-imported (its import under way)."""
+    module = sys.modules.get(name)
+    return module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False)
+
+
 @contextmanager
 def loading_held(name: str) -> Iterator[ModuleType]:
     """Module `name` for the block; where it is not loaded yet, the block runs with the program's handlers held.
 
-    A SIGTERM handler that saves, landing while a process's first commit imported the commit machinery,
-    found it half-imported (ImportError) and both checkpoints were lost. Held over the first call as a
-    whole, its handler runs once that call's commit is written, as it does for every later call.
+    `ckptstore.save`, looked up as the SIGTERM a handler saves on landed, found ckptstore.api half-imported.
     """
-    module = sys.modules.get(name)
-    if module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False):
-        yield module
+    if loaded(name):
+        yield sys.modules[name]
         return
     with signals_waiting():
         yield importlib.import_module(name)

@@ -4,12 +4,13 @@ The ckpt daemon opens the repository afresh for every command (so it sees config
 writers), but a commit runs faster on what the last one left: the parent's byte planes
 (planecache.py) and the encoding threads, whose per-thread decompressors and scratch buffers
 (threadlocal.py) are already faulted in. `keep_warm(root)` makes every Repository opened at
-`root` in this process share one plane cache and one thread pool, which outlive it, and loads
-the modules a commit runs (0.2-0.3 s of imports the first command would otherwise pay).
+`root` in this process share one plane cache and one thread pool, which outlive it. Every program
+(not the `ckpt` command) loads the modules a commit runs as it opens a repository (`load_machinery`).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from ckptstore.repo.forked import ProcessLock
 from ckptstore.repo.planecache import share_plane_cache
+from ckptstore.repo.signalhold import loaded, signals_waiting
 
 _ROOTS: set[str] = set()
 _LATEST: dict[str, int] = {}  # by root: the thread count its repositories asked for last
@@ -29,14 +31,33 @@ os.register_at_fork(after_in_child=_POOLS.clear)  # a forked child has none of t
 
 def keep_warm(root: Path) -> None:
     """Repositories opened at `root` (resolved) from now on share planes and threads; load a commit's code."""
-    from ckptstore import replay  # noqa: F401 (loaded now: see the module's docstring)
-    from ckptstore.formats import checkpoint_io  # noqa: F401 (the parsers, which `formats` loads on first use)
-    from ckptstore.policy import lossy, mapping, sensitivity  # noqa: F401 (optimizer pairing, lossy levels)
-    from ckptstore.repo import background, calibrate, pruning  # noqa: F401
-
+    load_machinery(always=True)
     share_plane_cache(root)
     with _LOCK:
         _ROOTS.add(str(root))
+
+
+LOAD_ON_OPEN = True  # a program loads the machinery as it opens a repository; the `ckpt` command does not (launch.py)
+# What any commit may import (a state, a file, a folder, lossy, calibrated, pruned after), numpy but not torch:
+# the modules these import complete it (tests/repo/test_signal_hold.py checks that a commit imports nothing more).
+MACHINERY = ("ckptstore.replay", "ckptstore.formats.checkpoint_io", "ckptstore.formats.safetensors_file",
+             "ckptstore.formats.torchzip", "ckptstore.formats.torchfile", "ckptstore.formats.torchcontainer",
+             "ckptstore.formats.snapshot", "ckptstore.formats.dcpmeta", "ckptstore.policy.lossy",
+             "ckptstore.policy.mapping", "ckptstore.policy.sensitivity", "ckptstore.repo.background",
+             "ckptstore.repo.calibrate", "ckptstore.repo.pruning", "ckptstore.repo.sharded", "ckptstore.repo.dcpfiles")
+
+
+def load_machinery(always: bool = False) -> None:
+    """Import what commits run, with the program's signal handlers held, unless loaded (or the CLI's, unless `always`).
+
+    A SIGTERM handler that saves, landing while a program's first checkout, diff or commit imported a module
+    a commit needs (replay, checkpoint_io, repo.background), found it half-imported: its save failed, and the
+    call it interrupted with it. Loaded as the program opens a repository, no later call imports one of them.
+    """
+    if (always or LOAD_ON_OPEN) and not all(loaded(name) for name in MACHINERY):
+        with signals_waiting():
+            for name in MACHINERY:
+                importlib.import_module(name)
 
 
 def shared_pool(root: Path, threads: int) -> ThreadPoolExecutor | None:

@@ -296,7 +296,7 @@ def test_a_saving_sigterm_handler_during_a_save_by_path_holding_its_kept_reposit
         assert torch.equal(repo.checkout("HEAD")["w"], torch.full((8,), 99.0))
 
 
-SIGTERM_WHILE_THE_FIRST_SAVE_IMPORTS = """
+SIGTERM_WHILE_THE_FIRST_CALL_IMPORTS = """
 import os, signal, sys
 import ckptstore  # before torch, as isort orders them
 from ckptstore import Repository
@@ -307,10 +307,12 @@ if mode == "numpy":  # a trainer of numpy arrays: torch is never loaded
 else:
     import torch
     state = lambda v: {"w": torch.full((8,), v)}
-repo = Repository.open(root) if mode in ("torch", "numpy") else None
-half = "ckptstore.api" if mode == "by attribute" else "ckptstore.repo.background"
+# where the first call is a checkout or a diff (a resume), a module that commits need too
+half = {"by attribute": "ckptstore.api", "checkout": "ckptstore.codecs", "diff": "ckptstore.codecs"}.get(
+    mode, "ckptstore.repo.background")
+repo = None
 
-class SigtermMidImport:  # the scheduler's SIGTERM, landing while the first save imports `half`
+class SigtermMidImport:  # the scheduler's SIGTERM, landing while `half` is half-imported
     fired = False
 
     def find_spec(self, name, path=None, target=None):
@@ -328,7 +330,13 @@ def last_save(signum, frame):  # a requeue script's: save a last checkpoint, the
 
 sys.meta_path.insert(0, SigtermMidImport())
 signal.signal(signal.SIGTERM, last_save)
-if repo is not None:
+if mode not in ("by path", "by attribute"):
+    repo = Repository.open(root)
+if mode == "checkout":
+    repo.checkout("HEAD")
+elif mode == "diff":
+    repo.diff("HEAD", "HEAD")
+elif repo is not None:
     repo.commit(state(1.0), step=1)
 else:
     ckptstore.save(state(1.0), root, step=1)
@@ -336,15 +344,57 @@ print("the loop went on", SigtermMidImport.fired)
 """
 
 
-@pytest.mark.parametrize("mode", ["by path", "by attribute", "torch", "numpy"])
-def test_a_saving_sigterm_handler_landing_while_the_first_save_imports_the_commit_machinery_saves(tmp_path, mode):
+@pytest.mark.parametrize("mode", ["by path", "by attribute", "torch", "numpy", "checkout", "diff"])
+def test_a_saving_sigterm_handler_landing_while_the_first_call_imports_saves(tmp_path, mode):
     """A SIGTERM handler that saves, landing while a process's first save imported repo.background (or ckptstore.api,
-    for `ckptstore.save` looked up then), found it half-imported: ImportError, and both checkpoints were lost
-    (reviewers 378, 379: whatever the order of the program's imports). Its save now comes after the first one's;
-    where the signal landed while `ckptstore.save` itself was looked up, before that save began, as it would have."""
-    Repository.init(tmp_path).close()
-    done = _run_child(SIGTERM_WHILE_THE_FIRST_SAVE_IMPORTS, mode, str(tmp_path), timeout=90)
+    for `ckptstore.save` looked up then), or its first checkout or diff a module a commit needs too (replay),
+    found it half-imported: ImportError, and both the save and the call were lost (reviewers 378, 379, 380:
+    whatever the order of the program's imports). Its save now comes after that call; where the signal landed
+    while the program opened its repository or looked `ckptstore.save` up, before the first save, as it would."""
+    with Repository.init(tmp_path) as repo:
+        if mode in ("checkout", "diff"):  # the run's last checkpoint, which the resume reads back first
+            repo.commit({"w": torch.full((8,), 1.0)}, step=1)
+    done = _run_child(SIGTERM_WHILE_THE_FIRST_CALL_IMPORTS, mode, str(tmp_path), timeout=90)
     assert done.returncode == 7 and "the loop went on" not in done.stdout and "Traceback" not in done.stderr, done
     with Repository.open(tmp_path) as repo:
-        assert [c.step for c in repo.log()] == ([99] if mode == "by attribute" else [99, 1])
+        assert [c.step for c in repo.log()] == ([99] if mode in ("by attribute", "torch", "numpy") else [99, 1])
         assert repo.checkout("HEAD")["w"].tolist() == [99.0] * 8
+
+
+EVERY_KIND_OF_COMMIT = """
+import json, os, sys
+import torch
+from ckptstore import Repository
+from safetensors.torch import save_file
+work = sys.argv[1]
+repo = Repository.init(os.path.join(work, "r"))
+opened = {name for name in sys.modules if name.startswith("ckptstore")}
+model = torch.nn.Linear(8, 8)
+optimizer = torch.optim.AdamW(model.parameters())
+model(torch.ones(2, 8)).sum().backward()
+optimizer.step()
+state = lambda step: {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+repo.commit(state(1), "a state")
+torch.save(state(2), os.path.join(work, "f.pt"))
+repo.commit(os.path.join(work, "f.pt"), "a torch.save file")
+save_file({"w": torch.ones(4)}, os.path.join(work, "f.safetensors"))
+repo.commit(os.path.join(work, "f.safetensors"), "a safetensors file")
+folder = os.path.join(work, "checkpoint-3")
+os.makedirs(folder)
+torch.save(state(3), os.path.join(folder, "optimizer.pt"))
+with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+    json.dump({"global_step": 3}, f)
+repo.commit(folder, "a Trainer folder")
+repo.commit(state(4), "lossy", lossy="balanced", model=model, optimizer=optimizer)
+repo.commit(state(5), "calibrated", lossy="balanced", model=model, calibration=lambda m: m(torch.ones(1, 8)).sum())
+repo.commit(state(6), "in the background", blocking=False).result()
+print(sorted(name for name in sys.modules if name.startswith("ckptstore") and name not in opened))
+"""
+
+
+def test_a_program_that_opened_a_repository_imports_nothing_more_of_ckptstore_to_commit(tmp_path):
+    """Whatever a commit is given, what it imports was loaded as the program opened the repository, with its signal
+    handlers held (repo/warm.py: MACHINERY): a handler that saves never finds one of them half-imported."""
+    done = _run_child(EVERY_KIND_OF_COMMIT, str(tmp_path), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]"]
