@@ -158,7 +158,7 @@ def param_lrs(skeleton: object) -> dict[int, float]:
             for i in ids}
 
 
-def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str] | None = None,
+def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str | None] | None = None,
                   ids: Sequence[int] | None = None, lrs: Mapping[int, float] | None = None) -> OptimizerMap:
     """Find optimizer state among `tensors` and pair it with weights (see the module docstring).
 
@@ -179,10 +179,8 @@ def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str] | None 
              if r.dtype in FLOATS and not (inside and p.startswith(inside)) and not _STATE.match(p)]
     shapes = [tuple(tensors[s.exp_avg or s.momentum_buffer].shape) if (s.exp_avg or s.momentum_buffer) else None
               for s in ordered]
-    if names is not None:
-        found = _by_names(model, names)
-        if found is not None and len(found) == len(ordered):
-            return _pair(ordered, found, "given by the caller")
+    if names is not None and (given := _by_caller(ordered, shapes, model, names)) is not None:
+        return given
     if None in shapes:
         return OptimizerMap(ordered, False, "state without moments; weights not paired")
     params = [m for m in model if not is_buffer(*m)]
@@ -196,6 +194,26 @@ def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str] | None 
             if placement is not None:
                 return _pair(ordered, [candidates[i][0] for i in placement], how)
     return OptimizerMap(ordered, False, "shapes allow more than one pairing; weights not paired")
+
+
+def _by_caller(ordered: list[ParamSlots], shapes: list[tuple | None], model: list[tuple[str, tuple]],
+               names: Sequence[str | None]) -> OptimizerMap | None:
+    """The pairing the caller's live parameter names give, each slot's name found by its optimizer index.
+
+    A slot whose name is unknown, matches no one float tensor (a complex parameter) or one of another shape stays
+    unpaired, the others keep their pairing: requiring every name to match threw all of them away for a
+    parameter with no state yet, and the guess from shapes then paired groups listed out of the model's order
+    wrongly. None where no name pairs at all (the names are not this checkpoint's).
+    """
+    weights: list[str | None] = []
+    shape_of = dict(model)
+    for slot, shape in zip(ordered, shapes):
+        name = names[slot.index] if slot.index < len(names) else None
+        found = _by_names(model, [name]) if name is not None else None
+        weights.append(found[0] if found and (shape is None or shape_of[found[0]] == shape) else None)
+    if not any(weights):
+        return None
+    return _pair(ordered, weights, "given by the caller")
 
 
 def _by_ids(ordered: list[ParamSlots], shapes: list[tuple], model: list[tuple[str, tuple]],
@@ -261,7 +279,7 @@ def _by_names(model: Sequence[tuple[str, tuple]], names: Sequence[str]) -> list[
     return paths
 
 
-def _pair(ordered: list[ParamSlots], weights: list[str], how: str) -> OptimizerMap:
+def _pair(ordered: list[ParamSlots], weights: Sequence[str | None], how: str) -> OptimizerMap:
     for slot, weight in zip(ordered, weights):
         slot.weight = weight
     return OptimizerMap(ordered, True, how)

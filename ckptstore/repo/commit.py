@@ -157,7 +157,7 @@ class LossyOptions:
     optimizer: Any = None
     calibration: Callable[[Any], Any] | None = None
     max_loss_change: float | None = None
-    param_names: list[str] | None = None  # the optimizer's parameter names, read from model and optimizer before
+    param_names: list[str | None] | None = None  # the optimizer's parameter names, read from model and optimizer before
 
 
 @dataclass
@@ -761,10 +761,12 @@ def _importance_note(fisher: Mapping[str, float] | None, plans: Mapping[str, Any
     return "none: no Adam second moment to weigh the weights by"  # RMSprop, Sophia, Adagrad
 
 
-def param_names_of(model: Any, optimizer: Any) -> list[str] | None:
-    """Names of the optimizer's parameters in state order, from the live model and optimizer."""
+def param_names_of(model: Any, optimizer: Any) -> list[str | None] | None:
+    """Names of the optimizer's parameters in state order, from the live model and optimizer.
+
+    None for a parameter the model does not hold: that one stays unpaired, the others keep their names.
+    """
     if model is None or optimizer is None:
         return None
     names = {id(p): n for n, p in model.named_parameters()}
-    ordered = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
-    return None if None in ordered else ordered
+    return [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]

@@ -144,3 +144,16 @@ def test_a_name_two_tensors_end_with_names_neither():
     tensors = _checkpoint({"ema/fc.weight": (4, 3), "fc.weight": (4, 3)}, ["fc.weight"])
     assert paths_of_names(tensors, ["fc.weight"]) == {}
     assert map_optimizer(tensors, names=["fc.weight"]).how != "given by the caller"
+
+
+def test_a_complex_parameter_leaves_only_itself_unpaired_among_the_callers_names():
+    """A complex parameter's name matches no float tensor: that dropped every name of the caller's, and shapes alone
+    then guessed (auditor 382). Each name is now looked up by its optimizer index, the others kept."""
+    model = {"z": (4, 4), "b.weight": (4, 4), "a.weight": (4, 4)}
+    tensors = _checkpoint(model, ["z", "b.weight", "a.weight"])
+    complex_z = RawTensor("torch.complex64", (4, 4), np.zeros(16 * 8, dtype=np.uint8))
+    for path in ("model/z", "optimizer/state/0/exp_avg", "optimizer/state/0/exp_avg_sq"):
+        tensors[path] = complex_z
+    result = map_optimizer(tensors, names=["z", "b.weight", "a.weight"])
+    assert result.how == "given by the caller"
+    assert [s.weight for s in result.slots] == [None, "model/b.weight", "model/a.weight"]

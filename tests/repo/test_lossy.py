@@ -975,6 +975,57 @@ def test_show_says_what_weighed_the_weights_of_each_optimizer(tmp_path, makers, 
     assert shown["importance"].startswith(importance), shown["importance"]
 
 
+class _ThreeLayers(torch.nn.Module):
+    """fc1 and fc2 of equal shapes, and out; `extra`: a parameter the optimizer holds, with no gradient yet."""
+
+    def __init__(self, extra: bool):
+        super().__init__()
+        self.fc1, self.fc2, self.out = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 10)
+        if extra:
+            self.extra = torch.nn.Parameter(torch.zeros(3, 7))  # a head not used yet
+
+    def forward(self, x):
+        return self.out(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def _out_of_order_groups(extra: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """fc2's fast group listed before fc1's and out's slow one, trained 3 steps."""
+    torch.manual_seed(0)
+    model = _ThreeLayers(extra)
+    slow = [model.fc1.weight, model.fc1.bias, model.out.weight, model.out.bias] + ([model.extra] if extra else [])
+    optimizer = torch.optim.Adam([{"params": [model.fc2.weight, model.fc2.bias], "lr": 1e-2},
+                                  {"params": slow, "lr": 1e-5}])
+    for _ in range(3):
+        torch.nn.functional.cross_entropy(model(torch.randn(32, 64)), torch.randint(0, 10, (32,))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def test_a_parameter_with_no_state_yet_keeps_the_callers_pairing_of_the_others(tmp_path):
+    """One optimizer parameter without state dropped every live name: the guess from shapes gave fc1's weight fc2's
+    moments and fast learning rate, and show said the order matched the model's (auditor 382's t12)."""
+    from ckptstore.policy.mapping import map_optimizer, param_ids, param_lrs
+    from ckptstore.repo.commit import param_names_of
+    from ckptstore.state import flatten
+
+    bounds = {}
+    for extra in (False, True):
+        model, optimizer = _out_of_order_groups(extra)
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        flat = flatten(state)
+        pairing = map_optimizer(flat.tensors, param_names_of(model, optimizer), param_ids(flat.skeleton),
+                                param_lrs(flat.skeleton))
+        assert {s.weight: s.lr for s in pairing.slots if str(s.weight).endswith("weight")} == {
+            "model/fc2.weight": 1e-2, "model/fc1.weight": 1e-5, "model/out.weight": 1e-5}
+        with Repository.init(tmp_path / str(extra)) as repo:
+            shown = repo.show(repo.commit(state, lossy="balanced", model=model, optimizer=optimizer))
+        assert shown["pairing"] == "given by the caller"
+        bounds[extra] = {t["path"]: t["max_error"] for t in shown["tensors"] if t["path"].startswith("model/fc")
+                         and "max_error" in t}
+    assert bounds[True] == bounds[False] and len(bounds[True]) == 2  # the stateless head changes no weight's plan
+
+
 def test_adam_moments_of_the_two_16_bit_types_restore_and_pass_fsck(tmp_path):
     """m in float16 is coded on v in bfloat16 (their sizes match): my check that a base is of its tensor's dtype
     called such a commit damaged, and it could no longer be checked out (reader 14, of f68bb82)."""
