@@ -9,6 +9,7 @@ scales its step (PlanContext.step_factor), in whichever role.
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 
 from ckptstore.codecs.floats import LOSSY_DTYPES
@@ -18,6 +19,11 @@ from ckptstore.policy.mapping import ParamSlots, is_buffer
 from ckptstore.state import RawTensor
 
 WEIGHT_BASE_CODECS = ("deadzone", "bytegroup")  # a weight's residual may build on a lossy or lossless parent
+# biases and norm layers' weights by name, kept exact whatever their shape (a LayerNorm over (16, 512) is 2-D): a
+# `bias`, or the weight of a module named as norms are (ln_f, norm1, bn2, LayerNorm, input_layernorm, final_layer_norm);
+# `norm` only as a whole word part, so neither `denorm` nor `norm_proj` (a matrix) is caught
+_BIAS_OR_NORM = re.compile(r"(?:^|[./])bias$|(?:^|[./])(?:\w*_)?(?:ln|bn|gn|norm|layernorm|batchnorm|groupnorm|rmsnorm"
+                           r"|instancenorm)(?:_?(?:\d+|f))?[./]weight$", re.IGNORECASE)
 
 
 class Role(Enum):
@@ -84,12 +90,13 @@ def _unowned(ctx: PlanContext, path: str, raw: RawTensor) -> tuple[Role, Subject
 
 
 def _weight(ctx: PlanContext, subject: Subject) -> tuple[Role, Subject]:
-    """Which weight role: lossless when small, at zero RMS or of whole numbers (a mask), else by pace and parent.
+    """Which weight role: lossless when small, a bias or norm weight, zero or whole numbers, else by pace and parent.
 
-    Whole numbers stay exact whether or not an optimizer trains them: a step would change a mask's values.
+    Whole numbers (a mask) stay exact whether or not an optimizer trains them: a step would change a mask's values.
     """
     path, raw = subject.path, subject.raw
-    if len(raw.shape) < 2 or not eligible(raw, ctx.level, elements=ctx.elements.get(path)) or whole_numbers(raw):
+    if (len(raw.shape) < 2 or _BIAS_OR_NORM.search(path)
+            or not eligible(raw, ctx.level, elements=ctx.elements.get(path)) or whole_numbers(raw)):
         return Role.LOSSLESS, subject
     weight_rms = ctx.rms_of(path)
     if weight_rms == 0.0:

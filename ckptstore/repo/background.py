@@ -47,7 +47,7 @@ from ckptstore.formats import Checkpoint
 from ckptstore.formats.snapshot import HostBuffers, snapshot
 from ckptstore.hashing import CommitId
 from ckptstore.repo import planecache
-from ckptstore.repo.commit import CommitOptions, LossyOptions, commit, param_names_of
+from ckptstore.repo.commit import CommitOptions, LossyOptions, commit, norm_names_of, param_names_of
 from ckptstore.repo.forked import ProcessLock
 from ckptstore.repo.gcpause import no_cyclic_gc
 from ckptstore.repo.signalhold import SignalHold, describe, run_held, signals_held
@@ -342,7 +342,7 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
             if buffer_budget is not None:  # a lower one frees kept buffers at the next take
                 lane.buffers.budget = buffer_budget
             # the live objects stay with the caller: the thread gets the parameter names they give
-            lossy = replace(lossy, model=None, optimizer=None,
+            lossy = replace(lossy, model=None, optimizer=None, norm_names=norm_names_of(lossy.model),
                             param_names=param_names_of(lossy.model, lossy.optimizer))
             checkpoint, lent, handle = source, [], None
             try:

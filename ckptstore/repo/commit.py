@@ -158,6 +158,7 @@ class LossyOptions:
     calibration: Callable[[Any], Any] | None = None
     max_loss_change: float | None = None
     param_names: list[str | None] | None = None  # the optimizer's parameter names, read from model and optimizer before
+    norm_names: list[str] | None = None  # the model's norm layers' parameter names, read from model before (the same)
 
 
 @dataclass
@@ -586,6 +587,9 @@ def _plan(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, lev
     # a tensor whose record its file's container keeps: `ckpt checkout -o` writes that record's committed bytes
     shared |= {path for f in checkpoint.files if f.container for path in left_in_container(f.skeleton, f.container)}
     optimizer_state = {path for f in checkpoint.files for path in optimizer_state_paths(f.skeleton)}
+    # the parameters of the model's norm layers, whatever their names and shapes: docs/guide.md keeps them exact
+    norms = lossy.norm_names if lossy.norm_names is not None else norm_names_of(lossy.model)
+    shared |= set(paths_of_names(checkpoint.tensors, norms).values())
     plans = plan_lossy(checkpoint.tensors, parent.by_path, level, repo.config.encoding, optimizer_map, fisher,
                        shared, optimizer_state)
     return plans, optimizer_map.how, fisher
@@ -770,3 +774,17 @@ def param_names_of(model: Any, optimizer: Any) -> list[str | None] | None:
         return None
     names = {id(p): n for n, p in model.named_parameters()}
     return [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
+
+
+# torch.nn's normalization layers, by class name along a module's class hierarchy (`_NormBase`: BatchNorm's and
+# InstanceNorm's); torch itself stays out of this module
+_NORM_LAYERS = {"LayerNorm", "GroupNorm", "RMSNorm", "_NormBase", "LocalResponseNorm"}
+
+
+def norm_names_of(model: Any) -> list[str]:
+    """Names of the parameters of the model's torch.nn norm layers: kept exact however many dimensions they have."""
+    if model is None:
+        return []
+    return [f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
+            if any(c.__name__ in _NORM_LAYERS and c.__module__.startswith("torch.nn.") for c in type(module).__mro__)
+            for name, _ in module.named_parameters(recurse=False)]

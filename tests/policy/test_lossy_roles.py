@@ -332,6 +332,16 @@ def test_a_norm_weight_of_many_entries_stays_bit_exact(certain):
         assert roles["model/fc.weight"] != Role.LOSSLESS, name
 
 
+def test_a_matrix_named_as_a_norm_or_a_bias_stays_exact_and_one_merely_containing_norm_does_not():
+    """2-D norm weights and biases were told only by being 1-D and quantized (auditor 382); `norm` inside another
+    word or before `_proj` names an ordinary matrix."""
+    tensors = {path: _t(64, 64, seed=i) for i, path in enumerate(
+        ("model/h.ln_f.weight", "model/ln_f.bias", "model/enc.LayerNorm.weight", "model/norm_proj.weight",
+         "model/denorm.weight"))}
+    roles = plan_roles(tensors, {}, level_named("balanced", fisher_allocation=False), SETTINGS, map_optimizer(tensors))
+    assert [roles[p] is Role.LOSSLESS for p in tensors] == [True, True, True, False, False]
+
+
 def test_extremes_pruning_with_double_moments_beside_float_weights(repo, tmp_path):
     """A float64 v (moments kept in double) is not the importance that weighs extreme's pruning of float32 weights:
     read as float32-sized entries, it pruned the wrong ones and the restored weight missed extreme's bound
