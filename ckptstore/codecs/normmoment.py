@@ -23,7 +23,7 @@ import numpy as np
 from ckptstore.codecs.deadzone import dequantize, finite, quantize, stream_declares
 from ckptstore.codecs.entropy import decode_symbols, encode_symbols
 from ckptstore.codecs.floats import from_float32, itemsize, rounding_error, sum_of_squares, to_float32
-from ckptstore.errors import CodecError, NonFiniteError
+from ckptstore.errors import CodecError, NonFiniteError, UnquantizableError
 
 MAGIC, MAGIC_V1 = b"MN2", b"MN1"
 _HEAD = struct.Struct("<3sf")
@@ -33,6 +33,22 @@ DECODES = ("MN1", "MN2")
 
 def _scale(base: np.ndarray, params: dict[str, Any]) -> np.ndarray:
     return np.sqrt(to_float32(base, params["v_dtype"]) + np.float32(params["eps"]))
+
+
+def _quantized(direction: np.ndarray, step: float, rounding: float, values: np.ndarray, v: np.ndarray,
+               params: dict[str, Any]) -> np.ndarray:
+    """`quantize`, its refusal told as v's underflow where that is the cause (not the first moment's size).
+
+    A float16 v that underflowed to 0 beside a nonzero m makes m / sqrt(v + eps) far too large for any level: the
+    range's figures named the first moment's values, as if they were the fault.
+    """
+    try:
+        return quantize(direction, step, rounding)
+    except UnquantizableError as exc:
+        if np.any((to_float32(v, params["v_dtype"]) == 0) & (values != 0)):
+            raise UnquantizableError("its second moment is 0 where the first is not (underflow, as in fp16 "
+                                     "training): stored lossless") from exc
+        raise
 
 
 class NormalizedMomentCodec:
@@ -53,7 +69,7 @@ class NormalizedMomentCodec:
         original_v = hints.get("v") if hints else None
         direction = values / (_scale(original_v, params) if original_v is not None else scale)
         rounding = params.get("rounding", 0.5) if params.get("tighten", 1.0) >= 1.0 else 0.5
-        levels = quantize(direction, step, rounding)
+        levels = _quantized(direction, step, rounding, values, original_v if original_v is not None else base, params)
         if hints and hints.get("prune") is not None:
             levels[hints["prune"]] = 0
         recon = self._reconstruct(levels, scale, step, params, encoding=True)

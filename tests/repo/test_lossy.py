@@ -625,6 +625,31 @@ def test_a_float16_adam_group_whose_second_moment_underflowed_keeps_its_moments_
         assert _rel(restored["optimizer"]["state"][0]["exp_avg"], moments[0]["exp_avg"]) < 0.5
 
 
+def test_a_float16_second_moment_that_underflowed_is_named_as_the_cause_in_the_warning(tmp_path):
+    """The pair was stored lossless, but the warning blamed the first moment: "values up to 1.43e+12 are 2^31 or more
+    steps of 5.33: no integer level holds them" (auditor 382's t9, a float16 model trained by Adam)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).half()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-4)
+    for _ in range(5):
+        loss = torch.nn.functional.cross_entropy(model(torch.randn(64, 96).half()).float(), torch.randint(0, 10, (64,)))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    moments = state["optimizer"]["state"][0]
+    assert ((moments["exp_avg_sq"] == 0) & (moments["exp_avg"] != 0)).any()  # the case itself
+    with Repository.init(tmp_path) as repo, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cid = repo.commit(copy.deepcopy(state), lossy="balanced", model=model, optimizer=optimizer)
+        restored = repo.checkout(cid)
+    said = " ".join(str(w.message) for w in caught)
+    assert ("optimizer/state/0/exp_avg: its second moment is 0 where the first is not (underflow, as in fp16 "
+            "training): stored lossless") in said
+    assert "no integer level holds them" not in said
+    assert_same(restored["optimizer"]["state"][0], moments)  # the pair, bit for bit
+
+
 @pytest.mark.parametrize("level", ["balanced", "extreme"])
 def test_a_matrixs_bulk_keeps_twice_its_bound_where_its_chunks_differ_in_scale(tmp_path, level):
     """Trained rows in one chunk, near-init rows (1e-3 of their scale) in two more: judged by each chunk's own
