@@ -19,7 +19,7 @@ _WHERE = {"CkptError": "ckptstore.errors", "Repository": "ckptstore.repo", "load
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from ckptstore.repo.signalhold import loading_held
+    from ckptstore.signals import loading_held
 
     with loading_held(_WHERE[name]) as module:  # a handler that saves, landing mid-import, found it half-imported
         return getattr(module, name)

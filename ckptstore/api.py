@@ -15,7 +15,7 @@ from ckptstore.hashing import CommitId
 from ckptstore.repo import Repository
 from ckptstore.repo.forked import ProcessLock
 from ckptstore.repo.location import given_root
-from ckptstore.repo.signalhold import signals_waiting
+from ckptstore.signals import signals_waiting
 from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:

@@ -703,7 +703,7 @@ def test_a_file_path_given_to_diff_is_said_to_be_a_file_not_a_range(tmp_path):
     one_error_line(ckpt_here(tmp_path / "r", "diff", "HEAD", "../run"), "'../run' is a folder: `ckpt diff` compares")
     for parent in ("../", "./..", "../.."):  # only dots and slashes, still a folder (reviewer helper 379)
         one_error_line(ckpt_here(tmp_path / "r", "diff", parent), f"{parent!r} is a folder: `ckpt diff` compares")
-    for missing in ("../nope.pt", "./nope.pt", "/nope/x.pt"):  # not a range to '/nope.pt' (reviewer helper 380)
+    for missing in ("../nope.pt", "./nope.pt", "/nope/x.pt", "sub/../gone.pt"):  # not ranges (reviewers 380, 381)
         one_error_line(ckpt_here(tmp_path / "r", "diff", "HEAD", missing), f"{missing!r} is neither a commit")
 
 

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ckptstore"
 
 # layer -> module name prefixes (relative to ckptstore)
 LAYERS = {
-    "base": ("errors", "faults", "hashing", "holders", "paths", "records", "threadlocal", "warn"),
+    "base": ("errors", "faults", "hashing", "holders", "paths", "records", "signals", "threadlocal", "warn"),
     "storage": ("objectstore",),
     "coding": ("codecs",),
     "state": ("state", "formats"),

@@ -78,14 +78,14 @@ def main(argv: list[str] | None = None) -> None:
     Every failure prints one `error:` line (a traceback too with --debug) and exits with its code.
     """
     argv = sys.argv[1:] if argv is None else argv
-    warm.LOAD_ON_OPEN = False  # the CLI sets no handler that saves: `ckpt status` loads neither numpy nor torch
     debug = _asks_debug(argv)  # the group's flag; read here, where the traceback is printed
     for stream in (sys.stdout, sys.stderr):  # a name that is no valid text (a lone surrogate) prints escaped
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="backslashreplace")
     try:
         # per command: a warning is one line, and a daemon's earlier commands leave no "shown once" behind
-        with warnings.catch_warnings():
+        # and opening a repository loads no more than the command uses: `ckpt status` loads neither numpy nor torch
+        with warnings.catch_warnings(), warm.machinery_as_needed():
             warnings.showwarning = _warning_line
             cli(args=argv, prog_name="ckpt", standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):

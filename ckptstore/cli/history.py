@@ -222,6 +222,15 @@ def show(ctx, ref, as_json) -> None:
     return None
 
 
+def _path_like(spec: str) -> bool:
+    """Whether `spec` names a path, not a commit or a range: no ref begins with "./" or a slash, nor ends with one."""
+    if spec in ("..", "..."):
+        return False
+    left, dots, right = spec.partition("..")
+    return (spec.startswith(("/", "./")) or bool(dots) and (left.endswith("/") or right.startswith("/"))
+            or bool(dots) and os.path.exists(spec))
+
+
 @cli.command()
 @click.argument("a")
 @click.argument("b", required=False)
@@ -234,8 +243,7 @@ def diff(ctx, a, b, as_json, show_all) -> None:
     A alone may be a range, A..B.
     """
     # `ckpt diff HEAD ../x.pt` was called a range, and `ckpt diff ../x.pt` one to '/x.pt'; `..` stays HEAD..HEAD
-    path = next((spec for spec in (a, b) if spec and spec not in ("..", "...") and (
-        ".." in spec and os.path.exists(spec) or spec.startswith(("/", "./", "../")))), None)  # no ref begins so
+    path = next((spec for spec in (a, b) if spec and _path_like(spec)), None)
     if path is not None and not os.path.exists(path):
         raise click.UsageError(f"{path!r} is neither a commit nor a file or folder here: `ckpt diff` compares commits")
     if path is not None:

@@ -12,6 +12,7 @@ from typing import Any
 from ckptstore.errors import CkptError, CorruptObjectError, DiskFullError, StoreUnavailableError, explain
 from ckptstore.hashing import ObjectId
 from ckptstore.objectstore.base import ObjectStore, RangeReader, delivered, read_whole
+from ckptstore.signals import signals_waiting
 
 UNAVAILABLE_FOR = 60.0  # seconds a source found unavailable is not asked again (about S3's default retry budget)
 
@@ -87,6 +88,12 @@ class FallbackStore:
         except CorruptObjectError as exc:
             if exc.problem != "missing":
                 raise
+        # a handler that saves (a SIGTERM's) reads the same chain: run inside the copy, it waited on its locks forever
+        with signals_waiting():
+            return self._copied(read, oid, held)
+
+    def _copied(self, read: Callable[[], Any], oid: ObjectId, held: Callable[[bytes], Any]) -> Any:
+        """`_filled` of an object not held here: copied from the source once, whichever threads miss it."""
         if not self.keep:  # nothing kept here for a thread to wait for: each reads the source
             return held(self.from_source(oid))
         with self._one_copy(oid):
@@ -174,10 +181,11 @@ class FillingRanges:
         except CorruptObjectError as exc:
             if exc.problem != "missing":
                 raise
-        if self._source is None:  # unverified, as range reads are: the replay checks each chunk's checksum
-            self._source = self._store.source(oid).open_ranges()
-        source = self._source
-        return self._store.reading_source(oid, lambda: source.read(oid, offset, length, into))
+        with signals_waiting():  # as in FallbackStore._filled: the source's lock is taken meanwhile
+            if self._source is None:  # unverified, as range reads are: the replay checks each chunk's checksum
+                self._source = self._store.source(oid).open_ranges()
+            source = self._source
+            return self._store.reading_source(oid, lambda: source.read(oid, offset, length, into))
 
     def close(self) -> None:
         self._ranges.close()

@@ -27,7 +27,7 @@ def __getattr__(name: str) -> Any:
     """Public names load their module on first use, so `import ckptstore.repo` costs nothing."""
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from ckptstore.repo.signalhold import loading_held
+    from ckptstore.signals import loading_held
 
     with loading_held(f"{__name__}.{_WHERE[name]}") as module:  # as in ckptstore.__getattr__
         return getattr(module, name)

@@ -50,8 +50,8 @@ from ckptstore.repo import planecache
 from ckptstore.repo.commit import CommitOptions, LossyOptions, commit, norm_names_of, param_names_of
 from ckptstore.repo.forked import ProcessLock
 from ckptstore.repo.gcpause import no_cyclic_gc
-from ckptstore.repo.signalhold import SignalHold, describe, run_held, signals_held
 from ckptstore.repo.target import start_now
+from ckptstore.signals import SignalHold, describe, run_held, signals_held
 from ckptstore.warn import caller_origin, warn_caller, warnings_at
 
 if TYPE_CHECKING:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from ckptstore.repo.forked import ProcessLock
 from ckptstore.repo.planecache import share_plane_cache
-from ckptstore.repo.signalhold import loaded, signals_waiting
+from ckptstore.signals import loaded, signals_waiting
 
 _ROOTS: set[str] = set()
 _LATEST: dict[str, int] = {}  # by root: the thread count its repositories asked for last
@@ -37,14 +39,30 @@ def keep_warm(root: Path) -> None:
         _ROOTS.add(str(root))
 
 
-LOAD_ON_OPEN = True  # a program loads the machinery as it opens a repository; the `ckpt` command does not (launch.py)
+LOAD_ON_OPEN = True  # a program loads the machinery as it opens a repository; the `ckpt` command does not
 # What any commit may import (a state, a file, a folder, lossy, calibrated, pruned after), numpy but not torch:
 # the modules these import complete it (tests/repo/test_signal_hold.py checks that a commit imports nothing more).
 MACHINERY = ("ckptstore.replay", "ckptstore.formats.checkpoint_io", "ckptstore.formats.safetensors_file",
              "ckptstore.formats.torchzip", "ckptstore.formats.torchfile", "ckptstore.formats.torchcontainer",
              "ckptstore.formats.snapshot", "ckptstore.formats.dcpmeta", "ckptstore.policy.lossy",
              "ckptstore.policy.mapping", "ckptstore.policy.sensitivity", "ckptstore.repo.background",
-             "ckptstore.repo.calibrate", "ckptstore.repo.pruning", "ckptstore.repo.sharded", "ckptstore.repo.dcpfiles")
+             "ckptstore.repo.calibrate", "ckptstore.repo.pruning", "ckptstore.repo.integrity",
+             "ckptstore.repo.maintenance", "ckptstore.repo.sharded", "ckptstore.repo.dcpfiles")
+
+
+@contextmanager
+def machinery_as_needed() -> Iterator[None]:
+    """Within the block, opening a repository loads only what is used: a `ckpt` command sets no handler that saves.
+
+    Only for its length: a program that ran a `ckpt` command in-process and then opened its repository lost the
+    protection for the rest of its run.
+    """
+    global LOAD_ON_OPEN
+    before, LOAD_ON_OPEN = LOAD_ON_OPEN, False
+    try:
+        yield
+    finally:
+        LOAD_ON_OPEN = before
 
 
 def load_machinery(always: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""The program's signal handlers held while a commit call runs (repo/signalhold.py: signals_held).
+"""The program's signal handlers held while a commit call runs (signals.py: signals_held).
 
 A handler that saves must not run inside a commit (it would wait on the lane that commit holds): it waits and runs
 once the call lets go. Holding them must change nothing else: the handlers the program sets, the order and number
@@ -367,7 +367,10 @@ import torch
 from ckptstore import Repository
 from safetensors.torch import save_file
 work = sys.argv[1]
-repo = Repository.init(os.path.join(work, "r"))
+Repository.init(os.path.join(work, "r")).close()
+with open(os.path.join(work, "r", ".ckpt", "config.toml"), "a") as f:  # a prune after each commit
+    f.write("\\n[retention]\\nkeep_last = 2\\n")
+repo = Repository.open(os.path.join(work, "r"))
 opened = {name for name in sys.modules if name.startswith("ckptstore")}
 model = torch.nn.Linear(8, 8)
 optimizer = torch.optim.AdamW(model.parameters())
@@ -389,12 +392,68 @@ repo.commit(state(4), "lossy", lossy="balanced", model=model, optimizer=optimize
 repo.commit(state(5), "calibrated", lossy="balanced", model=model, calibration=lambda m: m(torch.ones(1, 8)).sum())
 repo.commit(state(6), "in the background", blocking=False).result()
 print(sorted(name for name in sys.modules if name.startswith("ckptstore") and name not in opened))
+assert sum(not c.pruned for c in repo.log()) == 2  # the policy pruned the others
 """
 
 
 def test_a_program_that_opened_a_repository_imports_nothing_more_of_ckptstore_to_commit(tmp_path):
-    """Whatever a commit is given, what it imports was loaded as the program opened the repository, with its signal
-    handlers held (repo/warm.py: MACHINERY): a handler that saves never finds one of them half-imported."""
+    """Whatever a commit is given, and with the prune a retention policy runs after it, what it imports was loaded as
+    the program opened the repository, with its signal handlers held (repo/warm.py: MACHINERY): a handler that
+    saves never finds one half-imported (reviewer 381: the prune's repo.integrity was missing)."""
     done = _run_child(EVERY_KIND_OF_COMMIT, str(tmp_path), timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["[]"]
+
+
+SIGTERM_DURING_A_LAZY_CLONES_DOWNLOAD = """
+import os, signal, sys, threading, faulthandler
+faulthandler.dump_traceback_later(60, exit=True)
+import torch
+from ckptstore import Repository
+from ckptstore.objectstore import fallback
+repo = Repository.open(sys.argv[1])
+real, fired = fallback.FallbackStore.from_source, []
+
+def from_source(self, oid):  # the scheduler's SIGTERM, landing while the resume's checkout downloads its parent
+    if not fired and threading.current_thread() is threading.main_thread():
+        fired.append(True)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(self, oid)
+
+def last_save(signum, frame):  # a requeue script's: its commit reads the same chain
+    repo.commit({"w": torch.full((300000,), 99.0)}, step=99)
+    sys.exit(7)
+
+fallback.FallbackStore.from_source = from_source
+signal.signal(signal.SIGTERM, last_save)
+repo.checkout("HEAD")
+print("the loop went on", fired)
+"""
+
+
+def test_a_saving_sigterm_handler_landing_while_a_lazy_clone_downloads_saves_after_the_download(tmp_path):
+    """On a lazy clone, a checkout downloads what it lacks under a lock per object; a SIGTERM handler that saved then,
+    on the same thread, read the same chain and waited on that lock forever (reviewer 381). The download holds the
+    program's handlers: the handler's commit comes after it, on that chain."""
+    from ckptstore.repo.remote import clone
+
+    with Repository.init(tmp_path / "hub") as hub:
+        hub.commit({"w": torch.ones(300000)}, step=1)
+    clone(str(tmp_path / "hub"), str(tmp_path / "lazy"), lazy=True).close()
+    done = _run_child(SIGTERM_DURING_A_LAZY_CLONES_DOWNLOAD, str(tmp_path / "lazy"), timeout=120)
+    assert done.returncode == 7 and "the loop went on" not in done.stdout and "Traceback" not in done.stderr, done
+    with Repository.open(tmp_path / "lazy") as repo:
+        assert [c.step for c in repo.log()] == [99, 1]
+        assert torch.equal(repo.checkout("HEAD")["w"], torch.full((300000,), 99.0))
+
+
+def test_a_program_that_ran_a_ckpt_command_in_process_still_loads_the_machinery_as_it_opens(tmp_path):
+    """The `ckpt` command opens repositories without the commit machinery (`ckpt status` loads no numpy), but only for
+    its length: run in-process first, it switched the loading off for the rest of the program (reviewer 381)."""
+    Repository.init(tmp_path).close()
+    script = ("import sys\nfrom ckptstore.cli.entry import main\ntry:\n    main(['status'])\nexcept SystemExit:\n"
+              "    pass\nprint('numpy' in sys.modules)\nfrom ckptstore import Repository\n"
+              "Repository.open(sys.argv[1])\nprint('ckptstore.repo.background' in sys.modules)")
+    done = _run_child(script, str(tmp_path), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-2:] == ["False", "True"]

@@ -17,16 +17,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ckptstore.repo.commit import CommitOptions
+from typing import Any
 
 
 class SignalHold:
     """The signals a commit call holds on the main thread: while it holds its repository's lane, or a whole call."""
 
-    def __init__(self, options: CommitOptions | None, until: str) -> None:
+    def __init__(self, options: Any, until: str) -> None:  # repo.commit's CommitOptions, or None
         # each signal held, with the handler it came to, in arrival order: run by the caller holding no lock (run_held)
         self.held: list[tuple[int, Callable[..., Any]]] = []
         self.everything = False  # while a commit is put in flight: Ctrl-C's and ckptstore's own handlers wait too
@@ -94,7 +91,7 @@ def _only_interrupts(signum: int, handler: Callable[..., Any]) -> bool:
     return code is not None and os.path.realpath(code.co_filename).startswith(_PACKAGE)
 
 
-_PACKAGE = os.path.realpath(Path(__file__).parents[1]) + os.sep  # ckptstore/
+_PACKAGE = os.path.realpath(Path(__file__).parent) + os.sep  # ckptstore/
 
 
 @contextmanager
@@ -204,7 +201,7 @@ def run_held(held: list[tuple[int, Callable[..., Any]]]) -> None:
         raise error
 
 
-def describe(options: CommitOptions) -> str:
+def describe(options: Any) -> str:
     """How a failure names the commit: its step and message where it has them."""
     parts = ([f"at step {options.step}"] if options.step is not None else []) + (
         [repr(options.message)] if options.message else [])
