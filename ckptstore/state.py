@@ -401,18 +401,21 @@ class _Flattener:
         return FlatState(skeleton, self.tensors)
 
     def tensor_extras(self, node: list, requires_grad: bool, parameter: bool, value: Any) -> list:
-        """Add what torch.load gives back besides the values: Parameter, requires_grad.
+        """Add what torch.load gives back besides the values: Parameter, requires_grad, which object.
 
-        Two Parameters (or tensors requiring grad) viewing the same bytes are two objects, each with its
-        own flag: the second and later on a path are numbered ("object"); `value` saved twice is one.
+        Distinct tensors viewing the same bytes (`t` and `t.detach()`, a Parameter and its tie) are two
+        objects, each with its own flag: the second and later on a path are numbered ("object"), so a set
+        of them keeps its members; `value` saved twice is one.
         """
-        if not (parameter or requires_grad):
-            return node
-        extras = {"parameter": True, "requires_grad": requires_grad} if parameter else {"requires_grad": True}
         owners = self.owners.setdefault(node[1], [])
         if id(value) not in owners:  # `value` lives in the state being flattened: its id is its own
             owners.append(id(value))
         number = owners.index(id(value))
+        if not (parameter or requires_grad):
+            if number:  # a plain tensor's own object: checkout gives it a tensor of its own
+                node.append({"object": number})
+            return node
+        extras = {"parameter": True, "requires_grad": requires_grad} if parameter else {"requires_grad": True}
         if number:
             extras["object"] = number
         node.append(extras)
@@ -788,7 +791,7 @@ class _Unflattener:
         self.lookup = lookup
         self.cache: dict[str, Any] = {}
         self.parameters: dict[tuple[str, int], Any] = {}  # by (path, object)
-        self.grads: dict[tuple[str, int], Any] = {}  # tensors that require grad, by (path, object)
+        self.grads: dict[tuple[str, int], Any] = {}  # tensors that require grad or are numbered, by (path, object)
         self.storages: dict[str, Any] = {}
 
     def get(self, path: str) -> Any:
@@ -814,10 +817,10 @@ class _Unflattener:
             if owner not in self.parameters:
                 self.parameters[owner] = _torch().nn.Parameter(value, requires_grad=extras["requires_grad"])
             return self.parameters[owner]
-        if extras.get("requires_grad"):
-            # an object of its own on the same storage: the tensor saved beside it as its .detach() stays without
+        if extras.get("requires_grad") or owner[1]:
+            # an object of its own on the same storage (the tensor saved beside it as its .detach(), or t[:])
             if owner not in self.grads:
-                self.grads[owner] = value.detach().requires_grad_(True)
+                self.grads[owner] = value.detach().requires_grad_(bool(extras.get("requires_grad")))
             return self.grads[owner]
         return value
 

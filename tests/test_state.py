@@ -567,6 +567,25 @@ def test_a_tensor_and_its_detach_come_back_as_two_tensors_on_one_storage(repo):
     assert torch.equal(back["frozen"], live.detach())
 
 
+def test_distinct_tensors_on_one_view_come_back_as_distinct_objects_on_one_storage(repo, tmp_path):
+    """t and t.detach() (or t[:]) were merged by view into one object: a set lost a member, a list's two shared flags.
+
+    Also through a torch.save file (its stand-ins alias the same way); the same object twice stays one.
+    """
+    t = torch.arange(3.0)
+    state = {"s": {t, t.detach()}, "fs": frozenset({t, t[:]}), "l": [t, t.detach(), t]}
+    torch.save({**state, "fs": set(state["fs"])}, tmp_path / "f.pt")  # weights_only loads no frozenset
+    for back in (repo.checkout(repo.commit(state)), repo.checkout(repo.commit(tmp_path / "f.pt"))):
+        assert len(back["s"]) == 2 and len(back["fs"]) == 2
+        first, second, again = back["l"]
+        assert first is not second and first is again
+        members = [*back["s"], *back["fs"], *back["l"]]
+        assert {m.untyped_storage().data_ptr() for m in members} == {first.untyped_storage().data_ptr()}
+        assert all(type(m) is torch.Tensor and torch.equal(m, t) for m in members)
+        second.requires_grad_(True)
+        assert not first.requires_grad
+
+
 def test_tensor_subclasses_without_values_here_are_refused_before_their_storage_is_touched():
     """A lazy module's weight, a FakeTensor, a DTensor raised torch's own errors at commit."""
     import torch.distributed as dist
