@@ -29,6 +29,7 @@ from ckptstore.errors import (
 )
 from ckptstore.errors import is_utf8 as is_utf8  # formats and watch import it from here
 from ckptstore.formats.tuplecost import key_nesting
+from ckptstore.formats.tuplekeys import stored_tuple_key
 from ckptstore.warn import warn_caller
 
 BYTES_DTYPE = "bytes"
@@ -129,10 +130,11 @@ def key_component(key: Any) -> str:
     int keys are their digits and str keys are `escape(key)`, as they always were, except a str
     that reads as an int (or is empty): its first character is percent-encoded ("1" -> "%31",
     "" -> "%22%22"). None, bools and floats get markers. `escape` only ever writes "%25" and
-    "%2F", so no escaped str can look like any of these. A tuple is its escaped repr behind "%tuple:".
+    "%2F", so no escaped str can look like any of these. A tuple is the escaped repr of the key as
+    stored (formats/tuplekeys.py) behind "%tuple:".
     """
-    if isinstance(key, tuple):
-        return "%tuple:" + escape(repr(key))
+    if isinstance(key, tuple):  # as stored: an IntEnum item is an int, a namedtuple a tuple (as readers see it)
+        return "%tuple:" + escape(repr(stored_tuple_key(key)))
     if key is None:
         return "%none"
     if isinstance(key, bool):

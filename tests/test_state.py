@@ -196,6 +196,34 @@ def test_equal_keys_of_other_types_keep_their_own_paths_in_flattens_one_after_an
     assert join_key("m", []) == "m/%22%22"  # a damaged skeleton's unhashable key gets a path, not a TypeError
 
 
+def test_a_tuple_key_of_subclassed_items_is_named_as_stored_so_readers_find_it_by_that_one_path(repo):
+    """flatten named it by the original key's repr ("(<E.A: 1>, 2)"); select, diff and export rebuild it from the stored
+    key ("(1, 2)"): the shown path selected nothing, diff and export listed the tensor twice. Plain tuples keep theirs.
+    """
+    import collections
+    import enum
+
+    from ckptstore.repo.select import _nodes_below
+
+    class E(enum.IntEnum):
+        A = 1
+
+    pair = collections.namedtuple("Pair", "x y")
+    keys = {(E.A, 2): "%tuple:(1, 2)", pair(1, (np.str_("a"),)): "%tuple:(1, ('a',))",
+            (1, 2.5, None, True, ("x/y",)): "%tuple:(1, 2.5, None, True, ('x%2Fy',))"}
+    state = {"k": {key: torch.full((2,), float(n)) for n, key in enumerate(keys)}}
+    flat = flatten(state)
+    assert list(flat.tensors) == [f"k/{path}" for path in keys.values()]
+    assert {p for n, p in _nodes_below(flat.skeleton, "") if n[:1] == ["tensor"]} == set(flat.tensors)
+    first = repo.commit(state)
+    back = repo.checkout(first, keys=["k/%tuple:(1, 2)"])
+    assert list(back["k"]) == [(1, 2)] and type(next(iter(back["k"]))[0]) is int
+    assert torch.equal(back["k"][1, 2], torch.zeros(2))
+    second = repo.commit({"k": {(E.A, 2): torch.ones(2)}})
+    rows = [(d.path, d.status) for d in repo.diff(first, second) if "(1, 2)" in d.path]
+    assert rows == [("k/%tuple:(1, 2)", "changed")]
+
+
 def test_a_root_empty_key_no_longer_merges_with_its_sibling():
     state = {"": {"x": torch.zeros(1)}, "x": torch.ones(1)}
     assert_same(state, _round_trip(state))
