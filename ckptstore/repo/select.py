@@ -4,7 +4,9 @@ A pattern is a shell glob (`fnmatch`, case-sensitive) over the logical paths `ck
 in which "/" and "." both separate levels, so "model.*", "model/*" and "model" all select
 everything under the state's "model" key, and "optimizer.state.*" every optimizer moment. A
 pattern that names a container selects all of it; `*` also matches across levels. In a folder
-commit the first level is the file's name: "model.safetensors", "optimizer.pt.state.*".
+commit the first level is the file's name: "model.safetensors", "optimizer.pt.state.*". A path as
+`ckpt show` lists it selects that path alone, unfolded: "a.b" is not the key "a/b" ("a%2Fb") nor a
+nested a -> b ("a/b").
 
 Selecting prunes the manifest: each file's skeleton keeps only the matched values (and the
 containers leading to them; a list keeps its matched items, in order), and the entries are only
@@ -48,9 +50,14 @@ def _level(text: str) -> str:
 
 @dataclass(frozen=True)
 class KeyPatterns:
-    """Glob patterns over logical paths; a path matches one itself or lies below what it names."""
+    """Glob patterns over logical paths; a path matches one itself or lies below what it names.
+
+    `exact` patterns are paths as written: they select that path (and what lies below it) alone, with
+    no folding of "/", "." and "%2F", so the keys "a.b" and "a/b" and a nested a -> b stay apart.
+    """
 
     patterns: tuple[str, ...]
+    exact: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.patterns or not all(isinstance(p, str) and p for p in self.patterns):
@@ -60,8 +67,11 @@ class KeyPatterns:
         """True when `path` (a logical path, or a container's path) is selected."""
         if not path:
             return False
+        if any(path == p or path.startswith(p + "/") for p in self.exact):
+            return True
         dotted = _level(path)
-        return any(fnmatchcase(dotted, p) or fnmatchcase(dotted, p + ".*") for p in map(_level, self.patterns))
+        return any(fnmatchcase(dotted, _level(p)) or fnmatchcase(dotted, _level(p) + ".*")
+                   for p in self.patterns if p not in self.exact)
 
 
 @dataclass
@@ -101,32 +111,38 @@ def select(manifest: Manifest, keys: Iterable[str], commit: str = "") -> Selecti
 def _as_written(manifest: Manifest, wanted: KeyPatterns) -> KeyPatterns:
     """`wanted`, each pattern that names a path of `manifest` as written taken literally.
 
-    A path copied from `ckpt show` selects itself, glob characters and all ("emb[1]", not "emb1"); one that
-    matches nothing as given but is a path's own text (a key "acc%" or "1", stored escaped as "acc%25" and
-    "%31") selects that path.
+    A path copied from `ckpt show` selects itself alone, glob characters and all ("emb[1]", not "emb1"; "a.b",
+    not the key "a/b" nor a nested a -> b); one that matches nothing as given but is a path's own text (a key
+    "acc%" or "1", stored escaped as "acc%25" and "%31") selects that path. Other patterns fold separators.
     """
-    entries = {_level(path) for path in _prefixes(manifest.entries)}  # cheap: most patterns name one of these
+    stored = _prefixes(manifest.entries)  # cheap: most patterns name one of these
+    entries = {_level(path) for path in stored}
+    exact: set[str] = set()
 
     @functools.cache
-    def readable() -> tuple[set[str], dict[str, str | None]]:  # every path, as stored and as read: made only for a
-        paths, found = _paths(manifest), {}  # pattern that names no entry (walking every skeleton costs)
+    def readable() -> tuple[set[str], set[str], dict[str, str | None]]:  # every path, as stored and as read: made
+        paths, found = _paths(manifest), {}  # only for a pattern that names no entry (walking every skeleton costs)
         for path in paths:
             key = _level(readable_path(path))
             found[key] = path if found.get(key, path) == path else None  # two paths reading alike: neither
-        return {_level(path) for path in paths}, found
+        return paths, {_level(path) for path in paths}, found
 
     def literal(pattern: str) -> str:
+        if pattern in stored or pattern in readable()[0]:  # a path as `ckpt show` lists it: that path alone
+            exact.add(pattern)
+            return pattern
         escaped = glob.escape(pattern)
         if escaped != pattern and _selected_files(manifest, KeyPatterns((escaped,)))[0]:
             return escaped  # the path as written first: "emb[1]" is that key, not a glob matching "emb1"
-        if _level(pattern) in entries or _level(pattern) in readable()[0]:  # a path as stored: nothing to look up
+        if _level(pattern) in entries or _level(pattern) in readable()[1]:  # a path as stored: nothing to look up
             return pattern
-        spelled = readable()[1].get(_level(pattern))
+        spelled = readable()[2].get(_level(pattern))
         if spelled and not _selected_files(manifest, KeyPatterns((pattern,)))[0]:
-            return glob.escape(spelled)
+            exact.add(spelled)
+            return spelled
         return pattern
 
-    return KeyPatterns(tuple(map(literal, wanted.patterns)))
+    return KeyPatterns(tuple(map(literal, wanted.patterns)), frozenset(exact))
 
 
 def _paths(manifest: Manifest) -> set[str]:

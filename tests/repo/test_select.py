@@ -122,6 +122,23 @@ def test_patterns_select_nested_keys_scalars_and_a_tied_tensor(repo):
     assert repo.checkout(odd, keys=["lr[0-9]"]) == {"lr0": 0.2}  # and a glob that names no path stays a glob
 
 
+def test_a_path_as_show_lists_it_selects_itself_alone_not_the_paths_it_folds_with(repo, tmp_path):
+    """Keys "a.b", "a/b" (stored "a%2Fb") and a nested a -> b (stored "a/b") were one pattern after "/", "." and "%2F"
+    were folded: each path `ckpt show` lists selected all three (auditor helper 384). Patterns naming no path fold."""
+    state = {"a.b": torch.zeros(1), "a/b": torch.ones(1), "a": {"b": torch.full((1,), 2.0)},
+             "l": [torch.full((1,), 3.0)], "l.0": torch.full((1,), 4.0)}
+    cid = repo.commit(state)
+    shown = CliRunner().invoke(cli, ["--repo", str(repo.root), "show", cid]).output
+    assert {"a.b", "a%2Fb", "a/b", "l.0", "l/0"} <= {line.split()[0] for line in shown.splitlines() if line.strip()}
+    assert_same(repo.checkout(cid, keys=["a.b"]), {"a.b": torch.zeros(1)})
+    assert_same(repo.checkout(cid, keys=["a%2Fb"]), {"a/b": torch.ones(1)})
+    assert_same(repo.checkout(cid, keys=["a/b"]), {"a": {"b": torch.full((1,), 2.0)}})
+    assert_same(repo.checkout(cid, keys=["l.0"]), {"l.0": torch.full((1,), 4.0)})
+    assert_same(repo.checkout(cid, keys=["l/0"]), {"l": [torch.full((1,), 3.0)]})
+    assert_same(repo.checkout(cid, keys=["a"]), {"a": {"b": torch.full((1,), 2.0)}})  # a container: all of it
+    assert_same(repo.checkout(cid, keys=["l.*"]), {"l": [torch.full((1,), 3.0)], "l.0": torch.full((1,), 4.0)})
+
+
 def _trainer_folder(folder, trainer):
     folder.mkdir()
     save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, folder / "model.safetensors",
