@@ -21,15 +21,33 @@ ZIP_MAGIC = b"PK\x03\x04"
 PICKLE_MAGIC = b"\x80"
 
 
+# how a numpy scalar (np.float64(0.91)) is pickled: scalar(dtype, bytes), by numpy 2's name and numpy 1's
+NUMPY_SCALAR_NAMES = ("numpy._core.multiarray.scalar", "numpy.core.multiarray.scalar")
+_SCALAR_REFUSAL = "only numeric and bool numpy scalars are read"  # refusal_reason finds it among torch's lines
+
+
+def numeric_scalar_args(dtype: Any, data: Any) -> bool:
+    """Whether scalar(`dtype`, `data`) is a numeric or bool numpy scalar's: never an object, string or record."""
+    return (isinstance(dtype, np.dtype) and dtype.kind in "biufc" and dtype.fields is None
+            and dtype.subdtype is None and type(data) is bytes and len(data) == dtype.itemsize)
+
+
+def numeric_scalar(dtype: Any, data: Any) -> np.generic:
+    """The numpy scalar(dtype, bytes) for numeric and bool dtypes only: a checkout -o file of a state's np.float64."""
+    if not numeric_scalar_args(dtype, data):
+        raise pickle.UnpicklingError(f"a numpy scalar of dtype {dtype!r:.60}: {_SCALAR_REFUSAL}")
+    return np.frombuffer(data, dtype=dtype)[0]  # the bytes as that scalar, without numpy's own constructor
+
+
 def numpy_safe_globals() -> list:
-    """What torch needs to rebuild numpy arrays (numeric dtypes only, never object arrays)."""
+    """What torch needs to rebuild numpy arrays and scalars (numeric dtypes only, never object arrays)."""
     try:
         from numpy._core.multiarray import _reconstruct
     except ImportError:  # numpy < 2
         from numpy.core.multiarray import _reconstruct
     excluded = {"ObjectDType", "VoidDType", "StringDType"}
     dtypes = [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType") and n not in excluded]
-    return [np.ndarray, _reconstruct, np.dtype, *dtypes]
+    return [np.ndarray, _reconstruct, np.dtype, *dtypes, *((numeric_scalar, name) for name in NUMPY_SCALAR_NAMES)]
 
 
 def looks_like_torch_file(path: str | os.PathLike) -> bool:
@@ -76,6 +94,9 @@ def refusal_reason(reason: str, global_name: str = "") -> str:
     named = named.removeprefix("builtins.")  # as torch names them
     if named:
         return f"{named} is not among the classes torch.load(weights_only=True) allows"
+    scalar = re.search(r"a numpy scalar of dtype .*?: " + _SCALAR_REFUSAL, reason)
+    if scalar:  # numeric_scalar's own refusal, which torch puts amid its lines
+        return scalar.group(0)
     operand = re.search(r"Unsupported operand (\d+)", reason)
     if operand:  # FRAME (149) first: torch.save(..., pickle_protocol=4 or 5)
         return (f"its pickle uses opcode {int(operand.group(1))}, which torch.load(weights_only=True) does not read: "

@@ -43,7 +43,13 @@ import numpy as np
 from ckptstore.errors import CheckpointFormatError, UnsupportedStateError
 from ckptstore.formats import filemap
 from ckptstore.formats.dtypestate import dtype_state_problem, zipped_pickle
-from ckptstore.formats.torchfile import numpy_safe_globals, refused
+from ckptstore.formats.torchfile import (
+    NUMPY_SCALAR_NAMES,
+    numeric_scalar,
+    numeric_scalar_args,
+    numpy_safe_globals,
+    refused,
+)
 from ckptstore.formats.tuplecost import MAX_VISITS, tuple_cost
 from ckptstore.state import (
     BOOKKEEPING_ATTRIBUTES,
@@ -289,6 +295,11 @@ def _np_reconstruct(subtype: Any, shape: Any, typecode: Any) -> np.ndarray:
     return np.empty(0, dtype=np.int8)
 
 
+def _np_scalar(dtype_: Any, data: Any) -> np.generic:
+    _need(numeric_scalar_args(dtype_, data), "numpy scalar")  # torch's path refuses the others by name
+    return numeric_scalar(dtype_, data)
+
+
 def _np_dtype(spec: Any, align: Any = False, copy: Any = False) -> np.dtype:
     """Numeric dtypes only: never objects, strings, records or datetimes."""
     _need(type(spec) is str and type(align) is bool, "numpy dtype arguments")
@@ -360,7 +371,7 @@ def _rebuild_parameter_with_state(data: Any, requires_grad: Any, hooks: Any, sta
 @cache
 def _numpy_names() -> frozenset[str]:
     """The numpy globals torchfile.load lets torch accept, by the dotted name torch matches."""
-    return frozenset(f"{g.__module__}.{g.__qualname__}" for g in numpy_safe_globals())
+    return frozenset(g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}" for g in numpy_safe_globals())
 
 
 @cache
@@ -381,6 +392,7 @@ def _globals() -> dict[tuple[str, str], Any]:
     }
     reconstruct = next(g for g in numpy_safe_globals() if getattr(g, "__name__", "") == "_reconstruct")
     calls[(reconstruct.__module__, "_reconstruct")] = _np_reconstruct
+    calls.update({tuple(name.rsplit(".", 1)): _np_scalar for name in NUMPY_SCALAR_NAMES})
     table: dict[tuple[str, str], Any] = {key: _Global(".".join(key), call) for key, call in calls.items()}
     table[("numpy", "ndarray")] = _NDARRAY
     table[("torch.storage", "UntypedStorage")] = _StorageType(TORCH_PREFIX + "uint8")

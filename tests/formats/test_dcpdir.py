@@ -356,14 +356,15 @@ def test_numpy_rng_state_in_a_dcp_directory_checks_out_and_a_refusal_carries_no_
 
 
 def test_a_non_tensor_item_a_checkout_could_not_write_back_is_refused_at_commit_unless_trusted(tmp_path):
-    """A numpy scalar (a best metric) committed silently from a DCP directory, then no checkout could write it back:
-    a torch.save file holding one is refused at commit, and so is this now (interop auditor)."""
-    import numpy as np
+    """A non-tensor item of a class weights_only refuses (a best metric as a Fraction) committed silently from a DCP
+    directory, then no checkout could write it back: a torch.save file holding one is refused at commit, and so is
+    this now (interop auditor). A numeric numpy scalar is read by both since auditor helper 384: a Fraction here."""
+    from fractions import Fraction
 
-    dcp.save({"w": torch.ones(4), "best_metric": np.float64(0.25)},
+    dcp.save({"w": torch.ones(4), "best_metric": Fraction(1, 4)},
              storage_writer=dcp.FileSystemWriter(str(tmp_path / "s")))
     with Repository.init(tmp_path / "repo") as repo:
-        with pytest.raises(PickledObjectsError, match=r"best_metric: .*numpy._core.multiarray.scalar.*nothing was "
+        with pytest.raises(PickledObjectsError, match=r"best_metric: .*fractions.Fraction.*nothing was "
                                                       r"committed. Commit with --trust-pickle"):
             repo.commit(tmp_path / "s")
         assert repo.log() == []

@@ -20,7 +20,7 @@ from ckptstore import Repository, formats
 from ckptstore.errors import CheckpointFormatError, UnsupportedStateError
 from ckptstore.formats import torchfile, torchzip
 from ckptstore.state import TORCH_ITEMSIZE, RawTensor, flatten
-from tests.conftest import Trainer, assert_same, ckpt_env
+from tests.conftest import Trainer, assert_same, ckpt_env, ckpt_here
 
 DTYPES = [torch.float32, torch.float16, torch.float64, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
@@ -313,12 +313,35 @@ def test_training_args_bin_in_a_folder_stays_a_blob(tmp_path):
     assert kinds["optimizer.pt"] == ("torch", "")
 
 
-def test_numpy_scalars_are_refused_as_torch_refuses_them(tmp_path):
-    # torchfile allows numpy arrays and dtypes but not numpy._core.multiarray.scalar: neither do we
-    torch.save({"x": np.float32(1.5)}, tmp_path / "a.pt")
-    with pytest.raises(CheckpointFormatError) as info:
-        torchzip.read(tmp_path / "a.pt")
-    assert str(info.value) == _torch_error(tmp_path / "a.pt")
+class _ObjectScalar:
+    """Pickles as numpy's scalar(dtype('O'), [...]): how an object-dtype scalar would come into a file."""
+
+    def __reduce__(self):
+        return np.float64(0).__reduce__()[0], (np.dtype("O"), [1])  # numpy's scalar, whichever module holds it
+
+
+def test_numpy_scalars_of_a_checked_out_state_are_read_back_and_object_ones_refused(tmp_path):
+    """A state's np.float64 commits and `ckpt checkout -o` writes it, but committing that file was refused
+    ("numpy._core.multiarray.scalar is not among the classes", auditor helper 384). Both readers read numeric ones."""
+    state = {"w": torch.ones(2), "best_acc": np.float64(0.91), "epoch": np.int64(3), "half": np.float16(1.5),
+             "flag": np.bool_(True), "z": np.complex64(1 + 2j), "nan": np.float32("nan")}
+    with Repository.init(tmp_path / "repo") as repo:
+        first = repo.commit(state)
+        assert ckpt_here(repo.root, "checkout", first, "-o", tmp_path / "c.pt").returncode == 0
+        save_and_compare(tmp_path, torch.load(tmp_path / "c.pt", weights_only=False), "again.pt")  # both readers
+        again = ckpt_here(repo.root, "commit", tmp_path / "c.pt")
+        assert again.returncode == 0, again.stdout + again.stderr
+        back = repo.checkout("HEAD")
+        assert repo.log()[0].id != first
+    assert list(back) == list(state) and torch.equal(back["w"], state["w"])
+    bits = lambda values: {k: (type(v), v.dtype, v.tobytes()) for k, v in values.items() if k != "w"}  # NaN too
+    assert bits(back) == bits(state)
+    torch.save({"o": _ObjectScalar()}, tmp_path / "o.pt")
+    with pytest.raises(CheckpointFormatError, match="numpy.dtypes.ObjectDType is not among the classes"):
+        formats.read_checkpoint(tmp_path / "o.pt")
+    torch.save({"s": np.str_("a")}, tmp_path / "s.pt")  # numpy's StrDType is allowed for arrays: not as a scalar
+    with pytest.raises(CheckpointFormatError, match="only numeric and bool numpy scalars are read"):
+        formats.read_checkpoint(tmp_path / "s.pt")
 
 
 def test_a_numpy_object_array_is_refused_naming_the_class_torch_refused(tmp_path):
