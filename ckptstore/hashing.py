@@ -14,9 +14,10 @@ CommitId = NewType("CommitId", str)
 HEX_LENGTH = 64
 
 
-def _hasher(data: bytes | memoryview | None = None, threads: int = 1) -> blake3.blake3:
-    # One thread by default: callers already hash many buffers at once on a thread pool.
-    hasher = blake3.blake3(max_threads=threads)
+def _hasher(data: bytes | memoryview | None = None) -> blake3.blake3:
+    # Always one thread: callers hash many buffers at once on ckptstore's pool, and blake3's rayon
+    # mode starts a pool that, where its threads cannot start (a memory limit), panics and hangs.
+    hasher = blake3.blake3(max_threads=1)
     if data is not None:
         hasher.update(data)
     return hasher
@@ -65,8 +66,12 @@ def commit_id(canonical_record: bytes) -> CommitId:
 
 
 def bytes_digest(data: bytes | memoryview) -> str:
-    """blake3 of `data` on all cores: a whole file's digest (formats/filemap.py's `file_digest`)."""
-    return _hasher(data, threads=blake3.blake3.AUTO).hexdigest()
+    """blake3 of `data` on this thread: a whole file's digest (formats/filemap.py's `file_digest`).
+
+    Files go to ckptstore's own pool one a task (repo/commit.py), where a thread that cannot start
+    raises a Python error; blake3's rayon mode panicked there instead, and hung the command.
+    """
+    return _hasher(data).hexdigest()
 
 
 def is_hex_id(text: str) -> bool:

@@ -184,7 +184,7 @@ def allow_open_files(count: int) -> None:
 
 
 def file_digest(path: str | os.PathLike, within: Guard | None = None) -> str:
-    """blake3 of a file's bytes on all cores, hashed from a guarded map (as fast as blake3's own map).
+    """blake3 of a file's bytes on one thread, hashed from a guarded map (as fast as blake3's own map).
 
     With no guard given or active, it guards itself: a file cut short meanwhile raises.
     """
