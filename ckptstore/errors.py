@@ -427,6 +427,26 @@ def _out_of_memory(exc: BaseException, text: str) -> CkptError | None:
     return None
 
 
+_LIMIT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EFBIG, *DISK_FULL_ERRNOS})
+
+
+def out_of_resources(exc: BaseException) -> bool:
+    """Whether `exc`, or what it wraps, is a limit met (files, memory, threads, disk), not a fault of what was read.
+
+    A reader's catch-all lets these through before it calls a file damaged: a user told so may delete a good
+    checkpoint, and `explain` names the limit instead.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _LIMIT_ERRNOS or _out_of_memory(
+                current, str(current).lower()) is not None:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def _limit_of_open_files() -> str:
     """", the limit is N" for this process's limit on open files, where it can be read."""
     try:

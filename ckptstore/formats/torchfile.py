@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.errors import CheckpointFormatError, CkptError, PickledObjectsError
+from ckptstore.errors import CheckpointFormatError, CkptError, PickledObjectsError, out_of_resources
 from ckptstore.formats import filemap
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.formats.dtypestate import bad_dtype_state
@@ -142,6 +142,8 @@ def load(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
     except pickle.UnpicklingError as exc:
         raise refused(path, str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - torch's loader raises IndexError, KeyError, struct.error... on damage
+        if out_of_resources(exc):  # a limit met (open files, memory), not damage: the CLI names the limit
+            raise
         reason = re.split(r"\s+Exception raised from ", str(exc))[0]  # torch's C++ errors append their stack
         raise CheckpointFormatError(
             f"{path} is not a readable torch.save file (truncated or corrupted?): {reason}"
@@ -224,11 +226,13 @@ def _load_trusted(torch, path: Path, mmap: bool) -> Any:
     """torch.load with full unpickling: the file's own code runs, so any exception may come out of it."""
     try:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-    except (ImportError, AttributeError) as exc:  # a class the pickle names is not importable here
-        raise PickledObjectsError(
-            f"{path} names a class that cannot be imported here ({type(exc).__name__}: {exc}); "
-            "install the code that defines it to unpickle the file") from None
     except Exception as exc:  # noqa: BLE001 - trusted unpickling runs the file's code: anything can fail
+        if out_of_resources(exc):  # a limit met (open files, memory), not damage: the CLI names the limit
+            raise
+        if isinstance(exc, (ImportError, AttributeError)):  # a class the pickle names is not importable here
+            raise PickledObjectsError(
+                f"{path} names a class that cannot be imported here ({type(exc).__name__}: {exc}); "
+                "install the code that defines it to unpickle the file") from None
         raise CheckpointFormatError(
             f"{path} could not be unpickled (truncated, corrupted, or its objects failed to rebuild): "
             f"{type(exc).__name__}: {exc}") from None

@@ -40,7 +40,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ckptstore.errors import CheckpointFormatError, UnsupportedStateError
+from ckptstore.errors import CheckpointFormatError, UnsupportedStateError, out_of_resources
 from ckptstore.formats import filemap
 from ckptstore.formats.dtypestate import dtype_state_problem, zipped_pickle
 from ckptstore.formats.torchfile import (
@@ -790,6 +790,8 @@ def read_with_covers(path: str | Path, prefix: str = "", on_fallback: Callable[[
     except UnsupportedStateError:
         raise
     except Exception as exc:  # anything not modelled, malformed or truncated: torch's loader decides
+        if out_of_resources(exc):  # a limit met (open files, memory) is no reason to doubt the file
+            raise
         if on_fallback is not None:
             on_fallback(f"{type(exc).__name__}: {exc}")
         return None

@@ -1,3 +1,4 @@
+import errno
 import hashlib
 import io
 import json
@@ -409,6 +410,38 @@ def test_truncated_or_corrupted_zip_is_a_format_error(tmp_path, cut):
     assert torchzip.read(tmp_path / "c.pt") is None
     with pytest.raises(CheckpointFormatError):
         formats.read_checkpoint(tmp_path / "c.pt")
+
+
+def _raising(exc: BaseException):
+    """A stand-in reader that fails with `exc`."""
+    def read(*args, **kwargs):
+        raise exc
+    return read
+
+
+EMFILE = OSError(errno.EMFILE, "Too many open files", "torch/utils/serialization/__init__.py")
+NOT_MODELLED = NotImplementedError("a case the native reader leaves to torch")
+
+
+@pytest.mark.parametrize(("native", "by_torch", "trust", "said"), [
+    (EMFILE, None, False, "too many open files"),
+    (NOT_MODELLED, EMFILE, False, "too many open files"),
+    (NOT_MODELLED, EMFILE, True, "too many open files"),
+    (NOT_MODELLED, MemoryError(), False, "out of memory"),
+])
+def test_a_limit_met_while_reading_is_said_not_called_damage(tmp_path, monkeypatch, native, by_torch, trust, said):
+    """Out of file descriptors (RLIMIT_NOFILE 9), the native reader's EMFILE fell back to torch, whose import failed
+    with EMFILE too, and `ckpt commit` said the good file was "truncated or corrupted" (auditor 383): the limit now."""
+    torch.save({"w": torch.randn(1000)}, tmp_path / "big.pt")
+    ckpt_here(tmp_path, "init")
+    monkeypatch.setattr(torchzip, "_load", _raising(native))
+    if by_torch is not None:
+        monkeypatch.setattr(torch, "load", _raising(by_torch))
+    result = ckpt_here(tmp_path, "commit", "big.pt", *(["--trust-pickle"] if trust else []))
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"error: {said}") and "corrupted" not in result.stderr, result.stderr
+    if said == "too many open files":
+        assert "`ulimit -n" in result.stderr
 
 
 def test_tensor_past_its_storage_falls_back(tmp_path):
