@@ -57,6 +57,16 @@ class DaemonGone(CkptError):
     """The daemon's connection broke in the middle of a command."""
 
 
+def one_blas_thread() -> None:
+    """Numpy's OpenBLAS runs one thread unless the user chose more; called by `ckpt` and the daemon before numpy loads.
+
+    ckptstore threads its own work, and its numpy use is element-wise (1-D dots at most); and an
+    OpenBLAS that cannot start its threads (a memory or thread limit) raises SIGINT, which the CLI
+    would take for a Ctrl-C, or exits the process with no error line.
+    """
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
 def log_path(root: Path) -> Path:
     """The daemon's output (its own faults' tracebacks): `.ckpt/daemon.log`."""
     return root / ".ckpt" / "daemon.log"

@@ -44,6 +44,7 @@ from ckptstore.daemon import (
     forwardable,
     lock_path,
     log_path,
+    one_blas_thread,
     open_own_file,
     private_folder,
     read_address,
@@ -438,6 +439,7 @@ def _interrupt_on_request(conn: socket.socket) -> Iterator[threading.Event]:
 
 def main() -> None:
     """`python -m ckptstore.daemon_server ROOT [--idle SECONDS]`: serve until idle, stopped or stale."""
+    one_blas_thread()  # the commits it serves load numpy
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("root", type=Path)
     parser.add_argument("--idle", type=float, default=DEFAULT_IDLE_SECONDS)

@@ -19,7 +19,9 @@ def main() -> None:
 
 
 def _launch(argv: list[str]) -> None:
-    from ckptstore.daemon import command_of, forwardable  # the standard library only: the choice stays fast
+    from ckptstore.daemon import command_of, forwardable, one_blas_thread  # the standard library only: stays fast
+
+    one_blas_thread()  # before numpy loads: here, or in a daemon this command starts
 
     if forwardable(argv):  # a commit that imports none of the user's code (daemon.py)
         code = _in_daemon(argv, command_of(argv)[1])
