@@ -330,10 +330,15 @@ def no_inodes_left(path: str | os.PathLike | None) -> str | None:
     return folder if stats.f_files and stats.f_favail < max(64, stats.f_files // 1000) else None
 
 
+def no_more_files(folder: str) -> str:
+    """The words for a file system with bytes left but no inodes, where `folder` is (no_inodes_left's)."""
+    return (f"the file system holding {folder} can make no more files (its inodes are used up: `df -i {folder}`), "
+            "though it may have bytes free")
+
+
 def inodes_used_up(folder: str) -> DiskFullError:
     """The error for a file system with bytes left but no inodes: freeing bytes would not help."""
-    return DiskFullError(f"the file system holding {folder} can make no more files (its inodes are used up: "
-                         f"`df -i {folder}`), though it may have bytes free; "
+    return DiskFullError(f"{no_more_files(folder)}; "
                          + _NOTHING_LOST.format(remedy="Remove files there, or use a file system with more inodes"))
 
 

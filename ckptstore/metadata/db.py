@@ -34,6 +34,8 @@ from ckptstore.errors import (
     ReadOnlyRepoError,
     RepoLockedError,
     listing,
+    no_inodes_left,
+    no_more_files,
 )
 from ckptstore.metadata.sqlite import (
     BUSY_TIMEOUT_MS,
@@ -265,8 +267,10 @@ class Database:
             self.check_schema()
             # read-only while it lasts (sqlite.py); one opened read-only stays so
             self._full = not read_only and getattr(self.backend, "disk_full", False)
-            if self._full:
-                self.read_only, self.why = True, f"the disk is full where {self.where} is; nothing was lost"
+            if self._full:  # bytes, or inodes: there freeing bytes would not help
+                held = no_inodes_left(self.path)
+                full = no_more_files(held) if held else f"the disk is full where {self.where} is"
+                self.read_only, self.why = True, f"{full}; nothing was lost"
         except BaseException:
             self.close()  # no connection outlives a database that failed to open
             raise

@@ -152,6 +152,31 @@ def test_a_full_disk_makes_a_repository_read_only_only_while_it_lasts_and_never_
             assert not repo.read_only and len(repo.log()) == 2
 
 
+def test_a_repository_read_only_for_want_of_inodes_says_so_not_that_the_disk_is_full(tmp_path, monkeypatch):
+    """Out of inodes with bytes free, SQLite's -shm could not be made and writing commands said "the disk is full",
+    whose remedy (free some space) may not help (auditor 383): the inodes now, as the other writes say them."""
+    from ckptstore.metadata import sqlite as sqlite_backend
+
+    connecting = sqlite_backend.connect_sqlite
+
+    def as_out_of_inodes(path, read_only=False, immutable=False):  # SQLite cannot make its -shm file
+        if not immutable:
+            raise sqlite3.OperationalError("database or disk is full")
+        return connecting(path, read_only, immutable)
+
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"w": torch.ones(3)})
+    folder, statvfs = str(tmp_path / ".ckpt"), os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda path: os.statvfs_result((4096,) * 5 + (64, 0, 0, 0, 255))
+                        if os.fspath(path) == folder else statvfs(path))
+    monkeypatch.setattr(sqlite_backend, "connect_sqlite", as_out_of_inodes)
+    with Repository.open(tmp_path) as repo, pytest.raises(ReadOnlyRepoError) as refused:
+        repo.commit({"w": torch.zeros(3)})
+    said = str(refused.value)
+    assert f"(the file system holding {folder} can make no more files (its inodes are used up: `df -i {folder}`)" \
+        in said and "the disk is full" not in said, said
+
+
 def test_an_unwritable_copy_whose_log_holds_commits_but_lost_its_shared_memory_file_says_what_to_do(tmp_path):
     """A writer killed after its commit leaves the commit in ckpt.db-wal; without -shm, SQLite cannot read it there."""
     import sys
