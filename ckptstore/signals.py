@@ -23,11 +23,11 @@ from typing import Any
 class SignalHold:
     """The signals a commit call holds on the main thread: while it holds its repository's lane, or a whole call."""
 
-    def __init__(self, options: Any, until: str) -> None:  # repo.commit's CommitOptions, or None
+    def __init__(self, options: Any, until: str) -> None:  # repo.commit's CommitOptions, what else runs, or None
         # each signal held, with the handler it came to, in arrival order: run by the caller holding no lock (run_held)
         self.held: list[tuple[int, Callable[..., Any]]] = []
         self.everything = False  # while a commit is put in flight: Ctrl-C's and ckptstore's own handlers wait too
-        self.options = options  # the commit stderr names at the first signal held
+        self.options = options  # the commit (or what else runs) stderr names at the first signal held
         self.until = until
         self.told = False
 
@@ -51,9 +51,11 @@ class SignalHold:
             name = signal.Signals(signum).name
         except ValueError:  # a real-time signal has no name
             name = f"signal {signum}"
+        what = (f"{self.options}: its handler runs once {self.until}" if isinstance(self.options, str) else
+                f"the commit {describe(self.options)}: its handler runs once {self.until}; kill -9 abandons the "
+                "commit (nothing of it is recorded then)")
         try:
-            print(f"{name} came during the commit {describe(self.options)}: its handler runs once {self.until}; "
-                  "kill -9 abandons the commit (nothing of it is recorded then)", file=sys.stderr, flush=True)
+            print(f"{name} came during {what}", file=sys.stderr, flush=True)
         except Exception:  # stderr closed, or the signal landed inside a write to it: held all the same
             pass
 
@@ -134,14 +136,15 @@ def signals_held(hold: SignalHold) -> Iterator[None]:
 
 
 @contextmanager
-def signals_waiting() -> Iterator[None]:
+def signals_waiting(during: str = "", until: str = "") -> Iterator[None]:
     """The program's signal handlers wait while the block runs, and run after it: for a lock a saving handler takes.
 
     `ckptstore.save` by path holds the lock of its kept repositories a moment: a SIGTERM handler that saved
-    took it again, on the same thread, and waited on itself until SIGKILL. Too short to say anything of.
+    took it again, on the same thread, and waited on itself until SIGKILL. Too short to say anything of,
+    unless `during` names what runs (a download may take minutes): stderr then says so at the first signal.
     """
-    hold = SignalHold(None, "")
-    hold.told = True
+    hold = SignalHold(during or None, until)
+    hold.told = not during
     try:
         with signals_held(hold):
             yield

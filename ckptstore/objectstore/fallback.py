@@ -89,7 +89,7 @@ class FallbackStore:
             if exc.problem != "missing":
                 raise
         # a handler that saves (a SIGTERM's) reads the same chain: run inside the copy, it waited on its locks forever
-        with signals_waiting():
+        with signals_waiting(f"the download of object {oid[:12]} from the origin", "it is here"):
             return self._copied(read, oid, held)
 
     def _copied(self, read: Callable[[], Any], oid: ObjectId, held: Callable[[bytes], Any]) -> Any:
@@ -181,7 +181,7 @@ class FillingRanges:
         except CorruptObjectError as exc:
             if exc.problem != "missing":
                 raise
-        with signals_waiting():  # as in FallbackStore._filled: the source's lock is taken meanwhile
+        with signals_waiting(f"a read of object {oid[:12]} from the origin", "it is here"):  # as in _filled
             if self._source is None:  # unverified, as range reads are: the replay checks each chunk's checksum
                 self._source = self._store.source(oid).open_ranges()
             source = self._source

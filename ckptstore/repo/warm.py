@@ -39,7 +39,7 @@ def keep_warm(root: Path) -> None:
         _ROOTS.add(str(root))
 
 
-LOAD_ON_OPEN = True  # a program loads the machinery as it opens a repository; the `ckpt` command does not
+_AS_NEEDED = threading.local()  # on a thread running a `ckpt` command: opening loads only what is used
 # What any commit may import (a state, a file, a folder, lossy, calibrated, pruned after), numpy but not torch:
 # the modules these import complete it (tests/repo/test_signal_hold.py checks that a commit imports nothing more).
 MACHINERY = ("ckptstore.replay", "ckptstore.formats.checkpoint_io", "ckptstore.formats.safetensors_file",
@@ -52,17 +52,17 @@ MACHINERY = ("ckptstore.replay", "ckptstore.formats.checkpoint_io", "ckptstore.f
 
 @contextmanager
 def machinery_as_needed() -> Iterator[None]:
-    """Within the block, opening a repository loads only what is used: a `ckpt` command sets no handler that saves.
+    """Within the block, on this thread, opening a repository loads only what is used: a `ckpt` command's.
 
-    Only for its length: a program that ran a `ckpt` command in-process and then opened its repository lost the
-    protection for the rest of its run.
+    A `ckpt` command sets no handler that saves, and `ckpt status` loads no numpy. Only for its length and
+    its thread: a program that ran a command in-process, or two at once, kept the protection off after it.
     """
-    global LOAD_ON_OPEN
-    before, LOAD_ON_OPEN = LOAD_ON_OPEN, False
+    before = getattr(_AS_NEEDED, "on", False)
+    _AS_NEEDED.on = True
     try:
         yield
     finally:
-        LOAD_ON_OPEN = before
+        _AS_NEEDED.on = before
 
 
 def load_machinery(always: bool = False) -> None:
@@ -72,7 +72,7 @@ def load_machinery(always: bool = False) -> None:
     a commit needs (replay, checkpoint_io, repo.background), found it half-imported: its save failed, and the
     call it interrupted with it. Loaded as the program opens a repository, no later call imports one of them.
     """
-    if (always or LOAD_ON_OPEN) and not all(loaded(name) for name in MACHINERY):
+    if (always or not getattr(_AS_NEEDED, "on", False)) and not all(loaded(name) for name in MACHINERY):
         with signals_waiting():
             for name in MACHINERY:
                 importlib.import_module(name)

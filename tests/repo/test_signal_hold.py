@@ -442,6 +442,7 @@ def test_a_saving_sigterm_handler_landing_while_a_lazy_clone_downloads_saves_aft
     clone(str(tmp_path / "hub"), str(tmp_path / "lazy"), lazy=True).close()
     done = _run_child(SIGTERM_DURING_A_LAZY_CLONES_DOWNLOAD, str(tmp_path / "lazy"), timeout=120)
     assert done.returncode == 7 and "the loop went on" not in done.stdout and "Traceback" not in done.stderr, done
+    assert "SIGTERM came during the download of object" in done.stderr  # minutes, maybe: said (reviewer 389)
     with Repository.open(tmp_path / "lazy") as repo:
         assert [c.step for c in repo.log()] == [99, 1]
         assert torch.equal(repo.checkout("HEAD")["w"], torch.full((300000,), 99.0))
@@ -457,3 +458,26 @@ def test_a_program_that_ran_a_ckpt_command_in_process_still_loads_the_machinery_
     done = _run_child(script, str(tmp_path), timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-2:] == ["False", "True"]
+
+
+def test_a_ckpt_command_run_in_process_leaves_other_threads_loading_the_machinery(tmp_path):
+    """Only the thread running a `ckpt` command opens repositories without the commit machinery: a process-wide
+    switch let another thread's open skip it, and two overlapping commands left it off for good (reviewer 389)."""
+    Repository.init(tmp_path).close()
+    script = """if True:
+        import sys, threading
+        from ckptstore import Repository
+        from ckptstore.repo import warm
+        loaded = []
+        with warm.machinery_as_needed():  # what ckptstore.cli.entry.main does for its call
+            Repository.open(sys.argv[1]).close()
+            loaded.append("ckptstore.repo.background" in sys.modules)
+            other = threading.Thread(target=lambda: Repository.open(sys.argv[1]).close())
+            other.start()
+            other.join()
+            loaded.append("ckptstore.repo.background" in sys.modules)
+        print(loaded)
+    """
+    done = _run_child(script, str(tmp_path), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "[False, True]"
