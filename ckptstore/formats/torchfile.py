@@ -26,16 +26,25 @@ NUMPY_SCALAR_NAMES = ("numpy._core.multiarray.scalar", "numpy.core.multiarray.sc
 _SCALAR_REFUSAL = "only numeric and bool numpy scalars are read"  # refusal_reason finds it among torch's lines
 
 
-def numeric_scalar_args(dtype: Any, data: Any) -> bool:
-    """Whether scalar(`dtype`, `data`) is a numeric or bool numpy scalar's: never an object, string or record."""
-    return (isinstance(dtype, np.dtype) and dtype.kind in "biufc" and dtype.fields is None
-            and dtype.subdtype is None and type(data) is bytes and len(data) == dtype.itemsize)
+def scalar_problem(args: tuple) -> str | None:
+    """What keeps scalar(*`args`) from being a numeric or bool numpy scalar (never an object, string or record)."""
+    if len(args) != 2:
+        return f"{len(args)} arguments, not a dtype and its bytes"
+    dtype, data = args
+    if not (isinstance(dtype, np.dtype) and dtype.kind in "biufc" and dtype.fields is None and dtype.subdtype is None):
+        return f"dtype {dtype!r:.60}"
+    if type(data) is not bytes or len(data) != dtype.itemsize:
+        size = f"{len(data)} bytes" if type(data) is bytes else f"a {type(data).__name__}"
+        return f"data of {size}, not {dtype}'s {dtype.itemsize} bytes"
+    return None
 
 
-def numeric_scalar(dtype: Any, data: Any) -> np.generic:
+def numeric_scalar(*args: Any) -> np.generic:
     """The numpy scalar(dtype, bytes) for numeric and bool dtypes only: a checkout -o file of a state's np.float64."""
-    if not numeric_scalar_args(dtype, data):
-        raise pickle.UnpicklingError(f"a numpy scalar of dtype {dtype!r:.60}: {_SCALAR_REFUSAL}")
+    problem = scalar_problem(args)
+    if problem is not None:
+        raise pickle.UnpicklingError(f"a numpy scalar with {problem}: {_SCALAR_REFUSAL}")
+    dtype, data = args
     return np.frombuffer(data, dtype=dtype)[0]  # the bytes as that scalar, without numpy's own constructor
 
 
@@ -94,7 +103,7 @@ def refusal_reason(reason: str, global_name: str = "") -> str:
     named = named.removeprefix("builtins.")  # as torch names them
     if named:
         return f"{named} is not among the classes torch.load(weights_only=True) allows"
-    scalar = re.search(r"a numpy scalar of dtype .*?: " + _SCALAR_REFUSAL, reason)
+    scalar = re.search(r"a numpy scalar with .*?: " + _SCALAR_REFUSAL, reason)
     if scalar:  # numeric_scalar's own refusal, which torch puts amid its lines
         return scalar.group(0)
     operand = re.search(r"Unsupported operand (\d+)", reason)

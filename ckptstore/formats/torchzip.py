@@ -46,9 +46,9 @@ from ckptstore.formats.dtypestate import dtype_state_problem, zipped_pickle
 from ckptstore.formats.torchfile import (
     NUMPY_SCALAR_NAMES,
     numeric_scalar,
-    numeric_scalar_args,
     numpy_safe_globals,
     refused,
+    scalar_problem,
 )
 from ckptstore.formats.tuplecost import MAX_VISITS, tuple_cost
 from ckptstore.state import (
@@ -295,9 +295,9 @@ def _np_reconstruct(subtype: Any, shape: Any, typecode: Any) -> np.ndarray:
     return np.empty(0, dtype=np.int8)
 
 
-def _np_scalar(dtype_: Any, data: Any) -> np.generic:
-    _need(numeric_scalar_args(dtype_, data), "numpy scalar")  # torch's path refuses the others by name
-    return numeric_scalar(dtype_, data)
+def _np_scalar(*args: Any) -> np.generic:
+    _need(scalar_problem(args) is None, "numpy scalar")  # torch's path refuses the others by name
+    return numeric_scalar(*args)
 
 
 def _np_dtype(spec: Any, align: Any = False, copy: Any = False) -> np.dtype:

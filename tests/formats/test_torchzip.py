@@ -691,3 +691,26 @@ def test_numpy_arrays_of_strings_bytes_and_times_still_commit_as_torch_reads_the
         back = repo.checkout(repo.commit(tmp_path / "c.pt"))
     for key, value in state.items():
         assert back[key].dtype == value.dtype and (back[key] == value).all(), key
+
+
+class _BadScalarCall:
+    """Pickles as numpy's scalar called with `args`: a hand-made file's, not numpy's."""
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __reduce__(self):
+        return np.float64(0).__reduce__()[0], self.args
+
+
+@pytest.mark.parametrize("args, said", [((np.dtype("f8"),), "1 arguments, not a dtype and its bytes"),
+                                        ((np.dtype("f8"), b"\0" * 8, 1), "3 arguments"),
+                                        ((np.dtype("f8"), b"\0" * 4), "data of 4 bytes, not float64's 8 bytes"),
+                                        ((np.dtype("f8"), "12345678"), "data of a str")])
+def test_a_malformed_numpy_scalar_call_is_refused_saying_what_is_wrong_not_called_damage(tmp_path, args, said):
+    """scalar() with other arguments than a dtype and its bytes was called a damaged file (the call's TypeError), and
+    bytes of the wrong size refused as if the dtype were the fault (reviewer helper 388)."""
+    torch.save({"x": _BadScalarCall(*args)}, tmp_path / "bad.pt")
+    with pytest.raises(CheckpointFormatError, match="only numeric and bool numpy scalars are read") as refused:
+        formats.read_checkpoint(tmp_path / "bad.pt")
+    assert said in str(refused.value) and "truncated or corrupted" not in str(refused.value)
