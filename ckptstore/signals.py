@@ -44,7 +44,7 @@ class SignalHold:
 
     def tell(self, signum: int) -> None:
         """Say once on stderr that a signal waits: a blocking commit of a large state takes minutes."""
-        if self.told:
+        if self.told or sys.stderr is None:  # none (fd 2 closed at start): print() would write to stdout, the data
             return
         self.told = True
         try:

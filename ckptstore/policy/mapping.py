@@ -270,13 +270,26 @@ def paths_of_names(tensors: Mapping[str, RawTensor], names: Sequence[str]) -> di
 
 
 def _by_names(model: Sequence[tuple[str, tuple]], names: Sequence[str]) -> list[str] | None:
-    paths = []
-    for name in names:
-        hits = [p for p, _ in model if p == key_component(name) or p.endswith("/" + key_component(name))]
-        if len(hits) != 1:
-            return None
-        paths.append(hits[0])
-    return paths
+    paths = [_path_named(model, name) for name in names]
+    return None if None in paths else paths
+
+
+# what wrappers put in a live parameter's name (DDP's and DataParallel's `module`, torch.compile's `_orig_mod`, FSDP1's
+# and activation checkpointing's wrapped modules), which a state saved from the inner model does not carry
+_WRAPPER_PARTS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def _path_named(model: Sequence[tuple[str, tuple]], name: str) -> str | None:
+    """The one path that live name `name` ends; where none, the one its name without wrapper parts ends.
+
+    The name as it is first: a state saved from the wrapper keeps `module.` (and an EMA copy beside it may hold
+    the inner names); only where that matches nothing (the inner model's state) are wrapper parts dropped.
+    """
+    for candidate in dict.fromkeys((name, ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS))):
+        hits = [p for p, _ in model if p == key_component(candidate) or p.endswith("/" + key_component(candidate))]
+        if hits:
+            return hits[0] if len(hits) == 1 else None
+    return None
 
 
 def _pair(ordered: list[ParamSlots], weights: Sequence[str | None], how: str) -> OptimizerMap:

@@ -772,26 +772,9 @@ def param_names_of(model: Any, optimizer: Any) -> list[str | None] | None:
     """
     if model is None or optimizer is None:
         return None
-    names = {id(p): _unwrapped_name(n) for n, p in _inner_model(model).named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}  # a wrapper's as they are (mapping.py)
     return [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
 
-
-# what wrappers put in a parameter's name that its state_dict() key does not carry: DDP and DataParallel (the leading
-# `module`), torch.compile's `_orig_mod`, FSDP1's and activation checkpointing's wrapped modules
-_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
-_LEADING_WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel"})
-
-
-def _unwrapped_name(name: str) -> str:
-    """A live parameter's name as the state names it: a DDP- or compile-wrapped model= paired nothing, kept no norm."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
-
-
-def _inner_model(model: Any) -> Any:
-    """The model a DDP or DataParallel wrapper holds (its names lose the leading `module.`), else `model`."""
-    while type(model).__name__ in _LEADING_WRAPPERS and hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 # torch.nn's normalization layers, by class name along a module's class hierarchy (`_NormBase`: BatchNorm's and
@@ -803,7 +786,6 @@ def norm_names_of(model: Any) -> list[str]:
     """Names of the parameters of the model's torch.nn norm layers: kept exact however many dimensions they have."""
     if model is None:
         return []
-    return [_unwrapped_name(f"{prefix}.{name}" if prefix else name)
-            for prefix, module in _inner_model(model).named_modules()
+    return [f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
             if any(c.__name__ in _NORM_LAYERS and c.__module__.startswith("torch.nn.") for c in type(module).__mro__)
             for name, _ in module.named_parameters(recurse=False)]

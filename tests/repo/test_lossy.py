@@ -1080,6 +1080,32 @@ def test_a_two_dimensional_norm_weight_and_bias_stay_bit_exact(tmp_path, level, 
     assert not torch.equal(back["model"][f"{names['0']}.weight"], weights[f"{names['0']}.weight"])  # still lossy
 
 
+@pytest.mark.parametrize("wrapper", [torch.nn.DataParallel, torch.compile], ids=["DataParallel", "torch.compile"])
+def test_a_state_saved_from_the_wrapper_pairs_by_its_own_names_not_an_ema_copys(tmp_path, wrapper):
+    """A state from the wrapper's own state_dict() keeps `module.`/`_orig_mod.`: stripping those from the live names
+    first paired the optimizer's moments with an EMA copy of the inner model saved beside it, and quantized the
+    copy, under "given by the caller" (reviewer 390). The names as they are match first."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16 * 512), torch.nn.Unflatten(1, (16, 512)),
+                                torch.nn.LayerNorm((16, 512)), torch.nn.Flatten(), torch.nn.Linear(16 * 512, 10))
+    optimizer = torch.optim.AdamW(list(model.parameters())[::-1], lr=1e-3)  # out of the model's order: names pair
+    for _ in range(5):
+        torch.nn.functional.cross_entropy(model(torch.randn(16, 32)), torch.randint(0, 10, (16,))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    wrapped = wrapper(model)
+    state = {"model": wrapped.state_dict(), "ema": copy.deepcopy(model.state_dict()),
+             "optimizer": optimizer.state_dict()}
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit(copy.deepcopy(state), lossy="balanced", model=wrapped, optimizer=optimizer)
+        back, shown = repo.checkout(cid), repo.show(cid)
+    assert shown["pairing"] == "given by the caller"
+    prefix = next(iter(state["model"])).removesuffix("0.weight")  # "module." or "_orig_mod."
+    assert not torch.equal(back["model"][f"{prefix}0.weight"], state["model"][f"{prefix}0.weight"])  # trained: lossy
+    assert torch.equal(back["model"][f"{prefix}2.weight"], state["model"][f"{prefix}2.weight"])  # its norm: exact
+    assert torch.equal(back["ema"]["0.weight"], state["ema"]["0.weight"])  # no moments of its own: exact
+
+
 def test_adam_moments_of_the_two_16_bit_types_restore_and_pass_fsck(tmp_path):
     """m in float16 is coded on v in bfloat16 (their sizes match): my check that a base is of its tensor's dtype
     called such a commit damaged, and it could no longer be checked out (reader 14, of f68bb82)."""

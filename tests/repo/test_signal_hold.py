@@ -481,3 +481,22 @@ def test_a_ckpt_command_run_in_process_leaves_other_threads_loading_the_machiner
     done = _run_child(script, str(tmp_path), timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[-2] == "[False, True]"
+
+
+def test_a_held_signal_says_nothing_where_there_is_no_stderr_and_never_writes_it_to_stdout():
+    """With fd 2 closed at start sys.stderr is None, and print(file=None) wrote the notice into stdout, the program's
+    data (reviewer 390). The handler still runs after the block."""
+    import os
+
+    script = """if True:
+        import os, signal
+        from ckptstore.signals import signals_waiting
+        signal.signal(signal.SIGTERM, lambda *_: print("handler"))
+        with signals_waiting("the download of object 0123456789ab from the origin", "it is here"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            print("block went on")
+    """
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=ckpt_env(), stdout=subprocess.PIPE,
+                          text=True, timeout=60, preexec_fn=lambda: os.close(2))
+    assert done.returncode == 0
+    assert done.stdout.split("\n") == ["block went on", "handler", ""]
