@@ -7,6 +7,7 @@ metadata transaction records everything and moves the branch with compare-and-sw
 
 from __future__ import annotations
 
+import errno
 import operator
 import os
 import time
@@ -83,6 +84,8 @@ class CommitOptions:
     trust_pickle: bool = False
     author: str | None = None
     start: Start | None = None  # where it goes, fixed when it was asked for (a background commit); else read at commit
+    # a folder's files as the caller found them whole (ckpt watch): one gone when the commit lists it refuses it
+    expect_files: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         """Refuse what the metadata cannot record before any work (a background commit: in the call, not later)."""
@@ -196,6 +199,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
     with repo.lock(), no_cyclic_gc():
         with filemap.guard():  # a file cut short meanwhile: its maps read zeros (not SIGBUS) and it is refused
             source_path, checkpoint, digests, stamps = _read_source(repo, source, options.trust_pickle)
+            _refuse_files_gone(source, checkpoint, options.expect_files)
             faults.point("commit:read")  # parsed and hashed whole; the tensors' bytes are read next
             sources = _tensor_ids(repo, checkpoint.tensors)
             guard = calibrate.loss_guard(lossy.calibration, lossy.model, lossy.max_loss_change, level, checkpoint)
@@ -438,6 +442,18 @@ def _other_repositories(folder: Path, excluded: list[Path]) -> list[Path]:
     return nested
 
 
+def _refuse_files_gone(source: Any, checkpoint: formats.Checkpoint, expected: frozenset[str] | None) -> None:
+    """Refuse a folder that lacks a file its caller found whole: a rotation removing it (Trainer's save_total_limit).
+
+    The watch kept such a commit and said what it lacked after: a half-present checkpoint was the branch's tip,
+    and a retention policy after it counted it as a checkpoint kept.
+    """
+    gone = sorted((expected or frozenset()) - {record.name for record in checkpoint.files})
+    if gone:
+        raise FileNotFoundError(errno.ENOENT, "removed while it was committed (a rotation?); nothing was recorded",
+                                os.path.join(os.fspath(source), gone[0]))
+
+
 def _read_source(repo: Repository, source: Any, trust_pickle: bool
                  ) -> tuple[str | None, formats.Checkpoint, dict[str, str], dict[str, tuple[Path, Any]]]:
     """(path relative to the repository or absolute, or None for a state; the checkpoint; digests; stamps).
@@ -499,6 +515,9 @@ def _settle_changed(checkpoint: formats.Checkpoint, stamps: Mapping[str, tuple[P
         now = file_stamp(path) if path is not None else before
         if now == before:
             continue
+        if now is None and record.format != formats.BLOB:  # gone: no save is still writing it (a rotation removed it)
+            raise FileNotFoundError(errno.ENOENT, "removed while it was committed (a rotation?); nothing was recorded",
+                                    os.fspath(path))
         entry = record.skeleton[1] if record.format == formats.BLOB else None
         replaced = now is None or now[:2] != before[:2]  # our map is of the old file, which no writer touches
         if entry is None or not (replaced or now[2] >= before[2]):

@@ -223,8 +223,7 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, comm
         if found is not None:
             state.record(source, found)
             return
-        cid = repo.commit(source.path, f"watch: {source.name}", step=source.step, branch=options.branch,
-                          lossy=options.lossy)
+        cid = commit_source(repo, source, options)
     except NothingToCommitError:
         state.record(source, None)
         say(f"{shown}: unchanged since the last commit, not committed")
@@ -251,11 +250,20 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, comm
     report.committed.append((source.name, cid, source.step))
     say(f"[{cid[:12]}] {shown}" + (f" (step {source.step})" if source.step is not None else ""))
     _record_commit(state, source, cid, say)
-    judged = {name for name, _, _ in source.signature if name}
-    gone = sorted(judged - {record.name for record in repo.manifest(cid).files}) if judged else []
-    if gone:  # a rotation removed files while the commit read the folder: say so, the commit is only part of it
-        say(f"{shown}: {', '.join(map(shown_name, gone[:3]))}{' ...' if len(gone) > 3 else ''} went away while it was "
-            f"committed: commit {cid[:12]} holds only the rest of the folder")
+
+
+def commit_source(repo: Repository, source: Source, options: WatchOptions) -> str:
+    """Commit `source` as found: a folder lacking a file the scan found whole is refused (a rotation), not kept.
+
+    Trainer's save_total_limit removes a folder file by file: committed without its optimizer.pt, the folder
+    was the branch's tip, said to be partial only after, and a retention policy counted it as one kept.
+    """
+    from ckptstore.repo.background import commit_call
+    from ckptstore.repo.commit import CommitOptions, LossyOptions
+
+    judged = frozenset(name for name, _, _ in source.signature if name) or None  # a folder's files; a file's: none
+    commit = CommitOptions(f"watch: {source.name}", source.step, branch=options.branch, expect_files=judged)
+    return commit_call(repo, source.path, commit, LossyOptions(options.lossy), None, True, None)
 
 
 def _record_commit(state: WatchState, source: Source, cid: str, say: Callable[[str], None]) -> None:

@@ -384,24 +384,26 @@ def test_a_file_rewritten_back_to_an_earlier_content_is_committed_again(repo, tm
         assert_same(repo.checkout("HEAD"), {"w": torch.full((4,), value)})
 
 
-def test_a_folder_rotated_away_while_it_is_committed_is_said_to_be_partial(repo, tmp_path, monkeypatch):
-    """Trainer's rotation removing files as the commit reads the folder: the watch says what the commit lacks."""
+def test_a_folder_rotated_away_while_it_is_committed_is_refused_not_kept_in_part(repo, tmp_path, monkeypatch):
+    """Trainer's rotation removing files as the commit lists the folder: the watch kept the commit without them (the
+    branch's tip a checkpoint without its optimizer state) and said so after (auditor 391). Now it is refused."""
     run = tmp_path / "run"
     run.mkdir()
     trainer = Trainer()
     trainer.train(1)
     _trainer_folder(run / "checkpoint-10", trainer)
-    commit = repo.commit
+    commit = watch_module.commit_source
 
-    def rotated(path, *args, **kwargs):  # rmtree got through one file when the commit lists the folder
+    def rotated(repo, source, options):  # rmtree got through one file when the commit lists the folder
         (run / "checkpoint-10" / "optimizer.pt").unlink()
-        return commit(path, *args, **kwargs)
+        return commit(repo, source, options)
 
-    monkeypatch.setattr(repo, "commit", rotated)
+    monkeypatch.setattr(watch_module, "commit_source", rotated)
     said = []
     report = watch(repo, run, ONCE, say=said.append)
-    assert len(report.committed) == 1
-    assert any("optimizer.pt went away while it was committed" in line for line in said), said
+    assert report.committed == [] and repo.log() == []
+    assert any("checkpoint-10: not committed" in line and "optimizer.pt" in line and "removed while it was committed"
+               in line for line in said), said
 
 
 def test_one_source_that_cannot_be_committed_never_stops_the_others(repo, tmp_path, monkeypatch):
@@ -473,27 +475,27 @@ def test_an_unreadable_source_is_tried_again_at_each_scan(repo, tmp_path, monkey
     run = tmp_path / "run"
     run.mkdir()
     torch.save({"w": torch.ones(2)}, run / "a.pt")
-    commit = repo.commit
+    commit = watch_module.commit_source
 
-    def unreadable_once(path, *args, **kwargs):
-        monkeypatch.setattr(repo, "commit", commit)
-        raise PermissionError(13, "Permission denied", str(path))
+    def unreadable_once(repo, source, options):
+        monkeypatch.setattr(watch_module, "commit_source", commit)
+        raise PermissionError(13, "Permission denied", str(source.path))
 
     tries = []
 
-    def unreadable(path, *args, **kwargs):
-        tries.append(path)
-        raise PermissionError(13, "Permission denied", str(path))
+    def unreadable(repo, source, options):
+        tries.append(source.path)
+        raise PermissionError(13, "Permission denied", str(source.path))
 
-    monkeypatch.setattr(repo, "commit", unreadable)
+    monkeypatch.setattr(watch_module, "commit_source", unreadable)
     said = []
     report = watch(repo, run, WatchOptions(interval=0.01), stop=_stop_after(3), say=said.append)
     assert report.committed == [] and len(said) == 1 and "a.pt: not committed" in said[0]  # said once, not per scan
     assert len(tries) == 3  # tried at each of the three scans after the first (ready once two scans agree)
-    monkeypatch.setattr(repo, "commit", unreadable_once)
+    monkeypatch.setattr(watch_module, "commit_source", unreadable_once)
     assert watch(repo, run, ONCE).committed == []
     assert [name for name, _, _ in watch(repo, run, ONCE).committed] == ["a.pt"]
-    monkeypatch.setattr(repo, "commit", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr(watch_module, "commit_source", lambda *a, **k: (_ for _ in ()).throw(
         PermissionError(13, "Permission denied", str(repo.dir / "ckpt.db"))))
     torch.save({"w": torch.zeros(2)}, run / "b.pt")
     with pytest.raises(PermissionError):  # the repository's own files: the watch ends
@@ -921,3 +923,31 @@ def test_a_hidden_file_beside_the_checkpoints_is_never_committed(tmp_path):
     with Repository.init(tmp_path / "repo") as repo:
         report = watch(repo, run, WatchOptions(interval=0.3, once=True), say=lambda _: None)
     assert [name for name, _, _ in report.committed] == ["model_10.pt"]
+
+
+def test_a_folder_rotated_away_while_its_files_are_read_is_said_removed_not_still_being_written(repo, tmp_path,
+                                                                                             monkeypatch):
+    """Trainer's rotation removing the whole folder after the commit listed it: the refusal said the file "changed
+    while it was being committed (is a save still writing it?)" and to commit it again (auditor 391)."""
+    import shutil
+
+    from ckptstore import faults
+
+    run = tmp_path / "run"
+    run.mkdir()
+    trainer = Trainer()
+    trainer.train(1)
+    _trainer_folder(run / "checkpoint-10", trainer)
+    point = faults.point
+
+    def rotation_at_read(name, *args, **kwargs):
+        if name == "commit:read" and (run / "checkpoint-10").exists():
+            shutil.rmtree(run / "checkpoint-10")
+        return point(name, *args, **kwargs)
+
+    monkeypatch.setattr(faults, "point", rotation_at_read)
+    said = []
+    report = watch(repo, run, ONCE, say=said.append)
+    assert report.committed == [] and repo.log() == []
+    assert any("checkpoint-10: not committed" in line and "removed while it was committed" in line
+               and "still writing" not in line for line in said), said
