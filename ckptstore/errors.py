@@ -120,6 +120,10 @@ class CheckpointFormatError(CkptError):
     """An input that is not a readable checkpoint (truncated, wrong type, unsafe pickle)."""
 
 
+class SourceRemovedError(CkptError):
+    """A file of the checkpoint was removed while it was committed (a rotation): nothing was recorded."""
+
+
 class PickledObjectsError(CheckpointFormatError):
     """A torch.save file whose pickle holds objects that will not (or, trusted, cannot) be rebuilt here."""
 

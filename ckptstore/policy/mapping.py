@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptstore.state import RawTensor, key_component
 
@@ -158,7 +159,7 @@ def param_lrs(skeleton: object) -> dict[int, float]:
             for i in ids}
 
 
-def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str | None] | None = None,
+def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[Any] | None = None,
                   ids: Sequence[int] | None = None, lrs: Mapping[int, float] | None = None) -> OptimizerMap:
     """Find optimizer state among `tensors` and pair it with weights (see the module docstring).
 
@@ -197,7 +198,7 @@ def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[str | None] 
 
 
 def _by_caller(ordered: list[ParamSlots], shapes: list[tuple | None], model: list[tuple[str, tuple]],
-               names: Sequence[str | None]) -> OptimizerMap | None:
+               names: Sequence[Any]) -> OptimizerMap | None:
     """The pairing the caller's live parameter names give, each slot's name found by its optimizer index.
 
     A slot whose name is unknown, matches no one float tensor (a complex parameter) or one of another shape stays
@@ -205,15 +206,19 @@ def _by_caller(ordered: list[ParamSlots], shapes: list[tuple | None], model: lis
     parameter with no state yet, and the guess from shapes then paired groups listed out of the model's order
     wrongly. None where no name pairs at all (the names are not this checkpoint's).
     """
-    weights: list[str | None] = []
     shape_of = dict(model)
-    for slot, shape in zip(ordered, shapes):
-        name = names[slot.index] if slot.index < len(names) else None
-        found = _by_names(model, [name]) if name is not None else None
-        weights.append(found[0] if found and (shape is None or shape_of[found[0]] == shape) else None)
-    if not any(weights):
+    best: list[str | None] = []
+    for naming in namings(names):
+        weights: list[str | None] = []
+        for slot, shape in zip(ordered, shapes):
+            name = naming[slot.index] if slot.index < len(naming) else None
+            found = _by_names(model, [name]) if name is not None else None
+            weights.append(found[0] if found and (shape is None or shape_of[found[0]] == shape) else None)
+        if sum(w is not None for w in weights) > sum(w is not None for w in best):
+            best = weights
+    if not any(best):
         return None
-    return _pair(ordered, weights, "given by the caller")
+    return _pair(ordered, best, "given by the caller")
 
 
 def _by_ids(ordered: list[ParamSlots], shapes: list[tuple], model: list[tuple[str, tuple]],
@@ -258,38 +263,40 @@ def _decay_groups(model: Sequence[tuple[str, tuple]]) -> list[tuple[str, tuple]]
     return [m for m in model if not _NO_DECAY.search(m[0])] + [m for m in model if _NO_DECAY.search(m[0])]
 
 
-def paths_of_names(tensors: Mapping[str, RawTensor], names: Sequence[str]) -> dict[str, str]:
-    """The checkpoint path of each live parameter name that matches exactly one float tensor."""
+def paths_of_names(tensors: Mapping[str, RawTensor], names: Sequence[Any]) -> dict[Any, str]:
+    """The checkpoint path of each live parameter name that matches exactly one float tensor, in one naming."""
     model = [(p, tuple(r.shape)) for p, r in tensors.items() if r.dtype in FLOATS and not _STATE.match(p)]
-    found = {}
-    for name in names:
-        paths = _by_names(model, [name])
-        if paths is not None:
-            found[name] = paths[0]
-    return found
+    best: dict[Any, str] = {}
+    for naming in namings(names):
+        found = {}
+        for given, name in zip(names, naming):
+            paths = _by_names(model, [name])
+            if paths is not None:
+                found[given] = paths[0]
+        if len(found) > len(best):
+            best = found
+    return best
 
 
 def _by_names(model: Sequence[tuple[str, tuple]], names: Sequence[str]) -> list[str] | None:
-    paths = [_path_named(model, name) for name in names]
-    return None if None in paths else paths
+    paths = []
+    for name in names:
+        hits = [p for p, _ in model if p == key_component(name) or p.endswith("/" + key_component(name))]
+        if len(hits) != 1:
+            return None
+        paths.append(hits[0])
+    return paths
 
 
-# what wrappers put in a live parameter's name (DDP's and DataParallel's `module`, torch.compile's `_orig_mod`, FSDP1's
-# and activation checkpointing's wrapped modules), which a state saved from the inner model does not carry
-_WRAPPER_PARTS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+def namings(names: Sequence[Any]) -> list[list[Any]]:
+    """The caller's names in each naming they come in: a wrapped model's as given, and as the model it wraps names them.
 
-
-def _path_named(model: Sequence[tuple[str, tuple]], name: str) -> str | None:
-    """The one path that live name `name` ends; where none, the one its name without wrapper parts ends.
-
-    The name as it is first: a state saved from the wrapper keeps `module.` (and an EMA copy beside it may hold
-    the inner names); only where that matches nothing (the inner model's state) are wrapper parts dropped.
+    A name that differs (DDP's `module.`, compile's `_orig_mod.`) comes as a tuple of the two. One naming is
+    chosen for all names, by how many match (as given on a tie): per name, a wrapper's `module.proj` matched an
+    inner submodule named `module`, and an EMA copy took the optimizer's moments.
     """
-    for candidate in dict.fromkeys((name, ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS))):
-        hits = [p for p, _ in model if p == key_component(candidate) or p.endswith("/" + key_component(candidate))]
-        if hits:
-            return hits[0] if len(hits) == 1 else None
-    return None
+    width = max((len(n) for n in names if isinstance(n, tuple)), default=1)
+    return [[n[k] if isinstance(n, tuple) else n for n in names] for k in range(width)]
 
 
 def _pair(ordered: list[ParamSlots], weights: Sequence[str | None], how: str) -> OptimizerMap:

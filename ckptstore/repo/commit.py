@@ -7,7 +7,6 @@ metadata transaction records everything and moves the branch with compare-and-sw
 
 from __future__ import annotations
 
-import errno
 import operator
 import os
 import time
@@ -23,6 +22,7 @@ from ckptstore.errors import (
     CorruptObjectError,
     NonFiniteError,
     NothingToCommitError,
+    SourceRemovedError,
     UnquantizableError,
     UnquantizableTensorsError,
     with_reasons,
@@ -160,8 +160,8 @@ class LossyOptions:
     optimizer: Any = None
     calibration: Callable[[Any], Any] | None = None
     max_loss_change: float | None = None
-    param_names: list[str | None] | None = None  # the optimizer's parameter names, read from model and optimizer before
-    norm_names: list[str] | None = None  # the model's norm layers' parameter names, read from model before (the same)
+    param_names: list[Any] | None = None  # the optimizer's parameter names, read from model and optimizer before
+    norm_names: list[Any] | None = None  # the model's norm layers' parameter names, read from model before (the same)
 
 
 @dataclass
@@ -448,10 +448,16 @@ def _refuse_files_gone(source: Any, checkpoint: formats.Checkpoint, expected: fr
     The watch kept such a commit and said what it lacked after: a half-present checkpoint was the branch's tip,
     and a retention policy after it counted it as a checkpoint kept.
     """
-    gone = sorted((expected or frozenset()) - {record.name for record in checkpoint.files})
+    folder = os.fspath(source) if expected else ""
+    gone = sorted(name for name in (expected or frozenset()) - {record.name for record in checkpoint.files}
+                  if not os.path.lexists(os.path.join(folder, name)))  # not one a commit leaves out (.git, a repo)
     if gone:
-        raise FileNotFoundError(errno.ENOENT, "removed while it was committed (a rotation?); nothing was recorded",
-                                os.path.join(os.fspath(source), gone[0]))
+        raise _removed(os.path.join(folder, gone[0]))
+
+
+def _removed(path: str | os.PathLike) -> SourceRemovedError:
+    return SourceRemovedError(f"{os.fspath(path)} was removed while it was committed (a rotation?); nothing was "
+                              "recorded")
 
 
 def _read_source(repo: Repository, source: Any, trust_pickle: bool
@@ -516,8 +522,7 @@ def _settle_changed(checkpoint: formats.Checkpoint, stamps: Mapping[str, tuple[P
         if now == before:
             continue
         if now is None and record.format != formats.BLOB:  # gone: no save is still writing it (a rotation removed it)
-            raise FileNotFoundError(errno.ENOENT, "removed while it was committed (a rotation?); nothing was recorded",
-                                    os.fspath(path))
+            raise _removed(path)
         entry = record.skeleton[1] if record.format == formats.BLOB else None
         replaced = now is None or now[:2] != before[:2]  # our map is of the old file, which no writer touches
         if entry is None or not (replaced or now[2] >= before[2]):
@@ -784,16 +789,18 @@ def _importance_note(fisher: Mapping[str, float] | None, plans: Mapping[str, Any
     return "none: no Adam second moment to weigh the weights by"  # RMSprop, Sophia, Adagrad
 
 
-def param_names_of(model: Any, optimizer: Any) -> list[str | None] | None:
+def param_names_of(model: Any, optimizer: Any) -> list[Any] | None:
     """Names of the optimizer's parameters in state order, from the live model and optimizer.
 
     None for a parameter the model does not hold: that one stays unpaired, the others keep their names.
+    A wrapped model's (DDP, torch.compile) that differ come as (as given, as the model it wraps names them):
+    the state may be either's, and policy/mapping.py picks the naming that matches.
     """
     if model is None or optimizer is None:
         return None
-    names = {id(p): n for n, p in model.named_parameters()}  # a wrapper's as they are (mapping.py)
-    return [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
-
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    named = [{id(p): _state_name(n) for n, p in each.named_parameters()} for each in _models(model)]
+    return [_one_or_both([names.get(id(p)) for names in named]) for p in params]
 
 
 # torch.nn's normalization layers, by class name along a module's class hierarchy (`_NormBase`: BatchNorm's and
@@ -801,10 +808,38 @@ def param_names_of(model: Any, optimizer: Any) -> list[str | None] | None:
 _NORM_LAYERS = {"LayerNorm", "GroupNorm", "RMSNorm", "_NormBase", "LocalResponseNorm"}
 
 
-def norm_names_of(model: Any) -> list[str]:
+def norm_names_of(model: Any) -> list[Any]:
     """Names of the parameters of the model's torch.nn norm layers: kept exact however many dimensions they have."""
     if model is None:
         return []
-    return [f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
+    models = _models(model)
+    inner = {id(p): _state_name(n) for n, p in models[-1].named_parameters()}
+    return [_one_or_both([_state_name(f"{prefix}.{name}" if prefix else name), inner.get(id(param))])
+            for prefix, module in model.named_modules()
             if any(c.__name__ in _NORM_LAYERS and c.__module__.startswith("torch.nn.") for c in type(module).__mro__)
-            for name, _ in module.named_parameters(recurse=False)]
+            for name, param in module.named_parameters(recurse=False)]
+
+
+# parts FSDP1 and activation checkpointing put in a parameter's name and never in its state_dict() key
+_WRAPPED_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def _state_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPED_PARTS)
+
+
+def _models(model: Any) -> list[Any]:
+    """`model`, and the model a DDP, DataParallel or torch.compile wrapper holds (at any depth), told by type."""
+    found = [model]
+    while True:
+        kind = type(found[-1]).__name__
+        inner = (getattr(found[-1], "module", None) if kind in ("DistributedDataParallel", "DataParallel")
+                 else getattr(found[-1], "_orig_mod", None) if kind == "OptimizedModule" else None)
+        if inner is None:
+            return found if len(found) == 1 else [found[0], found[-1]]
+        found.append(inner)
+
+
+def _one_or_both(names: list[str | None]) -> Any:
+    """One name where the namings agree, else a tuple of them (mapping.namings)."""
+    return names[0] if len(set(names)) == 1 else tuple(names)

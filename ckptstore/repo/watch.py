@@ -50,6 +50,7 @@ from ckptstore.errors import (
     ConflictError,
     NothingToCommitError,
     RefNotFoundError,
+    SourceRemovedError,
     UnsupportedStateError,
     explain,
     shown_name,
@@ -232,7 +233,7 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, comm
         say(f"{shown}: {_why(exc)}")
         report.conflicted.append(shown)
         return
-    except (CheckpointFormatError, UnsupportedStateError, FileNotFoundError, UnicodeEncodeError,
+    except (CheckpointFormatError, UnsupportedStateError, FileNotFoundError, SourceRemovedError, UnicodeEncodeError,
             PermissionError) as exc:  # UnicodeEncodeError: a folder above whose name is not UTF-8
         unreadable = isinstance(exc, PermissionError)
         if unreadable and not Path(exc.filename or "/").is_relative_to(source.path):

@@ -1106,6 +1106,39 @@ def test_a_state_saved_from_the_wrapper_pairs_by_its_own_names_not_an_ema_copys(
     assert torch.equal(back["ema"]["0.weight"], state["ema"]["0.weight"])  # no moments of its own: exact
 
 
+def test_a_wrapped_model_with_a_submodule_named_module_pairs_each_weight_with_its_own_moments():
+    """DataParallel around a model that has a submodule named `module` beside `proj` of the same shape: matching each
+    name as given, else without `module.`, paired the wrapper's `module.proj.weight` with the inner `module.proj` and
+    the rest crosswise, under "given by the caller" (reviewer 392). One naming is chosen for all names."""
+    from ckptstore.policy.mapping import map_optimizer, param_ids, param_lrs
+    from ckptstore.repo.commit import param_names_of
+    from ckptstore.state import flatten
+
+    class Inner(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module, self.proj = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.proj(self.module(x))
+
+    torch.manual_seed(0)
+    inner = Inner()
+    optimizer = torch.optim.AdamW([{"params": inner.proj.parameters(), "lr": 1e-2},
+                                   {"params": inner.module.parameters(), "lr": 1e-5}])
+    inner(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    for state in ({"model": inner.state_dict()}, {"model": torch.nn.DataParallel(inner).state_dict()}):
+        flat = flatten({**state, "optimizer": optimizer.state_dict()})
+        pairing = map_optimizer(flat.tensors, param_names_of(torch.nn.DataParallel(inner), optimizer),
+                                param_ids(flat.skeleton), param_lrs(flat.skeleton))
+        prefix = "model/module." if "module.proj.weight" in state["model"] else "model/"  # the wrapper's
+        assert pairing.how == "given by the caller"
+        assert {s.weight: s.lr for s in pairing.slots} == {
+            f"{prefix}proj.weight": 1e-2, f"{prefix}proj.bias": 1e-2,
+            f"{prefix}module.weight": 1e-5, f"{prefix}module.bias": 1e-5}
+
+
 def test_adam_moments_of_the_two_16_bit_types_restore_and_pass_fsck(tmp_path):
     """m in float16 is coded on v in bfloat16 (their sizes match): my check that a base is of its tensor's dtype
     called such a commit damaged, and it could no longer be checked out (reader 14, of f68bb82)."""

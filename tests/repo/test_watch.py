@@ -951,3 +951,45 @@ def test_a_folder_rotated_away_while_its_files_are_read_is_said_removed_not_stil
     assert report.committed == [] and repo.log() == []
     assert any("checkpoint-10: not committed" in line and "removed while it was committed" in line
                and "still writing" not in line for line in said), said
+
+
+def test_a_folder_holding_files_a_commit_leaves_out_is_committed_not_refused_as_rotated(repo, tmp_path):
+    """The scan counted a `.git` folder's files, which a commit leaves out, as files the commit must hold: every pass
+    refused the folder as "removed while it was committed" and never committed it (reviewer 392)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    trainer = Trainer()
+    trainer.train(1)
+    _trainer_folder(run / "checkpoint-10", trainer)
+    (run / "checkpoint-10" / ".git").mkdir()
+    (run / "checkpoint-10" / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    said = []
+    report = watch(repo, run, ONCE, say=said.append)
+    assert [name for name, _, _ in report.committed] == ["checkpoint-10"], said
+
+
+def test_a_file_removed_while_ckpt_commit_reads_its_folder_is_said_in_one_line(repo, tmp_path, monkeypatch, capsys):
+    """By hand, a tensor file removed as the commit read it reached the user as "unexpected FileNotFoundError …
+    please report it" (reviewer 392): it is a refusal of its own."""
+    from ckptstore import faults
+    from ckptstore.cli.entry import main
+
+    trainer = Trainer()
+    trainer.train(1)
+    folder = tmp_path / "checkpoint-10"
+    _trainer_folder(folder, trainer)
+    point = faults.point
+
+    def removed_at_read(name, *args, **kwargs):
+        if name == "commit:read" and (folder / "optimizer.pt").exists():
+            (folder / "optimizer.pt").unlink()
+        return point(name, *args, **kwargs)
+
+    monkeypatch.setattr(faults, "point", removed_at_read)
+    monkeypatch.chdir(repo.root)
+    with pytest.raises(SystemExit) as ended:
+        main(["commit", str(folder)])
+    err = capsys.readouterr().err
+    assert ended.value.code == 1 and err == f"error: {folder / 'optimizer.pt'} was removed while it was committed " \
+        "(a rotation?); nothing was recorded\n", err
+    assert repo.log() == []
