@@ -207,18 +207,22 @@ def _by_caller(ordered: list[ParamSlots], shapes: list[tuple | None], model: lis
     wrongly. None where no name pairs at all (the names are not this checkpoint's).
     """
     shape_of = dict(model)
-    best: list[str | None] = []
+    pairings = []
     for naming in namings(names):
         weights: list[str | None] = []
         for slot, shape in zip(ordered, shapes):
             name = naming[slot.index] if slot.index < len(naming) else None
             found = _by_names(model, [name]) if name is not None else None
             weights.append(found[0] if found and (shape is None or shape_of[found[0]] == shape) else None)
-        if sum(w is not None for w in weights) > sum(w is not None for w in best):
-            best = weights
-    if not any(best):
+        pairings.append(weights)
+    most = max(sum(w is not None for w in weights) for weights in pairings)
+    best = [weights for weights in pairings if sum(w is not None for w in weights) == most]
+    if not most:
         return None
-    return _pair(ordered, best, "given by the caller")
+    if any(weights != best[0] for weights in best):  # a wrapper's names and the wrapped model's match two copies
+        return OptimizerMap(ordered, False, "the model's names match two copies of it (the model's and an "
+                                            "EMA's?) alike; weights not paired")
+    return _pair(ordered, best[0], "given by the caller")
 
 
 def _by_ids(ordered: list[ParamSlots], shapes: list[tuple], model: list[tuple[str, tuple]],
@@ -265,17 +269,24 @@ def _decay_groups(model: Sequence[tuple[str, tuple]]) -> list[tuple[str, tuple]]
 
 def paths_of_names(tensors: Mapping[str, RawTensor], names: Sequence[Any]) -> dict[Any, str]:
     """The checkpoint path of each live parameter name that matches exactly one float tensor, in one naming."""
+    found = _found_in_each_naming(tensors, names)
+    most = max(len(each) for each in found)
+    best = [each for each in found if len(each) == most]
+    return best[0] if all(each == best[0] for each in best) else {}  # two copies matched alike: neither
+
+
+def paths_in_any_naming(tensors: Mapping[str, RawTensor], names: Sequence[Any]) -> set[str]:
+    """Every path a live name matches in any of its namings: for what is kept exact, where keeping more is safe."""
+    return {path for each in _found_in_each_naming(tensors, names) for path in each.values()}
+
+
+def _found_in_each_naming(tensors: Mapping[str, RawTensor], names: Sequence[Any]) -> list[dict[Any, str]]:
     model = [(p, tuple(r.shape)) for p, r in tensors.items() if r.dtype in FLOATS and not _STATE.match(p)]
-    best: dict[Any, str] = {}
+    found: list[dict[Any, str]] = []
     for naming in namings(names):
-        found = {}
-        for given, name in zip(names, naming):
-            paths = _by_names(model, [name])
-            if paths is not None:
-                found[given] = paths[0]
-        if len(found) > len(best):
-            best = found
-    return best
+        paths = ((given, _by_names(model, [name])) for given, name in zip(names, naming) if name is not None)
+        found.append({given: hit[0] for given, hit in paths if hit is not None})
+    return found
 
 
 def _by_names(model: Sequence[tuple[str, tuple]], names: Sequence[str]) -> list[str] | None:

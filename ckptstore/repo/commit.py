@@ -493,7 +493,12 @@ def _read_source(repo: Repository, source: Any, trust_pickle: bool
     on_disk = [path] if kind == "file" else [f.path for f in folder_files(path, excluded)]
     stamps = {p: file_stamp(p) for p in on_disk}
     pending = {p: repo.pool.submit(filemap.file_digest, str(p), filemap.current()) for p in on_disk}
-    checkpoint = formats.read_checkpoint(path, trust_pickle, exclude=excluded)
+    try:
+        checkpoint = formats.read_checkpoint(path, trust_pickle, exclude=excluded)
+    except FileNotFoundError as exc:  # listed, then gone as it was opened: a rotation, not a fault of ours
+        if exc.filename is None or not Path(exc.filename).is_relative_to(path):
+            raise
+        raise _removed(exc.filename) from None
     digests, stamped = {}, {}
     for record in checkpoint.files:
         target = formats.destination(checkpoint.kind, record, path)
@@ -601,7 +606,7 @@ def _plan(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, lev
     Imported here, not at the top: a lossless commit (most `ckpt commit` processes) never loads the planners.
     """
     from ckptstore.policy.lossy import plan_lossy
-    from ckptstore.policy.mapping import optimizer_state_paths, paths_of_names
+    from ckptstore.policy.mapping import optimizer_state_paths, paths_in_any_naming, paths_of_names
 
     optimizer_map = _optimizer_map(checkpoint, lossy)
     if fisher is not None:  # live parameter names -> checkpoint paths
@@ -613,7 +618,7 @@ def _plan(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, lev
     optimizer_state = {path for f in checkpoint.files for path in optimizer_state_paths(f.skeleton)}
     # the parameters of the model's norm layers, whatever their names and shapes: docs/guide.md keeps them exact
     norms = lossy.norm_names if lossy.norm_names is not None else norm_names_of(lossy.model)
-    shared |= set(paths_of_names(checkpoint.tensors, norms).values())
+    shared |= paths_in_any_naming(checkpoint.tensors, norms)  # a copy's too (an EMA's): kept exact is never wrong
     plans = plan_lossy(checkpoint.tensors, parent.by_path, level, repo.config.encoding, optimizer_map, fisher,
                        shared, optimizer_state)
     return plans, optimizer_map.how, fisher
@@ -812,12 +817,10 @@ def norm_names_of(model: Any) -> list[Any]:
     """Names of the parameters of the model's torch.nn norm layers: kept exact however many dimensions they have."""
     if model is None:
         return []
-    models = _models(model)
-    inner = {id(p): _state_name(n) for n, p in models[-1].named_parameters()}
-    return [_one_or_both([_state_name(f"{prefix}.{name}" if prefix else name), inner.get(id(param))])
-            for prefix, module in model.named_modules()
+    levels = [{id(p): _state_name(n) for n, p in each.named_parameters()} for each in _models(model)]
+    return [_one_or_both([names.get(id(param)) for names in levels]) for _, module in model.named_modules()
             if any(c.__name__ in _NORM_LAYERS and c.__module__.startswith("torch.nn.") for c in type(module).__mro__)
-            for name, param in module.named_parameters(recurse=False)]
+            for _, param in module.named_parameters(recurse=False)]
 
 
 # parts FSDP1 and activation checkpointing put in a parameter's name and never in its state_dict() key
@@ -829,17 +832,17 @@ def _state_name(name: str) -> str:
 
 
 def _models(model: Any) -> list[Any]:
-    """`model`, and the model a DDP, DataParallel or torch.compile wrapper holds (at any depth), told by type."""
+    """`model`, and each model a DDP, DataParallel or torch.compile wrapper in it holds, told by type."""
     found = [model]
     while True:
         kind = type(found[-1]).__name__
         inner = (getattr(found[-1], "module", None) if kind in ("DistributedDataParallel", "DataParallel")
                  else getattr(found[-1], "_orig_mod", None) if kind == "OptimizedModule" else None)
         if inner is None:
-            return found if len(found) == 1 else [found[0], found[-1]]
+            return found  # each level: a state may be saved from any of them (DDP's .module of a compiled model)
         found.append(inner)
 
 
 def _one_or_both(names: list[str | None]) -> Any:
-    """One name where the namings agree, else a tuple of them (mapping.namings)."""
+    """One name where the namings (one per wrapper level) agree, else a tuple of them (mapping.namings)."""
     return names[0] if len(set(names)) == 1 else tuple(names)

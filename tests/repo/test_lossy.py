@@ -1081,10 +1081,11 @@ def test_a_two_dimensional_norm_weight_and_bias_stay_bit_exact(tmp_path, level, 
 
 
 @pytest.mark.parametrize("wrapper", [torch.nn.DataParallel, torch.compile], ids=["DataParallel", "torch.compile"])
-def test_a_state_saved_from_the_wrapper_pairs_by_its_own_names_not_an_ema_copys(tmp_path, wrapper):
-    """A state from the wrapper's own state_dict() keeps `module.`/`_orig_mod.`: stripping those from the live names
-    first paired the optimizer's moments with an EMA copy of the inner model saved beside it, and quantized the
-    copy, under "given by the caller" (reviewer 390). The names as they are match first."""
+@pytest.mark.parametrize("saved_from", ["the wrapper", "the inner model"])
+def test_a_wrapped_model_beside_an_ema_copy_pairs_no_copy_by_guess(tmp_path, wrapper, saved_from):
+    """With an EMA copy beside the model, a wrapper's names match one copy and the wrapped model's the other: name by
+    name, the optimizer's moments went to the EMA (reviewer 390); "as given" on a tie, to torch's AveragedModel's
+    (its copy under `.module`, reviewer 393). Matched alike, neither is paired; both copies' norms stay exact."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 16 * 512), torch.nn.Unflatten(1, (16, 512)),
                                 torch.nn.LayerNorm((16, 512)), torch.nn.Flatten(), torch.nn.Linear(16 * 512, 10))
@@ -1094,16 +1095,22 @@ def test_a_state_saved_from_the_wrapper_pairs_by_its_own_names_not_an_ema_copys(
         optimizer.step()
         optimizer.zero_grad()
     wrapped = wrapper(model)
-    state = {"model": wrapped.state_dict(), "ema": copy.deepcopy(model.state_dict()),
-             "optimizer": optimizer.state_dict()}
+    ema = torch.optim.swa_utils.AveragedModel(model)  # its copy's keys: module.0.weight
+    own, copy_of = ((wrapped.state_dict(), copy.deepcopy(model.state_dict())) if saved_from == "the wrapper"
+                    else (model.state_dict(), ema.state_dict()))
+    state = {"model": own, "ema": copy_of, "optimizer": optimizer.state_dict()}
     with Repository.init(tmp_path) as repo:
         cid = repo.commit(copy.deepcopy(state), lossy="balanced", model=wrapped, optimizer=optimizer)
         back, shown = repo.checkout(cid), repo.show(cid)
-    assert shown["pairing"] == "given by the caller"
-    prefix = next(iter(state["model"])).removesuffix("0.weight")  # "module." or "_orig_mod."
-    assert not torch.equal(back["model"][f"{prefix}0.weight"], state["model"][f"{prefix}0.weight"])  # trained: lossy
-    assert torch.equal(back["model"][f"{prefix}2.weight"], state["model"][f"{prefix}2.weight"])  # its norm: exact
-    assert torch.equal(back["ema"]["0.weight"], state["ema"]["0.weight"])  # no moments of its own: exact
+    if wrapper is torch.compile and saved_from == "the inner model":  # _orig_mod. names no copy: no tie
+        assert shown["pairing"] == "given by the caller"
+        assert not torch.equal(back["model"]["0.weight"], state["model"]["0.weight"])  # the model's: lossy
+        assert torch.equal(back["ema"]["module.0.weight"], state["ema"]["module.0.weight"])  # no moments: exact
+    else:
+        assert shown["pairing"].startswith("the model's names match two copies of it"), shown["pairing"]
+    for part in ("model", "ema"):
+        norm = next(k for k in state[part] if k.endswith("2.weight"))
+        assert torch.equal(back[part][norm], state[part][norm]), (part, norm)
 
 
 def test_a_wrapped_model_with_a_submodule_named_module_pairs_each_weight_with_its_own_moments():
@@ -1137,6 +1144,29 @@ def test_a_wrapped_model_with_a_submodule_named_module_pairs_each_weight_with_it
         assert {s.weight: s.lr for s in pairing.slots} == {
             f"{prefix}proj.weight": 1e-2, f"{prefix}proj.bias": 1e-2,
             f"{prefix}module.weight": 1e-5, f"{prefix}module.bias": 1e-5}
+
+
+def test_a_state_saved_from_a_middle_wrapper_pairs_by_that_levels_names():
+    """DataParallel around a compiled model, its state saved from `.module` (keys `_orig_mod.…`): only the outermost
+    and innermost namings were tried, neither matched, and shapes paired layer 2's moments with layer 0 (reviewer
+    393). Every wrapper level's naming is tried."""
+    from ckptstore.policy.mapping import map_optimizer, param_ids, param_lrs
+    from ckptstore.repo.commit import param_names_of
+    from ckptstore.state import flatten
+
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    optimizer = torch.optim.AdamW([{"params": inner[1].parameters(), "lr": 1e-2},
+                                   {"params": inner[0].parameters(), "lr": 1e-5}])
+    inner(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    wrapped = torch.nn.DataParallel(torch.compile(inner))
+    flat = flatten({"model": wrapped.module.state_dict(), "optimizer": optimizer.state_dict()})
+    pairing = map_optimizer(flat.tensors, param_names_of(wrapped, optimizer), param_ids(flat.skeleton),
+                            param_lrs(flat.skeleton))
+    assert pairing.how == "given by the caller"
+    assert {s.weight: s.lr for s in pairing.slots} == {"model/_orig_mod.1.weight": 1e-2, "model/_orig_mod.1.bias": 1e-2,
+                                                       "model/_orig_mod.0.weight": 1e-5, "model/_orig_mod.0.bias": 1e-5}
 
 
 def test_adam_moments_of_the_two_16_bit_types_restore_and_pass_fsck(tmp_path):

@@ -968,11 +968,14 @@ def test_a_folder_holding_files_a_commit_leaves_out_is_committed_not_refused_as_
     assert [name for name, _, _ in report.committed] == ["checkpoint-10"], said
 
 
-def test_a_file_removed_while_ckpt_commit_reads_its_folder_is_said_in_one_line(repo, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("when", ["after the parse", "as it is opened"])
+def test_a_file_removed_while_ckpt_commit_reads_its_folder_is_said_in_one_line(repo, tmp_path, monkeypatch, capsys,
+                                                                               when):
     """By hand, a tensor file removed as the commit read it reached the user as "unexpected FileNotFoundError …
-    please report it" (reviewer 392): it is a refusal of its own."""
+    please report it", after the parse (reviewer 392) or as the parser opened it (reviewer 393): a refusal."""
     from ckptstore import faults
     from ckptstore.cli.entry import main
+    from ckptstore.formats import checkpoint_io
 
     trainer = Trainer()
     trainer.train(1)
@@ -985,7 +988,17 @@ def test_a_file_removed_while_ckpt_commit_reads_its_folder_is_said_in_one_line(r
             (folder / "optimizer.pt").unlink()
         return point(name, *args, **kwargs)
 
-    monkeypatch.setattr(faults, "point", removed_at_read)
+    read_file = checkpoint_io._read_file
+
+    def removed_as_opened(path, name, *args, **kwargs):  # listed by the parser, gone as it comes to open it
+        if name == "optimizer.pt":
+            (folder / "optimizer.pt").unlink(missing_ok=True)
+        return read_file(path, name, *args, **kwargs)
+
+    if when == "after the parse":
+        monkeypatch.setattr(faults, "point", removed_at_read)
+    else:
+        monkeypatch.setattr(checkpoint_io, "_read_file", removed_as_opened)
     monkeypatch.chdir(repo.root)
     with pytest.raises(SystemExit) as ended:
         main(["commit", str(folder)])
