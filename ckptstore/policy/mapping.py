@@ -208,7 +208,12 @@ def _by_caller(ordered: list[ParamSlots], shapes: list[tuple | None], model: lis
     """
     shape_of = dict(model)
     pairings = []
-    for naming in namings(names):
+    each = namings(names)
+    if len(each) > 1 and any(len(_hits(model, n)) > 1 for naming in each for n in naming if n is not None):
+        # one naming names two copies (the model's and an EMA's): another matching one copy is no proof either
+        return OptimizerMap(ordered, False, "the model's names match two copies of it (the model's and an "
+                                            "EMA's?) alike; weights not paired")
+    for naming in each:
         weights: list[str | None] = []
         for slot, shape in zip(ordered, shapes):
             name = naming[slot.index] if slot.index < len(naming) else None
@@ -276,8 +281,9 @@ def paths_of_names(tensors: Mapping[str, RawTensor], names: Sequence[Any]) -> di
 
 
 def paths_in_any_naming(tensors: Mapping[str, RawTensor], names: Sequence[Any]) -> set[str]:
-    """Every path a live name matches in any of its namings: for what is kept exact, where keeping more is safe."""
-    return {path for each in _found_in_each_naming(tensors, names) for path in each.values()}
+    """Every path a live name matches in any of its namings, in every copy (an EMA's): for what is kept exact."""
+    model = [(p, tuple(r.shape)) for p, r in tensors.items() if r.dtype in FLOATS and not _STATE.match(p)]
+    return {path for naming in namings(names) for name in naming if name is not None for path in _hits(model, name)}
 
 
 def _found_in_each_naming(tensors: Mapping[str, RawTensor], names: Sequence[Any]) -> list[dict[Any, str]]:
@@ -292,11 +298,16 @@ def _found_in_each_naming(tensors: Mapping[str, RawTensor], names: Sequence[Any]
 def _by_names(model: Sequence[tuple[str, tuple]], names: Sequence[str]) -> list[str] | None:
     paths = []
     for name in names:
-        hits = [p for p, _ in model if p == key_component(name) or p.endswith("/" + key_component(name))]
+        hits = _hits(model, name)
         if len(hits) != 1:
             return None
         paths.append(hits[0])
     return paths
+
+
+def _hits(model: Sequence[tuple[str, tuple]], name: str) -> list[str]:
+    """The paths live name `name` names: the path itself, or one ending in it (below the state's own keys)."""
+    return [p for p, _ in model if p == key_component(name) or p.endswith("/" + key_component(name))]
 
 
 def namings(names: Sequence[Any]) -> list[list[Any]]:

@@ -1169,6 +1169,38 @@ def test_a_state_saved_from_a_middle_wrapper_pairs_by_that_levels_names():
                                                        "model/_orig_mod.0.weight": 1e-5, "model/_orig_mod.0.bias": 1e-5}
 
 
+def test_an_ema_copy_with_the_models_own_keys_keeps_its_norms_exact_and_gives_no_naming_the_win(tmp_path):
+    """A name that matches two copies (the model's and an EMA deepcopy's, same keys) counted as no match: no copy's
+    2-D norm was kept exact, and a wrapper's names matching a third copy (an AveragedModel's `module.…`) won 6-0
+    and took the optimizer's moments (reviewer 394). Norms stay exact in every copy; such a tie pairs nothing."""
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.mix = torch.nn.Linear(128, 128), torch.nn.LayerNorm((64, 128))  # not named as a norm
+
+        def forward(self, x):
+            return self.mix(self.fc(x).unsqueeze(1).expand(-1, 64, -1))
+
+    torch.manual_seed(0)
+    net = Net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    with torch.no_grad():
+        net.mix.weight.copy_(torch.randn(64, 128))
+    net(torch.randn(4, 128)).sum().backward()
+    optimizer.step()
+    state = {"model": net.state_dict(), "ema": copy.deepcopy(net).state_dict(), "optimizer": optimizer.state_dict()}
+    with Repository.init(tmp_path / "plain") as repo:
+        back = repo.checkout(repo.commit(copy.deepcopy(state), lossy="extreme", model=net, optimizer=optimizer))
+    for part in ("model", "ema"):
+        assert torch.equal(back[part]["mix.weight"], state[part]["mix.weight"]), part
+    state["swa"] = torch.optim.swa_utils.AveragedModel(net).state_dict()  # module.fc.weight, ...
+    with Repository.init(tmp_path / "wrapped") as repo:
+        cid = repo.commit(copy.deepcopy(state), lossy="extreme", model=torch.nn.DataParallel(net), optimizer=optimizer)
+        shown, back = repo.show(cid), repo.checkout(cid)
+    assert shown["pairing"].startswith("the model's names match two copies of it"), shown["pairing"]
+    assert torch.equal(back["swa"]["module.mix.weight"], state["swa"]["module.mix.weight"])
+
+
 def test_adam_moments_of_the_two_16_bit_types_restore_and_pass_fsck(tmp_path):
     """m in float16 is coded on v in bfloat16 (their sizes match): my check that a base is of its tensor's dtype
     called such a commit damaged, and it could no longer be checked out (reader 14, of f68bb82)."""
