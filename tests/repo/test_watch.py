@@ -34,6 +34,16 @@ def _load(path):
         return torch.load(path, weights_only=True)
 
 
+def _run_with_one_trainer_folder(tmp_path: Path) -> Path:
+    """A run folder holding Trainer's checkpoint-10, after one step."""
+    run = tmp_path / "run"
+    run.mkdir()
+    trainer = Trainer()
+    trainer.train(1)
+    _trainer_folder(run / "checkpoint-10", trainer)
+    return run
+
+
 def _trainer_folder(folder: Path, trainer: Trainer, with_state: bool = True) -> None:
     """A checkpoint-N folder in the order Trainer._save_checkpoint writes it (trainer_state.json last)."""
     folder.mkdir()
@@ -387,11 +397,7 @@ def test_a_file_rewritten_back_to_an_earlier_content_is_committed_again(repo, tm
 def test_a_folder_rotated_away_while_it_is_committed_is_refused_not_kept_in_part(repo, tmp_path, monkeypatch):
     """Trainer's rotation removing files as the commit lists the folder: the watch kept the commit without them (the
     branch's tip a checkpoint without its optimizer state) and said so after (auditor 391). Now it is refused."""
-    run = tmp_path / "run"
-    run.mkdir()
-    trainer = Trainer()
-    trainer.train(1)
-    _trainer_folder(run / "checkpoint-10", trainer)
+    run = _run_with_one_trainer_folder(tmp_path)
     commit = watch_module.commit_source
 
     def rotated(repo, source, options):  # rmtree got through one file when the commit lists the folder
@@ -780,11 +786,7 @@ def test_an_unreadable_checkpoint_file_is_said_once_and_the_others_are_committed
 
 def test_an_unreadable_trainer_folder_is_said_once_not_waited_for(repo, tmp_path, monkeypatch):
     """Another user's checkpoint-10 (mode 0700) waited for its trainer_state.json forever, never said (auditor)."""
-    run = tmp_path / "run"
-    run.mkdir()
-    trainer = Trainer()
-    trainer.train(1)
-    _trainer_folder(run / "checkpoint-10", trainer)
+    run = _run_with_one_trainer_folder(tmp_path)
     torch.save({"w": torch.ones(2)}, run / "step_5.pt")
     folder, listed = run / "checkpoint-10", os.scandir
     monkeypatch.setattr(os, "scandir", _denied_on(folder)(listed))  # it may be neither listed
@@ -933,11 +935,7 @@ def test_a_folder_rotated_away_while_its_files_are_read_is_said_removed_not_stil
 
     from ckptstore import faults
 
-    run = tmp_path / "run"
-    run.mkdir()
-    trainer = Trainer()
-    trainer.train(1)
-    _trainer_folder(run / "checkpoint-10", trainer)
+    run = _run_with_one_trainer_folder(tmp_path)
     point = faults.point
 
     def rotation_at_read(name, *args, **kwargs):
@@ -956,11 +954,7 @@ def test_a_folder_rotated_away_while_its_files_are_read_is_said_removed_not_stil
 def test_a_folder_holding_files_a_commit_leaves_out_is_committed_not_refused_as_rotated(repo, tmp_path):
     """The scan counted a `.git` folder's files, which a commit leaves out, as files the commit must hold: every pass
     refused the folder as "removed while it was committed" and never committed it (reviewer 392)."""
-    run = tmp_path / "run"
-    run.mkdir()
-    trainer = Trainer()
-    trainer.train(1)
-    _trainer_folder(run / "checkpoint-10", trainer)
+    run = _run_with_one_trainer_folder(tmp_path)
     (run / "checkpoint-10" / ".git").mkdir()
     (run / "checkpoint-10" / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     said = []
