@@ -311,11 +311,11 @@ def _hits(model: Sequence[tuple[str, tuple]], name: str) -> list[str]:
 
 
 def namings(names: Sequence[Any]) -> list[list[Any]]:
-    """The caller's names in each naming they come in: a wrapped model's as given, and as the model it wraps names them.
+    """The caller's names in each of their namings: a wrapped model's as given, and as each model it holds names them.
 
-    A name that differs (DDP's `module.`, compile's `_orig_mod.`) comes as a tuple of the two. One naming is
-    chosen for all names, by how many match (as given on a tie): per name, a wrapper's `module.proj` matched an
-    inner submodule named `module`, and an EMA copy took the optimizer's moments.
+    A name that differs (DDP's `module.`, compile's `_orig_mod.`) comes as a tuple, one per wrapper level. One
+    naming is chosen for all names, by how many match, and none where two match two copies alike (the model's
+    and an EMA's): per name, a wrapper's `module.proj` matched an inner submodule named `module`.
     """
     width = max((len(n) for n in names if isinstance(n, tuple)), default=1)
     return [[n[k] if isinstance(n, tuple) else n for n in names] for k in range(width)]
