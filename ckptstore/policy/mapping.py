@@ -12,7 +12,7 @@ says so). Without them, an inference is accepted only when it is the only one th
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,27 +207,32 @@ def _by_caller(ordered: list[ParamSlots], shapes: list[tuple | None], model: lis
     wrongly. None where no name pairs at all (the names are not this checkpoint's).
     """
     shape_of = dict(model)
-    pairings = []
     each = namings(names)
+    # one naming that names two copies (the model's and an EMA's) makes another matching one copy no proof either
     if len(each) > 1 and any(len(_hits(model, n)) > 1 for naming in each for n in naming if n is not None):
-        # one naming names two copies (the model's and an EMA's): another matching one copy is no proof either
-        return OptimizerMap(ordered, False, "the model's names match two copies of it (the model's and an "
-                                            "EMA's?) alike; weights not paired")
+        return OptimizerMap(ordered, False, _TWO_COPIES)
+    pairings = []
     for naming in each:
         weights: list[str | None] = []
         for slot, shape in zip(ordered, shapes):
             name = naming[slot.index] if slot.index < len(naming) else None
-            found = _by_names(model, [name]) if name is not None else None
-            weights.append(found[0] if found and (shape is None or shape_of[found[0]] == shape) else None)
+            path = _path_named(model, name) if name is not None else None
+            weights.append(path if path is not None and (shape is None or shape_of[path] == shape) else None)
         pairings.append(weights)
-    most = max(sum(w is not None for w in weights) for weights in pairings)
-    best = [weights for weights in pairings if sum(w is not None for w in weights) == most]
-    if not most:
-        return None
-    if any(weights != best[0] for weights in best):  # a wrapper's names and the wrapped model's match two copies
-        return OptimizerMap(ordered, False, "the model's names match two copies of it (the model's and an "
-                                            "EMA's?) alike; weights not paired")
-    return _pair(ordered, best[0], "given by the caller")
+    best = _agreed_best(pairings, lambda weights: sum(w is not None for w in weights))
+    if best is None:  # a wrapper's names and the wrapped model's match two copies alike
+        return OptimizerMap(ordered, False, _TWO_COPIES)
+    return _pair(ordered, best, "given by the caller") if any(best) else None
+
+
+_TWO_COPIES = "the model's names match two copies of it (the model's and an EMA's?) alike; weights not paired"
+
+
+def _agreed_best(candidates: list[Any], matched: Callable[[Any], int]) -> Any:
+    """The candidate (one per naming) that matches most; None where two that match most differ (two copies)."""
+    most = max(map(matched, candidates))
+    best = [candidate for candidate in candidates if matched(candidate) == most]
+    return best[0] if all(candidate == best[0] for candidate in best) else None
 
 
 def _by_ids(ordered: list[ParamSlots], shapes: list[tuple], model: list[tuple[str, tuple]],
@@ -274,35 +279,33 @@ def _decay_groups(model: Sequence[tuple[str, tuple]]) -> list[tuple[str, tuple]]
 
 def paths_of_names(tensors: Mapping[str, RawTensor], names: Sequence[Any]) -> dict[Any, str]:
     """The checkpoint path of each live parameter name that matches exactly one float tensor, in one naming."""
-    found = _found_in_each_naming(tensors, names)
-    most = max(len(each) for each in found)
-    best = [each for each in found if len(each) == most]
-    return best[0] if all(each == best[0] for each in best) else {}  # two copies matched alike: neither
+    return _agreed_best(_found_in_each_naming(tensors, names), len) or {}  # two copies matched alike: neither
 
 
 def paths_in_any_naming(tensors: Mapping[str, RawTensor], names: Sequence[Any]) -> set[str]:
     """Every path a live name matches in any of its namings, in every copy (an EMA's): for what is kept exact."""
-    model = [(p, tuple(r.shape)) for p, r in tensors.items() if r.dtype in FLOATS and not _STATE.match(p)]
+    model = _float_tensors(tensors)
     return {path for naming in namings(names) for name in naming if name is not None for path in _hits(model, name)}
 
 
 def _found_in_each_naming(tensors: Mapping[str, RawTensor], names: Sequence[Any]) -> list[dict[Any, str]]:
-    model = [(p, tuple(r.shape)) for p, r in tensors.items() if r.dtype in FLOATS and not _STATE.match(p)]
+    model = _float_tensors(tensors)
     found: list[dict[Any, str]] = []
     for naming in namings(names):
-        paths = ((given, _by_names(model, [name])) for given, name in zip(names, naming) if name is not None)
-        found.append({given: hit[0] for given, hit in paths if hit is not None})
+        paths = ((given, _path_named(model, name)) for given, name in zip(names, naming) if name is not None)
+        found.append({given: path for given, path in paths if path is not None})
     return found
 
 
-def _by_names(model: Sequence[tuple[str, tuple]], names: Sequence[str]) -> list[str] | None:
-    paths = []
-    for name in names:
-        hits = _hits(model, name)
-        if len(hits) != 1:
-            return None
-        paths.append(hits[0])
-    return paths
+def _float_tensors(tensors: Mapping[str, RawTensor]) -> list[tuple[str, tuple]]:
+    """(path, shape) of each float tensor that is no optimizer state: what a live parameter name may name."""
+    return [(p, tuple(r.shape)) for p, r in tensors.items() if r.dtype in FLOATS and not _STATE.match(p)]
+
+
+def _path_named(model: Sequence[tuple[str, tuple]], name: str) -> str | None:
+    """The one path live name `name` names, else None (none, or two copies)."""
+    hits = _hits(model, name)
+    return hits[0] if len(hits) == 1 else None
 
 
 def _hits(model: Sequence[tuple[str, tuple]], name: str) -> list[str]:
