@@ -6,7 +6,7 @@ import errno
 import os
 import re
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 # What `ckpt` says on Ctrl-C, wherever the command ran (here, or in the repository's daemon)
 INTERRUPTED = ("interrupted; nothing half-done is recorded: run the same command again to finish it (a commit, push, "
@@ -377,10 +377,7 @@ def explain(exc: BaseException) -> CkptError | None:
 
     Follows `__cause__`/`__context__`, since a library may wrap the OS error it hit.
     """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in causes(exc):
         if isinstance(current, CkptError):
             return current
         text = str(current).lower()
@@ -414,8 +411,17 @@ def explain(exc: BaseException) -> CkptError | None:
         if isinstance(current, UnicodeEncodeError) and "surrogates" in text:
             return CkptError(f"'{shown_name(current.object[:80])}' holds bytes that are not UTF-8; ckptstore records "
                              "names, paths and messages as UTF-8: rename the file, or pass the text in UTF-8")
-        current = current.__cause__ or current.__context__
     return None
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, then what it wraps (`__cause__`, else `__context__`), each once: a library may wrap the error it hit."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
 
 
 def _out_of_memory(exc: BaseException, text: str) -> CkptError | None:
@@ -445,15 +451,8 @@ def out_of_resources(exc: BaseException) -> bool:
     A reader's catch-all lets these through before it calls a file damaged: a user told so may delete a good
     checkpoint, and `explain` names the limit instead.
     """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in _LIMIT_ERRNOS or _out_of_memory(
-                current, str(current).lower()) is not None:
-            return True
-        current = current.__cause__ or current.__context__
-    return False
+    return any(isinstance(current, OSError) and current.errno in _LIMIT_ERRNOS
+               or _out_of_memory(current, str(current).lower()) is not None for current in causes(exc))
 
 
 def _limit_of_open_files() -> str:

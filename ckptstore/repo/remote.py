@@ -35,6 +35,7 @@ from ckptstore.errors import (
     RepoLockedError,
     SentObjectError,
     StoreUnavailableError,
+    causes,
     explain,
 )
 from ckptstore.formats.atomic import atomic_write
@@ -476,14 +477,7 @@ def push(repo: Repository, name: str, branch: str | None = None, force: bool = F
 
 def _os_words(exc: BaseException) -> BaseException:
     """The operating system's or database's own error beneath `exc` (followed through its causes), else `exc`."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if not isinstance(current, CkptError):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return exc
+    return next((current for current in causes(exc) if not isinstance(current, CkptError)), exc)
 
 
 def _push_to(repo: Repository, remote_config: RemoteConfig, name: str, branch: str, tip: CommitId, force: bool
