@@ -224,7 +224,7 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, comm
         if found is not None:
             state.record(source, found)
             return
-        cid = commit_source(repo, source, options)
+        cid = commit_whole(repo, source, options)
     except NothingToCommitError:
         state.record(source, None)
         say(f"{shown}: unchanged since the last commit, not committed")
@@ -253,7 +253,7 @@ def _commit_source(repo: Repository, source: Source, options: WatchOptions, comm
     _record_commit(state, source, cid, say)
 
 
-def commit_source(repo: Repository, source: Source, options: WatchOptions) -> str:
+def commit_whole(repo: Repository, source: Source, options: WatchOptions) -> str:
     """Commit `source` as found: a folder lacking a file the scan found whole is refused (a rotation), not kept.
 
     Trainer's save_total_limit removes a folder file by file: committed without its optimizer.pt, the folder

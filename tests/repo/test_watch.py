@@ -398,13 +398,13 @@ def test_a_folder_rotated_away_while_it_is_committed_is_refused_not_kept_in_part
     """Trainer's rotation removing files as the commit lists the folder: the watch kept the commit without them (the
     branch's tip a checkpoint without its optimizer state) and said so after (auditor 391). Now it is refused."""
     run = _run_with_one_trainer_folder(tmp_path)
-    commit = watch_module.commit_source
+    commit = watch_module.commit_whole
 
     def rotated(repo, source, options):  # rmtree got through one file when the commit lists the folder
         (run / "checkpoint-10" / "optimizer.pt").unlink()
         return commit(repo, source, options)
 
-    monkeypatch.setattr(watch_module, "commit_source", rotated)
+    monkeypatch.setattr(watch_module, "commit_whole", rotated)
     said = []
     report = watch(repo, run, ONCE, say=said.append)
     assert report.committed == [] and repo.log() == []
@@ -481,10 +481,10 @@ def test_an_unreadable_source_is_tried_again_at_each_scan(repo, tmp_path, monkey
     run = tmp_path / "run"
     run.mkdir()
     torch.save({"w": torch.ones(2)}, run / "a.pt")
-    commit = watch_module.commit_source
+    commit = watch_module.commit_whole
 
     def unreadable_once(repo, source, options):
-        monkeypatch.setattr(watch_module, "commit_source", commit)
+        monkeypatch.setattr(watch_module, "commit_whole", commit)
         raise PermissionError(13, "Permission denied", str(source.path))
 
     tries = []
@@ -493,15 +493,15 @@ def test_an_unreadable_source_is_tried_again_at_each_scan(repo, tmp_path, monkey
         tries.append(source.path)
         raise PermissionError(13, "Permission denied", str(source.path))
 
-    monkeypatch.setattr(watch_module, "commit_source", unreadable)
+    monkeypatch.setattr(watch_module, "commit_whole", unreadable)
     said = []
     report = watch(repo, run, WatchOptions(interval=0.01), stop=_stop_after(3), say=said.append)
     assert report.committed == [] and len(said) == 1 and "a.pt: not committed" in said[0]  # said once, not per scan
     assert len(tries) == 3  # tried at each of the three scans after the first (ready once two scans agree)
-    monkeypatch.setattr(watch_module, "commit_source", unreadable_once)
+    monkeypatch.setattr(watch_module, "commit_whole", unreadable_once)
     assert watch(repo, run, ONCE).committed == []
     assert [name for name, _, _ in watch(repo, run, ONCE).committed] == ["a.pt"]
-    monkeypatch.setattr(watch_module, "commit_source", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr(watch_module, "commit_whole", lambda *a, **k: (_ for _ in ()).throw(
         PermissionError(13, "Permission denied", str(repo.dir / "ckpt.db"))))
     torch.save({"w": torch.zeros(2)}, run / "b.pt")
     with pytest.raises(PermissionError):  # the repository's own files: the watch ends
