@@ -227,8 +227,8 @@ def _path_like(spec: str) -> bool:
     if spec in ("..", "..."):
         return False
     left, dots, right = spec.partition("..")
-    return (spec.startswith(("/", "./")) or bool(dots) and (left.endswith("/") or right.startswith("/"))
-            or bool(dots) and os.path.exists(spec))
+    return spec.startswith(("/", "./")) or bool(dots) and (
+        left.endswith("/") or right.startswith("/") or os.path.exists(spec))
 
 
 @cli.command()
