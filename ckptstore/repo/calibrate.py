@@ -83,15 +83,16 @@ def loss_guard(calibration: Callable[[Any], Any] | None, model: Any, max_change:
 
 def _model_loss(calibration: Callable[[Any], Any], model: Any,
                 checkpoint: formats.Checkpoint) -> Callable[[Mapping[str, RawTensor]], float]:
-    from ckptstore.policy.mapping import paths_of_names
+    from ckptstore.policy.livenames import checkpoint_paths
     from ckptstore.policy.sensitivity import loss_with_weights, model_tensors
     from ckptstore.state import materialize
 
-    names = list(model_tensors(model))  # buffers too: a level may quantize a float matrix the model only reads
-    path_of = paths_of_names(checkpoint.tensors, names)
-    if names and not path_of:  # else every measurement would be the original's: a change of 0, whatever was stored
-        raise CkptError(f"model=: none of its parameters or buffers ({names[0]!r}, ...) names a tensor of the "
-                        "checkpoint; pass the model the checkpoint was saved from (unwrapped, without DDP's 'module.')")
+    named = model_tensors(model)  # buffers too: a level may quantize a float matrix the model only reads
+    path_of = checkpoint_paths(model, named, checkpoint.tensors)  # as the wrapper or the model it wraps names them
+    if named and not path_of:  # else every measurement would be the original's: a change of 0, whatever was stored
+        raise CkptError(f"model=: none of its parameters or buffers ({next(iter(named))!r}, ...) names one tensor of "
+                        "the checkpoint, or its names and the names of the model it wraps match two copies alike (the "
+                        "model's and an EMA's?); pass the model the checkpoint was saved from, unwrapped")
 
     def loss_with(restored: Mapping[str, RawTensor]) -> float:
         weights = {name: materialize(restored[path]) for name, path in path_of.items() if path in restored}

@@ -605,12 +605,15 @@ def _plan(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, lev
 
     Imported here, not at the top: a lossless commit (most `ckpt commit` processes) never loads the planners.
     """
+    from ckptstore.policy.livenames import checkpoint_paths
     from ckptstore.policy.lossy import plan_lossy
-    from ckptstore.policy.mapping import optimizer_state_paths, paths_in_any_naming, paths_of_names
+    from ckptstore.policy.mapping import optimizer_state_paths, paths_in_any_naming
 
     optimizer_map = _optimizer_map(checkpoint, lossy)
-    if fisher is not None:  # live parameter names -> checkpoint paths
-        fisher = {path: fisher[name] for name, path in paths_of_names(checkpoint.tensors, list(fisher)).items()}
+    if fisher is not None:  # live parameter names -> checkpoint paths, in the naming of the level the state is from
+        named = dict(lossy.model.named_parameters())
+        fisher = {path: fisher[name] for name, path in checkpoint_paths(
+            lossy.model, {name: named[name] for name in fisher}, checkpoint.tensors).items()}
     # a view sharing its storage with another view: quantizing one would change the other
     shared = {path for f in checkpoint.files for path in shared_view_paths(f.skeleton)}
     # a tensor whose record its file's container keeps: `ckpt checkout -o` writes that record's committed bytes
@@ -803,9 +806,9 @@ def param_names_of(model: Any, optimizer: Any) -> list[Any] | None:
     """
     if model is None or optimizer is None:
         return None
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    named = [{id(p): _state_name(n) for n, p in each.named_parameters()} for each in _models(model)]
-    return [_one_or_both([names.get(id(p)) for names in named]) for p in params]
+    from ckptstore.policy.livenames import level_names
+
+    return level_names(model, [p for group in optimizer.param_groups for p in group["params"]])
 
 
 # torch.nn's normalization layers, by class name along a module's class hierarchy (`_NormBase`: BatchNorm's and
@@ -817,32 +820,9 @@ def norm_names_of(model: Any) -> list[Any]:
     """Names of the parameters of the model's torch.nn norm layers: kept exact however many dimensions they have."""
     if model is None:
         return []
-    levels = [{id(p): _state_name(n) for n, p in each.named_parameters()} for each in _models(model)]
-    return [_one_or_both([names.get(id(param)) for names in levels]) for _, module in model.named_modules()
-            if any(c.__name__ in _NORM_LAYERS and c.__module__.startswith("torch.nn.") for c in type(module).__mro__)
-            for _, param in module.named_parameters(recurse=False)]
+    from ckptstore.policy.livenames import level_names
 
-
-# parts FSDP1 and activation checkpointing put in a parameter's name and never in its state_dict() key
-_WRAPPED_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
-
-
-def _state_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in _WRAPPED_PARTS)
-
-
-def _models(model: Any) -> list[Any]:
-    """`model`, and each model a DDP, DataParallel or torch.compile wrapper in it holds, told by type."""
-    found = [model]
-    while True:
-        kind = type(found[-1]).__name__
-        inner = (getattr(found[-1], "module", None) if kind in ("DistributedDataParallel", "DataParallel")
-                 else getattr(found[-1], "_orig_mod", None) if kind == "OptimizedModule" else None)
-        if inner is None:
-            return found  # each level: a state may be saved from any of them (DDP's .module of a compiled model)
-        found.append(inner)
-
-
-def _one_or_both(names: list[str | None]) -> Any:
-    """One name where the namings (one per wrapper level) agree, else a tuple of them (mapping.namings)."""
-    return names[0] if len(set(names)) == 1 else tuple(names)
+    return level_names(model, [param for _, module in model.named_modules()
+                               if any(c.__name__ in _NORM_LAYERS and c.__module__.startswith("torch.nn.")
+                                      for c in type(module).__mro__)
+                               for param in module.parameters(recurse=False)])

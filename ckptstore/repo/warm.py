@@ -45,9 +45,10 @@ _AS_NEEDED = threading.local()  # on a thread running a `ckpt` command: opening 
 MACHINERY = ("ckptstore.replay", "ckptstore.formats.checkpoint_io", "ckptstore.formats.safetensors_file",
              "ckptstore.formats.torchzip", "ckptstore.formats.torchfile", "ckptstore.formats.torchcontainer",
              "ckptstore.formats.snapshot", "ckptstore.formats.dcpmeta", "ckptstore.policy.lossy",
-             "ckptstore.policy.mapping", "ckptstore.policy.sensitivity", "ckptstore.repo.background",
-             "ckptstore.repo.calibrate", "ckptstore.repo.pruning", "ckptstore.repo.integrity",
-             "ckptstore.repo.maintenance", "ckptstore.repo.sharded", "ckptstore.repo.dcpfiles")
+             "ckptstore.policy.mapping", "ckptstore.policy.livenames", "ckptstore.policy.sensitivity",
+             "ckptstore.repo.background", "ckptstore.repo.calibrate", "ckptstore.repo.pruning",
+             "ckptstore.repo.integrity", "ckptstore.repo.maintenance", "ckptstore.repo.sharded",
+             "ckptstore.repo.dcpfiles")
 
 
 @contextmanager

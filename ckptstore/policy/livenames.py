@@ -1,0 +1,53 @@
+"""A live model's tensor names as a checkpoint may hold them: once per wrapper level (DDP, DataParallel, compile).
+
+A state may be saved from the wrapper (`module.fc.weight`) or from the model it wraps
+(`fc.weight`); policy/mapping.py picks the one naming that matches the checkpoint, and none where
+two copies (the model's and an EMA's) match alike. torch itself is not imported here: the model
+is only walked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from itertools import chain
+from typing import Any
+
+from ckptstore.policy.mapping import paths_of_names
+
+# parts FSDP1 and activation checkpointing put in a parameter's name and never in its state_dict() key
+_WRAPPED_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def level_names(model: Any, tensors: Iterable[Any]) -> list[Any]:
+    """Each tensor's name in `model`: one where every wrapper level names it alike, else a tuple (None: not held)."""
+    levels = [{id(t): _state_name(n) for n, t in chain(each.named_buffers(), each.named_parameters())}
+              for each in _wrapper_levels(model)]
+    return [_one_or_both([names.get(id(t)) for names in levels]) for t in tensors]
+
+
+def checkpoint_paths(model: Any, named: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[str, str]:
+    """Each name of `named` (as `model` names its tensor) -> the checkpoint path it names, in the naming matching."""
+    given = level_names(model, named.values())
+    found = paths_of_names(tensors, given)
+    return {name: found[g] for name, g in zip(named, given) if g in found}
+
+
+def _state_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPED_PARTS)
+
+
+def _wrapper_levels(model: Any) -> list[Any]:
+    """`model`, and each model a DDP, DataParallel or torch.compile wrapper in it holds, told by type."""
+    found = [model]
+    while True:
+        kind = type(found[-1]).__name__
+        inner = (getattr(found[-1], "module", None) if kind in ("DistributedDataParallel", "DataParallel")
+                 else getattr(found[-1], "_orig_mod", None) if kind == "OptimizedModule" else None)
+        if inner is None:
+            return found  # each level: a state may be saved from any of them (DDP's .module of a compiled model)
+        found.append(inner)
+
+
+def _one_or_both(names: list[str | None]) -> Any:
+    """One name where the namings (one per wrapper level) agree, else a tuple of them (mapping.namings)."""
+    return names[0] if len(set(names)) == 1 else tuple(names)
