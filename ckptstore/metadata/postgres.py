@@ -25,7 +25,7 @@ from psycopg import errors as pg_errors
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 
-from ckptstore.errors import CkptError, CorruptDatabaseError, ReadOnlyRepoError, disk_full
+from ckptstore.errors import CkptError, CorruptDatabaseError, ReadOnlyRepoError, causes, disk_full
 from ckptstore.holders import LOCK_NOTICE_S, holder_named, process_tag
 from ckptstore.metadata.tables import TABLES
 from ckptstore.warn import caller_origin, warn_caller, warnings_at
@@ -421,12 +421,8 @@ class PostgresBackend:
 
     def explain(self, exc: BaseException) -> CkptError | None:
         """Psycopg's error (or one wrapping it, as SQLAlchemy's do) as a CkptError naming the server, or None."""
-        current: BaseException | None = exc
-        while current is not None and not isinstance(current, psycopg.Error):
-            current = current.__cause__ or current.__context__
-        if current is None:
-            return None
-        return self._explained(current)
+        found = next((current for current in causes(exc) if isinstance(current, psycopg.Error)), None)
+        return None if found is None else self._explained(found)
 
     def _explained(self, exc: psycopg.Error) -> CkptError | None:
         text = " ".join(str(exc).split())
