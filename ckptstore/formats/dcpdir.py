@@ -39,6 +39,7 @@ from ckptstore.errors import (
     PickledObjectsError,
     UnsupportedStateError,
     listing,
+    out_of_resources,
 )
 from ckptstore.formats import dcpmeta, filemap
 from ckptstore.formats.atomic import atomic_write, missing_folder
@@ -108,6 +109,8 @@ def read_metadata(path: str | os.PathLike, trust_pickle: bool = False) -> Metada
                                       "--trust-pickle (trust_pickle=True from Python) only if you trust who "
                                       "wrote it") from None
         except Exception as exc:  # truncated, mangled or from another torch: many kinds, one answer
+            if out_of_resources(exc):  # a limit met (memory, open files), not damage: the CLI names the limit
+                raise
             raise CheckpointFormatError(f"{where} is not DCP metadata this torch {torch.__version__} reads "
                                         f"({exc!r})") from None
     if not isinstance(metadata, Metadata):
@@ -225,6 +228,8 @@ def _pickled(blob: np.ndarray, key: str, path: Path, trust_pickle: bool) -> RawT
         except PickledObjectsError as exc:
             why = exc.args[0].split("; DCP would", 1)[0]
         except Exception as exc:  # noqa: BLE001 - torch's restricted unpickler raises more kinds than it documents
+            if out_of_resources(exc):
+                raise
             why = f"{fqn}: torch's restricted unpickler cannot read this non-tensor item ({type(exc).__name__})"
         if why:
             raise PickledObjectsError(f"{path}: {why}; nothing was committed. Commit with --trust-pickle "
@@ -244,6 +249,8 @@ def _not_a_torch_save(data: bytes | np.ndarray) -> str:
             for _ in pickletools.genops(io.BytesIO(archive.read(pickled))):
                 pass
     except Exception as exc:  # zipfile and pickletools raise many kinds on what they cannot parse
+        if out_of_resources(exc):
+            raise
         return (str(exc) or type(exc).__name__)[:120]
     return ""
 
@@ -253,6 +260,8 @@ def _tensor(blob: np.ndarray, item: dict[str, Any], sizes: list[int], where: str
     try:
         tensor = torch.load(io.BytesIO(blob.tobytes()), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many kinds for damaged or non-tensor data
+        if out_of_resources(exc):
+            raise
         raise CheckpointFormatError(f"{where}: not a tensor torch reads with weights_only=True "
                                     f"({refusal_reason(str(exc)) or type(exc).__name__})") from None
     if not isinstance(tensor, torch.Tensor) or str(tensor.dtype) != item["dtype"] or list(tensor.shape) != sizes:

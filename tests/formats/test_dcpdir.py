@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import pickle
@@ -410,3 +411,28 @@ def test_a_folder_holding_only_a_killed_checkouts_temporary_file_is_written_and_
     loaded = {"w": torch.zeros(40, 8), "ids": torch.zeros(7, dtype=torch.int64)}
     dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(out)))
     assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def _raising(exc: BaseException):
+    def read(*args, **kwargs):
+        raise exc
+    return read
+
+
+@pytest.mark.parametrize("where", ["metadata", "tensor", "non-tensor item"])
+@pytest.mark.parametrize("limit", [MemoryError(), OSError(errno.EMFILE, "Too many open files")],
+                         ids=["memory", "open files"])
+def test_a_limit_met_while_reading_a_directory_is_the_limit_not_damage(tmp_path, monkeypatch, where, limit):
+    """Out of memory or of file descriptors while reading, the directory was called damaged ("not DCP metadata this
+    torch reads", "not a tensor torch reads"), or its plain values pickled objects to trust: the limit goes through,
+    and the CLI names it (errors.explain)."""
+    dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "saved")))
+    if where == "metadata":
+        monkeypatch.setattr(dcpdir._MetadataUnpickler, "load", _raising(limit))
+    elif where == "tensor":
+        monkeypatch.setattr(dcpdir.torch, "load", _raising(limit))
+    else:
+        monkeypatch.setattr(dcpdir, "item_value", _raising(limit))
+    with Repository.init(tmp_path / "repo") as repo, pytest.raises(type(limit)) as raised:
+        repo.commit(tmp_path / "saved", "from disk")
+    assert raised.value is limit
