@@ -103,7 +103,9 @@ class RefExistsError(CkptError):
 
 
 class InvalidRefNameError(CkptError):
-    """A branch or tag name that cannot be used."""
+    """A branch, tag or remote name that cannot be used: a wrong argument, exit 2 as click's own refusals."""
+
+    exit_code = 2
 
 
 class NothingToCommitError(CkptError):

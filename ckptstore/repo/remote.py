@@ -81,11 +81,12 @@ def add(repo: Repository, name: str, url: str, metadata_url: str = "", typed_in:
     """
     repo.db.refuse_writes("remote add (it writes .ckpt/config.toml)")
     if "/" in name or len(name) > MAX_REMOTE_NAME:
-        raise CkptError(f"remote name {name!r} may not contain '/' or be longer than {MAX_REMOTE_NAME} characters")
+        raise InvalidRefNameError(f"remote name {name!r} may not contain '/' or be longer than {MAX_REMOTE_NAME} "
+                                  "characters")
     try:  # the commit-id rule is not asked: a remote's name only stands in NAME/BRANCH, never alone as a ref
         refs.check_form(name)
     except CkptError:
-        raise CkptError(f"{name!r} is not a valid remote name (letters, digits, . _ -)") from None
+        raise InvalidRefNameError(f"{name!r} is not a valid remote name (letters, digits, . _ -)") from None
     if name in repo.config.remotes:
         raise _taken(name, repo.config.remotes[name].url)
     with repo.db.read() as tx:  # names only: a damaged branch or tag row elsewhere is no reason to refuse

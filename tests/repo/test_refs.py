@@ -161,3 +161,17 @@ def test_branch_and_tag_d_delete_a_ref_naming_no_commit_or_a_lost_one_and_nothin
         assert sorted(tx.column("SELECT name FROM refs")) == ["HEAD", "kept", "main", "v2"]
         assert tx.column("SELECT id FROM commits") == [first]
     assert ckpt_here(tmp_path, "log", "--all").returncode == 0
+
+
+@pytest.mark.parametrize("args", [["branch", "abcd"], ["branch", "foo+bar"], ["tag", "x..y"],
+                                  ["remote", "add", "r" * 41, "."], ["remote", "add", "a b", "."]])
+def test_a_name_no_ref_or_remote_may_have_is_a_wrong_argument_exit_2(repo, tmp_path, args):
+    """reference.md: a wrong option or argument exits 2; a refused branch, tag or remote name exited 1 (docs
+    auditor 396), as a failure of the command would."""
+    from tests.conftest import ckpt_here
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
+    repo.commit(tmp_path / "m.pt")
+    result = ckpt_here(tmp_path, *args)
+    assert result.returncode == 2 and result.stderr.startswith("error: "), (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr
