@@ -379,3 +379,29 @@ def test_background_saves_by_path_register_the_exit_hook_once(tmp_path):
         ckptstore.save({"w": torch.full((4,), float(step))}, root, step=step, blocking=False).result()
     assert atexit._ncallbacks() - before <= 1  # one where no earlier test's save registered it
     assert_same(ckptstore.load("HEAD", root), {"w": torch.full((4,), 4.0)})
+
+
+def test_a_save_of_an_unchanged_state_says_how_python_records_it_anyway_and_allow_empty_does(tmp_path):
+    """From Python, "nothing changed" advised the CLI's --allow-empty only (docs auditor 396); save takes
+    allow_empty=True, which reference.md said only repo.commit did."""
+    from ckptstore.errors import NothingToCommitError
+
+    Repository.init(tmp_path).close()
+    state = {"w": torch.arange(8.0)}
+    first = ckptstore.save(state, repo=tmp_path)
+    with pytest.raises(NothingToCommitError, match=r"allow_empty=True from Python"):
+        ckptstore.save(state, repo=tmp_path)
+    second = ckptstore.save(state, repo=tmp_path, allow_empty=True)
+    with Repository.open(tmp_path) as repo:
+        assert second != first and repo.commit_info(second).parents == [first]
+
+
+def test_a_missing_database_says_no_command_runs_not_gc_alone(tmp_path):
+    """Every command, `ckpt log` too, said "gc will not run until it is back" (docs auditor 396)."""
+    from tests.conftest import ckpt_here
+
+    Repository.init(tmp_path).close()
+    (tmp_path / ".ckpt" / "ckpt.db").unlink()
+    result = ckpt_here(tmp_path, "log")
+    assert result.returncode == 1 and "no command runs until it is back" in result.stderr, result.stderr
+    assert "gc will not run" not in result.stderr

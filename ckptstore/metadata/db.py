@@ -635,7 +635,7 @@ class Database:
         # A repository's history lives only here: starting an empty one over its objects would let
         # gc delete them all, so opening (unlike init) never creates the schema.
         return MissingDatabaseError(f"the metadata database {self.where} {what}, but a repository's commits and refs "
-                                    "live in it. Nothing was written, and gc will not run until it is back: if the "
+                                    "live in it. Nothing was written, and no command runs until it is back: if the "
                                     "repository or its database moved, point metadata_url in .ckpt/config.toml at it "
                                     "(sqlite:////ABSOLUTE/PATH, or sqlite:///PATH inside the repository); "
                                     "else restore it from a backup. Only if it is lost for good, remove the "

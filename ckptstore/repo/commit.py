@@ -274,8 +274,8 @@ def _refuse_unchanged(manifest: Manifest, parent: _Parent, level: LossyLevel | N
         what = f"at level {level.name!r} its stored values equal the parent's"
     else:
         what = "the checkpoint equals its parent"
-    raise NothingToCommitError(f"nothing changed since {parent.commit[:12]}: {what} (use --allow-empty to record "
-                               "it anyway)")
+    raise NothingToCommitError(f"nothing changed since {parent.commit[:12]}: {what} (--allow-empty, allow_empty=True "
+                               "from Python, records it anyway)")
 
 
 WHOLE_ROUNDS = 3  # encodings that may each find more tensors to keep whole; then the checkpoint goes all lossless

@@ -70,7 +70,7 @@ def commit_dir(repo: Repository, path: str | os.PathLike, options: CommitOptions
             if before is not None and before.dcp is not None and before.entries == {
                     w.key: w.entry for w in written} and all(w.record is None for w in written):
                 raise NothingToCommitError(f"nothing changed since {parent[:12]}: {path} holds the same shards "
-                                           "(use --allow-empty to record it anyway)")
+                                           "(--allow-empty, allow_empty=True from Python, records it anyway)")
         changed = [p for p, before in stamps.items() if file_stamp(p) != before]
         if changed:  # a dcp.save into the same folder (a `latest/`) meanwhile: what was read may be torn
             raise changed_while_read(changed[0])
