@@ -23,7 +23,7 @@ from ckptstore.repo import stats as listed_stats
 @click.option("--graph", is_flag=True, help="Draw the history as a graph.")
 @click.option("--oneline", is_flag=True, help="One line per commit: id, refs, step, subject.")
 @click.option("--all", "all_refs", is_flag=True, help="Every branch and tag, not only HEAD.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="the commits as a JSON list")
 @click.pass_context
 def log(ctx, revisions, limit, graph, oneline, all_refs, as_json) -> None:
     """Show the history of HEAD, or of REVISIONS (branches, tags, commits, ranges).
@@ -184,7 +184,7 @@ def _to_delete(names: list[str], known: Collection[str], delete: Callable[[str],
 
 @cli.command()
 @click.argument("ref", default="HEAD")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="the commit as JSON")
 @click.pass_context
 def show(ctx, ref, as_json) -> None:
     """Show one commit: metadata, files and tensors."""
@@ -234,7 +234,7 @@ def _path_like(spec: str) -> bool:
 @cli.command()
 @click.argument("a")
 @click.argument("b", required=False)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="the changes as JSON")
 @click.option("--all", "show_all", is_flag=True, help="Also list unchanged tensors.")
 @click.pass_context
 def diff(ctx, a, b, as_json, show_all) -> None:
@@ -276,7 +276,7 @@ def diff(ctx, a, b, as_json, show_all) -> None:
 
 
 @cli.command()
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="the figures as JSON")
 @click.pass_context
 def stats(ctx, as_json) -> None:
     """Per commit raw bytes, newly stored bytes and ratio; totals."""

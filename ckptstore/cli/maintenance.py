@@ -29,7 +29,7 @@ def gc_command(ctx, prune) -> None:
 @click.option("--keep-best", default="", metavar="METRIC[:min|max]", help="Keep each branch's best commit by METRIC.")
 @click.option("--keep-tagged", is_flag=True, help="Keep tagged commits.")
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; change nothing.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="the report (commits removed, tensors re-encoded) as JSON")
 @click.pass_context
 def prune_command(ctx, keep_last, keep_every, keep_best, keep_tagged, dry_run, as_json) -> None:
     """Remove the commits a retention policy does not keep (default: [retention] in config.toml); free their space."""
