@@ -1138,7 +1138,8 @@ def test_a_wrapped_model_beside_an_ema_copy_pairs_no_copy_by_guess(tmp_path, wra
     with Repository.init(tmp_path) as repo:
         cid = repo.commit(copy.deepcopy(state), lossy="balanced", model=wrapped, optimizer=optimizer)
         back, shown = repo.checkout(cid), repo.show(cid)
-    if wrapper is torch.compile and saved_from == "the inner model":  # _orig_mod. names no copy: no tie
+    # by its class: Lightning, once imported, replaces torch.compile with a wrapper of its own
+    if type(wrapped).__name__ == "OptimizedModule" and saved_from == "the inner model":  # _orig_mod.: no tie
         assert shown["pairing"] == "given by the caller"
         assert not torch.equal(back["model"]["0.weight"], state["model"]["0.weight"])  # the model's: lossy
         assert torch.equal(back["ema"]["module.0.weight"], state["ema"]["module.0.weight"])  # no moments: exact
