@@ -3,16 +3,21 @@
 A state may be saved from the wrapper (`module.fc.weight`) or from the model it wraps
 (`fc.weight`); policy/mapping.py picks the one naming that matches the checkpoint, and none where
 two copies (the model's and an EMA's) match alike. torch itself is not imported here: the model
-is only walked.
+is only walked, and its tensors read through state.raw_from_torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
-from ckptstore.policy.mapping import paths_of_names
+import numpy as np
+
+from ckptstore.errors import UnsupportedStateError
+from ckptstore.policy.mapping import chosen_naming
+from ckptstore.state import RawTensor, raw_from_torch
 
 # parts FSDP1 and activation checkpointing put in a parameter's name and never in its state_dict() key
 _WRAPPED_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
@@ -25,11 +30,41 @@ def level_names(model: Any, tensors: Iterable[Any]) -> list[Any]:
     return [_one_or_both([names.get(id(t)) for names in levels]) for t in tensors]
 
 
-def checkpoint_paths(model: Any, named: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[str, str]:
-    """Each name of `named` (as `model` names its tensor) -> the checkpoint path it names, in the naming matching."""
+def checkpoint_paths(model: Any, named: Mapping[str, Any], tensors: Mapping[str, RawTensor]) -> LivePaths:
+    """Each name of `named` (as `model` names its tensor) -> the checkpoint path it names, in the naming matching.
+
+    Where a name matches two copies (the model's and an EMA's), the copy holding the live tensor's bytes.
+    """
     given = level_names(model, named.values())
-    found = paths_of_names(tensors, given)
-    return {name: found[g] for name, g in zip(named, given) if g in found}
+    live = dict(zip(given, named.values()))
+    raws: dict[Any, RawTensor | None] = {}
+    same: dict[tuple[Any, str], bool] = {}
+
+    def holds(name: Any, path: str) -> bool:
+        if name not in raws:
+            try:
+                raws[name] = raw_from_torch(live[name])
+            except UnsupportedStateError:  # a meta or quantized tensor: it holds no bytes a checkpoint could
+                raws[name] = None
+        if (name, path) not in same:
+            ours, theirs = raws[name], tensors[path]
+            same[name, path] = ours is not None and (ours.dtype, tuple(ours.shape)) == (
+                theirs.dtype, tuple(theirs.shape)) and np.array_equal(ours.data, np.asarray(theirs.data))
+        return same[name, path]
+
+    found, doubled = chosen_naming(tensors, given, holds)
+    return LivePaths({name: found[g] for name, g in zip(named, given) if g in found},
+                     {name: doubled[g] for name, g in zip(named, given) if g in doubled},
+                     {name for name, g in zip(named, given) if g in found and holds(g, found[g])})
+
+
+@dataclass
+class LivePaths:
+    """Where a live model's tensors are in a checkpoint."""
+
+    paths: dict[str, str]  # live name -> checkpoint path
+    doubled: dict[str, list[str]]  # live names matching two copies or more, none holding the live bytes: no path
+    holding: set[str]  # the live names whose path holds the live tensor's bytes
 
 
 def _state_name(name: str) -> str:

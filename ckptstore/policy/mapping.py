@@ -228,7 +228,7 @@ def _by_caller(ordered: list[ParamSlots], shapes: list[tuple | None], model: lis
 _TWO_COPIES = "the model's names match two copies of it (the model's and an EMA's?) alike; weights not paired"
 
 
-def _agreed_best(candidates: list[Any], matched: Callable[[Any], int]) -> Any:
+def _agreed_best(candidates: list[Any], matched: Callable[[Any], Any]) -> Any:
     """The candidate (one per naming) that matches most; None where two that match most differ (two copies)."""
     most = max(map(matched, candidates))
     best = [candidate for candidate in candidates if matched(candidate) == most]
@@ -277,24 +277,46 @@ def _decay_groups(model: Sequence[tuple[str, tuple]]) -> list[tuple[str, tuple]]
     return [m for m in model if not _NO_DECAY.search(m[0])] + [m for m in model if _NO_DECAY.search(m[0])]
 
 
-def paths_of_names(tensors: Mapping[str, RawTensor], names: Sequence[Any]) -> dict[Any, str]:
-    """The checkpoint path of each live parameter name that matches exactly one float tensor, in one naming."""
-    return _agreed_best(_found_in_each_naming(tensors, names), len) or {}  # two copies matched alike: neither
+def paths_of_names(tensors: Mapping[str, RawTensor], names: Sequence[Any],
+                   holds: Callable[[Any, str], bool] | None = None) -> dict[Any, str]:
+    """The checkpoint path of each live parameter name that matches exactly one float tensor, in one naming.
+
+    `holds(name, path)`: whether the live tensor of `name` (as given) holds the bytes at `path`. With it, a
+    name matching two copies (the model's and an EMA's) names the one holding the live bytes (copies holding
+    the same bytes are one tensor, restored alike), and the naming most of whose paths hold them wins.
+    """
+    return chosen_naming(tensors, names, holds)[0]
+
+
+def chosen_naming(tensors: Mapping[str, RawTensor], names: Sequence[Any], holds: Callable[[Any, str], bool] | None
+                  ) -> tuple[dict[Any, str], dict[Any, list[str]]]:
+    """paths_of_names's paths, and the names of its naming that match two copies or more (with their paths).
+
+    Such a name, where none of its copies holds the live bytes, names none of them. Nothing at all where two
+    namings match alike (two copies again).
+    """
+    model = _float_tensors(tensors)
+    found: list[tuple[dict[Any, str], dict[Any, list[str]]]] = []
+    for naming in namings(names):
+        paths, doubled = {}, {}
+        for given, name in zip(names, naming):
+            hits = _hits(model, name) if name is not None else []
+            if len(hits) > 1 and holds is not None:
+                hits = [path for path in hits if holds(given, path)][:1] or hits
+            if len(hits) == 1:
+                paths[given] = hits[0]
+            elif hits:
+                doubled[given] = hits
+        found.append((paths, doubled))
+    held = len if holds is None else lambda paths: (sum(holds(g, path) for g, path in paths.items()), len(paths))
+    best = _agreed_best([paths for paths, _ in found], held)
+    return (best, next(doubled for paths, doubled in found if paths == best)) if best is not None else ({}, {})
 
 
 def paths_in_any_naming(tensors: Mapping[str, RawTensor], names: Sequence[Any]) -> set[str]:
     """Every path a live name matches in any of its namings, in every copy (an EMA's): for what is kept exact."""
     model = _float_tensors(tensors)
     return {path for naming in namings(names) for name in naming if name is not None for path in _hits(model, name)}
-
-
-def _found_in_each_naming(tensors: Mapping[str, RawTensor], names: Sequence[Any]) -> list[dict[Any, str]]:
-    model = _float_tensors(tensors)
-    found: list[dict[Any, str]] = []
-    for naming in namings(names):
-        paths = ((given, _path_named(model, name)) for given, name in zip(names, naming) if name is not None)
-        found.append({given: path for given, path in paths if path is not None})
-    return found
 
 
 def _float_tensors(tensors: Mapping[str, RawTensor]) -> list[tuple[str, tuple]]:

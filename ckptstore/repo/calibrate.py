@@ -88,15 +88,32 @@ def _model_loss(calibration: Callable[[Any], Any], model: Any,
     from ckptstore.state import materialize
 
     named = model_tensors(model)  # buffers too: a level may quantize a float matrix the model only reads
-    path_of = checkpoint_paths(model, named, checkpoint.tensors)  # as the wrapper or the model it wraps names them
+    found = checkpoint_paths(model, named, checkpoint.tensors)  # as the model or one it wraps names them
+    path_of = found.paths
+    if found.doubled:  # measuring one copy would leave the other's quantization unmeasured, or the wrong one measured
+        name, paths = next(iter(found.doubled.items()))
+        raise CkptError(f"model=: its {name!r} matches {len(paths)} tensors of the checkpoint "
+                        f"({', '.join(map(readable_path, paths[:3]))}), none holding its values, so the loss guard "
+                        "cannot tell which it measures; pass the model as it was when the checkpoint was saved")
     if named and not path_of:  # else every measurement would be the original's: a change of 0, whatever was stored
         raise CkptError(f"model=: none of its parameters or buffers ({next(iter(named))!r}, ...) names one tensor of "
-                        "the checkpoint, or its names and the names of the model it wraps match two copies alike (the "
-                        "model's and an EMA's?); pass the model the checkpoint was saved from, unwrapped")
+                        "the checkpoint, or its names and those of the model it wraps match two copies alike (the "
+                        "model's and an EMA's?); pass the model the checkpoint was saved from")
+    if not found.holding:
+        name = next(iter(path_of))
+        warn_caller(f"model=: none of the checkpoint's tensors its names match holds its values ({name!r} is "
+                    f"{readable_path(path_of[name])}): the loss guard measures the checkpoint's own values there; if "
+                    "those are a copy's (an EMA's), pass the model the checkpoint was saved from", RuntimeWarning)
 
     def loss_with(restored: Mapping[str, RawTensor]) -> float:
-        weights = {name: materialize(restored[path]) for name, path in path_of.items() if path in restored}
-        return loss_with_weights(model, calibration, weights)
+        def value_of(path: str) -> Any:
+            if path in restored:
+                return materialize(restored[path])
+            # the checkpoint's own (the live model may have moved on), a copy: a buffer may be bound and written
+            raw = checkpoint.tensors[path]
+            return materialize(RawTensor(raw.dtype, raw.shape, raw.data.copy()))
+
+        return loss_with_weights(model, calibration, {name: value_of(path) for name, path in path_of.items()})
 
     return loss_with
 

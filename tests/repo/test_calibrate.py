@@ -1,5 +1,7 @@
 """A calibration function turns a lossy level's promise into a measured guarantee on the user's data."""
 
+import copy
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -330,3 +332,93 @@ def test_a_tighter_retry_does_not_keep_the_parents_coarser_reconstruction_of_the
     assert len(set(losses[1:])) == len(losses) - 1  # each attempt measured a reconstruction of its own
     assert codecs["model/0.weight"] == codecs["model/2.weight"] == "deadzone"  # not lossless
     assert abs(change) <= 0.3
+
+
+class _Adapted(torch.nn.Module):
+    """A frozen base layer with a trainable low-rank adapter, as LoRA builds one."""
+
+    def __init__(self, width: int, out: int) -> None:
+        super().__init__()
+        self.base_layer = torch.nn.Linear(width, out).requires_grad_(False)
+        self.lora_A = torch.nn.Linear(width, 16, bias=False)
+        self.lora_B = torch.nn.Linear(16, out, bias=False)
+        torch.nn.init.normal_(self.lora_B.weight, std=0.05)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+def _trained_with_copy():
+    """A model trained a little, its loss function, and its state with a copy of its trainable weights."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(_Adapted(64, 256), torch.nn.ReLU(), _Adapted(256, 64))
+    batch, labels = torch.randn(256, 64), torch.randint(0, 64, (256,))
+    loss = lambda m: torch.nn.functional.cross_entropy(m(batch), labels)  # noqa: E731
+    optimizer = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], 1e-2)
+    for _ in range(100):
+        optimizer.zero_grad()
+        loss(net).backward()
+        optimizer.step()
+    return net, loss, {n: p.detach().clone() for n, p in net.named_parameters() if p.requires_grad}
+
+
+def _checked_out_change(repo, cid, net, loss, part="model") -> float:
+    """The loss change of the checked-out `part` against the original model, measured here."""
+    restored = copy.deepcopy(net)
+    restored.load_state_dict(repo.checkout(cid)[part])
+    with torch.no_grad():
+        return float((loss(restored) - loss(net)) / loss(net)) * 100
+
+
+@pytest.mark.parametrize("copy_holds", ["the same values", "an average"])
+def test_an_ema_of_some_weights_beside_the_model_leaves_none_of_them_unmeasured(repo, copy_holds):
+    """The adapters' names matched the model's copy and the EMA's beside it: the guard skipped them unsaid and
+    recorded +0.16% where the checkout changed the loss by +5.5% at `extreme` (reviewer 397). The copy holding
+    the live values is the one measured (copies holding the same values are one tensor, restored alike)."""
+    net, loss, ema = _trained_with_copy()
+    if copy_holds == "an average":
+        ema = {name: value * 0.9 for name, value in ema.items()}
+    state = {"model": copy.deepcopy(net.state_dict()), "ema": ema}
+    cid = repo.commit(state, lossy="extreme", model=net, calibration=loss)
+    recorded = repo.commit_info(cid).metrics[CALIBRATION_METRIC]
+    assert recorded == pytest.approx(_checked_out_change(repo, cid, net, loss), abs=1e-4)
+    assert abs(recorded) <= 1.0  # extreme's promise, 1%
+    assert repo.show(cid)["importance"] == "measured on a calibration batch (2 weights)"  # 0 before: both copies
+
+
+def test_a_wrapped_models_state_beside_an_ema_of_the_inner_model_is_measured_on_the_models_copy(repo):
+    """{"model": dp.state_dict(), "ema": deepcopy(dp.module).state_dict()}: the wrapper's names match the model's
+    copy and the inner model's the EMA's alike, and the commit was refused (reviewer 397, since 8efbf55); the
+    naming whose tensors hold the live values is the model's."""
+    net, loss, _ = _trained_with_copy()
+    ema = copy.deepcopy(net)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.9)
+    wrapped = torch.nn.DataParallel(net)
+    state = {"model": copy.deepcopy(wrapped.state_dict()), "ema": copy.deepcopy(ema.state_dict())}
+    cid = repo.commit(state, lossy="balanced", model=wrapped, calibration=loss)
+    restored = copy.deepcopy(net)
+    restored.load_state_dict({k.removeprefix("module."): v for k, v in repo.checkout(cid)["model"].items()})
+    with torch.no_grad():
+        actual = float((loss(restored) - loss(net)) / loss(net)) * 100
+    assert repo.commit_info(cid).metrics[CALIBRATION_METRIC] == pytest.approx(actual, abs=1e-4)
+
+
+def test_a_model_that_moved_on_since_the_save_is_measured_against_the_checkpoints_own_values(repo):
+    """The guard compared the restored weights with the live model's loss: a model trained further after the save
+    counted its own steps as the level's change. The checkpoint's own values are the baseline, and the commit
+    says the live model holds others; where a name then matches two copies, neither holding its values, which
+    one to measure is unknown: refused."""
+    net, loss, _ = _trained_with_copy()
+    state = {"model": copy.deepcopy(net.state_dict())}
+    saved = copy.deepcopy(net)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.01)
+    with pytest.warns(RuntimeWarning, match="none of the checkpoint's tensors its names match holds its values"):
+        cid = repo.commit(state, lossy="balanced", model=net, calibration=loss)
+    assert repo.commit_info(cid).metrics[CALIBRATION_METRIC] == pytest.approx(
+        _checked_out_change(repo, cid, saved, loss), abs=1e-4)
+    with pytest.raises(CkptError, match=r"matches 2 tensors of the checkpoint .*none holding its values"):
+        repo.commit({**state, "ema": copy.deepcopy(state["model"])}, lossy="balanced", model=net, calibration=loss)
