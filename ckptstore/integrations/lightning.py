@@ -38,7 +38,14 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from ckptstore.errors import BackgroundCommitError, CkptError, NothingToCommitError, RefNotFoundError, RetentionError
+from ckptstore.errors import (
+    BackgroundCommitError,
+    CkptError,
+    InvalidRefNameError,
+    NothingToCommitError,
+    RefNotFoundError,
+    RetentionError,
+)
 from ckptstore.formats.atomic import TEMP_SUFFIX
 from ckptstore.hashing import CommitId
 from ckptstore.integrations.unchanged import head_if_unchanged
@@ -260,6 +267,7 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
                  prefix: str = DEFAULT_PREFIX, markers: bool = True, lossy: str | None = None,
                  trust_pickle: bool = False, blocking: bool = False) -> None:
         ref_names.check_name(prefix)
+        ref_names.check_parts(prefix)  # as the tags made under it will be: a '.x' part refused at construction
         self._given = repo if isinstance(repo, Repository) else None
         self._location = None if isinstance(repo, Repository) else repo
         self._opened: Repository | None = None
@@ -436,10 +444,11 @@ class CkptstoreCheckpointIO(*_CHECKPOINT_IO_BASES):
     def _claim(self, path: str | os.PathLike) -> str:
         """The tag for `path`, refusing a second path that maps to the same tag in this run, or another run's tag."""
         ref = ref_for_path(path, self.prefix)
-        try:  # before the commit: a tag refused after it left a commit unnamed and stopped training
-            ref_names.check_name(ref)
-        except CkptError as exc:
-            raise CkptError(f"checkpoint {os.fspath(path)!r} cannot be tagged: {exc}; pass a shorter "
+        try:  # before the commit, as repo.tag will check it: a tag refused after it left a commit unnamed
+            with self.repo.db.read() as tx:
+                ref_names.check_made_name(ref, self.repo.config.remotes, tx)
+        except InvalidRefNameError as exc:
+            raise CkptError(f"checkpoint {os.fspath(path)!r} cannot be tagged: {exc}; pass a shorter or other "
                             "CkptstoreCheckpointIO(prefix=...)") from None
         where = os.path.abspath(os.fspath(path))
         claimed = self._paths.get(ref)

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 plugin_module = pytest.importorskip("ckptstore.integrations.lightning")  # ImportError: no Lightning package
 from ckptstore.errors import BackgroundCommitError, CkptError  # noqa: E402
 from ckptstore.integrations.lightning import CkptstoreCheckpointIO, read_marker, ref_for_path  # noqa: E402
-from ckptstore.repo import Repository, gc  # noqa: E402
+from ckptstore.repo import Repository, gc, remote  # noqa: E402
 from ckptstore.repo.refs import check_name, check_range_safe  # noqa: E402
 from tests.conftest import ckpt_env  # noqa: E402
 
@@ -150,11 +150,31 @@ def test_a_file_name_too_long_for_a_tag_is_committed_tagged_and_loads(tmp_path, 
         assert read_marker(path)["commit"] == repo.tags()[tag]
         assert_same(CkptstoreCheckpointIO(repo).load_checkpoint(path), state)
     commits = len(repo.log("HEAD"))
-    with pytest.raises(CkptError, match="cannot be tagged: .* pass a shorter CkptstoreCheckpointIO\\(prefix"):
+    with pytest.raises(CkptError, match="cannot be tagged: .* pass a shorter or other CkptstoreCheckpointIO\\(prefix"):
         CkptstoreCheckpointIO(repo, prefix="p" * 199, blocking=blocking).save_checkpoint(
             {**state, "global_step": 121}, tmp_path / "last.ckpt")
     assert len(repo.log("HEAD")) == commits and not (tmp_path / "last.ckpt").exists()  # refused before the commit
     repo.close()
+
+
+@pytest.mark.parametrize("prefix", ["runs/.x", "a.lock/b"])
+def test_a_prefix_no_tag_may_start_with_is_refused_at_construction(tmp_path, prefix):
+    """It passed the constructor; every save then committed and its tag was refused, and training stopped after the
+    commit (reviewer 397): repo.tag checks each part of a name, which the plugin did not."""
+    with Repository.init(tmp_path / "repo") as repo, pytest.raises(CkptError, match="starts with '.' or ends with"):
+        CkptstoreCheckpointIO(repo, prefix=prefix)
+
+
+def test_a_tag_that_would_hide_a_remotes_tracking_ref_is_refused_before_the_commit(tmp_path):
+    """A prefix named like a remote (origin/...) made tags repo.tag refuses: the commit stood untagged."""
+    state = {"state_dict": {"w": torch.arange(4.0)}, "global_step": 1, "epoch": 0}
+    with Repository.init(tmp_path / "repo") as repo:
+        Repository.init(tmp_path / "other").close()
+        remote.add(repo, "origin", str(tmp_path / "other"))
+        plugin = CkptstoreCheckpointIO(repo, prefix="origin/ckpt", blocking=True)
+        with pytest.raises(CkptError, match="cannot be tagged: .*would hide remote 'origin'"):
+            plugin.save_checkpoint(state, tmp_path / "last.ckpt")
+        assert repo.head()[1] is None and not (tmp_path / "last.ckpt").exists()
 
 
 def _import_plugin_without(monkeypatch, *missing: str):
