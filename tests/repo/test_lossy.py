@@ -322,7 +322,11 @@ def test_pruning_spares_fine_tune_sized_moves():
             assert mask.sum() == pytest.approx(0.6 * base.size, abs=1)
 
 
-def test_a_calibration_batch_is_measured_on_the_live_model_and_recorded(repo, tmp_path):
+@pytest.mark.parametrize("wrapper", [lambda model: model, torch.nn.DataParallel, torch.compile],
+                         ids=["plain", "DataParallel", "torch.compile"])
+def test_a_calibration_batch_is_measured_on_the_live_model_and_recorded(repo, tmp_path, wrapper):
+    """Wrapped, the Fisher was named by the wrapper (`module.`, `_orig_mod.`) and a state saved from the inner
+    model names its weights without: nothing was steered ("0 weights"), the level's own plan stood."""
     trainer = Trainer()
     trainer.train(5)
     path = tmp_path / "ckpt.pt"
@@ -333,7 +337,7 @@ def test_a_calibration_batch_is_measured_on_the_live_model_and_recorded(repo, tm
         return torch.nn.functional.cross_entropy(model(tokens).reshape(-1, 64), ((tokens + 1) % 64).reshape(-1))
 
     weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    cid = repo.commit(path, lossy="balanced", model=trainer.model, calibration=calibration)
+    cid = repo.commit(path, lossy="balanced", model=wrapper(trainer.model), calibration=calibration)
     assert repo.show(cid)["importance"] == "measured on a calibration batch (2 weights)"
     assert all(torch.equal(p.detach(), weights[n]) for n, p in trainer.model.named_parameters())
     restored = repo.checkout(cid)
@@ -341,23 +345,6 @@ def test_a_calibration_batch_is_measured_on_the_live_model_and_recorded(repo, tm
         assert 0 < _rel(restored["model"][name], trainer.state()["model"][name]) < 0.25  # fast-moving: 0.4 of RMS
     with pytest.raises(CkptError, match="lossy"):
         repo.commit(path, model=trainer.model, calibration=calibration, allow_empty=True)
-
-
-@pytest.mark.parametrize("wrapper", [torch.nn.DataParallel, torch.compile], ids=["DataParallel", "torch.compile"])
-def test_a_wrapped_models_calibration_steers_the_weights_the_inner_model_saved(repo, tmp_path, wrapper):
-    """The Fisher a calibration measures is named by the wrapper (`module.`, `_orig_mod.`); a state saved from the
-    inner model names its weights without: nothing was steered ("0 weights"), the level's own plan stood."""
-    trainer = Trainer()
-    trainer.train(5)
-    path = tmp_path / "ckpt.pt"
-    torch.save(trainer.state(), path)
-    tokens = torch.arange(16 * 8).reshape(16, 8) % 64
-
-    def calibration(model):
-        return torch.nn.functional.cross_entropy(model(tokens).reshape(-1, 64), ((tokens + 1) % 64).reshape(-1))
-
-    cid = repo.commit(path, lossy="balanced", model=wrapper(trainer.model), calibration=calibration)
-    assert repo.show(cid)["importance"] == "measured on a calibration batch (2 weights)"
 
 
 def test_a_wrapped_models_calibration_beside_an_ema_copy_measures_no_copy_by_guess(repo):
