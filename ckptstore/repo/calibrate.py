@@ -99,7 +99,7 @@ def _model_loss(calibration: Callable[[Any], Any], model: Any,
         raise CkptError(f"model=: none of its parameters or buffers ({next(iter(named))!r}, ...) names one tensor of "
                         "the checkpoint, or its names and those of the model it wraps match two copies alike (the "
                         "model's and an EMA's?); pass the model the checkpoint was saved from")
-    if not found.holding:
+    if path_of and not found.holding:
         name = next(iter(path_of))
         warn_caller(f"model=: none of the checkpoint's tensors its names match holds its values ({name!r} is "
                     f"{readable_path(path_of[name])}): the loss guard measures the checkpoint's own values there; if "

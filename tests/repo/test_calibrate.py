@@ -422,3 +422,12 @@ def test_a_model_that_moved_on_since_the_save_is_measured_against_the_checkpoint
         _checked_out_change(repo, cid, saved, loss), abs=1e-4)
     with pytest.raises(CkptError, match=r"matches 2 tensors of the checkpoint .*none holding its values"):
         repo.commit({**state, "ema": copy.deepcopy(state["model"])}, lossy="balanced", model=net, calibration=loss)
+
+
+def test_a_model_without_tensors_commits_as_before(repo):
+    """A model holding no parameter or buffer (a stateless function module) met the new 'holds its values' check
+    with nothing to name: StopIteration (2227144, found in the last read)."""
+    weight = torch.randn(256, 256)
+    cid = repo.commit({"w": weight}, lossy="balanced", model=torch.nn.ReLU(),
+                      calibration=lambda m: m(torch.tensor([1.0])).sum())
+    assert repo.commit_info(cid).metrics[CALIBRATION_METRIC] == 0.0
