@@ -17,7 +17,7 @@ import numpy as np
 
 from ckptstore.errors import UnsupportedStateError
 from ckptstore.policy.mapping import chosen_naming
-from ckptstore.state import RawTensor, raw_from_torch
+from ckptstore.state import RawTensor, raw_from_torch, torch_dtype
 
 # parts FSDP1 and activation checkpointing put in a parameter's name and never in its state_dict() key
 _WRAPPED_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
@@ -33,38 +33,48 @@ def level_names(model: Any, tensors: Iterable[Any]) -> list[Any]:
 def checkpoint_paths(model: Any, named: Mapping[str, Any], tensors: Mapping[str, RawTensor]) -> LivePaths:
     """Each name of `named` (as `model` names its tensor) -> the checkpoint path it names, in the naming matching.
 
-    Where a name matches two copies (the model's and an EMA's), the copy holding the live tensor's bytes.
+    Where a name matches two copies (the model's and an EMA's), one holding the live tensor's values (in the
+    checkpoint's dtype: a state may be saved in half precision).
     """
     given = level_names(model, named.values())
     live = dict(zip(given, named.values()))
-    raws: dict[Any, RawTensor | None] = {}
     same: dict[tuple[Any, str], bool] = {}
 
     def holds(name: Any, path: str) -> bool:
-        if name not in raws:
-            try:
-                raws[name] = raw_from_torch(live[name])
-            except UnsupportedStateError:  # a meta or quantized tensor: it holds no bytes a checkpoint could
-                raws[name] = None
         if (name, path) not in same:
-            ours, theirs = raws[name], tensors[path]
-            same[name, path] = ours is not None and (ours.dtype, tuple(ours.shape)) == (
-                theirs.dtype, tuple(theirs.shape)) and np.array_equal(ours.data, np.asarray(theirs.data))
+            same[name, path] = _holds(live[name], tensors[path])
         return same[name, path]
 
-    found, doubled = chosen_naming(tensors, given, holds)
-    return LivePaths({name: found[g] for name, g in zip(named, given) if g in found},
-                     {name: doubled[g] for name, g in zip(named, given) if g in doubled},
-                     {name for name, g in zip(named, given) if g in found and holds(g, found[g])})
+    chosen = chosen_naming(tensors, given, holds)
+    by_live = dict(zip(named, given))
+    return LivePaths({name: chosen.paths[g] for name, g in by_live.items() if g in chosen.paths},
+                     {name: chosen.doubled[g] for name, g in by_live.items() if g in chosen.doubled},
+                     {name for name, g in by_live.items() if g in chosen.paths and holds(g, chosen.paths[g])},
+                     {name: chosen.copies[g] for name, g in by_live.items() if g in chosen.copies})
 
 
 @dataclass
 class LivePaths:
     """Where a live model's tensors are in a checkpoint."""
 
-    paths: dict[str, str]  # live name -> checkpoint path
-    doubled: dict[str, list[str]]  # live names matching two copies or more, none holding the live bytes: no path
-    holding: set[str]  # the live names whose path holds the live tensor's bytes
+    paths: dict[str, str]  # live name -> checkpoint path (one of its copies, where it has several)
+    doubled: dict[str, list[str]]  # live names matching two copies or more, none holding the live values: no path
+    holding: set[str]  # the live names whose path holds the live tensor's values
+    copies: dict[str, list[str]]  # live names whose values two paths or more hold (the model's, an EMA's just made)
+
+
+def _holds(tensor: Any, raw: RawTensor) -> bool:
+    """Whether live `tensor`, in `raw`'s dtype, holds `raw`'s bytes (compared a piece at a time: no second copy)."""
+    if tuple(tensor.shape) != tuple(raw.shape):
+        return False
+    try:
+        ours = raw_from_torch(tensor if str(tensor.dtype) == raw.dtype else tensor.to(torch_dtype(raw.dtype)))
+    except (UnsupportedStateError, TypeError, ValueError, RuntimeError):  # meta, quantized, or no such cast
+        return False
+    theirs = np.asarray(raw.data).reshape(-1)
+    step = 1 << 24
+    return ours.data.size == theirs.size and all(
+        np.array_equal(ours.data[at:at + step], theirs[at:at + step]) for at in range(0, theirs.size, step))
 
 
 def _state_name(name: str) -> str:

@@ -282,35 +282,59 @@ def paths_of_names(tensors: Mapping[str, RawTensor], names: Sequence[Any],
     """The checkpoint path of each live parameter name that matches exactly one float tensor, in one naming.
 
     `holds(name, path)`: whether the live tensor of `name` (as given) holds the bytes at `path`. With it, a
-    name matching two copies (the model's and an EMA's) names the one holding the live bytes (copies holding
-    the same bytes are one tensor, restored alike), and the naming most of whose paths hold them wins.
+    name matching two copies (the model's and an EMA's) names one holding the live bytes, and the naming
+    most of whose paths hold them wins.
     """
-    return chosen_naming(tensors, names, holds)[0]
+    return chosen_naming(tensors, names, holds).paths
 
 
-def chosen_naming(tensors: Mapping[str, RawTensor], names: Sequence[Any], holds: Callable[[Any, str], bool] | None
-                  ) -> tuple[dict[Any, str], dict[Any, list[str]]]:
-    """paths_of_names's paths, and the names of its naming that match two copies or more (with their paths).
+@dataclass
+class Naming:
+    """Where live names are in a checkpoint, in the naming chosen."""
 
-    Such a name, where none of its copies holds the live bytes, names none of them. Nothing at all where two
-    namings match alike (two copies again).
+    paths: dict[Any, str] = field(default_factory=dict)  # each name's path (one of its copies where it has several)
+    doubled: dict[Any, list[str]] = field(default_factory=dict)  # two copies or more, none holding the live bytes
+    copies: dict[Any, list[str]] = field(default_factory=dict)  # two or more holding the live bytes, in any naming
+
+
+def chosen_naming(tensors: Mapping[str, RawTensor], names: Sequence[Any],
+                  holds: Callable[[Any, str], bool] | None) -> Naming:
+    """paths_of_names's paths, with the names it leaves out and the names several paths hold.
+
+    Left out: a name matching two copies none of which holds the live bytes. Held twice: copies of the model
+    (an EMA's just made), alike now but not coded alike, so a measurement takes each. Nothing where two
+    namings match alike, unless every path of each holds the live bytes (copies again).
     """
     model = _float_tensors(tensors)
-    found: list[tuple[dict[Any, str], dict[Any, list[str]]]] = []
-    for naming in namings(names):
-        paths, doubled = {}, {}
+    each = namings(names)
+    found: list[Naming] = []
+    for naming in each:
+        chosen = Naming()
         for given, name in zip(names, naming):
             hits = _hits(model, name) if name is not None else []
             if len(hits) > 1 and holds is not None:
                 hits = [path for path in hits if holds(given, path)][:1] or hits
             if len(hits) == 1:
-                paths[given] = hits[0]
+                chosen.paths[given] = hits[0]
             elif hits:
-                doubled[given] = hits
-        found.append((paths, doubled))
+                chosen.doubled[given] = hits
+        found.append(chosen)
     held = len if holds is None else lambda paths: (sum(holds(g, path) for g, path in paths.items()), len(paths))
-    best = _agreed_best([paths for paths, _ in found], held)
-    return (best, next(doubled for paths, doubled in found if paths == best)) if best is not None else ({}, {})
+    best = _agreed_best([naming.paths for naming in found], held)
+    if best is None and holds is not None:  # two namings alike: copies, where every path of each holds the live bytes
+        top = max(held(naming.paths) for naming in found)
+        tied = [naming.paths for naming in found if held(naming.paths) == top]
+        best = tied[0] if all(top[0] == len(paths) for paths in tied) else None
+    if best is None:
+        return Naming()
+    chosen = next(naming for naming in found if naming.paths == best)
+    if holds is not None:
+        for given, across in zip(names, zip(*each)):  # the name in every naming
+            holding = [p for name in dict.fromkeys(across) if name is not None for p in _hits(model, name)
+                       if holds(given, p)]
+            if len(set(holding)) > 1:
+                chosen.copies[given] = list(dict.fromkeys(holding))
+    return chosen
 
 
 def paths_in_any_naming(tensors: Mapping[str, RawTensor], names: Sequence[Any]) -> set[str]:

@@ -34,13 +34,17 @@ ATTEMPTS = 5  # four halvings of the weights' steps, then lossless weights
 class LossGuard:
     """The calibration loss of the original checkpoint, and how to measure it with restored tensors."""
 
-    loss_with: Callable[[Mapping[str, RawTensor]], float]  # restored tensors by checkpoint path
+    loss_with: Callable[[Mapping[str, RawTensor]], list[float]]  # restored tensors by path -> a loss per copy
     original: float
     max_change: float
 
     def change(self, restored: Mapping[str, RawTensor]) -> float:
-        """The relative change of the loss with `restored` in place of the original tensors."""
-        return (self.loss_with(restored) - self.original) / max(abs(self.original), 1e-12)
+        """The relative change of the loss with `restored` in place of the original tensors.
+
+        The largest of the model's copies in the checkpoint (its own and an EMA's just made, say).
+        """
+        return max(((loss - self.original) / max(abs(self.original), 1e-12) for loss in self.loss_with(restored)),
+                   key=abs)
 
     def holds(self, change: float) -> bool:
         return abs(change) <= self.max_change
@@ -70,7 +74,7 @@ def loss_guard(calibration: Callable[[Any], Any] | None, model: Any, max_change:
     loss_with = _model_loss(calibration, model, checkpoint) if model is not None else _state_loss(
         calibration, checkpoint)
     try:
-        original = loss_with({})
+        original = loss_with({})[0]  # the checkpoint's own values: its copies hold the same ones
     except CkptError as exc:  # an infinite weight's loss: the level keeps the checkpoint lossless where it quantizes it
         infinite = next((p for p, raw in checkpoint.tensors.items() if holds_non_finite(raw.dtype, raw.data)), None)
         if infinite is None:
@@ -101,11 +105,18 @@ def _model_loss(calibration: Callable[[Any], Any], model: Any,
                         "model's and an EMA's?); pass the model the checkpoint was saved from")
     if path_of and not found.holding:
         name = next(iter(path_of))
-        warn_caller(f"model=: none of the checkpoint's tensors its names match holds its values ({name!r} is "
-                    f"{readable_path(path_of[name])}): the loss guard measures the checkpoint's own values there; if "
-                    "those are a copy's (an EMA's), pass the model the checkpoint was saved from", RuntimeWarning)
+        warn_caller(f"model=: none of the checkpoint's tensors its names match holds its values, in any dtype "
+                    f"({name!r} is {readable_path(path_of[name])}): the loss guard measures the checkpoint's own "
+                    "values there; if those are a copy's (an EMA's), pass the model the checkpoint was saved from",
+                    RuntimeWarning)
 
-    def loss_with(restored: Mapping[str, RawTensor]) -> float:
+    # the model's copies in the checkpoint (its own and an EMA's just made hold the same values, coded apart): each
+    # measured, the k-th copy of every name in the k-th measurement
+    copies = max(map(len, found.copies.values()), default=1)
+    each_copy = [{name: found.copies[name][min(k, len(found.copies[name]) - 1)] if name in found.copies else path
+                  for name, path in path_of.items()} for k in range(copies)]
+
+    def loss_with(restored: Mapping[str, RawTensor]) -> list[float]:
         def value_of(path: str) -> Any:
             if path in restored:
                 return materialize(restored[path])
@@ -113,7 +124,8 @@ def _model_loss(calibration: Callable[[Any], Any], model: Any,
             raw = checkpoint.tensors[path]
             return materialize(RawTensor(raw.dtype, raw.shape, raw.data.copy()))
 
-        return loss_with_weights(model, calibration, {name: value_of(path) for name, path in path_of.items()})
+        return [loss_with_weights(model, calibration, {name: value_of(path) for name, path in paths.items()})
+                for paths in each_copy]
 
     return loss_with
 
@@ -124,14 +136,14 @@ def _state_loss(calibration: Callable[[Any], Any],
     from ckptstore.policy.sensitivity import calling, finite_loss
     from ckptstore.state import materialize
 
-    def loss_with(restored: Mapping[str, RawTensor]) -> float:
+    def loss_with(restored: Mapping[str, RawTensor]) -> list[float]:
         def value_of(path: str) -> Any:
             if path in restored:
                 return materialize(restored[path])
             raw = checkpoint.tensors[path]  # the bytes being committed: the function gets a copy it may change
             return materialize(RawTensor(raw.dtype, raw.shape, raw.data.copy()))
 
-        return finite_loss(calling(calibration, formats.to_state(checkpoint.kind, checkpoint.files, value_of)))
+        return [finite_loss(calling(calibration, formats.to_state(checkpoint.kind, checkpoint.files, value_of)))]
 
     return loss_with
 

@@ -613,7 +613,9 @@ def _plan(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, lev
     if fisher is not None:  # live parameter names -> checkpoint paths, in the naming of the level the state is from
         named = dict(lossy.model.named_parameters())
         found = checkpoint_paths(lossy.model, {name: named[name] for name in fisher}, checkpoint.tensors)
-        fisher = {path: fisher[name] for name, path in found.paths.items()}  # a name in two copies steers neither
+        by_name = fisher  # a name in two copies none holds steers neither; copies holding the live values, each
+        fisher = {path: by_name[name] for name, path in found.paths.items()}
+        fisher.update((path, by_name[name]) for name, paths in found.copies.items() for path in paths)
     # a view sharing its storage with another view: quantizing one would change the other
     shared = {path for f in checkpoint.files for path in shared_view_paths(f.skeleton)}
     # a tensor whose record its file's container keeps: `ckpt checkout -o` writes that record's committed bytes

@@ -347,25 +347,6 @@ def test_a_calibration_batch_is_measured_on_the_live_model_and_recorded(repo, tm
         repo.commit(path, model=trainer.model, calibration=calibration, allow_empty=True)
 
 
-def test_a_wrapped_models_calibration_beside_an_ema_copy_measures_no_copy_by_guess(repo):
-    """The wrapper's names (`module.0.weight`) matched torch's AveragedModel's copy, not the model saved beside it:
-    the guard measured the loss with the EMA's restored weights and steered the EMA's steps by the model's Fisher.
-    Two copies matched alike, the commit is refused; given the model itself, the guard measures the model's copy."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
-    batch, labels = torch.randn(64, 64), torch.randint(0, 64, (64,))
-    state = {"model": copy.deepcopy(model.state_dict()),
-             "ema": copy.deepcopy(torch.optim.swa_utils.AveragedModel(model).state_dict())}  # module.0.weight, ...
-
-    def calibration(m):
-        return torch.nn.functional.cross_entropy(m(batch), labels)
-
-    with pytest.raises(CkptError, match="two copies alike"):
-        repo.commit(copy.deepcopy(state), lossy="balanced", model=torch.nn.DataParallel(model), calibration=calibration)
-    cid = repo.commit(copy.deepcopy(state), lossy="balanced", model=model, calibration=calibration)
-    assert repo.show(cid)["importance"] == "measured on a calibration batch (2 weights)"
-
-
 def _half_moved(state: dict, by: float) -> dict:
     """The checkpoint with the first half of each lossy weight's entries moved by `by` of its RMS."""
     later = copy.deepcopy(state)
