@@ -267,9 +267,22 @@ def _slots_of(tensors: Mapping[str, RawTensor], lrs: Mapping[int, float]) -> dic
 
 
 def _orders(model: list[tuple[str, tuple]]) -> tuple[tuple[list[tuple[str, tuple]], str], ...]:
-    """The orders an optimizer may list the model's tensors in, each with how a pairing by it is said."""
+    """The orders an optimizer may list the model's tensors in, each with how a pairing by it is said.
+
+    A file that lists them sorted by name (safetensors: save_pretrained's, Trainer's, Accelerate's) does not keep
+    the model's order: `h.10` comes before `h.2`, and layers of one shape passed the shape check swapped (auditor
+    399). Its names are taken in numeric order there, as a model registers numbered layers.
+    """
+    names = [path for path, _ in model]
+    if names == sorted(names):
+        model = sorted(model, key=lambda item: _numeric_key(item[0]))
     return ((model, "optimizer order matches the model's"),
             (_decay_groups(model), "Hugging Face Trainer's decay groups"))
+
+
+def _numeric_key(name: str) -> list[Any]:
+    """`h.10.w` after `h.2.w`: digit runs compared as numbers (split alternates text and digits, so like meets like)."""
+    return [int(part) if index % 2 else part for index, part in enumerate(re.split(r"(\d+)", name))]
 
 
 def _decay_groups(model: Sequence[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
