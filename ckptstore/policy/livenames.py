@@ -24,9 +24,19 @@ _WRAPPED_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"
 
 
 def level_names(model: Any, tensors: Iterable[Any]) -> list[Any]:
-    """Each tensor's name in `model`: one where every wrapper level names it alike, else a tuple (None: not held)."""
-    levels = [{id(t): _state_name(n) for n, t in chain(each.named_buffers(), each.named_parameters())}
-              for each in _wrapper_levels(model)]
+    """Each tensor's name in `model`: one where every wrapper level names it alike, else a tuple (None: not held).
+
+    A PEFT model's names come without their adapter's part too (`lora_A.default.weight` -> `lora_A.weight`), as
+    its save_pretrained writes them.
+    """
+    levels = []
+    for each in _wrapper_levels(model):
+        names = {id(t): _state_name(n) for n, t in chain(each.named_buffers(), each.named_parameters())}
+        levels.append(names)
+        adapters = getattr(each, "peft_config", None)
+        if isinstance(adapters, dict) and adapters:
+            levels.append({key: ".".join(p for p in name.split(".") if p not in adapters)
+                           for key, name in names.items()})
     return [_one_or_both([names.get(id(t)) for names in levels]) for t in tensors]
 
 

@@ -166,3 +166,4 @@ def test_a_file_sorted_by_name_pairs_numbered_layers_in_their_numeric_order():
     model = {name: (4, 8) for name in sorted(layers)}  # as the file lists them
     result = map_optimizer(_checkpoint(model, layers), ids=list(range(12)))
     assert result.certain and [s.weight for s in result.slots] == [f"model/{name}" for name in layers]
+

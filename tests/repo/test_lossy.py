@@ -1443,3 +1443,23 @@ def test_a_tensor_viewing_part_of_its_record_restores_the_same_from_the_file_and
     assert_same(from_file["other.weight"], loaded["other.weight"])
     show = {line.split()[0]: line for line in run("show", "HEAD").output.splitlines() if ".weight" in line}
     assert "rel.err" not in show["wte.weight"] and "rel.err" in show["other.weight"]
+
+
+def test_a_peft_models_live_names_pair_with_its_saved_adapters(tmp_path):
+    """PEFT names a live adapter `lora_A.default.weight` and saves it as `lora_A.weight`: model= and optimizer= of a
+    LoRA model matched no name, and the pairing fell back to a guess from the file's order (auditor 399)."""
+    import peft
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    model = peft.get_peft_model(net, peft.LoraConfig(r=4, target_modules=["0", "2"]))
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], 1e-2)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(8, 16)).pow(2).mean().backward()
+        optimizer.step()
+    state = {"model": peft.get_peft_model_state_dict(model), "optimizer": optimizer.state_dict()}
+    assert any(".lora_A.weight" in key for key in state["model"])  # saved without the adapter's name
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit(state, lossy="balanced", model=model, optimizer=optimizer)
+        assert repo.show(cid)["pairing"] == "given by the caller"
