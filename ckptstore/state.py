@@ -219,9 +219,10 @@ def raw_from_torch(tensor, path: str = "") -> RawTensor:
     return RawTensor(f"torch.{str(tensor.dtype).removeprefix('torch.')}", tuple(tensor.shape), data)
 
 
-def raw_from_numpy(array: np.ndarray) -> RawTensor:
+def raw_from_numpy(array: np.ndarray, path: str = "") -> RawTensor:
     if array.dtype.hasobject:
-        raise UnsupportedStateError("numpy arrays of Python objects cannot be stored without pickle")
+        raise UnsupportedStateError(f"{path or '<root>'}: numpy arrays of Python objects cannot be stored without "
+                                    "pickle; convert it to a list (of str, numbers) or to an array of another dtype")
     flat = np.ascontiguousarray(array).reshape(-1)
     return RawTensor(NUMPY_PREFIX + array.dtype.str, tuple(array.shape), flat.view(np.uint8))
 
@@ -540,7 +541,7 @@ class _Flattener:
         return [tag, self.leaf(value, path, lambda: raw_from_bytes(bytes(value)))]
 
     def _ndarray(self, value: np.ndarray, path: str) -> Any:
-        return ["ndarray", self.leaf(value, path, lambda: raw_from_numpy(value))]
+        return ["ndarray", self.leaf(value, path, lambda: raw_from_numpy(value, path))]
 
     def leaf(self, value: Any, path: str, make: Callable[[], RawTensor]) -> str:
         """The path of a bytes or array leaf; the same object met again is a reference to it.

@@ -758,3 +758,12 @@ def test_an_ordered_dict_attribute_unflatten_would_not_set_again_is_refused(name
     setattr(state, name, 1)
     with pytest.raises(UnsupportedStateError, match="an OrderedDict attribute named"):
         flatten(state)
+
+
+def test_a_numpy_array_of_objects_is_refused_naming_where_it_is():
+    """Every other value that cannot be stored names its path; an object array said only what it was (coverage
+    auditor 395), in a folder commit not even which file."""
+    from ckptstore.errors import UnsupportedStateError
+
+    with pytest.raises(UnsupportedStateError, match=r"^extra/names: numpy arrays of Python objects .* convert it"):
+        flatten({"extra": {"names": np.array(["a", None], dtype=object)}})
