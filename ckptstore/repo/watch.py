@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".safetensors"}
 TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")
 GLOBAL_STEP = re.compile(r"^global_step\d+$")  # DeepSpeed's folder of one step's shards inside a Trainer save
+ACCELERATE_STATE = re.compile(r"^random_states_\d+\.pkl$")  # in every Accelerate save_state folder
 TRAINER_STATE = "trainer_state.json"
 # Trainer writes trainer_state.json last (older versions rng_state.pth after it, milliseconds later): a
 # file rewritten seconds after it comes from a later save, whose own trainer_state.json is not written yet
@@ -184,9 +185,18 @@ def _refuse_inside_a_save(folder: Path) -> None:
     if save is not None and _is_a_save(save):
         raise CkptError(f"{folder} is inside the checkpoint folder {save}, whose files are parts of one save: watch "
                         f"the folder it is saved in ({save.parent}), or `ckpt commit {save}`")
-    if own or GLOBAL_STEP.match(folder.name):  # a Trainer's save, or DeepSpeed's on its own
+    if own or GLOBAL_STEP.match(folder.name) or _accelerate_save(folder):  # Trainer's, DeepSpeed's, Accelerate's
         raise CkptError(f"{folder} is a checkpoint folder: watch the folder it is saved in ({folder.parent}), "
                         f"or `ckpt commit {folder}`")
+
+
+def _accelerate_save(folder: Path | os.DirEntry[str]) -> bool:
+    """Whether `folder` is one of Accelerate's save_state folders (its RNG states beside the model and optimizer)."""
+    try:
+        with os.scandir(folder) as entries:
+            return any(ACCELERATE_STATE.match(entry.name) for entry in entries)
+    except OSError:  # not listable: no save known
+        return False
 
 
 def _is_a_save(folder: Path) -> bool:
@@ -382,6 +392,9 @@ def _passed_over(entry: os.DirEntry[str]) -> str:
         return "the Trainer's pickled TrainingArguments, no checkpoint (each checkpoint-N folder holds a copy)"
     if entry.is_dir() and GLOBAL_STEP.match(entry.name):
         return "DeepSpeed's folder of one step's shards: the watch takes checkpoint-N folders; `ckpt commit` it"
+    if entry.is_dir() and not TRAINER_FOLDER.match(entry.name) and _accelerate_save(entry):
+        return ("an Accelerate save_state folder: the watch takes Trainer's checkpoint-N folders and checkpoint "
+                "files; `ckpt commit` it once save_state has returned")
     return ""
 
 

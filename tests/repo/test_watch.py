@@ -1000,3 +1000,22 @@ def test_a_file_removed_while_ckpt_commit_reads_its_folder_is_said_in_one_line(r
     assert ended.value.code == 1 and err == f"error: {folder / 'optimizer.pt'} was removed while it was committed " \
         "(a rotation?); nothing was recorded\n", err
     assert repo.log() == []
+
+
+def test_accelerate_save_state_folders_are_said_and_not_committed_piece_by_piece(repo, tmp_path):
+    """Accelerate's checkpoints/checkpoint_N folders were passed over without a word ('0 checkpoints committed'
+    beside a training loop), and a watch of one such folder committed model.safetensors and optimizer.bin as two
+    checkpoints, neither loadable by load_state (auditor 399)."""
+    run = tmp_path / "checkpoints"
+    save = run / "checkpoint_0"
+    save.mkdir(parents=True)
+    save_file({"w": torch.ones(8)}, save / "model.safetensors")
+    torch.save({"state": {}}, save / "optimizer.bin")
+    torch.save({"python": [1, 2]}, save / "random_states_0.pkl")
+    said = []
+    report = watch(repo, run, ONCE, say=said.append)
+    assert report.committed == [] and any(line.startswith("checkpoint_0:") and "Accelerate save_state" in line
+                                          for line in said), said
+    with pytest.raises(CkptError, match="checkpoint_0 is a checkpoint folder: watch the folder it is saved in"):
+        watch(repo, save, ONCE)
+    assert repo.log() == []
