@@ -402,7 +402,7 @@ def test_an_ema_of_some_weights_beside_the_model_leaves_none_of_them_unmeasured(
 @pytest.mark.parametrize("ema_holds", ["the same values", "an average"])
 def test_an_averaged_model_beside_the_model_is_measured_wrapped_or_not(repo, wrapped, ema_holds):
     """torch's AveragedModel keeps its copy under `.module`: a DataParallel's names matched the EMA's copy and the
-    inner model's the model's, alike, and the commit was refused (or measured the EMA, before 8efbf55). Now the
+    inner model's the model's, alike, and the commit was refused (or measured the EMA, before f1f2a60). Now the
     naming whose tensors hold the live values is measured, and where both hold them, both copies are; the
     unwrapped model's names match its own copy alone."""
     net, loss, _ = _trained_with_copy()
@@ -423,7 +423,7 @@ def test_an_averaged_model_beside_the_model_is_measured_wrapped_or_not(repo, wra
 
 def test_a_wrapped_models_state_beside_an_ema_of_the_inner_model_is_measured_on_the_models_copy(repo):
     """{"model": dp.state_dict(), "ema": deepcopy(dp.module).state_dict()}: the wrapper's names match the model's
-    copy and the inner model's the EMA's alike, and the commit was refused (reviewer 397, since 8efbf55); the
+    copy and the inner model's the EMA's alike, and the commit was refused (reviewer 397, since f1f2a60); the
     naming whose tensors hold the live values is the model's."""
     net, loss, _ = _trained_with_copy()
     ema = copy.deepcopy(net)
