@@ -71,7 +71,10 @@ if TYPE_CHECKING:
 SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".safetensors"}
 TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")
 GLOBAL_STEP = re.compile(r"^global_step\d+$")  # DeepSpeed's folder of one step's shards inside a Trainer save
-ACCELERATE_STATE = re.compile(r"^random_states_\d+\.pkl$")  # in every Accelerate save_state folder
+# in every Accelerate save_state folder: its RNG states (written last) and optimizer file (written second)
+ACCELERATE_SAVE = re.compile(r"^(random_states_\d+\.pkl|optimizer\.bin)$")
+IN_A_SAVE = ("a part of the Accelerate save_state in the watched folder itself (its files are one save): watch the "
+             "folder it is saved in, or `ckpt commit` this one once save_state has returned")
 TRAINER_STATE = "trainer_state.json"
 # Trainer writes trainer_state.json last (older versions rng_state.pth after it, milliseconds later): a
 # file rewritten seconds after it comes from a later save, whose own trainer_state.json is not written yet
@@ -194,7 +197,7 @@ def _accelerate_save(folder: Path | os.DirEntry[str]) -> bool:
     """Whether `folder` is one of Accelerate's save_state folders (its RNG states beside the model and optimizer)."""
     try:
         with os.scandir(folder) as entries:
-            return any(ACCELERATE_STATE.match(entry.name) for entry in entries)
+            return any(ACCELERATE_SAVE.match(entry.name) for entry in entries)
     except OSError:  # not listable: no save known
         return False
 
@@ -345,6 +348,9 @@ def scan(folder: Path, state: WatchState | None = None) -> dict[str, Source]:
                 continue
             if source is not None:
                 found[entry.name] = source
+    if any(ACCELERATE_SAVE.match(name) for name in seen):  # save_state into the watched folder after the watch began
+        found = {name: Source(name, source.path, [], IN_A_SAVE, passed_over=True) if not source.path.is_dir()
+                 else source for name, source in found.items()}
     if state is not None:
         state.forget_gone(seen)
     return found

@@ -1019,3 +1019,16 @@ def test_accelerate_save_state_folders_are_said_and_not_committed_piece_by_piece
     with pytest.raises(CkptError, match="checkpoint_0 is a checkpoint folder: watch the folder it is saved in"):
         watch(repo, save, ONCE)
     assert repo.log() == []
+
+
+def test_a_save_state_into_the_watched_folder_after_the_watch_began_is_passed_over_file_by_file(tmp_path):
+    """Refused only when the watch started: a save_state written into the watched folder later was committed as
+    model.safetensors and optimizer.bin, two commits load_state could not use (reviewer 400)."""
+    from ckptstore.repo.watch import IN_A_SAVE, scan
+
+    save_file({"w": torch.ones(8)}, tmp_path / "model.safetensors")
+    assert not scan(tmp_path)["model.safetensors"].passed_over  # a lone weights file: a checkpoint
+    torch.save({"state": {}}, tmp_path / "optimizer.bin")
+    found = scan(tmp_path)
+    assert {name: (s.passed_over, s.incomplete) for name, s in found.items()} == {
+        "model.safetensors": (True, IN_A_SAVE), "optimizer.bin": (True, IN_A_SAVE)}
