@@ -160,12 +160,15 @@ def param_lrs(skeleton: object) -> dict[int, float]:
 
 
 def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[Any] | None = None,
-                  ids: Sequence[int] | None = None, lrs: Mapping[int, float] | None = None) -> OptimizerMap:
+                  ids: Sequence[int] | None = None, lrs: Mapping[int, float] | None = None,
+                  by_name: bool = False) -> OptimizerMap:
     """Find optimizer state among `tensors` and pair it with weights (see the module docstring).
 
     `ids` (the optimizer's parameter ids in group order, see `param_ids`) lets parameters that have
     no state yet (never received a gradient) hold their place in the order; `lrs` (see
-    `param_lrs`) gives each its learning rate.
+    `param_lrs`) gives each its learning rate. `by_name`: the weights come from a file that lists
+    them sorted by name (safetensors), not in the model's order: only names or shapes that no two
+    tensors share pair them (`h.10` sorts before `h.2`, `k_proj` before `q_proj`, all of one shape).
     """
     slots = _slots_of(tensors, lrs or {})
     if not slots:
@@ -185,6 +188,8 @@ def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[Any] | None 
     if None in shapes:
         return OptimizerMap(ordered, False, "state without moments; weights not paired")
     params = [m for m in model if not is_buffer(*m)]
+    if by_name:
+        return _by_unique_shapes(ordered, shapes, params) or OptimizerMap(ordered, False, BY_NAME)
     # the model's parameters; then, should a buffer's name mislead, every float tensor (as before buffers were told)
     for listed in ([params, model] if len(params) < len(model) else [model]):
         paired = _by_ids(ordered, shapes, listed, ids) if ids is not None else None
@@ -226,6 +231,8 @@ def _by_caller(ordered: list[ParamSlots], shapes: list[tuple | None], model: lis
 
 
 _TWO_COPIES = "the model's names match two copies of it (the model's and an EMA's?) alike; weights not paired"
+BY_NAME = ("the weights file lists its tensors by name, not in the model's order, and shapes cannot tell them apart; "
+           "weights not paired (pass model= and optimizer= to pair them)")
 
 
 def _agreed_best(candidates: list[Any], matched: Callable[[Any], Any]) -> Any:
@@ -267,22 +274,21 @@ def _slots_of(tensors: Mapping[str, RawTensor], lrs: Mapping[int, float]) -> dic
 
 
 def _orders(model: list[tuple[str, tuple]]) -> tuple[tuple[list[tuple[str, tuple]], str], ...]:
-    """The orders an optimizer may list the model's tensors in, each with how a pairing by it is said.
-
-    A file that lists them sorted by name (safetensors: save_pretrained's, Trainer's, Accelerate's) does not keep
-    the model's order: `h.10` comes before `h.2`, and layers of one shape passed the shape check swapped (auditor
-    399). Its names are taken in numeric order there, as a model registers numbered layers.
-    """
-    names = [path for path, _ in model]
-    if names == sorted(names):
-        model = sorted(model, key=lambda item: _numeric_key(item[0]))
+    """The orders an optimizer may list the model's tensors in, each with how a pairing by it is said."""
     return ((model, "optimizer order matches the model's"),
             (_decay_groups(model), "Hugging Face Trainer's decay groups"))
 
 
-def _numeric_key(name: str) -> list[Any]:
-    """`h.10.w` after `h.2.w`: digit runs compared as numbers (split alternates text and digits, so like meets like)."""
-    return [int(part) if index % 2 else part for index, part in enumerate(re.split(r"(\d+)", name))]
+def _by_unique_shapes(ordered: list[ParamSlots], shapes: list[tuple], model: list[tuple[str, tuple]]
+                      ) -> OptimizerMap | None:
+    """The pairing where each parameter's shape is one tensor's of the model alone (no order needed); else None."""
+    holders: dict[tuple, list[str]] = {}
+    for path, shape in model:
+        holders.setdefault(shape, []).append(path)
+    weights = [paths[0] if len(paths := holders.get(shape, [])) == 1 else None for shape in shapes]
+    if None in weights or len(set(weights)) < len(weights):
+        return None
+    return _pair(ordered, weights, "by shapes alone (the file lists its tensors by name, not in the model's order)")
 
 
 def _decay_groups(model: Sequence[tuple[str, tuple]]) -> list[tuple[str, tuple]]:

@@ -637,7 +637,8 @@ def _optimizer_map(checkpoint: formats.Checkpoint, lossy: LossyOptions) -> Optim
     found_lrs = [lrs for lrs in (param_lrs(f.skeleton) for f in checkpoint.files) if lrs]
     names = lossy.param_names if lossy.param_names is not None else param_names_of(lossy.model, lossy.optimizer)
     return map_optimizer(checkpoint.tensors, names,
-                         found_ids[0] if len(found_ids) == 1 else None, found_lrs[0] if len(found_lrs) == 1 else None)
+                         found_ids[0] if len(found_ids) == 1 else None, found_lrs[0] if len(found_lrs) == 1 else None,
+                         by_name=any(f.format == formats.SAFETENSORS for f in checkpoint.files))
 
 
 def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], sources: Mapping[str, TensorId],

@@ -159,11 +159,22 @@ def test_a_complex_parameter_leaves_only_itself_unpaired_among_the_callers_names
     assert [s.weight for s in result.slots] == [None, "model/b.weight", "model/a.weight"]
 
 
-def test_a_file_sorted_by_name_pairs_numbered_layers_in_their_numeric_order():
-    """safetensors lists tensors by name: `h.10` before `h.2`, and twelve layers of one shape paired the optimizer's
-    third parameter with h.10's weights, said certain (auditor 399, a LoRA model's Trainer folder)."""
-    layers = [f"h.{i}.lora_A.weight" for i in range(12)]  # the model's (and the optimizer's) order
-    model = {name: (4, 8) for name in sorted(layers)}  # as the file lists them
-    result = map_optimizer(_checkpoint(model, layers), ids=list(range(12)))
-    assert result.certain and [s.weight for s in result.slots] == [f"model/{name}" for name in layers]
+def test_a_file_that_lists_tensors_by_name_pairs_by_shapes_no_two_share_or_not_at_all():
+    """safetensors lists tensors by name: `h.10` before `h.2` (auditor 399: twelve LoRA layers of one shape paired
+    the optimizer's third parameter with h.10's weights), `k_proj` before `q_proj` (reviewer 400: every LoRA
+    projection paired with its neighbour's moments), all said certain. Its order is no model's: shapes that no
+    two tensors share pair them, names given pair them, else nothing is paired."""
+    from ckptstore.policy.mapping import BY_NAME
 
+    layers = [f"h.{i}.{proj}.lora_A.weight" for i in range(12) for proj in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    model = {name: (4, 8) for name in sorted(layers)}  # as the file lists them; the optimizer has the model's order
+    tensors = _checkpoint(model, layers)
+    in_order = map_optimizer(_checkpoint({name: (4, 8) for name in layers}, layers), ids=list(range(48)))
+    assert in_order.certain and [s.weight for s in in_order.slots] == [f"model/{name}" for name in layers]  # torch.save
+    unpaired = map_optimizer(tensors, ids=list(range(48)), by_name=True)
+    assert not unpaired.certain and unpaired.how == BY_NAME and all(s.weight is None for s in unpaired.slots)
+    named = map_optimizer(tensors, names=layers, ids=list(range(48)), by_name=True)
+    assert named.certain and [s.weight for s in named.slots] == [f"model/{name}" for name in layers]
+    shapes = {"b.weight": (4, 8), "a.weight": (8, 8), "c.weight": (2, 8)}  # listed a, b, c; one shape each
+    by_shape = map_optimizer(_checkpoint(dict(sorted(shapes.items())), list(shapes)), by_name=True)
+    assert by_shape.certain and [s.weight for s in by_shape.slots] == [f"model/{name}" for name in shapes]

@@ -1463,3 +1463,26 @@ def test_a_peft_models_live_names_pair_with_its_saved_adapters(tmp_path):
     with Repository.init(tmp_path) as repo:
         cid = repo.commit(state, lossy="balanced", model=model, optimizer=optimizer)
         assert repo.show(cid)["pairing"] == "given by the caller"
+
+
+def test_a_folders_safetensors_weights_pair_only_as_their_shapes_or_given_names_allow(tmp_path):
+    """Trainer folders keep weights in model.safetensors, which lists them by name: `k_proj` before `q_proj`, `h.10`
+    before `h.2`. Every LoRA projection of one shape was paired with its neighbour's moments, said certain
+    (auditor 399, reviewer 400)."""
+    from safetensors.torch import save_file
+
+    from ckptstore.policy.mapping import BY_NAME
+
+    torch.manual_seed(0)
+    names = [f"layers.{i}.{proj}.weight" for i in range(12) for proj in ("q_proj", "k_proj")]  # the model's order
+    params = [torch.nn.Parameter(torch.randn(64, 64)) for _ in names]
+    optimizer = torch.optim.AdamW(params, 1e-3)
+    sum(p.square().sum() for p in params).backward()
+    optimizer.step()
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    save_file({name: p.detach() for name, p in zip(names, params)}, folder / "model.safetensors")
+    torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+    with Repository.init(tmp_path / "repo") as repo:
+        cid = repo.commit(folder, lossy="balanced")
+        assert repo.show(cid)["pairing"] == BY_NAME
