@@ -129,12 +129,14 @@ class CkptCallback(TrainerCallback):
         # callback such as early stopping ends training) must read the folder now
         last = state.global_step >= state.max_steps or control.should_training_stop
         now = args.save_total_limit == 1 and last and state.best_model_checkpoint is not None
-        self._note(args, state, folder, self.blocking or now)
+        live = {key: kwargs[key] for key in ("model", "optimizer") if kwargs.get(key) is not None}
+        self._note(args, state, folder, self.blocking or now, live if len(live) == 2 else {})
         if now:  # its pruning waits for on_train_end: callbacks after this one may still read the folder
             self._prune_at_end = True
             self._begin()
 
-    def _note(self, args: TrainingArguments, state: TrainerState, folder: Path, blocking: bool) -> None:
+    def _note(self, args: TrainingArguments, state: TrainerState, folder: Path, blocking: bool,
+              live: dict[str, Any]) -> None:
         """Keep `folder` for a commit at the next hook, or at exit where none comes (the next step failed).
 
         Another Trainer's save of the same folder left waiting (a failed `train()` before this resumed
@@ -145,7 +147,7 @@ class CkptCallback(TrainerCallback):
                 other._saved = None
                 _WAITING.discard(other)
         self._saved = _Saved(folder, state.global_step, latest_metrics(state.log_history, state.global_step),
-                             blocking, args, state)
+                             blocking, args, state, live)
         _WAITING.add(self)
         background.end_on_sigterm_after(_holding)  # a SIGTERM before the next hook: commit it at the exit
 
@@ -164,7 +166,7 @@ class CkptCallback(TrainerCallback):
         try:
             result = head_if_unchanged(repo, self.branch, lambda: repo.commit(
                 folder, message=f"{run}: {folder.name}", step=step, metrics=metrics, branch=self.branch,
-                lossy=self.lossy, blocking=blocking, **self.knobs))
+                lossy=self.lossy, blocking=blocking, **saved.live, **self.knobs))
         except RetentionError as exc:
             result = _recorded_despite(exc, folder)
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C, a SIGTERM: nothing recorded, and the exit commits it
@@ -232,7 +234,7 @@ class CkptCallback(TrainerCallback):
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
             if state.global_step and _resumed_from(folder, state, kwargs.get("model")) and not _in_the_store(repo,
                                                                                                              folder):
-                self._note(args, state, folder, self.blocking)  # takes over another Trainer's save of it
+                self._note(args, state, folder, self.blocking, {})  # takes over another Trainer's save of it
             _commit_waiting([c for c in _WAITING if c is not self],
                             lambda line: warn_caller(line, RuntimeWarning))
             self._begin()
@@ -314,6 +316,7 @@ class _Saved:
     blocking: bool
     args: TrainingArguments
     state: TrainerState
+    live: dict[str, Any]  # the Trainer's model and optimizer: a lossy commit pairs weights with moments by them
 
 
 # callbacks holding a save not yet begun; held strongly: a Trainer gone out of scope with its failed

@@ -741,6 +741,8 @@ def test_keep_folders_deletes_no_folder_another_ckpt_callback_has_yet_to_commit(
     with Repository.open(tmp_path / "repo") as repo:
         for branch in ("main", "lossy"):
             assert [c.step for c in repo.log(branch)][:3] == [6, 4, 2]
+        # the Trainer's model and optimizer pair the folder's weights, which model.safetensors lists by name
+        assert repo.show("lossy")["pairing"] == "given by the caller"
     assert not list((tmp_path / "out").iterdir())
 
 
