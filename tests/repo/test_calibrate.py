@@ -483,3 +483,18 @@ def test_a_state_saved_in_half_precision_is_the_live_models_in_its_dtype(repo):
     with torch.no_grad():
         actual = float((loss(restored) - loss(baseline)) / loss(baseline)) * 100
     assert repo.commit_info(cid).metrics[CALIBRATION_METRIC] == pytest.approx(actual, abs=1e-4)
+
+
+def test_the_original_loss_is_measured_once_whatever_the_copies(repo):
+    """With nothing restored every copy holds the same values, yet each was measured for the original loss: one
+    calibration run per copy wasted per commit (reviewer 400). Here: the Fisher's, the original's, one per copy."""
+    net, loss, ema = _trained_with_copy()
+    calls = []
+
+    def counted(model):
+        calls.append(1)
+        return loss(model)
+
+    repo.commit({"model": copy.deepcopy(net.state_dict()), "ema": ema}, lossy="balanced", model=net,
+                calibration=counted, max_loss_change=1.0)
+    assert len(calls) == 1 + 1 + 2
