@@ -129,8 +129,7 @@ class CkptCallback(TrainerCallback):
         # callback such as early stopping ends training) must read the folder now
         last = state.global_step >= state.max_steps or control.should_training_stop
         now = args.save_total_limit == 1 and last and state.best_model_checkpoint is not None
-        live = {key: kwargs[key] for key in ("model", "optimizer") if kwargs.get(key) is not None}
-        self._note(args, state, folder, self.blocking or now, live if len(live) == 2 else {})
+        self._note(args, state, folder, self.blocking or now, _live(kwargs))
         if now:  # its pruning waits for on_train_end: callbacks after this one may still read the folder
             self._prune_at_end = True
             self._begin()
@@ -234,7 +233,7 @@ class CkptCallback(TrainerCallback):
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
             if state.global_step and _resumed_from(folder, state, kwargs.get("model")) and not _in_the_store(repo,
                                                                                                              folder):
-                self._note(args, state, folder, self.blocking, {})  # takes over another Trainer's save of it
+                self._note(args, state, folder, self.blocking, _live(kwargs))  # takes over another Trainer's save
             _commit_waiting([c for c in _WAITING if c is not self],
                             lambda line: warn_caller(line, RuntimeWarning))
             self._begin()
@@ -304,6 +303,12 @@ class CkptCallback(TrainerCallback):
     def _holds(self) -> list[Path]:
         """The folders this callback has yet to commit: noted, or in flight."""
         return [*([self._saved.folder] if self._saved else []), *([self._pending[0]] if self._pending else [])]
+
+
+def _live(hook_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer's model and optimizer a hook was given, for a lossy commit's pairing; none unless both."""
+    live = {key: hook_kwargs[key] for key in ("model", "optimizer") if hook_kwargs.get(key) is not None}
+    return live if len(live) == 2 else {}
 
 
 @dataclass

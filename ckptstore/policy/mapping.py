@@ -12,7 +12,7 @@ says so). Without them, an inference is accepted only when it is the only one th
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,14 +161,14 @@ def param_lrs(skeleton: object) -> dict[int, float]:
 
 def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[Any] | None = None,
                   ids: Sequence[int] | None = None, lrs: Mapping[int, float] | None = None,
-                  by_name: bool = False) -> OptimizerMap:
+                  by_name: Collection[str] = ()) -> OptimizerMap:
     """Find optimizer state among `tensors` and pair it with weights (see the module docstring).
 
     `ids` (the optimizer's parameter ids in group order, see `param_ids`) lets parameters that have
     no state yet (never received a gradient) hold their place in the order; `lrs` (see
-    `param_lrs`) gives each its learning rate. `by_name`: the weights come from a file that lists
-    them sorted by name (safetensors), not in the model's order: only names or shapes that no two
-    tensors share pair them (`h.10` sorts before `h.2`, `k_proj` before `q_proj`, all of one shape).
+    `param_lrs`) gives each its learning rate. `by_name`: the paths of tensors from files that list
+    them sorted by name (safetensors), not in the model's order; where one has a moment's shape, only
+    names or shapes no two tensors share pair them (`h.10` sorts before `h.2`, `k_proj` before `q_proj`).
     """
     slots = _slots_of(tensors, lrs or {})
     if not slots:
@@ -188,8 +188,9 @@ def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[Any] | None 
     if None in shapes:
         return OptimizerMap(ordered, False, "state without moments; weights not paired")
     params = [m for m in model if not is_buffer(*m)]
-    if by_name:
-        return _by_unique_shapes(ordered, shapes, params) or OptimizerMap(ordered, False, BY_NAME)
+    if any(path in by_name for path, shape in model if shape in set(shapes)):
+        return _by_unique_shapes(ordered, shapes, model) or OptimizerMap(
+            ordered, False, BY_NAME + (NAMES_MATCH_NONE if names is not None else ASK_NAMES))
     # the model's parameters; then, should a buffer's name mislead, every float tensor (as before buffers were told)
     for listed in ([params, model] if len(params) < len(model) else [model]):
         paired = _by_ids(ordered, shapes, listed, ids) if ids is not None else None
@@ -232,7 +233,9 @@ def _by_caller(ordered: list[ParamSlots], shapes: list[tuple | None], model: lis
 
 _TWO_COPIES = "the model's names match two copies of it (the model's and an EMA's?) alike; weights not paired"
 BY_NAME = ("the weights file lists its tensors by name, not in the model's order, and shapes cannot tell them apart; "
-           "weights not paired (pass model= and optimizer= to pair them)")
+           "weights not paired")
+ASK_NAMES = " (pass model= and optimizer= to pair them)"
+NAMES_MATCH_NONE = " (the model's names pair none alone: two copies of it?)"
 
 
 def _agreed_best(candidates: list[Any], matched: Callable[[Any], Any]) -> Any:
@@ -281,7 +284,7 @@ def _orders(model: list[tuple[str, tuple]]) -> tuple[tuple[list[tuple[str, tuple
 
 def _by_unique_shapes(ordered: list[ParamSlots], shapes: list[tuple], model: list[tuple[str, tuple]]
                       ) -> OptimizerMap | None:
-    """The pairing where each parameter's shape is one tensor's of the model alone (no order needed); else None."""
+    """The pairing where each parameter's shape is one float tensor's alone, buffer-like names too; else None."""
     holders: dict[tuple, list[str]] = {}
     for path, shape in model:
         holders.setdefault(shape, []).append(path)

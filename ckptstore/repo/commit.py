@@ -638,7 +638,13 @@ def _optimizer_map(checkpoint: formats.Checkpoint, lossy: LossyOptions) -> Optim
     names = lossy.param_names if lossy.param_names is not None else param_names_of(lossy.model, lossy.optimizer)
     return map_optimizer(checkpoint.tensors, names,
                          found_ids[0] if len(found_ids) == 1 else None, found_lrs[0] if len(found_lrs) == 1 else None,
-                         by_name=any(f.format == formats.SAFETENSORS for f in checkpoint.files))
+                         by_name=_listed_by_name(checkpoint))
+
+
+def _listed_by_name(checkpoint: formats.Checkpoint) -> set[str]:
+    """The paths of tensors from safetensors files, which list them sorted by name, not in the model's order."""
+    files = [f.name for f in checkpoint.files if f.format == formats.SAFETENSORS]
+    return {path for path in checkpoint.tensors for name in files if not name or path.startswith(name + "/")}
 
 
 def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], sources: Mapping[str, TensorId],

@@ -531,6 +531,19 @@ def test_a_run_resumed_from_a_folder_whose_commit_was_killed_commits_that_folder
         assert _digests(restore(repo, commits[2].id, tmp_path / "back")) == saved
 
 
+def test_a_resumed_runs_first_commit_pairs_by_the_live_model_as_its_later_ones_do(tmp_path):
+    """The folder a resumed run commits at its first step went without the Trainer's model and optimizer: its lossy
+    commit left every weight unpaired where the run's later ones paired them by name (reviewer 401, of c0abf73)."""
+    out = tmp_path / "out"
+    _trainer(out, steps=2).train()  # checkpoint-2, never committed
+    Repository.init(tmp_path / "repo").close()
+    callback = CkptCallback(tmp_path / "repo", lossy="balanced", min_elements=1)
+    _trainer(out, [callback], steps=4).train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    with Repository.open(tmp_path / "repo") as repo:
+        assert {c.step: repo.show(c.id)["pairing"] for c in repo.log()} == {4: "given by the caller",
+                                                                               2: "given by the caller"}
+
+
 class FailsAfter(torch.utils.data.Dataset):
     """The run's token rows, until the `limit`-th sample read: then a corrupt sample's error."""
 

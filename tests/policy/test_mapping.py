@@ -171,10 +171,24 @@ def test_a_file_that_lists_tensors_by_name_pairs_by_shapes_no_two_share_or_not_a
     tensors = _checkpoint(model, layers)
     in_order = map_optimizer(_checkpoint({name: (4, 8) for name in layers}, layers), ids=list(range(48)))
     assert in_order.certain and [s.weight for s in in_order.slots] == [f"model/{name}" for name in layers]  # torch.save
-    unpaired = map_optimizer(tensors, ids=list(range(48)), by_name=True)
-    assert not unpaired.certain and unpaired.how == BY_NAME and all(s.weight is None for s in unpaired.slots)
-    named = map_optimizer(tensors, names=layers, ids=list(range(48)), by_name=True)
+    unpaired = map_optimizer(tensors, ids=list(range(48)), by_name=set(tensors))
+    assert not unpaired.certain and unpaired.how.startswith(BY_NAME) and all(s.weight is None for s in unpaired.slots)
+    named = map_optimizer(tensors, names=layers, ids=list(range(48)), by_name=set(tensors))
     assert named.certain and [s.weight for s in named.slots] == [f"model/{name}" for name in layers]
     shapes = {"b.weight": (4, 8), "a.weight": (8, 8), "c.weight": (2, 8)}  # listed a, b, c; one shape each
-    by_shape = map_optimizer(_checkpoint(dict(sorted(shapes.items())), list(shapes)), by_name=True)
+    listed = _checkpoint(dict(sorted(shapes.items())), list(shapes))
+    by_shape = map_optimizer(listed, by_name=set(listed))
     assert by_shape.certain and [s.weight for s in by_shape.slots] == [f"model/{name}" for name in shapes]
+
+
+def test_a_name_sorted_file_beside_the_model_drops_no_pairing_and_a_buffer_like_name_counts_as_a_shape_holder():
+    """One unrelated safetensors file in a folder (an EMA's, a VAE's) unpaired a torch.save file's weights listed in
+    the model's order (reviewer 401, of e067889); and `learned_mask` (a trainable tensor named like a buffer) was
+    no holder of its shape, so a frozen weight of that shape took its moments 'by shapes alone'."""
+    model = {"a.weight": (4, 4), "b.weight": (4, 4), "c.weight": (4, 4)}
+    tensors = {**_checkpoint(model, list(model)), "extra/w": _t(7, 5)}
+    result = map_optimizer(tensors, ids=[0, 1, 2], by_name={"extra/w"})
+    assert result.certain and [s.weight for s in result.slots] == [f"model/{k}" for k in model]
+    masked = {"base.weight": (16, 16), "head.weight": (4, 16), "learned_mask": (16, 16)}
+    listed = _checkpoint(masked, ["learned_mask", "head.weight"])
+    assert not map_optimizer(listed, ids=[0, 1], by_name=set(listed)).certain

@@ -1471,7 +1471,7 @@ def test_a_folders_safetensors_weights_pair_only_as_their_shapes_or_given_names_
     (auditor 399, reviewer 400)."""
     from safetensors.torch import save_file
 
-    from ckptstore.policy.mapping import BY_NAME
+    from ckptstore.policy.mapping import ASK_NAMES, BY_NAME
 
     torch.manual_seed(0)
     names = [f"layers.{i}.{proj}.weight" for i in range(12) for proj in ("q_proj", "k_proj")]  # the model's order
@@ -1485,4 +1485,4 @@ def test_a_folders_safetensors_weights_pair_only_as_their_shapes_or_given_names_
     torch.save(optimizer.state_dict(), folder / "optimizer.pt")
     with Repository.init(tmp_path / "repo") as repo:
         cid = repo.commit(folder, lossy="balanced")
-        assert repo.show(cid)["pairing"] == BY_NAME
+        assert repo.show(cid)["pairing"] == BY_NAME + ASK_NAMES
