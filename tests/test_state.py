@@ -485,11 +485,11 @@ def test_the_cli_reports_a_too_deep_file_in_one_line(tmp_path):
 
 
 def test_live_parameter_names_find_their_paths_when_they_read_as_ints():
-    from ckptstore.policy.mapping import paths_of_names
+    from ckptstore.policy.mapping import chosen_naming
 
     weights = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))])
     flat = flatten({"model": weights.state_dict()})
-    assert paths_of_names(flat.tensors, ["0", "1"]) == {"0": "model/%30", "1": "model/%31"}
+    assert chosen_naming(flat.tensors, ["0", "1"], None).paths == {"0": "model/%30", "1": "model/%31"}
 
 
 def test_a_view_record_outside_its_storage_is_a_damaged_record():

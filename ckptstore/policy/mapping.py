@@ -299,17 +299,6 @@ def _decay_groups(model: Sequence[tuple[str, tuple]]) -> list[tuple[str, tuple]]
     return [m for m in model if not _NO_DECAY.search(m[0])] + [m for m in model if _NO_DECAY.search(m[0])]
 
 
-def paths_of_names(tensors: Mapping[str, RawTensor], names: Sequence[Any],
-                   holds: Callable[[Any, str], bool] | None = None) -> dict[Any, str]:
-    """The checkpoint path of each live parameter name that matches exactly one float tensor, in one naming.
-
-    `holds(name, path)`: whether the live tensor of `name` (as given) holds the bytes at `path`. With it, a
-    name matching two copies (the model's and an EMA's) names one holding the live bytes, and the naming
-    most of whose paths hold them wins.
-    """
-    return chosen_naming(tensors, names, holds).paths
-
-
 @dataclass
 class Naming:
     """Where live names are in a checkpoint, in the naming chosen."""
@@ -321,11 +310,14 @@ class Naming:
 
 def chosen_naming(tensors: Mapping[str, RawTensor], names: Sequence[Any],
                   holds: Callable[[Any, str], bool] | None) -> Naming:
-    """paths_of_names's paths, with the names it leaves out and the names several paths hold.
+    """The checkpoint path of each live name that matches one float tensor, in one naming; and what it leaves out.
 
-    Left out: a name matching two copies none of which holds the live bytes. Held twice: copies of the model
-    (an EMA's just made), alike now but not coded alike, so a measurement takes each. Nothing where two
-    namings match alike, unless every path of each holds the live bytes (copies again).
+    `holds(name, path)`: whether the live tensor of `name` (as given) holds the bytes at `path`. With it, a
+    name matching two copies (the model's and an EMA's) names one holding the live bytes, and the naming most
+    of whose paths hold them wins. Left out (`doubled`): a name matching two copies none of which holds the
+    live bytes. Held twice (`copies`): copies of the model (an EMA's just made), alike now but not coded
+    alike, so a measurement takes each. Nothing where two namings match alike, unless every path of each
+    holds the live bytes (copies again).
     """
     model = _float_tensors(tensors)
     each = namings(names)

@@ -86,7 +86,7 @@ def loss_guard(calibration: Callable[[Any], Any] | None, model: Any, max_change:
 
 
 def _model_loss(calibration: Callable[[Any], Any], model: Any,
-                checkpoint: formats.Checkpoint) -> Callable[[Mapping[str, RawTensor]], float]:
+                checkpoint: formats.Checkpoint) -> Callable[[Mapping[str, RawTensor]], list[float]]:
     from ckptstore.policy.livenames import checkpoint_paths
     from ckptstore.policy.sensitivity import loss_with_weights, model_tensors
     from ckptstore.state import materialize
@@ -132,7 +132,7 @@ def _model_loss(calibration: Callable[[Any], Any], model: Any,
 
 
 def _state_loss(calibration: Callable[[Any], Any],
-                checkpoint: formats.Checkpoint) -> Callable[[Mapping[str, RawTensor]], float]:
+                checkpoint: formats.Checkpoint) -> Callable[[Mapping[str, RawTensor]], list[float]]:
     from ckptstore import formats
     from ckptstore.policy.sensitivity import calling, finite_loss
     from ckptstore.state import materialize

@@ -139,10 +139,10 @@ def test_a_name_two_tensors_end_with_names_neither():
     """A name that both a model's tensor and its EMA copy end with is ambiguous: taking the first hit made
     calibration swap in (and measure) the EMA's tensor and paired the caller's names with the EMA's weight
     (mutation audit round 13)."""
-    from ckptstore.policy.mapping import paths_of_names
+    from ckptstore.policy.mapping import chosen_naming
 
     tensors = _checkpoint({"ema/fc.weight": (4, 3), "fc.weight": (4, 3)}, ["fc.weight"])
-    assert paths_of_names(tensors, ["fc.weight"]) == {}
+    assert chosen_naming(tensors, ["fc.weight"], None).paths == {}
     assert map_optimizer(tensors, names=["fc.weight"]).how != "given by the caller"
 
 
