@@ -203,6 +203,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
             faults.point("commit:read")  # parsed and hashed whole; the tensors' bytes are read next
             sources = _tensor_ids(repo, checkpoint.tensors)
             guard = calibrate.loss_guard(lossy.calibration, lossy.model, lossy.max_loss_change, level, checkpoint)
+            measured = _fisher_by_path(lossy.model, measured, checkpoint)  # once: each encoding attempt plans by it
             with repo.db.read() as tx:
                 parent = _parent(repo, tx, options, checkpoint.tensors, sources)
             done, change, level = _encode_or_keep_whole(repo, checkpoint, parent, sources, level, lossy, measured,
@@ -407,8 +408,8 @@ def _encode_once(repo: Repository, checkpoint: formats.Checkpoint, parent: _Pare
     `retry`: a calibration's tighter attempt, which keeps no lossy reconstruction of the parent's (see encoding_jobs).
     """
     with repo.db.read() as tx:
-        plans, pairing, fisher = (_plan(repo, checkpoint, parent, level, lossy, measured) if level
-                                  else ({}, None, None))
+        plans, pairing = _plan(repo, checkpoint, parent, level, lossy, measured) if level else ({}, None)
+        fisher = measured if level else None
         if whole:
             from ckptstore.policy.lossy_base import plans_without
 
@@ -599,23 +600,15 @@ def parent_manifest(repo: Repository, cid: CommitId, oid: ObjectId) -> Manifest 
 
 
 def _plan(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, level: LossyLevel,
-          lossy: LossyOptions, fisher: dict[str, float] | None
-          ) -> tuple[dict[str, LossyPlan], str, dict[str, float] | None]:
-    """A lossy commit's plans, how it paired optimizer state with weights, and the measured Fisher by path.
+          lossy: LossyOptions, fisher: dict[str, float] | None) -> tuple[dict[str, LossyPlan], str]:
+    """A lossy commit's plans, and how it paired optimizer state with weights; `fisher`: measured, by path.
 
     Imported here, not at the top: a lossless commit (most `ckpt commit` processes) never loads the planners.
     """
-    from ckptstore.policy.livenames import checkpoint_paths
     from ckptstore.policy.lossy import plan_lossy
     from ckptstore.policy.mapping import optimizer_state_paths, paths_in_any_naming
 
     optimizer_map = _optimizer_map(checkpoint, lossy)
-    if fisher is not None:  # live parameter names -> checkpoint paths, in the naming of the level the state is from
-        named = dict(lossy.model.named_parameters())
-        found = checkpoint_paths(lossy.model, {name: named[name] for name in fisher}, checkpoint.tensors)
-        by_name = fisher  # a name in two copies none holds steers neither; copies holding the live values, each
-        fisher = {path: by_name[name] for name, path in found.paths.items()}
-        fisher.update((path, by_name[name]) for name, paths in found.copies.items() for path in paths)
     # a view sharing its storage with another view: quantizing one would change the other
     shared = {path for f in checkpoint.files for path in shared_view_paths(f.skeleton)}
     # a tensor whose record its file's container keeps: `ckpt checkout -o` writes that record's committed bytes
@@ -626,7 +619,7 @@ def _plan(repo: Repository, checkpoint: formats.Checkpoint, parent: _Parent, lev
     shared |= paths_in_any_naming(checkpoint.tensors, norms)  # a copy's too (an EMA's): kept exact is never wrong
     plans = plan_lossy(checkpoint.tensors, parent.by_path, level, repo.config.encoding, optimizer_map, fisher,
                        shared, optimizer_state)
-    return plans, optimizer_map.how, fisher
+    return plans, optimizer_map.how
 
 
 def _optimizer_map(checkpoint: formats.Checkpoint, lossy: LossyOptions) -> OptimizerMap:
@@ -785,6 +778,23 @@ def _measured_fisher(lossy: LossyOptions, level: LossyLevel | None) -> dict[str,
     from ckptstore.policy.sensitivity import measure_fisher
 
     return measure_fisher(lossy.model, lossy.calibration)
+
+
+def _fisher_by_path(model: Any, measured: dict[str, float] | None, checkpoint: formats.Checkpoint
+                    ) -> dict[str, float] | None:
+    """The Fisher measured by live parameter name, by checkpoint path, in the naming of the level the state is from.
+
+    A name in two copies none of which holds the live values steers neither; copies holding them, each.
+    """
+    if measured is None:
+        return None
+    from ckptstore.policy.livenames import checkpoint_paths
+
+    named = dict(model.named_parameters())
+    found = checkpoint_paths(model, {name: named[name] for name in measured}, checkpoint.tensors)
+    by_path = {path: measured[name] for name, path in found.paths.items()}
+    by_path.update((path, measured[name]) for name, paths in found.copies.items() for path in paths)
+    return by_path
 
 
 def _importance_note(fisher: Mapping[str, float] | None, plans: Mapping[str, Any], pairing: str | None
