@@ -331,6 +331,9 @@ def commit_in_background(repo: Repository, source: Any, options: CommitOptions, 
         raise CkptError("a calibration function runs the live model, which training changes meanwhile: "
                         "commit with blocking=True to calibrate, or without calibration= in the background")
     repo.db.refuse_writes()  # a read-only repository says so here, not in a warning later
+    # SIGTERM's handler set before the signals are held, so that it waits too while the commit is put in flight:
+    # set inside, it ran at once, and a SIGTERM in the thread's start took the commit off the exit's list
+    _hook_sigterm()
     hold = SignalHold(options, "that commit is in flight, after the background commit before it")
     try:
         with _lane_held(repo, hold) as lane:

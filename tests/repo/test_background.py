@@ -348,6 +348,15 @@ repo = Repository.open(sys.argv[1])
 trainer = Trainer()
 trainer.train(int(sys.argv[2]))
 torch.save(trainer.model.state_dict(), sys.argv[1] + "/expected-model.pt")  # this process's bits
+if sys.argv[3] == "term-in-start":  # a SIGTERM lands while the commit's thread starts (a loaded machine's timing)
+    import os, signal, threading
+    started = threading.Thread.start
+    def start_then_term(thread):
+        started(thread)
+        if thread.name == "ckpt-background-commit":
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # its handler runs here, inside the commit call
+    threading.Thread.start = start_then_term
 handle = repo.commit(trainer.state(), "background", blocking=False)
 if sys.argv[3] == "hang-exit":  # another exit step hangs (a logger's flush) after the commit
     import atexit
@@ -624,6 +633,26 @@ def test_sigterm_mid_commit_ends_the_process_once_the_commit_is_written(tmp_path
     expected = torch.load(tmp_path / "expected-model.pt", weights_only=True)
     with Repository.open(tmp_path) as repo:
         assert [c.message for c in repo.log()] == ["background"]
+        assert_same(dict(repo.checkout("HEAD")["model"]), dict(expected))
+
+
+def test_a_sigterm_while_the_commits_thread_starts_still_waits_for_the_commit(tmp_path):
+    """CI's flaky failure of the test above (-15, not 143): on a loaded machine the SIGTERM reached the main thread
+    while it waited for the commit's thread to start; the handler, set inside the commit call, ran at once, and its
+    SystemExit read as a thread that never started: the commit left the exit's list, and the next SIGTERM (nothing
+    in flight, as far as it knew) killed the process, the commit with it."""
+    Repository.init(tmp_path).close()
+    release = tmp_path / "release"
+    child = _child(tmp_path, 1, "term-in-start", {"CKPT_WAIT_AT": f"background:start={release}"})
+    _wait_reached(release, child)
+    time.sleep(0.3)
+    child.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    release.touch()
+    assert child.wait(timeout=60) == 128 + signal.SIGTERM
+    with Repository.open(tmp_path) as repo:
+        assert [c.message for c in repo.log()] == ["background"]
+        expected = torch.load(tmp_path / "expected-model.pt", weights_only=True)
         assert_same(dict(repo.checkout("HEAD")["model"]), dict(expected))
 
 
