@@ -4,7 +4,9 @@ A synthetic chunk shaped like a fine-tune's AdamW state (weights and both moment
 steps between commits) is encoded as a keyframe and a chain of residuals with the real codec, and its
 decode is timed at depth 0 and at `LEVELS`, beside torch.load of the same bytes. Per element width
 (fp32, and bf16-like 2-byte values), that gives policy/chaincost.py's `ChainCosts`, timed on one
-thread and on every CPU at once (checkout decodes chunks on one per CPU). It takes 0.5 s, 2-3 s
+thread and on every CPU at once (checkout decodes chunks on one per CPU), each thread's time less its
+wait for a CPU: the first auto commit usually runs inside a training job, whose threads held the CPUs
+while wall clocks measured, and the figures kept said chains never pay (keyframes only, for good). It takes 0.5 s, 2-3 s
 in a process that must import torch for it, so a machine measures once and keeps the figures per
 user in `$XDG_CACHE_HOME/ckptstore/chaincost.json`, under the CPU's name and count, this version and
 COSTS_REVISION; each repository copies them into `.ckpt/chaincost.json` at its first "auto" commit
@@ -21,6 +23,7 @@ import math
 import mmap
 import os
 import platform
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -56,8 +59,10 @@ MEASURED_THREADS = 8  # at most this many restore a keyframe at once: a 256-CPU 
 # at a time (a level costs half as much); 3: the restore's checksum and the threads' measured speedup;
 # 4: restores and torch.load fill new memory, as a checkout does; 5: a zero-run level's gaps and bytes
 # go in a buffer each thread keeps (allocated per call, they faulted new pages: 1.9 ns/byte at depth 2);
-# 6: each restore's new pages are a mapping of its own, unmapped at once (kept, they grew with the CPUs).
-COSTS_REVISION = 6
+# 6: each restore's new pages are a mapping of its own, unmapped at once (kept, they grew with the CPUs);
+# 7: timed less the waits for a CPU, and checkout's speedup capped by the CPUs the process may use (under load, the wall
+# clock measured the load: costs kept from a busy moment chained nothing in that repository again).
+COSTS_REVISION = 7
 ENV = "CKPTSTORE_CHAIN_COSTS"
 FILE = "chaincost.json"
 _lock = ProcessLock()  # held through a measurement (seconds): a worker forked meanwhile gets its own
@@ -205,16 +210,23 @@ def measure(width: int) -> ChainCosts:
     payloads = [codec.encode(versions[0], None, params)]
     for older, newer in zip(versions, versions[1:]):
         payloads.insert(0, codec.encode(newer, older, params))  # newest first, as replay hands them
-    nbytes, workers = versions[0].size, min(os.cpu_count() or 1, MEASURED_THREADS)
+    nbytes, workers = versions[0].size, min(usable_cpus(), MEASURED_THREADS)
     restore = partial(restore_into_new_pages, codec, params=params, nbytes=nbytes)
     # Best of REPEATS: the machine's capability rather than its load at this moment, which the
     # repository would keep. The timings take turns, so that a burst of load weighs on all of them,
     # not on the one it fell in. A keyframe restored on every CPU at once says how much faster
-    # checkout's threads go than one (1.3-1.7x on the 2-core benchmark VM, where the rule assumed 2x).
+    # checkout's threads go than one (1.3-1.9x on the 2-core benchmark VM, where the rule assumed 2x):
+    # the slowest thread's time, which the memory bandwidth they share slows, and other processes' load not.
     with torch_load_timer(versions[-1]) as load_once, ThreadPoolExecutor(workers) as pool:
+        start_together = threading.Barrier(workers)  # each thread's restore begins with the others': they overlap
+
+        def one_of_them(_: int) -> float:
+            start_together.wait()
+            return _timer(lambda: restore(payloads[-1:]))()
+
         key, deep, together, load = _best_in_turns(
             _timer(lambda: restore(payloads[-1:])), _timer(lambda: restore(payloads)),
-            _timer(lambda: list(pool.map(lambda _: restore(payloads[-1:]), range(workers)))), load_once)
+            lambda: max(pool.map(one_of_them, range(workers))), _timer(load_once))
     if not np.array_equal(codec.decode_chain(payloads, params, nbytes), versions[-1]):
         raise CkptError("the chain-cost measurement decoded wrong bytes: the bytegroup codec is broken here; "
                         f"set {ENV} or max_chain to a number to commit without it")
@@ -249,12 +261,51 @@ def _best_in_turns(*timers: Callable[[], float], repeats: int | None = None) -> 
 
 
 def _timer(call: Callable[[], object]) -> Callable[[], float]:
-    """A function that runs `call` once and returns the seconds it took."""
+    """A function that runs `call` once and returns the seconds it took, less those its thread waited for a CPU.
+
+    What the call costs on this machine, not what other processes' load made it take; a wait of its own
+    (a lock, a page's mapping) still counts. Without the kernel's figure (not Linux), its CPU time.
+    """
     def run() -> float:
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), _waited_for_cpu()
+        if waited is None:
+            start = time.thread_time()
+            call()
+            return time.thread_time() - start
         call()
-        return time.perf_counter() - start
+        # the kernel's figure before the clock, as the clock before it above: a wait between the two readings
+        # counts in the call's time (a few ms more), never out of it (a time slice less: once, below zero)
+        waited_meanwhile = (_waited_for_cpu() or waited) - waited
+        return time.perf_counter() - start - waited_meanwhile
     return run
+
+
+def _waited_for_cpu() -> float | None:
+    """Seconds this thread has been ready to run but waiting for a CPU (Linux's schedstat), None where unknown."""
+    try:
+        with open("/proc/thread-self/schedstat") as stat:
+            return int(stat.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity, and a cgroup's CPU quota (a container's `--cpus`).
+
+    Checkout's threads go no faster than these allow, whatever the machine has: the measurement, which
+    leaves out the waits for a CPU, does not see them.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path(CGROUP_CPU_MAX).read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota here (or unreadable): the affinity alone
+    return max(1, cpus)
+
+
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2's "QUOTA PERIOD" (or "max PERIOD") for this container
 
 
 def _best(call: Callable[[], object]) -> float:

@@ -93,6 +93,38 @@ def test_the_measurement_times_a_real_decode(monkeypatch):
     assert all(v.size == (1 << 20) // 2 for v in versions) and not np.array_equal(versions[0], versions[-1])
 
 
+def test_the_measurement_leaves_out_the_waits_for_a_cpu(monkeypatch):
+    """The first auto commit runs inside a training job: timed by the wall clock, its threads' wait for the CPUs
+    read as a checkout no faster on two threads than one, and that repository kept keyframes only, for good."""
+    import time
+
+    assert chaincost._waited_for_cpu() is not None  # Linux: the kernel's figure
+    assert 0.25 < chaincost._timer(lambda: time.sleep(0.3))() < 1  # a wait of the call's own counts
+    ready = iter([5.0, 5.25])  # the kernel says the thread waited 0.25 s for a CPU meanwhile
+    monkeypatch.setattr(chaincost, "_waited_for_cpu", lambda: next(ready))
+    assert 0.04 < chaincost._timer(lambda: time.sleep(0.3))() < 0.3
+    monkeypatch.setattr(chaincost, "_waited_for_cpu", lambda: None)  # elsewhere: the thread's CPU time
+    assert chaincost._timer(lambda: time.sleep(0.3))() < 0.1
+
+
+@pytest.mark.parametrize(("cpu_max", "expected"), [("150000 100000\n", 2), ("50000 100000", 1), ("max 100000", None),
+                                                   ("damaged", None)])
+def test_checkouts_speedup_is_capped_by_the_cpus_a_container_may_use(tmp_path, monkeypatch, cpu_max, expected):
+    (tmp_path / "cpu.max").write_text(cpu_max)
+    monkeypatch.setattr(chaincost, "CGROUP_CPU_MAX", str(tmp_path / "cpu.max"))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert chaincost.usable_cpus() == (expected or 4)
+    monkeypatch.setattr(chaincost, "CGROUP_CPU_MAX", str(tmp_path / "none"))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
+    assert chaincost.usable_cpus() == 1
+
+
+def test_one_usable_cpu_measures_no_speedup(monkeypatch):
+    monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 20)
+    monkeypatch.setattr(chaincost, "usable_cpus", lambda: 1)
+    assert chaincost.measure(4).workers == 1
+
+
 def test_a_repository_measures_once_and_keeps_its_costs(tmp_path, monkeypatch):
     monkeypatch.delenv(chaincost.ENV)
     monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 20)
@@ -386,7 +418,8 @@ def test_checkouts_threads_count_as_fast_as_measured(monkeypatch, together, spee
 
 DECODER_SOURCES = ("_huffman.c", "_planes.c", "_interleave.h", "_simd.h", "_zstd.h")
 # sha256 of the sources above, in that order, at the COSTS_REVISION that measured them
-DECODER_DIGESTS = {6: "98b58512ecad1937124bfd28f1926fb1c5c1aba63c54bfb1b517d53132d2d835"}
+DECODER_DIGESTS = {6: "98b58512ecad1937124bfd28f1926fb1c5c1aba63c54bfb1b517d53132d2d835",
+                   7: "98b58512ecad1937124bfd28f1926fb1c5c1aba63c54bfb1b517d53132d2d835"}
 
 
 def test_the_costs_revision_follows_the_decoders_sources():
@@ -430,7 +463,7 @@ def test_every_measured_restore_fills_new_pages_and_gives_them_back(monkeypatch,
     Each mapping goes right after its restore (kept, they grew with the CPUs: 1.1 GiB at 32), and at most
     MEASURED_THREADS restore at once (reviewer)."""
     monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 20)
-    monkeypatch.setattr(chaincost.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(chaincost, "usable_cpus", lambda: cpus)
     maps, real_map = [], mmap.mmap
 
     def new_pages(*args, **kwargs):
