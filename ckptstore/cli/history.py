@@ -59,7 +59,7 @@ def _full_log(repo, commits: list, revisions: bool, damage: dict[str, str]) -> N
         echo(f"commit {info.id}{deco}\nDate:   {when}\nStep:   {step}{lossy}")
         if info.metrics:
             echo("Metrics: " + ", ".join(f"{shown_name(k)}={v:g}" for k, v in info.metrics.items()))
-        echo(f"\n{indented(info.message)}\n")
+        echo(f"\n{indented(info.message)}\n" if info.message else "")  # an empty one: no line of spaces
 
 
 def damage_listed_past(damage: Mapping[str, str]) -> None:
@@ -200,7 +200,8 @@ def show(ctx, ref, as_json) -> None:
         echo(f"lossy commit, level {data['lossy']}; optimizer pairing: {data.get('pairing')}; "
              f"importance: {data.get('importance')}")
     stored = "- (pruned)" if data.get("pruned") else size(data["stored_bytes"])
-    echo(f"raw {size(data['raw_bytes'])}  stored {stored}\n\n{indented(data['message'])}\n")
+    message = f"\n\n{indented(data['message'])}\n" if data["message"] else ""  # an empty one: no line of spaces
+    echo(f"raw {size(data['raw_bytes'])}  stored {stored}{message}")
     for f in data["files"] if data["kind"] != "state" else []:  # an in-memory state's only record has no file
         echo(f"file {shown_name(f['name']) or '.'} [{f['format']}] {size(f['size'])} {f['note']}".rstrip())
     for row in data.get("fidelity", []):
