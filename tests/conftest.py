@@ -29,13 +29,34 @@ from ckptstore import Repository
 # `max_chain = "auto"` measures decode costs per machine (repo/chaincost.py); the suite pins costs that
 # give the old default of 2 levels, so chains (and every test that counts depths) do not depend on load.
 os.environ.setdefault("CKPTSTORE_CHAIN_COSTS", '{"2": [1e-10, 1e-10, 4e-10, 1], "4": [1e-10, 1e-10, 4e-10, 1]}')
+_MADE: list[str] = []
+
+
+def _folder_of_our_own(variable: str, prefix: str) -> None:
+    """Point `variable` at a new folder, removed at the end; inside the test's own where a test's child imports this.
+
+    Each process gets a folder of its own, as before; a child's goes inside its test's (one level: a daemon's
+    socket path must stay short), so that one killed with -9 (the fault tests' children) leaves nothing behind
+    in /tmp, and xdist's workers, whose exit skips atexit, remove theirs at pytest_unconfigure.
+    """
+    inherited = os.environ.get(variable, "")
+    parent = (inherited if "PYTEST_CURRENT_TEST" in os.environ and Path(inherited).name.startswith(prefix)
+              and Path(inherited).is_dir() else None)
+    os.environ[variable] = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    _MADE.append(os.environ[variable])
+    atexit.register(shutil.rmtree, os.environ[variable], True)
+
+
 # The per-user cache (a machine's chain costs, remotes' scratch) goes to a folder of the run's own,
 # for this process and every one it starts: tests never read or leave anything in ~/.cache.
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="ckpt-test-cache-")
-atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
+_folder_of_our_own("XDG_CACHE_HOME", "ckpt-test-cache-")
 # So do daemons' sockets: a daemon sweeps the folder of dead ones, which another test worker's test inspects.
-os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="ckpt-test-run-")
-atexit.register(shutil.rmtree, os.environ["XDG_RUNTIME_DIR"], True)
+_folder_of_our_own("XDG_RUNTIME_DIR", "ckpt-test-run-")
+
+
+def pytest_unconfigure(config) -> None:
+    for folder in _MADE:
+        shutil.rmtree(folder, True)
 
 
 ROOT = Path(__file__).resolve().parents[1]
