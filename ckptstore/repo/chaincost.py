@@ -4,15 +4,15 @@ A synthetic chunk shaped like a fine-tune's AdamW state (weights and both moment
 steps between commits) is encoded as a keyframe and a chain of residuals with the real codec, and its
 decode is timed at depth 0 and at `LEVELS`, beside torch.load of the same bytes. Per element width
 (fp32, and bf16-like 2-byte values), that gives policy/chaincost.py's `ChainCosts`, timed on one
-thread and on every CPU at once (checkout decodes chunks on one per CPU), each thread's time less its
-wait for a CPU: the first auto commit usually runs inside a training job, whose threads held the CPUs
-while wall clocks measured, and the figures kept said chains never pay (keyframes only, for good). It takes 0.5 s, 2-3 s
-in a process that must import torch for it, so a machine measures once and keeps the figures per
-user in `$XDG_CACHE_HOME/ckptstore/chaincost.json`, under the CPU's name and count, this version and
-COSTS_REVISION; each repository copies them into `.ckpt/chaincost.json` at its first "auto" commit
-(again on a machine with another CPU count, at another COSTS_REVISION, or when the file is deleted or
-unreadable). Commits, every rank of a sharded commit and prune all chain by the repository's figures
-(`auto_costs`).
+thread and on every CPU at once (checkout decodes chunks on one per CPU), less the threads' waits for
+a CPU: the first auto commit usually runs inside a training job, whose threads held the CPUs while
+wall clocks measured, and the figures kept said chains never pay (keyframes only, for good). It takes
+0.5 s, 2-3 s in a process that must import torch for it, so a machine measures once and keeps the
+figures per user in `$XDG_CACHE_HOME/ckptstore/chaincost.json`, under the CPU's name, the CPUs the
+process may use, this version and COSTS_REVISION; each repository copies them into
+`.ckpt/chaincost.json` at its first "auto" commit (again where the process may use another number
+of CPUs, at another COSTS_REVISION, or when the file is deleted or unreadable). Commits, every rank
+of a sharded commit and prune all chain by the repository's figures (`auto_costs`).
 `CKPTSTORE_CHAIN_COSTS` (JSON {width: [keyframe, level, load, workers]}, s/byte) pins them.
 """
 
@@ -84,7 +84,10 @@ def machine_file() -> Path:
 
 
 def machine_key() -> str:
-    """What the costs depend on: the CPU (its name and count) and the codec, i.e. this version."""
+    """What the costs depend on: the CPU (its name, and how many this process may use) and the codec (this version).
+
+    The usable CPUs, not the machine's: a 1-CPU job and a whole node's share a home folder's cache.
+    """
     # not platform.processor(): on Linux it runs `uname -p` in a subprocess, from a background commit's
     # thread, whose pipe a fork meanwhile (a DataLoader's workers) held open for the workers' whole life
     name = platform.machine()
@@ -93,7 +96,7 @@ def machine_key() -> str:
             name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), name)
     except OSError:
         pass
-    return f"{name} x{os.cpu_count() or 1}, ckptstore {__version__}, costs r{COSTS_REVISION}"
+    return f"{name} x{usable_cpus()}, ckptstore {__version__}, costs r{COSTS_REVISION}"
 
 
 def _machine_costs() -> dict[int, ChainCosts]:
@@ -133,12 +136,12 @@ def repository_costs(folder: Path) -> dict[int, ChainCosts]:
     path = folder / FILE
     try:
         data = json.loads(path.read_text())
-        if data["cpus"] == (os.cpu_count() or 1) and data.get("revision") == COSTS_REVISION:
+        if data["cpus"] == usable_cpus() and data.get("revision") == COSTS_REVISION:
             return _costs_from(data["costs"])
     except (OSError, ValueError, TypeError, KeyError):
         pass  # missing, unreadable or damaged: measured again and rewritten
     costs = chain_costs()
-    text = json.dumps({"cpus": os.cpu_count() or 1, "revision": COSTS_REVISION, "measured_at": time.time(),
+    text = json.dumps({"cpus": usable_cpus(), "revision": COSTS_REVISION, "measured_at": time.time(),
                        "costs": _costs_json(costs)})
     try:
         atomic_write(path, lambda handle: handle.write(text.encode()))
@@ -214,19 +217,13 @@ def measure(width: int) -> ChainCosts:
     restore = partial(restore_into_new_pages, codec, params=params, nbytes=nbytes)
     # Best of REPEATS: the machine's capability rather than its load at this moment, which the
     # repository would keep. The timings take turns, so that a burst of load weighs on all of them,
-    # not on the one it fell in. A keyframe restored on every CPU at once says how much faster
-    # checkout's threads go than one (1.3-1.9x on the 2-core benchmark VM, where the rule assumed 2x):
-    # the slowest thread's time, which the memory bandwidth they share slows, and other processes' load not.
+    # not on the one it fell in, and each leaves out its threads' waits for a CPU. A keyframe restored
+    # on every CPU at once says how much faster checkout's threads go than one (1.3-1.7x on the 2-core
+    # benchmark VM, where the rule assumed 2x).
     with torch_load_timer(versions[-1]) as load_once, ThreadPoolExecutor(workers) as pool:
-        start_together = threading.Barrier(workers)  # each thread's restore begins with the others': they overlap
-
-        def one_of_them(_: int) -> float:
-            start_together.wait()
-            return _timer(lambda: restore(payloads[-1:]))()
-
         key, deep, together, load = _best_in_turns(
             _timer(lambda: restore(payloads[-1:])), _timer(lambda: restore(payloads)),
-            lambda: max(pool.map(one_of_them, range(workers))), _timer(load_once))
+            _together_timer(pool, workers, lambda: restore(payloads[-1:])), _timer(load_once))
     if not np.array_equal(codec.decode_chain(payloads, params, nbytes), versions[-1]):
         raise CkptError("the chain-cost measurement decoded wrong bytes: the bytegroup codec is broken here; "
                         f"set {ENV} or max_chain to a number to commit without it")
@@ -280,10 +277,55 @@ def _timer(call: Callable[[], object]) -> Callable[[], float]:
     return run
 
 
-def _waited_for_cpu() -> float | None:
-    """Seconds this thread has been ready to run but waiting for a CPU (Linux's schedstat), None where unknown."""
+def _together_timer(pool: ThreadPoolExecutor, workers: int, call: Callable[[], object]) -> Callable[[], float]:
+    """A function timing `call` on each of `pool`'s `workers` threads at once, less their waits for a CPU.
+
+    From handing the calls out to the last one's end, as checkout's threads go (waking them and all), each
+    thread's waits for a CPU since the hand-out taken off its end. Timed per thread from its own start
+    instead, the hand-out and uneven ends went unseen: two threads read as twice as fast as one, and auto
+    chose chains whose newest commits checked out slower than torch.load (reviewer 402).
+    """
+    threads = _thread_ids(pool, workers)
+
+    def run() -> float:
+        before = {tid: _waited_for_cpu(tid) for tid in threads}  # a woken thread's wait is counted as it starts
+        start = time.perf_counter()
+
+        def one(_: int) -> float:
+            call()
+            waited, end = _waited_for_cpu(), time.perf_counter()  # the kernel's figure first, as in _timer
+            since = before.get(threading.get_native_id())
+            return end - (waited - since if waited is not None and since is not None else 0.0)
+
+        return max(pool.map(one, range(workers))) - start
+    return run
+
+
+def _thread_ids(pool: ThreadPoolExecutor, workers: int) -> set[int]:
+    """The native ids of `pool`'s `workers` threads, each started by a call that waits for all the others."""
+    meet = threading.Barrier(workers, timeout=BARRIER_SECONDS)
+
+    def arrive(_: int) -> int:
+        meet.wait()
+        return threading.get_native_id()
+
     try:
-        with open("/proc/thread-self/schedstat") as stat:
+        return set(pool.map(arrive, range(workers)))
+    except BaseException:  # a thread that could not start (a pids limit) or Ctrl-C: those waiting must not wait on
+        meet.abort()
+        raise
+
+
+BARRIER_SECONDS = 60  # a pool thread that never arrives (not started) breaks the wait instead of hanging the commit
+
+
+def _waited_for_cpu(thread: int | None = None) -> float | None:
+    """Seconds a thread of this process (this one by default) has waited for a CPU, ready to run; None if unknown.
+
+    Linux's schedstat: a process's threads are in /proc/self/task.
+    """
+    try:
+        with open("/proc/thread-self/schedstat" if thread is None else f"/proc/self/task/{thread}/schedstat") as stat:
             return int(stat.read().split()[1]) / 1e9
     except (OSError, ValueError, IndexError):
         return None
@@ -296,16 +338,27 @@ def usable_cpus() -> int:
     leaves out the waits for a CPU, does not see them.
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = _cgroup_quota()
+    return max(1, cpus if quota is None else min(cpus, math.ceil(quota)))
+
+
+def _cgroup_quota() -> float | None:
+    """The CPUs a cgroup's quota allows (v2's cpu.max, else v1's cfs quota), None where none is set or readable."""
     try:
         quota, period = Path(CGROUP_CPU_MAX).read_text().split()[:2]
-        if quota != "max":
-            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass  # no cgroup v2 quota here (or unreadable): the affinity alone
-    return max(1, cpus)
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        pass
+    try:
+        quota, period = (int(Path(CGROUP_V1_CPU, name).read_text()) for name in ("cpu.cfs_quota_us",
+                                                                                  "cpu.cfs_period_us"))
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2's "QUOTA PERIOD" (or "max PERIOD") for this container
+CGROUP_V1_CPU = "/sys/fs/cgroup/cpu"  # cgroup v1's cpu.cfs_quota_us (-1: none) and cpu.cfs_period_us
 
 
 def _best(call: Callable[[], object]) -> float:

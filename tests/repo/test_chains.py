@@ -107,16 +107,61 @@ def test_the_measurement_leaves_out_the_waits_for_a_cpu(monkeypatch):
     assert chaincost._timer(lambda: time.sleep(0.3))() < 0.1
 
 
-@pytest.mark.parametrize(("cpu_max", "expected"), [("150000 100000\n", 2), ("50000 100000", 1), ("max 100000", None),
-                                                   ("damaged", None)])
-def test_checkouts_speedup_is_capped_by_the_cpus_a_container_may_use(tmp_path, monkeypatch, cpu_max, expected):
-    (tmp_path / "cpu.max").write_text(cpu_max)
+@pytest.mark.parametrize(("v2", "v1", "expected"), [
+    ("150000 100000\n", None, 2), ("50000 100000", None, 1), ("max 100000", None, None), ("damaged", None, None),
+    ("1 0", None, None), (None, ("250000", "100000"), 3), (None, ("-1", "100000"), None)])
+def test_checkouts_speedup_is_capped_by_the_cpus_a_container_may_use(tmp_path, monkeypatch, v2, v1, expected):
+    if v2 is not None:
+        (tmp_path / "cpu.max").write_text(v2)
+    if v1 is not None:
+        (tmp_path / "cpu.cfs_quota_us").write_text(v1[0])
+        (tmp_path / "cpu.cfs_period_us").write_text(v1[1])
     monkeypatch.setattr(chaincost, "CGROUP_CPU_MAX", str(tmp_path / "cpu.max"))
+    monkeypatch.setattr(chaincost, "CGROUP_V1_CPU", str(tmp_path))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert chaincost.usable_cpus() == (expected or 4)
-    monkeypatch.setattr(chaincost, "CGROUP_CPU_MAX", str(tmp_path / "none"))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
     assert chaincost.usable_cpus() == 1
+
+
+def test_costs_are_kept_per_number_of_usable_cpus(tmp_path, monkeypatch):
+    """A 1-CPU job and a whole node share a home folder's cache: the first to measure decided for the other."""
+    monkeypatch.delenv(chaincost.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 20)
+    monkeypatch.setattr(chaincost, "_measured", None)
+    monkeypatch.setattr(chaincost, "usable_cpus", lambda: 1)
+    (tmp_path / "repo").mkdir()
+    one = chaincost.repository_costs(tmp_path / "repo")
+    assert one[4].workers == 1 and json.loads((tmp_path / "repo" / chaincost.FILE).read_text())["cpus"] == 1
+    monkeypatch.setattr(chaincost, "_measured", None)
+    monkeypatch.setattr(chaincost, "usable_cpus", lambda: 2)
+    chaincost.repository_costs(tmp_path / "repo")  # measured again, for two
+    assert json.loads((tmp_path / "repo" / chaincost.FILE).read_text())["cpus"] == 2
+    assert len(json.loads(chaincost.machine_file().read_text())) == 2  # each count's entry kept
+
+
+def test_a_pool_thread_that_cannot_start_fails_the_measurement_without_hanging(monkeypatch):
+    """The threads that started waited for it at the measurement's barrier, and the pool's shutdown for them:
+    the commit hung for good (reviewer 402)."""
+    import threading
+
+    monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 20)
+    monkeypatch.setattr(chaincost, "usable_cpus", lambda: 2)
+    real_start, started = threading.Thread.start, []
+
+    def start(thread):
+        if thread.name.startswith("ThreadPoolExecutor"):
+            started.append(thread)
+            if len(started) == 2:
+                raise RuntimeError("can't start new thread")
+        return real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        chaincost.measure(4)
+    started[0].join(timeout=5)
+    assert not started[0].is_alive()
 
 
 def test_one_usable_cpu_measures_no_speedup(monkeypatch):
@@ -131,7 +176,7 @@ def test_a_repository_measures_once_and_keeps_its_costs(tmp_path, monkeypatch):
     monkeypatch.setattr(chaincost, "_measured", None)
     measured = chaincost.repository_costs(tmp_path)
     kept = json.loads((tmp_path / chaincost.FILE).read_text())
-    assert kept["cpus"] == (os.cpu_count() or 1) and set(measured) == {2, 4}
+    assert kept["cpus"] == chaincost.usable_cpus() and set(measured) == {2, 4}
     kept["costs"]["4"] = [1e-9, 0.5e-9, 4.4e-9, 1]  # what the next process reads, not measures
     (tmp_path / chaincost.FILE).write_text(json.dumps(kept))
     assert chaincost.repository_costs(tmp_path)[4] == ChainCosts(1e-9, 0.5e-9, 4.4e-9, 1)
