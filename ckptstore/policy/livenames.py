@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ckptstore.errors import UnsupportedStateError
-from ckptstore.policy.mapping import chosen_naming
+from ckptstore.policy.mapping import chosen_naming, key_component
 from ckptstore.state import RawTensor, raw_from_torch, torch_dtype
 
 # parts FSDP1 and activation checkpointing put in a parameter's name and never in its state_dict() key
@@ -61,6 +61,33 @@ def checkpoint_paths(model: Any, named: Mapping[str, Any], tensors: Mapping[str,
                      {name: chosen.doubled[g] for name, g in by_live.items() if g in chosen.doubled},
                      {name for name, g in by_live.items() if g in chosen.paths and holds(g, chosen.paths[g])},
                      {name: chosen.copies[g] for name, g in by_live.items() if g in chosen.copies})
+
+
+def tied_paths(model: Any, named: Mapping[str, Any], paths: Mapping[str, str],
+               tensors: Mapping[str, RawTensor]) -> dict[str, list[str]]:
+    """Live names whose tensor the model also holds under other names (tied weights) -> those names' paths.
+
+    `named()` gives a tied embedding and LM head once; a state cloned apart holds both, coded apart, and
+    load_state_dict writes each into the one tensor: which lands last depends on the state's order. Found
+    beside `paths[name]`: the same prefix with the other name, at the wrapper level that names it so.
+    """
+    tied: dict[str, list[str]] = {}
+    for each in _wrapper_levels(model):
+        by_id: dict[int, list[str]] = {}
+        for name, tensor in chain(each.named_buffers(remove_duplicate=False),
+                                  each.named_parameters(remove_duplicate=False)):
+            by_id.setdefault(id(tensor), []).append(key_component(_state_name(name)))
+        for name, tensor in named.items():
+            aliases, path = by_id.get(id(tensor), []), paths.get(name)
+            own = next((a for a in aliases if path is not None and (path == a or path.endswith("/" + a))), None)
+            if own is None or len(aliases) < 2:
+                continue
+            prefix = path[:len(path) - len(own)]
+            found = [prefix + a for a in aliases if a != own and prefix + a in tensors
+                     and tuple(tensors[prefix + a].shape) == tuple(tensors[path].shape)]
+            if found:
+                tied[name] = list(dict.fromkeys([*tied.get(name, []), *found]))
+    return tied
 
 
 @dataclass

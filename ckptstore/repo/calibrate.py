@@ -87,7 +87,7 @@ def loss_guard(calibration: Callable[[Any], Any] | None, model: Any, max_change:
 
 def _model_loss(calibration: Callable[[Any], Any], model: Any,
                 checkpoint: formats.Checkpoint) -> Callable[[Mapping[str, RawTensor]], list[float]]:
-    from ckptstore.policy.livenames import checkpoint_paths
+    from ckptstore.policy.livenames import checkpoint_paths, tied_paths
     from ckptstore.policy.sensitivity import loss_with_weights, model_tensors
     from ckptstore.state import materialize
 
@@ -110,11 +110,13 @@ def _model_loss(calibration: Callable[[Any], Any], model: Any,
                     "values there; if those are a copy's (an EMA's), pass the model the checkpoint was saved from",
                     RuntimeWarning)
 
-    # the model's copies in the checkpoint (its own and an EMA's just made hold the same values, coded apart): each
-    # measured, the k-th copy of every name in the k-th measurement
-    copies = max(map(len, found.copies.values()), default=1)
-    each_copy = [{name: found.copies[name][min(k, len(found.copies[name]) - 1)] if name in found.copies else path
-                  for name, path in path_of.items()} for k in range(copies)]
+    # the model's copies in the checkpoint (its own and an EMA's just made hold the same values, coded apart; a tied
+    # weight's names, cloned apart): each measured, the k-th copy of every name in the k-th measurement
+    copies = dict(found.copies)
+    for name, aliases in tied_paths(model, named, path_of, checkpoint.tensors).items():
+        copies[name] = list(dict.fromkeys([*copies.get(name, [path_of[name]]), *aliases]))
+    each_copy = [{name: copies[name][min(k, len(copies[name]) - 1)] if name in copies else path
+                  for name, path in path_of.items()} for k in range(max(map(len, copies.values()), default=1))]
 
     def loss_with(restored: Mapping[str, RawTensor]) -> list[float]:
         def value_of(path: str) -> Any:
