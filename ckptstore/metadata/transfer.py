@@ -112,6 +112,18 @@ def tensors_of(tx: Tx, cids: Iterable[CommitId],
     return found
 
 
+def bases_below(tx: Tx, tids: Iterable[TensorId]) -> dict[TensorId, TensorId]:
+    """Each tensor down the delta chains of `tids` (them included) -> its base, as `tx`'s side records them."""
+    base_of: dict[TensorId, TensorId] = {}
+    frontier = set(tids)
+    while frontier:
+        rows = {TensorId(t): TensorId(b) for t, b in tx.rows_in("SELECT id, base_id FROM tensors WHERE id IN ({ids}) "
+                                                                 "AND base_id IS NOT NULL", frontier)}
+        base_of.update(rows)
+        frontier = set(rows.values()) - base_of.keys()
+    return base_of
+
+
 def _select(tx: Tx, table: str, column: str, ids: list[str]) -> tuple[list[str], list[tuple]]:
     """Every column of the rows of `table` whose `column` is in `ids` (the schema both sides share names them)."""
     from ckptstore.metadata import schema

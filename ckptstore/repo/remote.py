@@ -324,14 +324,32 @@ def _present_whole(tx: Tx, ttx: Tx, target: Repository) -> Callable[[set[TensorI
     """
     local = held_here(target.store)
 
-    def present(tids: set[TensorId]) -> set[TensorId]:
-        here = transfer.present_tensors(ttx, tids)
-        mine, theirs = transfer.chunk_objects(ttx, here), transfer.chunk_objects(tx, here)
-        differ = {t for t in here if mine.get(t, frozenset()) != theirs.get(t, frozenset())}
+    def stale(tids: set[TensorId]) -> set[TensorId]:
+        mine, theirs = transfer.chunk_objects(ttx, tids), transfer.chunk_objects(tx, tids)
+        differ = {t for t in tids if mine.get(t, frozenset()) != theirs.get(t, frozenset())}
         gone = lacking(local, {oid for t in differ for oid in mine.get(t, ())}) if differ else set()
         if gone and isinstance(target.store, FallbackStore):
             gone = _lacking_at_origin(target.store, gone)
-        return here - {t for t in differ if mine.get(t, frozenset()) & gone}
+        return {t for t in differ if mine.get(t, frozenset()) & gone}
+
+    def present(tids: set[TensorId]) -> set[TensorId]:
+        """Those recorded there whole: a stale record down one's chain there breaks it too (auditor 403).
+
+        A tensor the origin's prune left alone stood on a base it re-encoded: the fetch stopped at the first,
+        and no commit pulled since, the new tip included, could be restored in the clone.
+        """
+        here = transfer.present_tensors(ttx, tids)
+        base_of = transfer.bases_below(ttx, here)
+        broken = stale(here | set(base_of.values()))
+
+        def whole(tid: TensorId | None) -> bool:
+            for _ in range(len(base_of) + 1):  # chains end; a damaged one that loops is no whole one
+                if tid is None or tid in broken:
+                    return tid is None
+                tid = base_of.get(tid)
+            return tid is None
+
+        return {t for t in here if whole(t)}
 
     return present
 

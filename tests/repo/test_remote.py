@@ -139,6 +139,33 @@ def test_a_lazy_clone_reads_only_the_chains_a_checkout_needs(tmp_path):
             lazier.checkout(first)
 
 
+def test_a_lazy_clone_restores_what_it_pulls_after_the_origin_pruned_below_a_tensor_it_has(tmp_path):
+    """The origin's prune re-encoded step 5's tensor and left step 6's (its residual) alone: the pull of step 7 stopped
+    at step 6's, which the clone had alike, and kept its stale record of step 5's below it: no commit pulled since,
+    the new tip included, could be restored in the clone (auditor 403)."""
+    from ckptstore.policy import EncodingSettings
+    from ckptstore.repo.config import RetentionPolicy
+    from ckptstore.repo.pruning import prune
+
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 256, generator=generator)
+    with Repository.init(tmp_path / "hub", encoding=EncodingSettings(max_chain=8)) as hub:
+        for step in range(1, 7):
+            w = w + 1e-3 * torch.randn(256, 256, generator=generator)
+            hub.commit({"w": w.clone()}, step=step)
+    remote.clone(str(tmp_path / "hub"), tmp_path / "lazy", lazy=True).close()
+    with Repository.open(tmp_path / "hub") as hub:
+        prune(hub, RetentionPolicy(keep_last=2))
+        w = w + 1e-3 * torch.randn(256, 256, generator=generator)
+        newest = hub.commit({"w": w.clone()}, step=7)
+        kept = {c.id: hub.checkout(c.id)["w"] for c in hub.log() if not c.pruned}
+    with Repository.open(tmp_path / "lazy") as lazy:
+        assert remote.pull(lazy, "origin")[1] == newest
+        assert torch.equal(lazy.checkout(newest)["w"], w) and len(kept) == 3
+        for cid, kept_w in kept.items():  # what the origin keeps restores here too; the rest it pruned is gone
+            assert torch.equal(lazy.checkout(cid)["w"], kept_w)
+
+
 def test_a_read_only_lazy_clone_reads_from_its_origin_and_writes_nothing_here(tmp_path):
     """--read-only promises reading commands write nothing: a lazy clone's reads go to the origin, uncopied."""
     with Repository.init(tmp_path / "hub") as hub:
