@@ -13,7 +13,7 @@ from ckptstore import faults
 from ckptstore.errors import CkptError, CorruptObjectError, LostLockError, ReadOnlyRepoError, StoreUnavailableError
 from ckptstore.hashing import ObjectId
 from ckptstore.metadata import liveness
-from ckptstore.objectstore.fallback import held_here
+from ckptstore.objectstore.fallback import FallbackStore, held_here
 from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
@@ -290,14 +290,18 @@ def fsck(repo: Repository, full: bool = False) -> FsckReport:
 def _check_objects(repo: Repository, live_objects: Iterable[ObjectId], report: FsckReport) -> None:
     """Read every object the commits need, verified against its id.
 
-    A lazy clone reads what it lacks from its origin: once that cannot be reached, the rest are
-    checked here alone, and those not held here are counted as unchecked, not called damaged.
+    A lazy clone reads what it lacks from its origin, without keeping it (kept, one fsck made it a full
+    clone: auditor 403); once the origin cannot be reached, the rest are checked here alone, and those
+    not held here are counted as unchecked, not called damaged.
     """
     store = repo.store
     for oid in sorted(live_objects, key=str):
         report.objects_checked += 1
         try:
-            store.get(oid)
+            if isinstance(store, FallbackStore) and not store.local.has(oid):
+                store.from_source(oid)  # verified against its id on the way
+            else:
+                store.get(oid)
         except StoreUnavailableError as exc:
             if held_here(repo.store) is repo.store or store is not repo.store:  # its own store: nothing to check
                 raise

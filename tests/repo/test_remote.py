@@ -166,6 +166,23 @@ def test_a_lazy_clone_restores_what_it_pulls_after_the_origin_pruned_below_a_ten
             assert torch.equal(lazy.checkout(cid)["w"], kept_w)
 
 
+def test_fsck_in_a_lazy_clone_verifies_what_it_lacks_at_the_origin_and_keeps_none_of_it(tmp_path):
+    """One fsck downloaded and kept every object of the run: the lazy clone of a long run became a full one
+    (auditor 403)."""
+    with Repository.init(tmp_path / "hub") as hub:
+        for seed in range(3):
+            hub.commit(_state(seed))
+    with remote.clone(str(tmp_path / "hub"), tmp_path / "lazy", lazy=True) as lazy:
+        before = sorted(_object_files(tmp_path / "lazy"))
+        report = fsck(lazy)
+        assert report.ok and report.objects_checked > len(before)
+        assert sorted(_object_files(tmp_path / "lazy")) == before
+        lacking = next(p for p in (tmp_path / "hub" / ".ckpt" / "objects").rglob("*")
+                       if p.is_file() and p.name not in before and p.stat().st_size > 1000)
+        lacking.write_bytes(lacking.read_bytes()[:-1] + b"x")  # damaged at the origin: found from here too
+        assert lacking.parent.name + lacking.name in fsck(lazy).damaged_objects
+
+
 def test_a_read_only_lazy_clone_reads_from_its_origin_and_writes_nothing_here(tmp_path):
     """--read-only promises reading commands write nothing: a lazy clone's reads go to the origin, uncopied."""
     with Repository.init(tmp_path / "hub") as hub:
