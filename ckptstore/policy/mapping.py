@@ -187,7 +187,7 @@ def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[Any] | None 
         return given
     if None in shapes:
         return OptimizerMap(ordered, False, "state without moments; weights not paired")
-    params = [m for m in model if not is_buffer(*m)]
+    params = [m for m in model if not is_buffer(*m) or _trained_mask(m[0], model)]
     if any(path in by_name for path, shape in model if shape in set(shapes)):
         return _by_unique_shapes(ordered, shapes, model) or OptimizerMap(
             ordered, False, BY_NAME + (NAMES_MATCH_NONE if names is not None else ASK_NAMES))
@@ -201,6 +201,15 @@ def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[Any] | None 
             if placement is not None:
                 return _pair(ordered, [candidates[i][0] for i in placement], how)
     return OptimizerMap(ordered, False, "shapes allow more than one pairing; weights not paired")
+
+
+def _trained_mask(path: str, model: list[tuple[str, tuple]]) -> bool:
+    """Whether `path`, named like a mask buffer, may be trained: torch's pruning keeps `X_mask` beside `X_orig`.
+
+    A `learned_mask` parameter left out as a buffer made a frozen weight of its shape the only one, and that
+    weight took its moments, said certain (reviewer 406).
+    """
+    return path.endswith("_mask") and not any(other == path[:-len("_mask")] + "_orig" for other, _ in model)
 
 
 def _by_caller(ordered: list[ParamSlots], shapes: list[tuple | None], model: list[tuple[str, tuple]],
@@ -232,8 +241,8 @@ def _by_caller(ordered: list[ParamSlots], shapes: list[tuple | None], model: lis
 
 
 _TWO_COPIES = "the model's names match two copies of it (the model's and an EMA's?) alike; weights not paired"
-BY_NAME = ("the weights file lists its tensors by name, not in the model's order, and shapes cannot tell them apart; "
-           "weights not paired")
+BY_NAME = ("a file that lists its tensors by name, not in the model's order (safetensors), holds tensors of the "
+           "moments' shapes, and shapes cannot tell them apart; weights not paired")
 ASK_NAMES = " (pass model= and optimizer= to pair them)"
 NAMES_MATCH_NONE = " (the model's names pair none alone: two copies of it?)"
 

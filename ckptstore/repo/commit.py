@@ -636,8 +636,9 @@ def _optimizer_map(checkpoint: formats.Checkpoint, lossy: LossyOptions) -> Optim
 
 def _listed_by_name(checkpoint: formats.Checkpoint) -> set[str]:
     """The paths of tensors from safetensors files, which list them sorted by name, not in the model's order."""
-    files = [f.name for f in checkpoint.files if f.format == formats.SAFETENSORS]
-    return {path for path in checkpoint.tensors for name in files if not name or path.startswith(name + "/")}
+    # paths begin with the file's name escaped (state.escape): `sub/model.safetensors` is `sub%2Fmodel.safetensors/`
+    prefixes = [escape(f.name) + "/" if f.name else "" for f in checkpoint.files if f.format == formats.SAFETENSORS]
+    return {path for path in checkpoint.tensors for prefix in prefixes if path.startswith(prefix)}
 
 
 def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], sources: Mapping[str, TensorId],

@@ -192,3 +192,10 @@ def test_a_name_sorted_file_beside_the_model_drops_no_pairing_and_a_buffer_like_
     masked = {"base.weight": (16, 16), "head.weight": (4, 16), "learned_mask": (16, 16)}
     listed = _checkpoint(masked, ["learned_mask", "head.weight"])
     assert not map_optimizer(listed, ids=[0, 1], by_name=set(listed)).certain
+    # the same in a torch.save file (reviewer 406): a mask is a buffer only beside its pruned parameter, X_orig
+    beside_frozen = _checkpoint({"frozen.weight": (8, 8), "learned_mask": (8, 8)}, ["learned_mask"])
+    assert not map_optimizer(beside_frozen, ids=[0]).certain
+    pruned = _checkpoint({"base.weight_orig": (16, 16), "head.weight": (4, 16), "base.weight_mask": (16, 16)},
+                         ["base.weight_orig", "head.weight"])
+    result = map_optimizer(pruned, ids=[0, 1])
+    assert result.certain and [s.weight for s in result.slots] == ["model/base.weight_orig", "model/head.weight"]

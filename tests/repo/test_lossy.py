@@ -1465,10 +1465,12 @@ def test_a_peft_models_live_names_pair_with_its_saved_adapters(tmp_path):
         assert repo.show(cid)["pairing"] == "given by the caller"
 
 
-def test_a_folders_safetensors_weights_pair_only_as_their_shapes_or_given_names_allow(tmp_path):
+@pytest.mark.parametrize("weights", ["model.safetensors", "weights/model.safetensors", "100%/model.safetensors"])
+def test_a_folders_safetensors_weights_pair_only_as_their_shapes_or_given_names_allow(tmp_path, weights):
     """Trainer folders keep weights in model.safetensors, which lists them by name: `k_proj` before `q_proj`, `h.10`
     before `h.2`. Every LoRA projection of one shape was paired with its neighbour's moments, said certain
-    (auditor 399, reviewer 400)."""
+    (auditor 399, reviewer 400); in a subfolder (a PEFT run's checkpoint-N/), whose paths begin with the name
+    escaped, still so (reviewer 406)."""
     from safetensors.torch import save_file
 
     from ckptstore.policy.mapping import ASK_NAMES, BY_NAME
@@ -1480,8 +1482,8 @@ def test_a_folders_safetensors_weights_pair_only_as_their_shapes_or_given_names_
     sum(p.square().sum() for p in params).backward()
     optimizer.step()
     folder = tmp_path / "checkpoint-1"
-    folder.mkdir()
-    save_file({name: p.detach() for name, p in zip(names, params)}, folder / "model.safetensors")
+    (folder / weights).parent.mkdir(parents=True)
+    save_file({name: p.detach() for name, p in zip(names, params)}, folder / weights)
     torch.save(optimizer.state_dict(), folder / "optimizer.pt")
     with Repository.init(tmp_path / "repo") as repo:
         cid = repo.commit(folder, lossy="balanced")
