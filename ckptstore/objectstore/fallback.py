@@ -38,6 +38,10 @@ class FallbackStore:
         self._copying: dict[ObjectId, list] = {}  # [lock, threads using it] by object being copied
         self._unavailable: tuple[StoreUnavailableError, float] | None = None  # why the source failed, and when
 
+    def reading_only(self) -> FallbackStore:
+        """The same store, keeping nothing it reads from the source: fsck checks a lazy clone and leaves it lazy."""
+        return FallbackStore(self.local, self._open_source, keep=False)
+
     def source(self, oid: ObjectId) -> ObjectStore:
         """The source, opened on first use; one that cannot be opened makes `oid` (being read) lacking."""
         with self._lock:

@@ -23,10 +23,8 @@ import math
 import mmap
 import os
 import platform
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,8 +38,11 @@ from ckptstore.formats.atomic import atomic_write
 from ckptstore.formats.loadspeed import torch_load_timer
 from ckptstore.hashing import chunk_checksum
 from ckptstore.policy import AUTO, LOSSLESS_CODEC, ChainCosts
+from ckptstore.policy.chaincost import FALLBACK
 from ckptstore.repo.config import user_cache
+from ckptstore.repo.cpus import Crew, timer, usable_cpus
 from ckptstore.repo.forked import ProcessLock
+from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
     from ckptstore.codecs.base import ChainDecoder
@@ -61,8 +62,9 @@ MEASURED_THREADS = 8  # at most this many restore a keyframe at once: a 256-CPU 
 # go in a buffer each thread keeps (allocated per call, they faulted new pages: 1.9 ns/byte at depth 2);
 # 6: each restore's new pages are a mapping of its own, unmapped at once (kept, they grew with the CPUs);
 # 7: timed less the waits for a CPU, and checkout's speedup capped by the CPUs the process may use (under load, the wall
-# clock measured the load: costs kept from a busy moment chained nothing in that repository again).
-COSTS_REVISION = 7
+# clock measured the load: costs kept from a busy moment chained nothing in that repository again); 8: the threads
+# timed one restore each from their wake-up (7's first form timed each from its own start: 2.0x, chains too deep).
+COSTS_REVISION = 8
 ENV = "CKPTSTORE_CHAIN_COSTS"
 FILE = "chaincost.json"
 _lock = ProcessLock()  # held through a measurement (seconds): a worker forked meanwhile gets its own
@@ -103,22 +105,33 @@ def _machine_costs() -> dict[int, ChainCosts]:
     """The user's cache for this machine, else a new measurement added to it."""
     path, key = machine_file(), machine_key()
     try:
-        kept = json.loads(path.read_text())
-        kept = kept if isinstance(kept, dict) else {}
-    except (OSError, ValueError):
-        kept = {}  # none yet, or damaged: rewritten
-    try:
-        return _costs_from(kept[key]["costs"])
+        return _costs_from(_read_kept(path)[key]["costs"])
     except (KeyError, TypeError, ValueError, AttributeError):
         pass  # another machine's (or version's) figures only: measured and added
-    costs = {width: measure(width) for width in (2, 4)}
-    kept[key] = {"measured_at": time.time(), "costs": _costs_json(costs)}
+    try:
+        costs = {width: measure(width) for width in (2, 4)}
+    except (OSError, MemoryError, RuntimeError) as exc:  # no thread to start (a pids limit), no room: tunes chains only
+        warn_caller(f'max_chain = "auto" could not measure what a chain level costs at checkout here ({exc}): this '
+                    f"process's commits chain up to {FALLBACK} levels, and the next process measures again",
+                    RuntimeWarning)
+        return {}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        kept = _read_kept(path)  # again: another process may have added its own CPUs' figures meanwhile
+        kept[key] = {"measured_at": time.time(), "costs": _costs_json(costs)}
         atomic_write(path, lambda handle: handle.write(json.dumps(kept, indent=1).encode()))
     except OSError:
         pass  # a read-only home measures in each process instead
     return costs
+
+
+def _read_kept(path: Path) -> dict:
+    """The user cache's figures by machine key; {} where there are none or they are damaged (rewritten)."""
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return kept if isinstance(kept, dict) else {}
 
 
 def auto_costs(repo: Repository) -> dict[int, ChainCosts] | None:
@@ -141,6 +154,8 @@ def repository_costs(folder: Path) -> dict[int, ChainCosts]:
     except (OSError, ValueError, TypeError, KeyError):
         pass  # missing, unreadable or damaged: measured again and rewritten
     costs = chain_costs()
+    if not costs:  # the measurement failed (and said so): nothing kept, the next process measures again
+        return costs
     text = json.dumps({"cpus": usable_cpus(), "revision": COSTS_REVISION, "measured_at": time.time(),
                        "costs": _costs_json(costs)})
     try:
@@ -220,10 +235,9 @@ def measure(width: int) -> ChainCosts:
     # not on the one it fell in, and each leaves out its threads' waits for a CPU. A keyframe restored
     # on every CPU at once says how much faster checkout's threads go than one (1.3-1.7x on the 2-core
     # benchmark VM, where the rule assumed 2x).
-    with torch_load_timer(versions[-1]) as load_once, ThreadPoolExecutor(workers) as pool:
+    with torch_load_timer(versions[-1]) as load_once, Crew(workers, lambda: restore(payloads[-1:])) as crew:
         key, deep, together, load = _best_in_turns(
-            _timer(lambda: restore(payloads[-1:])), _timer(lambda: restore(payloads)),
-            _together_timer(pool, workers, lambda: restore(payloads[-1:])), _timer(load_once))
+            timer(lambda: restore(payloads[-1:])), timer(lambda: restore(payloads)), crew.timed, timer(load_once))
     if not np.array_equal(codec.decode_chain(payloads, params, nbytes), versions[-1]):
         raise CkptError("the chain-cost measurement decoded wrong bytes: the bytegroup codec is broken here; "
                         f"set {ENV} or max_chain to a number to commit without it")
@@ -253,114 +267,10 @@ def _best_in_turns(*timers: Callable[[], float], repeats: int | None = None) -> 
     """Each timer's best of `repeats` (REPEATS; each returns the seconds of one run), running them in turn."""
     best = [float("inf")] * len(timers)
     for _ in range(REPEATS if repeats is None else repeats):
-        best = [min(seconds, timer()) for seconds, timer in zip(best, timers)]
+        best = [min(seconds, each()) for seconds, each in zip(best, timers)]
     return best
-
-
-def _timer(call: Callable[[], object]) -> Callable[[], float]:
-    """A function that runs `call` once and returns the seconds it took, less those its thread waited for a CPU.
-
-    What the call costs on this machine, not what other processes' load made it take; a wait of its own
-    (a lock, a page's mapping) still counts. Without the kernel's figure (not Linux), its CPU time.
-    """
-    def run() -> float:
-        start, waited = time.perf_counter(), _waited_for_cpu()
-        if waited is None:
-            start = time.thread_time()
-            call()
-            return time.thread_time() - start
-        call()
-        # the kernel's figure before the clock, as the clock before it above: a wait between the two readings
-        # counts in the call's time (a few ms more), never out of it (a time slice less: once, below zero)
-        waited_meanwhile = (_waited_for_cpu() or waited) - waited
-        return time.perf_counter() - start - waited_meanwhile
-    return run
-
-
-def _together_timer(pool: ThreadPoolExecutor, workers: int, call: Callable[[], object]) -> Callable[[], float]:
-    """A function timing `call` on each of `pool`'s `workers` threads at once, less their waits for a CPU.
-
-    From handing the calls out to the last one's end, as checkout's threads go (waking them and all), each
-    thread's waits for a CPU since the hand-out taken off its end. Timed per thread from its own start
-    instead, the hand-out and uneven ends went unseen: two threads read as twice as fast as one, and auto
-    chose chains whose newest commits checked out slower than torch.load (reviewer 402).
-    """
-    threads = _thread_ids(pool, workers)
-
-    def run() -> float:
-        before = {tid: _waited_for_cpu(tid) for tid in threads}  # a woken thread's wait is counted as it starts
-        start = time.perf_counter()
-
-        def one(_: int) -> float:
-            call()
-            waited, end = _waited_for_cpu(), time.perf_counter()  # the kernel's figure first, as in _timer
-            since = before.get(threading.get_native_id())
-            return end - (waited - since if waited is not None and since is not None else 0.0)
-
-        return max(pool.map(one, range(workers))) - start
-    return run
-
-
-def _thread_ids(pool: ThreadPoolExecutor, workers: int) -> set[int]:
-    """The native ids of `pool`'s `workers` threads, each started by a call that waits for all the others."""
-    meet = threading.Barrier(workers, timeout=BARRIER_SECONDS)
-
-    def arrive(_: int) -> int:
-        meet.wait()
-        return threading.get_native_id()
-
-    try:
-        return set(pool.map(arrive, range(workers)))
-    except BaseException:  # a thread that could not start (a pids limit) or Ctrl-C: those waiting must not wait on
-        meet.abort()
-        raise
-
-
-BARRIER_SECONDS = 60  # a pool thread that never arrives (not started) breaks the wait instead of hanging the commit
-
-
-def _waited_for_cpu(thread: int | None = None) -> float | None:
-    """Seconds a thread of this process (this one by default) has waited for a CPU, ready to run; None if unknown.
-
-    Linux's schedstat: a process's threads are in /proc/self/task.
-    """
-    try:
-        with open("/proc/thread-self/schedstat" if thread is None else f"/proc/self/task/{thread}/schedstat") as stat:
-            return int(stat.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on: its affinity, and a cgroup's CPU quota (a container's `--cpus`).
-
-    Checkout's threads go no faster than these allow, whatever the machine has: the measurement, which
-    leaves out the waits for a CPU, does not see them.
-    """
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    quota = _cgroup_quota()
-    return max(1, cpus if quota is None else min(cpus, math.ceil(quota)))
-
-
-def _cgroup_quota() -> float | None:
-    """The CPUs a cgroup's quota allows (v2's cpu.max, else v1's cfs quota), None where none is set or readable."""
-    try:
-        quota, period = Path(CGROUP_CPU_MAX).read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError, ZeroDivisionError):
-        pass
-    try:
-        quota, period = (int(Path(CGROUP_V1_CPU, name).read_text()) for name in ("cpu.cfs_quota_us",
-                                                                                  "cpu.cfs_period_us"))
-        return None if quota <= 0 else quota / period
-    except (OSError, ValueError, ZeroDivisionError):
-        return None
-
-
-CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2's "QUOTA PERIOD" (or "max PERIOD") for this container
-CGROUP_V1_CPU = "/sys/fs/cgroup/cpu"  # cgroup v1's cpu.cfs_quota_us (-1: none) and cpu.cfs_period_us
 
 
 def _best(call: Callable[[], object]) -> float:
     """The best of REPEATS runs of `call`, in seconds."""
-    return _best_in_turns(_timer(call))[0]
+    return _best_in_turns(timer(call))[0]

@@ -25,20 +25,22 @@ from ckptstore.state import RawTensor, materialize
 from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
+    from ckptstore.objectstore.base import ObjectStore
     from ckptstore.repo.repository import Repository
 
 Replayer = Callable[[ChainSource, list[TensorRecord], Callable[[int], None]], dict]
 
 
 def restore(repo: Repository, manifest: Manifest, progress: Progress | None = None, paths: list[str] | None = None,
-            by_id: bool = False) -> dict[str, RawTensor]:
+            by_id: bool = False, store: ObjectStore | None = None) -> dict[str, RawTensor]:
     """Replay the tensors of `manifest` (or just `paths`) on the CPU and return them by path.
 
-    `by_id` hashes every tensor against its id on top of the chunk checksums (fsck --full).
+    `by_id` hashes every tensor against its id on top of the chunk checksums (fsck --full); `store`
+    reads the objects instead of the repository's (a lazy clone's that keeps nothing it reads).
     """
     paths = list(manifest.entries) if paths is None else paths
     buffers = _replay(repo, manifest, paths, progress or NoProgress(), "checkout", lambda source, wanted, done:
-                      replay(source, wanted, repo.pool, on_chunk=done, by_id=by_id))
+                      replay(source, wanted, repo.pool, on_chunk=done, by_id=by_id), store)
     return {p: RawTensor(manifest.entries[p].dtype, manifest.entries[p].shape, b) for p, b in buffers.items()}
 
 
@@ -187,7 +189,7 @@ def _refuse_sharded(cid: str, manifest: Manifest) -> None:
 
 
 def _replay(repo: Repository, manifest: Manifest, paths: list[str], progress: Progress, label: str,
-            run: Replayer) -> dict[str, Any]:
+            run: Replayer, store: ObjectStore | None = None) -> dict[str, Any]:
     """Replay the tensors at `paths` with `run` (numpy on the CPU, or torch on a device); buffers by path."""
     ids = {manifest.entries[p].tensor for p in paths}
     used: dict = {}  # the records the last attempt replayed
@@ -196,7 +198,7 @@ def _replay(repo: Repository, manifest: Manifest, paths: list[str], progress: Pr
         used.clear()
         used.update(records)
         progress.start(label, sum(records[t].raw_bytes for t in ids))
-        return run(ChainSource(repo.store, records), [records[t] for t in ids], progress.advance)
+        return run(ChainSource(store or repo.store, records), [records[t] for t in ids], progress.advance)
 
     try:
         buffers = integrity.replay_current(repo, manifest, paths, attempt)

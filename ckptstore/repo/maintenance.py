@@ -294,23 +294,21 @@ def _check_objects(repo: Repository, live_objects: Iterable[ObjectId], report: F
     clone: auditor 403); once the origin cannot be reached, the rest are checked here alone, and those
     not held here are counted as unchecked, not called damaged.
     """
-    store = repo.store
+    reading = repo.store.reading_only() if isinstance(repo.store, FallbackStore) else None
+    store, origin_lost = reading or repo.store, False
     for oid in sorted(live_objects, key=str):
         report.objects_checked += 1
         try:
-            if isinstance(store, FallbackStore) and not store.local.has(oid):
-                store.from_source(oid)  # verified against its id on the way
-            else:
-                store.get(oid)
+            store.get(oid)
         except StoreUnavailableError as exc:
-            if held_here(repo.store) is repo.store or store is not repo.store:  # its own store: nothing to check
+            if reading is None or origin_lost:  # its own store: nothing to check without it
                 raise
             report.unchecked.append(oid)
-            report.unchecked_why, store = str(exc), held_here(repo.store)
+            report.unchecked_why, store, origin_lost = str(exc), held_here(repo.store), True
         except PermissionError as exc:  # another user's file (their umask): said, and the rest still checked
             report.unreadable[oid] = exc.filename or str(exc)
         except CorruptObjectError as exc:
-            if store is repo.store or exc.problem != "missing":
+            if not origin_lost or exc.problem != "missing":
                 report.damaged_objects[oid] = exc.problem
             else:
                 report.unchecked.append(oid)
@@ -346,6 +344,8 @@ def _replay_all(repo: Repository, manifests: list, report: FsckReport) -> None:
     """Fsck --full: replay every commit's tensors, checking each against its id."""
     from ckptstore.repo.checkout import restore
 
+    # a lazy clone reads what it lacks from its origin, keeping none of it: one fsck made it a full clone
+    store = repo.store.reading_only() if isinstance(repo.store, FallbackStore) else None
     not_read = [*report.unchecked, *report.unreadable]
     unchecked = set(repo.commits_needing(not_read)) if not_read else set()
     for cid, manifest_oid in manifests:
@@ -353,7 +353,7 @@ def _replay_all(repo: Repository, manifests: list, report: FsckReport) -> None:
             continue
         try:
             manifest = repo.read_manifest(manifest_oid)
-            restore(repo, manifest, by_id=True)
+            restore(repo, manifest, by_id=True, store=store)
             report.tensors_verified += len(manifest.entries)
         except CorruptObjectError as exc:
             report.broken_commits.setdefault(cid, [])

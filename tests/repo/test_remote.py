@@ -177,6 +177,8 @@ def test_fsck_in_a_lazy_clone_verifies_what_it_lacks_at_the_origin_and_keeps_non
         report = fsck(lazy)
         assert report.ok and report.objects_checked > len(before)
         assert sorted(_object_files(tmp_path / "lazy")) == before
+        full = fsck(lazy, full=True)  # every commit replayed from the origin's objects, none kept (reviewer 404)
+        assert full.ok and full.tensors_verified > 0 and sorted(_object_files(tmp_path / "lazy")) == before
         lacking = next(p for p in (tmp_path / "hub" / ".ckpt" / "objects").rglob("*")
                        if p.is_file() and p.name not in before and p.stat().st_size > 1000)
         lacking.write_bytes(lacking.read_bytes()[:-1] + b"x")  # damaged at the origin: found from here too
