@@ -17,7 +17,7 @@ from ckptstore.errors import CkptError
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.policy import AUTO, ChainCosts, EncodingSettings
 from ckptstore.records import TensorRecord
-from ckptstore.repo import chaincost, cpus, fsck
+from ckptstore.repo import chaincost, fsck
 from ckptstore.repo.config import RepoConfig, RetentionPolicy
 from ckptstore.repo.pruning import _relinks, prune
 from tests.conftest import assert_same
@@ -93,56 +93,6 @@ def test_the_measurement_times_a_real_decode(monkeypatch):
     assert all(v.size == (1 << 20) // 2 for v in versions) and not np.array_equal(versions[0], versions[-1])
 
 
-def test_the_measurement_leaves_out_the_waits_for_a_cpu(monkeypatch):
-    """The first auto commit runs inside a training job: timed by the wall clock, its threads' wait for the CPUs
-    read as a checkout no faster on two threads than one, and that repository kept keyframes only, for good."""
-    import time
-
-    assert cpus.waited_for_cpu() is not None  # Linux: the kernel's figure
-    assert 0.25 < cpus.timer(lambda: time.sleep(0.3))() < 1  # a wait of the call's own counts
-    ready = iter([5.0, 5.25])  # the kernel says the thread waited 0.25 s for a CPU meanwhile
-    monkeypatch.setattr(cpus, "waited_for_cpu", lambda thread=None: next(ready))
-    assert 0.04 < cpus.timer(lambda: time.sleep(0.3))() < 0.3
-    monkeypatch.setattr(cpus, "waited_for_cpu", lambda thread=None: None)  # elsewhere: the thread's CPU time
-    assert cpus.timer(lambda: time.sleep(0.3))() < 0.1
-
-
-def test_a_crew_runs_one_call_per_thread_and_leaves_out_their_waits_for_a_cpu(monkeypatch):
-    """A pool's idle thread took a second restore while the other waited for a CPU: two threads read as one
-    (reviewer 404). Each thread runs the call once per timing; a thread's wait since its wake-up is taken off."""
-    import threading
-    import time
-
-    threads = []
-    with cpus.Crew(3, lambda: (threads.append(threading.get_ident()), time.sleep(0.1))) as crew:
-        assert 0.09 < crew.timed() < 1 and len(set(threads)) == 3 and len(threads) == 3
-        # each thread waited 0.08 s for a CPU since its wake-up: 0 before it, 0.08 at its end
-        monkeypatch.setattr(cpus, "waited_for_cpu", lambda thread=None: 0.0 if thread else 0.08)
-        assert 0.01 < crew.timed() < 0.08 and len(threads) == 6
-
-
-def test_a_crew_thread_that_cannot_start_or_a_failing_call_raises_without_hanging(monkeypatch):
-    """The pool's threads that started waited at a barrier for one that could not, and the pool's shutdown for
-    them: the commit hung for good (reviewer 402)."""
-    import threading
-
-    real_start, started = threading.Thread.start, []
-
-    def start(thread):
-        started.append(thread)
-        if len(started) == 2:
-            raise RuntimeError("can't start new thread")
-        return real_start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
-    with cpus.Crew(2, lambda: None) as crew, pytest.raises(RuntimeError, match="can't start new thread"):
-        crew.timed()
-    monkeypatch.undo()
-    assert not started[0].is_alive()  # joined as the crew closed: no thread waits at the barrier
-    with cpus.Crew(2, lambda: 1 / 0) as crew, pytest.raises(ZeroDivisionError):
-        crew.timed()
-
-
 def test_a_measurement_that_cannot_run_commits_with_the_fallback_and_keeps_nothing(tmp_path, monkeypatch):
     """It only tunes chains: its RuntimeError (no thread for it) failed the commit, 'unexpected' (reviewer 404)."""
     monkeypatch.delenv(chaincost.ENV)
@@ -159,23 +109,6 @@ def test_a_measurement_that_cannot_run_commits_with_the_fallback_and_keeps_nothi
     with Repository.open(tmp_path / "repo") as repo:
         assert torch.equal(repo.checkout(cid)["w"], torch.ones(1000) * 2)
     assert not (tmp_path / "repo" / ".ckpt" / chaincost.FILE).exists() and not chaincost.machine_file().exists()
-
-
-@pytest.mark.parametrize(("v2", "v1", "expected"), [
-    ("150000 100000\n", None, 2), ("50000 100000", None, 1), ("max 100000", None, None), ("damaged", None, None),
-    ("1 0", None, None), (None, ("250000", "100000"), 3), (None, ("-1", "100000"), None)])
-def test_checkouts_speedup_is_capped_by_the_cpus_a_container_may_use(tmp_path, monkeypatch, v2, v1, expected):
-    if v2 is not None:
-        (tmp_path / "cpu.max").write_text(v2)
-    if v1 is not None:
-        (tmp_path / "cpu.cfs_quota_us").write_text(v1[0])
-        (tmp_path / "cpu.cfs_period_us").write_text(v1[1])
-    monkeypatch.setattr(cpus, "CGROUP_CPU_MAX", str(tmp_path / "cpu.max"))
-    monkeypatch.setattr(cpus, "CGROUP_V1_CPU", str(tmp_path))
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    assert cpus.usable_cpus() == (expected or 4)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
-    assert cpus.usable_cpus() == 1
 
 
 def test_costs_are_kept_per_number_of_usable_cpus(tmp_path, monkeypatch):
