@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError, InvalidRefNameError, PrunedCommitError
+from ckptstore.errors import (
+    CkptError,
+    CorruptObjectError,
+    CorruptRecordError,
+    InvalidRefNameError,
+    PrunedCommitError,
+    StoreUnavailableError,
+)
 from ckptstore.hashing import CommitId, ObjectId, TensorId
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import liveness
@@ -234,6 +241,8 @@ def manifests_read(sender: Repository, manifests: set[ObjectId]
         try:
             data = sender.read_object(oid)
             tids = {entry.tensor for entry in Manifest.from_bytes(data, oid).entries.values()}
+        except StoreUnavailableError:  # not this object's damage: the next would wait out the retry budget again
+            raise
         except CkptError:
             return None
         with keeping:
@@ -488,6 +497,8 @@ def _manifest_entries(store: ObjectStore, commits: dict[CommitId, commit_rows.Co
         except PermissionError:  # another user's file: fsck's object check says it, and goes on to the rest
             found.unreadable_manifests.add(info.manifest_object)
             continue
+        except StoreUnavailableError:  # the bucket down: no manifest will read, each after a whole retry budget
+            raise
         except (CorruptObjectError, CkptError) as exc:
             found.unreadable_manifests.add(info.manifest_object)
             if isinstance(exc, UnreadableManifestError):  # its bytes whole: a lost or changed object is said as one

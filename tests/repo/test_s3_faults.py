@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from ckptstore import Repository
+from ckptstore import Repository, faults
 from ckptstore.errors import StoreUnavailableError
 from ckptstore.objectstore.s3 import S3ObjectStore
 from ckptstore.repo import fsck
@@ -181,6 +181,28 @@ def test_a_lazy_checkout_whose_origin_is_down_stops_after_one_retry_budget(tmp_p
     _one_line_error(said, "is not held here, and the origin it comes from cannot be read", "cannot reach")
     assert len(tries) == 1, tries  # one retry budget spent, not one per packed tensor
     assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("command", ["fsck", "gc"])
+def test_fsck_and_gc_of_a_shared_repository_whose_bucket_is_down_stop_after_one_retry_budget(bucket_repo, proxy,
+                                                                                           monkeypatch, command):
+    """Each commit's manifest read spent the whole retry budget, and counted as one unreadable manifest: an hour on
+    59 commits at the default 60 s, gc holding the repository's lock alone all that time (auditor 405)."""
+    from ckptstore.repo import gc
+
+    with Repository.open(bucket_repo) as repo:
+        for seed in range(4):
+            repo.commit({"w": torch.randn(64, generator=torch.Generator().manual_seed(seed))})
+        tries, real_get, real_point = [], S3ObjectStore.get, faults.point
+        monkeypatch.setattr(S3ObjectStore, "get", lambda store, oid, *a: tries.append(oid) or real_get(store, oid, *a))
+        # the bucket goes down once gc holds the lock (down before, its first listing stops it at once)
+        monkeypatch.setattr(faults, "point", lambda name: proxy.go_down() if name == "gc:tmp-cleared" else
+                            real_point(name))
+        if command == "fsck":
+            proxy.go_down()
+        with pytest.raises(StoreUnavailableError, match="cannot reach"):
+            fsck(repo) if command == "fsck" else gc(repo)
+        assert len(tries) <= 1, tries  # one retry budget spent, not one per manifest
 
 
 def test_a_remote_whose_database_cannot_be_reached_is_named(tmp_path, s3_url):
