@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.state import RawTensor, key_component
+from ckptstore.state import RawTensor, key_component, readable_path
 
 _STATE = re.compile(r"^(?:(.*)/)?state/(\d+)/(exp_avg|exp_avg_sq|momentum_buffer)$")
 _ANY_STATE = re.compile(r"^(?:(.*)/)?state/(\d+)/([^/]+)$")
@@ -200,6 +200,11 @@ def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[Any] | None 
             placement = _embedding(candidates, shapes)
             if placement is not None:
                 return _pair(ordered, [candidates[i][0] for i in placement], how)
+    masks = [path for path, shape in model if shape in set(shapes) and is_buffer(path, shape)
+             and _trained_mask(path, model)]
+    if masks:  # a causal mask buffer and a learned mask look alike: only the live model tells them apart
+        return OptimizerMap(ordered, False, f"{readable_path(masks[0])} is named like a mask but has a moment's shape: "
+                                            f"trained or a buffer, shapes cannot tell; weights not paired{ASK_NAMES}")
     return OptimizerMap(ordered, False, "shapes allow more than one pairing; weights not paired")
 
 

@@ -195,6 +195,12 @@ def test_a_name_sorted_file_beside_the_model_drops_no_pairing_and_a_buffer_like_
     # the same in a torch.save file (reviewer 406): a mask is a buffer only beside its pruned parameter, X_orig
     beside_frozen = _checkpoint({"frozen.weight": (8, 8), "learned_mask": (8, 8)}, ["learned_mask"])
     assert not map_optimizer(beside_frozen, ids=[0]).certain
+    # a causal mask buffer looks the same from the state alone (reviewer 407): said so; the live names pair them
+    causal = _checkpoint({"a.weight": (8, 8), "b.weight": (8, 8), "causal_mask": (8, 8)}, ["a.weight", "b.weight"])
+    unsure = map_optimizer(causal, ids=[0, 1])
+    assert not unsure.certain and "model/causal_mask is named like a mask" in unsure.how
+    named = map_optimizer(causal, names=["a.weight", "b.weight"], ids=[0, 1])
+    assert named.certain and [s.weight for s in named.slots] == ["model/a.weight", "model/b.weight"]
     pruned = _checkpoint({"base.weight_orig": (16, 16), "head.weight": (4, 16), "base.weight_mask": (16, 16)},
                          ["base.weight_orig", "head.weight"])
     result = map_optimizer(pruned, ids=[0, 1])
