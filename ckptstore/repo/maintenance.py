@@ -281,7 +281,7 @@ def fsck(repo: Repository, full: bool = False) -> FsckReport:
             report.broken_commits.setdefault(cid, []).append(oid)
     _commits_broken_by_records(repo, report)
     if full:
-        _replay_all(repo, manifests, report)
+        _replay_all(repo, manifests, report, live_objects)
     if not report.ok:
         _forget_what_was_removed(repo, report)
     return report
@@ -340,8 +340,12 @@ def _commits_broken_by_records(repo: Repository, report: FsckReport) -> None:
         report.broken_commits.setdefault(cid, [])
 
 
-def _replay_all(repo: Repository, manifests: list, report: FsckReport) -> None:
-    """Fsck --full: replay every commit's tensors, checking each against its id."""
+def _replay_all(repo: Repository, manifests: list, report: FsckReport, live_objects: set[ObjectId]) -> None:
+    """Fsck --full: replay every commit's tensors, checking each against its id.
+
+    A lazy clone's origin lost midway leaves the objects not held here unchecked, as the object check does:
+    called damaged records, a server down read as damage (reviewer 407).
+    """
     from ckptstore.repo.checkout import restore
 
     # a lazy clone reads what it lacks from its origin, keeping none of it: one fsck made it a full clone
@@ -363,6 +367,14 @@ def _replay_all(repo: Repository, manifests: list, report: FsckReport) -> None:
             else:  # its objects hashed sound above: what decodes wrong is the record (codec, params, checksum)
                 report.damaged_records.setdefault(f"commit {cid}", f"a tensor's objects are sound but {exc.problem}; "
                                                                     "its record is damaged")
+        except StoreUnavailableError as exc:
+            if store is None:  # its own store: nothing to check without it
+                raise
+            if not report.unchecked_why:
+                local = held_here(repo.store)
+                report.unchecked_why = str(exc)
+                report.unchecked += sorted(set(oid for oid in live_objects if not local.has(oid)) -
+                                           set(report.unchecked))
         except CkptError as exc:
             report.broken_commits.setdefault(cid, [])
             report.damaged_records.setdefault(f"commit {cid}", str(exc))

@@ -165,6 +165,29 @@ def test_fsck_of_a_lazy_clone_whose_origin_is_down_checks_what_is_held_here_and_
     assert said.returncode == 1 and f"{len(report.unchecked)} objects not held here were not checked" in said.stdout
 
 
+def test_fsck_full_of_a_lazy_clone_whose_origin_goes_down_midway_counts_the_rest_unchecked(tmp_path, s3_url, proxy,
+                                                                                            monkeypatch):
+    """Down after the object check and before the replay: every commit was a broken one with a damaged record, where
+    the object check called the same objects unchecked (reviewer 407)."""
+    from ckptstore.repo import maintenance, remote
+
+    assert ckpt_here(tmp_path, "init", "hub", "--objects", s3_url).returncode == 0
+    with Repository.open(tmp_path / "hub") as hub:
+        for seed in range(2):
+            hub.commit({"w": torch.randn(1 << 16, generator=torch.Generator().manual_seed(seed))})
+    real_check = maintenance._check_objects
+
+    def then_down(*args):
+        real_check(*args)
+        proxy.go_down()
+
+    monkeypatch.setattr(maintenance, "_check_objects", then_down)
+    with remote.clone(str(tmp_path / "hub"), tmp_path / "lazy", lazy=True) as lazy:
+        report = fsck(lazy, full=True)
+    assert report.unchecked and "cannot reach" in report.unchecked_why and not report.ok
+    assert not report.damaged_records and not report.broken_commits and not report.damaged_objects
+
+
 def test_a_lazy_checkout_whose_origin_is_down_stops_after_one_retry_budget(tmp_path, s3_url, proxy, monkeypatch):
     """Each packed tensor's read tried the origin again, one after another, each for the whole retry budget, and the
     diagnosis once more: (tensors + 1) x CKPT_S3_RETRY_SECONDS before the one-line error (auditor)."""
