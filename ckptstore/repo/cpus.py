@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2's "QUOTA PERIOD" (or "max PERIOD") for this container
@@ -96,34 +97,55 @@ class Crew:
         self._pool.shutdown()
 
     def timed(self) -> float:
-        """Seconds from handing the calls out to the last one's end, less the threads' waits for a CPU."""
+        """Seconds from handing the calls out to the last one's end, less the threads' waits for a CPU.
+
+        Where the threads waited for CPUs at all (another process's load), each call's time is its CPU
+        time: a thread that waits for the GIL or a page lock its preempted holder keeps sleeps, not
+        waits for a CPU, and two threads read as one again beside a training job (reviewer 407).
+        """
         meet = threading.Barrier(self._count, timeout=BARRIER_SECONDS)
         before = {tid: waited_for_cpu(tid) for tid in self._threads}  # a woken thread's wait counts as it runs
         start = time.perf_counter()
 
-        def one(_: int) -> tuple[int, float, float | None, float, float | None, float, float | None]:
+        def one(_: int) -> _Run:
             begun, waited_begun = time.perf_counter(), waited_for_cpu()
             meet.wait()
-            going, waited_going = time.perf_counter(), waited_for_cpu()
+            going, waited_going, cpu = time.perf_counter(), waited_for_cpu(), time.thread_time()
             self._call()
-            waited_end = waited_for_cpu()  # the kernel's figure before the clock, as in timer
-            return threading.get_native_id(), begun, waited_begun, going, waited_going, time.perf_counter(), waited_end
+            cpu, waited_end = time.thread_time() - cpu, waited_for_cpu()  # the kernel's figure before the clock
+            return _Run(threading.get_native_id(), begun, waited_begun, going, waited_going, time.perf_counter(),
+                        waited_end, cpu)
 
         try:
             runs = list(self._pool.map(one, range(self._count)))
         except BaseException:  # a thread that could not start (a pids limit), a failed call, Ctrl-C: none waits on
             meet.abort()
             raise
+        if any(run.waited_begun is None or run.waited_going is None or run.waited_end is None for run in runs):
+            return max(run.end for run in runs) - start  # not Linux: the wall clock, the machine's load and all
+        loaded = any(run.waited_end > run.waited_going for run in runs)
         spans = []
-        for tid, begun, waited_begun, going, waited_going, end, waited_end in runs:
-            self._threads.add(tid)
-            since = before.get(tid)
-            if waited_begun is None or waited_going is None or waited_end is None:  # not Linux: the wall clock
-                spans.append(end - start)
-                continue
-            handed_out = begun - start - (waited_begun - since if since is not None else 0.0)
-            spans.append(handed_out + end - going - (waited_end - waited_going))  # the wait at the start left out
+        for run in runs:
+            self._threads.add(run.thread)
+            since = before.get(run.thread)
+            handed_out = run.begun - start - (run.waited_begun - since if since is not None else 0.0)
+            call = run.cpu if loaded else run.end - run.going - (run.waited_end - run.waited_going)
+            spans.append(handed_out + call)  # the wait at the barrier left out
         return max(spans)
+
+
+@dataclass
+class _Run:
+    """One thread's call in Crew.timed: clocks and its waits for a CPU (seconds) when handed it, going, done."""
+
+    thread: int
+    begun: float
+    waited_begun: float | None
+    going: float
+    waited_going: float | None
+    end: float
+    waited_end: float | None
+    cpu: float
 
 
 BARRIER_SECONDS = 60  # a thread that never comes breaks the others' wait instead of hanging the commit

@@ -23,16 +23,30 @@ def test_the_measurement_leaves_out_the_waits_for_a_cpu(monkeypatch):
 
 def test_a_crew_runs_one_call_per_thread_and_leaves_out_their_waits_for_a_cpu(monkeypatch):
     """A pool's idle thread took a second restore while the other waited for a CPU: two threads read as one
-    (reviewer 404). Each thread runs the call once per timing; a thread's wait since its wake-up is taken off."""
+    (reviewer 404). Each thread runs the call once per timing; a thread's wait since its wake-up is taken off;
+    where the threads waited for CPUs while calling, each call counts its CPU time (reviewer 407)."""
     import threading
     import time
 
     threads = []
     with cpus.Crew(3, lambda: (threads.append(threading.get_ident()), time.sleep(0.1))) as crew:
-        assert 0.09 < crew.timed() < 1 and len(set(threads)) == 3 and len(threads) == 3
-        # each thread waited 0.08 s for a CPU since its wake-up: 0 before it, 0.08 at its end
+        crew.timed()
+        assert len(set(threads)) == 3 and len(threads) == 3
+        monkeypatch.setattr(cpus, "waited_for_cpu", lambda thread=None: 0.0)  # no waits: the wall clock
+        assert 0.09 < crew.timed() < 1 and len(threads) == 6
+        # each thread waited 0.08 s for a CPU before it ran: 0 when handed the call, 0.08 from then on
         monkeypatch.setattr(cpus, "waited_for_cpu", lambda thread=None: 0.0 if thread else 0.08)
-        assert 0.01 < crew.timed() < 0.08 and len(threads) == 6
+        assert 0.01 < crew.timed() < 0.08
+        readings = threading.local()
+
+        def waits_while_calling(thread=None):  # 0 handed the call, 0 going, 1 ms by the end: another process's load
+            if thread:
+                return 0.0
+            readings.n = getattr(readings, "n", -1) + 1
+            return [0.0, 0.0, 0.001][readings.n % 3]
+
+        monkeypatch.setattr(cpus, "waited_for_cpu", waits_while_calling)
+        assert crew.timed() < 0.05  # each call's CPU time: a sleep takes none
 
 
 def test_a_crew_thread_that_cannot_start_or_a_failing_call_raises_without_hanging(monkeypatch):
