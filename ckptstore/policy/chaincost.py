@@ -9,6 +9,7 @@ Whether a residual still pays in size is decided per tensor by the writer (`afte
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 AUTO = "auto"
@@ -44,9 +45,8 @@ class ChainCosts:
         budget = self.load / margin * max(1, self.workers) - self.keyframe
         if budget < 0:
             return 0
-        if self.level <= 0:
-            return cap
-        return min(cap, int(budget / self.level))
+        levels = budget / self.level if self.level > 0 else math.inf
+        return cap if not math.isfinite(levels) else min(cap, int(levels))  # a tiny level cost: no level limits
 
 
 def chain_limit(max_chain: int | str, width: int, costs: dict[int, ChainCosts] | None) -> int:

@@ -19,7 +19,6 @@ of a sharded commit and prune all chain by the repository's figures (`auto_costs
 from __future__ import annotations
 
 import json
-import math
 import mmap
 import os
 import platform
@@ -68,16 +67,19 @@ COSTS_REVISION = 8
 ENV = "CKPTSTORE_CHAIN_COSTS"
 FILE = "chaincost.json"
 _lock = ProcessLock()  # held through a measurement (seconds): a worker forked meanwhile gets its own
-_measured: dict[int, ChainCosts] | None = None
+_measured: dict[str, dict[int, ChainCosts]] = {}  # by machine_key(): a process pinned to fewer CPUs measures anew
 
 
 def chain_costs() -> dict[int, ChainCosts]:
     """This machine's costs per element width: pinned, kept by this process or the user's cache, else measured."""
-    global _measured
+    pinned = _pinned()
+    if pinned:
+        return pinned
+    key = machine_key()
     with _lock:
-        if _measured is None:
-            _measured = _pinned() or _machine_costs()
-        return _measured
+        if key not in _measured:
+            _measured[key] = _machine_costs(key)
+        return _measured[key]
 
 
 def machine_file() -> Path:
@@ -101,9 +103,9 @@ def machine_key() -> str:
     return f"{name} x{usable_cpus()}, ckptstore {__version__}, costs r{COSTS_REVISION}"
 
 
-def _machine_costs() -> dict[int, ChainCosts]:
-    """The user's cache for this machine, else a new measurement added to it."""
-    path, key = machine_file(), machine_key()
+def _machine_costs(key: str) -> dict[int, ChainCosts]:
+    """The user's cache for this machine (`key`), else a new measurement added to it."""
+    path = machine_file()
     try:
         return _costs_from(_read_kept(path)[key]["costs"])
     except (KeyError, TypeError, ValueError, AttributeError):
@@ -175,12 +177,25 @@ def _costs_from(data: dict[str, list[float]]) -> dict[int, ChainCosts]:
     Checked whole (a damaged `chaincost.json`'s list stopped every commit with an AttributeError; a string
     of digits passed as that many numbers).
     """
-    if not isinstance(data, dict) or not all(isinstance(v, list) and len(v) in (3, 4) for v in data.values()):
-        raise ValueError("costs are {width: [keyframe, level, load, workers]}")
+    if not isinstance(data, dict) or not data or not all(isinstance(v, list) and len(v) in (3, 4)
+                                                          for v in data.values()):
+        raise ValueError("costs are {width: [keyframe, level, load, workers]}, for one width or more")
+    if any(isinstance(x, bool) for v in data.values() for x in v):  # JSON's true read as 1 s/byte: keyframes only
+        raise ValueError("every cost must be a number")
     numbers = {int(w): list(map(float, v)) for w, v in data.items()}
-    if not all(math.isfinite(x) and x > 0 for v in numbers.values() for x in v):
-        raise ValueError("every cost must be a positive number")
+    if not all(0 < w < 256 for w in numbers):
+        raise ValueError("widths are element sizes in bytes, 1 to 255")
+    # a plausible machine's: 1e-320 s/byte overflowed the rule's level count and stopped every commit
+    if not all(PLAUSIBLE[0] <= x <= PLAUSIBLE[1] for v in numbers.values() for x in v[:3]):
+        raise ValueError(f"every cost must be a positive number of seconds per byte, {PLAUSIBLE[0]:g} to "
+                         f"{PLAUSIBLE[1]:g}")
+    if not all(1 <= v[3] <= MAX_WORKERS for v in numbers.values() if len(v) == 4):
+        raise ValueError(f"the threads' speedup must be 1 to {MAX_WORKERS}")
     return {w: ChainCosts(*v) for w, v in numbers.items()}
+
+
+PLAUSIBLE = (1e-15, 1.0)  # seconds per byte a decode or torch.load may take: NaN and infinity fall outside too
+MAX_WORKERS = 1024
 
 
 def _pinned() -> dict[int, ChainCosts] | None:

@@ -97,7 +97,7 @@ def test_a_measurement_that_cannot_run_commits_with_the_fallback_and_keeps_nothi
     """It only tunes chains: its RuntimeError (no thread for it) failed the commit, 'unexpected' (reviewer 404)."""
     monkeypatch.delenv(chaincost.ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(chaincost, "_measured", None)
+    monkeypatch.setattr(chaincost, "_measured", {})
 
     def no_thread(count, call):
         raise RuntimeError("can't start new thread")
@@ -116,12 +116,12 @@ def test_costs_are_kept_per_number_of_usable_cpus(tmp_path, monkeypatch):
     monkeypatch.delenv(chaincost.ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 20)
-    monkeypatch.setattr(chaincost, "_measured", None)
+    monkeypatch.setattr(chaincost, "_measured", {})
     monkeypatch.setattr(chaincost, "usable_cpus", lambda: 1)
     (tmp_path / "repo").mkdir()
     one = chaincost.repository_costs(tmp_path / "repo")
     assert one[4].workers == 1 and json.loads((tmp_path / "repo" / chaincost.FILE).read_text())["cpus"] == 1
-    monkeypatch.setattr(chaincost, "_measured", None)
+    monkeypatch.setattr(chaincost, "_measured", {})
     monkeypatch.setattr(chaincost, "usable_cpus", lambda: 2)
     chaincost.repository_costs(tmp_path / "repo")  # measured again, for two
     assert json.loads((tmp_path / "repo" / chaincost.FILE).read_text())["cpus"] == 2
@@ -137,7 +137,7 @@ def test_one_usable_cpu_measures_no_speedup(monkeypatch):
 def test_a_repository_measures_once_and_keeps_its_costs(tmp_path, monkeypatch):
     monkeypatch.delenv(chaincost.ENV)
     monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 20)
-    monkeypatch.setattr(chaincost, "_measured", None)
+    monkeypatch.setattr(chaincost, "_measured", {})
     measured = chaincost.repository_costs(tmp_path)
     kept = json.loads((tmp_path / chaincost.FILE).read_text())
     assert kept["cpus"] == chaincost.usable_cpus() and set(measured) == {2, 4}
@@ -156,7 +156,7 @@ def test_a_machine_measures_once_for_all_its_repositories(tmp_path, monkeypatch)
     monkeypatch.delenv(chaincost.ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 20)
-    monkeypatch.setattr(chaincost, "_measured", None)
+    monkeypatch.setattr(chaincost, "_measured", {})
     measured = chaincost.chain_costs()
     kept = json.loads(chaincost.machine_file().read_text())
     assert list(kept) == [chaincost.machine_key()] and set(measured) == {2, 4}
@@ -164,18 +164,18 @@ def test_a_machine_measures_once_for_all_its_repositories(tmp_path, monkeypatch)
     kept[chaincost.machine_key()]["costs"]["4"] = [1e-9, 0.5e-9, 4.4e-9, 1]
     kept["another CPU x64, ckptstore 0.0.1"] = {"costs": {"4": [1, 1, 1, 1]}}
     chaincost.machine_file().write_text(json.dumps(kept))
-    monkeypatch.setattr(chaincost, "_measured", None)
+    monkeypatch.setattr(chaincost, "_measured", {})
     (tmp_path / "repo").mkdir()
     assert chaincost.repository_costs(tmp_path / "repo")[4] == ChainCosts(1e-9, 0.5e-9, 4.4e-9, 1)
     assert json.loads((tmp_path / "repo" / chaincost.FILE).read_text())["costs"]["4"] == [1e-9, 0.5e-9, 4.4e-9, 1]
     # another machine's entry is never used, and a damaged file is measured again and rewritten
     del kept[chaincost.machine_key()]
     chaincost.machine_file().write_text(json.dumps(kept))
-    monkeypatch.setattr(chaincost, "_measured", None)
+    monkeypatch.setattr(chaincost, "_measured", {})
     assert chaincost.chain_costs()[4] != ChainCosts(1, 1, 1, 1)
     assert set(json.loads(chaincost.machine_file().read_text())) == {chaincost.machine_key(), *kept}
     chaincost.machine_file().write_text("{damaged")
-    monkeypatch.setattr(chaincost, "_measured", None)
+    monkeypatch.setattr(chaincost, "_measured", {})
     assert set(chaincost.chain_costs()) == {2, 4}
     assert list(json.loads(chaincost.machine_file().read_text())) == [chaincost.machine_key()]
 
@@ -191,8 +191,9 @@ def test_auto_is_written_to_the_config_and_old_numbers_still_read(tmp_path):
 def _keep_costs(repo: Repository, monkeypatch) -> None:
     """The repository keeps FIVE_LEVELS; this process's own measurement would allow no chain at all."""
     monkeypatch.delenv(chaincost.ENV)
-    monkeypatch.setattr(chaincost, "_measured", {w: ChainCosts(1e-9, 10e-9, 4.4e-9, 1) for w in (2, 4)})
-    kept = {"cpus": os.cpu_count() or 1, "revision": chaincost.COSTS_REVISION, "measured_at": 0.0,
+    monkeypatch.setattr(chaincost, "_measured", {chaincost.machine_key(): {w: ChainCosts(1e-9, 10e-9, 4.4e-9, 1)
+                                                                           for w in (2, 4)}})
+    kept = {"cpus": chaincost.usable_cpus(), "revision": chaincost.COSTS_REVISION, "measured_at": 0.0,
             "costs": json.loads(FIVE_LEVELS)}
     (repo.dir / chaincost.FILE).write_text(json.dumps(kept))
 
@@ -331,7 +332,7 @@ def test_the_machine_key_of_chain_costs_runs_no_subprocess():
     done = subprocess.run([sys.executable, "-c", NO_SUBPROCESSES], capture_output=True, text=True, timeout=60,
                           env=ckpt_env())
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().endswith(f"x{os.cpu_count()}, ckptstore {__import__('ckptstore').__version__}, "
+    assert done.stdout.strip().endswith(f"x{chaincost.usable_cpus()}, ckptstore {__import__('ckptstore').__version__}, "
                                         f"costs r{chaincost.COSTS_REVISION}")
 
 
@@ -370,7 +371,7 @@ def test_pinned_chain_costs_are_used_as_given_and_nothing_is_measured(tmp_path, 
     pinned = {w: ChainCosts(1e-9, 2e-9, 3e-9, 1) for w in (2, 4)}
     monkeypatch.setenv(chaincost.ENV, json.dumps({w: [1e-9, 2e-9, 3e-9, 1] for w in pinned}))
     monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 16)
-    monkeypatch.setattr(chaincost, "_measured", None)
+    monkeypatch.setattr(chaincost, "_measured", {})
     assert chaincost.repository_costs(tmp_path) == pinned
     assert not (tmp_path / chaincost.FILE).exists()
 
@@ -380,6 +381,39 @@ def test_a_pinned_cost_of_zero_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv(chaincost.ENV, '{"4": [1e-9, 0, 3e-9, 1]}')
     with pytest.raises(CkptError, match="positive"):
         chaincost.repository_costs(tmp_path)
+
+
+@pytest.mark.parametrize("costs", [{}, {"4": [5e-10, 1e-320, 5e-10, 2]}, {"4": [5e-10, 1e-10, 1e308, 2]},
+                                   {"4": [True, True, True]}, {"0": [1e-9, 1e-9, 1e-9]},
+                                   {"4": [1e-9, 1e-9, 1e-9, 1e6]}])
+def test_implausible_kept_costs_are_measured_again_not_a_stop_to_every_commit(tmp_path, monkeypatch, costs):
+    """1e-320 s/byte overflowed the rule's level count: 'unexpected OverflowError' on every commit; an empty dict
+    chained every repository of the machine at the fallback, unsaid, for good (auditor 408)."""
+    with pytest.raises(ValueError):
+        chaincost._costs_from(costs)
+    monkeypatch.delenv(chaincost.ENV)
+    monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 20)
+    monkeypatch.setattr(chaincost, "_measured", {})
+    kept = {"cpus": chaincost.usable_cpus(), "revision": chaincost.COSTS_REVISION, "costs": costs}
+    (tmp_path / chaincost.FILE).write_text(json.dumps(kept))
+    measured = chaincost.repository_costs(tmp_path)
+    assert set(measured) == {2, 4} and json.loads((tmp_path / chaincost.FILE).read_text())["costs"] != costs
+    assert ChainCosts(5e-10, 1e-320, 5e-10, 2).deepest() == 16  # and the rule itself takes such figures
+
+
+def test_a_process_pinned_to_fewer_cpus_after_its_first_measurement_measures_again(tmp_path, monkeypatch):
+    """Its first figures (two threads' speedup) went into a 1-CPU repository's file, trusted from then on
+    (auditor 408)."""
+    monkeypatch.delenv(chaincost.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 20)
+    monkeypatch.setattr(chaincost, "_measured", {})
+    monkeypatch.setattr(chaincost, "usable_cpus", lambda: 2)
+    chaincost.chain_costs()
+    monkeypatch.setattr(chaincost, "usable_cpus", lambda: 1)
+    (tmp_path / "one").mkdir()
+    assert chaincost.repository_costs(tmp_path / "one")[4].workers == 1  # measured on one, not the two's figures
+    assert len(chaincost._measured) == 2
 
 
 def test_the_measured_level_cost_is_per_level(monkeypatch):
@@ -448,12 +482,12 @@ def test_costs_kept_at_another_revision_are_measured_again(tmp_path, monkeypatch
     monkeypatch.delenv(chaincost.ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 20)
-    monkeypatch.setattr(chaincost, "_measured", None)
+    monkeypatch.setattr(chaincost, "_measured", {})
     chaincost.chain_costs()
     assert chaincost.machine_key().endswith(f"costs r{chaincost.COSTS_REVISION}")
     older = chaincost.machine_key().replace(f"r{chaincost.COSTS_REVISION}", f"r{chaincost.COSTS_REVISION - 1}")
     chaincost.machine_file().write_text(json.dumps({older: {"costs": {"4": [1, 1, 1, 1]}}}))
-    monkeypatch.setattr(chaincost, "_measured", None)
+    monkeypatch.setattr(chaincost, "_measured", {})
     assert chaincost.chain_costs()[4] != ChainCosts(1, 1, 1, 1)
     (tmp_path / "repo").mkdir()
     kept = {"cpus": os.cpu_count() or 1, "revision": chaincost.COSTS_REVISION - 1, "costs": {"4": [1, 1, 1, 1]}}
