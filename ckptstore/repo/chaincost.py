@@ -257,7 +257,10 @@ def measure(width: int) -> ChainCosts:
         raise CkptError("the chain-cost measurement decoded wrong bytes: the bytegroup codec is broken here; "
                         f"set {ENV} or max_chain to a number to commit without it")
     speedup = min(float(workers), max(1.0, workers * key / together))
-    return ChainCosts(key / nbytes, max(0.0, deep - key) / LEVELS / nbytes, load / nbytes, speedup)
+    # at least the least a kept figure may be: a chain no slower than its keyframe (noise) measured 0, and the
+    # figure written was refused on reading, measured again in every process
+    return ChainCosts(*(max(PLAUSIBLE[0], seconds / nbytes) for seconds in (key, (deep - key) / LEVELS, load)),
+                      speedup)
 
 
 def restore_into_new_pages(codec: ChainDecoder, chain: list[bytes], params: dict, nbytes: int) -> None:
