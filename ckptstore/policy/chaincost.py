@@ -10,7 +10,7 @@ Whether a residual still pays in size is decided per tensor by the writer (`afte
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 AUTO = "auto"
 # Restoring the deepest commit of a chain must stay this much faster than torch.load of its bytes:
@@ -35,6 +35,8 @@ class ChainCosts:
     level: float
     load: float
     workers: float = 1
+    # measured while other processes held every CPU: this process's figures alone, never kept (repo/chaincost.py)
+    provisional: bool = field(default=False, compare=False)
 
     def restore_seconds(self, nbytes: int, depth: int) -> float:
         """Modelled time to decode `nbytes` of a tensor at `depth` levels above its keyframe."""

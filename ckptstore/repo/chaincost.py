@@ -62,8 +62,9 @@ MEASURED_THREADS = 8  # at most this many restore a keyframe at once: a 256-CPU 
 # 6: each restore's new pages are a mapping of its own, unmapped at once (kept, they grew with the CPUs);
 # 7: timed less the waits for a CPU, and checkout's speedup capped by the CPUs the process may use (under load, the wall
 # clock measured the load: costs kept from a busy moment chained nothing in that repository again); 8: the threads
-# timed one restore each from their wake-up (7's first form timed each from its own start: 2.0x, chains too deep).
-COSTS_REVISION = 8
+# timed one restore each from their wake-up (7's first form timed each from its own start: 2.0x, chains too deep);
+# 9: a restore that waited for a CPU counts its CPU time (beside a training job the GIL's waits read 1.0x again).
+COSTS_REVISION = 9
 ENV = "CKPTSTORE_CHAIN_COSTS"
 FILE = "chaincost.json"
 _lock = ProcessLock()  # held through a measurement (seconds): a worker forked meanwhile gets its own
@@ -117,6 +118,8 @@ def _machine_costs(key: str) -> dict[int, ChainCosts]:
                     f"process's commits chain up to {FALLBACK} levels, and the next process measures again",
                     RuntimeWarning)
         return {}
+    if any(c.provisional for c in costs.values()):
+        return costs
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = _read_kept(path)  # again: another process may have added its own CPUs' figures meanwhile
@@ -156,8 +159,8 @@ def repository_costs(folder: Path) -> dict[int, ChainCosts]:
     except (OSError, ValueError, TypeError, KeyError):
         pass  # missing, unreadable or damaged: measured again and rewritten
     costs = chain_costs()
-    if not costs:  # the measurement failed (and said so): nothing kept, the next process measures again
-        return costs
+    if not costs or any(c.provisional for c in costs.values()):  # failed (and said so), or measured beside a load
+        return costs  # nothing kept: the next process measures again
     text = json.dumps({"cpus": usable_cpus(), "revision": COSTS_REVISION, "measured_at": time.time(),
                        "costs": _costs_json(costs)})
     try:
@@ -182,7 +185,10 @@ def _costs_from(data: dict[str, list[float]]) -> dict[int, ChainCosts]:
         raise ValueError("costs are {width: [keyframe, level, load, workers]}, for one width or more")
     if any(isinstance(x, bool) for v in data.values() for x in v):  # JSON's true read as 1 s/byte: keyframes only
         raise ValueError("every cost must be a number")
-    numbers = {int(w): list(map(float, v)) for w, v in data.items()}
+    try:
+        numbers = {int(w): list(map(float, v)) for w, v in data.items()}
+    except OverflowError:  # an integer of 400 digits: "unexpected" where a damaged file is measured again
+        raise ValueError("a cost is too large a number") from None
     if not all(0 < w < 256 for w in numbers):
         raise ValueError("widths are element sizes in bytes, 1 to 255")
     # a plausible machine's: 1e-320 s/byte overflowed the rule's level count and stopped every commit
@@ -258,9 +264,11 @@ def measure(width: int) -> ChainCosts:
                         f"set {ENV} or max_chain to a number to commit without it")
     speedup = min(float(workers), max(1.0, workers * key / together))
     # at least the least a kept figure may be: a chain no slower than its keyframe (noise) measured 0, and the
-    # figure written was refused on reading, measured again in every process
+    # figure written was refused on reading, measured again in every process. Every timing of the threads beside
+    # another process's load: by their CPU time, apart more than together, they read up to the cap (reviewer 409):
+    # this process chains by them, and the next measures again.
     return ChainCosts(*(max(PLAUSIBLE[0], seconds / nbytes) for seconds in (key, (deep - key) / LEVELS, load)),
-                      speedup)
+                      speedup, provisional=workers > 1 and not crew.quiet_runs)
 
 
 def restore_into_new_pages(codec: ChainDecoder, chain: list[bytes], params: dict, nbytes: int) -> None:

@@ -89,6 +89,7 @@ class Crew:
         self._count, self._call = count, call
         self._pool = ThreadPoolExecutor(count, "ckpt-timing")
         self._threads: set[int] = set()  # native ids, for their waits before a hand-out
+        self.quiet_runs = 0  # timings in which no thread waited for a CPU while calling
 
     def __enter__(self) -> Crew:
         return self
@@ -99,7 +100,7 @@ class Crew:
     def timed(self) -> float:
         """Seconds from handing the calls out to the last one's end, less the threads' waits for a CPU.
 
-        Where the threads waited for CPUs at all (another process's load), each call's time is its CPU
+        Where a thread waited for a CPU while calling (another process's load), each call's time is its CPU
         time: a thread that waits for the GIL or a page lock its preempted holder keeps sleeps, not
         waits for a CPU, and two threads read as one again beside a training job (reviewer 407).
         """
@@ -123,7 +124,8 @@ class Crew:
             raise
         if any(run.waited_begun is None or run.waited_going is None or run.waited_end is None for run in runs):
             return max(run.end for run in runs) - start  # not Linux: the wall clock, the machine's load and all
-        loaded = any(run.waited_end > run.waited_going for run in runs)
+        loaded = any(run.waited_end - run.waited_going > LOADED * (run.end - run.going) for run in runs)
+        self.quiet_runs += not loaded
         spans = []
         for run in runs:
             self._threads.add(run.thread)
@@ -148,4 +150,5 @@ class _Run:
     cpu: float
 
 
+LOADED = 0.05  # a call whose thread waited for a CPU this share of its time or more ran beside another's load
 BARRIER_SECONDS = 60  # a thread that never comes breaks the others' wait instead of hanging the commit

@@ -401,6 +401,25 @@ def test_implausible_kept_costs_are_measured_again_not_a_stop_to_every_commit(tm
     assert ChainCosts(5e-10, 1e-320, 5e-10, 2).deepest() == 16  # and the rule itself takes such figures
 
 
+def test_figures_measured_while_other_processes_held_every_cpu_are_this_processs_alone(tmp_path, monkeypatch):
+    """Timed by their CPU time beside a load, the threads read up to the cap, and the repository kept it for good
+    (reviewer 409): such figures chain this process's commits and are kept nowhere; the next one measures again."""
+    from ckptstore.repo import cpus
+
+    monkeypatch.delenv(chaincost.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 20)
+    monkeypatch.setattr(chaincost, "_measured", {})
+    monkeypatch.setattr(chaincost, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(cpus, "LOADED", -1.0)  # every timing counts as one beside another process's load
+    (tmp_path / "repo").mkdir()
+    costs = chaincost.repository_costs(tmp_path / "repo")
+    assert all(c.provisional for c in costs.values())
+    assert not (tmp_path / "repo" / chaincost.FILE).exists() and not chaincost.machine_file().exists()
+    with pytest.raises(ValueError, match="too large"):
+        chaincost._costs_from({"4": [1e-10, 1e-10, 4e-10, 10**400]})  # 'unexpected OverflowError' (reviewer 409)
+
+
 def test_a_process_pinned_to_fewer_cpus_after_its_first_measurement_measures_again(tmp_path, monkeypatch):
     """Its first figures (two threads' speedup) went into a 1-CPU repository's file, trusted from then on
     (auditor 408)."""
@@ -467,7 +486,8 @@ DECODER_SOURCES = ("_huffman.c", "_planes.c", "_interleave.h", "_simd.h", "_zstd
 # sha256 of the sources above, in that order, at the COSTS_REVISION that measured them
 DECODER_DIGESTS = {6: "98b58512ecad1937124bfd28f1926fb1c5c1aba63c54bfb1b517d53132d2d835",
                    7: "98b58512ecad1937124bfd28f1926fb1c5c1aba63c54bfb1b517d53132d2d835",
-                   8: "98b58512ecad1937124bfd28f1926fb1c5c1aba63c54bfb1b517d53132d2d835"}
+                   8: "98b58512ecad1937124bfd28f1926fb1c5c1aba63c54bfb1b517d53132d2d835",
+                   9: "98b58512ecad1937124bfd28f1926fb1c5c1aba63c54bfb1b517d53132d2d835"}
 
 
 def test_the_costs_revision_follows_the_decoders_sources():

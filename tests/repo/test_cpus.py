@@ -39,11 +39,11 @@ def test_a_crew_runs_one_call_per_thread_and_leaves_out_their_waits_for_a_cpu(mo
         assert 0.01 < crew.timed() < 0.08
         readings = threading.local()
 
-        def waits_while_calling(thread=None):  # 0 handed the call, 0 going, 1 ms by the end: another process's load
+        def waits_while_calling(thread=None):  # 0 handed the call, 0 going, 10 ms by the end: another process's load
             if thread:
                 return 0.0
             readings.n = getattr(readings, "n", -1) + 1
-            return [0.0, 0.0, 0.001][readings.n % 3]
+            return [0.0, 0.0, 0.01][readings.n % 3]
 
         monkeypatch.setattr(cpus, "waited_for_cpu", waits_while_calling)
         assert crew.timed() < 0.05  # each call's CPU time: a sleep takes none
