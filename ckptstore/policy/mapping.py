@@ -202,7 +202,9 @@ def map_optimizer(tensors: Mapping[str, RawTensor], names: Sequence[Any] | None 
                 return _pair(ordered, [candidates[i][0] for i in placement], how)
     masks = [path for path, shape in model if shape in set(shapes) and is_buffer(path, shape)
              and _trained_mask(path, model)]
-    if masks:  # a causal mask buffer and a learned mask look alike: only the live model tells them apart
+    strict = [m for m in params if m[0] not in masks]
+    if masks and any(_embedding(candidates, shapes) is not None for candidates, _ in _orders(strict)):
+        # the masks alone stand in the way: a causal mask buffer and a learned mask look alike in a state
         return OptimizerMap(ordered, False, f"{readable_path(masks[0])} is named like a mask but has a moment's shape: "
                                             f"trained or a buffer, shapes cannot tell; weights not paired{ASK_NAMES}")
     return OptimizerMap(ordered, False, "shapes allow more than one pairing; weights not paired")

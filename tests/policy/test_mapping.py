@@ -199,6 +199,9 @@ def test_a_name_sorted_file_beside_the_model_drops_no_pairing_and_a_buffer_like_
     causal = _checkpoint({"a.weight": (8, 8), "b.weight": (8, 8), "causal_mask": (8, 8)}, ["a.weight", "b.weight"])
     unsure = map_optimizer(causal, ids=[0, 1])
     assert not unsure.certain and "model/causal_mask is named like a mask" in unsure.how
+    frozen = _checkpoint({"a.weight": (8, 8), "b.weight": (8, 8), "causal_mask": (4, 4), "c.weight": (4, 4)},
+                         ["b.weight", "c.weight"])  # a frozen a.weight, not the mask, makes it ambiguous
+    assert map_optimizer(frozen).how == "shapes allow more than one pairing; weights not paired"
     named = map_optimizer(causal, names=["a.weight", "b.weight"], ids=[0, 1])
     assert named.certain and [s.weight for s in named.slots] == ["model/a.weight", "model/b.weight"]
     pruned = _checkpoint({"base.weight_orig": (16, 16), "head.weight": (4, 16), "base.weight_mask": (16, 16)},

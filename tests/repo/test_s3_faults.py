@@ -163,6 +163,12 @@ def test_fsck_of_a_lazy_clone_whose_origin_is_down_checks_what_is_held_here_and_
     assert report.objects_checked > len(report.unchecked)
     said = ckpt_here(tmp_path / "lazy", "fsck")
     assert said.returncode == 1 and f"{len(report.unchecked)} objects not held here were not checked" in said.stdout
+    with Repository.open(tmp_path / "lazy") as lazy:  # a manifest not held here either: unchecked too (reviewer 409)
+        manifest = lazy.commit_info(lazy.resolve("main")).manifest_object
+        path = next(p for p in (tmp_path / "lazy" / ".ckpt" / "objects").rglob("*") if p.name == manifest[2:])
+    path.unlink()
+    said = ckpt_here(tmp_path / "lazy", "fsck")
+    assert said.returncode == 1 and "objects not held here were not checked" in said.stdout, said.stdout + said.stderr
 
 
 def test_fsck_full_of_a_lazy_clone_whose_origin_goes_down_midway_counts_the_rest_unchecked(tmp_path, s3_url, proxy,
