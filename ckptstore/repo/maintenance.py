@@ -294,7 +294,7 @@ def _check_objects(repo: Repository, live_objects: Iterable[ObjectId], report: F
     clone: auditor 403); once the origin cannot be reached, the rest are checked here alone, and those
     not held here are counted as unchecked, not called damaged.
     """
-    reading = repo.store.reading_only() if isinstance(repo.store, FallbackStore) else None
+    reading = _reading_only(repo)
     store, origin_lost = reading or repo.store, False
     for oid in sorted(live_objects, key=str):
         report.objects_checked += 1
@@ -340,16 +340,20 @@ def _commits_broken_by_records(repo: Repository, report: FsckReport) -> None:
         report.broken_commits.setdefault(cid, [])
 
 
+def _reading_only(repo: Repository) -> FallbackStore | None:
+    """A lazy clone's store that keeps nothing it reads from the origin (one fsck made it a full clone), else None."""
+    return repo.store.reading_only() if isinstance(repo.store, FallbackStore) else None
+
+
 def _replay_all(repo: Repository, manifests: list, report: FsckReport, live_objects: set[ObjectId]) -> None:
     """Fsck --full: replay every commit's tensors, checking each against its id.
 
-    A lazy clone's origin lost midway leaves the objects not held here unchecked, as the object check does:
-    called damaged records, a server down read as damage (reviewer 407).
+    A lazy clone's origin lost midway leaves the objects not held here unchecked, as the object check does
+    (they were damaged records: a server down read as damage, reviewer 407).
     """
     from ckptstore.repo.checkout import restore
 
-    # a lazy clone reads what it lacks from its origin, keeping none of it: one fsck made it a full clone
-    store = repo.store.reading_only() if isinstance(repo.store, FallbackStore) else None
+    store = _reading_only(repo)
     not_read = [*report.unchecked, *report.unreadable]
     unchecked = set(repo.commits_needing(not_read)) if not_read else set()
     for cid, manifest_oid in manifests:
