@@ -262,15 +262,14 @@ def measure(width: int) -> ChainCosts:
     if not np.array_equal(codec.decode_chain(payloads, params, nbytes), versions[-1]):
         raise CkptError("the chain-cost measurement decoded wrong bytes: the bytegroup codec is broken here; "
                         f"set {ENV} or max_chain to a number to commit without it")
-    # the best quiet timing where there is one: a loaded one, timed by CPU time, reads lower and won (reviewer 410)
-    together = crew.best_quiet if crew.quiet_runs else together
     speedup = min(float(workers), max(1.0, workers * key / together))
     # at least the least a kept figure may be: a chain no slower than its keyframe (noise) measured 0, and the
-    # figure written was refused on reading, measured again in every process. Every timing of the threads beside
-    # another process's load: by their CPU time, apart more than together, they read up to the cap (reviewer 409):
-    # this process chains by them, and the next measures again.
+    # figure written was refused on reading, measured again in every process. Figures are kept only where most
+    # timings of the threads were quiet: beside another process's load, by their CPU time, threads running apart
+    # more than together read up to the cap (reviewer 409), and its few quiet timings are those that did not
+    # overlap, down to 1.0x (reviewers 410, 411). This process chains by them; the next measures again.
     return ChainCosts(*(max(PLAUSIBLE[0], seconds / nbytes) for seconds in (key, (deep - key) / LEVELS, load)),
-                      speedup, provisional=workers > 1 and not crew.quiet_runs)
+                      speedup, provisional=workers > 1 and crew.quiet_runs <= REPEATS // 2)
 
 
 def restore_into_new_pages(codec: ChainDecoder, chain: list[bytes], params: dict, nbytes: int) -> None:

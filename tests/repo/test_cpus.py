@@ -17,8 +17,8 @@ def test_the_measurement_leaves_out_the_waits_for_a_cpu(monkeypatch):
     ready = iter([5.0, 5.25])  # the kernel says the thread waited 0.25 s for a CPU meanwhile
     monkeypatch.setattr(cpus, "waited_for_cpu", lambda thread=None: next(ready))
     assert 0.04 < cpus.timer(lambda: time.sleep(0.3))() < 0.3
-    monkeypatch.setattr(cpus, "waited_for_cpu", lambda thread=None: None)  # elsewhere: the thread's CPU time
-    assert cpus.timer(lambda: time.sleep(0.3))() < 0.1
+    monkeypatch.setattr(cpus, "waited_for_cpu", lambda thread=None: None)  # elsewhere: the wall clock, as Crew's
+    assert 0.25 < cpus.timer(lambda: time.sleep(0.3))() < 1
 
 
 def test_a_crew_runs_one_call_per_thread_and_leaves_out_their_waits_for_a_cpu(monkeypatch):
@@ -46,11 +46,9 @@ def test_a_crew_runs_one_call_per_thread_and_leaves_out_their_waits_for_a_cpu(mo
             return [0.0, 0.0, 0.01][readings.n % 3]
 
         monkeypatch.setattr(cpus, "waited_for_cpu", waits_while_calling)
-        quiet_runs, best_quiet = crew.quiet_runs, crew.best_quiet
-        loaded = crew.timed()
-        assert loaded < 0.05  # each call's CPU time: a sleep takes none
-        # a loaded timing reads lower and is no quiet one: the best quiet one stays what measure() keeps (reviewer 410)
-        assert loaded < best_quiet and crew.quiet_runs == quiet_runs and crew.best_quiet == best_quiet
+        quiet_runs = crew.quiet_runs
+        assert crew.timed() < 0.05  # each call's CPU time: a sleep takes none
+        assert crew.quiet_runs == quiet_runs  # and no quiet timing: measure() keeps no figures from it
 
 
 def test_a_crew_thread_that_cannot_start_or_a_failing_call_raises_without_hanging(monkeypatch):
