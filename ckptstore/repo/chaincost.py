@@ -63,8 +63,9 @@ MEASURED_THREADS = 8  # at most this many restore a keyframe at once: a 256-CPU 
 # 7: timed less the waits for a CPU, and checkout's speedup capped by the CPUs the process may use (under load, the wall
 # clock measured the load: costs kept from a busy moment chained nothing in that repository again); 8: the threads
 # timed one restore each from their wake-up (7's first form timed each from its own start: 2.0x, chains too deep);
-# 9: a restore that waited for a CPU counts its CPU time (beside a training job the GIL's waits read 1.0x again).
-COSTS_REVISION = 9
+# 9: a restore that waited for a CPU counts its CPU time (beside a training job the GIL's waits read 1.0x again);
+# 10: figures kept only where most timings were quiet (9's kept one quiet timing's 1.0x beside a load).
+COSTS_REVISION = 10
 ENV = "CKPTSTORE_CHAIN_COSTS"
 FILE = "chaincost.json"
 _lock = ProcessLock()  # held through a measurement (seconds): a worker forked meanwhile gets its own

@@ -503,7 +503,8 @@ DECODER_SOURCES = ("_huffman.c", "_planes.c", "_interleave.h", "_simd.h", "_zstd
 DECODER_DIGESTS = {6: "98b58512ecad1937124bfd28f1926fb1c5c1aba63c54bfb1b517d53132d2d835",
                    7: "98b58512ecad1937124bfd28f1926fb1c5c1aba63c54bfb1b517d53132d2d835",
                    8: "98b58512ecad1937124bfd28f1926fb1c5c1aba63c54bfb1b517d53132d2d835",
-                   9: "98b58512ecad1937124bfd28f1926fb1c5c1aba63c54bfb1b517d53132d2d835"}
+                   9: "98b58512ecad1937124bfd28f1926fb1c5c1aba63c54bfb1b517d53132d2d835",
+                   10: "98b58512ecad1937124bfd28f1926fb1c5c1aba63c54bfb1b517d53132d2d835"}
 
 
 def test_the_costs_revision_follows_the_decoders_sources():
