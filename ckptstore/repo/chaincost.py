@@ -24,6 +24,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -64,8 +65,9 @@ MEASURED_THREADS = 8  # at most this many restore a keyframe at once: a 256-CPU 
 # clock measured the load: costs kept from a busy moment chained nothing in that repository again); 8: the threads
 # timed one restore each from their wake-up (7's first form timed each from its own start: 2.0x, chains too deep);
 # 9: a restore that waited for a CPU counts its CPU time (beside a training job the GIL's waits read 1.0x again);
-# 10: figures kept only where most timings were quiet (9's kept one quiet timing's 1.0x beside a load).
-COSTS_REVISION = 10
+# 10: figures kept only where most timings were quiet (9's kept one quiet timing's 1.0x beside a load); 11: kept
+# figures' speedup from the quiet timings alone (10's best of all was a loaded one's).
+COSTS_REVISION = 11
 ENV = "CKPTSTORE_CHAIN_COSTS"
 FILE = "chaincost.json"
 _lock = ProcessLock()  # held through a measurement (seconds): a worker forked meanwhile gets its own
@@ -106,12 +108,22 @@ def machine_key() -> str:
 
 
 def _machine_costs(key: str) -> dict[int, ChainCosts]:
-    """The user's cache for this machine (`key`), else a new measurement added to it."""
+    """The user's cache for this machine (`key`), else a new measurement added to it.
+
+    Figures measured beside a load are kept marked provisional for PROVISIONAL_SECONDS: each command on a
+    busy box measured again (reviewer 412: 2.2-7 s per CLI commit against 1.0), and none was ever kept.
+    Repositories copy only figures that are not.
+    """
     path = machine_file()
     try:
-        return _costs_from(_read_kept(path)[key]["costs"])
+        entry = _read_kept(path)[key]
+        costs = _costs_from(entry["costs"])
+        if not entry.get("provisional"):
+            return costs
+        if 0 <= time.time() - float(entry["measured_at"]) < PROVISIONAL_SECONDS:
+            return {width: replace(c, provisional=True) for width, c in costs.items()}
     except (KeyError, TypeError, ValueError, AttributeError):
-        pass  # another machine's (or version's) figures only: measured and added
+        pass  # another machine's (or version's) figures only, or provisional ones grown old: measured and added
     try:
         costs = {width: measure(width) for width in (2, 4)}
     except (OSError, MemoryError, RuntimeError) as exc:  # no thread to start (a pids limit), no room: tunes chains only
@@ -119,16 +131,20 @@ def _machine_costs(key: str) -> dict[int, ChainCosts]:
                     f"process's commits chain up to {FALLBACK} levels, and the next process measures again",
                     RuntimeWarning)
         return {}
-    if any(c.provisional for c in costs.values()):
-        return costs
+    provisional = any(c.provisional for c in costs.values())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = _read_kept(path)  # again: another process may have added its own CPUs' figures meanwhile
-        kept[key] = {"measured_at": time.time(), "costs": _costs_json(costs)}
+        if provisional and not kept.get(key, {}).get("provisional", True):
+            return costs  # kept figures measured quietly meanwhile stay
+        kept[key] = {"measured_at": time.time(), "costs": _costs_json(costs), "provisional": provisional}
         atomic_write(path, lambda handle: handle.write(json.dumps(kept, indent=1).encode()))
     except OSError:
         pass  # a read-only home measures in each process instead
     return costs
+
+
+PROVISIONAL_SECONDS = 3600  # figures measured beside a load serve this long, then a measurement is tried again
 
 
 def _read_kept(path: Path) -> dict:
@@ -263,14 +279,17 @@ def measure(width: int) -> ChainCosts:
     if not np.array_equal(codec.decode_chain(payloads, params, nbytes), versions[-1]):
         raise CkptError("the chain-cost measurement decoded wrong bytes: the bytegroup codec is broken here; "
                         f"set {ENV} or max_chain to a number to commit without it")
+    provisional = workers > 1 and crew.quiet_runs <= REPEATS // 2
+    # kept figures come of quiet timings alone: a loaded one, timed by CPU time, reads lower (reviewer 412)
+    together = together if provisional else crew.best_quiet
     speedup = min(float(workers), max(1.0, workers * key / together))
     # at least the least a kept figure may be: a chain no slower than its keyframe (noise) measured 0, and the
     # figure written was refused on reading, measured again in every process. Figures are kept only where most
     # timings of the threads were quiet: beside another process's load, by their CPU time, threads running apart
     # more than together read up to the cap (reviewer 409), and its few quiet timings are those that did not
-    # overlap, down to 1.0x (reviewers 410, 411). This process chains by them; the next measures again.
+    # overlap, down to 1.0x (reviewers 410, 411). Provisional figures serve an hour (_machine_costs).
     return ChainCosts(*(max(PLAUSIBLE[0], seconds / nbytes) for seconds in (key, (deep - key) / LEVELS, load)),
-                      speedup, provisional=workers > 1 and crew.quiet_runs <= REPEATS // 2)
+                      speedup, provisional=provisional)
 
 
 def restore_into_new_pages(codec: ChainDecoder, chain: list[bytes], params: dict, nbytes: int) -> None:

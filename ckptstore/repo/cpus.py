@@ -88,6 +88,7 @@ class Crew:
         self._pool = ThreadPoolExecutor(count, "ckpt-timing")
         self._threads: set[int] = set()  # native ids, for their waits before a hand-out
         self.quiet_runs = 0  # timings in which no thread waited for a CPU while calling (or nothing tells)
+        self.best_quiet = math.inf  # the least of those
 
     def __enter__(self) -> Crew:
         return self
@@ -133,7 +134,9 @@ class Crew:
         return self._counted(max(spans), loaded)
 
     def _counted(self, seconds: float, loaded: bool) -> float:
-        self.quiet_runs += not loaded
+        if not loaded:
+            self.quiet_runs += 1
+            self.best_quiet = min(self.best_quiet, seconds)
         return seconds
 
 
