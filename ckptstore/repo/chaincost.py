@@ -19,6 +19,7 @@ of a sharded commit and prune all chain by the repository's figures (`auto_costs
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import platform
@@ -72,6 +73,7 @@ ENV = "CKPTSTORE_CHAIN_COSTS"
 FILE = "chaincost.json"
 _lock = ProcessLock()  # held through a measurement (seconds): a worker forked meanwhile gets its own
 _measured: dict[str, dict[int, ChainCosts]] = {}  # by machine_key(): a process pinned to fewer CPUs measures anew
+_measured_at: dict[str, float] = {}  # when, by time.monotonic(): provisional figures serve PROVISIONAL_SECONDS
 
 
 def chain_costs() -> dict[int, ChainCosts]:
@@ -81,9 +83,13 @@ def chain_costs() -> dict[int, ChainCosts]:
         return pinned
     key = machine_key()
     with _lock:
-        if key not in _measured:
-            _measured[key] = _machine_costs(key)
-        return _measured[key]
+        costs = _measured.get(key)
+        if costs is None or (any(c.provisional for c in costs.values())
+                             and time.monotonic() - _measured_at.get(key, -math.inf) >= PROVISIONAL_SECONDS):
+            # provisional figures grow old in a long process too (a daemon, a training loop): measured again
+            costs = _measured[key] = _machine_costs(key)
+            _measured_at[key] = time.monotonic()
+        return costs
 
 
 def machine_file() -> Path:
@@ -135,13 +141,21 @@ def _machine_costs(key: str) -> dict[int, ChainCosts]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = _read_kept(path)  # again: another process may have added its own CPUs' figures meanwhile
-        if provisional and not kept.get(key, {}).get("provisional", True):
-            return costs  # kept figures measured quietly meanwhile stay
+        if provisional and _kept_quiet(kept.get(key)):
+            return costs  # figures measured quietly meanwhile stay
         kept[key] = {"measured_at": time.time(), "costs": _costs_json(costs), "provisional": provisional}
         atomic_write(path, lambda handle: handle.write(json.dumps(kept, indent=1).encode()))
     except OSError:
         pass  # a read-only home measures in each process instead
     return costs
+
+
+def _kept_quiet(entry: object) -> bool:
+    """Whether a user cache's entry holds usable figures measured quietly (a damaged one is no such entry)."""
+    try:
+        return isinstance(entry, dict) and entry.get("provisional") is False and bool(_costs_from(entry["costs"]))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return False
 
 
 PROVISIONAL_SECONDS = 3600  # figures measured beside a load serve this long, then a measurement is tried again

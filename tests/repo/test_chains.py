@@ -450,6 +450,32 @@ def test_figures_measured_while_other_processes_held_every_cpu_are_this_processs
         chaincost._costs_from({"4": [1e-10, 1e-10, 4e-10, 10**400]})  # 'unexpected OverflowError' (reviewer 409)
 
 
+@pytest.mark.parametrize("entry", [["damaged"], {"provisional": False, "costs": {"2": [0, 0, 0, 1]}}])
+def test_provisional_figures_replace_a_damaged_entry_and_grow_old_in_a_long_process(tmp_path, monkeypatch, entry):
+    """A damaged entry met by provisional figures stopped every commit on a busy box ('unexpected AttributeError'),
+    or, called quiet, made every command measure again; and a long process (a daemon, a training loop) kept its
+    provisional figures for its whole life (reviewer 413)."""
+    from ckptstore.repo import cpus
+
+    monkeypatch.delenv(chaincost.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(chaincost, "SAMPLE_BYTES", 1 << 20)
+    monkeypatch.setattr(chaincost, "_measured", {})
+    monkeypatch.setattr(chaincost, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(cpus.Crew, "_counted", lambda crew, seconds, loaded: seconds)  # every timing loaded
+    chaincost.machine_file().parent.mkdir(parents=True)
+    chaincost.machine_file().write_text(json.dumps({chaincost.machine_key(): entry}))
+    assert all(c.provisional for c in chaincost.chain_costs().values())
+    assert json.loads(chaincost.machine_file().read_text())[chaincost.machine_key()]["provisional"] is True
+    measured, real_measure = [], chaincost.measure
+    monkeypatch.setattr(chaincost, "measure", lambda width: measured.append(width) or real_measure(width))
+    chaincost.chain_costs()
+    assert measured == []  # within the hour: the same figures
+    monkeypatch.setattr(chaincost, "PROVISIONAL_SECONDS", 0)  # an hour later, the same process
+    chaincost.chain_costs()
+    assert measured == [2, 4]
+
+
 def test_kept_figures_take_the_threads_speedup_from_their_quiet_timings_alone(monkeypatch):
     """Four quiet timings of seven made the figures keepable, and the best of all, a loaded one by CPU time, set the
     speedup: 2.0x kept where every quiet timing read 1.0x (reviewer 412)."""
