@@ -89,7 +89,6 @@ def _model_loss(calibration: Callable[[Any], Any], model: Any,
                 checkpoint: formats.Checkpoint) -> Callable[[Mapping[str, RawTensor]], list[float]]:
     from ckptstore.policy.livenames import checkpoint_paths, tied_paths
     from ckptstore.policy.sensitivity import loss_with_weights, model_tensors
-    from ckptstore.state import materialize
 
     named = model_tensors(model)  # buffers too: a level may quantize a float matrix the model only reads
     found = checkpoint_paths(model, named, checkpoint.tensors)  # as the model or one it wraps names them
@@ -119,15 +118,9 @@ def _model_loss(calibration: Callable[[Any], Any], model: Any,
                   for name, path in path_of.items()} for k in range(max(map(len, copies.values()), default=1))]
 
     def loss_with(restored: Mapping[str, RawTensor]) -> list[float]:
-        def value_of(path: str) -> Any:
-            if path in restored:
-                return materialize(restored[path])
-            # the checkpoint's own (the live model may have moved on), a copy: a buffer may be bound and written
-            raw = checkpoint.tensors[path]
-            return materialize(RawTensor(raw.dtype, raw.shape, raw.data.copy()))
-
         # nothing restored, every copy holds the same values: one measurement (the original loss) is enough
-        return [loss_with_weights(model, calibration, {name: value_of(path) for name, path in paths.items()})
+        return [loss_with_weights(model, calibration, {name: _value_of(checkpoint, restored, path)
+                                                       for name, path in paths.items()})
                 for paths in (each_copy if restored else each_copy[:1])]
 
     return loss_with
@@ -137,18 +130,26 @@ def _state_loss(calibration: Callable[[Any], Any],
                 checkpoint: formats.Checkpoint) -> Callable[[Mapping[str, RawTensor]], list[float]]:
     from ckptstore import formats
     from ckptstore.policy.sensitivity import calling, finite_loss
-    from ckptstore.state import materialize
 
     def loss_with(restored: Mapping[str, RawTensor]) -> list[float]:
-        def value_of(path: str) -> Any:
-            if path in restored:
-                return materialize(restored[path])
-            raw = checkpoint.tensors[path]  # the bytes being committed: the function gets a copy it may change
-            return materialize(RawTensor(raw.dtype, raw.shape, raw.data.copy()))
-
-        return [finite_loss(calling(calibration, formats.to_state(checkpoint.kind, checkpoint.files, value_of)))]
+        return [finite_loss(calling(calibration, formats.to_state(
+            checkpoint.kind, checkpoint.files, lambda path: _value_of(checkpoint, restored, path))))]
 
     return loss_with
+
+
+def _value_of(checkpoint: formats.Checkpoint, restored: Mapping[str, RawTensor], path: str) -> Any:
+    """The torch value at `path` for a calibration run: the restored one, else a copy of the checkpoint's own.
+
+    A copy: the calibration function may change what it is given, and a model's buffer may be bound and written;
+    the checkpoint's own bytes, not the live model's, which may have moved on since the save.
+    """
+    from ckptstore.state import materialize
+
+    if path in restored:
+        return materialize(restored[path])
+    raw = checkpoint.tensors[path]
+    return materialize(RawTensor(raw.dtype, raw.shape, raw.data.copy()))
 
 
 def restored_tensors(repo: Repository, records: Mapping[str, TensorRecord],
