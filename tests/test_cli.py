@@ -177,16 +177,19 @@ def test_a_multi_line_message_is_indented_line_by_line_in_log_and_show(tmp_path,
     assert refused.exit_code == 1 and "ASCII letters" in str(refused.exception)
 
 
-def test_an_empty_message_prints_no_line_of_spaces(tmp_path, monkeypatch):
+@pytest.mark.parametrize("message", ["", "   ", "\n \n\t\n"])
+def test_an_empty_message_prints_no_line_of_spaces(tmp_path, monkeypatch, message):
     monkeypatch.chdir(tmp_path)
     run = lambda *args: CliRunner().invoke(cli, list(args), catch_exceptions=False)
     run("init")
     torch.save({"w": torch.ones(3)}, tmp_path / "c.pt")
-    assert run("commit", "c.pt", "-m", "").exit_code == 0
+    made = run("commit", "c.pt", "-m", message)
+    assert made.exit_code == 0 and "]  (" not in made.output, made.output
     for command in ("log", "show"):
         out = run(command).output
         assert "file . [torch]" in out or command == "log"
         assert not [line for line in out.splitlines() if line and not line.strip()], (command, out)
+
 
 
 def test_show_of_a_lossy_commit_without_optimizer_state_says_no_importance_was_estimated(tmp_path, monkeypatch):

@@ -94,6 +94,7 @@ class CommitOptions:
         self.author = self.author or default_author()
         for what, text in (("message", self.message), ("author", self.author), ("branch", self.branch or "")):
             _check_text(what, text)
+        self.message = _cleaned(self.message)
         if len(self.author) > MAX_AUTHOR:
             raise CkptError(f"the author {self.author[:40]!r}... has {len(self.author)} characters; the metadata "
                             f"keeps at most {MAX_AUTHOR} (set a shorter CKPT_AUTHOR)")
@@ -107,6 +108,16 @@ class CommitOptions:
                 float(value)
             except (TypeError, ValueError, RuntimeError, OverflowError):
                 raise CkptError(f"metric {name!r} is {value!r}, not a number: give each metric as a float") from None
+
+
+def _cleaned(message: str) -> str:
+    """The message as git keeps one: each line's trailing spaces and the blank lines around it dropped."""
+    lines = [line.rstrip() for line in message.splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    while lines and not lines[0]:
+        lines.pop(0)
+    return "\n".join(lines)
 
 
 def _check_text(what: str, text: Any) -> None:

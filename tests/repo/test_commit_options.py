@@ -111,3 +111,9 @@ def test_the_same_values_in_a_legacy_torch_file_of_other_bytes_is_nothing_to_com
     with pytest.raises(NothingToCommitError):
         repo.commit(tmp_path / "l1.pt")
     assert len(repo.log()) == 1
+
+
+def test_a_message_is_kept_as_git_keeps_one_without_trailing_spaces_or_blank_lines_around_it(repo):
+    made = repo.commit({"w": torch.ones(3)}, message="\n\n  title  \n\n  body line\t\n\n")
+    assert repo.commit_info(made).message == "  title\n\n  body line"
+    assert repo.commit_info(repo.commit({"w": torch.zeros(3)}, message=" \n\t ")).message == ""
