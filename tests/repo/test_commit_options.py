@@ -117,3 +117,5 @@ def test_a_message_is_kept_as_git_keeps_one_without_trailing_spaces_or_blank_lin
     made = repo.commit({"w": torch.ones(3)}, message="\n\n  title  \n\n  body line\t\n\n")
     assert repo.commit_info(made).message == "  title\n\n  body line"
     assert repo.commit_info(repo.commit({"w": torch.zeros(3)}, message=" \n\t ")).message == ""
+    kept = "a\rb\x0bc\u2028d\x85 \u00a0"  # not line ends for git: kept, as the text's other characters
+    assert repo.commit_info(repo.commit({"w": torch.ones(4)}, message=kept + " \r\n")).message == kept
