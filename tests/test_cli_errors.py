@@ -718,6 +718,9 @@ def test_a_range_and_a_commit_a_device_as_database_and_a_symlink_loop_are_each_s
     assert out.returncode == 2
     one_error_line(out, "'HEAD..HEAD' is a range, which names both commits: give it alone (`ckpt diff A..B`) or two "
                         "commits (`ckpt diff A B`)")
+    out = ckpt_here(tmp_path, "diff", "HEAD")  # exit 1 before, where the docs say 2 (auditor 417)
+    assert out.returncode == 2
+    one_error_line(out, "diff compares two commits: give `HEAD B` or `HEAD..B`, not 'HEAD' alone")
     out = ckpt_here(tmp_path, "init", "z", "--metadata", "sqlite:////dev/zero")
     assert out.returncode == 1 and not (tmp_path / "z").exists()
     one_error_line(out, "the metadata URL names /dev/zero, which is not a file (a device, FIFO or socket)")

@@ -255,6 +255,8 @@ def diff(ctx, a, b, as_json, show_all) -> None:
     if ranged is not None:  # it was looked up as one ref: "unknown ref 'A..B'"
         raise click.UsageError(f"{ranged!r} is a range, which names both commits: give it alone (`ckpt diff A..B`) "
                                "or two commits (`ckpt diff A B`), not a range and another commit")
+    if b is None and ".." not in a:  # a wrong argument: exit 2, as the range beside a commit above
+        raise click.UsageError(f"diff compares two commits: give `{a} B` or `{a}..B`, not {a!r} alone")
     rows = open_repo(ctx).diff(a, b)
     if as_json:
         return emit_json([r.to_json() for r in rows])

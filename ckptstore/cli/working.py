@@ -149,7 +149,11 @@ def _committed_lines(repo: Repository, cid: str, message: str | None, branch: st
               help="Write a sharded commit's pickled non-tensor items as stored (committed with --trust-pickle).")
 @click.pass_context
 def checkout(ctx, ref, output, force, only, trust_pickle) -> None:
-    """Restore the checkpoint at REF and move HEAD to it (a lossless commit: files byte for byte, except below)."""
+    """Restore the checkpoint at REF and move HEAD to it.
+
+    A lossless commit's files come back byte for byte, but for a legacy-format or unusual torch.save file,
+    which is written again with torch.save (the checkout names it).
+    """
     if only and output is None:  # a wrong pairing of options: exit 2, as a wrong option is
         raise click.UsageError("--only writes part of a commit, so it needs -o PATH (it never overwrites the files "
                                "the commit came from)")

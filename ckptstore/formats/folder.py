@@ -94,6 +94,7 @@ class FolderListing:
     files: list[FolderFile] = field(default_factory=list)
     # only the innermost: `a/b` stands for `a` too; one holding nothing but what commits leave out (.git) counts
     empty_folders: list[str] = field(default_factory=list)
+    git_left_out: list[Path] = field(default_factory=list)  # the `.git` folders and files met (paths as walked)
 
 
 def folder_files(root: str | os.PathLike, exclude: Iterable[str | os.PathLike] = ()) -> list[FolderFile]:
@@ -101,16 +102,21 @@ def folder_files(root: str | os.PathLike, exclude: Iterable[str | os.PathLike] =
     return folder_listing(root, exclude).files
 
 
-def folder_listing(root: str | os.PathLike, exclude: Iterable[str | os.PathLike] = ()) -> FolderListing:
+def folder_listing(root: str | os.PathLike, exclude: Iterable[str | os.PathLike] = (),
+                   quiet: bool = False) -> FolderListing:
     """The files under `root` and its folders that hold none, sorted by name, links followed per the module's policy.
 
-    Folders in `exclude` (a repository's own `.ckpt/`) are left out, and a link into one is refused.
+    Folders in `exclude` (a repository's own `.ckpt/`) are left out, and a link into one is refused. Git's
+    files are left out with a warning (`quiet`: without, for a listing that commits nothing).
     """
     root = Path(root)
     real_root = Path(os.path.realpath(root))
     skipped = {Path(os.path.realpath(p)) for p in exclude}
     found = FolderListing()
     _walk(root, "", real_root, [real_root], real_root, skipped, found, [0])
+    for path in [] if quiet else found.git_left_out:
+        warn_caller(f"left {path} out of the commit: git's own files are no checkpoint, and a checkout never "
+                    "writes them (their config and hooks run commands)")
     return FolderListing(sorted(found.files, key=lambda f: f.name), sorted(found.empty_folders))
 
 
@@ -133,8 +139,7 @@ def _walk(folder: Path, prefix: str, real: Path, stack: list[Path], real_root: P
     for entry in listed:
         path, name = Path(entry.path), prefix + entry.name
         if is_git_name(entry.name):
-            warn_caller(f"left {path} out of the commit: git's own files are no checkpoint, and a checkout never "
-                        "writes them (their config and hooks run commands)")
+            found.git_left_out.append(path)
             continue
         if entry.is_symlink():
             if Path(os.path.realpath(path)) in skipped:

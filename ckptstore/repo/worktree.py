@@ -354,11 +354,13 @@ def _refuse_links_out(target: Path, dest: Path, real_dest: Path, itself: bool = 
 
 
 def _scan(folder: Path, names: set[Path], needed: set[Path], kept: list[Path], plan: CheckoutPlan) -> None:
-    """Collect what under `folder` the commit does not have, leaving out `kept`; never follows a symlink."""
+    """Collect what under `folder` the commit does not have, leaving out `kept` and git's; never follows a symlink."""
     with os.scandir(folder) as entries:
         listed = sorted(entries, key=lambda e: e.name)
     for entry in listed:
         path = Path(entry.path)
+        if is_git_name(entry.name):
+            continue  # a commit leaves git's files out (formats/folder.py): a checkout neither writes nor deletes them
         if (entry.is_symlink() or not entry.is_dir()) and Path(os.path.realpath(path)) in kept:
             continue  # the repository's own: a .ckpt linked in from another disk, the store's owner file
         if entry.is_dir(follow_symlinks=False):
@@ -708,8 +710,8 @@ def _empty_folder_states(repo: Repository, committed: list[str], base: Path) -> 
     from ckptstore.errors import CheckpointFormatError
     from ckptstore.formats.folder import folder_listing
 
-    try:  # the listing a commit of the folder would make
-        now = folder_listing(base, _kept_in(repo, base)).empty_folders
+    try:  # the listing a commit of the folder would make (a .git left out is a commit's to warn of)
+        now = folder_listing(base, _kept_in(repo, base), quiet=True).empty_folders
     except (CheckpointFormatError, OSError):  # a link out, a FIFO: commit says so; status lists the rest
         now = committed
     states = {name: "missing" for name in committed if not base.joinpath(*PurePosixPath(name).parts).is_dir()}

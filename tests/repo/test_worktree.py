@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -342,6 +343,24 @@ def test_a_folder_commit_leaves_git_s_own_files_out_and_says_so(repo):
         cid = repo.commit(repo.root / "ck")
     names = [record.name for record in repo.manifest(cid).files]
     assert names and not [name for name in names if ".git" in name.lower()]
+
+
+def test_a_checkout_in_place_neither_counts_nor_deletes_the_git_files_a_commit_left_out(repo):
+    """`checkout --force` deleted a hub clone's .git/ as untracked, and status listed its files (auditor 417)."""
+    make_trainer_folder(repo.root / "ck")
+    (repo.root / "ck" / ".git" / "hooks").mkdir(parents=True)
+    (repo.root / "ck" / ".git" / "config").write_text("[core]\n")
+    (repo.root / "ck" / "sub").mkdir()
+    (repo.root / "ck" / "sub" / ".Git").write_text("gitdir: elsewhere\n")
+    with pytest.warns(RuntimeWarning, match="git.s own files"):
+        cid = repo.commit(repo.root / "ck")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # status commits nothing: no "left out of the commit"
+        assert [f for f in repo.status()["files"] if f["state"] != "unchanged"] == []
+    repo.checkout_to(cid)  # refused before: it would delete .git's files
+    repo.checkout_to(cid, force=True)
+    assert (repo.root / "ck" / ".git" / "config").read_text() == "[core]\n"
+    assert (repo.root / "ck" / "sub" / ".Git").read_text() == "gitdir: elsewhere\n"
 
 
 _NAMES = st.lists(st.sampled_from("abc"), min_size=1, max_size=3).map("/".join)
