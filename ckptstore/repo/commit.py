@@ -113,7 +113,7 @@ class CommitOptions:
 def _cleaned(message: str) -> str:
     """The message as git keeps one: each line's trailing spaces and the blank lines around it dropped.
 
-    Lines end at "\\n" alone, and only ASCII spaces are dropped: the rest of the text is kept as written.
+    Lines end at a newline alone, and only ASCII white space is dropped: the rest is kept as written.
     """
     lines = [line.rstrip(" \t\r\f\v") for line in message.split("\n")]
     while lines and not lines[-1]:
