@@ -540,13 +540,17 @@ def step_of(name: str) -> int | None:
 
 
 def already_committed(repo: Repository, source: Source, committed: BranchSources) -> str | None:
-    """A commit of the branch made from the source's path with exactly its files, if there is one."""
+    """A commit of the branch made from the source's path with exactly its files (pruned: before them), if any."""
     # only the newest: a kill between commit and record leaves that one, and a file rewritten back to an
     # older content (A, B, A) is a new checkpoint, not the first A again
     newest = committed.newest(_source_path(repo, source.path))
-    if newest is None or newest.pruned:  # pruned: retention removed its tensors, so what the files hold is not stored
+    if newest is None:
         return None
     files = {name: source.path / name if name else source.path for name, _, _ in source.signature}
+    if newest.pruned:  # its manifest is gone with its tensors: files none written since are the ones it was made of
+        # (committed again, an old checkpoint would land on the branch's tip and push the newer ones into the
+        # retention's cut); a file rewritten after it is a new checkpoint
+        return newest.id if all(mtime_ns < newest.created_at * 1e9 for _, _, mtime_ns in source.signature) else None
     manifest = repo.read_manifest(newest.manifest_object)
     if sorted(f.name for f in manifest.files) != sorted(files):
         return None
@@ -604,7 +608,8 @@ class WatchState:
 
     @classmethod
     def load(cls, repo: Repository, folder: Path, branch: str | None) -> WatchState:
-        header = {"folder": str(folder), "branch": branch}
+        """The record of `folder` into `branch` (None: HEAD's, named, so `--branch main` finds the same one)."""
+        header = {"folder": str(folder), "branch": branch or repo.head()[0]}
         name = object_id(json.dumps(header, sort_keys=True).encode())[:16]
         path = repo.dir / "watch" / f"{name}.json"
         try:

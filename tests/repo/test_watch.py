@@ -1032,3 +1032,29 @@ def test_a_save_state_into_the_watched_folder_after_the_watch_began_is_passed_ov
     found = scan(tmp_path)
     assert {name: (s.passed_over, s.incomplete) for name, s in found.items()} == {
         "model.safetensors": (True, IN_A_SAVE), "optimizer.bin": (True, IN_A_SAVE)}
+
+
+def test_a_restart_whose_record_is_missing_or_named_apart_commits_no_pruned_checkpoint_again(tmp_path):
+    """With retention on, a watch restarted as `--branch main` (its record kept under HEAD's unnamed branch) committed
+    every checkpoint again: the first's commit was pruned, so it went on top of the newest, which pushed the next
+    into the retention's cut, and so on down the run; stopped midway, the branch's tip was an old step (auditor 416).
+    """
+    from ckptstore import Repository
+
+    Repository.init(tmp_path / "repo").close()
+    with open(tmp_path / "repo" / ".ckpt" / "config.toml", "a") as config:
+        config.write("\n[retention]\nkeep_last = 2\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in (12, 14, 16):
+        torch.save({"w": torch.full((4,), float(step))}, run / f"step-{step}.pt")
+    with Repository.open(tmp_path / "repo") as repo:
+        assert len(watch(repo, run, ONCE).committed) == 3
+        assert [c.pruned for c in repo.log()] == [False, False, True]
+        assert watch(repo, run, WatchOptions(interval=0.05, once=True, branch="main")).committed == []
+        for record in (repo.dir / "watch").glob("*.json"):
+            record.unlink()
+        assert watch(repo, run, ONCE).committed == []
+        assert [c.step for c in repo.log()] == [16, 14, 12]
+        torch.save({"w": torch.full((4,), 99.0)}, run / "step-12.pt")  # rewritten after its commit: a new one
+        assert [step for _, _, step in watch(repo, run, ONCE).committed] == [12]
