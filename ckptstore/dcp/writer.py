@@ -121,8 +121,12 @@ class CkptStorageWriter(StorageWriter):
         self._held.close()
         self._held.enter_context(self.repo.lock())
         self._start = start_now(self.repo, self.options.branch)
-        facts = None if self.level is None else _facts(plans, self.level).to_json()
-        return [dataclasses.replace(p, storage_data={"parent": self._start.commit, "facts": facts}) for p in plans]
+        facts = None if self.level is None else _facts(plans, self.level)
+        if facts is not None:  # a tensor whose layout changed is planned as a keyframe on every rank
+            tensors = {_key(i): i.index.fqn for p in plans for i in p.items if i.type != WriteItemType.BYTE_IO}
+            facts.keyframed = sharded.relaid_tensors(self.repo, self._start.commit, tensors)
+        return [dataclasses.replace(p, storage_data={"parent": self._start.commit,
+                                                     "facts": facts and facts.to_json()}) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Encode this rank's items and write their objects durably (the commit comes in `finish`)."""

@@ -88,6 +88,8 @@ class ShardFacts:
     shared_lr: float | None = None
     state: list[str] = field(default_factory=list)  # every optimizer state tensor's FQN, paired or not
     median: dict[str, float] = field(default_factory=dict)  # bulk median per float tensor (PlanContext.bulk_median)
+    # tensors some of whose shards the parent lacks (the layout changed): every shard a keyframe, as one tensor's
+    keyframed: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -118,13 +118,17 @@ def write_shards(repo: Repository, parent: CommitId | None, shards: Mapping[str,
     A shard whose content is stored already is reused; the others become residuals against the
     parent commit's shard at the same key (same name, offsets and sizes) or keyframes. With
     `lossy`, the shards its level quantizes are planned as their whole tensors would be
-    (policy/lossy_shards.py) and coded against the parent's reconstruction (closed loop); one
-    whose original equals the parent's source keeps the parent's reconstruction.
+    (policy/lossy_shards.py) and coded against the parent's reconstruction (closed loop), all of a
+    tensor's shards or none (a tensor whose layout changed is keyframed whole); one whose original
+    equals the parent's source keeps the parent's reconstruction.
     """
     with no_cyclic_gc():
         futures = {k: repo.pool.submit(tensor_id, r.dtype, r.shape, r.data) for k, r in shards.items()}
         ids = {k: f.result() for k, f in futures.items()}
         base_of, chains = _parent_records(repo, parent, list(shards))
+        if lossy is not None:  # planned as the whole tensor: residuals for all its shards or for none
+            base_of = {k: r for k, r in base_of.items() if k not in lossy.shards
+                       or lossy.shards[k].fqn not in lossy.facts.keyframed}
         with repo.db.read() as tx:  # as a commit's: received records checked once (repo/received.py)
             base_of, false, true = received.check(repo, tx, set(ids.values()), base_of, chains)
         if true:  # those that lie leave the list once the coordinator records them anew
@@ -159,6 +163,16 @@ def _parent_records(repo: Repository, parent: CommitId | None, keys: list[str]
     with repo.db.read() as tx:
         chains = tensor_rows.load_records(tx, set(ids.values()))
     return {k: chains[t] for k, t in ids.items() if t in chains}, chains
+
+
+def relaid_tensors(repo: Repository, parent: CommitId | None, keys: Mapping[str, str]) -> list[str]:
+    """The tensors (of `keys`: shard key -> its tensor's FQN) with a shard the parent commit lacks, sorted."""
+    if parent is None:
+        return sorted(set(keys.values()))
+    with repo.db.read() as tx:
+        manifest = parent_manifest(repo, parent, commit_rows.manifest_object(tx, parent))
+    held = manifest.entries if manifest is not None else {}
+    return sorted({fqn for key, fqn in keys.items() if key not in held})
 
 
 def record_sharded(repo: Repository, start: Start, shards: list[WrittenShard], dcp: dict[str, Any],

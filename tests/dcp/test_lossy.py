@@ -90,6 +90,19 @@ def test_every_tensor_is_planned_alike_at_one_and_two_ranks(lossy_run):
             assert {"model.0.weight", "model.2.weight", "optim.state.2.weight.exp_avg"} <= lossy
 
 
+def test_a_tensor_whose_shard_layout_changed_is_planned_alike_on_every_shard(tmp_path):
+    """Saved at 2 ranks, then at 3, the shard of a 3-row weight that kept its key was planned as a residual on the
+    first save and the two new ones as keyframes: one tensor, two plans (auditor 415)."""
+    Repository.init(tmp_path / "repo").close()
+    for world in (2, 3):
+        results = run_ranks("relaid", tmp_path / "repo", tmp_path / "out", world, worker="tests.dcp.lossy_worker")
+        assert all(r.returncode == 0 for r in results), [r.stdout[-3000:] for r in results]
+    with Repository.open(tmp_path / "repo") as repo:
+        assert len(repo.manifest(repo.resolve("relaid")).entries) > len(repo.manifest(repo.resolve("relaid~1")).entries)
+        plans = plans_by_fqn(repo, "relaid")  # one plan per tensor, or it fails
+        assert plans["model.0.weight"][0] == "deadzone"
+
+
 def test_lossy_sharded_commits_restore_within_the_levels_bounds(lossy_run):
     repo_dir, originals, commits = lossy_run
     level = LEVELS["balanced"]
