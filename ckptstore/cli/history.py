@@ -261,7 +261,7 @@ def diff(ctx, a, b, as_json, show_all) -> None:
     if as_json:
         return emit_json([r.to_json() for r in rows])
     for row in rows:
-        if row.status == "unchanged" and not show_all:
+        if row.status in ("unchanged", "uncompared") and not show_all:
             continue
         if row.is_value:
             echo(f"{row.status:>9} {shown_name(row.path)} (a non-tensor value)")
@@ -271,10 +271,13 @@ def diff(ctx, a, b, as_json, show_all) -> None:
         echo(f"{row.status:>9} {shown_name(row.path)} {was}{row.dtype} {tuple(row.shape)}{rel} "
              f"stored={size(row.stored_bytes)}")
     tensors = [r for r in rows if not r.is_value]
-    values = len(rows) - len(tensors)
+    uncompared = sum(r.status == "uncompared" for r in rows)
+    values = len(rows) - len(tensors) - uncompared
     unchanged = sum(r.status == "unchanged" for r in tensors)
     echo(f"{len(tensors) - unchanged} of {len(tensors)} tensors differ" + (f"; {values} non-tensor values differ"
-                                                                         if values else ""))
+                                                                         if values else "")
+         + (f"; {uncompared} non-tensor values not compared: one commit is sharded, the other not (--all lists them)"
+            if uncompared else ""))
     return None
 
 

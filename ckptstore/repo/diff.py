@@ -172,6 +172,7 @@ def _below(path: str, key: Any) -> str:
 
 
 VALUE = "value"  # a TensorDiff's dtype for a non-tensor value
+UNCOMPARED = "uncompared"  # a non-tensor value's status beside a sharded commit and one of files
 
 
 def _same_file_containers(old: Manifest, new: Manifest) -> set[str]:
@@ -205,15 +206,18 @@ def _logical_diff(repo: Repository, old: Manifest, new: Manifest) -> list[Tensor
             new_value = whole_new[fqn] if fqn in whole_new else items_new.get(after[fqn].get("key", ""))
             if fqn in changed and not _same_value(fqn, old_value, new_value):
                 status, rel = "changed", relative_l2(old_value, new_value)
-        dtype, shape = (item["dtype"], tuple(item["size"])) if item["type"] == "tensor" else (BYTES_DTYPE, ())
-        result.append(TensorDiff(fqn, status, dtype, shape, rel, stored))
+        if item["type"] == "tensor":
+            result.append(TensorDiff(fqn, status, item["dtype"], tuple(item["size"]), rel, stored))
+        elif status != "unchanged":  # a non-tensor value, listed as a file commit's are: where it differs
+            result.append(TensorDiff(fqn, status, VALUE, (), None, 0))
     return result
 
 
 def _mixed_diff(repo: Repository, old: Manifest, new: Manifest) -> list[TensorDiff]:
     """A sharded commit and one of files, per tensor under DCP's dotted names ("model.w" for "model/w").
 
-    Non-tensor values are left out: the file side keeps them in its skeleton, DCP as pickled items.
+    Non-tensor values are listed UNCOMPARED: the file side keeps them in its skeleton, DCP as items of
+    its own flattening.
     """
     sharded_new = is_sharded(new)
     sharded_side, files_side = (new, old) if sharded_new else (old, new)
@@ -237,7 +241,10 @@ def _mixed_diff(repo: Repository, old: Manifest, new: Manifest) -> list[TensorDi
             files_side.entries[paths[name]].dtype, files_side.entries[paths[name]].shape)
         result.append(TensorDiff(name, status, dtype, shape, rel,
                                  sum(records[new.entries[key].tensor].stored_bytes for key in keys)))
-    return result
+    values = {fqn for fqn, item in _items(sharded_side).items() if item["type"] == "bytes"}
+    values |= {readable_path(path).replace("/", ".") for path, value in skeleton_values(files_side).items()
+               if value not in CONTAINERS}
+    return result + [TensorDiff(name, UNCOMPARED, VALUE, (), None, 0) for name in sorted(values)]
 
 
 def _items(manifest: Manifest) -> dict[str, dict[str, Any]]:

@@ -391,7 +391,8 @@ def test_diff_of_a_sharded_commit_and_a_file_commit_compares_tensors_by_name(tmp
         torch.save(state, tmp_path / "same.pt")
         repo.commit(tmp_path / "same.pt", message="same state")
         rows = {d.path: (d.status, d.relative_l2) for d in repo.diff("HEAD~1", "HEAD")}
-        assert rows == {"model.w": ("unchanged", 0.0), "model.layer.0.bias": ("unchanged", 0.0)}
+        assert rows == {"model.w": ("unchanged", 0.0), "model.layer.0.bias": ("unchanged", 0.0),
+                        "extra.step": ("uncompared", None)}
         state["model"]["w"][0, 0] += 1.0
         state["model"]["new"] = torch.zeros(2)
         torch.save(state, tmp_path / "same.pt")
@@ -400,7 +401,8 @@ def test_diff_of_a_sharded_commit_and_a_file_commit_compares_tensors_by_name(tmp
         assert rows["model.w"][0] == "changed" and rows["model.w"][1] == pytest.approx(1 / 64, rel=0.2)
         assert rows["model.new"] == ("added", None) and rows["model.layer.0.bias"] == ("unchanged", 0.0)
         backwards = {d.path: d.status for d in repo.diff("HEAD", "HEAD~2")}
-        assert backwards == {"model.w": "changed", "model.new": "removed", "model.layer.0.bias": "unchanged"}
+        assert backwards == {"model.w": "changed", "model.new": "removed", "model.layer.0.bias": "unchanged",
+                             "extra.step": "uncompared"}
 
 
 def test_a_load_whose_commit_a_prune_removes_between_planning_and_reading_says_so(tmp_path):
@@ -424,3 +426,30 @@ def test_a_load_whose_commit_a_prune_removes_between_planning_and_reading_says_s
     with pytest.raises(CheckpointException, match="removed by `ckpt prune`") as raised:
         dcp.load({"w": torch.zeros(64, 64), "extra": {"step": -1}}, storage_reader=PrunedMeanwhile(repo, cids[0]))
     assert "damaged" not in str(raised.value) and fsck(repo, full=True).ok
+
+
+def test_diff_lists_a_sharded_commits_non_tensor_items_as_values_and_says_which_it_could_not_compare(tmp_path):
+    """Two sharded commits listed their changed bytes items as tensors ('5 of 12 tensors differ' for one tensor),
+    and a sharded commit beside a file commit said nothing of the values it left out (auditor 415)."""
+    from click.testing import CliRunner
+
+    from ckptstore.cli import cli
+    from ckptstore.repo.diff import UNCOMPARED, VALUE
+
+    with Repository.init(tmp_path) as repo:
+        for step, last in ((1, [1, 2]), (2, [1, 3])):
+            dcp.save({"w": torch.ones(3), "extra": {"step": step, "name": "a", "l": last}},
+                     storage_writer=CkptStorageWriter(repo, message=str(step)))
+        rows = repo.diff("HEAD~1", "HEAD")
+        assert [(r.path, r.status) for r in rows if r.dtype != VALUE] == [("w", "unchanged")]
+        assert {r.path for r in rows if r.dtype == VALUE} == {"extra.step", "extra.l"}
+        assert {r.status for r in rows if r.dtype == VALUE} == {"changed"}
+        repo.commit({"w": torch.ones(3), "extra": {"step": 99}})
+        mixed = repo.diff("HEAD~1", "HEAD")
+    assert {(r.path, r.status) for r in mixed if r.dtype == VALUE} == {
+        ("extra.step", UNCOMPARED), ("extra.name", UNCOMPARED), ("extra.l", UNCOMPARED)}
+    shown = [CliRunner().invoke(cli, ["--repo", str(tmp_path), "diff", *revs]) for revs in (["HEAD~2", "HEAD~1"],
+                                                                                          ["HEAD~1", "HEAD"])]
+    assert shown[0].output.endswith("0 of 1 tensors differ; 2 non-tensor values differ\n"), shown[0].output
+    assert shown[1].output.endswith("0 of 1 tensors differ; 3 non-tensor values not compared: one commit is sharded, "
+                                    "the other not (--all lists them)\n"), shown[1].output
