@@ -116,11 +116,11 @@ def percentage(text: str | None) -> float | None:
         value = float(text.removesuffix("%")) / 100
     except ValueError:
         raise click.BadParameter(f"{text!r}: expected a percentage such as 0.1%", param_hint=_LOSS) from None
+    if not value >= 0:  # before the advice below, which would offer "-1%" or "nan%"
+        raise click.BadParameter(f"{text!r}: must be a percentage of zero or more, such as 0.1%", param_hint=_LOSS)
     if not text.endswith("%"):
         raise click.BadParameter(f"{text!r}: write it as a percentage, {text}% or {float(text) * 100:g}%, so it "
                                  "cannot be read 100 times too loose or too tight", param_hint=_LOSS)
-    if not value >= 0:
-        raise click.BadParameter(f"{text!r}: must be zero or more", param_hint=_LOSS)
     return value
 
 

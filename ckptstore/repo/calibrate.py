@@ -43,8 +43,7 @@ class LossGuard:
 
         The largest of the model's copies in the checkpoint (its own and an EMA's just made, say).
         """
-        return max(((loss - self.original) / max(abs(self.original), 1e-12) for loss in self.loss_with(restored)),
-                   key=abs)
+        return max(((loss - self.original) / abs(self.original) for loss in self.loss_with(restored)), key=abs)
 
     def holds(self, change: float) -> bool:
         return abs(change) <= self.max_change
@@ -82,6 +81,9 @@ def loss_guard(calibration: Callable[[Any], Any] | None, model: Any, max_change:
         warn_caller(f"{exc}, and the checkpoint holds infinite values ({readable_path(infinite)}): committed without "
                     "the loss guard, lossless where the level would quantize them", RuntimeWarning)
         return None
+    if original == 0:  # a change relative to nothing: a floor in its place recorded an absolute change as a share
+        raise CkptError("the calibration loss of the checkpoint is 0, so its relative change is undefined: give a "
+                        "loss that is not 0 there (a cross-entropy, or the loss plus a constant)")
     return LossGuard(loss_with, original, limit)
 
 
@@ -189,15 +191,25 @@ def function_named(spec: str) -> Callable[[Any], Any]:
         raise CkptError(f"--calibration {spec!r}: expected MODULE:FUNCTION (or path/to/file.py:FUNCTION)")
     try:
         if module_name.endswith(".py"):
-            found = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
-            if found is None or found.loader is None or not Path(module_name).is_file():
+            path = Path(module_name)
+            if not path.is_file():
                 raise ImportError(f"no file {module_name}")
-            module = importlib.util.module_from_spec(found)
+            # as `python FILE` runs it: its folder first on the path (a helper beside it), and a module in
+            # sys.modules while it runs (dataclasses look themselves up there), under a name no import takes
+            unique = f"_ckpt_calibration_{path.stem}"
+            found = importlib.util.spec_from_file_location(unique, path)
+            if found is None or found.loader is None:
+                raise ImportError(f"{module_name} is no Python module")
+            sys.path.insert(0, str(path.resolve().parent))
+            module = sys.modules[unique] = importlib.util.module_from_spec(found)
             found.loader.exec_module(module)
         else:
             sys.path.insert(0, "")  # the user's folder, as `python -m` does
             module = importlib.import_module(module_name)
     except ImportError as exc:
+        if exc.name not in (None, module_name):  # the module itself imports what is missing
+            raise CkptError(f"--calibration {spec!r}: importing {module_name} raised {type(exc).__name__}: {exc}"
+                            ) from None
         raise CkptError(f"--calibration {spec!r}: cannot import {module_name}: {exc}") from None
     except (Exception, SystemExit) as exc:  # the module's own code failed as it loaded (SyntaxError, sys.exit)
         raise CkptError(f"--calibration {spec!r}: importing {module_name} raised {type(exc).__name__}: {exc}"

@@ -7,11 +7,12 @@ metadata transaction records everything and moves the branch with compare-and-sw
 
 from __future__ import annotations
 
+import copy
 import operator
 import os
 import time
 from collections.abc import Callable, Mapping, Set
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
 
 
 MAX_AUTHOR = 255  # the metadata's author column
+RESERVED_METRICS = "ckpt."  # metric names ckptstore records itself (calibrate.CALIBRATION_METRIC)
 
 
 @dataclass
@@ -101,6 +103,9 @@ class CommitOptions:
         names: dict[str, Any] = {}
         for name, value in self.metrics.items():  # recorded as str(name): {3: 2.0, "3": 5.0} would keep one
             _check_text("metric name", str(name))
+            if str(name).startswith(RESERVED_METRICS):
+                raise CkptError(f"metric {name!r}: names beginning {RESERVED_METRICS!r} are ckptstore's own (a "
+                                "calibrated commit's measured loss change); give it another name")
             if str(name) in names:
                 raise CkptError(f"metrics {names[str(name)]!r} and {name!r} are both recorded as {str(name)!r}")
             names[str(name)] = name
@@ -108,6 +113,15 @@ class CommitOptions:
                 float(value)
             except (TypeError, ValueError, RuntimeError, OverflowError):
                 raise CkptError(f"metric {name!r} is {value!r}, not a number: give each metric as a float") from None
+
+
+def _with_loss_change(options: CommitOptions, change: float | None) -> CommitOptions:
+    """`options` recording a calibrated commit's measured loss change: a copy, as the options refuse the name."""
+    if change is None:
+        return options
+    recorded = copy.copy(options)
+    recorded.metrics = {**options.metrics, calibrate.CALIBRATION_METRIC: change * 100}
+    return recorded
 
 
 def _cleaned(message: str) -> str:
@@ -224,8 +238,7 @@ def commit(repo: Repository, source: Any, options: CommitOptions, lossy: LossyOp
                                                         progress, guard)
             _settle_changed(checkpoint, stamps, digests, sources)  # after every byte was read: a save is torn
         entries, encoded, sizes = done.entries, done.records, done.sizes
-        if change is not None:
-            options = replace(options, metrics={**options.metrics, calibrate.CALIBRATION_METRIC: change * 100})
+        options = _with_loss_change(options, change)
         entries.update({path: record.id for path, record in encoded.items() if path in checkpoint.tensors})
         manifest = Manifest(checkpoint.kind, checkpoint.files, {
             p: Entry(entries[p], raw.dtype, raw.shape) for p, raw in checkpoint.tensors.items()
@@ -362,6 +375,9 @@ def _encode_checked(repo: Repository, checkpoint: formats.Checkpoint, parent: _P
         restored = {p: result.records.get(p) or parent.by_path[p] for p in result.plans}
         change = guard.change(calibrate.restored_tensors(repo, restored, parent.records))
         if guard.holds(change):
+            if attempt == calibrate.ATTEMPTS - 1:
+                warn_caller(f"no quantized weight step kept the calibration loss within {guard.max_change:.3%}: the "
+                            f"weights are stored lossless, the rest at level {level.name!r}", RuntimeWarning)
             return result, change
     raise CkptError(f"the calibration loss changed {change:+.3%} (limit {guard.max_change:.3%}) even with "
                     "lossless weights: is the calibration function deterministic, and of the weights? Nothing "

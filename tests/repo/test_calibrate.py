@@ -220,7 +220,9 @@ def test_a_zero_loss_change_is_met_by_the_last_attempt_with_lossless_weights(tmp
     """The last attempt keeps the weights exact, so a limit of 0 is met (mutation audit round 13, K3)."""
     _, path = _saved(tmp_path)
     with Repository.init(tmp_path / "r") as repo:
-        cid = repo.commit(path, lossy="balanced", calibration=state_loss, max_loss_change=0.0)
+        with pytest.warns(RuntimeWarning, match="no quantized weight step kept the calibration loss within 0.000%: "
+                                                "the weights are stored lossless"):  # it said nothing (auditor 418)
+            cid = repo.commit(path, lossy="balanced", calibration=state_loss, max_loss_change=0.0)
         assert repo.commit_info(cid).metrics[CALIBRATION_METRIC] == 0.0
         restored, original = repo.checkout(cid), _load(path)
         assert all(torch.equal(restored["model"][k], v) for k, v in original["model"].items())
@@ -534,3 +536,53 @@ def test_a_tied_weight_cloned_apart_is_measured_under_each_of_its_names(repo):
                                                                                                       "emb.weight"))
     assert _change(net, loss, embeddings) == pytest.approx(_checked_out_change(repo, cid, net, loss), abs=1e-4)
     assert recorded == pytest.approx(max(_change(net, loss, heads), _change(net, loss, embeddings), key=abs), abs=1e-4)
+
+
+def test_a_tiny_loss_is_measured_relative_to_itself_and_a_zero_loss_is_refused(tmp_path):
+    """A loss below 1e-12 was divided by 1e-12: a change 5x the limit was recorded as 1/500 of itself and kept
+    (auditor 418); a loss of 0 has no relative change at all."""
+    _, path = _saved(tmp_path)
+    tiny = lambda state: state_loss(state) * 1e-15  # noqa: E731
+    with Repository.init(tmp_path / "r") as repo:
+        cid = repo.commit(path, lossy="extreme", calibration=tiny, max_loss_change=0.0005)
+        original = tiny(_load(path))
+        change = (tiny(repo.checkout(cid)) - original) / original
+        assert abs(change) <= 0.0005
+        assert repo.commit_info(cid).metrics[CALIBRATION_METRIC] == pytest.approx(change * 100, rel=1e-9, abs=1e-12)
+        with pytest.raises(CkptError, match="calibration loss of the checkpoint is 0, so its relative change is "):
+            repo.commit(path, lossy="extreme", calibration=lambda state: 0.0, allow_empty=True)
+
+
+def test_a_calibration_file_imports_what_lies_beside_it_and_defines_dataclasses_as_python_file_would(tmp_path,
+                                                                                                      monkeypatch):
+    """`FILE.py:FUNCTION` could not import a helper beside the file, and a dataclass under `from __future__ import
+    annotations` failed with AttributeError, where `MODULE:FUNCTION` loaded both (auditor 418)."""
+    _, path = _saved(tmp_path)
+    (tmp_path / "calibs").mkdir()
+    (tmp_path / "calibs" / "helpers.py").write_text("from tests.repo.test_calibrate import state_loss\n")
+    (tmp_path / "calibs" / "calib.py").write_text(
+        "from __future__ import annotations\nfrom dataclasses import dataclass\nfrom helpers import state_loss\n\n"
+        "@dataclass\nclass Batch:\n    size: int = 8\n\n\ndef loss(state):\n    return state_loss(state)\n")
+    (tmp_path / "calibs" / "broken.py").write_text("import not_a_module_anywhere\n")
+    monkeypatch.chdir(tmp_path)
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    done = ckpt_here(tmp_path, "commit", str(path), "--lossy", "balanced", "--calibration", "calibs/calib.py:loss")
+    assert done.returncode == 0, done.stderr
+    broken = ckpt_here(tmp_path, "commit", str(path), "--lossy", "balanced", "--calibration", "calibs/broken.py:f")
+    assert broken.returncode == 1 and "importing calibs/broken.py raised ModuleNotFoundError" in broken.stderr
+
+
+def test_a_negative_or_nan_limit_is_refused_before_any_advice_to_write_it_as_a_percentage(tmp_path):
+    """'-1' was answered 'write it as a percentage, -1% or -100%', then '-1%' refused (auditor 418)."""
+    Repository.init(tmp_path).close()
+    for bad in ("-1", "-1%", "nan", "nan%"):
+        result = CliRunner().invoke(cli, ["--repo", str(tmp_path), "commit", "x.pt", "--lossy", "balanced",
+                                          "--calibration", "calib:loss", "--max-loss-change", bad])
+        assert result.exit_code == 2 and "must be a percentage of zero or more, such as 0.1%" in result.output, bad
+
+
+def test_a_users_metric_in_ckptstores_own_names_is_refused(repo):
+    """--metric ckpt.calibration_loss_change_pct=0.001 read as measured, and a calibration overwrote it unsaid."""
+    with pytest.raises(CkptError, match="names beginning 'ckpt.' are ckptstore's own"):
+        repo.commit({"w": torch.ones(3)}, metrics={CALIBRATION_METRIC: 0.001})
+    assert repo.log() == []
