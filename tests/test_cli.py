@@ -184,7 +184,8 @@ def test_an_empty_message_prints_no_line_of_spaces(tmp_path, monkeypatch, messag
     run("init")
     torch.save({"w": torch.ones(3)}, tmp_path / "c.pt")
     made = run("commit", "c.pt", "-m", message)
-    assert made.exit_code == 0 and "]  (" not in made.output, made.output
+    made_id = json.loads(run("log", "-n", "1", "--json").output)[0]["id"][:12]
+    assert made.exit_code == 0 and made.output.startswith(f"[{made_id}]  ("), made.output  # reviewer 421: as typed
     for command in ("log", "show"):
         out = run(command).output
         assert "file . [torch]" in out or command == "log"

@@ -132,7 +132,8 @@ def _committed_lines(repo: Repository, cid: str, message: str | None, branch: st
     except Exception:  # noqa: BLE001 - whatever the database says, what matters was recorded
         return [f"[{cid[:12]}] {subject(message)}  (its sizes could not be read)"]
     mode = f" lossy:{info.lossy}" if info.lossy else ""
-    lines = [f"[{cid[:12]}]{mode} {subject(message)}  ({size(info.raw_bytes)} -> {size(info.stored_bytes)} new)"]
+    title = f" {subject(info.message)}" if info.message else ""  # as recorded (cleaned); none: no stray spaces
+    lines = [f"[{cid[:12]}]{mode}{title}  ({size(info.raw_bytes)} -> {size(info.stored_bytes)} new)"]
     if detached:
         lines.append(f"note: HEAD is detached, so this commit is on no branch; to keep it: ckpt branch NAME "
                      f"{cid[:12]}")

@@ -125,16 +125,16 @@ def _with_loss_change(options: CommitOptions, change: float | None) -> CommitOpt
 
 
 def _cleaned(message: str) -> str:
-    """The message as git keeps one: each line's trailing spaces and the blank lines around it dropped.
+    """The message as git keeps one: each line's trailing spaces dropped, blank lines around it too, runs of them one.
 
-    Lines end at a newline alone, and only ASCII white space is dropped: the rest is kept as written.
+    Lines end at a newline alone, and only spaces, tabs and carriage returns are dropped (git's white space).
     """
-    lines = [line.rstrip(" \t\r\f\v") for line in message.split("\n")]
-    while lines and not lines[-1]:
-        lines.pop()
-    while lines and not lines[0]:
-        lines.pop(0)
-    return "\n".join(lines)
+    lines: list[str] = []
+    for line in message.split("\n"):
+        line = line.rstrip(" \t\r")
+        if line or (lines and lines[-1]):
+            lines.append(line)
+    return "\n".join(lines).rstrip("\n")
 
 
 def _check_text(what: str, text: Any) -> None:

@@ -39,7 +39,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,7 +57,7 @@ from ckptstore.errors import (
 )
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.formats.filemap import file_digest
-from ckptstore.formats.folder import is_temp_name
+from ckptstore.formats.folder import is_git_name, is_temp_name
 from ckptstore.formats.safetensors_file import HEADER_PEEK, MAX_HEADER, header_start
 from ckptstore.formats.torchfile import zip_not_whole
 from ckptstore.hashing import object_id
@@ -417,8 +417,8 @@ def _folder_signature(path: Path) -> Signature:
     """
     signature = []
     for root, folders, files in os.walk(path, onerror=_raise_denied):
-        folders.sort()
-        for name in sorted(files):
+        folders[:] = sorted(name for name in folders if not is_git_name(name))  # a commit leaves git's files out
+        for name in sorted(name for name in files if not is_git_name(name)):
             full = Path(root, name)
             info = full.lstat()
             signature.append([full.relative_to(path).as_posix(), info.st_size, info.st_mtime_ns])
@@ -540,7 +540,11 @@ def step_of(name: str) -> int | None:
 
 
 def already_committed(repo: Repository, source: Source, committed: BranchSources) -> str | None:
-    """A commit of the branch made from the source's path with exactly its files (pruned: before them), if any."""
+    """A commit of the branch made from the source's path with exactly its files, if any.
+
+    A pruned one's files are gone with its manifest: one made after the source's files were last written, of
+    as many bytes, is taken for it (a copy keeping older times and the same size is not told apart).
+    """
     # only the newest: a kill between commit and record leaves that one, and a file rewritten back to an
     # older content (A, B, A) is a new checkpoint, not the first A again
     newest = committed.newest(_source_path(repo, source.path))
@@ -550,7 +554,8 @@ def already_committed(repo: Repository, source: Source, committed: BranchSources
     if newest.pruned:  # its manifest is gone with its tensors: files none written since are the ones it was made of
         # (committed again, an old checkpoint would land on the branch's tip and push the newer ones into the
         # retention's cut); a file rewritten after it is a new checkpoint
-        return newest.id if all(mtime_ns < newest.created_at * 1e9 for _, _, mtime_ns in source.signature) else None
+        older = all(mtime_ns < newest.created_at * 1e9 for _, _, mtime_ns in source.signature)
+        return newest.id if older and sum(size for _, size, _ in source.signature) == newest.raw_bytes else None
     manifest = repo.read_manifest(newest.manifest_object)
     if sorted(f.name for f in manifest.files) != sorted(files):
         return None
@@ -597,6 +602,10 @@ def _source_path(repo: Repository, path: Path) -> str:
         return str(path.resolve())
 
 
+def _record_name(header: Mapping[str, Any]) -> str:
+    return object_id(json.dumps(header, sort_keys=True).encode())[:16]
+
+
 class WatchState:
     """What a watcher of one folder and branch has committed: `.ckpt/watch/<id>.json`, rewritten atomically."""
 
@@ -605,15 +614,16 @@ class WatchState:
         self.unreadable: dict[str, Signature] = {}  # said to be unreadable, in this version: tried on, not said again
         self.unsaved, self.saved_at = False, time.monotonic()
         self.unsaved_commits: list[str] = []  # names of sources committed since the last write
+        self.legacy: Path | None = None  # the record an earlier version kept, read in place of `path`
 
     @classmethod
     def load(cls, repo: Repository, folder: Path, branch: str | None) -> WatchState:
         """The record of `folder` into `branch` (None: HEAD's, named, so `--branch main` finds the same one)."""
         header = {"folder": str(folder), "branch": branch or repo.head()[0]}
-        name = object_id(json.dumps(header, sort_keys=True).encode())[:16]
-        path = repo.dir / "watch" / f"{name}.json"
-        try:
-            record = json.loads(path.read_text())
+        path, older = (repo.dir / "watch" / f"{_record_name(h)}.json" for h in (header, {**header, "branch": branch}))
+        legacy = older if older != path and not path.exists() and older.exists() else None
+        try:  # earlier versions kept a watch without --branch under "branch": null: read, removed at the next write
+            record = json.loads((legacy or path).read_text())
             sources = record["sources"] if isinstance(record.get("sources"), dict) else {}
         except (OSError, ValueError, AttributeError, RecursionError):  # missing or damaged: the commits say it
             sources = {}
@@ -623,7 +633,9 @@ class WatchState:
             if isinstance(signature, list) and all(isinstance(e, list) and len(e) >= 3 and isinstance(e[0], str)
                                                    and all(isinstance(n, int) for n in e[1:3]) for e in signature):
                 kept[name] = {**known, "signature": [e[:3] for e in signature]}  # others: damaged, looked at anew
-        return cls(path, header, kept)
+        state = cls(path, header, kept)
+        state.legacy = legacy
+        return state
 
     def done(self, source: Source) -> bool:
         """True when this very version of `source` (same files, sizes, times) was handled."""
@@ -655,4 +667,7 @@ class WatchState:
         self.path.parent.mkdir(exist_ok=True)
         text = json.dumps({**self.header, "sources": self.sources}, separators=(",", ":")).encode()
         atomic_write(self.path, lambda handle: handle.write(text))
+        if self.legacy is not None:
+            self.legacy.unlink(missing_ok=True)
+            self.legacy = None
         self.unsaved, self.unsaved_commits, self.saved_at = False, [], time.monotonic()

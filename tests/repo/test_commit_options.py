@@ -114,8 +114,8 @@ def test_the_same_values_in_a_legacy_torch_file_of_other_bytes_is_nothing_to_com
 
 
 def test_a_message_is_kept_as_git_keeps_one_without_trailing_spaces_or_blank_lines_around_it(repo):
-    made = repo.commit({"w": torch.ones(3)}, message="\n\n  title  \n\n  body line\t\n\n")
+    made = repo.commit({"w": torch.ones(3)}, message="\n\n  title  \n\n \n\t\n  body line\t\n\n")
     assert repo.commit_info(made).message == "  title\n\n  body line"
     assert repo.commit_info(repo.commit({"w": torch.zeros(3)}, message=" \n\t ")).message == ""
-    kept = "a\rb\x0bc\u2028d\x85 \u00a0"  # not line ends for git: kept, as the text's other characters
+    kept = "a\rb\x0bc\u2028d\x85 \u00a0\x0c"  # not line ends, nor white space git drops: kept
     assert repo.commit_info(repo.commit({"w": torch.ones(4)}, message=kept + " \r\n")).message == kept

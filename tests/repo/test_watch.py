@@ -1058,3 +1058,58 @@ def test_a_restart_whose_record_is_missing_or_named_apart_commits_no_pruned_chec
         assert [c.step for c in repo.log()] == [16, 14, 12]
         torch.save({"w": torch.full((4,), 99.0)}, run / "step-12.pt")  # rewritten after its commit: a new one
         assert [step for _, _, step in watch(repo, run, ONCE).committed] == [12]
+
+
+def test_an_earlier_versions_record_of_a_watch_without_branch_is_read_then_replaced(repo, tmp_path, monkeypatch):
+    """Records were kept under "branch": null; named after HEAD's branch now, an upgraded watch hashed every file of
+    the run again and left the old record behind (reviewer 421)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"w": torch.ones(4)}, run / "step-1.pt")
+    assert len(watch(repo, run, ONCE).committed) == 1
+    (record,) = (repo.dir / "watch").glob("*.json")
+    header = {"folder": str(run.resolve()), "branch": None}
+    legacy = repo.dir / "watch" / f"{watch_module._record_name(header)}.json"
+    record.rename(legacy)
+    legacy.write_text(legacy.read_text().replace('"branch":"main"', '"branch":null'))
+    hashed = []
+    monkeypatch.setattr(watch_module, "file_digest", lambda path: hashed.append(path) or "")
+    torch.save({"w": torch.zeros(4)}, run / "step-2.pt")
+    assert [name for name, _, _ in watch(repo, run, ONCE).committed] == ["step-2.pt"]
+    assert hashed == [] and [p.name for p in (repo.dir / "watch").glob("*.json")] == [record.name]
+
+
+def test_a_pruned_commits_file_counts_as_committed_only_with_as_many_bytes(tmp_path):
+    """A file older than the pruned commit of its path counted as that commit whatever its size: a copy keeping an
+    older time (cp -p, rsync -a) was never committed (reviewer 421)."""
+    from ckptstore import Repository
+
+    Repository.init(tmp_path / "repo").close()
+    with open(tmp_path / "repo" / ".ckpt" / "config.toml", "a") as config:
+        config.write("\n[retention]\nkeep_last = 1\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    with Repository.open(tmp_path / "repo") as repo:
+        torch.save({"w": torch.ones(4)}, run / "step-1.pt")
+        torch.save({"w": torch.ones(8)}, run / "step-2.pt")
+        assert len(watch(repo, run, ONCE).committed) == 2
+        for record in (repo.dir / "watch").glob("*.json"):
+            record.unlink()
+        before = repo.log()[1].created_at - 60
+        torch.save({"w": torch.zeros(64)}, run / "step-1.pt")  # new content, its time set back (a copy kept it)
+        os.utime(run / "step-1.pt", (before, before))
+        assert [name for name, _, _ in watch(repo, run, ONCE).committed] == ["step-1.pt"]
+
+
+def test_a_folder_holding_git_files_is_found_committed_without_a_record(repo, tmp_path):
+    """The watch's listing held .git's files, which a commit leaves out: a restart without a record never matched
+    the folder's commit and tried it again."""
+    run = _run_with_one_trainer_folder(tmp_path)
+    (run / "checkpoint-10" / ".git").mkdir()
+    (run / "checkpoint-10" / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    with pytest.warns(RuntimeWarning, match="git's own files"):
+        assert len(watch(repo, run, ONCE).committed) == 1
+    for record in (repo.dir / "watch").glob("*.json"):
+        record.unlink()
+    said = []
+    assert watch(repo, run, ONCE, say=said.append).committed == [] and said == []
