@@ -117,7 +117,7 @@ def folder_listing(root: str | os.PathLike, exclude: Iterable[str | os.PathLike]
     for path in [] if quiet else found.git_left_out:
         warn_caller(f"left {path} out of the commit: git's own files are no checkpoint, and a checkout never "
                     "writes them (their config and hooks run commands)")
-    return FolderListing(sorted(found.files, key=lambda f: f.name), sorted(found.empty_folders))
+    return FolderListing(sorted(found.files, key=lambda f: f.name), sorted(found.empty_folders), found.git_left_out)
 
 
 def _walk(folder: Path, prefix: str, real: Path, stack: list[Path], real_root: Path, skipped: set[Path],

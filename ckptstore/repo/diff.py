@@ -48,7 +48,7 @@ class TensorDiff:
     """How one path differs between two commits."""
 
     path: str
-    status: str  # added, removed, changed, unchanged
+    status: str  # added, removed, changed, unchanged; UNCOMPARED: a value beside a sharded commit and one of files
     dtype: str
     shape: tuple[int, ...]
     relative_l2: float | None
@@ -74,7 +74,8 @@ def diff(repo: Repository, a: str, b: str | None = None) -> list[TensorDiff]:
     """Per tensor path: added, removed, changed or unchanged, with the relative L2 change.
 
     Then each non-tensor value (a step, a scheduler's numbers, RNG lists) that differs, as dtype
-    VALUE: two checkpoints of the same weights at different steps are not the same checkpoint.
+    VALUE: two checkpoints of the same weights at different steps are not the same checkpoint (beside a
+    sharded commit and one of files, each value is listed UNCOMPARED: see _mixed_diff).
     Without `b`, `a` is git's `A..B` (an empty side is HEAD).
     """
     if b is None:

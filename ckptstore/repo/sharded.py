@@ -166,9 +166,12 @@ def _parent_records(repo: Repository, parent: CommitId | None, keys: list[str]
 
 
 def relaid_tensors(repo: Repository, parent: CommitId | None, keys: Mapping[str, str]) -> list[str]:
-    """The tensors (of `keys`: shard key -> its tensor's FQN) with a shard the parent commit lacks, sorted."""
+    """The tensors (of `keys`: shard key -> its tensor's FQN) with a shard the parent commit lacks, sorted.
+
+    None listed without a parent: every shard is a keyframe then.
+    """
     if parent is None:
-        return sorted(set(keys.values()))
+        return []
     with repo.db.read() as tx:
         manifest = parent_manifest(repo, parent, commit_rows.manifest_object(tx, parent))
     held = manifest.entries if manifest is not None else {}
