@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from ckptstore.cli import cli
-from tests.conftest import Trainer, ckpt_env, ckpt_here
+from tests.conftest import Trainer, ckpt_env, ckpt_here, wait_until_held
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -554,9 +554,9 @@ def test_a_checkout_done_before_the_database_hung_exits_0_and_warns_what_it_coul
     _then_hang(monkeypatch, Repository, "checkout_to", proxy)
     result = ckpt_here(tmp_path, "checkout", "main")
     assert result.returncode == 0 and result.stdout.startswith("Restored "), result.stderr
-    assert result.stderr == ("warning: the checkout is done, but whether HEAD is detached and which files were "
-                             f"rewritten could not be read: `ckpt status` and `ckpt show {result.stdout[9:21]}` say "
-                             "so once the metadata answers\n")
+    assert result.stderr == ("warning: the checkout is done, but whether HEAD is detached could not be read: "
+                             "`ckpt status` says so once the metadata answers\n")
+    assert "Files are byte for byte as committed." in result.stdout  # read before the checkout (auditor 419)
     proxy.stalled = False
     assert (tmp_path / "a.pt").read_bytes() == main_bytes
     assert ckpt_here(tmp_path, "status").stdout.startswith("On branch main at ")
@@ -584,3 +584,24 @@ def test_a_pull_done_before_the_database_hung_exits_0(stalling, tmp_path, monkey
         result.stderr)
     proxy.stalled = False
     assert json.loads(ckpt_here(here, "log", "--json").stdout)[0]["message"] == "at the hub"
+
+
+def test_a_checkout_whose_commit_a_prune_removes_once_its_file_is_written_reports_without_a_warning(tmp_path):
+    """The report's second read of the manifest met the prune: 'could not be read ... once the metadata answers',
+    at every `checkout -o` beside a training job with a retention policy (auditor 419)."""
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    for value in (1.0, 2.0):
+        torch.save({"w": torch.full((4,), value)}, tmp_path / "c.pt")
+        assert ckpt_here(tmp_path, "commit", "c.pt").returncode == 0
+    release = tmp_path / "go"
+    checking = subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", "main~1", "-o", "out.pt"],
+                                cwd=tmp_path, env=ckpt_env(CKPT_WAIT_AT=f"checkout:renamed={release}"),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_held(release, checking)
+        assert ckpt_here(tmp_path, "prune", "--keep-last", "1").returncode == 0
+    finally:
+        release.touch()
+        out, err = checking.communicate(timeout=300)
+    assert checking.returncode == 0 and err == "" and "Files are byte for byte as committed." in out, (out, err)
+    assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], torch.full((4,), 1.0))

@@ -160,6 +160,8 @@ def checkout(ctx, ref, output, force, only, trust_pickle) -> None:
                                "the commit came from)")
     repo = open_repo(ctx)
     info = repo.commit_info(ref)  # before HEAD moves: a ref like HEAD~1 names another commit afterwards
+    # before too: a retention prune in another process may remove the commit once its files are written
+    rewritten = None if only or info.source_path is None else repo.manifest(info.id).rewritten_files()
     dest = repo.checkout_to(ref, output, force=force, progress=BarProgress(), keys=list(only) or None,
                             trust_pickle=trust_pickle)
     if output is None and info.sharded:
@@ -171,11 +173,10 @@ def checkout(ctx, ref, output, force, only, trust_pickle) -> None:
              f"{shown_name(str(dest))}; HEAD did not move")
     else:  # the path a commit recorded (a remote's too) may hold a newline: written out, it cannot forge a line
         echo(f"Restored {info.id[:12]} to {shown_name(str(dest))}")
-    # read in one go (a hung server costs one request limit, not two), and not as the checkout's failure: it is done
-    detached, rewritten = (False, []) if only else read_after_work(
-        lambda: (output is None and repo.head()[0] is None, repo.manifest(info.id).rewritten_files()),
-        "the checkout", "whether HEAD is detached and which files were rewritten",
-        f"`ckpt status` and `ckpt show {info.id[:12]}` say so once the metadata answers") or (False, None)
+    # not as the checkout's failure: it is done
+    detached = output is None and read_after_work(
+        lambda: repo.head()[0] is None, "the checkout", "whether HEAD is detached",
+        "`ckpt status` says so once the metadata answers")
     if detached:  # a tag or an id: said as git says it
         echo(f"HEAD is detached at {info.id[:12]}: `ckpt branch NAME` keeps what you commit from here on a branch")
     if info.source_path is not None and not info.lossy and not only and rewritten is not None:

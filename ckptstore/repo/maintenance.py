@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -280,10 +280,9 @@ def fsck(repo: Repository, full: bool = False) -> FsckReport:
         for cid in repo.commits_needing([oid]):
             report.broken_commits.setdefault(cid, []).append(oid)
     _commits_broken_by_records(repo, report)
-    if full:
-        _replay_all(repo, manifests, report, live_objects)
+    replayed = _replay_all(repo, manifests, report, live_objects) if full else set()
     if not report.ok:
-        _forget_what_was_removed(repo, report)
+        _forget_what_was_removed(repo, report, replayed)
     return report
 
 
@@ -314,8 +313,12 @@ def _check_objects(repo: Repository, live_objects: Iterable[ObjectId], report: F
                 report.unchecked.append(oid)
 
 
-def _forget_what_was_removed(repo: Repository, report: FsckReport) -> None:
-    """Drop findings about commits, tensors and objects that a gc or prune removed while fsck ran."""
+def _forget_what_was_removed(repo: Repository, report: FsckReport, replayed: Set[str] = frozenset()) -> None:
+    """Drop findings about commits, tensors and objects that a gc or prune removed while fsck ran.
+
+    `replayed`: the commits whose replay (--full) found damage: of a commit pruned since, that is its tensors
+    going, not damage, though its row stays.
+    """
     with repo.db.read() as tx:
         commits = {cid for cid, _ in liveness.commit_manifests(tx)}  # neither removed nor pruned
         rows = liveness.commit_ids(tx)  # pruned ones too: their rows (id, message, metrics) are still checked
@@ -325,7 +328,7 @@ def _forget_what_was_removed(repo: Repository, report: FsckReport) -> None:
     report.unreadable = {oid: path for oid, path in report.unreadable.items() if oid in needed}
     report.broken_commits = {cid: oids for cid, oids in report.broken_commits.items() if cid in commits}
     report.missing_records = [tid for tid in report.missing_records if tid in tensors]
-    kept = {"commit": rows, "tensor": tensors}
+    kept = {"commit": {cid for cid in rows if cid in commits or cid not in replayed}, "tensor": tensors}
     report.damaged_records = {what: why for what, why in report.damaged_records.items()
                               if what.split()[0] not in kept or what.split()[1] in kept[what.split()[0]]}
 
@@ -345,12 +348,13 @@ def _reading_only(repo: Repository) -> FallbackStore | None:
     return repo.store.reading_only() if isinstance(repo.store, FallbackStore) else None
 
 
-def _replay_all(repo: Repository, manifests: list, report: FsckReport, live_objects: set[ObjectId]) -> None:
-    """Fsck --full: replay every commit's tensors, checking each against its id.
+def _replay_all(repo: Repository, manifests: list, report: FsckReport, live_objects: set[ObjectId]) -> set[str]:
+    """Fsck --full: replay every commit's tensors, checking each against its id; the commits it found damaged.
 
     A lazy clone's origin lost midway leaves the objects not held here unchecked, as the object check does
     (they were damaged records: a server down read as damage, reviewer 407).
     """
+    damaged: set[str] = set()
     from ckptstore.repo.checkout import restore
 
     store = _reading_only(repo)
@@ -364,6 +368,7 @@ def _replay_all(repo: Repository, manifests: list, report: FsckReport, live_obje
             restore(repo, manifest, by_id=True, store=store)
             report.tensors_verified += len(manifest.entries)
         except CorruptObjectError as exc:
+            damaged.add(cid)
             report.broken_commits.setdefault(cid, [])
             if exc.object_ids and not set(exc.object_ids) - set(report.damaged_objects):
                 for oid in exc.object_ids:
@@ -380,5 +385,7 @@ def _replay_all(repo: Repository, manifests: list, report: FsckReport, live_obje
                 report.unchecked += sorted(set(oid for oid in live_objects if not local.has(oid)) -
                                            set(report.unchecked))
         except CkptError as exc:
+            damaged.add(cid)
             report.broken_commits.setdefault(cid, [])
             report.damaged_records.setdefault(f"commit {cid}", str(exc))
+    return damaged

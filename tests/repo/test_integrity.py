@@ -1278,3 +1278,22 @@ def test_on_a_bucket_a_put_rewrites_an_object_marked_damaged_whatever_its_etag_s
     monkeypatch.setattr(store, "holds", lambda *_: True)  # the stale ETag's answer
     assert store.damage.ids() == {oid} and store.put(data) == oid
     assert store.get(oid) == data and store.damage.ids() == frozenset()
+
+
+def test_fsck_full_counts_no_damage_for_commits_a_prune_removed_while_it_replayed(tmp_path):
+    """Their rows stay, so what the replay found of them (their tensors gone, on purpose) was kept as damage: exit 1
+    beside every training job with a retention policy (auditor 419)."""
+    with Repository.init(tmp_path) as repo:
+        for i in range(4):
+            repo.commit({"w": torch.randn(256, 256, generator=torch.Generator().manual_seed(i)), "step": i})
+    release = tmp_path / "go"
+    checking = subprocess.Popen([sys.executable, "-m", "ckptstore", "fsck", "--full"], cwd=tmp_path,
+                                env=ckpt_env(CKPT_WAIT_AT=f"checkout:records-read={release}"),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until_held(release, checking)
+        assert ckpt_here(tmp_path, "prune", "--keep-last", "1").returncode == 0
+    finally:
+        release.touch()
+        out = checking.communicate(timeout=300)[0]
+    assert checking.returncode == 0 and out.rstrip().endswith("ok"), out
