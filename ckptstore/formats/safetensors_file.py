@@ -11,7 +11,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +217,21 @@ def _entry_bytes(entry: Any) -> int:
     return itemsize * math.prod(entry.shape)
 
 
+def header_dtypes(header: RawTensor) -> dict[str, tuple[str, list[int]]]:
+    """Each entry's safetensors dtype and shape in a committed header (damaged: none).
+
+    A dtype torch lacks (F6_E2M3) is kept as its bytes, and written anew under them (`write_tensors`).
+    """
+    data = np.asarray(header.data).tobytes()
+    try:
+        found = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
+    except (struct.error, UnicodeDecodeError, ValueError, RecursionError):
+        return {}  # checked at commit: only a damaged header gets here
+    return {name: (entry["dtype"], list(entry["shape"])) for name, entry in found.items()
+            if name != "__metadata__" and isinstance(entry, dict) and isinstance(entry.get("dtype"), str)
+            and isinstance(entry.get("shape"), list)} if isinstance(found, dict) else {}
+
+
 def header_metadata(header: RawTensor) -> dict[str, str] | None:
     """The `__metadata__` of a committed header (its verbatim bytes), for a file written anew from part of it."""
     data = np.asarray(header.data).tobytes()
@@ -235,11 +250,12 @@ def as_state(skeleton: Any, value_of) -> dict[str, Any]:
 SAFETENSORS_DTYPES = {name: code for code, name in DTYPES.items()}  # torch dtype name -> safetensors code
 
 
-def write_tensors(path: str | os.PathLike, tensors: dict[str, RawTensor], metadata: dict[str, str] | None = None
-                  ) -> None:
+def write_tensors(path: str | os.PathLike, tensors: dict[str, RawTensor], metadata: dict[str, str] | None = None,
+                  as_committed: Mapping[str, tuple[str, list[int]]] | None = None) -> None:
     """Write `tensors` (torch dtypes) as a new safetensors file, atomically; names in the given order.
 
-    `metadata` becomes the header's `__metadata__` (string to string, as safetensors requires).
+    `metadata` becomes the header's `__metadata__` (string to string, as safetensors requires); a tensor
+    kept as its bytes (a dtype torch lacks) is written under its dtype and shape in `as_committed`.
     """
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
@@ -250,6 +266,11 @@ def write_tensors(path: str | os.PathLike, tensors: dict[str, RawTensor], metada
         if not is_utf8(name):  # a lone surrogate: json writes it, the safetensors library refuses the whole file
             raise UnsupportedStateError(f"{name.encode('utf-8', 'backslashreplace').decode()}: the name is no valid "
                                         "text, which a safetensors header must be; export with --format torch")
+        if raw.dtype == BYTES_DTYPE and name in (as_committed or {}):
+            code, shape = as_committed[name]
+            header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + raw.nbytes]}
+            offset += raw.nbytes
+            continue
         code = SAFETENSORS_DTYPES.get(raw.dtype)
         if code is None:
             raise UnsupportedStateError(f"{name}: safetensors has no type for {raw.dtype}; export with --format torch")

@@ -24,7 +24,7 @@ from ckptstore.repo import sharded, worktree
 from ckptstore.repo.diff import skeleton_values
 from ckptstore.repo.manifest import rebuilding_files
 from ckptstore.repo.select import CONTAINERS, aliases, entries_of_file
-from ckptstore.state import TORCH_PREFIX, RawTensor, escape, materialize, readable_path
+from ckptstore.state import BYTES_DTYPE, TORCH_PREFIX, RawTensor, escape, materialize, readable_path
 
 if TYPE_CHECKING:
     from ckptstore.formats import CheckpointFile
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 FORMATS = ("safetensors", "torch")
 WEIGHTS_ONLY = "a Hugging Face folder exports its model weights only, under their own names; --all exports every tensor"
+NO_TORCH_DTYPE = "weights of a safetensors dtype torch has none for (F6_E2M3, say): a safetensors export keeps them"
 
 
 @dataclass
@@ -59,7 +60,7 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
     worktree.sweep_stale_temps([output])  # a killed export's file, as large as this one, an hour old
     manifest = repo.manifest(cid)
     weight_files = [] if everything or manifest.kind != "folder" else hfweights.weight_files(manifest.files)
-    metadata = None
+    metadata, as_committed = None, {}
     if sharded.is_sharded(manifest):
         tensors, skipped = sharded.gather(repo, manifest)
         why = "DCP keeps non-tensor state as separate items: load them with dcp.load and CkptStorageReader"
@@ -70,9 +71,10 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
         return ExportReport(cid, len(state), skipped, WEIGHTS_ONLY if skipped else "")
     elif weight_files:
         with rebuilding_files(cid, manifest):
-            tensors, skipped, own = _weights(repo, manifest, weight_files)
+            tensors, odd, others, own, as_committed = _weights(repo, manifest, weight_files, fmt)
         metadata = {**own, "format": "pt"}  # transformers before 4.40 refuses a weights file without it
-        why = WEIGHTS_ONLY
+        skipped = odd + others
+        why = "; ".join([*([WEIGHTS_ONLY] if others else []), *([NO_TORCH_DTYPE] if odd else [])])
     elif fmt == "torch":
         torchfile.save(repo.checkout(cid), output)
         # a torch.save file's entries also hold its other records (bytes), and states numpy arrays; a tied key is
@@ -85,16 +87,19 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
 
         raws = restore(repo, manifest)
         raws.update({path: raws[entry] for path, entry in aliases(manifest).items()})  # each tied key its copy
-        kept = {p: r for p, r in raws.items() if r.dtype in safetensors_file.SAFETENSORS_DTYPES}
+        lone = [record.format for record in manifest.files] == [formats.SAFETENSORS]
+        if lone:  # its tensors of dtypes torch lacks are written back under their own
+            header = raws[manifest.files[0].skeleton[1]]
+            metadata, as_committed = safetensors_file.header_metadata(header), safetensors_file.header_dtypes(header)
+        kept = {p: r for p, r in raws.items() if r.dtype in safetensors_file.SAFETENSORS_DTYPES
+                or r.dtype == BYTES_DTYPE and not _format_own(p) and readable_path(p) in as_committed}
         skipped = [p for p in raws if p not in kept and not _format_own(p)]  # as `show` lists them, for --only
         skipped += _plain_values(manifest)
         tensors = _by_name(kept)
         why = ("safetensors holds tensors only (these are numbers, text, file bytes, numpy arrays or unsupported "
                "dtypes)")
-        if [record.format for record in manifest.files] == [formats.SAFETENSORS]:
-            metadata = safetensors_file.header_metadata(raws[manifest.files[0].skeleton[1]])
     if fmt == "safetensors":
-        safetensors_file.write_tensors(output, tensors, metadata)
+        safetensors_file.write_tensors(output, tensors, metadata, as_committed)
     else:
         torchfile.save({name: _torch(raw) for name, raw in tensors.items()}, output)
     return ExportReport(cid, len(tensors), skipped, why if skipped else "")
@@ -137,25 +142,31 @@ def _by_name(by_path: dict[str, RawTensor]) -> dict[str, RawTensor]:
     return by_name if len(by_name) == len(by_path) else by_path
 
 
-def _weights(repo: Repository, manifest: Manifest, files: list[CheckpointFile]
-             ) -> tuple[dict[str, RawTensor], list[str], dict[str, str]]:
-    """The weights in `files` by name (only their entries are decoded), and the folder's other files.
+def _weights(repo: Repository, manifest: Manifest, files: list[CheckpointFile], fmt: str
+             ) -> tuple[dict[str, RawTensor], list[str], list[str], dict[str, str], dict[str, tuple[str, list[int]]]]:
+    """The weights in `files` by name (only their entries are decoded), those `fmt` cannot hold, the folder's others.
 
-    With them, the weight files' own safetensors `__metadata__`, merged in file order.
+    With them, the weight files' own safetensors `__metadata__`, merged in file order, and the dtypes and
+    shapes of their tensors torch has no dtype for (kept as bytes: a safetensors export writes them back).
     """
     raws = _decoded(repo, manifest, files)
     tensors: dict[str, RawTensor] = {}
     own: dict[str, str] = {}
+    as_committed: dict[str, tuple[str, list[int]]] = {}
     for record in files:
-        if record.format == formats.SAFETENSORS:
-            own.update(safetensors_file.header_metadata(raws[record.skeleton[1]]) or {})
         found = hfweights.weights(record, raws.__getitem__)
         if found is None:
             raise _not_flat(record)
+        if record.format == formats.SAFETENSORS:
+            own.update(safetensors_file.header_metadata(raws[record.skeleton[1]]) or {})
+            dtypes = safetensors_file.header_dtypes(raws[record.skeleton[1]])
+            as_committed.update((name, dtypes[name]) for name, raw in found.items()
+                                if raw.dtype == BYTES_DTYPE and name in dtypes and fmt == "safetensors")
         tensors.update(found)
-    odd = [name for name, raw in tensors.items() if raw.dtype not in safetensors_file.SAFETENSORS_DTYPES]
+    odd = [name for name, raw in tensors.items()
+           if raw.dtype not in safetensors_file.SAFETENSORS_DTYPES and name not in as_committed]
     kept = {name: raw for name, raw in tensors.items() if name not in odd}
-    return kept, odd + _others(manifest, files), own
+    return kept, odd, _others(manifest, files), own, as_committed
 
 
 def _torch_weights(repo: Repository, manifest: Manifest, files: list[CheckpointFile]

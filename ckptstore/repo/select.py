@@ -372,10 +372,11 @@ def write_selection(repo: Repository, selection: Selection, plan: CheckoutPlan,
             if record.name not in selection.partial:
                 formats.write_file(record, staging, value_of, raw_of, exact)
             elif record.format == formats.SAFETENSORS:
-                from ckptstore.formats.safetensors_file import header_metadata, write_tensors
+                from ckptstore.formats.safetensors_file import header_dtypes, header_metadata, write_tensors
 
+                header = raw_of(record.skeleton[1])
                 write_tensors(staging, {name: raw_of(entry) for name, entry in record.skeleton[2]},
-                              header_metadata(raw_of(record.skeleton[1])))
+                              header_metadata(header), header_dtypes(header))
             else:
                 formats.write_file(record, staging, value_of, raw_of)
             if record.mode is not None:

@@ -378,3 +378,47 @@ def test_a_torch_export_of_tied_weights_counts_each_key_it_writes_as_the_safeten
         as_safetensors = export(repo, "main", "safetensors", tmp_path / "x.safetensors")
     written = torch.load(tmp_path / "x.pt", weights_only=True)
     assert as_torch.tensors == as_safetensors.tensors == len(written) == len(load_file(tmp_path / "x.safetensors"))
+
+
+def _safetensors_with_a_dtype_torch_lacks(path):
+    """A safetensors file holding an F6_E2M3 tensor (no torch dtype: ckptstore keeps its bytes) beside an F32 one."""
+    import struct
+
+    header = {"__metadata__": {"format": "pt"}, "a.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+              "q.weight": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [8, 11]}}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + struct.pack("<2f", 1.0, 1.0) + b"\x01\x02\x03")
+    return header
+
+
+def _entries(path):
+    import struct
+
+    data = path.read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + size])
+    return {name: (entry["dtype"], entry["shape"], data[8 + size + entry["data_offsets"][0]:
+                                                      8 + size + entry["data_offsets"][1]])
+            for name, entry in header.items() if name != "__metadata__"}
+
+
+def test_a_tensor_of_a_dtype_torch_lacks_is_exported_and_checked_out_in_part_under_its_own(tmp_path):
+    """An F6_E2M3 weight was left out of a Hugging Face export as 'weights only; --all exports every tensor' (wrong
+    and no help), `--only` refused it with advice for export, and a torch export named no reason (auditor 420)."""
+    (tmp_path / "hf").mkdir()
+    _safetensors_with_a_dtype_torch_lacks(tmp_path / "hf" / "model.safetensors")
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    _safetensors_with_a_dtype_torch_lacks(tmp_path / "lone.safetensors")
+    original = _entries(tmp_path / "hf" / "model.safetensors")
+    assert original["q.weight"] == ("F6_E2M3", [4], b"\x01\x02\x03")
+    with Repository.init(tmp_path) as repo:
+        folder, lone = repo.commit(tmp_path / "hf"), repo.commit(tmp_path / "lone.safetensors")
+        for ref, out in ((folder, "w.safetensors"), (lone, "lone-out.safetensors")):
+            report = export(repo, ref, "safetensors", tmp_path / out)
+            assert _entries(tmp_path / out) == original and "q.weight" not in report.skipped, report
+        repo.checkout_to(folder, tmp_path / "part", keys=["model.safetensors/q.weight"])
+        assert _entries(tmp_path / "part" / "model.safetensors") == {"q.weight": original["q.weight"]}
+        report = export(repo, folder, "torch", tmp_path / "w.pt")
+        assert report.skipped == ["q.weight", "config.json"] and "safetensors dtype torch has none for" in \
+            report.why_skipped and "--all exports every tensor" in report.why_skipped
