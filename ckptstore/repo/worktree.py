@@ -91,7 +91,7 @@ def plan_checkout(repo: Repository, manifest: Manifest, dest: Path, force: bool,
         plan.seen = {path: _signature(path) for path in [*(t for _, t in plan.files), *plan.extras]}
         unsaved = _unsaved(repo, [t for _, t in plan.files], plan.extras)
         if unsaved:
-            raise DirtyWorktreeError(*_refusal(unsaved, _originals(manifest, plan, unsaved), cid))
+            raise DirtyWorktreeError(*_refusal(unsaved, _originals(manifest, plan, unsaved), cid, output))
     return plan
 
 
@@ -110,15 +110,19 @@ def _originals(manifest: Manifest, plan: CheckoutPlan, unsaved: list[tuple[str, 
     return found
 
 
-def _refusal(unsaved: list[tuple[str, Path]], originals: list[Path], cid: str) -> tuple[str, str]:
-    """Why a checkout is refused, and what to do: committing a lossy commit's own originals again does nothing."""
+def _refusal(unsaved: list[tuple[str, Path]], originals: list[Path], cid: str, output: bool) -> tuple[str, str]:
+    """Why a checkout is refused, and what to do: committing a lossy commit's own originals again does nothing.
+
+    `output`: the place was named with -o already, so the advice is another one.
+    """
     others = [(verb, path) for verb, path in unsaved if path not in originals]
     said = [f"{_listed(others)}, whose content is not in the store"] if others else []
     if originals:
         said.append(f"overwrite {listing([str(p) for p in originals], SHOWN)}: the files lossy commit "
                     f"{cid[:12] or 'it'} was made from (resume from them directly)")
-    advice = ("commit it first, write elsewhere with -o PATH, or pass --force" if others else
-              "write elsewhere with -o PATH, or pass --force to write its lossy reconstruction over them")
+    elsewhere = "give -o another path" if output else "write elsewhere with -o PATH"
+    advice = (f"commit it first, {elsewhere}, or pass --force" if others else
+              f"{elsewhere}, or pass --force to write its lossy reconstruction over them")
     return f"checkout would {' and '.join(said)}", advice
 
 

@@ -422,3 +422,31 @@ def test_a_tensor_of_a_dtype_torch_lacks_is_exported_and_checked_out_in_part_und
         report = export(repo, folder, "torch", tmp_path / "w.pt")
         assert report.skipped == ["q.weight", "config.json"] and "safetensors dtype torch has none for" in \
             report.why_skipped and "--all exports every tensor" in report.why_skipped
+
+
+def test_an_export_of_a_lossy_commit_says_it_is_lossy_as_checkout_does(tmp_path):
+    """The exported weights carried the level's errors with no word of them (auditor 420)."""
+    generator = torch.Generator().manual_seed(0)
+    torch.save({"model": {"w": torch.randn(256, 256, generator=generator)}}, tmp_path / "c.pt")
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    for args in (("commit", "c.pt", "--lossy", "extreme"), ("commit", "c.pt", "-m", "exact", "--allow-empty")):
+        assert ckpt_here(tmp_path, *args).returncode == 0
+    lossy = ckpt_here(tmp_path, "export", "HEAD~1", "-o", "lossy.safetensors")
+    exact = ckpt_here(tmp_path, "export", "HEAD", "-o", "exact.safetensors")
+    assert lossy.returncode == 0 and "is a lossy commit (level extreme)" in lossy.stdout, lossy.stdout
+    assert exact.returncode == 0 and "lossy" not in exact.stdout, exact.stdout
+
+
+def test_a_refused_checkout_to_an_output_path_advises_another_path_not_the_option_given(tmp_path):
+    """'write elsewhere with -o PATH' was the advice where -o had been given (auditor 420)."""
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    for value in (1.0, 2.0):
+        torch.save({"w": torch.full((4,), value), "v": torch.zeros(2)}, tmp_path / "c.pt")
+        assert ckpt_here(tmp_path, "commit", "c.pt").returncode == 0
+    assert ckpt_here(tmp_path, "checkout", "HEAD", "--only", "w", "-o", "part.pt").returncode == 0
+    refused = ckpt_here(tmp_path, "checkout", "HEAD~1", "--only", "w", "-o", "part.pt")
+    assert refused.returncode == 1 and "commit it first, give -o another path, or pass --force" in refused.stderr
+    assert "with -o PATH" not in refused.stderr
+    torch.save({"w": torch.full((4,), 3.0)}, tmp_path / "c.pt")  # not committed: an in-place checkout is refused
+    in_place = ckpt_here(tmp_path, "checkout", "HEAD~1")
+    assert in_place.returncode == 1 and "write elsewhere with -o PATH" in in_place.stderr, in_place.stderr
