@@ -96,9 +96,12 @@ def select(manifest: Manifest, keys: Iterable[str], commit: str = "") -> Selecti
     if not files:
         own = [p for p in wanted.patterns if p in manifest.entries]  # copied from `ckpt show`, which lists them
         if own:
+            yours = [k for k in (_as_key(p) for p in own) if k in manifest.entries]
+            also = f" (your own key of that text is {', '.join(yours)}: select it so)" if yours else ""
             raise NothingSelectedError(f"{', '.join(own)} is the file format's own entry (its container or header "
                                        "bytes, which `ckpt show` lists beside the tensors), not a value of the "
-                                       "checkpoint: select values, e.g. 'model.*', or check out the whole file")
+                                       f"checkpoint{also}: select values, e.g. 'model.*', or check out the whole "
+                                       "file")
         raise NothingSelectedError(f"no path of commit {commit[:12] or '(this commit)'} matches "
                                    f"{', '.join(wanted.patterns)}; `ckpt show {commit[:12] or 'REF'}` lists its "
                                    "paths (match them with '.' or '/' between levels, e.g. 'model.*')")
@@ -106,6 +109,12 @@ def select(manifest: Manifest, keys: Iterable[str], commit: str = "") -> Selecti
                      digests={n: d for n, d in manifest.digests.items() if n not in partial},
                      empty_folders=[])  # files selected alone: the folders that hold none are no path of theirs
     return Selection(pruned, partial)
+
+
+def _as_key(path: str) -> str:
+    """A format's own entry's path (`f/%header`) as a user's key of the same text is stored (`f/%25header`)."""
+    folder, _, last = path.rpartition("/")
+    return f"{folder}/{escape(last)}" if folder else escape(last)
 
 
 def _as_written(manifest: Manifest, wanted: KeyPatterns) -> KeyPatterns:

@@ -364,3 +364,13 @@ def test_an_ordered_dicts_attribute_that_show_lists_is_selected_by_its_path(repo
     written = torch.load(tmp_path / "x.pt", weights_only=True)["od"]
     assert vars(written).keys() == {"extra"} and not written
     assert_same(written.extra, torch.arange(3))
+
+
+def test_a_key_named_as_a_formats_own_entry_is_pointed_to_when_its_text_selects_the_entry(tmp_path):
+    """A tensor named '%header' could not be selected by its own text, and the refusal did not say how (auditor 420)."""
+    save_file({"%header": torch.ones(3), "x": torch.zeros(1)}, tmp_path / "f.safetensors")
+    with ckptstore.Repository.init(tmp_path / "r") as repo:
+        cid = repo.commit(tmp_path / "f.safetensors")
+        with pytest.raises(NothingSelectedError, match="your own key of that text is %25header: select it so"):
+            repo.checkout(cid, keys=["%header"])
+        assert torch.equal(repo.checkout(cid, keys=["%25header"])["%header"], torch.ones(3))
