@@ -41,6 +41,7 @@ DTYPES = {
 }
 # safetensors counts F4's 4-bit values; torch's float4_e2m1fn_x2 holds two in each element: its last dimension is half
 PACKED = {"F4": 2}
+BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}  # sub-byte codes a tensor kept as its bytes may have: their size checked
 # unescaped (state.reserved_path), so no tensor name can take it; before 3 December 2026 it was escaped
 # ("%25header", which a tensor named "%header" took), and older skeletons still name their own entries
 HEADER_PATH = "%header"
@@ -268,6 +269,10 @@ def write_tensors(path: str | os.PathLike, tensors: dict[str, RawTensor], metada
                                         "text, which a safetensors header must be; export with --format torch")
         if raw.dtype == BYTES_DTYPE and name in (as_committed or {}):
             code, shape = as_committed[name]
+            if code in BITS and -(-math.prod(shape) * BITS[code] // 8) != raw.nbytes:  # a damaged or forged header
+                raise CheckpointFormatError(f"{name}: the committed header's {code} {shape} needs "
+                                            f"{-(-math.prod(shape) * BITS[code] // 8)} bytes, the commit holds "
+                                            f"{raw.nbytes}: the header is damaged (or a remote forged it)")
             header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + raw.nbytes]}
             offset += raw.nbytes
             continue

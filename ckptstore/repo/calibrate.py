@@ -10,12 +10,15 @@ garbage for gc.
 
 from __future__ import annotations
 
+import math
 import numbers
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import CkptError
+from ckptstore.hashing import object_id
 from ckptstore.policy import LossyLevel
 from ckptstore.records import TensorRecord
 from ckptstore.replay import ChainSource, replay
@@ -41,8 +44,11 @@ class LossGuard:
     def change(self, restored: Mapping[str, RawTensor]) -> float:
         """The relative change of the loss with `restored` in place of the original tensors.
 
-        The largest of the model's copies in the checkpoint (its own and an EMA's just made, say).
+        The largest of the model's copies in the checkpoint (its own and an EMA's just made, say). An original
+        loss too small for float64 to show a relative change (0, subnormal) allows only the same loss.
         """
+        if abs(self.original) < sys.float_info.min:
+            return max(0.0 if loss == self.original else math.inf for loss in self.loss_with(restored))
         return max(((loss - self.original) / abs(self.original) for loss in self.loss_with(restored)), key=abs)
 
     def holds(self, change: float) -> bool:
@@ -81,9 +87,10 @@ def loss_guard(calibration: Callable[[Any], Any] | None, model: Any, max_change:
         warn_caller(f"{exc}, and the checkpoint holds infinite values ({readable_path(infinite)}): committed without "
                     "the loss guard, lossless where the level would quantize them", RuntimeWarning)
         return None
-    if original == 0:  # a change relative to nothing: a floor in its place recorded an absolute change as a share
-        raise CkptError("the calibration loss of the checkpoint is 0, so its relative change is undefined: give a "
-                        "loss that is not 0 there (a cross-entropy, or the loss plus a constant)")
+    if abs(original) < sys.float_info.min:  # a floor in its place recorded an absolute change as a share of it
+        warn_caller(f"the calibration loss of the checkpoint is {original!r}, too small for a relative change: only "
+                    "the same loss is within the limit (the weights may be stored lossless); give a loss that is not "
+                    "0 there (a cross-entropy, or the loss plus a constant)", RuntimeWarning)
     return LossGuard(loss_with, original, limit)
 
 
@@ -183,7 +190,6 @@ def function_named(spec: str) -> Callable[[Any], Any]:
     """The function `MODULE:NAME` (MODULE a module importable from the current folder, or a .py file)."""
     import importlib
     import importlib.util
-    import sys
     from pathlib import Path
 
     module_name, _, name = spec.rpartition(":")
@@ -196,13 +202,19 @@ def function_named(spec: str) -> Callable[[Any], Any]:
                 raise ImportError(f"no file {module_name}")
             # as `python FILE` runs it: its folder first on the path (a helper beside it), and a module in
             # sys.modules while it runs (dataclasses look themselves up there), under a name no import takes
-            unique = f"_ckpt_calibration_{path.stem}"
+            folder = str(path.resolve().parent)
+            unique = f"_ckpt_calibration_{path.stem}_{object_id(folder.encode())[:8]}"
             found = importlib.util.spec_from_file_location(unique, path)
             if found is None or found.loader is None:
                 raise ImportError(f"{module_name} is no Python module")
-            sys.path.insert(0, str(path.resolve().parent))
+            if folder not in sys.path:  # once: a long process (a notebook) commits many times
+                sys.path.insert(0, folder)
             module = sys.modules[unique] = importlib.util.module_from_spec(found)
-            found.loader.exec_module(module)
+            try:
+                found.loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop(unique, None)  # no half-made module for the next call
+                raise
         else:
             sys.path.insert(0, "")  # the user's folder, as `python -m` does
             module = importlib.import_module(module_name)

@@ -155,10 +155,10 @@ class Repository:
             raise exc.needed_by(self.commits_needing(exc.object_ids)) from None
 
     def manifest(self, cid: CommitId) -> Manifest:
-        """The manifest of commit `cid`."""
+        """The manifest of commit `cid`; PrunedCommitError where a prune removed it (while this read it too)."""
+        from ckptstore.repo.integrity import kept_manifest
         with self.db.read() as tx:
-            oid = commit_rows.manifest_object(tx, cid)
-        return self.read_manifest(oid)
+            return kept_manifest(self, commit_rows.commit_info(tx, cid))
 
     def read_manifest(self, oid: ObjectId) -> Manifest:
         """The manifest stored as object `oid`."""

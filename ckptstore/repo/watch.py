@@ -554,13 +554,28 @@ def already_committed(repo: Repository, source: Source, committed: BranchSources
     if newest.pruned:  # its manifest is gone with its tensors: files none written since are the ones it was made of
         # (committed again, an old checkpoint would land on the branch's tip and push the newer ones into the
         # retention's cut); a file rewritten after it is a new checkpoint
-        older = all(mtime_ns < newest.created_at * 1e9 for _, _, mtime_ns in source.signature)
-        return newest.id if older and sum(size for _, size, _ in source.signature) == newest.raw_bytes else None
+        return newest.id if _written_before(repo, source.path, newest.created_at, newest.raw_bytes) else None
     manifest = repo.read_manifest(newest.manifest_object)
     if sorted(f.name for f in manifest.files) != sorted(files):
         return None
     digests = {n: file_digest(str(p)) for n, p in files.items()}
     return newest.id if all(digests[f.name] == manifest.digests.get(f.name) for f in manifest.files) else None
+
+
+def _written_before(repo: Repository, path: Path, when: float, size: int) -> bool:
+    """Whether the files a commit of `path` reads were all last written before `when`, `size` bytes together.
+
+    As the commit reads them: links followed, the repository's own folders and git's files left out.
+    """
+    from ckptstore.formats.folder import folder_listing
+
+    try:
+        listed = folder_listing(path, repo.own_folders(), quiet=True).files if path.is_dir() else None
+        files = [path] if listed is None else [f.path for f in listed]
+        found = [os.stat(file) for file in files]
+    except (CkptError, OSError):  # what a commit would refuse: its own error says it
+        return False
+    return all(info.st_mtime_ns < when * 1e9 for info in found) and sum(info.st_size for info in found) == size
 
 
 class BranchSources:

@@ -187,3 +187,17 @@ def test_a_header_padded_with_leading_whitespace_is_read_as_the_safetensors_libr
     assert file_incomplete(tmp_path / "half.safetensors") == "its tensor data is not all written yet"
     write_raw(tmp_path / "text.safetensors", b"   [1, 2]", b"")
     assert not safetensors_file.looks_like_safetensors(tmp_path / "text.safetensors")
+
+
+def test_a_tensor_kept_as_bytes_is_written_under_its_committed_dtype_only_when_its_size_fits(tmp_path):
+    """The header's F6_E2M3 [1000] beside 5 stored bytes was written as a file safetensors refuses (reviewer 422)."""
+    from ckptstore.state import raw_from_bytes
+
+    raw = raw_from_bytes(np.frombuffer(b"\x01\x02\x03", dtype=np.uint8))
+    safetensors_file.write_tensors(tmp_path / "ok.safetensors", {"w": raw}, None, {"w": ("F6_E2M3", [4])})
+    data = (tmp_path / "ok.safetensors").read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    assert json.loads(data[8:8 + size])["w"] == {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [0, 3]}
+    with pytest.raises(CheckpointFormatError, match=r"F6_E2M3 \[1000\] needs 750 bytes, the commit holds 3"):
+        safetensors_file.write_tensors(tmp_path / "bad.safetensors", {"w": raw}, None, {"w": ("F6_E2M3", [1000])})
+    assert not (tmp_path / "bad.safetensors").exists()

@@ -1113,3 +1113,29 @@ def test_a_folder_holding_git_files_is_found_committed_without_a_record(repo, tm
         record.unlink()
     said = []
     assert watch(repo, run, ONCE, say=said.append).committed == [] and said == []
+
+
+def test_a_pruned_folder_holding_a_link_counts_as_committed_by_the_bytes_its_commit_read(tmp_path):
+    """The size check summed the link itself, the commit the file it leads to: after a restart without a record the
+    old folder was committed on top and the retention pruned the newest (reviewer 422)."""
+    from ckptstore import Repository
+
+    Repository.init(tmp_path / "repo").close()
+    with open(tmp_path / "repo" / ".ckpt" / "config.toml", "a") as config:
+        config.write("\n[retention]\nkeep_last = 1\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    trainer = Trainer()
+    trainer.train(1)
+    _trainer_folder(run / "checkpoint-10", trainer)
+    (run / "checkpoint-10" / "sub").mkdir()
+    os.rename(run / "checkpoint-10" / "optimizer.pt", run / "checkpoint-10" / "sub" / "optimizer.pt")
+    os.symlink("sub/optimizer.pt", run / "checkpoint-10" / "optimizer.pt")  # a link inside the folder: followed
+    trainer.train(1)
+    _trainer_folder(run / "checkpoint-20", trainer)
+    with Repository.open(tmp_path / "repo") as repo:
+        assert len(watch(repo, run, ONCE).committed) == 2
+        for record in (repo.dir / "watch").glob("*.json"):
+            record.unlink()
+        assert watch(repo, run, ONCE).committed == []
+        assert [c.pruned for c in repo.log()] == [False, True]  # the newest kept, none committed again
