@@ -104,7 +104,7 @@ def test_diff_of_a_range_is_the_diff_of_its_two_ends_and_one_ref_alone_is_refuse
         assert repo.diff("main~1..main") == repo.diff("main~1", "main")
         assert repo.diff("side~1..") == repo.diff("side~1", "HEAD")
     alone = ckpt_here(tmp_path, "diff", "main")
-    assert alone.returncode == 1 and "give `main B` or `main..B`" in alone.stderr, alone.stderr
+    assert alone.returncode == 2 and "give `main B` or `main..B`" in alone.stderr, alone.stderr
     three = ckpt_here(tmp_path, "diff", "main...side")
     assert three.returncode == 1 and "ckpt diff main side" in three.stderr, three.stderr
     assert ckpt_here(tmp_path, "diff", "main~1..main").stdout == ckpt_here(tmp_path, "diff", "main~1", "main").stdout
