@@ -58,7 +58,11 @@ def plan_adam_first_moment(ctx: PlanContext, m: Subject) -> LossyPlan:
     params = {"dtype": m.raw.dtype, "v_dtype": ctx.tensors[second].dtype, "step": level.moment_step * factor,
               "rounding": level.moment_rounding, "eps": V_EPS, "chunk_bytes": ctx.plans[second].params["chunk_bytes"],
               **update_bound(level)}
-    mask_from = slot.weight if (level.prune > 0 and slot.weight in ctx.plans) else None
+    # the weight's pruned entries, chunk by chunk: only where its chunks hold the same entries as the moment's
+    # (a bf16 weight beside fp32 moments is cut in other places: its masks did not fit, IndexError at `extreme`)
+    same_chunks = slot.weight in ctx.plans and ctx.tensors[slot.weight].dtype == m.raw.dtype and \
+        ctx.plans[slot.weight].params.get("chunk_bytes") == params["chunk_bytes"]
+    mask_from = slot.weight if level.prune > 0 and same_chunks else None
     paced_by = None
     if level.fine_moment_step > 0 and slot.weight in ctx.plans:
         params["fine_step"], paced_by = level.fine_moment_step * factor, slot.weight

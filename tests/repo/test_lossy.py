@@ -1488,3 +1488,37 @@ def test_a_folders_safetensors_weights_pair_only_as_their_shapes_or_given_names_
     with Repository.init(tmp_path / "repo") as repo:
         cid = repo.commit(folder, lossy="balanced")
         assert repo.show(cid)["pairing"] == BY_NAME + ASK_NAMES
+
+
+@pytest.mark.parametrize("weight_dtype, moment_dtype", [(torch.bfloat16, torch.float32),
+                                                        (torch.float32, torch.bfloat16)])
+def test_extreme_prunes_moments_beside_a_weight_of_another_dtype_without_taking_its_chunks_masks(
+        tmp_path, weight_dtype, moment_dtype):
+    """A bf16 weight beside fp32 moments is cut into chunks at other entries: `extreme` gave the moments the weight's
+    prune masks chunk by chunk, IndexError ('unexpected' at the CLI) on the first commit or the residual (auditor
+    423)."""
+    from ckptstore.policy import EncodingSettings
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(300, 256, bias=False).to(weight_dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.weight.grad = torch.randn_like(model.weight)
+    optimizer.step()
+    state = optimizer.state[model.weight]
+    state["exp_avg"], state["exp_avg_sq"] = (state[k].to(moment_dtype) for k in ("exp_avg", "exp_avg_sq"))
+    with Repository.init(tmp_path, encoding=EncodingSettings(chunk_bytes=4096)) as repo:
+        for step in range(2):  # a keyframe, then a residual (an Adam step by hand: torch's wants one dtype)
+            if step:
+                with torch.no_grad():
+                    grad = torch.randn(model.weight.shape)
+                    state["exp_avg"].mul_(0.9).add_((0.1 * grad).to(moment_dtype))
+                    state["exp_avg_sq"].mul_(0.999).add_((0.001 * grad * grad).to(moment_dtype))
+                    model.weight.sub_((1e-3 * grad.sign()).to(weight_dtype))
+            original = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+            cid = repo.commit(original, lossy="extreme", model=model, optimizer=optimizer)
+            restored = repo.checkout(cid)
+            m, v = (original["optimizer"]["state"][0][k].double() for k in ("exp_avg", "exp_avg_sq"))
+            m2, v2 = (restored["optimizer"]["state"][0][k].double() for k in ("exp_avg", "exp_avg_sq"))
+            u, u2 = m / (v + 1e-30).sqrt(), m2 / (v2 + 1e-30).sqrt()
+            assert float((u2 - u).norm() / u.norm()) <= 1.0  # extreme's update bound
+        assert fsck(repo).ok
