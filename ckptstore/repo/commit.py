@@ -702,6 +702,8 @@ def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], so
                 and _meets_bound(parent, plans[path], (figures or {}).get(path))):
             entries[path] = parent.id
             reused[path] = parent
+    for path in [p for p in reused if plans[p].sibling in plans and plans[p].sibling not in reused]:
+        del reused[path], entries[path]  # a first moment's error is of m / sqrt(v): with v coded anew, measured anew
     lossless = [p for p in tensors if p not in plans]
     present = tensor_rows.existing_tensor_ids(tx, [sources[p] for p in lossless])
     new: dict[TensorId, RawTensor] = {}

@@ -1522,3 +1522,28 @@ def test_extreme_prunes_moments_beside_a_weight_of_another_dtype_without_taking_
             u, u2 = m / (v + 1e-30).sqrt(), m2 / (v2 + 1e-30).sqrt()
             assert float((u2 - u).norm() / u.norm()) <= 1.0  # extreme's update bound
         assert fsck(repo).ok
+
+
+def test_a_first_moment_of_unchanged_bytes_beside_a_second_moment_coded_anew_is_measured_anew(tmp_path):
+    """m's record was kept from the parent for its unchanged bytes, its parent's figures shown, though its error is
+    of m / sqrt(v) and v was coded anew: the update 2.8x past extreme's bound, `show` saying 7% of it (auditor 423)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(128, 64, bias=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.weight.grad = torch.randn_like(model.weight)
+    optimizer.step()
+    state = optimizer.state[model.weight]
+    state["exp_avg_sq"] = torch.exp(torch.empty(64, 128).uniform_(-20, -10))  # v over four decades
+    state["exp_avg"] = torch.randn(64, 128) * 50 * state["exp_avg_sq"].sqrt()
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, lossy="extreme",
+                    model=model, optimizer=optimizer)
+        state["exp_avg_sq"] = state["exp_avg_sq"] * torch.exp(torch.empty(64, 128).uniform_(-3, 3))  # m's bytes kept
+        original = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        cid = repo.commit(original, lossy="extreme", model=model, optimizer=optimizer)
+        restored = repo.checkout(cid)["optimizer"]["state"][0]
+        u, u2 = ((s["exp_avg"].double() / (s["exp_avg_sq"].double() + 1e-30).sqrt())
+                 for s in (original["optimizer"]["state"][0], restored))
+        error = float((u2 - u).norm() / u.norm())
+        shown = next(t for t in repo.show(cid)["tensors"] if t["path"].endswith("exp_avg"))
+        assert error <= 1.0 and shown["rel_error"] == pytest.approx(error, rel=0.05, abs=1e-4), (error, shown)
