@@ -11,9 +11,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 # One torch thread per test worker, in this process and every one it starts: the suite runs a worker per
 # core, and a second OpenMP thread only spins against the other worker (measured: 15-40% longer runs).
@@ -123,6 +124,21 @@ def wait_until_held(release: Path, process: subprocess.Popen, timeout: float = 1
         assert process.poll() is None, process.communicate()
         assert time.monotonic() < deadline, f"the process did not reach its wait point within {timeout:.0f} s"
         time.sleep(0.02)
+
+
+def held_while(cwd: Path, args: list[str], point: str, meanwhile: Callable[[], Any]) -> subprocess.CompletedProcess:
+    """`ckpt ARGS` in a process of its own, held at fault point `point` while `meanwhile()` runs, then let go."""
+    release = cwd / f"release-{point.replace(':', '-')}"
+    held = subprocess.Popen([sys.executable, "-m", "ckptstore", *args], cwd=cwd,
+                            env=ckpt_env(CKPT_WAIT_AT=f"{point}={release}"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_held(release, held)
+        meanwhile()
+    finally:
+        release.touch()
+        out, err = held.communicate(timeout=300)
+    return subprocess.CompletedProcess(held.args, held.returncode, out, err)
 
 
 def end_left_running(started: list[subprocess.Popen]) -> None:

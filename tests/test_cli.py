@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from ckptstore.cli import cli
-from tests.conftest import Trainer, ckpt_env, ckpt_here, wait_until_held
+from tests.conftest import Trainer, ckpt_env, ckpt_here, held_while
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -593,15 +593,7 @@ def test_a_checkout_whose_commit_a_prune_removes_once_its_file_is_written_report
     for value in (1.0, 2.0):
         torch.save({"w": torch.full((4,), value)}, tmp_path / "c.pt")
         assert ckpt_here(tmp_path, "commit", "c.pt").returncode == 0
-    release = tmp_path / "go"
-    checking = subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", "main~1", "-o", "out.pt"],
-                                cwd=tmp_path, env=ckpt_env(CKPT_WAIT_AT=f"checkout:renamed={release}"),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until_held(release, checking)
-        assert ckpt_here(tmp_path, "prune", "--keep-last", "1").returncode == 0
-    finally:
-        release.touch()
-        out, err = checking.communicate(timeout=300)
-    assert checking.returncode == 0 and err == "" and "Files are byte for byte as committed." in out, (out, err)
+    done = held_while(tmp_path, ["checkout", "main~1", "-o", "out.pt"], "checkout:renamed",
+                      lambda: ckpt_here(tmp_path, "prune", "--keep-last", "1").check_returncode())
+    assert done.returncode == 0 and done.stderr == "" and "Files are byte for byte as committed." in done.stdout, done
     assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], torch.full((4,), 1.0))

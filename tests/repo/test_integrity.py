@@ -18,7 +18,7 @@ from ckptstore import Repository
 from ckptstore.errors import CkptError, CorruptObjectError, CorruptRecordError
 from ckptstore.hashing import commit_id
 from ckptstore.repo import fsck, gc
-from tests.conftest import assert_same, ckpt_env, ckpt_here, wait_until_held
+from tests.conftest import assert_same, ckpt_env, ckpt_here, held_while, wait_until_held
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.both_backends
@@ -1286,14 +1286,6 @@ def test_fsck_full_counts_no_damage_for_commits_a_prune_removed_while_it_replaye
     with Repository.init(tmp_path) as repo:
         for i in range(4):
             repo.commit({"w": torch.randn(256, 256, generator=torch.Generator().manual_seed(i)), "step": i})
-    release = tmp_path / "go"
-    checking = subprocess.Popen([sys.executable, "-m", "ckptstore", "fsck", "--full"], cwd=tmp_path,
-                                env=ckpt_env(CKPT_WAIT_AT=f"checkout:records-read={release}"),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_until_held(release, checking)
-        assert ckpt_here(tmp_path, "prune", "--keep-last", "1").returncode == 0
-    finally:
-        release.touch()
-        out = checking.communicate(timeout=300)[0]
-    assert checking.returncode == 0 and out.rstrip().endswith("ok"), out
+    checked = held_while(tmp_path, ["fsck", "--full"], "checkout:records-read",
+                         lambda: ckpt_here(tmp_path, "prune", "--keep-last", "1").check_returncode())
+    assert checked.returncode == 0 and checked.stdout.rstrip().endswith("ok"), checked

@@ -34,6 +34,15 @@ def _load(path):
         return torch.load(path, weights_only=True)
 
 
+def _keeping_last(folder: Path, count: int) -> None:
+    """A repository at `folder` whose [retention] keeps the last `count` commits (pruned after each commit)."""
+    from ckptstore import Repository
+
+    Repository.init(folder).close()
+    with open(folder / ".ckpt" / "config.toml", "a") as config:
+        config.write(f"\n[retention]\nkeep_last = {count}\n")
+
+
 def _run_with_one_trainer_folder(tmp_path: Path) -> Path:
     """A run folder holding Trainer's checkpoint-10, after one step."""
     run = tmp_path / "run"
@@ -515,9 +524,7 @@ def test_a_file_rewritten_after_retention_pruned_its_last_commit_is_committed(tm
     """
     from ckptstore import Repository
 
-    Repository.init(tmp_path / "repo").close()
-    with open(tmp_path / "repo" / ".ckpt" / "config.toml", "a") as config:
-        config.write("\n[retention]\nkeep_last = 1\n")
+    _keeping_last(tmp_path / "repo", 1)
     run = tmp_path / "run"
     run.mkdir()
     with Repository.open(tmp_path / "repo") as repo:
@@ -1041,9 +1048,7 @@ def test_a_restart_whose_record_is_missing_or_named_apart_commits_no_pruned_chec
     """
     from ckptstore import Repository
 
-    Repository.init(tmp_path / "repo").close()
-    with open(tmp_path / "repo" / ".ckpt" / "config.toml", "a") as config:
-        config.write("\n[retention]\nkeep_last = 2\n")
+    _keeping_last(tmp_path / "repo", 2)
     run = tmp_path / "run"
     run.mkdir()
     for step in (12, 14, 16):
@@ -1084,9 +1089,7 @@ def test_a_pruned_commits_file_counts_as_committed_only_with_as_many_bytes(tmp_p
     older time (cp -p, rsync -a) was never committed (reviewer 421)."""
     from ckptstore import Repository
 
-    Repository.init(tmp_path / "repo").close()
-    with open(tmp_path / "repo" / ".ckpt" / "config.toml", "a") as config:
-        config.write("\n[retention]\nkeep_last = 1\n")
+    _keeping_last(tmp_path / "repo", 1)
     run = tmp_path / "run"
     run.mkdir()
     with Repository.open(tmp_path / "repo") as repo:
@@ -1120,9 +1123,7 @@ def test_a_pruned_folder_holding_a_link_counts_as_committed_by_the_bytes_its_com
     old folder was committed on top and the retention pruned the newest (reviewer 422)."""
     from ckptstore import Repository
 
-    Repository.init(tmp_path / "repo").close()
-    with open(tmp_path / "repo" / ".ckpt" / "config.toml", "a") as config:
-        config.write("\n[retention]\nkeep_last = 1\n")
+    _keeping_last(tmp_path / "repo", 1)
     run = tmp_path / "run"
     run.mkdir()
     trainer = Trainer()

@@ -332,28 +332,27 @@ def test_a_path_inside_a_git_folder_is_refused_at_commit_not_called_forged_at_ch
     assert repo.head()[1] is None  # nothing was recorded
 
 
-def test_a_folder_commit_leaves_git_s_own_files_out_and_says_so(repo):
-    """A folder holding a git clone (a model from a hub) committed its .git/; no checkout writes one back."""
+def _hub_clone_committed(repo) -> str:
+    """A Trainer folder holding git's files (a model cloned from a hub, a worktree pointer below), committed."""
     make_trainer_folder(repo.root / "ck")
     (repo.root / "ck" / ".git" / "hooks").mkdir(parents=True)
     (repo.root / "ck" / ".git" / "config").write_text("[core]\n")
     (repo.root / "ck" / "sub").mkdir()
     (repo.root / "ck" / "sub" / ".Git").write_text("gitdir: elsewhere\n")
     with pytest.warns(RuntimeWarning, match="git.s own files are no checkpoint"):
-        cid = repo.commit(repo.root / "ck")
+        return repo.commit(repo.root / "ck")
+
+
+def test_a_folder_commit_leaves_git_s_own_files_out_and_says_so(repo):
+    """A folder holding a git clone (a model from a hub) committed its .git/; no checkout writes one back."""
+    cid = _hub_clone_committed(repo)
     names = [record.name for record in repo.manifest(cid).files]
     assert names and not [name for name in names if ".git" in name.lower()]
 
 
 def test_a_checkout_in_place_neither_counts_nor_deletes_the_git_files_a_commit_left_out(repo):
     """`checkout --force` deleted a hub clone's .git/ as untracked, and status listed its files (auditor 417)."""
-    make_trainer_folder(repo.root / "ck")
-    (repo.root / "ck" / ".git" / "hooks").mkdir(parents=True)
-    (repo.root / "ck" / ".git" / "config").write_text("[core]\n")
-    (repo.root / "ck" / "sub").mkdir()
-    (repo.root / "ck" / "sub" / ".Git").write_text("gitdir: elsewhere\n")
-    with pytest.warns(RuntimeWarning, match="git.s own files"):
-        cid = repo.commit(repo.root / "ck")
+    cid = _hub_clone_committed(repo)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # status commits nothing: no "left out of the commit"
         assert [f for f in repo.status()["files"] if f["state"] != "unchanged"] == []
