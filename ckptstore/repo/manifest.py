@@ -156,9 +156,12 @@ class Manifest:
         try:
             manifest = cls.from_record(record)
             manifest.oid = str(oid)
-            return manifest
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
             raise UnreadableManifestError(oid, f"a manifest missing or mangling a field ({exc!r})") from None
+        from ckptstore.repo.select import respell_tuple_keys  # select reads manifests: imported here, not above
+
+        respell_tuple_keys(manifest)
+        return manifest
 
     def rewritten_files(self) -> list[str]:
         """Files a checkout writes with torch.save (no container; "" names a lone file): state exact, bytes not."""

@@ -313,6 +313,47 @@ def _nodes_below(skeleton: Any, root: str) -> Iterator[tuple[Any, str]]:
             stack.extend((v, join(path, str(i))) for i, v in enumerate(node[1]))
 
 
+def respell_tuple_keys(manifest: Manifest) -> None:
+    """Name the entries of tuple dict keys as flatten does now, where an older ckptstore named them by the key's repr.
+
+    Before 65c1714 an IntEnum, namedtuple or str subclass in a tuple key gave `%tuple:(<E.A: 1>, 2)` while its
+    skeleton holds the key as stored, `%tuple:(1, 2)`: show listed one path and diff, export and selection
+    another, each tensor twice. Renamed in the manifest read (its stored bytes and id unchanged) where one
+    path differs from the other in `%tuple:` parts alone and no other place claims either.
+    """
+    if not any("%tuple:" in path for path in manifest.entries):
+        return
+    claims: dict[str, set[str]] = {}
+    try:
+        nodes = list(_skeleton_nodes(manifest))
+    except (MalformedSkeletonError, *MalformedSkeletonError.WALK_ERRORS):
+        return  # damage: said where the skeleton is read
+    rebuilt = {path for _, path in nodes}
+    for node, path in nodes:
+        if isinstance(node, list) and node and node[0] in LEAVES_WITH_ENTRY and isinstance(node[1], str) \
+                and node[1] != path and node[1] not in rebuilt and path not in manifest.entries \
+                and _respelled(node[1], path):
+            claims.setdefault(node[1], set()).add(path)
+    renames = {old: next(iter(new)) for old, new in claims.items() if len(new) == 1 and old in manifest.entries}
+    if not renames:
+        return
+    manifest.entries = {renames.get(path, path): entry for path, entry in manifest.entries.items()}
+    manifest.measured = {renames.get(path, path): value for path, value in manifest.measured.items()}
+    manifest.sources = {renames.get(path, path): value for path, value in manifest.sources.items()}
+    for node, _ in nodes:
+        if isinstance(node, list) and node and node[0] in LEAVES_WITH_ENTRY and node[1] in renames:
+            node[1] = renames[node[1]]
+    for record in manifest.files:
+        for splice in (record.container or {}).get("splices", []):
+            splice[2] = renames.get(splice[2], splice[2])
+
+
+def _respelled(old: str, new: str) -> bool:
+    """Whether two paths differ in `%tuple:` parts alone (one tuple key's two spellings)."""
+    a, b = old.split("/"), new.split("/")
+    return len(a) == len(b) and all(x == y or x.startswith("%tuple:") and y.startswith("%tuple:") for x, y in zip(a, b))
+
+
 def item_path(path: str, key: Any) -> str:
     """The path flatten gave the dict item below `path` whose key the skeleton holds as `key` (a tuple's too)."""
     return join_key(path, unflatten(key, _no_lookup))

@@ -374,3 +374,35 @@ def test_a_key_named_as_a_formats_own_entry_is_pointed_to_when_its_text_selects_
         with pytest.raises(NothingSelectedError, match="your own key of that text is %25header: select it so"):
             repo.checkout(cid, keys=["%header"])
         assert torch.equal(repo.checkout(cid, keys=["%25header"])["%header"], torch.ones(3))
+
+
+def test_a_commit_naming_tuple_keys_by_their_repr_as_before_65c1714_lists_each_tensor_once(tmp_path, monkeypatch):
+    """Commits made before 65c1714 named an IntEnum or namedtuple tuple key by repr(): show listed that path, diff
+    and export each tensor twice, and selecting the listed path was refused as the format's own entry (auditor
+    424). Read now under the names flatten gives, once each."""
+    import collections
+    import enum
+
+    import zstandard
+
+    from ckptstore import state as state_module
+    from ckptstore.repo import export
+
+    class E(enum.IntEnum):
+        A = 1
+
+    pair = collections.namedtuple("pair", "a b")
+    state = {"opt": {(E.A, 2): torch.ones(3), pair(1, "x"): {"w": torch.zeros(2)}}, "w": torch.full((2,), 5.0)}
+    with ckptstore.Repository.init(tmp_path / "r") as repo:
+        with monkeypatch.context() as old:
+            old.setattr(state_module, "stored_tuple_key", lambda key: key)  # flatten as before 65c1714
+            cid = repo.commit(state)
+        stored = repo.store.get(repo.commit_info(cid).manifest_object)
+        assert b"%tuple:(<E.A: 1>, 2)" in zstandard.ZstdDecompressor().decompressobj().decompress(bytes(stored))
+        listed = [t["path"] for t in repo.show(cid)["tensors"]]
+        assert sorted(listed) == ["opt/%tuple:(1, 'x')/w", "opt/%tuple:(1, 2)", "w"], listed
+        assert len(repo.diff(cid, cid)) == 3
+        assert export(repo, cid, "torch", tmp_path / "all.pt").tensors == 3
+        assert torch.equal(repo.checkout(cid, keys=["opt/%tuple:(1, 2)"])["opt"][(1, 2)], torch.ones(3))
+        restored = repo.checkout(cid)
+        assert torch.equal(restored["opt"][(1, "x")]["w"], torch.zeros(2)) and torch.equal(restored["w"], state["w"])
