@@ -158,9 +158,10 @@ class Manifest:
             manifest.oid = str(oid)
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
             raise UnreadableManifestError(oid, f"a manifest missing or mangling a field ({exc!r})") from None
-        from ckptstore.repo.select import respell_tuple_keys  # select reads manifests: imported here, not above
+        if any("%tuple:" in path for path in manifest.entries):  # rare: select (and numpy) only then
+            from ckptstore.repo.select import respell_tuple_keys
 
-        respell_tuple_keys(manifest)
+            respell_tuple_keys(manifest)
         return manifest
 
     def rewritten_files(self) -> list[str]:

@@ -321,8 +321,6 @@ def respell_tuple_keys(manifest: Manifest) -> None:
     another, each tensor twice. Renamed in the manifest read (its stored bytes and id unchanged) where one
     path differs from the other in `%tuple:` parts alone and no other place claims either.
     """
-    if not any("%tuple:" in path for path in manifest.entries):
-        return
     claims: dict[str, set[str]] = {}
     try:
         nodes = list(_skeleton_nodes(manifest))
