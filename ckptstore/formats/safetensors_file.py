@@ -251,6 +251,21 @@ def as_state(skeleton: Any, value_of) -> dict[str, Any]:
 SAFETENSORS_DTYPES = {name: code for code, name in DTYPES.items()}  # torch dtype name -> safetensors code
 
 
+def _refuse_misfit(name: str, code: Any, shape: Any, nbytes: int) -> None:
+    """Refuse a committed header's dtype and shape for a tensor kept as bytes unless they fit its `nbytes`.
+
+    Only a damaged header (or one a remote forged) gets here: the file written would be one safetensors refuses.
+    """
+    bits = BITS.get(code) if isinstance(code, str) else None
+    if bits is None and isinstance(code, str) and code in DTYPES:
+        bits = 8 * TORCH_ITEMSIZE[DTYPES[code]] // PACKED.get(code, 1)
+    whole = isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+    if bits is None or not whole or -(-math.prod(shape) * bits // 8) != nbytes:
+        raise CheckpointFormatError(f"{name}: the committed header's dtype {code!r:.40} and shape {shape!r:.80} do "
+                                    f"not describe its {nbytes} stored bytes (a dtype this ckptstore does not know, "
+                                    "or a damaged header): check the whole file out instead")
+
+
 def write_tensors(path: str | os.PathLike, tensors: dict[str, RawTensor], metadata: dict[str, str] | None = None,
                   as_committed: Mapping[str, tuple[str, list[int]]] | None = None) -> None:
     """Write `tensors` (torch dtypes) as a new safetensors file, atomically; names in the given order.
@@ -269,10 +284,7 @@ def write_tensors(path: str | os.PathLike, tensors: dict[str, RawTensor], metada
                                         "text, which a safetensors header must be; export with --format torch")
         if raw.dtype == BYTES_DTYPE and name in (as_committed or {}):
             code, shape = as_committed[name]
-            if code in BITS and -(-math.prod(shape) * BITS[code] // 8) != raw.nbytes:  # a damaged or forged header
-                raise CheckpointFormatError(f"{name}: the committed header's {code} {shape} needs "
-                                            f"{-(-math.prod(shape) * BITS[code] // 8)} bytes, the commit holds "
-                                            f"{raw.nbytes}: the header is damaged (or a remote forged it)")
+            _refuse_misfit(name, code, shape, raw.nbytes)
             header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + raw.nbytes]}
             offset += raw.nbytes
             continue

@@ -216,7 +216,8 @@ def function_named(spec: str) -> Callable[[Any], Any]:
                 sys.modules.pop(unique, None)  # no half-made module for the next call
                 raise
         else:
-            sys.path.insert(0, "")  # the user's folder, as `python -m` does
+            if "" not in sys.path:  # the user's folder, as `python -m` does (once: a long process commits often)
+                sys.path.insert(0, "")
             module = importlib.import_module(module_name)
     except ImportError as exc:
         if exc.name not in (None, module_name):  # the module itself imports what is missing

@@ -157,8 +157,7 @@ class Repository:
     def manifest(self, cid: CommitId) -> Manifest:
         """The manifest of commit `cid`; PrunedCommitError where a prune removed it (while this read it too)."""
         from ckptstore.repo.integrity import kept_manifest
-        with self.db.read() as tx:
-            return kept_manifest(self, commit_rows.commit_info(tx, cid))
+        return kept_manifest(self, self.commit_info(cid))  # read outside the row's read: a lazy clone may fetch it
 
     def read_manifest(self, oid: ObjectId) -> Manifest:
         """The manifest stored as object `oid`."""

@@ -198,6 +198,8 @@ def test_a_tensor_kept_as_bytes_is_written_under_its_committed_dtype_only_when_i
     data = (tmp_path / "ok.safetensors").read_bytes()
     size = struct.unpack("<Q", data[:8])[0]
     assert json.loads(data[8:8 + size])["w"] == {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [0, 3]}
-    with pytest.raises(CheckpointFormatError, match=r"F6_E2M3 \[1000\] needs 750 bytes, the commit holds 3"):
-        safetensors_file.write_tensors(tmp_path / "bad.safetensors", {"w": raw}, None, {"w": ("F6_E2M3", [1000])})
-    assert not (tmp_path / "bad.safetensors").exists()
+    for code, shape in (("F6_E2M3", [1000]), ("F32", [1000]), ("F8_E4M3", [1000]), ("F6_E2M3", [4.0]),
+                        ("F6_E2M3", ["a"]), ("F9_NEW", [4]), ("F6_E2M3", 4)):  # reviewers 422, 425
+        with pytest.raises(CheckpointFormatError, match="do not describe its 3 stored bytes"):
+            safetensors_file.write_tensors(tmp_path / "bad.safetensors", {"w": raw}, None, {"w": (code, shape)})
+        assert not (tmp_path / "bad.safetensors").exists()

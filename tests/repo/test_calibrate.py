@@ -594,7 +594,8 @@ def test_a_users_metric_in_ckptstores_own_names_is_refused(repo):
     assert repo.log() == []
 
 
-def test_calibration_files_of_one_name_in_two_folders_are_two_modules_and_the_path_grows_once_each(tmp_path):
+def test_calibration_files_of_one_name_in_two_folders_are_two_modules_and_the_path_grows_once_each(tmp_path,
+                                                                                                  monkeypatch):
     """In a long process each `file.py:FUNCTION` call put its folder on sys.path again, and a second calib.py ran the
     first one's module, or a half-made one after a failed import (reviewer 422)."""
     import sys
@@ -612,6 +613,12 @@ def test_calibration_files_of_one_name_in_two_folders_are_two_modules_and_the_pa
             with pytest.raises(CkptError, match="half made"):
                 function_named(f"{tmp_path / 'bad.py'}:loss")
         assert len(sys.path) == before + 3
+        (tmp_path / "by_module.py").write_text("def loss(state):\n    return 'module'\n")
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(sys, "path", [p for p in sys.path if p != ""])
+        for _ in range(3):  # MODULE:FUNCTION put "" first on every call (reviewer 425)
+            assert function_named("by_module:loss")(None) == "module"
+        assert sys.path.count("") == 1
         assert not [name for name in sys.modules if name.startswith("_ckpt_calibration_bad")]
     finally:
         sys.path[:] = [p for p in sys.path if not p.startswith(str(tmp_path))]
