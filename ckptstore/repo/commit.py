@@ -705,7 +705,7 @@ def encoding_jobs(repo: Repository, tx: Tx, tensors: Mapping[str, RawTensor], so
     # a first moment's error is of m / sqrt(v): kept only beside the very v it was coded against (its base), else
     # measured anew (a record an earlier version kept beside a v coded anew would be carried on for ever)
     for path in [p for p in reused if plans[p].sibling in plans and (
-            plans[p].sibling not in reused or reused[p].base_id != reused[plans[p].sibling].id)]:
+            plans[p].sibling not in reused or reused[p].base_id not in (None, reused[plans[p].sibling].id))]:
         del reused[path], entries[path]
     lossless = [p for p in tensors if p not in plans]
     present = tensor_rows.existing_tensor_ids(tx, [sources[p] for p in lossless])
