@@ -299,18 +299,18 @@ def _skeleton_nodes(manifest: Manifest) -> Iterator[tuple[Any, str]]:
 
 
 def _nodes_below(skeleton: Any, root: str) -> Iterator[tuple[Any, str]]:
-    """Every node of one torch skeleton (in no set order) with the path flatten gave it, `root` its own."""
+    """Every node of one torch skeleton with the path flatten gave it, `root` its own, in the order flatten met them."""
     stack = [(skeleton, root)]
     while stack:
         node, path = stack.pop()
         yield node, path
         if not isinstance(node, list) or not node or not isinstance(node[0], str):
             continue
-        if node[0] in ("dict", "odict"):
-            stack.extend((v, item_path(path, k)) for k, v in node[1])
-            stack.extend((v, attr_path(path, name)) for name, v in _attrs(node))
+        if node[0] in ("dict", "odict"):  # items, then an OrderedDict's attributes: pushed last to first
+            stack.extend(reversed([*((v, item_path(path, k)) for k, v in node[1]),
+                                   *((v, attr_path(path, name)) for name, v in _attrs(node))]))
         elif node[0] in CONTAINERS:
-            stack.extend((v, join(path, str(i))) for i, v in enumerate(node[1]))
+            stack.extend(reversed([(v, join(path, str(i))) for i, v in enumerate(node[1])]))
 
 
 def respell_tuple_keys(manifest: Manifest) -> None:
@@ -319,9 +319,10 @@ def respell_tuple_keys(manifest: Manifest) -> None:
     Before 65c1714 an IntEnum, namedtuple or str subclass in a tuple key gave `%tuple:(<E.A: 1>, 2)` while its
     skeleton holds the key as stored, `%tuple:(1, 2)`: show listed one path and diff, export and selection
     another, each tensor twice. Renamed in the manifest read (its stored bytes and id unchanged) where one
-    path differs from the other in `%tuple:` parts alone and no other place claims either.
+    path differs from the other in `%tuple:` parts alone; a tensor tied at two places takes the first's path, as
+    flatten stored it there (the skeleton walked in flatten's order).
     """
-    claims: dict[str, set[str]] = {}
+    claims: dict[str, str] = {}
     try:
         nodes = list(_skeleton_nodes(manifest))
     except (MalformedSkeletonError, *MalformedSkeletonError.WALK_ERRORS):
@@ -331,8 +332,8 @@ def respell_tuple_keys(manifest: Manifest) -> None:
         if isinstance(node, list) and node and node[0] in LEAVES_WITH_ENTRY and isinstance(node[1], str) \
                 and node[1] != path and node[1] not in rebuilt and path not in manifest.entries \
                 and _respelled(node[1], path):
-            claims.setdefault(node[1], set()).add(path)
-    renames = {old: next(iter(new)) for old, new in claims.items() if len(new) == 1 and old in manifest.entries}
+            claims.setdefault(node[1], path)  # the first place naming it: a later one is its tie
+    renames = {old: new for old, new in claims.items() if old in manifest.entries}
     if not renames:
         return
     manifest.entries = {renames.get(path, path): entry for path, entry in manifest.entries.items()}

@@ -406,3 +406,11 @@ def test_a_commit_naming_tuple_keys_by_their_repr_as_before_65c1714_lists_each_t
         assert torch.equal(repo.checkout(cid, keys=["opt/%tuple:(1, 2)"])["opt"][(1, 2)], torch.ones(3))
         restored = repo.checkout(cid)
         assert torch.equal(restored["opt"][(1, "x")]["w"], torch.zeros(2)) and torch.equal(restored["w"], state["w"])
+        tied = torch.ones(3)  # one tensor under two tuple keys: named once, where flatten met it first (reviewer 426)
+        with monkeypatch.context() as old:
+            old.setattr(state_module, "stored_tuple_key", lambda key: key)
+            cid = repo.commit({"opt": {(E.A, 3): tied, (E.A, 2): tied}, "w": torch.zeros(2)})
+        assert sorted(t["path"] for t in repo.show(cid)["tensors"]) == ["opt/%tuple:(1, 3)", "w"]
+        assert sorted(row.path for row in repo.diff(cid, cid)) == ["opt/%tuple:(1, 2)", "opt/%tuple:(1, 3)", "w"]
+        back = repo.checkout(cid)["opt"]
+        assert back[(1, 2)] is back[(1, 3)] and torch.equal(back[(1, 2)], tied)
