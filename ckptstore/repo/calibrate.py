@@ -200,7 +200,7 @@ def function_named(spec: str) -> Callable[[Any], Any]:
             path = Path(module_name)
             if not path.is_file():
                 raise ImportError(f"no file {module_name}")
-            # as `python FILE` runs it: its folder first on the path (a helper beside it), and a module in
+            # as `python FILE` runs it: its folder on the path (a helper beside it), and a module in
             # sys.modules while it runs (dataclasses look themselves up there), under a name no import takes
             folder = str(path.resolve().parent)
             unique = f"_ckpt_calibration_{path.stem}_{object_id(folder.encode())[:8]}"

@@ -354,9 +354,9 @@ def _replay_all(repo: Repository, manifests: list, report: FsckReport, live_obje
     A lazy clone's origin lost midway leaves the objects not held here unchecked, as the object check does
     (they were damaged records: a server down read as damage, reviewer 407).
     """
-    damaged: set[str] = set()
     from ckptstore.repo.checkout import restore
 
+    damaged: set[str] = set()
     store = _reading_only(repo)
     not_read = [*report.unchecked, *report.unreadable]
     unchecked = set(repo.commits_needing(not_read)) if not_read else set()

@@ -168,7 +168,7 @@ def _parent_records(repo: Repository, parent: CommitId | None, keys: list[str]
 def relaid_tensors(repo: Repository, parent: CommitId | None, keys: Mapping[str, str]) -> list[str]:
     """The tensors (of `keys`: shard key -> its tensor's FQN) with a shard the parent commit lacks, sorted.
 
-    None listed without a parent: every shard is a keyframe then.
+    Nothing listed without a parent: every shard is a keyframe then.
     """
     if parent is None:
         return []

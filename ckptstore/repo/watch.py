@@ -550,11 +550,11 @@ def already_committed(repo: Repository, source: Source, committed: BranchSources
     newest = committed.newest(_source_path(repo, source.path))
     if newest is None:
         return None
-    files = {name: source.path / name if name else source.path for name, _, _ in source.signature}
     if newest.pruned:  # its manifest is gone with its tensors: files none written since are the ones it was made of
         # (committed again, an old checkpoint would land on the branch's tip and push the newer ones into the
         # retention's cut); a file rewritten after it is a new checkpoint
         return newest.id if _written_before(repo, source.path, newest.created_at, newest.raw_bytes) else None
+    files = {name: source.path / name if name else source.path for name, _, _ in source.signature}
     manifest = repo.read_manifest(newest.manifest_object)
     if sorted(f.name for f in manifest.files) != sorted(files):
         return None
