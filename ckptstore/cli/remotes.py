@@ -54,9 +54,10 @@ def remote_remove(ctx, name: str) -> None:
 @click.pass_context
 def remote_list(ctx) -> None:
     """List remotes and their URLs."""
-    for name, where in sorted(open_repo(ctx).config.remotes.items()):
-        echo(f"{shown_name(name)}\t{shown_name(where.url)}"
-             + (f" (metadata {shown_name(where.metadata_url)})" if where.metadata_url else ""))
+    verbs = remote_verbs()
+    for name, where in sorted(open_repo(ctx).config.remotes.items()):  # never a password (a config may hold one)
+        echo(f"{shown_name(name)}\t{shown_name(verbs.without_credentials(where.url))}"
+             + (f" (metadata {shown_name(verbs.shown_url(where.metadata_url))})" if where.metadata_url else ""))
 
 
 def _metadata_of(url: str, metadata_url: str) -> str:

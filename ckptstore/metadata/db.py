@@ -125,6 +125,18 @@ def _tables_refused(exc: BaseException) -> str | None:
     return None
 
 
+def shown_url(url: str) -> str:
+    """A metadata URL as messages and listings show it: a PostgreSQL one without its password (postgres.describe)."""
+    if not url.startswith(POSTGRES_SCHEMES):
+        return url
+    from ckptstore.metadata.postgres import describe
+
+    try:
+        return describe(url)
+    except CkptError:  # not a URL libpq reads: not shown, as it may still hold a password
+        return f"{url.partition('://')[0]}://(a URL libpq does not read; not shown)"
+
+
 def open_backend(url: str, read_only: bool = False) -> Backend:
     """The backend for a metadata URL: `sqlite:///PATH` or `postgresql://USER@HOST:PORT/DB` (psycopg)."""
     if url.startswith(POSTGRES_SCHEMES):

@@ -49,6 +49,13 @@ REQUEST_SECONDS = 300.0  # how long one request (a whole object's transfer) may 
 MAX_BACKOFF_S = 5.0  # the longest wait between two tries of a request
 
 
+def without_credentials(url: str) -> str:
+    """`url` as messages show it: what an `s3://USER:SECRET@bucket` form puts before the bucket left out."""
+    scheme, sep, rest = url.partition("://")
+    bucket, slash, prefix = rest.partition("/")
+    return f"{scheme}{sep}…@{bucket.rpartition('@')[2]}{slash}{prefix}" if sep and "@" in bucket else url
+
+
 def parse_url(url: str) -> tuple[str, str]:
     """(bucket, prefix) of `s3://bucket[/prefix]`; the prefix has no leading or trailing slash.
 
@@ -57,6 +64,10 @@ def parse_url(url: str) -> tuple[str, str]:
     repository deleted the other's objects. Segments that no key path can hold are refused.
     """
     bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    if url.startswith("s3://") and any(c in bucket for c in "@:"):  # user:secret@bucket: never echoed
+        raise StoreUnavailableError(f"{without_credentials(url)}: an S3 URL holds no credentials, and a bucket's name "
+                                    "no '@' or ':'; give them as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or a "
+                                    "profile (AWS_PROFILE)")
     if not url.startswith("s3://") or not bucket or any(c in bucket for c in "#?"):
         raise StoreUnavailableError(f"{url!r} is not an S3 URL; write s3://BUCKET/PREFIX")
     prefix = prefix.strip("/")

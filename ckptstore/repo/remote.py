@@ -40,13 +40,14 @@ from ckptstore.errors import (
 )
 from ckptstore.formats.atomic import atomic_write
 from ckptstore.hashing import CommitId, ObjectId, TensorId
-from ckptstore.metadata import absolute_url, transfer
+from ckptstore.metadata import absolute_url, shown_url, transfer
 from ckptstore.metadata import commits as commit_rows
 from ckptstore.metadata import refs as ref_rows
 from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.objectstore.base import lacking, tells_lacking
 from ckptstore.objectstore.fallback import FallbackStore, held_here
+from ckptstore.objectstore.s3 import without_credentials
 from ckptstore.repo import integrity, refs
 from ckptstore.repo.config import RemoteConfig, RepoConfig, edit_config, user_cache
 from ckptstore.warn import warn_caller
@@ -189,7 +190,7 @@ def open_remote(remote: RemoteConfig, name: str = "", create: bool = False) -> R
     from ckptstore.repo.joining import open_over_objects
     from ckptstore.repo.repository import REPO_DIR, Repository
 
-    where = f"remote {name!r} ({remote.url})" if name else remote.url
+    where = f"remote {name!r} ({without_credentials(remote.url)})" if name else without_credentials(remote.url)
     if "://" not in remote.url:
         if not (Path(remote.url) / REPO_DIR).is_dir():
             raise CkptError(f"{where} is not a ckptstore repository (no {REPO_DIR}/ folder there)")
@@ -207,7 +208,7 @@ def open_remote(remote: RemoteConfig, name: str = "", create: bool = False) -> R
             return open_over_objects(root, RepoConfig(objects_url=remote.url, metadata_url=remote.metadata_url),
                                      create)
     except MissingDatabaseError:
-        raise CkptError(f"{where}: its metadata {remote.metadata_url} holds no repository; check the URL "
+        raise CkptError(f"{where}: its metadata {shown_url(remote.metadata_url)} holds no repository; check the URL "
                         "(`ckpt push` to a new remote starts one there)") from None
 
 

@@ -775,3 +775,25 @@ def test_a_write_transaction_left_idle_past_its_limit_is_ended_with_one_line(pos
             assert tx.column("SELECT name FROM refs") == []
     finally:
         db.close()
+
+
+def test_a_metadata_url_is_shown_without_its_password():
+    """`ckpt remote list` and a clone's 'holds no repository' printed the PostgreSQL password (auditor 428)."""
+    from ckptstore.metadata import shown_url
+
+    shown = shown_url("postgresql://ckpt:s3cret@127.0.0.1:5433/db1")
+    assert shown == "postgresql://ckpt@127.0.0.1:5433/db1" and "s3cret" not in shown
+    assert "s3cret" not in shown_url("postgresql://ckpt@host/db?password=s3cret")
+    assert shown_url("sqlite:///tmp/x.db") == "sqlite:///tmp/x.db"
+
+
+def test_remote_list_shows_no_password_of_a_remotes_metadata_url(tmp_path):
+    from tests.conftest import ckpt_here
+
+    Repository.init(tmp_path).close()
+    with open(tmp_path / ".ckpt" / "config.toml", "a") as config:
+        config.write('\n[remotes."origin"]\nurl = "s3://bucket/repo"\n'
+                     'metadata_url = "postgresql://ckpt:s3cret@127.0.0.1:5433/db1"\nlazy = false\n')
+    listed = ckpt_here(tmp_path, "remote", "list")
+    assert listed.returncode == 0 and listed.stdout == \
+        "origin\ts3://bucket/repo (metadata postgresql://ckpt@127.0.0.1:5433/db1)\n", listed

@@ -265,3 +265,14 @@ def test_a_delete_is_bounded_by_the_retry_budget_one_backoff_and_one_requests_li
     monkeypatch.delenv("CKPT_S3_RETRY_SECONDS")
     monkeypatch.delenv("CKPT_S3_REQUEST_SECONDS")
     assert S3ObjectStore(s3_url).delete_lands_within == s3.RETRY_SECONDS + s3.MAX_BACKOFF_S + s3.REQUEST_SECONDS
+
+
+@pytest.mark.parametrize("url", ["s3://AKIAEXAMPLE:wJalrSECRET@bucket/repo", "s3://key@bucket", "s3://a:b@c/d/e"])
+def test_an_s3_url_holding_credentials_is_refused_without_echoing_them(url):
+    """`remote add t s3://KEY:SECRET@bucket/repo` printed the secret twice, as part of a bucket that did not exist
+    (auditor 428)."""
+    with pytest.raises(StoreUnavailableError, match="an S3 URL holds no credentials") as refused:
+        parse_url(url)
+    said = str(refused.value)
+    assert not [secret for secret in ("wJalrSECRET", "AKIAEXAMPLE", "key@", "a:b@") if secret in said], said
+    assert s3.without_credentials(url).startswith("s3://…@") and s3.without_credentials("s3://b/p") == "s3://b/p"
