@@ -26,6 +26,7 @@ from ckptstore.errors import (
     inodes_used_up,
     no_inodes_left,
 )
+from ckptstore.paths import without_credentials
 
 if TYPE_CHECKING:
     from ckptstore.metadata.db import Database, Tx
@@ -42,7 +43,8 @@ _DAMAGE_WORDS = ("malformed", "not a database", "could not decode", "disk i/o er
 def sqlite_path(url: str) -> Path:
     """The file a `sqlite:///PATH` URL names; a URL of another kind is refused with a clear error."""
     if not url.startswith(PREFIX):
-        raise CkptError(f"metadata URL {url!r} is not supported; use sqlite:///PATH or postgresql://USER@HOST/DB")
+        raise CkptError(f"metadata URL {without_credentials(url)!r} is not supported; use sqlite:///PATH or "
+                        "postgresql://USER@HOST/DB")
     return Path(url[len(PREFIX) :])
 
 

@@ -9,6 +9,7 @@ from ckptstore.errors import CkptError
 from ckptstore.objectstore.base import MappedObjects, ObjectStore, RangeReader, read_whole
 from ckptstore.objectstore.local import LocalObjectStore
 from ckptstore.objectstore.memory import MemoryObjectStore
+from ckptstore.paths import without_credentials
 
 __all__ = ["LocalObjectStore", "MappedObjects", "MemoryObjectStore", "ObjectStore", "RangeReader", "open_store",
            "read_whole"]
@@ -46,8 +47,8 @@ def local_folder(url: str, base: Path) -> Path | None:
     if url.startswith("s3://"):
         return None
     if "://" in url:
-        raise CkptError(f"object store URL {url!r} is not supported; use a local folder, a file:// URL or "
-                        "s3://BUCKET/PREFIX")
+        raise CkptError(f"object store URL {without_credentials(url)!r} is not supported; use a local folder, a "
+                        "file:// URL or s3://BUCKET/PREFIX")
     return base / url
 
 

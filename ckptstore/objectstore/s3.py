@@ -30,6 +30,7 @@ from typing import Any
 from ckptstore.errors import CkptError, CorruptObjectError, StoreUnavailableError
 from ckptstore.hashing import ObjectId, is_hex_id, object_id
 from ckptstore.objectstore.base import as_bytes, delivered
+from ckptstore.paths import without_credentials
 
 # Objects up to SINGLE_PUT go up in one PUT: a pack (at most 32 MiB) in parts took six requests,
 # and twice the CPU of a local S3 server. Larger objects upload in parts of PART, several at once.
@@ -49,13 +50,6 @@ REQUEST_SECONDS = 300.0  # how long one request (a whole object's transfer) may 
 MAX_BACKOFF_S = 5.0  # the longest wait between two tries of a request
 
 
-def without_credentials(url: str) -> str:
-    """`url` as messages show it: what an `s3://USER:SECRET@bucket` form puts before the bucket left out."""
-    scheme, sep, rest = url.partition("://")
-    bucket, slash, prefix = rest.partition("/")
-    return f"{scheme}{sep}…@{bucket.rpartition('@')[2]}{slash}{prefix}" if sep and "@" in bucket else url
-
-
 def parse_url(url: str) -> tuple[str, str]:
     """(bucket, prefix) of `s3://bucket[/prefix]`; the prefix has no leading or trailing slash.
 
@@ -65,9 +59,9 @@ def parse_url(url: str) -> tuple[str, str]:
     """
     bucket, _, prefix = url.removeprefix("s3://").partition("/")
     if url.startswith("s3://") and any(c in bucket for c in "@:"):  # user:secret@bucket: never echoed
-        raise StoreUnavailableError(f"{without_credentials(url)}: an S3 URL holds no credentials, and a bucket's name "
-                                    "no '@' or ':'; give them as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or a "
-                                    "profile (AWS_PROFILE)")
+        raise StoreUnavailableError(f"{without_credentials(url)}: an S3 URL holds no credentials nor endpoint, and a "
+                                    "bucket's name no '@' or ':'; give credentials as AWS_ACCESS_KEY_ID and "
+                                    "AWS_SECRET_ACCESS_KEY or a profile (AWS_PROFILE), an endpoint as AWS_ENDPOINT_URL")
     if not url.startswith("s3://") or not bucket or any(c in bucket for c in "#?"):
         raise StoreUnavailableError(f"{url!r} is not an S3 URL; write s3://BUCKET/PREFIX")
     prefix = prefix.strip("/")

@@ -47,7 +47,7 @@ from ckptstore.metadata import tensors as tensor_rows
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.objectstore.base import lacking, tells_lacking
 from ckptstore.objectstore.fallback import FallbackStore, held_here
-from ckptstore.objectstore.s3 import without_credentials
+from ckptstore.paths import without_credentials
 from ckptstore.repo import integrity, refs
 from ckptstore.repo.config import RemoteConfig, RepoConfig, edit_config, user_cache
 from ckptstore.warn import warn_caller
@@ -108,8 +108,8 @@ def add(repo: Repository, name: str, url: str, metadata_url: str = "", typed_in:
 
 
 def _taken(name: str, url: str) -> CkptError:
-    return CkptError(f"remote {name!r} already exists ({url}); remove it first, or point it elsewhere: "
-                     f"`ckpt remote set-url {name} URL`")
+    return CkptError(f"remote {name!r} already exists ({without_credentials(url)}); remove it first, or point it "
+                     f"elsewhere: `ckpt remote set-url {name} URL`")
 
 
 def set_url(repo: Repository, name: str, url: str, metadata_url: str = "", typed_in: Path | None = None

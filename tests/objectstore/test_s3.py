@@ -267,12 +267,29 @@ def test_a_delete_is_bounded_by_the_retry_budget_one_backoff_and_one_requests_li
     assert S3ObjectStore(s3_url).delete_lands_within == s3.RETRY_SECONDS + s3.MAX_BACKOFF_S + s3.REQUEST_SECONDS
 
 
-@pytest.mark.parametrize("url", ["s3://AKIAEXAMPLE:wJalrSECRET@bucket/repo", "s3://key@bucket", "s3://a:b@c/d/e"])
+@pytest.mark.parametrize("url", ["s3://AKIAEXAMPLE:wJalrSECRET@bucket/repo", "s3://key@bucket", "s3://a:b@c/d/e",
+                                 "s3://AKIAEXAMPLE:wJalr/K7MDENG/bPxRfiCYSECRET@bucket/repo"])
 def test_an_s3_url_holding_credentials_is_refused_without_echoing_them(url):
     """`remote add t s3://KEY:SECRET@bucket/repo` printed the secret twice, as part of a bucket that did not exist
     (auditor 428)."""
     with pytest.raises(StoreUnavailableError, match="an S3 URL holds no credentials") as refused:
         parse_url(url)
     said = str(refused.value)
-    assert not [secret for secret in ("wJalrSECRET", "AKIAEXAMPLE", "key@", "a:b@") if secret in said], said
+    assert not [secret for secret in ("wJalr", "AKIAEXAMPLE", "key@", "a:b@", "K7MDENG") if secret in said], said
     assert s3.without_credentials(url).startswith("s3://…@") and s3.without_credentials("s3://b/p") == "s3://b/p"
+
+
+def test_an_endpoint_in_an_s3_url_is_pointed_to_aws_endpoint_url_and_other_schemes_hide_their_credentials(tmp_path):
+    """`s3://host:9000/bucket` was told it held credentials; `https://K:SECRET@minio/...` and a metadata URL of an
+    unsupported scheme printed their secrets in the refusal (reviewer 429)."""
+    from ckptstore.metadata.sqlite import sqlite_path
+    from ckptstore.objectstore import open_store
+
+    with pytest.raises(StoreUnavailableError, match="an endpoint as AWS_ENDPOINT_URL"):
+        parse_url("s3://minio:9000/bucket")
+    with pytest.raises(CkptError, match="is not supported") as refused:
+        open_store("https://KEY:SECRETPW@minio:9000/bucket", tmp_path / "tmp", tmp_path)
+    assert "SECRETPW" not in str(refused.value) and "KEY:" not in str(refused.value)
+    with pytest.raises(CkptError, match="is not supported") as refused:
+        sqlite_path("postgresql+asyncpg://u:SECRETPW@h/db")
+    assert "SECRETPW" not in str(refused.value)
