@@ -223,24 +223,26 @@ def header_dtypes(header: RawTensor) -> dict[str, tuple[str, list[int]]]:
 
     A dtype torch lacks (F6_E2M3) is kept as its bytes, and written anew under them (`write_tensors`).
     """
-    data = np.asarray(header.data).tobytes()
-    try:
-        found = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
-    except (struct.error, UnicodeDecodeError, ValueError, RecursionError):
-        return {}  # checked at commit: only a damaged header gets here
+    found = _header_json(header)
     return {name: (entry["dtype"], list(entry["shape"])) for name, entry in found.items()
             if name != "__metadata__" and isinstance(entry, dict) and isinstance(entry.get("dtype"), str)
-            and isinstance(entry.get("shape"), list)} if isinstance(found, dict) else {}
+            and isinstance(entry.get("shape"), list)}
 
 
 def header_metadata(header: RawTensor) -> dict[str, str] | None:
     """The `__metadata__` of a committed header (its verbatim bytes), for a file written anew from part of it."""
+    found = _header_json(header).get("__metadata__")
+    return found if isinstance(found, dict) and all(isinstance(v, str) for v in found.values()) else None
+
+
+def _header_json(header: RawTensor) -> dict[str, Any]:
+    """A committed header's JSON object; {} where it is damaged (checked at commit: it loses only what it held)."""
     data = np.asarray(header.data).tobytes()
     try:
-        found = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]]).get("__metadata__")
-    except (struct.error, UnicodeDecodeError, ValueError, RecursionError, AttributeError):
-        return None  # checked at commit: only a damaged header gets here, and it loses nothing but this
-    return found if isinstance(found, dict) and all(isinstance(v, str) for v in found.values()) else None
+        found = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
+    except (struct.error, UnicodeDecodeError, ValueError, RecursionError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def as_state(skeleton: Any, value_of) -> dict[str, Any]:
