@@ -242,14 +242,11 @@ def export_command(ctx, ref, fmt, output, everything) -> None:
     from ckptstore.repo import export, export_format  # numpy and the formats: only for this command
 
     fmt = export_format(output, fmt)
-    repo = open_repo(ctx)
-    report = export(repo, ref, fmt, output, everything)
+    report = export(open_repo(ctx), ref, fmt, output, everything)
     echo(f"Wrote {report.commit[:12]} to {shown_name(output)}: {report.tensors} tensors ({fmt})")
-    lossy = read_after_work(lambda: repo.commit_info(report.commit).lossy, "the export", "the commit's level",
-                            f"`ckpt show {report.commit[:12]}` says it once the metadata answers")
-    if lossy:  # as checkout says it
-        echo(f"note: {report.commit[:12]} is a lossy commit (level {lossy}): its tensors are close to, not equal "
-             "to, the originals; `ckpt show` lists each tensor's error")
+    if report.lossy:  # as checkout says it
+        echo(f"note: {report.commit[:12]} is a lossy commit (level {report.lossy}): its tensors are close to, not "
+             "equal to, the originals; `ckpt show` lists each tensor's error")
     if report.skipped:
         count = len(report.skipped)
         names = listing([shown_name(name) for name in report.skipped], 5)

@@ -38,12 +38,13 @@ NO_TORCH_DTYPE = "weights of a safetensors dtype torch has none for (F6_E2M3, sa
 
 @dataclass
 class ExportReport:
-    """What `export` wrote: the commit, how many tensors, and what it left out (with why)."""
+    """What `export` wrote: the commit, how many tensors, what it left out (with why), and its lossy level."""
 
     commit: str
     tensors: int
     skipped: list[str] = field(default_factory=list)
     why_skipped: str = ""
+    lossy: str | None = None  # the commit's level: its tensors are close to the originals, not equal
 
 
 def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, everything: bool = False
@@ -68,7 +69,7 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
         with rebuilding_files(cid, manifest):
             state, skipped = _torch_weights(repo, manifest, weight_files)
         torchfile.save(state, output)
-        return ExportReport(cid, len(state), skipped, WEIGHTS_ONLY if skipped else "")
+        return ExportReport(cid, len(state), skipped, WEIGHTS_ONLY if skipped else "", manifest.lossy)
     elif weight_files:
         with rebuilding_files(cid, manifest):
             tensors, odd, others, own, as_committed = _weights(repo, manifest, weight_files, fmt)
@@ -81,7 +82,7 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
         # one entry but a tensor of the file written, as the safetensors export counts it
         torch_entries = {path for path, entry in manifest.entries.items() if entry.dtype.startswith(TORCH_PREFIX)}
         tied = sum(target in torch_entries for target in aliases(manifest).values())
-        return ExportReport(cid, len(torch_entries) + tied)
+        return ExportReport(cid, len(torch_entries) + tied, lossy=manifest.lossy)
     else:
         from ckptstore.repo.checkout import restore
 
@@ -102,7 +103,7 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
         safetensors_file.write_tensors(output, tensors, metadata, as_committed)
     else:
         torchfile.save({name: _torch(raw) for name, raw in tensors.items()}, output)
-    return ExportReport(cid, len(tensors), skipped, why if skipped else "")
+    return ExportReport(cid, len(tensors), skipped, why if skipped else "", manifest.lossy)
 
 
 def export_format(output: str | os.PathLike, given: str | None) -> str:
