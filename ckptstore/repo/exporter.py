@@ -77,12 +77,7 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
         skipped = odd + others
         why = "; ".join([*([WEIGHTS_ONLY] if others else []), *([NO_TORCH_DTYPE] if odd else [])])
     elif fmt == "torch":
-        torchfile.save(repo.checkout(cid), output)
-        # a torch.save file's entries also hold its other records (bytes), and states numpy arrays; a tied key is
-        # one entry but a tensor of the file written, as the safetensors export counts it
-        torch_entries = {path for path, entry in manifest.entries.items() if entry.dtype.startswith(TORCH_PREFIX)}
-        tied = sum(target in torch_entries for target in aliases(manifest).values())
-        return ExportReport(cid, len(torch_entries) + tied, lossy=manifest.lossy)
+        return _export_torch(repo, cid, manifest, output)
     else:
         from ckptstore.repo.checkout import restore
 
@@ -104,6 +99,20 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
     else:
         torchfile.save({name: _torch(raw) for name, raw in tensors.items()}, output)
     return ExportReport(cid, len(tensors), skipped, why if skipped else "", manifest.lossy)
+
+
+def _export_torch(repo: Repository, cid: str, manifest: Manifest, output: str | os.PathLike) -> ExportReport:
+    """The commit's checkout as one torch.save file (what is not a Hugging Face folder's weights)."""
+    state = repo.checkout(cid)
+    # a lone safetensors file holds tensors only: bytes there are a dtype torch lacks, left out as a folder's are
+    odd = [name for name, value in state.items() if isinstance(value, bytes)] \
+        if [record.format for record in manifest.files] == [formats.SAFETENSORS] else []
+    torchfile.save({name: value for name, value in state.items() if name not in odd}, output)
+    # a torch.save file's entries also hold its other records (bytes), and states numpy arrays; a tied key is
+    # one entry but a tensor of the file written, as the safetensors export counts it
+    torch_entries = {path for path, entry in manifest.entries.items() if entry.dtype.startswith(TORCH_PREFIX)}
+    tied = sum(target in torch_entries for target in aliases(manifest).values())
+    return ExportReport(cid, len(torch_entries) + tied, odd, NO_TORCH_DTYPE if odd else "", manifest.lossy)
 
 
 def export_format(output: str | os.PathLike, given: str | None) -> str:

@@ -424,6 +424,16 @@ def test_a_tensor_of_a_dtype_torch_lacks_is_exported_and_checked_out_in_part_und
             report.why_skipped and "--all exports every tensor" in report.why_skipped
 
 
+def test_a_torch_export_of_a_lone_safetensors_file_leaves_out_a_dtype_torch_lacks_and_says_why(tmp_path):
+    """The F6_E2M3 weight was written into the torch file as a bytes value, with no word (stop 69's left defect)."""
+    _safetensors_with_a_dtype_torch_lacks(tmp_path / "lone.safetensors")
+    with Repository.init(tmp_path) as repo:
+        report = export(repo, repo.commit(tmp_path / "lone.safetensors"), "torch", tmp_path / "lone.pt")
+    assert report.skipped == ["q.weight"] and "safetensors dtype torch has none for" in report.why_skipped
+    written = torch.load(tmp_path / "lone.pt", weights_only=True)
+    assert list(written) == ["a.weight"] and torch.equal(written["a.weight"], torch.ones(2)) and report.tensors == 1
+
+
 def test_an_export_of_a_lossy_commit_says_it_is_lossy_as_checkout_does(tmp_path):
     """The exported weights carried the level's errors with no word of them (auditor 420)."""
     generator = torch.Generator().manual_seed(0)
