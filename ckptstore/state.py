@@ -212,7 +212,8 @@ def raw_from_torch(tensor, path: str = "") -> RawTensor:
         raise UnsupportedStateError(f"{where}: a tensor on the meta device has no data to store")
     if min(tensor.shape, default=0) < 0:  # torch.load lets an empty tensor of a damaged file have one
         raise UnsupportedStateError(f"{where}: shape {list(tensor.shape)} has a negative size (a damaged file?)")
-    flat = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
+    # as bits: a bool copy writes each nonzero byte as 1, where a bool view of a uint8 tensor held 2 or 255
+    flat = _as_bits(torch, tensor.detach().resolve_conj().resolve_neg()).cpu().contiguous().reshape(-1)
     if flat.numel() == 1 and flat.stride(0) != 1:  # one element counts as contiguous at any stride
         flat = flat.as_strided((1,), (1,))
     data = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, dtype=np.uint8)
@@ -770,11 +771,16 @@ def _scatter(torch: Any, storage: Any, value: Any, offset: int, stride: list[int
         shape[dim] = size
         places = places + (torch.arange(size, dtype=torch.int64) * step).reshape(shape)
     # as bits: index_put has no kernel for uint16/32/64, float8_e8m0fnu or float4 (a checkout of them failed)
-    unit = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(value.element_size())
-    value = value.view(unit) if unit is not None else value
+    value = _as_bits(torch, value)
     flat = torch.empty(0, dtype=value.dtype, device=value.device)
     flat.set_(storage, 0, (storage.nbytes() // value.element_size(),), (1,))
     flat[places.reshape(-1).to(value.device)] = value.reshape(-1)
+
+
+def _as_bits(torch: Any, tensor: Any) -> Any:
+    """`tensor` viewed as the integers of its element size (itself where none is: complex128), bits unchanged."""
+    unit = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(tensor.element_size())
+    return tensor.view(unit) if unit is not None else tensor
 
 
 def check_view(shape: tuple[int, ...], itemsize: int, storage: str, nbytes: int, offset: int, stride: list[int]
@@ -837,8 +843,8 @@ class _Unflattener:
         shared = torch.empty(0, dtype=value.dtype, device=value.device)
         shared.set_(self.storages[storage], offset, value.shape, stride)
         with torch.no_grad():
-            try:
-                shared.copy_(value)
+            try:  # as bits: a bool copy_ writes each nonzero byte as 1, and a uint8 view of those bytes held 2 or 255
+                _as_bits(torch, shared).copy_(_as_bits(torch, value))
             except RuntimeError:  # a view whose elements share memory (an expand()ed tensor: stride 0)
                 _scatter(torch, self.storages[storage], value, offset, stride)
         return shared

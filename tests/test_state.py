@@ -533,6 +533,21 @@ def test_an_expanded_view_round_trips_in_dtypes_index_put_has_no_kernel_for(repo
     assert back["t"].untyped_storage().data_ptr() == back["w"].untyped_storage().data_ptr()
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_bool_view_of_bytes_other_than_0_and_1_keeps_every_byte(repo, blocking):
+    """A uint8 tensor beside its bool view came back with 2 and 255 read as 1 (a bool copy_ writes a nonzero byte
+    as 1), and a strided bool view's bytes too, at commit, in the background snapshot and at checkout (auditor 430)."""
+    u = torch.tensor([0, 1, 2, 255] * 4, dtype=torch.uint8)
+    alone = torch.tensor([0, 2, 255, 7] * 2, dtype=torch.uint8).view(torch.bool)
+    state = {"bytes": u, "mask": u.view(torch.bool), "every_other": u.view(torch.bool)[::2], "strided": alone[::2]}
+    handle = repo.commit(state, "bools", blocking=blocking)
+    back = repo.checkout(handle if blocking else handle.result())
+    assert [back[key].dtype for key in state] == [torch.uint8, torch.bool, torch.bool, torch.bool]
+    for key, value in state.items():  # as bits: viewed as uint8 before any copy, which would normalize them
+        assert back[key].view(torch.uint8).tolist() == value.view(torch.uint8).tolist(), key
+    assert back["strided"].view(torch.uint8).tolist() == [0, 255] * 2
+
+
 def test_bytes_of_a_shared_storage_no_view_covers_come_back_zero_not_stale_memory():
     storage = torch.zeros(4096)
     flat = flatten({"a": storage[:2], "b": storage[4000:4002]})

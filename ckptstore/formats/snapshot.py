@@ -108,6 +108,8 @@ class _Copier:
         source = tensor if type(tensor) is torch.Tensor and not tensor.requires_grad else tensor.detach()
         if source.is_conj() or source.is_neg():
             source = source.resolve_conj().resolve_neg()
+        if source.dtype == torch.bool:  # copied as bytes: a bool copy writes each nonzero byte (2, 255) as 1
+            source = source.view(torch.uint8)
         pinned = source.is_cuda
         buffer = self.buffers.take(source.numel() * source.element_size(), pinned)
         self.lent.append(buffer)

@@ -665,9 +665,8 @@ def _tensor_bytes(value: Tensor) -> np.ndarray:
     elements = span[: len(span) // itemsize * itemsize].view(unit)
     view = np.lib.stride_tricks.as_strided(
         elements, value.shape, tuple(s * itemsize for s in value.stride), writeable=False)
-    copied = np.ascontiguousarray(view).reshape(-1).view(np.uint8)
-    # torch copies bool elements as booleans: any nonzero byte becomes 1 (a contiguous tensor keeps its bytes)
-    return (copied != 0).view(np.uint8) if value.dtype == TORCH_PREFIX + "bool" else copied
+    # as bits, a bool's 2 or 255 too, as state.raw_from_torch copies a torch view (a bool copy would make them 1)
+    return np.ascontiguousarray(view).reshape(-1).view(np.uint8)
 
 
 class _StandInFlattener(_Flattener):
