@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from ckptstore.errors import (
-    CorruptRecordError,
     MalformedSkeletonError,
     UnsupportedStateError,
     listing,
@@ -30,6 +29,7 @@ from ckptstore.errors import (
 from ckptstore.errors import is_utf8 as is_utf8  # formats and watch import it from here
 from ckptstore.formats.tuplecost import key_nesting
 from ckptstore.formats.tuplekeys import stored_tuple_key
+from ckptstore.formats.views import as_bits, check_view, scatter
 from ckptstore.warn import warn_caller
 
 BYTES_DTYPE = "bytes"
@@ -213,7 +213,7 @@ def raw_from_torch(tensor, path: str = "") -> RawTensor:
     if min(tensor.shape, default=0) < 0:  # torch.load lets an empty tensor of a damaged file have one
         raise UnsupportedStateError(f"{where}: shape {list(tensor.shape)} has a negative size (a damaged file?)")
     # as bits: a bool copy writes each nonzero byte as 1, where a bool view of a uint8 tensor held 2 or 255
-    flat = _as_bits(torch, tensor.detach().resolve_conj().resolve_neg()).cpu().contiguous().reshape(-1)
+    flat = as_bits(torch, tensor.detach().resolve_conj().resolve_neg()).cpu().contiguous().reshape(-1)
     if flat.numel() == 1 and flat.stride(0) != 1:  # one element counts as contiguous at any stride
         flat = flat.as_strided((1,), (1,))
     data = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, dtype=np.uint8)
@@ -741,7 +741,7 @@ def shared_view_paths(skeleton: Any) -> set[str]:
     return found
 
 
-def unflatten(skeleton: Any, lookup: Callable[[str], Any]) -> Any:
+def unflatten(skeleton: Any, lookup: Callable[[str], Any], file_size: int | None = None) -> Any:
     """Rebuild the nested object; `lookup(path)` returns the materialized tensor for a path.
 
     Paths that occur twice (tensors that shared storage) resolve to the same object. A skeleton no
@@ -749,7 +749,7 @@ def unflatten(skeleton: Any, lookup: Callable[[str], Any]) -> Any:
     with no pass of its own over a large state.
     """
     try:
-        return _Unflattener(lookup).decode(skeleton)
+        return _Unflattener(lookup, file_size).decode(skeleton)
     except MalformedSkeletonError.WALK_ERRORS as exc:
         raise MalformedSkeletonError.of(exc) from None
 
@@ -759,45 +759,12 @@ def plain_attribute(name: Any) -> bool:
     return type(name) is str and name.isidentifier() and not (name.startswith("__") and name.endswith("__"))
 
 
-def _scatter(torch: Any, storage: Any, value: Any, offset: int, stride: list[int]) -> None:
-    """Write `value` into `storage` at a self-overlapping view's places, element by element.
-
-    torch refuses to copy into such a view; its elements that share a place hold equal values in
-    any file torch.save wrote, so which of them lands last does not matter.
-    """
-    places = torch.full(tuple(value.shape), offset, dtype=torch.int64)
-    for dim, (size, step) in enumerate(zip(value.shape, stride)):
-        shape = [1] * value.dim()
-        shape[dim] = size
-        places = places + (torch.arange(size, dtype=torch.int64) * step).reshape(shape)
-    # as bits: index_put has no kernel for uint16/32/64, float8_e8m0fnu or float4 (a checkout of them failed)
-    value = _as_bits(torch, value)
-    flat = torch.empty(0, dtype=value.dtype, device=value.device)
-    flat.set_(storage, 0, (storage.nbytes() // value.element_size(),), (1,))
-    flat[places.reshape(-1).to(value.device)] = value.reshape(-1)
-
-
-def _as_bits(torch: Any, tensor: Any) -> Any:
-    """`tensor` viewed as the integers of its element size (itself where none is: complex128), bits unchanged."""
-    unit = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(tensor.element_size())
-    return tensor.view(unit) if unit is not None else tensor
-
-
-def check_view(shape: tuple[int, ...], itemsize: int, storage: str, nbytes: int, offset: int, stride: list[int]
-               ) -> None:
-    """CorruptRecordError unless a view of `shape` at `offset` by `stride` lies inside its storage of `nbytes`."""
-    # elements up to the view's last one; a damaged record must not place it outside its storage
-    end = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if math.prod(shape) else offset
-    if not (offset >= 0 and min(stride, default=0) >= 0 and end * itemsize <= nbytes):
-        raise CorruptRecordError(f"the view at {storage}", f"it does not fit its storage of {nbytes} bytes "
-                                 f"(offset {offset}, shape {shape}, strides {stride})")
-
-
 class _Unflattener:
     """One skeleton's decoding: the lookup, and a cache so shared paths give one object."""
 
-    def __init__(self, lookup: Callable[[str], Any]) -> None:
+    def __init__(self, lookup: Callable[[str], Any], file_size: int | None = None) -> None:
         self.lookup = lookup
+        self.file_size = file_size  # of the file a torch.save wrote: no storage of it is larger (views.check_view)
         self.cache: dict[str, Any] = {}
         self.parameters: dict[tuple[str, int], Any] = {}  # by (path, object)
         self.grads: dict[tuple[str, int], Any] = {}  # tensors that require grad or are numbered, by (path, object)
@@ -836,7 +803,7 @@ class _Unflattener:
     def view(self, value: Any, storage: str, nbytes: int, offset: int, stride: list[int]) -> Any:
         """`value` placed as a view of the storage named `storage`, which other views share."""
         torch = _torch()
-        check_view(tuple(value.shape), value.element_size(), storage, nbytes, offset, stride)
+        check_view(tuple(value.shape), value.element_size(), storage, nbytes, offset, stride, self.file_size)
         if storage not in self.storages:
             # zeros, not empty: bytes no view covers are written out by torch.save and must not be stale memory
             self.storages[storage] = torch.zeros(nbytes, dtype=torch.uint8, device=value.device).untyped_storage()
@@ -844,9 +811,9 @@ class _Unflattener:
         shared.set_(self.storages[storage], offset, value.shape, stride)
         with torch.no_grad():
             try:  # as bits: a bool copy_ writes each nonzero byte as 1, and a uint8 view of those bytes held 2 or 255
-                _as_bits(torch, shared).copy_(_as_bits(torch, value))
+                as_bits(torch, shared).copy_(as_bits(torch, value))
             except RuntimeError:  # a view whose elements share memory (an expand()ed tensor: stride 0)
-                _scatter(torch, self.storages[storage], value, offset, stride)
+                scatter(torch, self.storages[storage], value, offset, stride)
         return shared
 
     def mapping(self, node: list) -> Any:
@@ -867,6 +834,14 @@ def _device(text: Any) -> Any:
         return _torch().device(text)
     except RuntimeError as exc:
         raise ValueError(f"no torch device {text!r:.60}: {exc}") from None
+
+
+def _npscalar_of(dtype: np.dtype, value: Any) -> np.generic:
+    """A numpy scalar of a kind and size `_npscalar` writes: a forged one (void of 2**29 bytes) is damage."""
+    if dtype.kind not in "biufc" or dtype.itemsize > (16 if dtype.kind == "c" else 8) or \
+            type(value) not in (bool, int, float, complex):
+        raise ValueError(f"a numpy scalar {value!r:.40} as {dtype}: not one this ckptstore writes")
+    return dtype.type(value)
 
 
 def _npbits(node: list) -> np.generic:
@@ -891,7 +866,7 @@ _DECODERS: dict[str, Callable[[_Unflattener, list], Any]] = {
     "frozenset": lambda u, node: frozenset(u.decode(item) for item in node[1]),
     "float": lambda u, node: _float_of(node),
     "complex": lambda u, node: complex(u.decode(node[1]), u.decode(node[2])),
-    "npscalar": lambda u, node: np.dtype(node[1]).type(u.decode(node[2])),
+    "npscalar": lambda u, node: _npscalar_of(np.dtype(node[1]), u.decode(node[2])),
     "npbits": lambda u, node: _npbits(node),
     "size": lambda u, node: _torch().Size(node[1]),
     "dtype": lambda u, node: torch_dtype(node[1]),

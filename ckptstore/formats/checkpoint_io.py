@@ -119,7 +119,7 @@ def file_state(record: CheckpointFile, value_of: Callable[[str], Any]) -> Any:
         return safetensors_file.as_state(record.skeleton, value_of)
     if record.format == BLOB:
         return value_of(record.skeleton[1])
-    return unflatten(record.skeleton, value_of)
+    return unflatten(record.skeleton, value_of, record.size or None)  # a state's record has no file size
 
 
 def to_state(kind: str, files: list[CheckpointFile], value_of: Callable[[str], Any]) -> Any:
@@ -139,7 +139,7 @@ def write_file(record: CheckpointFile, dest: Path, value_of: Callable[[str], Any
     if record.format == TORCH and record.container is not None:
         torchcontainer.write(dest, record.container, raw_of, exact)
     elif record.format == TORCH:
-        torchfile.save(unflatten(record.skeleton, value_of), dest)
+        torchfile.save(unflatten(record.skeleton, value_of, record.size or None), dest)
     elif record.format == SAFETENSORS:
         safetensors_file.write(dest, record.skeleton, raw_of)
     else:

@@ -14,7 +14,8 @@ from typing import Any
 
 from ckptstore.errors import MalformedSkeletonError
 from ckptstore.formats import BLOB, SAFETENSORS, CheckpointFile, safetensors_file
-from ckptstore.state import BYTES_DTYPE, TORCH_ITEMSIZE, _Unflattener, check_view
+from ckptstore.formats.views import check_view
+from ckptstore.state import BYTES_DTYPE, TORCH_ITEMSIZE, _Unflattener
 
 
 class _EntryUnflattener(_Unflattener):
@@ -34,20 +35,21 @@ class _EntryUnflattener(_Unflattener):
         entry = self.lookup(node[1])
         itemsize = TORCH_ITEMSIZE.get(entry.dtype)
         if "view" in extras and itemsize is not None:  # a dtype this table lacks: checkout's torch says so
-            check_view(tuple(entry.shape), itemsize, *extras["view"])
+            check_view(tuple(entry.shape), itemsize, *extras["view"], self.file_size)
         if extras.get("parameter"):
             _ = extras["requires_grad"]  # checkout reads it for an nn.Parameter: a KeyError there is damage
         return object()  # hashable and distinct, as a torch tensor is
 
 
-def check_state_skeleton(skeleton: Any, entry_of: Callable[[str], Any]) -> None:
+def check_state_skeleton(skeleton: Any, entry_of: Callable[[str], Any], file_size: int | None = None) -> None:
     """Decode a torch file's `skeleton` as checkout does; `entry_of(path)` gives each tensor's dtype and shape.
 
     MalformedSkeletonError where the structure is no flatten's (a list as a dict key, a path with no entry);
-    a view placed outside its storage is the CorruptRecordError checkout raises.
+    a view placed outside its storage, or a storage larger than its file of `file_size` bytes, is the
+    CorruptRecordError checkout raises.
     """
     try:
-        _EntryUnflattener(entry_of).decode(skeleton)
+        _EntryUnflattener(entry_of, file_size).decode(skeleton)
     except MalformedSkeletonError.WALK_ERRORS as exc:
         raise MalformedSkeletonError.of(exc) from None
 

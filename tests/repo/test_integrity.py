@@ -853,6 +853,7 @@ FSCK_FORGED_SKELETONS = {  # a received manifest's torch skeleton that checkout 
     "view-past-its-storage": ["dict", [["w", ["tensor", "w", {"view": ["w", 4, 0, [1]]}]]]],
     "no-such-device": ["dict", [["w", ["tensor", "w"]], ["d", ["device", "bogus"]]]],
     "unknown-tag": ["dict", [["w", ["tensor", "w"]], ["x", ["frobnicated", 1]]]],
+    "numpy-void-scalar": ["dict", [["w", ["tensor", "w"]], ["x", ["npscalar", "V1", 1 << 29]]]],  # 512 MiB (431)
 }
 
 
@@ -883,6 +884,35 @@ def test_fsck_decodes_every_commits_skeleton_and_names_a_forged_one(tmp_path, mo
         assert repo.checkout(good)["x"] == 1
     said = ckpt_here(tmp_path / "r", "fsck")
     assert said.returncode == 1 and liar in said.stdout and "Traceback" not in said.stdout + said.stderr, said
+
+
+def test_a_forged_view_storage_larger_than_its_file_is_damage_not_an_allocation(tmp_path, monkeypatch):
+    """A legacy torch.save file's view record claiming a 1 TiB storage: fsck said ok, and checkout allocated what
+    it named (1 GiB from an 831-byte file in the auditor's run). A file holds every storage whole, deflated at
+    most, so none exceeds it by more than deflate's largest ratio (auditor 431)."""
+    from ckptstore.repo import manifest as manifests
+
+    a = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    torch.save({"a": a, "b": a[10:20]}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    written = manifests.Manifest.to_record
+
+    def forged(self):
+        record = written(self)
+        for _, node in record["files"][0]["skeleton"][1]:
+            node[2]["view"][1] = 1 << 40
+        return record
+
+    with Repository.init(tmp_path / "r") as repo:
+        good = repo.commit(tmp_path / "legacy.pt")
+        with monkeypatch.context() as forging:
+            forging.setattr(manifests.Manifest, "to_record", forged)
+            liar = repo.commit(tmp_path / "legacy.pt", allow_empty=True)
+        with pytest.raises(CorruptRecordError, match="more than the .*-byte file it was read from can hold"):
+            repo.checkout(liar)
+        assert list(fsck(repo).broken_commits) == [liar]
+        back = repo.checkout(good)
+        assert torch.equal(back["b"], a[10:20]) and back["b"].untyped_storage().data_ptr() == \
+            back["a"].untyped_storage().data_ptr()
 
 
 def _safetensors_header(entries):
