@@ -82,6 +82,37 @@ def test_checkout_of_a_relative_ref_reports_the_commit_it_restored(tmp_path, mon
     assert overflow.exit_code == 1 and "unknown ref" in str(overflow.exception)
 
 
+def test_checkout_names_the_commit_it_wrote_when_another_lands_on_the_branch_meanwhile(tmp_path, monkeypatch):
+    """`checkout HEAD~1 -o` resolved HEAD~1 once to print and once to write: a commit landing in between had it
+    print one commit and write the next, 'byte for byte' (auditor 432)."""
+    from ckptstore.repo import integrity
+    from ckptstore.repo.repository import Repository
+
+    monkeypatch.chdir(tmp_path)
+    run = lambda *args: CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    run("init")
+    for step in (1, 2):
+        torch.save({"step": step}, "c.pt")
+        run("commit", "c.pt")
+    torch.save({"step": 3}, "other.pt")
+    reads = {"manifests": 0}
+    read = integrity.kept_manifest
+
+    def another_commit_lands_first(repo, info):  # as a training job's commit would, at the first manifest read
+        reads["manifests"] += 1
+        if reads["manifests"] == 1:
+            with Repository.open(tmp_path) as other:
+                other.commit(tmp_path / "other.pt")
+        return read(repo, info)
+
+    monkeypatch.setattr(integrity, "kept_manifest", another_commit_lands_first)
+    said = run("checkout", "HEAD~1", "-o", "out.pt").output
+    newest_first = [entry["id"][:12] for entry in json.loads(run("log", "--json").output)]
+    written = torch.load("out.pt")["step"]  # the file of commit 1 or 2, the third landing as the checkout ran
+    assert reads["manifests"] >= 1 and len(newest_first) == 3, newest_first
+    assert f"Restored {newest_first[3 - written]} " in said, (said, newest_first, written)
+
+
 def test_stats_counts_the_database_on_disk(tmp_path):
     torch.save({"w": torch.arange(64.0)}, tmp_path / "c.pt")
     assert CliRunner().invoke(cli, ["init", str(tmp_path)]).exit_code == 0

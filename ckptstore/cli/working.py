@@ -159,11 +159,13 @@ def checkout(ctx, ref, output, force, only, trust_pickle) -> None:
         raise click.UsageError("--only writes part of a commit, so it needs -o PATH (it never overwrites the files "
                                "the commit came from)")
     repo = open_repo(ctx)
-    info = repo.commit_info(ref)  # before HEAD moves: a ref like HEAD~1 names another commit afterwards
-    # before too: a retention prune in another process may remove the commit once its files are written
-    rewritten = None if only or info.source_path is None else repo.manifest(info.id).rewritten_files()
+    # the commit checkout_to resolved (a commit landing on the branch meanwhile is not it), and its rewritten files
+    # from the manifest read then: a retention prune in another process may remove the commit once it is written
+    resolved: list = []
     dest = repo.checkout_to(ref, output, force=force, progress=BarProgress(), keys=list(only) or None,
-                            trust_pickle=trust_pickle)
+                            trust_pickle=trust_pickle, on_resolved=lambda *pair: resolved.extend(pair))
+    info, manifest = resolved
+    rewritten = None if only or info.source_path is None else manifest.rewritten_files()
     if output is None and info.sharded:
         echo(f"HEAD is now at {info.id[:12]}, a sharded (DCP) commit: nothing is written in place; write it as a "
              f"DCP directory with `ckpt checkout {info.id[:12]} -o DIR`, or load it with CkptStorageReader")

@@ -25,6 +25,7 @@ from ckptstore.state import RawTensor, materialize
 from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
+    from ckptstore.metadata.commits import CommitInfo
     from ckptstore.objectstore.base import ObjectStore
     from ckptstore.repo.repository import Repository
 
@@ -85,16 +86,15 @@ def _checkout(repo: Repository, ref: str, device: str | None, progress: Progress
 
 
 def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = None, force: bool = False,
-                progress: Progress | None = None, keys: Iterable[str] | None = None, trust_pickle: bool = False
-                ) -> Path:
+                progress: Progress | None = None, keys: Iterable[str] | None = None, trust_pickle: bool = False,
+                on_resolved: Callable[[CommitInfo, Manifest], None] | None = None) -> Path:
     """Write the checkpoint at `ref` to disk and return where.
 
-    Without `output`, writes to the path it was committed from and moves HEAD (like git
-    checkout), refusing to overwrite files whose content is not in the store unless `force`; a
-    sharded commit has no such path: HEAD moves and nothing is written.
+    Without `output`, writes to the path it was committed from and moves HEAD (like git checkout), refusing to
+    overwrite files whose content is not in the store unless `force`; a sharded commit: HEAD moves, nothing written.
     With `output` (whose parent folder must exist), only writes there. A folder ends up holding exactly the
-    commit's files (worktree.plan_checkout says what is removed and what is refused). With `keys`, only the
-    matching part is written, to `output` (required); see `_write_selected`. `trust_pickle`: see Repository.checkout_to.
+    commit's files (worktree.plan_checkout says what is removed and refused). With `keys`, only the matching part
+    is written, to `output` (required; `_write_selected`). `trust_pickle`, `on_resolved`: see Repository.checkout_to.
     """
     if output is not None:
         worktree.refuse_own_folders(repo, output)
@@ -107,6 +107,7 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
         branch = refs.head_branch(tx) if name == refs.HEAD else name if row and row.kind == refs.BRANCH else None
     faults.point("checkout:resolved")
     manifest = integrity.kept_manifest(repo, info)
+    (on_resolved or _ignored)(info, manifest)
     if manifest.dcp is not None:  # a sharded commit: a DCP directory that plain dcp.load reads
         if keys is not None:
             raise CkptError(f"commit {cid[:12]} is a sharded (torch.distributed.checkpoint) commit: check it out "
@@ -144,6 +145,10 @@ def checkout_to(repo: Repository, ref: str, output: str | os.PathLike | None = N
     if output is not None and manifest.kind == "folder":
         _say_files_beside(plan)
     return dest
+
+
+def _ignored(*_: Any) -> None:
+    """No one asked what a checkout resolved."""
 
 
 def _say_files_beside(plan: worktree.CheckoutPlan) -> None:

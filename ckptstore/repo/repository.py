@@ -241,17 +241,17 @@ class Repository:
 
     def checkout_to(self, ref: str, output: str | os.PathLike | None = None, force: bool = False,
                     progress: Progress | None = None, keys: Iterable[str] | None = None,
-                    trust_pickle: bool = False) -> Path:
+                    trust_pickle: bool = False, on_resolved: Callable[[CommitInfo, Any], None] | None = None) -> Path:
         """Write the checkpoint at `ref` (or its part matching `keys`) to disk and return where.
 
-        `trust_pickle`: a sharded commit's non-tensor items kept as DCP's pickles (committed with
-        trust) are written as they are stored, unread.
+        `trust_pickle`: a sharded commit's non-tensor items kept as DCP's pickles (committed with trust) are
+        written as they are stored, unread. `on_resolved(info, manifest)`: told the commit `ref` named, first.
         """
         from ckptstore.repo.checkout import checkout_to
 
         if output is None and keys is None:
             self.db.refuse_writes("checkout without -o (it moves HEAD)")
-        return checkout_to(self, ref, output, force, progress, keys, trust_pickle)
+        return checkout_to(self, ref, output, force, progress, keys, trust_pickle, on_resolved)
 
     def log(self, ref: str | Sequence[str] | None = None, all_refs: bool = False, limit: int | None = None
             ) -> list[CommitInfo]:
