@@ -3,6 +3,7 @@
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -111,6 +112,29 @@ def test_checkout_names_the_commit_it_wrote_when_another_lands_on_the_branch_mea
     written = torch.load("out.pt")["step"]  # the file of commit 1 or 2, the third landing as the checkout ran
     assert reads["manifests"] >= 1 and len(newest_first) == 3, newest_first
     assert f"Restored {newest_first[3 - written]} " in said, (said, newest_first, written)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_sigterm_ends_a_checkout_as_ctrl_c_does_and_leaves_no_temporary_file(tmp_path, signum):
+    """SIGTERM (timeout, systemd, scancel) killed `checkout -o` at once, leaving its temporary file, as large as
+    the checkpoint, beside the output where no gc looks (auditor 432). It ends as Ctrl-C does now: undone, 143."""
+    from tests.conftest import wait_until_held
+
+    torch.save({"w": torch.arange(1000.0)}, tmp_path / "c.pt")
+    for args in (("init",), ("commit", "c.pt")):
+        assert ckpt_here(tmp_path, *args).returncode == 0
+    (tmp_path / "out").mkdir()
+    release = tmp_path / "release"
+    checkout = subprocess.Popen([sys.executable, "-m", "ckptstore", "checkout", "HEAD", "-o", "out/c.pt"],
+                                cwd=tmp_path, env=ckpt_env(CKPT_WAIT_AT=f"checkout:staged={release}"),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until_held(release, checkout)
+    assert len(list((tmp_path / "out").iterdir())) >= 1  # the temporary file, whole
+    checkout.send_signal(signum)
+    _, err = checkout.communicate(timeout=120)
+    assert checkout.returncode == 128 + signum and "interrupted" in err and "Traceback" not in err, err
+    assert list((tmp_path / "out").iterdir()) == []
+    assert ckpt_here(tmp_path, "fsck").returncode == 0
 
 
 def test_stats_counts_the_database_on_disk(tmp_path):

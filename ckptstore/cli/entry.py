@@ -6,7 +6,9 @@ import contextlib
 import io
 import os
 import re
+import signal
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -72,6 +74,31 @@ def _asks_debug(argv: list[str]) -> bool:
     return False
 
 
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM or SIGHUP, raised where Ctrl-C's KeyboardInterrupt is: what the command half-wrote is undone."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated(signum)
+
+
+def _end_as_ctrl_c_does() -> None:
+    """Have SIGTERM (timeout, systemd, SLURM's scancel) and SIGHUP end a command as Ctrl-C does, not at once.
+
+    Their default left a checkout's temporary file, as large as the checkpoint, where no gc looks. A handler
+    the program set already is kept; a daemon's commands run off the main thread, which has the handler.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, _raise_terminated)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run `ckpt` with `argv` (default: this process's arguments).
 
@@ -82,14 +109,16 @@ def main(argv: list[str] | None = None) -> None:
     for stream in (sys.stdout, sys.stderr):  # a name that is no valid text (a lone surrogate) prints escaped
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="backslashreplace")
+    _end_as_ctrl_c_does()
     try:
         # per command: a warning is one line, and a daemon's earlier commands leave no "shown once" behind
         # and opening a repository loads no more than the command uses: `ckpt status` loads neither numpy nor torch
         with warnings.catch_warnings(), warm.machinery_as_needed():
             warnings.showwarning = _warning_line
             cli(args=argv, prog_name="ckpt", standalone_mode=False)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        _fail(INTERRUPTED, 130)
+    except (click.exceptions.Abort, KeyboardInterrupt) as exc:  # click raises Abort from a KeyboardInterrupt
+        signum = next((e.signum for e in (exc, exc.__context__) if isinstance(e, Terminated)), signal.SIGINT)
+        _fail(INTERRUPTED, 128 + signum)
     except OutputError as exc:
         _output_gone(exc)
     except click.exceptions.NoArgsIsHelpError as exc:  # bare `ckpt`, `ckpt remote`: the help, as typed lines

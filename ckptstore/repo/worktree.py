@@ -614,6 +614,7 @@ def _stage(repo: Repository, cid: CommitId, record: CheckpointFile, target: Path
     handle.close()
     try:
         formats.write_file(record, staging, value_of, raw_of, exact)
+        faults.point("checkout:staged")  # tests stop a checkout here, its temporary file whole
         digest = file_digest(str(staging)) if expected is not None or not repo.read_only else None
         if expected is not None and digest != expected:
             raise CorruptRecordError(f"file {record.name or target.name} of commit {cid[:12]}", "the manifest rebuilds "
