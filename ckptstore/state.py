@@ -449,7 +449,7 @@ class _Flattener:
         if self.nodes > MAX_NODES:
             raise _limit(path, f"has more than {MAX_NODES:,} values")
         if self.depth > MAX_DEPTH:
-            raise _limit(path, f"nests containers more than {MAX_DEPTH} deep")
+            raise _limit(path, f"nests containers more than {MAX_DEPTH} deep (or a container holds itself)")
 
     def count_view(self, storage: int, storage_nbytes: int, nbytes: int, path: str) -> None:
         """Charge a tensor's bytes to its storage; refuse views that add up far beyond it."""
@@ -530,7 +530,8 @@ class _Flattener:
     def _npscalar(self, value: np.generic, path: str) -> Any:
         kind, size = value.dtype.kind, value.dtype.itemsize
         if kind not in "biufc" or size > (16 if kind == "c" else 8):  # .item() of these is no exact JSON value
-            raise UnsupportedStateError(f"{path or '<root>'}: numpy {value.dtype} scalar")
+            raise UnsupportedStateError(f"{path or '<root>'}: a numpy {value.dtype} scalar has no exact stored form; "
+                                        "store str(value), a number, or a 0-d array (np.asarray(value))")
         v = value.item()
         if kind in "fc" and value.dtype.type(v).tobytes() != value.tobytes():  # a float32 signalling NaN, made quiet
             return ["npbits", value.dtype.str, value.tobytes().hex()]
@@ -542,6 +543,9 @@ class _Flattener:
         return [tag, self.leaf(value, path, lambda: raw_from_bytes(bytes(value)))]
 
     def _ndarray(self, value: np.ndarray, path: str) -> Any:
+        if isinstance(value, np.ma.MaskedArray):  # its data alone would come back with the masked fill as values
+            raise UnsupportedStateError(f"{path or '<root>'}: a numpy masked array's mask would be lost; store "
+                                        "value.filled(...) and np.ma.getmaskarray(value) as two arrays")
         return ["ndarray", self.leaf(value, path, lambda: raw_from_numpy(value, path))]
 
     def leaf(self, value: Any, path: str, make: Callable[[], RawTensor]) -> str:

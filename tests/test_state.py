@@ -1,6 +1,7 @@
 import json
 import math
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -546,6 +547,20 @@ def test_a_bool_view_of_bytes_other_than_0_and_1_keeps_every_byte(repo, blocking
     for key, value in state.items():  # as bits: viewed as uint8 before any copy, which would normalize them
         assert back[key].view(torch.uint8).tolist() == value.view(torch.uint8).tolist(), key
     assert back["strided"].view(torch.uint8).tolist() == [0, 255] * 2
+
+
+def test_a_masked_array_an_odd_numpy_scalar_and_a_cycle_are_refused_saying_what_to_store():
+    """A numpy masked array came back a plain array, its masked fill (-999) read as data; a numpy datetime64 scalar
+    was refused as 'numpy datetime64[D] scalar' and a state holding itself as merely too deep (auditor 430)."""
+    cycle = {"a": 1}
+    cycle["self"] = cycle
+    refusals = {"x": ({"x": np.ma.array([1.0, -999.0], mask=[False, True])}, "np.ma.getmaskarray"),
+                "when": ({"when": np.datetime64("2026-12-07")}, "a 0-d array (np.asarray(value))"),
+                "self": (cycle, "a container holds itself")}
+    for key, (state, advice) in refusals.items():
+        with pytest.raises(UnsupportedStateError, match=re.escape(advice)) as refused:
+            flatten(state)
+        assert str(refused.value).startswith(key), refused.value
 
 
 def test_bytes_of_a_shared_storage_no_view_covers_come_back_zero_not_stale_memory():
