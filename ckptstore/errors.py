@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -353,6 +354,10 @@ def _no_room(exc: OSError) -> DiskFullError:
     where = f" writing {exc.filename}" if exc.filename else ""
     if exc.errno == errno.ENOSPC and (held := no_inodes_left(exc.filename)):
         return inodes_used_up(held)
+    if exc.errno in DISK_FULL_ERRNOS and _outside_repository(exc) and _TEMP_OF.match(os.path.basename(exc.filename)):
+        # a checkout's or export's file beside its target: gc in the repository cannot help there
+        return DiskFullError(f"the disk holding {_written_folder(exc)} is full ({exc.strerror or exc}); what was "
+                             "there is unchanged and nothing half-written is left: free space there or write elsewhere")
     tell = file_too_large if exc.errno == errno.EFBIG else disk_full
     return tell(f"{exc.strerror or exc}{where}")
 
@@ -389,9 +394,8 @@ def explain(exc: BaseException) -> CkptError | None:
             return said
         if (said := _out_of_memory(current, text)) is not None:
             return said
-        if isinstance(current, OSError) and current.errno in (errno.EMFILE, errno.ENFILE):
-            return CkptError(f"too many open files ({current.strerror}{_limit_of_open_files()}): raise the limit "
-                             "(`ulimit -n 65536`) and run the command again")
+        if isinstance(current, OSError) and (said := _io_failure(current)) is not None:
+            return said
         if any(words in text for words in _DISK_FULL_WORDS):
             return disk_full(str(current).splitlines()[0].strip()[:200])
         if isinstance(current, OSError) and current.errno == errno.EROFS and _outside_repository(current):
@@ -413,6 +417,29 @@ def explain(exc: BaseException) -> CkptError | None:
         if isinstance(current, UnicodeEncodeError) and "surrogates" in text:
             return CkptError(f"'{shown_name(current.object[:80])}' holds bytes that are not UTF-8; ckptstore records "
                              "names, paths and messages as UTF-8: rename the file, or pass the text in UTF-8")
+    return None
+
+
+@contextlib.contextmanager
+def naming_file(path: str | os.PathLike) -> Iterator[None]:
+    """An OSError raised inside that names no file (a read, a write, an fsync) names `path`, for its message."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc  # the errno's subclass, as OSError makes it
+
+
+def _io_failure(exc: OSError) -> CkptError | None:
+    """A failing disk (EIO), or too many open files; else None."""
+    if exc.errno == errno.EIO:
+        return CkptError(f"the disk failed to read or write{f' {exc.filename}' if exc.filename else ''} (input/output "
+                         "error): it or its file system may be failing (see `dmesg`); what failed to be written was "
+                         "not recorded. `ckpt fsck` lists what can no longer be read")
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return CkptError(f"too many open files ({exc.strerror}{_limit_of_open_files()}): raise the limit "
+                         "(`ulimit -n 65536`) and run the command again")
     return None
 
 

@@ -150,3 +150,28 @@ def test_every_error_comes_back_from_pickle_as_itself():
         back = pickle.loads(pickle.dumps(error))
         assert type(back) is cls and str(back) == str(error) and back.args == error.args, cls
         assert repr(vars(back)) == repr(vars(error)), cls
+
+
+def test_a_failing_disk_and_a_full_output_disk_are_said_with_their_path_and_what_helps():
+    """EIO reached the user as 'unexpected OSError ... please report it' with no path, and a full disk under an -o
+    file sent the user to `ckpt gc` in the repository, which cannot free space there (auditor 434)."""
+    import errno
+
+    from ckptstore.errors import explain, naming_file
+
+    failing = str(explain(OSError(errno.EIO, "Input/output error", "/r/.ckpt/objects/ab/cd")))
+    assert "/r/.ckpt/objects/ab/cd" in failing and "input/output error" in failing and "ckpt fsck" in failing
+    temp = "/mnt/out/.c.pt.new-0123456789abcdef.ckpt-tmp"  # formats.atomic's temporary file beside out/c.pt
+    full = str(explain(OSError(errno.ENOSPC, "No space left on device", temp)))
+    assert "the disk holding /mnt/out is full" in full and "ckpt gc" not in full and "write elsewhere" in full, full
+    assert "ckpt gc" in str(explain(OSError(errno.ENOSPC, "No space left on device", "/r/.ckpt/tmp/x")))
+    try:
+        with naming_file("/r/out.pt"):
+            raise OSError(errno.EIO, "Input/output error")  # a write or an fsync names no file
+    except OSError as exc:
+        assert exc.filename == "/r/out.pt" and exc.errno == errno.EIO
+    try:
+        with naming_file("/r/out.pt"):
+            raise PermissionError(errno.EACCES, "Permission denied", "/r/other")
+    except PermissionError as exc:  # one that names its file keeps it, and its type
+        assert exc.filename == "/r/other"

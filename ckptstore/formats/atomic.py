@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from ckptstore.errors import CheckpointFormatError
+from ckptstore.errors import CheckpointFormatError, naming_file
 
 TEMP_SUFFIX = ".ckpt-tmp"
 
@@ -47,7 +47,7 @@ def atomic_write(path: str | os.PathLike, fill: Callable[[BinaryIO], None], mode
     kept = None if mode is not None else _mode_of(path)
     temp, handle = temp_beside(path)
     try:
-        with handle:
+        with naming_file(temp), handle:
             fill(handle)
             handle.flush()
             os.fsync(handle.fileno())

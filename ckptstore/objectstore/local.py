@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptstore.errors import CorruptObjectError, StoreUnavailableError
+from ckptstore.errors import CorruptObjectError, StoreUnavailableError, naming_file
 from ckptstore.hashing import ObjectId, is_hex_id, object_id, object_id_of_parts
 from ckptstore.objectstore.base import as_bytes
 from ckptstore.objectstore.damagelist import NAME as DAMAGE_LIST
@@ -171,7 +171,7 @@ class LocalObjectStore:
         _make_folder(self.tmp)
         temp = self.tmp / f"{oid}.{uuid.uuid4().hex}"
         try:
-            with open(temp, "wb", buffering=0) as handle:  # unbuffered: each part goes straight to the file
+            with naming_file(temp), open(temp, "wb", buffering=0) as handle:  # unbuffered: parts go straight to it
                 for part in parts:
                     _write_all(handle, part)
                 if self._batched is None:
@@ -194,7 +194,7 @@ class LocalObjectStore:
             return False
 
     def get(self, oid: ObjectId, verify: bool = True) -> bytes:
-        with open(open_object(self.path_of(oid), oid), "rb") as handle:
+        with naming_file(self.path_of(oid)), open(open_object(self.path_of(oid), oid), "rb") as handle:
             data = handle.read()
         if verify and object_id(data) != oid:
             self.damage.add(oid)

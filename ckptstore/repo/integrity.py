@@ -495,7 +495,7 @@ def _manifest_entries(store: ObjectStore, commits: dict[CommitId, commit_rows.Co
             found.newer_manifests[cid] = info.manifest_object
             found.unreadable_manifests.add(info.manifest_object)
             continue
-        except PermissionError:  # another user's file: fsck's object check says it, and goes on to the rest
+        except OSError:  # another user's file (PermissionError), a failing disk: the object check says it
             found.unreadable_manifests.add(info.manifest_object)
             continue
         except StoreUnavailableError:  # the bucket down: no manifest will read, each after a whole retry budget

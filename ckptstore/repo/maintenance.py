@@ -306,6 +306,9 @@ def _check_objects(repo: Repository, live_objects: Iterable[ObjectId], report: F
             report.unchecked_why, store, origin_lost = str(exc), held_here(repo.store), True
         except PermissionError as exc:  # another user's file (their umask): said, and the rest still checked
             report.unreadable[oid] = exc.filename or str(exc)
+        except OSError as exc:  # a failing disk (EIO): this object is lost here, the rest still checked
+            where = f" at {exc.filename}" if exc.filename else ""
+            report.damaged_objects[oid] = f"unreadable ({exc.strerror or exc}{where})"
         except CorruptObjectError as exc:
             if not origin_lost or exc.problem != "missing":
                 report.damaged_objects[oid] = exc.problem

@@ -915,6 +915,36 @@ def test_a_forged_view_storage_larger_than_its_file_is_damage_not_an_allocation(
             back["a"].untyped_storage().data_ptr()
 
 
+def test_fsck_names_an_object_the_disk_fails_to_read_as_damaged_and_checks_the_rest(tmp_path, monkeypatch):
+    """An EIO reading one object ended fsck with 'unexpected OSError ... please report it' (auditor 434)."""
+    import errno
+
+    from ckptstore.objectstore.local import LocalObjectStore
+
+    with Repository.init(tmp_path) as repo:
+        first = repo.commit({"a": torch.randn(64, generator=torch.Generator().manual_seed(0))})
+        second = repo.commit({"b": torch.randn(64, generator=torch.Generator().manual_seed(1))})
+        read, seen = LocalObjectStore.get, []
+        monkeypatch.setattr(LocalObjectStore, "get", lambda self, oid, verify=True: seen.append(oid) or read(
+            self, oid, verify))
+        for cid in (second, first):
+            repo.checkout(cid)
+            seen.append(None)
+        cut = seen.index(None)
+        lost = set(seen[cut + 1:-1]) - set(seen[:cut])  # the objects only the first commit needs
+
+        def get(self, oid, verify=True):
+            if oid in lost:
+                raise OSError(errno.EIO, "Input/output error", str(self.path_of(oid)))
+            return read(self, oid, verify)
+
+        monkeypatch.setattr(LocalObjectStore, "get", get)
+        report = fsck(repo)
+        assert lost and set(report.damaged_objects) == lost, report
+        assert all("Input/output error" in why for why in report.damaged_objects.values())
+        assert list(report.broken_commits) == [first] and report.objects_checked > len(lost), report
+
+
 def _safetensors_header(entries):
     """A safetensors header's bytes (its length, then its JSON) naming `entries`: {name: (offset, end)} of F32 data."""
     text = json.dumps({n: {"dtype": "F32", "shape": [(e - b) // 4], "data_offsets": [b, e]}
