@@ -10,10 +10,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptstore import faults
-from ckptstore.errors import CkptError, CorruptObjectError, LostLockError, ReadOnlyRepoError, StoreUnavailableError
+from ckptstore.errors import (
+    CkptError,
+    CorruptObjectError,
+    DiskFullError,
+    LostLockError,
+    ReadOnlyRepoError,
+    StoreUnavailableError,
+)
 from ckptstore.hashing import ObjectId
 from ckptstore.metadata import liveness
 from ckptstore.objectstore.fallback import FallbackStore, held_here
+from ckptstore.repo.location import DATABASE
 from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
@@ -63,8 +71,20 @@ def gc(repo: Repository, prune_unreachable: bool = False, wait: bool = True) -> 
     be the only copy. `wait` False: RepoLockedError at once instead of waiting.
     """
     cleared = clear_tmp_for_room(repo, "gc", wait)
-    with repo.lock(exclusive=True, wait=wait):
-        report = collect(repo, prune_unreachable)
+    try:
+        with repo.lock(exclusive=True, wait=wait):
+            report = collect(repo, prune_unreachable)
+    except LostLockError as exc:
+        if exc.deleting:  # its line names the object deleted as the lock went, and says to run fsck
+            raise
+        # the database's words are a commit's ("a gc elsewhere may have removed what it wrote"): gc holds it alone
+        raise LostLockError(f"gc stopped before deleting anything: the repository lock on {repo.db.where} was lost "
+                            f"({exc.ended}); nothing was deleted or changed: run `ckpt gc` again", exc.ended) from None
+    except DiskFullError as exc:  # its advice is to run gc: the database's write needs room of its own first
+        size = sum(os.path.getsize(p) for p in repo.dir.glob(f"{DATABASE}*") if p.is_file())
+        raise DiskFullError(f"{str(exc).partition(';')[0]}; gc changed nothing: its database write needs room on "
+                            f"that disk before it frees any (up to the database's size, {size:,} bytes): free that "
+                            "much and run it again") from None
     report.temp_files_removed += cleared
     return report
 

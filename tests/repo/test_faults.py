@@ -380,3 +380,26 @@ def test_a_plain_file_rewritten_or_cut_while_its_folder_is_committed_is_refused(
     with pytest.raises(CheckpointFormatError, match="status.txt changed while it was being committed"):
         repo.commit(folder)
     assert repo.log() == []
+
+
+@pytest.mark.parametrize("failure", ["lock lost", "disk full"])
+def test_a_gc_that_fails_before_deleting_says_that_and_what_helps_not_a_commits_words(tmp_path, monkeypatch, failure):
+    """A gc whose lock was lost blamed 'a gc elsewhere' removing 'what it wrote' (auditor 433), and one on a nearly
+    full disk advised running `ckpt gc`, itself, never saying its database write needs room first (auditor 434)."""
+    from ckptstore.errors import DiskFullError, LostLockError, disk_full
+    from ckptstore.repo import maintenance
+
+    def fails(repo, prune_unreachable=False):
+        if failure == "lock lost":
+            raise LostLockError("lost the repository lock ...; a gc elsewhere may have removed what it wrote, so "
+                                "nothing was recorded: run the command again", "its session ended")
+        raise disk_full("database or disk is full")
+
+    with Repository.init(tmp_path) as repo:
+        repo.commit({"w": torch.ones(4)})
+        monkeypatch.setattr(maintenance, "collect", fails)
+        with pytest.raises((LostLockError, DiskFullError)) as said:
+            maintenance.gc(repo)
+    text = str(said.value)
+    assert "gc elsewhere" not in text and "`ckpt gc` removes" not in text, text
+    assert ("nothing was deleted or changed" if failure == "lock lost" else "its database write needs room") in text
