@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -86,17 +87,37 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise Terminated(signum)
 
 
-def _end_as_ctrl_c_does() -> None:
-    """Have SIGTERM (timeout, systemd, SLURM's scancel) and SIGHUP end a command as Ctrl-C does, not at once.
+@contextlib.contextmanager
+def _ended_as_ctrl_c_does() -> Iterator[None]:
+    """While a command runs, SIGTERM (timeout, systemd, SLURM's scancel) and SIGHUP end it as Ctrl-C does.
 
     Their default left a checkout's temporary file, as large as the checkpoint, where no gc looks. A handler
-    the program set already is kept; a daemon's commands run off the main thread, which has the handler.
+    the program set already is kept, and the default is back once the command ends (a program calling `main`
+    goes on); a daemon's commands run off the main thread, where no handler can be set.
     """
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(signum) is signal.SIG_DFL:
-            signal.signal(signum, _raise_terminated)
+    mine = [signum for signum in (signal.SIGTERM, signal.SIGHUP) if threading.current_thread() is
+            threading.main_thread() and signal.getsignal(signum) is signal.SIG_DFL]
+    for signum in mine:
+        signal.signal(signum, _raise_terminated)
+    try:
+        yield
+    finally:
+        for signum in mine:
+            signal.signal(signum, signal.SIG_DFL)
+
+
+def _interrupted(exc: BaseException) -> None:
+    """Say the command was interrupted; end as Ctrl-C ends it (130), or die of the SIGTERM or SIGHUP that came.
+
+    Dying of it, not exiting 143, is what a supervisor counts as stopped (systemd calls exit 143 a failure).
+    """
+    terminated = next((e for e in (exc, exc.__context__) if isinstance(e, Terminated)), None)
+    if terminated is None:
+        _fail(INTERRUPTED, 130)
+    click.echo("error: " + _one_line(INTERRUPTED), err=True)
+    signal.signal(terminated.signum, signal.SIG_DFL)
+    os.kill(os.getpid(), terminated.signum)
+    sys.exit(128 + terminated.signum)  # where the signal is blocked
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,16 +130,14 @@ def main(argv: list[str] | None = None) -> None:
     for stream in (sys.stdout, sys.stderr):  # a name that is no valid text (a lone surrogate) prints escaped
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="backslashreplace")
-    _end_as_ctrl_c_does()
     try:
         # per command: a warning is one line, and a daemon's earlier commands leave no "shown once" behind
         # and opening a repository loads no more than the command uses: `ckpt status` loads neither numpy nor torch
-        with warnings.catch_warnings(), warm.machinery_as_needed():
+        with _ended_as_ctrl_c_does(), warnings.catch_warnings(), warm.machinery_as_needed():
             warnings.showwarning = _warning_line
             cli(args=argv, prog_name="ckpt", standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt) as exc:  # click raises Abort from a KeyboardInterrupt
-        signum = next((e.signum for e in (exc, exc.__context__) if isinstance(e, Terminated)), signal.SIGINT)
-        _fail(INTERRUPTED, 128 + signum)
+        _interrupted(exc)
     except OutputError as exc:
         _output_gone(exc)
     except click.exceptions.NoArgsIsHelpError as exc:  # bare `ckpt`, `ckpt remote`: the help, as typed lines

@@ -207,20 +207,24 @@ def watch(ctx, folder, interval, branch, lossy, once) -> None:
 
     from ckptstore.repo import WatchOptions, watch_folder
 
-    stop = threading.Event()
+    stop, stopped_by = threading.Event(), []
+    # finish the commit in progress; a second one interrupts it. SIGTERM (systemd, scancel) and SIGHUP stop it too
+    stopping = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 
-    def on_interrupt(signum, frame) -> None:  # finish the commit in progress; a second Ctrl-C interrupts it
+    def on_interrupt(signum, frame) -> None:
         stop.set()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        stopped_by.append(stopping[signum])
+        signal.signal(signum, previous[signum])
 
-    previous = signal.signal(signal.SIGINT, on_interrupt)
+    previous = {signum: signal.signal(signum, on_interrupt) for signum in stopping}
     try:
         report = watch_folder(open_repo(ctx), folder, WatchOptions(interval, branch, lossy, once), stop, echo)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     for name, why in sorted(report.waiting.items()):
         echo(f"waiting: {name}: {why}")  # shown names already (watch.py)
-    how = "stopped on Ctrl-C" if report.stopped else "done"
+    how = f"stopped on {stopped_by[0] if stopped_by else 'Ctrl-C'}" if report.stopped else "done"
     echo(f"{how}: {len(report.committed)} checkpoint(s) committed")
     if once and report.conflicted:  # a scan to come would have tried them again: --once has none
         raise ConflictError(f"{', '.join(report.conflicted)}: not committed, another writer moved the branch "

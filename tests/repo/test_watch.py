@@ -183,17 +183,21 @@ def _watching_once_ckpt_1_is_committed(repo, run: Path) -> tuple[subprocess.Pope
     return process, lines
 
 
-def test_ctrl_c_ends_the_watch_after_the_current_commit_with_exit_code_0(repo, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_ends_the_watch_after_the_current_commit_with_exit_code_0(repo, tmp_path, signum):
+    """And SIGTERM (systemd's stop, scancel) as Ctrl-C: it ended the commit in progress with 'interrupted'
+    (reviewer 435)."""
     run = tmp_path / "run"
     run.mkdir()
     process, lines = _watching_once_ckpt_1_is_committed(repo, run)
     try:
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signum)
         out, _ = process.communicate(timeout=30)
     finally:
         process.kill()
     assert process.returncode == 0, "".join(lines) + out
-    assert "stopped on Ctrl-C: 1 checkpoint(s) committed" in out
+    said = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    assert f"stopped on {said}: 1 checkpoint(s) committed" in out
     assert "Traceback" not in "".join(lines) + out
     assert len(repo.log()) == 1
 
