@@ -29,7 +29,7 @@ from ckptstore.errors import (
 from ckptstore.errors import is_utf8 as is_utf8  # formats and watch import it from here
 from ckptstore.formats.tuplecost import key_nesting
 from ckptstore.formats.tuplekeys import stored_tuple_key
-from ckptstore.formats.views import as_bits, check_view, scatter
+from ckptstore.formats.views import StorageBudget, as_bits, check_view, scatter
 from ckptstore.warn import warn_caller
 
 BYTES_DTYPE = "bytes"
@@ -768,7 +768,7 @@ class _Unflattener:
 
     def __init__(self, lookup: Callable[[str], Any], file_size: int | None = None) -> None:
         self.lookup = lookup
-        self.file_size = file_size  # of the file a torch.save wrote: no storage of it is larger (views.check_view)
+        self.budget = StorageBudget(file_size)  # of the file torch.save wrote: its storages came from it
         self.cache: dict[str, Any] = {}
         self.parameters: dict[tuple[str, int], Any] = {}  # by (path, object)
         self.grads: dict[tuple[str, int], Any] = {}  # tensors that require grad or are numbered, by (path, object)
@@ -807,7 +807,8 @@ class _Unflattener:
     def view(self, value: Any, storage: str, nbytes: int, offset: int, stride: list[int]) -> Any:
         """`value` placed as a view of the storage named `storage`, which other views share."""
         torch = _torch()
-        check_view(tuple(value.shape), value.element_size(), storage, nbytes, offset, stride, self.file_size)
+        check_view(tuple(value.shape), value.element_size(), storage, nbytes, offset, stride)
+        self.budget.take(storage, nbytes)
         if storage not in self.storages:
             # zeros, not empty: bytes no view covers are written out by torch.save and must not be stale memory
             self.storages[storage] = torch.zeros(nbytes, dtype=torch.uint8, device=value.device).untyped_storage()

@@ -34,6 +34,12 @@ class CheckpointFile:
     mode: int | None = None  # permission bits on disk (folder.MODE_BITS); None: a state, an older manifest, FAT
     # a torch.save zip's bytes that are not tensors, and where its tensors go (torchcontainer.py)
     container: dict[str, Any] | None = None
+    of_state: bool = field(default=False, compare=False)  # an in-memory state's (not stored: its manifest's kind)
+
+    @property
+    def storage_bound(self) -> int | None:
+        """The bytes a file's storages come from (views.StorageBudget); none for a state, which holds no file."""
+        return None if self.of_state else self.size
 
     def to_json(self) -> dict[str, Any]:
         record = {"name": self.name, "format": self.format, "skeleton": self.skeleton, "size": self.size}

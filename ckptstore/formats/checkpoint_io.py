@@ -31,7 +31,7 @@ from ckptstore.state import RawTensor, escape, flatten, join, raw_from_bytes, un
 def from_state(obj: Any) -> Checkpoint:
     """An in-memory training state, stored as if it were one torch.save file."""
     flat = flatten(obj)
-    return Checkpoint("state", [CheckpointFile("", TORCH, flat.skeleton)], flat.tensors)
+    return Checkpoint("state", [CheckpointFile("", TORCH, flat.skeleton, of_state=True)], flat.tensors)
 
 
 def _read_blob(path: Path, prefix: str) -> tuple[Any, dict[str, RawTensor]]:
@@ -119,7 +119,7 @@ def file_state(record: CheckpointFile, value_of: Callable[[str], Any]) -> Any:
         return safetensors_file.as_state(record.skeleton, value_of)
     if record.format == BLOB:
         return value_of(record.skeleton[1])
-    return unflatten(record.skeleton, value_of, record.size or None)  # a state's record has no file size
+    return unflatten(record.skeleton, value_of, record.storage_bound)
 
 
 def to_state(kind: str, files: list[CheckpointFile], value_of: Callable[[str], Any]) -> Any:
@@ -139,7 +139,7 @@ def write_file(record: CheckpointFile, dest: Path, value_of: Callable[[str], Any
     if record.format == TORCH and record.container is not None:
         torchcontainer.write(dest, record.container, raw_of, exact)
     elif record.format == TORCH:
-        torchfile.save(unflatten(record.skeleton, value_of, record.size or None), dest)
+        torchfile.save(unflatten(record.skeleton, value_of, record.storage_bound), dest)
     elif record.format == SAFETENSORS:
         safetensors_file.write(dest, record.skeleton, raw_of)
     else:

@@ -35,7 +35,8 @@ class _EntryUnflattener(_Unflattener):
         entry = self.lookup(node[1])
         itemsize = TORCH_ITEMSIZE.get(entry.dtype)
         if "view" in extras and itemsize is not None:  # a dtype this table lacks: checkout's torch says so
-            check_view(tuple(entry.shape), itemsize, *extras["view"], self.file_size)
+            check_view(tuple(entry.shape), itemsize, *extras["view"])
+            self.budget.take(extras["view"][0], extras["view"][1])
         if extras.get("parameter"):
             _ = extras["requires_grad"]  # checkout reads it for an nn.Parameter: a KeyError there is damage
         return object()  # hashable and distinct, as a torch tensor is

@@ -167,7 +167,7 @@ def snapshot(state: Any, buffers: HostBuffers) -> tuple[Checkpoint, list[Any]]:
         for path, raw in flat.tensors.items():
             if path not in copier.copied:
                 raw.data = np.array(raw.data, copy=True)
-        return Checkpoint("state", [CheckpointFile("", TORCH, flat.skeleton)], flat.tensors), copier.lent
+        return Checkpoint("state", [CheckpointFile("", TORCH, flat.skeleton, of_state=True)], flat.tensors), copier.lent
     except BaseException:  # a Ctrl-C up to the return too: nobody else would give the buffers back
         for device in copier.devices:  # no copy may still be landing in a buffer given back
             _synchronize(device)

@@ -40,18 +40,34 @@ def scatter(torch: Any, storage: Any, value: Any, offset: int, stride: list[int]
     flat[places.reshape(-1).to(value.device)] = value.reshape(-1)
 
 
-def check_view(shape: tuple[int, ...], itemsize: int, storage: str, nbytes: int, offset: int, stride: list[int],
-               file_size: int | None = None) -> None:
-    """CorruptRecordError unless a view of `shape` at `offset` by `stride` lies inside its storage of `nbytes`.
+class StorageBudget:
+    """The bytes a file's shared storages may take in all: its size times deflate's largest ratio.
 
-    `file_size`: the size of the file the storage was read from, which holds every storage whole (deflated at
-    most); a storage claiming more is a forgery that would have checkout allocate what it names.
+    A file holds every storage whole (deflated at most): storages claiming more are a forgery that would have
+    checkout allocate what they name. None: an in-memory state's, whose storages no file bounds.
     """
+
+    def __init__(self, file_size: int | None) -> None:
+        self.left = None if file_size is None else file_size * MAX_INFLATION
+        self.file_size = file_size
+        self.seen: set[str] = set()
+
+    def take(self, storage: str, nbytes: int) -> None:
+        """Charge `storage`'s bytes once; CorruptRecordError past the budget."""
+        if self.left is None or storage in self.seen:
+            return
+        self.seen.add(storage)
+        self.left -= nbytes
+        if self.left < 0:
+            raise CorruptRecordError(f"the view at {storage}", f"its file's storages claim more bytes than the "
+                                     f"{self.file_size}-byte file they were read from can hold")
+
+
+def check_view(shape: tuple[int, ...], itemsize: int, storage: str, nbytes: int, offset: int, stride: list[int]
+               ) -> None:
+    """CorruptRecordError unless a view of `shape` at `offset` by `stride` lies inside its storage of `nbytes`."""
     # elements up to the view's last one; a damaged record must not place it outside its storage
     end = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if math.prod(shape) else offset
     if not (offset >= 0 and min(stride, default=0) >= 0 and end * itemsize <= nbytes):
         raise CorruptRecordError(f"the view at {storage}", f"it does not fit its storage of {nbytes} bytes "
                                  f"(offset {offset}, shape {shape}, strides {stride})")
-    if file_size is not None and nbytes > file_size * MAX_INFLATION:
-        raise CorruptRecordError(f"the view at {storage}", f"its storage of {nbytes} bytes is more than the "
-                                 f"{file_size}-byte file it was read from can hold")

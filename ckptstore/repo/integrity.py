@@ -381,7 +381,7 @@ def _check_skeleton(repo: Repository, manifest: Manifest, record: CheckpointFile
     entry_of = manifest.entries.__getitem__
     check_file_layout(record, entry_of)
     if record.format == TORCH:
-        check_state_skeleton(record.skeleton, entry_of, record.size or None)
+        check_state_skeleton(record.skeleton, entry_of, record.storage_bound)
     elif record.format == SAFETENSORS:
         tid = entry_of(record.skeleton[1]).tensor
         if tid not in headers:

@@ -127,6 +127,8 @@ class Manifest:
         """The manifest a stored record describes; TypeError or ValueError for a field of the wrong shape."""
         _check_record(record)
         files = [CheckpointFile.from_json(f) for f in record["files"]]
+        for file in files:  # a file's record claiming size 0 is no state's: its views get no storage (a forgery's)
+            file.of_state = record["kind"] == "state"
         entries = {p: Entry(TensorId(t), d, tuple(s)) for p, (t, d, s) in record["entries"].items()}
         digests = {f["name"]: f["digest"] for f in record["files"] if f.get("digest")}
         dcp = record.get("dcp") if record.get("version") == SHARDED_VERSION else None

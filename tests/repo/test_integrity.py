@@ -886,20 +886,36 @@ def test_fsck_decodes_every_commits_skeleton_and_names_a_forged_one(tmp_path, mo
     assert said.returncode == 1 and liar in said.stdout and "Traceback" not in said.stdout + said.stderr, said
 
 
-def test_a_forged_view_storage_larger_than_its_file_is_damage_not_an_allocation(tmp_path, monkeypatch):
-    """A legacy torch.save file's view record claiming a 1 TiB storage: fsck said ok, and checkout allocated what
-    it named (1 GiB from an 831-byte file in the auditor's run). A file holds every storage whole, deflated at
-    most, so none exceeds it by more than deflate's largest ratio (auditor 431)."""
+FORGED_STORAGES = {  # a legacy torch.save file of two storages (a, a[10:20]; b, b[:5]): what its record claims
+    "one-storage-of-a-tebibyte": lambda record: _claim(record, 1 << 40, 1 << 40),
+    "its-file-size-zero": lambda record: record["files"][0].update(size=0),  # as a state's record reads (435)
+    "two-storages-each-under-the-bound": lambda record: _claim(record, 1000 * record["files"][0]["size"],
+                                                               1000 * record["files"][0]["size"]),
+}
+
+
+def _claim(record, first, second):
+    for _, node in record["files"][0]["skeleton"][1]:
+        node[2]["view"][1] = first if node[2]["view"][0] == "a" else second
+
+
+@pytest.mark.parametrize("forgery", FORGED_STORAGES)
+def test_a_forged_view_storage_larger_than_its_file_is_damage_not_an_allocation(tmp_path, monkeypatch, forgery):
+    """A legacy torch.save file's view records claiming storages its file cannot hold: fsck said ok, and checkout
+    allocated what they named (1 GiB from an 831-byte file in the auditor's run). A file holds every storage
+    whole, deflated at most, so together they exceed it by no more than deflate's largest ratio (auditor 431;
+    reviewer 435: a size of 0, a state's, turned the bound off, and it bounded each storage, not their sum)."""
     from ckptstore.repo import manifest as manifests
 
     a = torch.randn(100, generator=torch.Generator().manual_seed(0))
-    torch.save({"a": a, "b": a[10:20]}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    b = torch.randn(100, generator=torch.Generator().manual_seed(1))
+    torch.save({"a": a, "a2": a[10:20], "b": b, "b2": b[:5]}, tmp_path / "legacy.pt",
+               _use_new_zipfile_serialization=False)
     written = manifests.Manifest.to_record
 
     def forged(self):
         record = written(self)
-        for _, node in record["files"][0]["skeleton"][1]:
-            node[2]["view"][1] = 1 << 40
+        FORGED_STORAGES[forgery](record)
         return record
 
     with Repository.init(tmp_path / "r") as repo:
@@ -907,12 +923,14 @@ def test_a_forged_view_storage_larger_than_its_file_is_damage_not_an_allocation(
         with monkeypatch.context() as forging:
             forging.setattr(manifests.Manifest, "to_record", forged)
             liar = repo.commit(tmp_path / "legacy.pt", allow_empty=True)
-        with pytest.raises(CorruptRecordError, match="more than the .*-byte file it was read from can hold"):
+        with pytest.raises(CorruptRecordError, match="storages claim more bytes than the .*-byte file"):
             repo.checkout(liar)
         assert list(fsck(repo).broken_commits) == [liar]
         back = repo.checkout(good)
-        assert torch.equal(back["b"], a[10:20]) and back["b"].untyped_storage().data_ptr() == \
+        assert torch.equal(back["a2"], a[10:20]) and back["a2"].untyped_storage().data_ptr() == \
             back["a"].untyped_storage().data_ptr()
+        in_memory = repo.commit({"a": a, "a2": a[10:20]})  # a state's storages no file bounds: restored as ever
+        assert torch.equal(repo.checkout(in_memory)["a2"], a[10:20])
 
 
 def test_fsck_names_an_object_the_disk_fails_to_read_as_damaged_and_checks_the_rest(tmp_path, monkeypatch):
