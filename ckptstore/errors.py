@@ -435,8 +435,8 @@ def _io_failure(exc: OSError) -> CkptError | None:
     """A failing disk (EIO), or too many open files; else None."""
     if exc.errno == errno.EIO:
         return CkptError(f"the disk failed to read or write{f' {exc.filename}' if exc.filename else ''} (input/output "
-                         "error): it or its file system may be failing (see `dmesg`); what failed to be written was "
-                         "not recorded. `ckpt fsck` lists what can no longer be read")
+                         "error): it or its file system may be failing (see `dmesg`); nothing was recorded from a "
+                         "write it failed, and `ckpt fsck` lists what can no longer be read")
     if exc.errno in (errno.EMFILE, errno.ENFILE):
         return CkptError(f"too many open files ({exc.strerror}{_limit_of_open_files()}): raise the limit "
                          "(`ulimit -n 65536`) and run the command again")

@@ -66,11 +66,12 @@ class FileRanges:
         """
         fd = self._fds.get(oid)
         fd = self._open(oid) if fd is None else fd
-        if into is None:
-            data: bytes | memoryview = os.pread(fd, length, offset)
-        else:
-            view = memoryview(into)[:length]
-            data = view[: os.preadv(fd, [view], offset)]
+        with naming_file(self._store.path_of(oid)):  # a failing disk's EIO, said with the file it failed on
+            if into is None:
+                data: bytes | memoryview = os.pread(fd, length, offset)
+            else:
+                view = memoryview(into)[:length]
+                data = view[: os.preadv(fd, [view], offset)]
         if len(data) != length:
             raise CorruptObjectError(oid, f"shorter than a chunk record says: it ends at byte {offset + len(data)}, "
                                           f"the record reads to {offset + length} (the object cut short, or the "

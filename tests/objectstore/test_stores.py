@@ -590,3 +590,27 @@ def test_a_repository_made_with_its_own_folder_as_the_store_is_told_how_to_move_
     assert ckpt_here(tmp_path, "log").returncode == 0
     with Repository.open(tmp_path) as repo:
         assert_same(state, repo.checkout(cid))
+
+
+def test_a_chunk_read_the_disk_fails_names_the_object_file(tmp_path, monkeypatch):
+    """EIO in checkout's chunk reads (FileRanges) named no file: 'the disk failed to read or write (input/output
+    error)' with no path, where the object reads name theirs (reviewer 435)."""
+    import errno
+
+    import torch
+
+    from ckptstore import Repository
+    from ckptstore.errors import explain
+
+    def failing(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")  # what the kernel gives a read of a bad sector
+
+    with Repository.init(tmp_path) as repo:
+        cid = repo.commit({"w": torch.randn(100_000, generator=torch.Generator().manual_seed(0))})
+        monkeypatch.setattr(os, "pread", failing)
+        monkeypatch.setattr(os, "preadv", failing)
+        with pytest.raises(OSError) as failed:
+            repo.checkout(cid)
+    said = str(explain(failed.value))
+    assert failed.value.filename and str(tmp_path / ".ckpt" / "objects") in failed.value.filename
+    assert failed.value.filename in said and "input/output error" in said, said
