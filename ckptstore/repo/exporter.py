@@ -104,10 +104,15 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
 def _export_torch(repo: Repository, cid: str, manifest: Manifest, output: str | os.PathLike) -> ExportReport:
     """The commit's checkout as one torch.save file (what is not a Hugging Face folder's weights)."""
     state = repo.checkout(cid)
-    # a lone safetensors file holds tensors only: bytes there are a dtype torch lacks, left out as a folder's are
-    odd = [name for name, value in state.items() if isinstance(value, bytes)] \
-        if [record.format for record in manifest.files] == [formats.SAFETENSORS] else []
-    torchfile.save({name: value for name, value in state.items() if name not in odd}, output)
+    # a safetensors file holds tensors only: bytes there are a dtype torch lacks, left out with why
+    odd = []
+    for record in manifest.files:
+        tensors = state if manifest.kind != "folder" else state.get(record.name)
+        if record.format == formats.SAFETENSORS and isinstance(tensors, dict):
+            for name in [name for name, value in tensors.items() if isinstance(value, bytes)]:
+                del tensors[name]
+                odd.append(f"{record.name}/{name}" if manifest.kind == "folder" else name)
+    torchfile.save(state, output)
     # a torch.save file's entries also hold its other records (bytes), and states numpy arrays; a tied key is
     # one entry but a tensor of the file written, as the safetensors export counts it
     torch_entries = {path for path, entry in manifest.entries.items() if entry.dtype.startswith(TORCH_PREFIX)}

@@ -434,6 +434,21 @@ def test_a_torch_export_of_a_lone_safetensors_file_leaves_out_a_dtype_torch_lack
     assert list(written) == ["a.weight"] and torch.equal(written["a.weight"], torch.ones(2)) and report.tensors == 1
 
 
+def test_a_torch_export_of_a_folder_leaves_out_its_files_tensors_of_a_dtype_torch_lacks(tmp_path):
+    """A folder of safetensors files (no Hugging Face weights, or one exported --all) wrote its F6_E2M3 tensors as
+    bytes values with no word, as a lone file did (reviewer 435)."""
+    (tmp_path / "plain").mkdir()
+    for name in ("a", "b"):
+        _safetensors_with_a_dtype_torch_lacks(tmp_path / "plain" / f"{name}.safetensors")
+    with Repository.init(tmp_path) as repo:
+        report = export(repo, repo.commit(tmp_path / "plain"), "torch", tmp_path / "plain.pt")
+    assert report.skipped == ["a.safetensors/q.weight", "b.safetensors/q.weight"], report
+    assert "safetensors dtype torch has none for" in report.why_skipped
+    written = torch.load(tmp_path / "plain.pt", weights_only=True)
+    assert {name: list(tensors) for name, tensors in written.items()} == {"a.safetensors": ["a.weight"],
+                                                                         "b.safetensors": ["a.weight"]}
+
+
 def test_an_export_of_a_lossy_commit_says_it_is_lossy_as_checkout_does(tmp_path):
     """The exported weights carried the level's errors with no word of them (auditor 420)."""
     generator = torch.Generator().manual_seed(0)
