@@ -21,7 +21,6 @@ from ckptstore.errors import (
 from ckptstore.hashing import ObjectId
 from ckptstore.metadata import liveness
 from ckptstore.objectstore.fallback import FallbackStore, held_here
-from ckptstore.repo.location import DATABASE
 from ckptstore.warn import warn_caller
 
 if TYPE_CHECKING:
@@ -81,10 +80,9 @@ def gc(repo: Repository, prune_unreachable: bool = False, wait: bool = True) -> 
         raise LostLockError(f"gc stopped before deleting anything: the repository lock on {repo.db.where} was lost "
                             f"({exc.ended}); nothing was deleted or changed: run `ckpt gc` again", exc.ended) from None
     except DiskFullError as exc:  # its advice is to run gc: the database's write needs room of its own first
-        size = sum(os.path.getsize(p) for p in repo.dir.glob(f"{DATABASE}*") if p.is_file())
-        raise DiskFullError(f"{str(exc).partition(';')[0]}; gc changed nothing: its database write needs room on "
-                            f"that disk before it frees any (up to the database's size, {size:,} bytes): free that "
-                            "much and run it again") from None
+        raise DiskFullError(f"{str(exc).partition(';')[0]}; gc changed nothing: its database write needs room there "
+                            "before it frees any (up to the database's own size): make some and run it again"
+                            ) from None
     report.temp_files_removed += cleared
     return report
 
