@@ -257,10 +257,14 @@ def create(repo: Repository, name: str, start: str, kind: str) -> CommitId:
             raise RefExistsError(f"HEAD is on branch {name!r}, which has no commits yet; a tag of that name would "
                                  "stand in its way: choose another name")
         cid = resolve(tx, start)
-        if kind == BRANCH and commit_rows.commit_info(tx, cid).pruned:  # no commit could follow it: no parent state
+        pruned = commit_rows.commit_info(tx, cid).pruned
+        if kind == BRANCH and pruned:  # no commit could follow it: no parent state
             raise CkptError(f"commit {cid[:12]} was removed by `ckpt prune`: a branch there could take no commit; "
                             "branch from a kept commit (`ckpt log` marks the pruned ones)")
         ref_rows.insert_ref(tx, name, kind, cid)
+    if pruned:  # a tag to keep it from retention (--keep-tagged) came too late: said, where it was silent
+        warn_caller(f"commit {cid[:12]} was removed by `ckpt prune`: tag {name!r} marks its place in the history "
+                    "only, its checkpoint is gone")
     return cid
 
 

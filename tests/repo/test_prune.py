@@ -932,3 +932,16 @@ def test_an_in_memory_checkout_whose_commit_gc_removes_after_its_ref_resolved_sa
         with pytest.raises(PrunedCommitError, match="removed by `ckpt prune` or `ckpt gc --prune` while this command"):
             repo.checkout(side)
         assert fsck(repo).ok
+
+
+def test_a_tag_of_a_pruned_commit_is_made_and_warned_of_a_branch_there_refused(tmp_path):
+    """`ckpt tag` of a pruned commit said only 'Tagged': a user tagging it to keep it (--keep-tagged) learned that
+    its checkpoint was gone only at checkout (auditor 438)."""
+    with Repository.init(tmp_path) as repo:
+        cids = _train(repo, commits=3)
+        prune(repo, RetentionPolicy(keep_last=1))
+        with pytest.warns(RuntimeWarning, match=rf"commit {cids[0][:12]} was removed by `ckpt prune`: tag 't1'"):
+            assert repo.tag("t1", cids[0]) == cids[0]
+        with pytest.raises(CkptError, match="a branch there could take no commit"):
+            repo.branch("b1", cids[0])
+        assert repo.tags() == {"t1": cids[0]} and "b1" not in repo.branches()
