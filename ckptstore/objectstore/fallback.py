@@ -66,7 +66,8 @@ class FallbackStore:
             raise CorruptObjectError(oid, f"not read yet, and the origin it comes from ({source.url}) no longer "
                                           "holds it: a prune there re-encodes the commits it keeps under new "
                                           "objects, which this clone's records do not name (clone it again to "
-                                          "read them), and a gc there deletes those of removed commits") from None
+                                          "read those), and the objects of commits it removed (a prune, a gc) "
+                                          "are gone for good") from None
 
     def reading_source(self, oid: ObjectId, read: Callable[[], Any]) -> Any:
         """`read()` of the source for `oid`; once the source was unavailable, that error at once, without trying."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Iterable, Set
 from dataclasses import dataclass, field
@@ -325,6 +326,8 @@ def _check_objects(repo: Repository, live_objects: Iterable[ObjectId], report: F
         except PermissionError as exc:  # another user's file (their umask): said, and the rest still checked
             report.unreadable[oid] = exc.filename or str(exc)
         except OSError as exc:  # a failing disk (EIO): this object is lost here, the rest still checked
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # the process's limit, not the object: said as such
+                raise
             where = f" at {exc.filename}" if exc.filename else ""
             report.damaged_objects[oid] = f"unreadable ({exc.strerror or exc}{where})"
         except CorruptObjectError as exc:
