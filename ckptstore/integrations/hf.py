@@ -231,9 +231,12 @@ class CkptCallback(TrainerCallback):
         if state.is_world_process_zero:
             repo = self._repository()
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-            if state.global_step and _resumed_from(folder, state, kwargs.get("model")) and not _in_the_store(repo,
-                                                                                                             folder):
-                self._note(args, state, folder, self.blocking, _live(kwargs))  # takes over another Trainer's save
+            if state.global_step and _resumed_from(folder, state, kwargs.get("model")):
+                holders = _holders(repo, folder)
+                if not holders:
+                    self._note(args, state, folder, self.blocking, _live(kwargs))  # takes over another Trainer's save
+                else:  # its commits go on from the commit holding it: a new branch starts there, else it is said
+                    _go_on_from(repo, folder, holders, self.branch)
             _commit_waiting([c for c in _WAITING if c is not self],
                             lambda line: warn_caller(line, RuntimeWarning))
             self._begin()
@@ -406,8 +409,8 @@ def _same_tensor(stored: Any, loaded: Any) -> bool:
     return torch.equal(*as_bytes)
 
 
-def _in_the_store(repo: Repository, folder: Path) -> bool:
-    """Whether some one commit holds every file of `folder` as it is (committed, or written by a checkout of it).
+def _holders(repo: Repository, folder: Path) -> set[CommitId]:
+    """The commits that each hold every file of `folder` as it is (committed, or written by a checkout of them).
 
     A folder restored from a lossy commit differs from the originals that commit records, so
     committing it again would not be refused as unchanged: a second commit of the same save.
@@ -420,8 +423,33 @@ def _in_the_store(repo: Repository, folder: Path) -> bool:
         with repo.db.read() as tx:
             holders = [set(file_rows.commits_of_digest(tx, digest)) for digest in digests]
     except (CkptError, OSError):
-        return False
-    return bool(holders) and bool(set.intersection(*holders))
+        return set()
+    return set.intersection(*holders) if holders else set()
+
+
+def _go_on_from(repo: Repository, folder: Path, holders: set[CommitId], branch: str | None) -> None:
+    """A run resumed from `folder`, which `holders` hold: `branch`, not made yet, starts at that commit.
+
+    Else a branch whose tip is another commit is said (its commits follow that tip), unless `restore`
+    wrote the folder and said it. A resume from a folder left in output_dir went on from the tip unsaid.
+    """
+    branches = repo.branches()
+    target = branch or repo.head()[0]
+    tip = branches.get(target) if target else repo.head()[1]
+    if tip in holders:
+        return
+    held = sorted(holders)[0]
+    if branch is not None and branch not in branches:
+        repo.branch(branch, held)
+        return
+    if str(folder.resolve()) in _RESTORED:
+        return
+    warn_caller(f"this run resumed from {folder.name} ({held[:12]}), which is not the tip of "
+                f"{f'branch {target!r}' if target else 'HEAD'} ({str(tip)[:12]}): its commits follow that tip, not "
+                "it; pass CkptCallback(branch=NEW), NEW a branch not made yet, to go on from it")
+
+
+_RESTORED: set[str] = set()  # folders `restore` wrote, where it said whether their resume follows the tip
 
 
 def _forget_in_child() -> None:
@@ -535,8 +563,10 @@ def _restore(opened: Repository, ref: str, output_dir: Path, force: bool, branch
                         f"{PREFIX_CHECKPOINT_DIR}-N folder: write it with `ckpt checkout {info.id[:12]} -o PATH`")
     _branch_at(opened, ref, info.id, branch)
     output_dir.mkdir(parents=True, exist_ok=True)
+    folder = output_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+    _RESTORED.add(str(folder.resolve()))  # its resume is said here: the callback does not say it again
     try:
-        return opened.checkout_to(info.id, output_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}", force=force)
+        return opened.checkout_to(info.id, folder, force=force)
     except DirtyWorktreeError as exc:  # its advice names the CLI's flags; a caller here has arguments
         if "--force" not in exc.advice:  # no flags to translate ("changed meanwhile ... commit it first"): as it is
             raise

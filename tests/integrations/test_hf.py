@@ -148,6 +148,27 @@ def test_a_run_resumed_from_a_restored_branch_commits_after_the_commit_it_resume
         assert repo.resolve("main") == at[8]
 
 
+@pytest.mark.parametrize("branch", [None, "retry"])
+def test_a_run_resumed_from_a_folder_left_in_output_dir_behind_the_tip_branches_there_or_says_so(run, tmp_path,
+                                                                                                   branch):
+    """Resuming from checkpoint-4 still on disk (no restore) went on from main's tip, unsaid, with branch= too:
+    main became [8, 6, 8, 6, 4, 2] (auditor 439)."""
+    store, out = tmp_path / "store", tmp_path / "out"
+    shutil.copytree(run.repo, store)
+    shutil.copytree(run.out / "checkpoint-4", out / "checkpoint-4")
+    with Repository.open(store) as repo:
+        at = {c.step: c.id for c in repo.log("main")}
+    resumed = _trainer(out, [CkptCallback(store, branch=branch, blocking=True)])
+    if branch is None:
+        with pytest.warns(RuntimeWarning, match=r"resumed from checkpoint-4 \(.*not the tip of branch 'main'"):
+            resumed.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+        return
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    with Repository.open(store) as repo:
+        assert [c.step for c in repo.log("retry")] == [8, 6, 4, 2] and repo.log("retry")[2].id == at[4]
+        assert repo.resolve("main") == at[8]
+
+
 def test_keep_folders_counts_no_earlier_runs_folder_ahead_of_a_resumed_run_among_the_newest(tmp_path):
     """Run 1's checkpoint-8, left on disk, was "newest": the resumed run's own checkpoint-6 was deleted (auditor)."""
     folders = {step: tmp_path / f"checkpoint-{step}" for step in (4, 6, 8)}
