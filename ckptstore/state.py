@@ -809,11 +809,16 @@ class _Unflattener:
         torch = _torch()
         check_view(tuple(value.shape), value.element_size(), storage, nbytes, offset, stride)
         self.budget.take(storage, nbytes)
-        if storage not in self.storages:
+        placed = storage in self.storages
+        if not placed:
             # zeros, not empty: bytes no view covers are written out by torch.save and must not be stale memory
             self.storages[storage] = torch.zeros(nbytes, dtype=torch.uint8, device=value.device).untyped_storage()
         shared = torch.empty(0, dtype=value.dtype, device=value.device)
         shared.set_(self.storages[storage], offset, value.shape, stride)
+        if placed and value.dtype == torch.bool:  # a commit before a443893 stored a bool view's bytes as 0 and 1:
+            # a byte another view placed (a uint8 tensor's 255) stays where it reads as the same bool
+            old = shared.view(torch.uint8)
+            value = torch.where(old.ne(0).eq(value), old, value.view(torch.uint8)).view(torch.bool)
         with torch.no_grad():
             try:  # as bits: a bool copy_ writes each nonzero byte as 1, and a uint8 view of those bytes held 2 or 255
                 as_bits(torch, shared).copy_(as_bits(torch, value))

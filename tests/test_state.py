@@ -549,6 +549,21 @@ def test_a_bool_view_of_bytes_other_than_0_and_1_keeps_every_byte(repo, blocking
     assert back["strided"].view(torch.uint8).tolist() == [0, 255] * 2
 
 
+@pytest.mark.parametrize("order", [("u", "s"), ("s", "u")])
+def test_a_bool_view_stored_as_0_and_1_by_an_older_version_leaves_the_uint8_bytes_beside_it_exact(order):
+    """A commit before a443893 stored a strided bool view of a uint8 tensor as 0 and 1: placed after the uint8
+    tensor, it wrote 1 over its 255, 7 and 128, where a partial checkout gave them exact (auditor 436)."""
+    from ckptstore.state import RawTensor
+
+    u = torch.tensor([0, 2, 255, 1, 7, 0, 128, 3], dtype=torch.uint8)
+    views = {"u": u, "s": u.view(torch.bool)[::2]}
+    flat = flatten({key: views[key] for key in order})
+    tensors = dict(flat.tensors)
+    tensors["s"] = RawTensor(tensors["s"].dtype, tensors["s"].shape, (tensors["s"].data != 0).astype(np.uint8))
+    back = unflatten(flat.skeleton, lambda path: materialize(tensors[path]))
+    assert back["u"].tolist() == u.tolist() and back["s"].tolist() == [False, True, True, True]
+
+
 def test_a_masked_array_an_odd_numpy_scalar_and_a_cycle_are_refused_saying_what_to_store():
     """A numpy masked array came back a plain array, its masked fill (-999) read as data; a numpy datetime64 scalar
     was refused as 'numpy datetime64[D] scalar' and a state holding itself as merely too deep (auditor 430)."""
