@@ -50,13 +50,23 @@ class StorageBudget:
     def __init__(self, file_size: int | None) -> None:
         self.left = None if file_size is None else file_size * MAX_INFLATION
         self.file_size = file_size
-        self.seen: set[str] = set()
+        self.sizes: dict[str, int] = {}
 
     def take(self, storage: str, nbytes: int) -> None:
-        """Charge `storage`'s bytes once; CorruptRecordError past the budget."""
-        if self.left is None or storage in self.seen:
+        """Charge `storage`'s bytes once; CorruptRecordError past the budget, or where a view claims another size.
+
+        Every view of a storage records its one size (state.mark_shared_views): a second view claiming more was
+        placed past the storage made for the first, which torch then grows to fit it (reviewer 440).
+        """
+        known = self.sizes.get(storage)
+        if known is not None:
+            if known != nbytes:
+                raise CorruptRecordError(f"the view at {storage}", f"its views claim storages of {known} and "
+                                         f"{nbytes} bytes")
             return
-        self.seen.add(storage)
+        self.sizes[storage] = nbytes
+        if self.left is None:
+            return
         self.left -= nbytes
         if self.left < 0:
             raise CorruptRecordError(f"the view at {storage}", f"its file's storages claim more bytes than the "

@@ -891,7 +891,13 @@ FORGED_STORAGES = {  # a legacy torch.save file of two storages (a, a[10:20]; b,
     "its-file-size-zero": lambda record: record["files"][0].update(size=0),  # as a state's record reads (435)
     "two-storages-each-under-the-bound": lambda record: _claim(record, 1000 * record["files"][0]["size"],
                                                                1000 * record["files"][0]["size"]),
+    "a-second-view-placed-far-past-its-storage": lambda record: _place(record, "a2", 1 << 40, 1 << 30),  # (440)
 }
+
+
+def _place(record, key, nbytes, offset):
+    node = dict(record["files"][0]["skeleton"][1])[key]
+    node[2]["view"][1:3] = [nbytes, offset]
 
 
 def _claim(record, first, second):
@@ -923,7 +929,7 @@ def test_a_forged_view_storage_larger_than_its_file_is_damage_not_an_allocation(
         with monkeypatch.context() as forging:
             forging.setattr(manifests.Manifest, "to_record", forged)
             liar = repo.commit(tmp_path / "legacy.pt", allow_empty=True)
-        with pytest.raises(CorruptRecordError, match="storages claim more bytes than the .*-byte file"):
+        with pytest.raises(CorruptRecordError, match="more bytes than the .*-byte file|claim storages of"):
             repo.checkout(liar)
         assert list(fsck(repo).broken_commits) == [liar]
         back = repo.checkout(good)
