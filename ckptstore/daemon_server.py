@@ -105,6 +105,7 @@ class _Daemon:
         keep_warm(self.root)
         os.chdir("/")  # its start folder may be deleted (the repository restored from a copy): not needed here
         signal.signal(signal.SIGINT, self._on_interrupt)
+        signal.signal(signal.SIGTERM, self._on_terminate)  # a clean stop: its address file and socket removed
         # neither truncated (it held a link's target's data) nor through a link: daemon.py's open_own_file says why
         with open(open_own_file(lock_path(self.root), os.O_RDWR | os.O_CREAT), "rb", buffering=0) as lock:
             _lock_or_refuse(lock, self.root)
@@ -184,6 +185,17 @@ class _Daemon:
     def _on_interrupt(self, signum: int, frame: Any) -> None:
         if self.interruptible:
             raise KeyboardInterrupt
+
+    def _on_terminate(self, signum: int, frame: Any) -> None:
+        """Stop serving: a command in progress ends as on Ctrl-C, then the loop; idle, at once.
+
+        serve's finally removes the address file and socket; clients run their commands themselves. Nothing is
+        queued here: the main thread may hold the queue's lock.
+        """
+        self.running = False
+        if self.interruptible:
+            raise KeyboardInterrupt
+        raise SystemExit(0)
 
     def _screen(self, conn: socket.socket) -> dict[str, Any] | None:
         """The command `conn` asks for, or None once a request that is not one is answered (or none came)."""

@@ -780,3 +780,14 @@ def test_daemon_start_follows_no_link_a_group_member_planted_in_ckpt(tmp_path, m
     assert json.loads(daemon.address_path(root).read_text())["token"] == "a token"
     assert {name: victim.read_text() for name, victim in victims.items()} == {
         name: f"the owner's {name} data\n" for name in victims}
+
+
+def test_a_sigterm_stops_the_daemon_cleanly_and_commits_run_in_their_clients(served, tmp_path):
+    """SIGTERM killed an idle daemon without its clean-up, leaving its address file and socket (reviewer 440)."""
+    pid = daemon.status(served.resolve())["pid"]
+    os.kill(pid, signal.SIGTERM)
+    _wait_until(lambda: daemon.status(served.resolve()) is None)
+    assert not (served / ".ckpt" / "daemon.json").exists()
+    _save(tmp_path / "c.pt", 1)
+    committed = ckpt(served, "commit", str(tmp_path / "c.pt"))
+    assert committed.returncode == 0, committed.stderr

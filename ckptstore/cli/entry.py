@@ -92,8 +92,8 @@ def _ended_as_ctrl_c_does() -> Iterator[None]:
     """While a command runs, SIGTERM (timeout, systemd, SLURM's scancel) and SIGHUP end it as Ctrl-C does.
 
     Their default left a checkout's temporary file, as large as the checkpoint, where no gc looks. A handler
-    the program set already is kept, and the default is back once the command ends (a program calling `main`
-    goes on); a daemon's commands run off the main thread, where no handler can be set.
+    the program set already is kept (the daemon's, which stops it), and the default is back once the command
+    ends (a program calling `main` goes on); off the main thread no handler can be set.
     """
     mine = [signum for signum in (signal.SIGTERM, signal.SIGHUP) if threading.current_thread() is
             threading.main_thread() and signal.getsignal(signum) is signal.SIG_DFL]

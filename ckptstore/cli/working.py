@@ -208,13 +208,16 @@ def watch(ctx, folder, interval, branch, lossy, once) -> None:
     from ckptstore.repo import WatchOptions, watch_folder
 
     stop, stopped_by = threading.Event(), []
-    # finish the commit in progress; a second one interrupts it. SIGTERM (systemd, scancel) and SIGHUP stop it too
-    stopping = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+    # finish the commit in progress; a second signal, of any of these, interrupts it. SIGTERM (systemd, scancel)
+    # and SIGHUP stop it too, unless ignored (nohup)
+    named = ((signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM"), (signal.SIGHUP, "SIGHUP"))
+    stopping = {signum: name for signum, name in named if signal.getsignal(signum) != signal.SIG_IGN}
 
     def on_interrupt(signum, frame) -> None:
         stop.set()
         stopped_by.append(stopping[signum])
-        signal.signal(signum, previous[signum])
+        for each, handler in previous.items():
+            signal.signal(each, handler)
 
     previous = {signum: signal.signal(signum, on_interrupt) for signum in stopping}
     try:

@@ -1144,3 +1144,25 @@ def test_a_pruned_folder_holding_a_link_counts_as_committed_by_the_bytes_its_com
             record.unlink()
         assert watch(repo, run, ONCE).committed == []
         assert [c.pruned for c in repo.log()] == [False, True]  # the newest kept, none committed again
+
+
+def test_a_watch_under_nohup_goes_on_after_a_hangup(repo, tmp_path):
+    """SIGHUP stopped a `nohup ckpt watch`, whose SIGHUP was ignored (reviewer 440)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"w": torch.arange(10.0)}, run / "ckpt-1.pt")
+    process = subprocess.Popen([sys.executable, "-m", "ckptstore", "watch", str(run), "--interval", "0.1"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_cli_env(repo),
+                               preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        lines, deadline = [], time.monotonic() + 60
+        while not any("ckpt-1.pt" in line for line in lines) and time.monotonic() < deadline:
+            lines.append(process.stdout.readline())
+        process.send_signal(signal.SIGHUP)
+        time.sleep(1)
+        assert process.poll() is None, "".join(lines)  # nohup's: ignored, as before the watch
+        process.send_signal(signal.SIGINT)
+        out, _ = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 0 and "stopped on Ctrl-C" in out, "".join(lines) + out
