@@ -66,12 +66,15 @@ class FileRanges:
         """
         fd = self._fds.get(oid)
         fd = self._open(oid) if fd is None else fd
-        with naming_file(self._store.path_of(oid)):  # a failing disk's EIO, said with the file it failed on
+        try:
             if into is None:
                 data: bytes | memoryview = os.pread(fd, length, offset)
             else:
                 view = memoryview(into)[:length]
                 data = view[: os.preadv(fd, [view], offset)]
+        except OSError as exc:  # a failing disk's EIO, said with the file it failed on (not looked up per read)
+            with naming_file(self._store.path_of(oid)):
+                raise exc from None
         if len(data) != length:
             raise CorruptObjectError(oid, f"shorter than a chunk record says: it ends at byte {offset + len(data)}, "
                                           f"the record reads to {offset + length} (the object cut short, or the "
