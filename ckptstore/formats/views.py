@@ -53,21 +53,19 @@ class StorageBudget:
         self.sizes: dict[str, int] = {}
 
     def take(self, storage: str, nbytes: int) -> None:
-        """Charge `storage`'s bytes once; CorruptRecordError past the budget, or where a view claims another size.
+        """Charge `storage` the most bytes any of its views claims; CorruptRecordError past the budget.
 
-        Every view of a storage records its one size (state.mark_shared_views): a second view claiming more was
-        placed past the storage made for the first, which torch then grows to fit it (reviewer 440).
+        Views of one storage may claim sizes apart (two numpy arrays from one address, one a prefix of the
+        other); torch grows the storage made for the first to fit a later view that claims more (reviewer 440
+        forged one far past it), so each claim beyond the largest so far is charged.
         """
-        known = self.sizes.get(storage)
-        if known is not None:
-            if known != nbytes:
-                raise CorruptRecordError(f"the view at {storage}", f"its views claim storages of {known} and "
-                                         f"{nbytes} bytes")
+        known = self.sizes.get(storage, 0)
+        if nbytes <= known:
             return
         self.sizes[storage] = nbytes
         if self.left is None:
             return
-        self.left -= nbytes
+        self.left -= nbytes - known
         if self.left < 0:
             raise CorruptRecordError(f"the view at {storage}", f"its file's storages claim more bytes than the "
                                      f"{self.file_size}-byte file they were read from can hold")
