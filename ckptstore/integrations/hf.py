@@ -232,7 +232,7 @@ class CkptCallback(TrainerCallback):
             repo = self._repository()
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
             if state.global_step and _resumed_from(folder, state, kwargs.get("model")):
-                holders = _holders(repo, folder)
+                holders = _holders(repo, folder, state.global_step)
                 if not holders:
                     self._note(args, state, folder, self.blocking, _live(kwargs))  # takes over another Trainer's save
                 else:  # its commits go on from the commit holding it: a new branch starts there, else it is said
@@ -409,22 +409,28 @@ def _same_tensor(stored: Any, loaded: Any) -> bool:
     return torch.equal(*as_bytes)
 
 
-def _holders(repo: Repository, folder: Path) -> set[CommitId]:
+def _holders(repo: Repository, folder: Path, step: int) -> set[CommitId]:
     """The commits that each hold every file of `folder` as it is (committed, or written by a checkout of them).
 
     A folder restored from a lossy commit differs from the originals that commit records, so
-    committing it again would not be refused as unchanged: a second commit of the same save.
+    committing it again would not be refused as unchanged: a second commit of the same save. A lossy
+    commit's own folder (kept by keep_folders) is found by the digests its manifest records, among
+    the recent commits of its `step`: the store gives other bytes back, so no file row names them.
     """
     from ckptstore.formats.filemap import file_digest
     from ckptstore.metadata import files as file_rows
 
     try:
-        digests = [file_digest(path) for path in sorted(folder.rglob("*")) if path.is_file()]
+        digests = {path.relative_to(folder).as_posix(): file_digest(path) for path in sorted(folder.rglob("*"))
+                   if path.is_file()}
         with repo.db.read() as tx:
-            holders = [set(file_rows.commits_of_digest(tx, digest)) for digest in digests]
+            holders = [set(file_rows.commits_of_digest(tx, digest)) for digest in digests.values()]
+        if holders and (found := set.intersection(*holders)):
+            return found
+        return {info.id for info in repo.log(all_refs=True, limit=_LOSSY_LOOKED_BACK) if info.kind == "folder"
+                and info.lossy and not info.pruned and info.step == step and repo.manifest(info.id).digests == digests}
     except (CkptError, OSError):
         return set()
-    return set.intersection(*holders) if holders else set()
 
 
 def _go_on_from(repo: Repository, folder: Path, holders: set[CommitId], branch: str | None) -> None:
@@ -449,6 +455,7 @@ def _go_on_from(repo: Repository, folder: Path, holders: set[CommitId], branch: 
                 "it; pass CkptCallback(branch=NEW), NEW a branch not made yet, to go on from it")
 
 
+_LOSSY_LOOKED_BACK = 200  # commits a resumed run's folder is looked for among, where only a lossy one may hold it
 _RESTORED: set[str] = set()  # folders `restore` wrote, where it said whether their resume follows the tip
 
 
@@ -561,10 +568,10 @@ def _restore(opened: Repository, ref: str, output_dir: Path, force: bool, branch
     if step is None:
         raise CkptError(f"commit {info.id[:12]} ({ref}) records no step and was not committed from a "
                         f"{PREFIX_CHECKPOINT_DIR}-N folder: write it with `ckpt checkout {info.id[:12]} -o PATH`")
-    _branch_at(opened, ref, info.id, branch)
-    output_dir.mkdir(parents=True, exist_ok=True)
     folder = output_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}"
-    _RESTORED.add(str(folder.resolve()))  # its resume is said here: the callback does not say it again
+    if _branch_at(opened, ref, info.id, branch):  # its resume was said here: the callback does not say it again
+        _RESTORED.add(str(folder.resolve()))
+    output_dir.mkdir(parents=True, exist_ok=True)
     try:
         return opened.checkout_to(info.id, folder, force=force)
     except DirtyWorktreeError as exc:  # its advice names the CLI's flags; a caller here has arguments
@@ -581,8 +588,11 @@ def _every_rank_saved() -> None:
         dist.barrier()
 
 
-def _branch_at(opened: Repository, ref: str, cid: CommitId, branch: str | None) -> None:
-    """Make `branch` at `cid` for the resumed run's commits; without one, warn where they would not follow it."""
+def _branch_at(opened: Repository, ref: str, cid: CommitId, branch: str | None) -> bool:
+    """Make `branch` at `cid` for the resumed run's commits; without one, warn where they would not follow it.
+
+    Whether it warned.
+    """
     if branch is not None:
         if opened.branches().get(branch, cid) != cid:
             raise CkptError(f"branch {branch!r} exists at another commit; pass a new name to branch from {ref!r}")
@@ -595,6 +605,8 @@ def _branch_at(opened: Repository, ref: str, cid: CommitId, branch: str | None) 
     elif opened.head()[1] not in (None, cid):
         warn_caller(f"{ref!r} ({cid[:12]}) is not the tip of HEAD: a run resumed from it commits after the "
                     "tip, not after it; pass branch=NAME here and to CkptCallback to branch from it")
+        return True
+    return False
 
 
 def _step_of(source_path: str | None) -> int | None:

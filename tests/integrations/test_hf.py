@@ -983,3 +983,30 @@ def test_a_wrong_repository_is_said_when_training_begins(tmp_path):
     with pytest.raises(RepoNotFoundError):
         CkptCallback(tmp_path / "no-repository").on_train_begin(args, TrainerState(), None)
     CkptCallback(tmp_path / "no-repository").on_train_begin(args, TrainerState(is_world_process_zero=False), None)
+
+
+def test_a_run_resumed_from_a_lossy_commits_own_folder_goes_on_from_that_commit(tmp_path):
+    """The folder keep_folders left of a lossy commit is in no file row (the store gives other bytes back): a run
+    resumed from it committed it again, on the tip, unsaid (reviewer 441)."""
+    store, out = tmp_path / "store", tmp_path / "out"
+    Repository.init(store).close()
+    _trainer(out, [CkptCallback(store, lossy="balanced", min_elements=1, blocking=True)]).train()
+    with Repository.open(store) as repo:
+        at = {c.step: c.id for c in repo.log("main")}
+    _trainer(out, [CkptCallback(store, branch="retry", lossy="balanced", min_elements=1, blocking=True)]).train(
+        resume_from_checkpoint=str(out / "checkpoint-4"))
+    with Repository.open(store) as repo:
+        assert [c.step for c in repo.log("retry")] == [8, 6, 4, 2] and repo.log("retry")[2].id == at[4]
+        assert repo.resolve("main") == at[8]
+
+
+def test_a_run_resumed_after_restore_made_a_branch_but_committing_to_another_is_warned_of(run, tmp_path):
+    """restore(branch=NAME) said nothing (the branch was made) and the callback, not given the branch, took the
+    folder as said already: the resumed run went on from main's tip unsaid (reviewer 441)."""
+    store = tmp_path / "store"
+    shutil.copytree(run.repo, store)
+    with Repository.open(store) as repo:
+        at = {c.step: c.id for c in repo.log("main")}
+        folder = restore(repo, at[4], tmp_path / "out", branch="resumed-here")
+    with pytest.warns(RuntimeWarning, match=r"resumed from checkpoint-4 \(.*not the tip of branch 'main'"):
+        _trainer(tmp_path / "out", [CkptCallback(store, blocking=True)]).train(resume_from_checkpoint=str(folder))
