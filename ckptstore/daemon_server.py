@@ -92,6 +92,7 @@ class _Daemon:
         self.closing = False  # the accepting thread ends
         self.commands: queue.Queue[tuple[socket.socket, dict[str, Any]] | None] = queue.Queue()
         self.interruptible = False  # a client's Ctrl-C raises KeyboardInterrupt only while a command runs
+        self.idle_waiting = False  # waiting for the next command
 
     def status(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "root": str(self.root), "started": self.started, "idle": self.idle,
@@ -136,9 +137,12 @@ class _Daemon:
         """Run the commands the accepting thread queues, in order, until stopped or idle for `idle` seconds."""
         while self.running and (left := self.last_command + self.idle - time.monotonic()) > 0:
             try:  # status requests do not count: only commands keep it alive
+                self.idle_waiting = True  # a SIGTERM here ends serving at once (_on_terminate)
                 item = self.commands.get(timeout=left)
             except queue.Empty:
                 return
+            finally:
+                self.idle_waiting = False
             if item is None:  # woken to stop
                 continue
             conn, request = item
@@ -187,7 +191,7 @@ class _Daemon:
             raise KeyboardInterrupt
 
     def _on_terminate(self, signum: int, frame: Any) -> None:
-        """Stop serving: a command in progress ends as on Ctrl-C, then the loop; idle, at once.
+        """Stop serving: a command in progress ends as on Ctrl-C, then the loop; waiting for one, at once.
 
         serve's finally removes the address file and socket; clients run their commands themselves. Nothing is
         queued here: the main thread may hold the queue's lock.
@@ -195,7 +199,8 @@ class _Daemon:
         self.running = False
         if self.interruptible:
             raise KeyboardInterrupt
-        raise SystemExit(0)
+        if self.idle_waiting:  # else a command just ended, or is about to run in its client: the loop ends after it
+            raise SystemExit(0)
 
     def _screen(self, conn: socket.socket) -> dict[str, Any] | None:
         """The command `conn` asks for, or None once a request that is not one is answered (or none came)."""
