@@ -208,10 +208,18 @@ def _logical_diff(repo: Repository, old: Manifest, new: Manifest) -> list[Tensor
             if fqn in changed and not _same_value(fqn, old_value, new_value):
                 status, rel = "changed", relative_l2(old_value, new_value)
         if item["type"] == "tensor":
-            result.append(TensorDiff(fqn, status, item["dtype"], tuple(item["size"]), rel, stored))
+            was = _was(before.get(fqn), item) if fqn in after else None
+            result.append(TensorDiff(fqn, status, item["dtype"], tuple(item["size"]), rel, stored, was))
         elif status != "unchanged":  # a non-tensor value, listed as a file commit's are: where it differs
             result.append(TensorDiff(fqn, status, VALUE, (), None, 0))
     return result
+
+
+def _was(older: dict[str, Any] | None, newer: dict[str, Any]) -> tuple[str, tuple[int, ...]] | None:
+    """The older commit's dtype and shape of a tensor whose dtype or shape changed ({"dtype", "size"} each)."""
+    if older is None or (older["dtype"], tuple(older["size"])) == (newer["dtype"], tuple(newer["size"])):
+        return None
+    return older["dtype"], tuple(older["size"])
 
 
 def _mixed_diff(repo: Repository, old: Manifest, new: Manifest) -> list[TensorDiff]:
@@ -237,11 +245,14 @@ def _mixed_diff(repo: Repository, old: Manifest, new: Manifest) -> list[TensorDi
             a, b = (restored[paths[name]], gathered[name]) if sharded_new else (gathered[name], restored[paths[name]])
             same = a.dtype == b.dtype and a.shape == b.shape and a.data.tobytes() == b.data.tobytes()
             status, rel = ("unchanged", 0.0) if same else ("changed", relative_l2(a, b))
-        entry = items[name] if name in items else None
-        dtype, shape = (entry["dtype"], tuple(entry["size"])) if entry else (
-            files_side.entries[paths[name]].dtype, files_side.entries[paths[name]].shape)
-        result.append(TensorDiff(name, status, dtype, shape, rel,
-                                 sum(records[new.entries[key].tensor].stored_bytes for key in keys)))
+        sharded = {"dtype": items[name]["dtype"], "size": items[name]["size"]} if name in items else None
+        files = {"dtype": files_side.entries[paths[name]].dtype, "size": files_side.entries[paths[name]].shape} \
+            if name in paths else None
+        older, newer = (files, sharded) if sharded_new else (sharded, files)
+        shown = newer or older  # a removed tensor: as the older commit had it
+        result.append(TensorDiff(name, status, shown["dtype"], tuple(shown["size"]), rel,
+                                 sum(records[new.entries[key].tensor].stored_bytes for key in keys),
+                                 _was(older, newer) if newer is not None else None))
     values = {fqn for fqn, item in _items(sharded_side).items() if item["type"] == "bytes"}
     values |= {readable_path(path).replace("/", ".") for path, value in skeleton_values(files_side).items()
                if value not in CONTAINERS}

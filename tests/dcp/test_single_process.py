@@ -453,3 +453,17 @@ def test_diff_lists_a_sharded_commits_non_tensor_items_as_values_and_says_which_
     assert shown[0].output.endswith("0 of 1 tensors differ; 2 non-tensor values differ\n"), shown[0].output
     assert shown[1].output.endswith("0 of 1 tensors differ; 3 non-tensor values not compared: one commit is sharded, "
                                     "the other not (--all lists them)\n"), shown[1].output
+
+
+def test_diff_of_a_sharded_commit_shows_a_tensors_dtype_and_shape_change_as_old_to_new(tmp_path):
+    """Two sharded commits never showed a dtype or shape change, and a sharded commit beside a file commit showed
+    the older side's dtype and shape as the newer's (auditor 442)."""
+    with Repository.init(tmp_path) as repo:
+        dcp.save({"w": torch.randn(40, 40)}, storage_writer=CkptStorageWriter(repo, message="f32"))
+        dcp.save({"w": torch.randn(20, 20, dtype=torch.float64)}, storage_writer=CkptStorageWriter(repo, message="f64"))
+        repo.commit({"w": torch.randn(20, 20, dtype=torch.float64)})
+        pairs = [("HEAD~2", "HEAD~1"), ("HEAD~2", "HEAD"), ("HEAD", "HEAD~2")]
+        rows = [[r for r in repo.diff(a, b) if r.path == "w"] for a, b in pairs]
+    f32, f64 = ("torch.float32", (40, 40)), ("torch.float64", (20, 20))
+    for (row,), (was, now) in zip(rows, [(f32, f64), (f32, f64), (f64, f32)]):
+        assert (row.status, (row.dtype, row.shape), row.was) == ("changed", now, was), row
