@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import warnings
 from collections.abc import Callable, Collection, Mapping
@@ -58,7 +59,7 @@ def _full_log(repo, commits: list, revisions: bool, damage: dict[str, str]) -> N
         step = "-" if info.step is None else info.step  # as stats shows it: no Python None in text output
         echo(f"commit {info.id}{deco}\nDate:   {when}\nStep:   {step}{lossy}")
         if info.metrics:
-            echo("Metrics: " + ", ".join(f"{shown_name(k)}={v:g}" for k, v in info.metrics.items()))
+            echo("Metrics: " + ", ".join(f"{shown_name(k)}={v!r}" for k, v in info.metrics.items()))  # every digit
         echo(f"\n{indented(info.message)}\n" if info.message else "")  # an empty one: no line of spaces
 
 
@@ -205,9 +206,10 @@ def show(ctx, ref, as_json) -> None:
     for f in data["files"] if data["kind"] != "state" else []:  # an in-memory state's only record has no file
         echo(f"file {shown_name(f['name']) or '.'} [{f['format']}] {size(f['size'])} {f['note']}".rstrip())
     for row in data.get("fidelity", []):
-        bound = (" (no bound)" if row["worst_of_bound"] is None
-                 else f", at most {row['worst_of_bound']:.0%} of its bound" if row["bounded"] == row["tensors"]
-                 else f"; the {row['bounded']} with a bound at most {row['worst_of_bound']:.0%} of it")
+        ceiling = None if row["worst_of_bound"] is None else f"{math.ceil(row['worst_of_bound'] * 100)}%"  # not 90%
+        bound = (" (no bound)" if ceiling is None  # for 0.904: "at most" rounds up
+                 else f", at most {ceiling} of its bound" if row["bounded"] == row["tensors"]
+                 else f"; the {row['bounded']} with a bound at most {ceiling} of it")
         echo(f"measured {row['quantity']}: worst {row['worst']:.2e} over {row['tensors']} tensors{bound}")
     if "sharded" in data:  # a DCP commit: its logical tensors, not every shard
         for t in data["sharded"]:
@@ -270,9 +272,10 @@ def diff(ctx, a, b, as_json, show_all) -> None:
         was = f"{row.was[0]} {row.was[1]} -> " if row.was else ""
         echo(f"{row.status:>9} {shown_name(row.path)} {was}{row.dtype} {tuple(row.shape)}{rel} "
              f"stored={size(row.stored_bytes)}")
-    tensors = [r for r in rows if not r.is_value]
+    # a file's own bytes (a safetensors header, a torch zip's container, a blob) are entries, not tensors
+    tensors = [r for r in rows if not r.is_value and r.dtype != "bytes"]
     uncompared = sum(r.status == "uncompared" for r in rows)
-    values = len(rows) - len(tensors) - uncompared
+    values = sum(r.is_value and r.status != "uncompared" for r in rows)
     unchanged = sum(r.status == "unchanged" for r in tensors)
     echo(f"{len(tensors) - unchanged} of {len(tensors)} tensors differ" + (f"; {values} non-tensor values differ"
                                                                          if values else "")

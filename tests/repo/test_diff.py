@@ -7,6 +7,7 @@ import warnings
 import torch
 
 from ckptstore import Repository
+from tests.conftest import ckpt_here
 
 
 def _changed(tmp_path, before: torch.Tensor, after: torch.Tensor):
@@ -225,3 +226,16 @@ def test_a_dtype_or_shape_change_is_said_with_what_it_was(tmp_path):
     assert reshaped.to_json()["old_dtype"] == "torch.bfloat16" and reshaped.to_json()["old_shape"] == [4]
     out = ckpt_here(tmp_path, "diff", "HEAD~2", "HEAD~1").stdout
     assert "changed w torch.float32 (4,) -> torch.bfloat16 (4,) rel_l2=" in out, out
+
+
+def test_diff_counts_tensors_not_a_files_own_bytes_and_log_prints_metrics_whole(tmp_path):
+    """Only `step` changed, and diff said '1 of 2 tensors differ' (a torch zip's container counted as a tensor);
+    `log` printed loss=2.34568 and tokens=1.23457e+06 for 2.3456789 and 1234567 (auditor 442)."""
+    assert ckpt_here(tmp_path, "init").returncode == 0
+    for step in (1, 2):
+        torch.save({"w": torch.ones(4), "step": step}, tmp_path / "c.pt")
+        said = ckpt_here(tmp_path, "commit", "c.pt", "--metric", "loss=2.3456789", "--metric", "tokens=1234567")
+        assert said.returncode == 0, said.stderr
+    diff = ckpt_here(tmp_path, "diff", "HEAD~1", "HEAD")
+    assert diff.stdout.endswith("0 of 1 tensors differ; 1 non-tensor values differ\n"), diff.stdout
+    assert "loss=2.3456789, tokens=1234567" in ckpt_here(tmp_path, "log", "-n", "1").stdout
