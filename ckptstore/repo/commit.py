@@ -460,6 +460,12 @@ def _encode_once(repo: Repository, checkpoint: formats.Checkpoint, parent: _Pare
         finally:
             progress.finish()
     faults.point("commit:objects-written")
+    # a reconstruction equal to an older commit's record is stored as that row, with the figures measured then
+    coded = {key: r for key, r in records.items() if key in plans and key not in remeasured and "rel_error" in r.params}
+    with repo.db.read() as tx:
+        older = tensor_rows.existing_tensor_ids(tx, {r.id for r in coded.values()})
+    remeasured.update((key, [r.params["rel_error"], r.params.get("max_error"), r.codec])
+                      for key, r in coded.items() if r.id in older)
     return _Encoded(entries, records, sizes, plans, pairing, fisher, remeasured)
 
 
@@ -728,17 +734,17 @@ def _meets_bound(record: TensorRecord, plan: LossyPlan, figures: list | None) ->
     """Whether a lossy record kept for an unchanged input holds the error bound this commit's plan asks.
 
     The input's bytes name the record, so a finer knob (`--knob max_weight_error=...`) on the same tensors
-    kept the coarser reconstruction and did nothing, unsaid. Kept where its recorded bound is no looser, or
-    its measured error (`figures`: the parent commit's, where it kept an earlier record) is within the new
-    one; else encoded again, on the old reconstruction as its base.
+    kept the coarser reconstruction and did nothing, unsaid. Kept where its recorded bound (`figures`: the
+    parent commit's, where it kept an earlier record) is no looser: a looser one's error within the new
+    bound may still break its bulk rule (auditor 443). Else encoded again, on the old reconstruction as its base.
     """
     bound = plan.params.get("max_error")
     if not bound:
         return True
     error, kept_bound = figures[:2] if figures else (record.params.get("rel_error"), record.params.get("max_error"))
-    if kept_bound is not None and kept_bound <= bound * (1 + 1e-9):  # the same level's bound, as float math gave it
-        return True
-    return error is not None and error <= bound
+    if kept_bound is not None:  # a looser bound's record may break this one's bulk rule, which no record keeps
+        return kept_bound <= bound * (1 + 1e-9)  # the same level's bound, as float math gave it
+    return error is not None and error <= bound  # a record of a version that kept no bound: its error alone
 
 
 def lost_records(repo: Repository, tx: Tx, ids: set[TensorId], known: Mapping[TensorId, TensorRecord],

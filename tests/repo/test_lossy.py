@@ -1547,3 +1547,67 @@ def test_a_first_moment_of_unchanged_bytes_beside_a_second_moment_coded_anew_is_
         error = float((u2 - u).norm() / u.norm())
         shown = next(t for t in repo.show(cid)["tensors"] if t["path"].endswith("exp_avg"))
         assert error <= 1.0 and shown["rel_error"] == pytest.approx(error, rel=0.05, abs=1e-4), (error, shown)
+
+
+def test_show_gives_the_error_of_this_commit_where_its_reconstruction_equals_an_older_commits_record(tmp_path):
+    """A reconstruction equal to a record of an earlier commit, not the parent's, is stored as that row: `show`
+    printed the error measured then (0, where this commit's was 1.0e-3), and the next residual planned from it
+    (auditor 443)."""
+    import json
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 64, bias=False)
+    adam = torch.optim.AdamW(linear.parameters(), lr=1e-5)
+    shown, measured = [], []
+    with Repository.init(tmp_path) as repo:
+        for shift in (0.005, 0.010, 0.004):
+            adam.zero_grad()
+            linear(torch.randn(4, 128)).sum().backward()
+            adam.step()
+            with torch.no_grad():
+                linear.weight.fill_(1.0 - shift)
+            cid = repo.commit({"model": linear.state_dict(), "optimizer": adam.state_dict()}, lossy="extreme")
+            back = repo.checkout(cid)["model"]["weight"].double()
+            weight = linear.weight.detach().double()
+            measured.append(((back - weight).norm() / weight.norm()).item())
+            said = CliRunner().invoke(cli, ["--repo", str(tmp_path), "show", cid, "--json"], catch_exceptions=False)
+            shown.append(next(t for t in json.loads(said.output)["tensors"] if t["path"] == "model/weight"))
+    assert shown[2]["tensor"] == shown[0]["tensor"], shown  # the case itself: c3 restores as c1's record
+    assert shown[2]["rel_error"] == pytest.approx(measured[2], rel=1e-3) and measured[2] > 1e-4, (shown, measured)
+
+
+def test_a_finer_levels_commit_of_an_unchanged_weight_keeps_its_bulk_rule_not_a_coarser_record(tmp_path):
+    """`balanced` after `extreme` of the same file kept extreme's record, its error within balanced's bound but
+    its bulk entries 6.3e-2 off against balanced's 2 x 0.02 (auditor 443): a looser bound's record is coded again."""
+    from ckptstore.policy.fidelity import sample_positions
+
+    torch.manual_seed(0)
+    weight = torch.randn(128, 128) * 0.02
+    weight.view(-1)[torch.randperm(16384)[:12]] = 3.0 * torch.sign(torch.randn(12))  # most of the norm in 12
+    linear = torch.nn.Linear(128, 128)
+    linear.weight.data = weight.clone()
+    adam = torch.optim.AdamW(linear.parameters(), lr=1e-3)
+    for _ in range(3):
+        adam.zero_grad()
+        linear(torch.randn(8, 128)).pow(2).mean().backward()
+        adam.step()
+    torch.save({"model": linear.state_dict(), "optimizer": adam.state_dict()}, tmp_path / "c.pt")
+    original = linear.weight.detach().double().numpy().ravel()
+    sample = np.abs(original)[sample_positions(original.size)]
+    bulk = np.abs(original) <= 10 * np.median(sample[sample > 0])
+    with Repository.init(tmp_path / "r") as repo:
+        coarse = repo.commit(tmp_path / "c.pt", lossy="extreme")
+        fine = repo.commit(tmp_path / "c.pt", lossy="balanced", allow_empty=True)
+        bound = _recorded_bound(repo, fine)
+        back = repo.checkout(fine)["model"]["weight"].double().numpy().ravel()
+        ids = [repo.manifest(cid).entries["model/weight"].tensor for cid in (coarse, fine)]
+    assert ids[0] != ids[1]
+    off = np.linalg.norm(back[bulk] - original[bulk]) / np.linalg.norm(original[bulk])
+    assert off <= 2 * bound, (off, bound)
+
+
+def _recorded_bound(repo, cid):
+    """The bound the commit's record of model/weight was coded to."""
+    tensor = repo.manifest(cid).entries["model/weight"].tensor
+    with repo.db.read() as tx:
+        return tensor_rows.load_records(tx, [tensor], with_bases=False)[tensor].params["max_error"]
