@@ -59,8 +59,19 @@ def _full_log(repo, commits: list, revisions: bool, damage: dict[str, str]) -> N
         step = "-" if info.step is None else info.step  # as stats shows it: no Python None in text output
         echo(f"commit {info.id}{deco}\nDate:   {when}\nStep:   {step}{lossy}")
         if info.metrics:
-            echo("Metrics: " + ", ".join(f"{shown_name(k)}={v!r}" for k, v in info.metrics.items()))  # every digit
+            echo("Metrics: " + ", ".join(f"{shown_name(k)}={_metric(v)}" for k, v in info.metrics.items()))
         echo(f"\n{indented(info.message)}\n" if info.message else "")  # an empty one: no line of spaces
+
+
+def _metric(value: float) -> str:
+    """A metric whole: every digit (2.3456789, not 2.34568), a whole number without ".0" (tokens=1234567)."""
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e16 else repr(float(value))
+
+
+def _format_own(path: str) -> bool:
+    """Whether a diff row is a file's own structure: a torch zip's container, a safetensors header or gap."""
+    last = path.rpartition("/")[2]
+    return last in ("%container", "%header") or last.startswith("%gap")
 
 
 def damage_listed_past(damage: Mapping[str, str]) -> None:
@@ -206,8 +217,9 @@ def show(ctx, ref, as_json) -> None:
     for f in data["files"] if data["kind"] != "state" else []:  # an in-memory state's only record has no file
         echo(f"file {shown_name(f['name']) or '.'} [{f['format']}] {size(f['size'])} {f['note']}".rstrip())
     for row in data.get("fidelity", []):
-        ceiling = None if row["worst_of_bound"] is None else f"{math.ceil(row['worst_of_bound'] * 100)}%"  # not 90%
-        bound = (" (no bound)" if ceiling is None  # for 0.904: "at most" rounds up
+        # "at most" rounds up (0.904: 91%), as far as float math lets a ratio of 0.07 stay 7%
+        ceiling = None if row["worst_of_bound"] is None else f"{math.ceil(round(row['worst_of_bound'] * 100, 9))}%"
+        bound = (" (no bound)" if ceiling is None
                  else f", at most {ceiling} of its bound" if row["bounded"] == row["tensors"]
                  else f"; the {row['bounded']} with a bound at most {ceiling} of it")
         echo(f"measured {row['quantity']}: worst {row['worst']:.2e} over {row['tensors']} tensors{bound}")
@@ -272,10 +284,12 @@ def diff(ctx, a, b, as_json, show_all) -> None:
         was = f"{row.was[0]} {row.was[1]} -> " if row.was else ""
         echo(f"{row.status:>9} {shown_name(row.path)} {was}{row.dtype} {tuple(row.shape)}{rel} "
              f"stored={size(row.stored_bytes)}")
-    # a file's own bytes (a safetensors header, a torch zip's container, a blob) are entries, not tensors
+    # bytes (a blob file, a bytes value) are values; a file's own structure (a torch zip's container, a
+    # safetensors header or gap) is neither
     tensors = [r for r in rows if not r.is_value and r.dtype != "bytes"]
     uncompared = sum(r.status == "uncompared" for r in rows)
-    values = sum(r.is_value and r.status != "uncompared" for r in rows)
+    values = sum(r.status not in ("uncompared", "unchanged") and (r.is_value or r.dtype == "bytes")
+                 and not _format_own(r.path) for r in rows)
     unchanged = sum(r.status == "unchanged" for r in tensors)
     echo(f"{len(tensors) - unchanged} of {len(tensors)} tensors differ" + (f"; {values} non-tensor values differ"
                                                                          if values else "")

@@ -217,7 +217,9 @@ def _logical_diff(repo: Repository, old: Manifest, new: Manifest) -> list[Tensor
 
 def _was(older: dict[str, Any] | None, newer: dict[str, Any]) -> tuple[str, tuple[int, ...]] | None:
     """The older commit's dtype and shape of a tensor whose dtype or shape changed ({"dtype", "size"} each)."""
-    if older is None or (older["dtype"], tuple(older["size"])) == (newer["dtype"], tuple(newer["size"])):
+    if older is None or "dtype" not in older or "size" not in older:  # none, or a non-tensor item (a step)
+        return None
+    if (older["dtype"], tuple(older["size"])) == (newer["dtype"], tuple(newer["size"])):
         return None
     return older["dtype"], tuple(older["size"])
 

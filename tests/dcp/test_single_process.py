@@ -467,3 +467,12 @@ def test_diff_of_a_sharded_commit_shows_a_tensors_dtype_and_shape_change_as_old_
     f32, f64 = ("torch.float32", (40, 40)), ("torch.float64", (20, 20))
     for (row,), (was, now) in zip(rows, [(f32, f64), (f32, f64), (f64, f32)]):
         assert (row.status, (row.dtype, row.shape), row.was) == ("changed", now, was), row
+
+
+def test_diff_of_sharded_commits_where_a_value_became_a_tensor_lists_it_changed(tmp_path):
+    """209fe76 read the older item's dtype, which a non-tensor item has none of: KeyError (reviewer 444)."""
+    with Repository.init(tmp_path) as repo:
+        dcp.save({"w": torch.ones(4), "lr": 0.1}, storage_writer=CkptStorageWriter(repo, message="value"))
+        dcp.save({"w": torch.ones(4), "lr": torch.tensor(0.2)}, storage_writer=CkptStorageWriter(repo, message="t"))
+        (row,) = [r for r in repo.diff("HEAD~1", "HEAD") if r.path == "lr"]
+    assert (row.status, row.dtype, row.was) == ("changed", "torch.float32", None), row

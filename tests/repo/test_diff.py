@@ -238,4 +238,8 @@ def test_diff_counts_tensors_not_a_files_own_bytes_and_log_prints_metrics_whole(
         assert said.returncode == 0, said.stderr
     diff = ckpt_here(tmp_path, "diff", "HEAD~1", "HEAD")
     assert diff.stdout.endswith("0 of 1 tensors differ; 1 non-tensor values differ\n"), diff.stdout
-    assert "loss=2.3456789, tokens=1234567" in ckpt_here(tmp_path, "log", "-n", "1").stdout
+    assert "Metrics: loss=2.3456789, tokens=1234567\n" in ckpt_here(tmp_path, "log", "-n", "1").stdout
+    torch.save({"w": torch.ones(4), "step": 2, "note": b"xyz"}, tmp_path / "c.pt")  # bytes a user keeps: a value
+    assert ckpt_here(tmp_path, "commit", "c.pt").returncode == 0
+    said = ckpt_here(tmp_path, "diff", "HEAD~1", "HEAD").stdout
+    assert said.endswith("0 of 1 tensors differ; 1 non-tensor values differ\n"), said  # reviewer 444
