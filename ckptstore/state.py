@@ -813,6 +813,10 @@ class _Unflattener:
         if not placed:
             # zeros, not empty: bytes no view covers are written out by torch.save and must not be stale memory
             self.storages[storage] = torch.zeros(nbytes, dtype=torch.uint8, device=value.device).untyped_storage()
+        elif nbytes > (had := self.storages[storage].nbytes()):  # a later view claims more (an array's prefix first)
+            self.storages[storage].resize_(nbytes)
+            torch.empty(0, dtype=torch.uint8, device=value.device).set_(
+                self.storages[storage], had, (nbytes - had,), (1,)).zero_()  # grown as zeros too, not stale memory
         shared = torch.empty(0, dtype=value.dtype, device=value.device)
         shared.set_(self.storages[storage], offset, value.shape, stride)
         if placed and value.dtype == torch.bool:  # a commit before a443893 stored a bool view's bytes as 0 and 1:

@@ -942,6 +942,10 @@ def test_a_forged_view_storage_larger_than_its_file_is_damage_not_an_allocation(
         prefixed = repo.commit({"a": torch.from_numpy(numbers), "b": torch.from_numpy(numbers[:4])})
         back = repo.checkout(prefixed)
         assert back["a"].tolist() == numbers.tolist() and back["b"].tolist() == numbers[:4].tolist()
+        spread = np.arange(65536.0)  # the prefix first, then a view claiming the whole: the rest grows as zeros (444)
+        grown = repo.checkout(repo.commit({"a": torch.from_numpy(spread[:2]), "b": torch.from_numpy(spread[::2])}))
+        whole = torch.empty(0, dtype=torch.float64).set_(grown["b"].untyped_storage())
+        assert torch.equal(whole[:2], torch.tensor([0.0, 1.0], dtype=torch.float64)) and not whole[3::2].any()
         assert list(fsck(repo).broken_commits) == [liar]
 
 
