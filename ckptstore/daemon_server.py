@@ -92,7 +92,7 @@ class _Daemon:
         self.closing = False  # the accepting thread ends
         self.commands: queue.Queue[tuple[socket.socket, dict[str, Any]] | None] = queue.Queue()
         self.interruptible = False  # a client's Ctrl-C raises KeyboardInterrupt only while a command runs
-        self.idle_waiting = False  # waiting for the next command
+        self.terminated = False  # a SIGTERM came: a command dequeued meanwhile is interrupted as it starts
 
     def status(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "root": str(self.root), "started": self.started, "idle": self.idle,
@@ -136,13 +136,10 @@ class _Daemon:
     def _run_commands(self) -> None:
         """Run the commands the accepting thread queues, in order, until stopped or idle for `idle` seconds."""
         while self.running and (left := self.last_command + self.idle - time.monotonic()) > 0:
-            try:  # status requests do not count: only commands keep it alive
-                self.idle_waiting = True  # a SIGTERM here ends serving at once (_on_terminate)
-                item = self.commands.get(timeout=left)
+            try:  # status requests do not count: only commands keep it alive; polled, so a SIGTERM's stop is seen
+                item = self.commands.get(timeout=min(left, TERMINATE_POLL_SECONDS))
             except queue.Empty:
-                return
-            finally:
-                self.idle_waiting = False
+                continue
             if item is None:  # woken to stop
                 continue
             conn, request = item
@@ -191,16 +188,14 @@ class _Daemon:
             raise KeyboardInterrupt
 
     def _on_terminate(self, signum: int, frame: Any) -> None:
-        """Stop serving: a command in progress ends as on Ctrl-C, then the loop; waiting for one, at once.
+        """Stop serving: a command in progress ends as on Ctrl-C, then the loop (it polls its queue).
 
         serve's finally removes the address file and socket; clients run their commands themselves. Nothing is
-        queued here: the main thread may hold the queue's lock.
+        raised outside a command, nor queued: the main thread may be inside the queue, holding its lock.
         """
-        self.running = False
+        self.running, self.terminated = False, True
         if self.interruptible:
             raise KeyboardInterrupt
-        if self.idle_waiting:  # else a command just ended, or is about to run in its client: the loop ends after it
-            raise SystemExit(0)
 
     def _screen(self, conn: socket.socket) -> dict[str, Any] | None:
         """The command `conn` asks for, or None once a request that is not one is answered (or none came)."""
@@ -283,8 +278,10 @@ class _Daemon:
                 with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
                     try:
                         self.interruptible = True
-                        if asked.is_set():  # Ctrl-C, or the client gone, while it waited its turn: its SIGINT fell
-                            raise KeyboardInterrupt  # before it could count, and the command ran and was recorded
+                        # Ctrl-C, or the client gone, while it waited its turn: its SIGINT fell before it could
+                        # count, and the command ran and was recorded; or the daemon's SIGTERM came meanwhile
+                        if asked.is_set() or self.terminated:
+                            raise KeyboardInterrupt
                         cli.main(request["argv"])
                     except SystemExit as exc:
                         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -298,6 +295,7 @@ class _Daemon:
             warm.settle(self.root)  # what a failed command left on the threads ends before the reply does
 
 
+TERMINATE_POLL_SECONDS = 0.2  # how soon a waiting daemon sees a SIGTERM's stop
 _HERE = object()  # what _run returns when the command must run in its client
 
 

@@ -415,7 +415,8 @@ def _holders(repo: Repository, folder: Path, step: int) -> set[CommitId]:
     A folder restored from a lossy commit differs from the originals that commit records, so
     committing it again would not be refused as unchanged: a second commit of the same save. A lossy
     commit's own folder (kept by keep_folders) is found by the digests its manifest records, among
-    the recent commits of its `step`: the store gives other bytes back, so no file row names them.
+    the commits of its `step` (manifests read for those only): the store gives other bytes back, so no file
+    row names them.
     """
     from ckptstore.formats.filemap import file_digest
     from ckptstore.metadata import files as file_rows
@@ -427,7 +428,7 @@ def _holders(repo: Repository, folder: Path, step: int) -> set[CommitId]:
             holders = [set(file_rows.commits_of_digest(tx, digest)) for digest in digests.values()]
         if holders and (found := set.intersection(*holders)):
             return found
-        return {info.id for info in repo.log(all_refs=True, limit=_LOSSY_LOOKED_BACK) if info.kind == "folder"
+        return {info.id for info in repo.log(all_refs=True) if info.kind == "folder"
                 and info.lossy and not info.pruned and info.step == step and repo.manifest(info.id).digests == digests}
     except (CkptError, OSError):
         return set()
@@ -455,7 +456,6 @@ def _go_on_from(repo: Repository, folder: Path, holders: set[CommitId], branch: 
                 "it; pass CkptCallback(branch=NEW), NEW a branch not made yet, to go on from it")
 
 
-_LOSSY_LOOKED_BACK = 200  # commits a resumed run's folder is looked for among, where only a lossy one may hold it
 _RESTORED: set[str] = set()  # folders `restore` wrote, where it said whether their resume follows the tip
 
 
