@@ -8,6 +8,7 @@ metadata transaction records everything and moves the branch with compare-and-sw
 from __future__ import annotations
 
 import copy
+import math
 import operator
 import os
 import time
@@ -460,13 +461,21 @@ def _encode_once(repo: Repository, checkpoint: formats.Checkpoint, parent: _Pare
         finally:
             progress.finish()
     faults.point("commit:objects-written")
-    # a reconstruction equal to an older commit's record is stored as that row, with the figures measured then
+    # a reconstruction equal to an older commit's record is stored as that row, with the figures measured then:
+    # this encoding's are the manifest's where they differ (not by float noise: another chunking sums apart)
     coded = {key: r for key, r in records.items() if key in plans and key not in remeasured and "rel_error" in r.params}
     with repo.db.read() as tx:
         older = tensor_rows.existing_tensor_ids(tx, {r.id for r in coded.values()})
-    remeasured.update((key, [r.params["rel_error"], r.params.get("max_error"), r.codec])
-                      for key, r in coded.items() if r.id in older)
+        rows = tensor_rows.load_records(tx, older, with_bases=False) if older else {}
+    remeasured.update((key, [r.params["rel_error"], r.params.get("max_error"), r.codec]) for key, r in coded.items()
+                      if r.id in rows and not _same_figures(r.params, rows[r.id].params))
     return _Encoded(entries, records, sizes, plans, pairing, fisher, remeasured)
+
+
+def _same_figures(new: Mapping[str, Any], kept: Mapping[str, Any]) -> bool:
+    """Whether two records' error and bound agree, but for float noise."""
+    return all(isinstance(kept.get(k), (int, float)) and math.isclose(new[k], kept[k], rel_tol=1e-6, abs_tol=1e-12)
+               for k in ("rel_error", "max_error") if new.get(k) is not None)
 
 
 def _other_repositories(folder: Path, excluded: list[Path]) -> list[Path]:
