@@ -269,6 +269,8 @@ class _Daemon:
 
         if not os.path.isdir(request["cwd"]):  # the client's folder is not there for this process (a container's)
             return _HERE
+        if self.terminated:  # dequeued as a SIGTERM came: its client runs it, as those still queued
+            return _HERE
         if _stopped_while_queued(conn):  # Ctrl-C, or the client gone, while it waited its turn: never started
             _Output(conn, STDERR).write(f"error: {INTERRUPTED}\n")
             return 130
@@ -279,7 +281,7 @@ class _Daemon:
                     try:
                         self.interruptible = True
                         # Ctrl-C, or the client gone, while it waited its turn: its SIGINT fell before it could
-                        # count, and the command ran and was recorded; or the daemon's SIGTERM came meanwhile
+                        # count, and the command ran and was recorded; or the daemon's SIGTERM came this instant
                         if asked.is_set() or self.terminated:
                             raise KeyboardInterrupt
                         cli.main(request["argv"])

@@ -65,7 +65,9 @@ def _full_log(repo, commits: list, revisions: bool, damage: dict[str, str]) -> N
 
 def _metric(value: float) -> str:
     """A metric whole: every digit (2.3456789, not 2.34568), a whole number without ".0" (tokens=1234567)."""
-    return str(int(value)) if float(value).is_integer() and abs(value) < 1e16 else repr(float(value))
+    negative_zero = value == 0 and math.copysign(1.0, value) < 0  # keeps its sign: -0.0
+    whole = float(value).is_integer() and abs(value) < 1e16 and not negative_zero
+    return str(int(value)) if whole else repr(float(value))
 
 
 def _format_own(path: str) -> bool:
