@@ -70,12 +70,6 @@ def _metric(value: float) -> str:
     return str(int(value)) if whole else repr(float(value))
 
 
-def _format_own(path: str) -> bool:
-    """Whether a diff row is a file's own structure: a torch zip's container, a safetensors header or gap."""
-    last = path.rpartition("/")[2]
-    return last in ("%container", "%header") or last.startswith("%gap")
-
-
 def damage_listed_past(damage: Mapping[str, str]) -> None:
     """One warning line per damaged record a listing went past (the rest was listed), then exit 1 so scripts notice."""
     for what, problem in damage.items():
@@ -291,7 +285,7 @@ def diff(ctx, a, b, as_json, show_all) -> None:
     tensors = [r for r in rows if not r.is_value and r.dtype != "bytes"]
     uncompared = sum(r.status == "uncompared" for r in rows)
     values = sum(r.status not in ("uncompared", "unchanged") and (r.is_value or r.dtype == "bytes")
-                 and not _format_own(r.path) for r in rows)
+                 and not r.is_structure for r in rows)
     unchanged = sum(r.status == "unchanged" for r in tensors)
     echo(f"{len(tensors) - unchanged} of {len(tensors)} tensors differ" + (f"; {values} non-tensor values differ"
                                                                          if values else "")

@@ -12,6 +12,8 @@ import numpy as np
 
 from ckptstore.errors import CkptError
 from ckptstore.formats import BLOB
+from ckptstore.formats.safetensors_file import HEADER_PATH
+from ckptstore.formats.torchcontainer import CONTAINER_PATH
 from ckptstore.repo.checkout import restore
 from ckptstore.repo.integrity import entry_records
 from ckptstore.repo.refs import split_range
@@ -54,6 +56,11 @@ class TensorDiff:
     relative_l2: float | None
     stored_bytes: int
     was: tuple[str, tuple[int, ...]] | None = None  # the older commit's dtype and shape, where they changed
+
+    @property
+    def is_structure(self) -> bool:
+        """Whether this row is a file format's own bytes (a torch zip's container, a safetensors header or gap)."""
+        return format_own(self.path)
 
     @property
     def is_value(self) -> bool:
@@ -106,8 +113,7 @@ def diff(repo: Repository, a: str, b: str | None = None) -> list[TensorDiff]:
             if not (old.dcp and new.dcp and _same_plain_value(path, before, after)):
                 status, rel = "changed", relative_l2(before, after)
             older = old.entries[old_at[path]]
-            if (older.dtype, tuple(older.shape)) != (entry.dtype, tuple(entry.shape)):
-                was = (older.dtype, tuple(older.shape))
+            was = _was((older.dtype, tuple(older.shape)), (entry.dtype, tuple(entry.shape)))
         result.append(TensorDiff(path, status, entry.dtype, entry.shape, rel, stored, was))
     return result + _value_changes(old, new)
 
@@ -173,6 +179,16 @@ def _below(path: str, key: Any) -> str:
 
 
 VALUE = "value"  # a TensorDiff's dtype for a non-tensor value
+def format_own(path: str) -> bool:
+    """Whether `path` holds a file format's own bytes (a safetensors header, a torch.save zip's records, a gap).
+
+    Nothing a user would miss from an export, nor count as a value a diff found changed.
+    """
+    last = path.rpartition("/")[2]
+    gap = last.removeprefix("%gap")
+    return last in (HEADER_PATH, CONTAINER_PATH) or (gap != last and gap.isascii() and gap.isdigit())
+
+
 UNCOMPARED = "uncompared"  # a non-tensor value's status beside a sharded commit and one of files
 
 
@@ -208,20 +224,22 @@ def _logical_diff(repo: Repository, old: Manifest, new: Manifest) -> list[Tensor
             if fqn in changed and not _same_value(fqn, old_value, new_value):
                 status, rel = "changed", relative_l2(old_value, new_value)
         if item["type"] == "tensor":
-            was = _was(before.get(fqn), item) if fqn in after else None
+            was = _was(_dtype_shape(before.get(fqn)), _dtype_shape(item)) if fqn in after else None
             result.append(TensorDiff(fqn, status, item["dtype"], tuple(item["size"]), rel, stored, was))
         elif status != "unchanged":  # a non-tensor value, listed as a file commit's are: where it differs
             result.append(TensorDiff(fqn, status, VALUE, (), None, 0))
     return result
 
 
-def _was(older: dict[str, Any] | None, newer: dict[str, Any]) -> tuple[str, tuple[int, ...]] | None:
-    """The older commit's dtype and shape of a tensor whose dtype or shape changed ({"dtype", "size"} each)."""
-    if older is None or "dtype" not in older or "size" not in older:  # none, or a non-tensor item (a step)
-        return None
-    if (older["dtype"], tuple(older["size"])) == (newer["dtype"], tuple(newer["size"])):
-        return None
-    return older["dtype"], tuple(older["size"])
+def _was(older: tuple[str, tuple[int, ...]] | None, newer: tuple[str, tuple[int, ...]] | None
+         ) -> tuple[str, tuple[int, ...]] | None:
+    """The older commit's (dtype, shape) of a tensor whose dtype or shape changed; None where either has none."""
+    return older if older is not None and newer is not None and older != newer else None
+
+
+def _dtype_shape(item: dict[str, Any] | None) -> tuple[str, tuple[int, ...]] | None:
+    """A sharded commit's item as (dtype, shape); None for none, or a non-tensor item (a step: no dtype)."""
+    return None if item is None or item["type"] != "tensor" else (item["dtype"], tuple(item["size"]))
 
 
 def _mixed_diff(repo: Repository, old: Manifest, new: Manifest) -> list[TensorDiff]:
@@ -247,14 +265,13 @@ def _mixed_diff(repo: Repository, old: Manifest, new: Manifest) -> list[TensorDi
             a, b = (restored[paths[name]], gathered[name]) if sharded_new else (gathered[name], restored[paths[name]])
             same = a.dtype == b.dtype and a.shape == b.shape and a.data.tobytes() == b.data.tobytes()
             status, rel = ("unchanged", 0.0) if same else ("changed", relative_l2(a, b))
-        sharded = {"dtype": items[name]["dtype"], "size": items[name]["size"]} if name in items else None
-        files = {"dtype": files_side.entries[paths[name]].dtype, "size": files_side.entries[paths[name]].shape} \
+        sharded = _dtype_shape(items.get(name))
+        files = (files_side.entries[paths[name]].dtype, tuple(files_side.entries[paths[name]].shape)) \
             if name in paths else None
         older, newer = (files, sharded) if sharded_new else (sharded, files)
-        shown = newer or older  # a removed tensor: as the older commit had it
-        result.append(TensorDiff(name, status, shown["dtype"], tuple(shown["size"]), rel,
-                                 sum(records[new.entries[key].tensor].stored_bytes for key in keys),
-                                 _was(older, newer) if newer is not None else None))
+        dtype, shape = newer or older  # a removed tensor: as the older commit had it
+        stored = sum(records[new.entries[key].tensor].stored_bytes for key in keys)
+        result.append(TensorDiff(name, status, dtype, shape, rel, stored, _was(older, newer)))
     values = {fqn for fqn, item in _items(sharded_side).items() if item["type"] == "bytes"}
     values |= {readable_path(path).replace("/", ".") for path, value in skeleton_values(files_side).items()
                if value not in CONTAINERS}

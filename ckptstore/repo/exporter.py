@@ -19,9 +19,8 @@ from ckptstore import formats
 from ckptstore.errors import CkptError
 from ckptstore.formats import hfweights, safetensors_file, torchfile
 from ckptstore.formats.skeletons import check_headers
-from ckptstore.formats.torchcontainer import CONTAINER_PATH
 from ckptstore.repo import sharded, worktree
-from ckptstore.repo.diff import skeleton_values
+from ckptstore.repo.diff import format_own, skeleton_values
 from ckptstore.repo.manifest import rebuilding_files
 from ckptstore.repo.select import CONTAINERS, aliases, entries_of_file
 from ckptstore.state import BYTES_DTYPE, TORCH_PREFIX, RawTensor, escape, materialize, readable_path
@@ -88,8 +87,8 @@ def export(repo: Repository, ref: str, fmt: str, output: str | os.PathLike, ever
             header = raws[manifest.files[0].skeleton[1]]
             metadata, as_committed = safetensors_file.header_metadata(header), safetensors_file.header_dtypes(header)
         kept = {p: r for p, r in raws.items() if r.dtype in safetensors_file.SAFETENSORS_DTYPES
-                or r.dtype == BYTES_DTYPE and not _format_own(p) and readable_path(p) in as_committed}
-        skipped = [p for p in raws if p not in kept and not _format_own(p)]  # as `show` lists them, for --only
+                or r.dtype == BYTES_DTYPE and not format_own(p) and readable_path(p) in as_committed}
+        skipped = [p for p in raws if p not in kept and not format_own(p)]  # as `show` lists them, for --only
         skipped += _plain_values(manifest)
         tensors = _by_name(kept)
         why = ("safetensors holds tensors only (these are numbers, text, file bytes, numpy arrays or unsupported "
@@ -136,16 +135,6 @@ def _plain_values(manifest: Manifest) -> list[str]:
     roots = {record.name or "/" for record in manifest.files}
     return [path for path, value in skeleton_values(manifest).items()
             if value not in CONTAINERS and path not in roots and "%attrs" not in path.split("/")]
-
-
-def _format_own(path: str) -> bool:
-    """Whether `path` holds a file format's own bytes (a safetensors header, a torch.save zip's records, a gap).
-
-    Nothing a user would miss from an export: not named as left out.
-    """
-    last = path.rpartition("/")[2]
-    gap = last.removeprefix("%gap")
-    return last in (safetensors_file.HEADER_PATH, CONTAINER_PATH) or (gap != last and gap.isascii() and gap.isdigit())
 
 
 def _by_name(by_path: dict[str, RawTensor]) -> dict[str, RawTensor]:
