@@ -528,8 +528,8 @@ class _Flattener:
         return ["complex", _float(value.real), _float(value.imag)]
 
     def _npscalar(self, value: np.generic, path: str) -> Any:
-        kind, size = value.dtype.kind, value.dtype.itemsize
-        if kind not in "biufc" or size > (16 if kind == "c" else 8):  # .item() of these is no exact JSON value
+        kind = value.dtype.kind
+        if not _exact_npscalar(value.dtype):
             raise UnsupportedStateError(f"{path or '<root>'}: a numpy {value.dtype} scalar has no exact stored form; "
                                         "store str(value), a number, or a 0-d array (np.asarray(value))")
         v = value.item()
@@ -850,10 +850,14 @@ def _device(text: Any) -> Any:
         raise ValueError(f"no torch device {text!r:.60}: {exc}") from None
 
 
+def _exact_npscalar(dtype: np.dtype) -> bool:
+    """Whether a numpy scalar of `dtype` has an exact JSON value: bool, int or float of 8 bytes at most, complex 16."""
+    return dtype.kind in "biufc" and dtype.itemsize <= (16 if dtype.kind == "c" else 8)
+
+
 def _npscalar_of(dtype: np.dtype, value: Any) -> np.generic:
     """A numpy scalar of a kind and size `_npscalar` writes: a forged one (void of 2**29 bytes) is damage."""
-    if dtype.kind not in "biufc" or dtype.itemsize > (16 if dtype.kind == "c" else 8) or \
-            type(value) not in (bool, int, float, complex):
+    if not _exact_npscalar(dtype) or type(value) not in (bool, int, float, complex):
         raise ValueError(f"a numpy scalar {value!r:.40} as {dtype}: not one this ckptstore writes")
     return dtype.type(value)
 

@@ -198,7 +198,8 @@ class LocalObjectStore:
             return False
 
     def get(self, oid: ObjectId, verify: bool = True) -> bytes:
-        with naming_file(self.path_of(oid)), open(open_object(self.path_of(oid), oid), "rb") as handle:
+        path = self.path_of(oid)
+        with naming_file(path), open(open_object(path, oid), "rb") as handle:
             data = handle.read()
         if verify and object_id(data) != oid:
             self.damage.add(oid)
